@@ -1,0 +1,26 @@
+"""llmc: a quantization-focused deployment compiler and runtime for LLMs.
+
+Public names are handed out lazily so that `import llmc.runtime` never loads the compiler.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": ("llmc.runtime.llm", "LLM"),
+    "SamplingParams": ("llmc.runtime.sampling_params", "SamplingParams"),
+    "RequestOutput": ("llmc.runtime.outputs", "RequestOutput"),
+    "CompletionOutput": ("llmc.runtime.outputs", "CompletionOutput"),
+    "build": ("llmc.compiler.build", "build"),
+    "LlmcError": ("llmc.errors", "LlmcError"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'llmc' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    return getattr(import_module(module_name), attr)

@@ -1,0 +1,32 @@
+"""Errors a user can cause. The CLI prints them in one line and exits non-zero.
+
+Every message says what to change. Internal bugs stay ordinary exceptions (with tracebacks).
+"""
+
+
+class LlmcError(Exception):
+    """Base class: a problem the user can fix. `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class RecipeError(LlmcError):
+    """A recipe field is unknown, mistyped or out of range."""
+
+    exit_code = 2
+
+
+class CheckpointError(LlmcError):
+    """The input checkpoint cannot be read (missing files, unsupported architecture, ...)."""
+
+
+class ArtifactError(LlmcError):
+    """The artifact is missing, corrupted, truncated or of an unknown format version."""
+
+
+class RequestError(LlmcError):
+    """A request is invalid: bad sampling value, prompt too long, ..."""
+
+
+class ConfigError(LlmcError):
+    """A runtime option is invalid or the configuration cannot run (e.g. the KV cache does not fit)."""
