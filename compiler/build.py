@@ -1,0 +1,216 @@
+"""`llmc build`: recipe → artifact, as a list of named steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import llmc
+from llmc.compiler import hf_checkpoint as hf
+from llmc.compiler.convert import artifact_tensor_specs, dense_packer, iter_artifact_tensors
+from llmc.compiler.emit import SafetensorsWriter, atomic_directory
+from llmc.compiler.recipe import Recipe
+from llmc.errors import CheckpointError, RecipeError
+from llmc.quant.formats import DenseFormat
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
+from llmc.runtime.models.spec import ModelSpec
+
+logger = logging.getLogger("llmc")
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+DEFAULT_GPU_MEMORY_GIB = 80.0
+
+
+@dataclass
+class BuildResult:
+    output: Path
+    manifest: art.Manifest
+    seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Context:
+    """What the build steps hand each other."""
+
+    recipe: Recipe
+    model_dir: Path
+    hf_config: dict
+    spec: ModelSpec
+    model: art.ModelConfig
+    module_formats: dict[str, dict]
+
+
+def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
+    """Build the artifact a recipe describes, atomically, and return its manifest."""
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+    ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
+    ctx.module_formats = _plan_formats(ctx)
+    output = recipe.output_dir
+    with atomic_directory(output) as tmp:
+        _timed(timings, "tokenizer", lambda: _copy_tokenizer(ctx.model_dir, tmp / art.TOKENIZER_DIR))
+        weight_bytes = _timed(timings, "weights", lambda: _write_weights(ctx, tmp, show_progress))
+        manifest = _timed(timings, "manifest", lambda: _write_manifest(ctx, tmp, weight_bytes))
+    return BuildResult(output, manifest, time.perf_counter() - start, timings)
+
+
+def _timed(timings: dict, stage: str, fn):
+    start = time.perf_counter()
+    logger.info("build: %s", stage)
+    result = fn()
+    timings[stage] = time.perf_counter() - start
+    return result
+
+
+def _read_checkpoint(recipe: Recipe) -> _Context:
+    model_dir = resolve_model_dir(recipe)
+    hf_config = hf.read_hf_config(model_dir)
+    spec = hf.model_spec_for(hf_config, model_dir)
+    if hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias")):
+        raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
+    dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
+    model = hf.model_config_from_hf(hf_config, spec, dtype)
+    model = _merge_generation_eos(model, model_dir)
+    return _Context(recipe, model_dir, hf_config, spec, model, {})
+
+
+def resolve_model_dir(recipe: Recipe) -> Path:
+    """A local directory as is; a hub id through huggingface_hub (a one-line error when offline)."""
+    if not recipe.is_hub_id:
+        return Path(recipe.model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            recipe.model, revision=recipe.revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"],
+        )
+    except Exception as e:  # noqa: BLE001 - any hub failure becomes one line for the user
+        raise RecipeError(
+            f"model: {recipe.model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face Hub ({type(e).__name__}); download it and set model to its path"
+        ) from None
+    return Path(path)
+
+
+def _merge_generation_eos(model: art.ModelConfig, model_dir: Path) -> art.ModelConfig:
+    # Chat models often list extra end tokens (e.g. <|eot_id|>) only in generation_config.json.
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return model
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = list(dict.fromkeys([*model.eos_token_ids, *extra]))
+    return dataclasses.replace(model, eos_token_ids=merged)
+
+
+def _plan_formats(ctx: _Context) -> dict[str, dict]:
+    if ctx.recipe.quantization.method != "none":
+        raise RecipeError(f"quantization.method: {ctx.recipe.quantization.method!r} is not available in this build yet")
+    dense = DenseFormat(getattr(torch, ctx.model.dtype)).spec()
+    names = [f"layers.{i}.{linear.name}" for i in range(ctx.model.num_layers) for linear in ctx.spec.layer_linears]
+    if not ctx.model.tie_word_embeddings:
+        names.append("lm_head")
+    return {name: dense for name in names}
+
+
+def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    copied = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+    if "tokenizer.json" not in copied and "tokenizer.model" not in copied and "vocab.json" not in copied:
+        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    for name in copied:
+        shutil.copy2(model_dir / name, dest / name)
+
+
+def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> int:
+    specs = artifact_tensor_specs(ctx.model, ctx.module_formats)
+    path = root / art.rank_weights_path(0)
+    writer = SafetensorsWriter(path, specs, metadata={"format": "pt", "llmc": llmc.__version__})
+    packer = dense_packer(ctx.model, ctx.module_formats)
+    dtype = getattr(torch, ctx.model.dtype)
+
+    def pack_global(module: str, weight):
+        return {"weight": weight.to(dtype)}
+
+    with hf.TensorReader(ctx.model_dir) as reader:
+        tensors = iter_artifact_tensors(reader, ctx.spec, ctx.model, specs, packer, pack_global)
+        for name, tensor in tqdm(tensors, total=len(specs), desc="weights", unit="tensor", disable=not show_progress):
+            writer.write(name, tensor)
+    writer.close()
+    return path.stat().st_size
+
+
+def _write_manifest(ctx: _Context, root: Path, weight_bytes: int) -> art.Manifest:
+    recipe = ctx.recipe
+    runtime = _resolve_runtime(recipe, ctx.model)
+    kv = art.KVSpec(runtime.block_size, ctx.model.dtype, ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim)
+    manifest = art.Manifest(
+        format_version=art.FORMAT_VERSION,
+        llmc_version=llmc.__version__,
+        source=_source_record(ctx),
+        model=ctx.model,
+        quant=art.QuantInfo(method=recipe.quantization.method, modules=ctx.module_formats),
+        parallel=art.ParallelPlan(1, 1, [list(range(ctx.model.num_layers))]),
+        kv=kv,
+        plan=_plan(recipe, ctx.model, runtime, kv, weight_bytes),
+        runtime=runtime,
+        files=art.hash_files(root),
+    )
+    art.write_manifest(root, manifest)
+    return manifest
+
+
+def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
+    runtime = recipe.runtime
+    max_model_len = runtime.max_model_len or model.max_position_embeddings
+    if max_model_len > model.max_position_embeddings and model.rope_scaling is None:
+        raise RecipeError(
+            f"runtime.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
+            f"({model.max_position_embeddings}); lower it"
+        )
+    return dataclasses.replace(runtime, max_model_len=max_model_len)
+
+
+def _plan(recipe: Recipe, model: art.ModelConfig, runtime: art.RuntimeDefaults, kv: art.KVSpec, weight_bytes: int) -> art.Plan:
+    gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
+    estimate = memory.estimate(
+        model, weight_bytes, kv.bytes_per_token, runtime.block_size, int(gpu_gib * memory.GIB),
+        runtime.gpu_memory_utilization, runtime.max_num_batched_tokens, runtime.max_num_seqs,
+        runtime.max_model_len, use_graphs=not runtime.enforce_eager,
+    )
+    if recipe.target.device == "cuda" and not estimate.fits:
+        logger.warning(
+            "max_model_len %d does not fit once in the KV cache of a %.0f GiB GPU; lower max_model_len or "
+            "max_num_batched_tokens, raise gpu_memory_utilization, or quantize", runtime.max_model_len, gpu_gib,
+        )
+    return art.Plan(
+        cuda_graph_batch_sizes=memory.cuda_graph_batch_sizes(runtime.max_num_seqs),
+        max_num_batched_tokens=runtime.max_num_batched_tokens,
+        weight_bytes_per_rank=[weight_bytes],
+        memory={"target_gpu_memory_gib": gpu_gib, **estimate.to_dict()},
+    )
+
+
+def _source_record(ctx: _Context) -> dict:
+    files = [ctx.model_dir / "config.json", *hf.TensorReader(ctx.model_dir).source_files()]
+    return {
+        "path": str(ctx.recipe.model),
+        "revision": ctx.recipe.revision,
+        "sha256": {p.name: art.sha256_file(p) for p in files},
+        "recipe": dataclasses.asdict(ctx.recipe),
+    }

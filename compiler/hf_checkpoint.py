@@ -1,0 +1,147 @@
+"""Reading Hugging Face checkpoints: config.json → ModelConfig, and tensors streamed from safetensors.
+
+Tensors are read one at a time through safetensors' lazy `safe_open`, so the model is never held in
+memory twice. Single-file and sharded (with model.safetensors.index.json) checkpoints are supported.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmc.errors import CheckpointError
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models import spec_for_architecture, supported_architectures
+from llmc.runtime.models.spec import ModelSpec
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def read_hf_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir}: no config.json; point `model` at a Hugging Face checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def model_spec_for(config: dict, model_dir: Path) -> ModelSpec:
+    architectures = config.get("architectures") or []
+    for arch in architectures:
+        spec = spec_for_architecture(arch)
+        if spec is not None:
+            return spec
+    raise CheckpointError(
+        f"{model_dir}: architecture {architectures or config.get('model_type')} is not supported; "
+        f"supported: {', '.join(supported_architectures())}"
+    )
+
+
+def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
+    """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
+    num_heads = config["num_attention_heads"]
+    hidden = config["hidden_size"]
+    rope_theta, rope_scaling = _rope(config)
+    eos = config.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    sliding_window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    return ModelConfig(
+        family=spec.family,
+        architecture=config["architectures"][0],
+        vocab_size=config["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=config["intermediate_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=config.get("head_dim") or hidden // num_heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=config.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=spec.family == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=bool(spec.qk_norms),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=dtype,
+        sliding_window=sliding_window,
+    )
+
+
+def _rope(config: dict) -> tuple[float, dict | None]:
+    params = config.get("rope_parameters")
+    if params is None:  # older checkpoints: rope_theta at the top level, optional rope_scaling
+        params = dict(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def checkpoint_dtype(config: dict) -> str:
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"checkpoint dtype {name!r} is not supported; set `dtype` in the recipe")
+    return name
+
+
+class TensorReader:
+    """Lazy access to the tensors of a checkpoint, by HF name, one at a time."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.location = _tensor_locations(model_dir)  # HF tensor name → file
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def has(self, name: str) -> bool:
+        return name in self.location
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.location:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        path = self.location[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        return self._handles[path].get_tensor(name)
+
+    def source_files(self) -> list[Path]:
+        return sorted(set(self.location.values()))
+
+
+def _tensor_locations(model_dir: Path) -> dict[str, Path]:
+    index = model_dir / INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{model_dir}: shard files listed in {INDEX_NAME} are missing: {missing}")
+        return {name: model_dir / f for name, f in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        hint = f" (found pickle weights {pickles[:3]}: convert them to safetensors first)" if pickles else ""
+        raise CheckpointError(f"{model_dir}: no .safetensors weights{hint}")
+    locations = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                locations[name] = path
+    return locations

@@ -1,0 +1,120 @@
+"""Recipes: YAML → frozen dataclasses, strictly checked (unknown keys, types, ranges, paths).
+
+Relative paths (model, output, calibration data) are resolved from the current directory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from llmc.errors import RecipeError
+from llmc.runtime.artifact import RuntimeDefaults
+from llmc.schema import opt, parse
+
+QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    data: str | None = opt(None, help="a .txt or .jsonl ({\"text\": ...}) file of calibration text")
+    num_samples: int = opt(128, min=1, help="number of calibration windows")
+    seq_len: int = opt(512, min=2, help="tokens per calibration window")
+    seed: int = opt(0, min=0, help="seed for choosing windows")
+
+
+@dataclass(frozen=True)
+class QuantOverride:
+    match: str = opt(help="module name pattern (fnmatch, or 're:' + regex)")
+    bits: int | None = opt(None, choices=[3, 4, 8])
+    group_size: int | None = opt(None, choices=[32, 64, 128, -1])
+    symmetric: bool | None = opt(None)
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    method: str = opt("none", choices=QUANT_METHODS, help="quantization algorithm, or import of a quantized checkpoint")
+    bits: int = opt(4, choices=[3, 4, 8], help="weight bits of int methods")
+    group_size: int = opt(128, choices=[32, 64, 128, -1], help="input columns per scale; -1 = per output channel")
+    symmetric: bool = opt(True, help="false stores zero points")
+    act_order: bool = opt(False, help="gptq: columns by decreasing Hessian diagonal")
+    damp_percent: float = opt(0.01, min_exclusive=0.0, max=1.0, help="gptq: dampening, fraction of the mean diagonal")
+    ignore: list[str] = opt(["lm_head"], help="module name patterns left unquantized")
+    overrides: list[QuantOverride] = opt([], help="per-module settings, first match wins")
+    calibration: CalibrationConfig = opt(CalibrationConfig(), help="calibration data for gptq, awq, fp8 static")
+    weights: str = opt("per_channel", choices=["per_channel", "per_tensor"], help="fp8: weight scale granularity")
+    activations: str = opt("dynamic", choices=["dynamic", "static"], help="fp8: per-token dynamic or calibrated static")
+    report: bool = opt(True, help="measure quality at build time and record it in the manifest")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = opt(1, min=1, help="tensor parallel size")
+    pipeline: int = opt(1, min=1, help="pipeline parallel size")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    device: str = opt("cuda", choices=["cuda", "cpu"], help="where the artifact will run")
+    gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, help="GPU memory to plan for (default: 80)")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str = opt(help="local HF checkpoint directory (or a hub id, when online)")
+    revision: str | None = opt(None, help="hub revision, when model is a hub id")
+    output: str | None = opt(None, help="artifact directory (default: build/<model name>)")
+    dtype: str = opt("auto", choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations dtype")
+    quantization: QuantizationConfig = opt(QuantizationConfig())
+    parallel: ParallelConfig = opt(ParallelConfig())
+    runtime: RuntimeDefaults = opt(RuntimeDefaults())
+    target: TargetConfig = opt(TargetConfig())
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.output) if self.output else Path("build") / Path(self.model.rstrip("/")).name
+
+    @property
+    def is_hub_id(self) -> bool:
+        return not Path(self.model).exists() and bool(_HUB_ID.match(self.model))
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
+    return recipe_from_dict(data, source=str(path))
+
+
+def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
+    try:
+        recipe = parse(Recipe, data, "", RecipeError)
+        _check(recipe)
+    except RecipeError as e:
+        raise RecipeError(f"{source}: {e}") from None
+    return recipe
+
+
+def _check(recipe: Recipe) -> None:
+    model = Path(recipe.model)
+    if not model.exists() and not recipe.is_hub_id:
+        raise RecipeError(f"model: directory {recipe.model!r} does not exist (relative paths start at the current directory)")
+    if model.exists() and not model.is_dir():
+        raise RecipeError(f"model: {recipe.model!r} is a file; give the checkpoint's directory")
+    if recipe.parallel.tensor != 1 or recipe.parallel.pipeline != 1:
+        raise RecipeError("parallel: tensor and pipeline must be 1 for now (parallel execution is not built yet)")
+    quant = recipe.quantization
+    data = quant.calibration.data
+    if quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static"):
+        if data is None:
+            raise RecipeError(f"quantization.calibration.data: method {quant.method} needs a calibration text file")
+    if data is not None and not Path(data).is_file():
+        raise RecipeError(f"quantization.calibration.data: file {data!r} does not exist")

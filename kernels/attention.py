@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache, and the KV-cache write by slot mapping.
+
+The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
+tokens live in the blocks its block table lists; token t of the sequence is at slot
+block_table[t // block_size] * block_size + t % block_size.
+
+Shapes, for a step with num_seqs sequences and num_tokens query tokens in all:
+  q                [num_tokens, num_heads, head_dim]   the queries of every sequence, concatenated
+  block_tables     [num_seqs, max_num_blocks] int32     padded rows; only the first ceil(ctx/bs) are read
+  context_lens     list[int] (num_seqs)                 tokens in the cache per sequence, this step's included
+  query_lens       list[int] (num_seqs)                 this step's tokens per sequence (the last of the context)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    context_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Causal attention of each sequence's new queries over its cached context. Returns q's shape."""
+    out = torch.empty_like(q)
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    start = 0
+    for seq, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
+        num_blocks = -(-context_len // block_size)
+        blocks = block_tables[seq, :num_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
+        v = v_cache[blocks].flatten(0, 1)[:context_len]
+        q_seq = q[start : start + query_len].view(query_len, num_kv_heads, group, head_dim)
+        # Each KV head serves its `group` query heads: [num_kv_heads, group * query_len, head_dim].
+        q_seq = q_seq.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)
+        scores = torch.bmm(q_seq.float(), k.permute(1, 2, 0).float()) * scale  # [num_kv_heads, group*query_len, context_len]
+        if query_len > 1 or sliding_window is not None:
+            mask = _causal_mask(query_len, context_len, sliding_window, q.device).repeat(group, 1)
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        attn = torch.bmm(probs, v.permute(1, 0, 2).float())  # [num_kv_heads, group * query_len, head_dim]
+        attn = attn.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
+        out[start : start + query_len] = attn.reshape(query_len, num_heads, head_dim).to(q.dtype)
+        start += query_len
+    return out
+
+
+def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> Tensor:
+    # Query i sits at position context_len - query_len + i and sees keys at positions <= its own.
+    q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(context_len, device=device).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask  # [query_len, context_len]

@@ -1,0 +1,23 @@
+"""Rotary position embedding in the HF (rotate-half, non-interleaved) convention.
+
+Shapes: q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim],
+cos_sin_cache [max_positions, head_dim] (cos in the first half, sin in the second), positions [num_tokens].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2] each
+    cos = cos.unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
+    sin = sin.unsqueeze(1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

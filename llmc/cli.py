@@ -1,0 +1,160 @@
+"""The `llmc` command line: build, inspect, run, eval.
+
+Results go to stdout, logs and progress to stderr. A mistake the user can fix prints one line and
+exits non-zero (2 for a bad recipe), never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+import typing
+
+import click
+
+import llmc
+from llmc.errors import LlmcError
+from llmc.runtime.artifact import RuntimeDefaults
+
+logger = logging.getLogger("llmc")
+
+
+def runtime_option_flags(fn):
+    """One flag per engine option (the recipe's `runtime` names); unset flags keep the artifact's value."""
+    hints = typing.get_type_hints(RuntimeDefaults)
+    for f in reversed(dataclasses.fields(RuntimeDefaults)):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} [default: the artifact's value]"
+        base = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) else hints[f.name]
+        if base is bool:
+            fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)(fn)
+        else:
+            fn = click.option(flag, f.name, type=base, default=None, help=help_text)(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(llmc.__version__, prog_name="llmc")
+@click.option("-v", "--verbose", is_flag=True, help="log debug details to stderr")
+def cli(verbose: bool) -> None:
+    """llmc: compile a Hugging Face checkpoint into a quantized artifact, then serve it."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="llmc: %(message)s", stream=sys.stderr, force=True
+    )
+    if not verbose:
+        for noisy in ("httpx", "urllib3", "filelock", "transformers"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--output", "-o", type=click.Path(file_okay=False), default=None, help="override the recipe's output directory")
+@click.option("--quiet", "-q", is_flag=True, help="no progress bars")
+def build(recipe: str, output: str | None, quiet: bool) -> None:
+    """Build the artifact RECIPE describes (atomically: a failed build leaves nothing behind)."""
+    from llmc.cli_report import print_build_summary
+    from llmc.compiler.build import build as run_build
+    from llmc.compiler.recipe import load_recipe
+
+    parsed = load_recipe(recipe)
+    if output is not None:
+        parsed = dataclasses.replace(parsed, output=output)
+    result = run_build(parsed, show_progress=not quiet)
+    print_build_summary(result)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print the manifest and the estimate as JSON")
+@click.option("--verify", is_flag=True, help="re-hash every file and name any corrupted or missing one")
+@click.option("--gpu-memory-gib", type=float, default=None, help="plan the KV cache for a GPU of this size [default: the recipe's target]")
+def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | None) -> None:
+    """Show what is in ARTIFACT and what it will need in memory."""
+    from llmc.cli_report import inspect_report
+    from llmc.runtime.artifact import read_manifest, verify_files
+
+    manifest = read_manifest(artifact)
+    report = inspect_report(artifact, manifest, gpu_memory_gib)
+    if verify:
+        problems = verify_files(artifact, manifest)
+        report["verify"] = {"ok": not problems, "problems": problems}
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        from llmc.cli_report import print_inspect
+
+        print_inspect(report)
+    if verify and report["verify"]["problems"]:
+        raise LlmcError(f"{artifact}: {len(report['verify']['problems'])} file(s) failed verification: "
+                        + "; ".join(report["verify"]["problems"]))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--prompt", "-p", default=None, help="generate one completion of this text and print it as it is generated")
+@click.option("--chat", is_flag=True, help="apply the chat template (with --prompt: one user turn; alone: interactive chat)")
+@click.option("--max-tokens", type=int, default=256, help="tokens to generate")
+@click.option("--temperature", type=float, default=1.0, help="0 = greedy")
+@click.option("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+@click.option("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+@click.option("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+@click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
+@runtime_option_flags
+def run(artifact: str, prompt: str | None, chat: bool, max_tokens: int, temperature: float, top_p: float,
+        top_k: int, sampling_seed: int | None, device: str | None, **options) -> None:
+    """Run ARTIFACT: one completion (--prompt) or an interactive chat (--chat)."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    overrides = {k: v for k, v in options.items() if v is not None}
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
+    if prompt is None and not chat:
+        raise click.UsageError("give --prompt TEXT or --chat (the server mode comes with a later release)")
+    llm = LLM(artifact, device=device, **overrides)
+    if prompt is None:
+        _interactive_chat(llm, params)
+        return
+    messages = [{"role": "user", "content": prompt}] if chat else None
+    if not chat:
+        click.echo(prompt, nl=False)
+    for delta in llm.stream(prompt if not chat else None, params, messages=messages):
+        click.echo(delta, nl=False)
+    click.echo()
+
+
+def _interactive_chat(llm, params) -> None:
+    history: list[dict] = []
+    click.echo("chat: type a message, or /exit to quit", err=True)
+    while True:
+        try:
+            text = click.prompt("you", prompt_suffix="> ", err=True)
+        except (EOFError, click.Abort):
+            break
+        if text.strip() in ("/exit", "/quit"):
+            break
+        history.append({"role": "user", "content": text})
+        reply = []
+        for delta in llm.stream(None, params, messages=history):
+            click.echo(delta, nl=False)
+            reply.append(delta)
+        click.echo()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = cli.main(args=argv, prog_name="llmc", standalone_mode=False)
+    except LlmcError as e:
+        click.echo(f"llmc: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

@@ -1,0 +1,126 @@
+"""What `llmc build` and `llmc inspect` print: a readable summary, and the same numbers as a dict."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import click
+
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
+
+COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"))
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def bytes_by_component(artifact_dir: str | Path, manifest: art.Manifest) -> dict[str, int]:
+    sizes: dict[str, int] = defaultdict(int)
+    for rank in range(manifest.parallel.tensor * manifest.parallel.pipeline):
+        header = art.read_safetensors_header(Path(artifact_dir) / art.rank_weights_path(rank))
+        for name, entry in header.items():
+            start, end = entry["data_offsets"]
+            component = next((label for key, label in COMPONENTS if key in name or name.startswith(key)), "norms")
+            sizes[component] += end - start
+    return dict(sizes)
+
+
+def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: float | None) -> dict:
+    model, runtime = manifest.model, manifest.runtime
+    weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
+    gib = gpu_memory_gib or manifest.plan.memory.get("target_gpu_memory_gib", 80.0)
+    estimate = memory.estimate(
+        model, max(manifest.plan.weight_bytes_per_rank), manifest.kv.bytes_per_token, runtime.block_size,
+        int(gib * memory.GIB), runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
+        runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager,
+    )
+    formats = defaultdict(int)
+    for spec in manifest.quant.modules.values():
+        formats[_format_label(spec)] += 1
+    return {
+        "artifact": str(artifact_dir),
+        "format_version": manifest.format_version,
+        "llmc_version": manifest.llmc_version,
+        "model": {**manifest.model.__dict__, "num_parameters": model.num_parameters},
+        "source": {"path": manifest.source.get("path"), "revision": manifest.source.get("revision")},
+        "quantization": {"method": manifest.quant.method, "formats": dict(formats), "modules": manifest.quant.modules,
+                         "report": manifest.quant.report},
+        "parallel": manifest.parallel.__dict__,
+        "weight_bytes": weight_bytes,
+        "bytes_by_component": bytes_by_component(artifact_dir, manifest),
+        "kv": {**manifest.kv.__dict__, "bytes_per_token": manifest.kv.bytes_per_token},
+        "runtime": runtime.__dict__,
+        "cuda_graph_batch_sizes": manifest.plan.cuda_graph_batch_sizes,
+        "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
+        "num_files": len(manifest.files),
+    }
+
+
+def _format_label(spec: dict) -> str:
+    extras = [f"{k}={v}" for k, v in spec.items() if k != "format"]
+    return spec["format"] + (f" ({', '.join(extras)})" if extras else "")
+
+
+def print_inspect(report: dict) -> None:
+    m, kv, rt, est = report["model"], report["kv"], report["runtime"], report["memory_estimate"]
+    rows = [
+        ("artifact", f"{report['artifact']}  (format {report['format_version']}, llmc {report['llmc_version']})"),
+        ("source", report["source"]["path"]),
+        ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
+                  f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
+        ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, stored as {m['dtype']}"),
+        ("quantization", f"{report['quantization']['method']}: "
+                         + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
+        ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
+            f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
+        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}), blocks of {kv['block_size']} tokens"),
+        ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
+                    f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
+                    f"{'on' if rt['enable_prefix_caching'] else 'off'}, cuda graphs {'off' if rt['enforce_eager'] else 'on'}"),
+        (f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)),
+    ]
+    for key, value in report["quantization"].get("report", {}).items():
+        rows.append((f"quality: {key}", str(value)))
+    if "verify" in report:
+        rows.append(("verify", "all files match their sha256" if report["verify"]["ok"]
+                     else "; ".join(report["verify"]["problems"])))
+    _print_rows(rows)
+
+
+def _estimate_line(est: dict, rt: dict) -> str:
+    line = (f"at gpu_memory_utilization {rt['gpu_memory_utilization']}: weights {_fmt_bytes(est['weight_bytes'])}, "
+            f"activations {_fmt_bytes(est['activation_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
+            f"{est['num_kv_tokens']:,} tokens ({est['max_concurrent_seqs']:.1f} sequences of {rt['max_model_len']})")
+    if est["max_concurrent_seqs"] < 1:
+        line += " — DOES NOT FIT: lower max_model_len, raise gpu_memory_utilization, or quantize"
+    return line
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+
+
+def print_build_summary(result) -> None:
+    manifest = result.manifest
+    weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
+    est = manifest.plan.memory
+    rows = [
+        ("built", str(result.output)),
+        ("model", f"{manifest.model.architecture}, {manifest.model.num_parameters / 1e6:.2f} M parameters, {manifest.model.dtype}"),
+        ("quantization", manifest.quant.method),
+        ("weights", f"{_fmt_bytes(weight_bytes)} in {manifest.parallel.tensor * manifest.parallel.pipeline} rank file(s)"),
+        ("KV per token", f"{manifest.kv.bytes_per_token} bytes"),
+        (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
+                                                            f"{est.get('max_concurrent_seqs', 0):.1f} sequences of {manifest.runtime.max_model_len}"),
+        ("time", f"{result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in result.stage_seconds.items()) + ")"),
+    ]
+    _print_rows(rows)

@@ -1,0 +1,166 @@
+"""The engine: requests in, one scheduled step at a time, outputs back.
+
+`Engine.step()` reads as the data flow of DESIGN §5: schedule → run the model → sample →
+update the scheduler → detokenize and check stops → outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from llmc.errors import RequestError
+from llmc.runtime import artifact as art
+from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.options import resolve_device, resolve_options
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.request import Request, RequestStatus
+from llmc.runtime.request_state import RequestGroup, SequenceState
+from llmc.runtime.sampler import Sampler, SamplingMetadata
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llmc.runtime.tokenizer import load_tokenizer
+
+logger = logging.getLogger("llmc")
+
+
+class Engine:
+    def __init__(self, artifact_dir: str | Path, device: str | None = None, **options):
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = art.read_manifest(self.artifact_dir)
+        self.options = resolve_options(self.manifest, options)
+        self.device = resolve_device(device)
+        self.tokenizer = load_tokenizer(self.artifact_dir / art.TOKENIZER_DIR)
+        self.eos_token_ids = list(self.manifest.model.eos_token_ids)
+        self.runner = ModelRunner(self.artifact_dir, self.manifest, self.options, self.device)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=self.options.max_num_seqs,
+            max_num_batched_tokens=self.options.max_num_batched_tokens,
+            max_model_len=self.options.max_model_len,
+            block_size=self.options.block_size,
+            num_blocks=self.runner.num_blocks,
+            enable_prefix_caching=self.options.enable_prefix_caching,
+        ))
+        self.sampler = Sampler(generator=torch.Generator(self.device).manual_seed(self.options.seed))
+        self.groups: dict[str, RequestGroup] = {}
+        self.sequences: dict[str, SequenceState] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        """Queue a request (text or token ids); returns its id."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.groups:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise RequestError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
+        params.check_vocab(self.manifest.model.vocab_size)
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params, time.monotonic())
+        for index, child_params in enumerate(group.child_params()):
+            room = self.options.max_model_len - len(prompt_token_ids)
+            max_tokens = room if child_params.max_tokens is None else min(child_params.max_tokens, room)
+            request = Request(
+                request_id=f"{request_id}#{index}", prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
+                arrival_time=group.arrival_time, priority=priority, sampling_params=child_params,
+            )
+            state = SequenceState(request, index, child_params, self.tokenizer, self.device,
+                                  self.eos_token_ids, self.options.max_model_len, request_id)
+            group.sequences.append(state)
+            self.scheduler.add_request(request)
+            self.sequences[request.request_id] = state
+        self.groups[request_id] = group
+        return request_id
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        if len(prompt_token_ids) >= self.options.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.options.max_model_len}; "
+                "shorten the prompt or raise max_model_len"
+            )
+        return prompt_token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        for state in group.sequences if group else []:
+            self.scheduler.abort_request(state.request.request_id)
+            self.sequences.pop(state.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of the requests that progressed."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        logits = self.runner.execute(batch)  # [num_sampled, vocab_size]
+        sampled_states = [self.sequences[s.request.request_id] for s in batch.requests if s.is_last_chunk]
+        tokens = self._sample(logits, sampled_states)
+        self.scheduler.update(batch, {state.request.request_id: [token] for state, token in zip(sampled_states, tokens)})
+        for state in sampled_states:
+            self._check_stop(state)
+        return self._collect_outputs(batch)
+
+    def _sample(self, logits: torch.Tensor, states: list[SequenceState]) -> list[int]:
+        metadata = SamplingMetadata(
+            params=[s.params for s in states],
+            prompt_token_ids=[s.request.prompt_token_ids for s in states],
+            output_token_ids=[s.request.output_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_ids=self.eos_token_ids,
+        )
+        output = self.sampler(logits, metadata)
+        for state, token, logprobs in zip(states, output.token_ids, output.logprobs):
+            state.record_logprobs(token, logprobs)
+        return output.token_ids
+
+    def _check_stop(self, state: SequenceState) -> None:
+        """Detokenize the new token; finish the sequence on eos, a stop token or a stop string."""
+        request = state.request
+        state.add_tokens(request.output_token_ids[-1:])
+        if state.finish_status is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, state.finish_status)
+
+    def _collect_outputs(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        group_ids = dict.fromkeys(
+            self.sequences[s.request.request_id].group_id for s in batch.requests if s.is_last_chunk
+        )
+        outputs = []
+        for group_id in group_ids:
+            group = self.groups[group_id]
+            outputs.append(group.output())
+            if group.is_finished:
+                self._release(group)
+        return outputs
+
+    def _release(self, group: RequestGroup) -> None:
+        del self.groups[group.request_id]
+        for state in group.sequences:
+            self.sequences.pop(state.request.request_id, None)
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "num_running": self.scheduler.num_running,
+                "num_waiting": self.scheduler.num_waiting}
+
+
+def finished_reason(status: RequestStatus) -> str | None:
+    return {
+        RequestStatus.FINISHED_STOPPED: "stop",
+        RequestStatus.FINISHED_LENGTH: "length",
+        RequestStatus.FINISHED_ABORTED: "abort",
+    }.get(status)

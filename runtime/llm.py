@@ -1,0 +1,115 @@
+"""`LLM`: the offline Python API, as vLLM's — `LLM(artifact, **options).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from llmc.errors import RequestError
+from llmc.runtime.engine import Engine
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.tokenizer import apply_chat_template
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Load an artifact and generate. Keyword options are the recipe's `runtime` names
+    (max_model_len, max_num_seqs, max_num_batched_tokens, num_kv_blocks, ...); `device` picks cpu/cuda."""
+
+    def __init__(self, artifact: str | Path, device: str | None = None, **options):
+        self.engine = Engine(artifact, device=device, **options)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
+        ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        ids = [
+            self._add(prompt, p, priority[i] if priority else 0)
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
+        finished = self._run_to_completion(len(ids), use_tqdm)
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the artifact's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c)} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
+        """Yield the text of one completion as it is generated (deltas)."""
+        if messages is not None:
+            request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
+        else:
+            request_id = self._add(prompt, sampling_params, 0)
+        emitted = 0
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.request_id != request_id:
+                    continue
+                text = output.outputs[0].text
+                if len(text) > emitted:
+                    yield text[emitted:]
+                    emitted = len(text)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        if isinstance(prompt, str):
+            return self.engine.add_request(prompt, params, priority=priority)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return self.engine.add_request(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]), priority=priority)
+            if "prompt" in prompt:
+                return self.engine.add_request(prompt["prompt"], params, priority=priority)
+            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return self.engine.add_request(None, params, prompt, priority=priority)
+        raise RequestError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=num_requests, desc="requests", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return finished
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(num_prompts)]
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise RequestError(f"got {len(params)} sampling_params for {num_prompts} prompts; give one or one per prompt")
+    return params

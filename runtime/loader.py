@@ -1,0 +1,77 @@
+"""Loading an artifact's weights into the runtime module: strict names, shapes and dtypes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llmc.errors import ArtifactError
+from llmc.quant.formats import make_format
+from llmc.runtime import artifact as art
+from llmc.runtime.models.decoder import DecoderModel
+
+
+def compute_dtype(manifest: art.Manifest, device: torch.device) -> torch.dtype:
+    """The artifact's dtype on GPUs; float32 on CPUs, whose bfloat16/float16 matmuls are many times slower."""
+    return torch.float32 if device.type == "cpu" else getattr(torch, manifest.model.dtype)
+
+
+def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device, max_positions: int) -> DecoderModel:
+    """Create the module on the meta device, then fill every buffer from rank 0's weights file.
+
+    Floating tensors stored in the artifact's dtype are cast to the compute dtype as they load.
+    """
+    dtype = compute_dtype(manifest, device)
+    config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))
+    formats = {name: make_format(spec, dtype) for name, spec in manifest.quant.modules.items()}
+    with torch.device("meta"):
+        model = DecoderModel(config, formats, max_positions)
+    model.cos_sin = _rope_table(manifest, max_positions, device)
+    rel = art.rank_weights_path(0)
+    art.check_sizes(artifact_dir, manifest, [rel])
+    load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
+    return model.eval()
+
+
+def _rope_table(manifest: art.Manifest, max_positions: int, device: torch.device) -> torch.Tensor:
+    from llmc.runtime.layers.rotary import cos_sin_cache
+
+    model = manifest.model
+    return cos_sin_cache(model.head_dim, max_positions, model.rope_theta, model.rope_scaling).to(device)
+
+
+def load_weights(model: torch.nn.Module, path: Path, device: torch.device, stored_dtype: torch.dtype) -> None:
+    expected = {name: t for name, t in model.state_dict().items()}
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            names = set(f.keys())
+            _check_names(path, names, set(expected))
+            for name, meta in expected.items():
+                tensor = f.get_tensor(name)
+                if tensor.dtype == stored_dtype and meta.dtype.is_floating_point and meta.dtype.itemsize > 1:
+                    tensor = tensor.to(meta.dtype)
+                if tensor.shape != meta.shape or tensor.dtype != meta.dtype:
+                    raise ArtifactError(
+                        f"{path}: tensor {name} is {tensor.dtype} {tuple(tensor.shape)}, "
+                        f"the model needs {meta.dtype} {tuple(meta.shape)}; rebuild the artifact"
+                    )
+                _assign(model, name, tensor)
+    except SafetensorError as e:
+        raise ArtifactError(f"{path}: unreadable weights file ({e}); rebuild the artifact") from None
+
+
+def _check_names(path: Path, found: set[str], expected: set[str]) -> None:
+    missing, extra = sorted(expected - found), sorted(found - expected)
+    if missing:
+        raise ArtifactError(f"{path}: missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if extra:
+        raise ArtifactError(f"{path}: unexpected tensor {extra[0]}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
+
+
+def _assign(model: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    setattr(module, attr, tensor)

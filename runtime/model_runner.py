@@ -1,0 +1,109 @@
+"""ModelRunner: owns the model and its KV cache; turns a ScheduledBatch into logits.
+
+It is the only runtime part that touches tensors of the whole batch: it flattens the scheduled
+chunks into one token list, computes positions and slots from the block tables, runs the model and
+returns the logits of the rows that sample a token.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.loader import build_model, compute_dtype
+from llmc.runtime.scheduler import ScheduledBatch
+
+logger = logging.getLogger("llmc")
+
+
+class ModelRunner:
+    def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
+        self.device = device
+        self.block_size = options.block_size
+        self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
+        self.kv_spec = manifest.kv
+        self.manifest = manifest
+        self.num_blocks = self._num_kv_blocks(manifest, options)
+        self.kv_caches = self._allocate_kv_caches()
+        self.model.bind_kv_caches(self.kv_caches)
+
+    def _num_kv_blocks(self, manifest: art.Manifest, options: art.RuntimeDefaults) -> int:
+        elt = compute_dtype(manifest, self.device).itemsize
+        bytes_per_block = self.kv_spec.bytes_per_token // art.dtype_num_bytes(self.kv_spec.dtype) * elt * self.block_size
+        if options.num_kv_blocks is not None:
+            num_blocks = options.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._num_gpu_blocks(manifest, options, bytes_per_block)
+        else:
+            num_blocks = int(options.cpu_kv_cache_gib * memory.GIB) // bytes_per_block
+        max_seq_blocks = -(-options.max_model_len // self.block_size)
+        if num_blocks < max_seq_blocks:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "
+                f"{options.max_model_len}; lower max_model_len or raise num_kv_blocks / cpu_kv_cache_gib / "
+                "gpu_memory_utilization"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len)",
+                    num_blocks, self.block_size, num_blocks / max_seq_blocks)
+        return num_blocks
+
+    def _num_gpu_blocks(self, manifest: art.Manifest, options: art.RuntimeDefaults, bytes_per_block: int) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * options.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device)
+        activations = memory.activation_peak_bytes(
+            manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
+        )
+        return max(0, int(budget - activations - memory.GRAPH_POOL_BYTES)) // bytes_per_block
+
+    def _allocate_kv_caches(self) -> list[tuple[Tensor, Tensor]]:
+        spec = self.kv_spec
+        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = compute_dtype(self.manifest, self.device)
+        return [
+            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
+            for _ in range(spec.num_layers)
+        ]
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, ForwardBatch]:
+        """Flatten the scheduled chunks: token ids [num_tokens] and their ForwardBatch."""
+        input_ids, positions, slots, context_lens, query_lens, logits_indices = [], [], [], [], [], []
+        max_num_blocks = max(len(s.request.block_ids) for s in batch.requests)
+        block_tables = torch.zeros((len(batch.requests), max_num_blocks), dtype=torch.int32)
+        for row, scheduled in enumerate(batch.requests):
+            request = scheduled.request
+            start, num_new = request.num_computed_tokens, scheduled.num_new_tokens
+            token_ids = request.all_token_ids
+            input_ids.extend(token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            blocks = request.block_ids
+            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + num_new))
+            block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            context_lens.append(start + num_new)
+            query_lens.append(num_new)
+            if scheduled.is_last_chunk:
+                logits_indices.append(len(input_ids) - 1)
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        forward_batch = ForwardBatch(
+            positions=as_long(positions),
+            slot_mapping=as_long(slots),
+            block_tables=block_tables.to(self.device),
+            context_lens=context_lens,
+            query_lens=query_lens,
+            logits_indices=as_long(logits_indices),
+        )
+        return as_long(input_ids), forward_batch
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> Tensor:
+        """Run one step; logits [num_sampled, vocab_size] float32 for the chunks that end their sequence."""
+        input_ids, forward_batch = self.prepare(batch)
+        hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[forward_batch.logits_indices])

@@ -1,0 +1,50 @@
+"""`ModelSpec`: a model family described as data — names, fusions, parallel styles, what is never quantized.
+
+The compiler reads it to rename, fuse, shard and name tensors; the runtime builds the module from the
+same description (DESIGN §4: one source of truth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """One runtime linear of a decoder layer, made of one or more HF linears concatenated on the output dim."""
+
+    name: str  # runtime name inside a layer, e.g. "attn.qkv"
+    hf_members: tuple[str, ...]  # HF names inside a layer, e.g. ("self_attn.q_proj", "self_attn.k_proj", ...)
+    parallel: str  # "column" (split the output dim) | "row" (split the input dim)
+    input_from: str  # the runtime module whose output feeds this linear ("input_norm", "attn.qkv", ...)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    architectures: tuple[str, ...]  # HF `architectures` entries this spec reads
+    model_types: tuple[str, ...]  # HF `model_type` values
+    layer_linears: tuple[FusedLinear, ...]
+    layer_norms: dict[str, str]  # runtime name in a layer → HF name in a layer
+    qk_norms: dict[str, str]  # runtime → HF, present when the config has qk_norm
+    global_tensors: dict[str, str]  # runtime tensor name → HF tensor name (embedding, final norm, lm_head)
+    hf_layer_prefix: str = "model.layers."
+    never_quantized: tuple[str, ...] = ("embed", "norm")  # runtime names no recipe can quantize
+
+    def layer_linear(self, name: str) -> FusedLinear:
+        return next(linear for linear in self.layer_linears if linear.name == name)
+
+
+LLAMA_LINEARS = (
+    FusedLinear("attn.qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "column", "input_norm"),
+    FusedLinear("attn.o", ("self_attn.o_proj",), "row", "attn.qkv"),
+    FusedLinear("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj"), "column", "post_attn_norm"),
+    FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
+)
+LLAMA_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+QK_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+LLAMA_GLOBALS = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}

@@ -1,0 +1,35 @@
+"""Engine options: the artifact's runtime defaults, overridden by keyword (same names as the recipe)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.schema import parse
+
+
+def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefaults:
+    """The artifact's runtime section with `overrides` applied, every value checked by name."""
+    merged = {**dataclasses.asdict(manifest.runtime), **overrides}
+    options = parse(art.RuntimeDefaults, merged, "", ConfigError)
+    if options.max_model_len > manifest.model.max_position_embeddings and manifest.model.rope_scaling is None:
+        raise ConfigError(
+            f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
+            f"({manifest.model.max_position_embeddings}); lower it"
+        )
+    return options
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: no CUDA GPU is available here; use --device cpu")
+    return resolved

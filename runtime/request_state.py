@@ -1,0 +1,117 @@
+"""The engine's per-request bookkeeping: a request of n sequences (a group) and each sequence's state.
+
+A request with `n` (or `best_of`) > 1 becomes that many scheduler requests sharing one prompt;
+with prefix caching, the prompt's KV is computed once and shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from llmc.runtime.detokenizer import IncrementalDetokenizer
+from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.request import Request, RequestStatus
+from llmc.runtime.sampler import make_generator
+from llmc.runtime.sampling_params import SamplingParams
+
+_STATUS_FOR_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+class SequenceState:
+    """One generated sequence: its scheduler request, detokenizer, generator and logprobs."""
+
+    def __init__(self, request: Request, index: int, params: SamplingParams, tokenizer, device: torch.device,
+                 eos_token_ids: list[int], max_model_len: int, group_id: str):
+        self.request = request
+        self.index = index
+        self.params = params
+        self.group_id = group_id
+        self.generator = make_generator(params.seed, device) if params.seed is not None else None
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len
+        )
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+
+    def record_logprobs(self, token: int, logprobs: dict[int, float] | None) -> None:
+        if logprobs is None or self.logprobs is None:
+            return
+        self.logprobs.append(logprobs)
+        self.cumulative_logprob += logprobs[token]
+
+    def add_tokens(self, token_ids: list[int]) -> None:
+        self.detokenizer.add_tokens(token_ids)
+
+    @property
+    def finish_status(self) -> RequestStatus | None:
+        """Set once the detokenizer decided the sequence is over (eos, stop, length)."""
+        reason = self.detokenizer.finish_reason
+        return None if reason is None else _STATUS_FOR_REASON.get(reason, RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.request.is_finished or self.detokenizer.is_finished
+
+    def completion(self) -> CompletionOutput:
+        detok = self.detokenizer
+        finish_reason = detok.finish_reason
+        if finish_reason is None and self.request.status == RequestStatus.FINISHED_ABORTED:
+            finish_reason = "abort"
+        return CompletionOutput(
+            index=self.index,
+            text=detok.output_text,
+            token_ids=list(detok.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[: len(detok.output_token_ids)],
+            finish_reason=finish_reason,
+            stop_reason=detok.stop_reason,
+        )
+
+
+@dataclass
+class RequestGroup:
+    """A user request: one prompt, n returned sequences (best_of generated)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    sequences: list[SequenceState] = field(default_factory=list)
+
+    def child_params(self) -> list[SamplingParams]:
+        """Per-sequence params: n = 1 each; seeded requests give sequence i the seed + i."""
+        num_sequences = self.params.best_of or self.params.n
+        wants_ranking = num_sequences > self.params.n and self.params.logprobs is None
+        children = []
+        for i in range(num_sequences):
+            seed = None if self.params.seed is None else self.params.seed + i
+            children.append(dataclasses.replace(
+                self.params, n=1, best_of=None, seed=seed, logprobs=0 if wants_ranking else self.params.logprobs
+            ))
+        return children
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    def output(self) -> RequestOutput:
+        completions = [s.completion() for s in self.sequences]
+        if self.is_finished and len(completions) > self.params.n:
+            # best_of: keep the n sequences the model found most likely.
+            completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
+            completions = completions[: self.params.n]
+            if self.params.logprobs is None:
+                completions = [dataclasses.replace(c, logprobs=None, cumulative_logprob=None) for c in completions]
+        first = self.sequences[0].request
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=self.is_finished,
+            num_cached_tokens=first.num_cached_tokens,
+        )

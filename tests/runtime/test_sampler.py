@@ -1,0 +1,239 @@
+"""The batched sampler: greedy, truncation, penalties, masks, seeds, distribution and logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from llmc.runtime.sampler import (
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    make_generator,
+    probs_for,
+    process_logits,
+)
+from llmc.runtime.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def metadata(params, prompts=None, outputs=None, eos=(EOS,)) -> SamplingMetadata:
+    """Metadata for `params` rows; seeded rows get a fresh generator from their seed."""
+    num_seqs = len(params)
+    return SamplingMetadata(
+        params=list(params),
+        prompt_token_ids=prompts or [[] for _ in range(num_seqs)],
+        output_token_ids=outputs or [[] for _ in range(num_seqs)],
+        generators=[None if p.seed is None else make_generator(p.seed) for p in params],
+        eos_token_ids=list(eos),
+    )
+
+
+def random_logits(num_seqs: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_seqs, vocab_size, generator=make_generator(seed)) * 3
+
+
+def test_greedy_is_argmax_and_logits_are_not_modified():
+    logits = random_logits(5, 100)
+    before = logits.clone()
+    out = Sampler()(logits, metadata([SamplingParams(temperature=0)] * 5))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert torch.equal(logits, before)
+    assert out.logprobs == [None] * 5 and out.ranks == [None] * 5
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-9),
+                                    SamplingParams(min_p=1.0), SamplingParams(temperature=1e-6)])
+def test_extreme_truncation_equals_greedy(params):
+    logits = random_logits(8, 64, seed=1)
+    sampler = Sampler(generator=make_generator(0))
+    assert sampler(logits, metadata([params] * 8)).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_top_p_min_p_support_sets():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.15, 0.1, 0.05]] * 4))
+    params = [SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(min_p=0.3),
+              SamplingParams(top_k=-1, top_p=1.0, min_p=0.0)]
+    probs = probs_for(logits, metadata(params))  # [4, 5]
+    expected = torch.tensor([
+        [0.4, 0.3, 0.0, 0.0, 0.0],      # two most likely
+        [0.4, 0.3, 0.15, 0.0, 0.0],     # 0.4 + 0.3 < 0.8 <= 0.85
+        [0.4, 0.3, 0.15, 0.0, 0.0],     # >= 0.3 * 0.4 = 0.12
+        [0.4, 0.3, 0.15, 0.1, 0.05],    # nothing dropped
+    ])
+    expected /= expected.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_temperature_scales_the_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    probs = probs_for(logits, metadata([SamplingParams(temperature=0.5)]))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.5, dim=-1))
+
+
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0, -2.0, 3.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    prompt, output = [1, 2], [2, 3, 3]
+    processed = process_logits(logits.clone(), metadata([params], [prompt], [output]))
+    # repetition: seen tokens {1, 2, 3}: positive / 2, negative * 2
+    # frequency: 0.5 * count in output; presence: 0.25 if in output
+    expected = torch.tensor([[
+        2.0,                       # unseen
+        -1.0 * 2.0,                # prompt only: repetition
+        0.5 / 2.0 - 0.5 - 0.25,    # prompt and output once
+        1.0 / 2.0 - 1.0 - 0.25,    # output twice
+        -2.0,
+        3.0,
+    ]])
+    torch.testing.assert_close(processed, expected)
+
+
+def test_penalties_only_touch_their_rows():
+    logits = random_logits(3, 10)
+    params = [SamplingParams(), SamplingParams(presence_penalty=1.0), SamplingParams()]
+    processed = process_logits(logits.clone(), metadata(params, outputs=[[1], [1, 2], [3]]))
+    torch.testing.assert_close(processed[[0, 2]], logits[[0, 2]])
+    torch.testing.assert_close(processed[1, [1, 2]], logits[1, [1, 2]] - 1.0)
+
+
+def test_logit_bias_and_allowed_token_ids():
+    logits = torch.zeros(3, 8)
+    params = [SamplingParams(logit_bias={3: 5.0, 4: -2.0}),
+              SamplingParams(allowed_token_ids=[2, 6]),
+              SamplingParams(logit_bias={6: 1.0}, allowed_token_ids=[5, 6])]
+    processed = process_logits(logits.clone(), metadata(params))
+    assert processed[0, 3] == 5.0 and processed[0, 4] == -2.0 and processed[0, 0] == 0.0
+    assert torch.isinf(processed[1]).sum() == 6 and processed[1, [2, 6]].tolist() == [0.0, 0.0]
+    assert processed[2, 5] == 0.0 and processed[2, 6] == 1.0
+    assert torch.isinf(processed[2]).sum() == 6
+    batch = logits.repeat(20, 1)  # [60, 8]
+    sampled = Sampler(generator=make_generator(0))(batch, metadata(params * 20)).token_ids
+    assert set(sampled[1::3]) <= {2, 6} and set(sampled[2::3]) <= {5, 6}
+
+
+def test_min_tokens_masks_eos_and_stop_tokens():
+    logits = torch.zeros(4, 6)
+    logits[:, EOS] = logits[:, 5] = 50.0  # eos and the stop token dominate
+    params = [SamplingParams(min_tokens=2, stop_token_ids=[5]),
+              SamplingParams(min_tokens=2, stop_token_ids=[5]),
+              SamplingParams(min_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[5])]
+    outputs = [[3], [3, 4], [3], [1, 2]]
+    processed = process_logits(logits.clone(), metadata(params, outputs=outputs))
+    assert torch.isinf(processed[0, [EOS, 5]]).all()  # 1 output < 2: masked
+    assert not torch.isinf(processed[1]).any()  # 2 outputs: min_tokens met
+    assert not torch.isinf(processed[2]).any()  # ignore_eos: eos is no stop token
+    sampled = Sampler()(logits, metadata(params, outputs=outputs)).token_ids
+    assert sampled[0] not in (EOS, 5) and sampled[3] not in (EOS, 5)
+
+
+def test_logits_processors_two_and_three_arguments():
+    seen = {}
+
+    def ban_last(output_ids, logits):
+        logits[output_ids[-1]] = float("-inf")
+        return logits
+
+    def prefer_prompt_start(prompt_ids, output_ids, logits):
+        seen["args"] = (list(prompt_ids), list(output_ids))
+        boosted = logits.clone()
+        boosted[prompt_ids[0]] += 100.0
+        return boosted
+
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 10.0
+    params = [SamplingParams(temperature=0, logits_processors=[ban_last]),
+              SamplingParams(temperature=0, logits_processors=[prefer_prompt_start])]
+    out = Sampler()(logits, metadata(params, prompts=[[1], [4, 5]], outputs=[[7], [2]]))
+    assert out.token_ids[1] == 4 and out.token_ids[0] != 7
+    assert seen["args"] == ([4, 5], [2])
+
+
+def test_seeded_rows_reproducible_whatever_the_batch():
+    logits = random_logits(1, 50, seed=3)
+
+    def run(batch_seeds, position, num_steps=12):
+        """Tokens of the row at `position` over several steps of a batch with `batch_seeds`."""
+        params = [SamplingParams(seed=s) for s in batch_seeds]
+        meta = metadata(params)  # fresh generators: one per request, kept across steps
+        sampler = Sampler(generator=make_generator(len(batch_seeds)))
+        batch = logits.expand(len(params), -1)
+        return [sampler(batch, meta).token_ids[position] for _ in range(num_steps)]
+
+    alone = run([42], 0)
+    assert run([None, 42, 7], 1) == alone
+    assert run([7, None, None, 42], 3) == alone
+    assert run([43], 0) != alone
+
+
+def test_unseeded_sampling_matches_softmax():
+    vocab_logits = torch.tensor([0.5, -1.0, 1.5, 0.0, 1.0, -0.5])
+    temperature, num_samples = 0.8, 20000
+    logits = vocab_logits.expand(num_samples, -1)
+    params = [SamplingParams(temperature=temperature)] * num_samples
+    sampled = Sampler(generator=make_generator(123))(logits, metadata(params)).token_ids
+    counts = torch.bincount(torch.tensor(sampled), minlength=6).double()
+    expected = torch.softmax(vocab_logits.double() / temperature, dim=-1) * num_samples
+    chi_square = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi_square < 20.5  # 5 degrees of freedom, p = 0.001
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks():
+    logits = random_logits(3, 40, seed=5)
+    params = [SamplingParams(logprobs=3, temperature=0.5, presence_penalty=1.0),
+              SamplingParams(),
+              SamplingParams(logprobs=0, temperature=0)]
+    out = Sampler(generator=make_generator(0))(logits, metadata(params, outputs=[[1], [], []]))
+    reference = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs[1] is None and out.ranks[1] is None
+    for row in (0, 2):
+        sampled = out.token_ids[row]
+        assert next(iter(out.logprobs[row])) == sampled  # the sampled token comes first
+        for token_id, value in out.logprobs[row].items():
+            assert math.isclose(value, reference[row, token_id].item(), abs_tol=1e-5)
+        expected_rank = int((reference[row] > reference[row, sampled]).sum()) + 1
+        assert out.ranks[row][sampled] == expected_rank
+    top3 = reference[0].topk(3).indices.tolist()
+    assert set(out.logprobs[0]) == set(top3) | {out.token_ids[0]}
+    assert [out.ranks[0][t] for t in top3] == [1, 2, 3]
+    assert list(out.logprobs[2]) == [out.token_ids[2]]
+
+
+def test_processed_logprobs_mode_includes_penalties():
+    logits = random_logits(1, 20, seed=6)
+    params = [SamplingParams(logprobs=1, temperature=0, logit_bias={4: 3.0})]
+    out = Sampler(logprobs_mode="processed")(logits, metadata(params))
+    biased = logits.clone()
+    biased[0, 4] += 3.0
+    reference = torch.log_softmax(biased, dim=-1)
+    for token_id, value in out.logprobs[0].items():
+        assert math.isclose(value, reference[0, token_id].item(), abs_tol=1e-5)
+
+
+def test_compute_prompt_logprobs():
+    logits = random_logits(4, 30, seed=7)  # [num_prompt_tokens, vocab_size]
+    next_ids = [3, 9, 0, 29]
+    result = compute_prompt_logprobs(logits, next_ids, num_top=2)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert len(result) == 4
+    for row, (token_id, logprobs) in enumerate(zip(next_ids, result)):
+        assert token_id in logprobs and len(logprobs) in (2, 3)
+        for t, value in logprobs.items():
+            assert math.isclose(value, reference[row, t].item(), abs_tol=1e-5)
+
+
+def test_probs_for_greedy_rows_are_one_hot():
+    logits = random_logits(3, 16, seed=8)
+    params = [SamplingParams(temperature=0), SamplingParams(top_k=4), SamplingParams()]
+    probs = probs_for(logits, metadata(params))
+    torch.testing.assert_close(probs.sum(dim=-1), torch.ones(3))
+    assert probs[0, logits[0].argmax()] == 1.0
+    assert (probs[1] > 0).sum() == 4
+    torch.testing.assert_close(probs[2], torch.softmax(logits[2], dim=-1))
+
+
+def test_metadata_requires_generators_for_seeded_rows():
+    with pytest.raises(ValueError, match="generator"):
+        SamplingMetadata([SamplingParams(seed=1)], [[]], [[]], [None], [EOS])
