@@ -158,3 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

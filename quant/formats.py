@@ -7,11 +7,20 @@ into the artifact's tensors at compile time (`pack`) and runs a linear layer on 
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from llmc.errors import RecipeError
+from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_per_token, quantize_fp8_static
+from llmc.quant.packing import num_words, pack_words, unpack_words
+
+logger = logging.getLogger("llmc")
 
 
 @dataclass(frozen=True)
@@ -35,7 +44,9 @@ class QuantizedWeight:
     zeros: Tensor | None  # [out_features, num_groups] int32 levels; None = symmetric (zero = 2**(bits-1))
     bits: int
     group_size: int  # -1 = one group spanning the whole input dimension (per output channel)
-    g_idx: Tensor | None = None  # [in_features] int32 group of each input column (act-order); None = i // group_size
+    g_idx: Tensor | None = (
+        None  # [in_features] int32 group of each input column (act-order); None = i // group_size
+    )
     input_scale: Tensor | None = None  # [1] float32 static per-tensor activation scale (fp8 static)
 
     @property
@@ -93,10 +104,298 @@ class DenseFormat:
         return torch.nn.functional.linear(x, params["weight"], bias)
 
 
-_FORMATS: dict[str, type] = {"dense": DenseFormat}
+INT_FORMAT_NAMES = {3: "w3a16", 4: "w4a16", 8: "w8a16"}
+SUPPORTED_GROUP_SIZES = (32, 64, 128, -1)
 
 
-def register_format(name: str, cls: type) -> None:
+def default_g_idx(in_features: int, group_size: int, device: torch.device | None = None) -> Tensor:
+    """[in_features] int32: contiguous groups, i // group_size (all 0 per channel)."""
+    columns = torch.arange(in_features, dtype=torch.int32, device=device)
+    return torch.zeros_like(columns) if group_size == -1 else columns // group_size
+
+
+def num_groups_of(in_features: int, group_size: int) -> int:
+    """Groups along the input dim; a group size that does not divide in_features is a recipe error."""
+    if group_size == -1:
+        return 1
+    if group_size <= 0 or in_features % group_size:
+        raise RecipeError(
+            f"group_size {group_size} does not divide in_features {in_features}; "
+            f"choose a group size that divides it, or -1 (per output channel)"
+        )
+    return in_features // group_size
+
+
+@dataclass(frozen=True)
+class IntWeightFormat:
+    """Integer weight-only formats `w3a16`, `w4a16`, `w8a16`: int weights, activations in the model dtype.
+
+    w[o, i] = (level[o, i] - zero[o, g]) * scale[o, g], g = g_idx[i] if has_g_idx else i // group_size
+    (g = 0 when group_size is -1, one group per output channel). Symmetric: zero = 2**(bits-1), implicit
+    (= compressed-tensors' signed levels shifted by 2**(bits-1)).
+
+    Tensors, with L = 32 // bits levels per int32 word (8 for 4 bits, 4 for 8 bits, 10 for 3 bits) and
+    G = in // group_size groups (1 per channel):
+      qweight  int32 [out, ceil(in / L)]  level of input column i in word i // L at bit offset
+                                          bits * (i % L); last word zero-padded; 3-bit words leave
+                                          bits 30..31 zero
+      scales   dtype [out, G]             the model dtype
+      qzeros   int32 [out, ceil(G / L)]   only if not symmetric: zero levels, packed like qweight
+      g_idx    int32 [in]                 only if has_g_idx: group of each input column (act-order
+                                          groups that are not contiguous)
+    """
+
+    dtype: torch.dtype
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    has_g_idx: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in INT_FORMAT_NAMES:
+            raise RecipeError(f"integer weights of {self.bits} bits are not supported; use bits 3, 4 or 8")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise RecipeError(
+                f"group_size {self.group_size} is not supported; use one of {SUPPORTED_GROUP_SIZES}"
+            )
+
+    @property
+    def name(self) -> str:
+        return INT_FORMAT_NAMES[self.bits]
+
+    @classmethod
+    def from_spec(cls, params: dict, dtype: torch.dtype) -> "IntWeightFormat":
+        known = {"bits", "group_size", "symmetric", "has_g_idx"}
+        if unknown := sorted(set(params) - known):
+            raise RecipeError(f"unknown integer-format field(s) {unknown}; known: {sorted(known)}")
+        return cls(dtype, **params)
+
+    def spec(self) -> dict:
+        return {
+            "format": self.name,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "has_g_idx": self.has_g_idx,
+        }
+
+    def param_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
+        num_groups = num_groups_of(in_features, self.group_size)
+        specs = {
+            "qweight": TensorSpec((out_features, num_words(in_features, self.bits)), torch.int32),
+            "scales": TensorSpec((out_features, num_groups), self.dtype),
+        }
+        if not self.symmetric:
+            specs["qzeros"] = TensorSpec((out_features, num_words(num_groups, self.bits)), torch.int32)
+        if self.has_g_idx:
+            specs["g_idx"] = TensorSpec((in_features,), torch.int32)
+        return specs
+
+    def pack(self, q: QuantizedWeight) -> dict[str, Tensor]:
+        self._check_weight(q)
+        params = {
+            "qweight": pack_words(q.qweight, self.bits, dim=1),
+            "scales": q.scales.to(self.dtype).contiguous(),
+        }
+        if not self.symmetric:
+            zeros = (
+                q.zeros
+                if q.zeros is not None
+                else torch.full_like(q.scales, 2 ** (self.bits - 1), dtype=torch.int32)
+            )
+            params["qzeros"] = pack_words(zeros, self.bits, dim=1)
+        if self.has_g_idx:
+            g_idx = (
+                q.g_idx
+                if q.g_idx is not None
+                else default_g_idx(q.in_features, self.group_size, q.qweight.device)
+            )
+            params["g_idx"] = g_idx.to(torch.int32).contiguous()
+        return params
+
+    def _check_weight(self, q: QuantizedWeight) -> None:
+        if q.bits != self.bits or q.qweight.dtype != torch.int32:
+            raise RecipeError(
+                f"a {q.bits}-bit {q.qweight.dtype} weight cannot be packed into {self.name}; "
+                f"quantize with bits: {self.bits}"
+            )
+        if q.group_size != self.group_size:
+            raise RecipeError(f"weight has group_size {q.group_size} but the format has {self.group_size}")
+        if self.symmetric and not q.is_symmetric:
+            raise RecipeError(f"weight has zero points; use symmetric: false for {self.name}")
+        num_groups = num_groups_of(q.in_features, self.group_size)
+        if tuple(q.scales.shape) != (q.out_features, num_groups):
+            raise ValueError(f"scales {tuple(q.scales.shape)} != ({q.out_features}, {num_groups})")
+        if int(q.qweight.min()) < 0 or int(q.qweight.max()) >= 2**self.bits:
+            raise ValueError(f"levels outside [0, {2**self.bits}) for {self.name}")
+        is_default_order = q.g_idx is None or torch.equal(
+            q.g_idx.to(torch.int32), default_g_idx(q.in_features, self.group_size, q.g_idx.device)
+        )
+        if not self.has_g_idx and not is_default_order:
+            raise RecipeError(f"weight has act-order groups (g_idx); use has_g_idx: true for {self.name}")
+
+    def dequantize(self, params: dict[str, Tensor], in_features: int) -> Tensor:
+        """Weights [out, in] float32 from this format's tensors (the CPU path of `apply`)."""
+        levels = unpack_words(params["qweight"], self.bits, dim=1, size=in_features)  # [out, in]
+        scales = params["scales"].float()  # [out, G]
+        if self.symmetric:
+            zeros = torch.full_like(scales, 2 ** (self.bits - 1))
+        else:
+            zeros = unpack_words(params["qzeros"], self.bits, dim=1, size=scales.shape[1]).float()
+        g_idx = (
+            params["g_idx"] if self.has_g_idx else default_g_idx(in_features, self.group_size, levels.device)
+        )
+        g_idx = g_idx.long()  # [in]
+        return (levels.float() - zeros[:, g_idx]) * scales[:, g_idx]
+
+    def select_kernel(self, x: Tensor) -> Callable[..., Tensor] | None:
+        """The fused GPU kernel for x's device, or None for the dequantize + matmul path.
+
+        NOTE: the seam for the Triton int-weight GEMM (kernels/): dispatch on x.is_cuda here once it
+        exists, with signature kernel(x, params, bias, fmt).
+        """
+        return None
+
+    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        kernel = self.select_kernel(x)
+        if kernel is not None:
+            return kernel(x, params, bias, self)
+        weight = self.dequantize(params, in_features=x.shape[-1]).to(x.dtype)  # [out, in]
+        return F.linear(x, weight, bias)
+
+
+@dataclass(frozen=True)
+class _IntFormatOfBits:
+    """Registry entry for one integer-format name: `make_format` passes no name, so the bits live here."""
+
+    bits: int
+
+    def from_spec(self, params: dict, dtype: torch.dtype) -> IntWeightFormat:
+        if params.get("bits", self.bits) != self.bits:
+            raise RecipeError(
+                f"format {INT_FORMAT_NAMES[self.bits]} holds {self.bits}-bit weights, "
+                f"not bits {params['bits']}; use format {INT_FORMAT_NAMES.get(params['bits'], '?')}"
+            )
+        return IntWeightFormat.from_spec({**params, "bits": self.bits}, dtype)
+
+
+def is_fp8_matmul_supported(x: Tensor) -> bool:
+    """FP8 tensor-core matmul (torch._scaled_mm) needs CUDA compute capability 8.9+ (Ada, Hopper)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+@functools.cache
+def _log_fp8_reference_path(device_type: str) -> None:
+    logger.warning(
+        "w8a8-fp8 on %s has no FP8 matmul: running the reference path "
+        "(weights dequantized, activations still quantized to fp8)",
+        device_type,
+    )
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """`w8a8-fp8`: E4M3 weights and activations, float32 scales.
+
+    y = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias, where x_fp8, x_scale come from dynamic
+    per-token quantization (x_scale [..., 1] = absmax of the token / 448) or, if is_static_input,
+    from the calibrated input_scale.
+
+    Tensors:
+      weight        float8_e4m3fn [out, in]
+      weight_scale  float32 [out, 1] if is_per_channel else [1, 1]
+      input_scale   float32 [1]   only if is_static_input
+    """
+
+    dtype: torch.dtype
+    is_per_channel: bool = True
+    is_static_input: bool = False
+    name: str = "w8a8-fp8"
+
+    @classmethod
+    def from_spec(cls, params: dict, dtype: torch.dtype) -> "Fp8Format":
+        known = {"is_per_channel", "is_static_input"}
+        if unknown := sorted(set(params) - known):
+            raise RecipeError(f"unknown w8a8-fp8 field(s) {unknown}; known: {sorted(known)}")
+        return cls(dtype, **params)
+
+    def spec(self) -> dict:
+        return {
+            "format": self.name,
+            "is_per_channel": self.is_per_channel,
+            "is_static_input": self.is_static_input,
+        }
+
+    def param_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
+        specs = {
+            "weight": TensorSpec((out_features, in_features), FP8_DTYPE),
+            "weight_scale": TensorSpec((out_features if self.is_per_channel else 1, 1), torch.float32),
+        }
+        if self.is_static_input:
+            specs["input_scale"] = TensorSpec((1,), torch.float32)
+        return specs
+
+    def pack(self, q: QuantizedWeight) -> dict[str, Tensor]:
+        if q.qweight.dtype != FP8_DTYPE:
+            raise RecipeError(
+                f"a {q.qweight.dtype} weight cannot be packed into w8a8-fp8; quantize it to fp8"
+            )
+        scales = q.scales.float()
+        if self.is_per_channel and scales.shape == (1, 1):  # a per-tensor scale expands losslessly
+            scales = scales.expand(q.out_features, 1)
+        expected_scale = (q.out_features if self.is_per_channel else 1, 1)
+        if tuple(scales.shape) != expected_scale:
+            raise RecipeError(
+                f"weight scales {tuple(scales.shape)} do not match is_per_channel="
+                f"{self.is_per_channel}; expected {expected_scale}"
+            )
+        if self.is_static_input and q.input_scale is None:
+            raise RecipeError("w8a8-fp8 with static input scales needs calibration (input_scale is missing)")
+        params = {"weight": q.qweight.contiguous(), "weight_scale": scales.contiguous()}
+        if self.is_static_input:
+            params["input_scale"] = q.input_scale.float().reshape(1).contiguous()
+        return params
+
+    def quantize_input(self, x: Tensor, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(x_fp8 [..., in], x_scale [..., 1] per token or [1] static)."""
+        if self.is_static_input:
+            return quantize_fp8_static(x, params["input_scale"])
+        return quantize_fp8_per_token(x)
+
+    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        x_fp8, x_scale = self.quantize_input(x, params)
+        # torch._scaled_mm needs both GEMM dims of the weight in multiples of 16
+        if is_fp8_matmul_supported(x) and all(d % 16 == 0 for d in params["weight"].shape):
+            return _scaled_mm_linear(x_fp8, x_scale, params, bias, x.dtype)
+        _log_fp8_reference_path(x.device.type)
+        weight = params["weight"].float() * params["weight_scale"]  # [out, in]
+        y = F.linear(x_fp8.float() * x_scale, weight)  # [..., out] float32
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+
+def _scaled_mm_linear(
+    x_fp8: Tensor, x_scale: Tensor, params: dict[str, Tensor], bias: Tensor | None, out_dtype: torch.dtype
+) -> Tensor:
+    """FP8 GEMM on tensor cores, float32 accumulation, scales applied per row (token) and column."""
+    weight = params["weight"]  # [out, in]
+    x2 = x_fp8.reshape(-1, x_fp8.shape[-1])  # [num_tokens, in]
+    scale_a = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()  # [num_tokens, 1]
+    scale_b = params["weight_scale"].reshape(1, -1).expand(1, weight.shape[0]).contiguous()  # [1, out]
+    y = torch._scaled_mm(x2, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return y.reshape(*x_fp8.shape[:-1], weight.shape[0])
+
+
+_FORMATS: dict[str, object] = {
+    "dense": DenseFormat,
+    "w8a8-fp8": Fp8Format,
+    **{name: _IntFormatOfBits(bits) for bits, name in INT_FORMAT_NAMES.items()},
+}
+
+
+def register_format(name: str, cls: object) -> None:
+    """Register a format: `cls` is anything with `from_spec(params, dtype) -> LinearFormat`."""
     _FORMATS[name] = cls
 
 

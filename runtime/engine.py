@@ -153,6 +153,20 @@ class Engine:
         for state in group.sequences:
             self.sequences.pop(state.request.request_id, None)
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab_size] float32 at every position of one sequence (perplexity,
+        distribution comparisons). Needs an idle engine: it borrows blocks from the pool."""
+        if self.has_unfinished_requests():
+            raise RequestError("score() needs an idle engine; finish or abort running requests first")
+        if not 0 < len(token_ids) <= self.options.max_model_len:
+            raise RequestError(f"score() takes 1 to max_model_len ({self.options.max_model_len}) tokens, got {len(token_ids)}")
+        pool = self.scheduler.block_pool
+        blocks = pool.allocate(-(-len(token_ids) // self.options.block_size))
+        try:
+            return self.runner.score(token_ids, [b.block_id for b in blocks], self.options.max_num_batched_tokens)
+        finally:
+            pool.free(blocks)
+
     def stats(self) -> dict:
         return {**self.scheduler.stats(), "num_running": self.scheduler.num_running,
                 "num_waiting": self.scheduler.num_waiting}

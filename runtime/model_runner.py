@@ -102,6 +102,28 @@ class ModelRunner:
         return as_long(input_ids), forward_batch
 
     @torch.inference_mode()
+    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
+        """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled
+        in chunks of chunk_size tokens into the given blocks."""
+        block_table = torch.tensor([block_ids], dtype=torch.int32, device=self.device)
+        logits = []
+        for start in range(0, len(token_ids), chunk_size):
+            end = min(start + chunk_size, len(token_ids))
+            positions = torch.arange(start, end, device=self.device)
+            blocks = torch.tensor(block_ids, device=self.device)[positions // self.block_size]
+            forward_batch = ForwardBatch(
+                positions=positions,
+                slot_mapping=blocks * self.block_size + positions % self.block_size,
+                block_tables=block_table,
+                context_lens=[end],
+                query_lens=[end - start],
+                logits_indices=torch.arange(end - start, device=self.device),
+            )
+            input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=self.device)
+            logits.append(self.model.compute_logits(self.model(input_ids, forward_batch)))
+        return torch.cat(logits)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> Tensor:
         """Run one step; logits [num_sampled, vocab_size] float32 for the chunks that end their sequence."""
         input_ids, forward_batch = self.prepare(batch)

@@ -1,0 +1,208 @@
+"""GPTQ (Frantar et al. 2022): integer quantization that compensates each column's rounding error.
+
+The caller (the compiler's layer-by-layer calibration) accumulates H = 2 XᵀX / n of the linear's
+inputs with `HessianAccumulator` and calls `gptq_quantize` once per weight. Scales and zeros follow
+`rtn`'s convention, so the result packs into the same integer formats as round-to-nearest.
+
+Act-order (`act_order=True`) quantizes columns by decreasing H_ii, the most-used inputs first while
+most freedom is left to compensate them. With static groups (the default), group parameters are
+computed up front from the original weight, per ORIGINAL column index: the stored groups are then
+plain i // group_size, g_idx stays None and the runtime needs neither a permutation nor a g_idx.
+With `static_groups=False`, groups follow the quantization order instead and `g_idx` is returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from llmc.errors import RecipeError
+from llmc.quant.formats import QuantizedWeight, num_groups_of
+from llmc.quant.rtn import check_bits, compute_qparams, dequantize_levels, quantize_levels
+
+logger = logging.getLogger("llmc")
+
+_MAX_DAMP_ATTEMPTS = 6
+
+
+class HessianAccumulator:
+    """Running H = 2/n Σ xᵀx over all n input rows seen, so calibration batches can stream."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.num_samples = 0
+
+    def add_batch(self, x: Tensor) -> None:
+        """x [..., in_features]: every leading index is one sample (token)."""
+        rows = x.reshape(-1, x.shape[-1]).to(self.hessian.device, torch.float32)  # [num_tokens, in]
+        total = self.num_samples + rows.shape[0]
+        if total == 0:
+            return
+        # Rescale instead of summing then dividing: keeps H at a data-independent magnitude.
+        self.hessian *= self.num_samples / total
+        rows = rows * math.sqrt(2 / total)
+        self.hessian += rows.T @ rows
+        self.num_samples = total
+
+
+def _drop_dead_columns(weight: Tensor, hessian: Tensor) -> tuple[Tensor, Tensor]:
+    """Inputs that were always 0 (H_ii == 0) carry no information: W[:, i] = 0, and H_ii = 1 keeps H
+    invertible."""
+    w = weight.float().clone()  # [out, in]
+    h = hessian.to(w.device, torch.float64).clone()  # [in, in]
+    if not torch.isfinite(h).all():
+        raise RecipeError("GPTQ: the Hessian has NaN/inf entries; check the model's calibration activations")
+    dead = torch.diagonal(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    return w, h
+
+
+def _inverse_hessian_cholesky(h: Tensor, damp_percent: float) -> Tensor:
+    """Upper Cholesky factor of (H + λI)⁻¹, λ = damp_percent × mean diag H, raising λ until it exists."""
+    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    damp = damp_percent * torch.diagonal(h).mean().item()
+    for _ in range(_MAX_DAMP_ATTEMPTS):
+        lower, info = torch.linalg.cholesky_ex(h + damp * identity)
+        if info.item() == 0:
+            upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+            if info.item() == 0:
+                return upper.float()
+        logger.warning("GPTQ: Hessian not positive definite with dampening %.3g; retrying with 10x", damp)
+        damp = max(damp * 10, 1e-8)
+    raise RecipeError(
+        f"GPTQ: Hessian not positive definite even with dampening {damp:.3g}; "
+        "raise damp_percent or check the calibration data"
+    )
+
+
+@dataclass
+class _GroupTable:
+    """Every group's scale and zero, and which group each quantization position belongs to."""
+
+    scales: Tensor  # [out, num_groups] float32
+    zeros: Tensor | None  # [out, num_groups] int32; None = symmetric
+    group_of_position: list[int]  # [in] group of the column quantized at each position
+    is_fresh: bool  # True: a group's parameters are taken when its first column is reached
+
+
+def _group_table(
+    w: Tensor,
+    perm: Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    is_static: bool,
+    scale_dtype: torch.dtype | None,
+) -> _GroupTable:
+    """Static tables are filled up front from the original columns (group of column c is c // group_size);
+    fresh ones get filled by `_quantize_columns`, groups then following the quantization order."""
+    num_out, num_in = w.shape
+    num_groups = num_groups_of(num_in, group_size)
+    if is_static:
+        scales, zeros = compute_qparams(
+            w.reshape(num_out, num_groups, -1), bits, symmetric, scale_dtype=scale_dtype
+        )
+    else:
+        scales = torch.zeros(num_out, num_groups, dtype=torch.float32, device=w.device)
+        zeros = None if symmetric else torch.zeros(num_out, num_groups, dtype=torch.int32, device=w.device)
+    columns = perm if is_static else torch.arange(num_in, device=w.device)
+    group_of_position = columns // group_size if group_size > 0 else torch.zeros_like(columns)
+    return _GroupTable(scales, zeros, group_of_position.tolist(), not is_static)
+
+
+def _quantize_columns(
+    w: Tensor,
+    hinv: Tensor,
+    table: _GroupTable,
+    bits: int,
+    block_size: int,
+    group_size: int,
+    scale_dtype: torch.dtype | None,
+) -> Tensor:
+    """Quantize w [out, in] (already in quantization order) in place; returns levels int32 [out, in].
+
+    NOTE: column j is rounded, and its error divided by hinv[j, j] is spread over the columns not yet
+    quantized through row j of the inverse Hessian's Cholesky factor (the optimal update for the
+    layer-output error). Lazy batching: the update is applied inside a block of columns at once and
+    to the columns after the block by one matmul per block — the same arithmetic, fewer passes over
+    W. With fresh group parameters, a group's scale/zero is taken from the error-updated columns when
+    its first column is reached; blocks are whole groups so that these columns are all up to date.
+    """
+    num_columns = w.shape[1]
+    levels = torch.empty(w.shape, dtype=torch.int32, device=w.device)  # [out, in]
+    for start in range(0, num_columns, block_size):
+        end = min(start + block_size, num_columns)
+        block = w[:, start:end].clone()  # [out, count]
+        errors = torch.zeros_like(block)
+        hinv_block = hinv[start:end, start:end]  # [count, count]
+        for i in range(end - start):
+            group = table.group_of_position[start + i]
+            if table.is_fresh and (start + i) % group_size == 0:
+                scale, zero = compute_qparams(
+                    block[:, i : i + group_size], bits, table.zeros is None, scale_dtype=scale_dtype
+                )
+                table.scales[:, group] = scale
+                if table.zeros is not None:
+                    table.zeros[:, group] = zero
+            scale = table.scales[:, group]  # [out]
+            zero = None if table.zeros is None else table.zeros[:, group]
+            column = block[:, i]  # [out]
+            levels[:, start + i] = quantize_levels(column, scale, zero, bits)
+            error = (column - dequantize_levels(levels[:, start + i], scale, zero, bits)) / hinv_block[i, i]
+            block[:, i:] -= error.unsqueeze(1) * hinv_block[i, i:].unsqueeze(0)
+            errors[:, i] = error
+        w[:, end:] -= errors @ hinv[start:end, end:]
+    return levels
+
+
+def gptq_quantize(
+    weight: Tensor,
+    hessian: Tensor,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    *,
+    act_order: bool = False,
+    static_groups: bool = True,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+    scale_dtype: torch.dtype | None = None,
+) -> QuantizedWeight:
+    """GPTQ: weight [out, in] and hessian [in, in] (H = 2 XᵀX / n) → QuantizedWeight.
+
+    group_size -1 = per output channel. scale_dtype: the dtype scales will be stored in (rounded to
+    it before rounding the weights). `g_idx` is set only for act_order with static_groups=False.
+    """
+    check_bits(bits)
+    num_in = weight.shape[1]
+    num_groups_of(num_in, group_size)  # a group size that does not divide in_features is a recipe error
+    w, h = _drop_dead_columns(weight, hessian)
+    if act_order:  # most-used inputs first: the most freedom is left to compensate them
+        perm = torch.argsort(torch.diagonal(h), descending=True, stable=True)
+    else:
+        perm = torch.arange(num_in, device=w.device)
+    is_static = group_size == -1 or (act_order and static_groups)
+    table = _group_table(w, perm, bits, group_size, symmetric, is_static, scale_dtype)
+    hinv = _inverse_hessian_cholesky(h[perm][:, perm], damp_percent).to(w.device)
+    if group_size > 0:  # whole groups per block, see _quantize_columns
+        block_size = group_size * max(1, block_size // group_size)
+    levels = _quantize_columns(
+        w[:, perm].contiguous(), hinv, table, bits, block_size, group_size, scale_dtype
+    )
+    inverse_perm = torch.argsort(perm)
+    g_idx = None
+    if not is_static and act_order:
+        g_idx = torch.tensor(table.group_of_position, dtype=torch.int32, device=w.device)[inverse_perm]
+    return QuantizedWeight(
+        qweight=levels[:, inverse_perm].contiguous(),
+        scales=table.scales,
+        zeros=table.zeros,
+        bits=bits,
+        group_size=group_size,
+        g_idx=g_idx,
+    )

@@ -1,0 +1,298 @@
+"""Reading a pre-quantized checkpoint's `quantization_config` and checking its tensors against it.
+
+`parse_quantization_config` normalises the three published families into one `ImportSpec`:
+  awq                 AutoAWQ, GEMM layout only (4 bits, zero points)
+  gptq                AutoGPTQ / GPTQModel, checkpoint_format "gptq" (v1: zeros stored minus 1) or "gptq_v2"
+  compressed-tensors  llm-compressor, `pack-quantized` (int weights) or `float-quantized` (FP8 W8A8)
+Anything else raises a CheckpointError naming what is supported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from torch import Tensor
+
+from llmc.errors import CheckpointError
+from llmc.quant.formats import INT_FORMAT_NAMES, SUPPORTED_GROUP_SIZES
+from llmc.quant.packing import levels_per_word
+
+SUPPORTED = (
+    "awq (version gemm), gptq (checkpoint_format gptq or gptq_v2), "
+    "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8)"
+)
+
+
+@dataclass(frozen=True)
+class ImportSpec:
+    """A checkpoint's quantization, normalised. Field meanings do not depend on the method."""
+
+    method: str  # "awq" | "gptq" | "compressed-tensors"
+    layout: str  # "awq-gemm" | "gptq-v1" | "gptq-v2" | "pack-quantized" | "float-quantized"
+    bits: int  # 8 for fp8
+    group_size: int  # -1 = per output channel
+    is_symmetric: bool
+    is_act_order: bool  # tensors carry a g_idx whose groups may be non-contiguous
+    ignored_modules: tuple[str, ...] = ()  # names (match whole dotted segments) or "re:<regex>"
+    is_per_channel: bool = True  # fp8: weight scales per output channel, else per tensor
+    is_static_input: bool = False  # fp8: calibrated input_scale tensors instead of per-token scales
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.layout == "float-quantized"
+
+    def is_ignored(self, module_name: str) -> bool:
+        """True if the checkpoint left this module unquantized (its tensors are dense)."""
+        for pattern in self.ignored_modules:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module_name):
+                    return True
+            elif f".{pattern}." in f".{module_name}.":
+                return True
+        return False
+
+    def format_spec(self) -> dict:
+        """The llmc format the imported weights pack into (FP8 always per channel: a per-tensor scale
+        expands losslessly, and fused q/k/v with different per-tensor scales need per-channel)."""
+        if self.is_fp8:
+            return {"format": "w8a8-fp8", "is_per_channel": True, "is_static_input": self.is_static_input}
+        return {
+            "format": INT_FORMAT_NAMES[self.bits],
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "symmetric": self.is_symmetric,
+            "has_g_idx": self.is_act_order,
+        }
+
+    def required_tensor_names(self) -> tuple[str, ...]:
+        """Tensor names (after the module's prefix) each quantized module must have."""
+        if self.layout == "awq-gemm":
+            return ("qweight", "qzeros", "scales")
+        if self.layout in ("gptq-v1", "gptq-v2"):
+            return ("qweight", "qzeros", "scales")
+        if self.layout == "pack-quantized":
+            names = ("weight_packed", "weight_scale", "weight_shape")
+            names += () if self.is_symmetric else ("weight_zero_point",)
+            return names + (("weight_g_idx",) if self.is_act_order else ())
+        return ("weight", "weight_scale") + (("input_scale",) if self.is_static_input else ())
+
+    def optional_tensor_names(self) -> tuple[str, ...]:
+        return ("g_idx",) if self.layout in ("gptq-v1", "gptq-v2") else ()
+
+
+def _checked(method: str, bits: int, group_size: int) -> tuple[int, int]:
+    if bits not in INT_FORMAT_NAMES:
+        raise CheckpointError(f"{method} checkpoint has {bits}-bit weights; llmc imports 3, 4 or 8 bits")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise CheckpointError(
+            f"{method} checkpoint has group_size {group_size}; llmc imports {SUPPORTED_GROUP_SIZES}"
+        )
+    return bits, group_size
+
+
+def _parse_awq(qc: dict) -> ImportSpec:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise CheckpointError(
+            f"AWQ version {version!r} is not supported; re-export the checkpoint as AWQ GEMM"
+        )
+    if not qc.get("zero_point", True):
+        raise CheckpointError(
+            "AWQ without zero points is not supported; use an AWQ GEMM checkpoint with zero_point"
+        )
+    bits, group_size = _checked(
+        "AWQ", qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size", 128))
+    )
+    if bits != 4:
+        raise CheckpointError(f"AWQ GEMM checkpoints hold 4-bit weights, this one says {bits}")
+    ignored = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
+    return ImportSpec(
+        method="awq",
+        layout="awq-gemm",
+        bits=bits,
+        group_size=group_size,
+        is_symmetric=False,
+        is_act_order=False,
+        ignored_modules=ignored,
+    )
+
+
+def _parse_gptq(qc: dict) -> ImportSpec:
+    checkpoint_format = qc.get("checkpoint_format") or qc.get("format") or "gptq"
+    layouts = {"gptq": "gptq-v1", "gptq_v2": "gptq-v2"}
+    if checkpoint_format not in layouts:
+        raise CheckpointError(
+            f"GPTQ checkpoint_format {checkpoint_format!r} is not supported; use gptq or gptq_v2"
+        )
+    if qc.get("dynamic"):
+        raise CheckpointError("GPTQ checkpoints with per-module `dynamic` overrides are not supported")
+    bits, group_size = _checked("GPTQ", qc.get("bits", 4), qc.get("group_size", 128))
+    ignored = tuple(qc.get("modules_to_not_convert") or ()) + (() if qc.get("lm_head") else ("lm_head",))
+    return ImportSpec(
+        method="gptq",
+        layout=layouts[checkpoint_format],
+        bits=bits,
+        group_size=group_size,
+        is_symmetric=bool(qc.get("sym", True)),
+        is_act_order=bool(qc.get("desc_act", False)),
+        ignored_modules=ignored,
+    )
+
+
+def _single_scheme(qc: dict) -> dict:
+    schemes = list((qc.get("config_groups") or {}).values())
+    if not schemes:
+        raise CheckpointError(
+            "compressed-tensors config has no config_groups; the checkpoint is not quantized"
+        )
+    if any(
+        s.get("weights") != schemes[0].get("weights")
+        or s.get("input_activations") != schemes[0].get("input_activations")
+        for s in schemes
+    ):
+        raise CheckpointError(
+            "compressed-tensors config_groups with different schemes are not supported; use one scheme"
+        )
+    if (qc.get("sparsity_config") or {}).get("format", "dense") != "dense":
+        raise CheckpointError("sparse compressed-tensors checkpoints are not supported")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise CheckpointError(f"compressed-tensors quantization_status {status!r}: save the model compressed")
+    return schemes[0]
+
+
+def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[str, ...]) -> ImportSpec:
+    if (
+        weights.get("type") != "float"
+        or weights.get("num_bits") != 8
+        or weights.get("strategy") not in ("channel", "tensor")
+    ):
+        raise CheckpointError("float-quantized checkpoints must have fp8 weights per channel or per tensor")
+    if not activations or activations.get("type") != "float" or activations.get("num_bits") != 8:
+        raise CheckpointError(
+            "fp8 weight-only checkpoints are not supported; llmc imports fp8 W8A8 (FP8 or FP8_DYNAMIC)"
+        )
+    # A dynamic per-tensor activation scheme runs per token here: finer, and the weights are unchanged.
+    is_static_input = not activations.get("dynamic", False)
+    return ImportSpec(
+        method="compressed-tensors",
+        layout="float-quantized",
+        bits=8,
+        group_size=-1,
+        is_symmetric=True,
+        is_act_order=False,
+        ignored_modules=ignored,
+        is_per_channel=weights["strategy"] == "channel",
+        is_static_input=is_static_input,
+    )
+
+
+def _parse_compressed_tensors(qc: dict) -> ImportSpec:
+    scheme = _single_scheme(qc)
+    weights, activations = scheme.get("weights") or {}, scheme.get("input_activations")
+    layout = scheme.get("format") or qc.get("format")
+    ignored = tuple(qc.get("ignore") or ())
+    if layout == "float-quantized":
+        return _parse_fp8_scheme(weights, activations, ignored)
+    if layout != "pack-quantized":
+        raise CheckpointError(
+            f"compressed-tensors format {layout!r} is not supported; supported: {SUPPORTED}"
+        )
+    if activations:
+        raise CheckpointError(
+            "int weights with quantized activations (W4A8/W8A8 int) are not supported; use W4A16/W8A16"
+        )
+    if weights.get("type") != "int" or weights.get("strategy") not in ("group", "channel"):
+        raise CheckpointError(
+            "pack-quantized checkpoints must have int weights with group or channel strategy"
+        )
+    group_size = weights.get("group_size") if weights["strategy"] == "group" else -1
+    bits, group_size = _checked("compressed-tensors", weights.get("num_bits"), group_size)
+    # actorder "group" (alias "dynamic") stores weight_g_idx; "weight"/"static" keeps groups contiguous
+    return ImportSpec(
+        method="compressed-tensors",
+        layout="pack-quantized",
+        bits=bits,
+        group_size=group_size,
+        is_symmetric=bool(weights.get("symmetric", True)),
+        is_act_order=weights.get("actorder") in ("group", "dynamic"),
+        ignored_modules=ignored,
+    )
+
+
+def parse_quantization_config(config_json: dict) -> ImportSpec:
+    """A checkpoint's config.json (or its `quantization_config` alone) → ImportSpec."""
+    qc = config_json.get("quantization_config", config_json)
+    parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors}
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in parsers:
+        raise CheckpointError(
+            f"quantization method {method or 'none'!r} is not supported; supported: {SUPPORTED}"
+        )
+    return parsers[method](qc)
+
+
+def expected_shapes(spec: ImportSpec, in_features: int, out_features: int) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor a module of this size has in the checkpoint's layout."""
+    num_groups = 1 if spec.group_size == -1 else -(-in_features // spec.group_size)
+    per_word = levels_per_word(spec.bits)
+    if spec.layout == "awq-gemm":
+        return {
+            "qweight": (in_features, out_features // 8),
+            "qzeros": (num_groups, out_features // 8),
+            "scales": (num_groups, out_features),
+        }
+    if spec.layout in ("gptq-v1", "gptq-v2"):  # bit stream: in * bits / 32 words
+        return {
+            "qweight": (in_features * spec.bits // 32, out_features),
+            "qzeros": (num_groups, out_features * spec.bits // 32),
+            "scales": (num_groups, out_features),
+            "g_idx": (in_features,),
+        }
+    if spec.layout == "pack-quantized":
+        return {
+            "weight_packed": (out_features, -(-in_features // per_word)),
+            "weight_scale": (out_features, num_groups),
+            "weight_shape": (2,),
+            "weight_zero_point": (-(-out_features // per_word), num_groups),
+            "weight_g_idx": (in_features,),
+        }
+    return {
+        "weight": (out_features, in_features),
+        "weight_scale": (out_features if spec.is_per_channel else 1,),
+        "input_scale": (1,),
+    }
+
+
+def _is_scale(name: str) -> bool:
+    return name in ("weight_scale", "input_scale")
+
+
+def check_module_tensors(
+    spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor], in_features: int, out_features: int
+) -> None:
+    """Raise a one-line CheckpointError if a module's tensors do not fit the config and the model's sizes."""
+    config = f"{spec.method} {spec.bits}-bit group_size {spec.group_size} ({spec.layout})"
+    missing = [n for n in spec.required_tensor_names() if n not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"{module_name} lacks {missing} expected for {config}; is quantization_config right?"
+        )
+    known = set(spec.required_tensor_names()) | set(spec.optional_tensor_names())
+    for name, shape in expected_shapes(spec, in_features, out_features).items():
+        if name not in tensors or name not in known:
+            continue
+        actual = tuple(tensors[name].shape)
+        # FP8 scales appear as [n], [n, 1] or [] across versions: compare without unit dims.
+        is_match = (
+            ([d for d in actual if d != 1] == [d for d in shape if d != 1])
+            if _is_scale(name)
+            else actual == shape
+        )
+        if not is_match:
+            raise CheckpointError(
+                f"{module_name}.{name} has shape {list(actual)}, expected {list(shape)} for {config} "
+                f"with in_features {in_features}, out_features {out_features}; check quantization_config"
+            )

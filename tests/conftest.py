@@ -1,0 +1,420 @@
+"""Suite-wide fixtures: tiny random-weight Hugging Face checkpoints and a transformers oracle.
+
+Test files cannot import each other (pytest runs with ``--import-mode=importlib``), so every
+helper here is reachable through a fixture:
+
+* ``hf_checkpoint_factory`` -> :func:`make_hf_checkpoint`
+* ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
+  ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
+* ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every family
+* ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
+  ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
+* ``repo_root``, ``shared_dir``, ``ref_model_dir`` -> ``Path``
+
+The checkpoints are written exactly as ``save_pretrained`` writes them (transformers 5 writes
+``rope_parameters``; pass ``legacy_rope_keys=True`` for the older ``rope_theta`` + ``rope_scaling``
+keys that published checkpoints carry).  Every weight is random, including the RMSNorm weights
+and biases that transformers initialises to 1 and 0, so that a loader that drops them, or an
+engine that ignores them, disagrees with transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REF_MODEL_DIR = REPO_ROOT / "checkpoints" / "ref-llama-12m"
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
+
+# Common to every family.  Vocabulary = the reference tokenizer's, so its tokenizer can be copied in.
+_BASE_CONFIG: dict[str, Any] = dict(
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    pad_token_id=PAD_ID,
+    tie_word_embeddings=False,
+)
+
+# Per family: transformers config class name, and overrides of _BASE_CONFIG.
+_FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama3_rope": (
+        "LlamaConfig",
+        {
+            # head_dim 16, theta 1e4: wavelengths 2*pi*1e4**(2i/16) = 6.3, 19.9, 62.8, 199, ...
+            # With original_max_position_embeddings 64, low_freq_factor 1 and high_freq_factor 4,
+            # i=0 is kept, i=1,2 (16 < wavelength < 64) are smoothed, i>=3 are divided by 8:
+            # all three branches of the llama3 rule are exercised.
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": (
+        "Qwen2Config",
+        {
+            "rope_theta": 1_000_000.0,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        {
+            # head_dim != hidden_size / num_attention_heads (= 16): q_proj is 64 -> 128.
+            "head_dim": 32,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        },
+    ),
+}
+
+# Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
+# every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
+# residual stream has rms ~4 after layer 0, attention entropy is ~1.5 nats against ~3 for uniform
+# (qwen3 ~2.65: its q_norm/k_norm cap the scores), logits have std ~4 (tied qwen2: ~2.4), and
+# 48 greedy tokens contain 40+ distinct ids.  The smallest top-1/top-2 logit gap seen along the
+# greedy paths is ~2e-4, so float32 engines match token for token; bf16 ones may not.
+EMBED_STD = 0.5
+TIED_EMBED_STD = 0.3  # tied: also the lm_head; larger makes greedy repeat the previous token
+LINEAR_STD = 0.2  # every projection: q.k/sqrt(d) has std ~2.5, attention is far from uniform
+LM_HEAD_STD = 0.5
+NORM_JITTER = 0.1  # norm weights = 1 + NORM_JITTER * randn
+BIAS_STD = 0.1
+
+
+def _config_for(family: str, config_overrides: dict[str, Any]):
+    import transformers
+
+    if family not in _FAMILY_SPECS:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    cls_name, family_kwargs = _FAMILY_SPECS[family]
+    kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
+    if "rope_parameters" in kwargs:
+        # Caller gave the transformers-5 form: it supersedes the legacy pair.
+        kwargs.pop("rope_theta", None)
+        kwargs.pop("rope_scaling", None)
+    config = getattr(transformers, cls_name)(**kwargs)
+    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    return config
+
+
+@torch.no_grad()
+def _randomise_(model: torch.nn.Module, seed: int) -> None:
+    """Overwrite every parameter, including the constant-initialised norms and biases."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn_like(p: torch.Tensor) -> torch.Tensor:
+        return torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.dtype)
+
+    # named_parameters() yields a tied lm_head/embedding once (under the embedding's name).
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            p.copy_(BIAS_STD * randn_like(p))
+        elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm
+            p.copy_(1.0 + NORM_JITTER * randn_like(p))
+        elif "embed_tokens" in name:
+            tied = model.get_output_embeddings().weight is p
+            p.copy_((TIED_EMBED_STD if tied else EMBED_STD) * randn_like(p))
+        elif name.startswith("lm_head"):
+            p.copy_(LM_HEAD_STD * randn_like(p))
+        elif p.dim() == 2:
+            p.copy_(LINEAR_STD * randn_like(p))
+        else:
+            raise AssertionError(f"unexpected parameter {name} {tuple(p.shape)}: decide how to randomise it")
+
+
+def _rewrite_legacy_rope_keys(config_path: Path, style: Any) -> None:
+    """Replace ``rope_parameters`` by the older ``rope_theta`` + ``rope_scaling`` keys.
+
+    ``style`` True: ``rope_scaling = {"rope_type": ..., ...}`` (Llama 3.1 / Qwen2.5 style);
+    ``style`` "type": ``rope_scaling = {"type": ..., ...}`` (the still older spelling).
+    ``rope_scaling`` is ``null`` when the rope is the default one, as published configs have it.
+    """
+    cfg = json.loads(config_path.read_text())
+    params = dict(cfg.pop("rope_parameters"))
+    theta = params.pop("rope_theta")
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default" and not params:
+        scaling = None
+    else:
+        key = "type" if style == "type" else "rope_type"
+        scaling = {key: rope_type, **params}
+    cfg["rope_theta"] = theta
+    cfg["rope_scaling"] = scaling
+    # alphabetical key order, as transformers writes config.json
+    config_path.write_text(json.dumps(dict(sorted(cfg.items())), indent=2) + "\n")
+
+
+def make_hf_checkpoint(
+    path,
+    family: str,
+    *,
+    sharded: bool = False,
+    seed: int = 0,
+    legacy_rope_keys: bool | str = False,
+    tokenizer: bool = True,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random float32 Hugging Face checkpoint of ``family`` into ``path``.
+
+    ``family``: one of ``FAMILIES``.  ``config_overrides`` go to the transformers config class
+    (``rope_theta``/``rope_scaling`` are accepted and folded into ``rope_parameters`` by
+    transformers, as is ``rope_parameters`` itself).  ``sharded=True`` writes several
+    ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``;
+    otherwise one ``model.safetensors``.  ``legacy_rope_keys`` rewrites config.json to the old
+    ``rope_theta`` + ``rope_scaling`` keys (``"type"`` for the ``{"type": ...}`` spelling).
+    ``tokenizer`` copies the reference tokenizer files in.  Same ``(family, seed)`` -> same
+    weights; ``llama3_rope`` has the weights of ``llama`` for the same seed (unless the config
+    overrides change shapes).
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in list(path.glob("model*.safetensors")) + list(path.glob("model*.safetensors.index.json")):
+        stale.unlink()
+
+    config = _config_for(family, config_overrides)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Different families get different weights for the same seed, except that llama3_rope
+    # shares llama's weights (same shapes): the two differ only in the rope.
+    weights_family = "llama" if family == "llama3_rope" else family
+    _randomise_(model, seed * 1000 + FAMILIES.index(weights_family))
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    # The whole model is ~2.3 MB (two 1 MB vocab matrices); 256 kB shards give 1 shard per
+    # vocab matrix plus a few for the layers.
+    model.save_pretrained(path, max_shard_size="256kB" if sharded else "1GB")
+
+    if legacy_rope_keys:
+        _rewrite_legacy_rope_keys(path / "config.json", legacy_rope_keys)
+    if tokenizer:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    _evict(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers oracle
+
+
+_CACHE: dict[tuple, tuple[Any, Any]] = {}
+_CACHE_LOCK = threading.RLock()
+
+
+def _cache_key(path: Path) -> tuple:
+    path = Path(path).resolve()
+    stamps = tuple(
+        (f.name, f.stat().st_mtime_ns, f.stat().st_size)
+        for f in sorted(path.iterdir())
+        if f.suffix in (".json", ".safetensors")
+    )
+    return (str(path), stamps)
+
+
+def _evict(path: Path) -> None:
+    resolved = str(Path(path).resolve())
+    with _CACHE_LOCK:
+        for key in [k for k in _CACHE if k[0] == resolved]:
+            del _CACHE[key]
+
+
+def _load(path) -> tuple[Any, Any]:
+    """(model, tokenizer-or-None) for ``path``, loaded once per session (float32, eager)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    key = _cache_key(path)
+    with _CACHE_LOCK:
+        hit = _CACHE.get(key)
+        if hit is None:
+            _evict(path)  # the files changed under this path: drop the old model
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=torch.float32, attn_implementation="eager"
+            )
+            model.eval()
+            tok = None
+            if (Path(path) / "tokenizer.json").exists():
+                tok = AutoTokenizer.from_pretrained(str(path))
+            hit = _CACHE[key] = (model, tok)
+    return hit
+
+
+def hf_model(path):
+    """The cached transformers model for ``path`` (float32, eager attention, eval mode)."""
+    return _load(path)[0]
+
+
+def hf_encode(path, prompt: str) -> list[int]:
+    """The prompt ids ``hf_greedy`` feeds the model: the checkpoint's tokenizer, bos prepended."""
+    tok = _load(path)[1]
+    if tok is None:
+        raise FileNotFoundError(f"{path} has no tokenizer.json")
+    return list(tok(prompt)["input_ids"])
+
+
+@torch.inference_mode()
+def hf_greedy(path, prompts: Sequence[str] | str, max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy ``generate`` on each prompt, one at a time, no padding.
+
+    Returns only the new token ids per prompt.  Like ``generate``, a sequence stops after the
+    first eos, which is included as its last id; otherwise it has ``max_new_tokens`` ids.
+    Prompts are tokenized by the checkpoint's tokenizer (bos prepended), see ``hf_encode``.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    model, _ = _load(path)
+    out: list[list[int]] = []
+    for prompt in prompts:
+        ids = torch.tensor([hf_encode(path, prompt)], dtype=torch.long)
+        gen = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+        )
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@torch.inference_mode()
+def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """float32 logits ``[len(token_ids), vocab]`` of one transformers forward pass (no bos added)."""
+    model, _ = _load(path)
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    return logits[0].float().clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """``<repo>/../shared``; the test is skipped when it does not exist."""
+    if not SHARED_DIR.is_dir():
+        pytest.skip(f"shared directory {SHARED_DIR} is absent")
+    return SHARED_DIR
+
+
+@pytest.fixture(scope="session")
+def ref_model_dir() -> Path:
+    """``<repo>/checkpoints/ref-llama-12m`` (real trained weights, bf16, 3 shards)."""
+    if not (REF_MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"reference checkpoint {REF_MODEL_DIR} is absent")
+    return REF_MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint_factory():
+    """:func:`make_hf_checkpoint` (path, family, *, sharded=False, seed=0, legacy_rope_keys=False,
+    tokenizer=True, **config_overrides) -> Path."""
+    return make_hf_checkpoint
+
+
+@pytest.fixture(scope="session", name="hf_greedy")
+def _hf_greedy_fixture():
+    """:func:`hf_greedy` (path, prompts, max_new_tokens) -> list[list[int]]."""
+    return hf_greedy
+
+
+@pytest.fixture(scope="session", name="hf_logits")
+def _hf_logits_fixture():
+    """:func:`hf_logits` (path, token_ids) -> Tensor[len, vocab] float32."""
+    return hf_logits
+
+
+@pytest.fixture(scope="session", name="hf_encode")
+def _hf_encode_fixture():
+    """:func:`hf_encode` (path, prompt) -> list[int], the ids hf_greedy uses."""
+    return hf_encode
+
+
+@pytest.fixture(scope="session", name="hf_model")
+def _hf_model_fixture():
+    """:func:`hf_model` (path) -> the cached transformers model."""
+    return hf_model
+
+
+def _session_checkpoint(tmp_path_factory, family: str, **kwargs) -> Path:
+    name = family + ("_sharded" if kwargs.get("sharded") else "")
+    return make_hf_checkpoint(tmp_path_factory.mktemp(f"tiny_{name}"), family, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_sharded(tmp_path_factory) -> Path:
+    """Same weights as ``tiny_llama`` (seed 0), written as several shards + index."""
+    return _session_checkpoint(tmp_path_factory, "llama", sharded=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "llama3_rope")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def tiny_checkpoint(request) -> tuple[str, Path]:
+    """``(family, path)`` for each family in turn (reuses the per-family session fixtures)."""
+    family = request.param
+    return family, request.getfixturevalue(f"tiny_{family}")
