@@ -82,6 +82,8 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     spec = hf.model_spec_for(hf_config, model_dir)
     if hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias")):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
+    hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
+    _tokenizer_files(model_dir)
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
@@ -128,12 +130,16 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
     return {name: dense for name in names}
 
 
+def _tokenizer_files(model_dir: Path) -> list[str]:
+    names = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
+    if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(names):
+        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
+    return names
+
+
 def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
     dest.mkdir(parents=True)
-    copied = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
-    if "tokenizer.json" not in copied and "tokenizer.model" not in copied and "vocab.json" not in copied:
-        raise CheckpointError(f"{model_dir}: no tokenizer files (tokenizer.json, tokenizer.model or vocab.json)")
-    for name in copied:
+    for name in _tokenizer_files(model_dir):
         shutil.copy2(model_dir / name, dest / name)
 
 

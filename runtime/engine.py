@@ -53,8 +53,8 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request (text or token ids); returns its id."""
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.groups:
             raise RequestError(f"request_id {request_id!r} is already in use")
@@ -64,13 +64,15 @@ class Engine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
-        group = RequestGroup(request_id, prompt, prompt_token_ids, params, time.monotonic())
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
         for index, child_params in enumerate(group.child_params()):
             room = self.options.max_model_len - len(prompt_token_ids)
             max_tokens = room if child_params.max_tokens is None else min(child_params.max_tokens, room)
             request = Request(
                 request_id=f"{request_id}#{index}", prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
                 arrival_time=group.arrival_time, priority=priority, sampling_params=child_params,
+                skip_prefix_cache=child_params.prompt_logprobs is not None,
             )
             state = SequenceState(request, index, child_params, self.tokenizer, self.device,
                                   self.eos_token_ids, self.options.max_model_len, request_id)
@@ -108,7 +110,9 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits = self.runner.execute(batch)  # [num_sampled, vocab_size]
+        logits, prompt_logits = self.runner.execute(batch)  # [num_sampled, vocab_size], per-request prompt rows
+        for request_id, (first_position, rows) in prompt_logits.items():
+            self.sequences[request_id].record_prompt_logprobs(first_position, rows)
         sampled_states = [self.sequences[s.request.request_id] for s in batch.requests if s.is_last_chunk]
         tokens = self._sample(logits, sampled_states)
         self.scheduler.update(batch, {state.request.request_id: [token] for state, token in zip(sampled_states, tokens)})

@@ -72,16 +72,21 @@ class ModelRunner:
             for _ in range(spec.num_layers)
         ]
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, ForwardBatch]:
-        """Flatten the scheduled chunks: token ids [num_tokens] and their ForwardBatch."""
-        input_ids, positions, slots, context_lens, query_lens, logits_indices = [], [], [], [], [], []
+    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, ForwardBatch, dict[str, tuple[int, int]]]:
+        """Flatten the scheduled chunks: token ids [num_tokens], their ForwardBatch, and for requests
+        asking prompt logprobs {request_id: (first position, number of rows)} of extra logits rows.
+
+        Logits rows: first one per chunk that ends its sequence (sampling), then the prompt-logprob rows.
+        """
+        input_ids, positions, slots, context_lens, query_lens = [], [], [], [], []
+        sample_indices, prompt_indices, prompt_spans = [], [], {}
         max_num_blocks = max(len(s.request.block_ids) for s in batch.requests)
         block_tables = torch.zeros((len(batch.requests), max_num_blocks), dtype=torch.int32)
         for row, scheduled in enumerate(batch.requests):
             request = scheduled.request
             start, num_new = request.num_computed_tokens, scheduled.num_new_tokens
-            token_ids = request.all_token_ids
-            input_ids.extend(token_ids[start : start + num_new])
+            offset = len(input_ids)
+            input_ids.extend(request.get_token_ids(start, start + num_new))
             positions.extend(range(start, start + num_new))
             blocks = request.block_ids
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + num_new))
@@ -89,7 +94,12 @@ class ModelRunner:
             context_lens.append(start + num_new)
             query_lens.append(num_new)
             if scheduled.is_last_chunk:
-                logits_indices.append(len(input_ids) - 1)
+                sample_indices.append(len(input_ids) - 1)
+            if request.skip_prefix_cache:  # prompt logprobs: positions whose next token is in the prompt
+                end = min(start + num_new, request.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_spans[request.request_id] = (start, end - start)
+                    prompt_indices.extend(range(offset, offset + end - start))
         as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
         forward_batch = ForwardBatch(
             positions=as_long(positions),
@@ -97,9 +107,9 @@ class ModelRunner:
             block_tables=block_tables.to(self.device),
             context_lens=context_lens,
             query_lens=query_lens,
-            logits_indices=as_long(logits_indices),
+            logits_indices=as_long(sample_indices + prompt_indices),
         )
-        return as_long(input_ids), forward_batch
+        return as_long(input_ids), forward_batch, prompt_spans
 
     @torch.inference_mode()
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
@@ -124,8 +134,15 @@ class ModelRunner:
         return torch.cat(logits)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> Tensor:
-        """Run one step; logits [num_sampled, vocab_size] float32 for the chunks that end their sequence."""
-        input_ids, forward_batch = self.prepare(batch)
+    def execute(self, batch: ScheduledBatch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
+        """Run one step. Returns logits [num_sampled, vocab_size] float32 for the chunks that end their
+        sequence, and {request_id: (first position, logits [n, vocab_size])} for prompt logprobs."""
+        input_ids, forward_batch, prompt_spans = self.prepare(batch)
         hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[forward_batch.logits_indices])
+        logits = self.model.compute_logits(hidden[forward_batch.logits_indices])  # [num_rows, vocab_size]
+        num_sampled = sum(1 for s in batch.requests if s.is_last_chunk)
+        prompt_logits, row = {}, num_sampled
+        for request_id, (first_position, num_rows) in prompt_spans.items():
+            prompt_logits[request_id] = (first_position, logits[row : row + num_rows])
+            row += num_rows
+        return logits[:num_sampled], prompt_logits

@@ -56,6 +56,8 @@ class Request:
             Empty while waiting.
         status: see `RequestStatus`.
         num_preemptions: how many times this request was preempted (its KV recomputed).
+        skip_prefix_cache: never reuse cached blocks for it (prompt logprobs need the logits of
+            every prompt position, so every prompt token is computed).
         block_hashes: prefix-cache hashes of the full blocks of `all_token_ids`, a chain
             (hash i covers tokens [0, (i+1)*block_size)). Maintained lazily by the scheduler;
             depends on tokens only, so it survives preemption.
@@ -72,6 +74,7 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
+    skip_prefix_cache: bool = False
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 

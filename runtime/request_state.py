@@ -14,7 +14,7 @@ import torch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.request import Request, RequestStatus
-from llmc.runtime.sampler import make_generator
+from llmc.runtime.sampler import compute_prompt_logprobs, make_generator
 from llmc.runtime.sampling_params import SamplingParams
 
 _STATUS_FOR_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
@@ -34,6 +34,8 @@ class SequenceState:
             tokenizer, request.prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len
         )
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # prompt_logprobs[p] is the logprob of prompt token p (None for the first, which has no context).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
 
     def record_logprobs(self, token: int, logprobs: dict[int, float] | None) -> None:
@@ -41,6 +43,17 @@ class SequenceState:
             return
         self.logprobs.append(logprobs)
         self.cumulative_logprob += logprobs[token]
+
+    def record_prompt_logprobs(self, first_position: int, logits: torch.Tensor) -> None:
+        """logits [n, vocab_size] at positions first_position.. score prompt tokens first_position+1..
+        Positions already recorded (a re-prefill after preemption) are skipped."""
+        num_known = len(self.prompt_logprobs) - 1  # positions whose next-token logprob is recorded
+        skip = num_known - first_position
+        if skip >= logits.shape[0]:
+            return
+        start = first_position + max(skip, 0)
+        next_ids = self.request.prompt_token_ids[start + 1 : first_position + 1 + logits.shape[0]]
+        self.prompt_logprobs.extend(compute_prompt_logprobs(logits[max(skip, 0):], next_ids, self.params.prompt_logprobs))
 
     def add_tokens(self, token_ids: list[int]) -> None:
         self.detokenizer.add_tokens(token_ids)
@@ -90,7 +103,8 @@ class RequestGroup:
         for i in range(num_sequences):
             seed = None if self.params.seed is None else self.params.seed + i
             children.append(dataclasses.replace(
-                self.params, n=1, best_of=None, seed=seed, logprobs=0 if wants_ranking else self.params.logprobs
+                self.params, n=1, best_of=None, seed=seed, logprobs=0 if wants_ranking else self.params.logprobs,
+                prompt_logprobs=self.params.prompt_logprobs if i == 0 else None,
             ))
         return children
 
@@ -106,12 +120,13 @@ class RequestGroup:
             completions = completions[: self.params.n]
             if self.params.logprobs is None:
                 completions = [dataclasses.replace(c, logprobs=None, cumulative_logprob=None) for c in completions]
-        first = self.sequences[0].request
+        first = self.sequences[0]
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=self.is_finished,
-            num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
+            num_cached_tokens=first.request.num_cached_tokens,
         )

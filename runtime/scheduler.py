@@ -256,7 +256,7 @@ class Scheduler:
 
     def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute (for logits)."""
-        if not self.config.enable_prefix_caching:
+        if not self.config.enable_prefix_caching or request.skip_prefix_cache:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_block_hashes(request, num_blocks)
