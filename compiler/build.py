@@ -16,10 +16,13 @@ from tqdm import tqdm
 import llmc
 from llmc.compiler import hf_checkpoint as hf
 from llmc.compiler.convert import artifact_tensor_specs, dense_packer, iter_artifact_tensors
+from llmc.compiler.calibration import calibration_windows
 from llmc.compiler.emit import SafetensorsWriter, atomic_directory
+from llmc.compiler.import_quantized import ImportPacker, import_formats
+from llmc.compiler.pipeline import QuantizingPacker
+from llmc.compiler.quantize import linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe
 from llmc.errors import CheckpointError, RecipeError
-from llmc.quant.formats import DenseFormat
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.models.spec import ModelSpec
@@ -32,6 +35,7 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 DEFAULT_GPU_MEMORY_GIB = 80.0
+NUM_REPORT_WINDOWS = 4  # held-out calibration windows the build's quality report runs on
 
 
 @dataclass
@@ -52,6 +56,7 @@ class _Context:
     spec: ModelSpec
     model: art.ModelConfig
     module_formats: dict[str, dict]
+    report: dict = field(default_factory=dict)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -121,13 +126,10 @@ def _merge_generation_eos(model: art.ModelConfig, model_dir: Path) -> art.ModelC
 
 
 def _plan_formats(ctx: _Context) -> dict[str, dict]:
-    if ctx.recipe.quantization.method != "none":
-        raise RecipeError(f"quantization.method: {ctx.recipe.quantization.method!r} is not available in this build yet")
-    dense = DenseFormat(getattr(torch, ctx.model.dtype)).spec()
-    names = [f"layers.{i}.{linear.name}" for i in range(ctx.model.num_layers) for linear in ctx.spec.layer_linears]
-    if not ctx.model.tie_word_embeddings:
-        names.append("lm_head")
-    return {name: dense for name in names}
+    if ctx.recipe.quantization.method == "import":
+        return import_formats(ctx.hf_config, ctx.spec, ctx.model, ctx.model_dir)
+    in_features = linear_in_features(ctx.spec, ctx.model)
+    return plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
 
 
 def _tokenizer_files(model_dir: Path) -> list[str]:
@@ -147,18 +149,43 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> int:
     specs = artifact_tensor_specs(ctx.model, ctx.module_formats)
     path = root / art.rank_weights_path(0)
     writer = SafetensorsWriter(path, specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    packer = dense_packer(ctx.model, ctx.module_formats)
-    dtype = getattr(torch, ctx.model.dtype)
-
-    def pack_global(module: str, weight):
-        return {"weight": weight.to(dtype)}
-
     with hf.TensorReader(ctx.model_dir) as reader:
+        packer, pack_global = _packers(ctx, reader)
         tensors = iter_artifact_tensors(reader, ctx.spec, ctx.model, specs, packer, pack_global)
         for name, tensor in tqdm(tensors, total=len(specs), desc="weights", unit="tensor", disable=not show_progress):
             writer.write(name, tensor)
+        ctx.report = packer.report() if hasattr(packer, "report") else {}
     writer.close()
     return path.stat().st_size
+
+
+def _packers(ctx: _Context, reader: hf.TensorReader):
+    """(layer packer, global packer) for the recipe's method."""
+    quant = ctx.recipe.quantization
+    dtype = getattr(torch, ctx.model.dtype)
+    if quant.method == "none":
+        return dense_packer(ctx.model, ctx.module_formats), lambda module, weight: {"weight": weight.to(dtype)}
+    if quant.method == "import":
+        packer = ImportPacker(ctx.hf_config, ctx.spec, ctx.model, ctx.module_formats, reader)
+        return packer, packer.pack_global
+    calibration, held_out = _calibration_data(ctx)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    packer = QuantizingPacker(quant, ctx.module_formats, ctx.model, ctx.spec, reader, calibration, held_out, device)
+    return packer, packer.pack_global
+
+
+def _calibration_data(ctx: _Context):
+    quant = ctx.recipe.quantization
+    if quant.calibration.data is None:
+        return None, None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ctx.model_dir), local_files_only=True)
+    calib = quant.calibration
+    num_eval = NUM_REPORT_WINDOWS if quant.report else 0
+    calibration, held_out = calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, calib.seed, num_eval)
+    needs_calibration = quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static")
+    return (calibration if needs_calibration else None), (held_out if num_eval else None)
 
 
 def _write_manifest(ctx: _Context, root: Path, weight_bytes: int) -> art.Manifest:
@@ -170,7 +197,8 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: int) -> art.Manifes
         llmc_version=llmc.__version__,
         source=_source_record(ctx),
         model=ctx.model,
-        quant=art.QuantInfo(method=recipe.quantization.method, modules=ctx.module_formats),
+        quant=art.QuantInfo(method=recipe.quantization.method, modules=ctx.module_formats,
+                            settings=dataclasses.asdict(recipe.quantization), report=ctx.report),
         parallel=art.ParallelPlan(1, 1, [list(range(ctx.model.num_layers))]),
         kv=kv,
         plan=_plan(recipe, ctx.model, runtime, kv, weight_bytes),

@@ -46,12 +46,15 @@ def meta_model(config: ModelConfig, module_formats: dict[str, dict]) -> DecoderM
         return DecoderModel(config, formats, max_positions=1)
 
 
-def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
+def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
+               skip_linears: set[str] = frozenset()) -> LayerWeights:
+    """One layer's float tensors in runtime names; `skip_linears` are not read (imported quantized ones)."""
     prefix = f"{spec.hf_layer_prefix}{index}."
     linears, biases = {}, {}
     for linear in spec.layer_linears:
         members = [prefix + member for member in linear.hf_members]
-        linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
+        if linear.name not in skip_linears:
+            linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
         if config.attention_bias and linear.name == "attn.qkv":
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
     norm_names = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
@@ -96,7 +99,8 @@ def iter_artifact_tensors(
         if name not in pending:
             if name.startswith("layers."):
                 index = int(name.split(".")[1])
-                layer = pack_layer_fn(read_layer(reader, spec, config, index))
+                read = getattr(pack_layer_fn, "read_layer", read_layer)
+                layer = pack_layer_fn(read(reader, spec, config, index))
                 pending.update({f"layers.{index}.{k}": v for k, v in layer.items()})
             else:
                 pending.update(read_global(reader, spec, name, pack_global_fn))

@@ -124,6 +124,35 @@ def run(artifact: str, prompt: str | None, chat: bool, max_tokens: int, temperat
     click.echo()
 
 
+@cli.command(name="eval")
+@click.argument("artifact", type=click.Path())
+@click.option("--data", required=True, type=click.Path(dir_okay=False), help="text file to measure perplexity on")
+@click.option("--seq-len", type=int, default=512, help="tokens per window")
+@click.option("--max-windows", type=int, default=None, help="measure at most this many windows [default: all]")
+@click.option("--compare", "compare_with", type=click.Path(), default=None,
+              help="another artifact: report the mean KL divergence and top-1 agreement against it")
+@click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
+@click.option("--json", "as_json", is_flag=True, help="print the numbers as JSON")
+def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None, compare_with: str | None,
+                 device: str | None, as_json: bool) -> None:
+    """Perplexity of ARTIFACT on a text file (GPTQ-paper protocol), optionally compared with another artifact."""
+    from llmc.runtime.engine import Engine
+    from llmc.runtime.evaluate import evaluate, perplexity_windows
+
+    options = {"max_model_len": seq_len} if seq_len > 1 else {}
+    engine = Engine(artifact, device=device, **options)
+    reference = Engine(compare_with, device=device, **options) if compare_with else None
+    windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
+    result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
+    if compare_with:
+        result["reference"] = compare_with
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    for key, value in result.items():
+        click.echo(f"{key:<22}{value:.4f}" if isinstance(value, float) else f"{key:<22}{value}")
+
+
 def _interactive_chat(llm, params) -> None:
     history: list[dict] = []
     click.echo("chat: type a message, or /exit to quit", err=True)

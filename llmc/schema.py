@@ -41,7 +41,8 @@ def parse(klass, data: Any, where: str, error: type[LlmcError]):
             values[name] = _convert(hints[name], data[name], _join(where, name), error)
             _check_constraints(f, values[name], _join(where, name), error)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise error(f"{_join(where, name)}: required key is missing ({f.metadata.get('help', '')})".rstrip(" ()"))
+            help_text = f.metadata.get("help")
+            raise error(f"{_join(where, name)}: required key is missing" + (f" ({help_text})" if help_text else ""))
     return klass(**values)
 
 

@@ -1,0 +1,126 @@
+"""Calibration: text → token windows, and running the runtime's own decoder layers one at a time.
+
+The same `DecoderLayer` the runtime serves with runs here in float32 over the calibration windows,
+with a scratch paged KV cache, so a build needs one layer's weights plus the activations in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from llmc.compiler.convert import LayerWeights
+from llmc.errors import RecipeError
+from llmc.quant.formats import DenseFormat
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.models.decoder import DecoderLayer
+
+BLOCK_SIZE = 16
+
+
+def read_text(path: str | Path) -> str:
+    """A .txt file as is; a .jsonl file's "text" fields joined by blank lines."""
+    path = Path(path)
+    if path.suffix == ".jsonl":
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in lines):
+            raise RecipeError(f"quantization.calibration.data: every line of {path} must be an object with a \"text\" string")
+        return "\n\n".join(r["text"] for r in lines)
+    return path.read_text()
+
+
+def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int,
+                        num_eval: int = 0) -> tuple[Tensor, Tensor]:
+    """Tokenize the file once and cut it into non-overlapping windows of seq_len - 1 tokens, each
+    given the bos token first. Returns (calibration windows [num_samples, seq_len], held-out
+    windows [num_eval, seq_len]): calibration windows are chosen at random by `seed`, held-out ones
+    are the windows after them that calibration never saw."""
+    token_ids = tokenizer.encode(read_text(path), add_special_tokens=False, verbose=False)
+    body = seq_len - 1
+    num_windows = len(token_ids) // body
+    if num_windows < num_samples + num_eval:
+        raise RecipeError(
+            f"quantization.calibration.data: {path} has {len(token_ids)} tokens, enough for {num_windows} windows "
+            f"of {seq_len}; num_samples ({num_samples}){f' + {num_eval} held-out' if num_eval else ''} need more "
+            "text, fewer samples or a shorter seq_len"
+        )
+    chosen = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed))[: num_samples + num_eval]
+    calib, held_out = chosen[:num_samples].sort().values, chosen[num_samples:].sort().values
+    windows = torch.tensor(token_ids[: num_windows * body]).view(num_windows, body)
+    bos = torch.full((num_windows, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else token_ids[0])
+    windows = torch.cat([bos, windows], dim=1)  # [num_windows, seq_len]
+    return windows[calib], windows[held_out]
+
+
+class LayerRunner:
+    """Runs one decoder layer (float32, dense) over [num_windows, seq_len, hidden] hidden states."""
+
+    def __init__(self, config: ModelConfig, seq_len: int, device: torch.device, windows_per_chunk: int = 8):
+        self.config = ModelConfig(**{**config.__dict__, "dtype": "float32"})
+        self.seq_len = seq_len
+        self.device = device
+        self.windows_per_chunk = windows_per_chunk
+        self.cos_sin = cos_sin_cache(config.head_dim, seq_len, config.rope_theta, config.rope_scaling).to(device)
+        num_blocks = windows_per_chunk * -(-seq_len // BLOCK_SIZE)
+        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
+        self.kv_cache = (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+
+    def build_layer(self, layer: LayerWeights) -> DecoderLayer:
+        """A float32 DecoderLayer holding `layer`'s (possibly already fake-quantized) weights."""
+        prefix = f"layers.{layer.index}."
+        dense = DenseFormat(torch.float32)
+        formats = {prefix + name: dense for name in layer.linears}
+        with torch.device("meta"):
+            module = DecoderLayer(self.config, formats, layer.index, torch.float32)
+        set_layer_weights(module, layer, self.device)
+        module.attn.kv_cache = self.kv_cache
+        return module
+
+    @torch.inference_mode()
+    def forward(self, module: DecoderLayer, hidden: Tensor) -> Tensor:
+        """hidden [num_windows, seq_len, hidden_size] → the layer's output, same shape."""
+        out = torch.empty_like(hidden)
+        for start in range(0, hidden.shape[0], self.windows_per_chunk):
+            chunk = hidden[start : start + self.windows_per_chunk].to(self.device)  # [w, seq_len, hidden]
+            batch = self._batch(chunk.shape[0])
+            x, residual = module(chunk.flatten(0, 1), None, batch, self.cos_sin)
+            out[start : start + chunk.shape[0]] = (x + residual).view_as(chunk).to(out.device)
+        return out
+
+    def _batch(self, num_windows: int) -> ForwardBatch:
+        blocks_per_window = -(-self.seq_len // BLOCK_SIZE)
+        positions = torch.arange(self.seq_len, device=self.device).repeat(num_windows)
+        window = torch.arange(num_windows, device=self.device).repeat_interleave(self.seq_len)
+        slots = window * blocks_per_window * BLOCK_SIZE + positions
+        tables = torch.arange(num_windows * blocks_per_window, device=self.device, dtype=torch.int32)
+        return ForwardBatch(
+            positions=positions,
+            slot_mapping=slots,
+            block_tables=tables.view(num_windows, blocks_per_window),
+            context_lens=[self.seq_len] * num_windows,
+            query_lens=[self.seq_len] * num_windows,
+            logits_indices=torch.empty(0, dtype=torch.long, device=self.device),
+        )
+
+
+def set_layer_weights(module: DecoderLayer, layer: LayerWeights, device: torch.device) -> None:
+    tensors = {f"{name}.weight": w for name, w in layer.linears.items()}
+    tensors |= {f"{name}.bias": b for name, b in layer.biases.items()}
+    tensors |= {f"{name}.weight": w for name, w in layer.norms.items()}
+    for name, tensor in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(owner), attr, tensor.float().to(device))
+
+
+def capture_inputs(module: DecoderLayer, names: list[str], observe) -> list:
+    """Register hooks calling observe(name, x [num_tokens, in_features]) on each named linear's input."""
+    handles = []
+    for name in names:
+        linear = module.get_submodule(name)
+        handles.append(linear.register_forward_pre_hook(lambda _m, args, n=name: observe(n, args[0].reshape(-1, args[0].shape[-1]))))
+    return handles

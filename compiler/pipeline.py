@@ -1,0 +1,140 @@
+"""The layer-by-layer build pipeline: calibration and held-out hidden states carried from layer to layer.
+
+`QuantizingPacker` is the `LayerPacker` of a quantized build: called for layer 0, 1, ... in order
+by `iter_artifact_tensors`, it quantizes the layer (compiler/quantize.py), packs it in its formats,
+and advances the hidden states through it. `report()` then measures, on the held-out windows,
+the perplexity of the float and the quantized model and how far apart their predictions are.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import torch
+from torch import Tensor
+
+from llmc.compiler.calibration import LayerRunner
+from llmc.compiler.convert import LayerWeights, pack_layer
+from llmc.compiler.hf_checkpoint import TensorReader
+from llmc.compiler.quantize import LayerQuantizer
+from llmc.compiler.recipe import QuantizationConfig
+from llmc.kernels.norm import rms_norm
+from llmc.quant.formats import make_format
+from llmc.quant.reference import dequantize_weight
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models.spec import ModelSpec
+
+
+class QuantizingPacker:
+    def __init__(self, quant: QuantizationConfig, formats: dict[str, dict], config: ModelConfig, spec: ModelSpec,
+                 reader: TensorReader, calibration: Tensor | None, held_out: Tensor | None, device: torch.device):
+        self.formats = formats
+        self.config = config
+        self.spec = spec
+        self.reader = reader
+        self.dtype = getattr(torch, config.dtype)
+        windows = calibration if calibration is not None else held_out
+        self.runner = LayerRunner(config, windows.shape[1], device) if windows is not None else None
+        self.quantizer = LayerQuantizer(quant, formats, config, self.runner)
+        embed = reader.get(spec.global_tensors["embed.weight"]).float()
+        self.hidden = embed[calibration] if calibration is not None else None  # [num_samples, seq_len, hidden]
+        self.held_out = held_out
+        self.eval_float = embed[held_out] if held_out is not None else None
+        self.eval_quant = self.eval_float.clone() if held_out is not None else None
+        self.start = time.perf_counter()
+
+    def __call__(self, layer: LayerWeights) -> dict[str, Tensor]:
+        float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
+        quantized = self.quantizer.quantize(layer, self.hidden)
+        packed = {}
+        for name, q in quantized.items():
+            fmt = make_format(self.formats[f"layers.{layer.index}.{name}"], self.dtype)
+            if q is None:
+                packed[name] = fmt.pack_dense(layer.linears[name])
+            else:
+                packed[name] = fmt.pack(q)
+                layer.linears[name] = dequantize_weight(q)
+        self._advance(float_layer, layer)
+        return pack_layer(layer, packed, self.dtype)
+
+    def _advance(self, float_layer: LayerWeights, quant_layer: LayerWeights) -> None:
+        if self.runner is None:
+            return
+        module = self.runner.build_layer(quant_layer)
+        if self.hidden is not None:
+            self.hidden = self.runner.forward(module, self.hidden)
+        if self.eval_quant is not None:
+            self.eval_quant = self.runner.forward(module, self.eval_quant)
+            self.eval_float = self.runner.forward(self.runner.build_layer(float_layer), self.eval_float)
+
+    def pack_global(self, module: str, weight: Tensor) -> dict[str, Tensor]:
+        """Embedding and final norm stay dense; lm_head takes its planned format (RTN when quantized)."""
+        if module != "lm_head":
+            return {"weight": weight.to(self.dtype)}
+        from llmc.compiler.quantize import quantize_rtn
+
+        spec = self.formats["lm_head"]
+        fmt = make_format(spec, self.dtype)
+        if spec["format"] == "dense":
+            self.lm_head_quant = weight
+            return fmt.pack_dense(weight)
+        q = quantize_rtn(weight, spec, self.dtype)
+        self.lm_head_quant = dequantize_weight(q)
+        return fmt.pack(q)
+
+    def report(self) -> dict:
+        """Quality on the held-out windows and the cost of the build."""
+        report = {"build_seconds": round(time.perf_counter() - self.start, 1),
+                  "peak_memory_gib": round(peak_memory_bytes(self.runner) / 2**30, 3)}
+        if self.eval_quant is None:
+            return report
+        norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float()
+        lm_head_name = "embed.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        lm_float = self.reader.get(self.spec.global_tensors[lm_head_name]).float()
+        lm_quant = getattr(self, "lm_head_quant", lm_float).float()
+        float_logits = _logits(self.eval_float, norm, lm_float, self.config.rms_norm_eps)
+        quant_logits = _logits(self.eval_quant, norm, lm_quant, self.config.rms_norm_eps)
+        targets = self.held_out[:, 1:]
+        report |= {
+            "heldout_windows": int(self.held_out.shape[0]),
+            "heldout_seq_len": int(self.held_out.shape[1]),
+            "perplexity_unquantized": round(_perplexity(float_logits, targets), 3),
+            "perplexity_quantized": round(_perplexity(quant_logits, targets), 3),
+            "mean_kl_divergence": round(kl_divergence(float_logits, quant_logits), 5),
+            "top1_agreement": round(top1_agreement(float_logits, quant_logits), 4),
+        }
+        return report
+
+
+def _logits(hidden: Tensor, norm: Tensor, lm_head: Tensor, eps: float) -> Tensor:
+    return torch.nn.functional.linear(rms_norm(hidden, norm, eps), lm_head)[:, :-1]  # [w, seq_len - 1, vocab]
+
+
+def window_losses(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token loss of each window: logits [w, n, vocab] predicting targets [w, n] → [w]."""
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+    return nll.view(targets.shape).mean(dim=1)
+
+
+def _perplexity(logits: Tensor, targets: Tensor) -> float:
+    return math.exp(window_losses(logits, targets).mean().item())
+
+
+def kl_divergence(p_logits: Tensor, q_logits: Tensor) -> float:
+    """Mean KL(P || Q) over positions, P the reference."""
+    p = torch.log_softmax(p_logits.float(), dim=-1)
+    q = torch.log_softmax(q_logits.float(), dim=-1)
+    return (p.exp() * (p - q)).sum(dim=-1).mean().item()
+
+
+def top1_agreement(p_logits: Tensor, q_logits: Tensor) -> float:
+    return (p_logits.argmax(dim=-1) == q_logits.argmax(dim=-1)).float().mean().item()
+
+
+def peak_memory_bytes(runner: LayerRunner | None) -> int:
+    """Peak GPU memory when calibrating on a GPU, else the process's peak resident memory."""
+    if runner is not None and runner.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(runner.device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

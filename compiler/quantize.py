@@ -1,0 +1,238 @@
+"""Quantizing a model layer by layer: which format each linear gets, and the algorithms that fill it.
+
+NOTE (algorithm): calibration hidden states [num_samples, seq_len, hidden] flow through the model one
+decoder layer at a time. For layer i the packer (1) builds the runtime's float32 layer from the
+checkpoint, (2) quantizes its linears with the recipe's method, reading the inputs that reach them
+through the already-quantized layers 0..i-1 (GPTQ quantizes qkv, o, gate_up, down in turn, each seeing
+the inputs its quantized predecessors produce; AWQ searches scales on the float layer, folds them
+into the preceding norm or linear, then searches clipping), (3) replaces the weights with their
+dequantized values and runs the layer to produce layer i+1's inputs. Held-out windows flow through
+both the float and the quantized layers, so the build can report what quantization cost.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import re
+
+import torch
+from torch import Tensor
+
+from llmc.compiler.calibration import LayerRunner, capture_inputs, set_layer_weights
+from llmc.compiler.convert import LayerWeights, pack_layer
+from llmc.compiler.recipe import QuantizationConfig
+from llmc.errors import RecipeError
+from llmc.quant.awq import awq_search_clip, awq_search_scale
+from llmc.quant.formats import DenseFormat, QuantizedWeight, make_format, num_groups_of
+from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight
+from llmc.quant.gptq import HessianAccumulator, gptq_quantize
+from llmc.quant.reference import dequantize_weight
+from llmc.quant.rtn import fake_quantize, rtn_quantize
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models.spec import ModelSpec
+
+logger = logging.getLogger("llmc")
+AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for AWQ's searches
+
+
+# ---- which format each linear gets --------------------------------------------------------------
+
+
+def _matches(pattern: str, names: list[str]) -> bool:
+    if pattern.startswith("re:"):
+        return any(re.fullmatch(pattern[3:], n) for n in names)
+    return any(fnmatch.fnmatchcase(n, pattern) or n.split(".")[-1] == pattern for n in names)
+
+
+def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
+    """Runtime linear name → the names a recipe pattern may use for it (runtime and HF member names)."""
+    names = {}
+    for i in range(config.num_layers):
+        for linear in spec.layer_linears:
+            hf = [f"{spec.hf_layer_prefix}{i}.{m}" for m in linear.hf_members]
+            names[f"layers.{i}.{linear.name}"] = [f"layers.{i}.{linear.name}", *hf]
+    if not config.tie_word_embeddings:
+        names["lm_head"] = ["lm_head"]
+    return names
+
+
+def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig, in_features: dict[str, int]) -> dict[str, dict]:
+    """Format spec of every linear: dense where ignored, else the method's format with per-module overrides."""
+    dense = DenseFormat(getattr(torch, config.dtype)).spec()
+    plan = {}
+    for module, names in module_names(spec, config).items():
+        if quant.method == "none" or _matches_all_or_none(quant.ignore, names, module):
+            plan[module] = dense
+        elif quant.method == "fp8":
+            plan[module] = {"format": "w8a8-fp8", "is_per_channel": quant.weights == "per_channel",
+                            "is_static_input": quant.activations == "static"}
+        else:
+            plan[module] = _int_format(quant, names, module, in_features[module])
+    return plan
+
+
+def _matches_all_or_none(patterns: list[str], names: list[str], module: str) -> bool:
+    hits = [n for n in names[1:] or names if any(_matches(p, [n]) for p in patterns)]
+    if any(_matches(p, names[:1]) for p in patterns):
+        return True
+    if hits and len(hits) != len(names[1:] or names):
+        raise RecipeError(f"quantization.ignore matches {hits} but they are fused into {module}; ignore all of them or none")
+    return bool(hits)
+
+
+def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_features: int) -> dict:
+    bits, group_size, symmetric = quant.bits, quant.group_size, quant.symmetric
+    for override in quant.overrides:
+        if _matches(override.match, names):
+            bits = override.bits or bits
+            group_size = override.group_size or group_size
+            symmetric = symmetric if override.symmetric is None else override.symmetric
+            break
+    try:
+        num_groups_of(in_features, group_size)
+    except RecipeError:
+        raise RecipeError(f"quantization.group_size: {group_size} does not divide {module}'s {in_features} input "
+                          "features; choose a group size that does, or -1 (per channel)") from None
+    return {"format": f"w{bits}a16", "bits": bits, "group_size": group_size, "symmetric": symmetric, "has_g_idx": False}
+
+
+def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
+    q_size = config.num_heads * config.head_dim
+    sizes = {"attn.qkv": config.hidden_size, "attn.o": q_size, "mlp.gate_up": config.hidden_size,
+             "mlp.down": config.intermediate_size}
+    result = {f"layers.{i}.{name}": size for i in range(config.num_layers) for name, size in sizes.items()}
+    return result | {"lm_head": config.hidden_size}
+
+
+# ---- quantizing one linear ------------------------------------------------------------------------
+
+
+def quantize_rtn(weight: Tensor, fmt_spec: dict, scale_dtype: torch.dtype, clip_ratio=None) -> QuantizedWeight:
+    if fmt_spec["format"] == "w8a8-fp8":
+        return quantize_fp8_weight(weight, fmt_spec["is_per_channel"])
+    return rtn_quantize(weight, fmt_spec["bits"], fmt_spec["group_size"], fmt_spec["symmetric"],
+                        clip_ratio=clip_ratio, scale_dtype=scale_dtype)
+
+
+class LayerQuantizer:
+    """Quantizes one layer's linears in place of the float ones; `method` is the recipe's."""
+
+    def __init__(self, quant: QuantizationConfig, formats: dict[str, dict], config: ModelConfig, runner: LayerRunner | None):
+        self.quant = quant
+        self.formats = formats
+        self.config = config
+        self.runner = runner
+        self.scale_dtype = getattr(torch, config.dtype)
+
+    def quantize(self, layer: LayerWeights, hidden: Tensor | None) -> dict[str, QuantizedWeight | None]:
+        """Quantized weight per linear name (None = stays dense); may rewrite `layer`'s norms/linears (AWQ)."""
+        method = self.quant.method
+        if method == "gptq":
+            return self._gptq(layer, hidden)
+        if method == "awq":
+            return self._awq(layer, hidden)
+        input_scales = self._fp8_input_scales(layer, hidden) if method == "fp8" and self.quant.activations == "static" else {}
+        result = {}
+        for name, w in layer.linears.items():
+            spec = self._spec(layer, name)
+            result[name] = None if spec["format"] == "dense" else quantize_rtn(w, spec, self.scale_dtype)
+            if name in input_scales and result[name] is not None:
+                result[name].input_scale = input_scales[name]
+        return result
+
+    def _spec(self, layer: LayerWeights, name: str) -> dict:
+        return self.formats[f"layers.{layer.index}.{name}"]
+
+    def _gptq(self, layer: LayerWeights, hidden: Tensor) -> dict:
+        result = {}
+        for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
+            spec = self._spec(layer, name)
+            if spec["format"] == "dense":
+                result[name] = None
+                continue
+            accumulator = HessianAccumulator(w.shape[1], self.runner.device)
+            module = self.runner.build_layer(layer)
+            handles = capture_inputs(module, [name], lambda _n, x: accumulator.add_batch(x))
+            self.runner.forward(module, hidden)
+            for handle in handles:
+                handle.remove()
+            q = gptq_quantize(w.to(self.runner.device), accumulator.hessian, spec["bits"], spec["group_size"],
+                              spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
+                              scale_dtype=self.scale_dtype)
+            result[name] = _to_cpu(q)
+            layer.linears[name] = dequantize_weight(result[name])
+        return result
+
+    def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
+        store: dict[str, list] = {name: [] for name in layer.linears}
+        module = self.runner.build_layer(layer)
+        handles = capture_inputs(module, list(layer.linears), lambda n, x: store[n].append(keep(x)))
+        self.runner.forward(module, hidden)
+        for handle in handles:
+            handle.remove()
+        return store
+
+    def _fp8_input_scales(self, layer: LayerWeights, hidden: Tensor) -> dict[str, Tensor]:
+        observers = {name: AbsmaxObserver() for name in layer.linears}
+        for name, xs in self._capture_all(layer, hidden, lambda x: x.abs().max().item()).items():
+            observers[name].absmax = max(xs)
+        return {name: obs.input_scale() for name, obs in observers.items()}
+
+    def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:
+        stride = max(1, hidden.shape[0] * hidden.shape[1] // AWQ_MAX_TOKENS)
+        inputs = {n: torch.cat(xs) for n, xs in self._capture_all(layer, hidden, lambda x: x[::stride].float()).items()}
+        scales = {}
+        for name, target in _awq_folds(self.config, layer):
+            spec = self._spec(layer, name)
+            if spec["format"] == "dense":
+                continue
+            fq = lambda w, s=spec: fake_quantize(w, s["bits"], s["group_size"], s["symmetric"], scale_dtype=self.scale_dtype)  # noqa: E731
+            found = awq_search_scale(inputs[name], [layer.linears[name]], fq)
+            scales[name] = found.scales
+            _fold(layer, name, target, found.scales, self.config)
+        return {name: self._awq_clip(layer, name, inputs[name] / scales.get(name, 1.0)) for name in layer.linears}
+
+    def _awq_clip(self, layer: LayerWeights, name: str, x: Tensor) -> QuantizedWeight | None:
+        spec = self._spec(layer, name)
+        if spec["format"] == "dense":
+            return None
+        w = layer.linears[name]
+        fq = lambda rows, clip_ratio: fake_quantize(rows, spec["bits"], spec["group_size"], spec["symmetric"],  # noqa: E731
+                                                    clip_ratio=clip_ratio, scale_dtype=self.scale_dtype)
+        clip = awq_search_clip(x, w, fq, spec["group_size"])
+        if name == "attn.qkv":  # q and k rows feed a softmax: clipping them hurts more than it helps
+            clip[: (self.config.num_heads + self.config.num_kv_heads) * self.config.head_dim] = 1.0
+        q = rtn_quantize(w, spec["bits"], spec["group_size"], spec["symmetric"], clip_ratio=clip, scale_dtype=self.scale_dtype)
+        layer.linears[name] = dequantize_weight(q)
+        return q
+
+
+def _awq_folds(config: ModelConfig, layer: LayerWeights) -> list[tuple[str, str | None]]:
+    """(linear, where its input scale folds): a norm, the preceding linear's rows, or None (no scaling)."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    folds = [("attn.qkv", "input_norm"), ("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
+    if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
+        folds.insert(1, ("attn.o", "attn.qkv"))
+    return folds
+
+
+def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, config: ModelConfig) -> None:
+    """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged."""
+    layer.linears[name] = layer.linears[name] * s
+    if target in layer.norms:
+        layer.norms[target] = layer.norms[target] / s
+        return
+    producer = layer.linears[target]
+    rows = slice(producer.shape[0] - s.shape[0], producer.shape[0])  # v is the tail of qkv, up of gate_up
+    producer = producer.clone()
+    producer[rows] /= s.unsqueeze(1)
+    layer.linears[target] = producer
+    if target in layer.biases:
+        bias = layer.biases[target].clone()
+        bias[rows] /= s
+        layer.biases[target] = bias
+
+
+def _to_cpu(q: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in q.__dict__.items()})

@@ -1,0 +1,52 @@
+"""`llmc eval`: perplexity by the GPTQ-paper protocol, and how far two artifacts' predictions differ.
+
+Protocol: the file is tokenized once (bos first, as the tokenizer adds it), cut into non-overlapping
+windows of seq_len tokens (the tail dropped); each window's loss is the mean over its seq_len − 1
+next-token predictions; perplexity = exp(mean of the window losses).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from llmc.errors import RequestError
+
+
+def perplexity_windows(tokenizer, path: str | Path, seq_len: int, max_windows: int | None = None) -> list[list[int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise RequestError(f"--data: file {path} does not exist")
+    token_ids = tokenizer.encode(path.read_text(), verbose=False)
+    num_windows = len(token_ids) // seq_len
+    if num_windows == 0:
+        raise RequestError(f"--data: {path} has {len(token_ids)} tokens, fewer than one window of --seq-len {seq_len}")
+    if max_windows is not None:
+        num_windows = min(num_windows, max_windows)
+    return [token_ids[i * seq_len : (i + 1) * seq_len] for i in range(num_windows)]
+
+
+def evaluate(engine, windows: list[list[int]], reference=None, show_progress: bool = False) -> dict:
+    """Perplexity of `engine` on the windows; with `reference` (another engine) also the mean
+    KL(reference ‖ engine) and top-1 agreement of their next-token distributions."""
+    losses, ref_losses, kls, agreements = [], [], [], []
+    for window in tqdm(windows, desc="eval", unit="window", disable=not show_progress):
+        logprobs = torch.log_softmax(engine.score(window)[:-1], dim=-1)  # [seq_len - 1, vocab]
+        targets = torch.tensor(window[1:], device=logprobs.device)
+        losses.append(-logprobs.gather(1, targets[:, None]).mean().item())
+        if reference is not None:
+            ref = torch.log_softmax(reference.score(window)[:-1], dim=-1).to(logprobs.device)
+            ref_losses.append(-ref.gather(1, targets[:, None]).mean().item())
+            kls.append((ref.exp() * (ref - logprobs)).sum(dim=-1).mean().item())
+            agreements.append((ref.argmax(dim=-1) == logprobs.argmax(dim=-1)).float().mean().item())
+    result = {"num_windows": len(windows), "seq_len": len(windows[0]), "perplexity": math.exp(sum(losses) / len(losses))}
+    if reference is not None:
+        result |= {
+            "reference_perplexity": math.exp(sum(ref_losses) / len(ref_losses)),
+            "mean_kl_divergence": sum(kls) / len(kls),
+            "top1_agreement": sum(agreements) / len(agreements),
+        }
+    return result

@@ -1,0 +1,311 @@
+"""Speculative decoding by n-gram prompt lookup: config, proposer, verification sampler, stats.
+
+NOTE (algorithm): a decoding request whose context repeats itself gets up to k draft tokens
+from `NgramProposer` (the continuation of the most recent earlier occurrence of its last n
+tokens). The engine feeds [last sampled token, draft_1..draft_k] in one forward pass and gets
+k+1 logits rows; row i is the target distribution p_i after draft_1..draft_i. `rejection_sample`
+then emits 1..k+1 tokens whose distribution is exactly that of plain decoding.
+
+The draft is a point mass q = one-hot(d), so Leviathan et al.'s rule (accept with probability
+min(1, p(d)/q(d)) = p(d); on rejection draw from normalize(max(p - q, 0)) = p with d zeroed) is
+realised by drawing x ~ p_i with the sampler's exponential race and accepting iff x == d: the
+acceptance probability is p_i(d), and a rejected x is distributed as p_i conditioned on x != d,
+the residual. Position i is examined only after drafts 1..i-1 were accepted; after a rejection
+x is the replacement, after k acceptances the draw at position k is the bonus token. Greedy rows
+(one-hot p) thus accept exactly the drafts that equal the argmax.
+
+Randomness: unseeded rows share one draw from a shared generator. A seeded row draws, per
+position, `vocab_size` numbers from its own generator, exactly as `Sampler` does per step, and
+its generator is rewound to just after the last position it emitted — so a seeded request's
+tokens do not depend on its batch neighbours, nor on whether speculation ran (given the same
+probabilities).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmc.errors import ConfigError
+from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
+from llmc.schema import check_fields, opt, parse
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """The `speculative` options of the engine (a boundary object: engine → scheduler/runner).
+
+    Fields:
+        method: how drafts are proposed; only "ngram" (prompt lookup).
+        num_speculative_tokens: k, the most draft tokens proposed per request and step.
+        prompt_lookup_min: shortest suffix n-gram that is looked up.
+        prompt_lookup_max: longest suffix n-gram that is looked up (tried first).
+        disable_by_batch_size: no drafts while more requests than this are running (large
+            batches are compute-bound and gain nothing); None = never disabled.
+    """
+
+    method: str = opt("ngram", choices=list(METHODS), help="draft proposer")
+    num_speculative_tokens: int = opt(min=1, help="draft tokens per request and step, k")
+    prompt_lookup_min: int = opt(1, min=1, help="shortest n-gram looked up")
+    prompt_lookup_max: int = opt(4, min=1, help="longest n-gram looked up")
+    disable_by_batch_size: int | None = opt(None, min=1, help="no speculation above this batch")
+
+    def __post_init__(self) -> None:
+        # Constructed from Python (not from_dict), types are not checked by the schema.
+        if not isinstance(self.method, str):
+            raise ConfigError(f"speculative.method: expected a string, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "disable_by_batch_size"):
+            value = getattr(self, name)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
+            if not is_int and not (value is None and name == "disable_by_batch_size"):
+                raise ConfigError(f"speculative.{name}: expected an integer, got {value!r}")
+        check_fields(self, "speculative", ConfigError)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
+                f"prompt_lookup_max ({self.prompt_lookup_max}); lower it or raise the max"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
+        """Strict: an unknown key, a wrong type or a bad value is a one-line ConfigError."""
+        return parse(cls, data, "speculative", ConfigError)
+
+    def is_enabled_for(self, num_running: int) -> bool:
+        """Whether to propose drafts in a step with `num_running` running requests."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+
+class NgramProposer:
+    """Prompt-lookup decoding: drafts are copied from earlier in the request's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        """Up to k draft tokens to follow `token_ids` (prompt + generated so far); [] if none.
+
+        The longest suffix n-gram (max_n down to min_n) that occurred earlier wins, at its most
+        recent occurrence; the draft is what followed it. When that occurrence overlaps the
+        suffix (a loop of period `lag` < k), the continuation keeps repeating with that period.
+        """
+        num_tokens = len(token_ids)
+        max_n = min(self.max_n, num_tokens - 1)  # an earlier occurrence needs n < num_tokens
+        if max_n < self.min_n:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)  # [num_tokens]
+        # Candidates: positions `end` (not the last) where an occurrence of the suffix would end.
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # [num_candidates], ascending
+        match_lens = np.ones_like(ends)  # suffix tokens matched so far, backwards from `end`
+        is_matching = np.ones(ends.shape, dtype=bool)
+        for back in range(1, max_n):
+            is_matching &= ends >= back
+            is_matching[is_matching] = tokens[ends[is_matching] - back] == tokens[-1 - back]
+            match_lens += is_matching
+        for n in range(max_n, self.min_n - 1, -1):
+            (hits,) = np.nonzero(match_lens >= n)
+            if hits.size:
+                return self._continuation(token_ids, int(ends[hits[-1]]))
+        return []
+
+    def _continuation(self, token_ids: list[int], end: int) -> list[int]:
+        """k tokens after position `end`, repeating tokens[end+1:] if it is shorter than k."""
+        following = token_ids[end + 1 :]  # non-empty: end < len(token_ids) - 1
+        k = self.num_speculative_tokens
+        if len(following) >= k:
+            return following[:k]
+        return [following[j % len(following)] for j in range(k)]
+
+
+def rejection_sample(
+    target_probs: torch.Tensor,
+    draft_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    shared_generator: torch.Generator | None,
+    is_greedy: list[bool] | None = None,
+) -> list[list[int]]:
+    """Verify each row's drafts against its target distributions; 1..k_r+1 tokens per row.
+
+    `target_probs` [num_rows, max_k + 1, vocab_size]: row r's positions 0..k_r are p_0..p_k_r
+    (`probs_for` of the verify logits; greedy rows one-hot), the rest is padding and ignored.
+    `draft_token_ids[r]` holds row r's k_r <= max_k drafts (k_r = 0: plain sampling from p_0).
+    `generators[r]` is the row's own generator (seeded request) or None (`shared_generator`,
+    None: torch's default). `is_greedy[r]` rows take the argmax and draw nothing (default: no
+    row is greedy; a one-hot row gives the same tokens either way).
+    Returns per row: the accepted drafts followed by one replacement or bonus token.
+    """
+    num_rows, num_positions, _ = target_probs.shape
+    num_drafts = [len(drafts) for drafts in draft_token_ids]
+    if len(num_drafts) != num_rows or len(generators) != num_rows:
+        raise ValueError(f"rejection_sample: {num_rows} rows, {len(num_drafts)} draft lists, "
+                         f"{len(generators)} generators")
+    if max(num_drafts, default=0) >= num_positions:
+        raise ValueError(f"rejection_sample: {max(num_drafts)} drafts need more than "
+                         f"{num_positions} positions")
+    is_greedy = is_greedy or [False] * num_rows
+    probs = target_probs.to(torch.float32)  # [num_rows, num_positions, vocab_size]
+    q = torch.empty_like(probs).exponential_(generator=shared_generator)
+    rewind_states = _draw_seeded_rows(q, num_drafts, generators, is_greedy)
+    # Exp(1) can return exactly 0; 0/0 would be NaN and win argmax (as in the sampler).
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    sampled = (probs / q).argmax(dim=-1)  # [num_rows, num_positions]
+    if any(is_greedy):
+        greedy_rows = torch.tensor(is_greedy, device=probs.device).unsqueeze(1)
+        sampled = torch.where(greedy_rows, probs.argmax(dim=-1), sampled)
+    drafts, has_draft = _pad_drafts(draft_token_ids, num_positions, probs.device)
+    # A position rejects when its draw differs from its draft; the padding always "rejects".
+    is_rejected = (sampled != drafts) | ~has_draft  # [num_rows, num_positions]
+    num_accepted = is_rejected.int().argmax(dim=-1)  # [num_rows]: first rejected position
+    sampled_rows, accepted_counts = sampled.tolist(), num_accepted.tolist()  # one sync
+    for row, states in rewind_states.items():
+        if accepted_counts[row] < num_drafts[row]:
+            generators[row].set_state(states[accepted_counts[row]])
+    return [tokens[: count + 1] for tokens, count in zip(sampled_rows, accepted_counts)]
+
+
+def _draw_seeded_rows(q: torch.Tensor, num_drafts: list[int],
+                      generators: list[torch.Generator | None],
+                      is_greedy: list[bool]) -> dict[int, list[torch.Tensor]]:
+    """Redraw seeded rows' positions from their own generators, one `vocab_size` draw each.
+
+    Returns, per seeded row, the generator state after position i's draw for i < k_r: the
+    state to restore when i is the last emitted position.
+    """
+    rewind_states: dict[int, list[torch.Tensor]] = {}
+    for row, generator in enumerate(generators):
+        if generator is None or is_greedy[row]:
+            continue
+        states = []
+        for position in range(num_drafts[row] + 1):
+            q[row, position].exponential_(generator=generator)  # [vocab_size], as Sampler
+            if position < num_drafts[row]:
+                states.append(generator.get_state())
+        rewind_states[row] = states
+    return rewind_states
+
+
+def _pad_drafts(draft_token_ids: list[list[int]], num_positions: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts as [num_rows, num_positions] int64 (zero-padded) and where they are real."""
+    num_rows = len(draft_token_ids)
+    drafts = torch.zeros(num_rows, num_positions, dtype=torch.int64)
+    has_draft = torch.zeros(num_rows, num_positions, dtype=torch.bool)
+    for row, ids in enumerate(draft_token_ids):
+        drafts[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        has_draft[row, : len(ids)] = True
+    return drafts.to(device), has_draft.to(device)
+
+
+@dataclass
+class SpeculativeOutput:
+    """The verify sampler's result, one entry per request.
+
+    Fields:
+        token_ids: the tokens to append: accepted drafts, then one sampled token (1..k+1).
+        logprobs: per request, None if its params ask no logprobs, else one dict per token of
+            `token_ids` (raw logprobs of the token and the top `logprobs` tokens, as `Sampler`).
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float]] | None]
+
+
+def verify_metadata(metadata: SamplingMetadata,
+                    draft_token_ids: list[list[int]]) -> SamplingMetadata:
+    """One row per verified position: request r gives k_r + 1 rows, the i-th seeing
+    output_token_ids + drafts[:i] (for penalties, min_tokens and logits processors)."""
+    rows: list[tuple[int, list[int]]] = []  # (request index, output tokens before the position)
+    for r, drafts in enumerate(draft_token_ids):
+        outputs = list(metadata.output_token_ids[r])
+        rows.extend((r, outputs + drafts[:i]) for i in range(len(drafts) + 1))
+    return SamplingMetadata(
+        params=[metadata.params[r] for r, _ in rows],
+        prompt_token_ids=[metadata.prompt_token_ids[r] for r, _ in rows],
+        output_token_ids=[outputs for _, outputs in rows],
+        generators=[metadata.generators[r] for r, _ in rows],
+        eos_token_ids=metadata.eos_token_ids,
+    )
+
+
+def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
+                       draft_token_ids: list[list[int]],
+                       shared_generator: torch.Generator | None) -> SpeculativeOutput:
+    """The engine's one call: `logits` [sum(k_r + 1), vocab_size], request r's k_r + 1 verify
+    rows consecutive and in `metadata`'s order; `metadata` has one row per request."""
+    num_rows_per_request = [len(drafts) + 1 for drafts in draft_token_ids]
+    if logits.dim() != 2 or logits.shape[0] != sum(num_rows_per_request):
+        raise ValueError(f"logits {tuple(logits.shape)} for {sum(num_rows_per_request)} "
+                         "verify rows")
+    flat_probs = probs_for(logits, verify_metadata(metadata, draft_token_ids))
+    target_probs = _pad_positions(flat_probs, num_rows_per_request)
+    token_ids = rejection_sample(target_probs, draft_token_ids, metadata.generators,
+                                 shared_generator, [p.is_greedy for p in metadata.params])
+    logprobs: list[list[dict[int, float]] | None] = [None] * len(token_ids)
+    starts = np.cumsum([0, *num_rows_per_request]).tolist()
+    for r, (params, tokens) in enumerate(zip(metadata.params, token_ids)):
+        if params.logprobs is not None:
+            rows = logits[starts[r] : starts[r] + len(tokens)]  # [num_emitted, vocab_size]
+            logprobs[r] = compute_prompt_logprobs(rows, tokens, params.logprobs)
+    return SpeculativeOutput(token_ids, logprobs)
+
+
+def _pad_positions(flat: torch.Tensor, num_rows_per_request: list[int]) -> torch.Tensor:
+    """[sum(n_r), vocab_size] → [num_requests, max(n_r), vocab_size], zero-padded."""
+    padded = flat.new_zeros(len(num_rows_per_request), max(num_rows_per_request), flat.shape[1])
+    chunks = torch.split(flat, num_rows_per_request)
+    for r, chunk in enumerate(chunks):
+        padded[r, : chunk.shape[0]] = chunk
+    return padded
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative speculation counters (for `Engine.stats()` and metrics).
+
+    Fields:
+        num_proposed: draft tokens verified.
+        num_accepted: of those, drafts accepted.
+        num_draft_steps: request-steps that verified at least one draft.
+        num_emitted: tokens emitted by those request-steps (accepted + one each).
+    """
+
+    num_proposed: int = 0
+    num_accepted: int = 0
+    num_draft_steps: int = 0
+    num_emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed drafts; 0.0 before any draft."""
+        return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
+
+    @property
+    def mean_tokens_per_step(self) -> float:
+        """Tokens per request-step with drafts (1 = no gain, k + 1 = every draft accepted)."""
+        return self.num_emitted / self.num_draft_steps if self.num_draft_steps else 0.0
+
+    def record(self, draft_token_ids: list[list[int]], token_ids: list[list[int]]) -> None:
+        """Count one step: each row's drafts and the tokens `rejection_sample` emitted for it."""
+        for drafts, tokens in zip(draft_token_ids, token_ids, strict=True):
+            if drafts:
+                self.num_proposed += len(drafts)
+                self.num_accepted += len(tokens) - 1
+                self.num_draft_steps += 1
+                self.num_emitted += len(tokens)
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "spec_num_proposed_tokens": self.num_proposed,
+            "spec_num_accepted_tokens": self.num_accepted,
+            "spec_num_draft_steps": self.num_draft_steps,
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_mean_tokens_per_step": self.mean_tokens_per_step,
+        }
