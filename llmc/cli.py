@@ -95,23 +95,44 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.argument("artifact", type=click.Path())
 @click.option("--prompt", "-p", default=None, help="generate one completion of this text and print it as it is generated")
 @click.option("--chat", is_flag=True, help="apply the chat template (with --prompt: one user turn; alone: interactive chat)")
-@click.option("--max-tokens", type=int, default=256, help="tokens to generate")
+@click.option("--input", "input_path", type=click.Path(dir_okay=False), default=None,
+              help="run this OpenAI batch file (JSONL: custom_id, method, url, body per line) offline; needs --output")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False), default=None,
+              help="where --input writes one result line per request (JSONL, input order)")
+@click.option("--host", default="127.0.0.1", help="server: address to listen on (0.0.0.0: every interface)")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, help="server: TCP port")
+@click.option("--served-model-name", default=None, help="the model name clients send [default: the artifact directory's name]")
+@click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="server: require 'Authorization: Bearer KEY' on /v1 (or set LLMC_API_KEY)")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=None, help="server: answer 503 to a request that would make more sequences wait than this [default: no limit]")
+@click.option("--disable-log-stats", is_flag=True, help="server: no periodic throughput / queue / KV-cache log line")
+@click.option("--max-tokens", type=int, default=256, help="tokens to generate (--prompt, --chat)")
 @click.option("--temperature", type=float, default=1.0, help="0 = greedy")
 @click.option("--top-p", type=float, default=1.0, help="nucleus sampling mass")
 @click.option("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
 @click.option("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
 @runtime_option_flags
-def run(artifact: str, prompt: str | None, chat: bool, max_tokens: int, temperature: float, top_p: float,
+def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
+        port: int, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
+        disable_log_stats: bool, max_tokens: int, temperature: float, top_p: float,
         top_k: int, sampling_seed: int | None, device: str | None, **options) -> None:
-    """Run ARTIFACT: one completion (--prompt) or an interactive chat (--chat)."""
+    """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
+    an interactive chat (--chat), or a batch file (--input/--output)."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
     overrides = {k: v for k, v in options.items() if v is not None}
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
+    served_model_name = served_model_name or _default_model_name(artifact)
+    if input_path is not None or output_path is not None:
+        _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat)
+        return
     if prompt is None and not chat:
-        raise click.UsageError("give --prompt TEXT or --chat (the server mode comes with a later release)")
+        from llmc.runtime.server.api_server import serve
+
+        serve(_engine_factory(artifact, device, overrides), served_model_name, host=host, port=port,
+              api_key=api_key, max_waiting=max_waiting, log_stats=not disable_log_stats)
+        return
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
     llm = LLM(artifact, device=device, **overrides)
     if prompt is None:
         _interactive_chat(llm, params)
@@ -139,7 +160,8 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
     from llmc.runtime.engine import Engine
     from llmc.runtime.evaluate import evaluate, perplexity_windows
 
-    options = {"max_model_len": seq_len} if seq_len > 1 else {}
+    # One sequence at a time: a KV cache of one window (in blocks of at least 8 tokens) is enough.
+    options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
     engine = Engine(artifact, device=device, **options)
     reference = Engine(compare_with, device=device, **options) if compare_with else None
     windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
@@ -151,6 +173,35 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
         return
     for key, value in result.items():
         click.echo(f"{key:<22}{value:.4f}" if isinstance(value, float) else f"{key:<22}{value}")
+
+
+def _default_model_name(artifact: str) -> str:
+    from pathlib import Path
+
+    return Path(artifact).resolve().name
+
+
+def _engine_factory(artifact: str, device: str | None, overrides: dict):
+    """Builds the Engine where it is called: on the server's engine thread."""
+
+    def make_engine():
+        from llmc.runtime.engine import Engine
+
+        return Engine(artifact, device=device, **overrides)
+
+    return make_engine
+
+
+def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
+                    output_path: str | None, served_model_name: str, prompt: str | None, chat: bool) -> None:
+    from llmc.runtime.server.batch import run_batch
+
+    if input_path is None or output_path is None:
+        raise click.UsageError("--input and --output go together: give both")
+    if prompt is not None or chat:
+        raise click.UsageError("--input/--output run a batch file; leave out --prompt and --chat")
+    summary = run_batch(_engine_factory(artifact, device, overrides), input_path, output_path, served_model_name)
+    logger.info("%d request(s), %d failed; results in %s", summary.num_requests, summary.num_failed, summary.output_path)
 
 
 def _interactive_chat(llm, params) -> None:
