@@ -32,12 +32,12 @@ PEER = {
 def settings() -> dict[str, dict]:
     table = {"none": {"method": "none"}, "fp8-dynamic": {"method": "fp8"},
              "rtn-w8-pc-sym": {"method": "rtn", "bits": 8, "group_size": -1}}
+    # GPTQ is compared symmetric (as the peer ran it), AWQ asymmetric (likewise), each with our RTN beside it.
     for bits, group, label in ((4, 128, "w4-g128"), (3, 128, "w3-g128"), (4, -1, "w4-pc")):
-        for method in ("rtn", "gptq", "awq"):
-            for symmetric in (True, False):
-                extra = {"act_order": True} if method == "gptq" else {}
-                name = f"{method}-{label}-{'sym' if symmetric else 'asym'}"
-                table[name] = {"method": method, "bits": bits, "group_size": group, "symmetric": symmetric, **extra}
+        for method, symmetric in (("rtn", True), ("gptq", True), ("rtn", False), ("awq", False)):
+            extra = {"act_order": True} if method == "gptq" else {}
+            name = f"{method}-{label}-{'sym' if symmetric else 'asym'}"
+            table[name] = {"method": method, "bits": bits, "group_size": group, "symmetric": symmetric, **extra}
     return table
 
 

@@ -1,0 +1,15 @@
+"""`llmc run`'s serving modes: an OpenAI-compatible HTTP server and OpenAI batch files.
+
+    engine_loop.py         the Engine on its own thread, fed by a command queue (EngineLoop)
+    serving.py             shared by every endpoint: checks, prompt rendering, admission, Generation
+    serving_completion.py  POST /v1/completions
+    serving_chat.py        POST /v1/chat/completions
+    protocol.py            request bodies (pydantic) and their SamplingParams
+    formatting.py          logprobs, usage and SSE in OpenAI's wire format
+    errors.py              OpenAI's error JSON and the HTTP status of each mistake
+    metrics.py             Prometheus metrics (llmc:*) on a per-app registry
+    api_server.py          the FastAPI app and `serve()` (uvicorn, graceful SIGTERM)
+    batch.py               `--input requests.jsonl --output results.jsonl`
+
+Nothing here is imported by `llmc.runtime` itself: the offline API needs no web stack.
+"""

@@ -1,0 +1,251 @@
+"""The HTTP server: FastAPI routes over the engine loop, served by uvicorn.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
+tokenizer endpoints need `Authorization: Bearer KEY`; /health, /version and /metrics stay open
+(load balancers and Prometheus). The server listens at once and answers 503 until the engine has
+loaded on its thread. SIGTERM stops accepting connections, lets running requests finish (up to
+GRACEFUL_SHUTDOWN_S, then aborts them), stops the engine thread and returns normally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import llmc
+from llmc.runtime.server.engine_loop import EngineLoop
+from llmc.runtime.server.errors import ApiError, error_body
+from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
+from llmc.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from llmc.runtime.server.serving import ServingContext, parse_body
+from llmc.runtime.server.serving_chat import create_chat_completion
+from llmc.runtime.server.serving_completion import create_completion
+
+logger = logging.getLogger("llmc")
+
+# How long SIGTERM waits for running requests before aborting them.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def build_app(engine_factory: Callable[[], object], served_model_name: str, *, api_key: str | None = None,
+              max_waiting: int | None = None, log_stats: bool = True,
+              on_startup_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts."""
+    metrics = ServerMetrics(served_model_name)
+    engine_loop = EngineLoop(engine_factory, observer=metrics)
+    metrics.attach(engine_loop)
+    ctx = ServingContext(engine_loop, served_model_name, max_waiting)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        tasks = [asyncio.create_task(_announce_ready(ctx, on_startup_failure))]
+        if log_stats:
+            tasks.append(asyncio.create_task(log_stats_periodically(metrics, engine_loop)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await engine_loop.shutdown()
+
+    app = FastAPI(title="llmc", version=llmc.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    app.include_router(_open_routes(ctx, metrics))
+    app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(api_key))])
+    return app
+
+
+async def _announce_ready(ctx: ServingContext, on_startup_failure) -> None:
+    try:
+        await ctx.engine_loop.wait_ready()
+    except Exception as e:  # noqa: BLE001 - reported by whoever runs the server
+        logger.error("the engine failed to start: %s", e)
+        if on_startup_failure is not None:
+            on_startup_failure(e)
+        return
+    stats = ctx.engine_loop.stats
+    logger.info("ready: serving %r (max_model_len %d, %d KV blocks)", ctx.served_model_name, ctx.max_model_len,
+                stats.get("num_total_blocks", 0))
+
+
+def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        ctx.require_ready()
+        return Response(status_code=200)
+
+    @router.get("/version")
+    async def version() -> dict:
+        return {"version": llmc.__version__}
+
+    @router.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def _api_routes(ctx: ServingContext) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        ctx.require_ready()
+        card = {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
+                "root": str(ctx.engine_loop.engine.artifact_dir), "parent": None, "max_model_len": ctx.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @router.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_completion(ctx, body, arrival_time))
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_chat_completion(ctx, body, arrival_time))
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        body = parse_body(TokenizeRequest, await _json_body(request))
+        body.check()
+        ctx.check_model(body.model)
+        ctx.require_ready()
+        if body.messages is not None:
+            token_ids = ctx.render_chat([m.as_template_input(i) for i, m in enumerate(body.messages)])
+        else:
+            add_special = True if body.add_special_tokens is None else body.add_special_tokens
+            token_ids = ctx.encode(body.prompt, add_special)
+        token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
+        return {"count": len(token_ids), "max_model_len": ctx.max_model_len, "tokens": token_ids,
+                "token_strs": token_strs}
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        body = parse_body(DetokenizeRequest, await _json_body(request))
+        ctx.check_model(body.model)
+        ctx.require_ready()
+        ctx.check_token_ids(body.tokens, "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    return router
+
+
+async def _generate(request: Request, handle: Callable[[object], Awaitable[dict | AsyncIterator[str]]]) -> Response:
+    """Run a generation handler; a client that goes away before the reply has its requests aborted
+    (a streaming reply notices the disconnect itself, see StreamingResponse)."""
+    body = await _json_body(request)
+    handler = asyncio.ensure_future(handle(body))
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if not handler.done():
+        handler.cancel()  # its `finally` aborts the engine requests
+        return Response(status_code=499)
+    watcher.cancel()
+    result = handler.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json_body(request: Request) -> object:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _api_key_check(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise ApiError(401, "invalid API key: send the server's key as 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(error)), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("internal error while handling a request")
+        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+
+def serve(engine_factory: Callable[[], object], served_model_name: str, *, host: str = "127.0.0.1",
+          port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
+          log_stats: bool = True) -> None:
+    """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start."""
+    import uvicorn
+
+    startup_errors: list[BaseException] = []
+
+    def on_startup_failure(error: BaseException) -> None:
+        startup_errors.append(error)
+        server.should_exit = True
+
+    app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
+                    log_stats=log_stats, on_startup_failure=on_startup_failure)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    logger.info("listening on http://%s:%d (OpenAI API under /v1); loading the model", host, port)
+    with _sigterm_handled_by_uvicorn():
+        server.run()
+    if startup_errors:
+        raise startup_errors[0]
+
+
+class _sigterm_handled_by_uvicorn:
+    """uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the handler that
+    was installed before it; install a no-op one, so that a graceful shutdown exits with 0."""
+
+    def __enter__(self):
+        self.is_main = threading.current_thread() is threading.main_thread()
+        if self.is_main:
+            self.previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+
+    def __exit__(self, *exc_info):
+        if self.is_main:
+            signal.signal(signal.SIGTERM, self.previous)

@@ -1,0 +1,252 @@
+"""The engine's own thread: the synchronous `Engine` steps there while asyncio serves HTTP.
+
+NOTE: one thread owns the Engine; the asyncio side never calls it. It sends the thread commands
+through a thread-safe queue (add a request, abort one, stop) and the thread answers through
+`loop.call_soon_threadsafe`: a future per command, and each request's outputs into the asyncio
+queue its handler reads. The thread's loop is: run every queued command, step once if any
+request is unfinished, deliver the step's outputs in one batch, repeat; with nothing to do it
+blocks on the command queue. So an HTTP handler never waits for a step to finish before it can
+answer, and a slow client never delays a step. Aborts run between two steps: the request's KV
+blocks are free before the next step starts.
+
+The tokenizer is shared read-only: handlers encode prompts and decode logprob tokens on the
+asyncio thread (HF fast tokenizers are safe to use concurrently as long as nobody changes their
+truncation or padding, which nothing here does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
+
+logger = logging.getLogger("llmc")
+
+
+class EngineStopped(Exception):
+    """Delivered to requests still running when the engine loop stops (server shutdown)."""
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """One engine request as the asyncio side sees it.
+
+    Its outputs are put on `queue` as `(tag, RequestOutput)`, or `(tag, Exception)` if the engine
+    failed; several requests (a completion with several prompts) may share one queue, told apart
+    by `tag`. The timing fields are written by the engine thread only (for metrics).
+    """
+
+    request_id: str
+    queue: asyncio.Queue
+    tag: Any
+    arrival_time: float  # time.monotonic() when the HTTP request came in
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    is_finished: bool = False
+
+
+class StepObserver(Protocol):
+    """Told about every delivered output, on the engine thread (metrics)."""
+
+    def on_output(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None: ...
+
+
+@dataclass
+class _Command:
+    run: Callable[[Any], Any]  # fn(engine) -> result, on the engine thread
+    future: asyncio.Future | None = field(default=None)
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """Owns the engine thread. `start()` returns at once; the engine loads on its thread
+    (`is_ready`/`wait_ready()` tell when), so a server can answer 503 while it loads."""
+
+    def __init__(self, engine_factory: Callable[[], Any], observer: StepObserver | None = None):
+        self._engine_factory = engine_factory
+        self._observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future | None = None
+        self._num_pending_adds = 0  # asyncio thread only
+        self.engine = None  # set once loaded; read-only from the asyncio side (options, tokenizer)
+        self.stats: dict = {}  # engine.stats() after the latest step or command batch (a fresh dict each time)
+        self.failure: BaseException | None = None  # set if a step raised: the engine is unusable
+
+    # ---- lifecycle (asyncio thread) --------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    async def wait_ready(self) -> None:
+        """Return once the engine is loaded; raise what loading raised."""
+        await asyncio.shield(self._ready)
+
+    async def shutdown(self) -> None:
+        """Abort what is still running (its handlers get EngineStopped) and join the thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    # ---- requests (asyncio thread) ---------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for a seat, counting adds the engine thread has not run yet."""
+        return self.stats.get("num_waiting", 0) + self._num_pending_adds
+
+    async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0) -> None:
+        """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one)."""
+        stream.num_prompt_tokens = len(prompt_token_ids)
+
+        def add(engine) -> None:
+            engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
+                               arrival_time=stream.arrival_time)
+            self._streams[stream.request_id] = stream
+
+        self._num_pending_adds += params.n
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)  # the add may still run: undo it right after
+            raise
+        finally:
+            self._num_pending_adds -= params.n
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it finished); its blocks are freed before the next step."""
+        self._commands.put(_Command(lambda engine: self._abort(engine, request_id)))
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        if self._thread is None:
+            raise EngineStopped("the engine is stopped")
+        future = self._loop.create_future()
+        self._commands.put(_Command(fn, future))
+        return await future
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _post(self, fn: Callable, *args) -> None:
+        """Run fn(*args) on the asyncio thread; dropped if its loop is already closed."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+    def _run(self) -> None:
+        try:
+            engine = self._engine_factory()
+        except BaseException as e:  # noqa: BLE001 - handed to the asyncio side, which reports it
+            self._post(_settle, self._ready, None, e)
+            return
+        self.engine = engine
+        self.stats = engine.stats()
+        self._post(_settle, self._ready, None, None)
+        while self._run_commands(engine, block=not engine.has_unfinished_requests()):
+            if engine.has_unfinished_requests():
+                self._step(engine)
+        self._abort_all(engine, EngineStopped("the server is shutting down"))
+
+    def _run_commands(self, engine, block: bool) -> bool:
+        """Run the queued commands (waiting for one if `block`); False once told to stop."""
+        command = self._commands.get() if block else _get_nowait(self._commands)
+        while command is not None:
+            if command is _STOP:
+                return False
+            try:
+                result, error = command.run(engine), None
+            except Exception as e:  # noqa: BLE001 - a bad request: its handler raises it
+                result, error = None, e
+            self.stats = engine.stats()  # before the handler resumes: admission reads num_waiting
+            if command.future is not None:
+                self._post(_settle, command.future, result, error)
+            command = _get_nowait(self._commands)
+        return True
+
+    def _step(self, engine) -> None:
+        step_start = time.monotonic()
+        try:
+            outputs = engine.step()
+        except Exception as e:  # noqa: BLE001 - an engine bug: fail the running requests, keep serving
+            logger.exception("engine step failed; aborting %d running request(s)", len(self._streams))
+            self.failure = e
+            self._abort_all(engine, e)
+            return
+        now = time.monotonic()
+        self.stats = engine.stats()
+        deliveries = []
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if self._observer is not None:
+                self._observer.on_output(stream, output, now, step_start)
+            if output.finished:
+                stream.is_finished = True
+                del self._streams[output.request_id]
+            deliveries.append((stream, output))
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+    def _abort(self, engine, request_id: str) -> None:
+        engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+
+    def _abort_all(self, engine, error: BaseException) -> None:
+        deliveries = []
+        for request_id, stream in list(self._streams.items()):
+            engine.abort_request(request_id)
+            deliveries.append((stream, error))
+        self._streams.clear()
+        self.stats = engine.stats()
+        if deliveries:
+            self._post(_deliver, deliveries)
+
+
+def _get_nowait(commands: queue.SimpleQueue):
+    try:
+        return commands.get_nowait()
+    except queue.Empty:
+        return None
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the awaiting handler was cancelled (client went away)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in deliveries:
+        stream.queue.put_nowait((stream.tag, item))

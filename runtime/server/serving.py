@@ -1,0 +1,167 @@
+"""What every endpoint shares: the model-name and readiness checks, prompt rendering and
+checking, admission (the waiting-queue limit) and `Generation`, the handle of one API request's
+engine requests (a completion with several prompts is several engine requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.server.engine_loop import EngineLoop, EngineStopped, RequestStream
+from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
+from llmc.runtime.tokenizer import apply_chat_template
+
+logger = logging.getLogger("llmc")
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(model: type[Body], body: object) -> Body:
+    """Validate a JSON body; a bad field is a 400 naming it. Unknown fields are logged and ignored."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as e:
+        raise as_api_error(e) from None
+    unknown = parsed.unknown_fields() if hasattr(parsed, "unknown_fields") else []
+    if unknown:
+        logger.warning("ignoring unknown request field(s): %s", ", ".join(unknown))
+    return parsed
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class ServingContext:
+    """The engine loop plus the server's settings, as the handlers need them."""
+
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = None):
+        self.engine_loop = engine_loop
+        self.served_model_name = served_model_name
+        self.max_waiting = max_waiting
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def require_ready(self) -> None:
+        if not self.engine_loop.is_ready:
+            raise unavailable("the model is still loading; retry in a moment")
+
+    def check_admission(self, num_sequences: int) -> None:
+        """503 when the waiting queue is full (--max-waiting)."""
+        waiting = self.engine_loop.num_waiting
+        if self.max_waiting is not None and waiting + num_sequences > self.max_waiting:
+            raise unavailable(f"the server is overloaded ({waiting} sequences waiting, the limit is "
+                              f"{self.max_waiting}); retry later")
+
+    # ---- prompts ---------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine_loop.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine_loop.engine.options.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine_loop.engine.manifest.model.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        try:
+            return apply_chat_template(self.tokenizer, messages)
+        except ApiError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja raises its own types for a bad conversation
+            raise invalid("messages", f"the chat template cannot render them: {e}") from None
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise invalid(param, f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+
+    def check_prompt_length(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+        num_tokens = len(token_ids)
+        if params.truncate_prompt_tokens is not None:
+            num_tokens = min(num_tokens, params.truncate_prompt_tokens)
+        if num_tokens >= self.max_model_len:
+            raise ApiError(
+                400, f"{param}: the prompt has {num_tokens} tokens but this model's maximum context length is "
+                f"{self.max_model_len} tokens (prompt + output); shorten the prompt",
+                param=param, code="context_length_exceeded",
+            )
+
+    # ---- generation ------------------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int = 0,
+                       arrival_time: float | None = None) -> Generation:
+        """Queue one engine request per prompt (ids `request_id-i`); all or none are added."""
+        self.require_ready()
+        self.check_admission((params.best_of or params.n) * len(prompts))
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        generation = Generation(self.engine_loop)
+        try:
+            for index, token_ids in enumerate(prompts):
+                stream = RequestStream(f"{request_id}-{index}", generation.queue, index, arrival_time)
+                generation.streams.append(stream)
+                await self.engine_loop.add_request(stream, token_ids, params, priority)
+        except BaseException as e:
+            generation.abort()
+            if isinstance(e, Exception):
+                raise as_api_error(e) from None
+            raise
+        return generation
+
+
+class Generation:
+    """The outputs of one API request's engine requests, as they come (tag = prompt index)."""
+
+    def __init__(self, engine_loop: EngineLoop):
+        self.engine_loop = engine_loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.streams: list[RequestStream] = []
+        self._num_finished = 0
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Yield (prompt index, RequestOutput) until every request finished."""
+        num_unfinished = len(self.streams)
+        while num_unfinished:
+            index, item = await self.queue.get()
+            if isinstance(item, EngineStopped):
+                raise ApiError(503, f"the request was aborted: {item}")
+            if isinstance(item, BaseException):
+                raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
+            if item.finished:
+                num_unfinished -= 1
+            yield index, item
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Every request's last output, in prompt order."""
+        finals: dict[int, RequestOutput] = {}
+        async for index, output in self:
+            finals[index] = output
+        return [finals[i] for i in range(len(self.streams))]
+
+    def abort(self) -> None:
+        """Abort what has not finished (a client went away); a no-op once all finished."""
+        for stream in self.streams:
+            if not stream.is_finished:
+                self.engine_loop.abort(stream.request_id)

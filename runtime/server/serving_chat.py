@@ -1,0 +1,104 @@
+"""POST /v1/chat/completions: messages rendered with the artifact's chat template, then generated
+like a completion; streaming sends a role chunk per choice, content deltas, and a finish chunk."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from llmc.errors import RequestError
+from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.server.errors import ApiError, as_api_error
+from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, chat_logprobs, sse, usage
+from llmc.runtime.server.protocol import ChatCompletionRequest
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_body
+
+
+async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
+                                 ) -> dict | AsyncIterator[str]:
+    """The response body, or (stream=true) an iterator of SSE events."""
+    request = parse_body(ChatCompletionRequest, body)
+    request.check()
+    ctx.check_model(request.model)
+    ctx.require_ready()
+    try:
+        params = request.to_sampling_params()
+    except RequestError as e:
+        raise as_api_error(e) from None
+    token_ids = ctx.render_chat(request.template_messages())
+    ctx.check_prompt_length(token_ids, params, "messages")
+    request_id = new_id("chatcmpl")
+    generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
+    reply = _ChatReply(ctx, request, request_id)
+    if request.stream:
+        return reply.stream(generation)
+    try:
+        outputs = await generation.final_outputs()
+    finally:
+        generation.abort()
+    return reply.response(outputs[0])
+
+
+class _ChatReply:
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str):
+        self.ctx = ctx
+        self.request = request
+        self.request_id = request_id
+        self.created = int(time.time())
+
+    def _header(self, obj: str) -> dict:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.served_model_name}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        return chat_logprobs(self.ctx.tokenizer, token_ids, logprobs or [], self.request.top_logprobs or 0)
+
+    def response(self, output: RequestOutput) -> dict:
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason}
+            for c in output.outputs
+        ]
+        return {**self._header("chat.completion"), "choices": choices, "usage": usage([output])}
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        tracker = DeltaTracker()
+        final: RequestOutput | None = None
+        try:
+            for index in range(self.request.n):
+                yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None})
+            async for _, output in generation:
+                final = output
+                for completion in output.outputs:
+                    choice = self._choice_delta(completion, tracker)
+                    if choice is not None:
+                        yield self._chunk(choice)
+            if self.request.include_usage and final is not None:
+                yield sse({**self._header("chat.completion.chunk"), "choices": [], "usage": usage([final])})
+        except ApiError as e:
+            yield sse(e.body())
+        finally:
+            generation.abort()
+        yield SSE_DONE
+
+    def _chunk(self, choice: dict) -> str:
+        chunk = {**self._header("chat.completion.chunk"), "choices": [choice]}
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def _choice_delta(self, completion: CompletionOutput, tracker: DeltaTracker) -> dict | None:
+        key = (0, completion.index)
+        delta_text, new = tracker.delta(key, completion.text, completion.token_ids)
+        new_ids = completion.token_ids[new]
+        if not delta_text and not (self.request.logprobs and new_ids) and not completion.is_finished:
+            return None
+        choice = {"index": completion.index, "delta": {"content": delta_text} if delta_text else {},
+                  "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),
+                  "finish_reason": completion.finish_reason}
+        if completion.is_finished:
+            choice["stop_reason"] = completion.stop_reason
+        return choice

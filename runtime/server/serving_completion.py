@@ -1,0 +1,163 @@
+"""POST /v1/completions: text or token-id prompts (one or many), echo, logprobs, n, streaming.
+
+With echo and logprobs the prompt's own logprobs come first (the first is None): this is what
+lm-eval's loglikelihood requests (echo=true, max_tokens=0 or 1, logprobs=k) read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmc.errors import RequestError
+from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.server.errors import ApiError, as_api_error, invalid
+from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, completion_logprobs, sse, usage
+from llmc.runtime.server.protocol import CompletionRequest
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_body
+
+
+@dataclass
+class _Prompt:
+    text: str | None  # as sent, when sent as text (echo returns it verbatim)
+    token_ids: list[int]
+
+
+async def create_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
+                            ) -> dict | AsyncIterator[str]:
+    """The response body, or (stream=true) an iterator of SSE events."""
+    request = parse_body(CompletionRequest, body)
+    request.check()
+    ctx.check_model(request.model)
+    ctx.require_ready()
+    try:
+        params = request.to_sampling_params()
+    except RequestError as e:
+        raise as_api_error(e) from None
+    prompts = _prompts(ctx, request)
+    for prompt in prompts:
+        ctx.check_prompt_length(prompt.token_ids, params, "prompt")
+    request_id = new_id("cmpl")
+    generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time)
+    reply = _Reply(ctx, request, prompts, request_id)
+    if request.stream:
+        return reply.stream(generation)
+    try:
+        outputs = await generation.final_outputs()
+    finally:
+        generation.abort()
+    return reply.response(outputs)
+
+
+def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise invalid("prompt", "must not be empty")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(_Prompt(item, ctx.encode(item, request.add_special_tokens)))
+            continue
+        if not item:
+            raise invalid("prompt", "a token-id prompt must not be empty")
+        ctx.check_token_ids(item, "prompt")
+        prompts.append(_Prompt(None, list(item)))
+    return prompts
+
+
+class _Reply:
+    """Builds choices from engine outputs; choice index = prompt index * n + sequence index."""
+
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, prompts: list[_Prompt], request_id: str):
+        self.ctx = ctx
+        self.request = request
+        self.prompts = prompts
+        self.request_id = request_id
+        self.created = int(time.time())
+
+    def _header(self) -> dict:
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.served_model_name}
+
+    def _prompt_text(self, index: int) -> str:
+        prompt = self.prompts[index]
+        if prompt.text is None:
+            prompt.text = self.ctx.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return prompt.text
+
+    def _generated(self, completion: CompletionOutput) -> tuple[str, list[int], list]:
+        """(text, token ids, logprobs) of a sequence as returned: nothing for echo with max_tokens=0."""
+        if self.request.wants_prompt_only:
+            return "", [], []
+        return completion.text, completion.token_ids, completion.logprobs or []
+
+    def _prompt_entries(self, output: RequestOutput) -> list:
+        if not self.request.echo or self.request.logprobs is None:
+            return []
+        return list(zip(output.prompt_token_ids, output.prompt_logprobs or [None] * len(output.prompt_token_ids)))
+
+    def _choice(self, index: int, completion: CompletionOutput, text: str, logprobs: dict | None) -> dict:
+        return {"index": index * self.request.n + completion.index, "text": text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for index, output in enumerate(outputs):
+            for completion in output.outputs:
+                text, token_ids, logprobs = self._generated(completion)
+                if self.request.echo:
+                    text = self._prompt_text(index) + text
+                body = None
+                if self.request.logprobs is not None:
+                    entries = self._prompt_entries(output) + list(zip(token_ids, logprobs))
+                    body, _ = completion_logprobs(self.ctx.tokenizer, entries)
+                choices.append(self._choice(index, completion, text, body))
+        return {**self._header(), "choices": choices,
+                "usage": usage(outputs, count_completion_tokens=not self.request.wants_prompt_only)}
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        """SSE chunks as tokens come; a final usage chunk with stream_options.include_usage; [DONE]."""
+        tracker = DeltaTracker()
+        offsets: dict[tuple[int, int], int] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in generation:
+                finals[index] = output
+                for completion in output.outputs:
+                    chunk = self._chunk(index, output, completion, tracker, offsets)
+                    if chunk is not None:
+                        yield sse(chunk)
+            if self.request.include_usage:
+                final_outputs = [finals[i] for i in sorted(finals)]
+                yield sse({**self._header(), "choices": [],
+                           "usage": usage(final_outputs, count_completion_tokens=not self.request.wants_prompt_only)})
+        except ApiError as e:
+            yield sse(e.body())
+        finally:
+            generation.abort()
+        yield SSE_DONE
+
+    def _chunk(self, index: int, output: RequestOutput, completion: CompletionOutput, tracker: DeltaTracker,
+               offsets: dict) -> dict | None:
+        key = (index, completion.index)
+        is_first = tracker.is_first(key)
+        text, token_ids, logprobs = self._generated(completion)
+        delta_text, new = tracker.delta(key, text, token_ids)
+        entries = list(zip(token_ids[new], logprobs[new]))
+        if is_first and self.request.echo:
+            delta_text = self._prompt_text(index) + delta_text
+            entries = self._prompt_entries(output) + entries
+        if not delta_text and not entries and not completion.is_finished:
+            return None  # tokens held back (an unfinished character or a possible stop string)
+        body = None
+        if self.request.logprobs is not None:
+            body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0))
+        chunk = {**self._header(), "choices": [self._choice(index, completion, delta_text, body)]}
+        if self.request.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the final chunk carries usage
+        return chunk

@@ -1,0 +1,75 @@
+"""`llmc run ARTIFACT --input requests.jsonl --output results.jsonl`: OpenAI's batch file format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmc.cli import main
+from llmc.runtime.server.batch import BatchFileError, read_batch_file
+
+
+def _line(custom_id: str, url: str, body: dict) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def _write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_logging):
+    rows = [_line(f"story-{i}", "/v1/completions",
+                  {"model": "gpt-4o-mini", "prompt": f"Story {i % 4}: once", "max_tokens": 5, "temperature": 0,
+                   "ignore_eos": True}) for i in range(24)]
+    rows.insert(3, _line("chat", "/v1/chat/completions",
+                         {"model": "x", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}))
+    rows.insert(7, _line("bad", "/v1/completions", {"prompt": "x", "temperature": -1}))
+    rows.insert(9, _line("scored", "/v1/completions",
+                         {"prompt": [0, 51, 1002, 694], "echo": True, "max_tokens": 0, "logprobs": 1}))
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, rows)
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--device", "cpu", "--input", str(requests), "--output", str(results)])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["custom_id"] for r in lines] == [r["custom_id"] for r in rows]  # input order
+    by_id = {r["custom_id"]: r for r in lines}
+    for row in lines:
+        assert set(row) == {"id", "custom_id", "response", "error"} and row["error"] is None
+        assert set(row["response"]) == {"status_code", "request_id", "body"}
+    story = by_id["story-0"]["response"]
+    assert story["status_code"] == 200 and story["body"]["usage"]["completion_tokens"] == 5
+    assert story["request_id"] == story["body"]["id"] and story["body"]["object"] == "text_completion"
+    chat = by_id["chat"]["response"]["body"]
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["role"] == "assistant"
+    bad = by_id["bad"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "temperature"
+    scored = by_id["scored"]["response"]["body"]["choices"][0]["logprobs"]
+    assert scored["token_logprobs"][0] is None and len(scored["token_logprobs"]) == 4
+    # Greedy lines do not depend on what else was batched: identical prompts, identical text.
+    texts = {by_id[f"story-{i}"]["response"]["body"]["choices"][0]["text"] for i in (0, 4, 8, 12, 16, 20)}
+    assert len(texts) == 1
+    assert "27 request(s), 1 failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n{oops\n', ":2: not a JSON object"),
+    ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n', ":1: method"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n', ":1: url"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"stream": true}}\n', "stream"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n' * 2, "used twice"),
+])
+def test_malformed_batch_files_name_the_line(tmp_path, content, message):
+    path = tmp_path / "requests.jsonl"
+    path.write_text(content)
+    with pytest.raises(BatchFileError, match=message.replace("/", ".")):
+        read_batch_file(path)
+
+
+def test_cli_batch_needs_both_paths(server_artifact, tmp_path, capsys, restore_logging):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--input", str(tmp_path / "in.jsonl")])
+    assert exit_info.value.code == 2 and "--output" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""Starting, overload and stopping: 503 while loading and past --max-waiting, a failed start,
+and SIGTERM letting a running stream finish before the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from llmc.cli import main
+from llmc.errors import ArtifactError
+from llmc.runtime.engine import Engine
+from llmc.runtime.server.api_server import build_app, serve
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0.8}
+
+
+def _wait_healthy(base_url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base_url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not load"
+        time.sleep(0.05)
+
+
+def test_503_while_the_model_loads(run_app, server_artifact):
+    release = threading.Event()
+
+    def slow_engine():
+        assert release.wait(30)
+        return Engine(server_artifact, device="cpu")
+
+    base_url = run_app(build_app(slow_engine, "m", log_stats=False))
+    for reply in (httpx.get(f"{base_url}/health"), httpx.get(f"{base_url}/v1/models"),
+                  httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"})):
+        assert reply.status_code == 503
+        assert reply.json()["error"]["type"] == "service_unavailable_error"
+        assert reply.headers["retry-after"] == "1"
+    assert httpx.get(f"{base_url}/metrics").status_code == 200  # scrapeable while loading
+    release.set()
+    _wait_healthy(base_url)
+    reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+def test_503_when_the_waiting_queue_is_full(run_app, server_artifact):
+    app = build_app(lambda: Engine(server_artifact, device="cpu", max_num_seqs=1), "m", max_waiting=1,
+                    log_stats=False)
+    base_url = run_app(app)
+    _wait_healthy(base_url)
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
+            next(running.iter_lines())  # the only seat is taken
+            with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as waiting:
+                assert waiting.status_code == 200  # queued: headers come once it is added
+                refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+                assert refused.status_code == 503, refused.text
+                assert "overloaded" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 10
+        while (reply := http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})).status_code == 503:
+            assert time.monotonic() < deadline, "the aborted requests still count as waiting"
+            time.sleep(0.05)
+        assert reply.status_code == 200
+
+
+def test_a_failed_start_is_raised_by_serve(free_port):
+    def broken():
+        raise ArtifactError("/nowhere: not an artifact")
+
+    with pytest.raises(ArtifactError, match="not an artifact"):
+        serve(broken, "m", port=free_port(), log_stats=False)
+
+
+def test_cli_reports_a_failed_start_in_one_line(tmp_path, free_port, capsys, restore_logging):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "missing"), "--device", "cpu", "--port", str(free_port()), "--disable-log-stats"])
+    assert exit_info.value.code != 0
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmc: error:")]
+    assert len(errors) == 1 and "missing" in errors[0]
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
+    server = start_server("--disable-log-stats")
+    body = {**LONG, "max_tokens": 48, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(60) == 0, server.log()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.base_url}/health")

@@ -1,0 +1,115 @@
+"""The server's pure pieces, without a model: error mapping, logprob formatting, deltas, metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from llmc.errors import RequestError
+from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.server.engine_loop import RequestStream
+from llmc.runtime.server.errors import MIN_JSON_LOGPROB, ApiError, as_api_error, json_logprob
+from llmc.runtime.server.formatting import DeltaTracker, chat_logprobs, completion_logprobs
+from llmc.runtime.server.metrics import ServerMetrics
+from llmc.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmc.runtime.server.serving import parse_body
+
+
+class _Tokenizer:
+    def decode(self, token_ids, skip_special_tokens=False):
+        return "".join(f"<{t}>" for t in token_ids)
+
+
+def test_request_errors_name_the_sampling_field():
+    with pytest.raises(RequestError) as info:
+        SamplingParams(top_k=-5)
+    error = as_api_error(info.value)
+    assert (error.status_code, error.param) == (400, "top_k")
+    assert error.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("body", "param", "text"), [
+    ({"prompt": 5}, "prompt", "expected str or list[str] or list[int] or list[list[int]]"),
+    ({"prompt": "x", "seed": "s"}, "seed", "valid integer"),
+    ({}, "prompt", "Field required"),
+])
+def test_validation_errors_name_the_field(body, param, text):
+    with pytest.raises(ApiError) as info:
+        parse_body(CompletionRequest, body)
+    assert info.value.param == param and text in info.value.message
+
+
+def test_chat_content_parts_and_unsupported_fields():
+    request = parse_body(ChatCompletionRequest, {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert request.template_messages() == [{"role": "user", "content": "ab"}]
+    image = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    with pytest.raises(ApiError, match="only text parts"):
+        image.template_messages()
+    with pytest.raises(ApiError) as info:
+        parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).check()
+    assert info.value.param == "tools"
+
+
+def test_echo_with_max_tokens_0_generates_one_token_and_asks_prompt_logprobs():
+    request = parse_body(CompletionRequest, {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 3})
+    request.check()
+    params = request.to_sampling_params()
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (1, 3, 3)
+    assert request.wants_prompt_only
+
+
+def test_json_logprobs():
+    assert json_logprob(float("-inf")) == MIN_JSON_LOGPROB
+    assert json_logprob(float("nan")) == MIN_JSON_LOGPROB
+    assert json_logprob(-1.5) == -1.5
+
+
+def test_completion_logprobs_shape_and_offsets():
+    body, end = completion_logprobs(_Tokenizer(), [(1, None), (22, {22: -0.5, 3: -0.25}), (3, {3: -float("inf")})])
+    assert body["tokens"] == ["<1>", "<22>", "<3>"]
+    assert body["token_logprobs"] == [None, -0.5, MIN_JSON_LOGPROB]
+    assert body["top_logprobs"][0] is None and list(body["top_logprobs"][1]) == ["<3>", "<22>"]  # most likely first
+    assert body["text_offset"] == [0, 3, 7] and end == 10
+
+
+def test_chat_logprobs_keep_top_n():
+    body = chat_logprobs(_Tokenizer(), [7], [{7: -2.0, 8: -0.1, 9: -1.0}], num_top=2)
+    (entry,) = body["content"]
+    assert entry["token"] == "<7>" and entry["logprob"] == -2.0 and entry["bytes"] == list(b"<7>")
+    assert [t["token"] for t in entry["top_logprobs"]] == ["<8>", "<9>"]
+
+
+def test_delta_tracker_sends_only_what_is_new():
+    tracker = DeltaTracker()
+    assert tracker.is_first((0, 0))
+    assert tracker.delta((0, 0), "ab", [1, 2]) == ("ab", slice(0, 2))
+    assert not tracker.is_first((0, 0))
+    assert tracker.delta((0, 0), "abc", [1, 2, 3]) == ("c", slice(2, 3))
+    assert tracker.delta((0, 1), "x", [9]) == ("x", slice(0, 1))
+
+
+def _output(num_tokens: int, finished: bool) -> RequestOutput:
+    completion = CompletionOutput(0, "t" * num_tokens, list(range(num_tokens)), None, None,
+                                  "length" if finished else None)
+    return RequestOutput("r", "p", [5, 6, 7], [completion], finished)
+
+
+def test_metrics_are_per_app_and_count_tokens_and_latencies():
+    first, second = ServerMetrics("a"), ServerMetrics("b")  # no clash: each has its own registry
+    stream = RequestStream("r", queue=None, tag=0, arrival_time=10.0)
+    first.on_output(stream, _output(1, False), now=10.5, step_start=10.2)
+    first.on_output(stream, _output(3, True), now=10.7, step_start=10.6)
+    text = first.render().decode()
+    assert 'llmc:prompt_tokens_total{model_name="a"} 3.0' in text
+    assert 'llmc:generation_tokens_total{model_name="a"} 3.0' in text
+    assert 'llmc:time_to_first_token_seconds_sum{model_name="a"} 0.5' in text
+    assert 'llmc:request_queue_time_seconds_sum{model_name="a"}' in text
+    assert 'llmc:request_success_total{finished_reason="length",model_name="a"} 1.0' in text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert math.isclose(samples["llmc:e2e_request_latency_seconds_sum"], 0.7)
+    assert samples["llmc:inter_token_latency_seconds_count"] == 1
+    assert b'model_name="a"' not in second.render()
