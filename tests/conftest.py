@@ -20,6 +20,7 @@ engine that ignores them, disagrees with transformers.
 
 from __future__ import annotations
 
+import os
 import json
 import shutil
 import threading
@@ -28,6 +29,11 @@ from typing import Any, Sequence
 
 import pytest
 import torch
+
+# Small models on a small shared CPU: torch's intra-op threads cost more in contention than they
+# gain, and subprocesses (the CLI, the server) inherit the setting through the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REF_MODEL_DIR = REPO_ROOT / "checkpoints" / "ref-llama-12m"
