@@ -21,6 +21,24 @@ from llmc.runtime.artifact import RuntimeDefaults
 logger = logging.getLogger("llmc")
 
 
+class _JsonObject(click.ParamType):
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"not valid JSON ({e})", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("expected a JSON object", param, ctx)
+        return parsed
+
+
+JSON_OBJECT = _JsonObject()
+
+
 def runtime_option_flags(fn):
     """One flag per engine option (the recipe's `runtime` names); unset flags keep the artifact's value."""
     hints = typing.get_type_hints(RuntimeDefaults)
@@ -30,6 +48,8 @@ def runtime_option_flags(fn):
         base = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) else hints[f.name]
         if base is bool:
             fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)(fn)
+        elif dataclasses.is_dataclass(base):  # nested settings as JSON, e.g. --speculative '{"method": "ngram", ...}'
+            fn = click.option(flag, f.name, type=JSON_OBJECT, default=None, help=help_text + " (JSON)")(fn)
         else:
             fn = click.option(flag, f.name, type=base, default=None, help=help_text)(fn)
     return fn
@@ -104,7 +124,6 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.option("--served-model-name", default=None, help="the model name clients send [default: the artifact directory's name]")
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="server: require 'Authorization: Bearer KEY' on /v1 (or set LLMC_API_KEY)")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=None, help="server: answer 503 to a request that would make more sequences wait than this [default: no limit]")
-@click.option("--disable-log-stats", is_flag=True, help="server: no periodic throughput / queue / KV-cache log line")
 @click.option("--max-tokens", type=int, default=256, help="tokens to generate (--prompt, --chat)")
 @click.option("--temperature", type=float, default=1.0, help="0 = greedy")
 @click.option("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -114,7 +133,7 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
-        disable_log_stats: bool, max_tokens: int, temperature: float, top_p: float,
+        max_tokens: int, temperature: float, top_p: float,
         top_k: int, sampling_seed: int | None, device: str | None, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output)."""
@@ -130,7 +149,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         from llmc.runtime.server.api_server import serve
 
         serve(_engine_factory(artifact, device, overrides), served_model_name, host=host, port=port,
-              api_key=api_key, max_waiting=max_waiting, log_stats=not disable_log_stats)
+              api_key=api_key, max_waiting=max_waiting, log_stats=False)  # the engine logs its own statistics
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
     llm = LLM(artifact, device=device, **overrides)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import ArtifactError
-from llmc.schema import opt
+from llmc.runtime.spec_decode import SpeculativeConfig
+from llmc.schema import opt, parse
 
 FORMAT_VERSION = "1.0"
 MANIFEST_NAME = "manifest.json"
@@ -116,6 +117,10 @@ class RuntimeDefaults:
     enable_prefix_caching: bool = opt(True, help="reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
     seed: int = opt(0, min=0, help="seed of the random sampler")
+    scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
+    speculative: SpeculativeConfig | None = opt(None, help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+    disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
+    log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ class Manifest:
         kwargs = dict(data)
         for key, klass in nested.items():
             kwargs[key] = _build(klass, data[key], key)
+        kwargs["runtime"] = parse(RuntimeDefaults, data["runtime"], "manifest.json: runtime", ArtifactError)
         return _build(cls, kwargs, "manifest")
 
 

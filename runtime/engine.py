@@ -23,6 +23,8 @@ from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.sampler import Sampler, SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats, sample_with_drafts
+from llmc.runtime.stats import StatsLogger
 from llmc.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("llmc")
@@ -44,8 +46,13 @@ class Engine:
             block_size=self.options.block_size,
             num_blocks=self.runner.num_blocks,
             enable_prefix_caching=self.options.enable_prefix_caching,
+            policy=self.options.scheduling_policy,
         ))
         self.sampler = Sampler(generator=torch.Generator(self.device).manual_seed(self.options.seed))
+        speculative = self.options.speculative
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_stats = SpecDecodeStats()
+        self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}
         self._ids = itertools.count()
@@ -110,17 +117,22 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits, prompt_logits = self.runner.execute(batch)  # [num_sampled, vocab_size], per-request prompt rows
+        logits, prompt_logits = self.runner.execute(batch)  # [num_sampled_rows, vocab_size], per-request prompt rows
         for request_id, (first_position, rows) in prompt_logits.items():
             self.sequences[request_id].record_prompt_logprobs(first_position, rows)
-        sampled_states = [self.sequences[s.request.request_id] for s in batch.requests if s.is_last_chunk]
-        tokens = self._sample(logits, sampled_states)
-        self.scheduler.update(batch, {state.request.request_id: [token] for state, token in zip(sampled_states, tokens)})
-        for state in sampled_states:
-            self._check_stop(state)
+        sampled = [s for s in batch.requests if s.is_last_chunk]
+        states = [self.sequences[s.request.request_id] for s in sampled]
+        tokens = self._sample(logits, states, [s.draft_token_ids for s in sampled])
+        num_prefill = sum(s.num_new_tokens - len(s.draft_token_ids) for s in batch.requests if not _is_decode(s))
+        self.scheduler.update(batch, {state.request.request_id: t for state, t in zip(states, tokens)})
+        for state, new_tokens in zip(states, tokens):
+            self._check_stop(state, new_tokens)
+        self._propose_drafts(states)
+        self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats())
         return self._collect_outputs(batch)
 
-    def _sample(self, logits: torch.Tensor, states: list[SequenceState]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, states: list[SequenceState], drafts: list[list[int]]) -> list[list[int]]:
+        """New tokens per sampled sequence: one, or under speculation the accepted drafts plus one."""
         metadata = SamplingMetadata(
             params=[s.params for s in states],
             prompt_token_ids=[s.request.prompt_token_ids for s in states],
@@ -128,15 +140,36 @@ class Engine:
             generators=[s.generator for s in states],
             eos_token_ids=self.eos_token_ids,
         )
-        output = self.sampler(logits, metadata)
-        for state, token, logprobs in zip(states, output.token_ids, output.logprobs):
-            state.record_logprobs(token, logprobs)
-        return output.token_ids
+        if any(drafts):
+            output = sample_with_drafts(logits, metadata, drafts, self.sampler.generator)
+            self.spec_stats.record(drafts, output.token_ids)
+            tokens, logprobs = output.token_ids, output.logprobs
+        else:
+            output = self.sampler(logits, metadata)
+            tokens = [[t] for t in output.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in output.logprobs]
+        tokens = [state.cut_at_stop_token(t, self.eos_token_ids) for state, t in zip(states, tokens)]
+        for state, new_tokens, new_logprobs in zip(states, tokens, logprobs):
+            for i, token in enumerate(new_tokens):
+                state.record_logprobs(token, None if new_logprobs is None else new_logprobs[i])
+        return tokens
 
-    def _check_stop(self, state: SequenceState) -> None:
-        """Detokenize the new token; finish the sequence on eos, a stop token or a stop string."""
+    def _propose_drafts(self, states: list[SequenceState]) -> None:
+        """N-gram drafts for the next step, unless speculation is off or the batch is too large."""
+        if self.proposer is None or not self.options.speculative.is_enabled_for(self.scheduler.num_running):
+            return
+        k = self.options.speculative.num_speculative_tokens
+        for state in states:
+            request = state.request
+            if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[: min(k, room)]
+
+    def _check_stop(self, state: SequenceState, new_tokens: list[int]) -> None:
+        """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string."""
         request = state.request
-        state.add_tokens(request.output_token_ids[-1:])
+        state.add_tokens(new_tokens)
         if state.finish_status is not None and not request.is_finished:
             self.scheduler.finish_request(request.request_id, state.finish_status)
 
@@ -172,8 +205,23 @@ class Engine:
             pool.free(blocks)
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "num_running": self.scheduler.num_running,
-                "num_waiting": self.scheduler.num_waiting}
+        """Counters for logs and metrics (the names vLLM exports, without its prefix)."""
+        stats = self.scheduler.stats()
+        queries = stats["prefix_cache_queries"]
+        return {
+            **stats,
+            "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
+            "num_spec_proposed": self.spec_stats.num_proposed,
+            "num_spec_accepted": self.spec_stats.num_accepted,
+            "spec_acceptance_rate": self.spec_stats.acceptance_rate,
+            "num_prompt_tokens": self.stats_logger.num_prompt_tokens,
+            "num_generation_tokens": self.stats_logger.num_generation_tokens,
+        }
+
+
+def _is_decode(scheduled) -> bool:
+    """One real token after generated ones (with or without drafts): a decode, not a prefill."""
+    return scheduled.request.num_output_tokens > 0 and scheduled.num_new_tokens - len(scheduled.draft_token_ids) == 1
 
 
 def finished_reason(status: RequestStatus) -> str | None:

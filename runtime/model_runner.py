@@ -76,7 +76,8 @@ class ModelRunner:
         """Flatten the scheduled chunks: token ids [num_tokens], their ForwardBatch, and for requests
         asking prompt logprobs {request_id: (first position, number of rows)} of extra logits rows.
 
-        Logits rows: first one per chunk that ends its sequence (sampling), then the prompt-logprob rows.
+        Logits rows: first the sampling rows (one per chunk that ends its sequence, plus one per draft
+        token), then the prompt-logprob rows.
         """
         input_ids, positions, slots, context_lens, query_lens = [], [], [], [], []
         sample_indices, prompt_indices, prompt_spans = [], [], {}
@@ -85,16 +86,18 @@ class ModelRunner:
         for row, scheduled in enumerate(batch.requests):
             request = scheduled.request
             start, num_new = request.num_computed_tokens, scheduled.num_new_tokens
+            num_drafts = len(scheduled.draft_token_ids)
             offset = len(input_ids)
-            input_ids.extend(request.get_token_ids(start, start + num_new))
+            input_ids.extend(request.get_token_ids(start, start + num_new - num_drafts))
+            input_ids.extend(scheduled.draft_token_ids)
             positions.extend(range(start, start + num_new))
             blocks = request.block_ids
             slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + num_new))
             block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             context_lens.append(start + num_new)
             query_lens.append(num_new)
-            if scheduled.is_last_chunk:
-                sample_indices.append(len(input_ids) - 1)
+            if scheduled.is_last_chunk:  # the last real token, then each draft: one row each
+                sample_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
             if request.skip_prefix_cache:  # prompt logprobs: positions whose next token is in the prompt
                 end = min(start + num_new, request.num_prompt_tokens - 1)
                 if end > start:
@@ -136,11 +139,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
         """Run one step. Returns logits [num_sampled, vocab_size] float32 for the chunks that end their
-        sequence, and {request_id: (first position, logits [n, vocab_size])} for prompt logprobs."""
+        sequence (1 + number of drafts rows each), and {request_id: (first position, logits [n, vocab_size])} for prompt logprobs."""
         input_ids, forward_batch, prompt_spans = self.prepare(batch)
         hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
         logits = self.model.compute_logits(hidden[forward_batch.logits_indices])  # [num_rows, vocab_size]
-        num_sampled = sum(1 for s in batch.requests if s.is_last_chunk)
+        num_sampled = sum(1 + len(s.draft_token_ids) for s in batch.requests if s.is_last_chunk)
         prompt_logits, row = {}, num_sampled
         for request_id, (first_position, num_rows) in prompt_spans.items():
             prompt_logits[request_id] = (first_position, logits[row : row + num_rows])

@@ -56,6 +56,8 @@ class Request:
             Empty while waiting.
         status: see `RequestStatus`.
         num_preemptions: how many times this request was preempted (its KV recomputed).
+        spec_token_ids: draft tokens (speculative decoding) to verify in the request's next step;
+            set by the engine after a step, cleared on preemption, never part of all_token_ids.
         skip_prefix_cache: never reuse cached blocks for it (prompt logprobs need the logits of
             every prompt position, so every prompt token is computed).
         block_hashes: prefix-cache hashes of the full blocks of `all_token_ids`, a chain
@@ -75,6 +77,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     skip_prefix_cache: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
 

@@ -55,6 +55,15 @@ class SequenceState:
         next_ids = self.request.prompt_token_ids[start + 1 : first_position + 1 + logits.shape[0]]
         self.prompt_logprobs.extend(compute_prompt_logprobs(logits[max(skip, 0):], next_ids, self.params.prompt_logprobs))
 
+    def cut_at_stop_token(self, token_ids: list[int], eos_token_ids: list[int]) -> list[int]:
+        """Tokens up to and including the first that ends the sequence (speculation may emit more)."""
+        stops = set(self.params.stop_token_ids) | (set() if self.params.ignore_eos else set(eos_token_ids))
+        num_outputs = self.request.num_output_tokens
+        for i, token in enumerate(token_ids):
+            if token in stops and num_outputs + i + 1 > self.params.min_tokens:
+                return token_ids[: i + 1]
+        return token_ids
+
     def add_tokens(self, token_ids: list[int]) -> None:
         self.detokenizer.add_tokens(token_ids)
 

@@ -77,11 +77,15 @@ class ScheduledRequest:
             [request.num_computed_tokens, request.num_computed_tokens + num_new_tokens).
         is_last_chunk: the chunk reaches request.num_tokens, so the engine samples from its last
             position and passes the tokens to `update`; False for a partial prefill.
+        draft_token_ids: speculative tokens verified in this step, after the request's own last
+            token; they are the last len(draft_token_ids) of num_new_tokens (positions past
+            request.num_tokens), and the engine samples at each of them too.
     """
 
     request: Request
     num_new_tokens: int
     is_last_chunk: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -211,10 +215,12 @@ class Scheduler:
             request = self.running[index]
             # >= 1: update() always leaves a running request at least one token to compute
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_blocks(request, num_new_tokens, preempted):
-                break  # preempted itself: it was the tail, nothing runs after it
             is_last_chunk = request.num_computed_tokens + num_new_tokens == request.num_tokens
-            scheduled.append(ScheduledRequest(request, num_new_tokens, is_last_chunk))
+            drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk else []
+            if not self._reserve_blocks(request, num_new_tokens + len(drafts), preempted):
+                break  # preempted itself: it was the tail, nothing runs after it
+            scheduled.append(ScheduledRequest(request, num_new_tokens + len(drafts), is_last_chunk, drafts))
+            num_new_tokens += len(drafts)
             budget -= num_new_tokens
             index += 1
         return budget
@@ -280,6 +286,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Free a running request's blocks and queue it for a full re-prefill (recompute)."""
         self._free_blocks(request)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -309,12 +316,31 @@ class Scheduler:
         finished: list[Request] = []
         for item in live:
             request = item.request
-            request.num_computed_tokens += item.num_new_tokens
+            request.spec_token_ids = []
+            num_rejected, is_at_limit = 0, False
+            if item.is_last_chunk:
+                tokens = sampled[request.request_id]
+                # Under speculation the emitted tokens are the accepted drafts plus one; the KV of
+                # the rejected drafts is not the request's and is overwritten later.
+                num_rejected = len(item.draft_token_ids) - (len(tokens) - 1) if item.draft_token_ids else 0
+                is_at_limit = self._append_tokens(request, tokens)
+            # Tokens first, then hashes: a hashed block's tokens must all be in the request.
+            request.num_computed_tokens = min(request.num_computed_tokens + item.num_new_tokens - num_rejected,
+                                              request.num_tokens)
             self._cache_full_blocks(request)
-            if item.is_last_chunk and self._append_tokens(request, sampled[request.request_id]):
+            if is_at_limit:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 finished.append(request)
+            elif item.draft_token_ids:
+                self._trim_blocks(request)
         return finished
+
+    def _trim_blocks(self, request: Request) -> None:
+        """Return the blocks that held only rejected drafts."""
+        num_needed = self._num_blocks_to_cover(request.num_tokens)
+        if len(request.block_ids) > num_needed:
+            self.block_pool.free(self.block_pool.get_blocks(request.block_ids[num_needed:]))
+            del request.block_ids[num_needed:]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> bool:
         """Append sampled tokens up to the length limits; True if the request reached one."""

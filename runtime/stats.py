@@ -1,0 +1,41 @@
+"""The engine's periodic statistics line (vLLM's "Avg prompt throughput ..." log)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+logger = logging.getLogger("llmc")
+
+
+class StatsLogger:
+    """Counts tokens per step; every `interval` seconds logs one line of throughput and state."""
+
+    def __init__(self, interval: float, enabled: bool):
+        self.interval = interval
+        self.enabled = enabled
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._last_time = time.monotonic()
+        self._last_prompt_tokens = 0
+        self._last_generation_tokens = 0
+
+    def record(self, num_prefill_tokens: int, num_generated: int, stats: dict) -> None:
+        self.num_prompt_tokens += num_prefill_tokens
+        self.num_generation_tokens += num_generated
+        now = time.monotonic()
+        if self.enabled and now - self._last_time >= self.interval:
+            self._log(now - self._last_time, stats)
+            self._last_time = now
+            self._last_prompt_tokens = self.num_prompt_tokens
+            self._last_generation_tokens = self.num_generation_tokens
+
+    def _log(self, elapsed: float, stats: dict) -> None:
+        prompt_rate = (self.num_prompt_tokens - self._last_prompt_tokens) / elapsed
+        generation_rate = (self.num_generation_tokens - self._last_generation_tokens) / elapsed
+        line = (f"running {stats['num_running']}, waiting {stats['num_waiting']}, KV cache {100 * stats['kv_cache_usage']:.1f}%, "
+                f"prefix hit rate {100 * stats['prefix_cache_hit_rate']:.1f}%, prompt {prompt_rate:.1f} tokens/s, "
+                f"generation {generation_rate:.1f} tokens/s, preemptions {stats['num_preemptions']}")
+        if stats["num_spec_proposed"]:
+            line += f", spec acceptance {100 * stats['spec_acceptance_rate']:.1f}%"
+        logger.info(line)
