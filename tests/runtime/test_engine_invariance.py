@@ -1,0 +1,102 @@
+"""Greedy outputs do not depend on how the engine schedules: cache size (preemption), token budget
+(chunked prefill), prefix caching, speculation. Every block comes back to the pool afterwards."""
+
+import random
+
+import pytest
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+NUM_REQUESTS = 64
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, ref_model_dir):
+    out = tmp_path_factory.mktemp("engine") / "ref"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "runtime": {"max_model_len": 256}}),
+          show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(artifact):
+    """64 prompts: a few shared system prefixes (several blocks long) and user texts of mixed lengths."""
+    rng = random.Random(0)
+    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you", "good sir")
+    prefixes = ["First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n",
+                "You are a helpful assistant who answers in the manner of Shakespeare.\n",
+                "The history of the county, as set down in the parish records, begins with "]
+    return [rng.choice(prefixes) + " ".join(rng.choice(words) for _ in range(rng.randint(1, 20)))
+            for _ in range(NUM_REQUESTS)]
+
+
+def _generate(artifact, prompts, **options):
+    llm = LLM(artifact, device="cpu", max_num_seqs=16, **options)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    stats = llm.stats()
+    llm.engine.scheduler.check_invariants()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
+    assert llm.engine.scheduler.block_pool.num_free_blocks == stats["num_total_blocks"]
+    return [o.outputs[0].token_ids for o in outputs], stats
+
+
+@pytest.fixture(scope="module")
+def reference(artifact, prompts):
+    return _generate(artifact, prompts)
+
+
+@pytest.mark.parametrize(
+    ("options", "check"),
+    [
+        ({"num_kv_blocks": 24}, lambda s: s["num_preemptions"] > 0),
+        ({"max_num_batched_tokens": 32}, None),
+        ({"enable_prefix_caching": False}, lambda s: s["prefix_cache_hits"] == 0),
+        ({"speculative": {"method": "ngram", "num_speculative_tokens": 3}}, lambda s: s["num_spec_proposed"] > 0),
+        ({"num_kv_blocks": 24, "max_num_batched_tokens": 32, "speculative": {"method": "ngram", "num_speculative_tokens": 2}},
+         lambda s: s["num_preemptions"] > 0),
+    ],
+    ids=["preemption", "budget-32", "no-prefix-cache", "ngram", "all-at-once"],
+)
+def test_greedy_outputs_identical(artifact, prompts, reference, options, check):
+    expected, reference_stats = reference
+    assert reference_stats["prefix_cache_hits"] > 0 and reference_stats["num_preemptions"] == 0
+    got, stats = _generate(artifact, prompts, **options)
+    mismatches = [i for i, (a, b) in enumerate(zip(expected, got)) if a != b]
+    assert not mismatches, f"{len(mismatches)} requests differ, first {mismatches[0]}"
+    if check is not None:
+        assert check(stats), stats
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(artifact, prompts):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234)
+    llm = LLM(artifact, device="cpu")
+    alone = llm.generate(prompts[0], params)[0].outputs[0].text
+    crowd = llm.generate(prompts[:20], [params] + [SamplingParams(temperature=1.0, max_tokens=16)] * 19)
+    assert crowd[0].outputs[0].text == alone
+    other_seed = llm.generate(prompts[0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=99))
+    assert other_seed[0].outputs[0].text != alone
+
+
+def test_request_that_can_never_fit_is_rejected_up_front(artifact):
+    from llmc.errors import ConfigError, RequestError
+
+    llm = LLM(artifact, device="cpu", max_model_len=32)
+    with pytest.raises(RequestError, match="max_model_len is 32"):
+        llm.generate(" ".join(["the king"] * 40), SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ConfigError, match="fewer than max_model_len"):  # a cache too small for one sequence
+        LLM(artifact, device="cpu", num_kv_blocks=4, max_model_len=256)
+
+
+def test_priority_policy_runs_urgent_requests_first(artifact, prompts):
+    llm = LLM(artifact, device="cpu", scheduling_policy="priority", max_num_seqs=1)
+    for i, priority in enumerate([5, 0, 3]):
+        llm.engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=2), request_id=str(i), priority=priority)
+    order = []
+    while llm.engine.has_unfinished_requests():
+        order += [o.request_id for o in llm.engine.step() if o.finished]
+    assert order == ["1", "2", "0"]  # priorities 0, 3, 5; one seat
