@@ -94,6 +94,9 @@ class Engine:
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; give at least one token")
+        vocab_size = self.manifest.model.vocab_size
+        if not all(0 <= t < vocab_size for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab_size}) for this model")
         if len(prompt_token_ids) >= self.options.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.options.max_model_len}; "
@@ -120,6 +123,9 @@ class Engine:
         logits, prompt_logits = self.runner.execute(batch)  # [num_sampled_rows, vocab_size], per-request prompt rows
         for request_id, (first_position, rows) in prompt_logits.items():
             self.sequences[request_id].record_prompt_logprobs(first_position, rows)
+        now = time.monotonic()
+        for scheduled in batch.requests:
+            self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
         sampled = [s for s in batch.requests if s.is_last_chunk]
         states = [self.sequences[s.request.request_id] for s in sampled]
         tokens = self._sample(logits, states, [s.draft_token_ids for s in sampled])

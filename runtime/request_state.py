@@ -103,6 +103,11 @@ class RequestGroup:
     params: SamplingParams
     arrival_time: float
     sequences: list[SequenceState] = field(default_factory=list)
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step
+
+    def mark_scheduled(self, now: float) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
 
     def child_params(self) -> list[SamplingParams]:
         """Per-sequence params: n = 1 each; seeded requests give sequence i the seed + i."""
@@ -138,4 +143,5 @@ class RequestGroup:
             finished=self.is_finished,
             prompt_logprobs=first.prompt_logprobs,
             num_cached_tokens=first.request.num_cached_tokens,
+            metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time},
         )
