@@ -183,7 +183,8 @@ def _calibration_data(ctx: _Context):
     tokenizer = AutoTokenizer.from_pretrained(str(ctx.model_dir), local_files_only=True)
     calib = quant.calibration
     num_eval = NUM_REPORT_WINDOWS if quant.report else 0
-    calibration, held_out = calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, calib.seed, num_eval)
+    seed = calib.seed if calib.shuffle else None
+    calibration, held_out = calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, seed, num_eval)
     needs_calibration = quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static")
     return (calibration if needs_calibration else None), (held_out if num_eval else None)
 

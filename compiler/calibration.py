@@ -34,12 +34,13 @@ def read_text(path: str | Path) -> str:
     return path.read_text()
 
 
-def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int,
+def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int | None,
                         num_eval: int = 0) -> tuple[Tensor, Tensor]:
     """Tokenize the file once and cut it into non-overlapping windows of seq_len - 1 tokens, each
     given the bos token first. Returns (calibration windows [num_samples, seq_len], held-out
-    windows [num_eval, seq_len]): calibration windows are chosen at random by `seed`, held-out ones
-    are the windows after them that calibration never saw."""
+    windows [num_eval, seq_len]). With seed None the calibration windows are the first ones, in
+    order, and the held-out ones the file's last; with a seed all are drawn at random. Calibration
+    never sees a held-out window."""
     token_ids = tokenizer.encode(read_text(path), add_special_tokens=False, verbose=False)
     body = seq_len - 1
     num_windows = len(token_ids) // body
@@ -49,8 +50,11 @@ def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: 
             f"of {seq_len}; num_samples ({num_samples}){f' + {num_eval} held-out' if num_eval else ''} need more "
             "text, fewer samples or a shorter seq_len"
         )
-    chosen = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed))[: num_samples + num_eval]
-    calib, held_out = chosen[:num_samples].sort().values, chosen[num_samples:].sort().values
+    if seed is None:
+        calib, held_out = torch.arange(num_samples), torch.arange(num_windows - num_eval, num_windows)
+    else:
+        chosen = torch.randperm(num_windows, generator=torch.Generator().manual_seed(seed))[: num_samples + num_eval]
+        calib, held_out = chosen[:num_samples].sort().values, chosen[num_samples:].sort().values
     windows = torch.tensor(token_ids[: num_windows * body]).view(num_windows, body)
     bos = torch.full((num_windows, 1), tokenizer.bos_token_id if tokenizer.bos_token_id is not None else token_ids[0])
     windows = torch.cat([bos, windows], dim=1)  # [num_windows, seq_len]

@@ -23,7 +23,6 @@ from llmc.compiler.calibration import LayerRunner, capture_inputs, set_layer_wei
 from llmc.compiler.convert import LayerWeights, pack_layer
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
-from llmc.quant.awq import awq_search_clip, awq_search_scale
 from llmc.quant.formats import DenseFormat, QuantizedWeight, make_format, num_groups_of
 from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight
 from llmc.quant.gptq import HessianAccumulator, gptq_quantize
@@ -124,6 +123,7 @@ class LayerQuantizer:
         self.config = config
         self.runner = runner
         self.scale_dtype = getattr(torch, config.dtype)
+        self.gptq_true_sequential = True  # each linear of a layer sees its quantized predecessors' outputs
 
     def quantize(self, layer: LayerWeights, hidden: Tensor | None) -> dict[str, QuantizedWeight | None]:
         """Quantized weight per linear name (None = stays dense); may rewrite `layer`'s norms/linears (AWQ)."""
@@ -146,23 +146,29 @@ class LayerQuantizer:
 
     def _gptq(self, layer: LayerWeights, hidden: Tensor) -> dict:
         result = {}
+        hessians = {} if self.gptq_true_sequential else self._hessians(layer, hidden, list(layer.linears))
         for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
             spec = self._spec(layer, name)
             if spec["format"] == "dense":
                 result[name] = None
                 continue
-            accumulator = HessianAccumulator(w.shape[1], self.runner.device)
-            module = self.runner.build_layer(layer)
-            handles = capture_inputs(module, [name], lambda _n, x: accumulator.add_batch(x))
-            self.runner.forward(module, hidden)
-            for handle in handles:
-                handle.remove()
-            q = gptq_quantize(w.to(self.runner.device), accumulator.hessian, spec["bits"], spec["group_size"],
+            hessian = hessians[name] if name in hessians else self._hessians(layer, hidden, [name])[name]
+            q = gptq_quantize(w.to(self.runner.device), hessian, spec["bits"], spec["group_size"],
                               spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
                               scale_dtype=self.scale_dtype)
             result[name] = _to_cpu(q)
             layer.linears[name] = dequantize_weight(result[name])
         return result
+
+    def _hessians(self, layer: LayerWeights, hidden: Tensor, names: list[str]) -> dict[str, Tensor]:
+        """H = 2XᵀX/n of each named linear's inputs, from one forward of the layer as it is now."""
+        accumulators = {n: HessianAccumulator(layer.linears[n].shape[1], self.runner.device) for n in names}
+        module = self.runner.build_layer(layer)
+        handles = capture_inputs(module, names, lambda n, x: accumulators[n].add_batch(x))
+        self.runner.forward(module, hidden)
+        for handle in handles:
+            handle.remove()
+        return {n: a.hessian for n, a in accumulators.items()}
 
     def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
         store: dict[str, list] = {name: [] for name in layer.linears}
@@ -180,58 +186,19 @@ class LayerQuantizer:
         return {name: obs.input_scale() for name, obs in observers.items()}
 
     def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:
-        stride = max(1, hidden.shape[0] * hidden.shape[1] // AWQ_MAX_TOKENS)
-        inputs = {n: torch.cat(xs) for n, xs in self._capture_all(layer, hidden, lambda x: x[::stride].float()).items()}
-        scales = {}
-        for name, target in _awq_folds(self.config, layer):
-            spec = self._spec(layer, name)
-            if spec["format"] == "dense":
-                continue
-            fq = lambda w, s=spec: fake_quantize(w, s["bits"], s["group_size"], s["symmetric"], scale_dtype=self.scale_dtype)  # noqa: E731
-            found = awq_search_scale(inputs[name], [layer.linears[name]], fq)
-            scales[name] = found.scales
-            _fold(layer, name, target, found.scales, self.config)
-        return {name: self._awq_clip(layer, name, inputs[name] / scales.get(name, 1.0)) for name in layer.linears}
+        from llmc.compiler.awq_layer import awq_quantize_layer
 
-    def _awq_clip(self, layer: LayerWeights, name: str, x: Tensor) -> QuantizedWeight | None:
-        spec = self._spec(layer, name)
-        if spec["format"] == "dense":
-            return None
-        w = layer.linears[name]
-        fq = lambda rows, clip_ratio: fake_quantize(rows, spec["bits"], spec["group_size"], spec["symmetric"],  # noqa: E731
-                                                    clip_ratio=clip_ratio, scale_dtype=self.scale_dtype)
-        clip = awq_search_clip(x, w, fq, spec["group_size"])
-        if name == "attn.qkv":  # q and k rows feed a softmax: clipping them hurts more than it helps
-            clip[: (self.config.num_heads + self.config.num_kv_heads) * self.config.head_dim] = 1.0
-        q = rtn_quantize(w, spec["bits"], spec["group_size"], spec["symmetric"], clip_ratio=clip, scale_dtype=self.scale_dtype)
-        layer.linears[name] = dequantize_weight(q)
-        return q
+        _move_layer(layer, self.runner.device)  # the searches run where the calibration inputs are
+        try:
+            return {name: None if q is None else _to_cpu(q) for name, q in awq_quantize_layer(self, layer, hidden).items()}
+        finally:
+            _move_layer(layer, torch.device("cpu"))
 
 
-def _awq_folds(config: ModelConfig, layer: LayerWeights) -> list[tuple[str, str | None]]:
-    """(linear, where its input scale folds): a norm, the preceding linear's rows, or None (no scaling)."""
-    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    folds = [("attn.qkv", "input_norm"), ("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
-    if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
-        folds.insert(1, ("attn.o", "attn.qkv"))
-    return folds
-
-
-def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, config: ModelConfig) -> None:
-    """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged."""
-    layer.linears[name] = layer.linears[name] * s
-    if target in layer.norms:
-        layer.norms[target] = layer.norms[target] / s
-        return
-    producer = layer.linears[target]
-    rows = slice(producer.shape[0] - s.shape[0], producer.shape[0])  # v is the tail of qkv, up of gate_up
-    producer = producer.clone()
-    producer[rows] /= s.unsqueeze(1)
-    layer.linears[target] = producer
-    if target in layer.biases:
-        bias = layer.biases[target].clone()
-        bias[rows] /= s
-        layer.biases[target] = bias
+def _move_layer(layer: LayerWeights, device: torch.device) -> None:
+    for tensors in (layer.linears, layer.biases, layer.norms):
+        for name in tensors:
+            tensors[name] = tensors[name].to(device)
 
 
 def _to_cpu(q: QuantizedWeight) -> QuantizedWeight:

@@ -24,7 +24,8 @@ class CalibrationConfig:
     data: str | None = opt(None, help="a .txt or .jsonl ({\"text\": ...}) file of calibration text")
     num_samples: int = opt(128, min=1, help="number of calibration windows")
     seq_len: int = opt(512, min=2, help="tokens per calibration window")
-    seed: int = opt(0, min=0, help="seed for choosing windows")
+    shuffle: bool = opt(False, help="draw the windows at random (by seed) instead of taking them in order")
+    seed: int = opt(0, min=0, help="seed for drawing windows when shuffle is true")
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,28 @@ _MIN_SCALE = 1e-4  # channels that were never active would otherwise get s = 0 a
 
 class ScaleSearchResult(NamedTuple):
     scales: Tensor  # [in] float32: multiply W's input columns, divide the op before
-    best_alpha: float
+    best_alpha: float | None  # None: the identity scales won
     best_loss: float
     loss_at_alpha0: float  # identity scales: plain quantization, the baseline best_loss never exceeds
 
 
-def _scales_for(x_mean: Tensor, alpha: float) -> Tensor:
-    """s = mean|x|^α normalized around 1 (s / sqrt(max·min)) so neither W·s nor X/s over- or underflows."""
-    s = x_mean.pow(alpha).clamp(min=_MIN_SCALE)  # [in]
+def _scales_for(x_mean: Tensor, alpha: float, w_mean: Tensor | None = None) -> Tensor:
+    """s = mean|x|^α (÷ mean|ŵ|^(1-α) with duo scaling), normalized around 1 (s / sqrt(max·min)) so
+    neither W·s nor X/s over- or underflows."""
+    s = x_mean.pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=_MIN_SCALE)  # [in]
     return s / (s.max() * s.min()).sqrt()
+
+
+def weight_magnitude(weights: Sequence[Tensor], group_size: int) -> Tensor:
+    """Mean over output rows of |w| relative to its group's max: [in]. The weight side of duo scaling."""
+    w = torch.cat([w.float() for w in weights]).abs()  # [sum_out, in]
+    size = w.shape[1] if group_size == -1 else group_size
+    groups = w.view(w.shape[0], -1, size)
+    groups = groups / groups.amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE)
+    return groups.view(w.shape[0], -1).mean(dim=0)
 
 
 def _output_mse(x: Tensor, weights: Sequence[Tensor], candidates: Sequence[Tensor], chunk_size: int) -> float:
@@ -57,8 +70,10 @@ def awq_search_scale(
     n_grid: int = 20,
     loss_fn: Callable[[list[Tensor]], float] | None = None,
     chunk_size: int = 4096,
+    w_mean: Tensor | None = None,
 ) -> ScaleSearchResult:
-    """Grid-search α ∈ linspace(0, 1, n_grid) for s = mean|x|^α shared by `weights` [out_i, in].
+    """Grid-search α ∈ linspace(0, 1, n_grid) for s = mean|x|^α shared by `weights` [out_i, in]
+    (with `w_mean` from `weight_magnitude`, duo scaling: s = mean|x|^α / mean|ŵ|^(1-α)).
 
     x [num_tokens, in]. The loss is the output MSE (or `loss_fn(candidates)`, candidates being the
     dequantized Q(W·s)/s, e.g. a block-output loss). α = 0 (s = 1) is scored first and only a
@@ -66,8 +81,11 @@ def awq_search_scale(
     """
     x_mean = x.abs().float().mean(dim=0)  # [in]
     best: ScaleSearchResult | None = None
-    for alpha in torch.linspace(0, 1, n_grid).tolist():
-        s = _scales_for(x_mean, alpha)  # [in]
+    alphas = torch.linspace(0, 1, n_grid).tolist()
+    if w_mean is not None:  # duo scaling's α = 0 is not the identity: score the identity first
+        alphas = [None, *alphas]
+    for alpha in alphas:
+        s = torch.ones_like(x_mean) if alpha is None else _scales_for(x_mean, alpha, w_mean)  # [in]
         candidates = [quantize_fn(w.float() * s) / s for w in weights]  # each [out_i, in]
         loss = loss_fn(candidates) if loss_fn is not None else _output_mse(x, weights, candidates, chunk_size)
         if best is None:

@@ -1,0 +1,113 @@
+"""AWQ on one decoder layer, judged by the layer's own output.
+
+NOTE (algorithm): the inputs of every linear are captured once from the float layer. Each AWQ
+variant — scales from activations alone or also from weight magnitudes (duo scaling), with or
+without the per-group clipping search, and plain round-to-nearest as the baseline — then scales,
+folds and quantizes a copy of the layer; the variant whose quantized layer reproduces the float
+layer's output best (MSE on calibration windows) is kept. Within a variant, each linear's scale
+search minimises that linear's output error (`quant/awq.py`). So the result is never worse, at the
+layer's output on windows the searches did not see, than round-to-nearest with the same format.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from llmc.compiler.convert import LayerWeights
+from llmc.quant.awq import awq_search_clip, awq_search_scale, weight_magnitude
+from llmc.quant.formats import QuantizedWeight
+from llmc.quant.reference import dequantize_weight
+from llmc.quant.rtn import fake_quantize, rtn_quantize
+from llmc.runtime.artifact import ModelConfig
+
+AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for the searches
+NUM_SELECTION_WINDOWS = 32  # calibration windows the variants are compared on
+
+
+def awq_quantize_layer(quantizer, layer: LayerWeights, hidden: Tensor) -> dict[str, QuantizedWeight | None]:
+    """Quantize `layer` in place (weights, folded norms) with the best AWQ variant; returns its weights."""
+    runner = quantizer.runner
+    # The variants are compared on windows their searches did not see, so the choice is not an overfit.
+    num_select = min(NUM_SELECTION_WINDOWS, hidden.shape[0] // 4) or 1
+    search, windows = (hidden[:-num_select], hidden[-num_select:]) if hidden.shape[0] > 1 else (hidden, hidden)
+    stride = max(1, search.shape[0] * search.shape[1] // AWQ_MAX_TOKENS)
+    inputs = {n: torch.cat(xs) for n, xs in quantizer._capture_all(layer, search, lambda x: x[::stride].float()).items()}
+    target = runner.forward(runner.build_layer(layer), windows)
+    best_error, best = float("inf"), None
+    for variant in [None, *itertools.product((True, False), (True, False))]:
+        trial = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
+        quantized = _quantize_variant(quantizer, trial, inputs, variant)
+        error = (runner.forward(runner.build_layer(trial), windows) - target).pow(2).mean().item()
+        if error < best_error:
+            best_error, best = error, (trial, quantized)
+    trial, quantized = best
+    layer.linears, layer.biases, layer.norms = trial.linears, trial.biases, trial.norms
+    return quantized
+
+
+def _quantize_variant(quantizer, layer: LayerWeights, inputs: dict, variant) -> dict:
+    """variant None: round to nearest; else (duo_scaling, clip). Leaves dequantized weights in `layer`."""
+    scales = {}
+    if variant is not None:
+        duo_scaling, _ = variant
+        for name, target in _awq_folds(quantizer.config):
+            spec = quantizer._spec(layer, name)
+            if spec["format"] == "dense":
+                continue
+            w_mean = weight_magnitude([layer.linears[name]], spec["group_size"]) if duo_scaling else None
+            found = awq_search_scale(inputs[name], [layer.linears[name]], _fake_quantizer(quantizer, spec), w_mean=w_mean)
+            scales[name] = found.scales
+            _fold(layer, name, target, found.scales)
+    is_clipped = variant is not None and variant[1]
+    return {name: _quantize_linear(quantizer, layer, name, inputs[name] / scales.get(name, 1.0), is_clipped)
+            for name in layer.linears}
+
+
+def _fake_quantizer(quantizer, spec: dict):
+    return lambda w, clip_ratio=None: fake_quantize(w, spec["bits"], spec["group_size"], spec["symmetric"],
+                                                    clip_ratio=clip_ratio, scale_dtype=quantizer.scale_dtype)
+
+
+def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor, is_clipped: bool) -> QuantizedWeight | None:
+    spec = quantizer._spec(layer, name)
+    if spec["format"] == "dense":
+        return None
+    w = layer.linears[name]
+    clip = None
+    if is_clipped:
+        clip = awq_search_clip(x, w, _fake_quantizer(quantizer, spec), spec["group_size"])
+        if name == "attn.qkv":  # q and k rows feed a softmax: clipping them hurts more than it helps
+            config = quantizer.config
+            clip[: (config.num_heads + config.num_kv_heads) * config.head_dim] = 1.0
+    q = rtn_quantize(w, spec["bits"], spec["group_size"], spec["symmetric"], clip_ratio=clip,
+                     scale_dtype=quantizer.scale_dtype)
+    layer.linears[name] = dequantize_weight(q)
+    return q
+
+
+def _awq_folds(config: ModelConfig) -> list[tuple[str, str]]:
+    """(linear, where its input scale folds): a norm, or the preceding linear's output rows."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    folds = [("attn.qkv", "input_norm"), ("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
+    if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
+        folds.insert(1, ("attn.o", "attn.qkv"))
+    return folds
+
+
+def _fold(layer: LayerWeights, name: str, target: str, s: Tensor) -> None:
+    """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged."""
+    layer.linears[name] = layer.linears[name] * s
+    if target in layer.norms:
+        layer.norms[target] = layer.norms[target] / s
+        return
+    rows = slice(layer.linears[target].shape[0] - s.shape[0], None)  # v is the tail of qkv, up of gate_up
+    producer = layer.linears[target].clone()
+    producer[rows] /= s.unsqueeze(1)
+    layer.linears[target] = producer
+    if target in layer.biases:
+        bias = layer.biases[target].clone()
+        bias[rows] /= s
+        layer.biases[target] = bias

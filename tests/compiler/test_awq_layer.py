@@ -1,0 +1,63 @@
+"""AWQ's folds leave a float layer's function unchanged, and the layer-level choice never loses to RTN."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from llmc.compiler.awq_layer import _awq_folds, _fold, awq_quantize_layer
+from llmc.compiler.calibration import LayerRunner
+from llmc.compiler.convert import LayerWeights, read_layer
+from llmc.compiler.hf_checkpoint import TensorReader, model_config_from_hf, model_spec_for, read_hf_config
+from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
+from llmc.compiler.recipe import QuantizationConfig
+from llmc.quant.reference import dequantize_weight
+
+
+def _setup(checkpoint, num_heads=None):
+    hf = read_hf_config(checkpoint)
+    spec = model_spec_for(hf, checkpoint)
+    config = model_config_from_hf(hf, spec, "float32")
+    with TensorReader(checkpoint) as reader:
+        layer = read_layer(reader, spec, config, 0)
+    return config, layer
+
+
+@pytest.mark.parametrize("mha", [False, True])
+def test_folding_scales_keeps_the_float_layer_output(hf_checkpoint_factory, tmp_path, mha):
+    overrides = {"num_key_value_heads": 4} if mha else {}  # with MHA, o's scale folds into v
+    checkpoint = hf_checkpoint_factory(tmp_path / "c", "llama", **overrides)
+    config, layer = _setup(checkpoint)
+    runner = LayerRunner(config, seq_len=32, device=torch.device("cpu"), windows_per_chunk=4)
+    hidden = torch.randn(4, 32, config.hidden_size)
+    before = runner.forward(runner.build_layer(layer), hidden)
+    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
+    folds = _awq_folds(config)
+    assert (("attn.o", "attn.qkv") in folds) == mha
+    for name, target in folds:
+        in_features = folded.linears[name].shape[1]
+        _fold(folded, name, target, torch.rand(in_features) * 3 + 0.2)
+    after = runner.forward(runner.build_layer(folded), hidden)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(folded.linears["mlp.down"], layer.linears["mlp.down"])
+
+
+def test_layer_choice_is_never_worse_than_rtn(ref_model_dir):
+    config, layer = _setup(ref_model_dir)
+    quant = QuantizationConfig(method="awq", bits=3, group_size=128, symmetric=False)
+    spec = {"format": "w3a16", "bits": 3, "group_size": 128, "symmetric": False, "has_g_idx": False}
+    formats = {f"layers.0.{name}": spec for name in layer.linears}
+    runner = LayerRunner(config, seq_len=64, device=torch.device("cpu"))
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    with TensorReader(ref_model_dir) as reader:
+        embed.weight.data = reader.get("model.embed_tokens.weight").float()
+    hidden = embed(torch.randint(5, 4000, (8, 64))).detach()
+    target = runner.forward(runner.build_layer(layer), hidden)
+    rtn = dataclasses.replace(layer, linears={n: dequantize_weight(quantize_rtn(w, spec, torch.float32))
+                                              for n, w in layer.linears.items()})
+    rtn_error = (runner.forward(runner.build_layer(rtn), hidden) - target).pow(2).mean()
+    quantizer = LayerQuantizer(quant, formats, config, runner)
+    awq = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
+    awq_quantize_layer(quantizer, awq, hidden)
+    awq_error = (runner.forward(runner.build_layer(awq), hidden) - target).pow(2).mean()
+    assert awq_error <= rtn_error
