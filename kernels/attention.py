@@ -9,6 +9,9 @@ Shapes, for a step with num_seqs sequences and num_tokens query tokens in all:
   block_tables     [num_seqs, max_num_blocks] int32     padded rows; only the first ceil(ctx/bs) are read
   context_lens     list[int] (num_seqs)                 tokens in the cache per sequence, this step's included
   query_lens       list[int] (num_seqs)                 this step's tokens per sequence (the last of the context)
+
+On CUDA both functions run the Triton kernels of attention_triton.py (decode, prefill / chunked
+prefill, KV write); elsewhere the plain-torch code below, which is also the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import can_use_triton
+
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
     """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+    if can_use_triton(k, k_cache):
+        from . import attention_triton  # triton loads on the first CUDA call only
+
+        return attention_triton.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -35,6 +44,12 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape."""
+    if can_use_triton(q, k_cache):
+        from . import attention_triton
+
+        return attention_triton.paged_attention(
+            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window
+        )
     out = torch.empty_like(q)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]

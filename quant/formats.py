@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmc.errors import RecipeError
+from llmc.kernels import can_use_triton
+from llmc.kernels.w4a16_gemm import dequantize_w4a16, gpu_packed_shapes, pack_w4a16_for_gpu, w4a16_linear
 from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_per_token, quantize_fp8_static
 from llmc.quant.packing import num_words, pack_words, unpack_words
 
@@ -143,6 +145,10 @@ class IntWeightFormat:
       qzeros   int32 [out, ceil(G / L)]   only if not symmetric: zero levels, packed like qweight
       g_idx    int32 [in]                 only if has_g_idx: group of each input column (act-order
                                           groups that are not contiguous)
+
+    layout "gpu" (4 bits, no g_idx): the tensors of kernels/w4a16_gemm.py's pack_w4a16_for_gpu, the
+    layout the Triton W4A16 GEMM reads (qweight [ceil(in/128)*16, out] int32, scales [G, out],
+    qzeros [G, ceil(out/8)] int32); on CPU it dequantizes like the plain layout.
     """
 
     dtype: torch.dtype
@@ -150,6 +156,7 @@ class IntWeightFormat:
     group_size: int = 128
     symmetric: bool = True
     has_g_idx: bool = False
+    layout: str = "plain"  # "plain" | "gpu"
 
     def __post_init__(self) -> None:
         if self.bits not in INT_FORMAT_NAMES:
@@ -158,6 +165,14 @@ class IntWeightFormat:
             raise RecipeError(
                 f"group_size {self.group_size} is not supported; use one of {SUPPORTED_GROUP_SIZES}"
             )
+        if self.layout not in ("plain", "gpu"):
+            raise RecipeError(f"layout {self.layout!r} is not supported; use plain or gpu")
+        if self.is_gpu_layout and (self.bits != 4 or self.has_g_idx):
+            raise RecipeError("layout gpu holds 4-bit weights without g_idx; use layout plain")
+
+    @property
+    def is_gpu_layout(self) -> bool:
+        return self.layout == "gpu"
 
     @property
     def name(self) -> str:
@@ -165,22 +180,29 @@ class IntWeightFormat:
 
     @classmethod
     def from_spec(cls, params: dict, dtype: torch.dtype) -> "IntWeightFormat":
-        known = {"bits", "group_size", "symmetric", "has_g_idx"}
+        known = {"bits", "group_size", "symmetric", "has_g_idx", "layout"}
         if unknown := sorted(set(params) - known):
             raise RecipeError(f"unknown integer-format field(s) {unknown}; known: {sorted(known)}")
         return cls(dtype, **params)
 
     def spec(self) -> dict:
-        return {
+        spec = {
             "format": self.name,
             "bits": self.bits,
             "group_size": self.group_size,
             "symmetric": self.symmetric,
             "has_g_idx": self.has_g_idx,
         }
+        return spec if self.layout == "plain" else {**spec, "layout": self.layout}
 
     def param_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
         num_groups = num_groups_of(in_features, self.group_size)
+        if self.is_gpu_layout:
+            shapes = gpu_packed_shapes(in_features, out_features, num_groups, self.symmetric)
+            return {
+                name: TensorSpec(shape, self.dtype if name == "scales" else torch.int32)
+                for name, shape in shapes.items()
+            }
         specs = {
             "qweight": TensorSpec((out_features, num_words(in_features, self.bits)), torch.int32),
             "scales": TensorSpec((out_features, num_groups), self.dtype),
@@ -193,6 +215,11 @@ class IntWeightFormat:
 
     def pack(self, q: QuantizedWeight) -> dict[str, Tensor]:
         self._check_weight(q)
+        if self.is_gpu_layout:  # symmetric weights carry no zeros (_check_weight); asymmetric may omit them
+            zeros = q.zeros
+            if zeros is None and not self.symmetric:
+                zeros = torch.full_like(q.scales, 2 ** (self.bits - 1), dtype=torch.int32)
+            return pack_w4a16_for_gpu(q.qweight, q.scales.to(self.dtype), zeros)
         params = {
             "qweight": pack_words(q.qweight, self.bits, dim=1),
             "scales": q.scales.to(self.dtype).contiguous(),
@@ -236,6 +263,8 @@ class IntWeightFormat:
 
     def dequantize(self, params: dict[str, Tensor], in_features: int) -> Tensor:
         """Weights [out, in] float32 from this format's tensors (the CPU path of `apply`)."""
+        if self.is_gpu_layout:
+            return dequantize_w4a16(params, in_features, self.group_size)
         levels = unpack_words(params["qweight"], self.bits, dim=1, size=in_features)  # [out, in]
         scales = params["scales"].float()  # [out, G]
         if self.symmetric:
@@ -251,9 +280,11 @@ class IntWeightFormat:
     def select_kernel(self, x: Tensor) -> Callable[..., Tensor] | None:
         """The fused GPU kernel for x's device, or None for the dequantize + matmul path.
 
-        NOTE: the seam for the Triton int-weight GEMM (kernels/): dispatch on x.is_cuda here once it
-        exists, with signature kernel(x, params, bias, fmt).
+        NOTE: the seam for the Triton int-weight GEMM (kernels/): weights in the gpu layout on CUDA
+        run kernels/w4a16_gemm.py (its recorded tuning table picks the kernel per shape).
         """
+        if self.is_gpu_layout and can_use_triton(x):
+            return _w4a16_kernel
         return None
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
@@ -262,6 +293,10 @@ class IntWeightFormat:
             return kernel(x, params, bias, self)
         weight = self.dequantize(params, in_features=x.shape[-1]).to(x.dtype)  # [out, in]
         return F.linear(x, weight, bias)
+
+
+def _w4a16_kernel(x: Tensor, params: dict[str, Tensor], bias: Tensor | None, fmt: IntWeightFormat) -> Tensor:
+    return w4a16_linear(x, params["qweight"], params["scales"], params.get("qzeros"), bias, fmt.group_size)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,200 @@
+"""Kernel speed on the GPU, as ratios against torch's bf16 matmul in the same run (DESIGN §6).
+
+    python benchmarks/bench_kernels.py --tune --out results/      # measure the W4A16 table first
+    python benchmarks/bench_kernels.py --table w4a16_table.json   # or use a recorded one
+
+Measures, in one run: the two ceilings (device-to-device copy bandwidth, bf16 matmul TFLOP/s at
+8192³), then for the Llama-3-8B linear shapes (K × N) and M tokens: torch bf16 F.linear, W4A16 g128
+(kernels/w4a16_gemm.py, dispatched by the tuning table), FP8 W8A8 as the format does it today
+(torch per-token quantization + torch._scaled_mm) and with the fused Triton quantization
+(kernels/fp8.py). Times are CUDA-event medians of CUDA-graph replays with a cold L2 (kernels/timing.py).
+Prints a table, writes bench_kernels.json (and w4a16_table.json, w4a16_candidates.json with --tune)
+into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from llmc.kernels.fp8 import fp8_linear, quantize_fp8_per_token
+from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
+from llmc.kernels.w4a16_gemm import pack_w4a16_for_gpu, select_w4a16_config, w4a16_linear
+from llmc.quant.formats import Fp8Format
+from llmc.quant.numerics import quantize_fp8_per_token as torch_quantize_fp8
+
+SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # (K, N): qkv, o, gate_up, down
+MS = [1, 4, 16, 64, 256, 1024, 4096]
+GROUP_SIZE = 128
+
+
+def measure_ceilings(flush) -> dict:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_ms = median_time_ms(lambda: dst.copy_(src), None, num_reps=10, use_graph=False)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = median_time_ms(lambda: a @ b, None, num_reps=10, use_graph=False)
+    return {"copy_GBps": 2 * src.numel() / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
+
+
+def make_weights(k: int, n: int) -> dict:
+    """bf16, W4A16 (gpu layout) and FP8 versions of one random weight [N, K]."""
+    levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
+    scales = (torch.rand(n, k // GROUP_SIZE, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
+    w4 = pack_w4a16_for_gpu(levels, scales, None)
+    dense = ((levels.float() - 8) * scales.float().repeat_interleave(GROUP_SIZE, 1)).to(torch.bfloat16)
+    fp8_scale = dense.float().abs().amax(dim=1, keepdim=True) / 448  # [N, 1]
+    fp8 = {"weight": (dense.float() / fp8_scale).to(torch.float8_e4m3fn), "weight_scale": fp8_scale}
+    return {"dense": dense, "w4": w4, "fp8": fp8}
+
+
+def bench_shape(k: int, n: int, ms: list[int], table, flush) -> list[dict]:
+    weights = make_weights(k, n)
+    dense, w4, fp8 = weights["dense"], weights["w4"], weights["fp8"]
+    fmt = Fp8Format(torch.bfloat16)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        runs = {
+            "bf16": lambda: F.linear(x, dense),
+            "w4a16": lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, GROUP_SIZE, table),
+            "fp8_torch_quant": lambda: fmt.apply(x, fp8, None),
+            "fp8_triton_quant": lambda: fp8_linear(x, fp8["weight"], fp8["weight_scale"], None),
+            "quant_torch": lambda: torch_quantize_fp8(x),
+            "quant_triton": lambda: quantize_fp8_per_token(x),
+        }
+        reference = runs["bf16"]().float()
+        errors = {
+            name: float((runs[name]().float() - reference).norm() / reference.norm())
+            for name in ("w4a16", "fp8_torch_quant", "fp8_triton_quant")
+        }
+        times = {name: median_time_ms(fn, flush) * 1000 for name, fn in runs.items()}  # µs
+        weight_bytes = {"bf16": 2 * n * k, "w4a16": n * k // 2 + 2 * n * k // GROUP_SIZE, "fp8_torch_quant": n * k, "fp8_triton_quant": n * k}
+        row = {"K": k, "N": n, "M": m, "w4a16_config": select_w4a16_config(m, k, n, table, num_sms).to_dict()}
+        for name, bytes_w in weight_bytes.items():
+            total_bytes = bytes_w + 2 * m * k + 2 * m * n
+            row[name] = {
+                "us": round(times[name], 2),
+                "speedup_vs_bf16": round(times["bf16"] / times[name], 3),
+                "GBps": round(total_bytes / times[name] / 1e3, 1),
+                "TFLOPs": round(2 * m * n * k / times[name] / 1e6, 1),
+                "rel_err_vs_bf16": round(errors.get(name, 0.0), 5),
+            }
+        row["quant_us"] = {"torch": round(times["quant_torch"], 2), "triton": round(times["quant_triton"], 2)}
+        rows.append(row)
+    return rows
+
+
+def bench_attention(flush) -> list[dict]:
+    """Paged attention, Llama-3-8B heads (32 q, 8 kv, head_dim 128), block size 16: Triton vs torch."""
+    from llmc.kernels import attention, attention_triton
+
+    rows = []
+    cases = {"decode 64 x ctx 1024": ([1024] * 64, [1] * 64), "decode 4 x ctx 8192": ([8192] * 4, [1] * 4),
+             "prefill 4 x 1024": ([1024] * 4, [1024] * 4)}
+    for name, (context_lens, query_lens) in cases.items():
+        blocks_per_seq = max(context_lens) // 16
+        num_blocks = blocks_per_seq * len(context_lens)
+        k_cache = torch.randn(num_blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        block_tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(len(context_lens), -1)
+        q = torch.randn(sum(query_lens), 32, 128, device="cuda", dtype=torch.bfloat16)
+        args = (q, k_cache, v_cache, block_tables, context_lens, query_lens, 128**-0.5)
+        ours = attention_triton.paged_attention(*args).float()
+        torch_path = lambda: attention.paged_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), block_tables.cpu(), *args[4:])  # noqa: E731
+        error = float((ours.cpu() - torch_path().float()).norm() / ours.norm().cpu()) if "8192" not in name else float("nan")
+        kv_bytes = 2 * sum(context_lens) * 8 * 128 * 2
+        # not graph-captured: the wrapper copies the host's context_lens lists to the GPU per call
+        triton_us = median_time_ms(lambda: attention_triton.paged_attention(*args), flush, use_graph=False) * 1000
+        rows.append({"case": name, "triton_us": round(triton_us, 1), "kv_GBps": round(kv_bytes / triton_us / 1e3), "rel_err": error})
+        print(rows[-1])
+    return rows
+
+
+def check_decode_attention() -> None:
+    """Decode errors against the torch path over sizes and partition counts (bf16 and fp32)."""
+    from llmc.kernels import attention, attention_triton
+
+    for num_seqs, context, head_dim, num_partitions, dtype in [
+        (64, 1024, 128, 1, torch.bfloat16), (64, 1024, 128, 2, torch.bfloat16), (8, 1024, 128, 1, torch.bfloat16),
+        (64, 128, 128, 1, torch.bfloat16), (64, 1024, 64, 1, torch.bfloat16), (64, 1024, 128, 1, torch.float32),
+        (3, 100, 32, 1, torch.bfloat16), (3, 100, 128, 1, torch.bfloat16), (16, 1024, 128, 1, torch.bfloat16),
+    ]:
+        blocks_per_seq = context // 16 + 1
+        num_blocks = blocks_per_seq * num_seqs
+        k_cache = torch.randn(num_blocks, 16, 8, head_dim, device="cuda", dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(num_seqs, -1)
+        q = torch.randn(num_seqs, 32, head_dim, device="cuda", dtype=dtype)
+        args = (q, k_cache, v_cache, block_tables, [context] * num_seqs, [1] * num_seqs, head_dim**-0.5)
+        ours = attention_triton.paged_attention(*args, None, num_partitions).float().cpu()
+        cpu_args = [t.cpu().double() if t.is_floating_point() else t.cpu() for t in args[:4]]
+        expected = attention.paged_attention(*cpu_args, *args[4:]).float()
+        bad_rows = ((ours - expected).abs().amax(dim=(1, 2)) > 0.05).nonzero().flatten().tolist()
+        print(f"decode check seqs={num_seqs} ctx={context} d={head_dim} parts={num_partitions} {dtype}: "
+              f"rel_err {float((ours - expected).norm() / expected.norm()):.2e} bad rows {bad_rows[:12]}")
+
+
+def print_table(ceilings: dict, rows: list[dict]) -> str:
+    lines = [
+        f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s (read + write), bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
+        "| K×N | M | bf16 µs | w4a16 µs | ×bf16 | GB/s | TFLOP/s | kernel | fp8 (torch quant) µs | ×bf16 | fp8 (triton quant) µs | ×bf16 | quant torch/triton µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cfg = r["w4a16_config"]
+        kernel = "dequant+cuBLAS" if cfg["kind"] == "dequant" else (
+            f"{cfg['kind']}{'-stacked' if cfg['is_stacked'] else ''} {cfg['block_m']}x{cfg['block_n']} sk{cfg['split_k']}"
+        )
+        w4, f8t, f8n = r["w4a16"], r["fp8_torch_quant"], r["fp8_triton_quant"]
+        lines.append(
+            f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16']['us']:.1f} | {w4['us']:.1f} | {w4['speedup_vs_bf16']:.2f} | "
+            f"{w4['GBps']:.0f} | {w4['TFLOPs']:.1f} | {kernel} | {f8t['us']:.1f} | {f8t['speedup_vs_bf16']:.2f} | "
+            f"{f8n['us']:.1f} | {f8n['speedup_vs_bf16']:.2f} | {r['quant_us']['torch']:.1f}/{r['quant_us']['triton']:.1f} |"
+        )
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--tune", action="store_true", help="measure the W4A16 tuning table first")
+    parser.add_argument("--table", type=Path, help="a W4A16 tuning table (JSON) to use")
+    parser.add_argument("--ms", type=int, nargs="*", default=MS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    flush = make_l2_flush_buffer()
+    check_decode_attention()
+    ceilings = measure_ceilings(flush)
+    table = None
+    if args.tune:
+        from llmc.kernels.w4a16_tune import tune_w4a16
+
+        records = []
+        table = tune_w4a16(SHAPES, records=records)
+        (args.out / "w4a16_table.json").write_text(json.dumps(table, indent=1))
+        (args.out / "w4a16_candidates.json").write_text(json.dumps(records))
+    elif args.table:
+        table = json.loads(args.table.read_text())
+    rows = [row for k, n in SHAPES for row in bench_shape(k, n, args.ms, table, flush)]
+    attention_rows = bench_attention(flush)
+    text = print_table(ceilings, rows)
+    device = torch.cuda.get_device_name(0)
+    result = {"device": device, "torch": torch.__version__, "ceilings": ceilings, "rows": rows, "table": text,
+              "attention": attention_rows}
+    (args.out / "bench_kernels.json").write_text(json.dumps(result, indent=1))
+    print(f"device: {device}; worst w4a16 ×bf16: {min(r['w4a16']['speedup_vs_bf16'] for r in rows):.2f}; "
+          f"M<=16 min: {min((r['w4a16']['speedup_vs_bf16'] for r in rows if r['M'] <= 16), default=math.nan):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Triton SiLU(gate) · up (imported only when a kernel runs): one pass, no gate/up temporaries."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < size
+    gate = tl.load(gate_up_ptr + token * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + token * stride_in + size + offs, mask=mask, other=0.0).to(tl.float32)
+    # silu rounded to the model dtype before the product, as the torch path (F.silu(gate) * up) does
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: Tensor) -> Tensor:
+    """gate_up [..., 2 * size] → [..., size]."""
+    size = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * size)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*gate_up.shape[:-1], size, device=gate_up.device, dtype=gate_up.dtype)
+    if rows.shape[0] == 0:
+        return out
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, BLOCK))](
+        rows, out, size, rows.stride(0), size, BLOCK=BLOCK, num_warps=4,
+    )
+    return out

@@ -1,0 +1,293 @@
+"""Triton kernels of paged attention and of the KV-cache write (imported only when a kernel runs).
+
+Shapes and conventions as in kernels/attention.py. Keys are gathered token by token through the
+block table (slot = block_table[t // block_size] * block_size + t % block_size), so a key tile is
+BLOCK_N tokens whatever the cache's block size. Every K/V load is masked to t < context_len (and to
+the causal and sliding-window limits): a slot nothing has written is never read into the result.
+
+NOTE: both kernels are flash-attention style: one pass over the keys with an online softmax
+(running max m, running sum l, rescaled accumulator), exp2 with the scale folded into log2(e).
+GQA: a program owns one KV head and all `group` query heads that read it, stacked as the rows of
+one query tile, so each K/V tile is loaded once per KV head.
+  decode  (query_len 1): grid (decode seqs, kv heads, partitions); rows = the group's heads. A long
+          context is split into partitions (of about PARTITION_SIZE keys, a multiple of BLOCK_N,
+          together covering the longest context) whose partial (acc, m, l) a second kernel
+          merges, so few sequences still fill the GPU.
+  prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
+          head) pairs; keys up to the block's last query position, causal mask per row.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK_N = 64  # keys per tile
+BLOCK_ROWS = 64  # prefill: (query, head) rows per program
+PARTITION_SIZE = 512  # decode: about this many keys per partition, when the context is split
+_LOG2E = 1.4426950408889634
+# Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
+_M_INIT = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_offset, offs_d, d_mask,
+    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over the keys offs_t: loads K/V through the block table."""
+    block_ids = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=key_valid, other=0)
+    slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE  # [BLOCK_N]
+    kv_mask = key_valid[:, None] & d_mask[None, :]
+    kv_offsets = slots[:, None] * stride_slot + kv_offset + offs_d[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2, window, num_heads, num_partitions, partition_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):
+    i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq = tl.load(seq_ptr + i)
+    context_len = tl.load(ctx_ptr + seq)
+    row = tl.load(row_ptr + i).to(tl.int64)
+    lo = part * partition_size  # num_partitions * partition_size covers every context of the launch
+    hi = tl.minimum(lo + partition_size, context_len)
+    if HAS_WINDOW:  # the one query sits at context_len - 1 and sees keys t > context_len - 1 - window
+        lo = tl.maximum(lo, context_len - window)
+    offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+    g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_t = start + tl.arange(0, BLOCK_N)
+        key_valid = offs_t < hi
+        visible = g_mask[:, None] & key_valid[None, :]
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
+        )
+    if IS_PARTITIONED:
+        base = (i * num_heads + heads) * num_partitions + part  # [BLOCK_G]
+        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real head row
+        out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p for one (decode seq, head)."""
+    i, head = tl.program_id(0), tl.program_id(1)
+    offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
+    p_mask, d_mask = offs_p < num_partitions, offs_d < HEAD_DIM
+    base = (i * num_heads + head) * num_partitions + offs_p  # [BLOCK_P]
+    m = tl.load(part_ml_ptr + base * 2, mask=p_mask, other=_M_INIT)
+    l = tl.load(part_ml_ptr + base * 2 + 1, mask=p_mask, other=0.0)
+    weights = tl.exp2(m - tl.max(m, axis=0))
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)
+    row = tl.load(row_ptr + i).to(tl.int64)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qlen_ptr, qoff_ptr, blk_seq_ptr, blk_q_ptr, out_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
+    GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    blk, kv_head = tl.program_id(0), tl.program_id(1)
+    seq = tl.load(blk_seq_ptr + blk)
+    q_begin = tl.load(blk_q_ptr + blk)  # first query of this block, counted within its sequence
+    context_len, query_len = tl.load(ctx_ptr + seq), tl.load(qlen_ptr + seq)
+    first_row = tl.load(qoff_ptr + seq).to(tl.int64)
+    offs_r, offs_d = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_D)
+    query = q_begin + offs_r // GROUP  # [BLOCK_R] query index within the sequence
+    heads = kv_head * GROUP + offs_r % GROUP
+    row_valid = (offs_r < QUERIES_PER_BLOCK * GROUP) & (query < query_len)
+    d_mask = offs_d < HEAD_DIM
+    position = context_len - query_len + query  # [BLOCK_R] of each row's query
+    rows = first_row + query
+    q_mask = row_valid[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_R,), _M_INIT, tl.float32)
+    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    last_query = tl.minimum(q_begin + QUERIES_PER_BLOCK, query_len) - 1
+    hi = context_len - query_len + last_query + 1  # keys after the block's last query are never seen
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, context_len - query_len + q_begin - window + 1)
+    bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_t = start + tl.arange(0, BLOCK_N)
+        key_valid = offs_t < hi
+        visible = row_valid[:, None] & key_valid[None, :] & (offs_t[None, :] <= position[:, None])
+        if HAS_WINDOW:
+            visible = visible & (position[:, None] - offs_t[None, :] < window)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    cache_offsets = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+
+
+def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if k_cache.stride(3) != 1 or k_cache.stride(0) != block_size * k_cache.stride(1):
+        raise ValueError("the KV cache must be contiguous in [num_blocks, block_size] slots, head_dim innermost")
+
+
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] (unit stride along head_dim) → the caches' slots."""
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, num_kv_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def paged_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: list[int],
+    query_lens: list[int], scale: float, sliding_window: int | None = None,
+    num_partitions: int | None = None,
+) -> Tensor:
+    """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
+    rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen."""
+    _check_cache(k_cache, v_cache)
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
+    decode = [i for i, n in enumerate(query_lens) if n == 1]
+    prefill = [i for i, n in enumerate(query_lens) if n > 1]
+    common = dict(
+        context_lens=_int32(context_lens, q.device), scale_log2=scale * _LOG2E,
+        window=sliding_window or 0, has_window=sliding_window is not None,
+        precision="ieee" if q.dtype == torch.float32 else "tf32",
+        block_d=max(16, triton.next_power_of_2(head_dim)), group=group, block_size=block_size,
+    )
+    if decode:
+        max_context = max(context_lens[i] for i in decode)
+        if num_partitions is None:
+            num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context, q.device)
+        partition_size = triton.cdiv(triton.cdiv(max_context, num_partitions), BLOCK_N) * BLOCK_N
+        rows = _int32([first_rows[i] for i in decode], q.device)
+        seqs = _int32(decode, q.device)
+        _launch_decode(q, k_cache, v_cache, block_tables, out, seqs, rows, num_partitions, partition_size, common)
+    if prefill:
+        qlens, first_rows_t = _int32(query_lens, q.device), _int32(first_rows, q.device)
+        _launch_prefill(q, k_cache, v_cache, block_tables, out, prefill, query_lens, qlens, first_rows_t, common)
+    return out
+
+
+def _int32(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+def _choose_num_partitions(num_programs: int, max_context: int, device: torch.device) -> int:
+    """Split long contexts while the (sequence, KV head) programs alone would leave SMs idle."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    num_partitions = triton.cdiv(max_context, PARTITION_SIZE)
+    return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
+
+
+def _launch_decode(q, k_cache, v_cache, block_tables, out, seqs, rows, num_partitions, partition_size, c) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    is_partitioned = num_partitions > 1
+    num_decode = seqs.shape[0]
+    part_acc = torch.empty(num_decode, num_heads, num_partitions, head_dim, device=q.device, dtype=torch.float32) if is_partitioned else out
+    part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
+    _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
+        q, k_cache, v_cache, block_tables, c["context_lens"], seqs, rows, out, part_acc, part_ml,
+        c["scale_log2"], c["window"], num_heads, num_partitions, partition_size,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
+        GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
+        BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"],
+        IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"],
+    )
+    if is_partitioned:
+        _merge_partitions_kernel[(num_decode, num_heads)](
+            part_acc, part_ml, rows, out, num_heads, num_partitions, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=c["block_d"],
+        )
+
+
+def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, qlens, first_rows, c) -> None:
+    head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    block_r = max(BLOCK_ROWS, triton.next_power_of_2(c["group"]))
+    queries_per_block = block_r // c["group"]
+    blocks = [(i, start) for i in seqs for start in range(0, query_lens[i], queries_per_block)]
+    blk_seq = _int32([seq for seq, _ in blocks], q.device)
+    blk_q = _int32([start for _, start in blocks], q.device)
+    _prefill_kernel[(len(blocks), num_kv_heads)](
+        q, k_cache, v_cache, block_tables, c["context_lens"], qlens, first_rows, blk_seq, blk_q, out,
+        c["scale_log2"], c["window"],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
+        GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,
+        BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"], HAS_WINDOW=c["has_window"],
+        PRECISION=c["precision"],
+    )

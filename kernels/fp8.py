@@ -1,0 +1,57 @@
+"""W8A8 FP8 linear: per-token dynamic activation quantization feeding torch._scaled_mm (rowwise scales).
+
+Shapes: x [..., K] in the model dtype; weight [N, K] float8_e4m3fn; weight_scale [N, 1] or [1, 1]
+float32. Convention as llmc.quant.numerics (value ≈ fp8 * scale, scale = absmax / 448, floored at
+MIN_SCALE), which the kernel tests check against.
+
+`quantize_fp8_per_token` is one Triton kernel on CUDA (fp8_triton.py) instead of torch's five
+(abs, amax, div, clamp, cast); plain torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import can_use_triton
+
+FP8_E4M3_MAX = 448.0
+MIN_SCALE = torch.finfo(torch.float32).tiny * 2**10  # an all-zero row would otherwise divide by zero
+
+
+def quantize_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., K] → (fp8 [..., K], scale [..., 1] float32), scale = max(absmax / 448, MIN_SCALE)."""
+    if can_use_triton(x):
+        from . import fp8_triton  # triton loads on the first CUDA call only
+
+        return fp8_triton.quantize_fp8_per_token(x, MIN_SCALE)
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def can_use_scaled_mm(x: Tensor, weight: Tensor) -> bool:
+    """torch._scaled_mm needs CUDA capability 8.9+ (Ada, Hopper) and both weight dims multiples of 16."""
+    return (
+        x.is_cuda
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and all(d % 16 == 0 for d in weight.shape)
+    )
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
+    """y [..., N] in x's dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias, fp32 accumulation."""
+    x_fp8, x_scale = quantize_fp8_per_token(x)  # [..., K], [..., 1]
+    x2 = x_fp8.reshape(-1, x.shape[-1])  # [num_tokens, K]
+    out_features = weight.shape[0]
+    if not can_use_scaled_mm(x, weight):
+        w = weight.float() * weight_scale.float()  # [N, K]
+        y = (x2.float() * x_scale.reshape(-1, 1)) @ w.T
+        y = y + bias.float() if bias is not None else y
+        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    scale_b = weight_scale.float().reshape(1, -1)  # [1, N] or [1, 1]
+    if scale_b.shape[1] != out_features:
+        scale_b = scale_b.expand(1, out_features).contiguous()
+    y = torch._scaled_mm(
+        x2, weight.t(), scale_a=x_scale.reshape(-1, 1), scale_b=scale_b, bias=bias, out_dtype=x.dtype
+    )
+    return y.reshape(*x.shape[:-1], out_features)

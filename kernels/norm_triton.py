@@ -1,0 +1,67 @@
+"""Triton RMSNorm, optionally fused with the residual add (imported only when a kernel runs).
+
+One program per row; a row of hidden_size elements is one register tile. Rows may be a 2-level
+strided view ([num_tokens, num_heads, head_dim] slices of the fused qkv output for q/k norms).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, inner, stride_x_outer, stride_x_inner,
+    stride_res, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x_row = (row // inner) * stride_x_outer + (row % inner) * stride_x_inner
+    x = tl.load(x_ptr + x_row + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # residual' = x + residual, rounded to the model dtype as the torch path does
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * hidden + offs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    normed = (x32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _row_strides(x: Tensor) -> tuple[Tensor, int, int, int]:
+    """(x or a copy, rows per outer index, outer stride, inner stride): rows of x as a 2-level view."""
+    if x.stride(-1) != 1 or x.dim() > 3:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x, 1, 0, 0
+    if x.dim() == 2:
+        return x, 1, x.stride(0), 0
+    return x, x.shape[1], x.stride(0), x.stride(1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """(rms_norm(x [+ residual]), x + residual or None); outputs are new contiguous tensors."""
+    hidden = x.shape[-1]
+    out = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, weight.dtype))
+    num_rows = x.numel() // hidden
+    if residual is not None:
+        residual = residual.reshape(num_rows, hidden)
+        if residual.stride(-1) != 1:
+            residual = residual.contiguous()
+    res_out = torch.empty(x.shape, device=x.device, dtype=x.dtype) if residual is not None else None
+    x_rows, inner, stride_outer, stride_inner = _row_strides(x)
+    if num_rows == 0:
+        return out, res_out
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_rows,)](
+        x_rows, residual if residual is not None else x_rows, weight, out,
+        res_out if res_out is not None else out, hidden, inner, stride_outer, stride_inner,
+        residual.stride(0) if residual is not None else 0, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+    )
+    return out, res_out

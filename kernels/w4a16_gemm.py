@@ -1,0 +1,249 @@
+"""W4A16 GEMM: int4 weights with group scales (and zero points), 16-bit activations, fp32 accumulation.
+
+y [M, N] = x [M, K] @ w.T, w[n, k] = (level[n, k] - zero[n, g]) * scale[n, g], g = k // group_size.
+
+The weights are packed once, at compile time, into the "gpu" layout (`pack_w4a16_for_gpu`):
+  qweight [ceil(K / 128) * 16, N] int32   K tile t (128 input columns), word row r (0..15), nibble j
+                                          (0..7, least significant first) holds level[n, 128 t + 16 j + r];
+                                          K is zero-padded to a whole tile
+  scales  [num_groups, N]          dtype  transposed: one contiguous row per group
+  qzeros  [num_groups, ceil(N / 8)] int32 only with zero points: nibble j of word w is column 8 w + j
+One K tile is one [16, BLOCK_N] int32 load (16-byte vectors along N) and one scale row per group.
+
+Dispatch (`w4a16_linear`): on CUDA the Triton kernels of w4a16_triton.py, with the kernel and its
+tile sizes per (K, N, M) read from a tuning table (`w4a16_tune.tune_w4a16` measures one, once, on the
+target GPU; DEFAULT_W4A16_TABLE is what runs when none is given, a heuristic for shapes it lacks);
+on CPU dequantize + F.linear.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import can_use_triton
+
+K_TILE = 128  # input columns per packed tile
+_WORD_ROWS = K_TILE // 8  # int32 word rows per tile
+_UINT32_MASK = 0xFFFFFFFF
+
+
+def gpu_packed_shapes(in_features: int, out_features: int, num_groups: int, is_symmetric: bool) -> dict:
+    """name → shape of every tensor of the gpu layout (scales are in the model dtype, the rest int32)."""
+    shapes = {
+        "qweight": (math.ceil(in_features / K_TILE) * _WORD_ROWS, out_features),
+        "scales": (num_groups, out_features),
+    }
+    if not is_symmetric:
+        shapes["qzeros"] = (num_groups, math.ceil(out_features / 8))
+    return shapes
+
+
+def _to_int32(words: Tensor) -> Tensor:
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_w4a16_for_gpu(levels: Tensor, scales: Tensor, zeros: Tensor | None) -> dict[str, Tensor]:
+    """Plain levels [N, K] in [0, 16), scales [N, G] (kept in their dtype), zeros [N, G] levels or None
+    (symmetric: zero 8) → the gpu layout's tensors (see the module docstring)."""
+    out_features, in_features = levels.shape
+    num_tiles = math.ceil(in_features / K_TILE)
+    padded = F.pad(levels.to(torch.int64), (0, num_tiles * K_TILE - in_features))  # [N, Kp]
+    by_tile = padded.t().reshape(num_tiles, 8, _WORD_ROWS, out_features)  # [t, j, r, N]
+    shifts = (4 * torch.arange(8, device=levels.device)).view(1, 8, 1, 1)
+    words = (by_tile << shifts).sum(dim=1)  # [t, r, N]
+    params = {
+        "qweight": _to_int32(words.reshape(num_tiles * _WORD_ROWS, out_features)).contiguous(),
+        "scales": scales.t().contiguous(),
+    }
+    if zeros is not None:
+        zeros_t = F.pad(zeros.to(torch.int64).t(), (0, -out_features % 8))  # [G, N padded to 8]
+        zero_words = (zeros_t.unflatten(1, (-1, 8)) << (4 * torch.arange(8, device=zeros.device))).sum(-1)
+        params["qzeros"] = _to_int32(zero_words).contiguous()  # [G, ceil(N / 8)]
+    return params
+
+
+def unpack_w4a16_from_gpu(
+    params: Mapping[str, Tensor], in_features: int
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Inverse of `pack_w4a16_for_gpu`: (levels [N, K] int32, scales [N, G], zeros [N, G] int32 or None)."""
+    words = params["qweight"].to(torch.int64) & _UINT32_MASK  # [t * 16, N]
+    num_tiles, out_features = words.shape[0] // _WORD_ROWS, words.shape[1]
+    shifts = (4 * torch.arange(8, device=words.device)).view(1, 8, 1, 1)
+    by_tile = (words.view(num_tiles, 1, _WORD_ROWS, out_features) >> shifts) & 0xF  # [t, j, r, N]
+    levels = by_tile.reshape(num_tiles * K_TILE, out_features).t()[:, :in_features]
+    scales = params["scales"].t()
+    zeros = None
+    if "qzeros" in params:
+        zero_words = params["qzeros"].to(torch.int64) & _UINT32_MASK  # [G, ceil(N / 8)]
+        nibbles = (zero_words.unsqueeze(-1) >> (4 * torch.arange(8, device=words.device))) & 0xF
+        zeros = nibbles.flatten(1)[:, :out_features].t().to(torch.int32)
+    return levels.to(torch.int32).contiguous(), scales.contiguous(), zeros
+
+
+def dequantize_w4a16(params: Mapping[str, Tensor], in_features: int, group_size: int) -> Tensor:
+    """The weight [N, K] float32 from the gpu layout (the CPU path, and the kernels' test oracle)."""
+    levels, scales, zeros = unpack_w4a16_from_gpu(params, in_features)
+    group_columns = in_features if group_size == -1 else group_size
+    scales = scales.float().repeat_interleave(group_columns, dim=1)[:, :in_features]  # [N, K]
+    zeros_f = torch.full_like(scales, 8.0) if zeros is None else zeros.float()
+    if zeros is not None:
+        zeros_f = zeros_f.repeat_interleave(group_columns, dim=1)[:, :in_features]
+    return (levels.float() - zeros_f) * scales
+
+
+@dataclasses.dataclass(frozen=True)
+class W4A16Config:
+    """How one GEMM shape runs: a Triton kernel ("gemv" on CUDA cores, "fused" on tensor cores) with
+    these tiles, or "dequant" (the weight dequantized, then torch's matmul)."""
+
+    kind: str = "fused"  # "gemv" | "fused" | "dequant"
+    block_m: int = 16
+    block_n: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    # fused: one tl.dot per group instead of one per 16 input columns; gemv: one broadcast product
+    is_stacked: bool = False
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_DEQUANT = W4A16Config(kind="dequant")
+
+# Measured by `tune_w4a16` on an NVIDIA H200 (benchmarks/bench_kernels.py --tune, torch 2.11,
+# triton 3.6, bf16, group size 128); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
+# {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
+# one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
+DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
+    {
+        "4096x6144": (
+            (1, W4A16Config("gemv", 1, 64, 8, 4, 4, True), 16.96),
+            (4, W4A16Config("fused", 16, 128, 8, 4, 2, False), 20.64),
+            (8, W4A16Config("fused", 16, 128, 8, 4, 2, False), 20.86),
+            (16, W4A16Config("fused", 16, 128, 8, 4, 2, False), 21.31),
+            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 26.37),
+            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 27.9),
+            (128, _DEQUANT, 35.68),
+            (256, _DEQUANT, 41.54),
+            (512, _DEQUANT, 55.23),
+            (1024, _DEQUANT, 88.54),
+            (4096, _DEQUANT, 283.1),
+        ),
+        "4096x4096": (
+            (1, W4A16Config("gemv", 1, 64, 8, 4, 4, True), 14.37),
+            (4, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.41),
+            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.82),
+            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.79),
+            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 19.17),
+            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 20.0),
+            (128, W4A16Config("fused", 64, 128, 4, 4, 3, True), 27.36),
+            (256, _DEQUANT, 30.14),
+            (512, _DEQUANT, 38.91),
+            (1024, _DEQUANT, 59.87),
+            (4096, _DEQUANT, 191.65),
+        ),
+        "4096x28672": (
+            (1, W4A16Config("gemv", 1, 128, 4, 4, 4, True), 42.46),
+            (4, W4A16Config("fused", 16, 256, 2, 4, 2, False), 55.68),
+            (8, W4A16Config("fused", 16, 256, 2, 4, 2, False), 56.16),
+            (16, W4A16Config("fused", 16, 256, 2, 4, 2, False), 56.54),
+            (32, W4A16Config("fused", 64, 128, 1, 4, 3, True), 75.04),
+            (64, W4A16Config("fused", 64, 128, 1, 4, 3, True), 76.06),
+            (128, W4A16Config("fused", 64, 128, 1, 4, 3, True), 144.64),
+            (256, _DEQUANT, 173.02),
+            (512, _DEQUANT, 233.28),
+            (1024, _DEQUANT, 386.11),
+            (4096, _DEQUANT, 1320.38),
+        ),
+        "14336x4096": (
+            (1, W4A16Config("gemv", 1, 128, 16, 4, 2, True), 28.06),
+            (4, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.45),
+            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.29),
+            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.96),
+            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 40.54),
+            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 42.14),
+            (128, W4A16Config("fused", 64, 128, 4, 4, 3, True), 69.86),
+            (256, _DEQUANT, 89.73),
+            (512, _DEQUANT, 118.27),
+            (1024, _DEQUANT, 189.41),
+            (4096, _DEQUANT, 640.77),
+        ),
+    }
+)
+
+
+def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
+    """A config for shapes no table covers, after what the tables chose on an H200: the stacked GEMV
+    for one token, per-slice tensor-core tiles to 16, stacked ones to 64, dequantize + matmul above;
+    split-K until about two programs per SM."""
+    if m > 64:
+        return _DEQUANT
+    if m == 1:
+        kind, block_m, is_stacked = "gemv", 1, True
+    else:
+        kind, block_m, is_stacked = "fused", 16 if m <= 16 else 64, m > 16
+    block_n = 128 if n >= 2048 else 64
+    num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
+    num_tiles = math.ceil(k / K_TILE)
+    split_k = 1
+    while num_programs * split_k < 2 * num_sms and split_k * 2 <= num_tiles // 2:
+        split_k *= 2
+    return W4A16Config(kind, block_m, block_n, split_k, is_stacked=is_stacked)
+
+
+def select_w4a16_config(m: int, k: int, n: int, table: Mapping | None, num_sms: int) -> W4A16Config:
+    """The table's config for (K, N) and the smallest tuned M >= m; the heuristic for unknown shapes."""
+    entries = (DEFAULT_W4A16_TABLE if table is None else table).get(f"{k}x{n}")
+    if not entries:
+        return heuristic_w4a16_config(m, k, n, num_sms)
+    entries = sorted(entries, key=lambda entry: entry[0])
+    chosen = next((entry[1] for entry in entries if m <= entry[0]), entries[-1][1])
+    return chosen if isinstance(chosen, W4A16Config) else W4A16Config(**chosen)
+
+
+def w4a16_linear(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    qzeros: Tensor | None,
+    bias: Tensor | None,
+    group_size: int,
+    table: Mapping | None = None,
+) -> Tensor:
+    """x [..., K] → [..., N] in x's dtype, weights in the gpu layout (`pack_w4a16_for_gpu`)."""
+    in_features = x.shape[-1]
+    if not can_use_triton(x):
+        params = {"qweight": qweight, "scales": scales} | ({"qzeros": qzeros} if qzeros is not None else {})
+        weight = dequantize_w4a16(params, in_features, group_size).to(x.dtype)  # [N, K]
+        return F.linear(x, weight, bias)
+    return _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table)
+
+
+def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> Tensor:
+    from . import w4a16_triton  # triton loads on the first CUDA call only
+
+    in_features, out_features = x.shape[-1], qweight.shape[1]
+    x2 = x.reshape(-1, in_features)  # [M, K]
+    if x2.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], out_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    config = select_w4a16_config(x2.shape[0], in_features, out_features, table, num_sms)
+    if config.kind == "dequant":
+        weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, in_features, group_size)
+        y = F.linear(x2, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
+    else:
+        y = w4a16_triton.launch_w4a16_gemm(
+            x2, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
+            config.split_k, config.num_warps, config.num_stages, config.is_stacked,
+        )
+    return y.reshape(*x.shape[:-1], out_features)

@@ -1,0 +1,108 @@
+"""Measure a W4A16 tuning table once, on the target GPU (never at server start).
+
+`tune_w4a16(shapes)` times, for each (K, N) and each M of `ms`, the fused kernel's candidate tiles
+and the dequantize + cuBLAS path, checks each candidate's output, and returns the table that
+`w4a16_gemm.w4a16_linear(..., table=...)` reads: {"KxN": [(max_m, config, time_us), ...]}.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .timing import make_l2_flush_buffer, median_time_ms
+from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu
+
+DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+def candidate_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
+    """The configs worth timing at this shape: CUDA-core GEMV and tensor-core tiles for small M,
+    larger tiles and dequantize + matmul above."""
+    # (kind, block_m, block_n, num_warps, is_stacked)
+    if m <= 16:  # (one tl.dot per group lost everywhere here in the first measurements)
+        tiles = [("fused", 16, 64, 4, False), ("fused", 16, 128, 4, False), ("fused", 16, 256, 4, False),
+                 ("fused", 16, 128, 8, False)]
+        if m <= 4:  # (the stacked GEMV beat the per-slice one everywhere)
+            block_m = 1 << max(0, m - 1).bit_length()
+            tiles += [("gemv", block_m, 64, 4, True), ("gemv", block_m, 128, 4, True),
+                      ("gemv", block_m, 128, 8, True), ("gemv", block_m, 256, 8, True)]
+    elif m <= 64:
+        tiles = [("fused", 32, 64, 4, False), ("fused", 64, 64, 4, False), ("fused", 64, 128, 4, False),
+                 ("fused", 32, 128, 4, True), ("fused", 64, 128, 4, True), ("fused", 64, 128, 8, True)]
+    else:
+        tiles = [("fused", 64, 128, 4, False), ("fused", 128, 128, 8, False),
+                 ("fused", 64, 128, 4, True), ("fused", 128, 128, 8, True), ("fused", 128, 256, 8, True)]
+    num_tiles = math.ceil(k / K_TILE)
+    configs = [W4A16Config(kind="dequant")] if m > 16 else []
+    for kind, block_m, block_n, num_warps, is_stacked in tiles:
+        num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
+        for split_k in (1, 2, 4, 8, 16):
+            if split_k > num_tiles or (split_k > 1 and num_programs * split_k > 8 * num_sms):
+                continue
+            for num_stages in (2, 4) if m <= 16 else (3,):
+                configs.append(W4A16Config(kind, block_m, block_n, split_k, num_warps, num_stages, is_stacked))
+    return configs
+
+
+def _random_packed_weight(k: int, n: int, group_size: int, dtype: torch.dtype, device) -> dict[str, Tensor]:
+    num_groups = 1 if group_size == -1 else k // group_size
+    levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device=device)
+    scales = (torch.rand(n, num_groups, device=device) * 0.02 + 0.005).to(dtype)
+    return pack_w4a16_for_gpu(levels, scales, None)
+
+
+def tune_w4a16(
+    shapes: list[tuple[int, int]],
+    ms: tuple[int, ...] = DEFAULT_TUNE_MS,
+    dtype: torch.dtype = torch.bfloat16,
+    group_size: int = 128,
+    records: list | None = None,
+) -> dict:
+    """{"KxN": [(m, config dict, time_us), ...]}: the fastest correct config per shape and M.
+
+    `records`, if given, receives every timed candidate as {"K", "N", "M", "config", "us"}."""
+    from .w4a16_triton import launch_w4a16_dequantize, launch_w4a16_gemm
+
+    device = torch.device("cuda")
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    flush = make_l2_flush_buffer(device)
+    table = {}
+    for k, n in shapes:
+        params = _random_packed_weight(k, n, group_size, dtype, device)
+        qweight, scales = params["qweight"], params["scales"]
+        entries = []
+        for m in ms:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            expected = F.linear(x, launch_w4a16_dequantize(qweight, scales, None, k, group_size)).float()
+
+            def run(config: W4A16Config) -> Tensor:
+                if config.kind == "dequant":
+                    return F.linear(x, launch_w4a16_dequantize(qweight, scales, None, k, group_size))
+                return launch_w4a16_gemm(
+                    x, qweight, scales, None, None, group_size, config.kind, config.block_m,
+                    config.block_n, config.split_k, config.num_warps, config.num_stages, config.is_stacked,
+                )
+
+            timed = []
+            for config in candidate_configs(m, k, n, num_sms):
+                try:
+                    error = (run(config).float() - expected).norm() / expected.norm()
+                except Exception as exc:  # a tile that does not compile or fit on this GPU is skipped
+                    print(f"tune {k}x{n} m={m} {config}: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                if not error < 1e-2:
+                    print(f"tune {k}x{n} m={m} {config}: wrong result (relative error {error:.2e})")
+                    continue
+                timed.append((median_time_ms(lambda c=config: run(c), flush), config))
+                if records is not None:
+                    records.append({"K": k, "N": n, "M": m, "config": config.to_dict(), "us": round(timed[-1][0] * 1000, 2)})
+            if not timed:
+                raise RuntimeError(f"no W4A16 config ran correctly for {k}x{n} at M={m}")
+            best_ms, best = min(timed, key=lambda item: item[0])
+            entries.append((m, best.to_dict(), round(best_ms * 1000, 2)))
+        table[f"{k}x{n}"] = entries
+    return table

@@ -1,0 +1,95 @@
+"""Paged attention (decode, prefill / chunked prefill, GQA, sliding window) and the KV-cache write."""
+
+import math
+
+import pytest
+import torch
+
+from llmc.kernels import attention
+
+
+def make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+    """q, caches and block tables of a step; every cache slot no sequence owns holds NaN, block 0
+    (the padding of the block tables) too."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_tables = torch.zeros(len(context_lens), max(blocks_per_seq) + 1, dtype=torch.int32)  # padded with 0
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    for seq, (context_len, n_blocks) in enumerate(zip(context_lens, blocks_per_seq)):
+        blocks = torch.tensor([order.pop() for _ in range(n_blocks)], dtype=torch.int32)
+        block_tables[seq, :n_blocks] = blocks
+        slots = (blocks.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context_len]
+        k = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(context_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+        attention.write_kv_cache(k, v, k_cache, v_cache, slots)  # CPU tensors: the torch path
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return [t.to(device) for t in (q, k_cache, v_cache, block_tables)]
+
+
+def expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window):
+    """The torch path in float64 on the CPU."""
+    as64 = lambda t: t.cpu().double()  # noqa: E731
+    return attention.paged_attention(
+        as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), context_lens, query_lens, scale, window
+    )
+
+
+CASES = {
+    # name: (context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions)
+    "decode-gqa": ([1, 17, 100], [1, 1, 1], 8, 2, 32, 16, None, None),
+    "mixed-chunked": ([40, 9, 70], [13, 1, 70], 6, 2, 24, 8, None, None),
+    "window": ([40, 90, 33], [13, 1, 33], 4, 4, 16, 16, 20, None),
+    "partitioned-decode": ([1100, 5], [1, 1], 4, 1, 16, 32, None, 3),
+    "long-unpartitioned-decode": ([700, 3], [1, 1], 4, 2, 16, 16, None, 1),  # one program, 11 key tiles
+    "partitioned-window": ([1100, 700], [1, 1], 2, 1, 16, 16, 300, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_paged_attention_kernels_match_float64(dot_case, rel_err, case) -> None:
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
+    q, k_cache, v_cache, block_tables = make_batch(
+        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
+    )
+    scale = head_dim**-0.5
+    out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window, partitions)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.isfinite(out).all()  # no NaN slot leaked in, every row written
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_write_kv_cache_kernel_matches_torch(elementwise_case, num_tokens) -> None:
+    from llmc.kernels.attention_triton import write_kv_cache
+
+    device, dtype = elementwise_case
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 3, 24
+    kv = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim).to(dtype)  # strided k, v views
+    k, v = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    attention.write_kv_cache(k, v, expected_k, expected_v, slots)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    write_kv_cache(k.to(device), v.to(device), k_cache, v_cache, slots.to(device))
+    assert torch.equal(k_cache.cpu(), expected_k) and torch.equal(v_cache.cpu(), expected_v)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_public_paged_attention_on_cuda_llama_shapes(rel_err, dtype) -> None:
+    context_lens, query_lens = [3000, 1, 517, 64, 2048], [1, 1, 200, 64, 1]
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 32, 8, 128, 16, dtype, "cuda")
+    scale = 128**-0.5
+    out = attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, None)
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), expected) < 1e-2

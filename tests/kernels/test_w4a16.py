@@ -1,0 +1,178 @@
+"""W4A16: the gpu packing layout, the format carrying it, the Triton GEMM and its dispatch table."""
+
+import json
+
+import pytest
+import torch
+
+from llmc.errors import RecipeError
+from llmc.kernels.w4a16_gemm import (
+    W4A16Config,
+    dequantize_w4a16,
+    gpu_packed_shapes,
+    heuristic_w4a16_config,
+    pack_w4a16_for_gpu,
+    select_w4a16_config,
+    unpack_w4a16_from_gpu,
+    w4a16_linear,
+)
+from llmc.quant.formats import IntWeightFormat, QuantizedWeight, make_format, num_groups_of
+from llmc.quant.reference import dequantize, reference_linear
+
+# (K, N, group_size, symmetric): K not a multiple of the 128-column tile, N not of 8 or of BLOCK_N
+SHAPES = [(320, 40, 32, False), (256, 72, 128, True), (192, 24, -1, False), (384, 40, 64, True)]
+
+
+def random_weight(k, n, group_size, symmetric, seed=0, device="cpu") -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    num_groups = num_groups_of(k, group_size)
+    levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scales = torch.rand(n, num_groups, generator=gen) * 0.02 + 0.005
+    zeros = None if symmetric else torch.randint(0, 16, (n, num_groups), generator=gen, dtype=torch.int32)
+    q = QuantizedWeight(levels, scales, zeros, 4, group_size)
+    q.qweight, q.scales = q.qweight.to(device), q.scales.to(device)
+    q.zeros = q.zeros.to(device) if q.zeros is not None else None
+    return q
+
+
+def formats(dtype, group_size, symmetric):
+    plain = IntWeightFormat(dtype, 4, group_size, symmetric)
+    return plain, IntWeightFormat(dtype, 4, group_size, symmetric, layout="gpu")
+
+
+@pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES)
+def test_pack_unpack_round_trip_and_shapes(k, n, group_size, symmetric) -> None:
+    q = random_weight(k, n, group_size, symmetric)
+    params = pack_w4a16_for_gpu(q.qweight, q.scales, q.zeros)
+    shapes = gpu_packed_shapes(k, n, q.scales.shape[1], symmetric)
+    assert {name: tuple(t.shape) for name, t in params.items()} == shapes
+    levels, scales, unpacked_zeros = unpack_w4a16_from_gpu(params, k)
+    assert torch.equal(levels, q.qweight) and torch.equal(scales, q.scales)
+    assert (unpacked_zeros is None) == symmetric
+    if not symmetric:
+        assert torch.equal(unpacked_zeros, q.zeros)
+
+
+def test_pack_layout_puts_column_k_at_its_nibble() -> None:
+    levels = torch.zeros(3, 256, dtype=torch.int32)
+    levels[1, 128 + 16 * 5 + 7] = 9  # tile 1, nibble 5, word row 7
+    qweight = pack_w4a16_for_gpu(levels, torch.ones(3, 2), None)["qweight"]
+    expected = torch.zeros(32, 3, dtype=torch.int32)
+    expected[16 + 7, 1] = 9 << 20
+    assert torch.equal(qweight, expected)
+
+
+@pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES)
+def test_gpu_layout_format_matches_plain_layout(k, n, group_size, symmetric) -> None:
+    q = random_weight(k, n, group_size, symmetric)
+    plain, gpu = formats(torch.bfloat16, group_size, symmetric)
+    plain_params, gpu_params = plain.pack(q), gpu.pack(q)
+    specs = gpu.param_specs(k, n)
+    assert sorted(gpu_params) == sorted(specs)
+    for name, spec in specs.items():
+        assert (tuple(gpu_params[name].shape), gpu_params[name].dtype) == (spec.shape, spec.dtype), name
+    expected = dequantize(plain, plain_params, k)  # the oracle, from the plain layout
+    torch.testing.assert_close(gpu.dequantize(gpu_params, k), expected, rtol=0, atol=0)
+    x = torch.randn(2, 3, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        gpu.apply(x, gpu_params, bias), reference_linear(plain, x, plain_params, bias), rtol=2e-2, atol=2e-2
+    )
+
+
+def test_gpu_layout_spec_round_trip_and_errors() -> None:
+    spec = {"format": "w4a16", "bits": 4, "group_size": 128, "symmetric": False, "has_g_idx": False, "layout": "gpu"}
+    assert make_format(spec, torch.float16).spec() == spec
+    with pytest.raises(RecipeError, match="layout"):
+        IntWeightFormat(torch.float16, 8, 128, True, layout="gpu")
+    with pytest.raises(RecipeError, match="layout"):
+        IntWeightFormat(torch.float16, 4, 128, True, layout="marlin")
+
+
+def test_table_lookup_and_heuristic() -> None:
+    fused = W4A16Config(block_m=16, block_n=64, split_k=4).to_dict()
+    table = {"4096x6144": [(16, fused, 5.0), (64, W4A16Config(block_m=64).to_dict(), 9.0), (256, {"kind": "dequant"}, 40.0)]}
+    assert select_w4a16_config(1, 4096, 6144, json.loads(json.dumps(table)), 132) == W4A16Config(**fused)
+    assert select_w4a16_config(1, 4096, 6144, table, 132) == W4A16Config(**fused)
+    assert select_w4a16_config(17, 4096, 6144, table, 132).block_m == 64
+    assert select_w4a16_config(4096, 4096, 6144, table, 132).kind == "dequant"
+    assert select_w4a16_config(1, 512, 512, table, 132) == heuristic_w4a16_config(1, 512, 512, 132)
+    small = heuristic_w4a16_config(1, 4096, 4096, 132)
+    assert small.kind == "gemv" and small.block_m == 1 and small.split_k > 1
+    assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "fused"
+    assert select_w4a16_config(1, 4096, 28672, None, 132).kind == "gemv"  # the recorded H200 table
+    assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
+
+
+# (kind, block_m, block_n, split_k, is_stacked): every kernel path, split and not, a partial N tile
+CONFIGS = [
+    ("fused", 16, 32, 1, False), ("fused", 16, 32, 2, True), ("fused", 32, 16, 3, False),
+    ("gemv", 2, 32, 1, False), ("gemv", 4, 16, 2, True),
+]
+
+
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES[:3])
+def test_triton_gemm_matches_reference(dot_case, rel_err, m, k, n, group_size, symmetric) -> None:
+    from llmc.kernels.w4a16_triton import launch_w4a16_gemm
+
+    device, dtype = dot_case
+    q = random_weight(k, n, group_size, symmetric, seed=m, device=device)
+    plain, gpu = formats(dtype, group_size, symmetric)
+    params = gpu.pack(q)
+    x = torch.randn(m, k, device=device).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype)
+    weight = dequantize(plain, plain.pack(q), k).double()  # [N, K] from the plain layout
+    expected = x.double() @ weight.T + bias.double()
+    for kind, block_m, block_n, split_k, is_stacked in CONFIGS:
+        if kind == "gemv" and m > 5:
+            continue  # the interpreter is slow at many GEMV programs; the GPU cases cover them
+        y = launch_w4a16_gemm(
+            x, params["qweight"], params["scales"], params.get("qzeros"), bias, group_size,
+            kind, block_m, block_n, split_k, 4, 2, is_stacked,
+        )
+        assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
+        assert rel_err(y, expected) < (1e-5 if dtype == torch.float32 else 5e-3), (kind, block_m, block_n, split_k)
+
+
+@pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES[::2])
+def test_triton_dequantize_matches_reference(dot_case, k, n, group_size, symmetric) -> None:
+    from llmc.kernels.w4a16_triton import launch_w4a16_dequantize
+
+    device, dtype = dot_case
+    q = random_weight(k, n, group_size, symmetric, device=device)
+    params = formats(dtype, group_size, symmetric)[1].pack(q)
+    weight = launch_w4a16_dequantize(params["qweight"], params["scales"], params.get("qzeros"), k, group_size)
+    assert weight.shape == (n, k) and weight.dtype == dtype
+    torch.testing.assert_close(weight.float(), dequantize_w4a16(params, k, group_size).to(dtype).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_format_apply_on_cuda_dispatches_to_the_kernel(rel_err, m, dtype) -> None:
+    k, n = 4096, 1000
+    q = random_weight(k, n, 128, False, device="cuda")
+    plain, gpu = formats(dtype, 128, False)
+    params = gpu.pack(q)
+    assert gpu.select_kernel(torch.zeros(1, device="cuda")) is not None
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    expected = reference_linear(plain, x, plain.pack(q), None)
+    y = gpu.apply(x, params, None)
+    assert y.dtype == dtype and rel_err(y, expected) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tune_returns_a_table_the_dispatch_reads(rel_err) -> None:
+    from llmc.kernels.w4a16_tune import tune_w4a16
+
+    table = tune_w4a16([(512, 256)], ms=(1,))
+    assert [entry[0] for entry in table["512x256"]] == [1]
+    q = random_weight(512, 256, 128, True, device="cuda")
+    params = formats(torch.bfloat16, 128, True)[1].pack(q)
+    x = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    y = w4a16_linear(x, params["qweight"], params["scales"], None, None, 128, table=table)
+    expected = x.double() @ dequantize_w4a16(params, 512, 128).double().T
+    assert rel_err(y, expected) < 1e-2
