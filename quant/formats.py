@@ -19,7 +19,8 @@ from torch import Tensor
 from llmc.errors import RecipeError
 from llmc.kernels import can_use_triton
 from llmc.kernels.w4a16_gemm import dequantize_w4a16, gpu_packed_shapes, pack_w4a16_for_gpu, w4a16_linear
-from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_per_token, quantize_fp8_static
+from llmc.kernels import fp8 as fp8_kernels
+from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_static
 from llmc.quant.packing import num_words, pack_words, unpack_words
 
 logger = logging.getLogger("llmc")
@@ -395,7 +396,7 @@ class Fp8Format:
         """(x_fp8 [..., in], x_scale [..., 1] per token or [1] static)."""
         if self.is_static_input:
             return quantize_fp8_static(x, params["input_scale"])
-        return quantize_fp8_per_token(x)
+        return fp8_kernels.quantize_fp8_per_token(x)  # one fused Triton kernel on CUDA
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         x_fp8, x_scale = self.quantize_input(x, params)
