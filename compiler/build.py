@@ -152,8 +152,13 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> int:
     with hf.TensorReader(ctx.model_dir) as reader:
         packer, pack_global = _packers(ctx, reader)
         tensors = iter_artifact_tensors(reader, ctx.spec, ctx.model, specs, packer, pack_global)
-        for name, tensor in tqdm(tensors, total=len(specs), desc="weights", unit="tensor", disable=not show_progress):
-            writer.write(name, tensor)
+        with tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
+            layers_done = set()
+            for name, tensor in tensors:
+                writer.write(name, tensor)
+                if name.startswith("layers.") and name.split(".")[1] not in layers_done:
+                    layers_done.add(name.split(".")[1])  # a layer's first tensor comes once it is all done
+                    bar.update(1)
         ctx.report = packer.report() if hasattr(packer, "report") else {}
     writer.close()
     return path.stat().st_size

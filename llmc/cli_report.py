@@ -54,6 +54,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
                          "report": manifest.quant.report},
         "parallel": manifest.parallel.__dict__,
         "weight_bytes": weight_bytes,
+        "dense_bf16_bytes": 2 * model.num_parameters,
         "bytes_by_component": bytes_by_component(artifact_dir, manifest),
         "kv": {**manifest.kv.__dict__, "bytes_per_token": manifest.kv.bytes_per_token},
         "runtime": runtime.__dict__,
@@ -68,6 +69,27 @@ def _format_label(spec: dict) -> str:
     return spec["format"] + (f" ({', '.join(extras)})" if extras else "")
 
 
+def _format_runs(modules: dict[str, dict]) -> list[tuple[str, dict]]:
+    """Per-module formats, runs of layers with the same format folded: ("layers.0-5.attn.qkv", spec)."""
+    by_name: dict[str, list[tuple[int, dict]]] = defaultdict(list)
+    for name, spec in modules.items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            by_name[".".join(parts[2:])].append((int(parts[1]), spec))
+        else:
+            by_name[name].append((-1, spec))
+    runs = []
+    for suffix, entries in by_name.items():
+        start = 0
+        for i in range(1, len(entries) + 1):
+            if i == len(entries) or entries[i][1] != entries[start][1]:
+                first, last = entries[start][0], entries[i - 1][0]
+                label = suffix if first < 0 else f"layers.{first}{'-' + str(last) if last != first else ''}.{suffix}"
+                runs.append((label, entries[start][1]))
+                start = i
+    return runs
+
+
 def print_inspect(report: dict) -> None:
     m, kv, rt, est = report["model"], report["kv"], report["runtime"], report["memory_estimate"]
     rows = [
@@ -78,6 +100,7 @@ def print_inspect(report: dict) -> None:
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, stored as {m['dtype']}"),
         ("quantization", f"{report['quantization']['method']}: "
                          + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
+        ("saved", _saved_line(report)),
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
         ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}), blocks of {kv['block_size']} tokens"),
@@ -86,12 +109,20 @@ def print_inspect(report: dict) -> None:
                     f"{'on' if rt['enable_prefix_caching'] else 'off'}, cuda graphs {'off' if rt['enforce_eager'] else 'on'}"),
         (f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)),
     ]
+    for module, spec in _format_runs(report["quantization"]["modules"]):
+        rows.append((f"  {module}", _format_label(spec)))
     for key, value in report["quantization"].get("report", {}).items():
         rows.append((f"quality: {key}", str(value)))
     if "verify" in report:
         rows.append(("verify", "all files match their sha256" if report["verify"]["ok"]
                      else "; ".join(report["verify"]["problems"])))
     _print_rows(rows)
+
+
+def _saved_line(report: dict) -> str:
+    tensor_bytes, dense = sum(report["bytes_by_component"].values()), report["dense_bf16_bytes"]
+    return (f"{_fmt_bytes(max(dense - tensor_bytes, 0))} against 16-bit weights "
+            f"(tensors are {tensor_bytes / dense:.0%} of {_fmt_bytes(dense)})")
 
 
 def _estimate_line(est: dict, rt: dict) -> str:
