@@ -19,15 +19,15 @@ import re
 import torch
 from torch import Tensor
 
-from llmc.compiler.calibration import LayerRunner, capture_inputs, set_layer_weights
-from llmc.compiler.convert import LayerWeights, pack_layer
+from llmc.compiler.calibration import LayerRunner, capture_inputs
+from llmc.compiler.convert import LayerWeights
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
-from llmc.quant.formats import DenseFormat, QuantizedWeight, make_format, num_groups_of
+from llmc.quant.formats import DenseFormat, QuantizedWeight, num_groups_of
 from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight
 from llmc.quant.gptq import HessianAccumulator, gptq_quantize
 from llmc.quant.reference import dequantize_weight
-from llmc.quant.rtn import fake_quantize, rtn_quantize
+from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec
 

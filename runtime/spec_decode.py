@@ -23,7 +23,6 @@ probabilities).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np

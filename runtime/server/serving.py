@@ -13,6 +13,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from llmc.errors import RequestError
+
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import EngineLoop, EngineStopped, RequestStream
@@ -40,6 +42,19 @@ def parse_body(model: type[Body], body: object) -> Body:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def parse_generation_request(ctx: "ServingContext", model: type[Body], body: object):
+    """What completions and chat share before generating: the body checked, the model and the engine
+    ready, the sampling parameters built. Returns (request, SamplingParams)."""
+    request = parse_body(model, body)
+    request.check()
+    ctx.check_model(request.model)
+    ctx.require_ready()
+    try:
+        return request, request.to_sampling_params()
+    except RequestError as e:
+        raise as_api_error(e) from None
 
 
 class ServingContext:

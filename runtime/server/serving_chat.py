@@ -6,25 +6,17 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from llmc.errors import RequestError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
-from llmc.runtime.server.errors import ApiError, as_api_error
+from llmc.runtime.server.errors import ApiError
 from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, chat_logprobs, sse, usage
 from llmc.runtime.server.protocol import ChatCompletionRequest
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_body
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request
 
 
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
-    request = parse_body(ChatCompletionRequest, body)
-    request.check()
-    ctx.check_model(request.model)
-    ctx.require_ready()
-    try:
-        params = request.to_sampling_params()
-    except RequestError as e:
-        raise as_api_error(e) from None
+    request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     token_ids = ctx.render_chat(request.template_messages())
     ctx.check_prompt_length(token_ids, params, "messages")
     request_id = new_id("chatcmpl")

@@ -10,12 +10,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from llmc.errors import RequestError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
-from llmc.runtime.server.errors import ApiError, as_api_error, invalid
+from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, completion_logprobs, sse, usage
 from llmc.runtime.server.protocol import CompletionRequest
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_body
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request
 
 
 @dataclass
@@ -27,14 +26,7 @@ class _Prompt:
 async def create_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
                             ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
-    request = parse_body(CompletionRequest, body)
-    request.check()
-    ctx.check_model(request.model)
-    ctx.require_ready()
-    try:
-        params = request.to_sampling_params()
-    except RequestError as e:
-        raise as_api_error(e) from None
+    request, params = parse_generation_request(ctx, CompletionRequest, body)
     prompts = _prompts(ctx, request)
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt")

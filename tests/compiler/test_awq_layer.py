@@ -7,7 +7,7 @@ import torch
 
 from llmc.compiler.awq_layer import _awq_folds, _fold, awq_quantize_layer
 from llmc.compiler.calibration import LayerRunner
-from llmc.compiler.convert import LayerWeights, read_layer
+from llmc.compiler.convert import read_layer
 from llmc.compiler.hf_checkpoint import TensorReader, model_config_from_hf, model_spec_for, read_hf_config
 from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
 from llmc.compiler.recipe import QuantizationConfig
