@@ -157,9 +157,10 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         _interactive_chat(llm, params)
         return
     messages = [{"role": "user", "content": prompt}] if chat else None
+    deltas = llm.stream(prompt if not chat else None, params, messages=messages)
     if not chat:
         click.echo(prompt, nl=False)
-    for delta in llm.stream(prompt if not chat else None, params, messages=messages):
+    for delta in deltas:
         click.echo(delta, nl=False)
     click.echo()
 

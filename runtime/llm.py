@@ -53,11 +53,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
-        """Yield the text of one completion as it is generated (deltas)."""
+        """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
         if messages is not None:
             request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
         else:
             request_id = self._add(prompt, sampling_params, 0)
+        return self._deltas(request_id)
+
+    def _deltas(self, request_id: str) -> Iterator[str]:
         emitted = 0
         while self.engine.has_unfinished_requests():
             for output in self.engine.step():
