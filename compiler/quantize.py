@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.calibration import LayerRunner, capture_inputs, set_layer_weights
-from llmc.compiler.convert import LayerWeights, pack_layer
+from llmc.compiler.convert import LayerWeights
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
 from llmc.quant.awq import awq_search_clip, awq_search_scale
