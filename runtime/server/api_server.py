@@ -43,10 +43,12 @@ GRACEFUL_SHUTDOWN_S = 30
 
 def build_app(engine_factory: Callable[[], object], served_model_name: str, *, api_key: str | None = None,
               max_waiting: int | None = None, log_stats: bool = True,
-              on_startup_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts."""
+              on_startup_failure: Callable[[BaseException], None] | None = None,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
+    `on_fatal` is told when the engine can never step again (a rank of a parallel engine died)."""
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(engine_factory, observer=metrics)
+    engine_loop = EngineLoop(engine_factory, observer=metrics, on_fatal=on_fatal)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting)
 
@@ -216,7 +218,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(engine_factory: Callable[[], object], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
           log_stats: bool = True) -> None:
-    """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start."""
+    """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
+    for good (a rank of a parallel engine died)."""
     import uvicorn
 
     startup_errors: list[BaseException] = []
@@ -226,7 +229,8 @@ def serve(engine_factory: Callable[[], object], served_model_name: str, *, host:
         server.should_exit = True
 
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
-                    log_stats=log_stats, on_startup_failure=on_startup_failure)
+                    log_stats=log_stats, on_startup_failure=on_startup_failure,
+                    on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)
