@@ -170,7 +170,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import serve
 
-        factories = [_engine_factory(artifact, device, overrides, launch) for _ in range(data_parallel)]
+        factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
+                     for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting, log_stats=False)  # the engine logs its own statistics
         return
@@ -240,6 +241,18 @@ def _run_worker_node(artifact: str, device: str | None, overrides: dict, launch)
     logger.info("node %d of %d: serving ranks of %s for the driver at %s:%d",
                 launch.node_rank, launch.nnodes, artifact, launch.master_addr, launch.master_port)
     run_node(Path(artifact), options, resolve_device(device), launch)
+
+
+def _replica_device(artifact: str, device: str | None, index: int) -> str | None:
+    """Data-parallel replica `index` on GPUs takes the next GPUs: [index × ranks, (index + 1) × ranks)."""
+    import torch
+
+    if index == 0 or not (device or "cuda").startswith("cuda") or not torch.cuda.is_available():
+        return device
+    from llmc.runtime.artifact import read_manifest
+
+    first = torch.device(device or "cuda").index or 0
+    return f"cuda:{first + index * read_manifest(artifact).parallel.world_size}"
 
 
 def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=None):

@@ -111,7 +111,8 @@ class ParallelModelRunner(ModelRunner):
                  rendezvous: Rendezvous, local_worker_ranks: list[int], ranks_per_node: int):
         apply_parallel_env()
         parallel = manifest.parallel
-        self.device = rank_device(device.type, 0)
+        self.first_gpu = device.index or 0  # rank r on this host uses GPU first_gpu + local rank
+        self.device = rank_device(device.type, self.first_gpu)
         self.batch_device = torch.device("cpu")  # the step message is built on the CPU, then broadcast
         self.block_size = options.block_size
         self.vocab_size = manifest.model.vocab_size
@@ -133,7 +134,7 @@ class ParallelModelRunner(ModelRunner):
         resources.store = rendezvous.connect(0, STORE_TIMEOUT)
         rendezvous = dataclasses.replace(rendezvous, port=resources.store.port)  # the free port it picked
         if local_worker_ranks:
-            args = WorkerArgs(str(artifact_dir), options, self.device.type, rendezvous, ranks_per_node)
+            args = WorkerArgs(str(artifact_dir), options, self.device.type, rendezvous, ranks_per_node, self.first_gpu)
             resources.pool = WorkerPool(local_worker_ranks, args, self.tensor, on_failure=self._abort_groups)
         wait_for_ranks(resources.store, list(range(1, world_size)), resources.pool, STORE_TIMEOUT.total_seconds())
         with self._failures():

@@ -36,13 +36,14 @@ class WorkerArgs:
     options: art.RuntimeDefaults
     device_type: str  # "cpu" | "cuda"
     rendezvous: Rendezvous
-    ranks_per_node: int  # local rank = rank % ranks_per_node picks the GPU
+    ranks_per_node: int  # local rank = rank % ranks_per_node picks the GPU: first_gpu + local rank
+    first_gpu: int = 0  # > 0 for the second and later data-parallel replicas on one host
 
 
-def rank_device(device_type: str, local_rank: int) -> torch.device:
+def rank_device(device_type: str, gpu_index: int) -> torch.device:
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(gpu_index)
+        return torch.device("cuda", gpu_index)
     return torch.device("cpu")
 
 
@@ -51,7 +52,7 @@ def serve_rank(rank: int, args: WorkerArgs) -> None:
     apply_parallel_env()
     artifact_dir = Path(args.artifact_dir)
     manifest = art.read_manifest(artifact_dir)
-    device = rank_device(args.device_type, rank % args.ranks_per_node)
+    device = rank_device(args.device_type, args.first_gpu + rank % args.ranks_per_node)
     store = args.rendezvous.connect(rank, STORE_TIMEOUT)
     store.set(joined_key(rank), "1")
     groups = ParallelGroups(store, rank, manifest.parallel.world_size, manifest.parallel.tensor, device)

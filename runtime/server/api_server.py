@@ -30,6 +30,7 @@ import llmc
 from llmc.runtime.server.engine_loop import EngineLoop
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
+from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 from llmc.runtime.server.serving import ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
@@ -41,14 +42,17 @@ logger = logging.getLogger("llmc")
 GRACEFUL_SHUTDOWN_S = 30
 
 
-def build_app(engine_factory: Callable[[], object], served_model_name: str, *, api_key: str | None = None,
-              max_waiting: int | None = None, log_stats: bool = True,
+def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
+              api_key: str | None = None, max_waiting: int | None = None, log_stats: bool = True,
               on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
-    `on_fatal` is told when the engine can never step again (a rank of a parallel engine died)."""
+    a list of factories builds one replica each (data parallelism, requests to the least loaded).
+    `on_fatal` is told when an engine can never step again (a rank of a parallel engine died)."""
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(engine_factory, observer=metrics, on_fatal=on_fatal)
+    factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
+    loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
+    engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting)
 
@@ -215,7 +219,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
 
-def serve(engine_factory: Callable[[], object], served_model_name: str, *, host: str = "127.0.0.1",
+def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
           log_stats: bool = True) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped

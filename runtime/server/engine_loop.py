@@ -204,9 +204,9 @@ class EngineLoop:
         except WorkerError as e:  # a rank of a parallel engine is gone: nothing can run any more
             logger.error("%s; aborting %d running request(s)", e, len(self._streams))
             self.failure = e
-            self._abort_all(engine, e)
-            if self._on_fatal is not None:
+            if self._on_fatal is not None:  # first: a handler woken by the abort may look for it
                 self._on_fatal(e)
+            self._abort_all(engine, e)
             return
         except Exception as e:  # noqa: BLE001 - an engine bug: fail the running requests, keep serving
             logger.exception("engine step failed; aborting %d running request(s)", len(self._streams))
