@@ -207,8 +207,13 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
     options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
     engine = Engine(artifact, device=device, **options)
     reference = Engine(compare_with, device=device, **options) if compare_with else None
-    windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
-    result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
+    try:
+        windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
+        result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
+    finally:  # parallel artifacts: stop their worker ranks
+        engine.close()
+        if reference is not None:
+            reference.close()
     if compare_with:
         result["reference"] = compare_with
     if as_json:

@@ -1,7 +1,7 @@
 """Parallel splits of the model features the ref checkpoint lacks, against transformers itself:
 tied embeddings across pipeline stages and q/k/v biases (qwen2), per-head q/k norms (qwen3), KV
 heads replicated when tensor exceeds them plus a vocabulary padded to a multiple of tensor (llama);
-and a torchrun launch."""
+and the launches: torchrun, and two `llmc run --nnodes 2` processes sharing the ranks."""
 
 import os
 import subprocess
@@ -76,3 +76,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_two_nodes_share_the_ranks(tiny_llama, tmp_path):
+    """`llmc run --nnodes 2 --node-rank 1` on a second "host" (here the same one) serves ranks 2-3
+    of a tensor 2 × pipeline 2 artifact while node 0 drives; both exit 0 when the run ends."""
+    artifact = _build(tiny_llama, tmp_path / "artifact", 2, 2)
+    with LLM(_build(tiny_llama, tmp_path / "one", 1, 1), **ENGINE) as llm:
+        want = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    port = str(_free_port())
+    base = [sys.executable, "-m", "llmc.cli", "run", str(artifact), "--device", "cpu", "--nnodes", "2",
+            "--master-addr", "127.0.0.1", "--master-port", port]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    node1 = subprocess.Popen([*base, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        node0 = subprocess.run([*base, "--node-rank", "0", "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
+                                "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=120, env=env)
+        assert node0.returncode == 0, node0.stderr
+        assert node0.stdout == "ROMEO:" + want + "\n"
+        assert node1.wait(timeout=30) == 0, node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
