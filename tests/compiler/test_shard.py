@@ -132,6 +132,42 @@ def test_quantized_shards_are_slices_of_the_one_rank_build_on_group_boundaries(r
             assert torch.equal(got[p + "mlp.down.scales"], one[p + "mlp.down.scales"][:, 16 * tp : 16 * (tp + 1)])
 
 
+@pytest.mark.parametrize("quantization", [
+    {"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False},  # 10 levels per word, zero points
+    {"method": "fp8", "weights": "per_tensor"},  # one scale for the whole (fused) weight
+    {"method": "fp8", "weights": "per_channel"},
+], ids=["w3a16-asym", "fp8-per-tensor", "fp8-per-channel"])
+def test_every_format_splits_into_slices_of_the_one_rank_weights(ref_model_dir, tmp_path, quantization):
+    from llmc.quant.formats import make_format
+    from llmc.quant.reference import dequantize
+
+    def weights(artifact: Path, rank: int, tensor: int) -> dict[str, torch.Tensor]:
+        """Dequantized [out, in] weight of every layer linear in a rank's file."""
+        manifest = read_manifest(artifact)
+        tensors = load_file(artifact / f"rank-{rank:02d}" / "weights.safetensors")
+        out = {}
+        for module, spec in manifest.quant.modules.items():
+            params = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}
+            if params and module.startswith("layers."):
+                in_features = 384 if module.endswith(("qkv", "gate_up")) else (384 if module.endswith(".o") else 1024) // tensor
+                out[module] = dequantize(make_format(spec, torch.float32), params, in_features)
+        return out
+
+    one = weights(_build(ref_model_dir, tmp_path / "t1", quantization=quantization), 0, 1)
+    artifact = _build(ref_model_dir, tmp_path / "t2", tensor=2, quantization=quantization)
+    for tp in range(2):
+        got = weights(artifact, tp, 2)
+        qkv_rows = torch.cat([torch.arange(192 * tp, 192 * (tp + 1)), 384 + torch.arange(64 * tp, 64 * (tp + 1)),
+                              512 + torch.arange(64 * tp, 64 * (tp + 1))])
+        mlp_rows = torch.cat([torch.arange(512 * tp, 512 * (tp + 1)), 1024 + torch.arange(512 * tp, 512 * (tp + 1))])
+        for i in range(6):
+            p = f"layers.{i}."
+            assert torch.equal(got[p + "attn.qkv"], one[p + "attn.qkv"][qkv_rows])
+            assert torch.equal(got[p + "mlp.gate_up"], one[p + "mlp.gate_up"][mlp_rows])
+            assert torch.equal(got[p + "attn.o"], one[p + "attn.o"][:, 192 * tp : 192 * (tp + 1)])
+            assert torch.equal(got[p + "mlp.down"], one[p + "mlp.down"][:, 512 * tp : 512 * (tp + 1)])
+
+
 def test_a_split_that_cuts_a_quantization_group_is_refused_naming_the_layer(ref_model_dir, tmp_path):
     # o's 384 input features split in two are 192 per rank: not a multiple of 128.
     out = tmp_path / "refused"
