@@ -15,17 +15,22 @@ from tqdm import tqdm
 
 import llmc
 from llmc.compiler import hf_checkpoint as hf
-from llmc.compiler.convert import artifact_tensor_specs, dense_packer, iter_artifact_tensors
+from llmc.compiler.convert import (
+    artifact_tensor_specs, dense_global_packer, dense_packer, global_modules, pack_global, pack_layer, read_global,
+    read_layer,
+)
 from llmc.compiler.calibration import calibration_windows
-from llmc.compiler.emit import SafetensorsWriter, atomic_directory
+from llmc.compiler.emit import ShardedWriter, atomic_directory
 from llmc.compiler.import_quantized import ImportPacker, import_formats
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe
+from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
 logger = logging.getLogger("llmc")
 
@@ -56,6 +61,7 @@ class _Context:
     spec: ModelSpec
     model: art.ModelConfig
     module_formats: dict[str, dict]
+    parallel: art.ParallelPlan | None = None
     report: dict = field(default_factory=dict)
 
 
@@ -65,6 +71,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     timings: dict[str, float] = {}
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
     ctx.module_formats = _plan_formats(ctx)
+    ctx.parallel = _plan_parallel(ctx)
     output = recipe.output_dir
     with atomic_directory(output) as tmp:
         _timed(timings, "tokenizer", lambda: _copy_tokenizer(ctx.model_dir, tmp / art.TOKENIZER_DIR))
@@ -132,6 +139,15 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
     return plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
 
 
+def _plan_parallel(ctx: _Context) -> art.ParallelPlan:
+    tensor_bytes = [(name, _num_bytes(dtype, shape)) for name, dtype, shape in artifact_tensor_specs(ctx.model, ctx.module_formats)]
+    return plan_parallel(ctx.recipe.parallel, ctx.model, ctx.spec, ctx.module_formats, tensor_bytes)
+
+
+def _num_bytes(dtype: torch.dtype, shape: tuple) -> int:
+    return torch.empty((), dtype=dtype).element_size() * int(torch.Size(shape).numel())
+
+
 def _tokenizer_files(model_dir: Path) -> list[str]:
     names = [name for name in TOKENIZER_FILES if (model_dir / name).is_file()]
     if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(names):
@@ -145,31 +161,45 @@ def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
         shutil.copy2(model_dir / name, dest / name)
 
 
-def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> int:
-    specs = artifact_tensor_specs(ctx.model, ctx.module_formats)
-    path = root / art.rank_weights_path(0)
-    writer = SafetensorsWriter(path, specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    with hf.TensorReader(ctx.model_dir) as reader:
-        packer, pack_global = _packers(ctx, reader)
-        tensors = iter_artifact_tensors(reader, ctx.spec, ctx.model, specs, packer, pack_global)
-        with tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
-            layers_done = set()
-            for name, tensor in tensors:
-                writer.write(name, tensor)
-                if name.startswith("layers.") and name.split(".")[1] not in layers_done:
-                    layers_done.add(name.split(".")[1])  # a layer's first tensor comes once it is all done
-                    bar.update(1)
+def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
+    """Stream the checkpoint through the packer one layer at a time, writing each rank's shard of it
+    into that rank's file; returns the bytes of each rank's file."""
+    layouts = all_rank_layouts(ctx.model, ctx.parallel)
+    rank_specs = [artifact_tensor_specs(ctx.model, ctx.module_formats, layout) for layout in layouts]
+    paths = [root / art.rank_weights_path(layout.rank) for layout in layouts]
+    writer = ShardedWriter(paths, rank_specs, metadata={"format": "pt", "llmc": llmc.__version__})
+    with hf.TensorReader(ctx.model_dir) as reader, \
+            tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
+        packer, pack_global_fn = _packers(ctx, reader)
+        for unit in ["embed", *range(ctx.model.num_layers), *global_modules(ctx.model)[1:]]:
+            for rank, tensors in _unit_shards(ctx, reader, unit, layouts, packer, pack_global_fn):
+                writer.write(rank, tensors)
+            bar.update(1 if isinstance(unit, int) else 0)
         ctx.report = packer.report() if hasattr(packer, "report") else {}
     writer.close()
-    return path.stat().st_size
+    return [path.stat().st_size for path in paths]
+
+
+def _unit_shards(ctx: _Context, reader: hf.TensorReader, unit: str | int, layouts: list[RankLayout], packer, pack_global_fn):
+    """(rank, {tensor name: packed tensor}) for each rank holding `unit` (a layer index or a global module)."""
+    dtype = getattr(torch, ctx.model.dtype)
+    if isinstance(unit, int):
+        layer = packer(getattr(packer, "read_layer", read_layer)(reader, ctx.spec, ctx.model, unit))
+        for layout in (lay for lay in layouts if unit in lay.layers):
+            packed = pack_layer(shard_layer(layer, layout, ctx.model, ctx.spec), ctx.module_formats, dtype)
+            yield layout.rank, {f"layers.{unit}.{name}": tensor for name, tensor in packed.items()}
+        return
+    holders = [lay for lay in layouts if (lay.has_embed if unit == "embed" else lay.has_head)]
+    weight = pack_global_fn(unit, read_global(reader, ctx.spec, unit, padded_vocab_size(ctx.model.vocab_size, ctx.parallel.tensor)))
+    for layout in holders:
+        yield layout.rank, pack_global(unit, shard_global(unit, weight, layout), ctx.module_formats, dtype)
 
 
 def _packers(ctx: _Context, reader: hf.TensorReader):
     """(layer packer, global packer) for the recipe's method."""
     quant = ctx.recipe.quantization
-    dtype = getattr(torch, ctx.model.dtype)
     if quant.method == "none":
-        return dense_packer(ctx.model, ctx.module_formats), lambda module, weight: {"weight": weight.to(dtype)}
+        return dense_packer, dense_global_packer
     if quant.method == "import":
         packer = ImportPacker(ctx.hf_config, ctx.spec, ctx.model, ctx.module_formats, reader)
         return packer, packer.pack_global
@@ -194,7 +224,7 @@ def _calibration_data(ctx: _Context):
     return (calibration if needs_calibration else None), (held_out if num_eval else None)
 
 
-def _write_manifest(ctx: _Context, root: Path, weight_bytes: int) -> art.Manifest:
+def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.Manifest:
     recipe = ctx.recipe
     runtime = _resolve_runtime(recipe, ctx.model)
     kv = art.KVSpec(runtime.block_size, ctx.model.dtype, ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim)
@@ -205,9 +235,9 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: int) -> art.Manifes
         model=ctx.model,
         quant=art.QuantInfo(method=recipe.quantization.method, modules=ctx.module_formats,
                             settings=dataclasses.asdict(recipe.quantization), report=ctx.report),
-        parallel=art.ParallelPlan(1, 1, [list(range(ctx.model.num_layers))]),
+        parallel=ctx.parallel,
         kv=kv,
-        plan=_plan(recipe, ctx.model, runtime, kv, weight_bytes),
+        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes),
         runtime=runtime,
         files=art.hash_files(root),
     )
@@ -226,23 +256,23 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
     return dataclasses.replace(runtime, max_model_len=max_model_len)
 
 
-def _plan(recipe: Recipe, model: art.ModelConfig, runtime: art.RuntimeDefaults, kv: art.KVSpec, weight_bytes: int) -> art.Plan:
+def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, runtime: art.RuntimeDefaults,
+          kv: art.KVSpec, weight_bytes: list[int]) -> art.Plan:
+    """Graph buckets and the memory estimate of the rank with the least KV room (which bounds them all)."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
-    estimate = memory.estimate(
-        model, weight_bytes, kv.bytes_per_token, runtime.block_size, int(gpu_gib * memory.GIB),
-        runtime.gpu_memory_utilization, runtime.max_num_batched_tokens, runtime.max_num_seqs,
-        runtime.max_model_len, use_graphs=not runtime.enforce_eager,
-    )
+    estimates = memory.estimate_per_rank(model, parallel, weight_bytes, kv.dtype, runtime, int(gpu_gib * memory.GIB))
+    estimate = min(estimates, key=lambda e: e.num_kv_tokens)
     if recipe.target.device == "cuda" and not estimate.fits:
         logger.warning(
             "max_model_len %d does not fit once in the KV cache of a %.0f GiB GPU; lower max_model_len or "
             "max_num_batched_tokens, raise gpu_memory_utilization, or quantize", runtime.max_model_len, gpu_gib,
         )
+    per_rank = {"num_kv_tokens_per_rank": [e.num_kv_tokens for e in estimates]} if len(estimates) > 1 else {}
     return art.Plan(
         cuda_graph_batch_sizes=memory.cuda_graph_batch_sizes(runtime.max_num_seqs),
         max_num_batched_tokens=runtime.max_num_batched_tokens,
-        weight_bytes_per_rank=[weight_bytes],
-        memory={"target_gpu_memory_gib": gpu_gib, **estimate.to_dict()},
+        weight_bytes_per_rank=weight_bytes,
+        memory={"target_gpu_memory_gib": gpu_gib, **estimate.to_dict(), **per_rank},
     )
 
 

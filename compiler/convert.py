@@ -1,49 +1,61 @@
 """HF tensors → runtime tensors: rename, fuse (q,k,v → qkv; gate,up → gate_up), cast, pack.
 
-The runtime's own module, built on the meta device, is the list of what the artifact must hold
-(names, shapes, dtypes): the compiler writes exactly that, in that order, one layer at a time.
+The runtime's own module, built on the meta device (per rank), is the list of what the artifact must
+hold (names, shapes, dtypes): the compiler writes exactly that, in that order, one layer at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from llmc.compiler.hf_checkpoint import TensorReader
-from llmc.quant.formats import DenseFormat, make_format
+from llmc.quant.formats import QuantizedWeight, make_format
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderModel
 from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.parallel.layout import RankLayout
+
+
+# A linear's weight before packing: float [out_features, in_features] (the dense format), or quantized.
+UnpackedLinear = Tensor | QuantizedWeight
 
 
 @dataclass
 class LayerWeights:
-    """One decoder layer in runtime names, unfused-free: linears already concatenated, float tensors."""
+    """One decoder layer in runtime names: q/k/v and gate/up already concatenated on the output dim.
+
+    As read from the checkpoint every linear is a float tensor; a packer hands the layer back with
+    each linear either still float (dense format) or a QuantizedWeight, ready to be sharded and packed.
+    """
 
     index: int
-    linears: dict[str, Tensor]  # "attn.qkv" → [out_features, in_features]
+    linears: dict[str, UnpackedLinear]  # "attn.qkv" → [out_features, in_features]
     biases: dict[str, Tensor]  # "attn.qkv" → [out_features], only where the model has biases
     norms: dict[str, Tensor]  # "input_norm" → [hidden_size]
 
 
-# Packs one layer: LayerWeights → {runtime tensor name inside the layer: packed tensor}.
-LayerPacker = Callable[[LayerWeights], dict[str, Tensor]]
+# Quantizes one layer: float LayerWeights → LayerWeights whose linears are float or QuantizedWeight.
+LayerPacker = Callable[[LayerWeights], LayerWeights]
+# Quantizes one global module ("embed", "norm", "lm_head") the same way: weight → float or QuantizedWeight.
+GlobalPacker = Callable[[str, Tensor], UnpackedLinear]
 
 
-def artifact_tensor_specs(config: ModelConfig, module_formats: dict[str, dict]) -> list[tuple[str, torch.dtype, tuple]]:
-    """(name, dtype, shape) of every tensor the runtime will load, in the runtime module's order."""
-    model = meta_model(config, module_formats)
+def artifact_tensor_specs(config: ModelConfig, module_formats: dict[str, dict],
+                          layout: RankLayout | None = None) -> list[tuple[str, torch.dtype, tuple]]:
+    """(name, dtype, shape) of every tensor the runtime will load (on `layout`'s rank), in the runtime module's order."""
+    model = meta_model(config, module_formats, layout)
     return [(name, t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
 
 
-def meta_model(config: ModelConfig, module_formats: dict[str, dict]) -> DecoderModel:
+def meta_model(config: ModelConfig, module_formats: dict[str, dict], layout: RankLayout | None = None) -> DecoderModel:
     dtype = getattr(torch, config.dtype)
     formats = {name: make_format(spec, dtype) for name, spec in module_formats.items()}
     with torch.device("meta"):
-        return DecoderModel(config, formats, max_positions=1)
+        return DecoderModel(config, formats, max_positions=1, layout=layout)
 
 
 def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
@@ -62,21 +74,21 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     return LayerWeights(index, linears, biases, norms)
 
 
-def dense_packer(config: ModelConfig, module_formats: dict[str, dict]) -> LayerPacker:
-    """The packer of an unquantized build: every linear in the dense format."""
-    dtype = getattr(torch, config.dtype)
-
-    def pack(layer: LayerWeights) -> dict[str, Tensor]:
-        return pack_layer(layer, {name: DenseFormat(dtype).pack_dense(w) for name, w in layer.linears.items()}, dtype)
-
-    return pack
+def dense_packer(layer: LayerWeights) -> LayerWeights:
+    """The packer of an unquantized build: every linear stays float, packed in the dense format."""
+    return layer
 
 
-def pack_layer(layer: LayerWeights, packed_linears: dict[str, dict[str, Tensor]], dtype: torch.dtype) -> dict[str, Tensor]:
-    """Assemble a layer's runtime tensors from its packed linears, biases and norms."""
+def dense_global_packer(module: str, weight: Tensor) -> Tensor:
+    return weight
+
+
+def pack_layer(layer: LayerWeights, module_formats: dict[str, dict], dtype: torch.dtype) -> dict[str, Tensor]:
+    """A layer's runtime tensors (names inside the layer): each linear packed in its planned format,
+    biases and norms cast to the model dtype."""
     out = {}
-    for name, params in packed_linears.items():
-        for param, tensor in params.items():
+    for name, weight in layer.linears.items():
+        for param, tensor in pack_linear(weight, module_formats[f"layers.{layer.index}.{name}"], dtype).items():
             out[f"{name}.{param}"] = tensor
     for name, bias in layer.biases.items():
         out[f"{name}.bias"] = bias.to(dtype)
@@ -85,31 +97,27 @@ def pack_layer(layer: LayerWeights, packed_linears: dict[str, dict[str, Tensor]]
     return out
 
 
-def iter_artifact_tensors(
-    reader: TensorReader,
-    spec: ModelSpec,
-    config: ModelConfig,
-    specs: list[tuple[str, torch.dtype, tuple]],
-    pack_layer_fn: LayerPacker,
-    pack_global_fn: Callable[[str, Tensor], dict[str, Tensor]],
-) -> Iterator[tuple[str, Tensor]]:
-    """Yield (name, tensor) in the order of `specs`, producing one decoder layer at a time."""
-    pending: dict[str, Tensor] = {}
-    for name, _, _ in specs:
-        if name not in pending:
-            if name.startswith("layers."):
-                index = int(name.split(".")[1])
-                read = getattr(pack_layer_fn, "read_layer", read_layer)
-                layer = pack_layer_fn(read(reader, spec, config, index))
-                pending.update({f"layers.{index}.{k}": v for k, v in layer.items()})
-            else:
-                pending.update(read_global(reader, spec, name, pack_global_fn))
-        yield name, pending.pop(name)
-    if pending:
-        raise RuntimeError(f"produced tensors the runtime does not load: {sorted(pending)[:5]}")
+def pack_linear(weight: UnpackedLinear, fmt_spec: dict, dtype: torch.dtype) -> dict[str, Tensor]:
+    fmt = make_format(fmt_spec, dtype)
+    return fmt.pack(weight) if isinstance(weight, QuantizedWeight) else fmt.pack_dense(weight)
 
 
-def read_global(reader: TensorReader, spec: ModelSpec, name: str, pack_global_fn) -> dict[str, Tensor]:
-    module = name.rsplit(".", 1)[0]  # "lm_head", "embed", "norm"
-    hf_name = spec.global_tensors[f"{module}.weight"]
-    return {f"{module}.{k}": v for k, v in pack_global_fn(module, reader.get(hf_name).float()).items()}
+def pack_global(module: str, weight: UnpackedLinear, module_formats: dict[str, dict], dtype: torch.dtype) -> dict[str, Tensor]:
+    """{runtime tensor name: tensor} of "embed", "norm" or "lm_head"."""
+    if module == "lm_head":
+        return {f"lm_head.{k}": v for k, v in pack_linear(weight, module_formats["lm_head"], dtype).items()}
+    return {f"{module}.weight": weight.to(dtype)}
+
+
+def global_modules(config: ModelConfig) -> list[str]:
+    """The non-layer modules, in the runtime module's order."""
+    return ["embed", "norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
+
+
+def read_global(reader: TensorReader, spec: ModelSpec, module: str, padded_vocab_size: int) -> Tensor:
+    """A global module's float weight; embedding and lm_head rows zero-padded to `padded_vocab_size`."""
+    weight = reader.get(spec.global_tensors[f"{module}.weight"]).float()
+    if module != "norm" and weight.shape[0] < padded_vocab_size:
+        padding = weight.new_zeros(padded_vocab_size - weight.shape[0], weight.shape[1])
+        weight = torch.cat([weight, padding])  # rows no token id reaches; their logits are cut off
+    return weight

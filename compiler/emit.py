@@ -64,10 +64,44 @@ class SafetensorsWriter:
         self._file.write(data.view(torch.uint8).numpy().tobytes())
         self._next += 1
 
+    @property
+    def next_name(self) -> str | None:
+        """The tensor the writer expects next (None once every tensor is written)."""
+        return self.order[self._next] if self._next < len(self.order) else None
+
     def close(self) -> None:
         self._file.close()
         if self._next != len(self.order):
             raise RuntimeError(f"safetensors writer: {len(self.order) - self._next} tensors were never written")
+
+
+class ShardedWriter:
+    """One SafetensorsWriter per rank, all open at once. Tensors may arrive for a rank in any order
+    within a unit (a layer, a global module): each is held until every tensor before it in the
+    rank's file is written, so at most about one unit per rank is in memory."""
+
+    def __init__(self, paths: list[Path], rank_specs: list[list[tuple[str, torch.dtype, tuple[int, ...]]]],
+                 metadata: dict | None = None):
+        self.writers = [SafetensorsWriter(path, specs, metadata) for path, specs in zip(paths, rank_specs, strict=True)]
+        self.pending: list[dict[str, torch.Tensor]] = [{} for _ in self.writers]
+
+    def write(self, rank: int, tensors: dict[str, torch.Tensor]) -> int:
+        """Queue a rank's tensors and write what is next in its file; returns how many were written."""
+        writer, pending = self.writers[rank], self.pending[rank]
+        pending.update(tensors)
+        num_written = 0
+        while writer.next_name in pending:
+            name = writer.next_name
+            writer.write(name, pending.pop(name))
+            num_written += 1
+        return num_written
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+        for rank, pending in enumerate(self.pending):
+            if pending:
+                raise RuntimeError(f"rank {rank}: produced tensors the runtime does not load: {sorted(pending)[:5]}")
 
 
 def _num_elements(shape) -> int:

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from llmc.compiler.convert import LayerWeights, pack_layer, read_layer
+from llmc.compiler.convert import LayerWeights, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.errors import CheckpointError
-from llmc.quant.formats import DenseFormat, make_format
+from llmc.quant.formats import DenseFormat
 from llmc.quant.import_config import ImportSpec, parse_quantization_config
 from llmc.quant.importers import concat_out, unpack_module
 from llmc.runtime.artifact import ModelConfig
@@ -44,7 +44,7 @@ def import_formats(hf_config: dict, spec: ModelSpec, config: ModelConfig, model_
 
 
 class ImportPacker:
-    """The LayerPacker of an import: unpack each member's tensors, fuse, pack into the planned format."""
+    """The LayerPacker of an import: unpack each member's tensors and fuse them (the writer shards and packs)."""
 
     def __init__(self, hf_config: dict, spec: ModelSpec, config: ModelConfig, formats: dict[str, dict], reader: TensorReader):
         self.ispec = import_spec(hf_config, reader.model_dir)
@@ -58,18 +58,16 @@ class ImportPacker:
         quantized = {n.split(".", 2)[2] for n, f in self.formats.items() if n.startswith(f"layers.{index}.") and f["format"] != "dense"}
         return read_layer(reader, spec, config, index, skip_linears=quantized)
 
-    def __call__(self, layer: LayerWeights) -> dict[str, Tensor]:
-        packed = {}
+    def __call__(self, layer: LayerWeights) -> LayerWeights:
+        linears = {}
         for linear in self.spec.layer_linears:
             fmt_spec = self.formats[f"layers.{layer.index}.{linear.name}"]
-            fmt = make_format(fmt_spec, self.dtype)
             if fmt_spec["format"] == "dense":
-                packed[linear.name] = fmt.pack_dense(layer.linears[linear.name])
+                linears[linear.name] = layer.linears[linear.name]
                 continue
             members = [f"{self.spec.hf_layer_prefix}{layer.index}.{m}" for m in linear.hf_members]
-            weights = [self._unpack(m) for m in members]
-            packed[linear.name] = fmt.pack(concat_out(weights, members))
-        return pack_layer(layer, packed, self.dtype)
+            linears[linear.name] = concat_out([self._unpack(m) for m in members], members)
+        return LayerWeights(layer.index, linears, layer.biases, layer.norms)
 
     def _unpack(self, module: str):
         prefix = module + "."
@@ -85,5 +83,5 @@ class ImportPacker:
                   "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
         return shapes[module.rsplit(".", 1)[1]]
 
-    def pack_global(self, module: str, weight: Tensor) -> dict[str, Tensor]:
-        return {"weight": weight.to(self.dtype)}
+    def pack_global(self, module: str, weight: Tensor) -> Tensor:
+        return weight

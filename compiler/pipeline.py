@@ -1,8 +1,9 @@
 """The layer-by-layer build pipeline: calibration and held-out hidden states carried from layer to layer.
 
 `QuantizingPacker` is the `LayerPacker` of a quantized build: called for layer 0, 1, ... in order
-by `iter_artifact_tensors`, it quantizes the layer (compiler/quantize.py), packs it in its formats,
-and advances the hidden states through it. `report()` then measures, on the held-out windows,
+by the build's weight writer, it quantizes the layer (compiler/quantize.py), hands the quantized
+weights back (the writer shards them per rank, then packs each shard in its format), and advances
+the hidden states through it. `report()` then measures, on the held-out windows,
 the perplexity of the float and the quantized model and how far apart their predictions are.
 """
 
@@ -16,12 +17,11 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.calibration import LayerRunner
-from llmc.compiler.convert import LayerWeights, pack_layer
+from llmc.compiler.convert import LayerWeights, UnpackedLinear
 from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import LayerQuantizer
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.kernels.norm import rms_norm
-from llmc.quant.formats import make_format
 from llmc.quant.reference import dequantize_weight
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec
@@ -45,19 +45,16 @@ class QuantizingPacker:
         self.eval_quant = self.eval_float.clone() if held_out is not None else None
         self.start = time.perf_counter()
 
-    def __call__(self, layer: LayerWeights) -> dict[str, Tensor]:
+    def __call__(self, layer: LayerWeights) -> LayerWeights:
         float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
         quantized = self.quantizer.quantize(layer, self.hidden)
-        packed = {}
+        result = {}
         for name, q in quantized.items():
-            fmt = make_format(self.formats[f"layers.{layer.index}.{name}"], self.dtype)
-            if q is None:
-                packed[name] = fmt.pack_dense(layer.linears[name])
-            else:
-                packed[name] = fmt.pack(q)
+            result[name] = layer.linears[name] if q is None else q  # None: stays dense (AWQ may have rescaled it)
+            if q is not None:
                 layer.linears[name] = dequantize_weight(q)
         self._advance(float_layer, layer)
-        return pack_layer(layer, packed, self.dtype)
+        return LayerWeights(layer.index, result, dict(layer.biases), dict(layer.norms))
 
     def _advance(self, float_layer: LayerWeights, quant_layer: LayerWeights) -> None:
         if self.runner is None:
@@ -69,20 +66,20 @@ class QuantizingPacker:
             self.eval_quant = self.runner.forward(module, self.eval_quant)
             self.eval_float = self.runner.forward(self.runner.build_layer(float_layer), self.eval_float)
 
-    def pack_global(self, module: str, weight: Tensor) -> dict[str, Tensor]:
-        """Embedding and final norm stay dense; lm_head takes its planned format (RTN when quantized)."""
+    def pack_global(self, module: str, weight: Tensor) -> UnpackedLinear:
+        """Embedding and final norm stay dense; lm_head takes its planned format (RTN when quantized).
+        lm_head rows past the vocabulary (padding for vocab-parallel ranks) are zero and stay zero."""
         if module != "lm_head":
-            return {"weight": weight.to(self.dtype)}
+            return weight
         from llmc.compiler.quantize import quantize_rtn
 
         spec = self.formats["lm_head"]
-        fmt = make_format(spec, self.dtype)
         if spec["format"] == "dense":
-            self.lm_head_quant = weight
-            return fmt.pack_dense(weight)
+            self.lm_head_quant = weight[: self.config.vocab_size]
+            return weight
         q = quantize_rtn(weight, spec, self.dtype)
-        self.lm_head_quant = dequantize_weight(q)
-        return fmt.pack(q)
+        self.lm_head_quant = dequantize_weight(q)[: self.config.vocab_size]
+        return q
 
     def report(self) -> dict:
         """Quality on the held-out windows and the cost of the build."""

@@ -110,8 +110,6 @@ def _check(recipe: Recipe) -> None:
         raise RecipeError(f"model: directory {recipe.model!r} does not exist (relative paths start at the current directory)")
     if model.exists() and not model.is_dir():
         raise RecipeError(f"model: {recipe.model!r} is a file; give the checkpoint's directory")
-    if recipe.parallel.tensor != 1 or recipe.parallel.pipeline != 1:
-        raise RecipeError("parallel: tensor and pipeline must be 1 for now (parallel execution is not built yet)")
     quant = recipe.quantization
     data = quant.calibration.data
     if quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static"):

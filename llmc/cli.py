@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import typing
+from pathlib import Path
 
 import click
 
@@ -130,39 +131,62 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.option("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
 @click.option("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1,
+              help="parallel artifacts: hosts sharing the ranks (run this command on each, with its --node-rank)")
+@click.option("--node-rank", type=click.IntRange(min=0), default=0,
+              help="parallel artifacts: this host's index; 0 runs the driver (server, scheduler), others only ranks")
+@click.option("--master-addr", default="127.0.0.1", help="parallel artifacts: address of node 0, where ranks meet")
+@click.option("--master-port", type=click.IntRange(0, 65535), default=0,
+              help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
+@click.option("--data-parallel", type=click.IntRange(min=1), default=1,
+              help="server: independent engine replicas (each with its own ranks), requests to the least loaded")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
-        max_tokens: int, temperature: float, top_p: float,
-        top_k: int, sampling_seed: int | None, device: str | None, **options) -> None:
+        max_tokens: int, temperature: float, top_p: float, top_k: int, sampling_seed: int | None,
+        device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
+        **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
-    an interactive chat (--chat), or a batch file (--input/--output)."""
+    an interactive chat (--chat), or a batch file (--input/--output).
+
+    A tensor/pipeline-parallel artifact starts its ranks as processes on this host, joins the
+    torchrun launch it runs in, or, with --nnodes, shares them with other hosts running the same
+    command with their --node-rank."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
     overrides = {k: v for k, v in options.items() if v is not None}
+    launch = _launch_config(nnodes, node_rank, master_addr, master_port)
+    if launch is not None and launch.node_rank > 0:
+        _run_worker_node(artifact, device, overrides, launch)
+        return
     served_model_name = served_model_name or _default_model_name(artifact)
+    if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
+        raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
+                               "--input and --nnodes")
     if input_path is not None or output_path is not None:
-        _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat)
+        _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch)
         return
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import serve
 
-        serve(_engine_factory(artifact, device, overrides), served_model_name, host=host, port=port,
+        factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
+                     for i in range(data_parallel)]
+        serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting, log_stats=False)  # the engine logs its own statistics
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
-    llm = LLM(artifact, device=device, **overrides)
-    if prompt is None:
-        _interactive_chat(llm, params)
-        return
-    messages = [{"role": "user", "content": prompt}] if chat else None
-    deltas = llm.stream(prompt if not chat else None, params, messages=messages)
-    if not chat:
-        click.echo(prompt, nl=False)
-    for delta in deltas:
-        click.echo(delta, nl=False)
-    click.echo()
+    with LLM(artifact, device=device, launch=launch, **overrides) as llm:
+        if prompt is None:
+            _interactive_chat(llm, params)
+            return
+        messages = [{"role": "user", "content": prompt}] if chat else None
+        deltas = llm.stream(prompt if not chat else None, params, messages=messages)
+        if not chat:
+            click.echo(prompt, nl=False)
+        for delta in deltas:
+            click.echo(delta, nl=False)
+        click.echo()
 
 
 @cli.command(name="eval")
@@ -184,8 +208,13 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
     options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
     engine = Engine(artifact, device=device, **options)
     reference = Engine(compare_with, device=device, **options) if compare_with else None
-    windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
-    result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
+    try:
+        windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
+        result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
+    finally:  # parallel artifacts: stop their worker ranks
+        engine.close()
+        if reference is not None:
+            reference.close()
     if compare_with:
         result["reference"] = compare_with
     if as_json:
@@ -196,31 +225,63 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
 
 
 def _default_model_name(artifact: str) -> str:
-    from pathlib import Path
-
     return Path(artifact).resolve().name
 
 
-def _engine_factory(artifact: str, device: str | None, overrides: dict):
+def _launch_config(nnodes: int, node_rank: int, master_addr: str, master_port: int):
+    """A LaunchConfig when the flags ask for several hosts or a fixed port; else None (this host, or
+    the torchrun launch this process runs in)."""
+    if nnodes == 1 and node_rank == 0 and not master_port:
+        return None
+    from llmc.runtime.parallel.launcher import LaunchConfig
+
+    return LaunchConfig(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port)
+
+
+def _run_worker_node(artifact: str, device: str | None, overrides: dict, launch) -> None:
+    from llmc.runtime.artifact import read_manifest
+    from llmc.runtime.options import resolve_device, resolve_options
+    from llmc.runtime.parallel.driver import run_node
+
+    options = resolve_options(read_manifest(artifact), overrides)
+    logger.info("node %d of %d: serving ranks of %s for the driver at %s:%d",
+                launch.node_rank, launch.nnodes, artifact, launch.master_addr, launch.master_port)
+    run_node(Path(artifact), options, resolve_device(device), launch)
+
+
+def _replica_device(artifact: str, device: str | None, index: int) -> str | None:
+    """Data-parallel replica `index` on GPUs takes the next GPUs: [index × ranks, (index + 1) × ranks)."""
+    import torch
+
+    if index == 0 or not (device or "cuda").startswith("cuda") or not torch.cuda.is_available():
+        return device
+    from llmc.runtime.artifact import read_manifest
+
+    first = torch.device(device or "cuda").index or 0
+    return f"cuda:{first + index * read_manifest(artifact).parallel.world_size}"
+
+
+def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=None):
     """Builds the Engine where it is called: on the server's engine thread."""
 
     def make_engine():
         from llmc.runtime.engine import Engine
 
-        return Engine(artifact, device=device, **overrides)
+        return Engine(artifact, device=device, launch=launch, **overrides)
 
     return make_engine
 
 
 def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
-                    output_path: str | None, served_model_name: str, prompt: str | None, chat: bool) -> None:
+                    output_path: str | None, served_model_name: str, prompt: str | None, chat: bool,
+                    launch=None) -> None:
     from llmc.runtime.server.batch import run_batch
 
     if input_path is None or output_path is None:
         raise click.UsageError("--input and --output go together: give both")
     if prompt is not None or chat:
         raise click.UsageError("--input/--output run a batch file; leave out --prompt and --chat")
-    summary = run_batch(_engine_factory(artifact, device, overrides), input_path, output_path, served_model_name)
+    summary = run_batch(_engine_factory(artifact, device, overrides, launch), input_path, output_path, served_model_name)
     logger.info("%d request(s), %d failed; results in %s", summary.num_requests, summary.num_failed, summary.output_path)
 
 

@@ -9,6 +9,7 @@ import click
 
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.parallel.layout import all_rank_layouts
 
 COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"))
 
@@ -36,11 +37,9 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
     model, runtime = manifest.model, manifest.runtime
     weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
     gib = gpu_memory_gib or manifest.plan.memory.get("target_gpu_memory_gib", 80.0)
-    estimate = memory.estimate(
-        model, max(manifest.plan.weight_bytes_per_rank), manifest.kv.bytes_per_token, runtime.block_size,
-        int(gib * memory.GIB), runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
-        runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager,
-    )
+    estimates = memory.estimate_per_rank(model, manifest.parallel, manifest.plan.weight_bytes_per_rank,
+                                         manifest.kv.dtype, runtime, int(gib * memory.GIB))
+    estimate = min(estimates, key=lambda e: e.num_kv_tokens)  # every rank holds the same blocks
     formats = defaultdict(int)
     for spec in manifest.quant.modules.values():
         formats[_format_label(spec)] += 1
@@ -53,6 +52,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "quantization": {"method": manifest.quant.method, "formats": dict(formats), "modules": manifest.quant.modules,
                          "report": manifest.quant.report},
         "parallel": manifest.parallel.__dict__,
+        "ranks": _rank_rows(manifest, estimates),
         "weight_bytes": weight_bytes,
         "dense_bf16_bytes": 2 * model.num_parameters,
         "bytes_by_component": bytes_by_component(artifact_dir, manifest),
@@ -62,6 +62,19 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
         "num_files": len(manifest.files),
     }
+
+
+def _rank_rows(manifest: art.Manifest, estimates: list[memory.MemoryEstimate]) -> list[dict]:
+    """Per rank: what it holds, its weight bytes, its KV bytes per token and KV capacity on the GPU."""
+    rows = []
+    for layout, est in zip(all_rank_layouts(manifest.model, manifest.parallel), estimates, strict=True):
+        rows.append({
+            "rank": layout.rank, "pipeline_stage": layout.pp_rank, "tensor_rank": layout.tp_rank,
+            "layers": list(layout.layers), "num_heads": layout.num_heads, "num_kv_heads": layout.num_kv_heads,
+            "weight_bytes": est.weight_bytes, "kv_bytes_per_token": est.kv_bytes_per_token,
+            "num_kv_tokens": est.num_kv_tokens,
+        })
+    return rows
 
 
 def _format_label(spec: dict) -> str:
@@ -103,7 +116,8 @@ def print_inspect(report: dict) -> None:
         ("saved", _saved_line(report)),
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
-        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}), blocks of {kv['block_size']} tokens"),
+        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{', all ranks' if len(report['ranks']) > 1 else ''}), "
+                     f"blocks of {kv['block_size']} tokens"),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
                     f"{'on' if rt['enable_prefix_caching'] else 'off'}, cuda graphs {'off' if rt['enforce_eager'] else 'on'}"),
@@ -111,6 +125,16 @@ def print_inspect(report: dict) -> None:
     ]
     for module, spec in _format_runs(report["quantization"]["modules"]):
         rows.append((f"  {module}", _format_label(spec)))
+    par = report["parallel"]
+    if par["tensor"] * par["pipeline"] > 1:
+        rows.append(("parallel", f"tensor {par['tensor']} × pipeline {par['pipeline']}: "
+                                 f"{par['tensor'] * par['pipeline']} ranks, rank = stage × {par['tensor']} + tensor rank"))
+        for r in report["ranks"]:
+            layers = r["layers"]
+            rows.append((f"  rank {r['rank']}", f"stage {r['pipeline_stage']}, tensor rank {r['tensor_rank']}: "
+                         f"layers {layers[0]}-{layers[-1]}, heads {r['num_heads']} (kv {r['num_kv_heads']}), "
+                         f"weights {_fmt_bytes(r['weight_bytes'])}, KV {r['kv_bytes_per_token']} bytes/token, "
+                         f"{r['num_kv_tokens']:,} KV tokens on {est['gpu_memory_gib']:g} GiB"))
     for key, value in report["quantization"].get("report", {}).items():
         rows.append((f"quality: {key}", str(value)))
     if "verify" in report:

@@ -30,3 +30,7 @@ class RequestError(LlmcError):
 
 class ConfigError(LlmcError):
     """A runtime option is invalid or the configuration cannot run (e.g. the KV cache does not fit)."""
+
+
+class WorkerError(LlmcError):
+    """A rank of a parallel engine died, could not start, or stopped answering; the engine is down."""

@@ -80,11 +80,26 @@ class QuantInfo:
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """How the model is split: tensor parallel size, pipeline parallel size, layers per stage."""
+    """How the model is split: tensor parallel size, pipeline parallel size, layers per stage.
+
+    Rank r = pipeline_rank * tensor + tensor_rank holds `rank-{r:02d}/weights.safetensors`: the
+    layers of its stage, and of each of them its tensor rank's share (runtime/parallel/layout.py).
+    The per-rank sizes are recorded for `llmc inspect`; the runtime derives them from the model
+    and (tensor, stage_layers) with the same function the compiler used. None: an artifact
+    built before parallel builds existed (tensor 1).
+    """
 
     tensor: int = 1
     pipeline: int = 1
     stage_layers: list[list[int]] = field(default_factory=list)  # stage → decoder layer indices
+    num_heads_per_rank: int | None = None  # query heads per tensor rank
+    num_kv_heads_per_rank: int | None = None  # KV heads per tensor rank (replicated when tensor > num_kv_heads)
+    intermediate_size_per_rank: int | None = None  # MLP columns per tensor rank
+    vocab_size_per_rank: int | None = None  # embedding / lm_head rows per tensor rank (vocab padded to a multiple of tensor)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
 
 
 @dataclass(frozen=True)

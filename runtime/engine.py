@@ -15,9 +15,10 @@ import torch
 
 from llmc.errors import RequestError
 from llmc.runtime import artifact as art
-from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.options import resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.parallel.driver import make_model_runner
+from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.sampler import Sampler, SamplingMetadata
@@ -31,14 +32,19 @@ logger = logging.getLogger("llmc")
 
 
 class Engine:
-    def __init__(self, artifact_dir: str | Path, device: str | None = None, **options):
+    """`launch`: where the ranks of a tensor/pipeline-parallel artifact run (default: all on this
+    host, or the torchrun launch this process belongs to). `close()` stops them."""
+
+    def __init__(self, artifact_dir: str | Path, device: str | None = None, launch: LaunchConfig | None = None,
+                 **options):
         self.artifact_dir = Path(artifact_dir)
         self.manifest = art.read_manifest(self.artifact_dir)
         self.options = resolve_options(self.manifest, options)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(self.artifact_dir / art.TOKENIZER_DIR)
         self.eos_token_ids = list(self.manifest.model.eos_token_ids)
-        self.runner = ModelRunner(self.artifact_dir, self.manifest, self.options, self.device)
+        self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
+        self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=self.options.max_num_seqs,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
@@ -112,6 +118,10 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def close(self) -> None:
+        """Stop the worker ranks of a parallel engine and destroy its process groups (idempotent)."""
+        self.runner.close()
 
     # ---- the step -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from llmc.errors import RequestError
 from llmc.runtime.engine import Engine
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template
 
@@ -18,10 +19,31 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """Load an artifact and generate. Keyword options are the recipe's `runtime` names
-    (max_model_len, max_num_seqs, max_num_batched_tokens, num_kv_blocks, ...); `device` picks cpu/cuda."""
+    (max_model_len, max_num_seqs, max_num_batched_tokens, num_kv_blocks, ...); `device` picks cpu/cuda.
 
-    def __init__(self, artifact: str | Path, device: str | None = None, **options):
-        self.engine = Engine(artifact, device=device, **options)
+    A tensor/pipeline-parallel artifact starts its other ranks as processes on this host (or joins
+    the torchrun launch this process is part of; `launch` for several hosts). Call `close()` or use
+    `with LLM(...) as llm:` to stop them; they are also stopped when the LLM is garbage-collected
+    and at interpreter exit.
+    """
+
+    def __init__(self, artifact: str | Path, device: str | None = None, launch: LaunchConfig | None = None, **options):
+        self.engine = Engine(artifact, device=device, launch=launch, **options)
+
+    def close(self) -> None:
+        """Stop the worker ranks and destroy the process groups (idempotent; nothing on one rank)."""
+        engine = getattr(self, "engine", None)  # absent if __init__ failed
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -12,6 +12,7 @@ from llmc.errors import ArtifactError
 from llmc.quant.formats import make_format
 from llmc.runtime import artifact as art
 from llmc.runtime.models.decoder import DecoderModel
+from llmc.runtime.parallel.layout import RankLayout
 
 
 def compute_dtype(manifest: art.Manifest, device: torch.device) -> torch.dtype:
@@ -19,8 +20,10 @@ def compute_dtype(manifest: art.Manifest, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else getattr(torch, manifest.model.dtype)
 
 
-def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device, max_positions: int) -> DecoderModel:
-    """Create the module on the meta device, then fill every buffer from rank 0's weights file.
+def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device, max_positions: int,
+                layout: RankLayout | None = None, tp_group=None) -> DecoderModel:
+    """Create the module on the meta device, then fill every buffer from the rank's weights file
+    (rank 0, the whole model, without a layout).
 
     Floating tensors stored in the artifact's dtype are cast to the compute dtype as they load.
     """
@@ -28,9 +31,9 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
     config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))
     formats = {name: make_format(spec, dtype) for name, spec in manifest.quant.modules.items()}
     with torch.device("meta"):
-        model = DecoderModel(config, formats, max_positions)
+        model = DecoderModel(config, formats, max_positions, layout, tp_group)
     model.cos_sin = _rope_table(manifest, max_positions, device)
-    rel = art.rank_weights_path(0)
+    rel = art.rank_weights_path(layout.rank if layout is not None else 0)
     art.check_sizes(artifact_dir, manifest, [rel])
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
     return model.eval()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from llmc.runtime.artifact import ModelConfig, dtype_num_bytes
+from llmc.runtime.artifact import ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes
+from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
 GRAPH_POOL_BYTES = 256 << 20  # what captured decode graphs typically keep (measured per bucket set)
@@ -78,6 +79,20 @@ def estimate(
         num_kv_tokens=num_tokens,
         max_concurrent_seqs=num_tokens / max_model_len,
     )
+
+
+def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,
+                      runtime: RuntimeDefaults, total_bytes: int) -> list[MemoryEstimate]:
+    """The estimate of every rank: its weights, and KV for its heads of its layers. The rank with the
+    fewest KV tokens bounds the engine (every rank holds the same blocks)."""
+    return [
+        estimate(
+            model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
+            runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
+            runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager,
+        )
+        for layout in all_rank_layouts(model, parallel)
+    ]
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:

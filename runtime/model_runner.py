@@ -18,6 +18,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import build_model, compute_dtype
+from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.scheduler import ScheduledBatch
 
 logger = logging.getLogger("llmc")
@@ -26,51 +27,16 @@ logger = logging.getLogger("llmc")
 class ModelRunner:
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
         self.device = device
+        self.batch_device = device  # where prepare() builds the step's tensors
         self.block_size = options.block_size
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
-        self.kv_spec = manifest.kv
-        self.manifest = manifest
-        self.num_blocks = self._num_kv_blocks(manifest, options)
-        self.kv_caches = self._allocate_kv_caches()
+        layout = whole_model_layout(manifest.model)
+        self.num_blocks = check_num_kv_blocks(local_num_kv_blocks(manifest, layout, options, device), options)
+        self.kv_caches = allocate_kv_caches(manifest, layout, self.num_blocks, options.block_size, device)
         self.model.bind_kv_caches(self.kv_caches)
 
-    def _num_kv_blocks(self, manifest: art.Manifest, options: art.RuntimeDefaults) -> int:
-        elt = compute_dtype(manifest, self.device).itemsize
-        bytes_per_block = self.kv_spec.bytes_per_token // art.dtype_num_bytes(self.kv_spec.dtype) * elt * self.block_size
-        if options.num_kv_blocks is not None:
-            num_blocks = options.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._num_gpu_blocks(manifest, options, bytes_per_block)
-        else:
-            num_blocks = int(options.cpu_kv_cache_gib * memory.GIB) // bytes_per_block
-        max_seq_blocks = -(-options.max_model_len // self.block_size)
-        if num_blocks < max_seq_blocks:
-            raise ConfigError(
-                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len "
-                f"{options.max_model_len}; lower max_model_len or raise num_kv_blocks / cpu_kv_cache_gib / "
-                "gpu_memory_utilization"
-            )
-        logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len)",
-                    num_blocks, self.block_size, num_blocks / max_seq_blocks)
-        return num_blocks
-
-    def _num_gpu_blocks(self, manifest: art.Manifest, options: art.RuntimeDefaults, bytes_per_block: int) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = total * options.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(self.device)
-        activations = memory.activation_peak_bytes(
-            manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
-        )
-        return max(0, int(budget - activations - memory.GRAPH_POOL_BYTES)) // bytes_per_block
-
-    def _allocate_kv_caches(self) -> list[tuple[Tensor, Tensor]]:
-        spec = self.kv_spec
-        shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        dtype = compute_dtype(self.manifest, self.device)
-        return [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(spec.num_layers)
-        ]
+    def close(self) -> None:
+        """Nothing to release on a single rank (a parallel runner stops its workers here)."""
 
     def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, ForwardBatch, dict[str, tuple[int, int]]]:
         """Flatten the scheduled chunks: token ids [num_tokens], their ForwardBatch, and for requests
@@ -82,7 +48,7 @@ class ModelRunner:
         input_ids, positions, slots, context_lens, query_lens = [], [], [], [], []
         sample_indices, prompt_indices, prompt_spans = [], [], {}
         max_num_blocks = max(len(s.request.block_ids) for s in batch.requests)
-        block_tables = torch.zeros((len(batch.requests), max_num_blocks), dtype=torch.int32)
+        block_tables = torch.zeros((len(batch.requests), max_num_blocks), dtype=torch.int32)  # on the CPU
         for row, scheduled in enumerate(batch.requests):
             request = scheduled.request
             start, num_new = request.num_computed_tokens, scheduled.num_new_tokens
@@ -103,11 +69,11 @@ class ModelRunner:
                 if end > start:
                     prompt_spans[request.request_id] = (start, end - start)
                     prompt_indices.extend(range(offset, offset + end - start))
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)  # noqa: E731
+        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.batch_device)  # noqa: E731
         forward_batch = ForwardBatch(
             positions=as_long(positions),
             slot_mapping=as_long(slots),
-            block_tables=block_tables.to(self.device),
+            block_tables=block_tables.to(self.batch_device),
             context_lens=context_lens,
             query_lens=query_lens,
             logits_indices=as_long(sample_indices + prompt_indices),
@@ -118,34 +84,88 @@ class ModelRunner:
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled
         in chunks of chunk_size tokens into the given blocks."""
-        block_table = torch.tensor([block_ids], dtype=torch.int32, device=self.device)
+        device = self.batch_device
+        block_table = torch.tensor([block_ids], dtype=torch.int32, device=device)
         logits = []
         for start in range(0, len(token_ids), chunk_size):
             end = min(start + chunk_size, len(token_ids))
-            positions = torch.arange(start, end, device=self.device)
-            blocks = torch.tensor(block_ids, device=self.device)[positions // self.block_size]
+            positions = torch.arange(start, end, device=device)
+            blocks = torch.tensor(block_ids, device=device)[positions // self.block_size]
             forward_batch = ForwardBatch(
                 positions=positions,
                 slot_mapping=blocks * self.block_size + positions % self.block_size,
                 block_tables=block_table,
                 context_lens=[end],
                 query_lens=[end - start],
-                logits_indices=torch.arange(end - start, device=self.device),
+                logits_indices=torch.arange(end - start, device=device),
             )
-            input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=self.device)
-            logits.append(self.model.compute_logits(self.model(input_ids, forward_batch)))
+            input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
+            logits.append(self.forward_logits(input_ids, forward_batch))
         return torch.cat(logits)
+
+    def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
+        """One forward pass: logits [num_logits, vocab_size] float32 at forward_batch.logits_indices."""
+        hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[forward_batch.logits_indices])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
         """Run one step. Returns logits [num_sampled, vocab_size] float32 for the chunks that end their
         sequence (1 + number of drafts rows each), and {request_id: (first position, logits [n, vocab_size])} for prompt logprobs."""
         input_ids, forward_batch, prompt_spans = self.prepare(batch)
-        hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
-        logits = self.model.compute_logits(hidden[forward_batch.logits_indices])  # [num_rows, vocab_size]
+        logits = self.forward_logits(input_ids, forward_batch)  # [num_rows, vocab_size]
         num_sampled = sum(1 + len(s.draft_token_ids) for s in batch.requests if s.is_last_chunk)
         prompt_logits, row = {}, num_sampled
         for request_id, (first_position, num_rows) in prompt_spans.items():
             prompt_logits[request_id] = (first_position, logits[row : row + num_rows])
             row += num_rows
         return logits[:num_sampled], prompt_logits
+
+
+# ---- the KV cache of one rank ------------------------------------------------------------------------
+
+
+def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device) -> int:
+    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest."""
+    elt = compute_dtype(manifest, device).itemsize
+    bytes_per_block = kv_bytes_per_token(manifest.model, layout, elt) * options.block_size
+    if options.num_kv_blocks is not None:
+        return options.num_kv_blocks
+    if device.type == "cuda":
+        return _num_gpu_blocks(manifest, options, device, bytes_per_block)
+    return int(options.cpu_kv_cache_gib * memory.GIB) // bytes_per_block
+
+
+def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults) -> int:
+    """`num_blocks`, if one sequence of max_model_len fits; else a ConfigError saying what to change."""
+    max_seq_blocks = -(-options.max_model_len // options.block_size)
+    if num_blocks < max_seq_blocks:
+        raise ConfigError(
+            f"the KV cache holds {num_blocks * options.block_size} tokens, fewer than max_model_len "
+            f"{options.max_model_len}; lower max_model_len or raise num_kv_blocks / cpu_kv_cache_gib / "
+            "gpu_memory_utilization"
+        )
+    logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len)",
+                num_blocks, options.block_size, num_blocks / max_seq_blocks)
+    return num_blocks
+
+
+def _num_gpu_blocks(manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device, bytes_per_block: int) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_allocated(device)
+    budget = total * options.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(device)
+    activations = memory.activation_peak_bytes(
+        manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
+    )
+    return max(0, int(budget - activations - memory.GRAPH_POOL_BYTES)) // bytes_per_block
+
+
+def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,
+                       device: torch.device) -> list[tuple[Tensor, Tensor]]:
+    """(K, V) per layer of the rank, each [num_blocks, block_size, num_kv_heads of the rank, head_dim]."""
+    shape = (num_blocks, block_size, layout.num_kv_heads, manifest.model.head_dim)
+    dtype = compute_dtype(manifest, device)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in layout.layers
+    ]

@@ -3,6 +3,11 @@
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm), so one module
 serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
 so loading is a strict comparison of names, shapes and dtypes.
+
+Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
+layers (keeping their global names), heads, MLP columns and vocabulary rows; `tp_group` all-reduces
+the row-parallel outputs (o, down) and the vocab-parallel embedding. Without a layout it is the
+whole model and no collective runs.
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
+                 layout: RankLayout | None = None, tp_group=None):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        layout = layout or whole_model_layout(config)
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_window
@@ -37,6 +45,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.kv_cache: tuple[Tensor, Tensor] | None = None  # bound by the model runner after allocation
+        self.tp_group = tp_group  # all-reduces o's partial sums; None on a single rank
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor) -> Tensor:
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
@@ -52,27 +61,32 @@ class Attention(nn.Module):
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
             self.scale, self.sliding_window,
         )  # [num_tokens, num_heads, head_dim]
-        return self.o(out.flatten(1))
+        out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
+                 layout: RankLayout | None = None, tp_group=None):
         super().__init__()
-        size = config.intermediate_size
+        size = (layout or whole_model_layout(config)).intermediate_size
         self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
+        self.tp_group = tp_group
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
+        out = self.down(silu_and_mul(self.gate_up(x)))  # [num_tokens, hidden_size], partial under TP
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype,
+                 layout: RankLayout | None = None, tp_group=None):
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype)
+        self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype, layout, tp_group)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype)
+        self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
 
     def forward(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch, cos_sin: Tensor):
         if residual is None:
@@ -85,37 +99,66 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """embed → layers → norm → lm_head. `formats` maps each linear's runtime name to its LinearFormat."""
+    """embed → layers → norm → lm_head. `formats` maps each linear's runtime name to its LinearFormat.
 
-    def __init__(self, config: ModelConfig, formats: dict, max_positions: int):
+    With a `layout`, only that rank's share (see runtime/parallel/layout.py); `layers` is keyed by
+    the global layer index, so tensor names stay `layers.{i}.…` on every rank.
+    """
+
+    def __init__(self, config: ModelConfig, formats: dict, max_positions: int,
+                 layout: RankLayout | None = None, tp_group=None):
         super().__init__()
         dtype = getattr(torch, config.dtype)
         self.config = config
-        self.embed = nn.Module()
-        self.embed.register_buffer("weight", torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device="meta"))
-        self.layers = nn.ModuleList(DecoderLayer(config, formats, i, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.layout = layout or whole_model_layout(config)
+        self.tp_group = tp_group
+        if self.layout.has_embed:
+            self.embed = nn.Module()
+            self.embed.register_buffer("weight", torch.empty(self.layout.vocab_size, config.hidden_size, dtype=dtype, device="meta"))
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(config, formats, i, dtype, layout, tp_group) for i in self.layout.layers}
+        )
         self.is_tied = config.tie_word_embeddings
-        if not self.is_tied:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, formats["lm_head"], False, dtype)
+        if self.layout.has_head:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            if not self.is_tied:
+                self.lm_head = Linear(config.hidden_size, self.layout.vocab_size, formats["lm_head"], False, dtype)
         rope = cos_sin_cache(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.register_buffer("cos_sin", rope, persistent=False)
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
-        x = self.embed.weight[input_ids]  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
+        x, residual = self.run_layers(self.embed_tokens(input_ids), None, batch)
+        return self.final_norm(x, residual)
+
+    def embed_tokens(self, input_ids: Tensor) -> Tensor:
+        """input_ids [num_tokens] → [num_tokens, hidden_size]. Vocab-parallel: each rank looks up the
+        ids in its rows, zeros the others, and the all-reduce sums the one non-zero row per token."""
+        if self.tp_group is None:
+            return self.embed.weight[input_ids]
+        local = input_ids - self.layout.vocab_start
+        is_mine = (local >= 0) & (local < self.layout.vocab_size)  # [num_tokens]
+        x = self.embed.weight[local.clamp(0, self.layout.vocab_size - 1)]
+        return self.tp_group.all_reduce(x.masked_fill(~is_mine.unsqueeze(-1), 0))
+
+    def run_layers(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
+        """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each."""
+        for layer in self.layers.values():
             x, residual = layer(x, residual, batch, self.cos_sin)
+        return x, residual
+
+    def final_norm(self, x: Tensor, residual: Tensor) -> Tensor:
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [num_logits, hidden_size] → logits [num_logits, vocab_size] float32."""
+        """hidden [num_logits, hidden_size] → logits [num_logits, vocab_size] float32 (this rank's
+        vocabulary rows under tensor parallelism)."""
         if self.is_tied:
             return torch.nn.functional.linear(hidden, self.embed.weight).float()
         return self.lm_head(hidden).float()
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]]) -> None:
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        """One (K, V) per layer of this rank, in layer order."""
+        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
             layer.attn.kv_cache = kv_cache

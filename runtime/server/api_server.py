@@ -30,6 +30,7 @@ import llmc
 from llmc.runtime.server.engine_loop import EngineLoop
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
+from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 from llmc.runtime.server.serving import ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
@@ -41,12 +42,17 @@ logger = logging.getLogger("llmc")
 GRACEFUL_SHUTDOWN_S = 30
 
 
-def build_app(engine_factory: Callable[[], object], served_model_name: str, *, api_key: str | None = None,
-              max_waiting: int | None = None, log_stats: bool = True,
-              on_startup_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts."""
+def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
+              api_key: str | None = None, max_waiting: int | None = None, log_stats: bool = True,
+              on_startup_failure: Callable[[BaseException], None] | None = None,
+              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
+    a list of factories builds one replica each (data parallelism, requests to the least loaded).
+    `on_fatal` is told when an engine can never step again (a rank of a parallel engine died)."""
     metrics = ServerMetrics(served_model_name)
-    engine_loop = EngineLoop(engine_factory, observer=metrics)
+    factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
+    loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
+    engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting)
 
@@ -213,10 +219,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
 
-def serve(engine_factory: Callable[[], object], served_model_name: str, *, host: str = "127.0.0.1",
+def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
           log_stats: bool = True) -> None:
-    """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start."""
+    """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
+    for good (a rank of a parallel engine died)."""
     import uvicorn
 
     startup_errors: list[BaseException] = []
@@ -226,7 +233,8 @@ def serve(engine_factory: Callable[[], object], served_model_name: str, *, host:
         server.should_exit = True
 
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
-                    log_stats=log_stats, on_startup_failure=on_startup_failure)
+                    log_stats=log_stats, on_startup_failure=on_startup_failure,
+                    on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = uvicorn.Server(config)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from llmc.errors import WorkerError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -74,9 +75,11 @@ class EngineLoop:
     """Owns the engine thread. `start()` returns at once; the engine loads on its thread
     (`is_ready`/`wait_ready()` tell when), so a server can answer 503 while it loads."""
 
-    def __init__(self, engine_factory: Callable[[], Any], observer: StepObserver | None = None):
+    def __init__(self, engine_factory: Callable[[], Any], observer: StepObserver | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self._engine_factory = engine_factory
         self._observer = observer
+        self._on_fatal = on_fatal  # told, on the engine thread, when the engine can never step again
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -174,6 +177,9 @@ class EngineLoop:
             if engine.has_unfinished_requests():
                 self._step(engine)
         self._abort_all(engine, EngineStopped("the server is shutting down"))
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()  # a parallel engine's worker ranks and process groups
 
     def _run_commands(self, engine, block: bool) -> bool:
         """Run the queued commands (waiting for one if `block`); False once told to stop."""
@@ -195,6 +201,13 @@ class EngineLoop:
         step_start = time.monotonic()
         try:
             outputs = engine.step()
+        except WorkerError as e:  # a rank of a parallel engine is gone: nothing can run any more
+            logger.error("%s; aborting %d running request(s)", e, len(self._streams))
+            self.failure = e
+            if self._on_fatal is not None:  # first: a handler woken by the abort may look for it
+                self._on_fatal(e)
+            self._abort_all(engine, e)
+            return
         except Exception as e:  # noqa: BLE001 - an engine bug: fail the running requests, keep serving
             logger.exception("engine step failed; aborting %d running request(s)", len(self._streams))
             self.failure = e

@@ -40,7 +40,7 @@ def test_defaults():
         ({"model": MODEL, "dtype": "int8"}, ["dtype", "choose one of", "bfloat16"]),
         ({"model": MODEL, "quantization": {"method": "magic"}}, ["quantization.method", "gptq"]),
         ({"model": MODEL, "quantization": {"bits": 5}}, ["quantization.bits", "3, 4, 8"]),
-        ({"model": MODEL, "parallel": {"tensor": 2}}, ["parallel", "must be 1"]),
+        ({"model": MODEL, "parallel": {"tensor": 0}}, ["parallel.tensor", "at least 1"]),
         ({"model": "no/such/dir/here"}, ["model", "does not exist"]),
         ({"model": MODEL, "runtime": [1, 2]}, ["runtime", "mapping"]),
         ({"dtype": "float32"}, ["model", "required"]),

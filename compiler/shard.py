@@ -1,0 +1,221 @@
+"""Tensor and pipeline sharding at build time: the plan, and each rank's slice of every weight.
+
+The plan (`plan_parallel`) checks that the model splits — the tensor size divides the attention
+heads, the KV heads (or is a multiple of them: KV heads are then replicated), the MLP width, and
+every row-parallel linear's quantization groups — and splits the layers into pipeline stages of
+balanced bytes. What each rank holds is `runtime/parallel/layout.py`'s `RankLayout`, the same
+function the runtime builds its module from.
+
+Slicing happens on the unpacked weights (float, or `QuantizedWeight` levels and scales) after
+quantization and before packing: quantizing the whole weight first keeps a T-rank build's numbers
+identical to the 1-rank build's, and packing each slice on its own gives every rank well-formed
+tensors. Fused linears are sliced member by member (q, k, v; gate, up) and re-concatenated, so each
+rank's `qkv` is [its q heads; its k heads; its v heads].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from llmc.compiler.convert import LayerWeights, UnpackedLinear
+from llmc.compiler.recipe import ParallelConfig
+from llmc.errors import RecipeError
+from llmc.quant.formats import QuantizedWeight, default_g_idx
+from llmc.runtime.artifact import ModelConfig, ParallelPlan
+from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.parallel.layout import RankLayout, num_kv_heads_per_rank, padded_vocab_size
+
+# ---- the plan -------------------------------------------------------------------------------------
+
+
+def plan_parallel(parallel: ParallelConfig, config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict],
+                  tensor_bytes: list[tuple[str, int]]) -> ParallelPlan:
+    """The parallel plan of a recipe, or a RecipeError saying what does not split and what would.
+
+    `tensor_bytes`: (name, bytes) of every tensor of the unsharded artifact, for balancing stages.
+    """
+    tensor, pipeline = parallel.tensor, parallel.pipeline
+    problems = tensor_split_problems(config, spec, module_formats, tensor)
+    if problems:
+        valid = [t for t in range(1, config.num_heads + 1) if not tensor_split_problems(config, spec, module_formats, t)]
+        raise RecipeError(f"parallel.tensor: {problems[0]}; valid tensor sizes for this model and quantization: "
+                          + ", ".join(map(str, valid)))
+    if pipeline > config.num_layers:
+        raise RecipeError(f"parallel.pipeline: {pipeline} stages for {config.num_layers} layers; "
+                          f"use at most {config.num_layers} (each stage holds at least one layer)")
+    return ParallelPlan(
+        tensor=tensor,
+        pipeline=pipeline,
+        stage_layers=balance_stages(config, tensor_bytes, pipeline),
+        num_heads_per_rank=config.num_heads // tensor,
+        num_kv_heads_per_rank=num_kv_heads_per_rank(config, tensor),
+        intermediate_size_per_rank=config.intermediate_size // tensor,
+        vocab_size_per_rank=padded_vocab_size(config.vocab_size, tensor) // tensor,
+    )
+
+
+def tensor_split_problems(config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict], tensor: int) -> list[str]:
+    """Why `tensor` ranks cannot split this model (empty: they can)."""
+    problems = []
+    if config.num_heads % tensor:
+        problems.append(f"{tensor} does not divide the model's {config.num_heads} attention heads")
+    kv = config.num_kv_heads
+    if (kv >= tensor and kv % tensor) or (kv < tensor and tensor % kv):
+        problems.append(f"{tensor} neither divides the model's {kv} KV heads nor is a multiple of them")
+    if config.intermediate_size % tensor:
+        problems.append(f"{tensor} does not divide the MLP width {config.intermediate_size}")
+    if problems:
+        return problems
+    return _group_problems(config, spec, module_formats, tensor)
+
+
+def _group_problems(config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict], tensor: int) -> list[str]:
+    """Row-parallel linears whose quantization groups a split into `tensor` parts would cut."""
+    if tensor == 1:
+        return []
+    in_features = {"attn.o": config.num_heads * config.head_dim, "mlp.down": config.intermediate_size}
+    problems = []
+    for index in range(config.num_layers):
+        for linear in spec.layer_linears:
+            if linear.parallel != "row":
+                continue
+            module = f"layers.{index}.{linear.name}"
+            fmt = module_formats[module]
+            size, per_rank = in_features[linear.name], in_features[linear.name] // tensor
+            if fmt.get("has_g_idx"):
+                problems.append(f"{tensor} would split {module} (row-parallel), whose act-order groups (g_idx) "
+                                "are not contiguous; only tensor 1 keeps them whole")
+            group_size = fmt.get("group_size", -1)
+            if group_size != -1 and per_rank % group_size:
+                problems.append(
+                    f"{tensor} would cut the quantization groups of {module} (row-parallel): its {size} input "
+                    f"features split into {per_rank} per rank, which group_size {group_size} does not divide"
+                )
+    return problems
+
+
+def balance_stages(config: ModelConfig, tensor_bytes: list[tuple[str, int]], pipeline: int) -> list[list[int]]:
+    """Contiguous runs of layers, one per stage, minimising the largest stage's bytes.
+
+    The first stage also carries the embedding, the last the final norm and lm_head (with tied
+    embeddings, a copy of the embedding as lm_head). Dynamic programming over split points.
+    """
+    num_layers = config.num_layers
+    layer_bytes = [0] * num_layers
+    embed = head = 0
+    for name, num_bytes in tensor_bytes:
+        if name.startswith("layers."):
+            layer_bytes[int(name.split(".")[1])] += num_bytes
+        elif name.startswith("embed."):
+            embed += num_bytes
+        else:
+            head += num_bytes
+    if config.tie_word_embeddings and pipeline > 1:
+        head += embed
+    prefix = [0]
+    for b in layer_bytes:
+        prefix.append(prefix[-1] + b)
+
+    def cost(stage: int, start: int, end: int) -> int:
+        extra = (embed if stage == 0 else 0) + (head if stage == pipeline - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    # best[s][i]: (largest stage bytes, split points) placing layers [0, i) on stages [0, s]
+    best = {(0, i): (cost(0, 0, i), [i]) for i in range(1, num_layers + 1)}
+    for stage in range(1, pipeline):
+        for end in range(stage + 1, num_layers + 1):
+            options = [(max(best[(stage - 1, mid)][0], cost(stage, mid, end)), best[(stage - 1, mid)][1] + [end])
+                       for mid in range(stage, end)]
+            best[(stage, end)] = min(options, key=lambda option: option[0])
+    bounds = [0] + best[(pipeline - 1, num_layers)][1]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(pipeline)]
+
+
+# ---- one rank's slice -----------------------------------------------------------------------------
+
+
+def shard_layer(layer: LayerWeights, layout: RankLayout, config: ModelConfig, spec: ModelSpec) -> LayerWeights:
+    """The rank's slice of one (quantized, unpacked) layer; the layer itself on a single tensor rank."""
+    if layout.tp_size == 1:
+        return layer
+    linears = {}
+    for linear in spec.layer_linears:
+        weight = layer.linears[linear.name]
+        if linear.parallel == "column":
+            linears[linear.name] = take_rows(weight, column_rows(config, layout, linear.name))
+        else:
+            start, end = row_columns(config, layout, linear.name)
+            linears[linear.name] = take_columns(weight, start, end, f"layers.{layer.index}.{linear.name}")
+    biases = {}
+    for name, bias in layer.biases.items():
+        if spec.layer_linear(name).parallel != "column":
+            raise NotImplementedError(f"a bias on row-parallel {name} would be added once per rank")
+        biases[name] = take_rows(bias, column_rows(config, layout, name))
+    return LayerWeights(layer.index, linears, biases, dict(layer.norms))
+
+
+def shard_global(module: str, weight: UnpackedLinear, layout: RankLayout) -> UnpackedLinear:
+    """The rank's rows of the (padded) embedding or lm_head; the final norm whole."""
+    if module == "norm" or layout.tp_size == 1:
+        return weight
+    return take_rows(weight, [(layout.vocab_start, layout.vocab_start + layout.vocab_size)])
+
+
+def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tuple[int, int]]:
+    """Output rows [start, end) of a fused column-parallel linear that the rank holds, member by member."""
+    if name == "attn.qkv":
+        d = config.head_dim
+        q = (layout.head_start * d, (layout.head_start + layout.num_heads) * d)
+        kv = (layout.kv_head_start * d, (layout.kv_head_start + layout.num_kv_heads) * d)
+        k_offset, v_offset = config.num_heads * d, (config.num_heads + config.num_kv_heads) * d
+        return [q, (k_offset + kv[0], k_offset + kv[1]), (v_offset + kv[0], v_offset + kv[1])]
+    if name == "mlp.gate_up":
+        start, end = layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
+        return [(start, end), (config.intermediate_size + start, config.intermediate_size + end)]
+    raise KeyError(f"{name} is not a column-parallel linear")
+
+
+def row_columns(config: ModelConfig, layout: RankLayout, name: str) -> tuple[int, int]:
+    """Input columns [start, end) of a row-parallel linear that the rank holds."""
+    if name == "attn.o":
+        return layout.head_start * config.head_dim, (layout.head_start + layout.num_heads) * config.head_dim
+    if name == "mlp.down":
+        return layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
+    raise KeyError(f"{name} is not a row-parallel linear")
+
+
+def take_rows(weight: UnpackedLinear | Tensor, ranges: list[tuple[int, int]]) -> UnpackedLinear:
+    """Output rows (dim 0) in `ranges`, concatenated: of a float tensor, or of every per-row tensor
+    of a quantized weight (a per-tensor FP8 scale applies to all rows and stays as it is)."""
+    index = torch.cat([torch.arange(start, end) for start, end in ranges])
+    if isinstance(weight, Tensor):
+        return weight.index_select(0, index).contiguous()
+    is_per_row = weight.scales.shape[0] == weight.out_features
+    return QuantizedWeight(
+        qweight=weight.qweight.index_select(0, index).contiguous(),
+        scales=weight.scales.index_select(0, index).contiguous() if is_per_row else weight.scales,
+        zeros=None if weight.zeros is None else weight.zeros.index_select(0, index).contiguous(),
+        bits=weight.bits, group_size=weight.group_size, g_idx=weight.g_idx, input_scale=weight.input_scale,
+    )
+
+
+def take_columns(weight: UnpackedLinear, start: int, end: int, module: str) -> UnpackedLinear:
+    """Input columns [start, end): of a float tensor, or of a quantized weight's levels with the
+    scales (and zeros) of exactly the groups they span — which must not be cut (the plan checks)."""
+    if isinstance(weight, Tensor):
+        return weight[:, start:end].contiguous()
+    group_size = weight.group_size
+    is_per_row = group_size == -1 or weight.qweight.dtype == torch.float8_e4m3fn  # one scale spans every column
+    if weight.g_idx is not None and not torch.equal(
+            weight.g_idx.to(torch.int32), default_g_idx(weight.in_features, group_size, weight.g_idx.device)):
+        raise RecipeError(f"{module}: act-order groups (g_idx) cannot be split row-parallel; build with parallel.tensor: 1")
+    if not is_per_row and (start % group_size or end % group_size):
+        raise RecipeError(f"{module}: columns [{start}, {end}) cut its quantization groups of {group_size}")
+    groups = slice(None) if is_per_row else slice(start // group_size, end // group_size)
+    return QuantizedWeight(
+        qweight=weight.qweight[:, start:end].contiguous(),
+        scales=weight.scales[:, groups].contiguous(),
+        zeros=None if weight.zeros is None else weight.zeros[:, groups].contiguous(),
+        bits=weight.bits, group_size=group_size, g_idx=None, input_scale=weight.input_scale,
+    )

@@ -1,0 +1,103 @@
+"""What one rank holds: the one function both the compiler (to shard) and the runtime (to build the
+rank's module and KV cache) use, so the two can never disagree.
+
+Rank r = pp_rank * tensor + tp_rank. Tensor parallelism splits, within a layer:
+  attn.qkv     column-parallel by heads: q heads [tp_rank * Hr, (tp_rank + 1) * Hr); KV heads split
+               the same way, or, when tensor > num_kv_heads, replicated so each rank holds the one
+               KV head its query heads read (rank t holds KV head t // (tensor / num_kv_heads))
+  attn.o       row-parallel: the input columns of the rank's query heads; outputs all-reduced
+  mlp.gate_up  column-parallel: gate columns [t * Ir, (t + 1) * Ir) and the same up columns
+  mlp.down     row-parallel: input columns [t * Ir, (t + 1) * Ir); outputs all-reduced
+  embed        vocab-parallel: rows [t * Vr, (t + 1) * Vr) of the vocabulary padded to tensor * Vr
+  lm_head      vocab-parallel, the same rows; the driver gathers the logits
+Pipeline parallelism gives each stage a contiguous run of layers: the first stage also holds the
+embedding, the last the final norm and lm_head (and, with tied embeddings, the embedding as lm_head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmc.runtime.artifact import ModelConfig, ParallelPlan
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's share of the model. Sizes are per rank; head and vocab starts are global indices."""
+
+    rank: int
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    layers: tuple[int, ...]  # global decoder layer indices of this rank's stage, in order
+    num_heads: int  # query heads: global heads [head_start, head_start + num_heads)
+    head_start: int
+    num_kv_heads: int  # KV heads: global KV heads [kv_head_start, kv_head_start + num_kv_heads)
+    kv_head_start: int
+    intermediate_size: int  # MLP columns: [intermediate_start, intermediate_start + intermediate_size)
+    intermediate_start: int
+    vocab_size: int  # embedding / lm_head rows, padded: [vocab_start, vocab_start + vocab_size)
+    vocab_start: int
+    has_embed: bool  # the embedding table (first stage; last stage too when tied: it is the lm_head)
+    has_head: bool  # final norm and lm_head (last stage)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_whole_model(self) -> bool:
+        return self.tp_size == 1 and self.pp_size == 1
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+    return -(-vocab_size // tensor) * tensor
+
+
+def num_kv_heads_per_rank(config: ModelConfig, tensor: int) -> int:
+    return max(1, config.num_kv_heads // tensor)
+
+
+def whole_model_layout(config: ModelConfig) -> RankLayout:
+    """The single-rank layout: everything."""
+    return rank_layout(config, ParallelPlan(1, 1, [list(range(config.num_layers))]), 0)
+
+
+def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayout:
+    """What rank `rank` holds under `plan` (sizes that do not divide are refused by the compiler's plan)."""
+    tensor = plan.tensor
+    tp_rank, pp_rank = rank % tensor, rank // tensor
+    heads = config.num_heads // tensor
+    kv_heads = num_kv_heads_per_rank(config, tensor)
+    if config.num_kv_heads >= tensor:
+        kv_start = tp_rank * kv_heads
+    else:  # replicated: tensor / num_kv_heads consecutive ranks share one KV head
+        kv_start = tp_rank // (tensor // config.num_kv_heads)
+    intermediate = config.intermediate_size // tensor
+    vocab = padded_vocab_size(config.vocab_size, tensor) // tensor
+    stages = plan.stage_layers or [list(range(config.num_layers))]
+    is_last = pp_rank == plan.pipeline - 1
+    return RankLayout(
+        rank=rank, tp_rank=tp_rank, tp_size=tensor, pp_rank=pp_rank, pp_size=plan.pipeline,
+        layers=tuple(stages[pp_rank]),
+        num_heads=heads, head_start=tp_rank * heads,
+        num_kv_heads=kv_heads, kv_head_start=kv_start,
+        intermediate_size=intermediate, intermediate_start=tp_rank * intermediate,
+        vocab_size=vocab, vocab_start=tp_rank * vocab,
+        has_embed=pp_rank == 0 or (is_last and config.tie_word_embeddings),
+        has_head=is_last,
+    )
+
+
+def all_rank_layouts(config: ModelConfig, plan: ParallelPlan) -> list[RankLayout]:
+    return [rank_layout(config, plan, rank) for rank in range(plan.world_size)]
+
+
+def kv_bytes_per_token(config: ModelConfig, layout: RankLayout, num_bytes: int) -> int:
+    """KV-cache bytes one token takes on this rank: K and V of its heads in its layers."""
+    return 2 * len(layout.layers) * layout.num_kv_heads * config.head_dim * num_bytes

@@ -1,0 +1,99 @@
+"""Data parallelism: engine replicas behind one server, each request to the least loaded replica;
+and a server whose parallel engine loses a rank stops with the rank's name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import WorkerError
+from llmc.runtime.engine import Engine
+from llmc.runtime.server.api_server import build_app
+
+
+def _wait_healthy(base_url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base_url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engines did not load"
+        time.sleep(0.05)
+
+
+class GatedEngine(Engine):
+    """An engine whose steps wait for the test to open the gate: requests stay unfinished meanwhile."""
+
+    gate = threading.Event()
+
+    def step(self):
+        assert self.gate.wait(30)
+        return super().step()
+
+
+def test_requests_go_to_the_least_loaded_replica(run_app, server_artifact, read_metrics):
+    GatedEngine.gate.clear()
+    factories = [lambda: GatedEngine(server_artifact, device="cpu", disable_log_stats=True) for _ in range(2)]
+    app = build_app(factories, "m", log_stats=False)
+    router = app.state.ctx.engine_loop
+    base_url = run_app(app)
+    _wait_healthy(base_url)
+    body = {"max_tokens": 4, "temperature": 0}
+    with ThreadPoolExecutor(3) as pool:
+        replies = [pool.submit(httpx.post, f"{base_url}/v1/completions", json={**body, "prompt": p}, timeout=60)
+                   for p in ("ROMEO:", "JULIET:", "First Citizen:")]
+        deadline = time.monotonic() + 10
+        while sum(router.num_unfinished(i) for i in range(2)) < 3:
+            assert time.monotonic() < deadline, "the requests were not added"
+            time.sleep(0.02)
+        assert sorted(router.num_unfinished(i) for i in range(2)) == [1, 2]  # never 3 on one and 0 on the other
+        GatedEngine.gate.set()
+        assert all(r.result().status_code == 200 for r in replies)
+    assert [router.num_unfinished(i) for i in range(2)] == [0, 0]
+    queries = sum(replica.engine.stats()["prefix_cache_queries"] for replica in router.replicas)
+    assert queries > 0 and read_metrics(base_url)["llmc:prefix_cache_queries_total"] == queries  # summed
+
+
+@pytest.fixture(scope="module")
+def parallel_artifact(tmp_path_factory, ref_model_dir):
+    out = tmp_path_factory.mktemp("dp") / "t1p2"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "parallel": {"pipeline": 2}, "runtime": {"max_model_len": 256, "num_kv_blocks": 64}}),
+          show_progress=False)
+    return out
+
+
+def test_each_replica_runs_its_own_ranks(run_app, parallel_artifact):
+    engines = []
+
+    def factory():
+        engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
+        return engines[-1]
+
+    base_url = run_app(build_app([factory, factory], "m", log_stats=False))
+    _wait_healthy(base_url)
+    pids = [set(engine.runner.worker_pids.values()) for engine in engines]
+    assert len(pids[0]) == len(pids[1]) == 1 and not pids[0] & pids[1]
+    reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": ["ROMEO:", "JULIET:"], "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 2
+
+
+def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_artifact):
+    engines, fatal = [], []
+
+    def factory():
+        engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
+        return engines[-1]
+
+    base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append))
+    _wait_healthy(base_url)
+    os.kill(engines[0].runner.worker_pids[1], signal.SIGKILL)
+    reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 500
+    assert "rank 1 (pipeline stage 1, tensor rank 0) was killed by signal SIGKILL" in reply.json()["error"]["message"]
+    assert len(fatal) == 1 and isinstance(fatal[0], WorkerError)  # `serve` stops uvicorn and raises it

@@ -1,0 +1,140 @@
+"""Tensor and pipeline parallelism end to end on CPU (gloo): the ref-llama-12m artifact split over
+ranks gives the 1-rank greedy output token for token, through `LLM` and through `llmc run --prompt`;
+a rank that dies or cannot start ends the run with an error naming it; no process is left behind."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError, WorkerError
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak."]
+NUM_TOKENS = 24
+# Fewer seats than prompts and a small token budget: prefill chunks run beside decodes.
+ENGINE = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS)
+SPLITS = [(2, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def artifacts(ref_model_dir, tmp_path_factory):
+    """artifacts(tensor, pipeline, group_size=None) → a float32 build (rtn w4 with group_size), built once."""
+    root = tmp_path_factory.mktemp("parallel")
+    cache: dict[tuple, Path] = {}
+
+    def get(tensor: int, pipeline: int, group_size: int | None = None) -> Path:
+        key = (tensor, pipeline, group_size)
+        if key not in cache:
+            out = root / (f"t{tensor}p{pipeline}" + ("" if group_size is None else f"-w4g{group_size}"))
+            quant = {} if group_size is None else {"quantization": {"method": "rtn", "bits": 4, "group_size": group_size}}
+            build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                                    "parallel": {"tensor": tensor, "pipeline": pipeline},
+                                    "runtime": {"max_model_len": 256}, **quant}), show_progress=False)
+            cache[key] = out
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(artifacts):
+    """The 1-rank run: (token ids per prompt, text of the first prompt at 16 tokens, logits of one sequence)."""
+    with LLM(artifacts(1, 1), **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        short = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text
+        logits = llm.engine.score(list(range(5, 60)))
+    return [o.outputs[0].token_ids for o in outputs], short, logits
+
+
+def _are_gone(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
+def test_greedy_output_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
+    token_ids, _, logits = reference
+    with LLM(artifacts(tensor, pipeline), **ENGINE) as llm:
+        pids = list(llm.engine.runner.worker_pids.values())
+        assert len(pids) == tensor * pipeline - 1  # this process is rank 0
+        outputs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outputs] == token_ids
+        torch.testing.assert_close(llm.engine.score(list(range(5, 60))), logits, atol=1e-4, rtol=1e-4)
+        assert llm.stats()["num_free_blocks"] == llm.stats()["num_total_blocks"]
+    assert _are_gone(pids)
+
+
+@pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
+def test_llmc_run_prompt_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
+    command = [sys.executable, "-m", "llmc.cli", "run", str(artifacts(tensor, pipeline)), "--prompt", "ROMEO:",
+               "--max-tokens", "16", "--temperature", "0", "--device", "cpu", "--num-kv-blocks", "64"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ROMEO:" + reference[1] + "\n"
+
+
+def test_quantized_tensor_parallel_build_matches_its_one_rank_build(artifacts):
+    with LLM(artifacts(1, 1, group_size=32), **ENGINE) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(artifacts(2, 1, group_size=32), **ENGINE) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
+def test_a_killed_worker_ends_the_run_naming_it(artifacts):
+    llm = LLM(artifacts(1, 2), **ENGINE)
+    pids = llm.engine.runner.worker_pids
+    stream = llm.stream("ROMEO:", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    next(stream)  # generating: now rank 1 (the second stage) dies
+    os.kill(pids[1], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        list(stream)
+    assert time.monotonic() - start < 10
+    assert "rank 1 (pipeline stage 1, tensor rank 0) was killed by signal SIGKILL" in str(err.value)
+    with pytest.raises(WorkerError, match="rank 1"):  # and it stays down
+        llm.generate(["ROMEO:"], GREEDY)
+    llm.close()
+    assert _are_gone(pids.values())
+
+
+def test_a_rank_that_cannot_start_is_named(artifacts, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(artifacts(2, 1), broken)
+    weights = broken / "rank-01" / "weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:16] = b"XXXXXXXX"  # same size (passes the size check), unreadable header
+    weights.write_bytes(bytes(data))
+    with pytest.raises(WorkerError) as err:
+        LLM(broken, **ENGINE)
+    assert "rank 1 (pipeline stage 0, tensor rank 1) failed: ArtifactError" in str(err.value)
+
+
+def test_a_launch_of_the_wrong_world_size_is_refused_before_loading_weights(artifacts, monkeypatch):
+    import llmc.runtime.loader as loader
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(loader, "load_weights", no_loading)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match=r"tensor 2 × pipeline 1 = 2 rank\(s\), but this launch has WORLD_SIZE 3"):
+        LLM(artifacts(2, 1), **ENGINE)

@@ -1,0 +1,101 @@
+"""Parallel splits of the model features the ref checkpoint lacks, against transformers itself:
+tied embeddings across pipeline stages and q/k/v biases (qwen2), per-head q/k norms (qwen3), KV
+heads replicated when tensor exceeds them plus a vocabulary padded to a multiple of tensor (llama);
+and the launches: torchrun, and two `llmc run --nnodes 2` processes sharing the ranks."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["ROMEO:", "The quick brown fox jumps over the lazy dog, and then"]
+NUM_TOKENS = 24
+ENGINE = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+
+
+def _build(checkpoint, out, tensor: int, pipeline: int):
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "parallel": {"tensor": tensor, "pipeline": pipeline}, "runtime": {"max_model_len": 256}}),
+          show_progress=False)
+    return out
+
+
+@pytest.mark.parametrize(("family", "overrides", "tensor", "pipeline"), [
+    ("qwen2", {}, 2, 2),  # tied: the last stage holds the embedding rows as its lm_head; qkv biases split
+    ("qwen3", {}, 2, 1),  # q_norm/k_norm per head, head_dim 32 != hidden / heads
+    ("llama", {"vocab_size": 4099}, 4, 1),  # 4 ranks, 2 KV heads: replicated; vocab padded to 4100
+])
+def test_parallel_greedy_matches_transformers(hf_checkpoint_factory, tmp_path, hf_greedy, hf_encode,
+                                              family, overrides, tensor, pipeline):
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family, **overrides)
+    expected = hf_greedy(checkpoint, PROMPTS, NUM_TOKENS)
+    with LLM(_build(checkpoint, tmp_path / "artifact", tensor, pipeline), **ENGINE) as llm:
+        outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS],
+                               SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+SCRIPT = textwrap.dedent("""
+    import os, sys
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    if __name__ == "__main__":
+        with LLM(sys.argv[1], device="cpu", num_kv_blocks=64) as llm:
+            out = llm.generate([[0, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
+            print("tokens", out[0].outputs[0].token_ids, flush=True)
+        print("rank", os.environ["RANK"], "closed", flush=True)
+""")
+
+
+def test_torchrun_launch_joins_as_the_ranks(tiny_llama, tmp_path):
+    """Under torchrun, rank 0 drives and returns outputs; the other rank serves, then leaves (exit 0)."""
+    artifact = _build(tiny_llama, tmp_path / "artifact", 2, 1)
+    with LLM(_build(tiny_llama, tmp_path / "one", 1, 1), **ENGINE) as llm:
+        want = llm.generate([[0, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].token_ids
+    script = tmp_path / "run.py"
+    script.write_text(SCRIPT)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    result = subprocess.run([*torchrun, str(script), str(artifact)], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert f"tokens {want}" in result.stdout
+    assert "rank 0 closed" in result.stdout and "rank 1 closed" not in result.stdout  # rank 1 left inside LLM()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_share_the_ranks(tiny_llama, tmp_path):
+    """`llmc run --nnodes 2 --node-rank 1` on a second "host" (here the same one) serves ranks 2-3
+    of a tensor 2 × pipeline 2 artifact while node 0 drives; both exit 0 when the run ends."""
+    artifact = _build(tiny_llama, tmp_path / "artifact", 2, 2)
+    with LLM(_build(tiny_llama, tmp_path / "one", 1, 1), **ENGINE) as llm:
+        want = llm.generate(["ROMEO:"], SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
+    port = str(_free_port())
+    base = [sys.executable, "-m", "llmc.cli", "run", str(artifact), "--device", "cpu", "--nnodes", "2",
+            "--master-addr", "127.0.0.1", "--master-port", port]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    node1 = subprocess.Popen([*base, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        node0 = subprocess.run([*base, "--node-rank", "0", "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0",
+                                "--num-kv-blocks", "64"], capture_output=True, text=True, timeout=120, env=env)
+        assert node0.returncode == 0, node0.stderr
+        assert node0.stdout == "ROMEO:" + want + "\n"
+        assert node1.wait(timeout=30) == 0, node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
