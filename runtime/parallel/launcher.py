@@ -146,6 +146,11 @@ class WorkerPool:
         if reported:
             return f"{who} failed: {reported}"
         code = process.exitcode
+        deadline = time.monotonic() + 2.0
+        while code is None and time.monotonic() < deadline:
+            # Another thread (wait/stop) may be reaping the same process: its exit code shows up shortly.
+            time.sleep(0.05)
+            code = process.exitcode
         if code is not None and code < 0:
             return f"{who} was killed by signal {signal.Signals(-code).name}"
         return None if code == 0 else f"{who} exited with code {code}"
