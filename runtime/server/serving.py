@@ -57,6 +57,18 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
         raise as_api_error(e) from None
 
 
+async def respond(generation: "Generation", reply, is_stream: bool):
+    """An SSE event iterator (stream), or the whole response once every output is final; a
+    non-streaming request that fails or is cancelled is aborted so its KV blocks come back."""
+    if is_stream:
+        return reply.stream(generation)
+    try:
+        outputs = await generation.final_outputs()
+    finally:
+        generation.abort()
+    return reply.response(outputs)
+
+
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 

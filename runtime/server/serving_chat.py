@@ -10,7 +10,7 @@ from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server.errors import ApiError
 from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, chat_logprobs, sse, usage
 from llmc.runtime.server.protocol import ChatCompletionRequest
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
 
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
@@ -21,14 +21,7 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     ctx.check_prompt_length(token_ids, params, "messages")
     request_id = new_id("chatcmpl")
     generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
-    reply = _ChatReply(ctx, request, request_id)
-    if request.stream:
-        return reply.stream(generation)
-    try:
-        outputs = await generation.final_outputs()
-    finally:
-        generation.abort()
-    return reply.response(outputs[0])
+    return await respond(generation, _ChatReply(ctx, request, request_id), request.stream)
 
 
 class _ChatReply:
@@ -46,7 +39,8 @@ class _ChatReply:
             return None
         return chat_logprobs(self.ctx.tokenizer, token_ids, logprobs or [], self.request.top_logprobs or 0)
 
-    def response(self, output: RequestOutput) -> dict:
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        (output,) = outputs  # one conversation per chat request
         choices = [
             {"index": c.index, "message": {"role": "assistant", "content": c.text},
              "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,

@@ -14,7 +14,7 @@ from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, completion_logprobs, sse, usage
 from llmc.runtime.server.protocol import CompletionRequest
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request
+from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
 
 @dataclass
@@ -32,14 +32,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
         ctx.check_prompt_length(prompt.token_ids, params, "prompt")
     request_id = new_id("cmpl")
     generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time)
-    reply = _Reply(ctx, request, prompts, request_id)
-    if request.stream:
-        return reply.stream(generation)
-    try:
-        outputs = await generation.final_outputs()
-    finally:
-        generation.abort()
-    return reply.response(outputs)
+    return await respond(generation, _Reply(ctx, request, prompts, request_id), request.stream)
 
 
 def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
