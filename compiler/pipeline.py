@@ -19,7 +19,7 @@ from torch import Tensor
 from llmc.compiler.calibration import LayerRunner
 from llmc.compiler.convert import LayerWeights, UnpackedLinear
 from llmc.compiler.hf_checkpoint import TensorReader
-from llmc.compiler.quantize import LayerQuantizer
+from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.kernels.norm import rms_norm
 from llmc.quant.reference import dequantize_weight
@@ -48,11 +48,8 @@ class QuantizingPacker:
     def __call__(self, layer: LayerWeights) -> LayerWeights:
         float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
         quantized = self.quantizer.quantize(layer, self.hidden)
-        result = {}
-        for name, q in quantized.items():
-            result[name] = layer.linears[name] if q is None else q  # None: stays dense (AWQ may have rescaled it)
-            if q is not None:
-                layer.linears[name] = dequantize_weight(q)
+        # None: stays dense (AWQ may have rescaled it); the quantizer left dequantized weights in `layer`.
+        result = {name: layer.linears[name] if q is None else q for name, q in quantized.items()}
         self._advance(float_layer, layer)
         return LayerWeights(layer.index, result, dict(layer.biases), dict(layer.norms))
 
@@ -71,8 +68,6 @@ class QuantizingPacker:
         lm_head rows past the vocabulary (padding for vocab-parallel ranks) are zero and stay zero."""
         if module != "lm_head":
             return weight
-        from llmc.compiler.quantize import quantize_rtn
-
         spec = self.formats["lm_head"]
         if spec["format"] == "dense":
             self.lm_head_quant = weight[: self.config.vocab_size]

@@ -19,6 +19,7 @@ import re
 import torch
 from torch import Tensor
 
+from llmc.compiler.awq_layer import awq_quantize_layer
 from llmc.compiler.calibration import LayerRunner, capture_inputs
 from llmc.compiler.convert import LayerWeights
 from llmc.compiler.recipe import QuantizationConfig
@@ -126,7 +127,8 @@ class LayerQuantizer:
         self.gptq_true_sequential = True  # each linear of a layer sees its quantized predecessors' outputs
 
     def quantize(self, layer: LayerWeights, hidden: Tensor | None) -> dict[str, QuantizedWeight | None]:
-        """Quantized weight per linear name (None = stays dense); may rewrite `layer`'s norms/linears (AWQ)."""
+        """Quantized weight per linear name (None = stays dense). Leaves the dequantized weights in
+        `layer` (the next layer's inputs are computed with them); AWQ also rewrites its norms."""
         method = self.quant.method
         if method == "gptq":
             return self._gptq(layer, hidden)
@@ -136,9 +138,12 @@ class LayerQuantizer:
         result = {}
         for name, w in layer.linears.items():
             spec = self._spec(layer, name)
-            result[name] = None if spec["format"] == "dense" else quantize_rtn(w, spec, self.scale_dtype)
-            if name in input_scales and result[name] is not None:
-                result[name].input_scale = input_scales[name]
+            if spec["format"] == "dense":
+                result[name] = None
+                continue
+            result[name] = quantize_rtn(w, spec, self.scale_dtype)
+            result[name].input_scale = input_scales.get(name)
+            layer.linears[name] = dequantize_weight(result[name])
         return result
 
     def _spec(self, layer: LayerWeights, name: str) -> dict:
@@ -186,8 +191,6 @@ class LayerQuantizer:
         return {name: obs.input_scale() for name, obs in observers.items()}
 
     def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:
-        from llmc.compiler.awq_layer import awq_quantize_layer
-
         _move_layer(layer, self.runner.device)  # the searches run where the calibration inputs are
         try:
             return {name: None if q is None else _to_cpu(q) for name, q in awq_quantize_layer(self, layer, hidden).items()}
