@@ -120,7 +120,7 @@ def print_inspect(report: dict) -> None:
                      f"blocks of {kv['block_size']} tokens"),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
-                    f"{'on' if rt['enable_prefix_caching'] else 'off'}, cuda graphs {'off' if rt['enforce_eager'] else 'on'}"),
+                    f"{'on' if rt['enable_prefix_caching'] else 'off'}, enforce_eager {str(rt['enforce_eager']).lower()}"),
         (f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)),
     ]
     for module, spec in _format_runs(report["quantization"]["modules"]):

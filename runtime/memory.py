@@ -13,7 +13,9 @@ from llmc.runtime.artifact import ModelConfig, ParallelPlan, RuntimeDefaults, dt
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
-GRAPH_POOL_BYTES = 256 << 20  # what captured decode graphs typically keep (measured per bucket set)
+# Both are assumed allowances, not measured here yet: the runtime neither captures graphs nor profiles
+# memory so far, so the estimate is only as good as these two numbers.
+GRAPH_POOL_BYTES = 256 << 20  # what captured decode graphs would keep
 CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context + cuBLAS workspaces, outside torch's allocator
 
 
