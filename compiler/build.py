@@ -23,7 +23,7 @@ from llmc.compiler.calibration import calibration_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory
 from llmc.compiler.import_quantized import ImportPacker, import_formats
 from llmc.compiler.pipeline import QuantizingPacker
-from llmc.compiler.quantize import linear_in_features, plan_formats
+from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe
 from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
@@ -134,9 +134,11 @@ def _merge_generation_eos(model: art.ModelConfig, model_dir: Path) -> art.ModelC
 
 def _plan_formats(ctx: _Context) -> dict[str, dict]:
     if ctx.recipe.quantization.method == "import":
-        return import_formats(ctx.hf_config, ctx.spec, ctx.model, ctx.model_dir)
-    in_features = linear_in_features(ctx.spec, ctx.model)
-    return plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
+        formats = import_formats(ctx.hf_config, ctx.spec, ctx.model, ctx.model_dir)
+    else:
+        in_features = linear_in_features(ctx.spec, ctx.model)
+        formats = plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
+    return {module: kernel_layout(spec, ctx.recipe.target.device) for module, spec in formats.items()}
 
 
 def _plan_parallel(ctx: _Context) -> art.ParallelPlan:

@@ -72,6 +72,13 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
     return plan
 
 
+def kernel_layout(spec: dict, device: str) -> dict:
+    """The packing the target's kernel reads: on CUDA, 4-bit weights without g_idx go into the layout of
+    the Triton W4A16 GEMM ("gpu", kernels/w4a16_gemm.py); everything else keeps its plain layout."""
+    is_w4 = spec["format"] == "w4a16" and not spec.get("has_g_idx")
+    return {**spec, "layout": "gpu"} if device == "cuda" and is_w4 else spec
+
+
 def _matches_all_or_none(patterns: list[str], names: list[str], module: str) -> bool:
     hits = [n for n in names[1:] or names if any(_matches(p, [n]) for p in patterns)]
     if any(_matches(p, names[:1]) for p in patterns):

@@ -90,12 +90,27 @@ def test_peer_checkpoint_imports_with_its_own_tensors(shared_dir, tmp_path):
     out = tmp_path / "peer"
     build(recipe_from_dict({"model": str(peer), "output": str(out), "quantization": {"method": "import"}}), show_progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
+    # target.device defaults to cuda: 4-bit weights are repacked into the Triton kernel's layout.
     assert manifest["quant"]["modules"]["layers.0.mlp.down"] == {
-        "format": "w4a16", "bits": 4, "group_size": 128, "symmetric": True, "has_g_idx": False}
+        "format": "w4a16", "bits": 4, "group_size": 128, "symmetric": True, "has_g_idx": False, "layout": "gpu"}
     assert manifest["quant"]["modules"]["lm_head"] == {"format": "dense"}
     llm = LLM(out, device="cpu")
     text = llm.generate("ROMEO:", __import__("llmc").SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert text.startswith("\n")  # a speaker turn follows the name, as the unquantized model does
+
+
+def test_gpu_layout_and_plain_layout_compute_the_same_model(shared_dir, tmp_path):
+    peer = shared_dir / "peer" / "gptq-w4a16-g128"
+    engines = {}
+    for device in ("cuda", "cpu"):
+        out = tmp_path / device
+        build(recipe_from_dict({"model": str(peer), "output": str(out), "quantization": {"method": "import"},
+                                "target": {"device": device}}), show_progress=False)
+        modules = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
+        assert modules["layers.1.attn.qkv"].get("layout", "plain") == ("gpu" if device == "cuda" else "plain")
+        engines[device] = LLM(out, device="cpu").engine
+    token_ids = list(range(5, 69))
+    torch.testing.assert_close(engines["cuda"].score(token_ids), engines["cpu"].score(token_ids), rtol=1e-5, atol=1e-5)
 
 
 def _calibrated(tmp_path, ref_model_dir, shared_dir, **quant):

@@ -113,7 +113,9 @@ def test_quantized_shards_are_slices_of_the_one_rank_build_on_group_boundaries(r
     # Quantized whole, split before packing: rank t's packed tensors are exactly the 1-rank build's
     # rows (column-parallel) or its words and groups (row-parallel: 192 columns = 24 int32 words of
     # 8 levels, 6 groups of 32).
-    quant = {"quantization": {"method": "rtn", "bits": 4, "group_size": 32}}
+    # (target cpu: the plain layout, whose words these slices index; the gpu layout is checked by unpacking
+    # in tests/quant/test_gpu_formats.py)
+    quant = {"quantization": {"method": "rtn", "bits": 4, "group_size": 32}, "target": {"device": "cpu"}}
     one = load_file(_build(ref_model_dir, tmp_path / "t1", **quant) / "rank-00" / "weights.safetensors")
     artifact = _build(ref_model_dir, tmp_path / "t2", tensor=2, **quant)
     for tp in range(2):
