@@ -74,8 +74,9 @@ class ModelRunner:
             positions=as_long(positions),
             slot_mapping=as_long(slots),
             block_tables=block_tables.to(self.batch_device),
-            context_lens=context_lens,
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.batch_device),
             query_lens=query_lens,
+            max_context_len=max(context_lens),
             logits_indices=as_long(sample_indices + prompt_indices),
         )
         return as_long(input_ids), forward_batch, prompt_spans
@@ -95,8 +96,9 @@ class ModelRunner:
                 positions=positions,
                 slot_mapping=blocks * self.block_size + positions % self.block_size,
                 block_tables=block_table,
-                context_lens=[end],
+                context_lens=torch.tensor([end], dtype=torch.int32, device=device),
                 query_lens=[end - start],
+                max_context_len=end,
                 logits_indices=torch.arange(end - start, device=device),
             )
             input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
