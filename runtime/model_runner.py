@@ -3,6 +3,10 @@
 It is the only runtime part that touches tensors of the whole batch: it flattens the scheduled
 chunks into one token list, computes positions and slots from the block tables, runs the model and
 returns the logits of the rows that sample a token.
+
+Start on a GPU, in order: load the weights, measure the memory plan (runtime/memory_profile.py:
+a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
+does not fit, allocate the KV cache.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import build_model, compute_dtype
+from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.scheduler import ScheduledBatch
 
@@ -29,11 +34,24 @@ class ModelRunner:
         self.device = device
         self.batch_device = device  # where prepare() builds the step's tensors
         self.block_size = options.block_size
+        allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
         layout = whole_model_layout(manifest.model)
-        self.num_blocks = check_num_kv_blocks(local_num_kv_blocks(manifest, layout, options, device), options)
+        # measured on a GPU, unless num_kv_blocks fixes the cache
+        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance=0)
+        num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
+                      else local_num_kv_blocks(manifest, layout, options, device))
+        self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
         self.kv_caches = allocate_kv_caches(manifest, layout, self.num_blocks, options.block_size, device)
         self.model.bind_kv_caches(self.kv_caches)
+
+    def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
+                        allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:
+        if self.device.type != "cuda" or options.num_kv_blocks is not None:
+            return None
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
+        return measure_kv_plan(self.model, options, self.device, weight_bytes,
+                               _kv_bytes_per_token(manifest, layout, self.device), graph_allowance)
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""
@@ -128,38 +146,54 @@ class ModelRunner:
 
 
 def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device) -> int:
-    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest."""
-    elt = compute_dtype(manifest, device).itemsize
-    bytes_per_block = kv_bytes_per_token(manifest.model, layout, elt) * options.block_size
+    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest.
+
+    num_kv_blocks if set; on a CPU, cpu_kv_cache_gib. On the GPU of a tensor/pipeline-parallel rank,
+    the measured weights and other memory, but the activation peak from the formula: a profiling
+    forward would need every rank in step (its collectives), so parallel ranks do not profile (and
+    run eagerly: no graph allowance).
+    """
+    bytes_per_token = _kv_bytes_per_token(manifest, layout, device)
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
-        return _num_gpu_blocks(manifest, options, device, bytes_per_block)
-    return int(options.cpu_kv_cache_gib * memory.GIB) // bytes_per_block
+        activations = memory.activation_peak_bytes(
+            manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
+        )
+        weight_bytes = torch.cuda.memory_allocated(device)  # the rank's weights: all it holds here so far
+        return gpu_kv_plan(options, device, weight_bytes, activations, bytes_per_token, graph_bytes=0).num_kv_blocks
+    return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
 
 
-def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults) -> int:
-    """`num_blocks`, if one sequence of max_model_len fits; else a ConfigError saying what to change."""
+def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device) -> int:
+    return kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
+
+
+def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults, device: torch.device,
+                        plan: memory.MemoryEstimate | None = None) -> int:
+    """`num_blocks`, if one sequence of max_model_len fits; else a ConfigError saying what to change.
+    `plan`: the measured GPU plan the blocks come from, for the log and the error."""
     max_seq_blocks = -(-options.max_model_len // options.block_size)
     if num_blocks < max_seq_blocks:
-        raise ConfigError(
-            f"the KV cache holds {num_blocks * options.block_size} tokens, fewer than max_model_len "
-            f"{options.max_model_len}; lower max_model_len or raise num_kv_blocks / cpu_kv_cache_gib / "
-            "gpu_memory_utilization"
-        )
-    logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len)",
-                num_blocks, options.block_size, num_blocks / max_seq_blocks)
+        raise ConfigError(_not_fitting_message(num_blocks, max_seq_blocks, options, device, plan))
+    if plan is not None:
+        logger.info("memory plan (measured): %s", plan.describe())
+    logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len %d)",
+                num_blocks, options.block_size, num_blocks / max_seq_blocks, options.max_model_len)
     return num_blocks
 
 
-def _num_gpu_blocks(manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device, bytes_per_block: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_allocated(device)
-    budget = total * options.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(device)
-    activations = memory.activation_peak_bytes(
-        manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
-    )
-    return max(0, int(budget - activations - memory.GRAPH_POOL_BYTES)) // bytes_per_block
+def _not_fitting_message(num_blocks: int, max_seq_blocks: int, options: art.RuntimeDefaults, device: torch.device,
+                         plan: memory.MemoryEstimate | None) -> str:
+    held = (f"the KV cache holds {num_blocks * options.block_size} tokens, fewer than max_model_len "
+            f"{options.max_model_len} (needs {max_seq_blocks} blocks of {options.block_size})")
+    if options.num_kv_blocks is not None:
+        return f"{held}; raise num_kv_blocks to {max_seq_blocks} or more, or lower max_model_len"
+    if device.type != "cuda":
+        return f"{held}; raise cpu_kv_cache_gib, set num_kv_blocks, or lower max_model_len"
+    where = f" ({plan.describe()})" if plan is not None else " (on the rank with the least room)"
+    return (f"{held}{where}; lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization, "
+            "or set num_kv_blocks")
 
 
 def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,

@@ -141,7 +141,7 @@ class ParallelModelRunner(ModelRunner):
             resources.groups = ParallelGroups(resources.store, 0, world_size, self.tensor, self.device)
             layout = rank_layout(manifest.model, manifest.parallel, 0)
             self.shard = ShardRunner(artifact_dir, manifest, options, self.device, layout, resources.groups)
-        self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options)
+        self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options, self.device)
 
     @property
     def worker_pids(self) -> dict[int, int]:
