@@ -1,12 +1,13 @@
-"""ModelRunner: owns the model and its KV cache; turns a ScheduledBatch into logits.
+"""ModelRunner: owns the model, its KV cache and its CUDA graphs; turns a ScheduledBatch into logits.
 
 It is the only runtime part that touches tensors of the whole batch: it flattens the scheduled
-chunks into one token list, computes positions and slots from the block tables, runs the model and
-returns the logits of the rows that sample a token.
+chunks into one token list, computes positions and slots from the block tables, runs the model
+(replaying a captured graph for decode steps) and returns the logits of the rows that sample a token.
 
 Start on a GPU, in order: load the weights, measure the memory plan (runtime/memory_profile.py:
 a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
-does not fit, allocate the KV cache.
+does not fit, allocate the KV cache (one extra block: the graphs' scratch block), capture the
+decode graphs (runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
@@ -37,13 +39,24 @@ class ModelRunner:
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
         layout = whole_model_layout(manifest.model)
+        graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
+                       if can_use_graphs(device, options.enforce_eager) else [])
+        graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
+                                                       _num_sms(device))
         # measured on a GPU, unless num_kv_blocks fixes the cache
-        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance=0)
+        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
                       else local_num_kv_blocks(manifest, layout, options, device))
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
-        self.kv_caches = allocate_kv_caches(manifest, layout, self.num_blocks, options.block_size, device)
+        # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
+        num_allocated = self.num_blocks + (1 if graph_sizes else 0)
+        self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device)
         self.model.bind_kv_caches(self.kv_caches)
+        self.graphs: CudaGraphs | None = None
+        if graph_sizes:
+            self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
+                                     scratch_block=self.num_blocks, device=device)
+            self.graphs.log_capture(graph_allowance)
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
                         allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:
@@ -125,7 +138,10 @@ class ModelRunner:
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: logits [num_logits, vocab_size] float32 at forward_batch.logits_indices."""
-        hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
+        if self.graphs is not None and self.graphs.can_run(forward_batch):
+            hidden = self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
+        else:
+            hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
         return self.model.compute_logits(hidden[forward_batch.logits_indices])
 
     @torch.inference_mode()
@@ -167,6 +183,12 @@ def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art
 
 def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device) -> int:
     return kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return memory.DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults, device: torch.device,
