@@ -13,9 +13,9 @@ one query tile, so each K/V tile is loaded once per KV head.
           context is split into partitions of PARTITION_SIZE keys (together covering
           max_context_len) whose partial (acc, m, l) a second kernel merges, so few sequences
           still fill the GPU. A partition past a sequence's context is empty (m = _M_INIT, l = 0)
-          and weighs exactly 0 in the merge, so a sequence gets the same bits whatever
-          max_context_len is, as long as the launch is split: eager steps (the batch's longest
-          context) and CUDA graphs (max_model_len) agree.
+          and weighs exactly 0 in the merge, so whatever max_context_len is (eager steps: the
+          batch's longest context; CUDA graphs: max_model_len), a sequence's keys are split at
+          the same boundaries: the results differ at most by the merge's summation order.
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """

@@ -73,8 +73,8 @@ def test_paged_attention_kernels_match_float64(dot_case, rel_err, case) -> None:
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkeypatch, window) -> None:
     """A CUDA graph launches decode with max_context_len = max_model_len, an eager step with the batch's
-    longest context: a split launch gives the same bits either way (the extra partitions are empty),
-    and so does an unsplit one for contexts within one partition."""
+    longest context: the keys are split at the same boundaries either way (the extra partitions are
+    empty), the same bits under the interpreter; a GPU's merge may sum in another order."""
     from llmc.kernels import attention_triton
 
     device, dtype = dot_case
@@ -89,8 +89,9 @@ def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkey
     monkeypatch.setattr(attention_triton, "_choose_num_partitions",
                         lambda num_programs, max_context, device_: -(-max_context // attention_triton.PARTITION_SIZE))
     eager, graph = run(max(context_lens)), run(4096)
-    assert torch.equal(eager, graph)
-    assert torch.equal(graph[1:], unsplit_short)
+    same = torch.equal if device == "cpu" else lambda a, b: rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert same(eager, graph)
+    assert same(graph[1:], unsplit_short)
     expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, [1] * 3, scale, window)
     assert rel_err(graph.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
