@@ -106,8 +106,9 @@ class LayerRunner:
             positions=positions,
             slot_mapping=slots,
             block_tables=tables.view(num_windows, blocks_per_window),
-            context_lens=[self.seq_len] * num_windows,
+            context_lens=torch.full((num_windows,), self.seq_len, dtype=torch.int32, device=self.device),
             query_lens=[self.seq_len] * num_windows,
+            max_context_len=self.seq_len,
             logits_indices=torch.empty(0, dtype=torch.long, device=self.device),
         )
 

@@ -7,8 +7,12 @@ block_table[t // block_size] * block_size + t % block_size.
 Shapes, for a step with num_seqs sequences and num_tokens query tokens in all:
   q                [num_tokens, num_heads, head_dim]   the queries of every sequence, concatenated
   block_tables     [num_seqs, max_num_blocks] int32     padded rows; only the first ceil(ctx/bs) are read
-  context_lens     list[int] (num_seqs)                 tokens in the cache per sequence, this step's included
-  query_lens       list[int] (num_seqs)                 this step's tokens per sequence (the last of the context)
+  context_lens     [num_seqs] int32, on q's device      tokens in the cache per sequence, this step's included
+  query_lens       list[int] (num_seqs), on the host     this step's tokens per sequence (the last of the context)
+  max_context_len  int, on the host                     a bound on context_lens (sizes the decode split)
+
+Only query_lens and max_context_len are host values, and a step whose query_lens are all 1 builds
+no tensor from them: such a step (a decode step) can be captured in a CUDA graph.
 
 On CUDA both functions run the Triton kernels of attention_triton.py (decode, prefill / chunked
 prefill, KV write); elsewhere the plain-torch code below, which is also the kernels' test oracle.
@@ -20,6 +24,15 @@ import torch
 from torch import Tensor
 
 from . import can_use_triton
+
+PARTITION_SIZE = 512  # decode: keys per partition when long contexts are split
+
+
+def num_decode_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Partitions the decode kernel splits max_context_len keys into: one per PARTITION_SIZE keys
+    while its (sequence, KV head) programs alone would leave SMs idle (under 2 per SM), else 1."""
+    num_partitions = -(-max_context_len // PARTITION_SIZE)
+    return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
@@ -38,24 +51,28 @@ def paged_attention(
     k_cache: Tensor,
     v_cache: Tensor,
     block_tables: Tensor,
-    context_lens: list[int],
+    context_lens: Tensor,
     query_lens: list[int],
     scale: float,
     sliding_window: int | None = None,
+    max_context_len: int | None = None,
 ) -> Tensor:
-    """Causal attention of each sequence's new queries over its cached context. Returns q's shape."""
+    """Causal attention of each sequence's new queries over its cached context. Returns q's shape.
+
+    max_context_len: at least every context_lens entry; None reads it from context_lens (a device sync).
+    """
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
-            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window
+            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len
         )
     out = torch.empty_like(q)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads
     start = 0
-    for seq, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
+    for seq, (context_len, query_len) in enumerate(zip(context_lens.tolist(), query_lens)):
         num_blocks = -(-context_len // block_size)
         blocks = block_tables[seq, :num_blocks].long()
         k = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]

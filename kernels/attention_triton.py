@@ -10,9 +10,12 @@ NOTE: both kernels are flash-attention style: one pass over the keys with an onl
 GQA: a program owns one KV head and all `group` query heads that read it, stacked as the rows of
 one query tile, so each K/V tile is loaded once per KV head.
   decode  (query_len 1): grid (decode seqs, kv heads, partitions); rows = the group's heads. A long
-          context is split into partitions (of about PARTITION_SIZE keys, a multiple of BLOCK_N,
-          together covering the longest context) whose partial (acc, m, l) a second kernel
-          merges, so few sequences still fill the GPU.
+          context is split into partitions of PARTITION_SIZE keys (together covering
+          max_context_len) whose partial (acc, m, l) a second kernel merges, so few sequences
+          still fill the GPU. A partition past a sequence's context is empty (m = _M_INIT, l = 0)
+          and weighs exactly 0 in the merge, so whatever max_context_len is (eager steps: the
+          batch's longest context; CUDA graphs: max_model_len), a sequence's keys are split at
+          the same boundaries: the results differ at most by the merge's summation order.
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """
@@ -26,9 +29,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .attention import PARTITION_SIZE, num_decode_partitions
+
 BLOCK_N = 64  # keys per tile
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
-PARTITION_SIZE = 512  # decode: about this many keys per partition, when the context is split
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
 _M_INIT = tl.constexpr(-1.0e30)
@@ -63,12 +67,14 @@ def _decode_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
 ):
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seq = tl.load(seq_ptr + i)
+    if IS_DENSE:  # every sequence decodes: sequence i is query row i (no index tensors to build)
+        seq, row = i, i.to(tl.int64)
+    else:
+        seq, row = tl.load(seq_ptr + i), tl.load(row_ptr + i).to(tl.int64)
     context_len = tl.load(ctx_ptr + seq)
-    row = tl.load(row_ptr + i).to(tl.int64)
     lo = part * partition_size  # num_partitions * partition_size covers every context of the launch
     hi = tl.minimum(lo + partition_size, context_len)
     if HAS_WINDOW:  # the one query sits at context_len - 1 and sees keys t > context_len - 1 - window
@@ -104,7 +110,7 @@ def _decode_kernel(
 @triton.jit
 def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr,
 ):
     """out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p for one (decode seq, head)."""
     i, head = tl.program_id(0), tl.program_id(1)
@@ -116,7 +122,10 @@ def _merge_partitions_kernel(
     weights = tl.exp2(m - tl.max(m, axis=0))
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)
-    row = tl.load(row_ptr + i).to(tl.int64)
+    if IS_DENSE:
+        row = i.to(tl.int64)
+    else:
+        row = tl.load(row_ptr + i).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -207,34 +216,48 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 
 
 def paged_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: list[int],
-    query_lens: list[int], scale: float, sliding_window: int | None = None,
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
+    query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
-    rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen."""
+    rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
+
+    With every query_len 1 and max_context_len given, nothing is read from the device and no tensor
+    is made from host data: the call can be captured in a CUDA graph.
+    """
     _check_cache(k_cache, v_cache)
+    if context_lens.dtype != torch.int32 or context_lens.device != q.device:
+        raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
-    first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
     common = dict(
-        context_lens=_int32(context_lens, q.device), scale_log2=scale * _LOG2E,
+        context_lens=context_lens, scale_log2=scale * _LOG2E,
         window=sliding_window or 0, has_window=sliding_window is not None,
         precision="ieee" if q.dtype == torch.float32 else "tf32",
         block_d=max(16, triton.next_power_of_2(head_dim)), group=group, block_size=block_size,
     )
+    first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     if decode:
-        max_context = max(context_lens[i] for i in decode)
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
         if num_partitions is None:
-            num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context, q.device)
-        partition_size = triton.cdiv(triton.cdiv(max_context, num_partitions), BLOCK_N) * BLOCK_N
-        rows = _int32([first_rows[i] for i in decode], q.device)
-        seqs = _int32(decode, q.device)
-        _launch_decode(q, k_cache, v_cache, block_tables, out, seqs, rows, num_partitions, partition_size, common)
+            num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context_len, q.device)
+            partition_size = PARTITION_SIZE if num_partitions > 1 else triton.cdiv(max_context_len, BLOCK_N) * BLOCK_N
+        else:
+            partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), BLOCK_N) * BLOCK_N
+        is_dense = not prefill
+        if is_dense:  # sequence i is query row i: the kernels index by program id
+            seqs = rows = context_lens  # not read
+        else:
+            rows = _int32([first_rows[i] for i in decode], q.device)
+            seqs = _int32(decode, q.device)
+        _launch_decode(q, k_cache, v_cache, block_tables, out, len(decode), seqs, rows, is_dense,
+                       num_partitions, partition_size, common)
     if prefill:
         qlens, first_rows_t = _int32(query_lens, q.device), _int32(first_rows, q.device)
         _launch_prefill(q, k_cache, v_cache, block_tables, out, prefill, query_lens, qlens, first_rows_t, common)
@@ -246,17 +269,15 @@ def _int32(values: list[int], device: torch.device) -> Tensor:
 
 
 def _choose_num_partitions(num_programs: int, max_context: int, device: torch.device) -> int:
-    """Split long contexts while the (sequence, KV head) programs alone would leave SMs idle."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    num_partitions = triton.cdiv(max_context, PARTITION_SIZE)
-    return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
+    return num_decode_partitions(num_programs, max_context, num_sms)
 
 
-def _launch_decode(q, k_cache, v_cache, block_tables, out, seqs, rows, num_partitions, partition_size, c) -> None:
+def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, rows, is_dense, num_partitions,
+                   partition_size, c) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     is_partitioned = num_partitions > 1
-    num_decode = seqs.shape[0]
     part_acc = torch.empty(num_decode, num_heads, num_partitions, head_dim, device=q.device, dtype=torch.float32) if is_partitioned else out
     part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
     _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
@@ -266,12 +287,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, seqs, rows, num_parti
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
         BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"],
-        IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"],
+        IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
     )
     if is_partitioned:
         _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, rows, out, num_heads, num_partitions, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=c["block_d"],
+            IS_DENSE=is_dense,
         )
 
 

@@ -151,7 +151,8 @@ def _saved_line(report: dict) -> str:
 
 def _estimate_line(est: dict, rt: dict) -> str:
     line = (f"at gpu_memory_utilization {rt['gpu_memory_utilization']}: weights {_fmt_bytes(est['weight_bytes'])}, "
-            f"activations {_fmt_bytes(est['activation_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
+            f"activations {_fmt_bytes(est['activation_bytes'])}, CUDA graphs {_fmt_bytes(est['graph_bytes'])}, "
+            f"CUDA context {_fmt_bytes(est['other_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
             f"{est['num_kv_tokens']:,} tokens ({est['max_concurrent_seqs']:.1f} sequences of {rt['max_model_len']})")
     if est["max_concurrent_seqs"] < 1:
         line += " — DOES NOT FIT: lower max_model_len, raise gpu_memory_utilization, or quantize"

@@ -12,19 +12,27 @@ class ForwardBatch:
     """Metadata of one step over a flat batch of tokens from several sequences (prefill chunks and decodes).
 
     Sequences are concatenated in scheduling order; sequence i owns query tokens
-    [sum(query_lens[:i]), sum(query_lens[:i+1])).
+    [sum(query_lens[:i]), sum(query_lens[:i+1])). Tensors are on the model's device; query_lens and
+    max_context_len stay on the host (the prefill kernel plans its grid from them).
     """
 
     positions: Tensor  # [num_tokens] int64 position of each token in its sequence
     slot_mapping: Tensor  # [num_tokens] int64 KV-cache slot each token's K/V is written to
     block_tables: Tensor  # [num_seqs, max_num_blocks] int32 block ids, rows padded with block 0 (never read)
-    context_lens: list[int]  # [num_seqs] tokens in the cache after this step, per sequence
-    query_lens: list[int]  # [num_seqs] tokens computed this step, per sequence
+    context_lens: Tensor  # [num_seqs] int32 tokens in the cache after this step, per sequence
+    query_lens: list[int]  # [num_seqs] on the host: tokens computed this step, per sequence
+    max_context_len: int  # on the host: at least every context_lens entry (a CUDA graph's: max_model_len)
     logits_indices: Tensor  # [num_logits] int64 flat token indices whose logits are needed
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes one token (decodes, or one-token prefill chunks): the attention
+        reads no host value then, and a captured CUDA graph can run the step."""
+        return all(n == 1 for n in self.query_lens)
 
     @property
     def num_tokens(self) -> int:

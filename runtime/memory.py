@@ -1,31 +1,47 @@
 """Memory arithmetic shared by the compiler's plan, `llmc inspect` and the runtime's KV sizing.
 
-The estimate: usable = total × gpu_memory_utilization; KV = usable − weights − activation peak −
-CUDA-graph pool. The activation peak of one step at max_num_batched_tokens is dominated by the
-widest intermediate (gate_up) and the float32 logits of the sampled rows.
+KV cache = total × gpu_memory_utilization − weights − other − activation peak − CUDA-graph allowance,
+where "other" is what is in use outside torch's allocator (the CUDA context, kernel modules, NCCL;
+on a shared GPU, other processes). `plan_kv` is that one subtraction. The compiler and
+`llmc inspect` feed it estimates (`estimate`); a one-rank runtime feeds it measurements taken at
+start (runtime/memory_profile.py): the weights as loaded, the peak of one profiling forward at
+max_num_batched_tokens, and `other` from torch.cuda.mem_get_info. Both hold back the same graph
+allowance: graph memory can only be measured after capture, which needs the KV cache allocated.
+The activation peak of one step is dominated by the widest intermediate (gate_up) and the float32
+logits (and the sampler's probabilities) of the sampled rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from llmc.kernels.attention import num_decode_partitions
 from llmc.runtime.artifact import ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
-# Both are assumed allowances, not measured here yet: the runtime neither captures graphs nor profiles
-# memory so far, so the estimate is only as good as these two numbers.
-GRAPH_POOL_BYTES = 256 << 20  # what captured decode graphs would keep
-CUDA_CONTEXT_BYTES = 512 << 20  # CUDA context + cuBLAS workspaces, outside torch's allocator
+MIB = 1 << 20
+# The estimate's "other": the CUDA context and kernel modules of one process (the runtime measures it).
+CUDA_CONTEXT_BYTES = 512 * MIB
+# The CUDA-graph allowance (benchmarks/memory_check.py measures what capture takes; the runtime logs
+# it and warns above the allowance): a base (cuBLAS's workspace for the capture stream, the padding
+# rows' scratch KV block), a share per captured graph (its kernel nodes), and, in the pool the smaller
+# graphs reuse, the largest graph's intermediates and the decode attention's partition buffers.
+GRAPH_BASE_BYTES = 64 * MIB
+GRAPH_BYTES_PER_GRAPH = 4 * MIB
+DEFAULT_NUM_SMS = 132  # what the estimate assumes (H100, H200); the runtime asks its GPU
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """One rank's GPU memory plan, estimated (compiler, `llmc inspect`) or measured (the runtime)."""
+
     total_bytes: int
-    usable_bytes: int
+    usable_bytes: int  # total × gpu_memory_utilization
     weight_bytes: int
-    activation_bytes: int
-    graph_bytes: int
+    other_bytes: int  # in use outside torch's allocator: CUDA context, kernel modules, other processes
+    activation_bytes: int  # peak of one step at max_num_batched_tokens, logits and probabilities included
+    graph_bytes: int  # allowance for the captured decode graphs (0 when eager)
     kv_bytes: int
     kv_bytes_per_token: int
     num_kv_blocks: int
@@ -39,6 +55,14 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.max_concurrent_seqs >= 1
 
+    def describe(self) -> str:
+        """One line: the subtraction, in GiB."""
+        gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+        return (f"{gib(self.total_bytes)} × {self.usable_bytes / self.total_bytes:.2f} = {gib(self.usable_bytes)}, "
+                f"minus weights {gib(self.weight_bytes)}, other {gib(self.other_bytes)} (CUDA context, other "
+                f"processes), activations {gib(self.activation_bytes)}, CUDA graphs {gib(self.graph_bytes)} "
+                f"leaves {gib(self.kv_bytes)} of KV cache")
+
 
 def activation_peak_bytes(model: ModelConfig, num_tokens: int, num_logit_rows: int) -> int:
     """Peak bytes of live activations in one forward over num_tokens (float32 logits for num_logit_rows)."""
@@ -49,6 +73,41 @@ def activation_peak_bytes(model: ModelConfig, num_tokens: int, num_logit_rows: i
     per_token = (2 * model.hidden_size + widest) * elt
     logits = num_logit_rows * model.vocab_size * 4 * 2  # logits and the sampler's probabilities
     return num_tokens * per_token + logits
+
+
+def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,
+                          num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """What captured decode graphs of these batch sizes are allowed to take (0 for none). Graphs
+    split the decode attention's keys as for max_model_len: float32 (acc, m, l) per head and partition."""
+    if not batch_sizes:
+        return 0
+    split_rows = max(size * num_decode_partitions(size * model.num_kv_heads, max_model_len, num_sms)
+                     for size in batch_sizes)  # (sequence, partition) pairs, at the size with the most
+    partitions = split_rows * model.num_heads * (model.head_dim + 2) * 4 if split_rows > max(batch_sizes) else 0
+    return (GRAPH_BASE_BYTES + len(batch_sizes) * GRAPH_BYTES_PER_GRAPH
+            + activation_peak_bytes(model, max(batch_sizes), 0) + partitions)
+
+
+def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes: int, activation_bytes: int,
+            graph_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int) -> MemoryEstimate:
+    """The KV cache that fits in total × utilization beside the rest, in whole blocks."""
+    usable = int(total_bytes * utilization)
+    kv = max(0, usable - weight_bytes - other_bytes - activation_bytes - graph_bytes)
+    num_blocks = kv // (kv_bytes_per_token * block_size)
+    num_tokens = num_blocks * block_size
+    return MemoryEstimate(
+        total_bytes=total_bytes,
+        usable_bytes=usable,
+        weight_bytes=weight_bytes,
+        other_bytes=other_bytes,
+        activation_bytes=activation_bytes,
+        graph_bytes=graph_bytes,
+        kv_bytes=num_tokens * kv_bytes_per_token,
+        kv_bytes_per_token=kv_bytes_per_token,
+        num_kv_blocks=num_blocks,
+        num_kv_tokens=num_tokens,
+        max_concurrent_seqs=num_tokens / max_model_len,
+    )
 
 
 def estimate(
@@ -63,35 +122,23 @@ def estimate(
     max_model_len: int,
     use_graphs: bool,
 ) -> MemoryEstimate:
-    usable = int(total_bytes * utilization)
+    """The plan before the GPU is seen: the activation formula, CUDA_CONTEXT_BYTES for other, and the
+    graph allowance for the buckets the compiler plans."""
     activations = activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
-    graphs = GRAPH_POOL_BYTES if use_graphs else 0
-    kv = max(0, usable - weight_bytes - activations - graphs - CUDA_CONTEXT_BYTES)
-    num_blocks = kv // (kv_bytes_per_token * block_size)
-    num_tokens = num_blocks * block_size
-    return MemoryEstimate(
-        total_bytes=total_bytes,
-        usable_bytes=usable,
-        weight_bytes=weight_bytes,
-        activation_bytes=activations,
-        graph_bytes=graphs,
-        kv_bytes=num_blocks * block_size * kv_bytes_per_token,
-        kv_bytes_per_token=kv_bytes_per_token,
-        num_kv_blocks=num_blocks,
-        num_kv_tokens=num_tokens,
-        max_concurrent_seqs=num_tokens / max_model_len,
-    )
+    graphs = graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len) if use_graphs else 0
+    return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
+                   kv_bytes_per_token, block_size, max_model_len)
 
 
 def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,
                       runtime: RuntimeDefaults, total_bytes: int) -> list[MemoryEstimate]:
     """The estimate of every rank: its weights, and KV for its heads of its layers. The rank with the
-    fewest KV tokens bounds the engine (every rank holds the same blocks)."""
+    fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks run eagerly."""
     return [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
-            runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager,
+            runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager and parallel.world_size == 1,
         )
         for layout in all_rank_layouts(model, parallel)
     ]

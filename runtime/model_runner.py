@@ -1,8 +1,13 @@
-"""ModelRunner: owns the model and its KV cache; turns a ScheduledBatch into logits.
+"""ModelRunner: owns the model, its KV cache and its CUDA graphs; turns a ScheduledBatch into logits.
 
 It is the only runtime part that touches tensors of the whole batch: it flattens the scheduled
-chunks into one token list, computes positions and slots from the block tables, runs the model and
-returns the logits of the rows that sample a token.
+chunks into one token list, computes positions and slots from the block tables, runs the model
+(replaying a captured graph for decode steps) and returns the logits of the rows that sample a token.
+
+Start on a GPU, in order: load the weights, measure the memory plan (runtime/memory_profile.py:
+a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
+does not fit, allocate the KV cache (one extra block: the graphs' scratch block), capture the
+decode graphs (runtime/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from torch import Tensor
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import build_model, compute_dtype
+from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.scheduler import ScheduledBatch
 
@@ -29,11 +36,35 @@ class ModelRunner:
         self.device = device
         self.batch_device = device  # where prepare() builds the step's tensors
         self.block_size = options.block_size
+        allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
         layout = whole_model_layout(manifest.model)
-        self.num_blocks = check_num_kv_blocks(local_num_kv_blocks(manifest, layout, options, device), options)
-        self.kv_caches = allocate_kv_caches(manifest, layout, self.num_blocks, options.block_size, device)
+        graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
+                       if can_use_graphs(device, options.enforce_eager) else [])
+        graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
+                                                       _num_sms(device))
+        # measured on a GPU, unless num_kv_blocks fixes the cache
+        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance)
+        num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
+                      else local_num_kv_blocks(manifest, layout, options, device))
+        self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
+        # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
+        num_allocated = self.num_blocks + (1 if graph_sizes else 0)
+        self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device)
         self.model.bind_kv_caches(self.kv_caches)
+        self.graphs: CudaGraphs | None = None
+        if graph_sizes:
+            self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
+                                     scratch_block=self.num_blocks, device=device)
+            self.graphs.log_capture(graph_allowance)
+
+    def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
+                        allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:
+        if self.device.type != "cuda" or options.num_kv_blocks is not None:
+            return None
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
+        return measure_kv_plan(self.model, options, self.device, weight_bytes,
+                               _kv_bytes_per_token(manifest, layout, self.device), graph_allowance)
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""
@@ -74,8 +105,9 @@ class ModelRunner:
             positions=as_long(positions),
             slot_mapping=as_long(slots),
             block_tables=block_tables.to(self.batch_device),
-            context_lens=context_lens,
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.batch_device),
             query_lens=query_lens,
+            max_context_len=max(context_lens),
             logits_indices=as_long(sample_indices + prompt_indices),
         )
         return as_long(input_ids), forward_batch, prompt_spans
@@ -95,8 +127,9 @@ class ModelRunner:
                 positions=positions,
                 slot_mapping=blocks * self.block_size + positions % self.block_size,
                 block_tables=block_table,
-                context_lens=[end],
+                context_lens=torch.tensor([end], dtype=torch.int32, device=device),
                 query_lens=[end - start],
+                max_context_len=end,
                 logits_indices=torch.arange(end - start, device=device),
             )
             input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
@@ -105,7 +138,10 @@ class ModelRunner:
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: logits [num_logits, vocab_size] float32 at forward_batch.logits_indices."""
-        hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
+        if self.graphs is not None and self.graphs.can_run(forward_batch):
+            hidden = self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
+        else:
+            hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
         return self.model.compute_logits(hidden[forward_batch.logits_indices])
 
     @torch.inference_mode()
@@ -126,38 +162,60 @@ class ModelRunner:
 
 
 def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device) -> int:
-    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest."""
-    elt = compute_dtype(manifest, device).itemsize
-    bytes_per_block = kv_bytes_per_token(manifest.model, layout, elt) * options.block_size
+    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest.
+
+    num_kv_blocks if set; on a CPU, cpu_kv_cache_gib. On the GPU of a tensor/pipeline-parallel rank,
+    the measured weights and other memory, but the activation peak from the formula: a profiling
+    forward would need every rank in step (its collectives), so parallel ranks do not profile (and
+    run eagerly: no graph allowance).
+    """
+    bytes_per_token = _kv_bytes_per_token(manifest, layout, device)
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
-        return _num_gpu_blocks(manifest, options, device, bytes_per_block)
-    return int(options.cpu_kv_cache_gib * memory.GIB) // bytes_per_block
+        activations = memory.activation_peak_bytes(
+            manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
+        )
+        weight_bytes = torch.cuda.memory_allocated(device)  # the rank's weights: all it holds here so far
+        return gpu_kv_plan(options, device, weight_bytes, activations, bytes_per_token, graph_bytes=0).num_kv_blocks
+    return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
 
 
-def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults) -> int:
-    """`num_blocks`, if one sequence of max_model_len fits; else a ConfigError saying what to change."""
+def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device) -> int:
+    return kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return memory.DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults, device: torch.device,
+                        plan: memory.MemoryEstimate | None = None) -> int:
+    """`num_blocks`, if one sequence of max_model_len fits; else a ConfigError saying what to change.
+    `plan`: the measured GPU plan the blocks come from, for the log and the error."""
     max_seq_blocks = -(-options.max_model_len // options.block_size)
     if num_blocks < max_seq_blocks:
-        raise ConfigError(
-            f"the KV cache holds {num_blocks * options.block_size} tokens, fewer than max_model_len "
-            f"{options.max_model_len}; lower max_model_len or raise num_kv_blocks / cpu_kv_cache_gib / "
-            "gpu_memory_utilization"
-        )
-    logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len)",
-                num_blocks, options.block_size, num_blocks / max_seq_blocks)
+        raise ConfigError(_not_fitting_message(num_blocks, max_seq_blocks, options, device, plan))
+    if plan is not None:
+        logger.info("memory plan (measured): %s", plan.describe())
+    logger.info("KV cache: %d blocks of %d tokens (%.1f sequences of max_model_len %d)",
+                num_blocks, options.block_size, num_blocks / max_seq_blocks, options.max_model_len)
     return num_blocks
 
 
-def _num_gpu_blocks(manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device, bytes_per_block: int) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_allocated(device)
-    budget = total * options.gpu_memory_utilization - used_by_others - torch.cuda.memory_allocated(device)
-    activations = memory.activation_peak_bytes(
-        manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
-    )
-    return max(0, int(budget - activations - memory.GRAPH_POOL_BYTES)) // bytes_per_block
+def _not_fitting_message(num_blocks: int, max_seq_blocks: int, options: art.RuntimeDefaults, device: torch.device,
+                         plan: memory.MemoryEstimate | None) -> str:
+    held = (f"the KV cache holds {num_blocks * options.block_size} tokens, fewer than max_model_len "
+            f"{options.max_model_len} (needs {max_seq_blocks} blocks of {options.block_size})")
+    if options.num_kv_blocks is not None:
+        return f"{held}; raise num_kv_blocks to {max_seq_blocks} or more, or lower max_model_len"
+    if device.type != "cuda":
+        return f"{held}; raise cpu_kv_cache_gib, set num_kv_blocks, or lower max_model_len"
+    where = f" ({plan.describe()})" if plan is not None else " (on the rank with the least room)"
+    return (f"{held}{where}; lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization, "
+            "or set num_kv_blocks")
 
 
 def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,

@@ -117,6 +117,10 @@ class ParallelModelRunner(ModelRunner):
         self.block_size = options.block_size
         self.vocab_size = manifest.model.vocab_size
         self.tensor = parallel.tensor
+        # Eager, whatever enforce_eager says: a graph per rank would have to capture the collectives of
+        # every rank in step, which this runtime does not do (yet); nor do the ranks profile memory.
+        self.graphs = None
+        self.memory_plan = None
         self.last_stage = [rank_layout(manifest.model, parallel, rank)
                            for rank in range(parallel.world_size - parallel.tensor, parallel.world_size)]
         self._failure: str | None = None
@@ -141,7 +145,7 @@ class ParallelModelRunner(ModelRunner):
             resources.groups = ParallelGroups(resources.store, 0, world_size, self.tensor, self.device)
             layout = rank_layout(manifest.model, manifest.parallel, 0)
             self.shard = ShardRunner(artifact_dir, manifest, options, self.device, layout, resources.groups)
-        self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options)
+        self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options, self.device)
 
     @property
     def worker_pids(self) -> dict[int, int]:

@@ -46,7 +46,7 @@ class StepMessage:
     @classmethod
     def forward(cls, input_ids: Tensor, batch: ForwardBatch) -> StepMessage:
         return cls(StepKind.FORWARD, input_ids.cpu(), batch.positions.cpu(), batch.slot_mapping.cpu(),
-                   list(batch.context_lens), list(batch.query_lens), batch.logits_indices.cpu(),
+                   batch.context_lens.tolist(), list(batch.query_lens), batch.logits_indices.cpu(),
                    batch.block_tables.cpu())
 
     @classmethod
@@ -64,8 +64,9 @@ class StepMessage:
             positions=self.positions.to(device),
             slot_mapping=self.slot_mapping.to(device),
             block_tables=self.block_tables.to(device),
-            context_lens=self.context_lens,
+            context_lens=torch.tensor(self.context_lens, dtype=torch.int32, device=device),
             query_lens=self.query_lens,
+            max_context_len=max(self.context_lens, default=0),
             logits_indices=self.logits_indices.to(device),
         )
         return self.input_ids.to(device), batch

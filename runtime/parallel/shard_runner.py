@@ -27,7 +27,12 @@ from llmc.runtime.parallel.messages import StepMessage
 class ShardRunner:
     """Loads the rank's weights file, agrees with every rank on the number of KV blocks (the
     smallest any rank has room for: the driver's scheduler hands out the same block ids to all),
-    allocates the rank's KV cache and runs its part of each step."""
+    allocates the rank's KV cache and runs its part of each step.
+
+    Always eager (no CUDA graphs, even without enforce_eager): capturing a rank's step would capture
+    its NCCL collectives, so every rank would have to capture and replay in step with the others.
+    The KV cache is sized without a profiling forward for the same reason (see local_num_kv_blocks).
+    """
 
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
                  device: torch.device, layout: RankLayout, groups: ParallelGroups):

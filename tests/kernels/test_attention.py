@@ -33,8 +33,12 @@ def expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_le
     """The torch path in float64 on the CPU."""
     as64 = lambda t: t.cpu().double()  # noqa: E731
     return attention.paged_attention(
-        as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), context_lens, query_lens, scale, window
+        as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), lens(context_lens, "cpu"), query_lens, scale, window
     )
+
+
+def lens(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 CASES = {
@@ -58,11 +62,38 @@ def test_paged_attention_kernels_match_float64(dot_case, rel_err, case) -> None:
         context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
     )
     scale = head_dim**-0.5
-    out = paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window, partitions)
+    out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, scale, window,
+                          max(context_lens), partitions)
     expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window)
     assert out.shape == q.shape and out.dtype == dtype
     assert torch.isfinite(out).all()  # no NaN slot leaked in, every row written
     assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkeypatch, window) -> None:
+    """A CUDA graph launches decode with max_context_len = max_model_len, an eager step with the batch's
+    longest context: the keys are split at the same boundaries either way (the extra partitions are
+    empty), the same bits under the interpreter; a GPU's merge may sum in another order."""
+    from llmc.kernels import attention_triton
+
+    device, dtype = dot_case
+    context_lens = [1100, 5, 40]
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * 3, 4, 2, 16, 16, dtype, device)
+    ctx, scale = lens(context_lens, device), 16**-0.5
+    run = lambda bound: attention_triton.paged_attention(  # noqa: E731
+        q, k_cache, v_cache, block_tables, ctx, [1] * 3, scale, window, bound)
+    unsplit_short = attention_triton.paged_attention(q[1:], k_cache, v_cache, block_tables[1:], ctx[1:], [1] * 2,
+                                                     scale, window, 40)
+    # as on a GPU with SMs to spare: split into partitions of PARTITION_SIZE keys
+    monkeypatch.setattr(attention_triton, "_choose_num_partitions",
+                        lambda num_programs, max_context, device_: -(-max_context // attention_triton.PARTITION_SIZE))
+    eager, graph = run(max(context_lens)), run(4096)
+    same = torch.equal if device == "cpu" else lambda a, b: rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert same(eager, graph)
+    assert same(graph[1:], unsplit_short)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, [1] * 3, scale, window)
+    assert rel_err(graph.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7])
@@ -90,6 +121,6 @@ def test_public_paged_attention_on_cuda_llama_shapes(rel_err, dtype) -> None:
     context_lens, query_lens = [3000, 1, 517, 64, 2048], [1, 1, 200, 64, 1]
     q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 32, 8, 128, 16, dtype, "cuda")
     scale = 128**-0.5
-    out = attention.paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+    out = attention.paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, "cuda"), query_lens, scale)
     expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, None)
     assert torch.isfinite(out).all() and rel_err(out.cpu(), expected) < 1e-2

@@ -1,0 +1,173 @@
+"""CUDA graphs of decode steps: one per planned batch size, captured at start, replayed per step.
+
+A decode step launches a few hundred small kernels; replaying a captured graph launches them all at
+once, so the GPU does not wait for Python. A graph replays fixed kernels on fixed addresses: every
+input lives in a static buffer, and the host values the kernels were launched with (the number of
+rows, the attention's key split) are frozen at capture.
+
+NOTE (capture): after the KV cache is allocated, the graphs are captured largest batch size first,
+all in one memory pool, so a smaller graph's intermediates reuse what a larger one left: the pool
+holds about one step of the largest size. Each size runs once eagerly first (Triton compiles its
+kernels for exactly these launch arguments, cuBLAS sets up its workspace), then is captured with
+every row a padding row. The attention is captured with max_context_len = max_model_len, so one
+graph serves every context length.
+
+NOTE (padding): a step of n sequences replays the graph of the next size up, b >= n. Rows n..b-1
+are padding: they write their K/V to a scratch block (the KV cache's last block, which the
+scheduler never hands out) and attend to that one slot (context_len 1, written by the step itself,
+so never garbage); they read nothing of a real sequence and write nothing one reads. Their token
+ids and positions are whatever an earlier step left there (valid values); their outputs are
+dropped.
+
+Only steps whose every sequence computes one token (ForwardBatch.is_decode: no prefill chunk of
+more than one token, no draft tokens) and that fit the largest graph are replayed; everything else
+runs eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from llmc.kernels import is_triton_installed
+from llmc.runtime import memory
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.models.decoder import DecoderModel
+
+logger = logging.getLogger("llmc")
+
+
+def can_use_graphs(device: torch.device, enforce_eager: bool) -> bool:
+    """Graphs need CUDA and the Triton kernels (the torch fallbacks read context lengths on the host)."""
+    return device.type == "cuda" and not enforce_eager and is_triton_installed()
+
+
+def graph_batch_sizes(planned: list[int], max_num_seqs: int) -> list[int]:
+    """The planned batch sizes below max_num_seqs, then max_num_seqs itself (the plan ends with the
+    build's max_num_seqs; a run-time value above it adds one graph at its size), ascending."""
+    return sorted({size for size in planned if size < max_num_seqs} | {max_num_seqs})
+
+
+def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int | None:
+    """The smallest of the ascending batch_sizes that holds num_seqs rows; None above the largest."""
+    return next((size for size in batch_sizes if size >= num_seqs), None)
+
+
+class StaticInputs:
+    """The graphs' inputs: one buffer each, with rows for the largest batch size. Every row starts
+    as a padding row (scratch slot, context_len 1, block table row = [scratch block, ...])."""
+
+    def __init__(self, max_batch_size: int, max_num_blocks: int, scratch_block: int, block_size: int,
+                 device: torch.device):
+        self.scratch_block = scratch_block
+        self.scratch_slot = scratch_block * block_size  # slot 0 of the scratch block
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch_size,), self.scratch_slot, dtype=torch.long, device=device)
+        # [max_batch_size, max_num_blocks]: a row's entries past its context are never read
+        self.block_tables = torch.full((max_batch_size, max_num_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(max_batch_size, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(max_batch_size, device=device)  # not read by the graph
+
+    def batch(self, batch_size: int, max_context_len: int) -> ForwardBatch:
+        """The ForwardBatch of the first batch_size rows: views of the buffers, one query each."""
+        return ForwardBatch(
+            positions=self.positions[:batch_size],
+            slot_mapping=self.slot_mapping[:batch_size],
+            block_tables=self.block_tables[:batch_size],
+            context_lens=self.context_lens[:batch_size],
+            query_lens=[1] * batch_size,
+            max_context_len=max_context_len,
+            logits_indices=self.logits_indices[:batch_size],
+        )
+
+    def load(self, input_ids: Tensor, batch: ForwardBatch, batch_size: int) -> None:
+        """Copy a decode step of n <= batch_size sequences into rows 0..n-1; rows n..batch_size-1
+        become padding rows (an earlier, larger step may have left a real sequence there)."""
+        n = batch.num_seqs
+        self.input_ids[:n].copy_(input_ids)  # [n]: one token per sequence
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.context_lens[:n].copy_(batch.context_lens)
+        self.block_tables[:n, : batch.block_tables.shape[1]].copy_(batch.block_tables)
+        self.slot_mapping[n:batch_size].fill_(self.scratch_slot)
+        self.context_lens[n:batch_size].fill_(1)
+        self.block_tables[n:batch_size, 0].fill_(self.scratch_block)
+
+
+class CudaGraphs:
+    """The captured decode graphs of one model runner, and their replay."""
+
+    def __init__(self, model: DecoderModel, batch_sizes: list[int], max_model_len: int, block_size: int,
+                 scratch_block: int, device: torch.device):
+        self.model = model
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_model_len = max_model_len
+        self.device = device
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None  # the memory pool all graphs share, from the first (largest) capture
+        self.num_replays = 0
+        torch.cuda.synchronize(device)
+        free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
+        start = time.perf_counter()
+        max_num_blocks = -(-max_model_len // block_size)
+        self.inputs = StaticInputs(self.batch_sizes[-1], max_num_blocks, scratch_block, block_size, device)
+        # [max batch size, hidden_size]: what every graph writes its final hidden states to
+        self.hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=getattr(torch, model.config.dtype),
+                                  device=device)
+        with torch.cuda.device(device):  # a data-parallel replica's GPU need not be the thread's current one
+            # torch's default capture stream lives on the device of the process's first capture
+            self.capture_stream = torch.cuda.Stream(device)
+            self.capture()
+        self.capture_seconds = time.perf_counter() - start
+        torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
+        self.pool_bytes = torch.cuda.memory_reserved(device) - reserved_before
+        self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # pool, buffers and graph objects
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for batch_size in reversed(self.batch_sizes):
+            batch = self.inputs.batch(batch_size, self.max_model_len)
+            input_ids = self.inputs.input_ids[:batch_size]
+            self.hidden[:batch_size] = self.model(input_ids, batch)  # warm-up: compiles this shape's kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another replica's engine thread may run its steps meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
+                self.hidden[:batch_size] = self.model(input_ids, batch)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize(self.device)
+
+    def log_capture(self, allowance_bytes: int) -> None:
+        sizes = self.batch_sizes
+        logger.info("CUDA graphs: captured %d batch sizes (%s) in %.1f s, %.1f MiB of GPU memory (pool %.1f MiB; "
+                    "allowance %.1f MiB)", len(sizes), _sizes_text(sizes), self.capture_seconds,
+                    self.graph_bytes / memory.MIB, self.pool_bytes / memory.MIB, allowance_bytes / memory.MIB)
+        if self.graph_bytes > allowance_bytes:
+            logger.warning("CUDA graphs took %.1f MiB more than the %.1f MiB held back for them: the engine uses "
+                           "that much beyond gpu_memory_utilization; lower it, or set enforce_eager",
+                           (self.graph_bytes - allowance_bytes) / memory.MIB, allowance_bytes / memory.MIB)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (batch.is_decode and batch.num_seqs <= self.batch_sizes[-1]
+                and batch.block_tables.shape[1] <= self.inputs.block_tables.shape[1])
+
+    def run(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
+        """The final hidden states [num_seqs, hidden_size] of a decode step, by replaying the graph of
+        the next batch size up. The result is a view of the graphs' output buffer: use it before the
+        next replay."""
+        batch_size = padded_batch_size(self.batch_sizes, batch.num_seqs)
+        self.inputs.load(input_ids, batch, batch_size)
+        with torch.cuda.device(self.device):  # replay launches on the current device's stream
+            self.graphs[batch_size].replay()
+        self.num_replays += 1
+        return self.hidden[: batch.num_seqs]
+
+
+def _sizes_text(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes)) if len(sizes) <= 8 else f"{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}"

@@ -1,0 +1,185 @@
+"""CUDA graphs of decode steps: batch sizes, padding, and (on a GPU) replay against eager."""
+
+import gc
+
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.runtime import artifact as art
+from llmc.runtime.cuda_graphs import StaticInputs, can_use_graphs, graph_batch_sizes, padded_batch_size
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.model_runner import ModelRunner, allocate_kv_caches
+from llmc.runtime.options import resolve_options
+from llmc.runtime.parallel.layout import whole_model_layout
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+BLOCK_SIZE = 16
+NUM_BLOCKS = 12
+MAX_MODEL_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("graphs") / "a"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}}), show_progress=False)
+    return out
+
+
+def test_batch_sizes_follow_the_plan_up_to_max_num_seqs():
+    planned = [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(planned, 32) == planned
+    assert graph_batch_sizes(planned, 20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(planned, 64) == planned + [64]
+    assert graph_batch_sizes(planned, 1) == [1]
+
+
+def test_a_batch_pads_to_the_next_size_and_none_fits_above_the_largest():
+    sizes = [1, 2, 4, 8, 16, 24]
+    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 5, 8, 9, 17, 24)] == [1, 2, 4, 8, 8, 16, 24, 24]
+    assert padded_batch_size(sizes, 25) is None
+
+
+def test_graphs_need_cuda_and_no_enforce_eager():
+    assert not can_use_graphs(torch.device("cpu"), enforce_eager=False)
+    assert not can_use_graphs(torch.device("cuda"), enforce_eager=True)
+    assert can_use_graphs(torch.device("cuda"), enforce_eager=False)  # triton is installed here
+
+
+def _step(seqs: list[tuple[list[int], int, list[int]]], device) -> tuple[torch.Tensor, ForwardBatch]:
+    """(input_ids, ForwardBatch) of sequences given as (block ids, tokens already cached, new tokens)."""
+    ids, positions, slots, context_lens, query_lens = [], [], [], [], []
+    width = max(len(blocks) for blocks, _, _ in seqs)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+    for row, (blocks, start, new) in enumerate(seqs):
+        ids += new
+        positions += range(start, start + len(new))
+        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(new))]
+        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        context_lens.append(start + len(new))
+        query_lens.append(len(new))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    batch = ForwardBatch(positions=as_long(positions), slot_mapping=as_long(slots), block_tables=tables.to(device),
+                         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+                         query_lens=query_lens, max_context_len=max(context_lens),
+                         logits_indices=torch.arange(len(ids), device=device))
+    return as_long(ids), batch
+
+
+# three sequences: (blocks, prompt length); blocks FIRST_FREE_BLOCK..NUM_BLOCKS-1 belong to nobody
+SEQS = [([0], 5), ([1, 2], 20), ([3, 4, 5], 33)]
+FIRST_FREE_BLOCK = 6
+
+
+def _prefilled_runner(artifact, device, **overrides):
+    """A runner whose cache holds the three prompts and a scratch block (NUM_BLOCKS) as the graphs
+    keep one, the other blocks filled with a sentinel; plus the decode step that follows."""
+    manifest = art.read_manifest(artifact)
+    options = resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS, **overrides})
+    runner = ModelRunner(artifact, manifest, options, torch.device(device))
+    if runner.graphs is None:  # the CPU: give it the scratch block a GPU runner has
+        runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1,
+                                              BLOCK_SIZE, torch.device(device))
+        runner.model.bind_kv_caches(runner.kv_caches)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [(blocks, 0, torch.randint(5, 4000, (n,), generator=gen).tolist()) for blocks, n in SEQS]
+    with torch.inference_mode():
+        runner.model(*_step(prompts, device))
+    for k, v in runner.kv_caches:  # nobody's blocks and the scratch block
+        k[FIRST_FREE_BLOCK:].fill_(7.0)
+        v[FIRST_FREE_BLOCK:].fill_(7.0)
+    decode = _step([(blocks, n, [100 + i]) for i, (blocks, n) in enumerate(SEQS)], device)
+    return runner, decode
+
+
+def _snapshot(runner) -> list[torch.Tensor]:
+    return [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+
+
+def _restore(runner, snapshot) -> None:
+    for (k, v), saved in zip(runner.kv_caches, snapshot):
+        k.copy_(saved[0])
+        v.copy_(saved[1])
+
+
+def _check_padding_is_harmless(runner, eager_hidden, eager_caches, padded_hidden, before) -> None:
+    assert torch.allclose(padded_hidden, eager_hidden, atol=1e-5, rtol=1e-5)
+    for eager, padded, old in zip(eager_caches, _snapshot(runner), before):
+        assert torch.allclose(padded[:, :NUM_BLOCKS], eager[:, :NUM_BLOCKS], atol=1e-5, rtol=1e-5)
+        free = slice(FIRST_FREE_BLOCK, NUM_BLOCKS)
+        assert torch.equal(padded[:, free], old[:, free])  # nobody's blocks: untouched
+        assert not torch.equal(padded[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding row wrote here
+
+
+@torch.inference_mode()
+def test_padding_rows_write_only_the_scratch_block_and_change_no_result(artifact):
+    """The graphs' padded step, run eagerly on the CPU: 3 sequences in a batch of 4."""
+    runner, (input_ids, batch) = _prefilled_runner(artifact, "cpu")
+    before = _snapshot(runner)
+    eager_hidden = runner.model(input_ids, batch)
+    eager_caches = _snapshot(runner)
+    _restore(runner, before)
+    static = StaticInputs(8, MAX_MODEL_LEN // BLOCK_SIZE, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
+    wide_ids, wide = _step([(blocks, n, [7]) for blocks, n in SEQS + SEQS[:2]], "cpu")
+    static.load(wide_ids, wide, 8)  # an earlier step of 5 leaves real sequences in rows 3 and 4
+    static.load(input_ids, batch, 4)
+    assert static.slot_mapping[3] == NUM_BLOCKS * BLOCK_SIZE and static.context_lens[3] == 1
+    assert static.block_tables[3, 0] == NUM_BLOCKS
+    padded_hidden = runner.model(static.input_ids[:4], static.batch(4, MAX_MODEL_LEN))[:3]
+    _check_padding_is_harmless(runner, eager_hidden, eager_caches, padded_hidden, before)
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def free_gpu():
+    """Give the GPU memory of the test's engines back (the next test's memory plan measures it)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_replay_matches_eager_and_leaves_other_blocks_alone(artifact, free_gpu):
+    runner, (input_ids, batch) = _prefilled_runner(artifact, "cuda")
+    assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4, 8]
+    before = _snapshot(runner)
+    with torch.inference_mode():
+        eager_hidden = runner.model(input_ids, batch)
+    eager_caches = _snapshot(runner)
+    _restore(runner, before)
+    with torch.inference_mode():
+        graph_hidden = runner.graphs.run(input_ids, batch).clone()  # 3 sequences: the graph of 4
+    assert runner.graphs.num_replays == 1
+    _check_padding_is_harmless(runner, eager_hidden, eager_caches, graph_hidden, before)
+
+
+PROMPTS = ["ROMEO:", "The quick brown fox jumps over the lazy dog, and then", "In the beginning", "A",
+           "What light through yonder window breaks? It is the east", "To be, or not to be"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_tokens_are_the_same_with_and_without_graphs(artifact, free_gpu):
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    # different lengths: the running batch shrinks 6 → 1 through the graphs of 8, 4, 2 and 1; a small
+    # token budget chunks the long prompts beside running decodes (those steps run eagerly)
+    params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True) for i in range(len(PROMPTS))]
+    tokens = {}
+    for enforce_eager in (True, False):
+        llm = LLM(artifact, device="cuda", enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
+                  max_num_batched_tokens=16)
+        tokens[enforce_eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == enforce_eager
+        if graphs is not None:
+            assert graphs.num_replays > 20
+        del llm, graphs
+        gc.collect()
+    assert tokens[False] == tokens[True]
