@@ -136,7 +136,7 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
     if ctx.recipe.quantization.method == "import":
         return import_formats(ctx.hf_config, ctx.spec, ctx.model, ctx.model_dir)
     in_features = linear_in_features(ctx.spec, ctx.model)
-    return plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
+    return plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features, ctx.recipe.target.device)
 
 
 def _plan_parallel(ctx: _Context) -> art.ParallelPlan:

@@ -57,8 +57,10 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
     return names
 
 
-def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig, in_features: dict[str, int]) -> dict[str, dict]:
-    """Format spec of every linear: dense where ignored, else the method's format with per-module overrides."""
+def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig, in_features: dict[str, int],
+                 target_device: str = "cpu") -> dict[str, dict]:
+    """Format spec of every linear: dense where ignored, else the method's format with per-module overrides.
+    For a cuda target, 4-bit weights are packed in the layout the Triton W4A16 GEMM reads ("gpu")."""
     dense = DenseFormat(getattr(torch, config.dtype)).spec()
     plan = {}
     for module, names in module_names(spec, config).items():
@@ -68,7 +70,7 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
             plan[module] = {"format": "w8a8-fp8", "is_per_channel": quant.weights == "per_channel",
                             "is_static_input": quant.activations == "static"}
         else:
-            plan[module] = _int_format(quant, names, module, in_features[module])
+            plan[module] = _int_format(quant, names, module, in_features[module], target_device)
     return plan
 
 
@@ -81,7 +83,7 @@ def _matches_all_or_none(patterns: list[str], names: list[str], module: str) -> 
     return bool(hits)
 
 
-def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_features: int) -> dict:
+def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_features: int, target_device: str) -> dict:
     bits, group_size, symmetric = quant.bits, quant.group_size, quant.symmetric
     for override in quant.overrides:
         if _matches(override.match, names):
@@ -94,7 +96,8 @@ def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_fea
     except RecipeError:
         raise RecipeError(f"quantization.group_size: {group_size} does not divide {module}'s {in_features} input "
                           "features; choose a group size that does, or -1 (per channel)") from None
-    return {"format": f"w{bits}a16", "bits": bits, "group_size": group_size, "symmetric": symmetric, "has_g_idx": False}
+    spec = {"format": f"w{bits}a16", "bits": bits, "group_size": group_size, "symmetric": symmetric, "has_g_idx": False}
+    return spec | {"layout": "gpu"} if bits == 4 and target_device == "cuda" else spec
 
 
 def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
