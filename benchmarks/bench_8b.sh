@@ -7,9 +7,9 @@
 # with `llmc build` (recipes written under $WORK/recipes), runs its benchmark, and leaves in OUT_DIR:
 # bench_8b-STAGE.log (timestamped progress and build summaries) and the benchmark's JSON + markdown.
 #   w4    RTN W4A16 (g128, symmetric; no calibration): decode latency, cold start, then throughput
-#         128/128 while time is left                                  → e2e-w4.json, e2e-w4.md
-#   fp8   FP8 W8A8 (dynamic): decode, throughput 128/128 and 1024/256 → e2e-fp8.json, e2e-fp8.md
-#   bf16  unquantized: the same as fp8                                → e2e-bf16.json, e2e-bf16.md
+#         128/128 while time is left              → e2e-w4-{decode,cold,throughput}.json, e2e-w4.md
+#   fp8   FP8 W8A8 (dynamic): decode, throughput 128/128 and 1024/256 → e2e-fp8-decode_throughput.json, e2e-fp8.md
+#   bf16  unquantized: the same as fp8                  → e2e-bf16-decode_throughput.json, e2e-bf16.md
 #   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
 #         all-reduce time per step (benchmarks/bench_parallel.py)    → parallel.json, parallel.md
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
@@ -49,14 +49,14 @@ EOF
   say "build $1: done; $(du -sh "$work/$1" | cut -f1)"
 }
 
-# e2e NAME PARTS [extra bench_e2e flags...]: results in $out/e2e-$stage.json (and .md)
+# e2e NAME PARTS [extra bench_e2e flags...]: results in $out/e2e-STAGE-PARTS.json, tables appended to e2e-STAGE.md
 e2e() {
-  local name=$1 parts=$2
+  local name=$1 parts=$2 json="$out/e2e-$stage-${2//,/_}.json"
   shift 2
   say "bench_e2e $name $parts: start ($(left) s left)"
-  python "$repo/benchmarks/bench_e2e.py" "$work/$name=$name" --parts "$parts" --json "$out/e2e-$stage-$parts.json" \
+  python "$repo/benchmarks/bench_e2e.py" "$work/$name=$name" --parts "$parts" --json "$json" \
     --budget "$(left)" "$@" ${E2E_ARGS:-} 2>&1 | tee -a "$log" >&2 || say "bench_e2e $name $parts: FAILED"
-  python - "$out/e2e-$stage-$parts.json" >> "$out/e2e-$stage.md" <<'EOF' || true
+  python - "$json" >> "$out/e2e-$stage.md" <<'EOF' || true
 import json, sys
 print(json.load(open(sys.argv[1]))["table"] + "\n")
 EOF
@@ -64,7 +64,8 @@ EOF
 }
 
 W4='{method: rtn, bits: 4, group_size: 128, symmetric: true}'
-say "stage $stage on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | paste -sd, - || echo 'no GPU')"
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | paste -sd, - || true)
+say "stage $stage on ${gpus:-no GPU}"
 case $stage in
   w4)
     make_checkpoint
