@@ -85,7 +85,8 @@ case $stage in
     build tp/tensor1-rtn-w4 1 "$W4" & build tp/tensor2-rtn-w4 2 "$W4" & wait
     say "bench_parallel: start ($(left) s left)"
     python "$repo/benchmarks/bench_parallel.py" --model "$work/ckpt" --quantization rtn-w4 --workdir "$work/tp" \
-      --tensor 1,2 --batch-sizes 1,32,128 --repeats 2 --json "$out/parallel.json" ${PARALLEL_ARGS:-} 2>&1 | tee -a "$log" \
+      --tensor 1,2 --batch-sizes 1,128 --repeats 2 --budget "$(( $(left) - 60 ))" --json "$out/parallel.json" ${PARALLEL_ARGS:-} 2>&1 \
+      | tee -a "$log" \
       | tee "$out/parallel.md" >&2 || say "bench_parallel: FAILED"
     ;;
   *) echo "unknown stage $stage: use w4, fp8, bf16 or tp" >&2; exit 2 ;;

@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=None, help="build the artifacts here and keep them (reused if present)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks, to test this script")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run: tensor size k of n skips batch sizes after k/n of it")
     return parser.parse_args(argv)
 
 
@@ -181,8 +183,9 @@ def measure(llm, timer: AllReduceTimer, batch_size: int, prompt_tokens: int, out
     }
 
 
-def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path) -> tuple[list[dict], dict]:
-    """(a row per batch size, {build_s, load_s, backend, outputs}) for one tensor size."""
+def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path, deadline: float) -> tuple[list[dict], dict]:
+    """(a row per batch size, {build_s, load_s, backend, outputs}) for one tensor size; batch sizes
+    that would start after `deadline` (a perf_counter time) are skipped."""
     import torch
 
     from llmc.runtime.llm import LLM
@@ -200,6 +203,9 @@ def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path) -> t
         info["outputs"] = greedy_outputs(llm, args, vocab_size) if args.check_prompts else []
         timer = AllReduceTimer(llm.engine.runner, is_cuda=args.device == "cuda")
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+            if time.perf_counter() > deadline:
+                log(f"tensor {tensor}: out of time budget, batch size {batch_size} and later skipped")
+                break
             row = {"tensor": tensor, **measure(llm, timer, batch_size, args.prompt_tokens, args.output_tokens,
                                                vocab_size, args.repeats)}
             log(json.dumps(row))
@@ -256,8 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
         directory = Path(args.workdir) if args.workdir else Path(tmp)
         directory.mkdir(parents=True, exist_ok=True)
-        for tensor in tensors:
-            tensor_rows, infos[tensor] = run_tensor_size(args, tensor, directory)
+        begin = time.perf_counter()
+        for k, tensor in enumerate(tensors):
+            deadline = float("inf") if args.budget is None else begin + args.budget * (k + 1) / len(tensors)
+            tensor_rows, infos[tensor] = run_tensor_size(args, tensor, directory, deadline)
             rows.extend(tensor_rows)
             write_json(args, rows, infos, env)  # after every size: a run cut short keeps what it measured
     print_table(rows)
