@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -310,7 +311,9 @@ def _fmt(p: dict) -> str:
 
 def markdown(results: dict) -> str:
     lines = []
-    decode = [(label, r["decode"]) for label, r in results.items() if "decode" in r]
+    errors = [f"{label} {part}: {r[part]['error']}" for label, r in results.items() for part in PARTS
+              if isinstance(r.get(part), dict) and "error" in r[part]]
+    decode = [(label, r["decode"]) for label, r in results.items() if "decode" in r and "error" not in r["decode"]]
     if decode:
         lines += ["| artifact | ms/token | tokens/s | TTFT ms | weights MB/token | KV MB/token | copy GB/s | roofline ms | of roofline |",
                   "|---|---|---|---|---|---|---|---|---|"]
@@ -318,7 +321,7 @@ def markdown(results: dict) -> str:
                   f"{d['weight_bytes_per_token'] / 1e6:.0f} | {d['kv_bytes_per_token'] / 1e6:.1f} | {d['copy_GBps']:.0f} | "
                   f"{d['roofline_ms']:.3f} | {100 * d['roofline_fraction']:.1f}% |" for label, d in decode]
         lines.append("")
-    throughput = [(label, t) for label, r in results.items() for t in r.get("throughput", [])]
+    throughput = [(label, t) for label, r in results.items() if isinstance(r.get("throughput"), list) for t in r["throughput"]]
     if throughput:
         lines += ["| artifact | in/out | requests (finished) | output tokens/s | total tokens/s | TTFT ms p50/p90/p99 | ITL ms p50/p90/p99 | s |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -326,14 +329,15 @@ def markdown(results: dict) -> str:
                   f"{', truncated' if t['is_truncated'] else ''}) | {t['output_tokens_per_s']:.0f} | {t['total_tokens_per_s']:.0f} | "
                   f"{_fmt(t['ttft_ms'])} | {_fmt(t['itl_ms'])} | {t['elapsed_s']:.1f} |" for label, t in throughput]
         lines.append("")
-    cold = [(label, c) for label, r in results.items() for c in r.get("cold", [])]
+    cold = [(label, c) for label, r in results.items() if isinstance(r.get("cold"), list) for c in r["cold"]]
     if cold:
         lines += ["| artifact | triton cache | KV cache logged s | engine ready s | first token s | exit s | exit code |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {label} | {c['triton_cache']} | {c['kv_cache_logged_s']} | {c['ready_s']} | {c['first_token_s']} | "
-                  f"{c['exit_s']} | {c['exit_code']} |"
-                  for label, c in cold]
-    return "\n".join(lines)
+                  f"{c['exit_s']} | {c['exit_code']} |" for label, c in cold]
+        lines.append("")
+    lines += [f"failed: {e}" for e in errors]
+    return "\n".join(lines).rstrip("\n")
 
 
 def write_report(args, header: dict, results: dict) -> str:
@@ -344,6 +348,40 @@ def write_report(args, header: dict, results: dict) -> str:
     return table
 
 
+def run_part(name: str, result: dict, fn) -> None:
+    """result[name] = fn(), or {"error": ...} if it raised: one part failing must not lose the others."""
+    try:
+        result[name] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the report, with the traceback on stderr
+        traceback.print_exc()
+        result[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+
+
+def bench_loaded(artifact: Path, result: dict, args, parts: list[str], remaining, copy_GBps: float, save) -> None:
+    """The in-process parts (decode, throughput) on one LLM, closed and released afterwards; save()
+    writes the report so far."""
+    options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+               "max_model_len": args.max_model_len, "disable_log_stats": True}
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    start = time.perf_counter()
+    llm = LLM(artifact, device=args.device, **options)
+    result["load_s"] = round(time.perf_counter() - start, 2)
+    result["num_kv_blocks"] = llm.engine.runner.num_blocks
+    if "decode" in parts and remaining() > 0:
+        log("  decode")
+        run_part("decode", result, lambda: bench_decode(llm, artifact, args, copy_GBps))
+        decode = result["decode"]
+        log(f"  -> {decode.get('ms_per_token')} ms/token, roofline fraction {decode.get('roofline_fraction')} {decode.get('error', '')}")
+        save()
+    if "throughput" in parts and remaining() > 0:
+        log("  throughput")
+        run_part("throughput", result, lambda: bench_throughput(llm, args, remaining))
+    llm.close()
+    del llm
+    release_memory(torch.device(args.device))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts, begin = args.parts.split(","), time.perf_counter()
@@ -351,38 +389,20 @@ def main(argv: list[str] | None = None) -> int:
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__}
     results: dict[str, dict] = {}
     remaining = lambda: float("inf") if args.budget is None else args.budget - (time.perf_counter() - begin)  # noqa: E731
-    copy_GBps = None
     for item in args.artifacts:
         path, _, label = item.partition("=")
         artifact, label = Path(path), label or Path(path).name
         result = results.setdefault(label, {"artifact": str(artifact)})
         if {"decode", "throughput"} & set(parts) and remaining() > 0:
-            if copy_GBps is None:
-                copy_GBps = header["copy_GBps"] = round(copy_bandwidth_GBps(device), 1)
+            if "copy_GBps" not in header:
+                header["copy_GBps"] = round(copy_bandwidth_GBps(device), 1)
             log(f"{label}: loading {artifact}")
-            options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "max_model_len": args.max_model_len, "disable_log_stats": True}
-            if args.num_kv_blocks is not None:
-                options["num_kv_blocks"] = args.num_kv_blocks
-            load_start = time.perf_counter()
-            llm = LLM(artifact, device=args.device, **options)
-            result["load_s"] = round(time.perf_counter() - load_start, 2)
-            result["num_kv_blocks"] = llm.engine.runner.num_blocks
-            if "decode" in parts and remaining() > 0:
-                log(f"{label}: decode")
-                result["decode"] = bench_decode(llm, artifact, args, copy_GBps)
-                log(f"  -> {result['decode']['ms_per_token']} ms/token, {100 * result['decode']['roofline_fraction']:.1f}% of roofline")
-                write_report(args, header, results)
-            if "throughput" in parts and remaining() > 0:
-                log(f"{label}: throughput")
-                result["throughput"] = bench_throughput(llm, args, remaining)
-                write_report(args, header, results)
-            llm.close()
-            del llm
-            release_memory(device)
+            bench_loaded(artifact, result, args, parts, remaining, header["copy_GBps"],
+                         lambda: write_report(args, header, results))
+            write_report(args, header, results)
         if "cold" in parts and remaining() > 0:
             log(f"{label}: cold start")
-            result["cold"] = bench_cold(artifact, args)
+            run_part("cold", result, lambda: bench_cold(artifact, args))
             write_report(args, header, results)
     print(write_report(args, header, results))
     return 0

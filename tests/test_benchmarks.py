@@ -74,6 +74,9 @@ def test_bench_e2e_parses_parts_and_throughput_configs(repo_root):
     assert bench.percentiles([0.001 * i for i in range(1, 101)]) == {"p50": 51.0, "p90": 91.0, "p99": 100.0}
     with pytest.raises(SystemExit):
         bench.parse_args(["a", "--parts", "decode,speed"])
+    result = {}
+    bench.run_part("decode", result, lambda: 1 / 0)  # a failing part is recorded, the others still run
+    assert result["decode"]["error"].startswith("ZeroDivisionError") and "failed: x decode" in bench.markdown({"x": result})
 
 
 def test_bench_parallel_helpers(repo_root):
