@@ -1,12 +1,22 @@
 """Tensor parallelism on GPUs: decode latency and throughput at tensor 1 and tensor 2, side by side,
-and the NCCL all-reduce time inside each step.
+the NCCL all-reduce time inside each step, and whether tensor 2 generates what tensor 1 does (issue 7).
 
-    python benchmarks/bench_parallel.py [--model checkpoints/ref-llama-12m] [--tensor 1,2]
-        [--batch-sizes 1,8,32] [--prompt-tokens 128] [--output-tokens 128] [--dtype bfloat16] [--json out.json]
+    source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/bench_parallel.py \
+        --model /tmp/ckpt8b --quantization rtn-w4 --workdir /tmp/tp --batch-sizes 1,32,128 --json $OUT/parallel.json
+
+    python benchmarks/bench_parallel.py [--model checkpoints/ref-llama-12m] [--quantization none|rtn-w4|fp8]
+        [--tensor 1,2] [--batch-sizes 1,8,32] [--prompt-tokens 128] [--output-tokens 128] [--dtype bfloat16]
+        [--check-prompts 8] [--check-tokens 64] [--workdir DIR] [--json out.json]
 
 Needs as many GPUs as the largest tensor size (run with benchmarks/gpu_env.sh's environment). For
-each tensor size the checkpoint is built (unquantized, `--dtype`) into a temporary directory and
-loaded with `LLM`; rank 0 drives, the other ranks are processes on GPUs 1, 2, ...
+each tensor size the checkpoint is built (`--dtype`; `--quantization rtn-w4`: RTN 4-bit, group 128,
+symmetric, no calibration; target cuda) into --workdir (reused when already built there; default a
+temporary directory) and loaded with `LLM`; rank 0 drives, the other ranks are processes on GPUs
+1, 2, ..., started with NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (runtime/parallel).
+
+Agreement: --check-prompts prompts of --prompt-tokens random token ids, --check-tokens greedy tokens
+each; every tensor size's outputs against tensor 1's: how many are identical, and the mean length of
+the common prefix (bf16 sums in another order can flip a near-tie, after which outputs diverge).
 
 Reported per tensor size and batch size B (B prompts of `--prompt-tokens` random token ids, each
 generating exactly `--output-tokens` tokens, greedy, eos ignored):
@@ -16,7 +26,8 @@ generating exactly `--output-tokens` tokens, greedy, eos ignored):
   allreduce_ms     mean time per decode step rank 0 spends in all-reduces (CUDA events around each
                    call, so it includes waiting for the slower rank), and their number per step
   allreduce_share  allreduce_ms / the mean decode step time on rank 0
-Then tensor 2 / tensor 1 ratios of decode latency and throughput.
+Then tensor 2 / tensor 1 ratios of decode latency and throughput. (Every step is synchronised for the
+timers, at both tensor sizes alike.)
 
 A small model (the default ref-llama-12m) measures overheads: communication dominates, tensor 2 is
 expected to be slower. Use a 7B+ checkpoint (--model) to see tensor parallelism pay off.
@@ -25,7 +36,9 @@ expected to be slower. Use a 7B+ checkpoint (--model) to see tensor parallelism 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import random
 import sys
 import tempfile
@@ -33,6 +46,11 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+QUANTIZATIONS = {
+    "none": {"method": "none"},
+    "rtn-w4": {"method": "rtn", "bits": 4, "group_size": 128, "symmetric": True},
+    "fp8": {"method": "fp8"},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,28 +61,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--quantization", default="none", choices=sorted(QUANTIZATIONS))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the best is kept)")
+    parser.add_argument("--check-prompts", type=int, default=8, help="prompts compared against tensor 1 (0: none)")
+    parser.add_argument("--check-tokens", type=int, default=64, help="greedy tokens per compared prompt")
+    parser.add_argument("--workdir", default=None, help="build the artifacts here and keep them (reused if present)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks, to test this script")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run: tensor size k of n skips batch sizes after k/n of it")
     return parser.parse_args(argv)
 
 
-def build_artifact(model: str, tensor: int, dtype: str, max_model_len: int, directory: Path) -> Path:
+def build_artifact(args: argparse.Namespace, tensor: int, max_model_len: int, directory: Path) -> tuple[Path, float | None]:
+    """(artifact, build seconds); an artifact already in `directory` is reused (None seconds)."""
     from llmc.compiler.build import build
     from llmc.compiler.recipe import recipe_from_dict
 
-    out = directory / f"tensor{tensor}"
-    recipe = {"model": model, "output": str(out), "dtype": dtype, "parallel": {"tensor": tensor},
+    out = directory / f"tensor{tensor}-{args.quantization}"
+    if (out / "manifest.json").is_file():
+        return out, None
+    recipe = {"model": args.model, "output": str(out), "dtype": args.dtype, "parallel": {"tensor": tensor},
+              "quantization": QUANTIZATIONS[args.quantization], "target": {"device": args.device},
               "runtime": {"max_model_len": max_model_len, "max_num_seqs": 256, "max_num_batched_tokens": 8192}}
-    return build(recipe_from_dict(recipe), show_progress=False).output
+    result = build(recipe_from_dict(recipe), show_progress=False)
+    return result.output, result.seconds
+
+
+def greedy_outputs(llm, args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    from llmc.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(1234)
+    prompts = [[rng.randrange(10, vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.check_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=args.check_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """How many outputs are identical, and the mean length of the common prefix."""
+    prefix = [next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b))) for a, b in zip(reference, other)]
+    return {"identical": sum(a == b for a, b in zip(reference, other)), "of": len(reference),
+            "mean_common_prefix": round(sum(prefix) / max(1, len(prefix)), 2), "tokens": len(reference[0]) if reference else 0}
 
 
 class AllReduceTimer:
-    """Wraps rank 0's tensor-parallel all-reduce: CUDA events around each call, summed per step."""
+    """Wraps rank 0's tensor-parallel all-reduce: CUDA events around each call (on a CPU, gloo's wait is
+    synchronous: the wall clock), summed per step; and the wall time of each forward, synchronised."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, is_cuda: bool = True):
         import torch
 
-        self.torch = torch
+        self.sync = torch.cuda.synchronize if is_cuda else (lambda: None)
         self.events: list[tuple] = []
         self.step_times: list[float] = []
         model = runner.shard.model if hasattr(runner, "shard") else runner.model  # parallel driver | one rank
@@ -73,21 +120,22 @@ class AllReduceTimer:
             inner = group.all_reduce
 
             def timed(tensor):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
+                start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if is_cuda else (None, None)
+                start.record() if is_cuda else None
+                begin = time.perf_counter()
                 out = inner(tensor)
-                end.record()
-                self.events.append((start, end))
+                end.record() if is_cuda else None
+                self.events.append((start, end) if is_cuda else 1000 * (time.perf_counter() - begin))
                 return out
 
             group.all_reduce = timed  # the model's layers call the group object: this instance attribute wins
         forward = runner.forward_logits
 
         def timed_forward(input_ids, batch):
-            torch.cuda.synchronize()
+            self.sync()
             begin = time.perf_counter()
             logits = forward(input_ids, batch)
-            torch.cuda.synchronize()
+            self.sync()
             self.step_times.append(time.perf_counter() - begin)
             return logits
 
@@ -99,9 +147,9 @@ class AllReduceTimer:
 
     def per_step(self) -> tuple[float, float, float]:
         """(all-reduce ms per step, all-reduce calls per step, step ms), over the steps since reset."""
-        self.torch.cuda.synchronize()
+        self.sync()
         num_steps = max(1, len(self.step_times))
-        total_ms = sum(start.elapsed_time(end) for start, end in self.events)
+        total_ms = sum(e if isinstance(e, float) else e[0].elapsed_time(e[1]) for e in self.events)
         return total_ms / num_steps, len(self.events) / num_steps, 1000 * sum(self.step_times) / num_steps
 
 
@@ -135,21 +183,49 @@ def measure(llm, timer: AllReduceTimer, batch_size: int, prompt_tokens: int, out
     }
 
 
-def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path) -> list[dict]:
+def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path, deadline: float) -> tuple[list[dict], dict]:
+    """(a row per batch size, {build_s, load_s, backend, outputs}) for one tensor size; batch sizes
+    that would start after `deadline` (a perf_counter time) are skipped."""
+    import torch
+
     from llmc.runtime.llm import LLM
 
-    max_model_len = args.prompt_tokens + args.output_tokens + 8
-    artifact = build_artifact(args.model, tensor, args.dtype, max_model_len, directory)
-    results = []
-    with LLM(artifact, device="cuda", disable_log_stats=True) as llm:
-        timer = AllReduceTimer(llm.engine.runner)
+    max_model_len = args.prompt_tokens + max(args.output_tokens, args.check_tokens) + 8
+    log(f"tensor {tensor}: building")
+    artifact, build_s = build_artifact(args, tensor, max_model_len, directory)
+    log(f"tensor {tensor}: {'prebuilt' if build_s is None else f'built in {build_s:.1f} s'}, loading")
+    results, start = [], time.perf_counter()
+    # No prefix caching: the timed runs repeat their prompts, and prefill_ms must be a real prefill.
+    with LLM(artifact, device=args.device, disable_log_stats=True, enable_prefix_caching=False) as llm:
+        info = {"build_s": None if build_s is None else round(build_s, 1), "load_s": round(time.perf_counter() - start, 1),
+                "backend": tp_backend_name(llm.engine.runner)}
         vocab_size = llm.engine.manifest.model.vocab_size
+        info["outputs"] = greedy_outputs(llm, args, vocab_size) if args.check_prompts else []
+        timer = AllReduceTimer(llm.engine.runner, is_cuda=args.device == "cuda")
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+            if time.perf_counter() > deadline:
+                log(f"tensor {tensor}: out of time budget, batch size {batch_size} and later skipped")
+                break
             row = {"tensor": tensor, **measure(llm, timer, batch_size, args.prompt_tokens, args.output_tokens,
                                                vocab_size, args.repeats)}
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            log(json.dumps(row))
             results.append(row)
-    return results
+        del timer
+    del llm
+    gc.collect()  # the single-rank runner (and its KV cache, most of GPU 0) must go before the next size loads
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return results, info
+
+
+def tp_backend_name(runner) -> str | None:
+    """The tensor-parallel all-reduce's backend class (ProcessGroupNCCL on GPUs), None on one rank."""
+    group = runner.shard.model.tp_group if hasattr(runner, "shard") else None
+    return type(group.backend).__name__ if group is not None else None
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -177,18 +253,39 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     tensors = [int(t) for t in args.tensor.split(",")]
-    if not torch.cuda.is_available() or torch.cuda.device_count() < max(tensors):
+    if args.device == "cuda" and (not torch.cuda.is_available() or torch.cuda.device_count() < max(tensors)):
         print(f"needs {max(tensors)} CUDA GPUs, found {torch.cuda.device_count() if torch.cuda.is_available() else 0}",
               file=sys.stderr)
         return 2
-    rows = []
+    rows, infos = [], {}
+    env = {name: os.environ.get(name) for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")}
     with tempfile.TemporaryDirectory(prefix="bench-parallel-") as tmp:
-        for tensor in tensors:
-            rows.extend(run_tensor_size(args, tensor, Path(tmp)))
+        directory = Path(args.workdir) if args.workdir else Path(tmp)
+        directory.mkdir(parents=True, exist_ok=True)
+        begin = time.perf_counter()
+        for k, tensor in enumerate(tensors):
+            deadline = float("inf") if args.budget is None else begin + args.budget * (k + 1) / len(tensors)
+            tensor_rows, infos[tensor] = run_tensor_size(args, tensor, directory, deadline)
+            rows.extend(tensor_rows)
+            write_json(args, rows, infos, env)  # after every size: a run cut short keeps what it measured
     print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=2) + "\n")
+    for tensor, info in infos.items():
+        built = "prebuilt" if info["build_s"] is None else f"built in {info['build_s']} s"
+        print(f"tensor {tensor}: {built}, loaded in {info['load_s']} s, all-reduce backend {info['backend']}, "
+              f"outputs vs tensor 1: {info.get('agreement')}")
+    write_json(args, rows, infos, env)
     return 0
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], infos: dict, env: dict) -> None:
+    reference = infos.get(1, {}).get("outputs")
+    for info in infos.values():
+        if reference and info["outputs"]:
+            info["agreement"] = agreement(reference, info["outputs"])
+    if args.json:
+        summary = {t: {k: v for k, v in info.items() if k != "outputs"} for t, info in infos.items()}
+        Path(args.json).write_text(json.dumps({"args": vars(args), "env": env, "tensor_sizes": summary,
+                                               "results": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -112,9 +112,7 @@ def test_kv_heads_are_replicated_when_tensor_exceeds_them_and_vocab_is_padded(hf
 def test_quantized_shards_are_slices_of_the_one_rank_build_on_group_boundaries(ref_model_dir, tmp_path):
     # Quantized whole, split before packing: rank t's packed tensors are exactly the 1-rank build's
     # rows (column-parallel) or its words and groups (row-parallel: 192 columns = 24 int32 words of
-    # 8 levels, 6 groups of 32).
-    # (target cpu: the plain layout, whose words these slices index; the gpu layout is checked by unpacking
-    # in tests/quant/test_gpu_formats.py)
+    # 8 levels, 6 groups of 32). A cpu target keeps the plain layout (words along the input dimension).
     quant = {"quantization": {"method": "rtn", "bits": 4, "group_size": 32}, "target": {"device": "cpu"}}
     one = load_file(_build(ref_model_dir, tmp_path / "t1", **quant) / "rank-00" / "weights.safetensors")
     artifact = _build(ref_model_dir, tmp_path / "t2", tensor=2, **quant)
@@ -132,6 +130,30 @@ def test_quantized_shards_are_slices_of_the_one_rank_build_on_group_boundaries(r
             assert torch.equal(got[p + "attn.o.scales"], one[p + "attn.o.scales"][:, 6 * tp : 6 * (tp + 1)])
             assert torch.equal(got[p + "mlp.down.qweight"], one[p + "mlp.down.qweight"][:, 64 * tp : 64 * (tp + 1)])
             assert torch.equal(got[p + "mlp.down.scales"], one[p + "mlp.down.scales"][:, 16 * tp : 16 * (tp + 1)])
+
+
+def test_cuda_target_packs_4_bit_weights_in_the_gpu_layout_with_the_same_levels(ref_model_dir, tmp_path):
+    # The Triton W4A16 GEMM reads the "gpu" layout: a cuda-target build must emit it (else the GPU
+    # dequantizes every weight at every step), with the same levels and scales as the cpu-target build,
+    # per rank too (each rank packs its own slice).
+    from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
+    from llmc.quant.packing import unpack_words
+
+    quant = {"quantization": {"method": "rtn", "bits": 4, "group_size": 32}}
+    plain = load_file(_build(ref_model_dir, tmp_path / "cpu", target={"device": "cpu"}, **quant) / "rank-00" / "weights.safetensors")
+    artifact = _build(ref_model_dir, tmp_path / "cuda", tensor=2, target={"device": "cuda"}, **quant)
+    modules = read_manifest(artifact).quant.modules
+    assert modules["layers.0.mlp.down"]["layout"] == "gpu" and modules["lm_head"]["format"] == "dense"
+    for tp in range(2):
+        got = load_file(artifact / f"rank-{tp:02d}" / "weights.safetensors")
+        for name, in_features, columns in [("attn.o", 384, slice(192 * tp, 192 * (tp + 1))),
+                                           ("mlp.down", 1024, slice(512 * tp, 512 * (tp + 1)))]:
+            p = f"layers.3.{name}."
+            levels, scales, zeros = unpack_w4a16_from_gpu({"qweight": got[p + "qweight"], "scales": got[p + "scales"]},
+                                                           in_features // 2)
+            want = unpack_words(plain[p + "qweight"], 4, dim=1, size=in_features)[:, columns]
+            assert zeros is None and torch.equal(levels, want)
+            assert torch.equal(scales, plain[p + "scales"][:, columns.start // 32 : columns.stop // 32])
 
 
 @pytest.mark.parametrize("quantization", [

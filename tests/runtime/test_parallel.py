@@ -80,6 +80,18 @@ def test_greedy_output_is_identical_to_one_rank(artifacts, reference, tensor, pi
     assert _are_gone(pids)
 
 
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="reads /proc/PID/environ")
+def test_workers_start_with_nvlink_multicast_off(artifacts, monkeypatch):
+    # NVLS and multicast symmetric memory fail on some hosts: every process the runtime starts must
+    # have them off, whatever the parent's environment said.
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", raising=False)
+    with LLM(artifacts(2, 1), **ENGINE) as llm:
+        for pid in llm.engine.runner.worker_pids.values():
+            environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+            assert environ["NCCL_NVLS_ENABLE"] == "0" and environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
 @pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
 def test_llmc_run_prompt_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
     command = [sys.executable, "-m", "llmc.cli", "run", str(artifacts(tensor, pipeline)), "--prompt", "ROMEO:",

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Llama-3-8B-shaped end-to-end benchmarks on a fresh GPU machine, one stage per call (each < 600 s).
+#
+#   bash benchmarks/bench_8b.sh STAGE [OUT_DIR]        (from the repository root; OUT_DIR defaults to $OUT)
+#
+# Every stage makes the random-weight checkpoint (benchmarks/make_checkpoint.py), builds what it needs
+# with `llmc build` (recipes written under $WORK/recipes), runs its benchmark, and leaves in OUT_DIR:
+# bench_8b-STAGE.log (timestamped progress and build summaries) and the benchmark's JSON + markdown.
+#   w4    RTN W4A16 (g128, symmetric; no calibration): decode latency, cold start, then throughput
+#         128/128 while time is left              → e2e-w4-{decode,cold,throughput}.json, e2e-w4.md
+#   fp8   FP8 W8A8 (dynamic): decode, throughput 128/128 and 1024/256 → e2e-fp8-decode_throughput.json, e2e-fp8.md
+#   bf16  unquantized: the same as fp8                  → e2e-bf16-decode_throughput.json, e2e-bf16.md
+#   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
+#         all-reduce time per step (benchmarks/bench_parallel.py)    → parallel.json, parallel.md
+# WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
+# For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
+set -euo pipefail
+stage=${1:?usage: bench_8b.sh w4|fp8|bf16|tp [OUT_DIR]}
+out=${2:-${OUT:?give OUT_DIR or set OUT}}
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/benchmarks/gpu_env.sh"
+work=${WORK:-/tmp/llmc-bench8b}
+limit=${STAGE_LIMIT_S:-570}  # the benchmarks stop starting new parts after this many seconds of the stage
+mkdir -p "$out" "$work/recipes"
+cd "$work"  # not the repository root: its ./llmc folder would shadow the package
+log="$out/bench_8b-$stage.log"
+say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$log" >&2; }
+left() { echo $((limit - SECONDS)); }
+
+make_checkpoint() {
+  say "checkpoint: start"
+  python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" ${CKPT_ARGS:-} 2>&1 | tee -a "$log"
+  say "checkpoint: done; disk: $(df -h "$work" | tail -1)"
+}
+
+# build NAME TENSOR QUANTIZATION_YAML: the artifact in $work/NAME
+build() {
+  cat > "$work/recipes/${1//\//-}.yaml" <<EOF
+model: $work/ckpt
+output: $work/$1
+dtype: bfloat16
+quantization: $3
+parallel: {tensor: $2}
+runtime: {max_model_len: 4096, max_num_seqs: 256, max_num_batched_tokens: 8192}
+target: {device: cuda, gpu_memory_gib: 141}
+EOF
+  say "build $1: start"
+  python -m llmc.cli build "$work/recipes/${1//\//-}.yaml" -q 2>&1 | grep -v '^llmc: build:' | tee -a "$log"
+  say "build $1: done; $(du -sh "$work/$1" | cut -f1)"
+}
+
+# e2e NAME PARTS [extra bench_e2e flags...]: results in $out/e2e-STAGE-PARTS.json, tables appended to e2e-STAGE.md
+e2e() {
+  local name=$1 parts=$2 json="$out/e2e-$stage-${2//,/_}.json"
+  shift 2
+  say "bench_e2e $name $parts: start ($(left) s left)"
+  python "$repo/benchmarks/bench_e2e.py" "$work/$name=$name" --parts "$parts" --json "$json" \
+    --budget "$(left)" "$@" ${E2E_ARGS:-} 2>&1 | tee -a "$log" >&2 || say "bench_e2e $name $parts: FAILED"
+  python - "$json" >> "$out/e2e-$stage.md" <<'EOF' || true
+import json, sys
+print(json.load(open(sys.argv[1]))["table"] + "\n")
+EOF
+  say "bench_e2e $name $parts: done"
+}
+
+W4='{method: rtn, bits: 4, group_size: 128, symmetric: true}'
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | paste -sd, - || true)
+say "stage $stage on ${gpus:-no GPU}"
+case $stage in
+  w4)
+    make_checkpoint
+    build w4a16 1 "$W4"
+    e2e w4a16 decode
+    e2e w4a16 cold
+    e2e w4a16 throughput --throughput 128x128:1000 --time-limit 60
+    ;;
+  fp8|bf16)
+    make_checkpoint
+    if [ "$stage" = fp8 ]; then build fp8 1 '{method: fp8}'; else build bf16 1 '{method: none}'; fi
+    e2e "$stage" decode,throughput --throughput 128x128:1000,1024x256:200 --time-limit 75
+    ;;
+  tp)
+    make_checkpoint
+    # Both builds at once (CPU-bound: serialisation, hashing); bench_parallel reuses what is in --workdir.
+    build tp/tensor1-rtn-w4 1 "$W4" & build tp/tensor2-rtn-w4 2 "$W4" & wait
+    say "bench_parallel: start ($(left) s left)"
+    python "$repo/benchmarks/bench_parallel.py" --model "$work/ckpt" --quantization rtn-w4 --workdir "$work/tp" \
+      --tensor 1,2 --batch-sizes 1,128 --repeats 2 --budget "$(( $(left) - 60 ))" --json "$out/parallel.json" ${PARALLEL_ARGS:-} 2>&1 \
+      | tee -a "$log" \
+      | tee "$out/parallel.md" >&2 || say "bench_parallel: FAILED"
+    ;;
+  *) echo "unknown stage $stage: use w4, fp8, bf16 or tp" >&2; exit 2 ;;
+esac
+say "stage $stage: done"
+rm -rf "$work"

@@ -1,0 +1,186 @@
+"""A random-weight Hugging Face Llama checkpoint with Llama-3.1-8B's shapes, for speed benchmarks.
+
+    source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/make_checkpoint.py --out /tmp/ckpt8b
+
+Speed does not depend on the weight values, so the weights are random (normal(0, 0.02) for the
+embedding and every linear, RMSNorm weights 1), generated on the GPU when there is one and written as
+bf16 safetensors shards of about 5 GB with model.safetensors.index.json, config.json (Llama-3.1-8B's:
+llama3 rope scaling, untied embeddings) and generation_config.json. The real Llama-3 tokenizer cannot
+be fetched offline, so the tokenizer is built here with `tokenizers`: a word-level vocabulary of exactly
+vocab_size entries (ids below 128000 are the words "w0" ... , then Llama-3's special tokens), so every id
+the model can sample decodes to text, and any prompt encodes (unknown words map to <unk>).
+
+    --layers N   fewer decoder layers (same widths)
+    --tiny       a small config (2 layers, hidden 256, vocab 1024) for CPU tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+SHARD_BYTES = 5 * 10**9
+NUM_SPECIAL = 256  # Llama-3: <|begin_of_text|> = 128000, <|end_of_text|> = 128001, reserved specials to 128255
+
+
+def make_config(layers: int | None, tiny: bool) -> dict:
+    config = {**LLAMA3_8B, **(TINY if tiny else {})}
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    first_special = config["vocab_size"] - NUM_SPECIAL  # Llama-3's ids: bos 128000, eos 128001, 128008, 128009
+    config["bos_token_id"] = first_special
+    config["eos_token_id"] = [first_special + 1, first_special + 8, first_special + 9]
+    return config
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """HF name → shape, in the order the shards hold them (embedding, layers, norm, lm_head)."""
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (config["vocab_size"], hidden)}
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    tensor = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=generator)
+    return tensor.cpu()
+
+
+def write_weights(config: dict, out: Path, device: torch.device, seed: int) -> int:
+    """Write the shards and the index; returns the total bytes."""
+    generator = torch.Generator(device).manual_seed(seed)
+    shapes = tensor_shapes(config)
+    groups, group, group_bytes = [], [], 0  # names per shard, cut at ~SHARD_BYTES
+    for name, shape in shapes.items():
+        size = 2 * torch.Size(shape).numel()
+        if group and group_bytes + size > SHARD_BYTES:
+            groups.append(group)
+            group, group_bytes = [], 0
+        group.append(name)
+        group_bytes += size
+    groups.append(group)
+    weight_map, total = {}, 0
+    for index, names in enumerate(groups):
+        filename = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        tensors = {name: random_tensor(name, shapes[name], generator, device) for name in names}
+        save_file(tensors, str(out / filename), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map |= dict.fromkeys(names, filename)
+        print(f"  {filename}: {len(names)} tensors", flush=True)
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
+    return total
+
+
+def special_tokens() -> list[str]:
+    names = ["<|begin_of_text|>", "<|end_of_text|>"] + [f"<|reserved_special_token_{i}|>" for i in range(NUM_SPECIAL - 2)]
+    names[8], names[9] = "<|eom_id|>", "<|eot_id|>"  # 128008, 128009 in Llama-3.1
+    return names
+
+
+def write_tokenizer(config: dict, out: Path) -> None:
+    """A word-level tokenizer with exactly vocab_size ids: <unk>, words w1.., then the special tokens.
+    <unk> is an ordinary token to transformers (not in tokenizer_config), so it decodes as text."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    num_words = config["vocab_size"] - NUM_SPECIAL
+    specials = special_tokens()
+    vocab = {"<unk>": 0} | {f"w{i}": i for i in range(1, num_words)}
+    vocab |= {name: num_words + i for i, name in enumerate(specials)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with one space
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
+    bos = specials[0]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, num_words)])
+    assert tokenizer.get_vocab_size(with_added_tokens=True) == config["vocab_size"]
+    tokenizer.save(str(out / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": specials[1],
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": bos, "eos_token": specials[1]}))
+
+
+def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, device: str | None = None,
+                    seed: int = 0) -> dict:
+    """Write the checkpoint into `out` (created); returns {"seconds", "bytes", "config"}."""
+    start = time.perf_counter()
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = make_config(layers, tiny)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+                  "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_tokenizer(config, out)
+    total = write_weights(config, out, device, seed)
+    return {"seconds": round(time.perf_counter() - start, 1), "bytes": total, "config": config}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32, or 2 with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
+    parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = make_checkpoint(args.out, args.layers, args.tiny, args.device, args.seed)
+    print(f"wrote {args.out}: {result['bytes'] / 1e9:.2f} GB of weights, "
+          f"{result['config']['num_hidden_layers']} layers, in {result['seconds']} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
