@@ -238,6 +238,10 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
         x2 = x2.contiguous()
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     config = select_w4a16_config(x2.shape[0], in_features, out_features, table, num_sms)
+    if x.dtype == torch.float32 and config.kind == "fused":
+        # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
+        # dequantized and multiplied in fp32, exactly, as on the CPU.
+        config = _DEQUANT
     if config.kind == "dequant":
         weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, in_features, group_size)
         y = F.linear(x2, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
