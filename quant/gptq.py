@@ -9,6 +9,11 @@ most freedom is left to compensate them. With static groups (the default), group
 computed up front from the original weight, per ORIGINAL column index: the stored groups are then
 plain i // group_size, g_idx stays None and the runtime needs neither a permutation nor a g_idx.
 With `static_groups=False`, groups follow the quantization order instead and `g_idx` is returned.
+
+Group parameters: each group's range is searched (`search_qparams`) over clip ratios 1 … 0.75 for
+the smallest rounding error weighted by H_ii, the diagonal of the Hessian (how much each input
+column's error costs at the output). On ref-llama-12m this took GPTQ W4 g128 from 50.24 to 50.20
+perplexity on heldout.txt (benchmarks/RESULTS.md); min-max ranges are ratio 1, always a candidate.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from llmc.quant.rtn import check_bits, compute_qparams, dequantize_levels, quant
 logger = logging.getLogger("llmc")
 
 _MAX_DAMP_ATTEMPTS = 6
+CLIP_RATIOS = torch.linspace(1.0, 0.75, 11).tolist()  # candidate group ranges, min-max first
 
 
 class HessianAccumulator:
@@ -80,6 +86,29 @@ def _inverse_hessian_cholesky(h: Tensor, damp_percent: float) -> Tensor:
     )
 
 
+def search_qparams(
+    w: Tensor, importance: Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype | None
+) -> tuple[Tensor, Tensor | None]:
+    """Scale and zero over the last dim of w [..., k] (like `compute_qparams`) with the range clipped
+    by the ratio in CLIP_RATIOS whose rounding error, Σ importance · (w − ŵ)², is smallest per group.
+    importance [k] or broadcastable to w: H_ii of each column."""
+    best_error = best_scales = best_zeros = None
+    for ratio in CLIP_RATIOS:
+        scales, zeros = compute_qparams(w, bits, symmetric, ratio, scale_dtype)  # [...]
+        z = None if zeros is None else zeros.unsqueeze(-1)
+        levels = quantize_levels(w, scales.unsqueeze(-1), z, bits)
+        error = ((w - dequantize_levels(levels, scales.unsqueeze(-1), z, bits)).pow(2) * importance).sum(-1)
+        if best_error is None:
+            best_error, best_scales, best_zeros = error, scales, zeros
+            continue
+        is_better = error < best_error  # ties keep the wider range
+        best_error = torch.where(is_better, error, best_error)
+        best_scales = torch.where(is_better, scales, best_scales)
+        if zeros is not None:
+            best_zeros = torch.where(is_better, zeros, best_zeros)
+    return best_scales, best_zeros
+
+
 @dataclass
 class _GroupTable:
     """Every group's scale and zero, and which group each quantization position belongs to."""
@@ -88,10 +117,12 @@ class _GroupTable:
     zeros: Tensor | None  # [out, num_groups] int32; None = symmetric
     group_of_position: list[int]  # [in] group of the column quantized at each position
     is_fresh: bool  # True: a group's parameters are taken when its first column is reached
+    importance: Tensor  # [in] H_ii of the column at each quantization position
 
 
 def _group_table(
     w: Tensor,
+    h_diag: Tensor,
     perm: Tensor,
     bits: int,
     group_size: int,
@@ -104,15 +135,14 @@ def _group_table(
     num_out, num_in = w.shape
     num_groups = num_groups_of(num_in, group_size)
     if is_static:
-        scales, zeros = compute_qparams(
-            w.reshape(num_out, num_groups, -1), bits, symmetric, scale_dtype=scale_dtype
-        )
+        importance = h_diag.reshape(num_groups, -1)  # [G, group columns], broadcast over the rows
+        scales, zeros = search_qparams(w.reshape(num_out, num_groups, -1), importance, bits, symmetric, scale_dtype)
     else:
         scales = torch.zeros(num_out, num_groups, dtype=torch.float32, device=w.device)
         zeros = None if symmetric else torch.zeros(num_out, num_groups, dtype=torch.int32, device=w.device)
     columns = perm if is_static else torch.arange(num_in, device=w.device)
     group_of_position = columns // group_size if group_size > 0 else torch.zeros_like(columns)
-    return _GroupTable(scales, zeros, group_of_position.tolist(), not is_static)
+    return _GroupTable(scales, zeros, group_of_position.tolist(), not is_static, h_diag[perm])
 
 
 def _quantize_columns(
@@ -143,9 +173,9 @@ def _quantize_columns(
         for i in range(end - start):
             group = table.group_of_position[start + i]
             if table.is_fresh and (start + i) % group_size == 0:
-                scale, zero = compute_qparams(
-                    block[:, i : i + group_size], bits, table.zeros is None, scale_dtype=scale_dtype
-                )
+                first = start + i
+                scale, zero = search_qparams(block[:, i : i + group_size], table.importance[first : first + group_size],
+                                             bits, table.zeros is None, scale_dtype)
                 table.scales[:, group] = scale
                 if table.zeros is not None:
                     table.zeros[:, group] = zero
@@ -187,7 +217,8 @@ def gptq_quantize(
     else:
         perm = torch.arange(num_in, device=w.device)
     is_static = group_size == -1 or (act_order and static_groups)
-    table = _group_table(w, perm, bits, group_size, symmetric, is_static, scale_dtype)
+    table = _group_table(w, torch.diagonal(h).float().to(w.device), perm, bits, group_size, symmetric, is_static,
+                         scale_dtype)
     hinv = _inverse_hessian_cholesky(h[perm][:, perm], damp_percent).to(w.device)
     if group_size > 0:  # whole groups per block, see _quantize_columns
         block_size = group_size * max(1, block_size // group_size)

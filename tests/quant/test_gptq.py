@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from llmc.quant.formats import IntWeightFormat
-from llmc.quant.gptq import HessianAccumulator, gptq_quantize
+from llmc.quant.gptq import CLIP_RATIOS, HessianAccumulator, gptq_quantize
 from llmc.quant.reference import dequantize, dequantize_weight
-from llmc.quant.rtn import rtn_quantize
+from llmc.quant.rtn import fake_quantize, rtn_quantize
 
 
 def correlated_inputs(num_tokens: int = 1024, in_features: int = 128, seed: int = 0) -> torch.Tensor:
@@ -56,9 +56,19 @@ def test_gptq_output_error_is_below_rtn(bits, group_size, symmetric, act_order) 
 def test_static_act_order_groups_come_from_the_original_columns() -> None:
     x = correlated_inputs()
     weight = torch.randn(32, 128)
-    q = gptq_quantize(weight, hessian_of(x), 4, 32, True, act_order=True)
-    expected_scales = rtn_quantize(weight, 4, 32, True).scales
+    hessian = hessian_of(x)
+    q = gptq_quantize(weight, hessian, 4, 32, True, act_order=True)
+    # Each group's range: the clip ratio whose H_ii-weighted rounding error of the ORIGINAL columns is least.
+    h_diag = torch.diagonal(hessian).view(1, 4, 32)
+    errors, scales = [], []
+    for ratio in CLIP_RATIOS:
+        fake = fake_quantize(weight, 4, 32, True, clip_ratio=ratio).view(32, 4, 32)
+        errors.append(((weight.view(32, 4, 32) - fake).pow(2) * h_diag).sum(-1))  # [out, G]
+        scales.append(rtn_quantize(weight, 4, 32, True, clip_ratio=ratio).scales)
+    best = torch.stack(errors).argmin(dim=0)  # [out, G]
+    expected_scales = torch.stack(scales).gather(0, best.unsqueeze(0))[0]
     torch.testing.assert_close(q.scales, expected_scales)
+    assert (best > 0).any()  # some ranges are clipped: the search did something
 
 
 def test_dynamic_act_order_returns_g_idx_that_packs_and_dequantizes() -> None:
