@@ -12,8 +12,11 @@ With `static_groups=False`, groups follow the quantization order instead and `g_
 
 Group parameters: each group's range is searched (`search_qparams`) over clip ratios 1 … 0.75 for
 the smallest rounding error weighted by H_ii, the diagonal of the Hessian (how much each input
-column's error costs at the output). On ref-llama-12m this took GPTQ W4 g128 from 50.24 to 50.20
-perplexity on heldout.txt (benchmarks/RESULTS.md); min-max ranges are ratio 1, always a candidate.
+column's error costs at the output); min-max ranges are ratio 1, always a candidate. Per-channel
+quantization keeps min-max ranges. On ref-llama-12m (heldout.txt, benchmarks/RESULTS.md) the search
+took W4 g128 from 50.24 to 50.20 and W3 g128 from 52.20 to 51.49, but per channel it raised W4
+from 50.19 to 50.39: one range spans the whole row there, and clipping its outliers costs more on
+unseen text than GPTQ's compensation recovers.
 """
 
 from __future__ import annotations
@@ -134,7 +137,9 @@ def _group_table(
     fresh ones get filled by `_quantize_columns`, groups then following the quantization order."""
     num_out, num_in = w.shape
     num_groups = num_groups_of(num_in, group_size)
-    if is_static:
+    if is_static and group_size == -1:
+        scales, zeros = compute_qparams(w.reshape(num_out, 1, -1), bits, symmetric, scale_dtype=scale_dtype)
+    elif is_static:
         importance = h_diag.reshape(num_groups, -1)  # [G, group columns], broadcast over the rows
         scales, zeros = search_qparams(w.reshape(num_out, num_groups, -1), importance, bits, symmetric, scale_dtype)
     else:
