@@ -22,6 +22,7 @@ from llmc.compiler.convert import (
 from llmc.compiler.calibration import calibration_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory
 from llmc.compiler.import_quantized import ImportPacker, import_formats
+from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe
@@ -63,15 +64,18 @@ class _Context:
     module_formats: dict[str, dict]
     parallel: art.ParallelPlan | None = None
     report: dict = field(default_factory=dict)
+    w4a16_kernels: dict = field(default_factory=dict)  # the plan's kernel table (art.Plan.w4a16_kernels)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     """Build the artifact a recipe describes, atomically, and return its manifest."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
+    _check_tuning(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
+    ctx.w4a16_kernels = _plan_kernels(ctx, timings)
     output = recipe.output_dir
     with atomic_directory(output) as tmp:
         _timed(timings, "tokenizer", lambda: _copy_tokenizer(ctx.model_dir, tmp / art.TOKENIZER_DIR))
@@ -144,6 +148,32 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
 def _plan_parallel(ctx: _Context) -> art.ParallelPlan:
     tensor_bytes = [(name, _num_bytes(dtype, shape)) for name, dtype, shape in artifact_tensor_specs(ctx.model, ctx.module_formats)]
     return plan_parallel(ctx.recipe.parallel, ctx.model, ctx.spec, ctx.module_formats, tensor_bytes)
+
+
+def _check_tuning(recipe: Recipe) -> None:
+    """tune_kernels measures on this machine's GPU for a CUDA target: refuse it up front otherwise."""
+    if not recipe.target.tune_kernels:
+        return
+    if recipe.target.device != "cuda":
+        raise RecipeError("target.tune_kernels: only a cuda target runs the W4A16 kernels; "
+                          "set target.device: cuda or tune_kernels: false")
+    if not torch.cuda.is_available():
+        raise RecipeError("target.tune_kernels: true needs a CUDA GPU on the build machine (none is visible); "
+                          "build on the target GPU, or set tune_kernels: false to record the H200 table and heuristic")
+
+
+def _plan_kernels(ctx: _Context, timings: dict) -> dict:
+    """The W4A16 kernel per GEMM shape of this artifact (empty without w4a16 linears in the gpu layout)."""
+    shapes = w4a16_gemm_shapes(ctx.model, ctx.parallel, ctx.module_formats)
+    if not shapes:
+        if ctx.recipe.target.tune_kernels:
+            logger.info("target.tune_kernels: no w4a16 linear in the gpu layout, nothing to tune")
+        return {}
+    measured = {}
+    if ctx.recipe.target.tune_kernels:
+        dtype = getattr(torch, ctx.model.dtype)
+        measured = _timed(timings, "tune kernels", lambda: tune_w4a16_shapes(shapes, dtype))
+    return plan_w4a16_kernels(shapes, measured)
 
 
 def _num_bytes(dtype: torch.dtype, shape: tuple) -> int:
@@ -239,7 +269,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
                             settings=dataclasses.asdict(recipe.quantization), report=ctx.report),
         parallel=ctx.parallel,
         kv=kv,
-        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes),
+        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels),
         runtime=runtime,
         files=art.hash_files(root),
     )
@@ -259,8 +289,9 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
 
 
 def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, runtime: art.RuntimeDefaults,
-          kv: art.KVSpec, weight_bytes: list[int]) -> art.Plan:
-    """Graph buckets and the memory estimate of the rank with the least KV room (which bounds them all)."""
+          kv: art.KVSpec, weight_bytes: list[int], w4a16_kernels: dict) -> art.Plan:
+    """Graph buckets, the memory estimate of the rank with the least KV room (which bounds them all),
+    and the W4A16 kernel table."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
     estimates = memory.estimate_per_rank(model, parallel, weight_bytes, kv.dtype, runtime, int(gpu_gib * memory.GIB))
     estimate = min(estimates, key=lambda e: e.num_kv_tokens)
@@ -275,6 +306,7 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
         max_num_batched_tokens=runtime.max_num_batched_tokens,
         weight_bytes_per_rank=weight_bytes,
         memory={"target_gpu_memory_gib": gpu_gib, **estimate.to_dict(), **per_rank},
+        w4a16_kernels=w4a16_kernels,
     )
 
 

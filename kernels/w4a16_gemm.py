@@ -11,9 +11,10 @@ The weights are packed once, at compile time, into the "gpu" layout (`pack_w4a16
 One K tile is one [16, BLOCK_N] int32 load (16-byte vectors along N) and one scale row per group.
 
 Dispatch (`w4a16_linear`): on CUDA the Triton kernels of w4a16_triton.py, with the kernel and its
-tile sizes per (K, N, M) read from a tuning table (`w4a16_tune.tune_w4a16` measures one, once, on the
-target GPU; DEFAULT_W4A16_TABLE is what runs when none is given, a heuristic for shapes it lacks);
-on CPU dequantize + F.linear.
+tile sizes per (K, N, M) read from a tuning table: the one the compiler recorded in the artifact's
+plan for its shapes (`w4a16_tune.tune_w4a16` measures one, once, on the build GPU), or, for an
+artifact that records none, DEFAULT_W4A16_TABLE and a heuristic for shapes it lacks; on CPU
+dequantize + F.linear.
 """
 
 from __future__ import annotations
@@ -118,6 +119,8 @@ class W4A16Config:
 
 _DEQUANT = W4A16Config(kind="dequant")
 
+DEFAULT_W4A16_TABLE_GPU = "NVIDIA H200"  # torch.cuda.get_device_name() of the GPU it was measured on
+
 # Measured by `tune_w4a16` on an NVIDIA H200 (benchmarks/bench_kernels.py --tune, torch 2.11,
 # triton 3.6, bf16, group size 128); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
@@ -197,6 +200,30 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
     while num_programs * split_k < 2 * num_sms and split_k * 2 <= num_tiles // 2:
         split_k *= 2
     return W4A16Config(kind, block_m, block_n, split_k, is_stacked=is_stacked)
+
+
+# The M at which heuristic_w4a16_config changes: one token, per-slice tiles to 16, stacked tiles to 64,
+# dequantize + matmul above (its split-K depends on ceil(M / block_m), which is 1 up to each bound).
+_HEURISTIC_MAX_MS = (1, 16, 64, 128)
+
+
+def heuristic_w4a16_entries(k: int, n: int, num_sms: int) -> list[tuple[int, W4A16Config, None]]:
+    """The heuristic as table entries [(max_m, config, None: not measured)]: the table lookup gives
+    the heuristic's config at every M."""
+    return [(m, heuristic_w4a16_config(m, k, n, num_sms), None) for m in _HEURISTIC_MAX_MS]
+
+
+def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
+    """A JSON table ({"KxN": [[max_m, config dict, us or null], ...]}) → the lookup's form: entries
+    sorted by max_m, configs as W4A16Config. A malformed entry raises TypeError or ValueError."""
+    parsed = {}
+    for shape, entries in table.items():
+        rows = [(int(m), config if isinstance(config, W4A16Config) else W4A16Config(**config), us)
+                for m, config, us in entries]
+        if not rows or any(config.kind not in ("gemv", "fused", "dequant") for _, config, _ in rows):
+            raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
+        parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
+    return MappingProxyType(parsed)
 
 
 def select_w4a16_config(m: int, k: int, n: int, table: Mapping | None, num_sms: int) -> W4A16Config:

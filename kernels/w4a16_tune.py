@@ -1,4 +1,5 @@
-"""Measure a W4A16 tuning table once, on the target GPU (never at server start).
+"""Measure a W4A16 tuning table once, on the target GPU (never at server start): `llmc build` with
+`target.tune_kernels: true` runs it for the artifact's shapes and records the result in the plan.
 
 `tune_w4a16(shapes)` times, for each (K, N) and each M of `ms`, the fused kernel's candidate tiles
 and the dequantize + cuBLAS path, checks each candidate's output, and returns the table that

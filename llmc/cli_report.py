@@ -12,6 +12,7 @@ from llmc.runtime import memory
 from llmc.runtime.parallel.layout import all_rank_layouts
 
 COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"))
+KERNEL_MS = (1, 16, 256)  # the M (tokens in a step) at which inspect shows the planned W4A16 kernel
 
 
 def _fmt_bytes(n: float) -> str:
@@ -59,6 +60,8 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "kv": {**manifest.kv.__dict__, "bytes_per_token": manifest.kv.bytes_per_token},
         "runtime": runtime.__dict__,
         "cuda_graph_batch_sizes": manifest.plan.cuda_graph_batch_sizes,
+        "w4a16_kernels": manifest.plan.w4a16_kernels,
+        "w4a16_kernel_summary": _kernel_summary(manifest),
         "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
         "num_files": len(manifest.files),
     }
@@ -74,6 +77,30 @@ def _rank_rows(manifest: art.Manifest, estimates: list[memory.MemoryEstimate]) -
             "weight_bytes": est.weight_bytes, "kv_bytes_per_token": est.kv_bytes_per_token,
             "num_kv_tokens": est.num_kv_tokens,
         })
+    return rows
+
+
+def _kernel_summary(manifest: art.Manifest) -> dict[str, dict]:
+    """Per "KxN" of the plan's W4A16 table: the kernel kind at each of KERNEL_MS, and the record's source."""
+    from llmc.kernels.w4a16_gemm import select_w4a16_config
+    from llmc.runtime.loader import kernel_table
+
+    table = kernel_table(manifest) or {}
+    summary = {}
+    for shape, record in manifest.plan.w4a16_kernels.items():
+        k, n = map(int, shape.split("x"))
+        kinds = {m: select_w4a16_config(m, k, n, table, num_sms=1).kind for m in KERNEL_MS}
+        summary[shape] = {"kind_at_m": kinds, "source": art.kernel_source_label(record)}
+    return summary
+
+
+def _kernel_rows(summary: dict[str, dict]) -> list[tuple[str, str]]:
+    if not summary:
+        return []
+    rows = [("w4a16 kernels", "K×N per rank: kernel at M = " + " / ".join(map(str, KERNEL_MS)))]
+    for shape, entry in summary.items():
+        kinds = ", ".join(f"M={m} {kind}" for m, kind in entry["kind_at_m"].items())
+        rows.append((f"  {shape}", f"{kinds} ({entry['source']})"))
     return rows
 
 
@@ -125,6 +152,7 @@ def print_inspect(report: dict) -> None:
     ]
     for module, spec in _format_runs(report["quantization"]["modules"]):
         rows.append((f"  {module}", _format_label(spec)))
+    rows += _kernel_rows(report["w4a16_kernel_summary"])
     par = report["parallel"]
     if par["tensor"] * par["pipeline"] > 1:
         rows.append(("parallel", f"tensor {par['tensor']} × pipeline {par['pipeline']}: "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +150,10 @@ class IntWeightFormat:
     layout "gpu" (4 bits, no g_idx): the tensors of kernels/w4a16_gemm.py's pack_w4a16_for_gpu, the
     layout the Triton W4A16 GEMM reads (qweight [ceil(in/128)*16, out] int32, scales [G, out],
     qzeros [G, ceil(out/8)] int32); on CPU it dequantizes like the plain layout.
+
+    kernel_table: the W4A16 kernel per (K, N, M) the artifact's plan records (w4a16_gemm's
+    `parse_w4a16_table` form), handed in by the runtime's loader; None: the kernels' default table.
+    Not part of the spec: it is the plan's, not the weights'.
     """
 
     dtype: torch.dtype
@@ -158,6 +162,7 @@ class IntWeightFormat:
     symmetric: bool = True
     has_g_idx: bool = False
     layout: str = "plain"  # "plain" | "gpu"
+    kernel_table: Mapping | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bits not in INT_FORMAT_NAMES:
@@ -282,7 +287,7 @@ class IntWeightFormat:
         """The fused GPU kernel for x's device, or None for the dequantize + matmul path.
 
         NOTE: the seam for the Triton int-weight GEMM (kernels/): weights in the gpu layout on CUDA
-        run kernels/w4a16_gemm.py (its recorded tuning table picks the kernel per shape).
+        run kernels/w4a16_gemm.py (`kernel_table`, the artifact's recorded one, picks the kernel per shape).
         """
         if self.is_gpu_layout and can_use_triton(x):
             return _w4a16_kernel
@@ -297,7 +302,9 @@ class IntWeightFormat:
 
 
 def _w4a16_kernel(x: Tensor, params: dict[str, Tensor], bias: Tensor | None, fmt: IntWeightFormat) -> Tensor:
-    return w4a16_linear(x, params["qweight"], params["scales"], params.get("qzeros"), bias, fmt.group_size)
+    return w4a16_linear(
+        x, params["qweight"], params["scales"], params.get("qzeros"), bias, fmt.group_size, fmt.kernel_table
+    )
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from llmc.errors import ArtifactError
 from llmc.runtime.spec_decode import SpeculativeConfig
 from llmc.schema import opt, parse
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: plan.w4a16_kernels (1.0 manifests load without it)
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 
@@ -140,12 +140,27 @@ class RuntimeDefaults:
 
 @dataclass(frozen=True)
 class Plan:
-    """Decisions made ahead of time for the runtime: graph buckets and the memory estimate."""
+    """Decisions made ahead of time for the runtime: graph buckets, the memory estimate, and which
+    W4A16 kernel runs each GEMM shape.
+
+    w4a16_kernels: one record per (K, N) per rank of the artifact's w4a16 linears in the gpu layout,
+      "KxN" → {"source": "measured" | "heuristic",
+               "gpu": the torch.cuda.get_device_name() it was measured on, or None,
+               "entries": [[max_m, W4A16Config as a dict, time in µs or None], ...]}
+      (the first entry whose max_m >= M applies, the last one beyond). Empty: no such linear, or an
+      artifact built before the field existed (the runtime then uses the kernels' default table).
+    """
 
     cuda_graph_batch_sizes: list[int]
     max_num_batched_tokens: int
     weight_bytes_per_rank: list[int]
     memory: dict = field(default_factory=dict)  # estimate for the target: total, weights, activations, kv
+    w4a16_kernels: dict = field(default_factory=dict)
+
+
+def kernel_source_label(record: dict) -> str:
+    """Where one plan.w4a16_kernels record came from: "measured on NVIDIA H200", "heuristic"."""
+    return f"measured on {record['gpu']}" if record.get("gpu") else str(record.get("source"))
 
 
 @dataclass(frozen=True)

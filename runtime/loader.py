@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
+from typing import Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from llmc.errors import ArtifactError
-from llmc.quant.formats import make_format
+from llmc.kernels.w4a16_gemm import DEFAULT_W4A16_TABLE_GPU, parse_w4a16_table
+from llmc.quant.formats import IntWeightFormat, LinearFormat, make_format
 from llmc.runtime import artifact as art
 from llmc.runtime.models.decoder import DecoderModel
 from llmc.runtime.parallel.layout import RankLayout
+
+logger = logging.getLogger("llmc")
 
 
 def compute_dtype(manifest: art.Manifest, device: torch.device) -> torch.dtype:
@@ -29,7 +34,9 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
     """
     dtype = compute_dtype(manifest, device)
     config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))
-    formats = {name: make_format(spec, dtype) for name, spec in manifest.quant.modules.items()}
+    formats = make_formats(manifest, dtype)
+    if device.type == "cuda" and any(_is_w4a16_gpu(fmt) for fmt in formats.values()):
+        log_kernel_table(manifest, device)
     with torch.device("meta"):
         model = DecoderModel(config, formats, max_positions, layout, tp_group)
     model.cos_sin = _rope_table(manifest, max_positions, device)
@@ -37,6 +44,47 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
     art.check_sizes(artifact_dir, manifest, [rel])
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
     return model.eval()
+
+
+def make_formats(manifest: art.Manifest, dtype: torch.dtype) -> dict[str, LinearFormat]:
+    """Runtime module name → its format; w4a16 linears in the gpu layout carry the plan's kernel table."""
+    table = kernel_table(manifest)
+    formats = {}
+    for name, spec in manifest.quant.modules.items():
+        fmt = make_format(spec, dtype)
+        formats[name] = dataclasses.replace(fmt, kernel_table=table) if _is_w4a16_gpu(fmt) else fmt
+    return formats
+
+
+def _is_w4a16_gpu(fmt: LinearFormat) -> bool:
+    return isinstance(fmt, IntWeightFormat) and fmt.is_gpu_layout
+
+
+def kernel_table(manifest: art.Manifest) -> Mapping | None:
+    """The plan's W4A16 kernel table in the kernels' lookup form; None when the manifest records none."""
+    records = manifest.plan.w4a16_kernels
+    if not records:
+        return None
+    try:
+        return parse_w4a16_table({shape: record["entries"] for shape, record in records.items()})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ArtifactError(f"manifest.json: plan.w4a16_kernels is malformed ({e}); rebuild the artifact") from None
+
+
+def log_kernel_table(manifest: art.Manifest, device: torch.device) -> None:
+    """Say once per load which table picks the W4A16 kernels, and whether it was measured on another GPU."""
+    records = manifest.plan.w4a16_kernels
+    if not records:
+        logger.info("w4a16 kernels: the artifact records no kernel table (built before llmc recorded one); "
+                    "using the built-in table measured on %s, and a heuristic for other shapes", DEFAULT_W4A16_TABLE_GPU)
+        return
+    sources = sorted({art.kernel_source_label(record) for record in records.values()})
+    logger.info("w4a16 kernels: the artifact's table for %d shape(s) (%s)", len(records), ", ".join(sources))
+    gpu = torch.cuda.get_device_name(device)
+    other = sorted({record["gpu"] for record in records.values() if record.get("gpu") and record["gpu"] != gpu})
+    if other:
+        logger.info("w4a16 kernels: entries measured on %s, this GPU is %s; using them as planned "
+                    "(rebuild with target.tune_kernels: true on this GPU to measure it here)", ", ".join(other), gpu)
 
 
 def _rope_table(manifest: art.Manifest, max_positions: int, device: torch.device) -> torch.Tensor:

@@ -11,7 +11,9 @@ from llmc.kernels.w4a16_gemm import (
     dequantize_w4a16,
     gpu_packed_shapes,
     heuristic_w4a16_config,
+    heuristic_w4a16_entries,
     pack_w4a16_for_gpu,
+    parse_w4a16_table,
     select_w4a16_config,
     unpack_w4a16_from_gpu,
     w4a16_linear,
@@ -102,6 +104,23 @@ def test_table_lookup_and_heuristic() -> None:
     assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "fused"
     assert select_w4a16_config(1, 4096, 28672, None, 132).kind == "gemv"  # the recorded H200 table
     assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
+
+
+@pytest.mark.parametrize("k,n,num_sms", [(4096, 4096, 132), (14336, 4096, 108), (384, 640, 132), (64, 64, 16)])
+def test_heuristic_entries_give_the_heuristic_at_every_m(k, n, num_sms) -> None:
+    table = {f"{k}x{n}": heuristic_w4a16_entries(k, n, num_sms)}
+    for m in range(1, 5000):
+        assert select_w4a16_config(m, k, n, table, 0) == heuristic_w4a16_config(m, k, n, num_sms), m
+
+
+def test_parse_table_sorts_entries_and_refuses_malformed_ones() -> None:
+    table = json.loads(json.dumps({"64x64": [[64, {"kind": "dequant"}, None], [1, W4A16Config("gemv", 1).to_dict(), 2.5]]}))
+    parsed = parse_w4a16_table(table)
+    assert parsed["64x64"] == ((1, W4A16Config("gemv", 1), 2.5), (64, W4A16Config("dequant"), None))
+    for bad in ({"64x64": []}, {"64x64": [[1, {"kind": "magic"}, None]]}, {"64x64": [[1, {"tile": 3}, None]]},
+                {"64x64": [[1, {"kind": "dequant"}]]}):
+        with pytest.raises((TypeError, ValueError)):
+            parse_w4a16_table(bad)
 
 
 # (kind, block_m, block_n, split_k, is_stacked): every kernel path, split and not, a partial N tile
