@@ -11,10 +11,10 @@ The variants depend on the bits. At 4 bits and more: the scale search alone. Bel
 duo scaling (scales from weight magnitudes too) and the per-group clipping search, each on or off.
 Measured on ref-llama-12m (W4 g128 asymmetric, heldout.txt; benchmarks/RESULTS.md): clipping and duo
 scaling lowered the layer-output error on calibration text by up to 23% but raised perplexity on
-unseen text (50.32-50.51 against 50.05 for the scale search alone and 50.20 for round-to-nearest),
-on every source of heldout.txt; at 3 bits clipping is what beats the peer (52.16-52.24 against 52.71
-without it). The step of a 4-bit grid is small enough that a clipped outlier costs more on text
-unlike the calibration set than the rounding it saves on it.
+unseen text (50.32-50.51 against 50.05 for the scale search alone and 50.20 for round-to-nearest);
+at 3 bits clipping is what beats the peer (52.16-52.24 against 52.71 without it). Likely reason: the
+step of a 4-bit grid is small enough that a clipped outlier costs more on unseen text than the
+rounding it saves on the calibration text.
 """
 
 from __future__ import annotations
