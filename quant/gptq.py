@@ -90,13 +90,14 @@ def _inverse_hessian_cholesky(h: Tensor, damp_percent: float) -> Tensor:
 
 
 def search_qparams(
-    w: Tensor, importance: Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype | None
+    w: Tensor, importance: Tensor, bits: int, symmetric: bool, scale_dtype: torch.dtype | None,
+    ratios: list[float] = CLIP_RATIOS,
 ) -> tuple[Tensor, Tensor | None]:
     """Scale and zero over the last dim of w [..., k] (like `compute_qparams`) with the range clipped
-    by the ratio in CLIP_RATIOS whose rounding error, Σ importance · (w − ŵ)², is smallest per group.
-    importance [k] or broadcastable to w: H_ii of each column."""
+    by the ratio in `ratios` whose rounding error, Σ importance · (w − ŵ)², is smallest per group.
+    importance [k] or broadcastable to w: H_ii of each column. ratios [1.0]: min-max ranges."""
     best_error = best_scales = best_zeros = None
-    for ratio in CLIP_RATIOS:
+    for ratio in ratios:
         scales, zeros = compute_qparams(w, bits, symmetric, ratio, scale_dtype)  # [...]
         z = None if zeros is None else zeros.unsqueeze(-1)
         levels = quantize_levels(w, scales.unsqueeze(-1), z, bits)
@@ -137,11 +138,11 @@ def _group_table(
     fresh ones get filled by `_quantize_columns`, groups then following the quantization order."""
     num_out, num_in = w.shape
     num_groups = num_groups_of(num_in, group_size)
-    if is_static and group_size == -1:
-        scales, zeros = compute_qparams(w.reshape(num_out, 1, -1), bits, symmetric, scale_dtype=scale_dtype)
-    elif is_static:
+    if is_static:
         importance = h_diag.reshape(num_groups, -1)  # [G, group columns], broadcast over the rows
-        scales, zeros = search_qparams(w.reshape(num_out, num_groups, -1), importance, bits, symmetric, scale_dtype)
+        ratios = CLIP_RATIOS if group_size > 0 else [1.0]  # per channel: min-max (see the module docstring)
+        scales, zeros = search_qparams(w.reshape(num_out, num_groups, -1), importance, bits, symmetric, scale_dtype,
+                                       ratios)
     else:
         scales = torch.zeros(num_out, num_groups, dtype=torch.float32, device=w.device)
         zeros = None if symmetric else torch.zeros(num_out, num_groups, dtype=torch.int32, device=w.device)
