@@ -10,6 +10,7 @@ helper here is reachable through a fixture:
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``shared_dir``, ``ref_model_dir`` -> ``Path``
+* ``free_gpu``: after the test, collect garbage and empty torch's CUDA cache
 
 The checkpoints are written exactly as ``save_pretrained`` writes them (transformers 5 writes
 ``rope_parameters``; pass ``legacy_rope_keys=True`` for the older ``rope_theta`` + ``rope_scaling``
@@ -20,6 +21,7 @@ engine that ignores them, disagrees with transformers.
 
 from __future__ import annotations
 
+import gc
 import os
 import json
 import shutil
@@ -424,3 +426,11 @@ def tiny_checkpoint(request) -> tuple[str, Path]:
     """``(family, path)`` for each family in turn (reuses the per-family session fixtures)."""
     family = request.param
     return family, request.getfixturevalue(f"tiny_{family}")
+
+
+@pytest.fixture
+def free_gpu():
+    """Give the GPU memory of the test's engines back (the next test's memory plan measures it)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()

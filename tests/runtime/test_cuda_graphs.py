@@ -134,13 +134,6 @@ def test_padding_rows_write_only_the_scratch_block_and_change_no_result(artifact
 # ---- on a GPU ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def free_gpu():
-    """Give the GPU memory of the test's engines back (the next test's memory plan measures it)."""
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
-
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

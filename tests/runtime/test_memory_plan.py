@@ -2,7 +2,6 @@
 refusal when max_model_len does not fit, and (on a GPU) the measured plan against `llmc inspect`."""
 
 import dataclasses
-import gc
 
 import pytest
 import torch
@@ -128,12 +127,6 @@ def test_refusal_names_the_knobs_in_one_line():
 
 # ---- on a GPU ------------------------------------------------------------------------------------
 
-
-@pytest.fixture
-def free_gpu():
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu
