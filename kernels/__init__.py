@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 
+import torch
 from torch import Tensor
 
 
@@ -22,3 +23,14 @@ def is_triton_installed() -> bool:
 def can_use_triton(*tensors: Tensor) -> bool:
     """The dispatch rule of every public kernel: Triton when all tensors are on CUDA and triton imports."""
     return all(t.is_cuda for t in tensors) and is_triton_installed()
+
+
+def device_num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device ("cuda" alone: the current one), asked once per
+    device: kernels plan their grids from it at every call."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import device_num_sms
 from .attention import PARTITION_SIZE, num_decode_partitions
 
 BLOCK_N = 64  # keys per tile
@@ -269,8 +270,7 @@ def _int32(values: list[int], device: torch.device) -> Tensor:
 
 
 def _choose_num_partitions(num_programs: int, max_context: int, device: torch.device) -> int:
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return num_decode_partitions(num_programs, max_context, num_sms)
+    return num_decode_partitions(num_programs, max_context, device_num_sms(device) if device.type == "cuda" else 1)
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, rows, is_dense, num_partitions,

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import can_use_triton
+from . import can_use_triton, device_num_sms
 
 K_TILE = 128  # input columns per packed tile
 _WORD_ROWS = K_TILE // 8  # int32 word rows per tile
@@ -263,8 +263,7 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
         return x.new_empty(*x.shape[:-1], out_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    config = select_w4a16_config(x2.shape[0], in_features, out_features, table, num_sms)
+    config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
     if x.dtype == torch.float32 and config.kind == "fused":
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.

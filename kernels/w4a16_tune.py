@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
 from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu
 
@@ -69,7 +70,7 @@ def tune_w4a16(
     from .w4a16_triton import launch_w4a16_dequantize, launch_w4a16_gemm
 
     device = torch.device("cuda")
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = device_num_sms(device)
     flush = make_l2_flush_buffer(device)
     table = {}
     for k, n in shapes:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from llmc.errors import ConfigError
+from llmc.kernels import device_num_sms
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
@@ -188,7 +189,7 @@ def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torc
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return memory.DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return device_num_sms(device)
 
 
 def check_num_kv_blocks(num_blocks: int, options: art.RuntimeDefaults, device: torch.device,
