@@ -96,6 +96,23 @@ class LayerRunner:
             out[start : start + chunk.shape[0]] = (x + residual).view_as(chunk).to(out.device)
         return out
 
+    @torch.inference_mode()
+    def capture_paired(self, module: DecoderLayer, hidden: Tensor, float_module: DecoderLayer, hidden_float: Tensor,
+                       names: list[str], observe) -> None:
+        """Run `module` on hidden and `float_module` on hidden_float (both [num_windows, seq_len, hidden]),
+        a chunk of windows at a time, calling observe(name, x, x_float) with each named linear's inputs
+        in both for the same tokens ([num_tokens, in_features] each)."""
+        inputs = {}
+        for start in range(0, hidden.shape[0], self.windows_per_chunk):
+            chunk = slice(start, start + self.windows_per_chunk)
+            for key, mod, states in (("x", module, hidden), ("x_float", float_module, hidden_float)):
+                handles = capture_inputs(mod, names, lambda n, x, key=key: inputs.__setitem__((key, n), x))
+                self.forward(mod, states[chunk])
+                for handle in handles:
+                    handle.remove()
+            for name in names:
+                observe(name, inputs["x", name], inputs["x_float", name])
+
     def _batch(self, num_windows: int) -> ForwardBatch:
         blocks_per_window = -(-self.seq_len // BLOCK_SIZE)
         positions = torch.arange(self.seq_len, device=self.device).repeat(num_windows)

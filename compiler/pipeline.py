@@ -40,6 +40,9 @@ class QuantizingPacker:
         self.quantizer = LayerQuantizer(quant, formats, config, self.runner)
         embed = reader.get(spec.global_tensors["embed.weight"]).float()
         self.hidden = embed[calibration] if calibration is not None else None  # [num_samples, seq_len, hidden]
+        # Float targets: the same windows through the float model, for GPTQ's W* (quant/gptq.py).
+        is_float_target = quant.float_targets and quant.method == "gptq" and self.hidden is not None
+        self.hidden_float = self.hidden.clone() if is_float_target else None
         self.held_out = held_out
         self.eval_float = embed[held_out] if held_out is not None else None
         self.eval_quant = self.eval_float.clone() if held_out is not None else None
@@ -47,7 +50,7 @@ class QuantizingPacker:
 
     def __call__(self, layer: LayerWeights) -> LayerWeights:
         float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
-        quantized = self.quantizer.quantize(layer, self.hidden)
+        quantized = self.quantizer.quantize(layer, self.hidden, self.hidden_float)
         # None: stays dense (AWQ may have rescaled it); the quantizer left dequantized weights in `layer`.
         result = {name: layer.linears[name] if q is None else q for name, q in quantized.items()}
         self._advance(float_layer, layer)
@@ -56,12 +59,14 @@ class QuantizingPacker:
     def _advance(self, float_layer: LayerWeights, quant_layer: LayerWeights) -> None:
         if self.runner is None:
             return
-        module = self.runner.build_layer(quant_layer)
+        module, float_module = self.runner.build_layer(quant_layer), self.runner.build_layer(float_layer)
         if self.hidden is not None:
             self.hidden = self.runner.forward(module, self.hidden)
+        if self.hidden_float is not None:
+            self.hidden_float = self.runner.forward(float_module, self.hidden_float)
         if self.eval_quant is not None:
             self.eval_quant = self.runner.forward(module, self.eval_quant)
-            self.eval_float = self.runner.forward(self.runner.build_layer(float_layer), self.eval_float)
+            self.eval_float = self.runner.forward(float_module, self.eval_float)
 
     def pack_global(self, module: str, weight: Tensor) -> UnpackedLinear:
         """Embedding and final norm stay dense; lm_head takes its planned format (RTN when quantized).

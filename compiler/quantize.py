@@ -4,7 +4,8 @@ NOTE (algorithm): calibration hidden states [num_samples, seq_len, hidden] flow 
 decoder layer at a time. For layer i the packer (1) builds the runtime's float32 layer from the
 checkpoint, (2) quantizes its linears with the recipe's method, reading the inputs that reach them
 through the already-quantized layers 0..i-1 (GPTQ quantizes qkv, o, gate_up, down in turn, each seeing
-the inputs its quantized predecessors produce; AWQ searches scales on the float layer, folds them
+the inputs its quantized predecessors produce, and with float targets fits them to the float model's
+outputs, carried alongside as a second stream of hidden states; AWQ searches scales on the float layer, folds them
 into the preceding norm or linear, then searches clipping), (3) replaces the weights with their
 dequantized values and runs the layer to produce layer i+1's inputs. Held-out windows flow through
 both the float and the quantized layers, so the build can report what quantization cost.
@@ -26,7 +27,7 @@ from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, QuantizedWeight, num_groups_of
 from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight
-from llmc.quant.gptq import HessianAccumulator, gptq_quantize
+from llmc.quant.gptq import HessianAccumulator, float_target_weight, gptq_quantize
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
@@ -131,14 +132,16 @@ class LayerQuantizer:
         self.config = config
         self.runner = runner
         self.scale_dtype = getattr(torch, config.dtype)
-        self.gptq_true_sequential = True  # each linear of a layer sees its quantized predecessors' outputs
 
-    def quantize(self, layer: LayerWeights, hidden: Tensor | None) -> dict[str, QuantizedWeight | None]:
+    def quantize(self, layer: LayerWeights, hidden: Tensor | None,
+                 hidden_float: Tensor | None = None) -> dict[str, QuantizedWeight | None]:
         """Quantized weight per linear name (None = stays dense). Leaves the dequantized weights in
-        `layer` (the next layer's inputs are computed with them); AWQ also rewrites its norms."""
+        `layer` (the next layer's inputs are computed with them); AWQ also rewrites its norms.
+        hidden: calibration hidden states through the quantized layers before; hidden_float: the same
+        windows through the float model, given for GPTQ's float targets."""
         method = self.quant.method
         if method == "gptq":
-            return self._gptq(layer, hidden)
+            return self._gptq(layer, hidden, hidden_float)
         if method == "awq":
             return self._awq(layer, hidden)
         input_scales = self._fp8_input_scales(layer, hidden) if method == "fp8" and self.quant.activations == "static" else {}
@@ -156,31 +159,40 @@ class LayerQuantizer:
     def _spec(self, layer: LayerWeights, name: str) -> dict:
         return self.formats[f"layers.{layer.index}.{name}"]
 
-    def _gptq(self, layer: LayerWeights, hidden: Tensor) -> dict:
+    def _gptq(self, layer: LayerWeights, hidden: Tensor, hidden_float: Tensor | None) -> dict:
         result = {}
-        hessians = {} if self.gptq_true_sequential else self._hessians(layer, hidden, list(layer.linears))
+        float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
         for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
             spec = self._spec(layer, name)
             if spec["format"] == "dense":
                 result[name] = None
                 continue
-            hessian = hessians[name] if name in hessians else self._hessians(layer, hidden, [name])[name]
-            q = gptq_quantize(w.to(self.runner.device), hessian, spec["bits"], spec["group_size"],
+            acc = self._hessians(layer, hidden, [name], float_layer, hidden_float)[name]
+            if acc.drift is not None:
+                w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
+            q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
                               spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
                               scale_dtype=self.scale_dtype)
             result[name] = _to_cpu(q)
             layer.linears[name] = dequantize_weight(result[name])
         return result
 
-    def _hessians(self, layer: LayerWeights, hidden: Tensor, names: list[str]) -> dict[str, Tensor]:
-        """H = 2XᵀX/n of each named linear's inputs, from one forward of the layer as it is now."""
-        accumulators = {n: HessianAccumulator(layer.linears[n].shape[1], self.runner.device) for n in names}
+    def _hessians(self, layer: LayerWeights, hidden: Tensor, names: list[str], float_layer: LayerWeights | None = None,
+                 hidden_float: Tensor | None = None) -> dict[str, HessianAccumulator]:
+        """H = 2XᵀX/n of each named linear's inputs, from one forward of the layer as it is now; with
+        hidden_float, also the drift from the float model: `float_layer` run on `hidden_float`."""
+        with_drift = hidden_float is not None
+        accumulators = {n: HessianAccumulator(layer.linears[n].shape[1], self.runner.device, with_drift) for n in names}
         module = self.runner.build_layer(layer)
+        if with_drift:
+            self.runner.capture_paired(module, hidden, self.runner.build_layer(float_layer), hidden_float, names,
+                                       lambda n, x, x_float: accumulators[n].add_batch(x, x_float))
+            return accumulators
         handles = capture_inputs(module, names, lambda n, x: accumulators[n].add_batch(x))
         self.runner.forward(module, hidden)
         for handle in handles:
             handle.remove()
-        return {n: a.hessian for n, a in accumulators.items()}
+        return accumulators
 
     def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
         store: dict[str, list] = {name: [] for name in layer.linears}
@@ -200,7 +212,8 @@ class LayerQuantizer:
     def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:
         _move_layer(layer, self.runner.device)  # the searches run where the calibration inputs are
         try:
-            return {name: None if q is None else _to_cpu(q) for name, q in awq_quantize_layer(self, layer, hidden).items()}
+            quantized = awq_quantize_layer(self, layer, hidden)
+            return {name: None if q is None else _to_cpu(q) for name, q in quantized.items()}
         finally:
             _move_layer(layer, torch.device("cpu"))
 

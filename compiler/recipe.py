@@ -43,7 +43,10 @@ class QuantizationConfig:
     group_size: int = opt(128, choices=[32, 64, 128, -1], help="input columns per scale; -1 = per output channel")
     symmetric: bool = opt(True, help="false stores zero points")
     act_order: bool = opt(False, help="gptq: columns by decreasing Hessian diagonal")
-    damp_percent: float = opt(0.01, min_exclusive=0.0, max=1.0, help="gptq: dampening, fraction of the mean diagonal")
+    damp_percent: float = opt(0.01, min_exclusive=0.0, max=1.0,
+                              help="gptq (and float targets): dampening, fraction of the Hessian's mean diagonal")
+    float_targets: bool = opt(True, help="gptq: fit each linear to the float model's output from the quantized "
+                                         "model's inputs (GPTAQ); false: to the float layer's on those inputs")
     ignore: list[str] = opt(["lm_head"], help="module name patterns left unquantized")
     overrides: list[QuantOverride] = opt([], help="per-module settings, first match wins")
     calibration: CalibrationConfig = opt(CalibrationConfig(), help="calibration data for gptq, awq, fp8 static")

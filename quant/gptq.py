@@ -17,6 +17,14 @@ quantization keeps min-max ranges. On ref-llama-12m (heldout.txt, benchmarks/RES
 took W4 g128 from 50.24 to 50.20 and W3 g128 from 52.20 to 51.49, but per channel it raised W4
 from 50.19 to 50.39: one range spans the whole row there, and clipping its outliers costs more on
 unseen text than GPTQ's compensation recovers.
+
+Float targets (`float_target_weight`, on by default in the compiler): the inputs x̃ a linear sees come
+from the already-quantized layers before it, but the output it should reproduce is the float model's
+W·x. GPTQ then runs on W*, the least-squares weight from x̃ to W·x, which makes it minimize the error
+against the float model instead of against the float layer on drifted inputs (GPTAQ's asymmetric
+calibration). Measured on ref-llama-12m over three calibration draws (benchmarks/quality_variance.sh):
+W4 per channel 50.22 on average instead of 50.32, W3 g128 51.45 instead of 51.75, W4 g128 50.11
+instead of 50.06 (within the draws' spread of about ±0.1).
 """
 
 from __future__ import annotations
@@ -39,23 +47,56 @@ CLIP_RATIOS = torch.linspace(1.0, 0.75, 11).tolist()  # candidate group ranges, 
 
 
 class HessianAccumulator:
-    """Running H = 2/n Σ xᵀx over all n input rows seen, so calibration batches can stream."""
+    """Running H = 2/n Σ x̃ᵀx̃ over all n input rows x̃ seen, so calibration batches can stream.
 
-    def __init__(self, in_features: int, device: torch.device | str | None = None) -> None:
+    With float targets (`with_drift=True`) each batch also brings x, the same linear's input in the
+    unquantized model, and D = 2/n Σ (x − x̃)ᵀx̃ accumulates alongside: see `float_target_weight`.
+    """
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None, with_drift: bool = False) -> None:
         self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.drift = torch.zeros_like(self.hessian) if with_drift else None
         self.num_samples = 0
 
-    def add_batch(self, x: Tensor) -> None:
-        """x [..., in_features]: every leading index is one sample (token)."""
+    def add_batch(self, x: Tensor, x_float: Tensor | None = None) -> None:
+        """x [..., in_features]: every leading index is one sample (token); x_float: the float model's
+        input for the same tokens (given exactly when the accumulator tracks drift)."""
+        if (x_float is None) != (self.drift is None):
+            raise ValueError("x_float is given exactly when the accumulator was made with_drift")
         rows = x.reshape(-1, x.shape[-1]).to(self.hessian.device, torch.float32)  # [num_tokens, in]
         total = self.num_samples + rows.shape[0]
         if total == 0:
             return
         # Rescale instead of summing then dividing: keeps H at a data-independent magnitude.
-        self.hessian *= self.num_samples / total
-        rows = rows * math.sqrt(2 / total)
-        self.hessian += rows.T @ rows
+        keep, weight = self.num_samples / total, math.sqrt(2 / total)
+        self.hessian *= keep
+        self.hessian += (rows * weight).T @ (rows * weight)
+        if self.drift is not None:
+            float_rows = x_float.reshape(rows.shape).to(rows.device, torch.float32)  # [num_tokens, in]
+            self.drift *= keep
+            self.drift += ((float_rows - rows) * weight).T @ (rows * weight)
         self.num_samples = total
+
+
+def float_target_weight(weight: Tensor, hessian: Tensor, drift: Tensor, damp_percent: float) -> Tensor:
+    """The weight that best gives the float model's output from the quantized model's inputs:
+    W* = W + W·D·(H + λI)⁻¹, with D = 2/n Σ (x − x̃)ᵀx̃ and H = 2/n Σ x̃ᵀx̃.
+
+    The layer's inputs x̃ come from the already-quantized layers before it; the unquantized model
+    saw x. W* is the least-squares weight that maps x̃ to the float output W·x over the calibration
+    tokens (λ as GPTQ's dampening, so W* = W when x̃ = x). Because ‖Ŵx̃ − Wx‖² = ‖(Ŵ − W*)x̃‖² + const,
+    GPTQ or AWQ run on W* with H minimize the error against the float model's output, correcting the
+    drift the earlier layers' quantization caused (GPTAQ's asymmetric calibration, Li et al. 2025).
+    weight [out, in]; hessian, drift [in, in] from one `HessianAccumulator` → float32 [out, in].
+    """
+    h = hessian.double()
+    damp = damp_percent * torch.diagonal(h).mean()
+    if damp <= 0:  # the inputs were all zero: nothing to correct
+        return weight.float()
+    identity = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    correction = torch.linalg.solve(h + damp * identity, drift.double().T).T  # D (H + λI)⁻¹: [in, in]
+    w = weight.to(h.device, torch.float64)
+    return (w + w @ correction).float()
 
 
 def _drop_dead_columns(weight: Tensor, hessian: Tensor) -> tuple[Tensor, Tensor]:

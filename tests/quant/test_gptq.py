@@ -1,4 +1,4 @@
-"""GPTQ: beats RTN on correlated inputs, act-order groups, dead columns, damping retries."""
+"""GPTQ: beats RTN on correlated inputs, act-order groups, dead columns, damping retries, float targets."""
 
 import logging
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.quant.formats import IntWeightFormat
-from llmc.quant.gptq import CLIP_RATIOS, HessianAccumulator, gptq_quantize
+from llmc.quant.gptq import CLIP_RATIOS, HessianAccumulator, float_target_weight, gptq_quantize
 from llmc.quant.reference import dequantize, dequantize_weight
 from llmc.quant.rtn import fake_quantize, rtn_quantize
 
@@ -37,6 +37,64 @@ def hessian_of(x: torch.Tensor) -> torch.Tensor:
 def test_hessian_accumulator_is_2_xtx_over_n() -> None:
     x = correlated_inputs(num_tokens=1000)
     torch.testing.assert_close(hessian_of(x), 2 * x.T @ x / 1000, rtol=1e-4, atol=1e-3)
+
+
+def drifted(x: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """x as the quantized model would see it: the float inputs plus an error that depends on them."""
+    generator = torch.Generator().manual_seed(seed)
+    return x @ (torch.eye(x.shape[1]) + 0.05 * torch.randn(x.shape[1], x.shape[1], generator=generator)) + 0.05 * torch.randn(
+        x.shape, generator=generator)
+
+
+def test_accumulated_drift_is_2_dxt_x_over_n() -> None:
+    x_float = correlated_inputs(num_tokens=1000)
+    x = drifted(x_float)
+    accumulator = HessianAccumulator(x.shape[1], with_drift=True)
+    for chunk, chunk_float in zip(x.split(300), x_float.split(300)):
+        accumulator.add_batch(chunk, chunk_float)
+    torch.testing.assert_close(accumulator.hessian, 2 * x.T @ x / 1000, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(accumulator.drift, 2 * (x_float - x).T @ x / 1000, rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError):
+        accumulator.add_batch(x)  # an accumulator of drift needs the float inputs too
+
+
+def test_float_target_weight_is_the_ridge_least_squares_fit_to_the_float_output() -> None:
+    """Against lstsq in float64 on the stacked system: min (2/n)‖x̃ Ŵᵀ − x Wᵀ‖² + λ‖Ŵ − W‖²."""
+    x_float = correlated_inputs(num_tokens=600, in_features=64)
+    x = drifted(x_float).double()
+    x_float = x_float.double()
+    weight = torch.randn(16, 64, dtype=torch.float64)
+    accumulator = HessianAccumulator(64, with_drift=True)
+    accumulator.add_batch(x, x_float)
+    damp_percent = 0.01
+    w_star = float_target_weight(weight, accumulator.hessian, accumulator.drift, damp_percent)
+    n = x.shape[0]
+    lam = damp_percent * torch.diagonal(2 * x.T @ x / n).mean()
+    a = torch.cat([(2 / n) ** 0.5 * x, lam.sqrt() * torch.eye(64, dtype=torch.float64)])  # [n + in, in]
+    b = torch.cat([(2 / n) ** 0.5 * x_float @ weight.T, lam.sqrt() * weight.T])  # [n + in, out]
+    expected = torch.linalg.lstsq(a, b).solution.T
+    torch.testing.assert_close(w_star.double(), expected, rtol=1e-3, atol=1e-4)
+    # No drift, no change.
+    same = HessianAccumulator(64, with_drift=True)
+    same.add_batch(x_float, x_float)
+    torch.testing.assert_close(float_target_weight(weight, same.hessian, same.drift, damp_percent), weight.float())
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_gptq_on_float_targets_is_closer_to_the_float_output(group_size) -> None:
+    x_float = correlated_inputs()
+    x = drifted(x_float)
+    weight = torch.randn(64, 128)
+    accumulator = HessianAccumulator(128, with_drift=True)
+    accumulator.add_batch(x, x_float)
+    target = x_float @ weight.T  # what the float model computes
+
+    def error_to_float(w):
+        q = gptq_quantize(w, accumulator.hessian, 4, group_size, True, act_order=True)
+        return (x @ dequantize_weight(q).T - target).pow(2).mean().item()
+
+    w_star = float_target_weight(weight, accumulator.hessian, accumulator.drift, 0.01)
+    assert error_to_float(w_star) < 0.8 * error_to_float(weight)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# How much a setting's perplexity moves with its calibration sample: quality_table.py for GPTQ (float
+# targets on and off) and AWQ, calibrated on the first 128 windows and on 128 drawn at random (seeds 1, 2).
+# On the device machine: bash benchmarks/quality_variance.sh OUT_DIR   (data in .carry/data)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$repo/benchmarks/gpu_env.sh"
+out=$1
+mkdir -p "$out"
+data=${DATA:-$repo/.carry/data}
+jobs=${JOBS:-4}
+cd /tmp
+run() {  # run NAME SEED ARGS...
+  local name=$1 seed=$2; shift 2
+  local args=(--out "$out/$name-s$seed" --calib "$data/wikitext2-valid.txt" --heldout "$data/heldout.txt" --jobs "$jobs" "$@")
+  [ "$seed" != 0 ] && args+=(--calib-seed "$seed")
+  python "$repo/benchmarks/quality_table.py" "${args[@]}" | grep -v '^|'
+}
+for seed in 0 1 2; do  # the seeds side by side: the GPU and 16 cores have room for them
+  {
+    run gptq-ft "$seed" --only gptq-w4-pc-sym gptq-w4-g128-sym gptq-w3-g128-sym --set float_targets=true
+    run gptq "$seed" --only gptq-w4-pc-sym gptq-w4-g128-sym gptq-w3-g128-sym --set float_targets=false
+    run awq "$seed" --only awq-w4-pc-asym awq-w4-g128-asym awq-w3-g128-asym awq-w4-pc-sym
+  } > "$out/seed$seed.log" 2>&1 &
+done
+wait
+cat "$out"/seed*.log
