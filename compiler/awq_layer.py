@@ -1,20 +1,25 @@
-"""AWQ on one decoder layer, judged by the layer's own output.
+"""AWQ on one decoder layer, the variant chosen by the loss the rest of the model reaches.
 
 NOTE (algorithm): the inputs of every linear are captured once from the float layer. Each AWQ
-variant then scales, folds and quantizes a copy of the layer, and the variant whose quantized layer
-reproduces the float layer's output best (MSE on calibration windows the searches did not see) is
-kept. Within a variant, each linear's scale search minimises that linear's output error
-(`quant/awq.py`). Plain round-to-nearest is always a candidate, so the result is never worse, at the
-layer's output on those windows, than round-to-nearest with the same format.
+variant then scales, folds and quantizes a copy of the layer. Within a variant, each linear's scale
+search minimises that linear's output error (`quant/awq.py`). The variant kept is the one with the
+lowest next-token loss on calibration windows the searches did not see, when its output runs through
+the float layers after it, the final norm and lm_head (`pipeline.ModelTail`). Plain round-to-nearest
+is always a candidate, so on those windows the result is never worse than round-to-nearest.
+Without a tail (a layer quantized on its own) the variants are compared by the MSE of the layer's
+output against the float layer's instead.
+
+Why the model's loss: per channel at 4 bits every variant changed a layer's output error by only
+1-3%, and choosing by that error gave 50.41 on heldout.txt against 50.33 for round-to-nearest;
+choosing by the loss gave 50.28, lower on 6 of the 7 sources (benchmarks/RESULTS.md). The cost is
+running layers i+1.. once more per variant for every layer i.
 
 The variants depend on the bits. At 4 bits and more: the scale search alone. Below 4 bits also
 duo scaling (scales from weight magnitudes too) and the per-group clipping search, each on or off.
-Measured on ref-llama-12m (W4 g128 asymmetric, heldout.txt; benchmarks/RESULTS.md): clipping and duo
-scaling lowered the layer-output error on calibration text by up to 23% but raised perplexity on
-unseen text (50.32-50.51 against 50.05 for the scale search alone and 50.20 for round-to-nearest);
-at 3 bits clipping is what beats the peer (52.16-52.24 against 52.71 without it). Likely reason: the
-step of a 4-bit grid is small enough that a clipped outlier costs more on unseen text than the
-rounding it saves on the calibration text.
+Measured on ref-llama-12m (W4 g128 asymmetric, heldout.txt): clipping and duo scaling lowered the
+layer-output error on calibration text by up to 23% but raised perplexity on unseen text
+(50.32-50.51 against 50.05 for the scale search alone and 50.20 for round-to-nearest); at 3 bits
+clipping is what beats the peer (52.16-52.24 against 52.71 without it).
 """
 
 from __future__ import annotations
@@ -43,15 +48,19 @@ def awq_quantize_layer(quantizer, layer: LayerWeights, hidden: Tensor) -> dict[s
     search, windows = (hidden[:-num_select], hidden[-num_select:]) if hidden.shape[0] > 1 else (hidden, hidden)
     stride = max(1, search.shape[0] * search.shape[1] // AWQ_MAX_TOKENS)
     inputs = {n: torch.cat(xs) for n, xs in quantizer._capture_all(layer, search, lambda x: x[::stride].float()).items()}
-    target = runner.forward(runner.build_layer(layer), windows)
-    best_error, best = float("inf"), None
+    candidates = []  # (trial layer, its quantized weights, its output on the selection windows)
     for variant in _variants(quantizer, layer):
         trial = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
         quantized = _quantize_variant(quantizer, trial, inputs, variant)
-        error = (runner.forward(runner.build_layer(trial), windows) - target).pow(2).mean().item()
-        if error < best_error:
-            best_error, best = error, (trial, quantized)
-    trial, quantized = best
+        candidates.append((trial, quantized, runner.forward(runner.build_layer(trial), windows)))
+    outputs = [output for _, _, output in candidates]
+    if quantizer.tail is not None:
+        selection = slice(hidden.shape[0] - num_select, None) if hidden.shape[0] > 1 else slice(None)
+        errors = quantizer.tail.losses(layer.index, outputs, selection)
+    else:
+        target = runner.forward(runner.build_layer(layer), windows)
+        errors = [(output - target).pow(2).mean().item() for output in outputs]
+    trial, quantized, _ = candidates[errors.index(min(errors))]  # ties: the first, round to nearest
     layer.linears, layer.biases, layer.norms = trial.linears, trial.biases, trial.norms
     return quantized
 

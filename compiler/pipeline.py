@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.calibration import LayerRunner
-from llmc.compiler.convert import LayerWeights, UnpackedLinear
+from llmc.compiler.convert import LayerWeights, UnpackedLinear, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
 from llmc.compiler.recipe import QuantizationConfig
@@ -37,7 +37,9 @@ class QuantizingPacker:
         self.dtype = getattr(torch, config.dtype)
         windows = calibration if calibration is not None else held_out
         self.runner = LayerRunner(config, windows.shape[1], device) if windows is not None else None
-        self.quantizer = LayerQuantizer(quant, formats, config, self.runner)
+        # AWQ picks each layer's variant by the loss the float rest of the model reaches from it.
+        tail = ModelTail(reader, spec, config, self.runner, calibration) if quant.method == "awq" and calibration is not None else None
+        self.quantizer = LayerQuantizer(quant, formats, config, self.runner, tail)
         embed = reader.get(spec.global_tensors["embed.weight"]).float()
         self.hidden = embed[calibration] if calibration is not None else None  # [num_samples, seq_len, hidden]
         # Float targets: the same windows through the float model, for GPTQ's W* (quant/gptq.py).
@@ -103,6 +105,32 @@ class QuantizingPacker:
             "top1_agreement": round(top1_agreement(float_logits, quant_logits), 4),
         }
         return report
+
+
+class ModelTail:
+    """The float model after a layer (its later layers, final norm and lm_head): scores a layer's
+    candidate outputs on calibration windows by the next-token loss the rest of the model reaches
+    from them. Later layers are read from the checkpoint one at a time and run on every candidate, so
+    memory stays at one more layer; the cost is reading layers i+1.. again for every layer i."""
+
+    def __init__(self, reader: TensorReader, spec: ModelSpec, config: ModelConfig, runner: LayerRunner, tokens: Tensor):
+        self.reader, self.spec, self.config, self.runner = reader, spec, config, runner
+        self.tokens = tokens  # [num_samples, seq_len] the calibration windows
+
+    def losses(self, after: int, outputs: list[Tensor], windows: slice) -> list[float]:
+        """Mean next-token loss for each of `outputs`, layer `after`'s outputs on the calibration
+        windows `windows` ([w, seq_len, hidden] each), run through the float layers after it."""
+        for index in range(after + 1, self.config.num_layers):
+            module = self.runner.build_layer(read_layer(self.reader, self.spec, self.config, index))
+            outputs = [self.runner.forward(module, hidden) for hidden in outputs]
+        norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float().to(self.runner.device)
+        head_name = "embed.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        lm_head = self.reader.get(self.spec.global_tensors[head_name]).float().to(self.runner.device)
+        targets = self.tokens[windows][:, 1:].to(self.runner.device)  # [w, seq_len - 1]
+        step = self.runner.windows_per_chunk  # [step, seq_len, vocab] logits at a time
+        return [torch.cat([window_losses(_logits(hidden[i : i + step].to(self.runner.device), norm, lm_head,
+                                                 self.config.rms_norm_eps), targets[i : i + step])
+                           for i in range(0, hidden.shape[0], step)]).mean().item() for hidden in outputs]
 
 
 def _logits(hidden: Tensor, norm: Tensor, lm_head: Tensor, eps: float) -> Tensor:

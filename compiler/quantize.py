@@ -126,8 +126,12 @@ def quantize_rtn(weight: Tensor, fmt_spec: dict, scale_dtype: torch.dtype, clip_
 class LayerQuantizer:
     """Quantizes one layer's linears in place of the float ones; `method` is the recipe's."""
 
-    def __init__(self, quant: QuantizationConfig, formats: dict[str, dict], config: ModelConfig, runner: LayerRunner | None):
+    def __init__(self, quant: QuantizationConfig, formats: dict[str, dict], config: ModelConfig,
+                 runner: LayerRunner | None, tail=None):
+        """tail: the float rest of the model (pipeline.ModelTail) by whose loss AWQ chooses a layer's
+        variant; None: by the layer's output error."""
         self.quant = quant
+        self.tail = tail
         self.formats = formats
         self.config = config
         self.runner = runner

@@ -61,3 +61,27 @@ def test_layer_choice_is_never_worse_than_rtn(ref_model_dir):
     awq_quantize_layer(quantizer, awq, hidden)
     awq_error = (runner.forward(runner.build_layer(awq), hidden) - target).pow(2).mean()
     assert awq_error <= rtn_error
+
+
+def test_model_tail_loss_is_transformers_loss(ref_model_dir, hf_model, shared_dir):
+    """The rest of the model that judges AWQ's variants: from layer 2's output, against transformers."""
+    from transformers import AutoTokenizer
+
+    from llmc.compiler.pipeline import ModelTail
+
+    hf = read_hf_config(ref_model_dir)
+    spec = model_spec_for(hf, ref_model_dir)
+    config = model_config_from_hf(hf, spec, "float32")
+    text = (shared_dir / "data" / "heldout.txt").read_text()[:4000]
+    tokens = torch.tensor(AutoTokenizer.from_pretrained(str(ref_model_dir))(text)["input_ids"][: 3 * 64]).view(3, 64)
+    runner = LayerRunner(config, seq_len=64, device=torch.device("cpu"), windows_per_chunk=2)
+    with TensorReader(ref_model_dir) as reader:
+        hidden = reader.get("model.embed_tokens.weight").float()[tokens]
+        for index in range(3):
+            hidden = runner.forward(runner.build_layer(read_layer(reader, spec, config, index)), hidden)
+        tail = ModelTail(reader, spec, config, runner, tokens)
+        (loss, noisy_loss) = tail.losses(2, [hidden, hidden + 0.5 * torch.randn_like(hidden)], slice(None))
+    with torch.no_grad():
+        expected = hf_model(ref_model_dir)(tokens, labels=tokens).loss.item()  # equal lengths: mean of window means
+    assert loss == pytest.approx(expected, rel=1e-4)
+    assert noisy_loss > loss
