@@ -61,7 +61,9 @@ class QuantizingPacker:
     def _advance(self, float_layer: LayerWeights, quant_layer: LayerWeights) -> None:
         if self.runner is None:
             return
-        module, float_module = self.runner.build_layer(quant_layer), self.runner.build_layer(float_layer)
+        module = self.runner.build_layer(quant_layer)
+        if self.hidden_float is not None or self.eval_float is not None:
+            float_module = self.runner.build_layer(float_layer)
         if self.hidden is not None:
             self.hidden = self.runner.forward(module, self.hidden)
         if self.hidden_float is not None:

@@ -31,6 +31,7 @@ from llmc.quant.gptq import HessianAccumulator, float_target_weight, gptq_quanti
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models.decoder import DecoderLayer
 from llmc.runtime.models.spec import ModelSpec
 
 logger = logging.getLogger("llmc")
@@ -165,13 +166,15 @@ class LayerQuantizer:
 
     def _gptq(self, layer: LayerWeights, hidden: Tensor, hidden_float: Tensor | None) -> dict:
         result = {}
-        float_layer = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
+        # With float targets: the layer as it was before any of its linears was quantized, built once.
+        float_module = None if hidden_float is None else self.runner.build_layer(
+            LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms)))
         for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
             spec = self._spec(layer, name)
             if spec["format"] == "dense":
                 result[name] = None
                 continue
-            acc = self._hessians(layer, hidden, [name], float_layer, hidden_float)[name]
+            acc = self._hessian(layer, name, hidden, float_module, hidden_float)
             if acc.drift is not None:
                 w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
             q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
@@ -181,22 +184,21 @@ class LayerQuantizer:
             layer.linears[name] = dequantize_weight(result[name])
         return result
 
-    def _hessians(self, layer: LayerWeights, hidden: Tensor, names: list[str], float_layer: LayerWeights | None = None,
-                 hidden_float: Tensor | None = None) -> dict[str, HessianAccumulator]:
-        """H = 2XᵀX/n of each named linear's inputs, from one forward of the layer as it is now; with
-        hidden_float, also the drift from the float model: `float_layer` run on `hidden_float`."""
-        with_drift = hidden_float is not None
-        accumulators = {n: HessianAccumulator(layer.linears[n].shape[1], self.runner.device, with_drift) for n in names}
+    def _hessian(self, layer: LayerWeights, name: str, hidden: Tensor, float_module: DecoderLayer | None = None,
+                 hidden_float: Tensor | None = None) -> HessianAccumulator:
+        """H = 2XᵀX/n of the linear's inputs, from one forward of the layer as it is now; with
+        hidden_float, also the drift from the float model: `float_module` run on `hidden_float`."""
+        acc = HessianAccumulator(layer.linears[name].shape[1], self.runner.device, hidden_float is not None)
         module = self.runner.build_layer(layer)
-        if with_drift:
-            self.runner.capture_paired(module, hidden, self.runner.build_layer(float_layer), hidden_float, names,
-                                       lambda n, x, x_float: accumulators[n].add_batch(x, x_float))
-            return accumulators
-        handles = capture_inputs(module, names, lambda n, x: accumulators[n].add_batch(x))
+        if hidden_float is not None:
+            self.runner.capture_paired(module, hidden, float_module, hidden_float, [name],
+                                       lambda _, x, x_float: acc.add_batch(x, x_float))
+            return acc
+        handles = capture_inputs(module, [name], lambda _, x: acc.add_batch(x))
         self.runner.forward(module, hidden)
         for handle in handles:
             handle.remove()
-        return accumulators
+        return acc
 
     def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
         store: dict[str, list] = {name: [] for name in layer.linears}
