@@ -10,12 +10,15 @@
 #         128/128 while time is left              → e2e-w4-{decode,cold,throughput}.json, e2e-w4.md
 #   fp8   FP8 W8A8 (dynamic): decode, throughput 128/128 and 1024/256 → e2e-fp8-decode_throughput.json, e2e-fp8.md
 #   bf16  unquantized: the same as fp8                  → e2e-bf16-decode_throughput.json, e2e-bf16.md
+#   overlap-bf16, overlap-fp8   the engine step (issue 12): benchmarks/profile_step.py at batch 1, 64, 256
+#         with async_scheduling on and off, then decode + throughput 128/128 of both engines in one run
+#                                      → profile-Q-{async,sync}.json, e2e-overlap-Q.json
 #   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
 #         all-reduce time per step (benchmarks/bench_parallel.py)    → parallel.json, parallel.md
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|fp8|bf16|tp [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -89,7 +92,21 @@ case $stage in
       | tee -a "$log" \
       | tee "$out/parallel.md" >&2 || say "bench_parallel: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, fp8, bf16 or tp" >&2; exit 2 ;;
+  overlap-bf16|overlap-fp8)
+    q=${stage#overlap-}
+    make_checkpoint
+    if [ "$q" = fp8 ]; then build fp8 1 '{method: fp8}'; else build bf16 1 '{method: none}'; fi
+    for mode in async sync; do
+      say "profile_step $q $mode: start"
+      python "$repo/benchmarks/profile_step.py" "$work/$q" --batch-sizes 1,64,256 --json "$out/profile-$q-$mode.json" \
+        $([ "$mode" = sync ] && echo --sync) 2>&1 | tee -a "$log" >&2 || say "profile_step $q $mode: FAILED"
+    done
+    say "bench_e2e $q async vs sync: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/$q=$q-async" "$work/$q=$q-sync@async_scheduling=false" \
+      --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
+      --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
+    ;;
+  *) echo "unknown stage $stage: use w4, fp8, bf16, tp, overlap-bf16 or overlap-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 rm -rf "$work"

@@ -3,7 +3,8 @@
     source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/bench_e2e.py \\
         /tmp/bench/w4a16=w4a16 /tmp/bench/fp8=fp8 --parts decode,throughput,cold --json $OUT/e2e.json
 
-Each ARTIFACT[=LABEL] is loaded once with `LLM` (decode, then throughput), then closed before its cold
+Each ARTIFACT[=LABEL[@KEY=VALUE,...]] is loaded once (with those engine options, e.g.
+`/tmp/bf16=bf16-sync@async_scheduling=false` for the synchronous engine) with `LLM` (decode, then throughput), then closed before its cold
 start. The JSON (and a markdown table, printed and stored under "table") is rewritten after every part,
 so a run cut short keeps what it measured; --budget S skips parts once S seconds have passed.
 
@@ -57,7 +58,7 @@ COLD_PROMPT = "The quick brown fox jumps over the lazy dog"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifacts", nargs="+", help="ARTIFACT_DIR[=LABEL]")
+    parser.add_argument("artifacts", nargs="+", help="ARTIFACT_DIR[=LABEL[@KEY=VALUE,...]]")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: decode, throughput, cold")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json", type=Path, default=Path("bench_e2e.json"))
@@ -357,11 +358,25 @@ def run_part(name: str, result: dict, fn) -> None:
         result[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
 
-def bench_loaded(artifact: Path, result: dict, args, parts: list[str], remaining, copy_GBps: float, save) -> None:
+def parse_engine_options(text: str) -> dict:
+    """`key=value,key=value` (values as JSON: false, 3, "x"; bare words as strings) -> LLM keywords."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def bench_loaded(artifact: Path, result: dict, args, parts: list[str], remaining, copy_GBps: float, save,
+                 engine_options: dict) -> None:
     """The in-process parts (decode, throughput) on one LLM, closed and released afterwards; save()
     writes the report so far."""
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-               "max_model_len": args.max_model_len, "disable_log_stats": True}
+               "max_model_len": args.max_model_len, "disable_log_stats": True, **engine_options}
+    result["engine_options"] = engine_options
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
     start = time.perf_counter()
@@ -391,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     remaining = lambda: float("inf") if args.budget is None else args.budget - (time.perf_counter() - begin)  # noqa: E731
     for item in args.artifacts:
         path, _, label = item.partition("=")
+        label, _, engine_options = label.partition("@")
         artifact, label = Path(path), label or Path(path).name
         result = results.setdefault(label, {"artifact": str(artifact)})
         if {"decode", "throughput"} & set(parts) and remaining() > 0:
@@ -398,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 header["copy_GBps"] = round(copy_bandwidth_GBps(device), 1)
             log(f"{label}: loading {artifact}")
             bench_loaded(artifact, result, args, parts, remaining, header["copy_GBps"],
-                         lambda: write_report(args, header, results))
+                         lambda: write_report(args, header, results), parse_engine_options(engine_options))
             write_report(args, header, results)
         if "cold" in parts and remaining() > 0:
             log(f"{label}: cold start")

@@ -131,6 +131,7 @@ class RuntimeDefaults:
     cpu_kv_cache_gib: float = opt(1.0, min_exclusive=0.0, help="KV-cache size on CPU, in GiB")
     enable_prefix_caching: bool = opt(True, help="reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
+    async_scheduling: bool = opt(True, help="schedule step N+1 while step N runs (false: one step at a time, for debugging)")
     seed: int = opt(0, min=0, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")

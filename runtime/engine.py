@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,11 +22,13 @@ from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup, SequenceState
-from llmc.runtime.sampler import Sampler, SamplingMetadata
+from llmc.runtime.batch_sampler import BatchSampler, HostTokens, SampledStep, unpack_logprobs
+from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats, sample_with_drafts
 from llmc.runtime.stats import StatsLogger
+from llmc.runtime.step_inputs import PendingTokens
 from llmc.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("llmc")
@@ -54,9 +57,14 @@ class Engine:
             enable_prefix_caching=self.options.enable_prefix_caching,
             policy=self.options.scheduling_policy,
         ))
-        self.sampler = Sampler(generator=torch.Generator(self.device).manual_seed(self.options.seed))
+        self.sampler = BatchSampler(self.options.max_num_seqs, self.manifest.model.vocab_size, self.device,
+                                    self.eos_token_ids, seed=self.options.seed)
+        self._free_rows = list(reversed(range(self.options.max_num_seqs)))  # rows of the persistent batch
+        self._can_overlap = self.options.async_scheduling and self.runner.can_overlap
+        self._in_flight: _InFlight | None = None  # the launched step whose tokens are not resolved yet
         speculative = self.options.speculative
         self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
         self.spec_stats = SpecDecodeStats()
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
         self.groups: dict[str, RequestGroup] = {}
@@ -115,9 +123,11 @@ class Engine:
         for state in group.sequences if group else []:
             self.scheduler.abort_request(state.request.request_id)
             self.sequences.pop(state.request.request_id, None)
+            self._release_rows([state.request])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to schedule, or a step whose tokens are still on the device."""
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine and destroy its process groups (idempotent)."""
@@ -126,29 +136,101 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests that progressed."""
+        """Run one scheduled step; return the outputs of the requests that progressed.
+
+        NOTE (overlapped scheduling): with async_scheduling (the default, on a runner that can
+        overlap) a step launches step N's forward and sampling on the device, records its sampled
+        tokens as pending in the scheduler, and only then waits for step N-1's tokens, resolves them
+        (detokenize, stops, outputs) and returns step N-1's outputs: the host's work for N-1 and the
+        scheduling of N+1 run while the device computes N. A request that stops at N-1 has also
+        computed one token at N; that token is dropped. Steps that must see every token on the host
+        before they run (n-gram speculation, logits processors) or right after (prompt logprobs)
+        resolve what is in flight first, and the step itself, synchronously.
+        """
+        outputs = []
+        if self._in_flight is not None and self.sampler.has_processors:  # processors read the histories
+            outputs += self._resolve(self._take_in_flight())
         batch = self.scheduler.schedule()
+        self._release_rows(batch.preempted)
         if batch.is_empty:
+            return outputs + self._resolve(self._take_in_flight())
+        self._assign_rows(batch)
+        if self.proposer is not None:
+            return outputs + self._speculative_step(batch)
+        launched = self._launch(batch)
+        self._release_rows(self.scheduler.advance(batch))
+        if not self._can_overlap or launched.prompt_logits:
+            return outputs + self._resolve(self._take_in_flight()) + self._resolve(launched)
+        previous, self._in_flight = self._in_flight, launched
+        return outputs + self._resolve(previous)
+
+    def _take_in_flight(self) -> _InFlight | None:
+        in_flight, self._in_flight = self._in_flight, None
+        return in_flight
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+        """Forward and sample on the device; start copying the tokens to the host."""
+        in_flight = self._in_flight
+        pending = None if in_flight is None else PendingTokens(in_flight.sampled.token_ids, in_flight.index)
+        step = self.runner.execute(batch, pending)
+        sampled_requests = [s.request for s in batch.requests if s.is_last_chunk]
+        processors = []
+        if self.sampler.has_processors:
+            processors = [(i, r.batch_row, r.prompt_token_ids, r.output_token_ids)
+                          for i, r in enumerate(sampled_requests) if r.sampling_params.logits_processors]
+        sampled = self.sampler.sample(step.logits, step.sample_rows, processors)
+        now = time.monotonic()
+        for scheduled in batch.requests:
+            self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
+        num_prefill = sum(s.num_new_tokens for s in batch.requests if not _is_decode(s))
+        return _InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,
+                         {r.request_id: i for i, r in enumerate(sampled_requests)}, step.prompt_logits, num_prefill)
+
+    def _resolve(self, step: _InFlight | None) -> list[RequestOutput]:
+        """Step `step`'s tokens reached the host: append them, detokenize, check stops, build outputs."""
+        if step is None:
             return []
-        logits, prompt_logits = self.runner.execute(batch)  # [num_sampled_rows, vocab_size], per-request prompt rows
-        for request_id, (first_position, rows) in prompt_logits.items():
+        for request_id, (first_position, rows) in step.prompt_logits.items():
+            if request_id in self.sequences:
+                self.sequences[request_id].record_prompt_logprobs(first_position, rows)
+        token_ids, logprob_rows = step.host.wait()
+        states = []
+        for i, request in enumerate(step.requests):
+            state = self.sequences.get(request.request_id)
+            if state is None or state.is_finished:  # aborted, or stopped by its previous token
+                continue
+            self.scheduler.resolve(request, [token_ids[i]])
+            if logprob_rows is not None and state.logprobs is not None:
+                state.record_logprobs(token_ids[i], unpack_logprobs(logprob_rows[i], state.params.logprobs))
+            self._check_stop(state, [token_ids[i]])
+            states.append(state)
+        self.stats_logger.record(step.num_prefill, len(states), self.stats())
+        return self._collect_outputs(states)
+
+    def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The synchronous step of n-gram speculation: drafts are verified against known tokens."""
+        step = self.runner.execute(batch)
+        for request_id, (first_position, rows) in step.prompt_logits.items():
             self.sequences[request_id].record_prompt_logprobs(first_position, rows)
         now = time.monotonic()
         for scheduled in batch.requests:
             self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
         sampled = [s for s in batch.requests if s.is_last_chunk]
         states = [self.sequences[s.request.request_id] for s in sampled]
-        tokens = self._sample(logits, states, [s.draft_token_ids for s in sampled])
+        tokens = self._sample_with_drafts(step.logits, states, [s.draft_token_ids for s in sampled])
         num_prefill = sum(s.num_new_tokens - len(s.draft_token_ids) for s in batch.requests if not _is_decode(s))
-        self.scheduler.update(batch, {state.request.request_id: t for state, t in zip(states, tokens)})
+        self._release_rows(self.scheduler.update(batch, {state.request.request_id: t for state, t in zip(states, tokens)}))
         for state, new_tokens in zip(states, tokens):
             self._check_stop(state, new_tokens)
         self._propose_drafts(states)
         self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats())
-        return self._collect_outputs(batch)
+        return self._collect_outputs(states)
 
-    def _sample(self, logits: torch.Tensor, states: list[SequenceState], drafts: list[list[int]]) -> list[list[int]]:
-        """New tokens per sampled sequence: one, or under speculation the accepted drafts plus one."""
+    def _sample_with_drafts(self, logits: torch.Tensor, states: list[SequenceState],
+                            drafts: list[list[int]]) -> list[list[int]]:
+        """New tokens per sampled sequence: the accepted drafts plus one (one without drafts)."""
+        if not states:
+            return []
         metadata = SamplingMetadata(
             params=[s.params for s in states],
             prompt_token_ids=[s.request.prompt_token_ids for s in states],
@@ -156,19 +238,31 @@ class Engine:
             generators=[s.generator for s in states],
             eos_token_ids=self.eos_token_ids,
         )
-        if any(drafts):
-            output = sample_with_drafts(logits, metadata, drafts, self.sampler.generator)
-            self.spec_stats.record(drafts, output.token_ids)
-            tokens, logprobs = output.token_ids, output.logprobs
-        else:
-            output = self.sampler(logits, metadata)
-            tokens = [[t] for t in output.token_ids]
-            logprobs = [None if lp is None else [lp] for lp in output.logprobs]
-        tokens = [state.cut_at_stop_token(t, self.eos_token_ids) for state, t in zip(states, tokens)]
-        for state, new_tokens, new_logprobs in zip(states, tokens, logprobs):
+        output = sample_with_drafts(logits, metadata, drafts, self.spec_generator)
+        self.spec_stats.record(drafts, output.token_ids)
+        tokens = [state.cut_at_stop_token(t, self.eos_token_ids) for state, t in zip(states, output.token_ids)]
+        for state, new_tokens, new_logprobs in zip(states, tokens, output.logprobs):
             for i, token in enumerate(new_tokens):
                 state.record_logprobs(token, None if new_logprobs is None else new_logprobs[i])
         return tokens
+
+    # ---- persistent batch rows ----------------------------------------------------------------
+
+    def _assign_rows(self, batch: ScheduledBatch) -> None:
+        """A row for every scheduled request that has none (admitted or re-admitted this step)."""
+        for scheduled in batch.requests:
+            request = scheduled.request
+            if request.batch_row is None:
+                request.batch_row = self._free_rows.pop()
+                self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,
+                                 request.output_token_ids)
+
+    def _release_rows(self, requests) -> None:
+        for request in requests:
+            if request.batch_row is not None:
+                self.sampler.remove(request.batch_row)
+                self._free_rows.append(request.batch_row)
+                request.batch_row = None
 
     def _propose_drafts(self, states: list[SequenceState]) -> None:
         """N-gram drafts for the next step, unless speculation is off or the batch is too large."""
@@ -186,13 +280,13 @@ class Engine:
         """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string."""
         request = state.request
         state.add_tokens(new_tokens)
-        if state.finish_status is not None and not request.is_finished:
-            self.scheduler.finish_request(request.request_id, state.finish_status)
+        if state.finish_status is not None:
+            if not request.is_finished:
+                self.scheduler.finish_request(request.request_id, state.finish_status)
+            self._release_rows([request])
 
-    def _collect_outputs(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        group_ids = dict.fromkeys(
-            self.sequences[s.request.request_id].group_id for s in batch.requests if s.is_last_chunk
-        )
+    def _collect_outputs(self, states: list[SequenceState]) -> list[RequestOutput]:
+        group_ids = dict.fromkeys(state.group_id for state in states)
         outputs = []
         for group_id in group_ids:
             group = self.groups[group_id]
@@ -209,8 +303,9 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab_size] float32 at every position of one sequence (perplexity,
         distribution comparisons). Needs an idle engine: it borrows blocks from the pool."""
-        if self.has_unfinished_requests():
+        if self.scheduler.has_unfinished_requests():
             raise RequestError("score() needs an idle engine; finish or abort running requests first")
+        self._resolve(self._take_in_flight())
         if not 0 < len(token_ids) <= self.options.max_model_len:
             raise RequestError(f"score() takes 1 to max_model_len ({self.options.max_model_len}) tokens, got {len(token_ids)}")
         pool = self.scheduler.block_pool
@@ -246,3 +341,24 @@ def finished_reason(status: RequestStatus) -> str | None:
         RequestStatus.FINISHED_LENGTH: "length",
         RequestStatus.FINISHED_ABORTED: "abort",
     }.get(status)
+
+
+@dataclass
+class _InFlight:
+    """A launched step: its sampled tokens (on the device, and on their way to the host).
+
+    Fields:
+        sampled: the sampler's device tensors.
+        host: the tokens' (and logprobs') copy to the host.
+        requests: the sampled requests, in the order of the sampled tokens.
+        index: request_id -> position in `requests` (for the next step's placeholders).
+        prompt_logits: request_id -> (first position, logits rows) for prompt logprobs.
+        num_prefill: prompt tokens the step computed (statistics).
+    """
+
+    sampled: SampledStep
+    host: HostTokens
+    requests: list[Request]
+    index: dict[str, int]
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]
+    num_prefill: int

@@ -1,8 +1,9 @@
 """ModelRunner: owns the model, its KV cache and its CUDA graphs; turns a ScheduledBatch into logits.
 
-It is the only runtime part that touches tensors of the whole batch: it flattens the scheduled
-chunks into one token list, computes positions and slots from the block tables, runs the model
-(replaying a captured graph for decode steps) and returns the logits of the rows that sample a token.
+It is the only runtime part that runs the model: it builds the step's inputs in its persistent
+buffers (runtime/step_inputs.py: one host-to-device copy per step), runs the model (replaying a
+captured graph for decode steps) and returns the logits of the rows that sample a token, without
+waiting for the device.
 
 Start on a GPU, in order: load the weights, measure the memory plan (runtime/memory_profile.py:
 a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
@@ -27,15 +28,19 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
+from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
+from llmc.runtime.step_inputs import PendingTokens, StepBuffers
 
 logger = logging.getLogger("llmc")
 
 
 class ModelRunner:
+    """The single-rank `Runner` (runtime/runner.py)."""
+
+    can_overlap = True  # its steps only enqueue device work: the engine may schedule ahead
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
         self.device = device
-        self.batch_device = device  # where prepare() builds the step's tensors
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
@@ -53,6 +58,8 @@ class ModelRunner:
         num_allocated = self.num_blocks + (1 if graph_sizes else 0)
         self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device)
         self.model.bind_kv_caches(self.kv_caches)
+        self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
+                                   -(-options.max_model_len // options.block_size), options.block_size, device)
         self.graphs: CudaGraphs | None = None
         if graph_sizes:
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
@@ -70,72 +77,8 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[Tensor, ForwardBatch, dict[str, tuple[int, int]]]:
-        """Flatten the scheduled chunks: token ids [num_tokens], their ForwardBatch, and for requests
-        asking prompt logprobs {request_id: (first position, number of rows)} of extra logits rows.
-
-        Logits rows: first the sampling rows (one per chunk that ends its sequence, plus one per draft
-        token), then the prompt-logprob rows.
-        """
-        input_ids, positions, slots, context_lens, query_lens = [], [], [], [], []
-        sample_indices, prompt_indices, prompt_spans = [], [], {}
-        max_num_blocks = max(len(s.request.block_ids) for s in batch.requests)
-        block_tables = torch.zeros((len(batch.requests), max_num_blocks), dtype=torch.int32)  # on the CPU
-        for row, scheduled in enumerate(batch.requests):
-            request = scheduled.request
-            start, num_new = request.num_computed_tokens, scheduled.num_new_tokens
-            num_drafts = len(scheduled.draft_token_ids)
-            offset = len(input_ids)
-            input_ids.extend(request.get_token_ids(start, start + num_new - num_drafts))
-            input_ids.extend(scheduled.draft_token_ids)
-            positions.extend(range(start, start + num_new))
-            blocks = request.block_ids
-            slots.extend(blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + num_new))
-            block_tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-            context_lens.append(start + num_new)
-            query_lens.append(num_new)
-            if scheduled.is_last_chunk:  # the last real token, then each draft: one row each
-                sample_indices.extend(range(len(input_ids) - 1 - num_drafts, len(input_ids)))
-            if request.skip_prefix_cache:  # prompt logprobs: positions whose next token is in the prompt
-                end = min(start + num_new, request.num_prompt_tokens - 1)
-                if end > start:
-                    prompt_spans[request.request_id] = (start, end - start)
-                    prompt_indices.extend(range(offset, offset + end - start))
-        as_long = lambda values: torch.tensor(values, dtype=torch.long, device=self.batch_device)  # noqa: E731
-        forward_batch = ForwardBatch(
-            positions=as_long(positions),
-            slot_mapping=as_long(slots),
-            block_tables=block_tables.to(self.batch_device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.batch_device),
-            query_lens=query_lens,
-            max_context_len=max(context_lens),
-            logits_indices=as_long(sample_indices + prompt_indices),
-        )
-        return as_long(input_ids), forward_batch, prompt_spans
-
-    @torch.inference_mode()
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
-        """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled
-        in chunks of chunk_size tokens into the given blocks."""
-        device = self.batch_device
-        block_table = torch.tensor([block_ids], dtype=torch.int32, device=device)
-        logits = []
-        for start in range(0, len(token_ids), chunk_size):
-            end = min(start + chunk_size, len(token_ids))
-            positions = torch.arange(start, end, device=device)
-            blocks = torch.tensor(block_ids, device=device)[positions // self.block_size]
-            forward_batch = ForwardBatch(
-                positions=positions,
-                slot_mapping=blocks * self.block_size + positions % self.block_size,
-                block_tables=block_table,
-                context_lens=torch.tensor([end], dtype=torch.int32, device=device),
-                query_lens=[end - start],
-                max_context_len=end,
-                logits_indices=torch.arange(end - start, device=device),
-            )
-            input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
-            logits.append(self.forward_logits(input_ids, forward_batch))
-        return torch.cat(logits)
+        return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: logits [num_logits, vocab_size] float32 at forward_batch.logits_indices."""
@@ -146,17 +89,37 @@ class ModelRunner:
         return self.model.compute_logits(hidden[forward_batch.logits_indices])
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
-        """Run one step. Returns logits [num_sampled, vocab_size] float32 for the chunks that end their
-        sequence (1 + number of drafts rows each), and {request_id: (first position, logits [n, vocab_size])} for prompt logprobs."""
-        input_ids, forward_batch, prompt_spans = self.prepare(batch)
-        logits = self.forward_logits(input_ids, forward_batch)  # [num_rows, vocab_size]
-        num_sampled = sum(1 + len(s.draft_token_ids) for s in batch.requests if s.is_last_chunk)
-        prompt_logits, row = {}, num_sampled
-        for request_id, (first_position, num_rows) in prompt_spans.items():
-            prompt_logits[request_id] = (first_position, logits[row : row + num_rows])
-            row += num_rows
-        return logits[:num_sampled], prompt_logits
+    def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
+        """Run one step's forward (launched, not waited for, on a GPU). `pending`: the previous
+        step's sampled tokens on the device, for decode rows whose last token is still pending."""
+        inputs = self.buffers.build(batch, pending)
+        logits = self.forward_logits(inputs.input_ids, inputs.forward_batch)  # [num_rows, vocab_size]
+        return StepLogits.split(logits, inputs)
+
+
+@torch.inference_mode()
+def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], chunk_size: int, block_size: int,
+                    device: torch.device) -> Tensor:
+    """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled
+    in chunks of chunk_size tokens into the given blocks by `forward_logits(input_ids, batch)`."""
+    block_table = torch.tensor([block_ids], dtype=torch.int32, device=device)
+    logits = []
+    for start in range(0, len(token_ids), chunk_size):
+        end = min(start + chunk_size, len(token_ids))
+        positions = torch.arange(start, end, device=device)
+        blocks = torch.tensor(block_ids, device=device)[positions // block_size]
+        forward_batch = ForwardBatch(
+            positions=positions,
+            slot_mapping=blocks * block_size + positions % block_size,
+            block_tables=block_table,
+            context_lens=torch.tensor([end], dtype=torch.int32, device=device),
+            query_lens=[end - start],
+            max_context_len=end,
+            logits_indices=torch.arange(end - start, device=device),
+        )
+        input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
+        logits.append(forward_logits(input_ids, forward_batch))
+    return torch.cat(logits)
 
 
 # ---- the KV cache of one rank ------------------------------------------------------------------------

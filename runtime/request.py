@@ -53,6 +53,7 @@ class Request:
         num_cached_tokens: of the prompt, tokens served from the prefix cache at the first
             schedule (0 until then, and 0 without a hit).
         block_ids: the block table: block i holds the KV of tokens [i*block_size, (i+1)*block_size).
+            Only appended to; shortened or rebuilt by assigning a new list.
             Empty while waiting.
         status: see `RequestStatus`.
         num_preemptions: how many times this request was preempted (its KV recomputed).
@@ -63,6 +64,11 @@ class Request:
         block_hashes: prefix-cache hashes of the full blocks of `all_token_ids`, a chain
             (hash i covers tokens [0, (i+1)*block_size)). Maintained lazily by the scheduler;
             depends on tokens only, so it survives preemption.
+        num_pending_tokens: tokens sampled on the device whose values the host does not know yet
+            (overlapped scheduling: `Scheduler.advance` counts them, `Scheduler.resolve` appends
+            them to output_token_ids). They count in num_tokens, never in all_token_ids.
+        batch_row: the request's row in the engine's persistent batch (sampling state, block table)
+            while it runs; None while waiting. Set and cleared by the engine.
     """
 
     request_id: str
@@ -80,6 +86,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_pending_tokens: int = 0
+    batch_row: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -87,11 +95,17 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        """Generated tokens, the pending ones (values not yet on the host) included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens: what a full (re-)prefill has to compute."""
+        """Prompt plus generated tokens (pending ones included): what a full (re-)prefill computes."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens whose values the host knows: num_tokens less the pending ones."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

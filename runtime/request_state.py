@@ -75,7 +75,8 @@ class SequenceState:
 
     @property
     def is_finished(self) -> bool:
-        return self.request.is_finished or self.detokenizer.is_finished
+        """Its last token is in (a length limit the scheduler saw may still have it in flight)."""
+        return self.detokenizer.is_finished or self.request.status is RequestStatus.FINISHED_ABORTED
 
     def completion(self) -> CompletionOutput:
         detok = self.detokenizer

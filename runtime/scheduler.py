@@ -7,6 +7,9 @@ Protocol, once per engine step:
     finished = scheduler.update(batch, {request_id: [token, ...]})
     ... engine-detected stops: scheduler.finish_request(request_id, FINISHED_STOPPED) ...
 `update` must see the batch of the latest `schedule` before the next `schedule` is called.
+Overlapped scheduling replaces `update` by `advance(batch)` right after the step is launched
+(the sampled tokens are pending: counted, values unknown) and `resolve(request, tokens)` once
+their values reach the host, possibly after the next `schedule`.
 """
 
 from __future__ import annotations
@@ -335,12 +338,51 @@ class Scheduler:
                 self._trim_blocks(request)
         return finished
 
+    def advance(self, batch: ScheduledBatch) -> list[Request]:
+        """Record a step whose sampled tokens are still on the device (overlapped scheduling).
+
+        Like `update`, but each request scheduled with is_last_chunk gains one *pending* token
+        (`Request.num_pending_tokens`; no drafts allowed): its computed tokens advance now, so the
+        next `schedule` can give it its next position before the value is known. `resolve` appends
+        the values later. Returns the requests that reached a length limit (finished, blocks
+        freed): their last token is still pending then.
+        """
+        finished: list[Request] = []
+        for item in batch.requests:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted or finished since schedule
+            if item.draft_token_ids:
+                raise ValueError("advance: steps with draft tokens go through update()")
+            request.num_computed_tokens += item.num_new_tokens
+            if not item.is_last_chunk:
+                self._cache_full_blocks(request)
+                continue
+            request.num_pending_tokens += 1
+            if (request.num_output_tokens >= request.max_tokens
+                    or request.num_tokens >= self.config.max_model_len):
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                finished.append(request)
+        return finished
+
+    def resolve(self, request: Request, token_ids: list[int]) -> None:
+        """The values of a request's oldest pending tokens arrived: append them, and register the
+        blocks they complete in the prefix cache (if the request still runs)."""
+        if len(token_ids) > request.num_pending_tokens:
+            raise ValueError(f"resolve: {len(token_ids)} tokens for {request.num_pending_tokens} pending")
+        request.num_pending_tokens -= len(token_ids)
+        request.output_token_ids.extend(token_ids)
+        if request.status is RequestStatus.RUNNING:
+            self._cache_full_blocks(request)
+
     def _trim_blocks(self, request: Request) -> None:
         """Return the blocks that held only rejected drafts."""
         num_needed = self._num_blocks_to_cover(request.num_tokens)
         if len(request.block_ids) > num_needed:
             self.block_pool.free(self.block_pool.get_blocks(request.block_ids[num_needed:]))
-            del request.block_ids[num_needed:]
+            # a new list, not a cut of the old one: a changed list is how a block-table mirror
+            # (runtime/step_inputs.py) knows that entries it wrote may have been replaced
+            request.block_ids = request.block_ids[:num_needed]
 
     def _append_tokens(self, request: Request, token_ids: list[int]) -> bool:
         """Append sampled tokens up to the length limits; True if the request reached one."""
@@ -355,7 +397,8 @@ class Scheduler:
         """Register the request's newly full, computed blocks in the prefix cache."""
         if not self.config.enable_prefix_caching:
             return
-        num_full_blocks = request.num_computed_tokens // self.block_size
+        # only blocks whose tokens are all known: a pending token's value is not hashable yet
+        num_full_blocks = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         num_hashed = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full_blocks <= num_hashed:
             return

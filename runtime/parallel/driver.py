@@ -1,5 +1,5 @@
 """Rank 0 of a parallel engine: the driver. The Engine's scheduler and sampler run here, once; this
-runner keeps ModelRunner's interface (prepare, execute, score) and spreads each forward pass.
+runner implements the engine's `Runner` contract (runtime/runner.py) and spreads each forward pass.
 
 Per step the driver builds the batch exactly as a single rank does (on the CPU), broadcasts it as a
 StepMessage, runs its own shard (tensor rank 0 of stage 0), and receives the last stage's
@@ -23,17 +23,20 @@ from torch import Tensor
 from llmc.errors import ConfigError, WorkerError
 from llmc.runtime import artifact as art
 from llmc.runtime.forward_batch import ForwardBatch
-from llmc.runtime.model_runner import ModelRunner, check_num_kv_blocks
+from llmc.runtime.model_runner import ModelRunner, check_num_kv_blocks, score_in_chunks
 from llmc.runtime.parallel.groups import ParallelGroups, Rendezvous, apply_parallel_env, rendezvous_from_env
 from llmc.runtime.parallel.launcher import FAILURE_GRACE_S, LaunchConfig, WorkerPool, wait_for_ranks
 from llmc.runtime.parallel.layout import rank_layout
 from llmc.runtime.parallel.messages import StepMessage, send_step
 from llmc.runtime.parallel.shard_runner import ShardRunner
+from llmc.runtime.runner import Runner, StepLogits
+from llmc.runtime.scheduler import ScheduledBatch
+from llmc.runtime.step_inputs import PendingTokens, StepBuffers
 from llmc.runtime.parallel.worker import STORE_TIMEOUT, WorkerArgs, rank_device, serve_rank
 
 
 def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
-                      device: torch.device, launch: LaunchConfig | None = None) -> ModelRunner:
+                      device: torch.device, launch: LaunchConfig | None = None) -> Runner:
     """The runner for this artifact and launch. Under torchrun, ranks other than 0 serve their shard
     here until the driver shuts down, then leave the process (SystemExit(0))."""
     world_size = manifest.parallel.world_size
@@ -104,8 +107,11 @@ class _Resources:
         self.store = None
 
 
-class ParallelModelRunner(ModelRunner):
-    """ModelRunner's interface over T × P ranks; this process is rank 0."""
+class ParallelModelRunner:
+    """The `Runner` (runtime/runner.py) of T × P ranks; this process is rank 0. Its steps wait for
+    the ranks (the logits come back through a collective), so the engine does not overlap them."""
+
+    can_overlap = False
 
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device,
                  rendezvous: Rendezvous, local_worker_ranks: list[int], ranks_per_node: int):
@@ -113,7 +119,10 @@ class ParallelModelRunner(ModelRunner):
         parallel = manifest.parallel
         self.first_gpu = device.index or 0  # rank r on this host uses GPU first_gpu + local rank
         self.device = rank_device(device.type, self.first_gpu)
-        self.batch_device = torch.device("cpu")  # the step message is built on the CPU, then broadcast
+        # the step message is built on the CPU, then broadcast
+        self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
+                                   -(-options.max_model_len // options.block_size), options.block_size,
+                                   torch.device("cpu"))
         self.block_size = options.block_size
         self.vocab_size = manifest.model.vocab_size
         self.tensor = parallel.tensor
@@ -155,6 +164,15 @@ class ParallelModelRunner(ModelRunner):
     def close(self) -> None:
         """Send SHUTDOWN, wait for the workers to leave (terminating stragglers), destroy the groups."""
         self._finalizer()
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
+        inputs = self.buffers.build(batch, pending)
+        return StepLogits.split(self.forward_logits(inputs.input_ids, inputs.forward_batch), inputs)
+
+    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
+        return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size,
+                               torch.device("cpu"))
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         message = StepMessage.forward(input_ids, forward_batch)

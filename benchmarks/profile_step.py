@@ -1,0 +1,162 @@
+"""Where a decode step's time goes: engine wall time, model forward / GPU kernel time, phase split.
+
+    python benchmarks/profile_step.py ARTIFACT [--device cuda|cpu] [--batch-sizes 1,64,256]
+        [--steps 30] [--prompt-len 128] [--sync] [--json OUT.json]
+
+For each batch size B: B requests of --prompt-len random token ids (greedy, ignore_eos) are added to
+an Engine and stepped until all of them decode; then --steps decode steps are measured twice:
+
+  1. plain (no profiler): the engine's wall time per step (`Engine.step()`), and the host time of
+     each phase: schedule, launch (runner.execute: build inputs + forward; then the sampler), advance
+     (the scheduler's pending-token update), resolve (waiting for the previous step's tokens,
+     detokenizing, stops, outputs). On a CPU the forward is synchronous, so `forward_ms` (the time
+     inside runner.forward_logits) is the model's own time and `wall_over_forward` the engine's
+     overhead ratio.
+  2. on CUDA, under torch.profiler: the GPU kernel time per step (the sum of CUDA kernel durations;
+     one stream, so no overlap), and `gpu_busy` = kernel time / plain wall time, and
+     `host_not_hidden_ms` = plain wall − kernel time: the time per step the GPU waits for the host.
+
+--sync measures the synchronous engine (async_scheduling false) for comparison. Prints one JSON line
+per batch size and writes all of them to --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
+
+PHASES = {"schedule": ("scheduler", "schedule"), "execute": ("runner", "execute"), "sample": ("sampler", "sample"),
+          "advance": ("scheduler", "advance"), "resolve": (None, "_resolve")}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batch-sizes", default="1,64,256")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--sync", action="store_true", help="async_scheduling false")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+class PhaseTimer:
+    """Wraps methods of the engine's parts with perf_counter accumulators (host time, no sync)."""
+
+    def __init__(self, engine: Engine):
+        self.totals = dict.fromkeys([*PHASES, "forward"], 0.0)
+        for phase, (owner, name) in PHASES.items():
+            self._wrap(engine if owner is None else getattr(engine, owner), name, phase)
+        self._wrap(engine.runner, "forward_logits", "forward")
+
+    def _wrap(self, obj, name: str, phase: str) -> None:
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[phase] += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(self.totals, 0.0)
+
+
+def fill(engine: Engine, batch_size: int, args, rng: random.Random) -> None:
+    """batch_size decoding requests, each with room for far more tokens than the measurement takes."""
+    vocab = engine.manifest.model.vocab_size
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=args.max_model_len - args.prompt_len - 1)
+    for _ in range(batch_size):
+        engine.add_request(None, params, prompt_token_ids=[rng.randrange(vocab) for _ in range(args.prompt_len)])
+    while engine.scheduler.num_waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):  # steady state: nothing but decodes in flight
+        engine.step()
+
+
+def measure(engine: Engine, timer: PhaseTimer, steps: int) -> dict:
+    timer.reset()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    ms = lambda seconds: round(1000 * seconds / steps, 3)  # noqa: E731
+    return {"wall_ms": ms(sum(walls)), "wall_median_ms": round(1000 * statistics.median(walls), 3),
+            **{f"{phase}_ms": ms(total) for phase, total in timer.totals.items()}}
+
+
+def kernel_ms_per_step(engine: Engine, steps: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / 1000 / steps
+
+
+def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng) -> dict:
+    fill(engine, batch_size, args, rng)
+    result = {"batch_size": batch_size, "running": engine.scheduler.num_running,
+              "async_scheduling": engine.options.async_scheduling, **measure(engine, timer, args.steps)}
+    if engine.device.type == "cuda":
+        kernel_ms = kernel_ms_per_step(engine, args.steps)
+        result.update(kernel_ms=round(kernel_ms, 3), gpu_busy=round(kernel_ms / result["wall_ms"], 3),
+                      host_not_hidden_ms=round(result["wall_ms"] - kernel_ms, 3))
+    else:
+        result["wall_over_forward"] = round(result["wall_ms"] / result["forward_ms"], 3)
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    options = {"max_num_seqs": max(batch_sizes), "max_model_len": args.max_model_len, "disable_log_stats": True,
+               "async_scheduling": not args.sync, "max_num_batched_tokens": max(8192, args.prompt_len)}
+    if args.num_kv_blocks is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    engine = Engine(args.artifact, device=args.device, **options)
+    timer = PhaseTimer(engine)
+    rng = random.Random(0)
+    fill(engine, 4, args, rng)  # warm-up (kernels compile, the allocator fills)
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
+    results = []
+    for batch_size in batch_sizes:
+        result = {"artifact": str(args.artifact), "device": device, **profile_batch(engine, timer, batch_size, args, rng)}
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

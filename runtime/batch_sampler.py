@@ -1,0 +1,333 @@
+"""The persistent batch sampler: per-row sampling state on the device, one batched pass per step.
+
+NOTE (persistent batch): every running sequence owns a *row* (`Request.batch_row`, 0 ..
+max_num_seqs-1) from its first scheduled step until it finishes or is preempted. Its sampling
+parameters live in per-row device tensors (temperature, top-k, top-p, min-p, penalties, seed,
+min_tokens), its logit bias / allowed ids / min_tokens stop ids in sparse (row, token) device
+lists, and for penalties its output token counts and prompt-token mask in [rows, vocab] device
+tensors. `add` and `remove` change the host mirrors of one row; the device copies are refreshed
+once, before the next step that samples, only if some row changed. A step then samples from the
+logits of its rows ([n, vocab]) and a device tensor of their row ids: no per-row Python, no
+device->host synchronisation, and the sampled tokens update the counts on the device, so a step
+can be sampled before the previous step's tokens reach the host (overlapped scheduling).
+
+Order (vLLM's): logits processors -> logit_bias, allowed_token_ids -> min_tokens (stop ids masked)
+-> repetition / frequency / presence penalties -> greedy rows: argmax; other rows: temperature ->
+top_k -> top_p -> min_p -> softmax -> exponential race.
+
+NOTE (random numbers): a row is sampled as argmax(probs / q), q = -log(u) ~ Exp(1) per vocabulary
+entry. u is a counter-based hash, not a generator's stream: a seeded row hashes (seed, number of
+tokens it generated so far, token id), so its samples depend on nothing else in the batch and
+need no torch.Generator per request; an unseeded row hashes (engine seed, step counter, row).
+The hash is murmur3's 32-bit finalizer over int64 tensors (bits masked to 32 after every
+multiply), the same on every device.
+
+Sparse entries of rows that are not in a step point at an extra dummy logits row (index n), so
+they can be applied without knowing on the host which rows the step holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmc.runtime.sampler import _apply_min_p, _apply_top_k_top_p
+from llmc.runtime.sampling_params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+# per-row float parameters, in the order of the rows of `_float_params`
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+# per-row integer parameters, in the order of the rows of `_int_params`
+_INT_FIELDS = ("top_k", "min_tokens", "seed", "is_seeded", "is_greedy", "has_allowed")
+
+
+def fmix32(h: Tensor) -> Tensor:
+    """murmur3's finalizer on int64 tensors holding 32-bit values; returns 32-bit values."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def fmix32_int(h: int) -> int:
+    """fmix32 of one Python int (host side)."""
+    return int(fmix32(torch.tensor([h & _M32]))[0])
+
+
+def row_keys(seed: Tensor, position: Tensor) -> Tensor:
+    """A 32-bit key per row from a 64-bit seed and a position (int64 tensors of equal shape)."""
+    high = fmix32(((seed >> 32) & _M32) ^ 0x5BD1E995)
+    low = fmix32((seed & _M32) ^ high)
+    return fmix32(low ^ ((position * _GOLDEN) & _M32))
+
+
+def exponentials(keys: Tensor, vocab_ids: Tensor) -> Tensor:
+    """q ~ Exp(1) for every (row, token): [n, vocab] float32 from keys [n] and vocab_ids [vocab]."""
+    h = fmix32(keys.unsqueeze(1) ^ ((vocab_ids * _GOLDEN) & _M32).unsqueeze(0))  # [n, vocab]
+    u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)  # in (0, 1)
+    return (-torch.log(u)).to(torch.float32)
+
+
+@dataclass
+class SampledStep:
+    """One step's sampled tokens on the device.
+
+    Fields:
+        token_ids: [n] int64, one per sampled row, in the step's row order.
+        logprobs: None unless some row asked for logprobs; else [n, 3 + 2 * num_top] float32 per
+            row: sampled token id, its raw logprob, its rank, the top token ids, their logprobs
+            (token ids are exact in float32 up to 2**24).
+        num_top: the number of top logprobs packed per row.
+    """
+
+    token_ids: Tensor
+    logprobs: Tensor | None
+    num_top: int
+
+
+class BatchSampler:
+    """Per-row sampling state of up to `num_rows` running sequences, and the step's sampling."""
+
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device, eos_token_ids: list[int],
+                 seed: int = 0):
+        self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
+        self.eos_token_ids = list(eos_token_ids)
+        self.params: list[SamplingParams | None] = [None] * num_rows
+        self._floats = np.zeros((len(_FLOAT_FIELDS), num_rows), dtype=np.float32)
+        self._ints = np.zeros((len(_INT_FIELDS), num_rows), dtype=np.int64)
+        self._sparse: dict[str, list[tuple[int, int, float]]] = {"bias": [], "allowed": [], "stop": []}
+        self._is_dirty = True
+        self._engine_key = int(row_keys(torch.tensor([seed]), torch.tensor([0]))[0])
+        self.num_steps = 0
+        self.vocab_ids = torch.arange(vocab_size, device=device)
+        # [num_rows] tokens each row generated: kept on the device, advanced by every sampled step
+        self.num_output = torch.zeros(num_rows, dtype=torch.long, device=device)
+        # [num_rows, vocab]: allocated when the first row with penalties joins
+        self.output_counts: Tensor | None = None
+        self.prompt_mask: Tensor | None = None
+        self._upload()
+
+    # ---- rows join and leave (host mirrors; the device copies follow at the next step) ----------
+
+    def add(self, row: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        """Give `row` to a sequence: its params, and for penalties its token counts so far."""
+        self.params[row] = params
+        floats = {"temperature": 1.0 if params.is_greedy else params.temperature, "top_p": params.top_p,
+                  "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+                  "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
+        self._floats[:, row] = [floats[name] for name in _FLOAT_FIELDS]
+        ints = {"top_k": min(params.top_k, self.vocab_size), "min_tokens": params.min_tokens,
+                "seed": 0 if params.seed is None else params.seed & (2**63 - 1), "is_seeded": params.seed is not None,
+                "is_greedy": params.is_greedy, "has_allowed": params.allowed_token_ids is not None}
+        self._ints[:, row] = [ints[name] for name in _INT_FIELDS]
+        self._is_dirty = True
+        self.num_output[row] = len(output_token_ids)  # a fill on the device, no copy back
+        if params.has_penalties:
+            self._set_counts(row, prompt_token_ids, output_token_ids)
+
+    def remove(self, row: int) -> None:
+        self.params[row] = None
+        self._is_dirty = True
+
+    def _set_counts(self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+        if self.output_counts is None:
+            shape = (self.num_rows, self.vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        ids = torch.tensor(output_token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        self.output_counts[row].zero_().index_add_(0, ids, torch.ones(len(output_token_ids), device=self.device))
+        self.prompt_mask[row].zero_()[torch.tensor(prompt_token_ids, dtype=torch.long).to(self.device)] = True
+
+    def _upload(self) -> None:
+        """Refresh the device copies of the per-row parameters and the sparse lists."""
+        active = [row for row, p in enumerate(self.params) if p is not None]
+        for name, entries in self._sparse.items():
+            entries.clear()
+        for row in active:
+            params = self.params[row]
+            self._sparse["bias"].extend((row, t, b) for t, b in (params.logit_bias or {}).items())
+            self._sparse["allowed"].extend((row, t, 0.0) for t in params.allowed_token_ids or ())
+            if params.min_tokens > 0:
+                stops = params.all_stop_token_ids(self.eos_token_ids)
+                self._sparse["stop"].extend((row, t, 0.0) for t in sorted(stops) if t < self.vocab_size)
+        self._float_params = torch.from_numpy(self._floats.copy()).to(self.device)
+        self._int_params = torch.from_numpy(self._ints.copy()).to(self.device)
+        self._sparse_t = {name: self._sparse_tensors(entries) for name, entries in self._sparse.items()}
+        self._summary = self._summarize([self.params[row] for row in active])
+        self._is_dirty = False
+
+    def _sparse_tensors(self, entries: list[tuple[int, int, float]]) -> tuple[Tensor, Tensor, Tensor] | None:
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries)
+        return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
+                torch.tensor(values, dtype=torch.float32, device=self.device))
+
+    @staticmethod
+    def _summarize(params: list[SamplingParams]) -> dict:
+        """What the active rows need at all (host values: they choose the step's code path)."""
+        return {
+            "all_greedy": all(p.is_greedy for p in params),
+            "top_p": any(p.top_p < 1.0 for p in params),
+            "max_top_k": max((p.top_k for p in params), default=0),
+            "min_p": any(p.min_p > 0.0 for p in params),
+            "penalties": any(p.has_penalties for p in params),
+            "num_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=None),
+            "processors": any(p.logits_processors for p in params),
+        }
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def _column(self, name: str, rows: Tensor) -> Tensor:
+        if name in _FLOAT_FIELDS:
+            return self._float_params[_FLOAT_FIELDS.index(name)][rows]
+        return self._int_params[_INT_FIELDS.index(name)][rows]
+
+    @torch.inference_mode()
+    def sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]] = ()
+               ) -> SampledStep:
+        """Sample one token for each of `logits` [n, vocab] (rows: `rows` [n] int64 on the device).
+
+        `processors`: (index in the step, row, prompt ids, output ids) of each row with logits
+        processors (user callables see its tokens; the caller makes sure they are known)."""
+        if self._is_dirty:
+            self._upload()
+        summary, n = self._summary, logits.shape[0]
+        self.num_steps += 1
+        x = torch.empty(n + 1, self.vocab_size, dtype=torch.float32, device=self.device)  # row n: dummy
+        x[:n].copy_(logits)
+        raw_logprobs = torch.log_softmax(x[:n], dim=-1) if summary["num_logprobs"] is not None else None
+        self._apply_processors(x, processors)
+        row_of = torch.full((self.num_rows,), n, dtype=torch.long, device=self.device)
+        row_of[rows] = torch.arange(n, device=self.device)  # sparse entries of absent rows -> dummy row
+        self._apply_sparse(x, rows, row_of)
+        logits_n = x[:n]
+        if summary["penalties"]:
+            self._apply_penalties(logits_n, rows)
+        token_ids = logits_n.argmax(dim=-1)  # [n]
+        if not summary["all_greedy"]:
+            token_ids = torch.where(self._column("is_greedy", rows) > 0, token_ids, self._race(logits_n, rows))
+        self._record(rows, token_ids)
+        packed = None
+        if raw_logprobs is not None:
+            packed = _pack_logprobs(raw_logprobs, token_ids, summary["num_logprobs"])
+        return SampledStep(token_ids, packed, summary["num_logprobs"] or 0)
+
+    def _apply_processors(self, x: Tensor, processors: list[tuple[int, int, list[int], list[int]]]) -> None:
+        # User callables take one row each: the one per-row loop, over the rows that have them.
+        for i, row, prompt, outputs in processors:
+            params = self.params[row]
+            for processor, arity in zip(params.logits_processors, params.logits_processor_arities):
+                x[i] = processor(prompt, outputs, x[i]) if arity == 3 else processor(outputs, x[i])
+
+    def _apply_sparse(self, x: Tensor, rows: Tensor, row_of: Tensor) -> None:
+        bias, allowed, stop = (self._sparse_t[name] for name in ("bias", "allowed", "stop"))
+        if bias is not None:
+            x.index_put_((row_of[bias[0]], bias[1]), bias[2], accumulate=True)
+        if allowed is not None:
+            is_allowed = torch.zeros_like(x, dtype=torch.bool)  # [n + 1, vocab]
+            is_allowed[row_of[allowed[0]], allowed[1]] = True
+            has_list = self._column("has_allowed", rows) > 0  # [n]
+            x[:-1].masked_fill_(~is_allowed[:-1] & has_list.unsqueeze(1), float("-inf"))
+        if stop is not None:  # min_tokens: stop ids masked while the row has fewer outputs
+            is_early = self.num_output[stop[0]] < self._int_params[_INT_FIELDS.index("min_tokens")][stop[0]]
+            target = (row_of[stop[0]], stop[1])
+            x.index_put_(target, torch.where(is_early, float("-inf"), x[target]))
+
+    def _apply_penalties(self, logits: Tensor, rows: Tensor) -> None:
+        counts = self.output_counts[rows]  # [n, vocab]
+        is_seen = self.prompt_mask[rows] | (counts > 0)
+        repetition = self._column("repetition_penalty", rows).unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+        logits.copy_(torch.where(is_seen, penalized, logits))
+        logits -= self._column("frequency_penalty", rows).unsqueeze(1) * counts
+        logits -= self._column("presence_penalty", rows).unsqueeze(1) * (counts > 0).float()
+
+    def _race(self, logits: Tensor, rows: Tensor) -> Tensor:
+        """Temperature, top-k/top-p, min-p, softmax, then the exponential race. [n] token ids."""
+        summary = self._summary
+        logits.div_(self._column("temperature", rows).unsqueeze(1))
+        top_k = self._column("top_k", rows)
+        if summary["top_p"]:
+            _apply_top_k_top_p(logits, top_k, self._column("top_p", rows))
+        elif summary["max_top_k"] > 0:
+            _apply_top_k(logits, top_k, summary["max_top_k"])
+        if summary["min_p"]:
+            _apply_min_p(logits, self._column("min_p", rows))
+        probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+        seeded = row_keys(self._column("seed", rows), self.num_output[rows])
+        unseeded = fmix32(rows ^ fmix32_int(self._engine_key ^ self.num_steps))
+        keys = torch.where(self._column("is_seeded", rows) > 0, seeded, unseeded)
+        q = exponentials(keys, self.vocab_ids)
+        return probs.div_(q).argmax(dim=-1)
+
+    def _record(self, rows: Tensor, token_ids: Tensor) -> None:
+        """The sampled tokens, on the device: one more output per row, and its count."""
+        self.num_output.index_add_(0, rows, torch.ones_like(rows))
+        if self.output_counts is not None:
+            self.output_counts.index_put_((rows, token_ids), torch.ones_like(token_ids, dtype=torch.float32),
+                                          accumulate=True)
+
+    @property
+    def has_processors(self) -> bool:
+        """Some active row has logits processors: its step needs the host's token histories."""
+        if self._is_dirty:
+            self._upload()
+        return self._summary["processors"]
+
+
+def _apply_top_k(logits: Tensor, top_k: Tensor, max_k: int) -> None:
+    """`top_k` [n] (0 = off); `max_k` its largest value, a host int (so no device sync)."""
+    top_values = logits.topk(min(max_k, logits.shape[1]), dim=-1).values  # [n, max_k], descending
+    k = top_k.clamp(min=1, max=top_values.shape[1])  # [n]
+    kth_largest = top_values.gather(1, (k - 1).unsqueeze(1))  # [n, 1]
+    logits.masked_fill_((logits < kth_largest) & (top_k > 0).unsqueeze(1), float("-inf"))
+
+
+def _pack_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
+    """[n, 3 + 2 * num_top] float32: token id, its logprob, its rank, top ids, top logprobs."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1  # [n, 1]
+    top_values, top_ids = logprobs.topk(min(num_top, logprobs.shape[1]), dim=-1)  # [n, num_top]
+    return torch.cat([token_ids.unsqueeze(1).float(), chosen, ranks.float(), top_ids.float(), top_values], dim=1)
+
+
+def unpack_logprobs(row: list[float], num_top: int) -> dict[int, float]:
+    """One packed row (host floats) -> {token id: logprob}: the sampled token first, then the top
+    `num_top` most likely, as `Sampler` returns them."""
+    token_id, value = int(row[0]), row[1]
+    result = {token_id: value}
+    for top_id, top_value in zip(row[3 : 3 + num_top], row[3 + num_top : 3 + 2 * num_top]):
+        result.setdefault(int(top_id), top_value)
+    return result
+
+
+class HostTokens:
+    """A step's sampled tokens (and packed logprobs) on their way to the host: one non-blocking
+    copy into pinned memory on a GPU, followed by an event; `wait()` blocks on that event only."""
+
+    def __init__(self, sampled: SampledStep, device: torch.device):
+        self.num_top = sampled.num_top
+        source = sampled.token_ids if sampled.logprobs is None else sampled.logprobs  # logprobs carry the ids
+        self.event = None
+        if device.type == "cuda":
+            self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            self.host.copy_(source, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = source
+
+    def wait(self) -> tuple[list[int], list[list[float]] | None]:
+        """(token ids, packed logprob rows or None), as Python lists."""
+        if self.event is not None:
+            self.event.synchronize()
+        values = self.host.tolist()
+        if self.host.dim() == 1:
+            return values, None
+        return [int(row[0]) for row in values], values

@@ -1,0 +1,166 @@
+"""Persistent step buffers: a step's inputs built in preallocated host memory, sent in one copy.
+
+NOTE (persistent buffers): the block table of every persistent-batch row (`Request.batch_row`)
+lives in a host array that is updated incrementally: a request's new blocks are written as they
+appear, and the row is rewritten only when the request's block list was replaced (admission,
+re-admission after preemption). Each step packs its token ids, positions, KV slots, logits row
+indices, context lengths, sampling rows, placeholder fix-ups and block-table rows into one int64
+staging buffer (pinned on a GPU) and sends it to the device in one non-blocking copy; the
+ForwardBatch's tensors are views of it. Two staging buffers alternate, so the host can fill step
+N+1's while step N's copy may still be in flight (the engine resolves step N before it builds step
+N+2).
+
+NOTE (placeholders): under overlapped scheduling a decode row's input token may be a token the
+previous step sampled whose value has not reached the host (`Request.num_pending_tokens`). Its
+slot in input_ids is filled on the device from the previous step's sampled-token tensor
+(`PendingTokens`), so step N+1 can be launched before step N's tokens are known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.scheduler import ScheduledBatch
+
+
+@dataclass
+class PendingTokens:
+    """The previous step's sampled tokens, still on the device.
+
+    Fields:
+        token_ids: [num_sampled] int64 device tensor, one token per sampled request of that step.
+        index: request_id -> its entry in token_ids.
+    """
+
+    token_ids: Tensor
+    index: dict[str, int]
+
+
+@dataclass
+class StepInputs:
+    """One step's model inputs on the device (views of the copied staging buffer).
+
+    Fields:
+        input_ids: [num_tokens] int64.
+        forward_batch: positions, slots, block tables, lengths, logits rows of the step.
+        sample_rows: [num_sampled] int64 persistent-batch row of each sampled request, in logits order.
+        prompt_spans: request_id -> (first position, number of rows) of prompt-logprob logits rows,
+            which follow the sampling rows (one per sampled request plus one per draft token).
+        num_sampling_rows: logits rows that sample a token (before the prompt-logprob rows).
+    """
+
+    input_ids: Tensor
+    forward_batch: ForwardBatch
+    sample_rows: Tensor
+    prompt_spans: dict[str, tuple[int, int]]
+    num_sampling_rows: int
+
+
+class StepBuffers:
+    """Host block tables per persistent row and the staging buffers of the step's single copy."""
+
+    def __init__(self, num_rows: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        self.block_size, self.device = block_size, device
+        self.block_tables = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int64)  # host, per row
+        self._num_written = [0] * num_rows  # entries of each row's table already written
+        self._owner_lists: list[list[int] | None] = [None] * num_rows  # the block list a row mirrors
+        # token arrays (ids, positions, slots, logits rows: drafts and prompt rows are <= tokens),
+        # per-sequence arrays (context lens, sample rows, fix-up pairs) and the block tables
+        capacity = 4 * max_num_tokens + 4 * num_rows + num_rows * max_blocks_per_seq
+        pin = device.type == "cuda"
+        self._staging = [torch.zeros(capacity, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._device_buffer = torch.zeros(capacity, dtype=torch.int64, device=device) if pin else None
+        self._num_steps = 0
+
+    def _sync_table(self, request) -> int:
+        """Bring the request's row of the host block table up to date; returns its row."""
+        row, blocks = request.batch_row, request.block_ids
+        if self._owner_lists[row] is not blocks:  # a new block list: rewrite the row
+            self._owner_lists[row], self._num_written[row] = blocks, 0
+        written = self._num_written[row]
+        if len(blocks) > written:
+            self.block_tables[row, written : len(blocks)] = blocks[written:]
+        self._num_written[row] = len(blocks)  # the scheduler only appends to a list it keeps
+        return row
+
+    def build(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepInputs:
+        """Pack the scheduled chunks into the staging buffer, copy once, and return device views."""
+        # NOTE: one Python pass over the scheduled requests gathers per-sequence values and token
+        # ids; positions, slots and table rows are then numpy operations over the whole step.
+        token_ids: list[int] = []
+        starts, num_news, rows, sample_ends, prompt_spans, fixups = [], [], [], [], {}, []
+        sample_rows, prompt_indices = [], []
+        for scheduled in batch.requests:
+            request = scheduled.request
+            start, num_new, drafts = request.num_computed_tokens, scheduled.num_new_tokens, scheduled.draft_token_ids
+            offset = len(token_ids)
+            num_real = num_new - len(drafts)
+            if request.num_pending_tokens and start + num_real > request.num_known_tokens:
+                # the last token is still on the device: a placeholder, filled from the previous step
+                token_ids.extend(request.get_token_ids(start, request.num_known_tokens))
+                fixups.append((len(token_ids), pending.index[request.request_id]))
+                token_ids.append(0)
+            else:
+                token_ids.extend(request.get_token_ids(start, start + num_real))
+            token_ids.extend(drafts)
+            rows.append(self._sync_table(request))
+            starts.append(start)
+            num_news.append(num_new)
+            if scheduled.is_last_chunk:  # the last real token, then each draft: one row each
+                sample_ends.append((offset + num_real - 1, len(drafts)))
+                sample_rows.append(request.batch_row)
+            if request.skip_prefix_cache:  # prompt logprobs: positions whose next token is in the prompt
+                end = min(start + num_new, request.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_spans[request.request_id] = (start, end - start)
+                    prompt_indices.extend(range(offset, offset + end - start))
+        return self._pack(batch, token_ids, starts, num_news, rows, sample_ends, sample_rows, prompt_indices,
+                          prompt_spans, fixups, pending)
+
+    def _pack(self, batch, token_ids, starts, num_news, rows, sample_ends, sample_rows, prompt_indices,
+              prompt_spans, fixups, pending) -> StepInputs:
+        num_tokens, num_seqs = len(token_ids), len(rows)
+        starts_np, num_news_np, rows_np = np.array(starts), np.array(num_news), np.array(rows)
+        seq_offsets = np.cumsum(num_news_np) - num_news_np
+        seq_of_token = np.repeat(np.arange(num_seqs), num_news_np)
+        positions = np.arange(num_tokens) - seq_offsets[seq_of_token] + starts_np[seq_of_token]
+        token_rows = rows_np[seq_of_token]
+        slots = self.block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        logits_rows = [i for end, num_drafts in sample_ends for i in range(end, end + 1 + num_drafts)] + prompt_indices
+        width = max(self._num_written[row] for row in rows)
+        parts = [token_ids, positions, slots, logits_rows, starts_np + num_news_np, sample_rows,
+                 [dst for dst, _ in fixups], [src for _, src in fixups], self.block_tables[rows_np, :width].ravel()]
+        staging = self._staging[self._num_steps % 2]
+        self._num_steps += 1
+        host = staging.numpy()
+        bounds, at = [], 0
+        for part in parts:
+            host[at : at + len(part)] = part
+            bounds.append((at, at + len(part)))
+            at += len(part)
+        if self._device_buffer is not None:
+            device = self._device_buffer[:at]
+            device.copy_(staging[:at], non_blocking=True)
+        else:
+            device = staging[:at].clone()  # the CPU step may still read the last one in its thread
+        views = [device[a:b] for a, b in bounds]
+        input_ids = views[0]
+        if fixups:
+            input_ids[views[6]] = pending.token_ids[views[7]]
+        context_lens = starts_np + num_news_np
+        forward_batch = ForwardBatch(
+            positions=views[1],
+            slot_mapping=views[2],
+            block_tables=views[8].view(num_seqs, width).to(torch.int32),
+            context_lens=views[4].to(torch.int32),
+            query_lens=num_news,
+            max_context_len=int(context_lens.max()),
+            logits_indices=views[3],
+        )
+        return StepInputs(input_ids, forward_batch, views[5], prompt_spans, len(logits_rows) - len(prompt_indices))
