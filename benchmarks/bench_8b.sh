@@ -109,4 +109,4 @@ case $stage in
   *) echo "unknown stage $stage: use w4, fp8, bf16, tp, overlap-bf16 or overlap-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
-rm -rf "$work"
+[ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts
