@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue 12's same-run baseline: 128/128 throughput (and batch-1 decode) of the 8B-shaped bf16 and FP8
+# artifacts under this tree (overlapped scheduling) and under OLD_TREE (the engine before it), one GPU,
+# one run.   bash benchmarks/overlap_vs_before.sh OLD_TREE OUT_DIR
+# (OLD_TREE e.g. from `git archive 73466ca | tar -x -C .baseline`; carry it to the device machine.)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+old=$(cd "$1" && pwd); out=$2; work=${WORK:-/tmp/llmc-overlap}
+mkdir -p "$out" "$work"
+source "$repo/benchmarks/gpu_env.sh"
+python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" | tail -1
+for q in bf16 fp8; do
+  method=$([ $q = fp8 ] && echo fp8 || echo none)
+  printf 'model: %s/ckpt\noutput: %s/%s\ndtype: bfloat16\nquantization: {method: %s}\nruntime: {max_model_len: 4096, max_num_seqs: 256, max_num_batched_tokens: 8192}\ntarget: {device: cuda, gpu_memory_gib: 80}\n' \
+    "$work" "$work" $q $method > "$work/$q.yaml"
+  (source "$repo/benchmarks/gpu_env.sh"; cd "$work" && python -m llmc.cli build "$work/$q.yaml" -q | tail -1)
+  (source "$repo/benchmarks/gpu_env.sh"; cd /tmp && python "$repo/benchmarks/bench_e2e.py" "$work/$q=$q-overlap" \
+    --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$q-overlap.json" | tail -8)
+  bash "$repo/benchmarks/baseline_e2e.sh" "$old" "$work/$q" "$q-before" "$out/e2e-$q-before.json" \
+    --parts decode,throughput --throughput 128x128:1000 --time-limit 60 | tail -8
+  rm -rf "${work:?}/$q"
+done
+rm -rf "$work"
