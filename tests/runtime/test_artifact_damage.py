@@ -8,6 +8,7 @@ a hand edit would: then the schema and consistency checks are what refuse it, no
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -133,8 +134,12 @@ HANGS_IF_OPENED = {"weights-fifo", "manifest-fifo"}  # run in a subprocess with 
 
 
 def _llmc_in_process(capsys, *args):
-    with pytest.raises(SystemExit) as exited:
-        main([*map(str, args)])
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main([*map(str, args)])
+    finally:  # the CLI points the root logger at capsys's stream; give the next test its own back
+        logging.root.handlers[:], logging.root.level = handlers, level
     return exited.value.code, capsys.readouterr().err
 
 
