@@ -20,7 +20,7 @@ from llmc.compiler.convert import (
     read_layer,
 )
 from llmc.compiler.calibration import calibration_windows
-from llmc.compiler.emit import ShardedWriter, atomic_directory
+from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.import_quantized import ImportPacker, import_formats
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
 from llmc.compiler.pipeline import QuantizingPacker
@@ -71,6 +71,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     """Build the artifact a recipe describes, atomically, and return its manifest."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
+    prepare_output(recipe.output_dir)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
     ctx.module_formats = _plan_formats(ctx)

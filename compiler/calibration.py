@@ -24,14 +24,29 @@ BLOCK_SIZE = 16
 
 
 def read_text(path: str | Path) -> str:
-    """A .txt file as is; a .jsonl file's "text" fields joined by blank lines."""
+    """A .txt file as is; a .jsonl file's "text" fields joined by blank lines. UTF-8 only."""
     path = Path(path)
-    if path.suffix == ".jsonl":
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        if not all(isinstance(r, dict) and isinstance(r.get("text"), str) for r in lines):
-            raise RecipeError(f"quantization.calibration.data: every line of {path} must be an object with a \"text\" string")
-        return "\n\n".join(r["text"] for r in lines)
-    return path.read_text()
+    key = "quantization.calibration.data"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{key}: {path} is not UTF-8 text (byte {e.start}: {e.reason}); give a .txt or .jsonl file") from None
+    except OSError as e:
+        raise RecipeError(f"{key}: cannot read {path} ({e.strerror})") from None
+    if path.suffix != ".jsonl":
+        return text
+    texts = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise RecipeError(f"{key}: {path} line {number} is not JSON ({e})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("text"), str)):
+            raise RecipeError(f"{key}: {path} line {number} must be an object with a \"text\" string")
+        texts.append(record["text"])
+    return "\n\n".join(texts)
 
 
 def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int | None,

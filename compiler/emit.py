@@ -1,4 +1,4 @@
-"""Writing an artifact: a streaming safetensors writer and the atomic temp-directory-then-rename.
+"""Writing an artifact: a streaming safetensors writer and the atomic temp-directory-then-swap.
 
 The writer takes every tensor's name, dtype and shape up front (the formats' `param_specs` give
 them before any weight is quantized), writes the header, then the tensors one at a time as the
@@ -7,17 +7,25 @@ compiler produces them — so a build never holds the whole model in memory.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
+import logging
 import os
+import re
+import secrets
 import shutil
+import socket
 import struct
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.errors import LlmcError, RecipeError
+
+logger = logging.getLogger("llmc")
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -113,26 +121,146 @@ def _num_elements(shape) -> int:
 
 @contextmanager
 def atomic_directory(final: Path):
-    """Yield a temporary sibling of `final`; on success swap it into place, on failure remove it.
+    """Yield a new temporary sibling of `final`; on success swap it into place, on failure remove it.
 
-    A crashed build never leaves a directory that looks like an artifact: the manifest is written
-    last, and the directory only appears under its final name after everything is complete.
+    NOTE: a crashed build never leaves a directory that looks like an artifact, and the name always
+    holds a whole artifact, old or new: the manifest is written last, the temporary directory is named
+    `.NAME.building-HOST.PID-RANDOM` (so that a later build can tell a killed build's leftovers from a
+    running one's), and the swap is one renameat2(RENAME_EXCHANGE) where the kernel and filesystem
+    have it (Linux 3.15+: ext4, xfs, btrfs, tmpfs, ...). Elsewhere POSIX has no atomic replacement of
+    a non-empty directory: the old artifact is renamed aside to `.NAME.old-HOST.PID-RANDOM` first, and
+    a build killed between the two renames leaves it there, for `recover_output` to put back.
     """
-    final = final.resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    final = Path(os.path.abspath(final))
+    prepare_output(final)
+    tmp = _make_temp_dir(final, "building")
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = None
-    if final.exists():
-        if not (final / "manifest.json").is_file() and any(final.iterdir()):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise LlmcError(f"output {final} exists and is not an llmc artifact; choose another `output` or remove it")
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        _check_replaceable(final)
+    except LlmcError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _swap_into_place(tmp, final)
+
+
+def prepare_output(final: Path) -> None:
+    """Refuse an output that cannot become an artifact, before any work; then clean what killed builds
+    at this output left (their temporary directories, an old artifact renamed aside)."""
+    final = Path(os.path.abspath(final))
+    if final.parent.exists() and not final.parent.is_dir():
+        raise RecipeError(f"output: {final.parent} is a file, not a directory; choose another output")
+    _check_replaceable(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RecipeError(f"output: cannot create {final.parent} ({e.strerror}); choose another output") from None
+    recover_output(final)
+
+
+def _check_replaceable(final: Path) -> None:
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        raise RecipeError(f"output: {final} exists and is not a directory; choose another output or remove it")
+    if final.is_dir() and not (final / "manifest.json").is_file() and any(final.iterdir()):
+        raise RecipeError(f"output: {final} exists and is not an llmc artifact; choose another output or remove it")
+
+
+def recover_output(final: Path) -> list[Path]:
+    """Put back an old artifact that a killed swap left aside (when the name is empty), and remove the
+    temporary directories of builds at this output whose process is gone; returns what it removed.
+    Directories of a live build, or of another host, are left alone."""
+    stale = sorted(p for p in final.parent.iterdir() if _is_stale(p, final.name))
+    for path in stale:
+        if path.name.startswith(f".{final.name}.old-") and not os.path.lexists(final) \
+                and (path / "manifest.json").is_file():
+            os.rename(path, final)
+            logger.warning("output: put back %s, which an interrupted build had moved aside to %s", final, path.name)
+    removed = [path for path in stale if path.exists()]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    if removed:
+        logger.info("output: removed %d director%s left by killed builds of %s", len(removed),
+                    "y" if len(removed) == 1 else "ies", final.name)
+    return removed
+
+
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:building|old)-(?P<host>[A-Za-z0-9.-]*)\.(?P<pid>\d+)-[0-9a-f]+$")
+
+
+def _is_stale(path: Path, name: str) -> bool:
+    match = _TEMP_NAME.match(path.name)
+    if not match or match["name"] != name or match["host"] != _host() or not path.is_dir() or path.is_symlink():
+        return False
+    return not _is_alive(int(match["pid"]))
+
+
+def _is_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())
+
+
+def _make_temp_dir(final: Path, kind: str) -> Path:
+    """`.NAME.KIND-HOST.PID-RANDOM`, created with the usual permissions (0777 less the umask, as
+    mkdir gives; tempfile.mkdtemp would make it 0700)."""
+    while True:
+        path = final.with_name(f".{final.name}.{kind}-{_host()}.{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.mkdir(path, 0o777)
+            return path
+        except FileExistsError:
+            continue
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    if not os.path.lexists(final):
+        os.rename(tmp, final)
+        return
+    if _exchange(tmp, final):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old artifact
+        return
+    old = final.with_name(tmp.name.replace(".building-", ".old-", 1))
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux's renameat2(RENAME_EXCHANGE); False where it is unavailable."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+@functools.cache
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn

@@ -25,7 +25,7 @@ class CalibrationConfig:
     num_samples: int = opt(128, min=1, help="number of calibration windows")
     seq_len: int = opt(512, min=2, help="tokens per calibration window")
     shuffle: bool = opt(False, help="draw the windows at random (by seed) instead of taking them in order")
-    seed: int = opt(0, min=0, help="seed for drawing windows when shuffle is true")
+    seed: int = opt(0, min=0, max=2**63 - 1, help="seed for drawing windows when shuffle is true")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class TargetConfig:
     device: str = opt("cuda", choices=["cuda", "cpu"], help="where the artifact will run")
-    gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, help="GPU memory to plan for (default: 80)")
+    gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, max=65536.0, help="GPU memory to plan for (default: 80)")
     tune_kernels: bool = opt(False, help="measure the W4A16 kernels for the artifact's shapes on this machine's GPU "
                                          "(cuda target) and record them; false: the recorded H200 table and a heuristic")
 
@@ -94,9 +94,11 @@ def load_recipe(path: str | Path) -> Recipe:
     if not path.is_file():
         raise RecipeError(f"recipe file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
-        raise RecipeError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
+        raise RecipeError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    except (UnicodeDecodeError, RecursionError) as e:
+        raise RecipeError(f"{path}: not a YAML text file ({type(e).__name__}: {e})") from None
     return recipe_from_dict(data, source=str(path))
 
 
@@ -121,4 +123,19 @@ def _check(recipe: Recipe) -> None:
         if data is None:
             raise RecipeError(f"quantization.calibration.data: method {quant.method} needs a calibration text file")
     if data is not None and not Path(data).is_file():
-        raise RecipeError(f"quantization.calibration.data: file {data!r} does not exist")
+        what = "is not a regular file" if Path(data).exists() else "does not exist"
+        raise RecipeError(f"quantization.calibration.data: {data!r} {what}")
+    patterns = [(f"quantization.ignore[{i}]", p) for i, p in enumerate(quant.ignore)]
+    patterns += [(f"quantization.overrides[{i}].match", o.match) for i, o in enumerate(quant.overrides)]
+    for key, pattern in patterns:
+        _check_pattern(key, pattern)
+
+
+def _check_pattern(key: str, pattern: str) -> None:
+    """A 're:' pattern must compile now, not halfway through a build."""
+    if not pattern.startswith("re:"):
+        return
+    try:
+        re.compile(pattern[3:])
+    except re.error as e:
+        raise RecipeError(f"{key}: {pattern!r} is not a valid regular expression ({e}); fix it") from None

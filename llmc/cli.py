@@ -97,9 +97,14 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
     from llmc.runtime.artifact import read_manifest, verify_files
 
     manifest = read_manifest(artifact)
-    report = inspect_report(artifact, manifest, gpu_memory_gib)
+    problems = verify_files(artifact, manifest) if verify else []
+    try:
+        report = inspect_report(artifact, manifest, gpu_memory_gib)
+    except LlmcError:
+        if problems:  # the report reads the damaged files: name them all instead
+            raise LlmcError(f"{artifact}: {len(problems)} file(s) failed verification: " + "; ".join(problems)) from None
+        raise
     if verify:
-        problems = verify_files(artifact, manifest)
         report["verify"] = {"ok": not problems, "problems": problems}
     if as_json:
         click.echo(json.dumps(report, indent=2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, Union
@@ -66,7 +67,7 @@ def _convert(hint, value, key: str, error):
             raise error(f"{key}: expected a list, got {_show(value)}")
         items = [_convert(inner, v, f"{key}[{i}]", error) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
-    if origin is dict:
+    if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise error(f"{key}: expected a mapping, got {_show(value)}")
         return dict(value)
@@ -88,7 +89,10 @@ def _convert_scalar(hint, value, key: str, error):
         raise error(f"{key}: expected an integer, got {_show(value)}")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
+            if not math.isfinite(number):  # NaN passes every range check; infinity is no size or fraction
+                raise error(f"{key}: expected a finite number, got {value if isinstance(value, float) else 'a huge integer'}")
+            return number
         raise error(f"{key}: expected a number, got {_show(value)}")
     if hint is str:
         if isinstance(value, str):

@@ -12,19 +12,28 @@ The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors onl
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmc.errors import ArtifactError
+from llmc.runtime import integrity
+from llmc.runtime.integrity import read_safetensors_header, sha256_file  # noqa: F401 - part of this module's API
 from llmc.runtime.spec_decode import SpeculativeConfig
 from llmc.schema import opt, parse
 
-FORMAT_VERSION = "1.1"  # 1.1: plan.w4a16_kernels (1.0 manifests load without it)
+# 1.1: plan.w4a16_kernels (1.0 manifests load without it).
+# 1.2: manifest_sha256, the digest of the manifest itself (required from 1.2 on; 1.0/1.1 load without it,
+#      and are checked against it when they carry one).
+FORMAT_VERSION = "1.2"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+DTYPES = ["float32", "bfloat16", "float16"]
+FAMILIES = ["llama", "qwen2", "qwen3"]
+QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
+DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every decoder layer's, by runtime name
 
 
 def rank_weights_path(rank: int) -> str:
@@ -35,26 +44,26 @@ def rank_weights_path(rank: int) -> str:
 class ModelConfig:
     """Architecture hyper-parameters, normalised from the HF config (one schema for every family)."""
 
-    family: str  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3"
-    architecture: str  # the HF class name, e.g. "LlamaForCausalLM"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None  # {"rope_type": "llama3", "factor": ..., ...} or None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v carry biases (qwen2)
-    qk_norm: bool  # per-head RMSNorm on q and k (qwen3)
-    bos_token_id: int | None
-    eos_token_ids: list[int]
-    dtype: str  # the weights' dtype in the artifact: "float32" | "bfloat16" | "float16"
-    sliding_window: int | None = None  # Mistral-style local attention window, None = full attention
+    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3"
+    architecture: str = opt()  # the HF class name, e.g. "LlamaForCausalLM"
+    vocab_size: int = opt(min=1)
+    hidden_size: int = opt(min=1)
+    intermediate_size: int = opt(min=1)
+    num_layers: int = opt(min=1)
+    num_heads: int = opt(min=1)
+    num_kv_heads: int = opt(min=1)
+    head_dim: int = opt(min=1)
+    rms_norm_eps: float = opt(min_exclusive=0.0)
+    rope_theta: float = opt(min_exclusive=0.0)
+    rope_scaling: dict | None = opt()  # {"rope_type": "llama3", "factor": ..., ...} or None
+    max_position_embeddings: int = opt(min=1)
+    tie_word_embeddings: bool = opt()
+    attention_bias: bool = opt()  # q/k/v carry biases (qwen2)
+    qk_norm: bool = opt()  # per-head RMSNorm on q and k (qwen3)
+    bos_token_id: int | None = opt(min=0)
+    eos_token_ids: list[int] = opt()
+    dtype: str = opt(choices=DTYPES)  # the weights' dtype in the artifact: "float32" | "bfloat16" | "float16"
+    sliding_window: int | None = opt(None, min=1)  # Mistral-style local attention window, None = full attention
 
     @property
     def num_parameters(self) -> int:
@@ -72,8 +81,8 @@ class ModelConfig:
 class QuantInfo:
     """What quantization did: the method, and the format spec of every linear module."""
 
-    method: str  # "none" | "rtn" | "gptq" | "awq" | "fp8" | "import"
-    modules: dict[str, dict]  # runtime module name ("layers.0.attn.qkv") → format spec ({"format": "dense"})
+    method: str = opt(choices=QUANT_METHODS)  # "none" | "rtn" | "gptq" | "awq" | "fp8" | "import"
+    modules: dict[str, dict] = opt()  # runtime module name ("layers.0.attn.qkv") → format spec ({"format": "dense"})
     settings: dict = field(default_factory=dict)  # the recipe's quantization section, for the record
     report: dict = field(default_factory=dict)  # quality numbers measured at build time (perplexity, ...)
 
@@ -89,13 +98,13 @@ class ParallelPlan:
     built before parallel builds existed (tensor 1).
     """
 
-    tensor: int = 1
-    pipeline: int = 1
+    tensor: int = opt(1, min=1)
+    pipeline: int = opt(1, min=1)
     stage_layers: list[list[int]] = field(default_factory=list)  # stage → decoder layer indices
-    num_heads_per_rank: int | None = None  # query heads per tensor rank
-    num_kv_heads_per_rank: int | None = None  # KV heads per tensor rank (replicated when tensor > num_kv_heads)
-    intermediate_size_per_rank: int | None = None  # MLP columns per tensor rank
-    vocab_size_per_rank: int | None = None  # embedding / lm_head rows per tensor rank (vocab padded to a multiple of tensor)
+    num_heads_per_rank: int | None = opt(None, min=1)  # query heads per tensor rank
+    num_kv_heads_per_rank: int | None = opt(None, min=1)  # KV heads per tensor rank (replicated when tensor > num_kv_heads)
+    intermediate_size_per_rank: int | None = opt(None, min=1)  # MLP columns per tensor rank
+    vocab_size_per_rank: int | None = opt(None, min=1)  # embedding / lm_head rows per tensor rank (vocab padded to a multiple of tensor)
 
     @property
     def world_size(self) -> int:
@@ -106,11 +115,11 @@ class ParallelPlan:
 class KVSpec:
     """Shape of one rank's KV cache: per layer, a [num_blocks, block_size, num_kv_heads, head_dim] K and V."""
 
-    block_size: int
-    dtype: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    block_size: int = opt(min=1)
+    dtype: str = opt(choices=["float32", "bfloat16", "float16", "float8_e4m3fn"])
+    num_layers: int = opt(min=1)
+    num_kv_heads: int = opt(min=1)
+    head_dim: int = opt(min=1)
 
     @property
     def bytes_per_token(self) -> int:
@@ -128,11 +137,11 @@ class RuntimeDefaults:
     block_size: int = opt(16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
     gpu_memory_utilization: float = opt(0.9, min_exclusive=0.0, max=1.0, help="fraction of GPU memory to use")
     num_kv_blocks: int | None = opt(None, min=1, help="exact KV block count; overrides the memory fraction")
-    cpu_kv_cache_gib: float = opt(1.0, min_exclusive=0.0, help="KV-cache size on CPU, in GiB")
+    cpu_kv_cache_gib: float = opt(1.0, min_exclusive=0.0, max=65536.0, help="KV-cache size on CPU, in GiB")
     enable_prefix_caching: bool = opt(True, help="reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
     async_scheduling: bool = opt(True, help="schedule step N+1 while step N runs (false: one step at a time, for debugging)")
-    seed: int = opt(0, min=0, help="seed of the random sampler")
+    seed: int = opt(0, min=0, max=2**63 - 1, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
@@ -152,9 +161,9 @@ class Plan:
       artifact built before the field existed (the runtime then uses the kernels' default table).
     """
 
-    cuda_graph_batch_sizes: list[int]
-    max_num_batched_tokens: int
-    weight_bytes_per_rank: list[int]
+    cuda_graph_batch_sizes: list[int] = opt()
+    max_num_batched_tokens: int = opt(min=1)
+    weight_bytes_per_rank: list[int] = opt()
     memory: dict = field(default_factory=dict)  # estimate for the target: total, weights, activations, kv
     w4a16_kernels: dict = field(default_factory=dict)
 
@@ -166,49 +175,90 @@ def kernel_source_label(record: dict) -> str:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The whole of manifest.json. `files` maps every other file's relative path to {sha256, size}."""
+    """The whole of manifest.json. `files` maps every other file's relative path to {sha256, size}.
 
-    format_version: str
-    llmc_version: str
-    source: dict  # {"path", "revision", "sha256": {file: digest}}
-    model: ModelConfig
-    quant: QuantInfo
-    parallel: ParallelPlan
-    kv: KVSpec
-    plan: Plan
-    runtime: RuntimeDefaults
+    The file also holds `manifest_sha256` (format 1.2): the sha256 of the canonical JSON of the rest
+    (runtime/integrity.py), written by `to_json` and checked by `read_manifest`; not a field here.
+    """
+
+    format_version: str = opt(choices=list(KNOWN_FORMAT_VERSIONS))
+    llmc_version: str = opt()
+    source: dict = opt()  # {"path", "revision", "sha256": {file: digest}}
+    model: ModelConfig = opt()
+    quant: QuantInfo = opt()
+    parallel: ParallelPlan = opt()
+    kv: KVSpec = opt()
+    plan: Plan = opt()
+    runtime: RuntimeDefaults = opt()
     files: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=False) + "\n"
+        data = json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))  # the types a reader gets back
+        data[integrity.DIGEST_KEY] = integrity.manifest_digest(data)
+        return json.dumps(data, indent=2, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
-        nested = {
-            "model": ModelConfig,
-            "quant": QuantInfo,
-            "parallel": ParallelPlan,
-            "kv": KVSpec,
-            "plan": Plan,
-            "runtime": RuntimeDefaults,
-        }
-        kwargs = dict(data)
-        for key, klass in nested.items():
-            kwargs[key] = _build(klass, data[key], key)
-        kwargs["runtime"] = parse(RuntimeDefaults, data["runtime"], "manifest.json: runtime", ArtifactError)
-        return _build(cls, kwargs, "manifest")
+        """Every section schema-checked (types, ranges, unknown keys), then checked for consistency."""
+        data = {k: v for k, v in data.items() if k != integrity.DIGEST_KEY}
+        try:
+            manifest = parse(cls, data, "", ArtifactError)
+        except ArtifactError as e:
+            raise ArtifactError(f"manifest.json: {e}; rebuild the artifact") from None
+        integrity.check_entries(manifest.files)
+        _check_consistency(manifest)
+        return manifest
 
 
-def _build(klass, data: dict, where: str):
-    names = {f.name for f in dataclasses.fields(klass)}
-    missing = [f.name for f in dataclasses.fields(klass) if f.name not in data and _is_required(f)]
+def _check_consistency(m: Manifest) -> None:
+    """What the schema cannot say: the sections agree with each other."""
+    model, problems = m.model, []
+    if model.num_heads % model.num_kv_heads:
+        problems.append(f"model.num_heads ({model.num_heads}) is not a multiple of num_kv_heads ({model.num_kv_heads})")
+    if not all(0 <= t < model.vocab_size for t in model.eos_token_ids):
+        problems.append(f"model.eos_token_ids {model.eos_token_ids} are not all in [0, {model.vocab_size})")
+    if (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) != (model.num_layers, model.num_kv_heads, model.head_dim):
+        problems.append("kv does not match the model's num_layers, num_kv_heads and head_dim")
+    stages = m.parallel.stage_layers
+    if stages and (len(stages) != m.parallel.pipeline or sorted(sum(stages, [])) != list(range(model.num_layers))):
+        problems.append(f"parallel.stage_layers does not split the model's {model.num_layers} layers into "
+                        f"{m.parallel.pipeline} stage(s)")
+    if len(m.plan.weight_bytes_per_rank) != m.parallel.world_size:
+        problems.append(f"plan.weight_bytes_per_rank has {len(m.plan.weight_bytes_per_rank)} entries for "
+                        f"{m.parallel.world_size} rank(s)")
+    for name, spec in m.quant.modules.items():
+        if not (isinstance(spec, dict) and isinstance(spec.get("format"), str)):
+            problems.append(f"quant.modules[{name!r}] is not a format spec ({{\"format\": ...}})")
+            break
+    linears = [f"layers.{i}.{name}" for i in range(model.num_layers) for name in DECODER_LINEARS]
+    if unlisted := [name for name in linears if name not in m.quant.modules]:
+        problems.append(f"quant.modules has no format for {unlisted[0]}" + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
+    missing = [rank_weights_path(r) for r in range(m.parallel.world_size) if rank_weights_path(r) not in m.files]
     if missing:
-        raise ArtifactError(f"manifest.json: section {where!r} lacks {missing}; rebuild the artifact")
-    return klass(**{k: v for k, v in data.items() if k in names})
+        problems.append(f"files lacks {missing[0]}")
+    if problems:
+        raise ArtifactError(f"manifest.json: {problems[0]}; rebuild the artifact")
+    _check_formats(m.quant.modules)
 
 
-def _is_required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+def _check_formats(modules: dict[str, dict]) -> None:
+    """Every module's spec is a format this llmc can load (each distinct spec built once)."""
+    import torch
+
+    from llmc.errors import LlmcError
+    from llmc.quant.formats import make_format
+
+    checked = set()
+    for name, spec in modules.items():
+        key = json.dumps(spec, sort_keys=True)
+        if key in checked:
+            continue
+        try:
+            make_format(spec, torch.float32)
+        except (KeyError, TypeError, ValueError, LlmcError) as e:
+            raise ArtifactError(f"manifest.json: quant.modules[{name!r}] is not a format this llmc loads ({e}); "
+                                "rebuild the artifact") from None
+        checked.add(key)
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
@@ -219,82 +269,64 @@ def dtype_num_bytes(dtype: str) -> int:
 
 
 def read_manifest(artifact_dir: str | Path) -> Manifest:
-    """Read and check manifest.json; an unknown major format_version is refused."""
+    """Read and check manifest.json: a JSON object, a known format_version, its own digest, every
+    section's schema and their consistency. The files it lists are checked where they are used."""
     path = Path(artifact_dir)
     if not path.is_dir():
         raise ArtifactError(f"no artifact at {path}: build one with `llmc build RECIPE`")
     manifest_path = path / MANIFEST_NAME
-    if not manifest_path.is_file():
-        raise ArtifactError(f"{path} is not an llmc artifact (no {MANIFEST_NAME}); build one with `llmc build`")
+    st, problem = integrity.regular_file(path, MANIFEST_NAME)
+    if st is None:
+        what = f"its {MANIFEST_NAME} {problem}" if problem else f"no {MANIFEST_NAME}"
+        raise ArtifactError(f"{path} is not an llmc artifact ({what}); build one with `llmc build`")
     try:
-        data = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{manifest_path} is not valid JSON ({e}); rebuild the artifact") from e
-    version = str(data.get("format_version", ""))
-    if version.split(".")[0] != FORMAT_VERSION.split(".")[0]:
-        raise ArtifactError(
-            f"{path}: artifact format_version {version!r} is not supported by this llmc "
-            f"(reads {FORMAT_VERSION.split('.')[0]}.x); rebuild it with this version of llmc"
-        )
+        data = integrity.parse_json_strict(manifest_path.read_bytes().decode())
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ArtifactError(f"{manifest_path} is not valid JSON ({e}); rebuild the artifact") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{manifest_path}: expected a JSON object, got a {type(data).__name__}; rebuild the artifact")
+    _check_format_version(path, data.get("format_version"))
+    integrity.check_digest(data, manifest_path, required=data["format_version"] not in ("1.0", "1.1"))
     return Manifest.from_dict(data)
 
 
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
+def _check_format_version(path: Path, version) -> None:
+    if not isinstance(version, str):
+        raise ArtifactError(f"{path}: manifest.json: format_version must be a string such as {FORMAT_VERSION!r}, "
+                            f"got {version!r}; rebuild the artifact")
+    if version in KNOWN_FORMAT_VERSIONS:
+        return
+    newer = version.split(".")[0] == FORMAT_VERSION.split(".")[0]
+    raise ArtifactError(
+        f"{path}: artifact format_version {version!r} is not supported by this llmc "
+        f"(reads {', '.join(KNOWN_FORMAT_VERSIONS)}); "
+        + ("upgrade llmc, or rebuild it with this version" if newer else "rebuild it with this version of llmc")
+    )
 
 
 def hash_files(root: Path) -> dict[str, dict]:
-    """{relative path: {sha256, size}} for every file under root except the manifest."""
+    """{relative path: {sha256, size}} for every file under root except the manifest (and a verification stamp)."""
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel != MANIFEST_NAME:
+        if rel not in (MANIFEST_NAME, integrity.STAMP_NAME):
             files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
     return files
 
 
 def verify_files(artifact_dir: str | Path, manifest: Manifest) -> list[str]:
-    """Re-hash every file; return one problem line per missing, resized or corrupted file."""
-    root = Path(artifact_dir)
-    problems = []
-    for rel, entry in manifest.files.items():
-        path = root / rel
-        if not path.is_file():
-            problems.append(f"{rel}: missing")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(f"{rel}: size {path.stat().st_size} bytes, expected {entry['size']} (truncated?)")
-        elif sha256_file(path) != entry["sha256"]:
-            problems.append(f"{rel}: sha256 mismatch (corrupted)")
-    return problems
+    """Re-hash every file; return one problem line per missing, non-regular, resized or corrupted file."""
+    return integrity.verify_files(Path(artifact_dir), manifest.files)
 
 
-def check_sizes(artifact_dir: str | Path, manifest: Manifest, rel_paths: list[str]) -> None:
-    """Fast load-time check (sizes, not hashes): refuse a truncated or missing weights file."""
-    root = Path(artifact_dir)
-    for rel in rel_paths:
-        entry = manifest.files.get(rel)
-        path = root / rel
-        if entry is None or not path.is_file():
-            raise ArtifactError(f"{root}: {rel} is missing; rebuild the artifact")
-        size = path.stat().st_size
-        if size != entry["size"]:
-            raise ArtifactError(
-                f"{root}: {rel} is {size} bytes but the manifest says {entry['size']} "
-                "(truncated or replaced); rebuild the artifact or run `llmc inspect --verify`"
-            )
+def verify_for_load(artifact_dir: str | Path, manifest: Manifest, rel_paths: list[str]) -> None:
+    """Refuse a missing, truncated or changed file among rel_paths, by name (sha256 on the first load,
+    a stat stamp after it: runtime/integrity.py)."""
+    integrity.verify_for_load(Path(artifact_dir), manifest.files, rel_paths)
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """{tensor name: {dtype, shape, data_offsets}} from a safetensors file's header, without loading data."""
-    with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    return header
+def tokenizer_files(manifest: Manifest) -> list[str]:
+    return [rel for rel in manifest.files if rel.startswith(TOKENIZER_DIR + "/")]
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:

@@ -10,7 +10,7 @@ from typing import Mapping
 import torch
 from safetensors import SafetensorError, safe_open
 
-from llmc.errors import ArtifactError
+from llmc.errors import ArtifactError, LlmcError
 from llmc.kernels.w4a16_gemm import DEFAULT_W4A16_TABLE_GPU, parse_w4a16_table
 from llmc.quant.formats import IntWeightFormat, LinearFormat, make_format
 from llmc.runtime import artifact as art
@@ -32,16 +32,19 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
 
     Floating tensors stored in the artifact's dtype are cast to the compute dtype as they load.
     """
+    rel = art.rank_weights_path(layout.rank if layout is not None else 0)
+    art.verify_for_load(artifact_dir, manifest, [rel])  # before anything is built from it
     dtype = compute_dtype(manifest, device)
     config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))
     formats = make_formats(manifest, dtype)
     if device.type == "cuda" and any(_is_w4a16_gpu(fmt) for fmt in formats.values()):
         log_kernel_table(manifest, device)
-    with torch.device("meta"):
-        model = DecoderModel(config, formats, max_positions, layout, tp_group)
+    try:
+        with torch.device("meta"):
+            model = DecoderModel(config, formats, max_positions, layout, tp_group)
+    except KeyError as e:  # a linear the manifest gives no format
+        raise ArtifactError(f"manifest.json: quant.modules has no format for {e.args[0]!r}; rebuild the artifact") from None
     model.cos_sin = _rope_table(manifest, max_positions, device)
-    rel = art.rank_weights_path(layout.rank if layout is not None else 0)
-    art.check_sizes(artifact_dir, manifest, [rel])
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
     return model.eval()
 
@@ -51,7 +54,11 @@ def make_formats(manifest: art.Manifest, dtype: torch.dtype) -> dict[str, Linear
     table = kernel_table(manifest)
     formats = {}
     for name, spec in manifest.quant.modules.items():
-        fmt = make_format(spec, dtype)
+        try:
+            fmt = make_format(spec, dtype)
+        except (KeyError, TypeError, ValueError, LlmcError) as e:
+            raise ArtifactError(f"manifest.json: quant.modules[{name!r}] is not a format this llmc loads "
+                                f"({e}); rebuild the artifact") from None
         formats[name] = dataclasses.replace(fmt, kernel_table=table) if _is_w4a16_gpu(fmt) else fmt
     return formats
 
@@ -110,7 +117,7 @@ def load_weights(model: torch.nn.Module, path: Path, device: torch.device, store
                         f"the model needs {meta.dtype} {tuple(meta.shape)}; rebuild the artifact"
                     )
                 _assign(model, name, tensor)
-    except SafetensorError as e:
+    except (SafetensorError, OSError) as e:
         raise ArtifactError(f"{path}: unreadable weights file ({e}); rebuild the artifact") from None
 
 

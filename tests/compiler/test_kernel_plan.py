@@ -89,9 +89,13 @@ def test_tuning_measures_each_group_size_with_this_gpu_name(monkeypatch):
 
 
 def _rewrite_manifest(artifact, edit):
+    """Edit manifest.json and seal it again (its manifest_sha256 covers every other key)."""
+    from llmc.runtime.integrity import DIGEST_KEY, manifest_digest
+
     path = artifact / "manifest.json"
     data = json.loads(path.read_text())
     edit(data)
+    data[DIGEST_KEY] = manifest_digest(data)
     path.write_text(json.dumps(data))
 
 

@@ -1,0 +1,218 @@
+"""Builds leave no debris (issue 20): killed builds' temporary directories are removed by the next build
+at that output, the name holds a whole artifact at every instant of the swap, every recipe value is
+checked before work starts, and artifacts get the usual permissions."""
+
+import json
+import logging
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from llmc.cli import main
+from llmc.compiler import emit
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import RecipeError
+from llmc.runtime.artifact import read_manifest, verify_files
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in socket.gethostname())
+
+
+def _leftover(parent, name, kind, pid, host=None, with_manifest=False):
+    path = parent / f".{name}.{kind}-{host or _host()}.{pid}-0badc0de"
+    (path / "rank-00").mkdir(parents=True)
+    (path / "rank-00" / "weights.safetensors").write_bytes(b"x" * 1000)
+    if with_manifest:
+        (path / "manifest.json").write_text("{}")
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("debris") / "tiny"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
+    return out
+
+
+def test_stale_building_directories_are_removed_live_and_foreign_ones_kept(tmp_path, tiny_llama):
+    out = tmp_path / "out"
+    dead = [_leftover(tmp_path, "out", "building", _dead_pid()) for _ in range(2)]
+    live_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = _leftover(tmp_path, "out", "building", live_process.pid)
+        foreign = _leftover(tmp_path, "out", "building", _dead_pid(), host="some-other-host")
+        other_output = _leftover(tmp_path, "other", "building", _dead_pid())
+        build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
+    finally:
+        live_process.kill()
+        live_process.wait()
+    assert not any(p.exists() for p in dead)
+    assert live.exists() and foreign.exists() and other_output.exists()
+    assert verify_files(out, read_manifest(out)) == []
+
+
+def test_an_old_artifact_left_aside_by_a_killed_swap_is_put_back(built, tmp_path):
+    # The state a kill between the two renames of the non-atomic swap leaves: no `out`, the old
+    # artifact renamed aside, the new one complete in its temporary directory.
+    out = tmp_path / "out"
+    old = tmp_path / f".out.old-{_host()}.{_dead_pid()}-12345678"
+    shutil.copytree(built, old)
+    new = _leftover(tmp_path, "out", "building", _dead_pid(), with_manifest=True)
+    old_inode = old.stat().st_ino
+    assert set(emit.recover_output(out)) == {new}
+    assert out.stat().st_ino == old_inode and verify_files(out, read_manifest(out)) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+_KILL_AFTER_EXCHANGE = """
+import os, signal
+from llmc.compiler import build as build_module, emit
+from llmc.compiler.recipe import recipe_from_dict
+real = emit._exchange
+def exchange_then_die(a, b):
+    assert real(a, b)
+    os.kill(os.getpid(), signal.SIGKILL)  # the old artifact now sits in the temporary directory
+emit._exchange = exchange_then_die
+build_module.build(recipe_from_dict({"model": %r, "output": %r}), show_progress=False)
+"""
+
+
+def test_kill_during_the_swap_leaves_a_whole_artifact_and_the_next_build_cleans(built, tmp_path, tiny_llama):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    if not emit._exchange(tmp_path / "a", tmp_path / "b"):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not available on this filesystem")
+    (tmp_path / "a").rmdir()
+    (tmp_path / "b").rmdir()
+    out = tmp_path / "out"
+    shutil.copytree(built, out)
+    (out / "marker").write_text("old")  # tells the old artifact from the new one
+    script = _KILL_AFTER_EXCHANGE % (str(tiny_llama), str(out))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == -9, result.stderr
+    assert not (out / "marker").exists() and verify_files(out, read_manifest(out)) == []  # the new one, whole
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "out"]
+    assert len(leftovers) == 1 and (leftovers[0] / "marker").read_text() == "old"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_artifact_directories_follow_the_umask(tmp_path, tiny_llama):
+    previous = os.umask(0o022)
+    try:
+        out = tmp_path / "out"
+        build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "rank-00").stat().st_mode) == 0o755
+    assert stat.S_IMODE((out / "manifest.json").stat().st_mode) == 0o644
+
+
+def test_output_that_is_a_file_is_refused_before_any_work(tmp_path, tiny_llama, capsys):
+    target = tmp_path / "taken"
+    target.write_text("keep me")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "output": str(target)}))
+    code, err = _llmc(capsys, "build", recipe, "-q")
+    _assert_one_line(code, err, "exists and is not a directory")
+    assert target.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "taken"]
+
+
+def _llmc(capsys, *args):
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        with pytest.raises(SystemExit) as exited:
+            main([*map(str, args)])
+    finally:  # the CLI points the root logger at capsys's stream; give the next test its own back
+        logging.root.handlers[:], logging.root.level = handlers, level
+    return exited.value.code, capsys.readouterr().err
+
+
+def _assert_one_line(code, err, expected):
+    assert code not in (0, None) and "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("llmc: error:")]
+    assert len(lines) == 1 and err.rstrip().splitlines()[-1] == lines[0] and expected in lines[0], err
+
+
+def _calibration(tmp_path, name, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return {"quantization": {"method": "gptq", "group_size": 32,
+                             "calibration": {"data": str(path), "num_samples": 2, "seq_len": 16}}}
+
+
+# (id, recipe fields (or a function of tmp_path giving them), what the error names)
+BAD_RECIPES = [
+    ("nan-utilization", "runtime:\n  gpu_memory_utilization: .nan\n", "runtime.gpu_memory_utilization: expected a finite number"),
+    ("inf-cpu-kv", "runtime:\n  cpu_kv_cache_gib: .inf\n", "runtime.cpu_kv_cache_gib: expected a finite number"),
+    ("huge-cpu-kv", "runtime:\n  cpu_kv_cache_gib: 1.0e+300\n", "runtime.cpu_kv_cache_gib: 1e+300 is too large"),
+    ("nan-gpu-gib", "target:\n  gpu_memory_gib: .nan\n", "target.gpu_memory_gib: expected a finite number"),
+    ("seed-too-big", "runtime:\n  seed: 100000000000000000000000\n", "runtime.seed: 100000000000000000000000 is too large"),
+    ("bad-regex-override", "quantization:\n  method: rtn\n  overrides:\n  - match: 're:layers.(['\n    bits: 8\n",
+     "quantization.overrides[0].match: 're:layers.([' is not a valid regular expression"),
+    ("bad-regex-ignore", "quantization:\n  method: rtn\n  ignore: ['re:*lm_head']\n",
+     "quantization.ignore[0]: 're:*lm_head' is not a valid regular expression"),
+    ("malformed-jsonl", lambda t: _calibration(t, "c.jsonl", b'{"text": "a"}\n{"text": \n'), "c.jsonl line 2 is not JSON"),
+    ("jsonl-not-objects", lambda t: _calibration(t, "c.jsonl", b'{"text": "a"}\n[1, 2]\n'),
+     'c.jsonl line 2 must be an object with a "text" string'),
+    ("binary-calibration", lambda t: _calibration(t, "c.txt", bytes(range(256)) * 64), "c.txt is not UTF-8 text"),
+    ("calibration-is-a-directory", lambda t: {"quantization": {"method": "gptq", "calibration": {"data": str(t)}}},
+     "is not a regular file"),
+    ("binary-recipe", None, "not a YAML text file"),
+]
+
+
+@pytest.mark.parametrize("name, fields, expected", BAD_RECIPES, ids=[r[0] for r in BAD_RECIPES])
+def test_bad_recipe_values_are_one_line_errors_and_leave_nothing(tmp_path, tiny_llama, capsys, name, fields, expected):
+    work = tmp_path / "work"
+    work.mkdir()
+    out = work / "out"
+    recipe = work / "r.yaml"
+    if fields is None:
+        recipe.write_bytes(b"\xff\xfe" + bytes(range(256)))
+    elif isinstance(fields, str):
+        recipe.write_text(f"model: {json.dumps(str(tiny_llama))}\noutput: {json.dumps(str(out))}\n" + fields)
+    else:
+        recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "output": str(out), **fields(tmp_path)}))
+    code, err = _llmc(capsys, "build", recipe, "-q")
+    _assert_one_line(code, err, expected)
+    assert sorted(p.name for p in work.iterdir()) == ["r.yaml"]
+
+
+def test_a_valid_regex_still_builds(tmp_path, tiny_llama):
+    recipe = recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "o"), "quantization": {
+        "method": "rtn", "group_size": 32, "overrides": [{"match": r"re:layers\.1\..*", "bits": 8}]}})
+    modules = build(recipe, show_progress=False).manifest.quant.modules
+    assert modules["layers.1.mlp.down"]["format"] == "w8a16" and modules["layers.0.mlp.down"]["format"] == "w4a16"
+
+
+def test_recipe_errors_come_before_the_build(tmp_path, tiny_llama):
+    with pytest.raises(RecipeError, match="not a valid regular expression"):
+        recipe_from_dict({"model": str(tiny_llama), "quantization": {"ignore": ["re:("]}})
+
+
+def test_rebuild_without_rename_exchange_swaps_through_a_renamed_old(built, tmp_path, tiny_llama, monkeypatch):
+    monkeypatch.setattr(emit, "_exchange", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    out = tmp_path / "out"
+    shutil.copytree(built, out)
+    (out / "marker").write_text("old")
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
+    assert not (out / "marker").exists() and verify_files(out, read_manifest(out)) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
