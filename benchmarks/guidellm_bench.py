@@ -5,15 +5,14 @@
 guidellm (pinned: GUIDELLM_VERSION) is no dependency of llmc: on first use it is installed into its
 own virtualenv (default `.guidellm-venv`, git-ignored; it sees this interpreter's packages, and
 torch stays the one installed here), so guidellm's dependencies never change llmc's environment. The script starts `llmc run ARTIFACT` on a free loopback port,
-waits for /health, runs `guidellm benchmark run` with a synchronous profile and synthetic prompts of
---prompt-tokens / --output-tokens tokens for --max-seconds, stops the server with SIGTERM, and
-writes guidellm's JSON report and console output under --out.
+waits for /health, runs `guidellm run` (guidellm >= 0.8's CLI) with a synchronous profile and
+synthetic prompts of --prompt-tokens / --output-tokens tokens for --max-seconds, stops the server
+with SIGTERM, and writes guidellm's JSON report and console output under --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import socket
@@ -74,8 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact")
     parser.add_argument("--max-seconds", type=float, default=60)
-    parser.add_argument("--profile", default="synchronous", help="guidellm --profile (synchronous, concurrent, ...)")
-    parser.add_argument("--rate", default=None, help="guidellm --rate (e.g. the concurrency for --profile concurrent)")
+    parser.add_argument("--profile", default="synchronous", help="guidellm's profile kind (synchronous, concurrent, ...)")
+    parser.add_argument("--rate", default=None, help="the profile's settings, e.g. streams=4 for concurrent")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--device", default=None)
@@ -87,7 +86,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     base_url = f"http://127.0.0.1:{port}"
-    llmc = shutil.which("llmc") or str(Path(sys.executable).with_name("llmc"))
+    beside = Path(sys.executable).with_name("llmc")  # this interpreter's llmc, not another one on PATH
+    llmc = str(beside) if beside.exists() else shutil.which("llmc")
     command = [llmc, "run", args.artifact, "--port", str(port), "--served-model-name", "bench"]
     if args.device:
         command += ["--device", args.device]
@@ -95,16 +95,17 @@ def main() -> None:
         server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_healthy(base_url, server)
-        bench = [str(guidellm), "benchmark", "run", "--target", base_url, "--model", "bench",
-                 "--backend", "openai_http", "--processor", str(Path(args.artifact) / "tokenizer"),
-                 "--profile", args.profile, "--max-seconds", str(args.max_seconds),
-                 "--data", f"prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
-                 "--output-dir", str(args.out), "--outputs", "json"]
-        if args.rate is not None:
-            bench += ["--rate", args.rate]
+        profile = f"kind={args.profile}" + (f",{args.rate}" if args.rate else "")
+        bench = [str(guidellm), "run",
+                 "--backend", f"kind=openai_http,target={base_url},model=bench",
+                 "--tokenizer", f"kind=huggingface_auto,model={Path(args.artifact) / 'tokenizer'}",
+                 "--profile", profile,
+                 "--constraint", f"kind=max_duration,seconds={args.max_seconds:g}",
+                 "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+                 "--output", f"kind=json,path={args.out / 'benchmarks.json'}",
+                 "--disable-console-interactive"]
         print("$", " ".join(bench), flush=True)
-        env = {**os.environ, "GUIDELLM__REQUEST_TIMEOUT": "120"}
-        result = subprocess.run(bench, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        result = subprocess.run(bench, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         (args.out / "guidellm.txt").write_text(result.stdout)
         print(result.stdout)
         if result.returncode != 0:

@@ -63,3 +63,20 @@ def test_python_api_from_the_parent_of_a_clone_named_llmc(tmp_path):
     if shadowed.returncode != 0:  # an editable install: the folder is taken for a namespace package
         assert "cannot import name 'LLM' from 'llmc' (unknown location)" in shadowed.stderr
         assert "cannot import name 'LLM' from 'llmc' (unknown location)" in (REPO / "README.md").read_text()
+
+
+def test_quantization_example_needs_nothing_outside_the_clone():
+    from llmc.compiler.recipe import load_recipe
+
+    text = (REPO / "README.md").read_text()
+    readme_data = re.search(r"calibration:\n\s+data: (\S+)", text).group(1)
+    recipe = load_recipe(REPO / "recipes" / "ref-llama-12m-gptq.yaml")
+    assert recipe.quantization.calibration.data == readme_data
+    data = REPO / readme_data
+    assert data.is_file() and (REPO / recipe.model / "config.json").is_file()
+    # Enough text for num_samples windows of seq_len tokens (and the 4 held-out windows of the report).
+    from transformers import AutoTokenizer
+
+    num_tokens = len(AutoTokenizer.from_pretrained(REPO / recipe.model)(data.read_text())["input_ids"])
+    calibration = recipe.quantization.calibration
+    assert num_tokens >= (calibration.num_samples + 4) * calibration.seq_len
