@@ -181,17 +181,32 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               api_key=api_key, max_waiting=max_waiting, log_stats=False)  # the engine logs its own statistics
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
+    # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
+    # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
+    overrides.setdefault("disable_log_stats", True)
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
         if prompt is None:
             _interactive_chat(llm, params)
             return
-        messages = [{"role": "user", "content": prompt}] if chat else None
-        deltas = llm.stream(prompt if not chat else None, params, messages=messages)
-        if not chat:
-            click.echo(prompt, nl=False)
-        for delta in deltas:
-            click.echo(delta, nl=False)
-        click.echo()
+        _one_completion(llm, prompt, chat, params)
+
+
+def _one_completion(llm, prompt: str, chat: bool, params) -> None:
+    """--prompt: the completion on stdout as it is generated (the prompt first, without --chat)."""
+    import time
+
+    start = time.monotonic()
+    messages = [{"role": "user", "content": prompt}] if chat else None
+    deltas = llm.stream(prompt if not chat else None, params, messages=messages)
+    if not chat:
+        click.echo(prompt, nl=False)
+    for delta in deltas:
+        click.echo(delta, nl=False)
+    click.echo()
+    seconds = time.monotonic() - start
+    num_tokens = llm.stats().get("num_generation_tokens")
+    if num_tokens:
+        logger.info("%d tokens in %.2f s (%.1f tokens/s)", num_tokens, seconds, num_tokens / seconds)
 
 
 @cli.command(name="eval")

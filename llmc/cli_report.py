@@ -181,7 +181,7 @@ def _estimate_line(est: dict, rt: dict) -> str:
     line = (f"at gpu_memory_utilization {rt['gpu_memory_utilization']}: weights {_fmt_bytes(est['weight_bytes'])}, "
             f"activations {_fmt_bytes(est['activation_bytes'])}, CUDA graphs {_fmt_bytes(est['graph_bytes'])}, "
             f"CUDA context {_fmt_bytes(est['other_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
-            f"{est['num_kv_tokens']:,} tokens ({est['max_concurrent_seqs']:.1f} sequences of {rt['max_model_len']})")
+            f"{est['num_kv_tokens']:,} tokens ({int(est['max_concurrent_seqs'])} sequences of {rt['max_model_len']})")
     if est["max_concurrent_seqs"] < 1:
         line += " — DOES NOT FIT: lower max_model_len, raise gpu_memory_utilization, or quantize"
     return line
@@ -204,7 +204,7 @@ def print_build_summary(result) -> None:
         ("weights", f"{_fmt_bytes(weight_bytes)} in {manifest.parallel.tensor * manifest.parallel.pipeline} rank file(s)"),
         ("KV per token", f"{manifest.kv.bytes_per_token} bytes"),
         (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
-                                                            f"{est.get('max_concurrent_seqs', 0):.1f} sequences of {manifest.runtime.max_model_len}"),
+                                                            f"{int(est.get('max_concurrent_seqs', 0))} sequences of {manifest.runtime.max_model_len}"),
         ("time", f"{result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in result.stage_seconds.items()) + ")"),
     ]
     _print_rows(rows)

@@ -135,6 +135,8 @@ class RequestGroup:
             completions = completions[: self.params.n]
             if self.params.logprobs is None:
                 completions = [dataclasses.replace(c, logprobs=None, cumulative_logprob=None) for c in completions]
+            # The kept sequences are the request's outputs 0..n-1, whichever of best_of they were.
+            completions = [dataclasses.replace(c, index=i) for i, c in enumerate(completions)]
         first = self.sequences[0]
         return RequestOutput(
             request_id=self.request_id,

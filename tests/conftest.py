@@ -9,7 +9,7 @@ helper here is reachable through a fixture:
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every family
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
-* ``repo_root``, ``shared_dir``, ``ref_model_dir`` -> ``Path``
+* ``repo_root``, ``data_dir``, ``shared_dir``, ``ref_model_dir`` -> ``Path``
 * ``free_gpu``: after the test, collect garbage and empty torch's CUDA cache
 
 The checkpoints are written exactly as ``save_pretrained`` writes them (transformers 5 writes
@@ -40,6 +40,7 @@ torch.set_num_threads(1)
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REF_MODEL_DIR = REPO_ROOT / "checkpoints" / "ref-llama-12m"
 SHARED_DIR = REPO_ROOT.parent / "shared"
+DATA_DIR = REPO_ROOT / "data"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -336,6 +337,12 @@ def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """``<repo>/data``: calibration text (wikitext2-valid-head.txt) and held-out text (heldout-head.txt)."""
+    return DATA_DIR
 
 
 @pytest.fixture(scope="session")

@@ -179,6 +179,11 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _json_body(request: Request) -> object:
+    """The parsed JSON body; 400 for a body sent as another media type (vLLM's rule) or not JSON."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(400, f"unsupported media type {media_type or '(none)'!r}: send the body as JSON with "
+                       "'Content-Type: application/json'")
     raw = await request.body()
     try:
         return json.loads(raw)

@@ -20,6 +20,7 @@ _TYPE_FOR_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "server_error",
     503: "service_unavailable_error",
 }
@@ -45,10 +46,11 @@ class ApiError(LlmcError):
         return error_body(self.status_code, self.message, self.param, self.code)
 
 
-def error_body(status_code: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+def error_body(status_code: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: `code` is a string naming the error (`context_length_exceeded`,
+    `model_not_found`, ...) or null, never the HTTP status (that is the response's status)."""
     error_type = _TYPE_FOR_STATUS.get(status_code, "invalid_request_error" if status_code < 500 else "server_error")
-    return {"error": {"message": message, "type": error_type, "param": param,
-                      "code": code if code is not None else status_code}}
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def invalid(param: str, message: str) -> ApiError:

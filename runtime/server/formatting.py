@@ -22,16 +22,20 @@ def decode_token(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(tokenizer, entries: Iterable[TokenLogprobs], text_offset: int = 0) -> tuple[dict, int]:
+def completion_logprobs(tokenizer, entries: Iterable[TokenLogprobs], text_offset: int = 0,
+                        token_texts: list[str] | None = None) -> tuple[dict, int]:
     """The completions API's `logprobs` object for `entries`, and the text offset after them.
 
     `tokens[i]` is token i's text, `token_logprobs[i]` its logprob (None for the first prompt
     token, which has no context), `top_logprobs[i]` {token text: logprob} of the most likely
     tokens plus the token itself, `text_offset[i]` where its text starts in the returned text.
+    `token_texts` overrides the text of the first entries (an echoed text prompt: the pieces of
+    the text as sent, see `text_pieces`).
     """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    for token_id, logprobs in entries:
-        token = decode_token(tokenizer, token_id)
+    for index, (token_id, logprobs) in enumerate(entries):
+        token = token_texts[index] if token_texts is not None and index < len(token_texts) else \
+            decode_token(tokenizer, token_id)
         tokens.append(token)
         offsets.append(text_offset)
         text_offset += len(token)
@@ -44,6 +48,25 @@ def completion_logprobs(tokenizer, entries: Iterable[TokenLogprobs], text_offset
         top_logprobs.append({decode_token(tokenizer, t): json_logprob(lp) for t, lp in ranked})
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
     return body, text_offset
+
+
+def text_pieces(tokenizer, text: str, token_ids: list[int], add_special_tokens: bool) -> list[str] | None:
+    """The piece of `text` each of its tokens covers, so that "".join(pieces) == text: a token the
+    tokenizer added (bos) covers "", and of the byte tokens of one character the last covers it.
+    None when the tokenizer gives no character offsets or `token_ids` are not this text's tokens."""
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    encoded = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != list(token_ids):
+        return None
+    starts, position = [], 0
+    for start, end in encoded["offset_mapping"]:
+        if end > start:  # a token of the text (an added special token spans nothing)
+            position = max(position, start)
+        starts.append(position)
+    starts[:1] = [0]
+    bounds = starts[1:] + [len(text)]
+    return [text[a:b] for a, b in zip(starts, bounds)]
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> dict:
@@ -63,11 +86,37 @@ def _chat_token(tokenizer, token_id: int, logprob: float) -> dict:
 
 
 def usage(outputs: Iterable[RequestOutput], count_completion_tokens: bool = True) -> dict:
-    """Prompt tokens once per prompt, completion tokens summed over every returned sequence."""
+    """Prompt tokens once per prompt, completion tokens summed over every returned sequence, and
+    `prompt_tokens_details.cached_tokens`: the prompt tokens served from the prefix cache."""
     outputs = list(outputs)
     num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if count_completion_tokens else 0
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    return usage_body(num_prompt, num_completion, sum(o.num_cached_tokens for o in outputs))
+
+
+def usage_body(num_prompt: int, num_completion: int, num_cached: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion, "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+def prompt_logprobs(tokenizer, output: RequestOutput, num_top: int) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the `num_top` most likely tokens and the prompt token. `rank` is the
+    place in the whole vocabulary (1 = most likely): known for the top tokens; null for a prompt
+    token outside them (the engine returns its logprob, not its place)."""
+    if output.prompt_logprobs is None:
+        return None
+    entries: list[dict | None] = []
+    for candidates in output.prompt_logprobs:
+        if candidates is None:
+            entries.append(None)
+            continue
+        ranked = sorted(candidates, key=candidates.get, reverse=True)
+        # k + 1 entries: the last is the prompt token, added after the top k.
+        known = min(num_top, len(ranked))
+        entries.append({str(t): {"logprob": json_logprob(candidates[t]), "rank": i + 1 if i < known else None,
+                                 "decoded_token": decode_token(tokenizer, t)} for i, t in enumerate(ranked)})
+    return entries
 
 
 class DeltaTracker:

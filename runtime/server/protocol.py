@@ -1,9 +1,11 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and how they become `SamplingParams`.
 
 Field names and defaults are OpenAI's, plus vLLM's extra sampling fields (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids, ...). Unknown fields are
-kept in `model_extra` so the handler can name them in a warning; fields OpenAI has and llmc does
-not implement (suffix, tools, non-text response_format) are refused with a 400.
+repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids, prompt_logprobs, ...) and
+vLLM's limits (seed and priority in int64, at most MAX_LOGPROBS logprobs). Fields OpenAI or vLLM
+have that would change the output and llmc does not implement (suffix, tools, non-text
+response_format, beam search, structured outputs / guided decoding, ...) are refused with a 400
+that lists them; any other unknown field is kept in `model_extra` and named in a warning.
 """
 
 from __future__ import annotations
@@ -13,17 +15,42 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server.errors import invalid
+from llmc.runtime.server.errors import ApiError, invalid
 
 # The most logprobs per token a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# vLLM's range for seed and priority (a C int64).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
+
+# Fields of OpenAI's or vLLM's API that change what is generated and that llmc does not implement,
+# with the values that are harmless (the default): a request that sets any other value gets a 400.
+_UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "use_beam_search": (False, None), "length_penalty": (1.0, 1, None), "early_stopping": (False, None),
+    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "guided_json_object": (None, False), "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,), "bad_words": (None, []), "logprob_token_ids": (None,),
+    "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
+    "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
+    "continue_final_message": (False, None), "add_generation_prompt": (True, None),
+    "functions": (None,), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
+    "modalities": (None, ["text"]), "logits_processors": (None,),
+}
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+        """Unknown fields a handler may ignore (with a warning); 400 for the ones that would change the output."""
+        extra = self.model_extra or {}
+        refused = sorted(name for name, value in extra.items()
+                         if name in _UNSUPPORTED_FIELDS and value not in _UNSUPPORTED_FIELDS[name])
+        if refused:
+            raise invalid(refused[0], f"not supported by this server, which would ignore it; unsupported fields "
+                          f"in this request: {', '.join(refused)} (remove them or leave them at their defaults)")
+        return sorted(name for name in extra if name not in _UNSUPPORTED_FIELDS)
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +67,7 @@ class _SamplingFields(_Body):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
@@ -53,23 +80,32 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    priority: int = 0
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def check_stream_options(self) -> None:
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "only allowed with stream=true")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise invalid("best_of", "cannot be larger than n when streaming")
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.stream and self.prompt_logprobs is not None:
+            raise invalid("prompt_logprobs", "prompt logprobs are not available with stream=true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -92,24 +128,37 @@ class _SamplingFields(_Body):
         )
 
 
+class ResponseFormat(_Body):
+    type: str
+
+
+def _check_response_format(response_format: ResponseFormat | None) -> None:
+    if response_format is not None and response_format.type != "text":
+        raise invalid("response_format", f"only type 'text' is supported, got {response_format.type!r}")
+
+
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: PromptField
+    prompt: PromptField | None = None
     suffix: str | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # None (null): up to the model's context, as vLLM
     echo: bool = False
     logprobs: int | None = None
-    prompt_logprobs: int | None = None
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
+        if self.prompt is None or self.prompt == "" or self.prompt == []:
+            raise ApiError(400, EMPTY_PROMPT_MESSAGE, param="prompt")
         self.check_stream_options()
         if self.suffix:
             raise invalid("suffix", "is not supported")
+        _check_response_format(self.response_format)
         _check_logprobs("logprobs", self.logprobs)
-        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise invalid("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.max_tokens == 0 and not self.echo:
             raise invalid("max_tokens", "must be at least 1 (0 is allowed only with echo=true)")
 
@@ -150,10 +199,6 @@ class ChatMessage(_Body):
         return message
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -166,8 +211,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_stream_options()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise invalid("response_format", f"only type 'text' is supported, got {self.response_format.type!r}")
+        _check_response_format(self.response_format)
         if self.tools:
             raise invalid("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
@@ -181,9 +225,17 @@ class ChatCompletionRequest(_SamplingFields):
                 raise invalid(name, f"must be at least 1, got {value}")
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def template_messages(self) -> list[dict]:
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
@@ -217,5 +269,6 @@ class BatchRequestLine(BaseModel):
 
 
 def _check_logprobs(name: str, value: int | None) -> None:
+    # vLLM reads -1 as "the whole vocabulary", which is above its default max_logprobs (20): refused.
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise invalid(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}")
+        raise invalid(name, f"must be between 0 and {MAX_LOGPROBS} (this server's max_logprobs), got {value}")

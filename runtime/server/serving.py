@@ -123,17 +123,29 @@ class ServingContext:
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise invalid(param, f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+            raise invalid(param, f"token id {bad[0]} is out of vocabulary (ids must be in [0, {self.vocab_size}))")
 
-    def check_prompt_length(self, token_ids: list[int], params: SamplingParams, param: str) -> None:
+    def check_prompt_length(self, token_ids: list[int], params: SamplingParams, param: str,
+                            max_tokens: int | None, max_tokens_param: str = "max_tokens") -> None:
+        """400 `context_length_exceeded` (vLLM's rule) when the prompt leaves no room to generate, or the
+        prompt plus the requested `max_tokens` is longer than max_model_len. Without max_tokens the
+        engine generates up to the context's end."""
         num_tokens = len(token_ids)
         if params.truncate_prompt_tokens is not None:
             num_tokens = min(num_tokens, params.truncate_prompt_tokens)
         if num_tokens >= self.max_model_len:
             raise ApiError(
-                400, f"{param}: the prompt has {num_tokens} tokens but this model's maximum context length is "
-                f"{self.max_model_len} tokens (prompt + output); shorten the prompt",
+                400, f"{param}: this model's maximum context length is {self.max_model_len} tokens (prompt + "
+                f"output), but the prompt has {num_tokens} tokens; shorten the prompt",
                 param=param, code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
+            raise ApiError(
+                400, f"{max_tokens_param}: this model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} "
+                f"in the completion); lower {max_tokens_param} to at most {self.max_model_len - num_tokens} or "
+                "shorten the prompt",
+                param=max_tokens_param, code="context_length_exceeded",
             )
 
     # ---- generation ------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server.errors import ApiError
-from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, chat_logprobs, sse, usage
+from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprobs, prompt_logprobs, sse, usage,
+                                            usage_body)
 from llmc.runtime.server.protocol import ChatCompletionRequest
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
@@ -18,16 +19,17 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     token_ids = ctx.render_chat(request.template_messages())
-    ctx.check_prompt_length(token_ids, params, "messages")
+    ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     request_id = new_id("chatcmpl")
     generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
-    return await respond(generation, _ChatReply(ctx, request, request_id), request.stream)
+    return await respond(generation, _ChatReply(ctx, request, request_id, len(token_ids)), request.stream)
 
 
 class _ChatReply:
-    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str):
+    def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int):
         self.ctx = ctx
         self.request = request
+        self.num_prompt_tokens = num_prompt_tokens
         self.request_id = request_id
         self.created = int(time.time())
 
@@ -47,7 +49,10 @@ class _ChatReply:
              "stop_reason": c.stop_reason}
             for c in output.outputs
         ]
-        return {**self._header("chat.completion"), "choices": choices, "usage": usage([output])}
+        body = {**self._header("chat.completion"), "choices": choices, "usage": usage([output])}
+        if self.request.prompt_logprobs is not None:  # vLLM: on the response, not on a choice
+            body["prompt_logprobs"] = prompt_logprobs(self.ctx.tokenizer, output, self.request.prompt_logprobs)
+        return body
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         tracker = DeltaTracker()
@@ -55,13 +60,13 @@ class _ChatReply:
         try:
             for index in range(self.request.n):
                 yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None})
+                                   "logprobs": None, "finish_reason": None}, self._running_usage(None, 0))
             async for _, output in generation:
                 final = output
                 for completion in output.outputs:
                     choice = self._choice_delta(completion, tracker)
                     if choice is not None:
-                        yield self._chunk(choice)
+                        yield self._chunk(choice, self._running_usage(output, len(completion.token_ids)))
             if self.request.include_usage and final is not None:
                 yield sse({**self._header("chat.completion.chunk"), "choices": [], "usage": usage([final])})
         except ApiError as e:
@@ -70,10 +75,18 @@ class _ChatReply:
             generation.abort()
         yield SSE_DONE
 
-    def _chunk(self, choice: dict) -> str:
+    def _running_usage(self, output: RequestOutput | None, num_completion: int) -> dict | None:
+        """With stream_options.continuous_usage_stats, the usage so far (vLLM: this choice's tokens)."""
+        if not self.request.continuous_usage:
+            return None
+        if output is None:  # the role chunks, before the engine answered
+            return usage_body(self.num_prompt_tokens, 0, 0)
+        return usage_body(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
+
+    def _chunk(self, choice: dict, running_usage: dict | None) -> str:
         chunk = {**self._header("chat.completion.chunk"), "choices": [choice]}
         if self.request.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = running_usage  # None unless continuous: only the final chunk carries usage
         return sse(chunk)
 
     def _choice_delta(self, completion: CompletionOutput, tracker: DeltaTracker) -> dict | None:
@@ -82,7 +95,7 @@ class _ChatReply:
         new_ids = completion.token_ids[new]
         if not delta_text and not (self.request.logprobs and new_ids) and not completion.is_finished:
             return None
-        choice = {"index": completion.index, "delta": {"content": delta_text} if delta_text else {},
+        choice = {"index": completion.index, "delta": {"content": delta_text},
                   "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),
                   "finish_reason": completion.finish_reason}
         if completion.is_finished:

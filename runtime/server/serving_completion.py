@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
-from llmc.runtime.server.formatting import SSE_DONE, DeltaTracker, completion_logprobs, sse, usage
+from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
+                                            text_pieces, usage, usage_body)
 from llmc.runtime.server.protocol import CompletionRequest
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
@@ -22,6 +24,9 @@ class _Prompt:
     text: str | None  # as sent, when sent as text (echo returns it verbatim)
     token_ids: list[int]
 
+    def __post_init__(self):
+        self.sent_as_text = self.text is not None
+
 
 async def create_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
                             ) -> dict | AsyncIterator[str]:
@@ -29,10 +34,10 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
     request, params = parse_generation_request(ctx, CompletionRequest, body)
     prompts = _prompts(ctx, request)
     for prompt in prompts:
-        ctx.check_prompt_length(prompt.token_ids, params, "prompt")
+        ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
     generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time)
-    return await respond(generation, _Reply(ctx, request, prompts, request_id), request.stream)
+    return await respond(generation, _Reply(ctx, request, params, prompts, request_id), request.stream)
 
 
 def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
@@ -58,9 +63,11 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
 class _Reply:
     """Builds choices from engine outputs; choice index = prompt index * n + sequence index."""
 
-    def __init__(self, ctx: ServingContext, request: CompletionRequest, prompts: list[_Prompt], request_id: str):
+    def __init__(self, ctx: ServingContext, request: CompletionRequest, params: SamplingParams,
+                 prompts: list[_Prompt], request_id: str):
         self.ctx = ctx
         self.request = request
+        self.params = params
         self.prompts = prompts
         self.request_id = request_id
         self.created = int(time.time())
@@ -86,9 +93,23 @@ class _Reply:
             return []
         return list(zip(output.prompt_token_ids, output.prompt_logprobs or [None] * len(output.prompt_token_ids)))
 
+    def _prompt_pieces(self, index: int) -> list[str] | None:
+        """The echoed text prompt's pieces per token, so that logprob tokens and text_offset match the
+        text returned (its bos, which the text does not show, covers ""); None for a token-id prompt,
+        whose echo is its decoded text, special tokens spelled out, like its logprob tokens."""
+        prompt = self.prompts[index]
+        if not (self.request.echo and self.request.logprobs is not None and prompt.sent_as_text):
+            return None
+        return text_pieces(self.ctx.tokenizer, prompt.text, prompt.token_ids, self.request.add_special_tokens)
+
     def _choice(self, index: int, completion: CompletionOutput, text: str, logprobs: dict | None) -> dict:
         return {"index": index * self.request.n + completion.index, "text": text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def _prompt_logprobs(self, output: RequestOutput) -> list | None:
+        if self.request.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(self.ctx.tokenizer, output, self.params.prompt_logprobs)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         choices = []
@@ -100,8 +121,11 @@ class _Reply:
                 body = None
                 if self.request.logprobs is not None:
                     entries = self._prompt_entries(output) + list(zip(token_ids, logprobs))
-                    body, _ = completion_logprobs(self.ctx.tokenizer, entries)
-                choices.append(self._choice(index, completion, text, body))
+                    body, _ = completion_logprobs(self.ctx.tokenizer, entries, token_texts=self._prompt_pieces(index))
+                choice = self._choice(index, completion, text, body)
+                if self.request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(output)
+                choices.append(choice)
         return {**self._header(), "choices": choices,
                 "usage": usage(outputs, count_completion_tokens=not self.request.wants_prompt_only)}
 
@@ -141,8 +165,11 @@ class _Reply:
             return None  # tokens held back (an unfinished character or a possible stop string)
         body = None
         if self.request.logprobs is not None:
-            body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0))
+            pieces = self._prompt_pieces(index) if is_first else None
+            body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0), pieces)
         chunk = {**self._header(), "choices": [self._choice(index, completion, delta_text, body)]}
-        if self.request.include_usage:
+        if self.request.continuous_usage:  # vLLM: this prompt's tokens and this sequence's so far
+            chunk["usage"] = usage_body(len(output.prompt_token_ids), len(token_ids), output.num_cached_tokens)
+        elif self.request.include_usage:
             chunk["usage"] = None  # as OpenAI: only the final chunk carries usage
         return chunk

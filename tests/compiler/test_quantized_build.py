@@ -113,27 +113,27 @@ def test_gpu_layout_and_plain_layout_compute_the_same_model(shared_dir, tmp_path
     torch.testing.assert_close(engines["cuda"].score(token_ids), engines["cpu"].score(token_ids), rtol=1e-5, atol=1e-5)
 
 
-def _calibrated(tmp_path, ref_model_dir, shared_dir, **quant):
+def _calibrated(tmp_path, ref_model_dir, data_dir, **quant):
     out = tmp_path / quant["method"]
-    calibration = {"data": str(shared_dir / "data" / "wikitext2-valid.txt"), "num_samples": 16, "seq_len": 128}
+    calibration = {"data": str(data_dir / "wikitext2-valid-head.txt"), "num_samples": 16, "seq_len": 128}
     build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out),
                             "quantization": {**quant, "calibration": calibration}}), show_progress=False)
     return json.loads((out / "manifest.json").read_text())["quant"]["report"]
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_calibrated_methods_beat_rtn_on_held_out_text(method, tmp_path, ref_model_dir, shared_dir):
+def test_calibrated_methods_beat_rtn_on_held_out_text(method, tmp_path, ref_model_dir, data_dir):
     settings = {"bits": 3, "group_size": 128, "symmetric": method == "gptq"}
-    ours = _calibrated(tmp_path, ref_model_dir, shared_dir, method=method, **settings)
-    rtn = _calibrated(tmp_path, ref_model_dir, shared_dir, method="rtn", **settings)
+    ours = _calibrated(tmp_path, ref_model_dir, data_dir, method=method, **settings)
+    rtn = _calibrated(tmp_path, ref_model_dir, data_dir, method="rtn", **settings)
     assert ours["perplexity_unquantized"] == rtn["perplexity_unquantized"]
     # KL to the float model: on 4 short held-out windows perplexity itself is too noisy to rank by.
     assert ours["mean_kl_divergence"] < rtn["mean_kl_divergence"]
     assert ours["top1_agreement"] > rtn["top1_agreement"]
 
 
-def test_fp8_static_records_input_scales(tmp_path, ref_model_dir, shared_dir):
-    report = _calibrated(tmp_path, ref_model_dir, shared_dir, method="fp8", activations="static")
+def test_fp8_static_records_input_scales(tmp_path, ref_model_dir, data_dir):
+    report = _calibrated(tmp_path, ref_model_dir, data_dir, method="fp8", activations="static")
     from llmc.runtime.artifact import read_safetensors_header
 
     header = read_safetensors_header(tmp_path / "fp8" / "rank-00" / "weights.safetensors")

@@ -34,11 +34,11 @@ def test_request_errors_name_the_sampling_field():
 @pytest.mark.parametrize(("body", "param", "text"), [
     ({"prompt": 5}, "prompt", "expected str or list[str] or list[int] or list[list[int]]"),
     ({"prompt": "x", "seed": "s"}, "seed", "valid integer"),
-    ({}, "prompt", "Field required"),
+    ({}, "prompt", "Either prompt or prompt_embeds must be provided and non-empty."),  # vLLM's words
 ])
 def test_validation_errors_name_the_field(body, param, text):
     with pytest.raises(ApiError) as info:
-        parse_body(CompletionRequest, body)
+        parse_body(CompletionRequest, body).check()
     assert info.value.param == param and text in info.value.message
 
 
