@@ -22,7 +22,7 @@ from llmc.errors import ArtifactError
 from llmc.runtime.spec_decode import SpeculativeConfig
 from llmc.schema import opt, parse
 
-FORMAT_VERSION = "1.1"  # 1.1: plan.w4a16_kernels (1.0 manifests load without it)
+FORMAT_VERSION = "1.2"  # 1.1: plan.w4a16_kernels; 1.2: target (ONNX models); older manifests load without them
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 
@@ -177,6 +177,10 @@ class Manifest:
     plan: Plan
     runtime: RuntimeDefaults
     files: dict[str, dict] = field(default_factory=dict)
+    # what the model file is and where it runs; empty: the torch runtime's safetensors (rank-*/).
+    # ONNX: {"device": "onnx-cpu", "model_format": "onnx", "onnx": {"model", "opset", "max_positions",
+    #        "op_counts", "linears"}} (runtime/onnx_model.py)
+    target: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=False) + "\n"
