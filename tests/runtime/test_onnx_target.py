@@ -193,3 +193,15 @@ def test_missing_onnxruntime_is_one_line(tiny_llama, onnx_artifact, monkeypatch)
 def test_onnx_target_is_one_rank(tiny_llama, tmp_path):
     with pytest.raises(RecipeError, match="parallel.tensor"):
         _build(tiny_llama, tmp_path / "a", parallel={"tensor": 2})
+
+
+def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact):
+    artifact = onnx_artifact(tiny_llama)
+    result = CliRunner().invoke(cli, ["inspect", str(artifact), "--json", "--verify"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    model = onnx.load(str(artifact / "onnx" / "model.onnx"), load_external_data=False)
+    assert report["onnx"]["op_counts"]["GroupQueryAttention"] == sum(n.op_type == "GroupQueryAttention" for n in model.graph.node)
+    files = [p for p in (artifact / "onnx").iterdir()]
+    assert report["weight_bytes"] == sum(p.stat().st_size for p in files)
+    assert report["verify"]["ok"]
