@@ -22,6 +22,7 @@ from llmc.compiler.convert import (
 from llmc.compiler.calibration import calibration_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.import_quantized import ImportPacker, import_formats
+from llmc.compiler.onnx_export import check_onnx_recipe, export_onnx
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
@@ -30,6 +31,7 @@ from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime import onnx_model as om
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
@@ -65,6 +67,7 @@ class _Context:
     parallel: art.ParallelPlan | None = None
     report: dict = field(default_factory=dict)
     w4a16_kernels: dict = field(default_factory=dict)  # the plan's kernel table (art.Plan.w4a16_kernels)
+    target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -73,6 +76,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     timings: dict[str, float] = {}
     prepare_output(recipe.output_dir)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
+    check_onnx_recipe(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
@@ -81,6 +85,8 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     with atomic_directory(output) as tmp:
         _timed(timings, "tokenizer", lambda: _copy_tokenizer(ctx.model_dir, tmp / art.TOKENIZER_DIR))
         weight_bytes = _timed(timings, "weights", lambda: _write_weights(ctx, tmp, show_progress))
+        if recipe.target.device in om.ONNX_DEVICES:
+            weight_bytes = _timed(timings, "onnx graph", lambda: _write_onnx(ctx, tmp))
         manifest = _timed(timings, "manifest", lambda: _write_manifest(ctx, tmp, weight_bytes))
     return BuildResult(output, manifest, time.perf_counter() - start, timings)
 
@@ -257,9 +263,21 @@ def _calibration_data(ctx: _Context):
     return (calibration if needs_calibration else None), (held_out if num_eval else None)
 
 
+def _write_onnx(ctx: _Context, root: Path) -> list[int]:
+    """onnx-cpu: the packed weights become root/onnx/ (graph + external data), then go."""
+    weights = root / art.rank_weights_path(0)
+    max_positions = max(ctx.model.max_position_embeddings, _resolve_runtime(ctx.recipe, ctx.model).max_model_len)
+    record = export_onnx(root, ctx.model, ctx.module_formats, weights, max_positions)
+    shutil.rmtree(weights.parent)
+    ctx.target = {"device": ctx.recipe.target.device, "model_format": om.MODEL_FORMAT, "onnx": record}
+    return [sum(p.stat().st_size for p in (root / om.MODEL_PATH).parent.iterdir())]
+
+
 def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.Manifest:
     recipe = ctx.recipe
     runtime = _resolve_runtime(recipe, ctx.model)
+    if ctx.target:  # per-sequence KV slots: no shared prefix blocks (runtime/onnx_model.py)
+        runtime = dataclasses.replace(runtime, enable_prefix_caching=False)
     kv = art.KVSpec(runtime.block_size, ctx.model.dtype, ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim)
     manifest = art.Manifest(
         format_version=art.FORMAT_VERSION,
@@ -273,6 +291,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
         plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels),
         runtime=runtime,
         files=art.hash_files(root),
+        target=ctx.target,
     )
     art.write_manifest(root, manifest)
     return manifest

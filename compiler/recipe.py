@@ -63,7 +63,8 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TargetConfig:
-    device: str = opt("cuda", choices=["cuda", "cpu"], help="where the artifact will run")
+    device: str = opt("cuda", choices=["cuda", "cpu", "onnx-cpu"],
+                      help="where the artifact will run; onnx-cpu: an ONNX graph (int4 MatMulNBits) for onnxruntime's CPU EP")
     gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, max=65536.0, help="GPU memory to plan for (default: 80)")
     tune_kernels: bool = opt(False, help="measure the W4A16 kernels for the artifact's shapes on this machine's GPU "
                                          "(cuda target) and record them; false: the recorded H200 table and a heuristic")

@@ -9,6 +9,7 @@ import click
 
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.parallel.layout import all_rank_layouts
 
 COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"))
@@ -25,13 +26,39 @@ def _fmt_bytes(n: float) -> str:
 
 def bytes_by_component(artifact_dir: str | Path, manifest: art.Manifest) -> dict[str, int]:
     sizes: dict[str, int] = defaultdict(int)
-    for rank in range(manifest.parallel.tensor * manifest.parallel.pipeline):
-        header = art.read_safetensors_header(Path(artifact_dir) / art.rank_weights_path(rank))
-        for name, entry in header.items():
-            start, end = entry["data_offsets"]
-            component = next((label for key, label in COMPONENTS if key in name or name.startswith(key)), "norms")
-            sizes[component] += end - start
+    for name, num_bytes in _tensor_bytes(Path(artifact_dir), manifest):
+        component = next((label for key, label in COMPONENTS if key in name or name.startswith(key)), "norms")
+        sizes[component] += num_bytes
     return dict(sizes)
+
+
+def _tensor_bytes(root: Path, manifest: art.Manifest):
+    """(tensor name, bytes) of every stored weight: the ranks' safetensors, or the ONNX initializers."""
+    if is_onnx(manifest):
+        import onnx
+
+        model = onnx.load(str(root / manifest.target["onnx"]["model"]), load_external_data=False)
+        for tensor in model.graph.initializer:
+            external = {entry.key: entry.value for entry in tensor.external_data}
+            yield tensor.name, int(external["length"]) if "length" in external else len(tensor.raw_data)
+        return
+    for rank in range(manifest.parallel.tensor * manifest.parallel.pipeline):
+        for name, entry in art.read_safetensors_header(root / art.rank_weights_path(rank)).items():
+            start, end = entry["data_offsets"]
+            yield name, end - start
+
+
+def _onnx_summary(manifest: art.Manifest) -> dict | None:
+    """The ONNX model's op mix and how its linears run (None for a torch artifact)."""
+    if not is_onnx(manifest):
+        return None
+    record = manifest.target["onnx"]
+    kinds = defaultdict(int)
+    for kind in record.get("linears", {}).values():
+        kinds[kind] += 1
+    return {"device": manifest.target.get("device"), "model": record["model"], "opset": record.get("opset"),
+            "op_counts": record.get("op_counts", {}), "linears": dict(kinds),
+            "float_fallbacks": record.get("float_fallbacks", {})}
 
 
 def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: float | None) -> dict:
@@ -64,6 +91,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "w4a16_kernel_summary": _kernel_summary(manifest),
         "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
         "num_files": len(manifest.files),
+        "onnx": _onnx_summary(manifest),
     }
 
 
@@ -148,11 +176,13 @@ def print_inspect(report: dict) -> None:
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
                     f"{'on' if rt['enable_prefix_caching'] else 'off'}, enforce_eager {str(rt['enforce_eager']).lower()}"),
-        (f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)),
     ]
+    if report.get("onnx") is None:  # an ONNX artifact runs on the CPU: its KV budget is cpu_kv_cache_gib
+        rows.append((f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)))
     for module, spec in _format_runs(report["quantization"]["modules"]):
         rows.append((f"  {module}", _format_label(spec)))
     rows += _kernel_rows(report["w4a16_kernel_summary"])
+    rows += _onnx_rows(report.get("onnx"))
     par = report["parallel"]
     if par["tensor"] * par["pipeline"] > 1:
         rows.append(("parallel", f"tensor {par['tensor']} × pipeline {par['pipeline']}: "
@@ -169,6 +199,19 @@ def print_inspect(report: dict) -> None:
         rows.append(("verify", "all files match their sha256" if report["verify"]["ok"]
                      else "; ".join(report["verify"]["problems"])))
     _print_rows(rows)
+
+
+def _onnx_rows(onnx_summary: dict | None) -> list[tuple[str, str]]:
+    if onnx_summary is None:
+        return []
+    ops = ", ".join(f"{op} {n}" for op, n in sorted(onnx_summary["op_counts"].items(), key=lambda kv_: -kv_[1]))
+    rows = [("onnx", f"{onnx_summary['model']} for {onnx_summary['device']} (opset {onnx_summary['opset']} + "
+                     "com.microsoft), runs on onnxruntime's CPU EP; KV in per-sequence slots"),
+            ("  op mix", ops),
+            ("  linears", ", ".join(f"{n} × {kind}" for kind, n in onnx_summary["linears"].items()))]
+    for module, reason in onnx_summary["float_fallbacks"].items():
+        rows.append((f"  {module}", reason))
+    return rows
 
 
 def _saved_line(report: dict) -> str:

@@ -26,8 +26,9 @@ from llmc.schema import opt, parse
 # 1.1: plan.w4a16_kernels (1.0 manifests load without it).
 # 1.2: manifest_sha256, the digest of the manifest itself (required from 1.2 on; 1.0/1.1 load without it,
 #      and are checked against it when they carry one).
-FORMAT_VERSION = "1.2"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2")
+# 1.3: target (ONNX models); older manifests load without it.
+FORMAT_VERSION = "1.3"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -191,6 +192,10 @@ class Manifest:
     plan: Plan = opt()
     runtime: RuntimeDefaults = opt()
     files: dict[str, dict] = field(default_factory=dict)
+    # what the model file is and where it runs; empty: the torch runtime's safetensors (rank-*/).
+    # ONNX: {"device": "onnx-cpu", "model_format": "onnx", "onnx": {"model", "opset", "max_positions",
+    #        "op_counts", "linears"}} (runtime/onnx_model.py)
+    target: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))  # the types a reader gets back

@@ -8,6 +8,7 @@ import torch
 
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
+from llmc.runtime.onnx_model import is_onnx, onnx_options
 from llmc.schema import parse
 
 
@@ -20,6 +21,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
             f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
             f"({manifest.model.max_position_embeddings}); lower it"
         )
+    if is_onnx(manifest):
+        options = onnx_options(manifest, options, overrides)
     return options
 
 

@@ -341,7 +341,7 @@ def repo_root() -> Path:
 
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
-    """``<repo>/data``: calibration text (wikitext2-valid-head.txt) and held-out text (heldout-head.txt)."""
+    """``<repo>/data``: calibration text (wikitext2-valid-head.txt) and held-out text (heldout.txt)."""
     return DATA_DIR
 
 

@@ -24,6 +24,7 @@ from llmc.errors import ConfigError, WorkerError
 from llmc.runtime import artifact as art
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.model_runner import ModelRunner, check_num_kv_blocks, score_in_chunks
+from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.parallel.groups import ParallelGroups, Rendezvous, apply_parallel_env, rendezvous_from_env
 from llmc.runtime.parallel.launcher import FAILURE_GRACE_S, LaunchConfig, WorkerPool, wait_for_ranks
 from llmc.runtime.parallel.layout import rank_layout
@@ -39,6 +40,10 @@ def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.R
                       device: torch.device, launch: LaunchConfig | None = None) -> Runner:
     """The runner for this artifact and launch. Under torchrun, ranks other than 0 serve their shard
     here until the driver shuts down, then leave the process (SystemExit(0))."""
+    if is_onnx(manifest):  # one graph on onnxruntime's CPU EP (target onnx-cpu): never split
+        from llmc.runtime.onnx_runner import OnnxRunner
+
+        return OnnxRunner(artifact_dir, manifest, options, device)
     world_size = manifest.parallel.world_size
     from_env = rendezvous_from_env() if launch is None else None
     if from_env is not None:

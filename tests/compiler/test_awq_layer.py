@@ -72,7 +72,7 @@ def test_model_tail_loss_is_transformers_loss(ref_model_dir, hf_model, data_dir)
     hf = read_hf_config(ref_model_dir)
     spec = model_spec_for(hf, ref_model_dir)
     config = model_config_from_hf(hf, spec, "float32")
-    text = (data_dir / "heldout-head.txt").read_text()[:4000]
+    text = (data_dir / "heldout.txt").read_text()[:4000]
     tokens = torch.tensor(AutoTokenizer.from_pretrained(str(ref_model_dir))(text)["input_ids"][: 3 * 64]).view(3, 64)
     runner = LayerRunner(config, seq_len=64, device=torch.device("cpu"), windows_per_chunk=2)
     with TensorReader(ref_model_dir) as reader:

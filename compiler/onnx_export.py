@@ -1,0 +1,228 @@
+"""The onnx-cpu target: the artifact's packed tensors → one ONNX graph that onnxruntime's CPU EP runs.
+
+NOTE (algorithm): the build first writes the usual packed safetensors (the quantizers' levels, scales
+and zeros, in the plain layout); this step reads them back one tensor at a time, emits the graph of
+runtime/onnx_model.py's interface, and removes them. Per decoder layer:
+
+  RMSNorm → qkv (MatMulNBits | MatMul) [+ bias] → Split → [q/k RMSNorm per head] →
+  GroupQueryAttention (rotary from the model's cos/sin tables, causal, optional sliding window,
+  past/present K/V in one shared buffer) → o → SkipSimplifiedLayerNormalization (residual add + norm)
+  → gate_up → SiLU(gate) * up → down → SkipSimplifiedLayerNormalization (into the next layer)
+
+then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
+RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from safetensors import safe_open
+
+from llmc.compiler.onnx_linears import (
+    fallback_reason, float_weight, log_fallbacks, nbits_block_size, nbits_tensors,
+)
+from llmc.errors import RecipeError
+from llmc.quant.formats import make_format
+from llmc.runtime import onnx_model as om
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.layers.rotary import cos_sin_cache
+
+logger = logging.getLogger("llmc")
+
+OPSET = 23
+MS_DOMAIN = "com.microsoft"
+
+
+def check_onnx_recipe(recipe) -> None:
+    """What an onnx-cpu target cannot build, refused before any work."""
+    if recipe.target.device not in om.ONNX_DEVICES:
+        return
+    if recipe.parallel.tensor != 1 or recipe.parallel.pipeline != 1:
+        raise RecipeError(f"target.device {recipe.target.device}: one graph on one CPU; "
+                          "set parallel.tensor and parallel.pipeline to 1")
+
+
+class _Graph:
+    """Nodes and initializers under construction; names are unique by a counter."""
+
+    def __init__(self):
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", **attrs) -> list[str]:
+        outputs = [self.name(op_type) for _ in range(num_outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, domain=domain or None, **attrs))
+        return outputs
+
+    def op1(self, op_type: str, inputs: list[str], domain: str = "", **attrs) -> str:
+        return self.op(op_type, inputs, 1, domain, **attrs)[0]
+
+
+class _Emitter:
+    """Emits the graph for one artifact; `tensors(name)` reads a packed tensor of the artifact."""
+
+    def __init__(self, config: ModelConfig, module_formats: dict[str, dict], reader):
+        self.config, self.formats, self.reader = config, module_formats, reader
+        self.g = _Graph()
+        self.linears: dict[str, str] = {}  # module → "MatMulNBits(bits=4, block=128)" | "MatMul"
+        self.fallbacks: dict[str, str] = {}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.reader.get_tensor(name)
+
+    def params(self, module: str) -> dict[str, torch.Tensor]:
+        prefix = module + "."
+        return {key[len(prefix):]: self.tensor(key) for key in self.reader.keys() if key.startswith(prefix)
+                and "." not in key[len(prefix):]}
+
+    def linear(self, x: str, module: str, in_features: int, out_features: int) -> str:
+        """y = x W^T (+ bias) for the artifact's `module`."""
+        spec, params = self.formats[module], self.params(module)
+        bias = params.pop("bias", None)
+        fmt = make_format(spec, torch.float32)
+        block = nbits_block_size(fmt, in_features) if spec["format"] != "dense" and spec["format"] != "w8a8-fp8" else None
+        if block is not None:
+            packed = nbits_tensors(fmt, params, in_features, block)
+            inputs = [x] + [self.g.const(f"{module}.{k}", v) for k, v in packed.items()]
+            if bias is not None:
+                inputs += [""] * (5 - len(inputs)) + [self.g.const(f"{module}.bias", bias.float().numpy())]
+            self.linears[module] = f"MatMulNBits(bits={fmt.bits}, block_size={block})"
+            return self.g.op1("MatMulNBits", inputs, MS_DOMAIN, K=in_features, N=out_features, bits=fmt.bits,
+                              block_size=block, accuracy_level=0)
+        if reason := fallback_reason(spec, in_features):
+            self.fallbacks[module] = reason
+        weight_t = self.g.const(f"{module}.weight_t", float_weight(spec, params, in_features).T)  # [K, N]
+        self.linears[module] = "MatMul"
+        y = self.g.op1("MatMul", [x, weight_t])
+        return y if bias is None else self.g.op1("Add", [y, self.g.const(f"{module}.bias", bias.float().numpy())])
+
+    def norm_weight(self, name: str) -> str:
+        return self.g.const(name, self.tensor(name).float().numpy())
+
+    def rms_norm(self, x: str, weight_name: str) -> str:
+        return self.g.op1("RMSNormalization", [x, self.norm_weight(weight_name)], axis=-1,
+                          epsilon=self.config.rms_norm_eps)
+
+    def skip_norm(self, x: str, residual: str, weight_name: str) -> tuple[str, str]:
+        """(norm(x + residual), x + residual)."""
+        out, _, _, total = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, self.norm_weight(weight_name)],
+                                     4, MS_DOMAIN, epsilon=self.config.rms_norm_eps)
+        return out, total
+
+    def head_norm(self, x: str, weight_name: str, num_heads: int) -> str:
+        """Per-head RMSNorm of [batch, seq, num_heads * head_dim] (Qwen3's q_norm / k_norm)."""
+        shape = self.g.const(self.g.name("heads_shape"), np.array([0, 0, num_heads, self.config.head_dim], np.int64))
+        flat = self.g.const(self.g.name("flat_shape"), np.array([0, 0, num_heads * self.config.head_dim], np.int64))
+        heads = self.g.op1("Reshape", [x, shape])
+        return self.g.op1("Reshape", [self.rms_norm(heads, weight_name), flat])
+
+    def attention(self, i: int, x: str) -> str:
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = self.linear(x, f"layers.{i}.attn.qkv", c.hidden_size, q_size + 2 * kv_size)
+        split = self.g.const(self.g.name("qkv_split"), np.array([q_size, kv_size, kv_size], np.int64))
+        q, k, v = self.g.op("Split", [qkv, split], 3, axis=-1)
+        if c.qk_norm:
+            q = self.head_norm(q, f"layers.{i}.attn.q_norm.weight", c.num_heads)
+            k = self.head_norm(k, f"layers.{i}.attn.k_norm.weight", c.num_kv_heads)
+        past_k, past_v = om.past_names(i)
+        present_k, present_v = om.present_names(i)
+        inputs = [q, k, v, past_k, past_v, om.SEQLENS_K, om.TOTAL_SEQUENCE_LENGTH, "cos_cache", "sin_cache",
+                  *[""] * 7, om.QUERY_SEQLENS]
+        out = self.g.name("attn")
+        window = {"local_window_size": c.sliding_window} if c.sliding_window else {}
+        self.g.nodes.append(helper.make_node(
+            "GroupQueryAttention", inputs, [out, present_k, present_v], domain=MS_DOMAIN,
+            num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            scale=float(c.head_dim ** -0.5), **window,
+        ))
+        return self.linear(out, f"layers.{i}.attn.o", q_size, c.hidden_size)
+
+    def mlp(self, i: int, x: str) -> str:
+        c = self.config
+        gate_up = self.linear(x, f"layers.{i}.mlp.gate_up", c.hidden_size, 2 * c.intermediate_size)
+        gate, up = self.g.op("Split", [gate_up, self.g.const(self.g.name("gu_split"),
+                                                             np.array([c.intermediate_size] * 2, np.int64))], 2, axis=-1)
+        act = self.g.op1("Mul", [self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])]), up])
+        return self.linear(act, f"layers.{i}.mlp.down", c.intermediate_size, c.hidden_size)
+
+    def body(self, max_positions: int) -> str:
+        """input_ids → logits; returns the logits' name."""
+        c = self.config
+        rope = cos_sin_cache(c.head_dim, max_positions, c.rope_theta, c.rope_scaling).numpy()
+        self.g.const("cos_cache", rope[:, : c.head_dim // 2])
+        self.g.const("sin_cache", rope[:, c.head_dim // 2:])
+        embed = self.g.const("embed.weight", self.tensor("embed.weight").float().numpy()[: c.vocab_size])
+        residual = self.g.op1("Gather", [embed, om.INPUT_IDS])  # [batch, seq, hidden]
+        x = self.rms_norm(residual, "layers.0.input_norm.weight")
+        for i in range(c.num_layers):
+            x, residual = self.skip_norm(self.attention(i, x), residual, f"layers.{i}.post_attn_norm.weight")
+            after = f"layers.{i + 1}.input_norm.weight" if i + 1 < c.num_layers else "norm.weight"
+            x, residual = self.skip_norm(self.mlp(i, x), residual, after)
+        flat = self.g.op1("Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))])
+        rows = self.g.op1("Gather", [flat, om.LOGITS_INDICES], axis=0)  # [rows, hidden]
+        if c.tie_word_embeddings:
+            logits = self.g.op1("Gemm", [rows, embed], transB=1)
+        else:
+            logits = self.linear(rows, "lm_head", c.hidden_size, c.vocab_size)
+        self.g.nodes.append(helper.make_node("Identity", [logits], [om.LOGITS]))
+        return om.LOGITS
+
+
+def _io(config: ModelConfig) -> tuple[list, list]:
+    f32, kv = TensorProto.FLOAT, ["batch", config.num_kv_heads, "capacity", config.head_dim]
+    inputs = [helper.make_tensor_value_info(om.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])]
+    outputs = [helper.make_tensor_value_info(om.LOGITS, f32, ["rows", config.vocab_size])]
+    for i in range(config.num_layers):
+        inputs += [helper.make_tensor_value_info(name, f32, kv) for name in om.past_names(i)]
+        outputs += [helper.make_tensor_value_info(name, f32, kv) for name in om.present_names(i)]
+    inputs += [
+        helper.make_tensor_value_info(om.SEQLENS_K, TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info(om.TOTAL_SEQUENCE_LENGTH, TensorProto.INT32, []),
+        helper.make_tensor_value_info(om.QUERY_SEQLENS, TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info(om.LOGITS_INDICES, TensorProto.INT64, ["rows"]),
+    ]
+    return inputs, outputs
+
+
+def export_onnx(root: Path, config: ModelConfig, module_formats: dict[str, dict], weights: Path,
+                max_positions: int) -> dict:
+    """Write root/onnx/model.onnx (+ external data) from the packed `weights` file; return the
+    manifest's target.onnx record. The graph computes in float32 (what CPUs run fast)."""
+    with safe_open(str(weights), framework="pt") as reader:
+        emitter = _Emitter(config, module_formats, reader)
+        emitter.body(max_positions)
+    log_fallbacks(emitter.fallbacks)
+    inputs, outputs = _io(config)
+    graph = helper.make_graph(emitter.g.nodes, "llmc", inputs, outputs, emitter.g.initializers)
+    model = helper.make_model(graph, producer_name="llmc", opset_imports=[
+        helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+    path = root / om.MODEL_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=om.DATA_NAME, size_threshold=1024)  # small shapes stay inline
+    onnx.checker.check_model(str(path))
+    return {
+        "model": om.MODEL_PATH,
+        "opset": OPSET,
+        "max_positions": max_positions,
+        "op_counts": dict(sorted(Counter(n.op_type for n in emitter.g.nodes).items())),
+        "linears": emitter.linears,
+        "float_fallbacks": emitter.fallbacks,
+    }

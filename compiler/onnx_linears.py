@@ -1,0 +1,119 @@
+"""Linear layers of the ONNX graph, from the artifact's packed tensors, with no second rounding.
+
+A w4a16 (or w8a16) linear becomes com.microsoft MatMulNBits holding the quantizer's own levels,
+scales and zero points, repacked into its layout:
+
+  B            uint8 [N, K / block, block * bits / 8]  level of input column k of block j at byte
+                                                        (k % block) * bits / 8, low bits first
+  scales       float32 [N, K / block]                   the artifact's scales, cast exactly to float32
+  zero_points  uint8 [N, ceil(K / block * bits / 8)]    only with zero points, packed like B; symmetric
+                                                        weights use the op's default 2**(bits-1), ours
+
+block = the group size. Per-channel weights (group_size -1) use the largest power-of-two block
+(16..128) that divides K, every block of a row repeating the row's scale and zero: the same weight.
+What MatMulNBits cannot hold becomes a float32 MatMul of the exact dequantized weight, said once in
+the build log and recorded per linear: 3-bit levels (the CPU kernel takes 2, 4 and 8 bits),
+act-order g_idx, K not a multiple of 16, and FP8 (the CPU EP has no FP8 matmul: FP8 values times
+their scales, activations unquantized).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmc.quant.formats import DenseFormat, IntWeightFormat, make_format
+from llmc.quant.packing import unpack_words
+from llmc.quant.reference import dequantize
+
+logger = logging.getLogger("llmc")
+
+MATMUL_NBITS_BITS = (4, 8)  # what llmc emits as MatMulNBits (the op takes 2, 4, 8)
+MAX_BLOCK = 128
+
+
+def nbits_block_size(fmt: IntWeightFormat, in_features: int) -> int | None:
+    """MatMulNBits' block_size for this format and K, or None when the weight cannot be one."""
+    if fmt.bits not in MATMUL_NBITS_BITS or fmt.has_g_idx or fmt.is_gpu_layout:
+        return None
+    if fmt.group_size != -1:
+        return fmt.group_size
+    block = MAX_BLOCK
+    while block >= 16 and in_features % block:
+        block //= 2
+    return block if block >= 16 else None
+
+
+def pack_nbits(levels: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """levels [N, K] (values < 2**bits) → uint8 [N, K / block, block * bits / 8], low bits first."""
+    n, k = levels.shape
+    per_byte = 8 // bits
+    grouped = levels.astype(np.uint8).reshape(n, k // per_byte, per_byte)
+    packed = np.zeros((n, k // per_byte), dtype=np.uint8)
+    for slot in range(per_byte):
+        packed |= grouped[:, :, slot] << (bits * slot)
+    return packed.reshape(n, k // block, block * bits // 8)
+
+
+def pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
+    """zero levels [N, num_blocks] → uint8 [N, ceil(num_blocks * bits / 8)], packed like B."""
+    n, num_blocks = zeros.shape
+    per_byte = 8 // bits
+    padded = np.zeros((n, -(-num_blocks // per_byte) * per_byte), dtype=np.uint8)
+    padded[:, :num_blocks] = zeros
+    return pack_nbits(padded, bits, padded.shape[1])[:, 0, :]
+
+
+def unpack_nbits(packed: np.ndarray, bits: int, in_features: int) -> np.ndarray:
+    """The inverse of pack_nbits: uint8 [N, blocks, blob] → levels [N, K] int32 (for tests and inspect)."""
+    flat = packed.reshape(packed.shape[0], -1)
+    slots = [(flat >> (bits * s)) & (2**bits - 1) for s in range(8 // bits)]
+    return np.stack(slots, axis=2).reshape(packed.shape[0], -1)[:, :in_features].astype(np.int32)
+
+
+def nbits_tensors(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: int, block: int) -> dict[str, np.ndarray]:
+    """{"B", "scales", optional "zero_points"} of one MatMulNBits from the artifact's plain-layout tensors."""
+    levels = unpack_words(params["qweight"], fmt.bits, dim=1, size=in_features).numpy()  # [N, K]
+    scales = params["scales"].float().numpy()  # [N, G]
+    repeat = (in_features // block) // scales.shape[1]  # > 1 only per channel
+    tensors = {"B": pack_nbits(levels, fmt.bits, block), "scales": np.repeat(scales, repeat, axis=1)}
+    if not fmt.symmetric:
+        zeros = unpack_words(params["qzeros"], fmt.bits, dim=1, size=scales.shape[1]).numpy()
+        tensors["zero_points"] = pack_zero_points(np.repeat(zeros, repeat, axis=1), fmt.bits)
+    return tensors
+
+
+def float_weight(spec: dict, params: dict[str, Tensor], in_features: int) -> np.ndarray:
+    """The linear's weight [N, K] float32, exactly as the torch runtime computes with it."""
+    fmt = make_format(spec, torch.float32)
+    if isinstance(fmt, DenseFormat):
+        return params["weight"].float().numpy()
+    return dequantize(fmt, params, in_features).numpy()
+
+
+def fallback_reason(spec: dict, in_features: int) -> str | None:
+    """Why a quantized linear runs as float32 MatMul on this target (None: dense, or MatMulNBits)."""
+    if spec["format"] == "dense":
+        return None
+    if spec["format"] == "w8a8-fp8":
+        return "fp8: no FP8 matmul on the CPU EP; float32 weights = FP8 values x scales, activations unquantized"
+    fmt = make_format(spec, torch.float32)
+    if nbits_block_size(fmt, in_features) is not None:
+        return None
+    if fmt.bits not in MATMUL_NBITS_BITS:
+        return f"{fmt.bits}-bit levels (MatMulNBits on CPU takes 4 and 8 bits here): float32 dequantized weights"
+    if fmt.has_g_idx:
+        return "act-order g_idx: float32 dequantized weights"
+    return f"in_features {in_features} is not a multiple of 16: float32 dequantized weights"
+
+
+def log_fallbacks(reasons: dict[str, str]) -> None:
+    """One build-log line per reason, naming how many linears it covers."""
+    by_reason: dict[str, list[str]] = {}
+    for module, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(module)
+    for reason, modules in by_reason.items():
+        logger.warning("onnx-cpu: %d linear(s) (e.g. %s) run as float MatMul: %s", len(modules), modules[0], reason)

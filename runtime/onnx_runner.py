@@ -1,0 +1,216 @@
+"""OnnxRunner: ModelRunner's interface over an ONNX artifact, run by onnxruntime's CPU execution provider.
+
+NOTE (algorithm): every running sequence owns a KV slot (a row of each layer's
+[num_slots, kv_heads, max_model_len, head_dim] buffer, runtime/onnx_model.py). A step runs:
+  - all single-token chunks (decodes) in one call over the slot range they span, slots in between
+    idle (query length 0: GroupQueryAttention leaves them alone);
+  - each longer chunk (prefill, or a decode with speculative drafts) in a call of its own.
+GroupQueryAttention reads the slot's cached rows and writes the new ones in place (past and present
+are bound to the same buffer). A slot's length follows the scheduler: a chunk starting at 0 starts
+the sequence afresh (new, or preempted and recomputed), one starting before the length drops the
+rejected draft rows; a sequence that finishes, aborts or is preempted gives its slot back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.runtime import onnx_model as om
+
+logger = logging.getLogger("llmc")
+
+
+def _import_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ConfigError("this artifact is an ONNX model and needs the onnxruntime package: "
+                          "pip install onnxruntime") from None
+    return onnxruntime
+
+
+def num_threads() -> int:
+    """The machine's cores available to this process, unless OMP_NUM_THREADS says fewer."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = os.environ.get("OMP_NUM_THREADS", "")
+    return min(cores, int(limit)) if limit.isdigit() and int(limit) > 0 else cores
+
+
+@dataclass
+class _Chunk:
+    """One request's tokens of a call and the rows of them whose logits the step returns."""
+
+    slot: int
+    start: int  # position of the first token (the slot's length before the call)
+    token_ids: list[int]
+    rows: list[int] = field(default_factory=list)  # indices into token_ids
+
+
+class OnnxRunner:
+    """`execute(batch)`, `score(...)`, `close()`, `num_blocks` and `device`, as ModelRunner has them."""
+
+    def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
+        ort = _import_onnxruntime()
+        if device.type != "cpu":
+            logger.info("ONNX artifact: runs on onnxruntime's CPU execution provider, not on %s", device)
+        self.device = torch.device("cpu")
+        model = manifest.model
+        art.check_sizes(artifact_dir, manifest, [om.MODEL_PATH, str(Path(om.MODEL_PATH).parent / om.DATA_NAME)])
+        self.num_layers, self.vocab_size = model.num_layers, model.vocab_size
+        self.capacity = options.max_model_len
+        self.num_slots = min(options.max_num_seqs, om.num_kv_slots(model, options))
+        blocks_per_seq = -(-options.max_model_len // options.block_size)
+        self.num_blocks = self.num_slots * blocks_per_seq  # the scheduler's token budget; no paging here
+        shape = (self.num_slots + 1, model.num_kv_heads, self.capacity, model.head_dim)  # + score()'s slot
+        self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.num_layers)]
+        self.lengths = [0] * (self.num_slots + 1)
+        self.slots: dict[str, int] = {}  # request id → slot
+        self.requests: dict[str, object] = {}  # request id → Request, to see it finish
+        self._ort = ort
+        self.session = ort.InferenceSession(str(Path(artifact_dir) / om.MODEL_PATH), self._session_options(ort),
+                                            providers=["CPUExecutionProvider"])
+        logger.info("ONNX runtime: %d KV slots of %d tokens, %d threads", self.num_slots, self.capacity,
+                    self.session.get_session_options().intra_op_num_threads)
+
+    @staticmethod
+    def _session_options(ort):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = num_threads()
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        return opts
+
+    def close(self) -> None:
+        """Drop the session and the KV buffers."""
+        self.session, self.kv = None, []
+
+    # ---- slots -----------------------------------------------------------------------------
+
+    def _release_finished(self, preempted) -> None:
+        gone = {r.request_id for r in preempted}
+        gone |= {rid for rid, request in self.requests.items() if request.is_finished}
+        for request_id in gone:
+            self.requests.pop(request_id, None)
+            slot = self.slots.pop(request_id, None)
+            if slot is not None:
+                self.lengths[slot] = 0
+
+    def _slot_for(self, request, start: int) -> int:
+        slot = self.slots.get(request.request_id)
+        if slot is None:
+            slot = min(set(range(self.num_slots)) - set(self.slots.values()))  # max_num_seqs <= num_slots
+            self.slots[request.request_id] = slot
+            self.requests[request.request_id] = request
+        if start > self.lengths[slot]:
+            raise RuntimeError(f"request {request.request_id}: chunk starts at {start} but its KV slot holds "
+                               f"{self.lengths[slot]} tokens (prefix caching must be off for ONNX artifacts)")
+        self.lengths[slot] = start  # 0: a fresh start; below the length: drop rejected drafts
+        return slot
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def execute(self, batch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
+        """Run one step. Returns logits [num_sampled, vocab_size] float32 (one row per chunk that ends
+        its sequence, plus one per draft), and {request_id: (first position, logits [n, vocab_size])}
+        for prompt logprobs, exactly as ModelRunner.execute."""
+        self._release_finished(batch.preempted)
+        chunks, sample_rows, prompt_rows = [], [], []
+        for scheduled in batch.requests:
+            request, num_new = scheduled.request, scheduled.num_new_tokens
+            start, num_drafts = request.num_computed_tokens, len(scheduled.draft_token_ids)
+            tokens = request.get_token_ids(start, start + num_new - num_drafts) + list(scheduled.draft_token_ids)
+            chunk = _Chunk(self._slot_for(request, start), start, tokens)
+            if scheduled.is_last_chunk:
+                sample_rows.append((len(chunks), range(num_new - 1 - num_drafts, num_new)))
+            if request.skip_prefix_cache:  # prompt logprobs: positions whose next token is in the prompt
+                end = min(start + num_new, request.num_prompt_tokens - 1)
+                if end > start:
+                    prompt_rows.append((len(chunks), request.request_id, start, range(end - start)))
+            chunks.append(chunk)
+        for index, rows in sample_rows:
+            chunks[index].rows.extend(rows)
+        for index, _, _, rows in prompt_rows:
+            chunks[index].rows.extend(rows)
+        logits = self._run_chunks(chunks)  # per chunk: [len(rows), vocab]
+        sampled = [logits[index][: len(rows)] for index, rows in sample_rows]
+        num_sampled_of = {index: len(rows) for index, rows in sample_rows}
+        prompt_logits = {request_id: (first, torch.from_numpy(logits[index][num_sampled_of.get(index, 0):]))
+                         for index, request_id, first, _ in prompt_rows}
+        out = np.concatenate(sampled) if sampled else np.zeros((0, self.vocab_size), np.float32)
+        return torch.from_numpy(out), prompt_logits
+
+    def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+        """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
+        out: list[np.ndarray | None] = [None] * len(chunks)
+        singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+        if singles:
+            for i, rows in zip(singles, self._run([chunks[i] for i in singles])):
+                out[i] = rows
+        for i, chunk in enumerate(chunks):
+            if out[i] is None:
+                out[i] = self._run([chunk])[0]
+        return out
+
+    def _run(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+        """One session call over the slot range of `chunks`; advances their slots' lengths."""
+        first = min(c.slot for c in chunks)
+        batch_size = max(c.slot for c in chunks) - first + 1
+        seq_len = max(len(c.token_ids) for c in chunks)
+        input_ids = np.zeros((batch_size, seq_len), np.int64)
+        query_lens = np.zeros(batch_size, np.int32)
+        totals = np.array([max(self.lengths[first + b], 1) for b in range(batch_size)], np.int32)
+        indices, counts = [], []
+        for c in chunks:
+            b, n = c.slot - first, len(c.token_ids)
+            input_ids[b, :n] = c.token_ids
+            query_lens[b], totals[b] = n, c.start + n
+            rows = c.rows or [n - 1]  # a chunk that needs no logits still takes one row (dropped)
+            indices.extend(b * seq_len + r for r in rows)
+            counts.append(len(c.rows))
+        logits = self._call(first, batch_size, {
+            om.INPUT_IDS: input_ids, om.QUERY_SEQLENS: query_lens, om.SEQLENS_K: totals - 1,
+            om.TOTAL_SEQUENCE_LENGTH: np.array(totals.max(), np.int32),
+            om.LOGITS_INDICES: np.array(indices, np.int64),
+        })
+        for c in chunks:
+            self.lengths[c.slot] = c.start + len(c.token_ids)
+        results, offset = [], 0
+        for c, count in zip(chunks, counts):
+            results.append(logits[offset: offset + count])
+            offset += max(count, 1)
+        return results
+
+    def _call(self, first: int, batch_size: int, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """Run the session with each layer's K/V slots [first, first + batch_size) bound as both past and present."""
+        binding = self.session.io_binding()
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        binding.bind_output(om.LOGITS)
+        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
+        for layer, (k, v) in enumerate(self.kv):
+            for past, present, buffer in zip(om.past_names(layer), om.present_names(layer), (k, v)):
+                value = ortvalue(buffer[first: first + batch_size])  # a view: written in place
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
+        """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled in
+        chunks of chunk_size tokens into the scratch slot (`block_ids` only reserve the scheduler's room)."""
+        slot, logits = self.num_slots, []
+        self.lengths[slot] = 0
+        for start in range(0, len(token_ids), chunk_size):
+            tokens = token_ids[start: start + chunk_size]
+            logits.append(self._run([_Chunk(slot, start, tokens, list(range(len(tokens))))])[0])
+        self.lengths[slot] = 0
+        return torch.from_numpy(np.concatenate(logits))
