@@ -238,7 +238,8 @@ def _check_consistency(m: Manifest) -> None:
     linears = [f"layers.{i}.{name}" for i in range(model.num_layers) for name in DECODER_LINEARS]
     if unlisted := [name for name in linears if name not in m.quant.modules]:
         problems.append(f"quant.modules has no format for {unlisted[0]}" + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
-    missing = [rank_weights_path(r) for r in range(m.parallel.world_size) if rank_weights_path(r) not in m.files]
+    model_files = [rank_weights_path(r) for r in range(m.parallel.world_size)] if not m.target else []  # ONNX: its own
+    missing = [rel for rel in model_files if rel not in m.files]
     if missing:
         problems.append(f"files lacks {missing[0]}")
     if problems:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llmc.runtime.sampler import _apply_min_p, _apply_top_k_top_p
+from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -279,14 +279,6 @@ class BatchSampler:
         if self._is_dirty:
             self._upload()
         return self._summary["processors"]
-
-
-def _apply_top_k(logits: Tensor, top_k: Tensor, max_k: int) -> None:
-    """`top_k` [n] (0 = off); `max_k` its largest value, a host int (so no device sync)."""
-    top_values = logits.topk(min(max_k, logits.shape[1]), dim=-1).values  # [n, max_k], descending
-    k = top_k.clamp(min=1, max=top_values.shape[1])  # [n]
-    kth_largest = top_values.gather(1, (k - 1).unsqueeze(1))  # [n, 1]
-    logits.masked_fill_((logits < kth_largest) & (top_k > 0).unsqueeze(1), float("-inf"))
 
 
 def _pack_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> Tensor:

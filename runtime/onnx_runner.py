@@ -1,14 +1,14 @@
-"""OnnxRunner: ModelRunner's interface over an ONNX artifact, run by onnxruntime's CPU execution provider.
+"""OnnxRunner: the engine's Runner over an ONNX artifact, run by onnxruntime's CPU execution provider.
 
-NOTE (algorithm): every running sequence owns a KV slot (a row of each layer's
+NOTE (algorithm): every running sequence owns a KV slot, its persistent-batch row (`Request.batch_row`), (a row of each layer's
 [num_slots, kv_heads, max_model_len, head_dim] buffer, runtime/onnx_model.py). A step runs:
   - all single-token chunks (decodes) in one call over the slot range they span, slots in between
     idle (query length 0: GroupQueryAttention leaves them alone);
   - each longer chunk (prefill, or a decode with speculative drafts) in a call of its own.
 GroupQueryAttention reads the slot's cached rows and writes the new ones in place (past and present
 are bound to the same buffer). A slot's length follows the scheduler: a chunk starting at 0 starts
-the sequence afresh (new, or preempted and recomputed), one starting before the length drops the
-rejected draft rows; a sequence that finishes, aborts or is preempted gives its slot back.
+the sequence afresh (new, a new owner of the row, or preempted and recomputed), one starting before
+the length drops the rejected draft rows.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from torch import Tensor
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime import onnx_model as om
+from llmc.runtime.runner import StepLogits
+from llmc.runtime.scheduler import ScheduledBatch
+from llmc.runtime.step_inputs import PendingTokens
 
 logger = logging.getLogger("llmc")
 
@@ -56,7 +59,10 @@ class _Chunk:
 
 
 class OnnxRunner:
-    """`execute(batch)`, `score(...)`, `close()`, `num_blocks` and `device`, as ModelRunner has them."""
+    """The `Runner` (runtime/runner.py) of an ONNX artifact: one onnxruntime session, a KV slot per
+    persistent-batch row. Synchronous: onnxruntime returns when the step is computed."""
+
+    can_overlap = False
 
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
         ort = _import_onnxruntime()
@@ -64,7 +70,7 @@ class OnnxRunner:
             logger.info("ONNX artifact: runs on onnxruntime's CPU execution provider, not on %s", device)
         self.device = torch.device("cpu")
         model = manifest.model
-        art.check_sizes(artifact_dir, manifest, [om.MODEL_PATH, str(Path(om.MODEL_PATH).parent / om.DATA_NAME)])
+        art.verify_for_load(artifact_dir, manifest, [om.MODEL_PATH, str(Path(om.MODEL_PATH).parent / om.DATA_NAME)])
         self.num_layers, self.vocab_size = model.num_layers, model.vocab_size
         self.capacity = options.max_model_len
         self.num_slots = min(options.max_num_seqs, om.num_kv_slots(model, options))
@@ -73,8 +79,6 @@ class OnnxRunner:
         shape = (self.num_slots + 1, model.num_kv_heads, self.capacity, model.head_dim)  # + score()'s slot
         self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.num_layers)]
         self.lengths = [0] * (self.num_slots + 1)
-        self.slots: dict[str, int] = {}  # request id → slot
-        self.requests: dict[str, object] = {}  # request id → Request, to see it finish
         self._ort = ort
         self.session = ort.InferenceSession(str(Path(artifact_dir) / om.MODEL_PATH), self._session_options(ort),
                                             providers=["CPUExecutionProvider"])
@@ -95,34 +99,20 @@ class OnnxRunner:
 
     # ---- slots -----------------------------------------------------------------------------
 
-    def _release_finished(self, preempted) -> None:
-        gone = {r.request_id for r in preempted}
-        gone |= {rid for rid, request in self.requests.items() if request.is_finished}
-        for request_id in gone:
-            self.requests.pop(request_id, None)
-            slot = self.slots.pop(request_id, None)
-            if slot is not None:
-                self.lengths[slot] = 0
-
     def _slot_for(self, request, start: int) -> int:
-        slot = self.slots.get(request.request_id)
-        if slot is None:
-            slot = min(set(range(self.num_slots)) - set(self.slots.values()))  # max_num_seqs <= num_slots
-            self.slots[request.request_id] = slot
-            self.requests[request.request_id] = request
+        """The request's KV slot is its persistent-batch row (the engine's max_num_seqs <= num_slots)."""
+        slot = request.batch_row
         if start > self.lengths[slot]:
             raise RuntimeError(f"request {request.request_id}: chunk starts at {start} but its KV slot holds "
                                f"{self.lengths[slot]} tokens (prefix caching must be off for ONNX artifacts)")
-        self.lengths[slot] = start  # 0: a fresh start; below the length: drop rejected drafts
+        self.lengths[slot] = start  # 0: a fresh start (a new owner); below the length: drop rejected drafts
         return slot
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def execute(self, batch) -> tuple[Tensor, dict[str, tuple[int, Tensor]]]:
-        """Run one step. Returns logits [num_sampled, vocab_size] float32 (one row per chunk that ends
-        its sequence, plus one per draft), and {request_id: (first position, logits [n, vocab_size])}
-        for prompt logprobs, exactly as ModelRunner.execute."""
-        self._release_finished(batch.preempted)
+    def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
+        """Run one step (synchronously: can_overlap is False, so `pending` is always None). The logits
+        rows are ModelRunner's: one per chunk that ends its sequence plus one per draft, then prompt rows."""
         chunks, sample_rows, prompt_rows = [], [], []
         for scheduled in batch.requests:
             request, num_new = scheduled.request, scheduled.num_new_tokens
@@ -146,7 +136,8 @@ class OnnxRunner:
         prompt_logits = {request_id: (first, torch.from_numpy(logits[index][num_sampled_of.get(index, 0):]))
                          for index, request_id, first, _ in prompt_rows}
         out = np.concatenate(sampled) if sampled else np.zeros((0, self.vocab_size), np.float32)
-        return torch.from_numpy(out), prompt_logits
+        rows = torch.tensor([s.request.batch_row for s in batch.requests if s.is_last_chunk], dtype=torch.long)
+        return StepLogits(torch.from_numpy(out), rows, prompt_logits)
 
     def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""

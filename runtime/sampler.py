@@ -1,4 +1,6 @@
-"""The batched sampler: one token per row for a whole step, in one pass over the logits.
+"""Logits processing over lists of per-row parameters: what speculative decoding's verification
+(runtime/spec_decode.py) samples from. The engine's per-step sampler is runtime/batch_sampler.py,
+which keeps the same order and math over persistent device tensors.
 
 NOTE (algorithm): the logits of every sampled row are processed together, as a
 `[num_seqs, vocab_size]` tensor, in vLLM's order:
@@ -9,21 +11,14 @@ NOTE (algorithm): the logits of every sampled row are processed together, as a
     -> other rows: temperature -> top_k -> top_p -> min_p -> softmax -> sample
 
 Python loops only build small per-row tensors (temperatures, bias indices, ...); the vocabulary
-math is batched. Sampling is an exponential race: `argmax(probs / q)` with `q ~ Exp(1)` per
-vocabulary entry picks token i with probability `probs[i]`. A seeded request draws its `q` from
-its own `torch.Generator`, exactly `vocab_size` numbers per step, so its tokens do not depend on
-which other requests share the batch; unseeded rows share one draw from the sampler's generator.
-
-Logprobs are those of the raw model distribution (`log_softmax` of the logits handed to the
-sampler, before any processing or temperature), as vLLM returns by default. `Sampler(
-logprobs_mode="processed")` returns them after processors, bias, min_tokens and penalties
-instead (still before temperature).
+math is batched. `probs_for` gives the distribution each row is sampled from; spec_decode samples
+it by an exponential race with per-request generators (`make_generator`). Logprobs are those of the
+raw model distribution (`log_softmax` of the logits, before any processing), as vLLM returns them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -68,78 +63,11 @@ class SamplingMetadata:
                 raise ValueError(f"row {i}: a generator is needed exactly when seed is set")
 
 
-@dataclass
-class SamplerOutput:
-    """The sampler's result for one step, one entry per row.
-
-    Fields:
-        token_ids: the sampled token of each row.
-        logprobs: per row, None if its params ask no logprobs, else token id -> logprob for the
-            sampled token (first) and the top-`logprobs` tokens (most likely first).
-        ranks: per row, None or the rank of each token in `logprobs` (1 = most likely).
-    """
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
-    ranks: list[dict[int, int] | None]
-
-
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The per-request generator that `SamplingMetadata.generators` expects for `seed`."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
-
-
-class Sampler:
-    """Samples one token per row. Stateless apart from the generator of unseeded rows."""
-
-    def __init__(
-        self,
-        logprobs_mode: Literal["raw", "processed"] = "raw",
-        generator: torch.Generator | None = None,
-    ) -> None:
-        """`generator` draws the randomness of unseeded rows (None: torch's default)."""
-        if logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        self.logprobs_mode = logprobs_mode
-        self.generator = generator
-
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """Sample a token for each row of `logits` ([num_seqs, vocab_size]); never modifies it."""
-        params = metadata.params
-        if logits.dim() != 2 or logits.shape[0] != metadata.num_seqs:
-            raise ValueError(f"logits {tuple(logits.shape)} for {metadata.num_seqs} rows")
-        logits = logits.to(torch.float32, copy=True)  # [num_seqs, vocab_size]
-        wants_logprobs = [p.logprobs is not None for p in params]
-        logprobs = None
-        if any(wants_logprobs) and self.logprobs_mode == "raw":
-            logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
-        process_logits(logits, metadata)
-        if any(wants_logprobs) and self.logprobs_mode == "processed":
-            logprobs = torch.log_softmax(logits, dim=-1)  # [num_seqs, vocab_size]
-        token_ids = self._sample(logits, metadata)  # [num_seqs]
-        top_logprobs, ranks = [None] * len(params), [None] * len(params)
-        if logprobs is not None:
-            rows = [i for i, wants in enumerate(wants_logprobs) if wants]
-            row_index = torch.tensor(rows, device=logits.device)
-            dicts, rank_dicts = _gather_logprobs(
-                logprobs[row_index], token_ids[row_index], [params[i].logprobs for i in rows]
-            )
-            for i, lp, rk in zip(rows, dicts, rank_dicts):
-                top_logprobs[i], ranks[i] = lp, rk
-        return SamplerOutput(token_ids.tolist(), top_logprobs, ranks)
-
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Greedy rows take the argmax, the others race; `logits` are processed already."""
-        greedy_ids = logits.argmax(dim=-1)  # [num_seqs]
-        is_greedy = [p.is_greedy for p in metadata.params]
-        if all(is_greedy):
-            return greedy_ids
-        probs = sampling_probs(logits, metadata.params)  # [num_seqs, vocab_size]
-        sampled_ids = _exponential_race(probs, metadata, self.generator)  # [num_seqs]
-        is_greedy_t = torch.tensor(is_greedy, device=logits.device)  # [num_seqs]
-        return torch.where(is_greedy_t, greedy_ids, sampled_ids)
 
 
 def probs_for(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -184,7 +112,7 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         top_p = torch.tensor([p.top_p for p in params], device=device)  # [num_seqs]
         _apply_top_k_top_p(logits, top_k, top_p)
     elif any(p.top_k > 0 for p in params):
-        _apply_top_k(logits, top_k)  # no full sort needed
+        _apply_top_k(logits, top_k, max(p.top_k for p in params))  # no full sort needed
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device)  # [num_seqs]
         _apply_min_p(logits, min_p)
@@ -301,13 +229,13 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
     return counts[:, :vocab_size]
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
-    """`top_k` [num_seqs] (0 = off): keep entries >= the k-th largest (ties all kept)."""
-    vocab_size = logits.shape[1]
-    k = torch.where(top_k > 0, top_k, vocab_size).clamp(max=vocab_size)  # [num_seqs]
-    top_values = logits.topk(int(k.max()), dim=-1).values  # [num_seqs, max_k], descending
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:
+    """`top_k` [num_seqs] (0 = off); `max_k` its largest value, a host int (so no device sync).
+    Keeps entries >= the k-th largest (ties all kept)."""
+    top_values = logits.topk(min(max_k, logits.shape[1]), dim=-1).values  # [num_seqs, max_k], descending
+    k = top_k.clamp(min=1, max=top_values.shape[1])  # [num_seqs]
     kth_largest = top_values.gather(1, (k - 1).unsqueeze(1))  # [num_seqs, 1]
-    logits.masked_fill_(logits < kth_largest, float("-inf"))
+    logits.masked_fill_((logits < kth_largest) & (top_k > 0).unsqueeze(1), float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -331,19 +259,6 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     max_logits = logits.max(dim=-1, keepdim=True).values  # [num_seqs, 1]
     threshold = max_logits + torch.log(min_p).unsqueeze(1)  # log(0) = -inf keeps everything
     logits.masked_fill_(logits < threshold, float("-inf"))
-
-
-def _exponential_race(
-    probs: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None
-) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): samples each row from `probs` [num_seqs, vocab_size]."""
-    q = torch.empty_like(probs).exponential_(generator=generator)  # [num_seqs, vocab_size]
-    for i, (params, row_generator) in enumerate(zip(metadata.params, metadata.generators)):
-        if row_generator is not None and not params.is_greedy:
-            q[i].exponential_(generator=row_generator)  # this request's own draw
-    # Exp(1) can return exactly 0; 0/0 would be NaN and win argmax.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(dim=-1)
 
 
 def _gather_logprobs(

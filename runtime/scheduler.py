@@ -355,8 +355,8 @@ class Scheduler:
             if item.draft_token_ids:
                 raise ValueError("advance: steps with draft tokens go through update()")
             request.num_computed_tokens += item.num_new_tokens
+            self._cache_full_blocks(request)  # the blocks whose tokens are all known
             if not item.is_last_chunk:
-                self._cache_full_blocks(request)
                 continue
             request.num_pending_tokens += 1
             if (request.num_output_tokens >= request.max_tokens

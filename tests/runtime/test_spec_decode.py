@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.errors import ConfigError
-from llmc.runtime.sampler import Sampler, SamplingMetadata, make_generator
+from llmc.runtime.sampler import SamplingMetadata, make_generator
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import (
     NgramProposer,
@@ -201,12 +201,13 @@ def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
 
 
 def test_seeded_tokens_equal_plain_sampling_whatever_the_drafts():
-    """Same probabilities per position: speculation must not change a seeded request's tokens."""
+    """Same probabilities per position: drafts must not change a seeded request's tokens (the
+    speculative engine's steps without drafts sample through the same path with no drafts)."""
     vocab, num_steps = 8, 40
     logits = torch.randn(num_steps + 8, vocab, generator=torch.Generator().manual_seed(4)) * 0.5
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=num_steps)
-    plain_meta, sampler = metadata([params]), Sampler()
-    plain = [sampler(logits[t : t + 1], plain_meta).token_ids[0] for t in range(num_steps)]
+    plain_meta = metadata([params])
+    plain = [sample_with_drafts(logits[t : t + 1], plain_meta, [[]], None).token_ids[0][0] for t in range(num_steps)]
 
     rng, spec_meta, spec = random.Random(0), metadata([params]), []
     while len(spec) < num_steps:
