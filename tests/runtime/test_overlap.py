@@ -1,0 +1,146 @@
+"""Overlapped scheduling (async_scheduling) changes when the host learns each token, never which
+token: the overlapped and the synchronous engine give identical greedy and seeded outputs over mixed
+workloads (chunked prefill, preemption with a tiny cache, aborts mid-stream, stop strings, n=2,
+penalties, logit bias, logprobs, min_tokens), and every KV block comes back."""
+
+import random
+
+import pytest
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, ref_model_dir):
+    out = tmp_path_factory.mktemp("overlap") / "ref"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 192}}), show_progress=False)
+    return out
+
+
+def _workload(seed: int = 0) -> list[tuple[str, SamplingParams]]:
+    """Prompts of mixed lengths with every kind of sampling the engine batches."""
+    rng = random.Random(seed)
+    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you")
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=20),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=18),
+        SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=16, n=2),
+        SamplingParams(temperature=0, max_tokens=24, stop=["\n\n", " the"]),
+        SamplingParams(temperature=0.8, seed=13, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.4,
+                       presence_penalty=0.2),
+        SamplingParams(temperature=0, max_tokens=12, logit_bias={5: 4.0, 9: -100.0}, min_tokens=6),
+        SamplingParams(temperature=0.7, min_p=0.05, seed=14, max_tokens=14, logprobs=2),
+        SamplingParams(temperature=0.6, seed=15, max_tokens=10, best_of=3, n=1),
+    ]
+    return [(" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))), kinds[i % len(kinds)])
+            for i in range(24)]
+
+
+def _run(artifact, device: str, abort_after: dict[str, int] | None = None, **options) -> tuple[dict, Engine]:
+    """Drive an Engine by hand, aborting request r once it has delivered abort_after[r] tokens (the
+    overlapped engine has one more step in flight then); its last outputs, by request id."""
+    engine = Engine(artifact, device=device, max_num_seqs=8, disable_log_stats=True, **options)
+    for i, (prompt, params) in enumerate(_workload()):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            results[output.request_id] = output
+        for request_id, num_tokens in (abort_after or {}).items():
+            delivered = results[request_id].outputs[0].token_ids if request_id in results else []
+            if len(delivered) >= num_tokens and request_id in engine.groups:
+                engine.abort_request(request_id)
+        engine.scheduler.check_invariants()
+    return results, engine
+
+
+def _summary(results: dict) -> dict:
+    return {rid: [(c.token_ids, c.text, c.finish_reason, None if c.logprobs is None else
+                   [sorted(lp.items()) for lp in c.logprobs]) for c in out.outputs]
+            for rid, out in sorted(results.items())}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 24},                 # prefill chunks
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 48},  # preemption by recompute
+], ids=["plain", "chunked", "preemption"])
+def test_overlapped_equals_synchronous(artifact, device, options, free_gpu):
+    aborts = {"r3": 1, "r9": 5}  # right after its first token, and mid-stream (n=1: a sibling of n=2 runs on)
+    sync, sync_engine = _run(artifact, device, aborts, async_scheduling=False, **options)
+    overlapped, engine = _run(artifact, device, aborts, **options)
+    assert engine._can_overlap and not sync_engine._can_overlap
+    got, expected = _summary(overlapped), _summary(sync)
+    assert {r: [c[:3] for c in o] for r, o in got.items()} == {r: [c[:3] for c in o] for r, o in expected.items()}
+    for request_id, completions in got.items():  # logprobs: equal up to float32 batch-order noise
+        for (*_, logprobs), (*_, reference) in zip(completions, expected[request_id]):
+            assert (logprobs is None) == (reference is None)
+            for step, step_ref in zip(logprobs or [], reference or []):
+                assert [t for t, _ in step] == [t for t, _ in step_ref]
+                assert max(abs(v - w) for (_, v), (_, w) in zip(step, step_ref)) < 1e-3
+    finished = [out for rid, out in overlapped.items() if rid not in aborts]
+    assert len(finished) == 22 and all(out.finished for out in finished)
+    if "num_kv_blocks" in options:
+        assert engine.stats()["num_preemptions"] > 0
+    for e in (engine, sync_engine):
+        stats = e.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
+        assert sorted(e._free_rows) == list(range(8)), "persistent-batch rows leaked"
+
+
+def test_overlap_keeps_one_step_in_flight(artifact):
+    """The overlapped engine returns step N-1's outputs from step(): the first call launches only."""
+    engine = Engine(artifact, device="cpu", max_num_seqs=4, disable_log_stats=True)
+    engine.add_request("ROMEO:", SamplingParams(temperature=0, max_tokens=3))
+    assert engine.step() == []  # the prefill is launched; its token is still pending
+    request = engine.scheduler.running[0]
+    assert request.num_pending_tokens == 1 and request.output_token_ids == []
+    outputs = engine.step()  # launches the first decode, resolves the prefill's token
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1] and request.num_pending_tokens == 1
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert outputs[0].finished and len(outputs[0].outputs[0].token_ids) == 3
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(artifact):
+    """A seeded request's tokens are the same alone and among others (counter-based randomness)."""
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16)
+    alone, _ = _run_one(artifact, [("JULIET:", params)])
+    others = [(f"prompt {i} of the night", SamplingParams(temperature=1.0, max_tokens=8 + i)) for i in range(6)]
+    crowded, _ = _run_one(artifact, others[:3] + [("JULIET:", params)] + others[3:])
+    assert crowded[3] == alone[0]
+    reseeded, _ = _run_one(artifact, [("JULIET:", SamplingParams(temperature=1.0, seed=1235, max_tokens=16))])
+    assert reseeded[0] != alone[0]
+
+
+def _run_one(artifact, requests):
+    engine = Engine(artifact, device="cpu", max_num_seqs=8, disable_log_stats=True)
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            results[output.request_id] = output.outputs[0].token_ids
+    return [results[i] for i in ids], engine
+
+
+def test_pending_tokens_feed_the_next_step_on_the_device(artifact):
+    """Greedy through the overlapped engine equals the model's argmax chain recomputed from scratch
+    by score() for every prefix: each placeholder was filled on the device with the right token id."""
+    engine = Engine(artifact, device="cpu", max_num_seqs=4, disable_log_stats=True)
+    prompt = engine.tokenizer.encode("First Citizen:")
+    engine.add_request(None, SamplingParams(temperature=0, max_tokens=8), prompt_token_ids=prompt)
+    tokens = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            tokens = output.outputs[0].token_ids
+    expected = list(prompt)
+    for _ in range(8):
+        expected.append(int(engine.score(expected)[-1].argmax()))
+    assert tokens == expected[len(prompt):]
