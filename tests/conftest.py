@@ -441,3 +441,22 @@ def free_gpu():
     yield
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def llmc_cli(capsys):
+    """Run `llmc ARGS...` in this process: (exit code, stderr)."""
+    import logging
+
+    from llmc.cli import main
+
+    def run(*args):
+        handlers, level = logging.root.handlers[:], logging.root.level
+        try:
+            with pytest.raises(SystemExit) as exited:
+                main([*map(str, args)])
+        finally:  # the CLI points the root logger at capsys's stream; give the next test its own back
+            logging.root.handlers[:], logging.root.level = handlers, level
+        return exited.value.code, capsys.readouterr().err
+
+    return run

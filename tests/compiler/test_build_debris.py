@@ -3,7 +3,6 @@ at that output, the name holds a whole artifact at every instant of the swap, ev
 checked before work starts, and artifacts get the usual permissions."""
 
 import json
-import logging
 import os
 import shutil
 import socket
@@ -15,7 +14,6 @@ import textwrap
 import pytest
 import yaml
 
-from llmc.cli import main
 from llmc.compiler import emit
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
@@ -124,25 +122,15 @@ def test_artifact_directories_follow_the_umask(tmp_path, tiny_llama):
     assert stat.S_IMODE((out / "manifest.json").stat().st_mode) == 0o644
 
 
-def test_output_that_is_a_file_is_refused_before_any_work(tmp_path, tiny_llama, capsys):
+def test_output_that_is_a_file_is_refused_before_any_work(tmp_path, tiny_llama, llmc_cli):
     target = tmp_path / "taken"
     target.write_text("keep me")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "output": str(target)}))
-    code, err = _llmc(capsys, "build", recipe, "-q")
+    code, err = llmc_cli("build", recipe, "-q")
     _assert_one_line(code, err, "exists and is not a directory")
     assert target.read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.yaml", "taken"]
-
-
-def _llmc(capsys, *args):
-    handlers, level = logging.root.handlers[:], logging.root.level
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main([*map(str, args)])
-    finally:  # the CLI points the root logger at capsys's stream; give the next test its own back
-        logging.root.handlers[:], logging.root.level = handlers, level
-    return exited.value.code, capsys.readouterr().err
 
 
 def _assert_one_line(code, err, expected):
@@ -180,7 +168,7 @@ BAD_RECIPES = [
 
 
 @pytest.mark.parametrize("name, fields, expected", BAD_RECIPES, ids=[r[0] for r in BAD_RECIPES])
-def test_bad_recipe_values_are_one_line_errors_and_leave_nothing(tmp_path, tiny_llama, capsys, name, fields, expected):
+def test_bad_recipe_values_are_one_line_errors_and_leave_nothing(tmp_path, tiny_llama, llmc_cli, name, fields, expected):
     work = tmp_path / "work"
     work.mkdir()
     out = work / "out"
@@ -191,7 +179,7 @@ def test_bad_recipe_values_are_one_line_errors_and_leave_nothing(tmp_path, tiny_
         recipe.write_text(f"model: {json.dumps(str(tiny_llama))}\noutput: {json.dumps(str(out))}\n" + fields)
     else:
         recipe.write_text(yaml.safe_dump({"model": str(tiny_llama), "output": str(out), **fields(tmp_path)}))
-    code, err = _llmc(capsys, "build", recipe, "-q")
+    code, err = llmc_cli("build", recipe, "-q")
     _assert_one_line(code, err, expected)
     assert sorted(p.name for p in work.iterdir()) == ["r.yaml"]
 

@@ -8,7 +8,6 @@ a hand edit would: then the schema and consistency checks are what refuse it, no
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -16,7 +15,6 @@ import sys
 
 import pytest
 
-from llmc.cli import main
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ArtifactError
@@ -133,16 +131,6 @@ DAMAGES = [
 HANGS_IF_OPENED = {"weights-fifo", "manifest-fifo"}  # run in a subprocess with a timeout
 
 
-def _llmc_in_process(capsys, *args):
-    handlers, level = logging.root.handlers[:], logging.root.level
-    try:
-        with pytest.raises(SystemExit) as exited:
-            main([*map(str, args)])
-    finally:  # the CLI points the root logger at capsys's stream; give the next test its own back
-        logging.root.handlers[:], logging.root.level = handlers, level
-    return exited.value.code, capsys.readouterr().err
-
-
 def _llmc_subprocess(*args):
     result = subprocess.run([sys.executable, "-m", "llmc.cli", *map(str, args)], capture_output=True, text=True,
                             timeout=120)
@@ -160,19 +148,19 @@ def _assert_one_line_error(code, stderr, expected):
 
 @pytest.mark.parametrize("command", ["run", "verify"])
 @pytest.mark.parametrize("name, damage, run_message, verify_message", DAMAGES, ids=[d[0] for d in DAMAGES])
-def test_damaged_artifact_is_one_line_error(artifact, capsys, command, name, damage, run_message, verify_message):
+def test_damaged_artifact_is_one_line_error(artifact, llmc_cli, command, name, damage, run_message, verify_message):
     damage(artifact)
     args = (["run", artifact, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu"] if command == "run"
             else ["inspect", artifact, "--verify"])
-    code, stderr = (_llmc_subprocess(*args) if name in HANGS_IF_OPENED else _llmc_in_process(capsys, *args))
+    code, stderr = (_llmc_subprocess(*args) if name in HANGS_IF_OPENED else llmc_cli(*args))
     expected = run_message if command == "run" else (verify_message or run_message)
     _assert_one_line_error(code, stderr, expected)
 
 
-def test_the_intact_artifact_passes_both(artifact, capsys):
-    code, _ = _llmc_in_process(capsys, "inspect", artifact, "--verify")
+def test_the_intact_artifact_passes_both(artifact, llmc_cli):
+    code, _ = llmc_cli("inspect", artifact, "--verify")
     assert code == 0
-    code, _ = _llmc_in_process(capsys, "run", artifact, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu")
+    code, _ = llmc_cli("run", artifact, "--prompt", "hi", "--max-tokens", "2", "--device", "cpu")
     assert code == 0
 
 
