@@ -9,7 +9,6 @@ import socket
 import stat
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import yaml
