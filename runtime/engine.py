@@ -303,9 +303,8 @@ class Engine:
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab_size] float32 at every position of one sequence (perplexity,
         distribution comparisons). Needs an idle engine: it borrows blocks from the pool."""
-        if self.scheduler.has_unfinished_requests():
+        if self.has_unfinished_requests():  # a step in flight counts: its outputs are not delivered yet
             raise RequestError("score() needs an idle engine; finish or abort running requests first")
-        self._resolve(self._take_in_flight())
         if not 0 < len(token_ids) <= self.options.max_model_len:
             raise RequestError(f"score() takes 1 to max_model_len ({self.options.max_model_len}) tokens, got {len(token_ids)}")
         pool = self.scheduler.block_pool
