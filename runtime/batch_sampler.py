@@ -179,6 +179,9 @@ class BatchSampler:
             "penalties": any(p.has_penalties for p in params),
             "num_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=None),
             "processors": any(p.logits_processors for p in params),
+            "is_plain_greedy": all(p.is_greedy and not (p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
+                                                        or p.min_tokens or p.logprobs is not None or p.logits_processors)
+                                   for p in params),
         }
 
     # ---- one step ---------------------------------------------------------------------------------
@@ -199,6 +202,10 @@ class BatchSampler:
             self._upload()
         summary, n = self._summary, logits.shape[0]
         self.num_steps += 1
+        if summary["is_plain_greedy"] and not processors:  # nothing to process: the argmax is the token
+            token_ids = logits.argmax(dim=-1)
+            self._record(rows, token_ids)
+            return SampledStep(token_ids, None, 0)
         x = torch.empty(n + 1, self.vocab_size, dtype=torch.float32, device=self.device)  # row n: dummy
         x[:n].copy_(logits)
         raw_logprobs = torch.log_softmax(x[:n], dim=-1) if summary["num_logprobs"] is not None else None

@@ -204,7 +204,7 @@ class Engine:
                 state.record_logprobs(token_ids[i], unpack_logprobs(logprob_rows[i], state.params.logprobs))
             self._check_stop(state, [token_ids[i]])
             states.append(state)
-        self.stats_logger.record(step.num_prefill, len(states), self.stats())
+        self.stats_logger.record(step.num_prefill, len(states), self.stats)
         return self._collect_outputs(states)
 
     def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
@@ -223,7 +223,7 @@ class Engine:
         for state, new_tokens in zip(states, tokens):
             self._check_stop(state, new_tokens)
         self._propose_drafts(states)
-        self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats())
+        self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats)
         return self._collect_outputs(states)
 
     def _sample_with_drafts(self, logits: torch.Tensor, states: list[SequenceState],

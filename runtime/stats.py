@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 logger = logging.getLogger("llmc")
 
@@ -20,12 +21,13 @@ class StatsLogger:
         self._last_prompt_tokens = 0
         self._last_generation_tokens = 0
 
-    def record(self, num_prefill_tokens: int, num_generated: int, stats: dict) -> None:
+    def record(self, num_prefill_tokens: int, num_generated: int, stats: Callable[[], dict]) -> None:
+        """Count a step's tokens; `stats()` (the engine's counters) is called only when a line is due."""
         self.num_prompt_tokens += num_prefill_tokens
         self.num_generation_tokens += num_generated
         now = time.monotonic()
         if self.enabled and now - self._last_time >= self.interval:
-            self._log(now - self._last_time, stats)
+            self._log(now - self._last_time, stats())
             self._last_time = now
             self._last_prompt_tokens = self.num_prompt_tokens
             self._last_generation_tokens = self.num_generation_tokens

@@ -147,8 +147,8 @@ class StepBuffers:
         if self._device_buffer is not None:
             device = self._device_buffer[:at]
             device.copy_(staging[:at], non_blocking=True)
-        else:
-            device = staging[:at].clone()  # the CPU step may still read the last one in its thread
+        else:  # a CPU step has finished reading its buffer when execute returns; the two alternate anyway
+            device = staging[:at]
         views = [device[a:b] for a, b in bounds]
         input_ids = views[0]
         if fixups:
