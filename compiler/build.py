@@ -323,7 +323,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
                             settings=dataclasses.asdict(recipe.quantization), report=ctx.report),
         parallel=ctx.parallel,
         kv=kv,
-        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels),
+        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels, root),
         runtime=runtime,
         files=art.hash_files(root),
         target=ctx.target,
@@ -344,16 +344,21 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
 
 
 def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, runtime: art.RuntimeDefaults,
-          kv: art.KVSpec, weight_bytes: list[int], w4a16_kernels: dict) -> art.Plan:
+          kv: art.KVSpec, weight_bytes: list[int], w4a16_kernels: dict, root: Path) -> art.Plan:
     """Graph buckets, the memory estimate of the rank with the least KV room (which bounds them all),
     and the W4A16 kernel table."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
     estimates = memory.estimate_per_rank(model, parallel, weight_bytes, kv.dtype, runtime, int(gpu_gib * memory.GIB))
     estimate = min(estimates, key=lambda e: e.num_kv_tokens)
     if recipe.target.device == "cuda" and not estimate.fits:
+        headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(parallel.world_size)]
+        knobs = memory.knob_table(model, parallel, weight_bytes, memory.layer_bytes_per_rank(headers, model, parallel),
+                                  runtime, int(gpu_gib * memory.GIB),
+                                  [0.5 * i for i in range(0, 2 + 2 * max(weight_bytes) // memory.GIB)])
         logger.warning(
             "max_model_len %d does not fit once in the KV cache of a %.0f GiB GPU; lower max_model_len or "
-            "max_num_batched_tokens, raise gpu_memory_utilization, or quantize", runtime.max_model_len, gpu_gib,
+            "max_num_batched_tokens, raise gpu_memory_utilization, or quantize; or %s", runtime.max_model_len,
+            gpu_gib, memory.fit_suggestion(knobs),
         )
     per_rank = {"num_kv_tokens_per_rank": [e.num_kv_tokens for e in estimates]} if len(estimates) > 1 else {}
     return art.Plan(

@@ -184,8 +184,9 @@ def _not_fitting_message(num_blocks: int, max_seq_blocks: int, options: art.Runt
     if device.type != "cuda":
         return f"{held}; raise cpu_kv_cache_gib, set num_kv_blocks, or lower max_model_len"
     where = f" ({plan.describe()})" if plan is not None else " (on the rank with the least room)"
+    knobs = "kv_cache_dtype fp8 (half the KV bytes of 16-bit) or cpu_offload_gb" if options.kv_cache_dtype == "auto" else "cpu_offload_gb"
     return (f"{held}{where}; lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization, "
-            "or set num_kv_blocks")
+            f"set {knobs} (`llmc inspect --gpu-memory-gib N` shows what each buys), or set num_kv_blocks")
 
 
 def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,

@@ -7,6 +7,8 @@ a hand edit would: then the schema and consistency checks are what refuse it, no
 """
 
 import hashlib
+
+from llmc.runtime import artifact as art  # noqa: E402 (format version)
 import json
 import logging
 import os
@@ -178,7 +180,7 @@ def test_the_intact_artifact_passes_both(artifact, capsys):
 
 def test_the_digest_is_sha256_of_the_canonical_manifest(built):
     data = json.loads((built / "manifest.json").read_text())
-    assert data["format_version"] == "1.2"
+    assert data["format_version"] == art.FORMAT_VERSION
     rest = {k: v for k, v in data.items() if k != "manifest_sha256"}
     expected = hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert data["manifest_sha256"] == expected
