@@ -28,6 +28,7 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import KVCacheConfig, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
+from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
@@ -45,6 +46,10 @@ class ModelRunner:
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
+        self.offloader = None
+        if options.cpu_offload_gb:
+            self.offloader = WeightOffloader(self.model, int(options.cpu_offload_gb * memory.GIB), device)
+            logger.info("%s", self.offloader.describe())
         layout = whole_model_layout(manifest.model)
         self.kv_config = kv_cache_config(manifest, options, compute_dtype(manifest, device))
         graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)

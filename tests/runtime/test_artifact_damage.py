@@ -7,8 +7,6 @@ a hand edit would: then the schema and consistency checks are what refuse it, no
 """
 
 import hashlib
-
-from llmc.runtime import artifact as art  # noqa: E402 (format version)
 import json
 import logging
 import os
@@ -22,6 +20,7 @@ from llmc.cli import main
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ArtifactError
+from llmc.runtime import artifact as art
 from llmc.runtime import integrity
 from llmc.runtime.artifact import read_manifest, read_safetensors_header
 from llmc.runtime.llm import LLM
