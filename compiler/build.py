@@ -19,11 +19,12 @@ from llmc.compiler.convert import (
     artifact_tensor_specs, dense_global_packer, dense_packer, global_modules, pack_global, pack_layer, read_global,
     read_layer,
 )
-from llmc.compiler.calibration import calibration_windows
+from llmc.compiler.calibration import LayerRunner, calibration_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.import_quantized import ImportPacker, import_formats
 from llmc.compiler.onnx_export import check_onnx_recipe, export_onnx
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
+from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_scales, fp8_max
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe
@@ -67,6 +68,7 @@ class _Context:
     parallel: art.ParallelPlan | None = None
     report: dict = field(default_factory=dict)
     w4a16_kernels: dict = field(default_factory=dict)  # the plan's kernel table (art.Plan.w4a16_kernels)
+    kv_scales: KVScales | None = None  # FP8 KV scales, calibrated or imported (art.KVSpec)
     target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
 
 
@@ -210,11 +212,14 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     with hf.TensorReader(ctx.model_dir) as reader, \
             tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
         packer, pack_global_fn = _packers(ctx, reader)
+        packer = _observe_kv(ctx, reader, packer)
         for unit in ["embed", *range(ctx.model.num_layers), *global_modules(ctx.model)[1:]]:
             for rank, tensors in _unit_shards(ctx, reader, unit, layouts, packer, pack_global_fn):
                 writer.write(rank, tensors)
             bar.update(1 if isinstance(unit, int) else 0)
         ctx.report = packer.report() if hasattr(packer, "report") else {}
+        if isinstance(packer, KVScaleObserver):
+            ctx.kv_scales = packer.scales()
     writer.close()
     return [path.stat().st_size for path in paths]
 
@@ -243,22 +248,48 @@ def _packers(ctx: _Context, reader: hf.TensorReader):
         packer = ImportPacker(ctx.hf_config, ctx.spec, ctx.model, ctx.module_formats, reader)
         return packer, packer.pack_global
     calibration, held_out = _calibration_data(ctx)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    packer = QuantizingPacker(quant, ctx.module_formats, ctx.model, ctx.spec, reader, calibration, held_out, device)
+    packer = QuantizingPacker(quant, ctx.module_formats, ctx.model, ctx.spec, reader, calibration, held_out,
+                              _calibration_device())
     return packer, packer.pack_global
+
+
+def _observe_kv(ctx: _Context, reader: hf.TensorReader, packer):
+    """An FP8 KV cache's scales: the imported checkpoint's, or measured on the calibration windows
+    (the packer wrapped in a KVScaleObserver), or none (1.0 at run time, said here in one line)."""
+    kv_cache_dtype = ctx.recipe.runtime.kv_cache_dtype
+    if ctx.recipe.quantization.method == "import":
+        ctx.kv_scales = checkpoint_kv_scales(ctx.hf_config, reader, ctx.spec, ctx.model.num_layers)
+    if kv_cache_dtype == "auto" or ctx.kv_scales is not None:
+        return packer
+    if ctx.recipe.quantization.calibration.data is None or ctx.recipe.quantization.method == "import":
+        logger.info("runtime.kv_cache_dtype %s: no calibration data, K/V scales 1.0 (vLLM's default); set "
+                    "quantization.calibration.data to measure per-layer scales", kv_cache_dtype)
+        return packer
+    calibration, _ = _calibration_windows(ctx, num_eval=0)
+    runner = LayerRunner(ctx.model, calibration.shape[1], _calibration_device())
+    embed = reader.get(ctx.spec.global_tensors["embed.weight"]).float()
+    return KVScaleObserver(packer, runner, embed[calibration], fp8_max(kv_cache_dtype))
+
+
+def _calibration_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _calibration_windows(ctx: _Context, num_eval: int):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ctx.model_dir), local_files_only=True)
+    calib = ctx.recipe.quantization.calibration
+    seed = calib.seed if calib.shuffle else None
+    return calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, seed, num_eval)
 
 
 def _calibration_data(ctx: _Context):
     quant = ctx.recipe.quantization
     if quant.calibration.data is None:
         return None, None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(ctx.model_dir), local_files_only=True)
-    calib = quant.calibration
     num_eval = NUM_REPORT_WINDOWS if quant.report else 0
-    seed = calib.seed if calib.shuffle else None
-    calibration, held_out = calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, seed, num_eval)
+    calibration, held_out = _calibration_windows(ctx, num_eval)
     needs_calibration = quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static")
     return (calibration if needs_calibration else None), (held_out if num_eval else None)
 
@@ -278,7 +309,11 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
     runtime = _resolve_runtime(recipe, ctx.model)
     if ctx.target:  # per-sequence KV slots: no shared prefix blocks (runtime/onnx_model.py)
         runtime = dataclasses.replace(runtime, enable_prefix_caching=False)
-    kv = art.KVSpec(runtime.block_size, ctx.model.dtype, ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim)
+    scales = ctx.kv_scales
+    kv = art.KVSpec(runtime.block_size, art.kv_storage_dtype(runtime.kv_cache_dtype, ctx.model.dtype),
+                    ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim,
+                    k_scales=scales.k_scales if scales else [], v_scales=scales.v_scales if scales else [],
+                    scales_source=scales.source if scales else "none")
     manifest = art.Manifest(
         format_version=art.FORMAT_VERSION,
         llmc_version=llmc.__version__,
@@ -288,7 +323,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
                             settings=dataclasses.asdict(recipe.quantization), report=ctx.report),
         parallel=ctx.parallel,
         kv=kv,
-        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels),
+        plan=_plan(recipe, ctx.model, ctx.parallel, runtime, kv, weight_bytes, ctx.w4a16_kernels, root),
         runtime=runtime,
         files=art.hash_files(root),
         target=ctx.target,
@@ -309,16 +344,21 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
 
 
 def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, runtime: art.RuntimeDefaults,
-          kv: art.KVSpec, weight_bytes: list[int], w4a16_kernels: dict) -> art.Plan:
+          kv: art.KVSpec, weight_bytes: list[int], w4a16_kernels: dict, root: Path) -> art.Plan:
     """Graph buckets, the memory estimate of the rank with the least KV room (which bounds them all),
     and the W4A16 kernel table."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
     estimates = memory.estimate_per_rank(model, parallel, weight_bytes, kv.dtype, runtime, int(gpu_gib * memory.GIB))
     estimate = min(estimates, key=lambda e: e.num_kv_tokens)
     if recipe.target.device == "cuda" and not estimate.fits:
+        headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(parallel.world_size)]
+        knobs = memory.knob_table(model, parallel, weight_bytes, memory.layer_bytes_per_rank(headers, model, parallel),
+                                  runtime, int(gpu_gib * memory.GIB),
+                                  [0.5 * i for i in range(0, 2 + 2 * max(weight_bytes) // memory.GIB)])
         logger.warning(
             "max_model_len %d does not fit once in the KV cache of a %.0f GiB GPU; lower max_model_len or "
-            "max_num_batched_tokens, raise gpu_memory_utilization, or quantize", runtime.max_model_len, gpu_gib,
+            "max_num_batched_tokens, raise gpu_memory_utilization, or quantize; or %s", runtime.max_model_len,
+            gpu_gib, memory.fit_suggestion(knobs),
         )
     per_rank = {"num_kv_tokens_per_rank": [e.num_kv_tokens for e in estimates]} if len(estimates) > 1 else {}
     return art.Plan(

@@ -101,13 +101,20 @@ class LayerRunner:
         return module
 
     @torch.inference_mode()
-    def forward(self, module: DecoderLayer, hidden: Tensor) -> Tensor:
-        """hidden [num_windows, seq_len, hidden_size] → the layer's output, same shape."""
+    def forward(self, module: DecoderLayer, hidden: Tensor, observe_kv=None) -> Tensor:
+        """hidden [num_windows, seq_len, hidden_size] → the layer's output, same shape.
+        observe_kv(k_cache, v_cache): called after each chunk of windows with the scratch cache,
+        zeroed before the chunk, so it holds that chunk's keys and values (post-rotary) and zeros."""
         out = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], self.windows_per_chunk):
             chunk = hidden[start : start + self.windows_per_chunk].to(self.device)  # [w, seq_len, hidden]
             batch = self._batch(chunk.shape[0])
+            if observe_kv is not None:
+                for cache in self.kv_cache:
+                    cache.zero_()
             x, residual = module(chunk.flatten(0, 1), None, batch, self.cos_sin)
+            if observe_kv is not None:
+                observe_kv(*self.kv_cache)
             out[start : start + chunk.shape[0]] = (x + residual).view_as(chunk).to(out.device)
         return out
 

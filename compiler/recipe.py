@@ -126,10 +126,22 @@ def _check(recipe: Recipe) -> None:
     if data is not None and not Path(data).is_file():
         what = "is not a regular file" if Path(data).exists() else "does not exist"
         raise RecipeError(f"quantization.calibration.data: {data!r} {what}")
+    _check_runtime_target(recipe)
     patterns = [(f"quantization.ignore[{i}]", p) for i, p in enumerate(quant.ignore)]
     patterns += [(f"quantization.overrides[{i}].match", o.match) for i, o in enumerate(quant.overrides)]
     for key, pattern in patterns:
         _check_pattern(key, pattern)
+
+
+def _check_runtime_target(recipe: Recipe) -> None:
+    """The memory knobs of the torch runtime have no meaning for an ONNX model (float32 KV per sequence slot)."""
+    if recipe.target.device != "onnx-cpu":
+        return
+    if recipe.runtime.kv_cache_dtype != "auto":
+        raise RecipeError(f"runtime.kv_cache_dtype: an onnx-cpu artifact keeps its KV cache in float32, not "
+                          f"{recipe.runtime.kv_cache_dtype}; set it to auto (or drop it)")
+    if recipe.runtime.cpu_offload_gb:
+        raise RecipeError("runtime.cpu_offload_gb: an onnx-cpu artifact runs on the CPU, nothing to offload; drop it")
 
 
 def _check_pattern(key: str, pattern: str) -> None:

@@ -11,6 +11,11 @@ Shapes, for a step with num_seqs sequences and num_tokens query tokens in all:
   query_lens       list[int] (num_seqs), on the host     this step's tokens per sequence (the last of the context)
   max_context_len  int, on the host                     a bound on context_lens (sizes the decode split)
 
+FP8 KV cache (k_cache/v_cache of dtype float8_e4m3fn or float8_e5m2): the write stores
+clamp(x / scale) in FP8, attention reads scale * x8, one scale per layer for K and one for V (host
+floats: a CUDA graph freezes them, and they never change after load). Other cache dtypes ignore the
+scales (they must be 1.0).
+
 Only query_lens and max_context_len are host values, and a step whose query_lens are all 1 builds
 no tensor from them: such a step (a decode step) can be captured in a CUDA graph.
 
@@ -26,6 +31,22 @@ from torch import Tensor
 from . import can_use_triton
 
 PARTITION_SIZE = 512  # decode: keys per partition when long contexts are split
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(t: Tensor) -> bool:
+    return t.dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(x: Tensor, scale: float, dtype: torch.dtype) -> Tensor:
+    """x / scale (as x times float32(1 / scale), like the write kernel), saturated to dtype's finite
+    range, rounded to the nearest FP8 value."""
+    limit = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
+
+
+def dequantize_kv(x: Tensor, scale: float, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (x.float() * scale).to(dtype)
 
 
 def num_decode_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
@@ -35,15 +56,19 @@ def num_decode_partitions(num_programs: int, max_context_len: int, num_sms: int)
     return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
 
 
-def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots."""
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots
+    (quantized with k_scale / v_scale into an FP8 cache)."""
     if can_use_triton(k, k_cache):
         from . import attention_triton  # triton loads on the first CUDA call only
 
-        return attention_triton.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return attention_triton.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if is_fp8(cache):  # index_copy_ has no FP8 kernel on CPUs: copy the bytes
+            x, cache = quantize_kv(x, scale, cache.dtype).view(torch.uint8), cache.view(torch.uint8)
+        cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slot_mapping, x)
 
 
 def paged_attention(
@@ -56,17 +81,22 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     max_context_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape.
 
     max_context_len: at least every context_lens entry; None reads it from context_lens (a device sync).
+    k_scale, v_scale: an FP8 cache's dequantization scales (K = k_scale * k_cache).
     """
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
-            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len
+            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
+            k_scale=k_scale, v_scale=v_scale,
         )
+
     out = torch.empty_like(q)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
@@ -77,6 +107,8 @@ def paged_attention(
         blocks = block_tables[seq, :num_blocks].long()
         k = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]
         v = v_cache[blocks].flatten(0, 1)[:context_len]
+        if is_fp8(k_cache):  # the sequence's keys and values, dequantized to float32
+            k, v = dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)
         q_seq = q[start : start + query_len].view(query_len, num_kv_heads, group, head_dim)
         # Each KV head serves its `group` query heads: [num_kv_heads, group * query_len, head_dim].
         q_seq = q_seq.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)

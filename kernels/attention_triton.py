@@ -30,7 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_num_sms
-from .attention import PARTITION_SIZE, num_decode_partitions
+from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
 
 BLOCK_N = 64  # keys per tile
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
@@ -49,8 +49,10 @@ def _attend_tile(
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE  # [BLOCK_N]
     kv_mask = key_valid[:, None] & d_mask[None, :]
     kv_offsets = slots[:, None] * stride_slot + kv_offset + offs_d[None, :]
-    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)
+    # An FP8 cache is widened to q's dtype in registers (exact); its scales are folded into
+    # scale_log2 (K) and the output (V) by the callers.
+    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -64,7 +66,7 @@ def _attend_tile(
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-    scale_log2, window, num_heads, num_partitions, partition_size,
+    scale_log2, v_scale, window, num_heads, num_partitions, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -97,6 +99,7 @@ def _decode_kernel(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
             offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
         )
+    acc = acc * v_scale  # the FP8 V scale (1.0 otherwise); linear, so partitions merge alike
     if IS_PARTITIONED:
         base = (i * num_heads + heads) * num_partitions + part  # [BLOCK_G]
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
@@ -133,7 +136,7 @@ def _merge_partitions_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qlen_ptr, qoff_ptr, blk_seq_ptr, blk_q_ptr, out_ptr,
-    scale_log2, window,
+    scale_log2, v_scale, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -172,16 +175,16 @@ def _prefill_kernel(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
             offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
         )
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -190,8 +193,11 @@ def _write_kv_kernel(
     cache_offsets = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
     k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offsets, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v, mask=mask)
+    if FP8_MAX > 0:  # quantize: x / scale, saturated, rounded to nearest even
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
@@ -202,24 +208,27 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError("the KV cache must be contiguous in [num_blocks, block_size] slots, head_dim innermost")
 
 
-def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor) -> None:
-    """k, v [num_tokens, num_kv_heads, head_dim] (unit stride along head_dim) → the caches' slots."""
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """k, v [num_tokens, num_kv_heads, head_dim] (unit stride along head_dim) → the caches' slots
+    (an FP8 cache stores clamp(x / scale))."""
     _check_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, num_kv_heads,
+        k, v, k_cache, v_cache, slot_mapping, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0,
     )
 
 
 def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
-    num_partitions: int | None = None,
+    num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -237,7 +246,7 @@ def paged_attention(
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
     common = dict(
-        context_lens=context_lens, scale_log2=scale * _LOG2E,
+        context_lens=context_lens, scale_log2=scale * k_scale * _LOG2E, v_scale=v_scale,
         window=sliding_window or 0, has_window=sliding_window is not None,
         precision="ieee" if q.dtype == torch.float32 else "tf32",
         block_d=max(16, triton.next_power_of_2(head_dim)), group=group, block_size=block_size,
@@ -282,7 +291,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
     _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, c["context_lens"], seqs, rows, out, part_acc, part_ml,
-        c["scale_log2"], c["window"], num_heads, num_partitions, partition_size,
+        c["scale_log2"], c["v_scale"], c["window"], num_heads, num_partitions, partition_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
@@ -306,7 +315,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, ql
     blk_q = _int32([start for _, start in blocks], q.device)
     _prefill_kernel[(len(blocks), num_kv_heads)](
         q, k_cache, v_cache, block_tables, c["context_lens"], qlens, first_rows, blk_seq, blk_q, out,
-        c["scale_log2"], c["window"],
+        c["scale_log2"], c["v_scale"], c["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,

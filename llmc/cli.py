@@ -17,7 +17,7 @@ import click
 
 import llmc
 from llmc.errors import LlmcError
-from llmc.runtime.artifact import RuntimeDefaults
+from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
 
 logger = logging.getLogger("llmc")
 
@@ -216,17 +216,20 @@ def _one_completion(llm, prompt: str, chat: bool, params) -> None:
 @click.option("--max-windows", type=int, default=None, help="measure at most this many windows [default: all]")
 @click.option("--compare", "compare_with", type=click.Path(), default=None,
               help="another artifact: report the mean KL divergence and top-1 agreement against it")
+@click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
+              help="ARTIFACT's KV-cache dtype (not the --compare one's) [default: the artifact's]")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
 @click.option("--json", "as_json", is_flag=True, help="print the numbers as JSON")
 def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None, compare_with: str | None,
-                 device: str | None, as_json: bool) -> None:
+                 kv_cache_dtype: str | None, device: str | None, as_json: bool) -> None:
     """Perplexity of ARTIFACT on a text file (GPTQ-paper protocol), optionally compared with another artifact."""
     from llmc.runtime.engine import Engine
     from llmc.runtime.evaluate import evaluate, perplexity_windows
 
     # One sequence at a time: a KV cache of one window (in blocks of at least 8 tokens) is enough.
     options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
-    engine = Engine(artifact, device=device, **options)
+    kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
+    engine = Engine(artifact, device=device, **options, **kv)
     reference = Engine(compare_with, device=device, **options) if compare_with else None
     try:
         windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
@@ -237,6 +240,8 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
             reference.close()
     if compare_with:
         result["reference"] = compare_with
+    if kv_cache_dtype:
+        result["kv_cache_dtype"] = kv_cache_dtype
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

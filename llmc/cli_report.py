@@ -90,9 +90,36 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "w4a16_kernels": manifest.plan.w4a16_kernels,
         "w4a16_kernel_summary": _kernel_summary(manifest),
         "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
+        "memory_knobs": _memory_knobs(artifact_dir, manifest, int(gib * memory.GIB)),
         "num_files": len(manifest.files),
         "onnx": _onnx_summary(manifest),
     }
+
+
+def _memory_knobs(artifact_dir: str, manifest: art.Manifest, total_bytes: int) -> list[dict]:
+    """What kv_cache_dtype and cpu_offload_gb buy on this GPU (none for an ONNX model)."""
+    if is_onnx(manifest):
+        return []
+    root = Path(artifact_dir)
+    headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(manifest.parallel.world_size)]
+    layer_bytes = memory.layer_bytes_per_rank(headers, manifest.model, manifest.parallel)
+    offloads = sorted({0.0, 4.0, 8.0, manifest.runtime.cpu_offload_gb})
+    return memory.knob_table(manifest.model, manifest.parallel, manifest.plan.weight_bytes_per_rank, layer_bytes,
+                             manifest.runtime, total_bytes, offloads)
+
+
+def _knob_rows(report: dict) -> list[tuple[str, str]]:
+    rows = report.get("memory_knobs") or []
+    if not rows:
+        return []
+    out = [("memory knobs", f"on {report['memory_estimate']['gpu_memory_gib']:g} GiB: KV tokens (sequences of "
+                            f"max_model_len {report['runtime']['max_model_len']})")]
+    for r in rows:
+        layers = f", {r['offloaded_layers']} layers in host memory" if r["cpu_offload_gb"] else ""
+        out.append((f"  kv {r['kv_cache_dtype']}, offload {r['cpu_offload_gb']:g} GiB",
+                    f"{r['num_kv_tokens']:,} tokens ({r['max_concurrent_seqs']:.1f} seqs), GPU weights "
+                    f"{_fmt_bytes(r['weight_bytes'])}{layers}"))
+    return out
 
 
 def _rank_rows(manifest: art.Manifest, estimates: list[memory.MemoryEstimate]) -> list[dict]:
@@ -172,13 +199,14 @@ def print_inspect(report: dict) -> None:
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
         ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{', all ranks' if len(report['ranks']) > 1 else ''}), "
-                     f"blocks of {kv['block_size']} tokens"),
+                     f"blocks of {kv['block_size']} tokens" + _kv_scales_note(kv)),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
                     f"{'on' if rt['enable_prefix_caching'] else 'off'}, enforce_eager {str(rt['enforce_eager']).lower()}"),
     ]
     if report.get("onnx") is None:  # an ONNX artifact runs on the CPU: its KV budget is cpu_kv_cache_gib
-        rows.append((f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt)))
+        rows.append((f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt) + fit_hint(report)))
+        rows += _knob_rows(report)
     for module, spec in _format_runs(report["quantization"]["modules"]):
         rows.append((f"  {module}", _format_label(spec)))
     rows += _kernel_rows(report["w4a16_kernel_summary"])
@@ -228,6 +256,20 @@ def _estimate_line(est: dict, rt: dict) -> str:
     if est["max_concurrent_seqs"] < 1:
         line += " — DOES NOT FIT: lower max_model_len, raise gpu_memory_utilization, or quantize"
     return line
+
+
+def _kv_scales_note(kv: dict) -> str:
+    if not kv.get("k_scales"):
+        return ", FP8 scales 1.0" if kv["dtype"].startswith("float8") else ""
+    return (f", FP8 scales from the {kv['scales_source']} (K {min(kv['k_scales']):.3g}..{max(kv['k_scales']):.3g}, "
+            f"V {min(kv['v_scales']):.3g}..{max(kv['v_scales']):.3g})")
+
+
+def fit_hint(report: dict) -> str:
+    """The knob suggestion for a plan that does not fit ('' when it fits)."""
+    if report["memory_estimate"]["max_concurrent_seqs"] >= 1 or not report.get("memory_knobs"):
+        return ""
+    return "; " + memory.fit_suggestion(report["memory_knobs"])
 
 
 def _print_rows(rows: list[tuple[str, str]]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +28,19 @@ from llmc.schema import opt, parse
 # 1.2: manifest_sha256, the digest of the manifest itself (required from 1.2 on; 1.0/1.1 load without it,
 #      and are checked against it when they carry one).
 # 1.3: target (ONNX models); older manifests load without it.
-FORMAT_VERSION = "1.3"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
+# 1.4: kv.k_scales / v_scales / scales_source and runtime.kv_cache_dtype / cpu_offload_gb (FP8 KV cache,
+#      CPU weight offload); older manifests load without them (auto KV, no scales, no offload).
+FORMAT_VERSION = "1.4"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3"]
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every decoder layer's, by runtime name
+# runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
 
 
 def rank_weights_path(rank: int) -> str:
@@ -114,13 +120,23 @@ class ParallelPlan:
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Shape of one rank's KV cache: per layer, a [num_blocks, block_size, num_kv_heads, head_dim] K and V."""
+    """Shape of one rank's KV cache: per layer, a [num_blocks, block_size, num_kv_heads, head_dim] K and V.
+
+    dtype: the storage dtype on a GPU (runtime.kv_cache_dtype resolved: the model's dtype for auto).
+    k_scales, v_scales: per decoder layer, the FP8 dequantization scale of its K and V (K = k_scale *
+      stored), one per tensor as vLLM and llm-compressor's kv_cache_scheme keep them: amax / FP8 max from
+      the build's calibration pass, or the imported checkpoint's. Empty: none known (FP8 then uses 1.0).
+    scales_source: "calibration" | "checkpoint" | "none".
+    """
 
     block_size: int = opt(min=1)
-    dtype: str = opt(choices=["float32", "bfloat16", "float16", "float8_e4m3fn"])
+    dtype: str = opt(choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
     num_layers: int = opt(min=1)
     num_kv_heads: int = opt(min=1)
     head_dim: int = opt(min=1)
+    k_scales: list[float] = opt([])
+    v_scales: list[float] = opt([])
+    scales_source: str = opt("none", choices=KV_SCALE_SOURCES)
 
     @property
     def bytes_per_token(self) -> int:
@@ -141,6 +157,10 @@ class RuntimeDefaults:
     cpu_kv_cache_gib: float = opt(1.0, min_exclusive=0.0, max=65536.0, help="KV-cache size on CPU, in GiB")
     enable_prefix_caching: bool = opt(True, help="reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
+    kv_cache_dtype: str = opt("auto", choices=list(KV_CACHE_DTYPES),
+                              help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2, with per-layer scales")
+    cpu_offload_gb: float = opt(0.0, min=0.0, max=65536.0,
+                                help="GiB of weights per GPU kept in pinned host memory, streamed in ahead of their layer")
     async_scheduling: bool = opt(True, help="schedule step N+1 while step N runs (false: one step at a time, for debugging)")
     seed: int = opt(0, min=0, max=2**63 - 1, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
@@ -224,6 +244,13 @@ def _check_consistency(m: Manifest) -> None:
         problems.append(f"model.eos_token_ids {model.eos_token_ids} are not all in [0, {model.vocab_size})")
     if (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) != (model.num_layers, model.num_kv_heads, model.head_dim):
         problems.append("kv does not match the model's num_layers, num_kv_heads and head_dim")
+    fp8 = KV_CACHE_DTYPES[m.runtime.kv_cache_dtype]
+    if fp8 is not None and m.kv.dtype != fp8:
+        problems.append(f"kv.dtype {m.kv.dtype} does not match runtime.kv_cache_dtype {m.runtime.kv_cache_dtype}")
+    for name in ("k_scales", "v_scales"):
+        scales = getattr(m.kv, name)
+        if scales and (len(scales) != model.num_layers or not all(math.isfinite(x) and x > 0 for x in scales)):
+            problems.append(f"kv.{name} must hold one finite scale > 0 per layer ({model.num_layers})")
     stages = m.parallel.stage_layers
     if stages and (len(stages) != m.parallel.pipeline or sorted(sum(stages, [])) != list(range(model.num_layers))):
         problems.append(f"parallel.stage_layers does not split the model's {model.num_layers} layers into "
@@ -267,7 +294,12 @@ def _check_formats(modules: dict[str, dict]) -> None:
         checked.add(key)
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
+    """The KV cache's dtype name for runtime.kv_cache_dtype: an FP8 dtype, or compute_dtype for auto."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or compute_dtype
 
 
 def dtype_num_bytes(dtype: str) -> int:

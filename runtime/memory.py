@@ -155,3 +155,76 @@ def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
         size += 8 if size < 256 else 16
     sizes = [s for s in sizes if s < max_num_seqs]
     return sizes + [max_num_seqs]
+
+
+# ---- what the memory knobs buy (kv_cache_dtype, cpu_offload_gb) ----------------------------------------
+
+NUM_STAGING_SLOTS = 2  # offloaded layers stream through two GPU buffers: one computes while the next loads
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """cpu_offload_gb on one rank: whole decoder layers (positions in the rank's layer order), spread
+    evenly over the stack so each copy overlaps the resident layers before it, as many as fit."""
+
+    layers: list[int]
+    offloaded_bytes: int  # weights that live in pinned host memory
+    staging_bytes: int  # GPU buffers they stream through (up to NUM_STAGING_SLOTS layers)
+
+    @property
+    def gpu_bytes_saved(self) -> int:
+        return max(0, self.offloaded_bytes - self.staging_bytes)
+
+
+def plan_offload(layer_bytes: list[int], cpu_offload_bytes: int) -> OffloadPlan:
+    if cpu_offload_bytes <= 0 or not layer_bytes:
+        return OffloadPlan([], 0, 0)
+    num_layers, largest = len(layer_bytes), max(layer_bytes)
+    count = min(num_layers, cpu_offload_bytes // largest)
+    layers = [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
+    return OffloadPlan(layers, sum(layer_bytes[i] for i in layers), min(count, NUM_STAGING_SLOTS) * largest)
+
+
+def knob_table(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int],
+               layer_bytes_per_rank: list[list[int]], runtime: RuntimeDefaults, total_bytes: int,
+               offload_gibs: list[float]) -> list[dict]:
+    """KV tokens and sequences of max_model_len that fit with kv_cache_dtype auto vs fp8, for each
+    cpu_offload_gb in offload_gibs (the rank with the least room bounds them all)."""
+    rows = []
+    for offload_gib in offload_gibs:
+        plans = [plan_offload(layers, int(offload_gib * GIB)) for layers in layer_bytes_per_rank]
+        weights = [w - p.gpu_bytes_saved for w, p in zip(weight_bytes_per_rank, plans)]
+        for kv_cache_dtype, kv_dtype in (("auto", model.dtype), ("fp8", "float8_e4m3fn")):
+            estimate = min(estimate_per_rank(model, parallel, weights, kv_dtype, runtime, total_bytes),
+                           key=lambda e: e.num_kv_tokens)
+            rows.append({"kv_cache_dtype": kv_cache_dtype, "cpu_offload_gb": offload_gib,
+                         "offloaded_layers": len(plans[0].layers), "weight_bytes": estimate.weight_bytes,
+                         "num_kv_tokens": estimate.num_kv_tokens, "max_concurrent_seqs": estimate.max_concurrent_seqs})
+    return rows
+
+
+def fit_suggestion(rows: list[dict]) -> str:
+    """What to set when the current plan does not fit one sequence: the knob rows that do, in words."""
+    fitting = [r for r in rows if r["max_concurrent_seqs"] >= 1]
+    if not fitting:
+        return "even kv_cache_dtype fp8 with cpu_offload_gb does not fit one sequence: lower max_model_len or quantize"
+    best = min(fitting, key=lambda r: (r["cpu_offload_gb"], r["kv_cache_dtype"] == "fp8"))
+    knobs = ([f"kv_cache_dtype fp8"] if best["kv_cache_dtype"] == "fp8" else []) + (
+        [f"cpu_offload_gb {best['cpu_offload_gb']:g}"] if best["cpu_offload_gb"] else [])
+    return (f"set {' and '.join(knobs)}: {best['num_kv_tokens']:,} KV tokens = "
+            f"{best['max_concurrent_seqs']:.1f} sequences of max_model_len")
+
+
+def layer_bytes_per_rank(headers: list[dict], model: ModelConfig, parallel: ParallelPlan) -> list[list[int]]:
+    """Bytes of each decoder layer each rank holds, from the ranks' safetensors headers
+    ({name: {"data_offsets": [begin, end], ...}})."""
+    result = []
+    for layout, header in zip(all_rank_layouts(model, parallel), headers, strict=True):
+        sizes = dict.fromkeys(layout.layers, 0)
+        for name, entry in header.items():
+            parts = name.split(".")
+            if parts[0] == "layers" and isinstance(entry, dict) and int(parts[1]) in sizes:
+                begin, end = entry["data_offsets"]
+                sizes[int(parts[1])] += end - begin
+        result.append(list(sizes.values()))
+    return result

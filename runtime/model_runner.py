@@ -25,8 +25,10 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.kv_cache import KVCacheConfig, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
+from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
@@ -44,7 +46,12 @@ class ModelRunner:
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
+        self.offloader = None
+        if options.cpu_offload_gb:
+            self.offloader = WeightOffloader(self.model, int(options.cpu_offload_gb * memory.GIB), device)
+            logger.info("%s", self.offloader.describe())
         layout = whole_model_layout(manifest.model)
+        self.kv_config = kv_cache_config(manifest, options, compute_dtype(manifest, device))
         graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
                        if can_use_graphs(device, options.enforce_eager) else [])
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
@@ -56,8 +63,9 @@ class ModelRunner:
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
         # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
         num_allocated = self.num_blocks + (1 if graph_sizes else 0)
-        self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device)
-        self.model.bind_kv_caches(self.kv_caches)
+        self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device,
+                                            self.kv_config.dtype)
+        self.model.bind_kv_caches(self.kv_caches, self.kv_config.layer_scales(layout.layers))
         self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
                                    -(-options.max_model_len // options.block_size), options.block_size, device)
         self.graphs: CudaGraphs | None = None
@@ -72,7 +80,7 @@ class ModelRunner:
             return None
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
         return measure_kv_plan(self.model, options, self.device, weight_bytes,
-                               _kv_bytes_per_token(manifest, layout, self.device), graph_allowance)
+                               _kv_bytes_per_token(manifest, layout, self.device, options), graph_allowance)
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""
@@ -133,7 +141,7 @@ def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art
     forward would need every rank in step (its collectives), so parallel ranks do not profile (and
     run eagerly: no graph allowance).
     """
-    bytes_per_token = _kv_bytes_per_token(manifest, layout, device)
+    bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options)
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
@@ -145,8 +153,11 @@ def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art
     return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
 
 
-def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device) -> int:
-    return kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
+def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device,
+                        options: art.RuntimeDefaults) -> int:
+    """One byte per element with an FP8 cache, else the compute dtype's size."""
+    config = kv_cache_config(manifest, options, compute_dtype(manifest, device), log=False)
+    return kv_bytes_per_token(manifest.model, layout, config.dtype.itemsize)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -178,15 +189,17 @@ def _not_fitting_message(num_blocks: int, max_seq_blocks: int, options: art.Runt
     if device.type != "cuda":
         return f"{held}; raise cpu_kv_cache_gib, set num_kv_blocks, or lower max_model_len"
     where = f" ({plan.describe()})" if plan is not None else " (on the rank with the least room)"
+    knobs = "kv_cache_dtype fp8 (half the KV bytes of 16-bit) or cpu_offload_gb" if options.kv_cache_dtype == "auto" else "cpu_offload_gb"
     return (f"{held}{where}; lower max_model_len or max_num_batched_tokens, raise gpu_memory_utilization, "
-            "or set num_kv_blocks")
+            f"set {knobs} (`llmc inspect --gpu-memory-gib N` shows what each buys), or set num_kv_blocks")
 
 
 def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,
-                       device: torch.device) -> list[tuple[Tensor, Tensor]]:
-    """(K, V) per layer of the rank, each [num_blocks, block_size, num_kv_heads of the rank, head_dim]."""
+                       device: torch.device, dtype: torch.dtype | None = None) -> list[tuple[Tensor, Tensor]]:
+    """(K, V) per layer of the rank, each [num_blocks, block_size, num_kv_heads of the rank, head_dim]
+    of `dtype` (KVCacheConfig.dtype; None: the compute dtype)."""
     shape = (num_blocks, block_size, layout.num_kv_heads, manifest.model.head_dim)
-    dtype = compute_dtype(manifest, device)
+    dtype = dtype or compute_dtype(manifest, device)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in layout.layers

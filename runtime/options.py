@@ -22,8 +22,17 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
             f"({manifest.model.max_position_embeddings}); lower it"
         )
     if is_onnx(manifest):
+        _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
     return options
+
+
+def _check_onnx_memory_knobs(options: art.RuntimeDefaults) -> None:
+    if options.kv_cache_dtype != "auto":
+        raise ConfigError(f"kv_cache_dtype {options.kv_cache_dtype}: an ONNX artifact keeps its KV cache in "
+                          "float32; use kv_cache_dtype auto")
+    if options.cpu_offload_gb:
+        raise ConfigError("cpu_offload_gb: an ONNX artifact runs on the CPU, nothing to offload; drop it")
 
 
 def resolve_device(device: str | None) -> torch.device:

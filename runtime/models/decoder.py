@@ -45,6 +45,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.kv_cache: tuple[Tensor, Tensor] | None = None  # bound by the model runner after allocation
+        self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's dequantization scales (bound with it)
         self.tp_group = tp_group  # all-reduces o's partial sums; None on a single rank
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor) -> Tensor:
@@ -56,10 +57,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, batch.positions, cos_sin)
         k_cache, v_cache = self.kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping)
+        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
-            self.scale, self.sliding_window, batch.max_context_len,
+            self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
         )  # [num_tokens, num_heads, head_dim]
         out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
@@ -158,7 +159,11 @@ class DecoderModel(nn.Module):
             return torch.nn.functional.linear(hidden, self.embed.weight).float()
         return self.lm_head(hidden).float()
 
-    def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]]) -> None:
-        """One (K, V) per layer of this rank, in layer order."""
-        for layer, kv_cache in zip(self.layers.values(), kv_caches, strict=True):
+    def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
+                       scales: list[tuple[float, float]] | None = None) -> None:
+        """One (K, V) per layer of this rank, in layer order, with its (k_scale, v_scale) for an FP8
+        cache (None: 1.0)."""
+        scales = scales or [(1.0, 1.0)] * len(kv_caches)
+        for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
+            layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from llmc.runtime import artifact as art
+from llmc.runtime.kv_cache import kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.model_runner import allocate_kv_caches, local_num_kv_blocks
 from llmc.runtime.parallel.groups import ParallelGroups
@@ -43,8 +44,10 @@ class ShardRunner:
         self.dtype = compute_dtype(manifest, device)
         self.model = build_model(artifact_dir, manifest, device, options.max_model_len, layout, groups.tp)
         self.num_blocks = groups.min_over_ranks(local_num_kv_blocks(manifest, layout, options, device))
-        self.kv_caches = allocate_kv_caches(manifest, layout, max(self.num_blocks, 1), options.block_size, device)
-        self.model.bind_kv_caches(self.kv_caches)
+        kv_config = kv_cache_config(manifest, options, self.dtype, log=layout.rank == 0)
+        self.kv_caches = allocate_kv_caches(manifest, layout, max(self.num_blocks, 1), options.block_size, device,
+                                            kv_config.dtype)
+        self.model.bind_kv_caches(self.kv_caches, kv_config.layer_scales(layout.layers))
 
     @torch.inference_mode()
     def run(self, message: StepMessage) -> Tensor | None:

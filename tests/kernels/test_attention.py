@@ -124,3 +124,67 @@ def test_public_paged_attention_on_cuda_llama_shapes(rel_err, dtype) -> None:
     out = attention.paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, "cuda"), query_lens, scale)
     expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, None)
     assert torch.isfinite(out).all() and rel_err(out.cpu(), expected) < 1e-2
+
+
+FP8_KV = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV)
+@pytest.mark.parametrize("case", ["decode-gqa", "mixed-chunked", "partitioned-window"])
+def test_paged_attention_kernels_read_fp8_kv(dot_case, rel_err, kv_dtype, case) -> None:
+    """FP8 K/V widened in registers, the scales folded in: against float64 attention over the
+    dequantized cache (the same FP8 values, so only the kernel's own rounding is left)."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
+    q, k_cache, v_cache, block_tables = make_batch(
+        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu"
+    )
+    k_scale, v_scale = 0.37, 2.5  # values of order 1 land in the FP8 grid's middle either way
+    k8, v8 = attention.quantize_kv(k_cache, k_scale, kv_dtype), attention.quantize_kv(v_cache, v_scale, kv_dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(q.to(device, dtype), k8.to(device), v8.to(device), block_tables.to(device),
+                          lens(context_lens, device), query_lens, scale, window, max(context_lens), partitions,
+                          k_scale=k_scale, v_scale=v_scale)
+    expected = expected_attention(q, attention.dequantize_kv(k8, k_scale, torch.float64),
+                                  attention.dequantize_kv(v8, v_scale, torch.float64), block_tables, context_lens,
+                                  query_lens, scale, window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # and the torch path (the CPU runtime's) reads the FP8 cache the same way
+    torch_out = attention.paged_attention(q.double(), k8, v8, block_tables, lens(context_lens, "cpu"), query_lens,
+                                          scale, window, k_scale=k_scale, v_scale=v_scale)
+    assert rel_err(torch_out, expected) < 1e-6
+
+
+@pytest.mark.parametrize("kv_dtype", FP8_KV)
+def test_write_kv_cache_kernel_quantizes_to_fp8(elementwise_case, kv_dtype) -> None:
+    """The write kernel stores clamp(x / scale) in FP8 like the torch path (values past the range
+    saturate). The interpreter's FP8 cast may halve a value that rounds up into the next binade
+    (conftest) and rounds exact ties away from zero (not to even), so the CPU allows those two; a GPU
+    must match exactly."""
+    from llmc.kernels.attention_triton import write_kv_cache
+
+    device, dtype = elementwise_case
+    num_blocks, block_size, num_kv_heads, head_dim = 5, 4, 3, 24
+    k = torch.randn(7, num_kv_heads, head_dim).to(dtype)
+    v = (torch.randn(7, num_kv_heads, head_dim) * 1e5).to(dtype)  # saturates e4m3 and e5m2 at scale 1.5
+    slots = torch.randperm(num_blocks * block_size)[:7]
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    attention.write_kv_cache(k, v, expected_k, expected_v, slots, 0.05, 1.5)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    write_kv_cache(k.to(device), v.to(device), k_cache, v_cache, slots.to(device), 0.05, 1.5)
+    written = slots.div(block_size, rounding_mode="floor"), slots % block_size
+    for x, scale, cache, expected in ((k, 0.05, k_cache, expected_k), (v, 1.5, v_cache, expected_v)):
+        actual, expected = cache.cpu()[written].float(), expected[written].float()  # [7, heads, head_dim]
+        assert torch.isfinite(actual).all()
+        if device == "cuda":
+            assert torch.equal(actual, expected)
+        else:
+            is_tie = (actual + expected) / 2 == x.float() * (1.0 / scale)
+            assert ((actual == expected) | (actual * 2 == expected) | is_tie).all()
+            assert (actual == expected).float().mean() > 0.8
+    assert expected_v.float().abs().max() == torch.finfo(kv_dtype).max  # the saturation was exercised

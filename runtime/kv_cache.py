@@ -1,0 +1,58 @@
+"""The KV cache's storage dtype and FP8 scales, from the artifact's kv section and the engine options.
+
+runtime.kv_cache_dtype (vLLM's names): auto stores K/V in the compute dtype; fp8 / fp8_e4m3 /
+fp8_e5m2 store them in one byte with a per-layer scale for K and one for V (K = k_scale * stored).
+The scales come from the artifact (the build's calibration pass, or an imported checkpoint's
+kv_cache_scheme); without any, 1.0 (vLLM's default), said once in the log. On a CPU the torch path
+reads and writes the same FP8 cache, so CPU tests see what a GPU stores.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from llmc.runtime import artifact as art
+
+logger = logging.getLogger("llmc")
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """dtype: the cache tensors' dtype; k_scales, v_scales: one per decoder layer of the whole model
+    (1.0 for a cache that is not FP8)."""
+
+    dtype: torch.dtype
+    k_scales: list[float]
+    v_scales: list[float]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype.itemsize == 1
+
+    def layer_scales(self, layers) -> list[tuple[float, float]]:
+        """(k_scale, v_scale) of each of the given global layer indices."""
+        return [(self.k_scales[i], self.v_scales[i]) for i in layers]
+
+
+def kv_cache_config(manifest: art.Manifest, options: art.RuntimeDefaults, compute_dtype: torch.dtype,
+                    log: bool = True) -> KVCacheConfig:
+    """What the runner allocates: FP8 with the artifact's scales, or the compute dtype (scales 1.0)."""
+    num_layers = manifest.model.num_layers
+    name = art.KV_CACHE_DTYPES[options.kv_cache_dtype]
+    if name is None:
+        return KVCacheConfig(compute_dtype, [1.0] * num_layers, [1.0] * num_layers)
+    kv = manifest.kv
+    if kv.k_scales and kv.v_scales:
+        k_scales, v_scales = list(kv.k_scales), list(kv.v_scales)
+        if log:
+            logger.info("KV cache: %s with per-layer K/V scales from the %s (K %.3g..%.3g, V %.3g..%.3g)", name,
+                        kv.scales_source, min(k_scales), max(k_scales), min(v_scales), max(v_scales))
+    else:
+        k_scales, v_scales = [1.0] * num_layers, [1.0] * num_layers
+        if log:
+            logger.info("KV cache: %s with K/V scales 1.0 (the artifact records none: build it with "
+                        "runtime.kv_cache_dtype and quantization.calibration.data to measure them)", name)
+    return KVCacheConfig(getattr(torch, name), k_scales, v_scales)

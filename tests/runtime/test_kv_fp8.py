@@ -1,0 +1,124 @@
+"""FP8 KV cache on the CPU torch path: the same artifact served with kv_cache_dtype auto (float32 on a
+CPU) and fp8 must agree on greedy tokens and perplexity; calibrated scales are recorded and sane.
+
+Agreement is teacher-forced: each prompt's float32-KV greedy continuation (64 tokens) is scored by
+the FP8-KV engine and its argmax compared at every generated position, so one early divergence does
+not turn the rest of a continuation into a comparison of two different texts. The free-running
+fraction of identical tokens is reported too (printed) but not asserted: a tie broken the other way
+early on changes every later token.
+"""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc import LLM, SamplingParams
+from llmc.cli import cli
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError, RecipeError
+from llmc.runtime.artifact import read_manifest
+
+NUM_PROMPTS, NUM_TOKENS = 48, 64
+
+
+def _build(model_dir, out, data_dir, kv_cache_dtype="fp8", calibrate=True, **extra):
+    recipe = {"model": str(model_dir), "output": str(out), "runtime": {"kv_cache_dtype": kv_cache_dtype, "max_model_len": 256}}
+    if calibrate:
+        recipe["quantization"] = {"calibration": {"data": str(data_dir / "calibration.txt"), "num_samples": 8, "seq_len": 128}}
+    recipe.update(extra)
+    build(recipe_from_dict(recipe), show_progress=False)
+    return out
+
+
+def _prompts(data_dir) -> list[str]:
+    lines = [line for line in (data_dir / "heldout.txt").read_text().splitlines() if len(line) > 60]
+    return [line[:160] for line in lines[:NUM_PROMPTS]]
+
+
+def _agreement(artifact, prompts) -> tuple[float, float]:
+    """(teacher-forced top-1 agreement, free-running identical-token fraction) of fp8 vs auto KV."""
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    ref = LLM(str(artifact), kv_cache_dtype="auto", device="cpu")
+    ref_out = ref.generate(prompts, params)
+    fp8 = LLM(str(artifact), kv_cache_dtype="fp8", device="cpu")
+    fp8_tokens = [o.outputs[0].token_ids for o in fp8.generate(prompts, params)]
+    agree = total = identical = 0
+    for out, free in zip(ref_out, fp8_tokens):
+        ids, gen = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        logits = fp8.engine.score(ids + gen)[len(ids) - 1 : -1]  # the predictions of the generated tokens
+        agree += int((logits.argmax(-1) == torch.tensor(gen)).sum())
+        total += len(gen)
+        identical += sum(a == b for a, b in zip(gen, free))
+    return agree / total, identical / total
+
+
+@pytest.mark.parametrize("num_prompts", [12, pytest.param(NUM_PROMPTS, marks=pytest.mark.slow)])
+def test_fp8_kv_agrees_with_float_kv_on_ref_llama(ref_model_dir, data_dir, tmp_path, num_prompts) -> None:
+    artifact = _build(ref_model_dir, tmp_path / "a", data_dir)
+    manifest = read_manifest(artifact)
+    kv = manifest.kv
+    assert kv.dtype == "float8_e4m3fn" and kv.scales_source == "calibration"
+    assert len(kv.k_scales) == len(kv.v_scales) == manifest.model.num_layers
+    assert all(math.isfinite(s) and s > 0 for s in kv.k_scales + kv.v_scales)
+    teacher_forced, free_running = _agreement(artifact, _prompts(data_dir)[:num_prompts])
+    print(f"ref-llama-12m fp8 KV, {num_prompts} prompts x {NUM_TOKENS}: teacher-forced top-1 {teacher_forced:.4f}, free-running identical {free_running:.4f}")
+    assert teacher_forced >= 0.95
+    # perplexity through `llmc eval`: fp8 KV against the same artifact with float KV, within 1%
+    args = ["eval", str(artifact), "--data", str(data_dir / "heldout.txt"), "--seq-len", "128", "--max-windows", "6",
+            "--device", "cpu", "--json", "--compare", str(artifact)]
+    runs = {}
+    for kv_dtype in ("auto", "fp8"):
+        result = CliRunner().invoke(cli, [*args, "--kv-cache-dtype", kv_dtype])
+        assert result.exit_code == 0, result.output
+        runs[kv_dtype] = json.loads(result.output[result.output.index("{"):])
+    # the artifact's default is fp8: the reference of each run is the fp8 engine
+    assert runs["fp8"]["perplexity"] == pytest.approx(runs["fp8"]["reference_perplexity"], rel=1e-9)
+    ppl_fp8, ppl_float = runs["fp8"]["perplexity"], runs["auto"]["perplexity"]
+    print(f"ref-llama-12m perplexity: float KV {ppl_float:.4f}, fp8 KV {ppl_fp8:.4f}")
+    assert abs(ppl_fp8 - ppl_float) / ppl_float < 0.01
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fp8_kv_on_random_families(hf_checkpoint_factory, data_dir, tmp_path, family) -> None:
+    """Random-weight models have sharp attention and near-tied logits (top-1 margin ~0.8 for a logit
+    spread of ~4), so FP8 K/V flip many argmaxes: measured teacher-forced top-1 agreement 0.82-0.94, not
+    the 0.98 of the trained ref-llama-12m. What must hold: every family runs FP8 KV end to end with
+    finite logits, agrees far above chance, and e4m3 (3 mantissa bits) lands closer to float KV than
+    e5m2 (2 bits) — which calibrated scales that saturated or underflowed would break."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family)
+    artifact = _build(checkpoint, tmp_path / "a", data_dir)
+    text = (data_dir / "heldout.txt").read_text()[:4000]
+    ref = LLM(str(artifact), kv_cache_dtype="auto", device="cpu")
+    ids = ref.engine.tokenizer.encode(text)[:256]
+    expected = ref.engine.score(ids)
+    results = {}
+    for kv_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        logits = LLM(str(artifact), kv_cache_dtype=kv_dtype, device="cpu").engine.score(ids)
+        assert torch.isfinite(logits).all()
+        agreement = float((logits.argmax(-1) == expected.argmax(-1)).float().mean())
+        results[kv_dtype] = (agreement, float((logits - expected).abs().mean()))
+    print(f"{family}: teacher-forced top-1 agreement / mean |logit error| {results}")
+    assert results["fp8_e4m3"][0] >= 0.75
+    assert results["fp8_e4m3"][1] < results["fp8_e5m2"][1]
+
+
+def test_fp8_kv_without_calibration_uses_scale_one_and_says_so(ref_model_dir, data_dir, tmp_path, caplog) -> None:
+    with caplog.at_level("INFO", logger="llmc"):
+        artifact = _build(ref_model_dir, tmp_path / "a", data_dir, kv_cache_dtype="fp8_e5m2", calibrate=False)
+    lines = [r.getMessage() for r in caplog.records if "kv_cache_dtype" in r.getMessage()]
+    assert len(lines) == 1 and "scales 1.0" in lines[0]
+    kv = read_manifest(artifact).kv
+    assert kv.dtype == "float8_e5m2" and kv.k_scales == [] and kv.scales_source == "none"
+
+
+def test_wrong_kv_cache_dtype_is_one_line(ref_model_dir, data_dir, tmp_path) -> None:
+    with pytest.raises(RecipeError, match=r"runtime.kv_cache_dtype.*fp8_e4m3"):
+        _build(ref_model_dir, tmp_path / "a", data_dir, kv_cache_dtype="int8", calibrate=False)
+    artifact = _build(ref_model_dir, tmp_path / "b", data_dir, kv_cache_dtype="auto", calibrate=False)
+    with pytest.raises(ConfigError, match=re.escape("kv_cache_dtype")):
+        LLM(str(artifact), kv_cache_dtype="fp16", device="cpu")
