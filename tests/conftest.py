@@ -9,7 +9,7 @@ helper here is reachable through a fixture:
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every family
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
-* ``repo_root``, ``data_dir``, ``shared_dir``, ``ref_model_dir`` -> ``Path``
+* ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
 * ``free_gpu``: after the test, collect garbage and empty torch's CUDA cache
 
 The checkpoints are written exactly as ``save_pretrained`` writes them (transformers 5 writes
@@ -39,7 +39,7 @@ torch.set_num_threads(1)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REF_MODEL_DIR = REPO_ROOT / "checkpoints" / "ref-llama-12m"
-SHARED_DIR = REPO_ROOT.parent / "shared"
+PEER_DIR = REPO_ROOT / "checkpoints" / "peer-gptq-w4a16-g128"
 DATA_DIR = REPO_ROOT / "data"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -346,11 +346,9 @@ def data_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def shared_dir() -> Path:
-    """``<repo>/../shared``; the test is skipped when it does not exist."""
-    if not SHARED_DIR.is_dir():
-        pytest.skip(f"shared directory {SHARED_DIR} is absent")
-    return SHARED_DIR
+def peer_checkpoint_dir() -> Path:
+    """``<repo>/checkpoints/peer-gptq-w4a16-g128``: llm-compressor's GPTQ W4A16 g128 of ref-llama-12m."""
+    return PEER_DIR
 
 
 @pytest.fixture(scope="session")

@@ -252,11 +252,11 @@ def test_tokenizer_copied(tiny_qwen3, ref_model_dir):
         assert (tiny_qwen3 / name).read_bytes() == (ref_model_dir / name).read_bytes()
 
 
-def test_dirs(repo_root, ref_model_dir, shared_dir):
+def test_dirs(repo_root, ref_model_dir, peer_checkpoint_dir):
     assert (repo_root / "pyproject.toml").is_file()
     assert ref_model_dir == repo_root / "checkpoints" / "ref-llama-12m"
     assert (ref_model_dir / "config.json").is_file()
-    assert shared_dir == repo_root.parent / "shared" and shared_dir.is_dir()
+    assert (peer_checkpoint_dir / "model.safetensors").is_file()  # shipped: no test reads ../shared
 
 
 def test_ref_model_greedy(ref_model_dir, hf_greedy, hf_encode):

@@ -85,8 +85,8 @@ def test_import_of_an_unquantized_checkpoint_is_refused(tiny_llama, tmp_path):
                                 "quantization": {"method": "import"}}), show_progress=False)
 
 
-def test_peer_checkpoint_imports_with_its_own_tensors(shared_dir, tmp_path):
-    peer = shared_dir / "peer" / "gptq-w4a16-g128"
+def test_peer_checkpoint_imports_with_its_own_tensors(peer_checkpoint_dir, tmp_path):
+    peer = peer_checkpoint_dir
     out = tmp_path / "peer"
     build(recipe_from_dict({"model": str(peer), "output": str(out), "quantization": {"method": "import"}}), show_progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -99,8 +99,8 @@ def test_peer_checkpoint_imports_with_its_own_tensors(shared_dir, tmp_path):
     assert text.startswith("\n")  # a speaker turn follows the name, as the unquantized model does
 
 
-def test_gpu_layout_and_plain_layout_compute_the_same_model(shared_dir, tmp_path):
-    peer = shared_dir / "peer" / "gptq-w4a16-g128"
+def test_gpu_layout_and_plain_layout_compute_the_same_model(peer_checkpoint_dir, tmp_path):
+    peer = peer_checkpoint_dir
     engines = {}
     for device in ("cuda", "cpu"):
         out = tmp_path / device

@@ -13,13 +13,9 @@ from llmc.quant.importers import unpack_module
 from llmc.quant.reference import dequantize, dequantize_weight
 from llmc.quant.rtn import compute_qparams
 
-PEER = Path("/work/shared/peer/gptq-w4a16-g128")
-ORIGINAL = Path("/work/shared/models/ref-llama-12m")
-
-pytestmark = pytest.mark.skipif(
-    not (PEER / "model.safetensors").exists() or not ORIGINAL.exists(),
-    reason="the shared peer sample /work/shared is not on this machine",
-)
+CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+PEER = CHECKPOINTS / "peer-gptq-w4a16-g128"
+ORIGINAL = CHECKPOINTS / "ref-llama-12m"
 
 
 def original_weight(name: str) -> torch.Tensor:
