@@ -11,6 +11,8 @@ _LAZY = {
     "LLM": ("llmc.runtime.llm", "LLM"),
     "SamplingParams": ("llmc.runtime.sampling_params", "SamplingParams"),
     "RequestOutput": ("llmc.runtime.outputs", "RequestOutput"),
+    "GuidedDecodingParams": ("llmc.runtime.structured_output", "GuidedDecodingParams"),
+    "StructuredOutputsParams": ("llmc.runtime.structured_output", "StructuredOutputsParams"),
     "CompletionOutput": ("llmc.runtime.outputs", "CompletionOutput"),
     "build": ("llmc.compiler.build", "build"),
     "LlmcError": ("llmc.errors", "LlmcError"),
