@@ -8,6 +8,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from llmc.errors import RequestError
+from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
@@ -92,6 +93,16 @@ class LLM:
                 if len(text) > emitted:
                     yield text[emitted:]
                     emitted = len(text)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
+        (runtime/beam_search.py: how it runs and how beams share KV through the prefix cache)."""
+        token_lists = []
+        for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
+            token_lists.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        return beam_search(self, token_lists, params)
 
     def stats(self) -> dict:
         return self.engine.stats()
