@@ -93,7 +93,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(f"{args.artifact}/tokenizer")
-    long_text = " ".join(WORDS[i % len(WORDS)] for i in range(args.long_tokens))
+    words = " ".join(WORDS[i % len(WORDS)] for i in range(2 * args.long_tokens))
+    long_text = tokenizer.decode(tokenizer.encode(words, add_special_tokens=False)[: args.long_tokens])
     num_tokens = len(tokenizer.encode(long_text))
     for size in (int(s) for s in args.pool_sizes.split(",")):
         process, base = _start(args.artifact, size)
