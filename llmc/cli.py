@@ -143,6 +143,8 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.option("--master-addr", default="127.0.0.1", help="parallel artifacts: address of node 0, where ranks meet")
 @click.option("--master-port", type=click.IntRange(0, 65535), default=0,
               help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
+@click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
+              help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
 @click.option("--data-parallel", type=click.IntRange(min=1), default=1,
               help="server: independent engine replicas (each with its own ranks), requests to the least loaded")
 @runtime_option_flags
@@ -150,7 +152,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
         max_tokens: int, temperature: float, top_p: float, top_k: int, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
-        **options) -> None:
+        tokenizer_pool_size: int, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -178,7 +180,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
-              api_key=api_key, max_waiting=max_waiting, log_stats=False)  # the engine logs its own statistics
+              api_key=api_key, max_waiting=max_waiting, log_stats=False,  # the engine logs its own statistics
+              tokenizer_pool_size=tokenizer_pool_size)
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked

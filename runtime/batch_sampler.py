@@ -36,6 +36,7 @@ from torch import Tensor
 
 from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.structured_output import unpack_bitmask
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -98,6 +99,8 @@ class BatchSampler:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
         self.eos_token_ids = list(eos_token_ids)
         self.params: list[SamplingParams | None] = [None] * num_rows
+        self._banned: list[list[int]] = [[] for _ in range(num_rows)]  # one-token bad words per row
+        self._constrained = [False] * num_rows  # rows whose steps take a bitmask from the host
         self._floats = np.zeros((len(_FLOAT_FIELDS), num_rows), dtype=np.float32)
         self._ints = np.zeros((len(_INT_FIELDS), num_rows), dtype=np.int64)
         self._sparse: dict[str, list[tuple[int, int, float]]] = {"bias": [], "allowed": [], "stop": []}
@@ -114,9 +117,13 @@ class BatchSampler:
 
     # ---- rows join and leave (host mirrors; the device copies follow at the next step) ----------
 
-    def add(self, row: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
-        """Give `row` to a sequence: its params, and for penalties its token counts so far."""
+    def add(self, row: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
+            banned_token_ids: list[int] = (), constrained: bool = False) -> None:
+        """Give `row` to a sequence: its params, and for penalties its token counts so far.
+        `banned_token_ids`: never sampled (one-token bad words); `constrained`: the row's steps
+        come with a bitmask (a grammar, bad words of several tokens)."""
         self.params[row] = params
+        self._banned[row], self._constrained[row] = list(banned_token_ids), constrained
         floats = {"temperature": 1.0 if params.is_greedy else params.temperature, "top_p": params.top_p,
                   "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
                   "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
@@ -151,6 +158,7 @@ class BatchSampler:
         for row in active:
             params = self.params[row]
             self._sparse["bias"].extend((row, t, b) for t, b in (params.logit_bias or {}).items())
+            self._sparse["bias"].extend((row, t, float("-inf")) for t in self._banned[row])
             self._sparse["allowed"].extend((row, t, 0.0) for t in params.allowed_token_ids or ())
             if params.min_tokens > 0:
                 stops = params.all_stop_token_ids(self.eos_token_ids)
@@ -159,6 +167,7 @@ class BatchSampler:
         self._int_params = torch.from_numpy(self._ints.copy()).to(self.device)
         self._sparse_t = {name: self._sparse_tensors(entries) for name, entries in self._sparse.items()}
         self._summary = self._summarize([self.params[row] for row in active])
+        self._summary["constrained"] = any(self._constrained[row] for row in active)
         self._is_dirty = False
 
     def _sparse_tensors(self, entries: list[tuple[int, int, float]]) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -192,12 +201,14 @@ class BatchSampler:
         return self._int_params[_INT_FIELDS.index(name)][rows]
 
     @torch.inference_mode()
-    def sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]] = ()
-               ) -> SampledStep:
+    def sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]] = (),
+               bitmask: Tensor | None = None) -> SampledStep:
         """Sample one token for each of `logits` [n, vocab] (rows: `rows` [n] int64 on the device).
 
         `processors`: (index in the step, row, prompt ids, output ids) of each row with logits
-        processors (user callables see its tokens; the caller makes sure they are known)."""
+        processors (user callables see its tokens; the caller makes sure they are known).
+        `bitmask`: [n, ceil(vocab / 32)] int32 on the device, bit t of row i clear: token t is
+        banned in row i (grammars, bad words; applied first, as vLLM applies its grammar bitmask)."""
         if self._is_dirty:
             self._upload()
         summary, n = self._summary, logits.shape[0]
@@ -208,6 +219,8 @@ class BatchSampler:
             return SampledStep(token_ids, None, 0)
         x = torch.empty(n + 1, self.vocab_size, dtype=torch.float32, device=self.device)  # row n: dummy
         x[:n].copy_(logits)
+        if bitmask is not None:
+            x[:n].masked_fill_(~unpack_bitmask(bitmask, self.vocab_size), float("-inf"))
         raw_logprobs = torch.log_softmax(x[:n], dim=-1) if summary["num_logprobs"] is not None else None
         self._apply_processors(x, processors)
         row_of = torch.full((self.num_rows,), n, dtype=torch.long, device=self.device)
@@ -286,6 +299,13 @@ class BatchSampler:
         if self._is_dirty:
             self._upload()
         return self._summary["processors"]
+
+    @property
+    def has_constraints(self) -> bool:
+        """Some active row takes a bitmask computed from its tokens on the host (grammars, bad words)."""
+        if self._is_dirty:
+            self._upload()
+        return self._summary["constrained"]
 
 
 def _pack_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> Tensor:

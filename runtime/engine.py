@@ -28,6 +28,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats, sample_with_drafts
 from llmc.runtime.stats import StatsLogger
+from llmc.runtime.structured_output import GrammarCache, fill_bitmask, mask_verify_rows, sequence_constraints
 from llmc.runtime.step_inputs import PendingTokens
 from llmc.runtime.tokenizer import load_tokenizer
 
@@ -69,6 +70,7 @@ class Engine:
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
         self.groups: dict[str, RequestGroup] = {}
         self.sequences: dict[str, SequenceState] = {}
+        self.grammars = GrammarCache(self.tokenizer, self.manifest.model.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------
@@ -85,6 +87,8 @@ class Engine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
         for index, child_params in enumerate(group.child_params()):
@@ -97,6 +101,7 @@ class Engine:
             )
             state = SequenceState(request, index, child_params, self.tokenizer, self.device,
                                   self.eos_token_ids, self.options.max_model_len, request_id)
+            state.banned_token_ids, state.constraints = sequence_constraints(child_params, self.grammars)
             group.sequences.append(state)
             self.scheduler.add_request(request)
             self.sequences[request.request_id] = state
@@ -148,7 +153,8 @@ class Engine:
         resolve what is in flight first, and the step itself, synchronously.
         """
         outputs = []
-        if self._in_flight is not None and self.sampler.has_processors:  # processors read the histories
+        if self._in_flight is not None and (self.sampler.has_processors or self.sampler.has_constraints):
+            # processors read the histories; grammar matchers and bad words advance by the tokens
             outputs += self._resolve(self._take_in_flight())
         batch = self.scheduler.schedule()
         self._release_rows(batch.preempted)
@@ -178,7 +184,13 @@ class Engine:
         if self.sampler.has_processors:
             processors = [(i, r.batch_row, r.prompt_token_ids, r.output_token_ids)
                           for i, r in enumerate(sampled_requests) if r.sampling_params.logits_processors]
-        sampled = self.sampler.sample(step.logits, step.sample_rows, processors)
+        bitmask = None
+        if self.sampler.has_constraints:
+            constraints = [self.sequences[r.request_id].constraints for r in sampled_requests]
+            bitmask = fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher())
+            bitmask = bitmask.pin_memory() if self.device.type == "cuda" else bitmask
+            bitmask = bitmask.to(self.device, non_blocking=True)
+        sampled = self.sampler.sample(step.logits, step.sample_rows, processors, bitmask)
         now = time.monotonic()
         for scheduled in batch.requests:
             self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
@@ -238,6 +250,7 @@ class Engine:
             generators=[s.generator for s in states],
             eos_token_ids=self.eos_token_ids,
         )
+        mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts
         output = sample_with_drafts(logits, metadata, drafts, self.spec_generator)
         self.spec_stats.record(drafts, output.token_ids)
         tokens = [state.cut_at_stop_token(t, self.eos_token_ids) for state, t in zip(states, output.token_ids)]
@@ -254,8 +267,9 @@ class Engine:
             request = scheduled.request
             if request.batch_row is None:
                 request.batch_row = self._free_rows.pop()
+                state = self.sequences[request.request_id]
                 self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,
-                                 request.output_token_ids)
+                                 request.output_token_ids, state.banned_token_ids, state.constraints is not None)
 
     def _release_rows(self, requests) -> None:
         for request in requests:
@@ -279,6 +293,8 @@ class Engine:
     def _check_stop(self, state: SequenceState, new_tokens: list[int]) -> None:
         """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string."""
         request = state.request
+        if state.constraints is not None:
+            state.constraints.accept(new_tokens)
         state.add_tokens(new_tokens)
         if state.finish_status is not None:
             if not request.is_finished:

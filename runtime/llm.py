@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tqdm import tqdm
 
 from llmc.errors import RequestError
+from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
@@ -27,14 +29,22 @@ class LLM:
     and at interpreter exit.
     """
 
-    def __init__(self, artifact: str | Path, device: str | None = None, launch: LaunchConfig | None = None, **options):
+    def __init__(self, artifact: str | Path, device: str | None = None, launch: LaunchConfig | None = None,
+                 tokenizer_pool_size: int = 0, **options):
+        if not (isinstance(tokenizer_pool_size, int) and tokenizer_pool_size >= 0):
+            raise RequestError(f"tokenizer_pool_size must be an integer >= 0, got {tokenizer_pool_size!r}")
         self.engine = Engine(artifact, device=device, launch=launch, **options)
+        # > 0: generate() tokenizes its text prompts on this many threads (fast tokenizers release the GIL)
+        self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size) if tokenizer_pool_size else None
 
     def close(self) -> None:
         """Stop the worker ranks and destroy the process groups (idempotent; nothing on one rank)."""
         engine = getattr(self, "engine", None)  # absent if __init__ failed
         if engine is not None:
             engine.close()
+        pool = getattr(self, "_tokenizer_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
 
     def __enter__(self) -> LLM:
         return self
@@ -58,7 +68,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
-        prompts = _as_prompt_list(prompts)
+        prompts = self._pretokenize(_as_prompt_list(prompts))
         params = _as_params_list(sampling_params, len(prompts))
         ids = [
             self._add(prompt, p, priority[i] if priority else 0)
@@ -66,6 +76,14 @@ class LLM:
         ]
         finished = self._run_to_completion(len(ids), use_tqdm)
         return [finished[i] for i in ids]
+
+    def _pretokenize(self, prompts: list) -> list:
+        """Text prompts as {"prompt", "prompt_token_ids"}, tokenized on the pool (unchanged without one)."""
+        if self._tokenizer_pool is None:
+            return prompts
+        texts = [p for p in prompts if isinstance(p, str)]
+        encoded = iter(self._tokenizer_pool.map(self.tokenizer.encode, texts))
+        return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
@@ -92,6 +110,16 @@ class LLM:
                 if len(text) > emitted:
                     yield text[emitted:]
                     emitted = len(text)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
+        (runtime/beam_search.py: how it runs and how beams share KV through the prefix cache)."""
+        token_lists = []
+        for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
+            token_lists.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+        return beam_search(self, token_lists, params)
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -67,6 +67,10 @@ class SamplingParams:
         truncate_prompt_tokens: keep only the last k prompt tokens.
         logit_bias: token id -> value added to its logit, in [-100, 100].
         allowed_token_ids: if set, every other token is masked out.
+        bad_words: words never generated (vLLM's semantics: a word of several tokens is banned
+            at its last token, once the others were just generated).
+        guided_decoding: a `GuidedDecodingParams` (JSON schema, regex, choice, grammar) the output
+            must follow; `structured_outputs` is vLLM's newer name for the same (give one).
     """
 
     n: int = 1
@@ -94,6 +98,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_decoding: Any = None
+    structured_outputs: Any = None
     # Derived in __post_init__: the number of arguments each logits processor takes (2 or 3).
     logits_processor_arities: list[int] = field(
         init=False, default_factory=list, repr=False, compare=False
@@ -105,6 +112,7 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stopping()
         self._validate_token_lists()
+        self._validate_constraints()
         self.logits_processor_arities = [
             _logits_processor_arity(p) for p in (self.logits_processors or [])
         ]
@@ -138,8 +146,9 @@ class SamplingParams:
         copied = {
             name: _shallow_copy(getattr(self, name))
             for name in ("stop", "stop_token_ids", "logits_processors", "logit_bias",
-                         "allowed_token_ids")
+                         "allowed_token_ids", "bad_words")
         }
+        copied["structured_outputs"] = None  # folded into guided_decoding
         return dataclasses.replace(self, **{**copied, **changes})
 
     def check_vocab(self, vocab_size: int) -> None:
@@ -227,6 +236,19 @@ class SamplingParams:
         processors = self.logits_processors
         _require(processors is None or all(callable(p) for p in processors),
                  "logits_processors", "a list of callables", processors)
+
+    def _validate_constraints(self) -> None:
+        from llmc.runtime.structured_output import GuidedDecodingParams
+
+        words = self.bad_words
+        _require(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
+                 "bad_words", "a list of non-empty strings or None", words)
+        if self.structured_outputs is not None:
+            _require(self.guided_decoding is None, "structured_outputs",
+                     "None when guided_decoding is given (they are the same setting)", self.structured_outputs)
+            self.guided_decoding, self.structured_outputs = self.structured_outputs, None
+        _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
+                 "guided_decoding", "a GuidedDecodingParams or None", self.guided_decoding)
 
 
 def _require(condition: bool, name: str, allowed: str, value: Any) -> None:

@@ -44,7 +44,7 @@ GRACEFUL_SHUTDOWN_S = 30
 
 def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
               api_key: str | None = None, max_waiting: int | None = None, log_stats: bool = True,
-              on_startup_failure: Callable[[BaseException], None] | None = None,
+              tokenizer_pool_size: int = 0, on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
@@ -54,7 +54,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
-    ctx = ServingContext(engine_loop, served_model_name, max_waiting)
+    ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,6 +68,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
             for task in tasks:
                 task.cancel()
             await engine_loop.shutdown()
+            ctx.close()
 
     app = FastAPI(title="llmc", version=llmc.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -226,7 +227,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
-          log_stats: bool = True) -> None:
+          log_stats: bool = True, tokenizer_pool_size: int = 0) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died)."""
     import uvicorn
@@ -238,7 +239,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
         server.should_exit = True
 
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
-                    log_stats=log_stats, on_startup_failure=on_startup_failure,
+                    log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size, on_startup_failure=on_startup_failure,
                     on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -3,9 +3,12 @@
 Field names and defaults are OpenAI's, plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids, prompt_logprobs, ...) and
 vLLM's limits (seed and priority in int64, at most MAX_LOGPROBS logprobs). Fields OpenAI or vLLM
-have that would change the output and llmc does not implement (suffix, tools, non-text
-response_format, beam search, structured outputs / guided decoding, ...) are refused with a 400
-that lists them; any other unknown field is kept in `model_extra` and named in a warning.
+have that would change the output and llmc does not implement (suffix, tools, beam search over
+HTTP, guided_whitespace_pattern, ...) are refused with a 400 that lists them; any other unknown
+field is kept in `model_extra` and named in a warning. Structured output (`response_format`
+json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice / guided_grammar /
+guided_json_object / structured_outputs) becomes `SamplingParams.guided_decoding`; a schema or
+grammar xgrammar cannot compile is a 400 naming the field it came from.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from llmc.errors import RequestError
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
+from llmc.runtime.structured_output import GuidedDecodingParams
 
 # The most logprobs per token a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -27,9 +32,8 @@ EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-
 # with the values that are harmless (the default): a request that sets any other value gets a 400.
 _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "use_beam_search": (False, None), "length_penalty": (1.0, 1, None), "early_stopping": (False, None),
-    "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "guided_json_object": (None, False), "guided_decoding_backend": (None,),
-    "guided_whitespace_pattern": (None,), "bad_words": (None, []), "logprob_token_ids": (None,),
+    "guided_decoding_backend": (None, "xgrammar", "auto"),
+    "guided_whitespace_pattern": (None,), "logprob_token_ids": (None,),
     "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
     "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
@@ -51,6 +55,18 @@ class _Body(BaseModel):
             raise invalid(refused[0], f"not supported by this server, which would ignore it; unsupported fields "
                           f"in this request: {', '.join(refused)} (remove them or leave them at their defaults)")
         return sorted(name for name in extra if name not in _UNSUPPORTED_FIELDS)
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +104,14 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structured_outputs: dict | None = None
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -124,17 +148,49 @@ class _SamplingFields(_Body):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
+            guided_decoding=self.guided_decoding(),
         )
 
-
-class ResponseFormat(_Body):
-    type: str
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The one output constraint the request sets (400 naming the field if several, or if invalid)."""
+        given = {name: getattr(self, name) for name in ("guided_json", "guided_regex", "guided_choice",
+                                                        "guided_grammar", "guided_json_object", "structured_outputs")}
+        given = {name: value for name, value in given.items() if value not in (None, False)}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = self.response_format
+        if len(given) > 1:
+            raise invalid(sorted(given)[1], f"give one output constraint, got {', '.join(sorted(given))}")
+        if not given:
+            return None
+        (name, value), = given.items()
+        return _guided_params(name, value)
 
 
 def _check_response_format(response_format: ResponseFormat | None) -> None:
-    if response_format is not None and response_format.type != "text":
-        raise invalid("response_format", f"only type 'text' is supported, got {response_format.type!r}")
+    if response_format is not None and response_format.type == "json_schema" and (
+            response_format.json_schema is None or response_format.json_schema.schema_ is None):
+        raise invalid("response_format.json_schema.schema", "is required with type 'json_schema'")
+
+
+def _guided_params(name: str, value: Any) -> GuidedDecodingParams:
+    """GuidedDecodingParams from one request field, compiled once here to check it (400 naming `name`)."""
+    field = name
+    try:
+        if name == "response_format":
+            if value.type == "json_object":
+                params = GuidedDecodingParams(json_object=True)
+            else:
+                field = "response_format.json_schema.schema"
+                params = GuidedDecodingParams(json=value.json_schema.schema_, strict=bool(value.json_schema.strict))
+        elif name == "structured_outputs":
+            params = GuidedDecodingParams(**value)
+        else:
+            params = GuidedDecodingParams(**{name.removeprefix("guided_"): value})
+        params.grammar_object()
+    except (RequestError, TypeError) as e:
+        raise invalid(field, str(e).removeprefix("SamplingParams.")) from None
+    return params
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]
@@ -147,7 +203,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     add_special_tokens: bool = True
-    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         if self.prompt is None or self.prompt == "" or self.prompt == []:
@@ -205,7 +260,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 

@@ -5,6 +5,7 @@ engine requests (a completion with several prompts is several engine requests)."
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 import uuid
@@ -72,10 +73,19 @@ async def respond(generation: "Generation", reply, is_stream: bool):
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = None):
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = None,
+                 tokenizer_pool_size: int = 0):
         self.engine_loop = engine_loop
         self.served_model_name = served_model_name
         self.max_waiting = max_waiting
+        # tokenizer_pool_size > 0: prompts are tokenized and chat templates rendered on these threads
+        # (fast tokenizers release the GIL), not on the event loop that serves every stream
+        self._tokenizer_pool = (ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="llmc-tokenizer")
+                                if tokenizer_pool_size > 0 else None)
+
+    def close(self) -> None:
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -111,6 +121,19 @@ class ServingContext:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode` on the tokenizer pool (inline without one)."""
+        return await self._off_loop(self.encode, text, add_special_tokens)
+
+    async def render_chat_off_loop(self, messages: list[dict]) -> list[int]:
+        """`render_chat` on the tokenizer pool (inline without one)."""
+        return await self._off_loop(self.render_chat, messages)
+
+    async def _off_loop(self, function, *args):
+        if self._tokenizer_pool is None:
+            return function(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         try:

@@ -6,6 +6,8 @@ lm-eval's loglikelihood requests (echo=true, max_tokens=0 or 1, logprobs=k) read
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
                             ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, CompletionRequest, body)
-    prompts = _prompts(ctx, request)
+    prompts = await _prompts(ctx, request)
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
@@ -40,7 +42,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
     return await respond(generation, _Reply(ctx, request, params, prompts, request_id), request.stream)
 
 
-def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
+async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
     prompt = request.prompt
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -48,10 +50,12 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
         raise invalid("prompt", "must not be empty")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    texts = [item for item in prompt if isinstance(item, str)]
+    encoded = iter(await asyncio.gather(*(ctx.encode_off_loop(t, request.add_special_tokens) for t in texts)))
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(_Prompt(item, ctx.encode(item, request.add_special_tokens)))
+            prompts.append(_Prompt(item, next(encoded)))
             continue
         if not item:
             raise invalid("prompt", "a token-id prompt must not be empty")

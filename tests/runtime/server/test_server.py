@@ -231,7 +231,7 @@ def test_invalid_completion_parameters_are_400_naming_the_field(server, body, pa
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x" * 2000}]}, "messages"),
