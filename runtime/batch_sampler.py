@@ -213,7 +213,8 @@ class BatchSampler:
             self._upload()
         summary, n = self._summary, logits.shape[0]
         self.num_steps += 1
-        if summary["is_plain_greedy"] and not processors:  # nothing to process: the argmax is the token
+        if summary["is_plain_greedy"] and not processors and bitmask is None and self._sparse_t["bias"] is None:
+            # nothing to process (no bias or banned token either): the argmax is the token
             token_ids = logits.argmax(dim=-1)
             self._record(rows, token_ids)
             return SampledStep(token_ids, None, 0)
