@@ -125,6 +125,16 @@ class EngineLoop:
         """Sequences waiting for a seat, counting adds the engine thread has not run yet."""
         return self.stats.get("num_waiting", 0) + self._num_pending_adds
 
+    @property
+    def num_unfinished(self) -> int:
+        """Sequences running or waiting, counting adds the engine thread has not run yet."""
+        return self.stats.get("num_running", 0) + self.num_waiting
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences the engine runs at once (max_num_seqs)."""
+        return self.engine.options.max_num_seqs
+
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
                           priority: int = 0) -> None:
         """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one)."""
@@ -135,14 +145,15 @@ class EngineLoop:
                                arrival_time=stream.arrival_time)
             self._streams[stream.request_id] = stream
 
-        self._num_pending_adds += params.n
+        num_sequences = params.best_of or params.n
+        self._num_pending_adds += num_sequences
         try:
             await self._call(add)
         except asyncio.CancelledError:
             self.abort(stream.request_id)  # the add may still run: undo it right after
             raise
         finally:
-            self._num_pending_adds -= params.n
+            self._num_pending_adds -= num_sequences
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its blocks are freed before the next step."""

@@ -63,6 +63,14 @@ class ReplicaRouter:
         return sum(replica.num_waiting for replica in self.replicas)
 
     @property
+    def num_unfinished(self) -> int:
+        return sum(replica.num_unfinished for replica in self.replicas)
+
+    @property
+    def num_seats(self) -> int:
+        return sum(replica.num_seats for replica in self.replicas)
+
+    @property
     def failure(self) -> BaseException | None:
         return next((replica.failure for replica in self.replicas if replica.failure is not None), None)
 

@@ -25,6 +25,9 @@ logger = logging.getLogger("llmc")
 
 Body = TypeVar("Body", bound=BaseModel)
 
+# Sequences that may wait for a seat before new requests get 503 (`llmc run --max-waiting`).
+DEFAULT_MAX_WAITING = 1024
+
 
 def parse_body(model: type[Body], body: object) -> Body:
     """Validate a JSON body; a bad field is a 400 naming it. Unknown fields are logged and ignored."""
@@ -72,7 +75,7 @@ async def respond(generation: "Generation", reply, is_stream: bool):
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = None):
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = DEFAULT_MAX_WAITING):
         self.engine_loop = engine_loop
         self.served_model_name = served_model_name
         self.max_waiting = max_waiting
@@ -88,12 +91,21 @@ class ServingContext:
         if not self.engine_loop.is_ready:
             raise unavailable("the model is still loading; retry in a moment")
 
-    def check_admission(self, num_sequences: int) -> None:
-        """503 when the waiting queue is full (--max-waiting)."""
-        waiting = self.engine_loop.num_waiting
-        if self.max_waiting is not None and waiting + num_sequences > self.max_waiting:
-            raise unavailable(f"the server is overloaded ({waiting} sequences waiting, the limit is "
-                              f"{self.max_waiting}); retry later")
+    def check_admission(self, num_sequences: int, param: str) -> None:
+        """400 for a request that could never be admitted; 503 (Retry-After) when admitting it now
+        would leave more than max_waiting sequences waiting for a seat (--max-waiting). Sequences
+        count: n / best_of sequences per prompt; the free seats (max_num_seqs) wait for nothing."""
+        if self.max_waiting is None:
+            return
+        seats = self.engine_loop.num_seats
+        if num_sequences > seats + self.max_waiting:
+            raise invalid(param, f"this request generates {num_sequences} sequences, but the server runs "
+                          f"{seats} at once and lets at most {self.max_waiting} wait (--max-waiting): it can "
+                          "never be admitted; lower n / best_of or send fewer prompts per request")
+        waiting = self.engine_loop.num_unfinished + num_sequences - seats
+        if waiting > self.max_waiting:
+            raise unavailable(f"the server is overloaded ({self.engine_loop.num_waiting} sequences waiting, the "
+                              f"limit is {self.max_waiting}); retry later")
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -109,8 +121,11 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine_loop.engine.manifest.model.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a text it cannot encode)
+            raise invalid(param, f"cannot be tokenized: {type(e).__name__}: {e}") from None
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         try:
@@ -154,7 +169,9 @@ class ServingContext:
                        arrival_time: float | None = None) -> Generation:
         """Queue one engine request per prompt (ids `request_id-i`); all or none are added."""
         self.require_ready()
-        self.check_admission((params.best_of or params.n) * len(prompts))
+        per_prompt = params.best_of or params.n
+        self.check_admission(per_prompt * len(prompts),
+                             "prompt" if len(prompts) > 1 else ("best_of" if params.best_of else "n"))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         generation = Generation(self.engine_loop)
         try:

@@ -3,6 +3,7 @@ like a completion; streaming sends a role chunk per choice, content deltas, and 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -18,7 +19,7 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
-    token_ids = ctx.render_chat(request.template_messages())
+    token_ids = await asyncio.to_thread(ctx.render_chat, request.template_messages())
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     request_id = new_id("chatcmpl")
     generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)

@@ -6,6 +6,7 @@ lm-eval's loglikelihood requests (echo=true, max_tokens=0 or 1, logprobs=k) read
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
                                             text_pieces, usage, usage_body)
-from llmc.runtime.server.protocol import CompletionRequest
+from llmc.runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
 
@@ -32,7 +33,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
                             ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, CompletionRequest, body)
-    prompts = _prompts(ctx, request)
+    prompts = await asyncio.to_thread(_prompts, ctx, request)  # tokenizing a big prompt must not stall /health
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
@@ -48,10 +49,12 @@ def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
         raise invalid("prompt", "must not be empty")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}; split the request")
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(_Prompt(item, ctx.encode(item, request.add_special_tokens)))
+            prompts.append(_Prompt(item, ctx.encode(item, request.add_special_tokens, "prompt")))
             continue
         if not item:
             raise invalid("prompt", "a token-id prompt must not be empty")
