@@ -63,8 +63,8 @@ class ReplicaRouter:
         return sum(replica.num_waiting for replica in self.replicas)
 
     @property
-    def num_unfinished(self) -> int:
-        return sum(replica.num_unfinished for replica in self.replicas)
+    def num_unfinished_sequences(self) -> int:
+        return sum(replica.num_unfinished_sequences for replica in self.replicas)
 
     @property
     def num_seats(self) -> int:
@@ -106,6 +106,10 @@ class ReplicaRouter:
             self._streams[index].discard(stream)
             self._routes.pop(stream.request_id, None)
             raise
+
+    def abort_all(self, error: BaseException) -> None:
+        for replica in self.replicas:
+            replica.abort_all(error)
 
     def abort(self, request_id: str) -> None:
         index = self._routes.pop(request_id, None)

@@ -17,7 +17,7 @@ from llmc.errors import RequestError
 
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server.engine_loop import EngineLoop, EngineStopped, RequestStream
+from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.tokenizer import apply_chat_template
 
@@ -79,6 +79,7 @@ class ServingContext:
         self.engine_loop = engine_loop
         self.served_model_name = served_model_name
         self.max_waiting = max_waiting
+        self.stall_timeout_s = STALL_TIMEOUT_S  # /health: 503 once one step has run this long
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -102,7 +103,7 @@ class ServingContext:
             raise invalid(param, f"this request generates {num_sequences} sequences, but the server runs "
                           f"{seats} at once and lets at most {self.max_waiting} wait (--max-waiting): it can "
                           "never be admitted; lower n / best_of or send fewer prompts per request")
-        waiting = self.engine_loop.num_unfinished + num_sequences - seats
+        waiting = self.engine_loop.num_unfinished_sequences + num_sequences - seats
         if waiting > self.max_waiting:
             raise unavailable(f"the server is overloaded ({self.engine_loop.num_waiting} sequences waiting, the "
                               f"limit is {self.max_waiting}); retry later")
@@ -203,8 +204,11 @@ class Generation:
             index, item = await self.queue.get()
             if isinstance(item, EngineStopped):
                 raise ApiError(503, f"the request was aborted: {item}")
+            if isinstance(item, RequestFailed):
+                raise ApiError(500, f"internal error: {item}")
             if isinstance(item, BaseException):
-                raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
+                raise ApiError(500, f"internal error: request {self.streams[index].request_id!r} failed: the engine "
+                               f"failed: {type(item).__name__}: {item}")
             if item.finished:
                 num_unfinished -= 1
             yield index, item

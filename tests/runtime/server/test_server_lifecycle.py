@@ -53,7 +53,8 @@ def test_503_when_the_waiting_queue_is_full(run_app, server_artifact):
     _wait_healthy(base_url)
     with httpx.Client(base_url=base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
-            next(running.iter_lines())  # the only seat is taken
+            lines = running.iter_lines()  # kept: a dropped line iterator closes the connection
+            next(lines)  # the only seat is taken
             with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as waiting:
                 assert waiting.status_code == 200  # queued: headers come once it is added
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
