@@ -158,3 +158,34 @@ def test_a_client_gone_mid_flight_ends_alone(server_artifact, case):
     assert _tokens(results) == expected
     assert all(results[rid].finished for rid in expected)
     _assert_clean(engine)
+
+
+def test_a_step_fault_no_request_caused_fails_all_and_resets(server_artifact, monkeypatch):
+    engine = Engine(server_artifact, device="cpu", max_num_seqs=8, disable_log_stats=True)
+    expected = _tokens(_run(engine, _good()))
+    original, calls = engine.runner.execute, []
+
+    def execute(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected device fault")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    results = _run(engine, _good())
+    assert all(out.finished and "injected device fault" in out.error for out in results.values())
+    assert engine.num_resets == 1
+    _assert_clean(engine)
+    assert _tokens(_run(engine, _good())) == expected  # serves again, identically
+
+
+def test_a_dropped_stream_aborts_its_request(llm):
+    stream = llm.stream("the king and the queen", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert next(stream)
+    assert llm.engine.groups  # running
+    del stream
+    _assert_clean(llm.engine)
+    never_started = llm.stream("the king", SamplingParams(temperature=0, max_tokens=40))
+    assert llm.engine.groups
+    del never_started
+    _assert_clean(llm.engine)

@@ -96,3 +96,17 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
     assert server.process.wait(60) == 0, server.log()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.base_url}/health")
+
+
+def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(start_server):
+    server = start_server("--disable-log-stats", "--shutdown-timeout", "0.2")
+    body = {**LONG, "max_tokens": 250, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert server.process.wait(60) == 0, server.log()
