@@ -23,8 +23,8 @@ from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.batch_sampler import BatchSampler, HostTokens, SampledStep, unpack_logprobs
-from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, error_output, guard_processors,
-                                        invariant_checks_enabled)
+from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
+                                        invariant_checks_enabled, reset_engine)
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -142,31 +142,7 @@ class Engine:
             self._release_rows([state.request])
 
     def _fail(self, group_id: str, error: BaseException) -> list[RequestOutput]:
-        """End one request that failed; its final output carries the error."""
-        group = self.groups.get(group_id)
-        if group is None:  # already ended
-            return []
-        logger.error("request %r failed, aborting it alone: %s: %s", group_id, type(error).__name__, error,
-                     exc_info=error)
-        self.abort_request(group_id)
-        return [error_output(group, error)]
-
-    def _reset(self, error: BaseException) -> list[RequestOutput]:
-        """A fault no request can be blamed for: fail every request and start clean."""
-        logger.error("engine step failed (%s: %s); failing %d request(s) and resetting the engine",
-                     type(error).__name__, error, len(self.groups), exc_info=error)
-        self._in_flight = None
-        outputs = [error_output(group, error) for group in self.groups.values()]
-        for group_id in list(self.groups):
-            self.abort_request(group_id)
-        for request_id in list(self.scheduler.requests):  # held by the scheduler only: a bug, cleaned too
-            self.scheduler.abort_request(request_id)
-        self.sequences.clear()
-        for row in range(self.options.max_num_seqs):
-            self.sampler.remove(row)
-        self._free_rows = list(reversed(range(self.options.max_num_seqs)))
-        self.num_resets += 1
-        return outputs
+        return fail_request(self, group_id, error)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to schedule, or a step whose tokens are still on the device."""
@@ -198,7 +174,7 @@ class Engine:
         except WorkerError:  # a rank is gone: the caller stops serving
             raise
         except Exception as e:  # noqa: BLE001 - not one request's fault: fail all, reset, go on
-            self._outputs += self._reset(e)
+            self._outputs += reset_engine(self, e)
         outputs, self._outputs = self._outputs, []
         if self._check_invariants:
             check_engine_invariants(self)

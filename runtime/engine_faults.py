@@ -7,7 +7,7 @@ references and its persistent-batch row, in one place) and returns a final `Requ
 `error` names the request and the cause. User callables run inside the batched sampler, so each
 is wrapped here (`guard_processors`) to raise `RequestFault` carrying its request's id. Anything
 else is a fault of the step: the engine fails every request it holds and resets (see
-`Engine._reset`), so no structure keeps a request another has dropped.
+`reset_engine`), so no structure keeps a request another has dropped.
 
 `LLMC_CHECK_INVARIANTS=1` (the test suite sets it) checks after every step that the scheduler,
 the engine's maps, the persistent-batch rows and the block pool agree (`check_engine_invariants`).
@@ -15,13 +15,17 @@ the engine's maps, the persistent-batch rows and the block pool agree (`check_en
 
 from __future__ import annotations
 
+import logging
 import os
 
 from llmc.errors import LlmcError
+from llmc.runtime.block_pool import BlockPool
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 
 CHECK_INVARIANTS_ENV = "LLMC_CHECK_INVARIANTS"
+
+logger = logging.getLogger("llmc")
 
 
 def invariant_checks_enabled() -> bool:
@@ -74,6 +78,42 @@ def error_output(group, error: BaseException) -> RequestOutput:
         request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids, outputs=[],
         finished=True, error=f"request {group.request_id!r} failed: {type(cause).__name__}: {cause}",
     )
+
+
+def fail_request(engine, group_id: str, error: BaseException) -> list[RequestOutput]:
+    """End one request that failed (through `engine.abort_request`); [its final output with the error]."""
+    group = engine.groups.get(group_id)
+    if group is None:  # already ended
+        return []
+    logger.error("request %r failed, aborting it alone: %s: %s", group_id, type(error).__name__, error,
+                 exc_info=error)
+    engine.abort_request(group_id)
+    return [error_output(group, error)]
+
+
+def reset_engine(engine, error: BaseException) -> list[RequestOutput]:
+    """A step fault no request can be blamed for: fail every request the engine holds and start
+    clean (nothing in flight, every row and block free); [their final outputs with the error]."""
+    logger.error("engine step failed (%s: %s); failing %d request(s) and resetting the engine",
+                 type(error).__name__, error, len(engine.groups), exc_info=error)
+    engine._in_flight = None
+    outputs = [error_output(group, error) for group in engine.groups.values()]
+    for group_id in list(engine.groups):
+        engine.abort_request(group_id)
+    for request_id in list(engine.scheduler.requests):  # held by the scheduler alone (a bug): cleaned too
+        engine.scheduler.abort_request(request_id)
+    engine.sequences.clear()
+    pool = engine.scheduler.block_pool
+    if pool.num_free_blocks != pool.num_blocks:  # blocks no request holds: a fresh pool (the cache is lost)
+        logger.error("%d KV blocks held by no request after the reset; rebuilding the block pool",
+                     pool.num_blocks - pool.num_free_blocks)
+        engine.scheduler.block_pool = BlockPool(pool.num_blocks, pool.block_size, pool.enable_prefix_caching)
+    num_rows = engine.options.max_num_seqs
+    for row in range(num_rows):
+        engine.sampler.remove(row)
+    engine._free_rows = list(reversed(range(num_rows)))
+    engine.num_resets += 1
+    return outputs
 
 
 def check_engine_invariants(engine) -> None:

@@ -33,7 +33,8 @@ from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineS
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
-from llmc.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
+from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeRequest, openapi_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
@@ -156,17 +157,17 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
                 "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_completion(ctx, body, arrival_time))
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_chat_completion(ctx, body, arrival_time))
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         body = parse_body(TokenizeRequest, await _json_body(request))
         body.check()
@@ -182,7 +183,7 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         return {"count": len(token_ids), "max_model_len": ctx.max_model_len, "tokens": token_ids,
                 "token_strs": token_strs}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = parse_body(DetokenizeRequest, await _json_body(request))
         ctx.check_model(body.model)

@@ -285,6 +285,25 @@ class BatchRequestLine(BaseModel):
     body: dict
 
 
+def openapi_body(model: type[BaseModel]) -> dict:
+    """FastAPI's `openapi_extra` documenting `model` as the JSON request body (the handlers read the
+    raw body to answer bad JSON in OpenAI's error shape, so FastAPI cannot infer it). Sub-models are
+    inlined: the schema stands alone."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def _check_logprobs(name: str, value: int | None) -> None:
     # vLLM reads -1 as "the whole vocabulary", which is above its default max_logprobs (20): refused.
     if value is not None and not 0 <= value <= MAX_LOGPROBS:

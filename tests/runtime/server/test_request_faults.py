@@ -189,3 +189,23 @@ def test_a_dropped_stream_aborts_its_request(llm):
     assert llm.engine.groups
     del never_started
     _assert_clean(llm.engine)
+
+
+def test_an_add_that_fails_part_way_leaves_nothing_behind(llm, reference, monkeypatch):
+    """The reported wedge: n=3000000 ran out of memory after ~99k children were queued, and the
+    scheduler kept sequences the engine had dropped. The add is all or none."""
+    scheduler = llm.engine.scheduler
+    original, added = type(scheduler).add_request, []
+
+    def add_request(self, request):
+        added.append(request.request_id)
+        if len(added) == 3:
+            raise MemoryError("injected: out of memory on the third sequence")
+        original(self, request)
+
+    monkeypatch.setattr(type(scheduler), "add_request", add_request)
+    with pytest.raises(MemoryError):
+        llm.engine.add_request("x", SamplingParams(n=5, temperature=1, max_tokens=4), request_id="huge")
+    monkeypatch.undo()
+    _assert_clean(llm.engine)
+    assert _tokens(_run(llm.engine, _good())) == reference
