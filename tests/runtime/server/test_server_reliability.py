@@ -229,3 +229,35 @@ def test_health_is_503_while_the_engine_is_wedged(run_app, server_artifact):
     thread.join(60)
     assert result["reply"].status_code == 200
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_a_failing_request_is_a_500_naming_it_and_the_others_finish(run_app, server_artifact, monkeypatch,
+                                                                    read_metrics):
+    from llmc.runtime.request_state import SequenceState
+
+    boom = [0, 77, 77, 77, 77]  # this prompt's detokenization raises
+    original = SequenceState.add_tokens
+
+    def add_tokens(self, token_ids):
+        if self.request.prompt_token_ids == boom and self.request.num_output_tokens >= 2:
+            raise RuntimeError("injected detokenizer failure")
+        original(self, token_ids)
+
+    base_url = _serve(run_app, server_artifact)
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        before = _greedy(http)
+        monkeypatch.setattr(SequenceState, "add_tokens", add_tokens)
+        results = {}
+        threads = [threading.Thread(target=lambda: results.update(good=_greedy(http)))]
+        threads[0].start()
+        failed = http.post("/v1/completions", json={"prompt": boom, "max_tokens": 8})
+        streamed = http.post("/v1/completions", json={"prompt": boom, "max_tokens": 8, "stream": True})
+        threads[0].join(60)
+        assert failed.status_code == 500, failed.text
+        message = failed.json()["error"]["message"]
+        assert "injected detokenizer failure" in message and "cmpl-" in message  # names the request
+        events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["type"] == "server_error"
+        assert results["good"] == before == _greedy(http)
+    metrics = read_metrics(base_url)
+    assert metrics["llmc:num_requests_running"] == 0 and metrics["llmc:kv_cache_usage_perc"] == 0
