@@ -87,7 +87,10 @@ class Engine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("give a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            try:
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
+                raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time

@@ -95,7 +95,10 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
-        self._num_pending_adds = 0  # asyncio thread only
+        # Sequences of adds sent to the engine thread (asyncio side) and run by it (engine thread; copied
+        # into each stats snapshot): their difference is the adds not run yet, exact against the snapshot.
+        self._num_sequences_sent = 0
+        self._num_sequences_added = 0
         self.engine = None  # set once loaded; read-only from the asyncio side (options, tokenizer)
         self.stats: dict = {}  # engine.stats() after the latest step or command batch (a fresh dict each time)
         self.failure: BaseException | None = None  # set if a step raised: the engine is unusable
@@ -150,12 +153,15 @@ class EngineLoop:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting for a seat, counting adds the engine thread has not run yet."""
-        return self.stats.get("num_waiting", 0) + self._num_pending_adds
+        stats = self.stats  # one snapshot: its counts and its adds agree
+        return stats.get("num_waiting", 0) + self._num_sequences_sent - stats.get("num_sequences_added", 0)
 
     @property
     def num_unfinished_sequences(self) -> int:
         """Sequences running or waiting, counting adds the engine thread has not run yet."""
-        return self.stats.get("num_running", 0) + self.num_waiting
+        stats = self.stats
+        return (stats.get("num_running", 0) + stats.get("num_waiting", 0)
+                + self._num_sequences_sent - stats.get("num_sequences_added", 0))
 
     @property
     def num_seats(self) -> int:
@@ -166,21 +172,24 @@ class EngineLoop:
                           priority: int = 0) -> None:
         """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one)."""
         stream.num_prompt_tokens = len(prompt_token_ids)
+        num_sequences = params.best_of or params.n
 
         def add(engine) -> None:
-            engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
-                               arrival_time=stream.arrival_time)
+            try:
+                engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
+                                   arrival_time=stream.arrival_time)
+            finally:
+                self._num_sequences_added += num_sequences  # in the snapshot taken right after
             self._streams[stream.request_id] = stream
 
-        num_sequences = params.best_of or params.n
-        self._num_pending_adds += num_sequences
+        if self._thread is None:
+            raise EngineStopped("the engine is stopped")
+        self._num_sequences_sent += num_sequences
         try:
             await self._call(add)
         except asyncio.CancelledError:
             self.abort(stream.request_id)  # the add may still run: undo it right after
             raise
-        finally:
-            self._num_pending_adds -= num_sequences
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its blocks are freed before the next step."""
@@ -214,7 +223,7 @@ class EngineLoop:
             self._post(_settle, self._ready, None, e)
             return
         self.engine = engine
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         self._post(_settle, self._ready, None, None)
         try:
             while self._run_commands(engine, block=not engine.has_unfinished_requests()):
@@ -243,7 +252,7 @@ class EngineLoop:
                 result, error = None, e
             finally:
                 self.busy_since = None
-            self.stats = engine.stats()  # before the handler resumes: admission reads num_waiting
+            self.stats = self._snapshot(engine)  # before the handler resumes: admission reads num_waiting
             if command.future is not None:
                 self._post(_settle, command.future, result, error)
             command = _get_nowait(self._commands)
@@ -270,7 +279,7 @@ class EngineLoop:
             self.busy_since = None
         self.consecutive_resets = self.consecutive_resets + 1 if getattr(engine, "num_resets", 0) > resets else 0
         now = time.monotonic()
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
@@ -288,6 +297,9 @@ class EngineLoop:
         if deliveries:
             self._post(_deliver, deliveries)
 
+    def _snapshot(self, engine) -> dict:
+        return {**engine.stats(), "num_sequences_added": self._num_sequences_added}
+
     def _abort(self, engine, request_id: str) -> None:
         engine.abort_request(request_id)
         self._streams.pop(request_id, None)
@@ -298,7 +310,7 @@ class EngineLoop:
             engine.abort_request(request_id)
             deliveries.append((stream, error))
         self._streams.clear()
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         if deliveries:
             self._post(_deliver, deliveries)
 

@@ -209,3 +209,11 @@ def test_an_add_that_fails_part_way_leaves_nothing_behind(llm, reference, monkey
     monkeypatch.undo()
     _assert_clean(llm.engine)
     assert _tokens(_run(llm.engine, _good())) == reference
+
+
+def test_an_untokenizable_prompt_is_a_request_error(llm):
+    from llmc.errors import RequestError
+
+    with pytest.raises(RequestError, match="cannot be tokenized"):
+        llm.generate(["the king", "\ud800"], GREEDY)  # all or none: the first is not left running
+    _assert_clean(llm.engine)
