@@ -174,6 +174,8 @@ class Engine:
             self._step()
         except RequestFault as fault:  # raised before the step's tokens were recorded: the rest re-run
             self._outputs += self._fail(fault.group_id, fault)
+            # The re-run must not reuse the staging buffer of a step still in flight: land that step first.
+            self._outputs += self._resolve(self._take_in_flight())
         except WorkerError:  # a rank is gone: the caller stops serving
             raise
         except Exception as e:  # noqa: BLE001 - not one request's fault: fail all, reset, go on
