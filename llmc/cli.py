@@ -129,7 +129,11 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="server: TCP port")
 @click.option("--served-model-name", default=None, help="the model name clients send [default: the artifact directory's name]")
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="server: require 'Authorization: Bearer KEY' on /v1 (or set LLMC_API_KEY)")
-@click.option("--max-waiting", type=click.IntRange(min=0), default=None, help="server: answer 503 to a request that would make more sequences wait than this [default: no limit]")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
+              help="server: answer 503 (Retry-After) to a request that would leave more sequences than this waiting "
+              "for a seat (n / best_of count; 400 for a request that could never fit)")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="server: seconds SIGTERM lets running requests finish before aborting them (their streams get an error event)")
 @click.option("--max-tokens", type=int, default=256, help="tokens to generate (--prompt, --chat)")
 @click.option("--temperature", type=float, default=1.0, help="0 = greedy")
 @click.option("--top-p", type=float, default=1.0, help="nucleus sampling mass")
@@ -149,7 +153,7 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
               help="server: independent engine replicas (each with its own ranks), requests to the least loaded")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
-        port: int, served_model_name: str | None, api_key: str | None, max_waiting: int | None,
+        port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
         max_tokens: int, temperature: float, top_p: float, top_k: int, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
         tokenizer_pool_size: int, **options) -> None:
@@ -181,7 +185,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting, log_stats=False,  # the engine logs its own statistics
-              tokenizer_pool_size=tokenizer_pool_size)
+              tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout)
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked

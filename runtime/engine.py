@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import RequestError
+from llmc.errors import RequestError, WorkerError
 from llmc.runtime import artifact as art
 from llmc.runtime.options import resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
@@ -23,6 +23,8 @@ from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.batch_sampler import BatchSampler, HostTokens, SampledStep, unpack_logprobs
+from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
+                                        invariant_checks_enabled, reset_engine)
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -72,6 +74,9 @@ class Engine:
         self.sequences: dict[str, SequenceState] = {}
         self.grammars = GrammarCache(self.tokenizer, self.manifest.model.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
+        self._outputs: list[RequestOutput] = []  # the current step's outputs so far
+        self._check_invariants = invariant_checks_enabled()
+        self.num_resets = 0  # steps that failed as a whole (the engine failed every request and reset)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -84,29 +89,40 @@ class Engine:
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("give a prompt or prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            try:
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
+                raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
         if params.guided_decoding is not None:
             self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
+        self.groups[request_id] = group
+        try:  # all or none: a failure part-way is undone through the abort path
+            self._add_sequences(group, priority)
+        except BaseException:
+            self.abort_request(request_id)
+            raise
+        return request_id
+
+    def _add_sequences(self, group: RequestGroup, priority: int) -> None:
+        room = self.options.max_model_len - len(group.prompt_token_ids)
         for index, child_params in enumerate(group.child_params()):
-            room = self.options.max_model_len - len(prompt_token_ids)
+            guard_processors(child_params, group.request_id)
             max_tokens = room if child_params.max_tokens is None else min(child_params.max_tokens, room)
             request = Request(
-                request_id=f"{request_id}#{index}", prompt_token_ids=prompt_token_ids, max_tokens=max_tokens,
-                arrival_time=group.arrival_time, priority=priority, sampling_params=child_params,
-                skip_prefix_cache=child_params.prompt_logprobs is not None,
+                request_id=f"{group.request_id}#{index}", prompt_token_ids=group.prompt_token_ids,
+                max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
+                sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
             )
             state = SequenceState(request, index, child_params, self.tokenizer, self.device,
-                                  self.eos_token_ids, self.options.max_model_len, request_id)
+                                  self.eos_token_ids, self.options.max_model_len, group.request_id)
             state.banned_token_ids, state.constraints = sequence_constraints(child_params, self.grammars)
             group.sequences.append(state)
-            self.scheduler.add_request(request)
             self.sequences[request.request_id] = state
-        self.groups[request_id] = group
-        return request_id
+            self.scheduler.add_request(request)
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         if params.truncate_prompt_tokens is not None:
@@ -124,11 +140,17 @@ class Engine:
         return prompt_token_ids
 
     def abort_request(self, request_id: str) -> None:
+        """End a request (the id add_request returned) wherever it is: the one abort path. Its
+        sequences leave the scheduler (KV blocks and prefix-cache references freed), the engine's
+        maps and their persistent-batch rows; a token of it still in flight is dropped when it lands."""
         group = self.groups.pop(request_id, None)
         for state in group.sequences if group else []:
             self.scheduler.abort_request(state.request.request_id)
             self.sequences.pop(state.request.request_id, None)
             self._release_rows([state.request])
+
+    def _fail(self, group_id: str, error: BaseException) -> list[RequestOutput]:
+        return fail_request(self, group_id, error)
 
     def has_unfinished_requests(self) -> bool:
         """Requests to schedule, or a step whose tokens are still on the device."""
@@ -152,23 +174,44 @@ class Engine:
         before they run (n-gram speculation, logits processors) or right after (prompt logprobs)
         resolve what is in flight first, and the step itself, synchronously.
         """
-        outputs = []
+        self._outputs = []
+        try:
+            self._step()
+        except RequestFault as fault:  # raised before the step's tokens were recorded: the rest re-run
+            self._outputs += self._fail(fault.group_id, fault)
+            # The re-run must not reuse the staging buffer of a step still in flight: land that step first.
+            self._outputs += self._resolve(self._take_in_flight())
+        except WorkerError:  # a rank is gone: the caller stops serving
+            raise
+        except Exception as e:  # noqa: BLE001 - not one request's fault: fail all, reset, go on
+            self._outputs += reset_engine(self, e)
+        outputs, self._outputs = self._outputs, []
+        if self._check_invariants:
+            check_engine_invariants(self)
+        return outputs
+
+    def _step(self) -> None:
+        outputs = self._outputs
         if self._in_flight is not None and (self.sampler.has_processors or self.sampler.has_constraints):
             # processors read the histories; grammar matchers and bad words advance by the tokens
             outputs += self._resolve(self._take_in_flight())
         batch = self.scheduler.schedule()
         self._release_rows(batch.preempted)
         if batch.is_empty:
-            return outputs + self._resolve(self._take_in_flight())
+            outputs += self._resolve(self._take_in_flight())
+            return
         self._assign_rows(batch)
         if self.proposer is not None:
-            return outputs + self._speculative_step(batch)
+            outputs += self._speculative_step(batch)
+            return
         launched = self._launch(batch)
         self._release_rows(self.scheduler.advance(batch))
         if not self._can_overlap or launched.prompt_logits:
-            return outputs + self._resolve(self._take_in_flight()) + self._resolve(launched)
+            outputs += self._resolve(self._take_in_flight())
+            outputs += self._resolve(launched)
+            return
         previous, self._in_flight = self._in_flight, launched
-        return outputs + self._resolve(previous)
+        outputs += self._resolve(previous)
 
     def _take_in_flight(self) -> _InFlight | None:
         in_flight, self._in_flight = self._in_flight, None
@@ -202,9 +245,11 @@ class Engine:
         """Step `step`'s tokens reached the host: append them, detokenize, check stops, build outputs."""
         if step is None:
             return []
+        failed: list[RequestOutput] = []
         for request_id, (first_position, rows) in step.prompt_logits.items():
             if request_id in self.sequences:
-                self.sequences[request_id].record_prompt_logprobs(first_position, rows)
+                state = self.sequences[request_id]
+                failed += self._guarded(state, state.record_prompt_logprobs, first_position, rows)
         token_ids, logprob_rows = step.host.wait()
         states = []
         for i, request in enumerate(step.requests):
@@ -212,12 +257,26 @@ class Engine:
             if state is None or state.is_finished:  # aborted, or stopped by its previous token
                 continue
             self.scheduler.resolve(request, [token_ids[i]])
-            if logprob_rows is not None and state.logprobs is not None:
-                state.record_logprobs(token_ids[i], unpack_logprobs(logprob_rows[i], state.params.logprobs))
-            self._check_stop(state, [token_ids[i]])
-            states.append(state)
+            logprobs = logprob_rows[i] if logprob_rows is not None else None
+            errors = self._guarded(state, self._record_token, state, token_ids[i], logprobs)
+            failed += errors
+            if not errors:
+                states.append(state)
         self.stats_logger.record(step.num_prefill, len(states), self.stats)
-        return self._collect_outputs(states)
+        return failed + self._collect_outputs(states)
+
+    def _record_token(self, state: SequenceState, token_id: int, logprob_row: list[float] | None) -> None:
+        if logprob_row is not None and state.logprobs is not None:
+            state.record_logprobs(token_id, unpack_logprobs(logprob_row, state.params.logprobs))
+        self._check_stop(state, [token_id])
+
+    def _guarded(self, state: SequenceState, fn, *args) -> list[RequestOutput]:
+        """Run fn(*args) for one sequence; if it raises, its request fails alone: [its error output]."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - detokenization, stops, logprobs: this request's fault
+            return self._fail(state.group_id, e)
+        return []
 
     def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The synchronous step of n-gram speculation: drafts are verified against known tokens."""
@@ -232,11 +291,14 @@ class Engine:
         tokens = self._sample_with_drafts(step.logits, states, [s.draft_token_ids for s in sampled])
         num_prefill = sum(s.num_new_tokens - len(s.draft_token_ids) for s in batch.requests if not _is_decode(s))
         self._release_rows(self.scheduler.update(batch, {state.request.request_id: t for state, t in zip(states, tokens)}))
+        failed, kept = [], []
         for state, new_tokens in zip(states, tokens):
-            self._check_stop(state, new_tokens)
-        self._propose_drafts(states)
+            errors = self._guarded(state, self._check_stop, state, new_tokens)
+            failed += errors
+            kept += [] if errors else [state]
+        self._propose_drafts(kept)
         self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats)
-        return self._collect_outputs(states)
+        return failed + self._collect_outputs(kept)
 
     def _sample_with_drafts(self, logits: torch.Tensor, states: list[SequenceState],
                             drafts: list[list[int]]) -> list[list[int]]:
@@ -268,8 +330,11 @@ class Engine:
             if request.batch_row is None:
                 request.batch_row = self._free_rows.pop()
                 state = self.sequences[request.request_id]
-                self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,
-                                 request.output_token_ids, state.banned_token_ids, state.constraints is not None)
+                try:
+                    self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,
+                                     request.output_token_ids, state.banned_token_ids, state.constraints is not None)
+                except Exception as e:  # noqa: BLE001 - its sampling parameters: this request's fault
+                    raise RequestFault(state.group_id, e) from e
 
     def _release_rows(self, requests) -> None:
         for request in requests:
@@ -305,8 +370,14 @@ class Engine:
         group_ids = dict.fromkeys(state.group_id for state in states)
         outputs = []
         for group_id in group_ids:
-            group = self.groups[group_id]
-            outputs.append(group.output())
+            group = self.groups.get(group_id)
+            if group is None:  # failed this step (another of its sequences)
+                continue
+            try:
+                outputs.append(group.output())
+            except Exception as e:  # noqa: BLE001 - building its output failed: this request's fault
+                outputs += self._fail(group_id, e)
+                continue
             if group.is_finished:
                 self._release(group)
         return outputs

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
+from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.sampling_params import SamplingParams
@@ -67,15 +68,21 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
-        ids, or {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. If handling a request failed (its
+        logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
+        is raised with every output (`.outputs`, the failed ones with `error` set)."""
         prompts = self._pretokenize(_as_prompt_list(prompts))
         params = _as_params_list(sampling_params, len(prompts))
-        ids = [
-            self._add(prompt, p, priority[i] if priority else 0)
-            for i, (prompt, p) in enumerate(zip(prompts, params))
-        ]
+        ids: list[str] = []
+        try:  # all or none
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self._add(prompt, p, priority[i] if priority else 0))
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
         finished = self._run_to_completion(len(ids), use_tqdm)
-        return [finished[i] for i in ids]
+        return self._check_failures([finished[i] for i in ids])
 
     def _pretokenize(self, prompts: list) -> list:
         """Text prompts as {"prompt", "prompt_token_ids"}, tokenized on the pool (unchanged without one)."""
@@ -98,18 +105,26 @@ class LLM:
             request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
         else:
             request_id = self._add(prompt, sampling_params, 0)
-        return self._deltas(request_id)
+        return _TextStream(self.engine, request_id, self._deltas(request_id))
 
     def _deltas(self, request_id: str) -> Iterator[str]:
-        emitted = 0
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.request_id != request_id:
-                    continue
-                text = output.outputs[0].text
-                if len(text) > emitted:
-                    yield text[emitted:]
-                    emitted = len(text)
+        """The text deltas; a generator closed (or dropped) before the end aborts its request."""
+        emitted, finished = 0, False
+        try:
+            while not finished and self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    finished = output.finished
+                    if output.error is not None:
+                        raise RequestFailedError(output.error, [output])
+                    text = output.outputs[0].text
+                    if len(text) > emitted:
+                        yield text[emitted:]
+                        emitted = len(text)
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
@@ -146,6 +161,36 @@ class LLM:
                         finished[output.request_id] = output
                         bar.update(1)
         return finished
+
+    def _check_failures(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Raise RequestFailedError (holding every output) if a request failed; else the outputs."""
+        errors = [o.error for o in outputs if o.error is not None]
+        if errors:
+            more = f" (and {len(errors) - 1} more failed request(s))" if len(errors) > 1 else ""
+            raise RequestFailedError(errors[0] + more, outputs)
+        return outputs
+
+
+class _TextStream:
+    """`LLM.stream`'s iterator: closing it, or dropping it, aborts its request (started or not)."""
+
+    def __init__(self, engine: Engine, request_id: str, deltas: Iterator[str]):
+        self._engine = engine
+        self.request_id = request_id
+        self._deltas = deltas
+
+    def __iter__(self) -> _TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._deltas)
+
+    def close(self) -> None:
+        self._deltas.close()
+        self._engine.abort_request(self.request_id)  # a no-op once it finished
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def _as_prompt_list(prompts) -> list:

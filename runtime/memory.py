@@ -209,7 +209,7 @@ def fit_suggestion(rows: list[dict]) -> str:
     if not fitting:
         return "even kv_cache_dtype fp8 with cpu_offload_gb does not fit one sequence: lower max_model_len or quantize"
     best = min(fitting, key=lambda r: (r["cpu_offload_gb"], r["kv_cache_dtype"] == "fp8"))
-    knobs = ([f"kv_cache_dtype fp8"] if best["kv_cache_dtype"] == "fp8" else []) + (
+    knobs = (["kv_cache_dtype fp8"] if best["kv_cache_dtype"] == "fp8" else []) + (
         [f"cpu_offload_gb {best['cpu_offload_gb']:g}"] if best["cpu_offload_gb"] else [])
     return (f"set {' and '.join(knobs)}: {best['num_kv_tokens']:,} KV tokens = "
             f"{best['max_concurrent_seqs']:.1f} sequences of max_model_len")

@@ -25,7 +25,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
-from llmc.runtime.kv_cache import KVCacheConfig, kv_cache_config
+from llmc.runtime.kv_cache import kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
 from llmc.runtime.offload import WeightOffloader

@@ -34,3 +34,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (first is None)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (seconds)
+    error: str | None = None  # set (finished, no outputs) when the request failed: what went wrong

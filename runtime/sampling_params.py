@@ -23,6 +23,7 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
+_INT64_MAX = 2**63 - 1
 
 LogitsProcessor = Callable[..., Any]
 """A per-request logits processor, in one of two forms (vLLM's):
@@ -189,8 +190,8 @@ class SamplingParams:
                  self.temperature)
         self.top_p = _as_float(self.top_p, "top_p")
         _require(0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
-        _require(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-                 "an integer >= 1, or 0 or -1 for no limit", self.top_k)
+        _require(_is_int(self.top_k) and -1 <= self.top_k <= _INT64_MAX, "top_k",
+                 "an integer in [1, 2**63), or 0 or -1 for no limit", self.top_k)
         if self.top_k == -1:
             self.top_k = 0
         self.min_p = _as_float(self.min_p, "min_p")
@@ -278,7 +279,8 @@ def _logit_bias(bias: Any) -> dict[int, float]:
     parsed: dict[int, float] = {}
     for key, value in bias.items():
         # JSON object keys are strings: accept "42" as token 42.
-        is_id = _is_int(key) or (isinstance(key, str) and key.strip().isdigit())
+        # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
+        is_id = _is_int(key) or (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit())
         _require(is_id and int(key) >= 0, "logit_bias", "keyed by token ids >= 0", key)
         value = _as_float(value, "logit_bias")
         _require(abs(value) <= MAX_ABS_LOGIT_BIAS, "logit_bias",

@@ -14,12 +14,14 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,39 +29,50 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llmc
-from llmc.runtime.server.engine_loop import EngineLoop
+from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
-from llmc.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
-from llmc.runtime.server.serving import ServingContext, parse_body
+from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                          TokenizeRequest, openapi_body)
+from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 
 logger = logging.getLogger("llmc")
 
-# How long SIGTERM waits for running requests before aborting them.
+# How long SIGTERM waits for running requests before aborting them (each cut stream gets an error event).
 GRACEFUL_SHUTDOWN_S = 30
+# The largest request body accepted (413 beyond).
+MAX_BODY_BYTES = 8 * 2**20
+# The deepest JSON nesting accepted (real requests nest about 5 deep).
+MAX_JSON_DEPTH = 32
+# How often the watchdog looks at the engine loop.
+WATCHDOG_INTERVAL_S = 5.0
 
 
 def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
-              api_key: str | None = None, max_waiting: int | None = None, log_stats: bool = True,
+              api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING, log_stats: bool = True,
               tokenizer_pool_size: int = 0, on_startup_failure: Callable[[BaseException], None] | None = None,
-              on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
+              on_fatal: Callable[[BaseException], None] | None = None,
+              stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
-    `on_fatal` is told when an engine can never step again (a rank of a parallel engine died)."""
+    `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
+    /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine)."""
     metrics = ServerMetrics(served_model_name)
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size)
+    ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine_loop.start()
-        tasks = [asyncio.create_task(_announce_ready(ctx, on_startup_failure))]
+        tasks = [asyncio.create_task(_announce_ready(ctx, on_startup_failure)),
+                 asyncio.create_task(_watchdog(ctx))]
         if log_stats:
             tasks.append(asyncio.create_task(log_stats_periodically(metrics, engine_loop)))
         try:
@@ -92,12 +105,35 @@ async def _announce_ready(ctx: ServingContext, on_startup_failure) -> None:
                 stats.get("num_total_blocks", 0))
 
 
+async def _watchdog(ctx: ServingContext) -> None:
+    """Log, once per episode, when the engine stops serving (a step running too long, a dead
+    thread, steps that keep failing), and when it serves again."""
+    reported = None
+    while True:
+        await asyncio.sleep(min(WATCHDOG_INTERVAL_S, ctx.stall_timeout_s / 2))
+        problem = _health_problem(ctx) if ctx.engine_loop.is_ready else None
+        if problem is not None and reported is None:
+            logger.error("watchdog: the engine is not serving: %s; /health answers 503", problem)
+        elif problem is None and reported is not None:
+            logger.warning("watchdog: the engine is stepping again")
+        reported = problem
+
+
+def _health_problem(ctx: ServingContext) -> str | None:
+    loops = getattr(ctx.engine_loop, "replicas", [ctx.engine_loop])
+    problems = [loop.health_problem(ctx.stall_timeout_s) for loop in loops]
+    return next((p for p in problems if p is not None), None)
+
+
 def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> Response:
         ctx.require_ready()
+        problem = _health_problem(ctx)
+        if problem is not None:
+            return JSONResponse(error_body(503, f"unhealthy: {problem}"), status_code=503)
         return Response(status_code=200)
 
     @router.get("/version")
@@ -117,36 +153,38 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     @router.get("/v1/models")
     async def models() -> dict:
         ctx.require_ready()
+        # No filesystem path: `root` is the served name (a client has no business with the server's paths).
         card = {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
-                "root": str(ctx.engine_loop.engine.artifact_dir), "parent": None, "max_model_len": ctx.max_model_len}
+                "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
         return {"object": "list", "data": [card]}
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_completion(ctx, body, arrival_time))
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_chat_completion(ctx, body, arrival_time))
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
         body = parse_body(TokenizeRequest, await _json_body(request))
         body.check()
         ctx.check_model(body.model)
         ctx.require_ready()
         if body.messages is not None:
-            token_ids = ctx.render_chat([m.as_template_input(i) for i, m in enumerate(body.messages)])
+            messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
+            token_ids = await asyncio.to_thread(ctx.render_chat, messages)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
-            token_ids = ctx.encode(body.prompt, add_special)
+            token_ids = await asyncio.to_thread(ctx.encode, body.prompt, add_special)
         token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if body.return_token_strs else None
         return {"count": len(token_ids), "max_model_len": ctx.max_model_len, "tokens": token_ids,
                 "token_strs": token_strs}
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
     async def detokenize(request: Request) -> dict:
         body = parse_body(DetokenizeRequest, await _json_body(request))
         ctx.check_model(body.model)
@@ -180,16 +218,66 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _json_body(request: Request) -> object:
-    """The parsed JSON body; 400 for a body sent as another media type (vLLM's rule) or not JSON."""
+    """The parsed JSON body; 400 for a body sent as another media type (vLLM's rule), not JSON, nested
+    deeper than MAX_JSON_DEPTH or holding a lone UTF-16 surrogate; 413 beyond MAX_BODY_BYTES."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
         raise ApiError(400, f"unsupported media type {media_type or '(none)'!r}: send the body as JSON with "
                        "'Content-Type: application/json'")
-    raw = await request.body()
+    raw = await _read_body(request)
+    return await asyncio.to_thread(_parse_json, raw)  # a large body must not stall the event loop
+
+
+async def _read_body(request: Request) -> bytes:
+    too_large = ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes; send a smaller request")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_json(raw: bytes) -> object:
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    _check_json_values(body)
+    return body
+
+
+def _check_json_values(body: object) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH, or a string holding a lone surrogate ("\\ud800"
+    is valid JSON but not Unicode text: it can be neither tokenized nor sent back)."""
+    stack = [(body, 1, "body")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ApiError(400, f"{path}: holds a lone UTF-16 surrogate, which is not valid Unicode text",
+                               param=None if path == "body" else path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            child = str(key) if path == "body" else f"{path}.{key}"
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise ApiError(400, f"{child}: a key holds a lone UTF-16 surrogate, which is not valid Unicode text")
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, depth + 1, child))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _api_key_check(api_key: str | None):
@@ -226,12 +314,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
-          port: int = 8000, api_key: str | None = None, max_waiting: int | None = None,
-          log_stats: bool = True, tokenizer_pool_size: int = 0) -> None:
+          port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
+          log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
-    for good (a rank of a parallel engine died)."""
-    import uvicorn
-
+    for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
+    to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
     startup_errors: list[BaseException] = []
 
     def on_startup_failure(error: BaseException) -> None:
@@ -241,14 +328,37 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
                     log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size, on_startup_failure=on_startup_failure,
                     on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
+    # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=shutdown_timeout_s + 10)
+    server = _Server(config, app.state.ctx.engine_loop, shutdown_timeout_s)
     logger.info("listening on http://%s:%d (OpenAI API under /v1); loading the model", host, port)
     with _sigterm_handled_by_uvicorn():
         server.run()
     if startup_errors:
         raise startup_errors[0]
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which past the grace period aborts the requests still running (their
+    streams send an error event and [DONE]) instead of cutting their connections."""
+
+    def __init__(self, config, engine_loop, grace_s: float):
+        super().__init__(config)
+        self._engine_loop = engine_loop
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        def abort_running() -> None:
+            logger.warning("shutdown: aborting the requests still running after %g s", self._grace_s)
+            self._engine_loop.abort_all(EngineStopped(
+                f"the server is shutting down and the request did not finish within {self._grace_s:g} s"))
+
+        timer = asyncio.get_running_loop().call_later(self._grace_s, abort_running)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 class _sigterm_handled_by_uvicorn:

@@ -36,6 +36,16 @@ class EngineStopped(Exception):
     """Delivered to requests still running when the engine loop stops (server shutdown)."""
 
 
+class RequestFailed(Exception):
+    """Delivered to a request the engine ended because handling it failed (the message names it)."""
+
+
+# The engine is wedged when one step (or command batch) has run this long: /health answers 503.
+STALL_TIMEOUT_S = 60.0
+# A loop whose steps failed this many times in a row (each failing every request) is unhealthy.
+MAX_CONSECUTIVE_RESETS = 3
+
+
 @dataclass(eq=False)
 class RequestStream:
     """One engine request as the asyncio side sees it.
@@ -85,10 +95,15 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future | None = None
-        self._num_pending_adds = 0  # asyncio thread only
+        # Sequences of adds sent to the engine thread (asyncio side) and run by it (engine thread; copied
+        # into each stats snapshot): their difference is the adds not run yet, exact against the snapshot.
+        self._num_sequences_sent = 0
+        self._num_sequences_added = 0
         self.engine = None  # set once loaded; read-only from the asyncio side (options, tokenizer)
         self.stats: dict = {}  # engine.stats() after the latest step or command batch (a fresh dict each time)
         self.failure: BaseException | None = None  # set if a step raised: the engine is unusable
+        self.busy_since: float | None = None  # time.monotonic() when the running step/command began
+        self.consecutive_resets = 0  # steps in a row that failed as a whole
 
     # ---- lifecycle (asyncio thread) --------------------------------------------------------
 
@@ -101,6 +116,21 @@ class EngineLoop:
     @property
     def is_ready(self) -> bool:
         return self._ready is not None and self._ready.done() and self._ready.exception() is None
+
+    def health_problem(self, stall_timeout_s: float = STALL_TIMEOUT_S) -> str | None:
+        """Why this loop is not serving (None when it is): its thread is gone, its engine failed for
+        good, its steps keep failing, or one step has run longer than `stall_timeout_s`."""
+        if self._thread is None or not self._thread.is_alive():
+            return "the engine thread is not running"
+        if self.failure is not None:
+            return f"the engine failed: {type(self.failure).__name__}: {self.failure}"
+        if self.consecutive_resets >= MAX_CONSECUTIVE_RESETS:
+            return f"the last {self.consecutive_resets} engine steps failed"
+        busy_since = self.busy_since
+        if busy_since is not None and time.monotonic() - busy_since > stall_timeout_s:
+            return (f"the engine has been in one step for {time.monotonic() - busy_since:.0f} s "
+                    f"({self.stats.get('num_running', 0)} running, {self.stats.get('num_waiting', 0)} waiting)")
+        return None
 
     async def wait_ready(self) -> None:
         """Return once the engine is loaded; raise what loading raised."""
@@ -123,30 +153,52 @@ class EngineLoop:
     @property
     def num_waiting(self) -> int:
         """Sequences waiting for a seat, counting adds the engine thread has not run yet."""
-        return self.stats.get("num_waiting", 0) + self._num_pending_adds
+        stats = self.stats  # one snapshot: its counts and its adds agree
+        return stats.get("num_waiting", 0) + self._num_sequences_sent - stats.get("num_sequences_added", 0)
+
+    @property
+    def num_unfinished_sequences(self) -> int:
+        """Sequences running or waiting, counting adds the engine thread has not run yet."""
+        stats = self.stats
+        return (stats.get("num_running", 0) + stats.get("num_waiting", 0)
+                + self._num_sequences_sent - stats.get("num_sequences_added", 0))
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences the engine runs at once (max_num_seqs)."""
+        return self.engine.options.max_num_seqs
 
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
                           priority: int = 0) -> None:
         """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one)."""
         stream.num_prompt_tokens = len(prompt_token_ids)
+        num_sequences = params.best_of or params.n
 
         def add(engine) -> None:
-            engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
-                               arrival_time=stream.arrival_time)
+            try:
+                engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
+                                   arrival_time=stream.arrival_time)
+            finally:
+                self._num_sequences_added += num_sequences  # in the snapshot taken right after
             self._streams[stream.request_id] = stream
 
-        self._num_pending_adds += params.n
+        if self._thread is None:
+            raise EngineStopped("the engine is stopped")
+        self._num_sequences_sent += num_sequences
         try:
             await self._call(add)
         except asyncio.CancelledError:
             self.abort(stream.request_id)  # the add may still run: undo it right after
             raise
-        finally:
-            self._num_pending_adds -= params.n
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its blocks are freed before the next step."""
         self._commands.put(_Command(lambda engine: self._abort(engine, request_id)))
+
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every running request; each handler gets `error` (shutdown past its grace period)."""
+        if self._thread is not None:
+            self._commands.put(_Command(lambda engine: self._abort_all(engine, error)))
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:
         if self._thread is None:
@@ -171,11 +223,17 @@ class EngineLoop:
             self._post(_settle, self._ready, None, e)
             return
         self.engine = engine
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         self._post(_settle, self._ready, None, None)
-        while self._run_commands(engine, block=not engine.has_unfinished_requests()):
-            if engine.has_unfinished_requests():
-                self._step(engine)
+        try:
+            while self._run_commands(engine, block=not engine.has_unfinished_requests()):
+                if engine.has_unfinished_requests():
+                    self._step(engine)
+        except BaseException as e:  # noqa: BLE001 - the loop itself broke: fail every request, then stop
+            logger.exception("the engine loop stopped")
+            self.failure = e
+            self._abort_all(engine, e)
+            raise
         self._abort_all(engine, EngineStopped("the server is shutting down"))
         close = getattr(engine, "close", None)
         if close is not None:
@@ -187,19 +245,23 @@ class EngineLoop:
         while command is not None:
             if command is _STOP:
                 return False
+            self.busy_since = time.monotonic()
             try:
                 result, error = command.run(engine), None
             except Exception as e:  # noqa: BLE001 - a bad request: its handler raises it
                 result, error = None, e
-            self.stats = engine.stats()  # before the handler resumes: admission reads num_waiting
+            finally:
+                self.busy_since = None
+            self.stats = self._snapshot(engine)  # before the handler resumes: admission reads num_waiting
             if command.future is not None:
                 self._post(_settle, command.future, result, error)
             command = _get_nowait(self._commands)
         return True
 
     def _step(self, engine) -> None:
-        step_start = time.monotonic()
+        step_start = self.busy_since = time.monotonic()
         try:
+            resets = getattr(engine, "num_resets", 0)
             outputs = engine.step()
         except WorkerError as e:  # a rank of a parallel engine is gone: nothing can run any more
             logger.error("%s; aborting %d running request(s)", e, len(self._streams))
@@ -208,26 +270,35 @@ class EngineLoop:
                 self._on_fatal(e)
             self._abort_all(engine, e)
             return
-        except Exception as e:  # noqa: BLE001 - an engine bug: fail the running requests, keep serving
+        except Exception as e:  # noqa: BLE001 - an engine bug the engine did not contain
             logger.exception("engine step failed; aborting %d running request(s)", len(self._streams))
-            self.failure = e
+            self.consecutive_resets += 1
             self._abort_all(engine, e)
             return
+        finally:
+            self.busy_since = None
+        self.consecutive_resets = self.consecutive_resets + 1 if getattr(engine, "num_resets", 0) > resets else 0
         now = time.monotonic()
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         deliveries = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            if self._observer is not None:
-                self._observer.on_output(stream, output, now, step_start)
             if output.finished:
                 stream.is_finished = True
                 del self._streams[output.request_id]
+            if getattr(output, "error", None) is not None:
+                deliveries.append((stream, RequestFailed(output.error)))
+                continue
+            if self._observer is not None:
+                self._observer.on_output(stream, output, now, step_start)
             deliveries.append((stream, output))
         if deliveries:
             self._post(_deliver, deliveries)
+
+    def _snapshot(self, engine) -> dict:
+        return {**engine.stats(), "num_sequences_added": self._num_sequences_added}
 
     def _abort(self, engine, request_id: str) -> None:
         engine.abort_request(request_id)
@@ -239,7 +310,7 @@ class EngineLoop:
             engine.abort_request(request_id)
             deliveries.append((stream, error))
         self._streams.clear()
-        self.stats = engine.stats()
+        self.stats = self._snapshot(engine)
         if deliveries:
             self._post(_deliver, deliveries)
 

@@ -13,7 +13,7 @@ grammar xgrammar cannot compile is a 400 naming the field it came from.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,6 +27,17 @@ MAX_LOGPROBS = 20
 # vLLM's range for seed and priority (a C int64).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
+
+# Per-request caps (a 400 naming the field beyond them): one request must not hold the engine.
+MAX_N = 128  # n and best_of: sequences generated for one prompt
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_STOP_STRINGS = 64  # entries of `stop`
+MAX_STOP_STRING_CHARS = 1024  # characters of one stop string
+MAX_LOGIT_BIAS_ENTRIES = 1024  # tokens in `logit_bias`
+MAX_TOKEN_ID_LIST = 65536  # entries of stop_token_ids / allowed_token_ids
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 # Fields of OpenAI's or vLLM's API that change what is generated and that llmc does not implement,
 # with the values that are harmless (the default): a request that sets any other value gets a 400.
@@ -78,32 +89,32 @@ class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS_ENTRIES)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = Field(default=None, max_length=MAX_TOKEN_ID_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    allowed_token_ids: list[int] | None = None
-    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    allowed_token_ids: list[Int64] | None = Field(default=None, max_length=MAX_TOKEN_ID_LIST)
+    prompt_logprobs: Int64 | None = None
     bad_words: list[str] | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
@@ -122,7 +133,13 @@ class _SamplingFields(_Body):
         """vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage."""
         return self.include_usage and self.stream_options.continuous_usage_stats
 
+    def check_stop(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise invalid("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
+
     def check_stream_options(self) -> None:
+        self.check_stop()
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "only allowed with stream=true")
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -199,9 +216,9 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_SamplingFields):
     prompt: PromptField | None = None
     suffix: str | None = None
-    max_tokens: int | None = 16  # None (null): up to the model's context, as vLLM
+    max_tokens: Int64 | None = 16  # None (null): up to the model's context, as vLLM
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Int64 | None = None
     add_special_tokens: bool = True
 
     def check(self) -> None:
@@ -256,10 +273,10 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -320,6 +337,25 @@ class BatchRequestLine(BaseModel):
     method: Literal["POST"]
     url: Literal["/v1/completions", "/v1/chat/completions"]
     body: dict
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """FastAPI's `openapi_extra` documenting `model` as the JSON request body (the handlers read the
+    raw body to answer bad JSON in OpenAI's error shape, so FastAPI cannot infer it). Sub-models are
+    inlined: the schema stands alone."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 def _check_logprobs(name: str, value: int | None) -> None:

@@ -63,6 +63,14 @@ class ReplicaRouter:
         return sum(replica.num_waiting for replica in self.replicas)
 
     @property
+    def num_unfinished_sequences(self) -> int:
+        return sum(replica.num_unfinished_sequences for replica in self.replicas)
+
+    @property
+    def num_seats(self) -> int:
+        return sum(replica.num_seats for replica in self.replicas)
+
+    @property
     def failure(self) -> BaseException | None:
         return next((replica.failure for replica in self.replicas if replica.failure is not None), None)
 
@@ -98,6 +106,10 @@ class ReplicaRouter:
             self._streams[index].discard(stream)
             self._routes.pop(stream.request_id, None)
             raise
+
+    def abort_all(self, error: BaseException) -> None:
+        for replica in self.replicas:
+            replica.abort_all(error)
 
     def abort(self, request_id: str) -> None:
         index = self._routes.pop(request_id, None)

@@ -18,13 +18,16 @@ from llmc.errors import RequestError
 
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server.engine_loop import EngineLoop, EngineStopped, RequestStream
+from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger("llmc")
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# Sequences that may wait for a seat before new requests get 503 (`llmc run --max-waiting`).
+DEFAULT_MAX_WAITING = 1024
 
 
 def parse_body(model: type[Body], body: object) -> Body:
@@ -73,13 +76,15 @@ async def respond(generation: "Generation", reply, is_stream: bool):
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = None,
+    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = DEFAULT_MAX_WAITING,
                  tokenizer_pool_size: int = 0):
         self.engine_loop = engine_loop
         self.served_model_name = served_model_name
         self.max_waiting = max_waiting
+        self.stall_timeout_s = STALL_TIMEOUT_S  # /health: 503 once one step has run this long
         # tokenizer_pool_size > 0: prompts are tokenized and chat templates rendered on these threads
-        # (fast tokenizers release the GIL), not on the event loop that serves every stream
+        # (fast tokenizers release the GIL); 0: on the event loop's default thread pool — never on
+        # the loop itself, where a big prompt would stall every stream and /health
         self._tokenizer_pool = (ThreadPoolExecutor(tokenizer_pool_size, thread_name_prefix="llmc-tokenizer")
                                 if tokenizer_pool_size > 0 else None)
 
@@ -98,12 +103,21 @@ class ServingContext:
         if not self.engine_loop.is_ready:
             raise unavailable("the model is still loading; retry in a moment")
 
-    def check_admission(self, num_sequences: int) -> None:
-        """503 when the waiting queue is full (--max-waiting)."""
-        waiting = self.engine_loop.num_waiting
-        if self.max_waiting is not None and waiting + num_sequences > self.max_waiting:
-            raise unavailable(f"the server is overloaded ({waiting} sequences waiting, the limit is "
-                              f"{self.max_waiting}); retry later")
+    def check_admission(self, num_sequences: int, param: str) -> None:
+        """400 for a request that could never be admitted; 503 (Retry-After) when admitting it now
+        would leave more than max_waiting sequences waiting for a seat (--max-waiting). Sequences
+        count: n / best_of sequences per prompt; the free seats (max_num_seqs) wait for nothing."""
+        if self.max_waiting is None:
+            return
+        seats = self.engine_loop.num_seats
+        if num_sequences > seats + self.max_waiting:
+            raise invalid(param, f"this request generates {num_sequences} sequences, but the server runs "
+                          f"{seats} at once and lets at most {self.max_waiting} wait (--max-waiting): it can "
+                          "never be admitted; lower n / best_of or send fewer prompts per request")
+        waiting = self.engine_loop.num_unfinished_sequences + num_sequences - seats
+        if waiting > self.max_waiting:
+            raise unavailable(f"the server is overloaded ({self.engine_loop.num_waiting} sequences waiting, the "
+                              f"limit is {self.max_waiting}); retry later")
 
     # ---- prompts ---------------------------------------------------------------------------
 
@@ -119,20 +133,21 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine_loop.engine.manifest.model.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a text it cannot encode)
+            raise invalid(param, f"cannot be tokenized: {type(e).__name__}: {e}") from None
 
-    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`encode` on the tokenizer pool (inline without one)."""
-        return await self._off_loop(self.encode, text, add_special_tokens)
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """`encode` on the tokenizer pool (the default thread pool without one)."""
+        return await self._off_loop(self.encode, text, add_special_tokens, param)
 
     async def render_chat_off_loop(self, messages: list[dict]) -> list[int]:
-        """`render_chat` on the tokenizer pool (inline without one)."""
+        """`render_chat` on the tokenizer pool (the default thread pool without one)."""
         return await self._off_loop(self.render_chat, messages)
 
     async def _off_loop(self, function, *args):
-        if self._tokenizer_pool is None:
-            return function(*args)
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 
     def render_chat(self, messages: list[dict]) -> list[int]:
@@ -177,7 +192,9 @@ class ServingContext:
                        arrival_time: float | None = None) -> Generation:
         """Queue one engine request per prompt (ids `request_id-i`); all or none are added."""
         self.require_ready()
-        self.check_admission((params.best_of or params.n) * len(prompts))
+        per_prompt = params.best_of or params.n
+        self.check_admission(per_prompt * len(prompts),
+                             "prompt" if len(prompts) > 1 else ("best_of" if params.best_of else "n"))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         generation = Generation(self.engine_loop)
         try:
@@ -209,8 +226,11 @@ class Generation:
             index, item = await self.queue.get()
             if isinstance(item, EngineStopped):
                 raise ApiError(503, f"the request was aborted: {item}")
+            if isinstance(item, RequestFailed):
+                raise ApiError(500, f"internal error: {item}")
             if isinstance(item, BaseException):
-                raise ApiError(500, f"the engine failed: {type(item).__name__}: {item}")
+                raise ApiError(500, f"internal error: request {self.streams[index].request_id!r} failed: the engine "
+                               f"failed: {type(item).__name__}: {item}")
             if item.finished:
                 num_unfinished -= 1
             yield index, item

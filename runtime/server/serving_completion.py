@@ -17,7 +17,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
                                             text_pieces, usage, usage_body)
-from llmc.runtime.server.protocol import CompletionRequest
+from llmc.runtime.server.protocol import MAX_PROMPTS, CompletionRequest
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
 
 
@@ -50,8 +50,10 @@ async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Pro
         raise invalid("prompt", "must not be empty")
     if isinstance(prompt[0], int):
         prompt = [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}; split the request")
     texts = [item for item in prompt if isinstance(item, str)]
-    encoded = iter(await asyncio.gather(*(ctx.encode_off_loop(t, request.add_special_tokens) for t in texts)))
+    encoded = iter(await asyncio.gather(*(ctx.encode_off_loop(t, request.add_special_tokens, "prompt") for t in texts)))
     prompts = []
     for item in prompt:
         if isinstance(item, str):

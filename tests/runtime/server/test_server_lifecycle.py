@@ -53,7 +53,8 @@ def test_503_when_the_waiting_queue_is_full(run_app, server_artifact):
     _wait_healthy(base_url)
     with httpx.Client(base_url=base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
-            next(running.iter_lines())  # the only seat is taken
+            lines = running.iter_lines()  # kept: a dropped line iterator closes the connection
+            next(lines)  # the only seat is taken
             with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as waiting:
                 assert waiting.status_code == 200  # queued: headers come once it is added
                 refused = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -95,3 +96,17 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
     assert server.process.wait(60) == 0, server.log()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{server.base_url}/health")
+
+
+def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(start_server):
+    server = start_server("--disable-log-stats", "--shutdown-timeout", "0.2")
+    body = {**LONG, "max_tokens": 250, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
+    assert server.process.wait(60) == 0, server.log()
