@@ -110,10 +110,10 @@ def test_a_raising_sampler_row_fails_its_request_alone(llm, reference, monkeypat
     sampler = llm.engine.sampler
     original = type(sampler).add
 
-    def add(self, row, params, prompt_ids, output_ids):
+    def add(self, row, params, *rest):
         if params.min_tokens == 3:
             raise OverflowError("injected: a value the sampler cannot hold")
-        original(self, row, params, prompt_ids, output_ids)
+        original(self, row, params, *rest)
 
     monkeypatch.setattr(type(sampler), "add", add)
     results = _run(llm.engine, _good() + [("bad", "x", SamplingParams(min_tokens=3, max_tokens=5))])
