@@ -35,20 +35,34 @@ def _dir_bytes(path: Path, names: list[str]) -> int:
     return sum((path / n).stat().st_size for n in names)
 
 
-def build_all(args) -> dict[str, Path]:
-    work = Path(args.work)
-    paths = {"llmc-onnx": work / "llmc-onnx", "llmc-torch": work / "llmc-torch", "genai": work / "genai-int4"}
-    for target, key in (("onnx-cpu", "llmc-onnx"), ("cpu", "llmc-torch")):
-        if not (paths[key] / "manifest.json").is_file():
-            from llmc.compiler.build import build
-            from llmc.compiler.recipe import recipe_from_dict
+# llmc builds: name -> (target.device, group_size, target.int4_accuracy_level or None)
+LLMC_BUILDS = {
+    "llmc-onnx-g128": ("onnx-cpu", 128, None),  # the recipe's defaults (float32 compute)
+    "llmc-onnx-g128-acc4": ("onnx-cpu", 128, 4),
+    "llmc-onnx-g32": ("onnx-cpu", 32, None),
+    "llmc-onnx-g32-acc4": ("onnx-cpu", 32, 4),  # genai's int4 defaults: 32-column blocks, int8 compute
+    "llmc-torch-g128": ("cpu", 128, None),
+}
 
-            build(recipe_from_dict({
-                "model": args.model, "output": str(paths[key]), "dtype": "float32",
-                "quantization": {"method": "gptq", "bits": 4, "group_size": 128, "ignore": [], "report": False,
-                                 "calibration": {"data": str(REPO / "data" / "calibration.txt"),
-                                                 "num_samples": 32, "seq_len": 512}},
-                "runtime": {"max_model_len": 2048}, "target": {"device": target}}), show_progress=False)
+
+def _recipe(args, out: Path, device: str, group_size: int, accuracy_level: int | None) -> dict:
+    target = {"device": device} | ({"int4_accuracy_level": accuracy_level} if accuracy_level else {})
+    return {"model": args.model, "output": str(out), "dtype": "float32",
+            "quantization": {"method": "gptq", "bits": 4, "group_size": group_size, "ignore": [], "report": False,
+                             "calibration": {"data": str(REPO / "data" / "calibration.txt"),
+                                             "num_samples": 32, "seq_len": 512}},
+            "runtime": {"max_model_len": 2048}, "target": target}
+
+
+def build_all(args) -> dict[str, Path]:
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    work = Path(args.work)
+    paths = {name: work / name for name in LLMC_BUILDS} | {"genai": work / "genai-int4"}
+    for name, spec in LLMC_BUILDS.items():
+        if not (paths[name] / "manifest.json").is_file():
+            build(recipe_from_dict(_recipe(args, paths[name], *spec)), show_progress=False)
     if not (paths["genai"] / "model.onnx").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", args.model, "-o",
                         str(paths["genai"]), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")],
@@ -57,9 +71,11 @@ def build_all(args) -> dict[str, Path]:
 
 
 def file_sizes(paths: dict[str, Path]) -> dict[str, int]:
-    return {"llmc-onnx": _dir_bytes(paths["llmc-onnx"] / "onnx", ["model.onnx", "model.onnx.data"]),
-            "llmc-torch": _dir_bytes(paths["llmc-torch"] / "rank-00", ["weights.safetensors"]),
-            "genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])}
+    sizes = {"genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])}
+    for name, (device, _, _) in LLMC_BUILDS.items():
+        sizes[name] = (_dir_bytes(paths[name] / "onnx", ["model.onnx", "model.onnx.data"]) if device == "onnx-cpu"
+                       else _dir_bytes(paths[name] / "rank-00", ["weights.safetensors"]))
+    return sizes
 
 
 # ---- workers: one engine per process ---------------------------------------------------------
