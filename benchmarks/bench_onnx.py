@@ -1,15 +1,17 @@
 """Edge benchmark, one run on one machine: llmc's ONNX W4 artifact, llmc's torch CPU path on the same
 build, and onnxruntime-genai's own int4 build of the same checkpoint.
 
-    python benchmarks/bench_onnx.py [--model checkpoints/ref-llama-12m] [--repeats 3] [--genai-dir DIR]
+    python benchmarks/bench_onnx.py [--model checkpoints/ref-llama-12m] [--repeats 3] [--genai-dir DIR] [--only BUILD ...]
 
 Measures, per engine, in a fresh process each time (so peak memory is that engine's alone):
-batch-1 decode tokens/s (64 new tokens after a 32-token prompt), prompt tokens/s (a 512-token
+batch-1 decode tokens/s (64 new tokens after a 32-token prompt, best of 5), prompt tokens/s (a 512-token
 prefill, best of 3), peak RSS, file size, and perplexity on data/heldout.txt (512-token windows,
 GPTQ-paper protocol; genai's model is scored by onnxruntime on the same windows).
 
-llmc builds: GPTQ W4 g128 symmetric, every linear including lm_head (as genai's int4 does),
-calibrated on data/calibration.txt. onnxruntime-genai is imported from --genai-dir (installed there
+llmc builds (LLMC_BUILDS): GPTQ W4 symmetric, every linear including lm_head (as genai's int4 does),
+calibrated on data/calibration.txt, at group 128 (llmc's default) and 32 (genai's block size), with
+float32 MatMulNBits compute (target.int4_accuracy_level 1, llmc's default) and int8 (4, genai's
+default), and the torch CPU path on the g128 build. onnxruntime-genai is imported from --genai-dir (installed there
 with `pip install --target DIR onnxruntime-genai onnx_ir`), its model built with
 `python -m onnxruntime_genai.models.builder -i MODEL -o OUT -p int4 -e cpu`.
 """
@@ -28,27 +30,42 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 HELDOUT = REPO / "data" / "heldout.txt"
-DECODE_PROMPT, DECODE_TOKENS, PREFILL_TOKENS, PPL_SEQ_LEN, PPL_WINDOWS = 32, 64, 512, 512, 16
+DECODE_PROMPT, DECODE_TOKENS, DECODE_TRIES, PREFILL_TOKENS, PPL_SEQ_LEN, PPL_WINDOWS = 32, 64, 5, 512, 512, 16
 
 
 def _dir_bytes(path: Path, names: list[str]) -> int:
     return sum((path / n).stat().st_size for n in names)
 
 
-def build_all(args) -> dict[str, Path]:
-    work = Path(args.work)
-    paths = {"llmc-onnx": work / "llmc-onnx", "llmc-torch": work / "llmc-torch", "genai": work / "genai-int4"}
-    for target, key in (("onnx-cpu", "llmc-onnx"), ("cpu", "llmc-torch")):
-        if not (paths[key] / "manifest.json").is_file():
-            from llmc.compiler.build import build
-            from llmc.compiler.recipe import recipe_from_dict
+# llmc builds: name -> (target.device, group_size, target.int4_accuracy_level or None)
+LLMC_BUILDS = {
+    "llmc-onnx-g128": ("onnx-cpu", 128, None),  # the recipe's defaults (float32 compute)
+    "llmc-onnx-g32-acc4": ("onnx-cpu", 32, 4),  # genai's int4 defaults: 32-column blocks, int8 compute
+    "llmc-torch-g128": ("cpu", 128, None),
+    "llmc-onnx-g32": ("onnx-cpu", 32, None),
+    "llmc-onnx-g128-acc4": ("onnx-cpu", 128, 4),
+}
 
-            build(recipe_from_dict({
-                "model": args.model, "output": str(paths[key]), "dtype": "float32",
-                "quantization": {"method": "gptq", "bits": 4, "group_size": 128, "ignore": [], "report": False,
-                                 "calibration": {"data": str(REPO / "data" / "calibration.txt"),
-                                                 "num_samples": 32, "seq_len": 512}},
-                "runtime": {"max_model_len": 2048}, "target": {"device": target}}), show_progress=False)
+
+def _recipe(args, out: Path, device: str, group_size: int, accuracy_level: int | None) -> dict:
+    target = {"device": device} | ({"int4_accuracy_level": accuracy_level} if accuracy_level else {})
+    return {"model": args.model, "output": str(out), "dtype": "float32",
+            "quantization": {"method": "gptq", "bits": 4, "group_size": group_size, "ignore": [], "report": False,
+                             "calibration": {"data": str(REPO / "data" / "calibration.txt"),
+                                             "num_samples": 32, "seq_len": 512}},
+            "runtime": {"max_model_len": 2048}, "target": target}
+
+
+def build_all(args) -> dict[str, Path]:
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    work = Path(args.work)
+    builds = {name: spec for name, spec in LLMC_BUILDS.items() if not args.only or name in args.only}
+    paths = {name: work / name for name in builds} | {"genai": work / "genai-int4"}
+    for name, spec in builds.items():
+        if not (paths[name] / "manifest.json").is_file():
+            build(recipe_from_dict(_recipe(args, paths[name], *spec)), show_progress=False)
     if not (paths["genai"] / "model.onnx").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", args.model, "-o",
                         str(paths["genai"]), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")],
@@ -57,9 +74,12 @@ def build_all(args) -> dict[str, Path]:
 
 
 def file_sizes(paths: dict[str, Path]) -> dict[str, int]:
-    return {"llmc-onnx": _dir_bytes(paths["llmc-onnx"] / "onnx", ["model.onnx", "model.onnx.data"]),
-            "llmc-torch": _dir_bytes(paths["llmc-torch"] / "rank-00", ["weights.safetensors"]),
-            "genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])}
+    sizes = {"genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])}
+    for name, (device, _, _) in LLMC_BUILDS.items():
+        if name in paths:
+                sizes[name] = (_dir_bytes(paths[name] / "onnx", ["model.onnx", "model.onnx.data"]) if device == "onnx-cpu"
+                           else _dir_bytes(paths[name] / "rank-00", ["weights.safetensors"]))
+    return sizes
 
 
 # ---- workers: one engine per process ---------------------------------------------------------
@@ -75,8 +95,7 @@ def _llmc_worker(path: str, token_ids: list[int], measure_ppl: bool) -> dict:
     run = lambda ids, n: llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
     run(token_ids[:16], 4)  # warm up
     prefill = min(_timed(lambda: run(token_ids[:PREFILL_TOKENS], 1)) for _ in range(3))
-    first = min(_timed(lambda: run(token_ids[:DECODE_PROMPT], 1)) for _ in range(2))
-    decode = _timed(lambda: run(token_ids[:DECODE_PROMPT], DECODE_TOKENS + 1)) - first
+    decode = _decode_seconds(lambda n: run(token_ids[:DECODE_PROMPT], n))
     result = {"decode_tps": DECODE_TOKENS / decode, "prompt_tps": PREFILL_TOKENS / prefill}
     if measure_ppl:
         windows = perplexity_windows(llm.tokenizer, HELDOUT, PPL_SEQ_LEN, PPL_WINDOWS)
@@ -99,8 +118,7 @@ def _genai_worker(path: str, token_ids: list[int], measure_ppl: bool) -> dict:
 
     run(token_ids[:16], 4)
     prefill = min(_timed(lambda: run(token_ids[:PREFILL_TOKENS], 1)) for _ in range(3))
-    first = min(_timed(lambda: run(token_ids[:DECODE_PROMPT], 1)) for _ in range(2))
-    decode = _timed(lambda: run(token_ids[:DECODE_PROMPT], DECODE_TOKENS + 1)) - first
+    decode = _decode_seconds(lambda n: run(token_ids[:DECODE_PROMPT], n))
     result = {"decode_tps": DECODE_TOKENS / decode, "prompt_tps": PREFILL_TOKENS / prefill}
     if measure_ppl:
         result["perplexity"] = _genai_perplexity(Path(path) / "model.onnx", token_ids)
@@ -136,6 +154,13 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _decode_seconds(run) -> float:
+    """Seconds of DECODE_TOKENS batch-1 decode steps: the best of DECODE_TRIES generations of 1 + DECODE_TOKENS
+    tokens minus the best of 1 token (the prompt's prefill). Best-of: other load only ever adds time."""
+    first = min(_timed(lambda: run(1)) for _ in range(DECODE_TRIES))
+    return min(_timed(lambda: run(DECODE_TOKENS + 1)) for _ in range(DECODE_TRIES)) - first
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -165,6 +190,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(REPO / "build" / "bench_onnx"))
     parser.add_argument("--genai-dir", default="/tmp/ogenai", help="where onnxruntime-genai is pip-installed (--target)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", nargs="*", choices=list(LLMC_BUILDS), help="these llmc builds (default: all)")
     parser.add_argument("--worker"), parser.add_argument("--path"), parser.add_argument("--ids")
     parser.add_argument("--ppl", action="store_true")
     args = parser.parse_args()
@@ -185,11 +211,11 @@ def main() -> None:
 
 def report(runs: dict[str, list[dict]], sizes: dict[str, int], args) -> None:
     print(f"cores {len(os.sched_getaffinity(0))}, repeats {args.repeats} (median [min-max])")
-    print(f"{'engine':<12}{'decode tok/s':>26}{'prompt tok/s':>26}{'peak RSS MiB':>16}{'file MiB':>10}{'ppl':>9}")
+    print(f"{'engine':<22}{'decode tok/s':>26}{'prompt tok/s':>26}{'peak RSS MiB':>16}{'file MiB':>10}{'ppl':>9}")
     for kind, rs in runs.items():
         cell = lambda key: (f"{statistics.median(r[key] for r in rs):.0f} "  # noqa: E731
                             f"[{min(r[key] for r in rs):.0f}-{max(r[key] for r in rs):.0f}]")
-        print(f"{kind:<12}{cell('decode_tps'):>26}{cell('prompt_tps'):>26}{statistics.median(r['peak_rss_mib'] for r in rs):>16.0f}"
+        print(f"{kind:<22}{cell('decode_tps'):>26}{cell('prompt_tps'):>26}{statistics.median(r['peak_rss_mib'] for r in rs):>16.0f}"
               f"{sizes[kind] / 2**20:>10.2f}{rs[0]['perplexity']:>9.3f}")
     print(json.dumps({"runs": runs, "file_bytes": sizes}))
 

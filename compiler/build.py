@@ -22,7 +22,7 @@ from llmc.compiler.convert import (
 from llmc.compiler.calibration import LayerRunner, calibration_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.import_quantized import ImportPacker, import_formats
-from llmc.compiler.onnx_export import check_onnx_recipe, export_onnx
+from llmc.compiler.onnx_export import DEFAULT_INT4_ACCURACY_LEVEL, check_onnx_recipe, export_onnx
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
 from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_scales, fp8_max
 from llmc.compiler.pipeline import QuantizingPacker
@@ -298,7 +298,8 @@ def _write_onnx(ctx: _Context, root: Path) -> list[int]:
     """onnx-cpu: the packed weights become root/onnx/ (graph + external data), then go."""
     weights = root / art.rank_weights_path(0)
     max_positions = max(ctx.model.max_position_embeddings, _resolve_runtime(ctx.recipe, ctx.model).max_model_len)
-    record = export_onnx(root, ctx.model, ctx.module_formats, weights, max_positions)
+    record = export_onnx(root, ctx.model, ctx.module_formats, weights, max_positions,
+                         ctx.recipe.target.int4_accuracy_level or DEFAULT_INT4_ACCURACY_LEVEL)
     shutil.rmtree(weights.parent)
     ctx.target = {"device": ctx.recipe.target.device, "model_format": om.MODEL_FORMAT, "onnx": record}
     return [sum(p.stat().st_size for p in (root / om.MODEL_PATH).parent.iterdir())]

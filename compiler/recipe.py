@@ -68,6 +68,11 @@ class TargetConfig:
     gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, max=65536.0, help="GPU memory to plan for (default: 80)")
     tune_kernels: bool = opt(False, help="measure the W4A16 kernels for the artifact's shapes on this machine's GPU "
                                          "(cuda target) and record them; false: the recorded H200 table and a heuristic")
+    int4_accuracy_level: int | None = opt(None, choices=[1, 4], help=(
+        "onnx-cpu: MatMulNBits' accuracy_level (onnxruntime-genai's int4_accuracy_level). 4: each block of "
+        "activations is quantized to int8 for the int4 dot products (genai's and llama.cpp's CPU default, about "
+        "2x faster decode, activations rounded too); 1: float32 on the dequantized weights (the quantized model "
+        "exactly, the torch runtime's tokens). Default 1"))
 
 
 @dataclass(frozen=True)

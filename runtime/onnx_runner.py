@@ -58,6 +58,45 @@ class _Chunk:
     rows: list[int] = field(default_factory=list)  # indices into token_ids
 
 
+MAX_CACHED_BINDINGS = 16  # call shapes kept bound: a steady decode, a few prefill chunk lengths
+
+
+class _Call:
+    """One call shape's io binding: input arrays and the logits array allocated once and bound as
+    OrtValues over their memory, and each layer's K/V slot range bound as both past and present
+    (GroupQueryAttention writes the new rows in place). A call fills the arrays and runs."""
+
+    def __init__(self, session, ort, kv: list[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int,
+                 rows: int, vocab_size: int):
+        self.input_ids = np.zeros((batch_size, seq_len), np.int64)
+        self.query_lens = np.zeros(batch_size, np.int32)
+        self.seqlens_k = np.zeros(batch_size, np.int32)
+        self.total = np.zeros((), np.int32)
+        self.indices = np.zeros(rows, np.int64)
+        self.logits = np.zeros((rows, vocab_size), np.float32)
+        self.binding = session.io_binding()
+        as_value = ort.OrtValue.ortvalue_from_numpy
+        self._values = [as_value(a) for a in (self.input_ids, self.query_lens, self.seqlens_k, self.total,
+                                              self.indices, self.logits)]  # they must outlive the binding
+        for name, value in zip((om.INPUT_IDS, om.QUERY_SEQLENS, om.SEQLENS_K, om.TOTAL_SEQUENCE_LENGTH,
+                                om.LOGITS_INDICES), self._values):
+            self.binding.bind_ortvalue_input(name, value)
+        self.binding.bind_ortvalue_output(om.LOGITS, self._values[-1])
+        for layer, (k, v) in enumerate(kv):
+            for past, present, buffer in zip(om.past_names(layer), om.present_names(layer), (k, v)):
+                value = as_value(buffer)  # a view of the runner's KV buffer: written in place
+                self._values.append(value)
+                self.binding.bind_ortvalue_input(past, value)
+                self.binding.bind_ortvalue_output(present, value)
+
+    def reset(self, lengths: list[int]) -> None:
+        """Every slot of the range idle (no query tokens) at its current length."""
+        self.input_ids.fill(0)
+        self.query_lens.fill(0)
+        for b, length in enumerate(lengths):
+            self.seqlens_k[b] = max(length, 1) - 1
+
+
 class OnnxRunner:
     """The `Runner` (runtime/runner.py) of an ONNX artifact: one onnxruntime session, a KV slot per
     persistent-batch row. Synchronous: onnxruntime returns when the step is computed."""
@@ -80,6 +119,7 @@ class OnnxRunner:
         self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.num_layers)]
         self.lengths = [0] * (self.num_slots + 1)
         self._ort = ort
+        self._calls: dict[tuple[int, int, int, int], _Call] = {}  # io bindings by call shape, oldest first
         self.session = ort.InferenceSession(str(Path(artifact_dir) / om.MODEL_PATH), self._session_options(ort),
                                             providers=["CPUExecutionProvider"])
         logger.info("ONNX runtime: %d KV slots of %d tokens, %d threads", self.num_slots, self.capacity,
@@ -95,7 +135,7 @@ class OnnxRunner:
 
     def close(self) -> None:
         """Drop the session and the KV buffers."""
-        self.session, self.kv = None, []
+        self.session, self.kv, self._calls = None, [], {}
 
     # ---- slots -----------------------------------------------------------------------------
 
@@ -153,47 +193,41 @@ class OnnxRunner:
 
     def _run(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """One session call over the slot range of `chunks`; advances their slots' lengths."""
-        first = min(c.slot for c in chunks)
-        batch_size = max(c.slot for c in chunks) - first + 1
+        first, last = min(c.slot for c in chunks), max(c.slot for c in chunks)
         seq_len = max(len(c.token_ids) for c in chunks)
-        input_ids = np.zeros((batch_size, seq_len), np.int64)
-        query_lens = np.zeros(batch_size, np.int32)
-        totals = np.array([max(self.lengths[first + b], 1) for b in range(batch_size)], np.int32)
-        indices, counts = [], []
+        counts = [len(c.rows) for c in chunks]
+        call = self._binding(first, last - first + 1, seq_len, sum(max(n, 1) for n in counts))
+        call.reset(self.lengths[first: last + 1])
+        row = 0
         for c in chunks:
             b, n = c.slot - first, len(c.token_ids)
-            input_ids[b, :n] = c.token_ids
-            query_lens[b], totals[b] = n, c.start + n
-            rows = c.rows or [n - 1]  # a chunk that needs no logits still takes one row (dropped)
-            indices.extend(b * seq_len + r for r in rows)
-            counts.append(len(c.rows))
-        logits = self._call(first, batch_size, {
-            om.INPUT_IDS: input_ids, om.QUERY_SEQLENS: query_lens, om.SEQLENS_K: totals - 1,
-            om.TOTAL_SEQUENCE_LENGTH: np.array(totals.max(), np.int32),
-            om.LOGITS_INDICES: np.array(indices, np.int64),
-        })
+            call.input_ids[b, :n] = c.token_ids
+            call.query_lens[b], call.seqlens_k[b] = n, c.start + n - 1
+            for r in c.rows or [n - 1]:  # a chunk that needs no logits still takes one row (dropped)
+                call.indices[row] = b * seq_len + r
+                row += 1
+        call.total[()] = call.seqlens_k.max() + 1
+        self.session.run_with_iobinding(call.binding)
         for c in chunks:
             self.lengths[c.slot] = c.start + len(c.token_ids)
         results, offset = [], 0
-        for c, count in zip(chunks, counts):
-            results.append(logits[offset: offset + count])
+        for count in counts:
+            results.append(call.logits[offset: offset + count].copy())
             offset += max(count, 1)
         return results
 
-    def _call(self, first: int, batch_size: int, inputs: dict[str, np.ndarray]) -> np.ndarray:
-        """Run the session with each layer's K/V slots [first, first + batch_size) bound as both past and present."""
-        binding = self.session.io_binding()
-        for name, array in inputs.items():
-            binding.bind_cpu_input(name, array)
-        binding.bind_output(om.LOGITS)
-        ortvalue = self._ort.OrtValue.ortvalue_from_numpy
-        for layer, (k, v) in enumerate(self.kv):
-            for past, present, buffer in zip(om.past_names(layer), om.present_names(layer), (k, v)):
-                value = ortvalue(buffer[first: first + batch_size])  # a view: written in place
-                binding.bind_ortvalue_input(past, value)
-                binding.bind_ortvalue_output(present, value)
-        self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+    def _binding(self, first: int, batch_size: int, seq_len: int, rows: int) -> _Call:
+        """The io binding of a call shape over slots [first, first + batch_size): made once and kept
+        (most recently used first), so a steady decode re-binds nothing."""
+        key = (first, batch_size, seq_len, rows)
+        call = self._calls.pop(key, None)
+        if call is None:
+            kv = [(k[first: first + batch_size], v[first: first + batch_size]) for k, v in self.kv]  # views
+            call = _Call(self.session, self._ort, kv, batch_size, seq_len, rows, self.vocab_size)
+            while len(self._calls) >= MAX_CACHED_BINDINGS:
+                self._calls.pop(next(iter(self._calls)))
+        self._calls[key] = call
+        return call
 
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled in

@@ -20,6 +20,7 @@ from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ConfigError, RecipeError
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
+from llmc.runtime import onnx_runner
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -33,9 +34,9 @@ PROMPTS = [
 NUM_NEW_TOKENS = 32
 
 
-def _build(model, out, target="onnx-cpu", quantization=None, max_model_len=256, **extra):
+def _build(model, out, target="onnx-cpu", quantization=None, max_model_len=256, target_extra=None, **extra):
     recipe = {"model": str(model), "output": str(out), "dtype": "float32", "runtime": {"max_model_len": max_model_len},
-              "target": {"device": target}, **extra}
+              "target": {"device": target, **(target_extra or {})}, **extra}
     if quantization:
         recipe["quantization"] = {"report": False, **quantization}
     build(recipe_from_dict(recipe), show_progress=False)
@@ -80,9 +81,13 @@ def test_every_family_matches_transformers(tiny_checkpoint, onnx_artifact, hf_gr
     manifest = art.read_manifest(artifact)
     assert not (artifact / "rank-00").exists() and art.verify_files(artifact, manifest) == []
     assert manifest.target["onnx"]["op_counts"]["GroupQueryAttention"] == manifest.model.num_layers
+    # q, k, v go to GroupQueryAttention packed (gate/up's Split only) unless per-head q/k norms sit in between
+    assert manifest.target["onnx"]["op_counts"]["Split"] == manifest.model.num_layers * (2 if manifest.model.qk_norm else 1)
 
 
-def test_ref_llama_matches_transformers(ref_model_dir, onnx_artifact, hf_greedy, hf_logits, hf_encode):
+def test_ref_llama_matches_transformers(ref_model_dir, onnx_artifact, hf_greedy, hf_logits, hf_encode, monkeypatch):
+    # two cached io bindings: slot ranges and chunk shapes keep evicting each other's bindings
+    monkeypatch.setattr(onnx_runner, "MAX_CACHED_BINDINGS", 2)
     _check_against_transformers(onnx_artifact(ref_model_dir), ref_model_dir, hf_greedy, hf_logits, hf_encode, "ref")
 
 
@@ -168,6 +173,25 @@ def test_rtn_per_channel_with_zero_points_matches_the_torch_runtime(ref_model_di
 def test_awq_w4_matches_the_torch_runtime(ref_model_dir, tmp_path, repo_root):
     _check_quantized_pair(ref_model_dir, tmp_path, repo_root, {
         "method": "awq", "bits": 4, "group_size": 128, "symmetric": False, "calibration": _calibration(repo_root)})
+
+
+def test_int8_compute_is_genai_accuracy_level_4_near_the_torch_runtime(ref_model_dir, tmp_path, repo_root):
+    """int4_accuracy_level 4 (onnxruntime-genai's CPU default): every MatMulNBits computes with int8
+    activation blocks; the levels are still the quantizer's and perplexity stays near the float32 path."""
+    quantization = {"method": "rtn", "bits": 4, "group_size": 32}
+    torch_artifact = _build(ref_model_dir, tmp_path / "torch", "cpu", quantization)
+    onnx_artifact = _build(ref_model_dir, tmp_path / "onnx", "onnx-cpu", quantization, target_extra={"int4_accuracy_level": 4})
+    _check_levels(torch_artifact, onnx_artifact)
+    assert {attrs["accuracy_level"] for _, attrs, _ in _nbits_nodes(onnx_artifact)} == {4}
+    assert art.read_manifest(onnx_artifact).target["onnx"]["int4_accuracy_level"] == 4
+    data = repo_root / "data" / "heldout.txt"
+    ours, theirs = _perplexity(onnx_artifact, data), _perplexity(torch_artifact, data)
+    assert ours != theirs and abs(ours - theirs) / theirs < 0.02, (ours, theirs)
+
+
+def test_accuracy_level_is_refused_off_onnx_targets(tiny_llama, tmp_path):
+    with pytest.raises(RecipeError, match="int4_accuracy_level"):
+        _build(tiny_llama, tmp_path / "a", "cpu", target_extra={"int4_accuracy_level": 4})
 
 
 # ---- limits and errors ---------------------------------------------------------------------------
