@@ -148,6 +148,19 @@ def read_metrics():
     return _read_metrics
 
 
+def _wait_healthy(base_url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base_url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not load"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session", name="wait_healthy")
+def _wait_healthy_fixture():
+    """wait_healthy(base_url): poll /health until the engine has loaded (60 s at most)."""
+    return _wait_healthy
+
+
 @pytest.fixture(scope="session", name="free_port")
 def _free_port_fixture():
     return free_port
@@ -160,7 +173,8 @@ def run_app():
 
     running: list[tuple[uvicorn.Server, threading.Thread]] = []
 
-    def run(app) -> str:
+    def run(app, wait_healthy: bool = False) -> str:
+        """The app's base URL once uvicorn listens (and, with wait_healthy, once its engine is loaded)."""
         port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -170,7 +184,10 @@ def run_app():
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
-        return f"http://127.0.0.1:{port}"
+        base_url = f"http://127.0.0.1:{port}"
+        if wait_healthy:
+            _wait_healthy(base_url)
+        return base_url
 
     yield run
     for server, thread in running:

@@ -19,13 +19,6 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app
 
 
-def _wait_healthy(base_url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engines did not load"
-        time.sleep(0.05)
-
-
 class GatedEngine(Engine):
     """An engine whose steps wait for the test to open the gate: requests stay unfinished meanwhile."""
 
@@ -41,8 +34,7 @@ def test_requests_go_to_the_least_loaded_replica(run_app, server_artifact, read_
     factories = [lambda: GatedEngine(server_artifact, device="cpu", disable_log_stats=True) for _ in range(2)]
     app = build_app(factories, "m", log_stats=False)
     router = app.state.ctx.engine_loop
-    base_url = run_app(app)
-    _wait_healthy(base_url)
+    base_url = run_app(app, wait_healthy=True)
     body = {"max_tokens": 4, "temperature": 0}
     with ThreadPoolExecutor(3) as pool:
         replies = [pool.submit(httpx.post, f"{base_url}/v1/completions", json={**body, "prompt": p}, timeout=60)
@@ -75,8 +67,7 @@ def test_each_replica_runs_its_own_ranks(run_app, parallel_artifact):
         engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
         return engines[-1]
 
-    base_url = run_app(build_app([factory, factory], "m", log_stats=False))
-    _wait_healthy(base_url)
+    base_url = run_app(build_app([factory, factory], "m", log_stats=False), wait_healthy=True)
     pids = [set(engine.runner.worker_pids.values()) for engine in engines]
     assert len(pids[0]) == len(pids[1]) == 1 and not pids[0] & pids[1]
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": ["ROMEO:", "JULIET:"], "max_tokens": 4}, timeout=60)
@@ -90,8 +81,7 @@ def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_ar
         engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
         return engines[-1]
 
-    base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append))
-    _wait_healthy(base_url)
+    base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append), wait_healthy=True)
     os.kill(engines[0].runner.worker_pids[1], signal.SIGKILL)
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=60)
     assert reply.status_code == 500

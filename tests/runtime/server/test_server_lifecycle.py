@@ -19,14 +19,7 @@ from llmc.runtime.server.api_server import build_app, serve
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0.8}
 
 
-def _wait_healthy(base_url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engine did not load"
-        time.sleep(0.05)
-
-
-def test_503_while_the_model_loads(run_app, server_artifact):
+def test_503_while_the_model_loads(run_app, wait_healthy, server_artifact):
     release = threading.Event()
 
     def slow_engine():
@@ -41,7 +34,7 @@ def test_503_while_the_model_loads(run_app, server_artifact):
         assert reply.headers["retry-after"] == "1"
     assert httpx.get(f"{base_url}/metrics").status_code == 200  # scrapeable while loading
     release.set()
-    _wait_healthy(base_url)
+    wait_healthy(base_url)
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
 
@@ -49,8 +42,7 @@ def test_503_while_the_model_loads(run_app, server_artifact):
 def test_503_when_the_waiting_queue_is_full(run_app, server_artifact):
     app = build_app(lambda: Engine(server_artifact, device="cpu", max_num_seqs=1), "m", max_waiting=1,
                     log_stats=False)
-    base_url = run_app(app)
-    _wait_healthy(base_url)
+    base_url = run_app(app, wait_healthy=True)
     with httpx.Client(base_url=base_url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as running:
             lines = running.iter_lines()  # kept: a dropped line iterator closes the connection

@@ -22,18 +22,10 @@ GREEDY = {"prompt": "ROMEO: my lord,", "max_tokens": 12, "temperature": 0}
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0.8}
 
 
-def _wait_healthy(base_url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{base_url}/health").status_code != 200:
-        assert time.monotonic() < deadline, "the engine did not load"
-        time.sleep(0.05)
-
-
 def _serve(run_app, server_artifact, **options) -> str:
     engine_options = options.pop("engine", {})
     app = build_app(lambda: Engine(server_artifact, device="cpu", **engine_options), "m", log_stats=False, **options)
-    base_url = run_app(app)
-    _wait_healthy(base_url)
+    base_url = run_app(app, wait_healthy=True)
     return base_url
 
 
@@ -214,8 +206,7 @@ def test_health_is_503_while_the_engine_is_wedged(run_app, server_artifact):
             return super().step()
 
     app = build_app(lambda: WedgingEngine(server_artifact, device="cpu"), "m", log_stats=False, stall_timeout_s=0.5)
-    base_url = run_app(app)
-    _wait_healthy(base_url)
+    base_url = run_app(app, wait_healthy=True)
     result = {}
     thread = threading.Thread(target=lambda: result.update(
         reply=httpx.post(f"{base_url}/v1/completions", json=GREEDY, timeout=60)))
