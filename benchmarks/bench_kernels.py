@@ -51,7 +51,20 @@ def make_weights(k: int, n: int) -> dict:
     dense = ((levels.float() - 8) * scales.float().repeat_interleave(GROUP_SIZE, 1)).to(torch.bfloat16)
     fp8_scale = dense.float().abs().amax(dim=1, keepdim=True) / 448  # [N, 1]
     fp8 = {"weight": (dense.float() / fp8_scale).to(torch.float8_e4m3fn), "weight_scale": fp8_scale}
-    return {"dense": dense, "w4": w4, "fp8": fp8}
+    return {"dense": dense, "w4": w4, "fp8": fp8, "tinygemm": tinygemm_weight(levels, scales)}
+
+
+def tinygemm_weight(levels, scales) -> dict | None:
+    """The same weight for torch's int4 kernel (tinygemm, what gpt-fast's int4 runs): two levels per
+    byte, then its tiled pack; w = (level - 8) * scale + zero with zero 0 — our symmetric weight."""
+    try:
+        packed = (levels[:, ::2] << 4 | levels[:, 1::2]).to(torch.uint8)  # [N, K / 2]
+        weight = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+    except (RuntimeError, TypeError) as exc:  # an older or newer torch signature
+        print(f"tinygemm unavailable: {str(exc)[:160]}")
+        return None
+    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()  # [G, N, 2]
+    return {"weight": weight, "scales_and_zeros": scales_and_zeros}
 
 
 def bench_shape(k: int, n: int, ms: list[int], table, flush) -> list[dict]:
@@ -70,13 +83,18 @@ def bench_shape(k: int, n: int, ms: list[int], table, flush) -> list[dict]:
             "quant_torch": lambda: torch_quantize_fp8(x),
             "quant_triton": lambda: quantize_fp8_per_token(x),
         }
+        tiny = weights["tinygemm"]
+        if tiny is not None:
+            runs["tinygemm"] = lambda: torch.ops.aten._weight_int4pack_mm(x, tiny["weight"], GROUP_SIZE, tiny["scales_and_zeros"])
         reference = runs["bf16"]().float()
         errors = {
             name: float((runs[name]().float() - reference).norm() / reference.norm())
-            for name in ("w4a16", "fp8_torch_quant", "fp8_triton_quant")
+            for name in ("w4a16", "fp8_torch_quant", "fp8_triton_quant", "tinygemm") if name in runs
         }
         times = {name: median_time_ms(fn, flush) * 1000 for name, fn in runs.items()}  # µs
         weight_bytes = {"bf16": 2 * n * k, "w4a16": n * k // 2 + 2 * n * k // GROUP_SIZE, "fp8_torch_quant": n * k, "fp8_triton_quant": n * k}
+        if "tinygemm" in runs:
+            weight_bytes["tinygemm"] = n * k // 2 + 4 * n * k // GROUP_SIZE
         row = {"K": k, "N": n, "M": m, "w4a16_config": select_w4a16_config(m, k, n, table, num_sms).to_dict()}
         for name, bytes_w in weight_bytes.items():
             total_bytes = bytes_w + 2 * m * k + 2 * m * n
@@ -149,18 +167,21 @@ def check_decode_attention() -> None:
 def print_table(ceilings: dict, rows: list[dict]) -> str:
     lines = [
         f"ceilings: copy {ceilings['copy_GBps']:.0f} GB/s (read + write), bf16 matmul {ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
-        "| K×N | M | bf16 µs | w4a16 µs | ×bf16 | GB/s | TFLOP/s | kernel | fp8 (torch quant) µs | ×bf16 | fp8 (triton quant) µs | ×bf16 | quant torch/triton µs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| K×N | M | bf16 µs | w4a16 µs | ×bf16 | GB/s | TFLOP/s | kernel | tinygemm µs | ×bf16 | fp8 (torch quant) µs | ×bf16 | fp8 (triton quant) µs | ×bf16 | quant torch/triton µs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         cfg = r["w4a16_config"]
         kernel = "dequant+cuBLAS" if cfg["kind"] == "dequant" else (
             f"{cfg['kind']}{'-stacked' if cfg['is_stacked'] else ''} {cfg['block_m']}x{cfg['block_n']} sk{cfg['split_k']}"
+            + (f" kt{cfg['k_tiles']}" if cfg["kind"] == "rows" else "")
         )
         w4, f8t, f8n = r["w4a16"], r["fp8_torch_quant"], r["fp8_triton_quant"]
+        tiny = r.get("tinygemm", {"us": math.nan, "speedup_vs_bf16": math.nan})
         lines.append(
             f"| {r['K']}×{r['N']} | {r['M']} | {r['bf16']['us']:.1f} | {w4['us']:.1f} | {w4['speedup_vs_bf16']:.2f} | "
-            f"{w4['GBps']:.0f} | {w4['TFLOPs']:.1f} | {kernel} | {f8t['us']:.1f} | {f8t['speedup_vs_bf16']:.2f} | "
+            f"{w4['GBps']:.0f} | {w4['TFLOPs']:.1f} | {kernel} | {tiny['us']:.1f} | {tiny['speedup_vs_bf16']:.2f} | "
+            f"{f8t['us']:.1f} | {f8t['speedup_vs_bf16']:.2f} | "
             f"{f8n['us']:.1f} | {f8n['speedup_vs_bf16']:.2f} | {r['quant_us']['torch']:.1f}/{r['quant_us']['triton']:.1f} |"
         )
     text = "\n".join(lines)

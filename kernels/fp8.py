@@ -5,7 +5,9 @@ float32. Convention as llmc.quant.numerics (value ≈ fp8 * scale, scale = absma
 MIN_SCALE), which the kernel tests check against.
 
 `quantize_fp8_per_token` is one Triton kernel on CUDA (fp8_triton.py) instead of torch's five
-(abs, amax, div, clamp, cast); plain torch elsewhere.
+(abs, amax, div, clamp, cast); plain torch elsewhere. The product is torch._scaled_mm, except for a
+few tokens (`uses_small_m_kernel`), where a Triton kernel with the operands swapped reads the weight
+at 1.2-1.9x the bf16 matmul's speed where _scaled_mm was 0.8-1.6x (H100, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import can_use_triton
+from . import can_use_triton, is_triton_installed
 
 FP8_E4M3_MAX = 448.0
 MIN_SCALE = torch.finfo(torch.float32).tiny * 2**10  # an all-zero row would otherwise divide by zero
@@ -38,6 +40,20 @@ def can_use_scaled_mm(x: Tensor, weight: Tensor) -> bool:
     )
 
 
+def uses_small_m_kernel(num_tokens: int, out_features: int) -> bool:
+    """Where the Triton small-M kernel beat torch._scaled_mm on the H100 (Llama-3-8B shapes): up to
+    16 tokens everywhere, up to 64 on the 4096-wide outputs."""
+    return num_tokens <= 16 or (num_tokens <= 64 and out_features <= 4096)
+
+
+def _small_m_config(k: int, n: int) -> dict:
+    """The tiles the H100 sweep chose (benchmarks/kernel_sweep.py): wider N tiles for wide outputs,
+    split-K for long rows."""
+    block_n = 128 if n >= 16384 else 64
+    return dict(block_n=block_n, block_k=256, split_k=2 if k >= 8192 else 1, num_warps=4,
+                num_stages=3 if block_n == 128 else 4)
+
+
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """y [..., N] in x's dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias, fp32 accumulation."""
     x_fp8, x_scale = quantize_fp8_per_token(x)  # [..., K], [..., 1]
@@ -48,6 +64,12 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | N
         y = (x2.float() * x_scale.reshape(-1, 1)) @ w.T
         y = y + bias.float() if bias is not None else y
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+    if uses_small_m_kernel(x2.shape[0], out_features) and is_triton_installed():
+        from .fp8_triton import fp8_linear_small_m
+
+        y = fp8_linear_small_m(x2.contiguous(), x_scale.reshape(-1, 1), weight, weight_scale.float(), bias, x.dtype,
+                               **_small_m_config(x.shape[-1], out_features))
+        return y.reshape(*x.shape[:-1], out_features)
     scale_b = weight_scale.float().reshape(1, -1)  # [1, N] or [1, 1]
     if scale_b.shape[1] != out_features:
         scale_b = scale_b.expand(1, out_features).contiguous()

@@ -52,3 +52,71 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
         rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, num_warps=4 if block <= 2048 else 8,
     )
     return out, scale
+
+
+@triton.jit
+def _fp8_small_m_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    stride_om, stride_split,
+    W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """W8A8 for a few tokens on FP8 tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M]
+    = w @ xq.T, so the weight rows fill the MMA's 64-row side and the tokens its narrow side (where
+    torch._scaled_mm pads the tokens to a full tile). xq, xs: the per-token quantization above."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_begin = pid_k * k_per_split
+    for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+        k_mask = k0 + offs_k < K
+        w = tl.load(w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        xq = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(xq), acc)
+    if W_SCALE_PER_ROW:
+        w_scale = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+    else:
+        w_scale = tl.zeros((BLOCK_N,), tl.float32) + tl.load(ws_ptr)
+    x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+    y = tl.trans(acc * w_scale[:, None] * x_scale[None, :])  # [BLOCK_M, BLOCK_N]
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    if IS_SPLIT:
+        tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def fp8_linear_small_m(
+    x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
+    block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+) -> Tensor:
+    """x_fp8 [M, K] contiguous, x_scale [M, 1] (from quantize_fp8_per_token) → [M, N] in out_dtype:
+    the product torch._scaled_mm computes, for a few tokens."""
+    from .w4a16_triton import _split_reduce_kernel  # the same second pass as the W4A16 split-K
+
+    M, K = x_fp8.shape
+    N = weight.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    split_k = triton.cdiv(K, k_per_split)
+    out = torch.empty(M, N, device=x_fp8.device, dtype=out_dtype)
+    is_split = split_k > 1
+    target = torch.empty(split_k, M, N, device=x_fp8.device, dtype=torch.float32) if is_split else out
+    block_m = 16
+    _fp8_small_m_kernel[(triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))](
+        x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, M, N, K, k_per_split,
+        N if is_split else out.stride(0), M * N,
+        W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+    if is_split:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(M * N, block),)](
+            target, bias if bias is not None else target, out, M, N, split_k, M * N, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK=block,
+        )
+    return out

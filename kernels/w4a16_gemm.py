@@ -101,10 +101,13 @@ def dequantize_w4a16(params: Mapping[str, Tensor], in_features: int, group_size:
 
 @dataclasses.dataclass(frozen=True)
 class W4A16Config:
-    """How one GEMM shape runs: a Triton kernel ("gemv" on CUDA cores, "fused" on tensor cores) with
-    these tiles, or "dequant" (the weight dequantized, then torch's matmul)."""
+    """How one GEMM shape runs: a Triton kernel with these tiles, or "dequant" (the weight
+    dequantized, then torch's matmul). Kernels (w4a16_triton.py): "rows" (one token per program row,
+    CUDA cores, `k_tiles` 128-column tiles per load), "gemv" (a few tokens, CUDA cores), "swap"
+    (tensor cores, the weight as the register operand), "fused" (tensor cores, the weight through
+    shared memory)."""
 
-    kind: str = "fused"  # "gemv" | "fused" | "dequant"
+    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -112,98 +115,100 @@ class W4A16Config:
     num_stages: int = 3
     # fused: one tl.dot per group instead of one per 16 input columns; gemv: one broadcast product
     is_stacked: bool = False
+    k_tiles: int = 1  # rows: K tiles loaded at once
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+KINDS = ("rows", "gemv", "swap", "fused", "dequant")
 _DEQUANT = W4A16Config(kind="dequant")
 
-DEFAULT_W4A16_TABLE_GPU = "NVIDIA H200"  # torch.cuda.get_device_name() of the GPU it was measured on
+DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
 
-# Measured by `tune_w4a16` on an NVIDIA H200 (benchmarks/bench_kernels.py --tune, torch 2.11,
+# Measured by `tune_w4a16` on an NVIDIA H100 (benchmarks/bench_kernels.py --tune, torch 2.11,
 # triton 3.6, bf16, group size 128); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
     {
         "4096x6144": (
-            (1, W4A16Config("gemv", 1, 64, 8, 4, 4, True), 16.96),
-            (4, W4A16Config("fused", 16, 128, 8, 4, 2, False), 20.64),
-            (8, W4A16Config("fused", 16, 128, 8, 4, 2, False), 20.86),
-            (16, W4A16Config("fused", 16, 128, 8, 4, 2, False), 21.31),
-            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 26.37),
-            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 27.9),
-            (128, _DEQUANT, 35.68),
-            (256, _DEQUANT, 41.54),
-            (512, _DEQUANT, 55.23),
-            (1024, _DEQUANT, 88.54),
-            (4096, _DEQUANT, 283.1),
+            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=4), 15.26),
+            (4, W4A16Config("swap", 16, 64, 4, 4, 3, False), 19.42),
+            (8, W4A16Config("swap", 16, 64, 4, 4, 3, False), 19.81),
+            (16, W4A16Config("swap", 16, 64, 4, 4, 3, False), 20.06),
+            (32, W4A16Config("swap", 32, 64, 4, 4, 3, False), 21.22),
+            (64, W4A16Config("swap", 64, 128, 8, 4, 3, False), 26.24),
+            (128, W4A16Config("swap", 64, 128, 4, 4, 3, False), 37.76),
+            (256, _DEQUANT, 50.11),
+            (512, _DEQUANT, 59.87),
+            (1024, _DEQUANT, 91.49),
+            (4096, _DEQUANT, 278.66),
         ),
         "4096x4096": (
-            (1, W4A16Config("gemv", 1, 64, 8, 4, 4, True), 14.37),
-            (4, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.41),
-            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.82),
-            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 17.79),
-            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 19.17),
-            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 20.0),
-            (128, W4A16Config("fused", 64, 128, 4, 4, 3, True), 27.36),
-            (256, _DEQUANT, 30.14),
-            (512, _DEQUANT, 38.91),
-            (1024, _DEQUANT, 59.87),
-            (4096, _DEQUANT, 191.65),
+            (1, W4A16Config("rows", 1, 32, 1, 8, 1, False, k_tiles=8), 12.83),
+            (4, W4A16Config("swap", 16, 64, 4, 4, 3, False), 15.62),
+            (8, W4A16Config("swap", 16, 64, 4, 4, 3, False), 16.0),
+            (16, W4A16Config("swap", 16, 64, 4, 4, 3, False), 16.19),
+            (32, W4A16Config("swap", 32, 64, 4, 4, 3, False), 17.09),
+            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 21.02),
+            (128, W4A16Config("swap", 128, 128, 4, 8, 3, False), 25.54),
+            (256, _DEQUANT, 33.98),
+            (512, _DEQUANT, 41.34),
+            (1024, _DEQUANT, 61.5),
+            (4096, _DEQUANT, 187.78),
         ),
         "4096x28672": (
-            (1, W4A16Config("gemv", 1, 128, 4, 4, 4, True), 42.46),
-            (4, W4A16Config("fused", 16, 256, 2, 4, 2, False), 55.68),
-            (8, W4A16Config("fused", 16, 256, 2, 4, 2, False), 56.16),
-            (16, W4A16Config("fused", 16, 256, 2, 4, 2, False), 56.54),
-            (32, W4A16Config("fused", 64, 128, 1, 4, 3, True), 75.04),
-            (64, W4A16Config("fused", 64, 128, 1, 4, 3, True), 76.06),
-            (128, W4A16Config("fused", 64, 128, 1, 4, 3, True), 144.64),
-            (256, _DEQUANT, 173.02),
-            (512, _DEQUANT, 233.28),
-            (1024, _DEQUANT, 386.11),
-            (4096, _DEQUANT, 1320.38),
+            (1, W4A16Config("rows", 1, 32, 1, 8, 1, False, k_tiles=4), 40.1),
+            (4, W4A16Config("swap", 16, 64, 2, 4, 3, False), 55.04),
+            (8, W4A16Config("swap", 16, 128, 4, 4, 3, False), 55.33),
+            (16, W4A16Config("swap", 16, 128, 4, 4, 3, False), 55.78),
+            (32, W4A16Config("swap", 32, 128, 4, 4, 3, False), 59.62),
+            (64, W4A16Config("fused", 64, 128, 1, 4, 3, True), 77.09),
+            (128, W4A16Config("swap", 128, 128, 1, 8, 3, False), 101.06),
+            (256, _DEQUANT, 212.64),
+            (512, _DEQUANT, 261.79),
+            (1024, _DEQUANT, 405.12),
+            (4096, _DEQUANT, 1307.1),
         ),
         "14336x4096": (
-            (1, W4A16Config("gemv", 1, 128, 16, 4, 2, True), 28.06),
+            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=8), 25.15),
             (4, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.45),
-            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.29),
-            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.96),
-            (32, W4A16Config("fused", 64, 128, 8, 4, 3, True), 40.54),
-            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 42.14),
-            (128, W4A16Config("fused", 64, 128, 4, 4, 3, True), 69.86),
-            (256, _DEQUANT, 89.73),
-            (512, _DEQUANT, 118.27),
-            (1024, _DEQUANT, 189.41),
-            (4096, _DEQUANT, 640.77),
+            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.8),
+            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 33.54),
+            (32, W4A16Config("swap", 32, 128, 8, 4, 3, False), 36.74),
+            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 41.98),
+            (128, W4A16Config("swap", 128, 128, 4, 8, 3, False), 56.7),
+            (256, _DEQUANT, 116.74),
+            (512, _DEQUANT, 133.18),
+            (1024, _DEQUANT, 198.11),
+            (4096, _DEQUANT, 629.79),
         ),
     }
 )
 
 
 def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
-    """A config for shapes no table covers, after what the tables chose on an H200: the stacked GEMV
-    for one token, per-slice tensor-core tiles to 16, stacked ones to 64, dequantize + matmul above;
-    split-K until about two programs per SM."""
+    """A config for shapes no table covers, after what the H100 table chose: one token per program
+    row with 8 K tiles per load, the swapped tensor-core tiles to 64 tokens, dequantize + matmul
+    above; split-K until about two programs per SM."""
     if m > 64:
         return _DEQUANT
     if m == 1:
-        kind, block_m, is_stacked = "gemv", 1, True
+        kind, block_m, block_n, num_warps, num_stages = "rows", 1, 32, 8, 1
     else:
-        kind, block_m, is_stacked = "fused", 16 if m <= 16 else 64, m > 16
-    block_n = 128 if n >= 2048 else 64
+        kind, block_m, num_warps, num_stages = "swap", 16 if m <= 16 else 64, 4, 3
+        block_n = 128 if m > 16 or n >= 16384 else 64
     num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
     num_tiles = math.ceil(k / K_TILE)
     split_k = 1
     while num_programs * split_k < 2 * num_sms and split_k * 2 <= num_tiles // 2:
         split_k *= 2
-    return W4A16Config(kind, block_m, block_n, split_k, is_stacked=is_stacked)
+    return W4A16Config(kind, block_m, block_n, split_k, num_warps, num_stages, k_tiles=8 if kind == "rows" else 1)
 
 
-# The M at which heuristic_w4a16_config changes: one token, per-slice tiles to 16, stacked tiles to 64,
-# dequantize + matmul above (its split-K depends on ceil(M / block_m), which is 1 up to each bound).
+# The M at which heuristic_w4a16_config changes: one token, 16-token tiles to 16, 64-token tiles to
+# 64, dequantize + matmul above (its split-K depends on ceil(M / block_m), which is 1 up to each bound).
 _HEURISTIC_MAX_MS = (1, 16, 64, 128)
 
 
@@ -220,7 +225,7 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
     for shape, entries in table.items():
         rows = [(int(m), config if isinstance(config, W4A16Config) else W4A16Config(**config), us)
                 for m, config, us in entries]
-        if not rows or any(config.kind not in ("gemv", "fused", "dequant") for _, config, _ in rows):
+        if not rows or any(config.kind not in KINDS for _, config, _ in rows):
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
     return MappingProxyType(parsed)
@@ -274,6 +279,6 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     else:
         y = w4a16_triton.launch_w4a16_gemm(
             x2, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
-            config.split_k, config.num_warps, config.num_stages, config.is_stacked,
+            config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,
         )
     return y.reshape(*x.shape[:-1], out_features)

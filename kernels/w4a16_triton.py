@@ -245,8 +245,10 @@ def _group_columns(group_size: int, num_tiles: int) -> int:
 def launch_w4a16_gemm(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     kind: str, block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, is_stacked: bool = False,
+    k_tiles: int = 1,
 ) -> Tensor:
-    """x [M, K] (unit stride along K) → [M, N] in x's dtype; kind "fused" (tensor cores) or "gemv"."""
+    """x [M, K] (unit stride along K) → [M, N] in x's dtype; kind "rows", "gemv", "swap" or "fused"
+    (see W4A16Config)."""
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
@@ -269,6 +271,11 @@ def launch_w4a16_gemm(
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     if kind == "gemv":
         _w4a16_gemv_kernel[grid](*args, **common, IS_STACKED=is_stacked)
+    elif kind == "swap":
+        _w4a16_swap_kernel[grid](*args, **common, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    elif kind == "rows":
+        del common["BLOCK_M"]
+        _w4a16_gemv_rows_kernel[(triton.cdiv(N, block_n), split_k, M)](*args, **common, TILES=k_tiles)
     else:
         magic, magic_value = _MAGIC[x.dtype]
         _w4a16_gemm_kernel[grid](
@@ -298,3 +305,95 @@ def launch_w4a16_dequantize(
         num_warps=4,
     )
     return w
+
+
+@triton.jit
+def _w4a16_swap_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    M, N, K, num_groups, num_tiles, tiles_per_split,
+    stride_xm, stride_om, stride_split,
+    GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M] = w [BLOCK_N, K] @ x.T, so
+    the weight is the dot's A operand, which the MMA reads from registers: the packed words go
+    global → shared (pipelined) → registers once, and each nibble slice is unpacked, scaled and
+    fed to the MMA in registers. The tokens are the dot's N (16 and up), the weight rows its M.
+
+    NOTE: A = (level - z) * s rounded once to the activation dtype: the same weights as the
+    dequantize + matmul path. level | 0x4B000000 read as fp32 is 2**23 + level (no int → float
+    conversion)."""
+    pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_c = tl.arange(0, 16)
+    op_dtype = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    for t in range(t_begin, t_end):
+        w = tl.load(qw_ptr + (t * 16 + offs_c)[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)
+        for j in tl.static_range(8):
+            k0 = t * 128 + 16 * j
+            if j % PIECES_PER_GROUP == 0:
+                g = tl.minimum(k0 // GROUP_SIZE, num_groups - 1)
+                s, z = _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, HAS_ZEROS)
+                offset = 8388608.0 + z  # 2**23 + zero
+            magic = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            a = ((magic - offset[:, None]) * s[:, None]).to(op_dtype)  # [BLOCK_N, 16]
+            x_mask = m_mask[None, :] & (k0 + offs_c < K)[:, None]
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_c)[:, None], mask=x_mask, other=0.0)
+            acc = tl.dot(a, xt, acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    _store_result(tl.trans(acc), out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT)
+
+
+@triton.jit
+def _w4a16_gemv_rows_kernel(
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    M, N, K, num_groups, num_tiles, tiles_per_split,
+    stride_xm, stride_om, stride_split,
+    GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One token on CUDA cores, TILES K tiles (16 word rows each) per load: many 16-byte loads in
+    flight per thread, the next chunk's loads issued before this chunk's arithmetic."""
+    pid_n, pid_k, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, TILES * 16)
+    tile_of_row, r_of_row = rows // 16, rows % 16
+    acc = tl.zeros((TILES * 16, BLOCK_N), dtype=tl.float32)
+    t_begin = pid_k * tiles_per_split
+    t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    t = t_begin
+    w_next = tl.load(qw_ptr + (t * 16 + rows)[:, None] * N + offs_n[None, :],
+                     mask=(t + tile_of_row < t_end)[:, None] & n_mask[None, :], other=0)
+    while t < t_end:
+        w = w_next
+        t_next = t + TILES
+        w_next = tl.load(qw_ptr + (t_next * 16 + rows)[:, None] * N + offs_n[None, :],
+                         mask=(t_next + tile_of_row < t_end)[:, None] & n_mask[None, :], other=0)
+        row_valid = t + tile_of_row < t_end
+        for j in tl.static_range(8):
+            k = (t + tile_of_row) * 128 + 16 * j + r_of_row  # [TILES * 16] input column of each row
+            if j % PIECES_PER_GROUP == 0:
+                g = tl.minimum(k // GROUP_SIZE, num_groups - 1)
+                s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z_word = tl.load(qz_ptr + g[:, None] * tl.cdiv(N, 8) + (offs_n // 8)[None, :], mask=n_mask[None, :], other=0)
+                    offset = 8388608.0 + ((z_word >> ((offs_n % 8) * 4)[None, :]) & 0xF).to(tl.float32)
+                else:
+                    offset = tl.full((TILES * 16, BLOCK_N), 8388616.0, tl.float32)
+                part = tl.zeros((TILES * 16, BLOCK_N), dtype=tl.float32)
+            x = tl.load(x_ptr + m * stride_xm + k, mask=row_valid & (k < K), other=0.0).to(tl.float32)
+            magic = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            part += x[:, None] * (magic - offset)
+            if j % PIECES_PER_GROUP == PIECES_PER_GROUP - 1:
+                acc += part * s
+        t = t_next
+    offs_m = m + tl.arange(0, 1)
+    _store_result(tl.sum(acc, axis=0)[None, :], out_ptr, bias_ptr, offs_m, offs_n, offs_m < M, n_mask, pid_k,
+                  stride_om, stride_split, HAS_BIAS, IS_SPLIT)

@@ -38,14 +38,20 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]
     else:
         tiles = [("fused", 64, 128, 4, False), ("fused", 128, 128, 8, False),
                  ("fused", 64, 128, 4, True), ("fused", 128, 128, 8, True), ("fused", 128, 256, 8, True)]
+    if m <= 128:  # the weight as the tensor cores' register operand
+        block_ms = (16,) if m <= 16 else ((32, 64) if m <= 64 else (64, 128))
+        tiles += [("swap", bm, bn, 4 if bm * bn < 128 * 128 else 8, False) for bm in block_ms for bn in (64, 128)]
     num_tiles = math.ceil(k / K_TILE)
     configs = [W4A16Config(kind="dequant")] if m > 16 else []
+    if m <= 2:  # one token per program row, many K tiles per load (the best of the first sweep)
+        configs += [W4A16Config("rows", 1, block_n, split_k, 8, 1, k_tiles=k_tiles)
+                    for k_tiles, block_n in ((4, 32), (8, 32), (16, 32), (8, 64)) for split_k in (1, 2, 4)]
     for kind, block_m, block_n, num_warps, is_stacked in tiles:
         num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
         for split_k in (1, 2, 4, 8, 16):
             if split_k > num_tiles or (split_k > 1 and num_programs * split_k > 8 * num_sms):
                 continue
-            for num_stages in (2, 4) if m <= 16 else (3,):
+            for num_stages in ((3, 4) if kind == "swap" else (2, 4)) if m <= 16 else (3,):
                 configs.append(W4A16Config(kind, block_m, block_n, split_k, num_warps, num_stages, is_stacked))
     return configs
 
@@ -87,6 +93,7 @@ def tune_w4a16(
                 return launch_w4a16_gemm(
                     x, qweight, scales, None, None, group_size, config.kind, config.block_m,
                     config.block_n, config.split_k, config.num_warps, config.num_stages, config.is_stacked,
+                    config.k_tiles,
                 )
 
             timed = []

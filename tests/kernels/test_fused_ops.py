@@ -149,3 +149,22 @@ def test_public_functions_dispatch_to_triton_on_cuda() -> None:
     assert torch.equal(residual, x + x)
     gate_up = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(activation.silu_and_mul(gate_up).cpu(), activation.silu_and_mul(gate_up.cpu()), rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("num_tokens,k,n,is_per_channel,split_k", [(1, 256, 48, True, 1), (3, 320, 40, False, 3), (17, 200, 72, True, 2)])
+def test_fp8_small_m_kernel_matches_float64(device, rel_err, num_tokens, k, n, is_per_channel, split_k) -> None:
+    """The few-token W8A8 kernel (operands swapped, split-K, partial tiles) against the float64
+    product of the same quantized operands: what torch._scaled_mm computes."""
+    from llmc.kernels.fp8_triton import fp8_linear_small_m
+
+    x = torch.randn(num_tokens, k)
+    x_fp8, x_scale = reference_quantize_fp8(x)
+    w = torch.randn(n, k)
+    w_scale = w.abs().amax(dim=1, keepdim=True) / 448 if is_per_channel else w.abs().amax().reshape(1, 1) / 448
+    w_fp8 = (w / w_scale).to(torch.float8_e4m3fn)
+    bias = torch.randn(n)
+    expected = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale.double()).T + bias.double()
+    args = [t.to(device) for t in (x_fp8, x_scale, w_fp8, w_scale, bias.half())]
+    y = fp8_linear_small_m(*args, torch.float16, block_n=32, block_k=64, split_k=split_k)
+    assert y.shape == (num_tokens, n) and y.dtype == torch.float16
+    assert rel_err(y.cpu(), expected) < 1e-3

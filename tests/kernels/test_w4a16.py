@@ -100,9 +100,9 @@ def test_table_lookup_and_heuristic() -> None:
     assert select_w4a16_config(4096, 4096, 6144, table, 132).kind == "dequant"
     assert select_w4a16_config(1, 512, 512, table, 132) == heuristic_w4a16_config(1, 512, 512, 132)
     small = heuristic_w4a16_config(1, 4096, 4096, 132)
-    assert small.kind == "gemv" and small.block_m == 1 and small.split_k > 1
-    assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "fused"
-    assert select_w4a16_config(1, 4096, 28672, None, 132).kind == "gemv"  # the recorded H200 table
+    assert small.kind == "rows" and small.k_tiles > 1 and small.split_k > 1
+    assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "swap"
+    assert select_w4a16_config(1, 4096, 28672, None, 132).kind == "rows"  # the recorded H100 table
     assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
 
 
@@ -123,10 +123,13 @@ def test_parse_table_sorts_entries_and_refuses_malformed_ones() -> None:
             parse_w4a16_table(bad)
 
 
-# (kind, block_m, block_n, split_k, is_stacked): every kernel path, split and not, a partial N tile
+# (kind, block_m, block_n, split_k, is_stacked, k_tiles): every kernel path, split and not, a partial
+# N tile, a partial last load of K tiles
 CONFIGS = [
-    ("fused", 16, 32, 1, False), ("fused", 16, 32, 2, True), ("fused", 32, 16, 3, False),
-    ("gemv", 2, 32, 1, False), ("gemv", 4, 16, 2, True),
+    ("fused", 16, 32, 1, False, 1), ("fused", 16, 32, 2, True, 1), ("fused", 32, 16, 3, False, 1),
+    ("gemv", 2, 32, 1, False, 1), ("gemv", 4, 16, 2, True, 1),
+    ("swap", 16, 16, 1, False, 1), ("swap", 32, 32, 2, False, 1),
+    ("rows", 1, 32, 1, False, 2), ("rows", 1, 16, 2, False, 4),
 ]
 
 
@@ -143,12 +146,12 @@ def test_triton_gemm_matches_reference(dot_case, rel_err, m, k, n, group_size, s
     bias = torch.randn(n, device=device).to(dtype)
     weight = dequantize(plain, plain.pack(q), k).double()  # [N, K] from the plain layout
     expected = x.double() @ weight.T + bias.double()
-    for kind, block_m, block_n, split_k, is_stacked in CONFIGS:
-        if kind == "gemv" and m > 5:
+    for kind, block_m, block_n, split_k, is_stacked, k_tiles in CONFIGS:
+        if kind in ("gemv", "rows") and m > 5:
             continue  # the interpreter is slow at many GEMV programs; the GPU cases cover them
         y = launch_w4a16_gemm(
             x, params["qweight"], params["scales"], params.get("qzeros"), bias, group_size,
-            kind, block_m, block_n, split_k, 4, 2, is_stacked,
+            kind, block_m, block_n, split_k, 4, 2, is_stacked, k_tiles,
         )
         assert y.shape == (m, n) and y.dtype == dtype and torch.isfinite(y).all()
         assert rel_err(y, expected) < (1e-5 if dtype == torch.float32 else 5e-3), (kind, block_m, block_n, split_k)
