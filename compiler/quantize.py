@@ -32,7 +32,7 @@ from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderLayer
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, format_key
 
 logger = logging.getLogger("llmc")
 AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for AWQ's searches
@@ -52,8 +52,15 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
     names = {}
     for i in range(config.num_layers):
         for linear in spec.layer_linears:
+            if config.is_moe_layer(i) and linear.name.startswith("mlp."):
+                continue
             hf = [f"{spec.hf_layer_prefix}{i}.{m}" for m in linear.hf_members]
             names[f"layers.{i}.{linear.name}"] = [f"layers.{i}.{linear.name}", *hf]
+        if config.is_moe_layer(i):  # one format per projection, for all the layer's experts
+            moe, experts = spec.moe, [f"{spec.hf_layer_prefix}{i}.{spec.moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
+            names[f"layers.{i}.moe.experts.gate_up"] = [f"layers.{i}.moe.experts.gate_up",
+                                                         *(p + m for p in experts for m in (moe.gate, moe.up))]
+            names[f"layers.{i}.moe.experts.down"] = [f"layers.{i}.moe.experts.down", *(p + moe.down for p in experts)]
     if not config.tie_word_embeddings:
         names["lm_head"] = ["lm_head"]
     return names
@@ -109,8 +116,9 @@ def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_fea
 def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     q_size = config.num_heads * config.head_dim
     sizes = {"attn.qkv": config.hidden_size, "attn.o": q_size, "mlp.gate_up": config.hidden_size,
-             "mlp.down": config.intermediate_size}
-    result = {f"layers.{i}.{name}": size for i in range(config.num_layers) for name, size in sizes.items()}
+             "mlp.down": config.intermediate_size, "moe.experts.gate_up": config.hidden_size,
+             "moe.experts.down": config.moe_intermediate_size}
+    result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 
 
@@ -162,7 +170,7 @@ class LayerQuantizer:
         return result
 
     def _spec(self, layer: LayerWeights, name: str) -> dict:
-        return self.formats[f"layers.{layer.index}.{name}"]
+        return self.formats[f"layers.{layer.index}.{format_key(name)}"]
 
     def _gptq(self, layer: LayerWeights, hidden: Tensor, hidden_float: Tensor | None) -> dict:
         result = {}

@@ -6,7 +6,8 @@ helper here is reachable through a fixture:
 * ``hf_checkpoint_factory`` -> :func:`make_hf_checkpoint`
 * ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
   ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
-* ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every family
+* ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
+* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_moe_checkpoint`` -> ``(family, Path)`` over both
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -50,6 +51,8 @@ DATA_DIR = REPO_ROOT / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -109,6 +112,15 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": None,
         },
     ),
+    # 4 experts, top-2 (always renormalised), every layer sparse.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                                  "sliding_window": None}),
+    # 3 layers: 0 and 2 sparse, 1 dense (mlp_only_layers); top-2 of 4 NOT renormalised (norm_topk_prob
+    # False, the config's default); q/k norms and head_dim 32 as qwen3.
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "num_hidden_layers": 3, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+                                     "norm_topk_prob": False, "head_dim": 32, "use_sliding_window": False,
+                                     "sliding_window": None}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -129,7 +141,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:
@@ -160,7 +172,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_((TIED_EMBED_STD if tied else EMBED_STD) * randn_like(p))
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_STD * randn_like(p))
-        elif p.dim() == 2:
+        elif p.dim() == 2 or (p.dim() == 3 and ".experts." in name):  # MoE: experts stacked [E, out, in]
             p.copy_(LINEAR_STD * randn_like(p))
         else:
             raise AssertionError(f"unexpected parameter {name} {tuple(p.shape)}: decide how to randomise it")
@@ -223,7 +235,7 @@ def make_hf_checkpoint(
     # Different families get different weights for the same seed, except that llama3_rope
     # shares llama's weights (same shapes): the two differ only in the rope.
     weights_family = "llama" if family == "llama3_rope" else family
-    _randomise_(model, seed * 1000 + FAMILIES.index(weights_family))
+    _randomise_(model, seed * 1000 + (FAMILIES + MOE_FAMILIES).index(weights_family))
     model.generation_config = GenerationConfig(
         do_sample=False,
         bos_token_id=config.bos_token_id,
@@ -429,6 +441,23 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def tiny_moe_checkpoint(request) -> tuple[str, Path]:
+    """``(family, path)`` for each mixture-of-experts family in turn."""
+    family = request.param
+    return family, request.getfixturevalue(f"tiny_{family}")
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
