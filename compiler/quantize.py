@@ -23,6 +23,7 @@ from torch import Tensor
 from llmc.compiler.awq_layer import awq_quantize_layer
 from llmc.compiler.calibration import LayerRunner, capture_inputs
 from llmc.compiler.convert import LayerWeights
+from llmc.compiler.moe_calibration import expert_input_absmax, gptq_experts, is_expert_group, linear_groups
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, QuantizedWeight, num_groups_of
@@ -32,7 +33,7 @@ from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderLayer
-from llmc.runtime.models.spec import ModelSpec, format_key
+from llmc.runtime.models.spec import ModelSpec, expert_of, format_key
 
 logger = logging.getLogger("llmc")
 AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for AWQ's searches
@@ -145,6 +146,15 @@ class LayerQuantizer:
         self.config = config
         self.runner = runner
         self.scale_dtype = getattr(torch, config.dtype)
+        # MoE: experts quantized by round-to-nearest for lack of routed calibration tokens:
+        # "layers.3.moe.experts.5.down" → the tokens it had (compiler/moe_calibration.py)
+        self.expert_fallbacks: dict[str, int] = {}
+
+    def record_fallback(self, index: int, name: str, num_tokens: int) -> None:
+        self.expert_fallbacks[f"layers.{index}.{name}"] = num_tokens
+
+    def rtn(self, weight: Tensor, spec: dict) -> QuantizedWeight:
+        return quantize_rtn(weight, spec, self.scale_dtype)
 
     def quantize(self, layer: LayerWeights, hidden: Tensor | None,
                  hidden_float: Tensor | None = None) -> dict[str, QuantizedWeight | None]:
@@ -177,20 +187,26 @@ class LayerQuantizer:
         # With float targets: the layer as it was before any of its linears was quantized, built once.
         float_module = None if hidden_float is None else self.runner.build_layer(
             LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms)))
-        for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
-            spec = self._spec(layer, name)
-            if spec["format"] == "dense":
-                result[name] = None
-                continue
-            acc = self._hessian(layer, name, hidden, float_module, hidden_float)
-            if acc.drift is not None:
-                w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
-            q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
-                              spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
-                              scale_dtype=self.scale_dtype)
-            result[name] = _to_cpu(q)
-            layer.linears[name] = dequantize_weight(result[name])
+        for names in linear_groups(layer).values():  # in order: each sees its quantized predecessors' outputs
+            if self._spec(layer, names[0])["format"] == "dense":
+                result |= {name: None for name in names}
+            elif is_expert_group(names):  # all experts of one projection at once (compiler/moe_calibration.py)
+                result |= gptq_experts(self, layer, names, hidden)
+            else:
+                result[names[0]] = self._gptq_linear(layer, names[0], hidden, float_module, hidden_float)
         return result
+
+    def _gptq_linear(self, layer: LayerWeights, name: str, hidden: Tensor, float_module, hidden_float) -> QuantizedWeight:
+        w, spec = layer.linears[name], self._spec(layer, name)
+        acc = self._hessian(layer, name, hidden, float_module, hidden_float)
+        if acc.drift is not None:
+            w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
+        q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
+                          spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
+                          scale_dtype=self.scale_dtype)
+        q = _to_cpu(q)
+        layer.linears[name] = dequantize_weight(q)
+        return q
 
     def _hessian(self, layer: LayerWeights, name: str, hidden: Tensor, float_module: DecoderLayer | None = None,
                  hidden_float: Tensor | None = None) -> HessianAccumulator:
@@ -208,10 +224,12 @@ class LayerQuantizer:
             handle.remove()
         return acc
 
-    def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
-        store: dict[str, list] = {name: [] for name in layer.linears}
+    def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep, names: list[str] | None = None) -> dict:
+        """{linear name: [keep(x) per chunk of its inputs]} (an expert: of its routed inputs; none if it got none)."""
+        names = list(layer.linears) if names is None else names
+        store: dict[str, list] = {name: [] for name in names}
         module = self.runner.build_layer(layer)
-        handles = capture_inputs(module, list(layer.linears), lambda n, x: store[n].append(keep(x)))
+        handles = capture_inputs(module, names, lambda n, x: store[n].append(keep(x)))
         self.runner.forward(module, hidden)
         for handle in handles:
             handle.remove()
@@ -219,8 +237,13 @@ class LayerQuantizer:
 
     def _fp8_input_scales(self, layer: LayerWeights, hidden: Tensor) -> dict[str, Tensor]:
         observers = {name: AbsmaxObserver() for name in layer.linears}
-        for name, xs in self._capture_all(layer, hidden, lambda x: x.abs().max().item()).items():
+        dense = [n for n in layer.linears if expert_of(n) is None]
+        for name, xs in self._capture_all(layer, hidden, lambda x: x.abs().max().item(), dense).items():
             observers[name].absmax = max(xs)
+        for names in linear_groups(layer).values():
+            if is_expert_group(names):
+                for name, absmax in expert_input_absmax(self, layer, names, hidden).items():
+                    observers[name].absmax = absmax
         return {name: obs.input_scale() for name, obs in observers.items()}
 
     def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:

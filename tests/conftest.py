@@ -7,7 +7,8 @@ helper here is reachable through a fixture:
 * ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
   ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
-* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_moe_checkpoint`` -> ``(family, Path)`` over both
+* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_moe_checkpoint`` -> ``(family, Path)`` over both;
+  ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -451,6 +452,45 @@ def tiny_mixtral(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_moe(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def upcycled_mixtral(tmp_path_factory) -> Path:
+    """A Mixtral of ref-llama-12m's trained weights (float32): 4 experts, top-2, each expert the dense
+    MLP perturbed by 5% relative noise, a random router — a model whose perplexity on real text means
+    something, for quantization tests (a random model's W4 error is dominated by its sharp logits)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MixtralConfig
+
+    ref = json.loads((REF_MODEL_DIR / "config.json").read_text())
+    path = tmp_path_factory.mktemp("upcycled_mixtral")
+    dense = {}
+    for shard in sorted(REF_MODEL_DIR.glob("*.safetensors")):
+        dense |= {k: v.float() for k, v in load_file(shard).items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors, num_experts = {}, 4
+    for name, t in dense.items():
+        if ".mlp." not in name:
+            tensors[name] = t
+            continue
+        prefix, proj = name.split(".mlp.")
+        hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
+        for e in range(num_experts):
+            noise = 1 + 0.05 * torch.randn(t.shape, generator=gen)
+            tensors[f"{prefix}.block_sparse_moe.experts.{e}.{hf}.weight"] = (t * noise).contiguous()
+        if hf == "w1":
+            tensors[f"{prefix}.block_sparse_moe.gate.weight"] = 0.1 * torch.randn(num_experts, t.shape[1], generator=gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = MixtralConfig(**{k: ref[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                                  "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                                                  "tie_word_embeddings", "rope_parameters")},
+                           num_local_experts=num_experts, num_experts_per_tok=2, sliding_window=None, dtype="float32")
+    config.architectures = ["MixtralForCausalLM"]
+    config.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    return path
 
 
 @pytest.fixture(scope="session", params=MOE_FAMILIES)
