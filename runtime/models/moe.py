@@ -3,10 +3,10 @@ SiLU-gated MLP, and their outputs are summed with the router's weights.
 
 Every expert's projection is one `ExpertLinears`: the tensors of its LinearFormat (dense, w4a16,
 w8a8-fp8) stacked on a leading [num_local_experts] dim, so the artifact holds `moe.experts.gate_up.*`
-[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, for the
-formats the fused kernel reads, one grouped GEMM per projection runs (tokens sorted by expert); the
-plain-torch path (CPUs, calibration, other formats) loops over the experts that received tokens,
-calling each expert's format `apply` on its tokens.
+[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, dense experts
+run the fused kernel: one grouped GEMM per projection (tokens sorted by expert, no host sync, so
+decode steps capture in CUDA graphs). The plain-torch path (CPUs, calibration, w4a16 and FP8 experts
+for now) loops over the experts that received tokens, calling each expert's format `apply`.
 
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
@@ -21,7 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul
-from llmc.quant.formats import LinearFormat
+from llmc.kernels.fused_moe import fused_moe
+from llmc.quant.formats import DenseFormat, LinearFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
@@ -112,5 +113,9 @@ class MoE(nn.Module):
 
 def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up: ExpertLinears,
                          down: ExpertLinears) -> Tensor | None:
-    """The fused Triton MoE on CUDA for the formats it reads; None where it does not apply."""
-    return None
+    """The fused Triton MoE on CUDA for dense experts; None where it does not apply (CPUs; w4a16 and
+    w8a8-fp8 experts, which run expert by expert through their formats' kernels: the fused kernel's FP8
+    mode is weight-only and would not quantize activations as w8a8-fp8 says)."""
+    if not (x.is_cuda and isinstance(gate_up.fmt, DenseFormat) and isinstance(down.fmt, DenseFormat)):
+        return None
+    return fused_moe(x, weights, local_ids, gate_up.weight, down.weight)
