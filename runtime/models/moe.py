@@ -94,6 +94,8 @@ class MoE(nn.Module):
         picked one expert twice gets both weights). [num_tokens, hidden] → [num_tokens, hidden]."""
         out = torch.zeros_like(x)
         local = ids - self.expert_start  # [num_tokens, top_k]; outside [0, num_local_experts): another rank's
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_every_expert(x, weights, local, out)
         for expert in range(self.num_local_experts):
             token, slot = torch.where(local == expert)
             if token.numel() == 0:
@@ -103,6 +105,15 @@ class MoE(nn.Module):
             h = silu_and_mul(self.experts.gate_up.apply_expert(expert, h))
             y = self.experts.down.apply_expert(expert, self._observed(name + "down", h))  # [n, hidden]
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+    def _forward_every_expert(self, x: Tensor, weights: Tensor, local: Tensor, out: Tensor) -> Tensor:
+        """Inside a CUDA-graph capture (formats without the fused kernel): every expert on every token,
+        weighted by its routing weight (0 where unrouted), since selecting tokens would sync with the host."""
+        for expert in range(self.num_local_experts):
+            weight = (weights * (local == expert)).sum(dim=-1, keepdim=True).to(x.dtype)  # [num_tokens, 1]
+            h = silu_and_mul(self.experts.gate_up.apply_expert(expert, x))
+            out += self.experts.down.apply_expert(expert, h) * weight
         return out
 
     def _observed(self, name: str, x: Tensor) -> Tensor:
