@@ -143,14 +143,14 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None
     return q
 
 
-def _awq_folds(config: ModelConfig, layer: LayerWeights) -> list[tuple[str, str]]:
+def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[tuple[str, str]]:
     """(linear, where its input scale folds): a norm, or the preceding linear's output rows.
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
     experts; each expert's down gets its own, from its routed tokens, folded into its up rows."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    if config.is_moe_layer(layer.index):
+    if layer is not None and config.is_moe_layer(layer.index):
         downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")]
         mlp = [("moe.experts.gate_up", "post_attn_norm"), *((n, n.replace(".down", ".gate_up")) for n in downs)]
     else:
