@@ -30,11 +30,13 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.convert import LayerWeights
+from llmc.compiler.moe_calibration import expert_token_count, scale_router, stack_inputs
 from llmc.quant.awq import awq_search_clip, awq_search_scale, weight_magnitude
 from llmc.quant.formats import QuantizedWeight
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import fake_quantize, rtn_quantize
 from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models.spec import expert_of
 
 AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for the searches
 NUM_SELECTION_WINDOWS = 32  # calibration windows the variants are compared on
@@ -47,7 +49,8 @@ def awq_quantize_layer(quantizer, layer: LayerWeights, hidden: Tensor) -> dict[s
     num_select = min(NUM_SELECTION_WINDOWS, hidden.shape[0] // 4) or 1
     search, windows = (hidden[:-num_select], hidden[-num_select:]) if hidden.shape[0] > 1 else (hidden, hidden)
     stride = max(1, search.shape[0] * search.shape[1] // AWQ_MAX_TOKENS)
-    inputs = {n: torch.cat(xs) for n, xs in quantizer._capture_all(layer, search, lambda x: x[::stride].float()).items()}
+    captured = quantizer._capture_all(layer, search, lambda x: x[::stride].float())
+    inputs = {n: torch.cat(xs) for n, xs in captured.items() if xs}  # an expert no token reached has none
     candidates = []  # (trial layer, its quantized weights, its output on the selection windows)
     for variant in _variants(quantizer, layer):
         trial = LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms))
@@ -78,17 +81,44 @@ def _quantize_variant(quantizer, layer: LayerWeights, inputs: dict, variant) -> 
     scales = {}
     if variant is not None:
         duo_scaling, _ = variant
-        for name, target in _awq_folds(quantizer.config):
+        for name, target in _awq_folds(quantizer.config, layer):
             spec = quantizer._spec(layer, name)
-            if spec["format"] == "dense":
+            if spec["format"] == "dense" or (name in layer.linears and not _has_enough_tokens(quantizer, layer, inputs, name)):
                 continue
-            w_mean = weight_magnitude([layer.linears[name]], spec["group_size"]) if duo_scaling else None
-            found = awq_search_scale(inputs[name], [layer.linears[name]], _fake_quantizer(quantizer, spec), w_mean=w_mean)
-            scales[name] = found.scales
-            _fold(layer, name, target, found.scales)
+            members = _fold_members(layer, name)  # an MoE's gate_up: every expert's, with one shared scale
+            x = inputs[name] if name in inputs else stack_inputs(inputs, members)
+            weights = [layer.linears[m] for m in members]
+            w_mean = weight_magnitude(weights, spec["group_size"]) if duo_scaling else None
+            found = awq_search_scale(x, weights, _fake_quantizer(quantizer, spec), w_mean=w_mean)
+            for member in members:
+                scales[member] = found.scales
+                _fold(layer, member, target, found.scales)
+            if name == "moe.experts.gate_up":
+                scale_router(layer, found.scales)
     is_clipped = variant is not None and variant[1]
-    return {name: _quantize_linear(quantizer, layer, name, inputs[name] / scales.get(name, 1.0), is_clipped)
+    return {name: _quantize_linear(quantizer, layer, name, _scaled_inputs(inputs, name, scales), is_clipped)
             for name in layer.linears}
+
+
+def _has_enough_tokens(quantizer, layer: LayerWeights, inputs: dict, name: str) -> bool:
+    """An expert's own scale search needs routed tokens; under min_expert_tokens it is left unscaled (RTN)."""
+    if expert_of(name) is None:
+        return True
+    num_tokens = expert_token_count(inputs, name)
+    if num_tokens < quantizer.quant.min_expert_tokens:
+        quantizer.record_fallback(layer.index, name, num_tokens)
+        return False
+    return True
+
+
+def _fold_members(layer: LayerWeights, name: str) -> list[str]:
+    if name == "moe.experts.gate_up":
+        return [n for n in layer.linears if expert_of(n) is not None and n.endswith(".gate_up")]
+    return [name]
+
+
+def _scaled_inputs(inputs: dict, name: str, scales: dict) -> Tensor | None:
+    return inputs[name] / scales.get(name, 1.0) if name in inputs else None
 
 
 def _fake_quantizer(quantizer, spec: dict):
@@ -96,13 +126,13 @@ def _fake_quantizer(quantizer, spec: dict):
                                                     clip_ratio=clip_ratio, scale_dtype=quantizer.scale_dtype)
 
 
-def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor, is_clipped: bool) -> QuantizedWeight | None:
+def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None, is_clipped: bool) -> QuantizedWeight | None:
     spec = quantizer._spec(layer, name)
     if spec["format"] == "dense":
         return None
     w = layer.linears[name]
     clip = None
-    if is_clipped:
+    if is_clipped and x is not None and x.shape[0] >= quantizer.quant.min_expert_tokens:
         clip = awq_search_clip(x, w, _fake_quantizer(quantizer, spec), spec["group_size"])
         if name == "attn.qkv":  # q and k rows feed a softmax: clipping them hurts more than it helps
             config = quantizer.config
@@ -113,10 +143,19 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor, is_cl
     return q
 
 
-def _awq_folds(config: ModelConfig) -> list[tuple[str, str]]:
-    """(linear, where its input scale folds): a norm, or the preceding linear's output rows."""
+def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[tuple[str, str]]:
+    """(linear, where its input scale folds): a norm, or the preceding linear's output rows.
+
+    An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
+    post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
+    experts; each expert's down gets its own, from its routed tokens, folded into its up rows."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    folds = [("attn.qkv", "input_norm"), ("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
+    if layer is not None and config.is_moe_layer(layer.index):
+        downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")]
+        mlp = [("moe.experts.gate_up", "post_attn_norm"), *((n, n.replace(".down", ".gate_up")) for n in downs)]
+    else:
+        mlp = [("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
+    folds = [("attn.qkv", "input_norm"), *mlp]
     if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
         folds.insert(1, ("attn.o", "attn.qkv"))
     return folds

@@ -80,6 +80,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
+    _check_moe(ctx)
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
     ctx.w4a16_kernels = _plan_kernels(ctx, timings)
@@ -113,6 +114,19 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
     return _Context(recipe, model_dir, hf_config, spec, model, {})
+
+
+def _check_moe(ctx: _Context) -> None:
+    """What a mixture-of-experts build does not do yet, refused by name before any work."""
+    if not ctx.model.moe_layers:
+        return
+    if ctx.recipe.target.device in om.ONNX_DEVICES:
+        raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
+                          "are not exported to ONNX; use target.device cuda or cpu")
+    if ctx.recipe.quantization.method == "import":
+        raise RecipeError(f"quantization.method import: importing quantized mixture-of-experts checkpoints "
+                          f"({ctx.model.architecture}) is not supported; build from the float checkpoint with "
+                          "method rtn, gptq, awq or fp8")
 
 
 def resolve_model_dir(recipe: Recipe) -> Path:

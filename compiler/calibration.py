@@ -12,13 +12,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from llmc.compiler.convert import LayerWeights
+from llmc.compiler.convert import LayerWeights, stack_experts
 from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.models.decoder import DecoderLayer
+from llmc.runtime.models.spec import format_key
 
 BLOCK_SIZE = 16
 
@@ -93,7 +94,7 @@ class LayerRunner:
         """A float32 DecoderLayer holding `layer`'s (possibly already fake-quantized) weights."""
         prefix = f"layers.{layer.index}."
         dense = DenseFormat(torch.float32)
-        formats = {prefix + name: dense for name in layer.linears}
+        formats = {prefix + format_key(name): dense for name in layer.linears}
         with torch.device("meta"):
             module = DecoderLayer(self.config, formats, layer.index, torch.float32)
         set_layer_weights(module, layer, self.device)
@@ -156,7 +157,7 @@ def set_layer_weights(module: DecoderLayer, layer: LayerWeights, device: torch.d
     tensors = {f"{name}.weight": w for name, w in layer.linears.items()}
     tensors |= {f"{name}.bias": b for name, b in layer.biases.items()}
     tensors |= {f"{name}.weight": w for name, w in layer.norms.items()}
-    for name, tensor in tensors.items():
+    for name, tensor in stack_experts({k: v.float() for k, v in tensors.items()}).items():
         owner, _, attr = name.rpartition(".")
         setattr(module.get_submodule(owner), attr, tensor.float().to(device))
 
@@ -164,7 +165,24 @@ def set_layer_weights(module: DecoderLayer, layer: LayerWeights, device: torch.d
 def capture_inputs(module: DecoderLayer, names: list[str], observe) -> list:
     """Register hooks calling observe(name, x [num_tokens, in_features]) on each named linear's input."""
     handles = []
+    experts = [name for name in names if name.startswith("moe.experts.")]
+    if experts:  # routed inputs, reported by the MoE's plain-torch path (runtime/models/moe.py)
+        handles.append(_ExpertObservation(module.moe, set(experts), observe))
     for name in names:
+        if name in experts:
+            continue
         linear = module.get_submodule(name)
         handles.append(linear.register_forward_pre_hook(lambda _m, args, n=name: observe(n, args[0].reshape(-1, args[0].shape[-1]))))
     return handles
+
+
+class _ExpertObservation:
+    """An observer on an MoE layer's experts, removable like a hook handle."""
+
+    def __init__(self, moe, names: set[str], observe):
+        self.moe = moe
+        self.callback = lambda name, x: observe(name, x) if name in names else None
+        moe.observers.append(self.callback)
+
+    def remove(self) -> None:
+        self.moe.observers.remove(self.callback)

@@ -16,7 +16,7 @@ from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.quant.formats import QuantizedWeight, make_format
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderModel
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key
 from llmc.runtime.parallel.layout import RankLayout
 
 
@@ -33,9 +33,13 @@ class LayerWeights:
     """
 
     index: int
-    linears: dict[str, UnpackedLinear]  # "attn.qkv" → [out_features, in_features]
+    # "attn.qkv" → [out_features, in_features]; an MoE layer's experts one by one, every expert's gate_up
+    # ("moe.experts.0.gate_up", ...), then every down: packed, they stack into "moe.experts.gate_up.*" [E, ...]
+    linears: dict[str, UnpackedLinear]
     biases: dict[str, Tensor]  # "attn.qkv" → [out_features], only where the model has biases
-    norms: dict[str, Tensor]  # "input_norm" → [hidden_size]
+    # never-quantized weights kept as they are: "input_norm" → [hidden_size]; an MoE layer's router
+    # "moe.gate" → [num_experts, hidden_size]
+    norms: dict[str, Tensor]
 
 
 # Quantizes one layer: float LayerWeights → LayerWeights whose linears are float or QuantizedWeight.
@@ -63,7 +67,10 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     """One layer's float tensors in runtime names; `skip_linears` are not read (imported quantized ones)."""
     prefix = f"{spec.hf_layer_prefix}{index}."
     linears, biases = {}, {}
+    is_moe = config.is_moe_layer(index)
     for linear in spec.layer_linears:
+        if is_moe and linear.name.startswith("mlp."):
+            continue
         members = [prefix + member for member in linear.hf_members]
         if linear.name not in skip_linears:
             linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
@@ -71,7 +78,36 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
     norm_names = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
     norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in norm_names.items()}
+    if is_moe:
+        linears |= {name: w for name, w in read_experts(reader, spec, config, index).items() if name not in skip_linears}
+        norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()
     return LayerWeights(index, linears, biases, norms)
+
+
+def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> dict[str, Tensor]:
+    """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows), then every down."""
+    moe = spec.moe
+    prefixes = [f"{spec.hf_layer_prefix}{index}.{moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
+    gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(p + moe.gate + ".weight").float(),
+                                                              reader.get(p + moe.up + ".weight").float()])
+                for e, p in enumerate(prefixes)}
+    downs = {expert_linear_name(e, "down"): reader.get(p + moe.down + ".weight").float() for e, p in enumerate(prefixes)}
+    return gate_ups | downs
+
+
+def stack_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """{"moe.experts.{e}.{proj}.{param}": t} → {"moe.experts.{proj}.{param}": [num_experts, *t.shape]} in
+    expert order (the runtime's ExpertLinears); other names pass through."""
+    out, groups = {}, {}
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if name.startswith("moe.experts.") and len(parts) >= 5 and parts[2].isdigit():
+            groups.setdefault(".".join(["moe.experts", *parts[3:]]), []).append((int(parts[2]), tensor))
+        else:
+            out[name] = tensor
+    for name, members in groups.items():
+        out[name] = torch.stack([t for _, t in sorted(members, key=lambda m: m[0])])
+    return out
 
 
 def dense_packer(layer: LayerWeights) -> LayerWeights:
@@ -88,13 +124,13 @@ def pack_layer(layer: LayerWeights, module_formats: dict[str, dict], dtype: torc
     biases and norms cast to the model dtype."""
     out = {}
     for name, weight in layer.linears.items():
-        for param, tensor in pack_linear(weight, module_formats[f"layers.{layer.index}.{name}"], dtype).items():
+        for param, tensor in pack_linear(weight, module_formats[f"layers.{layer.index}.{format_key(name)}"], dtype).items():
             out[f"{name}.{param}"] = tensor
     for name, bias in layer.biases.items():
         out[f"{name}.bias"] = bias.to(dtype)
     for name, weight in layer.norms.items():
         out[f"{name}.weight"] = weight.to(dtype)
-    return out
+    return stack_experts(out)
 
 
 def pack_linear(weight: UnpackedLinear, fmt_spec: dict, dtype: torch.dtype) -> dict[str, Tensor]:

@@ -70,7 +70,27 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         eos_token_ids=eos_ids,
         dtype=dtype,
         sliding_window=sliding_window,
+        **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
     )
+
+
+def _moe_fields(config: dict, family: str) -> dict:
+    """Mixtral: every layer sparse, top-k always renormalised. Qwen3-MoE: layer i is sparse unless it is
+    in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob."""
+    num_layers = config["num_hidden_layers"]
+    if family == "mixtral":
+        return {"num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True,
+                "moe_layers": list(range(num_layers))}
+    num_experts = config.get("num_experts") or config.get("num_local_experts") or 0  # transformers 5 writes the latter
+    step = config.get("decoder_sparse_step", 1)
+    only_mlp = set(config.get("mlp_only_layers") or [])
+    layers = [i for i in range(num_layers) if i not in only_mlp and num_experts > 0 and (i + 1) % step == 0]
+    if not layers:
+        return {}
+    return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"],
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "moe_layers": layers}
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:

@@ -89,6 +89,10 @@ class QuantizingPacker:
         """Quality on the held-out windows and the cost of the build."""
         report = {"build_seconds": round(time.perf_counter() - self.start, 1),
                   "peak_memory_gib": round(peak_memory_bytes(self.runner) / 2**30, 3)}
+        if self.config.moe_layers and self.runner is not None:
+            # experts quantized by round-to-nearest for lack of routed calibration tokens → their token counts
+            report["moe_min_expert_tokens"] = self.quantizer.quant.min_expert_tokens
+            report["moe_rtn_fallbacks"] = dict(self.quantizer.expert_fallbacks)
         if self.eval_quant is None:
             return report
         norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float()

@@ -23,6 +23,7 @@ from torch import Tensor
 from llmc.compiler.awq_layer import awq_quantize_layer
 from llmc.compiler.calibration import LayerRunner, capture_inputs
 from llmc.compiler.convert import LayerWeights
+from llmc.compiler.moe_calibration import expert_input_absmax, gptq_experts, is_expert_group, linear_groups
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, QuantizedWeight, num_groups_of
@@ -32,7 +33,7 @@ from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderLayer
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, expert_of, format_key
 
 logger = logging.getLogger("llmc")
 AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for AWQ's searches
@@ -52,8 +53,15 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
     names = {}
     for i in range(config.num_layers):
         for linear in spec.layer_linears:
+            if config.is_moe_layer(i) and linear.name.startswith("mlp."):
+                continue
             hf = [f"{spec.hf_layer_prefix}{i}.{m}" for m in linear.hf_members]
             names[f"layers.{i}.{linear.name}"] = [f"layers.{i}.{linear.name}", *hf]
+        if config.is_moe_layer(i):  # one format per projection, for all the layer's experts
+            moe, experts = spec.moe, [f"{spec.hf_layer_prefix}{i}.{spec.moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
+            names[f"layers.{i}.moe.experts.gate_up"] = [f"layers.{i}.moe.experts.gate_up",
+                                                         *(p + m for p in experts for m in (moe.gate, moe.up))]
+            names[f"layers.{i}.moe.experts.down"] = [f"layers.{i}.moe.experts.down", *(p + moe.down for p in experts)]
     if not config.tie_word_embeddings:
         names["lm_head"] = ["lm_head"]
     return names
@@ -109,8 +117,9 @@ def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_fea
 def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     q_size = config.num_heads * config.head_dim
     sizes = {"attn.qkv": config.hidden_size, "attn.o": q_size, "mlp.gate_up": config.hidden_size,
-             "mlp.down": config.intermediate_size}
-    result = {f"layers.{i}.{name}": size for i in range(config.num_layers) for name, size in sizes.items()}
+             "mlp.down": config.intermediate_size, "moe.experts.gate_up": config.hidden_size,
+             "moe.experts.down": config.moe_intermediate_size}
+    result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 
 
@@ -137,6 +146,15 @@ class LayerQuantizer:
         self.config = config
         self.runner = runner
         self.scale_dtype = getattr(torch, config.dtype)
+        # MoE: experts quantized by round-to-nearest for lack of routed calibration tokens:
+        # "layers.3.moe.experts.5.down" → the tokens it had (compiler/moe_calibration.py)
+        self.expert_fallbacks: dict[str, int] = {}
+
+    def record_fallback(self, index: int, name: str, num_tokens: int) -> None:
+        self.expert_fallbacks[f"layers.{index}.{name}"] = num_tokens
+
+    def rtn(self, weight: Tensor, spec: dict) -> QuantizedWeight:
+        return quantize_rtn(weight, spec, self.scale_dtype)
 
     def quantize(self, layer: LayerWeights, hidden: Tensor | None,
                  hidden_float: Tensor | None = None) -> dict[str, QuantizedWeight | None]:
@@ -162,27 +180,33 @@ class LayerQuantizer:
         return result
 
     def _spec(self, layer: LayerWeights, name: str) -> dict:
-        return self.formats[f"layers.{layer.index}.{name}"]
+        return self.formats[f"layers.{layer.index}.{format_key(name)}"]
 
     def _gptq(self, layer: LayerWeights, hidden: Tensor, hidden_float: Tensor | None) -> dict:
         result = {}
         # With float targets: the layer as it was before any of its linears was quantized, built once.
         float_module = None if hidden_float is None else self.runner.build_layer(
             LayerWeights(layer.index, dict(layer.linears), dict(layer.biases), dict(layer.norms)))
-        for name, w in layer.linears.items():  # in order: each sees its quantized predecessors' outputs
-            spec = self._spec(layer, name)
-            if spec["format"] == "dense":
-                result[name] = None
-                continue
-            acc = self._hessian(layer, name, hidden, float_module, hidden_float)
-            if acc.drift is not None:
-                w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
-            q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
-                              spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
-                              scale_dtype=self.scale_dtype)
-            result[name] = _to_cpu(q)
-            layer.linears[name] = dequantize_weight(result[name])
+        for names in linear_groups(layer).values():  # in order: each sees its quantized predecessors' outputs
+            if self._spec(layer, names[0])["format"] == "dense":
+                result |= {name: None for name in names}
+            elif is_expert_group(names):  # all experts of one projection at once (compiler/moe_calibration.py)
+                result |= gptq_experts(self, layer, names, hidden)
+            else:
+                result[names[0]] = self._gptq_linear(layer, names[0], hidden, float_module, hidden_float)
         return result
+
+    def _gptq_linear(self, layer: LayerWeights, name: str, hidden: Tensor, float_module, hidden_float) -> QuantizedWeight:
+        w, spec = layer.linears[name], self._spec(layer, name)
+        acc = self._hessian(layer, name, hidden, float_module, hidden_float)
+        if acc.drift is not None:
+            w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
+        q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
+                          spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
+                          scale_dtype=self.scale_dtype)
+        q = _to_cpu(q)
+        layer.linears[name] = dequantize_weight(q)
+        return q
 
     def _hessian(self, layer: LayerWeights, name: str, hidden: Tensor, float_module: DecoderLayer | None = None,
                  hidden_float: Tensor | None = None) -> HessianAccumulator:
@@ -200,10 +224,12 @@ class LayerQuantizer:
             handle.remove()
         return acc
 
-    def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep) -> dict:
-        store: dict[str, list] = {name: [] for name in layer.linears}
+    def _capture_all(self, layer: LayerWeights, hidden: Tensor, keep, names: list[str] | None = None) -> dict:
+        """{linear name: [keep(x) per chunk of its inputs]} (an expert: of its routed inputs; none if it got none)."""
+        names = list(layer.linears) if names is None else names
+        store: dict[str, list] = {name: [] for name in names}
         module = self.runner.build_layer(layer)
-        handles = capture_inputs(module, list(layer.linears), lambda n, x: store[n].append(keep(x)))
+        handles = capture_inputs(module, names, lambda n, x: store[n].append(keep(x)))
         self.runner.forward(module, hidden)
         for handle in handles:
             handle.remove()
@@ -211,8 +237,13 @@ class LayerQuantizer:
 
     def _fp8_input_scales(self, layer: LayerWeights, hidden: Tensor) -> dict[str, Tensor]:
         observers = {name: AbsmaxObserver() for name in layer.linears}
-        for name, xs in self._capture_all(layer, hidden, lambda x: x.abs().max().item()).items():
+        dense = [n for n in layer.linears if expert_of(n) is None]
+        for name, xs in self._capture_all(layer, hidden, lambda x: x.abs().max().item(), dense).items():
             observers[name].absmax = max(xs)
+        for names in linear_groups(layer).values():
+            if is_expert_group(names):
+                for name, absmax in expert_input_absmax(self, layer, names, hidden).items():
+                    observers[name].absmax = absmax
         return {name: obs.input_scale() for name, obs in observers.items()}
 
     def _awq(self, layer: LayerWeights, hidden: Tensor) -> dict:

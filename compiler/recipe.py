@@ -53,12 +53,16 @@ class QuantizationConfig:
     weights: str = opt("per_channel", choices=["per_channel", "per_tensor"], help="fp8: weight scale granularity")
     activations: str = opt("dynamic", choices=["dynamic", "static"], help="fp8: per-token dynamic or calibrated static")
     report: bool = opt(True, help="measure quality at build time and record it in the manifest")
+    min_expert_tokens: int = opt(128, min=0, help="MoE: an expert routed fewer calibration tokens than this is "
+                                                  "quantized with RTN instead (gptq, awq, fp8 static); the report lists them")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor: int = opt(1, min=1, help="tensor parallel size")
     pipeline: int = opt(1, min=1, help="pipeline parallel size")
+    expert: int = opt(1, min=1, help="MoE models: spread whole experts over this many ranks (vLLM's "
+                                     "enable_expert_parallel); 1 or equal to tensor (attention stays tensor-parallel)")
 
 
 @dataclass(frozen=True)

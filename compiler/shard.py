@@ -15,6 +15,8 @@ rank's `qkv` is [its q heads; its k heads; its v heads].
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -23,8 +25,10 @@ from llmc.compiler.recipe import ParallelConfig
 from llmc.errors import RecipeError
 from llmc.quant.formats import QuantizedWeight, default_g_idx
 from llmc.runtime.artifact import ModelConfig, ParallelPlan
-from llmc.runtime.models.spec import ModelSpec
-from llmc.runtime.parallel.layout import RankLayout, num_kv_heads_per_rank, padded_vocab_size
+from llmc.runtime.models.spec import ModelSpec, expert_of, format_key
+from llmc.runtime.parallel.layout import (
+    RankLayout, all_rank_layouts, experts_of_rank, num_kv_heads_per_rank, padded_vocab_size,
+)
 
 # ---- the plan -------------------------------------------------------------------------------------
 
@@ -36,15 +40,17 @@ def plan_parallel(parallel: ParallelConfig, config: ModelConfig, spec: ModelSpec
     `tensor_bytes`: (name, bytes) of every tensor of the unsharded artifact, for balancing stages.
     """
     tensor, pipeline = parallel.tensor, parallel.pipeline
-    problems = tensor_split_problems(config, spec, module_formats, tensor)
+    expert = _check_expert(parallel, config)
+    problems = tensor_split_problems(config, spec, module_formats, tensor, expert)
     if problems:
-        valid = [t for t in range(1, config.num_heads + 1) if not tensor_split_problems(config, spec, module_formats, t)]
+        valid = [t for t in range(1, config.num_heads + 1)
+                 if not tensor_split_problems(config, spec, module_formats, t, t if expert > 1 else 1)]
         raise RecipeError(f"parallel.tensor: {problems[0]}; valid tensor sizes for this model and quantization: "
                           + ", ".join(map(str, valid)))
     if pipeline > config.num_layers:
         raise RecipeError(f"parallel.pipeline: {pipeline} stages for {config.num_layers} layers; "
                           f"use at most {config.num_layers} (each stage holds at least one layer)")
-    return ParallelPlan(
+    plan = ParallelPlan(
         tensor=tensor,
         pipeline=pipeline,
         stage_layers=balance_stages(config, tensor_bytes, pipeline),
@@ -52,12 +58,37 @@ def plan_parallel(parallel: ParallelConfig, config: ModelConfig, spec: ModelSpec
         num_kv_heads_per_rank=num_kv_heads_per_rank(config, tensor),
         intermediate_size_per_rank=config.intermediate_size // tensor,
         vocab_size_per_rank=padded_vocab_size(config.vocab_size, tensor) // tensor,
+        expert=expert,
     )
+    if not config.moe_layers:
+        return plan
+    return dataclasses.replace(plan, rank_experts=[experts_of_rank(layout) for layout in all_rank_layouts(config, plan)])
 
 
-def tensor_split_problems(config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict], tensor: int) -> list[str]:
-    """Why `tensor` ranks cannot split this model (empty: they can)."""
+def _check_expert(parallel: ParallelConfig, config: ModelConfig) -> int:
+    """parallel.expert: 1, or the tensor size (whole experts over the tensor ranks), dividing the experts."""
+    expert = parallel.expert
+    if expert == 1:
+        return 1
+    if not config.moe_layers:
+        raise RecipeError(f"parallel.expert: {expert} needs a mixture-of-experts model ({config.architecture} is "
+                          "dense); remove it")
+    if expert != parallel.tensor:
+        raise RecipeError(f"parallel.expert: {expert} must equal parallel.tensor ({parallel.tensor}): experts are "
+                          f"spread over the tensor-parallel ranks (vLLM's enable_expert_parallel); set tensor: {expert}")
+    if config.num_experts % expert:
+        raise RecipeError(f"parallel.expert: {expert} does not divide the model's {config.num_experts} experts; "
+                          f"use one of {[e for e in range(1, config.num_experts + 1) if config.num_experts % e == 0]}")
+    return expert
+
+
+def tensor_split_problems(config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict], tensor: int,
+                          expert: int = 1) -> list[str]:
+    """Why `tensor` ranks cannot split this model (empty: they can); `expert` > 1: experts stay whole."""
     problems = []
+    if config.moe_layers and expert == 1 and config.moe_intermediate_size % tensor:
+        problems.append(f"{tensor} does not divide the experts' MLP width {config.moe_intermediate_size} "
+                        "(or set parallel.expert to spread whole experts)")
     if config.num_heads % tensor:
         problems.append(f"{tensor} does not divide the model's {config.num_heads} attention heads")
     kv = config.num_kv_heads
@@ -67,22 +98,24 @@ def tensor_split_problems(config: ModelConfig, spec: ModelSpec, module_formats: 
         problems.append(f"{tensor} does not divide the MLP width {config.intermediate_size}")
     if problems:
         return problems
-    return _group_problems(config, spec, module_formats, tensor)
+    return _group_problems(config, module_formats, tensor, expert)
 
 
-def _group_problems(config: ModelConfig, spec: ModelSpec, module_formats: dict[str, dict], tensor: int) -> list[str]:
+def _group_problems(config: ModelConfig, module_formats: dict[str, dict], tensor: int, expert: int) -> list[str]:
     """Row-parallel linears whose quantization groups a split into `tensor` parts would cut."""
     if tensor == 1:
         return []
-    in_features = {"attn.o": config.num_heads * config.head_dim, "mlp.down": config.intermediate_size}
+    in_features = {"attn.o": config.num_heads * config.head_dim, "mlp.down": config.intermediate_size,
+                   "moe.experts.down": config.moe_intermediate_size}
+    row_parallel = ("attn.o", "mlp.down") + (("moe.experts.down",) if expert == 1 else ())
     problems = []
     for index in range(config.num_layers):
-        for linear in spec.layer_linears:
-            if linear.parallel != "row":
+        for name in config.layer_linears(index):
+            if name not in row_parallel:
                 continue
-            module = f"layers.{index}.{linear.name}"
+            module = f"layers.{index}.{name}"
             fmt = module_formats[module]
-            size, per_rank = in_features[linear.name], in_features[linear.name] // tensor
+            size, per_rank = in_features[name], in_features[name] // tensor
             if fmt.get("has_g_idx"):
                 problems.append(f"{tensor} would split {module} (row-parallel), whose act-order groups (g_idx) "
                                 "are not contiguous; only tensor 1 keeps them whole")
@@ -140,13 +173,16 @@ def shard_layer(layer: LayerWeights, layout: RankLayout, config: ModelConfig, sp
     if layout.tp_size == 1:
         return layer
     linears = {}
-    for linear in spec.layer_linears:
-        weight = layer.linears[linear.name]
-        if linear.parallel == "column":
-            linears[linear.name] = take_rows(weight, column_rows(config, layout, linear.name))
+    for name, weight in layer.linears.items():
+        expert = expert_of(name)
+        if expert is not None and layout.num_local_experts < config.num_experts:  # expert parallel: whole experts
+            if layout.expert_start <= expert < layout.expert_start + layout.num_local_experts:
+                linears[name] = weight
+        elif spec_parallel(spec, name) == "column":
+            linears[name] = take_rows(weight, column_rows(config, layout, format_key(name)))
         else:
-            start, end = row_columns(config, layout, linear.name)
-            linears[linear.name] = take_columns(weight, start, end, f"layers.{layer.index}.{linear.name}")
+            start, end = row_columns(config, layout, format_key(name))
+            linears[name] = take_columns(weight, start, end, f"layers.{layer.index}.{name}")
     biases = {}
     for name, bias in layer.biases.items():
         if spec.layer_linear(name).parallel != "column":
@@ -173,6 +209,9 @@ def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tupl
     if name == "mlp.gate_up":
         start, end = layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
         return [(start, end), (config.intermediate_size + start, config.intermediate_size + end)]
+    if name == "moe.experts.gate_up":  # each expert split like the MLP
+        start, end = layout.moe_intermediate_start, layout.moe_intermediate_start + layout.moe_intermediate_size
+        return [(start, end), (config.moe_intermediate_size + start, config.moe_intermediate_size + end)]
     raise KeyError(f"{name} is not a column-parallel linear")
 
 
@@ -182,7 +221,16 @@ def row_columns(config: ModelConfig, layout: RankLayout, name: str) -> tuple[int
         return layout.head_start * config.head_dim, (layout.head_start + layout.num_heads) * config.head_dim
     if name == "mlp.down":
         return layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
+    if name == "moe.experts.down":
+        return layout.moe_intermediate_start, layout.moe_intermediate_start + layout.moe_intermediate_size
     raise KeyError(f"{name} is not a row-parallel linear")
+
+
+def spec_parallel(spec: ModelSpec, name: str) -> str:
+    """"column" or "row" for a layer linear (an expert's gate_up is column-, its down row-parallel)."""
+    if expert_of(name) is not None:
+        return "column" if name.endswith("gate_up") else "row"
+    return spec.layer_linear(name).parallel
 
 
 def take_rows(weight: UnpackedLinear | Tensor, ranges: list[tuple[int, int]]) -> UnpackedLinear:

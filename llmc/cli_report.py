@@ -131,6 +131,8 @@ def _rank_rows(manifest: art.Manifest, estimates: list[memory.MemoryEstimate]) -
             "layers": list(layout.layers), "num_heads": layout.num_heads, "num_kv_heads": layout.num_kv_heads,
             "weight_bytes": est.weight_bytes, "kv_bytes_per_token": est.kv_bytes_per_token,
             "num_kv_tokens": est.num_kv_tokens,
+            **({"experts": list(range(layout.expert_start, layout.expert_start + layout.num_local_experts)),
+                "expert_width": layout.moe_intermediate_size} if manifest.model.moe_layers else {}),
         })
     return rows
 
@@ -185,6 +187,14 @@ def _format_runs(modules: dict[str, dict]) -> list[tuple[str, dict]]:
     return runs
 
 
+def _experts_text(row: dict) -> str:
+    """", experts 0-3 (width 96)": the experts a rank holds in its MoE layers."""
+    if "experts" not in row:
+        return ""
+    experts = row["experts"]
+    return f", experts {experts[0]}-{experts[-1]} of each MoE layer (width {row['expert_width']} each)"
+
+
 def print_inspect(report: dict) -> None:
     m, kv, rt, est = report["model"], report["kv"], report["runtime"], report["memory_estimate"]
     rows = [
@@ -193,6 +203,9 @@ def print_inspect(report: dict) -> None:
         ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
                   f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, stored as {m['dtype']}"),
+        *([("experts", f"{m['num_experts']} per MoE layer, top-{m['num_experts_per_tok']}"
+                       f"{' renormalised' if m['norm_topk_prob'] else ''}, width {m['moe_intermediate_size']}, "
+                       f"MoE layers {m['moe_layers']}")] if m.get("moe_layers") else []),
         ("quantization", f"{report['quantization']['method']}: "
                          + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
         ("saved", _saved_line(report)),
@@ -214,13 +227,14 @@ def print_inspect(report: dict) -> None:
     par = report["parallel"]
     if par["tensor"] * par["pipeline"] > 1:
         rows.append(("parallel", f"tensor {par['tensor']} × pipeline {par['pipeline']}: "
-                                 f"{par['tensor'] * par['pipeline']} ranks, rank = stage × {par['tensor']} + tensor rank"))
+                                 f"{par['tensor'] * par['pipeline']} ranks, rank = stage × {par['tensor']} + tensor rank"
+                                 + (f"; experts spread over {par['expert']} ranks" if par.get("expert", 1) > 1 else "")))
         for r in report["ranks"]:
             layers = r["layers"]
             rows.append((f"  rank {r['rank']}", f"stage {r['pipeline_stage']}, tensor rank {r['tensor_rank']}: "
                          f"layers {layers[0]}-{layers[-1]}, heads {r['num_heads']} (kv {r['num_kv_heads']}), "
                          f"weights {_fmt_bytes(r['weight_bytes'])}, KV {r['kv_bytes_per_token']} bytes/token, "
-                         f"{r['num_kv_tokens']:,} KV tokens on {est['gpu_memory_gib']:g} GiB"))
+                         f"{r['num_kv_tokens']:,} KV tokens on {est['gpu_memory_gib']:g} GiB" + _experts_text(r)))
     for key, value in report["quantization"].get("report", {}).items():
         rows.append((f"quality: {key}", str(value)))
     if "verify" in report:

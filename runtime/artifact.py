@@ -30,14 +30,18 @@ from llmc.schema import opt, parse
 # 1.3: target (ONNX models); older manifests load without it.
 # 1.4: kv.k_scales / v_scales / scales_source and runtime.kv_cache_dtype / cpu_offload_gb (FP8 KV cache,
 #      CPU weight offload); older manifests load without them (auto KV, no scales, no offload).
-FORMAT_VERSION = "1.4"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4")
+# 1.5: mixture-of-experts models (model.num_experts ..., parallel.expert / rank_experts); older manifests
+#      load without them (dense, no expert parallelism).
+FORMAT_VERSION = "1.5"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
-DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every decoder layer's, by runtime name
+DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
+# an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
+MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
@@ -71,6 +75,19 @@ class ModelConfig:
     eos_token_ids: list[int] = opt()
     dtype: str = opt(choices=DTYPES)  # the weights' dtype in the artifact: "float32" | "bfloat16" | "float16"
     sliding_window: int | None = opt(None, min=1)  # Mistral-style local attention window, None = full attention
+    # Mixture of experts (Mixtral, Qwen3-MoE); None / empty: a dense model.
+    num_experts: int | None = opt(None, min=1)  # routed experts per MoE layer
+    num_experts_per_tok: int | None = opt(None, min=1)  # top-k of the router
+    moe_intermediate_size: int | None = opt(None, min=1)  # each expert's MLP width
+    norm_topk_prob: bool = opt(True)  # renormalise the top-k router probabilities to sum to 1
+    moe_layers: list[int] = opt([])  # decoder layers whose MLP is the MoE (the rest are dense MLPs)
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index in self.moe_layers
+
+    def layer_linears(self, index: int) -> tuple[str, ...]:
+        """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""
+        return MOE_LINEARS if self.is_moe_layer(index) else DECODER_LINEARS
 
     @property
     def num_parameters(self) -> int:
@@ -81,7 +98,10 @@ class ModelConfig:
         norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
-        return embed + self.num_layers * (attn + mlp + norms) + self.hidden_size + lm_head
+        num_moe = len(self.moe_layers)
+        moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
+        layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
+        return embed + layers + self.hidden_size + lm_head
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,10 @@ class ParallelPlan:
     num_kv_heads_per_rank: int | None = opt(None, min=1)  # KV heads per tensor rank (replicated when tensor > num_kv_heads)
     intermediate_size_per_rank: int | None = opt(None, min=1)  # MLP columns per tensor rank
     vocab_size_per_rank: int | None = opt(None, min=1)  # embedding / lm_head rows per tensor rank (vocab padded to a multiple of tensor)
+    # Expert parallelism (MoE; vLLM's enable_expert_parallel): 1 = each expert split across the tensor
+    # ranks like a dense MLP; = tensor: whole experts spread over the tensor ranks.
+    expert: int = opt(1, min=1)
+    rank_experts: list[list[int]] = field(default_factory=list)  # rank → the experts whose weights it holds (MoE only)
 
     @property
     def world_size(self) -> int:
@@ -262,7 +286,10 @@ def _check_consistency(m: Manifest) -> None:
         if not (isinstance(spec, dict) and isinstance(spec.get("format"), str)):
             problems.append(f"quant.modules[{name!r}] is not a format spec ({{\"format\": ...}})")
             break
-    linears = [f"layers.{i}.{name}" for i in range(model.num_layers) for name in DECODER_LINEARS]
+    if model.moe_layers and (model.num_experts is None or model.num_experts_per_tok is None
+                             or model.moe_intermediate_size is None or not set(model.moe_layers) <= set(range(model.num_layers))):
+        problems.append("model.moe_layers needs num_experts, num_experts_per_tok, moe_intermediate_size and layer indices in range")
+    linears = [f"layers.{i}.{name}" for i in range(model.num_layers) for name in model.layer_linears(i)]
     if unlisted := [name for name in linears if name not in m.quant.modules]:
         problems.append(f"quant.modules has no format for {unlisted[0]}" + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     model_files = [rank_weights_path(r) for r in range(m.parallel.world_size)] if not m.target else []  # ONNX: its own

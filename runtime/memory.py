@@ -71,10 +71,20 @@ def activation_peak_bytes(model: ModelConfig, num_tokens: int, num_logit_rows: i
     elt = dtype_num_bytes(model.dtype)
     q_kv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     # Residual + hidden + the widest of (qkv, gate_up + its SiLU·mul output) live at once.
-    widest = max(q_kv + model.num_heads * model.head_dim, 3 * model.intermediate_size)
+    widest = max(q_kv + model.num_heads * model.head_dim, 3 * model.intermediate_size, moe_workspace_per_token(model))
     per_token = (2 * model.hidden_size + widest) * elt
     logits = num_logit_rows * model.vocab_size * 4 * 2  # logits and the sampler's probabilities
     return num_tokens * per_token + logits
+
+
+def moe_workspace_per_token(model: ModelConfig) -> int:
+    """Elements an MoE layer keeps live per token: the fused kernel's gate_up output and its SiLU·mul
+    (3 × moe_intermediate_size per routed copy), the down output per copy, the router's float32
+    probabilities (counted as 2 elements each) and the sorted-pair ids. 0 for a dense model."""
+    if not model.moe_layers:
+        return 0
+    top_k = model.num_experts_per_tok
+    return top_k * (3 * model.moe_intermediate_size + model.hidden_size) + 2 * model.num_experts + 2 * top_k
 
 
 def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,

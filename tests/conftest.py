@@ -6,7 +6,9 @@ helper here is reachable through a fixture:
 * ``hf_checkpoint_factory`` -> :func:`make_hf_checkpoint`
 * ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
   ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
-* ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every family
+* ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
+* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_moe_checkpoint`` -> ``(family, Path)`` over both;
+  ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -50,6 +52,8 @@ DATA_DIR = REPO_ROOT / "data"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+# Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -109,6 +113,15 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": None,
         },
     ),
+    # 4 experts, top-2 (always renormalised), every layer sparse.
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                                  "sliding_window": None}),
+    # 3 layers: 0 and 2 sparse, 1 dense (mlp_only_layers); top-2 of 4 NOT renormalised (norm_topk_prob
+    # False, the config's default); q/k norms and head_dim 32 as qwen3.
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "num_hidden_layers": 3, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+                                     "norm_topk_prob": False, "head_dim": 32, "use_sliding_window": False,
+                                     "sliding_window": None}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -129,7 +142,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:
@@ -160,7 +173,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_((TIED_EMBED_STD if tied else EMBED_STD) * randn_like(p))
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_STD * randn_like(p))
-        elif p.dim() == 2:
+        elif p.dim() == 2 or (p.dim() == 3 and ".experts." in name):  # MoE: experts stacked [E, out, in]
             p.copy_(LINEAR_STD * randn_like(p))
         else:
             raise AssertionError(f"unexpected parameter {name} {tuple(p.shape)}: decide how to randomise it")
@@ -223,7 +236,7 @@ def make_hf_checkpoint(
     # Different families get different weights for the same seed, except that llama3_rope
     # shares llama's weights (same shapes): the two differ only in the rope.
     weights_family = "llama" if family == "llama3_rope" else family
-    _randomise_(model, seed * 1000 + FAMILIES.index(weights_family))
+    _randomise_(model, seed * 1000 + (FAMILIES + MOE_FAMILIES).index(weights_family))
     model.generation_config = GenerationConfig(
         do_sample=False,
         bos_token_id=config.bos_token_id,
@@ -429,6 +442,62 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def upcycled_mixtral(tmp_path_factory) -> Path:
+    """A Mixtral of ref-llama-12m's trained weights (float32): 4 experts, top-2, each expert the dense
+    MLP perturbed by 5% relative noise, a random router — a model whose perplexity on real text means
+    something, for quantization tests (a random model's W4 error is dominated by its sharp logits)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MixtralConfig
+
+    ref = json.loads((REF_MODEL_DIR / "config.json").read_text())
+    path = tmp_path_factory.mktemp("upcycled_mixtral")
+    dense = {}
+    for shard in sorted(REF_MODEL_DIR.glob("*.safetensors")):
+        dense |= {k: v.float() for k, v in load_file(shard).items()}
+    gen = torch.Generator().manual_seed(0)
+    tensors, num_experts = {}, 4
+    for name, t in dense.items():
+        if ".mlp." not in name:
+            tensors[name] = t
+            continue
+        prefix, proj = name.split(".mlp.")
+        hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[proj]
+        for e in range(num_experts):
+            noise = 1 + 0.05 * torch.randn(t.shape, generator=gen)
+            tensors[f"{prefix}.block_sparse_moe.experts.{e}.{hf}.weight"] = (t * noise).contiguous()
+        if hf == "w1":
+            tensors[f"{prefix}.block_sparse_moe.gate.weight"] = 0.1 * torch.randn(num_experts, t.shape[1], generator=gen)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = MixtralConfig(**{k: ref[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                                  "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
+                                                  "tie_word_embeddings", "rope_parameters")},
+                           num_local_experts=num_experts, num_experts_per_tok=2, sliding_window=None, dtype="float32")
+    config.architectures = ["MixtralForCausalLM"]
+    config.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session", params=MOE_FAMILIES)
+def tiny_moe_checkpoint(request) -> tuple[str, Path]:
+    """``(family, path)`` for each mixture-of-experts family in turn."""
+    family = request.param
+    return family, request.getfixturevalue(f"tiny_{family}")
 
 
 @pytest.fixture(scope="session", params=FAMILIES)

@@ -1,4 +1,5 @@
-"""The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3).
+"""The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3,
+and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
 
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm), so one module
 serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
@@ -23,6 +24,7 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.models.moe import MoE
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
 
@@ -87,7 +89,11 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype, layout, tp_group)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
+        self.is_moe = config.is_moe_layer(index)
+        if self.is_moe:  # mixture of experts (runtime/models/moe.py)
+            self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
+        else:
+            self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
 
     def forward(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch, cos_sin: Tensor):
         if residual is None:
@@ -96,7 +102,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_norm(x, residual)
         x = self.attn(x, batch, cos_sin)
         x, residual = self.post_attn_norm(x, residual)
-        return self.mlp(x), residual
+        return (self.moe(x) if self.is_moe else self.mlp(x)), residual
 
 
 class DecoderModel(nn.Module):

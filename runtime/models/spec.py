@@ -20,6 +20,17 @@ class FusedLinear:
 
 
 @dataclass(frozen=True)
+class MoeSpec:
+    """Where an MoE layer's tensors live in the HF checkpoint (names inside a layer)."""
+
+    router: str  # the gate [num_experts, hidden], e.g. "block_sparse_moe.gate"
+    expert_prefix: str  # expert e's linears are under expert_prefix.format(e), e.g. "block_sparse_moe.experts.{}."
+    gate: str  # names of the expert's projections under its prefix: gate ("w1"), up ("w3"), down ("w2")
+    up: str
+    down: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     architectures: tuple[str, ...]  # HF `architectures` entries this spec reads
@@ -30,6 +41,7 @@ class ModelSpec:
     global_tensors: dict[str, str]  # runtime tensor name → HF tensor name (embedding, final norm, lm_head)
     hf_layer_prefix: str = "model.layers."
     never_quantized: tuple[str, ...] = ("embed", "norm")  # runtime names no recipe can quantize
+    moe: MoeSpec | None = None  # mixture-of-experts layers (their router is never quantized)
 
     def layer_linear(self, name: str) -> FusedLinear:
         return next(linear for linear in self.layer_linears if linear.name == name)
@@ -48,3 +60,22 @@ LLAMA_GLOBALS = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
+
+
+def expert_linear_name(expert: int, projection: str) -> str:
+    """An expert's linear inside a layer while the compiler handles it: "moe.experts.3.gate_up"."""
+    return f"moe.experts.{expert}.{projection}"
+
+
+def format_key(name: str) -> str:
+    """The key of a layer linear's format: experts share their projection's ("moe.experts.gate_up")."""
+    parts = name.split(".")
+    if name.startswith("moe.experts.") and len(parts) == 4:
+        return f"moe.experts.{parts[3]}"
+    return name
+
+
+def expert_of(name: str) -> int | None:
+    """The expert index of "moe.experts.3.gate_up" (3); None for any other linear."""
+    parts = name.split(".")
+    return int(parts[2]) if name.startswith("moe.experts.") and len(parts) == 4 else None

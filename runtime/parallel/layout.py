@@ -10,6 +10,10 @@ Rank r = pp_rank * tensor + tp_rank. Tensor parallelism splits, within a layer:
   mlp.down     row-parallel: input columns [t * Ir, (t + 1) * Ir); outputs all-reduced
   embed        vocab-parallel: rows [t * Vr, (t + 1) * Vr) of the vocabulary padded to tensor * Vr
   lm_head      vocab-parallel, the same rows; the driver gathers the logits
+  moe          (MoE layers) the router whole on every rank; with parallel.expert 1 each expert split
+               like the MLP (gate_up columns, down rows of its moe_intermediate_size); with
+               parallel.expert = tensor, whole experts: rank t holds experts [t * Er, (t + 1) * Er).
+               Either way each rank's output is a partial sum, all-reduced like the MLP's.
 Pipeline parallelism gives each stage a contiguous run of layers: the first stage also holds the
 embedding, the last the final norm and lm_head (and, with tied embeddings, the embedding as lm_head).
 """
@@ -41,6 +45,10 @@ class RankLayout:
     vocab_start: int
     has_embed: bool  # the embedding table (first stage; last stage too when tied: it is the lm_head)
     has_head: bool  # final norm and lm_head (last stage)
+    num_local_experts: int = 0  # MoE: experts [expert_start, expert_start + num_local_experts) of each MoE layer
+    expert_start: int = 0
+    moe_intermediate_size: int = 0  # MoE: each held expert's MLP columns on this rank
+    moe_intermediate_start: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,6 +76,11 @@ def whole_model_layout(config: ModelConfig) -> RankLayout:
     return rank_layout(config, ParallelPlan(1, 1, [list(range(config.num_layers))]), 0)
 
 
+def experts_of_rank(layout: RankLayout) -> list[int]:
+    """The global indices of the experts whose weights this rank holds (empty for a dense model)."""
+    return list(range(layout.expert_start, layout.expert_start + layout.num_local_experts))
+
+
 def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayout:
     """What rank `rank` holds under `plan` (sizes that do not divide are refused by the compiler's plan)."""
     tensor = plan.tensor
@@ -82,6 +95,13 @@ def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayou
     vocab = padded_vocab_size(config.vocab_size, tensor) // tensor
     stages = plan.stage_layers or [list(range(config.num_layers))]
     is_last = pp_rank == plan.pipeline - 1
+    num_experts, moe_size = config.num_experts or 0, config.moe_intermediate_size or 0
+    if plan.expert > 1:  # whole experts over the tensor ranks
+        local_experts, expert_start, moe_per_rank, moe_start = num_experts // plan.expert, 0, moe_size, 0
+        expert_start = tp_rank * local_experts
+    else:  # every expert, each split like the MLP
+        local_experts, expert_start, moe_per_rank = num_experts, 0, moe_size // tensor
+        moe_start = tp_rank * moe_per_rank
     return RankLayout(
         rank=rank, tp_rank=tp_rank, tp_size=tensor, pp_rank=pp_rank, pp_size=plan.pipeline,
         layers=tuple(stages[pp_rank]),
@@ -91,6 +111,8 @@ def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayou
         vocab_size=vocab, vocab_start=tp_rank * vocab,
         has_embed=pp_rank == 0 or (is_last and config.tie_word_embeddings),
         has_head=is_last,
+        num_local_experts=local_experts, expert_start=expert_start,
+        moe_intermediate_size=moe_per_rank, moe_intermediate_start=moe_start,
     )
 
 

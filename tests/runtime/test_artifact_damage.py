@@ -96,7 +96,7 @@ DAMAGES = [
     ("missing-model", lambda a: _edit(a, lambda d: d.pop("model")), "model: required key is missing", None),
     ("negative-layers", _set("model", "num_layers", -2), "model.num_layers: -2 is too small", None),
     ("hidden-size-string", _set("model", "hidden_size", "64"), "model.hidden_size: expected an integer", None),
-    ("unknown-key", _set("model", "num_experts", 8), "model.num_experts: unknown key", None),
+    ("unknown-key", _set("model", "num_shared_experts", 8), "model.num_shared_experts: unknown key", None),
     ("kv-disagrees", _set("kv", "num_layers", 7), "kv does not match the model", None),
     ("format-version-int", lambda a: _edit(a, lambda d: d.__setitem__("format_version", 1)),
      "format_version must be a string", None),

@@ -1,0 +1,132 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks top-k experts per token, each a
+SiLU-gated MLP, and their outputs are summed with the router's weights.
+
+Every expert's projection is one `ExpertLinears`: the tensors of its LinearFormat (dense, w4a16,
+w8a8-fp8) stacked on a leading [num_local_experts] dim, so the artifact holds `moe.experts.gate_up.*`
+[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, dense experts
+run the fused kernel: one grouped GEMM per projection (tokens sorted by expert, no host sync, so
+decode steps capture in CUDA graphs). The plain-torch path (CPUs, calibration, w4a16 and FP8 experts
+for now) loops over the experts that received tokens, calling each expert's format `apply`.
+
+Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
+routes every token over all experts (the router is whole on every rank) and computes only its own
+experts' share; the ranks' partial sums are all-reduced like a row-parallel MLP's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from llmc.kernels.activation import silu_and_mul
+from llmc.kernels.fused_moe import fused_moe
+from llmc.quant.formats import DenseFormat, LinearFormat
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
+
+# observe(name, x): called with the inputs routed to one expert's linear ("moe.experts.3.down"), [n, in]
+ExpertObserver = Callable[[str, Tensor], None]
+
+
+class ExpertLinears(nn.Module):
+    """One projection of every local expert: each tensor of `fmt`'s param_specs with a leading
+    [num_experts] dim (buffers named as the format's, so state_dict keys are the artifact's)."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, fmt: LinearFormat):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features, self.fmt = num_experts, in_features, out_features, fmt
+        self.param_names = []
+        for name, spec in fmt.param_specs(in_features, out_features).items():
+            self.register_buffer(name, torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="meta"))
+            self.param_names.append(name)
+
+    def params(self) -> dict[str, Tensor]:
+        """Every stacked tensor, [num_experts, ...] each."""
+        return {name: getattr(self, name) for name in self.param_names}
+
+    def apply_expert(self, expert: int, x: Tensor) -> Tensor:
+        """x [n, in_features] through local expert `expert` → [n, out_features]."""
+        return self.fmt.apply(x, {name: getattr(self, name)[expert] for name in self.param_names}, None)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, format={self.fmt.spec()}"
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
+                 layout: RankLayout | None = None, tp_group=None):
+        super().__init__()
+        layout = layout or whole_model_layout(config)
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.expert_start, self.num_local_experts = layout.expert_start, layout.num_local_experts
+        self.gate = nn.Module()  # the router: never quantized
+        self.gate.register_buffer("weight", torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device="meta"))
+        size = layout.moe_intermediate_size
+        self.experts = nn.Module()
+        self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
+                                             formats[prefix + "experts.gate_up"])
+        self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size, formats[prefix + "experts.down"])
+        self.tp_group = tp_group
+        self.observers: list[ExpertObserver] = []  # calibration only (the compiler's hooks)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [num_tokens, hidden] → (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64):
+        softmax over all experts in float32, top-k, renormalised to sum 1 when the config says so."""
+        probs = torch.softmax(torch.nn.functional.linear(x, self.gate.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, ids = self.route(x)
+        gate_up, down = self.experts.gate_up, self.experts.down
+        out = None if self.observers else fused_moe_of_formats(x, weights, ids - self.expert_start, gate_up, down)
+        if out is None:
+            out = self.forward_experts(x, weights, ids)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def forward_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """The plain-torch path: each local expert that received tokens runs on them (a token that
+        picked one expert twice gets both weights). [num_tokens, hidden] → [num_tokens, hidden]."""
+        out = torch.zeros_like(x)
+        local = ids - self.expert_start  # [num_tokens, top_k]; outside [0, num_local_experts): another rank's
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._forward_every_expert(x, weights, local, out)
+        for expert in range(self.num_local_experts):
+            token, slot = torch.where(local == expert)
+            if token.numel() == 0:
+                continue
+            name = f"moe.experts.{self.expert_start + expert}."
+            h = self._observed(name + "gate_up", x[token])
+            h = silu_and_mul(self.experts.gate_up.apply_expert(expert, h))
+            y = self.experts.down.apply_expert(expert, self._observed(name + "down", h))  # [n, hidden]
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+    def _forward_every_expert(self, x: Tensor, weights: Tensor, local: Tensor, out: Tensor) -> Tensor:
+        """Inside a CUDA-graph capture (formats without the fused kernel): every expert on every token,
+        weighted by its routing weight (0 where unrouted), since selecting tokens would sync with the host."""
+        for expert in range(self.num_local_experts):
+            weight = (weights * (local == expert)).sum(dim=-1, keepdim=True).to(x.dtype)  # [num_tokens, 1]
+            h = silu_and_mul(self.experts.gate_up.apply_expert(expert, x))
+            out += self.experts.down.apply_expert(expert, h) * weight
+        return out
+
+    def _observed(self, name: str, x: Tensor) -> Tensor:
+        for observe in self.observers:
+            observe(name, x)
+        return x
+
+
+def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up: ExpertLinears,
+                         down: ExpertLinears) -> Tensor | None:
+    """The fused Triton MoE on CUDA for dense experts; None where it does not apply (CPUs; w4a16 and
+    w8a8-fp8 experts, which run expert by expert through their formats' kernels: the fused kernel's FP8
+    mode is weight-only and would not quantize activations as w8a8-fp8 says)."""
+    if not (x.is_cuda and isinstance(gate_up.fmt, DenseFormat) and isinstance(down.fmt, DenseFormat)):
+        return None
+    return fused_moe(x, weights, local_ids, gate_up.weight, down.weight)
