@@ -69,6 +69,8 @@ class Request:
             them to output_token_ids). They count in num_tokens, never in all_token_ids.
         batch_row: the request's row in the engine's persistent batch (sampling state, block table)
             while it runs; None while waiting. Set and cleared by the engine.
+        may_share_blocks: a beam that forked or was forked (runtime/beam_scheduler.py): its last
+            block may be shared, so the scheduler checks it for copy-on-write before a write.
     """
 
     request_id: str
@@ -88,6 +90,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_pending_tokens: int = 0
     batch_row: int | None = None
+    may_share_blocks: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
