@@ -114,12 +114,18 @@ class BeamGroup(RequestGroup):
         self._eos, self._tokenizer = list(engine.eos_token_ids), engine.tokenizer
         room = engine.options.max_model_len - len(self.prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        block_size, num_blocks = engine.options.block_size, engine.scheduler.config.num_blocks
+        num_needed = params.n * -(-(len(self.prompt_token_ids) + max_tokens - 1) // block_size)
+        if num_needed > num_blocks:  # beams that cannot all hold their KV at once could thrash forever
+            raise RequestError(f"use_beam_search with n={params.n} beams of up to {len(self.prompt_token_ids) + max_tokens} "
+                               f"tokens needs up to {num_needed} KV blocks, but the cache has {num_blocks}; lower n or "
+                               "max_tokens, or raise num_kv_blocks / gpu_memory_utilization")
         self.step_params = SamplingParams(
             temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
             seed=params.seed, ignore_eos=True, max_tokens=max_tokens, logprobs=2 * params.n, detokenize=False)
         request = Request(request_id=f"{self.request_id}#0", prompt_token_ids=self.prompt_token_ids,
                           max_tokens=max_tokens, arrival_time=self.arrival_time, priority=priority,
-                          sampling_params=self.step_params)
+                          sampling_params=self.step_params, beam_group_id=self.request_id)
         self._add_state(engine, BeamState(request, self.step_params, self.request_id))
         engine.scheduler.add_request(request)
 
@@ -145,7 +151,10 @@ class BeamGroup(RequestGroup):
             for token, logprob in state.report.items():
                 result = BeamResult(state.tokens + [token], state.cum_logprob + logprob, state.logprobs + [state.report],
                                     "stop" if token in eos else "length")
-                (self.done if token in eos else candidates).append((state, token, result))
+                if token in eos:
+                    self.done.append(result)
+                else:
+                    candidates.append((state, token, result))
         score = lambda c: beam_score(c[2].tokens, c[2].cum_logprob, engine.eos_token_ids, self.params.length_penalty)  # noqa: E731
         kept = sorted(candidates, key=score, reverse=True)[: self.params.n]
         if any(state.request.is_finished for state in self.sequences) or not kept:  # the last round

@@ -14,7 +14,8 @@ extensions). A beam whose round is scored while a sibling has not computed its o
 sibling was preempted, or waits for a seat) is *held*: out of `running`, keeping its blocks and
 its seat, never scheduled, until `extend` gives it its next token. When a step has nothing to run
 while sequences are held and others wait (the held ones' blocks are what the waiting need), every
-held sequence is preempted by recompute, so a search waits, whole, rather than deadlocks.
+held sequence except those of the search at the queue's head is preempted by recompute (to the queue's
+tail), so that search completes its round: searches wait rather than deadlock.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class BeamScheduler(Scheduler):
             arrival_time=parent.arrival_time, priority=parent.priority, sampling_params=parent.sampling_params,
             output_token_ids=parent.output_token_ids + [token_id], skip_prefix_cache=parent.skip_prefix_cache,
             num_cached_tokens=parent.num_cached_tokens, block_hashes=list(parent.block_hashes),
+            beam_group_id=parent.beam_group_id,
         )
         self._arrival_index[child_id] = self._num_arrivals
         self._num_arrivals += 1
@@ -73,7 +75,6 @@ class BeamScheduler(Scheduler):
             child.num_computed_tokens = parent.num_computed_tokens
             self._num_hashed_blocks[child_id] = self._num_hashed_blocks.get(parent.request_id, 0)
             child.status = RequestStatus.RUNNING
-            child.may_share_blocks = parent.may_share_blocks = True
             bisect.insort(self.running, child, key=self._policy_key)
         else:
             child.status = RequestStatus.WAITING
@@ -87,16 +88,27 @@ class BeamScheduler(Scheduler):
         batch = super().schedule()
         released: list[Request] = []
         if batch.is_empty and self.held and self.waiting:
-            # the held beams' blocks are what the waiting need: the searches wait, whole
-            for request in list(self.held.values()):
-                del self.held[request.request_id]
-                self._preempt(request)
-                released.append(request)
+            released = self._release_held(self.waiting.peek())
             batch = super().schedule()
         batch.preempted = released + batch.preempted
         batch.blocks_to_copy, self._copies = self._copies, []
         self.num_block_copies += len(batch.blocks_to_copy)
         return batch
+
+    def _release_held(self, head: Request) -> list[Request]:
+        """Nothing can run: the held beams' seats and blocks are what the waiting need. Every held
+        beam but those of the head's search is preempted (to the queue's tail: the head's search
+        completes its round first); the head's search fits alone (`BeamGroup.start` checks it)."""
+        released = [r for r in self.held.values() if r.beam_group_id is None or r.beam_group_id != head.beam_group_id]
+        for request in released:
+            del self.held[request.request_id]
+            self._free_blocks(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.push(request)
+        return released
 
     def _num_seats_taken(self) -> int:
         return len(self.running) + len(self.held)
@@ -104,7 +116,7 @@ class BeamScheduler(Scheduler):
     def _reserve_blocks(self, request: Request, num_new_tokens: int, preempted: list[Request]) -> bool:
         if not super()._reserve_blocks(request, num_new_tokens, preempted):
             return False
-        if not request.may_share_blocks:
+        if request.beam_group_id is None:
             return True
         index = request.num_computed_tokens // self.block_size  # the block this step writes first
         block = self.block_pool.blocks[request.block_ids[index]]
