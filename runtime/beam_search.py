@@ -1,18 +1,16 @@
-"""Beam search in the Python API (`LLM.beam_search`), built on the engine as vLLM's is.
+"""Beam search in the Python API (`LLM.beam_search`), with vLLM's BeamSearchParams and outputs.
 
-NOTE (how it runs): every step, each live beam of every prompt is one engine request of its whole
-token sequence with `max_tokens=1` and `logprobs=2 * beam_width`; each beam is extended by each of
-its top tokens, and the `beam_width` best extensions by score survive (2 * beam_width candidates
-per beam suffice: at most beam_width of a beam's extensions can be among the best). A beam ending
-in eos (unless `ignore_eos`) is complete. Score: cumulative logprob / length ** length_penalty,
-the length counting the prompt and not a final eos (vLLM's `get_beam_search_score`).
+NOTE (how it runs): a prompt becomes one engine request with `use_beam_search` and n = beam_width
+(runtime/beam_group.py): its beams are long-lived sequences that share KV blocks through the block
+pool's reference counts, a beam continuing with several tokens forks its block table, and the first
+write into a shared, partly filled last block copies that block (runtime/beam_scheduler.py). Every
+prompt's search runs in the same engine steps, beside any other request.
 
-NOTE (KV sharing): beams share KV through the prefix cache, not by forking block tables: a beam's
-request finds the full blocks of its prompt and of the tokens its ancestors computed already
-cached (hashed by parent hash and token ids, reference-counted by the block pool), so a step
-recomputes at most one block's worth of tokens per beam, and beams with a common prefix read the
-same blocks. With `enable_prefix_caching` off every step recomputes every beam from scratch
-(correct, slower).
+NOTE (fallback): an engine that cannot copy KV blocks (an ONNX artifact, tensor/pipeline ranks) or
+speculates runs `beam_search_by_requests`, vLLM v1's way: every round, each live beam is a new
+engine request of its whole sequence with max_tokens=1 and logprobs=2*beam_width, its KV found
+again through the prefix cache (at most a block's worth recomputed per beam and round; everything
+without prefix caching). It scores beams the same way, so both return the same beams.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmc.errors import RequestError
+from llmc.runtime.beam_group import beam_score
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -62,13 +61,30 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
-def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: list[int], length_penalty: float) -> float:
-    length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
-    return cum_logprob / (length ** length_penalty)
+def can_fork_beams(engine) -> bool:
+    """Whether the engine runs `use_beam_search` requests (KV blocks copied, no speculation)."""
+    return getattr(engine.runner, "copy_blocks", None) is not None and engine.proposer is None
 
 
 def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Beam search over prompts given as token ids (see the module's notes)."""
+    if not can_fork_beams(llm.engine):
+        return beam_search_by_requests(llm, prompts, params)
+    sampling = SamplingParams(n=params.beam_width, use_beam_search=True, max_tokens=params.max_tokens,
+                              temperature=params.temperature, ignore_eos=params.ignore_eos,
+                              length_penalty=params.length_penalty,
+                              include_stop_str_in_output=params.include_stop_str_in_output)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling)
+    results = []
+    for prompt, output in zip(prompts, outputs):
+        results.append(BeamSearchOutput([
+            BeamSearchSequence(list(prompt) + c.token_ids, c.logprobs, c.cumulative_logprob, c.text, c.finish_reason)
+            for c in output.outputs]))
+    return results
+
+
+def beam_search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The fallback: one max_tokens=1 request per live beam and round (see the module's notes)."""
     engine = llm.engine
     eos, max_len = engine.eos_token_ids, engine.options.max_model_len
     score = lambda beam: beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)  # noqa: E731

@@ -142,6 +142,14 @@ class BlockPool:
                 del self._free_cached[block.block_id]
             block.ref_count += 1
 
+    def fork(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one reference to each in-use block: a second block table now holds it (a beam's
+        child shares its parent's KV; the first write into a shared block copies it first)."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"fork of free block {block.block_id}")
+            block.ref_count += 1
+
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference to each block; blocks reaching zero become free.
 

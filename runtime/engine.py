@@ -22,12 +22,14 @@ from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup, SequenceState
+from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups
+from llmc.runtime.beam_scheduler import BeamScheduler
 from llmc.runtime.batch_sampler import BatchSampler, HostTokens, SampledStep, unpack_logprobs
 from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
                                         invariant_checks_enabled, reset_engine)
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats, sample_with_drafts
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmask, mask_verify_rows, sequence_constraints
@@ -51,7 +53,7 @@ class Engine:
         self.eos_token_ids = list(self.manifest.model.eos_token_ids)
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
-        self.scheduler = Scheduler(SchedulerConfig(
+        self.scheduler = BeamScheduler(SchedulerConfig(
             max_num_seqs=self.options.max_num_seqs,
             max_num_batched_tokens=self.options.max_num_batched_tokens,
             max_model_len=self.options.max_model_len,
@@ -71,7 +73,8 @@ class Engine:
         self.spec_stats = SpecDecodeStats()
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
         self.groups: dict[str, RequestGroup] = {}
-        self.sequences: dict[str, SequenceState] = {}
+        self.sequences: dict[str, SequenceState | BeamState] = {}
+        self._beam_group_ids: set[str] = set()  # use_beam_search requests: their steps run synchronously
         self.grammars = GrammarCache(self.tokenizer, self.manifest.model.vocab_size, self.eos_token_ids)
         self._ids = itertools.count()
         self._outputs: list[RequestOutput] = []  # the current step's outputs so far
@@ -98,10 +101,15 @@ class Engine:
         if params.guided_decoding is not None:
             self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        group = RequestGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
+        group = (BeamGroup if params.use_beam_search else RequestGroup)(request_id, prompt, prompt_token_ids, params,
+                                                                         arrival_time)
         self.groups[request_id] = group
         try:  # all or none: a failure part-way is undone through the abort path
-            self._add_sequences(group, priority)
+            if isinstance(group, BeamGroup):
+                self._beam_group_ids.add(request_id)
+                group.start(self, priority)
+            else:
+                self._add_sequences(group, priority)
         except BaseException:
             self.abort_request(request_id)
             raise
@@ -144,6 +152,7 @@ class Engine:
         sequences leave the scheduler (KV blocks and prefix-cache references freed), the engine's
         maps and their persistent-batch rows; a token of it still in flight is dropped when it lands."""
         group = self.groups.pop(request_id, None)
+        self._beam_group_ids.discard(request_id)
         for state in group.sequences if group else []:
             self.scheduler.abort_request(state.request.request_id)
             self.sequences.pop(state.request.request_id, None)
@@ -192,8 +201,10 @@ class Engine:
 
     def _step(self) -> None:
         outputs = self._outputs
-        if self._in_flight is not None and (self.sampler.has_processors or self.sampler.has_constraints):
-            # processors read the histories; grammar matchers and bad words advance by the tokens
+        if self._in_flight is not None and (self.sampler.has_processors or self.sampler.has_constraints
+                                            or self._beam_group_ids):
+            # processors read the histories; grammar matchers and bad words advance by the tokens;
+            # beams' next tokens are chosen on the host
             outputs += self._resolve(self._take_in_flight())
         batch = self.scheduler.schedule()
         self._release_rows(batch.preempted)
@@ -221,6 +232,8 @@ class Engine:
         """Forward and sample on the device; start copying the tokens to the host."""
         in_flight = self._in_flight
         pending = None if in_flight is None else PendingTokens(in_flight.sampled.token_ids, in_flight.index)
+        if batch.blocks_to_copy:  # copy-on-write of blocks that forked beams share (runtime/beam_scheduler.py)
+            self.runner.copy_blocks(batch.blocks_to_copy)
         step = self.runner.execute(batch, pending)
         sampled_requests = [s.request for s in batch.requests if s.is_last_chunk]
         processors = []
@@ -263,6 +276,8 @@ class Engine:
             if not errors:
                 states.append(state)
         self.stats_logger.record(step.num_prefill, len(states), self.stats)
+        if self._beam_group_ids:
+            failed += advance_beam_groups(self, states)
         return failed + self._collect_outputs(states)
 
     def _record_token(self, state: SequenceState, token_id: int, logprob_row: list[float] | None) -> None:
@@ -384,6 +399,7 @@ class Engine:
 
     def _release(self, group: RequestGroup) -> None:
         del self.groups[group.request_id]
+        self._beam_group_ids.discard(group.request_id)
         for state in group.sequences:
             self.sequences.pop(state.request.request_id, None)
 

@@ -56,3 +56,19 @@ def kv_cache_config(manifest: art.Manifest, options: art.RuntimeDefaults, comput
             logger.info("KV cache: %s with K/V scales 1.0 (the artifact records none: build it with "
                         "runtime.kv_cache_dtype and quantization.calibration.data to measure them)", name)
     return KVCacheConfig(getattr(torch, name), k_scales, v_scales)
+
+
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write of KV blocks: block dst gets block src's K and V in every layer, for each
+    (src, dst) of `pairs` (caches [num_blocks, block_size, num_kv_heads, head_dim]; any device).
+    The sources are gathered before any destination is written, so a pair may read a block
+    another pair writes."""
+    if not pairs:
+        return
+    device = kv_caches[0][0].device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+    for caches in kv_caches:
+        for cache in caches:
+            cache = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # FP8: copy the bytes
+            cache.index_copy_(0, dst, cache.index_select(0, src))

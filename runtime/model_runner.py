@@ -25,7 +25,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
-from llmc.runtime.kv_cache import kv_cache_config
+from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
 from llmc.runtime.offload import WeightOffloader
@@ -84,6 +84,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: each (src, dst) block's K/V copied, queued before the step that writes dst."""
+        copy_blocks(self.kv_caches, pairs)
 
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)

@@ -69,6 +69,8 @@ class Request:
             them to output_token_ids). They count in num_tokens, never in all_token_ids.
         batch_row: the request's row in the engine's persistent batch (sampling state, block table)
             while it runs; None while waiting. Set and cleared by the engine.
+        beam_group_id: the beam search this request is a beam of (runtime/beam_scheduler.py), else
+            None; a beam's last block may be shared, so it is checked for copy-on-write.
     """
 
     request_id: str
@@ -88,6 +90,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_pending_tokens: int = 0
     batch_row: int | None = None
+    beam_group_id: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

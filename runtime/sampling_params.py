@@ -72,6 +72,10 @@ class SamplingParams:
             at its last token, once the others were just generated).
         guided_decoding: a `GuidedDecodingParams` (JSON schema, regex, choice, grammar) the output
             must follow; `structured_outputs` is vLLM's newer name for the same (give one).
+        use_beam_search: beam search with beam width `n` (vLLM's field, as its OpenAI server takes
+            it): the n best beams by cumulative logprob / length ** length_penalty are returned.
+            Fields that cannot apply to it (stop strings, penalties, logprobs, ...) are refused.
+        length_penalty: the exponent of the length in a beam's score (beam search only).
     """
 
     n: int = 1
@@ -102,6 +106,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     guided_decoding: Any = None
     structured_outputs: Any = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     # Derived in __post_init__: the number of arguments each logits processor takes (2 or 3).
     logits_processor_arities: list[int] = field(
         init=False, default_factory=list, repr=False, compare=False
@@ -114,6 +120,7 @@ class SamplingParams:
         self._validate_stopping()
         self._validate_token_lists()
         self._validate_constraints()
+        self._validate_beam_search()
         self.logits_processor_arities = [
             _logits_processor_arity(p) for p in (self.logits_processors or [])
         ]
@@ -196,7 +203,7 @@ class SamplingParams:
             self.top_k = 0
         self.min_p = _as_float(self.min_p, "min_p")
         _require(0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
-        if self.is_greedy:
+        if self.is_greedy and not self.use_beam_search:
             # Several greedy samples of one prompt would all be identical.
             _require(self.n == 1 and (self.best_of or 1) == 1, "n",
                      "1 (and best_of 1 or None) with greedy sampling (temperature 0)", self.n)
@@ -250,6 +257,28 @@ class SamplingParams:
             self.guided_decoding, self.structured_outputs = self.structured_outputs, None
         _require(self.guided_decoding is None or isinstance(self.guided_decoding, GuidedDecodingParams),
                  "guided_decoding", "a GuidedDecodingParams or None", self.guided_decoding)
+
+    def _validate_beam_search(self) -> None:
+        _require(isinstance(self.use_beam_search, bool), "use_beam_search", "True or False", self.use_beam_search)
+        self.length_penalty = _as_float(self.length_penalty, "length_penalty")
+        if not self.use_beam_search:
+            _require(self.length_penalty == 1.0, "length_penalty", "1.0 unless use_beam_search is True "
+                     "(only beam search scores by length)", self.length_penalty)
+            return
+        _require(self.best_of in (None, self.n), "best_of",
+                 f"None or n ({self.n}) with use_beam_search (n is the beam width)", self.best_of)
+        defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+        for name in _NOT_WITH_BEAM_SEARCH:
+            value = getattr(self, name)
+            if value not in (None, [], {}) and value != defaults[name]:
+                raise RequestError(f"SamplingParams.{name} does not apply to beam search (use_beam_search=True); "
+                                   "leave it unset")
+
+
+# What beam search cannot honour: it ranks beams by the model's raw logprobs and ends a beam at eos only.
+_NOT_WITH_BEAM_SEARCH = ("presence_penalty", "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids",
+                         "min_tokens", "logprobs", "prompt_logprobs", "logits_processors", "logit_bias",
+                         "allowed_token_ids", "bad_words", "guided_decoding")
 
 
 def _require(condition: bool, name: str, allowed: str, value: Any) -> None:

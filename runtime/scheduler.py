@@ -109,12 +109,15 @@ class ScheduledBatch:
         num_batched_tokens: sum of num_new_tokens; never above max_num_batched_tokens.
         preempted: requests preempted during this step's scheduling (now WAITING, blocks freed,
             num_computed_tokens 0); the model runner drops any per-request state it keeps.
+        blocks_to_copy: (src, dst) KV blocks to copy before the step's forward (copy-on-write of a
+            block that forked sequences share, runtime/beam_scheduler.py); empty otherwise.
     """
 
     requests: list[ScheduledRequest] = field(default_factory=list)
     num_decodes: int = 0
     num_batched_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -244,7 +247,7 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
             request = self.waiting.peek()
             cached_blocks = self._find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_size
@@ -262,6 +265,10 @@ class Scheduler:
             is_last_chunk = num_cached_tokens + num_new_tokens == request.num_tokens
             scheduled.append(ScheduledRequest(request, num_new_tokens, is_last_chunk))
             budget -= num_new_tokens
+
+    def _num_seats_taken(self) -> int:
+        """Sequences holding a seat (and a persistent-batch row): the running ones here."""
+        return len(self.running)
 
     def _find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """The longest cached prefix, leaving at least the last token to compute (for logits)."""

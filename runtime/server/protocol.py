@@ -3,8 +3,8 @@
 Field names and defaults are OpenAI's, plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids, prompt_logprobs, ...) and
 vLLM's limits (seed and priority in int64, at most MAX_LOGPROBS logprobs). Fields OpenAI or vLLM
-have that would change the output and llmc does not implement (suffix, tools, beam search over
-HTTP, guided_whitespace_pattern, ...) are refused with a 400 that lists them; any other unknown
+have that would change the output and llmc does not implement (suffix, tools, early_stopping,
+guided_whitespace_pattern, ...) are refused with a 400 that lists them; any other unknown
 field is kept in `model_extra` and named in a warning. Structured output (`response_format`
 json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice / guided_grammar /
 guided_json_object / structured_outputs) becomes `SamplingParams.guided_decoding`; a schema or
@@ -42,7 +42,7 @@ Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
 # Fields of OpenAI's or vLLM's API that change what is generated and that llmc does not implement,
 # with the values that are harmless (the default): a request that sets any other value gets a 400.
 _UNSUPPORTED_FIELDS: dict[str, tuple] = {
-    "use_beam_search": (False, None), "length_penalty": (1.0, 1, None), "early_stopping": (False, None),
+    "early_stopping": (False, None),
     "guided_decoding_backend": (None, "xgrammar", "auto"),
     "guided_whitespace_pattern": (None,), "logprob_token_ids": (None,),
     "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
@@ -123,6 +123,8 @@ class _SamplingFields(_Body):
     guided_json_object: bool | None = None
     structured_outputs: dict | None = None
     response_format: ResponseFormat | None = None
+    use_beam_search: bool = False  # vLLM's: beam search with beam width n, the n beams as choices
+    length_penalty: float = 1.0
 
     @property
     def include_usage(self) -> bool:
@@ -145,14 +147,18 @@ class _SamplingFields(_Body):
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise invalid("best_of", "cannot be larger than n when streaming")
         _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        if self.stream and self.use_beam_search:
+            raise invalid("stream", "beam search (use_beam_search) returns whole beams, never a stream; "
+                          "send stream=false")
         if self.stream and self.prompt_logprobs is not None:
             raise invalid("prompt_logprobs", "prompt logprobs are not available with stream=true")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises RequestError naming the field for a value out of range."""
+        temperature = 0.0 if self.temperature is None and self.use_beam_search else self.temperature  # vLLM's
         optional = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }
@@ -166,7 +172,8 @@ class _SamplingFields(_Body):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
-            guided_decoding=self.guided_decoding(),
+            guided_decoding=self.guided_decoding(), use_beam_search=self.use_beam_search,
+            length_penalty=self.length_penalty,
         )
 
     def guided_decoding(self) -> GuidedDecodingParams | None:

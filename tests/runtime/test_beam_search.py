@@ -1,5 +1,6 @@
 """LLM.beam_search against a float64 reference beam search that expands every token of a 16-token
-vocabulary with transformers' logits; width 1 is greedy decoding."""
+vocabulary with transformers' logits; width 1 is greedy decoding. Beams inside the engine share KV
+blocks (ref counts, copy on write) and return what the prefix-cache implementation returns."""
 
 import math
 
@@ -9,7 +10,8 @@ import torch
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import RequestError
-from llmc.runtime.beam_search import BeamSearchParams
+from llmc.runtime.beam_search import BeamSearchParams, beam_search_by_requests
+from llmc.runtime.kv_cache import copy_blocks
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -79,3 +81,73 @@ def test_width_1_is_greedy_and_bad_params_are_refused(tiny_vocab):
             assert beam.sequences[0].tokens == prompt + greedy.outputs[0].token_ids
         with pytest.raises(RequestError, match="beam_width"):
             BeamSearchParams(beam_width=0, max_tokens=3)
+
+
+def _run_beam_requests(llm, prompts, width, max_tokens):
+    """Beam search requests stepped by hand: (outputs by prompt, the largest block ref count seen)."""
+    engine = llm.engine
+    params = SamplingParams(n=width, use_beam_search=True, max_tokens=max_tokens)
+    ids = [engine.add_request(None, params, prompt) for prompt in prompts]
+    finished, max_ref_count = {}, 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            finished[output.request_id] = output
+        max_ref_count = max(max_ref_count, max(block.ref_count for block in engine.scheduler.block_pool.blocks))
+    return [finished[i] for i in ids], max_ref_count
+
+
+@pytest.mark.parametrize("options", [
+    {"num_kv_blocks": 64, "enable_prefix_caching": True},
+    {"num_kv_blocks": 64, "enable_prefix_caching": False},
+    # two searches that do not fit at once (seats and blocks): beams wait, are held and preempted
+    {"num_kv_blocks": 8, "max_num_seqs": 4, "max_model_len": 16, "enable_prefix_caching": False},
+    {"num_kv_blocks": 8, "max_num_seqs": 8, "max_model_len": 16, "enable_prefix_caching": True},
+])
+def test_beams_share_kv_blocks_with_copy_on_write(tiny_vocab, options):
+    """Forked beams hold the same blocks (ref count > 1), the first write into a shared last block
+    copies it, the beams equal the prefix-cache implementation's, and every block is free after."""
+    _, artifact = tiny_vocab
+    width, max_tokens = 4, 6
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens)
+    with LLM(artifact, disable_log_stats=True) as llm:
+        expected = [beam_search_by_requests(llm, [p], params)[0] for p in PROMPTS]
+    with LLM(artifact, disable_log_stats=True, block_size=8, **options) as llm:
+        outputs, max_ref_count = _run_beam_requests(llm, PROMPTS, width, max_tokens)
+        scheduler = llm.engine.scheduler
+        assert max_ref_count > 1 and scheduler.num_block_copies > 0
+        if options["num_kv_blocks"] == 8:
+            assert scheduler.num_preemptions > 0
+        for output, reference in zip(outputs, expected):
+            assert [output.prompt_token_ids + c.token_ids for c in output.outputs] == [s.tokens for s in reference.sequences]
+            assert [c.finish_reason for c in output.outputs] == [s.finish_reason for s in reference.sequences]
+            for completion, sequence in zip(output.outputs, reference.sequences):
+                assert math.isclose(completion.cumulative_logprob, sequence.cum_logprob, abs_tol=1e-4)
+        assert scheduler.block_pool.num_free_blocks == scheduler.block_pool.num_blocks
+        assert not scheduler.held and not scheduler.requests
+
+
+def test_beam_search_requests_that_cannot_run_are_refused(tiny_vocab):
+    _, artifact = tiny_vocab
+    with LLM(artifact, disable_log_stats=True, block_size=8, num_kv_blocks=4, max_model_len=16, max_num_seqs=4) as llm:
+        with pytest.raises(RequestError, match="max_num_seqs"):
+            llm.generate([PROMPTS[0]], SamplingParams(n=5, use_beam_search=True, max_tokens=2))
+        with pytest.raises(RequestError, match="KV blocks"):  # 4 beams of 2 blocks each: 8 > 4
+            llm.generate([[0] * 9], SamplingParams(n=4, use_beam_search=True, max_tokens=6))
+        fits = llm.generate([PROMPTS[0]], SamplingParams(n=4, use_beam_search=True, max_tokens=2))[0]  # 4 x 1 block
+        assert len(fits.outputs) == 4
+        with pytest.raises(RequestError, match="stop"):
+            SamplingParams(n=2, use_beam_search=True, stop=["x"])
+        pool = llm.engine.scheduler.block_pool
+        assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_copy_blocks_copies_k_and_v_of_every_layer(dtype):
+    caches = [(torch.randn(6, 8, 2, 4).to(dtype), torch.randn(6, 8, 2, 4).to(dtype)) for _ in range(2)]
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    copy_blocks(caches, [(1, 4), (4, 0)])  # a source another pair writes is read before it is written
+    for (k, v), (k0, v0) in zip(caches, before):
+        for cache, old in ((k, k0), (v, v0)):
+            assert torch.equal(cache[4].view(torch.uint8), old[1].view(torch.uint8))
+            assert torch.equal(cache[0].view(torch.uint8), old[4].view(torch.uint8))
+            assert torch.equal(cache[[1, 2, 3, 5]].view(torch.uint8), old[[1, 2, 3, 5]].view(torch.uint8))

@@ -207,7 +207,7 @@ def test_error_bodies_name_the_field_and_code_is_a_string_or_null(server, path, 
     assert error["code"] is None or isinstance(error["code"], str)
 
 
-@pytest.mark.parametrize("field", [{"use_beam_search": True}, {"guided_whitespace_pattern": "[ ]*"},
+@pytest.mark.parametrize("field", [{"early_stopping": True}, {"guided_whitespace_pattern": "[ ]*"},
                                    {"guided_decoding_backend": "outlines"}])
 def test_fields_that_would_change_the_output_are_refused(server, field):
     reply = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **field})
@@ -245,3 +245,39 @@ def test_echo_logprobs_are_consistent_with_the_echoed_text(server, tokenizer):
     merged = {key: [v for e in events for v in e["choices"][0]["logprobs"][key]] for key in ("tokens", "text_offset")}
     assert text == choice["text"]
     _assert_offsets_match(text, merged)
+
+
+@pytest.fixture(scope="module")
+def beam_reference(server_artifact):
+    """The prefix-cache beam search (one max_tokens=1 request per beam and round) in this process."""
+    from llmc.runtime.beam_search import BeamSearchParams, beam_search_by_requests
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.tokenizer import apply_chat_template
+
+    with LLM(server_artifact, disable_log_stats=True) as llm:
+        params = BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.7)
+        prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [apply_chat_template(llm.tokenizer, CHAT)]
+        yield [beam_search_by_requests(llm, [p], params)[0] for p in prompts]
+
+
+def test_use_beam_search_returns_the_n_best_beams(client, beam_reference):
+    """use_beam_search with n=3 over HTTP (completions and chat): the choices are the 3 beams the
+    prefix-cache implementation finds, best first."""
+    extra = {"use_beam_search": True, "length_penalty": 0.7}
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS, n=3, max_tokens=6, extra_body=extra)
+    assert len(reply.choices) == 6
+    for i, reference in enumerate(beam_reference[:2]):
+        choices = sorted((c for c in reply.choices if c.index // 3 == i), key=lambda c: c.index)
+        assert [c.text for c in choices] == [s.text for s in reference.sequences]
+        assert [c.finish_reason for c in choices] == [s.finish_reason for s in reference.sequences]
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=6, extra_body=extra)
+    assert [c.message.content for c in chat.choices] == [s.text for s in beam_reference[2].sequences]
+
+
+def test_use_beam_search_refuses_streaming_and_fields_it_cannot_honour(server):
+    for extra, name in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 2}, "logprobs"),
+                        ({"best_of": 4}, "best_of")):
+        body = {"prompt": "x", "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+        reply = _post(server, "/v1/completions", body)
+        assert reply.status_code == 400, reply.text
+        assert name in reply.json()["error"]["message"]
