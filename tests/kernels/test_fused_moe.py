@@ -54,7 +54,8 @@ def test_fused_moe_matches_float64(num_tokens, dot_case, rel_err):
         ids[1, 0] = 7  # an expert of another rank: contributes nothing here
     want = reference64(x.cpu(), weights.cpu(), ids.cpu(), w1.cpu(), w2.cpu())
     got = fused_moe_triton.fused_moe(x, weights, ids, w1, w2)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    # bf16 output and intermediate roundings alone are ~3e-3 (seen on an H100); fp16 ~8x finer
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert rel_err(got.cpu(), want) < tolerance
     assert rel_err(fused_moe_reference(x, weights, ids, w1, w2).cpu(), want) < tolerance
 
