@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
-
+from llmc.runtime.batch_sampler import HostTokens, SampledStep
 from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.request import Request
 from llmc.runtime.scheduler import ScheduledBatch
+from torch import Tensor
 
 
 @dataclass
@@ -39,6 +40,27 @@ class PendingTokens:
 
     token_ids: Tensor
     index: dict[str, int]
+
+
+@dataclass
+class InFlight:
+    """A launched step: its sampled tokens (on the device, and on their way to the host).
+
+    Fields:
+        sampled: the sampler's device tensors.
+        host: the tokens' (and logprobs') copy to the host.
+        requests: the sampled requests, in the order of the sampled tokens.
+        index: request_id -> position in `requests` (for the next step's placeholders).
+        prompt_logits: request_id -> (first position, logits rows) for prompt logprobs.
+        num_prefill: prompt tokens the step computed (statistics).
+    """
+
+    sampled: SampledStep
+    host: HostTokens
+    requests: list[Request]
+    index: dict[str, int]
+    prompt_logits: dict[str, tuple[int, Tensor]]
+    num_prefill: int
 
 
 @dataclass
