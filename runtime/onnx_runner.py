@@ -153,6 +153,9 @@ class OnnxRunner:
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
         """Run one step (synchronously: can_overlap is False, so `pending` is always None). The logits
         rows are ModelRunner's: one per chunk that ends its sequence plus one per draft, then prompt rows."""
+        if all(s.num_new_tokens == 1 and s.is_last_chunk and not s.draft_token_ids and not s.request.skip_prefix_cache
+               for s in batch.requests):
+            return self._execute_decodes(batch)
         chunks, sample_rows, prompt_rows = [], [], []
         for scheduled in batch.requests:
             request, num_new = scheduled.request, scheduled.num_new_tokens
@@ -179,6 +182,19 @@ class OnnxRunner:
         rows = torch.tensor([s.request.batch_row for s in batch.requests if s.is_last_chunk], dtype=torch.long)
         return StepLogits(torch.from_numpy(out), rows, prompt_logits)
 
+    def _execute_decodes(self, batch: ScheduledBatch) -> StepLogits:
+        """A step of one sampled token per sequence: one call, and the logits returned are a view of
+        the call's output array (the engine samples from them before the next step)."""
+        chunks, rows = [], []
+        for scheduled in batch.requests:
+            request = scheduled.request
+            start = request.num_computed_tokens
+            chunks.append(_Chunk(self._slot_for(request, start), start, request.get_token_ids(start, start + 1), [0]))
+            rows.append(request.batch_row)
+        logits = self._run(chunks, copy=False)
+        return StepLogits(torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)),
+                          torch.tensor(rows, dtype=torch.long), {})
+
     def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
         out: list[np.ndarray | None] = [None] * len(chunks)
@@ -191,8 +207,9 @@ class OnnxRunner:
                 out[i] = self._run([chunk])[0]
         return out
 
-    def _run(self, chunks: list[_Chunk]) -> list[np.ndarray]:
-        """One session call over the slot range of `chunks`; advances their slots' lengths."""
+    def _run(self, chunks: list[_Chunk], copy: bool = True) -> list[np.ndarray]:
+        """One session call over the slot range of `chunks`; advances their slots' lengths. `copy`
+        False: the arrays returned are views of the call's output, valid until its next run."""
         first, last = min(c.slot for c in chunks), max(c.slot for c in chunks)
         seq_len = max(len(c.token_ids) for c in chunks)
         counts = [len(c.rows) for c in chunks]
@@ -212,7 +229,8 @@ class OnnxRunner:
             self.lengths[c.slot] = c.start + len(c.token_ids)
         results, offset = [], 0
         for count in counts:
-            results.append(call.logits[offset: offset + count].copy())
+            rows = call.logits[offset: offset + count]
+            results.append(rows.copy() if copy else rows)
             offset += max(count, 1)
         return results
 
