@@ -116,6 +116,10 @@ class StepBuffers:
         if all(s.num_new_tokens == 1 and not s.draft_token_ids and not s.request.skip_prefix_cache
                for s in batch.requests):
             return self._build_single_tokens(batch, pending)
+        return self._build_chunks(batch, pending)
+
+    def _build_chunks(self, batch: ScheduledBatch, pending: PendingTokens | None) -> StepInputs:
+        """Any step: prefill chunks, drafts, prompt-logprob rows, decodes."""
         # NOTE: one Python pass over the scheduled requests gathers per-sequence values and token
         # ids; positions, slots and table rows are then numpy operations over the whole step.
         token_ids: list[int] = []
