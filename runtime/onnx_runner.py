@@ -183,17 +183,25 @@ class OnnxRunner:
         return StepLogits(torch.from_numpy(out), rows, prompt_logits)
 
     def _execute_decodes(self, batch: ScheduledBatch) -> StepLogits:
-        """A step of one sampled token per sequence: one call, and the logits returned are a view of
-        the call's output array (the engine samples from them before the next step)."""
-        chunks, rows = [], []
-        for scheduled in batch.requests:
-            request = scheduled.request
-            start = request.num_computed_tokens
-            chunks.append(_Chunk(self._slot_for(request, start), start, request.get_token_ids(start, start + 1), [0]))
-            rows.append(request.batch_row)
-        logits = self._run(chunks, copy=False)
-        return StepLogits(torch.from_numpy(logits[0] if len(logits) == 1 else np.concatenate(logits)),
-                          torch.tensor(rows, dtype=torch.long), {})
+        """A step of one sampled token per sequence: one call over the slot range, filled in place,
+        and the logits returned are a view of the call's output array (the engine samples from
+        them before the next step). Slots of the range without a request are reset to idle."""
+        requests = [s.request for s in batch.requests]
+        starts = [r.num_computed_tokens for r in requests]
+        slots = [self._slot_for(r, start) for r, start in zip(requests, starts)]
+        first = min(slots)
+        batch_size = max(slots) - first + 1
+        call = self._binding(first, batch_size, 1, len(requests))
+        if batch_size > len(requests):
+            call.reset(self.lengths[first: first + batch_size])
+        for i, (request, start, slot) in enumerate(zip(requests, starts, slots)):
+            b = slot - first
+            call.input_ids[b, 0] = request.get_token_ids(start, start + 1)[0]
+            call.query_lens[b], call.seqlens_k[b], call.indices[i] = 1, start, b
+            self.lengths[slot] = start + 1
+        call.total[()] = call.seqlens_k.max() + 1
+        self.session.run_with_iobinding(call.binding)
+        return StepLogits(torch.from_numpy(call.logits), torch.tensor([r.batch_row for r in requests]), {})
 
     def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
@@ -207,9 +215,8 @@ class OnnxRunner:
                 out[i] = self._run([chunk])[0]
         return out
 
-    def _run(self, chunks: list[_Chunk], copy: bool = True) -> list[np.ndarray]:
-        """One session call over the slot range of `chunks`; advances their slots' lengths. `copy`
-        False: the arrays returned are views of the call's output, valid until its next run."""
+    def _run(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+        """One session call over the slot range of `chunks`; advances their slots' lengths."""
         first, last = min(c.slot for c in chunks), max(c.slot for c in chunks)
         seq_len = max(len(c.token_ids) for c in chunks)
         counts = [len(c.rows) for c in chunks]
@@ -229,8 +236,7 @@ class OnnxRunner:
             self.lengths[c.slot] = c.start + len(c.token_ids)
         results, offset = [], 0
         for count in counts:
-            rows = call.logits[offset: offset + count]
-            results.append(rows.copy() if copy else rows)
+            results.append(call.logits[offset: offset + count].copy())
             offset += max(count, 1)
         return results
 
