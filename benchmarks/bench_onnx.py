@@ -2,6 +2,7 @@
 build, and onnxruntime-genai's own int4 build of the same checkpoint.
 
     python benchmarks/bench_onnx.py [--model checkpoints/ref-llama-12m] [--repeats 3] [--genai-dir DIR] [--only BUILD ...]
+        [--threads N] [--no-ppl]
 
 Measures, per engine, in a fresh process each time (so peak memory is that engine's alone):
 batch-1 decode tokens/s (64 new tokens after a 32-token prompt, best of 5), prompt tokens/s (a 512-token
@@ -177,8 +178,25 @@ def worker_main(kind: str, path: str, ids_file: str, measure_ppl: bool) -> None:
 # ---- driver ----------------------------------------------------------------------------------
 
 
+def genai_with_threads(path: Path, threads: int) -> Path:
+    """A copy of genai's model folder (files linked) whose config sets `threads` intra-op threads:
+    genai reads its session options from genai_config.json, not from OMP_NUM_THREADS."""
+    out = path.with_name(f"{path.name}-t{threads}")
+    out.mkdir(exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "genai_config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((path / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = threads
+    (out / "genai_config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def run_worker(args, kind: str, path: Path, ids_file: Path, measure_ppl: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": args.genai_dir} if kind == "genai" else dict(os.environ)
+    if args.threads:  # llmc's ONNX runner takes min(cores, OMP_NUM_THREADS) intra-op threads
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        path = genai_with_threads(path, args.threads) if kind == "genai" else path
     cmd = [sys.executable, "-P", __file__, "--worker", kind, "--path", str(path), "--ids", str(ids_file)]
     out = subprocess.run(cmd + (["--ppl"] if measure_ppl else []), env=env, check=True, capture_output=True, text=True)
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -191,6 +209,9 @@ def main() -> None:
     parser.add_argument("--genai-dir", default="/tmp/ogenai", help="where onnxruntime-genai is pip-installed (--target)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", nargs="*", choices=list(LLMC_BUILDS), help="these llmc builds (default: all)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of every engine (default: each engine's own, the machine's cores)")
+    parser.add_argument("--no-ppl", action="store_true", help="skip perplexity (speed runs)")
     parser.add_argument("--worker"), parser.add_argument("--path"), parser.add_argument("--ids")
     parser.add_argument("--ppl", action="store_true")
     args = parser.parse_args()
@@ -205,18 +226,18 @@ def main() -> None:
     runs: dict[str, list[dict]] = {kind: [] for kind in paths}
     for repeat in range(args.repeats):
         for kind, path in paths.items():
-            runs[kind].append(run_worker(args, kind, path, ids_file, measure_ppl=repeat == 0))
+            runs[kind].append(run_worker(args, kind, path, ids_file, measure_ppl=repeat == 0 and not args.no_ppl))
     report(runs, file_sizes(paths), args)
 
 
 def report(runs: dict[str, list[dict]], sizes: dict[str, int], args) -> None:
-    print(f"cores {len(os.sched_getaffinity(0))}, repeats {args.repeats} (median [min-max])")
+    print(f"cores {len(os.sched_getaffinity(0))}, threads {args.threads or 'default'}, repeats {args.repeats} (median [min-max])")
     print(f"{'engine':<22}{'decode tok/s':>26}{'prompt tok/s':>26}{'peak RSS MiB':>16}{'file MiB':>10}{'ppl':>9}")
     for kind, rs in runs.items():
         cell = lambda key: (f"{statistics.median(r[key] for r in rs):.0f} "  # noqa: E731
                             f"[{min(r[key] for r in rs):.0f}-{max(r[key] for r in rs):.0f}]")
         print(f"{kind:<22}{cell('decode_tps'):>26}{cell('prompt_tps'):>26}{statistics.median(r['peak_rss_mib'] for r in rs):>16.0f}"
-              f"{sizes[kind] / 2**20:>10.2f}{rs[0]['perplexity']:>9.3f}")
+              f"{sizes[kind] / 2**20:>10.2f}{rs[0].get('perplexity', float('nan')):>9.3f}")
     print(json.dumps({"runs": runs, "file_bytes": sizes}))
 
 

@@ -200,7 +200,6 @@ class BatchSampler:
             return self._float_params[_FLOAT_FIELDS.index(name)][rows]
         return self._int_params[_INT_FIELDS.index(name)][rows]
 
-    @torch.inference_mode()
     def sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]] = (),
                bitmask: Tensor | None = None) -> SampledStep:
         """Sample one token for each of `logits` [n, vocab] (rows: `rows` [n] int64 on the device).
@@ -211,13 +210,18 @@ class BatchSampler:
         banned in row i (grammars, bad words; applied first, as vLLM applies its grammar bitmask)."""
         if self._is_dirty:
             self._upload()
-        summary, n = self._summary, logits.shape[0]
         self.num_steps += 1
-        if summary["is_plain_greedy"] and not processors and bitmask is None and self._sparse_t["bias"] is None:
-            # nothing to process (no bias or banned token either): the argmax is the token
-            token_ids = logits.argmax(dim=-1)
-            self._record(rows, token_ids)
-            return SampledStep(token_ids, None, 0)
+        if self._summary["is_plain_greedy"] and not processors and bitmask is None and self._sparse_t["bias"] is None:
+            # Nothing to process (no bias or banned token either): the argmax is the token. Nothing
+            # to record either: a plain greedy row never reads its output count or its token counts
+            # (they are set afresh when the row gets new parameters).
+            return SampledStep(logits.argmax(dim=-1), None, 0)
+        return self._sample(logits, rows, processors, bitmask)
+
+    @torch.inference_mode()
+    def _sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]],
+                bitmask: Tensor | None) -> SampledStep:
+        summary, n = self._summary, logits.shape[0]
         x = torch.empty(n + 1, self.vocab_size, dtype=torch.float32, device=self.device)  # row n: dummy
         x[:n].copy_(logits)
         if bitmask is not None:

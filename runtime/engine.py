@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,20 +19,20 @@ from llmc.runtime.options import resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.request import Request, RequestStatus
+from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups
 from llmc.runtime.beam_scheduler import BeamScheduler
-from llmc.runtime.batch_sampler import BatchSampler, HostTokens, SampledStep, unpack_logprobs
+from llmc.runtime.batch_sampler import BatchSampler, HostTokens, unpack_logprobs
+from llmc.runtime.engine_spec import speculative_step
 from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
                                         invariant_checks_enabled, reset_engine)
-from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
-from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats, sample_with_drafts
+from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.stats import StatsLogger
-from llmc.runtime.structured_output import GrammarCache, fill_bitmask, mask_verify_rows, sequence_constraints
-from llmc.runtime.step_inputs import PendingTokens
+from llmc.runtime.structured_output import GrammarCache, fill_bitmask, sequence_constraints
+from llmc.runtime.step_inputs import InFlight, PendingTokens
 from llmc.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("llmc")
@@ -66,7 +65,7 @@ class Engine:
                                     self.eos_token_ids, seed=self.options.seed)
         self._free_rows = list(reversed(range(self.options.max_num_seqs)))  # rows of the persistent batch
         self._can_overlap = self.options.async_scheduling and self.runner.can_overlap
-        self._in_flight: _InFlight | None = None  # the launched step whose tokens are not resolved yet
+        self._in_flight: InFlight | None = None  # the launched step whose tokens are not resolved yet
         speculative = self.options.speculative
         self.proposer = NgramProposer(speculative) if speculative is not None else None
         self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
@@ -213,7 +212,7 @@ class Engine:
             return
         self._assign_rows(batch)
         if self.proposer is not None:
-            outputs += self._speculative_step(batch)
+            outputs += speculative_step(self, batch)
             return
         launched = self._launch(batch)
         self._release_rows(self.scheduler.advance(batch))
@@ -224,11 +223,11 @@ class Engine:
         previous, self._in_flight = self._in_flight, launched
         outputs += self._resolve(previous)
 
-    def _take_in_flight(self) -> _InFlight | None:
+    def _take_in_flight(self) -> InFlight | None:
         in_flight, self._in_flight = self._in_flight, None
         return in_flight
 
-    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+    def _launch(self, batch: ScheduledBatch) -> InFlight:
         """Forward and sample on the device; start copying the tokens to the host."""
         in_flight = self._in_flight
         pending = None if in_flight is None else PendingTokens(in_flight.sampled.token_ids, in_flight.index)
@@ -247,22 +246,35 @@ class Engine:
             bitmask = bitmask.pin_memory() if self.device.type == "cuda" else bitmask
             bitmask = bitmask.to(self.device, non_blocking=True)
         sampled = self.sampler.sample(step.logits, step.sample_rows, processors, bitmask)
-        now = time.monotonic()
-        for scheduled in batch.requests:
-            self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
-        num_prefill = sum(s.num_new_tokens for s in batch.requests if not _is_decode(s))
-        return _InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,
-                         {r.request_id: i for i, r in enumerate(sampled_requests)}, step.prompt_logits, num_prefill)
+        num_prefill = self._mark_scheduled(batch)
+        return InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,
+                        {r.request_id: i for i, r in enumerate(sampled_requests)}, step.prompt_logits, num_prefill)
 
-    def _resolve(self, step: _InFlight | None) -> list[RequestOutput]:
-        """Step `step`'s tokens reached the host: append them, detokenize, check stops, build outputs."""
-        if step is None:
-            return []
+    def _mark_scheduled(self, batch: ScheduledBatch) -> int:
+        """Note the first step of requests scheduled for the first time; return the prompt tokens
+        the step computes (statistics). A request's first step is never a decode."""
+        num_prefill, now = 0, None
+        for scheduled in batch.requests:
+            if not _is_decode(scheduled):
+                num_prefill += scheduled.num_new_tokens - len(scheduled.draft_token_ids)
+                now = time.monotonic() if now is None else now
+                self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
+        return num_prefill
+
+    def _record_prompt_logprobs(self, prompt_logits: dict[str, tuple[int, torch.Tensor]]) -> list[RequestOutput]:
+        """Record each request's prompt logprobs; returns the outputs of requests that failed to."""
         failed: list[RequestOutput] = []
-        for request_id, (first_position, rows) in step.prompt_logits.items():
+        for request_id, (first_position, rows) in prompt_logits.items():
             if request_id in self.sequences:
                 state = self.sequences[request_id]
                 failed += self._guarded(state, state.record_prompt_logprobs, first_position, rows)
+        return failed
+
+    def _resolve(self, step: InFlight | None) -> list[RequestOutput]:
+        """Step `step`'s tokens reached the host: append them, detokenize, check stops, build outputs."""
+        if step is None:
+            return []
+        failed = self._record_prompt_logprobs(step.prompt_logits)
         token_ids, logprob_rows = step.host.wait()
         states = []
         for i, request in enumerate(step.requests):
@@ -293,49 +305,6 @@ class Engine:
             return self._fail(state.group_id, e)
         return []
 
-    def _speculative_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """The synchronous step of n-gram speculation: drafts are verified against known tokens."""
-        step = self.runner.execute(batch)
-        for request_id, (first_position, rows) in step.prompt_logits.items():
-            self.sequences[request_id].record_prompt_logprobs(first_position, rows)
-        now = time.monotonic()
-        for scheduled in batch.requests:
-            self.groups[self.sequences[scheduled.request.request_id].group_id].mark_scheduled(now)
-        sampled = [s for s in batch.requests if s.is_last_chunk]
-        states = [self.sequences[s.request.request_id] for s in sampled]
-        tokens = self._sample_with_drafts(step.logits, states, [s.draft_token_ids for s in sampled])
-        num_prefill = sum(s.num_new_tokens - len(s.draft_token_ids) for s in batch.requests if not _is_decode(s))
-        self._release_rows(self.scheduler.update(batch, {state.request.request_id: t for state, t in zip(states, tokens)}))
-        failed, kept = [], []
-        for state, new_tokens in zip(states, tokens):
-            errors = self._guarded(state, self._check_stop, state, new_tokens)
-            failed += errors
-            kept += [] if errors else [state]
-        self._propose_drafts(kept)
-        self.stats_logger.record(num_prefill, sum(len(t) for t in tokens), self.stats)
-        return failed + self._collect_outputs(kept)
-
-    def _sample_with_drafts(self, logits: torch.Tensor, states: list[SequenceState],
-                            drafts: list[list[int]]) -> list[list[int]]:
-        """New tokens per sampled sequence: the accepted drafts plus one (one without drafts)."""
-        if not states:
-            return []
-        metadata = SamplingMetadata(
-            params=[s.params for s in states],
-            prompt_token_ids=[s.request.prompt_token_ids for s in states],
-            output_token_ids=[s.request.output_token_ids for s in states],
-            generators=[s.generator for s in states],
-            eos_token_ids=self.eos_token_ids,
-        )
-        mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts
-        output = sample_with_drafts(logits, metadata, drafts, self.spec_generator)
-        self.spec_stats.record(drafts, output.token_ids)
-        tokens = [state.cut_at_stop_token(t, self.eos_token_ids) for state, t in zip(states, output.token_ids)]
-        for state, new_tokens, new_logprobs in zip(states, tokens, output.logprobs):
-            for i, token in enumerate(new_tokens):
-                state.record_logprobs(token, None if new_logprobs is None else new_logprobs[i])
-        return tokens
-
     # ---- persistent batch rows ----------------------------------------------------------------
 
     def _assign_rows(self, batch: ScheduledBatch) -> None:
@@ -357,18 +326,6 @@ class Engine:
                 self.sampler.remove(request.batch_row)
                 self._free_rows.append(request.batch_row)
                 request.batch_row = None
-
-    def _propose_drafts(self, states: list[SequenceState]) -> None:
-        """N-gram drafts for the next step, unless speculation is off or the batch is too large."""
-        if self.proposer is None or not self.options.speculative.is_enabled_for(self.scheduler.num_running):
-            return
-        k = self.options.speculative.num_speculative_tokens
-        for state in states:
-            request = state.request
-            if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
-                continue
-            room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[: min(k, room)]
 
     def _check_stop(self, state: SequenceState, new_tokens: list[int]) -> None:
         """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string."""
@@ -435,32 +392,3 @@ class Engine:
 def _is_decode(scheduled) -> bool:
     """One real token after generated ones (with or without drafts): a decode, not a prefill."""
     return scheduled.request.num_output_tokens > 0 and scheduled.num_new_tokens - len(scheduled.draft_token_ids) == 1
-
-
-def finished_reason(status: RequestStatus) -> str | None:
-    return {
-        RequestStatus.FINISHED_STOPPED: "stop",
-        RequestStatus.FINISHED_LENGTH: "length",
-        RequestStatus.FINISHED_ABORTED: "abort",
-    }.get(status)
-
-
-@dataclass
-class _InFlight:
-    """A launched step: its sampled tokens (on the device, and on their way to the host).
-
-    Fields:
-        sampled: the sampler's device tensors.
-        host: the tokens' (and logprobs') copy to the host.
-        requests: the sampled requests, in the order of the sampled tokens.
-        index: request_id -> position in `requests` (for the next step's placeholders).
-        prompt_logits: request_id -> (first position, logits rows) for prompt logprobs.
-        num_prefill: prompt tokens the step computed (statistics).
-    """
-
-    sampled: SampledStep
-    host: HostTokens
-    requests: list[Request]
-    index: dict[str, int]
-    prompt_logits: dict[str, tuple[int, torch.Tensor]]
-    num_prefill: int

@@ -153,6 +153,9 @@ class OnnxRunner:
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
         """Run one step (synchronously: can_overlap is False, so `pending` is always None). The logits
         rows are ModelRunner's: one per chunk that ends its sequence plus one per draft, then prompt rows."""
+        if all(s.num_new_tokens == 1 and s.is_last_chunk and not s.draft_token_ids and not s.request.skip_prefix_cache
+               for s in batch.requests):
+            return self._execute_decodes(batch)
         chunks, sample_rows, prompt_rows = [], [], []
         for scheduled in batch.requests:
             request, num_new = scheduled.request, scheduled.num_new_tokens
@@ -178,6 +181,27 @@ class OnnxRunner:
         out = np.concatenate(sampled) if sampled else np.zeros((0, self.vocab_size), np.float32)
         rows = torch.tensor([s.request.batch_row for s in batch.requests if s.is_last_chunk], dtype=torch.long)
         return StepLogits(torch.from_numpy(out), rows, prompt_logits)
+
+    def _execute_decodes(self, batch: ScheduledBatch) -> StepLogits:
+        """A step of one sampled token per sequence: one call over the slot range, filled in place,
+        and the logits returned are a view of the call's output array (the engine samples from
+        them before the next step). Slots of the range without a request are reset to idle."""
+        requests = [s.request for s in batch.requests]
+        starts = [r.num_computed_tokens for r in requests]
+        slots = [self._slot_for(r, start) for r, start in zip(requests, starts)]
+        first = min(slots)
+        batch_size = max(slots) - first + 1
+        call = self._binding(first, batch_size, 1, len(requests))
+        if batch_size > len(requests):
+            call.reset(self.lengths[first: first + batch_size])
+        for i, (request, start, slot) in enumerate(zip(requests, starts, slots)):
+            b = slot - first
+            call.input_ids[b, 0] = request.get_token_ids(start, start + 1)[0]
+            call.query_lens[b], call.seqlens_k[b], call.indices[i] = 1, start, b
+            self.lengths[slot] = start + 1
+        call.total[()] = call.seqlens_k.max() + 1
+        self.session.run_with_iobinding(call.binding)
+        return StepLogits(torch.from_numpy(call.logits), torch.tensor([r.batch_row for r in requests]), {})
 
     def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""

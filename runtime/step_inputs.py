@@ -22,10 +22,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
-
+from llmc.runtime.batch_sampler import HostTokens, SampledStep
 from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.request import Request
 from llmc.runtime.scheduler import ScheduledBatch
+from torch import Tensor
 
 
 @dataclass
@@ -39,6 +40,27 @@ class PendingTokens:
 
     token_ids: Tensor
     index: dict[str, int]
+
+
+@dataclass
+class InFlight:
+    """A launched step: its sampled tokens (on the device, and on their way to the host).
+
+    Fields:
+        sampled: the sampler's device tensors.
+        host: the tokens' (and logprobs') copy to the host.
+        requests: the sampled requests, in the order of the sampled tokens.
+        index: request_id -> position in `requests` (for the next step's placeholders).
+        prompt_logits: request_id -> (first position, logits rows) for prompt logprobs.
+        num_prefill: prompt tokens the step computed (statistics).
+    """
+
+    sampled: SampledStep
+    host: HostTokens
+    requests: list[Request]
+    index: dict[str, int]
+    prompt_logits: dict[str, tuple[int, Tensor]]
+    num_prefill: int
 
 
 @dataclass
@@ -91,6 +113,13 @@ class StepBuffers:
 
     def build(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepInputs:
         """Pack the scheduled chunks into the staging buffer, copy once, and return device views."""
+        if all(s.num_new_tokens == 1 and not s.draft_token_ids and not s.request.skip_prefix_cache
+               for s in batch.requests):
+            return self._build_single_tokens(batch, pending)
+        return self._build_chunks(batch, pending)
+
+    def _build_chunks(self, batch: ScheduledBatch, pending: PendingTokens | None) -> StepInputs:
+        """Any step: prefill chunks, drafts, prompt-logprob rows, decodes."""
         # NOTE: one Python pass over the scheduled requests gathers per-sequence values and token
         # ids; positions, slots and table rows are then numpy operations over the whole step.
         token_ids: list[int] = []
@@ -120,22 +149,45 @@ class StepBuffers:
                 if end > start:
                     prompt_spans[request.request_id] = (start, end - start)
                     prompt_indices.extend(range(offset, offset + end - start))
-        return self._pack(batch, token_ids, starts, num_news, rows, sample_ends, sample_rows, prompt_indices,
-                          prompt_spans, fixups, pending)
-
-    def _pack(self, batch, token_ids, starts, num_news, rows, sample_ends, sample_rows, prompt_indices,
-              prompt_spans, fixups, pending) -> StepInputs:
-        num_tokens, num_seqs = len(token_ids), len(rows)
         starts_np, num_news_np, rows_np = np.array(starts), np.array(num_news), np.array(rows)
         seq_offsets = np.cumsum(num_news_np) - num_news_np
-        seq_of_token = np.repeat(np.arange(num_seqs), num_news_np)
-        positions = np.arange(num_tokens) - seq_offsets[seq_of_token] + starts_np[seq_of_token]
-        token_rows = rows_np[seq_of_token]
-        slots = self.block_tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_of_token = np.repeat(np.arange(len(rows)), num_news_np)
+        positions = np.arange(len(token_ids)) - seq_offsets[seq_of_token] + starts_np[seq_of_token]
+        slots = (self.block_tables[rows_np[seq_of_token], positions // self.block_size] * self.block_size
+                 + positions % self.block_size)
         logits_rows = [i for end, num_drafts in sample_ends for i in range(end, end + 1 + num_drafts)] + prompt_indices
-        width = max(self._num_written[row] for row in rows)
-        parts = [token_ids, positions, slots, logits_rows, starts_np + num_news_np, sample_rows,
-                 [dst for dst, _ in fixups], [src for _, src in fixups], self.block_tables[rows_np, :width].ravel()]
+        return self._pack(_Gathered(token_ids, positions, slots, starts_np + num_news_np, num_news, rows, logits_rows,
+                                    len(logits_rows) - len(prompt_indices), sample_rows, prompt_spans, fixups), pending)
+
+    def _build_single_tokens(self, batch: ScheduledBatch, pending: PendingTokens | None) -> StepInputs:
+        """A step of one token per sequence (decodes), gathered in one Python pass: at the batch
+        sizes where host time shows (a few sequences) this beats numpy's per-call cost."""
+        token_ids, positions, slots, rows, logits_rows, sample_rows, fixups = [], [], [], [], [], [], []
+        block_size = self.block_size
+        for i, scheduled in enumerate(batch.requests):
+            request = scheduled.request
+            position = request.num_computed_tokens
+            if request.num_pending_tokens and position >= request.num_known_tokens:
+                fixups.append((i, pending.index[request.request_id]))  # a placeholder (see build)
+                token_ids.append(0)
+            else:
+                token_ids.append(request.get_token_ids(position, position + 1)[0])
+            rows.append(self._sync_table(request))
+            positions.append(position)
+            slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
+            if scheduled.is_last_chunk:
+                logits_rows.append(i)
+                sample_rows.append(request.batch_row)
+        context_lens = [p + 1 for p in positions]
+        return self._pack(_Gathered(token_ids, positions, slots, context_lens, [1] * len(rows), rows, logits_rows,
+                                    len(logits_rows), sample_rows, {}, fixups), pending)
+
+    def _pack(self, g: _Gathered, pending: PendingTokens | None) -> StepInputs:
+        num_seqs = len(g.rows)
+        width = max(self._num_written[row] for row in g.rows)
+        parts = [g.token_ids, g.positions, g.slots, g.logits_rows, g.context_lens, g.sample_rows,
+                 [dst for dst, _ in g.fixups], [src for _, src in g.fixups],
+                 self.block_tables[g.rows, :width].ravel()]
         staging = self._staging[self._num_steps % 2]
         self._num_steps += 1
         host = staging.numpy()
@@ -149,18 +201,44 @@ class StepBuffers:
             device.copy_(staging[:at], non_blocking=True)
         else:  # a CPU step has finished reading its buffer when execute returns; the two alternate anyway
             device = staging[:at]
+            if g.fixups:  # the previous step's tokens are computed already: fill them in on the host
+                sampled = pending.token_ids.numpy()
+                for dst, src in g.fixups:
+                    host[dst] = sampled[src]
         views = [device[a:b] for a, b in bounds]
         input_ids = views[0]
-        if fixups:
+        if g.fixups and self._device_buffer is not None:
             input_ids[views[6]] = pending.token_ids[views[7]]
-        context_lens = starts_np + num_news_np
         forward_batch = ForwardBatch(
             positions=views[1],
             slot_mapping=views[2],
             block_tables=views[8].view(num_seqs, width).to(torch.int32),
             context_lens=views[4].to(torch.int32),
-            query_lens=num_news,
-            max_context_len=int(context_lens.max()),
+            query_lens=g.num_news,
+            max_context_len=int(max(g.context_lens)),
             logits_indices=views[3],
         )
-        return StepInputs(input_ids, forward_batch, views[5], prompt_spans, len(logits_rows) - len(prompt_indices))
+        return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows)
+
+
+@dataclass
+class _Gathered:
+    """A step's inputs gathered on the host (lists or numpy arrays), before packing.
+
+    Fields: per token: token_ids, positions, slots; per sequence: context_lens, num_news (query
+    lengths), rows (persistent-batch rows); logits_rows (flat token indices: sampling rows, then
+    prompt-logprob rows), num_sampling_rows, sample_rows (the row of each sampled sequence),
+    prompt_spans (see StepInputs), fixups ((index in token_ids, index in the pending tokens)).
+    """
+
+    token_ids: list[int]
+    positions: list[int] | np.ndarray
+    slots: list[int] | np.ndarray
+    context_lens: list[int] | np.ndarray
+    num_news: list[int]
+    rows: list[int]
+    logits_rows: list[int]
+    num_sampling_rows: int
+    sample_rows: list[int]
+    prompt_spans: dict[str, tuple[int, int]]
+    fixups: list[tuple[int, int]]

@@ -1,0 +1,79 @@
+"""The engine's n-gram speculative step (DESIGN §5): synchronous, drafts verified against known tokens.
+
+Functions of the engine's state, as engine_faults.py's are: `speculative_step` replaces the
+launch / resolve pair of a normal step when speculation is configured; `propose_drafts` gives the
+sequences that just progressed their drafts for the next step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.request_state import SequenceState
+from llmc.runtime.sampler import SamplingMetadata
+from llmc.runtime.scheduler import ScheduledBatch
+from llmc.runtime.spec_decode import sample_with_drafts
+from llmc.runtime.structured_output import mask_verify_rows
+
+if TYPE_CHECKING:
+    from llmc.runtime.engine import Engine
+
+
+def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
+    """Run `batch` (its decode rows carry drafts), sample every verified position, update the
+    scheduler, check stops and return the step's outputs."""
+    step = engine.runner.execute(batch)
+    num_prefill = engine._mark_scheduled(batch)
+    sampled = [s for s in batch.requests if s.is_last_chunk]
+    states = [engine.sequences[s.request.request_id] for s in sampled]
+    tokens = _sample_with_drafts(engine, step.logits, states, [s.draft_token_ids for s in sampled])
+    updates = {state.request.request_id: t for state, t in zip(states, tokens)}
+    engine._release_rows(engine.scheduler.update(batch, updates))
+    failed, kept = engine._record_prompt_logprobs(step.prompt_logits), []
+    for state, new_tokens in zip(states, tokens):
+        if state.request.request_id not in engine.sequences:  # failed recording its prompt logprobs
+            continue
+        errors = engine._guarded(state, engine._check_stop, state, new_tokens)
+        failed += errors
+        kept += [] if errors else [state]
+    propose_drafts(engine, kept)
+    engine.stats_logger.record(num_prefill, sum(len(t) for t in tokens), engine.stats)
+    return failed + engine._collect_outputs(kept)
+
+
+def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[SequenceState],
+                        drafts: list[list[int]]) -> list[list[int]]:
+    """New tokens per sampled sequence: the accepted drafts plus one (one without drafts)."""
+    if not states:
+        return []
+    metadata = SamplingMetadata(
+        params=[s.params for s in states],
+        prompt_token_ids=[s.request.prompt_token_ids for s in states],
+        output_token_ids=[s.request.output_token_ids for s in states],
+        generators=[s.generator for s in states],
+        eos_token_ids=engine.eos_token_ids,
+    )
+    mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts
+    output = sample_with_drafts(logits, metadata, drafts, engine.spec_generator)
+    engine.spec_stats.record(drafts, output.token_ids)
+    tokens = [state.cut_at_stop_token(t, engine.eos_token_ids) for state, t in zip(states, output.token_ids)]
+    for state, new_tokens, new_logprobs in zip(states, tokens, output.logprobs):
+        for i, token in enumerate(new_tokens):
+            state.record_logprobs(token, None if new_logprobs is None else new_logprobs[i])
+    return tokens
+
+
+def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:
+    """N-gram drafts for the next step, unless speculation is off or the batch is too large."""
+    speculative = engine.options.speculative
+    if engine.proposer is None or not speculative.is_enabled_for(engine.scheduler.num_running):
+        return
+    k = speculative.num_speculative_tokens
+    for state in states:
+        request = state.request
+        if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
+            continue
+        room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
+        request.spec_token_ids = engine.proposer.propose(request.all_token_ids)[: min(k, room)]
