@@ -16,7 +16,8 @@ from llmc.compiler import kernel_plan
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ArtifactError, RecipeError
-from llmc.kernels.w4a16_gemm import DEFAULT_W4A16_TABLE, W4A16Config, heuristic_w4a16_config, select_w4a16_config
+from llmc.kernels.w4a16_gemm import (DEFAULT_W4A16_TABLE, DEFAULT_W4A16_TABLE_GPU, W4A16Config, heuristic_w4a16_config,
+                                     select_w4a16_config)
 from llmc.quant import formats as formats_module
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.loader import build_model, log_kernel_table, make_formats
@@ -69,8 +70,9 @@ def test_shapes_of_the_recorded_table_are_measured_ones(monkeypatch):
     records = kernel_plan.plan_w4a16_kernels({(64, 128): 32, (128, 64): 32, (64, 64): 32}, tuned)
     assert list(records) == ["64x64", "64x128", "128x64"]
     assert records["64x64"] == tuned["64x64"]
-    assert (records["64x128"]["source"], records["64x128"]["gpu"]) == ("measured", "NVIDIA H200")
-    assert records["64x128"]["entries"][0] == [1, W4A16Config("gemv", 1, 64, 8, 4, 4, True).to_dict(), 16.96]
+    assert (records["64x128"]["source"], records["64x128"]["gpu"]) == ("measured", DEFAULT_W4A16_TABLE_GPU)
+    max_m, config, us = DEFAULT_W4A16_TABLE["4096x6144"][0]
+    assert records["64x128"]["entries"][0] == [max_m, config.to_dict(), us] and us is not None
     assert records["128x64"]["source"] == "heuristic"
 
 
@@ -148,10 +150,10 @@ def test_inspect_shows_the_kernel_per_shape(w4_artifact):
     text = CliRunner().invoke(cli, ["inspect", str(w4_artifact)])
     assert text.exit_code == 0, text.output
     assert "w4a16 kernels" in text.output
-    assert "128x64" in text.output and "M=1 gemv, M=16 fused, M=256 dequant (heuristic)" in text.output
+    assert "128x64" in text.output and "M=1 rows, M=16 swap, M=256 dequant (heuristic)" in text.output
     report = json.loads(CliRunner().invoke(cli, ["inspect", str(w4_artifact), "--json"]).output)
     assert set(report["w4a16_kernels"]) == SHAPES[1]
-    assert report["w4a16_kernel_summary"]["64x128"]["kind_at_m"] == {"1": "gemv", "16": "fused", "256": "dequant"}
+    assert report["w4a16_kernel_summary"]["64x128"]["kind_at_m"] == {"1": "rows", "16": "swap", "256": "dequant"}
 
 
 def test_tune_kernels_without_a_gpu_is_one_line(tiny_llama, tmp_path, monkeypatch):
