@@ -2,7 +2,7 @@
 build, and onnxruntime-genai's own int4 build of the same checkpoint.
 
     python benchmarks/bench_onnx.py [--model checkpoints/ref-llama-12m] [--repeats 3] [--genai-dir DIR] [--only BUILD ...]
-        [--threads N] [--no-ppl]
+        [--threads N] [--no-ppl] [--num-scheduler-steps K]
 
 Measures, per engine, in a fresh process each time (so peak memory is that engine's alone):
 batch-1 decode tokens/s (64 new tokens after a 32-token prompt, best of 5), prompt tokens/s (a 512-token
@@ -86,13 +86,14 @@ def file_sizes(paths: dict[str, Path]) -> dict[str, int]:
 # ---- workers: one engine per process ---------------------------------------------------------
 
 
-def _llmc_worker(path: str, token_ids: list[int], measure_ppl: bool) -> dict:
+def _llmc_worker(path: str, token_ids: list[int], measure_ppl: bool, num_scheduler_steps: int = 1) -> dict:
     from llmc.runtime.evaluate import evaluate, perplexity_windows
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
+    options = {"num_scheduler_steps": num_scheduler_steps} if "onnx" in Path(path).name else {}
     llm = LLM(path, device="cpu", max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=PREFILL_TOKENS,
-              disable_log_stats=True)
+              disable_log_stats=True, **options)
     run = lambda ids, n: llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))  # noqa: E731
     run(token_ids[:16], 4)  # warm up
     prefill = min(_timed(lambda: run(token_ids[:PREFILL_TOKENS], 1)) for _ in range(3))
@@ -168,9 +169,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def worker_main(kind: str, path: str, ids_file: str, measure_ppl: bool) -> None:
+def worker_main(kind: str, path: str, ids_file: str, measure_ppl: bool, num_scheduler_steps: int) -> None:
     token_ids = json.loads(Path(ids_file).read_text())
-    result = (_genai_worker if kind == "genai" else _llmc_worker)(path, token_ids, measure_ppl)
+    if kind == "genai":
+        result = _genai_worker(path, token_ids, measure_ppl)
+    else:
+        result = _llmc_worker(path, token_ids, measure_ppl, num_scheduler_steps)
     result["peak_rss_mib"] = _peak_rss_mib()
     print("RESULT " + json.dumps(result))
 
@@ -197,7 +201,8 @@ def run_worker(args, kind: str, path: Path, ids_file: Path, measure_ppl: bool) -
     if args.threads:  # llmc's ONNX runner takes min(cores, OMP_NUM_THREADS) intra-op threads
         env["OMP_NUM_THREADS"] = str(args.threads)
         path = genai_with_threads(path, args.threads) if kind == "genai" else path
-    cmd = [sys.executable, "-P", __file__, "--worker", kind, "--path", str(path), "--ids", str(ids_file)]
+    cmd = [sys.executable, "-P", __file__, "--worker", kind, "--path", str(path), "--ids", str(ids_file),
+           "--num-scheduler-steps", str(args.num_scheduler_steps)]
     out = subprocess.run(cmd + (["--ppl"] if measure_ppl else []), env=env, check=True, capture_output=True, text=True)
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
@@ -212,11 +217,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every engine (default: each engine's own, the machine's cores)")
     parser.add_argument("--no-ppl", action="store_true", help="skip perplexity (speed runs)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="llmc ONNX engines: decode steps per engine step")
     parser.add_argument("--worker"), parser.add_argument("--path"), parser.add_argument("--ids")
     parser.add_argument("--ppl", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        return worker_main(args.worker, args.path, args.ids, args.ppl)
+        return worker_main(args.worker, args.path, args.ids, args.ppl, args.num_scheduler_steps)
     paths = build_all(args)
     from transformers import AutoTokenizer
 
@@ -231,7 +237,8 @@ def main() -> None:
 
 
 def report(runs: dict[str, list[dict]], sizes: dict[str, int], args) -> None:
-    print(f"cores {len(os.sched_getaffinity(0))}, threads {args.threads or 'default'}, repeats {args.repeats} (median [min-max])")
+    print(f"cores {len(os.sched_getaffinity(0))}, threads {args.threads or 'default'}, num_scheduler_steps "
+          f"{args.num_scheduler_steps}, repeats {args.repeats} (median [min-max])")
     print(f"{'engine':<22}{'decode tok/s':>26}{'prompt tok/s':>26}{'peak RSS MiB':>16}{'file MiB':>10}{'ppl':>9}")
     for kind, rs in runs.items():
         cell = lambda key: (f"{statistics.median(r[key] for r in rs):.0f} "  # noqa: E731

@@ -186,6 +186,8 @@ class RuntimeDefaults:
     cpu_offload_gb: float = opt(0.0, min=0.0, max=65536.0,
                                 help="GiB of weights per GPU kept in pinned host memory, streamed in ahead of their layer")
     async_scheduling: bool = opt(True, help="schedule step N+1 while step N runs (false: one step at a time, for debugging)")
+    num_scheduler_steps: int = opt(1, min=1, max=64,
+                                   help="decode steps per engine step (multi-step decoding; onnx-cpu artifacts only)")
     seed: int = opt(0, min=0, max=2**63 - 1, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")

@@ -24,6 +24,7 @@ from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups
 from llmc.runtime.beam_scheduler import BeamScheduler
 from llmc.runtime.batch_sampler import BatchSampler, HostTokens, unpack_logprobs
+from llmc.runtime.engine_multistep import can_multi_step, multi_step
 from llmc.runtime.engine_spec import speculative_step
 from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
                                         invariant_checks_enabled, reset_engine)
@@ -213,6 +214,9 @@ class Engine:
         self._assign_rows(batch)
         if self.proposer is not None:
             outputs += speculative_step(self, batch)
+            return
+        if self.options.num_scheduler_steps > 1 and can_multi_step(self, batch):
+            outputs += multi_step(self, batch, self.options.num_scheduler_steps)
             return
         launched = self._launch(batch)
         self._release_rows(self.scheduler.advance(batch))

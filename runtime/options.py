@@ -21,10 +21,22 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
             f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
             f"({manifest.model.max_position_embeddings}); lower it"
         )
+    if options.num_scheduler_steps > 1:
+        _check_multi_step(manifest, options)
     if is_onnx(manifest):
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
     return options
+
+
+def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:
+    steps = options.num_scheduler_steps
+    if not is_onnx(manifest):
+        raise ConfigError(f"num_scheduler_steps {steps}: multi-step decoding runs on onnx-cpu artifacts only (the torch "
+                          "runtime overlaps steps instead: async_scheduling); use num_scheduler_steps 1")
+    if options.speculative is not None:
+        raise ConfigError(f"num_scheduler_steps {steps} cannot be combined with speculative decoding; "
+                          "drop one of them")
 
 
 def _check_onnx_memory_knobs(options: art.RuntimeDefaults) -> None:
