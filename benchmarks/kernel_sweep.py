@@ -65,7 +65,9 @@ def sweep_shape(k: int, n: int, ms: list[int], flush, with_w4: bool = True) -> l
         row = {"K": k, "N": n, "M": m, **{name: round(us, 2) for name, us in base.items()}, "w4": [], "fp8": []}
         for config in w4_candidates(m) if with_w4 else ():
             kind, bm, bn, split, warps, stages = config
-            fn = lambda: launch_w4a16_gemm(x, w4["qweight"], w4["scales"], None, None, GROUP_SIZE, kind, bm, bn, split, warps, stages)  # noqa: E731
+            # rows: the second field is its K tiles per load (block_m is unused there)
+            fn = lambda: launch_w4a16_gemm(x, w4["qweight"], w4["scales"], None, None, GROUP_SIZE, kind, bm, bn, split,  # noqa: E731
+                                           warps, stages, k_tiles=bm if kind == "rows" else 1)
             try:
                 err = rel_err(fn(), ref)
                 us = median_time_ms(fn, flush) * 1e3

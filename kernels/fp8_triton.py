@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .split_k_triton import reduce_splits
+
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096
 
@@ -97,8 +99,6 @@ def fp8_linear_small_m(
 ) -> Tensor:
     """x_fp8 [M, K] contiguous, x_scale [M, 1] (from quantize_fp8_per_token) → [M, N] in out_dtype:
     the product torch._scaled_mm computes, for a few tokens."""
-    from .w4a16_triton import _split_reduce_kernel  # the same second pass as the W4A16 split-K
-
     M, K = x_fp8.shape
     N = weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -114,9 +114,5 @@ def fp8_linear_small_m(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
     if is_split:
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(M * N, block),)](
-            target, bias if bias is not None else target, out, M, N, split_k, M * N, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block,
-        )
+        reduce_splits(target, bias, out)
     return out

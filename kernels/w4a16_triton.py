@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .split_k_triton import reduce_splits
+
 K_TILE = 128  # input columns per packed tile: 16 word rows x 8 nibbles
 PIECE = 16  # input columns per nibble slice of a tile (the depth of one tl.dot)
 
@@ -44,7 +46,9 @@ def _operand(bits16, IS_FP32: tl.constexpr, OP_DTYPE: tl.constexpr):
 
 @triton.jit
 def _group_params(s_ptr, qz_ptr, g, offs_n, n_mask, N, HAS_ZEROS: tl.constexpr):
-    """(scale, zero level) of group g for the columns offs_n, as float32 [BLOCK_N] each."""
+    """(scale, zero level) of group g for the columns offs_n, as float32 [BLOCK_N] each; g may be a
+    column of groups ([R, 1], with offs_n and n_mask as rows [1, BLOCK_N]) for [R, BLOCK_N] each
+    (the symmetric zero stays [1, BLOCK_N])."""
     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
         z_word = tl.load(qz_ptr + g * tl.cdiv(N, 8) + offs_n // 8, mask=n_mask, other=0)
@@ -191,22 +195,6 @@ def _w4a16_gemv_kernel(
 
 
 @triton.jit
-def _split_reduce_kernel(
-    part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_split, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """out[m, n] = sum over splits of the fp32 partials (+ bias), in the output dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for split in range(num_splits):
-        total += tl.load(part_ptr + split * stride_split + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // N) * stride_om + offs % N, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _w4a16_dequant_kernel(
     qw_ptr, s_ptr, qz_ptr, w_ptr, N, K, num_groups,
     GROUP_SIZE: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -226,12 +214,7 @@ def _w4a16_dequant_kernel(
         values = (levels - z[None, :]) * s[None, :]
     else:
         g = tl.minimum(offs_k // GROUP_SIZE, num_groups - 1)[:, None]  # [128, 1]
-        s = tl.load(s_ptr + g * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z_word = tl.load(qz_ptr + g * tl.cdiv(N, 8) + (offs_n // 8)[None, :], mask=n_mask[None, :], other=0)
-            z = ((z_word >> ((offs_n % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-        else:
-            z = 8.0
+        s, z = _group_params(s_ptr, qz_ptr, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)
         values = (levels - z) * s
     mask = n_mask[:, None] & (offs_k < K)[None, :]
     out = tl.trans(values.to(w_ptr.dtype.element_ty))  # [BLOCK_N, 128]
@@ -283,11 +266,7 @@ def launch_w4a16_gemm(
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", IS_STACKED=is_stacked,
         )
     if is_split:
-        block = 1024
-        _split_reduce_kernel[(triton.cdiv(M * N, block),)](
-            target, bias if bias is not None else target, out, M, N, split_k, M * N, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK=block,
-        )
+        reduce_splits(target, bias, out)
     return out
 
 
@@ -380,13 +359,9 @@ def _w4a16_gemv_rows_kernel(
         for j in tl.static_range(8):
             k = (t + tile_of_row) * 128 + 16 * j + r_of_row  # [TILES * 16] input column of each row
             if j % PIECES_PER_GROUP == 0:
-                g = tl.minimum(k // GROUP_SIZE, num_groups - 1)
-                s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    z_word = tl.load(qz_ptr + g[:, None] * tl.cdiv(N, 8) + (offs_n // 8)[None, :], mask=n_mask[None, :], other=0)
-                    offset = 8388608.0 + ((z_word >> ((offs_n % 8) * 4)[None, :]) & 0xF).to(tl.float32)
-                else:
-                    offset = tl.full((TILES * 16, BLOCK_N), 8388616.0, tl.float32)
+                g = tl.minimum(k // GROUP_SIZE, num_groups - 1)[:, None]
+                s, z = _group_params(s_ptr, qz_ptr, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)
+                offset = 8388608.0 + z  # 2**23 + zero
                 part = tl.zeros((TILES * 16, BLOCK_N), dtype=tl.float32)
             x = tl.load(x_ptr + m * stride_xm + k, mask=row_valid & (k < K), other=0.0).to(tl.float32)
             magic = (((w >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
