@@ -7,7 +7,7 @@ helper here is reachable through a fixture:
 * ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
   ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
-* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_moe_checkpoint`` -> ``(family, Path)`` over both;
+* ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
@@ -493,9 +493,9 @@ def upcycled_mixtral(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="session", params=MOE_FAMILIES)
-def tiny_moe_checkpoint(request) -> tuple[str, Path]:
-    """``(family, path)`` for each mixture-of-experts family in turn."""
+@pytest.fixture(scope="session", params=FAMILIES + MOE_FAMILIES)
+def tiny_any_checkpoint(request) -> tuple[str, Path]:
+    """``(family, path)`` for each family, dense and mixture-of-experts, in turn."""
     family = request.param
     return family, request.getfixturevalue(f"tiny_{family}")
 

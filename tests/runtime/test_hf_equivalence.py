@@ -1,4 +1,5 @@
-"""Our build + runtime against transformers' own model, for every supported family (float32)."""
+"""Our build + runtime against transformers' own model, for every supported family, dense and
+mixture-of-experts (float32)."""
 
 from pathlib import Path
 
@@ -37,8 +38,8 @@ def artifacts(tmp_path_factory):
     return get
 
 
-def test_greedy_matches_transformers_with_continuous_batching(tiny_checkpoint, artifacts, hf_greedy, hf_encode):
-    family, checkpoint = tiny_checkpoint
+def test_greedy_matches_transformers_with_continuous_batching(tiny_any_checkpoint, artifacts, hf_greedy, hf_encode):
+    family, checkpoint = tiny_any_checkpoint
     expected = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
     # Fewer seats than prompts, and a small token budget: requests join as others finish,
     # and long prompts are prefilled in chunks beside running decodes.
@@ -58,8 +59,8 @@ def test_text_prompts_are_tokenized_like_transformers(tiny_llama, artifacts, hf_
     assert outputs[0].outputs[0].text == llm.tokenizer.decode(expected[0], skip_special_tokens=True)
 
 
-def test_logits_match_transformers(tiny_checkpoint, artifacts, hf_logits, hf_encode):
-    family, checkpoint = tiny_checkpoint
+def test_logits_match_transformers(tiny_any_checkpoint, artifacts, hf_logits, hf_encode):
+    family, checkpoint = tiny_any_checkpoint
     token_ids = hf_encode(checkpoint, PROMPTS[3]) + list(range(100, 140))
     llm = LLM(artifacts(checkpoint), device="cpu")
     ours = llm.engine.score(token_ids)  # [len, vocab]
@@ -85,3 +86,16 @@ def test_legacy_rope_keys_read_the_same(hf_checkpoint_factory, tmp_path, hf_gree
     llm = LLM(out, device="cpu")
     got = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, PROMPTS[0])}], SamplingParams(temperature=0, max_tokens=24))
     assert got[0].outputs[0].token_ids == expected[0]
+
+
+def test_moe_layers_as_transformers_chooses_them(hf_checkpoint_factory, hf_model, tmp_path):
+    """decoder_sparse_step and mlp_only_layers pick the same sparse layers as transformers' model."""
+    from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
+    from llmc.runtime.models import qwen3_moe
+
+    path = hf_checkpoint_factory(tmp_path / "q", "qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
+                                 mlp_only_layers=[3], tokenizer=False)
+    model = model_config_from_hf(read_hf_config(path), qwen3_moe.SPEC, "float32")
+    hf_sparse = [i for i, layer in enumerate(hf_model(path).model.layers) if hasattr(layer.mlp, "experts")]
+    assert model.moe_layers == hf_sparse == [1, 5]
+    assert model.norm_topk_prob is False
