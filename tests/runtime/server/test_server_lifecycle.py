@@ -75,14 +75,19 @@ def test_cli_reports_a_failed_start_in_one_line(tmp_path, free_port, capsys, res
     assert len(errors) == 1 and "missing" in errors[0]
 
 
-def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
-    server = start_server("--disable-log-stats")
-    body = {**LONG, "max_tokens": 48, "stream": True}
+def _sigterm_mid_stream(server, max_tokens: int) -> list[str]:
+    """Start a streamed completion, SIGTERM the server after its first event, return every event."""
+    body = {**LONG, "max_tokens": max_tokens, "stream": True}
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as reply:
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
         server.process.send_signal(signal.SIGTERM)
-        events = [line for line in lines if line.startswith("data: ")]
+        return [line for line in lines if line.startswith("data: ")]
+
+
+def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
+    server = start_server("--disable-log-stats")
+    events = _sigterm_mid_stream(server, max_tokens=48)
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][len("data: "):])["choices"][0]["finish_reason"] == "length"
     assert server.process.wait(60) == 0, server.log()
@@ -92,12 +97,7 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
 
 def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(start_server):
     server = start_server("--disable-log-stats", "--shutdown-timeout", "0.2")
-    body = {**LONG, "max_tokens": 250, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as reply:
-        lines = reply.iter_lines()
-        assert next(lines).startswith("data: ")
-        server.process.send_signal(signal.SIGTERM)
-        events = [line for line in lines if line.startswith("data: ")]
+    events = _sigterm_mid_stream(server, max_tokens=250)
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2][len("data: "):])["error"]
     assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
