@@ -212,6 +212,7 @@ class _PieceJoiner:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._params = params
+        self._backend = _plain_backend(tokenizer)
         self._special_ids = _special_token_ids(tokenizer)
         self._has_piece = False  # some piece exists: the next one gets the separator
         self._run: _RunDecoder | None = _RunDecoder(self._decode, self._prompt_context(
@@ -246,6 +247,8 @@ class _PieceJoiner:
 
     def _decode(self, token_ids: list[int]) -> str:
         # No cleanup: clean_up_tokenization_spaces is not stable under appending tokens.
+        if self._backend is not None:  # what the fast tokenizer's decode does then, without its wrapping
+            return self._backend.decode(token_ids, skip_special_tokens=False)
         return self._tokenizer.decode(
             token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
@@ -294,6 +297,18 @@ class _RunDecoder:
         window = self._token_ids[self._prefix_offset :]
         prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
         return prefix_text, self._decode(window)
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` of a Hugging Face fast tokenizer whose class keeps the stock decode
+    (so decoding without cleanup is exactly the backend's decode); None otherwise."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and type(tokenizer)._decode is PreTrainedTokenizerFast._decode:
+        return tokenizer.backend_tokenizer
+    return None
 
 
 def _special_token_ids(tokenizer: Any) -> set[int]:

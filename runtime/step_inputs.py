@@ -215,7 +215,7 @@ class StepBuffers:
             block_tables=views[8].view(num_seqs, width).to(torch.int32),
             context_lens=views[4].to(torch.int32),
             query_lens=g.num_news,
-            max_context_len=int(max(g.context_lens)),
+            max_context_len=int(np.max(g.context_lens) if isinstance(g.context_lens, np.ndarray) else max(g.context_lens)),
             logits_indices=views[3],
         )
         return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows)
