@@ -13,12 +13,16 @@
 #   overlap-bf16, overlap-fp8   the engine step (issue 12): benchmarks/profile_step.py at batch 1, 64, 256
 #         with async_scheduling on and off, then decode + throughput 128/128 of both engines in one run
 #                                      → profile-Q-{async,sync}.json, e2e-overlap-Q.json
+#   w4-vs  gpt-fast-style int4 decode (benchmarks/gptfast_int4.py), then W4A16 and bf16 artifacts: decode and
+#         throughput 128/128 of both, one run               → gptfast-int4.json, e2e-w4-vs.json
+#   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
+#         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
 #   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
 #         all-reduce time per step (benchmarks/bench_parallel.py)    → parallel.json, parallel.md
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -106,7 +110,30 @@ case $stage in
       --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
       --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, fp8, bf16, tp, overlap-bf16 or overlap-fp8" >&2; exit 2 ;;
+  w4-vs)
+    make_checkpoint
+    say "gpt-fast int4 (torch.compile + tinygemm): start"
+    python "$repo/benchmarks/gptfast_int4.py" "$work/ckpt" --json "$out/gptfast-int4.json" 2>&1 | tail -3 | tee -a "$log" >&2 \
+      || say "gptfast_int4: FAILED"
+    build w4a16 1 "$W4" & build bf16 1 '{method: none}' & wait
+    say "bench_e2e w4a16 and bf16: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/w4a16=w4a16" "$work/bf16=bf16" --parts decode,throughput \
+      --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-w4-vs.json" --budget "$(left)" 2>&1 \
+      | tee -a "$log" >&2 || say "bench_e2e w4-vs: FAILED"
+    ;;
+  kprofile-bf16|kprofile-fp8)
+    q=${stage#kprofile-}
+    make_checkpoint
+    if [ "$q" = fp8 ]; then build fp8 1 '{method: fp8}'; else build bf16 1 '{method: none}'; fi
+    say "profile_step $q top kernels: start"
+    python "$repo/benchmarks/profile_step.py" "$work/$q" --batch-sizes 64,256 --top-kernels 30 \
+      --json "$out/kprofile-$q.json" 2>&1 | tee -a "$log" >&2 || say "profile_step $q: FAILED"
+    say "bench_e2e $q max_num_seqs 256 vs 1024: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/$q=$q-256" "$work/$q=$q-1024@max_num_seqs=1024" \
+      --parts throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
+      --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
+    ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, fp8, bf16, tp, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts

@@ -213,12 +213,13 @@ def bench_throughput(llm: LLM, args, remaining) -> list[dict]:
     """One result per --throughput config; `remaining()` (seconds of budget left) bounds each run too."""
     engine = llm.engine
     vocab_size, results = engine.manifest.model.vocab_size, []
+    max_num_seqs, max_batched = engine.options.max_num_seqs, engine.options.max_num_batched_tokens  # a label's @ options win
     for inp, out, num in parse_throughput(args.throughput):
         if remaining() <= 0:
             break
         # Warm-up: a full batch of short prompts whose requests end a few at a time, so that the kernels
         # of the batch sizes the measured run passes through are compiled before it.
-        for i, prompt in enumerate(random_prompts(min(num, args.max_num_seqs), min(inp, 64), vocab_size, seed=7)):
+        for i, prompt in enumerate(random_prompts(min(num, max_num_seqs), min(inp, 64), vocab_size, seed=7)):
             engine.add_request(None, SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True), prompt)
         while engine.has_unfinished_requests():
             engine.step()
@@ -235,7 +236,7 @@ def bench_throughput(llm: LLM, args, remaining) -> list[dict]:
             "elapsed_s": round(elapsed, 2), "output_tokens_per_s": round(num_tokens / elapsed, 1),
             "total_tokens_per_s": round((num_tokens + inp * len(ttft)) / elapsed, 1),
             "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
-            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched,
         })
         log(f"  -> {results[-1]['output_tokens_per_s']} output tokens/s, {results[-1]['num_finished']}/{num} finished")
     return results

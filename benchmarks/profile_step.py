@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--top-kernels", type=int, default=0, help="also list the N longest CUDA kernels per step")
     return parser.parse_args(argv)
 
 
@@ -101,7 +102,8 @@ def measure(engine: Engine, timer: PhaseTimer, steps: int) -> dict:
             **{f"{phase}_ms": ms(total) for phase, total in timer.totals.items()}}
 
 
-def kernel_ms_per_step(engine: Engine, steps: int) -> float:
+def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, list[dict]]:
+    """(CUDA kernel ms per step, the `top` kernels by time: name, µs and calls per step)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -109,9 +111,11 @@ def kernel_ms_per_step(engine: Engine, steps: int) -> float:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / 1000 / steps
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    listed = [{"kernel": e.key[:120], "us": round(e.self_device_time_total / steps, 1),
+               "calls": round(e.count / steps, 2)} for e in kernels[:top]]
+    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
 
 
 def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng) -> dict:
@@ -119,9 +123,11 @@ def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng)
     result = {"batch_size": batch_size, "running": engine.scheduler.num_running,
               "async_scheduling": engine.options.async_scheduling, **measure(engine, timer, args.steps)}
     if engine.device.type == "cuda":
-        kernel_ms = kernel_ms_per_step(engine, args.steps)
+        kernel_ms, top = kernel_time_per_step(engine, args.steps, args.top_kernels)
         result.update(kernel_ms=round(kernel_ms, 3), gpu_busy=round(kernel_ms / result["wall_ms"], 3),
                       host_not_hidden_ms=round(result["wall_ms"] - kernel_ms, 3))
+        if top:
+            result["top_kernels"] = top
     else:
         result["wall_over_forward"] = round(result["wall_ms"] / result["forward_ms"], 3)
     for request_id in list(engine.groups):
