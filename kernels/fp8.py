@@ -57,23 +57,33 @@ def _small_m_config(k: int, n: int) -> dict:
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
     """y [..., N] in x's dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias, fp32 accumulation."""
     x_fp8, x_scale = quantize_fp8_per_token(x)  # [..., K], [..., 1]
-    x2 = x_fp8.reshape(-1, x.shape[-1])  # [num_tokens, K]
+    return fp8_matmul(x_fp8, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+               out_dtype: torch.dtype) -> Tensor:
+    """y [..., N] in out_dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias for activations
+    already in FP8: x_scale [..., 1] per token, or one scale ([1] / [1, 1], a static input scale).
+    The small-M Triton kernel for few tokens, torch._scaled_mm otherwise, float32 math without FP8
+    tensor cores."""
+    x2 = x_fp8.reshape(-1, x_fp8.shape[-1])  # [num_tokens, K]
+    scale_a = x_scale.float().reshape(-1, 1)
+    if scale_a.shape[0] != x2.shape[0]:
+        scale_a = scale_a.expand(x2.shape[0], 1).contiguous()
     out_features = weight.shape[0]
-    if not can_use_scaled_mm(x, weight):
+    if not can_use_scaled_mm(x_fp8, weight):
         w = weight.float() * weight_scale.float()  # [N, K]
-        y = (x2.float() * x_scale.reshape(-1, 1)) @ w.T
+        y = (x2.float() * scale_a) @ w.T
         y = y + bias.float() if bias is not None else y
-        return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
+        return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
     if uses_small_m_kernel(x2.shape[0], out_features) and is_triton_installed():
         from .fp8_triton import fp8_linear_small_m
 
-        y = fp8_linear_small_m(x2.contiguous(), x_scale.reshape(-1, 1), weight, weight_scale.float(), bias, x.dtype,
-                               **_small_m_config(x.shape[-1], out_features))
-        return y.reshape(*x.shape[:-1], out_features)
+        y = fp8_linear_small_m(x2.contiguous(), scale_a, weight, weight_scale.float(), bias, out_dtype,
+                               **_small_m_config(x_fp8.shape[-1], out_features))
+        return y.reshape(*x_fp8.shape[:-1], out_features)
     scale_b = weight_scale.float().reshape(1, -1)  # [1, N] or [1, 1]
     if scale_b.shape[1] != out_features:
         scale_b = scale_b.expand(1, out_features).contiguous()
-    y = torch._scaled_mm(
-        x2, weight.t(), scale_a=x_scale.reshape(-1, 1), scale_b=scale_b, bias=bias, out_dtype=x.dtype
-    )
-    return y.reshape(*x.shape[:-1], out_features)
+    y = torch._scaled_mm(x2, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    return y.reshape(*x_fp8.shape[:-1], out_features)

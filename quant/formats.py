@@ -322,11 +322,6 @@ class _IntFormatOfBits:
         return IntWeightFormat.from_spec({**params, "bits": self.bits}, dtype)
 
 
-def is_fp8_matmul_supported(x: Tensor) -> bool:
-    """FP8 tensor-core matmul (torch._scaled_mm) needs CUDA compute capability 8.9+ (Ada, Hopper)."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
-
-
 @functools.cache
 def _log_fp8_reference_path(device_type: str) -> None:
     logger.warning(
@@ -407,27 +402,10 @@ class Fp8Format:
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         x_fp8, x_scale = self.quantize_input(x, params)
-        # torch._scaled_mm needs both GEMM dims of the weight in multiples of 16
-        if is_fp8_matmul_supported(x) and all(d % 16 == 0 for d in params["weight"].shape):
-            return _scaled_mm_linear(x_fp8, x_scale, params, bias, x.dtype)
-        _log_fp8_reference_path(x.device.type)
-        weight = params["weight"].float() * params["weight_scale"]  # [out, in]
-        y = F.linear(x_fp8.float() * x_scale, weight)  # [..., out] float32
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
-
-
-def _scaled_mm_linear(
-    x_fp8: Tensor, x_scale: Tensor, params: dict[str, Tensor], bias: Tensor | None, out_dtype: torch.dtype
-) -> Tensor:
-    """FP8 GEMM on tensor cores, float32 accumulation, scales applied per row (token) and column."""
-    weight = params["weight"]  # [out, in]
-    x2 = x_fp8.reshape(-1, x_fp8.shape[-1])  # [num_tokens, in]
-    scale_a = x_scale.float().reshape(-1, 1).expand(x2.shape[0], 1).contiguous()  # [num_tokens, 1]
-    scale_b = params["weight_scale"].reshape(1, -1).expand(1, weight.shape[0]).contiguous()  # [1, out]
-    y = torch._scaled_mm(x2, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
-    return y.reshape(*x_fp8.shape[:-1], weight.shape[0])
+        weight = params["weight"]  # [out, in]
+        if not fp8_kernels.can_use_scaled_mm(x, weight):
+            _log_fp8_reference_path(x.device.type)
+        return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, x.dtype)
 
 
 _FORMATS: dict[str, object] = {

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.quant.awq import awq_search_clip, awq_search_scale
-from llmc.quant.formats import Fp8Format, IntWeightFormat, is_fp8_matmul_supported
+from llmc.quant.formats import Fp8Format, IntWeightFormat
 from llmc.quant.fp8 import quantize_fp8_weight
 from llmc.quant.gptq import HessianAccumulator, gptq_quantize
 from llmc.quant.reference import dequantize_weight, reference_linear
@@ -35,9 +35,19 @@ def test_fp8_scaled_mm_matches_reference(num_tokens, is_per_channel, is_static_i
     assert (y.float() - expected.float()).abs().max() <= 1e-2 * expected.float().abs().max()
 
 
-def test_fp8_matmul_is_used_on_hopper() -> None:
-    x = torch.zeros(1, device="cuda")
-    assert is_fp8_matmul_supported(x) == (torch.cuda.get_device_capability() >= (8, 9))
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs FP8 tensor cores")
+def test_fp8_format_runs_few_tokens_through_the_small_m_kernel(monkeypatch) -> None:
+    """The model's FP8 linears (the format's apply) take the few-token kernel that kernels/fp8.py
+    dispatches to, not always torch._scaled_mm."""
+    from llmc.kernels import fp8_triton
+
+    calls, real = [], fp8_triton.fp8_linear_small_m
+    monkeypatch.setattr(fp8_triton, "fp8_linear_small_m", lambda x, *a, **k: calls.append(x.shape[0]) or real(x, *a, **k))
+    fmt = Fp8Format(torch.bfloat16)
+    params = fmt.pack(quantize_fp8_weight(torch.randn(512, 256, device="cuda"), True, None))
+    for num_tokens in (1, 16, 256):
+        fmt.apply(torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16), params, None)
+    assert calls == [1, 16]
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", [(4, 128, True), (3, 64, False), (8, -1, True)])
