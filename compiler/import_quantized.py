@@ -108,7 +108,8 @@ class ImportPacker:
         if not tensors:
             raise CheckpointError(
                 f"{self.reader.model_dir}: the checkpoint has no tensors of {module}, which quantization_config says is "
-                f"quantized; llmc imports one module per linear (and per expert: {module}.qweight or .weight_packed, ...)")
+                f"quantized; llmc imports one module per linear and per expert, as llm-compressor, GPTQModel and AutoAWQ "
+                f"save them ({module}.weight_packed, .qweight, ...)")
         return unpack_module(self.ispec, module, {k: self.reader.get(n) for k, n in tensors.items()}, in_features, out_features)
 
     def _check_routers(self) -> None:

@@ -20,7 +20,9 @@ from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError
 from llmc.quant.formats import make_format
-from llmc.quant.reference import dequantize
+from llmc.quant.importers import pack_awq_gemm, pack_gptq
+from llmc.quant.reference import dequantize, dequantize_weight
+from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -179,3 +181,116 @@ def test_a_broken_expert_is_one_error_line(mutation, imported, tmp_path):
                                 "quantization": {"method": "import"}}), show_progress=False)
     assert "\n" not in str(error.value)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_quantized_router_or_partly_ignored_experts_are_refused_in_one_line(imported, tmp_path):
+    """llmc keeps routers dense and one format per projection for all of a layer's experts: a checkpoint
+    whose router was quantized, or whose ignore list covers only some experts, is refused by name."""
+    family, _, ckpt, _, dequantized, _ = imported
+    router = f"model.layers.0.{CASES[family][0]}"
+    quantized_router = tmp_path / "router"
+    shutil.copytree(ckpt, quantized_router)
+    tensors = load_file(quantized_router / "model.safetensors")
+    packed, _ = _compress(tensors.pop(f"{router}.weight"), {"strategy": "channel", "symmetric": True})
+    save_file(tensors | {f"{router}.{k}": v for k, v in packed.items()}, quantized_router / "model.safetensors")
+    partly = tmp_path / "partly"
+    shutil.copytree(ckpt, partly)
+    config = json.loads((partly / "config.json").read_text())
+    expert = next(m for m in dequantized if ".experts.1." in m and m.startswith("model.layers.0."))
+    config["quantization_config"]["ignore"].append(expert)
+    (partly / "config.json").write_text(json.dumps(config))
+    for checkpoint, message in ((quantized_router, f"router {router} has .*weight_packed.* instead of a dense weight"),
+                                (partly, rf"layers\.0\.moe\.experts\.(gate_up|down) fuses \d+ .* only some")):
+        with pytest.raises(CheckpointError, match=message) as error:
+            build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "o"),
+                                    "quantization": {"method": "import"}}), show_progress=False)
+        assert "\n" not in str(error.value)
+
+
+# AutoAWQ and GPTQ MoE checkpoints name their experts the same way; their packing is tested against
+# hand-built words in tests/quant/test_importers.py, so these fixtures use llmc's writers (as the dense
+# import tests do). AutoAWQ leaves the router out through modules_to_not_convert ["gate"]; GPTQModel never
+# quantizes it and lists nothing.
+PEER_FORMATS = {
+    "awq": (lambda q: pack_awq_gemm(q), False, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
+                                                 "version": "gemm", "modules_to_not_convert": ["gate"]}),
+    "gptq": (lambda q: pack_gptq(q, is_v1=True), True, {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                         "sym": True, "desc_act": False}),
+}
+
+
+@pytest.mark.parametrize("kind", list(PEER_FORMATS))
+def test_awq_and_gptq_moe_checkpoints_import_the_same_way(kind, tiny_mixtral, tmp_path, hf_logits, hf_encode):
+    pack, symmetric, qconfig = PEER_FORMATS[kind]
+    ckpt, twin = tmp_path / "ckpt", tmp_path / "dequantized"
+    for path in (ckpt, twin):
+        shutil.copytree(tiny_mixtral, path)
+    tensors = load_file(tiny_mixtral / "model.safetensors")
+    twin_tensors = dict(tensors)
+    for name in [n for n in tensors if n.removesuffix(".weight").rsplit(".", 1)[-1] in QUANTIZED]:
+        q = rtn_quantize(tensors.pop(name), 4, 32, symmetric, scale_dtype=torch.float16)
+        tensors |= {f"{name.removesuffix('.weight')}.{k}": v for k, v in pack(q).items()}
+        twin_tensors[name] = dequantize_weight(q)
+    save_file(tensors, ckpt / "model.safetensors")
+    save_file(twin_tensors, twin / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(ckpt), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
+                            "runtime": {"max_model_len": 256}, "quantization": {"method": "import"}}), show_progress=False)
+    weights = load_file(out / "rank-00" / "weights.safetensors")
+    assert weights["layers.1.moe.experts.down.scales"].shape[0] == 4
+    assert torch.equal(weights["layers.1.moe.gate.weight"], twin_tensors["model.layers.1.block_sparse_moe.gate.weight"])
+    token_ids = hf_encode(twin, PROMPTS[1]) + list(range(100, 120))
+    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_moe_checkpoint_keeps_each_experts_scales(tiny_mixtral, tmp_path):
+    """compressed-tensors float-quantized (FP8 W8A8, static input scales): every expert's E4M3 weight and
+    per-channel scale land in the artifact as stored; gate and up share one input scale, their max."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_mixtral, ckpt)
+    tensors, expected = load_file(tiny_mixtral / "model.safetensors"), {}
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.removesuffix(".weight").rsplit(".", 1)[-1] in QUANTIZED]:
+        weight, module = tensors.pop(name), name.removesuffix(".weight")
+        scale = weight.abs().amax(dim=1, keepdim=True) / 448.0  # E4M3's largest finite value
+        expected[module] = {"weight": (weight / scale).to(torch.float8_e4m3fn), "weight_scale": scale,
+                            "input_scale": torch.rand(1, generator=gen) + 0.01}
+        tensors |= {f"{module}.{k}": v for k, v in expected[module].items()}
+    save_file(tensors, ckpt / "model.safetensors")
+    scheme = {"weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                                    "dynamic": False}, "targets": ["Linear"]}
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                     "ignore": ["lm_head", "re:.*block_sparse_moe[.]gate$"],
+                                     "config_groups": {"group_0": scheme}}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(ckpt), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
+                            "quantization": {"method": "import"}}), show_progress=False)
+    weights = load_file(out / "rank-00" / "weights.safetensors")
+    for e in range(4):
+        gate, up, down = (expected[f"model.layers.0.block_sparse_moe.experts.{e}.{m}"] for m in ("w1", "w3", "w2"))
+        stacked = {k.rsplit(".", 1)[1]: v[e] for k, v in weights.items() if k.startswith("layers.0.moe.experts.gate_up.")}
+        assert torch.equal(stacked["weight"].view(torch.uint8), torch.cat([gate["weight"], up["weight"]]).view(torch.uint8))
+        assert torch.equal(stacked["weight_scale"].reshape(-1), torch.cat([gate["weight_scale"], up["weight_scale"]]).reshape(-1))
+        assert torch.equal(stacked["input_scale"].reshape(1), torch.maximum(gate["input_scale"], up["input_scale"]))
+        assert torch.equal(weights["layers.0.moe.experts.down.input_scale"][e].reshape(1), down["input_scale"])
+
+
+def test_expert_parallel_import_gives_each_rank_exactly_its_experts(imported, tmp_path):
+    family, _, ckpt, _, _, artifact = imported
+    out = tmp_path / "ep2"
+    build(recipe_from_dict({"model": str(ckpt), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
+                            "parallel": {"tensor": 2, "expert": 2}, "quantization": {"method": "import"}}),
+          show_progress=False)
+    whole = load_file(artifact / "rank-00" / "weights.safetensors")
+    for rank in range(2):
+        shard = load_file(out / f"rank-{rank:02d}" / "weights.safetensors")
+        experts = [n for n in shard if ".moe.experts." in n]
+        assert experts and {n for n in whole if ".moe.experts." in n} == set(experts)
+        for name in experts:  # 4 experts over 2 ranks: rank r holds experts 2r and 2r + 1, whole
+            assert torch.equal(shard[name], whole[name][2 * rank: 2 * rank + 2]), (family, rank, name)
