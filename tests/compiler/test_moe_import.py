@@ -9,6 +9,7 @@ transformers running the dequantized weights in float32.
 """
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -76,17 +77,18 @@ def _compress(weight: torch.Tensor, scheme: dict) -> tuple[dict[str, torch.Tenso
     return tensors, dequantized
 
 
-def _write_checkpoint(source, family, dest, dequantized_dest):
-    """`source` with every attention, MLP and expert linear compressed; the dequantized float twin beside it.
-    Returns {HF module: dequantized weight float64}."""
+def _write_checkpoint(source, family, dest, dequantized_dest, targets=("Linear",)):
+    """`source` with every attention, MLP and expert linear that `targets` match compressed; the dequantized
+    float twin beside it. Returns {HF module: dequantized weight float64}."""
     router, scheme = CASES[family]
+    is_target = (lambda m: True) if targets == ("Linear",) else (lambda m: any(re.match(t[3:], m) for t in targets))
     for path in (dest, dequantized_dest):
         shutil.copytree(source, path)
     float_tensors = load_file(source / "model.safetensors")
     tensors, twin, dequantized = {}, dict(float_tensors), {}
     for name, weight in float_tensors.items():
         module = name.removesuffix(".weight")
-        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in QUANTIZED:
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in QUANTIZED and is_target(module):
             packed, dequantized[module] = _compress(weight, scheme)
             tensors |= {f"{module}.{k}": v for k, v in packed.items()}
             twin[name] = dequantized[module].float()
@@ -98,7 +100,7 @@ def _write_checkpoint(source, family, dest, dequantized_dest):
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
         "ignore": ["lm_head", f"re:.*{router.replace('.', '[.]')}$"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "config_groups": {"group_0": {"targets": list(targets), "input_activations": None, "output_activations": None,
                                       "weights": {"num_bits": BITS, "type": "int", "dynamic": False, **scheme}}},
     }
     (dest / "config.json").write_text(json.dumps(config, indent=2))
@@ -294,3 +296,18 @@ def test_expert_parallel_import_gives_each_rank_exactly_its_experts(imported, tm
         assert experts and {n for n in whole if ".moe.experts." in n} == set(experts)
         for name in experts:  # 4 experts over 2 ranks: rank r holds experts 2r and 2r + 1, whole
             assert torch.equal(shard[name], whole[name][2 * rank: 2 * rank + 2]), (family, rank, name)
+
+
+def test_config_group_targets_pick_the_quantized_linears(tiny_mixtral, tmp_path, hf_logits, hf_encode):
+    """An experts-only checkpoint (targets a regex over the experts): attention was left dense and stays so."""
+    targets = ("re:.*block_sparse_moe[.]experts[.].*",)
+    dequantized = _write_checkpoint(tiny_mixtral, "mixtral", tmp_path / "ckpt", tmp_path / "twin", targets)
+    assert dequantized and all(".experts." in m for m in dequantized)
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(tmp_path / "ckpt"), "output": str(out), "dtype": "float32",
+                            "target": {"device": "cpu"}, "quantization": {"method": "import"}}), show_progress=False)
+    modules = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
+    assert modules["layers.0.attn.qkv"] == {"format": "dense"} and modules["layers.0.moe.experts.down"]["format"] == "w4a16"
+    token_ids = hf_encode(tmp_path / "twin", PROMPTS[1]) + list(range(100, 120))
+    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(tmp_path / "twin", token_ids),
+                               atol=1e-4, rtol=1e-4)
