@@ -123,10 +123,6 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
-    if ctx.recipe.quantization.method == "import":
-        raise RecipeError(f"quantization.method import: importing quantized mixture-of-experts checkpoints "
-                          f"({ctx.model.architecture}) is not supported; build from the float checkpoint with "
-                          "method rtn, gptq, awq or fp8")
 
 
 def resolve_model_dir(recipe: Recipe) -> Path:

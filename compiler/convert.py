@@ -79,19 +79,22 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     norm_names = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
     norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in norm_names.items()}
     if is_moe:
-        linears |= {name: w for name, w in read_experts(reader, spec, config, index).items() if name not in skip_linears}
+        linears |= read_experts(reader, spec, config, index, skip_linears)
         norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()
     return LayerWeights(index, linears, biases, norms)
 
 
-def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> dict[str, Tensor]:
-    """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows), then every down."""
+def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
+                 skip_linears: set[str] = frozenset()) -> dict[str, Tensor]:
+    """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows), then every
+    down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read."""
     moe = spec.moe
     prefixes = [f"{spec.hf_layer_prefix}{index}.{moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
     gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(p + moe.gate + ".weight").float(),
                                                               reader.get(p + moe.up + ".weight").float()])
-                for e, p in enumerate(prefixes)}
-    downs = {expert_linear_name(e, "down"): reader.get(p + moe.down + ".weight").float() for e, p in enumerate(prefixes)}
+                for e, p in enumerate(prefixes) if expert_linear_name(e, "gate_up") not in skip_linears}
+    downs = {expert_linear_name(e, "down"): reader.get(p + moe.down + ".weight").float()
+             for e, p in enumerate(prefixes) if expert_linear_name(e, "down") not in skip_linears}
     return gate_ups | downs
 
 

@@ -1,5 +1,11 @@
 """`quantization.method: import`: an AutoAWQ, GPTQ or compressed-tensors checkpoint, unpacked and
-re-packed into llmc's formats. No re-quantization: the levels, scales and zeros are the checkpoint's."""
+re-packed into llmc's formats. No re-quantization: the levels, scales and zeros are the checkpoint's.
+
+Mixture-of-experts checkpoints are read as llm-compressor, GPTQModel and AutoAWQ write them: one module
+per expert (`block_sparse_moe.experts.{e}.w1`, `mlp.experts.{e}.gate_proj`, ...), each unpacked like a
+dense linear; each expert's gate and up fuse into its gate_up, and `pack_layer` stacks the experts. The
+router stays dense: the checkpoint must hold it as a plain `.weight` (its `ignore` list names it).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +16,13 @@ from torch import Tensor
 
 from llmc.compiler.convert import LayerWeights, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
+from llmc.compiler.quantize import module_names
 from llmc.errors import CheckpointError
-from llmc.quant.formats import DenseFormat
+from llmc.quant.formats import DenseFormat, QuantizedWeight
 from llmc.quant.import_config import ImportSpec, parse_quantization_config
 from llmc.quant.importers import concat_out, unpack_module
 from llmc.runtime.artifact import ModelConfig
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key
 
 
 def import_spec(hf_config: dict, model_dir: Path) -> ImportSpec:
@@ -27,19 +34,23 @@ def import_spec(hf_config: dict, model_dir: Path) -> ImportSpec:
 
 
 def import_formats(hf_config: dict, spec: ModelSpec, config: ModelConfig, model_dir: Path) -> dict[str, dict]:
-    """Format of every linear: the checkpoint's quantized format, dense where it left modules unquantized."""
+    """Format of every linear: the checkpoint's quantized format, dense where it left modules unquantized.
+    An MoE layer's experts have one format per projection: all of them quantized, or all left dense."""
     ispec = import_spec(hf_config, model_dir)
     dense = DenseFormat(getattr(torch, config.dtype)).spec()
     formats = {}
-    for i in range(config.num_layers):
-        for linear in spec.layer_linears:
-            members = [f"{spec.hf_layer_prefix}{i}.{m}" for m in linear.hf_members]
-            ignored = [ispec.is_ignored(m) for m in members]
-            if any(ignored) and not all(ignored):
-                raise CheckpointError(f"{model_dir}: {members} are fused into one linear but only some are quantized")
-            formats[f"layers.{i}.{linear.name}"] = dense if all(ignored) else ispec.format_spec()
-    if not config.tie_word_embeddings:
-        formats["lm_head"] = dense
+    for module, names in module_names(spec, config).items():
+        if module == "lm_head":
+            formats[module] = dense
+            continue
+        members = names[1:]
+        ignored = [m for m in members if ispec.is_ignored(m)]
+        if ignored and len(ignored) != len(members):
+            what = "experts" if ".moe.experts." in module else "members"
+            raise CheckpointError(f"{model_dir}: {module} fuses {len(members)} checkpoint modules but quantization_config "
+                                  f"leaves only some of them unquantized ({ignored[0]}, ...); llmc needs all its {what} "
+                                  "quantized alike: re-export with all of them quantized or all ignored")
+        formats[module] = dense if ignored else ispec.format_spec()
     return formats
 
 
@@ -52,36 +63,70 @@ class ImportPacker:
         self.config = config
         self.formats = formats
         self.reader = reader
-        self.dtype = getattr(torch, config.dtype)
+        self.module_tensors = _tensors_by_module(reader.names())
+        self._check_routers()
 
     def read_layer(self, reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
-        quantized = {n.split(".", 2)[2] for n, f in self.formats.items() if n.startswith(f"layers.{index}.") and f["format"] != "dense"}
-        return read_layer(reader, spec, config, index, skip_linears=quantized)
+        return read_layer(reader, spec, config, index, skip_linears=set(self._quantized_linears(index)))
 
     def __call__(self, layer: LayerWeights) -> LayerWeights:
-        linears = {}
-        for linear in self.spec.layer_linears:
-            fmt_spec = self.formats[f"layers.{layer.index}.{linear.name}"]
-            if fmt_spec["format"] == "dense":
-                linears[linear.name] = layer.linears[linear.name]
-                continue
-            members = [f"{self.spec.hf_layer_prefix}{layer.index}.{m}" for m in linear.hf_members]
-            linears[linear.name] = concat_out([self._unpack(m) for m in members], members)
+        quantized = self._quantized_linears(layer.index)
+        linears = {name: concat_out([self._unpack(*m) for m in members], [m[0] for m in members])
+                   if name in quantized else layer.linears[name]
+                   for name, members in self._all_linears(layer.index).items()}
         return LayerWeights(layer.index, linears, layer.biases, layer.norms)
-
-    def _unpack(self, module: str):
-        prefix = module + "."
-        tensors = {n[len(prefix):]: self.reader.get(n) for n in self.reader.names() if n.startswith(prefix)}
-        in_features, out_features = self._shape(module)
-        return unpack_module(self.ispec, module, tensors, in_features, out_features)
-
-    def _shape(self, module: str) -> tuple[int, int]:
-        c = self.config
-        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        shapes = {"q_proj": (c.hidden_size, q), "k_proj": (c.hidden_size, kv), "v_proj": (c.hidden_size, kv),
-                  "o_proj": (q, c.hidden_size), "gate_proj": (c.hidden_size, c.intermediate_size),
-                  "up_proj": (c.hidden_size, c.intermediate_size), "down_proj": (c.intermediate_size, c.hidden_size)}
-        return shapes[module.rsplit(".", 1)[1]]
 
     def pack_global(self, module: str, weight: Tensor) -> Tensor:
         return weight
+
+    def _all_linears(self, index: int) -> dict[str, list[tuple[str, int, int]]]:
+        """Every linear of layer `index` in runtime names (an MoE layer's: each expert's gate_up, then each
+        down) → its HF member modules, each as (name, in_features, out_features)."""
+        c, spec, prefix = self.config, self.spec, f"{self.spec.hf_layer_prefix}{index}."
+        q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
+        shapes = {"attn.qkv": [(h, q), (h, kv), (h, kv)], "attn.o": [(q, h)],
+                  "mlp.gate_up": [(h, c.intermediate_size)] * 2, "mlp.down": [(c.intermediate_size, h)]}
+        linears = {}
+        for linear in spec.layer_linears:
+            if c.is_moe_layer(index) and linear.name.startswith("mlp."):
+                continue
+            linears[linear.name] = [(prefix + m, *shape) for m, shape in zip(linear.hf_members, shapes[linear.name])]
+        if c.is_moe_layer(index):
+            moe, size = spec.moe, c.moe_intermediate_size
+            experts = [prefix + moe.expert_prefix.format(e) for e in range(c.num_experts)]
+            linears |= {expert_linear_name(e, "gate_up"): [(p + moe.gate, h, size), (p + moe.up, h, size)]
+                        for e, p in enumerate(experts)}
+            linears |= {expert_linear_name(e, "down"): [(p + moe.down, size, h)] for e, p in enumerate(experts)}
+        return linears
+
+    def _quantized_linears(self, index: int) -> dict[str, list[tuple[str, int, int]]]:
+        return {name: members for name, members in self._all_linears(index).items()
+                if self.formats[f"layers.{index}.{format_key(name)}"]["format"] != "dense"}
+
+    def _unpack(self, module: str, in_features: int, out_features: int) -> QuantizedWeight:
+        tensors = self.module_tensors.get(module)
+        if not tensors:
+            raise CheckpointError(
+                f"{self.reader.model_dir}: the checkpoint has no tensors of {module}, which quantization_config says is "
+                f"quantized; llmc imports one module per linear and per expert, as llm-compressor, GPTQModel and AutoAWQ "
+                f"save them ({module}.weight_packed, .qweight, ...)")
+        return unpack_module(self.ispec, module, {k: self.reader.get(n) for k, n in tensors.items()}, in_features, out_features)
+
+    def _check_routers(self) -> None:
+        """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight`."""
+        for index in self.config.moe_layers:
+            router = f"{self.spec.hf_layer_prefix}{index}.{self.spec.moe.router}"
+            found = sorted(self.module_tensors.get(router, {}))
+            if found != ["weight"] or self.reader.get(router + ".weight").dtype == torch.float8_e4m3fn:
+                raise CheckpointError(
+                    f"{self.reader.model_dir}: the router {router} has {found or 'no tensors'} instead of a dense "
+                    "weight; llmc keeps MoE routers unquantized: re-export with the router in quantization_config's ignore")
+
+
+def _tensors_by_module(names: list[str]) -> dict[str, dict[str, str]]:
+    """{module: {tensor name after the module: full name}}, split at the last dot (one pass over the checkpoint)."""
+    modules: dict[str, dict[str, str]] = {}
+    for name in names:
+        module, _, param = name.rpartition(".")
+        modules.setdefault(module, {})[param] = name
+    return modules

@@ -9,6 +9,7 @@ Anything else raises a CheckpointError naming what is supported.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -36,6 +37,9 @@ class ImportSpec:
     is_symmetric: bool
     is_act_order: bool  # tensors carry a g_idx whose groups may be non-contiguous
     ignored_modules: tuple[str, ...] = ()  # names (match whole dotted segments) or "re:<regex>"
+    # compressed-tensors config_groups targets: "Linear" (every linear), module names or "re:<regex>";
+    # a linear no target matches was left unquantized. Empty: every linear not ignored is quantized.
+    targets: tuple[str, ...] = ()
     is_per_channel: bool = True  # fp8: weight scales per output channel, else per tensor
     is_static_input: bool = False  # fp8: calibrated input_scale tensors instead of per-token scales
 
@@ -44,14 +48,14 @@ class ImportSpec:
         return self.layout == "float-quantized"
 
     def is_ignored(self, module_name: str) -> bool:
-        """True if the checkpoint left this module unquantized (its tensors are dense)."""
+        """True if the checkpoint left this linear unquantized (its tensors are dense)."""
         for pattern in self.ignored_modules:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module_name):
                     return True
             elif f".{pattern}." in f".{module_name}.":
                 return True
-        return False
+        return bool(self.targets) and not any(_is_target(t, module_name) for t in self.targets)
 
     def format_spec(self) -> dict:
         """The llmc format the imported weights pack into (FP8 always per channel: a per-tensor scale
@@ -80,6 +84,12 @@ class ImportSpec:
 
     def optional_tensor_names(self) -> tuple[str, ...]:
         return ("g_idx",) if self.layout in ("gptq-v1", "gptq-v2") else ()
+
+
+def _is_target(target: str, module_name: str) -> bool:
+    if target == "Linear":
+        return True
+    return bool(re.match(target[3:], module_name)) if target.startswith("re:") else target == module_name
 
 
 def _checked(method: str, bits: int, group_size: int) -> tuple[int, int]:
@@ -190,6 +200,16 @@ def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[st
 
 
 def _parse_compressed_tensors(qc: dict) -> ImportSpec:
+    return dataclasses.replace(_parse_compressed_scheme(qc), targets=_targets(qc))
+
+
+def _targets(qc: dict) -> tuple[str, ...]:
+    """Every config group's targets; () (every linear) when one of them is "Linear" or names none."""
+    targets = tuple(dict.fromkeys(t for group in qc["config_groups"].values() for t in group.get("targets") or ["Linear"]))
+    return () if "Linear" in targets else targets
+
+
+def _parse_compressed_scheme(qc: dict) -> ImportSpec:
     scheme = _single_scheme(qc)
     weights, activations = scheme.get("weights") or {}, scheme.get("input_activations")
     layout = scheme.get("format") or qc.get("format")
