@@ -15,6 +15,8 @@
 #                                      → profile-Q-{async,sync}.json, e2e-overlap-Q.json
 #   w4-vs  gpt-fast-style int4 decode (benchmarks/gptfast_int4.py), then W4A16 and bf16 artifacts: decode and
 #         throughput 128/128 of both, one run               → gptfast-int4.json, e2e-w4-vs.json
+#   decode-profile  W4A16 and FP8 artifacts: the 25 longest kernels of a decode step at batch 1 and 256,
+#         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
 #         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
 #   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
@@ -22,7 +24,7 @@
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -121,6 +123,18 @@ case $stage in
       --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-w4-vs.json" --budget "$(left)" 2>&1 \
       | tee -a "$log" >&2 || say "bench_e2e w4-vs: FAILED"
     ;;
+  decode-profile)
+    make_checkpoint
+    build w4a16 1 "$W4" & build fp8 1 '{method: fp8}' & wait
+    for q in w4a16 fp8; do
+      say "profile_step $q top kernels: start"
+      python "$repo/benchmarks/profile_step.py" "$work/$q" --batch-sizes 1,256 --top-kernels 25 \
+        --json "$out/kprofile-$q.json" 2>&1 | tee -a "$log" >&2 || say "profile_step $q: FAILED"
+    done
+    say "bench_e2e decode: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/w4a16=w4a16" "$work/fp8=fp8" --parts decode \
+      --json "$out/e2e-decode-profile.json" --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e: FAILED"
+    ;;
   kprofile-bf16|kprofile-fp8)
     q=${stage#kprofile-}
     make_checkpoint
@@ -133,7 +147,7 @@ case $stage in
       --parts throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
       --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, w4-vs, fp8, bf16, tp, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, tp, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts
