@@ -227,3 +227,29 @@ def test_overlapped_parallel_engine_equals_synchronous_and_one_rank(artifacts, o
     for s in (stats, sync_stats):
         assert s["num_preemptions"] > 0
         assert s["num_free_blocks"] == s["num_total_blocks"], "KV blocks leaked"
+
+
+# ---- the memory plan on ranks ------------------------------------------------------------------------
+
+
+def test_every_rank_reports_its_kv_room_and_the_engine_takes_the_smallest(hf_checkpoint_factory, tmp_path):
+    """3 layers over 2 stages: the stages hold different numbers of layers, so their KV bytes per
+    token differ; each rank sizes its own cache, all reports reach the driver, the scheduler gets
+    the smallest (computed here from the manifest's stage split)."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", "llama", num_hidden_layers=3)
+    out = tmp_path / "t2p2"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "parallel": {"tensor": 2, "pipeline": 2}, "runtime": {"max_model_len": 64}}),
+          show_progress=False)
+    gib = 0.002
+    with LLM(out, device="cpu", cpu_kv_cache_gib=gib, max_num_seqs=2) as llm:
+        manifest, engine = llm.engine.manifest, llm.engine
+        reports = engine.runner.rank_memory
+        config, block_size = manifest.model, engine.options.block_size
+        kv_heads = max(1, config.num_kv_heads // 2)
+        expected = [int(gib * 2**30) // (2 * len(manifest.parallel.stage_layers[rank // 2]) * kv_heads
+                                         * config.head_dim * 4 * block_size) for rank in range(4)]
+        assert [r.rank for r in reports] == [0, 1, 2, 3]
+        assert [r.num_kv_blocks for r in reports] == expected and len(set(expected)) == 2
+        assert not any(r.measured for r in reports)  # a CPU: sized from cpu_kv_cache_gib, not profiled
+        assert engine.scheduler.block_pool.num_blocks == min(expected) == engine.runner.num_blocks
