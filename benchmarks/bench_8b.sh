@@ -19,12 +19,13 @@
 #         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
 #         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
-#   tp    (2 GPUs) W4A16 at tensor 1 and 2: greedy agreement, decode latency, throughput, NCCL
-#         all-reduce time per step (benchmarks/bench_parallel.py)    → parallel.json, parallel.md
+#   tp, tp-bf16   (2 GPUs) W4A16 (tp) or bf16 (tp-bf16) at tensor 1 and 2, overlapped with CUDA graphs on
+#         every rank: greedy agreement, batch-1 and batch-128 decode latency, throughput 128/128 (1000
+#         requests), NCCL all-reduce time per step (benchmarks/bench_parallel.py) → parallel[-bf16].json, .md
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|tp|overlap-bf16|overlap-fp8 [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8 [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -88,15 +89,17 @@ case $stage in
     if [ "$stage" = fp8 ]; then build fp8 1 '{method: fp8}'; else build bf16 1 '{method: none}'; fi
     e2e "$stage" decode,throughput --throughput 128x128:1000,1024x256:200 --time-limit 75
     ;;
-  tp)
+  tp|tp-bf16)
     make_checkpoint
+    if [ "$stage" = tp ]; then q=rtn-w4; qyaml=$W4; suffix=; else q=none; qyaml='{method: none}'; suffix=-bf16; fi
     # Both builds at once (CPU-bound: serialisation, hashing); bench_parallel reuses what is in --workdir.
-    build tp/tensor1-rtn-w4 1 "$W4" & build tp/tensor2-rtn-w4 2 "$W4" & wait
-    say "bench_parallel: start ($(left) s left)"
-    python "$repo/benchmarks/bench_parallel.py" --model "$work/ckpt" --quantization rtn-w4 --workdir "$work/tp" \
-      --tensor 1,2 --batch-sizes 1,128 --repeats 2 --budget "$(( $(left) - 60 ))" --json "$out/parallel.json" ${PARALLEL_ARGS:-} 2>&1 \
+    build "tp/tensor1-$q" 1 "$qyaml" & build "tp/tensor2-$q" 2 "$qyaml" & wait
+    say "bench_parallel $q: start ($(left) s left)"
+    python "$repo/benchmarks/bench_parallel.py" --model "$work/ckpt" --quantization "$q" --workdir "$work/tp" \
+      --tensor 1,2 --batch-sizes 1,128 --repeats 2 --throughput-requests 1000 --budget "$(( $(left) - 60 ))" \
+      --json "$out/parallel$suffix.json" ${PARALLEL_ARGS:-} 2>&1 \
       | tee -a "$log" \
-      | tee "$out/parallel.md" >&2 || say "bench_parallel: FAILED"
+      | tee "$out/parallel$suffix.md" >&2 || say "bench_parallel: FAILED"
     ;;
   overlap-bf16|overlap-fp8)
     q=${stage#overlap-}
@@ -147,7 +150,7 @@ case $stage in
       --parts throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
       --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, tp, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts

@@ -2,11 +2,12 @@
 the NCCL all-reduce time inside each step, and whether tensor 2 generates what tensor 1 does (issue 7).
 
     source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/bench_parallel.py \
-        --model /tmp/ckpt8b --quantization rtn-w4 --workdir /tmp/tp --batch-sizes 1,32,128 --json $OUT/parallel.json
+        --model /tmp/ckpt8b --quantization rtn-w4 --workdir /tmp/tp --batch-sizes 1,32,128 --throughput-requests 1000 \
+        --json $OUT/parallel.json
 
     python benchmarks/bench_parallel.py [--model checkpoints/ref-llama-12m] [--quantization none|rtn-w4|fp8]
         [--tensor 1,2] [--batch-sizes 1,8,32] [--prompt-tokens 128] [--output-tokens 128] [--dtype bfloat16]
-        [--check-prompts 8] [--check-tokens 64] [--workdir DIR] [--json out.json]
+        [--check-prompts 8] [--check-tokens 64] [--throughput-requests 0] [--workdir DIR] [--json out.json]
 
 Needs as many GPUs as the largest tensor size (run with benchmarks/gpu_env.sh's environment). For
 each tensor size the checkpoint is built (`--dtype`; `--quantization rtn-w4`: RTN 4-bit, group 128,
@@ -19,15 +20,18 @@ each; every tensor size's outputs against tensor 1's: how many are identical, an
 the common prefix (bf16 sums in another order can flip a near-tie, after which outputs diverge).
 
 Reported per tensor size and batch size B (B prompts of `--prompt-tokens` random token ids, each
-generating exactly `--output-tokens` tokens, greedy, eos ignored):
+generating exactly `--output-tokens` tokens, greedy, eos ignored; the engine as served: overlapped
+scheduling, CUDA graphs on every rank, no timing hook):
   prefill_ms       wall time of generate(max_tokens=1): the prompts' prefill
   decode_ms/token  (wall(max_tokens=N) - wall(max_tokens=1)) / (N - 1): one decode step of the batch
   tokens/s         B × N / wall(max_tokens=N): generation throughput
-  allreduce_ms     mean time per decode step rank 0 spends in all-reduces (CUDA events around each
-                   call, so it includes waiting for the slower rank), and their number per step
-  allreduce_share  allreduce_ms / the mean decode step time on rank 0
-Then tensor 2 / tensor 1 ratios of decode latency and throughput. (Every step is synchronised for the
-timers, at both tensor sizes alike.)
+  allreduce_ms     time per decode step rank 0 spends in all-reduces, from torch.profiler over 16 decode
+                   steps of a separate run: the NCCL kernels' device time (inside graph replays too; it
+                   includes waiting for the slower rank), on a CPU gloo's calls; and their number per step
+  allreduce_share  allreduce_ms / decode_ms
+Then tensor 2 / tensor 1 ratios of decode latency and throughput (issue 19's goals: batch-1 decode
+<= 0.65x, throughput 128/128 >= 1.6x), and with --throughput-requests N the output tokens/s of N
+requests of --prompt-tokens/--output-tokens submitted at once (bench_e2e.py's --throughput, in process).
 
 A small model (the default ref-llama-12m) measures overheads: communication dominates, tensor 2 is
 expected to be slower. Use a 7B+ checkpoint (--model) to see tensor parallelism pay off.
@@ -65,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (the best is kept)")
     parser.add_argument("--check-prompts", type=int, default=8, help="prompts compared against tensor 1 (0: none)")
     parser.add_argument("--check-tokens", type=int, default=64, help="greedy tokens per compared prompt")
+    parser.add_argument("--throughput-requests", type=int, default=0,
+                        help="also the throughput of this many requests of --prompt-tokens/--output-tokens (0: none)")
     parser.add_argument("--workdir", default=None, help="build the artifacts here and keep them (reused if present)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo ranks, to test this script")
@@ -104,57 +110,54 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
             "mean_common_prefix": round(sum(prefix) / max(1, len(prefix)), 2), "tokens": len(reference[0]) if reference else 0}
 
 
-class AllReduceTimer:
-    """Wraps rank 0's tensor-parallel all-reduce: CUDA events around each call (on a CPU, gloo's wait is
-    synchronous: the wall clock), summed per step; and the wall time of each forward, synchronised."""
+def allreduce_per_step(llm, batch_size: int, prompt_tokens: int, steps: int, vocab_size: int, is_cuda: bool) -> tuple[float, float]:
+    """(ms per decode step rank 0 spends in tensor-parallel all-reduces, all-reduces per step), from
+    torch.profiler over `steps` decode steps of batch_size sequences (after their prefill, which is not
+    profiled): on a GPU the NCCL kernels' device time (inside CUDA graph replays too; a kernel also
+    waits for the slower rank), on a CPU gloo's all-reduce calls. A run of its own: the timed runs
+    carry no hook, and the profiled one is not timed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, runner, is_cuda: bool = True):
-        import torch
+    from llmc.runtime.sampling_params import SamplingParams
 
-        self.sync = torch.cuda.synchronize if is_cuda else (lambda: None)
-        self.events: list[tuple] = []
-        self.step_times: list[float] = []
-        model = runner.shard.model if hasattr(runner, "shard") else runner.model  # parallel driver | one rank
-        group = model.tp_group
-        if group is not None:
-            inner = group.all_reduce
+    rng = random.Random(batch_size + 1)
+    prompts = [[rng.randrange(10, vocab_size) for _ in range(prompt_tokens)] for _ in range(batch_size)]
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(None, params, prompt_token_ids=prompt)
+    engine.step()  # the prefill (and, overlapped, nothing resolved yet)
+    engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+    execute, forwards = engine.runner.execute, []
 
-            def timed(tensor):
-                start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if is_cuda else (None, None)
-                start.record() if is_cuda else None
-                begin = time.perf_counter()
-                out = inner(tensor)
-                end.record() if is_cuda else None
-                self.events.append((start, end) if is_cuda else 1000 * (time.perf_counter() - begin))
-                return out
+    def counted(*args, **kwargs):  # the steps that run a forward (the last engine step only resolves)
+        forwards.append(1)
+        return execute(*args, **kwargs)
 
-            group.all_reduce = timed  # the model's layers call the group object: this instance attribute wins
-        forward = runner.forward_logits
-
-        def timed_forward(input_ids, batch):
-            self.sync()
-            begin = time.perf_counter()
-            logits = forward(input_ids, batch)
-            self.sync()
-            self.step_times.append(time.perf_counter() - begin)
-            return logits
-
-        runner.forward_logits = timed_forward
-
-    def reset(self) -> None:
-        self.events.clear()
-        self.step_times.clear()
-
-    def per_step(self) -> tuple[float, float, float]:
-        """(all-reduce ms per step, all-reduce calls per step, step ms), over the steps since reset."""
-        self.sync()
-        num_steps = max(1, len(self.step_times))
-        total_ms = sum(e if isinstance(e, float) else e[0].elapsed_time(e[1]) for e in self.events)
-        return total_ms / num_steps, len(self.events) / num_steps, 1000 * sum(self.step_times) / num_steps
+    engine.runner.execute = counted
+    try:
+        with profile(activities=activities) as prof:
+            while engine.has_unfinished_requests():
+                engine.step()
+            if is_cuda:
+                torch.cuda.synchronize()
+    finally:
+        del engine.runner.execute  # the class's method again
+    total_us, calls = 0.0, 0
+    for event in prof.key_averages():
+        name = event.key.lower()
+        if is_cuda and "nccl" in name and "allreduce" in name.replace("_", ""):
+            total_us, calls = total_us + event.self_device_time_total, calls + event.count
+        elif not is_cuda and "gloo" in name and "all_reduce" in name:
+            total_us, calls = total_us + event.cpu_time_total, calls + event.count
+    num_steps = max(1, len(forwards))
+    return total_us / 1000 / num_steps, calls / num_steps
 
 
-def measure(llm, timer: AllReduceTimer, batch_size: int, prompt_tokens: int, output_tokens: int,
-            vocab_size: int, repeats: int) -> dict:
+def measure(llm, batch_size: int, prompt_tokens: int, output_tokens: int, vocab_size: int, repeats: int,
+            is_cuda: bool) -> dict:
     from llmc.runtime.sampling_params import SamplingParams
 
     rng = random.Random(batch_size)
@@ -168,10 +171,9 @@ def measure(llm, timer: AllReduceTimer, batch_size: int, prompt_tokens: int, out
 
     run(4)  # warm-up: allocator, kernels, NCCL communicators
     prefill = min(run(1) for _ in range(repeats))
-    timer.reset()
     full = min(run(output_tokens) for _ in range(repeats))
-    allreduce_ms, calls, step_ms = timer.per_step()
     decode_ms = 1000 * (full - prefill) / (output_tokens - 1)
+    allreduce_ms, calls = allreduce_per_step(llm, batch_size, prompt_tokens, min(16, output_tokens), vocab_size, is_cuda)
     return {
         "batch_size": batch_size,
         "prefill_ms": round(1000 * prefill, 2),
@@ -179,8 +181,23 @@ def measure(llm, timer: AllReduceTimer, batch_size: int, prompt_tokens: int, out
         "tokens_per_s": round(batch_size * output_tokens / full, 1),
         "allreduce_ms_per_step": round(allreduce_ms, 3),
         "allreduces_per_step": round(calls, 1),
-        "allreduce_share": round(allreduce_ms / step_ms, 3) if step_ms else 0.0,
+        "allreduce_share": round(allreduce_ms / decode_ms, 3) if decode_ms > 0 else 0.0,
     }
+
+
+def throughput(llm, num_requests: int, prompt_tokens: int, output_tokens: int, vocab_size: int) -> dict:
+    """num_requests requests of prompt_tokens random ids, each generating exactly output_tokens, all
+    submitted at once: output tokens per second (bench_e2e.py's --throughput INxOUT:N, in process)."""
+    from llmc.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(10, vocab_size) for _ in range(prompt_tokens)] for _ in range(num_requests)]
+    llm.generate(prompts[: min(8, num_requests)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True))
+    elapsed = time.perf_counter() - start
+    return {"requests": num_requests, "shape": f"{prompt_tokens}/{output_tokens}", "elapsed_s": round(elapsed, 2),
+            "output_tokens_per_s": round(num_requests * output_tokens / elapsed, 1)}
 
 
 def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path, deadline: float) -> tuple[list[dict], dict]:
@@ -201,16 +218,20 @@ def run_tensor_size(args: argparse.Namespace, tensor: int, directory: Path, dead
                 "backend": tp_backend_name(llm.engine.runner)}
         vocab_size = llm.engine.manifest.model.vocab_size
         info["outputs"] = greedy_outputs(llm, args, vocab_size) if args.check_prompts else []
-        timer = AllReduceTimer(llm.engine.runner, is_cuda=args.device == "cuda")
+        info["graphs"] = llm.engine.runner.graphs.batch_sizes if llm.engine.runner.graphs is not None else None
+        info["overlap"] = llm.engine._can_overlap
         for batch_size in (int(b) for b in args.batch_sizes.split(",")):
             if time.perf_counter() > deadline:
                 log(f"tensor {tensor}: out of time budget, batch size {batch_size} and later skipped")
                 break
-            row = {"tensor": tensor, **measure(llm, timer, batch_size, args.prompt_tokens, args.output_tokens,
-                                               vocab_size, args.repeats)}
+            row = {"tensor": tensor, **measure(llm, batch_size, args.prompt_tokens, args.output_tokens,
+                                               vocab_size, args.repeats, args.device == "cuda")}
             log(json.dumps(row))
             results.append(row)
-        del timer
+        if args.throughput_requests and time.perf_counter() < deadline:
+            info["throughput"] = throughput(llm, args.throughput_requests, args.prompt_tokens, args.output_tokens,
+                                            vocab_size)
+            log(f"tensor {tensor}: throughput {json.dumps(info['throughput'])}")
     del llm
     gc.collect()  # the single-rank runner (and its KV cache, most of GPU 0) must go before the next size loads
     if args.device == "cuda":
@@ -244,7 +265,8 @@ def print_table(rows: list[dict]) -> None:
         for (tensor, batch_size), row in sorted(by_key.items()):
             base = by_key.get((1, batch_size))
             if tensor != 1 and base is not None:
-                print(f"{tensor} | {batch_size} | {row['decode_ms_per_token'] / base['decode_ms_per_token']:.2f}x | "
+                goal = " (goal <= 0.65x)" if batch_size == 1 else ""
+                print(f"{tensor} | {batch_size} | {row['decode_ms_per_token'] / base['decode_ms_per_token']:.2f}x{goal} | "
                       f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x")
 
 
@@ -272,7 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     for tensor, info in infos.items():
         built = "prebuilt" if info["build_s"] is None else f"built in {info['build_s']} s"
         print(f"tensor {tensor}: {built}, loaded in {info['load_s']} s, all-reduce backend {info['backend']}, "
-              f"outputs vs tensor 1: {info.get('agreement')}")
+              f"CUDA graphs {info['graphs']}, overlapped {info['overlap']}, outputs vs tensor 1: {info.get('agreement')}, "
+              f"throughput {info.get('throughput')}")
+    base = infos.get(1, {}).get("throughput")
+    for tensor, info in infos.items():
+        if tensor != 1 and base and info.get("throughput"):
+            ratio = info["throughput"]["output_tokens_per_s"] / base["output_tokens_per_s"]
+            print(f"throughput tensor {tensor} / tensor 1: {ratio:.2f}x (goal >= 1.6x)")
     write_json(args, rows, infos, env)
     return 0
 

@@ -21,13 +21,16 @@ dropped.
 
 Only steps whose every sequence computes one token (ForwardBatch.is_decode: no prefill chunk of
 more than one token, no draft tokens) and that fit the largest graph are replayed; everything else
-runs eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off.
+runs eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off. A tensor/pipeline-parallel
+rank captures its stage's part of the forward (collectives included) with this same class, in
+lockstep with the other ranks (runtime/parallel/shard_runner.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -102,8 +105,12 @@ class CudaGraphs:
     """The captured decode graphs of one model runner, and their replay."""
 
     def __init__(self, model: DecoderModel, batch_sizes: list[int], max_model_len: int, block_size: int,
-                 scratch_block: int, device: torch.device):
+                 scratch_block: int, device: torch.device, forward: Callable[[Tensor, ForwardBatch], Tensor] | None = None):
+        """`forward(input_ids, batch) -> [num_seqs, hidden_size]`: what is captured (default: the whole
+        model's forward; a parallel rank passes its stage's part, collectives included: every rank
+        of the engine captures the same sizes in the same order, so the collectives meet)."""
         self.model = model
+        self.forward = forward if forward is not None else model
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len = max_model_len
         self.device = device
@@ -132,12 +139,12 @@ class CudaGraphs:
         for batch_size in reversed(self.batch_sizes):
             batch = self.inputs.batch(batch_size, self.max_model_len)
             input_ids = self.inputs.input_ids[:batch_size]
-            self.hidden[:batch_size] = self.model(input_ids, batch)  # warm-up: compiles this shape's kernels
+            self.hidden[:batch_size] = self.forward(input_ids, batch)  # warm-up: compiles this shape's kernels
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             # thread_local: another replica's engine thread may run its steps meanwhile
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-                self.hidden[:batch_size] = self.model(input_ids, batch)
+                self.hidden[:batch_size] = self.forward(input_ids, batch)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch_size] = graph

@@ -16,6 +16,7 @@ not counted: gpu_memory_utilization is a share per engine, as vLLM's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -26,14 +27,17 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderModel
 
 logger = logging.getLogger("llmc")
+ProfileStep = Callable[[Tensor, ForwardBatch], Tensor]  # (input_ids, batch) -> what the step's sampler reads
 
 
 def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: torch.device, weight_bytes: int,
-                    kv_bytes_per_token: int, graph_bytes: int) -> memory.MemoryEstimate:
+                    kv_bytes_per_token: int, graph_bytes: int, step: ProfileStep | None = None) -> memory.MemoryEstimate:
     """The KV cache this GPU has room for, after a profiling forward (one rank, before its KV cache
-    is allocated; the model's layers are left bound to nothing)."""
+    is allocated; the model's layers are left bound to nothing). `step`: the profiled work (default
+    run_profile_step; a parallel rank passes its stage's part, which all-reduces with its tensor
+    ranks: every rank profiles at once, in lockstep)."""
     num_tokens = options.max_num_batched_tokens
-    activation_bytes = profile_activation_bytes(model, options, device)
+    activation_bytes = profile_activation_bytes(model, options, device, step)
     logger.info("profiled one forward of %d tokens: activation peak %.1f MiB", num_tokens, activation_bytes / memory.MIB)
     return gpu_kv_plan(options, device, weight_bytes, activation_bytes, kv_bytes_per_token, graph_bytes)
 
@@ -49,7 +53,8 @@ def gpu_kv_plan(options: art.RuntimeDefaults, device: torch.device, weight_bytes
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, device: torch.device) -> int:
+def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, device: torch.device,
+                             step: ProfileStep | None = None) -> int:
     """Peak bytes allocated by the profiling step above what was allocated before it."""
     input_ids, batch, num_blocks = profile_batch(options.max_num_batched_tokens, options.max_model_len,
                                                  options.max_num_seqs, options.block_size, device)
@@ -62,7 +67,10 @@ def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        run_profile_step(model, input_ids, batch)
+        if step is None:
+            run_profile_step(model, input_ids, batch)
+        else:
+            step(input_ids, batch)
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     finally:

@@ -27,7 +27,7 @@ from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_siz
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
-from llmc.runtime.memory_profile import gpu_kv_plan, measure_kv_plan
+from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.runner import StepLogits
@@ -138,22 +138,14 @@ def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], 
 
 
 def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device) -> int:
-    """KV blocks this rank has room for (its heads of its layers); ranks then agree on the smallest.
-
-    num_kv_blocks if set; on a CPU, cpu_kv_cache_gib. On the GPU of a tensor/pipeline-parallel rank,
-    the measured weights and other memory, but the activation peak from the formula: a profiling
-    forward would need every rank in step (its collectives), so parallel ranks do not profile (and
-    run eagerly: no graph allowance).
-    """
-    bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options)
+    """KV blocks this rank has room for (its heads of its layers) without a measured plan: num_kv_blocks
+    if set, else (on a CPU) cpu_kv_cache_gib. A GPU without num_kv_blocks measures (memory_profile.py),
+    parallel ranks too, in lockstep (runtime/parallel/shard_runner.py); ranks then agree on the smallest."""
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
-        activations = memory.activation_peak_bytes(
-            manifest.model, options.max_num_batched_tokens, min(options.max_num_seqs, options.max_num_batched_tokens)
-        )
-        weight_bytes = torch.cuda.memory_allocated(device)  # the rank's weights: all it holds here so far
-        return gpu_kv_plan(options, device, weight_bytes, activations, bytes_per_token, graph_bytes=0).num_kv_blocks
+        raise ValueError("a GPU rank without num_kv_blocks measures its memory plan (measure_kv_plan)")
+    bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options)
     return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
 
 

@@ -74,6 +74,8 @@ class StepInputs:
         prompt_spans: request_id -> (first position, number of rows) of prompt-logprob logits rows,
             which follow the sampling rows (one per sampled request plus one per draft token).
         num_sampling_rows: logits rows that sample a token (before the prompt-logprob rows).
+        pending_dst, pending_src: [num_fixups] int64, the placeholders' indices in input_ids and in
+            the previous step's sampled tokens (already filled in, unless the buffers defer them).
     """
 
     input_ids: Tensor
@@ -81,14 +83,17 @@ class StepInputs:
     sample_rows: Tensor
     prompt_spans: dict[str, tuple[int, int]]
     num_sampling_rows: int
+    pending_dst: Tensor | None = None
+    pending_src: Tensor | None = None
 
 
 class StepBuffers:
     """Host block tables per persistent row and the staging buffers of the step's single copy."""
 
     def __init__(self, num_rows: int, max_num_tokens: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
-        self.block_size, self.device = block_size, device
+                 device: torch.device, defer_pending: bool = False):
+        """defer_pending: leave placeholders 0 (the parallel driver: its ranks fill them in)."""
+        self.block_size, self.device, self.defer_pending = block_size, device, defer_pending
         self.block_tables = np.zeros((num_rows, max_blocks_per_seq), dtype=np.int64)  # host, per row
         self._num_written = [0] * num_rows  # entries of each row's table already written
         self._owner_lists: list[list[int] | None] = [None] * num_rows  # the block list a row mirrors
@@ -201,13 +206,13 @@ class StepBuffers:
             device.copy_(staging[:at], non_blocking=True)
         else:  # a CPU step has finished reading its buffer when execute returns; the two alternate anyway
             device = staging[:at]
-            if g.fixups:  # the previous step's tokens are computed already: fill them in on the host
+            if g.fixups and not self.defer_pending:  # the previous step's tokens are computed: fill in on the host
                 sampled = pending.token_ids.numpy()
                 for dst, src in g.fixups:
                     host[dst] = sampled[src]
         views = [device[a:b] for a, b in bounds]
         input_ids = views[0]
-        if g.fixups and self._device_buffer is not None:
+        if g.fixups and self._device_buffer is not None and not self.defer_pending:
             input_ids[views[6]] = pending.token_ids[views[7]]
         forward_batch = ForwardBatch(
             positions=views[1],
@@ -218,7 +223,7 @@ class StepBuffers:
             max_context_len=int(np.max(g.context_lens) if isinstance(g.context_lens, np.ndarray) else max(g.context_lens)),
             logits_indices=views[3],
         )
-        return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows)
+        return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows, views[6], views[7])
 
 
 @dataclass

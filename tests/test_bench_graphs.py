@@ -1,4 +1,4 @@
-"""benchmarks/memory_check.py and graphs_check.py measure on a GPU; here only that they parse and refuse a CPU."""
+"""benchmarks/memory_check.py, graphs_check.py and graphs_check_parallel.py measure on a GPU; here only that they parse and refuse a CPU."""
 
 import importlib.util
 
@@ -14,7 +14,7 @@ def _load(repo_root, name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-@pytest.mark.parametrize("name", ["memory_check", "graphs_check"])
+@pytest.mark.parametrize("name", ["memory_check", "graphs_check", "graphs_check_parallel"])
 def test_gpu_checks_parse_and_need_a_gpu(repo_root, capsys, name):
     bench = _load(repo_root, name)
     assert bench.parse_args(["--artifact", "x", "--json", "out.json"]).artifact == "x"

@@ -12,6 +12,7 @@ a larger one starts its workers on this host (spawn), or joins a torchrun / env:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import weakref
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from llmc.errors import ConfigError, WorkerError
 from llmc.runtime import artifact as art
+from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.model_runner import ModelRunner, check_num_kv_blocks, score_in_chunks
 from llmc.runtime.onnx_model import is_onnx
@@ -34,6 +36,8 @@ from llmc.runtime.runner import Runner, StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.step_inputs import PendingTokens, StepBuffers
 from llmc.runtime.parallel.worker import STORE_TIMEOUT, WorkerArgs, rank_device, serve_rank
+
+logger = logging.getLogger("llmc")
 
 
 def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
@@ -113,10 +117,12 @@ class _Resources:
 
 
 class ParallelModelRunner:
-    """The `Runner` (runtime/runner.py) of T × P ranks; this process is rank 0. Its steps wait for
-    the ranks (the logits come back through a collective), so the engine does not overlap them."""
+    """The `Runner` (runtime/runner.py) of T × P ranks; this process is rank 0. Its steps only
+    enqueue work on the GPUs (NCCL collectives included) and send the next message to the ranks,
+    so the engine overlaps them as on one GPU: step N+1 goes out while the ranks run step N, its
+    not-yet-known tokens as placeholders the first stage fills in on its devices (messages.py)."""
 
-    can_overlap = False
+    can_overlap = True
 
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device,
                  rendezvous: Rendezvous, local_worker_ranks: list[int], ranks_per_node: int):
@@ -127,14 +133,10 @@ class ParallelModelRunner:
         # the step message is built on the CPU, then broadcast
         self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
                                    -(-options.max_model_len // options.block_size), options.block_size,
-                                   torch.device("cpu"))
+                                   torch.device("cpu"), defer_pending=True)
         self.block_size = options.block_size
         self.vocab_size = manifest.model.vocab_size
         self.tensor = parallel.tensor
-        # Eager, whatever enforce_eager says: a graph per rank would have to capture the collectives of
-        # every rank in step, which this runtime does not do (yet); nor do the ranks profile memory.
-        self.graphs = None
-        self.memory_plan = None
         self.last_stage = [rank_layout(manifest.model, parallel, rank)
                            for rank in range(parallel.world_size - parallel.tensor, parallel.world_size)]
         self._failure: str | None = None
@@ -159,6 +161,13 @@ class ParallelModelRunner:
             resources.groups = ParallelGroups(resources.store, 0, world_size, self.tensor, self.device)
             layout = rank_layout(manifest.model, manifest.parallel, 0)
             self.shard = ShardRunner(artifact_dir, manifest, options, self.device, layout, resources.groups)
+        self.graphs = self.shard.graphs  # this rank's; every rank captured the same sizes
+        self.memory_plan = self.shard.memory_plan  # this rank's
+        self.rank_memory = self.shard.rank_memory  # what each rank reported; the engine takes the smallest
+        for report in self.rank_memory:
+            logger.info("rank %d: room for %d KV blocks%s", report.rank, report.num_kv_blocks,
+                        f" (measured: weights {report.weight_bytes / memory.GIB:.2f} GiB, activation peak "
+                        f"{report.activation_bytes / memory.GIB:.2f} GiB)" if report.measured else "")
         self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options, self.device)
 
     @property
@@ -172,18 +181,30 @@ class ParallelModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
+        """Send the step to every rank, run this rank's part and gather the logits, all without
+        waiting for a device. `pending`: step N-1's sampled tokens (on this GPU) for placeholders."""
         inputs = self.buffers.build(batch, pending)
-        return StepLogits.split(self.forward_logits(inputs.input_ids, inputs.forward_batch), inputs)
+        num_pending = pending.token_ids.shape[0] if pending is not None else 0
+        message = StepMessage.forward(inputs.input_ids, inputs.forward_batch,
+                                      (inputs.pending_dst, inputs.pending_src), num_pending)
+        logits = self._run(message, pending.token_ids if pending is not None else None)
+        sample_rows = inputs.sample_rows
+        if self.device.type == "cuda":
+            sample_rows = sample_rows.pin_memory().to(self.device, non_blocking=True)
+        return StepLogits.split(logits, dataclasses.replace(inputs, sample_rows=sample_rows))
 
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size,
                                torch.device("cpu"))
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
-        message = StepMessage.forward(input_ids, forward_batch)
+        """Logits [num_logits, vocab_size] float32 of a batch with no placeholders."""
+        return self._run(StepMessage.forward(input_ids, forward_batch))
+
+    def _run(self, message: StepMessage, pending: Tensor | None = None) -> Tensor:
         with self._failures():
             send_step(self._resources.groups, message)
-            own = self.shard.run(message)
+            own = self.shard.run(message, pending)
             return self._gather_logits(own, message.num_logits)
 
     def _gather_logits(self, own: Tensor | None, num_logits: int) -> Tensor:

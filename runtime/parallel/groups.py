@@ -80,6 +80,13 @@ class TensorParallelGroup:
         self.backend.allreduce([tensor]).wait()
         return tensor
 
+    def broadcast(self, tensor: Tensor) -> Tensor:
+        """Tensor rank 0's `tensor` into every tensor rank's, in place (on the device: no host waits)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.backend.broadcast([tensor], options).wait()
+        return tensor
+
 
 class ParallelGroups:
     """This rank's control, device and tensor-parallel groups (see the module note)."""
@@ -114,6 +121,13 @@ class ParallelGroups:
         options.reduceOp = dist.ReduceOp.MIN
         self.control.allreduce([tensor], options).wait()
         return int(tensor.item())
+
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (the same length everywhere), in rank order, on every rank."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        self.control.allgather([gathered], [mine]).wait()
+        return [t.tolist() for t in gathered]
 
     # ---- device (point to point) --------------------------------------------------------------
 

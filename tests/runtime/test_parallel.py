@@ -16,7 +16,9 @@ import torch
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ConfigError, WorkerError
+from llmc.runtime.engine import Engine
 from llmc.runtime.llm import LLM
+from llmc.runtime.parallel import driver, messages
 from llmc.runtime.sampling_params import SamplingParams
 
 PROMPTS = ["ROMEO:", "JULIET: O Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me speak."]
@@ -150,3 +152,104 @@ def test_a_launch_of_the_wrong_world_size_is_refused_before_loading_weights(arti
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"tensor 2 × pipeline 1 = 2 rank\(s\), but this launch has WORLD_SIZE 3"):
         LLM(artifacts(2, 1), **ENGINE)
+
+
+# ---- overlapped scheduling with the parallel driver -----------------------------------------------
+
+# A tiny cache (preemption by recompute), a small token budget (prefill chunks), seats for 4.
+OVERLAP_ENGINE = {"device": "cpu", "max_num_seqs": 4, "max_num_batched_tokens": 16, "num_kv_blocks": 17,
+                  "disable_log_stats": True}
+OVERLAP_ABORTS = {"r5": 4}  # aborted mid-stream, once 4 tokens were delivered
+GREEDY_IDS = ["r0", "r1", "r2", "r3", "r5", "r6"]
+
+
+def _overlap_workload() -> list[tuple[str, SamplingParams]]:
+    """Greedy (long prompts: chunked), a stop string, seeded samples with n=2, an abort."""
+    long_prompt = "First Citizen:\nBefore we proceed any further, hear me speak. You are all resolved rather to die"
+    return [
+        ("ROMEO:", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)),
+        (long_prompt, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)),
+        ("JULIET: O Romeo, Romeo, wherefore art thou", SamplingParams(temperature=0, max_tokens=62, ignore_eos=True)),
+        ("The king", SamplingParams(temperature=0, max_tokens=30, stop=[" the", "\n"])),
+        ("my lord", SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=24, n=2)),
+        ("sweet love of the night", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)),
+        (long_prompt[::-1], SamplingParams(temperature=0, max_tokens=56, ignore_eos=True)),
+        ("I pray you", SamplingParams(temperature=0.8, seed=11, max_tokens=20)),
+    ]
+
+
+def _drive(artifact, **options) -> tuple[dict, dict, Engine]:
+    """Run the workload through an Engine by hand (aborting as OVERLAP_ABORTS says): the last
+    output of each request as (token ids, text, finish reason) per completion, and the stats."""
+    engine = Engine(artifact, **{**OVERLAP_ENGINE, **options})
+    try:
+        for i, (prompt, params) in enumerate(_overlap_workload()):
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        results = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                results[output.request_id] = [(c.token_ids, c.text, c.finish_reason) for c in output.outputs]
+            for request_id, num_tokens in OVERLAP_ABORTS.items():
+                if request_id in engine.groups and len(results.get(request_id, [([],)])[0][0]) >= num_tokens:
+                    engine.abort_request(request_id)
+        return results, engine.stats(), engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def overlap_reference(artifacts):
+    """The 1-rank overlapped run of the workload."""
+    results, stats, engine = _drive(artifacts(1, 1))
+    assert engine._can_overlap and stats["num_preemptions"] > 0
+    return results
+
+
+@pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
+def test_overlapped_parallel_engine_equals_synchronous_and_one_rank(artifacts, overlap_reference, monkeypatch,
+                                                                    tensor, pipeline):
+    fixups = []  # placeholders the driver sent its ranks (step N+1 left before step N's tokens were known)
+    send = messages.send_step
+
+    def counting_send(groups, message):
+        fixups.append(message.num_fixups)
+        send(groups, message)
+
+    monkeypatch.setattr(driver, "send_step", counting_send)
+    overlapped, stats, engine = _drive(artifacts(tensor, pipeline))
+    assert engine._can_overlap and sum(fixups) > 0
+    synchronous, sync_stats, sync_engine = _drive(artifacts(tensor, pipeline), async_scheduling=False)
+    assert not sync_engine._can_overlap
+    assert overlapped == synchronous  # greedy, stop strings, seeded samples (n=2), the abort
+    assert {r: overlapped[r] for r in GREEDY_IDS} == {r: overlap_reference[r] for r in GREEDY_IDS}
+    assert [len(c[0]) for c in overlapped["r4"]] == [24, 24] and overlapped["r4"][0] != overlapped["r4"][1]
+    assert len(overlapped["r5"][0][0]) == OVERLAP_ABORTS["r5"]
+    for s in (stats, sync_stats):
+        assert s["num_preemptions"] > 0
+        assert s["num_free_blocks"] == s["num_total_blocks"], "KV blocks leaked"
+
+
+# ---- the memory plan on ranks ------------------------------------------------------------------------
+
+
+def test_every_rank_reports_its_kv_room_and_the_engine_takes_the_smallest(hf_checkpoint_factory, tmp_path):
+    """3 layers over 2 stages: the stages hold different numbers of layers, so their KV bytes per
+    token differ; each rank sizes its own cache, all reports reach the driver, the scheduler gets
+    the smallest (computed here from the manifest's stage split)."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", "llama", num_hidden_layers=3)
+    out = tmp_path / "t2p2"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "parallel": {"tensor": 2, "pipeline": 2}, "runtime": {"max_model_len": 64}}),
+          show_progress=False)
+    gib = 0.002
+    with LLM(out, device="cpu", cpu_kv_cache_gib=gib, max_num_seqs=2) as llm:
+        manifest, engine = llm.engine.manifest, llm.engine
+        reports = engine.runner.rank_memory
+        config, block_size = manifest.model, engine.options.block_size
+        kv_heads = max(1, config.num_kv_heads // 2)
+        expected = [int(gib * 2**30) // (2 * len(manifest.parallel.stage_layers[rank // 2]) * kv_heads
+                                         * config.head_dim * 4 * block_size) for rank in range(4)]
+        assert [r.rank for r in reports] == [0, 1, 2, 3]
+        assert [r.num_kv_blocks for r in reports] == expected and len(set(expected)) == 2
+        assert not any(r.measured for r in reports)  # a CPU: sized from cpu_kv_cache_gib, not profiled
+        assert engine.scheduler.block_pool.num_blocks == min(expected) == engine.runner.num_blocks
