@@ -5,7 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels.fused_moe import align_by_expert, fused_moe_reference
+import dataclasses
+
+from llmc.kernels.fused_moe import ExpertWeights, align_by_expert, fused_moe_reference
 
 
 def reference64(x, weights, ids, w1, w2, s1=None, s2=None):
@@ -53,7 +55,7 @@ def test_fused_moe_matches_float64(num_tokens, dot_case, rel_err):
     if num_tokens > 1:
         ids[1, 0] = 7  # an expert of another rank: contributes nothing here
     want = reference64(x.cpu(), weights.cpu(), ids.cpu(), w1.cpu(), w2.cpu())
-    got = fused_moe_triton.fused_moe(x, weights, ids, w1, w2)
+    got = fused_moe_triton.fused_moe(x, weights, ids, ExpertWeights(w1), ExpertWeights(w2))
     # bf16 output and intermediate roundings alone are ~3e-3 (seen on an H100); fp16 ~8x finer
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert rel_err(got.cpu(), want) < tolerance
@@ -69,5 +71,77 @@ def test_fused_moe_fp8_weights_match_float64(device, rel_err):
     q1 = (w1 / s1[:, :, None]).to(torch.float8_e4m3fn)
     q2 = (w2 / s2[:, :, None]).to(torch.float8_e4m3fn)
     want = reference64(x.cpu(), weights.cpu(), ids.cpu(), q1.cpu().float(), q2.cpu().float(), s1.cpu(), s2.cpu())
-    got = fused_moe_triton.fused_moe(x.to(dtype), weights, ids, q1, q2, s1, s2)
+    got = fused_moe_triton.fused_moe(x.to(dtype), weights, ids, ExpertWeights(q1, "fp8", s1), ExpertWeights(q2, "fp8", s2))
     assert rel_err(got.cpu(), want) < 3e-3
+
+
+
+def _packed_experts(fmt, quantized, in_features, out_features):
+    """The runtime's ExpertLinears holding `quantized` (one QuantizedWeight per expert) packed in
+    fmt, and the kernel's view of it (runtime/models/moe.py:expert_weights)."""
+    from llmc.runtime.models.moe import ExpertLinears, expert_weights
+
+    linears = ExpertLinears(len(quantized), in_features, out_features, fmt)
+    packed = [fmt.pack(q) for q in quantized]
+    for name in linears.param_names:
+        setattr(linears, name, torch.stack([p[name] for p in packed]))
+    return expert_weights(linears)
+
+
+def _w4a16_experts(num_experts, out_features, in_features, group_size, symmetric, dtype, gen):
+    """Random levels, scales and zeros per expert → (the kernel's stacked gpu-layout ExpertWeights,
+    the float32 weights [E, out, in] dequantized by quant/reference.py from the plain form)."""
+    from llmc.quant.formats import IntWeightFormat, QuantizedWeight
+    from llmc.quant.reference import dequantize_weight
+
+    fmt = IntWeightFormat(dtype, bits=4, group_size=group_size, symmetric=symmetric, layout="gpu")
+    groups = 1 if group_size == -1 else in_features // group_size
+    quantized = []
+    for _ in range(num_experts):
+        levels = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+        scales = (0.01 + 0.02 * torch.rand(out_features, groups, generator=gen)).to(dtype).float()  # model dtype
+        zeros = None if symmetric else torch.randint(0, 16, (out_features, groups), generator=gen, dtype=torch.int32)
+        quantized.append(QuantizedWeight(levels, scales, zeros, bits=4, group_size=group_size))
+    weights = _packed_experts(fmt, quantized, in_features, out_features)
+    assert weights.kind == "w4a16"
+    return weights, torch.stack([dequantize_weight(q) for q in quantized])
+
+
+def _on(w, device):
+    """ExpertWeights with its tensors moved to device."""
+    moved = {name: getattr(w, name).to(device) for name in ("weight", "scale", "zeros", "input_scale")
+             if getattr(w, name) is not None}
+    return dataclasses.replace(w, **moved)
+
+
+def _route(num_tokens, num_experts, top_k, gen):
+    """Ids in [0, E - 1) (expert E - 1 gets no token), a repeated expert, and other ranks' ids."""
+    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=gen)
+    ids[0, 1] = ids[0, 0]  # top-k with a repeated expert: both copies count
+    if num_tokens > 2:
+        ids[1, 0], ids[2, 1] = num_experts + 3, -1  # experts of other ranks (after and before this one's)
+    return torch.rand(num_tokens, top_k, generator=gen), ids
+
+
+# (hidden, intermediate, group size, symmetric): K below one 128-column tile (padded) and above
+W4_SHAPES = [(64, 32, 32, True), (64, 96, 32, False), (64, 64, -1, False), (128, 128, 128, True), (128, 64, 64, False)]
+
+
+@pytest.mark.parametrize("hidden,inter,group_size,symmetric", W4_SHAPES)
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_w4a16_matches_float64_of_dequantized_weights(hidden, inter, group_size, symmetric, num_tokens,
+                                                                dot_case, rel_err):
+    from llmc.kernels import fused_moe_triton
+
+    device, dtype = dot_case
+    gen = torch.Generator().manual_seed(num_tokens + hidden + inter)
+    num_experts = 4
+    gate_up, w1 = _w4a16_experts(num_experts, 2 * inter, hidden, group_size, symmetric, dtype, gen)
+    down, w2 = _w4a16_experts(num_experts, hidden, inter, group_size, symmetric, dtype, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _route(num_tokens, num_experts, 2, gen)
+    want = reference64(x, weights, ids, w1, w2)
+    gate_up, down = _on(gate_up, device), _on(down, device)
+    got = fused_moe_triton.fused_moe(x.to(device, dtype), weights.to(device), ids.to(device), gate_up, down)
+    tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}[dtype]
+    assert rel_err(got.cpu(), want) < tolerance
