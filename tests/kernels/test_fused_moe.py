@@ -1,5 +1,9 @@
 """Fused MoE (kernels/fused_moe*.py) against a float64 per-expert reference: experts that receive no
-token, one token picking the same expert twice, ids of another rank's experts, FP8 weights, M = 1."""
+token, one token picking the same expert twice, ids of another rank's experts, M = 1; dense,
+weight-only FP8, W4A16 (gpu layout, packed by the format, reference weights dequantized by
+quant/reference.py) and W8A8-FP8 experts (reference: the format's activation quantization from
+quant/numerics.py, then float64), the last two built through the runtime's ExpertLinears →
+ExpertWeights mapping (runtime/models/moe.py:expert_weights)."""
 
 import pytest
 import torch
@@ -145,3 +149,62 @@ def test_fused_moe_w4a16_matches_float64_of_dequantized_weights(hidden, inter, g
     got = fused_moe_triton.fused_moe(x.to(device, dtype), weights.to(device), ids.to(device), gate_up, down)
     tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}[dtype]
     assert rel_err(got.cpu(), want) < tolerance
+
+
+def _fp8_experts(num_experts, out_features, in_features, per_channel, static, gen):
+    """Random FP8 experts in the w8a8-fp8 format → (the kernel's ExpertWeights, the weights
+    [E, out, in] float32, the static input scales [E] or None)."""
+    from llmc.quant.formats import Fp8Format, QuantizedWeight
+
+    fmt = Fp8Format(torch.float32, is_per_channel=per_channel, is_static_input=static)
+    quantized = []
+    for _ in range(num_experts):
+        weight = (torch.randn(out_features, in_features, generator=gen) * 8).to(torch.float8_e4m3fn)
+        scale = 0.01 + 0.02 * torch.rand(out_features if per_channel else 1, 1, generator=gen)
+        input_scale = (0.5 + torch.rand(1, generator=gen)) / 100 if static else None
+        quantized.append(QuantizedWeight(weight, scale, None, bits=8, group_size=-1, input_scale=input_scale))
+    weights = _packed_experts(fmt, quantized, in_features, out_features)
+    assert weights.kind == "w8a8-fp8"
+    dense = torch.stack([q.qweight.float() * q.scales for q in quantized])
+    return weights, dense, torch.cat([q.input_scale for q in quantized]) if static else None
+
+
+def reference64_w8a8(x, weights, ids, w1, w2, in1, in2):
+    """As reference64, with each expert's inputs quantized as the w8a8-fp8 format does (quant/numerics:
+    per token, or the expert's static scale) before the float64 product; the down input is the
+    gate_up result rounded to x's dtype, as the model computes it."""
+    from llmc.quant.numerics import quantize_fp8_per_token, quantize_fp8_static
+
+    def quantized(rows, input_scale):
+        q, scale = quantize_fp8_per_token(rows) if input_scale is None else quantize_fp8_static(rows, input_scale)
+        return q.double() * scale.double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 0 <= e < w1.shape[0]:
+                h = (quantized(x[t:t + 1], None if in1 is None else in1[e]) @ w1[e].double().T).to(x.dtype)
+                gate, up = h.double().chunk(2, dim=-1)
+                act = (F.silu(gate) * up).to(x.dtype)
+                out[t] += float(weights[t, j]) * (quantized(act, None if in2 is None else in2[e]) @ w2[e].double().T)[0]
+    return out
+
+
+@pytest.mark.parametrize("per_channel,static", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_w8a8_fp8_matches_the_formats_math_in_float64(per_channel, static, num_tokens, device, rel_err):
+    from llmc.kernels import fused_moe_triton
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(num_tokens + 10 * static + 20 * per_channel)
+    num_experts, hidden, inter = 4, 64, 48
+    gate_up, w1, in1 = _fp8_experts(num_experts, 2 * inter, hidden, per_channel, static, gen)
+    down, w2, in2 = _fp8_experts(num_experts, hidden, inter, per_channel, static, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    weights, ids = _route(num_tokens, num_experts, 2, gen)
+    want = reference64_w8a8(x, weights, ids, w1, w2, in1, in2)
+    got = fused_moe_triton.fused_moe(x.to(device), weights.to(device), ids.to(device), _on(gate_up, device), _on(down, device))
+    # float32: the same FP8 inputs, exact products (one FP8 rounding flip would show as ~1e-3);
+    # bf16 on the GPU: the gate_up and output roundings
+    assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 1.5e-2)
