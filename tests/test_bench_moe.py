@@ -1,0 +1,36 @@
+"""benchmarks/bench_moe.py on the CPU (--smoke): every kind's fused path agrees with its per-expert
+loop (the script asserts it) and each row reports its times; --sweep times every candidate tile."""
+
+import importlib.util
+
+import torch
+
+
+def _bench(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_moe", repo_root / "benchmarks" / "bench_moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_moe_smoke_reports_every_kind(repo_root, tmp_path):
+    bench = _bench(repo_root)
+    rows = bench.main(["--smoke", "--json", str(tmp_path / "moe.json")])
+    assert {(r["kind"], r["M"]) for r in rows} == {(k, m) for k in bench.KINDS for m in bench.SMOKE_BATCHES}
+    assert all(r["fused_us"] > 0 and r["loop_us"] > 0 and r["bf16_loop_us"] > 0 and r["config"]["chosen"] for r in rows)
+    assert (tmp_path / "moe.json").exists()
+    sweep = bench.main(["--smoke", "--sweep", "--kinds", "w4a16", "--batches", "1"])
+    assert len(sweep) == len(bench.SWEEP) and sum(r["config"]["chosen"] for r in sweep) == 1
+
+
+def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(repo_root):
+    """The benchmark's W4A16 experts are RTN g128 of its bf16 ones (so the rows compare like with like)."""
+    from llmc.kernels.w4a16_gemm import dequantize_w4a16
+
+    bench = _bench(repo_root)
+    w = 0.02 * torch.randn(2, 64, 256)
+    packed = bench._w4a16(w)
+    for e in range(2):
+        dequantized = dequantize_w4a16({k: v[e] for k, v in packed.items()}, 256, 128)
+        step = w[e].abs().unflatten(1, (-1, 128)).amax(dim=2) / 7.5  # [N, G]
+        assert ((dequantized - w[e]).abs().unflatten(1, (-1, 128)) <= step[:, :, None] / 2 + 1e-7).all()
