@@ -70,7 +70,8 @@ MIXTRAL_8X7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 1
                 "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
-    "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8}),
+    "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
+                                                        "num_experts_per_tok": 2}),
     "mixtral": ("MixtralConfig", MIXTRAL_8X7B, 8, {"intermediate_size": 128, "num_local_experts": 4}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
