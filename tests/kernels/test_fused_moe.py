@@ -208,3 +208,26 @@ def test_fused_moe_w8a8_fp8_matches_the_formats_math_in_float64(per_channel, sta
     # float32: the same FP8 inputs, exact products (one FP8 rounding flip would show as ~1e-3);
     # bf16 on the GPU: the gate_up and output roundings
     assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("config_index", range(3))
+def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_err):
+    """Each MOE_CONFIGS entry (and so each block_m of align_by_expert) on dense, W4A16 and W8A8-FP8
+    experts, in float32 (exact products in the interpreter), against the float64 references."""
+    from llmc.kernels import fused_moe_triton
+    from llmc.kernels.fused_moe import MOE_CONFIGS
+
+    config = MOE_CONFIGS[config_index][1]
+    gen = torch.Generator().manual_seed(config_index)
+    x = torch.randn(9, 128, generator=gen)
+    weights, ids = _route(9, 4, 2, gen)
+    w4_up, w1 = _w4a16_experts(4, 192, 128, 64, False, torch.float32, gen)
+    w4_down, w2 = _w4a16_experts(4, 128, 96, 32, True, torch.float32, gen)
+    got = fused_moe_triton.fused_moe(x, weights, ids, w4_up, w4_down, config)
+    assert rel_err(got, reference64(x, weights, ids, w1, w2)) < 1e-5
+    got = fused_moe_triton.fused_moe(x, weights, ids, ExpertWeights(w1), ExpertWeights(w2), config)
+    assert rel_err(got, reference64(x, weights, ids, w1, w2)) < 1e-5
+    f8_up, w1, _ = _fp8_experts(4, 192, 128, True, False, gen)
+    f8_down, w2, _ = _fp8_experts(4, 128, 96, True, False, gen)
+    got = fused_moe_triton.fused_moe(x, weights, ids, f8_up, f8_down, config)
+    assert rel_err(got, reference64_w8a8(x, weights, ids, w1, w2, None, None)) < 1e-5
