@@ -32,11 +32,12 @@ SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128,
 SMOKE = {"smoke": (128, 128, 4, 2)}
 BATCHES, SMOKE_BATCHES = (1, 16, 128, 1024), (1, 8)
 KINDS = ("bf16", "w4a16", "fp8")
-SWEEP = (  # (block_m, block_n, block_k, num_warps, num_stages); w4a16 steps whole 128-column tiles
-    MoeConfig(16, 32, 128, 4, 4), MoeConfig(16, 64, 128, 4, 4), MoeConfig(16, 64, 256, 4, 3),
-    MoeConfig(16, 128, 128, 4, 4), MoeConfig(32, 64, 64, 4, 4), MoeConfig(32, 128, 64, 4, 3),
-    MoeConfig(64, 64, 64, 4, 4), MoeConfig(64, 128, 64, 4, 3), MoeConfig(64, 128, 64, 8, 3),
-    MoeConfig(128, 128, 64, 8, 3),
+SWEEP = (  # (block_m, block_n, block_k, num_warps, num_stages, w4_tiles): w4a16 steps w4_tiles packed
+    # 128-column tiles in place of block_k; the table's choice is timed too when it is not listed
+    MoeConfig(16, 32, 128, 4, 4, 2), MoeConfig(16, 64, 128, 4, 4, 1), MoeConfig(16, 64, 128, 4, 4, 2),
+    MoeConfig(16, 64, 256, 4, 3, 4), MoeConfig(16, 128, 128, 4, 4, 2), MoeConfig(32, 64, 64, 4, 4, 1),
+    MoeConfig(32, 128, 64, 4, 3, 1), MoeConfig(64, 64, 64, 4, 4, 1), MoeConfig(64, 128, 64, 4, 3, 1),
+    MoeConfig(64, 128, 64, 8, 3, 1), MoeConfig(128, 128, 64, 8, 3, 1),
 )
 GROUP_SIZE = 128
 
@@ -127,7 +128,7 @@ def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> lis
             error = float((got - want).norm() / want.norm())
             assert error < 3e-2, f"{name} {kind} M={m}: fused vs loop relative error {error:.3g}"
             chosen = select_moe_config(m, top_k, num_experts)
-            configs = SWEEP if sweep else (chosen,)
+            configs = (chosen, *(c for c in SWEEP if c != chosen)) if sweep else (chosen,)
             for config in configs:
                 fused = timed(lambda: fused_moe_experts(x, weights, ids, gate_up, down, config), iters)
                 row = {"shape": name, "kind": kind, "M": m, "config": vars(config) | {"chosen": config == chosen},
@@ -145,7 +146,8 @@ HEADER = f"{'shape':<15}{'kind':<7}{'M':>6}{'fused µs':>11}{'GB/s':>8}{'loop µ
 
 def format_row(row: dict) -> str:
     c = row["config"]
-    tiles = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']}" + (" *" if c["chosen"] else "")
+    tiles = f"{c['block_m']}x{c['block_n']}x{c['block_k']} w{c['num_warps']} s{c['num_stages']} t{c['w4_tiles']}"
+    tiles += " *" if c["chosen"] else ""
     loop_us, bf16_us = row.get("loop_us"), row.get("bf16_loop_us")
     cells = (f"{loop_us:>11.1f}{bf16_us:>14.1f}{loop_us / row['fused_us']:>12.2f}" if loop_us is not None
              else f"{'':>11}{'':>14}{'':>12}")

@@ -69,23 +69,27 @@ class ExpertWeights:
 @dataclass(frozen=True)
 class MoeConfig:
     """Tiles of the grouped GEMMs. block_m: sorted slots per program (each expert's run is padded
-    to it); block_k: input columns per step (w4a16 always steps one 128-column packed tile)."""
+    to it); block_k: input columns per step (dense, FP8); w4_tiles: packed 128-column tiles per
+    step (w4a16, in place of block_k)."""
 
     block_m: int = 16
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    w4_tiles: int = 1
 
 
 # By reasoning, not measured (benchmarks/bench_moe.py --sweep measures candidates on a GPU): the
 # first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
 #  decode (a few tokens per expert): the weights are read once, so the tile is shaped for bandwidth:
-#    the fewest padded rows, wide K steps (long contiguous loads) and deep pipelining;
+#    the fewest padded rows, wide K steps and deep pipelining, for many bytes in flight per SM (a
+#    step of bf16 64 × 128 is 16 KB, of two packed int4 tiles 8 KB; the previous 64 × 32 bf16
+#    tiles, 4 KB with 3 stages, read Mixtral's experts at ~0.4 TB/s on an H100);
 #  mid: 32-row tiles halve the weight re-reads without much padding;
 #  prefill: 64 × 128 tensor-core tiles, K steps of 64, 8 warps for the larger accumulator.
 MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    (8, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)),
+    (8, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, w4_tiles=2)),
     (48, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)),
     (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
 )

@@ -9,8 +9,9 @@ by the routing weight in the down GEMM. Blocks of padding or of no expert exit a
                 the float32 accumulator);
   w8a8-fp8      FP8 × FP8 tensor-core dot; row scale × channel scale on the accumulator (the input
                 rows are quantized before the launch, once per token or per pair);
-  w4a16         one packed 128-column tile ([16, BLOCK_N] int32) per step, unpacked in registers to
-                [128, BLOCK_N] in natural K order (row 16 j + r is nibble j of word row r), turned
+  w4a16         `w4_tiles` packed 128-column tiles ([16, BLOCK_N] int32 each) per step, unpacked in
+                registers to [128·tiles, BLOCK_N] in natural K order (row 16 j + r of a tile is nibble
+                j of its word row r), turned
                 into (level − zero) · scale in the input dtype (the same rounding as the w4a16
                 dequantize + matmul path) and fed to tl.dot.
 """
@@ -81,8 +82,9 @@ def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_
                           num_pairs, num_experts, N, K, num_groups, num_tiles, stride_am, stride_qwe, stride_se,
                           stride_qze, stride_cm, A_ROWS_PER_PAIR: tl.constexpr, GROUP_SIZE: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """w4a16 experts in the gpu layout; GROUP_SIZE >= the padded K: one group per output channel."""
+                          TILES: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """w4a16 experts in the gpu layout, TILES packed 128-column tiles per step, GROUPS = the groups
+    a step spans (GROUP_SIZE and TILES are powers of two; per channel: GROUP_SIZE >= the padded K)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= num_experts:
@@ -92,21 +94,23 @@ def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_
     rows = (pairs // A_ROWS_PER_PAIR).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_r, shifts, offs_t = tl.arange(0, 16), 4 * tl.arange(0, 8), tl.arange(0, 128)
+    offs_tt, offs_r, shifts = tl.arange(0, TILES), tl.arange(0, 16), 4 * tl.arange(0, 8)
+    offs_k, offs_g = tl.arange(0, TILES * 128), tl.arange(0, GROUPS)
     qw, s, qz = qw_ptr + expert * stride_qwe, s_ptr + expert * stride_se, qz_ptr + expert * stride_qze
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for t in range(0, num_tiles):
-        words = tl.load(qw + (t * 16 + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
-        levels = (words[None, :, :] >> shifts[:, None, None]) & 0xF  # [8, 16, BLOCK_N]: k = 128 t + 16 j + r
-        magic = tl.reshape(levels | 0x4B000000, (128, BLOCK_N)).to(tl.float32, bitcast=True)  # 2**23 + level
-        ks = t * 128 + offs_t
-        if GROUP_SIZE >= 128:  # one group for the whole tile (padding past K: clamped, meets a = 0)
-            scale, zero = _group_params(s, qz, tl.minimum(t * 128 // GROUP_SIZE, num_groups - 1), offs_n, n_mask, N, HAS_ZEROS)
-            b = (magic - (_TWO_POW_23 + zero)[None, :]) * scale[None, :]
-        else:
-            g = tl.minimum(ks // GROUP_SIZE, num_groups - 1)[:, None]  # [128, 1]
-            scale, zero = _group_params(s, qz, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)
-            b = (magic - (_TWO_POW_23 + zero)) * scale
+    for t0 in range(0, num_tiles, TILES):
+        tiles = t0 + offs_tt  # [TILES]; past the last tile: words 0, inputs 0
+        word_rows = (tiles[:, None] * 16 + offs_r[None, :])[:, :, None]  # [TILES, 16, 1]
+        words = tl.load(qw + word_rows * N + offs_n[None, None, :],
+                        mask=(tiles < num_tiles)[:, None, None] & n_mask[None, None, :], other=0)
+        levels = (words[:, None, :, :] >> shifts[None, :, None, None]) & 0xF  # [TILES, 8, 16, BLOCK_N]
+        # Row 128 tt + 16 j + r of the flattened levels is input column 128 (t0 + tt) + 16 j + r (natural
+        # K order), viewed as GROUPS groups of the step's columns, each with its scale and zero row.
+        magic = tl.reshape(levels | 0x4B000000, (GROUPS, TILES * 128 // GROUPS, BLOCK_N)).to(tl.float32, bitcast=True)
+        g = tl.minimum((t0 * 128 + offs_g * (TILES * 128 // GROUPS)) // GROUP_SIZE, num_groups - 1)[:, None]
+        scale, zero = _group_params(s, qz, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)  # [GROUPS, BLOCK_N]
+        b = tl.reshape((magic - (_TWO_POW_23 + zero)[:, None, :]) * scale[:, None, :], (TILES * 128, BLOCK_N))
+        ks = t0 * 128 + offs_k
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
     _store_rows(acc, c_ptr, s_ptr, s_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
@@ -128,12 +132,14 @@ def _grouped_gemm(a: Tensor, a_scale: Tensor | None, w: ExpertWeights, out: Tens
     if w.kind == "w4a16":
         qw, scales = w.weight, w.scale
         num_tiles = qw.shape[1] // 16
-        group_columns = w.group_size if w.group_size > 0 else num_tiles * K_TILE
+        # per channel: one power-of-two group past the padded K, so every step lies in group 0
+        group_columns = w.group_size if w.group_size > 0 else triton.next_power_of_2(num_tiles * K_TILE)
         qz = w.zeros if w.zeros is not None else scales
         _grouped_w4a16_kernel[grid](
             a, qw, scales, qz, out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k,
             scales.shape[1], num_tiles, a.stride(0), qw.stride(0), scales.stride(0), qz.stride(0), out.stride(0),
-            GROUP_SIZE=group_columns, HAS_ZEROS=w.zeros is not None, **common)
+            GROUP_SIZE=group_columns, HAS_ZEROS=w.zeros is not None, TILES=config.w4_tiles,
+            GROUPS=max(config.w4_tiles * K_TILE // group_columns, 1), **common)
         return
     weight = w.weight
     _grouped_gemm_kernel[grid](
