@@ -232,3 +232,62 @@ def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_
     f8_down, w2, _ = _fp8_experts(4, 128, 96, True, False, gen)
     got = fused_moe_triton.fused_moe(x, weights, ids, f8_up, f8_down, config)
     assert rel_err(got, reference64_w8a8(x, weights, ids, w1, w2, None, None)) < 1e-5
+
+
+def _runtime_experts(kind, num_experts, out_features, in_features, device, gen):
+    """ExpertLinears (the runtime's module) of one format holding random experts, on device."""
+    from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, QuantizedWeight
+    from llmc.runtime.models.moe import ExpertLinears
+
+    dtype = torch.bfloat16
+    fmt = {"dense": DenseFormat(dtype), "w4a16-gpu": IntWeightFormat(dtype, layout="gpu"),
+           "w4a16-plain": IntWeightFormat(dtype), "fp8-dynamic": Fp8Format(dtype, is_per_channel=False),
+           "fp8-static": Fp8Format(dtype, is_static_input=True)}[kind]
+    linears = ExpertLinears(num_experts, in_features, out_features, fmt)
+    packed = []
+    for _ in range(num_experts):
+        w = 0.05 * torch.randn(out_features, in_features, generator=gen)
+        if kind == "dense":
+            packed.append(fmt.pack_dense(w))
+        elif kind.startswith("w4a16"):
+            scales = w.abs().unflatten(1, (-1, 128)).amax(dim=2) / 7  # [out, G]
+            levels = (w / scales.repeat_interleave(128, dim=1) + 8).round().clamp(0, 15).to(torch.int32)
+            packed.append(fmt.pack(QuantizedWeight(levels, scales, None, bits=4, group_size=128)))
+        else:
+            scale = w.abs().amax().reshape(1, 1) / 448
+            packed.append(fmt.pack(QuantizedWeight((w / scale).to(torch.float8_e4m3fn), scale, None, bits=8, group_size=-1,
+                                                   input_scale=torch.tensor([0.01]))))
+    for name in linears.param_names:
+        setattr(linears, name, torch.stack([p[name] for p in packed]).to(device))
+    return linears
+
+
+@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "w4a16-plain", "fp8-dynamic", "fp8-static"])
+def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind, device, rel_err):
+    """runtime/models/moe.py: on CUDA, dense, gpu-layout w4a16 and w8a8-fp8 experts run the fused
+    kernel and agree with the expert-by-expert path through the formats' own kernels; plain-layout
+    experts, and every format on a CPU, take the per-expert path (None)."""
+    from llmc.runtime.models.moe import expert_weights, fused_moe_of_formats
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = _runtime_experts(kind, 4, 256, 128, device, gen)
+    down = _runtime_experts(kind, 4, 128, 128, device, gen)
+    view = expert_weights(gate_up)
+    assert (view and view.kind) == {"dense": "dense", "w4a16-gpu": "w4a16", "w4a16-plain": None}.get(kind, "w8a8-fp8")
+    if kind.startswith("fp8"):  # per-tensor weight scales reach the kernel per channel; static input scales per expert
+        assert torch.equal(view.scale, gate_up.weight_scale.reshape(4, -1).expand(4, 256))
+        assert (view.input_scale is None) == (kind == "fp8-dynamic")
+    x = torch.randn(5, 128, generator=gen).to(device, torch.bfloat16)
+    weights, ids = _route(5, 4, 2, gen)
+    weights, ids = weights.to(device), ids.to(device)
+    got = fused_moe_of_formats(x, weights, ids, gate_up, down)
+    if device == "cpu" or kind == "w4a16-plain":
+        assert got is None
+        return
+    want = torch.zeros_like(x)
+    for e in range(4):
+        token, slot = torch.where(ids == e)
+        h = gate_up.apply_expert(e, x[token])
+        y = down.apply_expert(e, F.silu(h[:, :128]) * h[:, 128:])
+        want.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+    assert rel_err(got.float().cpu(), want.float().cpu()) < 2e-2
