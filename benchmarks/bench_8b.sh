@@ -19,13 +19,19 @@
 #         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
 #         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
+#   moe   Qwen3-30B-A3B-shaped (make_checkpoint.py --arch qwen3-moe, 12 of its 48 layers): bf16 and RTN
+#         W4A16 (g128, symmetric, gpu layout) built side by side, then decode + throughput 128/128 of
+#         each while time is left (one bench_e2e run)    → e2e-moe.json (its markdown under "table")
+#   moe-kernels  benchmarks/bench_moe.py: fused MoE kernel vs per-expert loops per layer (bf16, W4A16,
+#         FP8; Mixtral-8x7B and Qwen3-30B-A3B expert shapes); no checkpoint → moe-kernels.{json,txt};
+#         MOE_SWEEP=1 adds the tile sweep (bench_moe.py --sweep) while time is left → moe-sweep.{json,txt}
 #   tp, tp-bf16   (2 GPUs) W4A16 (tp) or bf16 (tp-bf16) at tensor 1 and 2, overlapped with CUDA graphs on
 #         every rank: greedy agreement, batch-1 and batch-128 decode latency, throughput 128/128 (1000
 #         requests), NCCL all-reduce time per step (benchmarks/bench_parallel.py) → parallel[-bf16].json, .md
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8 [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8 [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -37,9 +43,9 @@ log="$out/bench_8b-$stage.log"
 say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$log" >&2; }
 left() { echo $((limit - SECONDS)); }
 
-make_checkpoint() {
+make_checkpoint() {  # extra arguments go to make_checkpoint.py (moe: --arch qwen3-moe)
   say "checkpoint: start"
-  python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" ${CKPT_ARGS:-} 2>&1 | tee -a "$log"
+  python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" "$@" ${CKPT_ARGS:-} 2>&1 | tee -a "$log"
   say "checkpoint: done; disk: $(df -h "$work" | tail -1)"
 }
 
@@ -88,6 +94,25 @@ case $stage in
     make_checkpoint
     if [ "$stage" = fp8 ]; then build fp8 1 '{method: fp8}'; else build bf16 1 '{method: none}'; fi
     e2e "$stage" decode,throughput --throughput 128x128:1000,1024x256:200 --time-limit 75
+    ;;
+  moe)
+    make_checkpoint --arch qwen3-moe
+    build moe-bf16 1 '{method: none}' & build moe-w4a16 1 "$W4" & wait
+    say "bench_e2e moe-bf16, moe-w4a16: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/moe-bf16=moe-bf16" "$work/moe-w4a16=moe-w4a16" \
+      --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-moe.json" \
+      --budget "$(left)" ${E2E_ARGS:-} 2>&1 | tee -a "$log" >&2 || say "bench_e2e moe: FAILED"
+    say "bench_e2e moe: done"
+    ;;
+  moe-kernels)
+    say "bench_moe: start ($(left) s left)"
+    timeout "$(left)" python "$repo/benchmarks/bench_moe.py" --json "$out/moe-kernels.json" ${MOE_ARGS:-} 2>&1 \
+      | tee -a "$log" | tee "$out/moe-kernels.txt" >&2 || say "bench_moe: FAILED or cut at the time limit"
+    if [ -n "${MOE_SWEEP:-}" ]; then
+      say "bench_moe --sweep: start ($(left) s left)"
+      timeout "$(left)" python "$repo/benchmarks/bench_moe.py" --sweep --json "$out/moe-sweep.json" ${MOE_ARGS:-} 2>&1 \
+        | tee -a "$log" | tee "$out/moe-sweep.txt" >&2 || say "bench_moe --sweep: FAILED or cut at the time limit"
+    fi
     ;;
   tp|tp-bf16)
     make_checkpoint
@@ -150,7 +175,7 @@ case $stage in
       --parts throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
       --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, moe, moe-kernels, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts

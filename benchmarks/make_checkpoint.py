@@ -1,4 +1,4 @@
-"""A random-weight Hugging Face Llama checkpoint with Llama-3.1-8B's shapes, for speed benchmarks.
+"""A random-weight Hugging Face checkpoint with Llama-3.1-8B's shapes (or an MoE's), for speed benchmarks.
 
     source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/make_checkpoint.py --out /tmp/ckpt8b
 
@@ -12,6 +12,12 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
 
     --layers N   fewer decoder layers (same widths)
     --tiny       a small config (2 layers, hidden 256, vocab 1024) for CPU tests
+    --arch A     llama (default: Llama-3.1-8B), qwen3-moe (Qwen3-30B-A3B: hidden 2048, 128 experts of
+                 width 768, top-8 renormalised, 32 q / 4 kv heads of 128, q/k norms, 48 layers cut to
+                 12 by default) or mixtral (Mixtral-8x7B: 8 experts of width 14336, top-2, 32 layers
+                 cut to 8 by default). The MoE configs are written by transformers' config classes
+                 (Qwen3MoeConfig, MixtralConfig); the experts' tensors are named per expert, as the
+                 published checkpoints name them (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
 """
 
 from __future__ import annotations
@@ -53,12 +59,31 @@ LLAMA3_8B = {
 }
 TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024}
+# Qwen3-30B-A3B's and Mixtral-8x7B's config.json values (transformers config-class arguments)
+QWEN3_30B_A3B = {"vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}
+MIXTRAL_8X7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
+                "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}
+MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
+    "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
+                                                        "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", MIXTRAL_8X7B, 8, {"intermediate_size": 128, "num_local_experts": 4}),
+}
+ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
 NUM_SPECIAL = 256  # Llama-3: <|begin_of_text|> = 128000, <|end_of_text|> = 128001, reserved specials to 128255
 
 
-def make_config(layers: int | None, tiny: bool) -> dict:
-    config = {**LLAMA3_8B, **(TINY if tiny else {})}
+def make_config(layers: int | None, tiny: bool, arch: str = "llama") -> dict:
+    if arch == "llama":
+        config = {**LLAMA3_8B, **(TINY if tiny else {})}
+    else:
+        config = moe_config(arch, tiny)
     if layers is not None:
         config["num_hidden_layers"] = layers
     first_special = config["vocab_size"] - NUM_SPECIAL  # Llama-3's ids: bos 128000, eos 128001, 128008, 128009
@@ -67,9 +92,22 @@ def make_config(layers: int | None, tiny: bool) -> dict:
     return config
 
 
+def moe_config(arch: str, tiny: bool) -> dict:
+    """The arch's config.json through its transformers config class (tiny: TINY's widths, few experts)."""
+    import transformers
+
+    class_name, published, default_layers, tiny_widths = MOE_ARCHS[arch]
+    values = {**published, "num_hidden_layers": default_layers}
+    if tiny:
+        values |= {key: value for key, value in TINY.items() if key != "intermediate_size"} | tiny_widths
+    config = getattr(transformers, class_name)(**values, dtype="bfloat16").to_dict()
+    config["architectures"] = [class_name.replace("Config", "ForCausalLM")]
+    return config
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF name → shape, in the order the shards hold them (embedding, layers, norm, lm_head)."""
-    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -79,10 +117,32 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
             p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
             p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
         }
+        shapes |= mlp_shapes(config, p)
     return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (config["vocab_size"], hidden)}
+
+
+def mlp_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's MLP tensors: Llama's dense MLP, Qwen3-MoE's (with its q/k norms) or Mixtral's experts."""
+    hidden, model_type = config["hidden_size"], config["model_type"]
+    if model_type == "llama":
+        inter = config["intermediate_size"]
+        return {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                p + "mlp.down_proj.weight": (hidden, inter)}
+    num_experts = config["num_local_experts"]  # transformers 5 writes Qwen3-MoE's num_experts under this name too
+    if model_type == "qwen3_moe":
+        inter, head_dim = config["moe_intermediate_size"], config["head_dim"]
+        shapes = {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+                  p + "mlp.gate.weight": (num_experts, hidden)}
+        names = ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj", "mlp.experts.{}.down_proj")
+    else:
+        inter = config["intermediate_size"]
+        shapes = {p + "block_sparse_moe.gate.weight": (num_experts, hidden)}
+        names = ("block_sparse_moe.experts.{}.w1", "block_sparse_moe.experts.{}.w3", "block_sparse_moe.experts.{}.w2")
+    for e in range(num_experts):
+        gate, up, down = (p + name.format(e) + ".weight" for name in names)
+        shapes |= {gate: (inter, hidden), up: (inter, hidden), down: (hidden, inter)}
+    return shapes
 
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -154,11 +214,11 @@ def write_tokenizer(config: dict, out: Path) -> None:
 
 
 def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, device: str | None = None,
-                    seed: int = 0) -> dict:
+                    seed: int = 0, arch: str = "llama") -> dict:
     """Write the checkpoint into `out` (created); returns {"seconds", "bytes", "config"}."""
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    config = make_config(layers, tiny)
+    config = make_config(layers, tiny, arch)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
@@ -172,12 +232,13 @@ def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, de
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: 32, or 2 with --tiny)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe or mixtral")
     args = parser.parse_args(argv)
-    result = make_checkpoint(args.out, args.layers, args.tiny, args.device, args.seed)
+    result = make_checkpoint(args.out, args.layers, args.tiny, args.device, args.seed, args.arch)
     print(f"wrote {args.out}: {result['bytes'] / 1e9:.2f} GB of weights, "
           f"{result['config']['num_hidden_layers']} layers, in {result['seconds']} s", flush=True)
 

@@ -2,28 +2,106 @@
 down, the routing weights applied in the down GEMM and the top-k copies summed.
 
 Shapes: x [M, H]; topk_weights [M, k] float32; topk_ids [M, k] int64, local expert indices (ids
-outside [0, E) belong to another rank's experts and contribute nothing); w_gate_up [E, 2I, H],
-w_down [E, H, I] in x's dtype, or float8_e4m3fn with per-output-channel scales [E, 2I] / [E, H]
-(float32; value = fp8 * scale). Output [M, H] in x's dtype.
+outside [0, E) belong to another rank's experts and contribute nothing). Each projection's experts
+are one `ExpertWeights` (gate_up: N = 2I, K = H; down: N = H, K = I), in one of four kinds:
+  dense     weight [E, N, K] in x's dtype
+  fp8       weight-only FP8: weight [E, N, K] float8_e4m3fn, scale [E, N] float32 (value = fp8 · scale),
+            widened to x's dtype in registers
+  w4a16     the gpu layout of kernels/w4a16_gemm.py stacked on experts: weight = qweight
+            [E, ceil(K/128)·16, N] int32, scale = scales [E, G, N] (x's dtype), zeros = qzeros
+            [E, G, ceil(N/8)] int32 or None (symmetric: zero level 8); unpacked in registers
+  w8a8-fp8  weight [E, N, K] float8_e4m3fn, scale [E, N] float32, and the input quantized to FP8 as
+            the w8a8-fp8 format does: per row (dynamic; gate_up: once per token, down: once per pair)
+            or with each expert's calibrated input_scale [E] (static); FP8 × FP8 dot, the row and
+            channel scales applied to the float32 accumulator
+Output [M, H] in x's dtype.
 
 `align_by_expert` is plain torch and never synchronises with the host (no .item(), no boolean
 indexing), so the whole op can be captured in a CUDA graph: its buffers have static sizes, bounded
-by M·k + E·(BLOCK_M − 1) sorted slots. On CPUs, `fused_moe_reference` is the same computation,
-expert by expert.
+by M·k + E·(block_m − 1) sorted slots; block_m comes from the tile table by M, k and E only. On
+CPUs, `fused_moe_reference` is the same computation, expert by expert.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
+from .fp8 import FP8_E4M3_MAX, quantize_fp8_per_token
+from .w4a16_gemm import dequantize_w4a16
 
-BLOCK_M = 16  # sorted (token, expert) slots per program: each expert's run is padded to a multiple
+KINDS = ("dense", "fp8", "w4a16", "w8a8-fp8")
 
 
-def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of every (local) expert, in the form the kernel reads (module docstring)."""
+
+    weight: Tensor
+    kind: str = "dense"
+    scale: Tensor | None = None
+    zeros: Tensor | None = None  # w4a16 asymmetric only
+    group_size: int = -1  # w4a16: input columns per group, -1 one group per output channel
+    in_features: int | None = None  # w4a16: K (qweight's rows are K padded to whole 128-column tiles)
+    input_scale: Tensor | None = None  # w8a8-fp8 static: [E] float32; None: dynamic per row
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown expert weight kind {self.kind!r}; known: {KINDS}")
+        if self.kind != "dense" and self.scale is None:
+            raise ValueError(f"{self.kind} expert weights need their scales")
+        if self.kind == "w4a16" and self.in_features is None:
+            raise ValueError("w4a16 expert weights need in_features")
+
+    @property
+    def num_experts(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[2] if self.kind == "w4a16" else self.weight.shape[1]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of the grouped GEMMs. block_m: sorted slots per program (each expert's run is padded
+    to it); block_k: input columns per step (dense, FP8); w4_tiles: packed 128-column tiles per
+    step (w4a16, in place of block_k)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    w4_tiles: int = 1
+
+
+# By reasoning, not measured (benchmarks/bench_moe.py --sweep measures candidates on a GPU): the
+# first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
+#  decode (a few tokens per expert): the weights are read once, so the tile is shaped for bandwidth:
+#    the fewest padded rows, wide K steps and deep pipelining, for many bytes in flight per SM (a
+#    step of bf16 64 × 128 is 16 KB, of two packed int4 tiles 8 KB; the previous 64 × 32 bf16
+#    tiles, 4 KB with 3 stages, read Mixtral's experts at ~0.4 TB/s on an H100);
+#  mid: 32-row tiles halve the weight re-reads without much padding;
+#  prefill: 64 × 128 tensor-core tiles, K steps of 64, 8 warps for the larger accumulator.
+MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
+    (8, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, w4_tiles=2)),
+    (48, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)),
+    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def select_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The table's tiles for this many tokens (static per batch size, so CUDA graphs keep their sizes)."""
+    pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
+    return next(config for bound, config in MOE_CONFIGS if pairs_per_expert <= bound)
+
+
+def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tuple[Tensor, Tensor]:
     """(sorted_pairs [S] int32, block_expert [S / block_m] int32), S = round_up(P + E·(block_m − 1), block_m),
     P = M·k. sorted_pairs lists pair indices p (token p // k, slot p % k) expert by expert, each expert's
     run padded to a multiple of block_m with P (no pair); block_expert gives each block's expert, E
@@ -50,30 +128,65 @@ def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = BLOCK_M) 
     return sorted_pairs[:num_slots], block_expert
 
 
-def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
-    """The MoE MLP of x [M, H] (see the module docstring): Triton on CUDA, else the torch reference."""
+def fused_moe_experts(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights,
+                      down: ExpertWeights, config: MoeConfig | None = None) -> Tensor:
+    """The MoE MLP of x [M, H] (module docstring): Triton on CUDA, else the torch reference.
+    config: the tiles (default: the table's for M); ignored by the reference."""
     if not can_use_triton(x):
-        return fused_moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, gate_up_scale, down_scale)
+        return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down)
     from . import fused_moe_triton  # triton loads on the first CUDA call only
 
-    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, w_gate_up, w_down, gate_up_scale, down_scale)
+    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, gate_up, down, config)
 
 
-def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
-                        gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
-    """Expert by expert in plain torch, in x's dtype (float32 accumulation for FP8 weights)."""
+def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
+              gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None,
+              config: MoeConfig | None = None) -> Tensor:
+    """`fused_moe_experts` for dense weights, or weight-only FP8 ones with per-channel scales."""
+    return fused_moe_experts(x, topk_weights, topk_ids, _plain(w_gate_up, gate_up_scale), _plain(w_down, down_scale), config)
+
+
+def _plain(weight: Tensor, scale: Tensor | None) -> ExpertWeights:
+    return ExpertWeights(weight) if scale is None else ExpertWeights(weight, "fp8", scale)
+
+
+def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights | Tensor,
+                        down: ExpertWeights | Tensor, gate_up_scale: Tensor | None = None,
+                        down_scale: Tensor | None = None) -> Tensor:
+    """Expert by expert in plain torch, in x's dtype (float32 accumulation for FP8 weights). Plain
+    tensors (and scales) are dense or weight-only FP8 experts, as for `fused_moe`."""
+    gate_up = gate_up if isinstance(gate_up, ExpertWeights) else _plain(gate_up, gate_up_scale)
+    down = down if isinstance(down, ExpertWeights) else _plain(down, down_scale)
     out = torch.zeros_like(x)
-    for expert in range(w_gate_up.shape[0]):
+    for expert in range(gate_up.num_experts):
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        w1, w2 = _weight(w_gate_up, gate_up_scale, expert, x.dtype), _weight(w_down, down_scale, expert, x.dtype)
-        gate, up = F.linear(x[token], w1).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2)
+        gate, up = expert_linear(x[token], gate_up, expert).chunk(2, dim=-1)
+        y = expert_linear(F.silu(gate) * up, down, expert)
         out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
     return out
 
 
-def _weight(w: Tensor, scale: Tensor | None, expert: int, dtype: torch.dtype) -> Tensor:
-    return w[expert].to(dtype) if scale is None else (w[expert].float() * scale[expert].float()[:, None]).to(dtype)
+def expert_linear(x: Tensor, w: ExpertWeights, expert: int) -> Tensor:
+    """x [n, K] through one expert's weights → [n, N] in x's dtype (the reference's linear)."""
+    if w.kind == "w8a8-fp8":
+        x_fp8, x_scale = quantize_input_fp8(x, None if w.input_scale is None else w.input_scale[expert].reshape(1))
+        weight = w.weight[expert].float() * w.scale[expert].float()[:, None]
+        return F.linear(x_fp8.float() * x_scale, weight).to(x.dtype)
+    if w.kind == "w4a16":
+        params = {"qweight": w.weight[expert], "scales": w.scale[expert]}
+        params |= {} if w.zeros is None else {"qzeros": w.zeros[expert]}
+        return F.linear(x, dequantize_w4a16(params, w.in_features, w.group_size).to(x.dtype))
+    weight = w.weight[expert].to(x.dtype) if w.kind == "dense" else w.weight[expert].float() * w.scale[expert].float()[:, None]
+    return F.linear(x, weight.to(x.dtype))
+
+
+def quantize_input_fp8(x: Tensor, input_scale: Tensor | None) -> tuple[Tensor, Tensor]:
+    """w8a8-fp8's activation quantization: per row (input_scale None) → scale [..., 1], or with a
+    static scale per row [..., 1] (or one [1]): fp8 = x / scale saturated to ±448."""
+    if input_scale is None:
+        return quantize_fp8_per_token(x)
+    scale = input_scale.float()
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+

@@ -1,11 +1,19 @@
 """Triton fused MoE (imported only when a kernel runs): a grouped GEMM over expert-sorted slots.
 
 NOTE (algorithm): `align_by_expert` (fused_moe.py) lays the (token, expert) pairs out expert by expert,
-each expert's run padded to BLOCK_M. One program computes BLOCK_M slots × BLOCK_N outputs of one
+each expert's run padded to block_m. One program computes block_m slots × BLOCK_N outputs of one
 expert: it gathers the slots' input rows (x's token rows for gate_up, the pairs' own rows for down),
-multiplies by that expert's weight [N, K] (FP8 weights widened to the input dtype in registers, the
-per-channel scale applied to the float32 accumulator), optionally scales each row by its routing
-weight, and scatters the rows to the pairs' output rows. Blocks of padding or of no expert exit at once.
+multiplies by that expert's weight [N, K] and scatters the rows to the pairs' output rows, scaled
+by the routing weight in the down GEMM. Blocks of padding or of no expert exit at once. Per kind:
+  dense / fp8   the weight tile widened to the input dtype in registers (fp8: per-channel scale on
+                the float32 accumulator);
+  w8a8-fp8      FP8 × FP8 tensor-core dot; row scale × channel scale on the accumulator (the input
+                rows are quantized before the launch, once per token or per pair);
+  w4a16         `w4_tiles` packed 128-column tiles ([16, BLOCK_N] int32 each) per step, unpacked in
+                registers to [128·tiles, BLOCK_N] in natural K order (row 16 j + r of a tile is nibble
+                j of its word row r), turned
+                into (level − zero) · scale in the input dtype (the same rounding as the w4a16
+                dequantize + matmul path) and fed to tl.dot.
 """
 
 from __future__ import annotations
@@ -16,14 +24,36 @@ import triton.language as tl
 from torch import Tensor
 
 from .activation import silu_and_mul
-from .fused_moe import BLOCK_M, align_by_expert
+from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input_fp8, select_moe_config
+from .w4a16_gemm import K_TILE
+from .w4a16_triton import _group_params
+
+_TWO_POW_23 = 8388608.0  # level | 0x4B000000 read as float32 is 2**23 + level
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr, block_expert_ptr, topk_weights_ptr,
+def _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
+                stride_cm, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr):
+    """Scales on the float32 accumulator (per channel, per input row, routing weight), then the
+    rows scattered to their pairs' output rows."""
+    n_mask = offs_n < N
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_A_SCALE:
+        acc *= tl.load(a_scale_ptr + rows, mask=is_pair, other=0.0)[:, None]
+    if MUL_WEIGHT:
+        acc *= tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
+    out = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=is_pair[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr, block_expert_ptr, topk_weights_ptr,
                          num_pairs, num_experts, N, K, stride_am, stride_we, stride_wn, stride_cm,
-                         A_ROWS_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         A_ROWS_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """dense, fp8 (weight-only: HAS_SCALE) and w8a8-fp8 (HAS_A_SCALE: a is FP8 too) experts."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= num_experts:
@@ -39,39 +69,117 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr, block_expert
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
         w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + ks[:, None],
                     mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a, w.to(a.dtype))
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + expert * N + offs_n, mask=offs_n < N, other=0.0)[None, :]
-    if MUL_WEIGHT:
-        acc *= tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
-    out = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=is_pair[:, None] & (offs_n[None, :] < N))
+        if HAS_A_SCALE:
+            acc = tl.dot(a, w, acc)  # FP8 × FP8, float32 accumulation
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+    _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
+                stride_cm, HAS_SCALE, HAS_A_SCALE, MUL_WEIGHT)
 
 
-def _grouped_gemm(a: Tensor, w: Tensor, scale: Tensor | None, out: Tensor, sorted_pairs: Tensor,
-                  block_expert: Tensor, topk_weights: Tensor, rows_per_pair: int, mul_weight: bool) -> None:
-    num_experts, n, k = w.shape
-    block_n, block_k = 64, 32
-    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+@triton.jit
+def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_expert_ptr, topk_weights_ptr,
+                          num_pairs, num_experts, N, K, num_groups, num_tiles, stride_am, stride_qwe, stride_se,
+                          stride_qze, stride_cm, A_ROWS_PER_PAIR: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                          HAS_ZEROS: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+                          TILES: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """w4a16 experts in the gpu layout, TILES packed 128-column tiles per step, GROUPS = the groups
+    a step spans (GROUP_SIZE and TILES are powers of two; per channel: GROUP_SIZE >= the padded K)."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= num_experts:
+        return
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    rows = (pairs // A_ROWS_PER_PAIR).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_tt, offs_r, shifts = tl.arange(0, TILES), tl.arange(0, 16), 4 * tl.arange(0, 8)
+    offs_k, offs_g = tl.arange(0, TILES * 128), tl.arange(0, GROUPS)
+    qw, s, qz = qw_ptr + expert * stride_qwe, s_ptr + expert * stride_se, qz_ptr + expert * stride_qze
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t0 in range(0, num_tiles, TILES):
+        tiles = t0 + offs_tt  # [TILES]; past the last tile: words 0, inputs 0
+        word_rows = (tiles[:, None] * 16 + offs_r[None, :])[:, :, None]  # [TILES, 16, 1]
+        words = tl.load(qw + word_rows * N + offs_n[None, None, :],
+                        mask=(tiles < num_tiles)[:, None, None] & n_mask[None, None, :], other=0)
+        levels = (words[:, None, :, :] >> shifts[None, :, None, None]) & 0xF  # [TILES, 8, 16, BLOCK_N]
+        # Row 128 tt + 16 j + r of the flattened levels is input column 128 (t0 + tt) + 16 j + r (natural
+        # K order), viewed as GROUPS groups of the step's columns, each with its scale and zero row.
+        magic = tl.reshape(levels | 0x4B000000, (GROUPS, TILES * 128 // GROUPS, BLOCK_N)).to(tl.float32, bitcast=True)
+        g = tl.minimum((t0 * 128 + offs_g * (TILES * 128 // GROUPS)) // GROUP_SIZE, num_groups - 1)[:, None]
+        scale, zero = _group_params(s, qz, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)  # [GROUPS, BLOCK_N]
+        b = tl.reshape((magic - (_TWO_POW_23 + zero)[:, None, :]) * scale[:, None, :], (TILES * 128, BLOCK_N))
+        ks = t0 * 128 + offs_k
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+    _store_rows(acc, c_ptr, s_ptr, s_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
+                stride_cm, False, False, MUL_WEIGHT)
+
+
+def _precision(a: Tensor) -> str:
+    return "ieee" if a.dtype == torch.float32 else "tf32"  # float32: a checking mode, exact products
+
+
+def _grouped_gemm(a: Tensor, a_scale: Tensor | None, w: ExpertWeights, out: Tensor, sorted_pairs: Tensor,
+                  block_expert: Tensor, topk_weights: Tensor, rows_per_pair: int, mul_weight: bool,
+                  config: MoeConfig) -> None:
+    n, k = w.out_features, a.shape[1]
+    grid = (block_expert.shape[0], triton.cdiv(n, config.block_n))
+    common = dict(A_ROWS_PER_PAIR=rows_per_pair, MUL_WEIGHT=mul_weight, PRECISION=_precision(a),
+                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                  num_stages=config.num_stages)
+    if w.kind == "w4a16":
+        qw, scales = w.weight, w.scale
+        num_tiles = qw.shape[1] // 16
+        # per channel: one power-of-two group past the padded K, so every step lies in group 0
+        group_columns = w.group_size if w.group_size > 0 else triton.next_power_of_2(num_tiles * K_TILE)
+        qz = w.zeros if w.zeros is not None else scales
+        _grouped_w4a16_kernel[grid](
+            a, qw, scales, qz, out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k,
+            scales.shape[1], num_tiles, a.stride(0), qw.stride(0), scales.stride(0), qz.stride(0), out.stride(0),
+            GROUP_SIZE=group_columns, HAS_ZEROS=w.zeros is not None, TILES=config.w4_tiles,
+            GROUPS=max(config.w4_tiles * K_TILE // group_columns, 1), **common)
+        return
+    weight = w.weight
     _grouped_gemm_kernel[grid](
-        a, w, scale if scale is not None else a, out, sorted_pairs, block_expert, topk_weights,
-        out.shape[0], num_experts, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROWS_PER_PAIR=rows_per_pair, HAS_SCALE=scale is not None, MUL_WEIGHT=mul_weight,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )
+        a, a_scale if a_scale is not None else topk_weights, weight, w.scale if w.scale is not None else topk_weights,
+        out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k, a.stride(0),
+        weight.stride(0), weight.stride(1), out.stride(0), HAS_SCALE=w.scale is not None,
+        HAS_A_SCALE=a_scale is not None, BLOCK_K=config.block_k, **common)
 
 
-def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
-              gate_up_scale: Tensor | None = None, down_scale: Tensor | None = None) -> Tensor:
+def _gemm_input(a: Tensor, w: ExpertWeights, local_ids: Tensor, rows_per_pair: int) -> tuple[Tensor, Tensor | None, int]:
+    """(input rows, their float32 scales or None, input rows per pair): w8a8-fp8 quantizes the rows
+    as its format does — per row (dynamic), or per pair with its expert's static input scale."""
+    if w.kind != "w8a8-fp8":
+        return a, None, rows_per_pair
+    if w.input_scale is None:
+        a_fp8, scale = quantize_input_fp8(a, None)
+        return a_fp8, scale.reshape(-1).contiguous(), rows_per_pair
+    flat = local_ids.flatten()
+    expert = flat.clamp(0, w.num_experts - 1)  # other ranks' pairs: any scale, their rows are never read
+    scale = w.input_scale.float().reshape(-1)[expert]  # [P]
+    rows = a if rows_per_pair == 1 else a.repeat_interleave(rows_per_pair, dim=0)  # [P, K]
+    a_fp8, _ = quantize_input_fp8(rows, scale[:, None])
+    return a_fp8, scale.contiguous(), 1
+
+
+def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights, down: ExpertWeights,
+              config: MoeConfig | None = None) -> Tensor:
     """See kernels/fused_moe.py. x [M, H] → [M, H]."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    config = config or select_moe_config(num_tokens, top_k, gate_up.num_experts)
     x = x.contiguous()
-    sorted_pairs, block_expert = align_by_expert(topk_ids, w_gate_up.shape[0])
+    sorted_pairs, block_expert = align_by_expert(topk_ids, gate_up.num_experts, config.block_m)
     weights = topk_weights.float().contiguous().flatten()
-    gate_up = torch.zeros(num_pairs, w_gate_up.shape[1], device=x.device, dtype=x.dtype)  # [P, 2I]
-    _grouped_gemm(x, w_gate_up, gate_up_scale, gate_up, sorted_pairs, block_expert, weights, top_k, False)
-    act = silu_and_mul(gate_up)  # [P, I]
-    down = torch.zeros(num_pairs, w_down.shape[1], device=x.device, dtype=x.dtype)  # [P, H], other ranks' pairs 0
-    _grouped_gemm(act, w_down, down_scale, down, sorted_pairs, block_expert, weights, 1, True)
-    return down.view(num_tokens, top_k, -1).sum(dim=1)
+    # Rows of other ranks' pairs are never written here nor read by the down GEMM.
+    gate_up_out = torch.empty(num_pairs, gate_up.out_features, device=x.device, dtype=x.dtype)  # [P, 2I]
+    a, a_scale, rows_per_pair = _gemm_input(x, gate_up, topk_ids, top_k)
+    _grouped_gemm(a, a_scale, gate_up, gate_up_out, sorted_pairs, block_expert, weights, rows_per_pair, False, config)
+    act = silu_and_mul(gate_up_out)  # [P, I]
+    a, a_scale, _ = _gemm_input(act, down, topk_ids, 1)
+    down_out = torch.zeros(num_pairs, down.out_features, device=x.device, dtype=x.dtype)  # [P, H], other ranks' pairs 0
+    _grouped_gemm(a, a_scale, down, down_out, sorted_pairs, block_expert, weights, 1, True, config)
+    return down_out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -3,10 +3,12 @@ SiLU-gated MLP, and their outputs are summed with the router's weights.
 
 Every expert's projection is one `ExpertLinears`: the tensors of its LinearFormat (dense, w4a16,
 w8a8-fp8) stacked on a leading [num_local_experts] dim, so the artifact holds `moe.experts.gate_up.*`
-[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, dense experts
-run the fused kernel: one grouped GEMM per projection (tokens sorted by expert, no host sync, so
-decode steps capture in CUDA graphs). The plain-torch path (CPUs, calibration, w4a16 and FP8 experts
-for now) loops over the experts that received tokens, calling each expert's format `apply`.
+[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, dense,
+w4a16 (gpu layout) and w8a8-fp8 experts run the fused kernel: one grouped GEMM per projection
+(tokens sorted by expert, no host sync, so decode steps capture in CUDA graphs). The plain-torch
+path (CPUs, calibration, and formats the kernel does not read: plain-layout / g_idx integer weights,
+w8a8-fp8 on GPUs without FP8 tensor cores) loops over the experts that received tokens, calling
+each expert's format `apply`.
 
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
@@ -21,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul
-from llmc.kernels.fused_moe import fused_moe
-from llmc.quant.formats import DenseFormat, LinearFormat
+from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
+from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, is_fp8_matmul_supported
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
@@ -124,9 +126,31 @@ class MoE(nn.Module):
 
 def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up: ExpertLinears,
                          down: ExpertLinears) -> Tensor | None:
-    """The fused Triton MoE on CUDA for dense experts; None where it does not apply (CPUs; w4a16 and
-    w8a8-fp8 experts, which run expert by expert through their formats' kernels: the fused kernel's FP8
-    mode is weight-only and would not quantize activations as w8a8-fp8 says)."""
-    if not (x.is_cuda and isinstance(gate_up.fmt, DenseFormat) and isinstance(down.fmt, DenseFormat)):
+    """The fused Triton MoE on CUDA; None where it does not apply (CPUs, a projection whose format
+    the kernel does not read: see `expert_weights`, w8a8-fp8 on a GPU without FP8 tensor cores),
+    for the expert-by-expert path."""
+    if not x.is_cuda:
         return None
-    return fused_moe(x, weights, local_ids, gate_up.weight, down.weight)
+    w_gate_up, w_down = expert_weights(gate_up), expert_weights(down)
+    if w_gate_up is None or w_down is None:
+        return None
+    if "w8a8-fp8" in (w_gate_up.kind, w_down.kind) and not is_fp8_matmul_supported(x):
+        return None
+    return fused_moe_experts(x, weights, local_ids, w_gate_up, w_down)
+
+
+def expert_weights(linears: ExpertLinears) -> ExpertWeights | None:
+    """One projection's stacked tensors as the fused kernel reads them: dense, w4a16 in the gpu
+    layout, w8a8-fp8 (per-channel or per-tensor weight scales, dynamic or static input); None for
+    the rest (plain-layout or g_idx integer weights, 3 and 8 bits), which run expert by expert."""
+    fmt, params, num_experts = linears.fmt, linears.params(), linears.num_experts
+    if isinstance(fmt, DenseFormat):
+        return ExpertWeights(params["weight"])
+    if isinstance(fmt, IntWeightFormat) and fmt.is_gpu_layout:
+        return ExpertWeights(params["qweight"], "w4a16", params["scales"], params.get("qzeros"), fmt.group_size,
+                             linears.in_features)
+    if isinstance(fmt, Fp8Format):
+        scale = params["weight_scale"].reshape(num_experts, -1).expand(num_experts, linears.out_features)
+        input_scale = params["input_scale"].reshape(num_experts) if fmt.is_static_input else None
+        return ExpertWeights(params["weight"], "w8a8-fp8", scale.contiguous(), input_scale=input_scale)
+    return None

@@ -1,11 +1,17 @@
 """Fused MoE (kernels/fused_moe*.py) against a float64 per-expert reference: experts that receive no
-token, one token picking the same expert twice, ids of another rank's experts, FP8 weights, M = 1."""
+token, one token picking the same expert twice, ids of another rank's experts, M = 1; dense,
+weight-only FP8, W4A16 (gpu layout, packed by the format, reference weights dequantized by
+quant/reference.py) and W8A8-FP8 experts (reference: the format's activation quantization from
+quant/numerics.py, then float64), the last two built through the runtime's ExpertLinears →
+ExpertWeights mapping (runtime/models/moe.py:expert_weights)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels.fused_moe import align_by_expert, fused_moe_reference
+import dataclasses
+
+from llmc.kernels.fused_moe import ExpertWeights, align_by_expert, fused_moe_reference
 
 
 def reference64(x, weights, ids, w1, w2, s1=None, s2=None):
@@ -53,7 +59,7 @@ def test_fused_moe_matches_float64(num_tokens, dot_case, rel_err):
     if num_tokens > 1:
         ids[1, 0] = 7  # an expert of another rank: contributes nothing here
     want = reference64(x.cpu(), weights.cpu(), ids.cpu(), w1.cpu(), w2.cpu())
-    got = fused_moe_triton.fused_moe(x, weights, ids, w1, w2)
+    got = fused_moe_triton.fused_moe(x, weights, ids, ExpertWeights(w1), ExpertWeights(w2))
     # bf16 output and intermediate roundings alone are ~3e-3 (seen on an H100); fp16 ~8x finer
     tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     assert rel_err(got.cpu(), want) < tolerance
@@ -69,5 +75,219 @@ def test_fused_moe_fp8_weights_match_float64(device, rel_err):
     q1 = (w1 / s1[:, :, None]).to(torch.float8_e4m3fn)
     q2 = (w2 / s2[:, :, None]).to(torch.float8_e4m3fn)
     want = reference64(x.cpu(), weights.cpu(), ids.cpu(), q1.cpu().float(), q2.cpu().float(), s1.cpu(), s2.cpu())
-    got = fused_moe_triton.fused_moe(x.to(dtype), weights, ids, q1, q2, s1, s2)
+    got = fused_moe_triton.fused_moe(x.to(dtype), weights, ids, ExpertWeights(q1, "fp8", s1), ExpertWeights(q2, "fp8", s2))
     assert rel_err(got.cpu(), want) < 3e-3
+
+
+
+def _packed_experts(fmt, quantized, in_features, out_features):
+    """The runtime's ExpertLinears holding `quantized` (one QuantizedWeight per expert) packed in
+    fmt, and the kernel's view of it (runtime/models/moe.py:expert_weights)."""
+    from llmc.runtime.models.moe import ExpertLinears, expert_weights
+
+    linears = ExpertLinears(len(quantized), in_features, out_features, fmt)
+    packed = [fmt.pack(q) for q in quantized]
+    for name in linears.param_names:
+        setattr(linears, name, torch.stack([p[name] for p in packed]))
+    return expert_weights(linears)
+
+
+def _w4a16_experts(num_experts, out_features, in_features, group_size, symmetric, dtype, gen):
+    """Random levels, scales and zeros per expert → (the kernel's stacked gpu-layout ExpertWeights,
+    the float32 weights [E, out, in] dequantized by quant/reference.py from the plain form)."""
+    from llmc.quant.formats import IntWeightFormat, QuantizedWeight
+    from llmc.quant.reference import dequantize_weight
+
+    fmt = IntWeightFormat(dtype, bits=4, group_size=group_size, symmetric=symmetric, layout="gpu")
+    groups = 1 if group_size == -1 else in_features // group_size
+    quantized = []
+    for _ in range(num_experts):
+        levels = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.int32)
+        scales = (0.01 + 0.02 * torch.rand(out_features, groups, generator=gen)).to(dtype).float()  # model dtype
+        zeros = None if symmetric else torch.randint(0, 16, (out_features, groups), generator=gen, dtype=torch.int32)
+        quantized.append(QuantizedWeight(levels, scales, zeros, bits=4, group_size=group_size))
+    weights = _packed_experts(fmt, quantized, in_features, out_features)
+    assert weights.kind == "w4a16"
+    return weights, torch.stack([dequantize_weight(q) for q in quantized])
+
+
+def _on(w, device):
+    """ExpertWeights with its tensors moved to device."""
+    moved = {name: getattr(w, name).to(device) for name in ("weight", "scale", "zeros", "input_scale")
+             if getattr(w, name) is not None}
+    return dataclasses.replace(w, **moved)
+
+
+def _route(num_tokens, num_experts, top_k, gen):
+    """Ids in [0, E - 1) (expert E - 1 gets no token), a repeated expert, and other ranks' ids."""
+    ids = torch.randint(0, num_experts - 1, (num_tokens, top_k), generator=gen)
+    ids[0, 1] = ids[0, 0]  # top-k with a repeated expert: both copies count
+    if num_tokens > 2:
+        ids[1, 0], ids[2, 1] = num_experts + 3, -1  # experts of other ranks (after and before this one's)
+    return torch.rand(num_tokens, top_k, generator=gen), ids
+
+
+# (hidden, intermediate, group size, symmetric): K below one 128-column tile (padded) and above
+W4_SHAPES = [(64, 32, 32, True), (64, 96, 32, False), (64, 64, -1, False), (128, 128, 128, True), (128, 64, 64, False)]
+
+
+@pytest.mark.parametrize("hidden,inter,group_size,symmetric", W4_SHAPES)
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_w4a16_matches_float64_of_dequantized_weights(hidden, inter, group_size, symmetric, num_tokens,
+                                                                dot_case, rel_err):
+    from llmc.kernels import fused_moe_triton
+
+    device, dtype = dot_case
+    gen = torch.Generator().manual_seed(num_tokens + hidden + inter)
+    num_experts = 4
+    gate_up, w1 = _w4a16_experts(num_experts, 2 * inter, hidden, group_size, symmetric, dtype, gen)
+    down, w2 = _w4a16_experts(num_experts, hidden, inter, group_size, symmetric, dtype, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    weights, ids = _route(num_tokens, num_experts, 2, gen)
+    want = reference64(x, weights, ids, w1, w2)
+    gate_up, down = _on(gate_up, device), _on(down, device)
+    got = fused_moe_triton.fused_moe(x.to(device, dtype), weights.to(device), ids.to(device), gate_up, down)
+    tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}[dtype]
+    assert rel_err(got.cpu(), want) < tolerance
+
+
+def _fp8_experts(num_experts, out_features, in_features, per_channel, static, gen):
+    """Random FP8 experts in the w8a8-fp8 format → (the kernel's ExpertWeights, the weights
+    [E, out, in] float32, the static input scales [E] or None)."""
+    from llmc.quant.formats import Fp8Format, QuantizedWeight
+
+    fmt = Fp8Format(torch.float32, is_per_channel=per_channel, is_static_input=static)
+    quantized = []
+    for _ in range(num_experts):
+        weight = (torch.randn(out_features, in_features, generator=gen) * 8).to(torch.float8_e4m3fn)
+        scale = 0.01 + 0.02 * torch.rand(out_features if per_channel else 1, 1, generator=gen)
+        input_scale = (0.5 + torch.rand(1, generator=gen)) / 100 if static else None
+        quantized.append(QuantizedWeight(weight, scale, None, bits=8, group_size=-1, input_scale=input_scale))
+    weights = _packed_experts(fmt, quantized, in_features, out_features)
+    assert weights.kind == "w8a8-fp8"
+    dense = torch.stack([q.qweight.float() * q.scales for q in quantized])
+    return weights, dense, torch.cat([q.input_scale for q in quantized]) if static else None
+
+
+def reference64_w8a8(x, weights, ids, w1, w2, in1, in2):
+    """As reference64, with each expert's inputs quantized as the w8a8-fp8 format does (quant/numerics:
+    per token, or the expert's static scale) before the float64 product; the down input is the
+    gate_up result rounded to x's dtype, as the model computes it."""
+    from llmc.quant.numerics import quantize_fp8_per_token, quantize_fp8_static
+
+    def quantized(rows, input_scale):
+        q, scale = quantize_fp8_per_token(rows) if input_scale is None else quantize_fp8_static(rows, input_scale)
+        return q.double() * scale.double()
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 0 <= e < w1.shape[0]:
+                h = (quantized(x[t:t + 1], None if in1 is None else in1[e]) @ w1[e].double().T).to(x.dtype)
+                gate, up = h.double().chunk(2, dim=-1)
+                act = (F.silu(gate) * up).to(x.dtype)
+                out[t] += float(weights[t, j]) * (quantized(act, None if in2 is None else in2[e]) @ w2[e].double().T)[0]
+    return out
+
+
+@pytest.mark.parametrize("per_channel,static", [(True, False), (False, False), (True, True)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_w8a8_fp8_matches_the_formats_math_in_float64(per_channel, static, num_tokens, device, rel_err):
+    from llmc.kernels import fused_moe_triton
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(num_tokens + 10 * static + 20 * per_channel)
+    num_experts, hidden, inter = 4, 64, 48
+    gate_up, w1, in1 = _fp8_experts(num_experts, 2 * inter, hidden, per_channel, static, gen)
+    down, w2, in2 = _fp8_experts(num_experts, hidden, inter, per_channel, static, gen)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
+    weights, ids = _route(num_tokens, num_experts, 2, gen)
+    want = reference64_w8a8(x, weights, ids, w1, w2, in1, in2)
+    got = fused_moe_triton.fused_moe(x.to(device), weights.to(device), ids.to(device), _on(gate_up, device), _on(down, device))
+    # float32: the same FP8 inputs, exact products (one FP8 rounding flip would show as ~1e-3);
+    # bf16 on the GPU: the gate_up and output roundings
+    assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("config_index", range(4))
+def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_err):
+    """Each MOE_CONFIGS entry (and so each block_m of align_by_expert), and 4 packed tiles per step,
+    on dense, W4A16 and W8A8-FP8 experts, in float32 (exact products in the interpreter), against
+    the float64 references."""
+    from llmc.kernels import fused_moe_triton
+    from llmc.kernels.fused_moe import MOE_CONFIGS, MoeConfig
+
+    config = [*(c for _, c in MOE_CONFIGS), MoeConfig(block_m=16, block_n=32, w4_tiles=4)][config_index]
+    gen = torch.Generator().manual_seed(config_index)
+    x = torch.randn(9, 128, generator=gen)
+    weights, ids = _route(9, 4, 2, gen)
+    w4_up, w1 = _w4a16_experts(4, 192, 128, 64, False, torch.float32, gen)
+    w4_down, w2 = _w4a16_experts(4, 128, 96, 32, True, torch.float32, gen)
+    got = fused_moe_triton.fused_moe(x, weights, ids, w4_up, w4_down, config)
+    assert rel_err(got, reference64(x, weights, ids, w1, w2)) < 1e-5
+    got = fused_moe_triton.fused_moe(x, weights, ids, ExpertWeights(w1), ExpertWeights(w2), config)
+    assert rel_err(got, reference64(x, weights, ids, w1, w2)) < 1e-5
+    f8_up, w1, _ = _fp8_experts(4, 192, 128, True, False, gen)
+    f8_down, w2, _ = _fp8_experts(4, 128, 96, True, False, gen)
+    got = fused_moe_triton.fused_moe(x, weights, ids, f8_up, f8_down, config)
+    assert rel_err(got, reference64_w8a8(x, weights, ids, w1, w2, None, None)) < 1e-5
+
+
+def _runtime_experts(kind, num_experts, out_features, in_features, device, gen):
+    """ExpertLinears (the runtime's module) of one format holding random experts, on device."""
+    from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, QuantizedWeight
+    from llmc.runtime.models.moe import ExpertLinears
+
+    dtype = torch.bfloat16
+    fmt = {"dense": DenseFormat(dtype), "w4a16-gpu": IntWeightFormat(dtype, layout="gpu"),
+           "w4a16-plain": IntWeightFormat(dtype), "fp8-dynamic": Fp8Format(dtype, is_per_channel=False),
+           "fp8-static": Fp8Format(dtype, is_static_input=True)}[kind]
+    linears = ExpertLinears(num_experts, in_features, out_features, fmt)
+    packed = []
+    for _ in range(num_experts):
+        w = 0.05 * torch.randn(out_features, in_features, generator=gen)
+        if kind == "dense":
+            packed.append(fmt.pack_dense(w))
+        elif kind.startswith("w4a16"):
+            scales = w.abs().unflatten(1, (-1, 128)).amax(dim=2) / 7  # [out, G]
+            levels = (w / scales.repeat_interleave(128, dim=1) + 8).round().clamp(0, 15).to(torch.int32)
+            packed.append(fmt.pack(QuantizedWeight(levels, scales, None, bits=4, group_size=128)))
+        else:
+            scale = w.abs().amax().reshape(1, 1) / 448
+            packed.append(fmt.pack(QuantizedWeight((w / scale).to(torch.float8_e4m3fn), scale, None, bits=8, group_size=-1,
+                                                   input_scale=torch.tensor([0.01]))))
+    for name in linears.param_names:
+        setattr(linears, name, torch.stack([p[name] for p in packed]).to(device))
+    return linears
+
+
+@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "w4a16-plain", "fp8-dynamic", "fp8-static"])
+def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind, device, rel_err):
+    """runtime/models/moe.py: on CUDA, dense, gpu-layout w4a16 and w8a8-fp8 experts run the fused
+    kernel and agree with the expert-by-expert path through the formats' own kernels; plain-layout
+    experts, and every format on a CPU, take the per-expert path (None)."""
+    from llmc.runtime.models.moe import expert_weights, fused_moe_of_formats
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = _runtime_experts(kind, 4, 256, 128, device, gen)
+    down = _runtime_experts(kind, 4, 128, 128, device, gen)
+    view = expert_weights(gate_up)
+    assert (view and view.kind) == {"dense": "dense", "w4a16-gpu": "w4a16", "w4a16-plain": None}.get(kind, "w8a8-fp8")
+    if kind.startswith("fp8"):  # per-tensor weight scales reach the kernel per channel; static input scales per expert
+        assert torch.equal(view.scale, gate_up.weight_scale.reshape(4, -1).expand(4, 256))
+        assert (view.input_scale is None) == (kind == "fp8-dynamic")
+    x = torch.randn(5, 128, generator=gen).to(device, torch.bfloat16)
+    weights, ids = _route(5, 4, 2, gen)
+    weights, ids = weights.to(device), ids.to(device)
+    got = fused_moe_of_formats(x, weights, ids, gate_up, down)
+    if device == "cpu" or kind == "w4a16-plain":
+        assert got is None
+        return
+    want = torch.zeros_like(x)
+    for e in range(4):
+        token, slot = torch.where(ids == e)
+        h = gate_up.apply_expert(e, x[token])
+        y = down.apply_expert(e, F.silu(h[:, :128]) * h[:, 128:])
+        want.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+    assert rel_err(got.float().cpu(), want.float().cpu()) < 2e-2
