@@ -31,13 +31,14 @@ def quantize_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
+def has_fp8_tensor_cores(x: Tensor) -> bool:
+    """FP8 matmuls need CUDA capability 8.9+ (Ada, Hopper)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
 def can_use_scaled_mm(x: Tensor, weight: Tensor) -> bool:
-    """torch._scaled_mm needs CUDA capability 8.9+ (Ada, Hopper) and both weight dims multiples of 16."""
-    return (
-        x.is_cuda
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
-        and all(d % 16 == 0 for d in weight.shape)
-    )
+    """torch._scaled_mm needs FP8 tensor cores and both weight dims multiples of 16."""
+    return has_fp8_tensor_cores(x) and all(d % 16 == 0 for d in weight.shape)
 
 
 def uses_small_m_kernel(num_tokens: int, out_features: int) -> bool:

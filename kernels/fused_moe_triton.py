@@ -28,7 +28,7 @@ from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input
 from .w4a16_gemm import K_TILE
 from .w4a16_triton import _group_params
 
-_TWO_POW_23 = 8388608.0  # level | 0x4B000000 read as float32 is 2**23 + level
+_TWO_POW_23 = tl.constexpr(8388608.0)  # level | 0x4B000000 read as float32 is 2**23 + level
 
 
 @triton.jit

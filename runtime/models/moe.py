@@ -23,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul
+from llmc.kernels.fp8 import has_fp8_tensor_cores
 from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
-from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, is_fp8_matmul_supported
+from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
@@ -134,7 +135,7 @@ def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up:
     w_gate_up, w_down = expert_weights(gate_up), expert_weights(down)
     if w_gate_up is None or w_down is None:
         return None
-    if "w8a8-fp8" in (w_gate_up.kind, w_down.kind) and not is_fp8_matmul_supported(x):
+    if "w8a8-fp8" in (w_gate_up.kind, w_down.kind) and not has_fp8_tensor_cores(x):
         return None
     return fused_moe_experts(x, weights, local_ids, w_gate_up, w_down)
 
