@@ -113,7 +113,7 @@ def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tu
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0  # dropped pairs get no slots
+    padded[num_experts:].zero_()  # dropped pairs get no slots (a device fill: no host copy under graph capture)
     padded_start = torch.cumsum(padded, 0) - padded
     start = torch.cumsum(counts, 0) - counts
     num_slots = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m

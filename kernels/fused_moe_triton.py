@@ -28,8 +28,6 @@ from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input
 from .w4a16_gemm import K_TILE
 from .w4a16_triton import _group_params
 
-_TWO_POW_23 = tl.constexpr(8388608.0)  # level | 0x4B000000 read as float32 is 2**23 + level
-
 
 @triton.jit
 def _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
@@ -109,7 +107,8 @@ def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_
         magic = tl.reshape(levels | 0x4B000000, (GROUPS, TILES * 128 // GROUPS, BLOCK_N)).to(tl.float32, bitcast=True)
         g = tl.minimum((t0 * 128 + offs_g * (TILES * 128 // GROUPS)) // GROUP_SIZE, num_groups - 1)[:, None]
         scale, zero = _group_params(s, qz, g, offs_n[None, :], n_mask[None, :], N, HAS_ZEROS)  # [GROUPS, BLOCK_N]
-        b = tl.reshape((magic - (_TWO_POW_23 + zero)[:, None, :]) * scale[:, None, :], (TILES * 128, BLOCK_N))
+        offset = 8388608.0 + zero  # level | 0x4B000000 read as float32 is 2**23 + level
+        b = tl.reshape((magic - offset[:, None, :]) * scale[:, None, :], (TILES * 128, BLOCK_N))
         ks = t0 * 128 + offs_k
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)

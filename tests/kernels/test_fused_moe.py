@@ -291,3 +291,34 @@ def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind
         y = down.apply_expert(e, F.silu(h[:, :128]) * h[:, 128:])
         want.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
     assert rel_err(got.float().cpu(), want.float().cpu()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "fp8-dynamic", "fp8-static", "w4a16-plain"])
+def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
+    """Decode steps capture the MoE in CUDA graphs: capturing it must not copy from the host, and a
+    replay with new inputs and new routes (written into the captured buffers) equals eager."""
+    from llmc.runtime.models.moe import MoE
+
+    gen = torch.Generator().manual_seed(1)
+    gate_up = _runtime_experts(kind, 4, 256, 128, "cuda", gen)
+    down = _runtime_experts(kind, 4, 128, 128, "cuda", gen)
+    moe = MoE.__new__(MoE)
+    torch.nn.Module.__init__(moe)
+    moe.top_k, moe.norm_topk_prob, moe.expert_start, moe.num_local_experts = 2, True, 0, 4
+    moe.gate = torch.nn.Module()
+    moe.gate.register_buffer("weight", (0.5 * torch.randn(4, 128, generator=gen)).to("cuda", torch.bfloat16))
+    moe.experts = torch.nn.Module()
+    moe.experts.gate_up, moe.experts.down = gate_up, down
+    moe.tp_group, moe.observers = None, []
+    x = torch.randn(6, 128, generator=gen).to("cuda", torch.bfloat16)
+    moe(x)  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    for seed in range(3):
+        x.copy_(torch.randn(6, 128, generator=torch.Generator().manual_seed(10 + seed)).to("cuda", torch.bfloat16))
+        graph.replay()
+        assert torch.equal(out, moe(x))
