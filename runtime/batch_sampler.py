@@ -211,12 +211,19 @@ class BatchSampler:
         if self._is_dirty:
             self._upload()
         self.num_steps += 1
-        if self._summary["is_plain_greedy"] and not processors and bitmask is None and self._sparse_t["bias"] is None:
+        if self.is_plain_greedy() and not processors and bitmask is None:
             # Nothing to process (no bias or banned token either): the argmax is the token. Nothing
             # to record either: a plain greedy row never reads its output count or its token counts
             # (they are set afresh when the row gets new parameters).
             return SampledStep(logits.argmax(dim=-1), None, 0)
         return self._sample(logits, rows, processors, bitmask)
+
+    def is_plain_greedy(self) -> bool:
+        """Every active row takes the argmax of its raw logits: greedy, with nothing that changes
+        them (penalties, bias, allowed ids, min_tokens) and no logprobs to report."""
+        if self._is_dirty:
+            self._upload()
+        return self._summary["is_plain_greedy"] and self._sparse_t["bias"] is None
 
     @torch.inference_mode()
     def _sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]],

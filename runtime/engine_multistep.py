@@ -49,14 +49,37 @@ def _reserve_next_token(engine: Engine, requests: list) -> bool:
     return True
 
 
+def _greedy_window(engine: Engine, batch: ScheduledBatch, num_steps: int, stop_ids: set[int]) -> list:
+    """Batch 1, plain greedy, on a runner with a `greedy_window` (ONNX): the runner runs the window's
+    forwards back to back, feeding each argmax to the next call (no sampler, no scheduler between
+    them); then the tokens are recorded exactly as the step-by-step loop records them. [] where
+    that does not apply, or the pool lacks the window's KV blocks."""
+    request = batch.requests[0].request
+    if len(batch.requests) != 1 or not hasattr(engine.runner, "greedy_window") or not engine.sampler.is_plain_greedy():
+        return []
+    num_steps = min(num_steps, engine.options.max_model_len - request.num_tokens)  # the last one ends at the limit
+    block_size, pool = engine.options.block_size, engine.scheduler.block_pool
+    need = max(0, -(-(request.num_computed_tokens + num_steps) // block_size) - len(request.block_ids))
+    if num_steps < 1 or not pool.can_allocate(need):
+        return []
+    if need:
+        request.block_ids.extend(block.block_id for block in pool.allocate(need))
+    tokens = engine.runner.greedy_window(request, num_steps, stop_ids)
+    engine.sampler.num_steps += len(tokens)
+    for token in tokens:
+        engine._release_rows(engine.scheduler.advance(batch))
+        engine.scheduler.resolve(request, [token])
+    return [([token], None) for token in tokens]
+
+
 def multi_step(engine: Engine, batch: ScheduledBatch, num_steps: int) -> list[RequestOutput]:
     """Run up to `num_steps` decode steps of `batch`; detokenize, check stops, return outputs."""
     requests = [s.request for s in batch.requests]
     num_steps = min(num_steps, *(r.max_tokens - r.num_output_tokens for r in requests))
     stop_ids = set().union(*(r.sampling_params.all_stop_token_ids(engine.eos_token_ids) for r in requests))
     engine._mark_scheduled(batch)
-    window: list[tuple[list[int], list[list[float]] | None]] = []
-    for index in range(num_steps):
+    window = _greedy_window(engine, batch, num_steps, stop_ids)
+    for index in range(0 if window else num_steps):
         if index and not _reserve_next_token(engine, requests):
             break
         step = engine.runner.execute(batch)

@@ -203,6 +203,28 @@ class OnnxRunner:
         self.session.run_with_iobinding(call.binding)
         return StepLogits(torch.from_numpy(call.logits), torch.tensor([r.batch_row for r in requests]), {})
 
+    def greedy_window(self, request, num_steps: int, stop_ids: set[int]) -> list[int]:
+        """Up to `num_steps` one-token calls for a lone plain-greedy `request`, back to back: each call's
+        argmax (numpy's, the first of equal maxima as torch's) is the next call's input, with no
+        Python between calls beyond filling the bound arrays. Ends after a token in `stop_ids`.
+        The caller reserved the KV room and records the tokens; returns them."""
+        start = request.num_computed_tokens
+        slot = self._slot_for(request, start)
+        call = self._binding(slot, 1, 1, 1)
+        call.query_lens[0], call.indices[0] = 1, 0
+        ids, seqlens, total, logits = call.input_ids, call.seqlens_k, call.total, call.logits[0]
+        run, binding = self.session.run_with_iobinding, call.binding
+        token, tokens = request.get_token_ids(start, start + 1)[0], []
+        for position in range(start, start + num_steps):
+            ids[0, 0], seqlens[0], total[()] = token, position, position + 1
+            run(binding)
+            token = int(logits.argmax())
+            tokens.append(token)
+            if token in stop_ids:
+                break
+        self.lengths[slot] = start + len(tokens)
+        return tokens
+
     def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
         """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
         out: list[np.ndarray | None] = [None] * len(chunks)

@@ -66,3 +66,33 @@ def test_multi_step_is_refused_by_name_where_unsupported(onnx_artifact, tmp_path
                                       "--prompt", "ROMEO:"])
     assert result.exit_code != 0 and isinstance(result.exception, ConfigError)
     assert "num_scheduler_steps 4: multi-step decoding runs on onnx-cpu artifacts only" in str(result.exception)
+
+
+def test_a_lone_greedy_request_runs_its_window_back_to_back_with_the_same_outputs(onnx_artifact, monkeypatch):
+    """One plain-greedy request at a time (the edge case: batch-1 decoding) takes the runner's
+    back-to-back greedy window; stop tokens, stop strings, max_tokens and max_model_len inside a
+    window still give K = 1's outputs token for token, and every block comes back."""
+    from llmc.runtime.onnx_runner import OnnxRunner
+
+    greedy = _outputs(onnx_artifact, 1, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[greedy[0][0][0][5]]),
+              SamplingParams(temperature=0, max_tokens=7),
+              SamplingParams(temperature=0, max_tokens=30, stop=[greedy[2][0][1][-6:-3]]),
+              SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)]  # runs into max_model_len 128
+    windows = []
+    real = OnnxRunner.greedy_window
+    monkeypatch.setattr(OnnxRunner, "greedy_window", lambda self, *a: windows.append(a[1]) or real(self, *a))
+
+    def one_at_a_time(k):
+        llm = LLM(onnx_artifact, device="cpu", max_num_seqs=4, disable_log_stats=True, num_scheduler_steps=k)
+        outputs = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in llm.generate([prompt], p)[0].outputs]
+                   for prompt, p in zip(PROMPTS, params)]
+        assert llm.engine.scheduler.block_pool.num_free_blocks == llm.engine.scheduler.block_pool.num_blocks
+        return outputs
+
+    single = one_at_a_time(1)
+    assert not windows
+    assert single[0][0][2] == "stop" and single[2][0][2] == "stop" and len(single[1][0][0]) == 7
+    assert single[3][0][2] == "length" and len(single[3][0][0]) < 200
+    assert one_at_a_time(5) == single
+    assert windows and max(windows) == 5
