@@ -43,6 +43,7 @@ LLMC_BUILDS = {
     "llmc-onnx-g128": ("onnx-cpu", 128, None),  # the recipe's defaults (float32 compute)
     "llmc-onnx-g32-acc4": ("onnx-cpu", 32, 4),  # genai's int4 defaults: 32-column blocks, int8 compute
     "llmc-torch-g128": ("cpu", 128, None),
+    "llmc-torch-g32": ("cpu", 32, None),  # the torch path on the g32 build (the levels of llmc-onnx-g32*)
     "llmc-onnx-g32": ("onnx-cpu", 32, None),
     "llmc-onnx-g128-acc4": ("onnx-cpu", 128, 4),
 }

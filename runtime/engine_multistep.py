@@ -14,6 +14,11 @@ ignore_eos, stop_token_ids). A stop string inside the window ends its request at
 with K = 1; the tokens computed after it are dropped (their KV slot rows are simply not used
 again). Outputs are identical token for token to K = 1: the sampler's per-row state (output
 counts, seeded keys) advances once per sampled token either way.
+
+A lone plain-greedy request (batch 1, the edge case) on a runner with `greedy_window` (ONNX) runs
+the window's forwards back to back inside the runner, each argmax written into the next call's
+bound input, and is recorded afterwards token by token as above (the window's KV room reserved
+first): no sampler, scheduler or engine Python between the calls.
 """
 
 from __future__ import annotations
