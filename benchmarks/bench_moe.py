@@ -11,7 +11,10 @@ Rows per shape, batch size M and kind (the same routing for all):
   fp8     fused (w8a8-fp8: per-token dynamic FP8 inputs, FP8 × FP8)  vs  the per-expert loop through
           kernels/fp8.fp8_linear  and  the bf16 loop
 Each fused result is checked against its own loop first. Times are µs per layer (gate_up + SiLU +
-down + combine, routing excluded); GB/s = weight bytes of the experts that received tokens / fused time.
+down + combine, routing excluded): "fused" and the loops are eager calls between two synchronisations
+(host launches included); "graph" is the fused op's GPU time as a decode step pays it (CUDA-graph
+replays after an L2 flush, median, kernels/timing.py; GPU only). GB/s = weight bytes of the experts
+that received tokens / graph time (fused time on a CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 
 from llmc.kernels.fp8 import fp8_linear
 from llmc.kernels.fused_moe import ExpertWeights, MoeConfig, fused_moe_experts, select_moe_config
+from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import pack_w4a16_for_gpu, w4a16_linear
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # hidden, inter, E, k
@@ -111,8 +115,15 @@ def routing(m: int, num_experts: int, top_k: int, device: str, seed: int):
     return torch.topk(probs, top_k, dim=-1)
 
 
+def graph_time_us(fn, flush) -> float | None:
+    """The GPU time of fn as a decode step pays it: CUDA-graph replays after an L2 flush, median (µs);
+    None on a CPU."""
+    return median_time_ms(fn, flush) * 1e3 if flush is not None else None
+
+
 def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> list[dict]:
     hidden, inter, num_experts, top_k = shape
+    flush = make_l2_flush_buffer(device) if device == "cuda" else None
     gen = torch.Generator(device).manual_seed(0)
     w1 = 0.02 * torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=dtype, generator=gen)
     w2 = 0.02 * torch.randn(num_experts, hidden, inter, device=device, dtype=dtype, generator=gen)
@@ -130,9 +141,11 @@ def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> lis
             chosen = select_moe_config(m, top_k, num_experts)
             configs = (chosen, *(c for c in SWEEP if c != chosen)) if sweep else (chosen,)
             for config in configs:
-                fused = timed(lambda: fused_moe_experts(x, weights, ids, gate_up, down, config), iters)
+                run = lambda: fused_moe_experts(x, weights, ids, gate_up, down, config)  # noqa: E731
+                fused = timed(run, iters)
                 row = {"shape": name, "kind": kind, "M": m, "config": vars(config) | {"chosen": config == chosen},
-                       "fused_us": fused, "gb_per_s": weight_bytes((gate_up, down), ids) / fused / 1e3}
+                       "fused_us": fused, "graph_us": graph_time_us(run, flush)}
+                row["gb_per_s"] = weight_bytes((gate_up, down), ids) / (row["graph_us"] or fused) / 1e3
                 if config == chosen:
                     row["loop_us"] = timed(lambda: loop(x, weights, ids, num_experts, *linears), iters)
                     row["bf16_loop_us"] = timed(lambda: loop(x, weights, ids, num_experts, *bf16_loop), iters)
@@ -141,7 +154,7 @@ def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> lis
     return rows
 
 
-HEADER = f"{'shape':<15}{'kind':<7}{'M':>6}{'fused µs':>11}{'GB/s':>8}{'loop µs':>11}{'bf16 loop µs':>14}{'loop/fused':>12}  tiles"
+HEADER = f"{'shape':<15}{'kind':<7}{'M':>6}{'fused µs':>11}{'graph µs':>10}{'GB/s':>8}{'loop µs':>11}{'bf16 loop µs':>14}{'loop/fused':>12}  tiles"
 
 
 def format_row(row: dict) -> str:
@@ -151,7 +164,8 @@ def format_row(row: dict) -> str:
     loop_us, bf16_us = row.get("loop_us"), row.get("bf16_loop_us")
     cells = (f"{loop_us:>11.1f}{bf16_us:>14.1f}{loop_us / row['fused_us']:>12.2f}" if loop_us is not None
              else f"{'':>11}{'':>14}{'':>12}")
-    return f"{row['shape']:<15}{row['kind']:<7}{row['M']:>6}{row['fused_us']:>11.1f}{row['gb_per_s']:>8.1f}{cells}  {tiles}"
+    graph = f"{row['graph_us']:>10.1f}" if row["graph_us"] is not None else f"{'-':>10}"
+    return f"{row['shape']:<15}{row['kind']:<7}{row['M']:>6}{row['fused_us']:>11.1f}{graph}{row['gb_per_s']:>8.1f}{cells}  {tiles}"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
