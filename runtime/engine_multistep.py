@@ -41,11 +41,11 @@ def can_multi_step(engine: Engine, batch: ScheduledBatch) -> bool:
                and not s.request.skip_prefix_cache for s in batch.requests)
 
 
-def _reserve_next_token(engine: Engine, requests: list) -> bool:
-    """Give each request the KV block of its next token if it has none (the scheduler reserved
-    the window's first); False, allocating nothing, if the pool cannot."""
+def _reserve_tokens(engine: Engine, requests: list, num_tokens: int) -> bool:
+    """Give each request the KV blocks of its next `num_tokens` tokens that it lacks (the scheduler
+    reserved the window's first); False, allocating nothing, if the pool cannot."""
     pool, block_size = engine.scheduler.block_pool, engine.options.block_size
-    needs = [max(0, -(-(r.num_computed_tokens + 1) // block_size) - len(r.block_ids)) for r in requests]
+    needs = [max(0, -(-(r.num_computed_tokens + num_tokens) // block_size) - len(r.block_ids)) for r in requests]
     if not pool.can_allocate(sum(needs)):
         return False
     for request, need in zip(requests, needs):
@@ -63,12 +63,8 @@ def _greedy_window(engine: Engine, batch: ScheduledBatch, num_steps: int, stop_i
     if len(batch.requests) != 1 or not hasattr(engine.runner, "greedy_window") or not engine.sampler.is_plain_greedy():
         return []
     num_steps = min(num_steps, engine.options.max_model_len - request.num_tokens)  # the last one ends at the limit
-    block_size, pool = engine.options.block_size, engine.scheduler.block_pool
-    need = max(0, -(-(request.num_computed_tokens + num_steps) // block_size) - len(request.block_ids))
-    if num_steps < 1 or not pool.can_allocate(need):
+    if num_steps < 1 or not _reserve_tokens(engine, [request], num_steps):
         return []
-    if need:
-        request.block_ids.extend(block.block_id for block in pool.allocate(need))
     tokens = engine.runner.greedy_window(request, num_steps, stop_ids)
     engine.sampler.num_steps += len(tokens)
     for token in tokens:
@@ -85,7 +81,7 @@ def multi_step(engine: Engine, batch: ScheduledBatch, num_steps: int) -> list[Re
     engine._mark_scheduled(batch)
     window = _greedy_window(engine, batch, num_steps, stop_ids)
     for index in range(0 if window else num_steps):
-        if index and not _reserve_next_token(engine, requests):
+        if index and not _reserve_tokens(engine, requests, 1):
             break
         step = engine.runner.execute(batch)
         host = HostTokens(engine.sampler.sample(step.logits, step.sample_rows), engine.device)
