@@ -28,7 +28,12 @@ def quantize_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 
         return fp8_triton.quantize_fp8_per_token(x, MIN_SCALE)
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_E4M3_MAX).clamp(min=MIN_SCALE)
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return cast_to_fp8(x, scale), scale
+
+
+def cast_to_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """x / scale saturated to ±448 and rounded to E4M3 (the cast alone would give NaN out of range)."""
+    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
 
 def has_fp8_tensor_cores(x: Tensor) -> bool:

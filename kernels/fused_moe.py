@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import FP8_E4M3_MAX, quantize_fp8_per_token
+from .fp8 import cast_to_fp8, quantize_fp8_per_token
 from .w4a16_gemm import dequantize_w4a16
 
 KINDS = ("dense", "fp8", "w4a16", "w8a8-fp8")
@@ -188,5 +188,5 @@ def quantize_input_fp8(x: Tensor, input_scale: Tensor | None) -> tuple[Tensor, T
     if input_scale is None:
         return quantize_fp8_per_token(x)
     scale = input_scale.float()
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+    return cast_to_fp8(x, scale), scale
 
