@@ -24,6 +24,7 @@ engine that ignores them, disagrees with transformers.
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import json
 import shutil
@@ -355,6 +356,19 @@ def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def load_benchmark():
+    """load_benchmark("bench_e2e"): a script of benchmarks/ imported as a module (they are scripts,
+    not a package), fresh on every call."""
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

@@ -1,28 +1,19 @@
 """benchmarks/memory_check.py, graphs_check.py and graphs_check_parallel.py measure on a GPU; here only that they parse and refuse a CPU."""
 
-import importlib.util
-
 import pytest
 import torch
 
 
-def _load(repo_root, name):
-    spec = importlib.util.spec_from_file_location(name, repo_root / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("name", ["memory_check", "graphs_check", "graphs_check_parallel"])
-def test_gpu_checks_parse_and_need_a_gpu(repo_root, capsys, name):
-    bench = _load(repo_root, name)
+def test_gpu_checks_parse_and_need_a_gpu(capsys, name, load_benchmark):
+    bench = load_benchmark(name)
     assert bench.parse_args(["--artifact", "x", "--json", "out.json"]).artifact == "x"
     assert bench.main(["--artifact", "x"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_memory_check_passes_only_the_options_given(repo_root):
-    bench = _load(repo_root, "memory_check")
+def test_memory_check_passes_only_the_options_given(load_benchmark):
+    bench = load_benchmark("memory_check")
     args = bench.parse_args(["--gpu-memory-utilization", "0.5", "--enforce-eager"])
     assert bench.overrides(args) == {"gpu_memory_utilization": 0.5, "enforce_eager": True}

@@ -1,20 +1,11 @@
 """benchmarks/bench_moe.py on the CPU (--smoke): every kind's fused path agrees with its per-expert
 loop (the script asserts it) and each row reports its times; --sweep times every candidate tile."""
 
-import importlib.util
-
 import torch
 
 
-def _bench(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_moe", repo_root / "benchmarks" / "bench_moe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_moe_smoke_reports_every_kind(repo_root, tmp_path):
-    bench = _bench(repo_root)
+def test_bench_moe_smoke_reports_every_kind(tmp_path, load_benchmark):
+    bench = load_benchmark("bench_moe")
     rows = bench.main(["--smoke", "--json", str(tmp_path / "moe.json")])
     assert {(r["kind"], r["M"]) for r in rows} == {(k, m) for k in bench.KINDS for m in bench.SMOKE_BATCHES}
     assert all(r["fused_us"] > 0 and r["loop_us"] > 0 and r["bf16_loop_us"] > 0 and r["config"]["chosen"] for r in rows)
@@ -25,11 +16,11 @@ def test_bench_moe_smoke_reports_every_kind(repo_root, tmp_path):
     assert len(chosen) == 1 and chosen[0]["loop_us"] > 0 and len(sweep) == len(set(bench.SWEEP) | {table_choice})
 
 
-def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(repo_root):
+def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(load_benchmark):
     """The benchmark's W4A16 experts are RTN g128 of its bf16 ones (so the rows compare like with like)."""
     from llmc.kernels.w4a16_gemm import dequantize_w4a16
 
-    bench = _bench(repo_root)
+    bench = load_benchmark("bench_moe")
     w = 0.02 * torch.randn(2, 64, 256)
     packed = bench._w4a16(w)
     for e in range(2):
@@ -38,14 +29,7 @@ def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(repo_root):
         assert ((dequantized - w[e]).abs().unflatten(1, (-1, 128)) <= step[:, :, None] / 2 + 1e-7).all()
 
 
-def _make_checkpoint(repo_root):
-    spec = importlib.util.spec_from_file_location("make_checkpoint", repo_root / "benchmarks" / "make_checkpoint.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_moe_checkpoints_load_in_transformers_and_build(repo_root, tmp_path):
+def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark):
     """--arch qwen3-moe / mixtral --tiny: transformers finds every tensor it expects and no other;
     `llmc build` ingests the Qwen3-MoE one with its router settings."""
     import transformers
@@ -54,7 +38,7 @@ def test_moe_checkpoints_load_in_transformers_and_build(repo_root, tmp_path):
     from llmc.compiler.recipe import recipe_from_dict
     from llmc.runtime.artifact import read_manifest
 
-    make = _make_checkpoint(repo_root)
+    make = load_benchmark("make_checkpoint")
     published = make.make_config(None, False, "qwen3-moe")
     assert (published["hidden_size"], published["num_local_experts"], published["num_experts_per_tok"],
             published["moe_intermediate_size"], published["num_hidden_layers"]) == (2048, 128, 8, 768, 12)

@@ -1,19 +1,10 @@
 """benchmarks/bench_parallel.py needs 2 GPUs to measure; here only that it parses and refuses a CPU."""
 
-import importlib.util
-
 import torch
 
 
-def _load(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_parallel", repo_root / "benchmarks" / "bench_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_parallel_parses_and_needs_gpus(repo_root, capsys):
-    bench = _load(repo_root)
+def test_bench_parallel_parses_and_needs_gpus(capsys, load_benchmark):
+    bench = load_benchmark("bench_parallel")
     args = bench.parse_args(["--tensor", "1,2", "--batch-sizes", "1,4"])
     assert (args.tensor, args.batch_sizes, args.output_tokens) == ("1,2", "1,4", 128)
     if torch.cuda.device_count() < 2:

@@ -2,7 +2,6 @@
 bench_e2e (decode, throughput; the cold-start timer on a stand-in command), bench_parallel's helpers,
 bench_8b.sh's syntax. The numbers mean nothing here; the scripts must run and report."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,17 +14,10 @@ from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.artifact import read_manifest
 
 
-def _load(repo_root, name):
-    spec = importlib.util.spec_from_file_location(name, repo_root / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def tiny_artifact(repo_root, tmp_path_factory):
+def tiny_artifact(tmp_path_factory, load_benchmark):
     root = tmp_path_factory.mktemp("bench")
-    result = _load(repo_root, "make_checkpoint").make_checkpoint(root / "ckpt", tiny=True, device="cpu")
+    result = load_benchmark("make_checkpoint").make_checkpoint(root / "ckpt", tiny=True, device="cpu")
     assert result["config"]["vocab_size"] == 1024 and result["config"]["num_hidden_layers"] == 2
     recipe = {"model": str(root / "ckpt"), "output": str(root / "w4"), "runtime": {"max_model_len": 256},
               "quantization": {"method": "rtn", "bits": 4, "group_size": 128}, "target": {"device": "cuda"}}
@@ -43,8 +35,8 @@ def test_checkpoint_tokenizer_decodes_every_id_and_build_copies_it(tiny_artifact
     assert manifest.quant.modules["layers.0.attn.qkv"]["layout"] == "gpu"
 
 
-def test_bench_e2e_decode_and_throughput_on_cpu(repo_root, tiny_artifact):
-    bench = _load(repo_root, "bench_e2e")
+def test_bench_e2e_decode_and_throughput_on_cpu(tiny_artifact, load_benchmark):
+    bench = load_benchmark("bench_e2e")
     out = tiny_artifact / "e2e.json"
     assert bench.main([f"{tiny_artifact / 'w4'}=tiny", "--device", "cpu", "--parts", "decode,throughput",
                        "--json", str(out), "--decode-prompt", "8", "--decode-tokens", "4", "--repeats", "1",
@@ -60,16 +52,16 @@ def test_bench_e2e_decode_and_throughput_on_cpu(repo_root, tiny_artifact):
     assert "| tiny | 8/4 | 6 (6) |" in report["table"]
 
 
-def test_cold_start_timer_stamps_the_prompt_echo_and_the_first_token(repo_root):
-    bench = _load(repo_root, "bench_e2e")
+def test_cold_start_timer_stamps_the_prompt_echo_and_the_first_token(load_benchmark):
+    bench = load_benchmark("bench_e2e")
     script = "import sys, time; print('PROMPT', end='', flush=True); time.sleep(0.3); print(' tok', flush=True)"
     result = bench.time_first_output([sys.executable, "-c", script], len("PROMPT"), {}, timeout=30)
     assert result["exit_code"] == 0 and result["stdout"] == "PROMPT tok\n"
     assert result["first_token_s"] - result["ready_s"] >= 0.25
 
 
-def test_bench_e2e_parses_parts_and_throughput_configs(repo_root):
-    bench = _load(repo_root, "bench_e2e")
+def test_bench_e2e_parses_parts_and_throughput_configs(load_benchmark):
+    bench = load_benchmark("bench_e2e")
     assert bench.parse_throughput("128x128:1000,1024x256:200") == [(128, 128, 1000), (1024, 256, 200)]
     assert bench.percentiles([0.001 * i for i in range(1, 101)]) == {"p50": 51.0, "p90": 91.0, "p99": 100.0}
     with pytest.raises(SystemExit):
@@ -79,8 +71,8 @@ def test_bench_e2e_parses_parts_and_throughput_configs(repo_root):
     assert result["decode"]["error"].startswith("ZeroDivisionError") and "failed: x decode" in bench.markdown({"x": result})
 
 
-def test_bench_parallel_helpers(repo_root):
-    bench = _load(repo_root, "bench_parallel")
+def test_bench_parallel_helpers(load_benchmark):
+    bench = load_benchmark("bench_parallel")
     args = bench.parse_args(["--quantization", "rtn-w4", "--workdir", "/tmp/x"])
     assert (args.quantization, args.check_prompts, args.device) == ("rtn-w4", 8, "cuda")
     assert bench.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 7, 6]]) == {
@@ -92,8 +84,8 @@ def test_bench_8b_script_parses(repo_root):
 
 
 @pytest.mark.slow
-def test_bench_parallel_runs_tensor_2_on_cpu(repo_root, tiny_artifact):
-    bench = _load(repo_root, "bench_parallel")
+def test_bench_parallel_runs_tensor_2_on_cpu(tiny_artifact, load_benchmark):
+    bench = load_benchmark("bench_parallel")
     out = tiny_artifact / "parallel.json"
     assert bench.main(["--device", "cpu", "--model", str(tiny_artifact / "ckpt"), "--quantization", "rtn-w4",
                        "--workdir", str(tiny_artifact / "tp"), "--batch-sizes", "1,2", "--prompt-tokens", "8",
