@@ -49,9 +49,13 @@ def can_use_graphs(device: torch.device, enforce_eager: bool) -> bool:
 
 
 def graph_batch_sizes(planned: list[int], max_num_seqs: int) -> list[int]:
-    """The planned batch sizes below max_num_seqs, then max_num_seqs itself (the plan ends with the
-    build's max_num_seqs; a run-time value above it adds one graph at its size), ascending."""
-    return sorted({size for size in planned if size < max_num_seqs} | {max_num_seqs})
+    """The planned batch sizes below max_num_seqs, then max_num_seqs itself, ascending. The plan ends
+    with the build's max_num_seqs; a run-time value above it adds sizes above the plan at the plan's
+    spacing (memory.cuda_graph_batch_sizes: every 8 to 256, every 16 above), so a step of n rows
+    replays a graph at most 15 rows larger, not one of max_num_seqs rows."""
+    top = max(planned, default=0)
+    above = {size for size in memory.cuda_graph_batch_sizes(max_num_seqs) if size > top}
+    return sorted({size for size in planned if size < max_num_seqs} | above | {max_num_seqs})
 
 
 def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int | None:

@@ -32,7 +32,10 @@ def test_batch_sizes_follow_the_plan_up_to_max_num_seqs():
     planned = [1, 2, 4, 8, 16, 24, 32]
     assert graph_batch_sizes(planned, 32) == planned
     assert graph_batch_sizes(planned, 20) == [1, 2, 4, 8, 16, 20]
-    assert graph_batch_sizes(planned, 64) == planned + [64]
+    # a run-time max_num_seqs above the build's: more sizes at the plan's spacing, not one jump to 64
+    assert graph_batch_sizes(planned, 64) == planned + [40, 48, 56, 64]
+    above = graph_batch_sizes([1, 2, 4, 8] + list(range(16, 257, 8)), 1000)
+    assert above[-3:] == [976, 992, 1000] and all(b - a <= 16 for a, b in zip(above, above[1:]))
     assert graph_batch_sizes(planned, 1) == [1]
 
 
