@@ -4,16 +4,33 @@
 #
 #   bash benchmarks/baseline_e2e.sh OLD_TREE ARTIFACT LABEL OUT_JSON [bench_e2e flags...]
 #
-# Runtime keys the old tree does not know (async_scheduling) are removed from the manifest first;
-# the manifest is rewritten in place (the artifact's `files` digests do not cover it in format 1.1).
+# Manifest keys the old tree does not know (async_scheduling, kv_cache_dtype, ...) are removed first,
+# in place (the artifact's `files` digests do not cover the manifest in format 1.1).
 set -euo pipefail
 old=$(cd "$1" && pwd); artifact=$2; label=$3; json=$4; shift 4
-python - "$artifact/manifest.json" <<'PY'
-import json, sys
-path = sys.argv[1]
-manifest = json.load(open(path))
-manifest["runtime"].pop("async_scheduling", None)
-json.dump(manifest, open(path, "w"), indent=1)
-PY
 source "$old/benchmarks/gpu_env.sh"  # /tmp/llmcpkg now points at the old tree
+cd /tmp && python - "$artifact" <<'PY'
+# Drop the manifest keys the old tree does not know (async_scheduling, kv_cache_dtype, ...), one per
+# "unknown key" error of its own reader, until it reads the manifest.
+import json, re, sys
+from llmc.errors import ArtifactError
+from llmc.runtime import artifact as art
+path = f"{sys.argv[1]}/manifest.json"
+for _ in range(50):
+    try:
+        art.read_manifest(sys.argv[1])
+        break
+    except ArtifactError as exc:
+        found = re.search(r"manifest\.json: ([\w.\[\]]+): unknown key", str(exc))
+        if not found:
+            raise
+        *parents, key = found.group(1).split(".")
+        manifest = json.load(open(path))
+        node = manifest
+        for part in parents:
+            node = node[part]
+        print(f"baseline: dropping manifest key {found.group(1)}")
+        node.pop(key)
+        json.dump(manifest, open(path, "w"), indent=1)
+PY
 cd /tmp && python "$old/benchmarks/bench_e2e.py" "$artifact=$label" --json "$json" "$@"
