@@ -7,7 +7,7 @@
 # at those run-time max_num_seqs (the build's is 256) to the same bench_e2e call.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-old=$(cd "$1" && pwd); out=$2; work=${WORK:-/tmp/llmc-overlap}
+old=$(cd "$1" && pwd); out=$2; work=${WORK:-/tmp/llmc-overlap}; parts=${PARTS:-decode,throughput}
 mkdir -p "$out" "$work"
 source "$repo/benchmarks/gpu_env.sh"
 python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" | tail -1
@@ -19,9 +19,9 @@ for q in bf16 fp8; do
   now=("$work/$q=$q-overlap")
   for seqs in ${NOW_SEQS:-}; do now+=("$work/$q=$q-overlap-seqs$seqs@max_num_seqs=$seqs"); done
   (source "$repo/benchmarks/gpu_env.sh"; cd /tmp && python "$repo/benchmarks/bench_e2e.py" "${now[@]}" \
-    --parts "${PARTS:-decode,throughput}" --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$q-overlap.json" | tail -16)
+    --parts "$parts" --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$q-overlap.json" | tail -16)
   bash "$repo/benchmarks/baseline_e2e.sh" "$old" "$work/$q" "$q-before" "$out/e2e-$q-before.json" \
-    --parts "${PARTS:-decode,throughput}" --throughput 128x128:1000 --time-limit 60 | tail -8
+    --parts "$parts" --throughput 128x128:1000 --time-limit 60 | tail -8
   rm -rf "${work:?}/$q"
 done
 rm -rf "$work"
