@@ -19,6 +19,10 @@
 #         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
 #         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
+#   tprofile  bf16 and FP8 W8A8: throughput 128/128 x 1000 step by step and kernel by kernel
+#         (benchmarks/profile_throughput.py --kernels), FP8 also with an FP8 KV cache → tprofile.json;
+#         TPROFILE_RUNS="fp8 fp8=fp8-kv@kv_cache_dtype=fp8" picks the runs (ARTIFACT[=LABEL[@OPTIONS]]),
+#         TPROFILE_ARGS replaces --kernels
 #   moe   Qwen3-30B-A3B-shaped (make_checkpoint.py --arch qwen3-moe, 12 of its 48 layers): bf16 and RTN
 #         W4A16 (g128, symmetric, gpu layout) built side by side, then decode + throughput 128/128 of
 #         each while time is left (one bench_e2e run)    → e2e-moe.json (its markdown under "table")
@@ -31,7 +35,7 @@
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8 [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -175,7 +179,18 @@ case $stage in
       --parts throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$stage.json" \
       --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e $q: FAILED"
     ;;
-  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, moe, moe-kernels, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16 or kprofile-fp8" >&2; exit 2 ;;
+  tprofile)
+    make_checkpoint
+    runs=${TPROFILE_RUNS:-bf16 fp8 fp8=fp8-kvfp8@kv_cache_dtype=fp8}
+    case " $runs" in *" bf16"*) build bf16 1 '{method: none}' & ;; esac
+    case " $runs" in *" fp8"*) build fp8 1 '{method: fp8}' & ;; esac
+    wait
+    say "profile_throughput $runs: start ($(left) s left)"
+    timeout "$(left)" python "$repo/benchmarks/profile_throughput.py" $(for r in $runs; do echo "$work/$r"; done) \
+      ${TPROFILE_ARGS---kernels} --json "$out/tprofile.json" 2>&1 \
+      | tee -a "$log" >&2 || say "profile_throughput: FAILED or cut at the time limit"
+    ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, moe, moe-kernels, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16, kprofile-fp8 or tprofile" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts

@@ -186,6 +186,15 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int, time_limit: 
     return start, stamps, time.perf_counter() - start, is_truncated
 
 
+def warm_up(engine, num: int, length: int) -> None:
+    """A batch of `num` short prompts whose requests end a few at a time, so that the kernels of the
+    batch sizes a measured run passes through are compiled before it."""
+    for i, prompt in enumerate(random_prompts(num, length, engine.manifest.model.vocab_size, seed=7)):
+        engine.add_request(None, SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True), prompt)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def bench_decode(llm: LLM, artifact: Path, args, copy_GBps: float) -> dict:
     engine = llm.engine
     vocab_size, n = engine.manifest.model.vocab_size, args.decode_tokens
@@ -217,12 +226,7 @@ def bench_throughput(llm: LLM, args, remaining) -> list[dict]:
     for inp, out, num in parse_throughput(args.throughput):
         if remaining() <= 0:
             break
-        # Warm-up: a full batch of short prompts whose requests end a few at a time, so that the kernels
-        # of the batch sizes the measured run passes through are compiled before it.
-        for i, prompt in enumerate(random_prompts(min(num, max_num_seqs), min(inp, 64), vocab_size, seed=7)):
-            engine.add_request(None, SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True), prompt)
-        while engine.has_unfinished_requests():
-            engine.step()
+        warm_up(engine, min(num, max_num_seqs), min(inp, 64))
         time_limit = min(args.time_limit, remaining())
         log(f"  throughput {inp}/{out} x {num} (limit {time_limit:.0f} s)")
         prompts = random_prompts(num, inp, vocab_size, seed=inp + out)

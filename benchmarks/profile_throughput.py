@@ -1,0 +1,255 @@
+"""Where a throughput run's time goes: step by step, and kernel by kernel (issue 12).
+
+    source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/profile_throughput.py \\
+        /tmp/bf16=bf16 /tmp/fp8=fp8@max_num_seqs=512 [--throughput 128x128:1000] [--kernels] --json OUT.json
+
+The workload is bench_e2e.py's throughput part (the same prompts, warm-up and engine options: N requests
+of IN random token ids, OUT tokens each, all submitted at once). Every launched step is recorded: its
+decode rows and prompt tokens, the time the `Engine.step()` call that launched it returned, and on CUDA
+two events, before and after its launch (forward, sampling, the copy of its tokens). With overlapped
+scheduling call k launches step k and returns once step k-1's tokens are on the host, so the time from
+call k's return to call k+1's is step k's share of the wall time; the synchronous engine's call k is
+step k itself. The events give the GPU's time per step (first event to last: kernels, and any wait for
+launches in between) and its idle time before each step (the previous step's last event to this
+step's first: time the GPU waited for the host). Steps are grouped as "decode" (only decodes; also
+by batch size, in bands of 32) and "mixed" (any prompt tokens). Also: the host time per engine phase
+(profile_step.py's timers), Python's garbage-collection time, the CUDA graph replays and the Triton
+kernels compiled during the run.
+
+--kernels runs the workload a second time (new prompts, so the prefix cache does not hold them) under
+torch.profiler (CUDA kernels only) and adds the kernel time of the whole run, the GPU-busy fraction
+(kernel time / elapsed; the profiler slows the host) and the --top kernels by time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import log, parse_engine_options, parse_throughput, random_prompts, run_requests, warm_up  # noqa: E402
+from profile_step import PhaseTimer  # noqa: E402
+
+from llmc.runtime.llm import LLM  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifacts", nargs="+", help="ARTIFACT_DIR[=LABEL[@KEY=VALUE,...]]")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--throughput", default="128x128:1000", help="INPUTxOUTPUT:NUM_REQUESTS (one)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kernels", action="store_true", help="a second run under torch.profiler")
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", type=Path, default=Path("profile_throughput.json"))
+    return parser.parse_args(argv)
+
+
+class StepRecorder:
+    """Wraps engine._launch and engine.step: per launched step its decode rows and prompt tokens, the
+    time the step() call that launched it returned, and on CUDA two events around its launch."""
+
+    def __init__(self, engine):
+        self.steps: list[tuple[int, int]] = []
+        self.ends: list[float] = []  # one per step() call that launched a step
+        self.events: list[tuple] = []
+        launch, step = engine._launch, engine.step
+        is_cuda = engine.device.type == "cuda"
+
+        def recorded_launch(batch):
+            self.steps.append((batch.num_decodes, batch.num_batched_tokens - batch.num_decodes))
+            if is_cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                result = launch(batch)
+                end.record()
+                self.events.append((begin, end))
+                return result
+            return launch(batch)
+
+        def recorded_step():
+            num_steps = len(self.steps)
+            outputs = step()
+            if len(self.steps) > num_steps:
+                self.ends.append(time.perf_counter())
+            return outputs
+
+        engine._launch, engine.step = recorded_launch, recorded_step
+
+    def gpu_times(self) -> list[tuple[float, float]]:
+        """(seconds the GPU spent from the step's first event to its last, idle seconds before it)."""
+        torch.cuda.synchronize()
+        times, previous = [], None
+        for begin, end in self.events:
+            gap = 0.0 if previous is None else previous.elapsed_time(begin) / 1000
+            times.append((begin.elapsed_time(end) / 1000, gap))
+            previous = end
+        return times
+
+
+class GcTimer:
+    """Time spent in Python's garbage collector, per generation (gc.callbacks)."""
+
+    def __init__(self):
+        self.seconds, self.count, self._start = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+            self.count[info["generation"]] += 1
+
+    def close(self) -> dict:
+        gc.callbacks.remove(self._callback)
+        return {"gc_s_by_generation": [round(x, 3) for x in self.seconds], "gc_count_by_generation": self.count}
+
+
+class CompileRecorder:
+    """Triton kernels compiled (or loaded from the disk cache) while it is open: name and seconds."""
+
+    def __init__(self):
+        try:
+            from triton import knobs
+        except ImportError:  # no triton: nothing compiles
+            self.knobs, self.compiles = None, []
+            return
+        self.knobs, self.compiles, self._start = knobs, [], 0.0
+        knobs.runtime.jit_cache_hook = self._before
+        knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, **kwargs) -> bool:
+        self._start = time.perf_counter()
+        return False  # compile it
+
+    def _after(self, fn, **kwargs) -> bool:
+        self.compiles.append((fn.name, time.perf_counter() - self._start))
+        return False
+
+    def close(self) -> dict:
+        if self.knobs is not None:
+            self.knobs.runtime.jit_cache_hook = self.knobs.runtime.jit_post_compile_hook = None
+        return {"triton_compiles": len(self.compiles), "triton_compile_s": round(sum(s for _, s in self.compiles), 3),
+                "triton_compiled": sorted({name for name, _ in self.compiles})}
+
+
+def step_summary(recorder: StepRecorder, start: float, is_async: bool) -> dict:
+    """Per-step time grouped by kind and decode batch size: host time between step() returns (see the
+    module docstring) and, on CUDA, the GPU's time per step and its idle time before each step."""
+    ends = [start] + recorder.ends
+    gpu = recorder.gpu_times() if recorder.events else [(0.0, 0.0)] * len(recorder.steps)
+    keys = ("steps", "seconds", "gpu_s", "gpu_idle_s", "decode_rows", "prompt_tokens")
+    groups: dict[str, dict] = defaultdict(lambda: dict.fromkeys(keys, 0))
+    for k, ((decodes, prompt), (gpu_s, idle_s)) in enumerate(zip(recorder.steps, gpu)):
+        # async: step k's time is from call k's return to call k+1's; sync: call k itself
+        begin, end = (ends[k + 1], ends[k + 2]) if is_async and k + 2 < len(ends) else (ends[k], ends[k + 1])
+        kind = f"decode<={32 * ((decodes - 1) // 32 + 1)}"
+        for name in ("mixed",) if prompt else ("decode", kind):
+            g = groups[name]
+            for key, value in zip(keys, (1, end - begin, gpu_s, idle_s, decodes, prompt)):
+                g[key] += value
+    out = {}
+    for name, g in sorted(groups.items()):
+        n = g["steps"]
+        out[name] = {"steps": n, "seconds": round(g["seconds"], 3), "ms_per_step": round(1000 * g["seconds"] / n, 2),
+                     "gpu_ms_per_step": round(1000 * g["gpu_s"] / n, 2),
+                     "gpu_idle_ms_per_step": round(1000 * g["gpu_idle_s"] / n, 2),
+                     "mean_decode_rows": round(g["decode_rows"] / n, 1),
+                     "mean_prompt_tokens": round(g["prompt_tokens"] / n, 1)}
+    return out
+
+
+def run_once(engine, prompts, out_tokens: int) -> tuple[dict, float, int]:
+    timer, gc_timer, compiles = PhaseTimer(engine), GcTimer(), CompileRecorder()
+    recorder = StepRecorder(engine)
+    graphs = getattr(engine.runner, "graphs", None)
+    replays = graphs.num_replays if graphs is not None else 0
+    start, stamps, elapsed, _ = run_requests(engine, prompts, out_tokens)
+    num_tokens = sum(len(t) for t in stamps.values())
+    summary = step_summary(recorder, start, engine.options.async_scheduling)
+    summary["graph_replays"] = graphs.num_replays - replays if graphs is not None else 0
+    summary["host_s"] = {phase: round(seconds, 3) for phase, seconds in timer.totals.items()}
+    summary.update(gc_timer.close())
+    summary.update(compiles.close())
+    for obj in (engine, engine.scheduler, engine.runner, engine.sampler):  # back to the classes' methods
+        for name in ("step", "_launch", "schedule", "execute", "sample", "advance", "_resolve", "forward_logits"):
+            vars(obj).pop(name, None)
+    return summary, elapsed, num_tokens
+
+
+def kernel_profile(engine, prompts, out_tokens: int, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, _, elapsed, _ = run_requests(engine, prompts, out_tokens)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total_s = sum(e.self_device_time_total for e in kernels) / 1e6
+    return {"elapsed_s": round(elapsed, 3), "kernel_s": round(total_s, 3), "gpu_busy": round(total_s / elapsed, 3),
+            "top": [{"kernel": e.key[:120], "s": round(e.self_device_time_total / 1e6, 3), "calls": e.count}
+                    for e in kernels[:top]]}
+
+
+def profile_artifact(path: Path, options: dict, args) -> dict:
+    inp, out, num = parse_throughput(args.throughput)[0]
+    llm = LLM(path, device=args.device, **options)
+    engine = llm.engine
+    warm_up(engine, min(num, engine.options.max_num_seqs), min(inp, 64))
+    prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out)
+    steps, elapsed, num_tokens = run_once(engine, prompts, out)
+    result = {"workload": args.throughput, "elapsed_s": round(elapsed, 3),
+              "output_tokens_per_s": round(num_tokens / elapsed, 1), "async_scheduling": engine.options.async_scheduling,
+              "max_num_seqs": engine.options.max_num_seqs,
+              "max_num_batched_tokens": engine.options.max_num_batched_tokens, "steps": steps}
+    if args.kernels and engine.device.type == "cuda":
+        # new prompts: the first run's are in the prefix cache
+        prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out + 1)
+        result["kernels"] = kernel_profile(engine, prompts, out, args.top)
+    llm.close()
+    return result
+
+
+def summary_lines(label: str, r: dict) -> list[str]:
+    s = r["steps"]
+    lines = [f"{label}: {r['output_tokens_per_s']} output tokens/s in {r['elapsed_s']} s; graph replays "
+             f"{s['graph_replays']}; host s {s['host_s']}; gc s {s['gc_s_by_generation']} ({s['gc_count_by_generation']}); "
+             f"triton compiles {s['triton_compiles']} ({s['triton_compile_s']} s) {s['triton_compiled']}"]
+    lines += [f"  {kind}: {s[kind]}" for kind in ("decode", "mixed") if kind in s]
+    if "kernels" in r:
+        k = r["kernels"]
+        lines.append(f"  kernels: {k['kernel_s']} s of {k['elapsed_s']} s (GPU busy {k['gpu_busy']})")
+        lines += [f"    {t['s']:8.3f} s {t['calls']:7d}  {t['kernel']}" for t in k["top"]]
+    return lines
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    results = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    for item in args.artifacts:
+        path, _, label = item.partition("=")
+        label, _, extra = label.partition("@")
+        label = label or Path(path).name
+        options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                   "max_model_len": args.max_model_len, "disable_log_stats": True, **parse_engine_options(extra)}
+        log(f"{label}: {args.throughput}")
+        results[label] = profile_artifact(Path(path), options, args)
+        print("\n".join(summary_lines(label, results[label])), flush=True)
+        args.json.write_text(json.dumps(results, indent=1))
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
