@@ -6,6 +6,7 @@ update the scheduler → detokenize and check stops → outputs.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -80,6 +81,7 @@ class Engine:
         self._outputs: list[RequestOutput] = []  # the current step's outputs so far
         self._check_invariants = invariant_checks_enabled()
         self.num_resets = 0  # steps that failed as a whole (the engine failed every request and reset)
+        freeze_gc_heap()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -166,8 +168,10 @@ class Engine:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def close(self) -> None:
-        """Stop the worker ranks of a parallel engine and destroy its process groups (idempotent)."""
+        """Stop the worker ranks of a parallel engine and destroy its process groups (idempotent); let
+        the garbage collector see the frozen heap again, so that what the engine held can be freed."""
         self.runner.close()
+        gc.unfreeze()
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -391,6 +395,17 @@ class Engine:
             "num_prompt_tokens": self.stats_logger.num_prompt_tokens,
             "num_generation_tokens": self.stats_logger.num_generation_tokens,
         }
+
+
+def freeze_gc_heap() -> None:
+    """Move every object alive once the engine is loaded (modules, the model, kernels, libraries: about
+    a million objects on a GPU) to the collector's permanent generation, after collecting the garbage
+    of the load. A full collection scans every tracked object, so without this each one paused the
+    serving loop for 0.25-0.9 s on an H100 host, stalling the GPU (benchmarks/RESULTS.md, issue 12);
+    vLLM and SGLang freeze the heap after start-up too. Objects made later (requests) are still
+    collected. Process-wide: `Engine.close` unfreezes."""
+    gc.collect()
+    gc.freeze()
 
 
 def _is_decode(scheduled) -> bool:
