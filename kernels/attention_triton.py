@@ -63,7 +63,12 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# NOTE (specialization): Triton compiles a variant per value class (== 1, divisible by 16, other) of
+# each integer argument. The block-table width of an eager step is its longest sequence's block
+# count, so stride_bt changes from step to step; left specialized, a variant compiled in the middle of
+# serving (0.4-1 s with the GPU idle, measured in a 128/128 run, benchmarks/RESULTS.md issue 12).
+# Such per-step integers are marked do_not_specialize; the kernels never need their alignment.
+@triton.jit(do_not_specialize=["window", "num_partitions", "partition_size", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     scale_log2, v_scale, window, num_heads, num_partitions, partition_size,
@@ -111,7 +116,7 @@ def _decode_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions"])
 def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr,
@@ -133,7 +138,7 @@ def _merge_partitions_kernel(
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, qlen_ptr, qoff_ptr, blk_seq_ptr, blk_q_ptr, out_ptr,
     scale_log2, v_scale, window,
