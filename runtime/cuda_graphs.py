@@ -154,6 +154,28 @@ class CudaGraphs:
             self.graphs[batch_size] = graph
         torch.cuda.synchronize(self.device)
 
+    @torch.inference_mode()
+    def compile_mixed_step(self) -> None:
+        """One eager forward of what a mixed step holds, a decode row and a 2-token prefill, on the
+        scratch block (junk by design), outputs dropped. The graphs' capture compiles the decode
+        kernels of the decode steps; this compiles those of the eager steps (the indexed decode
+        attention, the prefill attention on this cache's dtype, the linears at a generic M) at start,
+        not in the middle of the first requests' steps (0.4-1 s each on an H100, the GPU idle)."""
+        slot, device = self.inputs.scratch_slot, self.device
+        batch = ForwardBatch(
+            positions=torch.tensor([0, 0, 1], device=device),
+            slot_mapping=torch.tensor([slot, slot + 1, slot + 2], device=device),
+            block_tables=torch.full((2, 1), self.inputs.scratch_block, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([1, 2], dtype=torch.int32, device=device),
+            query_lens=[1, 2],
+            max_context_len=2,
+            logits_indices=torch.tensor([0, 2], device=device),
+        )
+        hidden = self.forward(self.inputs.input_ids[:3], batch)
+        if self.forward is self.model:
+            self.model.compute_logits(hidden[batch.logits_indices])
+        torch.cuda.synchronize(device)
+
     def log_capture(self, allowance_bytes: int) -> None:
         sizes = self.batch_sizes
         logger.info("CUDA graphs: captured %d batch sizes (%s) in %.1f s, %.1f MiB of GPU memory (pool %.1f MiB; "

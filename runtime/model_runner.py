@@ -73,6 +73,7 @@ class ModelRunner:
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
                                      scratch_block=self.num_blocks, device=device)
             self.graphs.log_capture(graph_allowance)
+            self.graphs.compile_mixed_step()
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
                         allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:

@@ -525,6 +525,7 @@ def tiny_checkpoint(request) -> tuple[str, Path]:
 def free_gpu():
     """Give the GPU memory of the test's engines back (the next test's memory plan measures it)."""
     yield
+    gc.unfreeze()  # engines freeze the heap when they load
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -546,3 +547,11 @@ def llmc_cli(capsys):
         return exited.value.code, capsys.readouterr().err
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_gc_heap():
+    """An Engine freezes the GC heap when it loads and unfreezes it on close(); tests often drop
+    engines without closing them, so the heap is handed back to the collector after every test."""
+    yield
+    gc.unfreeze()

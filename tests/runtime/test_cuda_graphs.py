@@ -176,6 +176,31 @@ def test_greedy_tokens_are_the_same_with_and_without_graphs(artifact, free_gpu):
         assert (graphs is None) == enforce_eager
         if graphs is not None:
             assert graphs.num_replays > 20
+        llm.close()
         del llm, graphs
         gc.collect()
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_triton_kernel_compiles_while_serving(artifact, free_gpu):
+    """Start-up compiles what steps run (the graphs' decode steps, then one mixed step): mixed steps
+    of new block-table widths, prefill chunks beside decodes and shrinking batches compile nothing."""
+    from triton import knobs
+
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24)
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda fn, **kwargs: compiled.append(fn.name)
+    try:
+        prompts = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate((3, 17, 33, 50, 70, 90))]
+        params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(len(prompts))]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+        llm.close()
+    assert all(len(o.outputs[0].token_ids) == 6 + 5 * i for i, o in enumerate(outputs))
+    assert compiled == []
