@@ -62,7 +62,8 @@ def check_stop(
     num_outputs = len(output_token_ids)
     if num_outputs > params.min_tokens:
         last = output_token_ids[-1]
-        if not params.ignore_eos and last in set(eos_token_ids):
+        if not params.ignore_eos and last in (eos_token_ids if isinstance(eos_token_ids, (set, frozenset))
+                                              else set(eos_token_ids)):
             return StopStatus("stop", None)
         if last in params.stop_token_ids:
             return StopStatus("stop", last)

@@ -125,11 +125,13 @@ class RequestGroup:
 
     @property
     def is_finished(self) -> bool:
-        return all(s.is_finished for s in self.sequences)
+        sequences = self.sequences
+        return sequences[0].is_finished if len(sequences) == 1 else all(s.is_finished for s in sequences)
 
     def output(self) -> RequestOutput:
+        is_finished = self.is_finished
         completions = [s.completion() for s in self.sequences]
-        if self.is_finished and len(completions) > self.params.n:
+        if is_finished and len(completions) > self.params.n:
             # best_of: keep the n sequences the model found most likely.
             completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
             completions = completions[: self.params.n]
@@ -143,7 +145,7 @@ class RequestGroup:
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
-            finished=self.is_finished,
+            finished=is_finished,
             prompt_logprobs=first.prompt_logprobs,
             num_cached_tokens=first.request.num_cached_tokens,
             metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time},

@@ -204,12 +204,14 @@ class Scheduler:
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled)
-        decodes = [item for item in scheduled if item.is_decode]
-        prefills = [item for item in scheduled if not item.is_decode]
+        decodes, prefills, num_batched_tokens = [], [], 0
+        for item in scheduled:
+            (decodes if item.is_decode else prefills).append(item)
+            num_batched_tokens += item.num_new_tokens
         return ScheduledBatch(
             requests=decodes + prefills,
             num_decodes=len(decodes),
-            num_batched_tokens=sum(item.num_new_tokens for item in scheduled),
+            num_batched_tokens=num_batched_tokens,
             preempted=preempted,
         )
 
@@ -222,7 +224,7 @@ class Scheduler:
             # >= 1: update() always leaves a running request at least one token to compute
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             is_last_chunk = request.num_computed_tokens + num_new_tokens == request.num_tokens
-            drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk else []
+            drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk and request.spec_token_ids else []
             if not self._reserve_blocks(request, num_new_tokens + len(drafts), preempted):
                 break  # preempted itself: it was the tail, nothing runs after it
             scheduled.append(ScheduledRequest(request, num_new_tokens + len(drafts), is_last_chunk, drafts))
@@ -236,6 +238,8 @@ class Scheduler:
         """Give a running request the blocks for its next tokens, preempting from the tail."""
         num_needed = self._num_blocks_to_cover(request.num_computed_tokens + num_new_tokens)
         num_needed -= len(request.block_ids)
+        if num_needed <= 0:  # most decode steps: the last block has room
+            return True
         while not self.block_pool.can_allocate(num_needed):
             victim = self.running.pop()
             self._preempt(victim)
