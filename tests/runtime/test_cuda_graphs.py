@@ -204,3 +204,20 @@ def test_no_triton_kernel_compiles_while_serving(artifact, free_gpu):
         llm.close()
     assert all(len(o.outputs[0].token_ids) == 6 + 5 * i for i, o in enumerate(outputs))
     assert compiled == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_row_graphs_start_and_match_eager(artifact, free_gpu):
+    """max_num_seqs 1: graphs of one row; the start-up mixed step (3 tokens) does not use their buffers."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for enforce_eager in (True, False):
+        llm = LLM(artifact, device="cuda", enforce_eager=enforce_eager, max_num_seqs=1, gpu_memory_utilization=0.3)
+        tokens[enforce_eager] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params)]
+        assert (llm.engine.runner.graphs is None) == enforce_eager
+        llm.close()
+    assert tokens[False] == tokens[True]
