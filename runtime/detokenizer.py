@@ -19,6 +19,7 @@ sees text that is later retracted.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -47,7 +48,7 @@ class StopStatus:
 def check_stop(
     params: SamplingParams,
     output_token_ids: list[int],
-    eos_token_ids: Iterable[int],
+    eos_token_ids: Collection[int],
     *,
     num_prompt_tokens: int = 0,
     max_model_len: int | None = None,
@@ -62,8 +63,7 @@ def check_stop(
     num_outputs = len(output_token_ids)
     if num_outputs > params.min_tokens:
         last = output_token_ids[-1]
-        if not params.ignore_eos and last in (eos_token_ids if isinstance(eos_token_ids, (set, frozenset))
-                                              else set(eos_token_ids)):
+        if not params.ignore_eos and last in eos_token_ids:
             return StopStatus("stop", None)
         if last in params.stop_token_ids:
             return StopStatus("stop", last)

@@ -224,7 +224,7 @@ class Scheduler:
             # >= 1: update() always leaves a running request at least one token to compute
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
             is_last_chunk = request.num_computed_tokens + num_new_tokens == request.num_tokens
-            drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk and request.spec_token_ids else []
+            drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk else []
             if not self._reserve_blocks(request, num_new_tokens + len(drafts), preempted):
                 break  # preempted itself: it was the tail, nothing runs after it
             scheduled.append(ScheduledRequest(request, num_new_tokens + len(drafts), is_last_chunk, drafts))
