@@ -58,12 +58,14 @@ class PhaseTimer:
 
     def __init__(self, engine: Engine):
         self.totals = dict.fromkeys([*PHASES, "forward"], 0.0)
+        self._wrapped: list[tuple[object, str]] = []
         for phase, (owner, name) in PHASES.items():
             self._wrap(engine if owner is None else getattr(engine, owner), name, phase)
         self._wrap(engine.runner, "forward_logits", "forward")
 
     def _wrap(self, obj, name: str, phase: str) -> None:
         original = getattr(obj, name)
+        self._wrapped.append((obj, name))
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -76,6 +78,11 @@ class PhaseTimer:
 
     def reset(self) -> None:
         self.totals = dict.fromkeys(self.totals, 0.0)
+
+    def close(self) -> None:
+        """Back to the classes' methods."""
+        for obj, name in self._wrapped:
+            vars(obj).pop(name, None)
 
 
 def fill(engine: Engine, batch_size: int, args, rng: random.Random) -> None:

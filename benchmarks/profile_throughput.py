@@ -84,6 +84,12 @@ class StepRecorder:
             return outputs
 
         engine._launch, engine.step = recorded_launch, recorded_step
+        self._engine = engine
+
+    def close(self) -> None:
+        """Back to the engine's own methods."""
+        vars(self._engine).pop("_launch")
+        vars(self._engine).pop("step")
 
     def gpu_times(self) -> list[tuple[float, float]]:
         """(seconds the GPU spent from the step's first event to its last, idle seconds before it)."""
@@ -181,9 +187,8 @@ def run_once(engine, prompts, out_tokens: int) -> tuple[dict, float, int]:
     summary["host_s"] = {phase: round(seconds, 3) for phase, seconds in timer.totals.items()}
     summary.update(gc_timer.close())
     summary.update(compiles.close())
-    for obj in (engine, engine.scheduler, engine.runner, engine.sampler):  # back to the classes' methods
-        for name in ("step", "_launch", "schedule", "execute", "sample", "advance", "_resolve", "forward_logits"):
-            vars(obj).pop(name, None)
+    recorder.close()
+    timer.close()
     return summary, elapsed, num_tokens
 
 
@@ -247,7 +252,8 @@ def main(argv=None) -> int:
         results[label] = profile_artifact(Path(path), options, args)
         print("\n".join(summary_lines(label, results[label])), flush=True)
         args.json.write_text(json.dumps(results, indent=1))
-        torch.cuda.empty_cache() if args.device == "cuda" else None
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
