@@ -1,0 +1,71 @@
+"""The engine's host time per step, with the model's forward replaced by constant logits (issue 12).
+
+    python benchmarks/host_cost.py [ARTIFACT] [--batch 512] [--repeats 3]
+
+Loads ARTIFACT (default build/ref-llama-12m, from `llmc build recipes/ref-llama-12m.yaml`) on the CPU
+with max_num_seqs --batch, replaces `runner.forward_logits` by a function that returns the same
+constant logits every call (token 5 wins), and runs bench_e2e's throughput workload (2 x --batch
+requests of 128 random prompt tokens, 128 output tokens each, all submitted at once) --repeats times.
+What is left per `Engine.step()` is the host's own work: scheduling, building the step's inputs,
+sampling, detokenizing, stops, outputs. Prints the median ms per step. Compare trees by running it
+on each in turn on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_e2e import random_prompts, run_requests, warm_up  # noqa: E402
+
+from llmc.runtime.llm import LLM  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", nargs="?", default="build/ref-llama-12m")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    blocks_per_seq = -(-(128 + 128) // 16) + 1
+    llm = LLM(args.artifact, device="cpu", max_num_seqs=args.batch, max_num_batched_tokens=8192, max_model_len=512,
+              block_size=16, num_kv_blocks=args.batch * blocks_per_seq + 64, disable_log_stats=True)
+    engine = llm.engine
+    vocab_size = engine.manifest.model.vocab_size
+    logits: dict[int, torch.Tensor] = {}
+
+    def constant_logits(input_ids, forward_batch):
+        num_rows = forward_batch.logits_indices.shape[0]
+        if num_rows not in logits:
+            logits[num_rows] = torch.zeros(num_rows, vocab_size)
+            logits[num_rows][:, 5] = 1.0
+        return logits[num_rows]
+
+    engine.runner.forward_logits = constant_logits
+    warm_up(engine, 64, 16)
+    step, per_step = engine.step, []
+    for repeat in range(args.repeats):
+        num_steps = 0
+
+        def counted_step():
+            nonlocal num_steps
+            num_steps += 1
+            return step()
+
+        engine.step = counted_step
+        _, _, elapsed, _ = run_requests(engine, random_prompts(2 * args.batch, 128, vocab_size, seed=10 + repeat), 128)
+        per_step.append(1000 * elapsed / num_steps)
+    engine.step = step
+    llm.close()
+    print(f"batch {args.batch}: host ms per step {statistics.median(per_step):.2f} "
+          f"(runs {[round(x, 2) for x in per_step]}, {num_steps} steps each)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
