@@ -50,7 +50,7 @@ import torch
 
 from llmc.runtime import artifact as art
 from llmc.runtime.llm import LLM
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 PARTS = ("decode", "throughput", "cold")
 COLD_PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--throughput", default="128x128:1000,1024x256:200", help="INPUTxOUTPUT:NUM_REQUESTS, ...")
     parser.add_argument("--time-limit", type=float, default=90.0, help="seconds per throughput config")
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "delta", "cumulative"],
+                        help="the throughput requests' output_kind (final_only: as LLM.generate and vLLM's "
+                             "throughput benchmark; no TTFT/ITL then); a label's @output_kind=... wins")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -164,10 +167,14 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(1, high) for _ in range(length)] for _ in range(num)]
 
 
-def run_requests(engine, prompts: list[list[int]], max_tokens: int, time_limit: float | None = None):
+def run_requests(engine, prompts: list[list[int]], max_tokens: int, time_limit: float | None = None,
+                 output_kind: str = "delta"):
     """Submit every prompt at once and step until done (or time_limit). Returns (t0, {request id: token
-    times}, elapsed, is_truncated); token times are perf_counter() stamps of the step that made them."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    times}, elapsed, is_truncated); token times are perf_counter() stamps of the step that returned them.
+    `output_kind`: the requests' (delta, as a streaming server asks; cumulative; or final_only, as
+    LLM.generate asks, when every token is stamped with its request's end)."""
+    kind = RequestOutputKind[output_kind.upper()]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
     start = time.perf_counter()
     stamps = {engine.add_request(None, params, p): [] for p in prompts}
     deadline = None if time_limit is None else start + time_limit
@@ -182,7 +189,8 @@ def run_requests(engine, prompts: list[list[int]], max_tokens: int, time_limit: 
         now = time.perf_counter()
         for output in outputs:
             times = stamps[output.request_id]
-            times.extend([now] * (len(output.outputs[0].token_ids) - len(times)))
+            num_new = len(output.outputs[0].token_ids) - (0 if kind is RequestOutputKind.DELTA else len(times))
+            times.extend([now] * num_new)
     return start, stamps, time.perf_counter() - start, is_truncated
 
 
@@ -218,8 +226,9 @@ def bench_decode(llm: LLM, artifact: Path, args, copy_GBps: float) -> dict:
     }
 
 
-def bench_throughput(llm: LLM, args, remaining) -> list[dict]:
-    """One result per --throughput config; `remaining()` (seconds of budget left) bounds each run too."""
+def bench_throughput(llm: LLM, args, remaining, output_kind: str) -> list[dict]:
+    """One result per --throughput config; `remaining()` (seconds of budget left) bounds each run too.
+    With final_only outputs every token is stamped at its request's end: no TTFT or ITL."""
     engine = llm.engine
     vocab_size, results = engine.manifest.model.vocab_size, []
     max_num_seqs, max_batched = engine.options.max_num_seqs, engine.options.max_num_batched_tokens  # a label's @ options win
@@ -230,17 +239,18 @@ def bench_throughput(llm: LLM, args, remaining) -> list[dict]:
         time_limit = min(args.time_limit, remaining())
         log(f"  throughput {inp}/{out} x {num} (limit {time_limit:.0f} s)")
         prompts = random_prompts(num, inp, vocab_size, seed=inp + out)
-        start, stamps, elapsed, is_truncated = run_requests(engine, prompts, out, time_limit)
+        start, stamps, elapsed, is_truncated = run_requests(engine, prompts, out, time_limit, output_kind)
         num_tokens = sum(len(t) for t in stamps.values())
         ttft = [t[0] - start for t in stamps.values() if t]
         itl = [b - a for t in stamps.values() for a, b in zip(t, t[1:])]
+        streamed = output_kind != "final_only"
         results.append({
             "input_tokens": inp, "output_tokens": out, "num_requests": num,
             "num_finished": sum(len(t) == out for t in stamps.values()), "is_truncated": is_truncated,
             "elapsed_s": round(elapsed, 2), "output_tokens_per_s": round(num_tokens / elapsed, 1),
             "total_tokens_per_s": round((num_tokens + inp * len(ttft)) / elapsed, 1),
-            "ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl),
-            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched,
+            "ttft_ms": percentiles(ttft) if streamed else None, "itl_ms": percentiles(itl) if streamed else None,
+            "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched, "output_kind": output_kind,
         })
         log(f"  -> {results[-1]['output_tokens_per_s']} output tokens/s, {results[-1]['num_finished']}/{num} finished")
     return results
@@ -311,7 +321,9 @@ def bench_cold(artifact: Path, args) -> list[dict]:
 # ---- tables and the driver -----------------------------------------------------------------------
 
 
-def _fmt(p: dict) -> str:
+def _fmt(p: dict | None) -> str:
+    if p is None:  # final_only outputs: not measured
+        return "—"
     return "/".join("—" if p[k] is None else f"{p[k]:.1f}" for k in ("p50", "p90", "p99"))
 
 
@@ -382,6 +394,7 @@ def bench_loaded(artifact: Path, result: dict, args, parts: list[str], remaining
     options = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                "max_model_len": args.max_model_len, "disable_log_stats": True, **engine_options}
     result["engine_options"] = engine_options
+    output_kind = options.pop("output_kind", args.output_kind)  # bench_e2e's, not the engine's
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
     start = time.perf_counter()
@@ -396,7 +409,7 @@ def bench_loaded(artifact: Path, result: dict, args, parts: list[str], remaining
         save()
     if "throughput" in parts and remaining() > 0:
         log("  throughput")
-        run_part("throughput", result, lambda: bench_throughput(llm, args, remaining))
+        run_part("throughput", result, lambda: bench_throughput(llm, args, remaining, output_kind))
     llm.close()
     del llm
     release_memory(torch.device(args.device))

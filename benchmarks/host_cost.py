@@ -31,6 +31,7 @@ def main(argv=None) -> int:
     parser.add_argument("artifact", nargs="?", default="build/ref-llama-12m")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-kind", default="delta", choices=["cumulative", "delta", "final_only"])
     args = parser.parse_args(argv)
     blocks_per_seq = -(-(128 + 128) // 16) + 1
     llm = LLM(args.artifact, device="cpu", max_num_seqs=args.batch, max_num_batched_tokens=8192, max_model_len=512,
@@ -58,11 +59,12 @@ def main(argv=None) -> int:
             return step()
 
         engine.step = counted_step
-        _, _, elapsed, _ = run_requests(engine, random_prompts(2 * args.batch, 128, vocab_size, seed=10 + repeat), 128)
+        _, _, elapsed, _ = run_requests(engine, random_prompts(2 * args.batch, 128, vocab_size, seed=10 + repeat), 128,
+                                     output_kind=args.output_kind)
         per_step.append(1000 * elapsed / num_steps)
     engine.step = step
     llm.close()
-    print(f"batch {args.batch}: host ms per step {statistics.median(per_step):.2f} "
+    print(f"batch {args.batch}, {args.output_kind} outputs: host ms per step {statistics.median(per_step):.2f} "
           f"(runs {[round(x, 2) for x in per_step]}, {num_steps} steps each)")
     return 0
 

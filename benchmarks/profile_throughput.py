@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--output-kind", default="final_only", choices=["final_only", "delta", "cumulative"],
+                        help="the requests' output_kind (bench_e2e.py's --output-kind)")
     parser.add_argument("--kernels", action="store_true", help="a second run under torch.profiler")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", type=Path, default=Path("profile_throughput.json"))
@@ -175,12 +177,12 @@ def step_summary(recorder: StepRecorder, start: float, is_async: bool) -> dict:
     return out
 
 
-def run_once(engine, prompts, out_tokens: int) -> tuple[dict, float, int]:
+def run_once(engine, prompts, out_tokens: int, output_kind: str) -> tuple[dict, float, int]:
     timer, gc_timer, compiles = PhaseTimer(engine), GcTimer(), CompileRecorder()
     recorder = StepRecorder(engine)
     graphs = getattr(engine.runner, "graphs", None)
     replays = graphs.num_replays if graphs is not None else 0
-    start, stamps, elapsed, _ = run_requests(engine, prompts, out_tokens)
+    start, stamps, elapsed, _ = run_requests(engine, prompts, out_tokens, output_kind=output_kind)
     num_tokens = sum(len(t) for t in stamps.values())
     summary = step_summary(recorder, start, engine.options.async_scheduling)
     summary["graph_replays"] = graphs.num_replays - replays if graphs is not None else 0
@@ -192,12 +194,12 @@ def run_once(engine, prompts, out_tokens: int) -> tuple[dict, float, int]:
     return summary, elapsed, num_tokens
 
 
-def kernel_profile(engine, prompts, out_tokens: int, top: int) -> dict:
+def kernel_profile(engine, prompts, out_tokens: int, top: int, output_kind: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _, _, elapsed, _ = run_requests(engine, prompts, out_tokens)
+        _, _, elapsed, _ = run_requests(engine, prompts, out_tokens, output_kind=output_kind)
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
@@ -209,19 +211,20 @@ def kernel_profile(engine, prompts, out_tokens: int, top: int) -> dict:
 
 def profile_artifact(path: Path, options: dict, args) -> dict:
     inp, out, num = parse_throughput(args.throughput)[0]
+    output_kind = options.pop("output_kind", args.output_kind)  # the requests', not the engine's
     llm = LLM(path, device=args.device, **options)
     engine = llm.engine
     warm_up(engine, min(num, engine.options.max_num_seqs), min(inp, 64))
     prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out)
-    steps, elapsed, num_tokens = run_once(engine, prompts, out)
-    result = {"workload": args.throughput, "elapsed_s": round(elapsed, 3),
+    steps, elapsed, num_tokens = run_once(engine, prompts, out, output_kind)
+    result = {"workload": args.throughput, "output_kind": output_kind, "elapsed_s": round(elapsed, 3),
               "output_tokens_per_s": round(num_tokens / elapsed, 1), "async_scheduling": engine.options.async_scheduling,
               "max_num_seqs": engine.options.max_num_seqs,
               "max_num_batched_tokens": engine.options.max_num_batched_tokens, "steps": steps}
     if args.kernels and engine.device.type == "cuda":
         # new prompts: the first run's are in the prefix cache
         prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out + 1)
-        result["kernels"] = kernel_profile(engine, prompts, out, args.top)
+        result["kernels"] = kernel_profile(engine, prompts, out, args.top, output_kind)
     llm.close()
     return result
 

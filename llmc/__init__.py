@@ -11,6 +11,7 @@ _LAZY = {
     "LLM": ("llmc.runtime.llm", "LLM"),
     "SamplingParams": ("llmc.runtime.sampling_params", "SamplingParams"),
     "RequestOutput": ("llmc.runtime.outputs", "RequestOutput"),
+    "RequestOutputKind": ("llmc.runtime.sampling_params", "RequestOutputKind"),
     "BeamSearchParams": ("llmc.runtime.beam_search", "BeamSearchParams"),
     "GuidedDecodingParams": ("llmc.runtime.structured_output", "GuidedDecodingParams"),
     "StructuredOutputsParams": ("llmc.runtime.structured_output", "StructuredOutputsParams"),

@@ -110,6 +110,7 @@ class BatchSampler:
         self.vocab_ids = torch.arange(vocab_size, device=device)
         # [num_rows] tokens each row generated: kept on the device, advanced by every sampled step
         self.num_output = torch.zeros(num_rows, dtype=torch.long, device=device)
+        self._new_num_output: dict[int, int] = {}  # rows that joined since the last upload: their counts
         # [num_rows, vocab]: allocated when the first row with penalties joins
         self.output_counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
@@ -133,7 +134,7 @@ class BatchSampler:
                 "is_greedy": params.is_greedy, "has_allowed": params.allowed_token_ids is not None}
         self._ints[:, row] = [ints[name] for name in _INT_FIELDS]
         self._is_dirty = True
-        self.num_output[row] = len(output_token_ids)  # a fill on the device, no copy back
+        self._new_num_output[row] = len(output_token_ids)  # written to the device by the next _upload
         if params.has_penalties:
             self._set_counts(row, prompt_token_ids, output_token_ids)
 
@@ -163,6 +164,10 @@ class BatchSampler:
             if params.min_tokens > 0:
                 stops = params.all_stop_token_ids(self.eos_token_ids)
                 self._sparse["stop"].extend((row, t, 0.0) for t in sorted(stops) if t < self.vocab_size)
+        if self._new_num_output:  # one scatter for all the rows that joined (not a fill each)
+            rows, counts = zip(*self._new_num_output.items())
+            self.num_output[torch.tensor(rows).to(self.device)] = torch.tensor(counts).to(self.device)
+            self._new_num_output.clear()
         self._float_params = torch.from_numpy(self._floats.copy()).to(self.device)
         self._int_params = torch.from_numpy(self._ints.copy()).to(self.device)
         self._sparse_t = {name: self._sparse_tensors(entries) for name, entries in self._sparse.items()}

@@ -26,7 +26,7 @@ from llmc.errors import RequestError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.request_state import RequestGroup
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: list[int], length_penalty: float) -> float:
@@ -208,8 +208,11 @@ class BeamGroup(RequestGroup):
     def is_finished(self) -> bool:
         return self.is_over
 
-    def output(self) -> RequestOutput:
-        """Nothing until the search is over; then its n best beams, best first."""
+    def output(self) -> RequestOutput | None:
+        """Nothing until the search is over (an output without sequences for CUMULATIVE requests,
+        None for the other kinds); then its n best beams, best first."""
+        if not self.is_over and self.params.output_kind is not RequestOutputKind.CUMULATIVE:
+            return None
         completions = []
         if self.is_over:
             penalty = self.params.length_penalty

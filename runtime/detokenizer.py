@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens that seed the first window, so that the first output token decodes as it does
 # in context (sentencepiece-style decoders drop a leading space at the start of a text).
@@ -114,11 +114,24 @@ class IncrementalDetokenizer:
         self._pieces: _PieceJoiner | None = None
         if params.detokenize:
             self._pieces = _PieceJoiner(tokenizer, prompt_token_ids, params)
+        # FINAL_ONLY without stop strings: nothing reads the text before the end, so the tokens are
+        # decoded then, each run in one window, instead of two window decodes per token.
+        self._deferred: list[int] | None = None
+        if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop and self._pieces is not None:
+            self._deferred = []
 
     @property
     def output_text(self) -> str:
         """The text streamed so far (all deltas); the whole output once finished."""
         return self._text[: self._num_emitted]
+
+    @property
+    def num_output_chars(self) -> int:
+        return self._num_emitted
+
+    def output_text_from(self, start: int) -> str:
+        """`output_text[start:]`, without copying what comes before."""
+        return self._text[start : self._num_emitted]
 
     @property
     def is_finished(self) -> bool:
@@ -135,9 +148,11 @@ class IncrementalDetokenizer:
     def add_tokens(self, new_token_ids: Iterable[int]) -> str:
         """Append generated tokens; return the text that became final (the stream delta)."""
         for token_id in new_token_ids:
-            if self.is_finished:
+            if self.status is not None:
                 break
             self._add_token(token_id)
+        if self._deferred is not None and self.status is None:
+            return ""  # nothing is decoded before the end
         return self._emit()
 
     def finish(self, finish_reason: str = "abort") -> str:
@@ -158,7 +173,10 @@ class IncrementalDetokenizer:
         num_chars = len(self._text)
         if self._pieces is not None and (not is_stop_token
                                          or self.params.include_stop_str_in_output):
-            self._text += self._pieces.add(token_id)
+            if self._deferred is not None:
+                self._deferred.append(token_id)
+            else:
+                self._text += self._pieces.add(token_id)
         if status is not None:
             self._flush()  # bytes still pending are final now
         if not is_stop_token:
@@ -167,6 +185,9 @@ class IncrementalDetokenizer:
 
     def _flush(self) -> None:
         if self._pieces is not None:
+            if self._deferred:
+                self._text += self._pieces.add_many(self._deferred)
+                self._deferred.clear()
             self._text += self._pieces.flush()
 
     def _match_stop_string(self, num_old_chars: int) -> StopStatus | None:
@@ -197,8 +218,8 @@ class IncrementalDetokenizer:
 
     def _num_chars_held_back(self) -> int:
         """Length of the longest unstreamed tail that a stop string may still start with."""
-        if self.params.include_stop_str_in_output:
-            return 0  # the cut is at the end of the match: nothing streamed is ever retracted
+        if self.params.include_stop_str_in_output or not self._max_stop_len:
+            return 0  # the cut is at the end of the match (or no stop strings): nothing is ever retracted
         num_pending = len(self._text) - self._num_emitted
         for length in range(min(self._max_stop_len - 1, num_pending), 0, -1):
             tail = self._text[-length:]
@@ -227,13 +248,29 @@ class _PieceJoiner:
                 return ""  # dropped, and the run around it continues
             text = self.flush() + self._separator()
             return text + self._tokenizer.convert_ids_to_tokens(token_id)
+        return self._add_to_run([token_id])
+
+    def add_many(self, token_ids: list[int]) -> str:
+        """`add` of each token in turn, with each run of normal tokens decoded in one window."""
+        text, run = "", []
+        for token_id in token_ids:
+            if token_id not in self._special_ids:
+                run.append(token_id)
+            elif not self._params.skip_special_tokens:
+                text += self._add_to_run(run) + self.add(token_id)
+                run = []
+        return text + self._add_to_run(run)
+
+    def _add_to_run(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
         text = ""
         if self._run is None:
             self._run = _RunDecoder(self._decode, [])
         if not self._run_is_piece:
             text = self._separator()
             self._run_is_piece = True
-        return text + self._run.add(token_id)
+        return text + self._run.add(token_ids)
 
     def flush(self) -> str:
         """End the current run: its pending bytes become final (as replacement characters)."""
@@ -279,8 +316,8 @@ class _RunDecoder:
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
 
-    def add(self, token_id: int) -> str:
-        self._token_ids.append(token_id)
+    def add(self, token_ids: list[int]) -> str:
+        self._token_ids += token_ids
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""  # an incomplete character (or nothing yet): wait for more tokens

@@ -354,10 +354,12 @@ class Engine:
             if group is None:  # failed this step (another of its sequences)
                 continue
             try:
-                outputs.append(group.output())
+                output = group.output()
             except Exception as e:  # noqa: BLE001 - building its output failed: this request's fault
                 outputs += self._fail(group_id, e)
                 continue
+            if output is not None:  # None: nothing this step for its output_kind
+                outputs.append(output)
             if group.is_finished:
                 self._release(group)
         return outputs

@@ -14,7 +14,7 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template
 
 PromptType = str | list[int] | dict
@@ -72,7 +72,8 @@ class LLM:
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set)."""
         prompts = self._pretokenize(_as_prompt_list(prompts))
-        params = _as_params_list(sampling_params, len(prompts))
+        # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
+        params = _with_output_kind(_as_params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
         ids: list[str] = []
         try:  # all or none
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -101,6 +102,7 @@ class LLM:
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
         """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
+        [sampling_params] = _with_output_kind([sampling_params], RequestOutputKind.DELTA)
         if messages is not None:
             request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
         else:
@@ -109,7 +111,7 @@ class LLM:
 
     def _deltas(self, request_id: str) -> Iterator[str]:
         """The text deltas; a generator closed (or dropped) before the end aborts its request."""
-        emitted, finished = 0, False
+        finished = False
         try:
             while not finished and self.engine.has_unfinished_requests():
                 for output in self.engine.step():
@@ -118,10 +120,8 @@ class LLM:
                     finished = output.finished
                     if output.error is not None:
                         raise RequestFailedError(output.error, [output])
-                    text = output.outputs[0].text
-                    if len(text) > emitted:
-                        yield text[emitted:]
-                        emitted = len(text)
+                    if output.outputs and output.outputs[0].text:
+                        yield output.outputs[0].text
         finally:
             if not finished:
                 self.engine.abort_request(request_id)
@@ -200,6 +200,15 @@ def _as_prompt_list(prompts) -> list:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return prompts
+
+
+def _with_output_kind(params: list, kind: RequestOutputKind) -> list:
+    """The params with output_kind `kind` (copies; one per distinct object)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if isinstance(p, SamplingParams) and id(p) not in copies:
+            copies[id(p)] = p if p.output_kind is kind else p.replace(output_kind=kind)
+    return [copies.get(id(p), p) for p in params]
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:

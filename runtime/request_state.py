@@ -15,7 +15,7 @@ from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.sampler import compute_prompt_logprobs, make_generator
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 _STATUS_FOR_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
@@ -37,6 +37,10 @@ class SequenceState:
         # prompt_logprobs[p] is the logprob of prompt token p (None for the first, which has no context).
         self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
+        # What DELTA outputs have returned: tokens, characters of text, and whether the finish
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
+        self.sent_finish = False
 
     def record_logprobs(self, token: int, logprobs: dict[int, float] | None) -> None:
         if logprobs is None or self.logprobs is None:
@@ -79,19 +83,45 @@ class SequenceState:
         return self.detokenizer.is_finished or self.request.status is RequestStatus.FINISHED_ABORTED
 
     def completion(self) -> CompletionOutput:
+        """The whole output so far."""
         detok = self.detokenizer
-        finish_reason = detok.finish_reason
-        if finish_reason is None and self.request.status == RequestStatus.FINISHED_ABORTED:
-            finish_reason = "abort"
         return CompletionOutput(
             index=self.index,
             text=detok.output_text,
             token_ids=list(detok.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else self.logprobs[: len(detok.output_token_ids)],
+            finish_reason=self._finish_reason(),
+            stop_reason=detok.stop_reason,
+        )
+
+    def delta(self) -> CompletionOutput | None:
+        """What was added since the last delta (None if nothing, the finish included)."""
+        detok = self.detokenizer
+        num_tokens, num_chars = len(detok.output_token_ids), detok.num_output_chars
+        finish_reason = self._finish_reason()
+        if (num_tokens == self.num_sent_tokens and num_chars == self.num_sent_chars
+                and (finish_reason is None or self.sent_finish)):
+            return None
+        first_token = self.num_sent_tokens
+        output = CompletionOutput(
+            index=self.index,
+            text=detok.output_text_from(self.num_sent_chars),
+            token_ids=detok.output_token_ids[first_token:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs[first_token:num_tokens],
             finish_reason=finish_reason,
             stop_reason=detok.stop_reason,
         )
+        self.num_sent_tokens, self.num_sent_chars = num_tokens, num_chars
+        self.sent_finish = finish_reason is not None
+        return output
+
+    def _finish_reason(self) -> str | None:
+        finish_reason = self.detokenizer.finish_reason
+        if finish_reason is None and self.request.status == RequestStatus.FINISHED_ABORTED:
+            finish_reason = "abort"
+        return finish_reason
 
 
 @dataclass
@@ -105,6 +135,7 @@ class RequestGroup:
     arrival_time: float
     sequences: list[SequenceState] = field(default_factory=list)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step
+    prompt_logprobs_sent: bool = False  # DELTA: the first output (which carries them) was returned
 
     def mark_scheduled(self, now: float) -> None:
         if self.first_scheduled_time is None:
@@ -128,9 +159,21 @@ class RequestGroup:
         sequences = self.sequences
         return sequences[0].is_finished if len(sequences) == 1 else all(s.is_finished for s in sequences)
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | None:
+        """This step's output, as the request's output_kind asks: None for a FINAL_ONLY request
+        still running, or a DELTA request none of whose sequences progressed."""
         is_finished = self.is_finished
-        completions = [s.completion() for s in self.sequences]
+        kind = self.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not is_finished:
+            return None
+        prompt_logprobs = self.sequences[0].prompt_logprobs
+        if kind is RequestOutputKind.DELTA:
+            completions = [c for c in (s.delta() for s in self.sequences) if c is not None]
+            if not completions and not is_finished:
+                return None
+            prompt_logprobs, self.prompt_logprobs_sent = (None if self.prompt_logprobs_sent else prompt_logprobs), True
+        else:
+            completions = [s.completion() for s in self.sequences]
         if is_finished and len(completions) > self.params.n:
             # best_of: keep the n sequences the model found most likely.
             completions.sort(key=lambda c: c.cumulative_logprob, reverse=True)
@@ -146,7 +189,7 @@ class RequestGroup:
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=is_finished,
-            prompt_logprobs=first.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.request.num_cached_tokens,
             metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time},
         )

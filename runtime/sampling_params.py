@@ -9,6 +9,7 @@ becomes 0 (both mean "off"), `logit_bias` keys become ints (JSON sends strings).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import math
 from dataclasses import dataclass, field
@@ -24,6 +25,22 @@ MAX_ABS_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 _INT64_MAX = 2**63 - 1
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs `Engine.step()` returns for a request (vLLM's enum and values).
+
+    CUMULATIVE: after every step, the whole output so far (text, token ids, logprobs).
+    DELTA: after every step that added to a sequence, only what was added since the last output
+        (its text, token ids and logprobs; `cumulative_logprob` stays the running sum); prompt
+        logprobs come with the first output only.
+    FINAL_ONLY: one output, when the request is finished (what `LLM.generate` asks for). No output
+        is built for the steps before: the cheapest for the host.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 LogitsProcessor = Callable[..., Any]
 """A per-request logits processor, in one of two forms (vLLM's):
@@ -76,6 +93,8 @@ class SamplingParams:
             it): the n best beams by cumulative logprob / length ** length_penalty are returned.
             Fields that cannot apply to it (stop strings, penalties, logprobs, ...) are refused.
         length_penalty: the exponent of the length in a beam's score (beam search only).
+        output_kind: a `RequestOutputKind`: every step's whole output (CUMULATIVE), every step's
+            new part (DELTA) or only the final output (FINAL_ONLY).
     """
 
     n: int = 1
@@ -108,6 +127,7 @@ class SamplingParams:
     structured_outputs: Any = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Derived in __post_init__: the number of arguments each logits processor takes (2 or 3).
     logits_processor_arities: list[int] = field(
         init=False, default_factory=list, repr=False, compare=False
@@ -190,6 +210,11 @@ class SamplingParams:
             lo, hi = _SEED_RANGE
             _require(_is_int(self.seed) and lo <= self.seed <= hi, "seed",
                      "an integer in [-2**63, 2**64) or None", self.seed)
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+                 "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)", self.output_kind)
+        _require(self.output_kind is not RequestOutputKind.DELTA or (self.best_of or self.n) == self.n,
+                 "output_kind", f"CUMULATIVE or FINAL_ONLY when best_of ({self.best_of}) > n ({self.n}): "
+                 "which sequences are returned is known only at the end", self.output_kind)
 
     def _validate_sampling(self) -> None:
         self.temperature = _as_float(self.temperature, "temperature")

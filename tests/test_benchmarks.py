@@ -38,7 +38,8 @@ def test_checkpoint_tokenizer_decodes_every_id_and_build_copies_it(tiny_artifact
 def test_bench_e2e_decode_and_throughput_on_cpu(tiny_artifact, load_benchmark):
     bench = load_benchmark("bench_e2e")
     out = tiny_artifact / "e2e.json"
-    assert bench.main([f"{tiny_artifact / 'w4'}=tiny", "--device", "cpu", "--parts", "decode,throughput",
+    assert bench.main([f"{tiny_artifact / 'w4'}=tiny", f"{tiny_artifact / 'w4'}=final@output_kind=final_only",
+                       "--device", "cpu", "--parts", "decode,throughput", "--output-kind", "delta",
                        "--json", str(out), "--decode-prompt", "8", "--decode-tokens", "4", "--repeats", "1",
                        "--throughput", "8x4:6,16x2:3", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
                        "--max-model-len", "64", "--num-kv-blocks", "32"]) == 0
@@ -49,6 +50,10 @@ def test_bench_e2e_decode_and_throughput_on_cpu(tiny_artifact, load_benchmark):
     first, second = report["results"]["tiny"]["throughput"]
     assert (first["num_requests"], first["num_finished"], first["is_truncated"]) == (6, 6, False)
     assert second["num_finished"] == 3 and first["ttft_ms"]["p50"] > 0 and first["itl_ms"]["p99"] > 0
+    assert first["output_kind"] == "delta"
+    final = report["results"]["final"]["throughput"][0]  # only final outputs: every token counted, no TTFT/ITL
+    assert (final["output_kind"], final["num_finished"], final["ttft_ms"]) == ("final_only", 6, None)
+    assert report["results"]["final"]["engine_options"] == {"output_kind": "final_only"}
     assert "| tiny | 8/4 | 6 (6) |" in report["table"]
 
 

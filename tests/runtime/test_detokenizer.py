@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer, StopStatus, check_stop
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 BOS, EOS, IM_START, IM_END = 0, 1, 2, 3
 TEXTS = [
@@ -43,19 +43,20 @@ def test_deltas_of_multibyte_text_concatenate_to_decode(tokenizer, text):
     assert not any("\ufffd" in delta for delta in deltas)  # nothing emitted mid-character
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])  # FINAL_ONLY: decoded at the end
 @pytest.mark.parametrize("seed", range(6))
-def test_random_token_sequences_match_decode(tokenizer, seed):
+def test_random_token_sequences_match_decode(tokenizer, seed, kind):
     rng = random.Random(seed)
     vocab = rng.sample(range(5, len(tokenizer)), 600) + [IM_START, IM_END, EOS, BOS]
     ids = [rng.choice(vocab) for _ in range(rng.randint(1, 80))]
     text_ids = tokenizer.encode(rng.choice(TEXTS), add_special_tokens=False)
     ids[rng.randint(0, len(ids)) :] = text_ids + ids[rng.randint(0, len(ids)) :]
     chunk = rng.choice([1, 1, 2, 3])
-    params = open_params(ignore_eos=True)
+    params = open_params(ignore_eos=True, output_kind=kind)
     detok, _ = stream(tokenizer, ids, params, chunk=chunk)
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
     kept = open_params(ignore_eos=True, skip_special_tokens=False,
-                       spaces_between_special_tokens=False)
+                       spaces_between_special_tokens=False, output_kind=kind)
     detok, _ = stream(tokenizer, ids, kept, chunk=chunk)
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
 
