@@ -34,3 +34,12 @@ def device_num_sms(device: torch.device) -> int:
 @functools.cache
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def to_device(host: Tensor, device: torch.device) -> Tensor:
+    """`host` (a CPU tensor) copied to `device` without making the host wait: on CUDA through pinned
+    memory, non-blocking. `torch.tensor(list, device="cuda")` and `.to("cuda")` from pageable memory
+    synchronize the stream, so the host could not run ahead of the GPU (issue 12)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

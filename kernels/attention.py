@@ -83,18 +83,21 @@ def paged_attention(
     max_context_len: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    index_cache: dict | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape.
 
     max_context_len: at least every context_lens entry; None reads it from context_lens (a device sync).
     k_scale, v_scale: an FP8 cache's dequantization scales (K = k_scale * k_cache).
+    index_cache: a dict that lives for one step (the ForwardBatch's): the index tensors the kernels
+    derive from query_lens are made in the first layer and reused by the others.
     """
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
         )
 
     out = torch.empty_like(q)

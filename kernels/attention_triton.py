@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import device_num_sms
+from . import device_num_sms, to_device
 from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
 
 BLOCK_N = 64  # keys per tile
@@ -233,7 +233,7 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
 def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
-    num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -269,18 +269,27 @@ def paged_attention(
         if is_dense:  # sequence i is query row i: the kernels index by program id
             seqs = rows = context_lens  # not read
         else:
-            rows = _int32([first_rows[i] for i in decode], q.device)
-            seqs = _int32(decode, q.device)
+            rows = _int32([first_rows[i] for i in decode], q.device, index_cache, "decode_rows")
+            seqs = _int32(decode, q.device, index_cache, "decode_seqs")
         _launch_decode(q, k_cache, v_cache, block_tables, out, len(decode), seqs, rows, is_dense,
                        num_partitions, partition_size, common)
     if prefill:
-        qlens, first_rows_t = _int32(query_lens, q.device), _int32(first_rows, q.device)
-        _launch_prefill(q, k_cache, v_cache, block_tables, out, prefill, query_lens, qlens, first_rows_t, common)
+        qlens = _int32(query_lens, q.device, index_cache, "query_lens")
+        first_rows_t = _int32(first_rows, q.device, index_cache, "first_rows")
+        _launch_prefill(q, k_cache, v_cache, block_tables, out, prefill, query_lens, qlens, first_rows_t, common,
+                        index_cache)
     return out
 
 
-def _int32(values: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(values, dtype=torch.int32, device=device)
+def _int32(values: list[int], device: torch.device, cache: dict | None, key: object) -> Tensor:
+    """An int32 device tensor of host values the step's query_lens determine: made once per step
+    (`cache`, the ForwardBatch's) and sent without a stream sync, then reused by every layer."""
+    if cache is None:
+        return to_device(torch.tensor(values, dtype=torch.int32), device)
+    key = (key, device)
+    if key not in cache:
+        cache[key] = to_device(torch.tensor(values, dtype=torch.int32), device)
+    return cache[key]
 
 
 def _choose_num_partitions(num_programs: int, max_context: int, device: torch.device) -> int:
@@ -311,13 +320,14 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         )
 
 
-def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, qlens, first_rows, c) -> None:
+def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, qlens, first_rows, c,
+                    index_cache) -> None:
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     block_r = max(BLOCK_ROWS, triton.next_power_of_2(c["group"]))
     queries_per_block = block_r // c["group"]
     blocks = [(i, start) for i in seqs for start in range(0, query_lens[i], queries_per_block)]
-    blk_seq = _int32([seq for seq, _ in blocks], q.device)
-    blk_q = _int32([start for _, start in blocks], q.device)
+    blk_seq = _int32([seq for seq, _ in blocks], q.device, index_cache, ("block_seqs", queries_per_block))
+    blk_q = _int32([start for _, start in blocks], q.device, index_cache, ("block_starts", queries_per_block))
     _prefill_kernel[(len(blocks), num_kv_heads)](
         q, k_cache, v_cache, block_tables, c["context_lens"], qlens, first_rows, blk_seq, blk_q, out,
         c["scale_log2"], c["v_scale"], c["window"],

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from llmc.kernels import to_device
 from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.structured_output import unpack_bitmask
@@ -147,9 +148,9 @@ class BatchSampler:
             shape = (self.num_rows, self.vocab_size)
             self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
             self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
-        ids = torch.tensor(output_token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = to_device(torch.tensor(output_token_ids, dtype=torch.long), self.device)
         self.output_counts[row].zero_().index_add_(0, ids, torch.ones(len(output_token_ids), device=self.device))
-        self.prompt_mask[row].zero_()[torch.tensor(prompt_token_ids, dtype=torch.long).to(self.device)] = True
+        self.prompt_mask[row].zero_()[to_device(torch.tensor(prompt_token_ids, dtype=torch.long), self.device)] = True
 
     def _upload(self) -> None:
         """Refresh the device copies of the per-row parameters and the sparse lists."""
@@ -166,10 +167,11 @@ class BatchSampler:
                 self._sparse["stop"].extend((row, t, 0.0) for t in sorted(stops) if t < self.vocab_size)
         if self._new_num_output:  # one scatter for all the rows that joined (not a fill each)
             rows, counts = zip(*self._new_num_output.items())
-            self.num_output[torch.tensor(rows).to(self.device)] = torch.tensor(counts).to(self.device)
+            self.num_output[to_device(torch.tensor(rows), self.device)] = to_device(torch.tensor(counts), self.device)
             self._new_num_output.clear()
-        self._float_params = torch.from_numpy(self._floats.copy()).to(self.device)
-        self._int_params = torch.from_numpy(self._ints.copy()).to(self.device)
+        # no stream sync: rows join on steps launched while the previous one runs
+        self._float_params = to_device(torch.from_numpy(self._floats.copy()), self.device)
+        self._int_params = to_device(torch.from_numpy(self._ints.copy()), self.device)
         self._sparse_t = {name: self._sparse_tensors(entries) for name, entries in self._sparse.items()}
         self._summary = self._summarize([self.params[row] for row in active])
         self._summary["constrained"] = any(self._constrained[row] for row in active)
@@ -179,8 +181,8 @@ class BatchSampler:
         if not entries:
             return None
         rows, tokens, values = zip(*entries)
-        return (torch.tensor(rows, device=self.device), torch.tensor(tokens, device=self.device),
-                torch.tensor(values, dtype=torch.float32, device=self.device))
+        return (to_device(torch.tensor(rows), self.device), to_device(torch.tensor(tokens), self.device),
+                to_device(torch.tensor(values, dtype=torch.float32), self.device))
 
     @staticmethod
     def _summarize(params: list[SamplingParams]) -> dict:

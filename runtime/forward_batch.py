@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -23,6 +23,9 @@ class ForwardBatch:
     query_lens: list[int]  # [num_seqs] on the host: tokens computed this step, per sequence
     max_context_len: int  # on the host: at least every context_lens entry (a CUDA graph's: max_model_len)
     logits_indices: Tensor  # [num_logits] int64 flat token indices whose logits are needed
+    # Tensors the kernels derive from the host fields in the first layer and reuse in the others
+    # (paged attention's per-sequence indices of a prefill step): made once per step, not per layer.
+    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -62,7 +62,7 @@ class Attention(nn.Module):
         write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
-            self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
+            self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale, batch.kernel_cache,
         )  # [num_tokens, num_heads, head_dim]
         out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)

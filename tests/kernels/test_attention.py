@@ -70,6 +70,27 @@ def test_paged_attention_kernels_match_float64(dot_case, rel_err, case) -> None:
     assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_layers_of_a_step_share_its_index_tensors(dot_case, rel_err) -> None:
+    """The per-sequence index tensors of a mixed step are made by the first layer and reused by the
+    next (ForwardBatch.kernel_cache): each layer still matches float64."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens = [40, 9, 70], [13, 1, 70]
+    cache = {}
+    for layer in range(2):
+        q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 6, 2, 24, 8, dtype, device, seed=layer)
+        out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, 24**-0.5,
+                              None, max(context_lens), index_cache=cache)
+        expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, 24**-0.5, None)
+        assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+        if layer == 0:
+            made = dict(cache)
+    assert {key for key, _ in made} >= {"decode_rows", "decode_seqs", "query_lens", "first_rows"}
+    assert cache.keys() == made.keys() and all(cache[k] is made[k] for k in made)  # nothing made again
+    assert made[("query_lens", q.device)].tolist() == query_lens
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkeypatch, window) -> None:
     """A CUDA graph launches decode with max_context_len = max_model_len, an eager step with the batch's

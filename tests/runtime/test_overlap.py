@@ -6,6 +6,7 @@ penalties, logit bias, logprobs, min_tokens), and every KV block comes back."""
 import random
 
 import pytest
+import torch
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
@@ -95,6 +96,36 @@ def test_overlapped_equals_synchronous(artifact, device, options, free_gpu):
         stats = e.stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
         assert sorted(e._free_rows) == list(range(8)), "persistent-batch rows leaked"
+
+
+@pytest.mark.gpu
+def test_launching_a_step_never_waits_for_the_device(artifact, free_gpu):
+    """Scheduling and launching a step (inputs, forward, sampling, rows joining) never synchronizes
+    the stream, prefill and mixed steps included: torch's sync debug mode raises on a blocking copy
+    or a stream sync. Each tensor made from host data in a kernel call (torch.tensor(list,
+    device="cuda")) waited for the step in flight before it, and the host could not run ahead."""
+    engine = Engine(artifact, device="cuda", max_num_seqs=8, num_kv_blocks=256, max_num_batched_tokens=48,
+                    disable_log_stats=True)
+    launch, num_launches = engine._launch, 0
+
+    def strict_launch(batch):
+        nonlocal num_launches
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            num_launches += 1
+
+    engine._launch = strict_launch
+    plain = [(prompt, params) for prompt, params in _workload(1) if not params.logits_processors]
+    for i, (prompt, params) in enumerate(plain):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    errors = []
+    while engine.has_unfinished_requests():
+        errors += [o.error for o in engine.step() if o.error is not None]  # a sync fails the step's requests
+    assert not errors, errors[0]
+    assert num_launches > len(plain) and engine.num_resets == 0
 
 
 def test_overlap_keeps_one_step_in_flight(artifact):
