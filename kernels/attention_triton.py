@@ -33,6 +33,9 @@ from . import device_num_sms, to_device
 from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
 
 BLOCK_N = 64  # keys per tile
+# The decode kernel's tile and launch (benchmarks/decode_attention_sweep.py measures the choices)
+DECODE_BLOCK_N = BLOCK_N
+DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
@@ -262,9 +265,10 @@ def paged_attention(
             max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
         if num_partitions is None:
             num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context_len, q.device)
-            partition_size = PARTITION_SIZE if num_partitions > 1 else triton.cdiv(max_context_len, BLOCK_N) * BLOCK_N
+            partition_size = (PARTITION_SIZE if num_partitions > 1
+                              else triton.cdiv(max_context_len, DECODE_BLOCK_N) * DECODE_BLOCK_N)
         else:
-            partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), BLOCK_N) * BLOCK_N
+            partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), DECODE_BLOCK_N) * DECODE_BLOCK_N
         is_dense = not prefill
         if is_dense:  # sequence i is query row i: the kernels index by program id
             seqs = rows = context_lens  # not read
@@ -309,8 +313,9 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
-        BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"],
+        BLOCK_D=c["block_d"], BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
+        **DECODE_LAUNCH,
     )
     if is_partitioned:
         _merge_partitions_kernel[(num_decode, num_heads)](
