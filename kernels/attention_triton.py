@@ -33,8 +33,11 @@ from . import device_num_sms, to_device
 from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
 
 BLOCK_N = 64  # keys per tile
-# The decode kernel's tile and launch (benchmarks/decode_attention_sweep.py measures the choices)
-DECODE_BLOCK_N = BLOCK_N
+# The decode kernel's keys per tile, by whether the cache is FP8, and its launch. Measured on an H100
+# (benchmarks/decode_attention_sweep.py, RESULTS.md session 9): with a bf16 cache 64 keys, 4 warps,
+# 3 stages was already the fastest of 12 tiles/launches at every shape (2.7 TB/s at 512 x ~192
+# keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
+DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
@@ -263,12 +266,12 @@ def paged_attention(
     if decode:
         if max_context_len is None:
             max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
+        block_n = DECODE_BLOCK_N[is_fp8(k_cache)]
         if num_partitions is None:
             num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context_len, q.device)
-            partition_size = (PARTITION_SIZE if num_partitions > 1
-                              else triton.cdiv(max_context_len, DECODE_BLOCK_N) * DECODE_BLOCK_N)
+            partition_size = PARTITION_SIZE if num_partitions > 1 else triton.cdiv(max_context_len, block_n) * block_n
         else:
-            partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), DECODE_BLOCK_N) * DECODE_BLOCK_N
+            partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), block_n) * block_n
         is_dense = not prefill
         if is_dense:  # sequence i is query row i: the kernels index by program id
             seqs = rows = context_lens  # not read
@@ -276,7 +279,7 @@ def paged_attention(
             rows = _int32([first_rows[i] for i in decode], q.device, index_cache, "decode_rows")
             seqs = _int32(decode, q.device, index_cache, "decode_seqs")
         _launch_decode(q, k_cache, v_cache, block_tables, out, len(decode), seqs, rows, is_dense,
-                       num_partitions, partition_size, common)
+                       num_partitions, partition_size, block_n, common)
     if prefill:
         qlens = _int32(query_lens, q.device, index_cache, "query_lens")
         first_rows_t = _int32(first_rows, q.device, index_cache, "first_rows")
@@ -301,7 +304,7 @@ def _choose_num_partitions(num_programs: int, max_context: int, device: torch.de
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, rows, is_dense, num_partitions,
-                   partition_size, c) -> None:
+                   partition_size, block_n, c) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     is_partitioned = num_partitions > 1
@@ -313,7 +316,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
-        BLOCK_D=c["block_d"], BLOCK_N=DECODE_BLOCK_N, BLOCK_SIZE=c["block_size"],
+        BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         **DECODE_LAUNCH,
     )
