@@ -102,6 +102,9 @@ class LLM:
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
         """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
+        if isinstance(sampling_params, SamplingParams) and (sampling_params.best_of or sampling_params.n) > sampling_params.n:
+            raise RequestError("LLM.stream takes no best_of > n: the best sequences are known only at the end; "
+                               "use generate")
         [sampling_params] = _with_output_kind([sampling_params], RequestOutputKind.DELTA)
         if messages is not None:
             request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
@@ -120,8 +123,9 @@ class LLM:
                     finished = output.finished
                     if output.error is not None:
                         raise RequestFailedError(output.error, [output])
-                    if output.outputs and output.outputs[0].text:
-                        yield output.outputs[0].text
+                    for completion in output.outputs:  # DELTA: the sequences that progressed
+                        if completion.index == 0 and completion.text:
+                            yield completion.text
         finally:
             if not finished:
                 self.engine.abort_request(request_id)

@@ -109,6 +109,10 @@ def test_llm_generate_asks_for_final_outputs_and_stream_for_deltas(artifact):
     assert params.output_kind is RequestOutputKind.CUMULATIVE  # the caller's params are not changed
     deltas = list(llm.stream("ROMEO: the king", params))
     assert len(deltas) > 1 and "".join(deltas) == generated.outputs[0].text
+    [two] = llm.generate("ROMEO: the king", params.replace(n=2, temperature=1.0, seed=3))
+    assert "".join(llm.stream("ROMEO: the king", params.replace(n=2, temperature=1.0, seed=3))) == two.outputs[0].text
+    with pytest.raises(RequestError, match="LLM.stream takes no best_of > n"):
+        llm.stream("ROMEO:", params.replace(best_of=2, temperature=1.0))
     seen = []
     add_request = llm.engine.add_request
     llm.engine.add_request = lambda prompt, p, *args, **kwargs: seen.append(p.output_kind) or add_request(prompt, p, *args, **kwargs)
