@@ -1,13 +1,14 @@
 """The engine's host time per step, with the model's forward replaced by constant logits (issue 12).
 
-    python benchmarks/host_cost.py [ARTIFACT] [--batch 512] [--repeats 3]
+    python benchmarks/host_cost.py [ARTIFACT] [--batch 512] [--repeats 3] [--output-kind delta|cumulative|final_only]
 
 Loads ARTIFACT (default build/ref-llama-12m, from `llmc build recipes/ref-llama-12m.yaml`) on the CPU
 with max_num_seqs --batch, replaces `runner.forward_logits` by a function that returns the same
 constant logits every call (token 5 wins), and runs bench_e2e's throughput workload (2 x --batch
 requests of 128 random prompt tokens, 128 output tokens each, all submitted at once) --repeats times.
 What is left per `Engine.step()` is the host's own work: scheduling, building the step's inputs,
-sampling, detokenizing, stops, outputs. Prints the median ms per step. Compare trees by running it
+sampling, detokenizing, stops, outputs (of --output-kind: final_only is what LLM.generate asks for,
+delta what a stream needs). Prints the median ms per step. Compare trees by running it
 on each in turn on a quiet machine.
 """
 
