@@ -291,8 +291,7 @@ def paged_attention(
 def _int32(values: list[int], device: torch.device, cache: dict | None, key: object) -> Tensor:
     """An int32 device tensor of host values the step's query_lens determine: made once per step
     (`cache`, the ForwardBatch's) and sent without a stream sync, then reused by every layer."""
-    if cache is None:
-        return to_device(torch.tensor(values, dtype=torch.int32), device)
+    cache = {} if cache is None else cache
     key = (key, device)
     if key not in cache:
         cache[key] = to_device(torch.tensor(values, dtype=torch.int32), device)

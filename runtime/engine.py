@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from llmc.errors import RequestError, WorkerError
+from llmc.kernels import to_device
 from llmc.runtime import artifact as art
 from llmc.runtime.options import resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
@@ -250,9 +251,8 @@ class Engine:
         bitmask = None
         if self.sampler.has_constraints:
             constraints = [self.sequences[r.request_id].constraints for r in sampled_requests]
-            bitmask = fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher())
-            bitmask = bitmask.pin_memory() if self.device.type == "cuda" else bitmask
-            bitmask = bitmask.to(self.device, non_blocking=True)
+            bitmask = to_device(fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher()),
+                                self.device)
         sampled = self.sampler.sample(step.logits, step.sample_rows, processors, bitmask)
         num_prefill = self._mark_scheduled(batch)
         return InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,

@@ -171,7 +171,9 @@ class RequestGroup:
             completions = [c for c in (s.delta() for s in self.sequences) if c is not None]
             if not completions and not is_finished:
                 return None
-            prompt_logprobs, self.prompt_logprobs_sent = (None if self.prompt_logprobs_sent else prompt_logprobs), True
+            if self.prompt_logprobs_sent:
+                prompt_logprobs = None
+            self.prompt_logprobs_sent = True
         else:
             completions = [s.completion() for s in self.sequences]
         if is_finished and len(completions) > self.params.n:
