@@ -6,7 +6,8 @@
 # PARTS (default decode,throughput) picks bench_e2e's parts; QUANTS (default "bf16 fp8") the artifacts;
 # NOW_SEQS="512 1024" adds runs of this tree at those run-time max_num_seqs (the build's is 256), and
 # NOW_VARIANTS="kvfp8:kv_cache_dtype=fp8 kvfp8-512:kv_cache_dtype=fp8,max_num_seqs=512" runs of this
-# tree with those engine options (LABEL:KEY=VALUE,...), to the same bench_e2e call.
+# tree with those engine options (LABEL:KEY=VALUE,...), to the same bench_e2e call. OLD_SEQS (default 256)
+# runs the old tree once per max_num_seqs listed (its bench_e2e's --max-num-seqs), after this tree's runs.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 old=$(cd "$1" && pwd); out=$2; work=${WORK:-/tmp/llmc-overlap}; parts=${PARTS:-decode,throughput}
@@ -23,8 +24,10 @@ for q in ${QUANTS:-bf16 fp8}; do
   for variant in ${NOW_VARIANTS:-}; do now+=("$work/$q=$q-overlap-${variant%%:*}@${variant#*:}"); done
   (source "$repo/benchmarks/gpu_env.sh"; cd /tmp && python "$repo/benchmarks/bench_e2e.py" "${now[@]}" \
     --parts "$parts" --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$q-overlap.json" | tail -16)
-  bash "$repo/benchmarks/baseline_e2e.sh" "$old" "$work/$q" "$q-before" "$out/e2e-$q-before.json" \
-    --parts "$parts" --throughput 128x128:1000 --time-limit 60 | tail -8
+  for seqs in ${OLD_SEQS:-256}; do
+    bash "$repo/benchmarks/baseline_e2e.sh" "$old" "$work/$q" "$q-before-$seqs" "$out/e2e-$q-before-$seqs.json" \
+      --parts "$parts" --throughput 128x128:1000 --time-limit 60 --max-num-seqs "$seqs" | tail -8
+  done
   rm -rf "${work:?}/$q"
 done
 rm -rf "$work"

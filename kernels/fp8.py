@@ -5,12 +5,17 @@ float32. Convention as llmc.quant.numerics (value ≈ fp8 * scale, scale = absma
 MIN_SCALE), which the kernel tests check against.
 
 `quantize_fp8_per_token` is one Triton kernel on CUDA (fp8_triton.py) instead of torch's five
-(abs, amax, div, clamp, cast); plain torch elsewhere. The product is torch._scaled_mm, except for a
-few tokens (`uses_small_m_kernel`), where a Triton kernel with the operands swapped reads the weight
-at 1.2-1.9x the bf16 matmul's speed where _scaled_mm was 0.8-1.6x (H100, benchmarks/RESULTS.md).
+(abs, amax, div, clamp, cast); plain torch elsewhere. The product is either torch._scaled_mm (cuBLAS)
+or the Triton kernel with the operands swapped (fp8_triton.fp8_linear_small_m), with its tiles:
+`select_fp8_kernel` reads which from DEFAULT_FP8_TABLE for the Llama-3-8B shapes it was measured on
+(benchmarks/fp8_dispatch_sweep.py, one H100; neither path is fastest at every M), and for other
+shapes uses the Triton kernel up to 16 tokens (64 where N <= 4096) and cuBLAS above.
 """
 
 from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -46,18 +51,67 @@ def can_use_scaled_mm(x: Tensor, weight: Tensor) -> bool:
     return has_fp8_tensor_cores(x) and all(d % 16 == 0 for d in weight.shape)
 
 
-def uses_small_m_kernel(num_tokens: int, out_features: int) -> bool:
-    """Where the Triton small-M kernel beat torch._scaled_mm on the H100 (Llama-3-8B shapes): up to
-    16 tokens everywhere, up to 64 on the 4096-wide outputs."""
-    return num_tokens <= 16 or (num_tokens <= 64 and out_features <= 4096)
+def _tiles(block_m: int, block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> dict:
+    return dict(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split_k, num_warps=num_warps,
+                num_stages=num_stages)
 
 
-def _small_m_config(k: int, n: int) -> dict:
-    """The tiles the H100 sweep chose (benchmarks/kernel_sweep.py): wider N tiles for wide outputs,
-    split-K for long rows."""
-    block_n = 128 if n >= 16384 else 64
-    return dict(block_n=block_n, block_k=256, split_k=2 if k >= 8192 else 1, num_warps=4,
-                num_stages=3 if block_n == 128 else 4)
+SCALED_MM = "scaled_mm"
+DEFAULT_FP8_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # where DEFAULT_FP8_TABLE was measured
+# `python benchmarks/fp8_dispatch_sweep.py` on that GPU (torch 2.11, triton 3.6, bf16 activations;
+# benchmarks/results/session10/fp8_dispatch_sweep-call4.json). {"KxN": ((max_m, kernel), ...)}: the
+# first entry whose max_m >= M applies; kernel SCALED_MM or the Triton tiles. Beyond the last max_m
+# (more tokens than were measured) cuBLAS runs.
+DEFAULT_FP8_TABLE: Mapping[str, tuple] = MappingProxyType({
+    "4096x6144": (
+        (24, _tiles(16, 64, 256, 1, 4, 4)),
+        (48, _tiles(32, 64, 256, 1, 4, 4)),
+        (64, _tiles(64, 64, 256, 1, 8, 4)),
+        (128, _tiles(64, 128, 256, 1, 8, 4)),
+        (192, _tiles(128, 128, 128, 1, 8, 4)),
+        (256, SCALED_MM),
+        (384, _tiles(128, 64, 128, 1, 4, 3)),
+        (512, _tiles(128, 128, 128, 1, 4, 3)),
+        (4096, SCALED_MM),
+    ),
+    "4096x4096": (
+        (32, _tiles(16, 64, 256, 1, 4, 4)),
+        (64, _tiles(32, 64, 256, 1, 4, 4)),
+        (128, _tiles(64, 64, 256, 1, 4, 4)),
+        (256, _tiles(128, 64, 256, 1, 4, 4)),
+        (4096, SCALED_MM),
+    ),
+    "4096x28672": (
+        (24, _tiles(16, 128, 128, 1, 8, 3)),
+        (32, _tiles(32, 64, 128, 1, 8, 3)),
+        (48, SCALED_MM),
+        (64, _tiles(64, 128, 128, 1, 8, 3)),
+        (96, SCALED_MM),
+        (128, _tiles(128, 128, 128, 1, 8, 3)),
+        (4096, SCALED_MM),
+    ),
+    "14336x4096": (
+        (32, _tiles(16, 64, 256, 2, 4, 4)),
+        (64, _tiles(32, 64, 256, 2, 4, 4)),
+        (96, _tiles(64, 64, 256, 1, 4, 4)),
+        (128, _tiles(128, 64, 256, 2, 4, 4)),
+        (256, _tiles(128, 64, 256, 1, 4, 4)),
+        (512, SCALED_MM),
+        (4096, _tiles(128, 128, 128, 1, 4, 3)),
+    ),
+})
+
+
+def select_fp8_kernel(num_tokens: int, in_features: int, out_features: int) -> str | dict:
+    """SCALED_MM, or the tiles of the Triton kernel (fp8_triton.fp8_linear_small_m's keywords)."""
+    entries = DEFAULT_FP8_TABLE.get(f"{in_features}x{out_features}")
+    if entries is not None:
+        return next((kernel for max_m, kernel in entries if num_tokens <= max_m), SCALED_MM)
+    # Other shapes: the few-token rule and tiles of the first H100 sweep (benchmarks/kernel_sweep.py)
+    if num_tokens > 16 and (num_tokens > 64 or out_features > 4096):
+        return SCALED_MM
+    block_n = 128 if out_features >= 16384 else 64
+    return _tiles(16, block_n, 256, 2 if in_features >= 8192 else 1, 4, 3 if block_n == 128 else 4)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -70,7 +124,7 @@ def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Ten
                out_dtype: torch.dtype) -> Tensor:
     """y [..., N] in out_dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias for activations
     already in FP8: x_scale [..., 1] per token, or one scale ([1] / [1, 1], a static input scale).
-    The small-M Triton kernel for few tokens, torch._scaled_mm otherwise, float32 math without FP8
+    torch._scaled_mm or the Triton kernel as `select_fp8_kernel` says, float32 math without FP8
     tensor cores."""
     x2 = x_fp8.reshape(-1, x_fp8.shape[-1])  # [num_tokens, K]
     scale_a = x_scale.float().reshape(-1, 1)
@@ -82,11 +136,11 @@ def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Ten
         y = (x2.float() * scale_a) @ w.T
         y = y + bias.float() if bias is not None else y
         return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
-    if uses_small_m_kernel(x2.shape[0], out_features) and is_triton_installed():
+    kernel = select_fp8_kernel(x2.shape[0], x2.shape[1], out_features)
+    if kernel != SCALED_MM and is_triton_installed():
         from .fp8_triton import fp8_linear_small_m
 
-        y = fp8_linear_small_m(x2.contiguous(), scale_a, weight, weight_scale.float(), bias, out_dtype,
-                               **_small_m_config(x_fp8.shape[-1], out_features))
+        y = fp8_linear_small_m(x2.contiguous(), scale_a, weight, weight_scale.float(), bias, out_dtype, **kernel)
         return y.reshape(*x_fp8.shape[:-1], out_features)
     scale_b = weight_scale.float().reshape(1, -1)  # [1, N] or [1, 1]
     if scale_b.shape[1] != out_features:

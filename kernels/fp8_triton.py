@@ -1,8 +1,12 @@
 """Triton per-token dynamic FP8 (E4M3) activation quantization (imported only when a kernel runs).
 
-One program per token: pass 1 takes the row's absmax, pass 2 divides by the scale, saturates to
-±448 and casts (round to nearest even). The row's second read hits L1/L2, so HBM traffic is the
-16-bit row in, the fp8 row and one float32 scale out.
+One program per token. A row of up to ONE_PASS_MAX values is loaded once, kept in registers, and
+its absmax, scale and quantized values come from that one load: a few tokens (a decode step) wait
+for one memory round trip per program, not four or more (a 14336-wide row in 4096-wide chunks,
+read twice, took 11 µs at M = 1 on an H100; benchmarks/RESULTS.md, session 10). Longer rows take two
+passes: the absmax, then the division, the row's second read hitting L1/L2. Either way each value is
+divided by the scale (IEEE division), saturated to ±448 and cast (round to nearest even); HBM
+traffic is the 16-bit row in, the fp8 row and one float32 scale out.
 """
 
 from __future__ import annotations
@@ -15,28 +19,37 @@ from torch import Tensor
 from .split_k_triton import reduce_splits
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
-MAX_BLOCK = 4096
+MAX_BLOCK = 4096  # chunk of the two-pass loop
+ONE_PASS_MAX = 16384  # longest row held in registers (32 fp32 per thread at 16 warps)
 
 
 @triton.jit
 def _quantize_fp8_per_token_kernel(
-    x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr,
+    x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    absmax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, size, BLOCK):
-        x = tl.load(x_ptr + token * stride_x + start + offs, mask=start + offs < size, other=0.0)
-        absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), FP8_E4M3_MAX), min_scale)
-    tl.store(scale_ptr + token, scale)
-    for start in range(0, size, BLOCK):
-        mask = start + offs < size
-        x = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+    if ONE_PASS:  # BLOCK >= size: the row stays in registers
+        row_mask = offs < size
+        row = tl.load(x_ptr + token * stride_x + offs, mask=row_mask, other=0.0).to(tl.float32)
+        row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), FP8_E4M3_MAX), min_scale)
+        tl.store(scale_ptr + token, row_scale)
         # div_rn: IEEE division as torch does; the default fp32 division is approximate and moves
         # quotients that sit on an e4m3 rounding tie
-        y = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        tl.store(out_ptr + token * size + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        q = tl.clamp(tl.math.div_rn(row, row_scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        tl.store(out_ptr + token * size + offs, q.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        absmax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, size, BLOCK):
+            x = tl.load(x_ptr + token * stride_x + start + offs, mask=start + offs < size, other=0.0)
+            absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), FP8_E4M3_MAX), min_scale)
+        tl.store(scale_ptr + token, scale)
+        for start in range(0, size, BLOCK):
+            mask = start + offs < size
+            y = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = tl.clamp(tl.math.div_rn(y, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            tl.store(out_ptr + token * size + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:
@@ -49,9 +62,11 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
     scale = torch.empty(*x.shape[:-1], 1, device=x.device, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out, scale
-    block = min(MAX_BLOCK, triton.next_power_of_2(size))
+    one_pass = size <= ONE_PASS_MAX
+    block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
     _quantize_fp8_per_token_kernel[(rows.shape[0],)](
-        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
     )
     return out, scale
 
@@ -96,6 +111,7 @@ def _fp8_small_m_kernel(
 def fp8_linear_small_m(
     x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
     block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
+    block_m: int = 16,
 ) -> Tensor:
     """x_fp8 [M, K] contiguous, x_scale [M, 1] (from quantize_fp8_per_token) → [M, N] in out_dtype:
     the product torch._scaled_mm computes, for a few tokens."""
@@ -106,7 +122,6 @@ def fp8_linear_small_m(
     out = torch.empty(M, N, device=x_fp8.device, dtype=out_dtype)
     is_split = split_k > 1
     target = torch.empty(split_k, M, N, device=x_fp8.device, dtype=torch.float32) if is_split else out
-    block_m = 16
     _fp8_small_m_kernel[(triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, M, N, K, k_per_split,
         N if is_split else out.stride(0), M * N,

@@ -80,7 +80,7 @@ def test_silu_and_mul_matches_torch(elementwise_case, num_tokens, size) -> None:
     assert_close(silu_and_mul(gate_up.to(device)), activation.silu_and_mul(gate_up), dtype)
 
 
-@pytest.mark.parametrize("num_tokens,size", [(1, 64), (4, 5000)])
+@pytest.mark.parametrize("num_tokens,size", [(1, 64), (4, 5000), (2, 17000)])  # one pass, one pass, two
 def test_fp8_per_token_quantization_matches_numerics(elementwise_case, num_tokens, size) -> None:
     from llmc.kernels.fp8 import MIN_SCALE
     from llmc.kernels.fp8_triton import quantize_fp8_per_token
@@ -139,6 +139,49 @@ def test_fp8_linear_on_cuda_matches_the_format_reference(rel_err, is_per_channel
     assert y.dtype == dtype and rel_err(y, reference_linear(fmt, x, params, bias)) < 1e-2
 
 
+def test_fp8_kernel_selection_follows_the_table_then_cublas() -> None:
+    """Each measured M range takes its table entry, M between two swept sizes the larger one's,
+    more tokens than were measured cuBLAS; unmeasured shapes the few-token rule."""
+    from llmc.kernels.fp8 import DEFAULT_FP8_TABLE, SCALED_MM, select_fp8_kernel
+
+    for shape, entries in DEFAULT_FP8_TABLE.items():
+        k, n = map(int, shape.split("x"))
+        previous = 0
+        for max_m, kernel in entries:
+            assert max_m > previous
+            for m in {previous + 1, (previous + max_m + 1) // 2, max_m}:
+                assert select_fp8_kernel(m, k, n) == kernel
+            previous = max_m
+        assert select_fp8_kernel(previous + 1, k, n) == SCALED_MM
+    assert select_fp8_kernel(16, 512, 384)["block_m"] == 16  # not in the table: Triton up to 16 tokens
+    assert select_fp8_kernel(64, 512, 384) != SCALED_MM and select_fp8_kernel(64, 512, 8192) == SCALED_MM
+    assert select_fp8_kernel(65, 512, 384) == SCALED_MM
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores")
+def test_every_fp8_table_entry_matches_float64_at_its_shape(rel_err) -> None:
+    """Each (shape, M range) of DEFAULT_FP8_TABLE, run through fp8_linear at the range's largest M
+    and one M inside it, against the float64 product of the same quantized operands."""
+    from llmc.kernels.fp8 import DEFAULT_FP8_TABLE, fp8_linear, quantize_fp8_per_token
+
+    for shape, entries in DEFAULT_FP8_TABLE.items():
+        k, n = map(int, shape.split("x"))
+        w = torch.randn(n, k, device="cuda")
+        w_scale = w.abs().amax(dim=1, keepdim=True) / 448
+        w_fp8 = (w / w_scale).to(torch.float8_e4m3fn)
+        w64 = w_fp8.double() * w_scale.double()
+        previous = 0
+        for max_m, _ in entries:
+            for m in (max_m, (previous + max_m + 1) // 2):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                x_fp8, x_scale = quantize_fp8_per_token(x)
+                expected = (x_fp8.double() * x_scale.double()) @ w64.T
+                assert rel_err(fp8_linear(x, w_fp8, w_scale, None), expected) < 1e-2, (shape, m)
+            previous = max_m
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_public_functions_dispatch_to_triton_on_cuda() -> None:
@@ -151,10 +194,12 @@ def test_public_functions_dispatch_to_triton_on_cuda() -> None:
     torch.testing.assert_close(activation.silu_and_mul(gate_up).cpu(), activation.silu_and_mul(gate_up.cpu()), rtol=1.6e-2, atol=1.6e-2)
 
 
-@pytest.mark.parametrize("num_tokens,k,n,is_per_channel,split_k", [(1, 256, 48, True, 1), (3, 320, 40, False, 3), (17, 200, 72, True, 2)])
-def test_fp8_small_m_kernel_matches_float64(device, rel_err, num_tokens, k, n, is_per_channel, split_k) -> None:
-    """The few-token W8A8 kernel (operands swapped, split-K, partial tiles) against the float64
-    product of the same quantized operands: what torch._scaled_mm computes."""
+@pytest.mark.parametrize("num_tokens,k,n,is_per_channel,split_k,block_m", [
+    (1, 256, 48, True, 1, 16), (3, 320, 40, False, 3, 16), (17, 200, 72, True, 2, 16), (40, 192, 56, True, 1, 32),
+])
+def test_fp8_small_m_kernel_matches_float64(device, rel_err, num_tokens, k, n, is_per_channel, split_k, block_m) -> None:
+    """The W8A8 Triton kernel (operands swapped, split-K, partial tiles, several token tiles)
+    against the float64 product of the same quantized operands: what torch._scaled_mm computes."""
     from llmc.kernels.fp8_triton import fp8_linear_small_m
 
     x = torch.randn(num_tokens, k)
@@ -165,6 +210,6 @@ def test_fp8_small_m_kernel_matches_float64(device, rel_err, num_tokens, k, n, i
     bias = torch.randn(n)
     expected = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale.double()).T + bias.double()
     args = [t.to(device) for t in (x_fp8, x_scale, w_fp8, w_scale, bias.half())]
-    y = fp8_linear_small_m(*args, torch.float16, block_n=32, block_k=64, split_k=split_k)
+    y = fp8_linear_small_m(*args, torch.float16, block_n=32, block_k=64, split_k=split_k, block_m=block_m)
     assert y.shape == (num_tokens, n) and y.dtype == torch.float16
     assert rel_err(y.cpu(), expected) < 1e-3
