@@ -30,6 +30,7 @@ from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_forma
 from llmc.compiler.recipe import Recipe
 from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
+from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
@@ -161,7 +162,22 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
     else:
         in_features = linear_in_features(ctx.spec, ctx.model)
         formats = plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
-    return {module: kernel_layout(spec, ctx.recipe.target.device) for module, spec in formats.items()}
+    planned = {module: kernel_layout(spec, ctx.recipe.target.device) for module, spec in formats.items()}
+    _say_dequantized_on_cuda(planned, ctx.recipe.target.device, ctx.model.dtype)
+    return planned
+
+
+def _say_dequantized_on_cuda(formats: dict[str, dict], device: str, dtype: str) -> None:
+    """One line when a CUDA artifact holds integer linears no GPU kernel reads (w3a16, w8a16, w4a16
+    with act-order g_idx): those run dequantized on every forward."""
+    if device != "cuda":
+        return
+    plain = [spec["format"] + (" with act-order g_idx" if spec.get("has_g_idx") else "") for spec in formats.values()
+             if spec["format"] in INT_FORMAT_NAMES.values() and spec.get("layout") != "gpu"]
+    if plain:
+        logger.warning("%d linears (%s) have no GPU kernel: on cuda they are dequantized to %s on every forward, "
+                       "slower than unquantized weights; quantize to 4 bits without act order for the W4A16 kernels",
+                       len(plain), ", ".join(sorted(set(plain))), dtype)
 
 
 def _plan_parallel(ctx: _Context) -> art.ParallelPlan:

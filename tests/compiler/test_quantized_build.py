@@ -167,3 +167,16 @@ def test_group_size_that_does_not_divide_is_refused(tiny_qwen3, tmp_path):
     with pytest.raises(RecipeError, match="does not divide"):
         build(recipe_from_dict({"model": str(tiny_qwen3), "output": str(tmp_path / "o"),
                                 "quantization": {"method": "rtn", "group_size": 128}}), show_progress=False)
+
+
+@pytest.mark.parametrize("bits,device,is_said", [(8, "cuda", True), (3, "cuda", True), (4, "cuda", False), (8, "cpu", False)])
+def test_build_says_which_linears_run_dequantized_on_cuda(bits, device, is_said, tiny_llama, tmp_path, caplog):
+    """w8a16 / w3a16 have no GPU kernel: a cuda build says so in one line; 4-bit weights (the W4A16
+    kernels) and CPU targets do not."""
+    with caplog.at_level("WARNING", logger="llmc"):
+        build(recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "o"), "target": {"device": device},
+                                "quantization": {"method": "rtn", "bits": bits, "group_size": 32}}), show_progress=False)
+    said = [r.getMessage() for r in caplog.records if "no GPU kernel" in r.getMessage()]
+    assert len(said) == int(is_said) and "\n" not in "".join(said)
+    if is_said:
+        assert f"w{bits}a16" in said[0] and "dequantized" in said[0]
