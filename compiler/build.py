@@ -162,13 +162,14 @@ def _plan_formats(ctx: _Context) -> dict[str, dict]:
     else:
         in_features = linear_in_features(ctx.spec, ctx.model)
         formats = plan_formats(ctx.recipe.quantization, ctx.spec, ctx.model, in_features)
-    planned = {module: kernel_layout(spec, ctx.recipe.target.device) for module, spec in formats.items()}
+    planned = {module: kernel_layout(spec, ctx.recipe.target.device, ".experts." in module)
+               for module, spec in formats.items()}
     _say_dequantized_on_cuda(planned, ctx.recipe.target.device, ctx.model.dtype)
     return planned
 
 
 def _say_dequantized_on_cuda(formats: dict[str, dict], device: str, dtype: str) -> None:
-    """One line when a CUDA artifact holds integer linears no GPU kernel reads (w3a16, w8a16, w4a16
+    """One line when a CUDA artifact holds integer linears no GPU kernel reads (w3a16, w8a16, experts
     with act-order g_idx): those run dequantized on every forward."""
     if device != "cuda":
         return
@@ -176,7 +177,7 @@ def _say_dequantized_on_cuda(formats: dict[str, dict], device: str, dtype: str) 
              if spec["format"] in INT_FORMAT_NAMES.values() and spec.get("layout") != "gpu"]
     if plain:
         logger.warning("%d linears (%s) have no GPU kernel: on cuda they are dequantized to %s on every forward, "
-                       "slower than unquantized weights; quantize to 4 bits without act order for the W4A16 kernels",
+                       "slower than unquantized weights; quantize to 4 bits for the W4A16 kernels",
                        len(plain), ", ".join(sorted(set(plain))), dtype)
 
 

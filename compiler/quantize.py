@@ -82,10 +82,11 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
     return plan
 
 
-def kernel_layout(spec: dict, device: str) -> dict:
-    """The packing the target's kernel reads: on CUDA, 4-bit weights without g_idx go into the layout of
-    the Triton W4A16 GEMM ("gpu", kernels/w4a16_gemm.py); everything else keeps its plain layout."""
-    is_w4 = spec["format"] == "w4a16" and not spec.get("has_g_idx")
+def kernel_layout(spec: dict, device: str, is_expert: bool = False) -> dict:
+    """The packing the target's kernel reads: on CUDA, 4-bit weights go into the layout of the Triton
+    W4A16 GEMM ("gpu", kernels/w4a16_gemm.py; act-order groups permuted into place), except act-order
+    experts (the fused MoE kernel reads no permutation); everything else keeps its plain layout."""
+    is_w4 = spec["format"] == "w4a16" and not (is_expert and spec.get("has_g_idx"))
     return {**spec, "layout": "gpu"} if device == "cuda" and is_w4 else spec
 
 

@@ -147,9 +147,14 @@ class IntWeightFormat:
       g_idx    int32 [in]                 only if has_g_idx: group of each input column (act-order
                                           groups that are not contiguous)
 
-    layout "gpu" (4 bits, no g_idx): the tensors of kernels/w4a16_gemm.py's pack_w4a16_for_gpu, the
+    layout "gpu" (4 bits): the tensors of kernels/w4a16_gemm.py's pack_w4a16_for_gpu, the
     layout the Triton W4A16 GEMM reads (qweight [ceil(in/128)*16, out] int32, scales [G, out],
-    qzeros [G, ceil(out/8)] int32); on CPU it dequantizes like the plain layout.
+    qzeros [G, ceil(out/8)] int32); on CPU it dequantizes like the plain layout. With act-order
+    groups (has_g_idx) the input columns are permuted once, at build time, so that each group is
+    contiguous (as Marlin does): those tensors hold the permuted weight, and
+      perm     int32 [in]                 input column perm[j] is the packed weight's column j;
+                                          the kernels read x[..., perm]
+    This needs every group to hold group_size columns, as GPTQ's act order makes them.
 
     kernel_table: the W4A16 kernel per (K, N, M) the artifact's plan records (w4a16_gemm's
     `parse_w4a16_table` form), handed in by the runtime's loader; None: the kernels' default table.
@@ -173,8 +178,8 @@ class IntWeightFormat:
             )
         if self.layout not in ("plain", "gpu"):
             raise RecipeError(f"layout {self.layout!r} is not supported; use plain or gpu")
-        if self.is_gpu_layout and (self.bits != 4 or self.has_g_idx):
-            raise RecipeError("layout gpu holds 4-bit weights without g_idx; use layout plain")
+        if self.is_gpu_layout and self.bits != 4:
+            raise RecipeError("layout gpu holds 4-bit weights; use layout plain")
 
     @property
     def is_gpu_layout(self) -> bool:
@@ -205,6 +210,7 @@ class IntWeightFormat:
         num_groups = num_groups_of(in_features, self.group_size)
         if self.is_gpu_layout:
             shapes = gpu_packed_shapes(in_features, out_features, num_groups, self.symmetric)
+            shapes |= {"perm": (in_features,)} if self.has_g_idx else {}
             return {
                 name: TensorSpec(shape, self.dtype if name == "scales" else torch.int32)
                 for name, shape in shapes.items()
@@ -225,7 +231,10 @@ class IntWeightFormat:
             zeros = q.zeros
             if zeros is None and not self.symmetric:
                 zeros = torch.full_like(q.scales, 2 ** (self.bits - 1), dtype=torch.int32)
-            return pack_w4a16_for_gpu(q.qweight, q.scales.to(self.dtype), zeros)
+            if not self.has_g_idx:
+                return pack_w4a16_for_gpu(q.qweight, q.scales.to(self.dtype), zeros)
+            perm = self._group_order(q)
+            return pack_w4a16_for_gpu(q.qweight[:, perm], q.scales.to(self.dtype), zeros) | {"perm": perm}
         params = {
             "qweight": pack_words(q.qweight, self.bits, dim=1),
             "scales": q.scales.to(self.dtype).contiguous(),
@@ -245,6 +254,15 @@ class IntWeightFormat:
             )
             params["g_idx"] = g_idx.to(torch.int32).contiguous()
         return params
+
+    def _group_order(self, q: QuantizedWeight) -> Tensor:
+        """int32 [in]: the input columns sorted by group (stable), which must make the groups contiguous."""
+        g_idx = q.g_idx if q.g_idx is not None else default_g_idx(q.in_features, self.group_size, q.qweight.device)
+        perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+        if not torch.equal(g_idx.to(torch.int32)[perm], default_g_idx(q.in_features, self.group_size, g_idx.device)):
+            raise RecipeError(f"act-order groups (g_idx) of unequal sizes cannot be packed for the W4A16 kernels "
+                              f"(each of its groups must hold {self.group_size} columns); build for target.device: cpu")
+        return perm.to(torch.int32).contiguous()
 
     def _check_weight(self, q: QuantizedWeight) -> None:
         if q.bits != self.bits or q.qweight.dtype != torch.int32:
@@ -270,7 +288,10 @@ class IntWeightFormat:
     def dequantize(self, params: dict[str, Tensor], in_features: int) -> Tensor:
         """Weights [out, in] float32 from this format's tensors (the CPU path of `apply`)."""
         if self.is_gpu_layout:
-            return dequantize_w4a16(params, in_features, self.group_size)
+            weight = dequantize_w4a16(params, in_features, self.group_size)  # [out, in], columns in perm order
+            if self.has_g_idx:
+                weight = torch.empty_like(weight).index_copy_(1, params["perm"].long(), weight)
+            return weight
         levels = unpack_words(params["qweight"], self.bits, dim=1, size=in_features)  # [out, in]
         scales = params["scales"].float()  # [out, G]
         if self.symmetric:
@@ -302,6 +323,8 @@ class IntWeightFormat:
 
 
 def _w4a16_kernel(x: Tensor, params: dict[str, Tensor], bias: Tensor | None, fmt: IntWeightFormat) -> Tensor:
+    if "perm" in params:  # act order: the packed weight's columns are x's in this order
+        x = x.index_select(-1, params["perm"])
     return w4a16_linear(
         x, params["qweight"], params["scales"], params.get("qzeros"), bias, fmt.group_size, fmt.kernel_table
     )

@@ -12,6 +12,7 @@ from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.importers import pack_awq_gemm, pack_gptq, pack_pack_quantized
+from llmc.quant.formats import QuantizedWeight
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.llm import LLM
@@ -180,3 +181,42 @@ def test_build_says_which_linears_run_dequantized_on_cuda(bits, device, is_said,
     assert len(said) == int(is_said) and "\n" not in "".join(said)
     if is_said:
         assert f"w{bits}a16" in said[0] and "dequantized" in said[0]
+
+
+def _act_order_rtn(weight, group_size):
+    """4-bit RTN whose groups follow a random column order, stored as GPTQ's desc_act leaves them
+    (g_idx[i] = the group of column i). The order depends only on in_features, so linears that share
+    an input (q/k/v, gate/up) share it, as GPTQ's act order (one Hessian per input) makes them."""
+    in_features = weight.shape[1]
+    order = torch.randperm(in_features, generator=torch.Generator().manual_seed(in_features))
+    q = rtn_quantize(weight[:, order], 4, group_size, True, scale_dtype=torch.float16)
+    levels = torch.empty_like(q.qweight)
+    levels[:, order] = q.qweight
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = torch.arange(in_features, dtype=torch.int32) // group_size
+    return QuantizedWeight(levels, q.scales, None, 4, group_size, g_idx)
+
+
+def test_act_order_gptq_import_runs_on_the_w4a16_layout(tiny_llama, tmp_path):
+    """A desc_act GPTQ checkpoint: a cuda build packs its act-order linears for the W4A16 kernels (the
+    columns permuted into contiguous groups, `perm` kept), a cpu build keeps g_idx (the layout checked
+    against transformers by the imports above); both compute the same model."""
+    source = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, source)
+    tensors = load_file(source / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        q = _act_order_rtn(tensors.pop(name), 32)
+        tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in pack_gptq(q, is_v1=True).items()}
+    save_file(tensors, source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    scores = {}
+    for device in ("cuda", "cpu"):
+        build(recipe_from_dict({"model": str(source), "output": str(tmp_path / device), "quantization": {"method": "import"},
+                                "target": {"device": device}}), show_progress=False)
+        modules = json.loads((tmp_path / device / "manifest.json").read_text())["quant"]["modules"]
+        assert modules["layers.0.attn.qkv"]["has_g_idx"]
+        assert modules["layers.0.attn.qkv"].get("layout", "plain") == ("gpu" if device == "cuda" else "plain")
+        scores[device] = LLM(tmp_path / device, device="cpu").engine.score(list(range(5, 69)))
+    torch.testing.assert_close(scores["cuda"], scores["cpu"], rtol=1e-5, atol=1e-5)

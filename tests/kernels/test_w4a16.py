@@ -82,11 +82,68 @@ def test_gpu_layout_format_matches_plain_layout(k, n, group_size, symmetric) -> 
     )
 
 
+def act_order_weight(k, n, group_size, symmetric, device="cpu"):
+    """A random weight whose groups are act-order: column i in group g_idx[i], each group of
+    group_size columns scattered over the input dimension (as GPTQ's desc_act leaves them)."""
+    q = random_weight(k, n, group_size, symmetric, device=device)
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(k + n))
+    q.g_idx = torch.empty(k, dtype=torch.int32)
+    q.g_idx[order] = torch.arange(k, dtype=torch.int32) // group_size
+    q.g_idx = q.g_idx.to(device)
+    return q
+
+
+@pytest.mark.parametrize("k,n,group_size,symmetric", [s for s in SHAPES if s[2] != -1])
+def test_act_order_gpu_layout_matches_plain_layout(k, n, group_size, symmetric) -> None:
+    """Act-order groups are permuted into place at pack time: the gpu layout's weight, and its product
+    with x gathered by `perm` (what the CUDA path runs), equal the plain layout's with g_idx."""
+    from llmc.quant.formats import _w4a16_kernel
+
+    q = act_order_weight(k, n, group_size, symmetric)
+    plain = IntWeightFormat(torch.float16, 4, group_size, symmetric, has_g_idx=True)
+    gpu = IntWeightFormat(torch.float16, 4, group_size, symmetric, has_g_idx=True, layout="gpu")
+    plain_params, gpu_params = plain.pack(q), gpu.pack(q)
+    specs = gpu.param_specs(k, n)
+    assert sorted(gpu_params) == sorted(specs) and "perm" in specs
+    for name, spec in specs.items():
+        assert (tuple(gpu_params[name].shape), gpu_params[name].dtype) == (spec.shape, spec.dtype), name
+    expected = dequantize(plain, plain_params, k)  # the oracle, from the plain layout and its g_idx
+    torch.testing.assert_close(gpu.dequantize(gpu_params, k), expected, rtol=0, atol=0)
+    x = torch.randn(2, 3, k, dtype=torch.float16)
+    torch.testing.assert_close(_w4a16_kernel(x, gpu_params, None, gpu).float(),
+                               reference_linear(plain, x, plain_params, None).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_act_order_groups_of_unequal_sizes_are_refused() -> None:
+    q = act_order_weight(256, 16, 128, True)
+    q.g_idx[:3] = 1 - q.g_idx[:3]  # three columns change group: 128 ± 3 per group
+    with pytest.raises(RecipeError, match="unequal sizes"):
+        IntWeightFormat(torch.float16, 4, 128, True, has_g_idx=True, layout="gpu").pack(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_act_order_gpu_layout_on_cuda_matches_float64(rel_err, num_tokens) -> None:
+    """Real Llama shape, act-order groups: the W4A16 kernels (each M takes another kernel) on x
+    gathered by perm, against the float64 dequantized weight."""
+    k, n = 4096, 4096
+    q = act_order_weight(k, n, 128, False, "cuda")
+    gpu = IntWeightFormat(torch.bfloat16, 4, 128, False, has_g_idx=True, layout="gpu")
+    params = gpu.pack(q)
+    plain = IntWeightFormat(torch.bfloat16, 4, 128, False, has_g_idx=True)
+    weight = dequantize(plain, plain.pack(q), k).double()
+    x = torch.randn(num_tokens, k, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(gpu.apply(x, params, None), x.double() @ weight.T) < 1e-2
+
+
 def test_gpu_layout_spec_round_trip_and_errors() -> None:
     spec = {"format": "w4a16", "bits": 4, "group_size": 128, "symmetric": False, "has_g_idx": False, "layout": "gpu"}
     assert make_format(spec, torch.float16).spec() == spec
     with pytest.raises(RecipeError, match="layout"):
         IntWeightFormat(torch.float16, 8, 128, True, layout="gpu")
+    act_order = {**spec, "has_g_idx": True}
+    assert make_format(act_order, torch.float16).spec() == act_order
     with pytest.raises(RecipeError, match="layout"):
         IntWeightFormat(torch.float16, 4, 128, True, layout="marlin")
 
