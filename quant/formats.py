@@ -64,6 +64,12 @@ class QuantizedWeight:
     def is_symmetric(self) -> bool:
         return self.zeros is None
 
+    def column_groups(self) -> Tensor:
+        """[in_features]: the group of each input column, g_idx (as stored) or i // group_size (int32)."""
+        if self.g_idx is not None:
+            return self.g_idx
+        return default_g_idx(self.in_features, self.group_size, self.qweight.device)
+
 
 class LinearFormat(Protocol):
     """One weight format. `spec()` is what the manifest records; `make_format(spec)` rebuilds it
@@ -247,17 +253,12 @@ class IntWeightFormat:
             )
             params["qzeros"] = pack_words(zeros, self.bits, dim=1)
         if self.has_g_idx:
-            g_idx = (
-                q.g_idx
-                if q.g_idx is not None
-                else default_g_idx(q.in_features, self.group_size, q.qweight.device)
-            )
-            params["g_idx"] = g_idx.to(torch.int32).contiguous()
+            params["g_idx"] = q.column_groups().to(torch.int32).contiguous()
         return params
 
     def _group_order(self, q: QuantizedWeight) -> Tensor:
         """int32 [in]: the input columns sorted by group (stable), which must make the groups contiguous."""
-        g_idx = q.g_idx if q.g_idx is not None else default_g_idx(q.in_features, self.group_size, q.qweight.device)
+        g_idx = q.column_groups()
         perm = torch.argsort(g_idx.to(torch.int64), stable=True)
         if not torch.equal(g_idx.to(torch.int32)[perm], default_g_idx(q.in_features, self.group_size, g_idx.device)):
             raise RecipeError(f"act-order groups (g_idx) of unequal sizes cannot be packed for the W4A16 kernels "

@@ -122,7 +122,7 @@ def pack_gptq(
     q: QuantizedWeight, is_v1: bool = True, scale_dtype: torch.dtype = torch.float16
 ) -> dict[str, Tensor]:
     stored_zeros = (_zeros_or_implicit(q) - 1) % 2**q.bits if is_v1 else _zeros_or_implicit(q)  # [out, G]
-    g_idx = q.g_idx if q.g_idx is not None else default_g_idx(q.in_features, q.group_size, q.qweight.device)
+    g_idx = q.column_groups()
     return {
         "qweight": pack_bitstream(q.qweight.T, q.bits, dim=0),  # [in * bits / 32, out]
         "qzeros": pack_bitstream(stored_zeros.T, q.bits, dim=1),  # [G, out * bits / 32]
@@ -228,9 +228,7 @@ def _check_fusable(ws: Sequence[QuantizedWeight], names: Sequence[str]) -> None:
                 f"cannot fuse {what}: bits/group_size/dtype differ "
                 f"({w.bits}/{w.group_size} vs {first.bits}/{first.group_size}); quantize them alike"
             )
-        g_idx, first_g_idx = (
-            x.g_idx if x.g_idx is not None else default_g_idx(x.in_features, x.group_size) for x in (w, first)
-        )
+        g_idx, first_g_idx = w.column_groups(), first.column_groups()
         if w.in_features != first.in_features or not torch.equal(g_idx.cpu(), first_g_idx.cpu()):
             raise CheckpointError(
                 f"cannot fuse {what}: their input columns or act-order groups (g_idx) differ"
