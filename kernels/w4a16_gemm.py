@@ -20,6 +20,7 @@ dequantize + F.linear.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from types import MappingProxyType
 from typing import Mapping
@@ -105,9 +106,11 @@ class W4A16Config:
     dequantized, then torch's matmul). Kernels (w4a16_triton.py): "rows" (one token per program row,
     CUDA cores, `k_tiles` 128-column tiles per load), "gemv" (a few tokens, CUDA cores), "swap"
     (tensor cores, the weight as the register operand), "fused" (tensor cores, the weight through
-    shared memory)."""
+    shared memory); "wgmma" (w4a16_gluon.py, Hopper only: the swap product with TMA loads and
+    asynchronous wgmma, the conversion overlapped with the MMA; is_stacked: a whole tile's operands
+    converted while the previous tile multiplies, else one slice at a time)."""
 
-    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "dequant"
+    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -121,7 +124,7 @@ class W4A16Config:
         return dataclasses.asdict(self)
 
 
-KINDS = ("rows", "gemv", "swap", "fused", "dequant")
+KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "dequant")
 _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
@@ -133,56 +136,56 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
     {
         "4096x6144": (
-            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=4), 15.26),
-            (4, W4A16Config("swap", 16, 64, 4, 4, 3, False), 19.42),
-            (8, W4A16Config("swap", 16, 64, 4, 4, 3, False), 19.81),
-            (16, W4A16Config("swap", 16, 64, 4, 4, 3, False), 20.06),
-            (32, W4A16Config("swap", 32, 64, 4, 4, 3, False), 21.22),
-            (64, W4A16Config("swap", 64, 128, 8, 4, 3, False), 26.24),
-            (128, W4A16Config("swap", 64, 128, 4, 4, 3, False), 37.76),
-            (256, _DEQUANT, 50.11),
-            (512, _DEQUANT, 59.87),
-            (1024, _DEQUANT, 91.49),
-            (4096, _DEQUANT, 278.66),
+            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=4), 15.39),
+            (4, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 19.2),
+            (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 19.23),
+            (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 19.46),
+            (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 19.97),
+            (64, W4A16Config("wgmma", 64, 128, 2, 4, 6, True), 26.08),
+            (128, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 29.15),
+            (256, W4A16Config("wgmma", 256, 128, 2, 8, 2, False), 41.57),
+            (512, _DEQUANT, 59.78),
+            (1024, _DEQUANT, 92.67),
+            (4096, _DEQUANT, 283.78),
         ),
         "4096x4096": (
             (1, W4A16Config("rows", 1, 32, 1, 8, 1, False, k_tiles=8), 12.83),
-            (4, W4A16Config("swap", 16, 64, 4, 4, 3, False), 15.62),
-            (8, W4A16Config("swap", 16, 64, 4, 4, 3, False), 16.0),
-            (16, W4A16Config("swap", 16, 64, 4, 4, 3, False), 16.19),
-            (32, W4A16Config("swap", 32, 64, 4, 4, 3, False), 17.09),
-            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 21.02),
-            (128, W4A16Config("swap", 128, 128, 4, 8, 3, False), 25.54),
-            (256, _DEQUANT, 33.98),
-            (512, _DEQUANT, 41.34),
-            (1024, _DEQUANT, 61.5),
-            (4096, _DEQUANT, 187.78),
+            (4, W4A16Config("swap", 16, 64, 4, 4, 3, False), 15.55),
+            (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, True), 15.46),
+            (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, True), 15.49),
+            (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, True), 15.97),
+            (64, W4A16Config("wgmma", 64, 128, 4, 8, 6, True), 18.18),
+            (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 21.41),
+            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 28.19),
+            (512, _DEQUANT, 40.8),
+            (1024, _DEQUANT, 60.51),
+            (4096, _DEQUANT, 189.73),
         ),
         "4096x28672": (
-            (1, W4A16Config("rows", 1, 32, 1, 8, 1, False, k_tiles=4), 40.1),
-            (4, W4A16Config("swap", 16, 64, 2, 4, 3, False), 55.04),
-            (8, W4A16Config("swap", 16, 128, 4, 4, 3, False), 55.33),
-            (16, W4A16Config("swap", 16, 128, 4, 4, 3, False), 55.78),
-            (32, W4A16Config("swap", 32, 128, 4, 4, 3, False), 59.62),
-            (64, W4A16Config("fused", 64, 128, 1, 4, 3, True), 77.09),
-            (128, W4A16Config("swap", 128, 128, 1, 8, 3, False), 101.06),
-            (256, _DEQUANT, 212.64),
-            (512, _DEQUANT, 261.79),
-            (1024, _DEQUANT, 405.12),
-            (4096, _DEQUANT, 1307.1),
+            (1, W4A16Config("rows", 1, 32, 1, 8, 1, False, k_tiles=4), 39.87),
+            (4, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 52.42),
+            (8, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 52.93),
+            (16, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 53.02),
+            (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 54.11),
+            (64, W4A16Config("wgmma", 64, 128, 1, 4, 6, True), 72.26),
+            (128, W4A16Config("wgmma", 128, 128, 1, 8, 5, True), 92.93),
+            (256, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 126.72),
+            (512, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 244.45),
+            (1024, _DEQUANT, 411.23),
+            (4096, _DEQUANT, 1332.93),
         ),
         "14336x4096": (
-            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=8), 25.15),
-            (4, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.45),
-            (8, W4A16Config("fused", 16, 256, 16, 4, 2, False), 32.8),
-            (16, W4A16Config("fused", 16, 256, 16, 4, 2, False), 33.54),
-            (32, W4A16Config("swap", 32, 128, 8, 4, 3, False), 36.74),
-            (64, W4A16Config("fused", 64, 128, 8, 4, 3, True), 41.98),
-            (128, W4A16Config("swap", 128, 128, 4, 8, 3, False), 56.7),
-            (256, _DEQUANT, 116.74),
-            (512, _DEQUANT, 133.18),
-            (1024, _DEQUANT, 198.11),
-            (4096, _DEQUANT, 629.79),
+            (1, W4A16Config("rows", 1, 32, 2, 8, 1, False, k_tiles=8), 25.92),
+            (4, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 31.23),
+            (8, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 31.23),
+            (16, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 31.52),
+            (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 32.48),
+            (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 37.47),
+            (128, W4A16Config("wgmma", 128, 128, 4, 8, 5, True), 47.23),
+            (256, W4A16Config("wgmma", 256, 128, 4, 8, 2, False), 64.13),
+            (512, W4A16Config("wgmma", 256, 128, 2, 8, 2, False), 111.78),
+            (1024, _DEQUANT, 201.28),
+            (4096, _DEQUANT, 641.47),
         ),
     }
 )
@@ -241,6 +244,22 @@ def select_w4a16_config(m: int, k: int, n: int, table: Mapping | None, num_sms: 
     return chosen if isinstance(chosen, W4A16Config) else W4A16Config(**chosen)
 
 
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:
+    """Whether kind "wgmma" runs here: a Hopper GPU (sm_90), 16-bit activations, groups of whole
+    128-column tiles or one per channel, and rows the TMA can address (16-byte multiples)."""
+    return (capability[0] == 9 and dtype in (torch.bfloat16, torch.float16)
+            and (group_size == -1 or group_size % K_TILE == 0) and k % 8 == 0 and n % 4 == 0)
+
+
 def w4a16_linear(
     x: Tensor,
     qweight: Tensor,
@@ -269,6 +288,10 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
+    if config.kind == "wgmma" and not wgmma_supported(
+            _capability(x.device), x.dtype, group_size, in_features, out_features):
+        # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
+        config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device))
     if x.dtype == torch.float32 and config.kind == "fused":
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.
@@ -276,6 +299,13 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     if config.kind == "dequant":
         weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, in_features, group_size)
         y = F.linear(x2, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
+    elif config.kind == "wgmma":
+        from .w4a16_gluon import launch_w4a16_wgmma
+
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()  # the TMA reads from a 16-byte aligned base
+        y = launch_w4a16_wgmma(x2, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
+                               config.split_k, config.num_warps, config.num_stages, config.is_stacked)
     else:
         y = w4a16_triton.launch_w4a16_gemm(
             x2, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,

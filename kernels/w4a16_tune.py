@@ -16,14 +16,14 @@ from torch import Tensor
 
 from . import device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
-from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu
+from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu, wgmma_supported
 
 DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
-def candidate_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
+def candidate_configs(m: int, k: int, n: int, num_sms: int, wgmma: bool = False) -> list[W4A16Config]:
     """The configs worth timing at this shape: CUDA-core GEMV and tensor-core tiles for small M,
-    larger tiles and dequantize + matmul above."""
+    larger tiles and dequantize + matmul above; with `wgmma` (a Hopper GPU), the Gluon kernel's."""
     # (kind, block_m, block_n, num_warps, is_stacked)
     if m <= 16:  # (one tl.dot per group lost everywhere here in the first measurements)
         tiles = [("fused", 16, 64, 4, False), ("fused", 16, 128, 4, False), ("fused", 16, 256, 4, False),
@@ -53,6 +53,25 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]
                 continue
             for num_stages in ((3, 4) if kind == "swap" else (2, 4)) if m <= 16 else (3,):
                 configs.append(W4A16Config(kind, block_m, block_n, split_k, num_warps, num_stages, is_stacked))
+    return configs + (wgmma_configs(m, k, n, num_sms) if wgmma else [])
+
+
+def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
+    """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
+    warpgroup, split-K while the tiles are fewer than the SMs, as many ring stages as fit in ~200 KB
+    of shared memory (at most 6), both conversion orders."""
+    block_ms = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
+    num_tiles = math.ceil(k / K_TILE)
+    configs = []
+    for block_m in block_ms:
+        for block_n, num_warps in ((64, 4), (128, 8)) + (((128, 4),) if m <= 64 else ()):
+            stages = min(6, 200 * 1024 // (16 * block_n * 4 + 2 * block_m * 64 * 2))
+            num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
+            for split_k in (1, 2, 4, 8):
+                if split_k > 1 and (split_k > num_tiles // 2 or num_programs * split_k > 4 * num_sms):
+                    continue
+                configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
+                            for per_tile in (False, True)]
     return configs
 
 
@@ -77,6 +96,7 @@ def tune_w4a16(
 
     device = torch.device("cuda")
     num_sms = device_num_sms(device)
+    capability = torch.cuda.get_device_capability(device)
     flush = make_l2_flush_buffer(device)
     table = {}
     for k, n in shapes:
@@ -90,6 +110,12 @@ def tune_w4a16(
             def run(config: W4A16Config) -> Tensor:
                 if config.kind == "dequant":
                     return F.linear(x, launch_w4a16_dequantize(qweight, scales, None, k, group_size))
+                if config.kind == "wgmma":
+                    from .w4a16_gluon import launch_w4a16_wgmma
+
+                    return launch_w4a16_wgmma(x, qweight, scales, None, None, group_size, config.block_m,
+                                              config.block_n, config.split_k, config.num_warps,
+                                              config.num_stages, config.is_stacked)
                 return launch_w4a16_gemm(
                     x, qweight, scales, None, None, group_size, config.kind, config.block_m,
                     config.block_n, config.split_k, config.num_warps, config.num_stages, config.is_stacked,
@@ -97,7 +123,8 @@ def tune_w4a16(
                 )
 
             timed = []
-            for config in candidate_configs(m, k, n, num_sms):
+            wgmma = wgmma_supported(capability, dtype, group_size, k, n)
+            for config in candidate_configs(m, k, n, num_sms, wgmma):
                 try:
                     error = (run(config).float() - expected).norm() / expected.norm()
                 except Exception as exc:  # a tile that does not compile or fit on this GPU is skipped

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from llmc.errors import RecipeError
 from llmc.kernels.w4a16_gemm import (
@@ -17,6 +18,7 @@ from llmc.kernels.w4a16_gemm import (
     select_w4a16_config,
     unpack_w4a16_from_gpu,
     w4a16_linear,
+    wgmma_supported,
 )
 from llmc.quant.formats import IntWeightFormat, QuantizedWeight, make_format, num_groups_of
 from llmc.quant.reference import dequantize, reference_linear
@@ -255,3 +257,95 @@ def test_tune_returns_a_table_the_dispatch_reads(rel_err) -> None:
     y = w4a16_linear(x, params["qweight"], params["scales"], None, None, 128, table=table)
     expected = x.double() @ dequantize_w4a16(params, 512, 128).double().T
     assert rel_err(y, expected) < 1e-2
+
+
+def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
+    """Kind "wgmma" (the Gluon kernel) needs sm_90, 16-bit activations, whole-tile groups and
+    TMA-addressable rows; a table that names it elsewhere falls back in the dispatch."""
+    assert wgmma_supported((9, 0), torch.bfloat16, 128, 4096, 4096)
+    assert wgmma_supported((9, 0), torch.float16, -1, 4096, 1000)
+    assert wgmma_supported((9, 0), torch.bfloat16, 256, 4096, 4096)
+    assert not wgmma_supported((8, 0), torch.bfloat16, 128, 4096, 4096)  # Ampere: no wgmma
+    assert not wgmma_supported((10, 0), torch.bfloat16, 128, 4096, 4096)  # Blackwell: no wgmma either
+    assert not wgmma_supported((9, 0), torch.float32, 128, 4096, 4096)
+    assert not wgmma_supported((9, 0), torch.bfloat16, 64, 4096, 4096)  # two groups per tile
+    assert not wgmma_supported((9, 0), torch.bfloat16, 128, 4096, 1001)  # rows not 16-byte multiples
+    config = W4A16Config("wgmma", 64, 128, 2, 8, 4, True)
+    assert parse_w4a16_table({"64x64": [[1, config.to_dict(), 3.0]]})["64x64"][0][1] == config
+
+
+@pytest.mark.parametrize("per_tile", [False, True])
+def test_wgmma_kernel_compiles_for_sm90_without_spills(per_tile, tmp_path) -> None:
+    """The Gluon kernel compiled for an H100 on this CPU (the installed triton's ptxas): wgmma with
+    the weight from registers, TMA loads, no register spills."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from llmc.kernels import w4a16_gluon
+
+    block_m, block_n, warps = 128, 128, 8
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    signature = {
+        "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
+        "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
+        "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
+                                    "stride_split")},
+        **{name: "constexpr" for name in ("GROUP_SIZE", "HAS_ZEROS", "HAS_BIAS", "IS_SPLIT", "STAGES",
+                                          "PER_TILE", "num_warps")},
+    }
+    constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": False, "STAGES": 4,
+                 "PER_TILE": per_tile, "num_warps": warps}
+    try:
+        kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        pytest.skip(str(exc))
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx  # TMA
+    assert kernel.metadata.shared <= 227 * 1024
+    # no local memory: the accumulator and both operand sets stay in registers
+    assert ".local" not in ptx
+
+
+# (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
+# uneven last split, per-channel and 256-column groups, both conversion orders, every token tile
+WGMMA_CASES = [
+    (256, 128, 1, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 16, 64, 1, 4, 2, False)),
+    (512, 192, 5, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 16, 128, 2, 8, 3, True)),
+    (1024, 256, 70, -1, False, True, torch.float16, W4A16Config("wgmma", 64, 128, 1, 8, 4, False)),
+    (384, 320, 300, 128, True, False, torch.bfloat16, W4A16Config("wgmma", 128, 128, 1, 8, 3, True)),
+    (640, 256, 33, 128, False, False, torch.float16, W4A16Config("wgmma", 32, 64, 4, 4, 4, True)),
+    (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma", 256, 128, 1, 8, 2, False)),
+    (4096, 4096, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 256, 128, 4, 8, 3, False)),
+    (4096, 4096, 100, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 128, 128, 2, 8, 4, True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("k,n,m,group,has_zeros,has_bias,dtype,config", WGMMA_CASES)
+def test_wgmma_kernel_matches_float64(rel_err, k, n, m, group, has_zeros, has_bias, dtype, config) -> None:
+    gen = torch.Generator().manual_seed(k + n + m)
+    groups = 1 if group == -1 else k // group
+    levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(n, groups, generator=gen) * 0.01 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen, dtype=torch.int32) if has_zeros else None
+    params = {name: t.cuda() for name, t in pack_w4a16_for_gpu(levels, scales, zeros).items()}
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    bias = torch.randn(n, generator=gen).to("cuda", dtype) if has_bias else None
+    table = {f"{k}x{n}": [(m, config, None)]}
+    y = w4a16_linear(x, params["qweight"], params["scales"], params.get("qzeros"), bias, group, table=table)
+    expected = x.double() @ dequantize_w4a16(params, k, group).double().T
+    if bias is not None:
+        expected += bias.double()
+    assert y.dtype == dtype and y.shape == (m, n) and rel_err(y, expected) < 1e-2
+    # the same operand as the dequantize + matmul path: the two agree to the output's rounding
+    dense = F.linear(x.float(), dequantize_w4a16(params, k, group).to(dtype).float(),
+                     None if bias is None else bias.float())
+    assert rel_err(y, dense) < 4e-3

@@ -1,0 +1,217 @@
+"""W4A16 on Hopper's tensor cores with the int4 conversion overlapped with the MMA (Gluon, sm_90 only;
+imported only when the dispatch picks kind "wgmma" on a Hopper GPU).
+
+The plain-Triton "swap" kernel (w4a16_triton.py) computes the same product, but Triton lowers a dot
+whose operand was computed in registers to: convert → wgmma → wait for it → next convert, so the
+conversion and the tensor cores take turns (benchmarks/RESULTS.md, sessions 3 and 7). Gluon says
+what runs when:
+  - the packed words ([16, BLOCK_N] int32 per 128 input columns, the gpu layout of w4a16_gemm.py)
+    and the activations ([BLOCK_M, 64] bf16/fp16, twice per tile, 128-byte swizzle) come in by TMA
+    into a ring of STAGES buffers, one mbarrier per stage;
+  - each 16-column nibble slice is unpacked in the registers of the wgmma A operand
+    (out.T [BLOCK_N, BLOCK_M] = w [BLOCK_N, K] @ x.T: the weight rows are the MMA's M, the tokens
+    its N) and multiplied by an asynchronous wgmma with the activations' 16 columns from shared
+    memory, in one of two orders (`PER_TILE`, chosen per shape by the tuning table);
+  - a stage is refilled once every warp is past the wait that retires the last wgmma reading it.
+The weight operand is ((level - zero) * scale) rounded once to the activation dtype, as in the
+dequantize + matmul path and the swap kernel (level | 0x4B000000 read as fp32 is 2**23 + level).
+Group sizes are multiples of 128 (one group per tile) or one group per channel; the dispatch keeps
+smaller groups, other GPUs and fp32 on the other kernels (w4a16_gemm.wgmma_supported).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .split_k_triton import reduce_splits
+
+K_TILE = 128
+X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
+# triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (3.6: thread_barrier)
+_GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@gluon.jit
+def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
+    """Tile t's packed words and its two activation boxes into `stage`, counted on its mbarrier."""
+    bar = bars.index(stage)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
+    _tma_load(w_desc, [t * 16, off_n], bar, w_smem.index(stage))
+    _tma_load(x_desc, [off_m, t * 128], bar, x_smem.index(2 * stage))
+    _tma_load(x_desc, [off_m, t * 128 + 64], bar, x_smem.index(2 * stage + 1))
+
+
+@gluon.jit
+def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: gl.constexpr,
+                  HAS_ZEROS: gl.constexpr):
+    """(scale, 2**23 + zero) as fp32 [BLOCK_N] for the group of K tile t."""
+    g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
+    s = gl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
+    if HAS_ZEROS:
+        z_word = gl.load(qz_ptr + g * ((N + 7) // 8) + offs_n // 8, mask=n_mask, other=0)
+        z = ((z_word >> ((offs_n % 8) * 4)) & 0xF).to(gl.float32)
+    else:
+        z = gl.full(offs_n.shape, 8.0, gl.float32, offs_n.type.layout)
+    return s, 8388608.0 + z
+
+
+@gluon.jit
+def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr):
+    """Nibble slice j of the words [BLOCK_N, 16] → ((level - zero) * scale) in dtype, A operand layout."""
+    magic = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(gl.float32, bitcast=True)
+    return ((magic - offset[:, None]) * scale[:, None]).to(dtype)
+
+
+@gluon.jit
+def _x_slice(x_smem, stage, j: gl.constexpr):
+    """Input columns 16 j ... 16 j + 15 of the stage's activations as the B operand [16, BLOCK_M]."""
+    return x_smem.index(2 * stage + j // 4).slice(16 * (j % 4), 16, dim=1).permute((1, 0))
+
+
+@gluon.jit
+def _tile_operands(w_smem, stage, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
+    words = w_smem.index(stage).permute((1, 0)).load(a_layout)  # [BLOCK_N, 16] int32
+    return (_operand(words, 0, offset, scale, dtype), _operand(words, 1, offset, scale, dtype),
+            _operand(words, 2, offset, scale, dtype), _operand(words, 3, offset, scale, dtype),
+            _operand(words, 4, offset, scale, dtype), _operand(words, 5, offset, scale, dtype),
+            _operand(words, 6, offset, scale, dtype), _operand(words, 7, offset, scale, dtype))
+
+
+@gluon.jit
+def _w4a16_wgmma_kernel(
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
+    GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    STAGES: gl.constexpr, PER_TILE: gl.constexpr, num_warps: gl.constexpr,
+):
+    """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
+
+    PER_TILE False: each slice is converted while the previous slice's wgmma runs (ptxas then
+    serializes the wgmmas themselves: "non wgmma instructions defining input registers").
+    PER_TILE True: the next tile's eight operands are converted while this tile's eight wgmmas run
+    back to back (no register of an in-flight wgmma is written; twice the operand registers)."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    off_n = pid_n * BLOCK_N
+    off_m = pid_m * BLOCK_M
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
+
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+
+    t_begin = pid_k * tiles_per_split
+    n_tiles = gl.minimum(tiles_per_split, num_tiles - t_begin)
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=row_layout)
+    n_mask = offs_n < N
+    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS)
+    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+    if PER_TILE:
+        # all STAGES buffers filled up front; stage i % STAGES is refilled once tile i's wgmmas are done
+        for s in gl.static_range(STAGES):
+            if s < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, s, t_begin + s, off_m, off_n)
+        mbarrier.wait(bars.index(0), 0)
+        a = _tile_operands(w_smem, 0, offset, scale, a_layout, dtype)
+        for i in range(n_tiles):
+            stage = i % STAGES
+            for j in gl.static_range(8):
+                acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
+            # the next tile's operands while these multiply (the last tile converts itself again)
+            i_next = gl.minimum(i + 1, n_tiles - 1)
+            scale, offset = _group_params(s_ptr, qz_ptr, t_begin + i_next, offs_n, n_mask, N, num_groups,
+                                          GROUP_SIZE, HAS_ZEROS)
+            mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
+            a_next = _tile_operands(w_smem, i_next % STAGES, offset, scale, a_layout, dtype)
+            acc = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
+            _cta_barrier()  # no warp still reads this stage
+            if i + STAGES < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+            a = a_next
+    else:
+        # STAGES - 1 tiles in flight; tile i + STAGES - 1 refills tile i - 1's stage
+        for s in gl.static_range(STAGES - 1):
+            if s < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, s, t_begin + s, off_m, off_n)
+        for i in range(n_tiles):
+            # the next tile's group, loaded now and used next iteration (a global load's latency hidden)
+            scale_next, offset_next = _group_params(
+                s_ptr, qz_ptr, gl.minimum(t_begin + i + 1, num_tiles - 1), offs_n, n_mask, N, num_groups,
+                GROUP_SIZE, HAS_ZEROS)
+            stage = i % STAGES
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            words = w_smem.index(stage).permute((1, 0)).load(a_layout)  # [BLOCK_N, 16] int32
+            for j in gl.static_range(8):
+                a = _operand(words, j, offset, scale, dtype)
+                acc = warpgroup_mma(a, _x_slice(x_smem, stage, j), acc, is_async=True)
+                acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
+                if j == 0:
+                    # every wgmma of tile i - 1 is done: refill its stage once all warps are here
+                    _cta_barrier()
+                    if i + STAGES - 1 < n_tiles:
+                        _load_tile(x_desc, w_desc, w_smem, x_smem, bars, (i + STAGES - 1) % STAGES,
+                                   t_begin + i + STAGES - 1, off_m, off_n)
+            scale, offset = scale_next, offset_next
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
+    if IS_SPLIT:
+        gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_w4a16_wgmma(
+    x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
+    block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
+) -> Tensor:
+    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    num_tiles = qweight.shape[0] // 16
+    tiles_per_split = triton.cdiv(num_tiles, split_k)
+    split_k = triton.cdiv(num_tiles, tiles_per_split)
+    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    is_split = split_k > 1
+    target = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32) if is_split else out
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
+    group_columns = group_size if group_size > 0 else num_tiles * K_TILE
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
+    _w4a16_wgmma_kernel[grid](
+        x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
+        target, M, N, scales.shape[0], num_tiles, tiles_per_split, N if is_split else out.stride(0), M * N,
+        GROUP_SIZE=group_columns, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
+        STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps,
+    )
+    if is_split:
+        reduce_splits(target, bias, out)
+    return out
