@@ -36,6 +36,16 @@ X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (1
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (3.6: thread_barrier)
+# $0 = (MAGIC + level of word $1 | of word $2, nibble $7 / 4 of the halves prmt $5 picks) - $3, times $4
+_CVT_BF16 = gl.constexpr("""{
+    .reg .b32 t;
+    prmt.b32 t, $1, $2, $5;
+    shr.u32 t, t, $7;
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 t, t, $3;
+    mul.rn.bf16x2 $0, t, $4;
+}""")
+_CVT_FP16 = gl.constexpr(_CVT_BF16.value.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2"))
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -51,8 +61,8 @@ def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
 
 @gluon.jit
 def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: gl.constexpr,
-                  HAS_ZEROS: gl.constexpr):
-    """(scale, 2**23 + zero) as fp32 [BLOCK_N] for the group of K tile t."""
+                  HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr):
+    """(scale, MAGIC + zero) as fp32 [BLOCK_N] for the group of K tile t."""
     g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
     s = gl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
     if HAS_ZEROS:
@@ -60,14 +70,29 @@ def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: g
         z = ((z_word >> ((offs_n % 8) * 4)) & 0xF).to(gl.float32)
     else:
         z = gl.full(offs_n.shape, 8.0, gl.float32, offs_n.type.layout)
-    return s, 8388608.0 + z
+    return s, MAGIC + z
 
 
 @gluon.jit
 def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr):
-    """Nibble slice j of the words [BLOCK_N, 16] → ((level - zero) * scale) in dtype, A operand layout."""
-    magic = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(gl.float32, bitcast=True)
-    return ((magic - offset[:, None]) * scale[:, None]).to(dtype)
+    """Nibble slice j of the words [BLOCK_N, 16] → ((level - zero) * scale) in dtype, A operand layout.
+
+    Two weights per instruction sequence, in 16-bit pairs: the A operand layout keeps input columns
+    (k, k + 1) of a row in one thread, as consecutive elements, i.e. words r and r + 1 of the tile;
+    prmt puts their 16-bit halves side by side, a shift and a lop3 make MAGIC + level in each half
+    (0x4300 | level is 128 + level as bf16, 0x6400 | level 1024 + level as fp16), and the paired
+    subtract and multiply give (level - zero) * scale, rounded once, as the fp32 path does: the
+    difference is an exact small integer, its product with the scale exact before the rounding."""
+    selector = gl.zeros_like(words) + (0x5410 + (j // 4) * (0x7632 - 0x5410))
+    shift = gl.zeros_like(words) + 4 * (j % 4)
+    args = [words, offset.to(dtype)[:, None], scale.to(dtype)[:, None], selector, shift]
+    if dtype == gl.bfloat16:
+        out = gl.inline_asm_elementwise(_CVT_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.bfloat16, is_pure=True,
+                                        pack=2)
+    else:
+        out = gl.inline_asm_elementwise(_CVT_FP16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.float16, is_pure=True,
+                                        pack=2)
+    return out
 
 
 @gluon.jit
@@ -101,6 +126,7 @@ def _w4a16_wgmma_kernel(
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
+    MAGIC: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
     pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
     pid_m = gl.program_id(2)
@@ -122,7 +148,7 @@ def _w4a16_wgmma_kernel(
     n_tiles = gl.minimum(tiles_per_split, num_tiles - t_begin)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=row_layout)
     n_mask = offs_n < N
-    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS)
+    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     if PER_TILE:
         # all STAGES buffers filled up front; stage i % STAGES is refilled once tile i's wgmmas are done
@@ -138,7 +164,7 @@ def _w4a16_wgmma_kernel(
             # the next tile's operands while these multiply (the last tile converts itself again)
             i_next = gl.minimum(i + 1, n_tiles - 1)
             scale, offset = _group_params(s_ptr, qz_ptr, t_begin + i_next, offs_n, n_mask, N, num_groups,
-                                          GROUP_SIZE, HAS_ZEROS)
+                                          GROUP_SIZE, HAS_ZEROS, MAGIC)
             mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
             a_next = _tile_operands(w_smem, i_next % STAGES, offset, scale, a_layout, dtype)
             acc = warpgroup_mma_wait(
@@ -156,7 +182,7 @@ def _w4a16_wgmma_kernel(
             # the next tile's group, loaded now and used next iteration (a global load's latency hidden)
             scale_next, offset_next = _group_params(
                 s_ptr, qz_ptr, gl.minimum(t_begin + i + 1, num_tiles - 1), offs_n, n_mask, N, num_groups,
-                GROUP_SIZE, HAS_ZEROS)
+                GROUP_SIZE, HAS_ZEROS, MAGIC)
             stage = i % STAGES
             mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
             words = w_smem.index(stage).permute((1, 0)).load(a_layout)  # [BLOCK_N, 16] int32
