@@ -191,10 +191,37 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
 )
 
 
-def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
-    """A config for shapes no table covers, after what the H100 table chose: one token per program
-    row with 8 K tiles per load, the swapped tensor-core tiles to 64 tokens, dequantize + matmul
-    above; split-K until about two programs per SM."""
+def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = True) -> W4A16Config:
+    """A config for shapes no table covers. With `wgmma` (a Hopper GPU, the plan's assumption), after
+    the H100 sweep of the Gluon kernel: its 16- to 256-token tiles up to 1024 tokens while the tiles
+    fill the GPU, one token per program row for small weights at one token, dequantize + matmul
+    above; without, the Triton kernels' rule. The config is the one for the top of M's bucket
+    (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it at every M."""
+    bucket = next((b for b in _HEURISTIC_MAX_MS if m <= b), None)
+    if not wgmma or (bucket == 1 and n * k <= 32 * 2**20):
+        return _triton_heuristic(m, k, n, num_sms)
+    if bucket is None:
+        return _DEQUANT
+    block_m = min(bucket, 256) if bucket > 1 else 16
+    block_n, num_warps = (64, 4) if block_m == 16 else ((128, 4) if block_m == 32 else (128, 8))
+    num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
+    if bucket > 256 and num_programs < (2 * num_sms if bucket > 512 else num_sms // 2):
+        return _DEQUANT  # too few tiles to fill the GPU: cuBLAS on the dequantized weight wins
+    num_stages = min(6, 200 * 1024 // (16 * block_n * 4 + 2 * block_m * 64 * 2))
+    # split K in two until 2 programs per SM (16-token tiles, bound by the weights' bytes) or 1 (larger
+    # ones, bound by the MMA), at most 4 per SM, at least 8 K tiles per split: within 5% of the best
+    # measured tiles on average over the sweep's 44 cells (H100, Llama-3-8B shapes), 26% at worst
+    target = 2 * num_sms if block_m == 16 else num_sms
+    num_tiles, split_k = math.ceil(k / K_TILE), 1
+    while num_programs * split_k < target and split_k * 2 <= num_tiles // 8 and num_programs * split_k * 2 <= 4 * num_sms:
+        split_k *= 2
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_stacked=block_m >= 128)
+
+
+def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
+    """The Triton kernels' rule (any GPU): one token per program row with 8 K tiles per load, the
+    swapped tensor-core tiles to 64 tokens, dequantize + matmul above; split-K until about two
+    programs per SM."""
     if m > 64:
         return _DEQUANT
     if m == 1:
@@ -210,15 +237,17 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
     return W4A16Config(kind, block_m, block_n, split_k, num_warps, num_stages, k_tiles=8 if kind == "rows" else 1)
 
 
-# The M at which heuristic_w4a16_config changes: one token, 16-token tiles to 16, 64-token tiles to
-# 64, dequantize + matmul above (its split-K depends on ceil(M / block_m), which is 1 up to each bound).
-_HEURISTIC_MAX_MS = (1, 16, 64, 128)
+# The M at which heuristic_w4a16_config changes (the Triton rule's bounds, 1, 16, 64, are among them;
+# its split-K depends on ceil(M / block_m), which is 1 up to each bound).
+_HEURISTIC_MAX_MS = (1, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def heuristic_w4a16_entries(k: int, n: int, num_sms: int) -> list[tuple[int, W4A16Config, None]]:
-    """The heuristic as table entries [(max_m, config, None: not measured)]: the table lookup gives
-    the heuristic's config at every M."""
-    return [(m, heuristic_w4a16_config(m, k, n, num_sms), None) for m in _HEURISTIC_MAX_MS]
+    """The heuristic (for a Hopper GPU) as table entries [(max_m, config, None: not measured)]: the
+    table lookup gives the heuristic's config at every M (a GPU without wgmma replaces those
+    entries with the Triton rule when they run)."""
+    entries = [(m, heuristic_w4a16_config(m, k, n, num_sms), None) for m in _HEURISTIC_MAX_MS]
+    return entries + [(_HEURISTIC_MAX_MS[-1] + 1, _DEQUANT, None)]
 
 
 def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
@@ -291,7 +320,8 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     if config.kind == "wgmma" and not wgmma_supported(
             _capability(x.device), x.dtype, group_size, in_features, out_features):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
-        config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device))
+        config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device),
+                                        wgmma=False)
     if x.dtype == torch.float32 and config.kind == "fused":
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.

@@ -163,7 +163,10 @@ def test_table_lookup_and_heuristic() -> None:
     assert select_w4a16_config(1, 512, 512, table, 132) == heuristic_w4a16_config(1, 512, 512, 132)
     small = heuristic_w4a16_config(1, 4096, 4096, 132)
     assert small.kind == "rows" and small.k_tiles > 1 and small.split_k > 1
-    assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "swap"
+    assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "wgmma"  # a Hopper GPU, the plan's assumption
+    assert heuristic_w4a16_config(16, 4096, 4096, 132, wgmma=False).kind == "swap"  # any other GPU
+    assert heuristic_w4a16_config(256, 4096, 28672, 132).kind == "wgmma"
+    assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "rows"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma"
     assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
