@@ -4,7 +4,7 @@ which kernel (and tiles) runs at which M, so the runtime never tunes at start.
 Shapes are (K, N) per rank, read off the runtime's own module built on the meta device for each
 rank (fused qkv, o, gate_up, down and a quantized lm_head, after the tensor-parallel split). Each
 shape's record comes, in this order of preference, from a measurement on the build GPU
-(`target.tune_kernels`), from the table measured on an H200 that ships with the kernels
+(`target.tune_kernels`), from the table measured on an H100 that ships with the kernels
 (DEFAULT_W4A16_TABLE), or from the heuristic.
 """
 
