@@ -36,7 +36,9 @@ X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (1
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (3.6: thread_barrier)
-# $0 = (MAGIC + level of word $1 | of word $2, nibble $7 / 4 of the halves prmt $5 picks) - $3, times $4
+# One pair of weights (_operand): $1, $2 the words of input columns k and k + 1; $5 the prmt selector
+# (their low or high 16-bit halves side by side), $7 the nibble's shift within a half; $3, $4 the pair
+# (MAGIC + zero, MAGIC + zero) and (scale, scale); $6, $8 repeat $5, $7 (every input comes per element).
 _CVT_BF16 = gl.constexpr("""{
     .reg .b32 t;
     prmt.b32 t, $1, $2, $5;
