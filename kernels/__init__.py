@@ -28,12 +28,22 @@ def can_use_triton(*tensors: Tensor) -> bool:
 def device_num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device ("cuda" alone: the current one), asked once per
     device: kernels plan their grids from it at every call."""
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties(device).multi_processor_count
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, asked once per device (9.0: Hopper)."""
+    props = _properties(device)
+    return props.major, props.minor
+
+
+def _properties(device: torch.device):
+    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties_of(index: int):
+    return torch.cuda.get_device_properties(index)
 
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:

@@ -20,7 +20,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from . import can_use_triton, is_triton_installed
+from . import can_use_triton, device_capability, is_triton_installed
 
 FP8_E4M3_MAX = 448.0
 MIN_SCALE = torch.finfo(torch.float32).tiny * 2**10  # an all-zero row would otherwise divide by zero
@@ -43,7 +43,7 @@ def cast_to_fp8(x: Tensor, scale: Tensor) -> Tensor:
 
 def has_fp8_tensor_cores(x: Tensor) -> bool:
     """FP8 matmuls need CUDA capability 8.9+ (Ada, Hopper)."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return x.is_cuda and device_capability(x.device) >= (8, 9)
 
 
 def can_use_scaled_mm(x: Tensor, weight: Tensor) -> bool:

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import reduce_splits
+from .split_k_triton import plan_splits, reduce_splits
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096  # chunk of the two-pass loop
@@ -117,11 +117,9 @@ def fp8_linear_small_m(
     the product torch._scaled_mm computes, for a few tokens."""
     M, K = x_fp8.shape
     N = weight.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
-    split_k = triton.cdiv(K, k_per_split)
-    out = torch.empty(M, N, device=x_fp8.device, dtype=out_dtype)
+    blocks_per_split, split_k, out, target = plan_splits(triton.cdiv(K, block_k), split_k, M, N, x_fp8, out_dtype)
+    k_per_split = blocks_per_split * block_k
     is_split = split_k > 1
-    target = torch.empty(split_k, M, N, device=x_fp8.device, dtype=torch.float32) if is_split else out
     _fp8_small_m_kernel[(triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, M, N, K, k_per_split,
         N if is_split else out.stride(0), M * N,

@@ -1,12 +1,24 @@
-"""The second pass of a split-K GEMM (imported only when a kernel runs): the fp32 partials of each
-K split, summed in split order (deterministic, unlike atomics) and cast to the output dtype. Shared by
-the W4A16 kernels and the FP8 few-token kernel."""
+"""Split-K GEMMs (imported only when a kernel runs): the split plan and the second pass, where the
+fp32 partials of each K split are summed in split order (deterministic, unlike atomics) and cast to
+the output dtype. Shared by the W4A16 kernels (Triton and Gluon) and the FP8 few-token kernel."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+def plan_splits(num_chunks: int, split_k: int, m: int, n: int, like: Tensor, dtype: torch.dtype):
+    """K in `num_chunks` chunks (tiles, blocks) over at most `split_k` splits, none empty →
+    (chunks per split, splits, out [m, n] in dtype, target): target is out itself, or the fp32
+    partials [splits, m, n] for `reduce_splits` when K is split."""
+    chunks_per_split = triton.cdiv(num_chunks, split_k)
+    split_k = triton.cdiv(num_chunks, chunks_per_split)
+    out = torch.empty(m, n, device=like.device, dtype=dtype)
+    target = torch.empty(split_k, m, n, device=like.device, dtype=torch.float32) if split_k > 1 else out
+    return chunks_per_split, split_k, out, target
 
 
 @triton.jit

@@ -20,7 +20,6 @@ dequantize + F.linear.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from types import MappingProxyType
 from typing import Mapping
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import can_use_triton, device_num_sms
+from . import can_use_triton, device_capability, device_num_sms
 
 K_TILE = 128  # input columns per packed tile
 _WORD_ROWS = K_TILE // 8  # int32 word rows per tile
@@ -207,7 +206,7 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
     if bucket > 256 and num_programs < (2 * num_sms if bucket > 512 else num_sms // 2):
         return _DEQUANT  # too few tiles to fill the GPU: cuBLAS on the dequantized weight wins
-    num_stages = min(6, 200 * 1024 // (16 * block_n * 4 + 2 * block_m * 64 * 2))
+    num_stages = wgmma_stages(block_m, block_n)
     # split K in two until 2 programs per SM (16-token tiles, bound by the weights' bytes) or 1 (larger
     # ones, bound by the MMA), at most 4 per SM, at least 8 K tiles per split: within 5% of the best
     # measured tiles on average over the sweep's 44 cells (H100, Llama-3-8B shapes), 26% at worst
@@ -273,13 +272,10 @@ def select_w4a16_config(m: int, k: int, n: int, table: Mapping | None, num_sms: 
     return chosen if isinstance(chosen, W4A16Config) else W4A16Config(**chosen)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def wgmma_stages(block_m: int, block_n: int) -> int:
+    """Ring stages of the Gluon kernel that fit in ~200 KB of shared memory (at most 6): a stage holds
+    a tile's packed words [16, block_n] int32 and its activations [block_m, 128] in 16 bits."""
+    return min(6, 200 * 1024 // (16 * block_n * 4 + block_m * K_TILE * 2))
 
 
 def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:
@@ -308,8 +304,6 @@ def w4a16_linear(
 
 
 def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> Tensor:
-    from . import w4a16_triton  # triton loads on the first CUDA call only
-
     in_features, out_features = x.shape[-1], qweight.shape[1]
     x2 = x.reshape(-1, in_features)  # [M, K]
     if x2.shape[0] == 0:
@@ -318,7 +312,7 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
         x2 = x2.contiguous()
     config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
     if config.kind == "wgmma" and not wgmma_supported(
-            _capability(x.device), x.dtype, group_size, in_features, out_features):
+            device_capability(x.device), x.dtype, group_size, in_features, out_features):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
         config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device),
                                         wgmma=False)
@@ -326,19 +320,26 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.
         config = _DEQUANT
+    y = run_w4a16_config(x2, qweight, scales, qzeros, bias, group_size, config)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: W4A16Config) -> Tensor:
+    """x [M, K] (unit stride along K, on CUDA) → [M, N] by the kernel `config` names, as given (the
+    dispatch and the tuner both run configs through here)."""
+    from . import w4a16_triton  # triton loads on the first CUDA call only
+
     if config.kind == "dequant":
-        weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, in_features, group_size)
-        y = F.linear(x2, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
-    elif config.kind == "wgmma":
+        weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, x.shape[1], group_size)
+        return F.linear(x, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
+    if config.kind == "wgmma":
         from .w4a16_gluon import launch_w4a16_wgmma
 
-        if x2.data_ptr() % 16:
-            x2 = x2.clone()  # the TMA reads from a 16-byte aligned base
-        y = launch_w4a16_wgmma(x2, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
-                               config.split_k, config.num_warps, config.num_stages, config.is_stacked)
-    else:
-        y = w4a16_triton.launch_w4a16_gemm(
-            x2, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
-            config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,
-        )
-    return y.reshape(*x.shape[:-1], out_features)
+        if x.data_ptr() % 16:
+            x = x.clone()  # the TMA reads from a 16-byte aligned base
+        return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
+                                  config.split_k, config.num_warps, config.num_stages, config.is_stacked)
+    return w4a16_triton.launch_w4a16_gemm(
+        x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
+        config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,
+    )

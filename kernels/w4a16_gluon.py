@@ -29,9 +29,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .split_k_triton import reduce_splits
+from .split_k_triton import plan_splits, reduce_splits
+from .w4a16_triton import group_columns_of
 
-K_TILE = 128
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -223,21 +223,18 @@ def launch_w4a16_wgmma(
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
-    tiles_per_split = triton.cdiv(num_tiles, split_k)
-    split_k = triton.cdiv(num_tiles, tiles_per_split)
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    tiles_per_split, split_k, out, target = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
     is_split = split_k > 1
-    target = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32) if is_split else out
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    group_columns = group_size if group_size > 0 else num_tiles * K_TILE
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     _w4a16_wgmma_kernel[grid](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         target, M, N, scales.shape[0], num_tiles, tiles_per_split, N if is_split else out.stride(0), M * N,
-        GROUP_SIZE=group_columns, HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
+        GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
+        IS_SPLIT=is_split,
         STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps,
     )
     if is_split:

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import reduce_splits
+from .split_k_triton import plan_splits, reduce_splits
 
 K_TILE = 128  # input columns per packed tile: 16 word rows x 8 nibbles
 PIECE = 16  # input columns per nibble slice of a tile (the depth of one tl.dot)
@@ -221,7 +221,8 @@ def _w4a16_dequant_kernel(
     tl.store(w_ptr + offs_n[:, None] * K + offs_k[None, :], out, mask=mask)
 
 
-def _group_columns(group_size: int, num_tiles: int) -> int:
+def group_columns_of(group_size: int, num_tiles: int) -> int:
+    """Input columns per group; one group per channel (-1) spans the padded K."""
     return group_size if group_size > 0 else num_tiles * K_TILE
 
 
@@ -235,12 +236,9 @@ def launch_w4a16_gemm(
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
-    tiles_per_split = triton.cdiv(num_tiles, split_k)
-    split_k = triton.cdiv(num_tiles, tiles_per_split)  # no empty splits
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    tiles_per_split, split_k, out, target = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
     is_split = split_k > 1
-    target = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32) if is_split else out
-    group_columns = _group_columns(group_size, num_tiles)
+    group_columns = group_columns_of(group_size, num_tiles)
     args = (
         x, qweight, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         target, M, N, K, scales.shape[0], num_tiles, tiles_per_split,
@@ -280,7 +278,7 @@ def launch_w4a16_dequantize(
     block_n = 64
     _w4a16_dequant_kernel[(num_tiles, triton.cdiv(N, block_n))](
         qweight, scales, qzeros if qzeros is not None else scales, w, N, in_features, scales.shape[0],
-        GROUP_SIZE=_group_columns(group_size, num_tiles), HAS_ZEROS=qzeros is not None, BLOCK_N=block_n,
+        GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, BLOCK_N=block_n,
         num_warps=4,
     )
     return w

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import device_num_sms
+from . import device_capability, device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
-from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu, wgmma_supported
+from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_stages, wgmma_supported
 
 DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -65,7 +65,7 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
     configs = []
     for block_m in block_ms:
         for block_n, num_warps in ((64, 4), (128, 8)) + (((128, 4),) if m <= 64 else ()):
-            stages = min(6, 200 * 1024 // (16 * block_n * 4 + 2 * block_m * 64 * 2))
+            stages = wgmma_stages(block_m, block_n)
             num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
             for split_k in (1, 2, 4, 8):
                 if split_k > 1 and (split_k > num_tiles // 2 or num_programs * split_k > 4 * num_sms):
@@ -92,38 +92,26 @@ def tune_w4a16(
     """{"KxN": [(m, config dict, time_us), ...]}: the fastest correct config per shape and M.
 
     `records`, if given, receives every timed candidate as {"K", "N", "M", "config", "us"}."""
-    from .w4a16_triton import launch_w4a16_dequantize, launch_w4a16_gemm
+    from .w4a16_triton import launch_w4a16_dequantize
 
     device = torch.device("cuda")
     num_sms = device_num_sms(device)
-    capability = torch.cuda.get_device_capability(device)
+    capability = device_capability(device)
     flush = make_l2_flush_buffer(device)
     table = {}
     for k, n in shapes:
         params = _random_packed_weight(k, n, group_size, dtype, device)
         qweight, scales = params["qweight"], params["scales"]
+        wgmma = wgmma_supported(capability, dtype, group_size, k, n)
         entries = []
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=dtype)
             expected = F.linear(x, launch_w4a16_dequantize(qweight, scales, None, k, group_size)).float()
 
             def run(config: W4A16Config) -> Tensor:
-                if config.kind == "dequant":
-                    return F.linear(x, launch_w4a16_dequantize(qweight, scales, None, k, group_size))
-                if config.kind == "wgmma":
-                    from .w4a16_gluon import launch_w4a16_wgmma
-
-                    return launch_w4a16_wgmma(x, qweight, scales, None, None, group_size, config.block_m,
-                                              config.block_n, config.split_k, config.num_warps,
-                                              config.num_stages, config.is_stacked)
-                return launch_w4a16_gemm(
-                    x, qweight, scales, None, None, group_size, config.kind, config.block_m,
-                    config.block_n, config.split_k, config.num_warps, config.num_stages, config.is_stacked,
-                    config.k_tiles,
-                )
+                return run_w4a16_config(x, qweight, scales, None, None, group_size, config)
 
             timed = []
-            wgmma = wgmma_supported(capability, dtype, group_size, k, n)
             for config in candidate_configs(m, k, n, num_sms, wgmma):
                 try:
                     error = (run(config).float() - expected).norm() / expected.norm()
