@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import plan_splits, reduce_splits
+from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits, store_split
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096  # chunk of the two-pass loop
@@ -73,9 +73,9 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
 
 @triton.jit
 def _fp8_small_m_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, k_per_split,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, k_per_split,
     stride_om, stride_split,
-    W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """W8A8 for a few tokens on FP8 tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M]
@@ -100,7 +100,10 @@ def _fp8_small_m_kernel(
     x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
     y = tl.trans(acc * w_scale[:, None] * x_scale[None, :])  # [BLOCK_M, BLOCK_N]
     out_mask = m_mask[:, None] & n_mask[None, :]
-    if IS_SPLIT:
+    if IS_SPLIT and SUM_SPLITS > 0:  # the last split of the tile sums them (split_k_triton)
+        store_split(y, out_ptr, final_ptr, bias_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n, offs_m, offs_n,
+                    m_mask, n_mask, stride_om, stride_split, HAS_BIAS, SUM_SPLITS)
+    elif IS_SPLIT:
         tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
     else:
         if HAS_BIAS:
@@ -117,15 +120,19 @@ def fp8_linear_small_m(
     the product torch._scaled_mm computes, for a few tokens."""
     M, K = x_fp8.shape
     N = weight.shape[0]
-    blocks_per_split, split_k, out, target = plan_splits(triton.cdiv(K, block_k), split_k, M, N, x_fp8, out_dtype)
+    tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
+    blocks_per_split, split_k, out, target, counters = plan_splits(
+        triton.cdiv(K, block_k), split_k, M, N, x_fp8, out_dtype,
+        tiles_n * tiles_m if block_m <= SUM_IN_KERNEL_MAX_TOKENS else 0)
     k_per_split = blocks_per_split * block_k
     is_split = split_k > 1
-    _fp8_small_m_kernel[(triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))](
-        x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, M, N, K, k_per_split,
-        N if is_split else out.stride(0), M * N,
+    _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
+        x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, out,
+        counters if counters is not None else out, M, N, K, k_per_split, N if is_split else out.stride(0), M * N,
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
+        SUM_SPLITS=split_k if counters is not None else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
-    if is_split:
+    if is_split and counters is None:
         reduce_splits(target, bias, out)
     return out

@@ -1,6 +1,16 @@
-"""Split-K GEMMs (imported only when a kernel runs): the split plan and the second pass, where the
-fp32 partials of each K split are summed in split order (deterministic, unlike atomics) and cast to
-the output dtype. Shared by the W4A16 kernels (Triton and Gluon) and the FP8 few-token kernel."""
+"""Split-K GEMMs (imported only when a kernel runs): the split plan and the sum of the splits' fp32
+partials, in split order (deterministic, unlike atomics on the output), cast to the output dtype.
+Shared by the W4A16 kernels (Triton and Gluon) and the FP8 few-token kernel.
+
+For tiles of at most 16 tokens (the decode GEMVs) the sum runs inside the GEMM kernel: each program
+stores its partial, then counts itself on its output tile's semaphore (an int32 in `tile_counters`,
+zero between kernels); the last of a tile's splits to arrive loads all the partials at once, sums
+them and writes the tile, then puts the semaphore back to zero. That saves the second kernel. Larger
+tiles keep it (`reduce_splits`): one program reading every split of a 128 x 256 tile took longer than
+a second kernel spread over the GPU (H100, benchmarks/RESULTS.md, session 12). So does a split GEMM
+that finds no semaphores (the first of a device inside a CUDA-graph capture, which cannot allocate
+outside its pool).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +19,66 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+_COUNTERS: dict[int, Tensor] = {}  # device index → int32 semaphores, all zero between kernels
+_MIN_COUNTERS = 65536  # output tiles: 28672 / 64 columns × 1024 / 16 tokens fits
 
-def plan_splits(num_chunks: int, split_k: int, m: int, n: int, like: Tensor, dtype: torch.dtype):
+
+def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
+    """int32 zeros, at least one per output tile, shared by the split GEMMs of a device (kernels of one
+    stream run one after the other, and CUDA graphs keep the pointer they were captured with; two
+    streams running split GEMMs at the same time would need their own), or None while a CUDA graph is
+    being captured and there are none large enough (an allocation there belongs to the graph's pool;
+    the engine's eager warm-up before capture allocates them)."""
+    if device.type != "cuda":  # Triton's interpreter (the CPU tests)
+        return torch.zeros(num_tiles, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    counters = _COUNTERS.get(index)
+    if counters is None or counters.numel() < num_tiles:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        counters = torch.zeros(max(_MIN_COUNTERS, num_tiles), dtype=torch.int32, device=device)
+        _COUNTERS[index] = counters
+    return counters
+
+
+SUM_IN_KERNEL_MAX_TOKENS = 16  # token tiles up to this many rows sum their splits in the GEMM kernel
+
+
+def plan_splits(num_chunks: int, split_k: int, m: int, n: int, like: Tensor, dtype: torch.dtype,
+                num_out_tiles: int = 0):
     """K in `num_chunks` chunks (tiles, blocks) over at most `split_k` splits, none empty →
-    (chunks per split, splits, out [m, n] in dtype, target): target is out itself, or the fp32
-    partials [splits, m, n] for `reduce_splits` when K is split."""
+    (chunks per split, splits, out [m, n] in dtype, target, counters): target is out itself, or the
+    fp32 partials [splits, m, n] when K is split; counters the tile semaphores for the in-kernel sum
+    of `num_out_tiles` tiles (0: tiles too large for it), or None: not split, or sum them with
+    `reduce_splits`."""
     chunks_per_split = triton.cdiv(num_chunks, split_k)
     split_k = triton.cdiv(num_chunks, chunks_per_split)
     out = torch.empty(m, n, device=like.device, dtype=dtype)
-    target = torch.empty(split_k, m, n, device=like.device, dtype=torch.float32) if split_k > 1 else out
-    return chunks_per_split, split_k, out, target
+    if split_k == 1:
+        return chunks_per_split, split_k, out, out, None
+    target = torch.empty(split_k, m, n, device=like.device, dtype=torch.float32)
+    counters = tile_counters(like.device, num_out_tiles) if num_out_tiles else None
+    return chunks_per_split, split_k, out, target, counters
+
+
+@triton.jit
+def store_split(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n, m_mask, n_mask, stride_om,
+                stride_split, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
+    """This split's partial acc [BLOCK_M, BLOCK_N] (fp32) into part_ptr; the last split of the tile
+    to arrive sums all of them in split order (+ bias) into out_ptr and resets the tile's counter."""
+    offs = offs_m[:, None] * stride_om + offs_n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    tl.store(part_ptr + tl.program_id(1) * stride_split + offs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is stored before the count is released
+    arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLITS - 1:
+        total = tl.zeros(acc.shape, dtype=tl.float32)
+        for split in tl.static_range(SPLITS):  # unrolled: all the loads in flight at once
+            total += tl.load(part_ptr + split * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .split_k_triton import plan_splits, reduce_splits
+from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits
 from .w4a16_triton import group_columns_of
 
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
@@ -114,9 +114,10 @@ def _tile_operands(w_smem, stage, offset, scale, a_layout: gl.constexpr, dtype: 
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
@@ -159,16 +160,20 @@ def _w4a16_wgmma_kernel(
                 _load_tile(x_desc, w_desc, w_smem, x_smem, bars, s, t_begin + s, off_m, off_n)
         mbarrier.wait(bars.index(0), 0)
         a = _tile_operands(w_smem, 0, offset, scale, a_layout, dtype)
+        # the group parameters come one iteration ahead of their use (a global load's latency hidden)
+        scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
+                                      num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
         for i in range(n_tiles):
             stage = i % STAGES
             for j in gl.static_range(8):
                 acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
             # the next tile's operands while these multiply (the last tile converts itself again)
             i_next = gl.minimum(i + 1, n_tiles - 1)
-            scale, offset = _group_params(s_ptr, qz_ptr, t_begin + i_next, offs_n, n_mask, N, num_groups,
-                                          GROUP_SIZE, HAS_ZEROS, MAGIC)
+            scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
+                                                      offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
             mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
             a_next = _tile_operands(w_smem, i_next % STAGES, offset, scale, a_layout, dtype)
+            scale, offset = scale_after, offset_after
             acc = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             _cta_barrier()  # no warp still reads this stage
@@ -209,6 +214,18 @@ def _w4a16_wgmma_kernel(
     ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
     if IS_SPLIT:
         gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
+        if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
+            _cta_barrier()  # every thread's partial is stored before the count is released
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SUM_SPLITS - 1:
+                total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+                for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
+                    total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:
             acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
@@ -223,20 +240,22 @@ def launch_w4a16_wgmma(
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
-    tiles_per_split, split_k, out, target = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
+    tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
+    tiles_per_split, split_k, out, target, counters = plan_splits(
+        num_tiles, split_k, M, N, x, x.dtype, tiles_n * tiles_m if block_m <= SUM_IN_KERNEL_MAX_TOKENS else 0)
     is_split = split_k > 1
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    _w4a16_wgmma_kernel[grid](
+    _w4a16_wgmma_kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, M, N, scales.shape[0], num_tiles, tiles_per_split, N if is_split else out.stride(0), M * N,
+        target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
+        N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=is_split,
+        IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
         STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps,
     )
-    if is_split:
+    if is_split and counters is None:
         reduce_splits(target, bias, out)
     return out

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import plan_splits, reduce_splits
+from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits, store_split
 
 K_TILE = 128  # input columns per packed tile: 16 word rows x 8 nibbles
 PIECE = 16  # input columns per nibble slice of a tile (the depth of one tl.dot)
@@ -75,12 +75,19 @@ def _dot_piece(part, xsum, b, x_ptr, offs_m, m_mask, k0, K, stride_xm, PRECISION
 
 
 @triton.jit
-def _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split,
-                  HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """The output tile, or this split's fp32 partial (bias added by the reduction)."""
+def _store_result(acc, out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om,
+                  stride_split, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr):
+    """The output tile; or this split's fp32 partial into out_ptr (bias added by the sum of the splits),
+    with SUM_SPLITS > 0 the last split of the tile summing them into final_ptr (split_k_triton)."""
     out_mask = m_mask[:, None] & n_mask[None, :]
     if IS_SPLIT:
-        tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=out_mask)
+        if SUM_SPLITS > 0:
+            tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+            store_split(acc, out_ptr, final_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n, m_mask, n_mask,
+                        stride_om, stride_split, HAS_BIAS, SUM_SPLITS)
+        else:
+            tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], acc,
+                     mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -90,12 +97,12 @@ def _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k,
 
 @triton.jit
 def _w4a16_gemm_kernel(
-    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, K, num_groups, num_tiles, tiles_per_split,
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr,  # input columns per group; >= padded K for one group per channel
     PIECES_PER_GROUP: tl.constexpr,  # min(GROUP_SIZE, 128) // 16
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, IS_FP32: tl.constexpr, PRECISION: tl.constexpr,
     IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -141,16 +148,17 @@ def _w4a16_gemm_kernel(
                     b = _operand(((w >> (4 * j)) & 0xF) | MAGIC, IS_FP32, op_dtype)
                     part, xsum = _dot_piece(part, xsum, b, x_ptr, offs_m, m_mask, k_group + 16 * jj, K, stride_xm, PRECISION)
             acc += (part - xsum[:, None] * (MAGIC_VALUE + z)[None, :]) * s[None, :]
-    _store_result(acc, out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT)
+    _store_result(acc, out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om,
+                  stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS)
 
 
 @triton.jit
 def _w4a16_gemv_kernel(
-    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, K, num_groups, num_tiles, tiles_per_split,
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """CUDA-core path for a few tokens (decode): no tensor cores, so no operand layout changes.
@@ -191,7 +199,8 @@ def _w4a16_gemv_kernel(
                     x = _load_x(x_ptr, offs_m, m_mask, k_group + 16 * jj, K, stride_xm, 16).to(tl.float32)
                     part += x[:, :, None] * value[None, :, :]
             acc += part * s[None, None, :]
-    _store_result(tl.sum(acc, axis=1), out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT)
+    _store_result(tl.sum(acc, axis=1), out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask,
+                  pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS)
 
 
 @triton.jit
@@ -236,34 +245,38 @@ def launch_w4a16_gemm(
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
-    tiles_per_split, split_k, out, target = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
+    rows = M if kind == "rows" else triton.cdiv(M, block_m)  # the grid's third axis
+    tiles_per_split, split_k, out, target, counters = plan_splits(
+        num_tiles, split_k, M, N, x, x.dtype,
+        triton.cdiv(N, block_n) * rows if (1 if kind == "rows" else block_m) <= SUM_IN_KERNEL_MAX_TOKENS else 0)
     is_split = split_k > 1
     group_columns = group_columns_of(group_size, num_tiles)
     args = (
         x, qweight, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, M, N, K, scales.shape[0], num_tiles, tiles_per_split,
+        target, out, counters if counters is not None else out, M, N, K, scales.shape[0], num_tiles, tiles_per_split,
         x.stride(0), N if is_split else out.stride(0), M * N,
     )
     common = dict(
         GROUP_SIZE=group_columns, PIECES_PER_GROUP=min(group_columns, K_TILE) // PIECE,
         HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
+        SUM_SPLITS=split_k if counters is not None else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
-    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
+    grid = (triton.cdiv(N, block_n), split_k, rows)
     if kind == "gemv":
         _w4a16_gemv_kernel[grid](*args, **common, IS_STACKED=is_stacked)
     elif kind == "swap":
         _w4a16_swap_kernel[grid](*args, **common, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     elif kind == "rows":
         del common["BLOCK_M"]
-        _w4a16_gemv_rows_kernel[(triton.cdiv(N, block_n), split_k, M)](*args, **common, TILES=k_tiles)
+        _w4a16_gemv_rows_kernel[grid](*args, **common, TILES=k_tiles)
     else:
         magic, magic_value = _MAGIC[x.dtype]
         _w4a16_gemm_kernel[grid](
             *args, **common, MAGIC=magic, MAGIC_VALUE=magic_value, IS_FP32=x.dtype == torch.float32,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", IS_STACKED=is_stacked,
         )
-    if is_split:
+    if is_split and counters is None:
         reduce_splits(target, bias, out)
     return out
 
@@ -286,11 +299,12 @@ def launch_w4a16_dequantize(
 
 @triton.jit
 def _w4a16_swap_kernel(
-    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, K, num_groups, num_tiles, tiles_per_split,
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M] = w [BLOCK_N, K] @ x.T, so
@@ -323,16 +337,17 @@ def _w4a16_swap_kernel(
             x_mask = m_mask[None, :] & (k0 + offs_c < K)[:, None]
             xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_c)[:, None], mask=x_mask, other=0.0)
             acc = tl.dot(a, xt, acc, input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
-    _store_result(tl.trans(acc), out_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT)
+    _store_result(tl.trans(acc), out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n, m_mask, n_mask, pid_k,
+                  stride_om, stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS)
 
 
 @triton.jit
 def _w4a16_gemv_rows_kernel(
-    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr,
+    x_ptr, qw_ptr, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, K, num_groups, num_tiles, tiles_per_split,
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
-    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     TILES: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One token on CUDA cores, TILES K tiles (16 word rows each) per load: many 16-byte loads in
@@ -368,5 +383,5 @@ def _w4a16_gemv_rows_kernel(
                 acc += part * s
         t = t_next
     offs_m = m + tl.arange(0, 1)
-    _store_result(tl.sum(acc, axis=0)[None, :], out_ptr, bias_ptr, offs_m, offs_n, offs_m < M, n_mask, pid_k,
-                  stride_om, stride_split, HAS_BIAS, IS_SPLIT)
+    _store_result(tl.sum(acc, axis=0)[None, :], out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n, offs_m < M,
+                  n_mask, pid_k, stride_om, stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS)

@@ -223,6 +223,29 @@ def test_triton_gemm_matches_reference(dot_case, rel_err, m, k, n, group_size, s
         assert rel_err(y, expected) < (1e-5 if dtype == torch.float32 else 5e-3), (kind, block_m, block_n, split_k)
 
 
+@pytest.mark.parametrize("kind,block_m,block_n,split_k,m", [("swap", 16, 16, 3, 20), ("rows", 1, 16, 2, 3)])
+def test_split_k_summed_in_the_kernel_as_by_the_second_pass(dot_case, monkeypatch, kind, block_m, block_n, split_k,
+                                                            m) -> None:
+    """The last split of each output tile sums the fp32 partials in the GEMM kernel itself: the same
+    bits as the separate reduction kernel, and every tile's semaphore back at zero for the next call."""
+    from llmc.kernels import split_k_triton
+    from llmc.kernels.w4a16_triton import launch_w4a16_gemm
+
+    device, dtype = dot_case
+    k, n, group_size, symmetric = SHAPES[1]
+    params = formats(dtype, group_size, symmetric)[1].pack(random_weight(k, n, group_size, symmetric, device=device))
+    x = torch.randn(m, k, device=device).to(dtype)
+    bias = torch.randn(n, device=device).to(dtype)
+    run = lambda: launch_w4a16_gemm(x, params["qweight"], params["scales"], params.get("qzeros"), bias, group_size,
+                                    kind, block_m, block_n, split_k, 4, 2)
+    counters = torch.zeros(64, dtype=torch.int32, device=device)
+    monkeypatch.setattr(split_k_triton, "tile_counters", lambda device, num_tiles: counters[:num_tiles])
+    in_kernel = run()
+    assert counters.eq(0).all()
+    monkeypatch.setattr(split_k_triton, "tile_counters", lambda device, num_tiles: None)
+    assert torch.equal(in_kernel, run())
+
+
 @pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES[::2])
 def test_triton_dequantize_matches_reference(dot_case, k, n, group_size, symmetric) -> None:
     from llmc.kernels.w4a16_triton import launch_w4a16_dequantize
@@ -296,13 +319,15 @@ w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
 signature = {
     "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
-    "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+    "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16" if per_tile else "*fp32",
+    "final_ptr": "*bf16", "counter_ptr": "*i32",
     **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om", "stride_split")},
-    **{name: "constexpr" for name in ("GROUP_SIZE", "HAS_ZEROS", "HAS_BIAS", "IS_SPLIT", "STAGES", "PER_TILE",
-                                      "num_warps")},
+    **{name: "constexpr" for name in ("GROUP_SIZE", "HAS_ZEROS", "HAS_BIAS", "IS_SPLIT", "SUM_SPLITS", "STAGES",
+                                      "PER_TILE", "num_warps")},
 }
-constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": False, "STAGES": 4,
-             "PER_TILE": per_tile, "num_warps": warps}
+# the per-slice order compiled with split K and the in-kernel sum of the splits
+constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": not per_tile,
+             "SUM_SPLITS": 0 if per_tile else 4, "STAGES": 4, "PER_TILE": per_tile, "num_warps": warps}
 try:
     kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
@@ -314,6 +339,7 @@ print("wgmma", "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx)
 print("tma", "cp.async.bulk.tensor.2d" in ptx)
 print("paired", "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx)
 print("local", ".local" in ptx)
+print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
 """
 
@@ -322,7 +348,8 @@ print("shared", kernel.metadata.shared)
 def test_wgmma_kernel_compiles_for_sm90_without_spills(per_tile) -> None:
     """The Gluon kernel compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma with the weight from
-    registers, TMA loads, the paired bf16 conversion, no local memory, shared memory that fits."""
+    registers, TMA loads, the paired bf16 conversion, no local memory, shared memory that fits; split
+    K summed in the kernel (an acquire-release count per output tile, the partials read past L1)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "1" if per_tile else "0"], env=env,
@@ -333,6 +360,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(per_tile) -> None:
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False"  # the accumulator and the operands stay in registers
+    assert facts["counted"] == str(not per_tile)  # the splits' semaphore, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
 
 
