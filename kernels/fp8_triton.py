@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits, store_split
+from .split_k_triton import finish_splits, plan_splits, store_split
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096  # chunk of the two-pass loop
@@ -121,9 +121,8 @@ def fp8_linear_small_m(
     M, K = x_fp8.shape
     N = weight.shape[0]
     tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    blocks_per_split, split_k, out, target, counters = plan_splits(
-        triton.cdiv(K, block_k), split_k, M, N, x_fp8, out_dtype,
-        tiles_n * tiles_m if block_m <= SUM_IN_KERNEL_MAX_TOKENS else 0)
+    blocks_per_split, split_k, out, target, counters = plan_splits(triton.cdiv(K, block_k), split_k, M, N, x_fp8,
+                                                                   out_dtype, tiles_n * tiles_m, block_m)
     k_per_split = blocks_per_split * block_k
     is_split = split_k > 1
     _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
@@ -133,6 +132,5 @@ def fp8_linear_small_m(
         SUM_SPLITS=split_k if counters is not None else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
-    if is_split and counters is None:
-        reduce_splits(target, bias, out)
+    finish_splits(target, counters, bias, out)
     return out

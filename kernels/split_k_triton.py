@@ -21,6 +21,7 @@ from torch import Tensor
 
 _COUNTERS: dict[int, Tensor] = {}  # device index → int32 semaphores, all zero between kernels
 _MIN_COUNTERS = 65536  # output tiles: 28672 / 64 columns × 1024 / 16 tokens fits
+SUM_IN_KERNEL_MAX_TOKENS = 16  # token tiles up to this many rows sum their splits in the GEMM kernel
 
 
 def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
@@ -41,24 +42,29 @@ def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
     return counters
 
 
-SUM_IN_KERNEL_MAX_TOKENS = 16  # token tiles up to this many rows sum their splits in the GEMM kernel
-
-
 def plan_splits(num_chunks: int, split_k: int, m: int, n: int, like: Tensor, dtype: torch.dtype,
-                num_out_tiles: int = 0):
+                num_out_tiles: int = 0, token_tile: int = 1):
     """K in `num_chunks` chunks (tiles, blocks) over at most `split_k` splits, none empty →
     (chunks per split, splits, out [m, n] in dtype, target, counters): target is out itself, or the
-    fp32 partials [splits, m, n] when K is split; counters the tile semaphores for the in-kernel sum
-    of `num_out_tiles` tiles (0: tiles too large for it), or None: not split, or sum them with
-    `reduce_splits`."""
+    fp32 partials [splits, m, n] when K is split; counters the semaphores of the `num_out_tiles`
+    output tiles (of `token_tile` tokens each) when the kernel sums its splits itself, else None (not
+    split, tiles too large, or none to be had: `finish_splits` runs the second kernel)."""
     chunks_per_split = triton.cdiv(num_chunks, split_k)
     split_k = triton.cdiv(num_chunks, chunks_per_split)
     out = torch.empty(m, n, device=like.device, dtype=dtype)
     if split_k == 1:
         return chunks_per_split, split_k, out, out, None
     target = torch.empty(split_k, m, n, device=like.device, dtype=torch.float32)
-    counters = tile_counters(like.device, num_out_tiles) if num_out_tiles else None
+    is_small = num_out_tiles and token_tile <= SUM_IN_KERNEL_MAX_TOKENS
+    counters = tile_counters(like.device, num_out_tiles) if is_small else None
     return chunks_per_split, split_k, out, target, counters
+
+
+def finish_splits(target: Tensor, counters: Tensor | None, bias: Tensor | None, out: Tensor) -> None:
+    """After a GEMM launched per `plan_splits`: the second kernel where K was split and the GEMM did
+    not sum the splits itself."""
+    if target is not out and counters is None:
+        reduce_splits(target, bias, out)
 
 
 @triton.jit

@@ -129,7 +129,7 @@ _DEQUANT = W4A16Config(kind="dequant")
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
 
 # Measured by `tune_w4a16` on an NVIDIA H100 (benchmarks/bench_kernels.py --tune, torch 2.11,
-# triton 3.6, bf16, group size 128); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
+# triton 3.6, bf16, group size 128; session 12, call 4); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
@@ -203,6 +203,12 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         return _DEQUANT
     block_m = min(bucket, 256) if bucket > 1 else 16
     block_n, num_warps = (64, 4) if block_m == 16 else ((128, 4) if block_m == 32 else (128, 8))
+    # few tokens and a weight of at least one 128-row tile per SM: 128 rows per program, each tile's
+    # eight operands converted while the previous tile multiplies (H100, session 12: gate_up at 1-16
+    # tokens 32 µs against 36 µs with 64 rows converted slice by slice)
+    is_wide = block_m == 16 and math.ceil(n / 128) >= num_sms
+    if is_wide:
+        block_n = 128
     num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
     if bucket > 256 and num_programs < (2 * num_sms if bucket > 512 else num_sms // 2):
         return _DEQUANT  # too few tiles to fill the GPU: cuBLAS on the dequantized weight wins
@@ -210,11 +216,12 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     # split K in two until 2 programs per SM (16-token tiles, bound by the weights' bytes) or 1 (larger
     # ones, bound by the MMA), at most 4 per SM, at least 8 K tiles per split: within 5% of the best
     # measured tiles on average over the sweep's 44 cells (H100, Llama-3-8B shapes), 26% at worst
-    target = 2 * num_sms if block_m == 16 else num_sms
+    target = 2 * num_sms if block_m == 16 and not is_wide else num_sms
     num_tiles, split_k = math.ceil(k / K_TILE), 1
     while num_programs * split_k < target and split_k * 2 <= num_tiles // 8 and num_programs * split_k * 2 <= 4 * num_sms:
         split_k *= 2
-    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_stacked=block_m >= 128)
+    is_stacked = block_m >= 128 or is_wide
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_stacked)
 
 
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:

@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits
+from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
 
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
@@ -241,8 +241,8 @@ def launch_w4a16_wgmma(
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
     tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    tiles_per_split, split_k, out, target, counters = plan_splits(
-        num_tiles, split_k, M, N, x, x.dtype, tiles_n * tiles_m if block_m <= SUM_IN_KERNEL_MAX_TOKENS else 0)
+    tiles_per_split, split_k, out, target, counters = plan_splits(num_tiles, split_k, M, N, x, x.dtype,
+                                                                  tiles_n * tiles_m, block_m)
     is_split = split_k > 1
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
@@ -256,6 +256,5 @@ def launch_w4a16_wgmma(
         IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
         STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps,
     )
-    if is_split and counters is None:
-        reduce_splits(target, bias, out)
+    finish_splits(target, counters, bias, out)
     return out

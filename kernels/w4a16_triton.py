@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .split_k_triton import SUM_IN_KERNEL_MAX_TOKENS, plan_splits, reduce_splits, store_split
+from .split_k_triton import finish_splits, plan_splits, store_split
 
 K_TILE = 128  # input columns per packed tile: 16 word rows x 8 nibbles
 PIECE = 16  # input columns per nibble slice of a tile (the depth of one tl.dot)
@@ -246,9 +246,9 @@ def launch_w4a16_gemm(
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
     rows = M if kind == "rows" else triton.cdiv(M, block_m)  # the grid's third axis
-    tiles_per_split, split_k, out, target, counters = plan_splits(
-        num_tiles, split_k, M, N, x, x.dtype,
-        triton.cdiv(N, block_n) * rows if (1 if kind == "rows" else block_m) <= SUM_IN_KERNEL_MAX_TOKENS else 0)
+    tiles_per_split, split_k, out, target, counters = plan_splits(num_tiles, split_k, M, N, x, x.dtype,
+                                                                  triton.cdiv(N, block_n) * rows,
+                                                                  1 if kind == "rows" else block_m)
     is_split = split_k > 1
     group_columns = group_columns_of(group_size, num_tiles)
     args = (
@@ -276,8 +276,7 @@ def launch_w4a16_gemm(
             *args, **common, MAGIC=magic, MAGIC_VALUE=magic_value, IS_FP32=x.dtype == torch.float32,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", IS_STACKED=is_stacked,
         )
-    if is_split and counters is None:
-        reduce_splits(target, bias, out)
+    finish_splits(target, counters, bias, out)
     return out
 
 

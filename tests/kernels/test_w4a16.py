@@ -166,8 +166,11 @@ def test_table_lookup_and_heuristic() -> None:
     assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "wgmma"  # a Hopper GPU, the plan's assumption
     assert heuristic_w4a16_config(16, 4096, 4096, 132, wgmma=False).kind == "swap"  # any other GPU
     assert heuristic_w4a16_config(256, 4096, 28672, 132).kind == "wgmma"
+    wide = heuristic_w4a16_config(16, 4096, 28672, 132)  # 224 tiles of 128 rows for 132 SMs: no split
+    assert (wide.block_n, wide.split_k, wide.is_stacked) == (128, 1, True)
+    assert not heuristic_w4a16_config(16, 4096, 4096, 132).is_stacked
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
-    assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "rows"  # the recorded H100 table
+    assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma"
     assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
 
