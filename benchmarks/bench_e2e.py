@@ -198,8 +198,8 @@ def warm_up(engine, num: int, length: int) -> None:
     """`num` short prompts whose requests end a few at a time, plus a quarter more that join as the
     first ones end, so that the kernels of the batch sizes a measured run passes through are compiled
     before it: pure decode steps of every size and mixed steps of a few hundred tokens (a W4A16
-    model's GEMMs at 257-1024 tokens run kernels no decode or full prefill step compiles; with them
-    left to the measured run, a cold Triton cache cost ~13% of a 128/128 run, RESULTS.md session 12)."""
+    model's GEMMs at 257-1024 tokens run kernels no decode or full prefill step runs; without these
+    steps a cold Triton cache cost ~13% of a 128/128 run, with them ~1%: RESULTS.md, session 12)."""
     for i, prompt in enumerate(random_prompts(num + num // 4, length, engine.manifest.model.vocab_size, seed=7)):
         engine.add_request(None, SamplingParams(temperature=0, max_tokens=1 + i % 40, ignore_eos=True), prompt)
     while engine.has_unfinished_requests():
