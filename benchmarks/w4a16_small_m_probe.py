@@ -32,7 +32,7 @@ import triton.language as tl
 
 from llmc.kernels import device_num_sms
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
-from llmc.kernels.w4a16_gemm import pack_w4a16_for_gpu, select_w4a16_config, w4a16_linear
+from llmc.kernels.w4a16_gemm import dequantize_w4a16, pack_w4a16_for_gpu, select_w4a16_config, w4a16_linear
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 MS = [1, 4, 16, 64, 256]
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         w4 = pack_w4a16_for_gpu(levels, scales, None)
-        dense = ((levels.float() - 8) * scales.float().repeat_interleave(128, 1)).to(torch.bfloat16)
+        dense = dequantize_w4a16(w4, k, 128).to(torch.bfloat16)
         words = torch.cat([w4["qweight"].flatten(), w4["scales"].flatten().view(torch.int32)])
         read = lambda: _read_kernel[(programs,)](words, sink, words.numel(), BLOCK=block, num_warps=8)
         torch_sum = lambda: words.view(torch.float32).sum()

@@ -101,8 +101,8 @@ def _fp8_small_m_kernel(
     y = tl.trans(acc * w_scale[:, None] * x_scale[None, :])  # [BLOCK_M, BLOCK_N]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if IS_SPLIT and SUM_SPLITS > 0:  # the last split of the tile sums them (split_k_triton)
-        store_split(y, out_ptr, final_ptr, bias_ptr, counter_ptr, pid_m * tl.num_programs(0) + pid_n, offs_m, offs_n,
-                    m_mask, n_mask, stride_om, stride_split, HAS_BIAS, SUM_SPLITS)
+        store_split(y, out_ptr, final_ptr, bias_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
+                    stride_split, HAS_BIAS, SUM_SPLITS)
     elif IS_SPLIT:
         tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=out_mask)
     else:

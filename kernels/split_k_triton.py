@@ -68,10 +68,12 @@ def finish_splits(target: Tensor, counters: Tensor | None, bias: Tensor | None, 
 
 
 @triton.jit
-def store_split(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n, m_mask, n_mask, stride_om,
+def store_split(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
                 stride_split, HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr):
     """This split's partial acc [BLOCK_M, BLOCK_N] (fp32) into part_ptr; the last split of the tile
-    to arrive sums all of them in split order (+ bias) into out_ptr and resets the tile's counter."""
+    to arrive sums all of them in split order (+ bias) into out_ptr and resets the tile's counter.
+    The grid is (N tiles, splits, token tiles), as in every split-K kernel here."""
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     offs = offs_m[:, None] * stride_om + offs_n[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     tl.store(part_ptr + tl.program_id(1) * stride_split + offs, acc, mask=mask)

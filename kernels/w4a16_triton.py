@@ -82,9 +82,8 @@ def _store_result(acc, out_ptr, final_ptr, counter_ptr, bias_ptr, offs_m, offs_n
     out_mask = m_mask[:, None] & n_mask[None, :]
     if IS_SPLIT:
         if SUM_SPLITS > 0:
-            tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
-            store_split(acc, out_ptr, final_ptr, bias_ptr, counter_ptr, tile, offs_m, offs_n, m_mask, n_mask,
-                        stride_om, stride_split, HAS_BIAS, SUM_SPLITS)
+            store_split(acc, out_ptr, final_ptr, bias_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
+                        stride_split, HAS_BIAS, SUM_SPLITS)
         else:
             tl.store(out_ptr + pid_k * stride_split + offs_m[:, None] * stride_om + offs_n[None, :], acc,
                      mask=out_mask)
