@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -44,6 +45,22 @@ def _properties(device: torch.device):
 @functools.cache
 def _properties_of(index: int):
     return torch.cuda.get_device_properties(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether this device's kernels launch with programmatic dependent launch (PDL): a kernel may
+    start while the one before it still runs, and waits (`griddepcontrol.wait`, kernels/pdl_triton.py)
+    only before it reads what that one writes; a decode GEMV streams its first weight tiles in
+    meanwhile. Hopper (sm_90) and later, not Triton's interpreter (CPU tensors); LLMC_PDL=0 turns it
+    off (read once per device, when its first kernel launches)."""
+    if device.type != "cuda":
+        return False
+    return _use_pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _use_pdl_on(index: int) -> bool:
+    return os.environ.get("LLMC_PDL", "1") != "0" and _properties_of(index).major >= 9
 
 
 def to_device(host: Tensor, device: torch.device) -> Tensor:

@@ -7,11 +7,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
@@ -32,6 +35,6 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
     if rows.shape[0] == 0:
         return out
     _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, BLOCK))](
-        rows, out, size, rows.stride(0), size, BLOCK=BLOCK, num_warps=4,
+        rows, out, size, rows.stride(0), size, BLOCK=BLOCK, num_warps=4, **pdl_args(gate_up.device),
     )
     return out

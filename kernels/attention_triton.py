@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import device_num_sms, to_device
 from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
+from .pdl_triton import pdl_args, wait_for_inputs
 
 BLOCK_N = 64  # keys per tile
 # The decode kernel's keys per tile, by whether the cache is FP8, and its launch. Measured on an H100
@@ -82,7 +83,9 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if IS_DENSE:  # every sequence decodes: sequence i is query row i (no index tensors to build)
         seq, row = i, i.to(tl.int64)
@@ -125,9 +128,10 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["num_partitions"])
 def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p for one (decode seq, head)."""
+    wait_for_inputs(PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
     p_mask, d_mask = offs_p < num_partitions, offs_d < HEAD_DIM
@@ -195,8 +199,9 @@ def _prefill_kernel(
 def _write_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
@@ -232,7 +237,7 @@ def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0,
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0, **pdl_args(k.device),
     )
 
 
@@ -317,13 +322,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
-        **DECODE_LAUNCH,
+        **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned:
         _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, rows, out, num_heads, num_partitions, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=c["block_d"],
-            IS_DENSE=is_dense,
+            IS_DENSE=is_dense, **pdl_args(q.device),
         )
 
 

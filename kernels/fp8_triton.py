@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import finish_splits, plan_splits, store_split
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
@@ -26,7 +27,9 @@ ONE_PASS_MAX = 16384  # longest row held in registers (32 fp32 per thread at 16 
 @triton.jit
 def _quantize_fp8_per_token_kernel(
     x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:  # BLOCK >= size: the row stays in registers
@@ -66,7 +69,7 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
     block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
     _quantize_fp8_per_token_kernel[(rows.shape[0],)](
         rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x.device),
     )
     return out, scale
 
@@ -76,7 +79,7 @@ def _fp8_small_m_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, k_per_split,
     stride_om, stride_split,
     W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """W8A8 for a few tokens on FP8 tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M]
     = w @ xq.T, so the weight rows fill the MMA's 64-row side and the tokens its narrow side (where
@@ -88,6 +91,7 @@ def _fp8_small_m_kernel(
     m_mask, n_mask = offs_m < M, offs_n < N
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_begin = pid_k * k_per_split
+    wait_for_inputs(PDL)
     for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
         k_mask = k0 + offs_k < K
         w = tl.load(w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -131,6 +135,7 @@ def fp8_linear_small_m(
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
         SUM_SPLITS=split_k if counters is not None else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x_fp8.device),
     )
     finish_splits(target, counters, bias, out)
     return out

@@ -11,12 +11,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, hidden, inner, stride_x_outer, stride_x_inner,
-    stride_res, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    stride_res, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -62,6 +65,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
         x_rows, residual if residual is not None else x_rows, weight, out,
         res_out if res_out is not None else out, hidden, inner, stride_outer, stride_inner,
         residual.stride(0) if residual is not None else 0, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)), **pdl_args(x.device),
     )
     return out, res_out

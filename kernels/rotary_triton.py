@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
+
 
 @triton.jit
 def _rotate_heads(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, HALF: tl.constexpr,
@@ -27,8 +29,9 @@ def _rotate_heads(x_ptr, token, num_heads, stride_t, stride_h, cos, sin, HALF: t
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cos_sin_ptr, num_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token, is_k = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_HALF)
     position = tl.load(pos_ptr + token)
@@ -52,6 +55,6 @@ def apply_rotary_(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor
         q, k, positions, cos_sin_cache, num_heads, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         HALF=half, BLOCK_H=triton.next_power_of_2(max(num_heads, k.shape[1])),
-        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HALF=triton.next_power_of_2(half), **pdl_args(q.device),
     )
     return q, k

@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
+
 _COUNTERS: dict[int, Tensor] = {}  # device index → int32 semaphores, all zero between kernels
 _MIN_COUNTERS = 65536  # output tiles: 28672 / 64 columns × 1024 / 16 tokens fits
 SUM_IN_KERNEL_MAX_TOKENS = 16  # token tiles up to this many rows sum their splits in the GEMM kernel
@@ -92,9 +94,10 @@ def store_split(acc, part_ptr, out_ptr, bias_ptr, counter_ptr, offs_m, offs_n, m
 @triton.jit
 def _split_reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, num_splits, stride_split, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n] = sum over splits of the fp32 partials (+ bias), in the output dtype."""
+    wait_for_inputs(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -111,5 +114,5 @@ def reduce_splits(partials: Tensor, bias: Tensor | None, out: Tensor) -> None:
     block = 1024
     _split_reduce_kernel[(triton.cdiv(M * N, block),)](
         partials, bias if bias is not None else partials, out, M, N, num_splits, M * N, out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK=block,
+        HAS_BIAS=bias is not None, BLOCK=block, **pdl_args(out.device),
     )

@@ -29,6 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import use_pdl
 from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
 
@@ -52,13 +53,34 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
-    """Tile t's packed words and its two activation boxes into `stage`, counted on its mbarrier."""
+def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n):
+    """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes."""
     bar = bars.index(stage)
     mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
     _tma_load(w_desc, [t * 16, off_n], bar, w_smem.index(stage))
+
+
+@gluon.jit
+def _load_x(x_desc, x_smem, bars, stage, t, off_m):
+    """Tile t's two activation boxes into `stage` (after _load_words, on the same mbarrier)."""
+    bar = bars.index(stage)
     _tma_load(x_desc, [off_m, t * 128], bar, x_smem.index(2 * stage))
     _tma_load(x_desc, [off_m, t * 128 + 64], bar, x_smem.index(2 * stage + 1))
+
+
+@gluon.jit
+def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
+    _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n)
+    _load_x(x_desc, x_smem, bars, stage, t, off_m)
+
+
+@gluon.jit
+def _wait_for_inputs(PDL: gl.constexpr):
+    """kernels/pdl_triton.wait_for_inputs, in Gluon."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -118,14 +140,18 @@ def _w4a16_wgmma_kernel(
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
-    STAGES: gl.constexpr, PER_TILE: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, PER_TILE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
     PER_TILE False: each slice is converted while the previous slice's wgmma runs (ptxas then
     serializes the wgmmas themselves: "non wgmma instructions defining input registers").
     PER_TILE True: the next tile's eight operands are converted while this tile's eight wgmmas run
-    back to back (no register of an in-flight wgmma is written; twice the operand registers)."""
+    back to back (no register of an in-flight wgmma is written; twice the operand registers).
+
+    Launched with PDL, the first tiles' packed words and group parameters are requested before the
+    wait for the kernel that writes the activations (they are weights), so a decode GEMV streams
+    its weights while the norm or attention before it finishes."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -153,11 +179,17 @@ def _w4a16_wgmma_kernel(
     n_mask = offs_n < N
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+    # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
+    PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
+    for s in gl.static_range(PROLOGUE):
+        if s < n_tiles:
+            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
+    _wait_for_inputs(PDL)
+    for s in gl.static_range(PROLOGUE):
+        if s < n_tiles:
+            _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
     if PER_TILE:
-        # all STAGES buffers filled up front; stage i % STAGES is refilled once tile i's wgmmas are done
-        for s in gl.static_range(STAGES):
-            if s < n_tiles:
-                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, s, t_begin + s, off_m, off_n)
+        # stage i % STAGES is refilled once tile i's wgmmas are done
         mbarrier.wait(bars.index(0), 0)
         a = _tile_operands(w_smem, 0, offset, scale, a_layout, dtype)
         # the group parameters come one iteration ahead of their use (a global load's latency hidden)
@@ -181,10 +213,7 @@ def _w4a16_wgmma_kernel(
                 _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
             a = a_next
     else:
-        # STAGES - 1 tiles in flight; tile i + STAGES - 1 refills tile i - 1's stage
-        for s in gl.static_range(STAGES - 1):
-            if s < n_tiles:
-                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, s, t_begin + s, off_m, off_n)
+        # tile i + STAGES - 1 refills tile i - 1's stage
         for i in range(n_tiles):
             # the next tile's group, loaded now and used next iteration (a global load's latency hidden)
             scale_next, offset_next = _group_params(
@@ -244,6 +273,7 @@ def launch_w4a16_wgmma(
     tiles_per_split, split_k, out, target, counters = plan_splits(num_tiles, split_k, M, N, x, x.dtype,
                                                                   tiles_n * tiles_m, block_m)
     is_split = split_k > 1
+    pdl = use_pdl(x.device)
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
@@ -254,7 +284,7 @@ def launch_w4a16_wgmma(
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
-        STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps,
+        STAGES=num_stages, PER_TILE=per_tile, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
     )
     finish_splits(target, counters, bias, out)
     return out

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import finish_splits, plan_splits, store_split
 
 K_TILE = 128  # input columns per packed tile: 16 word rows x 8 nibbles
@@ -103,7 +104,7 @@ def _w4a16_gemm_kernel(
     PIECES_PER_GROUP: tl.constexpr,  # min(GROUP_SIZE, 128) // 16
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     MAGIC: tl.constexpr, MAGIC_VALUE: tl.constexpr, IS_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """Tensor-core path: out[m, n] (or this split's partial) = sum_k x[m, k] w[k, n] over this split's
     K tiles. IS_STACKED: the group's nibble slices are stacked into one [group, BLOCK_N]
@@ -117,6 +118,7 @@ def _w4a16_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    wait_for_inputs(PDL)
     for t in range(t_begin, t_end):
         w = tl.load(qw_ptr + (t * 16 + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         for gi in tl.static_range(8 // PIECES_PER_GROUP):
@@ -158,7 +160,7 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
-    IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_STACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """CUDA-core path for a few tokens (decode): no tensor cores, so no operand layout changes.
 
@@ -174,6 +176,7 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((BLOCK_M, 16, BLOCK_N), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    wait_for_inputs(PDL)
     for t in range(t_begin, t_end):
         w = tl.load(qw_ptr + (t * 16 + offs_r)[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
         for gi in tl.static_range(8 // PIECES_PER_GROUP):
@@ -262,6 +265,7 @@ def launch_w4a16_gemm(
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     grid = (triton.cdiv(N, block_n), split_k, rows)
+    common.update(pdl_args(x.device))
     if kind == "gemv":
         _w4a16_gemv_kernel[grid](*args, **common, IS_STACKED=is_stacked)
     elif kind == "swap":
@@ -303,7 +307,7 @@ def _w4a16_swap_kernel(
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """Tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M] = w [BLOCK_N, K] @ x.T, so
     the weight is the dot's A operand, which the MMA reads from registers: the packed words go
@@ -322,6 +326,7 @@ def _w4a16_swap_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     t_begin = pid_k * tiles_per_split
     t_end = tl.minimum(t_begin + tiles_per_split, num_tiles)
+    wait_for_inputs(PDL)
     for t in range(t_begin, t_end):
         w = tl.load(qw_ptr + (t * 16 + offs_c)[None, :] * N + offs_n[:, None], mask=n_mask[:, None], other=0)
         for j in tl.static_range(8):
@@ -346,7 +351,7 @@ def _w4a16_gemv_rows_kernel(
     stride_xm, stride_om, stride_split,
     GROUP_SIZE: tl.constexpr, PIECES_PER_GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
-    TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token on CUDA cores, TILES K tiles (16 word rows each) per load: many 16-byte loads in
     flight per thread, the next chunk's loads issued before this chunk's arithmetic."""
@@ -361,6 +366,7 @@ def _w4a16_gemv_rows_kernel(
     t = t_begin
     w_next = tl.load(qw_ptr + (t * 16 + rows)[:, None] * N + offs_n[None, :],
                      mask=(t + tile_of_row < t_end)[:, None] & n_mask[None, :], other=0)
+    wait_for_inputs(PDL)  # the first chunk of packed words is on its way meanwhile
     while t < t_end:
         w = w_next
         t_next = t + TILES

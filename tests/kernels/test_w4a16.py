@@ -326,14 +326,14 @@ signature = {
     "final_ptr": "*bf16", "counter_ptr": "*i32",
     **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om", "stride_split")},
     **{name: "constexpr" for name in ("GROUP_SIZE", "HAS_ZEROS", "HAS_BIAS", "IS_SPLIT", "SUM_SPLITS", "STAGES",
-                                      "PER_TILE", "num_warps")},
+                                      "PER_TILE", "PDL", "num_warps")},
 }
 # the per-slice order compiled with split K and the in-kernel sum of the splits
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": not per_tile,
-             "SUM_SPLITS": 0 if per_tile else 4, "STAGES": 4, "PER_TILE": per_tile, "num_warps": warps}
+             "SUM_SPLITS": 0 if per_tile else 4, "STAGES": 4, "PER_TILE": per_tile, "PDL": True, "num_warps": warps}
 try:
     kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
 except FileNotFoundError as exc:  # a triton without its bundled ptxas
     print("SKIP", exc)
     sys.exit(0)
@@ -344,6 +344,9 @@ print("paired", "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx)
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
+before_wait = ptx.split("griddepcontrol.wait")
+print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
+print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
 """
 
 
@@ -365,6 +368,10 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(per_tile) -> None:
     assert facts["local"] == "False"  # the accumulator and the operands stay in registers
     assert facts["counted"] == str(not per_tile)  # the splits' semaphore, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
+    # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
+    # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
+    assert facts["waits"] == "1 launches_dependents True"
+    assert facts["tma_before_wait"] == ("4" if per_tile else "3")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an

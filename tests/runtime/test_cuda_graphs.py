@@ -221,3 +221,36 @@ def test_one_row_graphs_start_and_match_eager(artifact, free_gpu):
         assert (llm.engine.runner.graphs is None) == enforce_eager
         llm.close()
     assert tokens[False] == tokens[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs Hopper or later")
+def test_programmatic_dependent_launch_changes_no_result(ref_model_dir, tmp_path, monkeypatch, free_gpu):
+    """Kernels launched with PDL (each may start while the one before it runs, and waits before it
+    reads that one's results; the W4A16 GEMVs fetch weights meanwhile) give the bits that the same
+    kernels launched one after the other give: W4A16 on the Gluon and Triton GEMVs, in CUDA graphs
+    (decode) and eagerly (chunked prefill beside decodes)."""
+    from llmc import kernels
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    out = tmp_path / "w4"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "bfloat16",
+                            "quantization": {"method": "rtn", "bits": 4, "group_size": 128, "symmetric": True},
+                            "runtime": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}}), show_progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True, logprobs=1)
+              for i in range(len(PROMPTS))]
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("LLMC_PDL", pdl)
+        kernels._use_pdl_on.cache_clear()
+        llm = LLM(out, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=16)
+        assert kernels.use_pdl(torch.device("cuda")) == (pdl == "1")
+        results[pdl] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.runner.graphs.num_replays > 20
+        llm.close()
+        del llm
+        gc.collect()
+    kernels._use_pdl_on.cache_clear()
+    assert results["1"] == results["0"]
