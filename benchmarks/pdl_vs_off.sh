@@ -24,7 +24,7 @@ for q in $quants; do
       (cd /tmp && env $(echo "${variant#*:}" | tr , " ") python "$repo/benchmarks/bench_e2e.py" "$work/$q=$label" --parts "$parts" \
         --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-pdl-$label-$round.json" ${E2E_ARGS:-} | tail -3)
       python -c "import json,sys; print(json.load(open(sys.argv[1]))['table'])" "$out/e2e-pdl-$label-$round.json" \
-        | tail -n +3 | sed "s/^/round $round /" >> "$out/pdl_vs_off.md"
+        | grep '^| ' | grep -v '^| artifact' | sed "s/^/| $round /" >> "$out/pdl_vs_off.md"
     done
   done
   rm -rf "${work:?}/$q"
