@@ -38,8 +38,13 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return props.major, props.minor
 
 
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _properties(device: torch.device):
-    return _properties_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _properties_of(device_index(device))
 
 
 @functools.cache
@@ -55,7 +60,7 @@ def use_pdl(device: torch.device) -> bool:
     off (read once per device, when its first kernel launches)."""
     if device.type != "cuda":
         return False
-    return _use_pdl_on(device.index if device.index is not None else torch.cuda.current_device())
+    return _use_pdl_on(device_index(device))
 
 
 @functools.cache

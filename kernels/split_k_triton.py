@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import device_index
 from .pdl_triton import pdl_args, wait_for_inputs
 
 _COUNTERS: dict[int, Tensor] = {}  # device index → int32 semaphores, all zero between kernels
@@ -34,7 +35,7 @@ def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
     the engine's eager warm-up before capture allocates them)."""
     if device.type != "cuda":  # Triton's interpreter (the CPU tests)
         return torch.zeros(num_tiles, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     counters = _COUNTERS.get(index)
     if counters is None or counters.numel() < num_tiles:
         if torch.cuda.is_current_stream_capturing():

@@ -28,8 +28,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from . import use_pdl
+from .pdl_triton import pdl_args
 from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
 
@@ -76,11 +77,10 @@ def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
 
 @gluon.jit
 def _wait_for_inputs(PDL: gl.constexpr):
-    """kernels/pdl_triton.wait_for_inputs, in Gluon."""
+    """kernels/pdl_triton.wait_for_inputs, in Gluon (a Gluon kernel calls only Gluon functions)."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @gluon.jit
@@ -273,7 +273,6 @@ def launch_w4a16_wgmma(
     tiles_per_split, split_k, out, target, counters = plan_splits(num_tiles, split_k, M, N, x, x.dtype,
                                                                   tiles_n * tiles_m, block_m)
     is_split = split_k > 1
-    pdl = use_pdl(x.device)
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
@@ -284,7 +283,7 @@ def launch_w4a16_wgmma(
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
-        STAGES=num_stages, PER_TILE=per_tile, PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
+        STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps, **pdl_args(x.device),
     )
     finish_splits(target, counters, bias, out)
     return out
