@@ -26,8 +26,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -136,40 +135,6 @@ def _tile_operands(w_smem, stage, offset, scale, a_layout: gl.constexpr, dtype: 
 
 
 @gluon.jit
-def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
-                HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr, SUM_SPLITS: gl.constexpr,
-                mma_layout: gl.constexpr):
-    """The tile's out.T [BLOCK_N, BLOCK_M] into out [M, N] (bias added), or this K split's fp32 partial
-    (the last split of the tile to arrive sums them, as split_k_triton.store_split does)."""
-    BLOCK_N: gl.constexpr = acc.shape[0]
-    BLOCK_M: gl.constexpr = acc.shape[1]
-    pid_n = gl.program_id(0)
-    pid_m = gl.program_id(2)
-    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
-    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
-    if IS_SPLIT:
-        gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
-        if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
-            _cta_barrier()  # every thread's partial is stored before the count is released
-            tile = pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SUM_SPLITS - 1:
-                total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-                for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
-                    total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-    else:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@gluon.jit
 def _w4a16_wgmma_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
@@ -272,126 +237,35 @@ def _w4a16_wgmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
-                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
-
-@gluon.jit
-def _half_operands(words, h: gl.constexpr, offset, scale, dtype: gl.constexpr):
-    """Slices 4 h ... 4 h + 3 (input columns 64 h ... 64 h + 63) of a tile's words, as _operand makes them."""
-    return (_operand(words, 4 * h, offset, scale, dtype), _operand(words, 4 * h + 1, offset, scale, dtype),
-            _operand(words, 4 * h + 2, offset, scale, dtype), _operand(words, 4 * h + 3, offset, scale, dtype))
-
-
-@gluon.jit
-def _store_half(a_buf, a0, a1, a2, a3):
-    """Four converted slices into an operand buffer [BLOCK_N, 64] (column 16 j + r from slice j's column
-    r) in one store (a store per slice costs a CTA barrier each), visible to every warp's wgmma."""
-    pairs = gl.join(gl.join(a0, a1), gl.join(a2, a3))  # [BLOCK_N, 16 (r), 2 (j % 2), 2 (j // 2)]
-    BLOCK_N: gl.constexpr = a0.shape[0]
-    a_buf.store(gl.reshape(gl.permute(pairs, (0, 3, 2, 1)), (BLOCK_N, 64)))
-    fence_async_shared()
-    _cta_barrier()
-
-
-@gluon.jit
-def _w4a16_wgmma_smem_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
-    M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
-    GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
-    SUM_SPLITS: gl.constexpr, STAGES: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
-):
-    """The same product with both wgmma operands in shared memory (kind "wgmma_smem", for many tokens).
-
-    Each tile is two steps of 64 input columns. A step's four slices are converted in registers and
-    stored (stmatrix) into one of three operand buffers [BLOCK_N, 64] while the wgmmas before it run:
-    a tile's second half while its first half multiplies, the next tile's first half while its
-    second does; then the wait retires both. No in-flight wgmma reads a register (the
-    register-operand kernel's serialization) and no accumulator crosses the loop's back edge in
-    flight (ptxas serializes that, C7515), so the tensor cores idle only from the wait to the next
-    tile's first wgmma. A tile's stage is refilled during its successor, past the first barrier."""
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
-    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-    dtype: gl.constexpr = x_desc.dtype
-    MAGIC: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
-    pid_n = gl.program_id(0)
-    pid_k = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    off_n = pid_n * BLOCK_N
-    off_m = pid_m * BLOCK_M
-
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, a_layout)
-
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
-    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
-    # [rows, 64] of 16 bits: the activations' 128-byte swizzle suits the weight operand too
-    a_smem = gl.allocate_shared_memory(dtype, [3, BLOCK_N, 64], x_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-
-    t_begin = pid_k * tiles_per_split
-    n_tiles = gl.minimum(tiles_per_split, num_tiles - t_begin)
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=row_layout)
-    n_mask = offs_n < N
-    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-    for s in gl.static_range(STAGES):
-        if s < n_tiles:
-            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
-    _wait_for_inputs(PDL)
-    for s in gl.static_range(STAGES):
-        if s < n_tiles:
-            _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
-    # step s (tile s // 2, half s % 2) multiplies operand buffer s % 3; tile 0's first half stored ahead,
-    # like every later tile's (at the end of the iteration before)
-    mbarrier.wait(bars.index(0), 0)
-    words = w_smem.index(0).permute((1, 0)).load(a_layout)  # [BLOCK_N, 16] int32
-    a0, a1, a2, a3 = _half_operands(words, 0, offset, scale, dtype)
-    _store_half(a_smem.index(0), a0, a1, a2, a3)
-    # the group parameters come a tile ahead of their first use (a global load's latency hidden)
-    scale1, offset1 = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
-                                    num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-    for i in range(n_tiles):
-        stage = i % STAGES
-        scale2, offset2 = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1), offs_n, n_mask, N,
-                                        num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-        acc = warpgroup_mma(a_smem.index((2 * i) % 3), x_smem.index(2 * stage).permute((1, 0)), acc, is_async=True)
-        a4, a5, a6, a7 = _half_operands(words, 1, offset, scale, dtype)
-        _store_half(a_smem.index((2 * i + 1) % 3), a4, a5, a6, a7)  # step 2 i - 2's buffer: retired
-        if i >= 1:  # (past _store_half's barrier, every warp has retired tile i - 1's wgmmas)
-            if i - 1 + STAGES < n_tiles:
-                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, (i - 1) % STAGES, t_begin + i - 1 + STAGES,
-                           off_m, off_n)
-        acc = warpgroup_mma(a_smem.index((2 * i + 1) % 3), x_smem.index(2 * stage + 1).permute((1, 0)), acc,
-                            is_async=True)
-        # the next tile's group and first half while these two multiply (the last tile converts itself again)
-        i_next = gl.minimum(i + 1, n_tiles - 1)
-        scale, offset, scale1, offset1 = scale1, offset1, scale2, offset2
-        mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
-        words = w_smem.index(i_next % STAGES).permute((1, 0)).load(a_layout)
-        a0, a1, a2, a3 = _half_operands(words, 0, offset, scale, dtype)
-        _store_half(a_smem.index((2 * i + 2) % 3), a0, a1, a2, a3)  # step 2 i - 1's buffer: retired
-        # the only gap of the tensor cores: from here to the next iteration's first wgmma
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for s in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(s))
-    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
-                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
+    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
+    if IS_SPLIT:
+        gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
+        if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
+            _cta_barrier()  # every thread's partial is stored before the count is released
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SUM_SPLITS - 1:
+                total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+                for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
+                    total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
-    smem_operand: bool = False,
 ) -> Tensor:
-    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; `smem_operand`: the kernel
-    that multiplies the converted weight from shared memory (per_tile does not apply)."""
-    if smem_operand and num_stages < 2:
-        raise ValueError("the shared-memory-operand W4A16 kernel needs at least 2 stages (it waits for tile "
-                         "i + 1 before it refills tile i - 1's stage)")
+    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype."""
     M, K = x.shape
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
@@ -403,14 +277,13 @@ def launch_w4a16_wgmma(
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    kernel, order = (_w4a16_wgmma_smem_kernel, {}) if smem_operand else (_w4a16_wgmma_kernel, {"PER_TILE": per_tile})
-    kernel[(tiles_n, split_k, tiles_m)](
+    _w4a16_wgmma_kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
-        STAGES=num_stages, num_warps=num_warps, **order, **pdl_args(x.device),
+        STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps, **pdl_args(x.device),
     )
     finish_splits(target, counters, bias, out)
     return out

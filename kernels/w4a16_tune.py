@@ -16,8 +16,7 @@ from torch import Tensor
 
 from . import device_capability, device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
-from .w4a16_gemm import (
-    K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_smem_stages, wgmma_stages, wgmma_supported)
+from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_stages, wgmma_supported
 
 DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -73,24 +72,6 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
                     continue
                 configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
                             for per_tile in (False, True)]
-    return configs + (wgmma_smem_configs(m, k, n, num_sms) if m >= 64 else [])
-
-
-def wgmma_smem_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
-    """The shared-memory-operand kernel's tiles (many tokens): 64 to 256 tokens by 128 or 256 weight
-    rows, up to 128 × 256 per warpgroup pair (128 accumulator registers a thread), split-K while the
-    tiles are fewer than the SMs."""
-    num_tiles = math.ceil(k / K_TILE)
-    configs = []
-    for block_m, block_n, num_warps in ((64, 256, 8), (128, 128, 4), (128, 256, 8), (256, 128, 8)):
-        if block_m > m or 2 * block_m < min(m, 256):
-            continue
-        num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
-        for split_k in (1, 2, 4):
-            if split_k > 1 and (split_k > num_tiles // 4 or num_programs * (split_k // 2) >= num_sms):
-                continue
-            configs.append(W4A16Config("wgmma_smem", block_m, block_n, split_k, num_warps,
-                                       wgmma_smem_stages(block_m, block_n)))
     return configs
 
 

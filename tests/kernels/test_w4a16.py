@@ -308,40 +308,31 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
 
 
 _COMPILE_SM90 = """
-import os
-import subprocess
 import sys
-import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from llmc.kernels import w4a16_gluon
 
-order = sys.argv[1]  # "slice", "tile" (the register-operand kernel's orders) or "smem"
-per_tile, smem = order == "tile", order == "smem"
-block_m, block_n, warps = (128, 256, 8) if smem else (128, 128, 8)
+per_tile = sys.argv[1] == "1"
+block_m, block_n, warps = 128, 128, 8
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-split = order == "slice"
 signature = {
     "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
-    "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16",
+    "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16" if per_tile else "*fp32",
     "final_ptr": "*bf16", "counter_ptr": "*i32",
     **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om", "stride_split")},
     **{name: "constexpr" for name in ("GROUP_SIZE", "HAS_ZEROS", "HAS_BIAS", "IS_SPLIT", "SUM_SPLITS", "STAGES",
-                                      "PDL", "num_warps") + (() if smem else ("PER_TILE",))},
+                                      "PER_TILE", "PDL", "num_warps")},
 }
 # the per-slice order compiled with split K and the in-kernel sum of the splits
-constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split,
-             "SUM_SPLITS": 4 if split else 0, "STAGES": 2 if smem else 4, "PDL": True, "num_warps": warps}
-if not smem:
-    constants["PER_TILE"] = per_tile
-kernel_fn = w4a16_gluon._w4a16_wgmma_smem_kernel if smem else w4a16_gluon._w4a16_wgmma_kernel
+constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": not per_tile,
+             "SUM_SPLITS": 0 if per_tile else 4, "STAGES": 4, "PER_TILE": per_tile, "PDL": True, "num_warps": warps}
 try:
-    kernel = triton.compile(GluonASTSource(kernel_fn, signature, constants),
+    kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
 except FileNotFoundError as exc:  # a triton without its bundled ptxas
     print("SKIP", exc)
@@ -353,33 +344,21 @@ print("paired", "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx)
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
-print("stmatrix", "stmatrix" in ptx)
 before_wait = ptx.split("griddepcontrol.wait")
 print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
 print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
-# ptxas says so (C7513, C7515: the reason) when it serializes the wgmmas (waits for each before the next)
-with tempfile.TemporaryDirectory() as tmp:
-    with open(os.path.join(tmp, "k.ptx"), "w") as f:
-        f.write(ptx)
-    ptxas = get_ptxas(90).path  # the ptxas triton itself compiles sm_90 with
-    info = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.o")],
-                          capture_output=True, text=True)
-print("serialized", "instructions are serialized" in info.stdout + info.stderr, "ptxas_ok", info.returncode == 0)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "smem"])
-def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
-    """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
-    process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
-    conversion, no local memory, shared memory that fits; split K summed in the kernel (an
-    acquire-release count per output tile, the partials read past L1). ptxas keeps the wgmmas
-    asynchronous where the kernel is built for it: the per-tile order and the shared-memory operand
-    (whose converted weights go to shared memory by stmatrix); the per-slice order is serialized
-    (the measured reason the other two exist, benchmarks/RESULTS.md session 11)."""
+@pytest.mark.parametrize("per_tile", [False, True])
+def test_wgmma_kernel_compiles_for_sm90_without_spills(per_tile) -> None:
+    """The Gluon kernel compiled for an H100 on this CPU (the installed triton and its ptxas), in a
+    process of its own (the tests here run Triton's interpreter): wgmma with the weight from
+    registers, TMA loads, the paired bf16 conversion, no local memory, shared memory that fits; split
+    K summed in the kernel (an acquire-release count per output tile, the partials read past L1)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, order], env=env,
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "1" if per_tile else "0"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     if done.stdout.startswith("SKIP"):
@@ -387,15 +366,12 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False"  # the accumulator and the operands stay in registers
-    assert facts["counted"] == str(order == "slice")  # the splits' semaphore, the partials read past L1
+    assert facts["counted"] == str(not per_tile)  # the splits' semaphore, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
-    assert facts["stmatrix"] == str(order == "smem")
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
-    # the prologue (4 stages per tile, 3 per slice, both of the smem kernel) are requested before
-    # the wait, the activations after
+    # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
     assert facts["waits"] == "1 launches_dependents True"
-    assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "smem": "2"}[order]
-    assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
+    assert facts["tma_before_wait"] == ("4" if per_tile else "3")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
@@ -409,12 +385,6 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma", 256, 128, 1, 8, 2, False)),
     (4096, 4096, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 256, 128, 4, 8, 3, False)),
     (4096, 4096, 100, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 128, 128, 2, 8, 4, True)),
-    # the shared-memory operand: every tile of the tuner, 2 to 4 stages, 1 to 3 K tiles per split
-    (384, 320, 300, 128, True, False, torch.bfloat16, W4A16Config("wgmma_smem", 128, 128, 1, 4, 4)),
-    (1024, 256, 70, -1, False, True, torch.float16, W4A16Config("wgmma_smem", 64, 256, 1, 8, 3)),
-    (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma_smem", 256, 128, 2, 8, 2)),
-    (768, 640, 129, 128, True, True, torch.float16, W4A16Config("wgmma_smem", 128, 256, 4, 8, 2)),
-    (4096, 4096, 1024, 128, False, False, torch.bfloat16, W4A16Config("wgmma_smem", 128, 256, 1, 8, 2)),
 ]
 
 
