@@ -1,13 +1,14 @@
 """One W4A16 kernel kind's tuner candidates against bf16 and the recorded table, on the GPU.
 
-    python benchmarks/w4a16_kind_sweep.py --kind wgmma_streamk --json OUT.json [--ms 64 256 1024]
+    python benchmarks/w4a16_kind_sweep.py --kind wgmma --json OUT.json [--ms 64 256 1024]
 
 For the Llama-3-8B linear shapes and each M: torch bf16 F.linear, the config DEFAULT_W4A16_TABLE picks
 today, and every candidate of the tuner (w4a16_tune.candidate_configs) of that kind, each checked
 against dequantize + F.linear first (relative error < 1e-2, the tuner's check). Same timer as
 bench_kernels and the tuner (CUDA-graph replays, cold L2, medians). Prints, per cell, the ratios
-bf16 time ÷ kernel time and writes every timed candidate to the JSON. (Session 14 swept the
-shared-memory-operand kernel of commit 94277c4 with this script's first version.)
+bf16 time ÷ kernel time and writes every timed candidate to the JSON. Session 14 swept two kernels
+with it that were then removed: the shared-memory operand (commit 94277c4, this script's first
+version) and stream-K (commit 0b71097); benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
-    parser.add_argument("--kind", default="wgmma_streamk")
+    parser.add_argument("--kind", default="wgmma")
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -107,11 +107,9 @@ class W4A16Config:
     (tensor cores, the weight as the register operand), "fused" (tensor cores, the weight through
     shared memory); "wgmma" (w4a16_gluon.py, Hopper only: the swap product with TMA loads and
     asynchronous wgmma, the conversion overlapped with the MMA; is_stacked: a whole tile's operands
-    converted while the previous tile multiplies, else one slice at a time); "wgmma_streamk"
-    (w4a16_streamk.py: the per-tile order on split_k persistent programs per SM, each taking an
-    equal share of the (output tile, K tile) steps; is_stacked does not apply)."""
+    converted while the previous tile multiplies, else one slice at a time)."""
 
-    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_streamk" | "dequant"
+    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -125,8 +123,7 @@ class W4A16Config:
         return dataclasses.asdict(self)
 
 
-KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "wgmma_streamk", "dequant")
-WGMMA_KINDS = ("wgmma", "wgmma_streamk")  # the Gluon kernels (Hopper only)
+KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "dequant")
 _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
@@ -288,12 +285,6 @@ def wgmma_stages(block_m: int, block_n: int) -> int:
     return min(6, 200 * 1024 // (16 * block_n * 4 + block_m * K_TILE * 2))
 
 
-def streamk_stages(block_m: int, block_n: int, programs_per_sm: int = 1) -> int:
-    """Ring stages of the stream-K kernel in its share of 224 KB of shared memory (at most 6; it uses
-    no other); below 2 it does not run."""
-    return min(6, 224 * 1024 // programs_per_sm // (16 * block_n * 4 + block_m * K_TILE * 2))
-
-
 def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:
     """Whether kind "wgmma" runs here: a Hopper GPU (sm_90), 16-bit activations, groups of whole
     128-column tiles or one per channel, and rows the TMA can address (16-byte multiples)."""
@@ -327,7 +318,7 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
-    if config.kind in WGMMA_KINDS and not wgmma_supported(
+    if config.kind == "wgmma" and not wgmma_supported(
             device_capability(x.device), x.dtype, group_size, in_features, out_features):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
         config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device),
@@ -348,21 +339,11 @@ def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: 
     if config.kind == "dequant":
         weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, x.shape[1], group_size)
         return F.linear(x, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
-    if config.kind in WGMMA_KINDS and x.data_ptr() % 16:
-        x = x.clone()  # the TMA reads from a 16-byte aligned base
-    if config.kind == "wgmma_streamk":
-        from .w4a16_streamk import launch_w4a16_streamk
-
-        y = launch_w4a16_streamk(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
-                                 config.num_warps, config.num_stages, programs_per_sm=config.split_k)
-        if y is not None:
-            return y
-        # no tile semaphores inside this CUDA-graph capture: the same tiles, not split
-        config = dataclasses.replace(config, kind="wgmma", split_k=1, is_stacked=True,
-                                     num_stages=wgmma_stages(config.block_m, config.block_n))
     if config.kind == "wgmma":
         from .w4a16_gluon import launch_w4a16_wgmma
 
+        if x.data_ptr() % 16:
+            x = x.clone()  # the TMA reads from a 16-byte aligned base
         return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
                                   config.split_k, config.num_warps, config.num_stages, config.is_stacked)
     return w4a16_triton.launch_w4a16_gemm(

@@ -16,8 +16,7 @@ from torch import Tensor
 
 from . import device_capability, device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
-from .w4a16_gemm import (
-    K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, streamk_stages, wgmma_stages, wgmma_supported)
+from .w4a16_gemm import K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_stages, wgmma_supported
 
 DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -58,9 +57,9 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int, wgmma: bool = False)
 
 
 def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
-    """The Gluon kernels' tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
+    """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
     warpgroup, split-K while the tiles are fewer than the SMs, as many ring stages as fit in ~200 KB
-    of shared memory (at most 6), both conversion orders; and the per-tile order's tiles stream-K."""
+    of shared memory (at most 6), both conversion orders."""
     block_ms = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
     num_tiles = math.ceil(k / K_TILE)
     configs = []
@@ -73,11 +72,6 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
                     continue
                 configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
                             for per_tile in (False, True)]
-        # the same tiles on one or two persistent programs per SM (stream-K), in the per-tile order
-        configs += [W4A16Config("wgmma_streamk", block_m, block_n, per_sm, num_warps,
-                                streamk_stages(block_m, block_n, per_sm), True)
-                    for block_n, num_warps in ((64, 4), (128, 8)) for per_sm in (1, 2)
-                    if streamk_stages(block_m, block_n, per_sm) >= 2]
     return configs
 
 

@@ -317,12 +317,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from llmc.kernels import w4a16_gluon, w4a16_streamk
+from llmc.kernels import w4a16_gluon
 
-order = sys.argv[1]  # "slice", "tile" (the split kernel's orders) or "streamk"
-streamk = order == "streamk"
+order = sys.argv[1]  # "slice" or "tile"
 # per slice: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
-block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "streamk": (256, 128, 8)}[order]
+block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
 split = order == "slice"
@@ -331,21 +330,15 @@ signature = {
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
     "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16",
 }
-constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "STAGES": 3 if streamk else 4, "PDL": True,
-             "num_warps": warps}
-if streamk:
-    signature |= {"ws_ptr": "*fp32", "counter_ptr": "*i32",
-                  **{name: "i32" for name in ("M", "N", "num_groups", "kt", "tiles_n", "total", "per")}}
-    kernel_fn = w4a16_streamk._w4a16_streamk_kernel
-else:  # the per-slice order compiled with split K and the in-kernel sum of the splits
-    signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
-                  **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
-                                              "stride_split")}}
-    constants |= {"IS_SPLIT": split, "SUM_SPLITS": 4 if split else 0, "PER_TILE": order == "tile"}
-    kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
-signature |= {name: "constexpr" for name in constants}
+# the per-slice order compiled with split K and the in-kernel sum of the splits
+constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "SUM_SPLITS": 4 if split else 0,
+             "STAGES": 4, "PER_TILE": order == "tile", "PDL": True, "num_warps": warps}
+signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
+              **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
+                                          "stride_split")},
+              **{name: "constexpr" for name in constants}}
 try:
-    kernel = triton.compile(GluonASTSource(kernel_fn, signature, constants),
+    kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
 except FileNotFoundError as exc:  # a triton without its bundled ptxas
     print("SKIP", exc)
@@ -371,15 +364,14 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "streamk"])
+@pytest.mark.parametrize("order", ["slice", "tile"])
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
-    """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
+    """The Gluon kernel compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
-    conversion, no local memory or spills, shared memory that fits; a split tile summed in the kernel
-    (an acquire-release count per output tile, the partials read past L1) by the per-slice order's
-    splits and by the stream-K kernel. ptxas keeps the wgmmas asynchronous in the per-tile order and
-    stream-K; it serializes the per-slice order (the measured reason the per-tile order exists,
-    benchmarks/RESULTS.md session 11)."""
+    conversion, no local memory or spills, shared memory that fits; split K summed in the kernel (an
+    acquire-release count per output tile, the partials read past L1). ptxas keeps the per-tile
+    order's wgmmas asynchronous and serializes the per-slice order's (the measured reason the
+    per-tile order exists, benchmarks/RESULTS.md session 11)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, order], env=env,
@@ -390,13 +382,12 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
-    assert facts["counted"] == str(order != "tile")  # the semaphores, the partials read past L1
+    assert facts["counted"] == str(order == "slice")  # the semaphores, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
-    # the prologue (4 stages per tile, 3 per slice, all 3 of stream-K) are requested before the wait,
-    # the activations after
+    # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
     assert facts["waits"] == "1 launches_dependents True"
-    assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "streamk": "3"}[order]
+    assert facts["tma_before_wait"] == ("4" if order == "tile" else "3")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
 
 
@@ -411,15 +402,6 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma", 256, 128, 1, 8, 2, False)),
     (4096, 4096, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 256, 128, 4, 8, 3, False)),
     (4096, 4096, 100, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 128, 128, 2, 8, 4, True)),
-    # stream-K (H100: 132 programs): 32 steps, one per program, each tile summed from 8 pieces; M, N
-    # tails, zero points, bias, fp16, per-channel and 256-column groups; tiles cut between two programs
-    # with a program's first and last piece both partial (4096 x 6144 at 256 tokens: 24 steps each)
-    (1024, 256, 70, 128, True, True, torch.bfloat16, W4A16Config("wgmma_streamk", 64, 128, 1, 8, 6, True)),
-    (384, 320, 300, 128, False, True, torch.float16, W4A16Config("wgmma_streamk", 128, 64, 1, 4, 6, True)),
-    (512, 128, 257, 256, False, False, torch.bfloat16, W4A16Config("wgmma_streamk", 256, 128, 1, 8, 3, True)),
-    (1024, 192, 5, -1, True, False, torch.bfloat16, W4A16Config("wgmma_streamk", 16, 64, 1, 4, 6, True)),
-    (4096, 6144, 256, 128, False, True, torch.bfloat16, W4A16Config("wgmma_streamk", 128, 128, 1, 8, 5, True)),
-    (14336, 4096, 1000, 128, True, False, torch.bfloat16, W4A16Config("wgmma_streamk", 256, 128, 1, 8, 3, True)),
 ]
 
 
