@@ -15,6 +15,9 @@
 #                                      → profile-Q-{async,sync}.json, e2e-overlap-Q.json
 #   w4-vs  gpt-fast-style int4 decode (benchmarks/gptfast_int4.py), then W4A16 and bf16 artifacts: decode and
 #         throughput 128/128 of both, one run               → gptfast-int4.json, e2e-w4-vs.json
+#   w4-head  gpt-fast-style int4 decode, then W4A16 with the bf16 output head (the default, lm_head ignored)
+#         and with it int4 too (ignore: [], as gpt-fast does): batch-1 decode of both, one run
+#                                                            → gptfast-int4.json, e2e-w4-head.json
 #   decode-profile  W4A16 and FP8 artifacts: the 25 longest kernels of a decode step at batch 1 and 256,
 #         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
@@ -35,7 +38,7 @@
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|w4-head|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -155,6 +158,16 @@ case $stage in
       --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-w4-vs.json" --budget "$(left)" 2>&1 \
       | tee -a "$log" >&2 || say "bench_e2e w4-vs: FAILED"
     ;;
+  w4-head)
+    make_checkpoint
+    say "gpt-fast int4 (torch.compile + tinygemm): start"
+    python "$repo/benchmarks/gptfast_int4.py" "$work/ckpt" --json "$out/gptfast-int4.json" 2>&1 | tail -3 | tee -a "$log" >&2 \
+      || say "gptfast_int4: FAILED"
+    build w4a16 1 "$W4" & build w4a16-head 1 "${W4%\}}, ignore: []}" & wait
+    say "bench_e2e w4a16 and w4a16-head: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/w4a16=w4a16" "$work/w4a16-head=w4a16-head" --parts decode \
+      --json "$out/e2e-w4-head.json" --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e w4-head: FAILED"
+    ;;
   decode-profile)
     make_checkpoint
     build w4a16 1 "$W4" & build fp8 1 '{method: fp8}' & wait
@@ -190,7 +203,7 @@ case $stage in
       ${TPROFILE_ARGS---kernels} --json "$out/tprofile.json" 2>&1 \
       | tee -a "$log" >&2 || say "profile_throughput: FAILED or cut at the time limit"
     ;;
-  *) echo "unknown stage $stage: use w4, w4-vs, decode-profile, fp8, bf16, moe, moe-kernels, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16, kprofile-fp8 or tprofile" >&2; exit 2 ;;
+  *) echo "unknown stage $stage: use w4, w4-vs, w4-head, decode-profile, fp8, bf16, moe, moe-kernels, tp, tp-bf16, overlap-bf16, overlap-fp8, kprofile-bf16, kprofile-fp8 or tprofile" >&2; exit 2 ;;
 esac
 say "stage $stage: done"
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"  # KEEP_WORK=1 keeps the checkpoint and artifacts

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py --tune --out results/      # measure the W4A16 table first
     python benchmarks/bench_kernels.py --table w4a16_table.json   # or use a recorded one
+    python benchmarks/bench_kernels.py --tune --tune-ms 128 256 --out results/  # re-measure some M only
 
 Measures, in one run: the two ceilings (device-to-device copy bandwidth, bf16 matmul TFLOP/s at
 8192³), then for the Llama-3-8B linear shapes (K × N) and M tokens: torch bf16 F.linear, W4A16 g128
@@ -189,12 +190,25 @@ def print_table(ceilings: dict, rows: list[dict]) -> str:
     return text
 
 
+def merge_tuned(tuned: dict) -> dict:
+    """DEFAULT_W4A16_TABLE's entries (as JSON) with those of the M just measured replaced or added."""
+    from llmc.kernels.w4a16_gemm import DEFAULT_W4A16_TABLE
+
+    merged = {}
+    for shape, entries in tuned.items():
+        old = {m: (m, config.to_dict(), us) for m, config, us in DEFAULT_W4A16_TABLE.get(shape, ())}
+        merged[shape] = sorted((old | {m: (m, config, us) for m, config, us in entries}).values())
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--tune", action="store_true", help="measure the W4A16 tuning table first")
     parser.add_argument("--table", type=Path, help="a W4A16 tuning table (JSON) to use")
     parser.add_argument("--ms", type=int, nargs="*", default=MS)
+    parser.add_argument("--tune-ms", type=int, nargs="+", default=None,
+                        help="with --tune: measure only these M and keep DEFAULT_W4A16_TABLE's other entries")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     flush = make_l2_flush_buffer()
@@ -205,7 +219,10 @@ def main() -> None:
         from llmc.kernels.w4a16_tune import tune_w4a16
 
         records = []
-        table = tune_w4a16(SHAPES, records=records)
+        if args.tune_ms:
+            table = merge_tuned(tune_w4a16(SHAPES, ms=tuple(args.tune_ms), records=records))
+        else:
+            table = tune_w4a16(SHAPES, records=records)
         (args.out / "w4a16_table.json").write_text(json.dumps(table, indent=1))
         (args.out / "w4a16_candidates.json").write_text(json.dumps(records))
     elif args.table:

@@ -4,6 +4,7 @@
 #   bash benchmarks/kernels_vs_before.sh OLD_TREE OUT_DIR "w4 fp8:before bf16:now"
 # Each item is w4, fp8 or bf16, alone (both trees) or with :now / :before (one tree, e.g. to split
 # the runs over two calls). bf16 is the reference W4A16 must beat; its kernels did not change.
+# PARTS (default decode,throughput) picks the bench_e2e parts.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 old=$(cd "$1" && pwd); out=$2; work=${WORK:-/tmp/llmc-kernels}
@@ -19,7 +20,7 @@ for item in $3; do
       "$work" "$work" "$label" "$method" > "$work/$label.yaml"
     (source "$tree/benchmarks/gpu_env.sh"; cd "$work" && python -m llmc.cli build "$work/$label.yaml" -q | tail -1)
     (source "$tree/benchmarks/gpu_env.sh"; cd /tmp && python "$tree/benchmarks/bench_e2e.py" "$work/$label=$label" \
-      --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$label.json" | tail -4)
+      --parts "${PARTS:-decode,throughput}" --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-$label.json" | tail -4)
     rm -rf "${work:?}/$label"
   done
 done

@@ -1,9 +1,11 @@
 """One W4A16 kernel kind's tuner candidates against bf16 and the recorded table, on the GPU.
 
     python benchmarks/w4a16_kind_sweep.py --kind wgmma --json OUT.json [--ms 64 256 1024]
+    python benchmarks/w4a16_kind_sweep.py --configs wgmma,256,128,1,8,3,1 ... --json OUT.json
 
 For the Llama-3-8B linear shapes and each M: torch bf16 F.linear, the config DEFAULT_W4A16_TABLE picks
-today, and every candidate of the tuner (w4a16_tune.candidate_configs) of that kind, each checked
+today, and every candidate of the tuner (w4a16_tune.candidate_configs) of that kind (or the configs
+named), each checked
 against dequantize + F.linear first (relative error < 1e-2, the tuner's check). Same timer as
 bench_kernels and the tuner (CUDA-graph replays, cold L2, medians). Prints, per cell, the ratios
 bf16 time ÷ kernel time and writes every timed candidate to the JSON. Session 14 swept two kernels
@@ -28,10 +30,18 @@ from llmc.kernels.w4a16_tune import candidate_configs
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
+def parse_config(spec: str) -> W4A16Config:
+    kind, *numbers = spec.split(",")
+    return W4A16Config(kind, *(int(v) for v in numbers[:5]), *(bool(int(v)) for v in numbers[5:]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
     parser.add_argument("--kind", default="wgmma")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help="configs to time at every M instead of the kind's tuner candidates: "
+                             "kind,block_m,block_n,split_k,num_warps,num_stages[,is_stacked 0/1]")
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -66,7 +76,8 @@ def main() -> None:
 
             table_config = select_w4a16_config(m, k, n, None, num_sms)
             table_us = timed(table_config)
-            kind = [c for c in candidate_configs(m, k, n, num_sms, wgmma=True) if c.kind == args.kind]
+            kind = ([parse_config(spec) for spec in args.configs] if args.configs else
+                    [c for c in candidate_configs(m, k, n, num_sms, wgmma=True) if c.kind == args.kind])
             kind = [(us, c) for c in kind if (us := timed(c)) is not None]
             best_us, best = min(kind, key=lambda item: item[0]) if kind else (None, None)
             row = {"K": k, "N": n, "M": m, "bf16_us": round(bf16_us, 2), "table": table_config.to_dict(),
@@ -74,7 +85,7 @@ def main() -> None:
                    "kind_us": best_us and round(best_us, 2)}
             rows.append(row)
             print(f"{k}x{n} M={m}: bf16 {bf16_us:.1f} us | table {table_config.kind} {table_us or 0:.1f} us "
-                  f"({bf16_us / table_us if table_us else 0:.2f}x) | {args.kind} best {best_us or 0:.1f} us "
+                  f"({bf16_us / table_us if table_us else 0:.2f}x) | {args.configs and 'named' or args.kind} best {best_us or 0:.1f} us "
                   f"({bf16_us / best_us if best_us else 0:.2f}x) {best}", flush=True)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "candidates": records}, f, indent=1)

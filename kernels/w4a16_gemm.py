@@ -128,8 +128,10 @@ _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
 
-# Measured by `tune_w4a16` on an NVIDIA H100 (benchmarks/bench_kernels.py --tune, torch 2.11,
-# triton 3.6, bf16, group size 128; session 12, call 4); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
+# Measured by `tune_w4a16` on an NVIDIA H100 (benchmarks/bench_kernels.py --tune, torch 2.11, triton 3.6,
+# bf16, group size 128): up to 64 tokens in session 12 (call 4), from 128 tokens in session 14 (call 9,
+# `--tune-ms 128 256 512 1024 4096`, with 128-row tiles on one warpgroup among the candidates); see
+# benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
@@ -141,11 +143,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 16.48),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 16.61),
             (64, W4A16Config("wgmma", 64, 128, 2, 4, 6, True), 21.28),
-            (128, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.82),
-            (256, W4A16Config("wgmma", 256, 128, 2, 8, 2, False), 39.68),
-            (512, _DEQUANT, 60.0),
-            (1024, _DEQUANT, 92.86),
-            (4096, _DEQUANT, 284.1),
+            (128, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 26.05),
+            (256, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 38.46),
+            (512, _DEQUANT, 60.03),
+            (1024, _DEQUANT, 91.52),
+            (4096, _DEQUANT, 281.86),
         ),
         "4096x4096": (
             (1, W4A16Config("wgmma", 16, 64, 8, 4, 6, False), 11.97),
@@ -154,11 +156,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 13.63),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 14.66),
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 16.64),
-            (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.26),
-            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.22),
-            (512, W4A16Config("wgmma", 128, 128, 1, 8, 5, True), 40.58),
-            (1024, _DEQUANT, 60.86),
-            (4096, _DEQUANT, 192.26),
+            (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.42),
+            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.44),
+            (512, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 37.63),
+            (1024, _DEQUANT, 61.28),
+            (4096, _DEQUANT, 190.62),
         ),
         "4096x28672": (
             (1, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.19),
@@ -167,11 +169,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.29),
             (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 34.43),
             (64, W4A16Config("wgmma", 64, 128, 1, 4, 6, True), 54.5),
-            (128, W4A16Config("wgmma", 128, 128, 1, 8, 5, True), 78.18),
-            (256, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 122.66),
-            (512, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 230.98),
-            (1024, _DEQUANT, 411.23),
-            (4096, _DEQUANT, 1320.35),
+            (128, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 74.24),
+            (256, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 118.5),
+            (512, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 231.49),
+            (1024, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 396.22),
+            (4096, _DEQUANT, 1322.66),
         ),
         "14336x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 21.12),
@@ -180,11 +182,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 8, 4, 6, True), 23.9),
             (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 24.77),
             (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 29.95),
-            (128, W4A16Config("wgmma", 128, 128, 4, 8, 5, False), 41.22),
-            (256, W4A16Config("wgmma", 256, 128, 4, 8, 2, False), 60.9),
-            (512, W4A16Config("wgmma", 256, 128, 2, 8, 2, True), 107.3),
-            (1024, W4A16Config("wgmma", 256, 128, 1, 8, 2, True), 189.82),
-            (4096, _DEQUANT, 638.94),
+            (128, W4A16Config("wgmma", 128, 128, 4, 4, 5, True), 38.98),
+            (256, W4A16Config("wgmma", 256, 128, 4, 8, 2, False), 59.2),
+            (512, W4A16Config("wgmma", 256, 128, 2, 8, 2, False), 101.28),
+            (1024, W4A16Config("wgmma", 256, 128, 1, 8, 2, True), 195.14),
+            (4096, _DEQUANT, 640.67),
         ),
     }
 )

@@ -58,13 +58,14 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int, wgmma: bool = False)
 
 def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
     """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
-    warpgroup, split-K while the tiles are fewer than the SMs, as many ring stages as fit in ~200 KB
-    of shared memory (at most 6), both conversion orders."""
+    warpgroup (or 128 on one warpgroup, to 128 tokens), split-K while the tiles are fewer than the
+    SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders."""
     block_ms = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
     num_tiles = math.ceil(k / K_TILE)
     configs = []
     for block_m in block_ms:
-        for block_n, num_warps in ((64, 4), (128, 8)) + (((128, 4),) if m <= 64 else ()):
+        # 128 rows on one warpgroup: two 64-row wgmmas per slice (its accumulator fits up to 128 tokens)
+        for block_n, num_warps in ((64, 4), (128, 8)) + (((128, 4),) if block_m <= 128 else ()):
             stages = wgmma_stages(block_m, block_n)
             num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
             for split_k in (1, 2, 4, 8):

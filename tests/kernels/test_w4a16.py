@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from llmc.errors import RecipeError
 from llmc.kernels.w4a16_gemm import (
+    DEFAULT_W4A16_TABLE,
     W4A16Config,
     dequantize_w4a16,
     gpu_packed_shapes,
@@ -428,3 +429,25 @@ def test_wgmma_kernel_matches_float64(rel_err, k, n, m, group, has_zeros, has_bi
     dense = F.linear(x.float(), dequantize_w4a16(params, k, group).to(dtype).float(),
                      None if bias is None else bias.float())
     assert rel_err(y, dense) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU (the table's Gluon kernels)")
+def test_every_w4a16_table_entry_matches_float64_at_its_shape(rel_err) -> None:
+    """Each (shape, M range) of DEFAULT_W4A16_TABLE, run through w4a16_linear (the dispatch the model
+    uses) at the range's largest M and one M inside it, against float64 on the dequantized weight."""
+    for shape, entries in DEFAULT_W4A16_TABLE.items():
+        k, n = map(int, shape.split("x"))
+        gen = torch.Generator().manual_seed(k + n)
+        levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+        scales = (torch.rand(n, k // 128, generator=gen) * 0.004 + 0.001).to(torch.bfloat16)
+        params = {name: t.cuda() for name, t in pack_w4a16_for_gpu(levels, scales, None).items()}
+        w64 = dequantize_w4a16(params, k, 128).double()
+        previous = 0
+        for max_m, _, _ in entries:
+            for m in (max_m, (previous + max_m + 1) // 2):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                y = w4a16_linear(x, params["qweight"], params["scales"], None, None, 128)
+                assert rel_err(y, x.double() @ w64.T) < 1e-2, (shape, m)
+            previous = max_m
