@@ -107,9 +107,11 @@ class W4A16Config:
     (tensor cores, the weight as the register operand), "fused" (tensor cores, the weight through
     shared memory); "wgmma" (w4a16_gluon.py, Hopper only: the swap product with TMA loads and
     asynchronous wgmma, the conversion overlapped with the MMA; is_stacked: a whole tile's operands
-    converted while the previous tile multiplies, else one slice at a time)."""
+    converted while the previous tile multiplies, else one slice at a time); "wgmma_ws" (w4a16_ws.py:
+    the per-tile order warp-specialized, a producer warp and two consumer warpgroups of 64 rows each;
+    block_n is 128, num_warps and is_stacked do not apply)."""
 
-    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "dequant"
+    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_ws" | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -123,15 +125,17 @@ class W4A16Config:
         return dataclasses.asdict(self)
 
 
-KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "dequant")
+KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "wgmma_ws", "dequant")
+WGMMA_KINDS = ("wgmma", "wgmma_ws")  # the Gluon kernels (Hopper only)
 _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
 
-# Measured by `tune_w4a16` on an NVIDIA H100 (benchmarks/bench_kernels.py --tune, torch 2.11, triton 3.6,
-# bf16, group size 128): up to 64 tokens in session 12 (call 4), from 128 tokens in session 14 (call 9,
-# `--tune-ms 128 256 512 1024 4096`, with 128-row tiles on one warpgroup among the candidates); see
-# benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
+# Measured on an NVIDIA H100 (torch 2.11, triton 3.6, bf16, group size 128): by `tune_w4a16`
+# (benchmarks/bench_kernels.py --tune) up to 64 tokens in session 12 (call 4) and from 128 tokens in
+# session 14 (call 9, `--tune-ms 128 256 512 1024 4096`); then, from 64 tokens, the faster of that
+# entry and the best warp-specialized candidate of the tuner, timed in one run (session 14, call 13,
+# `benchmarks/w4a16_kind_sweep.py --kind wgmma_ws`); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
@@ -142,12 +146,12 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 15.3),
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 16.48),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 16.61),
-            (64, W4A16Config("wgmma", 64, 128, 2, 4, 6, True), 21.28),
-            (128, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 26.05),
-            (256, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 38.46),
-            (512, _DEQUANT, 60.03),
-            (1024, _DEQUANT, 91.52),
-            (4096, _DEQUANT, 281.86),
+            (64, W4A16Config("wgmma_ws", 64, 128, 2, 4, 6, True), 20.86),
+            (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 26.05),
+            (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 36.29),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 54.88),
+            (1024, _DEQUANT, 93.76),
+            (4096, _DEQUANT, 283.3),
         ),
         "4096x4096": (
             (1, W4A16Config("wgmma", 16, 64, 8, 4, 6, False), 11.97),
@@ -155,12 +159,12 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 12.9),
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 13.63),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 14.66),
-            (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 16.64),
-            (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.42),
-            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.44),
-            (512, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 37.63),
-            (1024, _DEQUANT, 61.28),
-            (4096, _DEQUANT, 190.62),
+            (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 17.06),
+            (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.58),
+            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.95),
+            (512, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 36.45),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 55.01),
+            (4096, _DEQUANT, 192.0),
         ),
         "4096x28672": (
             (1, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.19),
@@ -168,12 +172,12 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (8, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 31.9),
             (16, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.29),
             (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 34.43),
-            (64, W4A16Config("wgmma", 64, 128, 1, 4, 6, True), 54.5),
-            (128, W4A16Config("wgmma", 128, 128, 1, 4, 5, True), 74.24),
-            (256, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 118.5),
-            (512, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 231.49),
-            (1024, W4A16Config("wgmma", 256, 128, 1, 8, 2, False), 396.22),
-            (4096, _DEQUANT, 1322.66),
+            (64, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True), 52.0),
+            (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 68.38),
+            (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 105.63),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 197.28),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 342.37),
+            (4096, _DEQUANT, 1412.1),
         ),
         "14336x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 21.12),
@@ -181,12 +185,12 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (8, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 23.36),
             (16, W4A16Config("wgmma", 16, 64, 8, 4, 6, True), 23.9),
             (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 24.77),
-            (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 29.95),
-            (128, W4A16Config("wgmma", 128, 128, 4, 4, 5, True), 38.98),
-            (256, W4A16Config("wgmma", 256, 128, 4, 8, 2, False), 59.2),
-            (512, W4A16Config("wgmma", 256, 128, 2, 8, 2, False), 101.28),
-            (1024, W4A16Config("wgmma", 256, 128, 1, 8, 2, True), 195.14),
-            (4096, _DEQUANT, 640.67),
+            (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 30.43),
+            (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 37.82),
+            (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 55.2),
+            (512, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True), 92.83),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 167.68),
+            (4096, _DEQUANT, 651.55),
         ),
     }
 )
@@ -287,6 +291,11 @@ def wgmma_stages(block_m: int, block_n: int) -> int:
     return min(6, 200 * 1024 // (16 * block_n * 4 + block_m * K_TILE * 2))
 
 
+def ws_stages(block_m: int) -> int:
+    """Ring stages of the warp-specialized kernel (128 weight rows) in 224 KB of shared memory (at most 6)."""
+    return min(6, 224 * 1024 // (16 * 128 * 4 + block_m * K_TILE * 2))
+
+
 def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:
     """Whether kind "wgmma" runs here: a Hopper GPU (sm_90), 16-bit activations, groups of whole
     128-column tiles or one per channel, and rows the TMA can address (16-byte multiples)."""
@@ -320,7 +329,7 @@ def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> T
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
-    if config.kind == "wgmma" and not wgmma_supported(
+    if config.kind in WGMMA_KINDS and not wgmma_supported(
             device_capability(x.device), x.dtype, group_size, in_features, out_features):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
         config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device),
@@ -341,11 +350,16 @@ def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: 
     if config.kind == "dequant":
         weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, x.shape[1], group_size)
         return F.linear(x, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
+    if config.kind in WGMMA_KINDS and x.data_ptr() % 16:
+        x = x.clone()  # the TMA reads from a 16-byte aligned base
+    if config.kind == "wgmma_ws":
+        from .w4a16_ws import launch_w4a16_ws
+
+        return launch_w4a16_ws(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.split_k,
+                               config.num_stages)
     if config.kind == "wgmma":
         from .w4a16_gluon import launch_w4a16_wgmma
 
-        if x.data_ptr() % 16:
-            x = x.clone()  # the TMA reads from a 16-byte aligned base
         return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
                                   config.split_k, config.num_warps, config.num_stages, config.is_stacked)
     return w4a16_triton.launch_w4a16_gemm(

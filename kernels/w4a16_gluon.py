@@ -84,6 +84,20 @@ def _wait_for_inputs(PDL: gl.constexpr):
 
 
 @gluon.jit
+def _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, COUNT: gl.constexpr,
+                   PDL: gl.constexpr):
+    """The first COUNT tiles (of n_tiles) into stages 0 ... COUNT - 1: their packed words before the wait
+    for the kernel that writes the activations (PDL: weights only), the activations after it."""
+    for s in gl.static_range(COUNT):
+        if s < n_tiles:
+            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
+    _wait_for_inputs(PDL)
+    for s in gl.static_range(COUNT):
+        if s < n_tiles:
+            _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
+
+
+@gluon.jit
 def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: gl.constexpr,
                   HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr):
     """(scale, MAGIC + zero) as fp32 [BLOCK_N] for the group of K tile t."""
@@ -135,6 +149,40 @@ def _tile_operands(w_smem, stage, offset, scale, a_layout: gl.constexpr, dtype: 
 
 
 @gluon.jit
+def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
+                HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr, SUM_SPLITS: gl.constexpr,
+                mma_layout: gl.constexpr):
+    """The tile's out.T [BLOCK_N, BLOCK_M] into out [M, N] (bias added), or this K split's fp32 partial
+    (the last split of the tile to arrive sums them, as split_k_triton.store_split does)."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(2)
+    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
+    if IS_SPLIT:
+        gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
+        if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
+            _cta_barrier()  # every thread's partial is stored before the count is released
+            tile = pid_m * gl.num_programs(0) + pid_n
+            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SUM_SPLITS - 1:
+                total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+                for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
+                    total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
+    else:
+        if HAS_BIAS:
+            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _w4a16_wgmma_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
@@ -181,13 +229,7 @@ def _w4a16_wgmma_kernel(
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
     PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
-    for s in gl.static_range(PROLOGUE):
-        if s < n_tiles:
-            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
-    _wait_for_inputs(PDL)
-    for s in gl.static_range(PROLOGUE):
-        if s < n_tiles:
-            _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
+    _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL)
     if PER_TILE:
         # stage i % STAGES is refilled once tile i's wgmmas are done
         mbarrier.wait(bars.index(0), 0)
@@ -237,29 +279,8 @@ def _w4a16_wgmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
-    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
-    if IS_SPLIT:
-        gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
-        if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
-            _cta_barrier()  # every thread's partial is stored before the count is released
-            tile = pid_m * gl.num_programs(0) + pid_n
-            arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SUM_SPLITS - 1:
-                total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-                for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
-                    total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
-                gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-    else:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
+    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
+                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
 
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,

@@ -172,7 +172,7 @@ def test_table_lookup_and_heuristic() -> None:
     assert not heuristic_w4a16_config(16, 4096, 4096, 132).is_stacked
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
-    assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma"
+    assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma_ws"
     assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
 
 
@@ -318,11 +318,11 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from llmc.kernels import w4a16_gluon
+from llmc.kernels import w4a16_gluon, w4a16_ws
 
-order = sys.argv[1]  # "slice" or "tile"
+order = sys.argv[1]  # "slice", "tile" or "ws" (warp-specialized)
 # per slice: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
-block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8)}[order]
+block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "ws": (256, 128, 4)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
 split = order == "slice"
@@ -332,14 +332,20 @@ signature = {
     "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16",
 }
 # the per-slice order compiled with split K and the in-kernel sum of the splits
-constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "SUM_SPLITS": 4 if split else 0,
-             "STAGES": 4, "PER_TILE": order == "tile", "PDL": True, "num_warps": warps}
+constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
+             "num_warps": warps}
+if order == "ws":
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
+    kernel_fn = w4a16_ws._w4a16_ws_kernel
+else:
+    constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order == "tile"}
+    kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                           "stride_split")},
               **{name: "constexpr" for name in constants}}
 try:
-    kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
+    kernel = triton.compile(GluonASTSource(kernel_fn, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
 except FileNotFoundError as exc:  # a triton without its bundled ptxas
     print("SKIP", exc)
@@ -351,6 +357,7 @@ print("paired", "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx)
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
+print("warps", kernel.metadata.num_warps, "setmaxnreg", "setmaxnreg" in ptx)
 before_wait = ptx.split("griddepcontrol.wait")
 print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
 print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
@@ -365,14 +372,16 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile"])
+@pytest.mark.parametrize("order", ["slice", "tile", "ws"])
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
-    """The Gluon kernel compiled for an H100 on this CPU (the installed triton and its ptxas), in a
+    """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
     conversion, no local memory or spills, shared memory that fits; split K summed in the kernel (an
     acquire-release count per output tile, the partials read past L1). ptxas keeps the per-tile
-    order's wgmmas asynchronous and serializes the per-slice order's (the measured reason the
-    per-tile order exists, benchmarks/RESULTS.md session 11)."""
+    order's wgmmas asynchronous, warp-specialized or not, and serializes the per-slice order's (the
+    measured reason the per-tile order exists, benchmarks/RESULTS.md session 11). The
+    warp-specialized kernel runs 4 + 4 + 1 warps (two consumer warpgroups, a producer warp; Triton
+    rounds up to whole warpgroups) with their registers reassigned (setmaxnreg)."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE_SM90, order], env=env,
@@ -388,8 +397,10 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
     assert facts["waits"] == "1 launches_dependents True"
-    assert facts["tma_before_wait"] == ("4" if order == "tile" else "3")
+    if order != "ws":  # (the partitions' code is not in program order in the PTX text)
+        assert facts["tma_before_wait"] == ("4" if order == "tile" else "3")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
+    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else f"{4 if order == 'slice' else 8} setmaxnreg False")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
@@ -403,6 +414,14 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma", 256, 128, 1, 8, 2, False)),
     (4096, 4096, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 256, 128, 4, 8, 3, False)),
     (4096, 4096, 100, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 128, 128, 2, 8, 4, True)),
+    # warp-specialized: a producer warp, two consumer warpgroups of 64 rows; M and N tails (N of 192: the
+    # second warpgroup's rows partly past N), zero points, bias, fp16, per-channel and 256-column groups,
+    # split K, fewer tiles than stages
+    (512, 192, 70, 128, True, True, torch.bfloat16, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True)),
+    (1024, 256, 300, -1, False, True, torch.float16, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True)),
+    (512, 128, 257, 256, False, False, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True)),
+    (4096, 6144, 256, 128, True, False, torch.bfloat16, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True)),
+    (14336, 4096, 1000, 128, False, True, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True)),
 ]
 
 

@@ -1,0 +1,154 @@
+"""W4A16 on Hopper, warp-specialized (kind "wgmma_ws"; Gluon, sm_90 only, imported only when it runs).
+
+The per-tile order of w4a16_gluon (the weight converted in the registers of the wgmma A operand, a
+tile's eight operands converted while the previous tile's wgmmas run), with the work split by warp:
+one producer warp issues the TMA loads into the ring of stages, and each of two consumer warpgroups
+(a partition of its own) converts and multiplies its 64 of the tile's 128 weight rows. A consumer
+hands a stage back with an mbarrier arrival once its wgmmas reading it are retired, and the producer
+refills the stage when both have; so no barrier spans the CTA inside the loop (the split kernel's
+CTA barrier before each refill was its top stall at 256 and 4096 tokens, benchmarks/RESULTS.md
+session 14), and each warpgroup runs ahead of the other as far as the ring allows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .pdl_triton import pdl_args
+from .split_k_triton import finish_splits, plan_splits
+from .w4a16_gluon import (
+    _GL_DTYPE, X_BOX_K, _group_params, _load_prologue, _load_tile, _operand, _store_tile, _x_slice,
+)
+from .w4a16_triton import group_columns_of
+
+ROWS_PER_WARPGROUP = gl.constexpr(64)
+
+
+@gluon.jit
+def _producer(x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n,
+              STAGES: gl.constexpr, PDL: gl.constexpr):
+    """One warp: the first stages' weights before the wait for the activations' writer (PDL), then
+    every tile into its stage once both consumers have handed the stage back."""
+    _load_prologue(x_desc, w_desc, w_smem, x_smem, ready, t_begin, n_tiles, off_m, off_n, STAGES, PDL)
+    for i in range(STAGES, n_tiles):
+        stage = i % STAGES
+        mbarrier.wait(empty.index(stage), ((i // STAGES) - 1) & 1)
+        _load_tile(x_desc, w_desc, w_smem, x_smem, ready, stage, t_begin + i, off_m, off_n)
+
+
+@gluon.jit
+def _half_operands(w_smem, stage, row0: gl.constexpr, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
+    words = w_smem.index(stage).slice(row0, ROWS_PER_WARPGROUP, dim=1).permute((1, 0)).load(a_layout)
+    return (_operand(words, 0, offset, scale, dtype), _operand(words, 1, offset, scale, dtype),
+            _operand(words, 2, offset, scale, dtype), _operand(words, 3, offset, scale, dtype),
+            _operand(words, 4, offset, scale, dtype), _operand(words, 5, offset, scale, dtype),
+            _operand(words, 6, offset, scale, dtype), _operand(words, 7, offset, scale, dtype))
+
+
+@gluon.jit
+def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
+              M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
+              row0: gl.constexpr, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
+              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: weight rows off_n + row0 ... + 63 of the tile, in the per-tile order."""
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    MAGIC: gl.constexpr = 128.0 if dtype == gl.bfloat16 else 1024.0
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    offs_n = off_n + row0 + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, a_layout))
+    n_mask = offs_n < N
+    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+    mbarrier.wait(ready.index(0), 0)
+    a = _half_operands(w_smem, 0, row0, offset, scale, a_layout, dtype)
+    # the group parameters come one tile ahead of their use (a global load's latency hidden)
+    scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
+                                  num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+    acc = gl.zeros((ROWS_PER_WARPGROUP, BLOCK_M), gl.float32, mma_layout)
+    for i in range(n_tiles):
+        stage = i % STAGES
+        for j in gl.static_range(8):
+            acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
+        # the next tile's operands while these multiply (the last tile converts itself again)
+        i_next = gl.minimum(i + 1, n_tiles - 1)
+        scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1), offs_n,
+                                                  n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+        mbarrier.wait(ready.index(i_next % STAGES), (i_next // STAGES) & 1)
+        a_next = _half_operands(w_smem, i_next % STAGES, row0, offset, scale, a_layout, dtype)
+        scale, offset = scale_after, offset_after
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
+        mbarrier.arrive(empty.index(stage))  # this warpgroup no longer reads the stage
+        a = a_next
+    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n + row0, pid_k, stride_om,
+                stride_split, HAS_BIAS, IS_SPLIT, 0, mma_layout)
+
+
+@gluon.jit
+def _w4a16_ws_kernel(
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
+    M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
+    GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile;
+    launched with num_warps 4 (the first consumer), the second consumer and the producer added."""
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+    dtype: gl.constexpr = x_desc.dtype
+    pid_n = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    off_n = pid_n * BLOCK_N
+    off_m = pid_m * BLOCK_M
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)  # one arrival per consumer warpgroup
+    t_begin = pid_k * tiles_per_split
+    n_tiles = gl.minimum(tiles_per_split, num_tiles - t_begin)
+    # each partition's arguments written out: a tuple built by concatenation turns constexprs into ints
+    gl.warp_specialize([
+        (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
+                     M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
+                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES)),
+        (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
+                     M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
+                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES)),  # ROWS_PER_WARPGROUP
+        (_producer, (x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n, STAGES, PDL)),
+    ], [4, 1], [CONSUMER_REGS, 40])
+
+
+def launch_w4a16_ws(
+    x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
+    block_m: int, split_k: int, num_stages: int,
+) -> Tensor:
+    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
+    block_n = 2 * ROWS_PER_WARPGROUP.value
+    M, K = x.shape
+    N = qweight.shape[1]
+    num_tiles = qweight.shape[0] // 16
+    tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
+    tiles_per_split, split_k, out, target, _ = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
+    is_split = split_k > 1
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
+    _w4a16_ws_kernel[(tiles_n, split_k, tiles_m)](
+        x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
+        target, out, out, M, N, scales.shape[0], num_tiles, tiles_per_split, N if is_split else out.stride(0), M * N,
+        GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
+        IS_SPLIT=is_split, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4, **pdl_args(x.device),
+    )
+    finish_splits(target, None, bias, out)
+    return out
