@@ -127,6 +127,7 @@ class W4A16Config:
 
 KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "wgmma_ws", "dequant")
 WGMMA_KINDS = ("wgmma", "wgmma_ws")  # the Gluon kernels (Hopper only)
+WS_BLOCK_N = 128  # weight rows of a wgmma_ws tile: two consumer warpgroups of 64
 _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
@@ -271,6 +272,8 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
                 for m, config, us in entries]
         if not rows or any(config.kind not in KINDS for _, config, _ in rows):
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
+        if any(config.kind == "wgmma_ws" and config.block_n != WS_BLOCK_N for _, config, _ in rows):
+            raise ValueError(f"{shape}: kind wgmma_ws runs {WS_BLOCK_N} weight rows per tile (block_n {WS_BLOCK_N})")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
     return MappingProxyType(parsed)
 
@@ -292,8 +295,8 @@ def wgmma_stages(block_m: int, block_n: int) -> int:
 
 
 def ws_stages(block_m: int) -> int:
-    """Ring stages of the warp-specialized kernel (128 weight rows) in 224 KB of shared memory (at most 6)."""
-    return min(6, 224 * 1024 // (16 * 128 * 4 + block_m * K_TILE * 2))
+    """Ring stages of the warp-specialized kernel in 224 KB of shared memory (at most 6)."""
+    return min(6, 224 * 1024 // (16 * WS_BLOCK_N * 4 + block_m * K_TILE * 2))
 
 
 def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:

@@ -17,7 +17,8 @@ from torch import Tensor
 from . import device_capability, device_num_sms
 from .timing import make_l2_flush_buffer, median_time_ms
 from .w4a16_gemm import (
-    K_TILE, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_stages, wgmma_supported, ws_stages)
+    K_TILE, WS_BLOCK_N, W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, wgmma_stages, wgmma_supported,
+    ws_stages)
 
 DEFAULT_TUNE_MS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -74,9 +75,9 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
                     continue
                 configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
                             for per_tile in (False, True)]
-        if m >= 64 and block_m >= 64:  # warp-specialized, 128 rows
-            num_programs = math.ceil(n / 128) * math.ceil(m / block_m)
-            configs += [W4A16Config("wgmma_ws", block_m, 128, split_k, 4, ws_stages(block_m), True)
+        if m >= 64 and block_m >= 64:  # warp-specialized
+            num_programs = math.ceil(n / WS_BLOCK_N) * math.ceil(m / block_m)
+            configs += [W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
                         for split_k in (1, 2, 4) if split_k == 1 or (split_k <= num_tiles // 4
                                                                       and num_programs * split_k <= 4 * num_sms)]
     return configs
