@@ -273,7 +273,7 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
         if not rows or any(config.kind not in KINDS for _, config, _ in rows):
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
         if any(config.kind == "wgmma_ws" and config.block_n != WS_BLOCK_N for _, config, _ in rows):
-            raise ValueError(f"{shape}: kind wgmma_ws runs {WS_BLOCK_N} weight rows per tile (block_n {WS_BLOCK_N})")
+            raise ValueError(f"{shape}: kind wgmma_ws has {WS_BLOCK_N} weight rows per tile: set block_n to {WS_BLOCK_N}")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
     return MappingProxyType(parsed)
 

@@ -306,7 +306,7 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
     assert not wgmma_supported((9, 0), torch.bfloat16, 128, 4096, 1001)  # rows not 16-byte multiples
     config = W4A16Config("wgmma", 64, 128, 2, 8, 4, True)
     assert parse_w4a16_table({"64x64": [[1, config.to_dict(), 3.0]]})["64x64"][0][1] == config
-    with pytest.raises(ValueError, match="block_n 128"):  # the warp-specialized tile has 128 rows, no other
+    with pytest.raises(ValueError, match="set block_n to 128"):  # the warp-specialized tile has 128 rows
         parse_w4a16_table({"64x64": [[1, W4A16Config("wgmma_ws", 64, 256, 1, 4, 6, True).to_dict(), None]]})
 
 
