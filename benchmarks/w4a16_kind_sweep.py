@@ -25,7 +25,7 @@ from llmc.kernels import device_num_sms
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import W4A16Config, pack_w4a16_for_gpu, run_w4a16_config, select_w4a16_config
 from llmc.kernels.w4a16_triton import launch_w4a16_dequantize
-from llmc.kernels.w4a16_tune import candidate_configs
+from llmc.kernels.w4a16_tune import candidate_configs, check_and_time
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
@@ -61,15 +61,10 @@ def main() -> None:
 
             def timed(config: W4A16Config) -> float | None:
                 run = lambda: run_w4a16_config(x, qweight, qscales, None, None, 128, config)  # noqa: E731
-                try:
-                    error = ((run().float() - expected).norm() / expected.norm()).item()
-                except Exception as exc:  # a tile that does not compile or fit is reported and skipped
-                    print(f"{k}x{n} m={m} {config}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                result = check_and_time(run, expected, flush, f"{k}x{n} m={m} {config}")
+                if result is None:
                     return None
-                if not error < 1e-2:
-                    print(f"{k}x{n} m={m} {config}: wrong result (relative error {error:.2e})", flush=True)
-                    return None
-                us = median_time_ms(run, flush) * 1000
+                us, error = result[0] * 1000, result[1]
                 records.append({"K": k, "N": n, "M": m, "config": config.to_dict(), "us": round(us, 2),
                                 "error": error})
                 return us

@@ -12,7 +12,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels.w4a16_gemm import W4A16Config, pack_w4a16_for_gpu, run_w4a16_config
+from llmc.kernels.w4a16_gemm import pack_w4a16_for_gpu, run_w4a16_config
+from w4a16_kind_sweep import parse_config  # (benchmarks/ is the script's folder)
 
 m, k, n = (int(v) for v in sys.argv[1:4])
 levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
@@ -20,8 +21,7 @@ scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloa
 params = pack_w4a16_for_gpu(levels, scales, None)
 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 for spec in sys.argv[4:]:
-    kind, *numbers = spec.split(",")
-    config = W4A16Config(kind, *(int(v) for v in numbers[:5]), *(bool(int(v)) for v in numbers[5:]))
+    config = parse_config(spec)
     for _ in range(3):
         run_w4a16_config(x, params["qweight"], params["scales"], None, None, 128, config)
 dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)

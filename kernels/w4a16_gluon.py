@@ -140,8 +140,10 @@ def _x_slice(x_smem, stage, j: gl.constexpr):
 
 
 @gluon.jit
-def _tile_operands(w_smem, stage, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
-    words = w_smem.index(stage).permute((1, 0)).load(a_layout)  # [BLOCK_N, 16] int32
+def _tile_operands(words_smem, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
+    """A tile's eight operands from its packed words in shared memory ([16, rows] int32: a stage, or
+    one warpgroup's rows of it)."""
+    words = words_smem.permute((1, 0)).load(a_layout)  # [rows, 16] int32
     return (_operand(words, 0, offset, scale, dtype), _operand(words, 1, offset, scale, dtype),
             _operand(words, 2, offset, scale, dtype), _operand(words, 3, offset, scale, dtype),
             _operand(words, 4, offset, scale, dtype), _operand(words, 5, offset, scale, dtype),
@@ -233,7 +235,7 @@ def _w4a16_wgmma_kernel(
     if PER_TILE:
         # stage i % STAGES is refilled once tile i's wgmmas are done
         mbarrier.wait(bars.index(0), 0)
-        a = _tile_operands(w_smem, 0, offset, scale, a_layout, dtype)
+        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype)
         # the group parameters come one iteration ahead of their use (a global load's latency hidden)
         scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                       num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
@@ -246,7 +248,7 @@ def _w4a16_wgmma_kernel(
             scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
                                                       offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
             mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
-            a_next = _tile_operands(w_smem, i_next % STAGES, offset, scale, a_layout, dtype)
+            a_next = _tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype)
             scale, offset = scale_after, offset_after
             acc = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
@@ -287,24 +289,37 @@ def launch_w4a16_wgmma(
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype."""
-    M, K = x.shape
+    return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
+                        sum_in_kernel=True, STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps)
+
+
+def launch_tiled(
+    kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
+    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, **constexprs,
+) -> Tensor:
+    """Launch a Gluon W4A16 kernel of this module's signature (and w4a16_ws's) over a grid of
+    (weight-row tiles, K splits, token tiles): the TMA descriptors of x and of the packed words, the
+    split plan, and the second kernel that sums the splits where the kernel does not
+    (`sum_in_kernel`: it takes SUM_SPLITS and sums them itself where plan_splits gives semaphores)."""
+    M = x.shape[0]
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
     tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    tiles_per_split, split_k, out, target, counters = plan_splits(num_tiles, split_k, M, N, x, x.dtype,
-                                                                  tiles_n * tiles_m, block_m)
+    tiles_per_split, split_k, out, target, counters = plan_splits(
+        num_tiles, split_k, M, N, x, x.dtype, tiles_n * tiles_m if sum_in_kernel else 0, block_m)
     is_split = split_k > 1
+    if sum_in_kernel:
+        constexprs["SUM_SPLITS"] = split_k if counters is not None else 0
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    _w4a16_wgmma_kernel[(tiles_n, split_k, tiles_m)](
+    kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=is_split, SUM_SPLITS=split_k if counters is not None else 0,
-        STAGES=num_stages, PER_TILE=per_tile, num_warps=num_warps, **pdl_args(x.device),
+        IS_SPLIT=is_split, **constexprs, **pdl_args(x.device),
     )
     finish_splits(target, counters, bias, out)
     return out

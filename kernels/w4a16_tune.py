@@ -9,6 +9,7 @@ and the dequantize + cuBLAS path, checks each candidate's output, and returns th
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,22 @@ def _random_packed_weight(k: int, n: int, group_size: int, dtype: torch.dtype, d
     return pack_w4a16_for_gpu(levels, scales, None)
 
 
+def check_and_time(run: Callable[[], Tensor], expected: Tensor, flush: Tensor | None,
+                   label: str) -> tuple[float, float] | None:
+    """(median ms of run() with a cold L2, its relative error against `expected`) when it runs and is
+    within 1e-2; None, reported under `label`, when it raises (a tile that does not compile or fit on
+    this GPU) or is wrong."""
+    try:
+        error = ((run().float() - expected).norm() / expected.norm()).item()
+    except Exception as exc:
+        print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+    if not error < 1e-2:
+        print(f"{label}: wrong result (relative error {error:.2e})")
+        return None
+    return median_time_ms(run, flush), error
+
+
 def tune_w4a16(
     shapes: list[tuple[int, int]],
     ms: tuple[int, ...] = DEFAULT_TUNE_MS,
@@ -121,15 +138,10 @@ def tune_w4a16(
 
             timed = []
             for config in candidate_configs(m, k, n, num_sms, wgmma):
-                try:
-                    error = (run(config).float() - expected).norm() / expected.norm()
-                except Exception as exc:  # a tile that does not compile or fit on this GPU is skipped
-                    print(f"tune {k}x{n} m={m} {config}: {type(exc).__name__}: {str(exc)[:200]}")
+                result = check_and_time(lambda c=config: run(c), expected, flush, f"tune {k}x{n} m={m} {config}")
+                if result is None:
                     continue
-                if not error < 1e-2:
-                    print(f"tune {k}x{n} m={m} {config}: wrong result (relative error {error:.2e})")
-                    continue
-                timed.append((median_time_ms(lambda c=config: run(c), flush), config))
+                timed.append((result[0], config))
                 if records is not None:
                     records.append({"K": k, "N": n, "M": m, "config": config.to_dict(), "us": round(timed[-1][0] * 1000, 2)})
             if not timed:

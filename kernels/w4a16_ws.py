@@ -12,22 +12,15 @@ session 14), and each warpgroup runs ahead of the other as far as the ring allow
 
 from __future__ import annotations
 
-import torch
-import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .pdl_triton import pdl_args
-from .split_k_triton import finish_splits, plan_splits
-from .w4a16_gluon import (
-    _GL_DTYPE, X_BOX_K, _group_params, _load_prologue, _load_tile, _operand, _store_tile, _x_slice,
-)
-from .w4a16_triton import group_columns_of
+from .w4a16_gemm import WS_BLOCK_N
+from .w4a16_gluon import _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands, _x_slice, launch_tiled
 
-ROWS_PER_WARPGROUP = gl.constexpr(64)
+ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
 
 
 @gluon.jit
@@ -40,15 +33,6 @@ def _producer(x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, of
         stage = i % STAGES
         mbarrier.wait(empty.index(stage), ((i // STAGES) - 1) & 1)
         _load_tile(x_desc, w_desc, w_smem, x_smem, ready, stage, t_begin + i, off_m, off_n)
-
-
-@gluon.jit
-def _half_operands(w_smem, stage, row0: gl.constexpr, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
-    words = w_smem.index(stage).slice(row0, ROWS_PER_WARPGROUP, dim=1).permute((1, 0)).load(a_layout)
-    return (_operand(words, 0, offset, scale, dtype), _operand(words, 1, offset, scale, dtype),
-            _operand(words, 2, offset, scale, dtype), _operand(words, 3, offset, scale, dtype),
-            _operand(words, 4, offset, scale, dtype), _operand(words, 5, offset, scale, dtype),
-            _operand(words, 6, offset, scale, dtype), _operand(words, 7, offset, scale, dtype))
 
 
 @gluon.jit
@@ -67,7 +51,7 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
     n_mask = offs_n < N
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     mbarrier.wait(ready.index(0), 0)
-    a = _half_operands(w_smem, 0, row0, offset, scale, a_layout, dtype)
+    a = _tile_operands(w_smem.index(0).slice(row0, ROWS_PER_WARPGROUP, dim=1), offset, scale, a_layout, dtype)
     # the group parameters come one tile ahead of their use (a global load's latency hidden)
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                   num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
@@ -81,7 +65,8 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
         scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1), offs_n,
                                                   n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
         mbarrier.wait(ready.index(i_next % STAGES), (i_next // STAGES) & 1)
-        a_next = _half_operands(w_smem, i_next % STAGES, row0, offset, scale, a_layout, dtype)
+        a_next = _tile_operands(w_smem.index(i_next % STAGES).slice(row0, ROWS_PER_WARPGROUP, dim=1), offset,
+                                scale, a_layout, dtype)
         scale, offset = scale_after, offset_after
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
         mbarrier.arrive(empty.index(stage))  # this warpgroup no longer reads the stage
@@ -133,22 +118,5 @@ def launch_w4a16_ws(
     block_m: int, split_k: int, num_stages: int,
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
-    block_n = 2 * ROWS_PER_WARPGROUP.value
-    M, K = x.shape
-    N = qweight.shape[1]
-    num_tiles = qweight.shape[0] // 16
-    tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    tiles_per_split, split_k, out, target, _ = plan_splits(num_tiles, split_k, M, N, x, x.dtype)
-    is_split = split_k > 1
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
-    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
-    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    _w4a16_ws_kernel[(tiles_n, split_k, tiles_m)](
-        x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, out, out, M, N, scales.shape[0], num_tiles, tiles_per_split, N if is_split else out.stride(0), M * N,
-        GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=is_split, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4, **pdl_args(x.device),
-    )
-    finish_splits(target, None, bias, out)
-    return out
+    return launch_tiled(_w4a16_ws_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, WS_BLOCK_N, split_k,
+                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)
