@@ -337,7 +337,7 @@ signature = {
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
 if order == "ws":
-    constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "PINGPONG": True}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order == "tile"}
