@@ -4,8 +4,9 @@
 
 For each (K, N) and M, one run, the bench_kernels timer: torch bf16 F.linear on the dequantized
 weight, `w4a16_linear` with no table entry for the shape on this GPU (the heuristic: on Hopper the
-Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs), each checked
-against the float32 product first.
+Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs), and where the
+heuristic picks the warp-specialized kernel, the split kernel's same tile (the heuristic before
+session 15), each checked against the float32 product first.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch.nn.functional as F
 
 from llmc.kernels import device_num_sms
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
-from llmc.kernels.w4a16_gemm import dequantize_w4a16, heuristic_w4a16_config, pack_w4a16_for_gpu, w4a16_linear
+from llmc.kernels.w4a16_gemm import (
+    W4A16Config, dequantize_w4a16, heuristic_w4a16_config, pack_w4a16_for_gpu, w4a16_linear, wgmma_stages)
 
 # (K, N) of other models than the fitted Llama-3-8B: Llama-2-13B qkv / down, Qwen2.5-7B gate_up, a
 # narrow 70B-at-tensor-8 o projection
 SHAPES = [(5120, 15360), (13824, 5120), (3584, 37888), (1024, 8192)]
-MS = [1, 16, 64, 256, 1024]
+MS = [1, 16, 64, 128, 256, 512, 1024]
 
 
 def main(argv=None) -> int:
@@ -50,18 +52,25 @@ def main(argv=None) -> int:
                 "triton_rule": lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                     table={f"{k}x{n}": [(m, triton_rule, None)]}),
             }
+            heuristic = heuristic_w4a16_config(m, k, n, num_sms)
+            if heuristic.kind == "wgmma_ws":
+                split_tile = W4A16Config("wgmma", heuristic.block_m, heuristic.block_n, heuristic.split_k, 8,
+                                         wgmma_stages(heuristic.block_m, heuristic.block_n), True)
+                runs["split_kernel"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
+                                                            table={f"{k}x{n}": [(m, split_tile, None)]})
             times = {}
             for name, fn in runs.items():
                 err = float((fn().float() - ref).norm() / ref.norm())
                 assert err < 1e-2, f"{k}x{n} M={m} {name}: relative error {err:.3e}"
                 times[name] = round(1000 * median_time_ms(fn, flush), 2)
             row = {"K": k, "N": n, "M": m, "times_us": times,
-                   "heuristic_config": heuristic_w4a16_config(m, k, n, num_sms).to_dict(),
+                   "heuristic_config": heuristic.to_dict(),
                    "heuristic_speedup": round(times["bf16"] / times["heuristic"], 3),
                    "triton_rule_speedup": round(times["bf16"] / times["triton_rule"], 3)}
             print(f"{k}x{n} M={m}: bf16 {times['bf16']} us, heuristic {times['heuristic']} us "
                   f"({row['heuristic_speedup']}x, {row['heuristic_config']['kind']}), Triton rule "
-                  f"{times['triton_rule']} us ({row['triton_rule_speedup']}x)", flush=True)
+                  f"{times['triton_rule']} us ({row['triton_rule_speedup']}x), split kernel "
+                  f"{times.get('split_kernel', '-')} us", flush=True)
             rows.append(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

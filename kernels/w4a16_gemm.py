@@ -133,10 +133,11 @@ _DEQUANT = W4A16Config(kind="dequant")
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
 
 # Measured on an NVIDIA H100 (torch 2.11, triton 3.6, bf16, group size 128): by `tune_w4a16`
-# (benchmarks/bench_kernels.py --tune) up to 64 tokens in session 12 (call 4) and from 128 tokens in
-# session 14 (call 9, `--tune-ms 128 256 512 1024 4096`); then, from 64 tokens, the faster of that
-# entry and the best warp-specialized candidate of the tuner, timed in one run (session 14, call 13,
-# `benchmarks/w4a16_kind_sweep.py --kind wgmma_ws`); see benchmarks/RESULTS.md. Llama-3-8B linears (K×N).
+# (benchmarks/bench_kernels.py --tune) up to 32 tokens in session 12 (call 4); at 64 tokens the faster of
+# session 12's entry and the best warp-specialized candidate of the tuner, timed in one run (session 14,
+# call 13, `benchmarks/w4a16_kind_sweep.py --kind wgmma_ws`); from 128 tokens in session 15 (call 2,
+# `--tune-ms 128 256 512 1024 4096`, the warp-specialized kernel staggered); see benchmarks/RESULTS.md.
+# Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
@@ -148,11 +149,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 16.48),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 16.61),
             (64, W4A16Config("wgmma_ws", 64, 128, 2, 4, 6, True), 20.86),
-            (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 26.05),
-            (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 36.29),
-            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 54.88),
-            (1024, _DEQUANT, 93.76),
-            (4096, _DEQUANT, 283.3),
+            (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 25.41),
+            (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.72),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 50.08),
+            (1024, _DEQUANT, 91.65),
+            (4096, _DEQUANT, 286.72),
         ),
         "4096x4096": (
             (1, W4A16Config("wgmma", 16, 64, 8, 4, 6, False), 11.97),
@@ -162,10 +163,10 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 14.66),
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 17.06),
             (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.58),
-            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.95),
-            (512, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 36.45),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 55.01),
-            (4096, _DEQUANT, 192.0),
+            (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.5),
+            (512, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.91),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 53.09),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 193.89),
         ),
         "4096x28672": (
             (1, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.19),
@@ -174,11 +175,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.29),
             (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 34.43),
             (64, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True), 52.0),
-            (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 68.38),
-            (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 105.63),
-            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 197.28),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 342.37),
-            (4096, _DEQUANT, 1412.1),
+            (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 66.3),
+            (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 102.5),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 197.66),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 346.88),
+            (4096, _DEQUANT, 1343.87),
         ),
         "14336x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 21.12),
@@ -187,11 +188,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 8, 4, 6, True), 23.9),
             (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 24.77),
             (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 30.43),
-            (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 37.82),
-            (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 55.2),
-            (512, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True), 92.83),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 167.68),
-            (4096, _DEQUANT, 651.55),
+            (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 36.93),
+            (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 53.15),
+            (512, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True), 90.62),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 154.75),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 616.0),
         ),
     }
 )
@@ -200,9 +201,10 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
 def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = True) -> W4A16Config:
     """A config for shapes no table covers. With `wgmma` (a Hopper GPU, the plan's assumption), after
     the H100 sweep of the Gluon kernel: its 16- to 256-token tiles up to 1024 tokens while the tiles
-    fill the GPU, one token per program row for small weights at one token, dequantize + matmul
-    above; without, the Triton kernels' rule. The config is the one for the top of M's bucket
-    (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it at every M."""
+    fill the GPU (from 128 tokens the warp-specialized kernel), one token per program row for small
+    weights at one token, dequantize + matmul above; without, the Triton kernels' rule. The config is
+    the one for the top of M's bucket (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it
+    at every M."""
     bucket = next((b for b in _HEURISTIC_MAX_MS if m <= b), None)
     if not wgmma or (bucket == 1 and n * k <= 32 * 2**20):
         return _triton_heuristic(m, k, n, num_sms)
@@ -227,8 +229,9 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     num_tiles, split_k = math.ceil(k / K_TILE), 1
     while num_programs * split_k < target and split_k * 2 <= num_tiles // 8 and num_programs * split_k * 2 <= 4 * num_sms:
         split_k *= 2
-    is_stacked = block_m >= 128 or is_wide
-    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_stacked)
+    if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
+        return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_wide)
 
 
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:

@@ -62,7 +62,8 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int, wgmma: bool = False)
 def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
     """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
     warpgroup (or 128 on one warpgroup, to 128 tokens), split-K while the tiles are fewer than the
-    SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders."""
+    SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders;
+    from 64 tokens the warp-specialized kernel's (128 weight rows)."""
     block_ms = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
     num_tiles = math.ceil(k / K_TILE)
     configs = []
@@ -76,11 +77,11 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
                     continue
                 configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
                             for per_tile in (False, True)]
-        if m >= 64 and block_m >= 64:  # warp-specialized
+        if m >= 64 and block_m >= 64:  # warp-specialized (slower at 1-32 tokens: H100, session 15)
             num_programs = math.ceil(n / WS_BLOCK_N) * math.ceil(m / block_m)
             configs += [W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
-                        for split_k in (1, 2, 4) if split_k == 1 or (split_k <= num_tiles // 4
-                                                                      and num_programs * split_k <= 4 * num_sms)]
+                        for split_k in (1, 2, 4, 8) if split_k == 1 or (split_k <= num_tiles // 4
+                                                                         and num_programs * split_k <= 4 * num_sms)]
     return configs
 
 

@@ -8,6 +8,11 @@ hands a stage back with an mbarrier arrival once its wgmmas reading it are retir
 refills the stage when both have; so no barrier spans the CTA inside the loop (the split kernel's
 CTA barrier before each refill was its top stall at 256 and 4096 tokens, benchmarks/RESULTS.md
 session 14), and each warpgroup runs ahead of the other as far as the ring allows.
+
+The second warpgroup starts once the first has queued its first tile's wgmmas, and stays behind:
+each waits for its own wgmmas while the other's run, so the tensor cores' queue does not empty at
+every tile as it does when both issue and wait together (H100, session 15: 79 of 95 configs faster,
+by up to 11%, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -21,7 +26,6 @@ from .w4a16_gemm import WS_BLOCK_N
 from .w4a16_gluon import _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands, _x_slice, launch_tiled
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
-PINGPONG = True  # experiment switch
 
 
 @gluon.jit
@@ -40,7 +44,7 @@ def _producer(x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, of
 def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
               M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
               row0: gl.constexpr, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn, PINGPONG: gl.constexpr):
+              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn):
     """One warpgroup: weight rows off_n + row0 ... + 63 of the tile, in the per-tile order."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -57,13 +61,13 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                   num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     acc = gl.zeros((ROWS_PER_WARPGROUP, BLOCK_M), gl.float32, mma_layout)
-    if PINGPONG and row0 != 0:
-        mbarrier.wait(turn, 0)  # the first warpgroup's first wgmmas are in the tensor cores' queue
+    if row0 != 0:  # staggered: the first warpgroup's first wgmmas go into the tensor cores' queue first
+        mbarrier.wait(turn, 0)
     for i in range(n_tiles):
         stage = i % STAGES
         for j in gl.static_range(8):
             acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
-        if PINGPONG and row0 == 0:
+        if row0 == 0:
             if i == 0:
                 mbarrier.arrive(turn)
         # the next tile's operands while these multiply (the last tile converts itself again)
@@ -86,8 +90,7 @@ def _w4a16_ws_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
-    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile;
     launched with num_warps 4 (the first consumer), the second consumer and the producer added."""
@@ -114,10 +117,10 @@ def _w4a16_ws_kernel(
     gl.warp_specialize([
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, PINGPONG)),
+                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, PINGPONG)),  # ROWS_PER_WARPGROUP
+                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),  # ROWS_PER_WARPGROUP
         (_producer, (x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n, STAGES, PDL)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -128,4 +131,4 @@ def launch_w4a16_ws(
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
     return launch_tiled(_w4a16_ws_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, WS_BLOCK_N, split_k,
-                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232, PINGPONG=PINGPONG, num_warps=4)
+                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)

@@ -166,7 +166,9 @@ def test_table_lookup_and_heuristic() -> None:
     assert small.kind == "rows" and small.k_tiles > 1 and small.split_k > 1
     assert heuristic_w4a16_config(16, 4096, 4096, 132).kind == "wgmma"  # a Hopper GPU, the plan's assumption
     assert heuristic_w4a16_config(16, 4096, 4096, 132, wgmma=False).kind == "swap"  # any other GPU
-    assert heuristic_w4a16_config(256, 4096, 28672, 132).kind == "wgmma"
+    assert heuristic_w4a16_config(64, 4096, 28672, 132).kind == "wgmma"
+    many = heuristic_w4a16_config(256, 4096, 28672, 132)  # the warp-specialized kernel from 128 tokens
+    assert (many.kind, many.block_m, many.block_n) == ("wgmma_ws", 256, 128)
     wide = heuristic_w4a16_config(16, 4096, 28672, 132)  # 224 tiles of 128 rows for 132 SMs: no split
     assert (wide.block_n, wide.split_k, wide.is_stacked) == (128, 1, True)
     assert not heuristic_w4a16_config(16, 4096, 4096, 132).is_stacked
@@ -337,7 +339,7 @@ signature = {
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
 if order == "ws":
-    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "PINGPONG": True}
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order == "tile"}
