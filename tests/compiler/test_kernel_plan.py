@@ -150,10 +150,10 @@ def test_inspect_shows_the_kernel_per_shape(w4_artifact):
     text = CliRunner().invoke(cli, ["inspect", str(w4_artifact)])
     assert text.exit_code == 0, text.output
     assert "w4a16 kernels" in text.output
-    assert "128x64" in text.output and "M=1 rows, M=16 wgmma, M=256 wgmma (heuristic)" in text.output
+    assert "128x64" in text.output and "M=1 rows, M=16 wgmma, M=256 wgmma_ws (heuristic)" in text.output
     report = json.loads(CliRunner().invoke(cli, ["inspect", str(w4_artifact), "--json"]).output)
     assert set(report["w4a16_kernels"]) == SHAPES[1]
-    assert report["w4a16_kernel_summary"]["64x128"]["kind_at_m"] == {"1": "rows", "16": "wgmma", "256": "wgmma"}
+    assert report["w4a16_kernel_summary"]["64x128"]["kind_at_m"] == {"1": "rows", "16": "wgmma", "256": "wgmma_ws"}
 
 
 def test_tune_kernels_without_a_gpu_is_one_line(tiny_llama, tmp_path, monkeypatch):
