@@ -221,7 +221,6 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
     if bucket > 256 and num_programs < (2 * num_sms if bucket > 512 else num_sms // 2):
         return _DEQUANT  # too few tiles to fill the GPU: cuBLAS on the dequantized weight wins
-    num_stages = wgmma_stages(block_m, block_n)
     # split K in two until 2 programs per SM (16-token tiles, bound by the weights' bytes) or 1 (larger
     # ones, bound by the MMA), at most 4 per SM, at least 8 K tiles per split: within 5% of the best
     # measured tiles on average over the sweep's 44 cells (H100, Llama-3-8B shapes), 26% at worst
@@ -231,7 +230,7 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         split_k *= 2
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
-    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, is_wide)
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), is_wide)
 
 
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
