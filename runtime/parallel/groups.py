@@ -149,14 +149,26 @@ class ParallelGroups:
                 pass
 
     def shutdown(self) -> None:
-        """Destroy every group of this rank (idempotent)."""
-        backends, self._backends = self._backends, []
-        for backend in dict.fromkeys(backends):
-            try:
-                backend.shutdown()
-            except RuntimeError:  # a peer is already gone: the group is as destroyed as it gets
-                pass
+        """Destroy every group of this rank (idempotent). The backends' last references go here, so
+        their destructors run now (without the GIL) and join their worker threads. Left to the
+        interpreter's exit, a gloo worker thread still releasing the last step's tensors needs the
+        GIL of a finishing interpreter, and the process aborts ("terminate called without an active
+        exception": shutdown() alone stops no thread)."""
+        backends = list(dict.fromkeys(self._backends))
+        self._backends, self.control, self.device = [], None, None
+        if self.tp is not None:
+            self.tp.backend = None  # the model's layers keep the TensorParallelGroup itself
         self.tp = None
+        while backends:
+            _destroy(backends.pop())
+
+
+def _destroy(backend) -> None:
+    """Shut `backend` down; the caller's reference was the last, so it is destroyed on return."""
+    try:
+        backend.shutdown()
+    except RuntimeError:  # a peer is already gone: the group is as destroyed as it gets
+        pass
 
 
 def _nccl(store: dist.Store, prefix: str, rank: int, size: int):

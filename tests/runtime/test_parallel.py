@@ -94,6 +94,23 @@ def test_workers_start_with_nvlink_multicast_off(artifacts, monkeypatch):
             assert environ["NCCL_NVLS_ENABLE"] == "0" and environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
 
 
+def _gloo_threads() -> int:
+    names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+    return sum(name in ("pt_gloo_runloop", "gloo_tcp_loop") for name in names)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc/self/task")
+def test_close_joins_the_process_groups_threads(artifacts):
+    # Left running to the interpreter's exit, a gloo worker thread still releasing the last
+    # message's tensors needs the GIL of a finishing interpreter: the process aborts ("terminate
+    # called without an active exception"), once in a few hundred torchrun launches.
+    before = _gloo_threads()
+    with LLM(artifacts(2, 1), **ENGINE) as llm:
+        llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))
+        assert _gloo_threads() > before
+    assert _gloo_threads() == before
+
+
 @pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
 def test_llmc_run_prompt_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
     command = [sys.executable, "-m", "llmc.cli", "run", str(artifacts(tensor, pipeline)), "--prompt", "ROMEO:",
