@@ -1,7 +1,8 @@
 """Kernels: Triton kernels and a plain-torch fallback for each (a leaf package: imports nothing of llmc).
 
-Each public module (`attention`, `norm`, `rotary`, `activation`, `fp8`, `w4a16_gemm`) holds the
-torch fallback and the dispatch; the `@triton.jit` code lives in the `*_triton` modules, imported
+Each public module (`attention`, `norm`, `activation`, `fp8`, `w4a16_gemm`) holds the torch
+fallback and the dispatch (`rotary` only the torch rotation: on CUDA the rotary embedding runs
+inside attention's KV-write kernel); the `@triton.jit` code lives in the `*_triton` modules, imported
 only when a kernel is about to run on CUDA. That keeps triton out of CPU-only imports, and lets the
 kernel tests set TRITON_INTERPRET before any kernel is decorated (triton reads it at decoration).
 """

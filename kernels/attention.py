@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache, and the KV-cache write by slot mapping.
+"""Attention over the paged KV cache, and the KV-cache write by slot mapping (with the rotary
+embedding of q and k before it: one kernel on CUDA).
 
 The cache of one layer is two tensors [num_blocks, block_size, num_kv_heads, head_dim]. A sequence's
 tokens live in the blocks its block table lists; token t of the sequence is at slot
@@ -19,8 +20,9 @@ scales (they must be 1.0).
 Only query_lens and max_context_len are host values, and a step whose query_lens are all 1 builds
 no tensor from them: such a step (a decode step) can be captured in a CUDA graph.
 
-On CUDA both functions run the Triton kernels of attention_triton.py (decode, prefill / chunked
-prefill, KV write); elsewhere the plain-torch code below, which is also the kernels' test oracle.
+On CUDA `paged_attention` and `rotate_and_write_kv` run the Triton kernels of attention_triton.py
+(decode, prefill / chunked prefill; rotary + KV write); elsewhere the plain-torch code below
+(`write_kv_cache` is its write), which is also the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import can_use_triton
+from .rotary import apply_rotary
 
 PARTITION_SIZE = 512  # decode: keys per partition when long contexts are split
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -56,14 +59,27 @@ def num_decode_partitions(num_programs: int, max_context_len: int, num_sms: int)
     return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
 
 
-def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Store this step's keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots
-    (quantized with k_scale / v_scale into an FP8 cache)."""
-    if can_use_triton(k, k_cache):
+def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
+                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    """Rotary embedding of this step's q and k (kernels.rotary's convention), then its keys and
+    values ([num_tokens, num_kv_heads, head_dim]) stored at their slots (quantized with k_scale /
+    v_scale into an FP8 cache). Returns the rotated q ([num_tokens, num_heads, head_dim]); callers
+    read neither q nor k again. On CUDA one kernel does both (q rotated in place): a decode step
+    launches one kernel per layer for them, not two."""
+    if can_use_triton(q, k_cache) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
         from . import attention_triton  # triton loads on the first CUDA call only
 
-        return attention_triton.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                    k_scale, v_scale)
+    q, k = apply_rotary(q, k, positions, cos_sin_cache)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
+def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store keys and values ([num_tokens, num_kv_heads, head_dim]) at their slots (quantized with
+    k_scale / v_scale into an FP8 cache): the torch write (`rotate_and_write_kv` on CUDA)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if is_fp8(cache):  # index_copy_ has no FP8 kernel on CPUs: copy the bytes

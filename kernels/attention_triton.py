@@ -11,11 +11,15 @@ GQA: a program owns one KV head and all `group` query heads that read it, stacke
 one query tile, so each K/V tile is loaded once per KV head.
   decode  (query_len 1): grid (decode seqs, kv heads, partitions); rows = the group's heads. A long
           context is split into partitions of PARTITION_SIZE keys (together covering
-          max_context_len) whose partial (acc, m, l) a second kernel merges, so few sequences
-          still fill the GPU. A partition past a sequence's context is empty (m = _M_INIT, l = 0)
-          and weighs exactly 0 in the merge, so whatever max_context_len is (eager steps: the
-          batch's longest context; CUDA graphs: max_model_len), a sequence's keys are split at
-          the same boundaries: the results differ at most by the merge's summation order.
+          max_context_len), so few sequences still fill the GPU. Each partition stores its partial
+          (acc, m, l). From MERGE_IN_KERNEL_MIN_PAIRS (sequence, KV head) pairs on, each counts
+          itself on its pair's semaphore and the last to arrive merges them all, in partition
+          order, and resets it (as the split GEMMs sum their splits, kernels/split_k_triton.py):
+          no second kernel. Below that a second kernel merges them. A partition past a sequence's
+          context is empty (m = _M_INIT, l = 0) and adds exact zeros to the merge, so whatever
+          max_context_len is (eager steps: the batch's longest context; CUDA graphs:
+          max_model_len), a sequence's keys are split at the same boundaries and the in-kernel
+          merge gives the same bits (the second kernel's sum may associate differently on a GPU).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """
@@ -32,6 +36,7 @@ from torch import Tensor
 from . import device_num_sms, to_device
 from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
 from .pdl_triton import pdl_args, wait_for_inputs
+from .split_k_triton import tile_counters
 
 BLOCK_N = 64  # keys per tile
 # The decode kernel's keys per tile, by whether the cache is FP8, and its launch. Measured on an H100
@@ -40,6 +45,13 @@ BLOCK_N = 64  # keys per tile
 # keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
 DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
+# A split decode merges its partitions in the decode kernel (the last partition of each (sequence,
+# KV head) to finish) from this many pairs on, else in a second kernel. Measured on an H200, the
+# attention of 32 8B-shaped layers at 129-384-token contexts split in 4 (benchmarks/RESULTS.md,
+# session 16): merged in the kernel, 17% faster than before (a second kernel) at 128 and 256 pairs
+# (16 and 32 sequences), but 1.5-7% slower at 8 and 32 (1 and 4): there the few merging programs
+# each load partition after partition, while the second kernel loads all of a head's at once.
+MERGE_IN_KERNEL_MIN_PAIRS = 64
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
@@ -77,13 +89,13 @@ def _attend_tile(
 # Such per-step integers are marked do_not_specialize; the kernels never need their alignment.
 @triton.jit(do_not_specialize=["window", "num_partitions", "partition_size", "stride_bt"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
     scale_log2, v_scale, window, num_heads, num_partitions, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
-    PDL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -119,10 +131,50 @@ def _decode_kernel(
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
+        if MERGE_IN_KERNEL:  # the last partition of (sequence, KV head) to finish merges them all
+            counter = counter_ptr + i * tl.num_programs(1) + kv_head
+            tl.debug_barrier()  # every thread's partial is stored before the count is released
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_partitions - 1:
+                _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask,
+                                  num_heads, num_partitions, stride_ot, stride_oh, HEAD_DIM, BLOCK_G, BLOCK_D)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real head row
-        out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
+
+
+@triton.jit
+def _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh):
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real head row
+    out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask, num_heads,
+                      num_partitions, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """out[row, heads] = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the partitions of
+    decode sequence i (M: their largest m), in one pass in partition order (online, as over keys).
+    An empty partition (m = _M_INIT, l = 0, acc = 0; past the context, or before a sliding window)
+    adds exact zeros wherever it sits (before a real one the sums stay 0, after one its weight is
+    exactly 0 and the rescale exactly 1), so any number of them leaves the bits unchanged, and one
+    real partition gives acc / l exactly, as an unsplit decode does."""
+    first = (i * num_heads + heads) * num_partitions  # [BLOCK_G]
+    m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    for part in range(num_partitions):
+        base = first + part
+        m_p = tl.load(part_ml_ptr + base * 2, mask=g_mask, other=_M_INIT, cache_modifier=".cg")
+        l_p = tl.load(part_ml_ptr + base * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
+        acc_p = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0,
+                        cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_p)
+        rescale, weight = tl.exp2(m_i - m_new), tl.exp2(m_p - m_new)
+        l_i = l_i * rescale + weight * l_p
+        acc = acc * rescale[:, None] + weight[:, None] * acc_p
+        m_i = m_new
+    _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
 
 
 @triton.jit(do_not_specialize=["num_partitions"])
@@ -130,7 +182,10 @@ def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p for one (decode seq, head)."""
+    """The merge as a kernel of its own, one program per (decode seq, head), every partition loaded
+    at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Where few (sequence, KV
+    head) pairs decode, this beats the decode kernel's last partition merging them one after the
+    other (MERGE_IN_KERNEL_MIN_PAIRS)."""
     wait_for_inputs(PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
@@ -196,24 +251,53 @@ def _prefill_kernel(
 
 
 @triton.jit
-def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_kv_heads, inv_k_scale, inv_v_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_ch,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    token = tl.program_id(0)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
-    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
-    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    cache_offsets = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
-    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+def _rotated_halves(ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """The two rotated halves of the heads at `ptrs` (rotate-half convention), rounded to their dtype."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = ptrs.dtype.element_ty
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def _store_kv(ptrs, x, mask, inv_scale, FP8_MAX: tl.constexpr):
     if FP8_MAX > 0:  # quantize: x / scale, saturated, rounded to nearest even
-        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
-        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, num_kv_heads,
+    inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_slot, stride_ch,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (token, 0) rotates the token's query heads in place; program (token, 1) rotates its
+    key heads and stores them, with its value heads, at the token's slot. k itself is not written."""
+    wait_for_inputs(PDL)
+    token, is_kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
+    position = tl.load(pos_ptr + token)
+    cos = tl.load(cos_sin_ptr + position * stride_cs + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cos_sin_ptr + position * stride_cs + HALF + offs_d, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
+    if is_kv == 0:
+        mask = (offs_h < num_heads)[:, None] & (offs_d < HALF)[None, :]
+        ptrs = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+        q1, q2 = _rotated_halves(ptrs, mask, cos, sin, HALF)
+        tl.store(ptrs, q1, mask=mask)
+        tl.store(ptrs + HALF, q2, mask=mask)
+    else:
+        mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HALF)[None, :]
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        cache = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+        k1, k2 = _rotated_halves(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                                 mask, cos, sin, HALF)
+        _store_kv(k_cache_ptr + cache, k1, mask, inv_k_scale, FP8_MAX)
+        _store_kv(k_cache_ptr + cache + HALF, k2, mask, inv_k_scale, FP8_MAX)
+        v_ptrs = v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+        _store_kv(v_cache_ptr + cache, tl.load(v_ptrs, mask=mask), mask, inv_v_scale, FP8_MAX)
+        _store_kv(v_cache_ptr + cache + HALF, tl.load(v_ptrs + HALF, mask=mask), mask, inv_v_scale, FP8_MAX)
 
 
 def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
@@ -224,21 +308,25 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError("the KV cache must be contiguous in [num_blocks, block_size] slots, head_dim innermost")
 
 
-def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
-                   k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """k, v [num_tokens, num_kv_heads, head_dim] (unit stride along head_dim) → the caches' slots
-    (an FP8 cache stores clamp(x / scale))."""
+def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
+                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+    """As kernels.attention.rotate_and_write_kv, in one kernel; q is rotated in place and returned.
+    q, k, v need unit stride along head_dim (slices of the fused qkv output are fine)."""
     _check_cache(k_cache, v_cache)
-    num_tokens, num_kv_heads, head_dim = k.shape
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("rotate_and_write_kv needs unit stride along head_dim")
+    num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
-        return
-    _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, num_kv_heads, 1.0 / k_scale, 1.0 / v_scale,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(1), k_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0, **pdl_args(k.device),
+        return q
+    num_kv_heads, half = k.shape[1], head_dim // 2
+    _rotary_write_kv_kernel[(num_tokens, 2)](
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        1.0 / k_scale, 1.0 / v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HALF=half, BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), BLOCK_HALF=triton.next_power_of_2(half),
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0, **pdl_args(q.device),
     )
+    return q
 
 
 def paged_attention(
@@ -314,17 +402,22 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     is_partitioned = num_partitions > 1
     part_acc = torch.empty(num_decode, num_heads, num_partitions, head_dim, device=q.device, dtype=torch.float32) if is_partitioned else out
     part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
+    # one semaphore per (sequence, KV head): the split GEMMs' (kernels of one stream never overlap)
+    is_merged_in_kernel = is_partitioned and num_decode * num_kv_heads >= MERGE_IN_KERNEL_MIN_PAIRS
+    counters = tile_counters(q.device, num_decode * num_kv_heads) if is_merged_in_kernel else None
+    block_g = max(16, triton.next_power_of_2(c["group"]))
     _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, c["context_lens"], seqs, rows, out, part_acc, part_ml,
+        counters if counters is not None else out,
         c["scale_log2"], c["v_scale"], c["window"], num_heads, num_partitions, partition_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
-        GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=max(16, triton.next_power_of_2(c["group"])),
+        GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=block_g,
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
-        **DECODE_LAUNCH, **pdl_args(q.device),
+        MERGE_IN_KERNEL=counters is not None, **DECODE_LAUNCH, **pdl_args(q.device),
     )
-    if is_partitioned:
+    if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, rows, out, num_heads, num_partitions, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=c["block_d"],

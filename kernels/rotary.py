@@ -3,8 +3,8 @@
 Shapes: q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim],
 cos_sin_cache [max_positions, head_dim] (cos in the first half, sin in the second), positions [num_tokens].
 
-On CUDA the Triton kernel (rotary_triton.py) rotates q and k IN PLACE and returns them; elsewhere new
-tensors are returned. Callers use the returned tensors and do not read q, k again.
+The plain-torch rotation (new tensors returned). On CUDA the model rotates inside the KV-cache
+write's kernel (kernels/attention.rotate_and_write_kv), for which this is the test oracle.
 """
 
 from __future__ import annotations
@@ -12,14 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import can_use_triton
-
 
 def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor) -> tuple[Tensor, Tensor]:
-    if can_use_triton(q, k, cos_sin_cache) and q.stride(-1) == 1 and k.stride(-1) == 1:
-        from . import rotary_triton  # triton loads on the first CUDA call only
-
-        return rotary_triton.apply_rotary_(q, k, positions, cos_sin_cache)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, head_dim / 2] each
     cos = cos.unsqueeze(1)  # [num_tokens, 1, head_dim / 2]
     sin = sin.unsqueeze(1)

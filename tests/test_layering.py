@@ -30,4 +30,5 @@ def test_imports_point_one_way(statement, forbidden):
 
 def test_kernel_package_imports_nothing_of_llmc():
     loaded = _loaded_after("import llmc.kernels.attention")
-    assert loaded <= {"llmc", "llmc.kernels", "llmc.kernels.attention"}
+    assert "llmc.kernels.attention" in loaded
+    assert all(m in ("llmc", "llmc.kernels") or m.startswith("llmc.kernels.") for m in loaded), loaded

@@ -17,8 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul
-from llmc.kernels.attention import paged_attention, write_kv_cache
-from llmc.kernels.rotary import apply_rotary
+from llmc.kernels.attention import paged_attention, rotate_and_write_kv
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
@@ -57,9 +56,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, batch.positions, cos_sin)
         k_cache, v_cache = self.kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        q = rotate_and_write_kv(q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping,
+                                self.k_scale, self.v_scale)
         out = paged_attention(
             q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
             self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale, batch.kernel_cache,

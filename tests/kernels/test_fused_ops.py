@@ -1,9 +1,10 @@
-"""RMSNorm (+ residual), rotary in place, SiLU·mul and FP8 per-token quantization against torch."""
+"""RMSNorm (+ residual), SiLU·mul and FP8 per-token quantization against torch (the rotary embedding
+runs in the KV write's kernel: tests/kernels/test_attention.py)."""
 
 import pytest
 import torch
 
-from llmc.kernels import activation, norm, rotary
+from llmc.kernels import activation, norm
 from llmc.quant.numerics import quantize_fp8_per_token as reference_quantize_fp8
 
 # bf16/fp16 outputs may differ from the torch path by one rounding step of the output dtype
@@ -44,31 +45,6 @@ def test_rms_norm_of_strided_head_slices(elementwise_case) -> None:
     weight = (1 + 0.1 * torch.randn(16)).to(dtype)
     out, _ = rms_norm(q.to(device) if device == "cpu" else qkv.to(device)[:, : 4 * 16].view(3, 4, 16), weight.to(device), 1e-6)
     assert_close(out, norm.rms_norm(q, weight, 1e-6), dtype)
-
-
-@pytest.mark.parametrize("head_dim", [16, 24])
-def test_rotary_in_place_matches_torch(elementwise_case, head_dim) -> None:
-    from llmc.kernels.rotary_triton import apply_rotary_
-
-    device, dtype = elementwise_case
-    num_tokens, num_heads, num_kv_heads = 5, 4, 2
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
-    angles = torch.rand(64, head_dim // 2) * 6
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
-    positions = torch.randint(0, 64, (num_tokens,))
-    split = lambda t: t.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)  # noqa: E731
-    q, k, _ = split(qkv)
-    q, k = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
-    expected_q, expected_k = rotary.apply_rotary(q, k, positions, cos_sin)
-    qkv_dev = qkv.to(device)
-    q_dev, k_dev, v_dev = split(qkv_dev)
-    q_dev, k_dev = q_dev.view(num_tokens, num_heads, head_dim), k_dev.view(num_tokens, num_kv_heads, head_dim)
-    v_before = v_dev.clone()
-    out_q, out_k = apply_rotary_(q_dev, k_dev, positions.to(device), cos_sin.to(device))
-    assert out_q.data_ptr() == q_dev.data_ptr()  # in place
-    assert_close(out_q, expected_q, dtype)
-    assert_close(out_k, expected_k, dtype)
-    assert torch.equal(v_dev, v_before)  # the neighbouring v slice is untouched
 
 
 @pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1500)])
