@@ -11,9 +11,10 @@ and after a change) in two processes of one call:
     bash benchmarks/package_dir.sh OLD_TREE /tmp/before
     PYTHONPATH=/tmp/before python benchmarks/attention_step_bench.py --json before.json
 Each layer has its own cache, block tables are shuffled, contexts are drawn from [129, 384] (the
-128/256 decode benchmark's) and every q/k/v input is random bf16. `--compare-merge` also times each
-batch with the partitions merged by a second kernel (as where the decode kernel finds no semaphores)
-instead of by the decode kernel's last partition.
+128/256 decode benchmark's) and every q/k/v input is random bf16. `--compare-merge` times each batch
+twice more, with a split decode's partitions merged by the decode kernel whatever the number of
+(sequence, KV head) pairs, and by the second merge kernel whatever it is
+(attention_triton.MERGE_IN_KERNEL_MIN_PAIRS decides between them otherwise).
 """
 
 from __future__ import annotations
@@ -81,20 +82,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flush = make_l2_flush_buffer()
     results = {"device": torch.cuda.get_device_name(), "llmc": attention.__file__, "us_per_step": {}}
-    merges = {"": getattr(attention_triton, "tile_counters", None)}  # None: a tree before the in-kernel merge
+    chosen = getattr(attention_triton, "MERGE_IN_KERNEL_MIN_PAIRS", None)  # None: a tree before the in-kernel merge
+    merges = {"": chosen}  # label → MERGE_IN_KERNEL_MIN_PAIRS
     if args.compare_merge:
-        merges["second merge kernel"] = lambda device, num_tiles: None
+        merges |= {"merge in the kernel": 1, "second merge kernel": 2**62}
     for num_seqs in (int(b) for b in args.batch_sizes.split(",")):
         layers, shared = make_layers(num_seqs, args.max_model_len, torch.Generator().manual_seed(num_seqs))
-        for label, counters in merges.items():
-            if counters is not None:
-                attention_triton.tile_counters = counters
+        for label, min_pairs in merges.items():
+            if min_pairs is not None:
+                attention_triton.MERGE_IN_KERNEL_MIN_PAIRS = min_pairs
             ms = median_time_ms(lambda: attention_step(layers, shared, num_seqs, args.max_model_len), flush)
             results["us_per_step"][f"{num_seqs} {label}".strip()] = round(ms * 1000, 1)
             print(f"{num_seqs:4d} sequences {label:>20}: {ms * 1000:8.1f} µs per step "
                   f"({ms * 1000 / NUM_LAYERS:.2f} per layer)", flush=True)
-        if merges[""] is not None:
-            attention_triton.tile_counters = merges[""]
+        if chosen is not None:
+            attention_triton.MERGE_IN_KERNEL_MIN_PAIRS = chosen
         del layers, shared
         torch.cuda.empty_cache()
     if args.json:

@@ -5,7 +5,8 @@
 # VARIANTS="off:LLMC_PDL=0 on:LLMC_PDL=1" (the default) names each process's environment; a variant
 # may also run another tree's runtime on the same artifact: "before:PYTHONPATH=/tmp/before now:PYTHONPATH=/tmp/llmcpkg"
 # after `bash benchmarks/package_dir.sh OLD_TREE /tmp/before` (benchmarks/runtime_vs_before.sh does that).
-# A checkpoint or artifact already in WORK is used as it is (KEEP_WORK=1 keeps them for the next run).
+# A checkpoint or artifact already in WORK is used as it is (KEEP_WORK=1 keeps them for the next run;
+# ROUNDS=0 KEEP_WORK=1 only builds them).
 #   bash benchmarks/pdl_vs_off.sh OUT_DIR "w4 bf16 fp8" [PARTS (default decode)]
 # For a dry run on a CPU: CKPT_ARGS="--tiny --device cpu" E2E_ARGS="--device cpu --decode-tokens 4"
 # → OUT_DIR/e2e-pdl-Q-VARIANT-ROUND.json and pdl_vs_off.md (one table row per run)
@@ -33,4 +34,4 @@ for q in $quants; do
   [ -n "${KEEP_WORK:-}" ] || rm -rf "${work:?}/$q"
 done
 [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"
-cat "$out/pdl_vs_off.md"
+[ "$rounds" = 0 ] || cat "$out/pdl_vs_off.md"

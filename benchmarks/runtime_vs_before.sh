@@ -27,11 +27,7 @@ if [ -n "$tests" ]; then
     > "$out/gpu_tests.log" 2>&1; echo "exit $?" >> "$out/gpu_tests.log") &
 fi
 say "checkpoint + W4A16 build: start"
-mkdir -p "$WORK"
-[ -f "$WORK/ckpt/config.json" ] || python "$repo/benchmarks/make_checkpoint.py" --out "$WORK/ckpt" | tail -1
-printf 'model: %s/ckpt\noutput: %s/w4\ndtype: bfloat16\nquantization: {method: rtn, bits: 4, group_size: 128, symmetric: true}\nruntime: {max_model_len: 4096, max_num_seqs: 256, max_num_batched_tokens: 8192}\ntarget: {device: cuda, gpu_memory_gib: 80}\n' \
-  "$WORK" "$WORK" > "$WORK/w4.yaml"
-(cd "$WORK" && python -m llmc.cli build "$WORK/w4.yaml" -q | tail -1)
+ROUNDS=0 bash "$repo/benchmarks/pdl_vs_off.sh" "$out" w4  # builds only (KEEP_WORK), the recipe its runs use
 say "build: done; waiting for the tests"
 wait
 tail -3 "$out/gpu_tests.log" 2>/dev/null
