@@ -33,7 +33,15 @@ from torch import Tensor
 from . import can_use_triton
 from .rotary import apply_rotary
 
-PARTITION_SIZE = 512  # decode: keys per partition when long contexts are split
+PARTITION_SIZE = 512  # decode: the most keys per partition when contexts are split
+MIN_PARTITION_SIZE = 64  # ... and the fewest (one bf16 key tile, attention_triton.DECODE_BLOCK_N)
+MAX_PARTITIONS = 64  # partitions shrink below PARTITION_SIZE only while max_context_len needs at most this many
+# A split decode merges its partitions in the decode kernel (the last partition of each (sequence,
+# KV head) to finish) from this many pairs on, else in a second kernel. Measured on an H200, the
+# attention of 32 8B-shaped layers at 129-384-token contexts (benchmarks/RESULTS.md, session 17): in
+# the kernel 8% faster at 32 pairs (4 sequences), 7% slower at 16 (there the few merging programs
+# each load partition after partition, while the second kernel loads all of a head's at once).
+MERGE_IN_KERNEL_MIN_PAIRS = 32
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -52,11 +60,38 @@ def dequantize_kv(x: Tensor, scale: float, dtype: torch.dtype = torch.float32) -
     return (x.float() * scale).to(dtype)
 
 
-def num_decode_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
-    """Partitions the decode kernel splits max_context_len keys into: one per PARTITION_SIZE keys
-    while its (sequence, KV head) programs alone would leave SMs idle (under 2 per SM), else 1."""
-    num_partitions = -(-max_context_len // PARTITION_SIZE)
-    return num_partitions if num_partitions > 1 and num_programs < 2 * num_sms else 1
+def decode_split(num_programs: int, max_context_len: int, num_sms: int) -> tuple[int, int]:
+    """(partitions, keys per partition) the decode kernel splits max_context_len keys into, for
+    num_programs (sequence, KV head) pairs. Unsplit, (1, max_context_len), while the pairs alone fill
+    the GPU (2 programs per SM). Otherwise partitions of PARTITION_SIZE keys, halved while the pairs
+    times the partitions of PARTITION_SIZE keys each would hold stay under 2 programs per SM, down to
+    MIN_PARTITION_SIZE, and only while max_context_len then needs at most MAX_PARTITIONS of them: a
+    few sequences' keys are read by many programs, a key tile or two each, not by one program per KV
+    head looping over all of them. Partitions past a sequence's context are empty and cost no loads
+    (attention_triton). The split does not depend on max_context_len up to MAX_PARTITIONS partitions
+    of the pairs' size (a CUDA graph's bound, max_model_len, and an eager step's longest context then
+    split a sequence's keys at the same boundaries)."""
+    if num_programs < 2 * num_sms:
+        size = PARTITION_SIZE
+        while (size > MIN_PARTITION_SIZE and num_programs * (PARTITION_SIZE // size) < 2 * num_sms
+               and -(-max_context_len // (size // 2)) <= MAX_PARTITIONS):
+            size //= 2
+        num_partitions = -(-max_context_len // size)
+        if num_partitions > 1:
+            return num_partitions, size
+    return 1, max_context_len
+
+
+def eager_decode_cases(num_kv_heads: int, max_model_len: int, num_sms: int) -> list[tuple[int, int]]:
+    """(decode rows, max_context_len) of steps that together launch every decode-attention kernel
+    variant an eager step (decodes beside prefill rows) can take: unsplit; split, merged by the second
+    kernel; split, merged in the decode kernel. A server runs one forward of each at start
+    (runtime/cuda_graphs.compile_mixed_step), so that no step compiles one while serving."""
+    cases = [(1, min(MIN_PARTITION_SIZE, max_model_len))]
+    for rows in (1, -(-MERGE_IN_KERNEL_MIN_PAIRS // num_kv_heads)):
+        if decode_split(rows * num_kv_heads, max_model_len, num_sms)[0] > 1 and (rows, max_model_len) not in cases:
+            cases.append((rows, max_model_len))
+    return cases
 
 
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,

@@ -9,17 +9,19 @@ NOTE: both kernels are flash-attention style: one pass over the keys with an onl
 (running max m, running sum l, rescaled accumulator), exp2 with the scale folded into log2(e).
 GQA: a program owns one KV head and all `group` query heads that read it, stacked as the rows of
 one query tile, so each K/V tile is loaded once per KV head.
-  decode  (query_len 1): grid (decode seqs, kv heads, partitions); rows = the group's heads. A long
-          context is split into partitions of PARTITION_SIZE keys (together covering
-          max_context_len), so few sequences still fill the GPU. Each partition stores its partial
-          (acc, m, l). From MERGE_IN_KERNEL_MIN_PAIRS (sequence, KV head) pairs on, each counts
-          itself on its pair's semaphore and the last to arrive merges them all, in partition
-          order, and resets it (as the split GEMMs sum their splits, kernels/split_k_triton.py):
-          no second kernel. Below that a second kernel merges them. A partition past a sequence's
-          context is empty (m = _M_INIT, l = 0) and adds exact zeros to the merge, so whatever
-          max_context_len is (eager steps: the batch's longest context; CUDA graphs:
-          max_model_len), a sequence's keys are split at the same boundaries and the in-kernel
-          merge gives the same bits (the second kernel's sum may associate differently on a GPU).
+  decode  (query_len 1): grid (decode seqs, kv heads, partitions); rows = the group's heads. While
+          few sequences decode, the keys are split into partitions (attention.decode_split: 64 to
+          512 keys each, together covering max_context_len), so few sequences still fill the GPU.
+          Each partition that holds keys of its sequence stores its partial (acc, m, l); one past
+          the context (or before a sliding window) is empty and returns at once: the merges read
+          only a sequence's non-empty partitions, a contiguous range. From
+          attention.MERGE_IN_KERNEL_MIN_PAIRS (sequence, KV head) pairs on, each non-empty
+          partition counts itself on its pair's semaphore and the last to arrive merges them, in
+          partition order, and resets it (as the split GEMMs sum their splits, kernels/split_k_triton.py): no second
+          kernel. Below that a second kernel merges them. An empty partition would add exact zeros
+          to the merge, so whatever max_context_len is (eager steps: the batch's longest context;
+          CUDA graphs: max_model_len), for the same partition size the in-kernel merge gives the
+          same bits (the second kernel's sum may associate differently on a GPU).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """
@@ -34,7 +36,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_num_sms, to_device
-from .attention import PARTITION_SIZE, is_fp8, num_decode_partitions
+from . import attention
+from .attention import decode_split, is_fp8
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import tile_counters
 
@@ -45,13 +48,6 @@ BLOCK_N = 64  # keys per tile
 # keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
 DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# A split decode merges its partitions in the decode kernel (the last partition of each (sequence,
-# KV head) to finish) from this many pairs on, else in a second kernel. Measured on an H200, the
-# attention of 32 8B-shaped layers at 129-384-token contexts split in 4 (benchmarks/RESULTS.md,
-# session 16): merged in the kernel, 17% faster than before (a second kernel) at 128 and 256 pairs
-# (16 and 32 sequences), but 1.5-7% slower at 8 and 32 (1 and 4): there the few merging programs
-# each load partition after partition, while the second kernel loads all of a head's at once.
-MERGE_IN_KERNEL_MIN_PAIRS = 64
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
@@ -99,15 +95,52 @@ def _decode_kernel(
 ):
     wait_for_inputs(PDL)
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if IS_DENSE:  # every sequence decodes: sequence i is query row i (no index tensors to build)
-        seq, row = i, i.to(tl.int64)
-    else:
-        seq, row = tl.load(seq_ptr + i), tl.load(row_ptr + i).to(tl.int64)
-    context_len = tl.load(ctx_ptr + seq)
+    seq, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
     lo = part * partition_size  # num_partitions * partition_size covers every context of the launch
     hi = tl.minimum(lo + partition_size, context_len)
     if HAS_WINDOW:  # the one query sits at context_len - 1 and sees keys t > context_len - 1 - window
         lo = tl.maximum(lo, context_len - window)
+    if not IS_PARTITIONED or lo < hi:  # else an empty partition: no partial, no count (the merges skip it)
+        _decode_partition(
+            q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
+            num_heads, num_partitions, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+            stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi,
+            GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW, PRECISION,
+            MERGE_IN_KERNEL,
+        )
+
+
+@triton.jit
+def _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE: tl.constexpr):
+    """Decode sequence i's (sequence index, query row, context length)."""
+    if IS_DENSE:  # every sequence decodes: sequence i is query row i (no index tensors to build)
+        seq, row = i, i.to(tl.int64)
+    else:
+        seq, row = tl.load(seq_ptr + i), tl.load(row_ptr + i).to(tl.int64)
+    return seq, row, tl.load(ctx_ptr + seq)
+
+
+@triton.jit
+def _busy_partitions(context_len, window, partition_size, HAS_WINDOW: tl.constexpr):
+    """The partitions [first, end) that hold keys of a context (a sliding window's first keys may
+    leave the first ones empty)."""
+    end = tl.cdiv(context_len, partition_size)
+    if HAS_WINDOW:
+        first = tl.maximum(context_len - window, 0) // partition_size
+    else:
+        first = end * 0
+    return first, end
+
+
+@triton.jit
+def _decode_partition(
+    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
+    num_heads, num_partitions, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
+    stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+):
     offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
     g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
@@ -131,12 +164,14 @@ def _decode_kernel(
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(part_ml_ptr + base * 2, m_i, mask=g_mask)
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
-        if MERGE_IN_KERNEL:  # the last partition of (sequence, KV head) to finish merges them all
+        if MERGE_IN_KERNEL:  # the last non-empty partition of (sequence, KV head) to finish merges them
             counter = counter_ptr + i * tl.num_programs(1) + kv_head
+            first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW)
             tl.debug_barrier()  # every thread's partial is stored before the count is released
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_partitions - 1:
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == end - first - 1:
                 _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask,
-                                  num_heads, num_partitions, stride_ot, stride_oh, HEAD_DIM, BLOCK_G, BLOCK_D)
+                                  num_heads, num_partitions, first, end, stride_ot, stride_oh, HEAD_DIM, BLOCK_G,
+                                  BLOCK_D)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
@@ -151,20 +186,20 @@ def _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_
 
 @triton.jit
 def _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask, num_heads,
-                      num_partitions, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                      num_partitions, first, end, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                       BLOCK_D: tl.constexpr):
-    """out[row, heads] = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the partitions of
-    decode sequence i (M: their largest m), in one pass in partition order (online, as over keys).
-    An empty partition (m = _M_INIT, l = 0, acc = 0; past the context, or before a sliding window)
-    adds exact zeros wherever it sits (before a real one the sums stay 0, after one its weight is
-    exactly 0 and the rescale exactly 1), so any number of them leaves the bits unchanged, and one
-    real partition gives acc / l exactly, as an unsplit decode does."""
-    first = (i * num_heads + heads) * num_partitions  # [BLOCK_G]
+    """out[row, heads] = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the non-empty
+    partitions [first, end) of decode sequence i (M: their largest m), in one pass in partition
+    order (online, as over keys). An empty partition (m = _M_INIT, l = 0, acc = 0) would add exact
+    zeros wherever it sat (before a real one the sums stay 0, after one its weight is exactly 0 and
+    the rescale exactly 1), so leaving them out changes no bit, and one real partition gives acc / l
+    exactly, as an unsplit decode does."""
+    rows = (i * num_heads + heads) * num_partitions  # [BLOCK_G]
     m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    for part in range(num_partitions):
-        base = first + part
+    for part in range(first, end):
+        base = rows + part
         m_p = tl.load(part_ml_ptr + base * 2, mask=g_mask, other=_M_INIT, cache_modifier=".cg")
         l_p = tl.load(part_ml_ptr + base * 2 + 1, mask=g_mask, other=0.0, cache_modifier=".cg")
         acc_p = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=q_mask, other=0.0,
@@ -177,29 +212,28 @@ def _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d,
     _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
 
 
-@triton.jit(do_not_specialize=["num_partitions"])
+@triton.jit(do_not_specialize=["window", "num_partitions", "partition_size"])
 def _merge_partitions_kernel(
-    part_acc_ptr, part_ml_ptr, row_ptr, out_ptr, num_heads, num_partitions, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, IS_DENSE: tl.constexpr, PDL: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, window, num_heads, num_partitions, partition_size,
+    stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_DENSE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The merge as a kernel of its own, one program per (decode seq, head), every partition loaded
-    at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Where few (sequence, KV
-    head) pairs decode, this beats the decode kernel's last partition merging them one after the
-    other (MERGE_IN_KERNEL_MIN_PAIRS)."""
+    """The merge as a kernel of its own, one program per (decode seq, head), every non-empty
+    partition loaded at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Where few
+    (sequence, KV head) pairs decode, this beats the decode kernel's last partition merging them one
+    after the other (attention.MERGE_IN_KERNEL_MIN_PAIRS)."""
     wait_for_inputs(PDL)
     i, head = tl.program_id(0), tl.program_id(1)
+    _, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
+    first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
-    p_mask, d_mask = offs_p < num_partitions, offs_d < HEAD_DIM
+    p_mask, d_mask = (offs_p >= first) & (offs_p < end), offs_d < HEAD_DIM
     base = (i * num_heads + head) * num_partitions + offs_p  # [BLOCK_P]
     m = tl.load(part_ml_ptr + base * 2, mask=p_mask, other=_M_INIT)
     l = tl.load(part_ml_ptr + base * 2 + 1, mask=p_mask, other=0.0)
     weights = tl.exp2(m - tl.max(m, axis=0))
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)
-    if IS_DENSE:
-        row = i.to(tl.int64)
-    else:
-        row = tl.load(row_ptr + i).to(tl.int64)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -361,8 +395,7 @@ def paged_attention(
             max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
         block_n = DECODE_BLOCK_N[is_fp8(k_cache)]
         if num_partitions is None:
-            num_partitions = _choose_num_partitions(len(decode) * num_kv_heads, max_context_len, q.device)
-            partition_size = PARTITION_SIZE if num_partitions > 1 else triton.cdiv(max_context_len, block_n) * block_n
+            num_partitions, partition_size = _choose_split(len(decode) * num_kv_heads, max_context_len, q.device)
         else:
             partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), block_n) * block_n
         is_dense = not prefill
@@ -391,8 +424,15 @@ def _int32(values: list[int], device: torch.device, cache: dict | None, key: obj
     return cache[key]
 
 
-def _choose_num_partitions(num_programs: int, max_context: int, device: torch.device) -> int:
-    return num_decode_partitions(num_programs, max_context, device_num_sms(device) if device.type == "cuda" else 1)
+def _choose_split(num_programs: int, max_context: int, device: torch.device) -> tuple[int, int]:
+    return decode_split(num_programs, max_context, device_num_sms(device) if device.type == "cuda" else 1)
+
+
+def _merge_block_p(num_partitions: int) -> int:
+    """The second merge kernel's partitions per load: one width up to MAX_PARTITIONS, so that an
+    eager step's bound (its longest context, which sets the partition count) compiles no new
+    variant; only the empty partitions' lanes are masked off."""
+    return max(attention.MAX_PARTITIONS, triton.next_power_of_2(num_partitions))
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, rows, is_dense, num_partitions,
@@ -403,7 +443,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     part_acc = torch.empty(num_decode, num_heads, num_partitions, head_dim, device=q.device, dtype=torch.float32) if is_partitioned else out
     part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
     # one semaphore per (sequence, KV head): the split GEMMs' (kernels of one stream never overlap)
-    is_merged_in_kernel = is_partitioned and num_decode * num_kv_heads >= MERGE_IN_KERNEL_MIN_PAIRS
+    is_merged_in_kernel = is_partitioned and num_decode * num_kv_heads >= attention.MERGE_IN_KERNEL_MIN_PAIRS
     counters = tile_counters(q.device, num_decode * num_kv_heads) if is_merged_in_kernel else None
     block_g = max(16, triton.next_power_of_2(c["group"]))
     _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
@@ -419,9 +459,10 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     )
     if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](
-            part_acc, part_ml, rows, out, num_heads, num_partitions, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_P=triton.next_power_of_2(num_partitions), BLOCK_D=c["block_d"],
-            IS_DENSE=is_dense, **pdl_args(q.device),
+            part_acc, part_ml, c["context_lens"], seqs, rows, out, c["window"], num_heads, num_partitions,
+            partition_size, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            BLOCK_P=_merge_block_p(num_partitions), BLOCK_D=c["block_d"], IS_DENSE=is_dense,
+            HAS_WINDOW=c["has_window"], **pdl_args(q.device),
         )
 
 

@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from llmc.kernels import is_triton_installed
+from llmc.kernels import device_num_sms, is_triton_installed
+from llmc.kernels.attention import eager_decode_cases
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderModel
@@ -156,24 +157,29 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def compile_mixed_step(self) -> None:
-        """One eager forward of what a mixed step holds, a decode row and a 2-token prefill, on the
-        scratch block (junk by design), outputs dropped. The graphs' capture compiles the decode
-        kernels of the decode steps; this compiles those of the eager steps (the indexed decode
-        attention, the prefill attention on this cache's dtype, the linears at a generic M) at start,
-        not in the middle of the first requests' steps (0.4-1 s each on an H100, the GPU idle)."""
-        slot, device = self.inputs.scratch_slot, self.device
-        batch = ForwardBatch(
-            positions=torch.tensor([0, 0, 1], device=device),
-            slot_mapping=torch.tensor([slot, slot + 1, slot + 2], device=device),
-            block_tables=torch.full((2, 1), self.inputs.scratch_block, dtype=torch.int32, device=device),
-            context_lens=torch.tensor([1, 2], dtype=torch.int32, device=device),
-            query_lens=[1, 2],
-            max_context_len=2,
-            logits_indices=torch.tensor([0, 2], device=device),
-        )
-        hidden = self.forward(torch.zeros(3, dtype=torch.long, device=device), batch)  # graphs may hold < 3 rows
-        if self.forward is self.model:
-            self.model.compute_logits(hidden[batch.logits_indices])
+        """Eager forwards of what mixed steps hold, decode rows beside a 2-token prefill, on the
+        scratch block (junk by design), outputs dropped: one for each decode-attention variant an
+        eager step can launch (kernels.attention.eager_decode_cases: not split; split and merged by a
+        second kernel; split and merged in the decode kernel). The graphs' capture compiles the
+        decode kernels of the decode steps; these compile those of the eager steps (the indexed
+        decode attention, the prefill attention on this cache's dtype, the linears at a few generic
+        M) at start, not in the middle of the first requests' steps (0.4-1 s each on an H100, the
+        GPU idle)."""
+        slot, block, device = self.inputs.scratch_slot, self.inputs.scratch_block, self.device
+        num_kv_heads = self.model.layout.num_kv_heads
+        for rows, max_context_len in eager_decode_cases(num_kv_heads, self.max_model_len, device_num_sms(device)):
+            batch = ForwardBatch(
+                positions=torch.tensor([0] * rows + [0, 1], device=device),
+                slot_mapping=torch.tensor([slot] * rows + [slot + 1, slot + 2], device=device),
+                block_tables=torch.full((rows + 1, 1), block, dtype=torch.int32, device=device),
+                context_lens=torch.tensor([1] * rows + [2], dtype=torch.int32, device=device),
+                query_lens=[1] * rows + [2],
+                max_context_len=max_context_len,
+                logits_indices=torch.tensor([rows - 1, rows + 1], device=device),
+            )
+            hidden = self.forward(torch.zeros(rows + 2, dtype=torch.long, device=device), batch)
+            if self.forward is self.model:
+                self.model.compute_logits(hidden[batch.logits_indices])
         torch.cuda.synchronize(device)
 
     def log_capture(self, allowance_bytes: int) -> None:

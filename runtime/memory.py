@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from llmc.kernels.attention import num_decode_partitions
+from llmc.kernels.attention import decode_split
 from llmc.runtime.artifact import ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
@@ -96,7 +96,7 @@ def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_
     split the decode attention's keys as for max_model_len: float32 (acc, m, l) per head and partition."""
     if not batch_sizes:
         return 0
-    split_rows = max(size * num_decode_partitions(size * model.num_kv_heads, max_model_len, num_sms)
+    split_rows = max(size * decode_split(size * model.num_kv_heads, max_model_len, num_sms)[0]
                      for size in batch_sizes)  # (sequence, partition) pairs, at the size with the most
     partitions = split_rows * model.num_heads * (model.head_dim + 2) * 4 if split_rows > max(batch_sizes) else 0
     return (GRAPH_BASE_BYTES + len(batch_sizes) * model.num_layers * GRAPH_BYTES_PER_GRAPH_LAYER

@@ -50,6 +50,8 @@ CASES = {
     "partitioned-decode": ([1100, 5], [1, 1], 4, 1, 16, 32, None, 3),
     "long-unpartitioned-decode": ([700, 3], [1, 1], 4, 2, 16, 16, None, 1),  # one program, 11 key tiles
     "partitioned-window": ([1100, 700], [1, 1], 2, 1, 16, 16, 300, 3),
+    # decode rows between prefill rows, split (the merge kernel finds each row's sequence and context)
+    "partitioned-mixed": ([300, 9, 70, 1], [1, 9, 1, 1], 4, 2, 16, 16, None, 5),
 }
 
 
@@ -92,14 +94,67 @@ def test_layers_of_a_step_share_its_index_tensors(dot_case, rel_err) -> None:
     assert made[("query_lens", q.device)].tolist() == query_lens
 
 
+def test_decode_split_spreads_few_sequences_over_the_sms() -> None:
+    """(partitions, keys per partition) by the rule in decode_split's docstring, worked by hand for
+    132 SMs (2 programs per SM: 264)."""
+    split = attention.decode_split
+    assert split(264, 131072, 132) == (1, 131072)  # the pairs fill the GPU: never split
+    assert split(8, 2048, 132) == (32, 64)  # one 8-KV-head sequence: 64-key partitions (8 × 8 < 264)
+    assert split(64, 2048, 132) == (32, 64)  # 8 sequences: 64 × 4 = 256 < 264, so still 64 keys
+    assert split(128, 2048, 132) == (16, 128)  # 16 sequences: 128 × 4 = 512 ≥ 264
+    assert split(256, 2048, 132) == (8, 256)  # 32 sequences: 256 × 2 = 512 ≥ 264
+    assert split(8, 8192, 132) == (64, 128)  # 64-key partitions would be 128 of them (MAX_PARTITIONS 64)
+    assert split(8, 131072, 132) == (256, 512)  # a long bound: PARTITION_SIZE keys, as many as it takes
+    assert split(8, 64, 132) == (1, 64)  # one 64-key partition holds every key: not split
+    assert split(2, 4096, 16) == (64, 64)
+
+
+@pytest.mark.parametrize("merge_in_kernel_min_pairs", [1, 10**9])  # merged in the decode kernel; by the second
+def test_empty_partitions_are_never_read(dot_case, rel_err, monkeypatch, merge_in_kernel_min_pairs) -> None:
+    """Partitions past a context (or before a sliding window) store nothing: with the partial buffers
+    full of NaN, the split decode (64-key partitions under a 4096-key bound, most of them empty) still
+    matches float64."""
+    from llmc.kernels import attention_triton
+
+    device, dtype = dot_case
+    context_lens, window = [300, 5, 200], 150
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * 3, 4, 2, 16, 16, dtype, device)
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(attention_triton, "_choose_split",
+                        lambda num_programs, max_context, device_: attention.decode_split(num_programs, max_context, 132))
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
+    for w in (None, window):
+        out = attention_triton.paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), [1] * 3,
+                                               16**-0.5, w, 4096)
+        expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, [1] * 3, 16**-0.5, w)
+        assert torch.isfinite(out).all()
+        assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_eager_decode_cases_reach_every_decode_variant() -> None:
+    """Start-up's eager steps: not split, split with the second merge kernel (8 pairs), split with
+    the merge in the kernel (MERGE_IN_KERNEL_MIN_PAIRS = 32 pairs: 4 rows of 8 KV heads)."""
+    assert attention.decode_split(8, 64, 132)[0] == 1 < attention.decode_split(8, 2048, 132)[0]
+    assert attention.eager_decode_cases(8, 2048, 132) == [(1, 64), (1, 2048), (4, 2048)]
+    assert attention.eager_decode_cases(8, 64, 132) == [(1, 64)]  # max_model_len 64: never split
+    assert attention.eager_decode_cases(40, 4096, 132) == [(1, 64), (1, 4096)]  # one row is 40 pairs already
+    assert attention.eager_decode_cases(8, 4096, 16) == [(1, 64), (1, 4096)]  # 4 rows fill 16 SMs: not split
+
+
 @pytest.mark.parametrize("window", [None, 300])
 def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkeypatch, window) -> None:
     """A CUDA graph launches decode with max_context_len = max_model_len, an eager step with the batch's
     longest context: the keys are split at the same boundaries either way (the extra partitions are
-    empty and add exact zeros to the merge). Merged by the decode kernel's last partition (from
+    empty, and the merges skip them). Merged by the decode kernel's last non-empty partition (from
     MERGE_IN_KERNEL_MIN_PAIRS pairs, here forced) the output has the same bits, the semaphores are
     back at zero after each call; merged by the second kernel (fewer pairs, or no semaphores inside
-    a graph capture) the same bits under the interpreter, and a GPU's sum may associate otherwise."""
+    a graph capture) the same values (its tree sum gives other bits)."""
     from llmc.kernels import attention_triton
 
     device, dtype = dot_case
@@ -110,19 +165,21 @@ def test_decode_is_the_same_whatever_the_context_bound(dot_case, rel_err, monkey
         q, k_cache, v_cache, block_tables, ctx, [1] * 3, scale, window, bound)
     unsplit_short = attention_triton.paged_attention(q[1:], k_cache, v_cache, block_tables[1:], ctx[1:], [1] * 2,
                                                      scale, window, 40)
-    # as on a GPU with SMs to spare: split into partitions of PARTITION_SIZE keys
-    monkeypatch.setattr(attention_triton, "_choose_num_partitions",
-                        lambda num_programs, max_context, device_: -(-max_context // attention_triton.PARTITION_SIZE))
+    # as on an H100: 6 pairs split into 64-key partitions at both bounds (18 or 64 of them, most empty)
+    monkeypatch.setattr(attention_triton, "_choose_split",
+                        lambda num_programs, max_context, device_: attention.decode_split(num_programs, max_context, 132))
+    assert attention.decode_split(6, 1100, 132) == (18, 64) and attention.decode_split(6, 4096, 132) == (64, 64)
     counters = torch.zeros(64, dtype=torch.int32, device=device)
     monkeypatch.setattr(attention_triton, "tile_counters", lambda device_, num_tiles: counters[:num_tiles])
-    monkeypatch.setattr(attention_triton, "MERGE_IN_KERNEL_MIN_PAIRS", 1)
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", 1)
     eager, graph = run(max(context_lens)), run(4096)
     assert counters.eq(0).all()  # every (sequence, KV head)'s semaphore back at zero for the next call
     assert torch.equal(eager, graph)
     assert torch.equal(graph[1:], unsplit_short)
-    same = torch.equal if device == "cpu" else lambda a, b: rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # the second kernel sums the partitions as a tree, not in order: other bits, the same values
+    same = lambda a, b: rel_err(a, b) < (1e-6 if dtype == torch.float32 else 1e-2)  # noqa: E731
     for merge_in_kernel_min_pairs in (7, 1):  # 6 pairs: the second kernel; then none to be had in a capture
-        monkeypatch.setattr(attention_triton, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
+        monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
         monkeypatch.setattr(attention_triton, "tile_counters", lambda device_, num_tiles: None)
         assert same(run(4096), graph)
     expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, [1] * 3, scale, window)

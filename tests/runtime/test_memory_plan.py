@@ -61,7 +61,7 @@ def test_the_estimate_is_the_runtime_subtraction_with_assumed_terms():
 
 def test_graph_allowance_holds_the_decode_split_of_max_model_len():
     sizes = memory.cuda_graph_batch_sizes(64)
-    short = memory.graph_allowance_bytes(MODEL, sizes, 512)  # one partition: no split buffers
+    short = memory.graph_allowance_bytes(MODEL, sizes, 64)  # one partition: no split buffers
     assert short == (memory.GRAPH_BASE_BYTES + len(sizes) * MODEL.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER
                      + memory.activation_peak_bytes(MODEL, 64, 0))
     # 8 KV heads on 132 SMs: sizes up to 32 split (32 × 8 < 264), into 131072 / 512 = 256 partitions
