@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from llmc.kernels import to_device
+from llmc.kernels.sampling import argmax_rows
 from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.structured_output import unpack_bitmask
@@ -116,6 +117,8 @@ class BatchSampler:
         self.output_counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
         self._upload()
+        if device.type == "cuda":  # the argmax kernels compile now, not in the first request's step
+            argmax_rows(torch.zeros(1, vocab_size, device=device))
 
     # ---- rows join and leave (host mirrors; the device copies follow at the next step) ----------
 
@@ -222,7 +225,7 @@ class BatchSampler:
             # Nothing to process (no bias or banned token either): the argmax is the token. Nothing
             # to record either: a plain greedy row never reads its output count or its token counts
             # (they are set afresh when the row gets new parameters).
-            return SampledStep(logits.argmax(dim=-1), None, 0)
+            return SampledStep(argmax_rows(logits), None, 0)
         return self._sample(logits, rows, processors, bitmask)
 
     def is_plain_greedy(self) -> bool:
@@ -248,7 +251,7 @@ class BatchSampler:
         logits_n = x[:n]
         if summary["penalties"]:
             self._apply_penalties(logits_n, rows)
-        token_ids = logits_n.argmax(dim=-1)  # [n]
+        token_ids = argmax_rows(logits_n)  # [n]
         if not summary["all_greedy"]:
             token_ids = torch.where(self._column("is_greedy", rows) > 0, token_ids, self._race(logits_n, rows))
         self._record(rows, token_ids)
@@ -303,7 +306,7 @@ class BatchSampler:
         unseeded = fmix32(rows ^ fmix32_int(self._engine_key ^ self.num_steps))
         keys = torch.where(self._column("is_seeded", rows) > 0, seeded, unseeded)
         q = exponentials(keys, self.vocab_ids)
-        return probs.div_(q).argmax(dim=-1)
+        return argmax_rows(probs.div_(q))
 
     def _record(self, rows: Tensor, token_ids: Tensor) -> None:
         """The sampled tokens, on the device: one more output per row, and its count."""

@@ -15,7 +15,7 @@ def _loaded_after(statement: str) -> set[str]:
 @pytest.mark.parametrize(
     ("statement", "forbidden"),
     [
-        ("import llmc.kernels.attention, llmc.kernels.norm, llmc.kernels.rotary, llmc.kernels.activation", ("llmc.quant", "llmc.runtime", "llmc.compiler", "llmc.errors", "llmc.schema")),
+        ("import llmc.kernels.attention, llmc.kernels.norm, llmc.kernels.rotary, llmc.kernels.activation, llmc.kernels.sampling", ("llmc.quant", "llmc.runtime", "llmc.compiler", "llmc.errors", "llmc.schema")),
         ("import llmc.quant.formats, llmc.quant.reference", ("llmc.runtime", "llmc.compiler", "llmc.cli")),
         ("from llmc.runtime.llm import LLM", ("llmc.compiler", "llmc.cli")),
         ("import llmc; llmc.LLM", ("llmc.compiler", "llmc.cli")),
