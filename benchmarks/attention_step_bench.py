@@ -14,12 +14,15 @@ Each layer has its own cache, block tables are shuffled, contexts are drawn from
 128/256 decode benchmark's) and every q/k/v input is random bf16. `--compare-merge` times each batch
 twice more, with a split decode's partitions merged by the decode kernel whatever the number of
 (sequence, KV head) pairs, and by the second merge kernel whatever it is
-(attention_triton.MERGE_IN_KERNEL_MIN_PAIRS decides between them otherwise).
+(attention.MERGE_IN_KERNEL_MIN_PAIRS decides between them otherwise). `--min-partition-sizes
+64,512` times each batch with attention.MIN_PARTITION_SIZE set to each (512: every split partition
+holds PARTITION_SIZE keys, the split before session 17).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -78,25 +81,37 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-sizes", default="1,16,64,256")
     parser.add_argument("--max-model-len", type=int, default=2048, help="bench_e2e's default")
     parser.add_argument("--compare-merge", action="store_true")
+    parser.add_argument("--min-partition-sizes", default=None, help="comma-separated attention.MIN_PARTITION_SIZE values")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     flush = make_l2_flush_buffer()
     results = {"device": torch.cuda.get_device_name(), "llmc": attention.__file__, "us_per_step": {}}
-    chosen = getattr(attention_triton, "MERGE_IN_KERNEL_MIN_PAIRS", None)  # None: a tree before the in-kernel merge
+    # where the tree keeps it (attention since session 17, attention_triton in session 16, none before)
+    merge_home = attention if hasattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS") else attention_triton
+    chosen = getattr(merge_home, "MERGE_IN_KERNEL_MIN_PAIRS", None)
     merges = {"": chosen}  # label → MERGE_IN_KERNEL_MIN_PAIRS
     if args.compare_merge:
         merges |= {"merge in the kernel": 1, "second merge kernel": 2**62}
+    min_size = getattr(attention, "MIN_PARTITION_SIZE", None)  # None: a tree before session 17
+    sizes = {"": min_size}
+    if args.min_partition_sizes:
+        sizes = {f"min{size}": int(size) for size in args.min_partition_sizes.split(",")}
     for num_seqs in (int(b) for b in args.batch_sizes.split(",")):
         layers, shared = make_layers(num_seqs, args.max_model_len, torch.Generator().manual_seed(num_seqs))
-        for label, min_pairs in merges.items():
+        for (size_label, size), (label, min_pairs) in itertools.product(sizes.items(), merges.items()):
             if min_pairs is not None:
-                attention_triton.MERGE_IN_KERNEL_MIN_PAIRS = min_pairs
+                merge_home.MERGE_IN_KERNEL_MIN_PAIRS = min_pairs
+            if size is not None:
+                attention.MIN_PARTITION_SIZE = size
             ms = median_time_ms(lambda: attention_step(layers, shared, num_seqs, args.max_model_len), flush)
+            label = f"{size_label} {label}".strip()
             results["us_per_step"][f"{num_seqs} {label}".strip()] = round(ms * 1000, 1)
-            print(f"{num_seqs:4d} sequences {label:>20}: {ms * 1000:8.1f} µs per step "
+            print(f"{num_seqs:4d} sequences {label:>28}: {ms * 1000:8.1f} µs per step "
                   f"({ms * 1000 / NUM_LAYERS:.2f} per layer)", flush=True)
         if chosen is not None:
-            attention_triton.MERGE_IN_KERNEL_MIN_PAIRS = chosen
+            merge_home.MERGE_IN_KERNEL_MIN_PAIRS = chosen
+        if min_size is not None:
+            attention.MIN_PARTITION_SIZE = min_size
         del layers, shared
         torch.cuda.empty_cache()
     if args.json:

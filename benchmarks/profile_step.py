@@ -1,7 +1,7 @@
 """Where a decode step's time goes: engine wall time, model forward / GPU kernel time, phase split.
 
     python benchmarks/profile_step.py ARTIFACT [--device cuda|cpu] [--batch-sizes 1,64,256]
-        [--steps 30] [--prompt-len 128] [--sync] [--json OUT.json]
+        [--steps 30] [--prompt-len 128] [--sync] [--json OUT.json] [--top-kernels N] [--kernel-trace TRACE.json]
 
 For each batch size B: B requests of --prompt-len random token ids (greedy, ignore_eos) are added to
 an Engine and stepped until all of them decode; then --steps decode steps are measured twice:
@@ -50,6 +50,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--top-kernels", type=int, default=0, help="also list the N longest CUDA kernels per step")
+    parser.add_argument("--kernel-trace", type=Path, default=None,
+                        help="write every CUDA kernel of the profiled steps, in start order, to this JSON "
+                             "(per batch size: [name, start µs, duration µs]); under LLMC_PDL=1 a kernel's "
+                             "duration includes its wait for the kernel before it")
     return parser.parse_args(argv)
 
 
@@ -109,8 +113,9 @@ def measure(engine: Engine, timer: PhaseTimer, steps: int) -> dict:
             **{f"{phase}_ms": ms(total) for phase, total in timer.totals.items()}}
 
 
-def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, list[dict]]:
-    """(CUDA kernel ms per step, the `top` kernels by time: name, µs and calls per step)."""
+def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, list[dict], list]:
+    """(CUDA kernel ms per step, the `top` kernels by time: name, µs and calls per step, every kernel
+    as [name, start µs from the first, duration µs] in start order)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -122,15 +127,19 @@ def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, l
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     listed = [{"kernel": e.key[:120], "us": round(e.self_device_time_total / steps, 1),
                "calls": round(e.count / steps, 2)} for e in kernels[:top]]
-    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    t0 = events[0].time_range.start if events else 0
+    trace = [[e.name[:100], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in events]
+    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed, trace
 
 
-def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng) -> dict:
+def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng, traces: dict) -> dict:
     fill(engine, batch_size, args, rng)
     result = {"batch_size": batch_size, "running": engine.scheduler.num_running,
               "async_scheduling": engine.options.async_scheduling, **measure(engine, timer, args.steps)}
     if engine.device.type == "cuda":
-        kernel_ms, top = kernel_time_per_step(engine, args.steps, args.top_kernels)
+        kernel_ms, top, traces[batch_size] = kernel_time_per_step(engine, args.steps, args.top_kernels)
         result.update(kernel_ms=round(kernel_ms, 3), gpu_busy=round(kernel_ms / result["wall_ms"], 3),
                       host_not_hidden_ms=round(result["wall_ms"] - kernel_ms, 3))
         if top:
@@ -160,13 +169,16 @@ def main(argv=None) -> int:
     while engine.has_unfinished_requests():
         engine.step()
     device = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu"
-    results = []
+    results, traces = [], {}
     for batch_size in batch_sizes:
-        result = {"artifact": str(args.artifact), "device": device, **profile_batch(engine, timer, batch_size, args, rng)}
+        result = {"artifact": str(args.artifact), "device": device,
+                  **profile_batch(engine, timer, batch_size, args, rng, traces)}
         print(json.dumps(result), flush=True)
         results.append(result)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
+    if args.kernel_trace is not None:
+        args.kernel_trace.write_text(json.dumps({"device": device, "steps": args.steps, "kernels": traces}) + "\n")
     engine.close()
     return 0
 
