@@ -17,11 +17,12 @@ one query tile, so each K/V tile is loaded once per KV head.
           only a sequence's non-empty partitions, a contiguous range. From
           attention.MERGE_IN_KERNEL_MIN_PAIRS (sequence, KV head) pairs on, each non-empty
           partition counts itself on its pair's semaphore and the last to arrive merges them, in
-          partition order, and resets it (as the split GEMMs sum their splits, kernels/split_k_triton.py): no second
-          kernel. Below that a second kernel merges them. An empty partition would add exact zeros
-          to the merge, so whatever max_context_len is (eager steps: the batch's longest context;
-          CUDA graphs: max_model_len), for the same partition size the in-kernel merge gives the
-          same bits (the second kernel's sum may associate differently on a GPU).
+          partition order, and resets it (as the split GEMMs sum their splits,
+          kernels/split_k_triton.py): no second kernel. Below that a second kernel merges them. An
+          empty partition would add exact zeros to the merge, so whatever max_context_len is (eager
+          steps: the batch's longest context; CUDA graphs: max_model_len), for the same partition
+          size the in-kernel merge gives the same bits (the second kernel's sum may associate
+          differently on a GPU).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """
