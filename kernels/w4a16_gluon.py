@@ -49,7 +49,17 @@ _CVT_BF16 = gl.constexpr("""{
     sub.rn.bf16x2 t, t, $3;
     mul.rn.bf16x2 $0, t, $4;
 }""")
+# The same without the multiply: (level - zero) exact ($3 the offset pair, $4/$5 the selector, $6/$7 the shift).
+_CVT_BF16_EXACT = gl.constexpr("""{
+    .reg .b32 t;
+    prmt.b32 t, $1, $2, $4;
+    shr.u32 t, t, $6;
+    lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+    sub.rn.bf16x2 $0, t, $3;
+}""")
+_CVT_FP16_EXACT = gl.constexpr(_CVT_BF16_EXACT.value.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2"))
 _CVT_FP16 = gl.constexpr(_CVT_BF16.value.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2"))
+_RAW = gl.constexpr("mov.b32 $0, $1;")  # PROBE
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
@@ -112,7 +122,7 @@ def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: g
 
 
 @gluon.jit
-def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr):
+def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED: gl.constexpr = 1):
     """Nibble slice j of the words [BLOCK_N, 16] → ((level - zero) * scale) in dtype, A operand layout.
 
     Two weights per instruction sequence, in 16-bit pairs: the A operand layout keeps input columns
@@ -123,13 +133,22 @@ def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr):
     difference is an exact small integer, its product with the scale exact before the rounding."""
     selector = gl.zeros_like(words) + (0x5410 + (j // 4) * (0x7632 - 0x5410))
     shift = gl.zeros_like(words) + 4 * (j % 4)
-    args = [words, offset.to(dtype)[:, None], scale.to(dtype)[:, None], selector, shift]
-    if dtype == gl.bfloat16:
-        out = gl.inline_asm_elementwise(_CVT_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.bfloat16, is_pure=True,
-                                        pack=2)
+    if SCALED == 0:  # (level - zero) exact, the scale applied to the tile's products
+        exact = [words, offset.to(dtype)[:, None], selector, shift]
+        if dtype == gl.bfloat16:
+            out = gl.inline_asm_elementwise(_CVT_BF16_EXACT, "=r,r,r,r,r,r,r,r", exact, dtype=gl.bfloat16,
+                                            is_pure=True, pack=2)
+        else:
+            out = gl.inline_asm_elementwise(_CVT_FP16_EXACT, "=r,r,r,r,r,r,r,r", exact, dtype=gl.float16,
+                                            is_pure=True, pack=2)
     else:
-        out = gl.inline_asm_elementwise(_CVT_FP16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.float16, is_pure=True,
-                                        pack=2)
+        args = [words, offset.to(dtype)[:, None], scale.to(dtype)[:, None], selector, shift]
+        if dtype == gl.bfloat16:
+            out = gl.inline_asm_elementwise(_CVT_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.bfloat16, is_pure=True,
+                                            pack=2)
+        else:
+            out = gl.inline_asm_elementwise(_CVT_FP16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.float16, is_pure=True,
+                                            pack=2)
     return out
 
 
@@ -140,14 +159,29 @@ def _x_slice(x_smem, stage, j: gl.constexpr):
 
 
 @gluon.jit
-def _tile_operands(words_smem, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr):
+def _tile_operands(words_smem, offset, scale, a_layout: gl.constexpr, dtype: gl.constexpr, PROBE: gl.constexpr = 0,
+                   SCALED: gl.constexpr = 1):
     """A tile's eight operands from its packed words in shared memory ([16, rows] int32: a stage, or
     one warpgroup's rows of it)."""
     words = words_smem.permute((1, 0)).load(a_layout)  # [rows, 16] int32
-    return (_operand(words, 0, offset, scale, dtype), _operand(words, 1, offset, scale, dtype),
-            _operand(words, 2, offset, scale, dtype), _operand(words, 3, offset, scale, dtype),
-            _operand(words, 4, offset, scale, dtype), _operand(words, 5, offset, scale, dtype),
-            _operand(words, 6, offset, scale, dtype), _operand(words, 7, offset, scale, dtype))
+    if PROBE == 1:  # PROBE: the words as operands, no conversion
+        raw = gl.inline_asm_elementwise(_RAW, "=r,r,r", [words], dtype=gl.bfloat16, is_pure=True, pack=2)  # (bf16)
+        out = (raw, raw, raw, raw, raw, raw, raw, raw)
+    else:
+        out = (_operand(words, 0, offset, scale, dtype, SCALED), _operand(words, 1, offset, scale, dtype, SCALED),
+            _operand(words, 2, offset, scale, dtype, SCALED), _operand(words, 3, offset, scale, dtype, SCALED),
+            _operand(words, 4, offset, scale, dtype, SCALED), _operand(words, 5, offset, scale, dtype, SCALED),
+            _operand(words, 6, offset, scale, dtype, SCALED), _operand(words, 7, offset, scale, dtype, SCALED))
+    return out
+
+
+@gluon.jit
+def _tile_mmas(a, x_smem, stage, part):
+    """A tile's eight asynchronous wgmmas into a fresh `part` (its products only)."""
+    part = warpgroup_mma(a[0], _x_slice(x_smem, stage, 0), part, use_acc=False, is_async=True)
+    for j in gl.static_range(1, 8):
+        part = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), part, is_async=True)
+    return part
 
 
 @gluon.jit
@@ -191,6 +225,7 @@ def _w4a16_wgmma_kernel(
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    PROBE: gl.constexpr = 0, SCALE_ACC: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -232,10 +267,50 @@ def _w4a16_wgmma_kernel(
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
     PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
     _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL)
-    if PER_TILE:
+    if PROBE == 3:  # PROBE: pipeline only
+        for i in range(n_tiles):
+            stage = i % STAGES
+            mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+            _cta_barrier()
+            if i + STAGES < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+    elif PER_TILE and SCALE_ACC:
+        # the operands are (level - zero), exact; each tile's products are scaled into acc after its wait;
+        # the last tile is peeled off the loop (no next tile to convert)
+        offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        n_mask_acc = offs_n_acc < N
+        mbarrier.wait(bars.index(0), 0)
+        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, PROBE, 0)
+        scale_acc, _ = _group_params(s_ptr, qz_ptr, t_begin, offs_n_acc, n_mask_acc, N, num_groups, GROUP_SIZE,
+                                     False, MAGIC)
+        scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
+                                      num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+        part = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+        for i in range(n_tiles - 1):
+            stage = i % STAGES
+            part = _tile_mmas(a, x_smem, stage, part)
+            scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N, num_groups,
+                                              GROUP_SIZE, False, MAGIC)
+            scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
+                                                      offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+            mbarrier.wait(bars.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
+            a_next = _tile_operands(w_smem.index((i + 1) % STAGES), offset, scale, a_layout, dtype, PROBE, 0)
+            scale, offset = scale_after, offset_after
+            part = warpgroup_mma_wait(
+                num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
+            acc += part * scale_acc[:, None]
+            scale_acc = scale_acc_next
+            _cta_barrier()  # no warp still reads this stage
+            if i + STAGES < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+            a = a_next
+        part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
+        acc += part * scale_acc[:, None]
+    elif PER_TILE:
         # stage i % STAGES is refilled once tile i's wgmmas are done
         mbarrier.wait(bars.index(0), 0)
-        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype)
+        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, PROBE)
         # the group parameters come one iteration ahead of their use (a global load's latency hidden)
         scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                       num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
@@ -248,7 +323,7 @@ def _w4a16_wgmma_kernel(
             scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
                                                       offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
             mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
-            a_next = _tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype)
+            a_next = _tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype, PROBE)
             scale, offset = scale_after, offset_after
             acc = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
