@@ -6,12 +6,15 @@ For each (K, N) and M, one run, the bench_kernels timer: torch bf16 F.linear on 
 weight, `w4a16_linear` with no table entry for the shape on this GPU (the heuristic: on Hopper the
 Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs), and where the
 heuristic picks the warp-specialized kernel, the split kernel's same tile (the heuristic before
-session 15), each checked against the float32 product first.
+session 15), and where it picks the products scaled per tile, the same tile as the heuristic chose
+it before session 18 (6 stages, scaled operands, per tile only when 128 rows wide), each checked
+against the float32 product first.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -27,12 +30,13 @@ from llmc.kernels.w4a16_gemm import (
 # (K, N) of other models than the fitted Llama-3-8B: Llama-2-13B qkv / down, Qwen2.5-7B gate_up, a
 # narrow 70B-at-tensor-8 o projection
 SHAPES = [(5120, 15360), (13824, 5120), (3584, 37888), (1024, 8192)]
-MS = [1, 16, 64, 128, 256, 512, 1024]
+MS = [1, 4, 16, 64, 128, 256, 512, 1024]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--ms", type=int, nargs="+", default=MS)
     args = parser.parse_args(argv)
     flush = make_l2_flush_buffer()
     num_sms = device_num_sms(torch.device("cuda"))
@@ -42,7 +46,7 @@ def main(argv=None) -> int:
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         w4 = pack_w4a16_for_gpu(levels, scales, None)
         dense = dequantize_w4a16(w4, k, 128).to(torch.bfloat16)
-        for m in MS:
+        for m in args.ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x.float(), dense.float())
             triton_rule = heuristic_w4a16_config(m, k, n, num_sms, wgmma=False)
@@ -58,6 +62,11 @@ def main(argv=None) -> int:
                                          wgmma_stages(heuristic.block_m, heuristic.block_n), True)
                 runs["split_kernel"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                             table={f"{k}x{n}": [(m, split_tile, None)]})
+            if heuristic.scale_acc:
+                before = dataclasses.replace(heuristic, num_stages=wgmma_stages(16, heuristic.block_n),
+                                             is_stacked=heuristic.block_n == 128, scale_acc=False)
+                runs["before_session18"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
+                                                                table={f"{k}x{n}": [(m, before, None)]})
             times = {}
             for name, fn in runs.items():
                 err = float((fn().float() - ref).norm() / ref.norm())
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
             print(f"{k}x{n} M={m}: bf16 {times['bf16']} us, heuristic {times['heuristic']} us "
                   f"({row['heuristic_speedup']}x, {row['heuristic_config']['kind']}), Triton rule "
                   f"{times['triton_rule']} us ({row['triton_rule_speedup']}x), split kernel "
-                  f"{times.get('split_kernel', '-')} us", flush=True)
+                  f"{times.get('split_kernel', '-')} us, before session 18 {times.get('before_session18', '-')} us",
+                  flush=True)
             rows.append(row)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

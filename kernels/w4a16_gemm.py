@@ -109,7 +109,8 @@ class W4A16Config:
     asynchronous wgmma, the conversion overlapped with the MMA; is_stacked: a whole tile's operands
     converted while the previous tile multiplies, else one slice at a time); "wgmma_ws" (w4a16_ws.py:
     the per-tile order warp-specialized, a producer warp and two consumer warpgroups of 64 rows each;
-    block_n is 128, num_warps and is_stacked do not apply)."""
+    block_n is 128, num_warps and is_stacked do not apply). scale_acc (wgmma per tile only): the
+    operands are the exact (level - zero) and the group scale multiplies each tile's products."""
 
     kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_ws" | "dequant"
     block_m: int = 16
@@ -120,6 +121,7 @@ class W4A16Config:
     # fused: one tl.dot per group instead of one per 16 input columns; gemv: one broadcast product
     is_stacked: bool = False
     k_tiles: int = 1  # rows: K tiles loaded at once
+    scale_acc: bool = False  # wgmma, is_stacked: the scale applied to each tile's products
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -136,17 +138,20 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 # (benchmarks/bench_kernels.py --tune) up to 32 tokens in session 12 (call 4); at 64 tokens the faster of
 # session 12's entry and the best warp-specialized candidate of the tuner, timed in one run (session 14,
 # call 13, `benchmarks/w4a16_kind_sweep.py --kind wgmma_ws`); from 128 tokens in session 15 (call 2,
-# `--tune-ms 128 256 512 1024 4096`, the warp-specialized kernel staggered); see benchmarks/RESULTS.md.
+# `--tune-ms 128 256 512 1024 4096`, the warp-specialized kernel staggered); up to 16 tokens the fastest of
+# the session-12 entry and eight per-tile configs with 4 stages, mostly the scale on the products, timed in
+# one run (session 18, call 4, `benchmarks/w4a16_kind_sweep.py --ms 1 4 8 16 --configs ...`); see
+# benchmarks/RESULTS.md.
 # Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
 DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
     {
         "4096x6144": (
-            (1, W4A16Config("wgmma", 16, 128, 8, 8, 6, False), 13.79),
-            (4, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 14.88),
-            (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 15.3),
-            (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 16.48),
+            (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 13.28),
+            (4, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.3),
+            (8, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.59),
+            (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.59),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 16.61),
             (64, W4A16Config("wgmma_ws", 64, 128, 2, 4, 6, True), 20.86),
             (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 25.41),
@@ -156,10 +161,10 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4096, _DEQUANT, 286.72),
         ),
         "4096x4096": (
-            (1, W4A16Config("wgmma", 16, 64, 8, 4, 6, False), 11.97),
-            (4, W4A16Config("wgmma", 16, 128, 8, 8, 6, False), 12.9),
-            (8, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 12.9),
-            (16, W4A16Config("wgmma", 16, 64, 4, 4, 6, False), 13.63),
+            (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 12.0),
+            (4, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 12.86),
+            (8, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 12.93),
+            (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 13.41),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 14.66),
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 17.06),
             (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.58),
@@ -169,10 +174,10 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 193.89),
         ),
         "4096x28672": (
-            (1, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.19),
-            (4, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.0),
-            (8, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 31.9),
-            (16, W4A16Config("wgmma", 16, 128, 1, 4, 6, True), 32.29),
+            (1, W4A16Config("wgmma", 16, 128, 1, 4, 4, True, scale_acc=True), 30.66),
+            (4, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.33),
+            (8, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.3),
+            (16, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.62),
             (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 34.43),
             (64, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True), 52.0),
             (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 66.3),
@@ -182,10 +187,10 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4096, _DEQUANT, 1343.87),
         ),
         "14336x4096": (
-            (1, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 21.12),
-            (4, W4A16Config("wgmma", 16, 64, 8, 4, 6, True), 23.36),
-            (8, W4A16Config("wgmma", 16, 128, 8, 4, 6, True), 23.36),
-            (16, W4A16Config("wgmma", 16, 64, 8, 4, 6, True), 23.9),
+            (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 19.74),
+            (4, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 21.22),
+            (8, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 21.34),
+            (16, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 22.05),
             (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 24.77),
             (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 30.43),
             (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 36.93),
@@ -230,6 +235,9 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         split_k *= 2
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
+    if block_m == 16:  # per tile, the products scaled per tile, 4 stages (H200, session 18: 4-12% faster
+        # than the per-slice order or 6 stages on the Llama-3-8B shapes at one token)
+        return W4A16Config("wgmma", 16, block_n, split_k, num_warps, 4, True, scale_acc=True)
     return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), is_wide)
 
 
@@ -274,6 +282,8 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
                 for m, config, us in entries]
         if not rows or any(config.kind not in KINDS for _, config, _ in rows):
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
+        if any(config.scale_acc and (config.kind != "wgmma" or not config.is_stacked) for _, config, _ in rows):
+            raise ValueError(f"{shape}: scale_acc applies to kind wgmma with is_stacked only")
         if any(config.kind == "wgmma_ws" and config.block_n != WS_BLOCK_N for _, config, _ in rows):
             raise ValueError(f"{shape}: kind wgmma_ws has {WS_BLOCK_N} weight rows per tile: set block_n to {WS_BLOCK_N}")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
@@ -366,7 +376,8 @@ def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: 
         from .w4a16_gluon import launch_w4a16_wgmma
 
         return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
-                                  config.split_k, config.num_warps, config.num_stages, config.is_stacked)
+                                  config.split_k, config.num_warps, config.num_stages, config.is_stacked,
+                                  config.scale_acc)
     return w4a16_triton.launch_w4a16_gemm(
         x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
         config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,

@@ -63,7 +63,8 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
     """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
     warpgroup (or 128 on one warpgroup, to 128 tokens), split-K while the tiles are fewer than the
     SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders;
-    from 64 tokens the warp-specialized kernel's (128 weight rows)."""
+    to 32 tokens also 4 stages and the per-tile order with the scale on the products (scale_acc); from
+    64 tokens the warp-specialized kernel's (128 weight rows)."""
     block_ms = [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
     num_tiles = math.ceil(k / K_TILE)
     configs = []
@@ -71,12 +72,16 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
         # 128 rows on one warpgroup: two 64-row wgmmas per slice (its accumulator fits up to 128 tokens)
         for block_n, num_warps in ((64, 4), (128, 8)) + (((128, 4),) if block_m <= 128 else ()):
             stages = wgmma_stages(block_m, block_n)
+            # few tokens: a shallower ring (more programs per SM) and the products scaled per tile
+            variants = [(stages, False, False), (stages, True, False)]
+            if block_m <= 32:
+                variants += [(s, True, True) for s in sorted({4, stages})] + ([(4, True, False)] if stages > 4 else [])
             num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
             for split_k in (1, 2, 4, 8):
                 if split_k > 1 and (split_k > num_tiles // 2 or num_programs * split_k > 4 * num_sms):
                     continue
-                configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, stages, per_tile)
-                            for per_tile in (False, True)]
+                configs += [W4A16Config("wgmma", block_m, block_n, split_k, num_warps, num_stages, per_tile,
+                                        scale_acc=scale_acc) for num_stages, per_tile, scale_acc in variants]
         if m >= 64 and block_m >= 64:  # warp-specialized (slower at 1-32 tokens: H100, session 15)
             num_programs = math.ceil(n / WS_BLOCK_N) * math.ceil(m / block_m)
             configs += [W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)

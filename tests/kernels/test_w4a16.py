@@ -1,5 +1,6 @@
 """W4A16: the gpu packing layout, the format carrying it, the Triton GEMM and its dispatch table."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -171,7 +172,11 @@ def test_table_lookup_and_heuristic() -> None:
     assert (many.kind, many.block_m, many.block_n) == ("wgmma_ws", 256, 128)
     wide = heuristic_w4a16_config(16, 4096, 28672, 132)  # 224 tiles of 128 rows for 132 SMs: no split
     assert (wide.block_n, wide.split_k, wide.is_stacked) == (128, 1, True)
-    assert not heuristic_w4a16_config(16, 4096, 4096, 132).is_stacked
+    # 16-token tiles: per tile, the scale on each tile's products, a 4-stage ring (narrow or wide)
+    narrow = heuristic_w4a16_config(16, 4096, 4096, 132)
+    assert (narrow.block_n, narrow.is_stacked, narrow.scale_acc, narrow.num_stages) == (64, True, True, 4)
+    assert (wide.scale_acc, wide.num_stages) == (True, 4)
+    assert not heuristic_w4a16_config(32, 4096, 4096, 132).scale_acc
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma_ws"
@@ -310,6 +315,15 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
     assert parse_w4a16_table({"64x64": [[1, config.to_dict(), 3.0]]})["64x64"][0][1] == config
     with pytest.raises(ValueError, match="set block_n to 128"):  # the warp-specialized tile has 128 rows
         parse_w4a16_table({"64x64": [[1, W4A16Config("wgmma_ws", 64, 256, 1, 4, 6, True).to_dict(), None]]})
+    scaled = W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True)
+    assert parse_w4a16_table({"64x64": [[1, scaled.to_dict(), None]]})["64x64"][0][1] == scaled
+    # the scale on the products exists only in the Gluon kernel's per-tile order
+    for wrong in (dataclasses.replace(scaled, is_stacked=False), dataclasses.replace(scaled, kind="swap")):
+        with pytest.raises(ValueError, match="scale_acc applies to kind wgmma with is_stacked only"):
+            parse_w4a16_table({"64x64": [[1, wrong.to_dict(), None]]})
+    # a table written before the field existed still reads (scale_acc off)
+    old_entry = {k: v for k, v in W4A16Config("wgmma", 16, 64, 4, 4, 6, True).to_dict().items() if k != "scale_acc"}
+    assert not parse_w4a16_table({"64x64": [[1, old_entry, None]]})["64x64"][0][1].scale_acc
 
 
 _COMPILE_SM90 = """
@@ -324,12 +338,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from llmc.kernels import w4a16_gluon, w4a16_ws
 
-order = sys.argv[1]  # "slice", "tile" or "ws" (warp-specialized)
-# per slice: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
-block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "ws": (256, 128, 4)}[order]
+order = sys.argv[1]  # "slice", "tile", "acc" (per tile, the scale on the products) or "ws" (warp-specialized)
+# per slice and acc: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
+block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "acc": (16, 128, 4), "ws": (256, 128, 4)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-split = order == "slice"
+split = order in ("slice", "acc")
 signature = {
     "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
@@ -342,7 +356,7 @@ if order == "ws":
     constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
-    constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order == "tile"}
+    constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc"), "SCALE_ACC": order == "acc"}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
@@ -357,7 +371,7 @@ except FileNotFoundError as exc:  # a triton without its bundled ptxas
 ptx = kernel.asm["ptx"]
 print("wgmma", "wgmma.mma_async.sync.aligned.m64n" in ptx)
 print("tma", "cp.async.bulk.tensor.2d" in ptx)
-print("paired", "sub.rn.bf16x2" in ptx and "mul.rn.bf16x2" in ptx)
+print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order == "acc"))
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
@@ -376,7 +390,7 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "ws"])
+@pytest.mark.parametrize("order", ["slice", "tile", "acc", "ws"])
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
@@ -396,15 +410,15 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
-    assert facts["counted"] == str(order == "slice")  # the semaphores, the partials read past L1
+    assert facts["counted"] == str(order in ("slice", "acc"))  # the semaphores, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
     assert facts["waits"] == "1 launches_dependents True"
     if order != "ws":  # (the partitions' code is not in program order in the PTX text)
-        assert facts["tma_before_wait"] == ("4" if order == "tile" else "3")
+        assert facts["tma_before_wait"] == ("3" if order == "slice" else "4")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
-    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else f"{4 if order == 'slice' else 8} setmaxnreg False")
+    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else f"{8 if order == 'tile' else 4} setmaxnreg False")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
@@ -418,6 +432,13 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, True, torch.bfloat16, W4A16Config("wgmma", 256, 128, 1, 8, 2, False)),
     (4096, 4096, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 256, 128, 4, 8, 3, False)),
     (4096, 4096, 100, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 128, 128, 2, 8, 4, True)),
+    # per tile with the scale on each tile's products: zero points, bias, fp16, per-channel and 256-column
+    # groups, N tails, split K with an uneven last split and a split of one tile, 8 warps, 32 tokens
+    (512, 192, 5, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 16, 128, 2, 4, 4, True, scale_acc=True)),
+    (1024, 256, 16, -1, False, True, torch.float16, W4A16Config("wgmma", 16, 64, 1, 4, 4, True, scale_acc=True)),
+    (768, 320, 1, 256, True, False, torch.bfloat16, W4A16Config("wgmma", 16, 128, 4, 8, 3, True, scale_acc=True)),
+    (640, 256, 3, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True)),
+    (384, 256, 33, 128, True, False, torch.float16, W4A16Config("wgmma", 32, 64, 1, 4, 4, True, scale_acc=True)),
     # warp-specialized: a producer warp, two consumer warpgroups of 64 rows; M and N tails (N of 192: the
     # second warpgroup's rows partly past N), zero points, bias, fp16, per-channel and 256-column groups,
     # split K, fewer tiles than stages
@@ -448,7 +469,8 @@ def test_wgmma_kernel_matches_float64(rel_err, k, n, m, group, has_zeros, has_bi
     if bias is not None:
         expected += bias.double()
     assert y.dtype == dtype and y.shape == (m, n) and rel_err(y, expected) < 1e-2
-    # the same operand as the dequantize + matmul path: the two agree to the output's rounding
+    # the same operand as the dequantize + matmul path: the two agree to the output's rounding (with
+    # scale_acc the weight is never rounded to 16 bits: they differ by that rounding as well)
     dense = F.linear(x.float(), dequantize_w4a16(params, k, group).to(dtype).float(),
                      None if bias is None else bias.float())
     assert rel_err(y, dense) < 4e-3
