@@ -7,7 +7,7 @@ weight, `w4a16_linear` with no table entry for the shape on this GPU (the heuris
 Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs), and where the
 heuristic picks the warp-specialized kernel, the split kernel's same tile (the heuristic before
 session 15), and where it picks the products scaled per tile, the same tile as the heuristic chose
-it before session 18 (6 stages, scaled operands, per tile only when 128 rows wide), each checked
+it before session 18 (as many stages as fit, scaled operands, per tile only for 16 x 128 tiles), each checked
 against the float32 product first.
 """
 
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
                 runs["split_kernel"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                             table={f"{k}x{n}": [(m, split_tile, None)]})
             if heuristic.scale_acc:
-                before = dataclasses.replace(heuristic, num_stages=wgmma_stages(16, heuristic.block_n),
-                                             is_stacked=heuristic.block_n == 128, scale_acc=False)
+                before = dataclasses.replace(  # per tile only for 16 x 128 (wide) tiles, as many stages as fit
+                    heuristic, num_stages=wgmma_stages(heuristic.block_m, heuristic.block_n),
+                    is_stacked=(heuristic.block_m, heuristic.block_n) == (16, 128), scale_acc=False)
                 runs["before_session18"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                                 table={f"{k}x{n}": [(m, before, None)]})
             times = {}

@@ -138,9 +138,9 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 # (benchmarks/bench_kernels.py --tune) up to 32 tokens in session 12 (call 4); at 64 tokens the faster of
 # session 12's entry and the best warp-specialized candidate of the tuner, timed in one run (session 14,
 # call 13, `benchmarks/w4a16_kind_sweep.py --kind wgmma_ws`); from 128 tokens in session 15 (call 2,
-# `--tune-ms 128 256 512 1024 4096`, the warp-specialized kernel staggered); up to 16 tokens the fastest of
+# `--tune-ms 128 256 512 1024 4096`, the warp-specialized kernel staggered); up to 32 tokens the fastest of
 # the session-12 entry and eight per-tile configs with 4 stages, mostly the scale on the products, timed in
-# one run (session 18, call 4, `benchmarks/w4a16_kind_sweep.py --ms 1 4 8 16 --configs ...`); see
+# one run (session 18, calls 4 and 8, `benchmarks/w4a16_kind_sweep.py --ms ... --configs ...`); see
 # benchmarks/RESULTS.md.
 # Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
@@ -152,7 +152,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.3),
             (8, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.59),
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.59),
-            (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 16.61),
+            (32, W4A16Config("wgmma", 32, 64, 4, 4, 4, True, scale_acc=True), 15.3),
             (64, W4A16Config("wgmma_ws", 64, 128, 2, 4, 6, True), 20.86),
             (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 25.41),
             (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.72),
@@ -165,7 +165,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 12.86),
             (8, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 12.93),
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 13.41),
-            (32, W4A16Config("wgmma", 32, 64, 4, 4, 6, False), 14.66),
+            (32, W4A16Config("wgmma", 32, 64, 4, 4, 4, True, scale_acc=True), 13.7),
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 6, True), 17.06),
             (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.58),
             (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.5),
@@ -178,7 +178,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.33),
             (8, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.3),
             (16, W4A16Config("wgmma", 16, 128, 1, 4, 4, True), 31.62),
-            (32, W4A16Config("wgmma", 32, 128, 1, 4, 6, True), 34.43),
+            (32, W4A16Config("wgmma", 32, 128, 1, 4, 4, True, scale_acc=True), 33.3),
             (64, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True), 52.0),
             (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 66.3),
             (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 102.5),
@@ -191,7 +191,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 21.22),
             (8, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 21.34),
             (16, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 22.05),
-            (32, W4A16Config("wgmma", 32, 128, 8, 4, 6, True), 24.77),
+            (32, W4A16Config("wgmma", 32, 128, 8, 4, 4, True, scale_acc=True), 22.8),
             (64, W4A16Config("wgmma", 64, 128, 4, 4, 6, True), 30.43),
             (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 36.93),
             (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 53.15),
@@ -235,9 +235,9 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         split_k *= 2
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
-    if block_m == 16:  # per tile, the products scaled per tile, 4 stages (H200, session 18: 4-12% faster
-        # than the per-slice order or 6 stages on the Llama-3-8B shapes at one token)
-        return W4A16Config("wgmma", 16, block_n, split_k, num_warps, 4, True, scale_acc=True)
+    if block_m <= 32:  # per tile, the products scaled per tile, 4 stages (session 18: 4-12% faster than the
+        # per-slice order or 6 stages on the Llama-3-8B shapes at 1-32 tokens, H200 and H100)
+        return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
     return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), is_wide)
 
 

@@ -176,7 +176,8 @@ def test_table_lookup_and_heuristic() -> None:
     narrow = heuristic_w4a16_config(16, 4096, 4096, 132)
     assert (narrow.block_n, narrow.is_stacked, narrow.scale_acc, narrow.num_stages) == (64, True, True, 4)
     assert (wide.scale_acc, wide.num_stages) == (True, 4)
-    assert not heuristic_w4a16_config(32, 4096, 4096, 132).scale_acc
+    assert heuristic_w4a16_config(32, 4096, 4096, 132).scale_acc  # to 32 tokens
+    assert not heuristic_w4a16_config(64, 4096, 4096, 132).scale_acc
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma_ws"
