@@ -74,8 +74,8 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
             stages = wgmma_stages(block_m, block_n)
             # few tokens: a shallower ring (more programs per SM) and the products scaled per tile
             variants = [(stages, False, False), (stages, True, False)]
-            if block_m <= 32:
-                variants += [(s, True, True) for s in sorted({4, stages})] + ([(4, True, False)] if stages > 4 else [])
+            if block_m <= 32:  # (6 stages with the scale on the products lost to 4 everywhere: session 18)
+                variants += [(4, True, True)] + ([(4, True, False)] if stages > 4 else [])
             num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
             for split_k in (1, 2, 4, 8):
                 if split_k > 1 and (split_k > num_tiles // 2 or num_programs * split_k > 4 * num_sms):
