@@ -132,7 +132,8 @@ def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED:
     prmt puts their 16-bit halves side by side, a shift and a lop3 make MAGIC + level in each half
     (0x4300 | level is 128 + level as bf16, 0x6400 | level 1024 + level as fp16), and the paired
     subtract and multiply give (level - zero) * scale, rounded once, as the fp32 path does: the
-    difference is an exact small integer, its product with the scale exact before the rounding."""
+    difference is an exact small integer, its product with the scale exact before the rounding.
+    SCALED 0: the subtract only, (level - zero) exact; the caller scales the products."""
     selector = gl.zeros_like(words) + (0x5410 + (j // 4) * (0x7632 - 0x5410))
     shift = gl.zeros_like(words) + 4 * (j % 4)
     if SCALED == 0:  # (level - zero) exact, the scale applied to the tile's products
@@ -231,8 +232,8 @@ def _w4a16_wgmma_kernel(
     back to back (no register of an in-flight wgmma is written; twice the operand registers).
     SCALE_ACC (per tile only): the operands are (level - zero), exact, and each tile's products go
     to a fresh accumulator that is scaled into the total after the tile's wait: one multiply per
-    output element and tile instead of one per weight pair (few tokens: H200, session 18, the
-    one-token GEMVs 4-12% faster), and the last tile is not converted twice.
+    output element and tile instead of one per weight pair, and the last tile is not converted
+    twice (with 4-stage rings, the table's one-token GEMVs 7-11% faster on an H100, session 18).
 
     Launched with PDL, the first tiles' packed words and group parameters are requested before the
     wait for the kernel that writes the activations (they are weights), so a decode GEMV streams
