@@ -236,7 +236,7 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
     if block_m <= 32:  # per tile, the products scaled per tile, 4 stages (session 18, H100: the Llama-3-8B
-        # table entries 3-11% faster at 1-32 tokens, other shapes' tiles 1.05-1.8x)
+        # table entries 3-11% faster at 1-32 tokens, other shapes' tiles 1.03-1.8x)
         return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
     return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), is_wide)
 
