@@ -3,7 +3,8 @@
 # built and served by this tree and by OLD_TREE (the kernels before), one GPU, one run.
 #   bash benchmarks/kernels_vs_before.sh OLD_TREE OUT_DIR "w4 fp8:before bf16:now"
 # Each item is w4, w4head (W4A16 with the output head in int4 too), fp8 or bf16, alone (both trees) or
-# with :now / :before (one tree, e.g. to split the runs over two calls). bf16 is the reference W4A16 must beat; its kernels did not change.
+# with :now / :before (one tree, e.g. to split the runs over two calls). bf16 is the reference W4A16
+# must beat; its kernels did not change.
 # PARTS (default decode,throughput) picks the bench_e2e parts.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

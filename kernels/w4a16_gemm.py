@@ -217,9 +217,8 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         return _DEQUANT
     block_m = min(bucket, 256) if bucket > 1 else 16
     block_n, num_warps = (64, 4) if block_m == 16 else ((128, 4) if block_m == 32 else (128, 8))
-    # few tokens and a weight of at least one 128-row tile per SM: 128 rows per program, each tile's
-    # eight operands converted while the previous tile multiplies (H100, session 12: gate_up at 1-16
-    # tokens 32 µs against 36 µs with 64 rows converted slice by slice)
+    # few tokens and a weight of at least one 128-row tile per SM: 128 rows per program, no split
+    # (H100, session 12: gate_up at 1-16 tokens 32 µs against 36 µs with 64 rows)
     is_wide = block_m == 16 and math.ceil(n / 128) >= num_sms
     if is_wide:
         block_n = 128
@@ -238,7 +237,8 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     if block_m <= 32:  # per tile, the products scaled per tile, 4 stages (session 18, H100: the Llama-3-8B
         # table entries 3-11% faster at 1-32 tokens, other shapes' tiles 1.03-1.8x)
         return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
-    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), is_wide)
+    # 64 tokens: one slice converted while the previous one multiplies
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), False)
 
 
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
