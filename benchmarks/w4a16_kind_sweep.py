@@ -32,8 +32,8 @@ SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 def parse_config(spec: str) -> W4A16Config:
     kind, *numbers = spec.split(",")
-    flags = dict(zip(("is_stacked", "scale_acc"), (bool(int(v)) for v in numbers[5:7])))
-    return W4A16Config(kind, *(int(v) for v in numbers[:5]), **flags, stream_k=int(numbers[7]) if numbers[7:] else 0)
+    flags = dict(zip(("is_stacked", "scale_acc"), (bool(int(v)) for v in numbers[5:])))
+    return W4A16Config(kind, *(int(v) for v in numbers[:5]), **flags)
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--kind", default="wgmma")
     parser.add_argument("--configs", nargs="+", default=None,
                         help="configs to time at every M instead of the kind's tuner candidates: "
-                             "kind,block_m,block_n,split_k,num_warps,num_stages[,is_stacked 0/1[,scale_acc 0/1[,stream_k]]]")
+                             "kind,block_m,block_n,split_k,num_warps,num_stages[,is_stacked 0/1[,scale_acc 0/1]]")
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 4096])
     args = parser.parse_args()
     torch.manual_seed(0)

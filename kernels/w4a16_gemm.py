@@ -110,10 +110,7 @@ class W4A16Config:
     converted while the previous tile multiplies, else one slice at a time); "wgmma_ws" (w4a16_ws.py:
     the per-tile order warp-specialized, a producer warp and two consumer warpgroups of 64 rows each;
     block_n is 128, num_warps and is_stacked do not apply). scale_acc (wgmma per tile only): the
-    operands are the exact (level - zero) and the group scale multiplies each tile's products.
-    stream_k (scale_acc only; 0: off): that many programs per SM share every weight-row block's K tiles
-    evenly (stream-K: a program's range may end inside one block and go on into the next; the programs
-    of a block sum their parts in the kernel), in place of a grid of blocks x split_k (split_k unused)."""
+    operands are the exact (level - zero) and the group scale multiplies each tile's products."""
 
     kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_ws" | "dequant"
     block_m: int = 16
@@ -125,7 +122,6 @@ class W4A16Config:
     is_stacked: bool = False
     k_tiles: int = 1  # rows: K tiles loaded at once
     scale_acc: bool = False  # wgmma, is_stacked: the scale applied to each tile's products
-    stream_k: int = 0  # scale_acc: programs per SM sharing all the K tiles evenly (0: the blocks x split_k grid)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -288,10 +284,6 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
         if any(config.scale_acc and (config.kind != "wgmma" or not config.is_stacked) for _, config, _ in rows):
             raise ValueError(f"{shape}: scale_acc applies to kind wgmma with is_stacked only")
-        if any(config.stream_k and not config.scale_acc for _, config, _ in rows):
-            raise ValueError(f"{shape}: stream_k applies to kind wgmma with scale_acc only")
-        if any(config.stream_k < 0 for _, config, _ in rows):
-            raise ValueError(f"{shape}: stream_k is a number of programs per SM (0: off)")
         if any(config.kind == "wgmma_ws" and config.block_n != WS_BLOCK_N for _, config, _ in rows):
             raise ValueError(f"{shape}: kind wgmma_ws has {WS_BLOCK_N} weight rows per tile: set block_n to {WS_BLOCK_N}")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
@@ -385,7 +377,7 @@ def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: 
 
         return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
                                   config.split_k, config.num_warps, config.num_stages, config.is_stacked,
-                                  config.scale_acc, config.stream_k)
+                                  config.scale_acc)
     return w4a16_triton.launch_w4a16_gemm(
         x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
         config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,

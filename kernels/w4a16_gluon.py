@@ -34,8 +34,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .pdl_triton import pdl_args
-from . import device_num_sms
-from .split_k_triton import finish_splits, plan_splits, tile_counters
+from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
 
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
@@ -108,75 +107,6 @@ def _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m
     for s in gl.static_range(COUNT):
         if s < n_tiles:
             _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
-
-
-@gluon.jit
-def _unit(u, num_tiles, pid_n, STREAM_K: gl.constexpr):
-    """(K tile, weight-row block) of work unit u: with STREAM_K (the K tiles, a compile-time constant:
-    the divisions are a multiply and a shift) the units run over every block's K tiles in turn
-    (u = block * STREAM_K + tile); without, u is a K tile of the program's own block."""
-    if STREAM_K:
-        return u % STREAM_K, u // STREAM_K
-    else:
-        return u, pid_n
-
-
-@gluon.jit
-def _load_unit_words(x_desc, w_desc, w_smem, bars, stage, u, num_tiles, pid_n, STREAM_K: gl.constexpr):
-    t, block = _unit(u, num_tiles, pid_n, STREAM_K)
-    _load_words(x_desc, w_desc, w_smem, bars, stage, t, block * w_desc.block_type.shape[1])
-
-
-@gluon.jit
-def _load_unit(x_desc, w_desc, w_smem, x_smem, bars, stage, u, num_tiles, pid_n, off_m, STREAM_K: gl.constexpr):
-    t, block = _unit(u, num_tiles, pid_n, STREAM_K)
-    _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, block * w_desc.block_type.shape[1])
-
-
-@gluon.jit
-def _unit_params(s_ptr, qz_ptr, u, num_tiles, pid_n, rows, N, num_groups, GROUP_SIZE: gl.constexpr,
-                 HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr, STREAM_K: gl.constexpr):
-    """_group_params for work unit u (rows: the block's row offsets, 0 ... BLOCK_N - 1, in the wanted layout)."""
-    t, block = _unit(u, num_tiles, pid_n, STREAM_K)
-    offs_n = block * rows.shape[0] + rows
-    return _group_params(s_ptr, qz_ptr, t, offs_n, offs_n < N, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-
-
-@gluon.jit
-def _flush_block(acc, block, bias_ptr, part_ptr, final_ptr, counter_ptr, M, N, off_m, num_tiles, units,
-                 HAS_BIAS: gl.constexpr, mma_layout: gl.constexpr):
-    """Stream-K: this program's sum over its units of weight-row block `block` leaves. A block whose
-    units all fell to this program is written (bias added); otherwise the sum is stored as a partial in
-    the slot of this program's rank among the block's programs, and the last of them to arrive sums the
-    partials in rank order (deterministic) and writes the block, as split_k_triton.store_split does.
-    Program c owns units [c * units // P, (c + 1) * units // P), so unit u is program
-    ceil((u + 1) * P / units) - 1's."""
-    BLOCK_N: gl.constexpr = acc.shape[0]
-    BLOCK_M: gl.constexpr = acc.shape[1]
-    programs = gl.num_programs(0)
-    first = ((block * num_tiles + 1) * programs + units - 1) // units - 1
-    last = ((block + 1) * num_tiles * programs + units - 1) // units - 1
-    offs_on = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
-    ptrs = offs_om[None, :] * N + offs_on[:, None]
-    if first == last:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(final_ptr + ptrs, acc.to(final_ptr.dtype.element_ty), mask=mask)
-    else:
-        gl.store(part_ptr + (gl.program_id(0) - first) * M * N + ptrs, acc, mask=mask)
-        _cta_barrier()  # every thread's partial is stored before the count is released
-        tile = gl.program_id(2) * gl.cdiv(N, BLOCK_N) + block
-        arrived = gl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == last - first:
-            total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-            for rank in range(last - first + 1):
-                total += gl.load(part_ptr + rank * M * N + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-            gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
-            gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit
@@ -292,7 +222,7 @@ def _w4a16_wgmma_kernel(
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
-    num_warps: gl.constexpr, STREAM_K: gl.constexpr = 0,
+    num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -337,52 +267,26 @@ def _w4a16_wgmma_kernel(
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
     PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
-    if not (PER_TILE and SCALE_ACC):  # (that order fills its ring itself: its work units)
-        _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL)
+    _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL)
     if PER_TILE and SCALE_ACC:
         # the operands are (level - zero), exact; each tile's products are scaled into acc after its wait;
-        # the last tile is peeled off the loop (no next tile to convert). Work units (_unit): this program's
-        # K tiles, or with STREAM_K an even share of every block's K tiles (blocks flushed as they end)
-        rows = gl.arange(0, BLOCK_N, layout=row_layout)
-        rows_acc = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-        if STREAM_K:
-            units = gl.cdiv(N, BLOCK_N) * STREAM_K
-            u_begin = pid_n * units // gl.num_programs(0)
-            n_units = (pid_n + 1) * units // gl.num_programs(0) - u_begin
-        else:
-            units = num_tiles
-            u_begin = t_begin
-            n_units = n_tiles
-        # the first unit's group (weights: requested before the wait for the activations' kernel)
-        scale, offset = _unit_params(s_ptr, qz_ptr, u_begin, num_tiles, pid_n, rows, N, num_groups, GROUP_SIZE,
-                                     HAS_ZEROS, MAGIC, STREAM_K)
-        if STREAM_K:
-            for s in gl.static_range(STAGES):
-                if s < n_units:
-                    _load_unit_words(x_desc, w_desc, w_smem, bars, s, u_begin + s, num_tiles, pid_n, STREAM_K)
-            _wait_for_inputs(PDL)
-            for s in gl.static_range(STAGES):
-                if s < n_units:
-                    t_s, _ = _unit(u_begin + s, num_tiles, pid_n, STREAM_K)
-                    _load_x(x_desc, x_smem, bars, s, t_s, off_m)
-        else:
-            _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, STAGES, PDL)
+        # the last tile is peeled off the loop (no next tile to convert)
+        offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        n_mask_acc = offs_n_acc < N
         mbarrier.wait(bars.index(0), 0)
         a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, 0)
-        scale_acc, _ = _unit_params(s_ptr, qz_ptr, u_begin, num_tiles, pid_n, rows_acc, N, num_groups, GROUP_SIZE,
-                                    False, MAGIC, STREAM_K)
-        scale, offset = _unit_params(s_ptr, qz_ptr, u_begin + gl.minimum(1, n_units - 1), num_tiles, pid_n, rows, N,
-                                     num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC, STREAM_K)
+        scale_acc, _ = _group_params(s_ptr, qz_ptr, t_begin, offs_n_acc, n_mask_acc, N, num_groups, GROUP_SIZE,
+                                     False, MAGIC)
+        scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
+                                      num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
         part = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
-        for i in range(n_units - 1):
+        for i in range(n_tiles - 1):
             stage = i % STAGES
             part = _tile_mmas(a, x_smem, stage, part)
-            # the group parameters come one tile ahead of their use (a global load's latency hidden)
-            scale_acc_next, _ = _unit_params(s_ptr, qz_ptr, u_begin + i + 1, num_tiles, pid_n, rows_acc, N,
-                                             num_groups, GROUP_SIZE, False, MAGIC, STREAM_K)
-            scale_after, offset_after = _unit_params(s_ptr, qz_ptr, u_begin + gl.minimum(i + 2, n_units - 1),
-                                                     num_tiles, pid_n, rows, N, num_groups, GROUP_SIZE, HAS_ZEROS,
-                                                     MAGIC, STREAM_K)
+            scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N, num_groups,
+                                              GROUP_SIZE, False, MAGIC)
+            scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
+                                                      offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
             mbarrier.wait(bars.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
             a_next = _tile_operands(w_smem.index((i + 1) % STAGES), offset, scale, a_layout, dtype, 0)
             scale, offset = scale_after, offset_after
@@ -391,17 +295,10 @@ def _w4a16_wgmma_kernel(
             acc += part * scale_acc[:, None]
             scale_acc = scale_acc_next
             _cta_barrier()  # no warp still reads this stage
-            if i + STAGES < n_units:
-                _load_unit(x_desc, w_desc, w_smem, x_smem, bars, stage, u_begin + i + STAGES, num_tiles, pid_n, off_m,
-                           STREAM_K)
-            if STREAM_K:
-                t_i, block_i = _unit(u_begin + i, num_tiles, pid_n, STREAM_K)
-                if t_i == num_tiles - 1:  # the block's last K tile: its sum leaves
-                    _flush_block(acc, block_i, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, num_tiles,
-                                 units, HAS_BIAS, mma_layout)
-                    acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
+            if i + STAGES < n_tiles:
+                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
             a = a_next
-        part = _tile_mmas(a, x_smem, (n_units - 1) % STAGES, part)
+        part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
         acc += part * scale_acc[:, None]
     elif PER_TILE:
@@ -453,72 +350,18 @@ def _w4a16_wgmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    if STREAM_K:
-        _, last_block = _unit(u_begin + n_units - 1, num_tiles, pid_n, STREAM_K)
-        _flush_block(acc, last_block, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, num_tiles, units,
-                     HAS_BIAS, mma_layout)
-    else:
-        _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om,
-                    stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
+    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
+                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
 
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
-    scale_acc: bool = False, stream_k: int = 0,
+    scale_acc: bool = False,
 ) -> Tensor:
-    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype. stream_k (with scale_acc): that
-    many programs per SM share the K tiles of every weight-row block evenly (split_k unused)."""
-    if stream_k:
-        out = _launch_stream_k(x, qweight, scales, qzeros, bias, group_size, block_m, block_n, num_warps, num_stages,
-                               stream_k)
-        if out is not None:
-            return out
+    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype."""
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, STAGES=num_stages, PER_TILE=per_tile, SCALE_ACC=scale_acc,
                         num_warps=num_warps)
-
-
-def _descriptors(x: Tensor, qweight: Tensor, block_m: int, block_n: int):
-    """The TMA descriptors of x ([block_m, 64] boxes) and of the packed words ([16, block_n] boxes)."""
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
-    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout),
-            TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout))
-
-
-def stream_k_plan(num_tiles: int, blocks_n: int, programs: int) -> tuple[int, int]:
-    """(programs, partial slots) of a stream-K launch over blocks_n x num_tiles units: no more programs
-    than units; a block's programs are at most 2 + (num_tiles - 2) // (fewest units a program has) (the
-    first and last may hold one unit of it, each between holds all of its own), and at most all of them."""
-    units = blocks_n * num_tiles
-    programs = max(1, min(programs, units))
-    fewest = units // programs
-    slots = 1 if num_tiles < 2 else min(programs, 2 + (num_tiles - 2) // fewest)
-    return programs, slots
-
-
-def _launch_stream_k(x, qweight, scales, qzeros, bias, group_size, block_m, block_n, num_warps, num_stages,
-                     per_sm) -> Tensor | None:
-    """The stream-K grid (programs, 1, token tiles); None where there are no semaphores to be had (a CUDA
-    graph capturing before any eager run: the caller runs the blocks x split_k grid instead)."""
-    M, N = x.shape[0], qweight.shape[1]
-    num_tiles = qweight.shape[0] // 16
-    blocks_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
-    counters = tile_counters(x.device, blocks_n * tiles_m)
-    if counters is None:
-        return None
-    programs, slots = stream_k_plan(num_tiles, blocks_n, per_sm * device_num_sms(x.device))
-    out = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    partials = torch.empty(slots, M, N, device=x.device, dtype=torch.float32)
-    x_desc, w_desc = _descriptors(x, qweight, block_m, block_n)
-    _w4a16_wgmma_kernel[(programs, 1, tiles_m)](
-        x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        partials, out, counters, M, N, scales.shape[0], num_tiles, num_tiles, N, M * N,
-        GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=True, SUM_SPLITS=0, STAGES=num_stages, PER_TILE=True, SCALE_ACC=True, num_warps=num_warps,
-        STREAM_K=num_tiles, **pdl_args(x.device),
-    )
-    return out
 
 
 def launch_tiled(
@@ -538,7 +381,10 @@ def launch_tiled(
     is_split = split_k > 1
     if sum_in_kernel:
         constexprs["SUM_SPLITS"] = split_k if counters is not None else 0
-    x_desc, w_desc = _descriptors(x, qweight, block_m, block_n)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
