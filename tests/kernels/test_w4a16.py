@@ -339,12 +339,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from llmc.kernels import w4a16_gluon, w4a16_ws
 
-order = sys.argv[1]  # "slice", "tile", "acc" (per tile, the scale on the products) or "ws" (warp-specialized)
+order = sys.argv[1]  # "slice", "tile", "acc" (per tile, the scale on the products), "acc8" (the same on 8-token
+# tiles and two warpgroups) or "ws" (warp-specialized)
 # per slice and acc: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
-block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "acc": (16, 128, 4), "ws": (256, 128, 4)}[order]
+block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "acc": (16, 128, 4), "acc8": (8, 128, 8),
+                           "ws": (256, 128, 4)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-split = order in ("slice", "acc")
+split = order in ("slice", "acc", "acc8")
 signature = {
     "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
@@ -357,7 +359,8 @@ if order == "ws":
     constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
-    constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc"), "SCALE_ACC": order == "acc"}
+    constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
+                  "SCALE_ACC": order in ("acc", "acc8")}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
@@ -372,7 +375,7 @@ except FileNotFoundError as exc:  # a triton without its bundled ptxas
 ptx = kernel.asm["ptx"]
 print("wgmma", "wgmma.mma_async.sync.aligned.m64n" in ptx)
 print("tma", "cp.async.bulk.tensor.2d" in ptx)
-print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order == "acc"))
+print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order in ("acc", "acc8")))
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
@@ -391,7 +394,7 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "acc", "ws"])
+@pytest.mark.parametrize("order", ["slice", "tile", "acc", "acc8", "ws"])
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
@@ -411,7 +414,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     facts = dict(line.split(" ", 1) for line in done.stdout.splitlines() if " " in line)
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
-    assert facts["counted"] == str(order in ("slice", "acc"))  # the semaphores, the partials read past L1
+    assert facts["counted"] == str(order in ("slice", "acc", "acc8"))  # the semaphores, the partials read past L1
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
@@ -419,7 +422,8 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     if order != "ws":  # (the partitions' code is not in program order in the PTX text)
         assert facts["tma_before_wait"] == ("3" if order == "slice" else "4")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
-    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else f"{8 if order == 'tile' else 4} setmaxnreg False")
+    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else
+                              f"{8 if order in ('tile', 'acc8') else 4} setmaxnreg False")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
@@ -440,6 +444,10 @@ WGMMA_CASES = [
     (768, 320, 1, 256, True, False, torch.bfloat16, W4A16Config("wgmma", 16, 128, 4, 8, 3, True, scale_acc=True)),
     (640, 256, 3, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True)),
     (384, 256, 33, 128, True, False, torch.float16, W4A16Config("wgmma", 32, 64, 1, 4, 4, True, scale_acc=True)),
+    # 8-token tiles (the table to 8 tokens): one token, two token tiles (9), 8 warps, zero points, fp16, bias
+    (512, 192, 1, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 8, 64, 2, 4, 4, True, scale_acc=True)),
+    (640, 320, 9, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 8, 128, 1, 4, 4, True, scale_acc=True)),
+    (1024, 256, 8, -1, True, True, torch.float16, W4A16Config("wgmma", 8, 128, 4, 8, 4, True, scale_acc=True)),
     # warp-specialized: a producer warp, two consumer warpgroups of 64 rows; M and N tails (N of 192: the
     # second warpgroup's rows partly past N), zero points, bias, fp16, per-channel and 256-column groups,
     # split K, fewer tiles than stages
