@@ -6,9 +6,9 @@ For each (K, N) and M, one run, the bench_kernels timer: torch bf16 F.linear on 
 weight, `w4a16_linear` with no table entry for the shape on this GPU (the heuristic: on Hopper the
 Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs), and where the
 heuristic picks the warp-specialized kernel, the split kernel's same tile (the heuristic before
-session 15), and where it picks the products scaled per tile, the same tile as the heuristic chose
-it before session 18 (as many stages as fit, scaled operands, per tile only for 16 x 128 tiles), each checked
-against the float32 product first.
+session 15), and where it picks 8-token tiles, the same tile with 16 tokens (the heuristic before
+session 19), each checked against the float32 product first. (Session 18's comparison, the tiles
+before the products were scaled per tile, is in git history: commit c01c4b2.)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from llmc.kernels.w4a16_gemm import (
 # (K, N) of other models than the fitted Llama-3-8B: Llama-2-13B qkv / down, Qwen2.5-7B gate_up, a
 # narrow 70B-at-tensor-8 o projection
 SHAPES = [(5120, 15360), (13824, 5120), (3584, 37888), (1024, 8192)]
-MS = [1, 4, 16, 64, 128, 256, 512, 1024]
+MS = [1, 4, 8, 16, 64, 128, 256, 512, 1024]
 
 
 def main(argv=None) -> int:
@@ -62,11 +62,9 @@ def main(argv=None) -> int:
                                          wgmma_stages(heuristic.block_m, heuristic.block_n), True)
                 runs["split_kernel"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                             table={f"{k}x{n}": [(m, split_tile, None)]})
-            if heuristic.scale_acc:
-                before = dataclasses.replace(  # per tile only for 16 x 128 (wide) tiles, as many stages as fit
-                    heuristic, num_stages=wgmma_stages(heuristic.block_m, heuristic.block_n),
-                    is_stacked=(heuristic.block_m, heuristic.block_n) == (16, 128), scale_acc=False)
-                runs["before_session18"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
+            if heuristic.kind == "wgmma" and heuristic.block_m == 8:
+                before = dataclasses.replace(heuristic, block_m=16)  # the 16-token tile of session 18
+                runs["before_session19"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                                 table={f"{k}x{n}": [(m, before, None)]})
             times = {}
             for name, fn in runs.items():
@@ -80,7 +78,7 @@ def main(argv=None) -> int:
             print(f"{k}x{n} M={m}: bf16 {times['bf16']} us, heuristic {times['heuristic']} us "
                   f"({row['heuristic_speedup']}x, {row['heuristic_config']['kind']}), Triton rule "
                   f"{times['triton_rule']} us ({row['triton_rule_speedup']}x), split kernel "
-                  f"{times.get('split_kernel', '-')} us, before session 18 {times.get('before_session18', '-')} us",
+                  f"{times.get('split_kernel', '-')} us, before session 19 {times.get('before_session19', '-')} us",
                   flush=True)
             rows.append(row)
     if args.json:

@@ -142,7 +142,8 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 # the session-12 entry and eight per-tile configs with 4 stages, mostly the scale on the products, timed in
 # one run (session 18, calls 4 and 8, `benchmarks/w4a16_kind_sweep.py --ms ... --configs ...`); up to 8
 # tokens 8-token tiles where one was at least 2% faster than the entry in the same run (session 19, call 3:
-# all of them at 4 and 8 tokens, qkv and o at one); see benchmarks/RESULTS.md.
+# all of them at 4 and 8 tokens, and qkv at one; o's 8-token tile at one token, 3% faster in call 3, was
+# 2% slower in call 5's repeat and is not kept); see benchmarks/RESULTS.md.
 # Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
@@ -162,7 +163,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (4096, _DEQUANT, 286.72),
         ),
         "4096x4096": (
-            (1, W4A16Config("wgmma", 8, 128, 8, 8, 4, True, scale_acc=True), 11.81),
+            (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 12.0),
             (4, W4A16Config("wgmma", 8, 128, 8, 8, 4, True, scale_acc=True), 12.38),
             (8, W4A16Config("wgmma", 8, 128, 8, 8, 4, True, scale_acc=True), 12.8),
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 13.41),
@@ -206,7 +207,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
 
 def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = True) -> W4A16Config:
     """A config for shapes no table covers. With `wgmma` (a Hopper GPU, the plan's assumption), after
-    the H100 sweep of the Gluon kernel: its 16- to 256-token tiles up to 1024 tokens while the tiles
+    the H100 sweep of the Gluon kernel: its 8- to 256-token tiles up to 1024 tokens while the tiles
     fill the GPU (from 128 tokens the warp-specialized kernel), one token per program row for small
     weights at one token, dequantize + matmul above; without, the Triton kernels' rule. The config is
     the one for the top of M's bucket (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it
@@ -216,11 +217,13 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         return _triton_heuristic(m, k, n, num_sms)
     if bucket is None:
         return _DEQUANT
-    block_m = min(bucket, 256) if bucket > 1 else 16
-    block_n, num_warps = (64, 4) if block_m == 16 else ((128, 4) if block_m == 32 else (128, 8))
+    # 8-token tiles up to 8 tokens (H100, session 19: the Llama-3-8B table's picks there; on four other
+    # shapes 1.00-1.11x the 16-token tile, benchmarks/w4a16_heuristic_check.py)
+    block_m = 8 if bucket <= 8 else min(bucket, 256)
+    block_n, num_warps = (64, 4) if block_m <= 16 else ((128, 4) if block_m == 32 else (128, 8))
     # few tokens and a weight of at least one 128-row tile per SM: 128 rows per program, no split
     # (H100, session 12: gate_up at 1-16 tokens 32 µs against 36 µs with 64 rows)
-    is_wide = block_m == 16 and math.ceil(n / 128) >= num_sms
+    is_wide = block_m <= 16 and math.ceil(n / 128) >= num_sms
     if is_wide:
         block_n = 128
     num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
@@ -229,7 +232,7 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     # split K in two until 2 programs per SM (16-token tiles, bound by the weights' bytes) or 1 (larger
     # ones, bound by the MMA), at most 4 per SM, at least 8 K tiles per split: within 5% of the best
     # measured tiles on average over the sweep's 44 cells (H100, Llama-3-8B shapes), 26% at worst
-    target = 2 * num_sms if block_m == 16 and not is_wide else num_sms
+    target = 2 * num_sms if block_m <= 16 and not is_wide else num_sms
     num_tiles, split_k = math.ceil(k / K_TILE), 1
     while num_programs * split_k < target and split_k * 2 <= num_tiles // 8 and num_programs * split_k * 2 <= 4 * num_sms:
         split_k *= 2
@@ -263,7 +266,7 @@ def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
 
 # The M at which heuristic_w4a16_config changes (the Triton rule's bounds, 1, 16, 64, are among them;
 # its split-K depends on ceil(M / block_m), which is 1 up to each bound).
-_HEURISTIC_MAX_MS = (1, 16, 32, 64, 128, 256, 512, 1024)
+_HEURISTIC_MAX_MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def heuristic_w4a16_entries(k: int, n: int, num_sms: int) -> list[tuple[int, W4A16Config, None]]:
