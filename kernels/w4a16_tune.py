@@ -60,14 +60,13 @@ def candidate_configs(m: int, k: int, n: int, num_sms: int, wgmma: bool = False)
 
 
 def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
-    """The Gluon kernel's tiles: a token tile from 16 to 256 (the wgmma's N), 64 weight rows per
+    """The Gluon kernel's tiles: a token tile from 8 to 256 (the wgmma's N), 64 weight rows per
     warpgroup (or 128 on one warpgroup, to 128 tokens), split-K while the tiles are fewer than the
     SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders;
     to 32 tokens also 4 stages and the per-tile order with the scale on the products (scale_acc), to 8
     tokens also 8-token tiles in that order only (the table's picks up to 8 tokens: H100, session 19); from
     64 tokens the warp-specialized kernel's (128 weight rows)."""
-    block_ms = [bm for bm in (8, 16, 32, 64, 128, 256)
-                if (bm <= max(16, m) and 2 * bm >= min(m, 256) and bm > 8) or (bm == 8 and m <= 8)]
+    block_ms = [8] * (m <= 8) + [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
     num_tiles = math.ceil(k / K_TILE)
     configs = []
     for block_m in block_ms:
