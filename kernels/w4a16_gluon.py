@@ -137,21 +137,14 @@ def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED:
     selector = gl.zeros_like(words) + (0x5410 + (j // 4) * (0x7632 - 0x5410))
     shift = gl.zeros_like(words) + 4 * (j % 4)
     if SCALED == 0:  # (level - zero) exact, the scale applied to the tile's products
-        exact = [words, offset.to(dtype)[:, None], selector, shift]
-        if dtype == gl.bfloat16:
-            out = gl.inline_asm_elementwise(_CVT_BF16_EXACT, "=r,r,r,r,r,r,r,r", exact, dtype=gl.bfloat16,
-                                            is_pure=True, pack=2)
-        else:
-            out = gl.inline_asm_elementwise(_CVT_FP16_EXACT, "=r,r,r,r,r,r,r,r", exact, dtype=gl.float16,
-                                            is_pure=True, pack=2)
+        exact_asm: gl.constexpr = _CVT_BF16_EXACT if dtype == gl.bfloat16 else _CVT_FP16_EXACT
+        args = [words, offset.to(dtype)[:, None], selector, shift]
+        out = gl.inline_asm_elementwise(exact_asm, "=r,r,r,r,r,r,r,r", args, dtype=dtype.value, is_pure=True, pack=2)
     else:
+        scaled_asm: gl.constexpr = _CVT_BF16 if dtype == gl.bfloat16 else _CVT_FP16
         args = [words, offset.to(dtype)[:, None], scale.to(dtype)[:, None], selector, shift]
-        if dtype == gl.bfloat16:
-            out = gl.inline_asm_elementwise(_CVT_BF16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.bfloat16, is_pure=True,
-                                            pack=2)
-        else:
-            out = gl.inline_asm_elementwise(_CVT_FP16, "=r,r,r,r,r,r,r,r,r", args, dtype=gl.float16, is_pure=True,
-                                            pack=2)
+        out = gl.inline_asm_elementwise(scaled_asm, "=r,r,r,r,r,r,r,r,r", args, dtype=dtype.value, is_pure=True,
+                                        pack=2)
     return out
 
 
