@@ -1,0 +1,88 @@
+"""The few-token Gluon W4A16 kernel's SASS, counted on a CPU (no GPU needed): compile the `wgmma` kind
+for sm_90 with the installed triton and its bundled ptxas, disassemble it with the bundled cuobjdump,
+and count the opcodes of the loop over K tiles (the first backward branch's body).
+
+    python benchmarks/w4a16_sass_count.py [--block-m 16] [--block-n 128] [--warps 4] [--no-scale-acc]
+
+Session 19's table in benchmarks/RESULTS.md (gate_up's one-token entry: 16 x 128, 4 warps, scale_acc,
+symmetric, no split) came from this: 386 instructions with triton 3.9, 383 with 3.6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+from llmc.kernels import w4a16_gluon
+
+
+def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool) -> str:
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    constants = {"GROUP_SIZE": 128, "HAS_ZEROS": False, "HAS_BIAS": False, "IS_SPLIT": False, "SUM_SPLITS": 0,
+                 "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps}
+    signature = {
+        "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
+        "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
+        "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16",
+        "counter_ptr": "*i32",
+        **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
+                                    "stride_split")},
+        **{name: "constexpr" for name in constants},
+    }
+    kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, obj = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        subprocess.run([ptxas, "-arch=sm_90a", ptx, "-o", obj], check=True)
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        return subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, check=True).stdout
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes (prmt with its selector) between the first backward branch and its target."""
+    instructions = [(int(m.group(1), 16), m.group(2).strip())
+                    for m in (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in sass.splitlines()) if m]
+    for address, text in instructions:
+        target = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address:
+            start, end = int(target.group(1), 16), address
+            break
+    else:
+        raise SystemExit("no loop found in the SASS")
+    counts = collections.Counter()
+    for address, text in instructions:
+        if start <= address <= end:
+            opcode = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+            counts[opcode + (" " + text.split(",")[2].strip() if opcode == "PRMT" else "")] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-m", type=int, default=16)
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--no-scale-acc", action="store_true")
+    args = parser.parse_args()
+    counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc))
+    print(f"triton {triton.__version__}: {sum(counts.values())} instructions in the loop over K tiles")
+    for opcode, count in counts.most_common():
+        print(f"{count:5d}  {opcode}")
+
+
+if __name__ == "__main__":
+    main()
