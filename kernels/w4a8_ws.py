@@ -46,17 +46,12 @@ _CVT_E4M3 = """{
     lop3.b32 v, v, 0x000F000F, 0x64006400, 0xEA;
     sub.rn.f16x2 t, t, $5;
     sub.rn.f16x2 v, v, $5;
-    SCALE
     cvt.rn.satfinite.e4m3x2.f16x2 lo, t;
     cvt.rn.satfinite.e4m3x2.f16x2 hi, v;
     mov.b32 $0, {lo, hi};
 }"""
-_CVT_LOW = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x1100").replace("SCALE", ""))
-_CVT_HIGH = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x3322").replace("SCALE", ""))
-# FOLD: ((level - zero) * ratio) rounded once to E4M3, ratio = group scale / the row's largest ($9, fp16 pair)
-_SCALE = "mul.rn.f16x2 t, t, $9;\n    mul.rn.f16x2 v, v, $9;"
-_CVT_LOW_FOLD = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x1100").replace("SCALE", _SCALE))
-_CVT_HIGH_FOLD = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x3322").replace("SCALE", _SCALE))
+_CVT_LOW = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x1100"))
+_CVT_HIGH = gl.constexpr(_CVT_E4M3.replace("SELECTOR", "0x3322"))
 # The A operand of an m64 x k32 E4M3 wgmma (four warps), for 64 positions (two k32 slices), as
 # gl.to_linear_layout gives it for DotOperandLayout(0, mma, k_width=4), and the packed words' layout
 # whose every word, four times over (join, reshape), is that: thread (lane 4 i + q) holds words
@@ -82,48 +77,29 @@ def _zero_bits(qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: gl.constexp
 
 
 @gluon.jit
-def _half_operand(words4, zero4, ratio4, a_layout: gl.constexpr, HIGH: gl.constexpr, FOLD: gl.constexpr):
-    if FOLD:
-        asm: gl.constexpr = _CVT_HIGH_FOLD if HIGH else _CVT_LOW_FOLD
-        out = gl.inline_asm_elementwise(asm, "=r" + ",r" * 12, [words4, zero4, ratio4], dtype=gl.float8e4nv,
-                                        is_pure=True, pack=4)
-    else:
-        asm2: gl.constexpr = _CVT_HIGH if HIGH else _CVT_LOW
-        out = gl.inline_asm_elementwise(asm2, "=r" + ",r" * 8, [words4, zero4], dtype=gl.float8e4nv,
-                                        is_pure=True, pack=4)
+def _half_operand(words4, zero4, a_layout: gl.constexpr, HIGH: gl.constexpr):
+    asm: gl.constexpr = _CVT_HIGH if HIGH else _CVT_LOW
+    out = gl.inline_asm_elementwise(asm, "=r,r,r,r,r,r,r,r,r", [words4, zero4], dtype=gl.float8e4nv,
+                                    is_pure=True, pack=4)
     return gl.convert_layout(out, a_layout)
 
 
 @gluon.jit
-def _tile_operands(words_smem, zero_bits, ratio_bits, a_layout: gl.constexpr, FOLD: gl.constexpr):
+def _tile_operands(words_smem, zero_bits, a_layout: gl.constexpr):
     """One warpgroup's 64 rows of a tile ([16, 64] int32 in shared memory) → the two E4M3 A operands
     [64, 64] of its positions 0-63 and 64-127."""
     words = words_smem.permute((1, 0)).load(WORDS)  # [64, 16]
     pair = gl.join(words, words)
     words4 = gl.convert_layout(gl.reshape(gl.join(pair, pair), [64, 64]), A_POSITIONS)
     zero4 = gl.zeros([64, 64], gl.int32, A_POSITIONS) + zero_bits[:, None]
-    ratio4 = gl.zeros([64, 64], gl.int32, A_POSITIONS) + ratio_bits[:, None]
-    return (_half_operand(words4, zero4, ratio4, a_layout, False, FOLD),
-            _half_operand(words4, zero4, ratio4, a_layout, True, FOLD))
-
-
-@gluon.jit
-def _ratio_bits(s_ptr, smax, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: gl.constexpr, FOLD: gl.constexpr):
-    """FOLD: group scale / the row's largest as fp16 bits in both halves of an int32 [rows]."""
-    if FOLD:
-        g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
-        s = gl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(gl.float32)
-        half = (s / smax).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        return half | (half << 16)
-    else:
-        return gl.zeros_like(offs_n)
+    return _half_operand(words4, zero4, a_layout, False), _half_operand(words4, zero4, a_layout, True)
 
 
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out_ptr,
               M, N, num_groups, t_begin, n_tiles, off_m, off_n, pid_k, stride_om, stride_split,
               row0: gl.constexpr, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn, smax_ptr, FOLD: gl.constexpr):
+              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn, DIAG: gl.constexpr):
     """One warpgroup: weight rows off_n + row0 ... + 63 of the tile."""
     BLOCK_M: gl.constexpr = x_smem.shape[1]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -134,11 +110,6 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out
     z_mask, s_mask = offs_z < N, offs_s < N
     # the group parameters one tile ahead of their use (a global load's latency hidden)
     zero = _zero_bits(qz_ptr, t_begin, offs_z, z_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS)
-    if FOLD:
-        smax = gl.load(smax_ptr + offs_z, mask=z_mask, other=1.0)
-    else:
-        smax = gl.full(offs_z.shape, 1.0, gl.float32, offs_z.type.layout)
-    ratio = _ratio_bits(s_ptr, smax, t_begin, offs_z, z_mask, N, num_groups, GROUP_SIZE, FOLD)
     scale = gl.load(s_ptr + gl.minimum((t_begin * 128) // GROUP_SIZE, num_groups - 1) * N + offs_s, mask=s_mask,
                     other=0.0).to(gl.float32)
     acc = gl.zeros((ROWS, BLOCK_M), gl.float32, mma_layout)
@@ -150,8 +121,12 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         # converted and multiplied in one iteration: an operand carried to the next one is kept as
         # separate bytes and packed again (64 LOP3 + 48 PRMT per tile, sm_90 SASS)
-        a0, a1 = _tile_operands(w_smem.index(stage).slice(row0, ROWS, dim=1), zero, ratio, a_layout, FOLD)
-        if FOLD:  # the products accumulate in place
+        if DIAG % 2 == 1:
+            a0 = gl.full([64, 64], 1.0, gl.float8e4nv, a_layout)
+            a1 = a0
+        else:
+            a0, a1 = _tile_operands(w_smem.index(stage).slice(row0, ROWS, dim=1), zero, a_layout)
+        if DIAG >= 2:
             acc = warpgroup_mma(a0, x_smem.index(stage).slice(0, 64, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma(a1, x_smem.index(stage).slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
         else:
@@ -163,19 +138,16 @@ def _consumer(w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out
                 mbarrier.arrive(turn)
         t_next = t_begin + gl.minimum(i + 1, n_tiles - 1)
         zero = _zero_bits(qz_ptr, t_next, offs_z, z_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS)
-        if FOLD:
-            ratio = _ratio_bits(s_ptr, smax, t_next, offs_z, z_mask, N, num_groups, GROUP_SIZE, FOLD)
+        scale_next = gl.load(s_ptr + gl.minimum((t_next * 128) // GROUP_SIZE, num_groups - 1) * N + offs_s,
+                             mask=s_mask, other=0.0).to(gl.float32)
+        if DIAG >= 2:
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(empty.index(stage))
         else:
-            scale_next = gl.load(s_ptr + gl.minimum((t_next * 128) // GROUP_SIZE, num_groups - 1) * N + offs_s,
-                                 mask=s_mask, other=0.0).to(gl.float32)
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             mbarrier.arrive(empty.index(stage))  # this warpgroup no longer reads the stage
             acc += part * scale[:, None]
-            scale = scale_next
-    if FOLD:
-        acc = acc * gl.load(smax_ptr + offs_s, mask=s_mask, other=0.0)[:, None]
+        scale = scale_next
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     acc = acc * gl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[None, :]
     _store_tile(acc, bias_ptr, out_ptr, out_ptr, out_ptr, M, N, off_m, off_n + row0, pid_k, stride_om,
@@ -188,7 +160,7 @@ def _w4a8_ws_kernel(
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
-    smax_ptr, FOLD: gl.constexpr,
+    DIAG: gl.constexpr = 0,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
@@ -212,10 +184,10 @@ def _w4a8_ws_kernel(
     gl.warp_specialize([
         (_consumer, (w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out_ptr,
                      M, N, num_groups, t_begin, n_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, smax_ptr, FOLD)),
+                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, DIAG)),
         (_consumer, (w_smem, x_smem, ready, empty, s_ptr, qz_ptr, xs_ptr, bias_ptr, out_ptr,
                      M, N, num_groups, t_begin, n_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, smax_ptr, FOLD)),  # ROWS
+                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn, DIAG)),  # ROWS
         (_producer, (x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n, STAGES, PDL)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -227,7 +199,7 @@ def w4a8_stages(block_m: int) -> int:
 
 def launch_w4a8_ws(
     x_fp8: Tensor, x_scale: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None,
-    group_size: int, block_m: int, split_k: int, num_stages: int, out_dtype: torch.dtype, fold: bool = False,
+    group_size: int, block_m: int, split_k: int, num_stages: int, out_dtype: torch.dtype, diag: int = 0,
 ) -> Tensor:
     """x_fp8 [M, K] (quantize_fp8_per_token(x, permute=True)), x_scale [M, 1] float32 → [M, N] out_dtype."""
     M = x_fp8.shape[0]
@@ -239,13 +211,12 @@ def launch_w4a8_ws(
     x_desc = TensorDescriptor(x_fp8, list(x_fp8.shape), list(x_fp8.stride()), [block_m, 128], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, WS_BLOCK_N], w_layout)
     is_split = split_k > 1
-    smax = scales.float().amax(0) if fold else scales  # the probe's: a build would store it
     _w4a8_ws_kernel[(triton.cdiv(N, WS_BLOCK_N), split_k, triton.cdiv(M, block_m))](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, x_scale,
         bias if bias is not None else scales, target, M, N, scales.shape[0], num_tiles, tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
-        IS_SPLIT=is_split, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4, smax_ptr=smax, FOLD=fold, **pdl_args(x_fp8.device),
+        IS_SPLIT=is_split, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4, DIAG=diag, **pdl_args(x_fp8.device),
     )
     finish_splits(target, counters, bias, out)
     return out
