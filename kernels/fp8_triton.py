@@ -27,15 +27,14 @@ ONE_PASS_MAX = 16384  # longest row held in registers (32 fp32 per thread at 16 
 @triton.jit
 def _quantize_fp8_per_token_kernel(
     x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-    PERMUTE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    src = _w4a8_column(offs) if PERMUTE else offs  # the input column each output position holds
     if ONE_PASS:  # BLOCK >= size: the row stays in registers
         row_mask = offs < size
-        row = tl.load(x_ptr + token * stride_x + src, mask=row_mask, other=0.0).to(tl.float32)
+        row = tl.load(x_ptr + token * stride_x + offs, mask=row_mask, other=0.0).to(tl.float32)
         row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), FP8_E4M3_MAX), min_scale)
         tl.store(scale_ptr + token, row_scale)
         # div_rn: IEEE division as torch does; the default fp32 division is approximate and moves
@@ -51,24 +50,14 @@ def _quantize_fp8_per_token_kernel(
         tl.store(scale_ptr + token, scale)
         for start in range(0, size, BLOCK):
             mask = start + offs < size
-            y = tl.load(x_ptr + token * stride_x + start + src, mask=mask, other=0.0).to(tl.float32)
+            y = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
             y = tl.clamp(tl.math.div_rn(y, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
             tl.store(out_ptr + token * size + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _w4a8_column(pos):
-    """The input column that position `pos` of a W4A8 activation row holds (kernels/w4a8_ws.py): within
-    each 64 columns, position 4 c + e holds column 16 sigma(e) + c, sigma = (0, 2, 1, 3)."""
-    return (pos // 64) * 64 + 16 * (2 * (pos & 1) + ((pos >> 1) & 1)) + (pos % 64) // 4
-
-
-def quantize_fp8_per_token(x: Tensor, min_scale: float, permute: bool = False) -> tuple[Tensor, Tensor]:
-    """x [..., K] → (fp8 [..., K], scale [..., 1] float32); permute: the columns in the order of the
-    W4A8 kernel's weight operand (K a multiple of 64)."""
+def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:
+    """x [..., K] → (fp8 [..., K], scale [..., 1] float32)."""
     size = x.shape[-1]
-    if permute and size % 64:
-        raise ValueError(f"a permuted FP8 row needs a multiple of 64 columns, got {size}")
     rows = x.reshape(-1, size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -79,7 +68,7 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float, permute: bool = False) -
     one_pass = size <= ONE_PASS_MAX
     block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
     _quantize_fp8_per_token_kernel[(rows.shape[0],)](
-        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass, PERMUTE=permute,
+        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x.device),
     )
     return out, scale

@@ -67,21 +67,18 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 @gluon.jit
 def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n):
-    """Tile t's packed words into `stage`; its mbarrier expects them and the activation boxes."""
+    """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes."""
     bar = bars.index(stage)
-    BOXES: gl.constexpr = 128 // x_desc.block_type.shape[1]
-    mbarrier.expect(bar, w_desc.block_type.nbytes + BOXES * x_desc.block_type.nbytes)
+    mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
     _tma_load(w_desc, [t * 16, off_n], bar, w_smem.index(stage))
 
 
 @gluon.jit
 def _load_x(x_desc, x_smem, bars, stage, t, off_m):
-    """Tile t's activation boxes (two of 64 16-bit columns, or one of 128 FP8 ones: 128 bytes each) into
-    `stage` (after _load_words, on the same mbarrier)."""
+    """Tile t's two activation boxes into `stage` (after _load_words, on the same mbarrier)."""
     bar = bars.index(stage)
-    BOX_K: gl.constexpr = x_desc.block_type.shape[1]
-    for b in gl.static_range(128 // BOX_K):
-        _tma_load(x_desc, [off_m, t * 128 + b * BOX_K], bar, x_smem.index((128 // BOX_K) * stage + b))
+    _tma_load(x_desc, [off_m, t * 128], bar, x_smem.index(2 * stage))
+    _tma_load(x_desc, [off_m, t * 128 + 64], bar, x_smem.index(2 * stage + 1))
 
 
 @gluon.jit
