@@ -1,6 +1,7 @@
 """The attention part of a decode step on the GPU: for every layer of a Llama-3-8B-shaped model (32
 layers, 32 q / 8 kv heads, head_dim 128, 16-token blocks), the rotary embedding and KV-cache write
-of the step's q/k/v, then decode attention (with its partition merge), as the model runs them:
+of the step's q/k/v, then decode attention (with its partition merge), as the model runs them (since
+session 20 all of it in the decode kernel, attention.rotate_write_and_attend):
 captured in one CUDA graph with max_context_len = the engine's max_model_len, cold L2 before each
 replay, median of 25 replays (kernels/timing.py).
 
@@ -65,6 +66,11 @@ def attention_step(layers, shared, num_seqs: int, max_model_len: int) -> None:
     sizes = [NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM]
     for qkv, k_cache, v_cache in layers:
         q, k, v = (t.view(num_seqs, -1, HEAD_DIM) for t in qkv.split(sizes, dim=-1))
+        if hasattr(attention, "rotate_write_and_attend"):  # in the decode kernel (session 20)
+            attention.rotate_write_and_attend(q, k, v, positions, cos_sin, k_cache, v_cache, slots, block_tables,
+                                              context_lens, [1] * num_seqs, HEAD_DIM**-0.5, None, max_model_len,
+                                              index_cache=index_cache)
+            continue
         if hasattr(attention, "rotate_and_write_kv"):  # one kernel
             q = attention.rotate_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slots)
         else:  # the two kernels before it

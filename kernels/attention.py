@@ -21,8 +21,9 @@ Only query_lens and max_context_len are host values, and a step whose query_lens
 no tensor from them: such a step (a decode step) can be captured in a CUDA graph.
 
 On CUDA `paged_attention` and `rotate_and_write_kv` run the Triton kernels of attention_triton.py
-(decode, prefill / chunked prefill; rotary + KV write); elsewhere the plain-torch code below
-(`write_kv_cache` is its write), which is also the kernels' test oracle.
+(decode, prefill / chunked prefill; rotary + KV write; `rotate_write_and_attend` does both, in the
+decode kernel alone for a decode step); elsewhere the plain-torch code below (`write_kv_cache` is its
+write), which is also the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -109,6 +110,29 @@ def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
+
+
+def rotate_write_and_attend(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
+    slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
+    sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0, index_cache: dict | None = None,
+) -> Tensor:
+    """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
+    On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
+    kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
+    if (query_lens and max(query_lens) == 1 and can_use_triton(q, k_cache) and q.stride(-1) == 1
+            and k.stride(-1) == 1 and v.stride(-1) == 1):
+        from . import attention_triton
+
+        return attention_triton.paged_attention(
+            q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
+            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
+            rotary=(k, v, positions, cos_sin_cache, slot_mapping),
+        )
+    q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
+                           max_context_len, k_scale, v_scale, index_cache)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,

@@ -22,7 +22,11 @@ one query tile, so each K/V tile is loaded once per KV head.
           empty partition would add exact zeros to the merge, so whatever max_context_len is (eager
           steps: the batch's longest context; CUDA graphs: max_model_len), for the same partition
           size the in-kernel merge gives the same bits (the second kernel's sum may associate
-          differently on a GPU).
+          differently on a GPU). In a decode-only step (attention.rotate_write_and_attend) the
+          kernel also does rotate_and_write_kv's work: each program rotates its q heads, the
+          program whose partition holds the new key writes it (rotated) and its value to the
+          token's slot before reading its keys; no separate rotary kernel (benchmarks/RESULTS.md,
+          session 20).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
 """
@@ -89,11 +93,18 @@ def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr,
     scale_log2, v_scale, window, num_heads, num_partitions, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
+    new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, inv_k_scale, inv_v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, PDL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
+    """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
+    values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
+    does, the same rounding); the program whose partition holds the new key (position
+    context_len - 1) rotates it and stores it with its value at the token's slot, then reads them back
+    with the other keys: one kernel a layer instead of two, and the same bits."""
     wait_for_inputs(PDL)
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
@@ -102,13 +113,43 @@ def _decode_kernel(
     if HAS_WINDOW:  # the one query sits at context_len - 1 and sees keys t > context_len - 1 - window
         lo = tl.maximum(lo, context_len - window)
     if not IS_PARTITIONED or lo < hi:  # else an empty partition: no partial, no count (the merges skip it)
+        offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
+        g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
+        heads = kv_head * GROUP + offs_g
+        q_mask = g_mask[:, None] & d_mask[None, :]
+        q_ptrs = q_ptr + row * stride_qt + heads[:, None] * stride_qh
+        if ROTATE:
+            cs_ptrs = cos_sin_ptr + tl.load(pos_ptr + row) * stride_cs + offs_d % (HEAD_DIM // 2)
+            cos = tl.load(cs_ptrs, mask=d_mask, other=0.0).to(tl.float32)
+            sin = tl.load(cs_ptrs + HEAD_DIM // 2, mask=d_mask, other=0.0).to(tl.float32)
+            q = _rotated(q_ptrs, offs_d[None, :], q_mask, cos[None, :], sin[None, :], HEAD_DIM // 2)
+            if context_len - 1 < hi:  # this partition holds the new key (lo <= context_len - 1 always)
+                cache = tl.load(slot_ptr + row).to(tl.int64) * stride_slot + kv_head * stride_kvh + offs_d
+                k = _rotated(new_k_ptr + row * stride_kt + kv_head * stride_kh, offs_d, d_mask, cos, sin,
+                             HEAD_DIM // 2)
+                _store_kv(k_ptr + cache, k, d_mask, inv_k_scale, FP8_MAX)
+                v = tl.load(new_v_ptr + row * stride_vt + kv_head * stride_vh + offs_d, mask=d_mask)
+                _store_kv(v_ptr + cache, v, d_mask, inv_v_scale, FP8_MAX)
+                tl.debug_barrier()  # the stores are seen by every thread's key loads below
+        else:
+            q = tl.load(q_ptrs + offs_d[None, :], mask=q_mask, other=0.0)
         _decode_partition(
-            q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
-            num_heads, num_partitions, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-            stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi,
-            GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW, PRECISION,
-            MERGE_IN_KERNEL,
+            q, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
+            num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
+            stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
+            heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
+            PRECISION, MERGE_IN_KERNEL,
         )
+
+
+@triton.jit
+def _rotated(ptrs, offs_d, mask, cos, sin, HALF: tl.constexpr):
+    """Heads at ptrs (+ offs_d, head_dim innermost) under the rotary embedding (rotate-half), rounded
+    to their dtype: as _rotated_halves, element d paired with d + HALF or d - HALF."""
+    first = offs_d < HALF
+    x = tl.load(ptrs + offs_d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(ptrs + tl.where(first, offs_d + HALF, offs_d - HALF), mask=mask, other=0.0).to(tl.float32)
+    return tl.where(first, x * cos - y * sin, x * cos + y * sin).to(ptrs.dtype.element_ty)
 
 
 @triton.jit
@@ -135,18 +176,15 @@ def _busy_partitions(context_len, window, partition_size, HAS_WINDOW: tl.constex
 
 @triton.jit
 def _decode_partition(
-    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
-    num_heads, num_partitions, partition_size, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-    stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    q, k_ptr, v_ptr, bt_ptr, out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, scale_log2, v_scale, window,
+    num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt, stride_slot,
+    stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
+    HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
 ):
-    offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
-    g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_g
-    q_mask = g_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
+    """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
+    heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
@@ -343,13 +381,17 @@ def _check_cache(k_cache: Tensor, v_cache: Tensor) -> None:
         raise ValueError("the KV cache must be contiguous in [num_blocks, block_size] slots, head_dim innermost")
 
 
+def _check_rotary_inputs(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor) -> None:
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("the rotary embedding's kernels need unit stride along head_dim")
+
+
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
                         v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
     """As kernels.attention.rotate_and_write_kv, in one kernel; q is rotated in place and returned.
     q, k, v need unit stride along head_dim (slices of the fused qkv output are fine)."""
     _check_cache(k_cache, v_cache)
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
-        raise ValueError("rotate_and_write_kv needs unit stride along head_dim")
+    _check_rotary_inputs(q, k, v, cos_sin_cache)
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
         return q
@@ -368,9 +410,14 @@ def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
+    rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
+
+    rotary (k, v, positions, cos_sin_cache, slot_mapping), for a step whose query_lens are all 1 only:
+    q and k are unrotated and this step's keys and values not yet written; the decode kernel does
+    what rotate_and_write_kv would (q is not modified).
 
     With every query_len 1 and max_context_len given, nothing is read from the device and no tensor
     is made from host data: the call can be captured in a CUDA graph.
@@ -391,6 +438,12 @@ def paged_attention(
         block_d=max(16, triton.next_power_of_2(head_dim)), group=group, block_size=block_size,
     )
     first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
+    if rotary is not None:
+        if prefill:
+            raise ValueError("paged_attention rotates and writes the new keys only in a decode-only step")
+        _check_rotary_inputs(q, rotary[0], rotary[1], rotary[3])
+        common.update(rotary=rotary, inv_k_scale=1.0 / k_scale, inv_v_scale=1.0 / v_scale,
+                      fp8_max=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0)
     if decode:
         if max_context_len is None:
             max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
@@ -447,16 +500,21 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     is_merged_in_kernel = is_partitioned and num_decode * num_kv_heads >= attention.MERGE_IN_KERNEL_MIN_PAIRS
     counters = tile_counters(q.device, num_decode * num_kv_heads) if is_merged_in_kernel else None
     block_g = max(16, triton.next_power_of_2(c["group"]))
+    rotary = c.get("rotary")
+    new_k, new_v, positions, cos_sin, slots = rotary if rotary is not None else (q, q, q, q, q)
     _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, c["context_lens"], seqs, rows, out, part_acc, part_ml,
         counters if counters is not None else out,
         c["scale_log2"], c["v_scale"], c["window"], num_heads, num_partitions, partition_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2),
+        new_k, new_v, positions, cos_sin, slots, c.get("inv_k_scale", 1.0), c.get("inv_v_scale", 1.0),
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0),
         GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=block_g,
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
-        MERGE_IN_KERNEL=counters is not None, **DECODE_LAUNCH, **pdl_args(q.device),
+        MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
+        **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](

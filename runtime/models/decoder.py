@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul
-from llmc.kernels.attention import paged_attention, rotate_and_write_kv
+from llmc.kernels.attention import rotate_write_and_attend
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
@@ -57,11 +57,10 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         k_cache, v_cache = self.kv_cache
-        q = rotate_and_write_kv(q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping,
-                                self.k_scale, self.v_scale)
-        out = paged_attention(
-            q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
-            self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale, batch.kernel_cache,
+        out = rotate_write_and_attend(
+            q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
+            batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
+            self.k_scale, self.v_scale, batch.kernel_cache,
         )  # [num_tokens, num_heads, head_dim]
         out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)

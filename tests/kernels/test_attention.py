@@ -234,6 +234,70 @@ def test_rotate_and_write_kv_kernel_matches_torch(elementwise_case, num_tokens, 
         torch.testing.assert_close(k_cache.cpu().float(), expected_k_cache.float(), rtol=tolerance, atol=tolerance)
 
 
+# name: (context_lens, num_heads, num_kv_heads, head_dim, window, partitions, merge_in_kernel_min_pairs, fp8 cache)
+ROTATE_CASES = {
+    "unsplit-gqa": ([1, 17, 100], 8, 2, 32, None, None, 32, False),
+    "split-second-kernel": ([1100, 5, 64], 4, 2, 16, None, 18, 10**9, False),
+    "split-merged-in-kernel": ([1100, 5, 65], 4, 2, 16, None, 18, 1, False),
+    "window": ([700, 90], 4, 1, 24, 300, 11, 10**9, False),
+    "fp8-cache": ([300, 1, 33], 4, 2, 16, None, 5, 10**9, True),
+}
+
+
+@pytest.mark.parametrize("case", list(ROTATE_CASES))
+def test_decode_step_rotates_and_writes_its_keys_in_the_decode_kernel(dot_case, monkeypatch, case) -> None:
+    """A decode step's rotary embedding and KV write inside the decode kernel (rotate_write_and_attend
+    on CUDA) give the same bits as rotate_and_write_kv then paged_attention: the output, both caches
+    (the new keys and values at their slots, nothing else touched); q and k are left as they were.
+    Partitioned or not, merged by the second kernel or in the decode kernel, a sliding window, an
+    FP8 cache."""
+    from llmc.kernels import attention_triton
+
+    device, dtype = dot_case
+    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, min_pairs, fp8 = ROTATE_CASES[case]
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", min_pairs)
+    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
+                                                   head_dim, 16, dtype, "cpu")
+    scales = (1.0, 1.0)
+    if fp8:
+        scales = (0.02, 0.03)
+        k_cache = attention.quantize_kv(k_cache.nan_to_num(0.0), scales[0], torch.float8_e4m3fn)
+        v_cache = attention.quantize_kv(v_cache.nan_to_num(0.0), scales[1], torch.float8_e4m3fn)
+    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
+    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    positions = lens(context_lens, device).long() - 1  # the new token is the context's last
+    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
+                         device=device)
+    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
+    ctx, scale = lens(context_lens, device), head_dim**-0.5
+
+    def step(rotate_in_decode: bool):
+        qkv_copy, k_c, v_c = qkv.clone(), k_cache.clone(), v_cache.clone()
+        q, k, v = split_qkv(qkv_copy, sizes, head_dim)
+        common = dict(num_partitions=partitions, k_scale=scales[0], v_scale=scales[1])
+        if rotate_in_decode:
+            out = attention_triton.paged_attention(q, k_c, v_c, block_tables, ctx, [1] * len(context_lens), scale,
+                                                   window, 2048, rotary=(k, v, positions, cos_sin, slots), **common)
+        else:
+            q = attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin, k_c, v_c, slots, *scales)
+            out = attention_triton.paged_attention(q, k_c, v_c, block_tables, ctx, [1] * len(context_lens), scale,
+                                                   window, 2048, **common)
+        return out, k_c, v_c, qkv_copy
+
+    fused, two_kernels = step(True), step(False)
+    as_bits = lambda t: t.view(torch.uint8)  # noqa: E731  (unwritten slots hold NaN)
+    assert torch.equal(fused[0], two_kernels[0])
+    assert torch.equal(as_bits(fused[1]), as_bits(two_kernels[1])) and torch.equal(as_bits(fused[2]), as_bits(two_kernels[2]))
+    assert not torch.equal(as_bits(fused[1]), as_bits(k_cache))  # the new keys were written
+    assert torch.equal(fused[3], qkv)  # q, k, v untouched
+    with pytest.raises(ValueError, match="decode-only step"):
+        q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
+        attention_triton.paged_attention(q, k_cache.clone(), v_cache.clone(), block_tables, ctx,
+                                         [1] * (len(context_lens) - 1) + [2], scale, window, 2048,
+                                         rotary=(k, v, positions, cos_sin, slots))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
