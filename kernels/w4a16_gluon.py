@@ -175,6 +175,29 @@ def _tile_mmas(a, x_smem, stage, part):
 
 
 @gluon.jit
+def _next_tile_operands(w_smem, bars, s_ptr, qz_ptr, t_begin, i_next, n_tiles, offs_n, n_mask, N, num_groups, scale,
+                        offset, a_layout: gl.constexpr, dtype: gl.constexpr, GROUP_SIZE: gl.constexpr,
+                        HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr):
+    """The per-tile orders' step while a tile multiplies: tile i_next's operands, once its stage has
+    landed, with the group parameters loaded one tile ahead (scale, offset), and the parameters of the
+    tile after it requested now (returned for the next call)."""
+    scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i_next + 1, n_tiles - 1), offs_n,
+                                              n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+    mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
+    return (_tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype, SCALED), scale_after,
+            offset_after)
+
+
+@gluon.jit
+def _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n,
+                  STAGES: gl.constexpr):
+    """Tile i's stage refilled with tile i + STAGES once every warp is past the wait for tile i's wgmmas."""
+    _cta_barrier()  # no warp still reads this stage
+    if i + STAGES < n_tiles:
+        _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+
+
+@gluon.jit
 def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
                 HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr, SUM_SPLITS: gl.constexpr,
                 mma_layout: gl.constexpr):
@@ -278,18 +301,14 @@ def _w4a16_wgmma_kernel(
             part = _tile_mmas(a, x_smem, stage, part)
             scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N, num_groups,
                                               GROUP_SIZE, False, MAGIC)
-            scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
-                                                      offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-            mbarrier.wait(bars.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
-            a_next = _tile_operands(w_smem.index((i + 1) % STAGES), offset, scale, a_layout, dtype, 0)
-            scale, offset = scale_after, offset_after
+            a_next, scale, offset = _next_tile_operands(
+                w_smem, bars, s_ptr, qz_ptr, t_begin, i + 1, n_tiles, offs_n, n_mask, N, num_groups, scale, offset,
+                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0)
             part = warpgroup_mma_wait(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             acc += part * scale_acc[:, None]
             scale_acc = scale_acc_next
-            _cta_barrier()  # no warp still reads this stage
-            if i + STAGES < n_tiles:
-                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+            _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES)
             a = a_next
         part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
@@ -306,17 +325,12 @@ def _w4a16_wgmma_kernel(
             for j in gl.static_range(8):
                 acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
             # the next tile's operands while these multiply (the last tile converts itself again)
-            i_next = gl.minimum(i + 1, n_tiles - 1)
-            scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1),
-                                                      offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
-            mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
-            a_next = _tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype)
-            scale, offset = scale_after, offset_after
+            a_next, scale, offset = _next_tile_operands(
+                w_smem, bars, s_ptr, qz_ptr, t_begin, gl.minimum(i + 1, n_tiles - 1), n_tiles, offs_n, n_mask, N,
+                num_groups, scale, offset, a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 1)
             acc = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
-            _cta_barrier()  # no warp still reads this stage
-            if i + STAGES < n_tiles:
-                _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+            _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES)
             a = a_next
     else:
         # tile i + STAGES - 1 refills tile i - 1's stage
