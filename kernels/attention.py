@@ -38,11 +38,13 @@ PARTITION_SIZE = 512  # decode: the most keys per partition when contexts are sp
 MIN_PARTITION_SIZE = 64  # ... and the fewest (one bf16 key tile, attention_triton.DECODE_BLOCK_N)
 MAX_PARTITIONS = 64  # partitions shrink below PARTITION_SIZE only while max_context_len needs at most this many
 # A split decode merges its partitions in the decode kernel (the last partition of each (sequence,
-# KV head) to finish) from this many pairs on, else in a second kernel. Measured on an H200, the
-# attention of 32 8B-shaped layers at 129-384-token contexts (benchmarks/RESULTS.md, session 17): in
-# the kernel 8% faster at 32 pairs (4 sequences), 7% slower at 16 (there the few merging programs
-# each load partition after partition, while the second kernel loads all of a head's at once).
-MERGE_IN_KERNEL_MIN_PAIRS = 32
+# KV head) to finish) from this many pairs on, else in a second kernel (always the second kernel
+# where a CUDA graph capture finds no semaphores, split_k_triton.tile_counters). Session 17 (H200,
+# the attention of 32 8B-shaped layers at 129-384-token contexts) had the second kernel 7% faster at
+# 16 pairs and set 32; with the rotary and KV write in the decode kernel (session 20, H100, two
+# calls) the kernel's own merge was as fast or faster at every batch: 5% at 1 and 4 sequences, equal
+# at 2, 14-18% at 8 and 16 (benchmarks/RESULTS.md).
+MERGE_IN_KERNEL_MIN_PAIRS = 1
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -86,13 +88,19 @@ def decode_split(num_programs: int, max_context_len: int, num_sms: int) -> tuple
 def eager_decode_cases(num_kv_heads: int, max_model_len: int, num_sms: int) -> list[tuple[int, int]]:
     """(decode rows, max_context_len) of steps that together launch every decode-attention kernel
     variant an eager step (decodes beside prefill rows) can take: unsplit; split, merged by the second
-    kernel; split, merged in the decode kernel. A server runs one forward of each at start
-    (runtime/cuda_graphs.compile_mixed_step), so that no step compiles one while serving."""
+    kernel (below MERGE_IN_KERNEL_MIN_PAIRS pairs); split, merged in the decode kernel. A server runs
+    one forward of each at start (runtime/cuda_graphs.compile_mixed_step), so that no step compiles
+    one while serving."""
     cases = [(1, min(MIN_PARTITION_SIZE, max_model_len))]
     for rows in (1, -(-MERGE_IN_KERNEL_MIN_PAIRS // num_kv_heads)):
         if decode_split(rows * num_kv_heads, max_model_len, num_sms)[0] > 1 and (rows, max_model_len) not in cases:
             cases.append((rows, max_model_len))
     return cases
+
+
+def _rotary_kernels_apply(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor) -> bool:
+    """The Triton kernels rotate q, k, v in place or in registers: CUDA, unit stride along head_dim."""
+    return can_use_triton(q, k_cache) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
 
 
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
@@ -102,7 +110,7 @@ def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_
     v_scale into an FP8 cache). Returns the rotated q ([num_tokens, num_heads, head_dim]); callers
     read neither q nor k again. On CUDA one kernel does both (q rotated in place): a decode step
     launches one kernel per layer for them, not two."""
-    if can_use_triton(q, k_cache) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if _rotary_kernels_apply(q, k, v, k_cache):
         from . import attention_triton  # triton loads on the first CUDA call only
 
         return attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -121,8 +129,7 @@ def rotate_write_and_attend(
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
     kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
-    if (query_lens and max(query_lens) == 1 and can_use_triton(q, k_cache) and q.stride(-1) == 1
-            and k.stride(-1) == 1 and v.stride(-1) == 1):
+    if query_lens and max(query_lens) == 1 and _rotary_kernels_apply(q, k, v, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(

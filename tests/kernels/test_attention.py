@@ -137,11 +137,16 @@ def test_empty_partitions_are_never_read(dot_case, rel_err, monkeypatch, merge_i
         assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-def test_eager_decode_cases_reach_every_decode_variant() -> None:
-    """Start-up's eager steps: not split, split with the second merge kernel (8 pairs), split with
-    the merge in the kernel (MERGE_IN_KERNEL_MIN_PAIRS = 32 pairs: 4 rows of 8 KV heads)."""
+def test_eager_decode_cases_reach_every_decode_variant(monkeypatch) -> None:
+    """Start-up's eager steps: not split, split with the second merge kernel (below
+    MERGE_IN_KERNEL_MIN_PAIRS pairs), split with the merge in the kernel. With the threshold at one
+    pair (session 20) every split step merges in the kernel: one split case."""
     assert attention.decode_split(8, 64, 132)[0] == 1 < attention.decode_split(8, 2048, 132)[0]
+    assert attention.MERGE_IN_KERNEL_MIN_PAIRS == 1
+    assert attention.eager_decode_cases(8, 2048, 132) == [(1, 64), (1, 2048)]
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", 32)  # 8 pairs: the second kernel; 4 rows: in it
     assert attention.eager_decode_cases(8, 2048, 132) == [(1, 64), (1, 2048), (4, 2048)]
+    monkeypatch.undo()
     assert attention.eager_decode_cases(8, 64, 132) == [(1, 64)]  # max_model_len 64: never split
     assert attention.eager_decode_cases(40, 4096, 132) == [(1, 64), (1, 4096)]  # one row is 40 pairs already
     assert attention.eager_decode_cases(8, 4096, 16) == [(1, 64), (1, 4096)]  # 4 rows fill 16 SMs: not split
