@@ -18,7 +18,8 @@ one query tile, so each K/V tile is loaded once per KV head.
           attention.MERGE_IN_KERNEL_MIN_PAIRS (sequence, KV head) pairs on, each non-empty
           partition counts itself on its pair's semaphore and the last to arrive merges them, in
           partition order, and resets it (as the split GEMMs sum their splits,
-          kernels/split_k_triton.py): no second kernel. Below that a second kernel merges them. An
+          kernels/split_k_triton.py): no second kernel. Below that (and in a CUDA graph capture
+          that finds no semaphores) a second kernel merges them. An
           empty partition would add exact zeros to the merge, so whatever max_context_len is (eager
           steps: the batch's longest context; CUDA graphs: max_model_len), for the same partition
           size the in-kernel merge gives the same bits (the second kernel's sum may associate
@@ -258,9 +259,9 @@ def _merge_partitions_kernel(
     IS_DENSE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
 ):
     """The merge as a kernel of its own, one program per (decode seq, head), every non-empty
-    partition loaded at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Where few
-    (sequence, KV head) pairs decode, this beats the decode kernel's last partition merging them one
-    after the other (attention.MERGE_IN_KERNEL_MIN_PAIRS)."""
+    partition loaded at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Below
+    attention.MERGE_IN_KERNEL_MIN_PAIRS pairs (one since session 20: in practice where a CUDA graph
+    capture finds no semaphores)."""
     wait_for_inputs(PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     _, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
