@@ -42,7 +42,7 @@ MAX_PARTITIONS = 64  # partitions shrink below PARTITION_SIZE only while max_con
 # where a CUDA graph capture finds no semaphores, split_k_triton.tile_counters). Session 17 (H200,
 # the attention of 32 8B-shaped layers at 129-384-token contexts) had the second kernel 7% faster at
 # 16 pairs and set 32; with the rotary and KV write in the decode kernel (session 20, H100, two
-# calls) the kernel's own merge was as fast or faster at every batch: 5% at 1 and 4 sequences, equal
+# calls) the kernel's own merge was as fast or faster at every batch: 5% at 1 and 4 sequences, 0.3-1.4%
 # at 2, 14-18% at 8 and 16 (benchmarks/RESULTS.md).
 MERGE_IN_KERNEL_MIN_PAIRS = 1
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
