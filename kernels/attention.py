@@ -129,7 +129,8 @@ def rotate_write_and_attend(
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
     kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
-    if query_lens and max(query_lens) == 1 and _rotary_kernels_apply(q, k, v, k_cache):
+    # the device check first: a CPU step does not scan query_lens in every layer
+    if _rotary_kernels_apply(q, k, v, k_cache) and query_lens and max(query_lens) == 1:
         from . import attention_triton
 
         return attention_triton.paged_attention(
