@@ -1,6 +1,10 @@
 """SiLU(gate) · up on the fused gate_up projection.
 
 Shapes: gate_up [num_tokens, 2 * intermediate_size] → [num_tokens, intermediate_size].
+Column order: gate then up (`interleave` 0), or gate and up alternating in runs of `interleave`
+columns (GATE_UP_INTERLEAVE: columns 16 q ... 16 q + 7 are gate features 8 q ... 8 q + 7, the next
+eight the same features' up), the order in which a W4A16 gate_up's rows are kept on load so that
+its GEMV can finish SiLU · mul in its own epilogue (w4a16_gemm.interleave_gate_up).
 On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch.
 """
 
@@ -11,11 +15,17 @@ from torch import Tensor
 
 from . import can_use_triton
 
+GATE_UP_INTERLEAVE = 8
 
-def silu_and_mul(gate_up: Tensor) -> Tensor:
+
+def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
     if can_use_triton(gate_up):
         from . import activation_triton  # triton loads on the first CUDA call only
 
-        return activation_triton.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
+        return activation_triton.silu_and_mul(gate_up, interleave)
+    if interleave:
+        pairs = gate_up.unflatten(-1, (-1, 2, interleave))  # [..., size / interleave, gate | up, interleave]
+        gate, up = pairs.select(-2, 0).flatten(-2), pairs.select(-2, 1).flatten(-2)
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -46,15 +46,15 @@ def tile_counters(device: torch.device, num_tiles: int) -> Tensor | None:
 
 
 def plan_splits(num_chunks: int, split_k: int, m: int, n: int, like: Tensor, dtype: torch.dtype,
-                num_out_tiles: int = 0, token_tile: int = 1):
+                num_out_tiles: int = 0, token_tile: int = 1, out_columns: int | None = None):
     """K in `num_chunks` chunks (tiles, blocks) over at most `split_k` splits, none empty →
-    (chunks per split, splits, out [m, n] in dtype, target, counters): target is out itself, or the
-    fp32 partials [splits, m, n] when K is split; counters the semaphores of the `num_out_tiles`
-    output tiles (of `token_tile` tokens each) when the kernel sums its splits itself, else None (not
-    split, tiles too large, or none to be had: `finish_splits` runs the second kernel)."""
+    (chunks per split, splits, out [m, out_columns (n)] in dtype, target, counters): target is out
+    itself, or the fp32 partials [splits, m, n] when K is split; counters the semaphores of the
+    `num_out_tiles` output tiles (of `token_tile` tokens each) when the kernel sums its splits itself,
+    else None (not split, tiles too large, or none to be had: `finish_splits` runs the second kernel)."""
     chunks_per_split = triton.cdiv(num_chunks, split_k)
     split_k = triton.cdiv(num_chunks, chunks_per_split)
-    out = torch.empty(m, n, device=like.device, dtype=dtype)
+    out = torch.empty(m, n if out_columns is None else out_columns, device=like.device, dtype=dtype)
     if split_k == 1:
         return chunks_per_split, split_k, out, out, None
     target = torch.empty(split_k, m, n, device=like.device, dtype=torch.float32)

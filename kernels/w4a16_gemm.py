@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton, device_capability, device_num_sms
+from .activation import GATE_UP_INTERLEAVE, silu_and_mul
 
 K_TILE = 128  # input columns per packed tile
 _WORD_ROWS = K_TILE // 8  # int32 word rows per tile
@@ -97,6 +98,27 @@ def dequantize_w4a16(params: Mapping[str, Tensor], in_features: int, group_size:
     if zeros is not None:
         zeros_f = zeros_f.repeat_interleave(group_columns, dim=1)[:, :in_features]
     return (levels.float() - zeros_f) * scales
+
+
+def interleave_gate_up(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A gate_up projection in the gpu layout (gate rows, then the same features' up rows) with its
+    rows reordered as activation.silu_and_mul's interleaved order (runs of GATE_UP_INTERLEAVE gate rows,
+    then the same features' up rows; each run of 8 is one word of qzeros), so that a kernel's tile of
+    rows holds both halves of its features (`w4a16_silu_mul`). Needs N a multiple of 16."""
+    out_features = params["qweight"].shape[1]
+    run = GATE_UP_INTERLEAVE
+    if out_features % (2 * run):
+        raise ValueError(f"gate_up of {out_features} rows cannot interleave in runs of {run}")
+    size = out_features // 2
+    runs = torch.arange(size // run, device=params["qweight"].device)
+    first = torch.stack([runs * run, size + runs * run], dim=1).flatten()  # each run's first old row
+    order = (first[:, None] + torch.arange(run, device=first.device)).flatten()
+    interleaved = dict(params)
+    interleaved["qweight"] = params["qweight"].index_select(1, order).contiguous()
+    interleaved["scales"] = params["scales"].index_select(1, order).contiguous()
+    if "qzeros" in params:
+        interleaved["qzeros"] = params["qzeros"].index_select(1, first // 8).contiguous()
+    return interleaved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,57 +354,80 @@ def w4a16_linear(
     table: Mapping | None = None,
 ) -> Tensor:
     """x [..., K] → [..., N] in x's dtype, weights in the gpu layout (`pack_w4a16_for_gpu`)."""
+    return _w4a16_product(x, qweight, scales, qzeros, bias, group_size, table, silu_mul=False)
+
+
+def w4a16_silu_mul(
+    x: Tensor,
+    qweight: Tensor,
+    scales: Tensor,
+    qzeros: Tensor | None,
+    bias: Tensor | None,
+    group_size: int,
+    table: Mapping | None = None,
+) -> Tensor:
+    """SiLU(gate) · up [..., N / 2] of a gate_up projection in the gpu layout with its rows in
+    `interleave_gate_up`'s order: made in the GEMV's epilogue where the table's kernel is kind "wgmma",
+    else by activation.silu_and_mul after w4a16_linear's product (the same bits either way)."""
+    return _w4a16_product(x, qweight, scales, qzeros, bias, group_size, table, silu_mul=True)
+
+
+def _w4a16_product(x, qweight, scales, qzeros, bias, group_size, table, silu_mul: bool) -> Tensor:
     in_features = x.shape[-1]
     if not can_use_triton(x):
         params = {"qweight": qweight, "scales": scales} | ({"qzeros": qzeros} if qzeros is not None else {})
         weight = dequantize_w4a16(params, in_features, group_size).to(x.dtype)  # [N, K]
-        return F.linear(x, weight, bias)
-    return _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table)
+        y = F.linear(x, weight, bias)
+        return silu_and_mul(y, GATE_UP_INTERLEAVE) if silu_mul else y
+    return _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table, silu_mul)
 
 
-def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table) -> Tensor:
-    in_features, out_features = x.shape[-1], qweight.shape[1]
+def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table, silu_mul) -> Tensor:
+    in_features, out_features = x.shape[-1], qweight.shape[1] // (2 if silu_mul else 1)
     x2 = x.reshape(-1, in_features)  # [M, K]
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], out_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    config = select_w4a16_config(x2.shape[0], in_features, out_features, table, device_num_sms(x.device))
+    config = select_w4a16_config(x2.shape[0], in_features, qweight.shape[1], table, device_num_sms(x.device))
     if config.kind in WGMMA_KINDS and not wgmma_supported(
-            device_capability(x.device), x.dtype, group_size, in_features, out_features):
+            device_capability(x.device), x.dtype, group_size, in_features, qweight.shape[1]):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
-        config = heuristic_w4a16_config(x2.shape[0], in_features, out_features, device_num_sms(x.device),
+        config = heuristic_w4a16_config(x2.shape[0], in_features, qweight.shape[1], device_num_sms(x.device),
                                         wgmma=False)
     if x.dtype == torch.float32 and config.kind == "fused":
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.
         config = _DEQUANT
-    y = run_w4a16_config(x2, qweight, scales, qzeros, bias, group_size, config)
+    y = run_w4a16_config(x2, qweight, scales, qzeros, bias, group_size, config, silu_mul)
     return y.reshape(*x.shape[:-1], out_features)
 
 
-def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: W4A16Config) -> Tensor:
+def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: W4A16Config,
+                     silu_mul: bool = False) -> Tensor:
     """x [M, K] (unit stride along K, on CUDA) → [M, N] by the kernel `config` names, as given (the
-    dispatch and the tuner both run configs through here)."""
+    dispatch and the tuner both run configs through here); `silu_mul`: w4a16_silu_mul's product."""
     from . import w4a16_triton  # triton loads on the first CUDA call only
 
-    if config.kind == "dequant":
-        weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, x.shape[1], group_size)
-        return F.linear(x, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
     if config.kind in WGMMA_KINDS and x.data_ptr() % 16:
         x = x.clone()  # the TMA reads from a 16-byte aligned base
-    if config.kind == "wgmma_ws":
-        from .w4a16_ws import launch_w4a16_ws
-
-        return launch_w4a16_ws(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.split_k,
-                               config.num_stages)
     if config.kind == "wgmma":
         from .w4a16_gluon import launch_w4a16_wgmma
 
         return launch_w4a16_wgmma(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.block_n,
                                   config.split_k, config.num_warps, config.num_stages, config.is_stacked,
-                                  config.scale_acc)
-    return w4a16_triton.launch_w4a16_gemm(
-        x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
-        config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,
-    )
+                                  config.scale_acc, silu_mul)
+    if config.kind == "dequant":
+        weight = w4a16_triton.launch_w4a16_dequantize(qweight, scales, qzeros, x.shape[1], group_size)
+        y = F.linear(x, weight.to(x.dtype), bias)  # the same matmul as an unquantized layer
+    elif config.kind == "wgmma_ws":
+        from .w4a16_ws import launch_w4a16_ws
+
+        y = launch_w4a16_ws(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.split_k,
+                            config.num_stages)
+    else:
+        y = w4a16_triton.launch_w4a16_gemm(
+            x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,
+            config.split_k, config.num_warps, config.num_stages, config.is_stacked, config.k_tiles,
+        )
+    return silu_and_mul(y, GATE_UP_INTERLEAVE) if silu_mul else y

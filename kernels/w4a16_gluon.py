@@ -33,10 +33,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .activation import GATE_UP_INTERLEAVE, silu_and_mul
 from .pdl_triton import pdl_args
 from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
 
+# A SiLU · mul GEMV (gate_up) lets the next kernel (down) launch after its K loop, not at its start (PDL)
+SILU_MUL_LATE_DEPENDENTS = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -88,22 +91,24 @@ def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
 
 
 @gluon.jit
-def _wait_for_inputs(PDL: gl.constexpr):
-    """kernels/pdl_triton.wait_for_inputs, in Gluon (a Gluon kernel calls only Gluon functions)."""
+def _wait_for_inputs(PDL: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = True):
+    """kernels/pdl_triton.wait_for_inputs, in Gluon (a Gluon kernel calls only Gluon functions);
+    LAUNCH_DEPENDENTS False: the kernel lets the next one launch later itself (gdc_launch_dependents)."""
     if PDL:
         gdc_wait()
-        gdc_launch_dependents()
+        if LAUNCH_DEPENDENTS:
+            gdc_launch_dependents()
 
 
 @gluon.jit
 def _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, COUNT: gl.constexpr,
-                   PDL: gl.constexpr):
+                   PDL: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = True):
     """The first COUNT tiles (of n_tiles) into stages 0 ... COUNT - 1: their packed words before the wait
     for the kernel that writes the activations (PDL: weights only), the activations after it."""
     for s in gl.static_range(COUNT):
         if s < n_tiles:
             _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
-    _wait_for_inputs(PDL)
+    _wait_for_inputs(PDL, LAUNCH_DEPENDENTS)
     for s in gl.static_range(COUNT):
         if s < n_tiles:
             _load_x(x_desc, x_smem, bars, s, t_begin + s, off_m)
@@ -198,20 +203,68 @@ def _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_beg
 
 
 @gluon.jit
+def _silu_mul_store(tile, out_ptr, M, N, off_m, off_n, mma_layout: gl.constexpr):
+    """SiLU(gate) · up of an fp32 tile [BLOCK_N, BLOCK_M] of a gate_up whose rows alternate in runs of 8
+    (activation.GATE_UP_INTERLEAVE: rows 16 q ... 16 q + 7 gate, the next 8 the same features' up) into
+    out [M, N / 2] (contiguous). In the wgmma accumulator a thread holds rows r and r + 8 of its warp's
+    16, so each pair meets in one thread: the reshape and split move no data. gate and up are rounded
+    to out's dtype first, and the rest is activation_triton's expression: the same bits as storing the
+    tile and running that kernel."""
+    BLOCK_N: gl.constexpr = tile.shape[0]
+    BLOCK_M: gl.constexpr = tile.shape[1]
+    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    half = (offs_on // 16) * 8 + offs_on % 8  # the output column of row and of its partner
+    ptrs = offs_om[None, :] * (N // 2) + half[:, None]
+    # (16-row pairs, gate | up, 8, tokens) → gate | up last, split into the two halves
+    gate, up = gl.split(tile.reshape([BLOCK_N // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1)))
+    ptrs, _ = gl.split(ptrs.reshape([BLOCK_N // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1)))
+    rows, _ = gl.split((offs_om[None, :] + 0 * half[:, None]).reshape([BLOCK_N // 16, 2, 8, BLOCK_M])
+                       .permute((0, 2, 3, 1)))
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(gl.float32)
+    up = up.to(dtype).to(gl.float32)
+    silu = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32)
+    # every row of a tile is inside N (the interleave needs N a multiple of 16 and so are the tiles)
+    gl.store(out_ptr + ptrs, (silu * up).to(dtype), mask=rows < M)
+
+
+@gluon.jit
+def _finish_tile(acc, bias_ptr, out_ptr, M, N, off_m, off_n, stride_om, HAS_BIAS: gl.constexpr,
+                 SILU_MUL: gl.constexpr, mma_layout: gl.constexpr):
+    """A whole tile's sum [BLOCK_N, BLOCK_M] fp32: bias added, stored into out [M, N] (row stride
+    stride_om), or with SILU_MUL SiLU(gate) · up into out [M, N / 2] (_silu_mul_store)."""
+    BLOCK_N: gl.constexpr = acc.shape[0]
+    BLOCK_M: gl.constexpr = acc.shape[1]
+    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+    if SILU_MUL:
+        _silu_mul_store(acc, out_ptr, M, N, off_m, off_n, mma_layout)
+    else:
+        mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+        gl.store(out_ptr + offs_om[None, :] * stride_om + offs_on[:, None], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@gluon.jit
 def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
                 HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr, SUM_SPLITS: gl.constexpr,
-                mma_layout: gl.constexpr):
+                mma_layout: gl.constexpr, SILU_MUL: gl.constexpr = False):
     """The tile's out.T [BLOCK_N, BLOCK_M] into out [M, N] (bias added), or this K split's fp32 partial
-    (the last split of the tile to arrive sums them, as split_k_triton.store_split does)."""
+    (the last split of the tile to arrive sums them, as split_k_triton.store_split does). SILU_MUL:
+    the finished tile goes out as SiLU(gate) · up (_finish_tile); a split kernel that does not sum its
+    splits leaves that to its launcher."""
     BLOCK_N: gl.constexpr = acc.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(2)
-    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
-    mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
-    ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
     if IS_SPLIT:
+        offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
+        mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+        ptrs = offs_om[None, :] * stride_om + offs_on[:, None]
         gl.store(out_ptr + pid_k * stride_split + ptrs, acc, mask=mask)
         if SUM_SPLITS > 0:  # the last split of this tile to arrive sums them (split_k_triton.store_split)
             _cta_barrier()  # every thread's partial is stored before the count is released
@@ -221,14 +274,11 @@ def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off
                 total = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
                 for split in gl.static_range(SUM_SPLITS):  # unrolled: all the loads in flight at once
                     total += gl.load(out_ptr + split * stride_split + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-                gl.store(final_ptr + ptrs, total.to(final_ptr.dtype.element_ty), mask=mask)
+                _finish_tile(total, bias_ptr, final_ptr, M, N, off_m, off_n, stride_om, HAS_BIAS, SILU_MUL,
+                             mma_layout)
                 gl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        if HAS_BIAS:
-            acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-        gl.store(out_ptr + ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish_tile(acc, bias_ptr, out_ptr, M, N, off_m, off_n, stride_om, HAS_BIAS, SILU_MUL, mma_layout)
 
 
 @gluon.jit
@@ -238,7 +288,7 @@ def _w4a16_wgmma_kernel(
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
-    num_warps: gl.constexpr,
+    num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -283,7 +333,11 @@ def _w4a16_wgmma_kernel(
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
     PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
-    _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL)
+    # the down GEMV after a SiLU · mul one is as large: launched while this one runs, it would take the
+    # SMs' free slots unevenly (benchmarks/RESULTS.md, session 21), so it may launch once the K loop is done
+    LATE_DEPENDENTS: gl.constexpr = SILU_MUL and SILU_MUL_LATE_DEPENDENTS
+    _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL,
+                   not LATE_DEPENDENTS)
     if PER_TILE and SCALE_ACC:
         # the operands are (level - zero), exact; each tile's products are scaled into acc after its wait;
         # the last tile is peeled off the loop (no next tile to convert)
@@ -356,38 +410,46 @@ def _w4a16_wgmma_kernel(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
-
+    if PDL and LATE_DEPENDENTS:
+        gdc_launch_dependents()
     _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
-                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout)
+                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout, SILU_MUL)
 
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
-    scale_acc: bool = False,
+    scale_acc: bool = False, silu_mul: bool = False,
 ) -> Tensor:
-    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype."""
+    """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; with `silu_mul` (a gate_up in
+    activation's interleaved row order, N a multiple of 16) SiLU(gate) · up [M, N / 2], made in the
+    kernel's epilogue where the kernel finishes its tiles (unsplit, or split with semaphores)."""
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
-                        sum_in_kernel=True, STAGES=num_stages, PER_TILE=per_tile, SCALE_ACC=scale_acc,
-                        num_warps=num_warps)
+                        sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
+                        SCALE_ACC=scale_acc, num_warps=num_warps)
 
 
 def launch_tiled(
     kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
-    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, **constexprs,
+    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False, **constexprs,
 ) -> Tensor:
     """Launch a Gluon W4A16 kernel of this module's signature (and w4a16_ws's) over a grid of
     (weight-row tiles, K splits, token tiles): the TMA descriptors of x and of the packed words, the
     split plan, and the second kernel that sums the splits where the kernel does not
-    (`sum_in_kernel`: it takes SUM_SPLITS and sums them itself where plan_splits gives semaphores)."""
+    (`sum_in_kernel`: it takes SUM_SPLITS and sums them itself where plan_splits gives semaphores).
+    `silu_mul` (kernels that take SILU_MUL): SiLU(gate) · up of an interleaved gate_up, [M, N / 2]."""
     M = x.shape[0]
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
     tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
     tiles_per_split, split_k, out, target, counters = plan_splits(
-        num_tiles, split_k, M, N, x, x.dtype, tiles_n * tiles_m if sum_in_kernel else 0, block_m)
+        num_tiles, split_k, M, N, x, x.dtype, tiles_n * tiles_m if sum_in_kernel else 0, block_m,
+        out_columns=N // 2 if silu_mul else N)
     is_split = split_k > 1
     if sum_in_kernel:
         constexprs["SUM_SPLITS"] = split_k if counters is not None else 0
+    if silu_mul:
+        constexprs["SILU_MUL"] = True
+        constexprs["SILU_MUL_LATE_DEPENDENTS"] = SILU_MUL_LATE_DEPENDENTS
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
@@ -399,5 +461,9 @@ def launch_tiled(
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, **constexprs, **pdl_args(x.device),
     )
+    if silu_mul and is_split and counters is None:  # the partials summed by the second kernel, then SiLU · mul
+        gate_up = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        finish_splits(target, counters, bias, gate_up)
+        return silu_and_mul(gate_up, GATE_UP_INTERLEAVE)
     finish_splits(target, counters, bias, out)
     return out

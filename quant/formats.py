@@ -18,7 +18,9 @@ from torch import Tensor
 
 from llmc.errors import RecipeError
 from llmc.kernels import can_use_triton
-from llmc.kernels.w4a16_gemm import dequantize_w4a16, gpu_packed_shapes, pack_w4a16_for_gpu, w4a16_linear
+from llmc.kernels.activation import GATE_UP_INTERLEAVE, silu_and_mul
+from llmc.kernels.w4a16_gemm import (dequantize_w4a16, gpu_packed_shapes, interleave_gate_up, pack_w4a16_for_gpu,
+                                    w4a16_linear, w4a16_silu_mul)
 from llmc.kernels import fp8 as fp8_kernels
 from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_static
 from llmc.quant.packing import num_words, pack_words, unpack_words
@@ -322,11 +324,27 @@ class IntWeightFormat:
         weight = self.dequantize(params, in_features=x.shape[-1]).to(x.dtype)  # [out, in]
         return F.linear(x, weight, bias)
 
+    def interleave_gate_up(self, params: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """A gate_up projection's tensors with its rows in the order `apply_silu_mul` reads (gpu layout,
+        w4a16_gemm.interleave_gate_up), or None where this format keeps gate and up apart."""
+        if not self.is_gpu_layout or params["qweight"].shape[1] % (2 * GATE_UP_INTERLEAVE):
+            return None
+        return interleave_gate_up(params)
 
-def _w4a16_kernel(x: Tensor, params: dict[str, Tensor], bias: Tensor | None, fmt: IntWeightFormat) -> Tensor:
+    def apply_silu_mul(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        """SiLU(gate) · up [..., out / 2] of a gate_up whose tensors `interleave_gate_up` reordered: on a
+        Hopper GPU in the W4A16 GEMV's epilogue (w4a16_gemm.w4a16_silu_mul); elsewhere `apply`'s product,
+        then activation.silu_and_mul."""
+        if self.select_kernel(x) is not None:
+            return _w4a16_kernel(x, params, bias, self, silu_mul=True)
+        return silu_and_mul(self.apply(x, params, bias), GATE_UP_INTERLEAVE)
+
+
+def _w4a16_kernel(x: Tensor, params: dict[str, Tensor], bias: Tensor | None, fmt: IntWeightFormat,
+                  silu_mul: bool = False) -> Tensor:
     if "perm" in params:  # act order: the packed weight's columns are x's in this order
         x = x.index_select(-1, params["perm"])
-    return w4a16_linear(
+    return (w4a16_silu_mul if silu_mul else w4a16_linear)(
         x, params["qweight"], params["scales"], params.get("qzeros"), bias, fmt.group_size, fmt.kernel_table
     )
 

@@ -46,6 +46,7 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
         raise ArtifactError(f"manifest.json: quant.modules has no format for {e.args[0]!r}; rebuild the artifact") from None
     model.cos_sin = _rope_table(manifest, max_positions, device)
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
+    model.prepare_loaded_weights()
     return model.eval()
 
 

@@ -27,8 +27,26 @@ class Linear(nn.Module):
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device="meta"))
 
     def forward(self, x: Tensor) -> Tensor:
-        params = {name: getattr(self, name) for name in self.param_names}
-        return self.fmt.apply(x, params, self.bias if self.has_bias else None)
+        return self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
+
+    def params(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in self.param_names}
+
+    def interleave_gate_up(self) -> bool:
+        """A gate_up projection's rows reordered for `silu_mul`, once, after its weights load: whether
+        the format does that (IntWeightFormat.interleave_gate_up; other formats, and a layer with a bias,
+        keep their order)."""
+        interleave = getattr(self.fmt, "interleave_gate_up", None)
+        params = interleave(self.params()) if interleave is not None and not self.has_bias else None
+        if params is None:
+            return False
+        for name, tensor in params.items():
+            setattr(self, name, tensor)
+        return True
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        """SiLU(gate) · up of this gate_up projection, after `interleave_gate_up`."""
+        return self.fmt.apply_silu_mul(x, self.params(), self.bias if self.has_bias else None)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.fmt.spec()}"

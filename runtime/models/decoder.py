@@ -74,9 +74,16 @@ class MLP(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
         self.tp_group = tp_group
+        self.is_gate_up_interleaved = False
+
+    def interleave_gate_up(self) -> None:
+        """After the weights load: where gate_up's format can (W4A16 in the gpu layout), its rows are
+        put in the order in which its GEMV makes SiLU(gate) · up in its own epilogue."""
+        self.is_gate_up_interleaved = self.gate_up.interleave_gate_up()
 
     def forward(self, x: Tensor) -> Tensor:
-        out = self.down(silu_and_mul(self.gate_up(x)))  # [num_tokens, hidden_size], partial under TP
+        h = self.gate_up.silu_mul(x) if self.is_gate_up_interleaved else silu_and_mul(self.gate_up(x))
+        out = self.down(h)  # [num_tokens, hidden_size], partial under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
@@ -162,6 +169,13 @@ class DecoderModel(nn.Module):
         if self.is_tied:
             return torch.nn.functional.linear(hidden, self.embed.weight).float()
         return self.lm_head(hidden).float()
+
+    def prepare_loaded_weights(self) -> None:
+        """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
+        store (MLP.interleave_gate_up)."""
+        for layer in self.layers.values():
+            if not layer.is_moe:
+                layer.mlp.interleave_gate_up()
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:

@@ -110,6 +110,9 @@ def test_gpu_layout_and_plain_layout_compute_the_same_model(peer_checkpoint_dir,
         modules = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
         assert modules["layers.1.attn.qkv"].get("layout", "plain") == ("gpu" if device == "cuda" else "plain")
         engines[device] = LLM(out, device="cpu").engine
+        # the gpu layout's gate_up rows are interleaved on load (its GEMV makes SiLU · mul): compared here too
+        mlps = [layer.mlp for layer in engines[device].runner.model.layers.values()]
+        assert all(mlp.is_gate_up_interleaved == (device == "cuda") for mlp in mlps)
     token_ids = list(range(5, 69))
     torch.testing.assert_close(engines["cuda"].score(token_ids), engines["cpu"].score(token_ids), rtol=1e-5, atol=1e-5)
 

@@ -56,6 +56,23 @@ def test_silu_and_mul_matches_torch(elementwise_case, num_tokens, size) -> None:
     assert_close(silu_and_mul(gate_up.to(device)), activation.silu_and_mul(gate_up), dtype)
 
 
+@pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1504)])
+def test_silu_and_mul_of_interleaved_gate_up(elementwise_case, num_tokens, size) -> None:
+    """gate and up alternating in runs of 8 columns (a W4A16 gate_up's order on load): the same as
+    SiLU(gate) · up of the separate halves, in torch and in the kernel."""
+    from llmc.kernels.activation_triton import silu_and_mul
+
+    device, dtype = elementwise_case
+    gate, up = (2 * torch.randn(num_tokens, size)).to(dtype), (2 * torch.randn(num_tokens, size)).to(dtype)
+    interleaved = torch.empty(num_tokens, 2 * size, dtype=dtype)
+    for q in range(size // 8):
+        interleaved[:, 16 * q: 16 * q + 8] = gate[:, 8 * q: 8 * q + 8]
+        interleaved[:, 16 * q + 8: 16 * q + 16] = up[:, 8 * q: 8 * q + 8]
+    expected = torch.nn.functional.silu(gate) * up
+    assert torch.equal(activation.silu_and_mul(interleaved, activation.GATE_UP_INTERLEAVE), expected)
+    assert_close(silu_and_mul(interleaved.to(device), activation.GATE_UP_INTERLEAVE), expected, dtype)
+
+
 @pytest.mark.parametrize("num_tokens,size", [(1, 64), (4, 5000), (2, 17000)])  # one pass, one pass, two
 def test_fp8_per_token_quantization_matches_numerics(elementwise_case, num_tokens, size) -> None:
     from llmc.kernels.fp8 import MIN_SCALE

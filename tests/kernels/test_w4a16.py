@@ -121,6 +121,29 @@ def test_act_order_gpu_layout_matches_plain_layout(k, n, group_size, symmetric) 
                                reference_linear(plain, x, plain_params, None).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("symmetric,group_size,act_order", [(True, 128, False), (False, 64, False), (False, 64, True)])
+def test_interleaved_gate_up_gives_silu_mul_of_the_float64_halves(symmetric, group_size, act_order) -> None:
+    """A gate_up in the gpu layout, rows interleaved on load (gate and up alternating in runs of 8, each
+    run one word of zero points), through the format's SiLU · mul path: the same as SiLU(x Wg^T) · x Wu^T
+    of the plain layout's weight in float64; the reordered rows are exactly the documented ones."""
+    k, size = 384, 48
+    q = act_order_weight(k, 2 * size, group_size, symmetric) if act_order else random_weight(k, 2 * size, group_size,
+                                                                                          symmetric)
+    plain = IntWeightFormat(torch.float32, 4, group_size, symmetric, has_g_idx=act_order)
+    gpu = IntWeightFormat(torch.float32, 4, group_size, symmetric, has_g_idx=act_order, layout="gpu")
+    weight = dequantize(plain, plain.pack(q), k).double()  # [2 size, K]: gate rows, then up rows
+    params = gpu.interleave_gate_up(gpu.pack(q))
+    rows = torch.cat([torch.stack([weight[8 * r: 8 * r + 8], weight[size + 8 * r: size + 8 * r + 8]])
+                      for r in range(size // 8)]).flatten(0, 1)
+    assert torch.equal(gpu.dequantize(params, k).double(), rows)
+    x = torch.randn(3, k, dtype=torch.float64)
+    expected = F.silu(x @ weight[:size].T) * (x @ weight[size:].T)
+    torch.testing.assert_close(gpu.apply_silu_mul(x.float(), params, None).double(), expected, rtol=1e-5, atol=1e-5)
+    # formats that keep gate and up apart: the plain layout, and rows that are no whole runs of 16
+    assert plain.interleave_gate_up(plain.pack(q)) is None
+    assert gpu.interleave_gate_up(gpu.pack(random_weight(k, 40, group_size, symmetric))) is None
+
+
 def test_act_order_groups_of_unequal_sizes_are_refused() -> None:
     q = act_order_weight(256, 16, 128, True)
     q.g_idx[:3] = 1 - q.g_idx[:3]  # three columns change group: 128 ± 3 per group
@@ -359,8 +382,10 @@ if order == "ws":
     constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
+    # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
-                  "SCALE_ACC": order in ("acc", "acc8")}
+                  "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
+                  "SILU_MUL_LATE_DEPENDENTS": True}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
@@ -379,10 +404,12 @@ print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order in
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
 print("shared", kernel.metadata.shared)
+print("epilogue", "ex2", ptx.count("ex2.approx"), "st_shared", ptx.count("st.shared"))
 print("warps", kernel.metadata.num_warps, "setmaxnreg", "setmaxnreg" in ptx)
 before_wait = ptx.split("griddepcontrol.wait")
 print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
 print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
+print("launch_after_last_wgmma", ptx.rfind("griddepcontrol.launch_dependents") > ptx.rfind("wgmma.mma_async"))
 # ptxas says so (C7513, C7515: the reason) when it serializes the wgmmas (waits for each before the next)
 with tempfile.TemporaryDirectory() as tmp:
     with open(os.path.join(tmp, "k.ptx"), "w") as f:
@@ -418,10 +445,18 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
-    assert facts["waits"] == "1 launches_dependents True"
-    if order != "ws":  # (the partitions' code is not in program order in the PTX text)
+    # (triton 3.6 copies the wait into each branch of the unrolled prologue where no launch follows it)
+    waits, launches = facts["waits"].split(" ", 1)
+    assert (waits == "1" or order == "acc8") and launches == "launches_dependents True"
+    if order != "ws":  # a SiLU · mul GEMV (acc8) lets the next kernel launch after its K loop, others at their start
+        assert facts["launch_after_last_wgmma"] == str(order == "acc8")
+    if order not in ("ws", "acc8"):  # (ws: the partitions' code is not in program order in the PTX text;
+        # acc8: the wait is copied into the prologue's branches, after the first tile's load)
         assert facts["tma_before_wait"] == ("3" if order == "slice" else "4")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
+    if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
+        # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
+        assert facts["epilogue"] == "ex2 2 st_shared 1"
     assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else
                               f"{8 if order in ('tile', 'acc8') else 4} setmaxnreg False")
 
@@ -483,6 +518,59 @@ def test_wgmma_kernel_matches_float64(rel_err, k, n, m, group, has_zeros, has_bi
     dense = F.linear(x.float(), dequantize_w4a16(params, k, group).to(dtype).float(),
                      None if bias is None else bias.float())
     assert rel_err(y, dense) < 4e-3
+
+
+# (K, N, M, zero points, bias, dtype, config, semaphores): the table's gate_up entry at one token; split K
+# summed in the kernel (bias, zero points) and by the second kernel (no semaphores, as in a graph capture
+# that finds none); 8-token tiles of 8 warps over two token tiles (fp16); per tile with scaled operands;
+# per slice; and kinds without the epilogue (warp-specialized, Triton's swap, dequantize + matmul)
+SILU_MUL_CASES = [
+    (4096, 28672, 1, False, False, torch.bfloat16, W4A16Config("wgmma", 16, 128, 1, 4, 4, True, scale_acc=True), True),
+    (512, 384, 5, True, True, torch.bfloat16, W4A16Config("wgmma", 16, 128, 2, 4, 4, True, scale_acc=True), True),
+    (512, 384, 5, True, True, torch.bfloat16, W4A16Config("wgmma", 16, 128, 2, 4, 4, True, scale_acc=True), False),
+    (640, 256, 9, False, False, torch.float16, W4A16Config("wgmma", 8, 128, 1, 8, 4, True, scale_acc=True), True),
+    (1024, 256, 16, False, True, torch.bfloat16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True), True),
+    (512, 192, 40, True, False, torch.bfloat16, W4A16Config("wgmma", 64, 64, 1, 4, 3, False), True),
+    (384, 256, 300, False, False, torch.bfloat16, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), True),
+    (256, 128, 3, True, False, torch.float16, W4A16Config("swap", 16, 64, 2, 4, 3), True),
+    (256, 128, 70, False, True, torch.bfloat16, W4A16Config("dequant"), True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("k,n,m,has_zeros,has_bias,dtype,config,semaphores", SILU_MUL_CASES)
+def test_silu_mul_in_the_gemv_epilogue_gives_the_bits_of_two_kernels(
+        rel_err, monkeypatch, k, n, m, has_zeros, has_bias, dtype, config, semaphores) -> None:
+    """An interleaved gate_up through w4a16_silu_mul: bit for bit SiLU · mul (the activation
+    kernel) of the same GEMM's output, and SiLU(x Wg^T) · x Wu^T in float64 within the kernels' error."""
+    from llmc.kernels import activation, split_k_triton
+    from llmc.kernels.w4a16_gemm import interleave_gate_up, w4a16_silu_mul
+
+    if not semaphores:
+        monkeypatch.setattr(split_k_triton, "tile_counters", lambda device, num_tiles: None)
+    gen = torch.Generator().manual_seed(k + n + m)
+    levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(n, k // 128, generator=gen) * 0.004 + 0.001).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // 128), generator=gen, dtype=torch.int32) if has_zeros else None
+    params = {name: t.cuda() for name, t in pack_w4a16_for_gpu(levels, scales, zeros).items()}
+    weight = dequantize_w4a16(params, k, 128).double()  # gate rows, then up rows
+    params = interleave_gate_up(params)
+    bias = (0.1 * torch.randn(n, generator=gen)).to("cuda", dtype) if has_bias else None  # interleaved rows' bias
+    rows = torch.arange(n)
+    original_row = ((rows // 8) % 2) * (n // 2) + (rows // 16) * 8 + rows % 8  # of each interleaved row
+    x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+    table = {f"{k}x{n}": [(m, config, None)]}
+    args = (x, params["qweight"], params["scales"], params.get("qzeros"), bias, 128)
+    fused = w4a16_silu_mul(*args, table=table)
+    two_kernels = activation.silu_and_mul(w4a16_linear(*args, table=table), activation.GATE_UP_INTERLEAVE)
+    assert fused.dtype == dtype and fused.shape == (m, n // 2)
+    assert torch.equal(fused, two_kernels)
+    gate_up = x.double() @ weight.T
+    if bias is not None:
+        gate_up[:, original_row.cuda()] += bias.double()
+    assert rel_err(fused, F.silu(gate_up[:, : n // 2]) * gate_up[:, n // 2:]) < 2e-2
 
 
 @pytest.mark.gpu
