@@ -6,7 +6,7 @@
 #   3. batch-1 decode of that artifact, alternating processes of OLD_TREE's and this tree's runtime
 #      (benchmarks/pdl_vs_off.sh with PYTHONPATH variants).
 #   bash benchmarks/runtime_vs_before.sh OLD_TREE OUT_DIR ["tests/... tests/..."]
-# ATTN_ARGS adds arguments to both attention_step_bench runs (e.g. "--batch-sizes 1,4,16").
+# ATTN_ARGS adds arguments to both attention_step_bench runs (e.g. "--batch-sizes 1,4,16"); ATTN_ARGS=skip skips them.
 # → OUT_DIR/attention-{before,now}-ROUND.json, gpu_tests.log, e2e-pdl-w4-{before,now}-ROUND.json, pdl_vs_off.md
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +16,7 @@ source "$repo/benchmarks/gpu_env.sh"
 bash "$repo/benchmarks/package_dir.sh" "$old" /tmp/before
 say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
 for round in $(seq 1 "$rounds"); do
+  [ "${ATTN_ARGS:-}" = skip ] && break
   for variant in before:/tmp/before now:/tmp/llmcpkg; do
     say "attention_step_bench ${variant%%:*} $round"
     (cd /tmp && PYTHONPATH=${variant#*:} timeout 120 python "$repo/benchmarks/attention_step_bench.py" \
