@@ -10,7 +10,8 @@ The weights are packed once, at compile time, into the "gpu" layout (`pack_w4a16
   qzeros  [num_groups, ceil(N / 8)] int32 only with zero points: nibble j of word w is column 8 w + j
 One K tile is one [16, BLOCK_N] int32 load (16-byte vectors along N) and one scale row per group.
 
-Dispatch (`w4a16_linear`): on CUDA the Triton kernels of w4a16_triton.py, with the kernel and its
+Dispatch (`w4a16_linear`; `w4a16_silu_mul` for a gate_up whose rows `interleave_gate_up` reordered,
+SiLU(gate) · up in the kernel's epilogue where it is kind "wgmma"): on CUDA the Triton kernels of w4a16_triton.py, with the kernel and its
 tile sizes per (K, N, M) read from a tuning table: the one the compiler recorded in the artifact's
 plan for its shapes (`w4a16_tune.tune_w4a16` measures one, once, on the build GPU), or, for an
 artifact that records none, DEFAULT_W4A16_TABLE and a heuristic for shapes it lacks; on CPU
@@ -383,18 +384,18 @@ def _w4a16_product(x, qweight, scales, qzeros, bias, group_size, table, silu_mul
 
 
 def _w4a16_linear_cuda(x, qweight, scales, qzeros, bias, group_size, table, silu_mul) -> Tensor:
-    in_features, out_features = x.shape[-1], qweight.shape[1] // (2 if silu_mul else 1)
+    in_features, n = x.shape[-1], qweight.shape[1]
+    out_features = n // 2 if silu_mul else n
     x2 = x.reshape(-1, in_features)  # [M, K]
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], out_features)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    config = select_w4a16_config(x2.shape[0], in_features, qweight.shape[1], table, device_num_sms(x.device))
+    config = select_w4a16_config(x2.shape[0], in_features, n, table, device_num_sms(x.device))
     if config.kind in WGMMA_KINDS and not wgmma_supported(
-            device_capability(x.device), x.dtype, group_size, in_features, qweight.shape[1]):
+            device_capability(x.device), x.dtype, group_size, in_features, n):
         # a table measured on a Hopper GPU, read elsewhere (or for other groups / dtypes)
-        config = heuristic_w4a16_config(x2.shape[0], in_features, qweight.shape[1], device_num_sms(x.device),
-                                        wgmma=False)
+        config = heuristic_w4a16_config(x2.shape[0], in_features, n, device_num_sms(x.device), wgmma=False)
     if x.dtype == torch.float32 and config.kind == "fused":
         # float32 activations are a checking mode (no fp32 tensor-core path is tuned): the weight is
         # dequantized and multiplied in fp32, exactly, as on the CPU.

@@ -20,6 +20,9 @@ products instead (no rounding of the dequantized weight: closer to the float64 p
 bits as the other kernels).
 Group sizes are multiples of 128 (one group per tile) or one group per channel; the dispatch keeps
 smaller groups, other GPUs and fp32 on the other kernels (w4a16_gemm.wgmma_supported).
+SILU_MUL: the weight is a gate_up in activation's interleaved row order, and the finished tiles go
+out as SiLU(gate) · up (`_silu_mul_store`, w4a16_gemm.w4a16_silu_mul); such a kernel lets the next
+one (down) launch after its K loop rather than at its start.
 """
 
 from __future__ import annotations
@@ -219,14 +222,14 @@ def _silu_mul_store(tile, out_ptr, M, N, off_m, off_n, mma_layout: gl.constexpr)
     # (16-row pairs, gate | up, 8, tokens) → gate | up last, split into the two halves
     gate, up = gl.split(tile.reshape([BLOCK_N // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1)))
     ptrs, _ = gl.split(ptrs.reshape([BLOCK_N // 16, 2, 8, BLOCK_M]).permute((0, 2, 3, 1)))
-    rows, _ = gl.split((offs_om[None, :] + 0 * half[:, None]).reshape([BLOCK_N // 16, 2, 8, BLOCK_M])
-                       .permute((0, 2, 3, 1)))
+    tokens, _ = gl.split((offs_om[None, :] + 0 * half[:, None]).reshape([BLOCK_N // 16, 2, 8, BLOCK_M])
+                         .permute((0, 2, 3, 1)))
     dtype: gl.constexpr = out_ptr.dtype.element_ty
     gate = gate.to(dtype).to(gl.float32)
     up = up.to(dtype).to(gl.float32)
     silu = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32)
     # every row of a tile is inside N (the interleave needs N a multiple of 16 and so are the tiles)
-    gl.store(out_ptr + ptrs, (silu * up).to(dtype), mask=rows < M)
+    gl.store(out_ptr + ptrs, (silu * up).to(dtype), mask=tokens < M)
 
 
 @gluon.jit
