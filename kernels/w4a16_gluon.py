@@ -240,12 +240,12 @@ def _finish_tile(acc, bias_ptr, out_ptr, M, N, off_m, off_n, stride_om, HAS_BIAS
     BLOCK_N: gl.constexpr = acc.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
     offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
     if HAS_BIAS:
         acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
     if SILU_MUL:
         _silu_mul_store(acc, out_ptr, M, N, off_m, off_n, mma_layout)
     else:
+        offs_om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
         mask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
         gl.store(out_ptr + offs_om[None, :] * stride_om + offs_on[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=mask)
