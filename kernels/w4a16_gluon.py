@@ -66,15 +66,6 @@ _CVT_BF16_EXACT = gl.constexpr("""{
     lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
     sub.rn.bf16x2 $0, t, $3;
 }""")
-# MAGIC + level, nothing subtracted (XSUM: the kernel takes (MAGIC + zero) · the tile's activation sums off
-# each tile's products): $3 the selector, $5 the shift ($4, $6 repeat them).
-_CVT_BF16_BIASED = gl.constexpr("""{
-    .reg .b32 t;
-    prmt.b32 t, $1, $2, $3;
-    shr.u32 t, t, $5;
-    lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA;
-}""")
-_CVT_FP16_BIASED = gl.constexpr(_CVT_BF16_BIASED.value.replace("0x43004300", "0x64006400"))
 _CVT_FP16_EXACT = gl.constexpr(_CVT_BF16_EXACT.value.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2"))
 _CVT_FP16 = gl.constexpr(_CVT_BF16.value.replace("0x43004300", "0x64006400").replace("bf16x2", "f16x2"))
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -150,15 +141,10 @@ def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED:
     (0x4300 | level is 128 + level as bf16, 0x6400 | level 1024 + level as fp16), and the paired
     subtract and multiply give (level - zero) * scale, rounded once, as the fp32 path does: the
     difference is an exact small integer, its product with the scale exact before the rounding.
-    SCALED 0: the subtract only, (level - zero) exact; the caller scales the products. SCALED 2: MAGIC +
-    level, nothing else; the caller takes (MAGIC + zero) · Σx off the products and scales them (XSUM)."""
+    SCALED 0: the subtract only, (level - zero) exact; the caller scales the products."""
     selector = gl.zeros_like(words) + (0x5410 + (j // 4) * (0x7632 - 0x5410))
     shift = gl.zeros_like(words) + 4 * (j % 4)
-    if SCALED == 2:  # MAGIC + level (XSUM): the zero point and the scale applied to the tile's products
-        biased_asm: gl.constexpr = _CVT_BF16_BIASED if dtype == gl.bfloat16 else _CVT_FP16_BIASED
-        out = gl.inline_asm_elementwise(biased_asm, "=r,r,r,r,r,r,r", [words, selector, shift], dtype=dtype.value,
-                                        is_pure=True, pack=2)
-    elif SCALED == 0:  # (level - zero) exact, the scale applied to the tile's products
+    if SCALED == 0:  # (level - zero) exact, the scale applied to the tile's products
         exact_asm: gl.constexpr = _CVT_BF16_EXACT if dtype == gl.bfloat16 else _CVT_FP16_EXACT
         args = [words, offset.to(dtype)[:, None], selector, shift]
         out = gl.inline_asm_elementwise(exact_asm, "=r,r,r,r,r,r,r,r", args, dtype=dtype.value, is_pure=True, pack=2)
@@ -217,28 +203,6 @@ def _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_beg
     _cta_barrier()  # no warp still reads this stage
     if i + STAGES < n_tiles:
         _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
-
-
-@gluon.jit
-def _tile_xsum(xsum_ptr, t, offs_m, M, num_tiles, XSUM: gl.constexpr):
-    """XSUM: the activations' sums over K tile t for the tile's tokens (fp32 [BLOCK_M], 0 past M), from
-    xsum [M, num_tiles]; else zeros (unused)."""
-    if XSUM:
-        sx = gl.load(xsum_ptr + offs_m * num_tiles + t, mask=offs_m < M, other=0.0)
-    else:
-        sx = gl.full(offs_m.shape, 0.0, gl.float32, offs_m.type.layout)
-    return sx
-
-
-@gluon.jit
-def _add_scaled(acc, part, scale, offset, sx, XSUM: gl.constexpr):
-    """acc + a tile's products times its group scale; XSUM: the products are of MAGIC + level, so
-    (MAGIC + zero) · Σx comes off first (exact identity: Σ (MAGIC + level - MAGIC - zero) x)."""
-    if XSUM:
-        acc += (part - offset[:, None] * sx[None, :]) * scale[:, None]
-    else:
-        acc += part * scale[:, None]
-    return acc
 
 
 @gluon.jit
@@ -322,13 +286,12 @@ def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, xsum_ptr,
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
-    XSUM: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -379,39 +342,34 @@ def _w4a16_wgmma_kernel(
     _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL,
                    not LATE_DEPENDENTS)
     if PER_TILE and SCALE_ACC:
-        # the operands are (level - zero), exact (XSUM: MAGIC + level); each tile's products are scaled into
-        # acc after its wait; the last tile is peeled off the loop (no next tile to convert)
-        FORM: gl.constexpr = 2 if XSUM else 0
-        ZEROS_ACC: gl.constexpr = HAS_ZEROS if XSUM else False
+        # the operands are (level - zero), exact; each tile's products are scaled into acc after its wait;
+        # the last tile is peeled off the loop (no next tile to convert)
         offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
         n_mask_acc = offs_n_acc < N
-        offs_m_acc = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout))
         mbarrier.wait(bars.index(0), 0)
-        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, FORM)
-        scale_acc, offset_acc = _group_params(s_ptr, qz_ptr, t_begin, offs_n_acc, n_mask_acc, N, num_groups,
-                                              GROUP_SIZE, ZEROS_ACC, MAGIC)
-        sx = _tile_xsum(xsum_ptr, t_begin, offs_m_acc, M, num_tiles, XSUM)
+        a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, 0)
+        scale_acc, _ = _group_params(s_ptr, qz_ptr, t_begin, offs_n_acc, n_mask_acc, N, num_groups, GROUP_SIZE,
+                                     False, MAGIC)
         scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                       num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
         part = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
         for i in range(n_tiles - 1):
             stage = i % STAGES
             part = _tile_mmas(a, x_smem, stage, part)
-            scale_acc_next, offset_acc_next = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc,
-                                                            N, num_groups, GROUP_SIZE, ZEROS_ACC, MAGIC)
-            sx_next = _tile_xsum(xsum_ptr, t_begin + i + 1, offs_m_acc, M, num_tiles, XSUM)
+            scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N, num_groups,
+                                              GROUP_SIZE, False, MAGIC)
             a_next, scale, offset = _next_tile_operands(
                 w_smem, bars, s_ptr, qz_ptr, t_begin, i + 1, n_tiles, offs_n, n_mask, N, num_groups, scale, offset,
-                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, FORM)
+                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0)
             part = warpgroup_mma_wait(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
-            acc = _add_scaled(acc, part, scale_acc, offset_acc, sx, XSUM)
-            scale_acc, offset_acc, sx = scale_acc_next, offset_acc_next, sx_next
+            acc += part * scale_acc[:, None]
+            scale_acc = scale_acc_next
             _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES)
             a = a_next
         part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
-        acc = _add_scaled(acc, part, scale_acc, offset_acc, sx, XSUM)
+        acc += part * scale_acc[:, None]
     elif PER_TILE:
         # stage i % STAGES is refilled once tile i's wgmmas are done
         mbarrier.wait(bars.index(0), 0)
@@ -463,20 +421,19 @@ def _w4a16_wgmma_kernel(
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
-    scale_acc: bool = False, silu_mul: bool = False, xsum: Tensor | None = None,
+    scale_acc: bool = False, silu_mul: bool = False,
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; with `silu_mul` (a gate_up in
     activation's interleaved row order, N a multiple of 16) SiLU(gate) · up [M, N / 2], made in the
     kernel's epilogue where the kernel finishes its tiles (unsplit, or split with semaphores)."""
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
-                        sum_in_kernel=True, silu_mul=silu_mul, xsum=xsum, STAGES=num_stages, PER_TILE=per_tile,
+                        sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
                         SCALE_ACC=scale_acc, num_warps=num_warps)
 
 
 def launch_tiled(
     kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
-    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False,
-    xsum: Tensor | None = None, **constexprs,
+    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False, **constexprs,
 ) -> Tensor:
     """Launch a Gluon W4A16 kernel of this module's signature (and w4a16_ws's) over a grid of
     (weight-row tiles, K splits, token tiles): the TMA descriptors of x and of the packed words, the
@@ -493,8 +450,6 @@ def launch_tiled(
     is_split = split_k > 1
     if sum_in_kernel:
         constexprs["SUM_SPLITS"] = split_k if counters is not None else 0
-    if xsum is not None:
-        constexprs["XSUM"] = True
     if silu_mul:
         constexprs["SILU_MUL"] = True
         constexprs["SILU_MUL_LATE_DEPENDENTS"] = SILU_MUL_LATE_DEPENDENTS
@@ -504,7 +459,7 @@ def launch_tiled(
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, out, counters if counters is not None else out, xsum if xsum is not None else scales, M, N, scales.shape[0], num_tiles, tiles_per_split,
+        target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, **constexprs, **pdl_args(x.device),
