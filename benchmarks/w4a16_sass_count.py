@@ -26,17 +26,19 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from llmc.kernels import w4a16_gluon
 
 
-def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros: bool = False) -> str:
+def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros: bool = False,
+                 scale_ring: bool = False) -> str:
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     constants = {"GROUP_SIZE": 128, "HAS_ZEROS": zeros, "HAS_BIAS": False, "IS_SPLIT": False, "SUM_SPLITS": 0,
                  "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps,
-                 "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True}
+                 "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring}
+    s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)
     signature = {
         "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
         "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
         "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16",
-        "counter_ptr": "*i32",
+        "counter_ptr": "*i32", "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if scale_ring else "*bf16",
         **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                     "stride_split")},
         **{name: "constexpr" for name in constants},
@@ -79,8 +81,10 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--no-scale-acc", action="store_true")
     parser.add_argument("--zeros", action="store_true", help="asymmetric (qzeros)")
+    parser.add_argument("--scale-ring", action="store_true", help="the group scales by TMA with the words")
     args = parser.parse_args()
-    counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc, args.zeros))
+    counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc, args.zeros,
+                                       args.scale_ring))
     print(f"triton {triton.__version__}: {sum(counts.values())} instructions in the loop over K tiles")
     for opcode, count in counts.most_common():
         print(f"{count:5d}  {opcode}")

@@ -43,6 +43,9 @@ from .w4a16_triton import group_columns_of
 
 # A SiLU · mul GEMV (gate_up) lets the next kernel (down) launch after its K loop, not at its start (PDL)
 SILU_MUL_LATE_DEPENDENTS = True
+# The per-tile order with the scale on the products brings each tile's group scales by TMA with its words
+# (`SCALE_RING`); False: loaded from global memory one tile ahead, as before (benchmarks/w4a16_scale_ring_probe.py)
+SCALE_RING = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -72,10 +75,17 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 @gluon.jit
-def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n):
-    """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes."""
+def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n, sc=None):
+    """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes.
+    sc (the per-tile order with the scale on the products, `_scale_ring`): the tile's group scales too."""
     bar = bars.index(stage)
-    mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
+    if sc is None:
+        mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
+    else:
+        s_desc, s_smem, N, num_groups, GROUP_SIZE = sc
+        mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
+        _tma_load(s_desc, [g * N + off_n], bar, s_smem.index(stage))
     _tma_load(w_desc, [t * 16, off_n], bar, w_smem.index(stage))
 
 
@@ -88,8 +98,8 @@ def _load_x(x_desc, x_smem, bars, stage, t, off_m):
 
 
 @gluon.jit
-def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n):
-    _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n)
+def _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t, off_m, off_n, sc=None):
+    _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n, sc)
     _load_x(x_desc, x_smem, bars, stage, t, off_m)
 
 
@@ -105,12 +115,13 @@ def _wait_for_inputs(PDL: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = True):
 
 @gluon.jit
 def _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, COUNT: gl.constexpr,
-                   PDL: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = True):
-    """The first COUNT tiles (of n_tiles) into stages 0 ... COUNT - 1: their packed words before the wait
-    for the kernel that writes the activations (PDL: weights only), the activations after it."""
+                   PDL: gl.constexpr, LAUNCH_DEPENDENTS: gl.constexpr = True, sc=None):
+    """The first COUNT tiles (of n_tiles) into stages 0 ... COUNT - 1: their packed words (and sc: group
+    scales) before the wait for the kernel that writes the activations (PDL: weights only), the
+    activations after it."""
     for s in gl.static_range(COUNT):
         if s < n_tiles:
-            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n)
+            _load_words(x_desc, w_desc, w_smem, bars, s, t_begin + s, off_n, sc)
     _wait_for_inputs(PDL, LAUNCH_DEPENDENTS)
     for s in gl.static_range(COUNT):
         if s < n_tiles:
@@ -198,11 +209,11 @@ def _next_tile_operands(w_smem, bars, s_ptr, qz_ptr, t_begin, i_next, n_tiles, o
 
 @gluon.jit
 def _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n,
-                  STAGES: gl.constexpr):
+                  STAGES: gl.constexpr, sc=None):
     """Tile i's stage refilled with tile i + STAGES once every warp is past the wait for tile i's wgmmas."""
     _cta_barrier()  # no warp still reads this stage
     if i + STAGES < n_tiles:
-        _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n)
+        _load_tile(x_desc, w_desc, w_smem, x_smem, bars, stage, t_begin + i + STAGES, off_m, off_n, sc)
 
 
 @gluon.jit
@@ -286,12 +297,13 @@ def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
+    SCALE_RING: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -339,12 +351,20 @@ def _w4a16_wgmma_kernel(
     # the down GEMV after a SiLU · mul one is as large: launched while this one runs, it would take the
     # SMs' free slots unevenly (benchmarks/RESULTS.md, session 21), so it may launch once the K loop is done
     LATE_DEPENDENTS: gl.constexpr = SILU_MUL and SILU_MUL_LATE_DEPENDENTS
+    if SCALE_RING:
+        s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BLOCK_N], s_desc.layout)
+        sc = (s_desc, s_smem, N, num_groups, GROUP_SIZE)
+    else:
+        sc = None
     _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL,
-                   not LATE_DEPENDENTS)
+                   not LATE_DEPENDENTS, sc)
     if PER_TILE and SCALE_ACC:
         # the operands are (level - zero), exact; each tile's products are scaled into acc after its wait;
-        # the last tile is peeled off the loop (no next tile to convert)
-        offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+        # the last tile is peeled off the loop (no next tile to convert). SCALE_RING: each tile's group
+        # scales come with its words, by TMA into the stage (s_desc: the scales [G, N] seen flat);
+        # else they are loaded from global memory one tile ahead of their use.
+        acc_rows: gl.constexpr = gl.SliceLayout(1, mma_layout)
+        offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=acc_rows)
         n_mask_acc = offs_n_acc < N
         mbarrier.wait(bars.index(0), 0)
         a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, 0)
@@ -356,8 +376,12 @@ def _w4a16_wgmma_kernel(
         for i in range(n_tiles - 1):
             stage = i % STAGES
             part = _tile_mmas(a, x_smem, stage, part)
-            scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N, num_groups,
-                                              GROUP_SIZE, False, MAGIC)
+            if SCALE_RING:
+                scale_acc = s_smem.index(stage).load(acc_rows).to(gl.float32)
+                scale_acc_next = scale_acc
+            else:
+                scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N,
+                                                  num_groups, GROUP_SIZE, False, MAGIC)
             a_next, scale, offset = _next_tile_operands(
                 w_smem, bars, s_ptr, qz_ptr, t_begin, i + 1, n_tiles, offs_n, n_mask, N, num_groups, scale, offset,
                 a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0)
@@ -365,9 +389,11 @@ def _w4a16_wgmma_kernel(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             acc += part * scale_acc[:, None]
             scale_acc = scale_acc_next
-            _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES)
+            _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES, sc)
             a = a_next
         part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
+        if SCALE_RING:
+            scale_acc = s_smem.index((n_tiles - 1) % STAGES).load(acc_rows).to(gl.float32)
         part = warpgroup_mma_wait(num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
         acc += part * scale_acc[:, None]
     elif PER_TILE:
@@ -426,9 +452,16 @@ def launch_w4a16_wgmma(
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; with `silu_mul` (a gate_up in
     activation's interleaved row order, N a multiple of 16) SiLU(gate) · up [M, N / 2], made in the
     kernel's epilogue where the kernel finishes its tiles (unsplit, or split with semaphores)."""
+    scale_ring = SCALE_RING and per_tile and scale_acc and _scale_ring_fits(scales)
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
-                        SCALE_ACC=scale_acc, num_warps=num_warps)
+                        SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring)
+
+
+def _scale_ring_fits(scales: Tensor) -> bool:
+    """Whether the TMA can bring a tile's group scales ([G, N] read flat, boxes of BLOCK_N): a
+    contiguous 16-byte aligned table of 16-bit scales."""
+    return scales.is_contiguous() and scales.element_size() == 2 and scales.data_ptr() % 16 == 0
 
 
 def launch_tiled(
@@ -457,9 +490,14 @@ def launch_tiled(
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
+    s_desc = scales
+    if constexprs.get("SCALE_RING"):
+        s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
+        s_desc = TensorDescriptor(scales.view(-1), [scales.numel()], [1], [block_n], s_layout)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, out, counters if counters is not None else out, M, N, scales.shape[0], num_tiles, tiles_per_split,
+        target, out, counters if counters is not None else out, s_desc, M, N, scales.shape[0], num_tiles,
+        tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,
         IS_SPLIT=is_split, **constexprs, **pdl_args(x.device),

@@ -387,7 +387,7 @@ else:
                   "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
                   "SILU_MUL_LATE_DEPENDENTS": True}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
-signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
+signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32", "s_desc": "*bf16",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                           "stride_split")},
               **{name: "constexpr" for name in constants}}
