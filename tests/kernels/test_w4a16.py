@@ -352,6 +352,7 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
 
 _COMPILE_SM90 = """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -385,9 +386,12 @@ else:
     # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
                   "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
-                  "SILU_MUL_LATE_DEPENDENTS": True}
+                  "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": order in ("acc", "acc8")}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
-signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32", "s_desc": "*bf16",
+s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
+ring = constants.get("SCALE_RING", False)
+signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
+              "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if ring else "*bf16",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                           "stride_split")},
               **{name: "constexpr" for name in constants}}
@@ -409,6 +413,7 @@ print("warps", kernel.metadata.num_warps, "setmaxnreg", "setmaxnreg" in ptx)
 before_wait = ptx.split("griddepcontrol.wait")
 print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
 print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
+print("scale_loads", "tma", ptx.count("cp.async.bulk.tensor.1d"), "global", len(re.findall(r"ld\\.global[.\\w]*\\.b16", ptx)))
 print("launch_after_last_wgmma", ptx.rfind("griddepcontrol.launch_dependents") > ptx.rfind("wgmma.mma_async"))
 # ptxas says so (C7513, C7515: the reason) when it serializes the wgmmas (waits for each before the next)
 with tempfile.TemporaryDirectory() as tmp:
@@ -426,7 +431,8 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
     conversion, no local memory or spills, shared memory that fits; split K summed in the kernel (an
-    acquire-release count per output tile, the partials read past L1). ptxas keeps the per-tile
+    acquire-release count per output tile, the partials read past L1); the scale-on-the-products
+    order's group scales by TMA, none from global memory. ptxas keeps the per-tile
     order's wgmmas asynchronous, warp-specialized or not, and serializes the per-slice order's (the
     measured reason the per-tile order exists, benchmarks/RESULTS.md session 11). The
     warp-specialized kernel runs 4 + 4 + 1 warps (two consumer warpgroups, a producer warp; Triton
@@ -452,7 +458,11 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
         assert facts["launch_after_last_wgmma"] == str(order == "acc8")
     if order not in ("ws", "acc8"):  # (ws: the partitions' code is not in program order in the PTX text;
         # acc8: the wait is copied into the prologue's branches, after the first tile's load)
-        assert facts["tma_before_wait"] == ("3" if order == "slice" else "4")
+        # (acc: each tile's group scales come by TMA with its words, also before the wait)
+        assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "acc": "8"}[order]
+    if order in ("acc", "acc8"):  # the scale ring: the prologue's 4 tiles and the refill bring the scales; the
+        # 16-bit global loads left are the bias's (with the scales loaded from global memory: 12 and 6)
+        assert facts["scale_loads"] == ("tma 5 global 4" if order == "acc" else "tma 5 global 2")
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
     if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
         # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
