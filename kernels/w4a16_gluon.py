@@ -17,7 +17,8 @@ The weight operand is ((level - zero) * scale) rounded once to the activation dt
 dequantize + matmul path and the swap kernel (level | 0x4B000000 read as fp32 is 2**23 + level);
 with SCALE_ACC (few tokens) it is the exact (level - zero) and the scale multiplies each tile's fp32
 products instead (no rounding of the dequantized weight: closer to the float64 product, not the same
-bits as the other kernels).
+bits as the other kernels); those group scales then come by TMA into the stage with the tile's words
+(SCALE_RING: a global load per tile cost a one-token gate_up 10%, benchmarks/RESULTS.md session 22).
 Group sizes are multiples of 128 (one group per tile) or one group per channel; the dispatch keeps
 smaller groups, other GPUs and fp32 on the other kernels (w4a16_gemm.wgmma_supported).
 SILU_MUL: the weight is a gate_up in activation's interleaved row order, and the finished tiles go
