@@ -78,7 +78,8 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 @gluon.jit
 def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n, sc=None):
     """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes.
-    sc (the per-tile order with the scale on the products, `_scale_ring`): the tile's group scales too."""
+    sc (SCALE_RING: the scales' descriptor and ring, N, num_groups, GROUP_SIZE): the tile's group scales
+    too, by TMA into the stage's slot of the ring."""
     bar = bars.index(stage)
     if sc is None:
         mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
@@ -491,7 +492,7 @@ def launch_tiled(
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    s_desc = scales
+    s_desc = scales  # the scales' TMA descriptor where the kernel takes SCALE_RING; else unused
     if constexprs.get("SCALE_RING"):
         s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
         s_desc = TensorDescriptor(scales.view(-1), [scales.numel()], [1], [block_n], s_layout)
