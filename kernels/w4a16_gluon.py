@@ -378,10 +378,9 @@ def _w4a16_wgmma_kernel(
         for i in range(n_tiles - 1):
             stage = i % STAGES
             part = _tile_mmas(a, x_smem, stage, part)
-            if SCALE_RING:
+            if SCALE_RING:  # this tile's, from its stage
                 scale_acc = s_smem.index(stage).load(acc_rows).to(gl.float32)
-                scale_acc_next = scale_acc
-            else:
+            else:  # the next tile's, requested now
                 scale_acc_next, _ = _group_params(s_ptr, qz_ptr, t_begin + i + 1, offs_n_acc, n_mask_acc, N,
                                                   num_groups, GROUP_SIZE, False, MAGIC)
             a_next, scale, offset = _next_tile_operands(
@@ -390,7 +389,8 @@ def _w4a16_wgmma_kernel(
             part = warpgroup_mma_wait(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             acc += part * scale_acc[:, None]
-            scale_acc = scale_acc_next
+            if not SCALE_RING:
+                scale_acc = scale_acc_next
             _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES, sc)
             a = a_next
         part = _tile_mmas(a, x_smem, (n_tiles - 1) % STAGES, part)
