@@ -34,11 +34,13 @@ def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros:
                  "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps,
                  "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring}
     s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)
+    z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
     signature = {
         "x_desc": f"tensordesc<bf16[{block_m}, {w4a16_gluon.X_BOX_K}],{x_layout!r}>",
         "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
         "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16",
         "counter_ptr": "*i32", "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if scale_ring else "*bf16",
+        "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if scale_ring and zeros else "*i32",
         **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                     "stride_split")},
         **{name: "constexpr" for name in constants},

@@ -78,15 +78,22 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 @gluon.jit
 def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n, sc=None):
     """Tile t's packed words into `stage`; its mbarrier expects them and the two activation boxes.
-    sc (SCALE_RING: the scales' descriptor and ring, N, num_groups, GROUP_SIZE): the tile's group scales
-    too, by TMA into the stage's slot of the ring."""
+    sc (SCALE_RING: the scales' descriptor and ring, the zero words' descriptor and ring, N, num_groups,
+    GROUP_SIZE, and whether there are zero words): the tile's group scales (and zero words) too, by TMA
+    into the stage's slot of each ring."""
     bar = bars.index(stage)
     if sc is None:
         mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes)
     else:
-        s_desc, s_smem, N, num_groups, GROUP_SIZE = sc
-        mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        s_desc, s_smem, z_desc, z_smem, N, num_groups, GROUP_SIZE, ZEROS = sc
         g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
+        if not ZEROS:
+            mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes + s_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes + s_desc.block_type.nbytes
+                            + z_desc.block_type.nbytes)
+            _tma_load(z_desc, [g * ((N + 7) // 8) + off_n // 8], bar,
+                      z_smem.index(stage).slice(0, z_desc.block_type.shape[0]))
         _tma_load(s_desc, [g * N + off_n], bar, s_smem.index(stage))
     _tma_load(w_desc, [t * 16, off_n], bar, w_smem.index(stage))
 
@@ -145,6 +152,20 @@ def _group_params(s_ptr, qz_ptr, t, offs_n, n_mask, N, num_groups, GROUP_SIZE: g
 
 
 @gluon.jit
+def _ring_offset(z_smem, stage, rows, MAGIC: gl.constexpr):
+    """MAGIC + zero as fp32 [BLOCK_N], in the layout of `rows` (0 ... BLOCK_N - 1), from the stage's packed
+    zero words [BLOCK_N / 8] (nibble j of word w: row 8 w + j). rows seen as [BLOCK_N / 8, 8] keeps each
+    element where it is; its words, loaded in that layout's slice, are broadcast along the 8, shifted, and
+    seen as [BLOCK_N] again: every thread reads the words of its own rows, and no data moves between threads."""
+    BLOCK_N: gl.constexpr = rows.shape[0]
+    by_word = gl.reshape(rows, [BLOCK_N // 8, 8])
+    words = z_smem.index(stage).slice(0, BLOCK_N // 8).load(gl.SliceLayout(1, by_word.type.layout))
+    zeros = (words[:, None] >> ((by_word % 8) * 4)) & 0xF
+    zeros = gl.convert_layout(gl.reshape(zeros, [BLOCK_N]), rows.type.layout, assert_trivial=True)
+    return MAGIC + zeros.to(gl.float32)
+
+
+@gluon.jit
 def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED: gl.constexpr = 1):
     """Nibble slice j of the words [BLOCK_N, 16] → ((level - zero) * scale) in dtype, A operand layout.
 
@@ -198,13 +219,18 @@ def _tile_mmas(a, x_smem, stage, part):
 @gluon.jit
 def _next_tile_operands(w_smem, bars, s_ptr, qz_ptr, t_begin, i_next, n_tiles, offs_n, n_mask, N, num_groups, scale,
                         offset, a_layout: gl.constexpr, dtype: gl.constexpr, GROUP_SIZE: gl.constexpr,
-                        HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr):
+                        HAS_ZEROS: gl.constexpr, MAGIC: gl.constexpr, STAGES: gl.constexpr, SCALED: gl.constexpr,
+                        zr=None):
     """The per-tile orders' step while a tile multiplies: tile i_next's operands, once its stage has
     landed, with the group parameters loaded one tile ahead (scale, offset), and the parameters of the
-    tile after it requested now (returned for the next call)."""
+    tile after it requested now (returned for the next call). zr (the zero ring: its shared memory and
+    the tile's rows 0 ... BLOCK_N - 1): the zero points come with the words, from the stage."""
     scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i_next + 1, n_tiles - 1), offs_n,
-                                              n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+                                              n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS and zr is None, MAGIC)
     mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
+    if zr is not None:
+        z_smem, rows = zr
+        offset = _ring_offset(z_smem, i_next % STAGES, rows, MAGIC)
     return (_tile_operands(w_smem.index(i_next % STAGES), offset, scale, a_layout, dtype, SCALED), scale_after,
             offset_after)
 
@@ -299,7 +325,7 @@ def _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off
 
 @gluon.jit
 def _w4a16_wgmma_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc,
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc, z_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     SUM_SPLITS: gl.constexpr,
@@ -346,18 +372,27 @@ def _w4a16_wgmma_kernel(
     n_tiles = gl.minimum(tiles_per_split, num_tiles - t_begin)
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=row_layout)
     n_mask = offs_n < N
-    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+    # the zero points come by global loads, or with the scale ring from each tile's stage (_ring_offset)
+    ZERO_LOADS: gl.constexpr = HAS_ZEROS and not SCALE_RING
+    scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, ZERO_LOADS, MAGIC)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
     PROLOGUE: gl.constexpr = STAGES if PER_TILE else STAGES - 1
     # the down GEMV after a SiLU · mul one is as large: launched while this one runs, it would take the
     # SMs' free slots unevenly (benchmarks/RESULTS.md, session 21), so it may launch once the K loop is done
     LATE_DEPENDENTS: gl.constexpr = SILU_MUL and SILU_MUL_LATE_DEPENDENTS
+    zr = None
+    sc = None
     if SCALE_RING:
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BLOCK_N], s_desc.layout)
-        sc = (s_desc, s_smem, N, num_groups, GROUP_SIZE)
-    else:
-        sc = None
+        if HAS_ZEROS:  # the packed zero words [BLOCK_N / 8] of each tile's group, in the ring too; each
+            # stage's slot 128 bytes (a TMA destination's alignment), the words at its start
+            Z_SLOT: gl.constexpr = 32 if BLOCK_N <= 256 else BLOCK_N // 8
+            z_smem = gl.allocate_shared_memory(gl.int32, [STAGES, Z_SLOT], z_desc.layout)
+            zr = (z_smem, gl.arange(0, BLOCK_N, layout=row_layout))
+            sc = (s_desc, s_smem, z_desc, z_smem, N, num_groups, GROUP_SIZE, gl.constexpr(True))
+        else:  # (no None inside a tuple argument: triton 3.6 cannot test it)
+            sc = (s_desc, s_smem, s_desc, s_smem, N, num_groups, GROUP_SIZE, gl.constexpr(False))
     _load_prologue(x_desc, w_desc, w_smem, x_smem, bars, t_begin, n_tiles, off_m, off_n, PROLOGUE, PDL,
                    not LATE_DEPENDENTS, sc)
     if PER_TILE and SCALE_ACC:
@@ -369,11 +404,13 @@ def _w4a16_wgmma_kernel(
         offs_n_acc = off_n + gl.arange(0, BLOCK_N, layout=acc_rows)
         n_mask_acc = offs_n_acc < N
         mbarrier.wait(bars.index(0), 0)
+        if zr is not None:
+            offset = _ring_offset(zr[0], 0, zr[1], MAGIC)
         a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype, 0)
         scale_acc, _ = _group_params(s_ptr, qz_ptr, t_begin, offs_n_acc, n_mask_acc, N, num_groups, GROUP_SIZE,
                                      False, MAGIC)
         scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
-                                      num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
+                                      num_groups, GROUP_SIZE, ZERO_LOADS, MAGIC)
         part = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
         for i in range(n_tiles - 1):
             stage = i % STAGES
@@ -385,7 +422,7 @@ def _w4a16_wgmma_kernel(
                                                   num_groups, GROUP_SIZE, False, MAGIC)
             a_next, scale, offset = _next_tile_operands(
                 w_smem, bars, s_ptr, qz_ptr, t_begin, i + 1, n_tiles, offs_n, n_mask, N, num_groups, scale, offset,
-                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0)
+                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0, zr)
             part = warpgroup_mma_wait(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             acc += part * scale_acc[:, None]
@@ -454,16 +491,20 @@ def launch_w4a16_wgmma(
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; with `silu_mul` (a gate_up in
     activation's interleaved row order, N a multiple of 16) SiLU(gate) · up [M, N / 2], made in the
     kernel's epilogue where the kernel finishes its tiles (unsplit, or split with semaphores)."""
-    scale_ring = SCALE_RING and per_tile and scale_acc and _scale_ring_fits(scales)
+    scale_ring = (SCALE_RING and per_tile and scale_acc and _ring_fits(scales)
+                  and (qzeros is None or _ring_fits(qzeros)))
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
                         SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring)
 
 
-def _scale_ring_fits(scales: Tensor) -> bool:
-    """Whether the TMA can bring a tile's group scales ([G, N] read flat, boxes of BLOCK_N): a
-    contiguous 16-byte aligned table of 16-bit scales."""
-    return scales.is_contiguous() and scales.element_size() == 2 and scales.data_ptr() % 16 == 0
+def _ring_fits(table: Tensor) -> bool:
+    """Whether the TMA can bring a tile's part of a per-group table (the scales [G, N] or the zero words
+    [G, ceil(N / 8)], read flat): contiguous, 16-byte aligned, rows of a multiple of 16 bytes (a box's
+    first element 16-byte aligned: an H100 stops at an illegal instruction where it is not, e.g. the zero
+    words of N = 1000), and not fp32 scales (those keep the global loads)."""
+    return (table.is_contiguous() and table.dtype != torch.float32 and table.data_ptr() % 16 == 0
+            and table.shape[-1] * table.element_size() % 16 == 0)
 
 
 def launch_tiled(
@@ -492,13 +533,16 @@ def launch_tiled(
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
-    s_desc = scales  # the scales' TMA descriptor where the kernel takes SCALE_RING; else unused
+    s_desc = z_desc = scales  # the scales' and zero words' TMA descriptors where the kernel takes SCALE_RING
     if constexprs.get("SCALE_RING"):
         s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
         s_desc = TensorDescriptor(scales.view(-1), [scales.numel()], [1], [block_n], s_layout)
+        if qzeros is not None:
+            z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
+            z_desc = TensorDescriptor(qzeros.view(-1), [qzeros.numel()], [1], [block_n // 8], z_layout)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, out, counters if counters is not None else out, s_desc, M, N, scales.shape[0], num_tiles,
+        target, out, counters if counters is not None else out, s_desc, z_desc, M, N, scales.shape[0], num_tiles,
         tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,

@@ -87,7 +87,7 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
 
 @gluon.jit
 def _w4a16_ws_kernel(
-    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc,
+    x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc, z_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,

@@ -389,9 +389,11 @@ else:
                   "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": order in ("acc", "acc8")}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
+z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)  # and the zero words'
 ring = constants.get("SCALE_RING", False)
 signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
               "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if ring else "*bf16",
+              "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if ring else "*i32",
               **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                           "stride_split")},
               **{name: "constexpr" for name in constants}}
@@ -414,6 +416,7 @@ before_wait = ptx.split("griddepcontrol.wait")
 print("waits", len(before_wait) - 1, "launches_dependents", "griddepcontrol.launch_dependents" in before_wait[-1])
 print("tma_before_wait", before_wait[0].count("cp.async.bulk.tensor"))
 print("scale_loads", "tma", ptx.count("cp.async.bulk.tensor.1d"), "global", len(re.findall(r"ld\\.global[.\\w]*\\.b16", ptx)))
+print("zero_loads", len(re.findall(r"ld\\.global(?!\\.cg)[.\\w]*\\.b32", ptx)))
 print("launch_after_last_wgmma", ptx.rfind("griddepcontrol.launch_dependents") > ptx.rfind("wgmma.mma_async"))
 # ptxas says so (C7513, C7515: the reason) when it serializes the wgmmas (waits for each before the next)
 with tempfile.TemporaryDirectory() as tmp:
@@ -432,7 +435,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
     conversion, no local memory or spills, shared memory that fits; split K summed in the kernel (an
     acquire-release count per output tile, the partials read past L1); the scale-on-the-products
-    order's group scales by TMA, none from global memory. ptxas keeps the per-tile
+    order's group scales and zero words by TMA, none from global memory. ptxas keeps the per-tile
     order's wgmmas asynchronous, warp-specialized or not, and serializes the per-slice order's (the
     measured reason the per-tile order exists, benchmarks/RESULTS.md session 11). The
     warp-specialized kernel runs 4 + 4 + 1 warps (two consumer warpgroups, a producer warp; Triton
@@ -459,10 +462,14 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     if order not in ("ws", "acc8"):  # (ws: the partitions' code is not in program order in the PTX text;
         # acc8: the wait is copied into the prologue's branches, after the first tile's load)
         # (acc: each tile's group scales come by TMA with its words, also before the wait)
-        assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "acc": "8"}[order]
-    if order in ("acc", "acc8"):  # the scale ring: the prologue's 4 tiles and the refill bring the scales; the
-        # 16-bit global loads left are the bias's (with the scales loaded from global memory: 12 and 6)
-        assert facts["scale_loads"] == ("tma 5 global 4" if order == "acc" else "tma 5 global 2")
+        assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "acc": "12"}[order]
+    if order in ("acc", "acc8"):  # the scale ring: the prologue's 4 tiles and the refill bring the scales and
+        # the zero words (5 + 5 boxes); the 16-bit global loads left are the bias's (with the scales loaded
+        # from global memory: 12 and 6), and no zero word comes by a global load (split partials aside)
+        assert facts["scale_loads"] == ("tma 10 global 4" if order == "acc" else "tma 10 global 2")
+        assert facts["zero_loads"] == "0"
+    else:  # the other orders load their zero words from global memory
+        assert int(facts["zero_loads"]) > 0
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
     if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
         # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
