@@ -7,7 +7,7 @@
 # after `bash benchmarks/package_dir.sh OLD_TREE /tmp/before` (benchmarks/runtime_vs_before.sh does that).
 # A checkpoint or artifact already in WORK is used as it is (KEEP_WORK=1 keeps them for the next run;
 # ROUNDS=0 KEEP_WORK=1 only builds them).
-#   bash benchmarks/pdl_vs_off.sh OUT_DIR "w4 bf16 fp8" [PARTS (default decode)]
+#   bash benchmarks/pdl_vs_off.sh OUT_DIR "w4 w4a bf16 fp8" [PARTS (default decode)]   (w4a: zero points)
 # For a dry run on a CPU: CKPT_ARGS="--tiny --device cpu" E2E_ARGS="--device cpu --decode-tokens 4"
 # → OUT_DIR/e2e-pdl-Q-VARIANT-ROUND.json and pdl_vs_off.md (one table row per run)
 set -euo pipefail
@@ -18,7 +18,8 @@ source "$repo/benchmarks/gpu_env.sh"
 mkdir -p "$work"
 [ -f "$work/ckpt/config.json" ] || python "$repo/benchmarks/make_checkpoint.py" --out "$work/ckpt" ${CKPT_ARGS:-} | tail -1
 for q in $quants; do
-  case $q in w4) method='{method: rtn, bits: 4, group_size: 128, symmetric: true}' ;; fp8) method='{method: fp8}' ;; *) method='{method: none}' ;; esac
+  case $q in w4) method='{method: rtn, bits: 4, group_size: 128, symmetric: true}' ;;
+    w4a) method='{method: rtn, bits: 4, group_size: 128, symmetric: false}' ;; fp8) method='{method: fp8}' ;; *) method='{method: none}' ;; esac
   printf 'model: %s/ckpt\noutput: %s/%s\ndtype: bfloat16\nquantization: %s\nruntime: {max_model_len: 4096, max_num_seqs: 256, max_num_batched_tokens: 8192}\ntarget: {device: cuda, gpu_memory_gib: 80}\n' \
     "$work" "$work" "$q" "$method" > "$work/$q.yaml"
   [ -f "$work/$q/manifest.json" ] || (cd "$work" && python -m llmc.cli build "$work/$q.yaml" -q | tail -1)

@@ -6,11 +6,12 @@
 #   3. batch-1 decode of that artifact, alternating processes of OLD_TREE's and this tree's runtime
 #      (benchmarks/pdl_vs_off.sh with PYTHONPATH variants).
 #   bash benchmarks/runtime_vs_before.sh OLD_TREE OUT_DIR ["tests/... tests/..."]
+# QUANTS names the artifacts (pdl_vs_off.sh's names; default w4, RTN g128 symmetric; w4a with zero points).
 # ATTN_ARGS adds arguments to both attention_step_bench runs (e.g. "--batch-sizes 1,4,16"); ATTN_ARGS=skip skips them.
 # → OUT_DIR/attention-{before,now}-ROUND.json, gpu_tests.log, e2e-pdl-w4-{before,now}-ROUND.json, pdl_vs_off.md
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-old=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); tests=${3:-}; rounds=${ROUNDS:-2}
+old=$(cd "$1" && pwd); out=$(mkdir -p "$2" && cd "$2" && pwd); tests=${3:-}; rounds=${ROUNDS:-2}; quants=${QUANTS:-w4}
 export WORK=${WORK:-/tmp/llmc-pdl} KEEP_WORK=1 PYTHONUNBUFFERED=1
 source "$repo/benchmarks/gpu_env.sh"
 bash "$repo/benchmarks/package_dir.sh" "$old" /tmp/before
@@ -29,11 +30,11 @@ if [ -n "$tests" ]; then
     > "$out/gpu_tests.log" 2>&1; echo "exit $?" >> "$out/gpu_tests.log") &
 fi
 say "checkpoint + W4A16 build: start"
-ROUNDS=0 bash "$repo/benchmarks/pdl_vs_off.sh" "$out" w4  # builds only (KEEP_WORK), the recipe its runs use
+ROUNDS=0 bash "$repo/benchmarks/pdl_vs_off.sh" "$out" "$quants"  # builds only (KEEP_WORK), the recipe its runs use
 say "build: done; waiting for the tests"
 wait
 tail -3 "$out/gpu_tests.log" 2>/dev/null
 say "decode, before vs now: start"
 VARIANTS="before:PYTHONPATH=/tmp/before now:PYTHONPATH=/tmp/llmcpkg" ROUNDS=$rounds \
-  timeout "${E2E_LIMIT_S:-260}" bash "$repo/benchmarks/pdl_vs_off.sh" "$out" w4 decode
+  timeout "${E2E_LIMIT_S:-260}" bash "$repo/benchmarks/pdl_vs_off.sh" "$out" "$quants" decode
 say "done"
