@@ -27,12 +27,13 @@ from llmc.kernels import w4a16_gluon
 
 
 def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros: bool = False,
-                 scale_ring: bool = False) -> str:
+                 scale_ring: bool = False, zero_ring: bool = True) -> str:
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     constants = {"GROUP_SIZE": 128, "HAS_ZEROS": zeros, "HAS_BIAS": False, "IS_SPLIT": False, "SUM_SPLITS": 0,
                  "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps,
-                 "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring}
+                 "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring,
+                 "ZERO_RING": scale_ring and zeros and zero_ring}
     s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)
     z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
     signature = {
@@ -40,7 +41,7 @@ def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros:
         "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
         "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "final_ptr": "*bf16",
         "counter_ptr": "*i32", "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if scale_ring else "*bf16",
-        "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if scale_ring and zeros else "*i32",
+        "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if constants["ZERO_RING"] else "*i32",
         **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
                                     "stride_split")},
         **{name: "constexpr" for name in constants},
@@ -84,9 +85,10 @@ def main() -> None:
     parser.add_argument("--no-scale-acc", action="store_true")
     parser.add_argument("--zeros", action="store_true", help="asymmetric (qzeros)")
     parser.add_argument("--scale-ring", action="store_true", help="the group scales by TMA with the words")
+    parser.add_argument("--no-zero-ring", action="store_true", help="with --scale-ring: zero points by global loads")
     args = parser.parse_args()
     counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc, args.zeros,
-                                       args.scale_ring))
+                                       args.scale_ring, not args.no_zero_ring))
     print(f"triton {triton.__version__}: {sum(counts.values())} instructions in the loop over K tiles")
     for opcode, count in counts.most_common():
         print(f"{count:5d}  {opcode}")

@@ -47,6 +47,8 @@ SILU_MUL_LATE_DEPENDENTS = True
 # The per-tile order with the scale on the products brings each tile's group scales by TMA with its words
 # (`SCALE_RING`); False: loaded from global memory one tile ahead, as before (benchmarks/w4a16_scale_ring_probe.py)
 SCALE_RING = True
+# With SCALE_RING, the zero points' packed words come by TMA too (`ZERO_RING`); False: global loads one tile ahead
+ZERO_RING = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -331,7 +333,7 @@ def _w4a16_wgmma_kernel(
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
-    SCALE_RING: gl.constexpr = False,
+    SCALE_RING: gl.constexpr = False, ZERO_RING: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -373,7 +375,7 @@ def _w4a16_wgmma_kernel(
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=row_layout)
     n_mask = offs_n < N
     # the zero points come by global loads, or with the scale ring from each tile's stage (_ring_offset)
-    ZERO_LOADS: gl.constexpr = HAS_ZEROS and not SCALE_RING
+    ZERO_LOADS: gl.constexpr = HAS_ZEROS and not ZERO_RING
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin, offs_n, n_mask, N, num_groups, GROUP_SIZE, ZERO_LOADS, MAGIC)
     acc = gl.zeros((BLOCK_N, BLOCK_M), gl.float32, mma_layout)
     # per tile: all STAGES buffers filled up front; per slice: STAGES - 1 tiles in flight
@@ -385,7 +387,7 @@ def _w4a16_wgmma_kernel(
     sc = None
     if SCALE_RING:
         s_smem = gl.allocate_shared_memory(s_desc.dtype, [STAGES, BLOCK_N], s_desc.layout)
-        if HAS_ZEROS:  # the packed zero words [BLOCK_N / 8] of each tile's group, in the ring too; each
+        if ZERO_RING:  # the packed zero words [BLOCK_N / 8] of each tile's group, in the ring too; each
             # stage's slot 128 bytes (a TMA destination's alignment), the words at its start
             Z_SLOT: gl.constexpr = 32 if BLOCK_N <= 256 else BLOCK_N // 8
             z_smem = gl.allocate_shared_memory(gl.int32, [STAGES, Z_SLOT], z_desc.layout)
@@ -491,11 +493,11 @@ def launch_w4a16_wgmma(
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; with `silu_mul` (a gate_up in
     activation's interleaved row order, N a multiple of 16) SiLU(gate) · up [M, N / 2], made in the
     kernel's epilogue where the kernel finishes its tiles (unsplit, or split with semaphores)."""
-    scale_ring = (SCALE_RING and per_tile and scale_acc and _ring_fits(scales)
-                  and (qzeros is None or _ring_fits(qzeros)))
+    scale_ring = SCALE_RING and per_tile and scale_acc and _ring_fits(scales)
+    zero_ring = scale_ring and ZERO_RING and qzeros is not None and _ring_fits(qzeros)
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
-                        SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring)
+                        SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring, ZERO_RING=zero_ring)
 
 
 def _ring_fits(table: Tensor) -> bool:
@@ -537,7 +539,7 @@ def launch_tiled(
     if constexprs.get("SCALE_RING"):
         s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
         s_desc = TensorDescriptor(scales.view(-1), [scales.numel()], [1], [block_n], s_layout)
-        if qzeros is not None:
+        if constexprs.get("ZERO_RING"):
             z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
             z_desc = TensorDescriptor(qzeros.view(-1), [qzeros.numel()], [1], [block_n // 8], z_layout)
     kernel[(tiles_n, split_k, tiles_m)](
