@@ -89,6 +89,8 @@ def _load_words(x_desc, w_desc, w_smem, bars, stage, t, off_n, sc=None):
     else:
         s_desc, s_smem, z_desc, z_smem, N, num_groups, GROUP_SIZE, ZEROS = sc
         g = gl.minimum((t * 128) // GROUP_SIZE, num_groups - 1)
+        # (ZEROS reaches here as a constant i1 with triton 3.6, not a constexpr: both branches are traced, and
+        # the compiler folds the one not taken)
         if not ZEROS:
             mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes + s_desc.block_type.nbytes)
         else:
@@ -226,9 +228,10 @@ def _next_tile_operands(w_smem, bars, s_ptr, qz_ptr, t_begin, i_next, n_tiles, o
     """The per-tile orders' step while a tile multiplies: tile i_next's operands, once its stage has
     landed, with the group parameters loaded one tile ahead (scale, offset), and the parameters of the
     tile after it requested now (returned for the next call). zr (the zero ring: its shared memory and
-    the tile's rows 0 ... BLOCK_N - 1): the zero points come with the words, from the stage."""
+    the tile's rows 0 ... BLOCK_N - 1; the caller then passes HAS_ZEROS False): the zero points come with
+    the words, from the stage."""
     scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i_next + 1, n_tiles - 1), offs_n,
-                                              n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS and zr is None, MAGIC)
+                                              n_mask, N, num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     mbarrier.wait(bars.index(i_next % STAGES), (i_next // STAGES) & 1)
     if zr is not None:
         z_smem, rows = zr
@@ -424,7 +427,7 @@ def _w4a16_wgmma_kernel(
                                                   num_groups, GROUP_SIZE, False, MAGIC)
             a_next, scale, offset = _next_tile_operands(
                 w_smem, bars, s_ptr, qz_ptr, t_begin, i + 1, n_tiles, offs_n, n_mask, N, num_groups, scale, offset,
-                a_layout, dtype, GROUP_SIZE, HAS_ZEROS, MAGIC, STAGES, 0, zr)
+                a_layout, dtype, GROUP_SIZE, ZERO_LOADS, MAGIC, STAGES, 0, zr)
             part = warpgroup_mma_wait(
                 num_outstanding=0, deps=(part, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             acc += part * scale_acc[:, None]

@@ -462,7 +462,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
         assert facts["launch_after_last_wgmma"] == str(order == "acc8")
     if order not in ("ws", "acc8"):  # (ws: the partitions' code is not in program order in the PTX text;
         # acc8: the wait is copied into the prologue's branches, after the first tile's load)
-        # (acc: each tile's group scales come by TMA with its words, also before the wait)
+        # (acc: each tile's group scales and zero words come by TMA with its words, also before the wait)
         assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "acc": "12"}[order]
     if order in ("acc", "acc8"):  # the scale ring: the prologue's 4 tiles and the refill bring the scales and
         # the zero words (5 + 5 boxes); the 16-bit global loads left are the bias's (with the scales loaded
