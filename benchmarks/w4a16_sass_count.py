@@ -27,13 +27,14 @@ from llmc.kernels import w4a16_gluon
 
 
 def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros: bool = False,
-                 scale_ring: bool = False, zero_ring: bool = True) -> str:
+                 scale_ring: bool = False, zero_ring: bool = True, live_operands: bool = True) -> str:
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     constants = {"GROUP_SIZE": 128, "HAS_ZEROS": zeros, "HAS_BIAS": False, "IS_SPLIT": False, "SUM_SPLITS": 0,
                  "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps,
                  "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring,
-                 "ZERO_RING": scale_ring and zeros and zero_ring}
+                 "ZERO_RING": scale_ring and zeros and zero_ring,
+                 "LIVE_OPERANDS": live_operands and not scale_acc}
     s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)
     z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
     signature = {
@@ -86,9 +87,12 @@ def main() -> None:
     parser.add_argument("--zeros", action="store_true", help="asymmetric (qzeros)")
     parser.add_argument("--scale-ring", action="store_true", help="the group scales by TMA with the words")
     parser.add_argument("--no-zero-ring", action="store_true", help="with --scale-ring: zero points by global loads")
+    parser.add_argument("--no-live-operands", action="store_true",
+                        help="w4a16_gluon.LIVE_OPERANDS off (with --no-scale-acc: where the launcher sets it)")
     args = parser.parse_args()
     counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc, args.zeros,
-                                       args.scale_ring, not args.no_zero_ring))
+                                       args.scale_ring, not args.no_zero_ring,
+                                       not args.no_live_operands))
     print(f"triton {triton.__version__}: {sum(counts.values())} instructions in the loop over K tiles")
     for opcode, count in counts.most_common():
         print(f"{count:5d}  {opcode}")

@@ -49,6 +49,12 @@ SILU_MUL_LATE_DEPENDENTS = True
 SCALE_RING = True
 # With SCALE_RING, the zero points' packed words come by TMA too (`ZERO_RING`); False: global loads one tile ahead
 ZERO_RING = True
+# The per-tile order with scaled operands (no SCALE_ACC) on one warpgroup (4 warps): the operands of a tile's
+# in-flight wgmmas read once more after the wait, so that ptxas gives the next tile's registers of their own
+# (_after_wait). Measured (benchmarks/RESULTS.md session 24): 3-7% faster there; about even with two
+# warpgroups (each converts while the other's wgmmas run anyway), and 1-26% slower in the SCALE_ACC order
+# and in the warp-specialized kernel, which therefore do not take it.
+LIVE_OPERANDS = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -195,6 +201,26 @@ def _operand(words, j: gl.constexpr, offset, scale, dtype: gl.constexpr, SCALED:
 
 
 @gluon.jit
+def _after_wait(a_next, a, keep):
+    """a_next, read together with a after the wgmma wait: so that ptxas keeps the registers of the
+    in-flight wgmmas' operands (a) live while a_next is converted and gives a_next registers of its
+    own. Without a use after the wait ptxas reuses a's registers for a_next, and so puts the whole
+    conversion behind the wait (sm_90 SASS, triton 3.6 and 3.9): the tile's wgmmas and the next tile's
+    conversion take turns. One lop3 per operand register: keep (all ones, unknown to the compilers)
+    ? a_next : a. ptxas then schedules about a quarter to a half of the conversion before the wait."""
+    return (_select(a_next[0], a[0], keep), _select(a_next[1], a[1], keep), _select(a_next[2], a[2], keep),
+            _select(a_next[3], a[3], keep), _select(a_next[4], a[4], keep), _select(a_next[5], a[5], keep),
+            _select(a_next[6], a[6], keep), _select(a_next[7], a[7], keep))
+
+
+@gluon.jit
+def _select(x, y, keep):
+    mask = gl.full(x.shape, 0, gl.int32, x.type.layout) + keep
+    return gl.inline_asm_elementwise("lop3.b32 $0, $1, $2, $3, 0xE4;", "=r,r,r,r,r", [x, y, mask], dtype=x.dtype,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
 def _x_slice(x_smem, stage, j: gl.constexpr):
     """Input columns 16 j ... 16 j + 15 of the stage's activations as the B operand [16, BLOCK_M]."""
     return x_smem.index(2 * stage + j // 4).slice(16 * (j % 4), 16, dim=1).permute((1, 0))
@@ -336,14 +362,17 @@ def _w4a16_wgmma_kernel(
     SUM_SPLITS: gl.constexpr,
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
-    SCALE_RING: gl.constexpr = False, ZERO_RING: gl.constexpr = False,
+    SCALE_RING: gl.constexpr = False, ZERO_RING: gl.constexpr = False, LIVE_OPERANDS: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
     PER_TILE False: each slice is converted while the previous slice's wgmma runs (ptxas then
     serializes the wgmmas themselves: "non wgmma instructions defining input registers").
-    PER_TILE True: the next tile's eight operands are converted while this tile's eight wgmmas run
-    back to back (no register of an in-flight wgmma is written; twice the operand registers).
+    PER_TILE True: the next tile's eight operands are converted after this tile's eight wgmmas are
+    issued back to back. ptxas gives them the registers of this tile's operands, which it counts as
+    free once the wgmmas are issued, and so converts them behind the wait for those wgmmas; with
+    LIVE_OPERANDS (set by the launcher in this order on 4 warps without SCALE_ACC) the old operands
+    are read once more after the wait (_after_wait) and part of the conversion runs beside the wgmmas.
     SCALE_ACC (per tile only): the operands are (level - zero), exact, and each tile's products go
     to a fresh accumulator that is scaled into the total after the tile's wait: one multiply per
     output element and tile instead of one per weight pair, and the last tile is not converted
@@ -442,6 +471,7 @@ def _w4a16_wgmma_kernel(
         acc += part * scale_acc[:, None]
     elif PER_TILE:
         # stage i % STAGES is refilled once tile i's wgmmas are done
+        keep = gl.where(N != 0, -1, 0)  # all ones, which neither compiler can know (_after_wait)
         mbarrier.wait(bars.index(0), 0)
         a = _tile_operands(w_smem.index(0), offset, scale, a_layout, dtype)
         # the group parameters come one iteration ahead of their use (a global load's latency hidden)
@@ -458,7 +488,10 @@ def _w4a16_wgmma_kernel(
             acc = warpgroup_mma_wait(
                 num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
             _refill_stage(x_desc, w_desc, w_smem, x_smem, bars, stage, i, n_tiles, t_begin, off_m, off_n, STAGES)
-            a = a_next
+            if LIVE_OPERANDS:
+                a = _after_wait(a_next, a, keep)
+            else:
+                a = a_next
     else:
         # tile i + STAGES - 1 refills tile i - 1's stage
         for i in range(n_tiles):
@@ -500,7 +533,8 @@ def launch_w4a16_wgmma(
     zero_ring = scale_ring and ZERO_RING and qzeros is not None and _ring_fits(qzeros)
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
-                        SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring, ZERO_RING=zero_ring)
+                        SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring, ZERO_RING=zero_ring,
+                        LIVE_OPERANDS=LIVE_OPERANDS and per_tile and not scale_acc and num_warps == 4)
 
 
 def _ring_fits(table: Tensor) -> bool:

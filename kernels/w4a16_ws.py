@@ -12,7 +12,9 @@ session 14), and each warpgroup runs ahead of the other as far as the ring allow
 The second warpgroup starts once the first has queued its first tile's wgmmas, and stays behind:
 each waits for its own wgmmas while the other's run, so the tensor cores' queue does not empty at
 every tile as it does when both issue and wait together (H100, session 15: 79 of 95 configs faster,
-by up to 11%, benchmarks/RESULTS.md).
+by up to 11%, benchmarks/RESULTS.md). Within a warpgroup ptxas converts the next tile after the wait
+for this tile's wgmmas (it reuses their operand registers); w4a16_gluon.LIVE_OPERANDS, which moves part
+of that conversion in front of the wait, made this kernel 2-10% slower (session 24) and is not used here.
 """
 
 from __future__ import annotations

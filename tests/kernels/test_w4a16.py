@@ -366,7 +366,7 @@ from llmc.kernels import w4a16_gluon, w4a16_ws
 order = sys.argv[1]  # "slice", "tile", "acc" (per tile, the scale on the products), "acc8" (the same on 8-token
 # tiles and two warpgroups) or "ws" (warp-specialized)
 # per slice and acc: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
-block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 128, 8), "acc": (16, 128, 4), "acc8": (8, 128, 8),
+block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 64, 4), "acc": (16, 128, 4), "acc8": (8, 128, 8),
                            "ws": (256, 128, 4)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
@@ -387,7 +387,7 @@ else:
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
                   "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
                   "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": order in ("acc", "acc8"),
-                  "ZERO_RING": order in ("acc", "acc8")}
+                  "ZERO_RING": order in ("acc", "acc8"), "LIVE_OPERANDS": order == "tile"}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
 z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)  # and the zero words'
@@ -425,7 +425,22 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write(ptx)
     info = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
                            os.path.join(tmp, "k.o")], capture_output=True, text=True)
+    sass = subprocess.run([os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump"), "-sass",
+                           os.path.join(tmp, "k.o")], capture_output=True, text=True).stdout
 print("serialized", "instructions are serialized" in info.stdout + info.stderr, "ptxas_ok", info.returncode == 0)
+# the paired subtracts of the conversion (HADD2, one per two weights) between a batch's last wgmma and the
+# wait after it: the next tile's operands converted while the wgmmas run (the most over the kernel's batches)
+opcodes = [m.group(1) for m in re.finditer(r"/\\*[0-9a-f]{4,}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][\\w.]*)", sass)]
+counts, since = [0], None
+for opcode in opcodes:
+    if opcode.startswith("HGMMA"):
+        since = 0
+    elif opcode.startswith("WARPGROUP.DEPBAR") and since is not None:
+        counts.append(since)
+        since = None
+    elif since is not None and opcode.startswith("HADD2"):
+        since += 1
+print("before_wait", max(counts))
 print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
@@ -472,11 +487,15 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     else:  # the other orders load their zero words from global memory
         assert int(facts["zero_loads"]) > 0
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
+    # LIVE_OPERANDS (the per-tile order with scaled operands on 4 warps): part of the next tile's conversion
+    # (32 paired subtracts a thread) comes before the wait for this tile's wgmmas, in registers of its own: 16
+    # with triton 3.6, 14 with 3.9; without it ptxas reuses the operands' registers and converts after the wait (0)
+    assert (int(facts["before_wait"]) >= 8) == (order == "tile"), facts["before_wait"]
     if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
         # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
         assert facts["epilogue"] == "ex2 2 st_shared 1"
     assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else
-                              f"{8 if order in ('tile', 'acc8') else 4} setmaxnreg False")
+                              f"{8 if order == 'acc8' else 4} setmaxnreg False")
 
 
 # (K, N, M, group, zero points, bias, dtype, config): M and N tails, K of a few tiles, split-K with an
