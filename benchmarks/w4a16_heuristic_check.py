@@ -8,7 +8,9 @@ Gluon kernel's tiles) and with the Triton kernels' rule (what any other GPU runs
 heuristic picks the warp-specialized kernel, the split kernel's same tile (the heuristic before
 session 15), and where it picks 8-token tiles, the same tile with 16 tokens (the heuristic before
 session 19), each checked against the float32 product first. (Session 18's comparison, the tiles
-before the products were scaled per tile, is in git history: commit c01c4b2.)
+before the products were scaled per tile, is in git history: commit c01c4b2.) Where it picks a 64-token
+tile: that tile with the scale on the products, on 64 and 128 rows, split 1, 2 and 4 (session 24's
+question: does the 64-token table entries' order carry over to other shapes).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path)
     parser.add_argument("--ms", type=int, nargs="+", default=MS)
+    parser.add_argument("--shapes", nargs="+", default=None, help="KxN (default: the four other models' shapes)")
     args = parser.parse_args(argv)
     flush = make_l2_flush_buffer()
     num_sms = device_num_sms(torch.device("cuda"))
     rows = []
-    for k, n in SHAPES:
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    for k, n in shapes:
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         w4 = pack_w4a16_for_gpu(levels, scales, None)
@@ -66,6 +70,15 @@ def main(argv=None) -> int:
                 before = dataclasses.replace(heuristic, block_m=16)  # the 16-token tile of session 18
                 runs["before_session19"] = lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
                                                                 table={f"{k}x{n}": [(m, before, None)]})
+            if heuristic.kind == "wgmma" and heuristic.block_m == 64:
+                for block_n in (64, 128):
+                    for split_k in (1, 2, 4):
+                        if split_k * 8 > -(-k // 128):
+                            continue
+                        tile = W4A16Config("wgmma", 64, block_n, split_k, 4, 4, True, scale_acc=True)
+                        runs[f"scale_acc_{block_n}_sk{split_k}"] = (
+                            lambda tile=tile: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128,
+                                                           table={f"{k}x{n}": [(m, tile, None)]}))
             times = {}
             for name, fn in runs.items():
                 err = float((fn().float() - ref).norm() / ref.norm())
@@ -78,7 +91,8 @@ def main(argv=None) -> int:
             print(f"{k}x{n} M={m}: bf16 {times['bf16']} us, heuristic {times['heuristic']} us "
                   f"({row['heuristic_speedup']}x, {row['heuristic_config']['kind']}), Triton rule "
                   f"{times['triton_rule']} us ({row['triton_rule_speedup']}x), split kernel "
-                  f"{times.get('split_kernel', '-')} us, before session 19 {times.get('before_session19', '-')} us",
+                  f"{times.get('split_kernel', '-')} us, before session 19 {times.get('before_session19', '-')} us"
+                  + "".join(f", {name} {t} us" for name, t in times.items() if name.startswith("scale_acc")),
                   flush=True)
             rows.append(row)
     if args.json:

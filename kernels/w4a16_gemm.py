@@ -233,8 +233,9 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
 
 def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = True) -> W4A16Config:
     """A config for shapes no table covers. With `wgmma` (a Hopper GPU, the plan's assumption), after
-    the H100 sweep of the Gluon kernel: its 8- to 256-token tiles up to 1024 tokens while the tiles
-    fill the GPU (from 128 tokens the warp-specialized kernel), one token per program row for small
+    the H100 sweeps of the Gluon kernel: its 8- to 256-token tiles up to 1024 tokens while the tiles
+    fill the GPU (to 64 tokens per tile with the scale on the products, from 128 tokens the
+    warp-specialized kernel), one token per program row for small
     weights at one token, dequantize + matmul above; without, the Triton kernels' rule. The config is
     the one for the top of M's bucket (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it
     at every M."""
@@ -246,10 +247,10 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     # 8-token tiles up to 8 tokens (H100, session 19: the Llama-3-8B table's picks there; on four other
     # shapes 1.00-1.11x the 16-token tile, benchmarks/w4a16_heuristic_check.py)
     block_m = 8 if bucket <= 8 else min(bucket, 256)
-    block_n, num_warps = (64, 4) if block_m <= 16 else ((128, 4) if block_m == 32 else (128, 8))
+    block_n, num_warps = (64, 4) if block_m in (8, 16, 64) else ((128, 4) if block_m == 32 else (128, 8))
     # few tokens and a weight of at least one 128-row tile per SM: 128 rows per program, no split
-    # (H100, session 12: gate_up at 1-16 tokens 32 µs against 36 µs with 64 rows)
-    is_wide = block_m <= 16 and math.ceil(n / 128) >= num_sms
+    # (H100, session 12: gate_up at 1-16 tokens 32 µs against 36 µs with 64 rows; session 24: at 64 tokens)
+    is_wide = block_m <= 64 and math.ceil(n / 128) >= num_sms
     if is_wide:
         block_n = 128
     num_programs = math.ceil(n / block_n) * math.ceil(bucket / block_m)
@@ -264,11 +265,10 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
         split_k *= 2
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
-    if block_m <= 32:  # per tile, the products scaled per tile, 4 stages (session 18, H100: the Llama-3-8B
-        # table entries 3-11% faster at 1-32 tokens, other shapes' tiles 1.03-1.8x)
-        return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
-    # 64 tokens: one slice converted while the previous one multiplies
-    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, wgmma_stages(block_m, block_n), False)
+    # per tile, the products scaled per tile, 4 stages (session 18, H100: the Llama-3-8B table entries 3-11%
+    # faster at 1-32 tokens, other shapes' tiles 1.03-1.8x; session 24: at 64 tokens 1.14-1.44x the per-slice
+    # 128-row tile this rule took before, on eight shapes, within 16% of the best of six such tiles)
+    return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
 
 
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:

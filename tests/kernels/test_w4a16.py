@@ -200,7 +200,12 @@ def test_table_lookup_and_heuristic() -> None:
     assert (narrow.block_n, narrow.is_stacked, narrow.scale_acc, narrow.num_stages) == (64, True, True, 4)
     assert (wide.scale_acc, wide.num_stages) == (True, 4)
     assert heuristic_w4a16_config(32, 4096, 4096, 132).scale_acc  # to 32 tokens
-    assert not heuristic_w4a16_config(64, 4096, 4096, 132).scale_acc
+    # 64 tokens (the H100 check of session 24, benchmarks/RESULTS.md): 64 rows, split until the tiles fill the
+    # SMs; 128 rows where those alone do
+    assert heuristic_w4a16_config(64, 4096, 4096, 132) == W4A16Config("wgmma", 64, 64, 4, 4, 4, True, scale_acc=True)
+    assert heuristic_w4a16_config(64, 4096, 6144, 132) == W4A16Config("wgmma", 64, 64, 2, 4, 4, True, scale_acc=True)
+    assert heuristic_w4a16_config(64, 4096, 28672, 132) == W4A16Config("wgmma", 64, 128, 1, 4, 4, True,
+                                                                        scale_acc=True)
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma_ws"
@@ -520,6 +525,10 @@ WGMMA_CASES = [
     (512, 192, 1, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 8, 64, 2, 4, 4, True, scale_acc=True)),
     (640, 320, 9, 128, False, False, torch.bfloat16, W4A16Config("wgmma", 8, 128, 1, 4, 4, True, scale_acc=True)),
     (1024, 256, 8, -1, True, True, torch.float16, W4A16Config("wgmma", 8, 128, 4, 8, 4, True, scale_acc=True)),
+    # 64-token tiles with the scale on the products (the table and the heuristic at 33-64 tokens): an M tail,
+    # split K, zero points, bias, fp16, per-channel groups, 128 rows
+    (1024, 320, 50, 128, True, True, torch.bfloat16, W4A16Config("wgmma", 64, 64, 4, 4, 4, True, scale_acc=True)),
+    (512, 256, 64, -1, False, False, torch.float16, W4A16Config("wgmma", 64, 128, 1, 4, 4, True, scale_acc=True)),
     # warp-specialized: a producer warp, two consumer warpgroups of 64 rows; M and N tails (N of 192: the
     # second warpgroup's rows partly past N), zero points, bias, fp16, per-channel and 256-column groups,
     # split K, fewer tiles than stages
