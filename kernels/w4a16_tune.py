@@ -63,7 +63,8 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
     """The Gluon kernel's tiles: a token tile from 8 to 256 (the wgmma's N), 64 weight rows per
     warpgroup (or 128 on one warpgroup, to 128 tokens), split-K while the tiles are fewer than the
     SMs, as many ring stages as fit in ~200 KB of shared memory (at most 6), both conversion orders;
-    to 32 tokens also 4 stages and the per-tile order with the scale on the products (scale_acc), to 8
+    to 64 tokens also the per-tile order with the scale on the products (scale_acc) on 4 stages (the
+    table's picks at 64 tokens since session 23), to 32 also the scaled operands on 4 stages, to 8
     tokens also 8-token tiles in that order only (the table's picks up to 8 tokens: H100, session 19); from
     64 tokens the warp-specialized kernel's (128 weight rows)."""
     block_ms = [8] * (m <= 8) + [bm for bm in (16, 32, 64, 128, 256) if bm <= max(16, m) and 2 * bm >= min(m, 256)]
@@ -75,8 +76,8 @@ def wgmma_configs(m: int, k: int, n: int, num_sms: int) -> list[W4A16Config]:
             stages = wgmma_stages(block_m, block_n)
             # few tokens: a shallower ring (more programs per SM) and the products scaled per tile
             variants = [(stages, False, False), (stages, True, False)] if block_m > 8 else []
-            if block_m <= 32:  # (6 stages with the scale on the products lost to 4 everywhere: session 18)
-                variants += [(4, True, True)] + ([(4, True, False)] if stages > 4 and block_m > 8 else [])
+            if block_m <= 64:  # (6 stages with the scale on the products lost to 4 everywhere: session 18)
+                variants += [(4, True, True)] + ([(4, True, False)] if stages > 4 and 8 < block_m <= 32 else [])
             num_programs = math.ceil(n / block_n) * math.ceil(m / block_m)
             for split_k in (1, 2, 4, 8):
                 if split_k > 1 and (split_k > num_tiles // 2 or num_programs * split_k > 4 * num_sms):
