@@ -492,10 +492,11 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     else:  # the other orders load their zero words from global memory
         assert int(facts["zero_loads"]) > 0
     assert facts["serialized"] == f"{order == 'slice'} ptxas_ok True"
-    # LIVE_OPERANDS (the per-tile order with scaled operands on 4 warps): part of the next tile's conversion
-    # (32 paired subtracts a thread) comes before the wait for this tile's wgmmas, in registers of its own: 16
-    # with triton 3.6, 14 with 3.9; without it ptxas reuses the operands' registers and converts after the wait (0)
-    assert (int(facts["before_wait"]) >= 8) == (order == "tile"), facts["before_wait"]
+    if order == "tile":  # LIVE_OPERANDS (the per-tile order with scaled operands on 4 warps): part of the next
+        # tile's conversion (32 paired subtracts a thread) comes before the wait for this tile's wgmmas, in
+        # registers of its own: 16 with triton 3.6, 14 with 3.9; without it ptxas reuses the operands' registers
+        # and converts after the wait (0)
+        assert int(facts["before_wait"]) >= 8, facts["before_wait"]
     if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
         # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
         assert facts["epilogue"] == "ex2 2 st_shared 1"
