@@ -266,7 +266,7 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     if block_m >= 128:  # warp-specialized, the same tile (the tuner's pick in 13 of 16 entries there)
         return W4A16Config("wgmma_ws", block_m, WS_BLOCK_N, split_k, 4, ws_stages(block_m), True)
     # per tile, the products scaled per tile, 4 stages (session 18, H100: the Llama-3-8B table entries 3-11%
-    # faster at 1-32 tokens, other shapes' tiles 1.03-1.8x; session 24: at 64 tokens 1.14-1.44x the per-slice
+    # faster at 1-32 tokens, other shapes' tiles 1.03-1.8x; session 24: at 64 tokens 1.14-1.59x the per-slice
     # 128-row tile this rule took before, on eight shapes, within 16% of the best of six such tiles)
     return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
 
