@@ -34,7 +34,7 @@ def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros:
                  "STAGES": 4, "PER_TILE": True, "SCALE_ACC": scale_acc, "PDL": True, "num_warps": warps,
                  "SILU_MUL": False, "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": scale_ring,
                  "ZERO_RING": scale_ring and zeros and zero_ring,
-                 "LIVE_OPERANDS": live_operands and not scale_acc}
+                 "LIVE_OPERANDS": live_operands and w4a16_gluon.live_operands(True, scale_acc, warps)}
     s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)
     z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
     signature = {
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--scale-ring", action="store_true", help="the group scales by TMA with the words")
     parser.add_argument("--no-zero-ring", action="store_true", help="with --scale-ring: zero points by global loads")
     parser.add_argument("--no-live-operands", action="store_true",
-                        help="w4a16_gluon.LIVE_OPERANDS off (with --no-scale-acc: where the launcher sets it)")
+                        help="w4a16_gluon.LIVE_OPERANDS off (else as the launcher sets it: --no-scale-acc on 4 warps)")
     args = parser.parse_args()
     counts = loop_opcodes(compile_sass(args.block_m, args.block_n, args.warps, not args.no_scale_acc, args.zeros,
                                        args.scale_ring, not args.no_zero_ring,

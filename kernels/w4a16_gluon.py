@@ -534,7 +534,12 @@ def launch_w4a16_wgmma(
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
                         SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring, ZERO_RING=zero_ring,
-                        LIVE_OPERANDS=LIVE_OPERANDS and per_tile and not scale_acc and num_warps == 4)
+                        LIVE_OPERANDS=live_operands(per_tile, scale_acc, num_warps))
+
+
+def live_operands(per_tile: bool, scale_acc: bool, num_warps: int) -> bool:
+    """Whether a launch takes LIVE_OPERANDS: the per-tile order with scaled operands on one warpgroup."""
+    return LIVE_OPERANDS and per_tile and not scale_acc and num_warps == 4
 
 
 def _ring_fits(table: Tensor) -> bool:

@@ -392,7 +392,8 @@ else:
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
                   "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
                   "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": order in ("acc", "acc8"),
-                  "ZERO_RING": order in ("acc", "acc8"), "LIVE_OPERANDS": order == "tile"}
+                  "ZERO_RING": order in ("acc", "acc8"),
+                  "LIVE_OPERANDS": w4a16_gluon.live_operands(order != "slice", order in ("acc", "acc8"), warps)}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
 z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)  # and the zero words'
