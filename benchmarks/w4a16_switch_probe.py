@@ -1,13 +1,15 @@
-"""Issue 13: the Gluon W4A16 kernels with and without w4a16_gluon.LIVE_OPERANDS (the operands of a tile's
-in-flight wgmmas read once more after the wait, so that ptxas converts the next tile's operands into
-registers of their own while the wgmmas run, instead of behind the wait), in one device run.
+"""Issue 13: the Gluon W4A16 kernels under each value of one module-level switch, in one device run:
+w4a16_gluon.LIVE_OPERANDS 0 / 1 (session 24: the operands of a tile's in-flight wgmmas read once more
+after the wait, so that ptxas converts the next tile's operands into registers of their own while the
+wgmmas run), w4a16_ws.PINGPONG -1 / 0 / 2 ... (session 25: the warpgroups take turns at every tile).
 
-    python benchmarks/w4a16_live_operands_probe.py --json OUT.json [--ms 128 256 1024 4096] \
-        [--configs wgmma_ws,128,128,1,4,5,1 ...] [--rounds 3]
+    python benchmarks/w4a16_switch_probe.py --json OUT.json [--switch w4a16_ws.PINGPONG --values -1 0 2] \
+        [--ms 128 256 1024 4096] [--configs wgmma_ws,128,128,1,4,5,1 ...] [--rounds 3]
 
 Per Llama-3-8B linear and M: torch bf16 F.linear, then the table's config (or each config named, in
 w4a16_kind_sweep's notation), timed with the bench_kernels timer (CUDA-graph replays, cold L2, median),
-the two variants alternating; rel_err against the float64 product of the dequantized weight.
+the values alternating (the best of the rounds' medians is reported); rel_err against the float64
+product of the dequantized weight.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmc.kernels import device_num_sms, w4a16_gluon
+from llmc.kernels import device_num_sms, w4a16_gluon, w4a16_ws
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import dequantize_w4a16, pack_w4a16_for_gpu, run_w4a16_config, select_w4a16_config
 from w4a16_kind_sweep import SHAPES, parse_config  # (benchmarks/ is the script's folder)
@@ -34,12 +36,18 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", nargs="+", default=None, help="KxN, e.g. 4096x6144 (default: all four)")
     parser.add_argument("--zeros", action="store_true", help="asymmetric weights (zero points)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--switch", default="w4a16_gluon.LIVE_OPERANDS", help="MODULE.NAME (w4a16_gluon or w4a16_ws)")
+    parser.add_argument("--values", type=int, nargs="+", default=[0, 1], help="the first is the baseline")
     args = parser.parse_args(argv)
     flush = make_l2_flush_buffer()
     num_sms = device_num_sms(torch.device("cuda"))
     torch.manual_seed(0)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     rows = []
+    module_name, name = args.switch.split(".")
+    module = {"w4a16_gluon": w4a16_gluon, "w4a16_ws": w4a16_ws}[module_name]
+    default = getattr(module, name)
+    values = args.values
     for k, n in shapes:
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
@@ -56,25 +64,26 @@ def main(argv=None) -> int:
                 if config.kind not in ("wgmma", "wgmma_ws"):
                     continue
                 run = lambda: run_w4a16_config(x, w4["qweight"], w4["scales"], w4.get("qzeros"), None, 128, config)
-                errs, times = {}, {False: [], True: []}
-                for live in (False, True):
-                    w4a16_gluon.LIVE_OPERANDS = live
-                    errs[live] = ((run().double() - expected).norm() / expected.norm()).item()
+                errs, times = {}, {v: [] for v in values}
+                for v in values:
+                    setattr(module, name, v)
+                    errs[v] = ((run().double() - expected).norm() / expected.norm()).item()
                 for _ in range(args.rounds):
-                    for live in (False, True):
-                        w4a16_gluon.LIVE_OPERANDS = live
-                        times[live].append(1000 * median_time_ms(run, flush))
-                w4a16_gluon.LIVE_OPERANDS = True
-                off, on = min(times[False]), min(times[True])
+                    for v in values:
+                        setattr(module, name, v)
+                        times[v].append(1000 * median_time_ms(run, flush))
+                setattr(module, name, default)
+                best = {v: min(times[v]) for v in values}
                 rows.append({"shape": f"{k}x{n}", "m": m, "zeros": args.zeros, "config": config.to_dict(),
-                             "bf16_us": bf16_us, "off_us": times[False], "on_us": times[True],
-                             "rel_err": {"off": errs[False], "on": errs[True]}})
+                             "switch": args.switch, "bf16_us": bf16_us, "us": {str(v): times[v] for v in values},
+                             "rel_err": {str(v): errs[v] for v in values}})
+                cells = "  ".join(f"{v}: {best[v]:.2f} ({bf16_us / best[v]:.2f}x, {best[v] / best[values[0]]:.3f}, "
+                                  f"err {errs[v]:.1e})" for v in values)
                 print(f"{k}x{n} m={m} {config.kind},{config.block_m},{config.block_n},{config.split_k},"
                       f"{config.num_warps},{config.num_stages},{int(config.is_stacked)},{int(config.scale_acc)}: "
-                      f"bf16 {bf16_us:.2f}  off {off:.2f} ({bf16_us / off:.2f}x)  on {on:.2f} ({bf16_us / on:.2f}x)  "
-                      f"on/off {on / off:.3f}  err {errs[False]:.1e}/{errs[True]:.1e}", flush=True)
+                      f"bf16 {bf16_us:.2f}  {cells}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "switch": args.switch, "rows": rows}, indent=1))
     return 0
 
 
