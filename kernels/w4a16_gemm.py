@@ -132,12 +132,10 @@ class W4A16Config:
     asynchronous wgmma, the conversion overlapped with the MMA; is_stacked: a whole tile's operands
     converted while the previous tile multiplies, else one slice at a time); "wgmma_ws" (w4a16_ws.py:
     the per-tile order warp-specialized, a producer warp and two consumer warpgroups of 64 rows each;
-    block_n is 128, num_warps and is_stacked do not apply); "wgmma_sk" (w4a16_ws.py: the same partitions
-    in one persistent CTA per SM, the tiles that do not fill a wave cut across the SMs by K, stream-K;
-    split_k does not apply either). scale_acc (wgmma per tile only): the operands are the exact
-    (level - zero) and the group scale multiplies each tile's products."""
+    block_n is 128, num_warps and is_stacked do not apply). scale_acc (wgmma per tile only): the
+    operands are the exact (level - zero) and the group scale multiplies each tile's products."""
 
-    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_ws" | "wgmma_sk" | "dequant"
+    kind: str = "fused"  # "rows" | "gemv" | "swap" | "fused" | "wgmma" | "wgmma_ws" | "dequant"
     block_m: int = 16
     block_n: int = 128
     split_k: int = 1
@@ -152,10 +150,9 @@ class W4A16Config:
         return dataclasses.asdict(self)
 
 
-KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "wgmma_ws", "wgmma_sk", "dequant")
-WGMMA_KINDS = ("wgmma", "wgmma_ws", "wgmma_sk")  # the Gluon kernels (Hopper only)
-WS_BLOCK_N = 128  # weight rows of a wgmma_ws / wgmma_sk tile: two consumer warpgroups of 64 (block_n 128) ...
-WS_TILES = ((128, False), (128, True), (256, False))  # ... or of 128 (block_n 256, to 128 tokens): (block_n, >128 tokens)
+KINDS = ("rows", "gemv", "swap", "fused", "wgmma", "wgmma_ws", "dequant")
+WGMMA_KINDS = ("wgmma", "wgmma_ws")  # the Gluon kernels (Hopper only)
+WS_BLOCK_N = 128  # weight rows of a wgmma_ws tile: two consumer warpgroups of 64
 _DEQUANT = W4A16Config(kind="dequant")
 
 DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name() of the GPU it was measured on
@@ -317,13 +314,8 @@ def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:
             raise ValueError(f"{shape}: no entries, or an unknown kernel kind")
         if any(config.scale_acc and (config.kind != "wgmma" or not config.is_stacked) for _, config, _ in rows):
             raise ValueError(f"{shape}: scale_acc applies to kind wgmma with is_stacked only")
-        for _, config, _ in rows:
-            if config.kind in ("wgmma_ws", "wgmma_sk") and (config.block_n, config.block_m > 128) not in WS_TILES:
-                raise ValueError(f"{shape}: kind {config.kind} takes 128 weight rows per tile, or 256 with at most "
-                                 "128 tokens: set block_n to 128")
-            if config.kind == "wgmma_sk" and (config.split_k != 1 or config.block_m not in (128, 256)):
-                raise ValueError(f"{shape}: kind wgmma_sk takes 128 or 256 tokens per tile and split_k 1 (it cuts K "
-                                 "itself)")
+        if any(config.kind == "wgmma_ws" and config.block_n != WS_BLOCK_N for _, config, _ in rows):
+            raise ValueError(f"{shape}: kind wgmma_ws has {WS_BLOCK_N} weight rows per tile: set block_n to {WS_BLOCK_N}")
         parsed[shape] = tuple(sorted(rows, key=lambda row: row[0]))
     return MappingProxyType(parsed)
 
@@ -344,20 +336,9 @@ def wgmma_stages(block_m: int, block_n: int) -> int:
     return min(6, 200 * 1024 // (16 * block_n * 4 + block_m * K_TILE * 2))
 
 
-def ws_stages(block_m: int, block_n: int = WS_BLOCK_N) -> int:
+def ws_stages(block_m: int) -> int:
     """Ring stages of the warp-specialized kernel in 224 KB of shared memory (at most 6)."""
-    return min(6, 224 * 1024 // (16 * block_n * 4 + block_m * K_TILE * 2))
-
-
-def stream_k_plan(tiles: int, num_k: int, num_sms: int) -> tuple[int, int, int]:
-    """(CTAs, stream-K tiles, whole-tile waves) for `tiles` output tiles of num_k K tiles each: whole waves of
-    one tile per SM as they are, the rest cut evenly across the SMs by K; where that rest is less than half
-    the SMs, one whole wave joins it, so that no CTA's share is under half a tile (rounded down)."""
-    waves, rest = divmod(tiles, num_sms)
-    if rest and waves and 2 * rest < num_sms:
-        waves, rest = waves - 1, rest + num_sms
-    programs = num_sms if waves else min(num_sms, rest * num_k)
-    return programs, rest, waves
+    return min(6, 224 * 1024 // (16 * WS_BLOCK_N * 4 + block_m * K_TILE * 2))
 
 
 def wgmma_supported(capability: tuple[int, int], dtype: torch.dtype, group_size: int, k: int, n: int) -> bool:
@@ -447,12 +428,7 @@ def run_w4a16_config(x, qweight, scales, qzeros, bias, group_size: int, config: 
         from .w4a16_ws import launch_w4a16_ws
 
         y = launch_w4a16_ws(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.split_k,
-                            config.num_stages, config.block_n)
-    elif config.kind == "wgmma_sk":
-        from .w4a16_ws import launch_w4a16_sk
-
-        y = launch_w4a16_sk(x, qweight, scales, qzeros, bias, group_size, config.block_m, config.num_stages,
-                            config.block_n)
+                            config.num_stages)
     else:
         y = w4a16_triton.launch_w4a16_gemm(
             x, qweight, scales, qzeros, bias, group_size, config.kind, config.block_m, config.block_n,

@@ -551,15 +551,6 @@ def _ring_fits(table: Tensor) -> bool:
             and table.shape[-1] * table.element_size() % 16 == 0)
 
 
-def tma_descriptors(x: Tensor, qweight: Tensor, block_m: int, block_n: int):
-    """The TMA descriptors of x [M, K] (boxes of block_m tokens by X_BOX_K columns) and of the packed
-    words (boxes of one K tile's 16 word rows by block_n weight rows)."""
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
-    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
-    return (TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout),
-            TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout))
-
-
 def launch_tiled(
     kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False, **constexprs,
@@ -582,7 +573,10 @@ def launch_tiled(
     if silu_mul:
         constexprs["SILU_MUL"] = True
         constexprs["SILU_MUL_LATE_DEPENDENTS"] = SILU_MUL_LATE_DEPENDENTS
-    x_desc, w_desc = tma_descriptors(x, qweight, block_m, block_n)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
+    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
+    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
     s_desc = z_desc = scales  # the scales' and zero words' TMA descriptors where the kernel takes SCALE_RING
     if constexprs.get("SCALE_RING"):
         s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])

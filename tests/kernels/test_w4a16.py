@@ -21,7 +21,6 @@ from llmc.kernels.w4a16_gemm import (
     pack_w4a16_for_gpu,
     parse_w4a16_table,
     select_w4a16_config,
-    stream_k_plan,
     unpack_w4a16_from_gpu,
     w4a16_linear,
     wgmma_supported,
@@ -343,13 +342,8 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
     assert not wgmma_supported((9, 0), torch.bfloat16, 128, 4096, 1001)  # rows not 16-byte multiples
     config = W4A16Config("wgmma", 64, 128, 2, 8, 4, True)
     assert parse_w4a16_table({"64x64": [[1, config.to_dict(), 3.0]]})["64x64"][0][1] == config
-    # the warp-specialized tiles have 128 weight rows, or 256 up to 128 tokens
-    assert parse_w4a16_table({"64x64": [[1, W4A16Config("wgmma_ws", 128, 256, 1, 4, 4, True).to_dict(), None]]})
-    for wrong in (W4A16Config("wgmma_ws", 256, 256, 1, 4, 3, True), W4A16Config("wgmma_sk", 64, 64, 1, 4, 6, True)):
-        with pytest.raises(ValueError, match="set block_n to 128"):
-            parse_w4a16_table({"64x64": [[1, wrong.to_dict(), None]]})
-    with pytest.raises(ValueError, match="split_k 1"):  # stream-K cuts K itself
-        parse_w4a16_table({"64x64": [[1, W4A16Config("wgmma_sk", 128, 128, 2, 4, 5, True).to_dict(), None]]})
+    with pytest.raises(ValueError, match="set block_n to 128"):  # the warp-specialized tile has 128 rows
+        parse_w4a16_table({"64x64": [[1, W4A16Config("wgmma_ws", 64, 256, 1, 4, 6, True).to_dict(), None]]})
     scaled = W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True)
     assert parse_w4a16_table({"64x64": [[1, scaled.to_dict(), None]]})["64x64"][0][1] == scaled
     # the scale on the products exists only in the Gluon kernel's per-tile order
@@ -378,7 +372,7 @@ order = sys.argv[1]  # "slice", "tile", "acc" (per tile, the scale on the produc
 # tiles and two warpgroups) or "ws" (warp-specialized)
 # per slice and acc: the decode GEMV, whose splits the kernel sums (16-token tiles, as the dispatch runs it)
 block_m, block_n, warps = {"slice": (16, 128, 4), "tile": (128, 64, 4), "acc": (16, 128, 4), "acc8": (8, 128, 8),
-                           "ws": (256, 128, 4), "sk": (256, 128, 4)}[order]
+                           "ws": (256, 128, 4)}[order]
 x_layout = gl.NVMMASharedLayout.get_default_for([block_m, w4a16_gluon.X_BOX_K], gl.bfloat16)
 w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
 split = order in ("slice", "acc", "acc8")
@@ -390,12 +384,9 @@ signature = {
 # the per-slice order compiled with split K and the in-kernel sum of the splits
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
-if order in ("ws", "sk"):
+if order == "ws":
     constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "PINGPONG": w4a16_ws.PINGPONG}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
-    if order == "sk":  # the persistent stream-K kernel: no split K of its own, a workspace and tile semaphores
-        del constants["IS_SPLIT"]
-        kernel_fn = w4a16_ws._w4a16_sk_kernel
 else:
     # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
     constants |= {"SUM_SPLITS": 4 if split else 0, "PER_TILE": order in ("tile", "acc", "acc8"),
@@ -407,16 +398,12 @@ else:
 s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
 z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)  # and the zero words'
 ring = constants.get("SCALE_RING", False)
-if order == "sk":
-    signature |= {"part_ptr": "*fp32", "flag_ptr": "*i32",
-                  **{name: "i32" for name in ("M", "N", "num_groups", "num_k", "tiles_n", "sk_tiles", "dp_waves",
-                                              "stride_om")}}
-signature |= {} if order == "sk" else {
-    "final_ptr": "*bf16", "counter_ptr": "*i32",
-    "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if ring else "*bf16",
-    "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if ring else "*i32",
-    **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om", "stride_split")}}
-signature |= {name: "constexpr" for name in constants}
+signature |= {"final_ptr": "*bf16", "counter_ptr": "*i32",
+              "s_desc": f"tensordesc<bf16[{block_n}],{s_layout!r}>" if ring else "*bf16",
+              "z_desc": f"tensordesc<i32[{block_n // 8}],{z_layout!r}>" if ring else "*i32",
+              **{name: "i32" for name in ("M", "N", "num_groups", "num_tiles", "tiles_per_split", "stride_om",
+                                          "stride_split")},
+              **{name: "constexpr" for name in constants}}
 try:
     kernel = triton.compile(GluonASTSource(kernel_fn, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
@@ -429,9 +416,6 @@ print("tma", "cp.async.bulk.tensor.2d" in ptx)
 print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order in ("acc", "acc8")))
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
-# the stream-K semaphores: a release count, an acquire poll, the peers' sums read past L1, the count zeroed
-print("stream_k", bool(re.search(r"(atom|red)\\.global\\.gpu\\.release\\.add", ptx)) and "ld.global.gpu.acquire" in ptx
-      and "ld.global.cg" in ptx and "atom.global.gpu.relaxed.exch" in ptx)
 print("shared", kernel.metadata.shared)
 print("epilogue", "ex2", ptx.count("ex2.approx"), "st_shared", ptx.count("st.shared"))
 print("warps", kernel.metadata.num_warps, "setmaxnreg", "setmaxnreg" in ptx)
@@ -467,7 +451,7 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "acc", "acc8", "ws", "sk"])
+@pytest.mark.parametrize("order", ["slice", "tile", "acc", "acc8", "ws"])
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16
@@ -489,17 +473,15 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
     assert facts["counted"] == str(order in ("slice", "acc", "acc8"))  # the semaphores, the partials read past L1
-    assert facts["stream_k"] == str(order == "sk")
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
     # (triton 3.6 copies the wait into each branch of the unrolled prologue where no launch follows it)
     waits, launches = facts["waits"].split(" ", 1)
     assert (waits == "1" or order == "acc8") and launches == "launches_dependents True"
-    if order not in ("ws", "sk"):  # a SiLU · mul GEMV (acc8) lets the next kernel launch after its K loop, others at
-        # their start
+    if order != "ws":  # a SiLU · mul GEMV (acc8) lets the next kernel launch after its K loop, others at their start
         assert facts["launch_after_last_wgmma"] == str(order == "acc8")
-    if order not in ("ws", "sk", "acc8"):  # (ws, sk: the partitions' code is not in program order in the PTX text;
+    if order not in ("ws", "acc8"):  # (ws: the partitions' code is not in program order in the PTX text;
         # acc8: the wait is copied into the prologue's branches, after the first tile's load)
         # (acc: each tile's group scales and zero words come by TMA with its words, also before the wait)
         assert facts["tma_before_wait"] == {"slice": "3", "tile": "4", "acc": "12"}[order]
@@ -519,7 +501,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     if order == "acc8":  # SiLU · mul: one exp per gate element a thread holds (8 x 128 / 256 threads / 2), and
         # no shared memory beyond the split sum's one broadcast (gate and up meet in one thread)
         assert facts["epilogue"] == "ex2 2 st_shared 1"
-    assert facts["warps"] == ("12 setmaxnreg True" if order in ("ws", "sk") else
+    assert facts["warps"] == ("12 setmaxnreg True" if order == "ws" else
                               f"{8 if order == 'acc8' else 4} setmaxnreg False")
 
 
@@ -557,75 +539,7 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, False, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True)),
     (4096, 6144, 256, 128, True, False, torch.bfloat16, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True)),
     (14336, 4096, 1000, 128, False, True, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True)),
-    # persistent, stream-K (on 132 SMs): 96 tiles all cut by K (two or three CTAs a tile); 2 tiles of 4 K tiles
-    # on 8 CTAs (three peers a tile), M and N tails, zero points, bias; fp16, per-channel groups; 128 tiles of
-    # 256 tokens; 448 tiles = 2 whole waves + 184 cut (a rest under half the SMs takes a wave); 896 = 6 waves
-    # + 104; 256-column groups
-    (4096, 6144, 256, 128, True, False, torch.bfloat16, W4A16Config("wgmma_sk", 128, 128, 1, 4, 5, True)),
-    (512, 192, 70, 128, True, True, torch.bfloat16, W4A16Config("wgmma_sk", 128, 128, 1, 4, 5, True)),
-    (1024, 256, 300, -1, False, True, torch.float16, W4A16Config("wgmma_sk", 128, 128, 1, 4, 5, True)),
-    (14336, 4096, 1000, 128, False, True, torch.bfloat16, W4A16Config("wgmma_sk", 256, 128, 1, 4, 3, True)),
-    (4096, 28672, 256, 128, False, False, torch.bfloat16, W4A16Config("wgmma_sk", 128, 128, 1, 4, 5, True)),
-    (4096, 28672, 1024, 256, True, True, torch.bfloat16, W4A16Config("wgmma_sk", 256, 128, 1, 4, 3, True)),
-    # 256 weight rows per tile (two warpgroups of 128): split K, zero points; an N of 320 (the second tile's
-    # second warpgroup wholly past N), bias, 64 tokens; stream-K, fp16, per-channel groups; 128 tiles
-    (4096, 6144, 256, 128, True, False, torch.bfloat16, W4A16Config("wgmma_ws", 128, 256, 2, 4, 4, True)),
-    (512, 320, 70, 128, True, True, torch.bfloat16, W4A16Config("wgmma_ws", 64, 256, 1, 4, 6, True)),
-    (1024, 256, 300, -1, False, True, torch.float16, W4A16Config("wgmma_sk", 128, 256, 1, 4, 4, True)),
-    (4096, 4096, 1024, 128, False, False, torch.bfloat16, W4A16Config("wgmma_sk", 128, 256, 1, 4, 4, True)),
 ]
-
-
-@pytest.mark.parametrize("tiles,num_k,num_sms", [(96, 32, 132), (448, 32, 132), (896, 32, 132), (264, 8, 132),
-                                                  (2, 4, 132), (1, 1, 132), (133, 112, 132), (200, 3, 16)])
-def test_stream_k_plan_covers_every_unit_once(tiles, num_k, num_sms) -> None:
-    """The persistent kernel's plan, walked as the kernel walks it (stream-K ranges pid * units // CTAs,
-    then one whole tile per CTA per wave): every (tile, K tile) exactly once, at most one CTA per SM, and
-    no CTA's stream-K share under half a tile (rounded down) where there are whole waves as well."""
-    programs, sk_tiles, waves = stream_k_plan(tiles, num_k, num_sms)
-    assert 1 <= programs <= num_sms and sk_tiles + waves * programs == tiles
-    units = sk_tiles * num_k
-    seen = []
-    for pid in range(programs):
-        share = range(pid * units // programs, (pid + 1) * units // programs)
-        assert len(share) >= 1 if sk_tiles else len(share) == 0
-        if waves:
-            assert len(share) == 0 or len(share) >= num_k // 2
-        seen += [divmod(unit, num_k) for unit in share]
-        seen += [(sk_tiles + pid + wave * programs, k) for wave in range(waves) for k in range(num_k)]
-    assert sorted(seen) == [(tile, k) for tile in range(tiles) for k in range(num_k)]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                    reason="needs a Hopper GPU")
-def test_stream_k_is_deterministic_and_leaves_its_semaphores_zero(rel_err) -> None:
-    """The stream-K kernel sums a tile's cut parts in CTA order: the same bits at every launch and in a
-    CUDA graph's replays, and every tile semaphore back at zero after each launch (the next one counts
-    from there)."""
-    from llmc.kernels import device_index, split_k_triton
-
-    k, n, m = 4096, 6144, 256  # 96 tiles of 128 tokens, all cut across the SMs
-    gen = torch.Generator().manual_seed(7)
-    levels = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
-    scales = (torch.rand(n, k // 128, generator=gen) * 0.004 + 0.001).to(torch.bfloat16)
-    params = {name: t.cuda() for name, t in pack_w4a16_for_gpu(levels, scales, None).items()}
-    x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
-    table = {f"{k}x{n}": [(m, W4A16Config("wgmma_sk", 128, 128, 1, 4, 5, True), None)]}
-    run = lambda: w4a16_linear(x, params["qweight"], params["scales"], None, None, 128, table=table)  # noqa: E731
-    first = run()
-    counters = split_k_triton._COUNTERS[device_index(x.device)]
-    for _ in range(3):
-        assert torch.equal(run(), first)
-        assert counters.count_nonzero().item() == 0
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = run()
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, first) and counters.count_nonzero().item() == 0
-    assert rel_err(first, x.double() @ dequantize_w4a16(params, k, 128).double().T) < 1e-2
 
 
 @pytest.mark.gpu
