@@ -28,7 +28,6 @@ from .w4a16_gemm import WS_BLOCK_N
 from .w4a16_gluon import _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands, _x_slice, launch_tiled
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
-PINGPONG = 0  # 1: the warpgroups take turns issuing at every tile (session 25 probe), 0: staggered at the first
 
 
 @gluon.jit
@@ -47,7 +46,7 @@ def _producer(x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, of
 def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
               M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
               row0: gl.constexpr, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, turn):
+              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn):
     """One warpgroup: weight rows off_n + row0 ... + 63 of the tile, in the per-tile order."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -64,23 +63,15 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
     scale, offset = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(1, n_tiles - 1), offs_n, n_mask, N,
                                   num_groups, GROUP_SIZE, HAS_ZEROS, MAGIC)
     acc = gl.zeros((ROWS_PER_WARPGROUP, BLOCK_M), gl.float32, mma_layout)
-    if not PINGPONG and row0 != 0:  # staggered: the first warpgroup's first wgmmas go into the queue first
-        mbarrier.wait(turn.index(0), 0)
+    if row0 != 0:  # staggered: the first warpgroup's first wgmmas go into the tensor cores' queue first
+        mbarrier.wait(turn, 0)
     for i in range(n_tiles):
         stage = i % STAGES
-        if PINGPONG:  # this warpgroup's turn: the other one has issued its wgmmas of the tile before
-            if row0 == 0:
-                if i > 0:
-                    mbarrier.wait(turn.index(0), (i - 1) & 1)
-            else:
-                mbarrier.wait(turn.index(1), i & 1)
         for j in gl.static_range(8):
             acc = warpgroup_mma(a[j], _x_slice(x_smem, stage, j), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - row0 // ROWS_PER_WARPGROUP))  # the other warpgroup's turn to issue
-        elif row0 == 0:
+        if row0 == 0:
             if i == 0:
-                mbarrier.arrive(turn.index(0))
+                mbarrier.arrive(turn)
         # the next tile's operands while these multiply (the last tile converts itself again)
         i_next = gl.minimum(i + 1, n_tiles - 1)
         scale_after, offset_after = _group_params(s_ptr, qz_ptr, t_begin + gl.minimum(i + 2, n_tiles - 1), offs_n,
@@ -101,8 +92,7 @@ def _w4a16_ws_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc, z_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
-    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-    num_warps: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile;
     launched with num_warps 4 (the first consumer), the second consumer and the producer added."""
@@ -117,9 +107,8 @@ def _w4a16_ws_kernel(
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
     x_smem = gl.allocate_shared_memory(dtype, [2 * STAGES, BLOCK_M, 64], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
+    turn = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn, count=1)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
@@ -130,10 +119,10 @@ def _w4a16_ws_kernel(
     gl.warp_specialize([
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, PINGPONG, turn)),
+                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, PINGPONG, turn)),  # ROWS_PER_WARPGROUP
+                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),  # ROWS_PER_WARPGROUP
         (_producer, (x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n, STAGES, PDL)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -144,5 +133,4 @@ def launch_w4a16_ws(
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
     return launch_tiled(_w4a16_ws_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, WS_BLOCK_N, split_k,
-                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232,
-                        PINGPONG=PINGPONG, num_warps=4)
+                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)

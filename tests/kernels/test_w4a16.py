@@ -385,7 +385,7 @@ signature = {
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
 if order == "ws":
-    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "PINGPONG": w4a16_ws.PINGPONG}
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
     # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
