@@ -44,12 +44,13 @@ def main() -> None:
                         help="configs to time at every M instead of the kind's tuner candidates: "
                              "kind,block_m,block_n,split_k,num_warps,num_stages[,is_stacked 0/1[,scale_acc 0/1]]")
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 64, 128, 256, 512, 1024, 4096])
+    parser.add_argument("--shapes", nargs="+", default=None, help="KxN, e.g. 5120x15360 (default: Llama-3-8B's four)")
     args = parser.parse_args()
     torch.manual_seed(0)
     num_sms = device_num_sms(torch.device("cuda"))
     flush = make_l2_flush_buffer(torch.device("cuda"))
     records, rows = [], []
-    for k, n in SHAPES:
+    for k, n in [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES:
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         params = pack_w4a16_for_gpu(levels, scales, None)

@@ -1,7 +1,7 @@
 """Issue 13: the Gluon W4A16 kernels under each value of one module-level switch, in one device run:
 w4a16_gluon.LIVE_OPERANDS 0 / 1 (session 24: the operands of a tile's in-flight wgmmas read once more
 after the wait, so that ptxas converts the next tile's operands into registers of their own while the
-wgmmas run); session 25's w4a16_ws.PINGPONG 0 / 1 (the warpgroups taking turns at every tile: check out
+wgmmas run), w4a16_ws.TMA_STORE 0 / 1 (session 25: the tiles out by TMA stores); session 25's w4a16_ws.PINGPONG 0 / 1 (the warpgroups taking turns at every tile: check out
 commit c1b60a1 (the turn passed after the wait) or 0584846 (at issue), benchmarks/RESULTS.md).
 
     python benchmarks/w4a16_switch_probe.py --json OUT.json [--switch w4a16_ws.PINGPONG --values 0 1] \

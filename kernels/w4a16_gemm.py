@@ -169,7 +169,11 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 # 2% slower in call 5's repeat and is not kept); gate_up's 16-token entry takes the scale on the products
 # once its scales came with the words (session 22, call 7: 32.22 -> 29.25 us); the 64-token entries take the
 # scale on the products too, the fastest of eight such configs in one run (session 23, call 6: 1.09-1.30x
-# faster than the entries before); see benchmarks/RESULTS.md.
+# faster than the entries before); qkv from 1025 tokens the warp-specialized tile once its tiles left by TMA
+# stores (session 25, call 10: 267.1 us against 281.6 for dequantize + cuBLAS in the same run; the
+# warp-specialized entries' times above were measured before that epilogue, which took up to 7% off the
+# unsplit ones);
+# see benchmarks/RESULTS.md.
 # Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
 # one beyond. A table from tune_w4a16 (JSON) has config dicts in place of W4A16Config.
@@ -186,7 +190,7 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.72),
             (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 50.08),
             (1024, _DEQUANT, 91.65),
-            (4096, _DEQUANT, 286.72),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 267.1),
         ),
         "4096x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 12.0),
@@ -235,15 +239,16 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     """A config for shapes no table covers. With `wgmma` (a Hopper GPU, the plan's assumption), after
     the H100 sweeps of the Gluon kernel: its 8- to 256-token tiles up to 1024 tokens while the tiles
     fill the GPU (to 64 tokens per tile with the scale on the products, from 128 tokens the
-    warp-specialized kernel), one token per program row for small
-    weights at one token, dequantize + matmul above; without, the Triton kernels' rule. The config is
+    warp-specialized kernel), one token per program row for small weights at one token; beyond 1024
+    tokens the warp-specialized kernel or dequantize + matmul (_many_tokens_config); without, the
+    Triton kernels' rule. The config is
     the one for the top of M's bucket (_HEURISTIC_MAX_MS), so heuristic_w4a16_entries reproduces it
     at every M."""
-    bucket = next((b for b in _HEURISTIC_MAX_MS if m <= b), None)
+    bucket = next((b for b in _HEURISTIC_MAX_MS if m <= b), _HEURISTIC_MAX_MS[-1])  # the last one beyond
     if not wgmma or (bucket == 1 and n * k <= 32 * 2**20):
         return _triton_heuristic(m, k, n, num_sms)
-    if bucket is None:
-        return _DEQUANT
+    if bucket > 1024:
+        return _many_tokens_config(bucket, k, n, num_sms)
     # 8-token tiles up to 8 tokens (H100, session 19: the Llama-3-8B table's picks there; on four other
     # shapes 1.00-1.11x the 16-token tile, benchmarks/w4a16_heuristic_check.py)
     block_m = 8 if bucket <= 8 else min(bucket, 256)
@@ -271,6 +276,20 @@ def heuristic_w4a16_config(m: int, k: int, n: int, num_sms: int, wgmma: bool = T
     return W4A16Config("wgmma", block_m, block_n, split_k, num_warps, 4, True, scale_acc=True)
 
 
+def _many_tokens_config(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
+    """Beyond 1024 tokens: the warp-specialized 256-token tile where its tiles fill their last wave to at
+    least 85% and K has at least 16 tiles, else dequantize + cuBLAS. H100, session 25 (after the TMA-store
+    epilogue), 2048 and 4096 tokens on five shapes: the tile 1.01-1.14x faster than dequantize + cuBLAS
+    in the 7 cells this gives it; dequantize + cuBLAS 1.08-1.12x faster in 2 of the 3 it keeps
+    (13824x5120 at 2048 tokens, 81% of the last wave; K = 1024 at 4096 tokens) and even in the third.
+    Two shapes decide the two thresholds (benchmarks/RESULTS.md)."""
+    tiles = math.ceil(n / WS_BLOCK_N) * math.ceil(m / 256)
+    fill = tiles / (math.ceil(tiles / num_sms) * num_sms)
+    if k >= 16 * K_TILE and fill >= 0.85:
+        return W4A16Config("wgmma_ws", 256, WS_BLOCK_N, 1, 4, ws_stages(256), True)
+    return _DEQUANT
+
+
 def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
     """The Triton kernels' rule (any GPU): one token per program row with 8 K tiles per load, the
     swapped tensor-core tiles to 64 tokens, dequantize + matmul above; split-K until about two
@@ -292,15 +311,14 @@ def _triton_heuristic(m: int, k: int, n: int, num_sms: int) -> W4A16Config:
 
 # The M at which heuristic_w4a16_config changes (the Triton rule's bounds, 1, 16, 64, are among them;
 # its split-K depends on ceil(M / block_m), which is 1 up to each bound).
-_HEURISTIC_MAX_MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+_HEURISTIC_MAX_MS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def heuristic_w4a16_entries(k: int, n: int, num_sms: int) -> list[tuple[int, W4A16Config, None]]:
     """The heuristic (for a Hopper GPU) as table entries [(max_m, config, None: not measured)]: the
     table lookup gives the heuristic's config at every M (a GPU without wgmma replaces those
     entries with the Triton rule when they run)."""
-    entries = [(m, heuristic_w4a16_config(m, k, n, num_sms), None) for m in _HEURISTIC_MAX_MS]
-    return entries + [(_HEURISTIC_MAX_MS[-1] + 1, _DEQUANT, None)]
+    return [(m, heuristic_w4a16_config(m, k, n, num_sms), None) for m in _HEURISTIC_MAX_MS]  # the last beyond
 
 
 def parse_w4a16_table(table: Mapping) -> Mapping[str, tuple]:

@@ -58,6 +58,7 @@ LIVE_OPERANDS = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier  # (3.6: thread_barrier)
 # One pair of weights (_operand): $1, $2 the words of input columns k and k + 1; $5 the prmt selector
 # (their low or high 16-bit halves side by side), $7 the nibble's shift within a half; $3, $4 the pair
@@ -553,13 +554,17 @@ def _ring_fits(table: Tensor) -> bool:
 
 def launch_tiled(
     kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
-    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False, **constexprs,
+    block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False,
+    tma_store: bool | None = None, **constexprs,
 ) -> Tensor:
     """Launch a Gluon W4A16 kernel of this module's signature (and w4a16_ws's) over a grid of
     (weight-row tiles, K splits, token tiles): the TMA descriptors of x and of the packed words, the
     split plan, and the second kernel that sums the splits where the kernel does not
     (`sum_in_kernel`: it takes SUM_SPLITS and sums them itself where plan_splits gives semaphores).
-    `silu_mul` (kernels that take SILU_MUL): SiLU(gate) · up of an interleaved gate_up, [M, N / 2]."""
+    `silu_mul` (kernels that take SILU_MUL): SiLU(gate) · up of an interleaved gate_up, [M, N / 2].
+    `tma_store` (kernels that take TMA_STORE): the output written by TMA stores where it can be (K not
+    split, rows of a multiple of 16 bytes); the kernel then gets its descriptor (boxes of block_m tokens
+    by X_BOX_K columns, the activations' layout) in place of the pointer."""
     M = x.shape[0]
     N = qweight.shape[1]
     num_tiles = qweight.shape[0] // 16
@@ -577,6 +582,11 @@ def launch_tiled(
     w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
     w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
+    destination = target  # the kernel's output argument: the output, the split partials, or a TMA descriptor
+    if tma_store is not None:
+        constexprs["TMA_STORE"] = tma_store and not is_split and not silu_mul and N % 8 == 0
+        if constexprs["TMA_STORE"]:
+            destination = TensorDescriptor(out, [M, N], [N, 1], [block_m, X_BOX_K], x_layout)
     s_desc = z_desc = scales  # the scales' and zero words' TMA descriptors where the kernel takes SCALE_RING
     if constexprs.get("SCALE_RING"):
         s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
@@ -586,7 +596,7 @@ def launch_tiled(
             z_desc = TensorDescriptor(qzeros.view(-1), [qzeros.numel()], [1], [block_n // 8], z_layout)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
-        target, out, counters if counters is not None else out, s_desc, z_desc, M, N, scales.shape[0], num_tiles,
+        destination, out, counters if counters is not None else out, s_desc, z_desc, M, N, scales.shape[0], num_tiles,
         tiles_per_split,
         N if is_split else out.stride(0), M * N,
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, HAS_BIAS=bias is not None,

@@ -22,12 +22,15 @@ from __future__ import annotations
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 
 from .w4a16_gemm import WS_BLOCK_N
-from .w4a16_gluon import _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands, _x_slice, launch_tiled
+from .w4a16_gluon import (_cta_barrier, _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands,
+                          _tma_store, _x_slice, launch_tiled)
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
+TMA_STORE = True  # the finished tile out by TMA stores (_store_tile_tma) where launch_tiled can describe it
 
 
 @gluon.jit
@@ -46,7 +49,7 @@ def _producer(x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, of
 def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
               M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
               row0: gl.constexpr, GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, turn):
+              IS_SPLIT: gl.constexpr, STAGES: gl.constexpr, TMA_STORE: gl.constexpr, turn):
     """One warpgroup: weight rows off_n + row0 ... + 63 of the tile, in the per-tile order."""
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
@@ -83,8 +86,34 @@ def _consumer(x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]))[0]
         mbarrier.arrive(empty.index(stage))  # this warpgroup no longer reads the stage
         a = a_next
-    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n + row0, pid_k, stride_om,
-                stride_split, HAS_BIAS, IS_SPLIT, 0, mma_layout)
+    if TMA_STORE:
+        _store_tile_tma(acc, x_smem, empty, out_ptr, bias_ptr, N, n_tiles, off_m, off_n, row0, HAS_BIAS, STAGES,
+                        mma_layout)
+    else:
+        _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n + row0, pid_k, stride_om,
+                    stride_split, HAS_BIAS, IS_SPLIT, 0, mma_layout)
+
+
+@gluon.jit
+def _store_tile_tma(acc, x_smem, empty, out_desc, bias_ptr, N, n_tiles, off_m, off_n, row0: gl.constexpr,
+                    HAS_BIAS: gl.constexpr, STAGES: gl.constexpr, mma_layout: gl.constexpr):
+    """This warpgroup's [64 rows, BLOCK_M tokens] of the tile (bias added) into out [M, N] by one TMA store
+    (it clips the M and N tails): through this warpgroup's activation box of the next-to-last tile's stage,
+    once both warpgroups have left that stage (its empty barrier; the producer loads nothing more; the
+    last tile's stage would make the first warpgroup wait for the other's last wgmmas), transposed to
+    out's [tokens, rows] on the way into shared memory. The pointer epilogue (_store_tile) writes
+    2-byte elements a token's row apart, 32 per warp instruction."""
+    if HAS_BIAS:
+        offs_on = off_n + row0 + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, mma_layout))
+        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+    spent = gl.maximum(n_tiles - 2, 0)  # the next-to-last tile's stage: the other warpgroup has most likely left it
+    mbarrier.wait(empty.index(spent % STAGES), (spent // STAGES) & 1)
+    box = x_smem.index(2 * (spent % STAGES) + row0 // ROWS_PER_WARPGROUP)
+    box.store(gl.permute(acc.to(out_desc.dtype), (1, 0)))
+    fence_async_shared()
+    _cta_barrier()  # (this warpgroup's) every thread's part is in shared memory before the store is issued
+    _tma_store(out_desc, [off_m, off_n + row0], box)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -92,7 +121,8 @@ def _w4a16_ws_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc, z_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
-    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TMA_STORE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile;
     launched with num_warps 4 (the first consumer), the second consumer and the producer added."""
@@ -119,10 +149,10 @@ def _w4a16_ws_kernel(
     gl.warp_specialize([
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),
+                     gl.constexpr(0), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, TMA_STORE, turn)),
         (_consumer, (x_desc, w_smem, x_smem, ready, empty, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr,
                      M, N, num_groups, t_begin, n_tiles, num_tiles, off_m, off_n, pid_k, stride_om, stride_split,
-                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, turn)),  # ROWS_PER_WARPGROUP
+                     gl.constexpr(64), GROUP_SIZE, HAS_ZEROS, HAS_BIAS, IS_SPLIT, STAGES, TMA_STORE, turn)),  # ROWS_PER_WARPGROUP
         (_producer, (x_desc, w_desc, w_smem, x_smem, ready, empty, t_begin, n_tiles, off_m, off_n, STAGES, PDL)),
     ], [4, 1], [CONSUMER_REGS, 40])
 
@@ -133,4 +163,4 @@ def launch_w4a16_ws(
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
     return launch_tiled(_w4a16_ws_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, WS_BLOCK_N, split_k,
-                        sum_in_kernel=False, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)
+                        sum_in_kernel=False, tma_store=TMA_STORE, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)

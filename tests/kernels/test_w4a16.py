@@ -209,13 +209,23 @@ def test_table_lookup_and_heuristic() -> None:
     assert heuristic_w4a16_config(1024, 4096, 4096, 132).kind == "dequant"  # 64 tiles cannot fill 132 SMs
     assert select_w4a16_config(1, 4096, 4096, None, 132).kind == "wgmma"  # the recorded H100 table
     assert select_w4a16_config(256, 4096, 28672, None, 132).kind == "wgmma_ws"
-    assert heuristic_w4a16_config(4096, 4096, 4096, 132).kind == "dequant"
+    # beyond 1024 tokens: the warp-specialized 256-token tile where its tiles fill the last wave to 85% and K
+    # has 16 tiles (o at 4096 tokens: 512 tiles, 97%), else dequantize + cuBLAS (Llama-2-13B's down at 2048
+    # tokens: 320 tiles, 81%; K of 1024)
+    many_tokens = W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True)
+    assert heuristic_w4a16_config(4096, 4096, 4096, 132) == many_tokens
+    assert heuristic_w4a16_config(3000, 4096, 4096, 132) == many_tokens  # the bucket's top decides
+    assert heuristic_w4a16_config(20000, 4096, 4096, 132) == many_tokens  # the last bucket's config beyond it
+    assert heuristic_w4a16_config(2048, 13824, 5120, 132).kind == "dequant"
+    assert heuristic_w4a16_config(4096, 13824, 5120, 132) == many_tokens
+    assert heuristic_w4a16_config(4096, 1024, 8192, 132).kind == "dequant"
+    assert heuristic_w4a16_config(4096, 4096, 4096, 132, wgmma=False).kind == "dequant"  # no wgmma: cuBLAS
 
 
 @pytest.mark.parametrize("k,n,num_sms", [(4096, 4096, 132), (14336, 4096, 108), (384, 640, 132), (64, 64, 16)])
 def test_heuristic_entries_give_the_heuristic_at_every_m(k, n, num_sms) -> None:
     table = {f"{k}x{n}": heuristic_w4a16_entries(k, n, num_sms)}
-    for m in range(1, 5000):
+    for m in [*range(1, 5000), 8192, 20000]:
         assert select_w4a16_config(m, k, n, table, 0) == heuristic_w4a16_config(m, k, n, num_sms), m
 
 
@@ -381,11 +391,13 @@ signature = {
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
     "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16",
 }
+if order == "ws":  # the output by TMA stores: its descriptor in place of the pointer (boxes of the activations')
+    signature["out_ptr"] = signature["x_desc"]
 # the per-slice order compiled with split K and the in-kernel sum of the splits
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
 if order == "ws":
-    constants |= {"STAGES": 3, "CONSUMER_REGS": 232}
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "TMA_STORE": True}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
     # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
@@ -416,6 +428,7 @@ print("tma", "cp.async.bulk.tensor.2d" in ptx)
 print("paired", "sub.rn.bf16x2" in ptx and ("mul.rn.bf16x2" in ptx) != (order in ("acc", "acc8")))
 print("local", ".local" in ptx)
 print("counted", "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx)
+print("tma_store", "cp.async.bulk.tensor.2d.global.shared" in ptx)
 print("shared", kernel.metadata.shared)
 print("epilogue", "ex2", ptx.count("ex2.approx"), "st_shared", ptx.count("st.shared"))
 print("warps", kernel.metadata.num_warps, "setmaxnreg", "setmaxnreg" in ptx)
@@ -473,6 +486,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
     assert facts["counted"] == str(order in ("slice", "acc", "acc8"))  # the semaphores, the partials read past L1
+    assert facts["tma_store"] == str(order == "ws")  # the warp-specialized kernel's tiles leave by TMA stores
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
