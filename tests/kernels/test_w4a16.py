@@ -553,6 +553,10 @@ WGMMA_CASES = [
     (512, 128, 257, 256, False, False, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True)),
     (4096, 6144, 256, 128, True, False, torch.bfloat16, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True)),
     (14336, 4096, 1000, 128, False, True, torch.bfloat16, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True)),
+    # its TMA-store epilogue (unsplit): fp16 with bias, an N of 200 (the second tile's second warpgroup
+    # partly past N) and an M tail; one K tile (the stage it stores through is the only one)
+    (640, 200, 130, 128, True, True, torch.float16, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True)),
+    (128, 256, 64, 128, False, False, torch.bfloat16, W4A16Config("wgmma_ws", 64, 128, 1, 4, 6, True)),
 ]
 
 
