@@ -33,8 +33,7 @@ import triton
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -56,9 +55,6 @@ ZERO_RING = True
 # warpgroups (each converts while the other's wgmmas run anyway), and 1-26% slower in the SCALE_ACC order
 # and in the warp-specialized kernel, which therefore do not take it.
 LIVE_OPERANDS = True
-# tiles of 64 rows on one warpgroup leave by a TMA store (tma_store_tile) where launch_tiled can describe the
-# output (unsplit, no SiLU · mul, 16-byte rows)
-TMA_STORE = True
 X_BOX_K = 64  # activation columns per TMA box: 128 bytes, the widest swizzle (16 columns: 1.5x slower)
 # triton 3.6 (the GPU machine) names the TMA load async_copy_global_to_shared; later ones async_load
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -368,7 +364,6 @@ def _w4a16_wgmma_kernel(
     STAGES: gl.constexpr, PER_TILE: gl.constexpr, SCALE_ACC: gl.constexpr, PDL: gl.constexpr,
     num_warps: gl.constexpr, SILU_MUL: gl.constexpr = False, SILU_MUL_LATE_DEPENDENTS: gl.constexpr = True,
     SCALE_RING: gl.constexpr = False, ZERO_RING: gl.constexpr = False, LIVE_OPERANDS: gl.constexpr = False,
-    TMA_STORE: gl.constexpr = False,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [BLOCK_N weight rows, BLOCK_M tokens] tile.
 
@@ -524,28 +519,8 @@ def _w4a16_wgmma_kernel(
         mbarrier.invalidate(bars.index(s))
     if PDL and LATE_DEPENDENTS:
         gdc_launch_dependents()
-    if TMA_STORE:  # (unsplit, 64 rows on one warpgroup) once every warp is past its last wait, no stage is read
-        _cta_barrier()
-        tma_store_tile(acc, x_smem.index(0), out_ptr, bias_ptr, N, off_m, off_n, HAS_BIAS, mma_layout)
-    else:
-        _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om,
-                    stride_split, HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout, SILU_MUL)
-
-
-@gluon.jit
-def tma_store_tile(acc, box, out_desc, bias_ptr, N, off_m, off_n, HAS_BIAS: gl.constexpr, mma_layout: gl.constexpr):
-    """A finished [64 rows, BLOCK_M tokens] fp32 tile (bias added) into out [M, N] by one TMA store (it clips
-    the M and N tails), through `box`, a free [BLOCK_M, 64] activation box, transposed to out's [tokens,
-    rows] on the way into shared memory (stmatrix.trans). The pointer epilogue (_finish_tile) writes 2-byte
-    elements a token's row apart (H100, session 25: 1.4-6.9% of a warp-specialized GEMM)."""
-    if HAS_BIAS:
-        offs_on = off_n + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, mma_layout))
-        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
-    box.store(gl.permute(acc.to(out_desc.dtype), (1, 0)))
-    fence_async_shared()
-    _cta_barrier()  # (the calling partition's) every thread's part is in shared memory before the store
-    _tma_store(out_desc, [off_m, off_n], box)
-    tma.store_wait(0)
+    _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
+                HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout, SILU_MUL)
 
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
@@ -560,8 +535,7 @@ def launch_w4a16_wgmma(
     return launch_tiled(_w4a16_wgmma_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, block_n, split_k,
                         sum_in_kernel=True, silu_mul=silu_mul, STAGES=num_stages, PER_TILE=per_tile,
                         SCALE_ACC=scale_acc, num_warps=num_warps, SCALE_RING=scale_ring, ZERO_RING=zero_ring,
-                        LIVE_OPERANDS=live_operands(per_tile, scale_acc, num_warps),
-                        tma_store=TMA_STORE and block_n == 64 and num_warps == 4)
+                        LIVE_OPERANDS=live_operands(per_tile, scale_acc, num_warps))
 
 
 def live_operands(per_tile: bool, scale_acc: bool, num_warps: int) -> bool:

@@ -22,11 +22,12 @@ from __future__ import annotations
 from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 
 from .w4a16_gemm import WS_BLOCK_N
-from .w4a16_gluon import (_group_params, _load_prologue, _load_tile, _store_tile, _tile_operands, _x_slice,
-                          launch_tiled, tma_store_tile)
+from .w4a16_gluon import (_cta_barrier, _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands,
+                          _tma_store, _x_slice, launch_tiled)
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
 TMA_STORE = True  # the finished tile out by TMA stores (_store_tile_tma) where launch_tiled can describe it
@@ -100,11 +101,19 @@ def _store_tile_tma(acc, x_smem, empty, out_desc, bias_ptr, N, n_tiles, off_m, o
     (it clips the M and N tails): through this warpgroup's activation box of the next-to-last tile's stage,
     once both warpgroups have left that stage (its empty barrier; the producer loads nothing more; the
     last tile's stage would make the first warpgroup wait for the other's last wgmmas), transposed to
-    out's [tokens, rows] on the way into shared memory (w4a16_gluon.tma_store_tile)."""
+    out's [tokens, rows] on the way into shared memory. The pointer epilogue (_store_tile) writes
+    2-byte elements a token's row apart, 32 per warp instruction."""
+    if HAS_BIAS:
+        offs_on = off_n + row0 + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, mma_layout))
+        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
     spent = gl.maximum(n_tiles - 2, 0)  # the next-to-last tile's stage: the other warpgroup has most likely left it
     mbarrier.wait(empty.index(spent % STAGES), (spent // STAGES) & 1)
-    tma_store_tile(acc, x_smem.index(2 * (spent % STAGES) + row0 // ROWS_PER_WARPGROUP), out_desc, bias_ptr, N, off_m,
-                   off_n + row0, HAS_BIAS, mma_layout)
+    box = x_smem.index(2 * (spent % STAGES) + row0 // ROWS_PER_WARPGROUP)
+    box.store(gl.permute(acc.to(out_desc.dtype), (1, 0)))
+    fence_async_shared()
+    _cta_barrier()  # (this warpgroup's) every thread's part is in shared memory before the store is issued
+    _tma_store(out_desc, [off_m, off_n + row0], box)
+    tma.store_wait(0)
 
 
 @gluon.jit

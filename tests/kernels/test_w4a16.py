@@ -391,8 +391,8 @@ signature = {
     "w_desc": f"tensordesc<i32[16, {block_n}],{w_layout!r}>",
     "s_ptr": "*bf16", "qz_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*fp32" if split else "*bf16",
 }
-if order in ("ws", "tile"):  # the output by TMA stores: its descriptor in place of the pointer (the activations'
-    signature["out_ptr"] = signature["x_desc"]  # boxes)
+if order == "ws":  # the output by TMA stores: its descriptor in place of the pointer (boxes of the activations')
+    signature["out_ptr"] = signature["x_desc"]
 # the per-slice order compiled with split K and the in-kernel sum of the splits
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
@@ -405,8 +405,7 @@ else:
                   "SCALE_ACC": order in ("acc", "acc8"), "SILU_MUL": order == "acc8",
                   "SILU_MUL_LATE_DEPENDENTS": True, "SCALE_RING": order in ("acc", "acc8"),
                   "ZERO_RING": order in ("acc", "acc8"),
-                  "LIVE_OPERANDS": w4a16_gluon.live_operands(order != "slice", order in ("acc", "acc8"), warps),
-                  "TMA_STORE": order == "tile"}  # (the unsplit 64-row tile, as launch_tiled gives it)
+                  "LIVE_OPERANDS": w4a16_gluon.live_operands(order != "slice", order in ("acc", "acc8"), warps)}
     kernel_fn = w4a16_gluon._w4a16_wgmma_kernel
 s_layout = gl.NVMMASharedLayout.get_default_for([block_n], gl.bfloat16)  # the scale ring's boxes (acc, acc8)
 z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)  # and the zero words'
@@ -487,7 +486,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     assert facts["wgmma"] == "True" and facts["tma"] == "True" and facts["paired"] == "True"
     assert facts["local"] == "False" and facts["spills"] == "False"
     assert facts["counted"] == str(order in ("slice", "acc", "acc8"))  # the semaphores, the partials read past L1
-    assert facts["tma_store"] == str(order in ("ws", "tile"))  # unsplit tiles of 64 rows a warpgroup: TMA stores
+    assert facts["tma_store"] == str(order == "ws")  # the warp-specialized kernel's tiles leave by TMA stores
     assert int(facts["shared"]) <= 227 * 1024
     # programmatic dependent launch: one wait, then the next kernel may launch; the weight tiles of
     # the prologue (4 stages per tile, 3 per slice) are requested before the wait, the activations after
