@@ -28,6 +28,7 @@ from llmc.kernels import device_num_sms
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import (
     W4A16Config, dequantize_w4a16, heuristic_w4a16_config, pack_w4a16_for_gpu, w4a16_linear, wgmma_stages)
+from w4a16_kind_sweep import parse_shapes  # (benchmarks/ is the script's folder)
 
 # (K, N) of other models than the fitted Llama-3-8B: Llama-2-13B qkv / down, Qwen2.5-7B gate_up, a
 # narrow 70B-at-tensor-8 o projection
@@ -44,7 +45,7 @@ def main(argv=None) -> int:
     flush = make_l2_flush_buffer()
     num_sms = device_num_sms(torch.device("cuda"))
     rows = []
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     for k, n in shapes:
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)

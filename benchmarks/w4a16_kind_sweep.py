@@ -30,6 +30,11 @@ from llmc.kernels.w4a16_tune import candidate_configs, check_and_time
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
 
+def parse_shapes(specs: list[str] | None, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """--shapes KxN ... as (K, N) pairs; `default` where none are named."""
+    return [tuple(int(v) for v in spec.split("x")) for spec in specs] if specs else default
+
+
 def parse_config(spec: str) -> W4A16Config:
     kind, *numbers = spec.split(",")
     flags = dict(zip(("is_stacked", "scale_acc"), (bool(int(v)) for v in numbers[5:])))
@@ -50,7 +55,7 @@ def main() -> None:
     num_sms = device_num_sms(torch.device("cuda"))
     flush = make_l2_flush_buffer(torch.device("cuda"))
     records, rows = [], []
-    for k, n in [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES:
+    for k, n in parse_shapes(args.shapes, SHAPES):
         levels = torch.randint(0, 16, (n, k), dtype=torch.int32, device="cuda")
         scales = (torch.rand(n, k // 128, device="cuda") * 0.004 + 0.001).to(torch.bfloat16)
         params = pack_w4a16_for_gpu(levels, scales, None)

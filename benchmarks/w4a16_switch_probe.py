@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from llmc.kernels import device_num_sms, w4a16_gluon, w4a16_ws
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import dequantize_w4a16, pack_w4a16_for_gpu, run_w4a16_config, select_w4a16_config
-from w4a16_kind_sweep import SHAPES, parse_config  # (benchmarks/ is the script's folder)
+from w4a16_kind_sweep import SHAPES, parse_config, parse_shapes  # (benchmarks/ is the script's folder)
 
 
 def main(argv=None) -> int:
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     flush = make_l2_flush_buffer()
     num_sms = device_num_sms(torch.device("cuda"))
     torch.manual_seed(0)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
+    shapes = parse_shapes(args.shapes, SHAPES)
     rows = []
     module_name, name = args.switch.split(".")
     module = {"w4a16_gluon": w4a16_gluon, "w4a16_ws": w4a16_ws}[module_name]

@@ -304,15 +304,21 @@ def _silu_mul_store(tile, out_ptr, M, N, off_m, off_n, mma_layout: gl.constexpr)
 
 
 @gluon.jit
+def _add_bias(acc, bias_ptr, N, off_n, HAS_BIAS: gl.constexpr, mma_layout: gl.constexpr):
+    """(acc [rows, tokens] fp32 plus the bias of rows off_n ... where HAS_BIAS, the rows' indices)."""
+    offs_on = off_n + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, mma_layout))
+    if HAS_BIAS:
+        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+    return acc, offs_on
+
+
+@gluon.jit
 def _finish_tile(acc, bias_ptr, out_ptr, M, N, off_m, off_n, stride_om, HAS_BIAS: gl.constexpr,
                  SILU_MUL: gl.constexpr, mma_layout: gl.constexpr):
     """A whole tile's sum [BLOCK_N, BLOCK_M] fp32: bias added, stored into out [M, N] (row stride
     stride_om), or with SILU_MUL SiLU(gate) · up into out [M, N / 2] (_silu_mul_store)."""
-    BLOCK_N: gl.constexpr = acc.shape[0]
     BLOCK_M: gl.constexpr = acc.shape[1]
-    offs_on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
-    if HAS_BIAS:
-        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+    acc, offs_on = _add_bias(acc, bias_ptr, N, off_n, HAS_BIAS, mma_layout)
     if SILU_MUL:
         _silu_mul_store(acc, out_ptr, M, N, off_m, off_n, mma_layout)
     else:

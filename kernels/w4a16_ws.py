@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 
 from .w4a16_gemm import WS_BLOCK_N
-from .w4a16_gluon import (_cta_barrier, _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands,
+from .w4a16_gluon import (_add_bias, _cta_barrier, _group_params, _load_prologue, _load_tile, _store_tile, _tile_operands,
                           _tma_store, _x_slice, launch_tiled)
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
@@ -103,9 +103,7 @@ def _store_tile_tma(acc, x_smem, empty, out_desc, bias_ptr, N, n_tiles, off_m, o
     last tile's stage would make the first warpgroup wait for the other's last wgmmas), transposed to
     out's [tokens, rows] on the way into shared memory. The pointer epilogue (_store_tile) writes
     2-byte elements a token's row apart, 32 per warp instruction."""
-    if HAS_BIAS:
-        offs_on = off_n + row0 + gl.arange(0, ROWS_PER_WARPGROUP, layout=gl.SliceLayout(1, mma_layout))
-        acc += gl.load(bias_ptr + offs_on, mask=offs_on < N, other=0.0).to(gl.float32)[:, None]
+    acc, _ = _add_bias(acc, bias_ptr, N, off_n + row0, HAS_BIAS, mma_layout)
     spent = gl.maximum(n_tiles - 2, 0)  # the next-to-last tile's stage: the other warpgroup has most likely left it
     mbarrier.wait(empty.index(spent % STAGES), (spent // STAGES) & 1)
     box = x_smem.index(2 * (spent % STAGES) + row0 // ROWS_PER_WARPGROUP)
