@@ -31,7 +31,6 @@ from .w4a16_gluon import (_add_bias, _cta_barrier, _group_params, _load_prologue
 
 ROWS_PER_WARPGROUP = gl.constexpr(WS_BLOCK_N // 2)
 TMA_STORE = True  # the finished tile out by TMA stores (_store_tile_tma) where launch_tiled can describe it
-GROUP_M = 1  # token tiles per launch group (_grouped_tile); 1: the grid's order, weight-row tiles fastest
 
 
 @gluon.jit
@@ -116,39 +115,21 @@ def _store_tile_tma(acc, x_smem, empty, out_desc, bias_ptr, N, n_tiles, off_m, o
 
 
 @gluon.jit
-def _grouped_tile(GROUP_M: gl.constexpr):
-    """(weight-row tile, token tile) of this program: the programs in launch order walk GROUP_M token
-    tiles at a time, token tiles fastest, so the programs resident together share the weight tiles they
-    read from L2 (the grid's own order, GROUP_M 1, runs a whole row of weight tiles per token tile)."""
-    if GROUP_M == 1:
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(2)
-    else:
-        tiles_n = gl.num_programs(0)
-        linear = gl.program_id(2) * tiles_n + gl.program_id(0)
-        per_group = GROUP_M * tiles_n
-        first_m = (linear // per_group) * GROUP_M
-        group_m = gl.minimum(gl.num_programs(2) - first_m, GROUP_M)
-        pid_n = (linear % per_group) // group_m
-        pid_m = first_m + (linear % per_group) % group_m
-    return pid_n, pid_m
-
-
-@gluon.jit
 def _w4a16_ws_kernel(
     x_desc, w_desc, s_ptr, qz_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, s_desc, z_desc,
     M, N, num_groups, num_tiles, tiles_per_split, stride_om, stride_split,
     GROUP_SIZE: gl.constexpr, HAS_ZEROS: gl.constexpr, HAS_BIAS: gl.constexpr, IS_SPLIT: gl.constexpr,
     STAGES: gl.constexpr, PDL: gl.constexpr, CONSUMER_REGS: gl.constexpr, TMA_STORE: gl.constexpr,
-    GROUP_M: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     """out [M, N] (or this K split's fp32 partial) for one [128 weight rows, BLOCK_M tokens] tile;
     launched with num_warps 4 (the first consumer), the second consumer and the producer added."""
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
     dtype: gl.constexpr = x_desc.dtype
-    pid_n, pid_m = _grouped_tile(GROUP_M)
+    pid_n = gl.program_id(0)
     pid_k = gl.program_id(1)
+    pid_m = gl.program_id(2)
     off_n = pid_n * BLOCK_N
     off_m = pid_m * BLOCK_M
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 16, BLOCK_N], w_desc.layout)
@@ -180,5 +161,4 @@ def launch_w4a16_ws(
 ) -> Tensor:
     """x [M, K] (contiguous, 16-byte aligned rows) → [M, N] in x's dtype; 128 weight rows per tile."""
     return launch_tiled(_w4a16_ws_kernel, x, qweight, scales, qzeros, bias, group_size, block_m, WS_BLOCK_N, split_k,
-                        sum_in_kernel=False, tma_store=TMA_STORE, STAGES=num_stages, CONSUMER_REGS=232, GROUP_M=GROUP_M,
-                        num_warps=4)
+                        sum_in_kernel=False, tma_store=TMA_STORE, STAGES=num_stages, CONSUMER_REGS=232, num_warps=4)

@@ -397,7 +397,7 @@ if order == "ws":  # the output by TMA stores: its descriptor in place of the po
 constants = {"GROUP_SIZE": 128, "HAS_ZEROS": True, "HAS_BIAS": True, "IS_SPLIT": split, "STAGES": 4, "PDL": True,
              "num_warps": warps}
 if order == "ws":
-    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "TMA_STORE": True, "GROUP_M": 1}
+    constants |= {"STAGES": 3, "CONSUMER_REGS": 232, "TMA_STORE": True}
     kernel_fn = w4a16_ws._w4a16_ws_kernel
 else:
     # acc8 finishes its tiles as SiLU(gate) · up (an interleaved gate_up)
