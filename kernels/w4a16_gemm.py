@@ -170,9 +170,11 @@ DEFAULT_W4A16_TABLE_GPU = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name(
 # once its scales came with the words (session 22, call 7: 32.22 -> 29.25 us); the 64-token entries take the
 # scale on the products too, the fastest of eight such configs in one run (session 23, call 6: 1.09-1.30x
 # faster than the entries before); qkv from 1025 tokens the warp-specialized tile once its tiles left by TMA
-# stores (session 25, call 10: 267.1 us against 281.6 for dequantize + cuBLAS in the same run; the
-# warp-specialized entries' times above were measured before that epilogue, which took up to 7% off the
-# unsplit ones);
+# stores (session 25, call 10: 267.1 us against 281.6 for dequantize + cuBLAS in the same run); qkv at
+# 513-1024 tokens and gate_up beyond 1024 the warp-specialized tiles too, each faster than dequantize +
+# cuBLAS in both rounds of session 26's call 1 and again in its call 2 (qkv 88.8-88.9 against 91.7-92.0
+# us, gate_up 1286-1338 against 1349-1351); the warp-specialized entries' times are the medians of that
+# call's two rounds (`benchmarks/w4a16_kind_sweep.py --kind wgmma_ws --ms 128 256 512 1024 4096`);
 # see benchmarks/RESULTS.md.
 # Llama-3-8B linears (K×N).
 # {"KxN": ((max_m, config, measured_us), ...)}: the first entry whose max_m >= M applies, the last
@@ -186,11 +188,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 4, 4, 4, True, scale_acc=True), 14.59),
             (32, W4A16Config("wgmma", 32, 64, 4, 4, 4, True, scale_acc=True), 15.3),
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 4, True, scale_acc=True), 18.69),
-            (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 25.41),
-            (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.72),
-            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 50.08),
-            (1024, _DEQUANT, 91.65),
-            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 267.1),
+            (128, W4A16Config("wgmma_ws", 128, 128, 2, 4, 5, True), 25.57),
+            (256, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.4),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 46.91),
+            (1024, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 88.87),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 266.92),
         ),
         "4096x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 12.0),
@@ -201,9 +203,9 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (64, W4A16Config("wgmma", 64, 64, 2, 4, 4, True, scale_acc=True), 14.94),
             (128, W4A16Config("wgmma", 128, 64, 2, 4, 5, True), 19.58),
             (256, W4A16Config("wgmma", 128, 64, 1, 4, 5, True), 25.5),
-            (512, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 34.91),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 53.09),
-            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 193.89),
+            (512, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 33.99),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 49.09),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 180.16),
         ),
         "4096x28672": (
             (1, W4A16Config("wgmma", 16, 128, 1, 4, 4, True, scale_acc=True), 30.66),
@@ -212,11 +214,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 128, 1, 4, 4, True, scale_acc=True), 29.25),
             (32, W4A16Config("wgmma", 32, 128, 1, 4, 4, True, scale_acc=True), 33.3),
             (64, W4A16Config("wgmma", 64, 128, 1, 4, 4, True, scale_acc=True), 40.83),
-            (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 66.3),
-            (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 102.5),
-            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 197.66),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 346.88),
-            (4096, _DEQUANT, 1343.87),
+            (128, W4A16Config("wgmma_ws", 128, 128, 1, 4, 5, True), 63.68),
+            (256, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 93.2),
+            (512, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 180.27),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 315.63),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 1311.82),
         ),
         "14336x4096": (
             (1, W4A16Config("wgmma", 16, 128, 8, 4, 4, True, scale_acc=True), 19.74),
@@ -225,11 +227,11 @@ DEFAULT_W4A16_TABLE: Mapping[str, tuple] = MappingProxyType(
             (16, W4A16Config("wgmma", 16, 64, 8, 4, 4, True, scale_acc=True), 22.05),
             (32, W4A16Config("wgmma", 32, 128, 8, 4, 4, True, scale_acc=True), 22.8),
             (64, W4A16Config("wgmma", 64, 64, 4, 4, 4, True, scale_acc=True), 27.65),
-            (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 36.93),
-            (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 53.15),
-            (512, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True), 90.62),
-            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 154.75),
-            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 616.0),
+            (128, W4A16Config("wgmma_ws", 128, 128, 4, 4, 5, True), 38.42),
+            (256, W4A16Config("wgmma_ws", 256, 128, 4, 4, 3, True), 53.95),
+            (512, W4A16Config("wgmma_ws", 256, 128, 2, 4, 3, True), 88.72),
+            (1024, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 150.16),
+            (4096, W4A16Config("wgmma_ws", 256, 128, 1, 4, 3, True), 585.6),
         ),
     }
 )
