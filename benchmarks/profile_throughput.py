@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import log, parse_engine_options, parse_throughput, random_prompts, run_requests, warm_up  # noqa: E402
 from profile_step import PhaseTimer  # noqa: E402
 
+from llmc.runtime.batch_sampler import HostTokens  # noqa: E402
 from llmc.runtime.llm import LLM  # noqa: E402
 
 
@@ -52,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the requests' output_kind (bench_e2e.py's --output-kind)")
     parser.add_argument("--kernels", action="store_true", help="a second run under torch.profiler")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--tail", type=int, default=0,
+                        help="also list the last N launched steps one by one (rows, GPU and idle ms, host ms by phase)")
     parser.add_argument("--json", type=Path, default=Path("profile_throughput.json"))
     return parser.parse_args(argv)
 
@@ -60,9 +63,11 @@ class StepRecorder:
     """Wraps engine._launch and engine.step: per launched step its decode rows and prompt tokens, the
     time the step() call that launched it returned, and on CUDA two events around its launch."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, phase_totals: dict[str, float] | None = None):
         self.steps: list[tuple[int, int]] = []
         self.ends: list[float] = []  # one per step() call that launched a step
+        # per such call: the outputs it returned and a snapshot of `phase_totals` (PhaseTimer's) at its return
+        self.returns: list[tuple[int, dict[str, float]]] = []
         self.events: list[tuple] = []
         launch, step = engine._launch, engine.step
         is_cuda = engine.device.type == "cuda"
@@ -83,6 +88,7 @@ class StepRecorder:
             outputs = step()
             if len(self.steps) > num_steps:
                 self.ends.append(time.perf_counter())
+                self.returns.append((len(outputs), dict(phase_totals or {})))
             return outputs
 
         engine._launch, engine.step = recorded_launch, recorded_step
@@ -177,9 +183,37 @@ def step_summary(recorder: StepRecorder, start: float, is_async: bool) -> dict:
     return out
 
 
-def run_once(engine, prompts, out_tokens: int, output_kind: str) -> tuple[dict, float, int]:
+def tail_steps(recorder: StepRecorder, start: float, count: int) -> list[dict]:
+    """The last `count` launched steps one by one. Call k launches step k and (async) resolves step k-1:
+    host_ms is the time from call k-1's return to call k's, phases_ms what call k spent in each phase,
+    outputs what it returned (final-only outputs: the requests that finished)."""
+    ends = [start] + recorder.ends
+    gpu = recorder.gpu_times() if recorder.events else [(0.0, 0.0)] * len(recorder.steps)
+    rows, previous = [], {}
+    for k, ((decodes, prompt), (gpu_s, idle_s), (outputs, totals)) in enumerate(zip(recorder.steps, gpu, recorder.returns)):
+        if k >= len(recorder.steps) - count:
+            rows.append({"step": k, "decode_rows": decodes, "prompt_tokens": prompt, "gpu_ms": round(1000 * gpu_s, 2),
+                         "gpu_idle_ms": round(1000 * idle_s, 2), "host_ms": round(1000 * (ends[k + 1] - ends[k]), 2),
+                         "outputs": outputs,
+                         "phases_ms": {p: round(1000 * (t - previous.get(p, 0.0)), 2) for p, t in totals.items()}})
+        previous = totals
+    return rows
+
+
+def run_once(engine, prompts, out_tokens: int, output_kind: str, tail: int = 0) -> tuple[dict, float, int]:
     timer, gc_timer, compiles = PhaseTimer(engine), GcTimer(), CompileRecorder()
-    recorder = StepRecorder(engine)
+    recorder = StepRecorder(engine, timer.totals)
+    wait = HostTokens.wait
+    timer.totals["wait"] = 0.0  # of resolve: blocked until the step's tokens are on the host
+
+    def timed_wait(host_tokens):
+        begin = time.perf_counter()
+        try:
+            return wait(host_tokens)
+        finally:
+            timer.totals["wait"] += time.perf_counter() - begin
+
+    HostTokens.wait = timed_wait
     graphs = getattr(engine.runner, "graphs", None)
     replays = graphs.num_replays if graphs is not None else 0
     start, stamps, elapsed, _ = run_requests(engine, prompts, out_tokens, output_kind=output_kind)
@@ -187,10 +221,13 @@ def run_once(engine, prompts, out_tokens: int, output_kind: str) -> tuple[dict, 
     summary = step_summary(recorder, start, engine.options.async_scheduling)
     summary["graph_replays"] = graphs.num_replays - replays if graphs is not None else 0
     summary["host_s"] = {phase: round(seconds, 3) for phase, seconds in timer.totals.items()}
+    if tail:
+        summary["tail"] = tail_steps(recorder, start, tail)
     summary.update(gc_timer.close())
     summary.update(compiles.close())
     recorder.close()
     timer.close()
+    HostTokens.wait = wait
     return summary, elapsed, num_tokens
 
 
@@ -216,7 +253,7 @@ def profile_artifact(path: Path, options: dict, args) -> dict:
     engine = llm.engine
     warm_up(engine, min(num, engine.options.max_num_seqs), min(inp, 64))
     prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out)
-    steps, elapsed, num_tokens = run_once(engine, prompts, out, output_kind)
+    steps, elapsed, num_tokens = run_once(engine, prompts, out, output_kind, args.tail)
     result = {"workload": args.throughput, "output_kind": output_kind, "elapsed_s": round(elapsed, 3),
               "output_tokens_per_s": round(num_tokens / elapsed, 1), "async_scheduling": engine.options.async_scheduling,
               "max_num_seqs": engine.options.max_num_seqs,
@@ -235,6 +272,7 @@ def summary_lines(label: str, r: dict) -> list[str]:
              f"{s['graph_replays']}; host s {s['host_s']}; gc s {s['gc_s_by_generation']} ({s['gc_count_by_generation']}); "
              f"triton compiles {s['triton_compiles']} ({s['triton_compile_s']} s) {s['triton_compiled']}"]
     lines += [f"  {kind}: {s[kind]}" for kind in ("decode", "mixed") if kind in s]
+    lines += [f"    step {t['step']}: {t}" for t in s.get("tail", ())]
     if "kernels" in r:
         k = r["kernels"]
         lines.append(f"  kernels: {k['kernel_s']} s of {k['elapsed_s']} s (GPU busy {k['gpu_busy']})")
