@@ -167,16 +167,18 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(1, high) for _ in range(length)] for _ in range(num)]
 
 
-def run_requests(engine, prompts: list[list[int]], max_tokens: int, time_limit: float | None = None,
+def run_requests(engine, prompts: list[list[int]], max_tokens: int | list[int], time_limit: float | None = None,
                  output_kind: str = "delta"):
     """Submit every prompt at once and step until done (or time_limit). Returns (t0, {request id: token
     times}, elapsed, is_truncated); token times are perf_counter() stamps of the step that returned them.
+    `max_tokens`: one for all, or one per prompt.
     `output_kind`: the requests' (delta, as a streaming server asks; cumulative; or final_only, as
     LLM.generate asks, when every token is stamped with its request's end)."""
     kind = RequestOutputKind[output_kind.upper()]
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, output_kind=kind) for n in lengths]
     start = time.perf_counter()
-    stamps = {engine.add_request(None, params, p): [] for p in prompts}
+    stamps = {engine.add_request(None, q, p): [] for p, q in zip(prompts, params)}
     deadline = None if time_limit is None else start + time_limit
     is_truncated = False
     while engine.has_unfinished_requests():

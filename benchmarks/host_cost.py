@@ -1,6 +1,7 @@
 """The engine's host time per step, with the model's forward replaced by constant logits (issue 12).
 
-    python benchmarks/host_cost.py [ARTIFACT] [--batch 512] [--repeats 3] [--output-kind delta|cumulative|final_only]
+    python benchmarks/host_cost.py [ARTIFACT] [--batch 512] [--repeats 3] [--output-kind delta|cumulative|final_only] \
+        [--churn]
 
 Loads ARTIFACT (default build/ref-llama-12m, from `llmc build recipes/ref-llama-12m.yaml`) on the CPU
 with max_num_seqs --batch, replaces `runner.forward_logits` by a function that returns the same
@@ -8,13 +9,16 @@ constant logits every call (token 5 wins), and runs bench_e2e's throughput workl
 requests of 128 random prompt tokens, 128 output tokens each, all submitted at once) --repeats times.
 What is left per `Engine.step()` is the host's own work: scheduling, building the step's inputs,
 sampling, detokenizing, stops, outputs (of --output-kind: final_only is what LLM.generate asks for,
-delta what a stream needs). Prints the median ms per step. Compare trees by running it
-on each in turn on a quiet machine.
+delta what a stream needs). --churn instead: 3 x --batch requests of 64 prompt tokens and 16-256
+output tokens each (uniform, seeded), so that rows leave and join at almost every step, as in
+serving. Prints the median ms per step. Compare trees by running it on each in turn on a quiet
+machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -33,8 +37,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-kind", default="delta", choices=["cumulative", "delta", "final_only"])
+    parser.add_argument("--churn", action="store_true", help="16-256 output tokens per request: rows change every step")
     args = parser.parse_args(argv)
-    blocks_per_seq = -(-(128 + 128) // 16) + 1
+    blocks_per_seq = -(-(64 + 256 if args.churn else 128 + 128) // 16) + 1
     llm = LLM(args.artifact, device="cpu", max_num_seqs=args.batch, max_num_batched_tokens=8192, max_model_len=512,
               block_size=16, num_kv_blocks=args.batch * blocks_per_seq + 64, disable_log_stats=True)
     engine = llm.engine
@@ -60,12 +65,17 @@ def main(argv=None) -> int:
             return step()
 
         engine.step = counted_step
-        _, _, elapsed, _ = run_requests(engine, random_prompts(2 * args.batch, 128, vocab_size, seed=10 + repeat), 128,
-                                     output_kind=args.output_kind)
+        if args.churn:
+            rng = random.Random(repeat)
+            prompts = random_prompts(3 * args.batch, 64, vocab_size, seed=10 + repeat)
+            max_tokens = [rng.randrange(16, 257) for _ in prompts]
+        else:
+            prompts, max_tokens = random_prompts(2 * args.batch, 128, vocab_size, seed=10 + repeat), 128
+        _, _, elapsed, _ = run_requests(engine, prompts, max_tokens, output_kind=args.output_kind)
         per_step.append(1000 * elapsed / num_steps)
     engine.step = step
     llm.close()
-    print(f"batch {args.batch}, {args.output_kind} outputs: host ms per step {statistics.median(per_step):.2f} "
+    print(f"batch {args.batch}{', churn' if args.churn else ''}, {args.output_kind} outputs: host ms per step {statistics.median(per_step):.2f} "
           f"(runs {[round(x, 2) for x in per_step]}, {num_steps} steps each)")
     return 0
 

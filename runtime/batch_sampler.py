@@ -5,8 +5,11 @@ max_num_seqs-1) from its first scheduled step until it finishes or is preempted.
 parameters live in per-row device tensors (temperature, top-k, top-p, min-p, penalties, seed,
 min_tokens), its logit bias / allowed ids / min_tokens stop ids in sparse (row, token) device
 lists, and for penalties its output token counts and prompt-token mask in [rows, vocab] device
-tensors. `add` and `remove` change the host mirrors of one row; the device copies are refreshed
-once, before the next step that samples, only if some row changed. A step then samples from the
+tensors. `add` and `remove` change the host mirrors of one row and count what it contributes to
+the step's summary (greedy or not, top-p, the largest top-k, logprobs, ...) and to the sparse
+lists; the device copies are refreshed once, before the next step that samples, only if some row
+changed, and the sparse lists only if a row that has entries joined or left: a refresh costs the
+rows that changed, not the batch (no pass over every active row). A step then samples from the
 logits of its rows ([n, vocab]) and a device tensor of their row ids: no per-row Python, no
 device->host synchronisation, and the sampled tokens update the counts on the device, so a step
 can be sampled before the previous step's tokens reach the host (overlapped scheduling).
@@ -28,6 +31,7 @@ they can be applied without knowing on the host which rows the step holds.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +97,44 @@ class SampledStep:
     num_top: int
 
 
+@dataclass(frozen=True)
+class _RowTraits:
+    """One row's part of the step's summary (the flags it sets) and its sparse (row, token, value)
+    entries: logit bias and one-token bad words (bias), allowed ids, and while min_tokens holds, its
+    stop ids (stop)."""
+
+    flags: tuple[str, ...]
+    bias: tuple[tuple[int, int, float], ...]
+    allowed: tuple[tuple[int, int, float], ...]
+    stop: tuple[tuple[int, int, float], ...]
+
+    @property
+    def has_sparse(self) -> bool:
+        return bool(self.bias or self.allowed or self.stop)
+
+    @classmethod
+    def of(cls, row: int, params: SamplingParams, constrained: bool, banned_token_ids, eos_token_ids: list[int],
+           vocab_size: int) -> _RowTraits:
+        is_plain_greedy = params.is_greedy and not (
+            params.has_penalties or params.logit_bias or params.allowed_token_ids is not None or params.min_tokens
+            or params.logprobs is not None or params.logits_processors)
+        flags = (("not_greedy", not params.is_greedy), ("top_p", params.top_p < 1.0), ("min_p", params.min_p > 0.0),
+                 ("penalties", params.has_penalties), ("processors", bool(params.logits_processors)),
+                 ("constrained", constrained), ("not_plain_greedy", not is_plain_greedy))
+        stops = sorted(params.all_stop_token_ids(eos_token_ids)) if params.min_tokens > 0 else ()
+        return cls(tuple(name for name, is_set in flags if is_set),
+                   tuple((row, t, b) for t, b in (params.logit_bias or {}).items())
+                   + tuple((row, t, float("-inf")) for t in banned_token_ids),
+                   tuple((row, t, 0.0) for t in params.allowed_token_ids or ()),
+                   tuple((row, t, 0.0) for t in stops if t < vocab_size))
+
+
+def _discard(counter: Counter, key) -> None:
+    counter[key] -= 1
+    if not counter[key]:
+        del counter[key]
+
+
 class BatchSampler:
     """Per-row sampling state of up to `num_rows` running sequences, and the step's sampling."""
 
@@ -101,11 +143,16 @@ class BatchSampler:
         self.num_rows, self.vocab_size, self.device = num_rows, vocab_size, device
         self.eos_token_ids = list(eos_token_ids)
         self.params: list[SamplingParams | None] = [None] * num_rows
-        self._banned: list[list[int]] = [[] for _ in range(num_rows)]  # one-token bad words per row
-        self._constrained = [False] * num_rows  # rows whose steps take a bitmask from the host
         self._floats = np.zeros((len(_FLOAT_FIELDS), num_rows), dtype=np.float32)
         self._ints = np.zeros((len(_INT_FIELDS), num_rows), dtype=np.int64)
-        self._sparse: dict[str, list[tuple[int, int, float]]] = {"bias": [], "allowed": [], "stop": []}
+        # what each active row contributes to the step's summary and to the sparse lists, counted as
+        # rows join and leave: a refresh costs the rows that changed, not the batch
+        self._traits: list[_RowTraits | None] = [None] * num_rows
+        self._num_set: Counter[str] = Counter()  # summary flag -> active rows that set it
+        self._top_ks: Counter[int] = Counter()  # top_k -> active rows
+        self._num_logprobs: Counter[int] = Counter()  # logprobs -> active rows that ask for them
+        self._sparse_rows: set[int] = set()  # active rows with sparse entries
+        self._is_sparse_dirty = True
         self._is_dirty = True
         self._engine_key = int(row_keys(torch.tensor([seed]), torch.tensor([0]))[0])
         self.num_steps = 0
@@ -113,6 +160,7 @@ class BatchSampler:
         # [num_rows] tokens each row generated: kept on the device, advanced by every sampled step
         self.num_output = torch.zeros(num_rows, dtype=torch.long, device=device)
         self._new_num_output: dict[int, int] = {}  # rows that joined since the last upload: their counts
+        self._sparse_t: dict[str, tuple[Tensor, Tensor, Tensor] | None] = {}
         # [num_rows, vocab]: allocated when the first row with penalties joins
         self.output_counts: Tensor | None = None
         self.prompt_mask: Tensor | None = None
@@ -127,8 +175,18 @@ class BatchSampler:
         """Give `row` to a sequence: its params, and for penalties its token counts so far.
         `banned_token_ids`: never sampled (one-token bad words); `constrained`: the row's steps
         come with a bitmask (a grammar, bad words of several tokens)."""
+        if self.params[row] is not None:
+            self.remove(row)
         self.params[row] = params
-        self._banned[row], self._constrained[row] = list(banned_token_ids), constrained
+        traits = self._traits[row] = _RowTraits.of(row, params, constrained, banned_token_ids, self.eos_token_ids,
+                                                    self.vocab_size)
+        self._num_set.update(traits.flags)
+        self._top_ks[params.top_k] += 1
+        if params.logprobs is not None:
+            self._num_logprobs[params.logprobs] += 1
+        if traits.has_sparse:
+            self._sparse_rows.add(row)
+            self._is_sparse_dirty = True
         floats = {"temperature": 1.0 if params.is_greedy else params.temperature, "top_p": params.top_p,
                   "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
                   "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
@@ -143,7 +201,17 @@ class BatchSampler:
             self._set_counts(row, prompt_token_ids, output_token_ids)
 
     def remove(self, row: int) -> None:
-        self.params[row] = None
+        params, traits = self.params[row], self._traits[row]
+        if params is None:
+            return
+        self.params[row] = self._traits[row] = None
+        self._num_set.subtract(traits.flags)
+        _discard(self._top_ks, params.top_k)
+        if params.logprobs is not None:
+            _discard(self._num_logprobs, params.logprobs)
+        if traits.has_sparse:
+            self._sparse_rows.discard(row)
+            self._is_sparse_dirty = True
         self._is_dirty = True
 
     def _set_counts(self, row: int, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
@@ -156,18 +224,13 @@ class BatchSampler:
         self.prompt_mask[row].zero_()[to_device(torch.tensor(prompt_token_ids, dtype=torch.long), self.device)] = True
 
     def _upload(self) -> None:
-        """Refresh the device copies of the per-row parameters and the sparse lists."""
-        active = [row for row, p in enumerate(self.params) if p is not None]
-        for name, entries in self._sparse.items():
-            entries.clear()
-        for row in active:
-            params = self.params[row]
-            self._sparse["bias"].extend((row, t, b) for t, b in (params.logit_bias or {}).items())
-            self._sparse["bias"].extend((row, t, float("-inf")) for t in self._banned[row])
-            self._sparse["allowed"].extend((row, t, 0.0) for t in params.allowed_token_ids or ())
-            if params.min_tokens > 0:
-                stops = params.all_stop_token_ids(self.eos_token_ids)
-                self._sparse["stop"].extend((row, t, 0.0) for t in sorted(stops) if t < self.vocab_size)
+        """Refresh the device copies of the per-row parameters (and the sparse lists, if a row that has
+        entries joined or left) and the step's summary."""
+        if self._is_sparse_dirty:  # rows in ascending order, each row's entries as it gave them
+            for name in ("bias", "allowed", "stop"):
+                entries = [entry for row in sorted(self._sparse_rows) for entry in getattr(self._traits[row], name)]
+                self._sparse_t[name] = self._sparse_tensors(entries)
+            self._is_sparse_dirty = False
         if self._new_num_output:  # one scatter for all the rows that joined (not a fill each)
             rows, counts = zip(*self._new_num_output.items())
             self.num_output[to_device(torch.tensor(rows), self.device)] = to_device(torch.tensor(counts), self.device)
@@ -175,9 +238,18 @@ class BatchSampler:
         # no stream sync: rows join on steps launched while the previous one runs
         self._float_params = to_device(torch.from_numpy(self._floats.copy()), self.device)
         self._int_params = to_device(torch.from_numpy(self._ints.copy()), self.device)
-        self._sparse_t = {name: self._sparse_tensors(entries) for name, entries in self._sparse.items()}
-        self._summary = self._summarize([self.params[row] for row in active])
-        self._summary["constrained"] = any(self._constrained[row] for row in active)
+        num_set = self._num_set
+        self._summary = {  # what the active rows need at all (host values: they choose the step's code path)
+            "all_greedy": num_set["not_greedy"] == 0,
+            "top_p": num_set["top_p"] > 0,
+            "max_top_k": max(self._top_ks, default=0),
+            "min_p": num_set["min_p"] > 0,
+            "penalties": num_set["penalties"] > 0,
+            "num_logprobs": max(self._num_logprobs, default=None),
+            "processors": num_set["processors"] > 0,
+            "is_plain_greedy": num_set["not_plain_greedy"] == 0,
+            "constrained": num_set["constrained"] > 0,
+        }
         self._is_dirty = False
 
     def _sparse_tensors(self, entries: list[tuple[int, int, float]]) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -186,22 +258,6 @@ class BatchSampler:
         rows, tokens, values = zip(*entries)
         return (to_device(torch.tensor(rows), self.device), to_device(torch.tensor(tokens), self.device),
                 to_device(torch.tensor(values, dtype=torch.float32), self.device))
-
-    @staticmethod
-    def _summarize(params: list[SamplingParams]) -> dict:
-        """What the active rows need at all (host values: they choose the step's code path)."""
-        return {
-            "all_greedy": all(p.is_greedy for p in params),
-            "top_p": any(p.top_p < 1.0 for p in params),
-            "max_top_k": max((p.top_k for p in params), default=0),
-            "min_p": any(p.min_p > 0.0 for p in params),
-            "penalties": any(p.has_penalties for p in params),
-            "num_logprobs": max((p.logprobs for p in params if p.logprobs is not None), default=None),
-            "processors": any(p.logits_processors for p in params),
-            "is_plain_greedy": all(p.is_greedy and not (p.has_penalties or p.logit_bias or p.allowed_token_ids is not None
-                                                        or p.min_tokens or p.logprobs is not None or p.logits_processors)
-                                   for p in params),
-        }
 
     # ---- one step ---------------------------------------------------------------------------------
 

@@ -186,6 +186,69 @@ def test_seeded_rows_reproducible_whatever_the_batch():
     assert run([43], 0) != alone
 
 
+def test_rows_joining_and_leaving_sample_as_a_fresh_batch():
+    """Rows come and go with every kind of parameter (the summary and the sparse lists follow them
+    as they change); at checkpoints along the way the active rows sample, token for token and
+    logprob for logprob, as a fresh sampler given only them does, down to a batch of plain greedy
+    rows, which take the argmax of their raw logits."""
+    import random
+
+    vocab_size, num_rows = 40, 12
+    greedy = SamplingParams(temperature=0)
+    kinds = [greedy, SamplingParams(seed=1, top_k=5), SamplingParams(seed=2, top_p=0.7),
+             SamplingParams(seed=3, min_p=0.2, logprobs=2), SamplingParams(temperature=0, logit_bias={7: 30.0}),
+             SamplingParams(seed=4, allowed_token_ids=[3, 9, 11]),
+             SamplingParams(seed=5, temperature=0.5, presence_penalty=2.0),
+             SamplingParams(temperature=0, min_tokens=5, stop_token_ids=[9]), SamplingParams(seed=6, logprobs=4)]
+    rng = random.Random(0)
+    churned = BatchSampler(num_rows, vocab_size, torch.device("cpu"), [EOS], seed=1)
+    active = {}  # row -> (params, banned ids)
+
+    def join(row, params, banned):
+        active[row] = (params, banned)
+        churned.add(row, params, [1, 2], [4], banned_token_ids=banned)
+
+    def compare(seed):
+        rows = sorted(active)
+        fresh = BatchSampler(num_rows, vocab_size, torch.device("cpu"), [EOS], seed=1)
+        for row in rows:
+            fresh.add(row, active[row][0], [1, 2], [4], banned_token_ids=active[row][1])
+        assert churned.is_plain_greedy() == fresh.is_plain_greedy()  # (both refresh their device copies)
+        # the steps in between advanced the device-side counts of the rows they sampled: start both alike
+        churned.num_output.copy_(fresh.num_output)
+        if fresh.output_counts is not None:
+            churned.output_counts.copy_(fresh.output_counts)
+        logits = random_logits(len(rows), vocab_size, seed=seed)
+        first, second = (s.sample(logits.clone(), torch.tensor(rows)) for s in (churned, fresh))
+        assert torch.equal(first.token_ids, second.token_ids) and first.num_top == second.num_top
+        assert (first.logprobs is None) == (second.logprobs is None)
+        assert first.logprobs is None or torch.equal(first.logprobs, second.logprobs)
+        for i, row in enumerate(rows):
+            assert int(first.token_ids[i]) not in active[row][1]
+        return logits, first
+
+    for step in range(400):
+        row = rng.randrange(num_rows)
+        if row in active and rng.random() < 0.5:
+            churned.remove(row)
+            del active[row]
+        else:  # join, or new parameters for a row that holds some (no remove in between)
+            join(row, kinds[rng.randrange(len(kinds))], rng.sample(range(1, vocab_size), rng.randrange(3)))
+        if rng.random() < 0.2:  # steps in between, as the engine samples while rows change
+            churned.sample(random_logits(num_rows, vocab_size, seed=rng.randrange(100)), torch.arange(num_rows))
+        if step % 40 == 39 and active:
+            compare(step)
+    for row in list(active):  # down to plain greedy rows: one given new parameters, the others leave
+        if row % 3 == 0:
+            join(row, greedy, [])
+        else:
+            churned.remove(row)
+            del active[row]
+    logits, sampled = compare(0)
+    assert churned.is_plain_greedy() and sampled.logprobs is None
+    assert torch.equal(sampled.token_ids, logits.argmax(dim=-1))
+
+
 def test_unseeded_sampling_matches_softmax():
     vocab_logits = torch.tensor([0.5, -1.0, 1.5, 0.0, 1.0, -0.5])
     temperature, num_samples = 0.8, 20000
