@@ -11,10 +11,10 @@ printf 'model: %s/ckpt\noutput: %s/bf16\ndtype: bfloat16\nquantization: {method:
 (cd $work && python -m llmc.cli build $work/bf16.yaml -q | tail -1)
 for round in 1 2 3; do
   (source $repo/benchmarks/gpu_env.sh; cd /tmp && python $repo/benchmarks/bench_e2e.py "$work/bf16=bf16-now-1024-r$round@max_num_seqs=1024" \
-    --parts throughput --throughput 128x128:1000 --time-limit 60 --json $OUT/e2e-bf16-now-r$round.json 2>&1 | grep -- "->")
+    --parts throughput --throughput 128x128:1000 --time-limit 60 --json $OUT/e2e-bf16-now-r$round.json 2>&1 | grep -E -- "->|Error|error:")
   cp $work/bf16/manifest.json $work/manifest.json.keep  # the baseline drops keys its reader does not know, in place
   bash $repo/benchmarks/baseline_e2e.sh $old $work/bf16 bf16-before-1024-r$round $OUT/e2e-bf16-before-r$round.json \
-    --parts throughput --throughput 128x128:1000 --time-limit 60 --max-num-seqs 1024 2>&1 | grep -- "->"
+    --parts throughput --throughput 128x128:1000 --time-limit 60 --max-num-seqs 1024 2>&1 | grep -E -- "->|Error|error:"
   cp $work/manifest.json.keep $work/bf16/manifest.json
 done
 rm -rf $work
