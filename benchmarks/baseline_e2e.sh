@@ -5,9 +5,13 @@
 #   bash benchmarks/baseline_e2e.sh OLD_TREE ARTIFACT LABEL OUT_JSON [bench_e2e flags...]
 #
 # Manifest keys the old tree does not know (async_scheduling, kv_cache_dtype, ...) are removed first,
-# in place (the artifact's `files` digests do not cover the manifest in format 1.1).
+# in place (the artifact's `files` digests do not cover the manifest in format 1.1); the manifest as it
+# was is put back when this script ends, so this tree can run the artifact again after it.
 set -euo pipefail
-old=$(cd "$1" && pwd); artifact=$2; label=$3; json=$4; shift 4
+old=$(cd "$1" && pwd); artifact=$(cd "$2" && pwd); label=$3; json=$4; shift 4
+kept=$(mktemp)
+cp "$artifact/manifest.json" "$kept"
+trap 'mv "$kept" "$artifact/manifest.json"' EXIT
 source "$old/benchmarks/gpu_env.sh"  # /tmp/llmcpkg now points at the old tree
 cd /tmp && python - "$artifact" <<'PY'
 # Drop the manifest keys the old tree does not know (async_scheduling, kv_cache_dtype, ...), one per
