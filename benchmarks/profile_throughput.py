@@ -100,7 +100,10 @@ class StepRecorder:
         vars(self._engine).pop("step")
 
     def gpu_times(self) -> list[tuple[float, float]]:
-        """(seconds the GPU spent from the step's first event to its last, idle seconds before it)."""
+        """(seconds the GPU spent from the step's first event to its last, idle seconds before it); zeros
+        off CUDA."""
+        if not self.events:
+            return [(0.0, 0.0)] * len(self.steps)
         torch.cuda.synchronize()
         times, previous = [], None
         for begin, end in self.events:
@@ -157,11 +160,10 @@ class CompileRecorder:
                 "triton_compiled": sorted({name for name, _ in self.compiles})}
 
 
-def step_summary(recorder: StepRecorder, start: float, is_async: bool) -> dict:
+def step_summary(recorder: StepRecorder, gpu: list[tuple[float, float]], start: float, is_async: bool) -> dict:
     """Per-step time grouped by kind and decode batch size: host time between step() returns (see the
     module docstring) and, on CUDA, the GPU's time per step and its idle time before each step."""
     ends = [start] + recorder.ends
-    gpu = recorder.gpu_times() if recorder.events else [(0.0, 0.0)] * len(recorder.steps)
     keys = ("steps", "seconds", "gpu_s", "gpu_idle_s", "decode_rows", "prompt_tokens")
     groups: dict[str, dict] = defaultdict(lambda: dict.fromkeys(keys, 0))
     for k, ((decodes, prompt), (gpu_s, idle_s)) in enumerate(zip(recorder.steps, gpu)):
@@ -183,12 +185,11 @@ def step_summary(recorder: StepRecorder, start: float, is_async: bool) -> dict:
     return out
 
 
-def tail_steps(recorder: StepRecorder, start: float, count: int) -> list[dict]:
+def tail_steps(recorder: StepRecorder, gpu: list[tuple[float, float]], start: float, count: int) -> list[dict]:
     """The last `count` launched steps one by one. Call k launches step k and (async) resolves step k-1:
     host_ms is the time from call k-1's return to call k's, phases_ms what call k spent in each phase,
     outputs what it returned (final-only outputs: the requests that finished)."""
     ends = [start] + recorder.ends
-    gpu = recorder.gpu_times() if recorder.events else [(0.0, 0.0)] * len(recorder.steps)
     rows, previous = [], {}
     for k, ((decodes, prompt), (gpu_s, idle_s), (outputs, totals)) in enumerate(zip(recorder.steps, gpu, recorder.returns)):
         if k >= len(recorder.steps) - count:
@@ -218,11 +219,12 @@ def run_once(engine, prompts, out_tokens: int, output_kind: str, tail: int = 0) 
     replays = graphs.num_replays if graphs is not None else 0
     start, stamps, elapsed, _ = run_requests(engine, prompts, out_tokens, output_kind=output_kind)
     num_tokens = sum(len(t) for t in stamps.values())
-    summary = step_summary(recorder, start, engine.options.async_scheduling)
+    gpu = recorder.gpu_times()
+    summary = step_summary(recorder, gpu, start, engine.options.async_scheduling)
     summary["graph_replays"] = graphs.num_replays - replays if graphs is not None else 0
     summary["host_s"] = {phase: round(seconds, 3) for phase, seconds in timer.totals.items()}
     if tail:
-        summary["tail"] = tail_steps(recorder, start, tail)
+        summary["tail"] = tail_steps(recorder, gpu, start, tail)
     summary.update(gc_timer.close())
     summary.update(compiles.close())
     recorder.close()
