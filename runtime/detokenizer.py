@@ -327,6 +327,8 @@ class _RunDecoder:
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
+        if self._read_offset == len(self._token_ids):
+            return ""  # every token's text is out already
         prefix_text, new_text = self._decode_window()
         self._prefix_offset = self._read_offset = len(self._token_ids)
         return new_text[len(prefix_text) :]
