@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     vocab_size = engine.manifest.model.vocab_size
     logits: dict[int, torch.Tensor] = {}
 
-    def constant_logits(input_ids, forward_batch):
+    def constant_logits(input_ids, forward_batch, dtype=None):
         num_rows = forward_batch.logits_indices.shape[0]
         if num_rows not in logits:
             logits[num_rows] = torch.zeros(num_rows, vocab_size)

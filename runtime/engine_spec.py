@@ -28,7 +28,7 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
     num_prefill = engine._mark_scheduled(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
     states = [engine.sequences[s.request.request_id] for s in sampled]
-    tokens = _sample_with_drafts(engine, step.logits, states, [s.draft_token_ids for s in sampled])
+    tokens = _sample_with_drafts(engine, step.logits.float(), states, [s.draft_token_ids for s in sampled])
     updates = {state.request.request_id: t for state, t in zip(states, tokens)}
     engine._release_rows(engine.scheduler.update(batch, updates))
     failed, kept = engine._record_prompt_logprobs(step.prompt_logits), []

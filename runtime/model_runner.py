@@ -93,20 +93,22 @@ class ModelRunner:
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)
 
-    def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
-        """One forward pass: logits [num_logits, vocab_size] float32 at forward_batch.logits_indices."""
+    def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch,
+                       dtype: torch.dtype | None = torch.float32) -> Tensor:
+        """One forward pass: logits [num_logits, vocab_size] at forward_batch.logits_indices, in
+        `dtype` (None: the model's; DecoderModel.compute_logits)."""
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             hidden = self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
         else:
             hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[forward_batch.logits_indices])
+        return self.model.compute_logits(hidden[forward_batch.logits_indices], dtype)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
         """Run one step's forward (launched, not waited for, on a GPU). `pending`: the previous
         step's sampled tokens on the device, for decode rows whose last token is still pending."""
         inputs = self.buffers.build(batch, pending)
-        logits = self.forward_logits(inputs.input_ids, inputs.forward_batch)  # [num_rows, vocab_size]
+        logits = self.forward_logits(inputs.input_ids, inputs.forward_batch, None)  # [num_rows, vocab_size]
         return StepLogits.split(logits, inputs)
 
 

@@ -23,8 +23,9 @@ class StepLogits:
     """A step's logits, still on the device.
 
     Fields:
-        logits: [num_sampling_rows, vocab_size] float32: one row per sampled request (its last
-            position), plus one per draft token after it, in scheduling order.
+        logits: [num_sampling_rows, vocab_size], the model's dtype (float32 from the parallel and
+            ONNX runners): one row per sampled request (its last position), plus one per draft token
+            after it, in scheduling order. Whoever changes them works on a float32 copy.
         sample_rows: [num_sampled] int64 device tensor, the persistent-batch row of each sampled request.
         prompt_logits: request_id -> (first position, [n, vocab_size] logits) for prompt logprobs.
     """

@@ -163,12 +163,13 @@ class DecoderModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [num_logits, hidden_size] → logits [num_logits, vocab_size] float32 (this rank's
-        vocabulary rows under tensor parallelism)."""
-        if self.is_tied:
-            return torch.nn.functional.linear(hidden, self.embed.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: Tensor, dtype: torch.dtype | None = torch.float32) -> Tensor:
+        """hidden [num_logits, hidden_size] → logits [num_logits, vocab_size] (this rank's vocabulary
+        rows under tensor parallelism) in `dtype`; None: the head's own (bf16/fp16 on a GPU), for a
+        step's sampler, which reads them as they are for a plain argmax and copies them to float32
+        otherwise (the same values: the conversion is exact)."""
+        logits = (torch.nn.functional.linear(hidden, self.embed.weight) if self.is_tied else self.lm_head(hidden))
+        return logits if dtype is None else logits.to(dtype)
 
     def prepare_loaded_weights(self) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not

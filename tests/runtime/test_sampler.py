@@ -249,6 +249,34 @@ def test_rows_joining_and_leaving_sample_as_a_fresh_batch():
     assert torch.equal(sampled.token_ids, logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_sample_as_their_float32_values(dtype):
+    """A GPU runner hands the sampler the head's bf16/fp16 logits: every kind of row (plain greedy
+    alone, where the argmax reads them as they are, and mixed with sampled, penalized, biased and
+    logprob rows) gets the tokens and logprobs it gets from the same values in float32. Rounding to
+    16 bits makes ties, which the argmax breaks to the first, as on float32."""
+    vocab_size = 300
+    kinds = [SamplingParams(temperature=0), SamplingParams(seed=1, top_k=5), SamplingParams(seed=2, top_p=0.7),
+             SamplingParams(seed=3, min_p=0.2, logprobs=2), SamplingParams(temperature=0, logit_bias={7: 3.0}),
+             SamplingParams(seed=5, temperature=0.5, presence_penalty=2.0, repetition_penalty=1.3),
+             SamplingParams(seed=6, logprobs=4)]
+    for batch in ([kinds[0]] * 6, kinds * 2):
+        logits = (random_logits(len(batch), vocab_size, seed=len(batch)) * 4).to(dtype)
+        assert any(len(set(row.tolist())) < vocab_size for row in logits)  # ties exist
+        runs = []
+        for values in (logits, logits.float()):
+            sampler = BatchSampler(len(batch), vocab_size, torch.device("cpu"), [EOS], seed=9)
+            for row, p in enumerate(batch):
+                sampler.add(row, p, [1, 2], [4, 7])
+            runs.append([sampler.sample(values, torch.arange(len(batch))) for _ in range(3)])
+        for first, second in zip(*runs):
+            assert torch.equal(first.token_ids, second.token_ids)
+            assert (first.logprobs is None) == (second.logprobs is None)
+            assert first.logprobs is None or torch.equal(first.logprobs, second.logprobs)
+        if all(p is kinds[0] for p in batch):
+            assert torch.equal(runs[0][0].token_ids, logits.float().argmax(dim=-1))
+
+
 def test_unseeded_sampling_matches_softmax():
     vocab_logits = torch.tensor([0.5, -1.0, 1.5, 0.0, 1.0, -0.5])
     temperature, num_samples = 0.8, 20000
