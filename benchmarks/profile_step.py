@@ -12,9 +12,11 @@ an Engine and stepped until all of them decode; then --steps decode steps are me
      detokenizing, stops, outputs). On a CPU the forward is synchronous, so `forward_ms` (the time
      inside runner.forward_logits) is the model's own time and `wall_over_forward` the engine's
      overhead ratio.
-  2. on CUDA, under torch.profiler: the GPU kernel time per step (the sum of CUDA kernel durations;
-     one stream, so no overlap), and `gpu_busy` = kernel time / plain wall time, and
-     `host_not_hidden_ms` = plain wall − kernel time: the time per step the GPU waits for the host.
+  2. on CUDA, under torch.profiler: the GPU kernel time per step (`kernel_ms`: the time during which
+     some CUDA kernel ran, the union of their intervals; `kernel_sum_ms`: their summed durations,
+     which count twice the time a kernel launched with programmatic dependent launch waits beside
+     the one before it), and `gpu_busy` = kernel_ms / plain wall time, and `host_not_hidden_ms` =
+     plain wall − kernel_ms: the time per step the GPU waits for the host.
 
 --sync measures the synchronous engine (async_scheduling false) for comparison. Prints one JSON line
 per batch size and writes all of them to --json.
@@ -113,9 +115,22 @@ def measure(engine: Engine, timer: PhaseTimer, steps: int) -> dict:
             **{f"{phase}_ms": ms(total) for phase, total in timer.totals.items()}}
 
 
-def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, list[dict], list]:
-    """(CUDA kernel ms per step, the `top` kernels by time: name, µs and calls per step, every kernel
-    as [name, start µs from the first, duration µs] in start order)."""
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals, sorted by start: the time some kernel ran.
+    Kernels launched with programmatic dependent launch start before the kernel they depend on ends
+    and wait on the device, so their durations overlap and a plain sum counts that time twice."""
+    total, end = 0.0, float("-inf")
+    for start, stop in intervals:
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, float, list[dict], list]:
+    """(ms per step during which some CUDA kernel ran, the kernels' summed durations per step, the `top`
+    kernels by time: name, µs and calls per step, every kernel as [name, start µs from the first,
+    duration µs] in start order)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -131,7 +146,8 @@ def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, l
                     key=lambda e: e.time_range.start)
     t0 = events[0].time_range.start if events else 0
     trace = [[e.name[:100], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in events]
-    return sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed, trace
+    busy = busy_us([(e.time_range.start, e.time_range.end) for e in events])
+    return busy / 1000 / steps, sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed, trace
 
 
 def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng, traces: dict) -> dict:
@@ -139,8 +155,9 @@ def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng,
     result = {"batch_size": batch_size, "running": engine.scheduler.num_running,
               "async_scheduling": engine.options.async_scheduling, **measure(engine, timer, args.steps)}
     if engine.device.type == "cuda":
-        kernel_ms, top, traces[batch_size] = kernel_time_per_step(engine, args.steps, args.top_kernels)
-        result.update(kernel_ms=round(kernel_ms, 3), gpu_busy=round(kernel_ms / result["wall_ms"], 3),
+        kernel_ms, kernel_sum_ms, top, traces[batch_size] = kernel_time_per_step(engine, args.steps, args.top_kernels)
+        result.update(kernel_ms=round(kernel_ms, 3), kernel_sum_ms=round(kernel_sum_ms, 3),
+                      gpu_busy=round(kernel_ms / result["wall_ms"], 3),
                       host_not_hidden_ms=round(result["wall_ms"] - kernel_ms, 3))
         if top:
             result["top_kernels"] = top
