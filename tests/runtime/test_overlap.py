@@ -98,6 +98,65 @@ def test_overlapped_equals_synchronous(artifact, device, options, free_gpu):
         assert sorted(e._free_rows) == list(range(8)), "persistent-batch rows leaked"
 
 
+def _staggered_run(artifact, seed: int, async_scheduling: bool, **options) -> dict:
+    """A random workload whose requests arrive over the first steps (so they join while a step is in
+    flight), some sharing prompt prefixes, a few aborted after a random number of tokens: the
+    outputs of the requests not aborted, by request id."""
+    rng = random.Random(seed)
+    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you")
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(1, 25)),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=18),
+        SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=16, n=2),
+        SamplingParams(temperature=0, max_tokens=24, stop=["\n\n", " the"]),
+        SamplingParams(temperature=0.8, seed=13, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.4),
+        SamplingParams(temperature=0, max_tokens=12, logit_bias={5: 4.0, 9: -100.0}, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.5, seed=16, max_tokens=9, n=3),
+    ]
+    prefixes = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))) for _ in range(6)]
+    arrivals: dict[int, list] = {}
+    num_requests = rng.randint(10, 30)
+    for i in range(num_requests):
+        prompt = rng.choice(prefixes) + (" " + rng.choice(words) if rng.random() < 0.5 else "")
+        arrivals.setdefault(rng.randint(0, 10), []).append((f"r{i}", prompt, rng.choice(kinds)))
+    aborts = {f"r{rng.randrange(num_requests)}": rng.randint(0, 6) for _ in range(rng.randint(0, 3))}
+    engine = Engine(artifact, device="cpu", disable_log_stats=True, async_scheduling=async_scheduling,
+                    **{"max_num_seqs": 8, **options})
+    results, step = {}, 0
+    while engine.has_unfinished_requests() or arrivals:
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            results[output.request_id] = output
+        for request_id, num_tokens in aborts.items():
+            delivered = results[request_id].outputs[0].token_ids if request_id in results else []
+            if len(delivered) >= num_tokens and request_id in engine.groups:
+                engine.abort_request(request_id)
+        engine.scheduler.check_invariants()
+        step += 1
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
+    assert len(engine._free_rows) == engine.options.max_num_seqs, "persistent-batch rows leaked"
+    return {rid: [(c.token_ids, c.text, c.finish_reason) for c in out.outputs]
+            for rid, out in sorted(results.items()) if rid not in aborts}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_batched_tokens": 24},
+    {"num_kv_blocks": 14, "max_num_batched_tokens": 48},
+    {"enable_prefix_caching": True, "max_num_batched_tokens": 32},
+    {"max_num_seqs": 3},
+], ids=["plain", "chunked", "preemption", "prefix-cache", "three-rows"])
+def test_overlapped_equals_synchronous_as_requests_arrive(artifact, seed, options):
+    """Requests joining while a step is in flight (the overlapped engine has scheduled the next step
+    before it learns the tokens of this one) get the synchronous engine's outputs too."""
+    overlapped = _staggered_run(artifact, seed, True, **options)
+    assert overlapped == _staggered_run(artifact, seed, False, **options)
+
+
 @pytest.mark.gpu
 def test_launching_a_step_never_waits_for_the_device(artifact, free_gpu):
     """Scheduling and launching a step (inputs, forward, sampling, rows joining) never synchronizes
