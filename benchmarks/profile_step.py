@@ -115,12 +115,19 @@ def measure(engine: Engine, timer: PhaseTimer, steps: int) -> dict:
             **{f"{phase}_ms": ms(total) for phase, total in timer.totals.items()}}
 
 
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals, sorted by start: the time some kernel ran.
+def kernel_events(prof) -> list:
+    """A torch.profiler run's CUDA kernel events in start order."""
+    return sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
+def busy_us(events) -> float:
+    """The time some kernel ran, µs: the length of the union of the events' intervals (in start order).
     Kernels launched with programmatic dependent launch start before the kernel they depend on ends
     and wait on the device, so their durations overlap and a plain sum counts that time twice."""
     total, end = 0.0, float("-inf")
-    for start, stop in intervals:
+    for event in events:
+        start, stop = event.time_range.start, event.time_range.end
         if stop > end:
             total += stop - max(start, end)
             end = stop
@@ -142,12 +149,10 @@ def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, f
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     listed = [{"kernel": e.key[:120], "us": round(e.self_device_time_total / steps, 1),
                "calls": round(e.count / steps, 2)} for e in kernels[:top]]
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
+    events = kernel_events(prof)
     t0 = events[0].time_range.start if events else 0
     trace = [[e.name[:100], round(e.time_range.start - t0, 2), round(e.time_range.elapsed_us(), 2)] for e in events]
-    busy = busy_us([(e.time_range.start, e.time_range.end) for e in events])
-    return busy / 1000 / steps, sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed, trace
+    return busy_us(events) / 1000 / steps, sum(e.self_device_time_total for e in kernels) / 1000 / steps, listed, trace
 
 
 def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng, traces: dict) -> dict:

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import log, parse_engine_options, parse_throughput, random_prompts, run_requests, warm_up  # noqa: E402
-from profile_step import PhaseTimer, busy_us  # noqa: E402
+from profile_step import PhaseTimer, busy_us, kernel_events  # noqa: E402
 
 from llmc.runtime.batch_sampler import HostTokens  # noqa: E402
 from llmc.runtime.llm import LLM  # noqa: E402
@@ -244,9 +244,7 @@ def kernel_profile(engine, prompts, out_tokens: int, top: int, output_kind: str)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total_s = sum(e.self_device_time_total for e in kernels) / 1e6
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    busy_s = busy_us([(e.time_range.start, e.time_range.end) for e in events]) / 1e6
+    busy_s = busy_us(kernel_events(prof)) / 1e6
     return {"elapsed_s": round(elapsed, 3), "kernel_s": round(total_s, 3), "busy_s": round(busy_s, 3),
             "gpu_busy": round(busy_s / elapsed, 3),
             "top": [{"kernel": e.key[:120], "s": round(e.self_device_time_total / 1e6, 3), "calls": e.count}
