@@ -12,11 +12,13 @@ old=$(cd "$1" && pwd); artifact=$(cd "$2" && pwd); label=$3; json=$4; shift 4
 kept=$(mktemp)
 cp "$artifact/manifest.json" "$kept"
 trap 'mv "$kept" "$artifact/manifest.json"' EXIT
-# The old tree gets a package folder of its own: sourcing its gpu_env.sh would point /tmp/llmcpkg, the
-# current tree's, at it, and the next run of this tree in the same shell or machine would import the old
-# code (session 27, call 2).
-bash "$(dirname "${BASH_SOURCE[0]}")/package_dir.sh" "$old" /tmp/llmcpkg-baseline
-export PYTHONPATH=/tmp/llmcpkg-baseline NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+# This tree's GPU environment, then the old tree in a package folder of its own on PYTHONPATH instead of
+# /tmp/llmcpkg: sourcing the old tree's gpu_env.sh pointed /tmp/llmcpkg at it, and the next run of this
+# tree on the machine imported the old code (session 27, call 2).
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "$here/gpu_env.sh"
+bash "$here/package_dir.sh" "$old" /tmp/llmcpkg-baseline
+export PYTHONPATH=/tmp/llmcpkg-baseline
 cd /tmp && python - "$artifact" <<'PY'
 # Drop the manifest keys the old tree does not know (async_scheduling, kv_cache_dtype, ...), one per
 # "unknown key" error of its own reader, until it reads the manifest.
