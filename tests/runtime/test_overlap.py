@@ -24,11 +24,12 @@ def artifact(tmp_path_factory, ref_model_dir):
     return out
 
 
-def _workload(seed: int = 0) -> list[tuple[str, SamplingParams]]:
-    """Prompts of mixed lengths with every kind of sampling the engine batches."""
-    rng = random.Random(seed)
-    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you")
-    kinds = [
+WORDS = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you")
+
+
+def _kinds() -> list[SamplingParams]:
+    """Every kind of sampling the engine batches."""
+    return [
         SamplingParams(temperature=0, max_tokens=20),
         SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=18),
         SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=16, n=2),
@@ -39,20 +40,29 @@ def _workload(seed: int = 0) -> list[tuple[str, SamplingParams]]:
         SamplingParams(temperature=0.7, min_p=0.05, seed=14, max_tokens=14, logprobs=2),
         SamplingParams(temperature=0.6, seed=15, max_tokens=10, best_of=3, n=1),
     ]
-    return [(" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))), kinds[i % len(kinds)])
+
+
+def _workload(seed: int = 0) -> list[tuple[str, SamplingParams]]:
+    """Prompts of mixed lengths, each kind of sampling in turn."""
+    rng, kinds = random.Random(seed), _kinds()
+    return [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40))), kinds[i % len(kinds)])
             for i in range(24)]
 
 
-def _run(artifact, device: str, abort_after: dict[str, int] | None = None, **options) -> tuple[dict, Engine]:
-    """Drive an Engine by hand, aborting request r once it has delivered abort_after[r] tokens (the
+def _run(artifact, device: str, abort_after: dict[str, int] | None = None,
+         arrivals: dict[int, list[tuple[str, str, SamplingParams]]] | None = None, **options) -> tuple[dict, Engine]:
+    """Drive an Engine by hand, adding arrivals[k] (request id, prompt, params) before step k (default:
+    _workload() before the first), aborting request r once it has delivered abort_after[r] tokens (the
     overlapped engine has one more step in flight then); its last outputs, by request id."""
     if device == "cuda":  # two engines live at once in a test: a fixed cache, not 90% of the GPU each
         options = {"num_kv_blocks": 256, **options}
-    engine = Engine(artifact, device=device, max_num_seqs=8, disable_log_stats=True, **options)
-    for i, (prompt, params) in enumerate(_workload()):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    results = {}
-    while engine.has_unfinished_requests():
+    engine = Engine(artifact, device=device, disable_log_stats=True, **{"max_num_seqs": 8, **options})
+    if arrivals is None:
+        arrivals = {0: [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(_workload())]}
+    arrivals, results, step = dict(arrivals), {}, 0
+    while engine.has_unfinished_requests() or arrivals:
+        for request_id, prompt, params in arrivals.pop(step, []):
+            engine.add_request(prompt, params, request_id=request_id)
         for output in engine.step():
             results[output.request_id] = output
         for request_id, num_tokens in (abort_after or {}).items():
@@ -60,6 +70,7 @@ def _run(artifact, device: str, abort_after: dict[str, int] | None = None, **opt
             if len(delivered) >= num_tokens and request_id in engine.groups:
                 engine.abort_request(request_id)
         engine.scheduler.check_invariants()
+        step += 1
     return results, engine
 
 
@@ -103,38 +114,17 @@ def _staggered_run(artifact, seed: int, async_scheduling: bool, **options) -> di
     flight), some sharing prompt prefixes, a few aborted after a random number of tokens: the
     outputs of the requests not aborted, by request id."""
     rng = random.Random(seed)
-    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you")
-    kinds = [
-        SamplingParams(temperature=0, max_tokens=rng.randint(1, 25)),
-        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=18),
-        SamplingParams(temperature=1.0, top_k=5, seed=12, max_tokens=16, n=2),
-        SamplingParams(temperature=0, max_tokens=24, stop=["\n\n", " the"]),
-        SamplingParams(temperature=0.8, seed=13, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.4),
-        SamplingParams(temperature=0, max_tokens=12, logit_bias={5: 4.0, 9: -100.0}, min_tokens=6),
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-        SamplingParams(temperature=0.5, seed=16, max_tokens=9, n=3),
-    ]
-    prefixes = [" ".join(rng.choice(words) for _ in range(rng.randint(2, 40))) for _ in range(6)]
+    kinds = _kinds() + [SamplingParams(temperature=0, max_tokens=rng.randint(1, 25)),
+                        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        SamplingParams(temperature=0.5, seed=16, max_tokens=9, n=3)]
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40))) for _ in range(6)]
     arrivals: dict[int, list] = {}
     num_requests = rng.randint(10, 30)
     for i in range(num_requests):
-        prompt = rng.choice(prefixes) + (" " + rng.choice(words) if rng.random() < 0.5 else "")
+        prompt = rng.choice(prefixes) + (" " + rng.choice(WORDS) if rng.random() < 0.5 else "")
         arrivals.setdefault(rng.randint(0, 10), []).append((f"r{i}", prompt, rng.choice(kinds)))
     aborts = {f"r{rng.randrange(num_requests)}": rng.randint(0, 6) for _ in range(rng.randint(0, 3))}
-    engine = Engine(artifact, device="cpu", disable_log_stats=True, async_scheduling=async_scheduling,
-                    **{"max_num_seqs": 8, **options})
-    results, step = {}, 0
-    while engine.has_unfinished_requests() or arrivals:
-        for request_id, prompt, params in arrivals.pop(step, []):
-            engine.add_request(prompt, params, request_id=request_id)
-        for output in engine.step():
-            results[output.request_id] = output
-        for request_id, num_tokens in aborts.items():
-            delivered = results[request_id].outputs[0].token_ids if request_id in results else []
-            if len(delivered) >= num_tokens and request_id in engine.groups:
-                engine.abort_request(request_id)
-        engine.scheduler.check_invariants()
-        step += 1
+    results, engine = _run(artifact, "cpu", aborts, arrivals, async_scheduling=async_scheduling, **options)
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
     assert len(engine._free_rows) == engine.options.max_num_seqs, "persistent-batch rows leaked"
