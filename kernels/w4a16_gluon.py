@@ -528,6 +528,7 @@ def _w4a16_wgmma_kernel(
     _store_tile(acc, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, off_m, off_n, pid_k, stride_om, stride_split,
                 HAS_BIAS, IS_SPLIT, SUM_SPLITS, mma_layout, SILU_MUL)
 
+
 def launch_w4a16_wgmma(
     x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, num_warps: int, num_stages: int, per_tile: bool = False,
