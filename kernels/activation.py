@@ -5,7 +5,8 @@ Column order: gate then up (`interleave` 0), or gate and up alternating in runs 
 columns (GATE_UP_INTERLEAVE: columns 16 q ... 16 q + 7 are gate features 8 q ... 8 q + 7, the next
 eight the same features' up), the order in which a W4A16 gate_up's rows are kept on load so that
 its GEMV can finish SiLU · mul in its own epilogue (w4a16_gemm.interleave_gate_up).
-On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch.
+On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch. `silu_and_mul_fp8` also
+quantizes the output per token for a w8a8-fp8 down projection (kernels/fp8.py), in the same kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
+from .fp8 import MIN_SCALE, ONE_PASS_MAX, Fp8Activation, quantize_fp8_per_token
 
 GATE_UP_INTERLEAVE = 8
 
@@ -29,3 +31,13 @@ def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
     else:
         gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_fp8(gate_up: Tensor, interleave: int = 0) -> Fp8Activation:
+    """quantize_fp8_per_token(silu_and_mul(gate_up)): the same values and scales, from one kernel on
+    CUDA (outputs of up to ONE_PASS_MAX values per token; two kernels otherwise)."""
+    if can_use_triton(gate_up) and gate_up.shape[-1] // 2 <= ONE_PASS_MAX:
+        from . import activation_triton
+
+        return Fp8Activation(*activation_triton.silu_and_mul_fp8(gate_up, MIN_SCALE, interleave), gate_up.dtype)
+    return Fp8Activation(*quantize_fp8_per_token(silu_and_mul(gate_up, interleave)), gate_up.dtype)

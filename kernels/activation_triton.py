@@ -1,4 +1,5 @@
-"""Triton SiLU(gate) · up (imported only when a kernel runs): one pass, no gate/up temporaries."""
+"""Triton SiLU(gate) · up (imported only when a kernel runs): one pass, no gate/up temporaries; or one
+program per token that also quantizes the token's row to FP8 for a w8a8-fp8 down projection."""
 
 from __future__ import annotations
 
@@ -7,9 +8,28 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fp8_triton import one_pass_warps, quantize_row
 from .pdl_triton import pdl_args, wait_for_inputs
 
 BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul(gate_up_ptr, offs, mask, size, INTERLEAVE: tl.constexpr):
+    """SiLU(gate) · up at the output columns offs of the row at gate_up_ptr, float32 (the model dtype's
+    value), in activation.silu_and_mul's column order."""
+    if INTERLEAVE > 0:  # runs of INTERLEAVE gate columns, then the same features' up columns
+        gate_offs = (offs // INTERLEAVE) * (2 * INTERLEAVE) + offs % INTERLEAVE
+        up_offs = gate_offs + INTERLEAVE
+    else:
+        gate_offs = offs
+        up_offs = offs + size
+    gate = tl.load(gate_up_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
+    # silu rounded to the model dtype before the product, as the torch path (F.silu(gate) * up) does
+    dtype = gate_up_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -19,25 +39,30 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, INTE
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
-    if INTERLEAVE > 0:  # runs of INTERLEAVE gate columns, then the same features' up columns
-        gate_offs = (offs // INTERLEAVE) * (2 * INTERLEAVE) + offs % INTERLEAVE
-        up_offs = gate_offs + INTERLEAVE
-    else:
-        gate_offs = offs
-        up_offs = offs + size
-    gate = tl.load(gate_up_ptr + token * stride_in + gate_offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + token * stride_in + up_offs, mask=mask, other=0.0).to(tl.float32)
-    # silu rounded to the model dtype before the product, as the torch path (F.silu(gate) * up) does
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + token * stride_out + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+    h = _silu_mul(gate_up_ptr + token * stride_in, offs, mask, size, INTERLEAVE)
+    tl.store(out_ptr + token * stride_out + offs, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, min_scale,
+                             INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)  # BLOCK >= size: the token's row stays in registers
+    mask = offs < size
+    h = _silu_mul(gate_up_ptr + token * stride_in, offs, mask, size, INTERLEAVE)
+    quantize_row(h, mask, out_ptr + token * size + offs, scale_ptr + token, min_scale)
+
+
+def _rows(gate_up: Tensor) -> Tensor:
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
     """gate_up [..., 2 * size] → [..., size] (activation.silu_and_mul's column orders)."""
     size = gate_up.shape[-1] // 2
-    rows = gate_up.reshape(-1, 2 * size)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(gate_up)
     out = torch.empty(*gate_up.shape[:-1], size, device=gate_up.device, dtype=gate_up.dtype)
     if rows.shape[0] == 0:
         return out
@@ -46,3 +71,21 @@ def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
         **pdl_args(gate_up.device),
     )
     return out
+
+
+def silu_and_mul_fp8(gate_up: Tensor, min_scale: float, interleave: int = 0) -> tuple[Tensor, Tensor]:
+    """gate_up [..., 2 * size] → (values float8_e4m3fn [..., size], scale float32 [..., 1]): SiLU(gate) · up
+    in the model dtype, quantized per token as fp8_triton.quantize_fp8_per_token does (size up to
+    ONE_PASS_MAX)."""
+    size = gate_up.shape[-1] // 2
+    rows = _rows(gate_up)
+    out = torch.empty(*gate_up.shape[:-1], size, device=gate_up.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(*gate_up.shape[:-1], 1, device=gate_up.device, dtype=torch.float32)
+    if rows.shape[0] == 0:
+        return out, scale
+    block = triton.next_power_of_2(size)
+    _silu_and_mul_fp8_kernel[(rows.shape[0],)](
+        rows, out, scale, size, rows.stride(0), min_scale, INTERLEAVE=interleave, BLOCK=block,
+        num_warps=one_pass_warps(block), **pdl_args(gate_up.device),
+    )
+    return out, scale

@@ -5,7 +5,8 @@ float32. Convention as llmc.quant.numerics (value ≈ fp8 * scale, scale = absma
 MIN_SCALE), which the kernel tests check against.
 
 `quantize_fp8_per_token` is one Triton kernel on CUDA (fp8_triton.py) instead of torch's five
-(abs, amax, div, clamp, cast); plain torch elsewhere. The product is either torch._scaled_mm (cuBLAS)
+(abs, amax, div, clamp, cast); plain torch elsewhere. Where the activations come from an RMSNorm or
+SiLU · mul, those kernels quantize their own output (`Fp8Activation`) and this one does not run. The product is either torch._scaled_mm (cuBLAS)
 or the Triton kernel with the operands swapped (fp8_triton.fp8_linear_small_m), with its tiles:
 `select_fp8_kernel` reads which from DEFAULT_FP8_TABLE for the Llama-3-8B shapes it was measured on
 (benchmarks/fp8_dispatch_sweep.py, one H100; neither path is fastest at every M), and for other
@@ -15,7 +16,7 @@ shapes uses the Triton kernel up to 16 tokens (64 where N <= 4096) and cuBLAS ab
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +25,17 @@ from . import can_use_triton, device_capability, is_triton_installed
 
 FP8_E4M3_MAX = 448.0
 MIN_SCALE = torch.finfo(torch.float32).tiny * 2**10  # an all-zero row would otherwise divide by zero
+ONE_PASS_MAX = 16384  # the longest row a Triton kernel quantizes from registers (32 fp32 per thread at 16 warps)
+
+
+class Fp8Activation(NamedTuple):
+    """Activations already quantized per token, as `quantize_fp8_per_token` quantizes them: what a
+    kernel that ends in the quantization (norm.rms_norm_fp8, activation.silu_and_mul_fp8) hands a
+    w8a8-fp8 linear in place of the tensor it would quantize itself."""
+
+    values: Tensor  # float8_e4m3fn [..., K]
+    scale: Tensor  # float32 [..., 1]
+    dtype: torch.dtype  # of the values before quantization: the product's output dtype
 
 
 def quantize_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:

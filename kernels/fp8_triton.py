@@ -16,12 +16,29 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .fp8 import ONE_PASS_MAX
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import finish_splits, plan_splits, store_split
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096  # chunk of the two-pass loop
-ONE_PASS_MAX = 16384  # longest row held in registers (32 fp32 per thread at 16 warps)
+
+
+@triton.jit
+def quantize_row(row, mask, out_ptrs, scale_ptr, min_scale):
+    """One token's values (float32, in registers; 0 where masked) to E4M3 at out_ptrs and its scale at
+    scale_ptr: scale = max(absmax / 448, min_scale), each value divided by it, saturated, rounded to
+    nearest even. div_rn: IEEE division as torch does; the default fp32 division is approximate and
+    moves quotients that sit on an e4m3 rounding tie."""
+    row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), FP8_E4M3_MAX), min_scale)
+    tl.store(scale_ptr, row_scale)
+    q = tl.clamp(tl.math.div_rn(row, row_scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    tl.store(out_ptrs, q.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+def one_pass_warps(block: int) -> int:
+    """Warps of a program that holds a row of `block` values in registers (up to ONE_PASS_MAX)."""
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
 @triton.jit
@@ -35,12 +52,7 @@ def _quantize_fp8_per_token_kernel(
     if ONE_PASS:  # BLOCK >= size: the row stays in registers
         row_mask = offs < size
         row = tl.load(x_ptr + token * stride_x + offs, mask=row_mask, other=0.0).to(tl.float32)
-        row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), FP8_E4M3_MAX), min_scale)
-        tl.store(scale_ptr + token, row_scale)
-        # div_rn: IEEE division as torch does; the default fp32 division is approximate and moves
-        # quotients that sit on an e4m3 rounding tie
-        q = tl.clamp(tl.math.div_rn(row, row_scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        tl.store(out_ptr + token * size + offs, q.to(out_ptr.dtype.element_ty), mask=row_mask)
+        quantize_row(row, row_mask, out_ptr + token * size + offs, scale_ptr + token, min_scale)
     else:
         absmax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, size, BLOCK):
@@ -69,7 +81,7 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
     block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
     _quantize_fp8_per_token_kernel[(rows.shape[0],)](
         rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x.device),
+        num_warps=one_pass_warps(block), **pdl_args(x.device),
     )
     return out, scale
 

@@ -442,12 +442,21 @@ class Fp8Format:
             return quantize_fp8_static(x, params["input_scale"])
         return fp8_kernels.quantize_fp8_per_token(x)  # one fused Triton kernel on CUDA
 
-    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
-        x_fp8, x_scale = self.quantize_input(x, params)
+    @property
+    def takes_fp8_activations(self) -> bool:
+        """Whether `apply` may be handed an `Fp8Activation` (quantized per token by the kernel before, as
+        `quantize_input` would): dynamic input scales only."""
+        return not self.is_static_input
+
+    def apply(self, x: Tensor | fp8_kernels.Fp8Activation, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        if isinstance(x, fp8_kernels.Fp8Activation):
+            x_fp8, x_scale, out_dtype = x
+        else:
+            (x_fp8, x_scale), out_dtype = self.quantize_input(x, params), x.dtype
         weight = params["weight"]  # [out, in]
-        if not fp8_kernels.can_use_scaled_mm(x, weight):
-            _log_fp8_reference_path(x.device.type)
-        return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, x.dtype)
+        if not fp8_kernels.can_use_scaled_mm(x_fp8, weight):
+            _log_fp8_reference_path(x_fp8.device.type)
+        return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, out_dtype)
 
 
 _FORMATS: dict[str, object] = {
@@ -455,6 +464,12 @@ _FORMATS: dict[str, object] = {
     "w8a8-fp8": Fp8Format,
     **{name: _IntFormatOfBits(bits) for bits, name in INT_FORMAT_NAMES.items()},
 }
+
+
+def takes_fp8_activations(fmt: LinearFormat) -> bool:
+    """Whether fmt.apply takes an `Fp8Activation` (w8a8-fp8 with per-token input scales): the kernel that
+    makes such a linear's input then quantizes it too (norm.rms_norm_fp8, activation.silu_and_mul_fp8)."""
+    return getattr(fmt, "takes_fp8_activations", False)
 
 
 def register_format(name: str, cls: object) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from llmc.kernels.fp8 import Fp8Activation
 from llmc.quant.formats import LinearFormat
 
 
@@ -26,7 +27,7 @@ class Linear(nn.Module):
         if has_bias:
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device="meta"))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | Fp8Activation) -> Tensor:
         return self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
 
     def params(self) -> dict[str, Tensor]:

@@ -3,17 +3,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.norm import add_rms_norm, rms_norm
+from llmc.kernels.norm import add_rms_norm, rms_norm, rms_norm_fp8
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, fp8_output: bool = False):
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"))
+        self.fp8_output = fp8_output  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual)."""
+        if self.fp8_output:
+            normed, residual = rms_norm_fp8(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return "fp8_output=True" if self.fp8_output else ""

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.activation import silu_and_mul
+from llmc.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from llmc.kernels.attention import rotate_write_and_attend
+from llmc.quant.formats import takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
@@ -75,6 +76,7 @@ class MLP(nn.Module):
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
         self.tp_group = tp_group
         self.is_gate_up_interleaved = False
+        self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
 
     def interleave_gate_up(self) -> None:
         """After the weights load: where gate_up's format can (W4A16 in the gpu layout), its rows are
@@ -82,7 +84,10 @@ class MLP(nn.Module):
         self.is_gate_up_interleaved = self.gate_up.interleave_gate_up()
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.gate_up.silu_mul(x) if self.is_gate_up_interleaved else silu_and_mul(self.gate_up(x))
+        if self.is_gate_up_interleaved:
+            h = self.gate_up.silu_mul(x)
+        else:  # quantized in the same kernel where down is w8a8-fp8
+            h = (silu_and_mul_fp8 if self.fp8_down_input else silu_and_mul)(self.gate_up(x))
         out = self.down(h)  # [num_tokens, hidden_size], partial under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
@@ -91,10 +96,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype,
                  layout: RankLayout | None = None, tp_group=None):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype, layout, tp_group)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.is_moe = config.is_moe_layer(index)
+        # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it unquantized)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                  fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
+        self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype, layout, tp_group)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
+                                      and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         else:

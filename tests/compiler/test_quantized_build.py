@@ -146,6 +146,41 @@ def test_fp8_static_records_input_scales(tmp_path, ref_model_dir, data_dir):
     assert report["perplexity_quantized"] < report["perplexity_unquantized"] * 1.02
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("checkpoint", ["tiny_llama", "tiny_qwen3_moe"])
+def test_fp8_linears_take_their_input_quantized_by_the_kernel_before(checkpoint, device, request, tmp_path):
+    """A w8a8-fp8 qkv, gate_up or down takes its activations quantized per token by the RMSNorm or
+    SiLU · mul that makes them (on CUDA one kernel instead of two), except after an MoE layer's norm,
+    whose router needs the norm's output; static input scales keep their own quantization. The model
+    computes exactly what it computes when each linear quantizes its own input."""
+    source = request.getfixturevalue(checkpoint)
+    engines = {}
+    for activations in ("dynamic", "static"):
+        quant = {"method": "fp8", "activations": activations}
+        if activations == "static":
+            data = request.getfixturevalue("data_dir") / "wikitext2-valid-head.txt"
+            quant["calibration"] = {"data": str(data), "num_samples": 2, "seq_len": 32}
+        build(recipe_from_dict({"model": str(source), "output": str(tmp_path / activations), "quantization": quant,
+                                "target": {"device": device}}), show_progress=False)
+        engines[activations] = LLM(tmp_path / activations, device=device).engine
+    layers = list(engines["dynamic"].runner.model.layers.values())
+    assert any(layer.is_moe for layer in layers) == (checkpoint == "tiny_qwen3_moe")
+    for layer in layers:
+        assert layer.input_norm.fp8_output and layer.post_attn_norm.fp8_output == (not layer.is_moe)
+        assert layer.is_moe or layer.mlp.fp8_down_input
+    for layer in engines["static"].runner.model.layers.values():
+        assert not (layer.input_norm.fp8_output or layer.post_attn_norm.fp8_output)
+        assert layer.is_moe or not layer.mlp.fp8_down_input
+    token_ids = list(range(5, 69))
+    fused = engines["dynamic"].score(token_ids)
+    for layer in layers:
+        layer.input_norm.fp8_output = layer.post_attn_norm.fp8_output = False
+        if not layer.is_moe:
+            layer.mlp.fp8_down_input = False
+    assert torch.equal(fused, engines["dynamic"].score(token_ids))
+
+
 @pytest.mark.parametrize(
     ("quant", "words"),
     [

@@ -99,6 +99,80 @@ def test_fp8_per_token_quantization_matches_numerics(elementwise_case, num_token
     assert mismatched.float().mean() <= (0 if device == "cpu" else 1e-3)  # GPU division may round one bit apart
 
 
+def _assert_same_fp8(actual, expected) -> None:
+    """Two (values, scale) pairs equal bit for bit."""
+    assert actual[0].dtype == expected[0].dtype == torch.float8_e4m3fn
+    assert torch.equal(actual[0].cpu().view(torch.uint8), expected[0].cpu().view(torch.uint8))
+    assert actual[1].shape == expected[1].shape and torch.equal(actual[1].cpu(), expected[1].cpu())
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (6, 100)])
+def test_rms_norm_quantized_in_its_kernel_equals_the_two_kernels(elementwise_case, num_tokens, hidden) -> None:
+    """The norm's kernel with FP8 output (for a w8a8-fp8 qkv / gate_up) gives, bit for bit, the values,
+    scales and residual of the norm's kernel followed by the quantization's kernel, and (within the
+    tolerance of the kernels above) what torch's norm and llmc.quant.numerics' quantization give."""
+    from llmc.kernels.fp8 import MIN_SCALE
+    from llmc.kernels.fp8_triton import quantize_fp8_per_token
+    from llmc.kernels.norm_triton import rms_norm, rms_norm_fp8
+
+    device, dtype = elementwise_case
+    x = (4 * torch.randn(num_tokens, hidden)).to(dtype).to(device)
+    residual = torch.randn(num_tokens, hidden).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype).to(device)
+    if num_tokens > 1:
+        x[1], residual[1] = 0.0, 0.0  # an all-zero row: the scale's floor
+    for res in (None, residual):
+        values, scale, new_residual = rms_norm_fp8(x, weight, 1e-6, res, MIN_SCALE)
+        normed, expected_residual = rms_norm(x, weight, 1e-6, res)
+        _assert_same_fp8((values, scale), quantize_fp8_per_token(normed, MIN_SCALE))
+        assert scale.shape == (num_tokens, 1)
+        if res is None:
+            assert new_residual is None
+        else:
+            assert torch.equal(new_residual, expected_residual)
+        torch_normed = norm.rms_norm(x.cpu(), weight.cpu(), 1e-6) if res is None else \
+            norm.add_rms_norm(x.cpu(), res.cpu(), weight.cpu(), 1e-6)[0]
+        expected_scale = reference_quantize_fp8(torch_normed)[1]
+        torch.testing.assert_close(scale.cpu(), expected_scale, rtol=TOLERANCE[dtype], atol=0)
+
+
+@pytest.mark.parametrize("num_tokens,size,interleave", [(1, 48, 0), (3, 1500, 0), (2, 1504, 8)])
+def test_silu_and_mul_quantized_in_its_kernel_equals_the_two_kernels(elementwise_case, num_tokens, size,
+                                                                    interleave) -> None:
+    """SiLU · mul with FP8 output (for a w8a8-fp8 down), one program per token: bit for bit the
+    values and scales of SiLU · mul's kernel followed by the quantization's kernel, in both column
+    orders, with an all-zero row taking the scale's floor."""
+    from llmc.kernels.activation_triton import silu_and_mul, silu_and_mul_fp8
+    from llmc.kernels.fp8 import MIN_SCALE
+    from llmc.kernels.fp8_triton import quantize_fp8_per_token
+
+    device, dtype = elementwise_case
+    gate_up = (3 * torch.randn(num_tokens, 2 * size)).to(dtype).to(device)
+    gate_up[-1] = 0.0
+    actual = silu_and_mul_fp8(gate_up, MIN_SCALE, interleave)
+    _assert_same_fp8(actual, quantize_fp8_per_token(silu_and_mul(gate_up, interleave), MIN_SCALE))
+    assert actual[1][-1].item() == MIN_SCALE
+    expected_scale = reference_quantize_fp8(activation.silu_and_mul(gate_up.cpu(), interleave))[1]
+    torch.testing.assert_close(actual[1].cpu(), expected_scale, rtol=TOLERANCE[dtype], atol=0)
+
+
+def test_fp8_output_functions_on_cpu_are_the_two_steps() -> None:
+    """Without Triton the public fused functions are the norm / SiLU · mul followed by the quantization."""
+    from llmc.kernels.fp8 import quantize_fp8_per_token
+
+    x, residual = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+    quantized, new_residual = norm.rms_norm_fp8(x, weight, 1e-6, residual)
+    normed, expected_residual = norm.add_rms_norm(x, residual, weight, 1e-6)
+    assert quantized.dtype == torch.bfloat16 and torch.equal(new_residual, expected_residual)
+    _assert_same_fp8(quantized[:2], quantize_fp8_per_token(normed))
+    quantized, no_residual = norm.rms_norm_fp8(x, weight, 1e-6)
+    assert no_residual is None
+    _assert_same_fp8(quantized[:2], quantize_fp8_per_token(norm.rms_norm(x, weight, 1e-6)))
+    gate_up = torch.randn(3, 128, dtype=torch.bfloat16)
+    _assert_same_fp8(activation.silu_and_mul_fp8(gate_up)[:2], quantize_fp8_per_token(activation.silu_and_mul(gate_up)))
+
+
 def test_fp8_public_functions_on_cpu() -> None:
     from llmc.kernels.fp8 import fp8_linear, quantize_fp8_per_token
 
