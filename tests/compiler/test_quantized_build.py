@@ -162,8 +162,8 @@ def test_fp8_linears_take_their_input_quantized_by_the_kernel_before(checkpoint,
             data = request.getfixturevalue("data_dir") / "wikitext2-valid-head.txt"
             quant["calibration"] = {"data": str(data), "num_samples": 2, "seq_len": 32}
         build(recipe_from_dict({"model": str(source), "output": str(tmp_path / activations), "quantization": quant,
-                                "target": {"device": device}}), show_progress=False)
-        engines[activations] = LLM(tmp_path / activations, device=device).engine
+                                "dtype": "bfloat16", "target": {"device": device}}), show_progress=False)
+        engines[activations] = LLM(tmp_path / activations, device=device, max_model_len=128, num_kv_blocks=64).engine
     layers = list(engines["dynamic"].runner.model.layers.values())
     assert any(layer.is_moe for layer in layers) == (checkpoint == "tiny_qwen3_moe")
     for layer in layers:
