@@ -19,7 +19,10 @@ kernels compiled during the run.
 --kernels runs the workload a second time (new prompts, so the prefix cache does not hold them) under
 torch.profiler (CUDA kernels only) and adds the kernel time of the whole run (summed, and the time some
 kernel ran: kernels launched with programmatic dependent launch overlap the one before), the GPU-busy fraction
-(busy time / elapsed; the profiler slows the host) and the --top kernels by time.
+(busy time / elapsed; the profiler slows the host) and the --top kernels by time. --clocks samples the SM
+clock, power draw and clock-event reasons with `nvidia-smi -lms 100` during the (first) run and reports the
+samples under load: a bf16 run on an H100 is held at its 700 W cap (session 28: SM clock median 1,575 of
+1,980 MHz).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-kind", default="final_only", choices=["final_only", "delta", "cumulative"],
                         help="the requests' output_kind (bench_e2e.py's --output-kind)")
     parser.add_argument("--kernels", action="store_true", help="a second run under torch.profiler")
+    parser.add_argument("--clocks", action="store_true",
+                        help="sample the SM clock and power draw (nvidia-smi) during the run: is it held at the power cap?")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--tail", type=int, default=0,
                         help="also list the last N launched steps one by one (rows, GPU and idle ms, host ms by phase)")
@@ -133,6 +138,51 @@ class GcTimer:
         return {"gc_s_by_generation": [round(x, 3) for x in self.seconds], "gc_count_by_generation": self.count}
 
 
+class ClockSampler:
+    """The GPU's SM clock, power draw and clock-event reasons, sampled by `nvidia-smi -lms` every
+    `period_ms` while it is open (`--clocks`): whether a run is held at the power cap."""
+
+    QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_event_reasons.active"
+    SW_POWER_CAP = 0x4  # nvidia-smi's clocks_event_reasons bits
+    HW_SLOWDOWN = 0x8 | 0x20 | 0x40 | 0x80  # hardware slowdown, software thermal, hardware thermal, power brake
+
+    def __init__(self, device_index: int, period_ms: int = 100):
+        import subprocess
+
+        self.process = subprocess.Popen(
+            ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits", "-lms", str(period_ms),
+             "-i", str(device_index)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def close(self) -> dict:
+        self.process.terminate()
+        lines = self.process.communicate()[0].splitlines()
+        return {"clocks": summarize_clocks(lines)}
+
+
+def summarize_clocks(lines: list[str]) -> dict:
+    """ClockSampler's CSV lines → the samples under load (drawing over half the power limit): SM clock
+    min / median / max against the maximum, median power, and how many had the software power cap or a
+    hardware slowdown active."""
+    samples = []
+    for line in lines:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            samples.append((float(fields[0]), float(fields[1]), float(fields[2]), float(fields[3]), int(fields[4], 16)))
+        except (ValueError, IndexError):  # "[N/A]" or a cut line
+            continue
+    load = sorted((s for s in samples if s[2] > 0.5 * s[3]), key=lambda s: s[0])
+    out = {"samples": len(samples), "under_load": len(load)}
+    if load:
+        out.update({
+            "sm_mhz_min": load[0][0], "sm_mhz_median": load[len(load) // 2][0], "sm_mhz_max": load[-1][0],
+            "sm_mhz_limit": load[0][1], "power_w_median": sorted(s[2] for s in load)[len(load) // 2],
+            "power_w_limit": load[0][3],
+            "power_capped": sum(1 for s in load if s[4] & ClockSampler.SW_POWER_CAP),
+            "hw_slowdown": sum(1 for s in load if s[4] & ClockSampler.HW_SLOWDOWN),
+        })
+    return out
+
+
 class CompileRecorder:
     """Triton kernels compiled (or loaded from the disk cache) while it is open: name and seconds."""
 
@@ -202,8 +252,10 @@ def tail_steps(recorder: StepRecorder, gpu: list[tuple[float, float]], start: fl
     return rows
 
 
-def run_once(engine, prompts, out_tokens: int, output_kind: str, tail: int = 0) -> tuple[dict, float, int]:
+def run_once(engine, prompts, out_tokens: int, output_kind: str, tail: int = 0, clocks: bool = False,
+             ) -> tuple[dict, float, int]:
     timer, gc_timer, compiles = PhaseTimer(engine), GcTimer(), CompileRecorder()
+    sampler = ClockSampler(engine.device.index or 0) if clocks and engine.device.type == "cuda" else None
     recorder = StepRecorder(engine, timer.totals)
     wait = HostTokens.wait
     timer.totals["wait"] = 0.0  # of resolve: blocked until the step's tokens are on the host
@@ -228,6 +280,8 @@ def run_once(engine, prompts, out_tokens: int, output_kind: str, tail: int = 0) 
         summary["tail"] = tail_steps(recorder, gpu, start, tail)
     summary.update(gc_timer.close())
     summary.update(compiles.close())
+    if sampler is not None:
+        summary.update(sampler.close())
     recorder.close()
     timer.close()
     HostTokens.wait = wait
@@ -258,7 +312,7 @@ def profile_artifact(path: Path, options: dict, args) -> dict:
     engine = llm.engine
     warm_up(engine, min(num, engine.options.max_num_seqs), min(inp, 64))
     prompts = random_prompts(num, inp, engine.manifest.model.vocab_size, seed=inp + out)
-    steps, elapsed, num_tokens = run_once(engine, prompts, out, output_kind, args.tail)
+    steps, elapsed, num_tokens = run_once(engine, prompts, out, output_kind, args.tail, args.clocks)
     result = {"workload": args.throughput, "output_kind": output_kind, "elapsed_s": round(elapsed, 3),
               "output_tokens_per_s": round(num_tokens / elapsed, 1), "async_scheduling": engine.options.async_scheduling,
               "max_num_seqs": engine.options.max_num_seqs,
@@ -276,7 +330,7 @@ def summary_lines(label: str, r: dict) -> list[str]:
     lines = [f"{label}: {r['output_tokens_per_s']} output tokens/s in {r['elapsed_s']} s; graph replays "
              f"{s['graph_replays']}; host s {s['host_s']}; gc s {s['gc_s_by_generation']} ({s['gc_count_by_generation']}); "
              f"triton compiles {s['triton_compiles']} ({s['triton_compile_s']} s) {s['triton_compiled']}"]
-    lines += [f"  {kind}: {s[kind]}" for kind in ("decode", "mixed") if kind in s]
+    lines += [f"  {kind}: {s[kind]}" for kind in ("decode", "mixed", "clocks") if kind in s]
     lines += [f"    step {t['step']}: {t}" for t in s.get("tail", ())]
     if "kernels" in r:
         k = r["kernels"]
