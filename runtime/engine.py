@@ -30,7 +30,7 @@ from llmc.runtime.engine_multistep import can_multi_step, multi_step
 from llmc.runtime.engine_spec import speculative_step
 from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
                                         invariant_checks_enabled, reset_engine)
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.stats import StatsLogger
@@ -347,7 +347,11 @@ class Engine:
             self._release_rows([request])
 
     def _collect_outputs(self, states: list[SequenceState]) -> list[RequestOutput]:
-        group_ids = dict.fromkeys(state.group_id for state in states)
+        # a final-only request says nothing until it finishes, and only a sequence that finished this
+        # step can finish it (beam groups finish by their search: always asked)
+        group_ids = dict.fromkeys(state.group_id for state in states if state.is_finished or
+                                  state.params.output_kind is not RequestOutputKind.FINAL_ONLY
+                                  or state.group_id in self._beam_group_ids)
         outputs = []
         for group_id in group_ids:
             group = self.groups.get(group_id)
