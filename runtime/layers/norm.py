@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
         self.fp8_output = fp8_output  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
-        """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual)."""
+        """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual). With
+        fp8_output the normed values come as an Fp8Activation (kernels/norm.rms_norm_fp8)."""
         if self.fp8_output:
             normed, residual = rms_norm_fp8(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, residual)
