@@ -16,8 +16,8 @@ BLOCK = 1024
 
 @triton.jit
 def _silu_mul(gate_up_ptr, offs, mask, size, INTERLEAVE: tl.constexpr):
-    """SiLU(gate) · up at the output columns offs of the row at gate_up_ptr, float32 (the model dtype's
-    value), in activation.silu_and_mul's column order."""
+    """SiLU(gate) · up at the output columns offs of the row at gate_up_ptr, in float32 (not yet rounded
+    to the model dtype), in activation.silu_and_mul's column order."""
     if INTERLEAVE > 0:  # runs of INTERLEAVE gate columns, then the same features' up columns
         gate_offs = (offs // INTERLEAVE) * (2 * INTERLEAVE) + offs % INTERLEAVE
         up_offs = gate_offs + INTERLEAVE
@@ -27,9 +27,8 @@ def _silu_mul(gate_up_ptr, offs, mask, size, INTERLEAVE: tl.constexpr):
     gate = tl.load(gate_up_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_up_ptr + up_offs, mask=mask, other=0.0).to(tl.float32)
     # silu rounded to the model dtype before the product, as the torch path (F.silu(gate) * up) does
-    dtype = gate_up_ptr.dtype.element_ty
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(gate_up_ptr.dtype.element_ty).to(tl.float32)
+    return silu * up
 
 
 @triton.jit
@@ -51,6 +50,8 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, m
     offs = tl.arange(0, BLOCK)  # BLOCK >= size: the token's row stays in registers
     mask = offs < size
     h = _silu_mul(gate_up_ptr + token * stride_in, offs, mask, size, INTERLEAVE)
+    # rounded to the model dtype as the unfused kernel stores it, then quantized
+    h = h.to(gate_up_ptr.dtype.element_ty).to(tl.float32)
     quantize_row(h, mask, out_ptr + token * size + offs, scale_ptr + token, min_scale)
 
 

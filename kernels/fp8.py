@@ -6,8 +6,8 @@ MIN_SCALE), which the kernel tests check against.
 
 `quantize_fp8_per_token` is one Triton kernel on CUDA (fp8_triton.py) instead of torch's five
 (abs, amax, div, clamp, cast); plain torch elsewhere. Where the activations come from an RMSNorm or
-SiLU · mul, those kernels quantize their own output (`Fp8Activation`) and this one does not run. The product is either torch._scaled_mm (cuBLAS)
-or the Triton kernel with the operands swapped (fp8_triton.fp8_linear_small_m), with its tiles:
+SiLU · mul, those kernels quantize their own output (`Fp8Activation`) and this one does not run.
+The product is either torch._scaled_mm (cuBLAS) or the Triton kernel with the operands swapped (fp8_triton.fp8_linear_small_m), with its tiles:
 `select_fp8_kernel` reads which from DEFAULT_FP8_TABLE for the Llama-3-8B shapes it was measured on
 (benchmarks/fp8_dispatch_sweep.py, one H100; neither path is fastest at every M), and for other
 shapes uses the Triton kernel up to 16 tokens (64 where N <= 4096) and cuBLAS above.
