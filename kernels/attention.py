@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import Fp8Activation
 from .rotary import apply_rotary
 
 PARTITION_SIZE = 512  # decode: the most keys per partition when contexts are split
@@ -125,16 +124,11 @@ def rotate_write_and_attend(
     q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
     slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0, index_cache: dict | None = None, fp8_output: bool = False,
-) -> Tensor | Fp8Activation:
+    v_scale: float = 1.0, index_cache: dict | None = None,
+) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
-    kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE).
-
-    fp8_output (the o projection is w8a8-fp8 with per-token input scales): where that decode kernel
-    can, it also quantizes each row's output per token and returns an `Fp8Activation`
-    ([num_tokens, num_heads * head_dim], the bits of fp8.quantize_fp8_per_token on the output);
-    everywhere else the output tensor, which the o projection quantizes itself."""
+    kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
     # the device check first: a CPU step does not scan query_lens in every layer
     if _rotary_kernels_apply(q, k, v, k_cache) and query_lens and max(query_lens) == 1:
         from . import attention_triton
@@ -142,7 +136,7 @@ def rotate_write_and_attend(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
-            rotary=(k, v, positions, cos_sin_cache, slot_mapping), fp8_output=fp8_output,
+            rotary=(k, v, positions, cos_sin_cache, slot_mapping),
         )
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,

@@ -44,8 +44,6 @@ from torch import Tensor
 from . import device_num_sms, to_device
 from . import attention
 from .attention import decode_split, is_fp8
-from .fp8 import MIN_SCALE, Fp8Activation
-from .fp8_triton import row_scale_of, store_quantized
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import tile_counters
 
@@ -97,23 +95,17 @@ def _decode_kernel(
     scale_log2, v_scale, window, num_heads, num_partitions, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     new_k_ptr, new_v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, inv_k_scale, inv_v_scale,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, fp8_ptr, fp8_scale_ptr, min_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, QUANTIZE_OUT: tl.constexpr,
-    NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr, PDL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
     does, the same rounding); the program whose partition holds the new key (position
     context_len - 1) rotates it and stores it with its value at the token's slot, then reads them back
-    with the other keys: one kernel a layer instead of two, and the same bits.
-
-    QUANTIZE_OUT (a decode-only step whose o projection is w8a8-fp8 with per-token input scales):
-    the last KV head of a sequence to store its heads' output also quantizes the sequence's whole
-    output row to E4M3 with its per-token scale (fp8_ptr, fp8_scale_ptr), as
-    fp8.quantize_fp8_per_token would from the stored row: the same bits, one kernel a layer fewer."""
+    with the other keys: one kernel a layer instead of two, and the same bits."""
     wait_for_inputs(PDL)
     i, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
@@ -147,7 +139,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL, fp8_ptr, fp8_scale_ptr, min_scale, QUANTIZE_OUT, NUM_HEADS, BLOCK_HEADS,
+            PRECISION, MERGE_IN_KERNEL,
         )
 
 
@@ -190,8 +182,7 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, fp8_ptr, fp8_scale_ptr, min_scale, QUANTIZE_OUT: tl.constexpr,
-    NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
     heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
@@ -222,14 +213,8 @@ def _decode_partition(
                                   num_heads, num_partitions, first, end, stride_ot, stride_oh, HEAD_DIM, BLOCK_G,
                                   BLOCK_D)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                if QUANTIZE_OUT:
-                    _quantize_row_if_last(out_ptr, fp8_ptr, fp8_scale_ptr, counter_ptr, min_scale, i, row, stride_ot,
-                                          stride_oh, HEAD_DIM, NUM_HEADS, BLOCK_HEADS, BLOCK_D)
     else:
         _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
-        if QUANTIZE_OUT:
-            _quantize_row_if_last(out_ptr, fp8_ptr, fp8_scale_ptr, counter_ptr, min_scale, i, row, stride_ot,
-                                  stride_oh, HEAD_DIM, NUM_HEADS, BLOCK_HEADS, BLOCK_D)
 
 
 @triton.jit
@@ -237,28 +222,6 @@ def _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l > 0 on every real head row
     out_ptrs = out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def _quantize_row_if_last(out_ptr, fp8_ptr, fp8_scale_ptr, counter_ptr, min_scale, i, row, stride_ot, stride_oh,
-                          HEAD_DIM: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
-    """Counts this KV head's output of decode sequence i as stored (the row counters follow the
-    (sequence, KV head) pair counters); the last of the sequence's KV heads reads the whole row back
-    (from L2, in one load) and quantizes it per token with fp8_triton.quantize_row: the bits of
-    quantize_fp8_per_token on the stored row."""
-    counter = counter_ptr + tl.num_programs(0) * tl.num_programs(1) + i
-    tl.debug_barrier()  # every thread's output is stored before the count is released
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(1) - 1:
-        offs_h, offs_d = tl.arange(0, BLOCK_HEADS), tl.arange(0, BLOCK_D)
-        mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-        x = tl.load(out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        scale = row_scale_of(tl.max(tl.max(tl.abs(x), axis=1), axis=0), min_scale)
-        tl.store(fp8_scale_ptr + row, scale)
-        store_quantized(x, scale, fp8_ptr + row * (NUM_HEADS * HEAD_DIM) + offs_h[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask)
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -448,8 +411,8 @@ def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
-    rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, fp8_output: bool = False,
-) -> Tensor | Fp8Activation:
+    rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
 
@@ -459,10 +422,6 @@ def paged_attention(
 
     With every query_len 1 and max_context_len given, nothing is read from the device and no tensor
     is made from host data: the call can be captured in a CUDA graph.
-
-    fp8_output: where every query_len is 1 and the decode kernel makes every row's output itself
-    (unsplit, or merged in the kernel), the output comes quantized per token as an `Fp8Activation`
-    ([num_tokens, num_heads * head_dim]) for a w8a8-fp8 o projection; otherwise the tensor as usual.
     """
     _check_cache(k_cache, v_cache)
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
@@ -500,10 +459,8 @@ def paged_attention(
         else:
             rows = _int32([first_rows[i] for i in decode], q.device, index_cache, "decode_rows")
             seqs = _int32(decode, q.device, index_cache, "decode_seqs")
-        quantized = _launch_decode(q, k_cache, v_cache, block_tables, out, len(decode), seqs, rows, is_dense,
-                                   num_partitions, partition_size, block_n, common, fp8_output and is_dense)
-        if quantized is not None:
-            return quantized
+        _launch_decode(q, k_cache, v_cache, block_tables, out, len(decode), seqs, rows, is_dense,
+                       num_partitions, partition_size, block_n, common)
     if prefill:
         qlens = _int32(query_lens, q.device, index_cache, "query_lens")
         first_rows_t = _int32(first_rows, q.device, index_cache, "first_rows")
@@ -534,26 +491,15 @@ def _merge_block_p(num_partitions: int) -> int:
 
 
 def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, rows, is_dense, num_partitions,
-                   partition_size, block_n, c, fp8_output: bool) -> Fp8Activation | None:
-    """The decode kernel (and the second merge kernel where it does not merge): the output in `out`,
-    and quantized per token (returned) where fp8_output was asked and the kernel could do it."""
+                   partition_size, block_n, c) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     is_partitioned = num_partitions > 1
     part_acc = torch.empty(num_decode, num_heads, num_partitions, head_dim, device=q.device, dtype=torch.float32) if is_partitioned else out
     part_ml = torch.empty(num_decode, num_heads, num_partitions, 2, device=q.device, dtype=torch.float32) if is_partitioned else out
-    # one semaphore per (sequence, KV head), then one per sequence for the quantization: the split
-    # GEMMs' (kernels of one stream never overlap)
+    # one semaphore per (sequence, KV head): the split GEMMs' (kernels of one stream never overlap)
     is_merged_in_kernel = is_partitioned and num_decode * num_kv_heads >= attention.MERGE_IN_KERNEL_MIN_PAIRS
-    quantize = fp8_output and (is_merged_in_kernel or not is_partitioned)
-    counters = None
-    if is_merged_in_kernel or quantize:
-        counters = tile_counters(q.device, num_decode * (num_kv_heads + quantize))
-    quantize = quantize and counters is not None  # none in a CUDA graph capture that finds too few
-    fp8_values = fp8_scale = out
-    if quantize:
-        fp8_values = torch.empty(out.shape[0], num_heads * head_dim, device=q.device, dtype=torch.float8_e4m3fn)
-        fp8_scale = torch.empty(out.shape[0], 1, device=q.device, dtype=torch.float32)
+    counters = tile_counters(q.device, num_decode * num_kv_heads) if is_merged_in_kernel else None
     block_g = max(16, triton.next_power_of_2(c["group"]))
     rotary = c.get("rotary")
     new_k, new_v, positions, cos_sin, slots = rotary if rotary is not None else (q, q, q, q, q)
@@ -565,12 +511,10 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         k_cache.stride(1), k_cache.stride(2),
         new_k, new_v, positions, cos_sin, slots, c.get("inv_k_scale", 1.0), c.get("inv_v_scale", 1.0),
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0),
-        fp8_values, fp8_scale, MIN_SCALE, GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=block_g,
+        GROUP=c["group"], HEAD_DIM=head_dim, BLOCK_G=block_g,
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
-        MERGE_IN_KERNEL=is_merged_in_kernel and counters is not None, ROTATE=rotary is not None,
-        FP8_MAX=c.get("fp8_max", 0.0), QUANTIZE_OUT=quantize,
-        NUM_HEADS=num_heads if quantize else 1, BLOCK_HEADS=triton.next_power_of_2(num_heads) if quantize else 1,
+        MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
         **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
@@ -580,7 +524,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
             BLOCK_P=_merge_block_p(num_partitions), BLOCK_D=c["block_d"], IS_DENSE=is_dense,
             HAS_WINDOW=c["has_window"], **pdl_args(q.device),
         )
-    return Fp8Activation(fp8_values, fp8_scale, out.dtype) if quantize else None
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, qlens, first_rows, c,

@@ -30,21 +30,9 @@ def quantize_row(row, mask, out_ptrs, scale_ptr, min_scale):
     scale_ptr: scale = max(absmax / 448, min_scale), each value divided by it, saturated, rounded to
     nearest even. div_rn: IEEE division as torch does; the default fp32 division is approximate and
     moves quotients that sit on an e4m3 rounding tie."""
-    row_scale = row_scale_of(tl.max(tl.abs(row), axis=0), min_scale)
+    row_scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), FP8_E4M3_MAX), min_scale)
     tl.store(scale_ptr, row_scale)
-    store_quantized(row, row_scale, out_ptrs, mask)
-
-
-@triton.jit
-def row_scale_of(absmax, min_scale):
-    """A token's scale from the absmax of its values: max(absmax / 448, min_scale), IEEE division."""
-    return tl.maximum(tl.math.div_rn(absmax, FP8_E4M3_MAX), min_scale)
-
-
-@triton.jit
-def store_quantized(x, scale, out_ptrs, mask):
-    """x (float32) divided by its token's scale (IEEE), saturated to ±448, stored as E4M3 (nearest even)."""
-    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = tl.clamp(tl.math.div_rn(row, row_scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
     tl.store(out_ptrs, q.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -70,12 +58,13 @@ def _quantize_fp8_per_token_kernel(
         for start in range(0, size, BLOCK):
             x = tl.load(x_ptr + token * stride_x + start + offs, mask=start + offs < size, other=0.0)
             absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-        scale = row_scale_of(tl.max(absmax, axis=0), min_scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), FP8_E4M3_MAX), min_scale)
         tl.store(scale_ptr + token, scale)
         for start in range(0, size, BLOCK):
             mask = start + offs < size
             y = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-            store_quantized(y, scale, out_ptr + token * size + start + offs, mask)
+            y = tl.clamp(tl.math.div_rn(y, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            tl.store(out_ptr + token * size + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:

@@ -18,7 +18,6 @@ from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from llmc.kernels.attention import rotate_write_and_attend
-from llmc.kernels.fp8 import Fp8Activation
 from llmc.quant.formats import takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
@@ -43,8 +42,6 @@ class Attention(nn.Module):
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
         self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], False, dtype)
-        # a w8a8-fp8 o takes its input quantized by the decode-attention kernel, in decode steps on CUDA
-        self.fp8_o_input = takes_fp8_activations(formats[prefix + "o"])
         self.has_qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
@@ -64,9 +61,9 @@ class Attention(nn.Module):
         out = rotate_write_and_attend(
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
-            self.k_scale, self.v_scale, batch.kernel_cache, self.fp8_o_input,
-        )  # [num_tokens, num_heads, head_dim], or those quantized per token ([num_tokens, num_heads * head_dim])
-        out = self.o(out if isinstance(out, Fp8Activation) else out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
+            self.k_scale, self.v_scale, batch.kernel_cache,
+        )  # [num_tokens, num_heads, head_dim]
+        out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 

@@ -168,9 +168,9 @@ def test_fp8_linears_take_their_input_quantized_by_the_kernel_before(checkpoint,
     assert any(layer.is_moe for layer in layers) == (checkpoint == "tiny_qwen3_moe")
     for layer in layers:
         assert layer.input_norm.fp8_output and layer.post_attn_norm.fp8_output == (not layer.is_moe)
-        assert (layer.is_moe or layer.mlp.fp8_down_input) and layer.attn.fp8_o_input
+        assert layer.is_moe or layer.mlp.fp8_down_input
     for layer in engines["static"].runner.model.layers.values():
-        assert not (layer.input_norm.fp8_output or layer.post_attn_norm.fp8_output or layer.attn.fp8_o_input)
+        assert not (layer.input_norm.fp8_output or layer.post_attn_norm.fp8_output)
         assert layer.is_moe or not layer.mlp.fp8_down_input
     token_ids = list(range(5, 69))
     fused = engines["dynamic"].score(token_ids)
@@ -179,36 +179,6 @@ def test_fp8_linears_take_their_input_quantized_by_the_kernel_before(checkpoint,
         if not layer.is_moe:
             layer.mlp.fp8_down_input = False
     assert torch.equal(fused, engines["dynamic"].score(token_ids))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fp8_o_takes_its_input_quantized_by_the_decode_attention_kernel(tiny_llama, tmp_path):
-    """In decode steps on CUDA (CUDA-graph replays and eager steps) a w8a8-fp8 o projection takes its
-    input quantized per token by the decode-attention kernel: greedy tokens and their logprobs are
-    the same as when o quantizes its input itself."""
-    from llmc.runtime.sampling_params import SamplingParams
-
-    build(recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "fp8"), "dtype": "bfloat16",
-                            "quantization": {"method": "fp8"}, "target": {"device": "cuda"}}), show_progress=False)
-    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40, 9)]
-    params = [SamplingParams(temperature=0, max_tokens=24 + 8 * i, ignore_eos=True, logprobs=2) for i in range(4)]
-
-    def run(llm):
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-
-    results = {}
-    for eager in (False, True):
-        llm = LLM(tmp_path / "fp8", device="cuda", max_model_len=128, num_kv_blocks=64, enforce_eager=eager)
-        attns = [layer.attn for layer in llm.engine.runner.model.layers.values()]
-        assert all(attn.fp8_o_input for attn in attns)
-        results["graphs" if not eager else "eager"] = run(llm)
-        if eager:
-            for attn in attns:
-                attn.fp8_o_input = False
-            results["unfused"] = run(llm)
-        llm.close()
-    assert results["graphs"] == results["eager"] == results["unfused"]
 
 
 @pytest.mark.parametrize(

@@ -246,18 +246,21 @@ ROTATE_CASES = {
     "split-merged-in-kernel": ([1100, 5, 65], 4, 2, 16, None, 18, 1, False),
     "window": ([700, 90], 4, 1, 24, 300, 11, 10**9, False),
     "fp8-cache": ([300, 1, 33], 4, 2, 16, None, 5, 10**9, True),
-    "fp8-cache-merged-in-kernel": ([300, 1, 33], 4, 2, 16, None, 5, 1, True),
-    "many-heads": ([5, 40], 32, 8, 16, None, None, 1, False),  # 32 heads: the row quantized in two 16-head tiles
 }
 
 
-def rotate_decode_step(device, dtype, case):
-    """A decode step of ROTATE_CASES[case] on device: step(rotate_in_decode, **kwargs) runs it on copies
-    of the caches and qkv, in the decode kernel alone or as rotate_and_write_kv then paged_attention,
-    and returns (output, k_cache, v_cache, qkv); also returns the step's inputs."""
+@pytest.mark.parametrize("case", list(ROTATE_CASES))
+def test_decode_step_rotates_and_writes_its_keys_in_the_decode_kernel(dot_case, monkeypatch, case) -> None:
+    """A decode step's rotary embedding and KV write inside the decode kernel (rotate_write_and_attend
+    on CUDA) give the same bits as rotate_and_write_kv then paged_attention: the output, both caches
+    (the new keys and values at their slots, nothing else touched); q and k are left as they were.
+    Partitioned or not, merged by the second kernel or in the decode kernel, a sliding window, an
+    FP8 cache."""
     from llmc.kernels import attention_triton
 
-    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, _, fp8 = ROTATE_CASES[case]
+    device, dtype = dot_case
+    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, min_pairs, fp8 = ROTATE_CASES[case]
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", min_pairs)
     _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
                                                    head_dim, 16, dtype, "cpu")
     scales = (1.0, 1.0)
@@ -274,10 +277,10 @@ def rotate_decode_step(device, dtype, case):
     qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
     ctx, scale = lens(context_lens, device), head_dim**-0.5
 
-    def step(rotate_in_decode: bool, **kwargs):
+    def step(rotate_in_decode: bool):
         qkv_copy, k_c, v_c = qkv.clone(), k_cache.clone(), v_cache.clone()
         q, k, v = split_qkv(qkv_copy, sizes, head_dim)
-        common = dict(num_partitions=partitions, k_scale=scales[0], v_scale=scales[1], **kwargs)
+        common = dict(num_partitions=partitions, k_scale=scales[0], v_scale=scales[1])
         if rotate_in_decode:
             out = attention_triton.paged_attention(q, k_c, v_c, block_tables, ctx, [1] * len(context_lens), scale,
                                                    window, 2048, rotary=(k, v, positions, cos_sin, slots), **common)
@@ -287,60 +290,17 @@ def rotate_decode_step(device, dtype, case):
                                                    window, 2048, **common)
         return out, k_c, v_c, qkv_copy
 
-    inputs = dict(qkv=qkv, sizes=sizes, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, ctx=ctx,
-                  scale=scale, window=window, positions=positions, cos_sin=cos_sin, slots=slots)
-    return step, inputs
-
-
-@pytest.mark.parametrize("case", list(ROTATE_CASES))
-def test_decode_step_rotates_and_writes_its_keys_in_the_decode_kernel(dot_case, monkeypatch, case) -> None:
-    """A decode step's rotary embedding and KV write inside the decode kernel (rotate_write_and_attend
-    on CUDA) give the same bits as rotate_and_write_kv then paged_attention: the output, both caches
-    (the new keys and values at their slots, nothing else touched); q and k are left as they were.
-    Partitioned or not, merged by the second kernel or in the decode kernel, a sliding window, an
-    FP8 cache."""
-    from llmc.kernels import attention_triton
-
-    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", ROTATE_CASES[case][6])
-    step, x = rotate_decode_step(*dot_case, case)
     fused, two_kernels = step(True), step(False)
     as_bits = lambda t: t.view(torch.uint8)  # noqa: E731  (unwritten slots hold NaN)
     assert torch.equal(fused[0], two_kernels[0])
     assert torch.equal(as_bits(fused[1]), as_bits(two_kernels[1])) and torch.equal(as_bits(fused[2]), as_bits(two_kernels[2]))
-    assert not torch.equal(as_bits(fused[1]), as_bits(x["k_cache"]))  # the new keys were written
-    assert torch.equal(fused[3], x["qkv"])  # q, k, v untouched
+    assert not torch.equal(as_bits(fused[1]), as_bits(k_cache))  # the new keys were written
+    assert torch.equal(fused[3], qkv)  # q, k, v untouched
     with pytest.raises(ValueError, match="decode-only step"):
-        q, k, v = split_qkv(x["qkv"].clone(), x["sizes"], ROTATE_CASES[case][3])
-        attention_triton.paged_attention(q, x["k_cache"].clone(), x["v_cache"].clone(), x["block_tables"], x["ctx"],
-                                         [1] * (len(x["ctx"]) - 1) + [2], x["scale"], x["window"], 2048,
-                                         rotary=(k, v, x["positions"], x["cos_sin"], x["slots"]))
-
-
-@pytest.mark.parametrize("case", list(ROTATE_CASES))
-def test_decode_kernel_quantizes_its_output_for_an_fp8_o_projection(dot_case, monkeypatch, case) -> None:
-    """fp8_output (a w8a8-fp8 o projection with per-token input scales): where the decode kernel makes
-    every row's output itself (unsplit, or split and merged in the kernel), the last KV head of each
-    sequence to finish quantizes the row: bit for bit the per-token quantization kernel applied to
-    the output, which is itself unchanged. Where a second kernel merges the partitions, the plain
-    output comes back (the o projection quantizes it)."""
-    from llmc.kernels.fp8 import MIN_SCALE, Fp8Activation
-    from llmc.kernels.fp8_triton import quantize_fp8_per_token
-
-    context_lens, _, num_kv_heads, _, _, partitions, min_pairs, _ = ROTATE_CASES[case]
-    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", min_pairs)
-    step, _ = rotate_decode_step(*dot_case, case)
-    expected = step(False)[0]  # [num_tokens, num_heads, head_dim]
-    # merged in the kernel, or unsplit (on the CPU's one "SM" the kernel does not split unasked)
-    is_quantized = min_pairs <= len(context_lens) * num_kv_heads or (partitions is None and dot_case[0] == "cpu")
-    for _ in range(2):  # the row semaphores are back at zero after a step
-        quantized = step(True, fp8_output=True)[0]
-        if not is_quantized:
-            assert torch.equal(quantized, expected)  # split and merged by the second kernel: not quantized
-            return
-        assert isinstance(quantized, Fp8Activation) and quantized.dtype == expected.dtype
-        values, scale = quantize_fp8_per_token(expected.flatten(1), MIN_SCALE)
-        assert torch.equal(quantized.values.view(torch.uint8), values.view(torch.uint8))
-        assert quantized.scale.shape == scale.shape and torch.equal(quantized.scale, scale)
+        q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
+        attention_triton.paged_attention(q, k_cache.clone(), v_cache.clone(), block_tables, ctx,
+                                         [1] * (len(context_lens) - 1) + [2], scale, window, 2048,
+                                         rotary=(k, v, positions, cos_sin, slots))
 
 
 @pytest.mark.gpu
