@@ -35,7 +35,6 @@ one query tile, so each K/V tile is loaded once per KV head.
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import triton
@@ -55,10 +54,6 @@ BLOCK_N = 64  # keys per tile
 # keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
 DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-# PROBE (session 29): how the decode kernel widens an FP8 cache's keys and values: 0 a cast to q's dtype
-# (Triton: cvt.rn.f16x2.e4m3x2, then cvt.bf16.f16 per value for bf16), 1 the dots in fp16 (q cast to
-# fp16 once, K and V by the one cvt), 2 the e4m3 bits placed in a float32 and scaled by 2**120 (exact).
-FP8_CACHE_CONVERT = int(os.environ.get("LLMC_FP8_CACHE_CONVERT", "0"))
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
@@ -66,18 +61,9 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _e4m3_exact(x):
-    """E4M3 values (any dtype of 8 bits) as float32, by their bits: sign to bit 31, exponent and
-    mantissa to bits 26-20 (an fp32 with exponent bias 127 instead of 7), times 2**120."""
-    u = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-    bits = ((u & 0x80) << 24) | ((u & 0x7F) << 20)
-    return bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-
-
-@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_offset, offs_d, d_mask,
-    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, CONVERT: tl.constexpr = 0,
+    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the keys offs_t: loads K/V through the block table."""
     block_ids = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=key_valid, other=0)
@@ -86,12 +72,8 @@ def _attend_tile(
     kv_offsets = slots[:, None] * stride_slot + kv_offset + offs_d[None, :]
     # An FP8 cache is widened to q's dtype in registers (exact); its scales are folded into
     # scale_log2 (K) and the output (V) by the callers.
-    if CONVERT == 2:
-        k = _e4m3_exact(tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0)).to(q.dtype)
-        v = _e4m3_exact(tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0)).to(q.dtype)
-    else:
-        k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -118,7 +100,6 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
-    CONVERT: tl.constexpr = 0,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
@@ -158,7 +139,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL, CONVERT,
+            PRECISION, MERGE_IN_KERNEL,
         )
 
 
@@ -201,7 +182,7 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, CONVERT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
     heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
@@ -209,15 +190,13 @@ def _decode_partition(
     m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
-    if CONVERT == 1:  # the dots in fp16 (q saturated to fp16's range)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     for start in range(lo, hi, BLOCK_N):
         offs_t = start + tl.arange(0, BLOCK_N)
         key_valid = offs_t < hi
         visible = g_mask[:, None] & key_valid[None, :]
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
-            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION, CONVERT,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
         )
     acc = acc * v_scale  # the FP8 V scale (1.0 otherwise); linear, so partitions merge alike
     if IS_PARTITIONED:
@@ -536,7 +515,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
-        CONVERT=FP8_CACHE_CONVERT if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 else 0,
         **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
