@@ -2,6 +2,7 @@
 the engine's decode shapes (issue 12: attention is ~17% of a bf16 128/128 run's kernel time at 512 rows).
 
     source benchmarks/gpu_env.sh && python benchmarks/decode_attention_sweep.py [--json OUT.json]
+        [--block-n 32 64 128] [--warps 4 8] [--stages 2 3] [--caches bfloat16 float8_e4m3fn]
 
 Llama-3-8B heads (32 q, 8 kv, head_dim 128), 16-token blocks in a shuffled cache, a bf16 and an FP8
 cache. Each case is timed as the engine runs it: captured in a CUDA graph with max_context_len =
@@ -29,7 +30,6 @@ CASES = {  # name: (number of sequences, context lengths drawn from [low, high])
     "64 x ctx 1024": (64, 1024, 1024),
     "8 x ctx 4096": (8, 4096, 4096),
 }
-CONFIGS = [(block_n, warps, stages) for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3))]
 
 
 def make_case(num_seqs: int, low: int, high: int, cache_dtype: torch.dtype, gen: torch.Generator):
@@ -58,15 +58,21 @@ def run(config, args) -> torch.Tensor:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=Path("decode_attention_sweep.json"))
+    parser.add_argument("--block-n", type=int, nargs="+", default=[32, 64, 128], help="keys per tile")
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--caches", nargs="+", default=["bfloat16", "float8_e4m3fn"], choices=["bfloat16", "float8_e4m3fn"])
     args = parser.parse_args(argv)
+    configs = list(itertools.product(args.block_n, args.warps, args.stages))
     block_n, launch = dict(attention_triton.DECODE_BLOCK_N), attention_triton.DECODE_LAUNCH
     flush, gen, results = make_l2_flush_buffer(), torch.Generator().manual_seed(0), []
-    for (name, (num_seqs, low, high)), cache_dtype in itertools.product(CASES.items(), (torch.bfloat16, torch.float8_e4m3fn)):
+    caches = [getattr(torch, name) for name in args.caches]
+    for (name, (num_seqs, low, high)), cache_dtype in itertools.product(CASES.items(), caches):
         default = (block_n[cache_dtype == torch.float8_e4m3fn], launch["num_warps"], launch["num_stages"])
         case_args, kv_bytes = make_case(num_seqs, low, high, cache_dtype, gen)
         reference = run(default, case_args).float()
         row = {"case": name, "cache": str(cache_dtype).removeprefix("torch."), "configs": {}}
-        for config in CONFIGS:
+        for config in sorted(set(configs) | {default}):
             out = run(config, case_args).float()
             error = float((out - reference).norm() / reference.norm())
             us = median_time_ms(lambda: run(config, case_args), flush) * 1000  # noqa: B023 - timed now
