@@ -35,7 +35,6 @@ one query tile, so each K/V tile is loaded once per KV head.
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 import triton
@@ -55,7 +54,6 @@ BLOCK_N = 64  # keys per tile
 # keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
 DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-FP8_V_PAIRS = os.environ.get("LLMC_FP8_V_PAIRS", "0") == "1"  # PROBE (session 29)
 BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
@@ -65,7 +63,7 @@ _M_INIT = tl.constexpr(-1.0e30)
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_offset, offs_d, d_mask,
-    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, V_PAIRS: tl.constexpr = False,
+    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the keys offs_t: loads K/V through the block table."""
     block_ids = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=key_valid, other=0)
@@ -75,15 +73,7 @@ def _attend_tile(
     # An FP8 cache is widened to q's dtype in registers (exact); its scales are folded into
     # scale_log2 (K) and the output (V) by the callers.
     k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
-    if V_PAIRS:  # PROBE: an e4m3 V read as byte pairs, widened in registers, joined into the tile
-        offs_p = tl.arange(0, q.shape[1] // 2)
-        pair_offsets = (slots[:, None] * stride_slot + kv_offset) // 2 + offs_p[None, :]
-        pairs = tl.load(v_ptr.to(tl.pointer_type(tl.int16)) + pair_offsets, mask=key_valid[:, None], other=0)
-        lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        hi = ((pairs >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        v = tl.join(lo, hi).reshape(offs_t.shape[0], q.shape[1])
-    else:
-        v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
+    v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -110,7 +100,6 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
-    V_PAIRS: tl.constexpr = False,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
@@ -150,7 +139,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL, V_PAIRS,
+            PRECISION, MERGE_IN_KERNEL,
         )
 
 
@@ -193,7 +182,7 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, V_PAIRS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
     heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
@@ -207,7 +196,7 @@ def _decode_partition(
         visible = g_mask[:, None] & key_valid[None, :]
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
-            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION, V_PAIRS,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
         )
     acc = acc * v_scale  # the FP8 V scale (1.0 otherwise); linear, so partitions merge alike
     if IS_PARTITIONED:
@@ -526,7 +515,6 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
-        V_PAIRS=FP8_V_PAIRS and v_cache.dtype == torch.float8_e4m3fn and c["block_d"] == head_dim,
         **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
