@@ -14,17 +14,18 @@ from __future__ import annotations
 import argparse
 import collections
 import inspect
-import os
 import re
-import subprocess
-import tempfile
+import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from llmc.kernels import attention_triton
+
+sys.path.insert(0, str(Path(__file__).parent))
+from w4a16_sass_count import disassemble, loop_opcodes  # noqa: E402
 
 NOT_SPECIALIZED = {"window", "num_partitions", "partition_size", "stride_bt"}  # the kernel's do_not_specialize
 
@@ -59,14 +60,7 @@ def compile_sass(fp8: bool, block_n: int, num_warps: int = 4, num_stages: int = 
              if signature[name] != "constexpr" and name not in NOT_SPECIALIZED and signature[name] != "fp32"}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages, "launch_pdl": True})
-    ptxas = get_ptxas(90).path
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, obj = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        subprocess.run([ptxas, "-arch=sm_90a", ptx, "-o", obj], check=True)
-        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-        return subprocess.run([cuobjdump, "-sass", obj], capture_output=True, text=True, check=True).stdout
+    return disassemble(compiled)
 
 
 def opcodes(sass: str) -> list[str]:
@@ -86,9 +80,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     fp8 = args.cache == "fp8"
     block_n = args.block_n or attention_triton.DECODE_BLOCK_N[fp8]
-    ops = opcodes(compile_sass(fp8, block_n, **attention_triton.DECODE_LAUNCH))
-    print(f"{args.cache} cache, {block_n} keys per tile: {len(ops)} SASS instructions")
-    for op, count in collections.Counter(ops).most_common(args.top):
+    sass = compile_sass(fp8, block_n, **attention_triton.DECODE_LAUNCH)
+    loop = loop_opcodes(sass)
+    print(f"{args.cache} cache, {block_n} keys per tile: {len(opcodes(sass))} SASS instructions, "
+          f"{sum(loop.values())} in the first loop (the kernel's loop over key tiles)")
+    for op, count in loop.most_common(args.top):
         print(f"{count:6d}  {op}")
     return 0
 

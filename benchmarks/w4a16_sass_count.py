@@ -49,6 +49,11 @@ def compile_sass(block_m: int, block_n: int, warps: int, scale_acc: bool, zeros:
     }
     kernel = triton.compile(GluonASTSource(w4a16_gluon._w4a16_wgmma_kernel, signature, constants),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    return disassemble(kernel)
+
+
+def disassemble(kernel) -> str:
+    """The SASS of a kernel compiled for sm_90 (triton.compile), by triton's bundled ptxas and cuobjdump."""
     ptxas = get_ptxas(90).path
     with tempfile.TemporaryDirectory() as tmp:
         ptx, obj = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.o")
