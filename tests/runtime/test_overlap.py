@@ -11,7 +11,7 @@ import torch
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.engine import Engine
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -145,6 +145,99 @@ def test_overlapped_equals_synchronous_as_requests_arrive(artifact, seed, option
     before it learns the tokens of this one) get the synchronous engine's outputs too."""
     overlapped = _staggered_run(artifact, seed, True, **options)
     assert overlapped == _staggered_run(artifact, seed, False, **options)
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    """Any mix of the fields the batched sampler and the stop checks handle, in any output kind."""
+    kw = {"max_tokens": rng.randint(1, 30), "output_kind": rng.choice(list(RequestOutputKind))}
+    if rng.random() < 0.6:
+        kw |= {"temperature": rng.choice([0.5, 1.0, 1.3]), "seed": rng.randrange(1000)}
+        for name, values, chance in [("top_p", [0.5, 0.9], 0.4), ("top_k", [1, 5, 40], 0.4), ("min_p", [0.02, 0.1], 0.3)]:
+            if rng.random() < chance:
+                kw[name] = rng.choice(values)
+        if rng.random() < 0.3:
+            kw["n"] = rng.choice([2, 3])
+            if rng.random() < 0.3 and kw["output_kind"] is not RequestOutputKind.DELTA:
+                kw["best_of"] = kw["n"] + 1
+    else:
+        kw["temperature"] = 0.0
+    for name, values, chance in [
+        ("presence_penalty", [0.3, -0.5, 1.0], 0.3), ("frequency_penalty", [0.3, 0.8], 0.3),
+        ("repetition_penalty", [1.2, 0.9], 0.3), ("stop", [["\n"], [" the", "lord"], [",", "ing"]], 0.3),
+        ("include_stop_str_in_output", [True], 0.2), ("ignore_eos", [True], 0.2), ("logprobs", [0, 1, 3], 0.3),
+        ("bad_words", [["the", "lord"]], 0.1), ("prompt_logprobs", [0, 2], 0.1),
+    ]:
+        if rng.random() < chance:
+            kw[name] = rng.choice(values)
+    if rng.random() < 0.3:
+        kw["stop_token_ids"] = [rng.randrange(2000) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.3:
+        kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+    if rng.random() < 0.2:
+        kw["logit_bias"] = {rng.randrange(2000): rng.choice([-100.0, 5.0, 2.0]) for _ in range(3)}
+    if rng.random() < 0.1:
+        kw["allowed_token_ids"] = [rng.randrange(2000) for _ in range(50)]
+    return SamplingParams(**kw)
+
+
+def _random_run(artifact, seed: int, async_scheduling: bool, options: dict) -> dict:
+    """A random workload of random parameters arriving over the first steps, a few aborted: what each
+    request not aborted was given: its last output (cumulative, final-only: and how many outputs)
+    or its deltas joined per sequence."""
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(5)]
+    requests = [(f"r{i}", rng.choice(prefixes) + (" " + rng.choice(WORDS) if rng.random() < 0.5 else ""),
+                 _random_params(rng), rng.randint(0, 12)) for i in range(rng.randint(5, 25))]
+    aborts = {f"r{rng.randrange(len(requests))}": rng.randint(0, 6) for _ in range(rng.randint(0, 3))}
+    engine = Engine(artifact, device="cpu", disable_log_stats=True, async_scheduling=async_scheduling,
+                    **{"max_num_seqs": 8, **options})
+    outputs: dict[str, list] = {}
+    step = 0
+    while engine.has_unfinished_requests() or step <= 12:
+        for request_id, prompt, params, arrival in requests:
+            if arrival == step:
+                engine.add_request(prompt, params, request_id=request_id)
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+        for request_id, num_outputs in aborts.items():
+            if len(outputs.get(request_id, [])) >= num_outputs and request_id in engine.groups:
+                engine.abort_request(request_id)
+        step += 1
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
+    assert len(engine._free_rows) == engine.options.max_num_seqs, "persistent-batch rows leaked"
+    summary = {}
+    for request_id, _, params, _ in requests:
+        if request_id in aborts:
+            continue
+        got, last = outputs[request_id], outputs[request_id][-1]
+        assert last.finished
+        if params.output_kind is RequestOutputKind.DELTA:
+            joined: dict[int, tuple] = {}
+            for output in got:
+                for c in output.outputs:
+                    ids, text = joined.get(c.index, ((), ""))
+                    joined[c.index] = (ids + tuple(c.token_ids), text + c.text)
+            summary[request_id] = sorted(joined.items()), [c.finish_reason for c in last.outputs]
+        else:
+            if params.output_kind is RequestOutputKind.FINAL_ONLY:
+                assert len(got) == 1
+            summary[request_id] = [(c.token_ids, c.text, c.finish_reason) for c in last.outputs]
+    return summary
+
+
+@pytest.mark.parametrize("seed,options", [
+    (0, {}),
+    (1, {"num_kv_blocks": 14, "max_num_batched_tokens": 48}),
+    (2, {"enable_prefix_caching": True, "max_num_batched_tokens": 32}),
+    (3, {"num_kv_blocks": 20, "max_num_batched_tokens": 32, "enable_prefix_caching": True,
+         "speculative": {"method": "ngram", "num_speculative_tokens": 2}}),
+], ids=["plain", "preemption", "prefix-cache", "ngram"])
+def test_overlapped_equals_synchronous_over_random_parameters(artifact, seed, options):
+    """Random mixes of every sampling and stopping field, in every output kind (a DELTA stream
+    joined per sequence: the overlapped engine may hand a sibling's delta out a step later), give the
+    synchronous engine's outputs."""
+    assert _random_run(artifact, seed, True, options) == _random_run(artifact, seed, False, options)
 
 
 @pytest.mark.gpu
