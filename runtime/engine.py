@@ -249,7 +249,7 @@ class Engine:
             processors = [(i, r.batch_row, r.prompt_token_ids, r.output_token_ids)
                           for i, r in enumerate(sampled_requests) if r.sampling_params.logits_processors]
         bitmask = None
-        if self.sampler.has_constraints:
+        if self.sampler.has_constraints and sampled_requests:  # none when the step is prompt chunks only
             constraints = [self.sequences[r.request_id].constraints for r in sampled_requests]
             bitmask = to_device(fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher()),
                                 self.device)

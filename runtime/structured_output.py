@@ -255,7 +255,7 @@ def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
     """[n, words] int32 -> [n, vocab] bool (True: allowed), as one device op."""
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+    return bits.reshape(bitmask.shape[0], bitmask.shape[1] * 32)[:, :vocab_size].bool()  # 0 rows too
 
 
 @torch.inference_mode()

@@ -155,3 +155,26 @@ def test_bad_words_never_appear(ref_llm):
         outputs = ref_llm.generate([prompt], params.replace(bad_words=[single, multi]))[0].outputs
         for completion in outputs:
             assert not any(_contains(completion.token_ids, w) for w in banned), completion.text
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_constrained_requests_whose_prompts_take_several_chunks(tmp_path_factory, ref_model_dir, async_scheduling):
+    """A step can hold nothing but a constrained request's first prompt chunks, which sample nothing:
+    its (empty) bitmask once failed the step and reset the engine. A regex request and a bad-words
+    request, each alone, with prompts of four chunks, then both beside a free one."""
+    artifact = _artifact(tmp_path_factory, ref_model_dir, "guided_chunks")
+    prompt = " ".join(["the king, my lord"] * 12)  # ~60 tokens: 4 chunks of 16
+    regex = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                           structured_outputs=StructuredOutputsParams(regex="[a-z]{3,6}"))
+    bad = SamplingParams(temperature=0, max_tokens=12, bad_words=["my lord", "the king"])
+    with LLM(artifact, max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=async_scheduling,
+             disable_log_stats=True) as llm:
+        assert len(llm.tokenizer.encode(prompt)) > 48
+        alone = [llm.generate([prompt], params)[0].outputs[0] for params in (regex, bad)]
+        together = llm.generate([prompt, prompt, "ROMEO:"], [regex, bad, SamplingParams(temperature=0, max_tokens=4)])
+        assert llm.engine.num_resets == 0
+    for completion in [alone[0], together[0].outputs[0]]:
+        assert completion.finish_reason == "stop" and re.fullmatch("[a-z]{3,6}", completion.text), completion
+    for completion in [alone[1], together[1].outputs[0]]:
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+        assert "my lord" not in completion.text and "the king" not in completion.text, completion.text
