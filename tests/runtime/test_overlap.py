@@ -213,12 +213,12 @@ def _random_run(artifact, seed: int, async_scheduling: bool, options: dict) -> d
         got, last = outputs[request_id], outputs[request_id][-1]
         assert last.finished
         if params.output_kind is RequestOutputKind.DELTA:
-            joined: dict[int, tuple] = {}
+            joined: dict[int, tuple] = {}  # index -> (token ids, text, its last delta's finish reason)
             for output in got:
                 for c in output.outputs:
-                    ids, text = joined.get(c.index, ((), ""))
-                    joined[c.index] = (ids + tuple(c.token_ids), text + c.text)
-            summary[request_id] = sorted(joined.items()), [c.finish_reason for c in last.outputs]
+                    ids, text, _ = joined.get(c.index, ((), "", None))
+                    joined[c.index] = (ids + tuple(c.token_ids), text + c.text, c.finish_reason)
+            summary[request_id] = sorted(joined.items())
         else:
             if params.output_kind is RequestOutputKind.FINAL_ONLY:
                 assert len(got) == 1
