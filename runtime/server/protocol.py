@@ -13,9 +13,9 @@ grammar xgrammar cannot compile is a 400 naming the field it came from.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
 from llmc.runtime.sampling_params import SamplingParams
@@ -56,6 +56,17 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+    # Fields OpenAI's API declares nullable whose null means the default here (a non-None default):
+    # `"n": null` or `"stream": null` is what some clients send for "not set".
+    _NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_meaning_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls._NULL_MEANS_DEFAULT):
+            data = {name: value for name, value in data.items()
+                    if not (value is None and name in cls._NULL_MEANS_DEFAULT)}
+        return data
 
     def unknown_fields(self) -> list[str]:
         """Unknown fields a handler may ignore (with a warning); 400 for the ones that would change the output."""
@@ -87,6 +98,8 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
+
+    _NULL_MEANS_DEFAULT = frozenset({"n", "stream", "presence_penalty", "frequency_penalty"})
 
     model: str | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
@@ -221,6 +234,7 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
+    _NULL_MEANS_DEFAULT = _SamplingFields._NULL_MEANS_DEFAULT | {"echo"}
     prompt: PromptField | None = None
     suffix: str | None = None
     max_tokens: Int64 | None = 16  # None (null): up to the model's context, as vLLM
@@ -279,6 +293,7 @@ class ChatMessage(_Body):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    _NULL_MEANS_DEFAULT = _SamplingFields._NULL_MEANS_DEFAULT | {"logprobs"}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None

@@ -113,3 +113,33 @@ def test_metrics_are_per_app_and_count_tokens_and_latencies():
     assert math.isclose(samples["llmc:e2e_request_latency_seconds_sum"], 0.7)
     assert samples["llmc:inter_token_latency_seconds_count"] == 1
     assert b'model_name="a"' not in second.render()
+
+
+def _nullable_fields(typed_dict) -> list[str]:
+    import typing
+
+    return [name for name, hint in typing.get_type_hints(typed_dict).items() if type(None) in typing.get_args(hint)]
+
+
+def test_every_field_openai_declares_nullable_takes_null():
+    """Clients send `null` for what they leave unset (`"logprobs": null`, `"n": null`, `"stream": null`):
+    every field the openai SDK's request types declare Optional parses with null, as its default
+    (but a completion's max_tokens, whose null means up to the context, as in vLLM)."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    cases = [
+        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]},
+         _nullable_fields(chat_create_params.CompletionCreateParamsNonStreaming)),
+        (CompletionRequest, {"prompt": "x"},
+         [f for f in _nullable_fields(completion_create_params.CompletionCreateParamsNonStreaming) if f != "prompt"]),
+    ]
+    for request_type, body, fields in cases:
+        assert {"n", "logprobs", "stream", "temperature", "seed"} <= set(fields)
+        default = parse_body(request_type, body).to_sampling_params()
+        for field in fields:
+            request = parse_body(request_type, {**body, field: None})
+            request.check()
+            if (request_type, field) != (CompletionRequest, "max_tokens"):
+                assert request.to_sampling_params() == default, field
+            assert request.stream is False
