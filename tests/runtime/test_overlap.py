@@ -12,6 +12,7 @@ from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.engine import Engine
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
+from llmc.runtime.structured_output import StructuredOutputsParams
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -177,6 +178,8 @@ def _random_params(rng: random.Random) -> SamplingParams:
         kw["logit_bias"] = {rng.randrange(2000): rng.choice([-100.0, 5.0, 2.0]) for _ in range(3)}
     if rng.random() < 0.1:
         kw["allowed_token_ids"] = [rng.randrange(2000) for _ in range(50)]
+    elif rng.random() < 0.1:
+        kw["structured_outputs"] = StructuredOutputsParams(regex=rng.choice(["[a-z ]{4,12}", "(yes|no), my lord"]))
     return SamplingParams(**kw)
 
 
