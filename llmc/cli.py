@@ -45,14 +45,15 @@ def runtime_option_flags(fn):
     hints = typing.get_type_hints(RuntimeDefaults)
     for f in reversed(dataclasses.fields(RuntimeDefaults)):
         flag = "--" + f.name.replace("_", "-")
+        names = [flag] + (["--" + f.metadata["alias"].replace("_", "-")] if "alias" in f.metadata else [])  # vLLM's
         help_text = f"{f.metadata.get('help', '')} [default: the artifact's value]"
         base = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) else hints[f.name]
         if base is bool:
             fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)(fn)
         elif dataclasses.is_dataclass(base):  # nested settings as JSON, e.g. --speculative '{"method": "ngram", ...}'
-            fn = click.option(flag, f.name, type=JSON_OBJECT, default=None, help=help_text + " (JSON)")(fn)
+            fn = click.option(*names, f.name, type=JSON_OBJECT, default=None, help=help_text + " (JSON)")(fn)
         else:
-            fn = click.option(flag, f.name, type=base, default=None, help=help_text)(fn)
+            fn = click.option(*names, f.name, type=base, default=None, help=help_text)(fn)
     return fn
 
 
@@ -149,8 +150,14 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
               help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
-@click.option("--data-parallel", type=click.IntRange(min=1), default=1,
+@click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
               help="server: independent engine replicas (each with its own ranks), requests to the least loaded")
+@click.option("--tensor-parallel-size", "tensor_parallel_size", type=int, default=None,
+              help="vLLM's flag: set at build time here (parallel.tensor); accepted when it says the artifact's value")
+@click.option("--pipeline-parallel-size", "pipeline_parallel_size", type=int, default=None,
+              help="vLLM's flag: set at build time here (parallel.pipeline); accepted when it says the artifact's value")
+@click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
+              help="vLLM's flag: prompts are always prefilled in chunks here (max_num_batched_tokens)")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,

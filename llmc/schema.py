@@ -2,7 +2,8 @@
 
 Used for recipes and for runtime options, so both refuse the same mistakes with the same words:
 an unknown key, a wrong type, a value outside its range or choices — one line naming the key.
-Constraints live in field metadata: `choices`, `min`, `max`, `min_exclusive`, `help`.
+Constraints live in field metadata: `choices`, `min`, `max`, `min_exclusive`, `help`; `alias` is a second
+name the key is accepted by (vLLM's name where llmc's differs).
 """
 
 from __future__ import annotations
@@ -25,12 +26,28 @@ def opt(default=dataclasses.MISSING, *, help: str = "", **constraints) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def canonical_keys(klass, data: dict, where: str, error: type[LlmcError]) -> dict:
+    """`data` with keys given by a field's alias renamed to the field's name; both names at once is an error."""
+    aliases = {f.metadata["alias"]: f.name for f in dataclasses.fields(klass) if "alias" in f.metadata}
+    if not aliases.keys() & data.keys():
+        return data
+    renamed, given_as = {}, {}
+    for key, value in data.items():
+        name = aliases.get(key, key)
+        if name in renamed:
+            raise error(f"{_join(where, name)}: given twice, as {given_as[name]!r} and as {key!r} (one setting, "
+                        f"two names); keep one")
+        renamed[name], given_as[name] = value, key
+    return renamed
+
+
 def parse(klass, data: Any, where: str, error: type[LlmcError]):
     """Build `klass` from a mapping, checking every key; `where` prefixes messages ("quantization")."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise error(f"{where or 'the top level'} must be a mapping of keys to values, got {_show(data)}")
+    data = canonical_keys(klass, data, where, error)
     fields = {f.name: f for f in dataclasses.fields(klass)}
     for key in data:
         if key not in fields:

@@ -177,7 +177,8 @@ class RuntimeDefaults:
     max_num_batched_tokens: int = opt(2048, min=1, help="token budget of one engine step")
     block_size: int = opt(16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
     gpu_memory_utilization: float = opt(0.9, min_exclusive=0.0, max=1.0, help="fraction of GPU memory to use")
-    num_kv_blocks: int | None = opt(None, min=1, help="exact KV block count; overrides the memory fraction")
+    num_kv_blocks: int | None = opt(None, min=1, alias="num_gpu_blocks_override",
+                                    help="exact KV block count; overrides the memory fraction")
     cpu_kv_cache_gib: float = opt(1.0, min_exclusive=0.0, max=65536.0, help="KV-cache size on CPU, in GiB")
     enable_prefix_caching: bool = opt(True, help="reuse the KV of shared prompt prefixes")
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
@@ -190,7 +191,8 @@ class RuntimeDefaults:
                                    help="decode steps per engine step (multi-step decoding; onnx-cpu artifacts only)")
     seed: int = opt(0, min=0, max=2**63 - 1, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
-    speculative: SpeculativeConfig | None = opt(None, help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+    speculative: SpeculativeConfig | None = opt(None, alias="speculative_config",
+                                                help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 

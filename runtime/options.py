@@ -9,11 +9,13 @@ import torch
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime.onnx_model import is_onnx, onnx_options
-from llmc.schema import parse
+from llmc.schema import canonical_keys, parse
 
 
 def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefaults:
     """The artifact's runtime section with `overrides` applied, every value checked by name."""
+    overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)  # vLLM's names too
+    overrides = _check_vllm_build_settings(manifest, overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     options = parse(art.RuntimeDefaults, merged, "", ConfigError)
     if options.max_model_len > manifest.model.max_position_embeddings and manifest.model.rope_scaling is None:
@@ -27,6 +29,23 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
     return options
+
+
+def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
+    """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
+    pipeline_parallel_size) or always does (enable_chunked_prefill): accepted where they say what the
+    artifact does, refused by name where they ask for something else. Returns the other overrides."""
+    rest = dict(overrides)
+    plan = manifest.parallel
+    for name, built, key in [("tensor_parallel_size", plan.tensor, "tensor"), ("pipeline_parallel_size", plan.pipeline, "pipeline")]:
+        if name in rest and rest.pop(name) != built:
+            raise ConfigError(f"{name} {overrides[name]!r}: this artifact is split {built} way(s) at build time "
+                              f"(the recipe's parallel.{key}); build it again with parallel.{key}: {overrides[name]}")
+    if "enable_chunked_prefill" in rest and rest.pop("enable_chunked_prefill") is not True:
+        raise ConfigError(f"enable_chunked_prefill {overrides['enable_chunked_prefill']!r}: llmc always prefills a "
+                          "prompt in chunks of at most max_num_batched_tokens tokens beside the running decodes; "
+                          "drop it, or raise max_num_batched_tokens for larger chunks")
+    return rest
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

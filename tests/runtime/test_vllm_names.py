@@ -1,0 +1,69 @@
+"""vLLM's names for the engine settings whose llmc name differs (speculative_config, num_gpu_blocks_override,
+--data-parallel-size), and vLLM's build-time or always-on settings (tensor_parallel_size,
+pipeline_parallel_size, enable_chunked_prefill): accepted by LLM(...), `llmc run` and the recipe where they
+say what the artifact does, refused by name otherwise."""
+
+import pytest
+from click.testing import CliRunner
+
+from llmc.cli import cli
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def _build(ref_model_dir, out, runtime=None):
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 128, **(runtime or {})}}), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, ref_model_dir):
+    return _build(ref_model_dir, tmp_path_factory.mktemp("vllm_names") / "ref")
+
+
+def test_llm_takes_vllm_names(artifact):
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    prompts = ["ROMEO: ROMEO:", "the king the king the king the king"]
+    with LLM(artifact, disable_log_stats=True) as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
+             pipeline_parallel_size=1, enable_chunked_prefill=True, disable_log_stats=True) as llm:
+        options = llm.engine.options
+        assert options.speculative == art.SpeculativeConfig(**NGRAM) and options.num_kv_blocks == 40
+        assert llm.engine.stats()["num_total_blocks"] == 40
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == plain
+        assert llm.stats()["num_spec_proposed"] > 0
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"speculative_config": NGRAM, "speculative": NGRAM}, "speculative: given twice, as 'speculative_config' and as 'speculative'"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2: this artifact is split 1 way(s) at build time"),
+    ({"pipeline_parallel_size": 2}, "build it again with parallel.pipeline: 2"),
+    ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
+])
+def test_what_the_artifact_cannot_do_is_refused_by_name(artifact, options, message):
+    with pytest.raises(ConfigError) as info:
+        LLM(artifact, **options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_flags_and_recipe_keys_by_vllm_names(artifact, tmp_path, ref_model_dir):
+    args = ["run", str(artifact), "--device", "cpu", "--prompt", "ROMEO: ROMEO:", "--max-tokens", "12", "--temperature", "0"]
+    plain = CliRunner().invoke(cli, args)
+    vllm = CliRunner().invoke(cli, [*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                                    "--num-gpu-blocks-override", "40", "--tensor-parallel-size", "1",
+                                    "--enable-chunked-prefill"])
+    assert plain.exit_code == 0 and vllm.exit_code == 0, vllm.output
+    assert vllm.stdout == plain.stdout
+    refused = CliRunner().invoke(cli, [*args, "--tensor-parallel-size", "2"])
+    assert isinstance(refused.exception, ConfigError) and "tensor_parallel_size 2" in str(refused.exception)
+    built = _build(ref_model_dir, tmp_path / "aliases", {"speculative_config": NGRAM, "num_gpu_blocks_override": 30})
+    runtime = art.read_manifest(built).runtime
+    assert runtime.speculative == art.SpeculativeConfig(**NGRAM) and runtime.num_kv_blocks == 30
