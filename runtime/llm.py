@@ -22,7 +22,8 @@ PromptType = str | list[int] | dict
 
 class LLM:
     """Load an artifact and generate. Keyword options are the recipe's `runtime` names
-    (max_model_len, max_num_seqs, max_num_batched_tokens, num_kv_blocks, ...); `device` picks cpu/cuda.
+    (max_model_len, max_num_seqs, max_num_batched_tokens, num_kv_blocks, ...) or vLLM's where they differ
+    (num_gpu_blocks_override, speculative_config, ...); `device` picks cpu/cuda.
 
     A tensor/pipeline-parallel artifact starts its other ranks as processes on this host (or joins
     the torchrun launch this process is part of; `launch` for several hosts). Call `close()` or use
@@ -58,6 +59,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The artifact's Hugging Face tokenizer (vLLM's accessor; also the `tokenizer` property)."""
         return self.engine.tokenizer
 
     def generate(

@@ -33,6 +33,8 @@ def test_llm_takes_vllm_names(artifact):
     prompts = ["ROMEO: ROMEO:", "the king the king the king the king"]
     with LLM(artifact, disable_log_stats=True) as llm:
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        # vLLM's accessor: the tokenizer that encodes the prompt the engine saw
+        assert llm.get_tokenizer()(prompts[0])["input_ids"] == llm.generate(prompts[0], greedy)[0].prompt_token_ids
     with LLM(artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
              pipeline_parallel_size=1, enable_chunked_prefill=True, disable_log_stats=True) as llm:
         options = llm.engine.options
