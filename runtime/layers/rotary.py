@@ -1,4 +1,6 @@
-"""Rotary embedding tables, including Llama 3's frequency scaling (`rope_type: llama3`)."""
+"""Rotary embedding tables, including Llama 3's frequency scaling (`rope_type: llama3`), linear scaling
+and YaRN (`rope_type: yarn`, Qwen2.5/Qwen3's long-context setting: frequencies blended by a ramp over
+the head dimensions, cos and sin scaled by its attention factor), as transformers computes them."""
 
 from __future__ import annotations
 
@@ -20,7 +22,45 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> T
         return _llama3_scaled(inv_freq, rope_scaling)
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
-    raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3")
+    if rope_type == "yarn":
+        return _yarn_scaled(head_dim, theta, rope_scaling)
+    raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+
+
+def _yarn_scaled(head_dim: int, theta: float, cfg: dict) -> Tensor:
+    """YaRN's inverse frequencies (float64): the fast dimensions (more than beta_fast rotations over the
+    original context) keep theirs, the slow ones (under beta_slow) are divided by `factor`, and the band
+    between is a linear ramp of the two."""
+    factor, original = cfg["factor"], cfg["original_max_position_embeddings"]
+    beta_fast, beta_slow = cfg.get("beta_fast") or 32, cfg.get("beta_slow") or 1
+
+    def dimension(num_rotations: float) -> float:  # the dimension that turns num_rotations times over `original`
+        return head_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if cfg.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolation = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return extrapolation / factor * ramp + extrapolation * (1 - ramp)
+
+
+def attention_factor(rope_scaling: dict | None) -> float:
+    """The factor YaRN scales cos and sin by (1 for every other rope type): its `attention_factor`, else
+    0.1 ln(factor) + 1, or the ratio of two such terms with `mscale` and `mscale_all_dim` (DeepSeek's form)."""
+    if (rope_scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if rope_scaling.get("attention_factor") is not None:
+        return float(rope_scaling["attention_factor"])
+    factor = rope_scaling["factor"]
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if rope_scaling.get("mscale") and rope_scaling.get("mscale_all_dim"):
+        return mscale(rope_scaling["mscale"]) / mscale(rope_scaling["mscale_all_dim"])
+    return mscale(1.0)
 
 
 def _llama3_scaled(inv_freq: Tensor, cfg: dict) -> Tensor:
@@ -40,4 +80,4 @@ def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling:
     """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the second."""
     inv_freq = inv_frequencies(head_dim, theta, rope_scaling).float()
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_positions, head_dim/2]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor(rope_scaling)

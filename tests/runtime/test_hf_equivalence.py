@@ -99,3 +99,23 @@ def test_moe_layers_as_transformers_chooses_them(hf_checkpoint_factory, hf_model
     hf_sparse = [i for i, layer in enumerate(hf_model(path).model.layers) if hasattr(layer.mlp, "experts")]
     assert model.moe_layers == hf_sparse == [1, 5]
     assert model.norm_topk_prob is False
+
+
+@pytest.mark.parametrize("family,rope,legacy", [
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "type"),  # Qwen2.5's spelling
+    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 96, "beta_fast": 16,
+               "beta_slow": 2, "attention_factor": 1.2}, False),
+    ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "truncate": False}, True),
+    ("mistral", {"rope_type": "linear", "factor": 2.0}, False),
+], ids=["qwen2-yarn", "qwen3-yarn-explicit", "llama-yarn-untruncated", "mistral-linear"])
+def test_scaled_ropes_match_transformers(hf_checkpoint_factory, tmp_path, hf_logits, family, rope, legacy):
+    """YaRN (its frequency ramp and attention factor) and linear scaling, past the original context, as
+    transformers computes them; published configs' key spellings included."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family, legacy_rope_keys=legacy,
+                                       rope_parameters={"rope_theta": 10000.0, **rope})
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 256}}), show_progress=False)
+    token_ids = list(range(5, 205))  # 200 positions: beyond every original context above
+    llm = LLM(out, device="cpu")
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
