@@ -99,10 +99,15 @@ class LLM:
         return [{"prompt": p, "prompt_token_ids": next(encoded)} if isinstance(p, str) else p for p in prompts]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered with the artifact's chat template."""
+             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the artifact's chat template (or `chat_template`);
+        vLLM's keywords: add_generation_prompt, continue_final_message, chat_template_kwargs (the template's
+        extra variables, e.g. {"enable_thinking": False} for Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c)} for c in conversations]
+        options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **options)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:

@@ -29,12 +29,33 @@ def _verify(path: Path) -> None:
         art.verify_for_load(root, manifest, art.tokenizer_files(manifest))
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    """Render messages with the artifact's chat template, then tokenize the text without adding
-    special tokens again (the template places them), as vLLM does."""
-    if not getattr(tokenizer, "chat_template", None):
-        from llmc.errors import RequestError
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not set them
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
+
+def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, chat_template: str | None = None,
+                        chat_template_kwargs: dict | None = None) -> list[int]:
+    """Render messages with the artifact's chat template (or `chat_template`, a Jinja string), then
+    tokenize the text without adding special tokens again (the template places them), as vLLM does.
+    vLLM's options: `add_generation_prompt` (open the assistant's turn), `continue_final_message`
+    (leave the last, assistant message open, to be continued), `chat_template_kwargs` (extra
+    variables of the template, e.g. Qwen3's enable_thinking)."""
+    from llmc.errors import RequestError
+
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("this model has no chat template; send a plain prompt instead of messages")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if add_generation_prompt and continue_final_message:
+        raise RequestError("continue_final_message cannot be true while add_generation_prompt is (its default): "
+                           "set add_generation_prompt false to continue the last message")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise RequestError("continue_final_message needs the last message to be the assistant's")
+    extra = dict(chat_template_kwargs or {})
+    reserved = sorted(extra.keys() & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the request's own fields, not here")
+    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=False)

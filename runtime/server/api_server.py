@@ -176,7 +176,7 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         ctx.require_ready()
         if body.messages is not None:
             messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
-            token_ids = await asyncio.to_thread(ctx.render_chat, messages)
+            token_ids = await asyncio.to_thread(ctx.render_chat, messages, body.template_options())
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await asyncio.to_thread(ctx.encode, body.prompt, add_special)

@@ -47,8 +47,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "guided_whitespace_pattern": (None,), "logprob_token_ids": (None,),
     "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
     "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
-    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None,),
-    "continue_final_message": (False, None), "add_generation_prompt": (True, None),
+    "documents": (None,),
     "functions": (None,), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None,),
 }
@@ -292,8 +291,21 @@ class ChatMessage(_Body):
         return message
 
 
-class ChatCompletionRequest(_SamplingFields):
-    _NULL_MEANS_DEFAULT = _SamplingFields._NULL_MEANS_DEFAULT | {"logprobs"}
+class _ChatTemplateFields(BaseModel):
+    """vLLM's options of the chat template's rendering (chat completions and /tokenize with messages)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict:
+        return {"add_generation_prompt": self.add_generation_prompt, "continue_final_message": self.continue_final_message,
+                "chat_template": self.chat_template, "chat_template_kwargs": self.chat_template_kwargs}
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    _NULL_MEANS_DEFAULT = _SamplingFields._NULL_MEANS_DEFAULT | {"logprobs", "add_generation_prompt", "continue_final_message"}
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
@@ -334,7 +346,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Body, _ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None

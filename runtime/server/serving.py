@@ -143,18 +143,24 @@ class ServingContext:
         """`encode` on the tokenizer pool (the default thread pool without one)."""
         return await self._off_loop(self.encode, text, add_special_tokens, param)
 
-    async def render_chat_off_loop(self, messages: list[dict]) -> list[int]:
+    async def render_chat_off_loop(self, messages: list[dict], options: dict | None = None) -> list[int]:
         """`render_chat` on the tokenizer pool (the default thread pool without one)."""
-        return await self._off_loop(self.render_chat, messages)
+        return await self._off_loop(self.render_chat, messages, options)
 
     async def _off_loop(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], options: dict | None = None) -> list[int]:
+        """`options`: apply_chat_template's keywords (add_generation_prompt, continue_final_message,
+        chat_template, chat_template_kwargs)."""
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            return apply_chat_template(self.tokenizer, messages, **(options or {}))
         except ApiError:
             raise
+        except RequestError as e:  # its message starts with the field it is about, else it is about messages
+            param = next((name for name in ("chat_template_kwargs", "continue_final_message")
+                          if str(e).startswith(name)), "messages")
+            raise ApiError(400, str(e) if param != "messages" else f"messages: {e}", param=param) from None
         except Exception as e:  # noqa: BLE001 - jinja raises its own types for a bad conversation
             raise invalid("messages", f"the chat template cannot render them: {e}") from None
 

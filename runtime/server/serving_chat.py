@@ -18,7 +18,7 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
-    token_ids = await ctx.render_chat_off_loop(request.template_messages())
+    token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     request_id = new_id("chatcmpl")
     generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)

@@ -69,3 +69,19 @@ def test_run_flags_and_recipe_keys_by_vllm_names(artifact, tmp_path, ref_model_d
     built = _build(ref_model_dir, tmp_path / "aliases", {"speculative_config": NGRAM, "num_gpu_blocks_override": 30})
     runtime = art.read_manifest(built).runtime
     assert runtime.speculative == art.SpeculativeConfig(**NGRAM) and runtime.num_kv_blocks == 30
+
+
+def test_chat_takes_vllm_template_options(artifact):
+    """LLM.chat(..., chat_template=, chat_template_kwargs=, add_generation_prompt=, continue_final_message=):
+    the prompt transformers renders from the same arguments."""
+    template = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                "<|assistant|>{% if not enable_thinking %}<think></think>{% endif %}{% endif %}")
+    messages = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am"}]
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    with LLM(artifact, disable_log_stats=True) as llm:
+        tokenizer = llm.get_tokenizer()
+        for options, kwargs in [({"chat_template": template}, {"enable_thinking": False}),
+                                ({"add_generation_prompt": False, "continue_final_message": True}, {})]:
+            got = llm.chat(messages, greedy, chat_template_kwargs=kwargs, **options)[0].prompt_token_ids
+            text = tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **options, **kwargs})
+            assert got == tokenizer.encode(text, add_special_tokens=False)

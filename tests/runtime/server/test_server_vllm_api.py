@@ -281,3 +281,37 @@ def test_use_beam_search_refuses_streaming_and_fields_it_cannot_honour(server):
         reply = _post(server, "/v1/completions", body)
         assert reply.status_code == 400, reply.text
         assert name in reply.json()["error"]["message"]
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}"
+                     "<|assistant|>{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+                     "{% endif %}")
+
+
+def test_chat_template_options(server, tokenizer):
+    """vLLM's chat_template, chat_template_kwargs (Qwen3's enable_thinking), add_generation_prompt and
+    continue_final_message, on /tokenize and chat completions: the prompt transformers renders from the
+    same arguments; contradictory or reserved ones are a 400 naming the field."""
+    answer_started = CHAT + [{"role": "assistant", "content": "In the"}]
+    cases = [
+        (CHAT, {"chat_template": THINKING_TEMPLATE, "chat_template_kwargs": {"enable_thinking": False}}),
+        (CHAT, {"chat_template": THINKING_TEMPLATE}),
+        (CHAT, {"add_generation_prompt": False}),
+        (answer_started, {"add_generation_prompt": False, "continue_final_message": True}),
+    ]
+    prompts = []
+    for messages, options in cases:
+        reference = {"add_generation_prompt": True, **options, **options.get("chat_template_kwargs", {})}
+        reference.pop("chat_template_kwargs", None)
+        expected = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, **reference),
+                                    add_special_tokens=False)
+        assert _post(server, "/tokenize", {"model": MODEL, "messages": messages, **options}).json()["tokens"] == expected
+        reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 1, **options})
+        assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
+        prompts.append(expected)
+    assert len(set(map(tuple, prompts))) == len(prompts)  # each option changed the prompt
+    for options, param in [({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
+                           ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+                           ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
+        reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1, **options})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
