@@ -158,6 +158,10 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
               help="vLLM's flag: set at build time here (parallel.pipeline); accepted when it says the artifact's value")
 @click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", "enable_chunked_prefill", default=None,
               help="vLLM's flag: prompts are always prefilled in chunks here (max_num_batched_tokens)")
+@click.option("--dtype", "dtype", default=None,
+              help="vLLM's flag: the artifact's weights' dtype is set at build time; accepted when auto or that dtype")
+@click.option("--trust-remote-code", "trust_remote_code", is_flag=True, default=None,
+              help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,

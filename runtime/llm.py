@@ -31,8 +31,11 @@ class LLM:
     and at interpreter exit.
     """
 
-    def __init__(self, artifact: str | Path, device: str | None = None, launch: LaunchConfig | None = None,
-                 tokenizer_pool_size: int = 0, **options):
+    def __init__(self, artifact: str | Path | None = None, device: str | None = None, launch: LaunchConfig | None = None,
+                 tokenizer_pool_size: int = 0, *, model: str | Path | None = None, **options):
+        if (artifact is None) == (model is None):
+            raise RequestError("give the artifact directory once: LLM(artifact) or, as vLLM names it, LLM(model=artifact)")
+        artifact = artifact if artifact is not None else model
         if not (isinstance(tokenizer_pool_size, int) and tokenizer_pool_size >= 0):
             raise RequestError(f"tokenizer_pool_size must be an integer >= 0, got {tokenizer_pool_size!r}")
         self.engine = Engine(artifact, device=device, launch=launch, **options)

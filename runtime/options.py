@@ -33,14 +33,22 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
 
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
-    pipeline_parallel_size) or always does (enable_chunked_prefill): accepted where they say what the
-    artifact does, refused by name where they ask for something else. Returns the other overrides."""
+    pipeline_parallel_size, dtype) or always does (enable_chunked_prefill): accepted where they say what
+    the artifact does, refused by name where they ask for something else; trust_remote_code is
+    accepted either way (no code of the checkpoint runs). Returns the other overrides."""
     rest = dict(overrides)
     plan = manifest.parallel
     for name, built, key in [("tensor_parallel_size", plan.tensor, "tensor"), ("pipeline_parallel_size", plan.pipeline, "pipeline")]:
         if name in rest and rest.pop(name) != built:
             raise ConfigError(f"{name} {overrides[name]!r}: this artifact is split {built} way(s) at build time "
                               f"(the recipe's parallel.{key}); build it again with parallel.{key}: {overrides[name]}")
+    if "dtype" in rest:  # vLLM's names and its "half" / "float" spellings
+        dtype = rest.pop("dtype")
+        named = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(dtype, dtype)
+        if named not in ("auto", manifest.model.dtype):
+            raise ConfigError(f"dtype {dtype!r}: this artifact holds {manifest.model.dtype} weights (the recipe's dtype); "
+                              f"build it again with dtype: {named}, or drop dtype")
+    rest.pop("trust_remote_code", None)  # a permission, not a setting: an artifact never runs a checkpoint's code
     if "enable_chunked_prefill" in rest and rest.pop("enable_chunked_prefill") is not True:
         raise ConfigError(f"enable_chunked_prefill {overrides['enable_chunked_prefill']!r}: llmc always prefills a "
                           "prompt in chunks of at most max_num_batched_tokens tokens beside the running decodes; "

@@ -1,7 +1,7 @@
-"""vLLM's names for the engine settings whose llmc name differs (speculative_config, num_gpu_blocks_override,
---data-parallel-size), and vLLM's build-time or always-on settings (tensor_parallel_size,
-pipeline_parallel_size, enable_chunked_prefill): accepted by LLM(...), `llmc run` and the recipe where they
-say what the artifact does, refused by name otherwise."""
+"""vLLM's names for the engine settings whose llmc name differs (LLM(model=...), speculative_config,
+num_gpu_blocks_override, --data-parallel-size), and vLLM's build-time or always-on settings
+(tensor_parallel_size, pipeline_parallel_size, dtype, enable_chunked_prefill, trust_remote_code): accepted
+by LLM(...), `llmc run` and the recipe where they say what the artifact does, refused by name otherwise."""
 
 import pytest
 from click.testing import CliRunner
@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from llmc.cli import cli
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ConfigError
+from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
@@ -35,8 +35,9 @@ def test_llm_takes_vllm_names(artifact):
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         # vLLM's accessor: the tokenizer that encodes the prompt the engine saw
         assert llm.get_tokenizer()(prompts[0])["input_ids"] == llm.generate(prompts[0], greedy)[0].prompt_token_ids
-    with LLM(artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
-             pipeline_parallel_size=1, enable_chunked_prefill=True, disable_log_stats=True) as llm:
+    with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
+             pipeline_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
+             disable_log_stats=True) as llm:
         options = llm.engine.options
         assert options.speculative == art.SpeculativeConfig(**NGRAM) and options.num_kv_blocks == 40
         assert llm.engine.stats()["num_total_blocks"] == 40
@@ -49,9 +50,11 @@ def test_llm_takes_vllm_names(artifact):
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2: this artifact is split 1 way(s) at build time"),
     ({"pipeline_parallel_size": 2}, "build it again with parallel.pipeline: 2"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
+    ({"dtype": "half"}, "dtype 'half': this artifact holds float32 weights (the recipe's dtype); build it again with dtype: float16"),
+    ({"model": "elsewhere"}, "give the artifact directory once"),
 ])
 def test_what_the_artifact_cannot_do_is_refused_by_name(artifact, options, message):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises((ConfigError, RequestError)) as info:
         LLM(artifact, **options)
     assert message in str(info.value) and "\n" not in str(info.value)
 
@@ -61,7 +64,7 @@ def test_run_flags_and_recipe_keys_by_vllm_names(artifact, tmp_path, ref_model_d
     plain = CliRunner().invoke(cli, args)
     vllm = CliRunner().invoke(cli, [*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
                                     "--num-gpu-blocks-override", "40", "--tensor-parallel-size", "1",
-                                    "--enable-chunked-prefill"])
+                                    "--enable-chunked-prefill", "--dtype", "auto", "--trust-remote-code"])
     assert plain.exit_code == 0 and vllm.exit_code == 0, vllm.output
     assert vllm.stdout == plain.stdout
     refused = CliRunner().invoke(cli, [*args, "--tensor-parallel-size", "2"])
