@@ -396,10 +396,12 @@ def _pack_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
 
 def unpack_logprobs(row: list[float], num_top: int) -> dict[int, float]:
     """One packed row (host floats) -> {token id: logprob}: the sampled token first, then the top
-    `num_top` most likely, as `Sampler` returns them."""
+    `num_top` most likely, as `Sampler` returns them. The row holds the step's largest count of top
+    entries (`_pack_logprobs`: a row of another request may have asked for more), read off its length."""
+    packed = (len(row) - 3) // 2
     token_id, value = int(row[0]), row[1]
     result = {token_id: value}
-    for top_id, top_value in zip(row[3 : 3 + num_top], row[3 + num_top : 3 + 2 * num_top]):
+    for top_id, top_value in zip(row[3 : 3 + min(num_top, packed)], row[3 + packed : 3 + 2 * packed]):
         result.setdefault(int(top_id), top_value)
     return result
 

@@ -151,3 +151,19 @@ def test_copy_blocks_copies_k_and_v_of_every_layer(dtype):
             assert torch.equal(cache[4].view(torch.uint8), old[1].view(torch.uint8))
             assert torch.equal(cache[0].view(torch.uint8), old[4].view(torch.uint8))
             assert torch.equal(cache[[1, 2, 3, 5]].view(torch.uint8), old[[1, 2, 3, 5]].view(torch.uint8))
+
+
+def test_beam_searches_of_different_widths_share_a_step(tiny_vocab, hf_logits):
+    """Two beam searches in one step ask for different numbers of logprobs (2 × width each), packed
+    to the larger: each still gets the reference beams and scores (its smaller count once read the
+    other's token ids as logprobs, and its beams went astray)."""
+    checkpoint, artifact = tiny_vocab
+    widths = (2, 4)
+    params = [SamplingParams(n=w, use_beam_search=True, temperature=0, max_tokens=3, ignore_eos=True) for w in widths]
+    with LLM(artifact, disable_log_stats=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, width, output in zip(PROMPTS, widths, outputs):
+        expected = _reference(checkpoint, hf_logits, prompt, width, 3, 1.0)
+        assert [list(prompt) + list(c.token_ids) for c in output.outputs] == [tokens for tokens, _ in expected]
+        for completion, (_, cum) in zip(output.outputs, expected):
+            assert math.isclose(completion.cumulative_logprob, cum, abs_tol=1e-4)

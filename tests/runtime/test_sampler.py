@@ -307,6 +307,20 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert list(logprobs[2]) == [tokens[2]]
 
 
+def test_rows_asking_fewer_logprobs_than_the_step_packs_get_their_own():
+    """A step packs every row's top entries to the largest count asked; a row that asked fewer gets its
+    own top-k with their values (it once read the wider rows' token ids as logprobs)."""
+    logits = random_logits(4, 40, seed=11)
+    counts = [1, 2, 5, 0]
+    tokens, logprobs = batch_sample(logits, [SamplingParams(logprobs=k, temperature=0) for k in counts])
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    for row, count in enumerate(counts):
+        top = reference[row].topk(count).indices.tolist() if count else []
+        assert set(logprobs[row]) == set(top) | {tokens[row]}
+        for token_id, value in logprobs[row].items():
+            assert math.isclose(value, reference[row, token_id].item(), abs_tol=1e-5)
+
+
 def test_packed_ranks_count_more_likely_tokens():
     logits = random_logits(4, 40, seed=9)
     sampler = BatchSampler(4, 40, torch.device("cpu"), [EOS])
