@@ -1,7 +1,8 @@
 """Overlapped scheduling (async_scheduling) changes when the host learns each token, never which
 token: the overlapped and the synchronous engine give identical greedy and seeded outputs over mixed
 workloads (chunked prefill, preemption with a tiny cache, aborts mid-stream, stop strings, n=2,
-penalties, logit bias, logprobs, min_tokens), and every KV block comes back."""
+penalties, logit bias, logprobs, min_tokens), and every KV block comes back; and, in the same random
+workloads, a greedy or seeded request gets what it gets alone."""
 
 import random
 
@@ -341,3 +342,44 @@ def test_loaded_engine_freezes_the_gc_heap_until_close(artifact):
     finally:
         engine.close()
     assert gc.get_freeze_count() == 0
+
+
+def _final_outputs(artifact, requests, options) -> dict:
+    """requests (id, prompt, params, arrival step) through one engine; the final output of each."""
+    engine = Engine(artifact, device="cpu", disable_log_stats=True, **{"max_num_seqs": 8, **options})
+    pending, outputs, step = sorted(requests, key=lambda r: r[3]), {}, 0
+    while engine.has_unfinished_requests() or pending:
+        while pending and pending[0][3] <= step:
+            request_id, prompt, params, _ = pending.pop(0)
+            engine.add_request(prompt, params.replace(output_kind=RequestOutputKind.FINAL_ONLY), request_id=request_id)
+        outputs |= {o.request_id: o for o in engine.step() if o.finished}
+        step += 1
+    return outputs
+
+
+@pytest.mark.parametrize("seed,options", [(0, {"max_num_batched_tokens": 24}), (1, {"num_kv_blocks": 30})],
+                         ids=["chunked", "preemption"])
+def test_greedy_and_seeded_requests_in_a_crowd_give_what_they_give_alone(artifact, seed, options):
+    """Batch invariance: a greedy or seeded request among random others (every sampling field, logprobs
+    of other counts, grammars, penalties) gets the tokens, text, finish reason and logprobs it gets alone,
+    and no logprob is above 0. (Logprobs of a request asking fewer top entries than another once held the
+    other's token ids.) Tokens tied at -inf may come in any order, so only finite entries are compared."""
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(5)]
+    requests = [(f"r{i}", rng.choice(prefixes), _random_params(rng), rng.randint(0, 6)) for i in range(12)]
+    crowd = _final_outputs(artifact, requests, options)
+    checked = 0
+    for request_id, prompt, params, _ in requests:
+        if params.temperature != 0 and params.seed is None:
+            continue
+        alone = _final_outputs(artifact, [(request_id, prompt, params, 0)], options)[request_id]
+        assert ([(c.token_ids, c.text, c.finish_reason) for c in crowd[request_id].outputs]
+                == [(c.token_ids, c.text, c.finish_reason) for c in alone.outputs]), request_id
+        for got, expected in zip(crowd[request_id].outputs, alone.outputs):
+            for step_got, step_expected in zip(got.logprobs or [], expected.logprobs or []):
+                finite = {t: v for t, v in step_got.items() if v != float("-inf")}
+                assert all(v <= 1e-6 for v in finite.values()), step_got
+                assert finite.keys() == {t for t, v in step_expected.items() if v != float("-inf")}
+                assert all(abs(v - step_expected[t]) < 1e-4 for t, v in finite.items())
+        checked += 1
+    assert checked >= 4
