@@ -129,6 +129,8 @@ def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
+    @router.get("/ping")  # vLLM's (SageMaker's) name for the same check, GET or POST
+    @router.post("/ping")
     async def health() -> Response:
         ctx.require_ready()
         problem = _health_problem(ctx)

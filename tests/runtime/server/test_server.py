@@ -20,6 +20,7 @@ def test_models_health_version(client, server):
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 256
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/ping").status_code == 200 == httpx.post(f"{server.base_url}/ping").status_code
     assert httpx.get(f"{server.base_url}/version").json()["version"]
 
 

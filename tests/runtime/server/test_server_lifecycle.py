@@ -27,7 +27,7 @@ def test_503_while_the_model_loads(run_app, wait_healthy, server_artifact):
         return Engine(server_artifact, device="cpu")
 
     base_url = run_app(build_app(slow_engine, "m", log_stats=False))
-    for reply in (httpx.get(f"{base_url}/health"), httpx.get(f"{base_url}/v1/models"),
+    for reply in (httpx.get(f"{base_url}/health"), httpx.get(f"{base_url}/ping"), httpx.get(f"{base_url}/v1/models"),
                   httpx.post(f"{base_url}/v1/completions", json={"prompt": "x"})):
         assert reply.status_code == 503
         assert reply.json()["error"]["type"] == "service_unavailable_error"
