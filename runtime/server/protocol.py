@@ -356,6 +356,9 @@ class TokenizeRequest(_Body, _ChatTemplateFields):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("prompt", "give exactly one of prompt or messages")
+        if self.prompt is not None:
+            for name in sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields)):
+                raise invalid(name, "applies to messages (the chat template), not to a prompt")
 
 
 class DetokenizeRequest(_Body):

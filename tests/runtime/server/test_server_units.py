@@ -143,3 +143,14 @@ def test_every_field_openai_declares_nullable_takes_null():
             if (request_type, field) != (CompletionRequest, "max_tokens"):
                 assert request.to_sampling_params() == default, field
             assert request.stream is False
+
+
+def test_chat_template_options_on_a_plain_prompt_are_refused():
+    """/tokenize with a prompt has no template to apply them to: a 400 naming the option, not silence."""
+    from llmc.runtime.server.protocol import TokenizeRequest
+
+    parse_body(TokenizeRequest, {"prompt": "x"}).check()
+    with pytest.raises(ApiError) as info:
+        parse_body(TokenizeRequest, {"prompt": "x", "add_generation_prompt": False}).check()
+    assert info.value.param == "add_generation_prompt"
+    parse_body(TokenizeRequest, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}).check()
