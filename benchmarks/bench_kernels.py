@@ -74,7 +74,8 @@ def make_weights(k: int, n: int, variant: str = DEFAULT_VARIANT) -> dict:
     columns = k if group_size == -1 else group_size
     zero_levels = 8.0 if zeros is None else zeros.float().repeat_interleave(columns, 1)
     dense = ((levels.float() - zero_levels) * scales.float().repeat_interleave(columns, 1)).to(dtype)
-    weights = {"dense": dense, "w4": w4, "group_size": group_size, "dtype": dtype, "tinygemm": None}
+    weights = {"dense": dense, "w4": w4, "group_size": group_size, "num_groups": num_groups, "dtype": dtype,
+               "tinygemm": None}
     if dtype == torch.bfloat16 and group_size == GROUP_SIZE:  # what tinygemm takes
         weights["tinygemm"] = tinygemm_weight(levels, scales, zeros)
     if variant == DEFAULT_VARIANT:
@@ -128,7 +129,7 @@ def bench_shape(k: int, n: int, ms: list[int], table, flush, variant: str = DEFA
             for name in ("w4a16", "fp8_torch_quant", "fp8_triton_quant", "tinygemm") if name in runs
         }
         times = {name: median_time_ms(fn, flush) * 1000 for name, fn in runs.items()}  # µs
-        num_groups = 1 if group_size == -1 else k // group_size
+        num_groups = weights["num_groups"]
         w4_bytes = n * k // 2 + 2 * n * num_groups + (n * num_groups // 2 if "qzeros" in w4 else 0)
         weight_bytes = {"bf16": 2 * n * k, "w4a16": w4_bytes}
         if "fp8" in weights:

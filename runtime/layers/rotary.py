@@ -23,11 +23,11 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> T
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
     if rope_type == "yarn":
-        return _yarn_scaled(head_dim, theta, rope_scaling)
+        return _yarn_scaled(inv_freq, head_dim, theta, rope_scaling)
     raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
 
 
-def _yarn_scaled(head_dim: int, theta: float, cfg: dict) -> Tensor:
+def _yarn_scaled(inv_freq: Tensor, head_dim: int, theta: float, cfg: dict) -> Tensor:
     """YaRN's inverse frequencies (float64): the fast dimensions (more than beta_fast rotations over the
     original context) keep theirs, the slow ones (under beta_slow) are divided by `factor`, and the band
     between is a linear ramp of the two."""
@@ -42,8 +42,7 @@ def _yarn_scaled(head_dim: int, theta: float, cfg: dict) -> Tensor:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
-    extrapolation = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    return extrapolation / factor * ramp + extrapolation * (1 - ramp)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def attention_factor(rope_scaling: dict | None) -> float:

@@ -356,9 +356,9 @@ class TokenizeRequest(_Body, _ChatTemplateFields):
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("prompt", "give exactly one of prompt or messages")
-        if self.prompt is not None:
-            for name in sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields)):
-                raise invalid(name, "applies to messages (the chat template), not to a prompt")
+        template_options = sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields))
+        if self.prompt is not None and template_options:
+            raise invalid(template_options[0], "applies to messages (the chat template), not to a prompt")
 
 
 class DetokenizeRequest(_Body):
