@@ -20,6 +20,8 @@
 #                                                            → gptfast-int4.json, e2e-w4-head.json
 #   decode-profile  W4A16 and FP8 artifacts: the 25 longest kernels of a decode step at batch 1 and 256,
 #         then batch-1 decode of both                → kprofile-{w4a16,fp8}.json, e2e-decode-profile.json
+#   prefill-host  W4A16, bf16 and FP8 W8A8: one request at a time, TTFT against the eager prefill step's kernel
+#         time, and the host functions by time (benchmarks/prefill_host.py)      → prefill-host.json
 #   kprofile-bf16, kprofile-fp8   the decode step's 30 longest kernels at batch 64 and 256 (profile_step
 #         --top-kernels), then throughput 128/128 at max_num_seqs 256 and 1024 → kprofile-Q.json, e2e-kprofile-Q.json
 #   tprofile  bf16 and FP8 W8A8: throughput 128/128 x 1000 step by step and kernel by kernel
@@ -38,7 +40,7 @@
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|w4-head|decode-profile|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|w4-head|decode-profile|prefill-host|fp8|bf16|moe|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -179,6 +181,13 @@ case $stage in
     say "bench_e2e decode: start ($(left) s left)"
     python "$repo/benchmarks/bench_e2e.py" "$work/w4a16=w4a16" "$work/fp8=fp8" --parts decode \
       --json "$out/e2e-decode-profile.json" --budget "$(left)" 2>&1 | tee -a "$log" >&2 || say "bench_e2e: FAILED"
+    ;;
+  prefill-host)
+    make_checkpoint
+    build w4a16 1 "$W4" & build fp8 1 '{method: fp8}' & build bf16 1 '{method: none}' & wait
+    say "prefill_host: start ($(left) s left)"
+    timeout "$(left)" python "$repo/benchmarks/prefill_host.py" "$work/w4a16=w4a16" "$work/bf16=bf16" "$work/fp8=fp8" \
+      ${PREFILL_ARGS:-} --json "$out/prefill-host.json" 2>&1 | tee -a "$log" >&2 || say "prefill_host: FAILED"
     ;;
   kprofile-bf16|kprofile-fp8)
     q=${stage#kprofile-}
