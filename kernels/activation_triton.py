@@ -9,7 +9,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .fp8_triton import one_pass_warps, quantize_row
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 
 BLOCK = 1024
@@ -68,7 +67,7 @@ def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
     out = torch.empty(*gate_up.shape[:-1], size, device=gate_up.device, dtype=gate_up.dtype)
     if rows.shape[0] == 0:
         return out
-    relaunch(_silu_and_mul_kernel)[(rows.shape[0], triton.cdiv(size, BLOCK))](
+    _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, BLOCK))](
         rows, out, size, rows.stride(0), size, INTERLEAVE=interleave, BLOCK=BLOCK, num_warps=4,
         **pdl_args(gate_up.device),
     )
@@ -86,7 +85,7 @@ def silu_and_mul_fp8(gate_up: Tensor, min_scale: float, interleave: int = 0) -> 
     if rows.shape[0] == 0:
         return out, scale
     block = triton.next_power_of_2(size)
-    relaunch(_silu_and_mul_fp8_kernel)[(rows.shape[0],)](
+    _silu_and_mul_fp8_kernel[(rows.shape[0],)](
         rows, out, scale, size, rows.stride(0), min_scale, INTERLEAVE=interleave, BLOCK=block,
         num_warps=one_pass_warps(block), **pdl_args(gate_up.device),
     )

@@ -44,7 +44,6 @@ from torch import Tensor
 from . import device_num_sms, to_device
 from . import attention
 from .attention import decode_split, is_fp8
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import tile_counters
 
@@ -398,7 +397,7 @@ def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_
     if num_tokens == 0:
         return q
     num_kv_heads, half = k.shape[1], head_dim // 2
-    relaunch(_rotary_write_kv_kernel)[(num_tokens, 2)](
+    _rotary_write_kv_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
         1.0 / k_scale, 1.0 / v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -504,7 +503,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
     block_g = max(16, triton.next_power_of_2(c["group"]))
     rotary = c.get("rotary")
     new_k, new_v, positions, cos_sin, slots = rotary if rotary is not None else (q, q, q, q, q)
-    relaunch(_decode_kernel)[(num_decode, num_kv_heads, num_partitions)](
+    _decode_kernel[(num_decode, num_kv_heads, num_partitions)](
         q, k_cache, v_cache, block_tables, c["context_lens"], seqs, rows, out, part_acc, part_ml,
         counters if counters is not None else out,
         c["scale_log2"], c["v_scale"], c["window"], num_heads, num_partitions, partition_size,
@@ -519,7 +518,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
-        relaunch(_merge_partitions_kernel)[(num_decode, num_heads)](
+        _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, c["context_lens"], seqs, rows, out, c["window"], num_heads, num_partitions,
             partition_size, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             BLOCK_P=_merge_block_p(num_partitions), BLOCK_D=c["block_d"], IS_DENSE=is_dense,
@@ -535,7 +534,7 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, ql
     blocks = [(i, start) for i in seqs for start in range(0, query_lens[i], queries_per_block)]
     blk_seq = _int32([seq for seq, _ in blocks], q.device, index_cache, ("block_seqs", queries_per_block))
     blk_q = _int32([start for _, start in blocks], q.device, index_cache, ("block_starts", queries_per_block))
-    relaunch(_prefill_kernel)[(len(blocks), num_kv_heads)](
+    _prefill_kernel[(len(blocks), num_kv_heads)](
         q, k_cache, v_cache, block_tables, c["context_lens"], qlens, first_rows, blk_seq, blk_q, out,
         c["scale_log2"], c["v_scale"], c["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),

@@ -17,7 +17,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .fp8 import ONE_PASS_MAX
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import finish_splits, plan_splits, store_split
 
@@ -80,7 +79,7 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
         return out, scale
     one_pass = size <= ONE_PASS_MAX
     block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
-    relaunch(_quantize_fp8_per_token_kernel)[(rows.shape[0],)](
+    _quantize_fp8_per_token_kernel[(rows.shape[0],)](
         rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
         num_warps=one_pass_warps(block), **pdl_args(x.device),
     )
@@ -142,7 +141,7 @@ def fp8_linear_small_m(
                                                                    out_dtype, tiles_n * tiles_m, block_m)
     k_per_split = blocks_per_split * block_k
     is_split = split_k > 1
-    relaunch(_fp8_small_m_kernel)[(tiles_n, split_k, tiles_m)](
+    _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, out,
         counters if counters is not None else out, M, N, K, k_per_split, N if is_split else out.stride(0), M * N,
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,

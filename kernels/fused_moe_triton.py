@@ -25,7 +25,6 @@ from torch import Tensor
 
 from .activation import silu_and_mul
 from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input_fp8, select_moe_config
-from .launch_triton import relaunch
 from .w4a16_gemm import K_TILE
 from .w4a16_triton import _group_params
 
@@ -135,14 +134,14 @@ def _grouped_gemm(a: Tensor, a_scale: Tensor | None, w: ExpertWeights, out: Tens
         # per channel: one power-of-two group past the padded K, so every step lies in group 0
         group_columns = w.group_size if w.group_size > 0 else triton.next_power_of_2(num_tiles * K_TILE)
         qz = w.zeros if w.zeros is not None else scales
-        relaunch(_grouped_w4a16_kernel)[grid](
+        _grouped_w4a16_kernel[grid](
             a, qw, scales, qz, out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k,
             scales.shape[1], num_tiles, a.stride(0), qw.stride(0), scales.stride(0), qz.stride(0), out.stride(0),
             GROUP_SIZE=group_columns, HAS_ZEROS=w.zeros is not None, TILES=config.w4_tiles,
             GROUPS=max(config.w4_tiles * K_TILE // group_columns, 1), **common)
         return
     weight = w.weight
-    relaunch(_grouped_gemm_kernel)[grid](
+    _grouped_gemm_kernel[grid](
         a, a_scale if a_scale is not None else topk_weights, weight, w.scale if w.scale is not None else topk_weights,
         out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k, a.stride(0),
         weight.stride(0), weight.stride(1), out.stride(0), HAS_SCALE=w.scale is not None,

@@ -13,7 +13,6 @@ import triton.language as tl
 from torch import Tensor
 
 from .fp8_triton import quantize_row
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 
 
@@ -83,7 +82,7 @@ def _launch(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None, out:
     if num_rows == 0:
         return res_out
     block = triton.next_power_of_2(hidden)
-    relaunch(_rms_norm_kernel)[(num_rows,)](
+    _rms_norm_kernel[(num_rows,)](
         x_rows, residual if residual is not None else x_rows, weight, out,
         res_out if res_out is not None else out, scale if scale is not None else out, hidden, inner, stride_outer,
         stride_inner, residual.stride(0) if residual is not None else 0, eps, min_scale,

@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 
 CHUNK = 4096  # entries of a row per program of the first kernel (a 128K vocabulary: 32 chunks)
@@ -48,8 +47,8 @@ def argmax_rows(logits: Tensor) -> Tensor:
     indices = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.int32)
     out = torch.empty(num_rows, device=logits.device, dtype=torch.int64)
     pdl = pdl_args(logits.device)
-    relaunch(_chunk_argmax_kernel)[(num_rows, num_chunks)](logits, values, indices, num_cols, logits.stride(0), num_chunks,
+    _chunk_argmax_kernel[(num_rows, num_chunks)](logits, values, indices, num_cols, logits.stride(0), num_chunks,
                                                  BLOCK=CHUNK, num_warps=8, **pdl)
-    relaunch(_pick_kernel)[(num_rows,)](values, indices, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
+    _pick_kernel[(num_rows,)](values, indices, out, num_chunks, BLOCK_C=triton.next_power_of_2(num_chunks),
                               num_warps=1, **pdl)
     return out

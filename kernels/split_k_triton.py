@@ -20,7 +20,6 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_index
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 
 _COUNTERS: dict[int, Tensor] = {}  # device index → int32 semaphores, all zero between kernels
@@ -114,7 +113,7 @@ def reduce_splits(partials: Tensor, bias: Tensor | None, out: Tensor) -> None:
     """out [M, N] = partials [splits, M, N] (fp32, contiguous) summed over splits, + bias."""
     num_splits, M, N = partials.shape
     block = 1024
-    relaunch(_split_reduce_kernel)[(triton.cdiv(M * N, block),)](
+    _split_reduce_kernel[(triton.cdiv(M * N, block),)](
         partials, bias if bias is not None else partials, out, M, N, num_splits, M * N, out.stride(0),
         HAS_BIAS=bias is not None, BLOCK=block, **pdl_args(out.device),
     )

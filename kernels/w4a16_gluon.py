@@ -38,7 +38,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .activation import GATE_UP_INTERLEAVE, silu_and_mul
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args
 from .split_k_triton import finish_splits, plan_splits
 from .w4a16_triton import group_columns_of
@@ -602,7 +601,7 @@ def launch_tiled(
         if constexprs.get("ZERO_RING"):
             z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
             z_desc = TensorDescriptor(qzeros.view(-1), [qzeros.numel()], [1], [block_n // 8], z_layout)
-    relaunch(kernel)[(tiles_n, split_k, tiles_m)](
+    kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         destination, out, counters if counters is not None else out, s_desc, z_desc, M, N, scales.shape[0], num_tiles,
         tiles_per_split,

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch_triton import relaunch
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import finish_splits, plan_splits, store_split
 
@@ -268,15 +267,15 @@ def launch_w4a16_gemm(
     grid = (triton.cdiv(N, block_n), split_k, rows)
     common.update(pdl_args(x.device))
     if kind == "gemv":
-        relaunch(_w4a16_gemv_kernel)[grid](*args, **common, IS_STACKED=is_stacked)
+        _w4a16_gemv_kernel[grid](*args, **common, IS_STACKED=is_stacked)
     elif kind == "swap":
-        relaunch(_w4a16_swap_kernel)[grid](*args, **common, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        _w4a16_swap_kernel[grid](*args, **common, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     elif kind == "rows":
         del common["BLOCK_M"]
-        relaunch(_w4a16_gemv_rows_kernel)[grid](*args, **common, TILES=k_tiles)
+        _w4a16_gemv_rows_kernel[grid](*args, **common, TILES=k_tiles)
     else:
         magic, magic_value = _MAGIC[x.dtype]
-        relaunch(_w4a16_gemm_kernel)[grid](
+        _w4a16_gemm_kernel[grid](
             *args, **common, MAGIC=magic, MAGIC_VALUE=magic_value, IS_FP32=x.dtype == torch.float32,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32", IS_STACKED=is_stacked,
         )
@@ -292,7 +291,7 @@ def launch_w4a16_dequantize(
     num_tiles = qweight.shape[0] // 16
     w = torch.empty(N, in_features, device=qweight.device, dtype=scales.dtype)
     block_n = 64
-    relaunch(_w4a16_dequant_kernel)[(num_tiles, triton.cdiv(N, block_n))](
+    _w4a16_dequant_kernel[(num_tiles, triton.cdiv(N, block_n))](
         qweight, scales, qzeros if qzeros is not None else scales, w, N, in_features, scales.shape[0],
         GROUP_SIZE=group_columns_of(group_size, num_tiles), HAS_ZEROS=qzeros is not None, BLOCK_N=block_n,
         num_warps=4,
