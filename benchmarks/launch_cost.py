@@ -43,12 +43,45 @@ def host_us(fn, calls: int) -> float:
     return elapsed / calls * 1e6
 
 
+def profile_calls(calls: int) -> None:
+    import cProfile
+    import pstats
+
+    o = make_weights(4096, 4096)
+    w4, fp8 = o["w4"], o["fp8"]
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    for name, fn in [("w4a16_linear", lambda: w4a16_linear(x, w4["qweight"], w4["scales"], None, None, 128)),
+                     ("fp8_linear", lambda: fp8_linear(x, fp8["weight"], fp8["weight_scale"], None)),
+                     ("rms_norm", lambda: rms_norm(x, weight, 1e-5, x))]:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        torch.cuda.synchronize()
+        rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda item: item[1][2], reverse=True)
+        print(f"== {name}: {sum(r[1][2] for r in rows) / calls * 1e6:.1f} µs per call under cProfile")
+        for (path, line, func), (cc, nc, tt, ct, _) in rows[:30]:
+            print(f"  own {tt / calls * 1e6:7.1f} µs  cum {ct / calls * 1e6:7.1f} µs  calls {nc / calls:5.1f}  "
+                  f"{Path(path).name}:{line}:{func}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 16, 128, 512])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--profile", action="store_true",
+                        help="instead: cProfile of --calls calls of w4a16_linear, fp8_linear and rms_norm at 16 tokens "
+                             "(the functions by own time, µs per call)")
     args = parser.parse_args()
+    if args.profile:
+        return profile_calls(args.calls)
     o, gate_up = make_weights(4096, 4096), make_weights(4096, 28672)
     results = {}
 
