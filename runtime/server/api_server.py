@@ -247,7 +247,7 @@ async def _read_body(request: Request) -> bytes:
 def _parse_json(raw: bytes) -> object:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer of over 4300 digits
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None

@@ -34,7 +34,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
                             ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, CompletionRequest, body)
-    prompts = await _prompts(ctx, request)
+    prompts = [_truncated(p, params.truncate_prompt_tokens) for p in await _prompts(ctx, request)]
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
@@ -64,6 +64,15 @@ async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Pro
         ctx.check_token_ids(item, "prompt")
         prompts.append(_Prompt(None, list(item)))
     return prompts
+
+
+def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
+    """The prompt's last `keep` tokens (truncate_prompt_tokens), cut here rather than in the engine so that
+    echo, its logprob tokens and usage all show the prompt the model saw (a cut text prompt echoes its
+    tokens decoded, as vLLM's does)."""
+    if keep is None or len(prompt.token_ids) <= keep:
+        return prompt
+    return _Prompt(None, prompt.token_ids[-keep:])
 
 
 class _Reply:

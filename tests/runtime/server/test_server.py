@@ -99,6 +99,25 @@ def test_echo_logprobs_score_the_prompt_like_lm_eval(client, scorer, max_tokens)
     assert reply.usage.completion_tokens == max_tokens
 
 
+@pytest.mark.parametrize("as_text", [True, False])
+def test_truncated_prompt_is_what_echo_logprobs_and_usage_show(client, scorer, as_text):
+    """truncate_prompt_tokens keeps the last k prompt tokens; echo shows those tokens decoded, and each
+    logprob entry is labelled with its own token (vLLM cuts the prompt before it is echoed)."""
+    token_ids = scorer.tokenizer.encode(PROMPT)
+    kept = token_ids[-3:]
+    reply = client.completions.create(model=MODEL, prompt=PROMPT if as_text else token_ids, echo=True, max_tokens=2,
+                                      logprobs=0, temperature=0, extra_body={"truncate_prompt_tokens": 3})
+    choice, logprobs = reply.choices[0], reply.choices[0].logprobs
+    assert reply.usage.prompt_tokens == 3
+    assert choice.text.startswith(scorer.tokenizer.decode(kept)) and not choice.text.startswith(PROMPT)
+    assert logprobs.tokens[:3] == [scorer.tokenizer.decode([t]) for t in kept]
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == 5
+    expected = torch.log_softmax(scorer.engine.score(kept), dim=-1)
+    for position in (1, 2):
+        assert logprobs.token_logprobs[position] == pytest.approx(expected[position - 1, kept[position]].item(), abs=1e-3)
+        assert list(logprobs.top_logprobs[position]) == [logprobs.tokens[position]]
+
+
 def test_token_id_and_list_prompts(client, scorer):
     ids = [scorer.tokenizer.encode(p) for p in ("The cat", "A dog ran")]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
@@ -260,4 +279,7 @@ def test_error_statuses_and_the_server_keeps_serving(client, server):
     bad_json = httpx.post(f"{server.base_url}/v1/completions", content=b"{not json",
                           headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
+    huge_int = httpx.post(f"{server.base_url}/v1/completions", content=b'{"prompt": "x", "seed": ' + b"1" * 4301 + b"}",
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert huge_int.status_code == 400 and "JSON" in huge_int.json()["error"]["message"]  # json.loads: ValueError
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).choices[0].text
