@@ -35,6 +35,26 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
                                  "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
+# Content part types that hold text, as vLLM reads them, and the field holding it: the chat API's "text",
+# the Responses API's "input_text" / "output_text", an assistant's "refusal"
+TEXT_PART_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
+def text_of_parts(parts: list) -> str:
+    """A message's content given as a list of parts → the text the chat template reads: the text parts
+    joined with newlines, as vLLM renders them (a part without its text is skipped, as there); a part of
+    another kind (an image, audio) raises ValueError naming it."""
+    texts = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        field = TEXT_PART_FIELDS.get(kind)
+        if field is None:
+            raise ValueError(f"only text parts are supported ({', '.join(TEXT_PART_FIELDS)}), got {kind!r}")
+        if part.get(field) is not None:
+            texts.append(part[field])
+    return "\n".join(texts)
+
+
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
                         chat_template_kwargs: dict | None = None) -> list[int]:
@@ -56,6 +76,13 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     reserved = sorted(extra.keys() & _TEMPLATE_ARGUMENTS)
     if reserved:
         raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the request's own fields, not here")
+    for index, message in enumerate(messages):
+        if isinstance(message.get("content"), list):
+            try:
+                messages = [*messages[:index], {**message, "content": text_of_parts(message["content"])},
+                            *messages[index + 1:]]
+            except ValueError as e:
+                raise RequestError(f"messages.{index}.content: {e}") from None
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=False)

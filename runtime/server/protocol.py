@@ -21,6 +21,7 @@ from llmc.errors import RequestError
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
+from llmc.runtime.tokenizer import text_of_parts
 
 # The most logprobs per token a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
@@ -271,23 +272,28 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    refusal: str | None = None
 
 
 class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the template
+    tool_call_id: str | None = None  # a tool message's answer to one of them
 
     def as_template_input(self, index: int) -> dict:
+        """The message as the chat template reads it (a list of parts: `text_of_parts`)."""
         content = self.content
         if isinstance(content, list):
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise invalid(f"messages.{index}.content", f"only text parts are supported, got {part.type!r}")
-            content = "".join(part.text for part in content)
+            try:
+                content = text_of_parts([part.model_dump() for part in content])
+            except ValueError as e:
+                raise invalid(f"messages.{index}.content", str(e)) from None
         message = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
+        for name in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, name) is not None:
+                message[name] = getattr(self, name)
         return message
 
 

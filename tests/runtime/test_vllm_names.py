@@ -88,3 +88,12 @@ def test_chat_takes_vllm_template_options(artifact):
             got = llm.chat(messages, greedy, chat_template_kwargs=kwargs, **options)[0].prompt_token_ids
             text = tokenizer.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **options, **kwargs})
             assert got == tokenizer.encode(text, add_special_tokens=False)
+        # OpenAI-style content parts are the texts joined with newlines (vLLM's LLM.chat parses messages as its
+        # server does), not the list's Python repr
+        parts = [{"role": "user", "content": [{"type": "text", "text": "Who are"}, {"type": "text", "text": "you?"}]}]
+        got = llm.chat(parts, greedy)[0].prompt_token_ids
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Who are\nyou?"}], tokenize=False,
+                                             add_generation_prompt=True)
+        assert got == tokenizer.encode(text, add_special_tokens=False)
+        with pytest.raises(RequestError, match=r"messages\.0\.content: only text parts"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)

@@ -43,12 +43,23 @@ def test_validation_errors_name_the_field(body, param, text):
 
 
 def test_chat_content_parts_and_unsupported_fields():
+    """Text parts are joined with newlines, as vLLM renders them (chat_utils: "\\n".join of the texts); the
+    Responses API's text parts and an assistant's refusal are text; a text part without text is skipped."""
     request = parse_body(ChatCompletionRequest, {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert request.template_messages() == [{"role": "user", "content": "ab"}]
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}, {"type": "text"},
+                                     {"type": "input_text", "text": "c"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}, {"type": "output_text", "text": "d"}],
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]})
+    assert request.template_messages() == [
+        {"role": "user", "content": "a\nb\nc"},
+        {"role": "assistant", "content": "no\nd",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]
     image = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
-    with pytest.raises(ApiError, match="only text parts"):
+    with pytest.raises(ApiError, match="only text parts") as info:
         image.template_messages()
+    assert info.value.param == "messages.0.content"
     with pytest.raises(ApiError) as info:
         parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).check()
     assert info.value.param == "tools"
