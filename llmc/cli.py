@@ -183,6 +183,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         _run_worker_node(artifact, device, overrides, launch)
         return
     served_model_name = served_model_name or _default_model_name(artifact)
+    _refuse_flags_of_other_modes("server" if prompt is None and not chat and input_path is None and output_path is None
+                                 else "batch" if prompt is None and not chat else "prompt")
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
         raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
                                "--input and --nnodes")
@@ -207,6 +209,30 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
             _interactive_chat(llm, params)
             return
         _one_completion(llm, prompt, chat, params)
+
+
+# `llmc run`'s flags that only one mode reads: given on the command line in another mode, they are refused
+# rather than ignored
+_MODE_FLAGS = {
+    "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size"),
+    "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
+}
+
+
+def _refuse_flags_of_other_modes(mode: str) -> None:
+    """`mode`: server, batch (--input/--output) or prompt (--prompt / --chat)."""
+    from click.core import ParameterSource
+
+    context = click.get_current_context()
+    for owner, names in _MODE_FLAGS.items():
+        if owner == mode:
+            continue
+        given = [n for n in names if context.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+        if given:
+            where = {"server": "the server (no --prompt, --chat or --input)", "prompt": "--prompt and --chat"}[owner]
+            body = " in each request's body" if mode != "prompt" and owner == "prompt" else ""
+            raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
+                                   + (f" (set it{body} instead)" if body else ""))
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:

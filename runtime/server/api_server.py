@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
-import re
 import signal
 import threading
 import time
@@ -34,7 +32,7 @@ from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          TokenizeRequest, openapi_body)
+                                          TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
@@ -45,8 +43,6 @@ logger = logging.getLogger("llmc")
 GRACEFUL_SHUTDOWN_S = 30
 # The largest request body accepted (413 beyond).
 MAX_BODY_BYTES = 8 * 2**20
-# The deepest JSON nesting accepted (real requests nest about 5 deep).
-MAX_JSON_DEPTH = 32
 # How often the watchdog looks at the engine loop.
 WATCHDOG_INTERVAL_S = 5.0
 
@@ -227,7 +223,7 @@ async def _json_body(request: Request) -> object:
         raise ApiError(400, f"unsupported media type {media_type or '(none)'!r}: send the body as JSON with "
                        "'Content-Type: application/json'")
     raw = await _read_body(request)
-    return await asyncio.to_thread(_parse_json, raw)  # a large body must not stall the event loop
+    return await asyncio.to_thread(parse_json_body, raw)  # a large body must not stall the event loop
 
 
 async def _read_body(request: Request) -> bytes:
@@ -242,44 +238,6 @@ async def _read_body(request: Request) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _parse_json(raw: bytes) -> object:
-    try:
-        body = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer of over 4300 digits
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
-    _check_json_values(body)
-    return body
-
-
-def _check_json_values(body: object) -> None:
-    """400 for nesting deeper than MAX_JSON_DEPTH, or a string holding a lone surrogate ("\\ud800"
-    is valid JSON but not Unicode text: it can be neither tokenized nor sent back)."""
-    stack = [(body, 1, "body")]
-    while stack:
-        value, depth, path = stack.pop()
-        if isinstance(value, str):
-            if _SURROGATE.search(value):
-                raise ApiError(400, f"{path}: holds a lone UTF-16 surrogate, which is not valid Unicode text",
-                               param=None if path == "body" else path)
-            continue
-        if not isinstance(value, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            child = str(key) if path == "body" else f"{path}.{key}"
-            if isinstance(key, str) and _SURROGATE.search(key):
-                raise ApiError(400, f"{child}: a key holds a lone UTF-16 surrogate, which is not valid Unicode text")
-            if isinstance(item, (str, dict, list)):
-                stack.append((item, depth + 1, child))
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _api_key_check(api_key: str | None):

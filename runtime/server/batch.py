@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from llmc.errors import LlmcError
 from llmc.runtime.server.engine_loop import EngineLoop
-from llmc.runtime.server.errors import as_api_error
-from llmc.runtime.server.protocol import BatchRequestLine
+from llmc.runtime.server.errors import ApiError, as_api_error
+from llmc.runtime.server.protocol import BatchRequestLine, parse_json_body
 from llmc.runtime.server.serving import ServingContext, new_id
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
@@ -55,9 +55,9 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
         if not line.strip():
             continue
         try:
-            request = BatchRequestLine.model_validate(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise BatchFileError(f"{path}:{number}: not a JSON object ({e.msg})") from None
+            request = BatchRequestLine.model_validate(parse_json_body(line))
+        except ApiError as e:  # not JSON, nested too deeply, or a lone surrogate (the server's 400s)
+            raise BatchFileError(f"{path}:{number}: {e.message}") from None
         except ValidationError as e:
             raise BatchFileError(f"{path}:{number}: {as_api_error(e).message} "
                                  "(a line needs custom_id, method POST, url /v1/completions or "
@@ -75,12 +75,17 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
               served_model_name: str, show_progress: bool = True) -> BatchSummary:
     """Run every request of `input_path` and write the results to `output_path` (atomically)."""
     requests = read_batch_file(input_path)
-    results = asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress))
     output_path = Path(output_path)
     partial = output_path.with_name(output_path.name + ".partial")
-    with partial.open("w", encoding="utf-8") as f:
+    try:  # opened before anything runs: a path that cannot be written fails now, not after the work
+        output = partial.open("w", encoding="utf-8")
+    except OSError as e:
+        raise BatchFileError(f"{output_path}: cannot write the output there ({e.strerror}); "
+                             "give --output a path in an existing, writable folder") from None
+    with output:
+        results = asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress))
         for result in results:
-            f.write(json.dumps(result, ensure_ascii=False) + "\n")
+            output.write(json.dumps(result, ensure_ascii=False) + "\n")
     os.replace(partial, output_path)
     num_failed = sum(r["response"]["status_code"] != 200 for r in results)
     return BatchSummary(len(results), num_failed, output_path)
@@ -92,7 +97,8 @@ async def _run_all(engine_factory, requests: list[BatchRequestLine], served_mode
     engine_loop.start()
     try:
         await engine_loop.wait_ready()
-        ctx = ServingContext(engine_loop, served_model_name)
+        # every line queues (no --max-waiting: there is no client to retry a 503)
+        ctx = ServingContext(engine_loop, served_model_name, max_waiting=None)
         with tqdm(total=len(requests), desc="requests", disable=not show_progress) as bar:
             async def run_one(request: BatchRequestLine) -> dict:
                 result = await _run_one(ctx, request)

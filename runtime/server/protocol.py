@@ -13,6 +13,8 @@ grammar xgrammar cannot compile is a 400 naming the field it came from.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -405,3 +407,47 @@ def _check_logprobs(name: str, value: int | None) -> None:
     # vLLM reads -1 as "the whole vocabulary", which is above its default max_logprobs (20): refused.
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise invalid(name, f"must be between 0 and {MAX_LOGPROBS} (this server's max_logprobs), got {value}")
+
+
+# The deepest JSON nesting accepted (real requests nest about 5 deep).
+MAX_JSON_DEPTH = 32
+
+
+def parse_json_body(raw: bytes | str) -> object:
+    """A request body (a server request, a batch file's line) as JSON: 400 for text that is not JSON,
+    nesting deeper than MAX_JSON_DEPTH, or a string holding a lone UTF-16 surrogate."""
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, and an integer of over 4300 digits
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+    check_json_values(body)
+    return body
+
+
+def check_json_values(body: object) -> None:
+    """400 for nesting deeper than MAX_JSON_DEPTH, or a string holding a lone surrogate ("\\ud800"
+    is valid JSON but not Unicode text: it can be neither tokenized nor sent back)."""
+    stack = [(body, 1, "body")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise ApiError(400, f"{path}: holds a lone UTF-16 surrogate, which is not valid Unicode text",
+                               param=None if path == "body" else path)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            child = str(key) if path == "body" else f"{path}.{key}"
+            if isinstance(key, str) and _SURROGATE.search(key):
+                raise ApiError(400, f"{child}: a key holds a lone UTF-16 surrogate, which is not valid Unicode text")
+            if isinstance(item, (str, dict, list)):
+                stack.append((item, depth + 1, child))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")

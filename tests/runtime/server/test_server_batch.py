@@ -56,7 +56,16 @@ def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_loggin
 
 
 @pytest.mark.parametrize(("content", "message"), [
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n{oops\n', ":2: not a JSON object"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n{oops\n', ":2: .* not valid JSON"),
+    # what the server answers 400 for is refused before anything runs (it could not be written back, or
+    # would reach the tokenizer as text that is not Unicode)
+    ('{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {}}\n', ":1: custom_id: .*surrogate"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"bad_words": ["\\ud800"]}}\n',
+     ":1: .*bad_words.0: .*surrogate"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": ' + "[" * 3000 + "]" * 3000 + "}\n",
+     ":1: .*nested too deeply"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"seed": ' + "1" * 4301 + "}}\n",
+     ":1: .* not valid JSON"),
     ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n', ":1: method"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n', ":1: url"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"stream": true}}\n', "stream"),
@@ -73,3 +82,38 @@ def test_cli_batch_needs_both_paths(server_artifact, tmp_path, capsys, restore_l
     with pytest.raises(SystemExit) as exit_info:
         main(["run", str(server_artifact), "--input", str(tmp_path / "in.jsonl")])
     assert exit_info.value.code == 2 and "--output" in capsys.readouterr().err
+
+
+def test_an_output_path_that_cannot_be_written_fails_before_anything_runs(tmp_path, capsys, restore_logging):
+    requests = tmp_path / "requests.jsonl"
+    _write_jsonl(requests, [_line("a", "/v1/completions", {"prompt": "x", "max_tokens": 1})])
+    with pytest.raises(SystemExit) as exit_info:  # no artifact there: it fails before the model would load
+        main(["run", str(tmp_path / "no-artifact"), "--device", "cpu", "--input", str(requests),
+              "--output", str(tmp_path / "missing-folder" / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "cannot write the output there" in err and "Traceback" not in err
+
+
+def test_every_line_of_a_large_batch_is_queued_not_refused(server_artifact, tmp_path, capsys, restore_logging):
+    """More sequences than the server's seats plus --max-waiting: a server would answer 503 to a client that can
+    retry; a batch file has no client, so every line waits for its turn."""
+    rows = [_line(f"r{i}", "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 1, "temperature": 1.0})
+            for i in range(9)]  # 1152 sequences > 64 seats + 1024 waiting
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, rows)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--device", "cpu", "--input", str(requests), "--output", str(results)])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["response"]["status_code"] for r in lines] == [200] * 9
+    assert all(len(r["response"]["body"]["choices"]) == 128 for r in lines)
+
+
+def test_flags_of_another_mode_are_refused_not_ignored(server_artifact, tmp_path, capsys, restore_logging):
+    for args, flag in [(["--input", "in.jsonl", "--output", "out.jsonl", "--max-waiting", "5"], "--max-waiting"),
+                       (["--input", "in.jsonl", "--output", "out.jsonl", "--temperature", "0"], "--temperature"),
+                       (["--prompt", "x", "--port", "9000"], "--port"), (["--temperature", "0"], "--temperature")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["run", str(server_artifact), "--device", "cpu", *args])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and f"{flag} applies to" in err, err
