@@ -24,8 +24,9 @@ class ArtifactError(LlmcError):
     """The artifact is missing, corrupted, truncated or of an unknown format version."""
 
 
-class RequestError(LlmcError):
-    """A request is invalid: bad sampling value, prompt too long, ..."""
+class RequestError(LlmcError, ValueError):
+    """A request is invalid: bad sampling value, prompt too long, ... Also a ValueError, as vLLM's
+    validation errors are (`except ValueError` around `SamplingParams(...)` or `LLM.generate` works)."""
 
 
 class ConfigError(LlmcError):

@@ -63,9 +63,12 @@ def test_invalid_values_raise_request_error_naming_the_field(field, value):
         SamplingParams(**kwargs)
 
 
-def test_request_error_is_an_llmc_error():
+def test_request_error_is_an_llmc_error_and_a_value_error():
+    """An llmc error (one line from the CLI) and, as vLLM's validation errors are, a ValueError."""
     with pytest.raises(LlmcError):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_p"):
+        SamplingParams(top_p=0)
 
 
 def test_greedy_requires_a_single_sample():
