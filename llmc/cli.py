@@ -148,6 +148,8 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
 @click.option("--master-addr", default="127.0.0.1", help="parallel artifacts: address of node 0, where ranks meet")
 @click.option("--master-port", type=click.IntRange(0, 65535), default=0,
               help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
+@click.option("--trust-request-chat-template", is_flag=True,
+              help="server: render a chat_template sent in a request (Jinja from the client); refused by default, as in vLLM")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -167,7 +169,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
         max_tokens: int, temperature: float, top_p: float, top_k: int, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
-        tokenizer_pool_size: int, **options) -> None:
+        tokenizer_pool_size: int, trust_request_chat_template: bool, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -198,7 +200,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting, log_stats=False,  # the engine logs its own statistics
-              tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout)
+              tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
+              trust_request_chat_template=trust_request_chat_template)
         return
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
@@ -214,7 +217,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 # `llmc run`'s flags that only one mode reads: given on the command line in another mode, they are refused
 # rather than ignored
 _MODE_FLAGS = {
-    "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size"),
+    "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
+               "trust_request_chat_template"),
     "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 

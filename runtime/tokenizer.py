@@ -57,9 +57,10 @@ def text_of_parts(parts: list) -> str:
 
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
-                        chat_template_kwargs: dict | None = None) -> list[int]:
+                        chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
     """Render messages with the artifact's chat template (or `chat_template`, a Jinja string), then
-    tokenize the text without adding special tokens again (the template places them), as vLLM does.
+    tokenize the text without adding special tokens again (the template places them), as vLLM does
+    (`add_special_tokens`: vLLM's option to add them on top, e.g. a BOS the template leaves out).
     vLLM's options: `add_generation_prompt` (open the assistant's turn), `continue_final_message`
     (leave the last, assistant message open, to be continued), `chat_template_kwargs` (extra
     variables of the template, e.g. Qwen3's enable_thinking)."""
@@ -85,4 +86,4 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
                 raise RequestError(f"messages.{index}.content: {e}") from None
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False, **extra)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -1,6 +1,6 @@
 """The HTTP server: FastAPI routes over the engine loop, served by uvicorn.
 
-Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Endpoints: GET /v1/models (and /v1/models/{name}), POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
 POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
 tokenizer endpoints need `Authorization: Bearer KEY`; /health, /version and /metrics stay open
 (load balancers and Prometheus). The server listens at once and answers 503 until the engine has
@@ -49,7 +49,8 @@ WATCHDOG_INTERVAL_S = 5.0
 
 def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
               api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING, log_stats: bool = True,
-              tokenizer_pool_size: int = 0, on_startup_failure: Callable[[BaseException], None] | None = None,
+              tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
+              on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None,
               stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
@@ -61,7 +62,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
-    ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size)
+    ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template)
     ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
@@ -148,13 +149,20 @@ def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
 def _api_routes(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/models")
-    async def models() -> dict:
+    def model_card() -> dict:
         ctx.require_ready()
         # No filesystem path: `root` is the served name (a client has no business with the server's paths).
-        card = {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
+        return {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
                 "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
-        return {"object": "list", "data": [card]}
+
+    @router.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
+    async def model(model: str) -> dict:
+        ctx.check_model(model or None)
+        return model_card()
 
     @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -172,9 +180,10 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         body.check()
         ctx.check_model(body.model)
         ctx.require_ready()
-        if body.messages is not None:
+        if body.messages is not None:  # add_special_tokens: on top of the template's, off unless asked (vLLM's)
             messages = [m.as_template_input(i) for i, m in enumerate(body.messages)]
-            token_ids = await asyncio.to_thread(ctx.render_chat, messages, body.template_options())
+            options = body.template_options() | {"add_special_tokens": bool(body.add_special_tokens)}
+            token_ids = await asyncio.to_thread(ctx.render_chat, messages, options)
         else:
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             token_ids = await asyncio.to_thread(ctx.encode, body.prompt, add_special)
@@ -275,7 +284,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
-          log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S) -> None:
+          log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
+          trust_request_chat_template: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
@@ -286,7 +296,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
         server.should_exit = True
 
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
-                    log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size, on_startup_failure=on_startup_failure,
+                    log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size,
+                    trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
                     on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",

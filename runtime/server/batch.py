@@ -97,8 +97,9 @@ async def _run_all(engine_factory, requests: list[BatchRequestLine], served_mode
     engine_loop.start()
     try:
         await engine_loop.wait_ready()
-        # every line queues (no --max-waiting: there is no client to retry a 503)
-        ctx = ServingContext(engine_loop, served_model_name, max_waiting=None)
+        # every line queues (no --max-waiting: there is no client to retry a 503); the file's chat templates are
+        # its author's, who runs this command
+        ctx = ServingContext(engine_loop, served_model_name, max_waiting=None, trust_request_chat_template=True)
         with tqdm(total=len(requests), desc="requests", disable=not show_progress) as bar:
             async def run_one(request: BatchRequestLine) -> dict:
                 result = await _run_one(ctx, request)

@@ -53,6 +53,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "documents": (None,),
     "functions": (None,), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None,),
+    "echo": (None, False),  # on chat completions (vLLM: the last message prepended to the reply); completions have it
 }
 
 
@@ -321,6 +322,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
+
+    def template_options(self) -> dict:
+        return super().template_options() | {"add_special_tokens": self.add_special_tokens}
 
     def check(self) -> None:
         self.check_stream_options()

@@ -77,10 +77,13 @@ class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = DEFAULT_MAX_WAITING,
-                 tokenizer_pool_size: int = 0):
+                 tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False):
         self.engine_loop = engine_loop
         self.served_model_name = served_model_name
         self.max_waiting = max_waiting
+        # vLLM's --trust-request-chat-template: a request's own chat_template (Jinja the server renders) is
+        # refused unless the server was started with it
+        self.trust_request_chat_template = trust_request_chat_template
         self.stall_timeout_s = STALL_TIMEOUT_S  # /health: 503 once one step has run this long
         # tokenizer_pool_size > 0: prompts are tokenized and chat templates rendered on these threads
         # (fast tokenizers release the GIL); 0: on the event loop's default thread pool — never on
@@ -95,7 +98,8 @@ class ServingContext:
     # ---- checks ----------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
+        """404 for another model's name; none or "" means the served model (as vLLM reads it)."""
+        if model and model != self.served_model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
                            param="model", code="model_not_found")
 
@@ -152,7 +156,10 @@ class ServingContext:
 
     def render_chat(self, messages: list[dict], options: dict | None = None) -> list[int]:
         """`options`: apply_chat_template's keywords (add_generation_prompt, continue_final_message,
-        chat_template, chat_template_kwargs)."""
+        chat_template, chat_template_kwargs, add_special_tokens)."""
+        if (options or {}).get("chat_template") is not None and not self.trust_request_chat_template:
+            raise invalid("chat_template", "this server does not render chat templates sent in requests; start it "
+                          "with --trust-request-chat-template to allow them, or leave chat_template out")
         try:
             return apply_chat_template(self.tokenizer, messages, **(options or {}))
         except ApiError:

@@ -118,7 +118,8 @@ def start_server(server_artifact, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(start_server):
-    server = start_server("--api-key", API_KEY, "--served-model-name", MODEL, "--disable-log-stats")
+    server = start_server("--api-key", API_KEY, "--served-model-name", MODEL, "--disable-log-stats",
+                          "--trust-request-chat-template")
     yield server
     code = server.terminate()
     assert code == 0, f"SIGTERM should shut the server down cleanly, got exit code {code}:\n{server.log()}"

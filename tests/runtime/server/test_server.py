@@ -19,6 +19,10 @@ def test_models_health_version(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert models[0].model_extra["max_model_len"] == 256
+    assert client.models.retrieve(MODEL).id == MODEL  # OpenAI's GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert client.completions.create(model="", prompt="x", max_tokens=1).model == MODEL  # "": the served model (vLLM)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     assert httpx.get(f"{server.base_url}/ping").status_code == 200 == httpx.post(f"{server.base_url}/ping").status_code
     assert httpx.get(f"{server.base_url}/version").json()["version"]

@@ -165,3 +165,28 @@ def test_chat_template_options_on_a_plain_prompt_are_refused():
         parse_body(TokenizeRequest, {"prompt": "x", "add_generation_prompt": False}).check()
     assert info.value.param == "add_generation_prompt"
     parse_body(TokenizeRequest, {"messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False}).check()
+
+
+def test_request_chat_templates_need_the_servers_trust_and_echo_on_chat_is_refused(ref_model_dir):
+    """vLLM refuses a chat_template sent in a request unless started with --trust-request-chat-template;
+    chat's echo (vLLM: the last message prepended to the reply) is not implemented: a 400, not ignored."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from llmc.runtime.server.serving import ServingContext
+
+    tokenizer = AutoTokenizer.from_pretrained(ref_model_dir)
+    loop = SimpleNamespace(tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "hi"}]
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ApiError, match="--trust-request-chat-template") as info:
+        ServingContext(loop, "m").render_chat(messages, {"chat_template": template})
+    assert info.value.param == "chat_template"
+    trusted = ServingContext(loop, "m", trust_request_chat_template=True).render_chat(messages, {"chat_template": template})
+    assert trusted == tokenizer.encode("hi", add_special_tokens=False)
+    assert ServingContext(loop, "m").render_chat(messages, {"chat_template": None})  # the model's own: no trust needed
+    with pytest.raises(ApiError) as info:
+        parse_body(ChatCompletionRequest, {"messages": messages, "echo": True})
+    assert info.value.param == "echo"
+    parse_body(ChatCompletionRequest, {"messages": messages, "echo": False})

@@ -310,6 +310,14 @@ def test_chat_template_options(server, tokenizer):
         assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(expected), reply.text
         prompts.append(expected)
     assert len(set(map(tuple, prompts))) == len(prompts)  # each option changed the prompt
+    # add_special_tokens: the tokenizer's own (a BOS) on top of what the template places, off unless asked (vLLM's)
+    text = tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    with_special = tokenizer.encode(text, add_special_tokens=True)
+    assert len(with_special) > len(tokenizer.encode(text, add_special_tokens=False))
+    tokens = _post(server, "/tokenize", {"model": MODEL, "messages": CHAT, "add_special_tokens": True}).json()["tokens"]
+    assert tokens == with_special
+    reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1, "add_special_tokens": True})
+    assert reply.json()["usage"]["prompt_tokens"] == len(with_special), reply.text
     for options, param in [({"continue_final_message": True}, "continue_final_message"),  # with the generation prompt
                            ({"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
                            ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
