@@ -82,6 +82,8 @@ class LLM:
         prompts = self._pretokenize(_as_prompt_list(prompts))
         # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
         params = _with_output_kind(_as_params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
+        if priority is not None and len(priority) != len(prompts):
+            raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         ids: list[str] = []
         try:  # all or none
             for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -233,7 +235,12 @@ def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
         return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
+    if isinstance(params, (str, bytes, dict)):
+        raise RequestError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
     params = list(params)
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise RequestError("sampling_params must be a SamplingParams or a list of them, got a list holding "
+                           f"{next(type(p).__name__ for p in params if not isinstance(p, SamplingParams))}")
     if len(params) != num_prompts:
         raise RequestError(f"got {len(params)} sampling_params for {num_prompts} prompts; give one or one per prompt")
     return params

@@ -47,6 +47,8 @@ def test_defaults_match_vllm():
         ("seed", "7"),
         ("stop", [""]),
         ("stop", ["ok", 3]),
+        ("stop", ["a\ud800"]),  # a lone surrogate: a str that is not Unicode text (could never match)
+        ("bad_words", ["\ud800"]),  # the tokenizer raised its own TypeError
         ("stop_token_ids", [-1]),
         ("allowed_token_ids", []),
         ("logit_bias", {5: 150.0}),

@@ -35,6 +35,12 @@ def test_llm_takes_vllm_names(artifact):
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         # vLLM's accessor: the tokenizer that encodes the prompt the engine saw
         assert llm.get_tokenizer()(prompts[0])["input_ids"] == llm.generate(prompts[0], greedy)[0].prompt_token_ids
+        # arguments that do not fit the prompts: one line naming them, not an IndexError or AttributeError
+        for bad, message in [({"sampling_params": {"max_tokens": 1}}, "sampling_params must be a SamplingParams"),
+                             ({"sampling_params": [greedy, "x"]}, "a list holding str"),
+                             ({"sampling_params": greedy, "priority": [1]}, "1 priorities for 2 prompts")]:
+            with pytest.raises(RequestError, match=message):
+                llm.generate(prompts, **bad)
     with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
              pipeline_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
              disable_log_stats=True) as llm:
