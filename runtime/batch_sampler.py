@@ -40,6 +40,7 @@ from torch import Tensor
 
 from llmc.kernels import to_device
 from llmc.kernels.sampling import argmax_rows
+from llmc.runtime.outputs import Logprob
 from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.structured_output import unpack_bitmask
@@ -394,15 +395,15 @@ def _pack_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: int) -> Tensor:
     return torch.cat([token_ids.unsqueeze(1).float(), chosen, ranks.float(), top_ids.float(), top_values], dim=1)
 
 
-def unpack_logprobs(row: list[float], num_top: int) -> dict[int, float]:
-    """One packed row (host floats) -> {token id: logprob}: the sampled token first, then the top
-    `num_top` most likely, as `Sampler` returns them. The row holds the step's largest count of top
+def unpack_logprobs(row: list[float], num_top: int) -> dict[int, Logprob]:
+    """One packed row (host floats) -> {token id: Logprob with its rank}: the sampled token first, then
+    the top `num_top` most likely, as `Sampler` returns them. The row holds the step's largest count of top
     entries (`_pack_logprobs`: a row of another request may have asked for more), read off its length."""
     packed = (len(row) - 3) // 2
-    token_id, value = int(row[0]), row[1]
-    result = {token_id: value}
-    for top_id, top_value in zip(row[3 : 3 + min(num_top, packed)], row[3 + packed : 3 + 2 * packed]):
-        result.setdefault(int(top_id), top_value)
+    token_id = int(row[0])
+    result = {token_id: Logprob(row[1], int(row[2]))}
+    for rank, (top_id, top_value) in enumerate(zip(row[3 : 3 + min(num_top, packed)], row[3 + packed : 3 + 2 * packed])):
+        result.setdefault(int(top_id), Logprob(top_value, rank + 1))
     return result
 
 

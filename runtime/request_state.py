@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmc.runtime.detokenizer import IncrementalDetokenizer
-from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.outputs import CompletionOutput, RequestOutput, with_decoder
 from llmc.runtime.request import Request, RequestStatus
 from llmc.runtime.sampler import compute_prompt_logprobs, make_generator
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -33,6 +33,7 @@ class SequenceState:
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len
         )
+        self._decoder = tokenizer if params.detokenize else None  # Logprob.decoded_token, read lazily
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # prompt_logprobs[p] is the logprob of prompt token p (None for the first, which has no context).
         self.prompt_logprobs: list[dict[int, float] | None] | None = [None] if params.prompt_logprobs is not None else None
@@ -45,7 +46,7 @@ class SequenceState:
     def record_logprobs(self, token: int, logprobs: dict[int, float] | None) -> None:
         if logprobs is None or self.logprobs is None:
             return
-        self.logprobs.append(logprobs)
+        self.logprobs.append(with_decoder(logprobs, self._decoder))
         self.cumulative_logprob += logprobs[token]
 
     def record_prompt_logprobs(self, first_position: int, logits: torch.Tensor) -> None:
@@ -57,7 +58,8 @@ class SequenceState:
             return
         start = first_position + max(skip, 0)
         next_ids = self.request.prompt_token_ids[start + 1 : first_position + 1 + logits.shape[0]]
-        self.prompt_logprobs.extend(compute_prompt_logprobs(logits[max(skip, 0):], next_ids, self.params.prompt_logprobs))
+        scored = compute_prompt_logprobs(logits[max(skip, 0):], next_ids, self.params.prompt_logprobs)
+        self.prompt_logprobs.extend(with_decoder(d, self._decoder) for d in scored)
 
     def cut_at_stop_token(self, token_ids: list[int], eos_token_ids: list[int]) -> list[int]:
         """Tokens up to and including the first that ends the sequence (speculation may emit more)."""

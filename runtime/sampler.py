@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.runtime.outputs import Logprob
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -130,8 +131,7 @@ def compute_prompt_logprobs(
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_prompt_tokens, vocab_size]
     next_ids = torch.as_tensor(next_token_ids, device=logits.device)  # [num_prompt_tokens]
-    dicts, _ = _gather_logprobs(logprobs, next_ids, [num_top] * logprobs.shape[0])
-    return dicts
+    return _gather_logprobs(logprobs, next_ids, [num_top] * logprobs.shape[0])
 
 
 # -- logits processing (each step modifies `logits` [num_seqs, vocab_size] in place) ----------
@@ -261,10 +261,8 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(logits < threshold, float("-inf"))
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
-) -> tuple[list[dict[int, float]], list[dict[int, int]]]:
-    """Per row: logprob and rank of `token_ids` [num_rows] plus of the top `num_top[row]`."""
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[dict[int, Logprob]]:
+    """Per row: Logprob (value and rank) of `token_ids` [num_rows] plus of the top `num_top[row]`."""
     token_ids = token_ids.to(torch.int64)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [num_rows, 1]
     chosen_ranks = (logprobs > chosen).sum(dim=-1) + 1  # [num_rows]
@@ -273,12 +271,10 @@ def _gather_logprobs(
     # One device-to-host copy per tensor, then plain Python.
     rows = zip(token_ids.tolist(), chosen.squeeze(1).tolist(), chosen_ranks.tolist(),
                top_ids.tolist(), top_values.tolist(), num_top)
-    dicts, rank_dicts = [], []
+    dicts = []
     for token_id, value, rank, ids, values, count in rows:
-        logprob_dict, rank_dict = {token_id: value}, {token_id: rank}
+        logprob_dict = {token_id: Logprob(value, rank)}
         for position, (top_id, top_value) in enumerate(zip(ids[:count], values[:count])):
-            logprob_dict.setdefault(top_id, top_value)
-            rank_dict.setdefault(top_id, position + 1)
+            logprob_dict.setdefault(top_id, Logprob(top_value, position + 1))
         dicts.append(logprob_dict)
-        rank_dicts.append(rank_dict)
-    return dicts, rank_dicts
+    return dicts

@@ -103,3 +103,38 @@ def test_chat_takes_vllm_template_options(artifact):
         assert got == tokenizer.encode(text, add_special_tokens=False)
         with pytest.raises(RequestError, match=r"messages\.0\.content: only text parts"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+
+
+def test_logprobs_are_vllm_logprob_objects(artifact):
+    """Each logprob is vLLM's Logprob (.logprob, .rank, .decoded_token) and still the float it was: ranks
+    against a float64 log-softmax of the engine's own logits for the same sequence, texts against the tokenizer."""
+    import pickle
+
+    import torch
+
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    with LLM(artifact, disable_log_stats=True) as llm:
+        output = llm.generate("ROMEO: my lord", params)[0]
+        completion = output.outputs[0]
+        sequence = output.prompt_token_ids + completion.token_ids
+        reference = torch.log_softmax(llm.engine.score(sequence).double(), dim=-1)  # [len, vocab]
+        tokenizer = llm.get_tokenizer()
+        prompt_len = len(output.prompt_token_ids)
+        checked = 0
+        for position, entries in [(prompt_len - 1 + i, d) for i, d in enumerate(completion.logprobs)] + \
+                                 [(i - 1, d) for i, d in enumerate(output.prompt_logprobs) if d is not None]:
+            row = reference[position]
+            for token_id, value in entries.items():
+                assert value.logprob == float(value) and value == pytest.approx(row[token_id].item(), abs=1e-4)
+                assert value.rank == int((row > row[token_id] + 1e-6).sum()) + 1 or \
+                    value.rank == int((row > row[token_id] - 1e-6).sum()) + 1  # a tie either way
+                assert value.decoded_token == tokenizer.decode([token_id])
+                checked += 1
+        assert checked > 20 and any(v.rank > 1 for d in completion.logprobs for v in d.values())
+        assert sum(d[t] for d, t in zip(completion.logprobs, completion.token_ids)) == pytest.approx(
+            completion.cumulative_logprob)  # still floats
+        again = pickle.loads(pickle.dumps(completion.logprobs[0]))
+        assert {t: (v.logprob, v.rank, v.decoded_token) for t, v in again.items()} == \
+            {t: (v.logprob, v.rank, v.decoded_token) for t, v in completion.logprobs[0].items()}
+        quiet = llm.generate("ROMEO:", SamplingParams(max_tokens=2, logprobs=1, detokenize=False))[0]
+        assert all(v.decoded_token is None and v.rank >= 1 for d in quiet.outputs[0].logprobs for v in d.values())
