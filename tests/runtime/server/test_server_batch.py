@@ -18,6 +18,16 @@ def _write_jsonl(path, rows) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def _run_file(artifact, tmp_path, rows, capsys) -> list[dict]:
+    """`llmc run ARTIFACT --input requests.jsonl --output results.jsonl` on these lines: the result lines."""
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, rows)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(artifact), "--device", "cpu", "--input", str(requests), "--output", str(results)])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    return [json.loads(line) for line in results.read_text().splitlines()]
+
+
 def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_logging):
     rows = [_line(f"story-{i}", "/v1/completions",
                   {"model": "gpt-4o-mini", "prompt": f"Story {i % 4}: once", "max_tokens": 5, "temperature": 0,
@@ -27,14 +37,7 @@ def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_loggin
     rows.insert(7, _line("bad", "/v1/completions", {"prompt": "x", "temperature": -1}))
     rows.insert(9, _line("scored", "/v1/completions",
                          {"prompt": [0, 51, 1002, 694], "echo": True, "max_tokens": 0, "logprobs": 1}))
-    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
-    _write_jsonl(requests, rows)
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", str(server_artifact), "--device", "cpu", "--input", str(requests), "--output", str(results)])
-    assert exit_info.value.code == 0, capsys.readouterr().err
-
-    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines = _run_file(server_artifact, tmp_path, rows, capsys)
     assert [r["custom_id"] for r in lines] == [r["custom_id"] for r in rows]  # input order
     by_id = {r["custom_id"]: r for r in lines}
     for row in lines:
@@ -99,12 +102,7 @@ def test_every_line_of_a_large_batch_is_queued_not_refused(server_artifact, tmp_
     retry; a batch file has no client, so every line waits for its turn."""
     rows = [_line(f"r{i}", "/v1/completions", {"prompt": "x", "n": 128, "max_tokens": 1, "temperature": 1.0})
             for i in range(9)]  # 1152 sequences > 64 seats + 1024 waiting
-    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
-    _write_jsonl(requests, rows)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", str(server_artifact), "--device", "cpu", "--input", str(requests), "--output", str(results)])
-    assert exit_info.value.code == 0, capsys.readouterr().err
-    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    lines = _run_file(server_artifact, tmp_path, rows, capsys)
     assert [r["response"]["status_code"] for r in lines] == [200] * 9
     assert all(len(r["response"]["body"]["choices"]) == 128 for r in lines)
 
