@@ -308,7 +308,8 @@ def _calibration_windows(ctx: _Context, num_eval: int):
     tokenizer = AutoTokenizer.from_pretrained(str(ctx.model_dir), local_files_only=True)
     calib = ctx.recipe.quantization.calibration
     seed = calib.seed if calib.shuffle else None
-    return calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, seed, num_eval)
+    return calibration_windows(tokenizer, calib.data, calib.num_samples, calib.seq_len, seed, num_eval,
+                               vocab_size=ctx.model.vocab_size)
 
 
 def _calibration_data(ctx: _Context):

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.convert import LayerWeights, stack_experts
-from llmc.errors import RecipeError
+from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import DenseFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
@@ -51,13 +51,17 @@ def read_text(path: str | Path) -> str:
 
 
 def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int | None,
-                        num_eval: int = 0) -> tuple[Tensor, Tensor]:
+                        num_eval: int = 0, vocab_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Tokenize the file once and cut it into non-overlapping windows of seq_len - 1 tokens, each
     given the bos token first. Returns (calibration windows [num_samples, seq_len], held-out
     windows [num_eval, seq_len]). With seed None the calibration windows are the first ones, in
     order, and the held-out ones the file's last; with a seed all are drawn at random. Calibration
-    never sees a held-out window."""
+    never sees a held-out window. Every id must be below `vocab_size` (the model's embedding rows)."""
     token_ids = tokenizer.encode(read_text(path), add_special_tokens=False, verbose=False)
+    if vocab_size is not None and token_ids and max(token_ids) >= vocab_size:
+        raise CheckpointError(f"the checkpoint's tokenizer gives token id {max(token_ids)} for "
+                              f"quantization.calibration.data, but its model has {vocab_size} embeddings (config.json "
+                              "vocab_size): the tokenizer does not belong to this model")
     body = seq_len - 1
     num_windows = len(token_ids) // body
     if num_windows < num_samples + num_eval:

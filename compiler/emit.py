@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import LlmcError, RecipeError
+from llmc.errors import ArtifactError, LlmcError, RecipeError
 
 logger = logging.getLogger("llmc")
 
@@ -133,9 +133,18 @@ def atomic_directory(final: Path):
     """
     final = Path(os.path.abspath(final))
     prepare_output(final)
-    tmp = _make_temp_dir(final, "building")
+    try:
+        tmp = _make_temp_dir(final, "building")
+    except OSError as e:  # a read-only or foreign folder: before any work
+        raise RecipeError(f"output: cannot write in {final.parent} ({e.strerror}); choose another output") from None
     try:
         yield tmp
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename is not None and not str(e.filename).startswith(str(tmp)):
+            raise  # a file outside the artifact (the checkpoint, a calibration file): its own error
+        raise ArtifactError(f"output: writing the artifact in {final.parent} failed ({e.strerror}); free space "
+                            "there or choose another output") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 import llmc
-from llmc.errors import LlmcError
+from llmc.errors import ConfigError, LlmcError, RequestError
 from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
 
 logger = logging.getLogger("llmc")
@@ -91,7 +91,9 @@ def build(recipe: str, output: str | None, quiet: bool) -> None:
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="print the manifest and the estimate as JSON")
 @click.option("--verify", is_flag=True, help="re-hash every file and name any corrupted or missing one")
-@click.option("--gpu-memory-gib", type=float, default=None, help="plan the KV cache for a GPU of this size [default: the recipe's target]")
+@click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True, max=65536), default=None,
+              callback=lambda ctx, param, value: _finite(param, value),
+              help="plan the KV cache for a GPU of this size [default: the recipe's target]")
 def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | None) -> None:
     """Show what is in ARTIFACT and what it will need in memory."""
     from llmc.cli_report import inspect_report
@@ -116,6 +118,13 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
     if verify and report["verify"]["problems"]:
         raise LlmcError(f"{artifact}: {len(report['verify']['problems'])} file(s) failed verification: "
                         + "; ".join(report["verify"]["problems"]))
+
+
+def _finite(param, value: float | None) -> float | None:
+    """A float option's value, refused when NaN (FloatRange lets NaN through: every comparison is false)."""
+    if value is not None and value != value:
+        raise click.BadParameter("nan is not a number of GiB", param=param)
+    return value
 
 
 @cli.command()
@@ -260,8 +269,8 @@ def _one_completion(llm, prompt: str, chat: bool, params) -> None:
 @cli.command(name="eval")
 @click.argument("artifact", type=click.Path())
 @click.option("--data", required=True, type=click.Path(dir_okay=False), help="text file to measure perplexity on")
-@click.option("--seq-len", type=int, default=512, help="tokens per window")
-@click.option("--max-windows", type=int, default=None, help="measure at most this many windows [default: all]")
+@click.option("--seq-len", type=click.IntRange(min=2), default=512, help="tokens per window")
+@click.option("--max-windows", type=click.IntRange(min=1), default=None, help="measure at most this many windows [default: all]")
 @click.option("--compare", "compare_with", type=click.Path(), default=None,
               help="another artifact: report the mean KL divergence and top-1 agreement against it")
 @click.option("--kv-cache-dtype", type=click.Choice(list(KV_CACHE_DTYPES)), default=None,
@@ -271,16 +280,23 @@ def _one_completion(llm, prompt: str, chat: bool, params) -> None:
 def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None, compare_with: str | None,
                  kv_cache_dtype: str | None, device: str | None, as_json: bool) -> None:
     """Perplexity of ARTIFACT on a text file (GPTQ-paper protocol), optionally compared with another artifact."""
-    from llmc.runtime.engine import Engine
     from llmc.runtime.evaluate import evaluate, perplexity_windows
 
+    if not Path(data).is_file():  # before any model loads
+        raise RequestError(f"--data: file {data} does not exist")
     # One sequence at a time: a KV cache of one window (in blocks of at least 8 tokens) is enough.
     options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
     kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}
-    engine = Engine(artifact, device=device, **options, **kv)
-    reference = Engine(compare_with, device=device, **options) if compare_with else None
+    engine = _eval_engine(artifact, device, seq_len, {**options, **kv})
+    reference = None
     try:
-        windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows)
+        if compare_with:
+            reference = _eval_engine(compare_with, device, seq_len, options)
+            vocab, other = engine.manifest.model.vocab_size, reference.manifest.model.vocab_size
+            if vocab != other:
+                raise RequestError(f"--compare: {compare_with} has a vocabulary of {other} tokens, {artifact} one of "
+                                   f"{vocab}: compare two artifacts of the same model")
+        windows = perplexity_windows(engine.tokenizer, data, seq_len, max_windows, engine.manifest.model.vocab_size)
         result = {"artifact": artifact, "data": data, **evaluate(engine, windows, reference, show_progress=True)}
     finally:  # parallel artifacts: stop their worker ranks
         engine.close()
@@ -295,6 +311,18 @@ def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None
         return
     for key, value in result.items():
         click.echo(f"{key:<22}{value:.4f}" if isinstance(value, float) else f"{key:<22}{value}")
+
+
+def _eval_engine(artifact: str, device: str | None, seq_len: int, options: dict):
+    """An Engine for `llmc eval`, whose max_model_len is --seq-len: its refusal of that length names the flag."""
+    from llmc.runtime.engine import Engine
+
+    try:
+        return Engine(artifact, device=device, **options)
+    except ConfigError as e:
+        if "max_model_len" not in str(e):
+            raise
+        raise ConfigError(f"--seq-len {seq_len} (eval runs with max_model_len = --seq-len): {e}") from None
 
 
 def _default_model_name(artifact: str) -> str:

@@ -381,6 +381,10 @@ class Engine:
             raise RequestError("score() needs an idle engine; finish or abort running requests first")
         if not 0 < len(token_ids) <= self.options.max_model_len:
             raise RequestError(f"score() takes 1 to max_model_len ({self.options.max_model_len}) tokens, got {len(token_ids)}")
+        vocab_size = self.manifest.model.vocab_size
+        if not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise RequestError(f"score(): token id {bad} is out of this model's vocabulary [0, {vocab_size})")
         pool = self.scheduler.block_pool
         blocks = pool.allocate(-(-len(token_ids) // self.options.block_size))
         try:

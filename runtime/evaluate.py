@@ -16,11 +16,21 @@ from tqdm import tqdm
 from llmc.errors import RequestError
 
 
-def perplexity_windows(tokenizer, path: str | Path, seq_len: int, max_windows: int | None = None) -> list[list[int]]:
+def perplexity_windows(tokenizer, path: str | Path, seq_len: int, max_windows: int | None = None,
+                       vocab_size: int | None = None) -> list[list[int]]:
+    """The file's token ids in windows of seq_len; `vocab_size`: the model's, which every id must be below
+    (a tokenizer that gives larger ids does not belong to the model)."""
     path = Path(path)
     if not path.is_file():
         raise RequestError(f"--data: file {path} does not exist")
-    token_ids = tokenizer.encode(path.read_text(), verbose=False)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"--data: {path} is not UTF-8 text (byte {e.start}); give a text file") from None
+    token_ids = tokenizer.encode(text, verbose=False)
+    if vocab_size is not None and token_ids and max(token_ids) >= vocab_size:
+        raise RequestError(f"--data: the artifact's tokenizer gives token id {max(token_ids)}, but its model has "
+                           f"{vocab_size} embeddings: the tokenizer does not belong to this model")
     num_windows = len(token_ids) // seq_len
     if num_windows == 0:
         raise RequestError(f"--data: {path} has {len(token_ids)} tokens, fewer than one window of --seq-len {seq_len}")

@@ -203,3 +203,26 @@ def test_rebuild_without_rename_exchange_swaps_through_a_renamed_old(built, tmp_
     build(recipe_from_dict({"model": str(tiny_llama), "output": str(out)}), show_progress=False)
     assert not (out / "marker").exists() and verify_files(out, read_manifest(out)) == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """A read-only folder fails before any work; a disk that fills up while the artifact is written is one
+    line naming the output, and the temporary directory goes (no traceback, no partial artifact)."""
+    final = tmp_path / "out" / "art"
+
+    def read_only(final_path, kind):
+        raise OSError(30, "Read-only file system", str(final_path.parent / ".x"))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(emit, "_make_temp_dir", read_only)
+        with pytest.raises(RecipeError, match=r"output: cannot write in .* \(Read-only file system\)"):
+            with emit.atomic_directory(final):
+                raise AssertionError("no work may start")
+    with pytest.raises(emit.ArtifactError, match=r"output: writing the artifact in .* failed \(No space left on device\)"):
+        with emit.atomic_directory(final) as tmp:
+            (tmp / "weights.safetensors").write_bytes(b"x")
+            raise OSError(28, "No space left on device")
+    assert sorted(p.name for p in final.parent.iterdir()) == []
+    with pytest.raises(FileNotFoundError):  # a file outside the artifact (the checkpoint): its own error
+        with emit.atomic_directory(final):
+            open(tmp_path / "no-checkpoint" / "config.json")
