@@ -398,9 +398,14 @@ def _interactive_chat(llm, params) -> None:
             break
         history.append({"role": "user", "content": text})
         reply = []
-        for delta in llm.stream(None, params, messages=history):
-            click.echo(delta, nl=False)
-            reply.append(delta)
+        try:
+            for delta in llm.stream(None, params, messages=history):
+                click.echo(delta, nl=False)
+                reply.append(delta)
+        except RequestError as e:  # this turn only (too long for the context, text that cannot be tokenized)
+            history.pop()
+            click.echo(f"llmc: error: {e} (the turn is dropped; the conversation goes on)", err=True)
+            continue
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -414,10 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, KeyboardInterrupt):  # Ctrl-C (click turns it into Abort): 128 + SIGINT
         click.echo("aborted", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from llmc.errors import RequestError
+from llmc.runtime.tokenizer import is_unicode_text
 
 # Temperatures below this are greedy: dividing logits by them overflows float32, and a
 # distribution that sharp is argmax anyway. The same threshold as vLLM.
@@ -254,7 +255,7 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _require(all(isinstance(s, str) and s for s in stop), "stop",
                  "a non-empty string or a list of non-empty strings", self.stop)
-        _require(all(_is_text(s) for s in stop), "stop", "Unicode text (a lone UTF-16 surrogate is not)", self.stop)
+        _require(all(is_unicode_text(s) for s in stop), "stop", "Unicode text (a lone UTF-16 surrogate is not)", self.stop)
         _require(not stop or self.detokenize, "stop",
                  "empty when detokenize=False (stop strings need text)", self.stop)
         self.stop = stop
@@ -277,7 +278,7 @@ class SamplingParams:
         words = self.bad_words
         _require(words is None or (isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words)),
                  "bad_words", "a list of non-empty strings or None", words)
-        _require(all(_is_text(w) for w in words or []), "bad_words", "Unicode text (a lone UTF-16 surrogate is not)",
+        _require(all(is_unicode_text(w) for w in words or []), "bad_words", "Unicode text (a lone UTF-16 surrogate is not)",
                  words)
         if self.structured_outputs is not None:
             _require(self.guided_decoding is None, "structured_outputs",
@@ -312,15 +313,6 @@ _NOT_WITH_BEAM_SEARCH = ("presence_penalty", "frequency_penalty", "repetition_pe
 def _require(condition: bool, name: str, allowed: str, value: Any) -> None:
     if not condition:
         raise RequestError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
-
-
-def _is_text(value: str) -> bool:
-    """Whether a str is Unicode text the tokenizer can take ("\ud800", a lone surrogate, is a str but not)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_int(value: Any) -> bool:

@@ -55,6 +55,15 @@ def text_of_parts(parts: list) -> str:
     return "\n".join(texts)
 
 
+def is_unicode_text(value: str) -> bool:
+    """Whether a str is Unicode text a tokenizer can take ("\ud800", a lone surrogate, is a str but not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
                         chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
@@ -84,6 +93,11 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
                             *messages[index + 1:]]
             except ValueError as e:
                 raise RequestError(f"messages.{index}.content: {e}") from None
+    bad = next((i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and not is_unicode_text(m["content"])),
+               None)
+    if bad is not None:
+        raise RequestError(f"messages.{bad}.content: not Unicode text (it holds a lone surrogate, e.g. from "
+                           "bytes that are not UTF-8); send valid text")
     text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

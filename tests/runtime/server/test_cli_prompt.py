@@ -21,3 +21,26 @@ def test_prompt_output_is_clean_text_with_statistics_after_it(server_artifact):
     assert summary.startswith("llmc: 24 tokens in") and "tokens/s" in summary
     # The checkpoint's README gives transformers' greedy continuation of this prompt.
     assert "\n".join(text).startswith("ROMEO:\nI'll have a little more.")
+
+
+def test_interactive_chat_survives_a_turn_it_cannot_take(server_artifact):
+    """A turn too long for the context, or bytes that are not UTF-8, is one error line; the conversation
+    goes on with its history (the next turn is answered as LLM.chat answers it)."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact), "--device",
+               "cpu", "--chat", "--max-tokens", "6", "--temperature", "0"]
+    turns = b"hello\n" + b"word " * 300 + b"\nx\xff\nsecond\n"
+    result = subprocess.run(command, input=turns, capture_output=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    assert err.count("the turn is dropped") == 2 and "Traceback" not in err
+    assert "max_model_len" in err and "not Unicode text" in err
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    with LLM(server_artifact, device="cpu", disable_log_stats=True) as llm:
+        first = llm.chat([{"role": "user", "content": "hello"}], greedy)[0].outputs[0].text
+        second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
+                           {"role": "user", "content": "second"}], greedy)[0].outputs[0].text
+    assert result.stdout.decode().split("\n")[:2] == [first, second]
