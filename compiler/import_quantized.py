@@ -65,6 +65,12 @@ class ImportPacker:
         self.reader = reader
         self.module_tensors = _tensors_by_module(reader.names())
         self._check_routers()
+        head = sorted(self.module_tensors.get("lm_head", {}))
+        if head and head != ["weight"]:
+            raise CheckpointError(
+                f"{reader.model_dir}: the checkpoint's lm_head is quantized ({', '.join('lm_head.' + t for t in head)}); llmc "
+                "imports checkpoints whose lm_head is dense (llm-compressor's and AutoAWQ's default): re-export with "
+                "lm_head ignored, or build from the float checkpoint with quantization.ignore: [] to quantize the head")
 
     def read_layer(self, reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
         return read_layer(reader, spec, config, index, skip_linears=set(self._quantized_linears(index)))

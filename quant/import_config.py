@@ -93,6 +93,10 @@ def _is_target(target: str, module_name: str) -> bool:
 
 
 def _checked(method: str, bits: int, group_size: int) -> tuple[int, int]:
+    for name, value in (("bits", bits), ("group_size", group_size)):
+        if type(value) is not int:  # 4.0 or "4" would pass the membership tests below, then fail in unpacking
+            raise CheckpointError(f"{method} quantization_config {name} is {value!r} ({type(value).__name__}); "
+                                  "the checkpoint's config.json must give it as an integer")
     if bits not in INT_FORMAT_NAMES:
         raise CheckpointError(f"{method} checkpoint has {bits}-bit weights; llmc imports 3, 4 or 8 bits")
     if group_size not in SUPPORTED_GROUP_SIZES:
@@ -139,14 +143,22 @@ def _parse_gptq(qc: dict) -> ImportSpec:
     if qc.get("dynamic"):
         raise CheckpointError("GPTQ checkpoints with per-module `dynamic` overrides are not supported")
     bits, group_size = _checked("GPTQ", qc.get("bits", 4), qc.get("group_size", 128))
-    ignored = tuple(qc.get("modules_to_not_convert") or ()) + (() if qc.get("lm_head") else ("lm_head",))
+    flags = {name: qc.get(name, default) for name, default in (("sym", True), ("desc_act", False), ("lm_head", False))}
+    for name, value in flags.items():
+        if not isinstance(value, bool):  # bool("false") is True
+            raise CheckpointError(f"GPTQ quantization_config {name} is {value!r}; config.json must give it as true or false")
+    if flags["lm_head"]:
+        raise CheckpointError("GPTQ quantization_config lm_head: true (a quantized output head) is not imported: llmc "
+                              "imports checkpoints whose lm_head is dense; re-export it so, or build from the float "
+                              "checkpoint with quantization.ignore: [] to quantize the head")
+    ignored = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
     return ImportSpec(
         method="gptq",
         layout=layouts[checkpoint_format],
         bits=bits,
         group_size=group_size,
-        is_symmetric=bool(qc.get("sym", True)),
-        is_act_order=bool(qc.get("desc_act", False)),
+        is_symmetric=flags["sym"],
+        is_act_order=flags["desc_act"],
         ignored_modules=ignored,
     )
 
@@ -230,13 +242,17 @@ def _parse_compressed_scheme(qc: dict) -> ImportSpec:
         )
     group_size = weights.get("group_size") if weights["strategy"] == "group" else -1
     bits, group_size = _checked("compressed-tensors", weights.get("num_bits"), group_size)
+    symmetric = weights.get("symmetric", True)
+    if not isinstance(symmetric, bool):  # bool("false") is True
+        raise CheckpointError(f"compressed-tensors weights.symmetric is {symmetric!r}; config.json must give it as "
+                              "true or false")
     # actorder "group" (alias "dynamic") stores weight_g_idx; "weight"/"static" keeps groups contiguous
     return ImportSpec(
         method="compressed-tensors",
         layout="pack-quantized",
         bits=bits,
         group_size=group_size,
-        is_symmetric=bool(weights.get("symmetric", True)),
+        is_symmetric=symmetric,
         is_act_order=weights.get("actorder") in ("group", "dynamic"),
         ignored_modules=ignored,
     )

@@ -206,6 +206,10 @@ def unpack_module(
 ) -> QuantizedWeight:
     """Check one module's checkpoint tensors (names after the module prefix) and unpack them."""
     check_module_tensors(spec, module_name, tensors, in_features, out_features)
+    shape = tensors.get("weight_shape")
+    if shape is not None and [int(d) for d in shape.tolist()] != [out_features, in_features]:
+        raise CheckpointError(f"{module_name}.weight_shape says {[int(d) for d in shape.tolist()]}, but the model's "
+                              f"config.json makes this module [{out_features}, {in_features}]: the checkpoint is damaged")
     if spec.layout == "awq-gemm":
         q = unpack_awq_gemm(tensors, spec.group_size)
     elif spec.layout in ("gptq-v1", "gptq-v2"):
@@ -216,6 +220,10 @@ def unpack_module(
         q = unpack_float_quantized(tensors)
     if spec.is_symmetric and not q.is_symmetric:
         raise CheckpointError(f"{module_name} has zero points but quantization_config says symmetric")
+    if q.g_idx is not None and not spec.is_act_order:
+        raise CheckpointError(f"{module_name} has act-order groups (a g_idx that is not column // group_size), but "
+                              "quantization_config says no act-order (GPTQ desc_act: false, compressed-tensors actorder "
+                              "not group): the config does not describe the tensors")
     return q
 
 

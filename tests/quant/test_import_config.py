@@ -110,6 +110,13 @@ def test_awq_and_gptq_configs() -> None:
         ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "gptq_v2"),
         ({"quant_method": "gptq", "bits": 2, "group_size": 128}, "3, 4 or 8"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 256}, "group_size 256"),
+        # numbers and flags of another JSON type: one line, not an unpacking traceback or bool("false")
+        ({"quant_method": "gptq", "bits": 4.0, "group_size": 128}, r"bits is 4\.0 \(float\)"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, r"group_size is '128' \(str\)"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": "false"}, "sym is 'false'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantized output head"),
+        (compressed_tensors_config({**W4A16, "num_bits": "4"}), "num_bits|bits is '4'"),
+        (compressed_tensors_config({**W4A16, "symmetric": "false"}), "symmetric is 'false'"),
         (compressed_tensors_config(W4A16, {"num_bits": 8, "type": "int"}), "W4A8"),
         (compressed_tensors_config(W4A16, fmt="marlin-24"), "marlin-24"),
         (

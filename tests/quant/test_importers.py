@@ -175,6 +175,18 @@ def test_unpack_module_checks_shapes_against_the_model(make_qweight) -> None:
     asymmetric = pack_gptq(make_qweight(4, 32, False, out_features=32, in_features=128))
     with pytest.raises(CheckpointError, match="symmetric"):
         unpack_module(GPTQ_SPEC, "layers.0.q", asymmetric, 128, 32)
+    # act-order groups the config does not declare: named with the config fields, not the format's internals
+    shuffled = make_qweight(4, 32, True, out_features=32, in_features=128)
+    shuffled.g_idx = torch.randperm(128, generator=torch.Generator().manual_seed(0)).to(torch.int32) // 32
+    with pytest.raises(CheckpointError, match="layers.0.q has act-order groups .* desc_act"):
+        unpack_module(GPTQ_SPEC, "layers.0.q", pack_gptq(shuffled), 128, 32)
+    # compressed-tensors' weight_shape must be the model's [out, in]
+    packed = pack_pack_quantized(make_qweight(4, 32, True, out_features=32, in_features=128))
+    ct_spec = ImportSpec("compressed-tensors", "pack-quantized", 4, 32, True, False)
+    assert unpack_module(ct_spec, "layers.0.q", packed, 128, 32).out_features == 32
+    packed["weight_shape"] = torch.tensor([32, 120])
+    with pytest.raises(CheckpointError, match=r"weight_shape says \[32, 120\].* \[32, 128\]"):
+        unpack_module(ct_spec, "layers.0.q", packed, 128, 32)
 
 
 def test_concat_out_fuses_along_outputs(make_qweight) -> None:
