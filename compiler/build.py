@@ -339,7 +339,9 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
     if ctx.target:  # per-sequence KV slots: no shared prefix blocks (runtime/onnx_model.py)
         runtime = dataclasses.replace(runtime, enable_prefix_caching=False)
     scales = ctx.kv_scales
-    kv = art.KVSpec(runtime.block_size, art.kv_storage_dtype(runtime.kv_cache_dtype, ctx.model.dtype),
+    # an ONNX graph keeps K/V in float32 whatever the weights' dtype (onnx_export's past_key_values)
+    kv_dtype = "float32" if ctx.target else art.kv_storage_dtype(runtime.kv_cache_dtype, ctx.model.dtype)
+    kv = art.KVSpec(runtime.block_size, kv_dtype,
                     ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim,
                     k_scales=scales.k_scales if scales else [], v_scales=scales.v_scales if scales else [],
                     scales_source=scales.source if scales else "none")

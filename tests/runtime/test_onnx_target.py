@@ -83,6 +83,11 @@ def test_every_family_matches_transformers(tiny_checkpoint, onnx_artifact, hf_gr
     assert manifest.target["onnx"]["op_counts"]["GroupQueryAttention"] == manifest.model.num_layers
     # q, k, v go to GroupQueryAttention packed (gate/up's Split only) unless per-head q/k norms sit in between
     assert manifest.target["onnx"]["op_counts"]["Split"] == manifest.model.num_layers * (2 if manifest.model.qk_norm else 1)
+    # the graph's past K/V inputs are float32 whatever the weights' dtype, and the manifest says so
+    graph = onnx.load(str(artifact / "onnx" / "model.onnx"), load_external_data=False).graph
+    past = [i for i in graph.input if i.name.startswith(("past_key.", "past_value."))]
+    assert past and all(i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for i in past)
+    assert manifest.kv.dtype == "float32"
 
 
 def test_ref_llama_matches_transformers(ref_model_dir, onnx_artifact, hf_greedy, hf_logits, hf_encode, monkeypatch):
