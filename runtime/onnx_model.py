@@ -82,9 +82,13 @@ def onnx_options(manifest: art.Manifest, options: art.RuntimeDefaults, overrides
                           "rotary tables hold; lower it, or rebuild with a larger runtime.max_model_len")
     num_slots = num_kv_slots(manifest.model, options)
     if num_slots < 1:
-        need = slot_bytes(manifest.model, options.max_model_len) / (1 << 30)
-        raise ConfigError(f"one sequence of max_model_len {options.max_model_len} needs {need:.2f} GiB of KV cache; "
-                          "raise cpu_kv_cache_gib (or num_kv_blocks), or lower max_model_len")
+        if options.num_kv_blocks is not None:
+            raise ConfigError(f"num_kv_blocks {options.num_kv_blocks} holds {options.num_kv_blocks * options.block_size} "
+                              f"tokens, fewer than one sequence of max_model_len {options.max_model_len}; raise it to at "
+                              f"least {-(-options.max_model_len // options.block_size)}, or lower max_model_len")
+        need = slot_bytes(manifest.model, options.max_model_len) / (1 << 20)
+        raise ConfigError(f"one sequence of max_model_len {options.max_model_len} needs {need:.1f} MiB of KV cache, "
+                          f"more than cpu_kv_cache_gib {options.cpu_kv_cache_gib}; raise it, or lower max_model_len")
     if options.max_num_seqs > num_slots:
         if "max_num_seqs" in overrides:
             raise ConfigError(f"max_num_seqs {options.max_num_seqs}: the KV budget holds {num_slots} sequences of "

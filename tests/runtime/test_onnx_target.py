@@ -209,6 +209,11 @@ def test_options_the_slots_cannot_hold_are_refused(tiny_llama, onnx_artifact):
     # 256 tokens x 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes = 128 KiB per sequence slot
     with pytest.raises(ConfigError, match="holds 4 sequences"):
         LLM(artifact, device="cpu", cpu_kv_cache_gib=0.5 / 1024, max_num_seqs=5)
+    # fewer tokens than one sequence: the count, not a size rounded to "0.00 GiB"
+    with pytest.raises(ConfigError, match="num_kv_blocks 8 holds 128 tokens, fewer than one sequence of max_model_len 256"):
+        LLM(artifact, device="cpu", num_kv_blocks=8)
+    with pytest.raises(ConfigError, match=r"needs 0\.1 MiB of KV cache, more than cpu_kv_cache_gib"):
+        LLM(artifact, device="cpu", cpu_kv_cache_gib=0.1 / 1024 / 1024)
     llm = LLM(artifact, device="cpu", cpu_kv_cache_gib=0.5 / 1024)  # the default max_num_seqs is fitted
     assert llm.engine.options.max_num_seqs == 4 and not llm.engine.options.enable_prefix_caching
 
