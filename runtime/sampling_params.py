@@ -135,6 +135,13 @@ class SamplingParams:
     )
 
     def __post_init__(self) -> None:
+        # vLLM's normalizations: seed -1 is no seed (a random draw, as OpenAI clients mean it), and
+        # logprobs / prompt_logprobs True ask for one top entry
+        if _is_int(self.seed) and self.seed == -1:
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self._validate_counts()
         self._validate_sampling()
         self._validate_penalties()

@@ -21,6 +21,13 @@ def test_defaults_match_vllm():
     assert not params.is_greedy and not params.has_penalties
 
 
+def test_vllm_normalizations():
+    """vLLM's SamplingParams reads seed -1 as no seed and logprobs / prompt_logprobs True as 1."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-2).seed == -2
+    params = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert params.logprobs == 1 and params.prompt_logprobs == 1 and type(params.logprobs) is int
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
