@@ -14,11 +14,10 @@ the residual. Position i is examined only after drafts 1..i-1 were accepted; aft
 x is the replacement, after k acceptances the draw at position k is the bonus token. Greedy rows
 (one-hot p) thus accept exactly the drafts that equal the argmax.
 
-Randomness: unseeded rows share one draw from a shared generator. A seeded row draws, per
-position, `vocab_size` numbers from its own generator, exactly as `Sampler` does per step, and
-its generator is rewound to just after the last position it emitted — so a seeded request's
-tokens do not depend on its batch neighbours, nor on whether speculation ran (given the same
-probabilities).
+Randomness: unseeded rows share one draw from a shared generator. A seeded row's position i draws
+the counter-based numbers that BatchSampler draws for the same token number (`row_keys(seed, tokens
+generated before it)`, batch_sampler's NOTE), so a seeded request's tokens do not depend on its batch
+neighbours, nor on whether speculation ran (given the same probabilities), and nothing is rewound.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from llmc.errors import ConfigError
+from llmc.runtime.batch_sampler import exponentials, row_keys
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
@@ -127,7 +127,7 @@ class NgramProposer:
 def rejection_sample(
     target_probs: torch.Tensor,
     draft_token_ids: list[list[int]],
-    generators: list[torch.Generator | None],
+    seeds: list[tuple[int, int] | None],
     shared_generator: torch.Generator | None,
     is_greedy: list[bool] | None = None,
 ) -> list[list[int]]:
@@ -136,23 +136,30 @@ def rejection_sample(
     `target_probs` [num_rows, max_k + 1, vocab_size]: row r's positions 0..k_r are p_0..p_k_r
     (`probs_for` of the verify logits; greedy rows one-hot), the rest is padding and ignored.
     `draft_token_ids[r]` holds row r's k_r <= max_k drafts (k_r = 0: plain sampling from p_0).
-    `generators[r]` is the row's own generator (seeded request) or None (`shared_generator`,
-    None: torch's default). `is_greedy[r]` rows take the argmax and draw nothing (default: no
-    row is greedy; a one-hot row gives the same tokens either way).
+    `seeds[r]`: (seed, tokens the request generated so far) for a seeded request, whose position i
+    draws the counter-based numbers BatchSampler draws for its token number `so far + i` (so its tokens
+    do not depend on whether speculation ran); None: `shared_generator` (None: torch's default).
+    `is_greedy[r]` rows take the argmax and draw nothing (default: no row is greedy; a one-hot row
+    gives the same tokens either way).
     Returns per row: the accepted drafts followed by one replacement or bonus token.
     """
-    num_rows, num_positions, _ = target_probs.shape
+    num_rows, num_positions, vocab_size = target_probs.shape
     num_drafts = [len(drafts) for drafts in draft_token_ids]
-    if len(num_drafts) != num_rows or len(generators) != num_rows:
+    if len(num_drafts) != num_rows or len(seeds) != num_rows:
         raise ValueError(f"rejection_sample: {num_rows} rows, {len(num_drafts)} draft lists, "
-                         f"{len(generators)} generators")
+                         f"{len(seeds)} seeds")
     if max(num_drafts, default=0) >= num_positions:
         raise ValueError(f"rejection_sample: {max(num_drafts)} drafts need more than "
                          f"{num_positions} positions")
     is_greedy = is_greedy or [False] * num_rows
     probs = target_probs.to(torch.float32)  # [num_rows, num_positions, vocab_size]
     q = torch.empty_like(probs).exponential_(generator=shared_generator)
-    rewind_states = _draw_seeded_rows(q, num_drafts, generators, is_greedy)
+    vocab_ids = torch.arange(vocab_size, device=probs.device)
+    for row, seed in enumerate(seeds):
+        if seed is not None and not is_greedy[row]:
+            positions = torch.arange(num_drafts[row] + 1, device=probs.device) + seed[1]
+            keys = row_keys(torch.full_like(positions, seed[0] & (2**63 - 1)), positions)
+            q[row, : num_drafts[row] + 1] = exponentials(keys, vocab_ids)
     # Exp(1) can return exactly 0; 0/0 would be NaN and win argmax (as in the sampler).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     sampled = (probs / q).argmax(dim=-1)  # [num_rows, num_positions]
@@ -164,31 +171,7 @@ def rejection_sample(
     is_rejected = (sampled != drafts) | ~has_draft  # [num_rows, num_positions]
     num_accepted = is_rejected.int().argmax(dim=-1)  # [num_rows]: first rejected position
     sampled_rows, accepted_counts = sampled.tolist(), num_accepted.tolist()  # one sync
-    for row, states in rewind_states.items():
-        if accepted_counts[row] < num_drafts[row]:
-            generators[row].set_state(states[accepted_counts[row]])
     return [tokens[: count + 1] for tokens, count in zip(sampled_rows, accepted_counts)]
-
-
-def _draw_seeded_rows(q: torch.Tensor, num_drafts: list[int],
-                      generators: list[torch.Generator | None],
-                      is_greedy: list[bool]) -> dict[int, list[torch.Tensor]]:
-    """Redraw seeded rows' positions from their own generators, one `vocab_size` draw each.
-
-    Returns, per seeded row, the generator state after position i's draw for i < k_r: the
-    state to restore when i is the last emitted position.
-    """
-    rewind_states: dict[int, list[torch.Tensor]] = {}
-    for row, generator in enumerate(generators):
-        if generator is None or is_greedy[row]:
-            continue
-        states = []
-        for position in range(num_drafts[row] + 1):
-            q[row, position].exponential_(generator=generator)  # [vocab_size], as Sampler
-            if position < num_drafts[row]:
-                states.append(generator.get_state())
-        rewind_states[row] = states
-    return rewind_states
 
 
 def _pad_drafts(draft_token_ids: list[list[int]], num_positions: int,
@@ -245,8 +228,10 @@ def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
                          "verify rows")
     flat_probs = probs_for(logits, verify_metadata(metadata, draft_token_ids))
     target_probs = _pad_positions(flat_probs, num_rows_per_request)
-    token_ids = rejection_sample(target_probs, draft_token_ids, metadata.generators,
-                                 shared_generator, [p.is_greedy for p in metadata.params])
+    seeds = [None if p.seed is None else (p.seed, len(outputs))
+             for p, outputs in zip(metadata.params, metadata.output_token_ids)]
+    token_ids = rejection_sample(target_probs, draft_token_ids, seeds, shared_generator,
+                                 [p.is_greedy for p in metadata.params])
     logprobs: list[list[dict[int, float]] | None] = [None] * len(token_ids)
     starts = np.cumsum([0, *num_rows_per_request]).tolist()
     for r, (params, tokens) in enumerate(zip(metadata.params, token_ids)):

@@ -81,6 +81,19 @@ def test_seeded_sampling_does_not_depend_on_the_batch(artifact, prompts):
     assert other_seed[0].outputs[0].text != alone
 
 
+def test_seeded_samples_do_not_depend_on_speculation(artifact, prompts):
+    """A seeded request draws the same numbers for its token number t whether or not n-gram speculation
+    verified drafts at t (spec_decode's rejection sample and BatchSampler key them alike)."""
+    params = [SamplingParams(temperature=1.0, max_tokens=24, seed=7 + i, ignore_eos=True) for i in range(6)]
+    params.append(SamplingParams(temperature=0.8, top_p=0.9, n=2, max_tokens=24, seed=3, ignore_eos=True))
+    chosen = ["First Citizen:", "ROMEO: ROMEO: ROMEO:", *prompts[:5]]
+    plain = LLM(artifact, device="cpu", max_num_seqs=16).generate(chosen, params)
+    spec_llm = LLM(artifact, device="cpu", max_num_seqs=16, speculative={"method": "ngram", "num_speculative_tokens": 3})
+    spec = spec_llm.generate(chosen, params)
+    assert spec_llm.stats()["num_spec_proposed"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in spec] == [[c.token_ids for c in o.outputs] for o in plain]
+
+
 def test_request_that_can_never_fit_is_rejected_up_front(artifact):
     from llmc.errors import ConfigError, RequestError
 

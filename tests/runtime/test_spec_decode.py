@@ -188,10 +188,10 @@ def test_seeded_rows_are_reproducible_and_independent_of_neighbours():
     drafts = [[1, 2, 3], [4], [], [7, 8, 9], [0, 0]]
 
     def seeded_run(rows, shared_seed):
-        generators = [make_generator(100 + r) if r in (0, 3) else None for r in rows]
-        out = rejection_sample(probs[rows], [drafts[r] for r in rows], generators,
+        seeds = [(100 + r, 5) if r in (0, 3) else None for r in rows]
+        out = rejection_sample(probs[rows], [drafts[r] for r in rows], seeds,
                                torch.Generator().manual_seed(shared_seed))
-        return {r: tokens for r, tokens in zip(rows, out) if r in (0, 3)}, generators
+        return {r: tokens for r, tokens in zip(rows, out) if r in (0, 3)}, seeds
 
     alone, _ = seeded_run([0], 0)
     together, _ = seeded_run([4, 0, 1, 3, 2], 5)
@@ -206,17 +206,19 @@ def test_seeded_tokens_equal_plain_sampling_whatever_the_drafts():
     vocab, num_steps = 8, 40
     logits = torch.randn(num_steps + 8, vocab, generator=torch.Generator().manual_seed(4)) * 0.5
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=num_steps)
-    plain_meta = metadata([params])
-    plain = [sample_with_drafts(logits[t : t + 1], plain_meta, [[]], None).token_ids[0][0] for t in range(num_steps)]
+    plain = []
+    for t in range(num_steps):  # the metadata carries the tokens so far, as the engine's does
+        plain.append(sample_with_drafts(logits[t : t + 1], metadata([params], [list(plain)]), [[]], None).token_ids[0][0])
 
-    rng, spec_meta, spec = random.Random(0), metadata([params]), []
+    rng, spec = random.Random(0), []
     while len(spec) < num_steps:
         t, k = len(spec), rng.randrange(0, 4)
         guess = plain[t : t + k]  # mostly right, sometimes wrong
         drafts = [tok if rng.random() < 0.7 else (tok + 1) % vocab for tok in guess]
-        out = sample_with_drafts(logits[t : t + len(drafts) + 1], spec_meta, [drafts], None)
+        out = sample_with_drafts(logits[t : t + len(drafts) + 1], metadata([params], [list(spec)]), [drafts], None)
         spec.extend(out.token_ids[0])
     assert spec[:num_steps] == plain
+    assert len(set(plain)) > 2  # the draws move on with the position (a fixed draw would repeat one token)
 
 
 def test_rejection_sample_checks_shapes():
