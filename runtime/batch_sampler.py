@@ -74,6 +74,11 @@ def row_keys(seed: Tensor, position: Tensor) -> Tensor:
     return fmix32(low ^ ((position * _GOLDEN) & _M32))
 
 
+def int64_seed(seed: int) -> int:
+    """A request's seed as the int64 that `row_keys` hashes: its low 63 bits (seeds run up to 2**64)."""
+    return seed & (2**63 - 1)
+
+
 def exponentials(keys: Tensor, vocab_ids: Tensor) -> Tensor:
     """q ~ Exp(1) for every (row, token): [n, vocab] float32 from keys [n] and vocab_ids [vocab]."""
     h = fmix32(keys.unsqueeze(1) ^ ((vocab_ids * _GOLDEN) & _M32).unsqueeze(0))  # [n, vocab]
@@ -193,7 +198,7 @@ class BatchSampler:
                   "frequency_penalty": params.frequency_penalty, "presence_penalty": params.presence_penalty}
         self._floats[:, row] = [floats[name] for name in _FLOAT_FIELDS]
         ints = {"top_k": min(params.top_k, self.vocab_size), "min_tokens": params.min_tokens,
-                "seed": 0 if params.seed is None else params.seed & (2**63 - 1), "is_seeded": params.seed is not None,
+                "seed": 0 if params.seed is None else int64_seed(params.seed), "is_seeded": params.seed is not None,
                 "is_greedy": params.is_greedy, "has_allowed": params.allowed_token_ids is not None}
         self._ints[:, row] = [ints[name] for name in _INT_FIELDS]
         self._is_dirty = True

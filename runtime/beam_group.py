@@ -41,7 +41,6 @@ class BeamState:
 
     banned_token_ids: list[int] = []
     constraints = None
-    generator = None
     finish_status = None
 
     def __init__(self, request: Request, params: SamplingParams, group_id: str, cum_logprob: float = 0.0,

@@ -128,7 +128,7 @@ class Engine:
                 max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
                 sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
             )
-            state = SequenceState(request, index, child_params, self.tokenizer, self.device,
+            state = SequenceState(request, index, child_params, self.tokenizer,
                                   self.eos_token_ids, self.options.max_model_len, group.request_id)
             state.banned_token_ids, state.constraints = sequence_constraints(child_params, self.grammars)
             group.sequences.append(state)
@@ -140,9 +140,7 @@ class Engine:
             prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; give at least one token")
-        vocab_size = self.manifest.model.vocab_size
-        if not all(0 <= t < vocab_size for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab_size}) for this model")
+        self._check_token_ids(prompt_token_ids, "prompt")
         if len(prompt_token_ids) >= self.options.max_model_len:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.options.max_model_len}; "
@@ -374,6 +372,12 @@ class Engine:
         for state in group.sequences:
             self.sequences.pop(state.request.request_id, None)
 
+    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
+        vocab_size = self.manifest.model.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"{what}: token id {bad} is out of this model's vocabulary [0, {vocab_size})")
+
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab_size] float32 at every position of one sequence (perplexity,
         distribution comparisons). Needs an idle engine: it borrows blocks from the pool."""
@@ -381,10 +385,7 @@ class Engine:
             raise RequestError("score() needs an idle engine; finish or abort running requests first")
         if not 0 < len(token_ids) <= self.options.max_model_len:
             raise RequestError(f"score() takes 1 to max_model_len ({self.options.max_model_len}) tokens, got {len(token_ids)}")
-        vocab_size = self.manifest.model.vocab_size
-        if not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
-            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
-            raise RequestError(f"score(): token id {bad} is out of this model's vocabulary [0, {vocab_size})")
+        self._check_token_ids(token_ids, "score()")
         pool = self.scheduler.block_pool
         blocks = pool.allocate(-(-len(token_ids) // self.options.block_size))
         try:

@@ -52,7 +52,6 @@ def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[Seque
         params=[s.params for s in states],
         prompt_token_ids=[s.request.prompt_token_ids for s in states],
         output_token_ids=[s.request.output_token_ids for s in states],
-        generators=[s.generator for s in states],
         eos_token_ids=engine.eos_token_ids,
     )
     mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts

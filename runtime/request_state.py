@@ -14,22 +14,21 @@ import torch
 from llmc.runtime.detokenizer import IncrementalDetokenizer
 from llmc.runtime.outputs import CompletionOutput, RequestOutput, with_decoder
 from llmc.runtime.request import Request, RequestStatus
-from llmc.runtime.sampler import compute_prompt_logprobs, make_generator
+from llmc.runtime.sampler import compute_prompt_logprobs
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 _STATUS_FOR_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
 class SequenceState:
-    """One generated sequence: its scheduler request, detokenizer, generator and logprobs."""
+    """One generated sequence: its scheduler request, detokenizer and logprobs."""
 
-    def __init__(self, request: Request, index: int, params: SamplingParams, tokenizer, device: torch.device,
+    def __init__(self, request: Request, index: int, params: SamplingParams, tokenizer,
                  eos_token_ids: list[int], max_model_len: int, group_id: str):
         self.request = request
         self.index = index
         self.params = params
         self.group_id = group_id
-        self.generator = make_generator(params.seed, device) if params.seed is not None else None
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, request.prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len
         )

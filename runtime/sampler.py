@@ -12,7 +12,7 @@ NOTE (algorithm): the logits of every sampled row are processed together, as a
 
 Python loops only build small per-row tensors (temperatures, bias indices, ...); the vocabulary
 math is batched. `probs_for` gives the distribution each row is sampled from; spec_decode samples
-it by an exponential race with per-request generators (`make_generator`). Logprobs are those of the
+it by an exponential race (a seeded row with BatchSampler's counter-based numbers). Logprobs are those of the
 raw model distribution (`log_softmax` of the logits, before any processing), as vLLM returns them.
 """
 
@@ -38,9 +38,6 @@ class SamplingMetadata:
             with three arguments see it).
         output_token_ids: each row's generated tokens so far, before this step's token
             (penalties and min_tokens count them).
-        generators: per row, the request's own generator when its params have a `seed`, else
-            None. The engine keeps one per request for its whole life (`make_generator`), on the
-            logits' device, so a seeded request is reproducible.
         eos_token_ids: the model's end-of-sequence ids (masked during min_tokens unless
             ignore_eos).
     """
@@ -48,7 +45,6 @@ class SamplingMetadata:
     params: list[SamplingParams]
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
-    generators: list[torch.Generator | None]
     eos_token_ids: list[int] | set[int]
 
     @property
@@ -56,19 +52,9 @@ class SamplingMetadata:
         return len(self.params)
 
     def __post_init__(self) -> None:
-        lengths = {len(self.prompt_token_ids), len(self.output_token_ids), len(self.generators)}
+        lengths = {len(self.prompt_token_ids), len(self.output_token_ids)}
         if lengths != {self.num_seqs}:
             raise ValueError(f"SamplingMetadata rows disagree: {self.num_seqs} params, {lengths}")
-        for i, (params, generator) in enumerate(zip(self.params, self.generators)):
-            if (params.seed is None) != (generator is None):
-                raise ValueError(f"row {i}: a generator is needed exactly when seed is set")
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The per-request generator that `SamplingMetadata.generators` expects for `seed`."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
 
 
 def probs_for(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

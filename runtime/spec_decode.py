@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from llmc.errors import ConfigError
-from llmc.runtime.batch_sampler import exponentials, row_keys
+from llmc.runtime.batch_sampler import exponentials, int64_seed, row_keys
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
@@ -158,7 +158,7 @@ def rejection_sample(
     for row, seed in enumerate(seeds):
         if seed is not None and not is_greedy[row]:
             positions = torch.arange(num_drafts[row] + 1, device=probs.device) + seed[1]
-            keys = row_keys(torch.full_like(positions, seed[0] & (2**63 - 1)), positions)
+            keys = row_keys(torch.full_like(positions, int64_seed(seed[0])), positions)
             q[row, : num_drafts[row] + 1] = exponentials(keys, vocab_ids)
     # Exp(1) can return exactly 0; 0/0 would be NaN and win argmax (as in the sampler).
     q.clamp_(min=torch.finfo(q.dtype).tiny)
@@ -212,7 +212,6 @@ def verify_metadata(metadata: SamplingMetadata,
         params=[metadata.params[r] for r, _ in rows],
         prompt_token_ids=[metadata.prompt_token_ids[r] for r, _ in rows],
         output_token_ids=[outputs for _, outputs in rows],
-        generators=[metadata.generators[r] for r, _ in rows],
         eos_token_ids=metadata.eos_token_ids,
     )
 

@@ -10,7 +10,6 @@ from llmc.runtime.batch_sampler import BatchSampler, unpack_logprobs
 from llmc.runtime.sampler import (
     SamplingMetadata,
     compute_prompt_logprobs,
-    make_generator,
     probs_for,
     process_logits,
 )
@@ -20,13 +19,12 @@ EOS = 0
 
 
 def metadata(params, prompts=None, outputs=None, eos=(EOS,)) -> SamplingMetadata:
-    """Metadata for `params` rows; seeded rows get a fresh generator from their seed."""
+    """Metadata for `params` rows."""
     num_seqs = len(params)
     return SamplingMetadata(
         params=list(params),
         prompt_token_ids=prompts or [[] for _ in range(num_seqs)],
         output_token_ids=outputs or [[] for _ in range(num_seqs)],
-        generators=[None if p.seed is None else make_generator(p.seed) for p in params],
         eos_token_ids=list(eos),
     )
 
@@ -49,7 +47,7 @@ def batch_sample(logits, params, prompts=None, outputs=None, sampler=None, seed=
 
 
 def random_logits(num_seqs: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(num_seqs, vocab_size, generator=make_generator(seed)) * 3
+    return torch.randn(num_seqs, vocab_size, generator=torch.Generator().manual_seed(seed)) * 3
 
 
 def test_greedy_is_argmax_and_logits_are_not_modified():
@@ -355,6 +353,3 @@ def test_probs_for_greedy_rows_are_one_hot():
     torch.testing.assert_close(probs[2], torch.softmax(logits[2], dim=-1))
 
 
-def test_metadata_requires_generators_for_seeded_rows():
-    with pytest.raises(ValueError, match="generator"):
-        SamplingMetadata([SamplingParams(seed=1)], [[]], [[]], [None], [EOS])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmc.errors import ConfigError
-from llmc.runtime.sampler import SamplingMetadata, make_generator
+from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import (
     NgramProposer,
@@ -44,7 +44,6 @@ def metadata(params, outputs=None) -> SamplingMetadata:
         params=list(params),
         prompt_token_ids=[[] for _ in params],
         output_token_ids=outputs or [[] for _ in params],
-        generators=[None if p.seed is None else make_generator(p.seed) for p in params],
         eos_token_ids=[0],
     )
 
@@ -235,7 +234,7 @@ def test_verify_metadata_gives_each_position_the_drafts_before_it():
     meta = metadata([SamplingParams(temperature=0), SamplingParams(seed=3)], [[9], [8, 7]])
     expanded = verify_metadata(meta, [[1, 2], []])
     assert expanded.output_token_ids == [[9], [9, 1], [9, 1, 2], [8, 7]]
-    assert expanded.generators[3] is meta.generators[1]
+    assert expanded.params[3] is meta.params[1]  # row 3 is request 1's (its seed keys its draws)
 
 
 def test_penalties_see_earlier_drafts():
