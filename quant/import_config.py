@@ -332,3 +332,7 @@ def check_module_tensors(
                 f"{module_name}.{name} has shape {list(actual)}, expected {list(shape)} for {config} "
                 f"with in_features {in_features}, out_features {out_features}; check quantization_config"
             )
+    recorded = tensors.get("weight_shape")  # compressed-tensors records the dense shape itself
+    if recorded is not None and recorded.tolist() != [out_features, in_features]:
+        raise CheckpointError(f"{module_name}.weight_shape says {recorded.tolist()}, but the model's config.json makes "
+                              f"this module [{out_features}, {in_features}]: the checkpoint is damaged")

@@ -206,10 +206,6 @@ def unpack_module(
 ) -> QuantizedWeight:
     """Check one module's checkpoint tensors (names after the module prefix) and unpack them."""
     check_module_tensors(spec, module_name, tensors, in_features, out_features)
-    shape = tensors.get("weight_shape")
-    if shape is not None and [int(d) for d in shape.tolist()] != [out_features, in_features]:
-        raise CheckpointError(f"{module_name}.weight_shape says {[int(d) for d in shape.tolist()]}, but the model's "
-                              f"config.json makes this module [{out_features}, {in_features}]: the checkpoint is damaged")
     if spec.layout == "awq-gemm":
         q = unpack_awq_gemm(tensors, spec.group_size)
     elif spec.layout in ("gptq-v1", "gptq-v2"):

@@ -86,18 +86,19 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     reserved = sorted(extra.keys() & _TEMPLATE_ARGUMENTS)
     if reserved:
         raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the request's own fields, not here")
+    rendered = []
     for index, message in enumerate(messages):
-        if isinstance(message.get("content"), list):
+        content = message.get("content")
+        if isinstance(content, list):
             try:
-                messages = [*messages[:index], {**message, "content": text_of_parts(message["content"])},
-                            *messages[index + 1:]]
+                content = text_of_parts(content)
             except ValueError as e:
                 raise RequestError(f"messages.{index}.content: {e}") from None
-    bad = next((i for i, m in enumerate(messages) if isinstance(m.get("content"), str) and not is_unicode_text(m["content"])),
-               None)
-    if bad is not None:
-        raise RequestError(f"messages.{bad}.content: not Unicode text (it holds a lone surrogate, e.g. from "
-                           "bytes that are not UTF-8); send valid text")
-    text = tokenizer.apply_chat_template(messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            message = {**message, "content": content}
+        if isinstance(content, str) and not is_unicode_text(content):
+            raise RequestError(f"messages.{index}.content: not Unicode text (it holds a lone surrogate, e.g. from "
+                               "bytes that are not UTF-8); send valid text")
+        rendered.append(message)
+    text = tokenizer.apply_chat_template(rendered, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

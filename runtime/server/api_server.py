@@ -161,7 +161,7 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
 
     @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
     async def model(model: str) -> dict:
-        ctx.check_model(model or None)
+        ctx.check_model(model)
         return model_card()
 
     @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
