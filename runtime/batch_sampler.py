@@ -18,6 +18,13 @@ Order (vLLM's): logits processors -> logit_bias, allowed_token_ids -> min_tokens
 -> repetition / frequency / presence penalties -> greedy rows: argmax; other rows: temperature ->
 top_k -> top_p -> min_p -> softmax -> exponential race.
 
+NOTE (no token allowed): constraints can leave a row nothing to sample (a grammar that is complete
+while min_tokens still bans its stop tokens, allowed ids the grammar or bad words all refuse). Such
+a row reports `NO_TOKEN` to the host, which ends its sequence there (finish_reason "stop", as if
+the grammar had reached its end): nothing is appended, and no token the constraints refuse is ever
+sampled. On the device the row samples token 0, a valid input for a next step already launched;
+that step's token for the row is dropped with the finished sequence.
+
 NOTE (random numbers): a row is sampled as argmax(probs / q), q = -log(u) ~ Exp(1) per vocabulary
 entry. u is a counter-based hash, not a generator's stream: a seeded row hashes (seed, number of
 tokens it generated so far, token id), so its samples depend on nothing else in the batch and
@@ -45,6 +52,7 @@ from llmc.runtime.sampler import _apply_min_p, _apply_top_k, _apply_top_k_top_p
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.structured_output import unpack_bitmask
 
+NO_TOKEN = -1  # the host's token id for a row whose constraints allowed no token (see the NOTE)
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
 # per-row float parameters, in the order of the rows of `_float_params`
@@ -96,11 +104,14 @@ class SampledStep:
             row: sampled token id, its raw logprob, its rank, the top token ids, their logprobs
             (token ids are exact in float32 up to 2**24).
         num_top: the number of top logprobs packed per row.
+        reported: None, or `token_ids` with NO_TOKEN in the rows that had no token allowed (what
+            the host receives; `logprobs` carries it too).
     """
 
     token_ids: Tensor
     logprobs: Tensor | None
     num_top: int
+    reported: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -313,14 +324,23 @@ class BatchSampler:
         logits_n = x[:n]
         if summary["penalties"]:
             self._apply_penalties(logits_n, rows)
+        blocked = None
+        if bitmask is not None or processors or any(t is not None for t in self._sparse_t.values()):
+            blocked = logits_n.amax(dim=-1) == float("-inf")  # [n]: no token allowed
         token_ids = argmax_rows(logits_n)  # [n]
         if not summary["all_greedy"]:
             token_ids = torch.where(self._column("is_greedy", rows) > 0, token_ids, self._race(logits_n, rows))
+        reported = None
+        if blocked is not None:
+            token_ids = token_ids.masked_fill(blocked, 0)
+            reported = token_ids.masked_fill(blocked, NO_TOKEN)
         self._record(rows, token_ids)
         packed = None
         if raw_logprobs is not None:
             packed = _pack_logprobs(raw_logprobs, token_ids, summary["num_logprobs"])
-        return SampledStep(token_ids, packed, summary["num_logprobs"] or 0)
+            if reported is not None:
+                packed[:, 0] = reported
+        return SampledStep(token_ids, packed, summary["num_logprobs"] or 0, reported)
 
     def _apply_processors(self, x: Tensor, processors: list[tuple[int, int, list[int], list[int]]]) -> None:
         # User callables take one row each: the one per-row loop, over the rows that have them.
@@ -418,7 +438,9 @@ class HostTokens:
 
     def __init__(self, sampled: SampledStep, device: torch.device):
         self.num_top = sampled.num_top
-        source = sampled.token_ids if sampled.logprobs is None else sampled.logprobs  # logprobs carry the ids
+        source = sampled.logprobs  # logprobs carry the ids
+        if source is None:
+            source = sampled.token_ids if sampled.reported is None else sampled.reported
         self.event = None
         if device.type == "cuda":
             self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)

@@ -25,7 +25,7 @@ from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups
 from llmc.runtime.beam_scheduler import BeamScheduler
-from llmc.runtime.batch_sampler import BatchSampler, HostTokens, unpack_logprobs
+from llmc.runtime.batch_sampler import NO_TOKEN, BatchSampler, HostTokens, unpack_logprobs
 from llmc.runtime.engine_multistep import can_multi_step, multi_step
 from llmc.runtime.engine_spec import speculative_step
 from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, fail_request, guard_processors,
@@ -282,23 +282,28 @@ class Engine:
             return []
         failed = self._record_prompt_logprobs(step.prompt_logits)
         token_ids, logprob_rows = step.host.wait()
-        states = []
+        states, num_generated = [], 0
         for i, request in enumerate(step.requests):
             state = self.sequences.get(request.request_id)
             if state is None or state.is_finished:  # aborted, or stopped by its previous token
                 continue
-            self.scheduler.resolve(request, [token_ids[i]])
+            if token_ids[i] != NO_TOKEN:
+                self.scheduler.resolve(request, [token_ids[i]])
+                num_generated += 1
             logprobs = logprob_rows[i] if logprob_rows is not None else None
             errors = self._guarded(state, self._record_token, state, token_ids[i], logprobs)
             failed += errors
             if not errors:
                 states.append(state)
-        self.stats_logger.record(step.num_prefill, len(states), self.stats)
+        self.stats_logger.record(step.num_prefill, num_generated, self.stats)
         if self._beam_group_ids:
             failed += advance_beam_groups(self, states)
         return failed + self._collect_outputs(states)
 
     def _record_token(self, state: SequenceState, token_id: int, logprob_row: list[float] | None) -> None:
+        if token_id == NO_TOKEN:  # its constraints allowed no token: it ends here
+            self._check_stop(state, [], no_token_allowed=True)
+            return
         if logprob_row is not None and state.logprobs is not None:
             state.record_logprobs(token_id, unpack_logprobs(logprob_row, state.params.logprobs))
         self._check_stop(state, [token_id])
@@ -333,12 +338,15 @@ class Engine:
                 self._free_rows.append(request.batch_row)
                 request.batch_row = None
 
-    def _check_stop(self, state: SequenceState, new_tokens: list[int]) -> None:
-        """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string."""
+    def _check_stop(self, state: SequenceState, new_tokens: list[int], no_token_allowed: bool = False) -> None:
+        """Detokenize the new tokens; finish the sequence on eos, a stop token or a stop string, or
+        (`no_token_allowed`: its constraints left nothing to sample after them) with "stop"."""
         request = state.request
         if state.constraints is not None:
             state.constraints.accept(new_tokens)
         state.add_tokens(new_tokens)
+        if no_token_allowed:
+            state.detokenizer.finish("stop")
         if state.finish_status is not None:
             if not request.is_finished:
                 self.scheduler.finish_request(request.request_id, state.finish_status)

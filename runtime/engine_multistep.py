@@ -10,7 +10,7 @@ per-step host work (scheduling, detokenization, stop strings, outputs) runs once
 
 The window never passes a request's length limit (K is cut to the smallest room left), and it
 ends early after a step in which some row sampled one of its stop token ids (eos unless
-ignore_eos, stop_token_ids). A stop string inside the window ends its request at the string, as
+ignore_eos, stop_token_ids) or had no token allowed (`NO_TOKEN`, batch_sampler.py). A stop string inside the window ends its request at the string, as
 with K = 1; the tokens computed after it are dropped (their KV slot rows are simply not used
 again). Outputs are identical token for token to K = 1: the sampler's per-row state (output
 counts, seeded keys) advances once per sampled token either way.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmc.runtime.batch_sampler import HostTokens
+from llmc.runtime.batch_sampler import NO_TOKEN, HostTokens
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.scheduler import ScheduledBatch
 
@@ -88,9 +88,10 @@ def multi_step(engine: Engine, batch: ScheduledBatch, num_steps: int) -> list[Re
         engine._release_rows(engine.scheduler.advance(batch))  # a length limit: only at the last step
         token_ids, logprob_rows = host.wait()
         for request, token_id in zip(requests, token_ids):
-            engine.scheduler.resolve(request, [token_id])
+            if token_id != NO_TOKEN:
+                engine.scheduler.resolve(request, [token_id])
         window.append((token_ids, logprob_rows))
-        if not stop_ids.isdisjoint(token_ids):
+        if not stop_ids.isdisjoint(token_ids) or NO_TOKEN in token_ids:
             break
     failed, states, num_generated = [], [], 0
     for i, request in enumerate(requests):

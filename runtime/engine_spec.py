@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.request import RequestStatus
 from llmc.runtime.request_state import SequenceState
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.scheduler import ScheduledBatch
@@ -28,14 +29,18 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
     num_prefill = engine._mark_scheduled(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
     states = [engine.sequences[s.request.request_id] for s in sampled]
-    tokens = _sample_with_drafts(engine, step.logits.float(), states, [s.draft_token_ids for s in sampled])
+    tokens, no_token_allowed = _sample_with_drafts(engine, step.logits.float(), states,
+                                                   [s.draft_token_ids for s in sampled])
+    for state, blocked in zip(states, no_token_allowed):
+        if blocked:  # it ends after its tokens: the scheduler need not append them
+            engine.scheduler.finish_request(state.request.request_id, RequestStatus.FINISHED_STOPPED)
     updates = {state.request.request_id: t for state, t in zip(states, tokens)}
     engine._release_rows(engine.scheduler.update(batch, updates))
     failed, kept = engine._record_prompt_logprobs(step.prompt_logits), []
-    for state, new_tokens in zip(states, tokens):
+    for state, new_tokens, blocked in zip(states, tokens, no_token_allowed):
         if state.request.request_id not in engine.sequences:  # failed recording its prompt logprobs
             continue
-        errors = engine._guarded(state, engine._check_stop, state, new_tokens)
+        errors = engine._guarded(state, engine._check_stop, state, new_tokens, blocked)
         failed += errors
         kept += [] if errors else [state]
     propose_drafts(engine, kept)
@@ -44,10 +49,11 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
 
 
 def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[SequenceState],
-                        drafts: list[list[int]]) -> list[list[int]]:
-    """New tokens per sampled sequence: the accepted drafts plus one (one without drafts)."""
+                        drafts: list[list[int]]) -> tuple[list[list[int]], list[bool]]:
+    """New tokens per sampled sequence: the accepted drafts plus one (one without drafts), and
+    whether the sequence had no token allowed after them (`SpeculativeOutput.no_token_allowed`)."""
     if not states:
-        return []
+        return [], []
     metadata = SamplingMetadata(
         params=[s.params for s in states],
         prompt_token_ids=[s.request.prompt_token_ids for s in states],
@@ -56,12 +62,12 @@ def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[Seque
     )
     mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts
     output = sample_with_drafts(logits, metadata, drafts, engine.spec_generator)
-    engine.spec_stats.record(drafts, output.token_ids)
+    engine.spec_stats.record(drafts, output.token_ids, output.no_token_allowed)
     tokens = [state.cut_at_stop_token(t, engine.eos_token_ids) for state, t in zip(states, output.token_ids)]
     for state, new_tokens, new_logprobs in zip(states, tokens, output.logprobs):
         for i, token in enumerate(new_tokens):
             state.record_logprobs(token, None if new_logprobs is None else new_logprobs[i])
-    return tokens
+    return tokens, output.no_token_allowed
 
 
 def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:

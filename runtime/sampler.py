@@ -60,10 +60,12 @@ class SamplingMetadata:
 def probs_for(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """The distribution each row is sampled from, after all processing. [num_seqs, vocab_size].
 
-    Greedy rows are one-hot at their argmax. For rejection sampling (speculative decoding):
-    give one row per position, with `output_token_ids` including the draft tokens before it.
+    Greedy rows are one-hot at their argmax; a row whose constraints allow no token is all zeros.
+    For rejection sampling (speculative decoding): give one row per position, with
+    `output_token_ids` including the draft tokens before it.
     """
     logits = process_logits(logits.to(torch.float32, copy=True), metadata)
+    blocked = logits.amax(dim=-1, keepdim=True) == float("-inf")  # [num_seqs, 1]
     probs = sampling_probs(logits, metadata.params)  # [num_seqs, vocab_size]
     greedy_rows = [i for i, p in enumerate(metadata.params) if p.is_greedy]
     if greedy_rows:
@@ -71,7 +73,7 @@ def probs_for(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         one_hot = torch.zeros_like(probs[rows])  # [num_greedy, vocab_size]
         one_hot.scatter_(1, logits[rows].argmax(dim=-1, keepdim=True), 1.0)
         probs[rows] = one_hot
-    return probs
+    return probs.masked_fill_(blocked, 0.0)
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from llmc.errors import ConfigError
-from llmc.runtime.batch_sampler import exponentials, int64_seed, row_keys
+from llmc.runtime.batch_sampler import NO_TOKEN, exponentials, int64_seed, row_keys
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
@@ -141,7 +141,8 @@ def rejection_sample(
     do not depend on whether speculation ran); None: `shared_generator` (None: torch's default).
     `is_greedy[r]` rows take the argmax and draw nothing (default: no row is greedy; a one-hot row
     gives the same tokens either way).
-    Returns per row: the accepted drafts followed by one replacement or bonus token.
+    Returns per row: the accepted drafts followed by one replacement or bonus token, which is
+    NO_TOKEN where the position's distribution is all zeros (its constraints allow no token).
     """
     num_rows, num_positions, vocab_size = target_probs.shape
     num_drafts = [len(drafts) for drafts in draft_token_ids]
@@ -166,6 +167,7 @@ def rejection_sample(
     if any(is_greedy):
         greedy_rows = torch.tensor(is_greedy, device=probs.device).unsqueeze(1)
         sampled = torch.where(greedy_rows, probs.argmax(dim=-1), sampled)
+    sampled.masked_fill_(probs.amax(dim=-1) == 0, NO_TOKEN)  # never equal to a draft: rejected
     drafts, has_draft = _pad_drafts(draft_token_ids, num_positions, probs.device)
     # A position rejects when its draw differs from its draft; the padding always "rejects".
     is_rejected = (sampled != drafts) | ~has_draft  # [num_rows, num_positions]
@@ -191,13 +193,17 @@ class SpeculativeOutput:
     """The verify sampler's result, one entry per request.
 
     Fields:
-        token_ids: the tokens to append: accepted drafts, then one sampled token (1..k+1).
+        token_ids: the tokens to append: accepted drafts, then one sampled token (1..k+1), or
+            only the accepted drafts (0..k) where the next position had no token allowed.
         logprobs: per request, None if its params ask no logprobs, else one dict per token of
             `token_ids` (raw logprobs of the token and the top `logprobs` tokens, as `Sampler`).
+        no_token_allowed: per request, whether its constraints allowed no token after `token_ids`
+            (the sequence ends there).
     """
 
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float]] | None]
+    no_token_allowed: list[bool]
 
 
 def verify_metadata(metadata: SamplingMetadata,
@@ -229,15 +235,17 @@ def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
     target_probs = _pad_positions(flat_probs, num_rows_per_request)
     seeds = [None if p.seed is None else (p.seed, len(outputs))
              for p, outputs in zip(metadata.params, metadata.output_token_ids)]
-    token_ids = rejection_sample(target_probs, draft_token_ids, seeds, shared_generator,
-                                 [p.is_greedy for p in metadata.params])
+    sampled = rejection_sample(target_probs, draft_token_ids, seeds, shared_generator,
+                               [p.is_greedy for p in metadata.params])
+    no_token_allowed = [tokens[-1] == NO_TOKEN for tokens in sampled]
+    token_ids = [tokens[:-1] if blocked else tokens for tokens, blocked in zip(sampled, no_token_allowed)]
     logprobs: list[list[dict[int, float]] | None] = [None] * len(token_ids)
     starts = np.cumsum([0, *num_rows_per_request]).tolist()
     for r, (params, tokens) in enumerate(zip(metadata.params, token_ids)):
         if params.logprobs is not None:
             rows = logits[starts[r] : starts[r] + len(tokens)]  # [num_emitted, vocab_size]
             logprobs[r] = compute_prompt_logprobs(rows, tokens, params.logprobs)
-    return SpeculativeOutput(token_ids, logprobs)
+    return SpeculativeOutput(token_ids, logprobs, no_token_allowed)
 
 
 def _pad_positions(flat: torch.Tensor, num_rows_per_request: list[int]) -> torch.Tensor:
@@ -275,12 +283,15 @@ class SpecDecodeStats:
         """Tokens per request-step with drafts (1 = no gain, k + 1 = every draft accepted)."""
         return self.num_emitted / self.num_draft_steps if self.num_draft_steps else 0.0
 
-    def record(self, draft_token_ids: list[list[int]], token_ids: list[list[int]]) -> None:
-        """Count one step: each row's drafts and the tokens `rejection_sample` emitted for it."""
-        for drafts, tokens in zip(draft_token_ids, token_ids, strict=True):
+    def record(self, draft_token_ids: list[list[int]], token_ids: list[list[int]],
+               no_token_allowed: list[bool] | None = None) -> None:
+        """Count one step: each row's drafts and the tokens `sample_with_drafts` emitted for it (all
+        accepted drafts where the position after them had no token allowed)."""
+        no_token_allowed = no_token_allowed or [False] * len(token_ids)
+        for drafts, tokens, blocked in zip(draft_token_ids, token_ids, no_token_allowed, strict=True):
             if drafts:
                 self.num_proposed += len(drafts)
-                self.num_accepted += len(tokens) - 1
+                self.num_accepted += len(tokens) - (0 if blocked else 1)
                 self.num_draft_steps += 1
                 self.num_emitted += len(tokens)
 

@@ -178,3 +178,47 @@ def test_constrained_requests_whose_prompts_take_several_chunks(tmp_path_factory
     for completion in [alone[1], together[1].outputs[0]]:
         assert completion.finish_reason == "length" and len(completion.token_ids) == 12
         assert "my lord" not in completion.text and "the king" not in completion.text, completion.text
+
+
+SPECULATIVE = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": False},
+                                         {"speculative": {**SPECULATIVE, "num_speculative_tokens": 1}},
+                                         {"speculative": {**SPECULATIVE, "num_speculative_tokens": 3}}],
+                         ids=["overlapped", "sync", "ngram-k1", "ngram-k3"])
+def test_constraints_that_allow_no_token_end_the_sequence(ref_llm, engine_args):
+    """A complete regex while min_tokens still bans eos, allowed ids the grammar refuses, allowed ids
+    that min_tokens bans, bad words that ban each token a choice can start with: nothing may be sampled, so the sequence ends there ("stop") with what it
+    has. Each token sampled instead (token 0 at -inf, or under speculation a draft accepted after
+    it) once broke the constraint: n-gram k=1 gave 'noS' for (yes|no)."""
+    tokenizer = ref_llm.tokenizer
+    eos = ref_llm.engine.eos_token_ids[0]
+    prompt = "no no no no no no no no no"
+    complete = GuidedDecodingParams(regex="(yes|no)")
+    choice = GuidedDecodingParams(choice=["yes", "no"])
+    outside = tokenizer.encode(" maybe", add_special_tokens=False)
+    cases = [
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=8, guided_decoding=complete),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=12, min_tokens=8, guided_decoding=complete, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, guided_decoding=choice, allowed_token_ids=outside),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=12, min_tokens=3, allowed_token_ids=[eos]),
+        SamplingParams(temperature=0, max_tokens=6, bad_words=["y", "n", "no"], guided_decoding=choice),
+    ]
+    with LLM(ref_llm.engine.artifact_dir, max_num_seqs=8, disable_log_stats=True, **engine_args) as llm:
+        free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        outputs = llm.generate([prompt] * (len(cases) + 1), [*cases, free])
+        pool = llm.engine.scheduler.block_pool
+        assert pool.num_free_blocks == pool.num_blocks and not llm.engine.has_unfinished_requests()
+    plain = ref_llm.generate([prompt], free)[0].outputs[0]
+    assert outputs[-1].outputs[0].token_ids == plain.token_ids  # the rows beside them are untouched
+    completions = [o.outputs[0] for o in outputs[:-1]]
+    for completion in completions:
+        assert completion.finish_reason == "stop" and completion.stop_reason is None, completion
+        assert tokenizer.decode(completion.token_ids) == completion.text, completion
+        assert eos not in completion.token_ids  # min_tokens bans it, or nothing is sampled
+    for completion in completions[:2]:
+        assert completion.text in ("yes", "no"), completion
+    assert len(completions[1].logprobs) == len(completions[1].token_ids)
+    # bad words ban every token that starts "yes" or "no" (y, n, no: one token each)
+    assert all(c.token_ids == [] and c.text == "" for c in completions[2:]), completions[2:]
