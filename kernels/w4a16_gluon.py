@@ -28,6 +28,8 @@ one (down) launch after its K loop rather than at its start.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from torch import Tensor
@@ -559,6 +561,27 @@ def _ring_fits(table: Tensor) -> bool:
             and table.shape[-1] * table.element_size() % 16 == 0)
 
 
+@functools.cache
+def _shared_layout(block_shape: tuple[int, ...], dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA box of `block_shape` elements of `dtype`, built once per box (each
+    build is ~10 µs of Python: a launch used to build two to four)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def _weight_descriptor(table: Tensor, block_shape: tuple[int, ...], dtype) -> TensorDescriptor:
+    """The TMA descriptor of a weight's packed words (2-D boxes) or of its scales / zero words (1-D boxes
+    over the table read flat), built on the first launch with that box and kept on the table itself: a
+    weight's pointer, shape and strides never change, and the descriptor goes when the table does."""
+    cache = vars(table).setdefault("_llmc_tma_descriptors", {})
+    descriptor = cache.get(block_shape)
+    if descriptor is None:
+        source = table if len(block_shape) == 2 else table.view(-1)
+        descriptor = TensorDescriptor(source, list(source.shape), list(source.stride()), list(block_shape),
+                                      _shared_layout(block_shape, dtype))
+        cache[block_shape] = descriptor
+    return descriptor
+
+
 def launch_tiled(
     kernel, x: Tensor, qweight: Tensor, scales: Tensor, qzeros: Tensor | None, bias: Tensor | None, group_size: int,
     block_m: int, block_n: int, split_k: int, sum_in_kernel: bool, silu_mul: bool = False,
@@ -585,10 +608,9 @@ def launch_tiled(
     if silu_mul:
         constexprs["SILU_MUL"] = True
         constexprs["SILU_MUL_LATE_DEPENDENTS"] = SILU_MUL_LATE_DEPENDENTS
-    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, X_BOX_K], _GL_DTYPE[x.dtype])
-    w_layout = gl.NVMMASharedLayout.get_default_for([16, block_n], gl.int32)
+    x_layout = _shared_layout((block_m, X_BOX_K), _GL_DTYPE[x.dtype])
     x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, X_BOX_K], x_layout)
-    w_desc = TensorDescriptor(qweight, list(qweight.shape), list(qweight.stride()), [16, block_n], w_layout)
+    w_desc = _weight_descriptor(qweight, (16, block_n), gl.int32)
     destination = target  # the kernel's output argument: the output, the split partials, or a TMA descriptor
     if tma_store is not None:
         constexprs["TMA_STORE"] = tma_store and not is_split and not silu_mul and N % 8 == 0
@@ -596,11 +618,9 @@ def launch_tiled(
             destination = TensorDescriptor(out, [M, N], [N, 1], [block_m, X_BOX_K], x_layout)
     s_desc = z_desc = scales  # the scales' and zero words' TMA descriptors where the kernel takes SCALE_RING
     if constexprs.get("SCALE_RING"):
-        s_layout = gl.NVMMASharedLayout.get_default_for([block_n], _GL_DTYPE[scales.dtype])
-        s_desc = TensorDescriptor(scales.view(-1), [scales.numel()], [1], [block_n], s_layout)
+        s_desc = _weight_descriptor(scales, (block_n,), _GL_DTYPE[scales.dtype])
         if constexprs.get("ZERO_RING"):
-            z_layout = gl.NVMMASharedLayout.get_default_for([block_n // 8], gl.int32)
-            z_desc = TensorDescriptor(qzeros.view(-1), [qzeros.numel()], [1], [block_n // 8], z_layout)
+            z_desc = _weight_descriptor(qzeros, (block_n // 8,), gl.int32)
     kernel[(tiles_n, split_k, tiles_m)](
         x_desc, w_desc, scales, qzeros if qzeros is not None else scales, bias if bias is not None else scales,
         destination, out, counters if counters is not None else out, s_desc, z_desc, M, N, scales.shape[0], num_tiles,

@@ -365,6 +365,28 @@ def test_wgmma_runs_only_where_the_gluon_kernel_can() -> None:
     assert not parse_w4a16_table({"64x64": [[1, old_entry, None]]})["64x64"][0][1].scale_acc
 
 
+def test_weight_descriptors_are_built_once_per_box_and_describe_the_table() -> None:
+    """The Gluon launch keeps a weight table's TMA descriptors on the table: the same object on every
+    launch with that box, another box another descriptor, and each addresses the table as TMA reads it
+    (the packed words [K / 8, N] in 2-D boxes, scales and zero words flat)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon import language as gl
+
+    from llmc.kernels import w4a16_gluon
+
+    qweight = torch.zeros(512, 768, dtype=torch.int32)
+    scales = torch.zeros(32, 768, dtype=torch.bfloat16)
+    words = w4a16_gluon._weight_descriptor(qweight, (16, 128), gl.int32)
+    assert w4a16_gluon._weight_descriptor(qweight, (16, 128), gl.int32) is words
+    assert (words.base.data_ptr(), list(words.shape), list(words.strides)) == (qweight.data_ptr(), [512, 768], [768, 1])
+    assert list(words.block_shape) == [16, 128]
+    wide = w4a16_gluon._weight_descriptor(qweight, (16, 64), gl.int32)
+    assert wide is not words and list(wide.block_shape) == [16, 64]
+    flat = w4a16_gluon._weight_descriptor(scales, (128,), gl.bfloat16)
+    assert (flat.base.data_ptr(), list(flat.shape), list(flat.strides)) == (scales.data_ptr(), [32 * 768], [1])
+    assert w4a16_gluon._weight_descriptor(torch.zeros_like(qweight), (16, 128), gl.int32) is not words
+
+
 _COMPILE_SM90 = """
 import os
 import re
