@@ -121,13 +121,26 @@ def prompt_logprobs(tokenizer, output: RequestOutput, num_top: int) -> list[dict
 
 class DeltaTracker:
     """What a stream has already sent of each sequence, keyed by (prompt index, sequence index):
-    the next chunk carries only what is new."""
+    the next chunk carries only what is new, and a sequence's finish goes out once (the engine's
+    cumulative outputs repeat a finished sequence while its siblings of n > 1 run on)."""
 
     def __init__(self):
         self._sent: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (num tokens, num chars)
+        self._finished: set[tuple[int, int]] = set()
 
     def is_first(self, key: tuple[int, int]) -> bool:
         return key not in self._sent
+
+    def was_finished(self, key: tuple[int, int]) -> bool:
+        """Its finish was sent: nothing more goes out for it."""
+        return key in self._finished
+
+    def finish(self, key: tuple[int, int], is_finished: bool) -> bool:
+        """Whether this chunk carries the sequence's finish (the first output that says it is)."""
+        if not is_finished or key in self._finished:
+            return False
+        self._finished.add(key)
+        return True
 
     def delta(self, key: tuple[int, int], text: str, token_ids: list[int]) -> tuple[str, slice]:
         """The text not sent yet, and the slice of token positions not sent yet; marks them sent."""

@@ -91,9 +91,11 @@ class _ChatReply:
 
     def _choice_delta(self, completion: CompletionOutput, tracker: DeltaTracker) -> dict | None:
         key = (0, completion.index)
+        if tracker.was_finished(key):
+            return None
         delta_text, new = tracker.delta(key, completion.text, completion.token_ids)
         new_ids = completion.token_ids[new]
-        if not delta_text and not (self.request.logprobs and new_ids) and not completion.is_finished:
+        if not tracker.finish(key, completion.is_finished) and not delta_text and not (self.request.logprobs and new_ids):
             return None
         choice = {"index": completion.index, "delta": {"content": delta_text},
                   "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),

@@ -169,6 +169,8 @@ class _Reply:
     def _chunk(self, index: int, output: RequestOutput, completion: CompletionOutput, tracker: DeltaTracker,
                offsets: dict) -> dict | None:
         key = (index, completion.index)
+        if tracker.was_finished(key):
+            return None
         is_first = tracker.is_first(key)
         text, token_ids, logprobs = self._generated(completion)
         delta_text, new = tracker.delta(key, text, token_ids)
@@ -176,7 +178,7 @@ class _Reply:
         if is_first and self.request.echo:
             delta_text = self._prompt_text(index) + delta_text
             entries = self._prompt_entries(output) + entries
-        if not delta_text and not entries and not completion.is_finished:
+        if not tracker.finish(key, completion.is_finished) and not delta_text and not entries:
             return None  # tokens held back (an unfinished character or a possible stop string)
         body = None
         if self.request.logprobs is not None:

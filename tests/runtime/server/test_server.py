@@ -48,6 +48,33 @@ def test_completion_and_its_stream_agree(client):
     assert chunks[-1].choices == [] and streamed_usage == full_usage
 
 
+def test_n_2_streams_send_each_choice_s_finish_once(client):
+    """A choice that finishes while its sibling runs on gets one finish chunk and nothing after it (its
+    finish was repeated on every later step); the streamed texts are the unstreamed ones."""
+    finished_apart = False
+    for seed in range(3):
+        common = dict(model=MODEL, max_tokens=30, temperature=1.0, seed=seed, n=2, stop=[","])
+        full = client.completions.create(prompt="ROMEO:", **common)
+        completion_chunks = [(c.index, c.text, c.finish_reason)
+                             for chunk in client.completions.create(prompt="ROMEO:", stream=True, **common)
+                             for c in chunk.choices]
+        messages = [{"role": "user", "content": "ROMEO:"}]
+        chat_chunks = [(c.index, c.delta.content or "", c.finish_reason)
+                       for chunk in client.chat.completions.create(messages=messages, stream=True, **common)
+                       for c in chunk.choices]
+        for chunks in (completion_chunks, chat_chunks):
+            for index in (0, 1):
+                mine = [chunk for chunk in chunks if chunk[0] == index]
+                assert [reason for _, _, reason in mine[:-1]] == [None] * (len(mine) - 1), mine
+                assert mine[-1][2] in ("stop", "length"), mine
+            for index in (0, 1):
+                last = max(i for i, chunk in enumerate(chunks) if chunk[0] == index)
+                finished_apart |= any(chunk[0] != index for chunk in chunks[last + 1 :])
+        for index in (0, 1):
+            assert "".join(t for i, t, _ in completion_chunks if i == index) == full.choices[index].text
+    assert finished_apart  # some choice finished while the other ran on
+
+
 def test_chat_stream_with_usage(client):
     messages = [{"role": "system", "content": "Tell stories."}, {"role": "user", "content": "A story about a cat"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0)
