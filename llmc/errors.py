@@ -26,7 +26,13 @@ class ArtifactError(LlmcError):
 
 class RequestError(LlmcError, ValueError):
     """A request is invalid: bad sampling value, prompt too long, ... Also a ValueError, as vLLM's
-    validation errors are (`except ValueError` around `SamplingParams(...)` or `LLM.generate` works)."""
+    validation errors are (`except ValueError` around `SamplingParams(...)` or `LLM.generate` works).
+    `param`: the request field at fault where the message does not name a SamplingParams field (the
+    server's 400 names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ConfigError(LlmcError):

@@ -90,6 +90,10 @@ class Engine:
                     request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock."""
         request_id = request_id if request_id is not None else str(next(self._ids))
+        if priority != 0 and self.options.scheduling_policy != "priority":  # vLLM refuses it too
+            raise RequestError(f"priority {priority}: priority scheduling is not enabled (scheduling_policy is "
+                               f"{self.options.scheduling_policy!r}); leave priority at 0, or start the engine with "
+                               "scheduling_policy 'priority' (llmc run --scheduling-policy priority)", param="priority")
         if request_id in self.groups:
             raise RequestError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:

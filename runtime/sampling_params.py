@@ -238,8 +238,9 @@ class SamplingParams:
         _require(0.0 <= self.min_p <= 1.0, "min_p", "a number in [0, 1]", self.min_p)
         if self.is_greedy and not self.use_beam_search:
             # Several greedy samples of one prompt would all be identical.
-            _require(self.n == 1 and (self.best_of or 1) == 1, "n",
-                     "1 (and best_of 1 or None) with greedy sampling (temperature 0)", self.n)
+            _require(self.n == 1, "n", "1 with greedy sampling (temperature 0)", self.n)
+            _require((self.best_of or 1) == 1, "best_of", "1 or None with greedy sampling (temperature 0)",
+                     self.best_of)
 
     def _validate_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -70,7 +70,7 @@ def as_api_error(error: Exception) -> ApiError:
         return _from_validation_error(error)
     if isinstance(error, RequestError):
         match = _PARAM_IN_MESSAGE.search(str(error))
-        return ApiError(400, str(error), param=match.group(1) if match else None)
+        return ApiError(400, str(error), param=match.group(1) if match else error.param)
     if isinstance(error, LlmcError):
         return ApiError(400, str(error))
     return ApiError(500, f"internal error: {type(error).__name__}: {error}")

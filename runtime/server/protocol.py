@@ -222,7 +222,8 @@ def _guided_params(name: str, value: Any) -> GuidedDecodingParams:
                 params = GuidedDecodingParams(json_object=True)
             else:
                 field = "response_format.json_schema.schema"
-                params = GuidedDecodingParams(json=value.json_schema.schema_, strict=bool(value.json_schema.strict))
+                # strict left out: strict, as vLLM compiles every schema (only an explicit false relaxes it)
+                params = GuidedDecodingParams(json=value.json_schema.schema_, strict=value.json_schema.strict is not False)
         elif name == "structured_outputs":
             params = GuidedDecodingParams(**value)
         else:

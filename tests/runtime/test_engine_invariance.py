@@ -7,6 +7,7 @@ import pytest
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import RequestError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -113,3 +114,8 @@ def test_priority_policy_runs_urgent_requests_first(artifact, prompts):
     while llm.engine.has_unfinished_requests():
         order += [o.request_id for o in llm.engine.step() if o.finished]
     assert order == ["1", "2", "0"]  # priorities 0, 3, 5; one seat
+    with LLM(artifact, device="cpu", disable_log_stats=True) as fcfs:  # vLLM refuses a priority it would ignore
+        with pytest.raises(RequestError, match="priority 3: priority scheduling is not enabled"):
+            fcfs.generate(prompts[:2], SamplingParams(max_tokens=1), priority=[0, 3])
+        assert not fcfs.engine.has_unfinished_requests()
+        assert fcfs.generate(prompts[:1], SamplingParams(max_tokens=1), priority=[0])[0].finished

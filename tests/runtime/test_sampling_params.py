@@ -72,6 +72,13 @@ def test_invalid_values_raise_request_error_naming_the_field(field, value):
         SamplingParams(**kwargs)
 
 
+def test_greedy_sampling_names_the_field_that_asks_for_several_samples():
+    with pytest.raises(RequestError, match=r"SamplingParams\.best_of must be 1 or None with greedy .*got 3"):
+        SamplingParams(temperature=0, n=1, best_of=3)
+    with pytest.raises(RequestError, match=r"SamplingParams\.n must be 1 with greedy .*got 2"):
+        SamplingParams(temperature=0, n=2)
+
+
 def test_request_error_is_an_llmc_error_and_a_value_error():
     """An llmc error (one line from the CLI) and, as vLLM's validation errors are, a ValueError."""
     with pytest.raises(LlmcError):

@@ -271,6 +271,8 @@ def test_tokenize_detokenize(server):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "priority": 2}, "priority"),  # the session server schedules fcfs
+    ({"prompt": "x", "temperature": 0, "best_of": 2}, "best_of"),
     ({}, "prompt"),
 ])
 def test_invalid_completion_parameters_are_400_naming_the_field(server, body, param):
