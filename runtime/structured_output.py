@@ -80,9 +80,12 @@ class GuidedDecodingParams:
         import xgrammar as xgr
 
         kind = self.kind
+        schema = None
+        if kind == "json":
+            schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            _refuse_unenforced(schema, self.strict)
         try:
             if kind == "json":
-                schema = self.json if isinstance(self.json, str) else json.dumps(self.json)
                 return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=self.strict)
             if kind == "json_object":
                 return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
@@ -98,6 +101,56 @@ class GuidedDecodingParams:
 
 
 StructuredOutputsParams = GuidedDecodingParams  # vLLM's newer name
+
+# JSON-schema keywords xgrammar (0.2.8) compiles but does not enforce: a document that breaks them is
+# generated as readily as one that keeps them (measured with xgrammar.testing's acceptance check). vLLM
+# refuses schemas with the keywords its xgrammar backend cannot honour; so does llmc, naming the keyword.
+_UNENFORCED = {"uniqueItems": "unique items", "contains": "an item that must be present",
+               "minContains": "an item that must be present", "maxContains": "an item that must be present",
+               "not": "a negated schema", "if": "a conditional schema", "then": "a conditional schema",
+               "else": "a conditional schema"}
+_SUBSCHEMA = ("items", "additionalProperties", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _refuse_unenforced(schema_text: str, strict: bool) -> None:
+    """RequestError naming the first place of the schema that the grammar would not enforce: a keyword of
+    `_UNENFORCED`, an allOf of several schemas, a $ref outside the document, or (strict) a required
+    property the object does not declare (strict objects hold only the properties they list)."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return  # not JSON: xgrammar's own message says so
+
+    def walk(node: Any, path: str) -> str | None:
+        if not isinstance(node, dict):
+            return None
+        for keyword, what in _UNENFORCED.items():
+            if keyword in node:
+                return f"{path}.{keyword} ({what})"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"{path}.allOf of {len(node['allOf'])} schemas (only one)"
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            return f"{path}.$ref {ref!r} (only references inside the schema, '#/...')"
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        if strict and node.get("additionalProperties") in (None, False) and "patternProperties" not in node:
+            undeclared = [name for name in node.get("required") or () if name not in properties]
+            if undeclared:
+                return f"{path}.required {undeclared[0]!r} (not in properties: a strict object holds only those)"
+        children = [(f"{path}.{k}", node[k]) for k in _SUBSCHEMA if k in node]
+        children += [(f"{path}.{k}[{i}]", child) for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list)
+                     for i, child in enumerate(node[k])]
+        children += [(f"{path}.{k}.{name}", child) for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict)
+                     for name, child in node[k].items()]
+        return next((found for child_path, child in children if (found := walk(child, child_path))), None)
+
+    found = walk(schema, "schema")
+    if found is not None:
+        raise RequestError(f"SamplingParams.guided_decoding.json: {found} is not supported: the grammar backend "
+                           "(xgrammar) would not enforce it; remove it from the schema")
 
 
 class GrammarCache:

@@ -222,3 +222,40 @@ def test_constraints_that_allow_no_token_end_the_sequence(ref_llm, engine_args):
     assert len(completions[1].logprobs) == len(completions[1].token_ids)
     # bad words ban every token that starts "yes" or "no" (y, n, no: one token each)
     assert all(c.token_ids == [] and c.text == "" for c in completions[2:]), completions[2:]
+
+
+UNENFORCED = [  # (schema, a document jsonschema rejects)
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, ["y", "y"]),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [2]),
+    ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]}, {"a": "x"}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+      "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, {"a": 1}),
+    ({"type": "object", "properties": {}, "required": ["zz"]}, {}),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, 3),
+]
+
+
+@pytest.mark.parametrize("schema, violation", UNENFORCED)
+def test_schemas_whose_keywords_the_grammar_would_not_enforce_are_refused(schema, violation):
+    """vLLM refuses schemas its xgrammar backend cannot honour. Each of these xgrammar compiles into a
+    grammar that accepts a document jsonschema rejects (checked here), so llmc refuses it by name."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(violation, schema)
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    assert _is_grammar_accept_string(grammar, json.dumps(violation))
+    with pytest.raises(RequestError, match=r"guided_decoding\.json: schema\..* is not supported"):
+        GuidedDecodingParams(json=schema).grammar_object()
+
+
+def test_schemas_the_grammar_enforces_are_kept():
+    """A property named like a keyword, one allOf reference, a remote $ref refused but a local one kept."""
+    kept = [{"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}, "required": ["not"]},
+            {"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"type": "integer", "minimum": 5}}},
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"], "additionalProperties": True}]
+    for schema in kept:
+        GuidedDecodingParams(json=schema).grammar_object()
+    with pytest.raises(RequestError, match=r"\$ref 'http://example.com/s.json'"):
+        GuidedDecodingParams(json={"$ref": "http://example.com/s.json"}).grammar_object()
