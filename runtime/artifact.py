@@ -173,8 +173,10 @@ class RuntimeDefaults:
     `llmc run` flags and `LLM(**kwargs)` override them by the same names."""
 
     max_model_len: int | None = opt(None, min=1, help="longest prompt + output, in tokens (default: the model's)")
-    max_num_seqs: int = opt(64, min=1, help="most sequences running at once")
-    max_num_batched_tokens: int = opt(2048, min=1, help="token budget of one engine step")
+    # Upper limits: every step buffer, sampler row and CUDA-graph size is allocated up to them, so a value
+    # far beyond any GPU's batch would fail in an allocation (a traceback) rather than here, by name.
+    max_num_seqs: int = opt(64, min=1, max=65536, help="most sequences running at once")
+    max_num_batched_tokens: int = opt(2048, min=1, max=2**24, help="token budget of one engine step")
     block_size: int = opt(16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
     gpu_memory_utilization: float = opt(0.9, min_exclusive=0.0, max=1.0, help="fraction of GPU memory to use")
     num_kv_blocks: int | None = opt(None, min=1, alias="num_gpu_blocks_override",

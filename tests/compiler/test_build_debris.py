@@ -152,6 +152,8 @@ BAD_RECIPES = [
     ("huge-cpu-kv", "runtime:\n  cpu_kv_cache_gib: 1.0e+300\n", "runtime.cpu_kv_cache_gib: 1e+300 is too large"),
     ("nan-gpu-gib", "target:\n  gpu_memory_gib: .nan\n", "target.gpu_memory_gib: expected a finite number"),
     ("seed-too-big", "runtime:\n  seed: 100000000000000000000000\n", "runtime.seed: 100000000000000000000000 is too large"),
+    # planned 6.25M CUDA-graph sizes (a 99 MB manifest) before the limit
+    ("huge-max-num-seqs", "runtime:\n  max_num_seqs: 100000000\n", "runtime.max_num_seqs: 100000000 is too large"),
     ("bad-regex-override", "quantization:\n  method: rtn\n  overrides:\n  - match: 're:layers.(['\n    bits: 8\n",
      "quantization.overrides[0].match: 're:layers.([' is not a valid regular expression"),
     ("bad-regex-ignore", "quantization:\n  method: rtn\n  ignore: ['re:*lm_head']\n",

@@ -58,6 +58,9 @@ def test_llm_takes_vllm_names(artifact):
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
     ({"dtype": "half"}, "dtype 'half': this artifact holds float32 weights (the recipe's dtype); build it again with dtype: float16"),
     ({"model": "elsewhere"}, "give the artifact directory once"),
+    # allocations up to these (step buffers, sampler rows) were a numpy / torch MemoryError traceback
+    ({"max_num_seqs": 10**12}, "max_num_seqs: 1000000000000 is too large; it must be at most 65536"),
+    ({"max_num_batched_tokens": 10**12}, "max_num_batched_tokens: 1000000000000 is too large"),
 ])
 def test_what_the_artifact_cannot_do_is_refused_by_name(artifact, options, message):
     with pytest.raises((ConfigError, RequestError)) as info:
