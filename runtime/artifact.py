@@ -195,6 +195,9 @@ class RuntimeDefaults:
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, alias="speculative_config",
                                                 help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+    generation_config: str = opt("auto", help="auto: the model's generation_config.json sets the default temperature, "
+                                              "top_p, top_k, min_p, repetition_penalty and max_tokens (vLLM's default); "
+                                              "vllm: SamplingParams' own defaults; or a folder holding a generation_config.json")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 

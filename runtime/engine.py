@@ -17,7 +17,7 @@ import torch
 from llmc.errors import RequestError, WorkerError
 from llmc.kernels import to_device
 from llmc.runtime import artifact as art
-from llmc.runtime.options import resolve_device, resolve_options
+from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
@@ -52,6 +52,11 @@ class Engine:
         self.options = resolve_options(self.manifest, options)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(self.artifact_dir / art.TOKENIZER_DIR)
+        # the defaults of the fields a request leaves unset (LLM.get_default_sampling_params, the server)
+        self.default_sampling_fields = generation_defaults(self.artifact_dir, self.options.generation_config)
+        if self.default_sampling_fields:
+            logger.info("default sampling parameters from the model's generation config: %s (generation_config "
+                        "'vllm' ignores them)", self.default_sampling_fields)
         self.eos_token_ids = list(self.manifest.model.eos_token_ids)
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU

@@ -68,6 +68,12 @@ class LLM:
         """The artifact's Hugging Face tokenizer (vLLM's accessor; also the `tokenizer` property)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat sample with when given no sampling_params (vLLM's): SamplingParams with
+        the model's generation-config defaults (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_tokens) under `generation_config` "auto", else SamplingParams()."""
+        return SamplingParams(**self.engine.default_sampling_fields)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -81,6 +87,8 @@ class LLM:
         is raised with every output (`.outputs`, the failed ones with `error` set)."""
         prompts = self._pretokenize(_as_prompt_list(prompts))
         # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _with_output_kind(_as_params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
@@ -231,8 +239,6 @@ def _with_output_kind(params: list, kind: RequestOutputKind) -> list:
 
 
 def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(num_prompts)]
     if isinstance(params, SamplingParams):
         return [params] * num_prompts
     if isinstance(params, (str, bytes, dict)):

@@ -3,13 +3,50 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import torch
 
-from llmc.errors import ConfigError
+from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.onnx_model import is_onnx, onnx_options
 from llmc.schema import canonical_keys, parse
+
+
+# generation_config.json keys that set a default of SamplingParams (vLLM's list), and the field each sets
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(artifact_dir: Path, option: str) -> dict:
+    """The SamplingParams fields a request leaves unset take from the model's generation config (vLLM's
+    `generation_config`): "auto" reads the artifact's copy of the checkpoint's generation_config.json
+    (none: no defaults), "vllm" none, anything else is a folder that must hold one. A value SamplingParams
+    refuses is a ConfigError naming the file."""
+    if option == "vllm":
+        return {}
+    folder = artifact_dir / art.TOKENIZER_DIR if option == "auto" else Path(option)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if option == "auto":
+            return {}
+        raise ConfigError(f"generation_config {option!r}: no generation_config.json in that folder; give a folder "
+                          "that holds one, 'auto' (the model's) or 'vllm' (no model defaults)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file ({type(e).__name__}); fix it or set generation_config "
+                          "'vllm'") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: expected a JSON object; fix it or set generation_config 'vllm'")
+    fields = {field: config[key] for key, field in GENERATION_FIELDS.items() if config.get(key) is not None}
+    try:
+        SamplingParams(**fields)
+    except RequestError as e:
+        raise ConfigError(f"{path}: {e} (the defaults it sets: {fields}); fix it or set generation_config 'vllm'") from None
+    return fields
 
 
 def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefaults:

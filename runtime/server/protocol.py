@@ -169,15 +169,19 @@ class _SamplingFields(_Body):
         if self.stream and self.prompt_logprobs is not None:
             raise invalid("prompt_logprobs", "prompt logprobs are not available with stream=true")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises RequestError naming the field for a value out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict) -> SamplingParams:
+        """Raises RequestError naming the field for a value out of range. `defaults`: the model's
+        generation-config values (Engine.default_sampling_fields) of the fields the request leaves unset."""
         temperature = 0.0 if self.temperature is None and self.use_beam_search else self.temperature  # vLLM's
         optional = {
             "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }
+        optional = {k: defaults.get(k) if v is None else v for k, v in optional.items()}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
         return SamplingParams(
             **{k: v for k, v in optional.items() if v is not None},
             n=self.n, best_of=self.best_of, seed=self.seed, stop=self.stop,
@@ -264,13 +268,13 @@ class CompletionRequest(_SamplingFields):
         """echo with max_tokens=0: score the prompt, generate nothing (one token is generated and dropped)."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
         # echo + logprobs returns the prompt's logprobs too (lm-eval's loglikelihood).
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
         max_tokens = 1 if self.wants_prompt_only else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ContentPart(_Body):
@@ -343,10 +347,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             if value is not None and value < 1:
                 raise invalid(name, f"must be at least 1, got {value}")
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict) -> SamplingParams:
         max_tokens = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs, defaults)
 
     @property
     def requested_max_tokens(self) -> int | None:

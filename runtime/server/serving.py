@@ -56,7 +56,7 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
     ctx.check_model(request.model)
     ctx.require_ready()
     try:
-        return request, request.to_sampling_params()
+        return request, request.to_sampling_params(ctx.engine_loop.engine.default_sampling_fields)
     except RequestError as e:
         raise as_api_error(e) from None
 

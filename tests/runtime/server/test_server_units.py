@@ -68,7 +68,7 @@ def test_chat_content_parts_and_unsupported_fields():
 def test_echo_with_max_tokens_0_generates_one_token_and_asks_prompt_logprobs():
     request = parse_body(CompletionRequest, {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 3})
     request.check()
-    params = request.to_sampling_params()
+    params = request.to_sampling_params({})
     assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (1, 3, 3)
     assert request.wants_prompt_only
 
@@ -147,13 +147,30 @@ def test_every_field_openai_declares_nullable_takes_null():
     ]
     for request_type, body, fields in cases:
         assert {"n", "logprobs", "stream", "temperature", "seed"} <= set(fields)
-        default = parse_body(request_type, body).to_sampling_params()
+        default = parse_body(request_type, body).to_sampling_params({})
         for field in fields:
             request = parse_body(request_type, {**body, field: None})
             request.check()
             if (request_type, field) != (CompletionRequest, "max_tokens"):
-                assert request.to_sampling_params() == default, field
+                assert request.to_sampling_params({}) == default, field
             assert request.stream is False
+
+
+def test_the_model_s_generation_defaults_fill_only_the_fields_a_request_leaves_unset():
+    """vLLM's generation_config "auto": the model's temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens are the defaults of requests that do not set them (completions keep OpenAI's 16 tokens
+    unless max_tokens is null)."""
+    defaults = {"temperature": 0.3, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.2, "max_tokens": 12}
+    completion = parse_body(CompletionRequest, {"prompt": "x", "top_p": 0.5}).to_sampling_params(defaults)
+    assert (completion.temperature, completion.top_p, completion.top_k, completion.repetition_penalty,
+            completion.max_tokens, completion.min_p) == (0.3, 0.5, 5, 1.2, 16, 0.0)
+    unbounded = parse_body(CompletionRequest, {"prompt": "x", "max_tokens": None}).to_sampling_params(defaults)
+    assert unbounded.max_tokens == 12
+    chat = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "temperature": 0})
+    params = chat.to_sampling_params(defaults)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 5, 12)
+    asked = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40})
+    assert asked.to_sampling_params(defaults).max_tokens == 40
 
 
 def test_chat_template_options_on_a_plain_prompt_are_refused():

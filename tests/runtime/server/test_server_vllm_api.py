@@ -323,3 +323,19 @@ def test_chat_template_options(server, tokenizer):
                            ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]:
         reply = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1, **options})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_generation_config_defaults_fill_what_a_request_leaves_unset(start_server, tmp_path):
+    """`--generation-config FOLDER` (vLLM's flag): its top_k 1 makes unset sampling the argmax, its
+    max_new_tokens bounds a chat reply that sets no max_tokens; what a request sets still wins."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5}))
+    server = start_server("--disable-log-stats", "--generation-config", str(tmp_path))
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    greedy = client.chat.completions.create(model="", messages=CHAT, temperature=0, max_tokens=5,
+                                            extra_body={"ignore_eos": True})
+    for _ in range(2):  # temperature 1 (unset), but top_k 1: the greedy reply
+        reply = client.chat.completions.create(model="", messages=CHAT, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 5 and reply.choices[0].message.content == greedy.choices[0].message.content
+    wide = client.chat.completions.create(model="", messages=CHAT, max_tokens=9, seed=3,
+                                          extra_body={"ignore_eos": True, "top_k": -1})
+    assert wide.usage.completion_tokens == 9

@@ -1,0 +1,66 @@
+"""vLLM's `generation_config` ("auto" by default): the sampling defaults of the model's generation_config.json
+(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) are what LLM.generate samples with
+when given no SamplingParams, checked against transformers' generate, which reads the same file."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+# top_k 1 makes sampling the argmax (after the repetition penalty) in both libraries
+GENERATION = {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True, "top_k": 1, "repetition_penalty": 1.5,
+              "max_new_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, ref_model_dir):
+    path = tmp_path_factory.mktemp("generation") / "ckpt"
+    shutil.copytree(ref_model_dir, path)
+    (path / "generation_config.json").write_text(json.dumps(GENERATION))
+    return path
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint):
+    out = checkpoint.parent / "artifact"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    return out
+
+
+def test_generate_without_params_samples_as_transformers_generate_does(artifact, checkpoint):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with LLM(artifact, device="cpu", disable_log_stats=True) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.top_k, defaults.repetition_penalty, defaults.max_tokens, defaults.temperature) == (1, 1.5, 12, 1.0)
+        for prompt in ("ROMEO:", "The king said"):
+            ids = llm.tokenizer.encode(prompt)
+            expected = model.generate(torch.tensor([ids]))[0, len(ids):].tolist()  # its generation_config.json
+            assert llm.generate(prompt)[0].outputs[0].token_ids == expected
+            assert llm.chat([{"role": "user", "content": prompt}])[0].outputs[0].token_ids.__len__() <= 12
+        free = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+        assert free != llm.generate("ROMEO:")[0].outputs[0].token_ids  # the penalty is the model's default
+    with LLM(artifact, device="cpu", generation_config="vllm", disable_log_stats=True) as llm:
+        assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_a_generation_config_folder_and_bad_ones(artifact, tmp_path):
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    with LLM(artifact, device="cpu", generation_config=str(folder), disable_log_stats=True) as llm:
+        assert (llm.get_default_sampling_params().temperature, llm.get_default_sampling_params().max_tokens) == (0.0, 3)
+        assert len(llm.generate("ROMEO:")[0].outputs[0].token_ids) <= 3
+    with pytest.raises(ConfigError, match="no generation_config.json in that folder"):
+        LLM(artifact, device="cpu", generation_config=str(tmp_path / "missing"))
+    (folder / "generation_config.json").write_text(json.dumps({"top_p": 7}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: SamplingParams\.top_p must be"):
+        LLM(artifact, device="cpu", generation_config=str(folder))
