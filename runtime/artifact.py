@@ -195,6 +195,8 @@ class RuntimeDefaults:
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, alias="speculative_config",
                                                 help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+    max_logprobs: int = opt(20, min=-1, max=2**31 - 1,
+                            help="most logprobs / prompt_logprobs a request may ask (vLLM's; -1: the whole vocabulary)")
     generation_config: str = opt("auto", help="auto: the model's generation_config.json sets the default temperature, "
                                               "top_p, top_k, min_p, repetition_penalty and max_tokens (vLLM's default); "
                                               "vllm: SamplingParams' own defaults; or a folder holding a generation_config.json")

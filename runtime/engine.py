@@ -58,6 +58,8 @@ class Engine:
             logger.info("default sampling parameters from the model's generation config: %s (generation_config "
                         "'vllm' ignores them)", self.default_sampling_fields)
         self.eos_token_ids = list(self.manifest.model.eos_token_ids)
+        vocab_size = self.manifest.model.vocab_size
+        self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = BeamScheduler(SchedulerConfig(
@@ -108,6 +110,11 @@ class Engine:
                 prompt_token_ids = self.tokenizer.encode(prompt)
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:  # vLLM's max_logprobs
+                raise RequestError(f"SamplingParams.{name} {value} is more than max_logprobs ({self.max_logprobs}); "
+                                   "ask for fewer, or start the engine with a larger max_logprobs (-1: no limit)")
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
         if params.guided_decoding is not None:

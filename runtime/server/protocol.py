@@ -26,7 +26,7 @@ from llmc.runtime.structured_output import GuidedDecodingParams
 from llmc.runtime.tokenizer import text_of_parts
 
 # The most logprobs per token a request may ask for (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the engine's option; this bound before the engine is up)
 # vLLM's range for seed and priority (a C int64).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
@@ -156,13 +156,13 @@ class _SamplingFields(_Body):
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
             raise invalid("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
 
-    def check_stream_options(self) -> None:
+    def check_stream_options(self, max_logprobs: int) -> None:
         self.check_stop()
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "only allowed with stream=true")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise invalid("best_of", "cannot be larger than n when streaming")
-        _check_logprobs("prompt_logprobs", self.prompt_logprobs)
+        _check_logprobs("prompt_logprobs", self.prompt_logprobs, max_logprobs)
         if self.stream and self.use_beam_search:
             raise invalid("stream", "beam search (use_beam_search) returns whole beams, never a stream; "
                           "send stream=false")
@@ -250,14 +250,15 @@ class CompletionRequest(_SamplingFields):
     logprobs: Int64 | None = None
     add_special_tokens: bool = True
 
-    def check(self) -> None:
+    def check(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """`max_logprobs`: the engine's (most logprobs and prompt_logprobs a request may ask)."""
         if self.prompt is None or self.prompt == "" or self.prompt == []:
             raise ApiError(400, EMPTY_PROMPT_MESSAGE, param="prompt")
-        self.check_stream_options()
+        self.check_stream_options(max_logprobs)
         if self.suffix:
             raise invalid("suffix", "is not supported")
         _check_response_format(self.response_format)
-        _check_logprobs("logprobs", self.logprobs)
+        _check_logprobs("logprobs", self.logprobs, max_logprobs)
         if self.max_tokens is not None and self.max_tokens < 0:
             raise invalid("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.max_tokens == 0 and not self.echo:
@@ -332,14 +333,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def template_options(self) -> dict:
         return super().template_options() | {"add_special_tokens": self.add_special_tokens}
 
-    def check(self) -> None:
-        self.check_stream_options()
+    def check(self, max_logprobs: int = MAX_LOGPROBS) -> None:
+        self.check_stream_options(max_logprobs)
         _check_response_format(self.response_format)
         if self.tools:
             raise invalid("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise invalid("tool_choice", "tool calling is not supported")
-        _check_logprobs("top_logprobs", self.top_logprobs)
+        _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs=true")
         for name in ("max_tokens", "max_completion_tokens"):
@@ -413,10 +414,10 @@ def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
-def _check_logprobs(name: str, value: int | None) -> None:
+def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
     # vLLM reads -1 as "the whole vocabulary", which is above its default max_logprobs (20): refused.
-    if value is not None and not 0 <= value <= MAX_LOGPROBS:
-        raise invalid(name, f"must be between 0 and {MAX_LOGPROBS} (this server's max_logprobs), got {value}")
+    if value is not None and not 0 <= value <= max_logprobs:
+        raise invalid(name, f"must be between 0 and {max_logprobs} (this server's max_logprobs), got {value}")
 
 
 # The deepest JSON nesting accepted (real requests nest about 5 deep).

@@ -20,6 +20,7 @@ from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
+from llmc.runtime.server.protocol import MAX_LOGPROBS
 from llmc.runtime.tokenizer import apply_chat_template
 
 logger = logging.getLogger("llmc")
@@ -52,7 +53,8 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
     """What completions and chat share before generating: the body checked, the model and the engine
     ready, the sampling parameters built. Returns (request, SamplingParams)."""
     request = parse_body(model, body)
-    request.check()
+    engine = ctx.engine_loop.engine
+    request.check(engine.max_logprobs if engine is not None else MAX_LOGPROBS)
     ctx.check_model(request.model)
     ctx.require_ready()
     try:

@@ -139,6 +139,10 @@ def test_beam_search_requests_that_cannot_run_are_refused(tiny_vocab):
             SamplingParams(n=2, use_beam_search=True, stop=["x"])
         pool = llm.engine.scheduler.block_pool
         assert pool.num_free_blocks == pool.num_blocks
+    with LLM(artifact, disable_log_stats=True, max_logprobs=6) as llm:  # the fallback asks 2 x width logprobs
+        with pytest.raises(RequestError, match=r"beam_width 4: .*more than its max_logprobs \(6\)"):
+            beam_search_by_requests(llm, [PROMPTS[0]], BeamSearchParams(beam_width=4, max_tokens=2))
+        assert len(beam_search_by_requests(llm, [PROMPTS[0]], BeamSearchParams(beam_width=3, max_tokens=2))[0].sequences) == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])

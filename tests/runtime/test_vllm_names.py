@@ -108,6 +108,20 @@ def test_chat_takes_vllm_template_options(artifact):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
 
 
+def test_max_logprobs_bounds_what_a_request_asks(artifact):
+    """vLLM's max_logprobs (default 20; -1: the whole vocabulary) for logprobs and prompt_logprobs alike."""
+    with LLM(artifact, disable_log_stats=True) as llm:
+        for field in ("logprobs", "prompt_logprobs"):
+            with pytest.raises(RequestError, match=rf"SamplingParams\.{field} 21 is more than max_logprobs \(20\)"):
+                llm.generate("ROMEO:", SamplingParams(max_tokens=1, **{field: 21}))
+        assert len(llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0]) >= 20
+        assert not llm.engine.has_unfinished_requests()
+    with LLM(artifact, disable_log_stats=True, max_logprobs=-1) as llm:
+        vocab_size = llm.engine.manifest.model.vocab_size
+        top = llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=vocab_size))[0].outputs[0].logprobs[0]
+        assert len(top) == vocab_size and sorted(entry.rank for entry in top.values())[-1] == vocab_size
+
+
 def test_logprobs_are_vllm_logprob_objects(artifact):
     """Each logprob is vLLM's Logprob (.logprob, .rank, .decoded_token) and still the float it was: ranks
     against a float64 log-softmax of the engine's own logits for the same sequence, texts against the tokenizer."""

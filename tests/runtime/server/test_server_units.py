@@ -173,6 +173,17 @@ def test_the_model_s_generation_defaults_fill_only_the_fields_a_request_leaves_u
     assert asked.to_sampling_params(defaults).max_tokens == 40
 
 
+def test_the_engine_s_max_logprobs_bounds_the_logprob_fields():
+    for request_type, body, field in [(CompletionRequest, {"prompt": "x", "logprobs": 25}, "logprobs"),
+                                      (CompletionRequest, {"prompt": "x", "prompt_logprobs": 25}, "prompt_logprobs"),
+                                      (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                               "logprobs": True, "top_logprobs": 25}, "top_logprobs")]:
+        parse_body(request_type, body).check(30)  # an engine started with max_logprobs 30
+        with pytest.raises(ApiError, match=r"between 0 and 20 \(this server's max_logprobs\)") as info:
+            parse_body(request_type, body).check()
+        assert info.value.param == field
+
+
 def test_chat_template_options_on_a_plain_prompt_are_refused():
     """/tokenize with a prompt has no template to apply them to: a 400 naming the option, not silence."""
     from llmc.runtime.server.protocol import TokenizeRequest
