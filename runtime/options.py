@@ -51,10 +51,18 @@ def generation_defaults(artifact_dir: Path, option: str) -> dict:
 
 def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefaults:
     """The artifact's runtime section with `overrides` applied, every value checked by name."""
-    overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)  # vLLM's names too
+    given_as = {f.name: f.metadata["alias"] for f in dataclasses.fields(art.RuntimeDefaults)
+                if f.metadata.get("alias") in overrides}  # vLLM's names too: errors say the name given
+    overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)
     overrides = _check_vllm_build_settings(manifest, overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
-    options = parse(art.RuntimeDefaults, merged, "", ConfigError)
+    try:
+        options = parse(art.RuntimeDefaults, merged, "", ConfigError)
+    except ConfigError as e:
+        name = str(e).split(":", 1)[0].split(".", 1)[0]
+        if name not in given_as:
+            raise
+        raise ConfigError(f"{given_as[name]}{str(e)[len(name):]}") from None
     if options.max_model_len > manifest.model.max_position_embeddings and manifest.model.rope_scaling is None:
         raise ConfigError(
             f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
@@ -70,7 +78,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
 
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
-    pipeline_parallel_size, dtype) or always does (enable_chunked_prefill): accepted where they say what
+    pipeline_parallel_size, dtype), always does (enable_chunked_prefill) or does in the server only
+    (data_parallel_size): accepted where they say what
     the artifact does, refused by name where they ask for something else; trust_remote_code is
     accepted either way (no code of the checkpoint runs). Returns the other overrides."""
     rest = dict(overrides)
@@ -85,6 +94,9 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
         if named not in ("auto", manifest.model.dtype):
             raise ConfigError(f"dtype {dtype!r}: this artifact holds {manifest.model.dtype} weights (the recipe's dtype); "
                               f"build it again with dtype: {named}, or drop dtype")
+    if "data_parallel_size" in rest and rest.pop("data_parallel_size") != 1:
+        raise ConfigError(f"data_parallel_size {overrides['data_parallel_size']!r}: one engine runs one replica of the "
+                          "model; serve N replicas with `llmc run ARTIFACT --data-parallel-size N`, or drop it")
     rest.pop("trust_remote_code", None)  # a permission, not a setting: an artifact never runs a checkpoint's code
     if "enable_chunked_prefill" in rest and rest.pop("enable_chunked_prefill") is not True:
         raise ConfigError(f"enable_chunked_prefill {overrides['enable_chunked_prefill']!r}: llmc always prefills a "

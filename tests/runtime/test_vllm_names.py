@@ -42,7 +42,7 @@ def test_llm_takes_vllm_names(artifact):
             with pytest.raises(RequestError, match=message):
                 llm.generate(prompts, **bad)
     with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
-             pipeline_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
+             pipeline_parallel_size=1, data_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
              disable_log_stats=True) as llm:
         options = llm.engine.options
         assert options.speculative == art.SpeculativeConfig(**NGRAM) and options.num_kv_blocks == 40
@@ -55,6 +55,9 @@ def test_llm_takes_vllm_names(artifact):
     ({"speculative_config": NGRAM, "speculative": NGRAM}, "speculative: given twice, as 'speculative_config' and as 'speculative'"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2: this artifact is split 1 way(s) at build time"),
     ({"pipeline_parallel_size": 2}, "build it again with parallel.pipeline: 2"),
+    ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override: 0 is too small"),  # the name given, not num_kv_blocks
+    ({"speculative_config": {"method": "eagle"}}, "speculative_config.method: 'eagle' is not allowed"),
+    ({"data_parallel_size": 2}, "data_parallel_size 2: one engine runs one replica of the model; serve N replicas"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
     ({"dtype": "half"}, "dtype 'half': this artifact holds float32 weights (the recipe's dtype); build it again with dtype: float16"),
     ({"model": "elsewhere"}, "give the artifact directory once"),
