@@ -6,10 +6,18 @@ the window gained. Byte-level BPE splits a multi-byte UTF-8 character across tok
 ending mid-character decodes to a trailing U+FFFD; such text is held back until the character
 completes (or the request ends, when the replacement character is final, as in a full decode).
 
-Special tokens split the output into pieces ("normal" runs of tokens and kept special tokens):
-with skip_special_tokens they are dropped (and do not split a run); otherwise their text is kept
-and, with spaces_between_special_tokens, one space separates consecutive pieces, as Hugging Face's
-slow tokenizers do (fast tokenizers ignore that flag; we honour it).
+Fast tokenizers (Hugging Face's, on the Rust `tokenizers` library): the window runs over all tokens,
+special ones included, seeded with the prompt's last tokens, and each decode is the backend's with
+`skip_special_tokens` as requested. This is what `tokenizers.decoders.DecodeStream` (vLLM v1's
+fast-tokenizer detokenizer) does: the text equals the full decode of prompt and output, less the
+prompt's text, so decoders that strip the text's first space (Llama-2's `Strip`, `Metaspace`) keep the
+space after a kept special token, and spaces_between_special_tokens is ignored, as it is by vLLM v1
+and by the fast tokenizer's own `decode`.
+
+Other (slow, Python) tokenizers: special tokens split the output into pieces ("normal" runs of
+tokens and kept special tokens), each decoded on its own, as vLLM's slow path (and transformers 4's
+slow tokenizers) do; with skip_special_tokens they are dropped (and do not split a run), otherwise
+their text is kept and, with spaces_between_special_tokens, one space separates consecutive pieces.
 
 Stop strings are searched in the decoded text after every token (once `min_tokens` outputs
 exist); the output is cut at the first match. Until then, the longest tail of the text that is
@@ -27,6 +35,7 @@ from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 
 # Prompt tokens that seed the first window, so that the first output token decodes as it does
 # in context (sentencepiece-style decoders drop a leading space at the start of a text).
+# vLLM v1 seeds its DecodeStream with 4 or more.
 NUM_PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -111,9 +120,9 @@ class IncrementalDetokenizer:
         self._text = ""  # decoded text, including the held-back tail
         self._num_emitted = 0  # characters of _text returned as deltas
         self._max_stop_len = max((len(s) for s in params.stop), default=0)
-        self._pieces: _PieceJoiner | None = None
+        self._pieces: _StreamDecoder | _PieceJoiner | None = None
         if params.detokenize:
-            self._pieces = _PieceJoiner(tokenizer, prompt_token_ids, params)
+            self._pieces = _text_decoder(tokenizer, prompt_token_ids, params)
         # FINAL_ONLY without stop strings: nothing reads the text before the end, so the tokens are
         # decoded then, each run in one window, instead of two window decodes per token.
         self._deferred: list[int] | None = None
@@ -228,13 +237,52 @@ class IncrementalDetokenizer:
         return 0
 
 
+def _text_decoder(tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+    """The incremental decoder for `tokenizer`: `_StreamDecoder` for a fast one, else `_PieceJoiner`."""
+    if _is_fast(tokenizer):
+        return _StreamDecoder(tokenizer, prompt_token_ids, params)
+    return _PieceJoiner(tokenizer, prompt_token_ids, params)
+
+
+class _StreamDecoder:
+    """Fast tokenizers: every token, special or not, goes through one `_RunDecoder` window decoded with
+    the requested skip_special_tokens (DecodeStream's semantics; spaces_between_special_tokens is
+    ignored, as the fast tokenizer's decode ignores it)."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        skip = params.skip_special_tokens
+        backend = _plain_backend(tokenizer)
+        if backend is not None:  # what the tokenizer's decode does, without its wrapping and cleanup
+            def decode(token_ids: list[int]) -> str:
+                return backend.decode(token_ids, skip_special_tokens=skip)
+        else:
+            def decode(token_ids: list[int]) -> str:
+                # No cleanup: clean_up_tokenization_spaces is not stable under appending tokens.
+                return tokenizer.decode(token_ids, skip_special_tokens=skip,
+                                        clean_up_tokenization_spaces=False)
+        # The prompt's last tokens, special ones included (the decoder sees them in a full decode),
+        # less any that end it mid-character: their bytes would merge with the output's.
+        context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
+        while context and decode(context).endswith(_REPLACEMENT_CHAR):
+            context.pop()
+        self._run = _RunDecoder(decode, context)
+
+    def add(self, token_id: int) -> str:
+        return self._run.add([token_id])
+
+    def add_many(self, token_ids: list[int]) -> str:
+        return self._run.add(token_ids) if token_ids else ""
+
+    def flush(self) -> str:
+        return self._run.flush()
+
+
 class _PieceJoiner:
-    """Splits the tokens into pieces at kept special tokens and joins their text."""
+    """Slow tokenizers: splits the tokens into pieces at kept special tokens and joins their text."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
         self._tokenizer = tokenizer
         self._params = params
-        self._backend = _plain_backend(tokenizer)
         self._special_ids = _special_token_ids(tokenizer)
         self._has_piece = False  # some piece exists: the next one gets the separator
         self._run: _RunDecoder | None = _RunDecoder(self._decode, self._prompt_context(
@@ -285,8 +333,6 @@ class _PieceJoiner:
 
     def _decode(self, token_ids: list[int]) -> str:
         # No cleanup: clean_up_tokenization_spaces is not stable under appending tokens.
-        if self._backend is not None:  # what the fast tokenizer's decode does then, without its wrapping
-            return self._backend.decode(token_ids, skip_special_tokens=False)
         return self._tokenizer.decode(
             token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
@@ -304,39 +350,53 @@ class _PieceJoiner:
 
 
 class _RunDecoder:
-    """Incremental decoding of a run of non-special tokens with prefix/read offsets.
+    """Incremental decoding of a run of tokens with prefix/read offsets.
 
-    `_token_ids[_prefix_offset:_read_offset]` is the last emitted chunk (decoded for context),
-    `_token_ids[_read_offset:]` the tokens whose text is not final yet.
+    `_token_ids[:_read_offset]` is the last emitted chunk (decoded for context; its text is cached
+    until the next chunk is emitted), `_token_ids[_read_offset:]` the tokens whose text is not final
+    yet. A token costs one decode while its text is held back, two when a chunk is emitted.
     """
 
     def __init__(self, decode, context_token_ids: list[int]):
         self._decode = decode
         self._token_ids = list(context_token_ids)
-        self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
+        self._prefix_text: str | None = None  # decode of _token_ids[:_read_offset], once needed
 
     def add(self, token_ids: list[int]) -> str:
         self._token_ids += token_ids
         prefix_text, new_text = self._decode_window()
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""  # an incomplete character (or nothing yet): wait for more tokens
-        # The new chunk becomes the next window's context; older tokens are not needed.
-        self._token_ids = self._token_ids[self._read_offset :]
-        self._prefix_offset, self._read_offset = 0, len(self._token_ids)
+        self._next_chunk()
         return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
         if self._read_offset == len(self._token_ids):
             return ""  # every token's text is out already
         prefix_text, new_text = self._decode_window()
-        self._prefix_offset = self._read_offset = len(self._token_ids)
+        self._next_chunk()
         return new_text[len(prefix_text) :]
 
     def _decode_window(self) -> tuple[str, str]:
-        window = self._token_ids[self._prefix_offset :]
-        prefix_text = self._decode(window[: self._read_offset - self._prefix_offset])
-        return prefix_text, self._decode(window)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._token_ids[: self._read_offset])
+        return self._prefix_text, self._decode(self._token_ids)
+
+    def _next_chunk(self) -> None:
+        # The new chunk becomes the next window's context; older tokens are not needed.
+        del self._token_ids[: self._read_offset]
+        self._read_offset = len(self._token_ids)
+        self._prefix_text = None
+
+
+def _is_fast(tokenizer: Any) -> bool:
+    """Whether `tokenizer` is a Hugging Face fast tokenizer (backed by the Rust `tokenizers`)."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return False
+    return isinstance(tokenizer, PreTrainedTokenizerFast)
 
 
 def _plain_backend(tokenizer: Any) -> Any:

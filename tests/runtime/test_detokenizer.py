@@ -1,4 +1,5 @@
-"""Incremental detokenization (byte-level BPE, special tokens) and stop handling."""
+"""Incremental detokenization (byte-level BPE, a sentencepiece-style tokenizer, special tokens) and stop
+handling, against Hugging Face's decode of the whole text and tokenizers' DecodeStream."""
 
 import random
 
@@ -55,22 +56,165 @@ def test_random_token_sequences_match_decode(tokenizer, seed, kind):
     params = open_params(ignore_eos=True, output_kind=kind)
     detok, _ = stream(tokenizer, ids, params, chunk=chunk)
     assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
-    kept = open_params(ignore_eos=True, skip_special_tokens=False,
-                       spaces_between_special_tokens=False, output_kind=kind)
-    detok, _ = stream(tokenizer, ids, kept, chunk=chunk)
-    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
+    for spaces in (True, False):  # a fast tokenizer's decode ignores the flag, and so does vLLM v1
+        kept = open_params(ignore_eos=True, skip_special_tokens=False,
+                           spaces_between_special_tokens=spaces, output_kind=kind)
+        detok, _ = stream(tokenizer, ids, kept, chunk=chunk)
+        assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def test_spaces_between_special_tokens(tokenizer):
+@pytest.mark.parametrize("spaces", [True, False])
+def test_fast_tokenizer_ignores_spaces_between_special_tokens(tokenizer, spaces):
+    bang = tokenizer.encode("!", add_special_tokens=False)
+    user = tokenizer.encode("user\nhi", add_special_tokens=False)
+    params = open_params(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    ids = bang + [IM_END] + bang + [IM_END] + bang
+    assert stream(tokenizer, ids, params)[0].output_text == "!<|im_end|>!<|im_end|>!" == (
+        tokenizer.decode(ids, skip_special_tokens=False))
+    ids = [IM_START] + user + [IM_END, IM_START]
+    expected = "<|im_start|>user\nhi<|im_end|><|im_start|>"
+    assert stream(tokenizer, ids, params)[0].output_text == expected == (
+        tokenizer.decode(ids, skip_special_tokens=False))
+    assert stream(tokenizer, ids, open_params(spaces_between_special_tokens=spaces))[0].output_text == (
+        "user\nhi")
+
+
+class SlowTokenizer:
+    """A tokenizer that is not a fast one (as a Python tokenizer is): decodes through `tokenizer`."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.all_special_ids = tokenizer.all_special_ids
+        self.added_tokens_decoder = tokenizer.added_tokens_decoder
+        self.eos_token_id = tokenizer.eos_token_id
+
+    def decode(self, token_ids, **kwargs):
+        return self._tokenizer.decode(token_ids, **kwargs)
+
+    def convert_ids_to_tokens(self, token_id):
+        return self._tokenizer.convert_ids_to_tokens(token_id)
+
+
+def test_slow_tokenizer_honours_spaces_between_special_tokens(tokenizer):
+    """vLLM's slow-tokenizer path joins the pieces around kept special tokens with spaces."""
     user = tokenizer.encode("user\nhi", add_special_tokens=False)
     ids = [IM_START] + user + [IM_END, IM_START]
+    slow = SlowTokenizer(tokenizer)
     params = open_params(skip_special_tokens=False)
-    assert stream(tokenizer, ids, params)[0].output_text == (
-        "<|im_start|> user\nhi <|im_end|> <|im_start|>")
+    assert stream(slow, ids, params)[0].output_text == "<|im_start|> user\nhi <|im_end|> <|im_start|>"
     params = open_params(skip_special_tokens=False, spaces_between_special_tokens=False)
-    expected = "<|im_start|>user\nhi<|im_end|><|im_start|>"
-    assert stream(tokenizer, ids, params)[0].output_text == expected
-    assert stream(tokenizer, ids, open_params())[0].output_text == "user\nhi"
+    assert stream(slow, ids, params)[0].output_text == "<|im_start|>user\nhi<|im_end|><|im_start|>"
+    assert stream(slow, ids, open_params())[0].output_text == "user\nhi"
+
+
+# A Llama-2/Mistral-style tokenizer: byte-fallback BPE over "▁"-marked words, whose decoder drops
+# the first space of the text (Llama-2's Replace/ByteFallback/Fuse/Strip decoder, or a Metaspace
+# pre-tokenizer and decoder), with special tokens <s>, </s>, [INST], [/INST].
+SP_CORPUS = ["ok hi there fine", "[INST] hi there [/INST] fine, ok", "The answer is 42. THE END"] + TEXTS
+
+
+@pytest.fixture(scope="module", params=["strip", "metaspace"])
+def sp_tokenizer(request, tmp_path_factory):
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    def with_style(tk):
+        if request.param == "strip":
+            tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+            tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                            decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        else:
+            tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+            tk.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first", split=False),
+                                            decoders.ByteFallback(), decoders.Fuse()])
+        return tk
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+    trained = with_style(Tokenizer(models.BPE(unk_token="<unk>")))
+    trained.train_from_iterator(SP_CORPUS, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=specials, show_progress=False))
+    model = json.loads(trained.to_str())["model"]
+    vocab = model["vocab"]
+    for byte in range(256):
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tk = with_style(Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                                         fuse_unk=True)))
+    tk.add_special_tokens(specials)
+    path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
+    tk.save(str(path))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(path), bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>")
+    return request.param, tokenizer
+
+
+def text_after_prompt(tokenizer, prompt, ids, skip_special_tokens):
+    """What Hugging Face's decode of prompt + output adds to the prompt's text (no cleanup)."""
+    def decode(token_ids):
+        return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                clean_up_tokenization_spaces=False)
+    full, prompt_text = decode(list(prompt) + list(ids)), decode(list(prompt))
+    assert full.startswith(prompt_text)
+    return full[len(prompt_text) :]
+
+
+def decode_stream(tokenizer, prompt, ids, skip_special_tokens):
+    """What tokenizers' DecodeStream (vLLM v1's fast detokenizer) gives, primed with the prompt."""
+    from tokenizers.decoders import DecodeStream
+
+    decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
+    for token_id in prompt:
+        decoder.step(tokenizer.backend_tokenizer, token_id)
+    return "".join(decoder.step(tokenizer.backend_tokenizer, token_id) or "" for token_id in ids)
+
+
+@pytest.mark.parametrize("spaces", [True, False])
+def test_space_after_special_token_kept_with_sentencepiece_style_decoder(sp_tokenizer, spaces):
+    style, tok = sp_tokenizer
+    bos, inst = tok.convert_tokens_to_ids(["<s>", "[INST]"])
+    ids = tok.encode("ok [INST] hi there [/INST] fine", add_special_tokens=False)
+    assert inst in ids
+    params = open_params(skip_special_tokens=False, spaces_between_special_tokens=spaces)
+    # Llama-2's normalizer prepends "▁" to the text after a special token too: two spaces there.
+    expected = {"strip": " ok [INST]  hi there [/INST]  fine",
+                "metaspace": " ok [INST] hi there [/INST] fine"}[style]
+    assert text_after_prompt(tok, [bos], ids, False) == expected == decode_stream(tok, [bos], ids, False)
+    assert stream(tok, ids, params, prompt=[bos])[0].output_text == expected
+    # The prompt ends with a special token: the first output token keeps its space too.
+    prompt = [bos] + tok.encode("[INST] hi [/INST]", add_special_tokens=False)
+    assert prompt[-1] == tok.convert_tokens_to_ids("[/INST]")
+    ids = tok.encode("fine ok", add_special_tokens=False)
+    assert text_after_prompt(tok, prompt, ids, False) == " fine ok" == decode_stream(tok, prompt, ids, False)
+    assert stream(tok, ids, params, prompt=prompt)[0].output_text == " fine ok"
+    skipped = open_params(spaces_between_special_tokens=spaces)
+    assert stream(tok, ids, skipped, prompt=prompt)[0].output_text == text_after_prompt(
+        tok, prompt, ids, True) == decode_stream(tok, prompt, ids, True)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY])
+@pytest.mark.parametrize("seed", range(4))
+def test_sentencepiece_style_random_sequences_match_decode(sp_tokenizer, seed, kind):
+    _, tok = sp_tokenizer
+    rng = random.Random(seed)
+    special = tok.convert_tokens_to_ids(["<s>", "</s>", "[INST]", "[/INST]"])
+    words = [tok.encode(text, add_special_tokens=False) for text in SP_CORPUS + ["  a  b ", "日本"]]
+    def sample(num_parts):
+        ids = []
+        for _ in range(num_parts):
+            ids += [rng.choice(special)] if rng.random() < 0.3 else rng.choice(words)
+        return ids
+    prompt, ids = sample(rng.randint(1, 4)), sample(rng.randint(1, 8))
+    chunk = rng.choice([1, 1, 2, 3])
+    for skip in (True, False):
+        for spaces in (True, False):
+            params = open_params(ignore_eos=True, skip_special_tokens=skip,
+                                 spaces_between_special_tokens=spaces, output_kind=kind)
+            detok, deltas = stream(tok, ids, params, prompt=prompt, chunk=chunk)
+            assert detok.output_text == text_after_prompt(tok, prompt, ids, skip)
+            assert detok.output_text == decode_stream(tok, prompt, ids, skip)
+            assert not any("\ufffd" in delta for delta in deltas)
 
 
 def test_stop_string_split_across_tokens_is_caught_and_held_back(tokenizer):
