@@ -185,8 +185,9 @@ SPECULATIVE = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1
 
 @pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": False},
                                          {"speculative": {**SPECULATIVE, "num_speculative_tokens": 1}},
-                                         {"speculative": {**SPECULATIVE, "num_speculative_tokens": 3}}],
-                         ids=["overlapped", "sync", "ngram-k1", "ngram-k3"])
+                                         {"speculative": {**SPECULATIVE, "num_speculative_tokens": 3}},
+                                         pytest.param({"device": "cuda"}, marks=pytest.mark.gpu)],
+                         ids=["overlapped", "sync", "ngram-k1", "ngram-k3", "cuda"])
 def test_constraints_that_allow_no_token_end_the_sequence(ref_llm, engine_args):
     """A complete regex while min_tokens still bans eos, allowed ids the grammar refuses, allowed ids
     that min_tokens bans, bad words that ban each token a choice can start with: nothing may be sampled, so the sequence ends there ("stop") with what it
