@@ -144,10 +144,12 @@ def _finite(param, value: float | None) -> float | None:
               "for a seat (n / best_of count; 400 for a request that could never fit)")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="server: seconds SIGTERM lets running requests finish before aborting them (their streams get an error event)")
-@click.option("--max-tokens", type=int, default=256, help="tokens to generate (--prompt, --chat)")
-@click.option("--temperature", type=float, default=1.0, help="0 = greedy")
-@click.option("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-@click.option("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
+@click.option("--max-tokens", type=int, default=None,
+              help="tokens to generate (--prompt, --chat) [default: the model's generation config, else 256]")
+@click.option("--temperature", type=float, default=None, help="0 = greedy [default: the model's generation config, else 1.0]")
+@click.option("--top-p", type=float, default=None, help="nucleus sampling mass [default: the model's generation config, else 1.0]")
+@click.option("--top-k", type=int, default=None,
+              help="sample among the k most likely tokens (0 = all) [default: the model's generation config, else 0]")
 @click.option("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
 @click.option("--device", default=None, help="cuda, cuda:N or cpu [default: cuda when available]")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1,
@@ -176,7 +178,7 @@ def _finite(param, value: float | None) -> float | None:
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
-        max_tokens: int, temperature: float, top_p: float, top_k: int, sampling_seed: int | None,
+        max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
         tokenizer_pool_size: int, trust_request_chat_template: bool, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
@@ -212,11 +214,17 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
               trust_request_chat_template=trust_request_chat_template)
         return
-    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens, seed=sampling_seed)
+    given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
+                                             ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
+    SamplingParams(**given)  # a bad flag fails here, before the model loads
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
     overrides.setdefault("disable_log_stats", True)
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
+        # flags left out take the model's generation-config defaults (generation_config auto), as a server
+        # request does; without them, 256 tokens
+        params = llm.get_default_sampling_params().replace(
+            **{"max_tokens": llm.engine.default_sampling_fields.get("max_tokens", 256), **given})
         if prompt is None:
             _interactive_chat(llm, params)
             return

@@ -52,6 +52,23 @@ def test_generate_without_params_samples_as_transformers_generate_does(artifact,
         assert llm.get_default_sampling_params() == SamplingParams()
 
 
+def test_llmc_run_prompt_takes_the_model_s_defaults_for_flags_left_out(artifact):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    with LLM(artifact, device="cpu", disable_log_stats=True) as llm:
+        expected = llm.generate("ROMEO:")[0].outputs[0].text  # top_k 1, repetition penalty 1.5, 12 tokens
+        flagged = llm.generate("ROMEO:", llm.get_default_sampling_params().replace(temperature=0, max_tokens=10))
+        plain = llm.generate("ROMEO:", SamplingParams(temperature=0, max_tokens=10))[0].outputs[0].text
+    assert flagged[0].outputs[0].text != plain  # the model's repetition penalty matters within 10 tokens
+    run = ["run", str(artifact), "--device", "cpu", "--prompt", "ROMEO:"]
+    assert CliRunner().invoke(cli, run).stdout == "ROMEO:" + expected + "\n"
+    # given flags win; the model's repetition penalty still applies beside them
+    output = CliRunner().invoke(cli, [*run, "--temperature", "0", "--max-tokens", "10"]).stdout
+    assert output == "ROMEO:" + flagged[0].outputs[0].text + "\n"
+
+
 def test_a_generation_config_folder_and_bad_ones(artifact, tmp_path):
     folder = tmp_path / "gen"
     folder.mkdir()
