@@ -254,6 +254,7 @@ class Engine:
         """Forward and sample on the device; start copying the tokens to the host."""
         in_flight = self._in_flight
         pending = None if in_flight is None else PendingTokens(in_flight.sampled.token_ids, in_flight.index)
+        num_prefill = self._mark_scheduled(batch)  # before the forward: queue time ends where compute starts
         if batch.blocks_to_copy:  # copy-on-write of blocks that forked beams share (runtime/beam_scheduler.py)
             self.runner.copy_blocks(batch.blocks_to_copy)
         step = self.runner.execute(batch, pending)
@@ -268,7 +269,6 @@ class Engine:
             bitmask = to_device(fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher()),
                                 self.device)
         sampled = self.sampler.sample(step.logits, step.sample_rows, processors, bitmask)
-        num_prefill = self._mark_scheduled(batch)
         return InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,
                         {r.request_id: i for i, r in enumerate(sampled_requests)}, step.prompt_logits, num_prefill)
 

@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutput]:
     """Run `batch` (its decode rows carry drafts), sample every verified position, update the
     scheduler, check stops and return the step's outputs."""
-    step = engine.runner.execute(batch)
     num_prefill = engine._mark_scheduled(batch)
+    step = engine.runner.execute(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
     states = [engine.sequences[s.request.request_id] for s in sampled]
     tokens, no_token_allowed = _sample_with_drafts(engine, step.logits.float(), states,

@@ -106,6 +106,23 @@ def test_request_that_can_never_fit_is_rejected_up_front(artifact):
         LLM(artifact, device="cpu", num_kv_blocks=4, max_model_len=256)
 
 
+def test_queue_time_ends_when_the_first_step_starts_not_after_it(artifact):
+    """RequestOutput.metrics' first_scheduled_time (the server's request_queue_time) is stamped before the
+    forward: on an idle engine a long prompt waits ~0, while its prefill takes most of the time to its
+    first output (it was stamped after the forward and sampling: queue time == the whole prefill)."""
+    import time
+
+    with LLM(artifact, device="cpu", disable_log_stats=True, max_num_batched_tokens=512) as llm:
+        engine = llm.engine
+        arrival = time.monotonic()
+        engine.add_request(" ".join(["the king"] * 110), SamplingParams(temperature=0, max_tokens=1), arrival_time=arrival)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+        done = time.monotonic()
+    queued = outputs[0].metrics["first_scheduled_time"] - arrival
+    assert queued < 0.25 * (done - arrival), (queued, done - arrival)
+
+
 def test_priority_policy_runs_urgent_requests_first(artifact, prompts):
     llm = LLM(artifact, device="cpu", scheduling_policy="priority", max_num_seqs=1)
     for i, priority in enumerate([5, 0, 3]):
