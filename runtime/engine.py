@@ -110,11 +110,7 @@ class Engine:
                 prompt_token_ids = self.tokenizer.encode(prompt)
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:  # vLLM's max_logprobs
-                raise RequestError(f"SamplingParams.{name} {value} is more than max_logprobs ({self.max_logprobs}); "
-                                   "ask for fewer, or start the engine with a larger max_logprobs (-1: no limit)")
+        params = self._check_logprob_counts(params)
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
         if params.guided_decoding is not None:
@@ -150,6 +146,22 @@ class Engine:
             group.sequences.append(state)
             self.sequences[request.request_id] = state
             self.scheduler.add_request(request)
+
+    def _check_logprob_counts(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's max_logprobs: logprobs / prompt_logprobs (-1: the whole vocabulary) and a beam search's
+        2 × beam width logprobs per step at most; returns the params with -1 made the vocabulary size."""
+        vocab_size = self.manifest.model.vocab_size
+        whole = {name: vocab_size for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = whole.get(name, getattr(params, name))
+            if value is not None and value > self.max_logprobs:
+                asked = f"-1 (the whole vocabulary, {vocab_size})" if name in whole else str(value)
+                raise RequestError(f"SamplingParams.{name} {asked} is more than max_logprobs ({self.max_logprobs}); "
+                                   "ask for fewer, or start the engine with a larger max_logprobs (-1: no limit)")
+        if params.use_beam_search and 2 * params.n > self.max_logprobs:
+            raise RequestError(f"SamplingParams.n {params.n}: beam search ranks 2 x beam width logprobs per step, more "
+                               f"than max_logprobs ({self.max_logprobs}); lower the beam width or raise max_logprobs")
+        return params.replace(**whole) if whole else params
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
         if params.truncate_prompt_tokens is not None:

@@ -101,7 +101,7 @@ def multi_step(engine: Engine, batch: ScheduledBatch, num_steps: int) -> list[Re
                 break
             errors = engine._guarded(state, engine._record_token, state, token_ids[i],
                                      None if logprob_rows is None else logprob_rows[i])
-            num_generated += 1
+            num_generated += token_ids[i] != NO_TOKEN
             if errors:
                 break
         failed += errors

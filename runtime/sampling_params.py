@@ -76,7 +76,8 @@ class SamplingParams:
         max_tokens: most tokens generated per sequence; None means up to the model's max length.
         min_tokens: tokens generated before eos, stop_token_ids or stop strings may end it.
         logprobs: number of most likely tokens whose logprobs are returned for each generated
-            token; the sampled token's logprob is always included (0 = only it). None = none.
+            token; the sampled token's logprob is always included (0 = only it); -1: the whole
+            vocabulary (as vLLM, where the engine's max_logprobs allows it). None = none.
         prompt_logprobs: the same for every prompt token.
         detokenize: produce text; False returns token ids only (and forbids `stop`).
         skip_special_tokens: leave special tokens out of the text.
@@ -209,8 +210,8 @@ class SamplingParams:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _require(value is None or (_is_int(value) and value >= 0), name,
-                     "an integer >= 0 or None", value)
+            _require(value is None or (_is_int(value) and value >= -1), name,
+                     "an integer >= 0, -1 (the whole vocabulary) or None", value)
         value = self.truncate_prompt_tokens
         _require(value is None or (_is_int(value) and value >= 1), "truncate_prompt_tokens",
                  "an integer >= 1 or None", value)

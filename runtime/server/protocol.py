@@ -173,9 +173,10 @@ class _SamplingFields(_Body):
                         defaults: dict) -> SamplingParams:
         """Raises RequestError naming the field for a value out of range. `defaults`: the model's
         generation-config values (Engine.default_sampling_fields) of the fields the request leaves unset."""
-        temperature = 0.0 if self.temperature is None and self.use_beam_search else self.temperature  # vLLM's
+        if self.use_beam_search:  # vLLM's beam search takes only the temperature of the model's defaults
+            defaults = {"temperature": defaults.get("temperature", 0.0), "max_tokens": defaults.get("max_tokens")}
         optional = {
-            "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
         }
@@ -415,8 +416,8 @@ def openapi_body(model: type[BaseModel]) -> dict:
 
 
 def _check_logprobs(name: str, value: int | None, max_logprobs: int) -> None:
-    # vLLM reads -1 as "the whole vocabulary", which is above its default max_logprobs (20): refused.
-    if value is not None and not 0 <= value <= max_logprobs:
+    # -1 is "the whole vocabulary" (vLLM's): the engine checks it against max_logprobs
+    if value is not None and value != -1 and not 0 <= value <= max_logprobs:
         raise invalid(name, f"must be between 0 and {max_logprobs} (this server's max_logprobs), got {value}")
 
 

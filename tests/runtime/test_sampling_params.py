@@ -47,8 +47,8 @@ def test_vllm_normalizations():
         ("max_tokens", 0),
         ("min_tokens", -1),
         ("min_tokens", 17),  # > max_tokens (16)
-        ("logprobs", -1),
-        ("prompt_logprobs", -1),
+        ("logprobs", -2),  # -1: the whole vocabulary
+        ("prompt_logprobs", -2),
         ("truncate_prompt_tokens", 0),
         ("seed", 2**64),
         ("seed", "7"),

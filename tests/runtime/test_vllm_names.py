@@ -118,11 +118,19 @@ def test_max_logprobs_bounds_what_a_request_asks(artifact):
             with pytest.raises(RequestError, match=rf"SamplingParams\.{field} 21 is more than max_logprobs \(20\)"):
                 llm.generate("ROMEO:", SamplingParams(max_tokens=1, **{field: 21}))
         assert len(llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=20))[0].outputs[0].logprobs[0]) >= 20
+        with pytest.raises(RequestError, match=r"logprobs -1 \(the whole vocabulary, 4096\) is more than max_logprobs"):
+            llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=-1))
+        # beam search ranks 2 x width logprobs a step (vLLM refuses width 11 at max_logprobs 20 too)
+        with pytest.raises(RequestError, match=r"SamplingParams\.n 11: beam search ranks 2 x beam width logprobs"):
+            llm.generate("ROMEO:", SamplingParams(n=11, use_beam_search=True, max_tokens=2))
+        assert len(llm.generate("ROMEO:", SamplingParams(n=10, use_beam_search=True, max_tokens=2))[0].outputs) == 10
         assert not llm.engine.has_unfinished_requests()
     with LLM(artifact, disable_log_stats=True, max_logprobs=-1) as llm:
         vocab_size = llm.engine.manifest.model.vocab_size
-        top = llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=vocab_size))[0].outputs[0].logprobs[0]
+        output = llm.generate("ROMEO:", SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1))[0]
+        top = output.outputs[0].logprobs[0]
         assert len(top) == vocab_size and sorted(entry.rank for entry in top.values())[-1] == vocab_size
+        assert all(len(entry) == vocab_size for entry in output.prompt_logprobs[1:])
 
 
 def test_logprobs_are_vllm_logprob_objects(artifact):

@@ -265,6 +265,8 @@ def test_tokenize_detokenize(server):
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),  # the whole vocabulary: above the server's max_logprobs (20)
+    ({"prompt": "x", "n": 11, "use_beam_search": True}, "n"),  # 2 x beam width logprobs a step, above 20
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": [1, 2, 10**6]}, "prompt"),
     ({"prompt": []}, "prompt"),

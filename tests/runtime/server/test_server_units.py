@@ -171,6 +171,12 @@ def test_the_model_s_generation_defaults_fill_only_the_fields_a_request_leaves_u
     assert (params.temperature, params.top_k, params.max_tokens) == (0.0, 5, 12)
     asked = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 40})
     assert asked.to_sampling_params(defaults).max_tokens == 40
+    # beam search takes only the temperature (vLLM's to_beam_search_params): a model's repetition penalty
+    # would refuse every beam request
+    beams = parse_body(CompletionRequest, {"prompt": "x", "n": 2, "use_beam_search": True}).to_sampling_params(defaults)
+    assert (beams.temperature, beams.repetition_penalty, beams.top_k, beams.use_beam_search) == (0.3, 1.0, 0, True)
+    plain_beams = parse_body(CompletionRequest, {"prompt": "x", "n": 2, "use_beam_search": True}).to_sampling_params({})
+    assert plain_beams.temperature == 0.0
 
 
 def test_the_engine_s_max_logprobs_bounds_the_logprob_fields():
