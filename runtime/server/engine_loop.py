@@ -67,9 +67,12 @@ class RequestStream:
 
 
 class StepObserver(Protocol):
-    """Told about every delivered output, on the engine thread (metrics)."""
+    """Told about every delivered output, and every request that ends without one (aborted: the client
+    went away, the engine failed it or is stopping), on the engine thread (metrics)."""
 
     def on_output(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None: ...
+
+    def on_abort(self, stream: RequestStream, now: float) -> None: ...
 
 
 @dataclass
@@ -290,6 +293,7 @@ class EngineLoop:
                 del self._streams[output.request_id]
             if getattr(output, "error", None) is not None:
                 deliveries.append((stream, RequestFailed(output.error)))
+                self._observe_abort(stream, now)
                 continue
             if self._observer is not None:
                 self._observer.on_output(stream, output, now, step_start)
@@ -297,18 +301,25 @@ class EngineLoop:
         if deliveries:
             self._post(_deliver, deliveries)
 
+    def _observe_abort(self, stream: RequestStream, now: float) -> None:
+        if self._observer is not None:
+            self._observer.on_abort(stream, now)
+
     def _snapshot(self, engine) -> dict:
         return {**engine.stats(), "num_sequences_added": self._num_sequences_added}
 
     def _abort(self, engine, request_id: str) -> None:
         engine.abort_request(request_id)
-        self._streams.pop(request_id, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._observe_abort(stream, time.monotonic())
 
     def _abort_all(self, engine, error: BaseException) -> None:
-        deliveries = []
+        deliveries, now = [], time.monotonic()
         for request_id, stream in list(self._streams.items()):
             engine.abort_request(request_id)
             deliveries.append((stream, error))
+            self._observe_abort(stream, now)
         self._streams.clear()
         self.stats = self._snapshot(engine)
         if deliveries:

@@ -78,6 +78,8 @@ class ServerMetrics:
         self.generation_tokens = counter("llmc:generation_tokens", "Tokens generated.").labels(model_name)
         self.request_success = counter("llmc:request_success", "Requests finished, by finish reason.",
                                        ["finished_reason"])
+        for reason in ("stop", "length", "abort"):  # every series from the start, as vLLM's
+            self.request_success.labels(model_name, reason)
         self.time_to_first_token = histogram("llmc:time_to_first_token_seconds",
                                              "Arrival to first generated token.", _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("llmc:inter_token_latency_seconds",
@@ -109,9 +111,16 @@ class ServerMetrics:
             self.generation_tokens.inc(num_new)
             self.num_generation_tokens += num_new
         if output.finished:
-            self.e2e_request_latency.observe(now - stream.arrival_time)
-            reason = output.outputs[0].finish_reason if output.outputs else None
-            self.request_success.labels(self.model_name, reason or "abort").inc()
+            self._on_finished(stream, output.outputs[0].finish_reason if output.outputs else None, now)
+
+    def on_abort(self, stream: RequestStream, now: float) -> None:
+        """A request that ended without a finished output (client gone, failed, server stopping): counted
+        as vLLM counts its aborted requests, finish reason "abort", with its end-to-end latency."""
+        self._on_finished(stream, "abort", now)
+
+    def _on_finished(self, stream: RequestStream, reason: str | None, now: float) -> None:
+        self.e2e_request_latency.observe(now - stream.arrival_time)
+        self.request_success.labels(self.model_name, reason or "abort").inc()
 
     def _on_first_token(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None:
         stream.first_token_time = now

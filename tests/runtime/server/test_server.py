@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import openai
 import pytest
 import torch
@@ -217,7 +218,16 @@ def _wait_idle(server, read_metrics, timeout: float = 5.0) -> dict:
         time.sleep(0.05)
 
 
+def _aborted_total(server) -> float:
+    """llmc:request_success_total{finished_reason="abort"} (vLLM counts aborted requests there)."""
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "llmc:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
 def test_disconnects_abort_requests_and_free_their_blocks(client, server, read_metrics):
+    aborted_before, latencies_before = _aborted_total(server), read_metrics(server.base_url)[
+        "llmc:e2e_request_latency_seconds_count"]
     streams = [client.completions.create(model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=200, temperature=0.8,
                                          stream=True, extra_body={"ignore_eos": True}) for i in range(4)]
     for stream in streams:
@@ -232,6 +242,9 @@ def test_disconnects_abort_requests_and_free_their_blocks(client, server, read_m
                    json={"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True}, timeout=0.2)
     idle = _wait_idle(server, read_metrics)
     assert idle["llmc:num_requests_waiting"] == 0
+    # the five aborted requests are counted, as finished with reason "abort", each with its latency
+    assert _aborted_total(server) == aborted_before + 5
+    assert idle["llmc:e2e_request_latency_seconds_count"] == latencies_before + 5
 
 
 def test_metrics_names(client, server, read_metrics):

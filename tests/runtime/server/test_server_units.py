@@ -123,6 +123,12 @@ def test_metrics_are_per_app_and_count_tokens_and_latencies():
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert math.isclose(samples["llmc:e2e_request_latency_seconds_sum"], 0.7)
     assert samples["llmc:inter_token_latency_seconds_count"] == 1
+    # every finish reason's series exists from the start; an aborted request is counted under "abort"
+    assert 'llmc:request_success_total{finished_reason="abort",model_name="a"} 0.0' in text
+    first.on_abort(RequestStream("s", queue=None, tag=0, arrival_time=11.0), now=11.25)
+    text = first.render().decode()
+    assert 'llmc:request_success_total{finished_reason="abort",model_name="a"} 1.0' in text
+    assert 'llmc:e2e_request_latency_seconds_count{model_name="a"} 2.0' in text
     assert b'model_name="a"' not in second.render()
 
 
