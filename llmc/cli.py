@@ -210,7 +210,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
-              api_key=api_key, max_waiting=max_waiting, log_stats=False,  # the engine logs its own statistics
+              api_key=api_key, max_waiting=max_waiting,  # statistics lines by the clock (disable_log_stats: none)
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
               trust_request_chat_template=trust_request_chat_template)
         return

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.stats import stats_line
 from llmc.runtime.server.engine_loop import RequestStream
 
 logger = logging.getLogger("llmc")
@@ -133,8 +134,21 @@ class ServerMetrics:
         self.num_prompt_tokens += len(output.prompt_token_ids)
 
 
-async def log_stats_periodically(metrics: ServerMetrics, engine_loop, interval_s: float = 10.0) -> None:
-    """Log throughput, queue and cache state every `interval_s` while there is activity."""
+async def log_stats_periodically(metrics: ServerMetrics, engine_loop) -> None:
+    """Every `log_stats_interval` seconds of the engine's options, one statistics line (the engine's
+    format) with the interval's token rates, unless the interval was idle; nothing with disable_log_stats.
+    The engines' own step-driven lines are turned off: a line is due by the clock, not by the next step."""
+    try:
+        await engine_loop.wait_ready()
+    except Exception:  # noqa: BLE001 - the startup failure is reported elsewhere
+        return
+    engines = [replica.engine for replica in getattr(engine_loop, "replicas", [engine_loop])]
+    options = engines[0].options
+    for engine in engines:
+        engine.stats_logger.enabled = False
+    if options.disable_log_stats:
+        return
+    interval_s = options.log_stats_interval
     last = (time.monotonic(), metrics.num_prompt_tokens, metrics.num_generation_tokens)
     while True:
         await asyncio.sleep(interval_s)
@@ -143,13 +157,5 @@ async def log_stats_periodically(metrics: ServerMetrics, engine_loop, interval_s
         elapsed = now - last[0]
         is_idle = num_prompt == last[1] and num_generation == last[2] and not stats.get("num_running")
         if not is_idle:
-            queries = stats.get("prefix_cache_queries", 0)
-            hit_rate = stats.get("prefix_cache_hits", 0) / queries if queries else 0.0
-            logger.info(
-                "prompt throughput %.1f tokens/s, generation throughput %.1f tokens/s, running %d, waiting %d, "
-                "KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
-                (num_prompt - last[1]) / elapsed, (num_generation - last[2]) / elapsed,
-                stats.get("num_running", 0), stats.get("num_waiting", 0),
-                100 * stats.get("kv_cache_usage", 0.0), 100 * hit_rate,
-            )
+            logger.info(stats_line(stats, (num_prompt - last[1]) / elapsed, (num_generation - last[2]) / elapsed))
         last = (now, num_prompt, num_generation)

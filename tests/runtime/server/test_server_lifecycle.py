@@ -102,3 +102,18 @@ def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(star
     error = json.loads(events[-2][len("data: "):])["error"]
     assert error["type"] == "service_unavailable_error" and "shutting down" in error["message"]
     assert server.process.wait(60) == 0, server.log()
+
+
+def test_statistics_lines_come_by_the_clock_and_not_while_idle(start_server):
+    """vLLM's periodic line: every log_stats_interval while there is activity, covering only that interval.
+    It used to be written by the engine's steps: a burst's last interval waited for the next request, and
+    that request's line divided its tokens by the idle gap."""
+    server = start_server("--log-stats-interval", "0.5")
+    client = httpx.Client(base_url=server.base_url, timeout=60)
+    reply = client.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 120, "ignore_eos": True})
+    assert reply.status_code == 200
+    time.sleep(1.2)  # the interval that held the request's end is logged without another request
+    lines = [line for line in server.log().splitlines() if "generation" in line and "tokens/s" in line]
+    assert lines, server.log()
+    time.sleep(1.6)  # three idle intervals: no line
+    assert len([line for line in server.log().splitlines() if "generation" in line and "tokens/s" in line]) == len(lines)
