@@ -14,9 +14,13 @@ def load_tokenizer(path: Path):
         raise ArtifactError(f"{path}: the artifact has no tokenizer directory; rebuild it")
     _verify(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError, KeyError) as e:
         raise ArtifactError(f"{path}: the tokenizer cannot be loaded ({e}); rebuild the artifact") from None
+    # The engine measures prompts against max_model_len and says so in one line; transformers' own warning
+    # about model_max_length ("Token indices sequence length is longer than ...") would be a second one.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def _verify(path: Path) -> None:
