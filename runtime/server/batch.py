@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,14 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
         if not line.strip():
             continue
         try:
-            request = BatchRequestLine.model_validate(parse_json_body(line))
+            value = parse_json_body(line)
         except ApiError as e:  # not JSON, nested too deeply, or a lone surrogate (the server's 400s)
             raise BatchFileError(f"{path}:{number}: {e.message}") from None
+        if not isinstance(value, dict):
+            raise BatchFileError(f"{path}:{number}: the line is JSON but not an object (a {type(value).__name__}); "
+                                 "each line is one request object with custom_id, method, url and body")
+        try:
+            request = BatchRequestLine.model_validate(value)
         except ValidationError as e:
             raise BatchFileError(f"{path}:{number}: {as_api_error(e).message} "
                                  "(a line needs custom_id, method POST, url /v1/completions or "
@@ -120,7 +126,7 @@ async def _run_one(ctx: ServingContext, request: BatchRequestLine) -> dict:
         error = as_api_error(e)
         status, reply = error.status_code, error.body()
     return {
-        "id": new_id("batch_req"),
+        "id": f"batch_req_{uuid.uuid4().hex}",  # OpenAI's form of a batch request id
         "custom_id": request.custom_id,
         "response": {"status_code": status, "request_id": reply.get("id", new_id("req")), "body": reply},
         "error": None,

@@ -42,6 +42,7 @@ def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_loggin
     by_id = {r["custom_id"]: r for r in lines}
     for row in lines:
         assert set(row) == {"id", "custom_id", "response", "error"} and row["error"] is None
+        assert row["id"].startswith("batch_req_")  # OpenAI's batch output id
         assert set(row["response"]) == {"status_code", "request_id", "body"}
     story = by_id["story-0"]["response"]
     assert story["status_code"] == 200 and story["body"]["usage"]["completion_tokens"] == 5
@@ -70,6 +71,7 @@ def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_loggin
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"seed": ' + "1" * 4301 + "}}\n",
      ":1: .* not valid JSON"),
     ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n', ":1: method"),
+    ('[1, 2]\n', ":1: the line is JSON but not an object \\(a list\\)"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n', ":1: url"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"stream": true}}\n', "stream"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n' * 2, "used twice"),
