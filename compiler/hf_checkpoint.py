@@ -41,6 +41,30 @@ def model_spec_for(config: dict, model_dir: Path) -> ModelSpec:
     )
 
 
+def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
+    """(window, the layers that use it: None for every layer), as transformers reads the config: HF's
+    `layer_types`, else Qwen2/3's `max_window_layers` (layers from it on slide), else every layer
+    (Mistral, Mixtral); `use_sliding_window: false` (Qwen) turns the window off."""
+    window = config.get("sliding_window")
+    if not window or not config.get("use_sliding_window", True):
+        return None, None
+    num_layers = config["num_hidden_layers"]
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown or len(layer_types) != num_layers:
+            raise CheckpointError(f"layer_types {unknown or layer_types}: supported are full_attention and "
+                                  f"sliding_attention, one per layer ({num_layers})")
+        layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif config.get("max_window_layers") is not None:
+        layers = list(range(config["max_window_layers"], num_layers))
+    else:
+        return window, None
+    if not layers:
+        return None, None
+    return window, None if len(layers) == num_layers else layers
+
+
 def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
     """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
     num_heads = config["num_attention_heads"]
@@ -48,7 +72,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
     rope_theta, rope_scaling = _rope(config)
     eos = config.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    sliding_window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    sliding_window, sliding_window_layers = _sliding_window(config)
     return ModelConfig(
         family=spec.family,
         architecture=config["architectures"][0],
@@ -70,6 +94,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         eos_token_ids=eos_ids,
         dtype=dtype,
         sliding_window=sliding_window,
+        sliding_window_layers=sliding_window_layers,
         **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
     )
 
@@ -103,7 +128,23 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn" and not params.get("original_max_position_embeddings"):
+        # transformers' reading: the context the model was trained with is max_position_embeddings
+        params["original_max_position_embeddings"] = config.get("max_position_embeddings", 2048)
+    if rope_type not in _ROPE_KEYS:
+        raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, "
+                              f"{', '.join(sorted(_ROPE_KEYS))}")
+    required = _ROPE_KEYS[rope_type]
+    missing = [key for key in required if params.get(key) is None]
+    if missing:
+        raise CheckpointError(f"rope_scaling type {rope_type!r} needs {', '.join(missing)} in config.json "
+                              f"(it has {sorted(params) or 'no keys'}); fix the checkpoint's config")
     return theta, {"rope_type": rope_type, **params}
+
+
+# what each rope scaling type reads (as transformers' computations of them)
+_ROPE_KEYS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 def checkpoint_dtype(config: dict) -> str:

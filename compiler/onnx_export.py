@@ -154,7 +154,7 @@ class _Emitter:
         inputs = [q, k, v, past_k, past_v, om.SEQLENS_K, om.TOTAL_SEQUENCE_LENGTH, "cos_cache", "sin_cache",
                   *[""] * 7, om.QUERY_SEQLENS]
         out = self.g.name("attn")
-        window = {"local_window_size": c.sliding_window} if c.sliding_window else {}
+        window = {"local_window_size": c.window_of(i)} if c.window_of(i) else {}
         self.g.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs, [out, present_k, present_v], domain=MS_DOMAIN,
             num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0,

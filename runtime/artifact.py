@@ -75,6 +75,9 @@ class ModelConfig:
     eos_token_ids: list[int] = opt()
     dtype: str = opt(choices=DTYPES)  # the weights' dtype in the artifact: "float32" | "bfloat16" | "float16"
     sliding_window: int | None = opt(None, min=1)  # Mistral-style local attention window, None = full attention
+    # the layers that attend within sliding_window (HF's layer_types, or Qwen2/3's max_window_layers);
+    # None: every layer (Mistral, Mixtral)
+    sliding_window_layers: list[int] | None = opt(None)
     # Mixture of experts (Mixtral, Qwen3-MoE); None / empty: a dense model.
     num_experts: int | None = opt(None, min=1)  # routed experts per MoE layer
     num_experts_per_tok: int | None = opt(None, min=1)  # top-k of the router
@@ -84,6 +87,12 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
+
+    def window_of(self, index: int) -> int | None:
+        """Layer `index`'s attention window (None: the whole context)."""
+        if self.sliding_window_layers is not None and index not in self.sliding_window_layers:
+            return None
+        return self.sliding_window
 
     def layer_linears(self, index: int) -> tuple[str, ...]:
         """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""

@@ -29,15 +29,16 @@ from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
+    def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype,
                  layout: RankLayout | None = None, tp_group=None):
         super().__init__()
+        prefix = f"layers.{index}.attn."
         layout = layout or whole_model_layout(config)
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.window_of(index)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
         # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it unquantized)
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                   fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
-        self.attn = Attention(config, formats, f"layers.{index}.attn.", dtype, layout, tp_group)
+        self.attn = Attention(config, formats, index, dtype, layout, tp_group)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
                                       and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.is_moe:  # mixture of experts (runtime/models/moe.py)

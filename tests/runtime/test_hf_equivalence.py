@@ -107,7 +107,9 @@ def test_moe_layers_as_transformers_chooses_them(hf_checkpoint_factory, hf_model
                "beta_slow": 2, "attention_factor": 1.2}, False),
     ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "truncate": False}, True),
     ("mistral", {"rope_type": "linear", "factor": 2.0}, False),
-], ids=["qwen2-yarn", "qwen3-yarn-explicit", "llama-yarn-untruncated", "mistral-linear"])
+    # no original context: transformers takes max_position_embeddings (the build raised a KeyError)
+    ("llama", {"rope_type": "yarn", "factor": 4.0}, "type"),
+], ids=["qwen2-yarn", "qwen3-yarn-explicit", "llama-yarn-untruncated", "mistral-linear", "llama-yarn-no-original"])
 def test_scaled_ropes_match_transformers(hf_checkpoint_factory, tmp_path, hf_logits, family, rope, legacy):
     """YaRN (its frequency ramp and attention factor) and linear scaling, past the original context, as
     transformers computes them; published configs' key spellings included."""
@@ -119,3 +121,38 @@ def test_scaled_ropes_match_transformers(hf_checkpoint_factory, tmp_path, hf_log
     token_ids = list(range(5, 205))  # 200 positions: beyond every original context above
     llm = LLM(out, device="cpu")
     torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family,window", [
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),  # layer 1 slides
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),  # every layer
+    ("mistral", {"sliding_window": 16}),
+], ids=["qwen2-upper-layers", "qwen3-all-layers", "mistral"])
+def test_sliding_windows_on_the_layers_transformers_gives_them(hf_checkpoint_factory, tmp_path, hf_logits,
+                                                               family, window):
+    """Qwen2/3's window applies from max_window_layers on (the config's layer_types); it was applied to every
+    layer, and logprobs past the window differed by up to 8.5."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family, **window)
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    token_ids = list(range(5, 85))  # 80 positions: far past the window
+    llm = LLM(out, device="cpu", max_num_batched_tokens=32)  # prefilled in chunks
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_scaling_without_the_keys_it_needs_is_one_line(ref_model_dir):
+    """A rope_scaling entry missing a key its type reads is refused naming the key (was a KeyError
+    traceback from the build); an unsupported type is refused by name."""
+    from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+    from llmc.errors import CheckpointError
+
+    config = read_hf_config(ref_model_dir)
+    spec = model_spec_for(config, ref_model_dir)
+    for scaling, message in [({"type": "yarn"}, "rope_scaling type 'yarn' needs factor"),
+                             ({"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor, high_freq_factor"),
+                             ({"rope_type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported")]:
+        broken = {k: v for k, v in config.items() if k != "rope_parameters"} | {"rope_theta": 10000.0,
+                                                                                "rope_scaling": scaling}
+        with pytest.raises(CheckpointError, match=message):
+            model_config_from_hf(broken, spec, "float32")
