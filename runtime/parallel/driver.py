@@ -171,6 +171,13 @@ class ParallelModelRunner:
         self.num_blocks = check_num_kv_blocks(self.shard.num_blocks, options, self.device)
 
     @property
+    def failure(self) -> str | None:
+        """Why the parallel engine is down (a rank died or a collective failed), also while it is idle:
+        the pool's watchdog records a dead worker at once (the server's health check reads this)."""
+        pool = self._resources.pool
+        return self._failure or (pool.failure if pool is not None else None)
+
+    @property
     def worker_pids(self) -> dict[int, int]:
         """{rank: process id} of the workers this process started."""
         return self._resources.pool.pids if self._resources.pool is not None else {}

@@ -103,6 +103,7 @@ class EngineLoop:
         self._num_sequences_sent = 0
         self._num_sequences_added = 0
         self.engine = None  # set once loaded; read-only from the asyncio side (options, tokenizer)
+        self._failure_lock = threading.Lock()
         self.stats: dict = {}  # engine.stats() after the latest step or command batch (a fresh dict each time)
         self.failure: BaseException | None = None  # set if a step raised: the engine is unusable
         self.busy_since: float | None = None  # time.monotonic() when the running step/command began
@@ -125,6 +126,7 @@ class EngineLoop:
         good, its steps keep failing, or one step has run longer than `stall_timeout_s`."""
         if self._thread is None or not self._thread.is_alive():
             return "the engine thread is not running"
+        self._notice_dead_ranks()
         if self.failure is not None:
             return f"the engine failed: {type(self.failure).__name__}: {self.failure}"
         if self.consecutive_resets >= MAX_CONSECUTIVE_RESETS:
@@ -134,6 +136,26 @@ class EngineLoop:
             return (f"the engine has been in one step for {time.monotonic() - busy_since:.0f} s "
                     f"({self.stats.get('num_running', 0)} running, {self.stats.get('num_waiting', 0)} waiting)")
         return None
+
+    def _notice_dead_ranks(self) -> None:
+        """A rank of a parallel engine that died while the engine was idle (no step to fail): the engine
+        is down for good, as when a step finds it (`failure`, `on_fatal`: a server stops)."""
+        runner_failure = getattr(getattr(self.engine, "runner", None), "failure", None)
+        if runner_failure is not None and self.failure is None:
+            error = WorkerError(f"the parallel engine is down: {runner_failure}")
+            if self._fail_for_good(error):
+                logger.error("%s", error)
+
+    def _fail_for_good(self, error: BaseException) -> bool:
+        """Record that the engine can never step again and tell `on_fatal`, once (the engine thread's step
+        and the health check can both find a dead rank); False if it was already recorded."""
+        with self._failure_lock:
+            if self.failure is not None:
+                return False
+            self.failure = error
+        if self._on_fatal is not None:
+            self._on_fatal(error)
+        return True
 
     async def wait_ready(self) -> None:
         """Return once the engine is loaded; raise what loading raised."""
@@ -268,9 +290,7 @@ class EngineLoop:
             outputs = engine.step()
         except WorkerError as e:  # a rank of a parallel engine is gone: nothing can run any more
             logger.error("%s; aborting %d running request(s)", e, len(self._streams))
-            self.failure = e
-            if self._on_fatal is not None:  # first: a handler woken by the abort may look for it
-                self._on_fatal(e)
+            self._fail_for_good(e)  # first: a handler woken by the abort may look for it
             self._abort_all(engine, e)
             return
         except Exception as e:  # noqa: BLE001 - an engine bug the engine did not contain
@@ -312,12 +332,14 @@ class EngineLoop:
         engine.abort_request(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            stream.is_finished = True  # a router counts it as load until then
             self._observe_abort(stream, time.monotonic())
 
     def _abort_all(self, engine, error: BaseException) -> None:
         deliveries, now = [], time.monotonic()
         for request_id, stream in list(self._streams.items()):
             engine.abort_request(request_id)
+            stream.is_finished = True
             deliveries.append((stream, error))
             self._observe_abort(stream, now)
         self._streams.clear()

@@ -14,8 +14,6 @@ import asyncio
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import EngineLoop, RequestStream
 
-_AVERAGED = ("kv_cache_usage", "prefix_cache_hit_rate", "spec_acceptance_rate")
-
 
 class ReplicaRouter:
     def __init__(self, replicas: list[EngineLoop]):
@@ -76,14 +74,21 @@ class ReplicaRouter:
 
     @property
     def stats(self) -> dict:
+        """The replicas' counters summed; the rates recomputed from the summed counters, and the KV usage
+        weighted by each replica's blocks (an unweighted mean of the rates halved a hit rate that one
+        replica's traffic made)."""
+        snapshots = [replica.stats for replica in self.replicas]
         merged: dict = {}
-        for replica in self.replicas:
-            for key, value in replica.stats.items():
+        for snapshot in snapshots:
+            for key, value in snapshot.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     merged[key] = merged.get(key, 0) + value
-        for key in _AVERAGED:
-            if key in merged:
-                merged[key] /= len(self.replicas)
+        queries, proposed = merged.get("prefix_cache_queries", 0), merged.get("num_spec_proposed", 0)
+        total_blocks = merged.get("num_total_blocks", 0)
+        merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits", 0) / queries if queries else 0.0
+        merged["spec_acceptance_rate"] = merged.get("num_spec_accepted", 0) / proposed if proposed else 0.0
+        merged["kv_cache_usage"] = (sum(s.get("kv_cache_usage", 0.0) * s.get("num_total_blocks", 0) for s in snapshots)
+                                    / total_blocks if total_blocks else 0.0)
         return merged
 
     # ---- requests --------------------------------------------------------------------------

@@ -87,3 +87,45 @@ def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_ar
     assert reply.status_code == 500
     assert "rank 1 (pipeline stage 1, tensor rank 0) was killed by signal SIGKILL" in reply.json()["error"]["message"]
     assert len(fatal) == 1 and isinstance(fatal[0], WorkerError)  # `serve` stops uvicorn and raises it
+
+
+def test_a_rank_that_dies_while_the_server_is_idle_fails_health_and_stops_it(run_app, parallel_artifact):
+    """No step runs to find it: the pool's watchdog records the death, and the health check (the server's
+    watchdog polls it) marks the engine down and stops the server, instead of answering 200 until the next
+    request fails."""
+    engines, fatal = [], []
+
+    def factory():
+        engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
+        return engines[-1]
+
+    base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append), wait_healthy=True)
+    os.kill(engines[0].runner.worker_pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while (health := httpx.get(f"{base_url}/health", timeout=10)).status_code == 200:
+        assert time.monotonic() < deadline, "/health still answers 200"
+        time.sleep(0.2)
+    assert health.status_code == 503 and "killed by signal SIGKILL" in health.text
+    assert len(fatal) == 1 and isinstance(fatal[0], WorkerError)
+    reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=60)
+    assert reply.status_code == 500 and "rank 1" in reply.json()["error"]["message"] and len(fatal) == 1
+
+
+def test_replica_statistics_are_rates_of_the_summed_counters():
+    """A router's hit rate is hits / queries over every replica (was the mean of the replicas' rates, so
+    one busy replica's 61.5% read 30.8%); KV usage weighs each replica by its blocks."""
+    from llmc.runtime.server.router import ReplicaRouter
+
+    class Loop:
+        def __init__(self, stats):
+            self.stats = stats
+
+    busy = {"prefix_cache_hits": 96, "prefix_cache_queries": 156, "prefix_cache_hit_rate": 96 / 156,
+            "num_spec_accepted": 3, "num_spec_proposed": 4, "spec_acceptance_rate": 0.75,
+            "kv_cache_usage": 0.5, "num_total_blocks": 300, "num_running": 2}
+    idle = {"prefix_cache_hits": 0, "prefix_cache_queries": 0, "prefix_cache_hit_rate": 0.0, "num_spec_accepted": 0,
+            "num_spec_proposed": 0, "spec_acceptance_rate": 0.0, "kv_cache_usage": 0.0, "num_total_blocks": 100,
+            "num_running": 0}
+    stats = ReplicaRouter([Loop(busy), Loop(idle)]).stats
+    assert stats["prefix_cache_hit_rate"] == 96 / 156 and stats["spec_acceptance_rate"] == 0.75
+    assert stats["kv_cache_usage"] == 0.5 * 300 / 400 and stats["num_running"] == 2

@@ -230,3 +230,23 @@ def test_request_chat_templates_need_the_servers_trust_and_echo_on_chat_is_refus
         parse_body(ChatCompletionRequest, {"messages": messages, "echo": True})
     assert info.value.param == "echo"
     parse_body(ChatCompletionRequest, {"messages": messages, "echo": False})
+
+
+def test_an_aborted_stream_stops_counting_as_a_replica_s_load():
+    """A router sends each request to the replica with the fewest unfinished streams; an aborted stream
+    (client gone) was never marked finished, so it counted as load, and was kept, for ever."""
+    from llmc.runtime.server.engine_loop import EngineLoop
+    from llmc.runtime.server.router import ReplicaRouter
+
+    class Engine:
+        def abort_request(self, request_id):
+            pass
+
+    loops = [EngineLoop(Engine), EngineLoop(Engine)]
+    router = ReplicaRouter(loops)
+    stream = RequestStream("r", queue=None, tag=0, arrival_time=0.0)
+    router._streams[0].add(stream)
+    loops[0]._streams["r"] = stream
+    assert router.num_unfinished(0) == 1
+    loops[0]._abort(Engine(), "r")  # what the engine thread runs for an abort
+    assert stream.is_finished and router.num_unfinished(0) == 0
