@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from llmc.errors import ConfigError, WorkerError
@@ -156,13 +157,32 @@ class WorkerPool:
         return None if code == 0 else f"{who} exited with code {code}"
 
 
+_loading = threading.local()  # .cancel: the event that stops this thread's wait for ranks (cancellable_loading)
+
+
+@contextmanager
+def cancellable_loading(cancel: threading.Event):
+    """An engine loaded in this thread (a server's engine thread) stops waiting for its ranks once `cancel`
+    is set (the server is shutting down), instead of waiting out the store's timeout."""
+    _loading.cancel = cancel
+    try:
+        yield
+    finally:
+        _loading.cancel = None
+
+
 def wait_for_ranks(store, ranks: list[int], pool: WorkerPool | None, timeout_s: float) -> None:
-    """Wait until every rank in `ranks` has joined the store, failing fast if a local worker dies first."""
+    """Wait until every rank in `ranks` has joined the store, failing fast if a local worker dies first
+    or the loading is cancelled."""
     keys = [joined_key(rank) for rank in ranks]
     deadline = time.monotonic() + timeout_s
+    cancel = getattr(_loading, "cancel", None)
     while not store.check(keys):
         if pool is not None and pool.failure is not None:
             raise WorkerError(f"a rank could not start: {pool.failure}")
+        if cancel is not None and cancel.is_set():
+            raise WorkerError("loading was cancelled (the server is shutting down) while waiting for ranks "
+                              f"{[rank for rank, key in zip(ranks, keys) if not store.check([key])]} to join")
         if time.monotonic() > deadline:
             missing = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
             raise WorkerError(f"ranks {missing} did not join within {timeout_s:.0f} s; start them (on every node: "

@@ -104,6 +104,7 @@ class EngineLoop:
         self._num_sequences_added = 0
         self.engine = None  # set once loaded; read-only from the asyncio side (options, tokenizer)
         self._failure_lock = threading.Lock()
+        self._cancel_loading = threading.Event()
         self.stats: dict = {}  # engine.stats() after the latest step or command batch (a fresh dict each time)
         self.failure: BaseException | None = None  # set if a step raised: the engine is unusable
         self.busy_since: float | None = None  # time.monotonic() when the running step/command began
@@ -165,6 +166,7 @@ class EngineLoop:
         """Abort what is still running (its handlers get EngineStopped) and join the thread."""
         if self._thread is None:
             return
+        self._cancel_loading.set()  # a parallel engine still waiting for its ranks gives up
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
@@ -242,8 +244,11 @@ class EngineLoop:
             pass
 
     def _run(self) -> None:
+        from llmc.runtime.parallel.launcher import cancellable_loading
+
         try:
-            engine = self._engine_factory()
+            with cancellable_loading(self._cancel_loading):
+                engine = self._engine_factory()
         except BaseException as e:  # noqa: BLE001 - handed to the asyncio side, which reports it
             self._post(_settle, self._ready, None, e)
             return

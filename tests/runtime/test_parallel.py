@@ -273,3 +273,24 @@ def test_every_rank_reports_its_kv_room_and_the_engine_takes_the_smallest(hf_che
         assert [r.num_kv_blocks for r in reports] == expected and len(set(expected)) == 2
         assert not any(r.measured for r in reports)  # a CPU: sized from cpu_kv_cache_gib, not profiled
         assert engine.scheduler.block_pool.num_blocks == min(expected) == engine.runner.num_blocks
+
+
+def test_waiting_for_ranks_stops_when_the_server_shuts_down():
+    """A server loading a parallel engine whose ranks never join (a node that is not started) waited out the
+    store's timeout (300 s) after SIGTERM; its engine thread's wait now ends when the loading is cancelled."""
+    import threading
+
+    from llmc.runtime.parallel.launcher import cancellable_loading, wait_for_ranks
+
+    class Store:  # rank 1 never joins
+        def check(self, keys):
+            return False
+
+    cancel = threading.Event()
+    threading.Timer(0.3, cancel.set).start()
+    start = time.monotonic()
+    with cancellable_loading(cancel), pytest.raises(WorkerError, match=r"loading was cancelled .* ranks \[1\]"):
+        wait_for_ranks(Store(), [1], None, timeout_s=300)
+    assert time.monotonic() - start < 5
+    with pytest.raises(WorkerError, match="did not join within 0 s"):  # outside a server: the timeout as before
+        wait_for_ranks(Store(), [1], None, timeout_s=0.1)
