@@ -74,7 +74,8 @@ def test_each_replica_runs_its_own_ranks(run_app, parallel_artifact):
     assert reply.status_code == 200 and len(reply.json()["choices"]) == 2
 
 
-def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_artifact):
+def _serve_and_kill_rank_1(run_app, parallel_artifact) -> tuple[str, list]:
+    """A server of the pipeline-2 artifact, its rank 1 killed; (base url, what on_fatal was told)."""
     engines, fatal = [], []
 
     def factory():
@@ -83,6 +84,11 @@ def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_ar
 
     base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append), wait_healthy=True)
     os.kill(engines[0].runner.worker_pids[1], signal.SIGKILL)
+    return base_url, fatal
+
+
+def test_a_dead_rank_fails_the_request_and_stops_the_server(run_app, parallel_artifact):
+    base_url, fatal = _serve_and_kill_rank_1(run_app, parallel_artifact)
     reply = httpx.post(f"{base_url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=60)
     assert reply.status_code == 500
     assert "rank 1 (pipeline stage 1, tensor rank 0) was killed by signal SIGKILL" in reply.json()["error"]["message"]
@@ -93,14 +99,7 @@ def test_a_rank_that_dies_while_the_server_is_idle_fails_health_and_stops_it(run
     """No step runs to find it: the pool's watchdog records the death, and the health check (the server's
     watchdog polls it) marks the engine down and stops the server, instead of answering 200 until the next
     request fails."""
-    engines, fatal = [], []
-
-    def factory():
-        engines.append(Engine(parallel_artifact, device="cpu", disable_log_stats=True))
-        return engines[-1]
-
-    base_url = run_app(build_app(factory, "m", log_stats=False, on_fatal=fatal.append), wait_healthy=True)
-    os.kill(engines[0].runner.worker_pids[1], signal.SIGKILL)
+    base_url, fatal = _serve_and_kill_rank_1(run_app, parallel_artifact)
     deadline = time.monotonic() + 20
     while (health := httpx.get(f"{base_url}/health", timeout=10)).status_code == 200:
         assert time.monotonic() < deadline, "/health still answers 200"
