@@ -27,7 +27,7 @@ sees text that is later retracted.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -47,7 +47,8 @@ class StopStatus:
     Fields:
         finish_reason: "stop" (eos, a stop token or a stop string) or "length" (max_tokens or
             max_model_len reached), or what the engine passed to `finish` (e.g. "abort").
-        stop_reason: the stop token id or the matched stop string; None for eos and length.
+        stop_reason: the stop token id or the matched stop string; None for the model's eos (the first
+            of eos_token_ids) and length; another end token's id (a generation config's, as vLLM).
     """
 
     finish_reason: Literal["stop", "length"] | str
@@ -57,7 +58,7 @@ class StopStatus:
 def check_stop(
     params: SamplingParams,
     output_token_ids: list[int],
-    eos_token_ids: Collection[int],
+    eos_token_ids: Sequence[int],
     *,
     num_prompt_tokens: int = 0,
     max_model_len: int | None = None,
@@ -73,7 +74,9 @@ def check_stop(
     if num_outputs > params.min_tokens:
         last = output_token_ids[-1]
         if not params.ignore_eos and last in eos_token_ids:
-            return StopStatus("stop", None)
+            # the model's eos (the first) has no stop reason; another end token (a generation config's) is
+            # a stop token id in vLLM, and reports itself
+            return StopStatus("stop", None if last == eos_token_ids[0] else last)
         if last in params.stop_token_ids:
             return StopStatus("stop", last)
     if params.max_tokens is not None and num_outputs >= params.max_tokens:
@@ -114,7 +117,7 @@ class IncrementalDetokenizer:
         if eos_token_ids is None:
             eos_id = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = [] if eos_id is None else [eos_id]
-        self._eos_token_ids = set(eos_token_ids)
+        self._eos_token_ids = list(eos_token_ids)  # the model's eos first (check_stop)
         self._num_prompt_tokens = len(prompt_token_ids)
         self._max_model_len = max_model_len
         self._text = ""  # decoded text, including the held-back tail

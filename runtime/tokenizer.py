@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from llmc.errors import ArtifactError
 
@@ -68,6 +70,46 @@ def is_unicode_text(value: str) -> bool:
     return True
 
 
+def _template_message(index: int, message: dict) -> dict:
+    """One message as vLLM hands it to the template: content parts joined, None content as "", a tool
+    call's JSON `arguments` text parsed into an object (templates write it with `tojson`), and an
+    assistant's reasoning under both of vLLM's names (`reasoning`, `reasoning_content`). A copy."""
+    from llmc.errors import RequestError
+
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):
+        try:
+            content = text_of_parts(content)
+        except ValueError as e:
+            raise RequestError(f"messages.{index}.content: {e}") from None
+    message["content"] = "" if content is None else content
+    if isinstance(content, str) and not is_unicode_text(content):
+        raise RequestError(f"messages.{index}.content: not Unicode text (it holds a lone surrogate, e.g. from "
+                           "bytes that are not UTF-8); send valid text")
+    if isinstance(message.get("tool_calls"), list):
+        message["tool_calls"] = [_parsed_tool_call(index, i, call) for i, call in enumerate(message["tool_calls"])]
+    reasoning = message.get("reasoning", message.get("reasoning_content"))
+    if reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    return message
+
+
+def _parsed_tool_call(index: int, number: int, call: Any) -> Any:
+    from llmc.errors import RequestError
+
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), (dict, list)):
+        return call
+    arguments = function.get("arguments")
+    try:
+        parsed = json.loads(arguments) if arguments else {}  # OpenAI's clients send JSON text; empty: no arguments
+    except (TypeError, ValueError):
+        raise RequestError(f"messages.{index}.tool_calls.{number}.function.arguments: not JSON text "
+                           f"({str(arguments)[:40]!r}); send the arguments as a JSON object's text") from None
+    return {**call, "function": {**function, "arguments": parsed}}
+
+
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
                         chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
@@ -90,19 +132,7 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     reserved = sorted(extra.keys() & _TEMPLATE_ARGUMENTS)
     if reserved:
         raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the request's own fields, not here")
-    rendered = []
-    for index, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list):
-            try:
-                content = text_of_parts(content)
-            except ValueError as e:
-                raise RequestError(f"messages.{index}.content: {e}") from None
-            message = {**message, "content": content}
-        if isinstance(content, str) and not is_unicode_text(content):
-            raise RequestError(f"messages.{index}.content: not Unicode text (it holds a lone surrogate, e.g. from "
-                               "bytes that are not UTF-8); send valid text")
-        rendered.append(message)
+    rendered = [_template_message(index, message) for index, message in enumerate(messages)]
     text = tokenizer.apply_chat_template(rendered, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=continue_final_message, tokenize=False, **extra)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

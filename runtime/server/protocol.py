@@ -291,9 +291,12 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, for the template
     tool_call_id: str | None = None  # a tool message's answer to one of them
+    reasoning: str | None = None  # an assistant's earlier reasoning (vLLM passes it to the template)
+    reasoning_content: str | None = None  # the same, by its older name
 
     def as_template_input(self, index: int) -> dict:
-        """The message as the chat template reads it (a list of parts: `text_of_parts`)."""
+        """The message as the chat template reads it (a list of parts: `text_of_parts`; the rest as
+        `tokenizer.apply_chat_template` prepares every message)."""
         content = self.content
         if isinstance(content, list):
             try:
@@ -301,7 +304,7 @@ class ChatMessage(_Body):
             except ValueError as e:
                 raise invalid(f"messages.{index}.content", str(e)) from None
         message = {"role": self.role, "content": content or ""}
-        for name in ("name", "tool_calls", "tool_call_id"):
+        for name in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
         return message

@@ -81,3 +81,24 @@ def test_a_generation_config_folder_and_bad_ones(artifact, tmp_path):
     (folder / "generation_config.json").write_text(json.dumps({"top_p": 7}))
     with pytest.raises(ConfigError, match=r"generation_config.json: SamplingParams\.top_p must be"):
         LLM(artifact, device="cpu", generation_config=str(folder))
+
+
+def test_the_tokenizer_s_eos_ends_generation_and_other_end_tokens_report_themselves(tmp_path, ref_model_dir):
+    """vLLM's eos is the tokenizer's (a ChatML fine-tune sets <|im_end|>-like tokens there while config.json
+    keeps the base model's): it ends a sequence with stop_reason None; the generation config's other end
+    tokens are stop token ids there, so a stop on one reports its id. The tokenizer's eos did not stop it."""
+    checkpoint = tmp_path / "ckpt"
+    shutil.copytree(ref_model_dir, checkpoint)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        tokenizer_config = json.loads((checkpoint / name).read_text())
+        (checkpoint / name).write_text(json.dumps({**tokenizer_config, "eos_token": "<|im_end|>"}))
+    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    out = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 64}}), show_progress=False)
+    with LLM(out, device="cpu", disable_log_stats=True) as llm:
+        tokenizer_eos = llm.tokenizer.eos_token_id
+        assert tokenizer_eos == 3 and llm.engine.eos_token_ids == [3, 1, 7]  # the model's own eos first
+        for forced, reason in [(3, None), (1, 1), (7, 7)]:
+            completion = llm.generate("ROMEO:", SamplingParams(max_tokens=5, allowed_token_ids=[forced]))[0].outputs[0]
+            assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == ([forced], "stop", reason)

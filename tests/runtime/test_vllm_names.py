@@ -109,6 +109,25 @@ def test_chat_takes_vllm_template_options(artifact):
         assert got == tokenizer.encode(text, add_special_tokens=False)
         with pytest.raises(RequestError, match=r"messages\.0\.content: only text parts"):
             llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], greedy)
+        # as vLLM: a tool call's JSON arguments text reaches the template as an object (templates `tojson`
+        # it: it was encoded twice), an assistant's reasoning under both names, None content as ""
+        tools = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.reasoning_content %}<think>"
+                 "{{ m.reasoning_content }}|{{ m.reasoning }}</think>{% endif %}{% for c in m.tool_calls or [] %}"
+                 "<call>{{ c.function.arguments | tojson }}</call>{% endfor %}\n{% endfor %}")
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+        sent = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "reasoning": "call f", "tool_calls": [call]},
+                {"role": "tool", "content": "2", "tool_call_id": "c1"}]
+        parsed = [sent[0], {**sent[1], "content": "", "reasoning_content": "call f",
+                            "tool_calls": [{**call, "function": {"name": "f", "arguments": {"x": 1}}}]}, sent[2]]
+        got = llm.chat(sent, greedy, chat_template=tools)[0].prompt_token_ids
+        text = tokenizer.apply_chat_template(parsed, chat_template=tools, tokenize=False, add_generation_prompt=True)
+        assert '<call>{"x": 1}</call>' in text and "<think>call f|call f</think>" in text
+        assert got == tokenizer.encode(text, add_special_tokens=False)
+        assert sent[1]["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'  # the caller's messages unchanged
+        bad = [sent[0], {**sent[1], "tool_calls": [{**call, "function": {"name": "f", "arguments": "{x"}}]}]
+        with pytest.raises(RequestError, match=r"messages\.1\.tool_calls\.0\.function\.arguments: not JSON"):
+            llm.chat(bad, greedy, chat_template=tools)
 
 
 def test_max_logprobs_bounds_what_a_request_asks(artifact):
