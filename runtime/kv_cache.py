@@ -46,10 +46,15 @@ def kv_cache_config(manifest: art.Manifest, options: art.RuntimeDefaults, comput
         return KVCacheConfig(compute_dtype, [1.0] * num_layers, [1.0] * num_layers)
     kv = manifest.kv
     if kv.k_scales and kv.v_scales:
-        k_scales, v_scales = list(kv.k_scales), list(kv.v_scales)
+        # amax / FP8 max of the format they were made for (the build's; an imported kv_cache_scheme's is
+        # e4m3): another format at run time (e5m2 built, e4m3 asked) rescales them, or values clip
+        made_for = kv.dtype if kv.dtype.startswith("float8") else "float8_e4m3fn"
+        factor = torch.finfo(getattr(torch, made_for)).max / torch.finfo(getattr(torch, name)).max
+        k_scales, v_scales = [s * factor for s in kv.k_scales], [s * factor for s in kv.v_scales]
         if log:
-            logger.info("KV cache: %s with per-layer K/V scales from the %s (K %.3g..%.3g, V %.3g..%.3g)", name,
-                        kv.scales_source, min(k_scales), max(k_scales), min(v_scales), max(v_scales))
+            logger.info("KV cache: %s with per-layer K/V scales from the %s%s (K %.3g..%.3g, V %.3g..%.3g)", name,
+                        kv.scales_source, "" if factor == 1 else f", rescaled from {made_for}'s range",
+                        min(k_scales), max(k_scales), min(v_scales), max(v_scales))
     else:
         k_scales, v_scales = [1.0] * num_layers, [1.0] * num_layers
         if log:

@@ -122,3 +122,18 @@ def test_wrong_kv_cache_dtype_is_one_line(ref_model_dir, data_dir, tmp_path) -> 
     artifact = _build(ref_model_dir, tmp_path / "b", data_dir, kv_cache_dtype="auto", calibrate=False)
     with pytest.raises(ConfigError, match=re.escape("kv_cache_dtype")):
         LLM(str(artifact), kv_cache_dtype="fp16", device="cpu")
+
+
+def test_scales_made_for_one_fp8_format_are_rescaled_for_the_other(ref_model_dir, data_dir, tmp_path) -> None:
+    """A build's scales are amax / the FP8 max of its kv_cache_dtype; running the artifact with the other
+    format (e5m2 built, e4m3 asked) rescales them (they were reused: every K and V above amax / 128
+    clipped, perplexity 2.16x the float cache's, 0 of 8 greedy continuations agreeing)."""
+    artifact = _build(ref_model_dir, tmp_path / "a", data_dir, kv_cache_dtype="fp8_e5m2")
+    assert read_manifest(artifact).kv.dtype == "float8_e5m2"
+    ids = LLM(str(artifact), kv_cache_dtype="auto", device="cpu").engine.tokenizer.encode(
+        (data_dir / "heldout.txt").read_text()[:3000])[:200]
+    expected = LLM(str(artifact), kv_cache_dtype="auto", device="cpu").engine.score(ids)
+    for kv_dtype in ("fp8_e5m2", "fp8_e4m3"):
+        logits = LLM(str(artifact), kv_cache_dtype=kv_dtype, device="cpu").engine.score(ids)
+        agreement = float((logits.argmax(-1) == expected.argmax(-1)).float().mean())
+        assert agreement >= 0.95, (kv_dtype, agreement)
