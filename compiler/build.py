@@ -394,15 +394,19 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
     """Graph buckets, the memory estimate of the rank with the least KV room (which bounds them all),
     and the W4A16 kernel table."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
-    estimates = memory.estimate_per_rank(model, parallel, weight_bytes, kv.dtype, runtime, int(gpu_gib * memory.GIB))
-    estimate = min(estimates, key=lambda e: e.num_kv_tokens)
-    if recipe.target.device == "cuda" and not estimate.fits:
+    layer_bytes = None
+    if recipe.target.device == "cuda":
         headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(parallel.world_size)]
-        knobs = memory.knob_table(model, parallel, weight_bytes, memory.layer_bytes_per_rank(headers, model, parallel),
-                                  runtime, int(gpu_gib * memory.GIB),
+        layer_bytes = memory.layer_bytes_per_rank(headers, model, parallel)
+    on_gpu = (memory.gpu_weight_bytes(weight_bytes, layer_bytes, runtime.cpu_offload_gb)
+              if layer_bytes is not None and runtime.cpu_offload_gb else weight_bytes)  # the recipe's offload
+    estimates = memory.estimate_per_rank(model, parallel, on_gpu, kv.dtype, runtime, int(gpu_gib * memory.GIB))
+    estimate = min(estimates, key=lambda e: e.num_kv_tokens)
+    if layer_bytes is not None and not estimate.fits:
+        knobs = memory.knob_table(model, parallel, weight_bytes, layer_bytes, runtime, int(gpu_gib * memory.GIB),
                                   [0.5 * i for i in range(0, 2 + 2 * max(weight_bytes) // memory.GIB)])
         logger.warning(
-            "max_model_len %d does not fit once in the KV cache of a %.0f GiB GPU; lower max_model_len or "
+            "max_model_len %d does not fit once in the KV cache of a %.3g GiB GPU; lower max_model_len or "
             "max_num_batched_tokens, raise gpu_memory_utilization, or quantize; or %s", runtime.max_model_len,
             gpu_gib, memory.fit_suggestion(knobs),
         )

@@ -208,7 +208,7 @@ def knob_table(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank
     rows = []
     for offload_gib in offload_gibs:
         plans = [plan_offload(layers, int(offload_gib * GIB)) for layers in layer_bytes_per_rank]
-        weights = [w - p.gpu_bytes_saved for w, p in zip(weight_bytes_per_rank, plans)]
+        weights = gpu_weight_bytes(weight_bytes_per_rank, layer_bytes_per_rank, offload_gib)
         for kv_cache_dtype, kv_dtype in (("auto", model.dtype), ("fp8", "float8_e4m3fn")):
             estimate = min(estimate_per_rank(model, parallel, weights, kv_dtype, runtime, total_bytes),
                            key=lambda e: e.num_kv_tokens)
@@ -216,6 +216,14 @@ def knob_table(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank
                          "offloaded_layers": len(plans[0].layers), "weight_bytes": estimate.weight_bytes,
                          "num_kv_tokens": estimate.num_kv_tokens, "max_concurrent_seqs": estimate.max_concurrent_seqs})
     return rows
+
+
+def gpu_weight_bytes(weight_bytes_per_rank: list[int], layer_bytes_per_rank: list[list[int]],
+                     cpu_offload_gb: float) -> list[int]:
+    """Each rank's weight bytes on its GPU once cpu_offload_gb of them live in host memory (the offloaded
+    layers leave; their staging buffers stay)."""
+    plans = [plan_offload(layers, int(cpu_offload_gb * GIB)) for layers in layer_bytes_per_rank]
+    return [w - p.gpu_bytes_saved for w, p in zip(weight_bytes_per_rank, plans)]
 
 
 def fit_suggestion(rows: list[dict]) -> str:

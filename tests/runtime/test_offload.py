@@ -46,3 +46,22 @@ def test_offload_plan_spreads_whole_layers() -> None:
 def test_negative_offload_is_one_line(artifact) -> None:
     with pytest.raises(ConfigError, match="cpu_offload_gb"):
         LLM(str(artifact), device="cpu", cpu_offload_gb=-1)
+
+
+def test_an_artifact_s_own_offload_is_in_its_memory_plan(ref_model_dir, tmp_path) -> None:
+    """The build's plan and `llmc inspect`'s headline count only the weights left on the GPU when the recipe
+    sets cpu_offload_gb (they counted all of them: 1,520 KV tokens, "does not fit", while inspect's own
+    offload row said 5,632), and agree with that row."""
+    from llmc.cli_report import inspect_report
+    from llmc.runtime.artifact import read_manifest
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "runtime": {"cpu_offload_gb": 0.02},
+                            "target": {"device": "cuda", "gpu_memory_gib": 0.765}}), show_progress=False)
+    manifest = read_manifest(out)
+    report = inspect_report(str(out), manifest, None)
+    row = next(r for r in report["memory_knobs"] if r["cpu_offload_gb"] == 0.02 and r["kv_cache_dtype"] == "auto")
+    resident = next(r for r in report["memory_knobs"] if r["cpu_offload_gb"] == 0 and r["kv_cache_dtype"] == "auto")
+    assert row["offloaded_layers"] > 0 and row["num_kv_tokens"] > resident["num_kv_tokens"]
+    assert manifest.plan.memory["num_kv_tokens"] == report["memory_estimate"]["num_kv_tokens"] == row["num_kv_tokens"]
+    assert manifest.plan.memory["weight_bytes"] == row["weight_bytes"] < sum(manifest.plan.weight_bytes_per_rank)
