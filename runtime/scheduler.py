@@ -308,8 +308,8 @@ class Scheduler:
         self.waiting.push_front(request)
         logger.warning(
             "Preempted request %r: the KV cache is full (%d preemptions so far); its KV will be "
-            "recomputed. To avoid this, raise gpu_memory_utilization or num_kv_blocks, lower "
-            "max_num_seqs or max_num_batched_tokens, or raise tensor_parallel_size.",
+            "recomputed. To avoid this, give the KV cache more room (gpu_memory_utilization, cpu_kv_cache_gib on a "
+            "CPU, or num_kv_blocks), lower max_num_seqs or max_num_batched_tokens, or raise tensor_parallel_size.",
             request.request_id, self.num_preemptions,
         )
 
