@@ -146,29 +146,15 @@ def resolve_model_dir(recipe: Recipe) -> Path:
 
 
 def _merge_generation_eos(model: art.ModelConfig, model_dir: Path) -> art.ModelConfig:
-    """The ids that end a sequence, the model's own eos first: the tokenizer's eos token (vLLM's eos: a
-    fine-tune often sets it, e.g. ChatML's <|im_end|>, where config.json still names the base model's),
-    then config.json's, then generation_config.json's (chat models often list extra end tokens, e.g.
-    <|eom_id|>, only there). The runtime reports a stop on any but the first as its stop_reason, as vLLM
-    makes generation-config end tokens stop token ids."""
+    # Chat models often list extra end tokens (e.g. <|eot_id|>) only in generation_config.json. (The
+    # tokenizer's eos, the model's own in vLLM, is put first by the engine, from the artifact's tokenizer.)
     path = model_dir / "generation_config.json"
-    extra = []
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
-    tokenizer_eos = _tokenizer_eos_id(model_dir)
-    first = [tokenizer_eos] if tokenizer_eos is not None and 0 <= tokenizer_eos < model.vocab_size else []
-    merged = list(dict.fromkeys([*first, *model.eos_token_ids, *extra]))
+    if not path.is_file():
+        return model
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    merged = list(dict.fromkeys([*model.eos_token_ids, *extra]))
     return dataclasses.replace(model, eos_token_ids=merged)
-
-
-def _tokenizer_eos_id(model_dir: Path) -> int | None:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
-    except (OSError, ValueError, TypeError, KeyError):  # the tokenizer's own checks report it later
-        return None
 
 
 def _plan_formats(ctx: _Context) -> dict[str, dict]:

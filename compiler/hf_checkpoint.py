@@ -43,8 +43,8 @@ def model_spec_for(config: dict, model_dir: Path) -> ModelSpec:
 
 def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
     """(window, the layers that use it: None for every layer), as transformers reads the config: HF's
-    `layer_types`, else Qwen2/3's `max_window_layers` (layers from it on slide), else every layer
-    (Mistral, Mixtral); `use_sliding_window: false` (Qwen) turns the window off."""
+    `layer_types`, else dense Qwen2/3's `max_window_layers` (layers from it on slide), else every layer
+    (Mistral, Mixtral, Qwen3-MoE); `use_sliding_window: false` (Qwen) turns the window off."""
     window = config.get("sliding_window")
     if not window or not config.get("use_sliding_window", True):
         return None, None
@@ -56,7 +56,8 @@ def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
             raise CheckpointError(f"layer_types {unknown or layer_types}: supported are full_attention and "
                                   f"sliding_attention, one per layer ({num_layers})")
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    elif config.get("max_window_layers") is not None:
+    elif config.get("max_window_layers") is not None and config.get("model_type") in ("qwen2", "qwen3"):
+        # (Qwen3-MoE's config carries the key too, but its attention windows every layer)
         layers = list(range(config["max_window_layers"], num_layers))
     else:
         return window, None

@@ -57,7 +57,8 @@ class Engine:
         if self.default_sampling_fields:
             logger.info("default sampling parameters from the model's generation config: %s (generation_config "
                         "'vllm' ignores them)", self.default_sampling_fields)
-        self.eos_token_ids = list(self.manifest.model.eos_token_ids)
+        self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id,
+                                             self.manifest.model.vocab_size)
         vocab_size = self.manifest.model.vocab_size
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
@@ -442,6 +443,15 @@ class Engine:
             "num_prompt_tokens": self.stats_logger.num_prompt_tokens,
             "num_generation_tokens": self.stats_logger.num_generation_tokens,
         }
+
+
+def model_eos_first(eos_token_ids: list[int], tokenizer_eos: int | None, vocab_size: int) -> list[int]:
+    """The ids that end a sequence, the model's own eos first: vLLM's eos is the tokenizer's (a fine-tune
+    often sets it, e.g. ChatML's <|im_end|>, where config.json names the base model's), and the other end
+    tokens (config.json's, the generation config's) act as stop token ids, so a stop on one of them
+    reports its id as stop_reason (`detokenizer.check_stop`)."""
+    first = [tokenizer_eos] if tokenizer_eos is not None and 0 <= tokenizer_eos < vocab_size else []
+    return list(dict.fromkeys([*first, *eos_token_ids]))
 
 
 def freeze_gc_heap() -> None:

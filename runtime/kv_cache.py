@@ -48,7 +48,7 @@ def kv_cache_config(manifest: art.Manifest, options: art.RuntimeDefaults, comput
     if kv.k_scales and kv.v_scales:
         # amax / FP8 max of the format they were made for (the build's; an imported kv_cache_scheme's is
         # e4m3): another format at run time (e5m2 built, e4m3 asked) rescales them, or values clip
-        made_for = kv.dtype if kv.dtype.startswith("float8") else "float8_e4m3fn"
+        made_for = kv.dtype if kv.scales_source == "calibration" and kv.dtype.startswith("float8") else "float8_e4m3fn"
         factor = torch.finfo(getattr(torch, made_for)).max / torch.finfo(getattr(torch, name)).max
         k_scales, v_scales = [s * factor for s in kv.k_scales], [s * factor for s in kv.v_scales]
         if log:

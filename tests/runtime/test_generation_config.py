@@ -102,3 +102,13 @@ def test_the_tokenizer_s_eos_ends_generation_and_other_end_tokens_report_themsel
         for forced, reason in [(3, None), (1, 1), (7, 7)]:
             completion = llm.generate("ROMEO:", SamplingParams(max_tokens=5, allowed_token_ids=[forced]))[0].outputs[0]
             assert (completion.token_ids, completion.finish_reason, completion.stop_reason) == ([forced], "stop", reason)
+
+
+def test_the_tokenizer_s_eos_comes_first_for_artifacts_built_before_it_was_recorded():
+    """An artifact keeps config.json's order (Llama-3.1-Instruct: [128001, 128008, 128009]); the engine puts
+    the tokenizer's eos (<|eot_id|>, 128009) first, so a stop on it has no stop_reason, as in vLLM."""
+    from llmc.runtime.engine import model_eos_first
+
+    assert model_eos_first([128001, 128008, 128009], 128009, 128256) == [128009, 128001, 128008]
+    assert model_eos_first([1, 7], 3, 4096) == [3, 1, 7]
+    assert model_eos_first([1], None, 4096) == [1] and model_eos_first([1], 5000, 4096) == [1]

@@ -156,3 +156,15 @@ def test_rope_scaling_without_the_keys_it_needs_is_one_line(ref_model_dir):
                                                                                 "rope_scaling": scaling}
         with pytest.raises(CheckpointError, match=message):
             model_config_from_hf(broken, spec, "float32")
+
+
+def test_which_layers_slide_by_family():
+    """Dense Qwen2/3 read max_window_layers (when the config has no layer_types); Qwen3-MoE windows every
+    layer whatever that key says, as transformers' Qwen3MoeAttention does."""
+    from llmc.compiler.hf_checkpoint import _sliding_window
+
+    config = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2, "num_hidden_layers": 4}
+    assert _sliding_window({**config, "model_type": "qwen2"}) == (8, [2, 3])
+    assert _sliding_window({**config, "model_type": "qwen3_moe"}) == (8, None)
+    assert _sliding_window({**config, "model_type": "qwen2", "layer_types": ["full_attention"] * 4}) == (None, None)
+    assert _sliding_window({**config, "model_type": "qwen2", "use_sliding_window": False}) == (None, None)

@@ -137,3 +137,21 @@ def test_scales_made_for_one_fp8_format_are_rescaled_for_the_other(ref_model_dir
         logits = LLM(str(artifact), kv_cache_dtype=kv_dtype, device="cpu").engine.score(ids)
         agreement = float((logits.argmax(-1) == expected.argmax(-1)).float().mean())
         assert agreement >= 0.95, (kv_dtype, agreement)
+
+
+def test_imported_scales_are_e4m3_s_whatever_the_artifact_s_format(ref_model_dir, data_dir, tmp_path) -> None:
+    """A checkpoint's kv_cache_scheme scales are amax / 448 (e4m3) even in an artifact built for e5m2: run as
+    e4m3 they stay as they are (only scales the build calibrated for e5m2 are rescaled)."""
+    import dataclasses
+
+    from llmc.runtime.artifact import RuntimeDefaults
+    from llmc.runtime.kv_cache import kv_cache_config
+
+    manifest = read_manifest(_build(ref_model_dir, tmp_path / "a", data_dir, calibrate=False))
+    layers = manifest.model.num_layers
+    for source, expected in [("checkpoint", 0.01), ("calibration", 0.01 * 57344 / 448)]:
+        kv = dataclasses.replace(manifest.kv, dtype="float8_e5m2", k_scales=[0.01] * layers, v_scales=[0.01] * layers,
+                                 scales_source=source)
+        config = kv_cache_config(dataclasses.replace(manifest, kv=kv), RuntimeDefaults(kv_cache_dtype="fp8"),
+                                 torch.float32, log=False)
+        assert config.k_scales == pytest.approx([expected] * layers), source
