@@ -380,12 +380,9 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
     """Graph buckets, the memory estimate of the rank with the least KV room (which bounds them all),
     and the W4A16 kernel table."""
     gpu_gib = recipe.target.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
-    layer_bytes = None
-    if recipe.target.device == "cuda":
-        headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(parallel.world_size)]
-        layer_bytes = memory.layer_bytes_per_rank(headers, model, parallel)
-    on_gpu = (memory.gpu_weight_bytes(weight_bytes, layer_bytes, runtime.cpu_offload_gb)
-              if layer_bytes is not None and runtime.cpu_offload_gb else weight_bytes)  # the recipe's offload
+    layer_bytes = memory.layer_bytes_per_rank(root, model, parallel) if recipe.target.device == "cuda" else None
+    on_gpu = (memory.gpu_weight_bytes(weight_bytes, layer_bytes, runtime.cpu_offload_gb)  # the recipe's offload
+              if layer_bytes is not None else weight_bytes)
     estimates = memory.estimate_per_rank(model, parallel, on_gpu, kv.dtype, runtime, int(gpu_gib * memory.GIB))
     estimate = min(estimates, key=lambda e: e.num_kv_tokens)
     if layer_bytes is not None and not estimate.fits:

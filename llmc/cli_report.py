@@ -65,9 +65,11 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
     model, runtime = manifest.model, manifest.runtime
     weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
     gib = gpu_memory_gib or manifest.plan.memory.get("target_gpu_memory_gib", 80.0)
+    # the decoder layers' bytes per rank (offload plans; none for an ONNX model)
+    layer_bytes = None if is_onnx(manifest) else memory.layer_bytes_per_rank(Path(artifact_dir), model, manifest.parallel)
     on_gpu = manifest.plan.weight_bytes_per_rank
-    if runtime.cpu_offload_gb and not is_onnx(manifest):  # the artifact's own offload, as its knob row shows
-        on_gpu = memory.gpu_weight_bytes(on_gpu, _layer_bytes(artifact_dir, manifest), runtime.cpu_offload_gb)
+    if layer_bytes is not None:  # the artifact's own offload, as its knob row shows
+        on_gpu = memory.gpu_weight_bytes(on_gpu, layer_bytes, runtime.cpu_offload_gb)
     estimates = memory.estimate_per_rank(model, manifest.parallel, on_gpu, manifest.kv.dtype, runtime,
                                          int(gib * memory.GIB))
     estimate = min(estimates, key=lambda e: e.num_kv_tokens)  # every rank holds the same blocks
@@ -93,25 +95,19 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "w4a16_kernels": manifest.plan.w4a16_kernels,
         "w4a16_kernel_summary": _kernel_summary(manifest),
         "memory_estimate": {"gpu_memory_gib": gib, **estimate.to_dict()},
-        "memory_knobs": _memory_knobs(artifact_dir, manifest, int(gib * memory.GIB)),
+        "memory_knobs": _memory_knobs(manifest, layer_bytes, int(gib * memory.GIB)),
         "num_files": len(manifest.files),
         "onnx": _onnx_summary(manifest),
     }
 
 
-def _memory_knobs(artifact_dir: str, manifest: art.Manifest, total_bytes: int) -> list[dict]:
-    """What kv_cache_dtype and cpu_offload_gb buy on this GPU (none for an ONNX model)."""
-    if is_onnx(manifest):
+def _memory_knobs(manifest: art.Manifest, layer_bytes: list[list[int]] | None, total_bytes: int) -> list[dict]:
+    """What kv_cache_dtype and cpu_offload_gb buy on this GPU (none for an ONNX model: no `layer_bytes`)."""
+    if layer_bytes is None:
         return []
     offloads = sorted({0.0, 4.0, 8.0, manifest.runtime.cpu_offload_gb})
-    return memory.knob_table(manifest.model, manifest.parallel, manifest.plan.weight_bytes_per_rank,
-                             _layer_bytes(artifact_dir, manifest), manifest.runtime, total_bytes, offloads)
-
-
-def _layer_bytes(artifact_dir: str, manifest: art.Manifest) -> list[list[int]]:
-    root = Path(artifact_dir)
-    headers = [art.read_safetensors_header(root / art.rank_weights_path(r)) for r in range(manifest.parallel.world_size)]
-    return memory.layer_bytes_per_rank(headers, manifest.model, manifest.parallel)
+    return memory.knob_table(manifest.model, manifest.parallel, manifest.plan.weight_bytes_per_rank, layer_bytes,
+                             manifest.runtime, total_bytes, offloads)
 
 
 def _knob_rows(report: dict) -> list[tuple[str, str]]:

@@ -35,6 +35,14 @@ def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: list[int], 
     return cum_logprob / (length ** length_penalty)
 
 
+def check_beam_width(name: str, width: int, max_logprobs: int) -> None:
+    """vLLM's bound: a beam search ranks 2 x width logprobs a step, so the width is at most max_logprobs / 2
+    (`name`: the field that gave the width, for the error)."""
+    if 2 * width > max_logprobs:
+        raise RequestError(f"{name} {width}: beam search ranks 2 x beam width logprobs per step, more than its "
+                           f"max_logprobs ({max_logprobs}); lower the beam width or raise max_logprobs")
+
+
 class BeamState:
     """One live beam: its scheduler request and what the group scores it by (the engine's
     per-sequence interface: request, group_id, params, logprobs, record_logprobs, ...)."""

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmc.errors import RequestError
-from llmc.runtime.beam_group import beam_score
+from llmc.runtime.beam_group import beam_score, check_beam_width
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -86,10 +86,7 @@ def beam_search(llm, prompts: list[list[int]], params: BeamSearchParams) -> list
 def beam_search_by_requests(llm, prompts: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """The fallback: one max_tokens=1 request per live beam and round (see the module's notes)."""
     engine = llm.engine
-    if 2 * params.beam_width > engine.max_logprobs:
-        raise RequestError(f"beam_width {params.beam_width}: this engine searches by requests that ask 2 x beam_width "
-                           f"logprobs, more than its max_logprobs ({engine.max_logprobs}); lower beam_width or raise "
-                           "max_logprobs")
+    check_beam_width("beam_width", params.beam_width, engine.max_logprobs)  # its requests ask 2 x width logprobs
     eos, max_len = engine.eos_token_ids, engine.options.max_model_len
     score = lambda beam: beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)  # noqa: E731
     live = [[BeamSearchSequence(list(p))] for p in prompts]

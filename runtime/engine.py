@@ -23,7 +23,7 @@ from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
-from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups
+from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups, check_beam_width
 from llmc.runtime.beam_scheduler import BeamScheduler
 from llmc.runtime.batch_sampler import NO_TOKEN, BatchSampler, HostTokens, unpack_logprobs
 from llmc.runtime.engine_multistep import can_multi_step, multi_step
@@ -57,9 +57,8 @@ class Engine:
         if self.default_sampling_fields:
             logger.info("default sampling parameters from the model's generation config: %s (generation_config "
                         "'vllm' ignores them)", self.default_sampling_fields)
-        self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id,
-                                             self.manifest.model.vocab_size)
         vocab_size = self.manifest.model.vocab_size
+        self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
@@ -159,9 +158,8 @@ class Engine:
                 asked = f"-1 (the whole vocabulary, {vocab_size})" if name in whole else str(value)
                 raise RequestError(f"SamplingParams.{name} {asked} is more than max_logprobs ({self.max_logprobs}); "
                                    "ask for fewer, or start the engine with a larger max_logprobs (-1: no limit)")
-        if params.use_beam_search and 2 * params.n > self.max_logprobs:
-            raise RequestError(f"SamplingParams.n {params.n}: beam search ranks 2 x beam width logprobs per step, more "
-                               f"than max_logprobs ({self.max_logprobs}); lower the beam width or raise max_logprobs")
+        if params.use_beam_search:
+            check_beam_width("SamplingParams.n", params.n, self.max_logprobs)
         return params.replace(**whole) if whole else params
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:

@@ -14,9 +14,11 @@ logits (and the sampler's probabilities) of the sampled rows.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from llmc.kernels.attention import decode_split
-from llmc.runtime.artifact import ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes
+from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes, rank_weights_path,
+                                   read_safetensors_header)
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
@@ -238,9 +240,10 @@ def fit_suggestion(rows: list[dict]) -> str:
             f"{best['max_concurrent_seqs']:.1f} sequences of max_model_len")
 
 
-def layer_bytes_per_rank(headers: list[dict], model: ModelConfig, parallel: ParallelPlan) -> list[list[int]]:
-    """Bytes of each decoder layer each rank holds, from the ranks' safetensors headers
-    ({name: {"data_offsets": [begin, end], ...}})."""
+def layer_bytes_per_rank(root: Path, model: ModelConfig, parallel: ParallelPlan) -> list[list[int]]:
+    """Bytes of each decoder layer each rank holds, from the safetensors headers of the ranks' weights in
+    the artifact at `root` ({name: {"data_offsets": [begin, end], ...}})."""
+    headers = [read_safetensors_header(root / rank_weights_path(r)) for r in range(parallel.world_size)]
     result = []
     for layout, header in zip(all_rank_layouts(model, parallel), headers, strict=True):
         sizes = dict.fromkeys(layout.layers, 0)

@@ -25,8 +25,9 @@ from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
 from llmc.runtime.tokenizer import text_of_parts
 
-# The most logprobs per token a request may ask for (vLLM's default max_logprobs).
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs (the engine's option; this bound before the engine is up)
+# The most logprobs per token a request may ask for before the engine is up (then its max_logprobs option;
+# vLLM's default).
+MAX_LOGPROBS = 20
 # vLLM's range for seed and priority (a C int64).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 EMPTY_PROMPT_MESSAGE = "Either prompt or prompt_embeds must be provided and non-empty."
