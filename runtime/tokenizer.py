@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import ArtifactError
+from llmc.errors import ArtifactError, RequestError
 
 
 def load_tokenizer(path: Path):
@@ -74,8 +74,6 @@ def _template_message(index: int, message: dict) -> dict:
     """One message as vLLM hands it to the template: content parts joined, None content as "", a tool
     call's JSON `arguments` text parsed into an object (templates write it with `tojson`), and an
     assistant's reasoning under both of vLLM's names (`reasoning`, `reasoning_content`). A copy."""
-    from llmc.errors import RequestError
-
     message = dict(message)
     content = message.get("content")
     if isinstance(content, list):
@@ -96,8 +94,6 @@ def _template_message(index: int, message: dict) -> dict:
 
 
 def _parsed_tool_call(index: int, number: int, call: Any) -> Any:
-    from llmc.errors import RequestError
-
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or isinstance(function.get("arguments"), (dict, list)):
         return call
@@ -119,8 +115,6 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
     vLLM's options: `add_generation_prompt` (open the assistant's turn), `continue_final_message`
     (leave the last, assistant message open, to be continued), `chat_template_kwargs` (extra
     variables of the template, e.g. Qwen3's enable_thinking)."""
-    from llmc.errors import RequestError
-
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("this model has no chat template; send a plain prompt instead of messages")
     if add_generation_prompt and continue_final_message:
