@@ -117,8 +117,7 @@ async def _watchdog(ctx: ServingContext) -> None:
 
 
 def _health_problem(ctx: ServingContext) -> str | None:
-    loops = getattr(ctx.engine_loop, "replicas", [ctx.engine_loop])
-    problems = [loop.health_problem(ctx.stall_timeout_s) for loop in loops]
+    problems = [loop.health_problem(ctx.stall_timeout_s) for loop in ctx.engine_loop.replicas]
     return next((p for p in problems if p is not None), None)
 
 

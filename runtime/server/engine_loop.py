@@ -158,6 +158,11 @@ class EngineLoop:
             self._on_fatal(error)
         return True
 
+    @property
+    def replicas(self) -> list[EngineLoop]:
+        """The engine loops that serve (a router's are several): this one."""
+        return [self]
+
     async def wait_ready(self) -> None:
         """Return once the engine is loaded; raise what loading raised."""
         await asyncio.shield(self._ready)

@@ -142,7 +142,7 @@ async def log_stats_periodically(metrics: ServerMetrics, engine_loop) -> None:
         await engine_loop.wait_ready()
     except Exception:  # noqa: BLE001 - the startup failure is reported elsewhere
         return
-    engines = [replica.engine for replica in getattr(engine_loop, "replicas", [engine_loop])]
+    engines = [replica.engine for replica in engine_loop.replicas]
     options = engines[0].options
     for engine in engines:
         engine.stats_logger.enabled = False
