@@ -1,7 +1,8 @@
-"""Time to first token of one short request, and what the host does meanwhile: an eager prefill step.
+"""Time to first token of one short request, and what the host does meanwhile in its prefill step.
 
     source benchmarks/gpu_env.sh && R=$PWD && cd /tmp && python $R/benchmarks/prefill_host.py \\
-        /tmp/w4=w4a16 /tmp/bf16=bf16 --prompt-lens 16 128 512 --json $OUT/prefill_host.json
+        /tmp/w4=w4a16 /tmp/bf16=bf16 --prompt-lens 16 128 512 --json $OUT/prefill_host.json \\
+        --modes FULL_DECODE_ONLY FULL_AND_PIECEWISE     # the step eager, then through the piecewise graphs
 
 Each ARTIFACT[=LABEL] is loaded with `LLM`; after a warm-up, for each prompt length, --repeats requests of
 that many random token ids and max_tokens 1 run one at a time (new ids each time, so the prefix cache
@@ -9,13 +10,15 @@ holds none of them). Per request: the wall time from `add_request` to its output
 idle engine sees it); on CUDA, under torch.profiler for --profiled requests, the time some kernel ran and
 the number of kernels; then cProfile over the same number of requests: the host functions by own time
 (--top), and the host time per call of the GEMM entry points. A TTFT well above the kernel time is host
-time the GPU waited for: an eager step launches every kernel from Python.
+time the GPU waited for: an eager step launches every kernel from Python (FULL_DECODE_ONLY); the piecewise
+graphs (FULL_AND_PIECEWISE, the default) launch only the attention between graph replays.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -90,16 +93,25 @@ def main(argv=None) -> int:
     parser.add_argument("--profiled", type=int, default=3)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--modes", nargs="+", default=[None], metavar="CUDAGRAPH_MODE",
+                        help="compilation_config.cudagraph_mode of each run (e.g. FULL_DECODE_ONLY FULL_AND_PIECEWISE, "
+                             "alternating per artifact); default: the artifact's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     report = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "results": {}}
-    for spec in args.artifacts:
+    for spec, mode in [(spec, mode) for spec in args.artifacts for mode in args.modes]:
         path, _, label = spec.partition("=")
-        llm = LLM(path, device=args.device, max_num_seqs=16, disable_log_stats=True)
+        label = (label or path) + (f"/{mode}" if mode else "")
+        graphs = {"compilation_config": {"cudagraph_mode": mode}} if mode else {}
+        llm = LLM(path, device=args.device, max_num_seqs=16, disable_log_stats=True, **graphs)
+        if getattr(llm.engine.runner, "pieces", None) is not None:  # no local: the next LLM needs this one's memory
+            print(f"{label}: piecewise graphs of {llm.engine.runner.pieces.sizes} tokens captured in "
+                  f"{llm.engine.runner.pieces.capture_seconds:.1f} s, {llm.engine.runner.pieces.graph_bytes / 2**20:.0f} "
+                  "MiB", flush=True)
         rows = [measure(llm.engine, length, args, seed=length) for length in args.prompt_lens]
-        report["results"][label or path] = rows
+        report["results"][label] = rows
         for row in rows:
-            print(f"{label or path} prompt {row['prompt_tokens']}: TTFT median {row['ttft_ms_median']} ms "
+            print(f"{label} prompt {row['prompt_tokens']}: TTFT median {row['ttft_ms_median']} ms "
                   f"(min {row['ttft_ms_min']}), kernels {row.get('kernel_ms')} ms in {row.get('kernels_per_request')} "
                   f"launches, host (cProfile) {row['host_total_ms']} ms", flush=True)
             for top in row["host_top"][:12]:
@@ -108,6 +120,9 @@ def main(argv=None) -> int:
                 print(f"    per call {name}: {value}")
         llm.close()
         del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))

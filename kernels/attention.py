@@ -167,8 +167,10 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     index_cache: dict | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """Causal attention of each sequence's new queries over its cached context. Returns q's shape.
+    """Causal attention of each sequence's new queries over its cached context. Returns q's shape
+    (written into `out`, a tensor of q's shape and dtype, when given).
 
     max_context_len: at least every context_lens entry; None reads it from context_lens (a device sync).
     k_scale, v_scale: an FP8 cache's dequantization scales (K = k_scale * k_cache).
@@ -180,10 +182,10 @@ def paged_attention(
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
-            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
+            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out,
         )
 
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]
     group = num_heads // num_kv_heads

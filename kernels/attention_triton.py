@@ -411,7 +411,7 @@ def paged_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
-    rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None,
+    rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -426,7 +426,7 @@ def paged_attention(
     _check_cache(k_cache, v_cache)
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
-    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads

@@ -176,6 +176,36 @@ class KVSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_num_bytes(self.dtype)
 
 
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's `compilation_config`, the part llmc has: which steps replay CUDA graphs.
+
+    cudagraph_mode (vLLM's names): FULL_AND_PIECEWISE (the default) replays a whole-forward graph for
+    decode steps (runtime/cuda_graphs.py) and, for every other step of up to
+    max_cudagraph_capture_size tokens (prefill and mixed steps), graphs of the forward between its
+    attentions (runtime/piecewise_graphs.py); FULL_DECODE_ONLY the decode graphs only; PIECEWISE the
+    cut graphs for every step; NONE no graph (as enforce_eager). vLLM's FULL (whole-forward graphs
+    of mixed steps too) is refused by name: llmc's prefill attention plans its grid on the host.
+    max_cudagraph_capture_size: the most tokens of a step the cut graphs are captured for (vLLM's
+    default, 512; never above max_num_batched_tokens).
+    """
+
+    cudagraph_mode: str = opt("FULL_AND_PIECEWISE", choices=list(CUDAGRAPH_MODES),
+                              help="FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE or NONE")
+    max_cudagraph_capture_size: int = opt(512, min=1, max=65536, help="most tokens of a step captured piecewise")
+
+    @property
+    def has_full_decode(self) -> bool:
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+
+    @property
+    def has_piecewise(self) -> bool:
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "PIECEWISE")
+
+
 @dataclass(frozen=True)
 class RuntimeDefaults:
     """Engine options: the recipe's `runtime` section, baked into the artifact at build time;
@@ -204,6 +234,8 @@ class RuntimeDefaults:
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, alias="speculative_config",
                                                 help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+    compilation_config: CompilationConfig | None = opt(
+        None, help="vLLM's CUDA-graph settings, e.g. {cudagraph_mode: FULL_DECODE_ONLY, max_cudagraph_capture_size: 256}")
     max_logprobs: int = opt(20, min=-1, max=2**31 - 1,
                             help="most logprobs / prompt_logprobs a request may ask (vLLM's; -1: the whole vocabulary)")
     generation_config: str = opt("auto", help="auto: the model's generation_config.json sets the default temperature, "

@@ -20,8 +20,8 @@ ids and positions are whatever an earlier step left there (valid values); their 
 dropped.
 
 Only steps whose every sequence computes one token (ForwardBatch.is_decode: no prefill chunk of
-more than one token, no draft tokens) and that fit the largest graph are replayed; everything else
-runs eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off. A tensor/pipeline-parallel
+more than one token, no draft tokens) and that fit the largest graph are replayed; other steps replay
+the piecewise graphs (runtime/piecewise_graphs.py) or run eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off. A tensor/pipeline-parallel
 rank captures its stage's part of the forward (collectives included) with this same class, in
 lockstep with the other ranks (runtime/parallel/shard_runner.py).
 """
@@ -155,33 +155,6 @@ class CudaGraphs:
             self.graphs[batch_size] = graph
         torch.cuda.synchronize(self.device)
 
-    @torch.inference_mode()
-    def compile_mixed_step(self) -> None:
-        """Eager forwards of what mixed steps hold, decode rows beside a 2-token prefill, on the
-        scratch block (junk by design), outputs dropped: one for each decode-attention variant an
-        eager step can launch (kernels.attention.eager_decode_cases: not split; split and merged by a
-        second kernel; split and merged in the decode kernel). The graphs' capture compiles the
-        decode kernels of the decode steps; these compile those of the eager steps (the indexed
-        decode attention, the prefill attention on this cache's dtype, the linears at a few generic
-        M) at start, not in the middle of the first requests' steps (0.4-1 s each on an H100, the
-        GPU idle)."""
-        slot, block, device = self.inputs.scratch_slot, self.inputs.scratch_block, self.device
-        num_kv_heads = self.model.layout.num_kv_heads
-        for rows, max_context_len in eager_decode_cases(num_kv_heads, self.max_model_len, device_num_sms(device)):
-            batch = ForwardBatch(
-                positions=torch.tensor([0] * rows + [0, 1], device=device),
-                slot_mapping=torch.tensor([slot] * rows + [slot + 1, slot + 2], device=device),
-                block_tables=torch.full((rows + 1, 1), block, dtype=torch.int32, device=device),
-                context_lens=torch.tensor([1] * rows + [2], dtype=torch.int32, device=device),
-                query_lens=[1] * rows + [2],
-                max_context_len=max_context_len,
-                logits_indices=torch.tensor([rows - 1, rows + 1], device=device),
-            )
-            hidden = self.forward(torch.zeros(rows + 2, dtype=torch.long, device=device), batch)
-            if self.forward is self.model:
-                self.model.compute_logits(hidden[batch.logits_indices])
-        torch.cuda.synchronize(device)
-
     def log_capture(self, allowance_bytes: int) -> None:
         sizes = self.batch_sizes
         logger.info("CUDA graphs: captured %d batch sizes (%s) in %.1f s, %.1f MiB of GPU memory (pool %.1f MiB; "
@@ -206,6 +179,33 @@ class CudaGraphs:
             self.graphs[batch_size].replay()
         self.num_replays += 1
         return self.hidden[: batch.num_seqs]
+
+
+@torch.inference_mode()
+def compile_mixed_step(model: DecoderModel, scratch_block: int, block_size: int, max_model_len: int,
+                       device: torch.device) -> None:
+    """Eager forwards of what mixed steps hold, decode rows beside a 2-token prefill, on the scratch
+    block (junk by design), outputs dropped: one for each decode-attention variant an eager step can
+    launch (kernels.attention.eager_decode_cases: not split; split and merged by a second kernel;
+    split and merged in the decode kernel). The graphs' capture compiles the kernels the graphs
+    hold; these compile those of the eager steps and of the attention between piecewise graphs (the
+    indexed decode attention, the prefill attention on this cache's dtype, the linears at a few
+    generic M) at start, not in the middle of the first requests' steps (0.4-1 s each on an H100,
+    the GPU idle)."""
+    slot = scratch_block * block_size
+    for rows, max_context_len in eager_decode_cases(model.layout.num_kv_heads, max_model_len, device_num_sms(device)):
+        batch = ForwardBatch(
+            positions=torch.tensor([0] * rows + [0, 1], device=device),
+            slot_mapping=torch.tensor([slot] * rows + [slot + 1, slot + 2], device=device),
+            block_tables=torch.full((rows + 1, 1), scratch_block, dtype=torch.int32, device=device),
+            context_lens=torch.tensor([1] * rows + [2], dtype=torch.int32, device=device),
+            query_lens=[1] * rows + [2],
+            max_context_len=max_context_len,
+            logits_indices=torch.tensor([rows - 1, rows + 1], device=device),
+        )
+        hidden = model(torch.zeros(rows + 2, dtype=torch.long, device=device), batch)
+        model.compute_logits(hidden[batch.logits_indices])
+    torch.cuda.synchronize(device)
 
 
 def _sizes_text(sizes: list[int]) -> str:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmc.kernels.attention import decode_split
-from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes, rank_weights_path,
-                                   read_safetensors_header)
+from llmc.runtime.artifact import (CompilationConfig, ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
+                                   rank_weights_path, read_safetensors_header)
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
@@ -35,6 +35,7 @@ GRAPH_BASE_BYTES = 96 * MIB
 # Per captured graph and decoder layer: fitted on an H200 to 108 MiB measured for 11 graphs of a 6-layer
 # model and ~460 MiB for 35 graphs of a 32-layer (Llama-3-8B-shaped) one, both with room to spare.
 GRAPH_BYTES_PER_GRAPH_LAYER = 768 * 1024
+GRAPH_BYTES_PER_PIECE = 64 * 1024  # one piecewise graph (a layer's kernels) beyond the pool it shares
 DEFAULT_NUM_SMS = 132  # what the estimate assumes (H100, H200); the runtime asks its GPU
 
 
@@ -107,6 +108,33 @@ def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_
             + activation_peak_bytes(model, max(batch_sizes), 0) + partitions)
 
 
+# Token counts captured: powers of two and the midpoints between them, up to vLLM's default 512.
+PIECEWISE_CAPTURE_SIZES = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def piecewise_sizes(max_capture_size: int, max_num_batched_tokens: int) -> list[int]:
+    """The token counts the piecewise graphs of prefill and mixed steps (runtime/piecewise_graphs.py)
+    are captured for: PIECEWISE_CAPTURE_SIZES below the top, then the top itself, the smaller of
+    max_capture_size and max_num_batched_tokens (no step has more tokens than the budget)."""
+    top = min(max_capture_size, max_num_batched_tokens)
+    return sorted({size for size in PIECEWISE_CAPTURE_SIZES if size < top} | {top})
+
+
+def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> int:
+    """What the cut graphs may take: the static buffers (ids, positions and slots, q and the
+    attention's output, the hidden states), the pool's intermediates of one step of the largest size
+    (two pieces' worth at most: activation_peak_bytes' per-token count twice over), and the
+    graph objects (GRAPH_BYTES_PER_PIECE each). An 8B-shaped model's 12 sizes x 33 pieces took
+    44-134 MiB on an H200 (bf16, FP8 W8A8; benchmarks/RESULTS.md, session 33) against 143 here."""
+    if not sizes:
+        return 0
+    top = max(sizes)
+    elt = dtype_num_bytes(model_config.dtype)
+    static = top * (3 * 8 + (2 * model_config.num_heads * model_config.head_dim + model_config.hidden_size) * elt)
+    return (static + 2 * activation_peak_bytes(model_config, top, 0)
+            + len(sizes) * (model_config.num_layers + 1) * GRAPH_BYTES_PER_PIECE)
+
+
 def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes: int, activation_bytes: int,
             graph_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int) -> MemoryEstimate:
     """The KV cache that fits in total × utilization beside the rest, in whole blocks."""
@@ -140,11 +168,14 @@ def estimate(
     max_num_seqs: int,
     max_model_len: int,
     use_graphs: bool,
+    piece_sizes: list[int] = (),
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula, CUDA_CONTEXT_BYTES for other, and the
-    graph allowance for the buckets the compiler plans."""
+    graph allowance for the buckets the compiler plans (decode graphs with use_graphs; piecewise graphs
+    of piece_sizes tokens)."""
     activations = activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
     graphs = graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len) if use_graphs else 0
+    graphs += piecewise_allowance_bytes(model, list(piece_sizes))
     return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)
 
@@ -152,12 +183,18 @@ def estimate(
 def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,
                       runtime: RuntimeDefaults, total_bytes: int) -> list[MemoryEstimate]:
     """The estimate of every rank: its weights, and KV for its heads of its layers. The rank with the
-    fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks run eagerly."""
+    fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks are planned
+    without graphs; one rank with runtime.compilation_config's (runtime/model_runner.py)."""
+    modes = runtime.compilation_config or CompilationConfig()
+    graphs = not runtime.enforce_eager and parallel.world_size == 1 and modes.cudagraph_mode != "NONE"
+    piece_sizes = (piecewise_sizes(modes.max_cudagraph_capture_size, runtime.max_num_batched_tokens)
+                   if graphs and modes.has_piecewise and not runtime.cpu_offload_gb else [])
     return [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
-            runtime.max_num_seqs, runtime.max_model_len, use_graphs=not runtime.enforce_eager and parallel.world_size == 1,
+            runtime.max_num_seqs, runtime.max_model_len, use_graphs=graphs and modes.has_full_decode,
+            piece_sizes=piece_sizes,
         )
         for layout in all_rank_layouts(model, parallel)
     ]

@@ -8,7 +8,8 @@ waiting for the device.
 Start on a GPU, in order: load the weights, measure the memory plan (runtime/memory_profile.py:
 a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
 does not fit, allocate the KV cache (one extra block: the graphs' scratch block), capture the
-decode graphs (runtime/cuda_graphs.py).
+decode graphs (runtime/cuda_graphs.py) and the piecewise graphs of other steps
+(runtime/piecewise_graphs.py), as compilation_config.cudagraph_mode says.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from llmc.errors import ConfigError
 from llmc.kernels import device_num_sms
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
-from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, graph_batch_sizes
+from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, compile_mixed_step, graph_batch_sizes
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
+from llmc.runtime.piecewise_graphs import PiecewiseGraphs
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.step_inputs import PendingTokens, StepBuffers
@@ -52,28 +54,42 @@ class ModelRunner:
             logger.info("%s", self.offloader.describe())
         layout = whole_model_layout(manifest.model)
         self.kv_config = kv_cache_config(manifest, options, compute_dtype(manifest, device))
+        modes = options.compilation_config or art.CompilationConfig()
+        can_capture = can_use_graphs(device, options.enforce_eager or modes.cudagraph_mode == "NONE")
         graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
-                       if can_use_graphs(device, options.enforce_eager) else [])
+                       if can_capture and modes.has_full_decode else [])
+        # the pieces call no layer's forward, whose hooks stream offloaded weights in
+        piece_sizes = (memory.piecewise_sizes(modes.max_cudagraph_capture_size, options.max_num_batched_tokens)
+                       if can_capture and modes.has_piecewise and self.offloader is None else [])
+        if can_capture and modes.has_piecewise and self.offloader is not None:
+            logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no piecewise CUDA graphs)")
+        piece_allowance = memory.piecewise_allowance_bytes(self.model.config, piece_sizes)
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
-                                                       _num_sms(device))
+                                                       _num_sms(device)) + piece_allowance
         # measured on a GPU, unless num_kv_blocks fixes the cache
         self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
                       else local_num_kv_blocks(manifest, layout, options, device))
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
         # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
-        num_allocated = self.num_blocks + (1 if graph_sizes else 0)
+        num_allocated = self.num_blocks + (1 if graph_sizes or piece_sizes else 0)
         self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device,
                                             self.kv_config.dtype)
         self.model.bind_kv_caches(self.kv_caches, self.kv_config.layer_scales(layout.layers))
         self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
                                    -(-options.max_model_len // options.block_size), options.block_size, device)
         self.graphs: CudaGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         if graph_sizes:
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
                                      scratch_block=self.num_blocks, device=device)
-            self.graphs.log_capture(graph_allowance)
-            self.graphs.compile_mixed_step()
+            self.graphs.log_capture(graph_allowance - piece_allowance)
+        if piece_sizes:
+            self.pieces = PiecewiseGraphs(self.model, piece_sizes, self.num_blocks * options.block_size, device)
+            self.pieces.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
+            self.pieces.log_capture(piece_allowance)
+        if graph_sizes or piece_sizes:
+            compile_mixed_step(self.model, self.num_blocks, options.block_size, options.max_model_len, device)
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
                         allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:
@@ -99,6 +115,8 @@ class ModelRunner:
         `dtype` (None: the model's; DecoderModel.compute_logits)."""
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             hidden = self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
+        elif self.pieces is not None and self.pieces.can_run(forward_batch):
+            hidden = self.pieces.run(input_ids, forward_batch)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
         return self.model.compute_logits(hidden[forward_batch.logits_indices], dtype)

@@ -55,6 +55,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
                 if f.metadata.get("alias") in overrides}  # vLLM's names too: errors say the name given
     overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)
     overrides = _check_vllm_build_settings(manifest, overrides)
+    _refuse_full_graphs(overrides.get("compilation_config"))
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
@@ -70,6 +71,11 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         )
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
+    if options.compilation_config is not None and options.compilation_config.cudagraph_mode == "PIECEWISE" \
+            and manifest.parallel.world_size > 1:
+        raise ConfigError(f"compilation_config.cudagraph_mode PIECEWISE: the ranks of a {manifest.parallel.world_size}-way "
+                          "artifact capture decode graphs only, and run other steps eagerly; use FULL_DECODE_ONLY "
+                          "(what FULL_AND_PIECEWISE gives them) or NONE")
     if is_onnx(manifest):
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
@@ -103,6 +109,13 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
                           "prompt in chunks of at most max_num_batched_tokens tokens beside the running decodes; "
                           "drop it, or raise max_num_batched_tokens for larger chunks")
     return rest
+
+
+def _refuse_full_graphs(compilation_config) -> None:
+    if isinstance(compilation_config, dict) and compilation_config.get("cudagraph_mode") == "FULL":
+        raise ConfigError("compilation_config.cudagraph_mode FULL: llmc captures whole-forward graphs of decode steps "
+                          "only (its prefill attention plans its grid on the host); use FULL_AND_PIECEWISE (the "
+                          "default: graphs cut at the attention for the other steps) or FULL_DECODE_ONLY")
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

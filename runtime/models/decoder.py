@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.activation import silu_and_mul, silu_and_mul_fp8
-from llmc.kernels.attention import rotate_write_and_attend
+from llmc.kernels.attention import paged_attention, rotate_and_write_kv, rotate_write_and_attend
 from llmc.quant.formats import takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
@@ -52,19 +52,46 @@ class Attention(nn.Module):
         self.tp_group = tp_group  # all-reduces o's partial sums; None on a single rank
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor) -> Tensor:
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self.heads(x)
         k_cache, v_cache = self.kv_cache
         out = rotate_write_and_attend(
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
             self.k_scale, self.v_scale, batch.kernel_cache,
         )  # [num_tokens, num_heads, head_dim]
-        out = self.o(out.flatten(1))  # [num_tokens, hidden_size]: this rank's partial sum under TP
+        return self.output(out)
+
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [num_tokens, hidden_size] → q [num_tokens, num_heads, head_dim], k and v [num_tokens,
+        num_kv_heads, head_dim] (views of qkv's output; q and k normed where the model has qk_norm)."""
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    # The forward in three parts, for the piecewise CUDA graphs (runtime/piecewise_graphs.py): `project`
+    # and `output` read no host value of the step and are captured; `attend` runs between the graphs.
+    def project(self, x: Tensor, positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor) -> Tensor:
+        """The heads, the rotary embedding, and this step's keys and values written to the cache: the
+        rotated q [num_tokens, num_heads, head_dim]."""
+        q, k, v = self.heads(x)
+        k_cache, v_cache = self.kv_cache
+        return rotate_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                   self.k_scale, self.v_scale)
+
+    def attend(self, q: Tensor, batch: ForwardBatch, out: Tensor | None = None) -> Tensor:
+        """Paged attention of the rotated q over the cache (into `out` when given)."""
+        k_cache, v_cache = self.kv_cache
+        return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
+                               self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
+                               batch.kernel_cache, out=out)
+
+    def output(self, attn: Tensor) -> Tensor:
+        """attn [num_tokens, num_heads, head_dim] → o's output [num_tokens, hidden_size] (all-reduced under TP)."""
+        out = self.o(attn.flatten(1))  # this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
@@ -110,12 +137,18 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
 
     def forward(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch, cos_sin: Tensor):
+        x, residual = self.norm_in(x, residual)
+        return self.feed_forward(self.attn(x, batch, cos_sin), residual)
+
+    def norm_in(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The input norm: (normed x, the residual stream with x added)."""
         if residual is None:
-            residual, x = x, self.input_norm(x)
-        else:
-            x, residual = self.input_norm(x, residual)
-        x = self.attn(x, batch, cos_sin)
-        x, residual = self.post_attn_norm(x, residual)
+            return self.input_norm(x), x
+        return self.input_norm(x, residual)
+
+    def feed_forward(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """After the attention: (the MLP's or MoE's output, the residual stream)."""
+        x, residual = self.post_attn_norm(attn_out, residual)
         return (self.moe(x) if self.is_moe else self.mlp(x)), residual
 
 

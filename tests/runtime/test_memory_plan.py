@@ -80,6 +80,20 @@ def test_parallel_ranks_are_planned_without_graphs():
     assert single[0].graph_bytes > 0
 
 
+def test_the_plan_holds_the_pieces_allowance_where_they_are_captured():
+    plan = lambda **runtime: memory.estimate_per_rank(  # noqa: E731
+        MODEL, art.ParallelPlan(), [16 * memory.GIB], "bfloat16", art.RuntimeDefaults(max_model_len=8192, **runtime),
+        80 * memory.GIB)[0].graph_bytes
+    decode_only = plan(compilation_config=art.CompilationConfig("FULL_DECODE_ONLY"))
+    pieces = memory.piecewise_allowance_bytes(MODEL, memory.piecewise_sizes(512, 2048))
+    assert plan() == decode_only + pieces
+    assert plan(compilation_config=art.CompilationConfig("PIECEWISE")) == pieces
+    assert plan(compilation_config=art.CompilationConfig("NONE")) == 0 == plan(enforce_eager=True)
+    assert plan(cpu_offload_gb=1.0) == decode_only  # offloaded layers: no pieces
+    # the 512-token step's intermediates (two pieces' worth) dominate: ~143 MB for an 8B (44-134 MiB measured)
+    assert 0.1 * memory.GIB < pieces < 0.2 * memory.GIB
+
+
 def test_profile_batch_prefills_fresh_sequences_of_at_most_max_model_len():
     input_ids, batch, num_blocks = profile_batch(100, 40, 8, 16, torch.device("cpu"))
     assert batch.query_lens == [40, 40, 20] and batch.context_lens.tolist() == [40, 40, 20]

@@ -1,0 +1,192 @@
+"""Piecewise CUDA graphs of prefill and mixed steps: the cut forward against the model's own forward
+(on a CPU, the pieces run eagerly), the sizes, the option; on a GPU, replay against eager."""
+
+import gc
+
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.model_runner import ModelRunner, allocate_kv_caches
+from llmc.runtime.options import resolve_options
+from llmc.runtime.parallel.layout import whole_model_layout
+from llmc.runtime.piecewise_graphs import PiecewiseGraphs
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 12
+MAX_MODEL_LEN = 128
+
+
+def _artifact(checkpoint, out, dtype="float32", **quantization):
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": dtype,
+                            "quantization": quantization or {"method": "none"},
+                            "runtime": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}}), show_progress=False)
+    return out
+
+
+def _step(seqs, device) -> tuple[torch.Tensor, ForwardBatch]:
+    """(input_ids, ForwardBatch) of sequences given as (block ids, tokens already cached, new tokens)."""
+    ids, positions, slots, context_lens, query_lens = [], [], [], [], []
+    tables = torch.zeros(len(seqs), max(len(b) for b, _, _ in seqs), dtype=torch.int32)
+    for row, (blocks, start, new) in enumerate(seqs):
+        ids += new
+        positions += range(start, start + len(new))
+        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(new))]
+        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        context_lens.append(start + len(new))
+        query_lens.append(len(new))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    batch = ForwardBatch(positions=as_long(positions), slot_mapping=as_long(slots), block_tables=tables.to(device),
+                         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+                         query_lens=query_lens, max_context_len=max(context_lens),
+                         logits_indices=torch.arange(len(ids), device=device))
+    return as_long(ids), batch
+
+
+def test_capture_sizes_stop_at_the_bound_and_the_token_budget():
+    assert memory.piecewise_sizes(512, 2048) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert memory.piecewise_sizes(512, 100) == [8, 16, 24, 32, 48, 64, 96, 100]
+    assert memory.piecewise_sizes(40, 2048) == [8, 16, 24, 32, 40]
+    assert memory.piecewise_sizes(4, 2048) == [4]
+    assert memory.piecewise_allowance_bytes(art.ModelConfig.__new__(art.ModelConfig), []) == 0
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_mistral", "tiny_qwen3_moe"])
+@torch.inference_mode()
+def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path):
+    """The pieces of a mixed step (a prompt chunk after a cached prefix, a fresh prompt, two decode
+    rows) run in order with each layer's attention between them, padded to a larger size whose
+    padding rows hold an earlier step's tokens: the hidden states and the KV cache of the model's
+    forward, and only the scratch block written besides (qk_norm, a sliding window, MoE layers)."""
+    artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
+    manifest = art.read_manifest(artifact)
+    runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
+                         torch.device("cpu"))
+    assert runner.pieces is None and runner.graphs is None  # never on a CPU
+    runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1, BLOCK_SIZE,
+                                          torch.device("cpu"))
+    runner.model.bind_kv_caches(runner.kv_caches)
+    model = runner.model
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
+    model(*_step([([0, 1], 0, tokens(20)), ([2], 0, tokens(3)), ([3], 0, tokens(9))], "cpu"))  # cached prefixes
+    for k, v in runner.kv_caches:
+        k[6:].fill_(7.0)
+        v[6:].fill_(7.0)
+    input_ids, batch = _step([([0, 1], 20, tokens(7)), ([4, 5], 0, tokens(18)), ([2], 3, [11]), ([3], 9, [12])], "cpu")
+    n = batch.num_tokens  # 27: padded to 32
+    before = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+    eager = model(input_ids, batch)
+    eager_caches = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+    for (k, v), saved in zip(runner.kv_caches, before):
+        k.copy_(saved[0])
+        v.copy_(saved[1])
+
+    pieces = PiecewiseGraphs(model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
+    wide_ids, wide = _step([([0, 1], 0, tokens(16)), ([4, 5], 0, tokens(24))], "cpu")
+    pieces.load(wide_ids, wide)  # an earlier step of 40 tokens leaves real slots in rows 27..39
+    size = pieces.load(input_ids, batch)
+    assert size == 32 and pieces.slot_mapping[n:size].eq(NUM_BLOCKS * BLOCK_SIZE).all()
+    assert pieces.slot_mapping[size] != NUM_BLOCKS * BLOCK_SIZE  # beyond the size: not the step's
+    residual = pieces.piece(0, size, None)
+    for i, layer in enumerate(pieces.layers):
+        layer.attn.attend(pieces.q[:n], batch, out=pieces.attn[:n])
+        residual = pieces.piece(i + 1, size, residual)
+    assert residual is None
+    torch.testing.assert_close(pieces.hidden[:n], eager, atol=2e-5, rtol=2e-5)
+    for cut, full, old in zip([torch.stack([k, v]) for k, v in runner.kv_caches], eager_caches, before):
+        torch.testing.assert_close(cut[:, :6], full[:, :6], atol=2e-5, rtol=2e-5)
+        assert torch.equal(cut[:, 6:NUM_BLOCKS], old[:, 6:NUM_BLOCKS])  # nobody's blocks: untouched
+        assert not torch.equal(cut[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
+
+
+def test_cudagraph_mode_takes_vllms_names_and_refuses_full(tiny_llama, tmp_path):
+    manifest = art.read_manifest(_artifact(tiny_llama, tmp_path / "a"))
+    assert resolve_options(manifest, {}).compilation_config is None
+    options = resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                                "max_cudagraph_capture_size": 64}})
+    assert options.compilation_config == art.CompilationConfig("FULL_DECODE_ONLY", 64)
+    assert not options.compilation_config.has_piecewise and options.compilation_config.has_full_decode
+    with pytest.raises(ConfigError, match="cudagraph_mode FULL: .*FULL_AND_PIECEWISE"):
+        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL"}})
+    with pytest.raises(ConfigError, match="compilation_config.cudagraph_mode"):
+        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "piecewise_please"}})
+    with pytest.raises(ConfigError, match="compilation_config.cudagraph_capture_sizes: unknown key"):
+        resolve_options(manifest, {"compilation_config": {"cudagraph_capture_sizes": [1, 2]}})
+
+
+def test_parallel_artifacts_refuse_piecewise_graphs(tiny_llama, tmp_path):
+    out = tmp_path / "tp"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "float32",
+                            "parallel": {"tensor": 2}, "runtime": {"max_model_len": MAX_MODEL_LEN}}), show_progress=False)
+    manifest = art.read_manifest(out)
+    with pytest.raises(ConfigError, match="PIECEWISE: the ranks of a 2-way artifact capture decode graphs only"):
+        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}})
+    assert resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}})
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------
+
+PROMPTS = ["ROMEO:", "The quick brown fox jumps over the lazy dog, and then", "In the beginning", "A",
+           "What light through yonder window breaks? It is the east", "To be, or not to be"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_tokens_and_logprobs_are_the_same_in_every_graph_mode(tiny_llama, tmp_path, free_gpu):
+    """float32: prefill and mixed steps through the pieces give eager's tokens (a small token budget
+    chunks the long prompts beside running decodes), in every mode."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    artifact = _artifact(tiny_llama, tmp_path / "a")
+    params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True, logprobs=2, prompt_logprobs=1)
+              for i in range(len(PROMPTS))]
+    results = {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"):
+        llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24,
+                  compilation_config={"cudagraph_mode": mode})
+        outputs = llm.generate(PROMPTS, params)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
+        runner = llm.engine.runner
+        assert (runner.pieces is not None) == (mode in ("FULL_AND_PIECEWISE", "PIECEWISE"))
+        assert (runner.graphs is not None) == (mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"))
+        if runner.pieces is not None:
+            assert runner.pieces.num_replays >= 2 and runner.pieces.sizes == [8, 16, 24]
+        llm.close()
+        del llm, runner
+        gc.collect()
+    eager = results.pop("NONE")
+    for mode, result in results.items():
+        assert [tokens for tokens, _ in result] == [tokens for tokens, _ in eager], mode
+        assert [lp for _, lp in result] == pytest.approx([lp for _, lp in eager], abs=1e-3), mode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_w4a16_prefill_through_the_pieces_matches_eager(ref_model_dir, tmp_path, free_gpu):
+    """bf16 W4A16 (the Gluon/Triton GEMMs in the graphs at the padded token counts): the prompt's
+    logprobs within bf16 rounding of eager's, and the first greedy tokens the same."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    artifact = _artifact(ref_model_dir, tmp_path / "w4", dtype="bfloat16", method="rtn", bits=4, group_size=128)
+    prompt = {"prompt_token_ids": list(range(40, 140))}  # 100 tokens: the pieces of 128
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
+    runs = {}
+    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+        llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, compilation_config={"cudagraph_mode": mode})
+        (output,) = llm.generate([prompt], params)
+        runs[mode] = ([next(iter(p.values())).logprob for p in output.prompt_logprobs[1:]], output.outputs[0].token_ids)
+        if mode != "NONE":
+            assert llm.engine.runner.pieces.num_replays >= 1
+        llm.close()
+        del llm
+        gc.collect()
+    assert runs["FULL_AND_PIECEWISE"][0] == pytest.approx(runs["NONE"][0], abs=0.05)
+    assert runs["FULL_AND_PIECEWISE"][1][:2] == runs["NONE"][1][:2]
