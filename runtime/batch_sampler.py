@@ -14,9 +14,10 @@ logits of its rows ([n, vocab]) and a device tensor of their row ids: no per-row
 device->host synchronisation, and the sampled tokens update the counts on the device, so a step
 can be sampled before the previous step's tokens reach the host (overlapped scheduling).
 
-Order (vLLM's): logits processors -> logit_bias, allowed_token_ids -> min_tokens (stop ids masked)
+Order (vLLM v1's): logits processors -> logit_bias, allowed_token_ids -> min_tokens (stop ids masked)
 -> repetition / frequency / presence penalties -> greedy rows: argmax; other rows: temperature ->
-top_k -> top_p -> min_p -> softmax -> exponential race.
+min_p -> top_k -> top_p -> softmax -> exponential race (v1 applies min_p, an argmax-invariant
+processor, before top-k/top-p; v0 after: with top_p set too the kept tokens differ).
 
 NOTE (no token allowed): constraints can leave a row nothing to sample (a grammar that is complete
 while min_tokens still bans its stop tokens, allowed ids the grammar or bad words all refuse). Such
@@ -373,16 +374,16 @@ class BatchSampler:
         logits -= self._column("presence_penalty", rows).unsqueeze(1) * (counts > 0).float()
 
     def _race(self, logits: Tensor, rows: Tensor) -> Tensor:
-        """Temperature, top-k/top-p, min-p, softmax, then the exponential race. [n] token ids."""
+        """Temperature, min-p, top-k/top-p, softmax, then the exponential race. [n] token ids."""
         summary = self._summary
         logits.div_(self._column("temperature", rows).unsqueeze(1))
+        if summary["min_p"]:
+            _apply_min_p(logits, self._column("min_p", rows))
         top_k = self._column("top_k", rows)
         if summary["top_p"]:
             _apply_top_k_top_p(logits, top_k, self._column("top_p", rows))
         elif summary["max_top_k"] > 0:
             _apply_top_k(logits, top_k, summary["max_top_k"])
-        if summary["min_p"]:
-            _apply_min_p(logits, self._column("min_p", rows))
         probs = torch.softmax(logits, dim=-1)  # [n, vocab]
         seeded = row_keys(self._column("seed", rows), self.num_output[rows])
         unseeded = fmix32(rows ^ fmix32_int(self._engine_key ^ self.num_steps))

@@ -3,12 +3,12 @@
 which keeps the same order and math over persistent device tensors.
 
 NOTE (algorithm): the logits of every sampled row are processed together, as a
-`[num_seqs, vocab_size]` tensor, in vLLM's order:
+`[num_seqs, vocab_size]` tensor, in vLLM v1's order:
 
     logits_processors -> logit_bias, allowed_token_ids -> min_tokens (mask stop ids)
     -> repetition / frequency / presence penalties
     -> greedy rows: argmax
-    -> other rows: temperature -> top_k -> top_p -> min_p -> softmax -> sample
+    -> other rows: temperature -> min_p -> top_k -> top_p -> softmax -> sample  (v1: min_p before top-k/top-p)
 
 Python loops only build small per-row tensors (temperatures, bias indices, ...); the vocabulary
 math is batched. `probs_for` gives the distribution each row is sampled from; spec_decode samples
@@ -87,7 +87,7 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top_k, top_p, min_p, then softmax; modifies `logits`. [num_seqs, vocab_size].
+    """Temperature, min_p, top_k, top_p, then softmax (vLLM v1's order); modifies `logits`. [num_seqs, vocab_size].
 
     Greedy rows get temperature 1 here; callers take their argmax instead.
     """
@@ -96,15 +96,15 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         [1.0 if p.is_greedy else p.temperature for p in params], device=device
     )  # [num_seqs]
     logits.div_(temperatures.unsqueeze(1))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)  # [num_seqs]
+        _apply_min_p(logits, min_p)
     top_k = torch.tensor([p.top_k for p in params], device=device)  # [num_seqs]
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], device=device)  # [num_seqs]
         _apply_top_k_top_p(logits, top_k, top_p)
     elif any(p.top_k > 0 for p in params):
         _apply_top_k(logits, top_k, max(p.top_k for p in params))  # no full sort needed
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)  # [num_seqs]
-        _apply_min_p(logits, min_p)
     return torch.softmax(logits, dim=-1)
 
 

@@ -81,6 +81,23 @@ def test_top_k_top_p_min_p_support_sets():
     torch.testing.assert_close(probs, expected)
 
 
+def test_min_p_cuts_before_top_p_as_vllm_v1_does():
+    """vLLM v1 applies min_p (an argmax-invariant logits processor) after the temperature and before
+    top-k/top-p, so top_p's nucleus is taken over what min_p kept: [0.30, 0.25, 0.25, 200 x 0.001]
+    with min_p 0.01 keeps the three (0.375, 0.3125, 0.3125), and top_p 0.6 then the first two (v0's
+    order, top_p first over the full distribution, kept the third as well)."""
+    probs = torch.tensor([0.30, 0.25, 0.25] + [0.001] * 200)
+    logits = torch.log(probs).repeat(2, 1)
+    params = [SamplingParams(top_p=0.6, min_p=0.01), SamplingParams(top_p=0.6, min_p=0.01, top_k=50)]
+    expected = torch.zeros_like(logits)
+    expected[:, :2] = torch.tensor([0.30, 0.25]) / 0.55
+    torch.testing.assert_close(probs_for(logits.clone(), metadata(params)), expected)
+    seen = set()
+    for seed in range(300):  # the batched sampler: only tokens 0 and 1
+        seen.update(batch_sample(logits, [SamplingParams(top_p=0.6, min_p=0.01, seed=seed)] * 2)[0])
+    assert seen == {0, 1}
+
+
 def test_temperature_scales_the_distribution():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     probs = probs_for(logits, metadata([SamplingParams(temperature=0.5)]))
