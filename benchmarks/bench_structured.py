@@ -4,7 +4,7 @@
 
 Free rows generate `max_tokens` tokens (ignore_eos); guided rows stop where the schema's JSON ends (cap 160)
 (every one validated with jsonschema), so throughput is tokens / second of each run. The guided
-runs also count the host time spent filling bitmasks (`fill_bitmask`) per step. Prints one JSON
+runs also count the host time spent filling bitmasks (`fill_bitmasks`) per step. Prints one JSON
 object per configuration.
 """
 
@@ -31,10 +31,10 @@ SCHEMA = {
 
 
 class _FillTimer:
-    """Wraps the engine's fill_bitmask to add up its time (the benchmark's own instrumentation)."""
+    """Wraps the engine's fill_bitmasks to add up its time (the benchmark's own instrumentation)."""
 
     def __init__(self):
-        self.seconds, self.calls, self._fill = 0.0, 0, structured_output.fill_bitmask
+        self.seconds, self.calls, self._fill = 0.0, 0, structured_output.fill_bitmasks
 
     def __call__(self, *args, **kwargs):
         start = time.perf_counter()
@@ -49,7 +49,7 @@ def run(llm: LLM, batch: int, guided: bool, max_tokens: int) -> dict:
     import llmc.runtime.engine as engine_module
 
     timer = _FillTimer()
-    engine_module.fill_bitmask = timer
+    engine_module.fill_bitmasks = timer
     try:
         guide = GuidedDecodingParams(json=SCHEMA) if guided else None
         params = SamplingParams(temperature=1.0, seed=None, max_tokens=160 if guided else max_tokens, ignore_eos=not guided,
@@ -58,7 +58,7 @@ def run(llm: LLM, batch: int, guided: bool, max_tokens: int) -> dict:
         outputs = llm.generate(["ROMEO:"] * batch, params)
         seconds = time.perf_counter() - start
     finally:
-        engine_module.fill_bitmask = structured_output.fill_bitmask
+        engine_module.fill_bitmasks = structured_output.fill_bitmasks
     if guided:
         for output in outputs:
             jsonschema.validate(json.loads(output.outputs[0].text), SCHEMA)

@@ -285,22 +285,24 @@ class BatchSampler:
         return self._int_params[_INT_FIELDS.index(name)][rows]
 
     def sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]] = (),
-               bitmask: Tensor | None = None) -> SampledStep:
+               bitmask: Tensor | None = None, bad_words: Tensor | None = None) -> SampledStep:
         """Sample one token for each of `logits` [n, vocab] (rows: `rows` [n] int64 on the device).
 
         `processors`: (index in the step, row, prompt ids, output ids) of each row with logits
         processors (user callables see its tokens; the caller makes sure they are known).
         `bitmask`: [n, ceil(vocab / 32)] int32 on the device, bit t of row i clear: token t is
-        banned in row i (grammars, bad words; applied first, as vLLM applies its grammar bitmask)."""
+        banned in row i by its grammar (applied first, as vLLM applies its grammar bitmask before
+        the sampler: the reported logprobs see it). `bad_words`: the same for bad words of several
+        tokens, applied after the logprobs are taken, as vLLM v1's sampler applies bad words."""
         if self._is_dirty:
             self._upload()
         self.num_steps += 1
-        if self.is_plain_greedy() and not processors and bitmask is None:
+        if self.is_plain_greedy() and not processors and bitmask is None and bad_words is None:
             # Nothing to process (no bias or banned token either): the argmax is the token. Nothing
             # to record either: a plain greedy row never reads its output count or its token counts
             # (they are set afresh when the row gets new parameters).
             return SampledStep(argmax_rows(logits), None, 0)
-        return self._sample(logits, rows, processors, bitmask)
+        return self._sample(logits, rows, processors, bitmask, bad_words)
 
     def is_plain_greedy(self) -> bool:
         """Every active row takes the argmax of its raw logits: greedy, with nothing that changes
@@ -311,13 +313,15 @@ class BatchSampler:
 
     @torch.inference_mode()
     def _sample(self, logits: Tensor, rows: Tensor, processors: list[tuple[int, int, list[int], list[int]]],
-                bitmask: Tensor | None) -> SampledStep:
+                bitmask: Tensor | None, bad_words: Tensor | None) -> SampledStep:
         summary, n = self._summary, logits.shape[0]
         x = torch.empty(n + 1, self.vocab_size, dtype=torch.float32, device=self.device)  # row n: dummy
         x[:n].copy_(logits)
         if bitmask is not None:
             x[:n].masked_fill_(~unpack_bitmask(bitmask, self.vocab_size), float("-inf"))
         raw_logprobs = torch.log_softmax(x[:n], dim=-1) if summary["num_logprobs"] is not None else None
+        if bad_words is not None:
+            x[:n].masked_fill_(~unpack_bitmask(bad_words, self.vocab_size), float("-inf"))
         self._apply_processors(x, processors)
         row_of = torch.full((self.num_rows,), n, dtype=torch.long, device=self.device)
         row_of[rows] = torch.arange(n, device=self.device)  # sparse entries of absent rows -> dummy row
@@ -326,7 +330,7 @@ class BatchSampler:
         if summary["penalties"]:
             self._apply_penalties(logits_n, rows)
         blocked = None
-        if bitmask is not None or processors or any(t is not None for t in self._sparse_t.values()):
+        if bitmask is not None or bad_words is not None or processors or any(t is not None for t in self._sparse_t.values()):
             blocked = logits_n.amax(dim=-1) == float("-inf")  # [n]: no token allowed
         token_ids = argmax_rows(logits_n)  # [n]
         if not summary["all_greedy"]:

@@ -34,7 +34,7 @@ from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.stats import StatsLogger
-from llmc.runtime.structured_output import GrammarCache, fill_bitmask, sequence_constraints
+from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
 from llmc.runtime.step_inputs import InFlight, PendingTokens
 from llmc.runtime.tokenizer import load_tokenizer
 
@@ -274,12 +274,12 @@ class Engine:
         if self.sampler.has_processors:
             processors = [(i, r.batch_row, r.prompt_token_ids, r.output_token_ids)
                           for i, r in enumerate(sampled_requests) if r.sampling_params.logits_processors]
-        bitmask = None
+        grammar = bad_words = None
         if self.sampler.has_constraints and sampled_requests:  # none when the step is prompt chunks only
             constraints = [self.sequences[r.request_id].constraints for r in sampled_requests]
-            bitmask = to_device(fill_bitmask(constraints, self.sampler.vocab_size, self.grammars.batch_matcher()),
-                                self.device)
-        sampled = self.sampler.sample(step.logits, step.sample_rows, processors, bitmask)
+            masks = fill_bitmasks(constraints, self.sampler.vocab_size, self.grammars.batch_matcher())
+            grammar, bad_words = (None if m is None else to_device(m, self.device) for m in masks)
+        sampled = self.sampler.sample(step.logits, step.sample_rows, processors, grammar, bad_words)
         return InFlight(sampled, HostTokens(sampled, self.device), sampled_requests,
                         {r.request_id: i for i, r in enumerate(sampled_requests)}, step.prompt_logits, num_prefill)
 

@@ -60,8 +60,10 @@ def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[Seque
         output_token_ids=[s.request.output_token_ids for s in states],
         eos_token_ids=engine.eos_token_ids,
     )
-    mask_verify_rows(logits, states, drafts)  # bad words, and grammars walking the drafts
-    output = sample_with_drafts(logits, metadata, drafts, engine.spec_generator)
+    # logprobs come from the logits with the grammars' masks only (vLLM v1 bans bad words after them)
+    raw = logits.clone() if any(s.params.logprobs is not None for s in states) else None
+    mask_verify_rows(logits, states, drafts, raw)  # bad words, and grammars walking the drafts
+    output = sample_with_drafts(logits, metadata, drafts, engine.spec_generator, raw)
     engine.spec_stats.record(drafts, output.token_ids, output.no_token_allowed)
     tokens = [state.cut_at_stop_token(t, engine.eos_token_ids) for state, t in zip(states, output.token_ids)]
     for state, new_tokens, new_logprobs in zip(states, tokens, output.logprobs):

@@ -224,9 +224,11 @@ def verify_metadata(metadata: SamplingMetadata,
 
 def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
                        draft_token_ids: list[list[int]],
-                       shared_generator: torch.Generator | None) -> SpeculativeOutput:
+                       shared_generator: torch.Generator | None,
+                       logprob_logits: torch.Tensor | None = None) -> SpeculativeOutput:
     """The engine's one call: `logits` [sum(k_r + 1), vocab_size], request r's k_r + 1 verify
-    rows consecutive and in `metadata`'s order; `metadata` has one row per request."""
+    rows consecutive and in `metadata`'s order; `metadata` has one row per request.
+    `logprob_logits`: the rows the reported logprobs are taken from (default `logits`)."""
     num_rows_per_request = [len(drafts) + 1 for drafts in draft_token_ids]
     if logits.dim() != 2 or logits.shape[0] != sum(num_rows_per_request):
         raise ValueError(f"logits {tuple(logits.shape)} for {sum(num_rows_per_request)} "
@@ -243,7 +245,7 @@ def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
     starts = np.cumsum([0, *num_rows_per_request]).tolist()
     for r, (params, tokens) in enumerate(zip(metadata.params, token_ids)):
         if params.logprobs is not None:
-            rows = logits[starts[r] : starts[r] + len(tokens)]  # [num_emitted, vocab_size]
+            rows = (logits if logprob_logits is None else logprob_logits)[starts[r] : starts[r] + len(tokens)]
             logprobs[r] = compute_prompt_logprobs(rows, tokens, params.logprobs)
     return SpeculativeOutput(token_ids, logprobs, no_token_allowed)
 

@@ -4,7 +4,7 @@ NOTE (library): grammars are compiled and matched by xgrammar (vLLM's default ba
 says why it was picked over llguidance). A `GuidedDecodingParams` names one constraint (a JSON
 schema, any JSON object, a regex, a list of choices or an EBNF grammar); the engine compiles it once
 per (kind, text) in its `GrammarCache` (one per engine, hence per tokenizer) and gives every
-generated sequence its own matcher. Before a step samples, `fill_bitmask` writes the packed int32
+generated sequence its own matcher. Before a step samples, `fill_bitmasks` writes the packed int32
 bitmask of the step's rows ([n, ceil(vocab / 32)], all bits set for unconstrained rows) on the
 host, the matchers of the whole batch filled by xgrammar's thread pool in one call; the batch
 sampler copies it to the device once and masks the logits there. The matcher learns each token
@@ -92,7 +92,7 @@ class GuidedDecodingParams:
             if kind == "regex":
                 return xgr.Grammar.from_regex(self.regex)
             if kind == "choice":
-                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in self.choice))
+                return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice))
             return xgr.Grammar.from_ebnf(self.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             lines = str(e).strip().splitlines() or [type(e).__name__]
@@ -280,19 +280,25 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def fill_bitmask(constraints: list[Constraints | None], vocab_size: int, batch_matcher) -> torch.Tensor:
-    """The packed bitmask [n, ceil(vocab / 32)] int32 (bit t of a row set: token t allowed) of a
-    step's rows; xgrammar fills the grammar rows of the whole batch in one threaded call."""
-    bitmask = torch.full((len(constraints), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+def fill_bitmasks(constraints: list[Constraints | None], vocab_size: int,
+                  batch_matcher) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The packed bitmasks [n, ceil(vocab / 32)] int32 (bit t of a row set: token t allowed) of a
+    step's rows: the grammars' (xgrammar fills the grammar rows of the whole batch in one threaded
+    call) and the bad words'; None where no row has one. Two, because vLLM v1 reports logprobs of
+    the logits with the grammar's mask and without the bad words' (BatchSampler.sample)."""
     grammar_rows = [i for i, c in enumerate(constraints) if c is not None and c.grammar is not None
                     and c.grammar.is_active()]
+    bad_rows = [i for i, c in enumerate(constraints) if c is not None and c.bad_words is not None]
+    grammar = bad_words = None
     if grammar_rows:
+        grammar = torch.full((len(constraints), bitmask_words(vocab_size)), -1, dtype=torch.int32)
         batch_matcher.batch_fill_next_token_bitmask([constraints[i].grammar.matcher for i in grammar_rows],
-                                                    bitmask, grammar_rows)
-    for i, c in enumerate(constraints):
-        if c is not None and c.bad_words is not None:
-            clear_bits(bitmask[i], c.bad_words.banned())
-    return bitmask
+                                                    grammar, grammar_rows)
+    if bad_rows:
+        bad_words = torch.full((len(constraints), bitmask_words(vocab_size)), -1, dtype=torch.int32)
+        for i in bad_rows:
+            clear_bits(bad_words[i], constraints[i].bad_words.banned())
+    return grammar, bad_words
 
 
 def clear_bits(row: torch.Tensor, token_ids: list[int]) -> None:
@@ -312,39 +318,47 @@ def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
 
 
 @torch.inference_mode()
-def mask_verify_rows(logits: Tensor, states, drafts: list[list[int]]) -> None:
+def mask_verify_rows(logits: Tensor, states, drafts: list[list[int]], raw: Tensor | None = None) -> None:
     """n-gram speculation: each sequence's k + 1 verify rows (consecutive in `logits`) get its
-    banned tokens and its constraints (`mask_draft_rows`)."""
+    banned tokens and its constraints (`mask_draft_rows`). `raw`, a copy of `logits` the logprobs
+    are taken from, gets the grammars' masks only (vLLM v1 applies bad words after the logprobs)."""
     start = 0
     for state, state_drafts in zip(states, drafts):
-        rows = logits[start : start + len(state_drafts) + 1]
+        end = start + len(state_drafts) + 1
+        rows = logits[start:end]
         if state.banned_token_ids:
             rows[:, state.banned_token_ids] = float("-inf")
         if state.constraints is not None:
-            mask_draft_rows(rows, state.constraints, state_drafts, logits.shape[1])
-        start += len(state_drafts) + 1
+            mask_draft_rows(rows, state.constraints, state_drafts, logits.shape[1],
+                            None if raw is None else raw[start:end])
+        start = end
 
 
-def mask_draft_rows(logits: Tensor, constraints: Constraints, drafts: list[int], vocab_size: int) -> None:
+def mask_draft_rows(logits: Tensor, constraints: Constraints, drafts: list[int], vocab_size: int,
+                    raw: Tensor | None = None) -> None:
     """n-gram speculation: mask a sequence's k + 1 verify rows, row i as the grammar stands after
     drafts[:i] (the matcher walks the drafts and is rolled back); rows after a draft the grammar
-    refuses are left as they are (that draft is rejected, so they are never sampled)."""
+    refuses are left as they are (that draft is rejected, so they are never sampled). `raw` (the
+    same rows' copy for logprobs) gets the grammar's mask and not the bad words'."""
     rows = len(drafts) + 1
-    bitmask = torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    grammar_bits = torch.full((rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+    bad_bits = grammar_bits.clone()
     grammar = constraints.grammar
     num_accepted = 0
     for i in range(rows):
         if grammar is not None and grammar.is_active():
-            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            grammar.matcher.fill_next_token_bitmask(grammar_bits, i)
         if constraints.bad_words is not None:
-            clear_bits(bitmask[i], constraints.bad_words.banned(drafts[:i]))
+            clear_bits(bad_bits[i], constraints.bad_words.banned(drafts[:i]))
         if i == len(drafts) or (grammar is not None and not _try_accept(grammar, drafts[i])):
             break
         num_accepted += grammar is not None
     if grammar is not None and num_accepted:
         grammar.matcher.rollback(num_accepted)
-    allowed = unpack_bitmask(bitmask.to(logits.device), vocab_size)
-    logits.masked_fill_(~allowed, float("-inf"))
+    allowed = unpack_bitmask(grammar_bits.to(logits.device), vocab_size)
+    for target in (logits,) if raw is None else (logits, raw):
+        target.masked_fill_(~allowed, float("-inf"))
+    logits.masked_fill_(~unpack_bitmask(bad_bits.to(logits.device), vocab_size), float("-inf"))
 
 
 def _try_accept(grammar: GrammarConstraint, token: int) -> bool:

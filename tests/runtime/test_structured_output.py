@@ -74,6 +74,11 @@ def test_json_object_regex_and_choice(ref_llm):
     choices = ["yes", "no", "my lord", "perhaps not"]
     params = SamplingParams(temperature=1.5, max_tokens=20, guided_decoding=GuidedDecodingParams(choice=choices))
     assert set(_texts(ref_llm, params, num=20)) <= set(choices)
+    # characters beyond the BMP, and a quote, a backslash and a newline, come out as written (the
+    # choices' grammar took 😀 as two lone surrogates: six invalid bytes)
+    for choice in ("😀", "日本", 'a "q" \\ b\nc'):
+        params = SamplingParams(temperature=0, max_tokens=24, guided_decoding=GuidedDecodingParams(choice=[choice]))
+        assert _texts(ref_llm, params) == [choice]
 
 
 def test_a_grammar_that_forces_a_token_sequence_yields_exactly_it(tiny_llm):
@@ -135,26 +140,60 @@ def _contains(tokens, word):
     return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
 
 
-def test_bad_words_never_appear(ref_llm):
-    prompt = "ROMEO: I pray you, my lord,"
-    greedy = SamplingParams(temperature=0, max_tokens=40)
-    free = ref_llm.generate([prompt], greedy)[0].outputs[0]
-    tokenizer = ref_llm.tokenizer
-    # A one-token word and a phrase of several tokens that greedy decoding produces, each with as
-    # many tokens after a space as at the start (vLLM bans the spaced form only then).
-    def encode(text):
-        return tokenizer.encode(text, add_special_tokens=False)
+BAD_WORDS_PROMPT = "ROMEO: I pray you, my lord,"
 
+
+def _bad_words_that_bite(llm) -> tuple[str, str, list[list[int]]]:
+    """A one-token word and a phrase of several tokens that greedy decoding of BAD_WORDS_PROMPT
+    produces, each with as many tokens after a space as at the start (vLLM bans the spaced form only
+    then); and the token sequences banning them bans."""
+    free = llm.generate([BAD_WORDS_PROMPT], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    encode = lambda text: llm.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     words = [w for w in free.text.split() if w.isalpha()]
     phrases = [" ".join(pair) for pair in zip(words, words[1:])]
     multi = next(p for p in phrases if len(encode(p)) == len(encode(" " + p)) > 1
                  and _contains(free.token_ids, encode(" " + p)))
     single = next(w for w in words if len(encode(w)) == len(encode(" " + w)) == 1 and w not in multi.split())
-    banned = [encode(p + w) for w in (single, multi) for p in ("", " ")]
+    return single, multi, [encode(p + w) for w in (single, multi) for p in ("", " ")]
+
+
+def test_bad_words_never_appear(ref_llm):
+    prompt = BAD_WORDS_PROMPT
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    single, multi, banned = _bad_words_that_bite(ref_llm)
     for params in (greedy, SamplingParams(temperature=1.0, seed=5, max_tokens=40, n=4)):
         outputs = ref_llm.generate([prompt], params.replace(bad_words=[single, multi]))[0].outputs
         for completion in outputs:
             assert not any(_contains(completion.token_ids, w) for w in banned), completion.text
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_logprobs_under_bad_words_are_the_raw_models(ref_llm, speculative):
+    """vLLM v1 takes logprobs before it bans bad words: a banned token keeps its logprob and rank,
+    for one-token and several-token words, with and without n-gram speculation (the reference: the
+    same tokens' prompt logprobs, which no bad word touches)."""
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    single, multi, _ = _bad_words_that_bite(ref_llm)
+    llm = ref_llm if speculative is None else LLM(ref_llm.engine.artifact_dir, speculative=speculative,
+                                                  disable_log_stats=True)
+    for bad_words in ([single], [multi]):
+        output = llm.generate([BAD_WORDS_PROMPT], greedy.replace(logprobs=2, bad_words=bad_words))[0]
+        completion = output.outputs[0]
+        tokens = output.prompt_token_ids + completion.token_ids
+        reference = ref_llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, prompt_logprobs=2))
+        reference = reference[0].prompt_logprobs
+        banned_best = 0
+        for i, (token, logprobs) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            expected = reference[len(output.prompt_token_ids) + i]
+            assert logprobs[token].logprob == pytest.approx(expected[token].logprob, abs=1e-4)
+            assert logprobs[token].rank == expected[token].rank
+            best = {t for t, lp in expected.items() if lp.rank == 1}
+            assert best <= logprobs.keys() and all(logprobs[t].rank == 1 for t in best)  # even when banned
+            banned_best += token not in best
+        assert banned_best >= 1, bad_words  # the word bit: a sampled token was not the model's best
+    if llm is not ref_llm:
+        assert llm.stats()["num_spec_proposed"] > 0
+        llm.close()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
