@@ -84,8 +84,9 @@ def row_keys(seed: Tensor, position: Tensor) -> Tensor:
 
 
 def int64_seed(seed: int) -> int:
-    """A request's seed as the int64 that `row_keys` hashes: its low 63 bits (seeds run up to 2**64)."""
-    return seed & (2**63 - 1)
+    """A request's seed (in [-2**63, 2**64), as torch.Generator.manual_seed takes them) as the int64
+    that `row_keys` hashes: its two's complement, so seeds differ here where they differ mod 2**64."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def exponentials(keys: Tensor, vocab_ids: Tensor) -> Tensor:

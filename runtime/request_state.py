@@ -148,7 +148,8 @@ class RequestGroup:
         wants_ranking = num_sequences > self.params.n and self.params.logprobs is None
         children = []
         for i in range(num_sequences):
-            seed = None if self.params.seed is None else self.params.seed + i
+            # seed + i mod 2**64: the same seed to the sampler (int64_seed), never above 2**64 - 1, never -1 (no seed)
+            seed = None if self.params.seed is None else (self.params.seed + i) % 2**64
             children.append(dataclasses.replace(
                 self.params, n=1, best_of=None, seed=seed, logprobs=0 if wants_ranking else self.params.logprobs,
                 prompt_logprobs=self.params.prompt_logprobs if i == 0 else None,

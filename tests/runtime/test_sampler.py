@@ -98,6 +98,21 @@ def test_min_p_cuts_before_top_p_as_vllm_v1_does():
     assert seen == {0, 1}
 
 
+def test_seeds_that_differ_mod_2_64_sample_differently_and_children_wrap():
+    """Seeds run over [-2**63, 2**64), as torch.Generator.manual_seed takes them: 0 and 2**63 (equal
+    in their low 63 bits) are different seeds, -7 and 2**64 - 7 the same one; the n sequences of
+    seed 2**64 - 1 take 2**64 - 1 and then 0 (seed + i, wrapped), not an error."""
+    from llmc.runtime.request_state import RequestGroup
+
+    def samples(seed):
+        return [batch_sample(random_logits(1, 1000, seed=i), [SamplingParams(seed=seed)])[0][0] for i in range(12)]
+
+    assert samples(0) != samples(2**63) and samples(2**64 - 7) == samples(-7)
+    group = RequestGroup.__new__(RequestGroup)
+    group.params = SamplingParams(seed=2**64 - 1, n=2, temperature=1.0)
+    assert [samples(p.seed) for p in group.child_params()] == [samples(2**64 - 1), samples(0)]
+
+
 def test_temperature_scales_the_distribution():
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     probs = probs_for(logits, metadata([SamplingParams(temperature=0.5)]))
