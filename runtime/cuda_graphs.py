@@ -183,28 +183,32 @@ class CudaGraphs:
 
 @torch.inference_mode()
 def compile_mixed_step(model: DecoderModel, scratch_block: int, block_size: int, max_model_len: int,
-                       device: torch.device) -> None:
-    """Eager forwards of what mixed steps hold, decode rows beside a 2-token prefill, on the scratch
-    block (junk by design), outputs dropped: one for each decode-attention variant an eager step can
+                       device: torch.device, pieces=None, has_decode_graphs: bool = True) -> None:
+    """Forwards of what eager steps hold, on the scratch block (junk by design), outputs dropped:
+    decode rows beside a 2-token prefill, one for each decode-attention variant an eager step can
     launch (kernels.attention.eager_decode_cases: not split; split and merged by a second kernel;
-    split and merged in the decode kernel). The graphs' capture compiles the kernels the graphs
-    hold; these compile those of the eager steps and of the attention between piecewise graphs (the
-    indexed decode attention, the prefill attention on this cache's dtype, the linears at a few
-    generic M) at start, not in the middle of the first requests' steps (0.4-1 s each on an H100,
-    the GPU idle)."""
+    split and merged in the decode kernel); without decode graphs (cudagraph_mode PIECEWISE), also
+    those rows alone, eagerly and through `pieces` (runtime/piecewise_graphs.py). The graphs' capture
+    compiles the kernels the graphs hold; these compile those of the eager steps and of the attention
+    between piecewise graphs (the indexed decode attention, the prefill attention on this cache's
+    dtype, the linears at a few generic M) at start, not in the middle of the first requests' steps
+    (0.4-1 s each on an H100, the GPU idle)."""
     slot = scratch_block * block_size
     for rows, max_context_len in eager_decode_cases(model.layout.num_kv_heads, max_model_len, device_num_sms(device)):
-        batch = ForwardBatch(
-            positions=torch.tensor([0] * rows + [0, 1], device=device),
-            slot_mapping=torch.tensor([slot] * rows + [slot + 1, slot + 2], device=device),
-            block_tables=torch.full((rows + 1, 1), scratch_block, dtype=torch.int32, device=device),
-            context_lens=torch.tensor([1] * rows + [2], dtype=torch.int32, device=device),
-            query_lens=[1] * rows + [2],
-            max_context_len=max_context_len,
-            logits_indices=torch.tensor([rows - 1, rows + 1], device=device),
-        )
-        hidden = model(torch.zeros(rows + 2, dtype=torch.long, device=device), batch)
-        model.compute_logits(hidden[batch.logits_indices])
+        for prefill in ([0, 1], []) if not has_decode_graphs else ([0, 1],):
+            batch = ForwardBatch(
+                positions=torch.tensor([0] * rows + prefill, device=device),
+                slot_mapping=torch.tensor([slot] * rows + [slot + 1 + p for p in prefill], device=device),
+                block_tables=torch.full((rows + (1 if prefill else 0), 1), scratch_block, dtype=torch.int32,
+                                        device=device),
+                context_lens=torch.tensor([1] * rows + ([2] if prefill else []), dtype=torch.int32, device=device),
+                query_lens=[1] * rows + ([2] if prefill else []),
+                max_context_len=max_context_len,
+                logits_indices=torch.tensor([rows - 1] + ([rows + 1] if prefill else []), device=device),
+            )
+            input_ids = torch.zeros(rows + len(prefill), dtype=torch.long, device=device)
+            for forward in (model,) if pieces is None or prefill else (model, pieces.run):
+                model.compute_logits(forward(input_ids, batch)[batch.logits_indices])
     torch.cuda.synchronize(device)
 
 

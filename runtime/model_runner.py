@@ -63,6 +63,11 @@ class ModelRunner:
                        if can_capture and modes.has_piecewise and self.offloader is None else [])
         if can_capture and modes.has_piecewise and self.offloader is not None:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no piecewise CUDA graphs)")
+        if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
+            # captured, their experts would all run on every token of up to 512 (MoE._forward_every_expert)
+            logger.info("MoE experts in a format the fused kernel does not read: prefill and mixed steps run eagerly "
+                        "(no piecewise CUDA graphs)")
+            piece_sizes = []
         piece_allowance = memory.piecewise_allowance_bytes(self.model.config, piece_sizes)
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
                                                        _num_sms(device)) + piece_allowance
@@ -89,7 +94,8 @@ class ModelRunner:
             self.pieces.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
             self.pieces.log_capture(piece_allowance)
         if graph_sizes or piece_sizes:
-            compile_mixed_step(self.model, self.num_blocks, options.block_size, options.max_model_len, device)
+            compile_mixed_step(self.model, self.num_blocks, options.block_size, options.max_model_len, device,
+                               self.pieces, has_decode_graphs=bool(graph_sizes))
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
                         allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:

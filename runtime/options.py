@@ -55,7 +55,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
                 if f.metadata.get("alias") in overrides}  # vLLM's names too: errors say the name given
     overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)
     overrides = _check_vllm_build_settings(manifest, overrides)
-    _refuse_full_graphs(overrides.get("compilation_config"))
+    overrides = _normalize_cudagraph_mode(overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
@@ -111,11 +111,17 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     return rest
 
 
-def _refuse_full_graphs(compilation_config) -> None:
-    if isinstance(compilation_config, dict) and compilation_config.get("cudagraph_mode") == "FULL":
+def _normalize_cudagraph_mode(overrides: dict) -> dict:
+    """compilation_config.cudagraph_mode in any case, as vLLM upper-cases it; FULL refused by name."""
+    config = overrides.get("compilation_config")
+    if not isinstance(config, dict) or not isinstance(config.get("cudagraph_mode"), str):
+        return overrides
+    mode = config["cudagraph_mode"].upper()
+    if mode == "FULL":
         raise ConfigError("compilation_config.cudagraph_mode FULL: llmc captures whole-forward graphs of decode steps "
                           "only (its prefill attention plans its grid on the host); use FULL_AND_PIECEWISE (the "
                           "default: graphs cut at the attention for the other steps) or FULL_DECODE_ONLY")
+    return {**overrides, "compilation_config": {**config, "cudagraph_mode": mode}}
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

@@ -55,6 +55,11 @@ class PiecewiseGraphs:
         self.scratch_slot = scratch_slot
         self.device = device
         self.num_replays = 0  # steps run through the graphs
+        self._free_before = 0  # free GPU memory before the buffers: what the graphs took is counted from it
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # what the allocator caches now is not the graphs' to count
+            self._free_before = torch.cuda.mem_get_info(device)[0]
         top = self.sizes[-1]
         dtype = getattr(torch, model.config.dtype)
         heads = (self.layers[0].attn.num_heads, self.layers[0].attn.head_dim)
@@ -88,9 +93,7 @@ class PiecewiseGraphs:
     def capture(self, pool=None, stream: torch.cuda.Stream | None = None) -> None:
         """Every size's pieces, largest size first, into `pool` (the decode graphs', when there are
         some) on `stream` (theirs)."""
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # what the allocator caches now is not the graphs' to count
-        free_before, start = torch.cuda.mem_get_info(self.device)[0], time.perf_counter()
+        start = time.perf_counter()
         num_pieces = len(self.layers) + 1
         with torch.cuda.device(self.device):
             stream = stream or torch.cuda.Stream(self.device)
@@ -111,12 +114,17 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
-        self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.graph_bytes = self._free_before - torch.cuda.mem_get_info(self.device)[0]  # buffers, pool, graphs
 
     def log_capture(self, allowance: int) -> None:
         logger.info("CUDA graphs of prefill and mixed steps: %d token counts (%s) x %d pieces in %.1f s, %.1f MiB "
                     "(allowance %.1f MiB)", len(self.sizes), ", ".join(map(str, self.sizes)), len(self.layers) + 1,
                     self.capture_seconds, self.graph_bytes / memory.MIB, allowance / memory.MIB)
+        if self.graph_bytes > allowance:
+            logger.warning("CUDA graphs of prefill and mixed steps took %.1f MiB more than the %.1f MiB held back for "
+                           "them: the engine uses that much beyond gpu_memory_utilization; lower it, or set "
+                           "compilation_config.max_cudagraph_capture_size lower", (self.graph_bytes - allowance) / memory.MIB,
+                           allowance / memory.MIB)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.num_tokens <= self.sizes[-1]

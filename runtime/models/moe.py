@@ -86,11 +86,16 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
-        gate_up, down = self.experts.gate_up, self.experts.down
-        out = None if self.observers else fused_moe_of_formats(x, weights, ids - self.expert_start, gate_up, down)
-        if out is None:
+        fused = None if self.observers else fused_expert_weights(x, self.experts.gate_up, self.experts.down)
+        if fused is not None:
+            out = fused_moe_experts(x, weights, ids - self.expert_start, *fused)
+        else:
             out = self.forward_experts(x, weights, ids)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def runs_fused(self) -> bool:
+        """Whether the fused kernel runs this layer on its weights' device (`fused_expert_weights`)."""
+        return fused_expert_weights(self.gate.weight, self.experts.gate_up, self.experts.down) is not None
 
     def forward_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The plain-torch path: each local expert that received tokens runs on them (a token that
@@ -116,7 +121,8 @@ class MoE(nn.Module):
         for expert in range(self.num_local_experts):
             weight = (weights * (local == expert)).sum(dim=-1, keepdim=True).to(x.dtype)  # [num_tokens, 1]
             h = silu_and_mul(self.experts.gate_up.apply_expert(expert, x))
-            out += self.experts.down.apply_expert(expert, h) * weight
+            y = self.experts.down.apply_expert(expert, h)
+            out += y.masked_fill(weight == 0, 0) * weight  # an unrouted token's inf must not become NaN (inf * 0)
         return out
 
     def _observed(self, name: str, x: Tensor) -> Tensor:
@@ -125,11 +131,13 @@ class MoE(nn.Module):
         return x
 
 
-def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up: ExpertLinears,
-                         down: ExpertLinears) -> Tensor | None:
-    """The fused Triton MoE on CUDA; None where it does not apply (CPUs, a projection whose format
-    the kernel does not read: see `expert_weights`, w8a8-fp8 on a GPU without FP8 tensor cores),
-    for the expert-by-expert path."""
+def fused_expert_weights(x: Tensor, gate_up: ExpertLinears,
+                         down: ExpertLinears) -> tuple[ExpertWeights, ExpertWeights] | None:
+    """gate_up's and down's stacked tensors for the fused Triton MoE on x's device; None where it
+    does not apply (CPUs, a projection whose format the kernel does not read: see `expert_weights`,
+    w8a8-fp8 on a GPU without FP8 tensor cores), for the expert-by-expert path. Captured in a CUDA
+    graph, that path runs every expert on every token (`MoE._forward_every_expert`): the piecewise
+    graphs of steps of up to 512 tokens are not captured for such a model (runtime/model_runner.py)."""
     if not x.is_cuda:
         return None
     w_gate_up, w_down = expert_weights(gate_up), expert_weights(down)
@@ -137,7 +145,7 @@ def fused_moe_of_formats(x: Tensor, weights: Tensor, local_ids: Tensor, gate_up:
         return None
     if "w8a8-fp8" in (w_gate_up.kind, w_down.kind) and not has_fp8_tensor_cores(x):
         return None
-    return fused_moe_experts(x, weights, local_ids, w_gate_up, w_down)
+    return w_gate_up, w_down
 
 
 def expert_weights(linears: ExpertLinears) -> ExpertWeights | None:

@@ -267,7 +267,8 @@ def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind
     """runtime/models/moe.py: on CUDA, dense, gpu-layout w4a16 and w8a8-fp8 experts run the fused
     kernel and agree with the expert-by-expert path through the formats' own kernels; plain-layout
     experts, and every format on a CPU, take the per-expert path (None)."""
-    from llmc.runtime.models.moe import expert_weights, fused_moe_of_formats
+    from llmc.kernels.fused_moe import fused_moe_experts
+    from llmc.runtime.models.moe import expert_weights, fused_expert_weights
 
     gen = torch.Generator().manual_seed(0)
     gate_up = _runtime_experts(kind, 4, 256, 128, device, gen)
@@ -280,10 +281,11 @@ def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind
     x = torch.randn(5, 128, generator=gen).to(device, torch.bfloat16)
     weights, ids = _route(5, 4, 2, gen)
     weights, ids = weights.to(device), ids.to(device)
-    got = fused_moe_of_formats(x, weights, ids, gate_up, down)
+    fused = fused_expert_weights(x, gate_up, down)
     if device == "cpu" or kind == "w4a16-plain":
-        assert got is None
+        assert fused is None
         return
+    got = fused_moe_experts(x, weights, ids, *fused)
     want = torch.zeros_like(x)
     for e in range(4):
         token, slot = torch.where(ids == e)

@@ -184,17 +184,20 @@ def test_greedy_tokens_are_the_same_with_and_without_graphs(artifact, free_gpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_no_triton_kernel_compiles_while_serving(artifact, free_gpu):
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_no_triton_kernel_compiles_while_serving(artifact, free_gpu, mode):
     """Start-up compiles what steps run (the graphs' decode steps, then one eager step per decode
-    variant): mixed steps of new block-table widths, prefill chunks beside decodes, shrinking batches
-    and decode rows split into fewer partitions than the graphs' (contexts up to 121 under a 256-key
-    bound: 2 partitions of 64 keys against 4) compile nothing."""
+    variant; without decode graphs, decode steps through the pieces too): mixed steps of new
+    block-table widths, prefill chunks beside decodes, shrinking batches and decode rows split into
+    fewer partitions than the graphs' (contexts up to 121 under a 256-key bound: 2 partitions of 64
+    keys against 4) compile nothing."""
     from triton import knobs
 
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24, max_model_len=256)
+    llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24, max_model_len=256,
+              compilation_config={"cudagraph_mode": mode})
     compiled = []
     knobs.runtime.jit_post_compile_hook = lambda fn, **kwargs: compiled.append(fn.name)
     try:

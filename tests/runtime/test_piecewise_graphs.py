@@ -56,7 +56,13 @@ def test_capture_sizes_stop_at_the_bound_and_the_token_budget():
     assert memory.piecewise_allowance_bytes(art.ModelConfig.__new__(art.ModelConfig), []) == 0
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "tiny_mistral", "tiny_qwen3_moe"])
+@pytest.fixture(scope="module")
+def windowed_mistral(tmp_path_factory, hf_checkpoint_factory):
+    """A sliding window of 8 (tiny_mistral has none), shorter than the step's contexts (20-27)."""
+    return hf_checkpoint_factory(tmp_path_factory.mktemp("windowed_mistral"), "mistral", sliding_window=8)
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral", "tiny_qwen3_moe"])
 @torch.inference_mode()
 def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path):
     """The pieces of a mixed step (a prompt chunk after a cached prefix, a fresh prompt, two decode
@@ -72,6 +78,8 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
                                           torch.device("cpu"))
     runner.model.bind_kv_caches(runner.kv_caches)
     model = runner.model
+    if family == "windowed_mistral":
+        assert all(layer.attn.sliding_window == 8 for layer in model.layers.values())
     gen = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
     model(*_step([([0, 1], 0, tokens(20)), ([2], 0, tokens(3)), ([3], 0, tokens(9))], "cpu"))  # cached prefixes
@@ -113,7 +121,9 @@ def test_cudagraph_mode_takes_vllms_names_and_refuses_full(tiny_llama, tmp_path)
     assert options.compilation_config == art.CompilationConfig("FULL_DECODE_ONLY", 64)
     assert not options.compilation_config.has_piecewise and options.compilation_config.has_full_decode
     with pytest.raises(ConfigError, match="cudagraph_mode FULL: .*FULL_AND_PIECEWISE"):
-        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL"}})
+        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "full"}})
+    piecewise = resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "piecewise"}})  # vLLM upper-cases
+    assert piecewise.compilation_config.cudagraph_mode == "PIECEWISE"
     with pytest.raises(ConfigError, match="compilation_config.cudagraph_mode"):
         resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "piecewise_please"}})
     with pytest.raises(ConfigError, match="compilation_config.cudagraph_capture_sizes: unknown key"):
@@ -138,17 +148,21 @@ PROMPTS = ["ROMEO:", "The quick brown fox jumps over the lazy dog, and then", "I
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_greedy_tokens_and_logprobs_are_the_same_in_every_graph_mode(tiny_llama, tmp_path, free_gpu):
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3_moe"])
+def test_greedy_tokens_and_logprobs_are_the_same_in_every_graph_mode(family, request, tmp_path, free_gpu):
     """float32: prefill and mixed steps through the pieces give eager's tokens (a small token budget
-    chunks the long prompts beside running decodes), in every mode."""
+    chunks the long prompts beside running decodes), in every mode; MoE layers (the fused kernel)
+    inside the pieces too."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    artifact = _artifact(tiny_llama, tmp_path / "a")
+    artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
     params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True, logprobs=2, prompt_logprobs=1)
               for i in range(len(PROMPTS))]
     results = {}
-    for mode in ("NONE", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY"):
+    modes = ("NONE", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY") if family == "tiny_llama" else \
+        ("NONE", "FULL_AND_PIECEWISE")
+    for mode in modes:
         llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24,
                   compilation_config={"cudagraph_mode": mode})
         outputs = llm.generate(PROMPTS, params)
