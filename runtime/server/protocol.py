@@ -110,7 +110,7 @@ class _SamplingFields(_Body):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -154,6 +154,8 @@ class _SamplingFields(_Body):
 
     def check_stop(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
             raise invalid("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
 
