@@ -29,6 +29,8 @@ Body = TypeVar("Body", bound=BaseModel)
 
 # Sequences that may wait for a seat before new requests get 503 (`llmc run --max-waiting`).
 DEFAULT_MAX_WAITING = 1024
+# How OpenAI's and vLLM's context-length errors begin: clients (LiteLLM, ...) match this prefix, case and all.
+CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
 
 
 def parse_body(model: type[Body], body: object) -> Body:
@@ -188,16 +190,17 @@ class ServingContext:
             num_tokens = min(num_tokens, params.truncate_prompt_tokens)
         if num_tokens >= self.max_model_len:
             raise ApiError(
-                400, f"{param}: this model's maximum context length is {self.max_model_len} tokens (prompt + "
-                f"output), but the prompt has {num_tokens} tokens; shorten the prompt",
+                400, f"{CONTEXT_LENGTH_PREFIX} {self.max_model_len} tokens. However, you requested {num_tokens} "
+                f"tokens in the {param}, which leaves no room for the completion. Please reduce the length of the "
+                f"{param}.",
                 param=param, code="context_length_exceeded",
             )
         if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
             raise ApiError(
-                400, f"{max_tokens_param}: this model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} "
-                f"in the completion); lower {max_tokens_param} to at most {self.max_model_len - num_tokens} or "
-                "shorten the prompt",
+                400, f"{CONTEXT_LENGTH_PREFIX} {self.max_model_len} tokens. However, you requested "
+                f"{num_tokens + max_tokens} tokens ({num_tokens} in the {param}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {param} or completion ({max_tokens_param} at most "
+                f"{self.max_model_len - num_tokens} here).",
                 param=max_tokens_param, code="context_length_exceeded",
             )
 
