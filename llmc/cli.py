@@ -400,7 +400,9 @@ def _interactive_chat(llm, params) -> None:
     while True:
         try:
             text = click.prompt("you", prompt_suffix="> ", err=True)
-        except (EOFError, click.Abort):
+        except click.Abort as e:  # end of input ends the chat; Ctrl-C (its context) goes on to main: 130
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise
             break
         if text.strip() in ("/exit", "/quit"):
             break
