@@ -40,6 +40,26 @@ class _JsonObject(click.ParamType):
 JSON_OBJECT = _JsonObject()
 
 
+class _JsonStringList(click.ParamType):
+    """A JSON list of strings, as vLLM's --allowed-origins '["https://a.example"]' takes it."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"not valid JSON ({e}); give a list such as '[\"*\"]'", param, ctx)
+        if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+            self.fail(f"expected a JSON list of strings such as '[\"*\"]', got {value}", param, ctx)
+        return tuple(parsed)
+
+
+JSON_STRING_LIST = _JsonStringList()
+
+
 def runtime_option_flags(fn):
     """One flag per engine option (the recipe's `runtime` names); unset flags keep the artifact's value."""
     hints = typing.get_type_hints(RuntimeDefaults)
@@ -161,6 +181,11 @@ def _finite(param, value: float | None) -> float | None:
               help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="server: render a chat_template sent in a request (Jinja from the client); refused by default, as in vLLM")
+@click.option("--allowed-origins", type=JSON_STRING_LIST, default='["*"]',
+              help="server: CORS origins browsers may call from (JSON list, as vLLM's)")
+@click.option("--allowed-methods", type=JSON_STRING_LIST, default='["*"]', help="server: CORS methods (JSON list)")
+@click.option("--allowed-headers", type=JSON_STRING_LIST, default='["*"]', help="server: CORS headers (JSON list)")
+@click.option("--allow-credentials", is_flag=True, help="server: CORS: let browsers send cookies and credentials")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -180,7 +205,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
         max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
-        tokenizer_pool_size: int, trust_request_chat_template: bool, **options) -> None:
+        tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
+        allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
+        **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -205,14 +232,15 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch)
         return
     if prompt is None and not chat:
-        from llmc.runtime.server.api_server import serve
+        from llmc.runtime.server.api_server import CorsPolicy, serve
 
         factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting,  # statistics lines by the clock (disable_log_stats: none)
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
-              trust_request_chat_template=trust_request_chat_template)
+              trust_request_chat_template=trust_request_chat_template,
+              cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials))
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -235,7 +263,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 # rather than ignored
 _MODE_FLAGS = {
     "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
-               "trust_request_chat_template"),
+               "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
+               "allow_credentials"),
     "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 

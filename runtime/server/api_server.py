@@ -11,6 +11,7 @@ GRACEFUL_SHUTDOWN_S, then aborts them), stops the engine thread and returns norm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import signal
@@ -22,6 +23,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,16 +49,33 @@ MAX_BODY_BYTES = 8 * 2**20
 WATCHDOG_INTERVAL_S = 5.0
 
 
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """The CORS headers browsers get (vLLM's --allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials): by default, as vLLM's, any origin, method and header, without credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
+                           allow_methods=list(self.allowed_methods), allow_headers=list(self.allowed_headers),
+                           allow_credentials=self.allow_credentials)
+
+
 def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
               api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING, log_stats: bool = True,
               tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
               on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None,
-              stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
+              stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy()) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
-    /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine)."""
+    /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine). `cors`: the
+    CORS headers of every response (preflight requests included)."""
     metrics = ServerMetrics(served_model_name)
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
@@ -83,6 +102,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     app = FastAPI(title="llmc", version=llmc.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.state.metrics = metrics
+    cors.add_to(app)
     _add_error_handlers(app)
     app.include_router(_open_routes(ctx, metrics))
     app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(api_key))])
@@ -284,7 +304,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
-          trust_request_chat_template: bool = False) -> None:
+          trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy()) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
@@ -297,7 +317,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
                     log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size,
                     trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
-                    on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
+                    on_fatal=on_startup_failure, cors=cors)  # a dead rank ends the server, and `serve` raises its error
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)

@@ -59,3 +59,58 @@ def test_context_length_errors_read_as_openai_and_vllm_write_them():
     assert error["message"].startswith("This model's maximum context length is 256 tokens. However, you requested "
                                        "300 tokens in the prompt")
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+
+
+def _app_client(**options):
+    """The app without its lifespan (the engine never loads): enough for what does not need it."""
+    from starlette.testclient import TestClient
+
+    from llmc.runtime.server.api_server import build_app
+
+    def no_engine():
+        raise AssertionError("not started")
+
+    return TestClient(build_app(no_engine, "m", log_stats=False, **options))
+
+
+def test_cors_allows_any_origin_by_default_as_vllm():
+    client = _app_client()
+    preflight = client.options("/v1/chat/completions", headers={
+        "Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    reply = client.get("/version", headers={"Origin": "https://ui.example"})
+    assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "*"
+
+
+def test_cors_allowed_origins_limit_them():
+    from llmc.runtime.server.api_server import CorsPolicy
+
+    client = _app_client(cors=CorsPolicy(allowed_origins=("https://ui.example",), allow_credentials=True))
+    reply = client.get("/version", headers={"Origin": "https://ui.example"})
+    assert reply.headers["access-control-allow-origin"] == "https://ui.example"
+    assert reply.headers["access-control-allow-credentials"] == "true"
+    other = client.get("/version", headers={"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+
+
+def test_llmc_run_cors_flags(start_server, server_artifact):
+    import subprocess
+    import sys
+
+    import httpx
+
+    server = start_server("--allowed-origins", '["https://ui.example"]', "--allow-credentials", "--disable-log-stats")
+    reply = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": "https://ui.example"})
+    assert reply.headers["access-control-allow-origin"] == "https://ui.example"
+    assert reply.headers["access-control-allow-credentials"] == "true"
+    assert server.terminate() == 0
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact)]
+    bad = subprocess.run([*command, "--allowed-origins", "https://ui.example"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected a JSON list" not in bad.stderr and "not valid JSON" in bad.stderr
+    bad = subprocess.run([*command, "--allowed-origins", '"*"'], capture_output=True, text=True)
+    assert bad.returncode == 2 and "expected a JSON list of strings" in bad.stderr
+    other_mode = subprocess.run([*command, "--prompt", "x", "--allow-credentials"], capture_output=True, text=True)
+    assert other_mode.returncode == 2 and "--allow-credentials applies to the server" in other_mode.stderr
