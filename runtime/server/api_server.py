@@ -289,7 +289,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code,
+                            headers=error.headers)  # a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:

@@ -96,6 +96,13 @@ def test_cors_allowed_origins_limit_them():
     assert "access-control-allow-origin" not in other.headers
 
 
+def test_405_names_the_allowed_methods():
+    """RFC 9110: a 405 response carries Allow (as FastAPI's own handler, and so vLLM, send it)."""
+    reply = _app_client().delete("/version")
+    assert reply.status_code == 405 and reply.headers["allow"] == "GET"
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_llmc_run_cors_flags(start_server, server_artifact):
     import subprocess
     import sys
