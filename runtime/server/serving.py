@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -169,9 +170,7 @@ class ServingContext:
         except ApiError:
             raise
         except RequestError as e:  # its message starts with the field it is about, else it is about messages
-            param = next((name for name in ("chat_template_kwargs", "continue_final_message")
-                          if str(e).startswith(name)), "messages")
-            raise ApiError(400, str(e) if param != "messages" else f"messages: {e}", param=param) from None
+            raise _chat_template_error(str(e)) from None
         except Exception as e:  # noqa: BLE001 - jinja raises its own types for a bad conversation
             raise invalid("messages", f"the chat template cannot render them: {e}") from None
 
@@ -226,6 +225,19 @@ class ServingContext:
                 raise as_api_error(e) from None
             raise
         return generation
+
+
+def _chat_template_error(message: str) -> ApiError:
+    """The 400 for apply_chat_template's RequestError: the field its message starts with is the param
+    ("messages.1.tool_calls.0.function.arguments: ..."); a message naming none is about the messages."""
+    match = _TEMPLATE_FIELD.match(message)
+    if match is None:
+        return invalid("messages", message)
+    return ApiError(400, message, param=match.group(1))
+
+
+# The request fields apply_chat_template's messages start with (then ":" or a space).
+_TEMPLATE_FIELD = re.compile(r"(messages\.[\w.]+|chat_template_kwargs|continue_final_message)\b")
 
 
 class Generation:

@@ -121,3 +121,27 @@ def test_llmc_run_cors_flags(start_server, server_artifact):
     assert bad.returncode == 2 and "expected a JSON list of strings" in bad.stderr
     other_mode = subprocess.run([*command, "--prompt", "x", "--allow-credentials"], capture_output=True, text=True)
     assert other_mode.returncode == 2 and "--allow-credentials applies to the server" in other_mode.stderr
+
+
+def _post(server, path: str, body: dict):
+    import httpx
+
+    from tests.runtime.server.conftest import API_KEY
+
+    return httpx.post(f"{server.base_url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    # the chat API's name for the logprobs count is top_logprobs (-1: the whole vocabulary, over max_logprobs)
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+    ("/v1/completions", {"prompt": [""], "add_special_tokens": False}, "prompt"),  # no token to start from
+])
+def test_errors_name_the_request_field(server, path, body, param):
+    reply = _post(server, path, {"model": "ref-llama", "max_tokens": 2, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param
+    assert error["message"].startswith(f"{param}") and not error["message"].startswith(f"{param}: {param}")
