@@ -245,6 +245,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
     SamplingParams(**given)  # a bad flag fails here, before the model loads
+    _check_prompt_text(prompt)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
     overrides.setdefault("disable_log_stats", True)
@@ -283,6 +284,14 @@ def _refuse_flags_of_other_modes(mode: str) -> None:
             body = " in each request's body" if mode != "prompt" and owner == "prompt" else ""
             raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
                                    + (f" (set it{body} instead)" if body else ""))
+
+
+def _check_prompt_text(prompt: str | None) -> None:
+    """--prompt's bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes."""
+    from llmc.runtime.tokenizer import is_unicode_text
+
+    if prompt is not None and not is_unicode_text(prompt):
+        raise RequestError("--prompt: not Unicode text (it holds bytes that are not UTF-8); give the text in UTF-8")
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:

@@ -67,3 +67,14 @@ def test_ctrl_c_at_the_chat_prompt_exits_130(server_artifact):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_prompt_that_is_not_utf8_is_one_error_line(server_artifact):
+    """As --chat says of such a turn: bytes that are not UTF-8 are not text, said in one line, not a traceback."""
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact), "--device",
+               "cpu", "--max-tokens", "2"]
+    result = subprocess.run([*map(os.fsencode, command), b"--prompt", b"\xff\xfe bad"], capture_output=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err and "llmc: error: --prompt: not Unicode text" in err
