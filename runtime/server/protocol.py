@@ -129,7 +129,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)  # -1: max_model_len (vLLM's)
     allowed_token_ids: list[Int64] | None = Field(default=None, max_length=MAX_TOKEN_ID_LIST)
     prompt_logprobs: Int64 | None = None
     bad_words: list[str] | None = None

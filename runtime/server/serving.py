@@ -60,6 +60,8 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
     request.check(engine.max_logprobs if engine is not None else MAX_LOGPROBS)
     ctx.check_model(request.model)
     ctx.require_ready()
+    if request.truncate_prompt_tokens == -1:  # vLLM's: keep the last max_model_len tokens
+        request.truncate_prompt_tokens = ctx.max_model_len
     try:
         return request, request.to_sampling_params(ctx.engine_loop.engine.default_sampling_fields)
     except RequestError as e:

@@ -145,3 +145,24 @@ def test_errors_name_the_request_field(server, path, body, param):
     error = reply.json()["error"]
     assert error["param"] == param
     assert error["message"].startswith(f"{param}") and not error["message"].startswith(f"{param}: {param}")
+
+
+def test_truncate_prompt_tokens_minus_1_keeps_the_model_s_context(server):
+    """vLLM's -1: truncate to max_model_len (the last 256 tokens here): a prompt that fits is unchanged; one
+    longer is cut to 256 tokens, which leave no room to generate (as in vLLM)."""
+    prompt = [10 + i % 50 for i in range(100)]
+    body = {"model": "ref-llama", "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    plain = _post(server, "/v1/completions", body)
+    truncated = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": -1})
+    assert truncated.status_code == 200, truncated.text
+    assert truncated.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"] == 100
+    assert truncated.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = _post(server, "/v1/chat/completions", {"model": "ref-llama", "messages": CHAT, "max_tokens": 2,
+                                                 "truncate_prompt_tokens": -1})
+    assert chat.status_code == 200, chat.text
+    too_long = _post(server, "/v1/completions", {**body, "prompt": prompt * 3, "truncate_prompt_tokens": -1})
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    assert "you requested 256 tokens in the prompt" in too_long.json()["error"]["message"]
+    for value in (0, -2):
+        reply = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": value})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
