@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
 from llmc.runtime.tokenizer import text_of_parts
@@ -194,7 +194,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=self.logit_bias,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=_clamped(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             guided_decoding=self.guided_decoding(), use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
@@ -213,6 +213,14 @@ class _SamplingFields(_Body):
             return None
         (name, value), = given.items()
         return _guided_params(name, value)
+
+
+def _clamped(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """Biases beyond [-100, 100] clamped to it (OpenAI's range), as vLLM's server does; NaN left to be refused."""
+    if logit_bias is None:
+        return None
+    return {token: value if value != value else min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, value))
+            for token, value in logit_bias.items()}
 
 
 def _check_response_format(response_format: ResponseFormat | None) -> None:

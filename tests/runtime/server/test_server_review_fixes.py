@@ -166,3 +166,19 @@ def test_truncate_prompt_tokens_minus_1_keeps_the_model_s_context(server):
     for value in (0, -2):
         reply = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": value})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_logit_bias_beyond_100_is_clamped_as_vllm_s_server_does():
+    """OpenAI documents biases in [-100, 100]; vLLM's server clamps values beyond it instead of refusing them."""
+    request = _checked(CompletionRequest, {"prompt": "a", "logit_bias": {"5": 500, "6": -1e9, "7": 2.5}})
+    assert request.to_sampling_params({}).logit_bias == {5: 100.0, 6: -100.0, 7: 2.5}
+    chat = _checked(ChatCompletionRequest, {"messages": CHAT, "logit_bias": {"5": -101}})
+    assert chat.to_sampling_params({}).logit_bias == {5: -100.0}
+
+
+def test_logit_bias_beyond_100_forces_or_bans_the_token(server):
+    body = {"model": "ref-llama", "prompt": "The", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    forced = _post(server, "/v1/completions", {**body, "logit_bias": {"1000": 500}})
+    assert forced.status_code == 200, forced.text
+    detokenized = _post(server, "/detokenize", {"tokens": [1000] * 3})
+    assert forced.json()["choices"][0]["text"] == detokenized.json()["prompt"], detokenized.text
