@@ -60,6 +60,23 @@ class _JsonStringList(click.ParamType):
 JSON_STRING_LIST = _JsonStringList()
 
 
+class _OneOrMoreOption(click.Option):
+    """A `multiple` option that also takes several values after one flag, as argparse's nargs="+"
+    (vLLM's `--served-model-name a b`): the values up to the next option."""
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        option = next(parser._long_opt[name] for name in self.opts if name in parser._long_opt)
+        process_one = option.process
+
+        def process(value, state):
+            process_one(value, state)
+            while state.rargs and not state.rargs[0].startswith("-"):
+                process_one(state.rargs.pop(0), state)
+
+        option.process = process
+
+
 def runtime_option_flags(fn):
     """One flag per engine option (the recipe's `runtime` names); unset flags keep the artifact's value."""
     hints = typing.get_type_hints(RuntimeDefaults)
@@ -157,7 +174,9 @@ def _finite(param, value: float | None) -> float | None:
               help="where --input writes one result line per request (JSONL, input order)")
 @click.option("--host", default="127.0.0.1", help="server: address to listen on (0.0.0.0: every interface)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="server: TCP port")
-@click.option("--served-model-name", default=None, help="the model name clients send [default: the artifact directory's name]")
+@click.option("--served-model-name", cls=_OneOrMoreOption, multiple=True,
+              help="the model name(s) clients send, e.g. --served-model-name NAME ALIAS (responses name the one sent; "
+              "logs and metrics the first) [default: the artifact directory's name]")
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="server: require 'Authorization: Bearer KEY' on /v1 (or set LLMC_API_KEY)")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
               help="server: answer 503 (Retry-After) to a request that would leave more sequences than this waiting "
@@ -202,7 +221,7 @@ def _finite(param, value: float | None) -> float | None:
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
-        port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
+        port: int, served_model_name: tuple[str, ...], api_key: str | None, max_waiting: int, shutdown_timeout: float,
         max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
         tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
@@ -222,7 +241,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if launch is not None and launch.node_rank > 0:
         _run_worker_node(artifact, device, overrides, launch)
         return
-    served_model_name = served_model_name or _default_model_name(artifact)
+    served_model_name = list(served_model_name) or [_default_model_name(artifact)]
     _refuse_flags_of_other_modes("server" if prompt is None and not chat and input_path is None and output_path is None
                                  else "batch" if prompt is None and not chat else "prompt")
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
@@ -420,7 +439,7 @@ def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=N
 
 
 def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
-                    output_path: str | None, served_model_name: str, prompt: str | None, chat: bool,
+                    output_path: str | None, served_model_name: list[str], prompt: str | None, chat: bool,
                     launch=None) -> None:
     from llmc.runtime.server.batch import run_batch
 

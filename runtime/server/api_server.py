@@ -35,7 +35,7 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeRequest, openapi_body, parse_json_body)
-from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ServingContext, parse_body
+from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 
@@ -65,7 +65,7 @@ class CorsPolicy:
                            allow_credentials=self.allow_credentials)
 
 
-def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
+def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: ModelNames, *,
               api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING, log_stats: bool = True,
               tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
               on_startup_failure: Callable[[BaseException], None] | None = None,
@@ -76,7 +76,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
     /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine). `cors`: the
     CORS headers of every response (preflight requests included)."""
-    metrics = ServerMetrics(served_model_name)
+    metrics = ServerMetrics(served_model_name if isinstance(served_model_name, str) else served_model_name[0])
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
@@ -168,20 +168,20 @@ def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
 def _api_routes(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         ctx.require_ready()
         # No filesystem path: `root` is the served name (a client has no business with the server's paths).
-        return {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
-                "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
+                "root": name, "parent": None, "max_model_len": ctx.max_model_len}
 
     @router.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+    async def models() -> dict:  # every served name, as vLLM lists them
+        return {"object": "list", "data": [model_card(name) for name in ctx.served_model_names]}
 
     @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
     async def model(model: str) -> dict:
         ctx.check_model(model)
-        return model_card()
+        return model_card(ctx.response_model(model))
 
     @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -302,7 +302,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
 
-def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
+def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: ModelNames, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
           trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy()) -> None:

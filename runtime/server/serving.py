@@ -10,7 +10,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -27,6 +27,8 @@ from llmc.runtime.tokenizer import apply_chat_template
 logger = logging.getLogger("llmc")
 
 Body = TypeVar("Body", bound=BaseModel)
+# The names clients may send as `model` (vLLM's --served-model-name a b): one, or several (the first is the main one).
+ModelNames = str | Sequence[str]
 
 # Sequences that may wait for a seat before new requests get 503 (`llmc run --max-waiting`).
 DEFAULT_MAX_WAITING = 1024
@@ -83,10 +85,11 @@ async def respond(generation: "Generation", reply, is_stream: bool):
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = DEFAULT_MAX_WAITING,
+    def __init__(self, engine_loop: EngineLoop, served_model_name: ModelNames, max_waiting: int | None = DEFAULT_MAX_WAITING,
                  tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False):
         self.engine_loop = engine_loop
-        self.served_model_name = served_model_name
+        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_name = self.served_model_names[0]  # metrics' and logs' name
         self.max_waiting = max_waiting
         # vLLM's --trust-request-chat-template: a request's own chat_template (Jinja the server renders) is
         # refused unless the server was started with it
@@ -105,10 +108,15 @@ class ServingContext:
     # ---- checks ----------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """404 for another model's name; none or "" means the served model (as vLLM reads it)."""
-        if model and model != self.served_model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+        """404 for a name not served; none or "" means the served model (as vLLM reads it)."""
+        if model and model not in self.served_model_names:
+            names = ", ".join(map(repr, self.served_model_names))
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` of a response: the name the request sent (one of the served names), else the first (vLLM's)."""
+        return model or self.served_model_name
 
     def require_ready(self) -> None:
         if not self.engine_loop.is_ready:

@@ -45,7 +45,7 @@ class _ChatReply:
         self.created = int(time.time())
 
     def _header(self, obj: str) -> dict:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.served_model_name}
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.response_model(self.request.model)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         if not self.request.logprobs:

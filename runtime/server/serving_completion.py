@@ -96,7 +96,7 @@ class _Reply:
 
     def _header(self) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.served_model_name}
+                "model": self.ctx.response_model(self.request.model)}
 
     def _prompt_text(self, index: int) -> str:
         prompt = self.prompts[index]

@@ -182,3 +182,24 @@ def test_logit_bias_beyond_100_forces_or_bans_the_token(server):
     assert forced.status_code == 200, forced.text
     detokenized = _post(server, "/detokenize", {"tokens": [1000] * 3})
     assert forced.json()["choices"][0]["text"] == detokenized.json()["prompt"], detokenized.text
+
+
+def test_several_served_model_names(start_server):
+    """vLLM's --served-model-name a b: every name is listed and accepted; a response names the one sent
+    (the first when none is)."""
+    import httpx
+
+    server = start_server("--served-model-name", "main-name", "alias", "--disable-log-stats")
+    assert [card["id"] for card in httpx.get(f"{server.base_url}/v1/models").json()["data"]] == ["main-name", "alias"]
+    assert httpx.get(f"{server.base_url}/v1/models/alias").json()["id"] == "alias"
+    body = {"prompt": "x", "max_tokens": 1}
+    for sent, named in (("alias", "alias"), ("main-name", "main-name"), (None, "main-name")):
+        reply = httpx.post(f"{server.base_url}/v1/completions", json={**body, "model": sent}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["model"] == named, reply.text
+    chat = httpx.post(f"{server.base_url}/v1/chat/completions", json={"model": "alias", "messages": CHAT,
+                                                                      "max_tokens": 1}, timeout=60)
+    assert chat.json()["model"] == "alias"
+    other = httpx.post(f"{server.base_url}/v1/completions", json={**body, "model": "other"})
+    assert other.status_code == 404 and "'main-name', 'alias'" in other.json()["error"]["message"]
+    assert 'model_name="main-name"' in httpx.get(f"{server.base_url}/metrics").text
+    assert server.terminate() == 0
