@@ -161,6 +161,8 @@ class _SamplingFields(_Body):
 
     def check_stream_options(self, max_logprobs: int) -> None:
         self.check_stop()
+        if self.truncate_prompt_tokens == 0:
+            raise invalid("truncate_prompt_tokens", "must be at least 1, or -1 for the model's max_model_len, got 0")
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "only allowed with stream=true")
         if self.stream and self.best_of is not None and self.best_of > self.n:

@@ -166,6 +166,7 @@ def test_truncate_prompt_tokens_minus_1_keeps_the_model_s_context(server):
     for value in (0, -2):
         reply = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": value})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
+        assert "SamplingParams" not in reply.json()["error"]["message"]
 
 
 def test_logit_bias_beyond_100_is_clamped_as_vllm_s_server_does():
