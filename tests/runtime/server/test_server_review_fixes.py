@@ -1,5 +1,6 @@
-"""Fixes of the server and CLI against vLLM's and OpenAI's documented behaviour, without a model
-where the check needs none: stop strings, error params, logit_bias clamping, truncate_prompt_tokens -1."""
+"""The server against vLLM's and OpenAI's documented behaviour (without a model where the check needs
+none): one long stop string, context-length messages, CORS, a 405's Allow, the params errors name,
+truncate_prompt_tokens -1, logit_bias clamping, several served model names."""
 
 from __future__ import annotations
 
