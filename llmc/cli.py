@@ -40,6 +40,43 @@ class _JsonObject(click.ParamType):
 JSON_OBJECT = _JsonObject()
 
 
+class _JsonStringList(click.ParamType):
+    """A JSON list of strings, as vLLM's --allowed-origins '["https://a.example"]' takes it."""
+
+    name = "JSON"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (list, tuple)):
+            return tuple(value)
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            self.fail(f"not valid JSON ({e}); give a list such as '[\"*\"]'", param, ctx)
+        if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+            self.fail(f"expected a JSON list of strings such as '[\"*\"]', got {value}", param, ctx)
+        return tuple(parsed)
+
+
+JSON_STRING_LIST = _JsonStringList()
+
+
+class _OneOrMoreOption(click.Option):
+    """A `multiple` option that also takes several values after one flag, as argparse's nargs="+"
+    (vLLM's `--served-model-name a b`): the values up to the next option."""
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        option = next(parser._long_opt[name] for name in self.opts if name in parser._long_opt)
+        process_one = option.process
+
+        def process(value, state):
+            process_one(value, state)
+            while state.rargs and not state.rargs[0].startswith("-"):
+                process_one(state.rargs.pop(0), state)
+
+        option.process = process
+
+
 def runtime_option_flags(fn):
     """One flag per engine option (the recipe's `runtime` names); unset flags keep the artifact's value."""
     hints = typing.get_type_hints(RuntimeDefaults)
@@ -137,7 +174,9 @@ def _finite(param, value: float | None) -> float | None:
               help="where --input writes one result line per request (JSONL, input order)")
 @click.option("--host", default="127.0.0.1", help="server: address to listen on (0.0.0.0: every interface)")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, help="server: TCP port")
-@click.option("--served-model-name", default=None, help="the model name clients send [default: the artifact directory's name]")
+@click.option("--served-model-name", cls=_OneOrMoreOption, multiple=True,
+              help="the model name(s) clients send, e.g. --served-model-name NAME ALIAS (responses name the one sent; "
+              "logs and metrics the first) [default: the artifact directory's name]")
 @click.option("--api-key", envvar="LLMC_API_KEY", default=None, help="server: require 'Authorization: Bearer KEY' on /v1 (or set LLMC_API_KEY)")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=1024, show_default=True,
               help="server: answer 503 (Retry-After) to a request that would leave more sequences than this waiting "
@@ -161,6 +200,11 @@ def _finite(param, value: float | None) -> float | None:
               help="parallel artifacts: port on node 0 where ranks meet [default: any free port, one host only]")
 @click.option("--trust-request-chat-template", is_flag=True,
               help="server: render a chat_template sent in a request (Jinja from the client); refused by default, as in vLLM")
+@click.option("--allowed-origins", type=JSON_STRING_LIST, default='["*"]',
+              help="server: CORS origins browsers may call from (JSON list, as vLLM's)")
+@click.option("--allowed-methods", type=JSON_STRING_LIST, default='["*"]', help="server: CORS methods (JSON list)")
+@click.option("--allowed-headers", type=JSON_STRING_LIST, default='["*"]', help="server: CORS headers (JSON list)")
+@click.option("--allow-credentials", is_flag=True, help="server: CORS: let browsers send cookies and credentials")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -177,10 +221,12 @@ def _finite(param, value: float | None) -> float | None:
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
-        port: int, served_model_name: str | None, api_key: str | None, max_waiting: int, shutdown_timeout: float,
+        port: int, served_model_name: tuple[str, ...], api_key: str | None, max_waiting: int, shutdown_timeout: float,
         max_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None, sampling_seed: int | None,
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
-        tokenizer_pool_size: int, trust_request_chat_template: bool, **options) -> None:
+        tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
+        allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
+        **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -195,7 +241,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if launch is not None and launch.node_rank > 0:
         _run_worker_node(artifact, device, overrides, launch)
         return
-    served_model_name = served_model_name or _default_model_name(artifact)
+    served_model_name = list(served_model_name) or [_default_model_name(artifact)]
     _refuse_flags_of_other_modes("server" if prompt is None and not chat and input_path is None and output_path is None
                                  else "batch" if prompt is None and not chat else "prompt")
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
@@ -205,18 +251,20 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch)
         return
     if prompt is None and not chat:
-        from llmc.runtime.server.api_server import serve
+        from llmc.runtime.server.api_server import CorsPolicy, serve
 
         factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
                      for i in range(data_parallel)]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting,  # statistics lines by the clock (disable_log_stats: none)
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
-              trust_request_chat_template=trust_request_chat_template)
+              trust_request_chat_template=trust_request_chat_template,
+              cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials))
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
     SamplingParams(**given)  # a bad flag fails here, before the model loads
+    _check_prompt_text(prompt)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
     overrides.setdefault("disable_log_stats", True)
@@ -235,7 +283,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 # rather than ignored
 _MODE_FLAGS = {
     "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
-               "trust_request_chat_template"),
+               "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
+               "allow_credentials"),
     "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 
@@ -254,6 +303,14 @@ def _refuse_flags_of_other_modes(mode: str) -> None:
             body = " in each request's body" if mode != "prompt" and owner == "prompt" else ""
             raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
                                    + (f" (set it{body} instead)" if body else ""))
+
+
+def _check_prompt_text(prompt: str | None) -> None:
+    """--prompt's bytes that are not UTF-8 reach Python as lone surrogates, which no tokenizer takes."""
+    from llmc.runtime.tokenizer import is_unicode_text
+
+    if prompt is not None and not is_unicode_text(prompt):
+        raise RequestError("--prompt: not Unicode text (it holds bytes that are not UTF-8); give the text in UTF-8")
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:
@@ -382,7 +439,7 @@ def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=N
 
 
 def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
-                    output_path: str | None, served_model_name: str, prompt: str | None, chat: bool,
+                    output_path: str | None, served_model_name: list[str], prompt: str | None, chat: bool,
                     launch=None) -> None:
     from llmc.runtime.server.batch import run_batch
 
@@ -400,7 +457,9 @@ def _interactive_chat(llm, params) -> None:
     while True:
         try:
             text = click.prompt("you", prompt_suffix="> ", err=True)
-        except (EOFError, click.Abort):
+        except click.Abort as e:  # end of input ends the chat; Ctrl-C (its context) goes on to main: 130
+            if isinstance(e.__context__, KeyboardInterrupt):
+                raise
             break
         if text.strip() in ("/exit", "/quit"):
             break

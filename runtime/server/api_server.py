@@ -11,6 +11,7 @@ GRACEFUL_SHUTDOWN_S, then aborts them), stops the engine thread and returns norm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import signal
@@ -22,6 +23,7 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +35,7 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeRequest, openapi_body, parse_json_body)
-from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ServingContext, parse_body
+from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 
@@ -47,17 +49,34 @@ MAX_BODY_BYTES = 8 * 2**20
 WATCHDOG_INTERVAL_S = 5.0
 
 
-def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *,
+@dataclasses.dataclass(frozen=True)
+class CorsPolicy:
+    """The CORS headers browsers get (vLLM's --allowed-origins, --allowed-methods, --allowed-headers,
+    --allow-credentials): by default, as vLLM's, any origin, method and header, without credentials."""
+
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def add_to(self, app: FastAPI) -> None:
+        app.add_middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
+                           allow_methods=list(self.allowed_methods), allow_headers=list(self.allowed_headers),
+                           allow_credentials=self.allow_credentials)
+
+
+def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: ModelNames, *,
               api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING, log_stats: bool = True,
               tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
               on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None,
-              stall_timeout_s: float = STALL_TIMEOUT_S) -> FastAPI:
+              stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy()) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
-    /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine)."""
-    metrics = ServerMetrics(served_model_name)
+    /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine). `cors`: the
+    CORS headers of every response (preflight requests included)."""
+    metrics = ServerMetrics(served_model_name if isinstance(served_model_name, str) else served_model_name[0])
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
@@ -83,6 +102,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     app = FastAPI(title="llmc", version=llmc.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     app.state.metrics = metrics
+    cors.add_to(app)
     _add_error_handlers(app)
     app.include_router(_open_routes(ctx, metrics))
     app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(api_key))])
@@ -148,20 +168,20 @@ def _open_routes(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
 def _api_routes(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
 
-    def model_card() -> dict:
+    def model_card(name: str) -> dict:
         ctx.require_ready()
         # No filesystem path: `root` is the served name (a client has no business with the server's paths).
-        return {"id": ctx.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
-                "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.max_model_len}
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
+                "root": name, "parent": None, "max_model_len": ctx.max_model_len}
 
     @router.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+    async def models() -> dict:  # every served name, as vLLM lists them
+        return {"object": "list", "data": [model_card(name) for name in ctx.served_model_names]}
 
     @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
     async def model(model: str) -> dict:
         ctx.check_model(model)
-        return model_card()
+        return model_card(ctx.response_model(model))
 
     @router.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
@@ -269,7 +289,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code)
+        return JSONResponse(error_body(error.status_code, str(error.detail)), status_code=error.status_code,
+                            headers=error.headers)  # a 405's Allow
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -281,10 +302,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
 
-def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: str, *, host: str = "127.0.0.1",
+def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: ModelNames, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
-          trust_request_chat_template: bool = False) -> None:
+          trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy()) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
@@ -297,7 +318,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
                     log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size,
                     trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
-                    on_fatal=on_startup_failure)  # a dead rank ends the server, and `serve` raises its error
+                    on_fatal=on_startup_failure, cors=cors)  # a dead rank ends the server, and `serve` raises its error
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)

@@ -26,7 +26,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.server.engine_loop import EngineLoop
 from llmc.runtime.server.errors import ApiError, as_api_error
 from llmc.runtime.server.protocol import BatchRequestLine, parse_json_body
-from llmc.runtime.server.serving import ServingContext, new_id
+from llmc.runtime.server.serving import ModelNames, ServingContext, new_id
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 
@@ -78,7 +78,7 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
 
 
 def run_batch(engine_factory: Callable[[], object], input_path: str | Path, output_path: str | Path,
-              served_model_name: str, show_progress: bool = True) -> BatchSummary:
+              served_model_name: ModelNames, show_progress: bool = True) -> BatchSummary:
     """Run every request of `input_path` and write the results to `output_path` (atomically)."""
     requests = read_batch_file(input_path)
     output_path = Path(output_path)
@@ -97,7 +97,7 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
     return BatchSummary(len(results), num_failed, output_path)
 
 
-async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: str,
+async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: ModelNames,
                    show_progress: bool) -> list[dict]:
     engine_loop = EngineLoop(engine_factory)
     engine_loop.start()

@@ -102,8 +102,7 @@ def usage_body(num_prompt: int, num_completion: int, num_cached: int) -> dict:
 def prompt_logprobs(tokenizer, output: RequestOutput, num_top: int) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}} holding the `num_top` most likely tokens and the prompt token. `rank` is the
-    place in the whole vocabulary (1 = most likely): known for the top tokens; null for a prompt
-    token outside them (the engine returns its logprob, not its place)."""
+    place in the whole vocabulary (1 = most likely), the prompt token's too: the engine's Logprob.rank."""
     if output.prompt_logprobs is None:
         return None
     entries: list[dict | None] = []
@@ -112,11 +111,17 @@ def prompt_logprobs(tokenizer, output: RequestOutput, num_top: int) -> list[dict
             entries.append(None)
             continue
         ranked = sorted(candidates, key=candidates.get, reverse=True)
-        # k + 1 entries: the last is the prompt token, added after the top k.
-        known = min(num_top, len(ranked))
-        entries.append({str(t): {"logprob": json_logprob(candidates[t]), "rank": i + 1 if i < known else None,
+        entries.append({str(t): {"logprob": json_logprob(candidates[t]), "rank": _rank(candidates[t], i, num_top),
                                  "decoded_token": decode_token(tokenizer, t)} for i, t in enumerate(ranked)})
     return entries
+
+
+def _rank(logprob: float, index: int, num_top: int) -> int | None:
+    """A Logprob's rank; for a plain float, its place among the top `num_top` (None past them: unknown)."""
+    rank = getattr(logprob, "rank", None)
+    if rank is not None:
+        return rank
+    return index + 1 if index < num_top else None
 
 
 class DeltaTracker:

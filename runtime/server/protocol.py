@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
 from llmc.runtime.tokenizer import text_of_parts
@@ -110,7 +110,7 @@ class _SamplingFields(_Body):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
@@ -129,7 +129,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)  # -1: max_model_len (vLLM's)
     allowed_token_ids: list[Int64] | None = Field(default=None, max_length=MAX_TOKEN_ID_LIST)
     prompt_logprobs: Int64 | None = None
     bad_words: list[str] | None = None
@@ -154,11 +154,15 @@ class _SamplingFields(_Body):
 
     def check_stop(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
             raise invalid("stop", f"each stop string may have at most {MAX_STOP_STRING_CHARS} characters")
 
     def check_stream_options(self, max_logprobs: int) -> None:
         self.check_stop()
+        if self.truncate_prompt_tokens == 0:
+            raise invalid("truncate_prompt_tokens", "must be at least 1, or -1 for the model's max_model_len, got 0")
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise invalid("stream_options", "only allowed with stream=true")
         if self.stream and self.best_of is not None and self.best_of > self.n:
@@ -192,7 +196,7 @@ class _SamplingFields(_Body):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=self.logit_bias,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, logit_bias=_clamped(self.logit_bias),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             guided_decoding=self.guided_decoding(), use_beam_search=self.use_beam_search,
             length_penalty=self.length_penalty,
@@ -211,6 +215,14 @@ class _SamplingFields(_Body):
             return None
         (name, value), = given.items()
         return _guided_params(name, value)
+
+
+def _clamped(logit_bias: dict[str, float] | None) -> dict[str, float] | None:
+    """Biases beyond [-100, 100] clamped to it (OpenAI's range), as vLLM's server does; NaN left to be refused."""
+    if logit_bias is None:
+        return None
+    return {token: value if value != value else min(MAX_ABS_LOGIT_BIAS, max(-MAX_ABS_LOGIT_BIAS, value))
+            for token, value in logit_bias.items()}
 
 
 def _check_response_format(response_format: ResponseFormat | None) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -26,9 +27,13 @@ from llmc.runtime.tokenizer import apply_chat_template
 logger = logging.getLogger("llmc")
 
 Body = TypeVar("Body", bound=BaseModel)
+# The names clients may send as `model` (vLLM's --served-model-name a b): one, or several (the first is the main one).
+ModelNames = str | Sequence[str]
 
 # Sequences that may wait for a seat before new requests get 503 (`llmc run --max-waiting`).
 DEFAULT_MAX_WAITING = 1024
+# How OpenAI's and vLLM's context-length errors begin: clients (LiteLLM, ...) match this prefix, case and all.
+CONTEXT_LENGTH_PREFIX = "This model's maximum context length is"
 
 
 def parse_body(model: type[Body], body: object) -> Body:
@@ -57,6 +62,8 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
     request.check(engine.max_logprobs if engine is not None else MAX_LOGPROBS)
     ctx.check_model(request.model)
     ctx.require_ready()
+    if request.truncate_prompt_tokens == -1:  # vLLM's: keep the last max_model_len tokens
+        request.truncate_prompt_tokens = ctx.max_model_len
     try:
         return request, request.to_sampling_params(ctx.engine_loop.engine.default_sampling_fields)
     except RequestError as e:
@@ -78,10 +85,11 @@ async def respond(generation: "Generation", reply, is_stream: bool):
 class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
-    def __init__(self, engine_loop: EngineLoop, served_model_name: str, max_waiting: int | None = DEFAULT_MAX_WAITING,
+    def __init__(self, engine_loop: EngineLoop, served_model_name: ModelNames, max_waiting: int | None = DEFAULT_MAX_WAITING,
                  tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False):
         self.engine_loop = engine_loop
-        self.served_model_name = served_model_name
+        self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.served_model_name = self.served_model_names[0]  # metrics' and logs' name
         self.max_waiting = max_waiting
         # vLLM's --trust-request-chat-template: a request's own chat_template (Jinja the server renders) is
         # refused unless the server was started with it
@@ -100,10 +108,15 @@ class ServingContext:
     # ---- checks ----------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """404 for another model's name; none or "" means the served model (as vLLM reads it)."""
-        if model and model != self.served_model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+        """404 for a name not served; none or "" means the served model (as vLLM reads it)."""
+        if model and model not in self.served_model_names:
+            names = ", ".join(map(repr, self.served_model_names))
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` of a response: the name the request sent (one of the served names), else the first (vLLM's)."""
+        return model or self.served_model_name
 
     def require_ready(self) -> None:
         if not self.engine_loop.is_ready:
@@ -167,9 +180,7 @@ class ServingContext:
         except ApiError:
             raise
         except RequestError as e:  # its message starts with the field it is about, else it is about messages
-            param = next((name for name in ("chat_template_kwargs", "continue_final_message")
-                          if str(e).startswith(name)), "messages")
-            raise ApiError(400, str(e) if param != "messages" else f"messages: {e}", param=param) from None
+            raise _chat_template_error(str(e)) from None
         except Exception as e:  # noqa: BLE001 - jinja raises its own types for a bad conversation
             raise invalid("messages", f"the chat template cannot render them: {e}") from None
 
@@ -188,16 +199,17 @@ class ServingContext:
             num_tokens = min(num_tokens, params.truncate_prompt_tokens)
         if num_tokens >= self.max_model_len:
             raise ApiError(
-                400, f"{param}: this model's maximum context length is {self.max_model_len} tokens (prompt + "
-                f"output), but the prompt has {num_tokens} tokens; shorten the prompt",
+                400, f"{CONTEXT_LENGTH_PREFIX} {self.max_model_len} tokens. However, you requested {num_tokens} "
+                f"tokens in the {param}, which leaves no room for the completion. Please reduce the length of the "
+                f"{param}.",
                 param=param, code="context_length_exceeded",
             )
         if max_tokens is not None and num_tokens + max_tokens > self.max_model_len:
             raise ApiError(
-                400, f"{max_tokens_param}: this model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {num_tokens + max_tokens} tokens ({num_tokens} in the prompt, {max_tokens} "
-                f"in the completion); lower {max_tokens_param} to at most {self.max_model_len - num_tokens} or "
-                "shorten the prompt",
+                400, f"{CONTEXT_LENGTH_PREFIX} {self.max_model_len} tokens. However, you requested "
+                f"{num_tokens + max_tokens} tokens ({num_tokens} in the {param}, {max_tokens} in the completion). "
+                f"Please reduce the length of the {param} or completion ({max_tokens_param} at most "
+                f"{self.max_model_len - num_tokens} here).",
                 param=max_tokens_param, code="context_length_exceeded",
             )
 
@@ -223,6 +235,19 @@ class ServingContext:
                 raise as_api_error(e) from None
             raise
         return generation
+
+
+def _chat_template_error(message: str) -> ApiError:
+    """The 400 for apply_chat_template's RequestError: the field its message starts with is the param
+    ("messages.1.tool_calls.0.function.arguments: ..."); a message naming none is about the messages."""
+    match = _TEMPLATE_FIELD.match(message)
+    if match is None:
+        return invalid("messages", message)
+    return ApiError(400, message, param=match.group(1))
+
+
+# The request fields apply_chat_template's messages start with (then ":" or a space).
+_TEMPLATE_FIELD = re.compile(r"(messages\.[\w.]+|chat_template_kwargs|continue_final_message)\b")
 
 
 class Generation:

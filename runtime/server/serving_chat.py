@@ -21,8 +21,19 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     request_id = new_id("chatcmpl")
-    generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
+    try:
+        generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
+    except ApiError as e:
+        raise _as_chat_error(e) from None
     return await respond(generation, _ChatReply(ctx, request, request_id, len(token_ids)), request.stream)
+
+
+def _as_chat_error(error: ApiError) -> ApiError:
+    """The engine's error about SamplingParams.logprobs is about the chat API's top_logprobs."""
+    if error.param != "logprobs":
+        return error
+    message = error.message.replace("SamplingParams.logprobs", "top_logprobs")
+    return ApiError(error.status_code, message, param="top_logprobs", code=error.code, headers=error.headers)
 
 
 class _ChatReply:
@@ -34,7 +45,7 @@ class _ChatReply:
         self.created = int(time.time())
 
     def _header(self, obj: str) -> dict:
-        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.served_model_name}
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.response_model(self.request.model)}
 
     def _logprobs(self, token_ids: list[int], logprobs: list | None) -> dict | None:
         if not self.request.logprobs:

@@ -57,13 +57,20 @@ async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Pro
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(_Prompt(item, next(encoded)))
+            prompts.append(_Prompt(item, _nonempty(next(encoded), request.add_special_tokens)))
             continue
         if not item:
             raise invalid("prompt", "a token-id prompt must not be empty")
         ctx.check_token_ids(item, "prompt")
         prompts.append(_Prompt(None, list(item)))
     return prompts
+
+
+def _nonempty(token_ids: list[int], add_special_tokens: bool) -> list[int]:
+    if not token_ids:  # "" without the tokenizer's bos
+        hint = "" if add_special_tokens else " (or set add_special_tokens to true)"
+        raise invalid("prompt", f"a text prompt must give at least one token; this one gives none: send some text{hint}")
+    return token_ids
 
 
 def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
@@ -89,7 +96,7 @@ class _Reply:
 
     def _header(self) -> dict:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.served_model_name}
+                "model": self.ctx.response_model(self.request.model)}
 
     def _prompt_text(self, index: int) -> str:
         prompt = self.prompts[index]

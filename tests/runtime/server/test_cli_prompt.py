@@ -44,3 +44,37 @@ def test_interactive_chat_survives_a_turn_it_cannot_take(server_artifact):
         second = llm.chat([{"role": "user", "content": "hello"}, {"role": "assistant", "content": first},
                            {"role": "user", "content": "second"}], greedy)[0].outputs[0].text
     assert result.stdout.decode().split("\n")[:2] == [first, second]
+
+
+def test_ctrl_c_at_the_chat_prompt_exits_130(server_artifact):
+    """As the README says of every command: Ctrl-C exits 128 + SIGINT; only the end of input ends a chat with 0."""
+    import signal
+    import time
+
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact), "--device",
+               "cpu", "--chat"]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        seen = b""
+        deadline = time.monotonic() + 300
+        while b"you> " not in seen:  # the prompt is written once the model has loaded
+            assert time.monotonic() < deadline and process.poll() is None, seen.decode()
+            seen += os.read(process.stderr.fileno(), 4096)
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_prompt_that_is_not_utf8_is_one_error_line(server_artifact):
+    """As --chat says of such a turn: bytes that are not UTF-8 are not text, said in one line, not a traceback."""
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact), "--device",
+               "cpu", "--max-tokens", "2"]
+    result = subprocess.run([*map(os.fsencode, command), b"--prompt", b"\xff\xfe bad"], capture_output=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert "Traceback" not in err and "llmc: error: --prompt: not Unicode text" in err
