@@ -66,7 +66,10 @@ class _OneOrMoreOption(click.Option):
 
     def add_to_parser(self, parser, ctx):
         super().add_to_parser(parser, ctx)
-        option = next(parser._long_opt[name] for name in self.opts if name in parser._long_opt)
+        long_opts = getattr(parser, "_long_opt", {})  # click's parser internals (8.x)
+        option = next((long_opts[name] for name in self.opts if name in long_opts), None)
+        if option is None:  # another click: the flag given once per name still works
+            return
         process_one = option.process
 
         def process(value, state):

@@ -163,8 +163,9 @@ class Engine:
         return params.replace(**whole) if whole else params
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        if params.truncate_prompt_tokens is not None:
-            prompt_token_ids = prompt_token_ids[-params.truncate_prompt_tokens:]
+        if params.truncate_prompt_tokens is not None:  # -1: the model's max_model_len (vLLM's)
+            keep = self.options.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; give at least one token")
         self._check_token_ids(prompt_token_ids, "prompt")

@@ -22,7 +22,7 @@ from llmc.runtime.tokenizer import is_unicode_text
 # distribution that sharp is argmax anyway. The same threshold as vLLM.
 GREEDY_TEMPERATURE_EPS = 1e-5
 # OpenAI's (and vLLM's) range for a logit bias.
-MAX_ABS_LOGIT_BIAS = 100.0
+MAX_ABS_LOGIT_BIAS = 100.0  # the server clamps logit_bias to this, as vLLM's
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 _INT64_MAX = 2**63 - 1
@@ -82,10 +82,11 @@ class SamplingParams:
         detokenize: produce text; False returns token ids only (and forbids `stop`).
         skip_special_tokens: leave special tokens out of the text.
         spaces_between_special_tokens: separate kept special tokens from neighbouring text by
-            one space.
+            one space, with a slow (Python) tokenizer only; a fast tokenizer's text is its own
+            decode of the tokens, which ignores it, as vLLM v1 does (runtime/detokenizer.py).
         logits_processors: callables applied to each row's logits first (see `LogitsProcessor`).
-        truncate_prompt_tokens: keep only the last k prompt tokens.
-        logit_bias: token id -> value added to its logit, in [-100, 100].
+        truncate_prompt_tokens: keep only the last k prompt tokens (-1: the last max_model_len, vLLM's).
+        logit_bias: token id -> value added to its logit (any finite value; the server clamps to [-100, 100], as vLLM's).
         allowed_token_ids: if set, every other token is masked out.
         bad_words: words never generated (vLLM's semantics: a word of several tokens is banned
             at its last token, once the others were just generated).
@@ -213,8 +214,8 @@ class SamplingParams:
             _require(value is None or (_is_int(value) and value >= -1), name,
                      "an integer >= 0, -1 (the whole vocabulary) or None", value)
         value = self.truncate_prompt_tokens
-        _require(value is None or (_is_int(value) and value >= 1), "truncate_prompt_tokens",
-                 "an integer >= 1 or None", value)
+        _require(value is None or (_is_int(value) and (value >= 1 or value == -1)), "truncate_prompt_tokens",
+                 "an integer >= 1, -1 (max_model_len) or None", value)
         if self.seed is not None:
             lo, hi = _SEED_RANGE
             _require(_is_int(self.seed) and lo <= self.seed <= hi, "seed",
@@ -349,10 +350,7 @@ def _logit_bias(bias: Any) -> dict[int, float]:
         # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
         is_id = _is_int(key) or (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit())
         _require(is_id and int(key) >= 0, "logit_bias", "keyed by token ids >= 0", key)
-        value = _as_float(value, "logit_bias")
-        _require(abs(value) <= MAX_ABS_LOGIT_BIAS, "logit_bias",
-                 f"values in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]", value)
-        parsed[int(key)] = value
+        parsed[int(key)] = _as_float(value, "logit_bias")  # any finite value, as vLLM's (its server clamps)
     return parsed
 
 

@@ -58,7 +58,8 @@ def test_vllm_normalizations():
         ("bad_words", ["\ud800"]),  # the tokenizer raised its own TypeError
         ("stop_token_ids", [-1]),
         ("allowed_token_ids", []),
-        ("logit_bias", {5: 150.0}),
+        ("logit_bias", {5: float("inf")}),  # any finite value, as vLLM's SamplingParams (its server clamps to 100)
+        ("truncate_prompt_tokens", -2),  # -1: max_model_len
         ("logit_bias", {"x": 1.0}),
         ("logits_processors", [lambda logits: logits]),
         ("logits_processors", ["not callable"]),
@@ -151,3 +152,22 @@ def test_all_stop_token_ids_and_check_vocab():
         SamplingParams(logit_bias={100: 1.0}).check_vocab(50)
     with pytest.raises(RequestError, match=r"SamplingParams\.allowed_token_ids"):
         SamplingParams(allowed_token_ids=[3, 60]).check_vocab(50)
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(ref_model_dir, tmp_path):
+    """vLLM's -1: the prompt's last max_model_len tokens (then no room is left for output: the
+    context-length error, not a silently dropped first token)."""
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+    from llmc.runtime.llm import LLM
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "runtime": {"max_model_len": 64}}),
+          show_progress=False)
+    with LLM(out, disable_log_stats=True) as llm:
+        prompt = list(range(10, 40))
+        kept = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+        assert kept[0].prompt_token_ids == prompt  # shorter than max_model_len: all kept
+        with pytest.raises(RequestError, match="maximum context length|max_model_len"):
+            llm.generate([{"prompt_token_ids": list(range(10, 110))}],
+                         SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
