@@ -16,7 +16,6 @@ request's consecutive tokens) p50/p90/p99, and the output tokens/s over the run.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import percentiles, random_prompts, warm_up  # noqa: E402
+from bench_e2e import percentiles, random_prompts, release_memory, warm_up  # noqa: E402
 
 from llmc.runtime.llm import LLM  # noqa: E402
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
@@ -92,9 +91,7 @@ def main(argv=None) -> int:
             print(json.dumps(result), flush=True)
             llm.close()
             del llm
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            release_memory(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(report, indent=1))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import json
 import pstats
 import statistics
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_e2e import random_prompts  # noqa: E402
+from bench_e2e import random_prompts, release_memory  # noqa: E402
 from profile_step import busy_us, kernel_events  # noqa: E402
 
 from llmc.runtime.llm import LLM  # noqa: E402
@@ -120,9 +119,7 @@ def main(argv=None) -> int:
                 print(f"    per call {name}: {value}")
         llm.close()
         del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_memory(torch.device(args.device))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1))
