@@ -74,7 +74,12 @@ class _OneOrMoreOption(click.Option):
 
         def process(value, state):
             process_one(value, state)
-            while state.rargs and not state.rargs[0].startswith("-"):
+            run = 0  # the values up to the next option
+            while run < len(state.rargs) and not state.rargs[run].startswith("-"):
+                run += 1
+            if not state.largs:  # ARTIFACT not given yet: the last of them is it (--served-model-name a ART)
+                run -= 1
+            for _ in range(run):
                 process_one(state.rargs.pop(0), state)
 
         option.process = process

@@ -23,6 +23,7 @@ from llmc.runtime.tokenizer import is_unicode_text
 GREEDY_TEMPERATURE_EPS = 1e-5
 # OpenAI's (and vLLM's) range for a logit bias.
 MAX_ABS_LOGIT_BIAS = 100.0  # the server clamps logit_bias to this, as vLLM's
+MAX_SAFE_LOGIT_BIAS = 1e9  # SamplingParams clamps to this: dominates any logit, finite over any temperature
 # torch.Generator.manual_seed accepts seeds in [-2**63, 2**64).
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 _INT64_MAX = 2**63 - 1
@@ -350,7 +351,9 @@ def _logit_bias(bias: Any) -> dict[int, float]:
         # ASCII digits only: str.isdigit() accepts "²", which int() refuses.
         is_id = _is_int(key) or (isinstance(key, str) and key.strip().isascii() and key.strip().isdigit())
         _require(is_id and int(key) >= 0, "logit_bias", "keyed by token ids >= 0", key)
-        parsed[int(key)] = _as_float(value, "logit_bias")  # any finite value, as vLLM's (its server clamps)
+        # any finite value, as vLLM's (its server clamps to 100), held to what float32 logits divided by
+        # a temperature keep finite: beyond 1e9 they overflowed to inf and sampled NaN
+        parsed[int(key)] = max(-MAX_SAFE_LOGIT_BIAS, min(MAX_SAFE_LOGIT_BIAS, _as_float(value, "logit_bias")))
     return parsed
 
 

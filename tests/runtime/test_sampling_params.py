@@ -154,9 +154,11 @@ def test_all_stop_token_ids_and_check_vocab():
         SamplingParams(allowed_token_ids=[3, 60]).check_vocab(50)
 
 
-def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(ref_model_dir, tmp_path):
-    """vLLM's -1: the prompt's last max_model_len tokens (then no room is left for output: the
-    context-length error, not a silently dropped first token)."""
+def test_truncate_prompt_tokens_minus_one_and_huge_logit_biases(ref_model_dir, tmp_path):
+    """vLLM's truncate_prompt_tokens -1: the prompt's last max_model_len tokens (then no room is left
+    for output: the context-length error, not a silently dropped first token). A logit_bias beyond
+    float32's reach (vLLM's SamplingParams takes any value) still forces its token, at any temperature,
+    rather than overflowing to inf and sampling NaN (token 0)."""
     from llmc.compiler.build import build
     from llmc.compiler.recipe import recipe_from_dict
     from llmc.runtime.llm import LLM
@@ -171,3 +173,7 @@ def test_truncate_prompt_tokens_minus_one_keeps_the_last_max_model_len_tokens(re
         with pytest.raises(RequestError, match="maximum context length|max_model_len"):
             llm.generate([{"prompt_token_ids": list(range(10, 110))}],
                          SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+        for bias, temperature in ((1e39, 1.0), (1e38, 0.1), (1e30, 1e-4)):
+            forced = llm.generate([prompt], SamplingParams(max_tokens=3, logit_bias={57: bias}, temperature=temperature,
+                                                           seed=1))
+            assert forced[0].outputs[0].token_ids == [57, 57, 57]

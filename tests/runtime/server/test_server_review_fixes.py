@@ -205,3 +205,20 @@ def test_several_served_model_names(start_server):
     assert other.status_code == 404 and "'main-name', 'alias'" in other.json()["error"]["message"]
     assert 'model_name="main-name"' in httpx.get(f"{server.base_url}/metrics").text
     assert server.terminate() == 0
+
+
+@pytest.mark.parametrize("argv, names, artifact", [
+    (["--served-model-name", "a", "ART"], ("a",), "ART"),
+    (["--served-model-name", "a", "b", "ART", "--port", "9"], ("a", "b"), "ART"),
+    (["--served-model-name=a", "ART"], ("a",), "ART"),
+    (["--served-model-name", "a", "--port", "9", "ART"], ("a",), "ART"),
+    (["ART", "--served-model-name", "a", "b", "--port", "9"], ("a", "b"), "ART"),
+    (["ART", "--served-model-name", "a", "--served-model-name", "b"], ("a", "b"), "ART"),
+])
+def test_served_model_names_before_or_after_the_artifact(argv, names, artifact):
+    """Several names after one flag (vLLM's nargs="+"), and a name given before ARTIFACT leaves it
+    ARTIFACT (it took it as a second name)."""
+    from llmc.cli import cli
+
+    ctx = cli.commands["run"].make_context("run", list(argv))
+    assert ctx.params["served_model_name"] == names and ctx.params["artifact"] == artifact
