@@ -4,7 +4,8 @@
         /tmp/bench/w4a16=w4a16 /tmp/bench/fp8=fp8 --parts decode,throughput,cold --json $OUT/e2e.json
 
 Each ARTIFACT[=LABEL[@KEY=VALUE,...]] is loaded once (with those engine options, e.g.
-`/tmp/bf16=bf16-sync@async_scheduling=false` for the synchronous engine) with `LLM` (decode, then throughput), then closed before its cold
+`/tmp/bf16=bf16-sync@async_scheduling=false` for the synchronous engine; the cold part passes them as
+`llmc run` flags) with `LLM` (decode, then throughput), then closed before its cold
 start. The JSON (and a markdown table, printed and stored under "table") is rewritten after every part,
 so a run cut short keeps what it measured; --budget S skips parts once S seconds have passed.
 
@@ -264,10 +265,18 @@ def bench_throughput(llm: LLM, args, remaining, output_kind: str) -> list[dict]:
 # ---- cold start ----------------------------------------------------------------------------------
 
 
-def cold_start(artifact: Path, device: str, prompt: str, triton_cache: Path, timeout: float) -> dict:
-    """One `llmc run --prompt` process; see the module docstring for what each time means."""
+def cold_start(artifact: Path, device: str, prompt: str, triton_cache: Path, timeout: float,
+               engine_options: dict | None = None) -> dict:
+    """One `llmc run --prompt` process (the artifact's engine options as its flags); see the module
+    docstring for what each time means."""
     command = [sys.executable, "-m", "llmc.cli", "run", str(artifact), "--prompt", prompt, "--max-tokens", "1",
                "--temperature", "0", "--device", device, "--disable-log-stats"]
+    for key, value in (engine_options or {}).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else "--no-" + flag[2:])
+        else:
+            command += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
     env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache), "PYTHONUNBUFFERED": "1"}
     return time_first_output(command, len(prompt.encode()), env, timeout)
 
@@ -312,13 +321,13 @@ def time_first_output(command: list[str], prompt_bytes: int, env: dict, timeout:
             "stderr": [f"{t:8.3f} {line}" for t, line in lines][-12:]}
 
 
-def bench_cold(artifact: Path, args) -> list[dict]:
+def bench_cold(artifact: Path, args, engine_options: dict | None = None) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="triton-cache-") as cache:
         for name in ("empty triton cache", "warm triton cache")[: args.cold_runs]:
             log(f"  cold start, {name}")
             results.append({"triton_cache": name, **cold_start(artifact, args.device, args.cold_prompt, Path(cache),
-                                                               args.cold_timeout)})
+                                                               args.cold_timeout, engine_options)})
             log(f"  -> first token at {results[-1]['first_token_s']} s (exit code {results[-1]['exit_code']})")
     return results
 
@@ -441,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             write_report(args, header, results)
         if "cold" in parts and remaining() > 0:
             log(f"{label}: cold start")
-            run_part("cold", result, lambda: bench_cold(artifact, args))
+            run_part("cold", result, lambda: bench_cold(artifact, args, parse_engine_options(engine_options)))
             write_report(args, header, results)
     print(write_report(args, header, results))
     return 0

@@ -131,6 +131,7 @@ class IncrementalDetokenizer:
         self._deferred: list[int] | None = None
         if params.output_kind is RequestOutputKind.FINAL_ONLY and not params.stop and self._pieces is not None:
             self._deferred = []
+            self._decoder_args = (tokenizer, prompt_token_ids)  # to decode the tokens again (_flush)
 
     @property
     def output_text(self) -> str:
@@ -196,11 +197,20 @@ class IncrementalDetokenizer:
         self.status = status
 
     def _flush(self) -> None:
-        if self._pieces is not None:
-            if self._deferred:
-                self._text += self._pieces.add_many(self._deferred)
-                self._deferred.clear()
+        if self._pieces is None:
+            return
+        if not self._deferred:
             self._text += self._pieces.flush()
+            return
+        text = self._pieces.add_many(self._deferred) + self._pieces.flush()
+        if _REPLACEMENT_CHAR in text:
+            # A byte-fallback decoder (Llama-2, Mistral) decodes a window's byte tokens all or none: one
+            # character cut by max_tokens made every byte-coded character before it U+FFFD. Decoded as
+            # the stream decodes them, token by token, only the cut one is.
+            pieces = _text_decoder(*self._decoder_args, self.params)
+            text = "".join(pieces.add(token_id) for token_id in self._deferred) + pieces.flush()
+        self._text += text
+        self._deferred.clear()
 
     def _match_stop_string(self, num_old_chars: int) -> StopStatus | None:
         """Find a stop string ending in the text added after `num_old_chars`; cut the text there."""

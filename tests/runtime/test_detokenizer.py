@@ -217,6 +217,17 @@ def test_sentencepiece_style_random_sequences_match_decode(sp_tokenizer, seed, k
             assert not any("\ufffd" in delta for delta in deltas)
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_a_character_cut_by_the_length_limit_spoils_only_itself(sp_tokenizer, kind):
+    """Byte-fallback tokens decode a run all or none: cut inside its last character (max_tokens),
+    "猫犬" must keep 猫, as the stream decodes it and DecodeStream does, in a final-only request too
+    (decoded in one window at the end, every byte of the run became U+FFFD)."""
+    _, tok = sp_tokenizer
+    ids = tok.encode("ok 猫犬", add_special_tokens=False)[:-1]  # byte tokens (not in its corpus); the last of 犬 missing
+    detok, _ = stream(tok, ids, open_params(output_kind=kind))
+    assert detok.output_text.startswith("ok 猫") and "猫" in decode_stream(tok, (BOS,), ids, True)
+
+
 def test_stop_string_split_across_tokens_is_caught_and_held_back(tokenizer):
     text = "The answer is 42. THE END of the story"
     ids = tokenizer.encode(text, add_special_tokens=False)
