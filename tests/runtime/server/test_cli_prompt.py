@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_prompt_output_is_clean_text_with_statistics_after_it(server_artifact):
     command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(server_artifact), "--device",
@@ -78,3 +80,22 @@ def test_prompt_that_is_not_utf8_is_one_error_line(server_artifact):
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert "Traceback" not in err and "llmc: error: --prompt: not Unicode text" in err
+
+
+@pytest.mark.parametrize("extra, mode", [([], "FULL_DECODE_ONLY"),
+                                          (["--compilation-config", '{"cudagraph_mode": "PIECEWISE"}'], "PIECEWISE")])
+def test_one_completion_defaults_to_decode_graphs_only(server_artifact, llmc_cli, monkeypatch, extra, mode):
+    """--prompt runs one prefill step: the piecewise graphs' capture (seconds at start) is skipped
+    unless compilation_config asks for it; the engine gets what the flag says."""
+    import llmc.runtime.llm
+
+    seen = {}
+    real = llmc.runtime.llm.LLM
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llmc.runtime.llm, "LLM", recording)
+    code, _ = llmc_cli("run", server_artifact, "--prompt", "ROMEO:", "--max-tokens", "2", "--device", "cpu", *extra)
+    assert code in (0, None) and seen["compilation_config"] == {"cudagraph_mode": mode}
