@@ -36,7 +36,7 @@ from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
 from llmc.runtime.step_inputs import InFlight, PendingTokens
-from llmc.runtime.tokenizer import load_tokenizer
+from llmc.runtime.tokenizer import encode_text, load_tokenizer
 
 logger = logging.getLogger("llmc")
 
@@ -107,7 +107,7 @@ class Engine:
             if prompt is None:
                 raise RequestError("give a prompt or prompt_token_ids")
             try:
-                prompt_token_ids = self.tokenizer.encode(prompt)
+                prompt_token_ids = encode_text(self.tokenizer, prompt, keep=self._prompt_tokens_kept(params))
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         params = self._check_logprob_counts(params)
@@ -162,9 +162,14 @@ class Engine:
             check_beam_width("SamplingParams.n", params.n, self.max_logprobs)
         return params.replace(**whole) if whole else params
 
+    def _prompt_tokens_kept(self, params: SamplingParams) -> int | None:
+        """truncate_prompt_tokens, -1 being the model's max_model_len (vLLM's)."""
+        keep = params.truncate_prompt_tokens
+        return self.options.max_model_len if keep == -1 else keep
+
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        if params.truncate_prompt_tokens is not None:  # -1: the model's max_model_len (vLLM's)
-            keep = self.options.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        keep = self._prompt_tokens_kept(params)
+        if keep is not None:  # a token-id prompt (a text one is cut as it is tokenized: encode_text)
             prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; give at least one token")

@@ -22,7 +22,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.server.protocol import MAX_LOGPROBS
-from llmc.runtime.tokenizer import apply_chat_template
+from llmc.runtime.tokenizer import apply_chat_template, encode_text
 
 logger = logging.getLogger("llmc")
 
@@ -152,15 +152,18 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine_loop.engine.manifest.model.vocab_size
 
-    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+               keep: int | None = None) -> list[int]:
+        """`keep`: truncate_prompt_tokens (tokenizer.encode_text)."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return encode_text(self.tokenizer, text, add_special_tokens, keep)
         except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a text it cannot encode)
             raise invalid(param, f"cannot be tokenized: {type(e).__name__}: {e}") from None
 
-    async def encode_off_loop(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True, param: str = "prompt",
+                              keep: int | None = None) -> list[int]:
         """`encode` on the tokenizer pool (the default thread pool without one)."""
-        return await self._off_loop(self.encode, text, add_special_tokens, param)
+        return await self._off_loop(self.encode, text, add_special_tokens, param, keep)
 
     async def render_chat_off_loop(self, messages: list[dict], options: dict | None = None) -> list[int]:
         """`render_chat` on the tokenizer pool (the default thread pool without one)."""

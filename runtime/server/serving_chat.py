@@ -19,6 +19,8 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
+    if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
+        token_ids = token_ids[-params.truncate_prompt_tokens:]
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     request_id = new_id("chatcmpl")
     try:

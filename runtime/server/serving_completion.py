@@ -34,7 +34,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
                             ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, CompletionRequest, body)
-    prompts = [_truncated(p, params.truncate_prompt_tokens) for p in await _prompts(ctx, request)]
+    prompts = [await _truncated(ctx, request, p, params.truncate_prompt_tokens) for p in await _prompts(ctx, request)]
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
@@ -73,13 +73,16 @@ def _nonempty(token_ids: list[int], add_special_tokens: bool) -> list[int]:
     return token_ids
 
 
-def _truncated(prompt: _Prompt, keep: int | None) -> _Prompt:
-    """The prompt's last `keep` tokens (truncate_prompt_tokens), cut here rather than in the engine so that
-    echo, its logprob tokens and usage all show the prompt the model saw (a cut text prompt echoes its
-    tokens decoded, as vLLM's does)."""
+async def _truncated(ctx: ServingContext, request: CompletionRequest, prompt: _Prompt, keep: int | None) -> _Prompt:
+    """At most `keep` tokens of the prompt (truncate_prompt_tokens), cut here rather than in the engine so
+    that echo, its logprob tokens and usage all show the prompt the model saw (a cut text prompt echoes
+    its tokens decoded, as vLLM's does): a token-id prompt's last `keep`, a text's tokenized again with
+    the tokenizer's truncation, which keeps its BOS (runtime/tokenizer.encode_text)."""
     if keep is None or len(prompt.token_ids) <= keep:
         return prompt
-    return _Prompt(None, prompt.token_ids[-keep:])
+    if prompt.text is None:
+        return _Prompt(None, prompt.token_ids[-keep:])
+    return _Prompt(None, await ctx.encode_off_loop(prompt.text, request.add_special_tokens, "prompt", keep))
 
 
 class _Reply:

@@ -173,6 +173,13 @@ def test_truncate_prompt_tokens_minus_one_and_huge_logit_biases(ref_model_dir, t
         with pytest.raises(RequestError, match="maximum context length|max_model_len"):
             llm.generate([{"prompt_token_ids": list(range(10, 110))}],
                          SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+        # a text prompt keeps its BOS, as the tokenizer's truncation from the left gives it (vLLM's)
+        from transformers import AutoTokenizer
+        reference = AutoTokenizer.from_pretrained(ref_model_dir)
+        reference.truncation_side = "left"
+        cut = llm.generate(["hello world foo bar"], SamplingParams(max_tokens=1, truncate_prompt_tokens=3))
+        assert cut[0].prompt_token_ids == reference.encode("hello world foo bar", truncation=True, max_length=3)
+        assert cut[0].prompt_token_ids[0] == reference.bos_token_id
         for bias, temperature in ((1e39, 1.0), (1e38, 0.1), (1e30, 1e-4)):
             forced = llm.generate([prompt], SamplingParams(max_tokens=3, logit_bias={57: bias}, temperature=temperature,
                                                            seed=1))

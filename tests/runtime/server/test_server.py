@@ -133,10 +133,12 @@ def test_echo_logprobs_score_the_prompt_like_lm_eval(client, scorer, max_tokens)
 
 @pytest.mark.parametrize("as_text", [True, False])
 def test_truncated_prompt_is_what_echo_logprobs_and_usage_show(client, scorer, as_text):
-    """truncate_prompt_tokens keeps the last k prompt tokens; echo shows those tokens decoded, and each
-    logprob entry is labelled with its own token (vLLM cuts the prompt before it is echoed)."""
+    """truncate_prompt_tokens keeps the last k prompt tokens (a text prompt its BOS and its last k - 1, as
+    the tokenizer's truncation from the left gives them to vLLM); echo shows those tokens decoded, and
+    each logprob entry is labelled with its own token (vLLM cuts the prompt before it is echoed)."""
     token_ids = scorer.tokenizer.encode(PROMPT)
-    kept = token_ids[-3:]
+    assert token_ids[0] == scorer.tokenizer.bos_token_id
+    kept = token_ids[:1] + token_ids[-2:] if as_text else token_ids[-3:]
     reply = client.completions.create(model=MODEL, prompt=PROMPT if as_text else token_ids, echo=True, max_tokens=2,
                                       logprobs=0, temperature=0, extra_body={"truncate_prompt_tokens": 3})
     choice, logprobs = reply.choices[0], reply.choices[0].logprobs

@@ -4,6 +4,8 @@ truncate_prompt_tokens -1, logit_bias clamping, several served model names."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmc.runtime.server.errors import ApiError
@@ -168,6 +170,34 @@ def test_truncate_prompt_tokens_minus_1_keeps_the_model_s_context(server):
         reply = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": value})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
         assert "SamplingParams" not in reply.json()["error"]["message"]
+
+
+def test_a_truncated_text_prompt_keeps_its_bos_as_vllm_tokenizes_it(server, ref_model_dir):
+    """vLLM tokenizes a text prompt with truncate_prompt_tokens k by the tokenizer's truncation from the
+    left: the special tokens it adds (BOS) stay, the text's first tokens go; a token-id prompt and a
+    chat's rendered prompt keep their last k (transformers' tokenizer is the reference). The streamed
+    chat's first usage counts the cut prompt."""
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(ref_model_dir)
+    reference.truncation_side = "left"
+    text = "hello world foo bar"
+    expected = reference.encode(text, truncation=True, max_length=3)
+    assert expected[0] == reference.bos_token_id and len(expected) == 3
+    body = {"model": "ref-llama", "prompt": text, "max_tokens": 1, "temperature": 0, "truncate_prompt_tokens": 3,
+            "echo": True, "logprobs": 0}
+    reply = _post(server, "/v1/completions", body).json()
+    assert reply["usage"]["prompt_tokens"] == 3
+    assert reply["choices"][0]["logprobs"]["tokens"][:3] == [reference.decode([t]) for t in expected]
+    ids = reference.encode(text)
+    reply = _post(server, "/v1/completions", {**body, "prompt": ids}).json()
+    assert reply["choices"][0]["logprobs"]["tokens"][:3] == [reference.decode([t]) for t in ids[-3:]]
+    stream = _post(server, "/v1/chat/completions", {"model": "ref-llama", "messages": CHAT, "max_tokens": 2,
+                                                    "truncate_prompt_tokens": 4, "stream": True,
+                                                    "stream_options": {"include_usage": True,
+                                                                       "continuous_usage_stats": True}})
+    chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+    assert {chunk["usage"]["prompt_tokens"] for chunk in chunks if chunk.get("usage")} == {4}
 
 
 def test_logit_bias_beyond_100_is_clamped_as_vllm_s_server_does():
