@@ -20,6 +20,8 @@ rows do. Non-beam requests take none of these paths.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from llmc.errors import RequestError
@@ -32,7 +34,12 @@ from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 def beam_score(tokens: list[int], cum_logprob: float, eos_token_ids: list[int], length_penalty: float) -> float:
     """vLLM's beam score; `tokens` holds the prompt and the generated tokens."""
     length = len(tokens) - (1 if tokens and tokens[-1] in eos_token_ids else 0)
-    return cum_logprob / (length ** length_penalty)
+    try:
+        return cum_logprob / (length ** length_penalty)
+    except (OverflowError, ZeroDivisionError):  # length ** penalty beyond a float (|penalty| in the hundreds): its limit
+        if cum_logprob == 0.0:
+            return 0.0
+        return -math.inf if length_penalty < 0 else -0.0
 
 
 def check_beam_width(name: str, width: int, max_logprobs: int) -> None:

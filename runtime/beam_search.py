@@ -94,7 +94,10 @@ def beam_search_by_requests(llm, prompts: list[list[int]], params: BeamSearchPar
     step_params = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature,
                                  ignore_eos=params.ignore_eos, detokenize=False)
     for _ in range(params.max_tokens):
-        flat = [(i, beam) for i, beams in enumerate(live) for beam in beams if len(beam.tokens) < max_len]
+        for i, beams in enumerate(live):  # a beam at max_model_len ends by length, as in the engine's search
+            done[i] += [beam for beam in beams if len(beam.tokens) >= max_len]
+            live[i] = [beam for beam in beams if len(beam.tokens) < max_len]
+        flat = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not flat:
             break
         outputs = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in flat], step_params)
@@ -111,7 +114,7 @@ def beam_search_by_requests(llm, prompts: list[list[int]], params: BeamSearchPar
         live = [sorted(c, key=score, reverse=True)[: params.beam_width] for c in candidates]
     results = []
     for i, prompt in enumerate(prompts):
-        for beam in live[i]:
+        for beam in live[i] + done[i]:
             beam.finish_reason = beam.finish_reason or "length"
         best = sorted(done[i] + live[i], key=score, reverse=True)[: params.beam_width]
         for beam in best:

@@ -171,3 +171,28 @@ def test_beam_searches_of_different_widths_share_a_step(tiny_vocab, hf_logits):
         assert [list(prompt) + list(c.token_ids) for c in output.outputs] == [tokens for tokens, _ in expected]
         for completion, (_, cum) in zip(output.outputs, expected):
             assert math.isclose(completion.cumulative_logprob, cum, abs_tol=1e-4)
+
+
+def test_both_searches_end_a_beam_at_max_model_len_beside_others_and_take_any_length_penalty(tiny_vocab):
+    """A prompt whose beams reach max_model_len (64) ends them by length while another prompt's beams go
+    on, in the engine's search and in the fallback (beam_search_by_requests, which dropped them when
+    batched); a length_penalty whose length ** penalty leaves float range scores by its limit instead of
+    failing the request (vLLM's expression overflows)."""
+    from llmc.runtime.beam_group import beam_score
+
+    _, artifact = tiny_vocab
+    long = [0] + [2 + i % 13 for i in range(59)]  # 60 tokens: 4 to go
+    params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    with LLM(artifact, disable_log_stats=True) as llm:
+        engine = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": long}], params)
+        fallback = beam_search_by_requests(llm, [PROMPTS[0], long], params)
+        for outputs in (engine, fallback):
+            assert [len(o.sequences) for o in outputs] == [2, 2]
+            assert all(len(s.tokens) == 64 and s.finish_reason == "length" for s in outputs[1].sequences)
+            assert all(len(s.tokens) == len(PROMPTS[0]) + 8 for s in outputs[0].sequences)
+        assert [s.tokens for s in fallback[1].sequences] == [s.tokens for s in engine[1].sequences]
+        for penalty in (1e308, 1000.0, -1000.0):
+            outputs = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}],
+                                      BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=penalty))
+            assert len(outputs[0].sequences) == 2
+    assert beam_score([1] * 8, -3.0, [], 1e308) == 0.0 and beam_score([1] * 8, -3.0, [], -1000.0) == -math.inf
