@@ -276,8 +276,13 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
     overrides.setdefault("disable_log_stats", True)
-    if prompt is not None:  # one completion: one prefill step, where the piecewise graphs' capture costs seconds
-        overrides.setdefault("compilation_config", {"cudagraph_mode": "FULL_DECODE_ONLY"})
+    if prompt is not None and "compilation_config" not in overrides:
+        # one completion: one prefill step, where the piecewise graphs' capture costs seconds (unless the
+        # artifact's recipe set compilation_config itself)
+        from llmc.runtime.artifact import read_manifest
+
+        if read_manifest(Path(artifact)).runtime.compilation_config is None:
+            overrides["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
         # flags left out take the model's generation-config defaults (generation_config auto), as a server
         # request does; without them, 256 tokens

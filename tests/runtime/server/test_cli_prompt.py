@@ -99,3 +99,26 @@ def test_one_completion_defaults_to_decode_graphs_only(server_artifact, llmc_cli
     monkeypatch.setattr(llmc.runtime.llm, "LLM", recording)
     code, _ = llmc_cli("run", server_artifact, "--prompt", "ROMEO:", "--max-tokens", "2", "--device", "cpu", *extra)
     assert code in (0, None) and seen["compilation_config"] == {"cudagraph_mode": mode}
+
+
+def test_one_completion_keeps_the_recipe_s_own_graph_mode(ref_model_dir, tmp_path, llmc_cli, monkeypatch):
+    """An artifact whose recipe set compilation_config keeps it: the --prompt default does not replace it."""
+    import llmc.runtime.llm
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "runtime": {
+        "max_model_len": 64, "compilation_config": {"cudagraph_mode": "PIECEWISE"}}}), show_progress=False)
+    seen = {}
+    real = llmc.runtime.llm.LLM
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        llm = real(*args, **kwargs)
+        seen["mode"] = llm.engine.options.compilation_config.cudagraph_mode
+        return llm
+
+    monkeypatch.setattr(llmc.runtime.llm, "LLM", recording)
+    code, _ = llmc_cli("run", out, "--prompt", "ROMEO:", "--max-tokens", "2", "--device", "cpu")
+    assert code in (0, None) and "compilation_config" not in seen and seen["mode"] == "PIECEWISE"
