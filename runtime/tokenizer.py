@@ -22,17 +22,24 @@ def load_tokenizer(path: Path):
     # The engine measures prompts against max_model_len and says so in one line; transformers' own warning
     # about model_max_length ("Token indices sequence length is longer than ...") would be a second one.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
-    tokenizer.truncation_side = "left"  # truncate_prompt_tokens keeps a text's last tokens (encode_text)
     return tokenizer
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True, keep: int | None = None) -> list[int]:
     """`text`'s token ids; with `keep` (truncate_prompt_tokens), at most that many, as vLLM tokenizes a
-    truncated text prompt: the tokenizer's truncation from the left, which keeps the special tokens it
-    adds (a BOS) and drops the text's first tokens. A token-id prompt keeps its last `keep` ids."""
-    if keep is None:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)
+    truncated text prompt (the tokenizer's truncation from the left): the special tokens the tokenizer
+    adds (a BOS) stay, the text's first tokens go. Done here, not by the tokenizer's own truncation,
+    which would set it on the tokenizer that the server's threads share."""
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if keep is None or len(ids) <= keep:
+        return ids
+    content = tokenizer.encode(text, add_special_tokens=False) if add_special_tokens else ids
+    num_added = len(ids) - len(content)
+    start = next((p for p in range(num_added + 1) if ids[p:p + len(content)] == content), None)
+    if start is None:  # the specials do not wrap the text's tokens: its last `keep` tokens
+        return ids[-keep:]
+    prefix, suffix = ids[:start], ids[start + len(content):]
+    return prefix + (content[len(content) - (keep - num_added):] if keep > num_added else []) + suffix
 
 
 def _verify(path: Path) -> None:
