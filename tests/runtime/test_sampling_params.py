@@ -184,3 +184,22 @@ def test_truncate_prompt_tokens_minus_one_and_huge_logit_biases(ref_model_dir, t
             forced = llm.generate([prompt], SamplingParams(max_tokens=3, logit_bias={57: bias}, temperature=temperature,
                                                            seed=1))
             assert forced[0].outputs[0].token_ids == [57, 57, 57]
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_text_truncation_is_transformers_left_truncation_without_touching_the_tokenizer(ref_model_dir,
+                                                                                        add_special_tokens):
+    """runtime/tokenizer.encode_text: what transformers' truncation from the left gives (vLLM's way of
+    cutting a text prompt), for every k, and the shared tokenizer's truncation state left as it was."""
+    from transformers import AutoTokenizer
+
+    from llmc.runtime.tokenizer import encode_text
+
+    ours, reference = AutoTokenizer.from_pretrained(ref_model_dir), AutoTokenizer.from_pretrained(ref_model_dir)
+    reference.truncation_side = "left"
+    before = ours.backend_tokenizer.truncation
+    for text in ("hello world foo bar", "a", "ROMEO: I pray you, my lord, hear me speak"):
+        for keep in range(1, 14):
+            expected = reference.encode(text, add_special_tokens=add_special_tokens, truncation=True, max_length=keep)
+            assert encode_text(ours, text, add_special_tokens, keep) == expected, (text, keep)
+    assert ours.backend_tokenizer.truncation == before
