@@ -77,12 +77,26 @@ class _OneOrMoreOption(click.Option):
             run = 0  # the values up to the next option
             while run < len(state.rargs) and not state.rargs[run].startswith("-"):
                 run += 1
-            if not state.largs:  # ARTIFACT not given yet: the last of them is it (--served-model-name a ART)
-                run -= 1
+            if not state.largs and not _positional_after(parser, state.rargs[run:]):
+                run -= 1  # ARTIFACT not given yet, nor later: the last of them is it (--served-model-name a ART)
             for _ in range(run):
                 process_one(state.rargs.pop(0), state)
 
         option.process = process
+
+
+def _positional_after(parser, rargs: list[str]) -> bool:
+    """Whether a bare value (ARTIFACT) comes among `rargs`, the options' own values skipped."""
+    i = 0
+    while i < len(rargs):
+        arg = rargs[i]
+        if arg == "--":
+            return i + 1 < len(rargs)
+        if not arg.startswith("-"):
+            return True
+        option = parser._long_opt.get(arg) or parser._short_opt.get(arg)  # "--port=9": one word, no value after
+        i += 2 if option is not None and option.takes_value else 1
+    return False
 
 
 def runtime_option_flags(fn):

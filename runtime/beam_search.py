@@ -88,6 +88,8 @@ def beam_search_by_requests(llm, prompts: list[list[int]], params: BeamSearchPar
     engine = llm.engine
     check_beam_width("beam_width", params.beam_width, engine.max_logprobs)  # its requests ask 2 x width logprobs
     eos, max_len = engine.eos_token_ids, engine.options.max_model_len
+    for prompt in prompts:  # as the engine's search refuses it (Engine._check_prompt), before any round
+        engine._check_prompt(list(prompt), SamplingParams())
     score = lambda beam: beam_score(beam.tokens, beam.cum_logprob, eos, params.length_penalty)  # noqa: E731
     live = [[BeamSearchSequence(list(p))] for p in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]

@@ -191,6 +191,10 @@ def test_both_searches_end_a_beam_at_max_model_len_beside_others_and_take_any_le
             assert all(len(s.tokens) == 64 and s.finish_reason == "length" for s in outputs[1].sequences)
             assert all(len(s.tokens) == len(PROMPTS[0]) + 8 for s in outputs[0].sequences)
         assert [s.tokens for s in fallback[1].sequences] == [s.tokens for s in engine[1].sequences]
+        too_long = [0] + [2 + i % 13 for i in range(63)]  # 64 tokens: max_model_len, no room
+        for search in (llm.beam_search, lambda prompts, p: beam_search_by_requests(llm, prompts, p)):
+            with pytest.raises(RequestError, match="max_model_len"):
+                search([{"prompt_token_ids": too_long}] if search is llm.beam_search else [too_long], params)
         for penalty in (1e308, 1000.0, -1000.0):
             outputs = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}],
                                       BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=penalty))

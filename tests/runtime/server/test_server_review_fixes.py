@@ -244,6 +244,10 @@ def test_several_served_model_names(start_server):
     (["--served-model-name", "a", "--port", "9", "ART"], ("a",), "ART"),
     (["ART", "--served-model-name", "a", "b", "--port", "9"], ("a", "b"), "ART"),
     (["ART", "--served-model-name", "a", "--served-model-name", "b"], ("a", "b"), "ART"),
+    (["--served-model-name", "a", "b", "--port", "8000", "ART"], ("a", "b"), "ART"),
+    (["--served-model-name", "a", "b", "--chat", "ART"], ("a", "b"), "ART"),
+    (["--served-model-name", "a", "b", "--port=8000", "ART"], ("a", "b"), "ART"),
+    (["--served-model-name", "a", "b", "--", "ART"], ("a", "b"), "ART"),
 ])
 def test_served_model_names_before_or_after_the_artifact(argv, names, artifact):
     """Several names after one flag (vLLM's nargs="+"), and a name given before ARTIFACT leaves it
