@@ -143,7 +143,14 @@ def _check(recipe: Recipe) -> None:
 
 
 def _check_runtime_target(recipe: Recipe) -> None:
-    """The memory knobs of the torch runtime have no meaning for an ONNX model (float32 KV per sequence slot)."""
+    """Runtime settings the target cannot run, refused at build time rather than on every start: the
+    memory knobs of the torch runtime have no meaning for an ONNX model (float32 KV per sequence slot),
+    and multi-step decoding runs on onnx-cpu only, without speculation."""
+    from llmc.runtime.options import multi_step_problem
+
+    problem = multi_step_problem(recipe.runtime, recipe.target.device == "onnx-cpu")
+    if problem is not None:
+        raise RecipeError(f"runtime.{problem}")
     if recipe.target.device != "onnx-cpu":
         return
     if recipe.runtime.kv_cache_dtype != "auto":

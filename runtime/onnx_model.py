@@ -75,6 +75,7 @@ def onnx_options(manifest: art.Manifest, options: art.RuntimeDefaults, overrides
         if overrides.get("enable_prefix_caching"):
             raise ConfigError("enable_prefix_caching: an ONNX artifact keeps each sequence's KV in its own slot and "
                               "cannot share prefixes; drop the option (or set it false)")
+        logger.info("enable_prefix_caching: off (an ONNX artifact keeps each sequence's KV in its own slot)")
         options = dataclasses.replace(options, enable_prefix_caching=False)
     rows = manifest.target.get("onnx", {}).get("max_positions", manifest.model.max_position_embeddings)
     if options.max_model_len > rows:

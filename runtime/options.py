@@ -97,7 +97,11 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     if "dtype" in rest:  # vLLM's names and its "half" / "float" spellings
         dtype = rest.pop("dtype")
         named = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(dtype, dtype)
-        if named not in ("auto", manifest.model.dtype):
+        if is_onnx(manifest):
+            if named not in ("auto", "float32"):
+                raise ConfigError(f"dtype {dtype!r}: an ONNX artifact computes in float32 whatever the recipe's dtype; "
+                                  "use dtype float32 or auto, or drop it")
+        elif named not in ("auto", manifest.model.dtype):
             raise ConfigError(f"dtype {dtype!r}: this artifact holds {manifest.model.dtype} weights (the recipe's dtype); "
                               f"build it again with dtype: {named}, or drop dtype")
     if "data_parallel_size" in rest and rest.pop("data_parallel_size") != 1:
@@ -125,13 +129,20 @@ def _normalize_cudagraph_mode(overrides: dict) -> dict:
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:
+    problem = multi_step_problem(options, is_onnx(manifest))
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def multi_step_problem(options: art.RuntimeDefaults, onnx: bool) -> str | None:
+    """What is wrong with num_scheduler_steps > 1 in these options (the build checks a recipe's too)."""
     steps = options.num_scheduler_steps
-    if not is_onnx(manifest):
-        raise ConfigError(f"num_scheduler_steps {steps}: multi-step decoding runs on onnx-cpu artifacts only (the torch "
-                          "runtime overlaps steps instead: async_scheduling); use num_scheduler_steps 1")
-    if options.speculative is not None:
-        raise ConfigError(f"num_scheduler_steps {steps} cannot be combined with speculative decoding; "
-                          "drop one of them")
+    if steps > 1 and not onnx:
+        return (f"num_scheduler_steps {steps}: multi-step decoding runs on onnx-cpu artifacts only (the torch "
+                "runtime overlaps steps instead: async_scheduling); use num_scheduler_steps 1")
+    if steps > 1 and options.speculative is not None:
+        return f"num_scheduler_steps {steps} cannot be combined with speculative decoding; drop one of them"
+    return None
 
 
 def _check_onnx_memory_knobs(options: art.RuntimeDefaults) -> None:

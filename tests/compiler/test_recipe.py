@@ -45,6 +45,10 @@ def test_defaults():
         ({"model": MODEL, "runtime": [1, 2]}, ["runtime", "mapping"]),
         ({"dtype": "float32"}, ["model", "required"]),
         ({"model": MODEL, "quantization": {"method": "gptq"}}, ["calibration.data", "gptq"]),
+        # settings the artifact could never start with are refused at build time
+        ({"model": MODEL, "runtime": {"num_scheduler_steps": 4}}, ["runtime.num_scheduler_steps 4", "onnx-cpu"]),
+        ({"model": MODEL, "target": {"device": "onnx-cpu"}, "runtime": {"num_scheduler_steps": 4, "speculative": {
+            "method": "ngram", "num_speculative_tokens": 3}}}, ["runtime.num_scheduler_steps 4", "speculative"]),
     ],
 )
 def test_each_mistake_is_one_line_naming_the_key(data, words):

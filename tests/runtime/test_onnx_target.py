@@ -22,6 +22,7 @@ from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime import onnx_runner
 from llmc.runtime.llm import LLM
+from llmc.runtime.options import resolve_options
 from llmc.runtime.sampling_params import SamplingParams
 
 PROMPTS = [
@@ -216,6 +217,12 @@ def test_options_the_slots_cannot_hold_are_refused(tiny_llama, onnx_artifact):
         LLM(artifact, device="cpu", cpu_kv_cache_gib=0.1 / 1024 / 1024)
     llm = LLM(artifact, device="cpu", cpu_kv_cache_gib=0.5 / 1024)  # the default max_num_seqs is fitted
     assert llm.engine.options.max_num_seqs == 4 and not llm.engine.options.enable_prefix_caching
+    # the graph computes in float32, whatever the recipe's dtype: vLLM's dtype names it, or auto
+    manifest = art.read_manifest(artifact)
+    for dtype in ("float32", "float", "auto"):
+        resolve_options(manifest, {"dtype": dtype})
+    with pytest.raises(ConfigError, match="dtype 'bfloat16': an ONNX artifact computes in float32"):
+        resolve_options(manifest, {"dtype": "bfloat16"})
 
 
 def test_missing_onnxruntime_is_one_line(tiny_llama, onnx_artifact, monkeypatch):
