@@ -245,6 +245,11 @@ class RuntimeDefaults:
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 
 
+    @property
+    def graph_modes(self) -> CompilationConfig:
+        """compilation_config, or its defaults where the artifact and the caller set none."""
+        return self.compilation_config or CompilationConfig()
+
 @dataclass(frozen=True)
 class Plan:
     """Decisions made ahead of time for the runtime: graph buckets, the memory estimate, and which

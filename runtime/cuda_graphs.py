@@ -21,8 +21,8 @@ dropped.
 
 Only steps whose every sequence computes one token (ForwardBatch.is_decode: no prefill chunk of
 more than one token, no draft tokens) and that fit the largest graph are replayed; other steps replay
-the piecewise graphs (runtime/piecewise_graphs.py) or run eagerly. `enforce_eager`, a CPU device, or no Triton turn graphs off. A tensor/pipeline-parallel
-rank captures its stage's part of the forward (collectives included) with this same class, in
+the piecewise graphs (runtime/piecewise_graphs.py) or run eagerly. `enforce_eager`, a CPU device, or
+no Triton turn graphs off. A tensor/pipeline-parallel rank captures its stage's part of the forward (collectives included) with this same class, in
 lockstep with the other ranks (runtime/parallel/shard_runner.py).
 """
 

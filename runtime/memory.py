@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llmc.kernels.attention import decode_split
-from llmc.runtime.artifact import (CompilationConfig, ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
+from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
                                    rank_weights_path, read_safetensors_header)
 from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
@@ -120,6 +120,16 @@ def piecewise_sizes(max_capture_size: int, max_num_batched_tokens: int) -> list[
     return sorted({size for size in PIECEWISE_CAPTURE_SIZES if size < top} | {top})
 
 
+def planned_piece_sizes(runtime: RuntimeDefaults) -> list[int]:
+    """The token counts one rank with these options captures piecewise graphs for, where it captures
+    graphs at all; none with enforce_eager, a cudagraph_mode without them, or cpu_offload_gb (its
+    copies hang on the layers' forward hooks, which the pieces do not call)."""
+    modes = runtime.graph_modes
+    if runtime.enforce_eager or not modes.has_piecewise or runtime.cpu_offload_gb:
+        return []
+    return piecewise_sizes(modes.max_cudagraph_capture_size, runtime.max_num_batched_tokens)
+
+
 def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> int:
     """What the cut graphs may take: the static buffers (ids, positions and slots, q and the
     attention's output, the hidden states), the pool's intermediates of one step of the largest size
@@ -185,15 +195,14 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
     """The estimate of every rank: its weights, and KV for its heads of its layers. The rank with the
     fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks are planned
     without graphs; one rank with runtime.compilation_config's (runtime/model_runner.py)."""
-    modes = runtime.compilation_config or CompilationConfig()
-    graphs = not runtime.enforce_eager and parallel.world_size == 1 and modes.cudagraph_mode != "NONE"
-    piece_sizes = (piecewise_sizes(modes.max_cudagraph_capture_size, runtime.max_num_batched_tokens)
-                   if graphs and modes.has_piecewise and not runtime.cpu_offload_gb else [])
+    one_rank = parallel.world_size == 1
+    decode_graphs = one_rank and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
+    piece_sizes = planned_piece_sizes(runtime) if one_rank else []
     return [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
-            runtime.max_num_seqs, runtime.max_model_len, use_graphs=graphs and modes.has_full_decode,
+            runtime.max_num_seqs, runtime.max_model_len, use_graphs=decode_graphs,
             piece_sizes=piece_sizes,
         )
         for layout in all_rank_layouts(model, parallel)

@@ -54,13 +54,11 @@ class ModelRunner:
             logger.info("%s", self.offloader.describe())
         layout = whole_model_layout(manifest.model)
         self.kv_config = kv_cache_config(manifest, options, compute_dtype(manifest, device))
-        modes = options.compilation_config or art.CompilationConfig()
-        can_capture = can_use_graphs(device, options.enforce_eager or modes.cudagraph_mode == "NONE")
+        modes = options.graph_modes
+        can_capture = can_use_graphs(device, options.enforce_eager)
         graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
                        if can_capture and modes.has_full_decode else [])
-        # the pieces call no layer's forward, whose hooks stream offloaded weights in
-        piece_sizes = (memory.piecewise_sizes(modes.max_cudagraph_capture_size, options.max_num_batched_tokens)
-                       if can_capture and modes.has_piecewise and self.offloader is None else [])
+        piece_sizes = memory.planned_piece_sizes(options) if can_capture else []
         if can_capture and modes.has_piecewise and self.offloader is not None:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no piecewise CUDA graphs)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):

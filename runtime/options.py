@@ -71,8 +71,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         )
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
-    if options.compilation_config is not None and options.compilation_config.cudagraph_mode == "PIECEWISE" \
-            and manifest.parallel.world_size > 1:
+    if options.graph_modes.cudagraph_mode == "PIECEWISE" and manifest.parallel.world_size > 1:
         raise ConfigError(f"compilation_config.cudagraph_mode PIECEWISE: the ranks of a {manifest.parallel.world_size}-way "
                           "artifact capture decode graphs only, and run other steps eagerly; use FULL_DECODE_ONLY "
                           "(what FULL_AND_PIECEWISE gives them) or NONE")

@@ -44,6 +44,7 @@ from llmc.runtime.models.decoder import DecoderModel
 
 logger = logging.getLogger("llmc")
 
+
 class PiecewiseGraphs:
     """The cut graphs of one single-rank model runner, and their replay."""
 

@@ -70,8 +70,9 @@ class ShardRunner:
         self.model = build_model(artifact_dir, manifest, device, options.max_model_len, layout, groups.tp)
         kv_config = kv_cache_config(manifest, options, self.dtype, log=layout.rank == 0)
         # every rank captures or none does (Triton could be missing on one host)
-        modes = options.compilation_config or art.CompilationConfig()  # PIECEWISE is refused for parallel artifacts
-        can_capture = groups.min_over_ranks(int(can_use_graphs(device, options.enforce_eager or not modes.has_full_decode)))
+        # decode graphs only (PIECEWISE is refused for parallel artifacts: runtime/options.py)
+        can_capture = groups.min_over_ranks(int(can_use_graphs(device, options.enforce_eager
+                                                               or not options.graph_modes.has_full_decode)))
         graph_sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs) if can_capture else []
         graph_allowance = memory.graph_allowance_bytes(manifest.model, graph_sizes, options.max_model_len,
                                                        device_num_sms(device) if device.type == "cuda" else memory.DEFAULT_NUM_SMS)
