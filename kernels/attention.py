@@ -28,6 +28,8 @@ write), which is also the kernels' test oracle.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -45,7 +47,47 @@ MAX_PARTITIONS = 64  # partitions shrink below PARTITION_SIZE only while max_con
 # calls) the kernel's own merge was as fast or faster at every batch: 5% at 1 and 4 sequences, 0.3-1.4%
 # at 2, 14-18% at 8 and 16 (benchmarks/RESULTS.md).
 MERGE_IN_KERNEL_MIN_PAIRS = 1
+PREFILL_BLOCK_ROWS = 64  # prefill kernel: (query, head) rows per program (attention_triton)
 FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass
+class PrefillIndex:
+    """Every sequence of a step sent to the prefill kernel from device tensors alone, in a grid that
+    the buffers' sizes fix: what a CUDA graph of a mixed step holds (runtime/mixed_graphs.py), where
+    query_lens cannot plan the grid on the host. Decode rows are sequences of one query here.
+
+    Sequence `pad_seq` (the last entry of query_lens and first_rows, with context_lens 0) is the
+    padding sequence: the blocks a step does not use point at it, and its programs read nothing and
+    write nothing. context_lens must have pad_seq + 1 entries; out's rows that no block covers (a
+    padded step's padding rows) keep what they held."""
+
+    query_lens: Tensor  # [pad_seq + 1] int32: tokens computed this step, per sequence
+    first_rows: Tensor  # [pad_seq + 1] int32: each sequence's first query row
+    block_seqs: Tensor  # [num_blocks] int32: the sequence of each program's block of queries
+    block_starts: Tensor  # [num_blocks] int32: its first query, counted within the sequence
+    queries_per_block: int
+    out: Tensor  # [>= num_tokens, num_heads, head_dim]: the attention's output buffer
+
+    @property
+    def pad_seq(self) -> int:
+        return self.query_lens.shape[0] - 1
+
+
+def prefill_queries_per_block(group: int) -> int:
+    """Queries per program of the prefill kernel for `group` query heads per KV head."""
+    return max(PREFILL_BLOCK_ROWS, 1 << (group - 1).bit_length()) // group
+
+
+def prefill_blocks(query_lens: list[int], queries_per_block: int) -> list[tuple[int, int]]:
+    """(sequence, first query) of each program of the prefill kernel over these sequences."""
+    return [(seq, start) for seq, n in enumerate(query_lens) for start in range(0, n, queries_per_block)]
+
+
+def max_prefill_blocks(num_tokens: int, num_seqs: int, queries_per_block: int) -> int:
+    """The most blocks prefill_blocks gives for at most num_tokens tokens in at most num_seqs
+    sequences: sum(ceil(n_i / q)) < sum(n_i) / q + num_seqs."""
+    return num_tokens // queries_per_block + min(num_seqs, num_tokens)
 
 
 def is_fp8(t: Tensor) -> bool:
@@ -124,13 +166,13 @@ def rotate_write_and_attend(
     q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor, v_cache: Tensor,
     slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
-    v_scale: float = 1.0, index_cache: dict | None = None,
+    v_scale: float = 1.0, index_cache: dict | None = None, prefill_index: PrefillIndex | None = None,
 ) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
     kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
     # the device check first: a CPU step does not scan query_lens in every layer
-    if _rotary_kernels_apply(q, k, v, k_cache) and query_lens and max(query_lens) == 1:
+    if prefill_index is None and _rotary_kernels_apply(q, k, v, k_cache) and query_lens and max(query_lens) == 1:
         from . import attention_triton
 
         return attention_triton.paged_attention(
@@ -140,7 +182,7 @@ def rotate_write_and_attend(
         )
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
-                           max_context_len, k_scale, v_scale, index_cache)
+                           max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -168,6 +210,7 @@ def paged_attention(
     v_scale: float = 1.0,
     index_cache: dict | None = None,
     out: Tensor | None = None,
+    prefill_index: PrefillIndex | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape
     (written into `out`, a tensor of q's shape and dtype, when given).
@@ -176,15 +219,21 @@ def paged_attention(
     k_scale, v_scale: an FP8 cache's dequantization scales (K = k_scale * k_cache).
     index_cache: a dict that lives for one step (the ForwardBatch's): the index tensors the kernels
     derive from query_lens are made in the first layer and reused by the others.
+    prefill_index: the step's sequences from device tensors (PrefillIndex; query_lens, max_context_len
+    and index_cache are not read), every one through the prefill kernel, into prefill_index.out.
     """
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
-            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out,
+            k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out, prefill_index=prefill_index,
         )
 
+    if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
+        lens = prefill_index.query_lens.tolist()
+        query_lens = lens[: lens.index(0)]  # the padding sequence's 0 ends the step's sequences
+        context_lens, out = context_lens[: len(query_lens)], prefill_index.out[: q.shape[0]]
     out = torch.empty_like(q) if out is None else out
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = q.shape[1]

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from . import device_num_sms, to_device
 from . import attention
-from .attention import decode_split, is_fp8
+from .attention import PREFILL_BLOCK_ROWS, PrefillIndex, decode_split, is_fp8, prefill_blocks, prefill_queries_per_block
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import tile_counters
 
@@ -54,7 +54,6 @@ BLOCK_N = 64  # keys per tile
 # keys); an FP8 cache, whose tiles are converted before the dots, runs 6-23% faster with 32.
 DECODE_BLOCK_N = {False: 64, True: 32}
 DECODE_LAUNCH = {"num_warps": 4, "num_stages": 3}
-BLOCK_ROWS = 64  # prefill: (query, head) rows per program
 _LOG2E = 1.4426950408889634
 # Finite: a fully masked tile leaves m finite, so exp2(m - m_new) is never NaN.
 _M_INIT = tl.constexpr(-1.0e30)
@@ -412,6 +411,7 @@ def paged_attention(
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
     rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
+    prefill_index: PrefillIndex | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -421,23 +421,24 @@ def paged_attention(
     what rotate_and_write_kv would (q is not modified).
 
     With every query_len 1 and max_context_len given, nothing is read from the device and no tensor
-    is made from host data: the call can be captured in a CUDA graph.
+    is made from host data: the call can be captured in a CUDA graph. So can a call with
+    `prefill_index` (attention.PrefillIndex: every sequence through the prefill kernel, in the grid its
+    buffers fix, into prefill_index.out; query_lens and max_context_len are not read).
     """
     _check_cache(k_cache, v_cache)
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
+    if prefill_index is not None:
+        out = prefill_index.out[: q.shape[0]]
+        index = prefill_index
+        _launch_prefill(q, k_cache, v_cache, block_tables, out, index.query_lens, index.first_rows, index.block_seqs,
+                        index.block_starts, index.queries_per_block, _common(q, k_cache, context_lens, scale, k_scale,
+                                                                             v_scale, sliding_window))
+        return out
     out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
-    common = dict(
-        context_lens=context_lens, scale_log2=scale * k_scale * _LOG2E, v_scale=v_scale,
-        window=sliding_window or 0, has_window=sliding_window is not None,
-        precision="ieee" if q.dtype == torch.float32 else "tf32",
-        block_d=max(16, triton.next_power_of_2(head_dim)), group=group, block_size=block_size,
-    )
+    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window)
     first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     if rotary is not None:
         if prefill:
@@ -450,7 +451,7 @@ def paged_attention(
             max_context_len = int(context_lens.max())  # a device sync; the model runner passes the bound
         block_n = DECODE_BLOCK_N[is_fp8(k_cache)]
         if num_partitions is None:
-            num_partitions, partition_size = _choose_split(len(decode) * num_kv_heads, max_context_len, q.device)
+            num_partitions, partition_size = _choose_split(len(decode) * k_cache.shape[2], max_context_len, q.device)
         else:
             partition_size = triton.cdiv(triton.cdiv(max_context_len, num_partitions), block_n) * block_n
         is_dense = not prefill
@@ -464,9 +465,24 @@ def paged_attention(
     if prefill:
         qlens = _int32(query_lens, q.device, index_cache, "query_lens")
         first_rows_t = _int32(first_rows, q.device, index_cache, "first_rows")
-        _launch_prefill(q, k_cache, v_cache, block_tables, out, prefill, query_lens, qlens, first_rows_t, common,
-                        index_cache)
+        per_block = prefill_queries_per_block(common["group"])
+        blocks = prefill_blocks([n if n > 1 else 0 for n in query_lens], per_block)  # decode rows: not here
+        blk_seq = _int32([seq for seq, _ in blocks], q.device, index_cache, ("block_seqs", per_block))
+        blk_q = _int32([start for _, start in blocks], q.device, index_cache, ("block_starts", per_block))
+        _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows_t, blk_seq, blk_q, per_block, common)
     return out
+
+
+def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window) -> dict:
+    """The launch arguments both kernels take."""
+    head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    return dict(
+        context_lens=context_lens, scale_log2=scale * k_scale * _LOG2E, v_scale=v_scale,
+        window=sliding_window or 0, has_window=sliding_window is not None,
+        precision="ieee" if q.dtype == torch.float32 else "tf32",
+        block_d=max(16, triton.next_power_of_2(head_dim)), group=q.shape[1] // num_kv_heads,
+        block_size=k_cache.shape[1],
+    )
 
 
 def _int32(values: list[int], device: torch.device, cache: dict | None, key: object) -> Tensor:
@@ -526,15 +542,13 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         )
 
 
-def _launch_prefill(q, k_cache, v_cache, block_tables, out, seqs, query_lens, qlens, first_rows, c,
-                    index_cache) -> None:
+def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, blk_seq, blk_q, queries_per_block,
+                    c) -> None:
+    """One program per (block of queries, KV head): blk_seq / blk_q name each block's sequence and
+    first query (attention.prefill_blocks)."""
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
-    block_r = max(BLOCK_ROWS, triton.next_power_of_2(c["group"]))
-    queries_per_block = block_r // c["group"]
-    blocks = [(i, start) for i in seqs for start in range(0, query_lens[i], queries_per_block)]
-    blk_seq = _int32([seq for seq, _ in blocks], q.device, index_cache, ("block_seqs", queries_per_block))
-    blk_q = _int32([start for _, start in blocks], q.device, index_cache, ("block_starts", queries_per_block))
-    _prefill_kernel[(len(blocks), num_kv_heads)](
+    block_r = max(PREFILL_BLOCK_ROWS, triton.next_power_of_2(c["group"]))
+    _prefill_kernel[(blk_seq.shape[0], num_kv_heads)](
         q, k_cache, v_cache, block_tables, c["context_lens"], qlens, first_rows, blk_seq, blk_q, out,
         c["scale_log2"], c["v_scale"], c["window"],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),

@@ -176,7 +176,7 @@ class KVSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_num_bytes(self.dtype)
 
 
-CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "PIECEWISE", "NONE")
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")
 
 
 @dataclass(frozen=True)
@@ -186,24 +186,32 @@ class CompilationConfig:
     cudagraph_mode (vLLM's names): FULL_AND_PIECEWISE (the default) replays a whole-forward graph for
     decode steps (runtime/cuda_graphs.py) and, for every other step of up to
     max_cudagraph_capture_size tokens (prefill and mixed steps), graphs of the forward between its
-    attentions (runtime/piecewise_graphs.py); FULL_DECODE_ONLY the decode graphs only; PIECEWISE the
-    cut graphs for every step; NONE no graph (as enforce_eager). vLLM's FULL (whole-forward graphs
-    of mixed steps too) is refused by name: llmc's prefill attention plans its grid on the host.
-    max_cudagraph_capture_size: the most tokens of a step the cut graphs are captured for (vLLM's
-    default, 512; never above max_num_batched_tokens).
+    attentions (runtime/piecewise_graphs.py); FULL_DECODE_ONLY the decode graphs only; FULL the
+    decode graphs and whole-forward graphs of the other steps, attention included
+    (runtime/mixed_graphs.py: steps of up to max_cudagraph_capture_size tokens whose contexts are at
+    most mixed_graphs.MAX_CONTEXT; the others run eagerly); PIECEWISE the cut graphs for every step;
+    NONE no graph (as enforce_eager). max_cudagraph_capture_size: the most tokens of a step the cut or
+    whole graphs of non-decode steps are captured for (vLLM's default, 512; never above
+    max_num_batched_tokens).
     """
 
     cudagraph_mode: str = opt("FULL_AND_PIECEWISE", choices=list(CUDAGRAPH_MODES),
-                              help="FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE or NONE")
-    max_cudagraph_capture_size: int = opt(512, min=1, max=65536, help="most tokens of a step captured piecewise")
+                              help="FULL_AND_PIECEWISE, FULL_DECODE_ONLY, FULL, PIECEWISE or NONE")
+    max_cudagraph_capture_size: int = opt(512, min=1, max=65536,
+                                          help="most tokens of a prefill or mixed step captured in graphs")
 
     @property
     def has_full_decode(self) -> bool:
-        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+        return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL")
 
     @property
     def has_piecewise(self) -> bool:
         return self.cudagraph_mode in ("FULL_AND_PIECEWISE", "PIECEWISE")
+
+    @property
+    def has_full_mixed(self) -> bool:
+        """Whole-forward graphs of prefill and mixed steps (FULL)."""
+        return self.cudagraph_mode == "FULL"
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from llmc.kernels.attention import PrefillIndex
+
 
 @dataclass
 class ForwardBatch:
@@ -26,6 +28,9 @@ class ForwardBatch:
     # Tensors the kernels derive from the host fields in the first layer and reuse in the others
     # (paged attention's per-sequence indices of a prefill step): made once per step, not per layer.
     kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # A CUDA graph of mixed steps (runtime/mixed_graphs.py): the attention reads its sequences from
+    # these device tensors, not from query_lens (which then only says how many tokens were captured).
+    prefill_index: PrefillIndex | None = None
 
     @property
     def num_seqs(self) -> int:

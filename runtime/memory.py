@@ -121,11 +121,12 @@ def piecewise_sizes(max_capture_size: int, max_num_batched_tokens: int) -> list[
 
 
 def planned_piece_sizes(runtime: RuntimeDefaults) -> list[int]:
-    """The token counts one rank with these options captures piecewise graphs for, where it captures
-    graphs at all; none with enforce_eager, a cudagraph_mode without them, or cpu_offload_gb (its
-    copies hang on the layers' forward hooks, which the pieces do not call)."""
+    """The token counts one rank with these options captures graphs of prefill and mixed steps for
+    (piecewise, or whole with cudagraph_mode FULL), where it captures graphs at all; none with
+    enforce_eager, a cudagraph_mode without them, or cpu_offload_gb (its copies hang on the layers'
+    forward hooks, which the graphs do not call)."""
     modes = runtime.graph_modes
-    if runtime.enforce_eager or not modes.has_piecewise or runtime.cpu_offload_gb:
+    if runtime.enforce_eager or not (modes.has_piecewise or modes.has_full_mixed) or runtime.cpu_offload_gb:
         return []
     return piecewise_sizes(modes.max_cudagraph_capture_size, runtime.max_num_batched_tokens)
 
@@ -135,7 +136,9 @@ def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> in
     attention's output, the hidden states), the pool's intermediates of one step of the largest size
     (two pieces' worth at most: activation_peak_bytes' per-token count twice over), and the
     graph objects (GRAPH_BYTES_PER_PIECE each). An 8B-shaped model's 12 sizes x 33 pieces took
-    44-134 MiB on an H200 (bf16, FP8 W8A8; benchmarks/RESULTS.md, session 33) against 143 here."""
+    44-134 MiB on an H200 (bf16, FP8 W8A8; benchmarks/RESULTS.md, session 33) against 143 here. The
+    whole-forward graphs of cudagraph_mode FULL (runtime/mixed_graphs.py) hold the same kernels in one
+    graph per size, beside the same buffers and one step's intermediates: the same bound."""
     if not sizes:
         return 0
     top = max(sizes)

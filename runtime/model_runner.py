@@ -9,7 +9,8 @@ Start on a GPU, in order: load the weights, measure the memory plan (runtime/mem
 a profiling forward, then what is left for the KV cache), refuse if one max_model_len sequence
 does not fit, allocate the KV cache (one extra block: the graphs' scratch block), capture the
 decode graphs (runtime/cuda_graphs.py) and the piecewise graphs of other steps
-(runtime/piecewise_graphs.py), as compilation_config.cudagraph_mode says.
+(runtime/piecewise_graphs.py) or the whole-forward graphs of other steps (runtime/mixed_graphs.py),
+as compilation_config.cudagraph_mode says.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.memory_profile import measure_kv_plan
+from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
@@ -59,12 +61,12 @@ class ModelRunner:
         graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
                        if can_capture and modes.has_full_decode else [])
         piece_sizes = memory.planned_piece_sizes(options) if can_capture else []
-        if can_capture and modes.has_piecewise and self.offloader is not None:
-            logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no piecewise CUDA graphs)")
+        if can_capture and (modes.has_piecewise or modes.has_full_mixed) and self.offloader is not None:
+            logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no CUDA graphs of them)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
             # captured, their experts would all run on every token of up to 512 (MoE._forward_every_expert)
             logger.info("MoE experts in a format the fused kernel does not read: prefill and mixed steps run eagerly "
-                        "(no piecewise CUDA graphs)")
+                        "(no CUDA graphs of them)")
             piece_sizes = []
         piece_allowance = memory.piecewise_allowance_bytes(self.model.config, piece_sizes)
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
@@ -82,18 +84,23 @@ class ModelRunner:
         self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
                                    -(-options.max_model_len // options.block_size), options.block_size, device)
         self.graphs: CudaGraphs | None = None
-        self.pieces: PiecewiseGraphs | None = None
+        self.pieces: PiecewiseGraphs | MixedGraphs | None = None  # graphs of prefill and mixed steps
         if graph_sizes:
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
                                      scratch_block=self.num_blocks, device=device)
             self.graphs.log_capture(graph_allowance - piece_allowance)
         if piece_sizes:
-            self.pieces = PiecewiseGraphs(self.model, piece_sizes, self.num_blocks * options.block_size, device)
+            if modes.has_full_mixed:
+                self.pieces = MixedGraphs(self.model, piece_sizes, options.max_num_seqs, options.max_model_len,
+                                          options.block_size, self.num_blocks, device)
+            else:
+                self.pieces = PiecewiseGraphs(self.model, piece_sizes, self.num_blocks * options.block_size, device)
             self.pieces.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
             self.pieces.log_capture(piece_allowance)
         if graph_sizes or piece_sizes:
             compile_mixed_step(self.model, self.num_blocks, options.block_size, options.max_model_len, device,
-                               self.pieces, has_decode_graphs=bool(graph_sizes))
+                               self.pieces if isinstance(self.pieces, PiecewiseGraphs) else None,
+                               has_decode_graphs=bool(graph_sizes))
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
                         allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:

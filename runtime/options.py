@@ -71,10 +71,10 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         )
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
-    if options.graph_modes.cudagraph_mode == "PIECEWISE" and manifest.parallel.world_size > 1:
-        raise ConfigError(f"compilation_config.cudagraph_mode PIECEWISE: the ranks of a {manifest.parallel.world_size}-way "
-                          "artifact capture decode graphs only, and run other steps eagerly; use FULL_DECODE_ONLY "
-                          "(what FULL_AND_PIECEWISE gives them) or NONE")
+    if options.graph_modes.cudagraph_mode in ("PIECEWISE", "FULL") and manifest.parallel.world_size > 1:
+        raise ConfigError(f"compilation_config.cudagraph_mode {options.graph_modes.cudagraph_mode}: the ranks of a "
+                          f"{manifest.parallel.world_size}-way artifact capture decode graphs only, and run other steps "
+                          "eagerly; use FULL_DECODE_ONLY (what FULL_AND_PIECEWISE gives them) or NONE")
     if is_onnx(manifest):
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
@@ -115,16 +115,11 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
 
 
 def _normalize_cudagraph_mode(overrides: dict) -> dict:
-    """compilation_config.cudagraph_mode in any case, as vLLM upper-cases it; FULL refused by name."""
+    """compilation_config.cudagraph_mode in any case, as vLLM upper-cases it."""
     config = overrides.get("compilation_config")
     if not isinstance(config, dict) or not isinstance(config.get("cudagraph_mode"), str):
         return overrides
-    mode = config["cudagraph_mode"].upper()
-    if mode == "FULL":
-        raise ConfigError("compilation_config.cudagraph_mode FULL: llmc captures whole-forward graphs of decode steps "
-                          "only (its prefill attention plans its grid on the host); use FULL_AND_PIECEWISE (the "
-                          "default: graphs cut at the attention for the other steps) or FULL_DECODE_ONLY")
-    return {**overrides, "compilation_config": {**config, "cudagraph_mode": mode}}
+    return {**overrides, "compilation_config": {**config, "cudagraph_mode": config["cudagraph_mode"].upper()}}
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

@@ -94,6 +94,44 @@ def test_layers_of_a_step_share_its_index_tensors(dot_case, rel_err) -> None:
     assert made[("query_lens", q.device)].tolist() == query_lens
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_prefill_index_runs_a_padded_mixed_step_from_device_tensors(dot_case, rel_err, window) -> None:
+    """A mixed step (a prompt chunk after a prefix, decode rows, a fresh prompt) given to the prefill
+    kernel by a PrefillIndex alone, as a CUDA graph of 64 tokens in at most 6 sequences holds it:
+    unused blocks point at the padding sequence, unused sequences hold stale values. Each real row
+    matches float64; the padding rows (no block covers them) keep what the output buffer held."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens = [40, 17, 9, 33, 1], [13, 1, 1, 33, 1]
+    num_heads, num_kv_heads, head_dim, block_size, size, max_seqs = 8, 2, 16, 8, 64, 6
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                                                   block_size, dtype, device)
+    n, per_block = q.shape[0], attention.prefill_queries_per_block(num_heads // num_kv_heads)
+    assert per_block == 16
+    blocks = attention.prefill_blocks(query_lens, per_block)
+    num_blocks = attention.max_prefill_blocks(size, max_seqs, per_block)
+    assert len(blocks) == 7 and num_blocks == 10
+    pad = max_seqs  # the padding sequence: context 0, no query
+    index = attention.PrefillIndex(  # sequence 5 unused: a stale context and first row, no query
+        query_lens=lens(query_lens + [0, 0], device),
+        first_rows=lens([0, 13, 14, 15, 48, 7, 0], device),
+        block_seqs=lens([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks)), device),
+        block_starts=lens([start for _, start in blocks] + [0] * (num_blocks - len(blocks)), device),
+        queries_per_block=per_block,
+        out=torch.full((size, num_heads, head_dim), 5.0, dtype=dtype, device=device),
+    )
+    ctx_all = lens(context_lens + [9, 0], device)
+    tables = torch.cat([block_tables, block_tables[:2]])  # rows 5 and 6: never read
+    q_padded = torch.cat([q, torch.full((size - n, num_heads, head_dim), float("nan"), dtype=dtype, device=device)])
+    out = paged_attention(q_padded, k_cache, v_cache, tables, ctx_all, [size], head_dim**-0.5, window,
+                          prefill_index=index)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, head_dim**-0.5, window)
+    assert out.data_ptr() == index.out.data_ptr()
+    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert torch.equal(out[n:].cpu(), torch.full((size - n, num_heads, head_dim), 5.0, dtype=dtype))
+
+
 def test_decode_split_spreads_few_sequences_over_the_sms() -> None:
     """(partitions, keys per partition) by the rule in decode_split's docstring, worked by hand for
     132 SMs (2 programs per SM: 264)."""

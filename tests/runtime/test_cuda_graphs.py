@@ -184,7 +184,7 @@ def test_greedy_tokens_are_the_same_with_and_without_graphs(artifact, free_gpu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE", "FULL"])
 def test_no_triton_kernel_compiles_while_serving(artifact, free_gpu, mode):
     """Start-up compiles what steps run (the graphs' decode steps, then one eager step per decode
     variant; without decode graphs, decode steps through the pieces too): mixed steps of new

@@ -1,6 +1,7 @@
 """Piecewise CUDA graphs of prefill and mixed steps: the cut forward against the model's own forward
 (on a CPU, the pieces run eagerly), the sizes, the option; on a GPU, replay against eager."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -15,6 +16,7 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.model_runner import ModelRunner, allocate_kv_caches
 from llmc.runtime.options import resolve_options
 from llmc.runtime.parallel.layout import whole_model_layout
+from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
 
 BLOCK_SIZE = 16
@@ -113,15 +115,68 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
         assert not torch.equal(cut[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
 
 
-def test_cudagraph_mode_takes_vllms_names_and_refuses_full(tiny_llama, tmp_path):
+@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe"])
+@torch.inference_mode()
+def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path):
+    """cudagraph_mode FULL's forward (runtime/mixed_graphs.py; on a CPU, the same forward eagerly):
+    a mixed step loaded after a larger one (which left real slots, sequences and blocks in the
+    buffers) gives the model's hidden states and KV cache, and writes only the scratch block besides."""
+    artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
+    manifest = art.read_manifest(artifact)
+    runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
+                         torch.device("cpu"))
+    runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1, BLOCK_SIZE,
+                                          torch.device("cpu"))
+    runner.model.bind_kv_caches(runner.kv_caches)
+    model = runner.model
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
+    model(*_step([([0, 1], 0, tokens(20)), ([2], 0, tokens(3)), ([3], 0, tokens(9))], "cpu"))  # cached prefixes
+    for k, v in runner.kv_caches:
+        k[6:].fill_(7.0)
+        v[6:].fill_(7.0)
+    input_ids, batch = _step([([0, 1], 20, tokens(7)), ([2], 3, [11]), ([4, 5], 0, tokens(18)), ([3], 9, [12])], "cpu")
+    n = batch.num_tokens  # 27: padded to 32
+    before = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+    eager = model(input_ids, batch)
+    eager_caches = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
+    for (k, v), saved in zip(runner.kv_caches, before):
+        k.copy_(saved[0])
+        v.copy_(saved[1])
+
+    graphs = MixedGraphs(model, [8, 16, 32, 48], 5, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    wide_ids, wide = _step([([0, 1], 0, tokens(16)), ([6], 0, tokens(9)), ([7], 0, tokens(2)), ([8], 0, tokens(5)),
+                            ([9], 0, tokens(8))], "cpu")
+    graphs.load(wide_ids, wide)  # an earlier step of 40 tokens in 5 sequences: real slots, blocks and lengths
+    six = _step([([b], 0, tokens(2)) for b in range(6)], "cpu")[1]
+    too_long = _step([([0, 1, 2, 4], 0, tokens(49))], "cpu")[1]
+    assert graphs.can_run(batch) and graphs.can_run(wide)
+    assert not graphs.can_run(six) and not graphs.can_run(too_long)  # 6 sequences of 5; 49 tokens of 48
+    assert not graphs.can_run(dataclasses.replace(batch, max_context_len=MAX_MODEL_LEN + 1))
+    hidden = graphs.run(input_ids, batch)
+    assert graphs.slot_mapping[n:32].eq(NUM_BLOCKS * BLOCK_SIZE).all()
+    per_block = graphs.queries_per_block  # the step's blocks, then the padding sequence's (5)
+    seqs = [seq for seq, n_new in enumerate(batch.query_lens) for _ in range(-(-n_new // per_block))]
+    assert graphs.batch(32).prefill_index.block_seqs.tolist() == seqs + [5] * (graphs.num_blocks[32] - len(seqs))
+    torch.testing.assert_close(hidden, eager, atol=2e-5, rtol=2e-5)
+    for whole, full, old in zip([torch.stack([k, v]) for k, v in runner.kv_caches], eager_caches, before):
+        torch.testing.assert_close(whole[:, :6], full[:, :6], atol=2e-5, rtol=2e-5)
+        assert torch.equal(whole[:, 6:NUM_BLOCKS], old[:, 6:NUM_BLOCKS])  # nobody's blocks: untouched
+        assert not torch.equal(whole[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
+
+
+def test_cudagraph_mode_takes_vllms_names(tiny_llama, tmp_path):
     manifest = art.read_manifest(_artifact(tiny_llama, tmp_path / "a"))
     assert resolve_options(manifest, {}).compilation_config is None
     options = resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY",
                                                                 "max_cudagraph_capture_size": 64}})
     assert options.compilation_config == art.CompilationConfig("FULL_DECODE_ONLY", 64)
     assert not options.compilation_config.has_piecewise and options.compilation_config.has_full_decode
-    with pytest.raises(ConfigError, match="cudagraph_mode FULL: .*FULL_AND_PIECEWISE"):
-        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "full"}})
+    full = resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "full"}}).graph_modes
+    assert full.has_full_decode and full.has_full_mixed and not full.has_piecewise
+    assert memory.planned_piece_sizes(resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL"},
+                                                                 "max_num_batched_tokens": 100})) == \
+        [8, 16, 24, 32, 48, 64, 96, 100]
     piecewise = resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "piecewise"}})  # vLLM upper-cases
     assert piecewise.compilation_config.cudagraph_mode == "PIECEWISE"
     with pytest.raises(ConfigError, match="compilation_config.cudagraph_mode"):
@@ -130,13 +185,14 @@ def test_cudagraph_mode_takes_vllms_names_and_refuses_full(tiny_llama, tmp_path)
         resolve_options(manifest, {"compilation_config": {"cudagraph_capture_sizes": [1, 2]}})
 
 
-def test_parallel_artifacts_refuse_piecewise_graphs(tiny_llama, tmp_path):
+def test_parallel_artifacts_refuse_graphs_of_other_steps(tiny_llama, tmp_path):
     out = tmp_path / "tp"
     build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "float32",
                             "parallel": {"tensor": 2}, "runtime": {"max_model_len": MAX_MODEL_LEN}}), show_progress=False)
     manifest = art.read_manifest(out)
-    with pytest.raises(ConfigError, match="PIECEWISE: the ranks of a 2-way artifact capture decode graphs only"):
-        resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}})
+    for mode in ("PIECEWISE", "FULL"):
+        with pytest.raises(ConfigError, match=f"{mode}: the ranks of a 2-way artifact capture decode graphs only"):
+            resolve_options(manifest, {"compilation_config": {"cudagraph_mode": mode}})
     assert resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}})
 
 
@@ -160,16 +216,17 @@ def test_greedy_tokens_and_logprobs_are_the_same_in_every_graph_mode(family, req
     params = [SamplingParams(temperature=0, max_tokens=8 * (i + 1), ignore_eos=True, logprobs=2, prompt_logprobs=1)
               for i in range(len(PROMPTS))]
     results = {}
-    modes = ("NONE", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY") if family == "tiny_llama" else \
-        ("NONE", "FULL_AND_PIECEWISE")
+    modes = ("NONE", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL_DECODE_ONLY", "FULL") if family == "tiny_llama" else \
+        ("NONE", "FULL_AND_PIECEWISE", "FULL")
     for mode in modes:
         llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=24,
                   compilation_config={"cudagraph_mode": mode})
         outputs = llm.generate(PROMPTS, params)
         results[mode] = [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outputs]
         runner = llm.engine.runner
-        assert (runner.pieces is not None) == (mode in ("FULL_AND_PIECEWISE", "PIECEWISE"))
-        assert (runner.graphs is not None) == (mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"))
+        assert (runner.pieces is not None) == (mode in ("FULL_AND_PIECEWISE", "PIECEWISE", "FULL"))
+        assert isinstance(runner.pieces, MixedGraphs) == (mode == "FULL")
+        assert (runner.graphs is not None) == (mode in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL"))
         if runner.pieces is not None:
             assert runner.pieces.num_replays >= 2 and runner.pieces.sizes == [8, 16, 24]
         llm.close()
@@ -193,7 +250,7 @@ def test_w4a16_prefill_through_the_pieces_matches_eager(ref_model_dir, tmp_path,
     prompt = {"prompt_token_ids": list(range(40, 140))}  # 100 tokens: the pieces of 128
     params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0)
     runs = {}
-    for mode in ("NONE", "FULL_AND_PIECEWISE"):
+    for mode in ("NONE", "FULL_AND_PIECEWISE", "FULL"):
         llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, compilation_config={"cudagraph_mode": mode})
         (output,) = llm.generate([prompt], params)
         runs[mode] = ([next(iter(p.values())).logprob for p in output.prompt_logprobs[1:]], output.outputs[0].token_ids)
@@ -202,5 +259,6 @@ def test_w4a16_prefill_through_the_pieces_matches_eager(ref_model_dir, tmp_path,
         llm.close()
         del llm
         gc.collect()
-    assert runs["FULL_AND_PIECEWISE"][0] == pytest.approx(runs["NONE"][0], abs=0.05)
-    assert runs["FULL_AND_PIECEWISE"][1][:2] == runs["NONE"][1][:2]
+    for mode in ("FULL_AND_PIECEWISE", "FULL"):
+        assert runs[mode][0] == pytest.approx(runs["NONE"][0], abs=0.05), mode
+        assert runs[mode][1][:2] == runs["NONE"][1][:2], mode
