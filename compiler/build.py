@@ -196,7 +196,7 @@ def _check_tuning(recipe: Recipe) -> None:
                           "set target.device: cuda or tune_kernels: false")
     if not torch.cuda.is_available():
         raise RecipeError("target.tune_kernels: true needs a CUDA GPU on the build machine (none is visible); "
-                          "build on the target GPU, or set tune_kernels: false to record the H200 table and heuristic")
+                          "build on the target GPU, or set tune_kernels: false to record the H100 table and heuristic")
 
 
 def _plan_kernels(ctx: _Context, timings: dict) -> dict:

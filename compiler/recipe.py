@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from llmc.errors import RecipeError
-from llmc.runtime.artifact import RuntimeDefaults
+from llmc.runtime.artifact import RuntimeDefaults, upper_cudagraph_mode
 from llmc.schema import opt, parse
 
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
@@ -71,7 +71,7 @@ class TargetConfig:
                       help="where the artifact will run; onnx-cpu: an ONNX graph (int4 MatMulNBits) for onnxruntime's CPU EP")
     gpu_memory_gib: float | None = opt(None, min_exclusive=0.0, max=65536.0, help="GPU memory to plan for (default: 80)")
     tune_kernels: bool = opt(False, help="measure the W4A16 kernels for the artifact's shapes on this machine's GPU "
-                                         "(cuda target) and record them; false: the recorded H200 table and a heuristic")
+                                         "(cuda target) and record them; false: the recorded H100 table and a heuristic")
     int4_accuracy_level: int | None = opt(None, choices=[1, 4], help=(
         "onnx-cpu: MatMulNBits' accuracy_level (onnxruntime-genai's int4_accuracy_level). 4: each block of "
         "activations is quantized to int8 for the int4 dot products (genai's and llama.cpp's CPU default, about "
@@ -113,6 +113,8 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
+    if isinstance(data, dict) and isinstance(data.get("runtime"), dict):
+        data = {**data, "runtime": upper_cudagraph_mode(data["runtime"])}
     try:
         recipe = parse(Recipe, data, "", RecipeError)
         _check(recipe)

@@ -228,7 +228,7 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--allowed-headers", type=JSON_STRING_LIST, default='["*"]', help="server: CORS headers (JSON list)")
 @click.option("--allow-credentials", is_flag=True, help="server: CORS: let browsers send cookies and credentials")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
-              help="server: threads that tokenize prompts and render chat templates off the event loop (0: on it)")
+              help="server: threads that tokenize prompts and render chat templates off the event loop (0: the event loop's default thread pool)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
               help="server: independent engine replicas (each with its own ranks), requests to the least loaded")
 @click.option("--tensor-parallel-size", "tensor_parallel_size", type=int, default=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "dense_bf16_bytes": 2 * model.num_parameters,
         "bytes_by_component": bytes_by_component(artifact_dir, manifest),
         "kv": {**manifest.kv.__dict__, "bytes_per_token": manifest.kv.bytes_per_token},
-        "runtime": runtime.__dict__,
+        "runtime": dataclasses.asdict(runtime),  # nested: compilation_config, speculative
         "cuda_graph_batch_sizes": manifest.plan.cuda_graph_batch_sizes,
         "w4a16_kernels": manifest.plan.w4a16_kernels,
         "w4a16_kernel_summary": _kernel_summary(manifest),

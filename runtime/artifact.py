@@ -179,6 +179,15 @@ class KVSpec:
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")
 
 
+def upper_cudagraph_mode(section: dict) -> dict:
+    """A runtime section (recipe, flags, LLM keywords) with compilation_config.cudagraph_mode upper-cased,
+    as vLLM takes it in any case."""
+    config = section.get("compilation_config")
+    if not isinstance(config, dict) or not isinstance(config.get("cudagraph_mode"), str):
+        return section
+    return {**section, "compilation_config": {**config, "cudagraph_mode": config["cudagraph_mode"].upper()}}
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     """vLLM's `compilation_config`, the part llmc has: which steps replay CUDA graphs.

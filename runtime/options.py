@@ -55,7 +55,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
                 if f.metadata.get("alias") in overrides}  # vLLM's names too: errors say the name given
     overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)
     overrides = _check_vllm_build_settings(manifest, overrides)
-    overrides = _normalize_cudagraph_mode(overrides)
+    overrides = art.upper_cudagraph_mode(overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
@@ -112,14 +112,6 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
                           "prompt in chunks of at most max_num_batched_tokens tokens beside the running decodes; "
                           "drop it, or raise max_num_batched_tokens for larger chunks")
     return rest
-
-
-def _normalize_cudagraph_mode(overrides: dict) -> dict:
-    """compilation_config.cudagraph_mode in any case, as vLLM upper-cases it."""
-    config = overrides.get("compilation_config")
-    if not isinstance(config, dict) or not isinstance(config.get("cudagraph_mode"), str):
-        return overrides
-    return {**overrides, "compilation_config": {**config, "cudagraph_mode": config["cudagraph_mode"].upper()}}
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

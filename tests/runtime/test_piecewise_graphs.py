@@ -185,6 +185,29 @@ def test_cudagraph_mode_takes_vllms_names(tiny_llama, tmp_path):
         resolve_options(manifest, {"compilation_config": {"cudagraph_capture_sizes": [1, 2]}})
 
 
+def test_a_recipe_takes_the_mode_in_any_case_and_inspect_json_shows_it(tiny_llama, tmp_path):
+    """vLLM upper-cases cudagraph_mode: a recipe may say `full_decode_only`, as the flags may; and
+    `llmc inspect --json` writes the runtime section's nested settings (it raised TypeError on them)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": MAX_MODEL_LEN,
+                                        "compilation_config": {"cudagraph_mode": "full_decode_only"},
+                                        "speculative": {"method": "ngram", "num_speculative_tokens": 3}}}),
+          show_progress=False)
+    assert art.read_manifest(out).runtime.compilation_config.cudagraph_mode == "FULL_DECODE_ONLY"
+    result = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    runtime = json.loads(result.output[result.output.index("{"):])["runtime"]
+    assert runtime["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 512}
+    assert runtime["speculative"]["num_speculative_tokens"] == 3
+
+
 def test_parallel_artifacts_refuse_graphs_of_other_steps(tiny_llama, tmp_path):
     out = tmp_path / "tp"
     build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "float32",
