@@ -318,10 +318,14 @@ class IntWeightFormat:
         return None
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        """params["dense"], where present: the weight already dequantized (on a CPU, once at load:
+        runtime/layers/linear.Linear.dequantize_once), the same values this path computes per call."""
         kernel = self.select_kernel(x)
         if kernel is not None:
             return kernel(x, params, bias, self)
-        weight = self.dequantize(params, in_features=x.shape[-1]).to(x.dtype)  # [out, in]
+        weight = params.get("dense")
+        if weight is None:
+            weight = self.dequantize(params, in_features=x.shape[-1]).to(x.dtype)  # [out, in]
         return F.linear(x, weight, bias)
 
     def interleave_gate_up(self, params: dict[str, Tensor]) -> dict[str, Tensor] | None:

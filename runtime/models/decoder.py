@@ -13,6 +13,8 @@ whole model and no collective runs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 
@@ -24,8 +26,10 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
-from llmc.runtime.models.moe import MoE
+from llmc.runtime.models.moe import ExpertLinears, MoE
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
+
+logger = logging.getLogger("llmc")
 
 
 class Attention(nn.Module):
@@ -215,10 +219,15 @@ class DecoderModel(nn.Module):
 
     def prepare_loaded_weights(self) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
-        store (MLP.interleave_gate_up)."""
+        store (MLP.interleave_gate_up); on a CPU, int weights dequantized once (Linear.dequantize_once)."""
         for layer in self.layers.values():
             if not layer.is_moe:
                 layer.mlp.interleave_gate_up()
+        dense_bytes = sum(module.dequantize_once() for module in self.modules()
+                          if isinstance(module, (Linear, ExpertLinears)))
+        if dense_bytes:
+            logger.info("int weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
+                        "packed)", dense_bytes / 2**20, self.config.dtype)
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:

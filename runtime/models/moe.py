@@ -44,6 +44,7 @@ class ExpertLinears(nn.Module):
         for name, spec in fmt.param_specs(in_features, out_features).items():
             self.register_buffer(name, torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="meta"))
             self.param_names.append(name)
+        self.dense: Tensor | None = None  # [num_experts, out, in]: int weights dequantized once, on a CPU
 
     def params(self) -> dict[str, Tensor]:
         """Every stacked tensor, [num_experts, ...] each."""
@@ -51,7 +52,19 @@ class ExpertLinears(nn.Module):
 
     def apply_expert(self, expert: int, x: Tensor) -> Tensor:
         """x [n, in_features] through local expert `expert` → [n, out_features]."""
-        return self.fmt.apply(x, {name: getattr(self, name)[expert] for name in self.param_names}, None)
+        return self.fmt.apply(x, self._expert_params(expert), None)
+
+    def _expert_params(self, expert: int) -> dict[str, Tensor]:
+        params = {name: getattr(self, name)[expert] for name in self.param_names}
+        return params if self.dense is None else {**params, "dense": self.dense[expert]}
+
+    def dequantize_once(self) -> int:
+        """As Linear.dequantize_once, for every expert: the bytes held (0: not done)."""
+        if not isinstance(self.fmt, IntWeightFormat) or getattr(self, self.param_names[0]).device.type != "cpu":
+            return 0
+        self.dense = torch.stack([self.fmt.dequantize(self._expert_params(e), self.in_features)
+                                  for e in range(self.num_experts)]).to(self.fmt.dtype)
+        return self.dense.numel() * self.dense.element_size()
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, format={self.fmt.spec()}"
