@@ -146,20 +146,22 @@ def _rotary_kernels_apply(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor) -> b
 
 
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
-                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
+                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                        q_out: Tensor | None = None) -> Tensor:
     """Rotary embedding of this step's q and k (kernels.rotary's convention), then its keys and
     values ([num_tokens, num_kv_heads, head_dim]) stored at their slots (quantized with k_scale /
-    v_scale into an FP8 cache). Returns the rotated q ([num_tokens, num_heads, head_dim]); callers
-    read neither q nor k again. On CUDA one kernel does both (q rotated in place): a decode step
+    v_scale into an FP8 cache). Returns the rotated q ([num_tokens, num_heads, head_dim]), written
+    into q_out when given (the piecewise graphs' static buffer: no copy after); callers read neither
+    q nor k again. On CUDA one kernel does both (q rotated in place, or into q_out): a decode step
     launches one kernel per layer for them, not two."""
-    if _rotary_kernels_apply(q, k, v, k_cache):
+    if _rotary_kernels_apply(q, k, v, k_cache) and (q_out is None or q_out.stride(-1) == 1):
         from . import attention_triton  # triton loads on the first CUDA call only
 
         return attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                                    k_scale, v_scale)
+                                                    k_scale, v_scale, q_out)
     q, k = apply_rotary(q, k, positions, cos_sin_cache)
     write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    return q
+    return q if q_out is None else q_out.copy_(q)
 
 
 def rotate_write_and_attend(

@@ -341,13 +341,14 @@ def _store_kv(ptrs, x, mask, inv_scale, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def _rotary_write_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_heads, num_kv_heads,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr, num_heads, num_kv_heads,
     inv_k_scale, inv_v_scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_slot, stride_ch,
+    stride_slot, stride_ch, stride_qot, stride_qoh,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (token, 0) rotates the token's query heads in place; program (token, 1) rotates its
-    key heads and stores them, with its value heads, at the token's slot. k itself is not written."""
+    """Program (token, 0) rotates the token's query heads into q_out (q itself: in place); program
+    (token, 1) rotates its key heads and stores them, with its value heads, at the token's slot. k
+    itself is not written."""
     wait_for_inputs(PDL)
     token, is_kv = tl.program_id(0).to(tl.int64), tl.program_id(1)
     offs_h, offs_d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_HALF)
@@ -358,8 +359,9 @@ def _rotary_write_kv_kernel(
         mask = (offs_h < num_heads)[:, None] & (offs_d < HALF)[None, :]
         ptrs = q_ptr + token * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
         q1, q2 = _rotated_halves(ptrs, mask, cos, sin, HALF)
-        tl.store(ptrs, q1, mask=mask)
-        tl.store(ptrs + HALF, q2, mask=mask)
+        out_ptrs = q_out_ptr + token * stride_qot + offs_h[:, None] * stride_qoh + offs_d[None, :]
+        tl.store(out_ptrs, q1, mask=mask)
+        tl.store(out_ptrs + HALF, q2, mask=mask)
     else:
         mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HALF)[None, :]
         slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -387,23 +389,28 @@ def _check_rotary_inputs(q: Tensor, k: Tensor, v: Tensor, cos_sin_cache: Tensor)
 
 
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
-                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> Tensor:
-    """As kernels.attention.rotate_and_write_kv, in one kernel; q is rotated in place and returned.
+                        v_cache: Tensor, slot_mapping: Tensor, k_scale: float = 1.0, v_scale: float = 1.0,
+                        q_out: Tensor | None = None) -> Tensor:
+    """As kernels.attention.rotate_and_write_kv, in one kernel; the rotated q is written to q_out (a
+    tensor of q's shape with unit stride along head_dim; default: q itself, in place) and returned.
     q, k, v need unit stride along head_dim (slices of the fused qkv output are fine)."""
     _check_cache(k_cache, v_cache)
     _check_rotary_inputs(q, k, v, cos_sin_cache)
+    q_out = q if q_out is None else q_out
+    if q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(-1) != 1:
+        raise ValueError(f"q_out must be {tuple(q.shape)} {q.dtype} with unit stride along head_dim")
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
-        return q
+        return q_out
     num_kv_heads, half = k.shape[1], head_dim // 2
     _rotary_write_kv_kernel[(num_tokens, 2)](
-        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads,
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, q_out, num_heads, num_kv_heads,
         1.0 / k_scale, 1.0 / v_scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        cos_sin_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q_out.stride(0), q_out.stride(1),
         HALF=half, BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)), BLOCK_HALF=triton.next_power_of_2(half),
         FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache) else 0.0, **pdl_args(q.device),
     )
-    return q
+    return q_out
 
 
 def paged_attention(

@@ -17,7 +17,7 @@ with layer i's attention, `Attention.attend`, launched eagerly after piece i on 
 
 NOTE (buffers): the graphs read and write fixed addresses. Static buffers hold what crosses a cut:
 the token ids, positions and slots (rows n..size-1 are padding: their KV goes to the scratch block,
-as in the decode graphs, and their outputs are dropped), q (each piece copies its q there) and the
+as in the decode graphs, and their outputs are dropped), q (each piece's rotary kernel writes it there) and the
 attention's output (the eager kernel writes it there). The residual stream passes from piece i to
 piece i + 1 in the graphs' memory pool: piece i's output is kept alive while piece i + 1 is
 captured, then released, so the pool holds about two pieces' intermediates, whatever L.
@@ -87,7 +87,7 @@ class PiecewiseGraphs:
             return None
         layer = self.layers[i]
         x, residual = layer.norm_in(x, residual)
-        self.q[:size].copy_(layer.attn.project(x, self.positions[:size], self.slot_mapping[:size], self.model.cos_sin))
+        layer.attn.project(x, self.positions[:size], self.slot_mapping[:size], self.model.cos_sin, q_out=self.q[:size])
         return residual
 
     @torch.inference_mode()

@@ -78,13 +78,14 @@ class Attention(nn.Module):
 
     # The forward in three parts, for the piecewise CUDA graphs (runtime/piecewise_graphs.py): `project`
     # and `output` read no host value of the step and are captured; `attend` runs between the graphs.
-    def project(self, x: Tensor, positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor) -> Tensor:
+    def project(self, x: Tensor, positions: Tensor, slot_mapping: Tensor, cos_sin: Tensor,
+                q_out: Tensor | None = None) -> Tensor:
         """The heads, the rotary embedding, and this step's keys and values written to the cache: the
-        rotated q [num_tokens, num_heads, head_dim]."""
+        rotated q [num_tokens, num_heads, head_dim] (written into q_out, when given)."""
         q, k, v = self.heads(x)
         k_cache, v_cache = self.kv_cache
         return rotate_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
-                                   self.k_scale, self.v_scale)
+                                   self.k_scale, self.v_scale, q_out)
 
     def attend(self, q: Tensor, batch: ForwardBatch, out: Tensor | None = None) -> Tensor:
         """Paged attention of the rotated q over the cache (into `out` when given)."""

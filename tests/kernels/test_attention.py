@@ -245,10 +245,12 @@ def split_qkv(qkv, sizes, head_dim):
     return [t.view(qkv.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1)]
 
 
+@pytest.mark.parametrize("into_buffer", [False, True])
 @pytest.mark.parametrize(("num_tokens", "head_dim"), [(1, 16), (7, 24)])
-def test_rotate_and_write_kv_kernel_matches_torch(elementwise_case, num_tokens, head_dim) -> None:
-    """One kernel: q rotated in place, rotated k and v at their slots, as kernels.rotary's torch
-    rotation followed by the torch write; k and v themselves and every other slot untouched."""
+def test_rotate_and_write_kv_kernel_matches_torch(elementwise_case, num_tokens, head_dim, into_buffer) -> None:
+    """One kernel: q rotated in place (or into q_out, the piecewise graphs' static buffer, q itself
+    untouched), rotated k and v at their slots, as kernels.rotary's torch rotation followed by the
+    torch write; k and v themselves and every other slot untouched."""
     from llmc.kernels.attention_triton import rotate_and_write_kv
 
     device, dtype = elementwise_case
@@ -263,10 +265,13 @@ def test_rotate_and_write_kv_kernel_matches_torch(elementwise_case, num_tokens, 
     attention.write_kv_cache(expected_k, v, expected_k_cache, expected_v_cache, slots)
     qkv_dev, k_cache, v_cache = qkv.to(device), k_cache.to(device), v_cache.to(device)
     q_dev, k_dev, v_dev = split_qkv(qkv_dev, sizes, head_dim)
+    buffer = torch.full((num_tokens + 3, num_heads, head_dim), 9.0, dtype=dtype, device=device)
     out = rotate_and_write_kv(q_dev, k_dev, v_dev, positions.to(device), cos_sin.to(device), k_cache, v_cache,
-                              slots.to(device))
-    assert out.data_ptr() == q_dev.data_ptr()  # in place
-    assert torch.equal(qkv_dev[:, sizes[0]:].cpu(), qkv[:, sizes[0]:])  # k and v not written
+                              slots.to(device), q_out=buffer[:num_tokens] if into_buffer else None)
+    assert out.data_ptr() == (buffer if into_buffer else q_dev).data_ptr()
+    assert torch.equal(buffer[num_tokens:].cpu(), torch.full((3, num_heads, head_dim), 9.0, dtype=dtype))
+    untouched = qkv if into_buffer else qkv[:, sizes[0]:]
+    assert torch.equal(qkv_dev[:, -untouched.shape[1]:].cpu(), untouched)  # k and v (and q, into q_out) not written
     assert torch.equal(v_cache.cpu(), expected_v_cache)
     if device == "cpu" and dtype == torch.float32:
         assert torch.equal(out, expected_q) and torch.equal(k_cache, expected_k_cache)
