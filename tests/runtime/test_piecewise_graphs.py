@@ -64,55 +64,71 @@ def windowed_mistral(tmp_path_factory, hf_checkpoint_factory):
     return hf_checkpoint_factory(tmp_path_factory.mktemp("windowed_mistral"), "mistral", sliding_window=8)
 
 
+class MixedStep:
+    """A CPU model (no graphs) with cached prefixes, every block no sequence owns filled with 7.0, and
+    a mixed step of 27 tokens (a prompt chunk after a cached prefix, a fresh prompt, two decode rows)
+    whose hidden states and KV cache the model's own forward gave, the cache then put back."""
+
+    def __init__(self, family, request, tmp_path):
+        artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
+        manifest = art.read_manifest(artifact)
+        self.runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
+                                  torch.device("cpu"))
+        assert self.runner.pieces is None and self.runner.graphs is None  # never on a CPU
+        self.runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1,
+                                                   BLOCK_SIZE, torch.device("cpu"))
+        self.runner.model.bind_kv_caches(self.runner.kv_caches)
+        self.model = model = self.runner.model
+        if family == "windowed_mistral":
+            assert all(layer.attn.sliding_window == 8 for layer in model.layers.values())
+        gen = torch.Generator().manual_seed(0)
+        self.tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
+        model(*_step([([0, 1], 0, self.tokens(20)), ([2], 0, self.tokens(3)), ([3], 0, self.tokens(9))], "cpu"))
+        for k, v in self.runner.kv_caches:
+            k[6:].fill_(7.0)
+            v[6:].fill_(7.0)
+        self.input_ids, self.batch = _step([([0, 1], 20, self.tokens(7)), ([2], 3, [11]), ([4, 5], 0, self.tokens(18)),
+                                            ([3], 9, [12])], "cpu")
+        self.before = self.caches()
+        self.eager = model(self.input_ids, self.batch)
+        self.eager_caches = self.caches()
+        for (k, v), saved in zip(self.runner.kv_caches, self.before):
+            k.copy_(saved[0])
+            v.copy_(saved[1])
+
+    def caches(self) -> list[torch.Tensor]:
+        return [torch.stack([k, v]).clone() for k, v in self.runner.kv_caches]
+
+    def assert_matches_eager(self, hidden: torch.Tensor) -> None:
+        """The eager hidden states and KV cache, and only the scratch block written besides."""
+        torch.testing.assert_close(hidden, self.eager, atol=2e-5, rtol=2e-5)
+        for cache, full, old in zip(self.caches(), self.eager_caches, self.before):
+            torch.testing.assert_close(cache[:, :6], full[:, :6], atol=2e-5, rtol=2e-5)
+            assert torch.equal(cache[:, 6:NUM_BLOCKS], old[:, 6:NUM_BLOCKS])  # nobody's blocks: untouched
+            assert not torch.equal(cache[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
+
+
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral", "tiny_qwen3_moe"])
 @torch.inference_mode()
 def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path):
-    """The pieces of a mixed step (a prompt chunk after a cached prefix, a fresh prompt, two decode
-    rows) run in order with each layer's attention between them, padded to a larger size whose
-    padding rows hold an earlier step's tokens: the hidden states and the KV cache of the model's
-    forward, and only the scratch block written besides (qk_norm, a sliding window, MoE layers)."""
-    artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
-    manifest = art.read_manifest(artifact)
-    runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
-                         torch.device("cpu"))
-    assert runner.pieces is None and runner.graphs is None  # never on a CPU
-    runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1, BLOCK_SIZE,
-                                          torch.device("cpu"))
-    runner.model.bind_kv_caches(runner.kv_caches)
-    model = runner.model
-    if family == "windowed_mistral":
-        assert all(layer.attn.sliding_window == 8 for layer in model.layers.values())
-    gen = torch.Generator().manual_seed(0)
-    tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
-    model(*_step([([0, 1], 0, tokens(20)), ([2], 0, tokens(3)), ([3], 0, tokens(9))], "cpu"))  # cached prefixes
-    for k, v in runner.kv_caches:
-        k[6:].fill_(7.0)
-        v[6:].fill_(7.0)
-    input_ids, batch = _step([([0, 1], 20, tokens(7)), ([4, 5], 0, tokens(18)), ([2], 3, [11]), ([3], 9, [12])], "cpu")
-    n = batch.num_tokens  # 27: padded to 32
-    before = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
-    eager = model(input_ids, batch)
-    eager_caches = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
-    for (k, v), saved in zip(runner.kv_caches, before):
-        k.copy_(saved[0])
-        v.copy_(saved[1])
-
-    pieces = PiecewiseGraphs(model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
-    wide_ids, wide = _step([([0, 1], 0, tokens(16)), ([4, 5], 0, tokens(24))], "cpu")
+    """The pieces of a mixed step run in order with each layer's attention between them, padded to a
+    larger size whose padding rows hold an earlier step's tokens: the hidden states and the KV cache
+    of the model's forward, and only the scratch block written besides (qk_norm, a sliding window, MoE
+    layers)."""
+    step = MixedStep(family, request, tmp_path)
+    n = step.batch.num_tokens  # 27: padded to 32
+    pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
+    wide_ids, wide = _step([([0, 1], 0, step.tokens(16)), ([4, 5], 0, step.tokens(24))], "cpu")
     pieces.load(wide_ids, wide)  # an earlier step of 40 tokens leaves real slots in rows 27..39
-    size = pieces.load(input_ids, batch)
+    size = pieces.load(step.input_ids, step.batch)
     assert size == 32 and pieces.slot_mapping[n:size].eq(NUM_BLOCKS * BLOCK_SIZE).all()
     assert pieces.slot_mapping[size] != NUM_BLOCKS * BLOCK_SIZE  # beyond the size: not the step's
     residual = pieces.piece(0, size, None)
     for i, layer in enumerate(pieces.layers):
-        layer.attn.attend(pieces.q[:n], batch, out=pieces.attn[:n])
+        layer.attn.attend(pieces.q[:n], step.batch, out=pieces.attn[:n])
         residual = pieces.piece(i + 1, size, residual)
     assert residual is None
-    torch.testing.assert_close(pieces.hidden[:n], eager, atol=2e-5, rtol=2e-5)
-    for cut, full, old in zip([torch.stack([k, v]) for k, v in runner.kv_caches], eager_caches, before):
-        torch.testing.assert_close(cut[:, :6], full[:, :6], atol=2e-5, rtol=2e-5)
-        assert torch.equal(cut[:, 6:NUM_BLOCKS], old[:, 6:NUM_BLOCKS])  # nobody's blocks: untouched
-        assert not torch.equal(cut[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
+    step.assert_matches_eager(pieces.hidden[:n])
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe"])
@@ -121,30 +137,9 @@ def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, requ
     """cudagraph_mode FULL's forward (runtime/mixed_graphs.py; on a CPU, the same forward eagerly):
     a mixed step loaded after a larger one (which left real slots, sequences and blocks in the
     buffers) gives the model's hidden states and KV cache, and writes only the scratch block besides."""
-    artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
-    manifest = art.read_manifest(artifact)
-    runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
-                         torch.device("cpu"))
-    runner.kv_caches = allocate_kv_caches(manifest, whole_model_layout(manifest.model), NUM_BLOCKS + 1, BLOCK_SIZE,
-                                          torch.device("cpu"))
-    runner.model.bind_kv_caches(runner.kv_caches)
-    model = runner.model
-    gen = torch.Generator().manual_seed(0)
-    tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
-    model(*_step([([0, 1], 0, tokens(20)), ([2], 0, tokens(3)), ([3], 0, tokens(9))], "cpu"))  # cached prefixes
-    for k, v in runner.kv_caches:
-        k[6:].fill_(7.0)
-        v[6:].fill_(7.0)
-    input_ids, batch = _step([([0, 1], 20, tokens(7)), ([2], 3, [11]), ([4, 5], 0, tokens(18)), ([3], 9, [12])], "cpu")
-    n = batch.num_tokens  # 27: padded to 32
-    before = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
-    eager = model(input_ids, batch)
-    eager_caches = [torch.stack([k, v]).clone() for k, v in runner.kv_caches]
-    for (k, v), saved in zip(runner.kv_caches, before):
-        k.copy_(saved[0])
-        v.copy_(saved[1])
-
-    graphs = MixedGraphs(model, [8, 16, 32, 48], 5, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    step = MixedStep(family, request, tmp_path)
+    batch, tokens = step.batch, step.tokens
+    graphs = MixedGraphs(step.model, [8, 16, 32, 48], 5, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
     wide_ids, wide = _step([([0, 1], 0, tokens(16)), ([6], 0, tokens(9)), ([7], 0, tokens(2)), ([8], 0, tokens(5)),
                             ([9], 0, tokens(8))], "cpu")
     graphs.load(wide_ids, wide)  # an earlier step of 40 tokens in 5 sequences: real slots, blocks and lengths
@@ -153,16 +148,12 @@ def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, requ
     assert graphs.can_run(batch) and graphs.can_run(wide)
     assert not graphs.can_run(six) and not graphs.can_run(too_long)  # 6 sequences of 5; 49 tokens of 48
     assert not graphs.can_run(dataclasses.replace(batch, max_context_len=MAX_MODEL_LEN + 1))
-    hidden = graphs.run(input_ids, batch)
-    assert graphs.slot_mapping[n:32].eq(NUM_BLOCKS * BLOCK_SIZE).all()
+    hidden = graphs.run(step.input_ids, batch)
+    assert graphs.slot_mapping[batch.num_tokens:32].eq(NUM_BLOCKS * BLOCK_SIZE).all()
     per_block = graphs.queries_per_block  # the step's blocks, then the padding sequence's (5)
     seqs = [seq for seq, n_new in enumerate(batch.query_lens) for _ in range(-(-n_new // per_block))]
     assert graphs.batch(32).prefill_index.block_seqs.tolist() == seqs + [5] * (graphs.num_blocks[32] - len(seqs))
-    torch.testing.assert_close(hidden, eager, atol=2e-5, rtol=2e-5)
-    for whole, full, old in zip([torch.stack([k, v]) for k, v in runner.kv_caches], eager_caches, before):
-        torch.testing.assert_close(whole[:, :6], full[:, :6], atol=2e-5, rtol=2e-5)
-        assert torch.equal(whole[:, 6:NUM_BLOCKS], old[:, 6:NUM_BLOCKS])  # nobody's blocks: untouched
-        assert not torch.equal(whole[:, NUM_BLOCKS], old[:, NUM_BLOCKS])  # the padding rows wrote here
+    step.assert_matches_eager(hidden)
 
 
 def test_cudagraph_mode_takes_vllms_names(tiny_llama, tmp_path):
