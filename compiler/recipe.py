@@ -147,11 +147,14 @@ def _check(recipe: Recipe) -> None:
 def _check_runtime_target(recipe: Recipe) -> None:
     """Runtime settings the target cannot run, refused at build time rather than on every start: the
     memory knobs of the torch runtime have no meaning for an ONNX model (float32 KV per sequence slot),
-    and multi-step decoding runs on onnx-cpu only, without speculation."""
-    from llmc.runtime.options import multi_step_problem
+    multi-step decoding runs on onnx-cpu only, without speculation, and parallel ranks capture decode
+    graphs only."""
+    from llmc.runtime.options import graph_mode_problem, multi_step_problem
 
     problem = multi_step_problem(recipe.runtime, recipe.target.device == "onnx-cpu")
     if problem is not None:
+        raise RecipeError(f"runtime.{problem}")
+    if (problem := graph_mode_problem(recipe.runtime, recipe.parallel.tensor * recipe.parallel.pipeline)) is not None:
         raise RecipeError(f"runtime.{problem}")
     if recipe.target.device != "onnx-cpu":
         return

@@ -233,8 +233,7 @@ def paged_attention(
         )
 
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
-        lens = prefill_index.query_lens.tolist()
-        query_lens = lens[: lens.index(0)]  # the padding sequence's 0 ends the step's sequences
+        query_lens = prefill_index.query_lens.tolist()[: prefill_index.pad_seq]  # unused ones: 0 queries
         context_lens, out = context_lens[: len(query_lens)], prefill_index.out[: q.shape[0]]
     out = torch.empty_like(q) if out is None else out
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -242,6 +241,8 @@ def paged_attention(
     group = num_heads // num_kv_heads
     start = 0
     for seq, (context_len, query_len) in enumerate(zip(context_lens.tolist(), query_lens)):
+        if query_len == 0:  # nothing to compute (a PrefillIndex's unused sequences)
+            continue
         num_blocks = -(-context_len // block_size)
         blocks = block_tables[seq, :num_blocks].long()
         k = k_cache[blocks].flatten(0, 1)[:context_len]  # [context_len, num_kv_heads, head_dim]

@@ -148,6 +148,15 @@ def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> in
             + len(sizes) * (model_config.num_layers + 1) * GRAPH_BYTES_PER_PIECE)
 
 
+def mixed_graph_index_bytes(runtime: RuntimeDefaults, sizes: list[int]) -> int:
+    """What cudagraph_mode FULL's graphs hold beyond piecewise_allowance_bytes: their block-table
+    buffer, a row per sequence a captured step may hold (runtime/mixed_graphs.py), ~16 MB at 512
+    sequences of 128K tokens in 16-token blocks. 0 in other modes."""
+    if not sizes or not runtime.graph_modes.has_full_mixed:
+        return 0
+    return (min(runtime.max_num_seqs, max(sizes)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
+
+
 def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes: int, activation_bytes: int,
             graph_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int) -> MemoryEstimate:
     """The KV cache that fits in total × utilization beside the rest, in whole blocks."""
@@ -182,13 +191,14 @@ def estimate(
     max_model_len: int,
     use_graphs: bool,
     piece_sizes: list[int] = (),
+    extra_graph_bytes: int = 0,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula, CUDA_CONTEXT_BYTES for other, and the
     graph allowance for the buckets the compiler plans (decode graphs with use_graphs; piecewise graphs
     of piece_sizes tokens)."""
     activations = activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
     graphs = graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len) if use_graphs else 0
-    graphs += piecewise_allowance_bytes(model, list(piece_sizes))
+    graphs += piecewise_allowance_bytes(model, list(piece_sizes)) + extra_graph_bytes
     return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)
 
@@ -206,7 +216,7 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
             runtime.max_num_seqs, runtime.max_model_len, use_graphs=decode_graphs,
-            piece_sizes=piece_sizes,
+            piece_sizes=piece_sizes, extra_graph_bytes=mixed_graph_index_bytes(runtime, piece_sizes),
         )
         for layout in all_rank_layouts(model, parallel)
     ]

@@ -15,7 +15,8 @@ A graph of `size` tokens serves any step of n <= size tokens in at most `max_seq
     their attention output is what the buffer held (finite), and their outputs are dropped.
 The prefill kernel does not split a sequence's keys across programs as the decode kernel does, so a
 decode row with a long context would take one program per KV head through all of it: steps whose
-longest context exceeds MAX_CONTEXT run the piecewise graphs (or eagerly) instead.
+longest context exceeds MAX_CONTEXT run eagerly instead (FULL captures no piecewise graphs, as vLLM's
+FULL has none).
 
 NOTE (buffers): what the host sets per step is in static buffers: token ids, positions, slots,
 context lengths and block-table rows (device-to-device copies of the step's own buffers), and the

@@ -71,10 +71,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         )
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
-    if options.graph_modes.cudagraph_mode in ("PIECEWISE", "FULL") and manifest.parallel.world_size > 1:
-        raise ConfigError(f"compilation_config.cudagraph_mode {options.graph_modes.cudagraph_mode}: the ranks of a "
-                          f"{manifest.parallel.world_size}-way artifact capture decode graphs only, and run other steps "
-                          "eagerly; use FULL_DECODE_ONLY (what FULL_AND_PIECEWISE gives them) or NONE")
+    if (problem := graph_mode_problem(options, manifest.parallel.world_size)) is not None:
+        raise ConfigError(problem)
     if is_onnx(manifest):
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
@@ -118,6 +116,17 @@ def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> N
     problem = multi_step_problem(options, is_onnx(manifest))
     if problem is not None:
         raise ConfigError(problem)
+
+
+def graph_mode_problem(options: art.RuntimeDefaults, world_size: int) -> str | None:
+    """What is wrong with compilation_config.cudagraph_mode for ranks of a world_size-way artifact (the
+    build checks a recipe's too)."""
+    mode = options.graph_modes.cudagraph_mode
+    if mode in ("PIECEWISE", "FULL") and world_size > 1:
+        return (f"compilation_config.cudagraph_mode {mode}: the ranks of a {world_size}-way artifact capture decode "
+                "graphs only, and run other steps eagerly; use FULL_DECODE_ONLY (what FULL_AND_PIECEWISE gives them) "
+                "or NONE")
+    return None
 
 
 def multi_step_problem(options: art.RuntimeDefaults, onnx: bool) -> str | None:

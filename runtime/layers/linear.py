@@ -35,15 +35,19 @@ class Linear(nn.Module):
         params = {name: getattr(self, name) for name in self.param_names}
         return params if self.dense is None else {**params, "dense": self.dense}
 
-    def dequantize_once(self) -> int:
-        """On a CPU, after the weights load (and after interleave_gate_up): an int-weight format's
-        weight dequantized once into the compute dtype, which `apply` then multiplies by, instead of
-        dequantizing it in every forward (the CPU's only int path: ~8x slower decode). Returns the
-        bytes it holds (0 where nothing was done: other formats, GPUs)."""
+    def dense_bytes(self) -> int:
+        """What dequantize_once would hold: an int-weight format's weight in the compute dtype, on a CPU
+        (0 for other formats, and on GPUs)."""
         if not isinstance(self.fmt, IntWeightFormat) or self.qweight.device.type != "cpu":
             return 0
+        return self.out_features * self.in_features * self.fmt.dtype.itemsize
+
+    def dequantize_once(self) -> None:
+        """On a CPU, after the weights load (and after interleave_gate_up): an int-weight format's
+        weight dequantized once into the compute dtype, which `apply` then multiplies by, instead of
+        dequantizing it in every forward (the CPU's only int path: ~8x slower decode). Only where
+        dense_bytes() > 0."""
         self.dense = self.fmt.dequantize(self.params(), self.in_features).to(self.fmt.dtype)
-        return self.dense.numel() * self.dense.element_size()
 
     def interleave_gate_up(self) -> bool:
         """A gate_up projection's rows reordered for `silu_mul`, once, after its weights load: whether

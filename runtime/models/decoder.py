@@ -32,6 +32,18 @@ from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 logger = logging.getLogger("llmc")
 
 
+def available_memory_bytes() -> int | None:
+    """The host memory the kernel says is available (MemAvailable), or None where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype,
                  layout: RankLayout | None = None, tp_group=None):
@@ -224,11 +236,20 @@ class DecoderModel(nn.Module):
         for layer in self.layers.values():
             if not layer.is_moe:
                 layer.mlp.interleave_gate_up()
-        dense_bytes = sum(module.dequantize_once() for module in self.modules()
-                          if isinstance(module, (Linear, ExpertLinears)))
-        if dense_bytes:
-            logger.info("int weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
-                        "packed)", dense_bytes / 2**20, self.config.dtype)
+        int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
+        dense_bytes = sum(m.dense_bytes() for m in int_modules)
+        if not dense_bytes:
+            return
+        available = available_memory_bytes()
+        if available is not None and dense_bytes > available // 2:
+            logger.info("int weights stay packed on the CPU and are dequantized in every forward (several times "
+                        "slower): a %s copy would take %.1f GiB of the %.1f GiB available; an onnx-cpu build keeps "
+                        "them packed and fast", self.config.dtype, dense_bytes / 2**30, available / 2**30)
+            return
+        for module in int_modules:
+            module.dequantize_once()
+        logger.info("int weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
+                    "packed)", dense_bytes / 2**20, self.config.dtype)
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:

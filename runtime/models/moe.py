@@ -58,13 +58,18 @@ class ExpertLinears(nn.Module):
         params = {name: getattr(self, name)[expert] for name in self.param_names}
         return params if self.dense is None else {**params, "dense": self.dense[expert]}
 
-    def dequantize_once(self) -> int:
-        """As Linear.dequantize_once, for every expert: the bytes held (0: not done)."""
+    def dense_bytes(self) -> int:
+        """As Linear.dense_bytes, for every expert."""
         if not isinstance(self.fmt, IntWeightFormat) or getattr(self, self.param_names[0]).device.type != "cpu":
             return 0
-        self.dense = torch.stack([self.fmt.dequantize(self._expert_params(e), self.in_features)
-                                  for e in range(self.num_experts)]).to(self.fmt.dtype)
-        return self.dense.numel() * self.dense.element_size()
+        return self.num_experts * self.out_features * self.in_features * self.fmt.dtype.itemsize
+
+    def dequantize_once(self) -> None:
+        """As Linear.dequantize_once, for every expert, one at a time into the stacked tensor."""
+        dense = torch.empty(self.num_experts, self.out_features, self.in_features, dtype=self.fmt.dtype)
+        for expert in range(self.num_experts):
+            dense[expert] = self.fmt.dequantize(self._expert_params(expert), self.in_features)
+        self.dense = dense
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, format={self.fmt.spec()}"

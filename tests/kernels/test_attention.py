@@ -1,6 +1,7 @@
 """Paged attention (decode, prefill / chunked prefill, GQA, sliding window) and the KV-cache write
 with the rotary embedding of q and k before it."""
 
+import dataclasses
 import math
 
 import pytest
@@ -130,6 +131,35 @@ def test_prefill_index_runs_a_padded_mixed_step_from_device_tensors(dot_case, re
     assert out.data_ptr() == index.out.data_ptr()
     assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
     assert torch.equal(out[n:].cpu(), torch.full((size - n, num_heads, head_dim), 5.0, dtype=dtype))
+    # the torch path (CPU tensors) reads the same index: the same rows, the padding rows untouched
+    cpu_index = dataclasses.replace(index, **{f: getattr(index, f).cpu() for f in
+                                              ("query_lens", "first_rows", "block_seqs", "block_starts")},
+                                    out=torch.full((size, num_heads, head_dim), 5.0, dtype=torch.float64))
+    as64 = lambda t: t.cpu().double()  # noqa: E731
+    torch_out = attention.paged_attention(as64(q_padded), as64(k_cache), as64(v_cache), tables.cpu(), ctx_all.cpu(),
+                                          [size], head_dim**-0.5, window, prefill_index=cpu_index)
+    assert torch.equal(torch_out[:n], expected) and torch.equal(torch_out[n:], cpu_index.out[n:])
+
+
+def test_prefill_index_skips_a_sequence_with_no_query_on_either_path() -> None:
+    """A sequence of 0 queries between two others (the engine schedules none, a caller may): the
+    Triton kernel (interpreter) and the torch path both give the other sequences' rows."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    context_lens, query_lens = [5, 9, 4], [3, 0, 2]
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 4, 2, 16, 4, torch.float32, "cpu")
+    blocks = attention.prefill_blocks(query_lens, attention.prefill_queries_per_block(2))
+    index = lambda: attention.PrefillIndex(  # noqa: E731
+        query_lens=lens(query_lens + [0], "cpu"), first_rows=lens([0, 3, 3, 0], "cpu"),
+        block_seqs=lens([s for s, _ in blocks] + [3], "cpu"), block_starts=lens([b for _, b in blocks] + [0], "cpu"),
+        queries_per_block=attention.prefill_queries_per_block(2), out=torch.full((6, 4, 16), 9.0))
+    tables, ctx = torch.cat([block_tables, block_tables[:1]]), lens(context_lens + [0], "cpu")
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, 0.25, None).float()
+    q6 = torch.cat([q, torch.zeros(1, 4, 16)])
+    for out in (paged_attention(q6, k_cache, v_cache, tables, ctx, [6], 0.25, prefill_index=index()),
+                attention.paged_attention(q6, k_cache, v_cache, tables, ctx, [6], 0.25, prefill_index=index())):
+        torch.testing.assert_close(out[:5], expected, atol=1e-5, rtol=1e-5)
+        assert out[5].eq(9.0).all()
 
 
 def test_decode_split_spreads_few_sequences_over_the_sms() -> None:

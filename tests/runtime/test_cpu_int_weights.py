@@ -47,3 +47,25 @@ def test_int_weights_dequantized_once_give_the_per_call_results(case, request, t
     assert [o.token_ids for o in once] == [o.token_ids for o in per_call]
     assert [o.logprobs for o in once] == [o.logprobs for o in per_call]  # bit for bit: the same dequantized values
     assert prompt_once == prompt_per_call
+
+
+def test_without_the_memory_for_a_copy_int_weights_stay_packed(tiny_llama, tmp_path, caplog, monkeypatch):
+    """Where the float copy would take more than half the available memory, each forward dequantizes
+    (as before), with a line that says so; the outputs are the same."""
+    from llmc.runtime.models import decoder
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(out), "dtype": "bfloat16", "target": {"device": "cpu"},
+                            "quantization": {"method": "rtn", "bits": 4, "group_size": 32},
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": list(range(5, 25))}
+    with LLM(out, device="cpu") as llm:
+        expected = llm.generate([prompt], params)[0].outputs[0]
+    monkeypatch.setattr(decoder, "available_memory_bytes", lambda: 1000)
+    with caplog.at_level(logging.INFO, logger="llmc"), LLM(out, device="cpu") as llm:
+        modules = [m for m in llm.engine.runner.model.modules() if isinstance(m, Linear) and m.dense_bytes()]
+        assert modules and all(m.dense is None for m in modules)
+        output = llm.generate([prompt], params)[0].outputs[0]
+    assert "int weights stay packed on the CPU" in caplog.text
+    assert output.token_ids == expected.token_ids and output.logprobs == expected.logprobs

@@ -88,7 +88,8 @@ def test_the_plan_holds_the_pieces_allowance_where_they_are_captured():
     pieces = memory.piecewise_allowance_bytes(MODEL, memory.piecewise_sizes(512, 2048))
     assert plan() == decode_only + pieces
     assert plan(compilation_config=art.CompilationConfig("PIECEWISE")) == pieces
-    assert plan(compilation_config=art.CompilationConfig("FULL")) == decode_only + pieces  # whole graphs: same bound
+    # whole graphs: the same bound, and their block-table buffer (8192 / 16 blocks for 65 sequences)
+    assert plan(compilation_config=art.CompilationConfig("FULL")) == decode_only + pieces + 65 * 512 * 4
     assert plan(compilation_config=art.CompilationConfig("NONE")) == 0 == plan(enforce_eager=True)
     assert plan(cpu_offload_gb=1.0) == decode_only  # offloaded layers: no pieces
     # the 512-token step's intermediates (two pieces' worth) dominate: ~143 MB for an 8B (44-134 MiB measured)

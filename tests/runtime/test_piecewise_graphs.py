@@ -9,7 +9,7 @@ import torch
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ConfigError
+from llmc.errors import ConfigError, RecipeError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
@@ -207,6 +207,10 @@ def test_parallel_artifacts_refuse_graphs_of_other_steps(tiny_llama, tmp_path):
     for mode in ("PIECEWISE", "FULL"):
         with pytest.raises(ConfigError, match=f"{mode}: the ranks of a 2-way artifact capture decode graphs only"):
             resolve_options(manifest, {"compilation_config": {"cudagraph_mode": mode}})
+        with pytest.raises(RecipeError, match=f"runtime.compilation_config.cudagraph_mode {mode}: the ranks of a "
+                                              "2-way artifact"):  # refused at build time, not on every start
+            recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "b"), "parallel": {"tensor": 2},
+                              "runtime": {"compilation_config": {"cudagraph_mode": mode.lower()}}})
     assert resolve_options(manifest, {"compilation_config": {"cudagraph_mode": "FULL_DECODE_ONLY"}})
 
 
