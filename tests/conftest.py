@@ -13,6 +13,7 @@ helper here is reachable through a fixture:
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
 * ``free_gpu``: after the test, collect garbage and empty torch's CUDA cache
+* ``forward_step`` -> :func:`forward_step` (a model step's ids and ForwardBatch, from sequences)
 
 The checkpoints are written exactly as ``save_pretrained`` writes them (transformers 5 writes
 ``rope_parameters``; pass ``legacy_rope_keys=True`` for the older ``rope_theta`` + ``rope_scaling``
@@ -351,6 +352,33 @@ def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # fixtures
+
+
+def forward_step(seqs: Sequence[tuple[list[int], int, list[int]]], device="cpu", block_size: int = 16):
+    """(input_ids, ForwardBatch) of one model step over sequences given as (block ids, tokens already
+    cached, new token ids): slots from the block ids, block tables padded with block 0."""
+    from llmc.runtime.forward_batch import ForwardBatch
+
+    ids, positions, slots, context_lens, query_lens = [], [], [], [], []
+    tables = torch.zeros(len(seqs), max(len(blocks) for blocks, _, _ in seqs), dtype=torch.int32)
+    for row, (blocks, start, new) in enumerate(seqs):
+        ids += new
+        positions += range(start, start + len(new))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + len(new))]
+        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        context_lens.append(start + len(new))
+        query_lens.append(len(new))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
+    batch = ForwardBatch(positions=as_long(positions), slot_mapping=as_long(slots), block_tables=tables.to(device),
+                         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+                         query_lens=query_lens, max_context_len=max(context_lens),
+                         logits_indices=torch.arange(len(ids), device=device))
+    return as_long(ids), batch
+
+
+@pytest.fixture(scope="session", name="forward_step")
+def _forward_step_fixture():
+    return forward_step
 
 
 @pytest.fixture(scope="session")

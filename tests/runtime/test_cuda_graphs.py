@@ -9,7 +9,6 @@ from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime import artifact as art
 from llmc.runtime.cuda_graphs import StaticInputs, can_use_graphs, graph_batch_sizes, padded_batch_size
-from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.model_runner import ModelRunner, allocate_kv_caches
 from llmc.runtime.options import resolve_options
 from llmc.runtime.parallel.layout import whole_model_layout
@@ -51,32 +50,12 @@ def test_graphs_need_cuda_and_no_enforce_eager():
     assert can_use_graphs(torch.device("cuda"), enforce_eager=False)  # triton is installed here
 
 
-def _step(seqs: list[tuple[list[int], int, list[int]]], device) -> tuple[torch.Tensor, ForwardBatch]:
-    """(input_ids, ForwardBatch) of sequences given as (block ids, tokens already cached, new tokens)."""
-    ids, positions, slots, context_lens, query_lens = [], [], [], [], []
-    width = max(len(blocks) for blocks, _, _ in seqs)
-    tables = torch.zeros(len(seqs), width, dtype=torch.int32)
-    for row, (blocks, start, new) in enumerate(seqs):
-        ids += new
-        positions += range(start, start + len(new))
-        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(new))]
-        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        context_lens.append(start + len(new))
-        query_lens.append(len(new))
-    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    batch = ForwardBatch(positions=as_long(positions), slot_mapping=as_long(slots), block_tables=tables.to(device),
-                         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-                         query_lens=query_lens, max_context_len=max(context_lens),
-                         logits_indices=torch.arange(len(ids), device=device))
-    return as_long(ids), batch
-
-
 # three sequences: (blocks, prompt length); blocks FIRST_FREE_BLOCK..NUM_BLOCKS-1 belong to nobody
 SEQS = [([0], 5), ([1, 2], 20), ([3, 4, 5], 33)]
 FIRST_FREE_BLOCK = 6
 
 
-def _prefilled_runner(artifact, device, **overrides):
+def _prefilled_runner(artifact, device, forward_step, **overrides):
     """A runner whose cache holds the three prompts and a scratch block (NUM_BLOCKS) as the graphs
     keep one, the other blocks filled with a sentinel; plus the decode step that follows."""
     manifest = art.read_manifest(artifact)
@@ -89,11 +68,11 @@ def _prefilled_runner(artifact, device, **overrides):
     gen = torch.Generator().manual_seed(0)
     prompts = [(blocks, 0, torch.randint(5, 4000, (n,), generator=gen).tolist()) for blocks, n in SEQS]
     with torch.inference_mode():
-        runner.model(*_step(prompts, device))
+        runner.model(*forward_step(prompts, device))
     for k, v in runner.kv_caches:  # nobody's blocks and the scratch block
         k[FIRST_FREE_BLOCK:].fill_(7.0)
         v[FIRST_FREE_BLOCK:].fill_(7.0)
-    decode = _step([(blocks, n, [100 + i]) for i, (blocks, n) in enumerate(SEQS)], device)
+    decode = forward_step([(blocks, n, [100 + i]) for i, (blocks, n) in enumerate(SEQS)], device)
     return runner, decode
 
 
@@ -117,15 +96,15 @@ def _check_padding_is_harmless(runner, eager_hidden, eager_caches, padded_hidden
 
 
 @torch.inference_mode()
-def test_padding_rows_write_only_the_scratch_block_and_change_no_result(artifact):
+def test_padding_rows_write_only_the_scratch_block_and_change_no_result(artifact, forward_step):
     """The graphs' padded step, run eagerly on the CPU: 3 sequences in a batch of 4."""
-    runner, (input_ids, batch) = _prefilled_runner(artifact, "cpu")
+    runner, (input_ids, batch) = _prefilled_runner(artifact, "cpu", forward_step)
     before = _snapshot(runner)
     eager_hidden = runner.model(input_ids, batch)
     eager_caches = _snapshot(runner)
     _restore(runner, before)
     static = StaticInputs(8, MAX_MODEL_LEN // BLOCK_SIZE, NUM_BLOCKS, BLOCK_SIZE, torch.device("cpu"))
-    wide_ids, wide = _step([(blocks, n, [7]) for blocks, n in SEQS + SEQS[:2]], "cpu")
+    wide_ids, wide = forward_step([(blocks, n, [7]) for blocks, n in SEQS + SEQS[:2]], "cpu")
     static.load(wide_ids, wide, 8)  # an earlier step of 5 leaves real sequences in rows 3 and 4
     static.load(input_ids, batch, 4)
     assert static.slot_mapping[3] == NUM_BLOCKS * BLOCK_SIZE and static.context_lens[3] == 1
@@ -140,8 +119,8 @@ def test_padding_rows_write_only_the_scratch_block_and_change_no_result(artifact
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_graph_replay_matches_eager_and_leaves_other_blocks_alone(artifact, free_gpu):
-    runner, (input_ids, batch) = _prefilled_runner(artifact, "cuda")
+def test_graph_replay_matches_eager_and_leaves_other_blocks_alone(artifact, free_gpu, forward_step):
+    runner, (input_ids, batch) = _prefilled_runner(artifact, "cuda", forward_step)
     assert runner.graphs is not None and runner.graphs.batch_sizes == [1, 2, 4, 8]
     before = _snapshot(runner)
     with torch.inference_mode():

@@ -12,7 +12,6 @@ from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ConfigError, RecipeError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
-from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.model_runner import ModelRunner, allocate_kv_caches
 from llmc.runtime.options import resolve_options
 from llmc.runtime.parallel.layout import whole_model_layout
@@ -29,25 +28,6 @@ def _artifact(checkpoint, out, dtype="float32", **quantization):
                             "quantization": quantization or {"method": "none"},
                             "runtime": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": 8}}), show_progress=False)
     return out
-
-
-def _step(seqs, device) -> tuple[torch.Tensor, ForwardBatch]:
-    """(input_ids, ForwardBatch) of sequences given as (block ids, tokens already cached, new tokens)."""
-    ids, positions, slots, context_lens, query_lens = [], [], [], [], []
-    tables = torch.zeros(len(seqs), max(len(b) for b, _, _ in seqs), dtype=torch.int32)
-    for row, (blocks, start, new) in enumerate(seqs):
-        ids += new
-        positions += range(start, start + len(new))
-        slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + len(new))]
-        tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        context_lens.append(start + len(new))
-        query_lens.append(len(new))
-    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-    batch = ForwardBatch(positions=as_long(positions), slot_mapping=as_long(slots), block_tables=tables.to(device),
-                         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-                         query_lens=query_lens, max_context_len=max(context_lens),
-                         logits_indices=torch.arange(len(ids), device=device))
-    return as_long(ids), batch
 
 
 def test_capture_sizes_stop_at_the_bound_and_the_token_budget():
@@ -69,7 +49,7 @@ class MixedStep:
     a mixed step of 27 tokens (a prompt chunk after a cached prefix, a fresh prompt, two decode rows)
     whose hidden states and KV cache the model's own forward gave, the cache then put back."""
 
-    def __init__(self, family, request, tmp_path):
+    def __init__(self, family, request, tmp_path, forward_step):
         artifact = _artifact(request.getfixturevalue(family), tmp_path / "a")
         manifest = art.read_manifest(artifact)
         self.runner = ModelRunner(artifact, manifest, resolve_options(manifest, {"num_kv_blocks": NUM_BLOCKS}),
@@ -83,12 +63,13 @@ class MixedStep:
             assert all(layer.attn.sliding_window == 8 for layer in model.layers.values())
         gen = torch.Generator().manual_seed(0)
         self.tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
-        model(*_step([([0, 1], 0, self.tokens(20)), ([2], 0, self.tokens(3)), ([3], 0, self.tokens(9))], "cpu"))
+        prefixes = [([0, 1], 0, self.tokens(20)), ([2], 0, self.tokens(3)), ([3], 0, self.tokens(9))]
+        model(*forward_step(prefixes, "cpu"))
         for k, v in self.runner.kv_caches:
             k[6:].fill_(7.0)
             v[6:].fill_(7.0)
-        self.input_ids, self.batch = _step([([0, 1], 20, self.tokens(7)), ([2], 3, [11]), ([4, 5], 0, self.tokens(18)),
-                                            ([3], 9, [12])], "cpu")
+        self.input_ids, self.batch = forward_step([([0, 1], 20, self.tokens(7)), ([2], 3, [11]),
+                                                   ([4, 5], 0, self.tokens(18)), ([3], 9, [12])], "cpu")
         self.before = self.caches()
         self.eager = model(self.input_ids, self.batch)
         self.eager_caches = self.caches()
@@ -110,15 +91,16 @@ class MixedStep:
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral", "tiny_qwen3_moe"])
 @torch.inference_mode()
-def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path):
+def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path,
+                                                                                       forward_step):
     """The pieces of a mixed step run in order with each layer's attention between them, padded to a
     larger size whose padding rows hold an earlier step's tokens: the hidden states and the KV cache
     of the model's forward, and only the scratch block written besides (qk_norm, a sliding window, MoE
     layers)."""
-    step = MixedStep(family, request, tmp_path)
+    step = MixedStep(family, request, tmp_path, forward_step)
     n = step.batch.num_tokens  # 27: padded to 32
     pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
-    wide_ids, wide = _step([([0, 1], 0, step.tokens(16)), ([4, 5], 0, step.tokens(24))], "cpu")
+    wide_ids, wide = forward_step([([0, 1], 0, step.tokens(16)), ([4, 5], 0, step.tokens(24))], "cpu")
     pieces.load(wide_ids, wide)  # an earlier step of 40 tokens leaves real slots in rows 27..39
     size = pieces.load(step.input_ids, step.batch)
     assert size == 32 and pieces.slot_mapping[n:size].eq(NUM_BLOCKS * BLOCK_SIZE).all()
@@ -133,18 +115,18 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
 
 @pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe"])
 @torch.inference_mode()
-def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path):
+def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path, forward_step):
     """cudagraph_mode FULL's forward (runtime/mixed_graphs.py; on a CPU, the same forward eagerly):
     a mixed step loaded after a larger one (which left real slots, sequences and blocks in the
     buffers) gives the model's hidden states and KV cache, and writes only the scratch block besides."""
-    step = MixedStep(family, request, tmp_path)
+    step = MixedStep(family, request, tmp_path, forward_step)
     batch, tokens = step.batch, step.tokens
     graphs = MixedGraphs(step.model, [8, 16, 32, 48], 5, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
-    wide_ids, wide = _step([([0, 1], 0, tokens(16)), ([6], 0, tokens(9)), ([7], 0, tokens(2)), ([8], 0, tokens(5)),
+    wide_ids, wide = forward_step([([0, 1], 0, tokens(16)), ([6], 0, tokens(9)), ([7], 0, tokens(2)), ([8], 0, tokens(5)),
                             ([9], 0, tokens(8))], "cpu")
     graphs.load(wide_ids, wide)  # an earlier step of 40 tokens in 5 sequences: real slots, blocks and lengths
-    six = _step([([b], 0, tokens(2)) for b in range(6)], "cpu")[1]
-    too_long = _step([([0, 1, 2, 4], 0, tokens(49))], "cpu")[1]
+    six = forward_step([([b], 0, tokens(2)) for b in range(6)], "cpu")[1]
+    too_long = forward_step([([0, 1, 2, 4], 0, tokens(49))], "cpu")[1]
     assert graphs.can_run(batch) and graphs.can_run(wide)
     assert not graphs.can_run(six) and not graphs.can_run(too_long)  # 6 sequences of 5; 49 tokens of 48
     assert not graphs.can_run(dataclasses.replace(batch, max_context_len=MAX_MODEL_LEN + 1))
