@@ -374,10 +374,9 @@ def _one_completion(llm, prompt: str, chat: bool, params) -> None:
 def eval_command(artifact: str, data: str, seq_len: int, max_windows: int | None, compare_with: str | None,
                  kv_cache_dtype: str | None, device: str | None, as_json: bool) -> None:
     """Perplexity of ARTIFACT on a text file (GPTQ-paper protocol), optionally compared with another artifact."""
-    from llmc.runtime.evaluate import evaluate, perplexity_windows
+    from llmc.runtime.evaluate import check_data_file, evaluate, perplexity_windows
 
-    if not Path(data).is_file():  # before any model loads
-        raise RequestError(f"--data: file {data} does not exist")
+    check_data_file(data)  # before any model loads
     # One sequence at a time: a KV cache of one window (in blocks of at least 8 tokens) is enough.
     options = {"max_model_len": seq_len, "num_kv_blocks": -(-seq_len // 8)}
     kv = {"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype else {}

@@ -16,17 +16,27 @@ from tqdm import tqdm
 from llmc.errors import RequestError
 
 
+def check_data_file(path: str | Path) -> None:
+    """A one-line error unless `path` is a regular file (what it is instead, when it exists)."""
+    path = Path(path)
+    if not path.exists():
+        raise RequestError(f"--data: file {path} does not exist")
+    if not path.is_file():
+        raise RequestError(f"--data: {path} is not a regular file; save the text to a file and give its path")
+
+
 def perplexity_windows(tokenizer, path: str | Path, seq_len: int, max_windows: int | None = None,
                        vocab_size: int | None = None) -> list[list[int]]:
     """The file's token ids in windows of seq_len; `vocab_size`: the model's, which every id must be below
     (a tokenizer that gives larger ids does not belong to the model)."""
     path = Path(path)
-    if not path.is_file():
-        raise RequestError(f"--data: file {path} does not exist")
+    check_data_file(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RequestError(f"--data: {path} is not UTF-8 text (byte {e.start}); give a text file") from None
+    if not text.strip():
+        raise RequestError(f"--data: {path} is empty; give a text file")
     token_ids = tokenizer.encode(text, verbose=False)
     if vocab_size is not None and token_ids and max(token_ids) >= vocab_size:
         raise RequestError(f"--data: the artifact's tokenizer gives token id {max(token_ids)}, but its model has "

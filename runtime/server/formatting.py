@@ -23,12 +23,15 @@ def decode_token(tokenizer, token_id: int) -> str:
 
 
 def completion_logprobs(tokenizer, entries: Iterable[TokenLogprobs], text_offset: int = 0,
-                        token_texts: list[str] | None = None) -> tuple[dict, int]:
+                        token_texts: list[str] | None = None, num_top: int | None = None) -> tuple[dict, int]:
     """The completions API's `logprobs` object for `entries`, and the text offset after them.
 
     `tokens[i]` is token i's text, `token_logprobs[i]` its logprob (None for the first prompt
     token, which has no context), `top_logprobs[i]` {token text: logprob} of the most likely
-    tokens plus the token itself, `text_offset[i]` where its text starts in the returned text.
+    tokens plus the token itself (the `num_top` best, when given: an echoed prompt's entries may
+    hold more, for prompt_logprobs), `text_offset[i]` where its text starts in the returned text.
+    Two tokens of one text (byte pieces that each decode to U+FFFD) keep the higher logprob, as
+    vLLM's do: lm-eval's is_greedy compares the token's logprob with the best of top_logprobs.
     `token_texts` overrides the text of the first entries (an echoed text prompt: the pieces of
     the text as sent, see `text_pieces`).
     """
@@ -44,10 +47,18 @@ def completion_logprobs(tokenizer, entries: Iterable[TokenLogprobs], text_offset
             top_logprobs.append(None)
             continue
         token_logprobs.append(json_logprob(logprobs[token_id]) if token_id in logprobs else None)
-        ranked = sorted(logprobs.items(), key=lambda item: item[1], reverse=True)
-        top_logprobs.append({decode_token(tokenizer, t): json_logprob(lp) for t, lp in ranked})
+        top: dict[str, float] = {}
+        for t in top_tokens(logprobs, token_id, num_top):
+            top.setdefault(decode_token(tokenizer, t), json_logprob(logprobs[t]))  # best first: the higher stays
+        top_logprobs.append(top)
     body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
     return body, text_offset
+
+
+def top_tokens(logprobs: dict, token_id: int, num_top: int | None) -> list[int]:
+    """The ids of `logprobs`, best first: all of them, or the `num_top` best and `token_id`."""
+    ranked = sorted(logprobs, key=logprobs.get, reverse=True)
+    return ranked if num_top is None else [t for i, t in enumerate(ranked) if i < num_top or t == token_id]
 
 
 def text_pieces(tokenizer, text: str, token_ids: list[int], add_special_tokens: bool) -> list[str] | None:
@@ -101,16 +112,17 @@ def usage_body(num_prompt: int, num_completion: int, num_cached: int) -> dict:
 
 def prompt_logprobs(tokenizer, output: RequestOutput, num_top: int) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} holding the `num_top` most likely tokens and the prompt token. `rank` is the
-    place in the whole vocabulary (1 = most likely), the prompt token's too: the engine's Logprob.rank."""
+    decoded_token}} holding the `num_top` most likely tokens and the prompt token (the engine may
+    hold more: echo + logprobs asks it for the larger k). `rank` is the place in the whole
+    vocabulary (1 = most likely), the prompt token's too: the engine's Logprob.rank."""
     if output.prompt_logprobs is None:
         return None
     entries: list[dict | None] = []
-    for candidates in output.prompt_logprobs:
+    for token_id, candidates in zip(output.prompt_token_ids, output.prompt_logprobs):
         if candidates is None:
             entries.append(None)
             continue
-        ranked = sorted(candidates, key=candidates.get, reverse=True)
+        ranked = top_tokens(candidates, token_id, num_top)
         entries.append({str(t): {"logprob": json_logprob(candidates[t]), "rank": _rank(candidates[t], i, num_top),
                                  "decoded_token": decode_token(tokenizer, t)} for i, t in enumerate(ranked)})
     return entries

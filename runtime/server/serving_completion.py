@@ -134,7 +134,7 @@ class _Reply:
     def _prompt_logprobs(self, output: RequestOutput) -> list | None:
         if self.request.prompt_logprobs is None:
             return None
-        return prompt_logprobs(self.ctx.tokenizer, output, self.params.prompt_logprobs)
+        return prompt_logprobs(self.ctx.tokenizer, output, self.request.prompt_logprobs)
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         choices = []
@@ -146,7 +146,8 @@ class _Reply:
                 body = None
                 if self.request.logprobs is not None:
                     entries = self._prompt_entries(output) + list(zip(token_ids, logprobs))
-                    body, _ = completion_logprobs(self.ctx.tokenizer, entries, token_texts=self._prompt_pieces(index))
+                    body, _ = completion_logprobs(self.ctx.tokenizer, entries, token_texts=self._prompt_pieces(index),
+                                                  num_top=self.request.logprobs)
                 choice = self._choice(index, completion, text, body)
                 if self.request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(output)
@@ -193,7 +194,8 @@ class _Reply:
         body = None
         if self.request.logprobs is not None:
             pieces = self._prompt_pieces(index) if is_first else None
-            body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0), pieces)
+            body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0), pieces,
+                                                     num_top=self.request.logprobs)
         chunk = {**self._header(), "choices": [self._choice(index, completion, delta_text, body)]}
         if self.request.continuous_usage:  # vLLM: this prompt's tokens and this sequence's so far
             chunk["usage"] = usage_body(len(output.prompt_token_ids), len(token_ids), output.num_cached_tokens)

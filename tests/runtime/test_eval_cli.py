@@ -40,6 +40,10 @@ def test_eval_options_out_of_range_are_usage_errors(artifacts, data_dir, tmp_pat
     assert isinstance(result.exception, RequestError) and "is not UTF-8 text" in str(result.exception)
     result = _eval(artifacts["ref"], "--data", tmp_path / "missing.txt")  # no model loads first
     assert isinstance(result.exception, RequestError) and "does not exist" in str(result.exception)
+    (tmp_path / "empty.txt").write_text(" \n")
+    for data, says in (("/dev/null", "is not a regular file"), (tmp_path / "empty.txt", "is empty")):
+        result = _eval(artifacts["ref"], "--data", data)
+        assert isinstance(result.exception, RequestError) and says in str(result.exception), result.output
     result = _eval(artifacts["ref"], "--data", heldout, "--seq-len", 4096)  # above the model's positions
     assert "--seq-len 4096" in str(result.exception), result.output
 

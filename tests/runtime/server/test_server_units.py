@@ -87,6 +87,39 @@ def test_completion_logprobs_shape_and_offsets():
     assert body["text_offset"] == [0, 3, 7] and end == 10
 
 
+def test_top_logprobs_keep_the_higher_of_two_tokens_of_one_text():
+    """Byte pieces that each decode to U+FFFD: the text's entry keeps the higher logprob (vLLM), so
+    lm-eval's is_greedy (the token's logprob against the best of top_logprobs) is False for token 5
+    when token 4, of the same text, is more likely."""
+    class Bytes(_Tokenizer):
+        def decode(self, token_ids, skip_special_tokens=False):
+            return "\ufffd" if token_ids[0] in (4, 5) else super().decode(token_ids)
+
+    body, _ = completion_logprobs(Bytes(), [(5, {4: -1.32, 5: -1.33, 9: -3.0})])
+    assert body["top_logprobs"] == [{"\ufffd": -1.32, "<9>": -3.0}]
+    assert body["token_logprobs"][0] < max(body["top_logprobs"][0].values())  # not greedy
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_keep_their_own_count():
+    """echo + logprobs 0 beside prompt_logprobs 3: the engine scores the prompt with the larger k, the
+    echo's top_logprobs show the token and its 0 best, prompt_logprobs its 3 best and the token."""
+    from llmc.runtime.outputs import Logprob
+    from llmc.runtime.server.formatting import prompt_logprobs
+
+    request = parse_body(CompletionRequest, {"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 0,
+                                             "prompt_logprobs": 3})
+    assert request.to_sampling_params({}).prompt_logprobs == 3
+    candidates = {7: Logprob(-3.0, 5), 1: Logprob(-0.5, 1), 2: Logprob(-1.0, 2), 3: Logprob(-2.0, 3)}
+    output = RequestOutput("r", "x", [9, 7], [CompletionOutput(0, "", [], None, None)], False,
+                           prompt_logprobs=[None, candidates])
+    body, _ = completion_logprobs(_Tokenizer(), [(9, None), (7, candidates)], num_top=request.logprobs)
+    assert body["top_logprobs"][1] == {"<7>": -3.0}
+    (_, entry) = prompt_logprobs(_Tokenizer(), output, request.prompt_logprobs)
+    assert list(entry) == ["1", "2", "3", "7"] and entry["7"]["rank"] == 5
+    (_, entry) = prompt_logprobs(_Tokenizer(), output, 1)
+    assert list(entry) == ["1", "7"]
+
+
 def test_chat_logprobs_keep_top_n():
     body = chat_logprobs(_Tokenizer(), [7], [{7: -2.0, 8: -0.1, 9: -1.0}], num_top=2)
     (entry,) = body["content"]
