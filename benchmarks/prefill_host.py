@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         graphs = {"compilation_config": {"cudagraph_mode": mode}} if mode else {}
         llm = LLM(path, device=args.device, max_num_seqs=16, disable_log_stats=True, **graphs)
         if getattr(llm.engine.runner, "pieces", None) is not None:  # no local: the next LLM needs this one's memory
-            print(f"{label}: piecewise graphs of {llm.engine.runner.pieces.sizes} tokens captured in "
+            print(f"{label}: graphs of prefill steps (piecewise, or whole under FULL) of "
+                  f"{llm.engine.runner.pieces.sizes} tokens captured in "
                   f"{llm.engine.runner.pieces.capture_seconds:.1f} s, {llm.engine.runner.pieces.graph_bytes / 2**20:.0f} "
                   "MiB", flush=True)
         rows = [measure(llm.engine, length, args, seed=length) for length in args.prompt_lens]
