@@ -68,7 +68,6 @@ class MixedGraphs:
         self.queries_per_block = prefill_queries_per_block(attn.num_heads // attn.num_kv_heads)
         self.num_blocks = {size: max_prefill_blocks(size, self.max_seqs, self.queries_per_block) for size in self.sizes}
         self.scratch_slot = scratch_block * block_size
-        self.scratch_block = scratch_block
         num_seqs = self.max_seqs + 1  # the last: the padding sequence, context 0 (never written)
         self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
         self.positions = torch.zeros(top, dtype=torch.long, device=device)
