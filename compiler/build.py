@@ -109,6 +109,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     spec = hf.model_spec_for(hf_config, model_dir)
     if hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias")):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
+    if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
+        raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
+                              "supported")
     hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
     _tokenizer_files(model_dir)
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype

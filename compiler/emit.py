@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import ArtifactError, LlmcError, RecipeError
+from llmc.errors import ArtifactError, CheckpointError, LlmcError, RecipeError
 
 logger = logging.getLogger("llmc")
 
@@ -69,6 +69,11 @@ class SafetensorsWriter:
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise RuntimeError(f"{name}: {tensor.dtype} {tuple(tensor.shape)} does not match its spec {dtype} {shape}")
         data = tensor.detach().contiguous().cpu().reshape(-1)
+        if data.is_floating_point() and data.element_size() >= 2 and not torch.isfinite(data).all():
+            limit = f" ({data.dtype} holds at most {torch.finfo(data.dtype).max:g})" if data.dtype == torch.float16 else ""
+            raise CheckpointError(f"{name}: inf or NaN in the {data.dtype} tensor{limit}; the checkpoint's value does "
+                                  "not fit this dtype: build with dtype bfloat16 or float32 (or the checkpoint itself "
+                                  "holds inf/NaN)")
         self._file.write(data.view(torch.uint8).numpy().tobytes())
         self._next += 1
 

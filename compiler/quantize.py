@@ -71,6 +71,8 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
     """Format spec of every linear: dense where ignored, else the method's format with per-module overrides."""
     dense = DenseFormat(getattr(torch, config.dtype)).spec()
     plan = {}
+    if quant.method != "none":
+        _check_patterns(quant, module_names(spec, config), config)
     for module, names in module_names(spec, config).items():
         if quant.method == "none" or _matches_all_or_none(quant.ignore, names, module):
             plan[module] = dense
@@ -90,19 +92,35 @@ def kernel_layout(spec: dict, device: str, is_expert: bool = False) -> dict:
     return {**spec, "layout": "gpu"} if device == "cuda" and is_w4 else spec
 
 
-def _matches_all_or_none(patterns: list[str], names: list[str], module: str) -> bool:
+def _check_patterns(quant: QuantizationConfig, names: dict[str, list[str]], config: ModelConfig) -> None:
+    """Every ignore and override pattern names some linear (a typo quantized what it meant to keep, or
+    kept what it meant to change); a tied lm_head (the embedding's matrix) says it stays unquantized."""
+    known = [n for module_names_ in names.values() for n in module_names_] + ["lm_head"]
+    patterns = [(f"quantization.ignore[{i}]", p) for i, p in enumerate(quant.ignore)]
+    patterns += [(f"quantization.overrides[{i}].match", o.match) for i, o in enumerate(quant.overrides)]
+    for key, pattern in patterns:
+        if not _matches(pattern, known):
+            raise RecipeError(f"{key}: {pattern!r} matches no linear of this model (names such as {known[0]!r}, "
+                              f"{known[1]!r} or 'lm_head'); fix the pattern or drop it")
+    if config.tie_word_embeddings and not any(_matches(p, ["lm_head"]) for p in quant.ignore):
+        logger.info("lm_head is tied to the embedding (tie_word_embeddings) and stays %s: it is not quantized",
+                    config.dtype)
+
+
+def _matches_all_or_none(patterns: list[str], names: list[str], module: str, key: str = "quantization.ignore") -> bool:
     hits = [n for n in names[1:] or names if any(_matches(p, [n]) for p in patterns)]
     if any(_matches(p, names[:1]) for p in patterns):
         return True
     if hits and len(hits) != len(names[1:] or names):
-        raise RecipeError(f"quantization.ignore matches {hits} but they are fused into {module}; ignore all of them or none")
+        what = "ignore" if key == "quantization.ignore" else "change"
+        raise RecipeError(f"{key} matches {hits} but they are fused into {module}; {what} all of them or none")
     return bool(hits)
 
 
 def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_features: int) -> dict:
     bits, group_size, symmetric = quant.bits, quant.group_size, quant.symmetric
-    for override in quant.overrides:
-        if _matches(override.match, names):
+    for i, override in enumerate(quant.overrides):
+        if _matches_all_or_none([override.match], names, module, f"quantization.overrides[{i}].match"):
             bits = override.bits or bits
             group_size = override.group_size or group_size
             symmetric = symmetric if override.symmetric is None else override.symmetric

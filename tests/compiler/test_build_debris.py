@@ -228,3 +228,63 @@ def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_pat
     with pytest.raises(FileNotFoundError):  # a file outside the artifact (the checkpoint): its own error
         with emit.atomic_directory(final):
             open(tmp_path / "no-checkpoint" / "config.json")
+
+
+def test_weights_that_do_not_fit_the_dtype_are_refused_by_name(tmp_path, hf_checkpoint_factory):
+    """dtype float16 on a checkpoint holding a weight beyond float16's range: the cast gives inf, which
+    the build refuses, naming the tensor, instead of an artifact whose every logit is NaN."""
+    from safetensors.torch import load_file, save_file
+
+    from llmc.errors import CheckpointError
+
+    checkpoint = hf_checkpoint_factory(tmp_path / "ck", "llama")
+    (weights,) = checkpoint.glob("*.safetensors")
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e6
+    save_file(tensors, weights, metadata={"format": "pt"})
+    recipe = {"model": str(checkpoint), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 64}}
+    with pytest.raises(CheckpointError, match=r"layers.0.mlp.down.weight: inf or NaN in the torch.float16 tensor "
+                                              r"\(torch.float16 holds at most 65504\).*bfloat16 or float32"):
+        build(recipe_from_dict({**recipe, "dtype": "float16"}), show_progress=False)
+    assert not (tmp_path / "a").exists()
+    build(recipe_from_dict({**recipe, "dtype": "bfloat16"}), show_progress=False)  # fits bfloat16
+
+
+def test_qwen3_attention_bias_is_refused(tmp_path, hf_checkpoint_factory):
+    """Qwen3 with attention_bias has an o_proj bias, which llmc's attention does not apply: refused, as
+    Llama's biases are, rather than built with it dropped."""
+    from llmc.errors import CheckpointError
+
+    checkpoint = hf_checkpoint_factory(tmp_path / "ck", "qwen3", attention_bias=True)
+    with pytest.raises(CheckpointError, match="qwen3 checkpoints with attention_bias .*are not supported"):
+        build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "a")}), show_progress=False)
+
+
+@pytest.mark.parametrize(("quantization", "error"), [
+    ({"ignore": ["lm_haed"]}, r"quantization.ignore\[0\]: 'lm_haed' matches no linear of this model"),
+    ({"overrides": [{"match": "*dwn_proj", "bits": 8}]}, r"quantization.overrides\[0\].match: '\*dwn_proj' matches no"),
+    ({"overrides": [{"match": "*q_proj", "bits": 8}]},
+     r"quantization.overrides\[0\].match matches \['model.layers.0.self_attn.q_proj'\] but they are fused into "
+     r"layers.0.attn.qkv; change all of them or none"),
+])
+def test_recipe_patterns_that_name_no_linear_or_part_of_a_fused_one_are_refused(tmp_path, tiny_llama, quantization,
+                                                                                error):
+    """A typo in an ignore or override pattern quantized what it meant to keep (or changed nothing), and
+    an override of q_proj alone made all of qkv 8-bit: each is refused by name before anything is built."""
+    recipe = {"model": str(tiny_llama), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 64},
+              "quantization": {"method": "rtn", "bits": 4, "group_size": 32, **quantization}}
+    with pytest.raises(RecipeError, match=error):
+        build(recipe_from_dict(recipe), show_progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_tied_lm_head_says_it_stays_unquantized(tmp_path, hf_checkpoint_factory, caplog):
+    import logging
+
+    checkpoint = hf_checkpoint_factory(tmp_path / "ck", "llama", tie_word_embeddings=True)
+    recipe = {"model": str(checkpoint), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 64},
+              "quantization": {"method": "rtn", "bits": 4, "group_size": 32, "ignore": []}}
+    with caplog.at_level(logging.INFO, logger="llmc"):
+        build(recipe_from_dict(recipe), show_progress=False)
+    assert "lm_head is tied to the embedding (tie_word_embeddings) and stays" in caplog.text
+    assert "lm_head" not in read_manifest(tmp_path / "a").quant.modules
