@@ -81,6 +81,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
+    _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_moe(ctx)
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)

@@ -5,6 +5,7 @@ Relative paths (model, output, calibration data) are resolved from the current d
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,8 @@ import yaml
 from llmc.errors import RecipeError
 from llmc.runtime.artifact import RuntimeDefaults, upper_cudagraph_mode
 from llmc.schema import opt, parse
+
+logger = logging.getLogger("llmc")
 
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -117,10 +120,37 @@ def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
         data = {**data, "runtime": upper_cudagraph_mode(data["runtime"])}
     try:
         recipe = parse(Recipe, data, "", RecipeError)
+        _check_method_keys(recipe.quantization.method, data.get("quantization") or {})
         _check(recipe)
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     return recipe
+
+
+_INT_KEYS = ("bits", "group_size", "symmetric")
+_GPTQ_KEYS = ("act_order", "damp_percent", "float_targets")
+_FP8_KEYS = ("weights", "activations")
+_KEYS_WITHOUT_EFFECT = {  # quantization keys that a method does not read (import reads the checkpoint's own)
+    "none": (*_INT_KEYS, *_GPTQ_KEYS, *_FP8_KEYS, "overrides"),
+    "rtn": (*_GPTQ_KEYS, *_FP8_KEYS),
+    "awq": (*_GPTQ_KEYS, *_FP8_KEYS),
+    "gptq": _FP8_KEYS,
+    "fp8": (*_INT_KEYS, *_GPTQ_KEYS),
+}
+
+
+def _check_method_keys(method: str, section: dict) -> None:
+    """A quantization key the method does not read is named in a warning (it changed nothing, silently,
+    before; a warning rather than an error, because recipes often carry an int method's keys when they
+    switch the method)."""
+    unused = [key for key in _KEYS_WITHOUT_EFFECT.get(method, ()) if key in section]
+    if method == "fp8":
+        unused += [f"overrides[{i}].{key}" for i, o in enumerate(section.get("overrides") or [])
+                   if isinstance(o, dict) for key in _INT_KEYS if key in o]
+    if unused:
+        names = ", ".join(f"quantization.{key}" for key in unused)
+        logger.warning("%s: method %s does not use %s; %s no effect", names, method,
+                       "them" if len(unused) > 1 else "it", "they have" if len(unused) > 1 else "it has")
 
 
 def _check(recipe: Recipe) -> None:

@@ -288,3 +288,35 @@ def test_a_tied_lm_head_says_it_stays_unquantized(tmp_path, hf_checkpoint_factor
         build(recipe_from_dict(recipe), show_progress=False)
     assert "lm_head is tied to the embedding (tie_word_embeddings) and stays" in caplog.text
     assert "lm_head" not in read_manifest(tmp_path / "a").quant.modules
+
+
+def test_a_max_model_len_beyond_the_model_fails_before_the_quantization(tmp_path, tiny_llama, data_dir, monkeypatch):
+    """runtime.max_model_len above max_position_embeddings (no rope scaling) is refused right after the
+    checkpoint is read: a GPTQ build no longer runs to the manifest before saying so."""
+    from llmc.compiler import build as build_module
+
+    monkeypatch.setattr(build_module, "_plan_formats", lambda ctx: pytest.fail("planned before the check"))
+    recipe = {"model": str(tiny_llama), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 100000},
+              "quantization": {"method": "gptq", "bits": 4, "group_size": 32,
+                               "calibration": {"data": str(data_dir / "calibration.txt"), "num_samples": 2}}}
+    with pytest.raises(RecipeError, match="runtime.max_model_len: 100000 exceeds the model's max_position_embeddings"):
+        build(recipe_from_dict(recipe), show_progress=False)
+
+
+@pytest.mark.parametrize(("quantization", "named"), [
+    ({"method": "fp8", "bits": 4, "group_size": 32}, "quantization.bits, quantization.group_size: method fp8"),
+    ({"method": "rtn", "act_order": True}, "quantization.act_order: method rtn does not use it"),
+    ({"method": "none", "bits": 3}, "quantization.bits: method none"),
+    ({"method": "fp8", "overrides": [{"match": "*down_proj", "bits": 4}]}, "quantization.overrides[0].bits: method fp8"),
+])
+def test_quantization_keys_the_method_does_not_read_are_named(tmp_path, tiny_llama, caplog, quantization, named):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="llmc"):
+        recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "a"), "quantization": quantization})
+    assert named in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmc"):
+        recipe_from_dict({"model": str(tiny_llama), "quantization": {"method": "gptq", "act_order": True,
+                                                                      "calibration": {"data": __file__}}})
+    assert "does not use" not in caplog.text
