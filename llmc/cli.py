@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -479,15 +480,42 @@ def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_pa
     logger.info("%d request(s), %d failed; results in %s", summary.num_requests, summary.num_failed, summary.output_path)
 
 
+def _read_turn() -> str | None:
+    """One line of the user's (re-prompting on an empty one), or None at the end of input.
+
+    NOTE: the wait for input polls stdin rather than blocking in a read: the kernel may deliver Ctrl-C's
+    SIGINT to any thread of the process (torch's and the engine's too), and then a main thread blocked in
+    read() never runs Python's handler, so Ctrl-C did nothing until the next line (seen under load). The
+    line is read a byte at a time from the descriptor, so no later line waits unseen in a buffer."""
+    import select
+
+    fd = sys.stdin.fileno()
+    while True:
+        click.echo("you> ", nl=False, err=True)
+        line = bytearray()
+        while True:
+            try:
+                while not select.select([fd], [], [], 0.2)[0]:
+                    pass  # each pass runs bytecode: a pending SIGINT raises KeyboardInterrupt here
+            except (OSError, ValueError):  # a descriptor select cannot watch: block in the read
+                pass
+            byte = os.read(fd, 1)
+            if byte in (b"", b"\n"):
+                break
+            line += byte
+        if not byte and not line:
+            return None
+        text = line.decode(sys.stdin.encoding or "utf-8", sys.stdin.errors or "strict")
+        if text.strip():
+            return text
+
+
 def _interactive_chat(llm, params) -> None:
     history: list[dict] = []
     click.echo("chat: type a message, or /exit to quit", err=True)
     while True:
-        try:
-            text = click.prompt("you", prompt_suffix="> ", err=True)
-        except click.Abort as e:  # end of input ends the chat; Ctrl-C (its context) goes on to main: 130
-            if isinstance(e.__context__, KeyboardInterrupt):
-                raise
+        text = _read_turn()  # Ctrl-C raises KeyboardInterrupt: main exits 130
+        if text is None:  # end of input ends the chat
             break
         if text.strip() in ("/exit", "/quit"):
             break
