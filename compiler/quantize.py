@@ -71,9 +71,10 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
     """Format spec of every linear: dense where ignored, else the method's format with per-module overrides."""
     dense = DenseFormat(getattr(torch, config.dtype)).spec()
     plan = {}
+    all_names = module_names(spec, config)
     if quant.method != "none":
-        _check_patterns(quant, module_names(spec, config), config)
-    for module, names in module_names(spec, config).items():
+        _check_patterns(quant, all_names, config)
+    for module, names in all_names.items():
         if quant.method == "none" or _matches_all_or_none(quant.ignore, names, module):
             plan[module] = dense
         elif quant.method == "fp8":

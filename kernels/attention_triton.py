@@ -436,11 +436,10 @@ def paged_attention(
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     if prefill_index is not None:
-        out = prefill_index.out[: q.shape[0]]
-        index = prefill_index
+        out, index = prefill_index.out[: q.shape[0]], prefill_index
+        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window)
         _launch_prefill(q, k_cache, v_cache, block_tables, out, index.query_lens, index.first_rows, index.block_seqs,
-                        index.block_starts, index.queries_per_block, _common(q, k_cache, context_lens, scale, k_scale,
-                                                                             v_scale, sliding_window))
+                        index.block_starts, index.queries_per_block, common)
         return out
     out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
     decode = [i for i, n in enumerate(query_lens) if n == 1]

@@ -160,10 +160,7 @@ class CudaGraphs:
         logger.info("CUDA graphs: captured %d batch sizes (%s) in %.1f s, %.1f MiB of GPU memory (pool %.1f MiB; "
                     "allowance %.1f MiB)", len(sizes), _sizes_text(sizes), self.capture_seconds,
                     self.graph_bytes / memory.MIB, self.pool_bytes / memory.MIB, allowance_bytes / memory.MIB)
-        if self.graph_bytes > allowance_bytes:
-            logger.warning("CUDA graphs took %.1f MiB more than the %.1f MiB held back for them: the engine uses "
-                           "that much beyond gpu_memory_utilization; lower it, or set enforce_eager",
-                           (self.graph_bytes - allowance_bytes) / memory.MIB, allowance_bytes / memory.MIB)
+        memory.warn_over_allowance("CUDA graphs", self.graph_bytes, allowance_bytes, "set enforce_eager")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.is_decode and batch.num_seqs <= self.batch_sizes[-1]

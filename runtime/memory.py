@@ -13,6 +13,7 @@ logits (and the sampler's probabilities) of the sampled rows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
 MIB = 1 << 20
+logger = logging.getLogger("llmc")
 # The estimate's "other": the CUDA context and kernel modules of one process (the runtime measures it).
 CUDA_CONTEXT_BYTES = 512 * MIB
 # The CUDA-graph allowance (benchmarks/memory_check.py measures what capture takes; the runtime logs
@@ -148,13 +150,22 @@ def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> in
             + len(sizes) * (model_config.num_layers + 1) * GRAPH_BYTES_PER_PIECE)
 
 
-def mixed_graph_index_bytes(runtime: RuntimeDefaults, sizes: list[int]) -> int:
-    """What cudagraph_mode FULL's graphs hold beyond piecewise_allowance_bytes: their block-table
-    buffer, a row per sequence a captured step may hold (runtime/mixed_graphs.py), ~16 MB at 512
-    sequences of 128K tokens in 16-token blocks. 0 in other modes."""
-    if not sizes or not runtime.graph_modes.has_full_mixed:
-        return 0
-    return (min(runtime.max_num_seqs, max(sizes)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
+def prefill_graph_allowance_bytes(model_config: ModelConfig, runtime: RuntimeDefaults, sizes: list[int]) -> int:
+    """What the graphs of prefill and mixed steps of `sizes` tokens may take: piecewise_allowance_bytes,
+    and with cudagraph_mode FULL (runtime/mixed_graphs.py) their block-table buffer besides, a row per
+    sequence a captured step may hold (~16 MB at 512 sequences of 128K tokens in 16-token blocks)."""
+    allowance = piecewise_allowance_bytes(model_config, sizes)
+    if sizes and runtime.graph_modes.has_full_mixed:
+        allowance += (min(runtime.max_num_seqs, max(sizes)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
+    return allowance
+
+
+def warn_over_allowance(what: str, used_bytes: int, allowance_bytes: int, remedy: str) -> None:
+    """A warning where captured graphs took more GPU memory than the plan held back for them."""
+    if used_bytes > allowance_bytes:
+        logger.warning("%s took %.1f MiB more than the %.1f MiB held back for them: the engine uses that much beyond "
+                       "gpu_memory_utilization; lower it, or %s", what, (used_bytes - allowance_bytes) / MIB,
+                       allowance_bytes / MIB, remedy)
 
 
 def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes: int, activation_bytes: int,
@@ -190,15 +201,14 @@ def estimate(
     max_num_seqs: int,
     max_model_len: int,
     use_graphs: bool,
-    piece_sizes: list[int] = (),
-    extra_graph_bytes: int = 0,
+    piece_graph_bytes: int = 0,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula, CUDA_CONTEXT_BYTES for other, and the
-    graph allowance for the buckets the compiler plans (decode graphs with use_graphs; piecewise graphs
-    of piece_sizes tokens)."""
+    graph allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of
+    prefill and mixed steps, prefill_graph_allowance_bytes, given)."""
     activations = activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
     graphs = graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len) if use_graphs else 0
-    graphs += piecewise_allowance_bytes(model, list(piece_sizes)) + extra_graph_bytes
+    graphs += piece_graph_bytes
     return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)
 
@@ -216,7 +226,7 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
             runtime.max_num_seqs, runtime.max_model_len, use_graphs=decode_graphs,
-            piece_sizes=piece_sizes, extra_graph_bytes=mixed_graph_index_bytes(runtime, piece_sizes),
+            piece_graph_bytes=prefill_graph_allowance_bytes(model, runtime, piece_sizes),
         )
         for layout in all_rank_layouts(model, parallel)
     ]

@@ -133,11 +133,8 @@ class MixedGraphs:
                     "%d-token contexts, in %.1f s, %.1f MiB (allowance %.1f MiB)", len(self.sizes),
                     ", ".join(map(str, self.sizes)), self.max_seqs, self.max_context_len, self.capture_seconds,
                     self.graph_bytes / memory.MIB, allowance / memory.MIB)
-        if self.graph_bytes > allowance:
-            logger.warning("CUDA graphs of whole prefill and mixed steps took %.1f MiB more than the %.1f MiB held "
-                           "back for them: the engine uses that much beyond gpu_memory_utilization; lower it, or set "
-                           "compilation_config.max_cudagraph_capture_size lower",
-                           (self.graph_bytes - allowance) / memory.MIB, allowance / memory.MIB)
+        memory.warn_over_allowance("CUDA graphs of whole prefill and mixed steps", self.graph_bytes, allowance,
+                                   "set compilation_config.max_cudagraph_capture_size lower")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (batch.num_tokens <= self.sizes[-1] and batch.num_seqs <= self.max_seqs

@@ -68,8 +68,7 @@ class ModelRunner:
             logger.info("MoE experts in a format the fused kernel does not read: prefill and mixed steps run eagerly "
                         "(no CUDA graphs of them)")
             piece_sizes = []
-        piece_allowance = (memory.piecewise_allowance_bytes(self.model.config, piece_sizes)
-                           + memory.mixed_graph_index_bytes(options, piece_sizes))
+        piece_allowance = memory.prefill_graph_allowance_bytes(self.model.config, options, piece_sizes)
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
                                                        _num_sms(device)) + piece_allowance
         # measured on a GPU, unless num_kv_blocks fixes the cache

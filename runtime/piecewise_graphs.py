@@ -121,11 +121,8 @@ class PiecewiseGraphs:
         logger.info("CUDA graphs of prefill and mixed steps: %d token counts (%s) x %d pieces in %.1f s, %.1f MiB "
                     "(allowance %.1f MiB)", len(self.sizes), ", ".join(map(str, self.sizes)), len(self.layers) + 1,
                     self.capture_seconds, self.graph_bytes / memory.MIB, allowance / memory.MIB)
-        if self.graph_bytes > allowance:
-            logger.warning("CUDA graphs of prefill and mixed steps took %.1f MiB more than the %.1f MiB held back for "
-                           "them: the engine uses that much beyond gpu_memory_utilization; lower it, or set "
-                           "compilation_config.max_cudagraph_capture_size lower", (self.graph_bytes - allowance) / memory.MIB,
-                           allowance / memory.MIB)
+        memory.warn_over_allowance("CUDA graphs of prefill and mixed steps", self.graph_bytes, allowance,
+                                   "set compilation_config.max_cudagraph_capture_size lower")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.num_tokens <= self.sizes[-1]

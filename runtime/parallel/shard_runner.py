@@ -70,7 +70,7 @@ class ShardRunner:
         self.model = build_model(artifact_dir, manifest, device, options.max_model_len, layout, groups.tp)
         kv_config = kv_cache_config(manifest, options, self.dtype, log=layout.rank == 0)
         # every rank captures or none does (Triton could be missing on one host)
-        # decode graphs only (PIECEWISE is refused for parallel artifacts: runtime/options.py)
+        # decode graphs only (PIECEWISE and FULL are refused for parallel artifacts: options.graph_mode_problem)
         can_capture = groups.min_over_ranks(int(can_use_graphs(device, options.enforce_eager
                                                                or not options.graph_modes.has_full_decode)))
         graph_sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs) if can_capture else []
