@@ -13,7 +13,8 @@ from llmc.runtime import memory
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.parallel.layout import all_rank_layouts
 
-COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"))
+COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"),
+              (".moe.", "moe"))  # moe: the experts and the router
 KERNEL_MS = (1, 16, 256)  # the M (tokens in a step) at which inspect shows the planned W4A16 kernel
 
 
@@ -205,7 +206,8 @@ def print_inspect(report: dict) -> None:
         ("source", report["source"]["path"]),
         ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
                   f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
-        ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, stored as {m['dtype']}"),
+        ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, " + (f"stored as {m['dtype']}" if report.get("onnx") is None
+                       else "float tensors stored as float32 (the ONNX graph computes in float32)")),
         *([("experts", f"{m['num_experts']} per MoE layer, top-{m['num_experts_per_tok']}"
                        f"{' renormalised' if m['norm_topk_prob'] else ''}, width {m['moe_intermediate_size']}, "
                        f"MoE layers {m['moe_layers']}")] if m.get("moe_layers") else []),

@@ -452,6 +452,12 @@ class Fp8Format:
         `quantize_input` would): dynamic input scales only."""
         return not self.is_static_input
 
+    def note_device(self, params: dict[str, Tensor]) -> None:
+        """Once the weights have loaded: say now (not in the middle of the first output) when this device
+        has no FP8 matmul for them."""
+        if not fp8_kernels.can_use_scaled_mm(params["weight"], params["weight"]):
+            _log_fp8_reference_path(params["weight"].device.type)
+
     def apply(self, x: Tensor | fp8_kernels.Fp8Activation, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         if isinstance(x, fp8_kernels.Fp8Activation):
             x_fp8, x_scale, out_dtype = x

@@ -49,6 +49,12 @@ def test_parallel_moe_matches_one_rank(parallel, tiny_qwen3_moe, tmp_path):
             assert torch.equal(mine[f"layers.{layer}.moe.gate.weight"], whole[f"layers.{layer}.moe.gate.weight"])
     report = inspect_report(str(split), read_manifest(split), None)
     assert [r["experts"] for r in report["ranks"]] == [[0, 1], [2, 3]]  # what `llmc inspect` prints per rank
+    # the experts and routers are counted as "moe", not as norms
+    stored = {**whole}
+    moe_bytes = sum(t.numel() * t.element_size() for n, t in stored.items() if ".moe." in n)
+    norm_bytes = sum(t.numel() * t.element_size() for n, t in stored.items() if "norm" in n and ".attn." not in n)
+    by_component = inspect_report(str(one), read_manifest(one), None)["bytes_by_component"]
+    assert by_component["moe"] == moe_bytes and by_component["norms"] == norm_bytes
 
 
 def test_expert_parallel_is_refused_where_it_cannot_apply(tiny_qwen3_moe, tiny_llama, tmp_path):

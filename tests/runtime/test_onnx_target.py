@@ -246,3 +246,8 @@ def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact):
     files = [p for p in (artifact / "onnx").iterdir()]
     assert report["weight_bytes"] == sum(p.stat().st_size for p in files)
     assert report["verify"]["ok"]
+    text = CliRunner().invoke(cli, ["inspect", str(artifact)]).output
+    parameters = next(line for line in text.splitlines() if line.lstrip().startswith("parameters"))
+    assert "float32" in parameters and "bfloat16" not in parameters, parameters  # initializers are float32
+    assert {t.data_type for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT16,
+                                                                           onnx.TensorProto.BFLOAT16)} == set()

@@ -25,6 +25,25 @@ def test_prompt_output_is_clean_text_with_statistics_after_it(server_artifact):
     assert "\n".join(text).startswith("ROMEO:\nI'll have a little more.")
 
 
+def test_a_notice_about_the_device_comes_before_the_text(ref_model_dir, tmp_path):
+    """FP8 weights on a CPU (no FP8 matmul) are announced at load, not in the middle of the completion."""
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    artifact = tmp_path / "fp8"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(artifact), "quantization": {"method": "fp8"},
+                            "runtime": {"max_model_len": 64, "num_kv_blocks": 16}}), show_progress=False)
+    command = [sys.executable, "-c", "from llmc.cli import main; main()", "run", str(artifact), "--device", "cpu",
+               "--prompt", "ROMEO:", "--max-tokens", "8", "--temperature", "0"]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout
+    notice, text = result.stdout.index("has no FP8 matmul"), result.stdout.index("ROMEO:")
+    assert notice < text, result.stdout
+    *completion, summary = result.stdout[text:].rstrip("\n").split("\n")
+    assert not any("llmc:" in line for line in completion) and summary.startswith("llmc: 8 tokens in")
+
+
 def test_interactive_chat_survives_a_turn_it_cannot_take(server_artifact):
     """A turn too long for the context, or bytes that are not UTF-8, is one error line; the conversation
     goes on with its history (the next turn is answered as LLM.chat answers it)."""
