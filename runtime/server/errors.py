@@ -68,9 +68,9 @@ def as_api_error(error: Exception) -> ApiError:
         return error
     if isinstance(error, ValidationError):
         return _from_validation_error(error)
-    if isinstance(error, RequestError):
+    if isinstance(error, RequestError):  # the request's own field names, not the Python class's
         match = _PARAM_IN_MESSAGE.search(str(error))
-        return ApiError(400, str(error), param=match.group(1) if match else error.param)
+        return ApiError(400, _PARAM_IN_MESSAGE.sub(r"\1", str(error)), param=match.group(1) if match else error.param)
     if isinstance(error, LlmcError):
         return ApiError(400, str(error))
     return ApiError(500, f"internal error: {type(error).__name__}: {error}")

@@ -3,6 +3,7 @@ like a completion; streaming sends a role chunk per choice, content deltas, and 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -34,7 +35,7 @@ def _as_chat_error(error: ApiError) -> ApiError:
     """The engine's error about SamplingParams.logprobs is about the chat API's top_logprobs."""
     if error.param != "logprobs":
         return error
-    message = error.message.replace("SamplingParams.logprobs", "top_logprobs")
+    message = re.sub(r"^logprobs\b", "top_logprobs", error.message)
     return ApiError(error.status_code, message, param="top_logprobs", code=error.code, headers=error.headers)
 
 

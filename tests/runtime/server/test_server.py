@@ -297,6 +297,7 @@ def test_invalid_completion_parameters_are_400_naming_the_field(server, body, pa
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and param in error["message"]
+    assert "SamplingParams" not in error["message"]  # the request's field, not the engine's class
 
 
 @pytest.mark.parametrize(("body", "param"), [
