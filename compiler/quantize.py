@@ -74,15 +74,31 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
     all_names = module_names(spec, config)
     if quant.method != "none":
         _check_patterns(quant, all_names, config)
+    ignored = []
     for module, names in all_names.items():
         if quant.method == "none" or _matches_all_or_none(quant.ignore, names, module):
             plan[module] = dense
+            ignored.append(module)
         elif quant.method == "fp8":
             plan[module] = {"format": "w8a8-fp8", "is_per_channel": quant.weights == "per_channel",
                             "is_static_input": quant.activations == "static"}
         else:
             plan[module] = _int_format(quant, names, module, in_features[module])
+    if quant.method not in ("none", "fp8"):
+        _check_overrides_reach(quant, all_names, ignored)
     return plan
+
+
+def _check_overrides_reach(quant: QuantizationConfig, names: dict[str, list[str]], ignored: list[str]) -> None:
+    """An override that names only linears `ignore` keeps dense changes nothing: refused (lm_head is in
+    the default ignore list, so an override of it alone needs `ignore` without it)."""
+    for i, override in enumerate(quant.overrides):
+        hit = [module for module, module_names_ in names.items() if _matches(override.match, module_names_)]
+        if hit and all(module in ignored for module in hit):
+            raise RecipeError(f"quantization.overrides[{i}].match: {override.match!r} names only linears that "
+                              f"quantization.ignore keeps unquantized ({', '.join(hit[:3])}"
+                              f"{', ...' if len(hit) > 3 else ''}; ignore is {quant.ignore}); drop them from "
+                              "ignore to quantize them, or drop the override")
 
 
 def kernel_layout(spec: dict, device: str, is_expert: bool = False) -> dict:

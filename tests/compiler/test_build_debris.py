@@ -266,6 +266,11 @@ def test_qwen3_attention_bias_is_refused(tmp_path, hf_checkpoint_factory):
     ({"overrides": [{"match": "*q_proj", "bits": 8}]},
      r"quantization.overrides\[0\].match matches \['model.layers.0.self_attn.q_proj'\] but they are fused into "
      r"layers.0.attn.qkv; change all of them or none"),
+    # lm_head is in the default ignore list: an override of it alone changed nothing
+    ({"overrides": [{"match": "lm_head", "bits": 8}]},
+     r"quantization.overrides\[0\].match: 'lm_head' names only linears that quantization.ignore keeps unquantized"),
+    ({"ignore": ["lm_head", "*down_proj"], "overrides": [{"match": "*down_proj", "bits": 8}]},
+     r"names only linears that quantization.ignore keeps unquantized \(layers.0.mlp.down, layers.1.mlp.down"),
 ])
 def test_recipe_patterns_that_name_no_linear_or_part_of_a_fused_one_are_refused(tmp_path, tiny_llama, quantization,
                                                                                 error):
@@ -276,6 +281,15 @@ def test_recipe_patterns_that_name_no_linear_or_part_of_a_fused_one_are_refused(
     with pytest.raises(RecipeError, match=error):
         build(recipe_from_dict(recipe), show_progress=False)
     assert not (tmp_path / "a").exists()
+
+
+def test_an_override_of_lm_head_applies_once_ignore_lets_it(tmp_path, tiny_llama):
+    recipe = {"model": str(tiny_llama), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 64},
+              "quantization": {"method": "rtn", "bits": 4, "group_size": 32, "ignore": [],
+                               "overrides": [{"match": "lm_head", "bits": 8}]}}
+    build(recipe_from_dict(recipe), show_progress=False)
+    modules = read_manifest(tmp_path / "a").quant.modules
+    assert modules["lm_head"]["bits"] == 8 and modules["layers.0.attn.qkv"]["bits"] == 4
 
 
 def test_a_tied_lm_head_says_it_stays_unquantized(tmp_path, hf_checkpoint_factory, caplog):
