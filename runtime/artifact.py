@@ -417,6 +417,9 @@ def read_manifest(artifact_dir: str | Path) -> Manifest:
     st, problem = integrity.regular_file(path, MANIFEST_NAME)
     if st is None:
         what = f"its {MANIFEST_NAME} {problem}" if problem else f"no {MANIFEST_NAME}"
+        if not problem and (path / "config.json").is_file():  # what vLLM would serve directly
+            raise ArtifactError(f"{path} is a Hugging Face checkpoint, not an llmc artifact ({what}); build one from "
+                                f"a recipe naming it (a file holding `model: {path}`, then `llmc build` that file)")
         raise ArtifactError(f"{path} is not an llmc artifact ({what}); build one with `llmc build`")
     try:
         data = integrity.parse_json_strict(manifest_path.read_bytes().decode())

@@ -159,3 +159,13 @@ def test_hub_id_offline_is_one_line(tmp_path, monkeypatch):
 
     with pytest.raises(RecipeError, match="could not be fetched from the Hugging Face Hub"):
         build(recipe_from_dict({"model": "meta-llama/Llama-3.1-8B"}), show_progress=False)
+
+
+def test_a_hugging_face_checkpoint_given_to_run_says_how_to_build_it(ref_model_dir, tmp_path):
+    """vLLM serves a checkpoint directory directly; llmc runs artifacts, and says how to make one from it."""
+    result = _llmc("run", ref_model_dir, "--prompt", "hi", "--device", "cpu")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{ref_model_dir} is a Hugging Face checkpoint, not an llmc artifact" in result.stderr
+    assert f"`model: {ref_model_dir}`" in result.stderr
+    (tmp_path / "empty").mkdir()
+    assert "is not an llmc artifact (no manifest.json); build one" in _llmc("inspect", tmp_path / "empty").stderr
