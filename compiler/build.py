@@ -376,6 +376,12 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
             f"runtime.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
             f"({model.max_position_embeddings}); lower it"
         )
+    if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:
+        need = -(-max_model_len // runtime.block_size)
+        raise RecipeError(
+            f"runtime.num_kv_blocks: {runtime.num_kv_blocks} blocks of {runtime.block_size} tokens hold fewer than one "
+            f"sequence of max_model_len {max_model_len}; raise it to at least {need}, or lower max_model_len"
+        )
     return dataclasses.replace(runtime, max_model_len=max_model_len)
 
 
@@ -388,7 +394,12 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
     on_gpu = (memory.gpu_weight_bytes(weight_bytes, layer_bytes, runtime.cpu_offload_gb)  # the recipe's offload
               if layer_bytes is not None else weight_bytes)
     estimates = memory.estimate_per_rank(model, parallel, on_gpu, kv.dtype, runtime, int(gpu_gib * memory.GIB))
-    estimate = min(estimates, key=lambda e: e.num_kv_tokens)
+    estimate = min(estimates, key=lambda e: (e.num_kv_tokens, e.room_kv_tokens or 0))
+    if estimate.over_room:
+        logger.warning("runtime.num_kv_blocks %d (%d KV tokens) is more than a %.3g GiB GPU has room for at these "
+                       "settings (%d tokens): the engine will run out of memory there; lower num_kv_blocks, or drop it "
+                       "to size the cache from gpu_memory_utilization", runtime.num_kv_blocks, estimate.num_kv_tokens,
+                       gpu_gib, estimate.room_kv_tokens)
     if layer_bytes is not None and not estimate.fits:
         knobs = memory.knob_table(model, parallel, weight_bytes, layer_bytes, runtime, int(gpu_gib * memory.GIB),
                                   [0.5 * i for i in range(0, 2 + 2 * max(weight_bytes) // memory.GIB)])

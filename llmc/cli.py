@@ -105,15 +105,19 @@ def runtime_option_flags(fn):
     hints = typing.get_type_hints(RuntimeDefaults)
     for f in reversed(dataclasses.fields(RuntimeDefaults)):
         flag = "--" + f.name.replace("_", "-")
-        names = [flag] + (["--" + f.metadata["alias"].replace("_", "-")] if "alias" in f.metadata else [])  # vLLM's
         help_text = f"{f.metadata.get('help', '')} [default: the artifact's value]"
         base = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) else hints[f.name]
-        if base is bool:
-            fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)(fn)
-        elif dataclasses.is_dataclass(base):  # nested settings as JSON, e.g. --speculative '{"method": "ngram", ...}'
-            fn = click.option(*names, f.name, type=JSON_OBJECT, default=None, help=help_text + " (JSON)")(fn)
-        else:
-            fn = click.option(*names, f.name, type=base, default=None, help=help_text)(fn)
+        # vLLM's name is an option of its own, passed on by that name: both given is refused ("given twice")
+        # and errors name the flag given, as LLM(...) does
+        for dest in [f.name] + ([f.metadata["alias"]] if "alias" in f.metadata else []):
+            names = ["--" + dest.replace("_", "-")]
+            text = help_text if dest == f.name else f"vLLM's name of {flag}"
+            if base is bool:
+                fn = click.option(f"{names[0]}/--no-{names[0][2:]}", dest, default=None, help=text)(fn)
+            elif dataclasses.is_dataclass(base):  # nested settings as JSON, e.g. --speculative '{"method": "ngram", ...}'
+                fn = click.option(*names, dest, type=JSON_OBJECT, default=None, help=text + " (JSON)")(fn)
+            else:
+                fn = click.option(*names, dest, type=base, default=None, help=text)(fn)
     return fn
 
 

@@ -74,7 +74,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         on_gpu = memory.gpu_weight_bytes(on_gpu, layer_bytes, runtime.cpu_offload_gb)
     estimates = memory.estimate_per_rank(model, manifest.parallel, on_gpu, manifest.kv.dtype, runtime,
                                          int(gib * memory.GIB))
-    estimate = min(estimates, key=lambda e: e.num_kv_tokens)  # every rank holds the same blocks
+    estimate = min(estimates, key=lambda e: (e.num_kv_tokens, e.room_kv_tokens or 0))  # every rank holds the same blocks
     formats = defaultdict(int)
     for spec in manifest.quant.modules.values():
         formats[_format_label(spec)] += 1
@@ -272,9 +272,20 @@ def _estimate_line(est: dict, rt: dict) -> str:
             f"activations {_fmt_bytes(est['activation_bytes'])}, CUDA graphs {_fmt_bytes(est['graph_bytes'])}, "
             f"CUDA context {_fmt_bytes(est['other_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
             f"{est['num_kv_tokens']:,} tokens ({int(est['max_concurrent_seqs'])} sequences of {rt['max_model_len']})")
+    line += _fixed_kv_note(est)
     if est["max_concurrent_seqs"] < 1:
         line += " — DOES NOT FIT: lower max_model_len, raise gpu_memory_utilization, or quantize"
     return line
+
+
+def _fixed_kv_note(est: dict) -> str:
+    """For a cache fixed by num_kv_blocks: that it is, and whether the memory has room for it."""
+    room = est.get("room_kv_tokens")
+    if room is None:
+        return ""
+    note = f", fixed by num_kv_blocks {est['num_kv_blocks']}"
+    return note + (f" — MORE THAN FITS: room for {room:,} tokens; lower num_kv_blocks" if est["num_kv_tokens"] > room
+                   else f" (room for {room:,})")
 
 
 def _kv_scales_note(kv: dict) -> str:
@@ -308,7 +319,8 @@ def print_build_summary(result) -> None:
         ("weights", f"{_fmt_bytes(weight_bytes)} in {manifest.parallel.tensor * manifest.parallel.pipeline} rank file(s)"),
         ("KV per token", f"{manifest.kv.bytes_per_token} bytes"),
         (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
-                                                            f"{int(est.get('max_concurrent_seqs', 0))} sequences of {manifest.runtime.max_model_len}"),
+                                                            f"{int(est.get('max_concurrent_seqs', 0))} sequences of {manifest.runtime.max_model_len}"
+                                                            + _fixed_kv_note(est)),
         ("time", f"{result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in result.stage_seconds.items()) + ")"),
     ]
     _print_rows(rows)

@@ -14,7 +14,7 @@ logits (and the sampler's probabilities) of the sampled rows.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from llmc.kernels.attention import decode_split
@@ -56,6 +56,9 @@ class MemoryEstimate:
     num_kv_blocks: int
     num_kv_tokens: int
     max_concurrent_seqs: float  # sequences of max_model_len that fit at once
+    # runtime.num_kv_blocks fixes the cache whatever the room: the KV fields above are then its size, and
+    # this is the tokens the memory would have left for it (None: the cache is the room)
+    room_kv_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +66,11 @@ class MemoryEstimate:
     @property
     def fits(self) -> bool:
         return self.max_concurrent_seqs >= 1
+
+    @property
+    def over_room(self) -> bool:
+        """A cache fixed by num_kv_blocks that is larger than the memory has room for."""
+        return self.room_kv_tokens is not None and self.num_kv_tokens > self.room_kv_tokens
 
     def describe(self) -> str:
         """One line: the subtraction, in GiB."""
@@ -221,7 +229,7 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
     one_rank = parallel.world_size == 1
     decode_graphs = one_rank and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
     piece_sizes = planned_piece_sizes(runtime) if one_rank else []
-    return [
+    estimates = [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
@@ -230,6 +238,12 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
         )
         for layout in all_rank_layouts(model, parallel)
     ]
+    if runtime.num_kv_blocks is None:
+        return estimates
+    tokens = runtime.num_kv_blocks * runtime.block_size  # what the engine allocates, without a profile
+    return [replace(e, num_kv_blocks=runtime.num_kv_blocks, num_kv_tokens=tokens, kv_bytes=tokens * e.kv_bytes_per_token,
+                    max_concurrent_seqs=tokens / runtime.max_model_len, room_kv_tokens=e.num_kv_tokens)
+            for e in estimates]
 
 
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -277,6 +291,7 @@ def knob_table(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank
     """KV tokens and sequences of max_model_len that fit with kv_cache_dtype auto vs fp8, for each
     cpu_offload_gb in offload_gibs (the rank with the least room bounds them all)."""
     rows = []
+    runtime = replace(runtime, num_kv_blocks=None)  # what each knob buys is room: a fixed cache does not move
     for offload_gib in offload_gibs:
         plans = [plan_offload(layers, int(offload_gib * GIB)) for layers in layer_bytes_per_rank]
         weights = gpu_weight_bytes(weight_bytes_per_rank, layer_bytes_per_rank, offload_gib)

@@ -16,6 +16,7 @@ as compilation_config.cudagraph_mode says.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -228,7 +229,15 @@ def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: i
     of `dtype` (KVCacheConfig.dtype; None: the compute dtype)."""
     shape = (num_blocks, block_size, layout.num_kv_heads, manifest.model.head_dim)
     dtype = dtype or compute_dtype(manifest, device)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in layout.layers
-    ]
+    try:
+        return [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in layout.layers
+        ]
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
+            raise
+        size = 2 * len(layout.layers) * math.prod(shape) * dtype.itemsize
+        knob = "num_kv_blocks" if device.type == "cuda" else "num_kv_blocks or cpu_kv_cache_gib"
+        raise ConfigError(f"the KV cache of {num_blocks} blocks ({size / memory.GIB:.1f} GiB) cannot be allocated on "
+                          f"{device} (out of memory); lower {knob}") from None

@@ -57,6 +57,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
     overrides = _check_vllm_build_settings(manifest, overrides)
     overrides = art.upper_cudagraph_mode(overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
+    if "max_model_len" in overrides and overrides["max_model_len"] is None:
+        merged["max_model_len"] = manifest.model.max_position_embeddings  # vLLM's None: the model's length
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
     except ConfigError as e:
@@ -87,13 +89,27 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     accepted either way (no code of the checkpoint runs). Returns the other overrides."""
     rest = dict(overrides)
     plan = manifest.parallel
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        value = rest.get(name)
+        if name in rest and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{name}: expected an integer >= 1, got {value!r}")
+    if "trust_remote_code" in rest and not isinstance(rest["trust_remote_code"], bool):
+        raise ConfigError(f"trust_remote_code: expected true or false, got {rest['trust_remote_code']!r}")
     for name, built, key in [("tensor_parallel_size", plan.tensor, "tensor"), ("pipeline_parallel_size", plan.pipeline, "pipeline")]:
         if name in rest and rest.pop(name) != built:
             raise ConfigError(f"{name} {overrides[name]!r}: this artifact is split {built} way(s) at build time "
                               f"(the recipe's parallel.{key}); build it again with parallel.{key}: {overrides[name]}")
     if "dtype" in rest:  # vLLM's names and its "half" / "float" spellings
         dtype = rest.pop("dtype")
-        named = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}.get(dtype, dtype)
+        if isinstance(dtype, torch.dtype):  # vLLM takes a torch.dtype too
+            dtype = str(dtype).removeprefix("torch.")
+        if not isinstance(dtype, str):
+            raise ConfigError(f"dtype: expected a string such as 'auto' or 'bfloat16', got {dtype!r}")
+        named = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
+                 "fp32": "float32"}.get(dtype.lower(), dtype.lower())  # vLLM's are case-insensitive
+        if named not in ("auto", *art.DTYPES):
+            raise ConfigError(f"dtype {dtype!r} is not a dtype; use auto, bfloat16, float16 or float32 "
+                              "(or half, float), or drop it")
         if is_onnx(manifest):
             if named not in ("auto", "float32"):
                 raise ConfigError(f"dtype {dtype!r}: an ONNX artifact computes in float32 whatever the recipe's dtype; "

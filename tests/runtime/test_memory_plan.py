@@ -80,6 +80,23 @@ def test_parallel_ranks_are_planned_without_graphs():
     assert single[0].graph_bytes > 0
 
 
+def test_a_fixed_num_kv_blocks_is_the_cache_the_plan_reports():
+    """num_kv_blocks sizes the cache without a profile: the estimate (build summary, inspect) says that
+    size, and keeps the room the memory has, so a cache larger than it can be named."""
+    runtime = art.RuntimeDefaults(max_model_len=8192)
+    room = memory.estimate_per_rank(MODEL, art.ParallelPlan(), [16 * GIB], "bfloat16", runtime, 80 * GIB)[0]
+    assert room.room_kv_tokens is None and not room.over_room
+    for blocks in (600, room.num_kv_blocks + 1):
+        fixed = memory.estimate_per_rank(MODEL, art.ParallelPlan(), [16 * GIB], "bfloat16",
+                                         dataclasses.replace(runtime, num_kv_blocks=blocks), 80 * GIB)[0]
+        assert fixed.num_kv_tokens == 16 * blocks and fixed.kv_bytes == 16 * blocks * 131072
+        assert fixed.max_concurrent_seqs == 16 * blocks / 8192 and fixed.room_kv_tokens == room.num_kv_tokens
+        assert fixed.over_room == (blocks > room.num_kv_blocks)
+    knobs = memory.knob_table(MODEL, art.ParallelPlan(), [16 * GIB], [[GIB // 2] * 32],
+                              dataclasses.replace(runtime, num_kv_blocks=600), 80 * GIB, [0.0])
+    assert knobs[0]["num_kv_tokens"] == room.num_kv_tokens  # the knobs show room, which they move
+
+
 def test_the_plan_holds_the_pieces_allowance_where_they_are_captured():
     plan = lambda **runtime: memory.estimate_per_rank(  # noqa: E731
         MODEL, art.ParallelPlan(), [16 * memory.GIB], "bfloat16", art.RuntimeDefaults(max_model_len=8192, **runtime),

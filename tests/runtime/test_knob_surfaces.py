@@ -1,0 +1,60 @@
+"""Engine settings on all three surfaces (recipe, `llmc run` flags, LLM(...) keywords): vLLM's values and
+types taken or refused in one line, never a traceback; a setting given by both its names refused everywhere."""
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from llmc.cli import cli
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError, RecipeError
+from llmc.runtime.llm import LLM
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, ref_model_dir):
+    out = tmp_path_factory.mktemp("knobs") / "ref"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    return out
+
+
+def test_vllm_values_taken(artifact):
+    # max_model_len None is vLLM's default (the model's length); a torch.dtype and any case of a dtype name too
+    with LLM(artifact, device="cpu", max_model_len=None, dtype=torch.float32) as llm:
+        assert llm.engine.options.max_model_len == llm.engine.manifest.model.max_position_embeddings
+    with LLM(artifact, device="cpu", dtype="FLOAT32"):
+        pass
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"dtype": ["x"]}, "dtype: expected a string"),
+    ({"dtype": "float8"}, "dtype 'float8' is not a dtype"),
+    ({"tensor_parallel_size": True}, "tensor_parallel_size: expected an integer >= 1, got True"),
+    ({"tensor_parallel_size": "1"}, "tensor_parallel_size: expected an integer >= 1, got '1'"),
+    ({"pipeline_parallel_size": 1.0}, "pipeline_parallel_size: expected an integer >= 1, got 1.0"),
+    ({"trust_remote_code": "yes"}, "trust_remote_code: expected true or false"),
+    ({"num_kv_blocks": 10**12}, "cannot be allocated on cpu (out of memory); lower num_kv_blocks"),
+])
+def test_bad_values_one_line(artifact, options, message):
+    with pytest.raises(ConfigError) as info:
+        LLM(artifact, device="cpu", **options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_run_flag_by_both_names_refused(artifact):
+    args = ["run", str(artifact), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2"]
+    both = CliRunner().invoke(cli, [*args, "--num-kv-blocks", "20", "--num-gpu-blocks-override", "30"])
+    assert isinstance(both.exception, ConfigError) and "given twice" in str(both.exception)
+    named = CliRunner().invoke(cli, [*args, "--num-gpu-blocks-override", "0"])  # the flag given, as LLM(...) names it
+    assert str(named.exception).startswith("num_gpu_blocks_override: 0 is too small")
+    spec = CliRunner().invoke(cli, [*args, "--speculative-config", '{"method": "ngram"}'])
+    assert str(spec.exception).startswith("speculative_config.num_speculative_tokens: required key is missing")
+
+
+def test_recipe_num_kv_blocks_below_one_sequence_refused(ref_model_dir, tmp_path):
+    recipe = recipe_from_dict({"model": str(ref_model_dir), "output": str(tmp_path / "a"),
+                               "runtime": {"max_model_len": 128, "num_kv_blocks": 2}})
+    with pytest.raises(RecipeError, match="runtime.num_kv_blocks: 2 blocks of 16 tokens hold fewer than one sequence"):
+        build(recipe, show_progress=False)
