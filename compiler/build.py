@@ -382,6 +382,11 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
             f"runtime.num_kv_blocks: {runtime.num_kv_blocks} blocks of {runtime.block_size} tokens hold fewer than one "
             f"sequence of max_model_len {max_model_len}; raise it to at least {need}, or lower max_model_len"
         )
+    if runtime.generation_config not in ("auto", "vllm") and not (Path(runtime.generation_config)
+                                                                  / "generation_config.json").is_file():
+        logger.warning("runtime.generation_config %r: no generation_config.json there on this machine; a run refuses "
+                       "to start where that folder does not hold one (use 'auto', the model's, or 'vllm')",
+                       runtime.generation_config)
     return dataclasses.replace(runtime, max_model_len=max_model_len)
 
 

@@ -112,3 +112,18 @@ def test_the_tokenizer_s_eos_comes_first_for_artifacts_built_before_it_was_recor
     assert model_eos_first([128001, 128008, 128009], 128009, 128256) == [128009, 128001, 128008]
     assert model_eos_first([1, 7], 3, 4096) == [3, 1, 7]
     assert model_eos_first([1], None, 4096) == [1] and model_eos_first([1], 5000, 4096) == [1]
+
+
+def test_a_recipe_generation_config_folder_without_the_file_warns_at_build(checkpoint, tmp_path, caplog):
+    import logging
+
+    recipe = {"model": str(checkpoint), "output": str(tmp_path / "a"), "dtype": "float32",
+              "runtime": {"max_model_len": 64, "generation_config": str(tmp_path / "missing")}}
+    with caplog.at_level(logging.WARNING, logger="llmc"):
+        build(recipe_from_dict(recipe), show_progress=False)
+    assert f"runtime.generation_config '{tmp_path / 'missing'}': no generation_config.json there" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmc"):
+        build(recipe_from_dict({**recipe, "output": str(tmp_path / "b"), "runtime": {"max_model_len": 64}}),
+              show_progress=False)
+    assert "generation_config" not in caplog.text
