@@ -543,6 +543,10 @@ def main(argv: list[str] | None = None) -> None:
     except LlmcError as e:
         click.echo(f"llmc: error: {e}", err=True)
         sys.exit(e.exit_code)
+    except click.UsageError as e:  # a bad flag or value: one line, as every other error a user can cause
+        command = e.ctx.command_path if e.ctx is not None else "llmc"
+        click.echo(f"llmc: error: {e.format_message()} (`{command} --help` lists the options)", err=True)
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

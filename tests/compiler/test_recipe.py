@@ -75,3 +75,17 @@ def test_invalid_yaml_is_one_line(tmp_path):
     recipe.write_text("model: [unclosed\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(recipe)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["run", "x", "--max-num-seqs", "abc"], ["'--max-num-seqs'", "'abc' is not a valid integer", "`llmc run --help`"]),
+    (["run", "x", "--swap-space", "4"], ["No such option '--swap-space'"]),
+    (["bild", "x"], ["No such command 'bild'", "build"]),
+    (["build"], ["Missing argument 'RECIPE'"]),
+])
+def test_a_bad_flag_is_one_error_line_and_exit_2(args, words):
+    """A flag or value click refuses reads as every other error a user can cause: `llmc: error: ...`."""
+    result = subprocess.run([sys.executable, "-m", "llmc.cli", *args], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("llmc: error: ") and result.stderr.strip().count("\n") == 0, result.stderr
+    assert all(word in result.stderr for word in words), result.stderr
