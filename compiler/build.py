@@ -34,6 +34,7 @@ from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
+from llmc.runtime.layers.rotary import max_context_len, max_context_reason
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
@@ -371,10 +372,11 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
 def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
     runtime = recipe.runtime
     max_model_len = runtime.max_model_len or model.max_position_embeddings
-    if max_model_len > model.max_position_embeddings and model.rope_scaling is None:
+    limit = max_context_len(model.max_position_embeddings, model.rope_scaling)
+    if max_model_len > limit:
         raise RecipeError(
-            f"runtime.max_model_len: {max_model_len} exceeds the model's max_position_embeddings "
-            f"({model.max_position_embeddings}); lower it"
+            f"runtime.max_model_len: {max_model_len} exceeds the model's context of {limit} "
+            f"({max_context_reason(model.max_position_embeddings, model.rope_scaling)}); lower it"
         )
     if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:
         need = -(-max_model_len // runtime.block_size)

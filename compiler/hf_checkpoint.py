@@ -66,8 +66,29 @@ def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
     return window, None if len(layers) == num_layers else layers
 
 
+# What transformers' config classes (and so vLLM, which reads them) take for keys a config.json leaves out.
+_HF_CONFIG_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "mixtral": {"max_position_embeddings": 4096 * 32},
+    "qwen2": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "qwen3_moe": {"max_position_embeddings": 32768, "use_sliding_window": False},
+}
+_MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def with_hf_defaults(config: dict) -> dict:
+    """`config` with the defaults of its transformers config class filled in where a key is absent (an
+    explicit null stays null)."""
+    model_type = config.get("model_type") or _MODEL_TYPE_OF.get((config.get("architectures") or [None])[0])
+    return {**_HF_CONFIG_DEFAULTS.get(model_type, {}), **config}
+
+
 def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
     """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
+    config = with_hf_defaults(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)

@@ -10,6 +10,7 @@ import torch
 
 from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
+from llmc.runtime.layers.rotary import max_context_len, max_context_reason
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.onnx_model import is_onnx, onnx_options
 from llmc.schema import canonical_keys, parse
@@ -66,10 +67,12 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         if name not in given_as:
             raise
         raise ConfigError(f"{given_as[name]}{str(e)[len(name):]}") from None
-    if options.max_model_len > manifest.model.max_position_embeddings and manifest.model.rope_scaling is None:
+    model = manifest.model
+    limit = max_context_len(model.max_position_embeddings, model.rope_scaling)
+    if options.max_model_len > limit:
         raise ConfigError(
-            f"max_model_len {options.max_model_len} exceeds the model's max_position_embeddings "
-            f"({manifest.model.max_position_embeddings}); lower it"
+            f"max_model_len {options.max_model_len} exceeds the model's context of {limit} "
+            f"({max_context_reason(model.max_position_embeddings, model.rope_scaling)}); lower it"
         )
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)

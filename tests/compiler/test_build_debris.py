@@ -313,7 +313,7 @@ def test_a_max_model_len_beyond_the_model_fails_before_the_quantization(tmp_path
     recipe = {"model": str(tiny_llama), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 100000},
               "quantization": {"method": "gptq", "bits": 4, "group_size": 32,
                                "calibration": {"data": str(data_dir / "calibration.txt"), "num_samples": 2}}}
-    with pytest.raises(RecipeError, match="runtime.max_model_len: 100000 exceeds the model's max_position_embeddings"):
+    with pytest.raises(RecipeError, match="runtime.max_model_len: 100000 exceeds the model.s context of 256 \\(max_position_embeddings 256\\)"):
         build(recipe_from_dict(recipe), show_progress=False)
 
 

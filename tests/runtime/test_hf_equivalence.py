@@ -103,7 +103,7 @@ def test_moe_layers_as_transformers_chooses_them(hf_checkpoint_factory, hf_model
 
 @pytest.mark.parametrize("family,rope,legacy", [
     ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, "type"),  # Qwen2.5's spelling
-    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 96, "beta_fast": 16,
+    ("qwen3", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128, "beta_fast": 16,
                "beta_slow": 2, "attention_factor": 1.2}, False),
     ("llama", {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32, "truncate": False}, True),
     ("mistral", {"rope_type": "linear", "factor": 2.0}, False),
