@@ -183,8 +183,8 @@ def compile_mixed_step(model: DecoderModel, scratch_block: int, block_size: int,
                        device: torch.device, pieces=None, has_decode_graphs: bool = True) -> None:
     """Forwards of what eager steps hold, on the scratch block (junk by design), outputs dropped:
     decode rows beside a 2-token prefill, one for each decode-attention variant an eager step can
-    launch (kernels.attention.eager_decode_cases: not split; split and merged by a second kernel;
-    split and merged in the decode kernel); without decode graphs (cudagraph_mode PIECEWISE), also
+    launch (kernels.attention.eager_decode_cases: not split; split and merged in the decode kernel);
+    without decode graphs (cudagraph_mode PIECEWISE), also
     those rows alone, eagerly and through `pieces` (runtime/piecewise_graphs.py). The graphs' capture
     compiles the kernels the graphs hold; these compile those of the eager steps and of the attention
     between piecewise graphs (the indexed decode attention, the prefill attention on this cache's

@@ -1,7 +1,8 @@
 """The runner contract: what the Engine asks of whatever runs the model.
 
-Two implementations: `ModelRunner` (one rank: runtime/model_runner.py) and `ParallelModelRunner`
-(rank 0 of a tensor/pipeline-parallel engine: runtime/parallel/driver.py). The engine owns the
+Three implementations: `ModelRunner` (one rank: runtime/model_runner.py), `ParallelModelRunner`
+(rank 0 of a tensor/pipeline-parallel engine: runtime/parallel/driver.py) and `OnnxRunner` (an onnx-cpu
+artifact through onnxruntime: runtime/onnx_runner.py). The engine owns the
 scheduler, the persistent batch rows (`Request.batch_row`) and the sampler; a runner owns the
 weights, the KV cache, its step buffers and graphs, and turns a ScheduledBatch into logits.
 """
