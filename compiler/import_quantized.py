@@ -9,6 +9,7 @@ router stays dense: the checkpoint must hold it as a plain `.weight` (its `ignor
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,11 +26,21 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key
 
 
+# Where AutoGPTQ / GPTQModel and AutoAWQ keep the config when config.json has none (vLLM reads them too);
+# the quant_method they imply when the file does not say.
+SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
 def import_spec(hf_config: dict, model_dir: Path) -> ImportSpec:
     config = hf_config.get("quantization_config")
+    for name, method in SIDE_CONFIG_FILES:
+        path = Path(model_dir) / name
+        if not config and path.is_file():
+            config = {"quant_method": method, **json.loads(path.read_text())}
     if not config:
         raise CheckpointError(f"{model_dir}: quantization.method import needs a quantized checkpoint, and "
-                              "config.json has no quantization_config; use rtn, gptq, awq or fp8 instead")
+                              "config.json has no quantization_config (and there is no quantize_config.json or quant_config.json); "
+                              "use rtn, gptq, awq or fp8 instead")
     return parse_quantization_config(config)
 
 

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+import torch
 from torch import Tensor
 
 from llmc.errors import CheckpointError
@@ -53,6 +54,11 @@ class ImportSpec:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module_name):
                     return True
+            elif self.method == "compressed-tensors":
+                # compressed-tensors' match_name: a plain entry is a whole module name (a parent's name, say
+                # "model.layers.0.mlp", matches no Linear, so its linears stay quantized)
+                if pattern == module_name:
+                    return True
             elif f".{pattern}." in f".{module_name}.":
                 return True
         return bool(self.targets) and not any(_is_target(t, module_name) for t in self.targets)
@@ -74,8 +80,8 @@ class ImportSpec:
         """Tensor names (after the module's prefix) each quantized module must have."""
         if self.layout == "awq-gemm":
             return ("qweight", "qzeros", "scales")
-        if self.layout in ("gptq-v1", "gptq-v2"):
-            return ("qweight", "qzeros", "scales")
+        if self.layout in ("gptq-v1", "gptq-v2"):  # desc_act: the permuted groups are in g_idx
+            return ("qweight", "qzeros", "scales") + (("g_idx",) if self.is_act_order else ())
         if self.layout == "pack-quantized":
             names = ("weight_packed", "weight_scale", "weight_shape")
             names += () if self.is_symmetric else ("weight_zero_point",)
@@ -163,22 +169,52 @@ def _parse_gptq(qc: dict) -> ImportSpec:
     )
 
 
+# QuantizationArgs fields that do not change what is stored (how the scales were searched, dtypes the
+# loader infers from the tensors): groups that differ only in them import as one scheme.
+_CALIBRATION_ONLY = ("observer", "observer_kwargs", "scale_dtype", "zp_dtype")
+
+
+def _storage_fields(args: dict | None) -> dict | None:
+    if not args:
+        return None
+    defaults = {"type": "int", "symmetric": True, "dynamic": False, "group_size": None, "block_structure": None}
+    fields = defaults | {k: v for k, v in args.items() if k not in _CALIBRATION_ONLY}
+    # actorder "weight"/"static"/null store no g_idx (groups stay contiguous); "group"/"dynamic" store one
+    fields["actorder"] = args.get("actorder") in ("group", "dynamic", True)
+    return fields
+
+
 def _single_scheme(qc: dict) -> dict:
     schemes = list((qc.get("config_groups") or {}).values())
     if not schemes:
         raise CheckpointError(
             "compressed-tensors config has no config_groups; the checkpoint is not quantized"
         )
-    if any(
-        s.get("weights") != schemes[0].get("weights")
-        or s.get("input_activations") != schemes[0].get("input_activations")
-        for s in schemes
-    ):
-        raise CheckpointError(
-            "compressed-tensors config_groups with different schemes are not supported; use one scheme"
-        )
-    if (qc.get("sparsity_config") or {}).get("format", "dense") != "dense":
-        raise CheckpointError("sparse compressed-tensors checkpoints are not supported")
+    first = schemes[0]
+    for s in schemes[1:]:
+        for part in ("weights", "input_activations"):
+            a, b = _storage_fields(first.get(part)), _storage_fields(s.get(part))
+            if a != b:
+                diff = sorted(k for k in set(a or {}) | set(b or {}) if (a or {}).get(k) != (b or {}).get(k))
+                raise CheckpointError(
+                    f"compressed-tensors config_groups with different schemes are not supported ({part} "
+                    f"differ in {', '.join(diff) or 'presence'}); use one scheme")
+        if (s.get("format") or None) != (first.get("format") or None):
+            raise CheckpointError("compressed-tensors config_groups with different formats "
+                                  f"({first.get('format')!r}, {s.get('format')!r}) are not supported; use one scheme")
+    sparsity = (qc.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":
+        raise CheckpointError(f"compressed-tensors sparsity_config format {sparsity!r} is not supported (sparse "
+                              "checkpoints); llmc imports dense ones")
+    if qc.get("transform_config"):
+        # QuIP / SpinQuant-style rotations: the stored weights only mean something with the online
+        # transforms (location input/output) applied at run time, which llmc does not do.
+        raise CheckpointError("compressed-tensors transform_config (Hadamard/rotation transforms) is not supported: "
+                              "its weights need online transforms at run time; re-export without transforms")
+    for name, group in (qc.get("config_groups") or {}).items():
+        if group.get("output_activations"):
+            raise CheckpointError(f"compressed-tensors config_groups.{name}.output_activations "
+                                  f"{group['output_activations']} (output quantization) is not supported")
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise CheckpointError(f"compressed-tensors quantization_status {status!r}: save the model compressed")
@@ -191,7 +227,10 @@ def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[st
         or weights.get("num_bits") != 8
         or weights.get("strategy") not in ("channel", "tensor")
     ):
-        raise CheckpointError("float-quantized checkpoints must have fp8 weights per channel or per tensor")
+        what = ", ".join(f"{k} {weights.get(k)!r}" for k in ("type", "num_bits", "strategy", "block_structure")
+                         if weights.get(k) is not None)
+        raise CheckpointError(f"float-quantized weights with {what} are not supported; llmc imports fp8 (float, 8 bits) "
+                              "weights with strategy channel or tensor (not block)")
     if not activations or activations.get("type") != "float" or activations.get("num_bits") != 8:
         raise CheckpointError(
             "fp8 weight-only checkpoints are not supported; llmc imports fp8 W8A8 (FP8 or FP8_DYNAMIC)"
@@ -238,7 +277,8 @@ def _parse_compressed_scheme(qc: dict) -> ImportSpec:
         )
     if weights.get("type") != "int" or weights.get("strategy") not in ("group", "channel"):
         raise CheckpointError(
-            "pack-quantized checkpoints must have int weights with group or channel strategy"
+            f"pack-quantized weights with type {weights.get('type')!r}, strategy {weights.get('strategy')!r} are not "
+            "supported; llmc imports int weights with group or channel strategy"
         )
     group_size = weights.get("group_size") if weights["strategy"] == "group" else -1
     bits, group_size = _checked("compressed-tensors", weights.get("num_bits"), group_size)
@@ -306,6 +346,27 @@ def _is_scale(name: str) -> bool:
     return name in ("weight_scale", "input_scale")
 
 
+_PACKED_INT32 = ("qweight", "qzeros", "weight_packed")
+_INTEGER = ("g_idx", "weight_g_idx", "weight_shape", "weight_zero_point")
+_FLOAT = ("scales", "weight_scale", "input_scale")
+
+
+def _check_dtypes(spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor]) -> None:
+    """Packed words are int32 in every published layout; a float or int64 tensor of the right shape would
+    otherwise unpack into garbage levels without a word."""
+    for name, tensor in tensors.items():
+        dtype = tensor.dtype
+        bad = (
+            (name in _PACKED_INT32 and dtype != torch.int32)
+            or (name in _INTEGER and (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool))
+            or (name in _FLOAT and not dtype.is_floating_point)
+        )
+        if bad:
+            want = "int32" if name in _PACKED_INT32 else "an integer dtype" if name in _INTEGER else "a float dtype"
+            raise CheckpointError(f"{module_name}.{name} has dtype {dtype}, expected {want} for {spec.method} "
+                                  f"({spec.layout}): the checkpoint is damaged or not in this layout")
+
+
 def check_module_tensors(
     spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor], in_features: int, out_features: int
 ) -> None:
@@ -326,12 +387,23 @@ def check_module_tensors(
             ([d for d in actual if d != 1] == [d for d in shape if d != 1])
             if _is_scale(name)
             else actual == shape
+            # compressed-tensors before zero-point packing (PR #296, 2025) saved them unpacked: [out, G]
+            or (name == "weight_zero_point" and actual == (out_features, shape[1]))
         )
         if not is_match:
             raise CheckpointError(
                 f"{module_name}.{name} has shape {list(actual)}, expected {list(shape)} for {config} "
                 f"with in_features {in_features}, out_features {out_features}; check quantization_config"
             )
+    _check_dtypes(spec, module_name, tensors)
+    g_idx_name = "weight_g_idx" if spec.layout == "pack-quantized" else "g_idx"
+    g_idx = tensors.get(g_idx_name) if g_idx_name in known else None
+    if g_idx is not None and g_idx.numel():
+        num_groups = 1 if spec.group_size == -1 else -(-in_features // spec.group_size)
+        low, high = int(g_idx.min()), int(g_idx.max())
+        if low < 0 or high >= num_groups:
+            raise CheckpointError(f"{module_name}.{g_idx_name} holds groups {low}..{high}, but {config} with in_features "
+                                  f"{in_features} has groups 0..{num_groups - 1}: the checkpoint is damaged")
     recorded = tensors.get("weight_shape")  # compressed-tensors records the dense shape itself
     if recorded is not None and recorded.tolist() != [out_features, in_features]:
         raise CheckpointError(f"{module_name}.weight_shape says {recorded.tolist()}, but the model's config.json makes "
