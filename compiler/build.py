@@ -371,8 +371,8 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
 
 def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
     runtime = recipe.runtime
-    max_model_len = runtime.max_model_len or model.max_position_embeddings
     limit = max_context_len(model.max_position_embeddings, model.rope_scaling)
+    max_model_len = runtime.max_model_len or limit  # vLLM's default: the model's context, scaled
     if max_model_len > limit:
         raise RecipeError(
             f"runtime.max_model_len: {max_model_len} exceeds the model's context of {limit} "

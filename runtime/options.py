@@ -59,7 +59,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
     overrides = art.upper_cudagraph_mode(overrides)
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     if "max_model_len" in overrides and overrides["max_model_len"] is None:
-        merged["max_model_len"] = manifest.model.max_position_embeddings  # vLLM's None: the model's length
+        # vLLM's None: the model's context (with linear or YaRN rope scaling, the scaled one)
+        merged["max_model_len"] = max_context_len(manifest.model.max_position_embeddings, manifest.model.rope_scaling)
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
     except ConfigError as e:

@@ -41,10 +41,16 @@ def test_a_max_model_len_past_the_yarn_context_is_refused(hf_checkpoint_factory,
     with pytest.raises(RecipeError, match="exceeds the model's context of 512"):
         build(recipe_from_dict({**recipe, "runtime": {"max_model_len": 1_000_000}}), show_progress=False)
     build(recipe_from_dict({**recipe, "runtime": {"max_model_len": 512}}), show_progress=False)
+    # vLLM's default is that context too (original 128 x 4), not max_position_embeddings (256)
+    build(recipe_from_dict({**recipe, "output": str(tmp_path / "b")}), show_progress=False)
+    from llmc.runtime.artifact import read_manifest
+    assert read_manifest(tmp_path / "b").runtime.max_model_len == 512
 
     from llmc.runtime.llm import LLM
     with pytest.raises(ConfigError, match="exceeds the model's context of 512"):
         LLM(tmp_path / "a", device="cpu", max_model_len=513)
+    with LLM(tmp_path / "a", device="cpu", max_model_len=None, num_kv_blocks=32) as llm:
+        assert llm.engine.options.max_model_len == 512
 
 
 def test_missing_keys_take_the_transformers_class_defaults():
