@@ -54,6 +54,9 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
     """The artifact's runtime section with `overrides` applied, every value checked by name."""
     given_as = {f.name: f.metadata["alias"] for f in dataclasses.fields(art.RuntimeDefaults)
                 if f.metadata.get("alias") in overrides}  # vLLM's names too: errors say the name given
+    # a settings object (CompilationConfig(...), SpeculativeConfig(...)) as vLLM takes one, or its mapping
+    overrides = {key: dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type)
+                 else value for key, value in overrides.items()}
     overrides = canonical_keys(art.RuntimeDefaults, overrides, "", ConfigError)
     overrides = _check_vllm_build_settings(manifest, overrides)
     overrides = art.upper_cudagraph_mode(overrides)

@@ -58,3 +58,14 @@ def test_recipe_num_kv_blocks_below_one_sequence_refused(ref_model_dir, tmp_path
                                "runtime": {"max_model_len": 128, "num_kv_blocks": 2}})
     with pytest.raises(RecipeError, match="runtime.num_kv_blocks: 2 blocks of 16 tokens hold fewer than one sequence"):
         build(recipe, show_progress=False)
+
+
+def test_settings_objects_are_taken_as_their_mappings(artifact):
+    """vLLM's LLM(...) takes CompilationConfig(...) / SpeculativeConfig(...) objects as well as dicts."""
+    from llmc.runtime.artifact import CompilationConfig, SpeculativeConfig
+
+    with LLM(artifact, device="cpu", compilation_config=CompilationConfig(cudagraph_mode="NONE"),
+             speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2)) as llm:
+        options = llm.engine.options
+        assert options.compilation_config.cudagraph_mode == "NONE"
+        assert (options.speculative.method, options.speculative.num_speculative_tokens) == ("ngram", 2)
