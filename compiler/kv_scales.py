@@ -82,7 +82,8 @@ class KVScaleObserver:
 
 def checkpoint_kv_scales(hf_config: dict, reader: TensorReader, spec: ModelSpec, num_layers: int) -> KVScales | None:
     """The per-layer k_scale / v_scale tensors a compressed-tensors checkpoint with a kv_cache_scheme
-    carries (`model.layers.N.self_attn.k_scale`); None without a scheme. A per-head scale is reduced
+    carries (`model.layers.N.self_attn.k_scale`, or as older exports named it `...self_attn.k_proj.output_scale`,
+    which vLLM reads too); None without a scheme. A per-head scale is reduced
     to its maximum (llmc keeps one scale per layer): no head's values then saturate."""
     scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
     if not scheme:
@@ -94,6 +95,8 @@ def checkpoint_kv_scales(hf_config: dict, reader: TensorReader, spec: ModelSpec,
     for i in range(num_layers):
         for kind in scales:
             name = f"{spec.hf_layer_prefix}{i}.self_attn.{kind}_scale"
+            older = f"{spec.hf_layer_prefix}{i}.self_attn.{kind}_proj.output_scale"  # llm-compressor before 0.3
+            name = older if not reader.has(name) and reader.has(older) else name
             if not reader.has(name):
                 raise CheckpointError(f"{reader.model_dir}: config.json has a kv_cache_scheme but the weights lack "
                                       f"{name}; re-export the checkpoint with its KV scales")

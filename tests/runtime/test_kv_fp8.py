@@ -155,3 +155,22 @@ def test_imported_scales_are_e4m3_s_whatever_the_artifact_s_format(ref_model_dir
         config = kv_cache_config(dataclasses.replace(manifest, kv=kv), RuntimeDefaults(kv_cache_dtype="fp8"),
                                  torch.float32, log=False)
         assert config.k_scales == pytest.approx([expected] * layers), source
+
+
+@pytest.mark.parametrize("naming", ["self_attn.{kind}_scale", "self_attn.{kind}_proj.output_scale"])
+def test_a_checkpoint_s_kv_scales_under_either_name(tmp_path, naming) -> None:
+    """compressed-tensors' kv_cache_scheme scales: `self_attn.k_scale` now, `self_attn.k_proj.output_scale` in
+    older llm-compressor exports (vLLM reads both); a per-head scale is reduced to its maximum."""
+    from safetensors.torch import save_file
+
+    from llmc.compiler.hf_checkpoint import TensorReader
+    from llmc.compiler.kv_scales import checkpoint_kv_scales
+    from llmc.runtime.models import spec_for_architecture
+
+    tensors = {f"model.layers.{i}." + naming.format(kind=kind): torch.tensor([0.5 * (i + 1), 0.25]) * (2 if kind == "v" else 1)
+               for i in range(2) for kind in "kv"}
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = {"quantization_config": {"kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"}}}
+    with TensorReader(tmp_path) as reader:
+        scales = checkpoint_kv_scales(config, reader, spec_for_architecture("LlamaForCausalLM"), 2)
+    assert (scales.k_scales, scales.v_scales, scales.source) == ([0.5, 1.0], [1.0, 2.0], "checkpoint")
