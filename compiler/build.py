@@ -249,6 +249,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
         for unit in ["embed", *range(ctx.model.num_layers), *global_modules(ctx.model)[1:]]:
             for rank, tensors in _unit_shards(ctx, reader, unit, layouts, packer, pack_global_fn):
                 writer.write(rank, tensors)
+            reader.release()  # the shards' pages read for this unit leave the build's resident memory
             bar.update(1 if isinstance(unit, int) else 0)
         ctx.report = packer.report() if hasattr(packer, "report") else {}
         if isinstance(packer, KVScaleObserver):

@@ -191,6 +191,13 @@ class TensorReader:
     def __exit__(self, *exc) -> None:
         self._stack.close()
 
+    def release(self) -> None:
+        """Close the shard files read so far (the build calls it after each layer). A file stays mapped
+        while it is open, and the pages of it already read count in the process's resident memory: kept
+        open for the whole build, they grew it by the checkpoint's size. The next `get` reopens a file."""
+        self._stack.close()
+        self._stack, self._handles = ExitStack(), {}
+
     def names(self) -> list[str]:
         return list(self.location)
 
