@@ -148,6 +148,10 @@ def _parse_gptq(qc: dict) -> ImportSpec:
         )
     if qc.get("dynamic"):
         raise CheckpointError("GPTQ checkpoints with per-module `dynamic` overrides are not supported")
+    pack_dtype = str(qc.get("pack_dtype") or "int32").removeprefix("torch.")
+    if pack_dtype != "int32":  # GPTQModel's option; AutoGPTQ, vLLM's gptq kernels and llmc read int32 words
+        raise CheckpointError(f"GPTQ pack_dtype {qc['pack_dtype']!r} is not supported: llmc reads qweight and qzeros "
+                              "packed in int32 words (GPTQModel's default); re-export with pack_dtype int32")
     bits, group_size = _checked("GPTQ", qc.get("bits", 4), qc.get("group_size", 128))
     flags = {name: qc.get(name, default) for name, default in (("sym", True), ("desc_act", False), ("lm_head", False))}
     for name, value in flags.items():

@@ -158,3 +158,11 @@ def test_check_module_tensors_names_the_mismatch_in_one_line() -> None:
         256,
         64,
     )
+
+
+def test_gptqmodel_pack_dtype_other_than_int32_is_refused_by_name() -> None:
+    base = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    for pack_dtype in (None, "int32", "torch.int32"):
+        assert parse_quantization_config({**base, "pack_dtype": pack_dtype}).layout == "gptq-v1"
+    with pytest.raises(CheckpointError, match="GPTQ pack_dtype 'int16' is not supported.*re-export with pack_dtype int32"):
+        parse_quantization_config({**base, "pack_dtype": "int16"})
