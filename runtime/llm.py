@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,12 +39,17 @@ class LLM:
         artifact = artifact if artifact is not None else model
         if not (isinstance(tokenizer_pool_size, int) and tokenizer_pool_size >= 0):
             raise RequestError(f"tokenizer_pool_size must be an integer >= 0, got {tokenizer_pool_size!r}")
+        self._closed = False
+        self._busy = threading.Lock()  # one generate/chat/beam_search at a time (the engine is not thread-safe)
+        # open streams' outputs that another call's steps produced, kept until their stream reads them
+        self._stream_outputs: dict[str, list[RequestOutput]] = {}
         self.engine = Engine(artifact, device=device, launch=launch, **options)
         # > 0: generate() tokenizes its text prompts on this many threads (fast tokenizers release the GIL)
         self._tokenizer_pool = ThreadPoolExecutor(tokenizer_pool_size) if tokenizer_pool_size else None
 
     def close(self) -> None:
         """Stop the worker ranks and destroy the process groups (idempotent; nothing on one rank)."""
+        self._closed = True
         engine = getattr(self, "engine", None)  # absent if __init__ failed
         if engine is not None:
             engine.close()
@@ -74,17 +80,32 @@ class LLM:
         max_tokens) under `generation_config` "auto", else SamplingParams()."""
         return SamplingParams(**self.engine.default_sampling_fields)
 
+    def _check_usable(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("this LLM is closed (close() or the end of its `with` block); create a new one")
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm=False,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
-        is raised with every output (`.outputs`, the failed ones with `error` set)."""
+        is raised with every output (`.outputs`, the failed ones with `error` set).
+        Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory."""
+        self._check_usable()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("LLM.generate is already running on this LLM (another thread); an LLM is not "
+                               "thread-safe: serialize the calls or use one LLM per thread")
+        try:
+            return self._generate(prompts, sampling_params, use_tqdm, priority)
+        finally:
+            self._busy.release()
+
+    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
         prompts = self._pretokenize(_as_prompt_list(prompts))
         # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
         if sampling_params is None:
@@ -96,11 +117,11 @@ class LLM:
         try:  # all or none
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(self._add(prompt, p, priority[i] if priority else 0))
-        except BaseException:
+            finished = self._run_to_completion(ids, use_tqdm)
+        except BaseException:  # a bad request, or an interrupt (KeyboardInterrupt) while running: abort ours
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
-        finished = self._run_to_completion(len(ids), use_tqdm)
         return self._check_failures([finished[i] for i in ids])
 
     def _pretokenize(self, prompts: list) -> list:
@@ -125,6 +146,7 @@ class LLM:
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
         """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
+        self._check_usable()
         if isinstance(sampling_params, SamplingParams) and (sampling_params.best_of or sampling_params.n) > sampling_params.n:
             raise RequestError("LLM.stream takes no best_of > n: the best sequences are known only at the end; "
                                "use generate")
@@ -133,29 +155,47 @@ class LLM:
             request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
         else:
             request_id = self._add(prompt, sampling_params, 0)
-        return _TextStream(self.engine, request_id, self._deltas(request_id))
+        self._stream_outputs[request_id] = []
+        return _TextStream(self.engine, request_id, self._deltas(request_id), self._stream_outputs)
 
     def _deltas(self, request_id: str) -> Iterator[str]:
-        """The text deltas; a generator closed (or dropped) before the end aborts its request."""
-        finished = False
+        """The text deltas; a generator closed (or dropped) before the end aborts its request. Outputs the
+        steps make for other open streams (several read in turns, or a generate() meanwhile) are kept for them."""
+        finished, queue = False, self._stream_outputs[request_id]
         try:
-            while not finished and self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.request_id != request_id:
-                        continue
-                    finished = output.finished
-                    if output.error is not None:
-                        raise RequestFailedError(output.error, [output])
-                    for completion in output.outputs:  # DELTA: the sequences that progressed
-                        if completion.index == 0 and completion.text:
-                            yield completion.text
+            while not finished:
+                if not queue:
+                    if not self.engine.has_unfinished_requests():
+                        break
+                    queue.extend(self._step_keeping_streams(lambda other: other == request_id))
+                    continue
+                output = queue.pop(0)
+                finished = output.finished
+                if output.error is not None:
+                    raise RequestFailedError(output.error, [output])
+                for completion in output.outputs:  # DELTA: the sequences that progressed
+                    if completion.index == 0 and completion.text:
+                        yield completion.text
         finally:
+            self._stream_outputs.pop(request_id, None)
             if not finished:
                 self.engine.abort_request(request_id)
+
+    def _step_keeping_streams(self, is_mine) -> list[RequestOutput]:
+        """One engine step: the outputs `is_mine(request_id)` claims; those of other open streams are
+        kept for their streams (dropping them lost the streams' text)."""
+        mine = []
+        for output in self.engine.step():
+            if is_mine(output.request_id):
+                mine.append(output)
+            elif output.request_id in self._stream_outputs:
+                self._stream_outputs[output.request_id].append(output)
+        return mine
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
         (runtime/beam_search.py: how it runs and how beams share KV through the prefix cache)."""
+        self._check_usable()
         token_lists = []
         for prompt in _as_prompt_list(prompts):
             if isinstance(prompt, dict):
@@ -179,13 +219,17 @@ class LLM:
             return self.engine.add_request(None, params, prompt, priority=priority)
         raise RequestError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_to_completion(self, request_ids: list[str], use_tqdm) -> dict[str, RequestOutput]:
+        """Step until these requests finish (an open stream's request runs along, its outputs kept for it)."""
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=num_requests, desc="requests", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
+        pending = set(request_ids)
+        progress = use_tqdm if callable(use_tqdm) else tqdm  # vLLM: a callable is the progress bar's factory
+        with progress(total=len(request_ids), desc="requests", disable=not use_tqdm) as bar:
+            while pending and self.engine.has_unfinished_requests():
+                for output in self._step_keeping_streams(pending.__contains__):
                     if output.finished:
                         finished[output.request_id] = output
+                        pending.discard(output.request_id)
                         bar.update(1)
         return finished
 
@@ -201,10 +245,11 @@ class LLM:
 class _TextStream:
     """`LLM.stream`'s iterator: closing it, or dropping it, aborts its request (started or not)."""
 
-    def __init__(self, engine: Engine, request_id: str, deltas: Iterator[str]):
+    def __init__(self, engine: Engine, request_id: str, deltas: Iterator[str], kept: dict[str, list]):
         self._engine = engine
         self.request_id = request_id
         self._deltas = deltas
+        self._kept = kept  # LLM._stream_outputs: this stream's entry goes when it closes, even unstarted
 
     def __iter__(self) -> _TextStream:
         return self
@@ -214,6 +259,7 @@ class _TextStream:
 
     def close(self) -> None:
         self._deltas.close()
+        self._kept.pop(self.request_id, None)
         self._engine.abort_request(self.request_id)  # a no-op once it finished
 
     def __del__(self) -> None:

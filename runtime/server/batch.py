@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from llmc.runtime.server.serving import ModelNames, ServingContext, new_id
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 
+logger = logging.getLogger("llmc")
 _HANDLERS = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion}
 
 
@@ -48,9 +50,18 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
     """Parse and check every line (blank lines are skipped); custom_ids must be unique."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        data = path.read_bytes()
     except OSError as e:
         raise BatchFileError(f"{path}: cannot read the batch file ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        number = data.count(b"\n", 0, e.start) + 1
+        raise BatchFileError(f"{path}:{number}: not UTF-8 text "
+                             f"(byte {data[e.start]:#04x}); a batch file is UTF-8 JSON lines") from None
+    # JSON Lines are separated by "\n" alone (an optional "\r" before it): str.splitlines() would also cut
+    # at U+2028, U+2029 and U+0085, which JSON strings may hold raw (json.dumps(ensure_ascii=False) writes them)
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     requests, seen = [], set()
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -88,17 +99,56 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
     except OSError as e:
         raise BatchFileError(f"{output_path}: cannot write the output there ({e.strerror}); "
                              "give --output a path in an existing, writable folder") from None
-    with output:
-        results = asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress))
-        for result in results:
-            output.write(json.dumps(result, ensure_ascii=False) + "\n")
+    writer = _OrderedWriter(output)
+    try:
+        try:
+            asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress, writer))
+        finally:
+            try:
+                output.close()
+            except OSError as e:  # the last buffered lines could not be written
+                writer.write_error = writer.write_error or e
+        if writer.write_error is not None:
+            raise writer.write_error
+    except BaseException:
+        # the output keeps what it held; results finished in input order stay in the .partial file, said so
+        if writer.write_error is not None or writer.written == 0:
+            partial.unlink(missing_ok=True)
+        else:
+            logger.error("stopped: the results of the first %d of %d request(s), in input order, are in %s; "
+                         "%s was left as it was", writer.written, len(requests), partial, output_path)
+        if writer.write_error is not None:
+            raise BatchFileError(f"{partial}: writing the results failed ({writer.write_error.strerror}); "
+                                 f"{output_path} was left as it was") from None
+        raise
     os.replace(partial, output_path)
-    num_failed = sum(r["response"]["status_code"] != 200 for r in results)
-    return BatchSummary(len(results), num_failed, output_path)
+    return BatchSummary(len(requests), writer.failed, output_path)
+
+
+class _OrderedWriter:
+    """Writes each result as soon as every earlier line's result is written (vLLM's ordered streaming writer):
+    the file is in input order, and only the out-of-order results are held in memory."""
+
+    def __init__(self, output):
+        self.output, self.pending, self.written, self.failed = output, {}, 0, 0
+        self.write_error: OSError | None = None  # disk full, quota, file size limit
+
+    def add(self, index: int, result: dict) -> None:
+        self.pending[index] = result
+        try:
+            while self.written in self.pending:
+                result = self.pending.pop(self.written)
+                self.output.write(json.dumps(result, ensure_ascii=False) + "\n")
+                self.written += 1
+                self.failed += result["response"]["status_code"] != 200
+            self.output.flush()
+        except OSError as e:
+            self.write_error = e
+            raise
 
 
 async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: ModelNames,
-                   show_progress: bool) -> list[dict]:
+                   show_progress: bool, writer: _OrderedWriter) -> None:
     engine_loop = EngineLoop(engine_factory)
     engine_loop.start()
     try:
@@ -107,12 +157,11 @@ async def _run_all(engine_factory, requests: list[BatchRequestLine], served_mode
         # its author's, who runs this command
         ctx = ServingContext(engine_loop, served_model_name, max_waiting=None, trust_request_chat_template=True)
         with tqdm(total=len(requests), desc="requests", disable=not show_progress) as bar:
-            async def run_one(request: BatchRequestLine) -> dict:
-                result = await _run_one(ctx, request)
+            async def run_one(index: int, request: BatchRequestLine) -> None:
+                writer.add(index, await _run_one(ctx, request))
                 bar.update(1)
-                return result
 
-            return await asyncio.gather(*(run_one(r) for r in requests))
+            await asyncio.gather(*(run_one(i, r) for i, r in enumerate(requests)))
     finally:
         await engine_loop.shutdown()
 

@@ -117,3 +117,71 @@ def test_flags_of_another_mode_are_refused_not_ignored(server_artifact, tmp_path
             main(["run", str(server_artifact), "--device", "cpu", *args])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and f"{flag} applies to" in err, err
+
+
+def test_line_separators_inside_json_strings_do_not_split_a_line(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 raw (json.dumps(ensure_ascii=False) writes them so):
+    only "\\n" ends a line, and the line numbers of later lines stay right."""
+    path = tmp_path / "requests.jsonl"
+    rows = [_line(f"p{i}", "/v1/completions", {"prompt": f"a{sep}b", "max_tokens": 1})
+            for i, sep in enumerate(["\u2028", "\u2029", "\x85"])]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert [r.body["prompt"] for r in read_batch_file(path)] == ["a\u2028b", "a\u2029b", "a\x85b"]
+    path.write_text(json.dumps(rows[0], ensure_ascii=False) + "\n{oops\n", encoding="utf-8")
+    with pytest.raises(BatchFileError, match=":2: .*not valid JSON"):
+        read_batch_file(path)
+
+
+def test_a_file_that_is_not_utf8_is_one_error_naming_the_line(tmp_path):
+    path = tmp_path / "requests.jsonl"
+    path.write_bytes(json.dumps(_line("a", "/v1/completions", {"prompt": "x"})).encode() + b"\n"
+                     + b'{"custom_id": "caf\xe9"}\n')
+    with pytest.raises(BatchFileError, match=":2: not UTF-8 text \\(byte 0xe9\\)"):
+        read_batch_file(path)
+
+
+def test_a_failed_run_leaves_the_output_as_it_was_and_no_partial_file(tmp_path, capsys, restore_logging):
+    """The engine cannot start: the old output is untouched and no empty .partial file is left behind."""
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, [_line("a", "/v1/completions", {"prompt": "x", "max_tokens": 1})])
+    results.write_text("old\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(tmp_path / "no-artifact"), "--device", "cpu", "--input", str(requests),
+              "--output", str(results)])
+    assert exit_info.value.code != 0
+    assert results.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl",
+                                                                                              "results.jsonl"]
+
+
+def test_results_finished_before_an_interrupt_are_kept_in_order(tmp_path, monkeypatch, restore_logging):
+    """Ctrl-C (or a crash) after some requests finished: those results, in input order, stay in the .partial
+    file (and the log says where); a write that fails removes the .partial file and is one error line."""
+    import llmc.runtime.server.batch as batch
+
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, [_line(f"r{i}", "/v1/completions", {"prompt": "x"}) for i in range(4)])
+
+    async def fake_run_all(engine_factory, reqs, served_model_name, show_progress, writer):
+        for index in (1, 0, 3):  # out of order: 0 and 1 can be written, 3 waits for 2
+            writer.add(index, {"custom_id": reqs[index].custom_id, "response": {"status_code": 200}})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(batch, "_run_all", fake_run_all)
+    with pytest.raises(KeyboardInterrupt):
+        batch.run_batch(None, requests, results, ["m"], show_progress=False)
+    partial = tmp_path / "results.jsonl.partial"
+    assert not results.exists()
+    assert [json.loads(line)["custom_id"] for line in partial.read_text().split("\n") if line] == ["r0", "r1"]
+
+    class FullDisk:
+        def write(self, text):
+            raise OSError(28, "No space left on device")
+
+    async def failing_write(engine_factory, reqs, served_model_name, show_progress, writer):
+        writer.output = FullDisk()
+        writer.add(0, {"custom_id": "r0", "response": {"status_code": 200}})
+
+    monkeypatch.setattr(batch, "_run_all", failing_write)
+    with pytest.raises(BatchFileError, match="writing the results failed \\(No space left on device\\)"):
+        batch.run_batch(None, requests, results, ["m"], show_progress=False)
+    assert not partial.exists() and not results.exists()
