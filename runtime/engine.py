@@ -90,6 +90,7 @@ class Engine:
         self._check_invariants = invariant_checks_enabled()
         self.num_resets = 0  # steps that failed as a whole (the engine failed every request and reset)
         freeze_gc_heap()
+        self._holds_gc_freeze = True
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -201,9 +202,12 @@ class Engine:
 
     def close(self) -> None:
         """Stop the worker ranks of a parallel engine and destroy its process groups (idempotent); let
-        the garbage collector see the frozen heap again, so that what the engine held can be freed."""
+        the garbage collector see the frozen heap again once no other engine of the process is open, so that what
+        the engines held can be freed (release_gc_heap)."""
         self.runner.close()
-        gc.unfreeze()
+        if getattr(self, "_holds_gc_freeze", False):
+            self._holds_gc_freeze = False
+            release_gc_heap()
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -464,9 +468,24 @@ def freeze_gc_heap() -> None:
     of the load. A full collection scans every tracked object, so without this each one paused the
     serving loop for 0.25-0.9 s on an H100 host, stalling the GPU (benchmarks/RESULTS.md, issue 12);
     vLLM and SGLang freeze the heap after start-up too. Objects made later (requests) are still
-    collected. Process-wide: `Engine.close` unfreezes."""
+    collected. Process-wide: the last open engine's `close` unfreezes (release_gc_heap), not the first
+    (another engine of the process still serves)."""
+    global _ENGINES_FREEZING
+    _ENGINES_FREEZING += 1
     gc.collect()
     gc.freeze()
+
+
+_ENGINES_FREEZING = 0  # engines of this process open since they froze the heap
+
+
+def release_gc_heap() -> None:
+    """One engine closed: once none is left open, the collector sees the frozen heap again, so that what
+    the engines held can be freed."""
+    global _ENGINES_FREEZING
+    _ENGINES_FREEZING = max(0, _ENGINES_FREEZING - 1)
+    if _ENGINES_FREEZING == 0:
+        gc.unfreeze()
 
 
 def _is_decode(scheduled) -> bool:

@@ -580,6 +580,10 @@ def llmc_cli(capsys):
 @pytest.fixture(autouse=True)
 def _unfreeze_gc_heap():
     """An Engine freezes the GC heap when it loads and unfreezes it on close(); tests often drop
-    engines without closing them, so the heap is handed back to the collector after every test."""
+    engines without closing them, so the heap is handed back to the collector after every test (and
+    the count of engines holding it freezing is reset: those engines are gone)."""
     yield
+    from llmc.runtime import engine
+
+    engine._ENGINES_FREEZING = 0
     gc.unfreeze()
