@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
 from llmc.errors import LlmcError
 from llmc.runtime.block_pool import BlockPool
 from llmc.runtime.outputs import RequestOutput
@@ -61,10 +63,16 @@ def guard_processors(params: SamplingParams, group_id: str) -> None:
 
 def _guarded(processor, arity: int, group_id: str):
     def call(*args):
+        logits = args[-1]
         try:
-            return processor(*args)
+            row = processor(*args)
         except Exception as e:  # noqa: BLE001 - the user's callable: attributed to its request
             raise RequestFault(group_id, e) from e
+        if not isinstance(row, torch.Tensor) or row.shape != logits.shape:  # it would fail the whole step
+            shape = f"a tensor of shape {list(row.shape)}" if isinstance(row, torch.Tensor) else type(row).__name__
+            raise RequestFault(group_id, ValueError(f"a logits processor returned {shape}; it must return the "
+                                                    f"row's logits, a tensor of shape {list(logits.shape)}"))
+        return row
 
     if arity == 3:
         return lambda prompt_ids, output_ids, logits: call(prompt_ids, output_ids, logits)

@@ -89,6 +89,24 @@ def test_a_raising_logits_processor_fails_its_request_alone(llm, reference):
     assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == reference["good0"][0]  # still serving
 
 
+@pytest.mark.parametrize("returned", ["a row of another shape", "not a tensor"])
+def test_a_logits_processor_returning_a_wrong_row_fails_its_request_alone(llm, reference, returned):
+    """A processor must return its row's logits; anything else (here from its third call) was a fault of the
+    whole step, which failed every request of the batch."""
+    def wrong(output_ids, logits):
+        if len(output_ids) < 2:
+            return logits
+        return logits[:-1] if returned == "a row of another shape" else logits.tolist()
+
+    bad = SamplingParams(temperature=0, max_tokens=12, logits_processors=[wrong])
+    resets = llm.engine.num_resets
+    with pytest.raises(RequestFailedError, match="a logits processor returned .* it must return the row's logits"):
+        llm.generate(PROMPTS[:2] + ["a bad one"], [_params(0), _params(1), bad])
+    assert llm.engine.num_resets == resets  # not a fault of the step
+    _assert_clean(llm.engine)
+    assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids == reference["good0"][0]
+
+
 def test_a_raising_detokenization_fails_its_request_alone(llm, reference, monkeypatch):
     original = SequenceState.add_tokens
 
