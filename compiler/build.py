@@ -27,7 +27,7 @@ from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a
 from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_scales, fp8_max
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
-from llmc.compiler.recipe import Recipe
+from llmc.compiler.recipe import Recipe, check_output
 from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
@@ -78,7 +78,8 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     """Build the artifact a recipe describes, atomically, and return its manifest."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
-    prepare_output(recipe.output_dir)  # a bad output fails before any work; killed builds' debris goes
+    check_output(recipe)  # again: `llmc build -o` and build(replace(recipe, output=...)) change it after parsing
+    prepare_output(recipe.output_dir, create=False)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
@@ -144,8 +145,9 @@ def resolve_model_dir(recipe: Recipe) -> Path:
         )
     except Exception as e:  # noqa: BLE001 - any hub failure becomes one line for the user
         raise RecipeError(
-            f"model: {recipe.model!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face Hub ({type(e).__name__}); download it and set model to its path"
+            f"model: {recipe.model!r} is not a local directory (no {Path(recipe.model).absolute()}: relative "
+            f"paths start at the current directory) and could not be fetched from the Hugging Face Hub as a "
+            f"hub id ({type(e).__name__}); download it and set model to its path"
         ) from None
     return Path(path)
 
@@ -390,7 +392,10 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
         logger.warning("runtime.generation_config %r: no generation_config.json there on this machine; a run refuses "
                        "to start where that folder does not hold one (use 'auto', the model's, or 'vllm')",
                        runtime.generation_config)
-    return dataclasses.replace(runtime, max_model_len=max_model_len)
+    generation_config = runtime.generation_config
+    if generation_config not in ("auto", "vllm"):  # a folder: as the build found it, not relative to a later run's cwd
+        generation_config = str(Path(generation_config).absolute())
+    return dataclasses.replace(runtime, max_model_len=max_model_len, generation_config=generation_config)
 
 
 def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, runtime: art.RuntimeDefaults,

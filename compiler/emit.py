@@ -161,13 +161,23 @@ def atomic_directory(final: Path):
     _swap_into_place(tmp, final)
 
 
-def prepare_output(final: Path) -> None:
+def prepare_output(final: Path, create: bool = True) -> None:
     """Refuse an output that cannot become an artifact, before any work; then clean what killed builds
-    at this output left (their temporary directories, an old artifact renamed aside)."""
+    at this output left (their temporary directories, an old artifact renamed aside). `create` false: make
+    no directory yet (a build that fails later must not leave empty ones), only check that it could."""
     final = Path(os.path.abspath(final))
     if final.parent.exists() and not final.parent.is_dir():
         raise RecipeError(f"output: {final.parent} is a file, not a directory; choose another output")
     _check_replaceable(final)
+    if not create:
+        existing = next(p for p in final.parents if p.exists())
+        if not existing.is_dir():
+            raise RecipeError(f"output: {existing} is a file, not a directory; choose another output")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise RecipeError(f"output: cannot write in {existing} (Permission denied); choose another output")
+        if final.parent.is_dir():
+            recover_output(final)
+        return
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

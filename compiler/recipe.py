@@ -6,6 +6,7 @@ Relative paths (model, output, calibration data) are resolved from the current d
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,11 @@ class Recipe:
 
     @property
     def output_dir(self) -> Path:
-        return Path(self.output) if self.output else Path("build") / Path(self.model.rstrip("/")).name
+        if self.output:
+            return Path(self.output)
+        model = Path(self.model.rstrip("/") or "/")
+        name = model.name if self.is_hub_id else Path(os.path.abspath(model)).name  # "." and ".." name a folder
+        return Path("build") / (name or "model")
 
     @property
     def is_hub_id(self) -> bool:
@@ -104,15 +109,45 @@ class Recipe:
 
 def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file {path} does not exist")
+    if not path.exists() or path.is_dir():  # a pipe (`llmc build <(...)`) reads as well as a file
+        raise RecipeError(f"recipe file {path} does not exist" if not path.exists() else f"{path} is a directory, "
+                          "not a recipe file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = _load_yaml(path.read_text(encoding="utf-8"), str(path))
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     except (UnicodeDecodeError, RecursionError) as e:
         raise RecipeError(f"{path}: not a YAML text file ({type(e).__name__}: {e})") from None
     return recipe_from_dict(data, source=str(path))
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one, silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: SafeLoader's own error follows
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise RecipeError(f"{self.name}: line {key_node.start_mark.line + 1}: key {key!r} is given twice "
+                                      f"(first on line {first}); keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, name: str):
+    loader = _StrictLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
@@ -153,12 +188,44 @@ def _check_method_keys(method: str, section: dict) -> None:
                        "them" if len(unused) > 1 else "it", "they have" if len(unused) > 1 else "it has")
 
 
+def _check_path_text(key: str, value: str | None) -> None:
+    """`~` and `$VAR` are not expanded (a path is used as written, relative to the current directory): say so
+    rather than look for, or create, a folder literally named `~`."""
+    if value is None:
+        return
+    if not value.strip():
+        raise RecipeError(f"{key}: an empty path; give a directory" + (" (or drop the key for the default)" if key == "output" else ""))
+    if value.startswith("~") or re.search(r"\$(\w+|\{)", value):
+        raise RecipeError(f"{key}: {value!r}: '~' and '$VARIABLES' are not expanded in recipes; write the path out "
+                          f"(e.g. {os.path.expandvars(os.path.expanduser(value))!r})")
+
+
+def check_output(recipe: Recipe) -> None:
+    """The artifact directory must not be, hold or sit inside the checkpoint: an artifact replaces its output
+    directory wholesale, and a build must never touch the checkpoint."""
+    _check_path_text("output", recipe.output)
+    if recipe.is_hub_id:
+        return
+    model = Path(os.path.realpath(recipe.model))
+    output = Path(os.path.realpath(recipe.output_dir))
+    if output == model or model in output.parents or output in model.parents:
+        where = "is" if output == model else ("is inside" if model in output.parents else "holds")
+        raise RecipeError(f"output: {recipe.output_dir} {where} the checkpoint directory {recipe.model}; choose "
+                          "an output outside the checkpoint")
+
+
 def _check(recipe: Recipe) -> None:
+    _check_path_text("model", recipe.model)
+    _check_path_text("quantization.calibration.data", recipe.quantization.calibration.data)
+    check_output(recipe)
     model = Path(recipe.model)
     if not model.exists() and not recipe.is_hub_id:
         raise RecipeError(f"model: directory {recipe.model!r} does not exist (relative paths start at the current directory)")
     if model.exists() and not model.is_dir():
         raise RecipeError(f"model: {recipe.model!r} is a file; give the checkpoint's directory")
+    if recipe.revision is not None and not recipe.is_hub_id:
+        raise RecipeError(f"revision: {recipe.revision!r} applies to a hub id, and model {recipe.model!r} is a local "
+                          "directory (read as it is); drop revision, or check out that revision there")
     quant = recipe.quantization
     data = quant.calibration.data
     if quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static"):

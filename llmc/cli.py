@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 import llmc
-from llmc.errors import ConfigError, LlmcError, RequestError
+from llmc.errors import ConfigError, LlmcError, RecipeError, RequestError
 from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
 
 logger = logging.getLogger("llmc")
@@ -147,7 +147,10 @@ def build(recipe: str, output: str | None, quiet: bool) -> None:
     parsed = load_recipe(recipe)
     if output is not None:
         parsed = dataclasses.replace(parsed, output=output)
-    result = run_build(parsed, show_progress=not quiet)
+    try:
+        result = run_build(parsed, show_progress=not quiet)
+    except RecipeError as e:  # found at build time (output, max_model_len, patterns): name the recipe too
+        raise RecipeError(f"{recipe}: {e}") from None
     print_build_summary(result)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from typing import Any, Union
@@ -103,19 +104,29 @@ def _convert_scalar(hint, value, key: str, error):
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise error(f"{key}: expected an integer, got {_show(value)}")
+        raise error(f"{key}: expected an integer, got {_show(value)}{_yaml11_hint(value, True)}")
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value) if abs(value) < 1e308 or isinstance(value, float) else math.inf
             if not math.isfinite(number):  # NaN passes every range check; infinity is no size or fraction
                 raise error(f"{key}: expected a finite number, got {value if isinstance(value, float) else 'a huge integer'}")
             return number
-        raise error(f"{key}: expected a number, got {_show(value)}")
+        raise error(f"{key}: expected a number, got {_show(value)}{_yaml11_hint(value)}")
     if hint is str:
         if isinstance(value, str):
             return value
         raise error(f"{key}: expected a string, got {_show(value)}")
     raise TypeError(f"schema: unsupported type {hint!r} for {key}")
+
+
+def _yaml11_hint(value, integer: bool = False) -> str:
+    """YAML 1.1 (PyYAML) reads 1e-2 and 1e3 as text: a float needs a dot (1.0e-2)."""
+    if isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
+        mantissa, exponent = re.split("[eE]", value.strip())
+        if integer:
+            return f" (YAML reads {value} as text; write the integer in full)"
+        return f" (YAML reads {value} as text; write {mantissa}.0e{exponent}, or the number in full)"
+    return ""
 
 
 def _check_constraints(f: dataclasses.Field, value, key: str, error) -> None:
