@@ -52,7 +52,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
     "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "documents": (None,),
-    "functions": (None,), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
+    "functions": (None, []), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None,),
     "echo": (None, False),  # on chat completions (vLLM: the last message prepended to the reply); completions have it
 }
@@ -96,8 +96,10 @@ class ResponseFormat(_Body):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    # Nullable, as vLLM's (Optional[bool]); include_usage left out with continuous_usage_stats true means
+    # usage on, as vLLM's default include_usage=True gives
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -145,12 +147,17 @@ class _SamplingFields(_Body):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        options = self.stream_options
+        if options is None:
+            return False
+        if options.include_usage is None:
+            return options.continuous_usage_stats is True
+        return options.include_usage
 
     @property
     def continuous_usage(self) -> bool:
         """vLLM's stream_options.continuous_usage_stats: every chunk carries the running usage."""
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return self.include_usage and self.stream_options.continuous_usage_stats is True
 
     def check_stop(self) -> None:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
