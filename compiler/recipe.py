@@ -156,6 +156,11 @@ def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
     try:
         recipe = parse(Recipe, data, "", RecipeError)
         _check_method_keys(recipe.quantization.method, data.get("quantization") or {})
+        runtime = data.get("runtime") if isinstance(data.get("runtime"), dict) else {}
+        if recipe.target.device == "onnx-cpu" and runtime.get("enable_prefix_caching") is True:
+            # the default (true) is turned off for onnx-cpu; asking for it is refused, as at run time
+            raise RecipeError("runtime.enable_prefix_caching: an onnx-cpu artifact has no paged KV blocks to share "
+                              "(one slot per sequence); drop it or set it to false")
         _check(recipe)
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None

@@ -49,6 +49,9 @@ def test_defaults():
         ({"model": MODEL, "runtime": {"num_scheduler_steps": 4}}, ["runtime.num_scheduler_steps 4", "onnx-cpu"]),
         ({"model": MODEL, "target": {"device": "onnx-cpu"}, "runtime": {"num_scheduler_steps": 4, "speculative": {
             "method": "ngram", "num_speculative_tokens": 3}}}, ["runtime.num_scheduler_steps 4", "speculative"]),
+        # asked for explicitly, it was turned off without a word (the default is, for onnx-cpu)
+        ({"model": MODEL, "target": {"device": "onnx-cpu"}, "runtime": {"enable_prefix_caching": True}},
+         ["runtime.enable_prefix_caching", "onnx-cpu", "no paged KV blocks"]),
     ],
 )
 def test_each_mistake_is_one_line_naming_the_key(data, words):
