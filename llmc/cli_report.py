@@ -314,13 +314,15 @@ def print_build_summary(result) -> None:
     est = manifest.plan.memory
     rows = [
         ("built", str(result.output)),
-        ("model", f"{manifest.model.architecture}, {manifest.model.num_parameters / 1e6:.2f} M parameters, {manifest.model.dtype}"),
+        ("model", f"{manifest.model.architecture}, {manifest.model.num_parameters / 1e6:.2f} M parameters, "
+                  + ("an ONNX graph computing in float32" if is_onnx(manifest) else manifest.model.dtype)),
         ("quantization", manifest.quant.method),
         ("weights", f"{_fmt_bytes(weight_bytes)} in {manifest.parallel.tensor * manifest.parallel.pipeline} rank file(s)"),
         ("KV per token", f"{manifest.kv.bytes_per_token} bytes"),
-        (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
-                                                            f"{int(est.get('max_concurrent_seqs', 0))} sequences of {manifest.runtime.max_model_len}"
-                                                            + _fixed_kv_note(est)),
+        *([] if is_onnx(manifest) else [  # an ONNX artifact runs on the CPU: its KV budget is cpu_kv_cache_gib
+            (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
+                                                                f"{int(est.get('max_concurrent_seqs', 0))} sequences of "
+                                                                f"{manifest.runtime.max_model_len}" + _fixed_kv_note(est))]),
         ("time", f"{result.seconds:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in result.stage_seconds.items()) + ")"),
     ]
     _print_rows(rows)

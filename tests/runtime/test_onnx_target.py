@@ -236,7 +236,7 @@ def test_onnx_target_is_one_rank(tiny_llama, tmp_path):
         _build(tiny_llama, tmp_path / "a", parallel={"tensor": 2})
 
 
-def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact):
+def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact, capsys):
     artifact = onnx_artifact(tiny_llama)
     result = CliRunner().invoke(cli, ["inspect", str(artifact), "--json", "--verify"])
     assert result.exit_code == 0, result.output
@@ -249,5 +249,13 @@ def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact):
     text = CliRunner().invoke(cli, ["inspect", str(artifact)]).output
     parameters = next(line for line in text.splitlines() if line.lstrip().startswith("parameters"))
     assert "float32" in parameters and "bfloat16" not in parameters, parameters  # initializers are float32
+    from llmc.cli_report import print_build_summary
+
+    class Built:  # what `llmc build` prints: no GPU memory plan for an artifact that runs on the CPU
+        manifest, output, seconds, stage_seconds = art.read_manifest(artifact), artifact, 1.0, {}
+
+    print_build_summary(Built())
+    summary = capsys.readouterr().out
+    assert "float32" in summary and " GiB " not in summary.replace("time", ""), summary
     assert {t.data_type for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT16,
                                                                            onnx.TensorProto.BFLOAT16)} == set()
