@@ -12,6 +12,7 @@ helper here is reachable through a fixture:
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
+* ``ref_artifact_128`` -> ``Path`` (ref-llama-12m built in float32, max_model_len 128; session-wide, read only)
 * ``free_gpu``: after the test, collect garbage and empty torch's CUDA cache
 * ``forward_step`` -> :func:`forward_step` (a model step's ids and ForwardBatch, from sequences)
 
@@ -409,6 +410,19 @@ def data_dir() -> Path:
 def peer_checkpoint_dir() -> Path:
     """``<repo>/checkpoints/peer-gptq-w4a16-g128``: llm-compressor's GPTQ W4A16 g128 of ref-llama-12m."""
     return PEER_DIR
+
+
+@pytest.fixture(scope="session")
+def ref_artifact_128(tmp_path_factory, ref_model_dir) -> Path:
+    """ref-llama-12m built unquantized in float32 with max_model_len 128: a small artifact for API tests
+    whose engines leave it as they found it (read-only use)."""
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    out = tmp_path_factory.mktemp("ref128") / "ref"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -13,11 +13,8 @@ from llmc.runtime.llm import LLM
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory, ref_model_dir):
-    out = tmp_path_factory.mktemp("knobs") / "ref"
-    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
-                            "runtime": {"max_model_len": 128}}), show_progress=False)
-    return out
+def artifact(ref_artifact_128):
+    return ref_artifact_128
 
 
 def test_vllm_values_taken(artifact):

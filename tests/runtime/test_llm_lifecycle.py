@@ -6,8 +6,6 @@ import threading
 import pytest
 from tqdm import tqdm
 
-from llmc.compiler.build import build
-from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -15,11 +13,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory, ref_model_dir):
-    out = tmp_path_factory.mktemp("lifecycle") / "ref"
-    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
-                            "runtime": {"max_model_len": 128}}), show_progress=False)
-    return out
+def artifact(ref_artifact_128):
+    return ref_artifact_128
 
 
 def test_use_after_close_raises(artifact):
