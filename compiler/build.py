@@ -34,8 +34,9 @@ from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
-from llmc.runtime.layers.rotary import max_context_len, max_context_reason
+from llmc.runtime.layers.rotary import max_context_len
 from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.options import max_model_len_problem
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
 logger = logging.getLogger("llmc")
@@ -374,26 +375,22 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
 
 def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
     runtime = recipe.runtime
-    limit = max_context_len(model.max_position_embeddings, model.rope_scaling)
-    max_model_len = runtime.max_model_len or limit  # vLLM's default: the model's context, scaled
-    if max_model_len > limit:
-        raise RecipeError(
-            f"runtime.max_model_len: {max_model_len} exceeds the model's context of {limit} "
-            f"({max_context_reason(model.max_position_embeddings, model.rope_scaling)}); lower it"
-        )
+    # vLLM's default: the model's context, scaled
+    max_model_len = runtime.max_model_len or max_context_len(model.max_position_embeddings, model.rope_scaling)
+    if (problem := max_model_len_problem(max_model_len, model)) is not None:
+        raise RecipeError(f"runtime.max_model_len: {problem}")
     if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:
         need = -(-max_model_len // runtime.block_size)
         raise RecipeError(
             f"runtime.num_kv_blocks: {runtime.num_kv_blocks} blocks of {runtime.block_size} tokens hold fewer than one "
             f"sequence of max_model_len {max_model_len}; raise it to at least {need}, or lower max_model_len"
         )
-    if runtime.generation_config not in ("auto", "vllm") and not (Path(runtime.generation_config)
-                                                                  / "generation_config.json").is_file():
-        logger.warning("runtime.generation_config %r: no generation_config.json there on this machine; a run refuses "
-                       "to start where that folder does not hold one (use 'auto', the model's, or 'vllm')",
-                       runtime.generation_config)
     generation_config = runtime.generation_config
     if generation_config not in ("auto", "vllm"):  # a folder: as the build found it, not relative to a later run's cwd
+        if not (Path(generation_config) / "generation_config.json").is_file():
+            logger.warning("runtime.generation_config %r: no generation_config.json there on this machine; a run "
+                           "refuses to start where that folder does not hold one (use 'auto', the model's, or "
+                           "'vllm')", generation_config)
         generation_config = str(Path(generation_config).absolute())
     return dataclasses.replace(runtime, max_model_len=max_model_len, generation_config=generation_config)
 
@@ -407,7 +404,7 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
     on_gpu = (memory.gpu_weight_bytes(weight_bytes, layer_bytes, runtime.cpu_offload_gb)  # the recipe's offload
               if layer_bytes is not None else weight_bytes)
     estimates = memory.estimate_per_rank(model, parallel, on_gpu, kv.dtype, runtime, int(gpu_gib * memory.GIB))
-    estimate = min(estimates, key=lambda e: (e.num_kv_tokens, e.room_kv_tokens or 0))
+    estimate = memory.least_room(estimates)
     if estimate.over_room:
         logger.warning("runtime.num_kv_blocks %d (%d KV tokens) is more than a %.3g GiB GPU has room for at these "
                        "settings (%d tokens): the engine will run out of memory there; lower num_kv_blocks, or drop it "

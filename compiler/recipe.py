@@ -156,12 +156,7 @@ def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
     try:
         recipe = parse(Recipe, data, "", RecipeError)
         _check_method_keys(recipe.quantization.method, data.get("quantization") or {})
-        runtime = data.get("runtime") if isinstance(data.get("runtime"), dict) else {}
-        if recipe.target.device == "onnx-cpu" and runtime.get("enable_prefix_caching") is True:
-            # the default (true) is turned off for onnx-cpu; asking for it is refused, as at run time
-            raise RecipeError("runtime.enable_prefix_caching: an onnx-cpu artifact has no paged KV blocks to share "
-                              "(one slot per sequence); drop it or set it to false")
-        _check(recipe)
+        _check(recipe, data.get("runtime") if isinstance(data.get("runtime"), dict) else {})
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     return recipe
@@ -219,7 +214,8 @@ def check_output(recipe: Recipe) -> None:
                           "an output outside the checkpoint")
 
 
-def _check(recipe: Recipe) -> None:
+def _check(recipe: Recipe, given_runtime: dict) -> None:
+    """`given_runtime`: the recipe's runtime section as written (what it sets explicitly)."""
     _check_path_text("model", recipe.model)
     _check_path_text("quantization.calibration.data", recipe.quantization.calibration.data)
     check_output(recipe)
@@ -239,17 +235,17 @@ def _check(recipe: Recipe) -> None:
     if data is not None and not Path(data).is_file():
         what = "is not a regular file" if Path(data).exists() else "does not exist"
         raise RecipeError(f"quantization.calibration.data: {data!r} {what}")
-    _check_runtime_target(recipe)
+    _check_runtime_target(recipe, given_runtime)
     patterns = [(f"quantization.ignore[{i}]", p) for i, p in enumerate(quant.ignore)]
     patterns += [(f"quantization.overrides[{i}].match", o.match) for i, o in enumerate(quant.overrides)]
     for key, pattern in patterns:
         _check_pattern(key, pattern)
 
 
-def _check_runtime_target(recipe: Recipe) -> None:
+def _check_runtime_target(recipe: Recipe, given_runtime: dict) -> None:
     """Runtime settings the target cannot run, refused at build time rather than on every start: the
-    memory knobs of the torch runtime have no meaning for an ONNX model (float32 KV per sequence slot),
-    multi-step decoding runs on onnx-cpu only, without speculation, and parallel ranks capture decode
+    memory knobs of the torch runtime and prefix caching (asked for in `given_runtime`) have no meaning
+    for an ONNX model (float32 KV per sequence slot), multi-step decoding runs on onnx-cpu only, without speculation, and parallel ranks capture decode
     graphs only."""
     from llmc.runtime.options import graph_mode_problem, multi_step_problem
 
@@ -265,6 +261,9 @@ def _check_runtime_target(recipe: Recipe) -> None:
                           f"{recipe.runtime.kv_cache_dtype}; set it to auto (or drop it)")
     if recipe.runtime.cpu_offload_gb:
         raise RecipeError("runtime.cpu_offload_gb: an onnx-cpu artifact runs on the CPU, nothing to offload; drop it")
+    if given_runtime.get("enable_prefix_caching") is True:  # its default (true) is turned off for onnx-cpu
+        raise RecipeError("runtime.enable_prefix_caching: an onnx-cpu artifact has no paged KV blocks to share "
+                          "(one slot per sequence); drop it or set it to false")
 
 
 def _check_pattern(key: str, pattern: str) -> None:

@@ -74,7 +74,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         on_gpu = memory.gpu_weight_bytes(on_gpu, layer_bytes, runtime.cpu_offload_gb)
     estimates = memory.estimate_per_rank(model, manifest.parallel, on_gpu, manifest.kv.dtype, runtime,
                                          int(gib * memory.GIB))
-    estimate = min(estimates, key=lambda e: (e.num_kv_tokens, e.room_kv_tokens or 0))  # every rank holds the same blocks
+    estimate = memory.least_room(estimates)
     formats = defaultdict(int)
     for spec in manifest.quant.modules.values():
         formats[_format_label(spec)] += 1

@@ -76,6 +76,10 @@ class ImportSpec:
             "has_g_idx": self.is_act_order,
         }
 
+    def num_groups(self, in_features: int) -> int:
+        """Scale groups along a module's input (a last partial group counts)."""
+        return 1 if self.group_size == -1 else -(-in_features // self.group_size)
+
     def required_tensor_names(self) -> tuple[str, ...]:
         """Tensor names (after the module's prefix) each quantized module must have."""
         if self.layout == "awq-gemm":
@@ -316,7 +320,7 @@ def parse_quantization_config(config_json: dict) -> ImportSpec:
 
 def expected_shapes(spec: ImportSpec, in_features: int, out_features: int) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor a module of this size has in the checkpoint's layout."""
-    num_groups = 1 if spec.group_size == -1 else -(-in_features // spec.group_size)
+    num_groups = spec.num_groups(in_features)
     per_word = levels_per_word(spec.bits)
     if spec.layout == "awq-gemm":
         return {
@@ -403,7 +407,7 @@ def check_module_tensors(
     g_idx_name = "weight_g_idx" if spec.layout == "pack-quantized" else "g_idx"
     g_idx = tensors.get(g_idx_name) if g_idx_name in known else None
     if g_idx is not None and g_idx.numel():
-        num_groups = 1 if spec.group_size == -1 else -(-in_features // spec.group_size)
+        num_groups = spec.num_groups(in_features)
         low, high = int(g_idx.min()), int(g_idx.max())
         if low < 0 or high >= num_groups:
             raise CheckpointError(f"{module_name}.{g_idx_name} holds groups {low}..{high}, but {config} with in_features "

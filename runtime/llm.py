@@ -40,7 +40,7 @@ class LLM:
         if not (isinstance(tokenizer_pool_size, int) and tokenizer_pool_size >= 0):
             raise RequestError(f"tokenizer_pool_size must be an integer >= 0, got {tokenizer_pool_size!r}")
         self._closed = False
-        self._busy = threading.Lock()  # one generate/chat/beam_search at a time (the engine is not thread-safe)
+        self._busy = threading.Lock()  # one generate (and so chat) at a time: the engine is not thread-safe
         # open streams' outputs that another call's steps produced, kept until their stream reads them
         self._stream_outputs: dict[str, list[RequestOutput]] = {}
         self.engine = Engine(artifact, device=device, launch=launch, **options)

@@ -246,6 +246,12 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
             for e in estimates]
 
 
+def least_room(estimates: list[MemoryEstimate]) -> MemoryEstimate:
+    """The rank whose KV cache bounds the engine (every rank holds the same blocks): the fewest KV tokens,
+    and with a cache fixed by num_kv_blocks (the same on every rank) the least room for it."""
+    return min(estimates, key=lambda e: (e.num_kv_tokens, e.room_kv_tokens or 0))
+
+
 def cuda_graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """Decode buckets: dense at small sizes (1, 2, 4, 8), then every 8 up to 256, every 16 above."""
     sizes = [1, 2, 4, 8]
@@ -296,8 +302,7 @@ def knob_table(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank
         plans = [plan_offload(layers, int(offload_gib * GIB)) for layers in layer_bytes_per_rank]
         weights = gpu_weight_bytes(weight_bytes_per_rank, layer_bytes_per_rank, offload_gib)
         for kv_cache_dtype, kv_dtype in (("auto", model.dtype), ("fp8", "float8_e4m3fn")):
-            estimate = min(estimate_per_rank(model, parallel, weights, kv_dtype, runtime, total_bytes),
-                           key=lambda e: e.num_kv_tokens)
+            estimate = least_room(estimate_per_rank(model, parallel, weights, kv_dtype, runtime, total_bytes))
             rows.append({"kv_cache_dtype": kv_cache_dtype, "cpu_offload_gb": offload_gib,
                          "offloaded_layers": len(plans[0].layers), "weight_bytes": estimate.weight_bytes,
                          "num_kv_tokens": estimate.num_kv_tokens, "max_concurrent_seqs": estimate.max_concurrent_seqs})

@@ -10,7 +10,7 @@ import torch
 
 from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
-from llmc.runtime.layers.rotary import max_context_len, max_context_reason
+from llmc.runtime.layers.rotary import max_context_len, model_context
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.onnx_model import is_onnx, onnx_options
 from llmc.schema import canonical_keys, parse
@@ -71,13 +71,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         if name not in given_as:
             raise
         raise ConfigError(f"{given_as[name]}{str(e)[len(name):]}") from None
-    model = manifest.model
-    limit = max_context_len(model.max_position_embeddings, model.rope_scaling)
-    if options.max_model_len > limit:
-        raise ConfigError(
-            f"max_model_len {options.max_model_len} exceeds the model's context of {limit} "
-            f"({max_context_reason(model.max_position_embeddings, model.rope_scaling)}); lower it"
-        )
+    if (problem := max_model_len_problem(options.max_model_len, manifest.model)) is not None:
+        raise ConfigError(f"max_model_len {problem}")
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
     if (problem := graph_mode_problem(options, manifest.parallel.world_size)) is not None:
@@ -86,6 +81,13 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
     return options
+
+
+def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | None:
+    """What is wrong with a max_model_len beyond the model's context (rotary.model_context), or None; the
+    build (a recipe's runtime.max_model_len) and the start (an override) say it alike."""
+    limit, how = model_context(model.max_position_embeddings, model.rope_scaling)
+    return None if max_model_len <= limit else f"{max_model_len} exceeds the model's context of {limit} ({how}); lower it"
 
 
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:

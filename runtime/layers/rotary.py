@@ -75,27 +75,25 @@ def _llama3_scaled(inv_freq: Tensor, cfg: dict) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def model_context(max_position_embeddings: int, rope_scaling: dict | None) -> tuple[int, str]:
+    """(the longest context the model's positions support, how it comes about) as vLLM derives it
+    (`_get_and_verify_max_len`): max_position_embeddings, times `factor` under linear scaling; YaRN's
+    original_max_position_embeddings times `factor`; llama3 (its max_position_embeddings is already the
+    long context): unscaled."""
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        return (int(max_position_embeddings * rope_scaling["factor"]),
+                f"max_position_embeddings {max_position_embeddings} x linear rope factor {rope_scaling['factor']}")
+    if rope_type == "yarn":
+        original = rope_scaling["original_max_position_embeddings"]
+        return (int(original * rope_scaling["factor"]),
+                f"yarn original_max_position_embeddings {original} x factor {rope_scaling['factor']}")
+    return max_position_embeddings, f"max_position_embeddings {max_position_embeddings}"
+
+
 def max_context_len(max_position_embeddings: int, rope_scaling: dict | None) -> int:
-    """The longest context the model's positions support, as vLLM derives it (`_get_and_verify_max_len`):
-    max_position_embeddings, times `factor` under linear scaling; YaRN's original_max_position_embeddings
-    times `factor`; llama3 (its max_position_embeddings is already the long context): unscaled."""
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type == "linear":
-        return int(max_position_embeddings * rope_scaling["factor"])
-    if rope_type == "yarn":
-        return int(rope_scaling["original_max_position_embeddings"] * rope_scaling["factor"])
-    return max_position_embeddings
-
-
-def max_context_reason(max_position_embeddings: int, rope_scaling: dict | None) -> str:
-    """How max_context_len came about, for error messages."""
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
-    if rope_type == "linear":
-        return f"max_position_embeddings {max_position_embeddings} x linear rope factor {rope_scaling['factor']}"
-    if rope_type == "yarn":
-        return (f"yarn original_max_position_embeddings {rope_scaling['original_max_position_embeddings']} x "
-                f"factor {rope_scaling['factor']}")
-    return f"max_position_embeddings {max_position_embeddings}"
+    """The longest context the model's positions support (model_context)."""
+    return model_context(max_position_embeddings, rope_scaling)[0]
 
 
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None) -> Tensor:
