@@ -283,8 +283,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import CorsPolicy, serve
 
-        factories = [_engine_factory(artifact, _replica_device(artifact, device, i), overrides, launch)
-                     for i in range(data_parallel)]
+        devices = [_replica_device(artifact, device, i) for i in range(data_parallel)]
+        _check_engine_options(artifact, devices, overrides)  # before the port is bound and the model loads
+        factories = [_engine_factory(artifact, device, overrides, launch) for device in devices]
         serve(factories[0] if data_parallel == 1 else factories, served_model_name, host=host, port=port,
               api_key=api_key, max_waiting=max_waiting,  # statistics lines by the clock (disable_log_stats: none)
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
@@ -461,6 +462,17 @@ def _replica_device(artifact: str, device: str | None, index: int) -> str | None
 
     first = torch.device(device or "cuda").index or 0
     return f"cuda:{first + index * read_manifest(artifact).parallel.world_size}"
+
+
+def _check_engine_options(artifact: str, devices: list[str | None], overrides: dict) -> None:
+    """What the engine's start would refuse in the artifact's manifest, the options and the devices,
+    refused before the server binds its port (the engine starts on its own thread, after)."""
+    from llmc.runtime import artifact as art
+    from llmc.runtime.options import resolve_device, resolve_options
+
+    resolve_options(art.read_manifest(artifact), overrides)
+    for device in devices:
+        resolve_device(device)
 
 
 def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=None):

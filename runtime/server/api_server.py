@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import hmac
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import llmc
+from llmc.errors import ConfigError
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
@@ -309,6 +312,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
+    sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     startup_errors: list[BaseException] = []
 
     def on_startup_failure(error: BaseException) -> None:
@@ -323,11 +327,32 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)
     server = _Server(config, app.state.ctx.engine_loop, shutdown_timeout_s)
-    logger.info("listening on http://%s:%d (OpenAI API under /v1); loading the model", host, port)
-    with _sigterm_handled_by_uvicorn():
-        server.run()
+    logger.info("listening on http://%s:%d (OpenAI API under /v1); loading the model", host, sock.getsockname()[1])
+    with sock, _sigterm_handled_by_uvicorn():
+        server.run(sockets=[sock])
     if startup_errors:
         raise startup_errors[0]
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound to (host, port); one ConfigError line if it cannot be."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: not an address of this machine ({e.strerror}); use 127.0.0.1, "
+                          "0.0.0.0 or a local address") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds (restarts over TIME_WAIT)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        what = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+        raise ConfigError(f"port {port} on {host} {what}; choose another with --port, or stop what holds it") from None
+    sock.listen(2048)  # uvicorn's default backlog
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Server(uvicorn.Server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from llmc.cli import main
-from llmc.errors import ArtifactError
+from llmc.errors import ArtifactError, ConfigError
 from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app, serve
 
@@ -73,6 +74,33 @@ def test_cli_reports_a_failed_start_in_one_line(tmp_path, free_port, capsys, res
     assert exit_info.value.code != 0
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("llmc: error:")]
     assert len(errors) == 1 and "missing" in errors[0]
+
+
+def test_a_port_in_use_fails_before_the_model_loads(free_port):
+    # vLLM binds its socket before it starts the engine: a taken port is one error, no model loaded
+    port = free_port()
+    calls = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is in use; choose another with --port"):
+            serve(lambda: calls.append("loaded"), "m", port=port, log_stats=False)
+    assert calls == []
+
+
+def test_cli_refuses_bad_options_and_a_taken_port_before_loading(server_artifact, free_port, capsys, restore_logging):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        for flags in (["--port", str(port)], ["--port", str(free_port()), "--max-model-len", "99999"]):
+            with pytest.raises(SystemExit) as exit_info:
+                main(["run", str(server_artifact), "--device", "cpu", "--disable-log-stats", *flags])
+            assert exit_info.value.code != 0
+            err = capsys.readouterr().err
+            errors = [line for line in err.splitlines() if line.startswith("llmc: error:")]
+            assert len(errors) == 1 and ("in use" in errors[0] or "max_model_len 99999" in errors[0])
+            assert "listening on" not in err and "KV cache" not in err  # nothing was loaded
 
 
 def _sigterm_mid_stream(server, max_tokens: int) -> list[str]:
