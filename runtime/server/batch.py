@@ -95,7 +95,7 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
     output_path = Path(output_path)
     partial = output_path.with_name(output_path.name + ".partial")
     try:  # opened before anything runs: a path that cannot be written fails now, not after the work
-        output = partial.open("w", encoding="utf-8")
+        output = partial.open("wb")
     except OSError as e:
         raise BatchFileError(f"{output_path}: cannot write the output there ({e.strerror}); "
                              "give --output a path in an existing, writable folder") from None
@@ -115,6 +115,8 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
         if writer.write_error is not None or writer.written == 0:
             partial.unlink(missing_ok=True)
         else:
+            if partial.stat().st_size > writer.size:  # a second Ctrl-C cut a write: keep the whole lines only
+                os.truncate(partial, writer.size)
             logger.error("stopped: the results of the first %d of %d request(s), in input order, are in %s; "
                          "%s was left as it was", writer.written, len(requests), partial, output_path)
         if writer.write_error is not None:
@@ -127,24 +129,30 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
 
 class _OrderedWriter:
     """Writes each result as soon as every earlier line's result is written (vLLM's ordered streaming writer):
-    the file is in input order, and only the out-of-order results are held in memory."""
+    the file is in input order, and only the out-of-order results are held in memory. `written` and `size`
+    count the lines written and flushed (and their bytes) only once the write has returned: an interrupt
+    inside it leaves them as they were, and the file is cut back to `size`."""
 
     def __init__(self, output):
-        self.output, self.pending, self.written, self.failed = output, {}, 0, 0
+        self.output, self.pending, self.written, self.failed, self.size = output, {}, 0, 0, 0
         self.write_error: OSError | None = None  # disk full, quota, file size limit
 
     def add(self, index: int, result: dict) -> None:
         self.pending[index] = result
+        ready = []
+        while self.written + len(ready) in self.pending:
+            ready.append(self.pending.pop(self.written + len(ready)))
+        if not ready:
+            return
+        data = "".join(json.dumps(result, ensure_ascii=False) + "\n" for result in ready).encode("utf-8")
         try:
-            while self.written in self.pending:
-                result = self.pending.pop(self.written)
-                self.output.write(json.dumps(result, ensure_ascii=False) + "\n")
-                self.written += 1
-                self.failed += result["response"]["status_code"] != 200
+            self.output.write(data)
             self.output.flush()
         except OSError as e:
             self.write_error = e
             raise
+        self.written, self.size = self.written + len(ready), self.size + len(data)
+        self.failed += sum(result["response"]["status_code"] != 200 for result in ready)
 
 
 async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: ModelNames,

@@ -173,6 +173,28 @@ def test_results_finished_before_an_interrupt_are_kept_in_order(tmp_path, monkey
     assert not results.exists()
     assert [json.loads(line)["custom_id"] for line in partial.read_text().split("\n") if line] == ["r0", "r1"]
 
+    class CutWrite:  # a second Ctrl-C arrives inside a write: half of the line reached the file
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            self.file.write(data[:len(data) // 2])
+            self.file.flush()
+            raise KeyboardInterrupt
+
+    async def cut_mid_line(engine_factory, reqs, served_model_name, show_progress, writer):
+        for index in (0, 1):
+            writer.add(index, {"custom_id": reqs[index].custom_id, "response": {"status_code": 200}})
+        writer.output = CutWrite(writer.output)
+        writer.add(2, {"custom_id": reqs[2].custom_id, "response": {"status_code": 200}})
+
+    monkeypatch.setattr(batch, "_run_all", cut_mid_line)
+    with pytest.raises(KeyboardInterrupt):
+        batch.run_batch(None, requests, results, ["m"], show_progress=False)
+    text = partial.read_text()
+    assert text.endswith("\n") and [json.loads(line)["custom_id"] for line in text.split("\n") if line] == ["r0", "r1"]
+    partial.unlink()
+
     class FullDisk:
         def write(self, text):
             raise OSError(28, "No space left on device")
