@@ -28,7 +28,7 @@ from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_sca
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.recipe import Recipe, check_output
-from llmc.compiler.shard import plan_parallel, shard_global, shard_layer
+from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
@@ -265,7 +265,7 @@ def _unit_shards(ctx: _Context, reader: hf.TensorReader, unit: str | int, layout
     """(rank, {tensor name: packed tensor}) for each rank holding `unit` (a layer index or a global module)."""
     dtype = getattr(torch, ctx.model.dtype)
     if isinstance(unit, int):
-        layer = packer(getattr(packer, "read_layer", read_layer)(reader, ctx.spec, ctx.model, unit))
+        layer = order_down_groups(packer(getattr(packer, "read_layer", read_layer)(reader, ctx.spec, ctx.model, unit)))
         for layout in (lay for lay in layouts if unit in lay.layers):
             packed = pack_layer(shard_layer(layer, layout, ctx.model, ctx.spec), ctx.module_formats, dtype)
             yield layout.rank, {f"layers.{unit}.{name}": tensor for name, tensor in packed.items()}

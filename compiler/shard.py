@@ -233,10 +233,38 @@ def spec_parallel(spec: ModelSpec, name: str) -> str:
     return spec.layer_linear(name).parallel
 
 
+def order_down_groups(layer: LayerWeights) -> LayerWeights:
+    """The layer with each act-order down projection's input columns put in group order, and its gate_up's
+    rows (gate and up alike) in the same order, before sharding and packing. SiLU(gate) · up then comes out
+    in the order down's packed columns read, so down needs no gather of its input on every forward (Marlin
+    gathers it; the other act-order linears still do, their inputs being the norms' and attention's). Exact:
+    gate_up's output rows and down's input columns are permuted alike. Left as it is where down's groups
+    are not of equal size (the format refuses those) or are in order already."""
+    linears, biases = dict(layer.linears), dict(layer.biases)
+    for name, down in layer.linears.items():
+        gate_up = name.removesuffix("down") + "gate_up"
+        if not name.endswith("down") or gate_up not in linears or not isinstance(down, QuantizedWeight) or down.g_idx is None:
+            continue
+        order = torch.argsort(down.g_idx.to(torch.int64), stable=True)
+        plain = default_g_idx(down.in_features, down.group_size, down.g_idx.device)
+        if torch.equal(order, torch.arange(down.in_features, device=order.device)) or not torch.equal(down.g_idx.to(torch.int32)[order], plain):
+            continue
+        rows = torch.cat([order, order + down.in_features])  # [gate; up]
+        linears[gate_up] = select_rows(linears[gate_up], rows)
+        if gate_up in biases:
+            biases[gate_up] = select_rows(biases[gate_up], rows)
+        linears[name] = dataclasses.replace(down, qweight=down.qweight[:, order].contiguous(), g_idx=None)
+    return LayerWeights(layer.index, linears, biases, layer.norms)
+
+
 def take_rows(weight: UnpackedLinear | Tensor, ranges: list[tuple[int, int]]) -> UnpackedLinear:
-    """Output rows (dim 0) in `ranges`, concatenated: of a float tensor, or of every per-row tensor
-    of a quantized weight (a per-tensor FP8 scale applies to all rows and stays as it is)."""
-    index = torch.cat([torch.arange(start, end) for start, end in ranges])
+    """Output rows (dim 0) in `ranges`, concatenated (select_rows)."""
+    return select_rows(weight, torch.cat([torch.arange(start, end) for start, end in ranges]))
+
+
+def select_rows(weight: UnpackedLinear | Tensor, index: Tensor) -> UnpackedLinear:
+    """Output rows (dim 0) `index`: of a float tensor, or of every per-row tensor of a quantized weight
+    (a per-tensor FP8 scale applies to all rows and stays as it is)."""
     if isinstance(weight, Tensor):
         return weight.index_select(0, index).contiguous()
     is_per_row = weight.scales.shape[0] == weight.out_features

@@ -292,7 +292,7 @@ class IntWeightFormat:
         """Weights [out, in] float32 from this format's tensors (the CPU path of `apply`)."""
         if self.is_gpu_layout:
             weight = dequantize_w4a16(params, in_features, self.group_size)  # [out, in], columns in perm order
-            if self.has_g_idx:
+            if "perm" in params:  # (not there where Linear.drop_identity_perm found it the identity)
                 weight = torch.empty_like(weight).index_copy_(1, params["perm"].long(), weight)
             return weight
         levels = unpack_words(params["qweight"], self.bits, dim=1, size=in_features)  # [out, in]

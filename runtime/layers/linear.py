@@ -61,6 +61,16 @@ class Linear(nn.Module):
             setattr(self, name, tensor)
         return True
 
+    def drop_identity_perm(self) -> bool:
+        """An act-order weight whose packed columns are in x's own order (the build ordered an act-order
+        down projection's groups: compiler/shard.order_down_groups) gathers no x per forward: its `perm`,
+        the identity, leaves `params()`, once, after the weights load. Whether it did."""
+        perm = getattr(self, "perm", None) if "perm" in self.param_names else None
+        if perm is None or not torch.equal(perm, torch.arange(perm.numel(), dtype=perm.dtype, device=perm.device)):
+            return False
+        self.param_names.remove("perm")
+        return True
+
     def silu_mul(self, x: Tensor) -> Tensor:
         """SiLU(gate) · up of this gate_up projection, after `interleave_gate_up`."""
         return self.fmt.apply_silu_mul(x, self.params(), self.bias if self.has_bias else None)

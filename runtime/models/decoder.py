@@ -232,14 +232,16 @@ class DecoderModel(nn.Module):
 
     def prepare_loaded_weights(self) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
-        store (MLP.interleave_gate_up); on a CPU, int weights dequantized once (Linear.dequantize_once); the
+        store (MLP.interleave_gate_up), no gather by an identity act-order perm (Linear.drop_identity_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
         FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device)."""
         for layer in self.layers.values():
             if not layer.is_moe:
                 layer.mlp.interleave_gate_up()
         for module in self.modules():
-            if isinstance(module, Linear) and hasattr(module.fmt, "note_device"):
-                module.fmt.note_device(module.params())
+            if isinstance(module, Linear):
+                module.drop_identity_perm()
+                if hasattr(module.fmt, "note_device"):
+                    module.fmt.note_device(module.params())
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
         if not dense_bytes:

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from llmc.compiler.build import build
@@ -256,5 +257,12 @@ def test_act_order_gptq_import_runs_on_the_w4a16_layout(tiny_llama, tmp_path):
         modules = json.loads((tmp_path / device / "manifest.json").read_text())["quant"]["modules"]
         assert modules["layers.0.attn.qkv"]["has_g_idx"]
         assert modules["layers.0.attn.qkv"].get("layout", "plain") == ("gpu" if device == "cuda" else "plain")
-        scores[device] = LLM(tmp_path / device, device="cpu").engine.score(list(range(5, 69)))
+        llm = LLM(tmp_path / device, device="cpu")
+        scores[device] = llm.engine.score(list(range(5, 69)))
+        if device == "cuda":  # down's groups were put in order at build time (gate_up's rows alike): no gather
+            with safe_open(tmp_path / device / "rank-00" / "weights.safetensors", "pt") as f:
+                perm = f.get_tensor("layers.0.mlp.down.perm")
+            assert torch.equal(perm, torch.arange(perm.numel(), dtype=perm.dtype))
+            layer = llm.engine.runner.model.layers["0"]
+            assert "perm" not in layer.mlp.down.param_names and "perm" in layer.attn.qkv.param_names
     torch.testing.assert_close(scores["cuda"], scores["cpu"], rtol=1e-5, atol=1e-5)
