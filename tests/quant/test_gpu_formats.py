@@ -77,3 +77,25 @@ def test_gptq_and_awq_run_on_cuda_tensors(act_order, static_groups) -> None:
     result = awq_search_scale(x, [weight], quantize_fn, n_grid=5)
     assert result.scales.is_cuda and result.best_loss <= result.loss_at_alpha0
     assert awq_search_clip(x, weight, quantize_fn, 64, n_grid=5).is_cuda
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+def test_an_identity_act_order_perm_is_dropped_and_the_kernel_agrees(num_tokens) -> None:
+    """An act-order down projection the build put in group order (compiler/shard.order_down_groups) packs
+    with the identity perm; the loaded Linear drops it and runs the W4A16 kernel on x as it is, agreeing
+    with the float reference of the same levels."""
+    from llmc.runtime.layers.linear import Linear
+
+    k, n = 1024, 512
+    fmt = IntWeightFormat(torch.bfloat16, 4, 128, True, has_g_idx=True, layout="gpu")
+    q = rtn_quantize(torch.randn(n, k, device="cuda"), 4, 128, True)
+    q.g_idx = torch.arange(k, dtype=torch.int32, device="cuda") // 128  # in order, as the build leaves down
+    params = fmt.pack(q)
+    linear = Linear(k, n, fmt, False, torch.bfloat16).to_empty(device="cuda")
+    for name, tensor in params.items():
+        getattr(linear, name).copy_(tensor)
+    assert linear.drop_identity_perm() and "perm" not in linear.params()
+    x = torch.randn(num_tokens, k, device="cuda", dtype=torch.bfloat16)
+    expected = x.double() @ dequantize_weight(q).double().T
+    y = linear(x)
+    assert (y.double() - expected).abs().max() <= 1e-2 * expected.abs().max()
