@@ -1,0 +1,457 @@
+"""Tool calls read out of generated text, as the text streams (vLLM's tool call parsers, by name).
+
+A parser is fed the text of one sequence a piece at a time (`feed`) and told when it ends
+(`finish`); it returns events in output order: ("content", text), ("call", index, name) when a
+call's name is known, ("args", index, text) with the next piece of that call's arguments. The
+non-streaming reply folds the same events (`parse`), so a stream's joined content and argument
+pieces equal the non-streamed message whatever the pieces were: every decision depends on the
+text, never on where it was split. Arguments are the JSON text of the arguments value as
+generated (vLLM re-serializes a parsed object with json.dumps; the text here is the same JSON
+value, with the model's own spacing).
+
+Parsers (`--tool-call-parser`):
+* hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 /
+  3, ...); the text outside the blocks is content. A block whose name cannot be read (not JSON, no
+  "name" string) is content, tags included. A block left open at the end counts up to the end.
+* llama3_json: output that starts with a JSON object {"name": ..., "parameters" (or "arguments"): ...}
+  (after an optional `<|python_tag|>`), or several separated by ";" (Llama 3.1-3.3, 4). Output that
+  starts otherwise is all content; text after the last object is content.
+Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
+under a grammar) and a named tool_choice (the whole output is the arguments).
+
+Whitespace around content next to calls is dropped once a call was read (the text between two
+blocks is usually a newline); output with no call comes back as content exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
+
+
+class _ObjectScanner:
+    """Reads one JSON object a character at a time: the string value of `name_key`, and the text of
+    the first value under one of `args_keys` as it grows. Strict at the object's own level (keys,
+    colons, commas), lenient inside values (only brackets and strings are tracked)."""
+
+    def __init__(self, args_keys: tuple[str, ...]):
+        self.args_keys = args_keys
+        self.state = "start"  # start, key_or_end, key_next, key, colon, value_start, value, after_value, done, error
+        self.name: str | None = None
+        self.args: list[str] | None = None  # the arguments value's characters so far
+        self.args_complete = False
+        self._key: list[str] = []
+        self._current_key: str | None = None
+        self._value: list[str] = []
+        self._stack: list[str] = []
+        self._in_string = False
+        self._escape = False
+
+    @property
+    def closed(self) -> bool:
+        return self.state in ("done", "error")
+
+    def args_text(self) -> str | None:
+        """The arguments read so far: up to their last non-blank character while they are open."""
+        if self.args is None:
+            return None
+        text = "".join(self.args)
+        return text if self.args_complete else text.rstrip()
+
+    def feed(self, char: str) -> None:
+        state = self.state
+        if state in ("done", "error"):
+            return
+        if state == "key":
+            self._read_key(char)
+        elif state == "value":
+            self._read_value(char)
+        elif char.isspace():
+            return
+        elif state == "start":
+            self.state = "key_or_end" if char == "{" else "error"
+        elif state in ("key_or_end", "key_next"):
+            if char == '"':
+                self.state, self._key, self._escape = "key", [], False
+            else:
+                self.state = "done" if char == "}" and state == "key_or_end" else "error"
+        elif state == "colon":
+            self.state = "value_start" if char == ":" else "error"
+        elif state == "value_start":
+            self._start_value(char)
+        elif state == "after_value":
+            self.state = {",": "key_next", "}": "done"}.get(char, "error")
+
+    def _read_key(self, char: str) -> None:
+        if self._escape:
+            self._escape = False
+        elif char == "\\":
+            self._escape = True
+        elif char == '"':
+            try:
+                self._current_key = json.loads('"' + "".join(self._key) + '"')
+            except ValueError:
+                self.state = "error"
+                return
+            self.state = "colon"
+            return
+        self._key.append(char)
+
+    def _start_value(self, char: str) -> None:
+        if char in "}],:":
+            self.state = "error"
+            return
+        self._value, self._stack, self._in_string, self._escape = [], [], False, False
+        self.state = "value"
+        if char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._stack.append(char)
+        self._append(char)
+
+    def _is_args(self) -> bool:
+        return self._current_key in self.args_keys and (self.args is None or self.args is self._value)
+
+    def _append(self, char: str) -> None:
+        self._value.append(char)
+        if self._is_args() and self.args is None:
+            self.args = self._value
+
+    def _read_value(self, char: str) -> None:
+        if self._in_string:
+            self._append(char)
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self._in_string = False
+                if not self._stack:
+                    self._end_value("after_value")
+            return
+        if self._stack:
+            if char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._stack.append(char)
+            elif char in "}]":
+                if {"}": "{", "]": "["}[char] != self._stack[-1]:
+                    self.state = "error"
+                    return
+                self._stack.pop()
+                self._append(char)
+                if not self._stack:
+                    self._end_value("after_value")
+                return
+            self._append(char)
+            return
+        # a number or a literal (true, false, null) at the object's level
+        if char.isspace() or char in ",}":
+            self._end_value({",": "key_next", "}": "done"}.get(char, "after_value"))
+        elif char in '{["':
+            self.state = "error"
+        else:
+            self._append(char)
+
+    def _end_value(self, next_state: str) -> None:
+        self.state = next_state
+        if self._current_key == "name" and self.name is None:
+            try:
+                name = json.loads("".join(self._value))
+            except ValueError:
+                name = None
+            if not isinstance(name, str) or not name:
+                self.state = "error"  # a call's name is a non-empty string
+                return
+            self.name = name
+        if self.args is self._value:
+            self.args_complete = True
+
+
+class _Call:
+    """One call being read: its index, the scanner of its object, what was sent of it."""
+
+    def __init__(self, index: int, args_keys: tuple[str, ...]):
+        self.index = index
+        self.scanner = _ObjectScanner(args_keys)
+        self.announced = False
+        self.sent_args = 0
+
+    def events(self) -> list[Event]:
+        """The call's name once known, then each new piece of its arguments."""
+        out: list[Event] = []
+        if self.scanner.name is None:
+            return out
+        if not self.announced:
+            self.announced = True
+            out.append(("call", self.index, self.scanner.name))
+        args = self.scanner.args_text()
+        if args is not None and len(args) > self.sent_args:
+            out.append(("args", self.index, args[self.sent_args:]))
+            self.sent_args = len(args)
+        return out
+
+    def close(self) -> list[Event]:
+        """The end of the call (its object closed, broke, or the output ended): arguments never given are {}."""
+        out = self.events()
+        if self.announced and self.scanner.args is None:
+            out.append(("args", self.index, "{}"))
+            self.sent_args = 2
+        return out
+
+
+class ToolParser:
+    """Base: `feed` each new piece of one sequence's text, then `finish`; `called` once a call was read."""
+
+    def __init__(self):
+        self.num_calls = 0
+        self._held_blank = ""  # blank text after the content sent, held until more content or the end
+
+    @property
+    def called(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str) -> list[Event]:
+        raise NotImplementedError
+
+    def finish(self) -> list[Event]:
+        raise NotImplementedError
+
+    def _content(self, text: str) -> list[Event]:
+        """Content, its trailing blanks held back (dropped at the end when a call was read)."""
+        combined = self._held_blank + text
+        kept = combined.rstrip()
+        self._held_blank = combined[len(kept):]
+        return [("content", kept)] if kept else []
+
+    def _end_content(self) -> list[Event]:
+        held, self._held_blank = self._held_blank, ""
+        return [("content", held)] if held and not self.called else []
+
+    def _new_call(self, args_keys: tuple[str, ...]) -> _Call:
+        return _Call(self.num_calls, args_keys)
+
+    def _count(self, events: list[Event]) -> list[Event]:
+        self.num_calls += sum(1 for e in events if e[0] == "call")
+        return events
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """How many characters at the end of `text` might begin `tag` (held back until the next piece)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class HermesToolParser(ToolParser):
+    START, END = "<tool_call>", "</tool_call>"
+
+    def __init__(self):
+        super().__init__()
+        self._buffer = ""
+        self._call: _Call | None = None  # inside a block
+        self._raw: list[str] = []  # the open block's text (content if it holds no call)
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        out: list[Event] = []
+        while self._buffer:
+            if self._call is None:
+                at = self._buffer.find(self.START)
+                if at < 0:
+                    keep = _held_prefix(self._buffer, self.START)
+                    out += self._content(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                out += self._content(self._buffer[:at])
+                self._buffer = self._buffer[at + len(self.START):]
+                self._call, self._raw = self._new_call(("arguments",)), []
+            else:
+                at = self._buffer.find(self.END)
+                if at < 0:
+                    keep = _held_prefix(self._buffer, self.END)
+                    out += self._block_text(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    break
+                out += self._block_text(self._buffer[:at])
+                self._buffer = self._buffer[at + len(self.END):]
+                out += self._close_block(self.END)
+        return out
+
+    def _block_text(self, text: str) -> list[Event]:
+        self._raw.append(text)
+        for char in text:
+            self._call.scanner.feed(char)
+        return self._count(self._call.events())
+
+    def _close_block(self, end: str) -> list[Event]:
+        call, self._call = self._call, None
+        if call.scanner.name is None:  # not a call: the block is content, tags and all
+            return self._content(self.START + "".join(self._raw) + end)
+        return self._count(call.close())
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        if self._call is not None:  # a block left open: it ends with the output
+            out += self._block_text(self._buffer)
+            out += self._close_block("")
+        elif self._buffer:
+            out += self._content(self._buffer)
+        self._buffer = ""
+        return out + self._end_content()
+
+
+class JsonCallsParser(ToolParser):
+    """JSON objects one after another: `opener` (optional text first), `separator` between them,
+    `closer` after the last (None: the output's end). `content`: whether text that is not a call is
+    content (llama3_json) or dropped (the array a "required" tool_choice generates)."""
+
+    def __init__(self, args_keys: tuple[str, ...], separator: str, opener: str = "", closer: str | None = None,
+                 prefix_tag: str = "", content: bool = True):
+        super().__init__()
+        self.args_keys, self.separator, self.opener, self.closer = args_keys, separator, opener, closer
+        self.prefix_tag, self.keeps_content = prefix_tag, content
+        self._mode = "lead"  # lead, opened, object, between, content, drop
+        self._raw: list[str] = []  # text held while it is not known to be a call (content if it is not)
+        self._call: _Call | None = None
+        self._after_separator = False
+
+    def feed(self, text: str) -> list[Event]:
+        out: list[Event] = []
+        for char in text:
+            out += self._char(char)
+        return out
+
+    def _char(self, char: str) -> list[Event]:
+        mode = self._mode
+        if mode == "content":
+            return self._content(char) if self.keeps_content else []
+        if mode == "drop":
+            return []
+        self._raw.append(char)
+        if mode == "lead":
+            raw = "".join(self._raw)
+            if self.prefix_tag and raw.startswith(self.prefix_tag):
+                raw = raw[len(self.prefix_tag):]
+            elif self.prefix_tag and self.prefix_tag.startswith(raw):
+                return []  # maybe the tag
+            if not raw.strip():
+                return []
+            expected = self.opener or "{"
+            if raw.lstrip() == expected:
+                if self.opener:
+                    self._mode = "opened"
+                    return []
+                return self._start_object(char)
+            return self._not_calls()
+        if mode == "opened":  # after the opener, before the first object
+            if char.isspace():
+                return []
+            if char == "{":
+                return self._start_object(char)
+            return self._not_calls()
+        if mode == "object":
+            self._call.scanner.feed(char)
+            scanner = self._call.scanner
+            if scanner.closed and scanner.name is None:  # not a call after all
+                return self._not_calls()
+            if scanner.closed:
+                call, self._call = self._call, None
+                self._mode = "between" if scanner.state == "done" else "drop"
+                self._raw, self._after_separator = [], False
+                return self._count(call.close())
+            events = self._count(self._call.events())
+            if events:
+                self._raw = []
+            return events
+        # between objects
+        if char.isspace():
+            return []
+        if char == self.separator and not self._after_separator:
+            self._after_separator = True
+            return []
+        if char == "{" and self._after_separator:
+            return self._start_object(char)
+        if self.closer is not None and char == self.closer and not self._after_separator:
+            self._mode, self._raw = "drop", []
+            return []
+        return self._not_calls()
+
+    def _start_object(self, char: str) -> list[Event]:
+        self._mode = "object"
+        self._call = self._new_call(self.args_keys)
+        self._call.scanner.feed(char)
+        return []
+
+    def _not_calls(self) -> list[Event]:
+        """What was held is not a call: it and the rest of the output are content (or dropped)."""
+        raw, self._raw, self._call = "".join(self._raw), [], None
+        self._mode = "content" if self.keeps_content else "drop"
+        return self._content(raw) if self.keeps_content else []
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        if self._mode == "object" and self._call.scanner.name is not None:
+            out += self._count(self._call.close())
+        elif self._mode in ("lead", "opened", "object") and self._raw:
+            out += self._not_calls()
+        self._mode, self._call, self._raw = "drop", None, []
+        return out + self._end_content()
+
+
+class NamedToolParser(ToolParser):
+    """A named tool_choice: the whole output is the arguments of one call of that function."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def _announce(self) -> list[Event]:
+        if self.num_calls:
+            return []
+        self.num_calls = 1
+        return [("call", 0, self.name)]
+
+    def feed(self, text: str) -> list[Event]:
+        if not text:
+            return []
+        return self._announce() + [("args", 0, text)]
+
+    def finish(self) -> list[Event]:
+        return self._announce()
+
+
+def make_parser(kind: str, name: str | None = None) -> ToolParser:
+    """`kind`: a --tool-call-parser name, "required", or "named" (with the function's `name`)."""
+    if kind == "hermes":
+        return HermesToolParser()
+    if kind == "llama3_json":
+        return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
+    if kind == "required":
+        return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
+    if kind == "named":
+        return NamedToolParser(name)
+    raise ValueError(f"unknown tool call parser {kind!r}; supported: {', '.join(TOOL_CALL_PARSERS)}")
+
+
+def fold(events: list[Event]) -> tuple[str, list[tuple[str, str]]]:
+    """(content, [(name, arguments)]) of a list of events: what a whole reply shows."""
+    content: list[str] = []
+    calls: dict[int, list] = {}
+    for event in events:
+        if event[0] == "content":
+            content.append(event[1])
+        elif event[0] == "call":
+            calls[event[1]] = [event[2], ""]
+        else:
+            calls[event[1]][1] += event[2]
+    return "".join(content), [tuple(calls[i]) for i in sorted(calls)]
+
+
+def parse(parser: ToolParser, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """The whole text at once: (content, [(name, arguments)])."""
+    return fold(parser.feed(text) + parser.finish())
