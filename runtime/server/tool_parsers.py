@@ -390,6 +390,8 @@ class JsonCallsParser(ToolParser):
     def _not_calls(self) -> list[Event]:
         """What was held is not a call: it and the rest of the output are content (or dropped)."""
         raw, self._raw, self._call = "".join(self._raw), [], None
+        if self.called:  # the text after the calls, without the blanks that parted it from them
+            raw = raw.lstrip()
         self._mode = "content" if self.keeps_content else "drop"
         return self._content(raw) if self.keeps_content else []
 
