@@ -19,6 +19,7 @@ import click
 import llmc
 from llmc.errors import ConfigError, LlmcError, RecipeError, RequestError
 from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
+from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("llmc")
 
@@ -235,6 +236,12 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--allowed-methods", type=JSON_STRING_LIST, default='["*"]', help="server: CORS methods (JSON list)")
 @click.option("--allowed-headers", type=JSON_STRING_LIST, default='["*"]', help="server: CORS headers (JSON list)")
 @click.option("--allow-credentials", is_flag=True, help="server: CORS: let browsers send cookies and credentials")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="server: tool_choice \"auto\" (the default when a request gives tools) reads tool calls out of the "
+              "output with --tool-call-parser; without it such requests get a 400, as in vLLM")
+@click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+              help="server: how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>: "
+              "Hermes, Qwen 2.5/3) or llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.1+)")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: the event loop's default thread pool)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -256,7 +263,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
         tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
         allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
-        **options) -> None:
+        enable_auto_tool_choice: bool, tool_call_parser: str | None, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -274,6 +281,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     served_model_name = list(served_model_name) or [_default_model_name(artifact)]
     _refuse_flags_of_other_modes("server" if prompt is None and not chat and input_path is None and output_path is None
                                  else "batch" if prompt is None and not chat else "prompt")
+    if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's start-up check
+        raise click.UsageError("--enable-auto-tool-choice requires --tool-call-parser (one of "
+                               f"{', '.join(TOOL_CALL_PARSERS)})")
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
         raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
                                "--input and --nnodes")
@@ -290,7 +300,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               api_key=api_key, max_waiting=max_waiting,  # statistics lines by the clock (disable_log_stats: none)
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
               trust_request_chat_template=trust_request_chat_template,
-              cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials))
+              cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
+              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -322,7 +333,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 _MODE_FLAGS = {
     "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
                "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
-               "allow_credentials"),
+               "allow_credentials", "enable_auto_tool_choice", "tool_call_parser"),
     "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 

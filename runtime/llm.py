@@ -16,7 +16,7 @@ from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
-from llmc.runtime.tokenizer import apply_chat_template
+from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 
 PromptType = str | list[int] | dict
 
@@ -134,13 +134,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the artifact's chat template (or `chat_template`);
         vLLM's keywords: add_generation_prompt, continue_final_message, chat_template_kwargs (the template's
-        extra variables, e.g. {"enable_thinking": False} for Qwen3)."""
+        extra variables, e.g. {"enable_thinking": False} for Qwen3), tools (OpenAI's tool definitions
+        {"type": "function", "function": {...}}, rendered by the template; the replies are text, as vLLM's
+        LLM.chat returns them: read calls out of it yourself)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
-                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+                   "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
+                   "tools": checked_tools(tools) or None}
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **options)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

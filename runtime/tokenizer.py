@@ -123,15 +123,47 @@ def _parsed_tool_call(index: int, number: int, call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}}
 
 
+def checked_tools(tools: list | None) -> list[dict]:
+    """Tool definitions as OpenAI and vLLM take them ({"type": "function", "function": {"name", "description",
+    "parameters", "strict"}}; type "function" when left out, as vLLM reads it), for the chat template;
+    RequestError starting with the malformed field ("tools.1.function.name: ...")."""
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(f"tools: must be a list of tools, got {type(tools).__name__}")
+    checked = []
+    for index, tool in enumerate(tools or []):
+        where = f"tools.{index}"
+        if not isinstance(tool, dict):
+            raise RequestError(f'{where}: must be an object {{"type": "function", "function": {{"name": ..., '
+                               f'"parameters": ...}}}}, got {type(tool).__name__}')
+        if tool.get("type", "function") != "function":
+            raise RequestError(f"{where}.type: must be 'function' (the only kind of tool), got {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise RequestError(f"{where}.function: is required: an object with the function's name, and its "
+                               "description and parameters (a JSON Schema) if any")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise RequestError(f"{where}.function.name: must be a non-empty string, got {name!r}")
+        for field, kind, what in (("description", str, "a string"), ("parameters", dict, "a JSON Schema object"),
+                                  ("strict", bool, "true or false")):
+            value = function.get(field)
+            if value is not None and not isinstance(value, kind):
+                raise RequestError(f"{where}.function.{field}: must be {what}, got {type(value).__name__}")
+        checked.append({**tool, "type": "function"})
+    return checked
+
+
 def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, chat_template: str | None = None,
-                        chat_template_kwargs: dict | None = None, add_special_tokens: bool = False) -> list[int]:
+                        chat_template_kwargs: dict | None = None, add_special_tokens: bool = False,
+                        tools: list[dict] | None = None) -> list[int]:
     """Render messages with the artifact's chat template (or `chat_template`, a Jinja string), then
     tokenize the text without adding special tokens again (the template places them), as vLLM does
     (`add_special_tokens`: vLLM's option to add them on top, e.g. a BOS the template leaves out).
     vLLM's options: `add_generation_prompt` (open the assistant's turn), `continue_final_message`
     (leave the last, assistant message open, to be continued), `chat_template_kwargs` (extra
-    variables of the template, e.g. Qwen3's enable_thinking)."""
+    variables of the template, e.g. Qwen3's enable_thinking), `tools` (OpenAI's tool definitions, which
+    the template renders as `tools`, as vLLM hands them)."""
     if not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise RequestError("this model has no chat template; send a plain prompt instead of messages")
     if add_generation_prompt and continue_final_message:
@@ -145,5 +177,6 @@ def apply_chat_template(tokenizer, messages: list[dict], *, add_generation_promp
         raise RequestError(f"chat_template_kwargs.{reserved[0]}: set by the request's own fields, not here")
     rendered = [_template_message(index, message) for index, message in enumerate(messages)]
     text = tokenizer.apply_chat_template(rendered, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=continue_final_message, tokenize=False, **extra)
+                                         continue_final_message=continue_final_message, tokenize=False, tools=tools or None,
+                                         **extra)
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

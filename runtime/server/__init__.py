@@ -4,6 +4,7 @@
     serving.py             shared by every endpoint: checks, prompt rendering, admission, Generation
     serving_completion.py  POST /v1/completions
     serving_chat.py        POST /v1/chat/completions
+    tool_parsers.py        tool calls read out of the generated text (--tool-call-parser), streamed or whole
     protocol.py            request bodies (pydantic) and their SamplingParams
     formatting.py          logprobs, usage and SSE in OpenAI's wire format
     errors.py              OpenAI's error JSON and the HTTP status of each mistake

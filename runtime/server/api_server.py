@@ -73,18 +73,24 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
               tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
               on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None,
-              stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy()) -> FastAPI:
+              stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy(),
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
     /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine). `cors`: the
-    CORS headers of every response (preflight requests included)."""
+    CORS headers of every response (preflight requests included). `enable_auto_tool_choice` and
+    `tool_call_parser` (vLLM's flags): tool_choice "auto" reads calls out of the output with that parser
+    (runtime/server/tool_parsers.TOOL_CALL_PARSERS); ValueError for a parser name not there."""
+    # checked before anything starts: a bad parser name is the caller's error, not a request's
+    ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     metrics = ServerMetrics(served_model_name if isinstance(served_model_name, str) else served_model_name[0])
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
-    ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template)
+    ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template,
+                         enable_auto_tool_choice, tool_call_parser)
     ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
@@ -308,7 +314,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], served_model_name: ModelNames, *, host: str = "127.0.0.1",
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
-          trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy()) -> None:
+          trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy(),
+          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
@@ -322,7 +329,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     app = build_app(engine_factory, served_model_name, api_key=api_key, max_waiting=max_waiting,
                     log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size,
                     trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
-                    on_fatal=on_startup_failure, cors=cors)  # a dead rank ends the server, and `serve` raises its error
+                    on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
+                    tool_call_parser=tool_call_parser)  # a dead rank ends the server, and `serve` raises its error
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)

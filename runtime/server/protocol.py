@@ -3,7 +3,7 @@
 Field names and defaults are OpenAI's, plus vLLM's extra sampling fields (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, priority, stop_token_ids, prompt_logprobs, ...) and
 vLLM's limits (seed and priority in int64, at most MAX_LOGPROBS logprobs). Fields OpenAI or vLLM
-have that would change the output and llmc does not implement (suffix, tools, early_stopping,
+have that would change the output and llmc does not implement (suffix, early_stopping,
 guided_whitespace_pattern, ...) are refused with a 400 that lists them; any other unknown
 field is kept in `model_extra` and named in a warning. Structured output (`response_format`
 json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice / guided_grammar /
@@ -23,7 +23,7 @@ from llmc.errors import RequestError
 from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
-from llmc.runtime.tokenizer import text_of_parts
+from llmc.runtime.tokenizer import checked_tools as tokenizer_checked_tools, text_of_parts
 
 # The most logprobs per token a request may ask for before the engine is up (then its max_logprobs option;
 # vLLM's default).
@@ -355,15 +355,14 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 
     def template_options(self) -> dict:
-        return super().template_options() | {"add_special_tokens": self.add_special_tokens}
+        # tools reach the template whatever tool_choice says, "none" too (vLLM's default)
+        return super().template_options() | {"add_special_tokens": self.add_special_tokens,
+                                             "tools": checked_tools(self.tools) or None}
 
     def check(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         self.check_stream_options(max_logprobs)
         _check_response_format(self.response_format)
-        if self.tools:
-            raise invalid("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise invalid("tool_choice", "tool calling is not supported")
+        self.tool_mode  # the tools and tool_choice checked
         _check_logprobs("top_logprobs", self.top_logprobs, max_logprobs)
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs=true")
@@ -388,20 +387,149 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     def template_messages(self) -> list[dict]:
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
 
+    @property
+    def tool_mode(self) -> str | None:
+        """How tools are used (400 naming the field for a bad tools or tool_choice): None (no tools), "none"
+        (tools go to the template, the output is content), "auto" (the server's --tool-call-parser reads
+        calls out of the output; vLLM's default when tools are given), "required" or "named" (the output
+        is constrained to calls)."""
+        tools = checked_tools(self.tools)
+        choice = self.tool_choice
+        if choice is None:
+            mode = "auto" if tools else None
+        elif choice in ("none", "auto", "required"):
+            mode = choice
+        elif isinstance(choice, dict):
+            mode = "named"
+            _checked_named_choice(choice)
+        else:
+            raise invalid("tool_choice", f"invalid value {choice!r}: only a named tool "
+                          '({"type": "function", "function": {"name": NAME}}), "none", "auto" or "required" are supported')
+        if mode in ("auto", "required", "named") and not tools:
+            raise invalid("tool_choice", "when using `tool_choice`, `tools` must be set (a non-empty list)")
+        if mode == "named" and self.named_tool is None:
+            name = choice["function"]["name"]
+            raise invalid("tool_choice.function.name", f"tool {name!r} has not been passed in `tools` "
+                          f"(they are: {', '.join(t['function']['name'] for t in tools)})")
+        if mode in ("required", "named"):
+            constraints = self._output_constraints()
+            if constraints:
+                raise invalid(constraints[0], f'tool_choice {"required" if mode == "required" else "naming a function"} '
+                              "constrains the output to tool calls: you can only either use guided decoding "
+                              f"(here {', '.join(constraints)}) or tools, not both")
+        return mode
+
+    @property
+    def named_tool(self) -> tuple[int, dict] | None:
+        """(index in tools, the tool's function) of a named tool_choice, if tools hold it."""
+        choice = self.tool_choice
+        if not isinstance(choice, dict) or not isinstance(choice.get("function"), dict):
+            return None
+        name = choice["function"].get("name")
+        return next(((i, t["function"]) for i, t in enumerate(checked_tools(self.tools))
+                     if t["function"]["name"] == name), None)
+
+    def _output_constraints(self) -> list[str]:
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_json_object",
+                                   "structured_outputs") if getattr(self, name) not in (None, False)]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        return sorted(given)
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """A named or required tool_choice: the output is the function's arguments, or the array of calls."""
+        mode = self.tool_mode
+        if mode == "named":
+            index, function = self.named_tool
+            return _tool_parameters_guide(index, function)
+        if mode == "required":
+            return _required_guide(checked_tools(self.tools))
+        return super().guided_decoding()
+
 
 class TokenizeRequest(_Body, _ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None  # vLLM's: tools the chat template renders with the messages
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise invalid("prompt", "give exactly one of prompt or messages")
-        template_options = sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields))
+        template_options = sorted(self.model_fields_set & (set(_ChatTemplateFields.model_fields) | {"tools"}))
         if self.prompt is not None and template_options:
             raise invalid(template_options[0], "applies to messages (the chat template), not to a prompt")
+        checked_tools(self.tools)
+
+    def template_options(self) -> dict:
+        return super().template_options() | {"tools": checked_tools(self.tools) or None}
+
+
+def checked_tools(tools: list | None) -> list[dict]:
+    """The request's tools (runtime/tokenizer.checked_tools); 400 naming the malformed field."""
+    try:
+        return tokenizer_checked_tools(tools)
+    except RequestError as e:
+        field, _, message = str(e).partition(": ")
+        raise ApiError(400, str(e), param=field) from None
+
+
+def _checked_named_choice(choice: dict) -> None:
+    usage = 'correct usage: {"type": "function", "function": {"name": "my_function"}}'
+    if choice.get("type", "function") != "function":
+        raise invalid("tool_choice.type", f"must be 'function', got {choice.get('type')!r}; {usage}")
+    function = choice.get("function")
+    if not isinstance(function, dict):
+        raise invalid("tool_choice.function", f"must be an object naming the function; {usage}")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise invalid("tool_choice.function.name", f"must be a non-empty string, got {name!r}; {usage}")
+
+
+def _tool_parameters_guide(index: int, function: dict) -> GuidedDecodingParams:
+    """The output constraint of a named tool_choice: the function's parameters schema (vLLM's), any JSON
+    object for a function without one."""
+    field = f"tools.{index}.function.parameters"
+    try:
+        if not function.get("parameters"):
+            params = GuidedDecodingParams(json_object=True)
+        else:
+            params = GuidedDecodingParams(json=function["parameters"], strict=function.get("strict") is not False)
+        params.grammar_object()
+    except RequestError as e:
+        raise invalid(field, str(e).removeprefix("SamplingParams.")) from None
+    return params
+
+
+def _required_guide(tools: list[dict]) -> GuidedDecodingParams:
+    """tool_choice "required" (vLLM's construction): a JSON array of at least one {"name": <a tool's name>,
+    "parameters": <its parameters>} object; the tools' `$defs` gathered at the top, where their "#/$defs/..."
+    references point."""
+    defs: dict = {}
+    alternatives = []
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        _tool_parameters_guide(index, function)  # a schema that cannot compile is named by its tool
+        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
+        for name, definition in (parameters.pop("$defs", None) or {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise invalid(f"tools.{index}.function.parameters.$defs.{name}", "another tool defines it differently; "
+                              "with tool_choice required the tools' $defs share one namespace: rename one")
+        alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
+                                            "parameters": parameters},
+                             "required": ["name", "parameters"]})
+    schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if defs:
+        schema["$defs"] = defs
+    strict = all(tool["function"].get("strict") is not False for tool in tools)
+    try:
+        params = GuidedDecodingParams(json=schema, strict=strict)
+        params.grammar_object()
+    except RequestError as e:
+        raise invalid("tools", f"tool_choice required: {str(e).removeprefix('SamplingParams.')}") from None
+    return params
 
 
 class DetokenizeRequest(_Body):

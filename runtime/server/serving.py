@@ -22,6 +22,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.server.protocol import MAX_LOGPROBS
+from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
 from llmc.runtime.tokenizer import apply_chat_template, encode_text
 
 logger = logging.getLogger("llmc")
@@ -86,8 +87,14 @@ class ServingContext:
     """The engine loop plus the server's settings, as the handlers need them."""
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: ModelNames, max_waiting: int | None = DEFAULT_MAX_WAITING,
-                 tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False):
+                 tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
         self.engine_loop = engine_loop
+        # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default with tools)
+        # reads calls out of the output with that parser; refused without them
+        self.check_tool_options(enable_auto_tool_choice, tool_call_parser)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser = tool_call_parser
         self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         self.served_model_name = self.served_model_names[0]  # metrics' and logs' name
         self.max_waiting = max_waiting
@@ -117,6 +124,22 @@ class ServingContext:
     def response_model(self, model: str | None) -> str:
         """The `model` of a response: the name the request sent (one of the served names), else the first (vLLM's)."""
         return model or self.served_model_name
+
+    @staticmethod
+    def check_tool_options(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
+        """ValueError for a parser name llmc does not have, or auto tool choice without a parser (vLLM's)."""
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"invalid tool call parser {tool_call_parser!r}; supported: {', '.join(TOOL_CALL_PARSERS)}")
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+    def check_tool_choice(self, tool_mode: str | None) -> None:
+        """400 for tool_choice "auto" (the default when tools are given) on a server started without
+        --enable-auto-tool-choice and --tool-call-parser (vLLM's rule)."""
+        if tool_mode == "auto" and not (self.enable_auto_tool_choice and self.tool_call_parser):
+            raise invalid("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                          'to be set (tool_choice is "auto" when tools are given without it); send tool_choice "none", '
+                          '"required" or a named function, or start the server with both flags')
 
     def require_ready(self) -> None:
         if not self.engine_loop.is_ready:

@@ -1,5 +1,14 @@
 """POST /v1/chat/completions: messages rendered with the artifact's chat template, then generated
-like a completion; streaming sends a role chunk per choice, content deltas, and a finish chunk."""
+like a completion; streaming sends a role chunk per choice, content deltas, and a finish chunk.
+
+With tools (vLLM's behaviour): they go to the template; tool_choice "auto" (the default with tools)
+reads calls out of the output with the server's --tool-call-parser, a named function or "required"
+constrain the output (protocol.ChatCompletionRequest.guided_decoding) and read it as calls. A reply's
+message then has `tool_calls` [{id "chatcmpl-tool-...", type "function", function {name, arguments}}];
+a stream sends each call's index, id, type and name in its first delta and its arguments in pieces
+after (tool_parsers: the pieces joined are the non-streamed arguments). finish_reason is "tool_calls"
+when "auto" found calls; a forced call keeps the engine's ("stop"), as vLLM's non-streamed reply does.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +22,14 @@ from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprob
                                             usage_body)
 from llmc.runtime.server.protocol import ChatCompletionRequest
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
+from llmc.runtime.server.tool_parsers import ToolParser, make_parser, parse
 
 
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
+    ctx.check_tool_choice(request.tool_mode)
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -46,6 +57,39 @@ class _ChatReply:
         self.num_prompt_tokens = num_prompt_tokens
         self.request_id = request_id
         self.created = int(time.time())
+        self.tool_mode = request.tool_mode
+        self._parsers: dict[int, ToolParser] = {}  # a stream's, per choice
+
+    def _new_parser(self) -> ToolParser | None:
+        """The reader of tool calls in one choice's text, or None when its text is all content."""
+        if self.tool_mode == "auto":
+            return make_parser(self.ctx.tool_call_parser)
+        if self.tool_mode == "required":
+            return make_parser("required")
+        if self.tool_mode == "named":
+            return make_parser("named", self.request.named_tool[1]["name"])
+        return None
+
+    def _finish_reason(self, completion: CompletionOutput, parser: ToolParser | None) -> str | None:
+        if parser is not None and self.tool_mode == "auto" and parser.called:
+            return "tool_calls"
+        return completion.finish_reason
+
+    def _message(self, completion: CompletionOutput) -> tuple[dict, str | None]:
+        """A whole choice's message and finish_reason."""
+        parser = self._new_parser()
+        if parser is None:
+            return {"role": "assistant", "content": completion.text}, completion.finish_reason
+        content, calls = parse(parser, completion.text)
+        if self.tool_mode != "auto":
+            content = ""  # vLLM's message of a forced call
+        elif calls and not content:
+            content = None
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": new_id("chatcmpl-tool"), "type": "function",
+                                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+        return message, self._finish_reason(completion, parser)
 
     def _header(self, obj: str) -> dict:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.ctx.response_model(self.request.model)}
@@ -57,12 +101,11 @@ class _ChatReply:
 
     def response(self, outputs: list[RequestOutput]) -> dict:
         (output,) = outputs  # one conversation per chat request
-        choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": self._logprobs(c.token_ids, c.logprobs), "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason}
-            for c in output.outputs
-        ]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self._message(c)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         body = {**self._header("chat.completion"), "choices": choices, "usage": usage([output])}
         if self.request.prompt_logprobs is not None:  # vLLM: on the response, not on a choice
             body["prompt_logprobs"] = prompt_logprobs(self.ctx.tokenizer, output, self.request.prompt_logprobs)
@@ -109,11 +152,43 @@ class _ChatReply:
             return None
         delta_text, new = tracker.delta(key, completion.text, completion.token_ids)
         new_ids = completion.token_ids[new]
-        if not tracker.finish(key, completion.is_finished) and not delta_text and not (self.request.logprobs and new_ids):
+        finish_reason = completion.finish_reason
+        if self.tool_mode in ("auto", "required", "named"):
+            parser = self._parsers.get(completion.index)
+            if parser is None:
+                parser = self._parsers[completion.index] = self._new_parser()
+            events = parser.feed(delta_text) + (parser.finish() if completion.is_finished else [])
+            delta = self._tool_delta(completion.index, events)
+            finish_reason = self._finish_reason(completion, parser)
+        else:
+            delta = {"content": delta_text} if delta_text else {}
+        if not tracker.finish(key, completion.is_finished) and not delta and not (self.request.logprobs and new_ids):
             return None
-        choice = {"index": completion.index, "delta": {"content": delta_text},
+        if self.tool_mode not in ("auto", "required", "named"):
+            delta = {"content": delta_text}
+        choice = {"index": completion.index, "delta": delta,
                   "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),
-                  "finish_reason": completion.finish_reason}
+                  "finish_reason": finish_reason}
         if completion.is_finished:
             choice["stop_reason"] = completion.stop_reason
         return choice
+
+    def _tool_delta(self, choice_index: int, events: list) -> dict:
+        """A stream's delta of one choice from its parser's events: content joined, and per call touched
+        an entry (the first of a call: index, id, type, name and the arguments so far; later ones:
+        index and the next arguments)."""
+        content = "".join(event[1] for event in events if event[0] == "content")
+        calls: dict[int, dict] = {}
+        for event in events:
+            if event[0] == "call":
+                calls[event[1]] = {"index": event[1], "id": new_id("chatcmpl-tool"), "type": "function",
+                                   "function": {"name": event[2], "arguments": ""}}
+            elif event[0] == "args":
+                entry = calls.setdefault(event[1], {"index": event[1], "function": {"arguments": ""}})
+                entry["function"]["arguments"] += event[2]
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+        return delta

@@ -62,7 +62,7 @@ def test_chat_content_parts_and_unsupported_fields():
     assert info.value.param == "messages.0.content"
     with pytest.raises(ApiError) as info:
         parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).check()
-    assert info.value.param == "tools"
+    assert info.value.param == "tools.0.function"
 
 
 def test_echo_with_max_tokens_0_generates_one_token_and_asks_prompt_logprobs():
