@@ -71,7 +71,7 @@ class _ChatReply:
         return None
 
     def _finish_reason(self, completion: CompletionOutput, parser: ToolParser | None) -> str | None:
-        if parser is not None and self.tool_mode == "auto" and parser.called:
+        if completion.finish_reason is not None and parser is not None and self.tool_mode == "auto" and parser.called:
             return "tool_calls"
         return completion.finish_reason
 
