@@ -8,7 +8,10 @@ guided_whitespace_pattern, ...) are refused with a 400 that lists them; any othe
 field is kept in `model_extra` and named in a warning. Structured output (`response_format`
 json_object / json_schema, vLLM's guided_json / guided_regex / guided_choice / guided_grammar /
 guided_json_object / structured_outputs) becomes `SamplingParams.guided_decoding`; a schema or
-grammar xgrammar cannot compile is a 400 naming the field it came from.
+grammar xgrammar cannot compile is a 400 naming the field it came from. Tools (vLLM's rules): `tools`
+go to the chat template; tool_choice is "auto" when tools are given without it, a named function or
+"required" is structured output (the function's parameters; vLLM's array of {name, parameters}),
+which no other output constraint may join; a malformed tool or choice is a 400 naming its field.
 """
 
 from __future__ import annotations
