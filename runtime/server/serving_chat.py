@@ -58,7 +58,7 @@ class _ChatReply:
         self.request_id = request_id
         self.created = int(time.time())
         self.tool_mode = request.tool_mode
-        self._parsers: dict[int, ToolParser] = {}  # a stream's, per choice
+        self._parsers: dict[int, ToolParser | None] = {}  # a stream's, per choice
 
     def _new_parser(self) -> ToolParser | None:
         """The reader of tool calls in one choice's text, or None when its text is all content."""
@@ -153,19 +153,16 @@ class _ChatReply:
         delta_text, new = tracker.delta(key, completion.text, completion.token_ids)
         new_ids = completion.token_ids[new]
         finish_reason = completion.finish_reason
-        if self.tool_mode in ("auto", "required", "named"):
-            parser = self._parsers.get(completion.index)
-            if parser is None:
-                parser = self._parsers[completion.index] = self._new_parser()
-            events = parser.feed(delta_text) + (parser.finish() if completion.is_finished else [])
-            delta = self._tool_delta(completion.index, events)
-            finish_reason = self._finish_reason(completion, parser)
-        else:
-            delta = {"content": delta_text} if delta_text else {}
-        if not tracker.finish(key, completion.is_finished) and not delta and not (self.request.logprobs and new_ids):
+        if completion.index not in self._parsers:
+            self._parsers[completion.index] = self._new_parser()
+        parser = self._parsers[completion.index]
+        if parser is None:
+            delta, has_news = {"content": delta_text}, bool(delta_text)
+        else:  # what the parser can tell of the new text: content, and pieces of calls
+            delta = self._tool_delta(parser.feed(delta_text) + (parser.finish() if completion.is_finished else []))
+            finish_reason, has_news = self._finish_reason(completion, parser), bool(delta)
+        if not tracker.finish(key, completion.is_finished) and not has_news and not (self.request.logprobs and new_ids):
             return None
-        if self.tool_mode not in ("auto", "required", "named"):
-            delta = {"content": delta_text}
         choice = {"index": completion.index, "delta": delta,
                   "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),
                   "finish_reason": finish_reason}
@@ -173,7 +170,7 @@ class _ChatReply:
             choice["stop_reason"] = completion.stop_reason
         return choice
 
-    def _tool_delta(self, choice_index: int, events: list) -> dict:
+    def _tool_delta(self, events: list) -> dict:
         """A stream's delta of one choice from its parser's events: content joined, and per call touched
         an entry (the first of a call: index, id, type, name and the arguments so far; later ones:
         index and the next arguments)."""
