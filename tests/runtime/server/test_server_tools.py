@@ -246,6 +246,7 @@ def test_llm_chat_takes_tools(server_artifact):
 
 
 BAD = [
+    ({"tools": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"tools": [3]}, "tools.0"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools.0.type"),
     ({"tools": [{"type": "function"}]}, "tools.0.function"),
@@ -313,3 +314,27 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     assert code == 2 and "--tool-call-parser applies to the server" in err
     with pytest.raises(ValueError, match="supported: hermes, llama3_json"):
         build_app(lambda: None, MODEL, tool_call_parser="pythonic")
+
+
+def test_required_schema_is_vllm_s_array_with_the_tools_defs_at_the_top():
+    from llmc.runtime.server.errors import ApiError
+    from llmc.runtime.server.protocol import ChatCompletionRequest
+
+    unit = {"$defs": {"unit": {"type": "string", "enum": ["C", "F"]}},
+            "type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "required": ["u"]}
+    tools = [{"type": "function", "function": {"name": "a", "parameters": unit}},
+             {"type": "function", "function": {"name": "b"}}]
+    request = ChatCompletionRequest.model_validate({"messages": CHAT, "tools": tools, "tool_choice": "required"})
+    schema = request.guided_decoding().json
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["$defs"] == unit["$defs"]
+    first, second = schema["items"]["anyOf"]
+    assert first["properties"]["name"] == {"type": "string", "enum": ["a"]} and "$defs" not in first["properties"]["parameters"]
+    assert second["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert first["required"] == second["required"] == ["name", "parameters"]
+    jsonschema.validate([{"name": "a", "parameters": {"u": "C"}}, {"name": "b", "parameters": {}}], schema)
+    clash = {**unit, "$defs": {"unit": {"type": "integer"}}}
+    tools.append({"type": "function", "function": {"name": "c", "parameters": clash}})
+    request = ChatCompletionRequest.model_validate({"messages": CHAT, "tools": tools, "tool_choice": "required"})
+    with pytest.raises(ApiError) as info:
+        request.guided_decoding()
+    assert info.value.param == "tools.2.function.parameters.$defs.unit"
