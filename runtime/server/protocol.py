@@ -475,8 +475,7 @@ def checked_tools(tools: list | None) -> list[dict]:
     try:
         return tokenizer_checked_tools(tools)
     except RequestError as e:
-        field, _, message = str(e).partition(": ")
-        raise ApiError(400, str(e), param=field) from None
+        raise ApiError(400, str(e), param=str(e).split(":", 1)[0]) from None
 
 
 def _checked_named_choice(choice: dict) -> None:
