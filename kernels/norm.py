@@ -15,25 +15,28 @@ from . import can_use_triton
 from .fp8 import MIN_SCALE, ONE_PASS_MAX, Fp8Activation, quantize_fp8_per_token
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """y = x / sqrt(mean(x²) + eps) * weight, computed in float32, returned in x's dtype."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, perm: Tensor | None = None) -> Tensor:
+    """y = x / sqrt(mean(x²) + eps) * weight, computed in float32, returned in x's dtype; with `perm`,
+    y[..., perm] (the gather of the act-order linear that reads y, in the same kernel on CUDA)."""
     if can_use_triton(x, weight):
         from . import norm_triton  # triton loads on the first CUDA call only
 
-        return norm_triton.rms_norm(x, weight, eps)[0]
+        return norm_triton.rms_norm(x, weight, eps, perm=perm)[0]
     x_f32 = x.float()
     variance = x_f32.pow(2).mean(dim=-1, keepdim=True)
-    return (x_f32 * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+    y = (x_f32 * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+    return y if perm is None else y.index_select(-1, perm)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, perm: Tensor | None = None,
+                 ) -> tuple[Tensor, Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual', perm=perm), residual')."""
     if can_use_triton(x, residual, weight):
         from . import norm_triton
 
-        return norm_triton.rms_norm(x, weight, eps, residual)
+        return norm_triton.rms_norm(x, weight, eps, residual, perm)
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, perm), residual
 
 
 def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,

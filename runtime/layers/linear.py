@@ -71,6 +71,14 @@ class Linear(nn.Module):
         self.param_names.remove("perm")
         return True
 
+    def take_perm(self) -> Tensor | None:
+        """An act-order weight's `perm` taken out of `params()` by the one who will hand this linear x
+        already in that order (RMSNorm.take_linear_perm); None where there is none."""
+        if "perm" not in self.param_names:
+            return None
+        self.param_names.remove("perm")
+        return self.perm
+
     def silu_mul(self, x: Tensor) -> Tensor:
         """SiLU(gate) · up of this gate_up projection, after `interleave_gate_up`."""
         return self.fmt.apply_silu_mul(x, self.params(), self.bias if self.has_bias else None)

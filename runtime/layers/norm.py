@@ -12,6 +12,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"))
         self.fp8_output = fp8_output  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
+        self.out_perm: Tensor | None = None  # the act-order gather of the linear it feeds (take_linear_perm)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual). With
@@ -20,8 +21,17 @@ class RMSNorm(nn.Module):
             normed, residual = rms_norm_fp8(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, residual)
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, self.out_perm)
+        return add_rms_norm(x, residual, self.weight, self.eps, self.out_perm)
+
+    def take_linear_perm(self, linear) -> bool:
+        """After the weights load: the act-order gather x[..., perm] of `linear`, the only reader of this
+        norm's output, done by the norm as it writes its output (Linear.take_perm), not by a kernel of its
+        own before every product. Whether there was one to take (none with an FP8 output)."""
+        if self.fp8_output or (perm := linear.take_perm()) is None:
+            return False
+        self.out_perm = perm
+        return True
 
     def extra_repr(self) -> str:
         return "fp8_output=True" if self.fp8_output else ""

@@ -232,14 +232,19 @@ class DecoderModel(nn.Module):
 
     def prepare_loaded_weights(self) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
-        store (MLP.interleave_gate_up), no gather by an identity act-order perm (Linear.drop_identity_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
+        store (MLP.interleave_gate_up); act order's gathers gone where the identity (Linear.drop_identity_perm) or done by
+        the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
         FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device)."""
-        for layer in self.layers.values():
-            if not layer.is_moe:
-                layer.mlp.interleave_gate_up()
         for module in self.modules():
             if isinstance(module, Linear):
                 module.drop_identity_perm()
+        for layer in self.layers.values():
+            layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
+            if not layer.is_moe:
+                layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
+                layer.mlp.interleave_gate_up()
+        for module in self.modules():
+            if isinstance(module, Linear):
                 if hasattr(module.fmt, "note_device"):
                     module.fmt.note_device(module.params())
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]

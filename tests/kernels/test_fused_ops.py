@@ -17,6 +17,26 @@ def assert_close(actual, expected, dtype) -> None:
 
 
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (5, 100)])
+def test_rms_norm_writes_its_output_in_an_act_order_perm(elementwise_case, num_tokens, hidden) -> None:
+    """The act-order gather of the linear a norm feeds, done in the norm's kernel: exactly the unpermuted
+    output's columns in `perm` order, with and without the residual (whose own output stays in order)."""
+    from llmc.kernels.norm_triton import rms_norm
+
+    device, dtype = elementwise_case
+    x, residual = torch.randn(num_tokens, hidden).to(dtype).to(device), torch.randn(num_tokens, hidden).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype).to(device)
+    perm = torch.randperm(hidden).to(torch.int32).to(device)
+    for res in (None, residual):
+        plain, plain_residual = rms_norm(x, weight, 1e-6, res)
+        permuted, permuted_residual = rms_norm(x, weight, 1e-6, res, perm)
+        assert torch.equal(permuted, plain[:, perm.long()])
+        assert (permuted_residual is None and res is None) or torch.equal(permuted_residual, plain_residual)
+    x64, w64 = x.cpu().double(), weight.cpu().double()  # the CPU path against float64
+    expected = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64)[:, perm.long().cpu()]
+    assert_close(norm.rms_norm(x.cpu(), weight.cpu(), 1e-6, perm.cpu()), expected.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (5, 100)])
 def test_rms_norm_and_residual_match_torch(elementwise_case, num_tokens, hidden) -> None:
     from llmc.kernels.norm_triton import rms_norm
 
