@@ -1,0 +1,234 @@
+"""The reasoning of reasoning models read out of their chat output, as it streams (vLLM's
+`--reasoning-parser`, by name).
+
+Reasoning models (DeepSeek-R1 and its distills, QwQ, Qwen3, ...) think between `<think>` and
+`</think>` before they answer. With a reasoning parser, a chat message carries that thinking in
+`reasoning` (vLLM's current name) and `reasoning_content` (its older name, which DeepSeek's API and
+many clients read), both with the same text, and `content` holds only the answer; a stream's deltas
+carry the same fields in pieces. /v1/completions is never parsed (vLLM's rule).
+
+A parser is fed the text of one sequence a piece at a time (`feed`) and told when it ends
+(`finish`); it returns events in output order: ("reasoning", text) and ("content", text). A tag
+split across pieces is held back until it is known, so the pieces joined are what the whole text
+gives at once (`split`), wherever the text was split.
+
+Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, qwen3_reasoning_parser.py):
+* deepseek_r1: the output starts inside the thinking (the chat template may have opened `<think>` in
+  the prompt); an opening `<think>` at its start (after blanks only) is dropped; everything up to
+  the first `</think>` is reasoning, everything after it content. Output without `</think>` (cut by
+  max_tokens, or a model that never closed it) is all reasoning.
+* qwen3: the same (Qwen3's own templates let the model write `<think>`; Qwen3.5's and the 2507
+  thinking models' open it in the prompt), plus an implicit end: a `<tool_call>` before any
+  `</think>` ends the reasoning, the tag going to the content (Qwen3.5 may call a tool from inside
+  its thinking). With `chat_template_kwargs: {"enable_thinking": false}` the template closes the
+  thinking in the prompt and the whole output is content.
+Where vLLM's non-streamed and streamed paths differ, the parser keeps one rule for both: a
+`<think>` after reasoning text is text (vLLM's non-streamed reply drops whatever came before it),
+and a `<tool_call>` before a later `</think>` ends the qwen3 reasoning (as vLLM's stream does).
+
+Tool calls (`--enable-auto-tool-choice`) are read from the content only: the content events go on
+through the tool parser (`with_reasoning`). Structured output cannot start where the reasoning
+ends in llmc (vLLM's default): `check_request` refuses it unless the server constrains the whole
+output, reasoning included (vLLM's `--structured-outputs-config '{"enable_in_reasoning": true}'`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
+
+Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
+
+
+def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` might begin one of `tags` (held until the next piece)."""
+    for size in range(min(max(len(t) for t in tags) - 1, len(text)), 0, -1):
+        if any(t.startswith(text[-size:]) for t in tags):
+            return size
+    return 0
+
+
+class ReasoningParser:
+    """The thinking of one sequence's text. `end_tags`: the tags that end the reasoning, with
+    whether the tag itself is content (`<tool_call>`) or dropped (`</think>`). `thinking`: False when
+    the whole output is content (qwen3 with enable_thinking false)."""
+
+    def __init__(self, end_tags: dict[str, bool], thinking: bool = True):
+        self.end_tags = end_tags
+        self._state = "lead" if thinking else "content"  # lead (only blanks so far), reasoning, content
+        self._buffer = ""
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        out: list[Event] = []
+        if self._state == "lead":
+            stripped = self._buffer.lstrip()
+            if stripped.startswith(THINK_START):  # the model opened the thinking itself: the tag goes
+                self._buffer = stripped[len(THINK_START):]
+                self._state = "reasoning"
+            elif THINK_START.startswith(stripped):  # blanks, or maybe the tag: wait for more
+                return out
+            else:
+                self._state = "reasoning"
+        if self._state == "reasoning":
+            out += self._reasoning()
+        if self._state == "content" and self._buffer:
+            out.append(("content", self._buffer))
+            self._buffer = ""
+        return out
+
+    def _reasoning(self) -> list[Event]:
+        found = [(self._buffer.find(tag), tag) for tag in self.end_tags]
+        found = [(at, tag) for at, tag in found if at >= 0]
+        if not found:
+            keep = _held_suffix(self._buffer, tuple(self.end_tags))
+            text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+            return [("reasoning", text)] if text else []
+        at, tag = min(found)
+        text = self._buffer[:at]
+        self._buffer = self._buffer[at:] if self.end_tags[tag] else self._buffer[at + len(tag):]
+        self._state = "content"
+        return [("reasoning", text)] if text else []
+
+    def finish(self) -> list[Event]:
+        """The end of the output: what was held back (blanks, a tag never completed) is what it was in."""
+        text, self._buffer = self._buffer, ""
+        if not text:
+            return []
+        return [("content" if self._state == "content" else "reasoning", text)]
+
+
+def make_parser(name: str, chat_template_kwargs: dict | None = None) -> ReasoningParser:
+    """A --reasoning-parser by name, for a request with these chat_template_kwargs."""
+    if name == "deepseek_r1":
+        return ReasoningParser({THINK_END: False})
+    if name == "qwen3":
+        thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinking)
+    raise ValueError(f"invalid reasoning parser {name!r}; supported: {', '.join(REASONING_PARSERS)}")
+
+
+def check_name(name: str | None) -> None:
+    """ValueError for a --reasoning-parser name llmc does not have (start-up)."""
+    if name is not None and name not in REASONING_PARSERS:
+        raise ValueError(f"invalid reasoning parser {name!r}; supported: {', '.join(REASONING_PARSERS)}")
+
+
+def split(parser: ReasoningParser, text: str) -> tuple[str, str]:
+    """The whole text at once: (reasoning, content)."""
+    events = parser.feed(text) + parser.finish()
+    return (("".join(e[1] for e in events if e[0] == "reasoning")),
+            "".join(e[1] for e in events if e[0] == "content"))
+
+
+def thinks(name: str | None, chat_template_kwargs: dict | None) -> bool:
+    """Whether a request's output is parsed for reasoning (a parser, and thinking not switched off)."""
+    if name is None:
+        return False
+    return name != "qwen3" or (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
+
+class WithReasoning:
+    """A reasoning parser whose content goes on through a tool parser (None: the content is the
+    answer): the tool parser's interface (`feed`, `finish`, `called`), plus ("reasoning", text) events."""
+
+    def __init__(self, reasoning: ReasoningParser, tools: Any = None):
+        self.reasoning = reasoning
+        self.tools = tools
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def _through_tools(self, events: list[Event], finished: bool) -> list[Event]:
+        if self.tools is None:
+            return events
+        out: list[Event] = []
+        for event in events:
+            out += [event] if event[0] == "reasoning" else self.tools.feed(event[1])
+        return out + (self.tools.finish() if finished else [])
+
+    def feed(self, text: str) -> list[Event]:
+        return self._through_tools(self.reasoning.feed(text), False)
+
+    def finish(self) -> list[Event]:
+        return self._through_tools(self.reasoning.finish(), True)
+
+
+def with_reasoning(name: str | None, request: Any, tool_parser: Any) -> Any:
+    """The parser of one choice's text: `tool_parser` (None: all content) behind the server's reasoning
+    parser when the request's output is parsed for reasoning, else `tool_parser` itself."""
+    if not thinks(name, request.chat_template_kwargs):
+        return tool_parser
+    return WithReasoning(make_parser(name, request.chat_template_kwargs), tool_parser)
+
+
+def reasoning_of(events: list[Event]) -> tuple[str | None, list[Event]]:
+    """The reasoning text of a whole reply's events (None when there was none), and the other events."""
+    reasoning = "".join(e[1] for e in events if e[0] == "reasoning")
+    return reasoning or None, [e for e in events if e[0] != "reasoning"]
+
+
+def fields(name: str | None, reasoning: str | None) -> dict:
+    """A message's or delta's reasoning fields: vLLM's `reasoning` and the older `reasoning_content`
+    (DeepSeek's name, which the openai SDK exposes as an extra attribute like the other), with the same
+    text; none on a server without a reasoning parser."""
+    if name is None:
+        return {}
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def delta_fields(name: str | None, events: list[Event]) -> dict:
+    """A stream delta's reasoning fields for these events: only when they hold reasoning text."""
+    reasoning, _ = reasoning_of(events)
+    return fields(name, reasoning) if reasoning else {}
+
+
+def count_tokens(tokenizer, reasoning: str | None) -> int:
+    """The tokens of the reasoning text (usage.completion_tokens_details.reasoning_tokens): the text
+    re-tokenized, as the generated tags may be pieces of several tokens."""
+    if not reasoning:
+        return 0
+    return len(tokenizer.encode(reasoning, add_special_tokens=False))
+
+
+def check_request(name: str | None, request: Any, whole_output_constrained: bool) -> None:
+    """400 for structured output or a forced tool call on a request whose output is parsed for
+    reasoning: vLLM starts those constraints where the reasoning ends, which llmc's structured output
+    cannot do; constraining the whole output would keep the model from thinking. With
+    `whole_output_constrained` (vLLM's structured_outputs_config enable_in_reasoning) an output
+    constraint applies to the whole output, reasoning included, and is allowed."""
+    from llmc.runtime.server.errors import invalid
+
+    if not thinks(name, request.chat_template_kwargs):
+        return
+    mode = request.tool_mode
+    if mode in ("required", "named"):
+        raise invalid("tool_choice", f"tool_choice {'required' if mode == 'required' else 'naming a function'} "
+                      f"constrains the output to tool calls, which with --reasoning-parser {name} vLLM starts after "
+                      "the reasoning; llmc cannot start a constraint there: send tool_choice \"auto\" (the calls are "
+                      "read from the answer after the reasoning) or \"none\""
+                      + (', or chat_template_kwargs {"enable_thinking": false}' if name == "qwen3" else ""))
+    constraints = request._output_constraints()
+    if constraints and not whole_output_constrained:
+        raise invalid(constraints[0], f"structured output ({', '.join(constraints)}) with --reasoning-parser {name}: "
+                      "vLLM constrains only the answer after the reasoning, which llmc cannot do; leave it out"
+                      + (', send chat_template_kwargs {"enable_thinking": false}' if name == "qwen3" else "")
+                      + ", or start the server with --structured-outputs-config '{\"enable_in_reasoning\": true}' "
+                      "to constrain the whole output, reasoning included")
+
+
+def with_reasoning_tokens(usage: dict, ctx: Any, request: Any, output: Any) -> dict:
+    """`usage` plus, on a server with a reasoning parser, vLLM's completion_tokens_details.reasoning_tokens:
+    the tokens of every returned sequence's reasoning (0 where the output is not parsed for reasoning)."""
+    name = ctx.reasoning_parser
+    if name is None:
+        return usage
+    count = 0
+    if thinks(name, request.chat_template_kwargs):
+        for completion in output.outputs:
+            thought, _ = split(make_parser(name, request.chat_template_kwargs), completion.text)
+            count += count_tokens(ctx.tokenizer, thought)
+    return {**usage, "completion_tokens_details": {"reasoning_tokens": count}}

@@ -1,0 +1,121 @@
+"""The reasoning parsers on texts written by hand from vLLM's documented behaviour (the reasoning
+outputs docs, vllm/reasoning/deepseek_r1_reasoning_parser.py and qwen3_reasoning_parser.py):
+`<think>abc</think>xyz` gives reasoning "abc" and content "xyz"; the opening tag may be in the
+prompt (only `</think>` in the output); output without `</think>` is all reasoning; qwen3 ends the
+reasoning at a `<tool_call>` too, and with enable_thinking false reads it all as content. Every text
+is also streamed split at every character boundary, one character at a time, and in three pieces:
+the joined pieces must give the same reasoning and content."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmc.runtime.server.reasoning_parsers import (REASONING_PARSERS, WithReasoning, check_name, make_parser,
+                                                   split)
+from llmc.runtime.server.tool_parsers import make_parser as make_tool_parser
+
+BOTH = [
+    # (text, reasoning, content)
+    ("<think>abc</think>xyz", "abc", "xyz"),
+    ("abc</think>xyz", "abc", "xyz"),  # the template opened <think> in the prompt
+    ("\n<think>\nLet me see: 9.8 > 9.11.\n</think>\n\n9.8 is greater.", "\nLet me see: 9.8 > 9.11.\n", "\n\n9.8 is greater."),
+    ("Still thinking, cut by max_tokens", "Still thinking, cut by max_tokens", ""),  # no </think>: all reasoning
+    ("<think>abc", "abc", ""),
+    ("abc</think>", "abc", ""),
+    ("</think>xyz", "", "xyz"),
+    ("<think></think>xyz", "", "xyz"),
+    # only the first </think> ends the reasoning: after it, every tag is content
+    ("a</think>b</think>c<think>d", "a", "b</think>c<think>d"),
+    # a <think> after reasoning text is text; look-alikes of the tags stay where they are
+    ("a<think>b</think>c", "a<think>b", "c"),
+    ("x < y, </thin </think > <think/> </think> <b>done</b> <", "x < y, </thin </think > <think/> ", " <b>done</b> <"),
+    # what was held back at the end is what it was in
+    ("<thi", "<thi", ""),
+    ("ab</thi", "ab</thi", ""),
+    ("  \n", "  \n", ""),
+    ("", "", ""),
+]
+
+DEEPSEEK_R1 = BOTH + [
+    # no implicit end: a tool call inside the thinking is thinking
+    ("I will call.<tool_call>{}</tool_call>", "I will call.<tool_call>{}</tool_call>", ""),
+]
+
+QWEN3 = BOTH + [
+    # a <tool_call> before any </think> ends the reasoning, the tag going to the content
+    ("I will call.<tool_call>{}</tool_call>", "I will call.", "<tool_call>{}</tool_call>"),
+    ("a<tool_call>b</think>c", "a", "<tool_call>b</think>c"),
+    ("a</think>b<tool_call>c", "a", "b<tool_call>c"),
+    ("<think>a<tool_cal", "a<tool_cal", ""),
+]
+
+NO_THINKING = ["<think>abc</think>xyz", "abc</think>xyz", "plain answer", "<tool_call>{}", ""]
+
+
+def _pieces(text: str):
+    """The text whole, at every split into two, one character at a time, and in three pieces."""
+    yield [text]
+    for at in range(1, len(text)):
+        yield [text[:at], text[at:]]
+    yield list(text)
+    for at in range(1, len(text) - 1, 3):
+        yield [text[:at], text[at:at + 2], text[at + 2:]]
+
+
+def _streamed(parser, pieces: list[str]) -> tuple[str, str]:
+    events = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    events += parser.finish()
+    assert all(event[1] for event in events), "no empty pieces"
+    return "".join(e[1] for e in events if e[0] == "reasoning"), "".join(e[1] for e in events if e[0] == "content")
+
+
+@pytest.mark.parametrize(("name", "text", "reasoning", "content"),
+                         [("deepseek_r1", *case) for case in DEEPSEEK_R1] + [("qwen3", *case) for case in QWEN3])
+def test_parser_reads_the_text_the_same_way_whatever_the_split(name, text, reasoning, content):
+    assert split(make_parser(name), text) == (reasoning, content)
+    for pieces in _pieces(text):
+        assert _streamed(make_parser(name), pieces) == (reasoning, content), pieces
+
+
+@pytest.mark.parametrize("text", NO_THINKING)
+def test_qwen3_with_thinking_off_is_all_content(text):
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": False, "other": 1}):
+        assert split(make_parser("qwen3", kwargs), text) == ("", text)
+    # thinking on (left out, or true): parsed
+    assert split(make_parser("qwen3", {"enable_thinking": True}), "abc</think>xyz") == ("abc", "xyz")
+    assert split(make_parser("qwen3", {}), "abc") == ("abc", "")
+
+
+def test_streamed_reasoning_is_not_held_back_longer_than_a_tag():
+    parser = make_parser("deepseek_r1")
+    assert parser.feed("<think>") == []
+    assert parser.feed("Hmm, 2 <") == [("reasoning", "Hmm, 2 ")]  # "<" may begin </think>: it waits
+    assert parser.feed(" 3 ok</th") == [("reasoning", "< 3 ok")]  # the rest of a piece goes at once
+    assert parser.feed("ink>Yes") == [("content", "Yes")]
+    assert parser.finish() == []
+
+
+def test_tool_calls_are_read_from_the_content_only():
+    text = ('<think>Maybe <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> would help.</think>'
+            'Calling.<tool_call>{"name": "g", "arguments": {"y": 2}}</tool_call>')
+    for pieces in _pieces(text):
+        parser = WithReasoning(make_parser("deepseek_r1"), make_tool_parser("hermes"))
+        events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+        assert "".join(e[1] for e in events if e[0] == "reasoning") == \
+            'Maybe <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> would help.'
+        assert "".join(e[1] for e in events if e[0] == "content") == "Calling."
+        assert [e[2] for e in events if e[0] == "call"] == ["g"] and parser.called
+        assert "".join(e[2] for e in events if e[0] == "args") == '{"y": 2}'
+
+
+def test_unknown_names_are_refused_with_the_supported_ones():
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3")
+    check_name(None)
+    for name in REASONING_PARSERS:
+        check_name(name)
+    with pytest.raises(ValueError, match="'granite'; supported: deepseek_r1, qwen3"):
+        check_name("granite")
+    with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3"):
+        make_parser("deepseek_v3")
