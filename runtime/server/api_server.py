@@ -36,6 +36,7 @@ from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineS
 from llmc.runtime.server.errors import ApiError, error_body
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
+from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
@@ -74,23 +75,28 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
               on_startup_failure: Callable[[BaseException], None] | None = None,
               on_fatal: Callable[[BaseException], None] | None = None,
               stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy(),
-              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
     /health answers 503 once one engine step has run `stall_timeout_s` (a wedged engine). `cors`: the
     CORS headers of every response (preflight requests included). `enable_auto_tool_choice` and
     `tool_call_parser` (vLLM's flags): tool_choice "auto" reads calls out of the output with that parser
-    (runtime/server/tool_parsers.TOOL_CALL_PARSERS); ValueError for a parser name not there."""
+    (runtime/server/tool_parsers.TOOL_CALL_PARSERS); ValueError for a parser name not there.
+    `reasoning_parser` (vLLM's --reasoning-parser): chat replies carry the thinking apart
+    (runtime/server/reasoning_parsers); `reasoning_in_structured_output`: structured output then
+    constrains the whole output, reasoning included (else it is refused with a reasoning parser)."""
     # checked before anything starts: a bad parser name is the caller's error, not a request's
     ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
+    check_reasoning_parser(reasoning_parser)
     metrics = ServerMetrics(served_model_name if isinstance(served_model_name, str) else served_model_name[0])
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template,
-                         enable_auto_tool_choice, tool_call_parser)
+                         enable_auto_tool_choice, tool_call_parser, reasoning_parser, reasoning_in_structured_output)
     ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
@@ -315,7 +321,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
           port: int = 8000, api_key: str | None = None, max_waiting: int | None = DEFAULT_MAX_WAITING,
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
           trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy(),
-          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+          enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+          reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
@@ -330,7 +337,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     log_stats=log_stats, tokenizer_pool_size=tokenizer_pool_size,
                     trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
                     on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser)  # a dead rank ends the server, and `serve` raises its error
+                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                    reasoning_in_structured_output=reasoning_in_structured_output)  # a dead rank ends the server, and `serve` raises its error
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)

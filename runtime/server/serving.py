@@ -22,6 +22,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.server.protocol import MAX_LOGPROBS
+from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
 from llmc.runtime.tokenizer import apply_chat_template, encode_text
 
@@ -88,8 +89,15 @@ class ServingContext:
 
     def __init__(self, engine_loop: EngineLoop, served_model_name: ModelNames, max_waiting: int | None = DEFAULT_MAX_WAITING,
                  tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
-                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None):
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False):
         self.engine_loop = engine_loop
+        # vLLM's --reasoning-parser: chat replies carry the thinking apart (reasoning_parsers); with
+        # reasoning_in_structured_output (vLLM's structured_outputs_config enable_in_reasoning) an output
+        # constraint covers the whole output, reasoning included, else it is refused with the parser
+        check_reasoning_parser(reasoning_parser)
+        self.reasoning_parser = reasoning_parser
+        self.reasoning_in_structured_output = reasoning_in_structured_output
         # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default with tools)
         # reads calls out of the output with that parser; refused without them
         self.check_tool_options(enable_auto_tool_choice, tool_call_parser)

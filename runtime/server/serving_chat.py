@@ -8,6 +8,9 @@ message then has `tool_calls` [{id "chatcmpl-tool-...", type "function", functio
 a stream sends each call's index, id, type and name in its first delta and its arguments in pieces
 after (tool_parsers: the pieces joined are the non-streamed arguments). finish_reason is "tool_calls"
 when "auto" found calls; a forced call keeps the engine's ("stop"), as vLLM's non-streamed reply does.
+
+With --reasoning-parser (reasoning_parsers): the thinking goes to `reasoning` / `reasoning_content`,
+only the answer to `content` and to the tool parser; usage gains completion_tokens_details.reasoning_tokens.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from llmc.runtime.server.errors import ApiError
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprobs, prompt_logprobs, sse, usage,
                                             usage_body)
 from llmc.runtime.server.protocol import ChatCompletionRequest
+from llmc.runtime.server import reasoning_parsers as reasoning
 from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
-from llmc.runtime.server.tool_parsers import ToolParser, make_parser, parse
+from llmc.runtime.server.tool_parsers import ToolParser, fold, make_parser
 
 
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
@@ -30,6 +34,7 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
+    reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -60,7 +65,11 @@ class _ChatReply:
         self.tool_mode = request.tool_mode
         self._parsers: dict[int, ToolParser | None] = {}  # a stream's, per choice
 
-    def _new_parser(self) -> ToolParser | None:
+    def _new_parser(self) -> ToolParser | reasoning.WithReasoning | None:
+        """The reader of one choice's text (its reasoning, with --reasoning-parser), or None when it is all content."""
+        return reasoning.with_reasoning(self.ctx.reasoning_parser, self.request, self._tool_parser())
+
+    def _tool_parser(self) -> ToolParser | None:
         """The reader of tool calls in one choice's text, or None when its text is all content."""
         if self.tool_mode == "auto":
             return make_parser(self.ctx.tool_call_parser)
@@ -79,13 +88,15 @@ class _ChatReply:
         """A whole choice's message and finish_reason."""
         parser = self._new_parser()
         if parser is None:
-            return {"role": "assistant", "content": completion.text}, completion.finish_reason
-        content, calls = parse(parser, completion.text)
-        if self.tool_mode != "auto":
+            return ({"role": "assistant", "content": completion.text, **reasoning.fields(self.ctx.reasoning_parser, None)},
+                    completion.finish_reason)
+        thought, events = reasoning.reasoning_of(parser.feed(completion.text) + parser.finish())
+        content, calls = fold(events)
+        if self.tool_mode in ("required", "named"):
             content = ""  # vLLM's message of a forced call
-        elif calls and not content:
+        elif (calls or isinstance(parser, reasoning.WithReasoning)) and not content:
             content = None
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": content, **reasoning.fields(self.ctx.reasoning_parser, thought)}
         if calls:
             message["tool_calls"] = [{"id": new_id("chatcmpl-tool"), "type": "function",
                                       "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
@@ -106,7 +117,7 @@ class _ChatReply:
             message, finish_reason = self._message(c)
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        body = {**self._header("chat.completion"), "choices": choices, "usage": usage([output])}
+        body = {**self._header("chat.completion"), "choices": choices, "usage": self._usage(output)}
         if self.request.prompt_logprobs is not None:  # vLLM: on the response, not on a choice
             body["prompt_logprobs"] = prompt_logprobs(self.ctx.tokenizer, output, self.request.prompt_logprobs)
         return body
@@ -125,12 +136,16 @@ class _ChatReply:
                     if choice is not None:
                         yield self._chunk(choice, self._running_usage(output, len(completion.token_ids)))
             if self.request.include_usage and final is not None:
-                yield sse({**self._header("chat.completion.chunk"), "choices": [], "usage": usage([final])})
+                yield sse({**self._header("chat.completion.chunk"), "choices": [], "usage": self._usage(final)})
         except ApiError as e:
             yield sse(e.body())
         finally:
             generation.abort()
         yield SSE_DONE
+
+    def _usage(self, output: RequestOutput) -> dict:
+        """The usage of the whole request (with --reasoning-parser, vLLM's completion_tokens_details.reasoning_tokens)."""
+        return reasoning.with_reasoning_tokens(usage([output]), self.ctx, self.request, output)
 
     def _running_usage(self, output: RequestOutput | None, num_completion: int) -> dict | None:
         """With stream_options.continuous_usage_stats, the usage so far (vLLM: this choice's tokens)."""
@@ -159,7 +174,8 @@ class _ChatReply:
         if parser is None:
             delta, has_news = {"content": delta_text}, bool(delta_text)
         else:  # what the parser can tell of the new text: content, and pieces of calls
-            delta = self._tool_delta(parser.feed(delta_text) + (parser.finish() if completion.is_finished else []))
+            events = parser.feed(delta_text) + (parser.finish() if completion.is_finished else [])
+            delta = {**reasoning.delta_fields(self.ctx.reasoning_parser, events), **self._tool_delta(events)}
             finish_reason, has_news = self._finish_reason(completion, parser), bool(delta)
         if not tracker.finish(key, completion.is_finished) and not has_news and not (self.request.logprobs and new_ids):
             return None
