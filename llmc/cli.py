@@ -19,6 +19,7 @@ import click
 import llmc
 from llmc.errors import ConfigError, LlmcError, RecipeError, RequestError
 from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
+from llmc.runtime.server.reasoning_parsers import REASONING_PARSERS
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("llmc")
@@ -60,6 +61,19 @@ class _JsonStringList(click.ParamType):
 
 
 JSON_STRING_LIST = _JsonStringList()
+
+
+def _structured_outputs_config(ctx, param, value: dict | None) -> bool:
+    """vLLM's --structured-outputs-config JSON, of which llmc reads enable_in_reasoning (whether an output
+    constraint covers the reasoning too): its value; any other key is refused."""
+    value = value or {}
+    others = sorted(set(value) - {"enable_in_reasoning"})
+    if others:
+        raise click.BadParameter(f"llmc reads only enable_in_reasoning here, got {', '.join(others)}", param=param)
+    enabled = value.get("enable_in_reasoning", False)
+    if not isinstance(enabled, bool):
+        raise click.BadParameter(f"enable_in_reasoning must be true or false, got {enabled!r}", param=param)
+    return enabled
 
 
 class _OneOrMoreOption(click.Option):
@@ -242,6 +256,13 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
               help="server: how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>: "
               "Hermes, Qwen 2.5/3) or llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.1+)")
+@click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
+              help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
+              "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ) or qwen3")
+@click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
+              callback=_structured_outputs_config,
+              help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "
+              "structured output constrains the whole output, reasoning included (else such requests get a 400)")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: the event loop's default thread pool)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -263,7 +284,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         device: str | None, nnodes: int, node_rank: int, master_addr: str, master_port: int, data_parallel: int,
         tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
         allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
-        enable_auto_tool_choice: bool, tool_call_parser: str | None, **options) -> None:
+        enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
+        structured_outputs_config: bool, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -301,7 +323,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               tokenizer_pool_size=tokenizer_pool_size, shutdown_timeout_s=shutdown_timeout,
               trust_request_chat_template=trust_request_chat_template,
               cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
-              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+              reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -333,7 +356,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 _MODE_FLAGS = {
     "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
                "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
-               "allow_credentials", "enable_auto_tool_choice", "tool_call_parser"),
+               "allow_credentials", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
+               "structured_outputs_config"),
     "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 
