@@ -299,3 +299,12 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     assert code == 2 and "--structured-outputs-config applies to the server" in err
     with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3"):
         build_app(lambda: None, MODEL, reasoning_parser="granite")
+
+
+def test_llmc_run_serves_with_the_flags(start_server):
+    server = start_server("--served-model-name", MODEL, "--disable-log-stats", "--reasoning-parser", "qwen3",
+                          "--structured-outputs-config", '{"enable_in_reasoning": true}')
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    choice = client.chat.completions.create(**_body(["Hmm.</think>Sunny."])).choices[0]
+    assert _fields(choice.message) == ("Hmm.", "Sunny.")
+    assert server.terminate() == 0
