@@ -65,11 +65,16 @@ JSON_STRING_LIST = _JsonStringList()
 
 def _structured_outputs_config(ctx, param, value: dict | None) -> bool:
     """vLLM's --structured-outputs-config JSON, of which llmc reads enable_in_reasoning (whether an output
-    constraint covers the reasoning too): its value; any other key is refused."""
+    constraint covers the reasoning too): its value. backend may say what llmc uses (xgrammar, or auto); any
+    other key or backend is refused."""
     value = value or {}
-    others = sorted(set(value) - {"enable_in_reasoning"})
+    others = sorted(set(value) - {"enable_in_reasoning", "backend"})
     if others:
-        raise click.BadParameter(f"llmc reads only enable_in_reasoning here, got {', '.join(others)}", param=param)
+        raise click.BadParameter(f"llmc reads only enable_in_reasoning (and backend) here, got {', '.join(others)}",
+                                 param=param)
+    if value.get("backend", "auto") not in ("auto", "xgrammar"):
+        raise click.BadParameter(f"backend {value['backend']!r}: llmc's structured output is xgrammar; use xgrammar "
+                                 "or auto, or drop it", param=param)
     enabled = value.get("enable_in_reasoning", False)
     if not isinstance(enabled, bool):
         raise click.BadParameter(f"enable_in_reasoning must be true or false, got {enabled!r}", param=param)

@@ -291,8 +291,10 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     code, err = llmc_cli("run", tmp_path, "--input", tmp_path / "in.jsonl", "--output", tmp_path / "out.jsonl",
                          "--reasoning-parser", "deepseek_r1")
     assert code == 2 and "--reasoning-parser applies to the server" in err
-    code, err = llmc_cli("run", tmp_path, "--structured-outputs-config", '{"backend": "xgrammar"}')
-    assert code == 2 and "enable_in_reasoning" in err and "backend" in err
+    code, err = llmc_cli("run", tmp_path, "--structured-outputs-config", '{"backend": "guidance"}')
+    assert code == 2 and "llmc's structured output is xgrammar" in err
+    code, err = llmc_cli("run", tmp_path, "--structured-outputs-config", '{"reasoning_parser": "x"}')
+    assert code == 2 and "enable_in_reasoning" in err and "reasoning_parser" in err
     code, err = llmc_cli("run", tmp_path, "--structured-outputs-config", '{"enable_in_reasoning": "yes"}')
     assert code == 2 and "true or false" in err
     code, err = llmc_cli("run", tmp_path, "--chat", "--structured-outputs-config", '{"enable_in_reasoning": true}')
