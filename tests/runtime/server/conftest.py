@@ -15,6 +15,7 @@ subprocess on a free loopback port, and helpers to read its /metrics.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -167,34 +168,42 @@ def _free_port_fixture():
     return free_port
 
 
-@pytest.fixture
-def run_app():
-    """Serve ASGI apps on threads of this process; stopped (lifespan shutdown included) at teardown."""
+@contextlib.contextmanager
+def _served(app, wait_healthy: bool = False):
+    """The app served by uvicorn on a thread of this process: its base URL once uvicorn listens (and, with
+    wait_healthy, once its engine is loaded); stopped (lifespan shutdown included) on exit."""
     import uvicorn
 
-    running: list[tuple[uvicorn.Server, threading.Thread]] = []
-
-    def run(app, wait_healthy: bool = False) -> str:
-        """The app's base URL once uvicorn listens (and, with wait_healthy, once its engine is loaded)."""
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        running.append((server, thread))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
         deadline = time.monotonic() + 30
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.02)
         base_url = f"http://127.0.0.1:{port}"
         if wait_healthy:
-            _wait_healthy(base_url)
-        return base_url
-
-    yield run
-    for server, thread in running:
+            _wait_healthy(base_url, timeout=120)
+        yield base_url
+    finally:
         server.should_exit = True
         thread.join(30)
-        assert not thread.is_alive(), "uvicorn did not stop"
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture(scope="session")
+def served():
+    """served(app, wait_healthy=False): a context manager serving the app (for module-scoped apps)."""
+    return _served
+
+
+@pytest.fixture
+def run_app():
+    """Serve ASGI apps on threads of this process; stopped (lifespan shutdown included) at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda app, wait_healthy=False: stack.enter_context(_served(app, wait_healthy))
 
 
 @pytest.fixture

@@ -10,18 +10,12 @@ left unparsed; the 400s for structured output and forced tool calls; the start-u
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app
-
-from .conftest import free_port
 
 MODEL = "ref-llama"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -31,28 +25,13 @@ THOUGHT = "<think>\nThe user asks about Paris. I should answer.\n</think>\n\nIt 
 
 
 @pytest.fixture(scope="module")
-def app(server_artifact):
+def app(server_artifact, served):
     """(base URL, ServingContext) of the app; tests that switch its settings put them back."""
     app = build_app(lambda: Engine(server_artifact, device="cpu"), MODEL, log_stats=False,
                     enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="deepseek_r1",
                     reasoning_in_structured_output=True)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
-        try:
-            if httpx.get(f"{base_url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    yield base_url, app.state.ctx
-    server.should_exit = True
-    thread.join(30)
+    with served(app, wait_healthy=True) as base_url:
+        yield base_url, app.state.ctx
 
 
 @pytest.fixture

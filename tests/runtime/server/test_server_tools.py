@@ -8,19 +8,14 @@ usage; tools reaching the chat template; and every 400."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
 from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app
-
-from .conftest import free_port
 
 MODEL = "ref-llama"
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -41,27 +36,12 @@ TOOLS_TEMPLATE = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} 
 
 
 @pytest.fixture(scope="module")
-def app(server_artifact):
+def app(server_artifact, served):
     """(base URL, ServingContext) of the app; tests that switch its parser put it back."""
     app = build_app(lambda: Engine(server_artifact, device="cpu"), MODEL, log_stats=False,
                     trust_request_chat_template=True, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert thread.is_alive() and time.monotonic() < deadline, "the app did not start"
-        try:
-            if httpx.get(f"{base_url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    yield base_url, app.state.ctx
-    server.should_exit = True
-    thread.join(30)
+    with served(app, wait_healthy=True) as base_url:
+        yield base_url, app.state.ctx
 
 
 @pytest.fixture
