@@ -7,7 +7,8 @@ constrain the output (protocol.ChatCompletionRequest.guided_decoding) and read i
 message then has `tool_calls` [{id "chatcmpl-tool-...", type "function", function {name, arguments}}];
 a stream sends each call's index, id, type and name in its first delta and its arguments in pieces
 after (tool_parsers: the pieces joined are the non-streamed arguments). finish_reason is "tool_calls"
-when "auto" found calls; a forced call keeps the engine's ("stop"), as vLLM's non-streamed reply does.
+when "auto" or "required" gave calls and the output ended by itself; a named function keeps "stop" (OpenAI's
+and vLLM's), and an output cut by max_tokens keeps "length".
 
 With --reasoning-parser (reasoning_parsers): the thinking goes to `reasoning` / `reasoning_content`,
 only the answer to `content` and to the tool parser; usage gains completion_tokens_details.reasoning_tokens.
@@ -80,7 +81,11 @@ class _ChatReply:
         return None
 
     def _finish_reason(self, completion: CompletionOutput, parser: ToolParser | None) -> str | None:
-        if completion.finish_reason is not None and parser is not None and self.tool_mode == "auto" and parser.called:
+        """vLLM's (and OpenAI's): "tool_calls" when calls were read out of an output that ended by itself
+        ("stop"), with tool_choice "auto" or "required"; a named function keeps "stop", and a cut output
+        keeps "length" (a call cut by max_tokens must not look complete)."""
+        if (completion.finish_reason == "stop" and parser is not None and self.tool_mode in ("auto", "required")
+                and parser.called):
             return "tool_calls"
         return completion.finish_reason
 

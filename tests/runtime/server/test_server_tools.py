@@ -98,15 +98,16 @@ def test_named_tool_choice_follows_the_function_s_schema(client):
 def test_required_tool_choice_gives_one_call_per_element(client):
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", n=4,
                                            temperature=1.0, seed=5, max_tokens=120)
-    # the 12M model may go on adding calls until max_tokens: then the last one is cut
-    assert "stop" in {choice.finish_reason for choice in reply.choices}
+    # the 12M model may go on adding calls until max_tokens: then the last one is cut. An array that ended
+    # by itself is "tool_calls" (OpenAI's and vLLM's finish_reason for tool_choice "required"), a cut one "length"
+    assert "tool_calls" in {choice.finish_reason for choice in reply.choices}
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
         {"type": "object", "properties": {"name": {"const": n}, "parameters": s}, "required": ["name", "parameters"]}
         for n, s in SCHEMAS.items()]}}
     for choice in reply.choices:
-        assert choice.message.content == "" and choice.finish_reason in ("stop", "length")
+        assert choice.message.content == "" and choice.finish_reason in ("tool_calls", "length")
         calls = _calls(choice.message)
-        whole = calls if choice.finish_reason == "stop" else calls[:-1]
+        whole = calls if choice.finish_reason == "tool_calls" else calls[:-1]
         assert calls and (whole or choice.finish_reason == "length")
         for name, arguments in whole:
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
@@ -147,6 +148,27 @@ def test_auto_reads_hermes_calls_out_of_the_output(client):
     assert [(n, a) for _, n, a in streamed[0]["calls"].values()] == _calls(choice.message)
 
 
+def test_a_call_cut_by_max_tokens_finishes_with_length(client):
+    """A call cut by max_tokens is "length", not "tool_calls" (OpenAI's meaning of finish_reason; vLLM's
+    issue 58228: "tool_calls" there hid the cut), so the openai SDK's parse() refuses it."""
+    body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "temperature": 0, "extra_body": {"guided_choice": [FORCED]}}
+    whole = client.chat.completions.create(max_tokens=200, logprobs=True, **body).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    text, budget = "", 0
+    for budget, entry in enumerate(whole.logprobs.content, start=1):  # the tokens generated, to cut inside the first call
+        text += entry.token
+        if '"get_weather"' in text:
+            break
+    budget += 2
+    cut = client.chat.completions.create(max_tokens=budget, **body).choices[0]
+    assert cut.finish_reason == "length" and [c.function.name for c in cut.message.tool_calls] == ["get_weather"]
+    _, streamed = _stream(client, max_tokens=budget, **body)
+    assert streamed[0]["finish_reason"] == "length" and len(streamed[0]["calls"]) == 1
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS[:2]]
+    with pytest.raises(openai.LengthFinishReasonError):  # the SDK parses strict tools only
+        client.chat.completions.parse(max_tokens=budget, **{**body, "tools": strict})
+
+
 def test_auto_plain_text_is_content(client):
     body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 20,
             "temperature": 0, "extra_body": {"guided_choice": ["It is sunny <b>today</b>."]}}
@@ -170,7 +192,7 @@ def test_llama3_json_parser(client, app):
     ctx.tool_call_parser = "llama3_json"
     try:
         text = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "ping", "parameters": {}}'
-        body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+        body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 200, "temperature": 0,
                 "extra_body": {"guided_choice": [text]}}
         reply = client.chat.completions.create(**body).choices[0]
         assert reply.finish_reason == "tool_calls" and reply.message.content is None
