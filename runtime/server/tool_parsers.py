@@ -195,9 +195,12 @@ class _Call:
         return out
 
     def close(self) -> list[Event]:
-        """The end of the call (its object closed, broke, or the output ended): arguments never given are {}."""
+        """The end of the call (its object closed, broke, or the output ended). A closed object that gave
+        no arguments called the function without any: {}. One cut (by max_tokens, a stop string) or broken
+        before its arguments keeps what was generated of them, nothing: an invented {} would pass for a
+        whole call."""
         out = self.events()
-        if self.announced and self.scanner.args is None:
+        if self.announced and self.scanner.args is None and self.scanner.state == "done":
             out.append(("args", self.index, "{}"))
             self.sent_args = 2
         return out

@@ -162,6 +162,7 @@ def test_a_call_cut_by_max_tokens_finishes_with_length(client):
     budget += 2
     cut = client.chat.completions.create(max_tokens=budget, **body).choices[0]
     assert cut.finish_reason == "length" and [c.function.name for c in cut.message.tool_calls] == ["get_weather"]
+    assert cut.message.tool_calls[0].function.arguments != "{}"  # what was generated of them, no more
     _, streamed = _stream(client, max_tokens=budget, **body)
     assert streamed[0]["finish_reason"] == "length" and len(streamed[0]["calls"]) == 1
     strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in TOOLS[:2]]

@@ -27,6 +27,10 @@ HERMES = [
     ('<tool_call>{"name": "f"}</tool_call>', "", [("f", "{}")]),
     # a block left open at the end: the call counts up to the end (vLLM's "<tool_call>(.*)")
     ('<tool_call>{"name": "f", "arguments": {"x": "ab', "", [("f", '{"x": "ab')]),
+    # cut before its arguments (max_tokens): none were generated, and none are invented ("{}" would pass
+    # for a whole call; vLLM's stream sends no arguments for it either)
+    ('<tool_call>{"name": "f", "argu', "", [("f", "")]),
+    ('<tool_call>{"name": "f"</tool_call>', "", [("f", "")]),
     # broken JSON: a block whose name cannot be read is content, tags and all
     ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
     ('x <tool_call>{"name": 3, "arguments": {}}</tool_call>', 'x <tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
@@ -46,6 +50,8 @@ LLAMA3 = [
     ('<|python_tag|>{"name": "f", "parameters": {}}', "", [("f", "{}")]),
     ('  {"name": "f", "parameters": {"q": null}}\n', "", [("f", '{"q": null}')]),
     ('{"name": "f", "parameters": {}} That is all.', "That is all.", [("f", "{}")]),
+    ('{"name": "f"}', "", [("f", "{}")]),  # no arguments: the function called without any
+    ('{"name": "f", "para', "", [("f", "")]),  # cut before them: none invented
     # not a call: plain text, JSON without a name, text before the JSON, broken JSON
     ("The weather is fine.", "The weather is fine.", []),
     ('{"city": "Paris"}', '{"city": "Paris"}', []),
@@ -60,6 +66,7 @@ REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
     ('[{"name":"f","parameters":{"s":"x', "", [("f", '{"s":"x')]),  # cut by max_tokens
+    ('[{"name":"f","parameters":{}},{"name":"g","par', "", [("f", "{}"), ("g", "")]),  # cut before g's arguments
     ("[", "", []),
 ]
 
