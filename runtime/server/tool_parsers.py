@@ -12,7 +12,8 @@ value, with the model's own spacing).
 Parsers (`--tool-call-parser`):
 * hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 /
   3, ...); the text outside the blocks is content. A block whose name cannot be read (not JSON, no
-  "name" string) is content, tags included. A block left open at the end counts up to the end.
+  "name" string) is content, tags included. A block left open at the end counts up to the end. Models
+  that name the arguments "parameters" (Llama 3's key) keep them: the first of the two keys counts.
 * llama3_json: output that starts with a JSON object {"name": ..., "parameters" (or "arguments"): ...}
   (after an optional `<|python_tag|>`), or several separated by ";" (Llama 3.1-3.3, 4). Output that
   starts otherwise is all content; text after the last object is content.
@@ -272,7 +273,7 @@ class HermesToolParser(ToolParser):
                     break
                 out += self._content(self._buffer[:at])
                 self._buffer = self._buffer[at + len(self.START):]
-                self._call, self._raw = self._new_call(("arguments",)), []
+                self._call, self._raw = self._new_call(("arguments", "parameters")), []
             else:
                 at = self._buffer.find(self.END)
                 if at < 0:

@@ -25,6 +25,8 @@ HERMES = [
     ('<tool_call>{"arguments": {"k": true}, "name": "f"}</tool_call>', "", [("f", '{"k": true}')]),
     ('<tool_call>{"name": "f", "arguments": 12}</tool_call>', "", [("f", "12")]),
     ('<tool_call>{"name": "f"}</tool_call>', "", [("f", "{}")]),
+    # "parameters", Llama 3's key, written in a block: the arguments all the same, not a call without any
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', "", [("f", '{"x": 1}')]),
     # a block left open at the end: the call counts up to the end (vLLM's "<tool_call>(.*)")
     ('<tool_call>{"name": "f", "arguments": {"x": "ab', "", [("f", '{"x": "ab')]),
     # cut before its arguments (max_tokens): none were generated, and none are invented ("{}" would pass
