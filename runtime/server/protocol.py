@@ -355,6 +355,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     top_logprobs: Int64 | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # false: the first tool call only (vLLM's reading of OpenAI's field)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 
     def template_options(self) -> dict:

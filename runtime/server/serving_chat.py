@@ -6,7 +6,8 @@ reads calls out of the output with the server's --tool-call-parser, a named func
 constrain the output (protocol.ChatCompletionRequest.guided_decoding) and read it as calls. A reply's
 message then has `tool_calls` [{id "chatcmpl-tool-...", type "function", function {name, arguments}}];
 a stream sends each call's index, id, type and name in its first delta and its arguments in pieces
-after (tool_parsers: the pieces joined are the non-streamed arguments). finish_reason is "tool_calls"
+after (tool_parsers: the pieces joined are the non-streamed arguments); with parallel_tool_calls false
+only the first call is returned (vLLM's). finish_reason is "tool_calls"
 when "auto" or "required" gave calls and the output ended by itself; a named function keeps "stop" (OpenAI's
 and vLLM's), and an output cut by max_tokens keeps "length".
 
@@ -97,6 +98,8 @@ class _ChatReply:
                     completion.finish_reason)
         thought, events = reasoning.reasoning_of(parser.feed(completion.text) + parser.finish())
         content, calls = fold(events)
+        if self.request.parallel_tool_calls is False:
+            calls = calls[:1]
         if self.tool_mode in ("required", "named"):
             content = ""  # vLLM's message of a forced call
         elif (calls or isinstance(parser, reasoning.WithReasoning)) and not content:
@@ -196,6 +199,8 @@ class _ChatReply:
         an entry (the first of a call: index, id, type, name and the arguments so far; later ones:
         index and the next arguments)."""
         content = "".join(event[1] for event in events if event[0] == "content")
+        if self.request.parallel_tool_calls is False:  # the first call only
+            events = [event for event in events if event[0] == "content" or event[1] == 0]
         calls: dict[int, dict] = {}
         for event in events:
             if event[0] == "call":

@@ -170,6 +170,19 @@ def test_a_call_cut_by_max_tokens_finishes_with_length(client):
         client.chat.completions.parse(max_tokens=budget, **{**body, "tools": strict})
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    """OpenAI's parallel_tool_calls: false, read as vLLM reads it: the first call only, streamed or not."""
+    body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 200, "temperature": 0,
+            "parallel_tool_calls": False, "extra_body": {"guided_choice": [FORCED]}}
+    reply = client.chat.completions.create(**body).choices[0]
+    assert _calls(reply.message) == [("get_weather", '{"city": "Paris", "days": 2}')]
+    assert reply.finish_reason == "tool_calls" and reply.message.content == "Let me check."
+    _, streamed = _stream(client, **body)
+    assert [(n, a) for _, n, a in streamed[0]["calls"].values()] == _calls(reply.message)
+    both = client.chat.completions.create(**{**body, "parallel_tool_calls": True}).choices[0]
+    assert len(both.message.tool_calls) == 2
+
+
 def test_auto_plain_text_is_content(client):
     body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 20,
             "temperature": 0, "extra_body": {"guided_choice": ["It is sunny <b>today</b>."]}}
