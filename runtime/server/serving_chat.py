@@ -37,6 +37,10 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
     reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
+    if ctx.tool_call_parser == "hermes" and request.tool_mode in ("auto", "required", "named"):
+        # vLLM's hermes parser (its adjust_request): <tool_call> and </tool_call> are special tokens in some
+        # models' vocabularies, and skipped they would never reach the parser
+        params = params.replace(skip_special_tokens=False)
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]

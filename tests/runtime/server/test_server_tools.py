@@ -183,6 +183,20 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client):
     assert len(both.message.tool_calls) == 2
 
 
+def test_hermes_keeps_special_tokens_in_the_text(client):
+    """vLLM's hermes parser turns skip_special_tokens off when tools are given and tool_choice is not
+    "none" (vLLM PR 25281): models whose <tool_call> tags are special tokens would otherwise never show a
+    call. The 12M model's <|im_start|> (id 2, a special token) stands for such a tag here."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
+    assert client.chat.completions.create(**body).choices[0].message.content == ""  # skipped without tools
+    none = client.chat.completions.create(tools=TOOLS, tool_choice="none", **body).choices[0]
+    assert none.message.content == ""
+    auto = client.chat.completions.create(tools=TOOLS, **body).choices[0]
+    assert auto.message.content == "<|im_start|><|im_start|>"
+    _, streamed = _stream(client, tools=TOOLS, **body)
+    assert streamed[0]["content"] == "<|im_start|><|im_start|>"
+
+
 def test_auto_plain_text_is_content(client):
     body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 20,
             "temperature": 0, "extra_body": {"guided_choice": ["It is sunny <b>today</b>."]}}
