@@ -415,6 +415,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             name = choice["function"]["name"]
             raise invalid("tool_choice.function.name", f"tool {name!r} has not been passed in `tools` "
                           f"(they are: {', '.join(t['function']['name'] for t in tools)})")
+        if mode in ("required", "named") and self.use_beam_search:
+            raise invalid("tool_choice", f'tool_choice {"required" if mode == "required" else "naming a function"} '
+                          "constrains the output to tool calls, which beam search (use_beam_search) cannot do: "
+                          'leave use_beam_search out, or send tool_choice "auto" or "none"')
         if mode in ("required", "named"):
             constraints = self._output_constraints()
             if constraints:

@@ -296,6 +296,8 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "guided_regex"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "n": 2}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": NAMED, "use_beam_search": True}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
