@@ -256,11 +256,12 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--allowed-headers", type=JSON_STRING_LIST, default='["*"]', help="server: CORS headers (JSON list)")
 @click.option("--allow-credentials", is_flag=True, help="server: CORS: let browsers send cookies and credentials")
 @click.option("--enable-auto-tool-choice", is_flag=True,
-              help="server: tool_choice \"auto\" (the default when a request gives tools) reads tool calls out of the "
-              "output with --tool-call-parser; without it such requests get a 400, as in vLLM")
+              help="server and batch files: tool_choice \"auto\" (the default when a request gives tools) reads tool "
+              "calls out of the output with --tool-call-parser; without it such requests get a 400, as in vLLM")
 @click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
-              help="server: how tool calls are written in the model's output: hermes (<tool_call>{...}</tool_call>: "
-              "Hermes, Qwen 2.5/3) or llama3_json ({\"name\": ..., \"parameters\": ...}: Llama 3.1+)")
+              help="server and batch files: how tool calls are written in the model's output: hermes "
+              "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3) or llama3_json ({\"name\": ..., \"parameters\": ...}: "
+              "Llama 3.1+)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
               "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ) or qwen3")
@@ -315,7 +316,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
                                "--input and --nnodes")
     if input_path is not None or output_path is not None:
-        _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch)
+        _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch,
+                        enable_auto_tool_choice, tool_call_parser)
         return
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import CorsPolicy, serve
@@ -359,11 +361,12 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 # `llmc run`'s flags that only one mode reads: given on the command line in another mode, they are refused
 # rather than ignored
 _MODE_FLAGS = {
-    "server": ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
-               "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
-               "allow_credentials", "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser",
-               "structured_outputs_config"),
-    "prompt": ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
+    ("server",): ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
+                  "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
+                  "allow_credentials", "reasoning_parser", "structured_outputs_config"),
+    # a batch file's chat requests go through the server's handlers: tool_choice "auto" needs them there too
+    ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser"),
+    ("prompt",): ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 
 
@@ -372,13 +375,15 @@ def _refuse_flags_of_other_modes(mode: str) -> None:
     from click.core import ParameterSource
 
     context = click.get_current_context()
-    for owner, names in _MODE_FLAGS.items():
-        if owner == mode:
+    for owners, names in _MODE_FLAGS.items():
+        if mode in owners:
             continue
         given = [n for n in names if context.get_parameter_source(n) is ParameterSource.COMMANDLINE]
         if given:
-            where = {"server": "the server (no --prompt, --chat or --input)", "prompt": "--prompt and --chat"}[owner]
-            body = " in each request's body" if mode != "prompt" and owner == "prompt" else ""
+            where = {("server",): "the server (no --prompt, --chat or --input)",
+                     ("server", "batch"): "the server and batch files (--input/--output)",
+                     ("prompt",): "--prompt and --chat"}[owners]
+            body = " in each request's body" if mode != "prompt" and owners == ("prompt",) else ""
             raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
                                    + (f" (set it{body} instead)" if body else ""))
 
@@ -528,14 +533,16 @@ def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=N
 
 def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
                     output_path: str | None, served_model_name: list[str], prompt: str | None, chat: bool,
-                    launch=None) -> None:
+                    launch=None, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
     from llmc.runtime.server.batch import run_batch
 
     if input_path is None or output_path is None:
         raise click.UsageError("--input and --output go together: give both")
     if prompt is not None or chat:
         raise click.UsageError("--input/--output run a batch file; leave out --prompt and --chat")
-    summary = run_batch(_engine_factory(artifact, device, overrides, launch), input_path, output_path, served_model_name)
+    summary = run_batch(_engine_factory(artifact, device, overrides, launch), input_path, output_path,
+                        served_model_name, enable_auto_tool_choice=enable_auto_tool_choice,
+                        tool_call_parser=tool_call_parser)
     logger.info("%d request(s), %d failed; results in %s", summary.num_requests, summary.num_failed, summary.output_path)
 
 

@@ -89,8 +89,12 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
 
 
 def run_batch(engine_factory: Callable[[], object], input_path: str | Path, output_path: str | Path,
-              served_model_name: ModelNames, show_progress: bool = True) -> BatchSummary:
-    """Run every request of `input_path` and write the results to `output_path` (atomically)."""
+              served_model_name: ModelNames, show_progress: bool = True, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> BatchSummary:
+    """Run every request of `input_path` and write the results to `output_path` (atomically).
+    `enable_auto_tool_choice` / `tool_call_parser`: the server's tool calling flags, for lines whose tools
+    leave tool_choice "auto"."""
+    ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     requests = read_batch_file(input_path)
     output_path = Path(output_path)
     partial = output_path.with_name(output_path.name + ".partial")
@@ -102,7 +106,8 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
     writer = _OrderedWriter(output)
     try:
         try:
-            asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress, writer))
+            asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress, writer,
+                                 enable_auto_tool_choice, tool_call_parser))
         finally:
             try:
                 output.close()
@@ -156,14 +161,16 @@ class _OrderedWriter:
 
 
 async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: ModelNames,
-                   show_progress: bool, writer: _OrderedWriter) -> None:
+                   show_progress: bool, writer: _OrderedWriter, enable_auto_tool_choice: bool = False,
+                   tool_call_parser: str | None = None) -> None:
     engine_loop = EngineLoop(engine_factory)
     engine_loop.start()
     try:
         await engine_loop.wait_ready()
         # every line queues (no --max-waiting: there is no client to retry a 503); the file's chat templates are
         # its author's, who runs this command
-        ctx = ServingContext(engine_loop, served_model_name, max_waiting=None, trust_request_chat_template=True)
+        ctx = ServingContext(engine_loop, served_model_name, max_waiting=None, trust_request_chat_template=True,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
         with tqdm(total=len(requests), desc="requests", disable=not show_progress) as bar:
             async def run_one(index: int, request: BatchRequestLine) -> None:
                 writer.add(index, await _run_one(ctx, request))

@@ -147,7 +147,7 @@ class ServingContext:
         if tool_mode == "auto" and not (self.enable_auto_tool_choice and self.tool_call_parser):
             raise invalid("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                           'to be set (tool_choice is "auto" when tools are given without it); send tool_choice "none", '
-                          '"required" or a named function, or start the server with both flags')
+                          '"required" or a named function, or run llmc with both flags (the server, or a batch file)')
 
     def require_ready(self) -> None:
         if not self.engine_loop.is_ready:

@@ -119,6 +119,29 @@ def test_flags_of_another_mode_are_refused_not_ignored(server_artifact, tmp_path
         assert exit_info.value.code == 2 and f"{flag} applies to" in err, err
 
 
+def test_tool_calling_flags_apply_to_batch_files(server_artifact, tmp_path, capsys, restore_logging):
+    """A batch line is answered by the server's handlers: tools with tool_choice "auto" (the default) need
+    --enable-auto-tool-choice and --tool-call-parser there too, and the 400 without them says so."""
+    forced = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 100, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "guided_choice": [forced]}
+    requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    _write_jsonl(requests, [_line("auto", "/v1/chat/completions", body)])
+    (line,) = _run_file(server_artifact, tmp_path, [_line("auto", "/v1/chat/completions", body)], capsys)
+    error = line["response"]["body"]["error"]
+    assert line["response"]["status_code"] == 400 and "--enable-auto-tool-choice" in error["message"]
+    assert "server" not in error["message"].split(";")[-1].replace("(the server, or a batch file)", "")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--device", "cpu", "--input", str(requests), "--output", str(results),
+              "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    (line,) = [json.loads(text) for text in results.read_text().splitlines()]
+    choice = line["response"]["body"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == \
+        [("f", '{"x": 1}')]
+
+
 def test_line_separators_inside_json_strings_do_not_split_a_line(tmp_path):
     """JSON strings may hold U+2028, U+2029 and U+0085 raw (json.dumps(ensure_ascii=False) writes them so):
     only "\\n" ends a line, and the line numbers of later lines stay right."""
@@ -161,7 +184,7 @@ def test_results_finished_before_an_interrupt_are_kept_in_order(tmp_path, monkey
     requests, results = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
     _write_jsonl(requests, [_line(f"r{i}", "/v1/completions", {"prompt": "x"}) for i in range(4)])
 
-    async def fake_run_all(engine_factory, reqs, served_model_name, show_progress, writer):
+    async def fake_run_all(engine_factory, reqs, served_model_name, show_progress, writer, *tool_options):
         for index in (1, 0, 3):  # out of order: 0 and 1 can be written, 3 waits for 2
             writer.add(index, {"custom_id": reqs[index].custom_id, "response": {"status_code": 200}})
         raise KeyboardInterrupt
@@ -182,7 +205,7 @@ def test_results_finished_before_an_interrupt_are_kept_in_order(tmp_path, monkey
             self.file.flush()
             raise KeyboardInterrupt
 
-    async def cut_mid_line(engine_factory, reqs, served_model_name, show_progress, writer):
+    async def cut_mid_line(engine_factory, reqs, served_model_name, show_progress, writer, *tool_options):
         for index in (0, 1):
             writer.add(index, {"custom_id": reqs[index].custom_id, "response": {"status_code": 200}})
         writer.output = CutWrite(writer.output)
@@ -199,7 +222,7 @@ def test_results_finished_before_an_interrupt_are_kept_in_order(tmp_path, monkey
         def write(self, text):
             raise OSError(28, "No space left on device")
 
-    async def failing_write(engine_factory, reqs, served_model_name, show_progress, writer):
+    async def failing_write(engine_factory, reqs, served_model_name, show_progress, writer, *tool_options):
         writer.output = FullDisk()
         writer.add(0, {"custom_id": "r0", "response": {"status_code": 200}})
 
