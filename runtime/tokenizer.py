@@ -149,7 +149,8 @@ def checked_tools(tools: list | None) -> list[dict]:
             value = function.get(field)
             if value is not None and not isinstance(value, kind):
                 raise RequestError(f"{where}.function.{field}: must be {what}, got {type(value).__name__}")
-        checked.append({**tool, "type": "function"})
+        # as given; one that leaves "type" out gets it first, where vLLM's tool model puts it (templates `tojson` tools)
+        checked.append(tool if "type" in tool else {"type": "function", **tool})
     return checked
 
 

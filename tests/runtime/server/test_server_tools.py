@@ -260,6 +260,21 @@ def test_tools_reach_the_chat_template(app, client):
         assert reply.usage.prompt_tokens == rendered["count"]
 
 
+def test_tools_reach_the_template_as_sent(app):
+    """Templates write tools with `tojson` (Qwen 2.5's, vLLM's Llama 3.1 JSON one): a tool renders as the
+    client sent it, as transformers' apply_chat_template renders it; one without "type" gets
+    "type": "function" first, where vLLM's tool model (type, function) places it."""
+    base_url, ctx = app
+    template = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{{ messages[0].content }}"
+    tools = [TOOLS[0], {"function": {"name": "ping"}}]
+    got = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": CHAT, "tools": tools,
+                                                   "chat_template": template}).json()["tokens"]
+    expected = [TOOLS[0], {"type": "function", "function": {"name": "ping"}}]
+    text = ctx.tokenizer.apply_chat_template(CHAT, tools=expected, chat_template=template, tokenize=False)
+    assert got == ctx.tokenizer.encode(text, add_special_tokens=False)
+    assert '{"type": "function", "function": {"name": "ping"}}' in text
+
+
 def test_llm_chat_takes_tools(server_artifact):
     from llmc.errors import RequestError
     from llmc.runtime.llm import LLM
