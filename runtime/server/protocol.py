@@ -519,8 +519,9 @@ def _required_guide(tools: list[dict]) -> GuidedDecodingParams:
     for index, tool in enumerate(tools):
         function = tool["function"]
         _tool_parameters_guide(index, function)  # a schema that cannot compile is named by its tool
-        parameters = dict(function.get("parameters") or {"type": "object", "properties": {}})
-        for name, definition in (parameters.pop("$defs", None) or {}).items():
+        parameters, tool_defs = _parameters_in_array(index, function.get("parameters") or {"type": "object",
+                                                                                          "properties": {}})
+        for name, definition in tool_defs:
             if defs.setdefault(name, definition) != definition:
                 raise invalid(f"tools.{index}.function.parameters.$defs.{name}", "another tool defines it differently; "
                               "with tool_choice required the tools' $defs share one namespace: rename one")
@@ -537,6 +538,35 @@ def _required_guide(tools: list[dict]) -> GuidedDecodingParams:
     except RequestError as e:
         raise invalid("tools", f"tool_choice required: {str(e).removeprefix('SamplingParams.')}") from None
     return params
+
+
+def _parameters_in_array(index: int, parameters: dict) -> tuple[dict, list[tuple[str, Any]]]:
+    """A tool's parameters as they sit in tool_choice "required"'s array, and its definitions, to gather at
+    the array's top. Definitions under "definitions" (pydantic v1's and zod-to-json-schema's name) join
+    the `$defs`, their "#/definitions/NAME" references becoming "#/$defs/NAME"; a reference to anything
+    else of the parameters ("#", "#/properties/...") cannot resolve inside the array: a 400 naming it."""
+    where = f"tools.{index}.function.parameters"
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: moved(value) for key, value in node.items()}
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            if ref.startswith("#/definitions/"):
+                out["$ref"] = "#/$defs/" + ref.removeprefix("#/definitions/")
+            elif not ref.startswith("#/$defs/"):
+                raise invalid(where, f'"$ref": {ref!r} cannot be resolved with tool_choice "required", where the '
+                              "tools' parameters sit inside one array schema: only references to definitions "
+                              '("#/$defs/NAME" or "#/definitions/NAME") do; move the referenced schema under $defs')
+        return out
+
+    parameters = dict(parameters)
+    own = [(name, moved(definition)) for key in ("$defs", "definitions")
+           for name, definition in (parameters.pop(key, None) or {}).items()]
+    return moved(parameters), own
 
 
 class DetokenizeRequest(_Body):

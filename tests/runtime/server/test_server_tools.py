@@ -311,6 +311,9 @@ BAD = [
     ({"tools": TOOLS, "tool_choice": NAMED, "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "guided_regex"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "use_beam_search": True, "n": 2}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": NAMED, "use_beam_search": True}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
@@ -361,6 +364,21 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     assert code == 2 and "--tool-call-parser applies to the server" in err
     with pytest.raises(ValueError, match="supported: hermes, llama3_json"):
         build_app(lambda: None, MODEL, tool_call_parser="pythonic")
+
+
+def test_required_takes_pydantic_v1_and_zod_definitions(client):
+    """Schemas from pydantic v1 and zod-to-json-schema keep their definitions under "definitions" and refer
+    to them as "#/definitions/NAME": with tool_choice "required" (the parameters inside one array) they
+    are gathered with the $defs, and the calls follow the tool's schema."""
+    unit = {"definitions": {"Unit": {"type": "string", "enum": ["C", "F"]}}, "type": "object",
+            "properties": {"unit": {"$ref": "#/definitions/Unit"}}, "required": ["unit"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "temp", "parameters": unit}}]
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="required",
+                                           temperature=0, max_tokens=60)
+    (choice,) = reply.choices
+    calls = _calls(choice.message)
+    assert calls and calls[0][0] == "temp"
+    jsonschema.validate(json.loads(calls[0][1]), unit)
 
 
 def test_required_schema_is_vllm_s_array_with_the_tools_defs_at_the_top():
