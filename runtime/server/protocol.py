@@ -451,7 +451,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             index, function = self.named_tool
             return _tool_parameters_guide(index, function)
         if mode == "required":
-            return _required_guide(checked_tools(self.tools))
+            return _required_guide(checked_tools(self.tools), single=self.parallel_tool_calls is False)
         return super().guided_decoding()
 
 
@@ -510,10 +510,11 @@ def _tool_parameters_guide(index: int, function: dict) -> GuidedDecodingParams:
     return params
 
 
-def _required_guide(tools: list[dict]) -> GuidedDecodingParams:
+def _required_guide(tools: list[dict], single: bool = False) -> GuidedDecodingParams:
     """tool_choice "required" (vLLM's construction): a JSON array of at least one {"name": <a tool's name>,
     "parameters": <its parameters>} object; the tools' `$defs` gathered at the top, where their "#/$defs/..."
-    references point."""
+    references point. `single` (parallel_tool_calls false): at most one (maxItems 1), so that the array
+    closes after the call rather than running on to calls that would be dropped."""
     defs: dict = {}
     alternatives = []
     for index, tool in enumerate(tools):
@@ -529,6 +530,8 @@ def _required_guide(tools: list[dict]) -> GuidedDecodingParams:
                                             "parameters": parameters},
                              "required": ["name", "parameters"]})
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
+    if single:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     strict = all(tool["function"].get("strict") is not False for tool in tools)

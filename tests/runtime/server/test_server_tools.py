@@ -181,6 +181,13 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client):
     assert [(n, a) for _, n, a in streamed[0]["calls"].values()] == _calls(reply.message)
     both = client.chat.completions.create(**{**body, "parallel_tool_calls": True}).choices[0]
     assert len(both.message.tool_calls) == 2
+    # "required": the array holds one call (maxItems 1), so it ends after it instead of running to max_tokens
+    body = {"model": MODEL, "messages": CHAT, "tools": [TOOLS[2]], "tool_choice": "required", "max_tokens": 60,
+            "temperature": 0}
+    free = client.chat.completions.create(**body).choices[0]
+    assert free.finish_reason == "length" and len(free.message.tool_calls) > 1  # the 12M model goes on calling
+    single = client.chat.completions.create(parallel_tool_calls=False, **body).choices[0]
+    assert single.finish_reason == "tool_calls" and _calls(single.message) == [("ping", "{}")]
 
 
 def test_hermes_keeps_special_tokens_in_the_text(client):
