@@ -24,17 +24,28 @@ from llmc.runtime.models.spec import format_key
 BLOCK_SIZE = 16
 
 
+# Dataset files other than text and JSON: read as text they would calibrate on their markup or bytes.
+_UNREAD_SUFFIXES = (".csv", ".tsv", ".parquet", ".arrow", ".gz", ".bz2", ".xz", ".zst", ".zip", ".tar")
+
+
 def read_text(path: str | Path) -> str:
-    """A .txt file as is; a .jsonl file's "text" fields joined by blank lines. UTF-8 only."""
+    """A .txt file as is; a .jsonl file's "text" fields joined by blank lines; a .json file likewise,
+    as a JSON array of {"text": ...} objects or as JSON Lines (what `datasets`' json loader reads).
+    UTF-8 only."""
     path = Path(path)
     key = "quantization.calibration.data"
+    if path.suffix.lower() in _UNREAD_SUFFIXES:
+        raise RecipeError(f"{key}: {path}: {path.suffix} files are not read; give a .txt file, or a .jsonl / .json "
+                          "file of {\"text\": ...} records")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise RecipeError(f"{key}: {path} is not UTF-8 text (byte {e.start}: {e.reason}); give a .txt or .jsonl file") from None
     except OSError as e:
         raise RecipeError(f"{key}: cannot read {path} ({e.strerror})") from None
-    if path.suffix != ".jsonl":
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        return _json_array_text(text, path, key)
+    if path.suffix.lower() not in (".jsonl", ".json"):
         return text
     texts = []
     for number, line in enumerate(text.splitlines(), start=1):
@@ -48,6 +59,17 @@ def read_text(path: str | Path) -> str:
             raise RecipeError(f"{key}: {path} line {number} must be an object with a \"text\" string")
         texts.append(record["text"])
     return "\n\n".join(texts)
+
+
+def _json_array_text(text: str, path: Path, key: str) -> str:
+    try:
+        records = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise RecipeError(f"{key}: {path} is not JSON ({e})") from None
+    for number, record in enumerate(records):
+        if not (isinstance(record, dict) and isinstance(record.get("text"), str)):
+            raise RecipeError(f"{key}: {path} item {number} must be an object with a \"text\" string")
+    return "\n\n".join(record["text"] for record in records)
 
 
 def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: int, seed: int | None,

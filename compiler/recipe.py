@@ -25,7 +25,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    data: str | None = opt(None, help="a .txt or .jsonl ({\"text\": ...}) file of calibration text")
+    data: str | None = opt(None, help="a .txt, .jsonl or .json ({\"text\": ...} records) file of calibration text")
     num_samples: int = opt(128, min=1, help="number of calibration windows")
     seq_len: int = opt(512, min=2, help="tokens per calibration window")
     shuffle: bool = opt(False, help="draw the windows at random (by seed) instead of taking them in order")
