@@ -182,6 +182,11 @@ def _check_method_keys(method: str, section: dict) -> None:
     if method == "fp8":
         unused += [f"overrides[{i}].{key}" for i, o in enumerate(section.get("overrides") or [])
                    if isinstance(o, dict) for key in _INT_KEYS if key in o]
+    calibration = section.get("calibration") if isinstance(section.get("calibration"), dict) else {}
+    if "seed" in calibration and calibration.get("shuffle") is not True:
+        logger.warning("quantization.calibration.seed: the windows are drawn by seed only with "
+                       "quantization.calibration.shuffle: true (without it, the file's first windows, in order); "
+                       "set shuffle: true, or drop seed")
     if unused:
         names = ", ".join(f"quantization.{key}" for key in unused)
         logger.warning("%s: method %s does not use %s; %s no effect", names, method,

@@ -322,6 +322,8 @@ def test_a_max_model_len_beyond_the_model_fails_before_the_quantization(tmp_path
     ({"method": "rtn", "act_order": True}, "quantization.act_order: method rtn does not use it"),
     ({"method": "none", "bits": 3}, "quantization.bits: method none"),
     ({"method": "fp8", "overrides": [{"match": "*down_proj", "bits": 4}]}, "quantization.overrides[0].bits: method fp8"),
+    ({"method": "rtn", "calibration": {"seed": 3}}, "quantization.calibration.seed: the windows are drawn by seed only "
+                                                    "with quantization.calibration.shuffle: true"),
 ])
 def test_quantization_keys_the_method_does_not_read_are_named(tmp_path, tiny_llama, caplog, quantization, named):
     import logging
@@ -332,8 +334,9 @@ def test_quantization_keys_the_method_does_not_read_are_named(tmp_path, tiny_lla
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="llmc"):
         recipe_from_dict({"model": str(tiny_llama), "quantization": {"method": "gptq", "act_order": True,
-                                                                      "calibration": {"data": __file__}}})
-    assert "does not use" not in caplog.text
+                                                                      "calibration": {"data": __file__, "shuffle": True,
+                                                                                      "seed": 3}}})
+    assert "does not use" not in caplog.text and "seed" not in caplog.text
 
 
 def test_the_build_closes_the_checkpoint_shards_after_each_layer(tmp_path, tiny_llama, monkeypatch):
