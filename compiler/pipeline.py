@@ -22,6 +22,9 @@ from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.kernels.norm import rms_norm
+from llmc.quant.formats import QuantizedWeight
+from llmc.quant.fp8 import input_scale_from_absmax
+from llmc.quant.gptq import HessianAccumulator, float_target_weight, gptq_quantize
 from llmc.quant.reference import dequantize_weight
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec
@@ -73,17 +76,48 @@ class QuantizingPacker:
             self.eval_float = self.runner.forward(float_module, self.eval_float)
 
     def pack_global(self, module: str, weight: Tensor) -> UnpackedLinear:
-        """Embedding and final norm stay dense; lm_head takes its planned format (RTN when quantized).
-        lm_head rows past the vocabulary (padding for vocab-parallel ranks) are zero and stay zero."""
+        """Embedding and final norm stay dense; lm_head takes its planned format, quantized by
+        `_quantize_lm_head`. lm_head rows past the vocabulary (padding for vocab-parallel ranks) are
+        zero and stay zero."""
         if module != "lm_head":
             return weight
         spec = self.formats["lm_head"]
         if spec["format"] == "dense":
             self.lm_head_quant = weight[: self.config.vocab_size]
             return weight
-        q = quantize_rtn(weight, spec, self.dtype)
+        q = self._quantize_lm_head(weight, spec)
         self.lm_head_quant = dequantize_weight(q)[: self.config.vocab_size]
         return q
+
+    def _quantize_lm_head(self, weight: Tensor, spec: dict) -> QuantizedWeight:
+        """lm_head's inputs are the final norm of the calibration hidden states (through the quantized
+        layers, which the writer has all packed by now): GPTQ takes its Hessian (and, with float targets,
+        its drift from the float model's) from them, FP8 static its input scale. RTN and AWQ round to
+        nearest (no op before the final norm takes an AWQ scale; llm-compressor's AWQ rounds it too)."""
+        quant = self.quantizer.quant
+        if self.hidden is None or not (quant.method == "gptq" or spec.get("is_static_input")):
+            return quantize_rtn(weight, spec, self.dtype)
+        device = self.runner.device
+        norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float().to(device)
+        step = self.runner.windows_per_chunk
+
+        def normed(states: Tensor, start: int) -> Tensor:  # [tokens, hidden] of a chunk of windows
+            chunk = states[start : start + step].to(device).float()
+            return rms_norm(chunk, norm, self.config.rms_norm_eps).flatten(0, 1)
+
+        starts = range(0, self.hidden.shape[0], step)
+        if spec["format"] == "w8a8-fp8":
+            q = quantize_rtn(weight, spec, self.dtype)
+            q.input_scale = input_scale_from_absmax(max(normed(self.hidden, i).abs().max().item() for i in starts))
+            return q
+        acc = HessianAccumulator(weight.shape[1], device, self.hidden_float is not None)
+        for i in starts:
+            acc.add_batch(normed(self.hidden, i), None if self.hidden_float is None else normed(self.hidden_float, i))
+        if acc.drift is not None:
+            weight = float_target_weight(weight, acc.hessian, acc.drift, quant.damp_percent)
+        q = gptq_quantize(weight.to(device), acc.hessian, spec["bits"], spec["group_size"], spec["symmetric"],
+                          act_order=quant.act_order, damp_percent=quant.damp_percent, scale_dtype=self.dtype)
+        return QuantizedWeight(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in q.__dict__.items()})
 
     def report(self) -> dict:
         """Quality on the held-out windows and the cost of the build."""
