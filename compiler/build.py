@@ -85,6 +85,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     check_onnx_recipe(recipe)
     ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
+    _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
@@ -306,6 +307,15 @@ def _observe_kv(ctx: _Context, reader: hf.TensorReader, packer):
     runner = LayerRunner(ctx.model, calibration.shape[1], _calibration_device())
     embed = reader.get(ctx.spec.global_tensors["embed.weight"]).float()
     return KVScaleObserver(packer, runner, embed[calibration], fp8_max(kv_cache_dtype))
+
+
+def _check_calibration_seq_len(recipe: Recipe, model: art.ModelConfig) -> None:
+    """Calibration windows longer than the model's context would calibrate on positions it never saw."""
+    quant = recipe.quantization
+    if quant.calibration.data is None or quant.method in ("none", "import"):
+        return
+    if (problem := max_model_len_problem(quant.calibration.seq_len, model)) is not None:
+        raise RecipeError(f"quantization.calibration.seq_len: {problem}")
 
 
 def _calibration_device() -> torch.device:

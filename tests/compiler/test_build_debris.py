@@ -317,6 +317,23 @@ def test_a_max_model_len_beyond_the_model_fails_before_the_quantization(tmp_path
         build(recipe_from_dict(recipe), show_progress=False)
 
 
+def test_calibration_windows_longer_than_the_model_context_are_refused(tmp_path, tiny_llama, data_dir, monkeypatch):
+    """seq_len 300 on a model of 256 positions calibrated GPTQ on positions the model never saw, silently."""
+    from llmc.compiler import build as build_module
+
+    monkeypatch.setattr(build_module, "_plan_formats", lambda ctx: pytest.fail("planned before the check"))
+    recipe = {"model": str(tiny_llama), "output": str(tmp_path / "a"), "runtime": {"max_model_len": 128},
+              "quantization": {"method": "gptq", "group_size": 32,
+                               "calibration": {"data": str(data_dir / "calibration.txt"), "num_samples": 2,
+                                               "seq_len": 300}}}
+    with pytest.raises(RecipeError, match="quantization.calibration.seq_len: 300 exceeds the model.s context of 256 "
+                                          "\\(max_position_embeddings 256\\)"):
+        build(recipe_from_dict(recipe), show_progress=False)
+    recipe["quantization"]["calibration"]["seq_len"] = 256  # the whole context is allowed
+    monkeypatch.undo()
+    build(recipe_from_dict(recipe), show_progress=False)
+
+
 @pytest.mark.parametrize(("quantization", "named"), [
     ({"method": "fp8", "bits": 4, "group_size": 32}, "quantization.bits, quantization.group_size: method fp8"),
     ({"method": "rtn", "act_order": True}, "quantization.act_order: method rtn does not use it"),
