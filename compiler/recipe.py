@@ -166,8 +166,8 @@ _INT_KEYS = ("bits", "group_size", "symmetric")
 _GPTQ_KEYS = ("act_order", "damp_percent", "float_targets")
 _FP8_KEYS = ("weights", "activations")
 _KEYS_WITHOUT_EFFECT = {  # quantization keys that a method does not read (import reads the checkpoint's own)
-    "none": (*_INT_KEYS, *_GPTQ_KEYS, *_FP8_KEYS, "overrides"),
-    "rtn": (*_GPTQ_KEYS, *_FP8_KEYS),
+    "none": (*_INT_KEYS, *_GPTQ_KEYS, *_FP8_KEYS, "overrides", "min_expert_tokens"),
+    "rtn": (*_GPTQ_KEYS, *_FP8_KEYS, "min_expert_tokens"),
     "awq": (*_GPTQ_KEYS, *_FP8_KEYS),
     "gptq": _FP8_KEYS,
     "fp8": (*_INT_KEYS, *_GPTQ_KEYS),

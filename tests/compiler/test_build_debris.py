@@ -337,6 +337,7 @@ def test_calibration_windows_longer_than_the_model_context_are_refused(tmp_path,
 @pytest.mark.parametrize(("quantization", "named"), [
     ({"method": "fp8", "bits": 4, "group_size": 32}, "quantization.bits, quantization.group_size: method fp8"),
     ({"method": "rtn", "act_order": True}, "quantization.act_order: method rtn does not use it"),
+    ({"method": "rtn", "min_expert_tokens": 8}, "quantization.min_expert_tokens: method rtn does not use it"),
     ({"method": "none", "bits": 3}, "quantization.bits: method none"),
     ({"method": "fp8", "overrides": [{"match": "*down_proj", "bits": 4}]}, "quantization.overrides[0].bits: method fp8"),
     ({"method": "rtn", "calibration": {"seed": 3}}, "quantization.calibration.seed: the windows are drawn by seed only "
