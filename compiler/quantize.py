@@ -136,16 +136,18 @@ def _matches_all_or_none(patterns: list[str], names: list[str], module: str, key
 
 def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_features: int) -> dict:
     bits, group_size, symmetric = quant.bits, quant.group_size, quant.symmetric
+    group_key = "quantization.group_size"
     for i, override in enumerate(quant.overrides):
         if _matches_all_or_none([override.match], names, module, f"quantization.overrides[{i}].match"):
             bits = override.bits or bits
             group_size = override.group_size or group_size
+            group_key = f"quantization.overrides[{i}].group_size" if override.group_size else group_key
             symmetric = symmetric if override.symmetric is None else override.symmetric
             break
     try:
         num_groups_of(in_features, group_size)
     except RecipeError:
-        raise RecipeError(f"quantization.group_size: {group_size} does not divide {module}'s {in_features} input "
+        raise RecipeError(f"{group_key}: {group_size} does not divide {module}'s {in_features} input "
                           "features; choose a group size that does, or -1 (per channel)") from None
     return {"format": f"w{bits}a16", "bits": bits, "group_size": group_size, "symmetric": symmetric, "has_g_idx": False}
 

@@ -204,9 +204,18 @@ def test_bad_quantization_settings_fail_before_heavy_work(quant, words, tmp_path
 
 
 def test_group_size_that_does_not_divide_is_refused(tiny_qwen3, tmp_path):
-    with pytest.raises(RecipeError, match="does not divide"):
+    with pytest.raises(RecipeError, match="^quantization.group_size: 128 does not divide"):
         build(recipe_from_dict({"model": str(tiny_qwen3), "output": str(tmp_path / "o"),
                                 "quantization": {"method": "rtn", "group_size": 128}}), show_progress=False)
+
+
+def test_an_override_group_size_that_does_not_divide_names_the_override(tiny_llama, tmp_path):
+    """The line named quantization.group_size (32 here, which divides) when the override's 128 did not."""
+    with pytest.raises(RecipeError, match=r"^quantization.overrides\[1\].group_size: 128 does not divide layers.0.attn.qkv"):
+        build(recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "o"), "quantization": {
+            "method": "rtn", "group_size": 32, "overrides": [{"match": "layers.1.*", "bits": 8},
+                                                             {"match": "layers.0.*", "group_size": 128}]}}),
+              show_progress=False)
 
 
 @pytest.mark.parametrize("bits,device,is_said", [(8, "cuda", True), (3, "cuda", True), (4, "cuda", False), (8, "cpu", False)])
