@@ -343,7 +343,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)
     server = _Server(config, app.state.ctx.engine_loop, shutdown_timeout_s)
-    logger.info("listening on http://%s:%d (OpenAI API under /v1); loading the model", host, sock.getsockname()[1])
+    logger.info("listening on %s (OpenAI API under /v1); loading the model", server_url(host, sock.getsockname()[1]))
     with sock, _sigterm_handled_by_uvicorn():
         server.run(sockets=[sock])
     if startup_errors:
@@ -351,24 +351,28 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The server's listening socket, bound to (host, port); one ConfigError line if it cannot be."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ConfigError(f"--host {host!r}: not an address of this machine ({e.strerror}); use 127.0.0.1, "
-                          "0.0.0.0 or a local address") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+    """The server's listening socket, bound to (host, port) as uvicorn binds it (IPv6 where the host has a
+    ':', else IPv4: a name such as localhost means its IPv4 address, even where the resolver lists ::1
+    first; "" means every IPv4 interface); one ConfigError line if it cannot be."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds (restarts over TIME_WAIT)
     try:
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError as e:
         sock.close()
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host!r}: not an address of this machine ({e.strerror}); use 127.0.0.1, "
+                              "0.0.0.0 or a local address") from None
         what = "is in use" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
         raise ConfigError(f"port {port} on {host} {what}; choose another with --port, or stop what holds it") from None
     sock.listen(2048)  # uvicorn's default backlog
     sock.set_inheritable(True)
     return sock
+
+
+def server_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 host in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Server(uvicorn.Server):

@@ -15,7 +15,7 @@ import pytest
 from llmc.cli import main
 from llmc.errors import ArtifactError, ConfigError
 from llmc.runtime.engine import Engine
-from llmc.runtime.server.api_server import build_app, serve
+from llmc.runtime.server.api_server import bind_socket, build_app, serve, server_url
 
 LONG = {"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True, "temperature": 0.8}
 
@@ -86,6 +86,47 @@ def test_a_port_in_use_fails_before_the_model_loads(free_port):
         with pytest.raises(ConfigError, match=f"port {port} on 127.0.0.1 is in use; choose another with --port"):
             serve(lambda: calls.append("loaded"), "m", port=port, log_stats=False)
     assert calls == []
+
+
+def test_a_host_is_bound_as_uvicorn_binds_it(monkeypatch):
+    """uvicorn (what bound the port before) takes IPv4 unless the host has a ':': a name whose resolver
+    lists ::1 first (many distributions' /etc/hosts for localhost) is still served on 127.0.0.1, and
+    "" is every IPv4 interface. The reference is uvicorn's own Config.bind_socket."""
+    import uvicorn
+
+    real = socket.getaddrinfo
+
+    def ipv6_first(host, *args, **kwargs):  # a resolver that lists ::1 before 127.0.0.1 for localhost
+        infos = real(host, *args, **kwargs)
+        if host == "localhost" and not args[1:2] and not kwargs.get("family"):
+            infos = [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", args[0] or 0, 0, 0)), *infos]
+        return infos
+
+    hosts = ["localhost", "", "127.0.0.1", "0.0.0.0"]
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+        hosts.append("::1")
+    except OSError:  # no IPv6 loopback here
+        pass
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    for host in hosts:
+        with uvicorn.Config(None, host=host, port=0).bind_socket() as expected, bind_socket(host, 0) as sock:
+            assert (sock.family, sock.getsockname()[0]) == (expected.family, expected.getsockname()[0]), host
+            with socket.create_connection(sock.getsockname()[:2] if host else ("127.0.0.1", sock.getsockname()[1]),
+                                          timeout=5):
+                pass  # accepted into the backlog: the address clients are told is served
+
+
+def test_a_host_that_is_not_this_machines_is_named_not_the_port():
+    for host in ("nosuchhost.invalid", "192.0.2.1"):  # unresolvable; TEST-NET-1, no interface holds it
+        with pytest.raises(ConfigError, match=f"--host '{host}': not an address of this machine"):
+            bind_socket(host, 0)
+
+
+def test_the_listening_url_brackets_an_ipv6_host():
+    assert server_url("::", 8000) == "http://[::]:8000" and server_url("::1", 1) == "http://[::1]:1"
+    assert server_url("0.0.0.0", 80) == "http://0.0.0.0:80" and server_url("localhost", 80) == "http://localhost:80"
 
 
 def test_cli_refuses_bad_options_and_a_taken_port_before_loading(server_artifact, free_port, capsys, restore_logging):
