@@ -326,7 +326,6 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
-    sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     startup_errors: list[BaseException] = []
 
     def on_startup_failure(error: BaseException) -> None:
@@ -339,6 +338,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     reasoning_in_structured_output=reasoning_in_structured_output)  # a dead rank ends the server, and `serve` raises its error
+    sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
                             timeout_graceful_shutdown=shutdown_timeout_s + 10)
