@@ -4,8 +4,8 @@
 
 Writes random bf16 Llama checkpoints of hidden 1024 (intermediate 2816, 16 heads, 4 KV heads, vocab 4096,
 200 MB shards, this repo's ref-llama-12m tokenizer) with the given numbers of layers, builds each with
-each method (`target.device: cpu`; gptq and awq: 4 bits, group 128, data/calibration.txt, 16 samples of 256
-tokens) in a child process with OMP_NUM_THREADS=1, and reports its peak RSS (VmHWM) and the peaks of its
+each method (`target.device: cpu`; gptq and awq: 4 bits, group 128, data/calibration.txt, --samples windows
+of --seq-len tokens, 16 of 256 by default) in a child process with OMP_NUM_THREADS=1, and reports its peak RSS (VmHWM) and the peaks of its
 anonymous and file-backed resident memory, polled from /proc every 50 ms. (Not `wait4`'s ru_maxrss: Linux
 keeps it across the child's exec, so it counts the pages of this process, which made the checkpoints.) The README's claim:
 a build holds about one layer plus the calibration activations, so the peak should not grow with depth.
@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 QUANT = {
     "none": "{method: none}",
     "rtn": "{method: rtn, bits: 4, group_size: 128}",
-    "gptq": "{method: gptq, bits: 4, group_size: 128, calibration: {data: DATA, num_samples: 16, seq_len: 256}}",
-    "awq": "{method: awq, bits: 4, group_size: 128, calibration: {data: DATA, num_samples: 16, seq_len: 256}}",
+    "gptq": "{method: gptq, bits: 4, group_size: 128, calibration: {data: DATA, num_samples: SAMPLES, seq_len: SEQ_LEN}}",
+    "awq": "{method: awq, bits: 4, group_size: 128, calibration: {data: DATA, num_samples: SAMPLES, seq_len: SEQ_LEN}}",
 }
 
 
@@ -47,12 +47,14 @@ def make_checkpoint(out: Path, num_layers: int) -> Path:
     return out
 
 
-def measure_build(checkpoint: Path, method: str, work: Path) -> dict:
+def measure_build(checkpoint: Path, method: str, work: Path, samples: int = 16, seq_len: int = 256,
+                  extra_env: dict | None = None) -> dict:
     recipe = work / f"{checkpoint.name}-{method}.yaml"
-    quant = QUANT[method].replace("DATA", str(REPO / "data" / "calibration.txt"))
+    quant = (QUANT[method].replace("DATA", str(REPO / "data" / "calibration.txt"))
+             .replace("SAMPLES", str(samples)).replace("SEQ_LEN", str(seq_len)))
     recipe.write_text(f"model: {checkpoint}\noutput: {work / 'out' / f'{checkpoint.name}-{method}'}\n"
                       f"quantization: {quant}\nruntime: {{max_model_len: 2048}}\ntarget: {{device: cpu}}\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(extra_env or {})}
     start = time.perf_counter()
     child = subprocess.Popen([sys.executable, "-m", "llmc.cli", "build", "-q", str(recipe)], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -70,7 +72,9 @@ def measure_build(checkpoint: Path, method: str, work: Path) -> dict:
             pass
         time.sleep(0.05)
     size = sum(p.stat().st_size for p in checkpoint.iterdir())
+    calibration = {"samples": samples, "seq_len": seq_len} if method in ("gptq", "awq") else {}
     return {"layers": int(checkpoint.name.removeprefix("L")), "checkpoint_MiB": round(size / 2**20), "method": method,
+            **calibration, **({"env": extra_env} if extra_env else {}),
             "exit_code": os.waitstatus_to_exitcode(status), "wall_s": round(time.perf_counter() - start, 1),
             "peak_rss_MiB": round(peaks["VmHWM"] / 1024), "anon_peak_MiB": round(peaks["RssAnon"] / 1024),
             "file_peak_MiB": round(peaks["RssFile"] / 1024), "stderr_tail": child.stderr.read().decode()[-300:]}
@@ -81,6 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, required=True, help="checkpoints, recipes and artifacts go here")
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 32])
     parser.add_argument("--methods", nargs="+", default=["none", "rtn"], choices=sorted(QUANT))
+    parser.add_argument("--samples", type=int, default=16, help="gptq/awq calibration windows (default 16)")
+    parser.add_argument("--seq-len", type=int, default=256, help="gptq/awq calibration window length (default 256)")
+    parser.add_argument("--env", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="extra environment for the build (e.g. MALLOC_ARENA_MAX=1)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     for num_layers in args.layers:
         checkpoint = make_checkpoint(args.work / f"L{num_layers}", num_layers)
         for method in args.methods:
-            rows.append(measure_build(checkpoint, method, args.work))
+            extra_env = dict(item.split("=", 1) for item in args.env)
+            rows.append(measure_build(checkpoint, method, args.work, args.samples, args.seq_len, extra_env))
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "stderr_tail"}), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
