@@ -162,7 +162,12 @@ class ModelTail:
         windows `windows` ([w, seq_len, hidden] each), run through the float layers after it."""
         for index in range(after + 1, self.config.num_layers):
             module = self.runner.build_layer(read_layer(self.reader, self.spec, self.config, index))
+            # The build releases the checkpoint's pages after each layer it writes, but the tail reads all
+            # the layers after this one within it: their pages stayed resident until the layer was written,
+            # a peak growing by the checkpoint's size with depth.
+            self.reader.release()
             outputs = [self.runner.forward(module, hidden) for hidden in outputs]
+            del module  # before the next layer is read: one later layer's float weights alive at a time, not two
         norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float().to(self.runner.device)
         head_name = "embed.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         lm_head = self.reader.get(self.spec.global_tensors[head_name]).float().to(self.runner.device)
