@@ -26,7 +26,7 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors import safe_open
 
 from llmc.compiler.onnx_linears import (
-    fallback_reason, float_weight, log_fallbacks, nbits_block_size, nbits_tensors,
+    fallback_reason, float_weight, in_order_as_plain, log_fallbacks, nbits_block_size, nbits_tensors,
 )
 from llmc.errors import RecipeError
 from llmc.quant.formats import make_format
@@ -100,7 +100,7 @@ class _Emitter:
 
     def linear(self, x: str, module: str, in_features: int, out_features: int) -> str:
         """y = x W^T (+ bias) for the artifact's `module`."""
-        spec, params = self.formats[module], self.params(module)
+        spec, params = in_order_as_plain(self.formats[module], self.params(module), in_features)
         bias = params.pop("bias", None)
         fmt = make_format(spec, torch.float32)
         block = nbits_block_size(fmt, in_features) if spec["format"] != "dense" and spec["format"] != "w8a8-fp8" else None

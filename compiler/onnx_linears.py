@@ -14,7 +14,8 @@ block = the group size. Per-channel weights (group_size -1) use the largest powe
 What MatMulNBits cannot hold becomes a float32 MatMul of the exact dequantized weight, said once in
 the build log and recorded per linear: 3-bit levels (the CPU kernel takes 2, 4 and 8 bits),
 act-order g_idx, K not a multiple of 16, and FP8 (the CPU EP has no FP8 matmul: FP8 values times
-their scales, activations unquantized).
+their scales, activations unquantized). An act-order down projection, whose groups the build put in
+order (compiler/shard.order_down_groups), is a MatMulNBits like a plain linear (`in_order_as_plain`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llmc.quant.formats import DenseFormat, IntWeightFormat, make_format
+from llmc.quant.formats import DenseFormat, IntWeightFormat, default_g_idx, make_format
 from llmc.quant.packing import unpack_words
 from llmc.quant.reference import dequantize
 
@@ -33,6 +34,17 @@ logger = logging.getLogger("llmc")
 
 MATMUL_NBITS_BITS = (4, 8)  # what llmc emits as MatMulNBits (the op takes 2, 4, 8)
 MAX_BLOCK = 128
+
+
+def in_order_as_plain(spec: dict, params: dict[str, Tensor], in_features: int) -> tuple[dict, dict[str, Tensor]]:
+    """(spec, params) of an act-order linear whose groups are in plain order (down, which the build puts in
+    order: compiler/shard.order_down_groups) as those of the same linear without g_idx, which MatMulNBits
+    holds; any other linear's unchanged."""
+    g_idx = params.get("g_idx")
+    if not spec.get("has_g_idx") or g_idx is None or not torch.equal(
+            g_idx.to(torch.int32), default_g_idx(in_features, spec["group_size"], g_idx.device)):
+        return spec, params
+    return {**spec, "has_g_idx": False}, {name: t for name, t in params.items() if name != "g_idx"}
 
 
 def nbits_block_size(fmt: IntWeightFormat, in_features: int) -> int | None:

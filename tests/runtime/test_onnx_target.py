@@ -259,3 +259,39 @@ def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact, capsys):
     assert "float32" in summary and " GiB " not in summary.replace("time", ""), summary
     assert {t.data_type for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT16,
                                                                            onnx.TensorProto.BFLOAT16)} == set()
+
+
+def test_an_act_order_down_put_in_order_at_build_is_matmulnbits(tiny_llama, tmp_path):
+    """A GPTQ desc_act import: the build puts down's groups in order (compiler/shard.order_down_groups), so
+    its ONNX linear is a MatMulNBits like a plain one; the other act-order linears stay float MatMuls; the
+    ONNX artifact generates what the torch one does."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from llmc.quant.formats import QuantizedWeight
+    from llmc.quant.importers import pack_gptq
+    from llmc.quant.rtn import rtn_quantize
+
+    source = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, source)
+    tensors = load_file(source / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2].endswith("_proj")]:
+        weight = tensors.pop(name).float()
+        order = torch.randperm(weight.shape[1], generator=torch.Generator().manual_seed(weight.shape[1]))
+        q = rtn_quantize(weight[:, order], 4, 32, True, scale_dtype=torch.float16)
+        levels, g_idx = torch.empty_like(q.qweight), torch.empty(weight.shape[1], dtype=torch.int32)
+        levels[:, order], g_idx[order] = q.qweight, torch.arange(weight.shape[1], dtype=torch.int32) // 32
+        packed = pack_gptq(QuantizedWeight(levels, q.scales, None, 4, 32, g_idx), is_v1=True)
+        tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in packed.items()}
+    save_file(tensors, source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
+    (source / "config.json").write_text(json.dumps(config))
+    torch_artifact = _build(source, tmp_path / "torch", "cpu", {"method": "import"})
+    onnx_artifact = _build(source, tmp_path / "onnx", "onnx-cpu", {"method": "import"})
+    nbits = {module for module, _, _ in _nbits_nodes(onnx_artifact)}
+    layers = art.read_manifest(onnx_artifact).model.num_layers
+    assert nbits == {f"layers.{i}.mlp.down" for i in range(layers)}
+    prompts = [LLM(torch_artifact, device="cpu").tokenizer.encode(p) for p in PROMPTS[:2]]
+    assert _greedy(LLM(onnx_artifact, device="cpu"), prompts, 16) == _greedy(LLM(torch_artifact, device="cpu"), prompts, 16)
