@@ -207,6 +207,19 @@ def inspect(artifact: str, as_json: bool, verify: bool, gpu_memory_gib: float | 
                         + "; ".join(report["verify"]["problems"]))
 
 
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.argument("out", type=click.Path(file_okay=False))
+def export(artifact: str, out: str) -> None:
+    """Write ARTIFACT as a compressed-tensors Hugging Face checkpoint in OUT (config.json, model.safetensors,
+    tokenizer files): the format llm-compressor writes and vLLM loads (`vllm serve OUT`)."""
+    from llmc.compiler.export import export_artifact
+
+    result = export_artifact(artifact, out)
+    click.echo(f"exported {artifact} -> {result.out_dir} ({result.format}: {len(result.quantized)} quantized linears, "
+               f"{len(result.ignored)} dense in ignore, {result.num_tensors} tensors)")
+
+
 def _finite(param, value: float | None) -> float | None:
     """A float option's value, refused when NaN (FloatRange lets NaN through: every comparison is false)."""
     if value is not None and value != value:

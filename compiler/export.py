@@ -1,0 +1,313 @@
+"""`llmc export`: an llmc artifact as a Hugging Face checkpoint in compressed-tensors' format (vLLM reads it).
+
+What is written (OUT/):
+  config.json             the model's HF config, rebuilt from the manifest's ModelConfig (the source
+                          checkpoint is not needed), with a compressed-tensors `quantization_config`
+  model.safetensors       HF tensor names; fused linears split back (q/k/v, gate/up)
+  tokenizer files         the artifact's tokenizer/ folder (generation_config.json with it, if there)
+
+Weights, per linear format (the facts of compressed-tensors' layouts: quant/importers.py's docstring):
+  w4a16 / w8a16  → format "pack-quantized": weight_packed int32 [out, in / (32 // bits)] (levels in
+                   [0, 2**bits), = signed levels + 2**(bits-1)), weight_scale [out, G] (model dtype),
+                   weight_shape int64 [2], weight_zero_point int32 [ceil(out / (32 // bits)), G] (packed
+                   along the output dim) when asymmetric, weight_g_idx int32 [in] with actorder "group"
+  w8a8-fp8       → format "float-quantized": weight float8_e4m3fn [out, in], weight_scale float32 [out, 1]
+                   (strategy channel) or [1] (tensor), input_scale float32 [1] when activations are static
+  dense          → `.weight` in the model dtype, the module listed in `ignore`
+The levels come back from either layout of an int format (plain, or the gpu layout with its act-order
+`perm` undone), so the export is exact: it moves bits, it does not re-quantize. An act-order build may
+have permuted gate_up's rows and down's input columns alike (compiler/shard.order_down_groups): that is a
+correct model as it stands, exported as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from llmc.errors import ArtifactError
+from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
+from llmc.quant.formats import Fp8Format, IntWeightFormat, QuantizedWeight, default_g_idx, make_format
+from llmc.quant.importers import pack_float_quantized, pack_pack_quantized
+from llmc.quant.packing import unpack_words
+from llmc.runtime import artifact as art
+from llmc.runtime.models import spec_for_family
+from llmc.runtime.models.spec import ModelSpec
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                "Qwen3ForCausalLM": "qwen3"}
+
+
+@dataclass
+class ExportResult:
+    out_dir: Path
+    format: str  # "pack-quantized" | "float-quantized" | "dense"
+    quantized: list[str] = field(default_factory=list)  # HF module names
+    ignored: list[str] = field(default_factory=list)  # HF module names left dense
+    num_tensors: int = 0
+
+
+def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResult:
+    """Write ARTIFACT as a compressed-tensors checkpoint in OUT (which must not exist or be empty)."""
+    artifact_dir, out_dir = Path(artifact_dir), Path(out_dir)
+    manifest = art.read_manifest(artifact_dir)
+    _refuse_unexpressible(artifact_dir, manifest)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ArtifactError(f"{out_dir} exists and is not an empty folder; name a new folder for the export")
+    weights_rel = art.rank_weights_path(0)
+    art.verify_for_load(artifact_dir, manifest, [weights_rel])
+    tensors = load_file(str(artifact_dir / weights_rel))
+    model = manifest.model
+    spec = spec_for_family(model.family)
+    dtype = _TORCH_DTYPES[model.dtype]
+
+    out_tensors: dict[str, Tensor] = {}
+    schemes: dict[str, dict] = {}  # HF module → its format spec (quantized ones)
+    ignored: list[str] = []
+    linears = _linears(model, spec)
+    act_order = any(_int_spec(s).get("has_g_idx") and _has_act_order(tensors, name, s, model)
+                    for name, s in manifest.quant.modules.items() if _int_spec(s))
+    for runtime_name, members, in_features in linears:
+        fmt_spec = manifest.quant.modules.get(runtime_name, {"format": "dense"})
+        params = {k[len(runtime_name) + 1:]: v for k, v in tensors.items() if k.startswith(runtime_name + ".")}
+        bias = params.pop("bias", None)
+        sizes = [size for _, size in members]
+        fmt = make_format(fmt_spec, dtype)
+        if fmt_spec["format"] == "dense":
+            pieces = [{"weight": w} for w in params["weight"].split(sizes)]
+            ignored += [hf for hf, _ in members]
+        elif isinstance(fmt, IntWeightFormat):
+            q = _int_weight(fmt, params, in_features)
+            if act_order and q.g_idx is None:
+                q.g_idx = default_g_idx(in_features, fmt.group_size)  # actorder "group": every module has one
+            pieces = [pack_pack_quantized(part, scale_dtype=dtype) for part in _split_rows(q, sizes)]
+        elif isinstance(fmt, Fp8Format):
+            q = QuantizedWeight(params["weight"], params["weight_scale"].float(), None, 8, -1,
+                                input_scale=params.get("input_scale"))
+            pieces = [pack_float_quantized(part) for part in _split_rows(q, sizes)]
+        else:  # pragma: no cover - every registered format is handled above
+            raise ArtifactError(f"{runtime_name}: format {fmt_spec['format']!r} has no compressed-tensors form")
+        if fmt_spec["format"] != "dense":
+            schemes |= {hf: fmt_spec for hf, _ in members}
+        biases = bias.split(sizes) if bias is not None else [None] * len(members)
+        for (hf, _), piece, b in zip(members, pieces, biases):
+            out_tensors |= {f"{hf}.{k}": v.contiguous() for k, v in piece.items()}
+            if b is not None:
+                out_tensors[f"{hf}.bias"] = b.contiguous()
+    out_tensors |= _other_tensors(tensors, model, spec, {name for name, _, _ in linears})
+
+    scheme_keys = {json.dumps(_scheme_key(s), sort_keys=True) for s in schemes.values()}
+    if len(scheme_keys) > 1:
+        raise ArtifactError(f"{artifact_dir}: the artifact mixes quantization schemes ({', '.join(sorted(scheme_keys))}); "
+                            "export writes one compressed-tensors scheme: build without per-module overrides")
+    quant_config = _quantization_config(next(iter(schemes.values())), act_order, ignored) if schemes else None
+    config = hf_config_of(model)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp-export")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        save_file(out_tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for rel in art.tokenizer_files(manifest):  # the tokenizer, chat template, generation_config.json
+            shutil.copyfile(artifact_dir / rel, tmp / Path(rel).name)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    layout = quant_config["format"] if quant_config else "dense"
+    return ExportResult(out_dir, layout, sorted(schemes), ignored, len(out_tensors))
+
+
+def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
+    """One line per thing compressed-tensors (or this export) cannot say, naming what to do instead."""
+    where = f"{artifact_dir}: cannot export"
+    if manifest.target.get("model_format", "safetensors") != "safetensors" or manifest.target.get("onnx"):
+        raise ArtifactError(f"{where} an ONNX artifact; build the recipe for target.device cpu or cuda and export that")
+    parallel = manifest.parallel
+    if parallel.world_size > 1:
+        raise ArtifactError(f"{where} a parallel artifact (tensor {parallel.tensor}, pipeline {parallel.pipeline}: "
+                            f"{parallel.world_size} ranks); build with parallel.tensor: 1 and parallel.pipeline: 1 "
+                            "(vLLM splits the exported checkpoint itself)")
+    model = manifest.model
+    if model.moe_layers:
+        raise ArtifactError(f"{where} a mixture-of-experts model ({model.architecture}); export writes dense models")
+    if model.architecture not in _MODEL_TYPES:
+        raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)}")
+    for name, spec in manifest.quant.modules.items():
+        if spec["format"] == "w3a16":
+            raise ArtifactError(f"{where} {name}: 3-bit weights (w3a16) have no compressed-tensors layout vLLM "
+                                "runs; build with quantization.bits: 4 or 8")
+        if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8"):
+            raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
+    if manifest.kv.scales_source != "none":
+        raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}); build "
+                            "without runtime.kv_cache_dtype fp8 and pass --kv-cache-dtype fp8 to vLLM instead")
+
+
+def _int_spec(spec: dict) -> dict:
+    return spec if spec["format"] in ("w4a16", "w8a16") else {}
+
+
+def _scheme_key(spec: dict) -> dict:
+    """What a format spec stores, layout aside (plain and gpu hold the same weights)."""
+    return {k: v for k, v in spec.items() if k not in ("layout", "has_g_idx")}
+
+
+def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, list[tuple[str, int]], int]]:
+    """(runtime name, [(HF module, output rows)], in_features) for every linear, lm_head included."""
+    q, kv, hidden, inter = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
+        model.hidden_size, model.intermediate_size
+    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": hidden,
+            "mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": hidden}
+    inputs = {"attn.qkv": hidden, "attn.o": q, "mlp.gate_up": hidden, "mlp.down": inter}
+    out = []
+    for i in range(model.num_layers):
+        for linear in spec.layer_linears:
+            members = [(f"{spec.hf_layer_prefix}{i}.{m}", rows[m]) for m in linear.hf_members]
+            out.append((f"layers.{i}.{linear.name}", members, inputs[linear.name]))
+    if not model.tie_word_embeddings:
+        out.append(("lm_head", [("lm_head", model.vocab_size)], hidden))
+    return out
+
+
+def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: ModelSpec,
+                   linears: set[str]) -> dict[str, Tensor]:
+    """Embedding, norms (and qk norms): renamed, as they are."""
+    out = {}
+    for runtime, hf in spec.global_tensors.items():
+        if runtime.removesuffix(".weight") not in linears and runtime in tensors:
+            out[hf] = tensors[runtime]
+    for i in range(model.num_layers):
+        for runtime, hf in spec.layer_norms.items() | (spec.qk_norms.items() if model.qk_norm else {}.items()):
+            out[f"{spec.hf_layer_prefix}{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
+    return out
+
+
+def _has_act_order(tensors: dict[str, Tensor], name: str, spec: dict, model: art.ModelConfig) -> bool:
+    """Whether the linear's g_idx is not the plain order i // group_size (gpu layout: its perm is not identity)."""
+    if "perm" in (t := {k.rsplit(".", 1)[1] for k in tensors if k.startswith(name + ".")}):
+        perm = tensors[f"{name}.perm"]
+        return not torch.equal(perm, torch.arange(perm.numel(), dtype=perm.dtype))
+    if "g_idx" in t:
+        g_idx = tensors[f"{name}.g_idx"]
+        return not torch.equal(g_idx.to(torch.int32), default_g_idx(g_idx.numel(), spec["group_size"]))
+    return False
+
+
+def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: int) -> QuantizedWeight:
+    """The levels, scales, zeros and groups of an int linear, from either layout (nothing re-quantized)."""
+    g_idx = None
+    if fmt.is_gpu_layout:
+        levels, scales, zeros = unpack_w4a16_from_gpu(params, in_features)  # columns in perm order
+        if "perm" in params:  # packed column j is input column perm[j], of group j // group_size
+            perm = params["perm"].long()
+            levels = torch.empty_like(levels).index_copy_(1, perm, levels)
+            g_idx = torch.empty(in_features, dtype=torch.int32).index_copy_(
+                0, perm, default_g_idx(in_features, fmt.group_size))
+    else:
+        levels = unpack_words(params["qweight"], fmt.bits, dim=1, size=in_features)
+        scales = params["scales"]
+        zeros = None if fmt.symmetric else unpack_words(params["qzeros"], fmt.bits, dim=1, size=scales.shape[1])
+        g_idx = params.get("g_idx")
+    if g_idx is not None and torch.equal(g_idx.to(torch.int32), default_g_idx(in_features, fmt.group_size)):
+        g_idx = None
+    if zeros is None and not fmt.symmetric:  # an asymmetric format always stores its zeros; to be safe
+        zeros = torch.full(scales.shape, 2 ** (fmt.bits - 1), dtype=torch.int32)
+    return QuantizedWeight(levels.contiguous(), scales.contiguous(), zeros, fmt.bits, fmt.group_size,
+                           None if g_idx is None else g_idx.to(torch.int32).contiguous())
+
+
+def _split_rows(q: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
+    """A fused linear's weight as its members' (rows = output features; the input side is shared)."""
+    if len(sizes) == 1:
+        return [q]
+    parts, start = [], 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        scales = q.scales if q.scales.shape[0] == 1 else q.scales[rows]  # a per-tensor fp8 scale is shared
+        parts.append(QuantizedWeight(q.qweight[rows], scales, None if q.zeros is None else q.zeros[rows], q.bits,
+                                     q.group_size, q.g_idx, q.input_scale))
+        start += size
+    return parts
+
+
+def _quantization_config(spec: dict, act_order: bool, ignored: list[str]) -> dict:
+    """compressed-tensors' QuantizationConfig (as llm-compressor saves it) for one scheme on every Linear."""
+    if spec["format"] == "w8a8-fp8":
+        layout = "float-quantized"
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "channel" if spec["is_per_channel"] else "tensor", "block_structure": None,
+                   "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+        static = spec["is_static_input"]
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                       "group_size": None, "strategy": "tensor" if static else "token", "block_structure": None,
+                       "actorder": None, "observer": "minmax" if static else None, "observer_kwargs": {}}
+    else:
+        layout = "pack-quantized"
+        is_group = spec["group_size"] != -1
+        weights = {"num_bits": spec["bits"], "type": "int", "symmetric": spec["symmetric"], "dynamic": False,
+                   "group_size": spec["group_size"] if is_group else None,
+                   "strategy": "group" if is_group else "channel", "block_structure": None,
+                   "actorder": "group" if act_order else None, "observer": "minmax", "observer_kwargs": {}}
+        activations = None
+    return {
+        "quant_method": "compressed-tensors",
+        "format": layout,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                      "output_activations": None, "format": layout}},
+        "ignore": ignored,
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def hf_config_of(model: art.ModelConfig) -> dict:
+    """The HF config.json of the artifact's model, from its ModelConfig alone (what transformers and vLLM read;
+    compiler/hf_checkpoint.model_config_from_hf reads it back to the same ModelConfig)."""
+    model_type = _MODEL_TYPES[model.architecture]
+    eos = model.eos_token_ids
+    config = {
+        "architectures": [model.architecture],
+        "model_type": model_type,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.num_kv_heads,
+        "head_dim": model.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_theta": model.rope_theta,
+        "rope_scaling": model.rope_scaling,
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "attention_bias": model.attention_bias,
+        "mlp_bias": False,
+        "bos_token_id": model.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "torch_dtype": model.dtype,
+        "sliding_window": model.sliding_window,
+    }
+    if model_type in ("qwen2", "qwen3"):
+        config["use_sliding_window"] = model.sliding_window is not None
+        config["max_window_layers"] = model.num_layers if model.sliding_window is None else 0
+    if model.sliding_window is not None and model.sliding_window_layers is not None:
+        config["layer_types"] = ["sliding_attention" if i in model.sliding_window_layers else "full_attention"
+                                 for i in range(model.num_layers)]
+    return config
