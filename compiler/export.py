@@ -97,10 +97,11 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
         if fmt_spec["format"] != "dense":
             schemes |= {hf: fmt_spec for hf, _ in members}
         biases = bias.split(sizes) if bias is not None else [None] * len(members)
-        for (hf, _), piece, b in zip(members, pieces, biases):
-            out_tensors |= {f"{hf}.{k}": v.contiguous() for k, v in piece.items()}
+        for i, ((hf, _), piece, b) in enumerate(zip(members, pieces, biases)):
+            # members share their input's tensors (input_scale, weight_g_idx): each gets its own copy
+            out_tensors |= {f"{hf}.{k}": v.contiguous() if i == 0 else v.clone() for k, v in piece.items()}
             if b is not None:
-                out_tensors[f"{hf}.bias"] = b.contiguous()
+                out_tensors[f"{hf}.bias"] = b.clone()
     out_tensors |= _other_tensors(tensors, model, spec, {name for name, _, _ in linears})
 
     scheme_keys = {json.dumps(_scheme_key(s), sort_keys=True) for s in schemes.values()}
@@ -143,7 +144,7 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "(vLLM splits the exported checkpoint itself)")
     model = manifest.model
     if model.moe_layers:
-        raise ArtifactError(f"{where} a mixture-of-experts model ({model.architecture}); export writes dense models")
+        raise ArtifactError(f"{where} a mixture-of-experts model ({model.architecture}); export writes dense models; serve it with `llmc run`")
     if model.architecture not in _MODEL_TYPES:
         raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)}")
     for name, spec in manifest.quant.modules.items():
