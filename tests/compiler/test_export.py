@@ -44,8 +44,9 @@ def _round_trip(original, tmp_path, device):
     reimported = _build(exported, tmp_path / "reimported", {"method": "import"}, device=device)
     ours, theirs = _modules(original), _modules(reimported)
     assert ours.keys() == theirs.keys()
-    for name in ours:  # has_g_idx: llmc's importer drops a g_idx in plain order
-        assert {**ours[name], "has_g_idx": None} == {**theirs[name], "has_g_idx": None}, name
+    for name in ours:  # has_g_idx: llmc's importer drops a g_idx in plain order; is_per_channel: it imports fp8
+        ignored = {"has_g_idx": None, "is_per_channel": None}  # per channel always (a per-tensor scale expands)
+        assert {**ours[name], **ignored} == {**theirs[name], **ignored}, name
     torch.testing.assert_close(_scores(reimported), _scores(original), rtol=0, atol=0)
     return exported
 
@@ -62,6 +63,7 @@ ROUND_TRIPS = {
                                "calibration": CALIBRATION}, "cuda"),
     "fp8-dynamic": ({"method": "fp8", "activations": "dynamic"}, "cpu"),
     "fp8-static": ({"method": "fp8", "activations": "static", "calibration": CALIBRATION}, "cpu"),
+    "fp8-per-tensor": ({"method": "fp8", "weights": "per_tensor"}, "cpu"),
 }
 
 
@@ -73,6 +75,10 @@ def test_round_trip_through_the_importer(kind, tiny_llama, tmp_path, data_dir):
     original = _build(tiny_llama, tmp_path / "original", quant, device=device)
     exported = _round_trip(original, tmp_path, device)
     qc = json.loads((exported / "config.json").read_text())["quantization_config"]
+    if kind == "fp8-per-tensor":
+        assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "tensor"
+        with safe_open(exported / "model.safetensors", "pt") as f:
+            assert f.get_slice("model.layers.0.self_attn.k_proj.weight_scale").get_shape() == [1]
     # llmc's GPTQ act order keeps static groups (quant/gptq.py): groups in plain order, so no weight_g_idx
     assert qc["config_groups"]["group_0"]["weights"].get("actorder") is None
     with safe_open(exported / "model.safetensors", "pt") as f:
@@ -253,9 +259,9 @@ def test_checkpoint_is_compressed_tensors_float_quantized(activations, tiny_llam
             assert torch.equal(t["input_scale"], artifact["layers.1.attn.qkv.input_scale"])
 
 
-def test_cli_export_and_dense_artifact(tiny_llama, tmp_path, llmc_cli):
-    """An unquantized artifact exports as a plain checkpoint (no quantization_config) that transformers' own
-    loader reads back to the source weights."""
+def test_cli_export_and_dense_artifact(tiny_llama, tmp_path, llmc_cli, hf_model):
+    """An unquantized artifact exports as a plain checkpoint (no quantization_config): the source's tensors, and
+    a config.json from which transformers builds the same model (its logits)."""
     original = _build(tiny_llama, tmp_path / "original", {"method": "none"})
     code, err = llmc_cli("export", original, tmp_path / "exported")
     assert code == 0, err
@@ -264,6 +270,10 @@ def test_cli_export_and_dense_artifact(tiny_llama, tmp_path, llmc_cli):
     theirs, ours = load_file(tiny_llama / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k].float()) for k in ours)
+    with torch.no_grad():
+        ids = torch.tensor([TOKENS])
+        torch.testing.assert_close(hf_model(tmp_path / "exported")(ids).logits, hf_model(tiny_llama)(ids).logits,
+                                   rtol=0, atol=0)
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------
