@@ -72,7 +72,7 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
     schemes: dict[str, dict] = {}  # HF module → its format spec (quantized ones)
     ignored: list[str] = []
     linears = _linears(model, spec)
-    act_order = any(_int_spec(s).get("has_g_idx") and _has_act_order(tensors, name, s, model)
+    act_order = any(_int_spec(s).get("has_g_idx") and _has_act_order(tensors, name, s)
                     for name, s in manifest.quant.modules.items() if _int_spec(s))
     for runtime_name, members, in_features in linears:
         fmt_spec = manifest.quant.modules.get(runtime_name, {"format": "dense"})
@@ -197,7 +197,7 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
     return out
 
 
-def _has_act_order(tensors: dict[str, Tensor], name: str, spec: dict, model: art.ModelConfig) -> bool:
+def _has_act_order(tensors: dict[str, Tensor], name: str, spec: dict) -> bool:
     """Whether the linear's g_idx is not the plain order i // group_size (gpu layout: its perm is not identity)."""
     if "perm" in (t := {k.rsplit(".", 1)[1] for k in tensors if k.startswith(name + ".")}):
         perm = tensors[f"{name}.perm"]
