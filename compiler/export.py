@@ -22,6 +22,7 @@ correct model as it stands, exported as it is.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from llmc.compiler.shard import take_rows
 from llmc.errors import ArtifactError
 from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
 from llmc.quant.formats import Fp8Format, IntWeightFormat, QuantizedWeight, default_g_idx, make_format
@@ -40,7 +42,6 @@ from llmc.runtime import artifact as art
 from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.spec import ModelSpec
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3"}
 
@@ -66,36 +67,43 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
     tensors = load_file(str(artifact_dir / weights_rel))
     model = manifest.model
     spec = spec_for_family(model.family)
-    dtype = _TORCH_DTYPES[model.dtype]
+    dtype = getattr(torch, model.dtype)
 
     out_tensors: dict[str, Tensor] = {}
     schemes: dict[str, dict] = {}  # HF module → its format spec (quantized ones)
     ignored: list[str] = []
     linears = _linears(model, spec)
-    act_order = any(_int_spec(s).get("has_g_idx") and _has_act_order(tensors, name, s)
-                    for name, s in manifest.quant.modules.items() if _int_spec(s))
+    read = []  # (members, in_features, format, the weight read back, bias) of every linear
     for runtime_name, members, in_features in linears:
         fmt_spec = manifest.quant.modules.get(runtime_name, {"format": "dense"})
         params = {k[len(runtime_name) + 1:]: v for k, v in tensors.items() if k.startswith(runtime_name + ".")}
         bias = params.pop("bias", None)
-        sizes = [size for _, size in members]
         fmt = make_format(fmt_spec, dtype)
         if fmt_spec["format"] == "dense":
-            pieces = [{"weight": w} for w in params["weight"].split(sizes)]
+            weight = params["weight"]
             ignored += [hf for hf, _ in members]
         elif isinstance(fmt, IntWeightFormat):
-            q = _int_weight(fmt, params, in_features)
-            if act_order and q.g_idx is None:
-                q.g_idx = default_g_idx(in_features, fmt.group_size)  # actorder "group": every module has one
-            pieces = [pack_pack_quantized(part, scale_dtype=dtype) for part in _split_rows(q, sizes)]
+            weight = _int_weight(fmt, params, in_features)
         elif isinstance(fmt, Fp8Format):
-            q = QuantizedWeight(params["weight"], params["weight_scale"].float(), None, 8, -1,
-                                input_scale=params.get("input_scale"))
-            pieces = [pack_float_quantized(part) for part in _split_rows(q, sizes)]
+            weight = QuantizedWeight(params["weight"], params["weight_scale"].float(), None, 8, -1,
+                                     input_scale=params.get("input_scale"))
         else:  # pragma: no cover - every registered format is handled above
             raise ArtifactError(f"{runtime_name}: format {fmt_spec['format']!r} has no compressed-tensors form")
         if fmt_spec["format"] != "dense":
             schemes |= {hf: fmt_spec for hf, _ in members}
+        read.append((members, in_features, fmt, weight, bias))
+    act_order = any(isinstance(w, QuantizedWeight) and w.g_idx is not None for _, _, _, w, _ in read)
+    for members, in_features, fmt, weight, bias in read:
+        sizes = [size for _, size in members]
+        rows = [(start, start + size) for start, size in zip(itertools.accumulate([0] + sizes), sizes)]
+        if isinstance(weight, Tensor):
+            pieces = [{"weight": w} for w in weight.split(sizes)]
+        elif isinstance(fmt, IntWeightFormat):
+            if act_order and weight.g_idx is None:
+                weight.g_idx = default_g_idx(in_features, fmt.group_size)  # actorder "group": every module has one
+            pieces = [pack_pack_quantized(take_rows(weight, [r]), scale_dtype=dtype) for r in rows]
+        else:
+            pieces = [pack_float_quantized(take_rows(weight, [r])) for r in rows]
         biases = bias.split(sizes) if bias is not None else [None] * len(members)
         for i, ((hf, _), piece, b) in enumerate(zip(members, pieces, biases)):
             # members share their input's tensors (input_scale, weight_g_idx): each gets its own copy
@@ -158,10 +166,6 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "without runtime.kv_cache_dtype fp8 and pass --kv-cache-dtype fp8 to vLLM instead")
 
 
-def _int_spec(spec: dict) -> dict:
-    return spec if spec["format"] in ("w4a16", "w8a16") else {}
-
-
 def _scheme_key(spec: dict) -> dict:
     """What a format spec stores, layout aside (plain and gpu hold the same weights)."""
     return {k: v for k, v in spec.items() if k not in ("layout", "has_g_idx")}
@@ -197,17 +201,6 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
     return out
 
 
-def _has_act_order(tensors: dict[str, Tensor], name: str, spec: dict) -> bool:
-    """Whether the linear's g_idx is not the plain order i // group_size (gpu layout: its perm is not identity)."""
-    if "perm" in (t := {k.rsplit(".", 1)[1] for k in tensors if k.startswith(name + ".")}):
-        perm = tensors[f"{name}.perm"]
-        return not torch.equal(perm, torch.arange(perm.numel(), dtype=perm.dtype))
-    if "g_idx" in t:
-        g_idx = tensors[f"{name}.g_idx"]
-        return not torch.equal(g_idx.to(torch.int32), default_g_idx(g_idx.numel(), spec["group_size"]))
-    return False
-
-
 def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: int) -> QuantizedWeight:
     """The levels, scales, zeros and groups of an int linear, from either layout (nothing re-quantized)."""
     g_idx = None
@@ -225,24 +218,8 @@ def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: in
         g_idx = params.get("g_idx")
     if g_idx is not None and torch.equal(g_idx.to(torch.int32), default_g_idx(in_features, fmt.group_size)):
         g_idx = None
-    if zeros is None and not fmt.symmetric:  # an asymmetric format always stores its zeros; to be safe
-        zeros = torch.full(scales.shape, 2 ** (fmt.bits - 1), dtype=torch.int32)
     return QuantizedWeight(levels.contiguous(), scales.contiguous(), zeros, fmt.bits, fmt.group_size,
                            None if g_idx is None else g_idx.to(torch.int32).contiguous())
-
-
-def _split_rows(q: QuantizedWeight, sizes: list[int]) -> list[QuantizedWeight]:
-    """A fused linear's weight as its members' (rows = output features; the input side is shared)."""
-    if len(sizes) == 1:
-        return [q]
-    parts, start = [], 0
-    for size in sizes:
-        rows = slice(start, start + size)
-        scales = q.scales if q.scales.shape[0] == 1 else q.scales[rows]  # a per-tensor fp8 scale is shared
-        parts.append(QuantizedWeight(q.qweight[rows], scales, None if q.zeros is None else q.zeros[rows], q.bits,
-                                     q.group_size, q.g_idx, q.input_scale))
-        start += size
-    return parts
 
 
 def _quantization_config(spec: dict, act_order: bool, ignored: list[str]) -> dict:
