@@ -237,16 +237,14 @@ class DecoderModel(nn.Module):
         FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.drop_identity_perm()
+                module.drop_identity_perm()  # first: a norm takes no identity perm below
+                if hasattr(module.fmt, "note_device"):
+                    module.fmt.note_device(module.params())
         for layer in self.layers.values():
             layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
             if not layer.is_moe:
                 layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
                 layer.mlp.interleave_gate_up()
-        for module in self.modules():
-            if isinstance(module, Linear):
-                if hasattr(module.fmt, "note_device"):
-                    module.fmt.note_device(module.params())
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
         if not dense_bytes:
