@@ -24,7 +24,7 @@ from llmc.compiler.recipe import QuantizationConfig
 from llmc.kernels.norm import rms_norm
 from llmc.quant.formats import QuantizedWeight
 from llmc.quant.fp8 import input_scale_from_absmax
-from llmc.quant.gptq import HessianAccumulator, float_target_weight, gptq_quantize
+from llmc.quant.gptq import HessianAccumulator
 from llmc.quant.reference import dequantize_weight
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec
@@ -113,11 +113,7 @@ class QuantizingPacker:
         acc = HessianAccumulator(weight.shape[1], device, self.hidden_float is not None)
         for i in starts:
             acc.add_batch(normed(self.hidden, i), None if self.hidden_float is None else normed(self.hidden_float, i))
-        if acc.drift is not None:
-            weight = float_target_weight(weight, acc.hessian, acc.drift, quant.damp_percent)
-        q = gptq_quantize(weight.to(device), acc.hessian, spec["bits"], spec["group_size"], spec["symmetric"],
-                          act_order=quant.act_order, damp_percent=quant.damp_percent, scale_dtype=self.dtype)
-        return QuantizedWeight(**{k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in q.__dict__.items()})
+        return self.quantizer.gptq(weight, acc, spec)
 
     def report(self) -> dict:
         """Quality on the held-out windows and the cost of the build."""

@@ -235,16 +235,20 @@ class LayerQuantizer:
         return result
 
     def _gptq_linear(self, layer: LayerWeights, name: str, hidden: Tensor, float_module, hidden_float) -> QuantizedWeight:
-        w, spec = layer.linears[name], self._spec(layer, name)
-        acc = self._hessian(layer, name, hidden, float_module, hidden_float)
-        if acc.drift is not None:
-            w = float_target_weight(w, acc.hessian, acc.drift, self.quant.damp_percent)
-        q = gptq_quantize(w.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
-                          spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
-                          scale_dtype=self.scale_dtype)
-        q = _to_cpu(q)
+        q = self.gptq(layer.linears[name], self._hessian(layer, name, hidden, float_module, hidden_float),
+                      self._spec(layer, name))
         layer.linears[name] = dequantize_weight(q)
         return q
+
+    def gptq(self, weight: Tensor, acc: HessianAccumulator, spec: dict) -> QuantizedWeight:
+        """GPTQ of one weight on the inputs `acc` accumulated (with float targets, their drift folded into
+        the weight first), on the CPU; also the quantized lm_head's (pipeline.QuantizingPacker)."""
+        if acc.drift is not None:
+            weight = float_target_weight(weight, acc.hessian, acc.drift, self.quant.damp_percent)
+        q = gptq_quantize(weight.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
+                          spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
+                          scale_dtype=self.scale_dtype)
+        return _to_cpu(q)
 
     def _hessian(self, layer: LayerWeights, name: str, hidden: Tensor, float_module: DecoderLayer | None = None,
                  hidden_float: Tensor | None = None) -> HessianAccumulator:
