@@ -282,6 +282,22 @@ def _finite(param, value: float | None) -> float | None:
               callback=_structured_outputs_config,
               help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "
               "structured output constrains the whole output, reasoning included (else such requests get a 400)")
+@click.option("--chat-template", default=None,
+              help="the chat template to render messages with, in place of the artifact's: a .jinja file or the "
+              "template's text (server, batch files, --chat), as vLLM's")
+@click.option("--ssl-keyfile", type=click.Path(dir_okay=False), default=None,
+              help="server: serve HTTPS with this PEM private key (with --ssl-certfile)")
+@click.option("--ssl-certfile", type=click.Path(dir_okay=False), default=None,
+              help="server: serve HTTPS with this PEM certificate (chain) (with --ssl-keyfile)")
+@click.option("--ssl-ca-certs", type=click.Path(dir_okay=False), default=None,
+              help="server: CA certificates (PEM) that client certificates are checked against")
+@click.option("--ssl-cert-reqs", type=click.IntRange(0, 2), default=0, show_default=True,
+              help="server: client certificates: 0 not asked, 1 checked when sent, 2 required (Python's ssl.CERT_*)")
+@click.option("--root-path", default="",
+              help="server: the path prefix a reverse proxy serves the API under (FastAPI's root_path)")
+@click.option("--uvicorn-log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+              default="info", show_default=True, help="server: uvicorn's log level")
+@click.option("--disable-uvicorn-access-log", is_flag=True, help="server: no log line per HTTP request")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: the event loop's default thread pool)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -304,7 +320,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
         allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
         enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
-        structured_outputs_config: bool, **options) -> None:
+        structured_outputs_config: bool, chat_template: str | None, ssl_keyfile: str | None,
+        ssl_certfile: str | None, ssl_ca_certs: str | None, ssl_cert_reqs: int, root_path: str,
+        uvicorn_log_level: str, disable_uvicorn_access_log: bool, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -322,6 +340,14 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     served_model_name = list(served_model_name) or [_default_model_name(artifact)]
     _refuse_flags_of_other_modes("server" if prompt is None and not chat and input_path is None and output_path is None
                                  else "batch" if prompt is None and not chat else "prompt")
+    if chat_template is not None:
+        if prompt is not None and not chat:
+            raise click.UsageError("--chat-template renders messages: it applies to the server, batch files and "
+                                   "--chat; leave it out with a plain --prompt")
+        from llmc.runtime.tokenizer import load_chat_template
+
+        load_chat_template(chat_template)  # a missing file or a broken template fails before the model loads
+        overrides["chat_template"] = chat_template
     if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's start-up check
         raise click.UsageError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                                f"{', '.join(TOOL_CALL_PARSERS)})")
@@ -335,6 +361,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import CorsPolicy, serve
 
+        tls = _tls_config(ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs)
         devices = [_replica_device(artifact, device, i) for i in range(data_parallel)]
         _check_engine_options(artifact, devices, overrides)  # before the port is bound and the model loads
         factories = [_engine_factory(artifact, device, overrides, launch) for device in devices]
@@ -344,7 +371,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               trust_request_chat_template=trust_request_chat_template,
               cors=CorsPolicy(allowed_origins, allowed_methods, allowed_headers, allow_credentials),
               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-              reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config)
+              reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config,
+              tls=tls, root_path=root_path, uvicorn_log_level=uvicorn_log_level,
+              access_log=not disable_uvicorn_access_log)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -376,7 +405,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 _MODE_FLAGS = {
     ("server",): ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
                   "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
-                  "allow_credentials", "reasoning_parser", "structured_outputs_config"),
+                  "allow_credentials", "reasoning_parser", "structured_outputs_config", "ssl_keyfile", "ssl_certfile",
+                  "ssl_ca_certs", "ssl_cert_reqs", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log"),
     # a batch file's chat requests go through the server's handlers: tool_choice "auto" needs them there too
     ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser"),
     ("prompt",): ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
@@ -399,6 +429,27 @@ def _refuse_flags_of_other_modes(mode: str) -> None:
             body = " in each request's body" if mode != "prompt" and owners == ("prompt",) else ""
             raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
                                    + (f" (set it{body} instead)" if body else ""))
+
+
+def _tls_config(keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int):
+    """The server's TLS settings (None: plain HTTP), checked before the port is bound and the model loads."""
+    from click.core import ParameterSource
+
+    from llmc.runtime.server.api_server import TlsConfig
+
+    if keyfile is None and certfile is None:
+        context = click.get_current_context()
+        given = [n for n in ("ssl_ca_certs", "ssl_cert_reqs")
+                 if context.get_parameter_source(n) is ParameterSource.COMMANDLINE]
+        if given:
+            raise click.UsageError(f"--{given[0].replace('_', '-')} configures HTTPS: give --ssl-keyfile and "
+                                   "--ssl-certfile too")
+        return None
+    if keyfile is None or certfile is None:
+        raise click.UsageError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    tls = TlsConfig(keyfile, certfile, ca_certs, cert_reqs)
+    tls.check()
+    return tls
 
 
 def _check_prompt_text(prompt: str | None) -> None:
@@ -528,7 +579,7 @@ def _check_engine_options(artifact: str, devices: list[str | None], overrides: d
     from llmc.runtime import artifact as art
     from llmc.runtime.options import resolve_device, resolve_options
 
-    resolve_options(art.read_manifest(artifact), overrides)
+    resolve_options(art.read_manifest(artifact), {k: v for k, v in overrides.items() if k != "chat_template"})
     for device in devices:
         resolve_device(device)
 

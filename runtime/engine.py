@@ -36,22 +36,25 @@ from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
 from llmc.runtime.step_inputs import InFlight, PendingTokens
-from llmc.runtime.tokenizer import encode_text, load_tokenizer
+from llmc.runtime.tokenizer import encode_text, load_chat_template, load_tokenizer
 
 logger = logging.getLogger("llmc")
 
 
 class Engine:
     """`launch`: where the ranks of a tensor/pipeline-parallel artifact run (default: all on this
-    host, or the torchrun launch this process belongs to). `close()` stops them."""
+    host, or the torchrun launch this process belongs to). `chat_template`: vLLM's --chat-template (a
+    .jinja file or the template's text), rendered in place of the artifact's. `close()` stops them."""
 
     def __init__(self, artifact_dir: str | Path, device: str | None = None, launch: LaunchConfig | None = None,
-                 **options):
+                 chat_template: str | None = None, **options):
         self.artifact_dir = Path(artifact_dir)
         self.manifest = art.read_manifest(self.artifact_dir)
         self.options = resolve_options(self.manifest, options)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(self.artifact_dir / art.TOKENIZER_DIR)
+        if chat_template is not None:  # vLLM's --chat-template: in place of the artifact's
+            self.tokenizer.chat_template = load_chat_template(chat_template)
         # the defaults of the fields a request leaves unset (LLM.get_default_sampling_params, the server)
         self.default_sampling_fields = generation_defaults(self.artifact_dir, self.options.generation_config)
         if self.default_sampling_fields:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from llmc.errors import ArtifactError, RequestError
+from llmc.errors import ArtifactError, ConfigError, RequestError
 
 
 def load_tokenizer(path: Path):
@@ -23,6 +23,29 @@ def load_tokenizer(path: Path):
     # about model_max_length ("Token indices sequence length is longer than ...") would be a second one.
     tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return tokenizer
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file holding the Jinja template, or the template itself (text with a '{',
+    '}' or line break). Compiled here, so a template that cannot be rendered fails at start in one line."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value)
+    try:
+        template = path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {value}: cannot be read ({e})") from None
+    if template is None:
+        if not any(c in value for c in "{}\n"):
+            raise ConfigError(f"--chat-template {value}: no such file, and not a Jinja template either; give the "
+                              "path of a .jinja file or the template text")
+        template = value
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ConfigError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return template
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True, keep: int | None = None) -> list[int]:

@@ -17,6 +17,7 @@ import hmac
 import logging
 import signal
 import socket
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -322,10 +323,14 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
           log_stats: bool = True, tokenizer_pool_size: int = 0, shutdown_timeout_s: float = GRACEFUL_SHUTDOWN_S,
           trust_request_chat_template: bool = False, cors: CorsPolicy = CorsPolicy(),
           enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-          reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False) -> None:
+          reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
+          tls: TlsConfig | None = None, root_path: str = "", uvicorn_log_level: str = "info",
+          access_log: bool = True) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
-    to finish; then they are aborted, and each cut stream ends with an error event and [DONE]."""
+    to finish; then they are aborted, and each cut stream ends with an error event and [DONE].
+    vLLM's deployment options: `tls` (HTTPS), `root_path` (the prefix a proxy serves the API under),
+    uvicorn's log level and access log."""
     startup_errors: list[BaseException] = []
 
     def on_startup_failure(error: BaseException) -> None:
@@ -340,10 +345,13 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     reasoning_in_structured_output=reasoning_in_structured_output)  # a dead rank ends the server, and `serve` raises its error
     sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
-    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level="info",
-                            timeout_graceful_shutdown=shutdown_timeout_s + 10)
+    config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=uvicorn_log_level,
+                            access_log=access_log, root_path=root_path,
+                            timeout_graceful_shutdown=shutdown_timeout_s + 10, **(tls.uvicorn_keywords() if tls else {}))
     server = _Server(config, app.state.ctx.engine_loop, shutdown_timeout_s)
-    logger.info("listening on %s (OpenAI API under /v1); loading the model", server_url(host, sock.getsockname()[1]))
+    behind = f", {root_path}/v1 behind the proxy" if root_path else ""
+    logger.info("listening on %s (OpenAI API under /v1%s); loading the model",
+                server_url(host, sock.getsockname()[1], https=tls is not None), behind)
     with sock, _sigterm_handled_by_uvicorn():
         server.run(sockets=[sock])
     if startup_errors:
@@ -370,9 +378,43 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def server_url(host: str, port: int) -> str:
-    """http://host:port, an IPv6 host in brackets (RFC 3986)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def server_url(host: str, port: int, https: bool = False) -> str:
+    """http://host:port (https://), an IPv6 host in brackets (RFC 3986)."""
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """vLLM's --ssl-keyfile, --ssl-certfile, --ssl-ca-certs and --ssl-cert-reqs (uvicorn's)."""
+
+    keyfile: str
+    certfile: str
+    ca_certs: str | None = None
+    cert_reqs: int = int(ssl.CERT_NONE)  # 2 (CERT_REQUIRED): clients must present a certificate ca_certs signs
+
+    def check(self) -> None:
+        """Load the key, certificate and CA files as uvicorn will, so a wrong one fails before the port is
+        bound and the model loads, in one line."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"--ssl-certfile {self.certfile} with --ssl-keyfile {self.keyfile}: not a usable "
+                              f"certificate and private key ({getattr(e, 'strerror', None) or e}); give PEM "
+                              "files of one key pair") from None
+        if self.ca_certs is not None:
+            try:
+                context.load_verify_locations(self.ca_certs)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"--ssl-ca-certs {self.ca_certs}: not a usable CA bundle "
+                                  f"({getattr(e, 'strerror', None) or e}); give a PEM file") from None
+        if self.cert_reqs == ssl.CERT_REQUIRED and self.ca_certs is None:
+            raise ConfigError("--ssl-cert-reqs 2 asks clients for certificates: give --ssl-ca-certs to check them with")
+
+    def uvicorn_keywords(self) -> dict:
+        return {"ssl_keyfile": self.keyfile, "ssl_certfile": self.certfile, "ssl_ca_certs": self.ca_certs,
+                "ssl_cert_reqs": self.cert_reqs}
 
 
 class _Server(uvicorn.Server):
