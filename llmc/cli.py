@@ -310,6 +310,9 @@ def _finite(param, value: float | None) -> float | None:
               help="vLLM's flag: prompts are always prefilled in chunks here (max_num_batched_tokens)")
 @click.option("--dtype", "dtype", default=None,
               help="vLLM's flag: the artifact's weights' dtype is set at build time; accepted when auto or that dtype")
+@click.option("--quantization", "-q", "quantization", default=None,
+              help="vLLM's flag: the weights are quantized at build time (quantization.method); accepted when it names "
+              "the artifact's kind (awq, gptq, *_marlin, compressed-tensors for int weights; fp8 for FP8)")
 @click.option("--trust-remote-code", "trust_remote_code", is_flag=True, default=None,
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
 @runtime_option_flags

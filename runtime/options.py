@@ -92,7 +92,7 @@ def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | N
 
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
-    pipeline_parallel_size, dtype), always does (enable_chunked_prefill) or does in the server only
+    pipeline_parallel_size, dtype, quantization), always does (enable_chunked_prefill) or does in the server only
     (data_parallel_size): accepted where they say what
     the artifact does, refused by name where they ask for something else; trust_remote_code is
     accepted either way (no code of the checkpoint runs). Returns the other overrides."""
@@ -130,11 +130,43 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
         raise ConfigError(f"data_parallel_size {overrides['data_parallel_size']!r}: one engine runs one replica of the "
                           "model; serve N replicas with `llmc run ARTIFACT --data-parallel-size N`, or drop it")
     rest.pop("trust_remote_code", None)  # a permission, not a setting: an artifact never runs a checkpoint's code
+    if rest.get("quantization", 0) is None:  # vLLM's default: the checkpoint's own
+        rest.pop("quantization")
+    if "quantization" in rest:
+        _check_vllm_quantization(manifest, rest.pop("quantization"))
     if "enable_chunked_prefill" in rest and rest.pop("enable_chunked_prefill") is not True:
         raise ConfigError(f"enable_chunked_prefill {overrides['enable_chunked_prefill']!r}: llmc always prefills a "
                           "prompt in chunks of at most max_num_batched_tokens tokens beside the running decodes; "
                           "drop it, or raise max_num_batched_tokens for larger chunks")
     return rest
+
+
+# vLLM's --quantization methods, by the weights they run: integer weights with 16-bit activations, FP8
+# weights and activations. An artifact's kernels are chosen at build time, so a method naming the artifact's
+# kind of weights (awq or awq_marlin alike) is accepted; one naming another kind is refused.
+_VLLM_INT_WEIGHT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "gptq_bitblas", "bitblas",
+                            "compressed-tensors", "moe_wna16", "rtn")
+_VLLM_FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "compressed-tensors", "modelopt")
+_VLLM_OTHER_METHODS = ("bitsandbytes", "gguf", "hqq", "torchao", "modelopt_fp4", "mxfp4", "experts_int8", "quark",
+                       "auto-round", "deepspeedfp", "gptq_marlin_24", "qqq", "inc", "ipex", "tpu_int8", "petit_nvfp4")
+
+
+def _check_vllm_quantization(manifest: art.Manifest, method) -> None:
+    """vLLM's `quantization` (--quantization / -q): accepted where it names the kind of weights the artifact
+    holds, refused by name otherwise (llmc quantizes at build time: the recipe's quantization.method)."""
+    known = {*_VLLM_INT_WEIGHT_METHODS, *_VLLM_FP8_METHODS, *_VLLM_OTHER_METHODS}
+    if not isinstance(method, str) or method not in known:
+        raise ConfigError(f"quantization {method!r} is not one of vLLM's quantization methods; drop it (an artifact "
+                          "is quantized at build time, by the recipe's quantization.method)")
+    formats = {spec.get("format", "dense") for spec in manifest.quant.modules.values()} - {"dense"}
+    kinds = {"fp8" if name == "w8a8-fp8" else "int" for name in formats}
+    accepted = {"int": _VLLM_INT_WEIGHT_METHODS, "fp8": _VLLM_FP8_METHODS}
+    if kinds and all(method in accepted[kind] for kind in kinds):
+        return
+    holds = ("unquantized weights" if not formats else f"{', '.join(sorted(formats))} weights "
+             f"(quantization.method {manifest.quant.method} at build time)")
+    raise ConfigError(f"quantization {method!r}: this artifact holds {holds}; drop the flag, or build the "
+                      f"checkpoint again with the recipe's quantization.method set for {method}")
 
 
 def _check_multi_step(manifest: art.Manifest, options: art.RuntimeDefaults) -> None:

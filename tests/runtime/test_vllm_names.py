@@ -43,7 +43,7 @@ def test_llm_takes_vllm_names(artifact):
                 llm.generate(prompts, **bad)
     with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
              pipeline_parallel_size=1, data_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
-             disable_log_stats=True) as llm:
+             quantization=None, disable_log_stats=True) as llm:
         options = llm.engine.options
         assert options.speculative == art.SpeculativeConfig(**NGRAM) and options.num_kv_blocks == 40
         assert llm.engine.stats()["num_total_blocks"] == 40
@@ -60,6 +60,8 @@ def test_llm_takes_vllm_names(artifact):
     ({"data_parallel_size": 2}, "data_parallel_size 2: one engine runs one replica of the model; serve N replicas"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
     ({"dtype": "half"}, "dtype 'half': this artifact holds float32 weights (the recipe's dtype); build it again with dtype: float16"),
+    ({"quantization": "awq"}, "quantization 'awq': this artifact holds unquantized weights; drop the flag"),
+    ({"quantization": "nf4"}, "quantization 'nf4' is not one of vLLM's quantization methods"),
     ({"model": "elsewhere"}, "give the artifact directory once"),
     # allocations up to these (step buffers, sampler rows) were a numpy / torch MemoryError traceback
     ({"max_num_seqs": 10**12}, "max_num_seqs: 1000000000000 is too large; it must be at most 65536"),
@@ -185,3 +187,25 @@ def test_logprobs_are_vllm_logprob_objects(artifact):
             {t: (v.logprob, v.rank, v.decoded_token) for t, v in completion.logprobs[0].items()}
         quiet = llm.generate("ROMEO:", SamplingParams(max_tokens=2, logprobs=1, detokenize=False))[0]
         assert all(v.decoded_token is None and v.rank >= 1 for d in quiet.outputs[0].logprobs for v in d.values())
+
+
+@pytest.mark.parametrize("method,accepted", [("int", ["awq", "gptq_marlin", "compressed-tensors", "rtn"]),
+                                             ("fp8", ["fp8", "compressed-tensors"])])
+def test_quantization_names_the_artifact_s_kind_of_weights(method, accepted, tmp_path, ref_model_dir):
+    """vLLM's --quantization / -q: accepted where it names the kind of weights the artifact holds (its kernels
+    were chosen at build time), refused by name where it names another kind."""
+    from llmc.runtime.options import resolve_options
+
+    quant = {"method": "rtn", "bits": 4, "group_size": 128} if method == "int" else {"method": "fp8"}
+    out = tmp_path / method
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "quantization": quant,
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    manifest = art.read_manifest(out)
+    for name in accepted:
+        resolve_options(manifest, {"quantization": name})
+    other = "fp8" if method == "int" else "awq"
+    with pytest.raises(ConfigError, match=f"quantization '{other}': this artifact holds "
+                                          f"{'w4a16' if method == 'int' else 'w8a8-fp8'} weights"):
+        resolve_options(manifest, {"quantization": other})
+    result = CliRunner().invoke(cli, ["run", str(out), "--device", "cpu", "-q", other, "--prompt", "x"])
+    assert isinstance(result.exception, ConfigError) and f"quantization '{other}'" in str(result.exception)
