@@ -27,7 +27,8 @@ from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a
 from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_scales, fp8_max
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
-from llmc.compiler.recipe import Recipe, check_output
+from llmc.compiler.lora import LoraMerge, load_adapters
+from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
@@ -73,6 +74,7 @@ class _Context:
     w4a16_kernels: dict = field(default_factory=dict)  # the plan's kernel table (art.Plan.w4a16_kernels)
     kv_scales: KVScales | None = None  # FP8 KV scales, calibrated or imported (art.KVSpec)
     target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
+    lora: LoraMerge | None = None  # the recipe's adapters, merged as the checkpoint's tensors are read
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -80,6 +82,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     start = time.perf_counter()
     timings: dict[str, float] = {}
     check_output(recipe)  # again: `llmc build -o` and build(replace(recipe, output=...)) change it after parsing
+    check_adapters(recipe)  # and `llmc build --adapter`
     prepare_output(recipe.output_dir, create=False)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
@@ -87,6 +90,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
+    ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
     ctx.w4a16_kernels = _plan_kernels(ctx, timings)
@@ -132,6 +136,13 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _read_adapters(ctx: _Context) -> LoraMerge | None:
+    """The recipe's LoRA adapters, checked against the checkpoint before any work (compiler/lora.py)."""
+    with hf.TensorReader(ctx.model_dir) as reader:
+        return load_adapters(ctx.recipe.adapter, reader, ctx.spec, ctx.model, ctx.hf_config,
+                             ctx.recipe.quantization.method)
 
 
 def resolve_model_dir(recipe: Recipe) -> Path:
@@ -246,7 +257,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     rank_specs = [artifact_tensor_specs(ctx.model, ctx.module_formats, layout) for layout in layouts]
     paths = [root / art.rank_weights_path(layout.rank) for layout in layouts]
     writer = ShardedWriter(paths, rank_specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    with hf.TensorReader(ctx.model_dir) as reader, \
+    with hf.TensorReader(ctx.model_dir, merge=ctx.lora) as reader, \
             tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
         packer, pack_global_fn = _packers(ctx, reader)
         packer = _observe_kv(ctx, reader, packer)
@@ -445,4 +456,5 @@ def _source_record(ctx: _Context) -> dict:
         "revision": ctx.recipe.revision,
         "sha256": {p.name: art.sha256_file(p) for p in files},
         "recipe": dataclasses.asdict(ctx.recipe),
+        **({"adapters": [adapter.record() for adapter in ctx.lora.adapters]} if ctx.lora else {}),
     }

@@ -7,6 +7,7 @@ memory twice. Single-file and sharded (with model.safetensors.index.json) checkp
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -177,10 +178,12 @@ def checkpoint_dtype(config: dict) -> str:
 
 
 class TensorReader:
-    """Lazy access to the tensors of a checkpoint, by HF name, one at a time."""
+    """Lazy access to the tensors of a checkpoint, by HF name, one at a time. `merge` (the recipe's LoRA
+    adapters, compiler/lora.py) changes a tensor as it is read: every step of the build sees the merged weights."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         self.model_dir = model_dir
+        self.merge = merge
         self.location = _tensor_locations(model_dir)  # HF tensor name → file
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
@@ -207,10 +210,20 @@ class TensorReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        tensor = self._handle(name).get_tensor(name)
+        return tensor if self.merge is None else self.merge(name, tensor)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, read from the file's header (no data)."""
+        if name not in self.location:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def _handle(self, name: str):
         path = self.location[name]
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
 
     def source_files(self) -> list[Path]:
         return sorted(set(self.location.values()))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from llmc.compiler.lora import adapter_key, check_adapter_dir
 from llmc.errors import RecipeError
 from llmc.runtime.artifact import RuntimeDefaults, upper_cudagraph_mode
 from llmc.schema import opt, parse
@@ -87,6 +88,8 @@ class TargetConfig:
 class Recipe:
     model: str = opt(help="local HF checkpoint directory (or a hub id, when online)")
     revision: str | None = opt(None, help="hub revision, when model is a hub id")
+    adapter: list[str] = opt([], help="PEFT LoRA adapter directories (one path, or a list merged in order) merged "
+                                      "into the weights before quantization")
     output: str | None = opt(None, help="artifact directory (default: build/<model name>)")
     dtype: str = opt("auto", choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations dtype")
     quantization: QuantizationConfig = opt(QuantizationConfig())
@@ -153,6 +156,8 @@ def _load_yaml(text: str, name: str):
 def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
     if isinstance(data, dict) and isinstance(data.get("runtime"), dict):
         data = {**data, "runtime": upper_cudagraph_mode(data["runtime"])}
+    if isinstance(data, dict) and isinstance(data.get("adapter"), str):  # one adapter: a path, not a list of one
+        data = {**data, "adapter": [data["adapter"]]}
     try:
         recipe = parse(Recipe, data, "", RecipeError)
         _check_method_keys(recipe.quantization.method, data.get("quantization") or {})
@@ -219,11 +224,21 @@ def check_output(recipe: Recipe) -> None:
                           "an output outside the checkpoint")
 
 
+def check_adapters(recipe: Recipe) -> None:
+    """Each adapter is a PEFT directory with its config and safetensors weights (their contents are checked
+    against the checkpoint when the build reads it, compiler/lora.py)."""
+    for i, path in enumerate(recipe.adapter):
+        key = adapter_key(i, len(recipe.adapter))
+        _check_path_text(key, path)
+        check_adapter_dir(key, path)
+
+
 def _check(recipe: Recipe, given_runtime: dict) -> None:
     """`given_runtime`: the recipe's runtime section as written (what it sets explicitly)."""
     _check_path_text("model", recipe.model)
     _check_path_text("quantization.calibration.data", recipe.quantization.calibration.data)
     check_output(recipe)
+    check_adapters(recipe)
     model = Path(recipe.model)
     if not model.exists() and not recipe.is_hub_id:
         raise RecipeError(f"model: directory {recipe.model!r} does not exist (relative paths start at the current directory)")

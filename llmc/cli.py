@@ -157,8 +157,10 @@ def cli(verbose: bool) -> None:
 @cli.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--output", "-o", type=click.Path(file_okay=False), default=None, help="override the recipe's output directory")
+@click.option("--adapter", "adapters", multiple=True, type=click.Path(),
+              help="a PEFT LoRA adapter directory to merge, replacing the recipe's adapter (repeat it to merge several, in order)")
 @click.option("--quiet", "-q", is_flag=True, help="no progress bars")
-def build(recipe: str, output: str | None, quiet: bool) -> None:
+def build(recipe: str, output: str | None, adapters: tuple[str, ...], quiet: bool) -> None:
     """Build the artifact RECIPE describes (atomically: a failed build leaves nothing behind)."""
     from llmc.cli_report import print_build_summary
     from llmc.compiler.build import build as run_build
@@ -167,6 +169,8 @@ def build(recipe: str, output: str | None, quiet: bool) -> None:
     parsed = load_recipe(recipe)
     if output is not None:
         parsed = dataclasses.replace(parsed, output=output)
+    if adapters:
+        parsed = dataclasses.replace(parsed, adapter=list(adapters))
     try:
         result = run_build(parsed, show_progress=not quiet)
     except RecipeError as e:  # found at build time (output, max_model_len, patterns): name the recipe too

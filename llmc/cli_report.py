@@ -83,7 +83,8 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "format_version": manifest.format_version,
         "llmc_version": manifest.llmc_version,
         "model": {**manifest.model.__dict__, "num_parameters": model.num_parameters},
-        "source": {"path": manifest.source.get("path"), "revision": manifest.source.get("revision")},
+        "source": {"path": manifest.source.get("path"), "revision": manifest.source.get("revision"),
+                   "adapters": manifest.source.get("adapters", [])},
         "quantization": {"method": manifest.quant.method, "formats": dict(formats), "modules": manifest.quant.modules,
                          "report": manifest.quant.report},
         "parallel": manifest.parallel.__dict__,
@@ -204,6 +205,8 @@ def print_inspect(report: dict) -> None:
     rows = [
         ("artifact", f"{report['artifact']}  (format {report['format_version']}, llmc {report['llmc_version']})"),
         ("source", report["source"]["path"]),
+        *[("adapter", f"{a['path']} (sha256 {a['sha256']['adapter_model.safetensors'][:16]}…, merged into "
+                      f"{a['modules']} linears)") for a in report["source"].get("adapters", [])],
         ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
                   f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, " + (f"stored as {m['dtype']}" if report.get("onnx") is None
