@@ -319,6 +319,12 @@ def _finite(param, value: float | None) -> float | None:
               "the artifact's kind (awq, gptq, *_marlin, compressed-tensors for int weights; fp8 for FP8)")
 @click.option("--trust-remote-code", "trust_remote_code", is_flag=True, default=None,
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
+@click.option("--enable-lora", "enable_lora", is_flag=True, default=None,
+              help="vLLM's flag, refused: no adapter is served at run time; merge it at build time (recipe adapter, llmc build --adapter)")
+@click.option("--lora-modules", "lora_modules", cls=_OneOrMoreOption, multiple=True,
+              help="vLLM's flag, refused: merge the adapter at build time (recipe adapter, llmc build --adapter)")
+@click.option("--max-loras", "max_loras", type=int, default=None, help="vLLM's flag, refused (LoRA merges at build time)")
+@click.option("--max-lora-rank", "max_lora_rank", type=int, default=None, help="vLLM's flag, refused (LoRA merges at build time)")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: tuple[str, ...], api_key: str | None, max_waiting: int, shutdown_timeout: float,
@@ -339,7 +345,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    overrides = {k: v for k, v in options.items() if v is not None}
+    overrides = {k: v for k, v in options.items() if v is not None and v != ()}  # (): --lora-modules not given
     launch = _launch_config(nnodes, node_rank, master_addr, master_port)
     if launch is not None and launch.node_rank > 0:
         _run_worker_node(artifact, device, overrides, launch)

@@ -13,12 +13,18 @@ from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
+from llmc.runtime.options import LORA_AT_BUILD_TIME
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 
 PromptType = str | list[int] | dict
+
+
+def _refuse_lora_request(lora_request) -> None:
+    if lora_request is not None:
+        raise RequestError(f"lora_request: {LORA_AT_BUILD_TIME}")
 
 
 class LLM:
@@ -90,13 +96,16 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm=False,
         priority: Sequence[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
-        Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory."""
+        Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
+        `lora_request` (vLLM's) is refused: an adapter is merged at build time."""
         self._check_usable()
+        _refuse_lora_request(lora_request)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("LLM.generate is already running on this LLM (another thread); an LLM is not "
                                "thread-safe: serialize the calls or use one LLM per thread")
@@ -135,12 +144,13 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, lora_request=None) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the artifact's chat template (or `chat_template`);
         vLLM's keywords: add_generation_prompt, continue_final_message, chat_template_kwargs (the template's
         extra variables, e.g. {"enable_thinking": False} for Qwen3), tools (OpenAI's tool definitions
         {"type": "function", "function": {...}}, rendered by the template; the replies are text, as vLLM's
         LLM.chat returns them: read calls out of it yourself)."""
+        _refuse_lora_request(lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
@@ -196,10 +206,12 @@ class LLM:
                 self._stream_outputs[output.request_id].append(output)
         return mine
 
-    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
         (runtime/beam_search.py: how it runs and how beams share KV through the prefix cache)."""
         self._check_usable()
+        _refuse_lora_request(lora_request)
         token_lists = []
         for prompt in _as_prompt_list(prompts):
             if isinstance(prompt, dict):

@@ -11,6 +11,7 @@ from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
+from llmc.runtime.beam_search import BeamSearchParams
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -38,12 +39,17 @@ def test_llm_takes_vllm_names(artifact):
         # arguments that do not fit the prompts: one line naming them, not an IndexError or AttributeError
         for bad, message in [({"sampling_params": {"max_tokens": 1}}, "sampling_params must be a SamplingParams"),
                              ({"sampling_params": [greedy, "x"]}, "a list holding str"),
-                             ({"sampling_params": greedy, "priority": [1]}, "1 priorities for 2 prompts")]:
+                             ({"sampling_params": greedy, "priority": [1]}, "1 priorities for 2 prompts"),
+                             ({"lora_request": object()}, "lora_request: llmc serves no LoRA adapters at run time")]:
             with pytest.raises(RequestError, match=message):
                 llm.generate(prompts, **bad)
+        for call in (lambda: llm.chat([{"role": "user", "content": "hi"}], greedy, lora_request=object()),
+                     lambda: llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())):
+            with pytest.raises(RequestError, match="lora_request: .*merge the adapter into the artifact at build time"):
+                call()
     with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
              pipeline_parallel_size=1, data_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
-             quantization=None, disable_log_stats=True) as llm:
+             quantization=None, enable_lora=False, disable_log_stats=True) as llm:
         options = llm.engine.options
         assert options.speculative == art.SpeculativeConfig(**NGRAM) and options.num_kv_blocks == 40
         assert llm.engine.stats()["num_total_blocks"] == 40
@@ -63,6 +69,13 @@ def test_llm_takes_vllm_names(artifact):
     ({"quantization": "awq"}, "quantization 'awq': this artifact holds unquantized weights; drop the flag"),
     ({"quantization": "nf4"}, "quantization 'nf4' is not one of vLLM's quantization methods"),
     ({"model": "elsewhere"}, "give the artifact directory once"),
+    # LoRA adapters are merged at build time (the recipe's adapter), never served at run time
+    ({"enable_lora": True}, "enable_lora: llmc serves no LoRA adapters at run time; merge the adapter into the artifact "
+                            "at build time (the recipe's adapter: PATH, or llmc build --adapter PATH)"),
+    ({"enable_lora": True, "max_loras": 2}, "enable_lora: llmc serves no LoRA adapters"),
+    ({"max_loras": 2}, "max_loras: llmc serves no LoRA adapters"),
+    ({"max_lora_rank": 16}, "max_lora_rank: llmc serves no LoRA adapters"),
+    ({"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]}, "lora_modules: llmc serves no LoRA adapters"),
     # allocations up to these (step buffers, sampler rows) were a numpy / torch MemoryError traceback
     ({"max_num_seqs": 10**12}, "max_num_seqs: 1000000000000 is too large; it must be at most 65536"),
     ({"max_num_batched_tokens": 10**12}, "max_num_batched_tokens: 1000000000000 is too large"),
@@ -83,6 +96,11 @@ def test_run_flags_and_recipe_keys_by_vllm_names(artifact, tmp_path, ref_model_d
     assert vllm.stdout == plain.stdout
     refused = CliRunner().invoke(cli, [*args, "--tensor-parallel-size", "2"])
     assert isinstance(refused.exception, ConfigError) and "tensor_parallel_size 2" in str(refused.exception)
+    for flags, name in [(["--enable-lora", "--max-loras", "2"], "enable_lora"), (["--max-lora-rank", "8"], "max_lora_rank"),
+                        (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"], "lora_modules")]:
+        refused = CliRunner().invoke(cli, [*args, *flags])
+        assert isinstance(refused.exception, ConfigError), refused.output
+        assert str(refused.exception).startswith(f"{name}: llmc serves no LoRA adapters at run time; merge the adapter")
     built = _build(ref_model_dir, tmp_path / "aliases", {"speculative_config": NGRAM, "num_gpu_blocks_override": 30})
     runtime = art.read_manifest(built).runtime
     assert runtime.speculative == art.SpeculativeConfig(**NGRAM) and runtime.num_kv_blocks == 30
