@@ -302,6 +302,12 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--uvicorn-log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="info", show_default=True, help="server: uvicorn's log level")
 @click.option("--disable-uvicorn-access-log", is_flag=True, help="server: no log line per HTTP request")
+@click.option("--enable-log-requests", is_flag=True,
+              help="server: log each request (id, prompt text and token ids, sampling parameters), as vLLM's")
+@click.option("--disable-log-requests", is_flag=True,
+              help="server: vLLM's older flag, accepted: requests are not logged unless --enable-log-requests")
+@click.option("--max-log-len", type=click.IntRange(min=0), default=None,
+              help="server: with --enable-log-requests, at most this many prompt characters and token ids per line")
 @click.option("--tokenizer-pool-size", type=click.IntRange(min=0), default=0,
               help="server: threads that tokenize prompts and render chat templates off the event loop (0: the event loop's default thread pool)")
 @click.option("--data-parallel", "--data-parallel-size", "data_parallel", type=click.IntRange(min=1), default=1,
@@ -335,7 +341,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
         structured_outputs_config: bool, chat_template: str | None, ssl_keyfile: str | None,
         ssl_certfile: str | None, ssl_ca_certs: str | None, ssl_cert_reqs: int, root_path: str,
-        uvicorn_log_level: str, disable_uvicorn_access_log: bool, **options) -> None:
+        uvicorn_log_level: str, disable_uvicorn_access_log: bool, enable_log_requests: bool,
+        disable_log_requests: bool, max_log_len: int | None, **options) -> None:
     """Run ARTIFACT: an OpenAI-compatible HTTP server (the default), one completion (--prompt),
     an interactive chat (--chat), or a batch file (--input/--output).
 
@@ -375,6 +382,10 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         from llmc.runtime.server.api_server import CorsPolicy, serve
 
         tls = _tls_config(ssl_keyfile, ssl_certfile, ssl_ca_certs, ssl_cert_reqs)
+        if enable_log_requests and disable_log_requests:
+            raise click.UsageError("--enable-log-requests and --disable-log-requests contradict each other: give one")
+        if max_log_len is not None and not enable_log_requests:
+            raise click.UsageError("--max-log-len bounds the request log: give --enable-log-requests too, or drop it")
         devices = [_replica_device(artifact, device, i) for i in range(data_parallel)]
         _check_engine_options(artifact, devices, overrides)  # before the port is bound and the model loads
         factories = [_engine_factory(artifact, device, overrides, launch) for device in devices]
@@ -386,7 +397,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
               reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config,
               tls=tls, root_path=root_path, uvicorn_log_level=uvicorn_log_level,
-              access_log=not disable_uvicorn_access_log)
+              access_log=not disable_uvicorn_access_log, log_requests=enable_log_requests, max_log_len=max_log_len)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -419,7 +430,8 @@ _MODE_FLAGS = {
     ("server",): ("host", "port", "api_key", "max_waiting", "shutdown_timeout", "tokenizer_pool_size",
                   "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
                   "allow_credentials", "reasoning_parser", "structured_outputs_config", "ssl_keyfile", "ssl_certfile",
-                  "ssl_ca_certs", "ssl_cert_reqs", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log"),
+                  "ssl_ca_certs", "ssl_cert_reqs", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log",
+                  "enable_log_requests", "disable_log_requests", "max_log_len"),
     # a batch file's chat requests go through the server's handlers: tool_choice "auto" needs them there too
     ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser"),
     ("prompt",): ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),

@@ -77,7 +77,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
               on_fatal: Callable[[BaseException], None] | None = None,
               stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy(),
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False) -> FastAPI:
+              reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
+              log_requests: bool = False, max_log_len: int | None = None) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
@@ -87,7 +88,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     (runtime/server/tool_parsers.TOOL_CALL_PARSERS); ValueError for a parser name not there.
     `reasoning_parser` (vLLM's --reasoning-parser): chat replies carry the thinking apart
     (runtime/server/reasoning_parsers); `reasoning_in_structured_output`: structured output then
-    constrains the whole output, reasoning included (else it is refused with a reasoning parser)."""
+    constrains the whole output, reasoning included (else it is refused with a reasoning parser).
+    `log_requests` (vLLM's --enable-log-requests): a line per request, prompt and ids cut at `max_log_len`."""
     # checked before anything starts: a bad parser name is the caller's error, not a request's
     ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_parser(reasoning_parser)
@@ -97,7 +99,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template,
-                         enable_auto_tool_choice, tool_call_parser, reasoning_parser, reasoning_in_structured_output)
+                         enable_auto_tool_choice, tool_call_parser, reasoning_parser, reasoning_in_structured_output,
+                         log_requests, max_log_len)
     ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
@@ -325,7 +328,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
           enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
           reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
           tls: TlsConfig | None = None, root_path: str = "", uvicorn_log_level: str = "info",
-          access_log: bool = True) -> None:
+          access_log: bool = True, log_requests: bool = False, max_log_len: int | None = None) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE].
@@ -342,7 +345,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     trust_request_chat_template=trust_request_chat_template, on_startup_failure=on_startup_failure,
                     on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
-                    reasoning_in_structured_output=reasoning_in_structured_output)  # a dead rank ends the server, and `serve` raises its error
+                    reasoning_in_structured_output=reasoning_in_structured_output, log_requests=log_requests,
+                    max_log_len=max_log_len)  # a dead rank ends the server, and `serve` raises its error
     sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=uvicorn_log_level,

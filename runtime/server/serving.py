@@ -90,8 +90,13 @@ class ServingContext:
     def __init__(self, engine_loop: EngineLoop, served_model_name: ModelNames, max_waiting: int | None = DEFAULT_MAX_WAITING,
                  tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-                 reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False):
+                 reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
+                 log_requests: bool = False, max_log_len: int | None = None):
         self.engine_loop = engine_loop
+        # vLLM's --enable-log-requests: one INFO line per request (its id, the prompt's text and token ids, at
+        # most max_log_len of each, and the sampling parameters)
+        self.log_requests = log_requests
+        self.max_log_len = max_log_len
         # vLLM's --reasoning-parser: chat replies carry the thinking apart (reasoning_parsers); with
         # reasoning_in_structured_output (vLLM's structured_outputs_config enable_in_reasoning) an output
         # constraint covers the whole output, reasoning included, else it is refused with the parser
@@ -257,6 +262,9 @@ class ServingContext:
         self.check_admission(per_prompt * len(prompts),
                              "prompt" if len(prompts) > 1 else ("best_of" if params.best_of else "n"))
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        if self.log_requests:
+            for index, token_ids in enumerate(prompts):
+                self._log_request(f"{request_id}-{index}", token_ids, params)
         generation = Generation(self.engine_loop)
         try:
             for index, token_ids in enumerate(prompts):
@@ -269,6 +277,15 @@ class ServingContext:
                 raise as_api_error(e) from None
             raise
         return generation
+
+
+    def _log_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        limit = self.max_log_len
+        ids = token_ids if limit is None else token_ids[:limit]
+        text = self.tokenizer.decode(ids)
+        logger.info("received request %s: prompt: %r, params: %s, prompt_token_ids: %s%s", request_id,
+                    text if limit is None else text[:limit], params, ids,
+                    "" if len(ids) == len(token_ids) else f" (first {len(ids)} of {len(token_ids)})")
 
 
 def _chat_template_error(message: str) -> ApiError:

@@ -58,7 +58,7 @@ def test_https_root_path_and_chat_template_on_the_server(start_server, server_ar
     template.write_text(TEMPLATE)
     server = start_server("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
                           "--chat-template", str(template), "--disable-uvicorn-access-log", "--disable-log-stats",
-                          wait=False)
+                          "--enable-log-requests", "--max-log-len", "4", wait=False)
     base = f"https://127.0.0.1:{server.port}"
     with httpx.Client(verify=ssl.create_default_context(cafile=str(cert)), timeout=60) as client:
         for _ in range(600):
@@ -74,6 +74,11 @@ def test_https_root_path_and_chat_template_on_the_server(start_server, server_ar
         reply = client.post(f"{base}/tokenize", json={"model": "ref-llama-12m", "messages": MESSAGES})
         assert reply.status_code == 200, reply.text
         assert reply.json()["tokens"] == _reference_ids(server_artifact, MESSAGES)
+        prompt = "ROMEO: Good morrow, cousin."
+        reply = client.post(f"{base}/v1/completions", json={"model": "ref-llama-12m", "prompt": prompt, "max_tokens": 1})
+        assert reply.status_code == 200, reply.text
+        request_id = reply.json()["id"]
+        num_prompt = reply.json()["usage"]["prompt_tokens"]
     with pytest.raises(httpx.TransportError):  # plain HTTP on an HTTPS port
         httpx.get(f"http://127.0.0.1:{server.port}/health", timeout=5)
     with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
@@ -82,6 +87,12 @@ def test_https_root_path_and_chat_template_on_the_server(start_server, server_ar
     log = server.log()
     assert f"listening on https://127.0.0.1:{server.port} (OpenAI API under /v1, /llm/v1 behind the proxy)" in log
     assert '"GET /v1/models' not in log and '"POST /tokenize' not in log  # no access log
+    # --enable-log-requests --max-log-len 4: the prompt's first 4 characters and token ids
+    line = next(line for line in log.splitlines() if f"received request {request_id}-0:" in line)
+    tokenizer = AutoTokenizer.from_pretrained(str(server_artifact / "tokenizer"))
+    ids = tokenizer(prompt).input_ids
+    assert len(ids) == num_prompt and f"prompt_token_ids: {ids[:4]} (first 4 of {num_prompt})" in line
+    assert f"prompt: {tokenizer.decode(ids[:4])[:4]!r}, params: " in line and "max_tokens=1" in line
 
 
 def test_a_batch_file_and_chat_use_the_chat_template(server_artifact, tmp_path, capsys):
@@ -110,6 +121,8 @@ def test_a_batch_file_and_chat_use_the_chat_template(server_artifact, tmp_path, 
     (["--ssl-keyfile", "KEY", "--ssl-certfile", "CERT", "--ssl-ca-certs", "KEY"], "--ssl-ca-certs"),
     (["-p", "x", "--ssl-keyfile", "KEY"], "--ssl-keyfile applies to the server"),
     (["-p", "x", "--root-path", "/llm"], "--root-path applies to the server"),
+    (["--max-log-len", "10"], "--max-log-len bounds the request log: give --enable-log-requests too"),
+    (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
 ])
 def test_deployment_flags_are_checked_before_the_model_loads(args, message, server_artifact, tmp_path, capsys):
     key, cert = _self_signed(tmp_path)
