@@ -3,7 +3,8 @@
 What is written (OUT/):
   config.json             the model's HF config, rebuilt from the manifest's ModelConfig (the source
                           checkpoint is not needed), with a compressed-tensors `quantization_config`
-  model.safetensors       HF tensor names; fused linears split back (q/k/v, gate/up)
+  model.safetensors       HF tensor names; fused linears split back (q/k/v, gate/up), except where the
+                          family's checkpoints hold them fused (Phi-3's qkv_proj, gate_up_proj)
   tokenizer files         the artifact's tokenizer/ folder (generation_config.json with it, if there)
 
 Weights, per linear format (the facts of compressed-tensors' layouts: quant/importers.py's docstring):
@@ -40,10 +41,10 @@ from llmc.quant.importers import pack_float_quantized, pack_pack_quantized
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime.models import spec_for_family
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, hf_member_rows
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3"}
+                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
 
 
 @dataclass
@@ -173,15 +174,15 @@ def _scheme_key(spec: dict) -> dict:
 
 def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, list[tuple[str, int]], int]]:
     """(runtime name, [(HF module, output rows)], in_features) for every linear, lm_head included."""
-    q, kv, hidden, inter = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
-        model.hidden_size, model.intermediate_size
-    rows = {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.o_proj": hidden,
-            "mlp.gate_proj": inter, "mlp.up_proj": inter, "mlp.down_proj": hidden}
-    inputs = {"attn.qkv": hidden, "attn.o": q, "mlp.gate_up": hidden, "mlp.down": inter}
+    hidden = model.hidden_size
+    inputs = {"attn.qkv": hidden, "attn.o": model.num_heads * model.head_dim, "mlp.gate_up": hidden,
+              "mlp.down": model.intermediate_size}
     out = []
     for i in range(model.num_layers):
         for linear in spec.layer_linears:
-            members = [(f"{spec.hf_layer_prefix}{i}.{m}", rows[m]) for m in linear.hf_members]
+            # (Phi-3's qkv_proj and gate_up_proj are one member each: written fused, as its checkpoints hold them)
+            members = [(f"{spec.hf_layer_prefix}{i}.{m}", rows) for m, rows in zip(linear.hf_members,
+                                                                                    hf_member_rows(linear, model))]
             out.append((f"layers.{i}.{linear.name}", members, inputs[linear.name]))
     if not model.tie_word_embeddings:
         out.append(("lm_head", [("lm_head", model.vocab_size)], hidden))

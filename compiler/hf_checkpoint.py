@@ -75,9 +75,11 @@ _HF_CONFIG_DEFAULTS = {
     "qwen2": {"max_position_embeddings": 32768, "use_sliding_window": False},
     "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False},
     "qwen3_moe": {"max_position_embeddings": 32768, "use_sliding_window": False},
+    "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
 }
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
-                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+                  "Phi3ForCausalLM": "phi3"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -90,6 +92,12 @@ def with_hf_defaults(config: dict) -> dict:
 def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
     """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
     config = with_hf_defaults(config)
+    activation = config.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
+        raise CheckpointError(f"hidden_act {activation!r} is not supported: the runtime's MLP computes SiLU(gate) * up "
+                              "(hidden_act silu)")
+    if spec.family == "phi3":
+        _check_phi3_rope(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -111,7 +119,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         rope_scaling=rope_scaling,
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        attention_bias=spec.family == "qwen2" or bool(config.get("attention_bias", False)),
+        # Qwen2's q/k/v always have biases; Phi-3's linears never do (its modules ignore the key)
+        attention_bias=spec.family == "qwen2" or (spec.family != "phi3" and bool(config.get("attention_bias", False))),
         qk_norm=bool(spec.qk_norms),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -163,6 +172,29 @@ def _rope(config: dict) -> tuple[float, dict | None]:
         raise CheckpointError(f"rope_scaling type {rope_type!r} needs {', '.join(missing)} in config.json "
                               f"(it has {sorted(params) or 'no keys'}); fix the checkpoint's config")
     return theta, {"rope_type": rope_type, **params}
+
+
+def _check_phi3_rope(config: dict) -> None:
+    """What transformers' Phi-3 rotary does beyond the plain one, refused by name: LongRoPE (Phi3Config reads
+    `rope_scaling` types su, yarn and longrope as longrope) and a partial_rotary_factor below 1 (in
+    rope_parameters, else at the top level). Phi3Config itself refuses every other type."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}  # Phi3Config: rope_scaling first
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    arch = config["architectures"][0]
+    if rope_type in ("su", "yarn", "longrope"):
+        raise CheckpointError(
+            f"{arch}: rope_scaling type {rope_type!r} (LongRoPE: Phi-3-*-128k, Phi-3.5, Phi-4-mini) is not supported: it "
+            f"switches every position's rotary frequencies once a sequence passes original_max_position_embeddings "
+            f"({config.get('original_max_position_embeddings', 4096)}), which keys already in a paged KV cache cannot "
+            "follow; use a checkpoint with the default rope (Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
+    if rope_type != "default":
+        raise CheckpointError(f"{arch}: rope_scaling type {rope_type!r} is not one Phi-3 has (transformers' Phi3Config "
+                              "takes default and longrope); fix the checkpoint's config")
+    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise CheckpointError(f"{arch}: partial_rotary_factor {factor} (rotary on part of each head, as Phi-4-mini) is "
+                              "not supported: the runtime rotates whole heads; use a checkpoint with "
+                              "partial_rotary_factor 1.0")
 
 
 # what each rope scaling type reads (as transformers' computations of them)

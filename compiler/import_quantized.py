@@ -23,7 +23,7 @@ from llmc.quant.formats import DenseFormat, QuantizedWeight
 from llmc.quant.import_config import ImportSpec, parse_quantization_config
 from llmc.quant.importers import concat_out, unpack_module
 from llmc.runtime.artifact import ModelConfig
-from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, hf_member_rows
 
 
 # Where AutoGPTQ / GPTQModel and AutoAWQ keep the config when config.json has none (vLLM reads them too);
@@ -100,14 +100,15 @@ class ImportPacker:
         """Every linear of layer `index` in runtime names (an MoE layer's: each expert's gate_up, then each
         down) → its HF member modules, each as (name, in_features, out_features)."""
         c, spec, prefix = self.config, self.spec, f"{self.spec.hf_layer_prefix}{index}."
-        q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
-        shapes = {"attn.qkv": [(h, q), (h, kv), (h, kv)], "attn.o": [(q, h)],
-                  "mlp.gate_up": [(h, c.intermediate_size)] * 2, "mlp.down": [(c.intermediate_size, h)]}
+        h = c.hidden_size
+        inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size}
         linears = {}
         for linear in spec.layer_linears:
             if c.is_moe_layer(index) and linear.name.startswith("mlp."):
                 continue
-            linears[linear.name] = [(prefix + m, *shape) for m, shape in zip(linear.hf_members, shapes[linear.name])]
+            # a member stored fused (Phi-3's qkv_proj) is unpacked whole: its rows are the runtime linear's
+            linears[linear.name] = [(prefix + m, inputs[linear.name], rows)
+                                    for m, rows in zip(linear.hf_members, hf_member_rows(linear, c))]
         if c.is_moe_layer(index):
             moe, size = spec.moe, c.moe_intermediate_size
             experts = [prefix + moe.expert_prefix.format(e) for e in range(c.num_experts)]

@@ -37,7 +37,7 @@ KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
@@ -55,7 +55,7 @@ def rank_weights_path(rank: int) -> str:
 class ModelConfig:
     """Architecture hyper-parameters, normalised from the HF config (one schema for every family)."""
 
-    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3"
+    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3" | "phi3" | MoE ones
     architecture: str = opt()  # the HF class name, e.g. "LlamaForCausalLM"
     vocab_size: int = opt(min=1)
     hidden_size: int = opt(min=1)

@@ -4,7 +4,7 @@ Test files cannot import each other (pytest runs with ``--import-mode=importlib`
 helper here is reachable through a fixture:
 
 * ``hf_checkpoint_factory`` -> :func:`make_hf_checkpoint`
-* ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``,
+* ``tiny_llama``, ``tiny_llama3_rope``, ``tiny_mistral``, ``tiny_qwen2``, ``tiny_qwen3``, ``tiny_phi3``,
   ``tiny_llama_sharded`` -> ``Path`` of one session-wide checkpoint each
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
@@ -54,7 +54,7 @@ DATA_DIR = REPO_ROOT / "data"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 
@@ -125,6 +125,9 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "num_hidden_layers": 3, "decoder_sparse_step": 1, "mlp_only_layers": [1],
                                      "norm_topk_prob": False, "head_dim": 32, "use_sliding_window": False,
                                      "sliding_window": None}),
+    # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; head_dim 32 != hidden / heads (Phi3Attention
+    # reads the key when the config has it); no sliding window (Phi3Config's default).
+    "phi3": ("Phi3Config", {"head_dim": 32, "sliding_window": None}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -192,6 +195,10 @@ def _rewrite_legacy_rope_keys(config_path: Path, style: Any) -> None:
     cfg = json.loads(config_path.read_text())
     params = dict(cfg.pop("rope_parameters"))
     theta = params.pop("rope_theta")
+    # Phi3Config fills in partial_rotary_factor 1.0; published configs leave it out, or keep it at the top level
+    partial = params.pop("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        cfg["partial_rotary_factor"] = partial
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default" and not params:
         scaling = None
@@ -239,7 +246,7 @@ def make_hf_checkpoint(
     # Different families get different weights for the same seed, except that llama3_rope
     # shares llama's weights (same shapes): the two differ only in the rope.
     weights_family = "llama" if family == "llama3_rope" else family
-    _randomise_(model, seed * 1000 + (FAMILIES + MOE_FAMILIES).index(weights_family))
+    _randomise_(model, seed * 1000 + list(_FAMILY_SPECS).index(weights_family))  # a family added last moves no other's
     model.generation_config = GenerationConfig(
         do_sample=False,
         bos_token_id=config.bos_token_id,
@@ -498,6 +505,11 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "phi3")
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,14 @@ import pytest
 import torch
 from safetensors import safe_open
 
-FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 ARCH = {
     "llama": "LlamaForCausalLM",
     "llama3_rope": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 PROMPT = "ROMEO:"
 
@@ -74,9 +75,12 @@ def test_common_config_and_files(tiny_checkpoint, hf_model):
     model = hf_model(path)  # loads in transformers, no missing / unexpected keys
     assert type(model).__name__ == ARCH[family]
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    k = tensors["model.layers.0.self_attn.k_proj.weight"]
-    q = tensors["model.layers.0.self_attn.q_proj.weight"]
-    assert k.shape[0] * 2 == q.shape[0]
+    if family == "phi3":  # q, k, v fused: rows 4 heads + 2 + 2 of head_dim 32
+        assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 + 2) * 32, 64)
+    else:
+        k = tensors["model.layers.0.self_attn.k_proj.weight"]
+        q = tensors["model.layers.0.self_attn.q_proj.weight"]
+        assert k.shape[0] * 2 == q.shape[0]
 
 
 def test_norms_and_biases_are_random(tiny_checkpoint):
@@ -116,6 +120,18 @@ def test_qwen3_specifics(tiny_qwen3):
     assert t["model.layers.0.self_attn.o_proj.weight"].shape == (64, 128)
     assert t["model.layers.0.self_attn.q_norm.weight"].shape == (32,)
     assert t["model.layers.1.self_attn.k_norm.weight"].shape == (32,)
+    assert "lm_head.weight" in t
+
+
+def test_phi3_specifics(tiny_phi3):
+    cfg = read_config(tiny_phi3)
+    assert cfg["model_type"] == "phi3" and cfg["sliding_window"] is None and cfg["head_dim"] == 32
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}
+    t = read_tensors(tiny_phi3)
+    layer = {k.removeprefix("model.layers.0."): tuple(v.shape) for k, v in t.items() if k.startswith("model.layers.0.")}
+    assert layer == {"self_attn.qkv_proj.weight": (256, 64), "self_attn.o_proj.weight": (64, 128),
+                     "mlp.gate_up_proj.weight": (256, 64), "mlp.down_proj.weight": (64, 128),
+                     "input_layernorm.weight": (64,), "post_attention_layernorm.weight": (64,)}
     assert "lm_head.weight" in t
 
 

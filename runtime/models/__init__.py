@@ -1,9 +1,9 @@
 """Model families. `spec_for_architecture` finds the ModelSpec for an HF `architectures` entry."""
 
-from llmc.runtime.models import llama, mixtral, qwen2, qwen3, qwen3_moe
+from llmc.runtime.models import llama, mixtral, phi3, qwen2, qwen3, qwen3_moe
 from llmc.runtime.models.spec import ModelSpec
 
-SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, mixtral.SPEC, qwen3_moe.SPEC)
+SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:

@@ -14,7 +14,9 @@ class FusedLinear:
     """One runtime linear of a decoder layer, made of one or more HF linears concatenated on the output dim."""
 
     name: str  # runtime name inside a layer, e.g. "attn.qkv"
-    hf_members: tuple[str, ...]  # HF names inside a layer, e.g. ("self_attn.q_proj", "self_attn.k_proj", ...)
+    # HF names inside a layer, e.g. ("self_attn.q_proj", "self_attn.k_proj", ...); one name where the checkpoint
+    # stores the linear fused already, in the runtime's row order (Phi-3's "self_attn.qkv_proj": q, k, v rows)
+    hf_members: tuple[str, ...]
     parallel: str  # "column" (split the output dim) | "row" (split the input dim)
     input_from: str  # the runtime module whose output feeds this linear ("input_norm", "attn.qkv", ...)
 
@@ -53,6 +55,13 @@ LLAMA_LINEARS = (
     FusedLinear("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj"), "column", "post_attn_norm"),
     FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
 )
+# Phi-3 stores q/k/v and gate/up fused, in the runtime's row order (q, k, v; gate, up: its MLP's chunk(2))
+PHI3_LINEARS = (
+    FusedLinear("attn.qkv", ("self_attn.qkv_proj",), "column", "input_norm"),
+    FusedLinear("attn.o", ("self_attn.o_proj",), "row", "attn.qkv"),
+    FusedLinear("mlp.gate_up", ("mlp.gate_up_proj",), "column", "post_attn_norm"),
+    FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
+)
 LLAMA_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
 QK_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 LLAMA_GLOBALS = {
@@ -60,6 +69,19 @@ LLAMA_GLOBALS = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
+
+
+def hf_member_rows(linear: FusedLinear, config) -> list[int]:
+    """Output rows of each of a dense layer linear's HF members, in order (`config`: the ModelConfig): q, k and
+    v each (gate and up), or all of them in one member that stores the linear fused (Phi-3's qkv_proj)."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    parts = {"attn.qkv": [q, kv, kv], "attn.o": [config.hidden_size],
+             "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size]}[linear.name]
+    if len(linear.hf_members) == len(parts):
+        return parts
+    if len(linear.hf_members) == 1:
+        return [sum(parts)]
+    raise ValueError(f"{linear.name}: {len(linear.hf_members)} HF members for {len(parts)} parts")
 
 
 def expert_linear_name(expert: int, projection: str) -> str:
