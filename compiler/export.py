@@ -280,6 +280,9 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         "mlp_bias": False,
         "bos_token_id": model.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        # the artifact does not record one (generation_config.json keeps the model's); said so that a config
+        # class default (Phi3Config's 32000) does not stand in, past the end of a smaller vocabulary
+        "pad_token_id": None,
         "torch_dtype": model.dtype,
         "sliding_window": model.sliding_window,
     }
