@@ -85,15 +85,21 @@ def test_round_trip_through_the_importer(kind, tiny_llama, tmp_path, data_dir):
         assert not [name for name in f.keys() if name.endswith("g_idx")]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
 def test_round_trip_of_other_families(family, request, tmp_path):
-    """qwen2: q/k/v biases split with their rows; qwen3: the q/k norms renamed."""
+    """qwen2: q/k/v biases split with their rows; qwen3: the q/k norms renamed; phi3: q/k/v and gate/up written
+    fused, under Phi-3's own names."""
     source = request.getfixturevalue(f"tiny_{family}")
     original = _build(source, tmp_path / "original", {"method": "rtn", "bits": 4, "group_size": 32}, device="cuda")
     exported = _round_trip(original, tmp_path, "cuda")
     names = load_file(exported / "model.safetensors").keys()
     if family == "qwen2":
         assert {f"model.layers.0.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")} <= names
+    elif family == "phi3":
+        layer = {n.removeprefix("model.layers.0.") for n in names if n.startswith("model.layers.0.")}
+        assert layer == {f"{m}.{t}" for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                              "mlp.down_proj") for t in ("weight_packed", "weight_scale", "weight_shape")} \
+            | {"input_layernorm.weight", "post_attention_layernorm.weight"}
     else:
         assert "model.layers.0.self_attn.q_norm.weight" in names
 
@@ -259,20 +265,22 @@ def test_checkpoint_is_compressed_tensors_float_quantized(activations, tiny_llam
             assert torch.equal(t["input_scale"], artifact["layers.1.attn.qkv.input_scale"])
 
 
-def test_cli_export_and_dense_artifact(tiny_llama, tmp_path, llmc_cli, hf_model):
-    """An unquantized artifact exports as a plain checkpoint (no quantization_config): the source's tensors, and
-    a config.json from which transformers builds the same model (its logits)."""
-    original = _build(tiny_llama, tmp_path / "original", {"method": "none"})
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_cli_export_and_dense_artifact(family, request, tmp_path, llmc_cli, hf_model):
+    """An unquantized artifact exports as a plain checkpoint (no quantization_config): the source's tensors (Phi-3's
+    fused ones as they were), and a config.json from which transformers builds the same model (its logits)."""
+    source = request.getfixturevalue(f"tiny_{family}")
+    original = _build(source, tmp_path / "original", {"method": "none"})
     code, err = llmc_cli("export", original, tmp_path / "exported")
     assert code == 0, err
     config = json.loads((tmp_path / "exported" / "config.json").read_text())
     assert "quantization_config" not in config
-    theirs, ours = load_file(tiny_llama / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
+    theirs, ours = load_file(source / "model.safetensors"), load_file(tmp_path / "exported" / "model.safetensors")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k].float()) for k in ours)
     with torch.no_grad():
         ids = torch.tensor([TOKENS])
-        torch.testing.assert_close(hf_model(tmp_path / "exported")(ids).logits, hf_model(tiny_llama)(ids).logits,
+        torch.testing.assert_close(hf_model(tmp_path / "exported")(ids).logits, hf_model(source)(ids).logits,
                                    rtol=0, atol=0)
 
 
@@ -306,7 +314,7 @@ def test_refusals_are_one_line(kind, tiny_llama, tiny_mixtral, tmp_path, llmc_cl
     assert not (tmp_path / "exported.tmp-export").exists()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3"])
 def test_config_reads_back_to_the_same_model(family, request):
     """config.json is rebuilt from the manifest's ModelConfig alone: llmc's HF reader (what a re-import runs)
     reads it back to the same ModelConfig (rope scaling, sliding windows, eos ids included)."""

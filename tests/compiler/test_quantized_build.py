@@ -18,7 +18,8 @@ from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.llm import LLM
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Phi-3's checkpoints store q/k/v as one qkv_proj and gate/up as one gate_up_proj: quantized and packed whole)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 FORMATS = {
     "awq": (lambda q: pack_awq_gemm(q), False, {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}),
     "gptq-sym": (lambda q: pack_gptq(q, is_v1=True), True, {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}),
@@ -49,21 +50,23 @@ def _quantized_checkpoint(source, dest, kind):
     return dequantized
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
 @pytest.mark.parametrize("kind", list(FORMATS))
-def test_import_matches_transformers_on_the_dequantized_weights(kind, tiny_llama, tmp_path, hf_model, hf_encode):
-    dequantized = _quantized_checkpoint(tiny_llama, tmp_path / "ckpt", kind)
+def test_import_matches_transformers_on_the_dequantized_weights(kind, family, request, tmp_path, hf_model, hf_encode):
+    source = request.getfixturevalue(f"tiny_{family}")
+    dequantized = _quantized_checkpoint(source, tmp_path / "ckpt", kind)
     out = tmp_path / "artifact"
     build(recipe_from_dict({"model": str(tmp_path / "ckpt"), "output": str(out), "dtype": "float32",
                             "quantization": {"method": "import"}}), show_progress=False)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["quant"]["modules"]["layers.0.attn.qkv"]["format"] == "w4a16"
     # The oracle: transformers' own model with each linear replaced by the dequantized weights.
-    oracle = hf_model(tiny_llama)
+    oracle = hf_model(source)
     state = {k: v.clone() for k, v in oracle.state_dict().items()}
     with torch.no_grad():
         for name, weight in dequantized.items():
             oracle.get_parameter(name).copy_(weight)
-        token_ids = hf_encode(tiny_llama, "The quick brown fox") + list(range(50, 80))
+        token_ids = hf_encode(source, "The quick brown fox") + list(range(50, 80))
         expected = oracle(torch.tensor([token_ids])).logits[0]
         oracle.load_state_dict(state)
     ours = LLM(out, device="cpu").engine.score(token_ids)

@@ -127,7 +127,8 @@ def test_scaled_ropes_match_transformers(hf_checkpoint_factory, tmp_path, hf_log
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),  # layer 1 slides
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0}),  # every layer
     ("mistral", {"sliding_window": 16}),
-], ids=["qwen2-upper-layers", "qwen3-all-layers", "mistral"])
+    ("phi3", {"sliding_window": 16}),  # every layer (Phi-3-mini-4k's 2047)
+], ids=["qwen2-upper-layers", "qwen3-all-layers", "mistral", "phi3"])
 def test_sliding_windows_on_the_layers_transformers_gives_them(hf_checkpoint_factory, tmp_path, hf_logits,
                                                                family, window):
     """Qwen2/3's window applies from max_window_layers on (the config's layer_types); it was applied to every

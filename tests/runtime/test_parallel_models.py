@@ -1,5 +1,6 @@
 """Parallel splits of the model features the ref checkpoint lacks, against transformers itself:
-tied embeddings across pipeline stages and q/k/v biases (qwen2), per-head q/k norms (qwen3), KV
+tied embeddings across pipeline stages and q/k/v biases (qwen2), per-head q/k norms (qwen3), the checkpoint's
+fused qkv_proj and gate_up_proj (phi3), KV
 heads replicated when tensor exceeds them plus a vocabulary padded to a multiple of tensor (llama);
 and the launches: torchrun, and two `llmc run --nnodes 2` processes sharing the ranks."""
 
@@ -30,6 +31,7 @@ def _build(checkpoint, out, tensor: int, pipeline: int):
 @pytest.mark.parametrize(("family", "overrides", "tensor", "pipeline"), [
     ("qwen2", {}, 2, 2),  # tied: the last stage holds the embedding rows as its lm_head; qkv biases split
     ("qwen3", {}, 2, 1),  # q_norm/k_norm per head, head_dim 32 != hidden / heads
+    ("phi3", {}, 2, 1),  # the checkpoint's fused qkv_proj split by heads, gate_up_proj by halves
     ("llama", {"vocab_size": 4099}, 4, 1),  # 4 ranks, 2 KV heads: replicated; vocab padded to 4100
 ])
 def test_parallel_greedy_matches_transformers(hf_checkpoint_factory, tmp_path, hf_greedy, hf_encode,

@@ -1,0 +1,153 @@
+"""Phi-3 (Phi3ForCausalLM), whose checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`.
+
+Each quantization method's artifact against transformers' Phi3ForCausalLM running the artifact's own weights
+(dequantized, under Phi-3's fused names), Phi3Config's defaults, and the refusals by name (LongRoPE, partial
+rotary). The float32 logits and greedy tokens, ONNX, tensor parallelism, imports, export and sliding windows
+run with the other families (tiny_checkpoint in test_hf_equivalence, test_onnx_target, test_parallel_models,
+test_quantized_build, test_export)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import CheckpointError
+from llmc.quant.formats import make_format
+from llmc.quant.reference import dequantize
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+CALIBRATION = {"num_samples": 4, "seq_len": 64}
+METHODS = {
+    "rtn-w4-g32": {"method": "rtn", "bits": 4, "group_size": 32},
+    # act order: down's columns put in group order, gate_up's rows (both halves) with them
+    "gptq-w4-g32-act-order": {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True,
+                              "calibration": CALIBRATION},
+    "awq-w4-g32-asym": {"method": "awq", "bits": 4, "group_size": 32, "symmetric": False, "calibration": CALIBRATION},
+    "fp8-dynamic": {"method": "fp8"},
+}
+# runtime name in a layer → Phi-3's (transformers') name
+HF_NAMES = {"attn.qkv": "self_attn.qkv_proj", "attn.o": "self_attn.o_proj", "mlp.gate_up": "mlp.gate_up_proj",
+            "mlp.down": "mlp.down_proj", "input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
+
+
+def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
+    """The artifact's weights as Phi3ForCausalLM's state dict: each linear dequantized by the formats' oracle
+    (quant/reference.py), the norms as the artifact holds them (AWQ folds its scales into them)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+    state = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"],
+             "lm_head.weight": tensors["lm_head.weight"]}
+    for i in range(manifest["model"]["num_layers"]):
+        for runtime, hf in HF_NAMES.items():
+            prefix = f"layers.{i}.{runtime}."
+            params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            if runtime.endswith("norm"):
+                weight = params["weight"]
+            else:
+                weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32),
+                                    params)
+            state[f"model.layers.{i}.{hf}.weight"] = weight.float()
+    return state
+
+
+def _fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x with each token's vector rounded to E4M3 at scale amax / 448 (vLLM's dynamic per-token FP8), dequantized."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", list(METHODS))
+def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_phi3, tmp_path, data_dir, hf_encode):
+    from transformers import AutoModelForCausalLM
+
+    quant = dict(METHODS[method])
+    if "calibration" in quant:
+        quant["calibration"] = {**quant["calibration"], "data": str(data_dir / "wikitext2-valid-head.txt")}
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(tiny_phi3), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
+                            "quantization": {**quant, "report": False}, "runtime": {"max_model_len": 128}}),
+          show_progress=False)
+    modules = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
+    assert modules["layers.1.attn.qkv"]["format"] == ("w8a8-fp8" if method.startswith("fp8") else "w4a16")
+    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_phi3), dtype=torch.float32, attn_implementation="eager")
+    oracle.load_state_dict(_hf_state_of(out), strict=True)
+    oracle.eval()
+
+    if method.startswith("fp8"):  # dynamic activations: each token's input to a layer linear rounded to E4M3
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (_fp8_per_token(args[0]),))
+    token_ids = hf_encode(tiny_phi3, "The quick brown fox") + list(range(50, 80))
+    theirs = oracle(torch.tensor([token_ids])).logits[0]
+    llm = LLM(out, device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
+    torch.testing.assert_close(llm.engine.score(token_ids), theirs, atol=1e-4, rtol=1e-4)
+    prompt = hf_encode(tiny_phi3, "ROMEO:")
+    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24))
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_keys_the_config_leaves_out_take_phi3configs_defaults(tiny_phi3, tmp_path):
+    """rms_norm_eps 1e-5, 4096 positions, bos 1, eos 32000: transformers' own reading of the same config.json."""
+    from transformers import AutoConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = json.loads((tiny_phi3 / "config.json").read_text())
+    for key in ("rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "sliding_window"):
+        del config[key]
+    (path / "config.json").write_text(json.dumps(config))
+    theirs = AutoConfig.from_pretrained(str(path))
+    ours = model_config_from_hf(read_hf_config(path), model_spec_for(config, path), "float32")
+    assert (ours.rms_norm_eps, ours.max_position_embeddings, ours.bos_token_id, ours.eos_token_ids, ours.sliding_window) \
+        == (theirs.rms_norm_eps, theirs.max_position_embeddings, theirs.bos_token_id, [theirs.eos_token_id],
+            theirs.sliding_window) == (1e-5, 4096, 1, [32000], None)
+
+
+def _with_config(tiny_phi3, path, **changes):
+    shutil.copytree(tiny_phi3, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+LONG = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # 8 = head_dim 16 // 2 (Phi3Config's check)
+
+
+@pytest.mark.parametrize("changes,said", [
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64, **LONG}},
+     "rope_scaling type 'longrope' (LongRoPE"),
+    # the published spellings: Phi-3-mini-128k's "su", and "yarn", which Phi3Config reads as longrope
+    ({"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "su", "original_max_position_embeddings": 64,
+                                                                   **LONG}}, "rope_scaling type 'su' (LongRoPE"),
+    ({"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "yarn", **LONG}},
+     "rope_scaling type 'yarn' (LongRoPE"),
+    # Phi-4-mini keeps the factor at the top level; transformers 5 writes it into rope_parameters
+    ({"partial_rotary_factor": 0.75, "rope_parameters": None, "rope_theta": 1e4, "rope_scaling": None},
+     "partial_rotary_factor 0.75"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor 0.5"),
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+], ids=["longrope", "su", "yarn-is-longrope", "partial-rotary-top-level", "partial-rotary-in-rope-parameters", "gelu"])
+def test_what_the_runtime_cannot_compute_is_refused_by_name(tiny_phi3, tmp_path, changes, said, llmc_cli):
+    from transformers import AutoConfig
+
+    checkpoint = _with_config(tiny_phi3, tmp_path / "ckpt", **changes)
+    AutoConfig.from_pretrained(str(checkpoint))  # a config transformers takes
+    with pytest.raises(CheckpointError, match=said.replace("(", r"\(")):
+        build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "a")}), show_progress=False)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {checkpoint}\noutput: {tmp_path / 'a'}\n")
+    code, err = llmc_cli("build", recipe, "-q")
+    errors = [line for line in err.splitlines() if line.startswith("llmc: error:")]
+    assert code not in (0, None) and "Traceback" not in err and len(errors) == 1 and said in errors[0], err
+    assert not (tmp_path / "a").exists()
