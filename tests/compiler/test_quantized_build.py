@@ -248,16 +248,21 @@ def _act_order_rtn(weight, group_size):
     return QuantizedWeight(levels, q.scales, None, 4, group_size, g_idx)
 
 
-def test_act_order_gptq_import_runs_on_the_w4a16_layout(tiny_llama, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_act_order_gptq_import_runs_on_the_w4a16_layout(family, request, tmp_path, hf_model):
     """A desc_act GPTQ checkpoint: a cuda build packs its act-order linears for the W4A16 kernels (the
-    columns permuted into contiguous groups, `perm` kept), a cpu build keeps g_idx (the layout checked
-    against transformers by the imports above); both compute the same model."""
+    columns permuted into contiguous groups, `perm` kept), a cpu build keeps g_idx; both compute the
+    model transformers computes on the dequantized weights (Phi-3: its fused gate_up_proj's rows, both
+    halves, reordered with down's groups)."""
+    original = request.getfixturevalue(f"tiny_{family}")
     source = tmp_path / "ckpt"
-    shutil.copytree(tiny_llama, source)
+    shutil.copytree(original, source)
     tensors = load_file(source / "model.safetensors")
+    dequantized = {}
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
         q = _act_order_rtn(tensors.pop(name), 32)
         tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in pack_gptq(q, is_v1=True).items()}
+        dequantized[name] = dequantize_weight(q)
     save_file(tensors, source / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
@@ -283,3 +288,11 @@ def test_act_order_gptq_import_runs_on_the_w4a16_layout(tiny_llama, tmp_path):
                 assert not torch.equal(norm.out_perm, torch.arange(norm.out_perm.numel(), dtype=norm.out_perm.dtype))
     # float32 sums over the input columns in another order (the gpu layout's, x permuted by the norms)
     torch.testing.assert_close(scores["cuda"], scores["cpu"], rtol=1e-4, atol=1e-4)
+    oracle = hf_model(original)
+    state = {k: v.clone() for k, v in oracle.state_dict().items()}
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            oracle.get_parameter(name).copy_(weight)
+        expected = oracle(torch.tensor([list(range(5, 69))])).logits[0]
+        oracle.load_state_dict(state)
+    torch.testing.assert_close(scores["cpu"], expected, rtol=2e-4, atol=2e-4)

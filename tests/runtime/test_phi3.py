@@ -1,7 +1,7 @@
 """Phi-3 (Phi3ForCausalLM), whose checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`.
 
-Each quantization method's artifact against transformers' Phi3ForCausalLM running the artifact's own weights
-(dequantized, under Phi-3's fused names), Phi3Config's defaults, and the refusals by name (LongRoPE, partial
+Each quantization method's artifact (and a bfloat16 one) against transformers' Phi3ForCausalLM running the
+artifact's own weights (dequantized, under Phi-3's fused names), Phi3Config's defaults, and the refusals by name (LongRoPE, partial
 rotary). The float32 logits and greedy tokens, ONNX, tensor parallelism, imports, export and sliding windows
 run with the other families (tiny_checkpoint in test_hf_equivalence, test_onnx_target, test_parallel_models,
 test_quantized_build, test_export)."""
@@ -24,7 +24,8 @@ from llmc.runtime.sampling_params import SamplingParams
 CALIBRATION = {"num_samples": 4, "seq_len": 64}
 METHODS = {
     "rtn-w4-g32": {"method": "rtn", "bits": 4, "group_size": 32},
-    # act order: down's columns put in group order, gate_up's rows (both halves) with them
+    # act order with static groups (quant/gptq.py): no g_idx; a desc_act import's g_idx, down put in order with
+    # gate_up's rows, is test_quantized_build's act-order import
     "gptq-w4-g32-act-order": {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True,
                               "calibration": CALIBRATION},
     "awq-w4-g32-asym": {"method": "awq", "bits": 4, "group_size": 32, "symmetric": False, "calibration": CALIBRATION},
@@ -92,6 +93,23 @@ def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_ph
                            max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=24))
     assert got[0].outputs[0].token_ids == want
+
+
+@torch.inference_mode()
+def test_bfloat16_build_is_transformers_on_the_rounded_weights(tiny_phi3, tmp_path, hf_encode):
+    """A bfloat16 artifact holds the fused tensors rounded to bf16; the CPU runtime computes in float32, so
+    transformers' float32 Phi3ForCausalLM on the same rounded weights gives its logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(tiny_phi3), "output": str(out), "dtype": "bfloat16",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_phi3), dtype=torch.float32, attn_implementation="eager")
+    for p in oracle.parameters():
+        p.copy_(p.bfloat16().float())
+    token_ids = hf_encode(tiny_phi3, "What light through yonder window breaks") + list(range(100, 140))
+    theirs = oracle.eval()(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_keys_the_config_leaves_out_take_phi3configs_defaults(tiny_phi3, tmp_path):
