@@ -23,7 +23,7 @@ from llmc.runtime.sampling_params import SamplingParams
 
 CALIBRATION = {"num_samples": 4, "seq_len": 64}
 METHODS = {
-    "rtn-w4-g32": {"method": "rtn", "bits": 4, "group_size": 32},
+    "rtn-w4-g32": {"method": "rtn", "bits": 4, "group_size": 32, "ignore": ["lm_head", "gate_up_proj"]},  # Phi-3's name
     # act order with static groups (quant/gptq.py): no g_idx; a desc_act import's g_idx, down put in order with
     # gate_up's rows, is test_quantized_build's act-order import
     "gptq-w4-g32-act-order": {"method": "gptq", "bits": 4, "group_size": 32, "act_order": True,
@@ -76,6 +76,7 @@ def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_ph
           show_progress=False)
     modules = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
     assert modules["layers.1.attn.qkv"]["format"] == ("w8a8-fp8" if method.startswith("fp8") else "w4a16")
+    assert (modules["layers.1.mlp.gate_up"]["format"] == "dense") == method.startswith("rtn")
     oracle = AutoModelForCausalLM.from_pretrained(str(tiny_phi3), dtype=torch.float32, attn_implementation="eager")
     oracle.load_state_dict(_hf_state_of(out), strict=True)
     oracle.eval()
