@@ -68,6 +68,26 @@ def test_logits_match_transformers(tiny_any_checkpoint, artifacts, hf_logits, hf
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4, msg=family)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_family_matches_transformers_on_the_gpu(tiny_any_checkpoint, artifacts, hf_greedy, hf_logits, hf_encode,
+                                                      free_gpu):
+    """The same float32 artifacts on CUDA (Triton attention, rotary, norm and SiLU kernels; CUDA graphs):
+    transformers' greedy tokens and logits."""
+    family, checkpoint = tiny_any_checkpoint
+    expected = hf_greedy(checkpoint, PROMPTS, NUM_NEW_TOKENS)
+    llm = LLM(artifacts(checkpoint), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3,
+              max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS))
+    for prompt, want, got in zip(PROMPTS, expected, outputs):
+        assert got.outputs[0].token_ids == want, f"{family}: {prompt!r}"
+    token_ids = hf_encode(checkpoint, PROMPTS[3]) + list(range(100, 140))
+    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(checkpoint, token_ids), atol=2e-3,
+                               rtol=2e-3, msg=family)
+    llm.close()
+
+
 def test_sharded_checkpoint_builds_the_same_weights(tiny_llama, tiny_llama_sharded, artifacts):
     from safetensors.torch import load_file
 
