@@ -286,6 +286,10 @@ def _finite(param, value: float | None) -> float | None:
               callback=_structured_outputs_config,
               help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "
               "structured output constrains the whole output, reasoning included (else such requests get a 400)")
+@click.option("--enable-responses-store", is_flag=True, envvar="VLLM_ENABLE_RESPONSES_API_STORE",
+              help="server: /v1/responses keeps the last responses in memory (store, previous_response_id, GET "
+              "/v1/responses/{id}); without it store: true is accepted and nothing is kept, as in vLLM "
+              "(also VLLM_ENABLE_RESPONSES_API_STORE=1)")
 @click.option("--chat-template", default=None,
               help="the chat template to render messages with, in place of the artifact's: a .jinja file or the "
               "template's text (server, batch files, --chat), as vLLM's")
@@ -339,7 +343,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         tokenizer_pool_size: int, trust_request_chat_template: bool, allowed_origins: tuple[str, ...],
         allowed_methods: tuple[str, ...], allowed_headers: tuple[str, ...], allow_credentials: bool,
         enable_auto_tool_choice: bool, tool_call_parser: str | None, reasoning_parser: str | None,
-        structured_outputs_config: bool, chat_template: str | None, ssl_keyfile: str | None,
+        structured_outputs_config: bool, enable_responses_store: bool, chat_template: str | None,
+        ssl_keyfile: str | None,
         ssl_certfile: str | None, ssl_ca_certs: str | None, ssl_cert_reqs: int, root_path: str,
         uvicorn_log_level: str, disable_uvicorn_access_log: bool, enable_log_requests: bool,
         disable_log_requests: bool, max_log_len: int | None, **options) -> None:
@@ -397,7 +402,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
               reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config,
               tls=tls, root_path=root_path, uvicorn_log_level=uvicorn_log_level,
-              access_log=not disable_uvicorn_access_log, log_requests=enable_log_requests, max_log_len=max_log_len)
+              access_log=not disable_uvicorn_access_log, log_requests=enable_log_requests, max_log_len=max_log_len,
+              enable_responses_store=enable_responses_store)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -431,7 +437,7 @@ _MODE_FLAGS = {
                   "trust_request_chat_template", "allowed_origins", "allowed_methods", "allowed_headers",
                   "allow_credentials", "reasoning_parser", "structured_outputs_config", "ssl_keyfile", "ssl_certfile",
                   "ssl_ca_certs", "ssl_cert_reqs", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log",
-                  "enable_log_requests", "disable_log_requests", "max_log_len"),
+                  "enable_log_requests", "disable_log_requests", "max_log_len", "enable_responses_store"),
     # a batch file's chat requests go through the server's handlers: tool_choice "auto" needs them there too
     ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser"),
     ("prompt",): ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),

@@ -1,6 +1,7 @@
 """The HTTP server: FastAPI routes over the engine loop, served by uvicorn.
 
-Endpoints: GET /v1/models (and /v1/models/{name}), POST /v1/completions, POST /v1/chat/completions, POST /tokenize,
+Endpoints: GET /v1/models (and /v1/models/{name}), POST /v1/completions, POST /v1/chat/completions, POST
+/v1/responses (with a response store: GET and DELETE /v1/responses/{id}), POST /tokenize,
 POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
 tokenizer endpoints need `Authorization: Bearer KEY`; /health, /version and /metrics stay open
 (load balancers and Prometheus). The server listens at once and answers 503 until the engine has
@@ -39,10 +40,11 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          TokenizeRequest, openapi_body, parse_json_body)
+                                          ResponsesRequest, TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
+from llmc.runtime.server.serving_responses import ResponseStore, create_response, not_found
 
 logger = logging.getLogger("llmc")
 
@@ -78,7 +80,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
               stall_timeout_s: float = STALL_TIMEOUT_S, cors: CorsPolicy = CorsPolicy(),
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
-              log_requests: bool = False, max_log_len: int | None = None) -> FastAPI:
+              log_requests: bool = False, max_log_len: int | None = None,
+              enable_responses_store: bool = False) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
@@ -89,7 +92,9 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     `reasoning_parser` (vLLM's --reasoning-parser): chat replies carry the thinking apart
     (runtime/server/reasoning_parsers); `reasoning_in_structured_output`: structured output then
     constrains the whole output, reasoning included (else it is refused with a reasoning parser).
-    `log_requests` (vLLM's --enable-log-requests): a line per request, prompt and ids cut at `max_log_len`."""
+    `log_requests` (vLLM's --enable-log-requests): a line per request, prompt and ids cut at `max_log_len`.
+    `enable_responses_store` (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): /v1/responses keeps responses in
+    memory (serving_responses.ResponseStore) for GET /v1/responses/{id} and previous_response_id."""
     # checked before anything starts: a bad parser name is the caller's error, not a request's
     ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_parser(reasoning_parser)
@@ -124,6 +129,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     cors.add_to(app)
     _add_error_handlers(app)
     app.include_router(_open_routes(ctx, metrics))
+    # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: None keeps nothing
+    ctx.response_store = ResponseStore() if enable_responses_store else None
     app.include_router(_api_routes(ctx), dependencies=[Depends(_api_key_check(api_key))])
     return app
 
@@ -211,6 +218,26 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_chat_completion(ctx, body, arrival_time))
+
+    @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_response(ctx, body, arrival_time))
+
+    @router.get("/v1/responses/{response_id}")  # client.responses.retrieve: a stored response
+    async def retrieve_response(response_id: str) -> dict:
+        store = ctx.response_store
+        found = store.get(response_id) if store is not None else None
+        if found is None:
+            raise not_found(response_id, "response_id", store)
+        return found[0]
+
+    @router.delete("/v1/responses/{response_id}")  # client.responses.delete: dropped from the store
+    async def delete_response(response_id: str) -> dict:
+        store = ctx.response_store
+        if store is None or not store.delete(response_id):
+            raise not_found(response_id, "response_id", store)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
     async def tokenize(request: Request) -> dict:
@@ -328,7 +355,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
           enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
           reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
           tls: TlsConfig | None = None, root_path: str = "", uvicorn_log_level: str = "info",
-          access_log: bool = True, log_requests: bool = False, max_log_len: int | None = None) -> None:
+          access_log: bool = True, log_requests: bool = False, max_log_len: int | None = None,
+          enable_responses_store: bool = False) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE].
@@ -346,7 +374,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     reasoning_in_structured_output=reasoning_in_structured_output, log_requests=log_requests,
-                    max_log_len=max_log_len)  # a dead rank ends the server, and `serve` raises its error
+                    max_log_len=max_log_len, enable_responses_store=enable_responses_store)  # a dead rank ends the server, and `serve` raises its error
     sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=uvicorn_log_level,

@@ -115,6 +115,8 @@ class ServingContext:
         # refused unless the server was started with it
         self.trust_request_chat_template = trust_request_chat_template
         self.stall_timeout_s = STALL_TIMEOUT_S  # /health: 503 once one step has run this long
+        # /v1/responses' kept responses (serving_responses.ResponseStore; build_app's enable_responses_store), or None
+        self.response_store = None
         # tokenizer_pool_size > 0: prompts are tokenized and chat templates rendered on these threads
         # (fast tokenizers release the GIL); 0: on the event loop's default thread pool — never on
         # the loop itself, where a big prompt would stall every stream and /health

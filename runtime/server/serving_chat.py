@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprobs, prompt_logprobs, sse, usage,
                                             usage_body)
@@ -34,6 +35,16 @@ from llmc.runtime.server.tool_parsers import ToolParser, fold, make_parser
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events."""
+    request_id = new_id("chatcmpl")
+    request, _, generation, num_prompt_tokens = await start_chat_generation(ctx, body, request_id, arrival_time)
+    return await respond(generation, ChatReply(ctx, request, request_id, num_prompt_tokens), request.stream)
+
+
+async def start_chat_generation(ctx: ServingContext, body: object, request_id: str, arrival_time: float | None = None
+                                ) -> tuple[ChatCompletionRequest, SamplingParams, Generation, int]:
+    """What a chat completion does before it answers (the Responses API's too, with its request as a chat
+    body): the body checked, the messages rendered with the chat template (tools included), the prompt
+    checked and queued. Returns (request, its SamplingParams, the Generation, the prompt's token count)."""
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
     reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
@@ -45,12 +56,11 @@ async def create_chat_completion(ctx: ServingContext, body: object, arrival_time
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
-    request_id = new_id("chatcmpl")
     try:
         generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
     except ApiError as e:
         raise _as_chat_error(e) from None
-    return await respond(generation, _ChatReply(ctx, request, request_id, len(token_ids)), request.stream)
+    return request, params, generation, len(token_ids)
 
 
 def _as_chat_error(error: ApiError) -> ApiError:
@@ -61,7 +71,9 @@ def _as_chat_error(error: ApiError) -> ApiError:
     return ApiError(error.status_code, message, param="top_logprobs", code=error.code, headers=error.headers)
 
 
-class _ChatReply:
+class ChatReply:
+    """A chat completion's reply (whole, or streamed); the Responses API reads outputs with its `new_parser`."""
+
     def __init__(self, ctx: ServingContext, request: ChatCompletionRequest, request_id: str, num_prompt_tokens: int):
         self.ctx = ctx
         self.request = request
@@ -71,7 +83,7 @@ class _ChatReply:
         self.tool_mode = request.tool_mode
         self._parsers: dict[int, ToolParser | None] = {}  # a stream's, per choice
 
-    def _new_parser(self) -> ToolParser | reasoning.WithReasoning | None:
+    def new_parser(self) -> ToolParser | reasoning.WithReasoning | None:
         """The reader of one choice's text (its reasoning, with --reasoning-parser), or None when it is all content."""
         return reasoning.with_reasoning(self.ctx.reasoning_parser, self.request, self._tool_parser())
 
@@ -96,7 +108,7 @@ class _ChatReply:
 
     def _message(self, completion: CompletionOutput) -> tuple[dict, str | None]:
         """A whole choice's message and finish_reason."""
-        parser = self._new_parser()
+        parser = self.new_parser()
         if parser is None:
             return ({"role": "assistant", "content": completion.text, **reasoning.fields(self.ctx.reasoning_parser, None)},
                     completion.finish_reason)
@@ -181,7 +193,7 @@ class _ChatReply:
         new_ids = completion.token_ids[new]
         finish_reason = completion.finish_reason
         if completion.index not in self._parsers:
-            self._parsers[completion.index] = self._new_parser()
+            self._parsers[completion.index] = self.new_parser()
         parser = self._parsers[completion.index]
         if parser is None:
             delta, has_news = {"content": delta_text}, bool(delta_text)

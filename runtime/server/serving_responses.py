@@ -1,0 +1,335 @@
+"""POST /v1/responses: OpenAI's Responses API, served as vLLM serves it, on the chat path.
+
+A request (protocol.ResponsesRequest) becomes a chat completion request: `instructions` a first system
+message, `input` (a string, or message / function_call / function_call_output / reasoning items) the
+chat messages, function tools in chat's shape, text.format a response_format, max_output_tokens
+max_tokens. serving_chat.start_chat_generation renders and queues it, so the chat template, sampling,
+tool choice, structured output, reasoning checks and the prefix cache are the chat path's. The output
+is read with the chat reply's parser (reasoning_parsers, tool_parsers) into output items, in the
+order the model wrote them: a `reasoning` item (with --reasoning-parser), a `message` with one
+`output_text` part, `function_call` items. A stream sends OpenAI's events with sequence numbers; the
+non-streamed response is built by the same builder from the same events, so both give one Response.
+
+Stored responses (`store`, `previous_response_id`, GET /v1/responses/{id}): vLLM keeps them in memory
+only when enabled (VLLM_ENABLE_RESPONSES_API_STORE); llmc's `--enable-responses-store` (or that variable)
+keeps the last MAX_STORED_RESPONSES in memory. Without it `store: true` is accepted and not kept (the
+response says `store: false`), as vLLM does, and a previous_response_id is a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.server import reasoning_parsers as reasoning
+from llmc.runtime.server.errors import ApiError
+from llmc.runtime.server.formatting import DeltaTracker
+from llmc.runtime.server.protocol import ChatCompletionRequest, ResponsesRequest, responses_error
+from llmc.runtime.server.serving import Generation, ServingContext, parse_body, respond
+from llmc.runtime.server.serving_chat import ChatReply, start_chat_generation
+
+# The responses a store keeps (the oldest go first).
+MAX_STORED_RESPONSES = 1024
+
+
+def response_id(prefix: str) -> str:
+    """OpenAI's ids: resp_..., msg_..., fc_..., call_..., rs_..."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseStore:
+    """The responses kept for GET /v1/responses/{id} and previous_response_id, in memory, the last
+    `capacity` of them: each with the conversation that led to it (its input items and the inputs of
+    the responses before it; not their instructions, which OpenAI does not carry over)."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES):
+        self.capacity = capacity
+        self._responses: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._responses[response["id"]] = (response, conversation)
+        self._responses.move_to_end(response["id"])
+        while len(self._responses) > self.capacity:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+        return self._responses.get(response_id)
+
+    def delete(self, response_id: str) -> bool:
+        return self._responses.pop(response_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+
+def not_found(response_id: str, param: str, store: ResponseStore | None) -> ApiError:
+    why = "" if store is not None else (" (this server keeps no responses: start it with --enable-responses-store "
+                                        "to keep them)")
+    code = "previous_response_not_found" if param == "previous_response_id" else None
+    return ApiError(404, f"Response with id {response_id!r} not found{why}.", param=param, code=code)
+
+
+async def create_response(ctx: ServingContext, body: object, arrival_time: float | None = None
+                          ) -> dict | AsyncIterator[str]:
+    """The Response, or (stream=true) an iterator of its SSE events; kept in ctx.response_store if there is one."""
+    store = ctx.response_store
+    request = parse_body(ResponsesRequest, body)
+    request.check()
+    history: list[dict] = []
+    if request.previous_response_id is not None:
+        found = store.get(request.previous_response_id) if store is not None else None
+        if found is None:
+            raise not_found(request.previous_response_id, "previous_response_id", store)
+        previous, conversation = found
+        history = conversation + previous["output"]
+    rid = response_id("resp")
+    try:
+        chat_request, params, generation, num_prompt_tokens = await start_chat_generation(
+            ctx, request.chat_body(history, request.stream), rid, arrival_time)
+    except ApiError as e:
+        raise responses_error(e) from None
+    reply = _ResponsesReply(ctx, request, ChatReply(ctx, chat_request, rid, num_prompt_tokens), params,
+                            store if request.store else None, history + request.input_items())
+    return await respond(generation, reply, request.stream)
+
+
+class _OutputBuilder:
+    """A Response's output items, built from one sequence's parser events as they come, and the stream
+    events that build them on the client (OpenAI's order: output_item.added, content_part.added, deltas,
+    the done events). The logprobs of the generated tokens go on the message's output_text."""
+
+    def __init__(self, with_logprobs: bool):
+        self.items: list[dict] = []
+        self.events: list[dict] = []  # not sent yet
+        self.with_logprobs = with_logprobs
+        self.logprobs: list[dict] = []  # every token's
+        self._pending_logprobs: list[dict] = []  # not yet on a text delta
+        self._open: dict | None = None
+        self._calls: dict[int, dict] = {}  # the parser's call index -> its item
+        self.reasoning_text = ""
+
+    def add_logprobs(self, entries: list[dict]) -> None:
+        self.logprobs += entries
+        self._pending_logprobs += entries
+
+    def feed(self, events: list[tuple]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "reasoning" and event[1]:
+                item = self._item("reasoning")
+                item["content"][0]["text"] += event[1]
+                self.reasoning_text += event[1]
+                self._emit("response.reasoning_text.delta", item, content_index=0, delta=event[1])
+            elif kind == "content" and event[1]:
+                item = self._item("message")
+                item["content"][0]["text"] += event[1]
+                logprobs, self._pending_logprobs = self._pending_logprobs, []
+                self._emit("response.output_text.delta", item, content_index=0, delta=event[1],
+                           logprobs=[_delta_logprob(entry) for entry in logprobs])
+            elif kind == "call":
+                self._close()
+                item = {"id": response_id("fc"), "type": "function_call", "status": "in_progress",
+                        "call_id": response_id("call"), "name": event[2], "arguments": ""}
+                self._calls[event[1]] = item
+                self._add(item)
+            elif kind == "args" and event[2]:
+                item = self._calls[event[1]]
+                item["arguments"] += event[2]
+                self._emit("response.function_call_arguments.delta", item, delta=event[2])
+
+    def finish(self, status: str) -> None:
+        """The end of the output: the open item done (`status`: "completed", or "incomplete" when cut)."""
+        self._close(status)
+
+    def _item(self, kind: str) -> dict:
+        """The open item of this kind, a new one if another is open (which is closed first)."""
+        if self._open is not None and self._open["type"] == kind:
+            return self._open
+        self._close()
+        if kind == "message":
+            item = {"id": response_id("msg"), "type": "message", "status": "in_progress", "role": "assistant",
+                    "content": []}
+            part = {"type": "output_text", "text": "", "annotations": []}
+            if self.with_logprobs:
+                part["logprobs"] = []
+        else:
+            item = {"id": response_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self._add(item)
+        item["content"].append(part)
+        self._emit("response.content_part.added", item, content_index=0, part=dict(part))
+        return item
+
+    def _add(self, item: dict) -> None:
+        self.items.append(item)
+        self._open = item
+        self._emit("response.output_item.added", None, item=_copy(item))
+
+    def _close(self, status: str = "completed") -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            if self.with_logprobs:
+                part["logprobs"] = list(self.logprobs)
+            self._emit("response.output_text.done", item, content_index=0, text=part["text"],
+                       logprobs=[_delta_logprob(entry) for entry in self.logprobs] if self.with_logprobs else [])
+            self._emit("response.content_part.done", item, content_index=0, part=_copy(part))
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            self._emit("response.reasoning_text.done", item, content_index=0, text=part["text"])
+            self._emit("response.content_part.done", item, content_index=0, part=_copy(part))
+        else:
+            self._emit("response.function_call_arguments.done", item, name=item["name"], arguments=item["arguments"])
+        self._emit("response.output_item.done", None, output_index=self.items.index(item), item=_copy(item))
+
+    def _emit(self, kind: str, of: dict | None, **fields) -> None:
+        event = {"type": kind}
+        if of is not None:  # an event about an item's content
+            event |= {"item_id": of["id"], "output_index": self.items.index(of)}
+        elif "output_index" not in fields:
+            event["output_index"] = len(self.items) - 1
+        self.events.append(event | fields)
+
+    def take_events(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+
+def _copy(item: dict) -> dict:
+    return {key: ([dict(p) for p in value] if key == "content" else value) for key, value in item.items()}
+
+
+def _delta_logprob(entry: dict) -> dict:
+    """A text event's logprob (token, logprob, top_logprobs), from the output_text's entry (which adds bytes)."""
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
+
+
+class _ResponsesReply:
+    def __init__(self, ctx: ServingContext, request: ResponsesRequest, chat: ChatReply, params,
+                 store: ResponseStore | None, conversation: list[dict]):
+        self.ctx = ctx
+        self.request = request
+        self.chat = chat
+        self.params = params
+        self.store = store
+        self.conversation = conversation
+        self.created_at = int(time.time())
+
+    @property
+    def chat_request(self) -> ChatCompletionRequest:
+        return self.chat.request
+
+    def _new_builder(self):
+        parser = self.chat.new_parser()
+        return _OutputBuilder(self.request.wants_logprobs), parser
+
+    def _events(self, parser, text: str, finished: bool) -> list[tuple]:
+        """The parser's events for the next piece of text; a forced tool choice's output is only calls."""
+        if parser is None:
+            return [("content", text)]
+        events = parser.feed(text) + (parser.finish() if finished else [])
+        if self.chat.tool_mode in ("required", "named"):  # vLLM's: no content beside a forced call
+            events = [event for event in events if event[0] != "content"]
+        if self.request.parallel_tool_calls is False:  # the first call only (vLLM's)
+            events = [event for event in events if event[0] not in ("call", "args") or event[1] == 0]
+        return events
+
+    def _logprob_entries(self, token_ids: list[int], logprobs: list | None) -> list[dict]:
+        body = self.chat._logprobs(token_ids, logprobs)
+        return body["content"] if body is not None else []
+
+    def response(self, outputs: list[RequestOutput]) -> dict:
+        (output,) = outputs
+        (completion,) = output.outputs
+        builder, parser = self._new_builder()
+        builder.add_logprobs(self._logprob_entries(completion.token_ids, completion.logprobs))
+        builder.feed(self._events(parser, completion.text, True))
+        status = _status(completion)
+        builder.finish("incomplete" if status == "incomplete" else "completed")
+        return self._finished(builder, output, completion)
+
+    def _finished(self, builder: _OutputBuilder, output: RequestOutput, completion: CompletionOutput) -> dict:
+        status = _status(completion)
+        body = self._body(status, builder.items, self._usage(output, completion, builder.reasoning_text))
+        body["completed_at"] = int(time.time()) if status == "completed" else None
+        if status == "incomplete":
+            body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.store is not None:
+            self.store.put(body, self.conversation)
+        return body
+
+    def _body(self, status: str, output: list[dict], usage: dict | None) -> dict:
+        request = self.request
+        return {
+            "id": self.chat.request_id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None, "incomplete_details": None,
+            "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
+            "max_tool_calls": None, "metadata": request.metadata, "model": self.ctx.response_model(request.model),
+            "output": output, "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": request.previous_response_id, "reasoning": request.reasoning,
+            "service_tier": request.service_tier or "auto", "store": self.store is not None,
+            "temperature": self.params.temperature, "text": request.text or {"format": {"type": "text"}},
+            "tool_choice": request.tool_choice, "tools": request.echoed_tools(),
+            "top_logprobs": request.top_logprobs, "top_p": self.params.top_p, "truncation": "disabled",
+            "usage": usage, "user": request.user,
+        }
+
+    def _usage(self, output: RequestOutput, completion: CompletionOutput, reasoning_text: str) -> dict:
+        num_input, num_output = len(output.prompt_token_ids), len(completion.token_ids)
+        return {"input_tokens": num_input,
+                "input_tokens_details": {"cached_tokens": output.num_cached_tokens, "cache_write_tokens": 0},
+                "output_tokens": num_output,
+                "output_tokens_details": {"reasoning_tokens": reasoning.count_tokens(self.ctx.tokenizer, reasoning_text)},
+                "total_tokens": num_input + num_output}
+
+    async def stream(self, generation: Generation) -> AsyncIterator[str]:
+        sequence = 0
+
+        def event(payload: dict) -> str:
+            nonlocal sequence
+            payload = payload | {"sequence_number": sequence}
+            sequence += 1
+            return _sse(payload)
+
+        builder, parser = self._new_builder()
+        tracker = DeltaTracker()
+        try:
+            snapshot = self._body("in_progress", [], None)
+            yield event({"type": "response.created", "response": snapshot})
+            yield event({"type": "response.in_progress", "response": snapshot})
+            async for _, output in generation:
+                (completion,) = output.outputs
+                text, new = tracker.delta((0, 0), completion.text, completion.token_ids)
+                builder.add_logprobs(self._logprob_entries(completion.token_ids[new], (completion.logprobs or [])[new]))
+                builder.feed(self._events(parser, text, completion.is_finished))
+                if completion.is_finished:
+                    status = _status(completion)
+                    builder.finish("incomplete" if status == "incomplete" else "completed")
+                for payload in builder.take_events():
+                    yield event(payload)
+                if completion.is_finished:
+                    final = self._finished(builder, output, completion)
+                    kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+                    yield event({"type": kind, "response": final})
+                    break
+        except ApiError as e:
+            yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})
+        finally:
+            generation.abort()
+
+
+def _status(completion: CompletionOutput) -> str:
+    return "incomplete" if completion.finish_reason == "length" else "completed"
+
+
+def _sse(payload: dict) -> str:
+    """An SSE event as OpenAI sends the Responses API's: the event's type, then its JSON."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"

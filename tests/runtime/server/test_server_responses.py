@@ -1,0 +1,322 @@
+"""OpenAI's Responses API (POST /v1/responses) over HTTP with the openai SDK, against an in-process app
+serving ref-llama-12m with --enable-auto-tool-choice --tool-call-parser hermes, --enable-responses-store
+and an API key. The SDK's pydantic models are the shape oracle (Response, the stream events); the
+prompt is the chat path's (usage against the chat endpoint's and /tokenize's counts); streamed and
+non-streamed greedy outputs are one Response; max_output_tokens gives `incomplete`; text.format
+json_schema output validates; forced function calls, function_call_output reaching the template,
+previous_response_id with the store, reasoning items (--reasoning-parser), logprobs, and the 400/404s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from llmc.runtime.engine import Engine
+from llmc.runtime.server.api_server import build_app
+from llmc.runtime.server.protocol import items_to_messages
+from llmc.runtime.server.serving_responses import ResponseStore
+
+MODEL = "ref-llama"
+KEY = "sk-responses"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather of a city", "parameters": WEATHER,
+          "strict": True}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+JSON_FORMAT = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
+# renders tool calls (their ids and arguments) and tool messages, which the artifact's own template does not
+TOOLS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<call {{ c['id'] }} {{ c['function']['name'] }}>"
+    "{{ c['function']['arguments'] | tojson }}{% endfor %}{% if m.get('tool_call_id') %} for {{ m['tool_call_id'] }}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+EVENTS = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def app(server_artifact, served):
+    """(base URL, ServingContext) of the app; a test that switches its reasoning parser puts it back."""
+    app = build_app(lambda: Engine(server_artifact, device="cpu"), MODEL, api_key=KEY, log_stats=False,
+                    trust_request_chat_template=True, enable_auto_tool_choice=True, tool_call_parser="hermes",
+                    enable_responses_store=True)
+    with served(app, wait_healthy=True) as base_url:
+        yield base_url, app.state.ctx
+
+
+@pytest.fixture
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app[0]}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _raw(client, **body) -> dict:
+    """The response body as sent, checked against the SDK's Response model."""
+    raw = client.responses.with_raw_response.create(**body)
+    data = json.loads(raw.text)
+    Response.model_validate(data)
+    return data
+
+
+def _events(app, **body) -> list:
+    """A stream's events, each checked against the SDK's event models; sequence numbers count up from 0."""
+    with httpx.stream("POST", f"{app[0]}/v1/responses", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as reply:
+        assert reply.status_code == 200
+        lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    events = [EVENTS.validate_python(json.loads(line[6:])) for line in lines]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def _without_ids(response: Response) -> list[dict]:
+    items = []
+    for item in response.output:
+        item = item.model_dump(exclude_none=True)
+        item.pop("id", None)
+        item.pop("call_id", None)
+        item.pop("parsed_arguments", None)  # the SDK's stream helper parses strict tools' arguments
+        items.append(item)
+    return items
+
+
+def _chat_prompt_tokens(client, messages, **extra) -> int:
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1, **extra)
+    return reply.usage.prompt_tokens
+
+
+def test_text_response_shape_and_the_chat_prompt(client):
+    data = _raw(client, model=MODEL, instructions="Be brief.", input="Hello there", max_output_tokens=6,
+                temperature=0, metadata={"k": "v"}, user="u1")
+    response = Response.model_validate(data)
+    assert response.id.startswith("resp_") and response.object == "response" and response.model == MODEL
+    # cut by max_output_tokens: incomplete, the message too
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    (message,) = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    (part,) = message.content
+    assert part.type == "output_text" and part.annotations == [] and response.output_text == part.text
+    usage = response.usage
+    assert usage.output_tokens == 6 and usage.total_tokens == usage.input_tokens + 6
+    assert usage.output_tokens_details.reasoning_tokens == 0 and usage.input_tokens_details.cached_tokens >= 0
+    # the echoed settings
+    assert (response.instructions, response.max_output_tokens, response.temperature) == ("Be brief.", 6, 0.0)
+    assert response.metadata == {"k": "v"} and response.user == "u1" and response.tools == []
+    assert response.tool_choice == "auto" and response.parallel_tool_calls is True and response.store is True
+    assert data["text"] == {"format": {"type": "text"}} and response.previous_response_id is None
+    # the prompt is the chat template's, as the chat endpoint renders it
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    assert usage.input_tokens == _chat_prompt_tokens(client, chat)
+    items = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+             {"role": "user", "content": "Hello there"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]
+    response = client.responses.create(model=MODEL, input=items, max_output_tokens=1)
+    chat = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "a\nb"}]
+    assert response.usage.input_tokens == _chat_prompt_tokens(client, chat)
+
+
+def test_streamed_response_equals_the_non_streamed_one(client, app):
+    body = dict(model=MODEL, input="Is it sunny?", text=JSON_FORMAT, temperature=0, max_output_tokens=40)
+    whole = client.responses.create(**body)
+    assert whole.status == "completed" and whole.completed_at is not None
+    jsonschema.validate(json.loads(whole.output_text), ANSWER)
+    with client.responses.stream(**body) as stream:
+        streamed = stream.get_final_response()
+    assert streamed.output_text == whole.output_text and _without_ids(streamed) == _without_ids(whole)
+    assert streamed.usage.output_tokens == whole.usage.output_tokens and streamed.status == "completed"
+    assert streamed.text.format.type == "json_schema"
+    events = _events(app, **body)
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+
+
+def test_incomplete_stream_ends_with_response_incomplete(app):
+    events = _events(app, model=MODEL, input="Tell me a story", max_output_tokens=5, temperature=0)
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.status == "incomplete"
+    assert final.response.incomplete_details.reason == "max_output_tokens"
+    assert final.response.usage.output_tokens == 5
+
+
+def test_forced_function_call_and_its_output_round_trip(client):
+    response = client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, temperature=0,
+                                       tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    assert response.status == "completed"
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    assert response.tools[0].name == "get_weather" and response.tools[0].parameters == WEATHER
+    assert response.tool_choice.name == "get_weather"
+    # the streamed call is the same
+    with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=TOOLS, temperature=0,
+                                 tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60) as s:
+        kinds = [event.type for event in s]
+        streamed = s.get_final_response()
+    assert _without_ids(streamed) == _without_ids(response)
+    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    # "required": a call of one of the tools
+    required = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS, tool_choice="required",
+                                       temperature=0, max_output_tokens=80, parallel_tool_calls=False)
+    assert [item.type for item in required.output] == ["function_call"]
+    # the call and its output reach the chat template as an assistant tool call and a tool message
+    items = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    follow = client.responses.create(model=MODEL, input=items, tools=TOOLS, tool_choice="none", max_output_tokens=1,
+                                     extra_body={"chat_template": TOOLS_TEMPLATE})
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                 "function": {"name": "get_weather", "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21 C"}]
+    tokenized = httpx.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                           json={"messages": messages, "chat_template": TOOLS_TEMPLATE, "return_token_strs": True}).json()
+    assert follow.usage.input_tokens == tokenized["count"]
+    rendered = "".join(tokenized["token_strs"]).replace("▁", " ")
+    assert call.call_id.replace("_", "") in rendered.replace("_", "") and "sunny" in rendered
+
+
+def test_previous_response_id_continues_a_stored_response(client):
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Hi", max_output_tokens=3,
+                                    temperature=0)
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=2)
+    assert second.previous_response_id == first.id and second.instructions is None  # not carried over (OpenAI's)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"}]
+    assert second.usage.input_tokens == _chat_prompt_tokens(client, chat)
+    third = client.responses.create(model=MODEL, input="Go on", previous_response_id=second.id, max_output_tokens=1)
+    chat += [{"role": "assistant", "content": second.output_text}, {"role": "user", "content": "Go on"}]
+    assert third.usage.input_tokens == _chat_prompt_tokens(client, chat)
+    # store false: answered, not kept
+    unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.retrieve(unkept.id)
+    assert caught.value.body["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_unknown")
+    assert caught.value.body["param"] == "previous_response_id" and "resp_unknown" in caught.value.body["message"]
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+
+
+def test_logprobs_on_the_output_text(client, app):
+    body = dict(model=MODEL, input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    response = client.responses.create(**body)
+    (part,) = response.output[0].content
+    assert len(part.logprobs) == 4 and all(len(entry.top_logprobs) == 2 for entry in part.logprobs)
+    assert "".join(entry.token for entry in part.logprobs) == part.text
+    deltas = [e for e in _events(app, **body) if e.type == "response.output_text.delta"]
+    assert sum(len(e.logprobs) for e in deltas) == 4
+    assert client.responses.create(model=MODEL, input="Hello", max_output_tokens=2).output[0].content[0].logprobs is None
+
+
+def test_reasoning_item_with_a_reasoning_parser(client, app):
+    ctx = app[1]
+    ctx.reasoning_parser = "deepseek_r1"  # no </think> from the 12M model: the whole output is reasoning
+    try:
+        response = client.responses.create(model=MODEL, input="Think", max_output_tokens=5, temperature=0,
+                                           reasoning={"effort": "low"})
+        with client.responses.stream(model=MODEL, input="Think", max_output_tokens=5, temperature=0) as stream:
+            kinds = [event.type for event in stream]
+    finally:
+        ctx.reasoning_parser = None
+    (item,) = response.output
+    assert item.type == "reasoning" and item.summary == [] and item.content[0].type == "reasoning_text"
+    assert response.usage.output_tokens_details.reasoning_tokens > 0 and response.reasoning.effort == "low"
+    assert "response.reasoning_text.delta" in kinds and "response.reasoning_text.done" in kinds
+    assert kinds[-1] == "response.incomplete"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+    ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
+    ({"input": ""}, "input"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tools": [{"type": "function", "name": ""}]}, "tools.0.name"),
+    ({"temperature": -1}, "temperature"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+])
+def test_refused_requests_name_the_field(client, extra, param):
+    body = {"model": MODEL, "input": "Hi", **extra}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**body)
+    error = caught.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert "\n" not in error["message"]
+
+
+def test_unknown_model_and_api_key(client, app):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="other", input="Hi")
+    bad = openai.OpenAI(base_url=f"{app[0]}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.responses.create(model=MODEL, input="Hi")
+
+
+def test_without_the_store_nothing_is_kept(client, app):
+    ctx = app[1]
+    store, ctx.response_store = ctx.response_store, None
+    try:
+        response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)  # store: true by default
+        assert response.store is False  # accepted, not kept (vLLM's)
+        for call in (lambda: client.responses.retrieve(response.id),
+                     lambda: client.responses.create(model=MODEL, input="Hi", previous_response_id=response.id)):
+            with pytest.raises(openai.NotFoundError) as caught:
+                call()
+            assert "--enable-responses-store" in caught.value.body["message"]
+    finally:
+        ctx.response_store = store
+
+
+def test_the_store_keeps_the_last_responses():
+    store = ResponseStore(capacity=2)
+    for name in "abc":
+        store.put({"id": name}, [])
+    assert store.get("a") is None and store.get("c") == ({"id": "c"}, []) and len(store) == 2
+    assert store.delete("b") and not store.delete("b")
+
+
+def test_one_assistant_turn_of_items_is_one_chat_message():
+    items = [{"type": "message", "role": "user", "content": "q"},
+             {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me look."}]},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "one"},
+             {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "two"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}]
+    assert items_to_messages(items) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "Let me look.", "reasoning": "hmm", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+        {"role": "assistant", "content": "Done."}]
