@@ -123,6 +123,7 @@ def test_a_batch_file_and_chat_use_the_chat_template(server_artifact, tmp_path, 
     (["-p", "x", "--root-path", "/llm"], "--root-path applies to the server"),
     (["--max-log-len", "10"], "--max-log-len bounds the request log: give --enable-log-requests too"),
     (["--enable-log-requests", "--disable-log-requests"], "contradict each other"),
+    (["-p", "x", "--enable-responses-store"], "--enable-responses-store applies to the server"),
 ])
 def test_deployment_flags_are_checked_before_the_model_loads(args, message, server_artifact, tmp_path, capsys):
     key, cert = _self_signed(tmp_path)

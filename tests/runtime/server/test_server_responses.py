@@ -20,7 +20,7 @@ from pydantic import TypeAdapter
 from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app
 from llmc.runtime.server.protocol import items_to_messages
-from llmc.runtime.server.serving_responses import ResponseStore
+from llmc.runtime.server.serving_responses import ResponseStore, _OutputBuilder
 
 MODEL = "ref-llama"
 KEY = "sk-responses"
@@ -133,6 +133,7 @@ def test_streamed_response_equals_the_non_streamed_one(client, app):
     assert streamed.output_text == whole.output_text and _without_ids(streamed) == _without_ids(whole)
     assert streamed.usage.output_tokens == whole.usage.output_tokens and streamed.status == "completed"
     assert streamed.text.format.type == "json_schema"
+    assert client.responses.retrieve(streamed.id).output_text == whole.output_text  # a streamed one is kept too
     events = _events(app, **body)
     kinds = [e.type for e in events]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -161,6 +162,9 @@ def test_forced_function_call_and_its_output_round_trip(client):
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     assert response.tools[0].name == "get_weather" and response.tools[0].parameters == WEATHER
     assert response.tool_choice.name == "get_weather"
+    # "auto" (the default with tools): the server's hermes parser reads the output; the 12M model writes no call
+    auto = client.responses.create(model=MODEL, input="Weather?", tools=TOOLS, max_output_tokens=3, temperature=0)
+    assert auto.tool_choice == "auto" and [item.type for item in auto.output] == ["message"]
     # the streamed call is the same
     with client.responses.stream(model=MODEL, input="Weather in Paris?", tools=TOOLS, temperature=0,
                                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60) as s:
@@ -320,3 +324,40 @@ def test_one_assistant_turn_of_items_is_one_chat_message():
         {"role": "tool", "tool_call_id": "c1", "content": "one"},
         {"role": "tool", "tool_call_id": "c2", "content": "two"},
         {"role": "assistant", "content": "Done."}]
+
+
+@pytest.mark.parametrize("flag, env", [(["--enable-responses-store"], {}), ([], {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}),
+                                       ([], {})])
+def test_the_store_flag_and_vllm_s_variable_reach_the_server(flag, env, server_artifact, monkeypatch):
+    from llmc.cli import main
+    from llmc.runtime.server import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "serve", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.delenv("VLLM_ENABLE_RESPONSES_API_STORE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--device", "cpu", "--disable-log-stats", *flag])
+    assert exit_info.value.code == 0 and seen["enable_responses_store"] is bool(flag or env)
+
+
+def test_content_then_calls_are_a_message_then_function_call_items():
+    """The builder (what both paths use) on a parser's events: the message closes before the first call."""
+    builder = _OutputBuilder(with_logprobs=False)
+    builder.feed([("content", "Let me "), ("content", "look."), ("call", 0, "f"), ("args", 0, '{"a"'),
+                  ("args", 0, ": 1}"), ("call", 1, "g"), ("args", 1, "{}")])
+    builder.finish("completed")
+    events = [EVENTS.validate_python(event | {"sequence_number": i}) for i, event in enumerate(builder.take_events())]
+    assert [(e.type, getattr(e, "output_index", None)) for e in events] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0), ("response.output_text.delta", 0),
+        ("response.output_text.delta", 0), ("response.output_text.done", 0), ("response.content_part.done", 0),
+        ("response.output_item.done", 0), ("response.output_item.added", 1),
+        ("response.function_call_arguments.delta", 1), ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.done", 1), ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.done", 2), ("response.output_item.done", 2)]
+    message, first, second = builder.items
+    assert message["content"][0]["text"] == "Let me look." and message["status"] == "completed"
+    assert (first["name"], first["arguments"], second["name"], second["arguments"]) == ("f", '{"a": 1}', "g", "{}")
+    assert events[6].item.content[0].text == "Let me look." and events[7].item.arguments == ""
