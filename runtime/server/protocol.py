@@ -863,7 +863,12 @@ def _checked_item(index: int, item: Any) -> dict:
     if kind == "function_call":
         for field in ("call_id", "name", "arguments"):
             if not isinstance(item.get(field), str):
-                raise invalid(f"{where}.{field}", f"is required (a string) in a function_call item")
+                raise invalid(f"{where}.{field}", "is required (a string) in a function_call item")
+        try:
+            json.loads(item["arguments"] or "{}")
+        except ValueError:
+            raise invalid(f"{where}.arguments", f"not JSON text ({item['arguments'][:40]!r}); send the arguments "
+                          "as a JSON object's text, as the call gave them") from None
         return item
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):

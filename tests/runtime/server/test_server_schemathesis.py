@@ -48,7 +48,7 @@ def test_schemathesis_finds_no_5xx(run_app, server_artifact):
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
     for path, method in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/tokenize", "POST"),
-                         ("/detokenize", "POST"), ("/v1/models", "GET")):
+                         ("/detokenize", "POST"), ("/v1/models", "GET"), ("/v1/responses", "POST")):
         operation = schema[path][method]
 
         @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
