@@ -28,7 +28,7 @@ from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server import reasoning_parsers as reasoning
 from llmc.runtime.server.errors import ApiError
 from llmc.runtime.server.formatting import DeltaTracker
-from llmc.runtime.server.protocol import ChatCompletionRequest, ResponsesRequest, responses_error
+from llmc.runtime.server.protocol import ResponsesRequest, responses_error
 from llmc.runtime.server.serving import Generation, ServingContext, parse_body, respond
 from llmc.runtime.server.serving_chat import ChatReply, start_chat_generation
 
@@ -222,10 +222,6 @@ class _ResponsesReply:
         self.store = store
         self.conversation = conversation
         self.created_at = int(time.time())
-
-    @property
-    def chat_request(self) -> ChatCompletionRequest:
-        return self.chat.request
 
     def _new_builder(self):
         parser = self.chat.new_parser()
