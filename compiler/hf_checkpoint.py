@@ -7,6 +7,7 @@ memory twice. Single-file and sharded (with model.safetensors.index.json) checkp
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -97,7 +98,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         raise CheckpointError(f"hidden_act {activation!r} is not supported: the runtime's MLP computes SiLU(gate) * up "
                               "(hidden_act silu)")
     if spec.family == "phi3":
-        _check_phi3_rope(config)
+        config = _phi3_rope(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -174,31 +175,40 @@ def _rope(config: dict) -> tuple[float, dict | None]:
     return theta, {"rope_type": rope_type, **params}
 
 
-def _check_phi3_rope(config: dict) -> None:
-    """What transformers' Phi-3 rotary does beyond the plain one, refused by name: LongRoPE (Phi3Config reads
-    `rope_scaling` types su, yarn and longrope as longrope) and a partial_rotary_factor below 1 (in
-    rope_parameters, else at the top level). Phi3Config itself refuses every other type."""
-    params = config.get("rope_scaling") or config.get("rope_parameters") or {}  # Phi3Config: rope_scaling first
-    rope_type = params.get("rope_type") or params.get("type") or "default"
+def _phi3_rope(config: dict) -> dict:
+    """Phi-3's rotary as transformers' Phi3Config reads it: `rope_scaling` (first) or `rope_parameters`, types
+    su and yarn meaning longrope, original_max_position_embeddings at the top level. LongRoPE (Phi-3-*-128k,
+    Phi-3.5, Phi-4-mini) runs with its short factors, as transformers computes every sequence that stays
+    within original_max_position_embeddings, and its attention factor; the context is held to that length
+    (rotary.model_context), past which transformers switches the whole sequence to the long factors, which
+    keys already in a paged KV cache cannot follow. A partial_rotary_factor below 1 is refused by name."""
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     arch = config["architectures"][0]
-    if rope_type in ("su", "yarn", "longrope"):
-        raise CheckpointError(
-            f"{arch}: rope_scaling type {rope_type!r} (LongRoPE: Phi-3-*-128k, Phi-3.5, Phi-4-mini) is not supported: it "
-            f"switches every position's rotary frequencies once a sequence passes original_max_position_embeddings "
-            f"({config.get('original_max_position_embeddings', 4096)}), which keys already in a paged KV cache cannot "
-            "follow; use a checkpoint with the default rope (Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
-    if rope_type != "default":
-        raise CheckpointError(f"{arch}: rope_scaling type {rope_type!r} is not one Phi-3 has (transformers' Phi3Config "
-                              "takes default and longrope); fix the checkpoint's config")
-    factor = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if factor != 1.0:
         raise CheckpointError(f"{arch}: partial_rotary_factor {factor} (rotary on part of each head, as Phi-4-mini) is "
                               "not supported: the runtime rotates whole heads; use a checkpoint with "
                               "partial_rotary_factor 1.0")
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    if rope_type == "default":
+        return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    if rope_type not in ("su", "yarn", "longrope"):
+        raise CheckpointError(f"{arch}: rope_scaling type {rope_type!r} is not one Phi-3 has (transformers' Phi3Config "
+                              "takes default and longrope); fix the checkpoint's config")
+    # transformers gives Phi3Config's own original_max_position_embeddings (default 4096) priority over the
+    # rope parameters' (modeling_rope_utils.standardize_rope_params)
+    original = config.get("original_max_position_embeddings", 4096)
+    if params.get("attention_factor") is None:  # transformers' default: from max_position_embeddings / original
+        scale = params.get("factor") or config.get("max_position_embeddings", 4096) / original
+        params["attention_factor"] = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+    longrope = {"rope_type": "longrope", "rope_theta": theta, **params, "original_max_position_embeddings": original}
+    return {**config, "rope_parameters": longrope, "rope_scaling": None}
 
 
 # what each rope scaling type reads (as transformers' computations of them)
 _ROPE_KEYS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
+              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 

@@ -1,6 +1,7 @@
-"""Rotary embedding tables, including Llama 3's frequency scaling (`rope_type: llama3`), linear scaling
-and YaRN (`rope_type: yarn`, Qwen2.5/Qwen3's long-context setting: frequencies blended by a ramp over
-the head dimensions, cos and sin scaled by its attention factor), as transformers computes them."""
+"""Rotary embedding tables, including Llama 3's frequency scaling (`rope_type: llama3`), linear scaling,
+YaRN (`rope_type: yarn`, Qwen2.5/Qwen3's long-context setting: frequencies blended by a ramp over
+the head dimensions, cos and sin scaled by its attention factor) and Phi-3's LongRoPE within its original
+context (`rope_type: longrope`: the short factors and the attention factor), as transformers computes them."""
 
 from __future__ import annotations
 
@@ -24,7 +25,14 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> T
         return inv_freq / rope_scaling["factor"]
     if rope_type == "yarn":
         return _yarn_scaled(inv_freq, head_dim, theta, rope_scaling)
-    raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3, yarn")
+    if rope_type == "longrope":  # Phi-3's: the short factors, which hold within original_max_position_embeddings
+        short = torch.tensor(rope_scaling["short_factor"], dtype=torch.float64)
+        if short.shape != inv_freq.shape:
+            raise CheckpointError(f"rope_scaling short_factor has {short.numel()} entries; head_dim {head_dim} needs "
+                                  f"{inv_freq.numel()}; fix the checkpoint's config")
+        return inv_freq / short
+    raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3, "
+                          "yarn, longrope")
 
 
 def _yarn_scaled(inv_freq: Tensor, head_dim: int, theta: float, cfg: dict) -> Tensor:
@@ -48,6 +56,8 @@ def _yarn_scaled(inv_freq: Tensor, head_dim: int, theta: float, cfg: dict) -> Te
 def attention_factor(rope_scaling: dict | None) -> float:
     """The factor YaRN scales cos and sin by (1 for every other rope type): its `attention_factor`, else
     0.1 ln(factor) + 1, or the ratio of two such terms with `mscale` and `mscale_all_dim` (DeepSeek's form)."""
+    if (rope_scaling or {}).get("rope_type") == "longrope":  # set when the config is read (hf_checkpoint._phi3_rope)
+        return float(rope_scaling["attention_factor"])
     if (rope_scaling or {}).get("rope_type") != "yarn":
         return 1.0
     if rope_scaling.get("attention_factor") is not None:
@@ -88,6 +98,10 @@ def model_context(max_position_embeddings: int, rope_scaling: dict | None) -> tu
         original = rope_scaling["original_max_position_embeddings"]
         return (int(original * rope_scaling["factor"]),
                 f"yarn original_max_position_embeddings {original} x factor {rope_scaling['factor']}")
+    if rope_type == "longrope":  # past it transformers rotates the whole sequence by the long factors
+        original = rope_scaling["original_max_position_embeddings"]
+        return (original, f"LongRoPE's original_max_position_embeddings {original}: past it transformers switches "
+                          "the whole sequence to the long factors, which keys already in a paged KV cache cannot follow")
     return max_position_embeddings, f"max_position_embeddings {max_position_embeddings}"
 
 

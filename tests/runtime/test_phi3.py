@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import CheckpointError
+from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import make_format
 from llmc.quant.reference import dequantize
 from llmc.runtime.llm import LLM
@@ -139,24 +139,16 @@ def _with_config(tiny_phi3, path, **changes):
     return path
 
 
-LONG = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # 8 = head_dim 16 // 2 (Phi3Config's check)
 
 
 @pytest.mark.parametrize("changes,said", [
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 64, **LONG}},
-     "rope_scaling type 'longrope' (LongRoPE"),
-    # the published spellings: Phi-3-mini-128k's "su", and "yarn", which Phi3Config reads as longrope
-    ({"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "su", "original_max_position_embeddings": 64,
-                                                                   **LONG}}, "rope_scaling type 'su' (LongRoPE"),
-    ({"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "yarn", **LONG}},
-     "rope_scaling type 'yarn' (LongRoPE"),
     # Phi-4-mini keeps the factor at the top level; transformers 5 writes it into rope_parameters
     ({"partial_rotary_factor": 0.75, "rope_parameters": None, "rope_theta": 1e4, "rope_scaling": None},
      "partial_rotary_factor 0.75"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor 0.5"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-], ids=["longrope", "su", "yarn-is-longrope", "partial-rotary-top-level", "partial-rotary-in-rope-parameters", "gelu"])
+], ids=["partial-rotary-top-level", "partial-rotary-in-rope-parameters", "gelu"])
 def test_what_the_runtime_cannot_compute_is_refused_by_name(tiny_phi3, tmp_path, changes, said, llmc_cli):
     from transformers import AutoConfig
 
@@ -170,3 +162,45 @@ def test_what_the_runtime_cannot_compute_is_refused_by_name(tiny_phi3, tmp_path,
     errors = [line for line in err.splitlines() if line.startswith("llmc: error:")]
     assert code not in (0, None) and "Traceback" not in err and len(errors) == 1 and said in errors[0], err
     assert not (tmp_path / "a").exists()
+
+
+# head_dim 32 = hidden 128 / 4 heads (Phi3Config checks the factors' count against hidden / heads, its rotary
+# computes head_dim's): 16 factors each, short factors that change every frequency
+SHORT = [1.0 + 0.25 * i for i in range(16)]
+LONG = [8.0 + i for i in range(16)]
+
+
+@pytest.mark.parametrize("changes", [
+    # as Phi-3.5-mini's config.json: the original context at the top level (transformers gives it priority)
+    {"rope_parameters": None, "rope_theta": 1e4, "original_max_position_embeddings": 64, "max_position_embeddings": 1024,
+     "rope_scaling": {"type": "longrope", "short_factor": SHORT, "long_factor": LONG}},
+    {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": SHORT, "long_factor": LONG},
+     "original_max_position_embeddings": 64, "max_position_embeddings": 1024},
+    # "yarn", which Phi3Config reads as longrope
+    {"rope_parameters": None, "rope_theta": 1e4, "original_max_position_embeddings": 64, "max_position_embeddings": 1024,
+     "rope_scaling": {"type": "yarn", "short_factor": SHORT, "long_factor": LONG}},
+], ids=["rope-scaling", "rope-parameters", "yarn-is-longrope"])
+def test_longrope_runs_within_its_original_context_as_transformers(hf_checkpoint_factory, tmp_path, changes, hf_logits,
+                                                                   hf_greedy, hf_encode):
+    """LongRoPE (Phi-3-*-128k, Phi-3.5) with its short factors and attention factor (sqrt(1 + ln 16 / ln 64)
+    here), as transformers computes a sequence within original_max_position_embeddings; the context is held
+    to it, and a longer max_model_len is refused by name."""
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", "phi3", hidden_size=128, sliding_window=None)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, **changes}))
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32"}), show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["runtime"]["max_model_len"] == 64
+    token_ids = hf_encode(checkpoint, "What light through yonder window breaks?") + list(range(100, 140))
+    assert len(token_ids) <= 64
+    llm = LLM(out, device="cpu")
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+    prompt = "ROMEO:"
+    want = hf_greedy(checkpoint, [prompt], 40)[0]
+    got = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, prompt)}], SamplingParams(temperature=0, max_tokens=40))
+    assert got[0].outputs[0].token_ids == want
+    llm.close()
+    with pytest.raises(RecipeError, match="128 exceeds the model's context of 64 \\(LongRoPE's original_max_position"):
+        build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "b"), "dtype": "float32",
+                                "runtime": {"max_model_len": 128}}), show_progress=False)
