@@ -19,7 +19,7 @@ from llmc.compiler.convert import (
     artifact_tensor_specs, dense_global_packer, dense_packer, global_modules, pack_global, pack_layer, read_global,
     read_layer,
 )
-from llmc.compiler.calibration import LayerRunner, calibration_windows
+from llmc.compiler.calibration import LayerRunner, calibration_windows, embed_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.import_quantized import ImportPacker, import_formats
 from llmc.compiler.onnx_export import DEFAULT_INT4_ACCURACY_LEVEL, check_onnx_recipe, export_onnx
@@ -36,6 +36,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
 from llmc.runtime.layers.rotary import max_context_len
+from llmc.runtime.models import context_rope_scaling
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.options import max_model_len_problem
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
@@ -130,12 +131,27 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
 
 
 def _check_moe(ctx: _Context) -> None:
-    """What a mixture-of-experts build does not do yet, refused by name before any work."""
+    """What a mixture-of-experts build (or a family without an ONNX graph) does not do yet, refused by name
+    before any work."""
+    if not ctx.spec.onnx_export and ctx.recipe.target.device in om.ONNX_DEVICES:
+        raise RecipeError(f"target.device {ctx.recipe.target.device}: {ctx.model.architecture} is not exported to ONNX "
+                          "(compiler/onnx_export.py writes no sandwich norms, GELU or second rotary table); use "
+                          "target.device cuda or cpu")
     if not ctx.model.moe_layers:
         return
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _reading_merge(ctx: _Context):
+    """What the build's reader does to a tensor as it is read: the recipe's LoRA adapters merged, then a
+    (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma); None when neither applies."""
+    fold = hf.norm_fold(ctx.spec, ctx.model)
+    if fold is None or ctx.lora is None:
+        return fold or ctx.lora
+    lora = ctx.lora
+    return lambda name, tensor: fold(name, lora(name, tensor))
 
 
 def _read_adapters(ctx: _Context) -> LoraMerge | None:
@@ -257,7 +273,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     rank_specs = [artifact_tensor_specs(ctx.model, ctx.module_formats, layout) for layout in layouts]
     paths = [root / art.rank_weights_path(layout.rank) for layout in layouts]
     writer = ShardedWriter(paths, rank_specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    with hf.TensorReader(ctx.model_dir, merge=ctx.lora) as reader, \
+    with hf.TensorReader(ctx.model_dir, merge=_reading_merge(ctx)) as reader, \
             tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
         packer, pack_global_fn = _packers(ctx, reader)
         packer = _observe_kv(ctx, reader, packer)
@@ -317,7 +333,7 @@ def _observe_kv(ctx: _Context, reader: hf.TensorReader, packer):
     calibration, _ = _calibration_windows(ctx, num_eval=0)
     runner = LayerRunner(ctx.model, calibration.shape[1], _calibration_device())
     embed = reader.get(ctx.spec.global_tensors["embed.weight"]).float()
-    return KVScaleObserver(packer, runner, embed[calibration], fp8_max(kv_cache_dtype))
+    return KVScaleObserver(packer, runner, embed_windows(embed, calibration, ctx.model), fp8_max(kv_cache_dtype))
 
 
 def _check_calibration_seq_len(recipe: Recipe, model: art.ModelConfig) -> None:
@@ -397,7 +413,8 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
 def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
     runtime = recipe.runtime
     # vLLM's default: the model's context, scaled
-    max_model_len = runtime.max_model_len or max_context_len(model.max_position_embeddings, model.rope_scaling)
+    max_model_len = runtime.max_model_len or max_context_len(model.max_position_embeddings,
+                                                             context_rope_scaling(model.family, model.rope_scaling))
     if (problem := max_model_len_problem(max_model_len, model)) is not None:
         raise RecipeError(f"runtime.max_model_len: {problem}")
     if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:

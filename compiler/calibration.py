@@ -17,8 +17,7 @@ from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import DenseFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
-from llmc.runtime.layers.rotary import cos_sin_cache
-from llmc.runtime.models.decoder import DecoderLayer
+from llmc.runtime.models.decoder import DecoderLayer, rope_tables
 from llmc.runtime.models.spec import format_key
 
 BLOCK_SIZE = 16
@@ -103,6 +102,13 @@ def calibration_windows(tokenizer, path: str | Path, num_samples: int, seq_len: 
     return windows[calib], windows[held_out]
 
 
+def embed_windows(embed: Tensor, ids: Tensor, config: ModelConfig) -> Tensor:
+    """The first layer's inputs for token windows ids [w, seq_len]: embedding rows, times the model's
+    embed_scale where it has one (Gemma), as the runtime's DecoderModel.embed_tokens."""
+    hidden = embed[ids]
+    return hidden if config.embed_scale is None else hidden * config.embed_scale
+
+
 class LayerRunner:
     """Runs one decoder layer (float32, dense) over [num_windows, seq_len, hidden] hidden states."""
 
@@ -111,7 +117,7 @@ class LayerRunner:
         self.seq_len = seq_len
         self.device = device
         self.windows_per_chunk = windows_per_chunk
-        self.cos_sin = cos_sin_cache(config.head_dim, seq_len, config.rope_theta, config.rope_scaling).to(device)
+        self.cos_sin, self.cos_sin_local = (None if t is None else t.to(device) for t in rope_tables(config, seq_len))
         num_blocks = windows_per_chunk * -(-seq_len // BLOCK_SIZE)
         shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
         self.kv_cache = (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
@@ -139,7 +145,8 @@ class LayerRunner:
             if observe_kv is not None:
                 for cache in self.kv_cache:
                     cache.zero_()
-            x, residual = module(chunk.flatten(0, 1), None, batch, self.cos_sin)
+            x, residual = module(chunk.flatten(0, 1), None, batch,
+                                 self.cos_sin_local if module.attn.is_local_rope else self.cos_sin)
             if observe_kv is not None:
                 observe_kv(*self.kv_cache)
             out[start : start + chunk.shape[0]] = (x + residual).view_as(chunk).to(out.device)

@@ -31,12 +31,25 @@ def read_hf_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+# Architectures close to a supported one that llmc does not run, with why (one line each).
+_REFUSED_ARCHITECTURES = {
+    "GemmaForCausalLM": "Gemma 1 is not supported (Gemma 3's text model, Gemma3ForCausalLM, is)",
+    "Gemma2ForCausalLM": "Gemma 2 is not supported: its attention and final logit soft-capping "
+                         "(tanh(x / cap) * cap) would need every attention kernel changed; Gemma3ForCausalLM is supported",
+    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower, weights under model.language_model) is not "
+                                      "supported; its text-only form, Gemma3ForCausalLM (gemma-3-1b and text checkpoints), is",
+}
+
+
 def model_spec_for(config: dict, model_dir: Path) -> ModelSpec:
     architectures = config.get("architectures") or []
     for arch in architectures:
         spec = spec_for_architecture(arch)
         if spec is not None:
             return spec
+    for arch in architectures:
+        if arch in _REFUSED_ARCHITECTURES:
+            raise CheckpointError(f"{model_dir}: architecture {arch}: {_REFUSED_ARCHITECTURES[arch]}")
     raise CheckpointError(
         f"{model_dir}: architecture {architectures or config.get('model_type')} is not supported; "
         f"supported: {', '.join(supported_architectures())}"
@@ -77,10 +90,12 @@ _HF_CONFIG_DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False},
     "qwen3_moe": {"max_position_embeddings": 32768, "use_sliding_window": False},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"},
 }
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                  "Phi3ForCausalLM": "phi3"}
+                  "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -93,10 +108,13 @@ def with_hf_defaults(config: dict) -> dict:
 def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
     """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
     config = with_hf_defaults(config)
-    activation = config.get("hidden_act", "silu")
-    if activation not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
-        raise CheckpointError(f"hidden_act {activation!r} is not supported: the runtime's MLP computes SiLU(gate) * up "
-                              "(hidden_act silu)")
+    if spec.family == "gemma3":
+        config = _gemma3_config(config)
+    else:
+        activation = config.get("hidden_act", "silu")
+        if activation not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
+            raise CheckpointError(f"hidden_act {activation!r} is not supported: the runtime's MLP computes SiLU(gate) * up "
+                                  "(hidden_act silu)")
     if spec.family == "phi3":
         config = _phi3_rope(config)
     num_heads = config["num_attention_heads"]
@@ -129,7 +147,72 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         sliding_window=sliding_window,
         sliding_window_layers=sliding_window_layers,
         **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
+        **(_gemma3_fields(config, dtype) if spec.family == "gemma3" else {}),
     )
+
+
+def _gemma3_config(config: dict) -> dict:
+    """A Gemma 3 text config checked and put in the form the shared reading takes: refused by name where
+    llmc cannot run it; `layer_types` from the older `sliding_window_pattern` (layer i slides unless
+    (i + 1) % pattern == 0; 6 by default), and the full-attention layers' rope as `rope_parameters`
+    (transformers 5 keeps one per layer type; older configs: rope_theta + rope_scaling, and
+    rope_local_base_freq for the sliding layers)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            raise CheckpointError(f"{key} {config[key]}: logit soft-capping is not supported (every attention "
+                                  "kernel would need it); Gemma 3 checkpoints set it to null")
+    if config.get("use_bidirectional_attention"):
+        raise CheckpointError("use_bidirectional_attention: true (an embedding model's non-causal attention) is not "
+                              "supported; llmc serves causal decoders")
+    if config.get("attention_bias"):
+        raise CheckpointError("attention_bias: true is not supported for Gemma 3 (q/k/v/o biases)")
+    if config.get("hidden_activation") != "gelu_pytorch_tanh":
+        raise CheckpointError(f"hidden_activation {config.get('hidden_activation')!r} is not supported for Gemma 3; "
+                              "supported: gelu_pytorch_tanh")
+    config = dict(config)
+    if config.get("layer_types") is None:
+        pattern = config.get("sliding_window_pattern") or 6
+        config["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    params = config.get("rope_parameters")
+    if params is not None and not set(params) <= {"full_attention", "sliding_attention"}:
+        raise CheckpointError(f"rope_parameters {sorted(params)}: Gemma 3 keeps one per layer type "
+                              "(full_attention, sliding_attention)")
+    if params is None:
+        full = {**(config.get("rope_scaling") or {}), "rope_theta": config.get("rope_theta", 1_000_000.0)}
+        local = {"rope_type": "default", "rope_theta": config.get("rope_local_base_freq", 10_000.0)}
+    else:
+        full = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+    config["rope_parameters"] = full
+    config["_rope_parameters_local"] = local
+    return config
+
+
+def _gemma3_fields(config: dict, dtype: str) -> dict:
+    """Gemma 3's ModelConfig fields (_gemma3_config made `config`). The embedding's sqrt(hidden_size) is rounded
+    as transformers does it (Gemma3TextScaledWordEmbedding): a float32 tensor cast to the weights' dtype."""
+    local_theta, local_scaling = _rope({"rope_parameters": config["_rope_parameters_local"],
+                                        "max_position_embeddings": config.get("max_position_embeddings")})
+    embed_scale = torch.tensor(config["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
+    return {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
+            "embed_scale": embed_scale, "sandwich_norms": True, "rope_local_theta": local_theta,
+            "rope_local_scaling": local_scaling}
+
+
+def norm_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """For a family whose RMSNorm scales by (offset + w) (Gemma: 1 + w), a `TensorReader` merge that reads
+    every norm tensor (the layers' norms, q/k norms, the final norm) as float32 offset + w: the plain RMSNorm
+    weight the runtime's kernels multiply by. Calibration, AWQ's folds (which divide a norm's weight) and the
+    artifact all see the folded weight; it is rounded to the model dtype once, when the artifact is written.
+    None for the other families."""
+    if not spec.norm_weight_offset:
+        return None
+    layer_norms = [*spec.layer_norms.values(), *(spec.qk_norms.values() if config.qk_norm else [])]
+    names = {spec.global_tensors["norm.weight"]} | {
+        f"{spec.hf_layer_prefix}{i}.{hf}.weight" for i in range(config.num_layers) for hf in layer_norms}
+    offset = spec.norm_weight_offset
+    return lambda name, tensor: tensor.float() + offset if name in names else tensor
 
 
 def _moe_fields(config: dict, family: str) -> dict:

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import Tensor
 
-from llmc.compiler.calibration import LayerRunner
+from llmc.compiler.calibration import LayerRunner, embed_windows
 from llmc.compiler.convert import LayerWeights, UnpackedLinear, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
@@ -44,12 +44,12 @@ class QuantizingPacker:
         tail = ModelTail(reader, spec, config, self.runner, calibration) if quant.method == "awq" and calibration is not None else None
         self.quantizer = LayerQuantizer(quant, formats, config, self.runner, tail)
         embed = reader.get(spec.global_tensors["embed.weight"]).float()
-        self.hidden = embed[calibration] if calibration is not None else None  # [num_samples, seq_len, hidden]
+        self.hidden = embed_windows(embed, calibration, config) if calibration is not None else None  # [num_samples, seq_len, hidden]
         # Float targets: the same windows through the float model, for GPTQ's W* (quant/gptq.py).
         is_float_target = quant.float_targets and quant.method == "gptq" and self.hidden is not None
         self.hidden_float = self.hidden.clone() if is_float_target else None
         self.held_out = held_out
-        self.eval_float = embed[held_out] if held_out is not None else None
+        self.eval_float = embed_windows(embed, held_out, config) if held_out is not None else None
         self.eval_quant = self.eval_float.clone() if held_out is not None else None
         self.start = time.perf_counter()
 

@@ -32,12 +32,15 @@ from llmc.schema import opt, parse
 #      CPU weight offload); older manifests load without them (auto KV, no scales, no offload).
 # 1.5: mixture-of-experts models (model.num_experts ..., parallel.expert / rank_experts); older manifests
 #      load without them (dense, no expert parallelism).
-FORMAT_VERSION = "1.5"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5")
+# 1.6: Gemma 3 (model.hidden_act, query_pre_attn_scalar, embed_scale, sandwich_norms, rope_local_theta /
+#      rope_local_scaling); older manifests load without them (SiLU, head_dim^-0.5, no scale, no extra norms, one rope).
+FORMAT_VERSION = "1.6"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"]
+HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
@@ -55,7 +58,7 @@ def rank_weights_path(rank: int) -> str:
 class ModelConfig:
     """Architecture hyper-parameters, normalised from the HF config (one schema for every family)."""
 
-    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3" | "phi3" | MoE ones
+    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3" | "phi3" | ... | "gemma3"
     architecture: str = opt()  # the HF class name, e.g. "LlamaForCausalLM"
     vocab_size: int = opt(min=1)
     hidden_size: int = opt(min=1)
@@ -84,6 +87,23 @@ class ModelConfig:
     moe_intermediate_size: int | None = opt(None, min=1)  # each expert's MLP width
     norm_topk_prob: bool = opt(True)  # renormalise the top-k router probabilities to sum to 1
     moe_layers: list[int] = opt([])  # decoder layers whose MLP is the MoE (the rest are dense MLPs)
+    # Gemma 3 (the defaults are every other family's):
+    hidden_act: str = opt("silu", choices=HIDDEN_ACTS)  # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form
+    query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
+    embed_scale: float | None = opt(None, min_exclusive=0.0)  # embeddings times this (sqrt(hidden) in the model dtype)
+    sandwich_norms: bool = opt(False)  # attn_out_norm / mlp_out_norm on the sub-layers' outputs before the residual add
+    # the sliding-window layers' own rotary table (theta, scaling); None: every layer uses rope_theta / rope_scaling
+    rope_local_theta: float | None = opt(None, min_exclusive=0.0)
+    rope_local_scaling: dict | None = opt(None)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
+
+    def uses_local_rope(self, index: int) -> bool:
+        """Whether layer `index` reads the local rotary table: a sliding-window layer of a model that has one
+        (Gemma 3); every other layer reads rope_theta / rope_scaling's."""
+        return self.rope_local_theta is not None and self.window_of(index) is not None
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers
@@ -104,7 +124,7 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         num_moe = len(self.moe_layers)

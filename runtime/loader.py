@@ -44,7 +44,7 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
             model = DecoderModel(config, formats, max_positions, layout, tp_group)
     except KeyError as e:  # a linear the manifest gives no format
         raise ArtifactError(f"manifest.json: quant.modules has no format for {e.args[0]!r}; rebuild the artifact") from None
-    model.cos_sin = _rope_table(manifest, max_positions, device)
+    model.cos_sin, model.cos_sin_local = _rope_tables(manifest, max_positions, device)
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
     model.prepare_loaded_weights()
     return model.eval()
@@ -95,11 +95,12 @@ def log_kernel_table(manifest: art.Manifest, device: torch.device) -> None:
                     "(rebuild with target.tune_kernels: true on this GPU to measure it here)", ", ".join(other), gpu)
 
 
-def _rope_table(manifest: art.Manifest, max_positions: int, device: torch.device) -> torch.Tensor:
-    from llmc.runtime.layers.rotary import cos_sin_cache
+def _rope_tables(manifest: art.Manifest, max_positions: int, device: torch.device):
+    """(the global rotary table, the sliding layers' own or None) on `device` (decoder.rope_tables)."""
+    from llmc.runtime.models.decoder import rope_tables
 
-    model = manifest.model
-    return cos_sin_cache(model.head_dim, max_positions, model.rope_theta, model.rope_scaling).to(device)
+    tables = rope_tables(manifest.model, max_positions)
+    return tuple(None if table is None else table.to(device) for table in tables)
 
 
 def load_weights(model: torch.nn.Module, path: Path, device: torch.device, stored_dtype: torch.dtype) -> None:

@@ -87,7 +87,8 @@ class PiecewiseGraphs:
             return None
         layer = self.layers[i]
         x, residual = layer.norm_in(x, residual)
-        layer.attn.project(x, self.positions[:size], self.slot_mapping[:size], self.model.cos_sin, q_out=self.q[:size])
+        layer.attn.project(x, self.positions[:size], self.slot_mapping[:size], self.model.rope_of(layer),
+                           q_out=self.q[:size])
         return residual
 
     @torch.inference_mode()

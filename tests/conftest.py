@@ -57,6 +57,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
+OTHER_FAMILIES = ("gemma3",)
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -128,6 +130,18 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # q/k/v stored as one qkv_proj, gate/up as one gate_up_proj; head_dim 32 != hidden / heads (Phi3Attention
     # reads the key when the config has it); no sliding window (Phi3Config's default).
     "phi3": ("Phi3Config", {"head_dim": 32, "sliding_window": None}),
+    # Gemma 3 text: hidden 96 (sqrt(96) is not a float32 integer: the embedding scale's rounding shows),
+    # head_dim 32 with query_pre_attn_scalar 24 (the scale is not head_dim's), 3 layers sliding / full /
+    # sliding with an 8-token window, and two rotary tables: sliding layers theta 1e4 unscaled, the full
+    # layer theta 1e6 with linear scaling x4. Tied embeddings, GELU-tanh MLP, sandwich norms, q/k norms.
+    "gemma3": ("Gemma3TextConfig", {"hidden_size": 96, "head_dim": 32, "query_pre_attn_scalar": 24,
+                                    "num_hidden_layers": 3, "sliding_window": 8, "tie_word_embeddings": True,
+                                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                    "hidden_activation": "gelu_pytorch_tanh",
+                                    "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1_000_000.0}}}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -148,15 +162,17 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:
         # Caller gave the transformers-5 form: it supersedes the legacy pair.
         kwargs.pop("rope_theta", None)
         kwargs.pop("rope_scaling", None)
+    if cls_name == "Gemma3TextConfig":
+        kwargs.pop("hidden_act")  # Gemma 3 reads hidden_activation
     config = getattr(transformers, cls_name)(**kwargs)
-    config.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    config.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config
 
 
@@ -172,11 +188,13 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith(".bias"):
             p.copy_(BIAS_STD * randn_like(p))
-        elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm
+        elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm (Gemma: scaled by 1 + w)
             p.copy_(1.0 + NORM_JITTER * randn_like(p))
         elif "embed_tokens" in name:
             tied = model.get_output_embeddings().weight is p
-            p.copy_((TIED_EMBED_STD if tied else EMBED_STD) * randn_like(p))
+            # Gemma multiplies its embeddings by sqrt(hidden_size): the rows it feeds the first layer get the std
+            scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+            p.copy_((TIED_EMBED_STD if tied else EMBED_STD) / scale * randn_like(p))
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_STD * randn_like(p))
         elif p.dim() == 2 or (p.dim() == 3 and ".experts." in name):  # MoE: experts stacked [E, out, in]

@@ -1,8 +1,8 @@
 """The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3,
-and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
+Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
 
-Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm), so one module
-serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
+Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma 3's hidden_act,
+query_pre_attn_scalar, embed_scale, sandwich_norms and local rope table), so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
 so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.activation import silu_and_mul, silu_and_mul_fp8
+from llmc.kernels.activation import act_and_mul, act_and_mul_fp8
 from llmc.kernels.attention import paged_attention, rotate_and_write_kv, rotate_write_and_attend
 from llmc.quant.formats import takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
@@ -53,8 +53,9 @@ class Attention(nn.Module):
         self.num_heads = layout.num_heads
         self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.window_of(index)
+        self.is_local_rope = config.uses_local_rope(index)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
@@ -122,17 +123,19 @@ class MLP(nn.Module):
         self.tp_group = tp_group
         self.is_gate_up_interleaved = False
         self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
+        self.act = config.hidden_act
 
     def interleave_gate_up(self) -> None:
         """After the weights load: where gate_up's format can (W4A16 in the gpu layout), its rows are
-        put in the order in which its GEMV makes SiLU(gate) · up in its own epilogue."""
-        self.is_gate_up_interleaved = self.gate_up.interleave_gate_up()
+        put in the order in which its GEMV makes SiLU(gate) · up in its own epilogue. That epilogue is
+        SiLU only: a GELU model (Gemma) keeps its rows and runs act_and_mul after the GEMM."""
+        self.is_gate_up_interleaved = self.act == "silu" and self.gate_up.interleave_gate_up()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.is_gate_up_interleaved:
             h = self.gate_up.silu_mul(x)
         else:  # quantized in the same kernel where down is w8a8-fp8
-            h = (silu_and_mul_fp8 if self.fp8_down_input else silu_and_mul)(self.gate_up(x))
+            h = (act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), self.act)
         out = self.down(h)  # [num_tokens, hidden_size], partial under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
@@ -152,6 +155,10 @@ class DecoderLayer(nn.Module):
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         else:
             self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
+        self.has_sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed before the residual add
+            self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch, cos_sin: Tensor):
         x, residual = self.norm_in(x, residual)
@@ -164,9 +171,13 @@ class DecoderLayer(nn.Module):
         return self.input_norm(x, residual)
 
     def feed_forward(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
-        """After the attention: (the MLP's or MoE's output, the residual stream)."""
+        """After the attention: (the MLP's or MoE's output, the residual stream); with sandwich norms both
+        outputs are normed before they join the residual stream (the next norm adds them)."""
+        if self.has_sandwich_norms:
+            attn_out = self.attn_out_norm(attn_out)
         x, residual = self.post_attn_norm(attn_out, residual)
-        return (self.moe(x) if self.is_moe else self.mlp(x)), residual
+        out = self.moe(x) if self.is_moe else self.mlp(x)
+        return (self.mlp_out_norm(out) if self.has_sandwich_norms else out), residual
 
 
 class DecoderModel(nn.Module):
@@ -194,8 +205,12 @@ class DecoderModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             if not self.is_tied:
                 self.lm_head = Linear(config.hidden_size, self.layout.vocab_size, formats["lm_head"], False, dtype)
-        rope = cos_sin_cache(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+        rope, local_rope = rope_tables(config, max_positions)
         self.register_buffer("cos_sin", rope, persistent=False)
+        self.register_buffer("cos_sin_local", local_rope, persistent=False)  # None: one table (not Gemma 3)
+        # the embedding's multiplier (Gemma: sqrt(hidden_size), rounded to the artifact's dtype when it was built,
+        # as transformers rounds it to the weights' dtype: exact in every compute dtype this artifact runs in)
+        self.embed_scale = config.embed_scale
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
@@ -206,17 +221,23 @@ class DecoderModel(nn.Module):
         """input_ids [num_tokens] → [num_tokens, hidden_size]. Vocab-parallel: each rank looks up the
         ids in its rows, zeros the others, and the all-reduce sums the one non-zero row per token."""
         if self.tp_group is None:
-            return self.embed.weight[input_ids]
-        local = input_ids - self.layout.vocab_start
-        is_mine = (local >= 0) & (local < self.layout.vocab_size)  # [num_tokens]
-        x = self.embed.weight[local.clamp(0, self.layout.vocab_size - 1)]
-        return self.tp_group.all_reduce(x.masked_fill(~is_mine.unsqueeze(-1), 0))
+            x = self.embed.weight[input_ids]
+        else:
+            local = input_ids - self.layout.vocab_start
+            is_mine = (local >= 0) & (local < self.layout.vocab_size)  # [num_tokens]
+            x = self.embed.weight[local.clamp(0, self.layout.vocab_size - 1)]
+            x = self.tp_group.all_reduce(x.masked_fill(~is_mine.unsqueeze(-1), 0))
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def run_layers(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each."""
         for layer in self.layers.values():
-            x, residual = layer(x, residual, batch, self.cos_sin)
+            x, residual = layer(x, residual, batch, self.rope_of(layer))
         return x, residual
+
+    def rope_of(self, layer: DecoderLayer) -> Tensor:
+        """The rotary table `layer` reads (Gemma 3's sliding layers have their own)."""
+        return self.cos_sin_local if layer.attn.is_local_rope else self.cos_sin
 
     def final_norm(self, x: Tensor, residual: Tensor) -> Tensor:
         x, _ = self.norm(x, residual)
@@ -268,3 +289,11 @@ class DecoderModel(nn.Module):
         for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
             layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale
+
+
+def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor | None]:
+    """(the global rotary table, the sliding layers' own or None), [max_positions, head_dim] float32 each."""
+    table = cos_sin_cache(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+    if config.rope_local_theta is None:
+        return table, None
+    return table, cos_sin_cache(config.head_dim, max_positions, config.rope_local_theta, config.rope_local_scaling)

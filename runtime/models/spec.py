@@ -44,6 +44,13 @@ class ModelSpec:
     hf_layer_prefix: str = "model.layers."
     never_quantized: tuple[str, ...] = ("embed", "norm")  # runtime names no recipe can quantize
     moe: MoeSpec | None = None  # mixture-of-experts layers (their router is never quantized)
+    # HF's RMSNorm multiplies by (norm_weight_offset + w) (Gemma: 1 + w, in float32); the compiler reads every
+    # norm tensor as offset + w (hf_checkpoint.norm_fold), so the artifact and the runtime's kernels hold plain weights
+    norm_weight_offset: float = 0.0
+    # the rope scaling stretches max_position_embeddings into the model's context (vLLM's rule); False where
+    # max_position_embeddings already is the scaled context (Gemma 3)
+    rope_scaling_extends_context: bool = True
+    onnx_export: bool = True  # compiler/onnx_export.py writes this family's graph
 
     def layer_linear(self, name: str) -> FusedLinear:
         return next(linear for linear in self.layer_linears if linear.name == name)
