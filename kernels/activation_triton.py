@@ -1,4 +1,5 @@
-"""Triton SiLU(gate) · up, or GELU(gate) · up in its tanh form (ACT 1, Gemma) (imported only when a kernel runs): one pass, no gate/up temporaries; or one
+"""Triton SiLU(gate) · up, or GELU(gate) · up in its tanh form (ACT 1, Gemma) (imported only when a kernel
+runs): one pass, no gate/up temporaries; or one
 program per token that also quantizes the token's row to FP8 for a w8a8-fp8 down projection."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
 def _silu_mul(gate_up_ptr, offs, mask, size, INTERLEAVE: tl.constexpr, ACT: tl.constexpr = 0):
     """act(gate) · up at the output columns offs of the row at gate_up_ptr, in float32 (not yet rounded
     to the model dtype), in activation.silu_and_mul's column order. ACT 0: SiLU; 1: GELU, tanh form
-    (0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) as 1 - 2 / (exp(2z) + 1): ±1 at the extremes)."""
+    (0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh(z) as 1 - 2 / (exp(2z) + 1), z clamped to ±15)."""
     if INTERLEAVE > 0:  # runs of INTERLEAVE gate columns, then the same features' up columns
         gate_offs = (offs // INTERLEAVE) * (2 * INTERLEAVE) + offs % INTERLEAVE
         up_offs = gate_offs + INTERLEAVE
@@ -32,6 +33,7 @@ def _silu_mul(gate_up_ptr, offs, mask, size, INTERLEAVE: tl.constexpr, ACT: tl.c
         act = gate / (1.0 + tl.exp(-gate))
     else:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) (...)
+        z = tl.minimum(tl.maximum(z, -15.0), 15.0)  # tanh is ±1 in float32 beyond: no exp overflow
         act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
     # rounded to the model dtype before the product, as the torch path (F.silu(gate) * up) does
     act = act.to(gate_up_ptr.dtype.element_ty).to(tl.float32)

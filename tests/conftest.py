@@ -531,6 +531,11 @@ def tiny_phi3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_mixtral(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "mixtral")
 

@@ -42,6 +42,31 @@ def test_folding_scales_keeps_the_float_layer_output(hf_checkpoint_factory, tmp_
     assert not torch.equal(folded.linears["mlp.down"], layer.linears["mlp.down"])
 
 
+@torch.inference_mode()
+def test_gemma3_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds_keep_it(tiny_gemma3, hf_model):
+    """Gemma 3's layer 0 (sliding window, local rope, sandwich norms) read through the build's norm fold
+    (1 + w) and run by the calibration's LayerRunner gives transformers' layer output from transformers'
+    scaled embeddings; AWQ's scales folded into those (1 + w) norms (before qkv and gate_up) and into
+    up's rows leave it unchanged."""
+    from llmc.compiler.hf_checkpoint import norm_fold
+
+    hf = read_hf_config(tiny_gemma3)
+    spec = model_spec_for(hf, tiny_gemma3)
+    config = model_config_from_hf(hf, spec, "float32")
+    with TensorReader(tiny_gemma3, merge=norm_fold(spec, config)) as reader:
+        layer = read_layer(reader, spec, config, 0)
+    ids = torch.arange(100, 132).view(1, 32)  # 32 positions, the window 8
+    states = hf_model(tiny_gemma3)(input_ids=ids, output_hidden_states=True).hidden_states
+    runner = LayerRunner(config, seq_len=32, device=torch.device("cpu"))
+    torch.testing.assert_close(runner.forward(runner.build_layer(layer), states[0]), states[1], atol=1e-4, rtol=1e-4)
+    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
+    gen = torch.Generator().manual_seed(0)
+    for name, target in _awq_folds(config):
+        _fold(folded, name, target, torch.rand(folded.linears[name].shape[1], generator=gen) * 3 + 0.2)
+    assert not torch.equal(folded.norms["input_norm"], layer.norms["input_norm"])
+    torch.testing.assert_close(runner.forward(runner.build_layer(folded), states[0]), states[1], atol=1e-4, rtol=1e-4)
+
+
 def test_layer_choice_is_never_worse_than_rtn(ref_model_dir):
     config, layer = _setup(ref_model_dir)
     quant = QuantizationConfig(method="awq", bits=3, group_size=128, symmetric=False)

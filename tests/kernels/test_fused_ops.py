@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual), SiLU·mul and FP8 per-token quantization against torch (the rotary embedding
+"""RMSNorm (+ residual), SiLU·mul (GELU-tanh·mul) and FP8 per-token quantization against torch (the rotary embedding
 runs in the KV write's kernel: tests/kernels/test_attention.py)."""
 
 import pytest
@@ -173,6 +173,48 @@ def test_silu_and_mul_quantized_in_its_kernel_equals_the_two_kernels(elementwise
     _assert_same_fp8(actual, quantize_fp8_per_token(silu_and_mul(gate_up, interleave), MIN_SCALE))
     assert actual[1][-1].item() == MIN_SCALE
     expected_scale = reference_quantize_fp8(activation.silu_and_mul(gate_up.cpu(), interleave))[1]
+    torch.testing.assert_close(actual[1].cpu(), expected_scale, rtol=TOLERANCE[dtype], atol=0)
+
+
+def _gelu_tanh_mul_float64(gate_up: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    """GELU(gate) · up in float64 from the tanh formula (not torch's gelu): the Gemma kernels' oracle."""
+    g = gate_up.double()
+    if interleave:
+        pairs = g.unflatten(-1, (-1, 2, interleave))
+        gate, up = pairs.select(-2, 0).flatten(-2), pairs.select(-2, 1).flatten(-2)
+    else:
+        gate, up = g.chunk(2, dim=-1)
+    return 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate**3))) * up
+
+
+@pytest.mark.parametrize("num_tokens,size,interleave", [(1, 48, 0), (3, 1500, 0), (2, 64, 8)])
+def test_gelu_tanh_and_mul_matches_float64(elementwise_case, num_tokens, size, interleave) -> None:
+    """Gemma's GELU(gate, tanh form) · up: the kernel and the torch path against float64 (gates out to
+    ±12, where tanh saturates, and 0), within one rounding of the output dtype."""
+    from llmc.kernels.activation_triton import act_and_mul
+
+    device, dtype = elementwise_case
+    gate_up = (3 * torch.randn(num_tokens, 2 * size)).to(dtype)
+    gate_up[0, :4] = torch.tensor([12.0, -12.0, 0.0, -0.5])
+    expected = _gelu_tanh_mul_float64(gate_up, interleave).to(dtype)
+    assert_close(act_and_mul(gate_up.to(device), "gelu_pytorch_tanh", interleave), expected, dtype)
+    assert_close(activation.act_and_mul(gate_up, "gelu_pytorch_tanh", interleave), expected, dtype)
+    with pytest.raises(ValueError, match="activation 'gelu'"):
+        activation.act_and_mul(gate_up, "gelu")
+
+
+@pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1500)])
+def test_gelu_tanh_and_mul_quantized_in_its_kernel_equals_the_two_kernels(elementwise_case, num_tokens, size) -> None:
+    """The FP8-output variant for a w8a8-fp8 down of a Gemma MLP: bit for bit the two kernels."""
+    from llmc.kernels.activation_triton import act_and_mul, act_and_mul_fp8
+    from llmc.kernels.fp8 import MIN_SCALE
+    from llmc.kernels.fp8_triton import quantize_fp8_per_token
+
+    device, dtype = elementwise_case
+    gate_up = (3 * torch.randn(num_tokens, 2 * size)).to(dtype).to(device)
+    actual = act_and_mul_fp8(gate_up, MIN_SCALE, "gelu_pytorch_tanh")
+    _assert_same_fp8(actual, quantize_fp8_per_token(act_and_mul(gate_up, "gelu_pytorch_tanh"), MIN_SCALE))
+    expected_scale = reference_quantize_fp8(_gelu_tanh_mul_float64(gate_up.cpu()).to(dtype))[1]
     torch.testing.assert_close(actual[1].cpu(), expected_scale, rtol=TOLERANCE[dtype], atol=0)
 
 

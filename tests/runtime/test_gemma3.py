@@ -1,0 +1,189 @@
+"""Gemma 3 text (Gemma3ForCausalLM) against transformers' own model (float32): logits past the sliding
+window, greedy decoding through the paged engine (both rotary tables, the KV cache), quantized builds,
+tensor parallelism, a pre-quantized import, how the config is read, and every refusal."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.compiler.build import build
+from llmc.compiler.export import export_artifact
+from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ArtifactError, CheckpointError, RecipeError
+from llmc.runtime.artifact import read_manifest
+from llmc.runtime.llm import LLM
+from llmc.runtime.models import gemma3
+from llmc.runtime.sampling_params import SamplingParams
+
+PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def _build(checkpoint, out, **recipe):
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 256}, **recipe}), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_gemma3, tmp_path_factory):
+    return _build(tiny_gemma3, tmp_path_factory.mktemp("gemma3") / "a")
+
+
+def test_logits_match_transformers_past_the_window(tiny_gemma3, artifact, hf_logits, hf_encode):
+    """50 positions, the window 8: sliding layers (local rope) and the full layer (linear-scaled rope)."""
+    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 140))
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=16)  # prefilled in chunks
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(tiny_gemma3, token_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_transformers_with_continuous_batching(tiny_gemma3, artifact, hf_greedy, hf_encode):
+    expected = hf_greedy(tiny_gemma3, PROMPTS, GREEDY.max_tokens)
+    assert all(len(set(tokens)) > 12 for tokens in expected)  # not a model that repeats one token
+    llm = LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64)
+    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma3, p)} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_the_artifact_holds_folded_norms_and_the_model_config(tiny_gemma3, artifact):
+    """Every norm stored as 1 + w (the checkpoint's w); the manifest says what the runtime needs."""
+    hf = load_file(tiny_gemma3 / "model.safetensors")
+    ours = load_file(artifact / "rank-00" / "weights.safetensors")
+    for runtime, name in {**gemma3.GEMMA3_NORMS, **gemma3.QK_NORMS}.items():
+        torch.testing.assert_close(ours[f"layers.1.{runtime}.weight"], 1 + hf[f"model.layers.1.{name}.weight"],
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(ours["norm.weight"], 1 + hf["model.norm.weight"], rtol=0, atol=0)
+    assert "lm_head.weight" not in ours  # tied
+    model = read_manifest(artifact).model
+    assert (model.family, model.hidden_act, model.query_pre_attn_scalar, model.sandwich_norms) == \
+        ("gemma3", "gelu_pytorch_tanh", 24.0, True)
+    assert model.sliding_window == 8 and model.sliding_window_layers == [0, 2]
+    assert (model.rope_theta, model.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 4.0})
+    assert (model.rope_local_theta, model.rope_local_scaling) == (1e4, None)
+    assert model.embed_scale == torch.tensor(96**0.5).item()  # float32 sqrt(96)
+    assert read_manifest(artifact).runtime.max_model_len == 256
+
+
+def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma3):
+    """gemma-3 configs on the hub: rope_theta + rope_scaling (full layers), rope_local_base_freq (sliding),
+    sliding_window_pattern instead of layer_types; transformers' reading of them is the reference. The
+    embedding scale is rounded to the model dtype as Gemma3TextScaledWordEmbedding rounds it, and the
+    default context is max_position_embeddings, not scaled (vLLM's rule for Gemma 3)."""
+    from transformers import Gemma3TextConfig
+
+    from llmc.runtime.options import max_model_len_problem
+
+    base = {k: v for k, v in read_hf_config(tiny_gemma3).items() if k not in ("rope_parameters", "layer_types")}
+    legacy = {**base, "num_hidden_layers": 7, "sliding_window_pattern": 3, "rope_theta": 5e5,
+              "rope_local_base_freq": 2e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+              "max_position_embeddings": 64}
+    theirs = Gemma3TextConfig(**{k: v for k, v in legacy.items() if k not in ("architectures", "model_type")})
+    ours = model_config_from_hf(legacy, gemma3.SPEC, "bfloat16")
+    sliding = [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
+    assert ours.sliding_window_layers == sliding == [0, 1, 3, 4, 6]
+    full, local = theirs.rope_parameters["full_attention"], theirs.rope_parameters["sliding_attention"]
+    assert (ours.rope_theta, ours.rope_scaling) == (full["rope_theta"], {"rope_type": "linear", "factor": 8.0})
+    assert (ours.rope_local_theta, ours.rope_local_scaling, local["rope_type"]) == (local["rope_theta"], None, "default")
+    assert ours.embed_scale == torch.tensor(96**0.5).to(torch.bfloat16).item() == 9.8125
+    assert max_model_len_problem(64, ours) is None and "exceeds the model's context of 64" in max_model_len_problem(65, ours)
+
+
+@pytest.mark.parametrize("quantization,min_cosine", [
+    ({"method": "rtn", "bits": 8, "group_size": 32}, 0.98),
+    ({"method": "fp8"}, 0.75),
+    ({"method": "rtn", "bits": 4, "group_size": 32}, None),
+    ({"method": "gptq", "bits": 4, "group_size": 32}, None),
+    ({"method": "awq", "bits": 4, "group_size": 32}, None),
+], ids=["rtn-w8", "fp8", "rtn-w4", "gptq-w4", "awq-w4"])
+def test_quantized_builds_run(quantization, min_cosine, tiny_gemma3, tmp_path, data_dir, hf_logits, hf_encode):
+    """RTN, GPTQ and AWQ (its scales folded into the (1 + w) norms: tests/compiler/test_awq_layer.py) W4 builds
+    run; W8 and FP8 (its GELU · mul quantized for down) stay near transformers' logits. (A random model this
+    small loses too much at 4 bits, and GPTQ on 128 calibration tokens more, for a closeness bound to mean much.)"""
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    needs_data = quantization["method"] in ("gptq", "awq")
+    out = _build(tiny_gemma3, tmp_path / "q", target={"device": "cpu"},
+                 quantization={**quantization, **({"calibration": calibration} if needs_data else {})})
+    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 120))
+    llm = LLM(out, device="cpu")
+    ours, theirs = llm.engine.score(token_ids), hf_logits(tiny_gemma3, token_ids)
+    assert ours.isfinite().all()
+    if min_cosine is not None:
+        assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min().item() > min_cosine
+    assert len(llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_tensor_parallel_matches_one_rank(tiny_gemma3, artifact, tmp_path):
+    split = _build(tiny_gemma3, tmp_path / "tp2", parallel={"tensor": 2})
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+    with LLM(split, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    with LLM(artifact, **engine) as llm:
+        assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_a_compressed_tensors_checkpoint_imports(tiny_gemma3, tmp_path, hf_logits, hf_encode):
+    """A pack-quantized W4 Gemma 3 (every decoder linear, as llm-compressor saves it): its levels are imported,
+    the norms folded as in any build, and the logits are transformers' on the dequantized twin."""
+    from tests.compiler.test_moe_import import _compress
+
+    dest, twin = tmp_path / "ckpt", tmp_path / "twin"
+    for path in (dest, twin):
+        shutil.copytree(tiny_gemma3, path)
+    tensors, dequantized = {}, {}
+    for name, weight in load_file(tiny_gemma3 / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            packed, dense = _compress(weight, {"symmetric": True, "group_size": 32, "strategy": "group"})
+            tensors |= {f"{name.removesuffix('.weight')}.{k}": v for k, v in packed.items()}
+            dequantized[name] = dense.float()
+        else:
+            tensors[name] = dequantized[name] = weight
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, twin / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}}}}
+    (dest / "config.json").write_text(json.dumps(config))
+    out = _build(dest, tmp_path / "a", target={"device": "cpu"}, quantization={"method": "import"})
+    token_ids = hf_encode(twin, PROMPTS[1]) + list(range(100, 120))
+    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
+                               atol=1e-4, rtol=1e-4)
+
+
+def _write_config(source, dest, **changes):
+    shutil.copytree(source, dest)
+    config = {**read_hf_config(source), **changes}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM: Gemma 2 is not supported: its attention and final logit soft-capping"),
+    ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM: Gemma 1 is not supported"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "the multimodal Gemma 3"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0: logit soft-capping is not supported"),
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0: logit soft-capping is not supported"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention: true"),
+    ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for Gemma 3"),
+    ({"attention_bias": True}, "attention_bias: true is not supported for Gemma 3"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "Gemma 3 keeps one per layer type"),
+], ids=["gemma2", "gemma1", "multimodal", "attn-softcap", "final-softcap", "bidirectional", "gelu-exact",
+        "attention-bias", "flat-rope"])
+def test_what_llmc_does_not_run_is_refused_by_name(tiny_gemma3, tmp_path, changes, message):
+    checkpoint = _write_config(tiny_gemma3, tmp_path / "ckpt", **changes)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config = read_hf_config(checkpoint)
+        model_config_from_hf(config, model_spec_for(config, checkpoint), "float32")
+
+
+def test_onnx_targets_and_export_are_refused_by_name(tiny_gemma3, artifact, tmp_path):
+    with pytest.raises(RecipeError, match="Gemma3ForCausalLM is not exported to ONNX"):
+        _build(tiny_gemma3, tmp_path / "onnx", target={"device": "onnx-cpu"})
+    assert not (tmp_path / "onnx").exists()
+    with pytest.raises(ArtifactError, match="cannot export architecture Gemma3ForCausalLM"):
+        export_artifact(artifact, tmp_path / "export")
