@@ -187,3 +187,37 @@ def test_onnx_targets_and_export_are_refused_by_name(tiny_gemma3, artifact, tmp_
     assert not (tmp_path / "onnx").exists()
     with pytest.raises(ArtifactError, match="cannot export architecture Gemma3ForCausalLM"):
         export_artifact(artifact, tmp_path / "export")
+
+
+# ---- on a GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_float32_on_the_gpu_matches_transformers(tiny_gemma3, artifact, hf_greedy, hf_logits, hf_encode, free_gpu):
+    """The Triton attention (both rotary tables, the window), norm and GELU-tanh kernels, CUDA graphs."""
+    expected = hf_greedy(tiny_gemma3, PROMPTS, GREEDY.max_tokens)
+    llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
+    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma3, p)} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 140))
+    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(tiny_gemma3, token_ids), atol=2e-3, rtol=2e-3)
+    llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quantization", [{"method": "rtn", "bits": 4, "group_size": 32}, {"method": "fp8"}],
+                         ids=["w4a16", "fp8"])
+def test_quantized_bf16_on_the_gpu_computes_the_cpu_s_model(quantization, tiny_gemma3, tmp_path, hf_encode, free_gpu):
+    """bf16 W4A16 (the GEMM, then the GELU-tanh kernel: the SiLU epilogue is bypassed) and FP8 W8A8 (GELU-tanh · up
+    quantized for down in one kernel) on CUDA against the same artifact on the CPU (dequantized weights, torch)."""
+    out = tmp_path / "q"
+    build(recipe_from_dict({"model": str(tiny_gemma3), "output": str(out), "dtype": "bfloat16",
+                            "runtime": {"max_model_len": 256}, "quantization": quantization}), show_progress=False)
+    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 140))
+    cpu = LLM(out, device="cpu").engine.score(token_ids).float()
+    llm = LLM(out, device="cuda", gpu_memory_utilization=0.3)
+    gpu = llm.engine.score(token_ids).float().cpu()
+    llm.close()
+    assert torch.nn.functional.cosine_similarity(gpu, cpu, dim=-1).min().item() > 0.995
+    assert (gpu.argmax(-1) == cpu.argmax(-1)).float().mean().item() > 0.9
