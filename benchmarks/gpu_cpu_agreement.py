@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's checkpoint maker
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # tests.conftest (after the package: the repo root holds a bare llmc/)
 
 KINDS = {"dense": {"method": "none"}, "w4a16": {"method": "rtn", "bits": 4, "group_size": 32}, "fp8": {"method": "fp8"}}
 
