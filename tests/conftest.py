@@ -367,6 +367,13 @@ def hf_greedy(path, prompts: Sequence[str] | str, max_new_tokens: int) -> list[l
     return out
 
 
+def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x with each token's vector rounded to E4M3 at scale amax / 448 (vLLM's dynamic per-token FP8), dequantized:
+    what a w8a8-fp8 linear's dynamic activation quantization does, for transformers models used as oracles."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+
+
 @torch.inference_mode()
 def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """float32 logits ``[len(token_ids), vocab]`` of one transformers forward pass (no bos added)."""

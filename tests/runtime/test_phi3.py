@@ -20,6 +20,7 @@ from llmc.quant.formats import make_format
 from llmc.quant.reference import dequantize
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
+from tests.conftest import fp8_per_token
 
 CALIBRATION = {"num_samples": 4, "seq_len": 64}
 METHODS = {
@@ -56,12 +57,6 @@ def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
     return state
 
 
-def _fp8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """x with each token's vector rounded to E4M3 at scale amax / 448 (vLLM's dynamic per-token FP8), dequantized."""
-    scale = x.abs().amax(dim=-1, keepdim=True) / 448.0
-    return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
-
-
 @torch.inference_mode()
 @pytest.mark.parametrize("method", list(METHODS))
 def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_phi3, tmp_path, data_dir, hf_encode):
@@ -84,7 +79,7 @@ def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_ph
     if method.startswith("fp8"):  # dynamic activations: each token's input to a layer linear rounded to E4M3
         for name, module in oracle.named_modules():
             if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (_fp8_per_token(args[0]),))
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
     token_ids = hf_encode(tiny_phi3, "The quick brown fox") + list(range(50, 80))
     theirs = oracle(torch.tensor([token_ids])).logits[0]
     llm = LLM(out, device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
