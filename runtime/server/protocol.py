@@ -841,6 +841,17 @@ def responses_error(error: ApiError) -> ApiError:
 _INPUT_ROLES = ("user", "system", "developer", "assistant")
 
 
+
+def _check_text_or_parts(value, param: str) -> None:
+    """A message's content or a tool result's output: a string, or a list of input_text parts."""
+    if isinstance(value, list):
+        try:
+            text_of_parts(value)
+        except (ValueError, AttributeError) as e:
+            raise invalid(param, str(e)) from None
+    elif not isinstance(value, str):
+        raise invalid(param, "must be a string or a list of input_text parts")
+
 def _checked_item(index: int, item: Any) -> dict:
     """One input item, checked: a message (with or without "type": "message"), a function_call, a
     function_call_output or a reasoning item (OpenAI's shapes); 400 naming the field otherwise."""
@@ -851,14 +862,7 @@ def _checked_item(index: int, item: Any) -> dict:
     if kind == "message":
         if item.get("role") not in _INPUT_ROLES:
             raise invalid(f"{where}.role", f"must be one of {', '.join(_INPUT_ROLES)}, got {item.get('role')!r}")
-        content = item.get("content")
-        if isinstance(content, list):
-            try:
-                text_of_parts(content)
-            except (ValueError, AttributeError) as e:
-                raise invalid(f"{where}.content", str(e)) from None
-        elif not isinstance(content, str):
-            raise invalid(f"{where}.content", "must be a string or a list of input_text parts")
+        _check_text_or_parts(item.get("content"), f"{where}.content")
         return {**item, "type": "message"}
     if kind == "function_call":
         for field in ("call_id", "name", "arguments"):
@@ -873,14 +877,7 @@ def _checked_item(index: int, item: Any) -> dict:
     if kind == "function_call_output":
         if not isinstance(item.get("call_id"), str):
             raise invalid(f"{where}.call_id", "is required (a string): the call_id of the function_call it answers")
-        output = item.get("output")
-        if isinstance(output, list):
-            try:
-                text_of_parts(output)
-            except (ValueError, AttributeError) as e:
-                raise invalid(f"{where}.output", str(e)) from None
-        elif not isinstance(output, str):
-            raise invalid(f"{where}.output", "must be a string or a list of input_text parts")
+        _check_text_or_parts(item.get("output"), f"{where}.output")
         return item
     if kind == "reasoning":
         if item.get("encrypted_content") is not None:
