@@ -135,8 +135,7 @@ def _check_moe(ctx: _Context) -> None:
     before any work."""
     if not ctx.spec.onnx_export and ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: {ctx.model.architecture} is not exported to ONNX "
-                          "(compiler/onnx_export.py writes no sandwich norms, GELU or second rotary table); use "
-                          "target.device cuda or cpu")
+                          "(compiler/onnx_export.py does not write its graph); use target.device cuda or cpu")
     if not ctx.model.moe_layers:
         return
     if ctx.recipe.target.device in om.ONNX_DEVICES:

@@ -6,8 +6,10 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
 
   RMSNorm → qkv (MatMulNBits | MatMul) [+ bias] → Split → [q/k RMSNorm per head] →
   GroupQueryAttention (rotary from the model's cos/sin tables, causal, optional sliding window,
-  past/present K/V in one shared buffer) → o → SkipSimplifiedLayerNormalization (residual add + norm)
-  → gate_up → SiLU(gate) * up → down → SkipSimplifiedLayerNormalization (into the next layer)
+  past/present K/V in one shared buffer) → o → [RMSNorm] → SkipSimplifiedLayerNormalization (residual
+  add + norm) → gate_up → SiLU(gate) * up (GELU-tanh for Gemma) → down → [RMSNorm] →
+  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma 3's sandwich
+  norms, whose sliding layers also read a second rotary table, and whose embeddings are scaled
 
 then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
 RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
@@ -153,12 +155,14 @@ class _Emitter:
         present_k, present_v = om.present_names(i)
         inputs = [q, k, v, past_k, past_v, om.SEQLENS_K, om.TOTAL_SEQUENCE_LENGTH, "cos_cache", "sin_cache",
                   *[""] * 7, om.QUERY_SEQLENS]
+        if c.uses_local_rope(i):  # Gemma 3's sliding layers: their own rotary table
+            inputs[7:9] = ["cos_cache_local", "sin_cache_local"]
         out = self.g.name("attn")
         window = {"local_window_size": c.window_of(i)} if c.window_of(i) else {}
         self.g.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs, [out, present_k, present_v], domain=MS_DOMAIN,
             num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0,
-            scale=float(c.head_dim ** -0.5), **window,
+            scale=float(c.attention_scale), **window,
         ))
         return self.linear(out, f"layers.{i}.attn.o", q_size, c.hidden_size)
 
@@ -167,22 +171,37 @@ class _Emitter:
         gate_up = self.linear(x, f"layers.{i}.mlp.gate_up", c.hidden_size, 2 * c.intermediate_size)
         gate, up = self.g.op("Split", [gate_up, self.g.const(self.g.name("gu_split"),
                                                              np.array([c.intermediate_size] * 2, np.int64))], 2, axis=-1)
-        act = self.g.op1("Mul", [self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])]), up])
+        if c.hidden_act == "gelu_pytorch_tanh":  # Gemma: GELU's tanh form (ONNX Gelu, opset 20)
+            act = self.g.op1("Mul", [self.g.op1("Gelu", [gate], approximate="tanh"), up])
+        else:
+            act = self.g.op1("Mul", [self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])]), up])
         return self.linear(act, f"layers.{i}.mlp.down", c.intermediate_size, c.hidden_size)
 
     def body(self, max_positions: int) -> str:
         """input_ids → logits; returns the logits' name."""
         c = self.config
-        rope = cos_sin_cache(c.head_dim, max_positions, c.rope_theta, c.rope_scaling).numpy()
-        self.g.const("cos_cache", rope[:, : c.head_dim // 2])
-        self.g.const("sin_cache", rope[:, c.head_dim // 2:])
+        tables = [("", c.rope_theta, c.rope_scaling)]
+        if c.rope_local_theta is not None:  # Gemma 3: the sliding layers' table
+            tables.append(("_local", c.rope_local_theta, c.rope_local_scaling))
+        for suffix, theta, scaling in tables:
+            rope = cos_sin_cache(c.head_dim, max_positions, theta, scaling).numpy()
+            self.g.const(f"cos_cache{suffix}", rope[:, : c.head_dim // 2])
+            self.g.const(f"sin_cache{suffix}", rope[:, c.head_dim // 2:])
         embed = self.g.const("embed.weight", self.tensor("embed.weight").float().numpy()[: c.vocab_size])
         residual = self.g.op1("Gather", [embed, om.INPUT_IDS])  # [batch, seq, hidden]
+        if c.embed_scale is not None:  # Gemma: sqrt(hidden), as the artifact records it
+            residual = self.g.op1("Mul", [residual, self.g.const("embed_scale", np.array(c.embed_scale, np.float32))])
         x = self.rms_norm(residual, "layers.0.input_norm.weight")
         for i in range(c.num_layers):
-            x, residual = self.skip_norm(self.attention(i, x), residual, f"layers.{i}.post_attn_norm.weight")
+            attn = self.attention(i, x)
+            if c.sandwich_norms:  # Gemma: the sub-layers' outputs normed before the residual add
+                attn = self.rms_norm(attn, f"layers.{i}.attn_out_norm.weight")
+            x, residual = self.skip_norm(attn, residual, f"layers.{i}.post_attn_norm.weight")
+            mlp = self.mlp(i, x)
+            if c.sandwich_norms:
+                mlp = self.rms_norm(mlp, f"layers.{i}.mlp_out_norm.weight")
             after = f"layers.{i + 1}.input_norm.weight" if i + 1 < c.num_layers else "norm.weight"
-            x, residual = self.skip_norm(self.mlp(i, x), residual, after)
+            x, residual = self.skip_norm(mlp, residual, after)
         flat = self.g.op1("Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))])
         rows = self.g.op1("Gather", [flat, om.LOGITS_INDICES], axis=0)  # [rows, hidden]
         if c.tie_word_embeddings:

@@ -26,5 +26,4 @@ SPEC = ModelSpec(
     global_tensors=LLAMA_GLOBALS,
     norm_weight_offset=1.0,
     rope_scaling_extends_context=False,
-    onnx_export=False,
 )
