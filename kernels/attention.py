@@ -169,6 +169,7 @@ def rotate_write_and_attend(
     slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
     v_scale: float = 1.0, index_cache: dict | None = None, prefill_index: PrefillIndex | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
@@ -180,11 +181,12 @@ def rotate_write_and_attend(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
-            rotary=(k, v, positions, cos_sin_cache, slot_mapping),
+            rotary=(k, v, positions, cos_sin_cache, slot_mapping), softcap=softcap,
         )
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
-                           max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index)
+                           max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index,
+                           softcap=softcap)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -213,6 +215,7 @@ def paged_attention(
     index_cache: dict | None = None,
     out: Tensor | None = None,
     prefill_index: PrefillIndex | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape
     (written into `out`, a tensor of q's shape and dtype, when given).
@@ -223,6 +226,8 @@ def paged_attention(
     derive from query_lens are made in the first layer and reused by the others.
     prefill_index: the step's sequences from device tensors (PrefillIndex; query_lens, max_context_len
     and index_cache are not read), every one through the prefill kernel, into prefill_index.out.
+    softcap: the attention logits' soft cap (Gemma 2's attn_logit_softcapping): each scaled score s becomes
+    softcap * tanh(s / softcap) before the causal / window mask and the softmax; None: no cap.
     """
     if can_use_triton(q, k_cache):
         from . import attention_triton
@@ -230,6 +235,7 @@ def paged_attention(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out, prefill_index=prefill_index,
+            softcap=softcap,
         )
 
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
@@ -253,6 +259,8 @@ def paged_attention(
         # Each KV head serves its `group` query heads: [num_kv_heads, group * query_len, head_dim].
         q_seq = q_seq.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_dim)
         scores = torch.bmm(q_seq.float(), k.permute(1, 2, 0).float()) * scale  # [num_kv_heads, group*query_len, context_len]
+        if softcap is not None:  # after the scale, before the mask (transformers' Gemma 2 eager attention)
+            scores = torch.tanh(scores / softcap) * softcap
         if query_len > 1 or sliding_window is not None:
             mask = _causal_mask(query_len, context_len, sliding_window, q.device).repeat(group, 1)
             scores.masked_fill_(~mask, float("-inf"))

@@ -30,6 +30,11 @@ one query tile, so each K/V tile is loaded once per KV head.
           session 20).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
           head) pairs; keys up to the block's last query position, causal mask per row.
+Soft-capping (SOFTCAP > 0, a constexpr: Gemma 2's attn_logit_softcapping): each score s = q.k * scale
+becomes SOFTCAP * tanh(s / SOFTCAP), then the mask and the softmax, as transformers' eager attention.
+The kernels then take scale / SOFTCAP (times k_scale) for scale_log2, the tanh's argument, and multiply
+the tanh by SOFTCAP * log2(e): the capped score in exp2's units. SOFTCAP 0 compiles none of it (every
+other model's kernels are the ones they were). The partition merges read m and l only: unchanged.
 """
 
 from __future__ import annotations
@@ -60,11 +65,21 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _softcapped(x, SOFTCAP: tl.constexpr):
+    """SOFTCAP * tanh(x) * log2(e): x = s / SOFTCAP, the natural-log score's tanh argument, to the capped score
+    in exp2's units. tanh(|x|) = (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1]: no overflow at any x."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e) |x|
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * (SOFTCAP * 1.4426950408889634)
+
+
+@triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_offset, offs_d, d_mask,
-    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
+    stride_slot, scale_log2, BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step over the keys offs_t: loads K/V through the block table."""
+    """One online-softmax step over the keys offs_t: loads K/V through the block table. With SOFTCAP,
+    scale_log2 is scale / SOFTCAP (the module docstring)."""
     block_ids = tl.load(bt_row_ptr + offs_t // BLOCK_SIZE, mask=key_valid, other=0)
     slots = block_ids.to(tl.int64) * BLOCK_SIZE + offs_t % BLOCK_SIZE  # [BLOCK_N]
     kv_mask = key_valid[:, None] & d_mask[None, :]
@@ -74,6 +89,8 @@ def _attend_tile(
     k = tl.load(k_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
     v = tl.load(v_ptr + kv_offsets, mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [rows, BLOCK_N]
+    if SOFTCAP > 0:  # capped before the mask
+        s = _softcapped(s, SOFTCAP)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -99,6 +116,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
@@ -138,7 +156,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL,
+            PRECISION, MERGE_IN_KERNEL, SOFTCAP,
         )
 
 
@@ -181,7 +199,7 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
     heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
@@ -195,7 +213,7 @@ def _decode_partition(
         visible = g_mask[:, None] & key_valid[None, :]
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
-            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION, SOFTCAP,
         )
     acc = acc * v_scale  # the FP8 V scale (1.0 otherwise); linear, so partitions merge alike
     if IS_PARTITIONED:
@@ -283,7 +301,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(blk_seq_ptr + blk)
@@ -316,7 +334,7 @@ def _prefill_kernel(
             visible = visible & (position[:, None] - offs_t[None, :] < window)
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
-            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION,
+            offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION, SOFTCAP,
         )
     out = acc * v_scale / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -418,7 +436,7 @@ def paged_attention(
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
     rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
-    prefill_index: PrefillIndex | None = None,
+    prefill_index: PrefillIndex | None = None, softcap: float | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -437,14 +455,14 @@ def paged_attention(
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     if prefill_index is not None:
         out, index = prefill_index.out[: q.shape[0]], prefill_index
-        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window)
+        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap)
         _launch_prefill(q, k_cache, v_cache, block_tables, out, index.query_lens, index.first_rows, index.block_seqs,
                         index.block_starts, index.queries_per_block, common)
         return out
     out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
-    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window)
+    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap)
     first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     if rotary is not None:
         if prefill:
@@ -479,11 +497,15 @@ def paged_attention(
     return out
 
 
-def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window) -> dict:
-    """The launch arguments both kernels take."""
+def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap=None) -> dict:
+    """The launch arguments both kernels take. With a soft cap, scale_log2 is the tanh's argument's
+    multiplier (scale / softcap) and the kernels multiply the tanh by softcap * log2(e)."""
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be positive (None: no cap), got {softcap}")
     return dict(
-        context_lens=context_lens, scale_log2=scale * k_scale * _LOG2E, v_scale=v_scale,
+        context_lens=context_lens, v_scale=v_scale, softcap=float(softcap or 0.0),
+        scale_log2=scale * k_scale / softcap if softcap else scale * k_scale * _LOG2E,
         window=sliding_window or 0, has_window=sliding_window is not None,
         precision="ieee" if q.dtype == torch.float32 else "tf32",
         block_d=max(16, triton.next_power_of_2(head_dim)), group=q.shape[1] // num_kv_heads,
@@ -537,7 +559,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
-        **DECODE_LAUNCH, **pdl_args(q.device),
+        SOFTCAP=c["softcap"], **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](
@@ -561,5 +583,5 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, b
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,
         BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"], HAS_WINDOW=c["has_window"],
-        PRECISION=c["precision"],
+        PRECISION=c["precision"], SOFTCAP=c["softcap"],
     )

@@ -1,5 +1,5 @@
-"""Paged attention (decode, prefill / chunked prefill, GQA, sliding window) and the KV-cache write
-with the rotary embedding of q and k before it."""
+"""Paged attention (decode, prefill / chunked prefill, GQA, sliding window, logit soft-capping) and the
+KV-cache write with the rotary embedding of q and k before it."""
 
 import dataclasses
 import math
@@ -31,11 +31,12 @@ def make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim, bloc
     return [t.to(device) for t in (q, k_cache, v_cache, block_tables)]
 
 
-def expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window):
+def expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window, softcap=None):
     """The torch path in float64 on the CPU."""
     as64 = lambda t: t.cpu().double()  # noqa: E731
     return attention.paged_attention(
-        as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), lens(context_lens, "cpu"), query_lens, scale, window
+        as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), lens(context_lens, "cpu"), query_lens, scale, window,
+        softcap=softcap,
     )
 
 
@@ -462,3 +463,152 @@ def test_rotate_and_write_kv_kernel_quantizes_to_fp8(elementwise_case, kv_dtype)
             assert ((actual == expected) | (actual * 2 == expected) | is_tie).all()
             assert (actual == expected).float().mean() > 0.8
     assert expected_v.float().abs().max() == torch.finfo(kv_dtype).max  # the saturation was exercised
+
+
+# ---- logit soft-capping (Gemma 2's attn_logit_softcapping) ------------------------------------------------------
+
+# scores q.k * d^-0.5 of these random heads have std ~1 and reach ~4: a cap of 1.5 changes the softmax a lot
+SOFTCAP = 1.5
+
+
+def test_torch_path_soft_caps_the_scaled_scores_before_the_mask() -> None:
+    """The torch path (the CPU runtime's, and the kernels' oracle) against transformers' eager formula written out
+    here in float64 for one fresh prompt: scores * scale, / cap, tanh, * cap, then the causal and window mask and
+    the softmax. The cap changes the result (it is not a no-op on these scores)."""
+    context, num_heads, num_kv_heads, head_dim, block_size, window = 37, 4, 2, 16, 8, 11
+    q, k_cache, v_cache, block_tables = make_batch([context], [context], num_heads, num_kv_heads, head_dim,
+                                                   block_size, torch.float64, "cpu")
+    blocks = block_tables[0, : -(-context // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:context].repeat_interleave(num_heads // num_kv_heads, dim=1)  # [ctx, heads, d]
+    v = v_cache[blocks].flatten(0, 1)[:context].repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scale = 0.3
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    assert scores.abs().max() > 3 * SOFTCAP
+    positions = torch.arange(context)
+    masked = (positions[None, :] > positions[:, None]) | (positions[:, None] - positions[None, :] >= window)
+    outs = []
+    for cap, capped in ((SOFTCAP, torch.tanh(scores / SOFTCAP) * SOFTCAP), (None, scores)):
+        probs = torch.softmax(capped.masked_fill(masked, float("-inf")), dim=-1)
+        expected = torch.einsum("hqk,khd->qhd", probs, v)
+        outs.append(attention.paged_attention(q, k_cache, v_cache, block_tables, lens([context], "cpu"), [context],
+                                              scale, window, softcap=cap))
+        torch.testing.assert_close(outs[-1], expected, rtol=1e-5, atol=1e-5)  # the torch path's scores: float32
+    assert (outs[0] - outs[1]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("merge_in_kernel_min_pairs", [1, 10**9])  # merged in the decode kernel; by the second
+@pytest.mark.parametrize("case", ["decode-gqa", "mixed-chunked", "window", "partitioned-decode", "partitioned-window",
+                                  "partitioned-mixed"])
+def test_paged_attention_kernels_soft_cap_the_scores(dot_case, rel_err, monkeypatch, case,
+                                                     merge_in_kernel_min_pairs) -> None:
+    """Decode (unsplit and split, both merges), prefill and chunked prefill, GQA, the window, with SOFTCAP: against
+    the float64 torch path with the same cap, far from the uncapped result."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
+    if merge_in_kernel_min_pairs > 1 and not partitions:
+        pytest.skip("no split: no merge")
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
+    q, k_cache, v_cache, block_tables = make_batch(
+        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
+    )
+    scale = head_dim**-0.5
+    out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, scale, window,
+                          max(context_lens), partitions, softcap=SOFTCAP)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window, SOFTCAP)
+    uncapped = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(uncapped, expected) > 0.05  # the cap matters on these scores
+
+
+@pytest.mark.parametrize("case", ["mixed-chunked", "partitioned-window"])
+def test_paged_attention_kernels_soft_cap_over_an_fp8_cache(dot_case, rel_err, case) -> None:
+    """The FP8 K scale folded into the tanh's argument (scale * k_scale / cap): against float64 over the
+    dequantized cache."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
+    q, k_cache, v_cache, block_tables = make_batch(
+        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, "cpu"
+    )
+    k_scale, v_scale, kv_dtype = 0.37, 2.5, torch.float8_e4m3fn
+    k8, v8 = attention.quantize_kv(k_cache, k_scale, kv_dtype), attention.quantize_kv(v_cache, v_scale, kv_dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(q.to(device, dtype), k8.to(device), v8.to(device), block_tables.to(device),
+                          lens(context_lens, device), query_lens, scale, window, max(context_lens), partitions,
+                          k_scale=k_scale, v_scale=v_scale, softcap=SOFTCAP)
+    expected = expected_attention(q, attention.dequantize_kv(k8, k_scale, torch.float64),
+                                  attention.dequantize_kv(v8, v_scale, torch.float64), block_tables, context_lens,
+                                  query_lens, scale, window, SOFTCAP)
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    torch_out = attention.paged_attention(q.double(), k8, v8, block_tables, lens(context_lens, "cpu"), query_lens,
+                                          scale, window, k_scale=k_scale, v_scale=v_scale, softcap=SOFTCAP)
+    assert rel_err(torch_out, expected) < 1e-6
+
+
+def test_prefill_index_soft_caps_the_scores(dot_case, rel_err) -> None:
+    """The indexed prefill (FULL CUDA graphs of mixed steps) with SOFTCAP and a window, against float64."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, window = [40, 17, 33, 1], [13, 1, 33, 1], 20
+    num_heads, num_kv_heads, head_dim, block_size, size = 8, 2, 16, 8, 64
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                                                   block_size, dtype, device)
+    n, per_block = q.shape[0], attention.prefill_queries_per_block(num_heads // num_kv_heads)
+    blocks = attention.prefill_blocks(query_lens, per_block)
+    num_blocks, pad = attention.max_prefill_blocks(size, 5, per_block), 4
+    index = attention.PrefillIndex(
+        query_lens=lens(query_lens + [0], device), first_rows=lens([0, 13, 14, 47, 0], device),
+        block_seqs=lens([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks)), device),
+        block_starts=lens([start for _, start in blocks] + [0] * (num_blocks - len(blocks)), device),
+        queries_per_block=per_block, out=torch.zeros((size, num_heads, head_dim), dtype=dtype, device=device),
+    )
+    q_padded = torch.cat([q, torch.zeros((size - n, num_heads, head_dim), dtype=dtype, device=device)])
+    out = paged_attention(q_padded, k_cache, v_cache, torch.cat([block_tables, block_tables[:1]]),
+                          lens(context_lens + [0], device), [size], head_dim**-0.5, window, prefill_index=index,
+                          softcap=SOFTCAP)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, head_dim**-0.5, window,
+                                  SOFTCAP)
+    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("case", ["split-merged-in-kernel", "fp8-cache"])
+def test_decode_step_rotating_in_the_decode_kernel_soft_caps_too(dot_case, rel_err, case) -> None:
+    """rotate_write_and_attend's decode-only path (rotary and KV write in the decode kernel) with SOFTCAP: the
+    bits of rotate_and_write_kv then paged_attention, and the float64 torch path's result."""
+    from llmc.kernels import attention_triton
+
+    device, dtype = dot_case
+    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, _, fp8 = ROTATE_CASES[case]
+    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
+                                                   head_dim, 16, dtype, "cpu")
+    scales = (0.02, 0.03) if fp8 else (1.0, 1.0)
+    if fp8:
+        k_cache = attention.quantize_kv(k_cache.nan_to_num(0.0), scales[0], torch.float8_e4m3fn)
+        v_cache = attention.quantize_kv(v_cache.nan_to_num(0.0), scales[1], torch.float8_e4m3fn)
+    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
+    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    positions = lens(context_lens, device).long() - 1
+    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
+                         device=device)
+    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
+    ctx, scale, seqs = lens(context_lens, device), head_dim**-0.5, [1] * len(context_lens)
+    common = dict(num_partitions=partitions, k_scale=scales[0], v_scale=scales[1], softcap=SOFTCAP)
+    q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
+    k_fused, v_fused = k_cache.clone(), v_cache.clone()
+    fused = attention_triton.paged_attention(q, k_fused, v_fused, block_tables, ctx, seqs, scale, window, 2048,
+                                             rotary=(k, v, positions, cos_sin, slots), **common)
+    k_c, v_c = k_cache.clone(), v_cache.clone()
+    q = attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin, k_c, v_c, slots, *scales)
+    assert torch.equal(fused, attention_triton.paged_attention(q, k_c, v_c, block_tables, ctx, seqs, scale, window,
+                                                               2048, **common))
+    as64 = (lambda t: t.cpu()) if fp8 else (lambda t: t.cpu().double())  # noqa: E731  (FP8: the torch path's read)
+    expected = attention.paged_attention(q.cpu().double(), as64(k_c), as64(v_c), block_tables.cpu(),
+                                         ctx.cpu(), seqs, scale, window, k_scale=scales[0], v_scale=scales[1],
+                                         softcap=SOFTCAP)
+    assert rel_err(fused.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
