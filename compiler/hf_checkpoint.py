@@ -33,9 +33,7 @@ def read_hf_config(model_dir: Path) -> dict:
 
 # Architectures close to a supported one that llmc does not run, with why (one line each).
 _REFUSED_ARCHITECTURES = {
-    "GemmaForCausalLM": "Gemma 1 is not supported (Gemma 3's text model, Gemma3ForCausalLM, is)",
-    "Gemma2ForCausalLM": "Gemma 2 is not supported: its attention and final logit soft-capping "
-                         "(tanh(x / cap) * cap) would need every attention kernel changed; Gemma3ForCausalLM is supported",
+    "GemmaForCausalLM": "Gemma 1 is not supported (Gemma2ForCausalLM and Gemma 3's text model, Gemma3ForCausalLM, are)",
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower, weights under model.language_model) is not "
                                       "supported; its text-only form, Gemma3ForCausalLM (gemma-3-1b and text checkpoints), is",
 }
@@ -92,10 +90,14 @@ _HF_CONFIG_DEFAULTS = {
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
     "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256, "rms_norm_eps": 1e-6,
                     "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
 }
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-                  "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3_text"}
+                  "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+                  "Gemma3ForCausalLM": "gemma3_text"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -110,6 +112,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
     config = with_hf_defaults(config)
     if spec.family == "gemma3":
         config = _gemma3_config(config)
+    elif spec.family == "gemma2":
+        config = _gemma2_config(config)
     else:
         activation = config.get("hidden_act", "silu")
         if activation not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
@@ -147,8 +151,41 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         sliding_window=sliding_window,
         sliding_window_layers=sliding_window_layers,
         **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
-        **(_gemma3_fields(config, dtype) if spec.family == "gemma3" else {}),
+        **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
+        **(_gemma3_rope_fields(config) if spec.family == "gemma3" else {}),
     )
+
+
+def _check_gemma(config: dict, name: str) -> None:
+    """What Gemma 2 and 3 configs can say that llmc does not run, refused by name."""
+    if config.get("use_bidirectional_attention"):
+        raise CheckpointError("use_bidirectional_attention: true (an embedding model's non-causal attention) is not "
+                              "supported; llmc serves causal decoders")
+    if config.get("attention_bias"):
+        raise CheckpointError(f"attention_bias: true is not supported for {name} (q/k/v/o biases)")
+    if config.get("hidden_activation") != "gelu_pytorch_tanh":
+        raise CheckpointError(f"hidden_activation {config.get('hidden_activation')!r} is not supported for {name}; "
+                              "supported: gelu_pytorch_tanh")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = config.get(key)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+            raise CheckpointError(f"{key} {cap!r}: a soft cap must be a positive number (null: none)")
+
+
+def _gemma2_config(config: dict) -> dict:
+    """A Gemma 2 config checked (_check_gemma), with `layer_types` as Gemma2Config fills it in when absent
+    (published configs have none): layer i slides when (i + 1) % 2, the even layers. One rotary table
+    (rope_theta, or rope_parameters) for every layer."""
+    _check_gemma(config, "Gemma 2")
+    params = config.get("rope_parameters") or {}
+    if {"full_attention", "sliding_attention"} & set(params):
+        raise CheckpointError(f"rope_parameters {sorted(params)}: Gemma 2 has one rotary table for every layer "
+                              "(rope_theta), not one per layer type")
+    config = dict(config)
+    if config.get("layer_types") is None:
+        config["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    return config
 
 
 def _gemma3_config(config: dict) -> dict:
@@ -156,19 +193,9 @@ def _gemma3_config(config: dict) -> dict:
     llmc cannot run it; `layer_types` from the older `sliding_window_pattern` (layer i slides unless
     (i + 1) % pattern == 0; 6 by default), and the full-attention layers' rope as `rope_parameters`
     (transformers 5 keeps one per layer type; older configs: rope_theta + rope_scaling, and
-    rope_local_base_freq for the sliding layers)."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if config.get(key) is not None:
-            raise CheckpointError(f"{key} {config[key]}: logit soft-capping is not supported (every attention "
-                                  "kernel would need it); Gemma 3 checkpoints set it to null")
-    if config.get("use_bidirectional_attention"):
-        raise CheckpointError("use_bidirectional_attention: true (an embedding model's non-causal attention) is not "
-                              "supported; llmc serves causal decoders")
-    if config.get("attention_bias"):
-        raise CheckpointError("attention_bias: true is not supported for Gemma 3 (q/k/v/o biases)")
-    if config.get("hidden_activation") != "gelu_pytorch_tanh":
-        raise CheckpointError(f"hidden_activation {config.get('hidden_activation')!r} is not supported for Gemma 3; "
-                              "supported: gelu_pytorch_tanh")
+    rope_local_base_freq for the sliding layers). Soft caps (null in Gemma 3 checkpoints) are read as
+    Gemma 2's, as transformers' Gemma 3 applies them."""
+    _check_gemma(config, "Gemma 3")
     config = dict(config)
     if config.get("layer_types") is None:
         pattern = config.get("sliding_window_pattern") or 6
@@ -189,15 +216,22 @@ def _gemma3_config(config: dict) -> dict:
     return config
 
 
-def _gemma3_fields(config: dict, dtype: str) -> dict:
-    """Gemma 3's ModelConfig fields (_gemma3_config made `config`). The embedding's sqrt(hidden_size) is rounded
-    as transformers does it (Gemma3TextScaledWordEmbedding): a float32 tensor cast to the weights' dtype."""
+def _gemma_fields(config: dict, dtype: str) -> dict:
+    """Gemma 2's and 3's ModelConfig fields (_gemma2_config / _gemma3_config made `config`). The embedding's
+    sqrt(hidden_size) is rounded as transformers does it (Gemma2/Gemma3TextScaledWordEmbedding): a float32
+    tensor cast to the weights' dtype."""
+    embed_scale = torch.tensor(config["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
+    caps = {key: None if config.get(key) is None else float(config[key])
+            for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
+            "embed_scale": embed_scale, "sandwich_norms": True, **caps}
+
+
+def _gemma3_rope_fields(config: dict) -> dict:
+    """Gemma 3's sliding layers' own rotary table."""
     local_theta, local_scaling = _rope({"rope_parameters": config["_rope_parameters_local"],
                                         "max_position_embeddings": config.get("max_position_embeddings")})
-    embed_scale = torch.tensor(config["hidden_size"] ** 0.5).to(getattr(torch, dtype)).item()
-    return {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": float(config["query_pre_attn_scalar"]),
-            "embed_scale": embed_scale, "sandwich_norms": True, "rope_local_theta": local_theta,
-            "rope_local_scaling": local_scaling}
+    return {"rope_local_theta": local_theta, "rope_local_scaling": local_scaling}
 
 
 def norm_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:

@@ -34,12 +34,14 @@ from llmc.schema import opt, parse
 #      load without them (dense, no expert parallelism).
 # 1.6: Gemma 3 (model.hidden_act, query_pre_attn_scalar, embed_scale, sandwich_norms, rope_local_theta /
 #      rope_local_scaling); older manifests load without them (SiLU, head_dim^-0.5, no scale, no extra norms, one rope).
-FORMAT_VERSION = "1.6"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6")
+# 1.7: Gemma 2 (family gemma2) and logit soft-capping (model.attn_logit_softcapping / final_logit_softcapping);
+#      older manifests load without them (no cap).
+FORMAT_VERSION = "1.7"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -58,7 +60,7 @@ def rank_weights_path(rank: int) -> str:
 class ModelConfig:
     """Architecture hyper-parameters, normalised from the HF config (one schema for every family)."""
 
-    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3" | "phi3" | ... | "gemma3"
+    family: str = opt(choices=FAMILIES)  # "llama" (Llama 1/2/3, Mistral) | "qwen2" | "qwen3" | "phi3" | ... | "gemma2" | "gemma3"
     architecture: str = opt()  # the HF class name, e.g. "LlamaForCausalLM"
     vocab_size: int = opt(min=1)
     hidden_size: int = opt(min=1)
@@ -87,7 +89,7 @@ class ModelConfig:
     moe_intermediate_size: int | None = opt(None, min=1)  # each expert's MLP width
     norm_topk_prob: bool = opt(True)  # renormalise the top-k router probabilities to sum to 1
     moe_layers: list[int] = opt([])  # decoder layers whose MLP is the MoE (the rest are dense MLPs)
-    # Gemma 3 (the defaults are every other family's):
+    # Gemma 2 and 3 (the defaults are every other family's):
     hidden_act: str = opt("silu", choices=HIDDEN_ACTS)  # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form
     query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
     embed_scale: float | None = opt(None, min_exclusive=0.0)  # embeddings times this (sqrt(hidden) in the model dtype)
@@ -95,6 +97,10 @@ class ModelConfig:
     # the sliding-window layers' own rotary table (theta, scaling); None: every layer uses rope_theta / rope_scaling
     rope_local_theta: float | None = opt(None, min_exclusive=0.0)
     rope_local_scaling: dict | None = opt(None)
+    # logit soft-capping (Gemma 2; None: none): each attention score s (after the scale, before the mask) becomes
+    # cap * tanh(s / cap), and so does each output logit (in float32)
+    attn_logit_softcapping: float | None = opt(None, min_exclusive=0.0)
+    final_logit_softcapping: float | None = opt(None, min_exclusive=0.0)
 
     @property
     def attention_scale(self) -> float:

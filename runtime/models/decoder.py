@@ -1,8 +1,9 @@
 """The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3,
-Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
+Gemma 2, Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
 
-Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma 3's hidden_act,
-query_pre_attn_scalar, embed_scale, sandwich_norms and local rope table), so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
+Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma's hidden_act,
+query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
+soft-capping), so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
 so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
@@ -56,6 +57,7 @@ class Attention(nn.Module):
         self.scale = config.attention_scale
         self.sliding_window = config.window_of(index)
         self.is_local_rope = config.uses_local_rope(index)
+        self.softcap = config.attn_logit_softcapping  # None: scores uncapped (every kernel as without it)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
@@ -74,7 +76,7 @@ class Attention(nn.Module):
         out = rotate_write_and_attend(
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
-            self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index,
+            self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index, self.softcap,
         )  # [num_tokens, num_heads, head_dim]
         return self.output(out)
 
@@ -105,7 +107,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
                                self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
-                               batch.kernel_cache, out=out)
+                               batch.kernel_cache, out=out, softcap=self.softcap)
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, head_dim] → o's output [num_tokens, hidden_size] (all-reduced under TP)."""
@@ -211,6 +213,7 @@ class DecoderModel(nn.Module):
         # the embedding's multiplier (Gemma: sqrt(hidden_size), rounded to the artifact's dtype when it was built,
         # as transformers rounds it to the weights' dtype: exact in every compute dtype this artifact runs in)
         self.embed_scale = config.embed_scale
+        self.final_softcap = config.final_logit_softcapping  # Gemma 2: logits capped (None: not)
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
@@ -247,8 +250,16 @@ class DecoderModel(nn.Module):
         """hidden [num_logits, hidden_size] → logits [num_logits, vocab_size] (this rank's vocabulary
         rows under tensor parallelism) in `dtype`; None: the head's own (bf16/fp16 on a GPU), for a
         step's sampler, which reads them as they are for a plain argmax and copies them to float32
-        otherwise (the same values: the conversion is exact)."""
+        otherwise (the same values: the conversion is exact).
+
+        A model with final_logit_softcapping (Gemma 2) caps every logit, cap * tanh(logit / cap), in float32
+        (transformers computes it in the head's dtype; in bf16 the tanh would round logits near the cap
+        into ties), so its logits are float32 for dtype None. Elementwise: under tensor parallelism each
+        rank caps its own vocabulary rows."""
         logits = (torch.nn.functional.linear(hidden, self.embed.weight) if self.is_tied else self.lm_head(hidden))
+        if self.final_softcap is not None:
+            cap = self.final_softcap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits if dtype is None else logits.to(dtype)
 
     def prepare_loaded_weights(self) -> None:
