@@ -58,7 +58,7 @@ FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
-OTHER_FAMILIES = ("gemma3",)
+OTHER_FAMILIES = ("gemma3", "gemma2")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -142,6 +142,15 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                            "rope_theta": 1_000_000.0}}}),
+    # Gemma 2: Gemma 3's shape (hidden 96, head_dim 32, query_pre_attn_scalar 24, 3 layers sliding / full /
+    # sliding with an 8-token window, GQA 4/2, tied, GELU-tanh, sandwich norms) without q/k norms, one rotary
+    # table (theta 1e4), and soft caps small enough to matter on this model: attention scores reach ~4 and
+    # logits ~2.5 uncapped (tests/runtime/test_gemma2.py checks that they would pass the caps).
+    "gemma2": ("Gemma2Config", {"hidden_size": 96, "head_dim": 32, "query_pre_attn_scalar": 24,
+                                "num_hidden_layers": 3, "sliding_window": 8, "tie_word_embeddings": True,
+                                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 2.0,
+                                "final_logit_softcapping": 1.5}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -169,8 +178,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         # Caller gave the transformers-5 form: it supersedes the legacy pair.
         kwargs.pop("rope_theta", None)
         kwargs.pop("rope_scaling", None)
-    if cls_name == "Gemma3TextConfig":
-        kwargs.pop("hidden_act")  # Gemma 3 reads hidden_activation
+    if cls_name in ("Gemma3TextConfig", "Gemma2Config"):
+        kwargs.pop("hidden_act")  # Gemma reads hidden_activation
     config = getattr(transformers, cls_name)(**kwargs)
     config.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config
@@ -540,6 +549,11 @@ def tiny_phi3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "gemma2")
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,12 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma3
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import fp8_per_token
+from tests.runtime.gemma_oracle import build_float32 as _build
+from tests.runtime.gemma_oracle import hf_model_on_weights_of
+from tests.runtime.gemma_oracle import write_config as _write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
-
-
-def _build(checkpoint, out, **recipe):
-    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
-                            "runtime": {"max_model_len": 256}, **recipe}), show_progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -93,34 +89,6 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma3):
     assert max_model_len_problem(64, ours) is None and "exceeds the model's context of 64" in max_model_len_problem(65, ours)
 
 
-def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
-    """The artifact's weights as Gemma3ForCausalLM's state dict: each linear dequantized by the formats' oracle
-    (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w."""
-    from llmc.quant.formats import make_format
-    from llmc.quant.reference import dequantize
-
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    model = manifest["model"]
-    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
-    q, kv = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
-    members = {"attn.qkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q, kv, kv]),
-               "attn.o": (["self_attn.o_proj"], None), "mlp.down": (["mlp.down_proj"], None),
-               "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [model["intermediate_size"]] * 2)}
-    norms = {**gemma3.GEMMA3_NORMS, "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
-    state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
-             "model.norm.weight": tensors["norm.weight"].float() - 1}
-    for i in range(model["num_layers"]):
-        for runtime, hf in norms.items():
-            state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - 1
-        for runtime, (names, sizes) in members.items():
-            prefix = f"layers.{i}.{runtime}."
-            params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-            weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
-            for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
-                state[f"model.layers.{i}.{name}.weight"] = part
-    return state
-
-
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32},
@@ -134,20 +102,11 @@ def test_quantized_builds_run_transformers_gemma3_on_their_weights(quantization,
     """Each int build is transformers' Gemma3ForCausalLM run on the artifact's own weights (dequantized, the
     norms unfolded): logits and greedy tokens. AWQ's scales folded into the (1 + w) norms are in those weights;
     FP8's dynamic activations are each layer linear's input rounded to E4M3 per token (GELU · up's for down)."""
-    from transformers import AutoModelForCausalLM
-
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     needs_data = quantization["method"] in ("gptq", "awq")
     out = _build(tiny_gemma3, tmp_path / "q", target={"device": "cpu"},
                  quantization={**quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_gemma3), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(_hf_state_of(out), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    oracle.eval()
-    if quantization["method"] == "fp8":
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+    oracle = hf_model_on_weights_of(tiny_gemma3, out, quantization["method"])
     token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 120))
     llm = LLM(out, device="cpu", max_num_batched_tokens=16)
     torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0], atol=1e-4,
@@ -198,24 +157,16 @@ def test_a_compressed_tensors_checkpoint_imports(tiny_gemma3, tmp_path, hf_logit
                                atol=1e-4, rtol=1e-4)
 
 
-def _write_config(source, dest, **changes):
-    shutil.copytree(source, dest)
-    config = {**read_hf_config(source), **changes}
-    (dest / "config.json").write_text(json.dumps(config))
-    return dest
-
-
 @pytest.mark.parametrize("changes,message", [
-    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM: Gemma 2 is not supported: its attention and final logit soft-capping"),
     ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM: Gemma 1 is not supported"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "the multimodal Gemma 3"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0: logit soft-capping is not supported"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0: logit soft-capping is not supported"),
+    ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping 0.0: a soft cap must be a positive number"),
+    ({"final_logit_softcapping": "30"}, "final_logit_softcapping '30': a soft cap must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention: true"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for Gemma 3"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Gemma 3"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "Gemma 3 keeps one per layer type"),
-], ids=["gemma2", "gemma1", "multimodal", "attn-softcap", "final-softcap", "bidirectional", "gelu-exact",
+], ids=["gemma1", "multimodal", "attn-softcap-zero", "final-softcap-text", "bidirectional", "gelu-exact",
         "attention-bias", "flat-rope"])
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_gemma3, tmp_path, changes, message):
     checkpoint = _write_config(tiny_gemma3, tmp_path / "ckpt", **changes)

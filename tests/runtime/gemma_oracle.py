@@ -1,0 +1,75 @@
+"""What the Gemma 2 and Gemma 3 tests share: a float32 build of a tiny checkpoint, a changed copy of one, and
+transformers' own model run on an artifact's weights (the oracle of the quantized builds)."""
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from llmc.compiler.build import build
+from llmc.compiler.hf_checkpoint import read_hf_config
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.runtime.models import spec_for_family
+from tests.conftest import fp8_per_token
+
+
+def build_float32(checkpoint, out, **recipe):
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 256}, **recipe}), show_progress=False)
+    return out
+
+
+def write_config(source, dest, **changes):
+    """A copy of checkpoint `source` in `dest` with its config.json keys changed."""
+    shutil.copytree(source, dest)
+    config = {**read_hf_config(source), **changes}
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def hf_state_of(artifact) -> dict[str, torch.Tensor]:
+    """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM): each
+    linear dequantized by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w)
+    norm unfolded to w (the family's layer norms, and q/k norms where it has them)."""
+    from llmc.quant.formats import make_format
+    from llmc.quant.reference import dequantize
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model = manifest["model"]
+    spec = spec_for_family(model["family"])
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+    q, kv = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
+    members = {"attn.qkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q, kv, kv]),
+               "attn.o": (["self_attn.o_proj"], None), "mlp.down": (["mlp.down_proj"], None),
+               "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [model["intermediate_size"]] * 2)}
+    norms = {**spec.layer_norms, **(spec.qk_norms if model["qk_norm"] else {})}
+    offset = spec.norm_weight_offset
+    state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
+             "model.norm.weight": tensors["norm.weight"].float() - offset}
+    for i in range(model["num_layers"]):
+        for runtime, hf in norms.items():
+            state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
+        for runtime, (names, sizes) in members.items():
+            prefix = f"layers.{i}.{runtime}."
+            params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
+            for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
+                state[f"model.layers.{i}.{name}.weight"] = part
+    return state
+
+
+def hf_model_on_weights_of(checkpoint, artifact, method: str):
+    """transformers' model of `checkpoint` (float32, eager attention) holding `artifact`'s weights (hf_state_of);
+    for an FP8 build each decoder linear's input rounded to E4M3 per token, as its dynamic activations are."""
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(hf_state_of(artifact), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    oracle.eval()
+    if method == "fp8":
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+    return oracle
