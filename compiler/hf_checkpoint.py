@@ -193,9 +193,13 @@ def _gemma3_config(config: dict) -> dict:
     llmc cannot run it; `layer_types` from the older `sliding_window_pattern` (layer i slides unless
     (i + 1) % pattern == 0; 6 by default), and the full-attention layers' rope as `rope_parameters`
     (transformers 5 keeps one per layer type; older configs: rope_theta + rope_scaling, and
-    rope_local_base_freq for the sliding layers). Soft caps (null in Gemma 3 checkpoints) are read as
-    Gemma 2's, as transformers' Gemma 3 applies them."""
+    rope_local_base_freq for the sliding layers). A final_logit_softcapping (null in Gemma 3 checkpoints) is
+    applied as Gemma 2's, as transformers' Gemma3ForCausalLM applies it; an attn_logit_softcapping is refused:
+    transformers' Gemma 3 attention (5.x) never applies it, so neither reading would be the reference's."""
     _check_gemma(config, "Gemma 3")
+    if config.get("attn_logit_softcapping") is not None:
+        raise CheckpointError(f"attn_logit_softcapping {config['attn_logit_softcapping']}: transformers' Gemma 3 "
+                              "attention does not apply it (Gemma 2's does); Gemma 3 checkpoints set it to null")
     config = dict(config)
     if config.get("layer_types") is None:
         pattern = config.get("sliding_window_pattern") or 6

@@ -157,16 +157,31 @@ def test_a_compressed_tensors_checkpoint_imports(tiny_gemma3, tmp_path, hf_logit
                                atol=1e-4, rtol=1e-4)
 
 
+def test_a_final_soft_cap_in_a_gemma3_config_runs_as_transformers_runs_it(tiny_gemma3, tmp_path, hf_logits,
+                                                                           hf_encode):
+    """Gemma 3 configs set final_logit_softcapping to null, but Gemma3ForCausalLM applies it when set (as Gemma
+    2's): read, not refused, and the logits are transformers'."""
+    checkpoint = _write_config(tiny_gemma3, tmp_path / "ckpt", final_logit_softcapping=1.5)
+    out = _build(checkpoint, tmp_path / "a")
+    model = read_manifest(out).model
+    assert (model.attn_logit_softcapping, model.final_logit_softcapping) == (None, 1.5)
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
+    expected = hf_logits(checkpoint, token_ids)
+    torch.testing.assert_close(LLM(out, device="cpu", max_num_batched_tokens=16).engine.score(token_ids), expected,
+                               atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(expected, hf_logits(tiny_gemma3, token_ids), atol=0.05)  # the cap changed them
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM: Gemma 1 is not supported"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "the multimodal Gemma 3"),
-    ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping 0.0: a soft cap must be a positive number"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0: transformers' Gemma 3 attention does not apply it"),
     ({"final_logit_softcapping": "30"}, "final_logit_softcapping '30': a soft cap must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention: true"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for Gemma 3"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Gemma 3"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "Gemma 3 keeps one per layer type"),
-], ids=["gemma1", "multimodal", "attn-softcap-zero", "final-softcap-text", "bidirectional", "gelu-exact",
+], ids=["gemma1", "multimodal", "attn-softcap", "final-softcap-text", "bidirectional", "gelu-exact",
         "attention-bias", "flat-rope"])
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_gemma3, tmp_path, changes, message):
     checkpoint = _write_config(tiny_gemma3, tmp_path / "ckpt", **changes)
