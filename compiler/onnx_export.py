@@ -8,8 +8,9 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   GroupQueryAttention (rotary from the model's cos/sin tables, causal, optional sliding window,
   past/present K/V in one shared buffer) → o → [RMSNorm] → SkipSimplifiedLayerNormalization (residual
   add + norm) → gate_up → SiLU(gate) * up (GELU-tanh for Gemma) → down → [RMSNorm] →
-  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma 3's sandwich
-  norms, whose sliding layers also read a second rotary table, and whose embeddings are scaled
+  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's sandwich
+  norms (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled; Gemma 2
+  soft-caps the attention scores, GroupQueryAttention's softcap, and the logits)
 
 then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
 RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
@@ -159,6 +160,8 @@ class _Emitter:
             inputs[7:9] = ["cos_cache_local", "sin_cache_local"]
         out = self.g.name("attn")
         window = {"local_window_size": c.window_of(i)} if c.window_of(i) else {}
+        if c.attn_logit_softcapping:  # Gemma 2: scores cap * tanh(s / cap) after the scale, before the softmax
+            window["softcap"] = float(c.attn_logit_softcapping)
         self.g.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs, [out, present_k, present_v], domain=MS_DOMAIN,
             num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0,
@@ -208,6 +211,9 @@ class _Emitter:
             logits = self.g.op1("Gemm", [rows, embed], transB=1)
         else:
             logits = self.linear(rows, "lm_head", c.hidden_size, c.vocab_size)
+        if c.final_logit_softcapping:  # Gemma 2 (and a Gemma 3 that sets it): cap * tanh(logit / cap)
+            cap = self.g.const("final_logit_softcap", np.array(c.final_logit_softcapping, np.float32))
+            logits = self.g.op1("Mul", [self.g.op1("Tanh", [self.g.op1("Div", [logits, cap])]), cap])
         self.g.nodes.append(helper.make_node("Identity", [logits], [om.LOGITS]))
         return om.LOGITS
 

@@ -18,5 +18,4 @@ SPEC = ModelSpec(
     qk_norms={},
     global_tensors=LLAMA_GLOBALS,
     norm_weight_offset=1.0,
-    onnx_export=False,
 )

@@ -50,7 +50,6 @@ class ModelSpec:
     # the rope scaling stretches max_position_embeddings into the model's context (vLLM's rule); False where
     # max_position_embeddings already is the scaled context (Gemma 3)
     rope_scaling_extends_context: bool = True
-    onnx_export: bool = True  # compiler/onnx_export.py writes this family's graph
 
     def layer_linear(self, name: str) -> FusedLinear:
         return next(linear for linear in self.layer_linears if linear.name == name)

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
-from llmc.errors import ArtifactError, CheckpointError, RecipeError
+from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma2
@@ -197,10 +197,20 @@ def test_what_llmc_does_not_run_is_refused_by_name(tiny_gemma2, tmp_path, change
         model_config_from_hf(config, model_spec_for(config, checkpoint), "float32")
 
 
-def test_onnx_targets_and_export_are_refused_by_name(tiny_gemma2, artifact, tmp_path):
-    with pytest.raises(RecipeError, match="Gemma2ForCausalLM is not exported to ONNX"):
-        build_float32(tiny_gemma2, tmp_path / "onnx", target={"device": "onnx-cpu"})
-    assert not (tmp_path / "onnx").exists()
+def test_onnx_cpu_matches_transformers(tiny_gemma2, tmp_path, hf_greedy, hf_logits, hf_encode):
+    """The onnx-cpu graph (onnxruntime): GroupQueryAttention's softcap and the logits' Tanh cap besides Gemma's
+    norms, GELU-tanh and scales: transformers' logits past the window and its greedy tokens."""
+    out = build_float32(tiny_gemma2, tmp_path / "onnx", target={"device": "onnx-cpu"})
+    assert read_manifest(out).target["onnx"]["op_counts"]["Tanh"] == 1
+    llm = LLM(out, device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
+    token_ids = hf_encode(tiny_gemma2, PROMPTS[1]) + list(range(100, 140))
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(tiny_gemma2, token_ids), atol=1e-4, rtol=1e-4)
+    expected = hf_greedy(tiny_gemma2, PROMPTS, GREEDY.max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma2, p)} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_export_is_refused_by_name(artifact, tmp_path):
     with pytest.raises(ArtifactError, match="cannot export architecture Gemma2ForCausalLM"):
         export_artifact(artifact, tmp_path / "export")
 
