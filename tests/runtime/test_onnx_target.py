@@ -165,6 +165,7 @@ def _calibration(repo_root):
     return {"data": str(repo_root / "data" / "heldout.txt"), "num_samples": 4, "seq_len": 64}
 
 
+@pytest.mark.slow  # 14 s on 2 cores: GPTQ on ref-llama-12m, then its graph
 def test_gptq_w4_g128_matches_the_torch_runtime(ref_model_dir, tmp_path, repo_root):
     _check_quantized_pair(ref_model_dir, tmp_path, repo_root, {
         "method": "gptq", "bits": 4, "group_size": 128, "calibration": _calibration(repo_root)})

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +123,7 @@ def _body(draw, path: str) -> dict:
     return body
 
 
+@pytest.mark.slow  # 15 s on 2 cores; the schemathesis fuzz (also slow) covers every route
 def test_fuzzed_requests_get_no_5xx_and_change_nothing(run_app, server_artifact):
     base_url = _serve(run_app, server_artifact)
     http = httpx.Client(base_url=base_url, timeout=60)
