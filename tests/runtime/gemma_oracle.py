@@ -73,3 +73,14 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str):
             if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
                 module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
     return oracle
+
+
+def check_against_transformers(llm, checkpoint, prompts, greedy, hf_greedy, hf_logits, hf_encode, tolerance: float):
+    """`llm`'s logits over prompts[1] and 40 more ids (past the tests' windows) against transformers' within
+    `tolerance`, and its greedy tokens for every prompt equal to transformers'."""
+    token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 140))
+    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(checkpoint, token_ids), atol=tolerance,
+                               rtol=tolerance)
+    expected = hf_greedy(checkpoint, prompts, greedy.max_tokens)
+    outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts], greedy)
+    assert [o.outputs[0].token_ids for o in outputs] == expected

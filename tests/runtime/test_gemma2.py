@@ -13,7 +13,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma2
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.gemma_oracle import build_float32, hf_model_on_weights_of, write_config
+from tests.runtime.gemma_oracle import check_against_transformers, build_float32, hf_model_on_weights_of, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -203,11 +203,7 @@ def test_onnx_cpu_matches_transformers(tiny_gemma2, tmp_path, hf_greedy, hf_logi
     out = build_float32(tiny_gemma2, tmp_path / "onnx", target={"device": "onnx-cpu"})
     assert read_manifest(out).target["onnx"]["op_counts"]["Tanh"] == 1
     llm = LLM(out, device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
-    token_ids = hf_encode(tiny_gemma2, PROMPTS[1]) + list(range(100, 140))
-    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(tiny_gemma2, token_ids), atol=1e-4, rtol=1e-4)
-    expected = hf_greedy(tiny_gemma2, PROMPTS, GREEDY.max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma2, p)} for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    check_against_transformers(llm, tiny_gemma2, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
 
 
 def test_export_is_refused_by_name(artifact, tmp_path):
@@ -221,12 +217,7 @@ def test_export_is_refused_by_name(artifact, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_float32_on_the_gpu_matches_transformers(tiny_gemma2, artifact, hf_greedy, hf_logits, hf_encode, free_gpu):
     """The Triton attention with its soft cap (decode, prefill, CUDA graphs), the window, the capped logits."""
-    expected = hf_greedy(tiny_gemma2, PROMPTS, GREEDY.max_tokens)
     llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
-    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma2, p)} for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    token_ids = hf_encode(tiny_gemma2, PROMPTS[1]) + list(range(100, 140))
-    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(tiny_gemma2, token_ids), atol=2e-3,
-                               rtol=2e-3)
+    check_against_transformers(llm, tiny_gemma2, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
     llm.close()
 

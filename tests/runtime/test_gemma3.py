@@ -18,7 +18,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma3
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.gemma_oracle import build_float32 as _build
+from tests.runtime.gemma_oracle import check_against_transformers, build_float32 as _build
 from tests.runtime.gemma_oracle import hf_model_on_weights_of
 from tests.runtime.gemma_oracle import write_config as _write_config
 
@@ -197,11 +197,7 @@ def test_onnx_cpu_matches_transformers(tiny_gemma3, tmp_path, hf_greedy, hf_logi
     ops = read_manifest(out).target["onnx"]["op_counts"]
     assert ops["Gelu"] == 3 and ops["RMSNormalization"] == 1 + 2 * 3 + 2 * 3  # the first norm, q/k, sandwich
     llm = LLM(out, device="cpu", max_num_seqs=2, max_num_batched_tokens=16)
-    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 140))
-    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(tiny_gemma3, token_ids), atol=1e-4, rtol=1e-4)
-    expected = hf_greedy(tiny_gemma3, PROMPTS, GREEDY.max_tokens)
-    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma3, p)} for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    check_against_transformers(llm, tiny_gemma3, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
 
 
 def test_export_is_refused_by_name(artifact, tmp_path):
@@ -215,12 +211,8 @@ def test_export_is_refused_by_name(artifact, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_float32_on_the_gpu_matches_transformers(tiny_gemma3, artifact, hf_greedy, hf_logits, hf_encode, free_gpu):
     """The Triton attention (both rotary tables, the window), norm and GELU-tanh kernels, CUDA graphs."""
-    expected = hf_greedy(tiny_gemma3, PROMPTS, GREEDY.max_tokens)
     llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
-    outputs = llm.generate([{"prompt_token_ids": hf_encode(tiny_gemma3, p)} for p in PROMPTS], GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 140))
-    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(tiny_gemma3, token_ids), atol=2e-3, rtol=2e-3)
+    check_against_transformers(llm, tiny_gemma3, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
     llm.close()
 
 
