@@ -89,8 +89,10 @@ _HF_CONFIG_DEFAULTS = {
     "qwen3_moe": {"max_position_embeddings": 32768, "use_sliding_window": False},
     "phi3": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 32000},
     "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256, "rms_norm_eps": 1e-6,
+                    "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1,
                     "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"},
     "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256, "rms_norm_eps": 1e-6,
+               "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1,
                "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
 }

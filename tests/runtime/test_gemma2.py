@@ -221,3 +221,24 @@ def test_float32_on_the_gpu_matches_transformers(tiny_gemma2, artifact, hf_greed
     check_against_transformers(llm, tiny_gemma2, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
     llm.close()
 
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_kv_heads_and_special_tokens_left_out_take_the_config_class_defaults(tiny_gemma2, family):
+    """Gemma2Config and Gemma3TextConfig default num_key_value_heads to 4 (not num_attention_heads), bos to 2 and
+    eos to 1: a config.json without them reads as transformers (and vLLM) read it."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from llmc.runtime.models import gemma3
+
+    config = {k: v for k, v in read_hf_config(tiny_gemma2).items()
+              if k not in ("num_key_value_heads", "bos_token_id", "eos_token_id", "pad_token_id", "rope_parameters")}
+    config = {**config, "num_attention_heads": 8}
+    spec, config_class = (gemma2.SPEC, Gemma2Config) if family == "gemma2" else (gemma3.SPEC, Gemma3TextConfig)
+    if family == "gemma3":
+        config = {**config, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                  "attn_logit_softcapping": None}
+    theirs = config_class(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    ours = model_config_from_hf(config, spec, "float32")
+    assert (ours.num_kv_heads, ours.bos_token_id, ours.eos_token_ids) == \
+        (theirs.num_key_value_heads, theirs.bos_token_id, [theirs.eos_token_id]) == (4, 2, [1])
