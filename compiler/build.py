@@ -117,8 +117,14 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     model_dir = resolve_model_dir(recipe)
     hf_config = hf.read_hf_config(model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
-    if hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias")):
+    biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
+    if biased and spec.family != "granite":  # Granite's biases: refused by name in model_config_from_hf
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
+    if spec.family == "granite" and recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "
+                              "its residual_multiplier and logits_scaling into the o_proj/down_proj and final norm "
+                              "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
+                              "take; quantize the float checkpoint with rtn, gptq, awq or fp8")
     if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
@@ -141,12 +147,19 @@ def _check_moe(ctx: _Context) -> None:
 
 def _reading_merge(ctx: _Context):
     """What the build's reader does to a tensor as it is read: the recipe's LoRA adapters merged, then a
-    (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma); None when neither applies."""
-    fold = hf.norm_fold(ctx.spec, ctx.model)
-    if fold is None or ctx.lora is None:
-        return fold or ctx.lora
-    lora = ctx.lora
-    return lambda name, tensor: fold(name, lora(name, tensor))
+    (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma), then Granite's residual and logits multipliers folded
+    (hf_checkpoint.multiplier_fold: after the merge, so the adapter's delta is scaled with the weight it joins);
+    None when none applies."""
+    steps = [step for step in (ctx.lora, hf.norm_fold(ctx.spec, ctx.model),
+                               hf.multiplier_fold(ctx.spec, ctx.model, ctx.hf_config)) if step is not None]
+    if len(steps) <= 1:
+        return steps[0] if steps else None
+
+    def merge(name, tensor):
+        for step in steps:
+            tensor = step(name, tensor)
+        return tensor
+    return merge
 
 
 def _read_adapters(ctx: _Context) -> LoraMerge | None:

@@ -154,6 +154,10 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
     model = manifest.model
     if model.moe_layers:
         raise ArtifactError(f"{where} a mixture-of-experts model ({model.architecture}); export writes dense models; serve it with `llmc run`")
+    if model.family == "granite":
+        raise ArtifactError(f"{where} architecture {model.architecture}: the build folded Granite's residual_multiplier "
+                            "and logits_scaling into the o_proj/down_proj and final norm weights, which a Granite "
+                            "checkpoint would apply again; serve it with `llmc run`")
     if model.architecture not in _MODEL_TYPES:
         raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)}")
     for name, spec in manifest.quant.modules.items():

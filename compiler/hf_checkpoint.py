@@ -36,6 +36,10 @@ _REFUSED_ARCHITECTURES = {
     "GemmaForCausalLM": "Gemma 1 is not supported (Gemma2ForCausalLM and Gemma 3's text model, Gemma3ForCausalLM, are)",
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower, weights under model.language_model) is not "
                                       "supported; its text-only form, Gemma3ForCausalLM (gemma-3-1b and text checkpoints), is",
+    "GraniteMoeForCausalLM": "Granite MoE (granite-3.x-*-a*b) is not supported; the dense GraniteForCausalLM is",
+    "GraniteMoeSharedForCausalLM": "Granite MoE with shared experts is not supported; the dense GraniteForCausalLM is",
+    "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
+                                   "GraniteForCausalLM (Granite 3.x) is",
 }
 
 
@@ -95,11 +99,14 @@ _HF_CONFIG_DEFAULTS = {
                "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1,
                "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "granite": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+                "embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
+                "logits_scaling": 1.0},
 }
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                  "Gemma3ForCausalLM": "gemma3_text"}
+                  "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -123,6 +130,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                                   "(hidden_act silu)")
     if spec.family == "phi3":
         config = _phi3_rope(config)
+    if spec.family == "granite":
+        _check_granite(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -155,7 +164,31 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family == "gemma3" else {}),
+        **(_granite_fields(config) if spec.family == "granite" else {}),
     )
+
+
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _check_granite(config: dict) -> None:
+    """Granite's four multipliers must be positive numbers; its q/k/v/o and MLP biases (attention_bias, mlp_bias:
+    false in published checkpoints) are refused by name, as the runtime's Llama layout has no o_proj/MLP bias."""
+    for key in GRANITE_MULTIPLIERS:
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise CheckpointError(f"{key} {value!r}: Granite's multipliers must be positive numbers")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for Granite (its q/k/v/o or MLP biases)")
+
+
+def _granite_fields(config: dict) -> dict:
+    """Granite's runtime fields: the embeddings times embedding_multiplier (a Python float in transformers'
+    GraniteModel, so unrounded here too) and attention_multiplier as the attention's scale itself. Its
+    residual_multiplier and logits_scaling are folded into the weights (multiplier_fold)."""
+    embed = float(config["embedding_multiplier"])
+    return {"embed_scale": None if embed == 1.0 else embed, "softmax_scale": float(config["attention_multiplier"])}
 
 
 def _check_gemma(config: dict, name: str) -> None:
@@ -253,6 +286,29 @@ def norm_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tens
         f"{spec.hf_layer_prefix}{i}.{hf}.weight" for i in range(config.num_layers) for hf in layer_norms}
     offset = spec.norm_weight_offset
     return lambda name, tensor: tensor.float() + offset if name in names else tensor
+
+
+def multiplier_fold(spec: ModelSpec, config: ModelConfig,
+                    hf_config: dict) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """For Granite, a `TensorReader` merge that folds the two multipliers the runtime has no field for into the
+    weights they follow, in float32 (rounded to the model dtype once, when the artifact is written):
+    residual_multiplier into every layer's o_proj and down_proj weight (the sub-layer outputs it scales before
+    the residual add are those linears' outputs, and neither has a bias), and 1 / logits_scaling into the final
+    norm's weight (logits = norm(x) W^T is linear in that weight, so the fold holds with tied embeddings too).
+    Every kernel, graph and parallel path then runs Granite as a Llama, and quantization, calibration and AWQ see
+    the folded weights. None for the other families, and for a Granite whose two multipliers are 1."""
+    if spec.family != "granite":
+        return None
+    config_ = with_hf_defaults(hf_config)
+    residual, logits = float(config_["residual_multiplier"]), float(config_["logits_scaling"])
+    factors = {} if residual == 1.0 else {
+        f"{spec.hf_layer_prefix}{i}.{name}.weight": residual
+        for i in range(config.num_layers) for name in ("self_attn.o_proj", "mlp.down_proj")}
+    if logits != 1.0:
+        factors[spec.global_tensors["norm.weight"]] = 1.0 / logits
+    if not factors:
+        return None
+    return lambda name, tensor: tensor.float() * factors[name] if name in factors else tensor
 
 
 def _moe_fields(config: dict, family: str) -> dict:

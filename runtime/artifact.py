@@ -36,12 +36,14 @@ from llmc.schema import opt, parse
 #      rope_local_scaling); older manifests load without them (SiLU, head_dim^-0.5, no scale, no extra norms, one rope).
 # 1.7: Gemma 2 (family gemma2) and logit soft-capping (model.attn_logit_softcapping / final_logit_softcapping);
 #      older manifests load without them (no cap).
-FORMAT_VERSION = "1.7"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7")
+# 1.8: Granite (family granite) and model.softmax_scale, the attention's scale given as is (Granite's
+#      attention_multiplier); older manifests load without it (query_pre_attn_scalar^-0.5, else head_dim^-0.5).
+FORMAT_VERSION = "1.8"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -101,9 +103,21 @@ class ModelConfig:
     # cap * tanh(s / cap), and so does each output logit (in float32)
     attn_logit_softcapping: float | None = opt(None, min_exclusive=0.0)
     final_logit_softcapping: float | None = opt(None, min_exclusive=0.0)
+    # the attention's scale itself, q.k times it before the softmax (Granite's attention_multiplier); None: from
+    # query_pre_attn_scalar or head_dim (attention_scale). At most one of the two is set.
+    softmax_scale: float | None = opt(None, min_exclusive=0.0)
+
+    def __post_init__(self):
+        if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
+            raise ArtifactError(f"model: softmax_scale {self.softmax_scale} and query_pre_attn_scalar "
+                                f"{self.query_pre_attn_scalar} both set the attention's scale; keep one")
 
     @property
     def attention_scale(self) -> float:
+        """What the attention multiplies q.k by: softmax_scale, else query_pre_attn_scalar^-0.5 (Gemma), else
+        head_dim^-0.5."""
+        if self.softmax_scale is not None:
+            return self.softmax_scale
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     def uses_local_rope(self, index: int) -> bool:
