@@ -1,5 +1,6 @@
-"""What the Gemma 2 and Gemma 3 tests share: a float32 build of a tiny checkpoint, a changed copy of one, and
-transformers' own model run on an artifact's weights (the oracle of the quantized builds)."""
+"""What the tests of the families checked against transformers share (Gemma 2, Gemma 3, Granite): a float32
+build of a tiny checkpoint, a changed copy of one, and transformers' own model run on an artifact's weights
+(the oracle of the quantized builds), with what the build folded into them unfolded."""
 
 import json
 import shutil
@@ -28,10 +29,12 @@ def write_config(source, dest, **changes):
     return dest
 
 
-def hf_state_of(artifact) -> dict[str, torch.Tensor]:
-    """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM): each
-    linear dequantized by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w)
-    norm unfolded to w (the family's layer norms, and q/k norms where it has them)."""
+def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
+    """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
+    GraniteForCausalLM): each linear dequantized by the formats' oracle (quant/reference.py) and split into its HF
+    members, each (1 + w) norm unfolded to w (the family's layer norms, and q/k norms where it has them), and
+    Granite's folds (hf_checkpoint.multiplier_fold) unfolded with `hf_config`'s multipliers: o_proj and down_proj
+    divided by residual_multiplier, the final norm times logits_scaling."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -45,8 +48,14 @@ def hf_state_of(artifact) -> dict[str, torch.Tensor]:
                "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [model["intermediate_size"]] * 2)}
     norms = {**spec.layer_norms, **(spec.qk_norms if model["qk_norm"] else {})}
     offset = spec.norm_weight_offset
+    residual, logits = 1.0, 1.0
+    if model["family"] == "granite":
+        residual, logits = hf_config["residual_multiplier"], hf_config["logits_scaling"]
+    unfold = {"attn.o": residual, "mlp.down": residual}
     state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
-             "model.norm.weight": tensors["norm.weight"].float() - offset}
+             "model.norm.weight": (tensors["norm.weight"].float() - offset) * logits}
+    if "lm_head.weight" in tensors:
+        state["lm_head.weight"] = tensors["lm_head.weight"].float()
     for i in range(model["num_layers"]):
         for runtime, hf in norms.items():
             state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
@@ -55,7 +64,7 @@ def hf_state_of(artifact) -> dict[str, torch.Tensor]:
             params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
             weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
             for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
-                state[f"model.layers.{i}.{name}.weight"] = part
+                state[f"model.layers.{i}.{name}.weight"] = part / unfold.get(runtime, 1.0)
     return state
 
 
@@ -65,8 +74,8 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str):
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(hf_state_of(artifact), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    missing, unexpected = oracle.load_state_dict(hf_state_of(artifact, read_hf_config(checkpoint)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, or the artifact's
     oracle.eval()
     if method == "fp8":
         for name, module in oracle.named_modules():

@@ -13,7 +13,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma2
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.gemma_oracle import check_against_transformers, build_float32, hf_model_on_weights_of, write_config
+from tests.runtime.hf_oracle import check_against_transformers, build_float32, hf_model_on_weights_of, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -110,7 +110,7 @@ def test_the_artifact_holds_folded_norms_and_the_model_config(tiny_gemma2, artif
     assert model.sliding_window == 8 and model.sliding_window_layers == [0, 2]
     assert (model.rope_theta, model.rope_scaling, model.rope_local_theta) == (1e4, None, None)
     assert model.embed_scale == torch.tensor(96**0.5).item()
-    assert read_manifest(artifact).format_version == "1.7"
+    assert read_manifest(artifact).format_version >= "1.7"  # Gemma 2 came in 1.7
 
 
 def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma2):
@@ -151,7 +151,7 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma2):
 def test_quantized_builds_run_transformers_gemma2_on_their_weights(quantization, tiny_gemma2, tmp_path, data_dir,
                                                                    hf_encode):
     """Each build is transformers' Gemma2ForCausalLM run on the artifact's own weights (tests/runtime/
-    gemma_oracle.py: dequantized, norms unfolded, FP8's per-token activation rounding emulated), soft caps and
+    hf_oracle.py: dequantized, norms unfolded, FP8's per-token activation rounding emulated), soft caps and
     all: logits and greedy tokens. GPTQ and AWQ calibrate through the runtime's capped attention."""
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     needs_data = quantization["method"] in ("gptq", "awq")

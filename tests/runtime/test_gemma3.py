@@ -18,9 +18,9 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma3
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.gemma_oracle import check_against_transformers, build_float32 as _build
-from tests.runtime.gemma_oracle import hf_model_on_weights_of
-from tests.runtime.gemma_oracle import write_config as _write_config
+from tests.runtime.hf_oracle import check_against_transformers, build_float32 as _build
+from tests.runtime.hf_oracle import hf_model_on_weights_of
+from tests.runtime.hf_oracle import write_config as _write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
