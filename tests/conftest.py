@@ -9,6 +9,7 @@ helper here is reachable through a fixture:
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
+* ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -58,7 +59,7 @@ FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
-OTHER_FAMILIES = ("gemma3", "gemma2")
+OTHER_FAMILIES = ("gemma3", "gemma2", "granite")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -151,6 +152,11 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                                 "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 2.0,
                                 "final_logit_softcapping": 1.5}),
+    # Granite: the Llama shape (hidden 64, GQA 4/2, 2 layers, untied; tests/runtime/test_granite.py builds a tied
+    # copy) with its four multipliers far from 1 and from what they replace (head_dim^-0.5 = 0.25), so that
+    # dropping any one of them moves the logits clearly (test_granite.py checks it).
+    "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+                                  "residual_multiplier": 0.3, "logits_scaling": 5.0}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -201,8 +207,10 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + NORM_JITTER * randn_like(p))
         elif "embed_tokens" in name:
             tied = model.get_output_embeddings().weight is p
-            # Gemma multiplies its embeddings by sqrt(hidden_size): the rows it feeds the first layer get the std
-            scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", 1.0)
+            # Gemma multiplies its embeddings by sqrt(hidden_size), Granite by embedding_multiplier: the rows it
+            # feeds the first layer get the std
+            scale = getattr(model.get_input_embeddings(), "scalar_embed_scale", None) or \
+                getattr(model.config, "embedding_multiplier", 1.0)
             p.copy_((TIED_EMBED_STD if tied else EMBED_STD) / scale * randn_like(p))
         elif name.startswith("lm_head"):
             p.copy_(LM_HEAD_STD * randn_like(p))
@@ -554,6 +562,11 @@ def tiny_gemma3(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma2(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_granite(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "granite")
 
 
 @pytest.fixture(scope="session")
