@@ -134,7 +134,8 @@ def test_quantized_builds_run_transformers_granite_on_their_weights(quantization
                                                                     hf_encode):
     """Each build is transformers' GraniteForCausalLM run on the artifact's own weights (tests/runtime/hf_oracle.py:
     dequantized, the folds undone, FP8's per-token activation rounding emulated): logits and greedy tokens. The
-    quantizers see the folded weights; AWQ's scales go into the input norms, which no fold touches."""
+    quantizers see the folded weights; AWQ also scales the folded o_proj/down_proj's inputs into qkv's and
+    gate_up's rows."""
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     needs_data = quantization["method"] in ("gptq", "awq")
     out = build_float32(tiny_granite, tmp_path / "q", target={"device": "cpu"}, quantization={
