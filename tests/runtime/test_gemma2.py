@@ -110,7 +110,8 @@ def test_the_artifact_holds_folded_norms_and_the_model_config(tiny_gemma2, artif
     assert model.sliding_window == 8 and model.sliding_window_layers == [0, 2]
     assert (model.rope_theta, model.rope_scaling, model.rope_local_theta) == (1e4, None, None)
     assert model.embed_scale == torch.tensor(96**0.5).item()
-    assert read_manifest(artifact).format_version >= "1.7"  # Gemma 2 came in 1.7
+    major, minor = map(int, read_manifest(artifact).format_version.split("."))
+    assert (major, minor) >= (1, 7)  # Gemma 2 came in 1.7
 
 
 def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma2):
