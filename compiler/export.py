@@ -290,6 +290,9 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         "torch_dtype": model.dtype,
         "sliding_window": model.sliding_window,
     }
+    if (model.rope_scaling or {}).get("rope_type") == "longrope":
+        # Phi3Config's own original context comes before the rope parameters' (its default 4096 otherwise)
+        config["original_max_position_embeddings"] = model.rope_scaling["original_max_position_embeddings"]
     if model_type in ("qwen2", "qwen3"):
         config["use_sliding_window"] = model.sliding_window is not None
         config["max_window_layers"] = model.num_layers if model.sliding_window is None else 0

@@ -196,6 +196,14 @@ def test_longrope_runs_within_its_original_context_as_transformers(hf_checkpoint
     got = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, prompt)}], SamplingParams(temperature=0, max_tokens=40))
     assert got[0].outputs[0].token_ids == want
     llm.close()
+    # exported, transformers reads the same LongRoPE back (its original context included)
+    from llmc.compiler.export import export_artifact
+
+    export_artifact(out, tmp_path / "export")
+    past_original = token_ids + list(range(200, 240))  # transformers switches to the long factors past 64
+    assert len(past_original) > 64
+    torch.testing.assert_close(hf_logits(tmp_path / "export", past_original), hf_logits(checkpoint, past_original),
+                               atol=1e-4, rtol=1e-4)
     with pytest.raises(RecipeError, match="128 exceeds the model's context of 64 \\(LongRoPE's original_max_position"):
         build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "b"), "dtype": "float32",
                                 "runtime": {"max_model_len": 128}}), show_progress=False)
