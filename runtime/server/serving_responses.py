@@ -85,7 +85,7 @@ async def create_response(ctx: ServingContext, body: object, arrival_time: float
         if found is None:
             raise not_found(request.previous_response_id, "previous_response_id", store)
         previous, conversation = found
-        history = conversation + previous["output"]
+        history = conversation + [item for item in previous["output"] if not _cut_call(item)]
     rid = response_id("resp")
     try:
         chat_request, params, generation, num_prompt_tokens = await start_chat_generation(
@@ -320,6 +320,19 @@ class _ResponsesReply:
             yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})
         finally:
             generation.abort()
+
+
+def _cut_call(item: dict) -> bool:
+    """A function_call that max_output_tokens cut before its arguments were whole JSON: not a call anyone
+    could run or answer, and not one the chat template can render (it reads the arguments as JSON), so a
+    previous_response_id leaves it out of the conversation."""
+    if item["type"] != "function_call" or item["status"] != "incomplete":
+        return False
+    try:
+        json.loads(item["arguments"] or "{}")
+    except ValueError:
+        return True
+    return False
 
 
 def _status(completion: CompletionOutput) -> str:

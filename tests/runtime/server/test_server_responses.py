@@ -219,6 +219,20 @@ def test_previous_response_id_continues_a_stored_response(client):
         client.responses.retrieve(first.id)
 
 
+def test_a_call_cut_mid_arguments_does_not_break_previous_response_id(client):
+    """A function_call cut by max_output_tokens before its arguments are JSON is left out of the next turn's
+    conversation (before: every follow-up was a 400 blaming `input`, the stored chain dead)."""
+    cut = client.responses.create(model=MODEL, input="Weather in Paris?", tools=TOOLS, temperature=0,
+                                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=8)
+    (call,) = cut.output
+    assert cut.status == "incomplete" and call.status == "incomplete"
+    with pytest.raises(ValueError):
+        json.loads(call.arguments)
+    follow = client.responses.create(model=MODEL, input="Go on", previous_response_id=cut.id, max_output_tokens=1)
+    chat = [{"role": "user", "content": "Weather in Paris?"}, {"role": "user", "content": "Go on"}]
+    assert follow.usage.input_tokens == _chat_prompt_tokens(client, chat)
+
+
 def test_logprobs_on_the_output_text(client, app):
     body = dict(model=MODEL, input="Hello", max_output_tokens=4, temperature=0, top_logprobs=2,
                 include=["message.output_text.logprobs"])
