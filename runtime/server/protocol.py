@@ -754,6 +754,10 @@ class ResponsesRequest(_Body):
         if isinstance(choice, dict) and choice.get("type") != "function":
             raise invalid("tool_choice.type", f"{choice.get('type')!r} is not supported: send \"none\", \"auto\", "
                           '"required" or {"type": "function", "name": NAME}')
+        if isinstance(choice, dict) and not (isinstance(choice.get("name"), str) and choice["name"]):
+            # here, not in the chat request's check, whose hint is chat's shape ({"function": {"name"}})
+            raise invalid("tool_choice.name", f"must be a non-empty string, got {choice.get('name')!r}; send "
+                          '{"type": "function", "name": NAME}')
         if not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
             raise invalid("tool_choice", f'must be "none", "auto", "required" or {{"type": "function", "name": NAME}}, '
                           f"got {choice!r}")

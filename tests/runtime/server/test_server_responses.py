@@ -294,6 +294,16 @@ def test_refused_requests_name_the_field(client, extra, param):
     assert "\n" not in error["message"]
 
 
+def test_a_named_tool_choice_without_a_name_is_told_the_responses_shape(client):
+    """The hint was the chat API's ({"function": {"name"}}), which a Responses request refuses again."""
+    for choice in ({"type": "function"}, {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input="Hi", tools=TOOLS, tool_choice=choice)
+        error = caught.value.body
+        assert error["param"] == "tool_choice.name" and '"function": {' not in error["message"], error
+        assert '{"type": "function", "name": NAME}' in error["message"]
+
+
 def test_unknown_model_and_api_key(client, app):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="other", input="Hi")
