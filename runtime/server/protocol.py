@@ -668,6 +668,13 @@ _UNSUPPORTED_RESPONSES_FIELDS: dict[str, tuple] = {
     "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,), "context_management": (None,),
     "moderation": (None,), "image": (None,), "prompt_cache_options": (None,),
 }
+# Chat completions fields a Responses request may carry by habit, which it does not read (ignored, they would
+# leave the output unconstrained or unbounded without a word), with the Responses API's way to ask for the same.
+_CHAT_FIELDS_IN_RESPONSES = {
+    "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+    "response_format": 'text: {"format": ...}', "messages": "input (a list of message items)",
+    "logprobs": 'include: ["message.output_text.logprobs"] (and top_logprobs)',
+}
 # The `include` value llmc produces (the output text's logprobs); OpenAI's others are about built-in tools,
 # images or encrypted reasoning, which llmc does not have.
 INCLUDE_LOGPROBS = "message.output_text.logprobs"
@@ -734,6 +741,10 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: Any = None
 
     def check(self) -> None:
+        for name, instead in _CHAT_FIELDS_IN_RESPONSES.items():
+            value = (self.model_extra or {}).get(name)
+            if value is not None and value is not False:  # logprobs: false asks for nothing
+                raise invalid(name, f"is a chat completions field, which the Responses API does not read; send {instead}")
         if self.input == "" or self.input == []:
             raise invalid("input", "must be a non-empty string or list of input items")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:

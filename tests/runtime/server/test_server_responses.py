@@ -294,6 +294,15 @@ def test_refused_requests_name_the_field(client, extra, param):
     assert "\n" not in error["message"]
 
 
+@pytest.mark.parametrize("field", [{"max_tokens": 3}, {"response_format": {"type": "json_object"}}])
+def test_chat_fields_are_refused_not_ignored(client, field):
+    """Chat's names for output limits and formats were ignored: the output unbounded or unconstrained."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, extra_body=field)
+    error = caught.value.body
+    assert error["param"] == next(iter(field)) and "Responses API" in error["message"], error
+
+
 def test_a_named_tool_choice_without_a_name_is_told_the_responses_shape(client):
     """The hint was the chat API's ({"function": {"name"}}), which a Responses request refuses again."""
     for choice in ({"type": "function"}, {"type": "function", "function": {"name": "get_weather"}}):
