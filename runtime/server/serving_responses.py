@@ -142,8 +142,13 @@ class _OutputBuilder:
                 self._emit("response.function_call_arguments.delta", item, delta=event[2])
 
     def finish(self, status: str) -> None:
-        """The end of the output: the open item done (`status`: "completed", or "incomplete" when cut)."""
+        """The end of the output: the open item done (`status`: "completed", or "incomplete" when cut); a
+        message's logprobs are every generated token's, also those after it closed (a call's, streamed)."""
         self._close(status)
+        if self.with_logprobs:
+            for item in self.items:
+                if item["type"] == "message":
+                    item["content"][0]["logprobs"] = list(self.logprobs)
 
     def _item(self, kind: str) -> dict:
         """The open item of this kind, a new one if another is open (which is closed first)."""

@@ -398,3 +398,19 @@ def test_content_then_calls_are_a_message_then_function_call_items():
     assert message["content"][0]["text"] == "Let me look." and message["status"] == "completed"
     assert (first["name"], first["arguments"], second["name"], second["arguments"]) == ("f", '{"a": 1}', "g", "{}")
     assert events[6].item.content[0].text == "Let me look." and events[7].item.arguments == ""
+
+
+def test_a_message_before_a_call_has_the_same_logprobs_streamed_and_not():
+    """The message's logprobs (every generated token's) were those up to its close when streamed, all when not:
+    the streamed Response differed from the non-streamed one whenever a call followed the text."""
+    chunks = [("Hi", [("content", "Hi")]), ("<call>", [("call", 0, "f")]), ("{}", [("args", 0, "{}")])]
+    entries = [{"token": t, "logprob": -1.0, "bytes": list(t.encode()), "top_logprobs": []} for t, _ in chunks]
+    whole, streamed = _OutputBuilder(with_logprobs=True), _OutputBuilder(with_logprobs=True)
+    whole.add_logprobs(entries)
+    whole.feed([event for _, events in chunks for event in events])
+    for entry, (_, events) in zip(entries, chunks):
+        streamed.add_logprobs([entry])
+        streamed.feed(events)
+    for builder in (whole, streamed):
+        builder.finish("completed")
+    assert streamed.items[0]["content"][0]["logprobs"] == whole.items[0]["content"][0]["logprobs"] == entries
