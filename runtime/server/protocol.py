@@ -847,6 +847,8 @@ def responses_error(error: ApiError) -> ApiError:
         param = pattern.sub(replacement, error.param, count=1)
         if param != error.param:
             message = error.message
+            if error.code == "context_length_exceeded":  # its advice names the fields too
+                message = message.replace(" the messages", " the input").replace("(max_tokens at", "(max_output_tokens at")
             if message.startswith(error.param):
                 message = param + message[len(error.param):]
             return ApiError(error.status_code, message, param=param, code=error.code, headers=error.headers)

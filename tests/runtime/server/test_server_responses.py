@@ -294,6 +294,15 @@ def test_refused_requests_name_the_field(client, extra, param):
     assert "\n" not in error["message"]
 
 
+def test_a_too_long_request_is_told_the_responses_fields(client):
+    """The context-length 400 advised "max_tokens at most N", a field the Responses API does not read."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=10**6)
+    error = caught.value.body
+    assert error["param"] == "max_output_tokens" and "(max_output_tokens at most" in error["message"], error
+    assert "messages" not in error["message"] and "max_tokens" not in error["message"].replace("max_output_tokens", "")
+
+
 @pytest.mark.parametrize("field", [{"max_tokens": 3}, {"response_format": {"type": "json_object"}}])
 def test_chat_fields_are_refused_not_ignored(client, field):
     """Chat's names for output limits and formats were ignored: the output unbounded or unconstrained."""
