@@ -791,6 +791,8 @@ class ResponsesRequest(_Body):
             return {"type": "json_object"}
         if not isinstance(fmt.get("schema"), dict):
             raise invalid("text.format.schema", "is required with type 'json_schema' (a JSON Schema object)")
+        if not (isinstance(fmt.get("name"), str) and fmt["name"]):  # OpenAI's (and the echoed format's) required name
+            raise invalid("text.format.name", "is required with type 'json_schema' (a non-empty string naming the format)")
         return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "description", "schema", "strict")
                                                        if fmt.get(key) is not None}}
 

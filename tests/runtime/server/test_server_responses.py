@@ -272,6 +272,7 @@ def test_reasoning_item_with_a_reasoning_parser(client, app):
     ({"include": ["reasoning.encrypted_content"]}, "include.0"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format.schema"),
+    ({"text": {"format": {"type": "json_schema", "schema": ANSWER}}}, "text.format.name"),  # the echo lacked it
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
