@@ -38,8 +38,10 @@ from llmc.schema import opt, parse
 #      older manifests load without them (no cap).
 # 1.8: Granite (family granite) and model.softmax_scale, the attention's scale given as is (Granite's
 #      attention_multiplier); older manifests load without it (query_pre_attn_scalar^-0.5, else head_dim^-0.5).
-FORMAT_VERSION = "1.8"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8")
+# 1.9: model.rotary_dim, the rotated dims of each q/k head (partial_rotary_factor < 1: Phi-4-mini); older manifests
+#      load without it (None: the whole head).
+FORMAT_VERSION = "1.9"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -106,11 +108,26 @@ class ModelConfig:
     # the attention's scale itself, q.k times it before the softmax (Granite's attention_multiplier); None: from
     # query_pre_attn_scalar or head_dim (attention_scale). At most one of the two is set.
     softmax_scale: float | None = opt(None, min_exclusive=0.0)
+    # the leading dims of each q/k head that the rotary embedding rotates (rotate-half over them), the rest passed
+    # through: int(head_dim * partial_rotary_factor) (Phi-4-mini); None: the whole head. Even, at most head_dim.
+    rotary_dim: int | None = opt(None, min=2)
 
     def __post_init__(self):
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
             raise ArtifactError(f"model: softmax_scale {self.softmax_scale} and query_pre_attn_scalar "
                                 f"{self.query_pre_attn_scalar} both set the attention's scale; keep one")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise ArtifactError(f"model: rotary_dim {self.rotary_dim} must be even and at most head_dim "
+                                f"{self.head_dim}")
+
+    @property
+    def rotary_dims(self) -> int:
+        """The dims of each q/k head the rotary embedding rotates: rotary_dim, else the whole head."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
+    def is_partial_rotary(self) -> bool:
+        return self.rotary_dims < self.head_dim
 
     @property
     def attention_scale(self) -> float:

@@ -91,7 +91,8 @@ def test_the_artifact_holds_the_folds_and_the_model_config(tiny_granite, artifac
         ("granite", 12.0, 0.05, 0.05)
     assert (model.query_pre_attn_scalar, model.hidden_act, model.sandwich_norms, model.tie_word_embeddings) == \
         (None, "silu", False, False)
-    assert manifest.format_version == "1.8"
+    major, minor = map(int, manifest.format_version.split("."))
+    assert (major, minor) >= (1, 8)  # Granite came in 1.8
 
 
 @torch.inference_mode()
