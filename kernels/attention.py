@@ -140,9 +140,12 @@ def eager_decode_cases(num_kv_heads: int, max_model_len: int, num_sms: int) -> l
     return cases
 
 
-def _rotary_kernels_apply(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor) -> bool:
-    """The Triton kernels rotate q, k, v in place or in registers: CUDA, unit stride along head_dim."""
-    return can_use_triton(q, k_cache) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+def _rotary_kernels_apply(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, cos_sin_cache: Tensor) -> bool:
+    """The Triton kernels rotate q, k, v in place or in registers: CUDA, unit stride along head_dim, and a table
+    as wide as the heads (they rotate whole heads; a partial rotary's narrower table takes the torch rotation,
+    e.g. a build's calibration on a GPU; the engine refuses such an artifact on CUDA, rotary.check_rotary_device)."""
+    return (can_use_triton(q, k_cache) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and cos_sin_cache.shape[-1] == q.shape[-1])
 
 
 def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_sin_cache: Tensor, k_cache: Tensor,
@@ -154,7 +157,7 @@ def rotate_and_write_kv(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, cos_
     into q_out when given (the piecewise graphs' static buffer: no copy after); callers read neither
     q nor k again. On CUDA one kernel does both (q rotated in place, or into q_out): a decode step
     launches one kernel per layer for them, not two."""
-    if _rotary_kernels_apply(q, k, v, k_cache) and (q_out is None or q_out.stride(-1) == 1):
+    if _rotary_kernels_apply(q, k, v, k_cache, cos_sin_cache) and (q_out is None or q_out.stride(-1) == 1):
         from . import attention_triton  # triton loads on the first CUDA call only
 
         return attention_triton.rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -175,7 +178,8 @@ def rotate_write_and_attend(
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
     kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
     # the device check first: a CPU step does not scan query_lens in every layer
-    if prefill_index is None and _rotary_kernels_apply(q, k, v, k_cache) and query_lens and max(query_lens) == 1:
+    if (prefill_index is None and _rotary_kernels_apply(q, k, v, k_cache, cos_sin_cache) and query_lens
+            and max(query_lens) == 1):
         from . import attention_triton
 
         return attention_triton.paged_attention(

@@ -1,7 +1,10 @@
 """Rotary position embedding in the HF (rotate-half, non-interleaved) convention.
 
 Shapes: q [num_tokens, num_heads, head_dim], k [num_tokens, num_kv_heads, head_dim],
-cos_sin_cache [max_positions, head_dim] (cos in the first half, sin in the second), positions [num_tokens].
+cos_sin_cache [max_positions, rotary_dim] (cos in the first half, sin in the second), positions [num_tokens].
+rotary_dim is head_dim, or fewer (a partial_rotary_factor, Phi-4-mini): then the leading rotary_dim dims of each
+head are rotated (rotate-half over them: pairs i, i + rotary_dim / 2) and the rest pass through, as transformers'
+Phi-3 does. The Triton kernels rotate whole heads only (kernels/attention dispatches a narrower table here).
 
 The plain-torch rotation (new tensors returned). On CUDA the model rotates inside the KV-cache
 write's kernel (kernels/attention.rotate_and_write_kv), for which this is the test oracle.
@@ -21,6 +24,7 @@ def apply_rotary(q: Tensor, k: Tensor, positions: Tensor, cos_sin_cache: Tensor)
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    half = cos.shape[-1]
+    x1, x2, rest = x.float().split((half, half, x.shape[-1] - 2 * half), dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
     return out.to(x.dtype)

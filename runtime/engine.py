@@ -17,6 +17,8 @@ import torch
 from llmc.errors import RequestError, WorkerError
 from llmc.kernels import to_device
 from llmc.runtime import artifact as art
+from llmc.runtime.layers.rotary import check_rotary_device
+from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
@@ -52,6 +54,8 @@ class Engine:
         self.manifest = art.read_manifest(self.artifact_dir)
         self.options = resolve_options(self.manifest, options)
         self.device = resolve_device(device)
+        if not is_onnx(self.manifest):  # (an ONNX artifact runs on onnxruntime's CPU EP whatever the device)
+            check_rotary_device(self.manifest.model, self.device)
         self.tokenizer = load_tokenizer(self.artifact_dir / art.TOKENIZER_DIR)
         if chat_template is not None:  # vLLM's --chat-template: in place of the artifact's
             self.tokenizer.chat_template = load_chat_template(chat_template)

@@ -14,6 +14,7 @@ from llmc.errors import ArtifactError, LlmcError
 from llmc.kernels.w4a16_gemm import DEFAULT_W4A16_TABLE_GPU, parse_w4a16_table
 from llmc.quant.formats import IntWeightFormat, LinearFormat, make_format
 from llmc.runtime import artifact as art
+from llmc.runtime.layers.rotary import check_rotary_device
 from llmc.runtime.models.decoder import DecoderModel
 from llmc.runtime.parallel.layout import RankLayout
 
@@ -34,6 +35,7 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
     """
     rel = art.rank_weights_path(layout.rank if layout is not None else 0)
     art.verify_for_load(artifact_dir, manifest, [rel])  # before anything is built from it
+    check_rotary_device(manifest.model, device)  # (the engine checks first: this covers every rank's load)
     dtype = compute_dtype(manifest, device)
     config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))
     formats = make_formats(manifest, dtype)

@@ -10,11 +10,13 @@ import math
 import torch
 from torch import Tensor
 
-from llmc.errors import CheckpointError
+from llmc.errors import CheckpointError, ConfigError
 
 
 def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> Tensor:
-    """[head_dim / 2] float64 inverse frequencies, scaled as the checkpoint's rope_scaling says."""
+    """[head_dim / 2] float64 inverse frequencies, scaled as the checkpoint's rope_scaling says. `head_dim` is the
+    rotated dims (ModelConfig.rotary_dims: fewer than the head's under a partial_rotary_factor, as transformers
+    computes the frequencies over them)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "default":
@@ -28,8 +30,8 @@ def inv_frequencies(head_dim: int, theta: float, rope_scaling: dict | None) -> T
     if rope_type == "longrope":  # Phi-3's: the short factors, which hold within original_max_position_embeddings
         short = torch.tensor(rope_scaling["short_factor"], dtype=torch.float64)
         if short.shape != inv_freq.shape:
-            raise CheckpointError(f"rope_scaling short_factor has {short.numel()} entries; head_dim {head_dim} needs "
-                                  f"{inv_freq.numel()}; fix the checkpoint's config")
+            raise CheckpointError(f"rope_scaling short_factor has {short.numel()} entries; the {head_dim} rotated dims "
+                                  f"of a head need {inv_freq.numel()}; fix the checkpoint's config")
         return inv_freq / short
     raise CheckpointError(f"rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3, "
                           "yarn, longrope")
@@ -111,7 +113,25 @@ def max_context_len(max_position_embeddings: int, rope_scaling: dict | None) -> 
 
 
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None) -> Tensor:
-    """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the second."""
+    """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the second. `head_dim`: the
+    rotated dims (ModelConfig.rotary_dims); a table narrower than the heads rotates only their leading dims."""
     inv_freq = inv_frequencies(head_dim, theta, rope_scaling).float()
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_positions, head_dim/2]
     return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor(rope_scaling)
+
+
+def partial_rotary_problem(config, device_type: str) -> str | None:
+    """Why a model (a ModelConfig) with a partial rotary (rotary_dim < head_dim, Phi-4-mini's
+    partial_rotary_factor) cannot run on this device type: the CUDA kernels rotate whole heads. None where it can
+    (the CPU torch path rotates the leading rotary_dim dims, as does onnx-cpu's GroupQueryAttention)."""
+    if device_type != "cuda" or not config.is_partial_rotary:
+        return None
+    return (f"{config.architecture}: partial_rotary_factor (rotary on {config.rotary_dims} of head_dim "
+            f"{config.head_dim}'s dims) is not supported on CUDA, whose kernels rotate whole heads; it runs on a CPU: "
+            "build with target.device cpu (llmc run --device cpu) or onnx-cpu")
+
+
+def check_rotary_device(config, device: torch.device) -> None:
+    """Refuse by name, at engine start, a partial-rotary model on CUDA (partial_rotary_problem)."""
+    if problem := partial_rotary_problem(config, device.type):
+        raise ConfigError(problem)

@@ -303,8 +303,9 @@ class DecoderModel(nn.Module):
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor | None]:
-    """(the global rotary table, the sliding layers' own or None), [max_positions, head_dim] float32 each."""
-    table = cos_sin_cache(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
+    """(the global rotary table, the sliding layers' own or None), [max_positions, rotary_dims] float32 each
+    (rotary_dims: head_dim, or fewer under a partial_rotary_factor; the rotation passes the rest of a head)."""
+    table = cos_sin_cache(config.rotary_dims, max_positions, config.rope_theta, config.rope_scaling)
     if config.rope_local_theta is None:
         return table, None
-    return table, cos_sin_cache(config.head_dim, max_positions, config.rope_local_theta, config.rope_local_scaling)
+    return table, cos_sin_cache(config.rotary_dims, max_positions, config.rope_local_theta, config.rope_local_scaling)
