@@ -160,6 +160,9 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "checkpoint would apply again; serve it with `llmc run`")
     if model.architecture not in _MODEL_TYPES:
         raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)}")
+    if model.is_partial_rotary and int(model.head_dim * partial_rotary_factor(model)) != model.rotary_dims:
+        raise ArtifactError(f"{where} rotary_dim {model.rotary_dims} of head_dim {model.head_dim}: no "
+                            "partial_rotary_factor gives it back as transformers reads one")
     for name, spec in manifest.quant.modules.items():
         if spec["format"] == "w3a16":
             raise ArtifactError(f"{where} {name}: 3-bit weights (w3a16) have no compressed-tensors layout vLLM "
@@ -259,6 +262,11 @@ def _quantization_config(spec: dict, act_order: bool, ignored: list[str]) -> dic
     }
 
 
+def partial_rotary_factor(model: art.ModelConfig) -> float:
+    """The partial_rotary_factor of the artifact's rotary_dim (1.0: whole heads)."""
+    return model.rotary_dims / model.head_dim
+
+
 def hf_config_of(model: art.ModelConfig) -> dict:
     """The HF config.json of the artifact's model, from its ModelConfig alone (what transformers and vLLM read;
     compiler/hf_checkpoint.model_config_from_hf reads it back to the same ModelConfig)."""
@@ -291,8 +299,10 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         "sliding_window": model.sliding_window,
     }
     if (model.rope_scaling or {}).get("rope_type") == "longrope":
-        # Phi3Config's own original context comes before the rope parameters' (its default 4096 otherwise)
+        # Phi3Config's own original_max_position_embeddings (default 4096) overrides the rope parameters' one: say it
         config["original_max_position_embeddings"] = model.rope_scaling["original_max_position_embeddings"]
+    if model.is_partial_rotary:  # Phi-4-mini's form: transformers rotates int(head_dim * factor) dims
+        config["partial_rotary_factor"] = partial_rotary_factor(model)
     if model_type in ("qwen2", "qwen3"):
         config["use_sliding_window"] = model.sliding_window is not None
         config["max_window_layers"] = model.num_layers if model.sliding_window is None else 0
