@@ -35,7 +35,7 @@ from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
-from llmc.runtime.layers.rotary import max_context_len
+from llmc.runtime.layers.rotary import max_context_len, partial_rotary_problem
 from llmc.runtime.models import context_rope_scaling
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.options import max_model_len_problem
@@ -91,6 +91,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
+    _check_partial_rotary(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
@@ -143,6 +144,19 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _check_partial_rotary(ctx: _Context) -> None:
+    """A partial rotary (Phi-4-mini's partial_rotary_factor) runs on a CPU, torch or onnx-cpu: a cuda target (the
+    default) is refused by name before any work, as the engine refuses the artifact on CUDA; so is an onnx-cpu one
+    whose rotated dims GroupQueryAttention does not take (a multiple of 16, its cos_cache width a multiple of 8)."""
+    model, device = ctx.model, ctx.recipe.target.device
+    if problem := partial_rotary_problem(model, device):
+        raise RecipeError(f"target.device {device}: {problem}")
+    if model.is_partial_rotary and device in om.ONNX_DEVICES and model.rotary_dims % 16:
+        raise RecipeError(f"target.device {device}: {model.architecture} rotates {model.rotary_dims} of each head's "
+                          f"{model.head_dim} dims; onnxruntime's GroupQueryAttention rotates a multiple of 16 "
+                          "(its cos_cache width a multiple of 8); use target.device cpu")
 
 
 def _reading_merge(ctx: _Context):

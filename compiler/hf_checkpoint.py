@@ -165,6 +165,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family == "gemma3" else {}),
         **(_granite_fields(config) if spec.family == "granite" else {}),
+        # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
+        rotary_dim=config.get("_rotary_dim"),
     )
 
 
@@ -360,15 +362,21 @@ def _phi3_rope(config: dict) -> dict:
     Phi-3.5, Phi-4-mini) runs with its short factors, as transformers computes every sequence that stays
     within original_max_position_embeddings, and its attention factor; the context is held to that length
     (rotary.model_context), past which transformers switches the whole sequence to the long factors, which
-    keys already in a paged KV cache cannot follow. A partial_rotary_factor below 1 is refused by name."""
+    keys already in a paged KV cache cannot follow. A partial_rotary_factor (the rope parameters' first, else the
+    top level's, as Phi3Config reads it; Phi-4-mini: 0.75 at the top level) rotates the leading
+    int(head_dim * factor) dims of each head, the frequencies (and LongRoPE's factors) over those: `_rotary_dim`."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     arch = config["architectures"][0]
     factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if factor != 1.0:
-        raise CheckpointError(f"{arch}: partial_rotary_factor {factor} (rotary on part of each head, as Phi-4-mini) is "
-                              "not supported: the runtime rotates whole heads; use a checkpoint with "
-                              "partial_rotary_factor 1.0")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise CheckpointError(f"{arch}: partial_rotary_factor {factor!r} must be a number in (0, 1]")
+    rotary_dim = int(head_dim * factor)  # transformers' truncation
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise CheckpointError(f"{arch}: partial_rotary_factor {factor} rotates {rotary_dim} of head_dim {head_dim}'s "
+                              "dims; rotate-half needs an even number of them, at least 2")
+    config = {**config, "_rotary_dim": None if rotary_dim == head_dim else rotary_dim}
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     if rope_type == "default":
         return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}

@@ -186,10 +186,13 @@ class _Emitter:
         tables = [("", c.rope_theta, c.rope_scaling)]
         if c.rope_local_theta is not None:  # Gemma 3: the sliding layers' table
             tables.append(("_local", c.rope_local_theta, c.rope_local_scaling))
+        # over the rotated dims: GroupQueryAttention rotates the leading 2 * cos_cache.shape[1] dims of each head and
+        # passes the rest (onnxruntime 1.32, measured against transformers' partial rotary, tests/runtime/test_phi3.py)
+        half = c.rotary_dims // 2
         for suffix, theta, scaling in tables:
-            rope = cos_sin_cache(c.head_dim, max_positions, theta, scaling).numpy()
-            self.g.const(f"cos_cache{suffix}", rope[:, : c.head_dim // 2])
-            self.g.const(f"sin_cache{suffix}", rope[:, c.head_dim // 2:])
+            rope = cos_sin_cache(c.rotary_dims, max_positions, theta, scaling).numpy()
+            self.g.const(f"cos_cache{suffix}", rope[:, :half])
+            self.g.const(f"sin_cache{suffix}", rope[:, half:])
         embed = self.g.const("embed.weight", self.tensor("embed.weight").float().numpy()[: c.vocab_size])
         residual = self.g.op1("Gather", [embed, om.INPUT_IDS])  # [batch, seq, hidden]
         if c.embed_scale is not None:  # Gemma: sqrt(hidden), as the artifact records it

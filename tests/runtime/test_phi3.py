@@ -1,12 +1,14 @@
 """Phi-3 (Phi3ForCausalLM), whose checkpoints store q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`.
 
 Each quantization method's artifact (and a bfloat16 one) against transformers' Phi3ForCausalLM running the
-artifact's own weights (dequantized, under Phi-3's fused names), Phi3Config's defaults, and the refusals by name (LongRoPE, partial
-rotary). The float32 logits and greedy tokens, ONNX, tensor parallelism, imports, export and sliding windows
-run with the other families (tiny_checkpoint in test_hf_equivalence, test_onnx_target, test_parallel_models,
-test_quantized_build, test_export)."""
+artifact's own weights (dequantized, under Phi-3's fused names), Phi3Config's defaults, the refusals by name, LongRoPE,
+and a partial rotary (Phi-4-mini's partial_rotary_factor) on the CPU and onnx-cpu, refused on CUDA. The float32
+logits and greedy tokens, ONNX, tensor parallelism, imports, export and sliding windows run with the other families
+(tiny_checkpoint in test_hf_equivalence, test_onnx_target, test_parallel_models, test_quantized_build, test_export)."""
 
+import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import CheckpointError, RecipeError
+from llmc.errors import CheckpointError, ConfigError, RecipeError
 from llmc.quant.formats import make_format
 from llmc.quant.reference import dequantize
 from llmc.runtime.llm import LLM
@@ -137,19 +139,24 @@ def _with_config(tiny_phi3, path, **changes):
 
 
 @pytest.mark.parametrize("changes,said", [
-    # Phi-4-mini keeps the factor at the top level; transformers 5 writes it into rope_parameters
+    # a partial rotary runs on a CPU: the default target (cuda) is refused, saying which targets take it. Phi-4-mini
+    # keeps the factor at the top level; transformers 5 writes it into rope_parameters
     ({"partial_rotary_factor": 0.75, "rope_parameters": None, "rope_theta": 1e4, "rope_scaling": None},
-     "partial_rotary_factor 0.75"),
+     "target.device cuda: Phi3ForCausalLM: partial_rotary_factor (rotary on 24 of head_dim 32's dims) is not "
+     "supported on CUDA, whose kernels rotate whole heads; it runs on a CPU: build with target.device cpu"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     "partial_rotary_factor 0.5"),
+     "rotary on 16 of head_dim 32's dims) is not supported on CUDA"),
+    # int(32 * 0.3) = 9 dims: rotate-half pairs an even number
+    ({"partial_rotary_factor": 0.3, "rope_parameters": None, "rope_theta": 1e4, "rope_scaling": None},
+     "partial_rotary_factor 0.3 rotates 9 of head_dim 32's dims"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-], ids=["partial-rotary-top-level", "partial-rotary-in-rope-parameters", "gelu"])
+], ids=["partial-rotary-top-level-on-cuda", "partial-rotary-in-rope-parameters-on-cuda", "partial-rotary-odd", "gelu"])
 def test_what_the_runtime_cannot_compute_is_refused_by_name(tiny_phi3, tmp_path, changes, said, llmc_cli):
     from transformers import AutoConfig
 
     checkpoint = _with_config(tiny_phi3, tmp_path / "ckpt", **changes)
     AutoConfig.from_pretrained(str(checkpoint))  # a config transformers takes
-    with pytest.raises(CheckpointError, match=said.replace("(", r"\(")):
+    with pytest.raises((CheckpointError, RecipeError), match=re.escape(said)):
         build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "a")}), show_progress=False)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"model: {checkpoint}\noutput: {tmp_path / 'a'}\n")
@@ -207,3 +214,139 @@ def test_longrope_runs_within_its_original_context_as_transformers(hf_checkpoint
     with pytest.raises(RecipeError, match="128 exceeds the model's context of 64 \\(LongRoPE's original_max_position"):
         build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "b"), "dtype": "float32",
                                 "runtime": {"max_model_len": 128}}), show_progress=False)
+
+
+# Phi-4-mini's partial rotary at a tiny size: head_dim 32 = hidden 128 / 4 heads (Phi3Config counts LongRoPE's factors
+# over hidden / heads x factor), factor 0.5: the leading 16 dims of each head rotate (8 frequencies), 16 pass through
+PARTIAL = {"partial_rotary_factor": 0.5, "rope_parameters": None, "rope_theta": 1e4, "rope_scaling": None}
+PARTIAL_ROPES = {
+    "default": {},
+    # within the original context (64), as the LongRoPE test above; short factors that change every frequency
+    "longrope": {"original_max_position_embeddings": 64, "max_position_embeddings": 1024,
+                 "rope_scaling": {"type": "longrope", "short_factor": SHORT[:8], "long_factor": LONG[:8]}},
+}
+
+
+@pytest.fixture(scope="module")
+def partial_phi3(tmp_path_factory):
+    """rope → a tiny Phi-3 checkpoint with partial_rotary_factor 0.5 (made once per rope)."""
+    from tests.conftest import make_hf_checkpoint
+
+    made = {}
+
+    def get(rope: str):
+        if rope not in made:
+            path = make_hf_checkpoint(tmp_path_factory.mktemp(f"partial-{rope}") / "ckpt", "phi3", hidden_size=128,
+                                      sliding_window=None)
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, **PARTIAL, **PARTIAL_ROPES[rope]}))
+            made[rope] = path
+        return made[rope]
+
+    return get
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("target", ["cpu", "onnx-cpu"])
+@pytest.mark.parametrize("rope", list(PARTIAL_ROPES))
+def test_partial_rotary_runs_as_transformers(partial_phi3, rope, target, tmp_path, hf_model, hf_logits, hf_greedy,
+                                             hf_encode):
+    """The leading int(head_dim x factor) dims of each q/k head rotated, the frequencies (LongRoPE's short factors)
+    over them, the rest passed through: logits and greedy tokens as transformers', on the CPU torch path and on
+    onnx-cpu (GroupQueryAttention given the 16-dim table rotates those 16 dims and passes the other 16)."""
+    checkpoint = partial_phi3(rope)
+    assert hf_model(checkpoint).model.rotary_emb.inv_freq.numel() == 8  # transformers' partial rotary: 8, not 16
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "target": {"device": target}, "runtime": {"max_model_len": 64}}), show_progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["model"]["rotary_dim"], manifest["model"]["head_dim"]) == (16, 32)
+    token_ids = hf_encode(checkpoint, "What light through yonder window breaks?") + list(range(100, 140))
+    assert len(token_ids) <= 64
+    llm = LLM(out, device="cpu", max_num_batched_tokens=16)  # chunked: later chunks rotate at their positions
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+    prompts = ["ROMEO:", "The quick brown fox"]
+    want = hf_greedy(checkpoint, prompts, 24)
+    got = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in got] == want
+    llm.close()
+
+
+@torch.inference_mode()
+def test_partial_rotary_rtn_build_is_transformers_on_its_weights(partial_phi3, tmp_path, hf_encode):
+    """An RTN build of a partial-rotary Phi-3 runs as transformers' Phi3ForCausalLM on the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    checkpoint = partial_phi3("default")
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
+                            "target": {"device": "cpu"}, "quantization": {**METHODS["rtn-w4-g32"], "report": False},
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    oracle.load_state_dict(_hf_state_of(out), strict=True)
+    token_ids = hf_encode(checkpoint, "The quick brown fox") + list(range(50, 80))
+    llm = LLM(out, device="cpu")
+    torch.testing.assert_close(llm.engine.score(token_ids), oracle.eval()(torch.tensor([token_ids])).logits[0],
+                               atol=1e-4, rtol=1e-4)
+    llm.close()
+
+
+def test_partial_rotary_is_refused_on_cuda_by_name(partial_phi3, tmp_path):
+    """The Triton kernels rotate whole heads: the engine (and every rank's load) refuses a partial-rotary artifact on
+    CUDA in one line, before any weight is read (simulated here: the check the engine calls once it has resolved
+    the device); the same model on the CPU, and a whole-head one on CUDA, pass."""
+    from llmc.runtime.artifact import read_manifest
+    from llmc.runtime.layers.rotary import check_rotary_device
+
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(partial_phi3("default")), "output": str(out), "dtype": "float32",
+                            "target": {"device": "cpu"}, "runtime": {"max_model_len": 64}}), show_progress=False)
+    model = read_manifest(out).model
+    with pytest.raises(ConfigError, match=re.escape(
+            "Phi3ForCausalLM: partial_rotary_factor (rotary on 16 of head_dim 32's dims) is not supported on CUDA, "
+            "whose kernels rotate whole heads; it runs on a CPU: build with target.device cpu (llmc run --device cpu) "
+            "or onnx-cpu")):
+        check_rotary_device(model, torch.device("cuda"))
+    check_rotary_device(model, torch.device("cpu"))
+    whole = dataclasses.replace(model, rotary_dim=None)
+    assert (whole.rotary_dims, whole.is_partial_rotary) == (32, False)
+    check_rotary_device(whole, torch.device("cuda"))
+
+
+def test_partial_rotary_factor_exports_and_reads_back(partial_phi3):
+    """export's config.json says partial_rotary_factor (Phi-4-mini's top-level key), and LongRoPE's
+    original_max_position_embeddings where Phi3Config reads it: transformers and the build read them back."""
+    from transformers import Phi3Config
+
+    from llmc.compiler.export import hf_config_of
+    from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+
+    for rope in PARTIAL_ROPES:
+        checkpoint = partial_phi3(rope)
+        config = read_hf_config(checkpoint)
+        ours = model_config_from_hf(config, model_spec_for(config, checkpoint), "float32")
+        exported = hf_config_of(ours)
+        assert exported["partial_rotary_factor"] == 0.5
+        assert model_config_from_hf(exported, model_spec_for(exported, checkpoint), "float32") == ours
+        theirs = Phi3Config(**exported).rope_parameters
+        assert theirs["partial_rotary_factor"] == 0.5
+        if rope == "longrope":  # the original context (64 here) said at the top level, where Phi3Config reads it
+            assert theirs["original_max_position_embeddings"] == 64
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_other_families_ignore_partial_rotary_factor_as_transformers(family, hf_checkpoint_factory, tmp_path):
+    """Llama's and Qwen2's transformers models rotate whole heads whatever partial_rotary_factor a config carries
+    (their default rope computes head_dim / 2 frequencies): so does the build."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+
+    checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family, tokenizer=False)
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "partial_rotary_factor": 0.5}))
+    theirs = AutoModelForCausalLM.from_pretrained(str(checkpoint)).model.rotary_emb.inv_freq
+    config = read_hf_config(checkpoint)
+    ours = model_config_from_hf(config, model_spec_for(config, checkpoint), "float32")
+    assert (ours.rotary_dim, ours.rotary_dims, theirs.numel()) == (None, ours.head_dim, ours.head_dim // 2)
