@@ -1,6 +1,6 @@
 """Parallel splits of the model features the ref checkpoint lacks, against transformers itself:
 tied embeddings across pipeline stages and q/k/v biases (qwen2), per-head q/k norms (qwen3), the checkpoint's
-fused qkv_proj and gate_up_proj (phi3), KV
+fused qkv_proj and gate_up_proj and a partial rotary (phi3), KV
 heads replicated when tensor exceeds them plus a vocabulary padded to a multiple of tensor (llama);
 and the launches: torchrun, and two `llmc run --nnodes 2` processes sharing the ranks."""
 
@@ -21,9 +21,10 @@ NUM_TOKENS = 24
 ENGINE = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
 
 
-def _build(checkpoint, out, tensor: int, pipeline: int):
+def _build(checkpoint, out, tensor: int, pipeline: int, target: str = "cuda"):
     build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32",
-                            "parallel": {"tensor": tensor, "pipeline": pipeline}, "runtime": {"max_model_len": 256}}),
+                            "parallel": {"tensor": tensor, "pipeline": pipeline}, "runtime": {"max_model_len": 256},
+                            "target": {"device": target}}),
           show_progress=False)
     return out
 
@@ -32,13 +33,16 @@ def _build(checkpoint, out, tensor: int, pipeline: int):
     ("qwen2", {}, 2, 2),  # tied: the last stage holds the embedding rows as its lm_head; qkv biases split
     ("qwen3", {}, 2, 1),  # q_norm/k_norm per head, head_dim 32 != hidden / heads
     ("phi3", {}, 2, 1),  # the checkpoint's fused qkv_proj split by heads, gate_up_proj by halves
+    # Phi-4-mini's partial rotary: each rank's heads rotate their leading 16 of 32 dims (a CPU target)
+    ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}, 2, 1),
     ("llama", {"vocab_size": 4099}, 4, 1),  # 4 ranks, 2 KV heads: replicated; vocab padded to 4100
 ])
 def test_parallel_greedy_matches_transformers(hf_checkpoint_factory, tmp_path, hf_greedy, hf_encode,
                                               family, overrides, tensor, pipeline):
     checkpoint = hf_checkpoint_factory(tmp_path / "ckpt", family, **overrides)
     expected = hf_greedy(checkpoint, PROMPTS, NUM_TOKENS)
-    with LLM(_build(checkpoint, tmp_path / "artifact", tensor, pipeline), **ENGINE) as llm:
+    target = "cpu" if overrides.get("partial_rotary_factor") else "cuda"
+    with LLM(_build(checkpoint, tmp_path / "artifact", tensor, pipeline, target), **ENGINE) as llm:
         outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS],
                                SamplingParams(temperature=0, max_tokens=NUM_TOKENS))
     assert [o.outputs[0].token_ids for o in outputs] == expected
