@@ -350,3 +350,16 @@ def test_other_families_ignore_partial_rotary_factor_as_transformers(family, hf_
     config = read_hf_config(checkpoint)
     ours = model_config_from_hf(config, model_spec_for(config, checkpoint), "float32")
     assert (ours.rotary_dim, ours.rotary_dims, theirs.numel()) == (None, ours.head_dim, ours.head_dim // 2)
+
+
+def test_onnx_refuses_rotated_dims_grouped_query_attention_does_not_take(tiny_phi3, tmp_path):
+    """onnxruntime's GroupQueryAttention rotates 2 x its cos_cache width dims, a width that must be a multiple of 8:
+    8 rotated dims (factor 0.25 of 32) are refused by name before any work; target cpu takes them."""
+    checkpoint = _with_config(tiny_phi3, tmp_path / "ckpt", partial_rotary_factor=0.25, rope_parameters=None,
+                              rope_theta=1e4, rope_scaling=None)
+    said = ("target.device onnx-cpu: Phi3ForCausalLM rotates 8 of each head's 32 dims; onnxruntime's "
+            "GroupQueryAttention rotates a multiple of 16")
+    with pytest.raises(RecipeError, match=re.escape(said)):
+        build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "a"),
+                                "target": {"device": "onnx-cpu"}}), show_progress=False)
+    assert not (tmp_path / "a").exists()
