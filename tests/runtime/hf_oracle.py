@@ -93,3 +93,42 @@ def check_against_transformers(llm, checkpoint, prompts, greedy, hf_greedy, hf_l
     expected = hf_greedy(checkpoint, prompts, greedy.max_tokens)
     outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts], greedy)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization: dict, prompts):
+    """A build with `quantization` (GPTQ and AWQ calibrated on 4 windows of 32 tokens) against transformers run on
+    its own weights (hf_model_on_weights_of): logits over prompts[1] and 20 more ids to 1e-4, and 16 greedy tokens
+    of prompts[0]."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    needs_data = quantization["method"] in ("gptq", "awq")
+    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
+        **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
+    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"])
+    token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
+    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
+    with torch.inference_mode():
+        torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+        prompt = hf_encode(checkpoint, prompts[0])
+        want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
+    assert got[0].outputs[0].token_ids == want
+
+
+def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy):
+    """A two-rank build of `checkpoint` against the one-rank `artifact`: the same greedy tokens, logits to 1e-5."""
+    from llmc.runtime.llm import LLM
+
+    split = build_float32(checkpoint, tmp_path / "tp2", parallel={"tensor": 2})
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+    token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
+    with LLM(split, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        scores = llm.engine.score(token_ids)
+    with LLM(artifact, **engine) as llm:
+        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)

@@ -13,7 +13,8 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma2
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import check_against_transformers, build_float32, hf_model_on_weights_of, write_config
+from tests.runtime.hf_oracle import (build_float32, check_against_transformers, check_quantized_build, check_tensor_parallel,
+                                     write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -154,33 +155,12 @@ def test_quantized_builds_run_transformers_gemma2_on_their_weights(quantization,
     """Each build is transformers' Gemma2ForCausalLM run on the artifact's own weights (tests/runtime/
     hf_oracle.py: dequantized, norms unfolded, FP8's per-token activation rounding emulated), soft caps and
     all: logits and greedy tokens. GPTQ and AWQ calibrate through the runtime's capped attention."""
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    needs_data = quantization["method"] in ("gptq", "awq")
-    out = build_float32(tiny_gemma2, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = hf_model_on_weights_of(tiny_gemma2, out, quantization["method"])
-    token_ids = hf_encode(tiny_gemma2, PROMPTS[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
-    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0], atol=1e-4,
-                               rtol=1e-4)
-    prompt = hf_encode(tiny_gemma2, PROMPTS[0])
-    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
+    check_quantized_build(tiny_gemma2, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
 def test_tensor_parallel_matches_one_rank(tiny_gemma2, artifact, tmp_path, hf_encode):
     """Two ranks: each caps its own vocabulary rows' logits and its own heads' scores."""
-    split = build_float32(tiny_gemma2, tmp_path / "tp2", parallel={"tensor": 2})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(tiny_gemma2, PROMPTS[1]) + list(range(100, 120))
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifact, **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+    check_tensor_parallel(tiny_gemma2, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -18,8 +18,8 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma3
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import check_against_transformers, build_float32 as _build
-from tests.runtime.hf_oracle import hf_model_on_weights_of
+from tests.runtime.hf_oracle import build_float32 as _build
+from tests.runtime.hf_oracle import check_against_transformers, check_quantized_build, check_tensor_parallel
 from tests.runtime.hf_oracle import write_config as _write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -102,29 +102,11 @@ def test_quantized_builds_run_transformers_gemma3_on_their_weights(quantization,
     """Each int build is transformers' Gemma3ForCausalLM run on the artifact's own weights (dequantized, the
     norms unfolded): logits and greedy tokens. AWQ's scales folded into the (1 + w) norms are in those weights;
     FP8's dynamic activations are each layer linear's input rounded to E4M3 per token (GELU · up's for down)."""
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    needs_data = quantization["method"] in ("gptq", "awq")
-    out = _build(tiny_gemma3, tmp_path / "q", target={"device": "cpu"},
-                 quantization={**quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = hf_model_on_weights_of(tiny_gemma3, out, quantization["method"])
-    token_ids = hf_encode(tiny_gemma3, PROMPTS[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
-    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0], atol=1e-4,
-                               rtol=1e-4)
-    prompt = hf_encode(tiny_gemma3, PROMPTS[0])
-    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
+    check_quantized_build(tiny_gemma3, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
-def test_tensor_parallel_matches_one_rank(tiny_gemma3, artifact, tmp_path):
-    split = _build(tiny_gemma3, tmp_path / "tp2", parallel={"tensor": 2})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    with LLM(artifact, **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+def test_tensor_parallel_matches_one_rank(tiny_gemma3, artifact, tmp_path, hf_encode):
+    check_tensor_parallel(tiny_gemma3, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)
 
 
 def test_a_compressed_tensors_checkpoint_imports(tiny_gemma3, tmp_path, hf_logits, hf_encode):

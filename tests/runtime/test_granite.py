@@ -14,7 +14,8 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import granite
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import build_float32, check_against_transformers, hf_model_on_weights_of, write_config
+from tests.runtime.hf_oracle import (build_float32, check_against_transformers, check_quantized_build, check_tensor_parallel,
+                                     write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -137,33 +138,12 @@ def test_quantized_builds_run_transformers_granite_on_their_weights(quantization
     dequantized, the folds undone, FP8's per-token activation rounding emulated): logits and greedy tokens. The
     quantizers see the folded weights; AWQ also scales the folded o_proj/down_proj's inputs into qkv's and
     gate_up's rows."""
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    needs_data = quantization["method"] in ("gptq", "awq")
-    out = build_float32(tiny_granite, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = hf_model_on_weights_of(tiny_granite, out, quantization["method"])
-    token_ids = hf_encode(tiny_granite, PROMPTS[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
-    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0], atol=1e-4,
-                               rtol=1e-4)
-    prompt = hf_encode(tiny_granite, PROMPTS[0])
-    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
+    check_quantized_build(tiny_granite, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
 def test_tensor_parallel_matches_one_rank(tiny_granite, artifact, tmp_path, hf_encode):
     """Two ranks: each holds its rows of the folded o_proj/down_proj and its heads, with the same scales."""
-    split = build_float32(tiny_granite, tmp_path / "tp2", parallel={"tensor": 2})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(tiny_granite, PROMPTS[1]) + list(range(100, 120))
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifact, **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+    check_tensor_parallel(tiny_granite, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)
 
 
 def test_onnx_cpu_matches_transformers(tiny_granite, tmp_path, hf_greedy, hf_logits, hf_encode):
