@@ -132,3 +132,15 @@ def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, gr
     with LLM(artifact, **engine) as llm:
         assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
         torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+
+
+def hf_model_with_config(checkpoint, **config_changes):
+    """transformers' float32 model of `checkpoint` (eager attention) with config attributes changed: what a
+    test compares against to show that a config value matters."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(checkpoint))
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
+                                                attn_implementation="eager").eval()

@@ -14,7 +14,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma2
 from llmc.runtime.sampling_params import SamplingParams
 from tests.runtime.hf_oracle import (build_float32, check_against_transformers, check_quantized_build, check_tensor_parallel,
-                                     write_config)
+                                     hf_model_with_config, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -24,16 +24,6 @@ ATTN_CAP, FINAL_CAP = 2.0, 1.5  # tests/conftest.py's tiny Gemma 2
 @pytest.fixture(scope="module")
 def artifact(tiny_gemma2, tmp_path_factory):
     return build_float32(tiny_gemma2, tmp_path_factory.mktemp("gemma2") / "a")
-
-
-def _hf_model(checkpoint, **config_changes):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(checkpoint))
-    for key, value in config_changes.items():
-        setattr(config, key, value)
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
 
 
 @torch.inference_mode()
@@ -46,10 +36,10 @@ def test_logits_match_transformers_past_the_window_with_both_caps_mattering(tiny
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=16)
     torch.testing.assert_close(llm.engine.score(token_ids), expected, atol=1e-4, rtol=1e-4)
     ids = torch.tensor([token_ids])
-    uncapped = _hf_model(tiny_gemma2, final_logit_softcapping=None)(ids).logits[0]
+    uncapped = hf_model_with_config(tiny_gemma2, final_logit_softcapping=None)(ids).logits[0]
     assert uncapped.abs().max() > 1.5 * FINAL_CAP and expected.abs().max() < FINAL_CAP
     torch.testing.assert_close(torch.tanh(uncapped / FINAL_CAP) * FINAL_CAP, expected, atol=1e-5, rtol=1e-5)
-    no_attn_cap = _hf_model(tiny_gemma2, attn_logit_softcapping=None)(ids).logits[0]
+    no_attn_cap = hf_model_with_config(tiny_gemma2, attn_logit_softcapping=None)(ids).logits[0]
     assert (no_attn_cap - expected).abs().max() > 0.1
 
 
@@ -68,7 +58,7 @@ def test_the_attention_scores_pass_the_cap(tiny_gemma2):
         return original(module, query, key, value, attention_mask, scaling=scaling, softcap=softcap, **kwargs)
 
     original = modeling_gemma2.eager_attention_forward
-    model = _hf_model(tiny_gemma2)
+    model = hf_model_with_config(tiny_gemma2)
     try:
         modeling_gemma2.eager_attention_forward = spy
         model(torch.tensor([list(range(5, 45))]))

@@ -15,7 +15,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import granite
 from llmc.runtime.sampling_params import SamplingParams
 from tests.runtime.hf_oracle import (build_float32, check_against_transformers, check_quantized_build, check_tensor_parallel,
-                                     write_config)
+                                     hf_model_with_config, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -29,16 +29,6 @@ def artifact(tiny_granite, tmp_path_factory):
     return build_float32(tiny_granite, tmp_path_factory.mktemp("granite") / "a")
 
 
-def _hf_model(checkpoint, **config_changes):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(checkpoint))
-    for key, value in config_changes.items():
-        setattr(config, key, value)
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 @torch.inference_mode()
 def test_logits_match_transformers_and_each_multiplier_matters(tiny_granite, artifact, hf_logits, hf_encode):
     """50 positions prefilled in chunks of 16. transformers' logits with any one multiplier back at 1 (its
@@ -49,7 +39,7 @@ def test_logits_match_transformers_and_each_multiplier_matters(tiny_granite, art
     torch.testing.assert_close(llm.engine.score(token_ids), expected, atol=1e-4, rtol=1e-4)
     assert read_hf_config(tiny_granite)["architectures"] == ["GraniteForCausalLM"]
     for key in MULTIPLIERS:
-        dropped = _hf_model(tiny_granite, **{key: 1.0})(torch.tensor([token_ids])).logits[0]
+        dropped = hf_model_with_config(tiny_granite, **{key: 1.0})(torch.tensor([token_ids])).logits[0]
         assert (dropped - expected).abs().mean() > 0.5 * expected.abs().mean(), key  # measured 0.8 to 4
 
 
@@ -172,7 +162,7 @@ def test_a_lora_adapter_is_merged_before_the_fold(tiny_granite, tmp_path, hf_enc
     token_ids = hf_encode(tiny_granite, PROMPTS[1])
     merged = model.merge_and_unload().eval()
     want = merged(torch.tensor([token_ids])).logits[0]
-    assert (want - _hf_model(tiny_granite)(torch.tensor([token_ids])).logits[0]).abs().max() > 0.1
+    assert (want - hf_model_with_config(tiny_granite)(torch.tensor([token_ids])).logits[0]).abs().max() > 0.1
     out = build_float32(tiny_granite, tmp_path / "a", adapter=str(tmp_path / "adapter"))
     with LLM(out, device="cpu") as llm:
         torch.testing.assert_close(llm.engine.score(token_ids), want, atol=1e-4, rtol=1e-4)
