@@ -105,6 +105,7 @@ def test_quantized_builds_run_transformers_gemma3_on_their_weights(quantization,
     check_quantized_build(tiny_gemma3, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
+@pytest.mark.slow  # 4 s on 2 cores; Gemma 2's (caps per rank) runs by default
 def test_tensor_parallel_matches_one_rank(tiny_gemma3, artifact, tmp_path, hf_encode):
     check_tensor_parallel(tiny_gemma3, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)
 

@@ -118,8 +118,9 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_granite):
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
-    {"method": "awq", "bits": 4, "group_size": 32},
+    # calibrated: the same code as Gemma 3's (which runs them by default); with -m slow here
+    pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
+    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
     {"method": "fp8"},
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_granite_on_their_weights(quantization, tiny_granite, tmp_path, data_dir,
@@ -131,6 +132,7 @@ def test_quantized_builds_run_transformers_granite_on_their_weights(quantization
     check_quantized_build(tiny_granite, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
+@pytest.mark.slow  # 4 s on 2 cores; Gemma 2's (caps per rank) runs by default
 def test_tensor_parallel_matches_one_rank(tiny_granite, artifact, tmp_path, hf_encode):
     """Two ranks: each holds its rows of the folded o_proj/down_proj and its heads, with the same scales."""
     check_tensor_parallel(tiny_granite, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)

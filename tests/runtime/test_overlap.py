@@ -134,7 +134,8 @@ def _staggered_run(artifact, seed: int, async_scheduling: bool, **options) -> di
             for rid, out in sorted(results.items()) if rid not in aborts}
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+# seed 1: the same options on another arrival pattern, 5-9 s each on 2 cores: with -m slow
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [
     {},
     {"max_num_batched_tokens": 24},
@@ -361,8 +362,8 @@ def _final_outputs(artifact, requests, options) -> dict:
     return outputs
 
 
-@pytest.mark.parametrize("seed,options", [(0, {"max_num_batched_tokens": 24}), (1, {"num_kv_blocks": 30})],
-                         ids=["chunked", "preemption"])
+@pytest.mark.parametrize("seed,options", [pytest.param(0, {"max_num_batched_tokens": 24}, marks=pytest.mark.slow),  # 11 s
+                                          (1, {"num_kv_blocks": 30})], ids=["chunked", "preemption"])
 def test_greedy_and_seeded_requests_in_a_crowd_give_what_they_give_alone(artifact, seed, options):
     """Batch invariance: a greedy or seeded request among random others (every sampling field, logprobs
     of other counts, grammars, penalties) gets the tokens, text, finish reason and logprobs it gets alone,

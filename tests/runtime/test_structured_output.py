@@ -54,7 +54,7 @@ def _texts(llm, params, num=1, prompt="ROMEO:"):
     return [o.outputs[0].text for o in outputs]
 
 
-@pytest.mark.parametrize("which", ["tiny_llm", "ref_llm"])
+@pytest.mark.parametrize("which", ["tiny_llm", pytest.param("ref_llm", marks=pytest.mark.slow)])  # ref_llm: 7 s
 def test_json_schema_outputs_validate_at_temperature_1(request, which):
     llm = request.getfixturevalue(which)
     params = SamplingParams(temperature=1.0, seed=None, max_tokens=100, guided_decoding=GuidedDecodingParams(json=SCHEMA))
