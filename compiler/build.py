@@ -35,8 +35,8 @@ from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
-from llmc.runtime.layers.rotary import max_context_len, partial_rotary_problem
-from llmc.runtime.models import context_rope_scaling
+from llmc.runtime.layers.rotary import partial_rotary_problem
+from llmc.runtime.models import model_context_of
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.options import max_model_len_problem
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
@@ -435,8 +435,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
 def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefaults:
     runtime = recipe.runtime
     # vLLM's default: the model's context, scaled
-    max_model_len = runtime.max_model_len or max_context_len(model.max_position_embeddings,
-                                                             context_rope_scaling(model.family, model.rope_scaling))
+    max_model_len = runtime.max_model_len or model_context_of(model)[0]
     if (problem := max_model_len_problem(max_model_len, model)) is not None:
         raise RecipeError(f"runtime.max_model_len: {problem}")
     if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:

@@ -10,8 +10,7 @@ import torch
 
 from llmc.errors import ConfigError, RequestError
 from llmc.runtime import artifact as art
-from llmc.runtime.layers.rotary import max_context_len, model_context
-from llmc.runtime.models import context_rope_scaling
+from llmc.runtime.models import model_context_of
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.onnx_model import is_onnx, onnx_options
 from llmc.schema import canonical_keys, parse
@@ -64,8 +63,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
     merged = {**dataclasses.asdict(manifest.runtime), **overrides}
     if "max_model_len" in overrides and overrides["max_model_len"] is None:
         # vLLM's None: the model's context (with linear or YaRN rope scaling, the scaled one)
-        merged["max_model_len"] = max_context_len(manifest.model.max_position_embeddings,
-                                                  context_rope_scaling(manifest.model.family, manifest.model.rope_scaling))
+        merged["max_model_len"] = model_context_of(manifest.model)[0]
     try:
         options = parse(art.RuntimeDefaults, merged, "", ConfigError)
     except ConfigError as e:
@@ -88,7 +86,7 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
 def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | None:
     """What is wrong with a max_model_len beyond the model's context (rotary.model_context), or None; the
     build (a recipe's runtime.max_model_len) and the start (an override) say it alike."""
-    limit, how = model_context(model.max_position_embeddings, context_rope_scaling(model.family, model.rope_scaling))
+    limit, how = model_context_of(model)
     return None if max_model_len <= limit else f"{max_model_len} exceeds the model's context of {limit} ({how}); lower it"
 
 

@@ -107,11 +107,6 @@ def model_context(max_position_embeddings: int, rope_scaling: dict | None) -> tu
     return max_position_embeddings, f"max_position_embeddings {max_position_embeddings}"
 
 
-def max_context_len(max_position_embeddings: int, rope_scaling: dict | None) -> int:
-    """The longest context the model's positions support (model_context)."""
-    return model_context(max_position_embeddings, rope_scaling)[0]
-
-
 def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None) -> Tensor:
     """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the second. `head_dim`: the
     rotated dims (ModelConfig.rotary_dims); a table narrower than the heads rotates only their leading dims."""

@@ -19,7 +19,11 @@ def supported_architectures() -> list[str]:
     return [arch for spec in SPECS for arch in spec.architectures]
 
 
-def context_rope_scaling(family: str, rope_scaling: dict | None) -> dict | None:
-    """The rope scaling that stretches max_position_embeddings into the model's context (rotary.model_context):
-    the config's, or None where the family's max_position_embeddings already is that context (Gemma 3, as vLLM)."""
-    return rope_scaling if spec_for_family(family).rope_scaling_extends_context else None
+def model_context_of(model) -> tuple[int, str]:
+    """(the longest context `model`'s positions support, how it comes about): rotary.model_context of its
+    max_position_embeddings and rope scaling, unscaled where the family's max_position_embeddings already is that
+    context (Gemma 3, as vLLM). `model`: an artifact.ModelConfig."""
+    from llmc.runtime.layers.rotary import model_context
+
+    extends = spec_for_family(model.family).rope_scaling_extends_context
+    return model_context(model.max_position_embeddings, model.rope_scaling if extends else None)

@@ -10,7 +10,7 @@ from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import model_config_from_hf
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ConfigError, RecipeError
-from llmc.runtime.layers.rotary import max_context_len
+from llmc.runtime.layers.rotary import model_context
 from llmc.runtime.models import spec_for_architecture
 
 
@@ -31,7 +31,7 @@ def _config(arch: str, model_type: str, **extra) -> dict:
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}, 2048),
 ])
 def test_max_context_len_per_rope_type(rope, limit):
-    assert max_context_len(1024, rope) == limit
+    assert model_context(1024, rope)[0] == limit
 
 
 def test_a_max_model_len_past_the_yarn_context_is_refused(hf_checkpoint_factory, tmp_path):
