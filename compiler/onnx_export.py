@@ -35,7 +35,7 @@ from llmc.errors import RecipeError
 from llmc.quant.formats import make_format
 from llmc.runtime import onnx_model as om
 from llmc.runtime.artifact import ModelConfig
-from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.models.decoder import rope_tables
 
 logger = logging.getLogger("llmc")
 
@@ -183,16 +183,14 @@ class _Emitter:
     def body(self, max_positions: int) -> str:
         """input_ids → logits; returns the logits' name."""
         c = self.config
-        tables = [("", c.rope_theta, c.rope_scaling)]
-        if c.rope_local_theta is not None:  # Gemma 3: the sliding layers' table
-            tables.append(("_local", c.rope_local_theta, c.rope_local_scaling))
-        # over the rotated dims: GroupQueryAttention rotates the leading 2 * cos_cache.shape[1] dims of each head and
-        # passes the rest (onnxruntime 1.32, measured against transformers' partial rotary, tests/runtime/test_phi3.py)
+        # the runtime's tables (Gemma 3: the sliding layers' own too), over the rotated dims: GroupQueryAttention
+        # rotates the leading 2 * cos_cache.shape[1] dims of each head and passes the rest (onnxruntime 1.32,
+        # measured against transformers' partial rotary, tests/runtime/test_phi3.py)
         half = c.rotary_dims // 2
-        for suffix, theta, scaling in tables:
-            rope = cos_sin_cache(c.rotary_dims, max_positions, theta, scaling).numpy()
-            self.g.const(f"cos_cache{suffix}", rope[:, :half])
-            self.g.const(f"sin_cache{suffix}", rope[:, half:])
+        for suffix, table in zip(("", "_local"), rope_tables(c, max_positions)):
+            if table is not None:
+                self.g.const(f"cos_cache{suffix}", table[:, :half].numpy())
+                self.g.const(f"sin_cache{suffix}", table[:, half:].numpy())
         embed = self.g.const("embed.weight", self.tensor("embed.weight").float().numpy()[: c.vocab_size])
         residual = self.g.op1("Gather", [embed, om.INPUT_IDS])  # [batch, seq, hidden]
         if c.embed_scale is not None:  # Gemma: sqrt(hidden), as the artifact records it
