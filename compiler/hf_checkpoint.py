@@ -170,6 +170,11 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
     )
 
 
+def _is_number(value) -> bool:
+    """An int or float from a config.json (not a bool, which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -178,7 +183,7 @@ def _check_granite(config: dict) -> None:
     false in published checkpoints) are refused by name, as the runtime's Llama layout has no o_proj/MLP bias."""
     for key in GRANITE_MULTIPLIERS:
         value = config[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        if not _is_number(value) or not 0 < value < math.inf:
             raise CheckpointError(f"{key} {value!r}: Granite's multipliers must be positive numbers")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
@@ -205,7 +210,7 @@ def _check_gemma(config: dict, name: str) -> None:
                               "supported: gelu_pytorch_tanh")
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = config.get(key)
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        if cap is not None and (not _is_number(cap) or not cap > 0):
             raise CheckpointError(f"{key} {cap!r}: a soft cap must be a positive number (null: none)")
 
 
@@ -370,7 +375,7 @@ def _phi3_rope(config: dict) -> dict:
     arch = config["architectures"][0]
     factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+    if not _is_number(factor) or not 0 < factor <= 1:
         raise CheckpointError(f"{arch}: partial_rotary_factor {factor!r} must be a number in (0, 1]")
     rotary_dim = int(head_dim * factor)  # transformers' truncation
     if rotary_dim < 2 or rotary_dim % 2:
