@@ -5,7 +5,7 @@ Column order: gate then up (`interleave` 0), or gate and up alternating in runs 
 columns (GATE_UP_INTERLEAVE: columns 16 q ... 16 q + 7 are gate features 8 q ... 8 q + 7, the next
 eight the same features' up), the order in which a W4A16 gate_up's rows are kept on load so that
 its GEMV can finish SiLU · mul in its own epilogue (w4a16_gemm.interleave_gate_up).
-On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch. `silu_and_mul_fp8` also
+On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch. `act_and_mul_fp8` also
 quantizes the output per token for a w8a8-fp8 down projection (kernels/fp8.py), in the same kernel on CUDA.
 """
 
@@ -42,7 +42,8 @@ def act_and_mul(gate_up: Tensor, act: str = "silu", interleave: int = 0) -> Tens
 
 
 def act_and_mul_fp8(gate_up: Tensor, act: str = "silu", interleave: int = 0) -> Fp8Activation:
-    """quantize_fp8_per_token(act_and_mul(gate_up, act)): one kernel on CUDA (silu_and_mul_fp8's limits)."""
+    """quantize_fp8_per_token(act_and_mul(gate_up, act)): the same values and scales, from one kernel on CUDA
+    (outputs of up to ONE_PASS_MAX values per token; two kernels otherwise)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r}: one of {ACTIVATIONS}")
     if can_use_triton(gate_up) and gate_up.shape[-1] // 2 <= ONE_PASS_MAX:
@@ -55,8 +56,3 @@ def act_and_mul_fp8(gate_up: Tensor, act: str = "silu", interleave: int = 0) -> 
 def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
     return act_and_mul(gate_up, "silu", interleave)
 
-
-def silu_and_mul_fp8(gate_up: Tensor, interleave: int = 0) -> Fp8Activation:
-    """quantize_fp8_per_token(silu_and_mul(gate_up)): the same values and scales, from one kernel on
-    CUDA (outputs of up to ONE_PASS_MAX values per token; two kernels otherwise)."""
-    return act_and_mul_fp8(gate_up, "silu", interleave)

@@ -70,11 +70,6 @@ def _rows(gate_up: Tensor) -> Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def silu_and_mul(gate_up: Tensor, interleave: int = 0) -> Tensor:
-    """gate_up [..., 2 * size] → [..., size] (activation.silu_and_mul's column orders)."""
-    return act_and_mul(gate_up, "silu", interleave)
-
-
 def act_and_mul(gate_up: Tensor, act: str, interleave: int = 0) -> Tensor:
     """act(gate) · up, act a key of ACT_CODES: gate_up [..., 2 * size] → [..., size]."""
     size = gate_up.shape[-1] // 2
@@ -89,15 +84,10 @@ def act_and_mul(gate_up: Tensor, act: str, interleave: int = 0) -> Tensor:
     return out
 
 
-def silu_and_mul_fp8(gate_up: Tensor, min_scale: float, interleave: int = 0) -> tuple[Tensor, Tensor]:
-    """gate_up [..., 2 * size] → (values float8_e4m3fn [..., size], scale float32 [..., 1]): SiLU(gate) · up
-    in the model dtype, quantized per token as fp8_triton.quantize_fp8_per_token does (size up to
-    ONE_PASS_MAX)."""
-    return act_and_mul_fp8(gate_up, min_scale, "silu", interleave)
-
-
 def act_and_mul_fp8(gate_up: Tensor, min_scale: float, act: str, interleave: int = 0) -> tuple[Tensor, Tensor]:
-    """silu_and_mul_fp8 with act(gate), act a key of ACT_CODES."""
+    """gate_up [..., 2 * size] → (values float8_e4m3fn [..., size], scale float32 [..., 1]): act(gate) · up
+    (act a key of ACT_CODES) in the model dtype, quantized per token as fp8_triton.quantize_fp8_per_token does
+    (size up to ONE_PASS_MAX)."""
     size = gate_up.shape[-1] // 2
     rows = _rows(gate_up)
     out = torch.empty(*gate_up.shape[:-1], size, device=gate_up.device, dtype=torch.float8_e4m3fn)

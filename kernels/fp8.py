@@ -30,7 +30,7 @@ ONE_PASS_MAX = 16384  # the longest row a Triton kernel quantizes from registers
 
 class Fp8Activation(NamedTuple):
     """Activations already quantized per token, as `quantize_fp8_per_token` quantizes them: what a
-    kernel that ends in the quantization (norm.rms_norm_fp8, activation.silu_and_mul_fp8) hands a
+    kernel that ends in the quantization (norm.rms_norm_fp8, activation.act_and_mul_fp8) hands a
     w8a8-fp8 linear in place of the tensor it would quantize itself."""
 
     values: Tensor  # float8_e4m3fn [..., K]

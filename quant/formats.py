@@ -478,7 +478,7 @@ _FORMATS: dict[str, object] = {
 
 def takes_fp8_activations(fmt: LinearFormat) -> bool:
     """Whether fmt.apply takes an `Fp8Activation` (w8a8-fp8 with per-token input scales): the kernel that
-    makes such a linear's input then quantizes it too (norm.rms_norm_fp8, activation.silu_and_mul_fp8)."""
+    makes such a linear's input then quantizes it too (norm.rms_norm_fp8, activation.act_and_mul_fp8)."""
     return getattr(fmt, "takes_fp8_activations", False)
 
 

@@ -69,18 +69,18 @@ def test_rms_norm_of_strided_head_slices(elementwise_case) -> None:
 
 @pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1500)])
 def test_silu_and_mul_matches_torch(elementwise_case, num_tokens, size) -> None:
-    from llmc.kernels.activation_triton import silu_and_mul
+    from llmc.kernels.activation_triton import act_and_mul
 
     device, dtype = elementwise_case
     gate_up = (2 * torch.randn(num_tokens, 2 * size)).to(dtype)
-    assert_close(silu_and_mul(gate_up.to(device)), activation.silu_and_mul(gate_up), dtype)
+    assert_close(act_and_mul(gate_up.to(device), "silu"), activation.silu_and_mul(gate_up), dtype)
 
 
 @pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1504)])
 def test_silu_and_mul_of_interleaved_gate_up(elementwise_case, num_tokens, size) -> None:
     """gate and up alternating in runs of 8 columns (a W4A16 gate_up's order on load): the same as
     SiLU(gate) · up of the separate halves, in torch and in the kernel."""
-    from llmc.kernels.activation_triton import silu_and_mul
+    from llmc.kernels.activation_triton import act_and_mul
 
     device, dtype = elementwise_case
     gate, up = (2 * torch.randn(num_tokens, size)).to(dtype), (2 * torch.randn(num_tokens, size)).to(dtype)
@@ -90,7 +90,7 @@ def test_silu_and_mul_of_interleaved_gate_up(elementwise_case, num_tokens, size)
         interleaved[:, 16 * q + 8: 16 * q + 16] = up[:, 8 * q: 8 * q + 8]
     expected = torch.nn.functional.silu(gate) * up
     assert torch.equal(activation.silu_and_mul(interleaved, activation.GATE_UP_INTERLEAVE), expected)
-    assert_close(silu_and_mul(interleaved.to(device), activation.GATE_UP_INTERLEAVE), expected, dtype)
+    assert_close(act_and_mul(interleaved.to(device), "silu", activation.GATE_UP_INTERLEAVE), expected, dtype)
 
 
 @pytest.mark.parametrize("num_tokens,size", [(1, 64), (4, 5000), (2, 17000)])  # one pass, one pass, two
@@ -162,15 +162,15 @@ def test_silu_and_mul_quantized_in_its_kernel_equals_the_two_kernels(elementwise
     """SiLU · mul with FP8 output (for a w8a8-fp8 down), one program per token: bit for bit the
     values and scales of SiLU · mul's kernel followed by the quantization's kernel, in both column
     orders, with an all-zero row taking the scale's floor."""
-    from llmc.kernels.activation_triton import silu_and_mul, silu_and_mul_fp8
+    from llmc.kernels.activation_triton import act_and_mul, act_and_mul_fp8
     from llmc.kernels.fp8 import MIN_SCALE
     from llmc.kernels.fp8_triton import quantize_fp8_per_token
 
     device, dtype = elementwise_case
     gate_up = (3 * torch.randn(num_tokens, 2 * size)).to(dtype).to(device)
     gate_up[-1] = 0.0
-    actual = silu_and_mul_fp8(gate_up, MIN_SCALE, interleave)
-    _assert_same_fp8(actual, quantize_fp8_per_token(silu_and_mul(gate_up, interleave), MIN_SCALE))
+    actual = act_and_mul_fp8(gate_up, MIN_SCALE, "silu", interleave)
+    _assert_same_fp8(actual, quantize_fp8_per_token(act_and_mul(gate_up, "silu", interleave), MIN_SCALE))
     assert actual[1][-1].item() == MIN_SCALE
     expected_scale = reference_quantize_fp8(activation.silu_and_mul(gate_up.cpu(), interleave))[1]
     torch.testing.assert_close(actual[1].cpu(), expected_scale, rtol=TOLERANCE[dtype], atol=0)
@@ -232,7 +232,8 @@ def test_fp8_output_functions_on_cpu_are_the_two_steps() -> None:
     assert no_residual is None
     _assert_same_fp8(quantized[:2], quantize_fp8_per_token(norm.rms_norm(x, weight, 1e-6)))
     gate_up = torch.randn(3, 128, dtype=torch.bfloat16)
-    _assert_same_fp8(activation.silu_and_mul_fp8(gate_up)[:2], quantize_fp8_per_token(activation.silu_and_mul(gate_up)))
+    _assert_same_fp8(activation.act_and_mul_fp8(gate_up, "silu")[:2],
+                     quantize_fp8_per_token(activation.silu_and_mul(gate_up)))
 
 
 def test_fp8_public_functions_on_cpu() -> None:
