@@ -314,6 +314,17 @@ def test_partial_rotary_is_refused_on_cuda_by_name(partial_phi3, tmp_path):
     check_rotary_device(whole, torch.device("cuda"))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_partial_rotary_engine_refuses_cuda_on_a_gpu(partial_phi3, tmp_path, free_gpu):
+    """On a real GPU: LLM(device="cuda") on a partial-rotary artifact stops with the one line, before the weights."""
+    out = tmp_path / "a"
+    build(recipe_from_dict({"model": str(partial_phi3("default")), "output": str(out), "dtype": "float32",
+                            "target": {"device": "cpu"}, "runtime": {"max_model_len": 64}}), show_progress=False)
+    with pytest.raises(ConfigError, match="partial_rotary_factor .* is not supported on CUDA"):
+        LLM(out, device="cuda", gpu_memory_utilization=0.3)
+
+
 def test_partial_rotary_factor_exports_and_reads_back(partial_phi3):
     """export's config.json says partial_rotary_factor (Phi-4-mini's top-level key), and LongRoPE's
     original_max_position_embeddings where Phi3Config reads it: transformers and the build read them back."""
