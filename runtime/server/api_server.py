@@ -1,8 +1,8 @@
 """The HTTP server: FastAPI routes over the engine loop, served by uvicorn.
 
 Endpoints: GET /v1/models (and /v1/models/{name}), POST /v1/completions, POST /v1/chat/completions, POST
-/v1/responses (with a response store: GET and DELETE /v1/responses/{id}), POST /tokenize,
-POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
+/v1/responses (with a response store: GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel),
+POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
 tokenizer endpoints need `Authorization: Bearer KEY`; /health, /version and /metrics stay open
 (load balancers and Prometheus). The server listens at once and answers 503 until the engine has
 loaded on its thread. SIGTERM stops accepting connections, lets running requests finish (up to
@@ -44,6 +44,7 @@ from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionReque
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
+from llmc.runtime.server import serving_responses
 from llmc.runtime.server.serving_responses import ResponseStore, create_response, not_found
 
 logger = logging.getLogger("llmc")
@@ -120,6 +121,8 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
         finally:
             for task in tasks:
                 task.cancel()
+            if ctx.response_store is not None:
+                ctx.response_store.stop_all()  # background responses still generating
             await engine_loop.shutdown()
             ctx.close()
 
@@ -224,13 +227,13 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_response(ctx, body, arrival_time))
 
-    @router.get("/v1/responses/{response_id}")  # client.responses.retrieve: a stored response
-    async def retrieve_response(response_id: str) -> dict:
-        store = ctx.response_store
-        found = store.get(response_id) if store is not None else None
-        if found is None:
-            raise not_found(response_id, "response_id", store)
-        return found[0]
+    @router.get("/v1/responses/{response_id}")  # client.responses.retrieve: a kept response, done or not
+    async def retrieve_response(response_id: str, request: Request) -> dict:
+        return serving_responses.retrieve_response(ctx, response_id, dict(request.query_params))
+
+    @router.post("/v1/responses/{response_id}/cancel")  # client.responses.cancel: a background response
+    async def cancel_response(response_id: str) -> dict:
+        return serving_responses.cancel_response(ctx, response_id)
 
     @router.delete("/v1/responses/{response_id}")  # client.responses.delete: dropped from the store
     async def delete_response(response_id: str) -> dict:

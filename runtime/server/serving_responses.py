@@ -10,15 +10,24 @@ order the model wrote them: a `reasoning` item (with --reasoning-parser), a `mes
 `output_text` part, `function_call` items. A stream sends OpenAI's events with sequence numbers; the
 non-streamed response is built by the same builder from the same events, so both give one Response.
 
-Stored responses (`store`, `previous_response_id`, GET /v1/responses/{id}): vLLM keeps them in memory
-only when enabled (VLLM_ENABLE_RESPONSES_API_STORE); llmc's `--enable-responses-store` (or that variable)
-keeps the last MAX_STORED_RESPONSES in memory. Without it `store: true` is accepted and not kept (the
-response says `store: false`), as vLLM does, and a previous_response_id is a 404.
+Stored responses (`store`, `previous_response_id`, GET /v1/responses/{id}, DELETE):
+vLLM keeps them in memory only when enabled (VLLM_ENABLE_RESPONSES_API_STORE); llmc's
+`--enable-responses-store` (or that variable) keeps the last MAX_STORED_RESPONSES in memory. Without
+it `store: true` is accepted and not kept (the response says `store: false`), as vLLM does, and a
+previous_response_id is a 404. A kept response is in the store from the moment it is queued (status
+in_progress, its output as far as generated), so GET sees it while it is generated.
+
+`background: true` (needs the store, as vLLM's): the POST returns at once the queued Response; a task
+of the event loop generates it, and GET returns its state; POST /v1/responses/{id}/cancel aborts its
+engine request (its KV blocks freed) and leaves it `cancelled`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -26,14 +35,19 @@ from collections.abc import AsyncIterator
 
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server import reasoning_parsers as reasoning
-from llmc.runtime.server.errors import ApiError
+from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import DeltaTracker
 from llmc.runtime.server.protocol import ResponsesRequest, responses_error
 from llmc.runtime.server.serving import Generation, ServingContext, parse_body, respond
 from llmc.runtime.server.serving_chat import ChatReply, start_chat_generation
 
+logger = logging.getLogger("llmc")
+
 # The responses a store keeps (the oldest go first).
 MAX_STORED_RESPONSES = 1024
+# A Response's statuses while it is generated; the others are final.
+UNFINISHED = ("queued", "in_progress")
+
 
 
 def response_id(prefix: str) -> str:
@@ -41,26 +55,85 @@ def response_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+@dataclasses.dataclass
+class StoredResponse:
+    """A kept response: its body (while it is generated, a snapshot: status queued or in_progress, the output
+    so far), the conversation that led to it (its input items after those of the responses before it; not
+    their instructions, which OpenAI does not carry over), and for a background response being generated,
+    the task generating it and its Generation (what cancel aborts)."""
+
+    response: dict
+    conversation: list[dict]
+    task: asyncio.Task | None = None
+    generation: Generation | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.response["status"] not in UNFINISHED
+
+    def stop(self) -> None:
+        """Abort the generation (its engine request and KV blocks) and its task, if they still run."""
+        if self.generation is not None:
+            self.generation.abort()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+
+    def cancel(self) -> None:
+        """A background response cancelled: status `cancelled`, its output as far as generated (an item
+        still being written `incomplete`), its generation aborted."""
+        if self.is_finished:
+            return
+        output = [item | {"status": "incomplete"} if item.get("status") == "in_progress" else item
+                  for item in self.response["output"]]
+        self.response = self.response | {"status": "cancelled", "output": output}
+        self.stop()
+
+
 class ResponseStore:
-    """The responses kept for GET /v1/responses/{id} and previous_response_id, in memory, the last
-    `capacity` of them: each with the conversation that led to it (its input items and the inputs of
-    the responses before it; not their instructions, which OpenAI does not carry over)."""
+    """The responses kept for GET /v1/responses/{id}, cancel and previous_response_id,
+    in memory, the last `capacity` of them. One dropped (the oldest past capacity, or deleted) while a
+    background task still generates it has its generation aborted: nobody could read it."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
-        self._responses: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._responses[response["id"]] = (response, conversation)
-        self._responses.move_to_end(response["id"])
+    def put(self, response: dict, conversation: list[dict]) -> StoredResponse:
+        record = StoredResponse(response, conversation)
+        self.add(record)
+        return record
+
+    def add(self, record: StoredResponse) -> None:
+        rid = record.response["id"]
+        previous = self._responses.get(rid)
+        if previous is not None and previous is not record:
+            previous.stop()
+        self._responses[rid] = record
+        self._responses.move_to_end(rid)
         while len(self._responses) > self.capacity:
-            self._responses.popitem(last=False)
+            _, dropped = self._responses.popitem(last=False)
+            dropped.stop()
 
-    def get(self, response_id: str) -> tuple[dict, list[dict]] | None:
+    def get(self, response_id: str) -> StoredResponse | None:
         return self._responses.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        return self._responses.pop(response_id, None) is not None
+        record = self._responses.pop(response_id, None)
+        if record is None:
+            return False
+        record.stop()
+        return True
+
+    def discard(self, record: StoredResponse) -> None:
+        """Drop this record (not another one under its id)."""
+        rid = record.response["id"]
+        if self._responses.get(rid) is record:
+            del self._responses[rid]
+
+    def stop_all(self) -> None:
+        """Abort every background generation still running (the server stops)."""
+        for record in self._responses.values():
+            record.stop()
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -75,26 +148,93 @@ def not_found(response_id: str, param: str, store: ResponseStore | None) -> ApiE
 
 async def create_response(ctx: ServingContext, body: object, arrival_time: float | None = None
                           ) -> dict | AsyncIterator[str]:
-    """The Response, or (stream=true) an iterator of its SSE events; kept in ctx.response_store if there is one."""
+    """The Response, or (stream=true) an iterator of its SSE events; kept in ctx.response_store if there is
+    one. A background request returns the queued Response at once; a task of the event loop generates it."""
     store = ctx.response_store
     request = parse_body(ResponsesRequest, body)
     request.check()
+    if request.background:
+        _check_background(request, store)
     history: list[dict] = []
     if request.previous_response_id is not None:
         found = store.get(request.previous_response_id) if store is not None else None
         if found is None:
             raise not_found(request.previous_response_id, "previous_response_id", store)
-        previous, conversation = found
-        history = conversation + [item for item in previous["output"] if not _cut_call(item)]
+        if not found.is_finished:
+            raise invalid("previous_response_id", f"response {request.previous_response_id!r} is still "
+                          f"{found.response['status']}: continue from it once it is done (GET it until then)")
+        history = found.conversation + [item for item in found.response["output"] if not _cut_call(item)]
     rid = response_id("resp")
+    input_items = request.input_items()
     try:
         chat_request, params, generation, num_prompt_tokens = await start_chat_generation(
             ctx, request.chat_body(history, request.stream), rid, arrival_time)
     except ApiError as e:
         raise responses_error(e) from None
-    reply = _ResponsesReply(ctx, request, ChatReply(ctx, chat_request, rid, num_prompt_tokens), params,
-                            store if request.store else None, history + request.input_items())
-    return await respond(generation, reply, request.stream)
+    kept = store if request.store else None
+    reply = _ResponsesReply(ctx, request, ChatReply(ctx, chat_request, rid, num_prompt_tokens), params, kept)
+    if kept is not None:  # visible to GET from now on
+        snapshot = reply._body("queued" if request.background else "in_progress", [], None)
+        reply.record = kept.put(snapshot, history + input_items)
+    if request.background:
+        record = reply.record
+        record.generation = generation
+        record.task = asyncio.get_running_loop().create_task(reply.generate_in_background(generation),
+                                                             name=f"llmc-background-{rid}")
+        return dict(record.response)
+    if request.stream:
+        return reply.stream(generation)
+    try:
+        return await respond(generation, reply, False)
+    except BaseException:
+        reply.abandon()
+        raise
+
+
+def _check_background(request: ResponsesRequest, store: ResponseStore | None) -> None:
+    """400s for a background request this server cannot run (vLLM's: only with the store; not unstored)."""
+    if store is None:
+        raise invalid("background", "needs the response store, which this server does not keep (a background "
+                      "response is only read through it): start it with --enable-responses-store (or "
+                      "VLLM_ENABLE_RESPONSES_API_STORE=1), or leave background out")
+    if not request.store:
+        raise invalid("background", "needs store: true (a background response is only read through the store); "
+                      "leave store at true or background out")
+    if request.stream:
+        raise invalid("stream", "streaming a background response is not supported by this server: send "
+                      "background: true without stream and GET /v1/responses/{id} until it is done")
+
+
+def _checked_store(store: ResponseStore | None, response_id: str) -> StoredResponse:
+    found = store.get(response_id) if store is not None else None
+    if found is None:
+        raise not_found(response_id, "response_id", store)
+    return found
+
+
+def retrieve_response(ctx: ServingContext, response_id: str, query: dict[str, str]) -> dict:
+    """GET /v1/responses/{id}: the kept response, finished or being generated (status queued/in_progress).
+    OpenAI's streamed retrieve (`stream`, `starting_after`, `include_obfuscation`) and `include` are refused."""
+    for name in ("stream", "starting_after", "include_obfuscation"):
+        if name in query and not (name != "starting_after" and query[name].lower() == "false"):
+            raise invalid(name, "streaming a kept response again is not supported by this server: GET it without "
+                          f"{name} (the whole response, as far as it is generated)")
+    if "include" in query or "include[]" in query:
+        raise invalid("include", "is not supported when retrieving a response: it carries what the creating "
+                      "request's include asked for (message.output_text.logprobs)")
+    return dict(_checked_store(ctx.response_store, response_id).response)
+
+
+def cancel_response(ctx: ServingContext, response_id: str) -> dict:
+    """POST /v1/responses/{id}/cancel: a background response being generated is aborted (its engine request
+    and KV blocks freed) and left `cancelled`; a finished one is returned unchanged; a response that was not
+    created in the background is a 400 (OpenAI's rule)."""
+    record = _checked_store(ctx.response_store, response_id)
+    if not record.response["background"]:
+        raise invalid("response_id", "Only background responses can be cancelled; this one was created without "
+                      "background: true")
+    record.cancel()
+    return dict(record.response)
 
 
 class _OutputBuilder:
@@ -219,13 +359,13 @@ def _delta_logprob(entry: dict) -> dict:
 
 class _ResponsesReply:
     def __init__(self, ctx: ServingContext, request: ResponsesRequest, chat: ChatReply, params,
-                 store: ResponseStore | None, conversation: list[dict]):
+                 store: ResponseStore | None):
         self.ctx = ctx
         self.request = request
         self.chat = chat
         self.params = params
         self.store = store
-        self.conversation = conversation
+        self.record: StoredResponse | None = None  # kept: in the store from the start
         self.created_at = int(time.time())
 
     def _new_builder(self):
@@ -263,15 +403,71 @@ class _ResponsesReply:
         body["completed_at"] = int(time.time()) if status == "completed" else None
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
-        if self.store is not None:
-            self.store.put(body, self.conversation)
+        record = self.record
+        if record is not None and not record.is_finished:  # not once cancelled
+            record.response = body
         return body
+
+    def _progress(self, builder: _OutputBuilder) -> None:
+        """The kept snapshot of a response being generated: in_progress, the output items so far."""
+        record = self.record
+        if record is not None and not record.is_finished:
+            record.response = record.response | {"status": "in_progress", "output": [_copy(i) for i in builder.items]}
+
+    def abandon(self) -> None:
+        """A response that was not generated to its end (its client went away, the engine failed): a
+        kept snapshot is dropped, as the response was never given (not a background one: see _fail)."""
+        record = self.record
+        if record is not None and not record.is_finished and self.store is not None:
+            self.store.discard(record)
+
+    def _fail(self, error: ApiError) -> None:
+        record = self.record
+        if record is not None and not record.is_finished:
+            output = [item | {"status": "incomplete"} if item.get("status") == "in_progress" else item
+                      for item in record.response["output"]]
+            record.response = record.response | {"status": "failed", "output": output, "error": {
+                "code": "server_error", "message": error.message}}
+
+    def _advance(self, builder: _OutputBuilder, parser, tracker: DeltaTracker, output: RequestOutput) -> dict | None:
+        """One engine output into the builder (its events taken by the caller); the final Response when it is the last."""
+        (completion,) = output.outputs
+        text, new = tracker.delta((0, 0), completion.text, completion.token_ids)
+        builder.add_logprobs(self._logprob_entries(completion.token_ids[new], (completion.logprobs or [])[new]))
+        builder.feed(self._events(parser, text, completion.is_finished))
+        if not completion.is_finished:
+            self._progress(builder)
+            return None
+        status = _status(completion)
+        builder.finish("incomplete" if status == "incomplete" else "completed")
+        return self._finished(builder, output, completion)
+
+    async def generate_in_background(self, generation: Generation) -> None:
+        """A background response's task: the kept snapshot follows the generation; at its end the final
+        Response, or `failed` with the error; cancelled (StoredResponse.cancel), it stops at once."""
+        builder, parser = self._new_builder()
+        tracker = DeltaTracker()
+        try:
+            async for _, output in generation:
+                final = self._advance(builder, parser, tracker, output)
+                builder.take_events()
+                if final is not None:
+                    break
+        except ApiError as e:
+            self._fail(e)
+        except Exception as e:  # noqa: BLE001 - kept as the response's error, and logged
+            logger.exception("background response %s failed", self.chat.request_id)
+            self._fail(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            generation.abort()
+            if self.record is not None:
+                self.record.task = self.record.generation = None
 
     def _body(self, status: str, output: list[dict], usage: dict | None) -> dict:
         request = self.request
         return {
             "id": self.chat.request_id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None, "incomplete_details": None,
+            "background": request.background, "error": None, "incomplete_details": None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "max_tool_calls": None, "metadata": request.metadata, "model": self.ctx.response_model(request.model),
             "output": output, "parallel_tool_calls": request.parallel_tool_calls,
@@ -307,17 +503,10 @@ class _ResponsesReply:
             yield event({"type": "response.created", "response": snapshot})
             yield event({"type": "response.in_progress", "response": snapshot})
             async for _, output in generation:
-                (completion,) = output.outputs
-                text, new = tracker.delta((0, 0), completion.text, completion.token_ids)
-                builder.add_logprobs(self._logprob_entries(completion.token_ids[new], (completion.logprobs or [])[new]))
-                builder.feed(self._events(parser, text, completion.is_finished))
-                if completion.is_finished:
-                    status = _status(completion)
-                    builder.finish("incomplete" if status == "incomplete" else "completed")
+                final = self._advance(builder, parser, tracker, output)
                 for payload in builder.take_events():
                     yield event(payload)
-                if completion.is_finished:
-                    final = self._finished(builder, output, completion)
+                if final is not None:
                     kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
                     yield event({"type": kind, "response": final})
                     break
@@ -325,6 +514,7 @@ class _ResponsesReply:
             yield event({"type": "error", "code": e.code, "message": e.message, "param": e.param})
         finally:
             generation.abort()
+            self.abandon()
 
 
 def _cut_call(item: dict) -> bool:

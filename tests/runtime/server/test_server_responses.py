@@ -8,7 +8,10 @@ previous_response_id with the store, reasoning items (--reasoning-parser), logpr
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -19,7 +22,8 @@ from pydantic import TypeAdapter
 
 from llmc.runtime.engine import Engine
 from llmc.runtime.server.api_server import build_app
-from llmc.runtime.server.protocol import items_to_messages
+from llmc.runtime.server.engine_loop import _Command
+from llmc.runtime.server.protocol import INCLUDE_LOGPROBS, items_to_messages
 from llmc.runtime.server.serving_responses import ResponseStore, _OutputBuilder
 
 MODEL = "ref-llama"
@@ -263,7 +267,7 @@ def test_reasoning_item_with_a_reasoning_parser(client, app):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"background": True}, "background"),
+    ({"background_options": {"x": 1}}, "background_options"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -349,8 +353,9 @@ def test_without_the_store_nothing_is_kept(client, app):
 def test_the_store_keeps_the_last_responses():
     store = ResponseStore(capacity=2)
     for name in "abc":
-        store.put({"id": name}, [])
-    assert store.get("a") is None and store.get("c") == ({"id": "c"}, []) and len(store) == 2
+        store.put({"id": name, "status": "completed"}, [])
+    assert store.get("a") is None and store.get("c").response == {"id": "c", "status": "completed"} and len(store) == 2
+    assert store.get("c").conversation == []
     assert store.delete("b") and not store.delete("b")
 
 
@@ -424,3 +429,164 @@ def test_a_message_before_a_call_has_the_same_logprobs_streamed_and_not():
     for builder in (whole, streamed):
         builder.finish("completed")
     assert streamed.items[0]["content"][0]["logprobs"] == whole.items[0]["content"][0]["logprobs"] == entries
+
+
+# ---- background responses, GET while generated, cancel ------------------------------------------------
+
+UNFINISHED = ("queued", "in_progress")
+
+
+@contextlib.contextmanager
+def _engine_paused(ctx):
+    """The engine thread held between two steps (a command that waits), so that what a test looks at
+    cannot move on under it, however fast or slow the machine is."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold(engine) -> None:
+        started.set()
+        release.wait(120)
+
+    ctx.engine_loop._commands.put(_Command(hold))
+    assert started.wait(120), "the engine thread did not take the pause"
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def _wait_until(predicate, what: str, timeout: float = 180.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _wait_done(client, response_id: str) -> Response:
+    return _wait_until(lambda: (lambda r: r if r.status not in UNFINISHED else None)(
+        client.responses.retrieve(response_id)), f"{response_id} to finish")
+
+
+def _wait_all_blocks_free(ctx) -> dict:
+    def idle():
+        stats = ctx.engine_loop.stats
+        return stats if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"] else None
+    return _wait_until(idle, "every KV block to be free")
+
+
+def test_a_background_response_is_the_foreground_one(client, app):
+    body = dict(model=MODEL, input="Tell me a story", max_output_tokens=24, temperature=0)
+    foreground = client.responses.create(**body)
+    assert foreground.background is False
+    data = _raw(client, **body, background=True)
+    queued = Response.model_validate(data)
+    assert queued.status in UNFINISHED and queued.background is True and queued.output == [] and queued.usage is None
+    assert queued.store is True and queued.max_output_tokens == 24
+    done = _wait_done(client, queued.id)
+    assert done.status == foreground.status == "incomplete" and done.background is True
+    assert done.output_text == foreground.output_text and _without_ids(done) == _without_ids(foreground)
+    assert done.usage.output_tokens == foreground.usage.output_tokens == 24
+    assert done.usage.input_tokens == foreground.usage.input_tokens
+    # cancelling a finished one returns it unchanged
+    assert client.responses.cancel(done.id).model_dump() == done.model_dump()
+    # it continues a conversation as any kept response does
+    follow = client.responses.create(model=MODEL, input="Go on", previous_response_id=done.id, max_output_tokens=1)
+    assert follow.status == "incomplete"
+    _wait_all_blocks_free(app[1])
+
+
+def test_a_response_is_kept_while_it_is_generated(client, app):
+    """GET of a response being generated was a 404 until it finished: it is in_progress, its output so far."""
+    ctx = app[1]
+    body = dict(model=MODEL, input="Tell me a story", max_output_tokens=40, temperature=0,
+                extra_body={"ignore_eos": True})
+    with client.responses.stream(**body) as stream:
+        events = iter(stream)
+        created = next(events)
+        assert created.type == "response.created"
+        deltas = ""
+        for event in events:
+            if event.type == "response.output_text.delta":
+                deltas += event.delta
+                break
+        with _engine_paused(ctx):
+            current = client.responses.retrieve(created.response.id)
+            assert current.status == "in_progress" and current.completed_at is None and current.usage is None
+            (message,) = current.output
+            assert message.status == "in_progress" and message.content[0].text.startswith(deltas)
+        last = list(events)[-1]
+    assert last.type == "response.incomplete"  # cut by max_output_tokens (the SDK's helper wants completed)
+    final = last.response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    assert final.status == "incomplete" and final.output_text.startswith(current.output_text)
+
+
+def test_cancel_a_background_response_mid_generation_frees_its_blocks(client, app):
+    ctx = app[1]
+    total = ctx.engine_loop.stats["num_total_blocks"]
+    started = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=200,
+                                      temperature=0, background=True, extra_body={"ignore_eos": True})
+    assert started.status in UNFINISHED
+    _wait_until(lambda: client.responses.retrieve(started.id).output, "the first output")
+    with _engine_paused(ctx):
+        running = client.responses.retrieve(started.id)
+        assert running.status == "in_progress" and running.output[0].status == "in_progress"
+        assert ctx.engine_loop.stats["num_free_blocks"] < total  # it holds blocks
+        # a response being generated cannot be continued yet
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input="Go on", previous_response_id=started.id)
+        assert caught.value.body["param"] == "previous_response_id" and "in_progress" in caught.value.body["message"]
+        cancelled = client.responses.cancel(started.id)
+        assert cancelled.status == "cancelled" and cancelled.background is True
+        (message,) = cancelled.output
+        assert message.status == "incomplete" and message.content[0].text.startswith(running.output_text)
+        assert len(message.content[0].text) > 0
+    stats = _wait_all_blocks_free(ctx)
+    assert stats["num_free_blocks"] == total
+    after = client.responses.retrieve(started.id)
+    assert after.model_dump() == cancelled.model_dump()  # the generation stopped: nothing more was written
+    assert client.responses.cancel(started.id).model_dump() == cancelled.model_dump()  # again: unchanged
+    assert ctx.response_store.get(started.id).task is None
+
+
+def test_cancel_errors(client):
+    foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.cancel(foreground.id)
+    error = caught.value.body
+    assert "Only background responses can be cancelled" in error["message"] and error["param"] == "response_id"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.cancel("resp_unknown")
+    assert caught.value.body["param"] == "response_id"
+
+
+def test_background_needs_the_store_and_no_stream(client, app):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", background=True, store=False)
+    assert caught.value.body["param"] == "background" and "store" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="Hi", background=True, stream=True)
+    assert caught.value.body["param"] == "stream" and "background" in caught.value.body["message"]
+    ctx = app[1]
+    store, ctx.response_store = ctx.response_store, None
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input="Hi", background=True)
+        error = caught.value.body
+        assert error["param"] == "background" and "--enable-responses-store" in error["message"]
+        assert "\n" not in error["message"]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.cancel("resp_x")
+    finally:
+        ctx.response_store = store
+
+
+@pytest.mark.parametrize("query, param", [({"stream": "true"}, "stream"), ({"starting_after": "3"}, "starting_after"),
+                                          ({"include[]": INCLUDE_LOGPROBS}, "include")])
+def test_streamed_retrieve_is_refused_by_name(client, app, query, param):
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    reply = httpx.get(f"{app[0]}/v1/responses/{response.id}", params=query,
+                      headers={"Authorization": f"Bearer {KEY}"})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
