@@ -1,8 +1,8 @@
 """The HTTP server: FastAPI routes over the engine loop, served by uvicorn.
 
 Endpoints: GET /v1/models (and /v1/models/{name}), POST /v1/completions, POST /v1/chat/completions, POST
-/v1/responses (with a response store: GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel),
-POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
+/v1/responses (with a response store: GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
+GET /v1/responses/{id}/input_items), POST /tokenize, POST /detokenize, GET /health, GET /version, GET /metrics. With an API key, /v1/* and the
 tokenizer endpoints need `Authorization: Bearer KEY`; /health, /version and /metrics stay open
 (load balancers and Prometheus). The server listens at once and answers 503 until the engine has
 loaded on its thread. SIGTERM stops accepting connections, lets running requests finish (up to
@@ -234,6 +234,10 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     @router.post("/v1/responses/{response_id}/cancel")  # client.responses.cancel: a background response
     async def cancel_response(response_id: str) -> dict:
         return serving_responses.cancel_response(ctx, response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items")  # client.responses.input_items.list
+    async def list_input_items(response_id: str, request: Request) -> dict:
+        return serving_responses.list_input_items(ctx, response_id, request.query_params.multi_items())
 
     @router.delete("/v1/responses/{response_id}")  # client.responses.delete: dropped from the store
     async def delete_response(response_id: str) -> dict:

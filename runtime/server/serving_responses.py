@@ -10,7 +10,7 @@ order the model wrote them: a `reasoning` item (with --reasoning-parser), a `mes
 `output_text` part, `function_call` items. A stream sends OpenAI's events with sequence numbers; the
 non-streamed response is built by the same builder from the same events, so both give one Response.
 
-Stored responses (`store`, `previous_response_id`, GET /v1/responses/{id}, DELETE):
+Stored responses (`store`, `previous_response_id`, GET /v1/responses/{id}, its input_items, DELETE):
 vLLM keeps them in memory only when enabled (VLLM_ENABLE_RESPONSES_API_STORE); llmc's
 `--enable-responses-store` (or that variable) keeps the last MAX_STORED_RESPONSES in memory. Without
 it `store: true` is accepted and not kept (the response says `store: false`), as vLLM does, and a
@@ -37,7 +37,7 @@ from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server import reasoning_parsers as reasoning
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import DeltaTracker
-from llmc.runtime.server.protocol import ResponsesRequest, responses_error
+from llmc.runtime.server.protocol import INCLUDE_LOGPROBS, ResponsesRequest, responses_error
 from llmc.runtime.server.serving import Generation, ServingContext, parse_body, respond
 from llmc.runtime.server.serving_chat import ChatReply, start_chat_generation
 
@@ -47,7 +47,13 @@ logger = logging.getLogger("llmc")
 MAX_STORED_RESPONSES = 1024
 # A Response's statuses while it is generated; the others are final.
 UNFINISHED = ("queued", "in_progress")
-
+# GET /v1/responses/{id}/input_items: its `limit` (OpenAI's range and default).
+MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT = 100, 20
+# OpenAI's `include` values (the SDK's ResponseIncludable): input items as this server keeps them have none of
+# the content they add (images, built-in tool results, encrypted reasoning, output logprobs).
+INCLUDABLE = ("file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs", "reasoning.encrypted_content", INCLUDE_LOGPROBS)
 
 
 def response_id(prefix: str) -> str:
@@ -59,11 +65,12 @@ def response_id(prefix: str) -> str:
 class StoredResponse:
     """A kept response: its body (while it is generated, a snapshot: status queued or in_progress, the output
     so far), the conversation that led to it (its input items after those of the responses before it; not
-    their instructions, which OpenAI does not carry over), and for a background response being generated,
-    the task generating it and its Generation (what cancel aborts)."""
+    their instructions, which OpenAI does not carry over), its input items as listed (ids assigned), and for a
+    background response being generated, the task generating it and its Generation (what cancel aborts)."""
 
     response: dict
     conversation: list[dict]
+    input_items: list[dict] = dataclasses.field(default_factory=list)
     task: asyncio.Task | None = None
     generation: Generation | None = None
 
@@ -90,7 +97,7 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The responses kept for GET /v1/responses/{id}, cancel and previous_response_id,
+    """The responses kept for GET /v1/responses/{id} (and its input_items), cancel and previous_response_id,
     in memory, the last `capacity` of them. One dropped (the oldest past capacity, or deleted) while a
     background task still generates it has its generation aborted: nobody could read it."""
 
@@ -98,8 +105,8 @@ class ResponseStore:
         self.capacity = capacity
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: dict, conversation: list[dict]) -> StoredResponse:
-        record = StoredResponse(response, conversation)
+    def put(self, response: dict, conversation: list[dict], input_items: list[dict] | None = None) -> StoredResponse:
+        record = StoredResponse(response, conversation, list(input_items or []))
         self.add(record)
         return record
 
@@ -175,7 +182,7 @@ async def create_response(ctx: ServingContext, body: object, arrival_time: float
     reply = _ResponsesReply(ctx, request, ChatReply(ctx, chat_request, rid, num_prompt_tokens), params, kept)
     if kept is not None:  # visible to GET from now on
         snapshot = reply._body("queued" if request.background else "in_progress", [], None)
-        reply.record = kept.put(snapshot, history + input_items)
+        reply.record = kept.put(snapshot, history + input_items, listed_input_items(input_items))
     if request.background:
         record = reply.record
         record.generation = generation
@@ -235,6 +242,85 @@ def cancel_response(ctx: ServingContext, response_id: str) -> dict:
                       "background: true")
     record.cancel()
     return dict(record.response)
+
+
+def list_input_items(ctx: ServingContext, response_id: str, query: list[tuple[str, str]]) -> dict:
+    """GET /v1/responses/{id}/input_items: OpenAI's list of the response's input items (as sent, ids assigned),
+    `order` desc (default) or asc, `limit` 1-100 (20), `after` / `before` an item id (the page after or before
+    it in that order), `include` (accepted: these items have none of what its values add)."""
+    record = _checked_store(ctx.response_store, response_id)
+    known = ("after", "before", "limit", "order", "include", "include[]")
+    params: dict[str, str] = {}
+    for name, value in query:
+        if name not in known:
+            raise invalid(name, f"is not a parameter of this list (it takes {', '.join(known[:5])})")
+        if name.startswith("include"):
+            if value not in INCLUDABLE:
+                raise invalid("include", f"{value!r} is not one of OpenAI's include values ({', '.join(INCLUDABLE)})")
+        elif name in params:
+            raise invalid(name, "is given more than once")
+        else:
+            params[name] = value
+    order = params.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise invalid("order", f'must be "asc" or "desc", got {order!r}')
+    try:
+        limit = int(params.get("limit", DEFAULT_LIST_LIMIT))
+    except ValueError:
+        raise invalid("limit", f"must be an integer from 1 to {MAX_LIST_LIMIT}, got {params['limit']!r}") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise invalid("limit", f"must be from 1 to {MAX_LIST_LIMIT}, got {limit}")
+    if "after" in params and "before" in params:
+        raise invalid("before", "cannot be given with after: page one way at a time")
+    items = record.input_items if order == "asc" else record.input_items[::-1]
+    ids = [item["id"] for item in items]
+    if "after" in params or "before" in params:
+        name = "after" if "after" in params else "before"
+        if params[name] not in ids:
+            raise invalid(name, f"{params[name]!r} is not the id of an input item of response {response_id!r}")
+        at = ids.index(params[name])
+        if name == "after":
+            data, has_more = items[at + 1:at + 1 + limit], at + 1 + limit < len(items)
+        else:
+            data, has_more = items[max(0, at - limit):at], at - limit > 0
+    else:
+        data, has_more = items[:limit], limit < len(items)
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def listed_input_items(items: list[dict]) -> list[dict]:
+    """Checked input items as OpenAI lists them (the SDK's ResponseItem): each with an id (its own, else
+    one assigned: msg_, fc_, fco_, rs_) and a status; a message's content as parts (input_text, or an
+    assistant's output_text with annotations)."""
+    listed = []
+    for item in items:
+        kind = item["type"]
+        item = dict(item)
+        if kind == "message":
+            assistant = item["role"] == "assistant"
+            content = item["content"]
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            item["content"] = [_listed_part(part, assistant) for part in parts]
+            prefix = "msg"
+        else:
+            prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[kind]
+        if kind == "reasoning":
+            item.setdefault("summary", [])
+        else:
+            item.setdefault("status", "completed")
+        if not (isinstance(item.get("id"), str) and item["id"]):
+            item["id"] = response_id(prefix)
+        listed.append(item)
+    return listed
+
+
+def _listed_part(part: dict, assistant: bool) -> dict:
+    if part.get("type") not in ("text", "input_text", "output_text"):
+        return part  # a refusal
+    if assistant:
+        return {"annotations": [], **part, "type": "output_text", "text": part.get("text") or ""}
+    return {**part, "type": "input_text", "text": part.get("text") or ""}
 
 
 class _OutputBuilder:

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from llmc.runtime.engine import Engine
@@ -355,7 +355,7 @@ def test_the_store_keeps_the_last_responses():
     for name in "abc":
         store.put({"id": name, "status": "completed"}, [])
     assert store.get("a") is None and store.get("c").response == {"id": "c", "status": "completed"} and len(store) == 2
-    assert store.get("c").conversation == []
+    assert store.get("c").conversation == [] and store.get("c").input_items == []
     assert store.delete("b") and not store.delete("b")
 
 
@@ -431,8 +431,9 @@ def test_a_message_before_a_call_has_the_same_logprobs_streamed_and_not():
     assert streamed.items[0]["content"][0]["logprobs"] == whole.items[0]["content"][0]["logprobs"] == entries
 
 
-# ---- background responses, GET while generated, cancel ------------------------------------------------
+# ---- background responses, GET while generated, cancel, input_items ------------------------------------
 
+ITEM = TypeAdapter(ResponseItem)
 UNFINISHED = ("queued", "in_progress")
 
 
@@ -579,6 +580,8 @@ def test_background_needs_the_store_and_no_stream(client, app):
         assert "\n" not in error["message"]
         with pytest.raises(openai.NotFoundError):
             client.responses.cancel("resp_x")
+        with pytest.raises(openai.NotFoundError):
+            client.responses.input_items.list("resp_x")
     finally:
         ctx.response_store = store
 
@@ -590,3 +593,61 @@ def test_streamed_retrieve_is_refused_by_name(client, app, query, param):
     reply = httpx.get(f"{app[0]}/v1/responses/{response.id}", params=query,
                       headers={"Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+def test_input_items_list_pages_through_the_items_sent(client):
+    sent = [{"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {"type": "function_call", "id": "fc_given", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris", "days": 1}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"role": "assistant", "content": "Sunny."},
+            {"role": "user", "content": "And tomorrow?"}]
+    response = client.responses.create(model=MODEL, input=sent, tools=TOOLS, tool_choice="none", max_output_tokens=1,
+                                       extra_body={"chat_template": TOOLS_TEMPLATE})
+    page = client.responses.input_items.list(response.id)  # desc, 20 by default
+    raw = json.loads(client.responses.input_items.with_raw_response.list(response.id).text)
+    assert raw["object"] == "list" and raw["has_more"] is False
+    items = [ITEM.validate_python(item) for item in raw["data"]][::-1]  # ascending: as sent
+    assert [item.id for item in page.data] == [item["id"] for item in raw["data"]]
+    assert (raw["first_id"], raw["last_id"]) == (raw["data"][0]["id"], raw["data"][-1]["id"])
+    assert [item.type for item in items] == ["message", "message", "function_call", "function_call_output",
+                                             "message", "message"]
+    assert [getattr(item, "role", None) for item in items] == ["developer", "user", None, None, "assistant", "user"]
+    assert items[0].content[0].type == "input_text" and items[0].content[0].text == "Be brief."
+    assert items[1].content[0].text == "Weather in Paris?" and items[5].content[0].text == "And tomorrow?"
+    assert items[4].content[0].type == "output_text" and items[4].content[0].text == "Sunny."
+    assert items[2].id == "fc_given" and items[2].call_id == "call_1" and items[3].id.startswith("fco_")
+    assert items[3].output == "sunny" and items[0].id.startswith("msg_") and items[0].status == "completed"
+    assert len({item.id for item in items}) == 6
+    ids = [item.id for item in items]
+    # ascending pages of 4: the SDK follows `after` through has_more
+    first = client.responses.input_items.list(response.id, order="asc", limit=4)
+    assert [item.id for item in first.data] == ids[:4] and first.has_more is True
+    assert [item.id for item in client.responses.input_items.list(response.id, order="asc", limit=4)] == ids
+    second = client.responses.input_items.list(response.id, order="asc", limit=4, after=ids[3])
+    assert [item.id for item in second.data] == ids[4:] and second.has_more is False
+    desc = client.responses.input_items.list(response.id, limit=2, after=ids[4])
+    assert [item.id for item in desc.data] == [ids[3], ids[2]] and desc.has_more is True
+    before = client.responses.input_items.list(response.id, order="asc", limit=2, extra_query={"before": ids[3]})
+    assert [item.id for item in before.data] == ids[1:3] and before.has_more is True
+    included = client.responses.input_items.list(response.id, include=[INCLUDE_LOGPROBS])
+    assert [item.id for item in included.data] == ids[::-1]
+    # a string input is one user message
+    single = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    (item,) = client.responses.input_items.list(single.id).data
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "Hi" and item.id.startswith("msg_")
+
+
+@pytest.mark.parametrize("query, param", [({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "x"}, "limit"),
+                                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after"),
+                                          ({"before": "msg_nope"}, "before"), ({"include": "bogus"}, "include"),
+                                          ({"page": 2}, "page")])
+def test_input_items_list_errors(client, query, param):
+    response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(response.id, extra_query=query)
+    error = caught.value.body
+    assert error["param"] == param and "\n" not in error["message"], error
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
