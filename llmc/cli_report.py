@@ -209,6 +209,8 @@ def print_inspect(report: dict) -> None:
                       f"{a['modules']} linears)") for a in report["source"].get("adapters", [])],
         ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
                   f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
+        ("attention", _attention_text(m)),
+        *([("layers", text)] if (text := _layer_text(m)) else []),
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, " + (f"stored as {m['dtype']}" if report.get("onnx") is None
                        else "float tensors stored as float32 (the ONNX graph computes in float32)")),
         *([("experts", f"{m['num_experts']} per MoE layer, top-{m['num_experts_per_tok']}"
@@ -249,6 +251,53 @@ def print_inspect(report: dict) -> None:
         rows.append(("verify", "all files match their sha256" if report["verify"]["ok"]
                      else "; ".join(report["verify"]["problems"])))
     _print_rows(rows)
+
+
+def _rope_text(theta: float, scaling: dict | None) -> str:
+    if not scaling:
+        return f"rope theta {theta:g}"
+    kind = scaling.get("rope_type") or scaling.get("type")
+    factor = f" x{scaling['factor']:g}" if isinstance(scaling.get("factor"), (int, float)) else ""
+    return f"rope theta {theta:g} ({kind}{factor})"
+
+
+def _attention_text(m: dict) -> str:
+    """The model's attention as the artifact runs it: rotary (and partial rotary), the scale, windows, caps."""
+    parts = [_rope_text(m["rope_theta"], m.get("rope_scaling"))]
+    if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
+        parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
+    if m.get("softmax_scale"):
+        parts.append(f"scale {m['softmax_scale']:g}")
+    elif m.get("query_pre_attn_scalar"):
+        parts.append(f"scale {m['query_pre_attn_scalar']:g}^-0.5")
+    if m.get("qk_norm"):
+        parts.append("q/k RMSNorm")
+    if m.get("attention_bias"):
+        parts.append("q/k/v biases")
+    window = m.get("sliding_window")
+    if window:
+        layers = m.get("sliding_window_layers")
+        where = "every layer" if layers is None else f"{len(layers)} of {m['num_layers']} layers"
+        local = (f", their {_rope_text(m['rope_local_theta'], m.get('rope_local_scaling'))}"
+                 if m.get("rope_local_theta") else "")
+        parts.append(f"sliding window {window} on {where}{local}")
+    if m.get("attn_logit_softcapping"):
+        parts.append(f"scores soft-capped at {m['attn_logit_softcapping']:g}")
+    return ", ".join(parts)
+
+
+def _layer_text(m: dict) -> str:
+    """What a layer does beyond a Llama layer's (empty for a Llama)."""
+    parts = []
+    if m.get("hidden_act", "silu") != "silu":
+        parts.append(f"{m['hidden_act']} MLP")
+    if m.get("sandwich_norms"):
+        parts.append("norms after attention and MLP too (sandwich)")
+    if m.get("embed_scale"):
+        parts.append(f"embeddings x {m['embed_scale']:g}")
+    if m.get("final_logit_softcapping"):
+        parts.append(f"logits soft-capped at {m['final_logit_softcapping']:g}")
+    return ", ".join(parts)
 
 
 def _onnx_rows(onnx_summary: dict | None) -> list[tuple[str, str]]:

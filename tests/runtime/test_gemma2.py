@@ -214,3 +214,25 @@ def test_kv_heads_and_special_tokens_left_out_take_the_config_class_defaults(tin
     ours = model_config_from_hf(config, spec, "float32")
     assert (ours.num_kv_heads, ours.bos_token_id, ours.eos_token_ids) == \
         (theirs.num_key_value_heads, theirs.bos_token_id, [theirs.eos_token_id]) == (4, 2, [1])
+
+
+def test_inspect_shows_the_window_layout_and_both_caps(tiny_gemma2, artifact):
+    """`llmc inspect` says what the artifact runs beyond a Llama layer, read against transformers' own config of
+    the checkpoint: the window and which layers use it (layer_types), both caps, the scale, GELU-tanh, the
+    sandwich norms and the embedding scale."""
+    from click.testing import CliRunner
+    from transformers import AutoConfig
+
+    from llmc.cli import cli
+
+    hf = AutoConfig.from_pretrained(tiny_gemma2)
+    local = [i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"]
+    result = CliRunner().invoke(cli, ["inspect", str(artifact)])
+    assert result.exit_code == 0, result.output
+    rows = {line[:26].strip(): line[26:] for line in result.output.splitlines()}
+    assert rows["attention"] == (f"rope theta {hf.rope_parameters['rope_theta']:g}, scale {hf.query_pre_attn_scalar:g}^-0.5, "
+                                 f"sliding window {hf.sliding_window} on {len(local)} of {hf.num_hidden_layers} layers, "
+                                 f"scores soft-capped at {hf.attn_logit_softcapping:g}")
+    assert rows["layers"] == (f"{hf.hidden_activation} MLP, norms after attention and MLP too (sandwich), embeddings x "
+                              f"{torch.tensor(hf.hidden_size ** 0.5).item():g}, logits soft-capped at "
+                              f"{hf.final_logit_softcapping:g}")
