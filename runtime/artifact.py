@@ -40,12 +40,15 @@ from llmc.schema import opt, parse
 #      attention_multiplier); older manifests load without it (query_pre_attn_scalar^-0.5, else head_dim^-0.5).
 # 1.9: model.rotary_dim, the rotated dims of each q/k head (partial_rotary_factor < 1: Phi-4-mini); older manifests
 #      load without it (None: the whole head).
-FORMAT_VERSION = "1.9"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9")
+# 1.10: OLMo 2 (family olmo2), model.pre_norms (false: no input_norm / post_attn_norm, the sub-layers read the
+#      residual stream itself) and model.qk_norm_full_width (q_norm / k_norm over the whole q / k projection, not per
+#      head); older manifests load without them (pre-norms, per-head q/k norms).
+FORMAT_VERSION = "1.10"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -111,8 +114,18 @@ class ModelConfig:
     # the leading dims of each q/k head that the rotary embedding rotates (rotate-half over them), the rest passed
     # through: int(head_dim * partial_rotary_factor) (Phi-4-mini); None: the whole head. Even, at most head_dim.
     rotary_dim: int | None = opt(None, min=2)
+    # OLMo 2: False: no input_norm before the attention nor post_attn_norm before the MLP; each sub-layer reads the
+    # residual stream itself and only its output is normed (sandwich_norms' attn_out_norm / mlp_out_norm)
+    pre_norms: bool = opt(True)
+    # OLMo 2: q_norm / k_norm are RMSNorms over the whole q / k projection (num_heads * head_dim and
+    # num_kv_heads * head_dim wide, one variance over every head), not per head (Qwen3, Gemma 3)
+    qk_norm_full_width: bool = opt(False)
 
     def __post_init__(self):
+        if not self.pre_norms and not self.sandwich_norms:
+            raise ArtifactError("model: pre_norms false needs sandwich_norms (the sub-layers' outputs normed instead)")
+        if self.qk_norm_full_width and not self.qk_norm:
+            raise ArtifactError("model: qk_norm_full_width needs qk_norm")
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
             raise ArtifactError(f"model: softmax_scale {self.softmax_scale} and query_pre_attn_scalar "
                                 f"{self.query_pre_attn_scalar} both set the attention's scale; keep one")
@@ -161,7 +174,8 @@ class ModelConfig:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * self.hidden_size * self.intermediate_size
-        norms = (4 if self.sandwich_norms else 2) * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         num_moe = len(self.moe_layers)

@@ -166,7 +166,7 @@ def test_the_intact_artifact_passes_both(artifact, llmc_cli):
 
 def test_the_digest_is_sha256_of_the_canonical_manifest(built):
     data = json.loads((built / "manifest.json").read_text())
-    assert data["format_version"] == FORMAT_VERSION and FORMAT_VERSION >= "1.2"  # digested from 1.2 on
+    assert data["format_version"] == FORMAT_VERSION and tuple(map(int, FORMAT_VERSION.split("."))) >= (1, 2)  # digested from 1.2 on
     rest = {k: v for k, v in data.items() if k != "manifest_sha256"}
     expected = hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert data["manifest_sha256"] == expected
