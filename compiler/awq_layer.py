@@ -144,7 +144,8 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None
 
 
 def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[tuple[str, str]]:
-    """(linear, where its input scale folds): a norm, or the preceding linear's output rows.
+    """(linear, where its input scale folds): a norm, or the preceding linear's output rows. Without pre-norms
+    (OLMo 2) qkv and gate_up have no such producer and are not scaled (round to nearest, or clipped below 4 bits).
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
@@ -158,6 +159,8 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
     folds = [("attn.qkv", "input_norm"), *mlp]
     if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
         folds.insert(1, ("attn.o", "attn.qkv"))
+    if not config.pre_norms:  # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale
+        folds = [(name, target) for name, target in folds if target not in ("input_norm", "post_attn_norm")]
     return folds
 
 

@@ -40,6 +40,9 @@ _REFUSED_ARCHITECTURES = {
     "GraniteMoeSharedForCausalLM": "Granite MoE with shared experts is not supported; the dense GraniteForCausalLM is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
+    "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
+    "Olmo3ForCausalLM": "OLMo 3 (sliding-window layers) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
+    "OlmoeForCausalLM": "OLMoE (mixture of experts) is not supported; the dense OLMo 2 (Olmo2ForCausalLM) is",
 }
 
 
@@ -99,6 +102,7 @@ _HF_CONFIG_DEFAULTS = {
                "num_key_value_heads": 4, "bos_token_id": 2, "eos_token_id": 1,
                "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": None, "eos_token_id": 50279},
     "granite": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
                 "embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
                 "logits_scaling": 1.0},
@@ -106,7 +110,7 @@ _HF_CONFIG_DEFAULTS = {
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                  "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite"}
+                  "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -132,6 +136,9 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _phi3_rope(config)
     if spec.family == "granite":
         _check_granite(config)
+    if spec.family == "olmo2" and config.get("attention_bias"):
+        raise CheckpointError("attention_bias: true is not supported for OLMo 2 (its q/k/v/o biases: the runtime's "
+                              "o has none)")
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -165,6 +172,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family == "gemma3" else {}),
         **(_granite_fields(config) if spec.family == "granite" else {}),
+        # OLMo 2: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
+        **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True} if spec.family == "olmo2" else {}),
         # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
     )

@@ -188,7 +188,13 @@ def shard_layer(layer: LayerWeights, layout: RankLayout, config: ModelConfig, sp
         if spec.layer_linear(name).parallel != "column":
             raise NotImplementedError(f"a bias on row-parallel {name} would be added once per rank")
         biases[name] = take_rows(bias, column_rows(config, layout, name))
-    return LayerWeights(layer.index, linears, biases, dict(layer.norms))
+    norms = dict(layer.norms)
+    if config.qk_norm_full_width:  # OLMo 2: q_norm / k_norm span q's / k's rows: the rank's heads' share of each
+        q_rows, k_rows, _ = column_rows(config, layout, "attn.qkv")
+        k_offset = config.num_heads * config.head_dim
+        norms["attn.q_norm"] = norms["attn.q_norm"][q_rows[0]:q_rows[1]]
+        norms["attn.k_norm"] = norms["attn.k_norm"][k_rows[0] - k_offset:k_rows[1] - k_offset]
+    return LayerWeights(layer.index, linears, biases, norms)
 
 
 def shard_global(module: str, weight: UnpackedLinear, layout: RankLayout) -> UnpackedLinear:

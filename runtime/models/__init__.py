@@ -1,10 +1,10 @@
 """Model families. `spec_for_architecture` finds the ModelSpec for an HF `architectures` entry."""
 
-from llmc.runtime.models import gemma2, gemma3, granite, llama, mixtral, phi3, qwen2, qwen3, qwen3_moe
+from llmc.runtime.models import gemma2, gemma3, granite, llama, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
 from llmc.runtime.models.spec import ModelSpec
 
 SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC, gemma2.SPEC,
-                                gemma3.SPEC, granite.SPEC)
+                                gemma3.SPEC, granite.SPEC, olmo2.SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:

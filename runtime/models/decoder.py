@@ -1,10 +1,11 @@
-"""The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use runtime/models/moe.py).
+"""The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2, Gemma 3, Granite, OLMo 2, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use
+runtime/models/moe.py).
 
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma's hidden_act,
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
-soft-capping), so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`),
-so loading is a strict comparison of names, shapes and dtypes.
+soft-capping; OLMo 2's pre_norms false and qk_norm_full_width), so one module serves them all. Buffers are
+named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
 layers (keeping their global names), heads, MLP columns and vocabulary rows; `tp_group` all-reduces
@@ -63,9 +64,13 @@ class Attention(nn.Module):
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
         self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], False, dtype)
         self.has_qk_norm = config.qk_norm
+        # OLMo 2: q_norm / k_norm over the whole projection (this rank's heads' share of it under TP), not per head
+        self.is_qk_norm_full_width = config.qk_norm_full_width
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            q_width, k_width = (q_size, kv_size) if config.qk_norm_full_width else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype)
+        self.tp_size = layout.tp_size
         self.kv_cache: tuple[Tensor, Tensor] | None = None  # bound by the model runner after allocation
         self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's dequantization scales (bound with it)
         self.tp_group = tp_group  # all-reduces o's partial sums; None on a single rank
@@ -84,12 +89,27 @@ class Attention(nn.Module):
         """x [num_tokens, hidden_size] → q [num_tokens, num_heads, head_dim], k and v [num_tokens,
         num_kv_heads, head_dim] (views of qkv's output; q and k normed where the model has qk_norm)."""
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        if self.is_qk_norm_full_width:  # OLMo 2: before the split into heads (contiguous outputs)
+            q, k = self.full_width_norm(q, self.q_norm), self.full_width_norm(k, self.k_norm)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.has_qk_norm:
+        if self.has_qk_norm and not self.is_qk_norm_full_width:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
+
+    def full_width_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
+        """OLMo 2's q/k norm: x [num_tokens, width] normed over its whole width (the RMSNorm kernel) on one rank.
+        Under tensor parallelism x is this rank's heads' columns and the variance is over every head's: the ranks
+        all-reduce their sums of squares (float32). Every rank holds as many columns, and replicated KV heads
+        (tensor > num_kv_heads) are held by as many ranks each, so the sum over ranks divided by tp_size * width is
+        the mean over the distinct columns. Computed as rms_norm computes it (float32, rounded, times the weight)."""
+        if self.tp_group is None:
+            return norm(x)
+        x_f32 = x.float()
+        sum_sq = self.tp_group.all_reduce(x_f32.pow(2).sum(dim=-1, keepdim=True))
+        variance = sum_sq / (self.tp_size * x.shape[-1])
+        return (x_f32 * torch.rsqrt(variance + norm.eps)).to(x.dtype) * norm.weight
 
     # The forward in three parts, for the piecewise CUDA graphs (runtime/piecewise_graphs.py): `project`
     # and `output` read no host value of the step and are captured; `attend` runs between the graphs.
@@ -147,12 +167,18 @@ class DecoderLayer(nn.Module):
                  layout: RankLayout | None = None, tp_group=None):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
-        # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it unquantized)
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
-                                  fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
+        # OLMo 2 (pre_norms false): no input_norm / post_attn_norm; the attention and the MLP read the residual stream
+        # (a w8a8-fp8 qkv / gate_up then quantizes its input itself)
+        self.has_pre_norms = config.pre_norms
+        if config.pre_norms:
+            # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
+            # unquantized)
+            self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                      fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
         self.attn = Attention(config, formats, index, dtype, layout, tp_group)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
-                                      and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
+        if config.pre_norms:
+            self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
+                                          and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         else:
@@ -167,17 +193,25 @@ class DecoderLayer(nn.Module):
         return self.feed_forward(self.attn(x, batch, cos_sin), residual)
 
     def norm_in(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        """The input norm: (normed x, the residual stream with x added)."""
+        """The input norm: (normed x, the residual stream with x added). Without pre-norms (OLMo 2) the attention
+        reads the residual stream itself: (it, it)."""
+        if not self.has_pre_norms:
+            residual = x if residual is None else x + residual
+            return residual, residual
         if residual is None:
             return self.input_norm(x), x
         return self.input_norm(x, residual)
 
     def feed_forward(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """After the attention: (the MLP's or MoE's output, the residual stream); with sandwich norms both
-        outputs are normed before they join the residual stream (the next norm adds them)."""
+        outputs are normed before they join the residual stream (the next norm adds them). Without pre-norms
+        (OLMo 2) the MLP reads the residual stream itself."""
         if self.has_sandwich_norms:
             attn_out = self.attn_out_norm(attn_out)
-        x, residual = self.post_attn_norm(attn_out, residual)
+        if self.has_pre_norms:
+            x, residual = self.post_attn_norm(attn_out, residual)
+        else:
+            x = residual = attn_out + residual
         out = self.moe(x) if self.is_moe else self.mlp(x)
         return (self.mlp_out_norm(out) if self.has_sandwich_norms else out), residual
 
@@ -273,9 +307,11 @@ class DecoderModel(nn.Module):
                 if hasattr(module.fmt, "note_device"):
                     module.fmt.note_device(module.params())
         for layer in self.layers.values():
-            layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
+            if layer.has_pre_norms:  # (OLMo 2's qkv and gate_up read the residual stream: they gather it themselves)
+                layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
+                if not layer.is_moe:
+                    layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
             if not layer.is_moe:
-                layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
                 layer.mlp.interleave_gate_up()
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
