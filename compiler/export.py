@@ -44,7 +44,7 @@ from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.spec import ModelSpec, hf_member_rows
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3"}
+                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2"}
 
 
 @dataclass

@@ -8,8 +8,9 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   GroupQueryAttention (rotary from the model's cos/sin tables, causal, optional sliding window,
   past/present K/V in one shared buffer) → o → [RMSNorm] → SkipSimplifiedLayerNormalization (residual
   add + norm) → gate_up → SiLU(gate) * up (GELU-tanh for Gemma) → down → [RMSNorm] →
-  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's sandwich
-  norms (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled; Gemma 2
+  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's and OLMo 2's sandwich
+  norms (OLMo 2 has no RMSNorm before qkv or gate_up: plain Adds of the residual stream, and its q/k norms span
+  the whole projections) (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled; Gemma 2
   soft-caps the attention scores, GroupQueryAttention's softcap, and the logits)
 
 then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
@@ -150,8 +151,12 @@ class _Emitter:
         if c.qk_norm:
             split = self.g.const(self.g.name("qkv_split"), np.array([q_size, kv_size, kv_size], np.int64))
             q, k, v = self.g.op("Split", [qkv, split], 3, axis=-1)
-            q = self.head_norm(q, f"layers.{i}.attn.q_norm.weight", c.num_heads)
-            k = self.head_norm(k, f"layers.{i}.attn.k_norm.weight", c.num_kv_heads)
+            if c.qk_norm_full_width:  # OLMo 2: one RMSNorm over the whole projection
+                q = self.rms_norm(q, f"layers.{i}.attn.q_norm.weight")
+                k = self.rms_norm(k, f"layers.{i}.attn.k_norm.weight")
+            else:
+                q = self.head_norm(q, f"layers.{i}.attn.q_norm.weight", c.num_heads)
+                k = self.head_norm(k, f"layers.{i}.attn.k_norm.weight", c.num_kv_heads)
         past_k, past_v = om.past_names(i)
         present_k, present_v = om.present_names(i)
         inputs = [q, k, v, past_k, past_v, om.SEQLENS_K, om.TOTAL_SEQUENCE_LENGTH, "cos_cache", "sin_cache",
@@ -195,17 +200,24 @@ class _Emitter:
         residual = self.g.op1("Gather", [embed, om.INPUT_IDS])  # [batch, seq, hidden]
         if c.embed_scale is not None:  # Gemma: sqrt(hidden), as the artifact records it
             residual = self.g.op1("Mul", [residual, self.g.const("embed_scale", np.array(c.embed_scale, np.float32))])
-        x = self.rms_norm(residual, "layers.0.input_norm.weight")
+        # OLMo 2 (pre_norms false): the attention and the MLP read the residual stream itself
+        x = self.rms_norm(residual, "layers.0.input_norm.weight") if c.pre_norms else residual
         for i in range(c.num_layers):
             attn = self.attention(i, x)
-            if c.sandwich_norms:  # Gemma: the sub-layers' outputs normed before the residual add
+            if c.sandwich_norms:  # Gemma, OLMo 2: the sub-layers' outputs normed before the residual add
                 attn = self.rms_norm(attn, f"layers.{i}.attn_out_norm.weight")
-            x, residual = self.skip_norm(attn, residual, f"layers.{i}.post_attn_norm.weight")
+            if c.pre_norms:
+                x, residual = self.skip_norm(attn, residual, f"layers.{i}.post_attn_norm.weight")
+            else:
+                x = residual = self.g.op1("Add", [attn, residual])
             mlp = self.mlp(i, x)
             if c.sandwich_norms:
                 mlp = self.rms_norm(mlp, f"layers.{i}.mlp_out_norm.weight")
-            after = f"layers.{i + 1}.input_norm.weight" if i + 1 < c.num_layers else "norm.weight"
-            x, residual = self.skip_norm(mlp, residual, after)
+            if c.pre_norms or i + 1 == c.num_layers:
+                after = f"layers.{i + 1}.input_norm.weight" if i + 1 < c.num_layers else "norm.weight"
+                x, residual = self.skip_norm(mlp, residual, after)
+            else:
+                x = residual = self.g.op1("Add", [mlp, residual])
         flat = self.g.op1("Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))])
         rows = self.g.op1("Gather", [flat, om.LOGITS_INDICES], axis=0)  # [rows, hidden]
         if c.tie_word_embeddings:
