@@ -9,7 +9,7 @@ helper here is reachable through a fixture:
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
-* ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
+* ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite``, ``tiny_olmo2`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -59,7 +59,7 @@ FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
-OTHER_FAMILIES = ("gemma3", "gemma2", "granite")
+OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -157,6 +157,11 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # dropping any one of them moves the logits clearly (test_granite.py checks it).
     "granite": ("GraniteConfig", {"embedding_multiplier": 12.0, "attention_multiplier": 0.05,
                                   "residual_multiplier": 0.3, "logits_scaling": 5.0}),
+    # OLMo 2: the Llama shape (hidden 64, GQA 4/2: q_norm 64 wide, k_norm 32, 2 layers, untied) with no pre-norms, the
+    # sub-layers' outputs normed (post_attention_layernorm, post_feedforward_layernorm) and q/k norms over the whole
+    # projections; every norm weight random (1 + 0.1 randn), so that a per-head q/k norm or a norm in the wrong place
+    # disagrees with transformers (tests/runtime/test_olmo2.py checks the first).
+    "olmo2": ("Olmo2Config", {}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -567,6 +572,11 @@ def tiny_gemma2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_granite(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "granite")
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "olmo2")
 
 
 @pytest.fixture(scope="session")

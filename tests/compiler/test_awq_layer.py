@@ -67,6 +67,29 @@ def test_gemma3_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds
     torch.testing.assert_close(runner.forward(runner.build_layer(folded), states[0]), states[1], atol=1e-4, rtol=1e-4)
 
 
+@torch.inference_mode()
+def test_olmo2_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds_keep_it(tiny_olmo2, hf_model):
+    """OLMo 2's layer 0 (no pre-norms, output norms, full-width q/k norms) run by the calibration's LayerRunner gives
+    transformers' layer output; AWQ has no norm to fold qkv's and gate_up's scales into (they read the residual
+    stream), only up's rows for down, and that fold leaves it unchanged."""
+    hf = read_hf_config(tiny_olmo2)
+    spec = model_spec_for(hf, tiny_olmo2)
+    config = model_config_from_hf(hf, spec, "float32")
+    with TensorReader(tiny_olmo2) as reader:
+        layer = read_layer(reader, spec, config, 0)
+    ids = torch.arange(100, 132).view(1, 32)
+    states = hf_model(tiny_olmo2)(input_ids=ids, output_hidden_states=True).hidden_states
+    runner = LayerRunner(config, seq_len=32, device=torch.device("cpu"))
+    torch.testing.assert_close(runner.forward(runner.build_layer(layer), states[0]), states[1], atol=1e-4, rtol=1e-4)
+    assert _awq_folds(config) == [("mlp.down", "mlp.gate_up")]  # GQA 4/2: o's inputs are not v's rows alone
+    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
+    gen = torch.Generator().manual_seed(0)
+    for name, target in _awq_folds(config):
+        _fold(folded, name, target, torch.rand(folded.linears[name].shape[1], generator=gen) * 3 + 0.2)
+    assert not torch.equal(folded.linears["mlp.gate_up"], layer.linears["mlp.gate_up"])
+    torch.testing.assert_close(runner.forward(runner.build_layer(folded), states[0]), states[1], atol=1e-4, rtol=1e-4)
+
+
 def test_layer_choice_is_never_worse_than_rtn(ref_model_dir):
     config, layer = _setup(ref_model_dir)
     quant = QuantizationConfig(method="awq", bits=3, group_size=128, symmetric=False)

@@ -90,14 +90,15 @@ class MixedStep:
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma3",
-                                    "tiny_gemma2"])
+                                    "tiny_gemma2", "tiny_olmo2"])
 @torch.inference_mode()
 def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path,
                                                                                        forward_step):
     """The pieces of a mixed step run in order with each layer's attention between them, padded to a
     larger size whose padding rows hold an earlier step's tokens: the hidden states and the KV cache
     of the model's forward, and only the scratch block written besides (qk_norm, a sliding window, MoE
-    layers; Gemma 3's sandwich norms and second rotary table; Gemma 2's attention soft cap in `attend`)."""
+    layers; Gemma 3's sandwich norms and second rotary table; Gemma 2's attention soft cap in `attend`; OLMo 2's
+    residual stream read by qkv and gate_up, and its full-width q/k norms in `project`)."""
     step = MixedStep(family, request, tmp_path, forward_step)
     n = step.batch.num_tokens  # 27: padded to 32
     pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
@@ -114,7 +115,7 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
     step.assert_matches_eager(pieces.hidden[:n])
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma2"])
+@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_olmo2"])
 @torch.inference_mode()
 def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path, forward_step):
     """cudagraph_mode FULL's forward (runtime/mixed_graphs.py; on a CPU, the same forward eagerly):
