@@ -67,6 +67,20 @@ def test_rms_norm_of_strided_head_slices(elementwise_case) -> None:
     assert_close(out, norm.rms_norm(q, weight, 1e-6), dtype)
 
 
+def test_rms_norm_of_whole_strided_q_and_k_slices(elementwise_case) -> None:
+    """OLMo 2's q/k norms normalise the whole q and k columns [num_tokens, width] of the fused qkv output (k's
+    starting past q's): one variance per token over the slice."""
+    from llmc.kernels.norm_triton import rms_norm
+
+    device, dtype = elementwise_case
+    qkv = torch.randn(3, (4 + 2 * 2) * 16).to(dtype)
+    for start, width in ((0, 64), (64, 32)):
+        weight = (1 + 0.1 * torch.randn(width)).to(dtype)
+        out, _ = rms_norm(qkv.to(device)[:, start:start + width], weight.to(device), 1e-6)
+        assert out.is_contiguous()
+        assert_close(out, norm.rms_norm(qkv[:, start:start + width], weight, 1e-6), dtype)
+
+
 @pytest.mark.parametrize("num_tokens,size", [(1, 48), (3, 1500)])
 def test_silu_and_mul_matches_torch(elementwise_case, num_tokens, size) -> None:
     from llmc.kernels.activation_triton import act_and_mul
