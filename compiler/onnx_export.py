@@ -8,10 +8,12 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   GroupQueryAttention (rotary from the model's cos/sin tables, causal, optional sliding window,
   past/present K/V in one shared buffer) → o → [RMSNorm] → SkipSimplifiedLayerNormalization (residual
   add + norm) → gate_up → SiLU(gate) * up (GELU-tanh for Gemma) → down → [RMSNorm] →
-  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's and OLMo 2's sandwich
-  norms (OLMo 2 has no RMSNorm before qkv or gate_up: plain Adds of the residual stream, and its q/k norms span
-  the whole projections) (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled; Gemma 2
-  soft-caps the attention scores, GroupQueryAttention's softcap, and the logits)
+  SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's and OLMo 2's
+  sandwich norms (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled;
+  Gemma 2 soft-caps the attention scores, GroupQueryAttention's softcap, and the logits). OLMo 2 has no
+  RMSNorm before qkv or gate_up (plain Adds of the residual stream in place of the first norm and the
+  SkipSimplifiedLayerNormalization before the MLP and before the next layer) and one RMSNorm over each whole
+  q / k projection in place of the per-head ones
 
 then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
 RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
