@@ -321,7 +321,8 @@ def _unit_shards(ctx: _Context, reader: hf.TensorReader, unit: str | int, layout
             yield layout.rank, {f"layers.{unit}.{name}": tensor for name, tensor in packed.items()}
         return
     holders = [lay for lay in layouts if (lay.has_embed if unit == "embed" else lay.has_head)]
-    weight = pack_global_fn(unit, read_global(reader, ctx.spec, unit, padded_vocab_size(ctx.model.vocab_size, ctx.parallel.tensor)))
+    read = getattr(packer, "read_global", read_global)  # an import's quantized lm_head: its packed tensors
+    weight = pack_global_fn(unit, read(reader, ctx.spec, unit, padded_vocab_size(ctx.model.vocab_size, ctx.parallel.tensor)))
     for layout in holders:
         yield layout.rank, pack_global(unit, shard_global(unit, weight, layout), ctx.module_formats, dtype)
 

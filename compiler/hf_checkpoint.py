@@ -462,6 +462,12 @@ class TensorReader:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
         return tuple(self._handle(name).get_slice(name).get_shape())
 
+    def dtype_name(self, name: str) -> str:
+        """A tensor's safetensors dtype ("BF16", "F8_E4M3", ...), read from the file's header (no data)."""
+        if name not in self.location:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        return self._handle(name).get_slice(name).get_dtype()
+
     def _handle(self, name: str):
         path = self.location[name]
         if path not in self._handles:

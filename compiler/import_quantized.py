@@ -5,6 +5,12 @@ Mixture-of-experts checkpoints are read as llm-compressor, GPTQModel and AutoAWQ
 per expert (`block_sparse_moe.experts.{e}.w1`, `mlp.experts.{e}.gate_proj`, ...), each unpacked like a
 dense linear; each expert's gate and up fuse into its gate_up, and `pack_layer` stacks the experts. The
 router stays dense: the checkpoint must hold it as a plain `.weight` (its `ignore` list names it).
+
+An untied lm_head is imported in the format quantization_config gives it (GPTQ `lm_head: true`; compressed-tensors
+targets that reach it and an `ignore` without it), unpacked like any linear and padded to the vocabulary rows
+the ranks split; the runtime runs it as it runs a head quantized by a build from the float checkpoint.
+A quantized head on a model with tie_word_embeddings, and a head whose tensors the config does not describe,
+are refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from llmc.compiler.convert import LayerWeights, read_layer
+from llmc.compiler.convert import LayerWeights, UnpackedLinear, read_global, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import module_names
 from llmc.errors import CheckpointError
@@ -51,8 +57,8 @@ def import_formats(hf_config: dict, spec: ModelSpec, config: ModelConfig, model_
     dense = DenseFormat(getattr(torch, config.dtype)).spec()
     formats = {}
     for module, names in module_names(spec, config).items():
-        if module == "lm_head":
-            formats[module] = dense
+        if module == "lm_head":  # (a tied head is the embedding: module_names leaves it out)
+            formats[module] = dense if ispec.is_ignored(_head_module(spec)) else ispec.format_spec()
             continue
         members = names[1:]
         ignored = [m for m in members if ispec.is_ignored(m)]
@@ -76,12 +82,7 @@ class ImportPacker:
         self.reader = reader
         self.module_tensors = _tensors_by_module(reader.names())
         self._check_routers()
-        head = sorted(self.module_tensors.get("lm_head", {}))
-        if head and head != ["weight"]:
-            raise CheckpointError(
-                f"{reader.model_dir}: the checkpoint's lm_head is quantized ({', '.join('lm_head.' + t for t in head)}); llmc "
-                "imports checkpoints whose lm_head is dense (llm-compressor's and AutoAWQ's default): re-export with "
-                "lm_head ignored, or build from the float checkpoint with quantization.ignore: [] to quantize the head")
+        self._check_head()
 
     def read_layer(self, reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
         return read_layer(reader, spec, config, index, skip_linears=set(self._quantized_linears(index)))
@@ -93,7 +94,15 @@ class ImportPacker:
                    for name, members in self._all_linears(layer.index).items()}
         return LayerWeights(layer.index, linears, layer.biases, layer.norms)
 
-    def pack_global(self, module: str, weight: Tensor) -> Tensor:
+    def read_global(self, reader: TensorReader, spec: ModelSpec, module: str, padded_vocab_size: int) -> UnpackedLinear:
+        """A global module's weight: a quantized lm_head unpacked from the checkpoint's tensors (rows past the
+        vocabulary added with weight 0, as `read_global` zero-pads a float head); the rest read as float."""
+        if module != "lm_head" or self.formats["lm_head"]["format"] == "dense":
+            return read_global(reader, spec, module, padded_vocab_size)
+        q = self._unpack(_head_module(spec), self.config.hidden_size, self.config.vocab_size)
+        return _pad_rows(q, padded_vocab_size)
+
+    def pack_global(self, module: str, weight: UnpackedLinear) -> UnpackedLinear:
         return weight
 
     def _all_linears(self, index: int) -> dict[str, list[tuple[str, int, int]]]:
@@ -130,6 +139,31 @@ class ImportPacker:
                 f"save them ({module}.weight_packed, .qweight, ...)")
         return unpack_module(self.ispec, module, {k: self.reader.get(n) for k, n in tensors.items()}, in_features, out_features)
 
+    def _check_head(self) -> None:
+        """The checkpoint's lm_head tensors are what quantization_config says of them; a quantized head needs
+        its own matrix (untied)."""
+        module = _head_module(self.spec)
+        found = sorted(self.module_tensors.get(module, {}))
+        is_fp8 = "weight" in found and self.reader.dtype_name(module + ".weight").startswith("F8")  # (no data read)
+        stored = ", ".join(f"{module}.{t}" for t in found)
+        if not (found and (found != ["weight"] or is_fp8)):  # dense, or not stored (tied)
+            if "lm_head" in self.formats and self.formats["lm_head"]["format"] != "dense":
+                raise CheckpointError(
+                    f"{self.reader.model_dir}: quantization_config says {module} is quantized ({self.ispec.method}), but "
+                    f"the checkpoint holds {stored or 'no tensors of it'} (dense): the config does not describe the "
+                    "tensors; fix quantization_config (GPTQ lm_head: false, compressed-tensors: lm_head in ignore)")
+            return
+        if self.config.tie_word_embeddings:
+            raise CheckpointError(
+                f"{self.reader.model_dir}: the checkpoint's {module} is quantized ({stored}) but tie_word_embeddings is "
+                "true, so llmc's head is the embedding's matrix, which stays dense: a quantized tied lm_head is not "
+                "imported; re-export with lm_head dense (ignored), or untie the embeddings in config.json")
+        if self.formats["lm_head"]["format"] == "dense":
+            raise CheckpointError(
+                f"{self.reader.model_dir}: the checkpoint's {module} is quantized ({stored}), but quantization_config "
+                "leaves it dense (GPTQ lm_head: false; AutoAWQ, which never quantizes it; compressed-tensors with lm_head in "
+                "ignore or outside the targets): the config does not describe the tensors")
+
     def _check_routers(self) -> None:
         """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight`."""
         for index in self.config.moe_layers:
@@ -139,6 +173,30 @@ class ImportPacker:
                 raise CheckpointError(
                     f"{self.reader.model_dir}: the router {router} has {found or 'no tensors'} instead of a dense "
                     "weight; llmc keeps MoE routers unquantized: re-export with the router in quantization_config's ignore")
+
+
+def _head_module(spec: ModelSpec) -> str:
+    """lm_head's module name in the checkpoint ("lm_head")."""
+    return spec.global_tensors["lm_head.weight"].removesuffix(".weight")
+
+
+def _pad_rows(q: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """q with output rows added up to `rows`, each of weight exactly 0 (levels at the zero point, scale 1;
+    FP8: 0 times its scale), as the zero rows a float lm_head is padded with to split its vocabulary."""
+    extra = rows - q.out_features
+    if extra <= 0:
+        return q
+    is_fp8 = q.qweight.dtype == torch.float8_e4m3fn
+    zero_level = 0 if is_fp8 else 2 ** (q.bits - 1)
+
+    def padded(t: Tensor, value: float) -> Tensor:
+        return torch.cat([t, torch.full((extra, *t.shape[1:]), value).to(t.dtype)])  # (no torch.full in FP8)
+
+    is_per_row = q.scales.shape[0] == q.out_features  # a per-tensor FP8 scale covers the new rows too
+    return QuantizedWeight(
+        qweight=padded(q.qweight, zero_level), scales=padded(q.scales, 1.0) if is_per_row else q.scales,
+        zeros=None if q.zeros is None else padded(q.zeros, zero_level), bits=q.bits, group_size=q.group_size,
+        g_idx=q.g_idx, input_scale=q.input_scale)
 
 
 def _tensors_by_module(names: list[str]) -> dict[str, dict[str, str]]:

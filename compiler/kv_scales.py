@@ -55,6 +55,8 @@ class KVScaleObserver:
         self.v_amax: list[float] = []
         if hasattr(packer, "read_layer"):
             self.read_layer = packer.read_layer
+        if hasattr(packer, "read_global"):
+            self.read_global = packer.read_global
         if hasattr(packer, "report"):
             self.report = packer.report
 

@@ -161,11 +161,8 @@ def _parse_gptq(qc: dict) -> ImportSpec:
     for name, value in flags.items():
         if not isinstance(value, bool):  # bool("false") is True
             raise CheckpointError(f"GPTQ quantization_config {name} is {value!r}; config.json must give it as true or false")
-    if flags["lm_head"]:
-        raise CheckpointError("GPTQ quantization_config lm_head: true (a quantized output head) is not imported: llmc "
-                              "imports checkpoints whose lm_head is dense; re-export it so, or build from the float "
-                              "checkpoint with quantization.ignore: [] to quantize the head")
-    ignored = tuple(qc.get("modules_to_not_convert") or ()) + ("lm_head",)
+    # lm_head: true (GPTQModel, AutoGPTQ) packs lm_head like every other linear (qweight, qzeros, scales, g_idx)
+    ignored = tuple(qc.get("modules_to_not_convert") or ()) + (() if flags["lm_head"] else ("lm_head",))
     return ImportSpec(
         method="gptq",
         layout=layouts[checkpoint_format],

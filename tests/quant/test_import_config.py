@@ -114,7 +114,7 @@ def test_awq_and_gptq_configs() -> None:
         ({"quant_method": "gptq", "bits": 4.0, "group_size": 128}, r"bits is 4\.0 \(float\)"),
         ({"quant_method": "gptq", "bits": 4, "group_size": "128"}, r"group_size is '128' \(str\)"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": "false"}, "sym is 'false'"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantized output head"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": "true"}, "lm_head is 'true'"),
         (compressed_tensors_config({**W4A16, "num_bits": "4"}), "num_bits|bits is '4'"),
         (compressed_tensors_config({**W4A16, "symmetric": "false"}), "symmetric is 'false'"),
         (compressed_tensors_config(W4A16, {"num_bits": 8, "type": "int"}), "W4A8"),
@@ -130,6 +130,15 @@ def test_awq_and_gptq_configs() -> None:
 def test_unsupported_configs_raise_checkpoint_errors(config, message) -> None:
     with pytest.raises(CheckpointError, match=message):
         parse_quantization_config(config)
+
+
+def test_gptq_lm_head_flag_says_whether_the_head_is_quantized() -> None:
+    """GPTQModel / AutoGPTQ `lm_head: true` packs lm_head like the other linears; false (the default) leaves it dense."""
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert parse_quantization_config(config).is_ignored("lm_head")
+    assert parse_quantization_config({**config, "lm_head": False}).is_ignored("lm_head")
+    head = parse_quantization_config({**config, "lm_head": True})
+    assert not head.is_ignored("lm_head") and not head.is_ignored("model.layers.0.mlp.down_proj")
 
 
 def test_ignored_modules_match_names_and_regexes() -> None:
