@@ -85,6 +85,21 @@ def test_round_trip_through_the_importer(kind, tiny_llama, tmp_path, data_dir):
         assert not [name for name in f.keys() if name.endswith("g_idx")]
 
 
+@pytest.mark.parametrize("quant", [{"method": "rtn", "bits": 4, "group_size": 32, "symmetric": False},
+                                   {"method": "fp8", "activations": "dynamic"}], ids=["rtn-w4-asym", "fp8-dynamic"])
+def test_round_trip_of_a_quantized_lm_head(quant, tiny_llama, tmp_path):
+    """An artifact whose lm_head is quantized (`ignore: []`) exports it packed, under lm_head, outside `ignore`,
+    and the importer reads it back into the same head: the same logits, bit for bit."""
+    original = _build(tiny_llama, tmp_path / "original", {**quant, "ignore": []})
+    assert _modules(original)["lm_head"]["format"] != "dense"
+    exported = _round_trip(original, tmp_path, "cpu")
+    assert "lm_head" not in json.loads((exported / "config.json").read_text())["quantization_config"]["ignore"]
+    with safe_open(exported / "model.safetensors", "pt") as f:
+        head = {name for name in f.keys() if name.startswith("lm_head.")}
+    assert head == ({"lm_head.weight", "lm_head.weight_scale"} if quant["method"] == "fp8" else
+                    {"lm_head.weight_packed", "lm_head.weight_scale", "lm_head.weight_shape", "lm_head.weight_zero_point"})
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "phi3"])
 def test_round_trip_of_other_families(family, request, tmp_path):
     """qwen2: q/k/v biases split with their rows; qwen3: the q/k norms renamed; phi3: q/k/v and gate/up written
