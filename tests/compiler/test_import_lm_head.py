@@ -281,3 +281,28 @@ def test_a_head_the_config_calls_quantized_but_is_stored_dense_is_refused(tiny_l
     tensors["lm_head.weight"] = load_file(tiny_llama / "model.safetensors")["lm_head.weight"]
     save_file(tensors, ckpt / "model.safetensors")
     _refused(ckpt, tmp_path, r"quantization_config says lm_head is quantized .*holds lm_head\.weight \(dense\)")
+
+
+@pytest.mark.parametrize("kind", ["ct-w8-asym", "ct-fp8-static"])  # (desc_act's o/down groups cannot split)
+def test_tensor_parallel_ranks_hold_their_vocabulary_rows_of_the_head(kind, tiny_llama, tmp_path):
+    """parallel.tensor 2: each rank's lm_head is its half of the vocabulary rows of the one-rank artifact's
+    (per-row tensors split, a static input_scale whole)."""
+    _write_checkpoint(tiny_llama, tmp_path / "ckpt", kind)
+    heads = {}
+    for tensor in (1, 2):
+        out = tmp_path / f"tp{tensor}"
+        build(recipe_from_dict({"model": str(tmp_path / "ckpt"), "output": str(out), "dtype": "float32",
+                                "target": {"device": "cpu"}, "parallel": {"tensor": tensor},
+                                "quantization": {"method": "import"}}), show_progress=False)
+        heads[tensor] = [{k: v for k, v in load_file(out / f"rank-{r:02d}" / "weights.safetensors").items()
+                          if k.startswith("lm_head.")} for r in range(tensor)]
+    whole = heads[1][0]
+    assert whole and all(shard.keys() == whole.keys() for shard in heads[2])
+    assert heads[2][0]["lm_head.weight" if "fp8" in kind else "lm_head.qweight"].shape[0] == 4096 // 2
+    for name, tensor in whole.items():
+        halves = [shard[name] for shard in heads[2]]
+        is_split = halves[0].shape != tensor.shape
+        expected = tensor.chunk(2) if is_split else (tensor, tensor)
+        assert all(torch.equal(h.view(torch.uint8) if h.dtype == torch.float8_e4m3fn else h,
+                               e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
+                   for h, e in zip(halves, expected)), name
