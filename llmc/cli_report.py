@@ -271,7 +271,7 @@ def _attention_text(m: dict) -> str:
     elif m.get("query_pre_attn_scalar"):
         parts.append(f"scale {m['query_pre_attn_scalar']:g}^-0.5")
     if m.get("qk_norm"):
-        parts.append("q/k RMSNorm")
+        parts.append("q/k RMSNorm over the whole projections" if m.get("qk_norm_full_width") else "q/k RMSNorm per head")
     if m.get("attention_bias"):
         parts.append("q/k/v biases")
     window = m.get("sliding_window")
@@ -292,7 +292,8 @@ def _layer_text(m: dict) -> str:
     if m.get("hidden_act", "silu") != "silu":
         parts.append(f"{m['hidden_act']} MLP")
     if m.get("sandwich_norms"):
-        parts.append("norms after attention and MLP too (sandwich)")
+        parts.append("norms after attention and MLP too (sandwich)" if m.get("pre_norms", True)
+                     else "norms after attention and MLP only (no pre-norms)")
     if m.get("embed_scale"):
         parts.append(f"embeddings x {m['embed_scale']:g}")
     if m.get("final_logit_softcapping"):

@@ -211,3 +211,18 @@ def test_float32_on_the_gpu_matches_transformers(tiny_olmo2, artifact, hf_greedy
     llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
     check_against_transformers(llm, tiny_olmo2, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
     llm.close()
+
+
+def test_inspect_says_no_pre_norms_and_whole_projection_qk_norms(tiny_olmo2, artifact):
+    """`llmc inspect` on OLMo 2: q/k norms over the whole projections, norms after the sub-layers only."""
+    from click.testing import CliRunner
+    from transformers import AutoConfig
+
+    from llmc.cli import cli
+
+    hf = AutoConfig.from_pretrained(tiny_olmo2)
+    result = CliRunner().invoke(cli, ["inspect", str(artifact)])
+    assert result.exit_code == 0, result.output
+    rows = {line[:26].strip(): line[26:] for line in result.output.splitlines()}
+    assert rows["attention"] == f"rope theta {hf.rope_parameters['rope_theta']:g}, q/k RMSNorm over the whole projections"
+    assert rows["layers"] == "norms after attention and MLP only (no pre-norms)"
