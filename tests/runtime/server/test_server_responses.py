@@ -552,6 +552,26 @@ def test_cancel_a_background_response_mid_generation_frees_its_blocks(client, ap
     assert ctx.response_store.get(started.id).task is None
 
 
+def test_a_cancelled_response_keeps_the_logprobs_of_its_text(client, app):
+    """include message.output_text.logprobs: the snapshot of a response being generated, and the response left when
+    it was cancelled, had its text with no logprobs at all (logprobs []), where a finished one has every token's."""
+    ctx = app[1]
+    started = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=200, temperature=0,
+                                      top_logprobs=1, include=[INCLUDE_LOGPROBS], background=True,
+                                      extra_body={"ignore_eos": True})
+    _wait_until(lambda: client.responses.retrieve(started.id).output_text, "the first output text")
+    with _engine_paused(ctx):
+        running = client.responses.retrieve(started.id)
+        cancelled = client.responses.cancel(started.id)
+    for response in (running, cancelled):
+        (part,) = response.output[0].content
+        assert part.text and part.logprobs, (response.status, part)
+        assert "".join(entry.token for entry in part.logprobs).startswith(part.text)
+        assert all(len(entry.top_logprobs) == 1 for entry in part.logprobs)
+    assert cancelled.status == "cancelled" and cancelled.output[0].content[0].text == running.output_text
+    _wait_all_blocks_free(ctx)
+
+
 def test_cancel_errors(client):
     foreground = client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
     with pytest.raises(openai.BadRequestError) as caught:
