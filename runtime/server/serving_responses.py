@@ -31,7 +31,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.server import reasoning_parsers as reasoning
@@ -66,17 +66,34 @@ class StoredResponse:
     """A kept response: its body (while it is generated, a snapshot: status queued or in_progress, the output
     so far), the conversation that led to it (its input items after those of the responses before it; not
     their instructions, which OpenAI does not carry over), its input items as listed (ids assigned), and for a
-    background response being generated, the task generating it and its Generation (what cancel aborts)."""
+    background response being generated, the task generating it and its Generation (what cancel aborts).
+    While it is generated, `output_so_far` gives its output items as they stand (read when asked for, not
+    copied at every step; a message's logprobs every generated token's, as in the finished response)."""
 
     response: dict
     conversation: list[dict]
     input_items: list[dict] = dataclasses.field(default_factory=list)
     task: asyncio.Task | None = None
     generation: Generation | None = None
+    output_so_far: Callable[[], list[dict]] | None = None
 
     @property
     def is_finished(self) -> bool:
         return self.response["status"] not in UNFINISHED
+
+    def current(self) -> dict:
+        """The response as it stands (a new dict): while it is generated, with its output so far."""
+        if self.output_so_far is not None and not self.is_finished:
+            return self.response | {"output": self.output_so_far()}
+        return dict(self.response)
+
+    def end(self, status: str, **fields) -> None:
+        """Left unfinished (cancelled, failed): its output as far as generated, an item still being written
+        `incomplete`."""
+        output = [item | {"status": "incomplete"} if item.get("status") == "in_progress" else item
+                  for item in self.current()["output"]]
+        self.response = self.response | {"status": status, "output": output, **fields}
+        self.output_so_far = None
 
     def stop(self) -> None:
         """Abort the generation (its engine request and KV blocks) and its task, if they still run."""
@@ -90,9 +107,7 @@ class StoredResponse:
         still being written `incomplete`), its generation aborted."""
         if self.is_finished:
             return
-        output = [item | {"status": "incomplete"} if item.get("status") == "in_progress" else item
-                  for item in self.response["output"]]
-        self.response = self.response | {"status": "cancelled", "output": output}
+        self.end("cancelled")
         self.stop()
 
 
@@ -229,7 +244,7 @@ def retrieve_response(ctx: ServingContext, response_id: str, query: dict[str, st
     if "include" in query or "include[]" in query:
         raise invalid("include", "is not supported when retrieving a response: it carries what the creating "
                       "request's include asked for (message.output_text.logprobs)")
-    return dict(_checked_store(ctx.response_store, response_id).response)
+    return _checked_store(ctx.response_store, response_id).current()
 
 
 def cancel_response(ctx: ServingContext, response_id: str) -> dict:
@@ -241,7 +256,7 @@ def cancel_response(ctx: ServingContext, response_id: str) -> dict:
         raise invalid("response_id", "Only background responses can be cancelled; this one was created without "
                       "background: true")
     record.cancel()
-    return dict(record.response)
+    return record.current()
 
 
 def list_input_items(ctx: ServingContext, response_id: str, query: list[tuple[str, str]]) -> dict:
@@ -367,6 +382,15 @@ class _OutputBuilder:
                 item["arguments"] += event[2]
                 self._emit("response.function_call_arguments.delta", item, delta=event[2])
 
+    def snapshot(self) -> list[dict]:
+        """The output items as they stand (copies), a message's logprobs every token's so far (as `finish` gives them)."""
+        items = [_copy(item) for item in self.items]
+        if self.with_logprobs:
+            for item in items:
+                if item["type"] == "message":
+                    item["content"][0]["logprobs"] = list(self.logprobs)
+        return items
+
     def finish(self, status: str) -> None:
         """The end of the output: the open item done (`status`: "completed", or "incomplete" when cut); a
         message's logprobs are every generated token's, also those after it closed (a call's, streamed)."""
@@ -491,14 +515,15 @@ class _ResponsesReply:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         record = self.record
         if record is not None and not record.is_finished:  # not once cancelled
-            record.response = body
+            record.response, record.output_so_far = body, None
         return body
 
     def _progress(self, builder: _OutputBuilder) -> None:
-        """The kept snapshot of a response being generated: in_progress, the output items so far."""
+        """The kept response being generated: in_progress, its output items so far (read from the builder)."""
         record = self.record
-        if record is not None and not record.is_finished:
-            record.response = record.response | {"status": "in_progress", "output": [_copy(i) for i in builder.items]}
+        if record is not None and not record.is_finished and record.output_so_far is None:
+            record.response = record.response | {"status": "in_progress"}
+            record.output_so_far = builder.snapshot
 
     def abandon(self) -> None:
         """A response that was not generated to its end (its client went away, the engine failed): a
@@ -510,10 +535,7 @@ class _ResponsesReply:
     def _fail(self, error: ApiError) -> None:
         record = self.record
         if record is not None and not record.is_finished:
-            output = [item | {"status": "incomplete"} if item.get("status") == "in_progress" else item
-                      for item in record.response["output"]]
-            record.response = record.response | {"status": "failed", "output": output, "error": {
-                "code": "server_error", "message": error.message}}
+            record.end("failed", error={"code": "server_error", "message": error.message})
 
     def _advance(self, builder: _OutputBuilder, parser, tracker: DeltaTracker, output: RequestOutput) -> dict | None:
         """One engine output into the builder (its events taken by the caller); the final Response when it is the last."""
