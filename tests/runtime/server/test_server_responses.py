@@ -359,6 +359,27 @@ def test_the_store_keeps_the_last_responses():
     assert store.delete("b") and not store.delete("b")
 
 
+def test_the_store_drops_finished_responses_before_one_still_generated():
+    """Past capacity the oldest record was dropped even while it was still generated (a background response's
+    generation aborted, its client's GET a 404) with finished responses in the store: those go first now."""
+    aborted = []
+
+    class Generation:
+        def abort(self):
+            aborted.append(True)
+
+    store = ResponseStore(capacity=2)
+    running = store.put({"id": "a", "status": "in_progress"}, [])
+    running.generation = Generation()
+    store.put({"id": "b", "status": "completed"}, [])
+    store.put({"id": "c", "status": "cancelled"}, [])
+    assert store.get("a") is running and store.get("b") is None and store.get("c") is not None and not aborted
+    store.put({"id": "d", "status": "queued"}, [])
+    assert store.get("c") is None and store.get("a") is running and not aborted and len(store) == 2
+    store.put({"id": "e", "status": "queued"}, [])  # none finished: the oldest goes, its generation aborted
+    assert store.get("a") is None and aborted == [True] and [store.get(r) is not None for r in "de"] == [True, True]
+
+
 def test_one_assistant_turn_of_items_is_one_chat_message():
     items = [{"type": "message", "role": "user", "content": "q"},
              {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
