@@ -113,8 +113,9 @@ class StoredResponse:
 
 class ResponseStore:
     """The responses kept for GET /v1/responses/{id} (and its input_items), cancel and previous_response_id,
-    in memory, the last `capacity` of them. One dropped (the oldest past capacity, or deleted) while a
-    background task still generates it has its generation aborted: nobody could read it."""
+    in memory, the last `capacity` of them. Past capacity the oldest finished response is dropped (one still
+    generated only when none is finished). One dropped (so, or deleted) while a background task still
+    generates it has its generation aborted: nobody could read it."""
 
     def __init__(self, capacity: int = MAX_STORED_RESPONSES):
         self.capacity = capacity
@@ -133,7 +134,8 @@ class ResponseStore:
         self._responses[rid] = record
         self._responses.move_to_end(rid)
         while len(self._responses) > self.capacity:
-            _, dropped = self._responses.popitem(last=False)
+            oldest = next((key for key, kept in self._responses.items() if kept.is_finished), None)
+            dropped = self._responses.pop(oldest if oldest is not None else next(iter(self._responses)))
             dropped.stop()
 
     def get(self, response_id: str) -> StoredResponse | None:
