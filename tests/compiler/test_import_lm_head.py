@@ -306,3 +306,21 @@ def test_tensor_parallel_ranks_hold_their_vocabulary_rows_of_the_head(kind, tiny
         assert all(torch.equal(h.view(torch.uint8) if h.dtype == torch.float8_e4m3fn else h,
                                e.view(torch.uint8) if e.dtype == torch.float8_e4m3fn else e)
                    for h, e in zip(halves, expected)), name
+
+
+@pytest.mark.parametrize("vocab", [4068, 4092])  # 4068 % 32 = 4: GPTQModel's qzeros width (vocab // 32 * 4) is 508 words
+def test_a_gptq_head_whose_vocabulary_fills_no_whole_qzeros_words_is_refused(vocab, tiny_llama, tmp_path):
+    """GPTQ packs qzeros along the output rows in int32 words (32 / bits rows a word): a vocabulary that is not a
+    multiple of that cannot hold its zero points (GPTQModel writes vocab // 32 * bits words; vLLM refuses such an
+    output size). Refused by name, not a torch error from the unpacker."""
+    ckpt = tmp_path / "ckpt"
+    _write_checkpoint(tiny_llama, ckpt, "gptq-w4-sym")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:vocab].contiguous()
+    for name in ("lm_head.qweight", "lm_head.scales"):
+        tensors[name] = tensors[name][:, :vocab].contiguous()
+    tensors["lm_head.qzeros"] = tensors["lm_head.qzeros"][:, : vocab // 32 * 4].contiguous()
+    save_file(tensors, ckpt / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    _refused(ckpt, tmp_path, rf"lm_head: out_features {vocab} is not a multiple of 8 .*qzeros")
