@@ -10,6 +10,7 @@ Anything else raises a CheckpointError naming what is supported.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Mapping
@@ -382,6 +383,14 @@ def check_module_tensors(
         raise CheckpointError(
             f"{module_name} lacks {missing} expected for {config}; is quantization_config right?"
         )
+    if spec.layout in ("awq-gemm", "gptq-v1", "gptq-v2") and out_features * spec.bits % 32:
+        # (pack-quantized packs its zero points along the output too, but pads the last word)
+        per_word = 32 // math.gcd(32, spec.bits)
+        raise CheckpointError(
+            f"{module_name}: out_features {out_features} is not a multiple of {per_word} ({spec.layout}, {spec.bits}-bit): "
+            f"{spec.method} packs qzeros along the output rows in whole int32 words, so the checkpoint cannot hold all "
+            "its zero points (vLLM refuses this output size too); re-export it as compressed-tensors pack-quantized, "
+            "or with this module dense")
     known = set(spec.required_tensor_names()) | set(spec.optional_tensor_names())
     for name, shape in expected_shapes(spec, in_features, out_features).items():
         if name not in tensors or name not in known:
