@@ -324,3 +324,21 @@ def test_a_gptq_head_whose_vocabulary_fills_no_whole_qzeros_words_is_refused(voc
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
     _refused(ckpt, tmp_path, rf"lm_head: out_features {vocab} is not a multiple of 8 .*qzeros")
+
+
+def test_a_damaged_quantized_head_is_refused_before_any_layer_is_read(tiny_llama, tmp_path, monkeypatch):
+    """The head is written last: its tensors are checked (shapes, dtypes, g_idx range) up front, so a damaged
+    head fails the build before the decoder layers are unpacked, not after all of them."""
+    from llmc.compiler import import_quantized
+
+    ckpt = tmp_path / "ckpt"
+    _write_checkpoint(tiny_llama, ckpt, "gptq-w4-asym-desc-act")
+    tensors = load_file(ckpt / "model.safetensors")
+    tensors["lm_head.g_idx"][0] = 7  # in_features 64, group 32: groups 0..1
+    save_file(tensors, ckpt / "model.safetensors")
+    layers_read = []
+    read_layer = import_quantized.ImportPacker.read_layer
+    monkeypatch.setattr(import_quantized.ImportPacker, "read_layer",
+                        lambda self, *args: layers_read.append(args[-1]) or read_layer(self, *args))
+    _refused(ckpt, tmp_path, r"lm_head\.g_idx holds groups 0\.\.7")
+    assert layers_read == []
