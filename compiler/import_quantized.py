@@ -26,7 +26,7 @@ from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.compiler.quantize import module_names
 from llmc.errors import CheckpointError
 from llmc.quant.formats import DenseFormat, QuantizedWeight
-from llmc.quant.import_config import ImportSpec, parse_quantization_config
+from llmc.quant.import_config import ImportSpec, check_module_tensors, parse_quantization_config
 from llmc.quant.importers import concat_out, unpack_module
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, hf_member_rows
@@ -141,7 +141,7 @@ class ImportPacker:
 
     def _check_head(self) -> None:
         """The checkpoint's lm_head tensors are what quantization_config says of them; a quantized head needs
-        its own matrix (untied)."""
+        its own matrix (untied); a quantized head's tensors pass check_module_tensors before any layer is read."""
         module = _head_module(self.spec)
         found = sorted(self.module_tensors.get(module, {}))
         is_fp8 = "weight" in found and self.reader.dtype_name(module + ".weight").startswith("F8")  # (no data read)
@@ -163,6 +163,9 @@ class ImportPacker:
                 f"{self.reader.model_dir}: the checkpoint's {module} is quantized ({stored}), but quantization_config "
                 "leaves it dense (GPTQ lm_head: false; AutoAWQ, which never quantizes it; compressed-tensors with lm_head in "
                 "ignore or outside the targets): the config does not describe the tensors")
+        # the head is written after every layer: its shapes, dtypes and g_idx are checked now, not then
+        tensors = {k: self.reader.get(n) for k, n in self.module_tensors[module].items()}
+        check_module_tensors(self.ispec, module, tensors, self.config.hidden_size, self.config.vocab_size)
 
     def _check_routers(self) -> None:
         """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight`."""
