@@ -22,6 +22,7 @@ from llmc.kernels.activation import GATE_UP_INTERLEAVE, silu_and_mul
 from llmc.kernels.w4a16_gemm import (dequantize_w4a16, gpu_packed_shapes, interleave_gate_up, pack_w4a16_for_gpu,
                                     w4a16_linear, w4a16_silu_mul)
 from llmc.kernels import fp8 as fp8_kernels
+from llmc.kernels.int8 import int8_linear
 from llmc.quant.numerics import FP8_DTYPE, quantize_fp8_static
 from llmc.quant.packing import num_words, pack_words, unpack_words
 
@@ -469,9 +470,64 @@ class Fp8Format:
         return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, out_dtype)
 
 
+@dataclass(frozen=True)
+class Int8W8A8Format:
+    """`w8a8-int8`: int8 weights, symmetric, one scale per output channel; activations int8, symmetric,
+    one scale per token computed at run time (llm-compressor's W8A8 scheme, vLLM's dynamic int8).
+
+    y = (x_int8 @ weight.T) * x_scale * weight_scale.T + bias with x_int8, x_scale from
+    kernels/int8.quantize_int8_per_token (scale = absmax / 127 per token, round half to even, ±127).
+    The weight is the symmetric 8-bit QuantizedWeight of the integer algorithms (levels [0, 256), zero
+    128, per channel: RTN's and GPTQ's scale = absmax / 127.5, compressed-tensors' convention) stored signed.
+
+    Tensors:
+      weight        int8 [out, in]      level - 128, in [-128, 127]
+      weight_scale  float32 [out, 1]
+    """
+
+    dtype: torch.dtype
+    name: str = "w8a8-int8"
+
+    @classmethod
+    def from_spec(cls, params: dict, dtype: torch.dtype) -> "Int8W8A8Format":
+        if params:
+            raise RecipeError(f"unknown w8a8-int8 field(s) {sorted(params)}; the format has none (per-channel "
+                              "weights, per-token dynamic activations)")
+        return cls(dtype)
+
+    def spec(self) -> dict:
+        return {"format": self.name}
+
+    def param_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec((out_features, in_features), torch.int8),
+                "weight_scale": TensorSpec((out_features, 1), torch.float32)}
+
+    def pack(self, q: QuantizedWeight) -> dict[str, Tensor]:
+        if q.bits != 8 or q.qweight.dtype != torch.int32 or q.group_size != -1 or not q.is_symmetric:
+            raise RecipeError(f"a {q.bits}-bit {q.qweight.dtype} weight (group_size {q.group_size}, "
+                              f"{'symmetric' if q.is_symmetric else 'with zero points'}) cannot be packed into "
+                              "w8a8-int8; it holds symmetric 8-bit weights with one scale per output channel")
+        if q.g_idx is not None and bool((q.g_idx != 0).any()):
+            raise RecipeError("w8a8-int8 holds one group per output channel; the weight has act-order groups")
+        if tuple(q.scales.shape) != (q.out_features, 1):
+            raise ValueError(f"scales {tuple(q.scales.shape)} != ({q.out_features}, 1)")
+        if int(q.qweight.min()) < 0 or int(q.qweight.max()) > 255:
+            raise ValueError("levels outside [0, 256) for w8a8-int8")
+        return {"weight": (q.qweight - 128).to(torch.int8).contiguous(),
+                "weight_scale": q.scales.float().contiguous()}
+
+    def dequantize(self, params: dict[str, Tensor], in_features: int | None = None) -> Tensor:
+        """Weights [out, in] float32 (what the artifact's weights stand for; activations aside)."""
+        return params["weight"].float() * params["weight_scale"].float()
+
+    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        return int8_linear(x, params["weight"], params["weight_scale"], bias)
+
+
 _FORMATS: dict[str, object] = {
     "dense": DenseFormat,
     "w8a8-fp8": Fp8Format,
+    "w8a8-int8": Int8W8A8Format,
     **{name: _IntFormatOfBits(bits) for bits, name in INT_FORMAT_NAMES.items()},
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, QuantizedWeight
+from llmc.quant.formats import DenseFormat, Fp8Format, Int8W8A8Format, IntWeightFormat, LinearFormat, QuantizedWeight
 
 
 def dequantize_weight(q: QuantizedWeight) -> Tensor:
@@ -66,11 +66,20 @@ def dequantize(fmt: LinearFormat, params: dict[str, Tensor], in_features: int | 
     """
     if isinstance(fmt, DenseFormat):
         return params["weight"].float()
-    if isinstance(fmt, Fp8Format):
+    if isinstance(fmt, (Fp8Format, Int8W8A8Format)):
         return params["weight"].float() * params["weight_scale"].float()
     if isinstance(fmt, IntWeightFormat):
         return _dequantize_int(fmt, params, in_features or _infer_in_features(fmt, params))
     raise TypeError(f"no reference for format {fmt.name!r}")
+
+
+def int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Dynamic per-token int8 of x [..., in] (vLLM's): (levels [..., in] float64, scale [..., 1] float64), scale =
+    absmax / 127 computed in float32, levels = x / scale rounded half to even and clamped to ±127."""
+    absmax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.clamp(absmax / 127.0, min=torch.finfo(torch.float32).tiny * 2**10)  # float32, as the GPU's
+    levels = torch.clamp(torch.round(x.float() / scale), -127, 127)
+    return levels.double(), scale.double()
 
 
 def reference_linear(fmt: LinearFormat, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
@@ -79,6 +88,10 @@ def reference_linear(fmt: LinearFormat, x: Tensor, params: dict[str, Tensor], bi
         x_fp8, x_scale = fmt.quantize_input(x, params)  # [..., in], [..., 1] or [1]
         accumulated = x_fp8.float() @ params["weight"].float().T  # [..., out]: what tensor cores sum
         y = accumulated * x_scale * params["weight_scale"].float().reshape(1, -1)
+    elif isinstance(fmt, Int8W8A8Format):
+        x_int8, x_scale = int8_per_token(x)  # [..., in] float64 integers, [..., 1]
+        accumulated = x_int8 @ params["weight"].double().T  # [..., out]: exact in float64
+        y = (accumulated * x_scale * params["weight_scale"].double().reshape(1, -1)).float()
     else:
         y = x.float() @ dequantize(fmt, params, x.shape[-1]).T  # [..., out]
     if bias is not None:

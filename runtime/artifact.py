@@ -43,14 +43,16 @@ from llmc.schema import opt, parse
 # 1.10: OLMo 2 (family olmo2), model.pre_norms (false: no input_norm / post_attn_norm, the sub-layers read the
 #      residual stream itself) and model.qk_norm_full_width (q_norm / k_norm over the whole q / k projection, not per
 #      head); older manifests load without them (pre-norms, per-head q/k norms).
-FORMAT_VERSION = "1.10"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10")
+# 1.11: the w8a8-int8 linear format (int8 weights per channel, int8 activations per token at run time) and
+#      quant.method int8; older manifests have neither (an older llmc refuses the format by name).
+FORMAT_VERSION = "1.11"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
-QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
+QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
@@ -188,7 +190,7 @@ class ModelConfig:
 class QuantInfo:
     """What quantization did: the method, and the format spec of every linear module."""
 
-    method: str = opt(choices=QUANT_METHODS)  # "none" | "rtn" | "gptq" | "awq" | "fp8" | "import"
+    method: str = opt(choices=QUANT_METHODS)  # "none" | "rtn" | "gptq" | "awq" | "fp8" | "int8" | "import"
     modules: dict[str, dict] = opt()  # runtime module name ("layers.0.attn.qkv") → format spec ({"format": "dense"})
     settings: dict = field(default_factory=dict)  # the recipe's quantization section, for the record
     report: dict = field(default_factory=dict)  # quality numbers measured at build time (perplexity, ...)
