@@ -91,6 +91,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
+    _check_int8(ctx)
     _check_partial_rotary(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.module_formats = _plan_formats(ctx)
@@ -144,6 +145,19 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _check_int8(ctx: _Context) -> None:
+    """What method int8 (w8a8-int8) does not do yet, refused by name before any work."""
+    quant = ctx.recipe.quantization
+    if quant.method != "int8":
+        return
+    if ctx.model.moe_layers:
+        raise RecipeError(f"quantization.method int8: mixture-of-experts models ({ctx.model.architecture}) have no "
+                          "w8a8-int8 experts yet; use rtn, gptq, awq or fp8")
+    if quant.smoothquant and not ctx.model.pre_norms:
+        raise RecipeError(f"quantization.smoothquant: {ctx.model.architecture} has no norm before qkv and gate_up "
+                          "(its norms follow the sub-layers) to fold the smoothing into; set smoothquant: null")
 
 
 def _check_partial_rotary(ctx: _Context) -> None:
@@ -388,7 +402,8 @@ def _calibration_data(ctx: _Context):
         return None, None
     num_eval = NUM_REPORT_WINDOWS if quant.report else 0
     calibration, held_out = _calibration_windows(ctx, num_eval)
-    needs_calibration = quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static")
+    needs_calibration = (quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static")
+                         or (quant.method == "int8" and (quant.algorithm == "gptq" or bool(quant.smoothquant))))
     return (calibration if needs_calibration else None), (held_out if num_eval else None)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, IntWeightFormat, default_g_idx, make_format
 from llmc.quant.packing import unpack_words
 from llmc.quant.reference import dequantize
@@ -110,6 +111,9 @@ def fallback_reason(spec: dict, in_features: int) -> str | None:
     """Why a quantized linear runs as float32 MatMul on this target (None: dense, or MatMulNBits)."""
     if spec["format"] == "dense":
         return None
+    if spec["format"] == "w8a8-int8":
+        raise RecipeError("target.device onnx-cpu: w8a8-int8 linears (int8 weights and per-token int8 activations) "
+                          "have no ONNX form here yet; build for target.device cpu or cuda")
     if spec["format"] == "w8a8-fp8":
         return "fp8: no FP8 matmul on the CPU EP; float32 weights = FP8 values x scales, activations unquantized"
     fmt = make_format(spec, torch.float32)

@@ -19,7 +19,7 @@ from torch import Tensor
 from llmc.compiler.calibration import LayerRunner, embed_windows
 from llmc.compiler.convert import LayerWeights, UnpackedLinear, read_layer
 from llmc.compiler.hf_checkpoint import TensorReader
-from llmc.compiler.quantize import LayerQuantizer, quantize_rtn
+from llmc.compiler.quantize import LayerQuantizer, quantize_rtn, uses_gptq
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.kernels.norm import rms_norm
 from llmc.quant.formats import QuantizedWeight
@@ -46,7 +46,7 @@ class QuantizingPacker:
         embed = reader.get(spec.global_tensors["embed.weight"]).float()
         self.hidden = embed_windows(embed, calibration, config) if calibration is not None else None  # [num_samples, seq_len, hidden]
         # Float targets: the same windows through the float model, for GPTQ's W* (quant/gptq.py).
-        is_float_target = quant.float_targets and quant.method == "gptq" and self.hidden is not None
+        is_float_target = quant.float_targets and uses_gptq(quant) and self.hidden is not None
         self.hidden_float = self.hidden.clone() if is_float_target else None
         self.held_out = held_out
         self.eval_float = embed_windows(embed, held_out, config) if held_out is not None else None
@@ -95,7 +95,7 @@ class QuantizingPacker:
         its drift from the float model's) from them, FP8 static its input scale. RTN and AWQ round to
         nearest (no op before the final norm takes an AWQ scale; llm-compressor's AWQ rounds it too)."""
         quant = self.quantizer.quant
-        if self.hidden is None or not (quant.method == "gptq" or spec.get("is_static_input")):
+        if self.hidden is None or not (uses_gptq(quant) or spec.get("is_static_input")):
             return quantize_rtn(weight, spec, self.dtype)
         device = self.runner.device
         norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float().to(device)

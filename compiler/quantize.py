@@ -82,9 +82,11 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
         elif quant.method == "fp8":
             plan[module] = {"format": "w8a8-fp8", "is_per_channel": quant.weights == "per_channel",
                             "is_static_input": quant.activations == "static"}
+        elif quant.method == "int8":
+            plan[module] = {"format": "w8a8-int8"}
         else:
             plan[module] = _int_format(quant, names, module, in_features[module])
-    if quant.method not in ("none", "fp8"):
+    if quant.method not in ("none", "fp8", "int8"):
         _check_overrides_reach(quant, all_names, ignored)
     return plan
 
@@ -164,11 +166,27 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
 # ---- quantizing one linear ------------------------------------------------------------------------
 
 
+INT8_WEIGHTS = {"bits": 8, "group_size": -1, "symmetric": True}  # w8a8-int8's weights, as the int algorithms see them
+
+
+def int_weight_params(fmt_spec: dict) -> dict:
+    """bits, group_size, symmetric of an integer format's weights (w8a8-int8: 8, per channel, symmetric)."""
+    if fmt_spec["format"] == "w8a8-int8":
+        return INT8_WEIGHTS
+    return {key: fmt_spec[key] for key in ("bits", "group_size", "symmetric")}
+
+
+def uses_gptq(quant: QuantizationConfig) -> bool:
+    """Whether the recipe's weights are rounded by GPTQ: method gptq, or method int8 with algorithm gptq."""
+    return quant.method == "gptq" or (quant.method == "int8" and quant.algorithm == "gptq")
+
+
 def quantize_rtn(weight: Tensor, fmt_spec: dict, scale_dtype: torch.dtype, clip_ratio=None) -> QuantizedWeight:
     if fmt_spec["format"] == "w8a8-fp8":
         return quantize_fp8_weight(weight, fmt_spec["is_per_channel"])
-    return rtn_quantize(weight, fmt_spec["bits"], fmt_spec["group_size"], fmt_spec["symmetric"],
-                        clip_ratio=clip_ratio, scale_dtype=scale_dtype)
+    p = int_weight_params(fmt_spec)
+    return rtn_quantize(weight, p["bits"], p["group_size"], p["symmetric"], clip_ratio=clip_ratio,
+                        scale_dtype=scale_dtype)
 
 
 class LayerQuantizer:
@@ -201,7 +219,9 @@ class LayerQuantizer:
         hidden: calibration hidden states through the quantized layers before; hidden_float: the same
         windows through the float model, given for GPTQ's float targets."""
         method = self.quant.method
-        if method == "gptq":
+        if method == "int8" and self.quant.smoothquant:
+            smooth_layer(layer, self._smoothquant_ranges(layer, hidden), self.quant.smoothquant)
+        if uses_gptq(self.quant):
             return self._gptq(layer, hidden, hidden_float)
         if method == "awq":
             return self._awq(layer, hidden)
@@ -245,8 +265,9 @@ class LayerQuantizer:
         the weight first), on the CPU; also the quantized lm_head's (pipeline.QuantizingPacker)."""
         if acc.drift is not None:
             weight = float_target_weight(weight, acc.hessian, acc.drift, self.quant.damp_percent)
-        q = gptq_quantize(weight.to(self.runner.device), acc.hessian, spec["bits"], spec["group_size"],
-                          spec["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
+        p = int_weight_params(spec)
+        q = gptq_quantize(weight.to(self.runner.device), acc.hessian, p["bits"], p["group_size"],
+                          p["symmetric"], act_order=self.quant.act_order, damp_percent=self.quant.damp_percent,
                           scale_dtype=self.scale_dtype)
         return _to_cpu(q)
 
@@ -277,6 +298,23 @@ class LayerQuantizer:
             handle.remove()
         return store
 
+    def _smoothquant_ranges(self, layer: LayerWeights, hidden: Tensor) -> dict[str, Tensor]:
+        """{linear: [in] float32 per-channel max - min of its calibration inputs} for the linears SmoothQuant
+        balances (qkv, gate_up), from one forward of the layer as it is (llm-compressor's observer on the norm's
+        output: the dynamic range, max - min)."""
+        names = [name for name, _ in SMOOTHQUANT_MAPPINGS]
+
+        def keep(x: Tensor) -> tuple[Tensor, Tensor]:
+            x = x.reshape(-1, x.shape[-1]).float()
+            return x.amin(dim=0).cpu(), x.amax(dim=0).cpu()
+
+        ranges = {}
+        for name, chunks in self._capture_all(layer, hidden, keep, names).items():
+            lo = torch.stack([c[0] for c in chunks]).amin(dim=0)
+            hi = torch.stack([c[1] for c in chunks]).amax(dim=0)
+            ranges[name] = hi - lo
+        return ranges
+
     def _fp8_input_scales(self, layer: LayerWeights, hidden: Tensor) -> dict[str, Tensor]:
         observers = {name: AbsmaxObserver() for name in layer.linears}
         dense = [n for n in layer.linears if expert_of(n) is None]
@@ -295,6 +333,42 @@ class LayerQuantizer:
             return {name: None if q is None else _to_cpu(q) for name, q in quantized.items()}
         finally:
             _move_layer(layer, torch.device("cpu"))
+
+
+# SmoothQuant's (linear, the norm that produces its input): llm-compressor's default mappings for Llama
+# ([q, k, v] ← input_layernorm, [gate, up] ← post_attention_layernorm), q/k/v and gate/up fused here.
+SMOOTHQUANT_MAPPINGS = (("attn.qkv", "input_norm"), ("mlp.gate_up", "post_attn_norm"))
+MIN_SMOOTHING_SCALE = 1e-5  # llm-compressor's MINIMUM_SMOOTHING_SCALE
+
+
+def smoothing_scales(input_range: Tensor, weight: Tensor, alpha: float) -> Tensor:
+    """[in] float32 smoothing scales s of one linear, as llm-compressor's SmoothQuantModifier computes them:
+    s_j = range_j^alpha / (2 max_o |W_oj|)^(1 - alpha), where range_j = max - min of input channel j over the
+    calibration tokens (≈ 2 max|X_j|, so the ratio is SmoothQuant's max|X_j|^a / max|W_j|^(1-a) up to a constant
+    2^(2a-1)); s_j = range_j where column j of W is zero; floored at 1e-5."""
+    weight_max = 2.0 * weight.float().abs().amax(dim=0)  # [in]
+    scales = input_range.float().pow(alpha) / weight_max.pow(1 - alpha)
+    scales = torch.where(weight_max > 0, scales, input_range.float())
+    return scales.clamp(min=MIN_SMOOTHING_SCALE)
+
+
+def smooth_layer(layer: LayerWeights, input_ranges: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    """SmoothQuant on one layer, in place: for each (linear, norm) of SMOOTHQUANT_MAPPINGS, the norm's weight
+    divided by s and the linear's columns multiplied by s (x W^T = (x / s)(W s)^T: the same float function).
+    Returns the scales by linear name."""
+    applied = {}
+    for name, norm in SMOOTHQUANT_MAPPINGS:
+        if name not in layer.linears or norm not in layer.norms:
+            raise RecipeError(f"quantization.smoothquant: layer {layer.index} has no {norm} before {name}; "
+                              "SmoothQuant folds into the norm before qkv and gate_up (pre-norm decoders only); "
+                              "set smoothquant: null")
+        weight = layer.linears[name]
+        s = smoothing_scales(input_ranges[name].to(weight.device), weight, alpha)
+        layer.linears[name] = weight * s.to(weight.dtype)  # (the layer's weights are float32 at build time)
+        norm_weight = layer.norms[norm]
+        layer.norms[norm] = norm_weight / s.to(norm_weight.device, norm_weight.dtype)
+        applied[name] = s
+    return applied
 
 
 def _move_layer(layer: LayerWeights, device: torch.device) -> None:

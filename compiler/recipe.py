@@ -20,7 +20,7 @@ from llmc.schema import opt, parse
 
 logger = logging.getLogger("llmc")
 
-QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "import"]
+QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -55,8 +55,15 @@ class QuantizationConfig:
     ignore: list[str] = opt(["lm_head"], help="module name patterns left unquantized")
     overrides: list[QuantOverride] = opt([], help="per-module settings, first match wins")
     calibration: CalibrationConfig = opt(CalibrationConfig(), help="calibration data for gptq, awq, fp8 static")
-    weights: str = opt("per_channel", choices=["per_channel", "per_tensor"], help="fp8: weight scale granularity")
-    activations: str = opt("dynamic", choices=["dynamic", "static"], help="fp8: per-token dynamic or calibrated static")
+    weights: str = opt("per_channel", choices=["per_channel", "per_tensor"], help="fp8, int8: weight scale granularity "
+                                                                                  "(int8: per_channel only)")
+    activations: str = opt("dynamic", choices=["dynamic", "static"], help="fp8, int8: per-token dynamic or calibrated "
+                                                                          "static (int8: dynamic only)")
+    algorithm: str = opt("rtn", choices=["rtn", "gptq"], help="int8: how the weights are rounded: to nearest, or GPTQ "
+                                                              "(needs calibration data)")
+    smoothquant: float | None = opt(None, min=0.0, max=1.0, help=(
+        "int8: SmoothQuant's smoothing_strength alpha (llm-compressor's default 0.8), folded into the norms before "
+        "qkv and gate_up from the calibration inputs (needs calibration data); null or 0: off"))
     report: bool = opt(True, help="measure quality at build time and record it in the manifest")
     min_expert_tokens: int = opt(128, min=0, help="MoE: an expert routed fewer calibration tokens than this is "
                                                   "quantized with RTN instead (gptq, awq, fp8 static); the report lists them")
@@ -170,12 +177,15 @@ def recipe_from_dict(data: dict, source: str = "recipe") -> Recipe:
 _INT_KEYS = ("bits", "group_size", "symmetric")
 _GPTQ_KEYS = ("act_order", "damp_percent", "float_targets")
 _FP8_KEYS = ("weights", "activations")
+_INT8_KEYS = ("algorithm", "smoothquant")
 _KEYS_WITHOUT_EFFECT = {  # quantization keys that a method does not read (import reads the checkpoint's own)
-    "none": (*_INT_KEYS, *_GPTQ_KEYS, *_FP8_KEYS, "overrides", "min_expert_tokens"),
-    "rtn": (*_GPTQ_KEYS, *_FP8_KEYS, "min_expert_tokens"),
-    "awq": (*_GPTQ_KEYS, *_FP8_KEYS),
-    "gptq": _FP8_KEYS,
-    "fp8": (*_INT_KEYS, *_GPTQ_KEYS),
+    "none": (*_INT_KEYS, *_GPTQ_KEYS, *_FP8_KEYS, *_INT8_KEYS, "overrides", "min_expert_tokens"),
+    "rtn": (*_GPTQ_KEYS, *_FP8_KEYS, *_INT8_KEYS, "min_expert_tokens"),
+    "awq": (*_GPTQ_KEYS, *_FP8_KEYS, *_INT8_KEYS),
+    "gptq": (*_FP8_KEYS, *_INT8_KEYS),
+    "fp8": (*_INT_KEYS, *_GPTQ_KEYS, *_INT8_KEYS),
+    "int8": ("bits", "group_size"),  # (symmetric: false, per_tensor and static are refused; gptq keys: see below)
+    "import": _INT8_KEYS,
 }
 
 
@@ -184,7 +194,9 @@ def _check_method_keys(method: str, section: dict) -> None:
     before; a warning rather than an error, because recipes often carry an int method's keys when they
     switch the method)."""
     unused = [key for key in _KEYS_WITHOUT_EFFECT.get(method, ()) if key in section]
-    if method == "fp8":
+    if method == "int8" and section.get("algorithm", "rtn") != "gptq":
+        unused += [key for key in _GPTQ_KEYS if key in section]
+    if method in ("fp8", "int8"):
         unused += [f"overrides[{i}].{key}" for i, o in enumerate(section.get("overrides") or [])
                    if isinstance(o, dict) for key in _INT_KEYS if key in o]
     calibration = section.get("calibration") if isinstance(section.get("calibration"), dict) else {}
@@ -249,9 +261,14 @@ def _check(recipe: Recipe, given_runtime: dict) -> None:
                           "directory (read as it is); drop revision, or check out that revision there")
     quant = recipe.quantization
     data = quant.calibration.data
+    if quant.method == "int8":
+        _check_int8(recipe)
     if quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static"):
         if data is None:
             raise RecipeError(f"quantization.calibration.data: method {quant.method} needs a calibration text file")
+    if quant.method == "int8" and data is None and (quant.algorithm == "gptq" or quant.smoothquant):
+        what = "algorithm gptq" if quant.algorithm == "gptq" else f"smoothquant {quant.smoothquant}"
+        raise RecipeError(f"quantization.calibration.data: method int8 with {what} needs a calibration text file")
     if data is not None and not Path(data).is_file():
         what = "is not a regular file" if Path(data).exists() else "does not exist"
         raise RecipeError(f"quantization.calibration.data: {data!r} {what}")
@@ -260,6 +277,29 @@ def _check(recipe: Recipe, given_runtime: dict) -> None:
     patterns += [(f"quantization.overrides[{i}].match", o.match) for i, o in enumerate(quant.overrides)]
     for key, pattern in patterns:
         _check_pattern(key, pattern)
+
+
+def _check_int8(recipe: Recipe) -> None:
+    """method int8 is llm-compressor's W8A8 int8 scheme only: what it is not is refused by name."""
+    quant = recipe.quantization
+    if quant.weights != "per_channel":
+        raise RecipeError(f"quantization.weights: {quant.weights} int8 weights are not supported; method int8 stores "
+                          "one scale per output channel (per_channel)")
+    if quant.activations != "dynamic":
+        raise RecipeError(f"quantization.activations: {quant.activations} int8 activations (calibrated scales) are not "
+                          "supported; method int8 quantizes them per token at run time (dynamic)")
+    if not quant.symmetric:
+        raise RecipeError("quantization.symmetric: false (asymmetric int8 weights, zero points) is not supported by "
+                          "method int8; set it true (or drop it)")
+    for i, override in enumerate(quant.overrides):
+        if override.bits not in (None, 8) or override.group_size not in (None, -1) or override.symmetric is False:
+            raise RecipeError(f"quantization.overrides[{i}]: method int8 has one scheme (8 bits, per channel, "
+                              "symmetric); an override may only send linears to ignore: use quantization.ignore")
+    if quant.smoothquant is not None and quant.smoothquant >= 1.0:
+        raise RecipeError(f"quantization.smoothquant: {quant.smoothquant}: the smoothing strength must be below 1 "
+                          "(llm-compressor's default is 0.8); null or 0 turns smoothing off")
+    if recipe.target.device == "onnx-cpu":
+        raise RecipeError("target.device: onnx-cpu has no w8a8-int8 linears yet (method int8); build for cpu or cuda")
 
 
 def _check_runtime_target(recipe: Recipe, given_runtime: dict) -> None:

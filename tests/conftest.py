@@ -396,6 +396,14 @@ def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
 
 
+def int8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x with each token rounded to int8 at scale amax / 127 (vLLM's dynamic per-token int8: round half to even,
+    ±127), dequantized: what a w8a8-int8 linear's activation quantization does, for transformers oracles."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return torch.round(x / safe).clamp(-127, 127) * scale
+
+
 @torch.inference_mode()
 def hf_logits(path, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """float32 logits ``[len(token_ids), vocab]`` of one transformers forward pass (no bos added)."""

@@ -12,7 +12,7 @@ from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.models import spec_for_family
-from tests.conftest import fp8_per_token
+from tests.conftest import fp8_per_token, int8_per_token
 
 
 def build_float32(checkpoint, out, **recipe):
@@ -77,10 +77,11 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str):
     missing, unexpected = oracle.load_state_dict(hf_state_of(artifact, read_hf_config(checkpoint)), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, or the artifact's
     oracle.eval()
-    if method == "fp8":
+    rounding = {"fp8": fp8_per_token, "int8": int8_per_token}.get(method)
+    if rounding is not None:
         for name, module in oracle.named_modules():
             if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+                module.register_forward_pre_hook(lambda _, args: (rounding(args[0]),))
     return oracle
 
 
@@ -103,7 +104,8 @@ def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantizatio
     from llmc.runtime.sampling_params import SamplingParams
 
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    needs_data = quantization["method"] in ("gptq", "awq")
+    needs_data = quantization["method"] in ("gptq", "awq") or (
+        quantization["method"] == "int8" and (quantization.get("algorithm") == "gptq" or quantization.get("smoothquant")))
     out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
         **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
     oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"])
