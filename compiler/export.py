@@ -14,6 +14,8 @@ Weights, per linear format (the facts of compressed-tensors' layouts: quant/impo
                    along the output dim) when asymmetric, weight_g_idx int32 [in] with actorder "group"
   w8a8-fp8       → format "float-quantized": weight float8_e4m3fn [out, in], weight_scale float32 [out, 1]
                    (strategy channel) or [1] (tensor), input_scale float32 [1] when activations are static
+  w8a8-int8      → format "int-quantized": weight int8 [out, in] (signed levels), weight_scale [out, 1] in the
+                   model dtype (float32 where that would round it); activations int8 per token, dynamic
   dense          → `.weight` in the model dtype, the module listed in `ignore`
 The levels come back from either layout of an int format (plain, or the gpu layout with its act-order
 `perm` undone), so the export is exact: it moves bits, it does not re-quantize. An act-order build may
@@ -36,8 +38,8 @@ from torch import Tensor
 from llmc.compiler.shard import take_rows
 from llmc.errors import ArtifactError
 from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
-from llmc.quant.formats import Fp8Format, IntWeightFormat, QuantizedWeight, default_g_idx, make_format
-from llmc.quant.importers import pack_float_quantized, pack_pack_quantized
+from llmc.quant.formats import Fp8Format, Int8W8A8Format, IntWeightFormat, QuantizedWeight, default_g_idx, make_format
+from llmc.quant.importers import pack_float_quantized, pack_int_quantized, pack_pack_quantized
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime.models import spec_for_family
@@ -50,7 +52,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
 @dataclass
 class ExportResult:
     out_dir: Path
-    format: str  # "pack-quantized" | "float-quantized" | "dense"
+    format: str  # "pack-quantized" | "float-quantized" | "int-quantized" | "dense"
     quantized: list[str] = field(default_factory=list)  # HF module names
     ignored: list[str] = field(default_factory=list)  # HF module names left dense
     num_tensors: int = 0
@@ -88,6 +90,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
         elif isinstance(fmt, Fp8Format):
             weight = QuantizedWeight(params["weight"], params["weight_scale"].float(), None, 8, -1,
                                      input_scale=params.get("input_scale"))
+        elif isinstance(fmt, Int8W8A8Format):
+            weight = QuantizedWeight(params["weight"].to(torch.int32) + 128, params["weight_scale"].float(), None, 8, -1)
         else:  # pragma: no cover - every registered format is handled above
             raise ArtifactError(f"{runtime_name}: format {fmt_spec['format']!r} has no compressed-tensors form")
         if fmt_spec["format"] != "dense":
@@ -103,6 +107,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
             if act_order and weight.g_idx is None:
                 weight.g_idx = default_g_idx(in_features, fmt.group_size)  # actorder "group": every module has one
             pieces = [pack_pack_quantized(take_rows(weight, [r]), scale_dtype=dtype) for r in rows]
+        elif isinstance(fmt, Int8W8A8Format):
+            pieces = [pack_int_quantized(take_rows(weight, [r]), scale_dtype=dtype) for r in rows]
         else:
             pieces = [pack_float_quantized(take_rows(weight, [r])) for r in rows]
         biases = bias.split(sizes) if bias is not None else [None] * len(members)
@@ -167,7 +173,7 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
         if spec["format"] == "w3a16":
             raise ArtifactError(f"{where} {name}: 3-bit weights (w3a16) have no compressed-tensors layout vLLM "
                                 "runs; build with quantization.bits: 4 or 8")
-        if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8"):
+        if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-int8"):
             raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
     if manifest.kv.scales_source != "none":
         raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}); build "
@@ -232,7 +238,15 @@ def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: in
 
 def _quantization_config(spec: dict, act_order: bool, ignored: list[str]) -> dict:
     """compressed-tensors' QuantizationConfig (as llm-compressor saves it) for one scheme on every Linear."""
-    if spec["format"] == "w8a8-fp8":
+    if spec["format"] == "w8a8-int8":
+        layout = "int-quantized"
+        weights = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "channel", "block_structure": None, "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+        activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "group_size": None,
+                       "strategy": "token", "block_structure": None, "actorder": None, "observer": None,
+                       "observer_kwargs": {}}
+    elif spec["format"] == "w8a8-fp8":
         layout = "float-quantized"
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
                    "strategy": "channel" if spec["is_per_channel"] else "tensor", "block_structure": None,

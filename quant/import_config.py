@@ -24,7 +24,7 @@ from llmc.quant.packing import levels_per_word
 
 SUPPORTED = (
     "awq (version gemm), gptq (checkpoint_format gptq or gptq_v2), "
-    "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8)"
+    "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8, int-quantized int8 w8a8)"
 )
 
 
@@ -49,6 +49,10 @@ class ImportSpec:
     def is_fp8(self) -> bool:
         return self.layout == "float-quantized"
 
+    @property
+    def is_int8_w8a8(self) -> bool:
+        return self.layout == "int-quantized"
+
     def is_ignored(self, module_name: str) -> bool:
         """True if the checkpoint left this linear unquantized (its tensors are dense)."""
         for pattern in self.ignored_modules:
@@ -69,6 +73,8 @@ class ImportSpec:
         expands losslessly, and fused q/k/v with different per-tensor scales need per-channel)."""
         if self.is_fp8:
             return {"format": "w8a8-fp8", "is_per_channel": True, "is_static_input": self.is_static_input}
+        if self.is_int8_w8a8:
+            return {"format": "w8a8-int8"}
         return {
             "format": INT_FORMAT_NAMES[self.bits],
             "bits": self.bits,
@@ -91,9 +97,13 @@ class ImportSpec:
             names = ("weight_packed", "weight_scale", "weight_shape")
             names += () if self.is_symmetric else ("weight_zero_point",)
             return names + (("weight_g_idx",) if self.is_act_order else ())
+        if self.layout == "int-quantized":
+            return ("weight", "weight_scale")
         return ("weight", "weight_scale") + (("input_scale",) if self.is_static_input else ())
 
     def optional_tensor_names(self) -> tuple[str, ...]:
+        if self.layout == "int-quantized":  # compressed-tensors versions that save symmetric zero points (all 0)
+            return ("weight_zero_point",)
         return ("g_idx",) if self.layout in ("gptq-v1", "gptq-v2") else ()
 
 
@@ -256,6 +266,25 @@ def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[st
     )
 
 
+def _parse_int8_w8a8_scheme(weights: dict, activations: dict | None, ignored: tuple[str, ...]) -> ImportSpec:
+    """llm-compressor's W8A8 int8 (`int-quantized`): int8 symmetric per-channel weights, int8 symmetric per-token
+    dynamic activations; anything else of that format is refused by name."""
+    want_weights = {"type": "int", "num_bits": 8, "symmetric": True, "strategy": "channel"}
+    if bad := [f"{k} {weights.get(k)!r}" for k, v in want_weights.items() if weights.get(k, v if k == "symmetric" else None) != v]:
+        raise CheckpointError(f"int-quantized weights with {', '.join(bad)} are not supported; llmc imports int8 "
+                              "weights, symmetric, strategy channel (llm-compressor's W8A8)")
+    if not activations:
+        raise CheckpointError("int-quantized weights without quantized activations (int8 weight-only) are not "
+                              "supported; llmc imports int-quantized W8A8 (int8 activations per token, dynamic)")
+    want_acts = {"type": "int", "num_bits": 8, "symmetric": True, "strategy": "token", "dynamic": True}
+    if bad := [f"{k} {activations.get(k)!r}" for k, v in want_acts.items()
+               if activations.get(k, v if k == "symmetric" else None) != v]:
+        raise CheckpointError(f"int-quantized input_activations with {', '.join(bad)} are not supported; llmc imports "
+                              "int8 activations, symmetric, strategy token, dynamic true (llm-compressor's W8A8)")
+    return ImportSpec(method="compressed-tensors", layout="int-quantized", bits=8, group_size=-1, is_symmetric=True,
+                      is_act_order=False, ignored_modules=ignored)
+
+
 def _parse_compressed_tensors(qc: dict) -> ImportSpec:
     return dataclasses.replace(_parse_compressed_scheme(qc), targets=_targets(qc))
 
@@ -273,13 +302,16 @@ def _parse_compressed_scheme(qc: dict) -> ImportSpec:
     ignored = tuple(qc.get("ignore") or ())
     if layout == "float-quantized":
         return _parse_fp8_scheme(weights, activations, ignored)
+    if layout == "int-quantized":
+        return _parse_int8_w8a8_scheme(weights, activations, ignored)
     if layout != "pack-quantized":
         raise CheckpointError(
             f"compressed-tensors format {layout!r} is not supported; supported: {SUPPORTED}"
         )
     if activations:
         raise CheckpointError(
-            "int weights with quantized activations (W4A8/W8A8 int) are not supported; use W4A16/W8A16"
+            "pack-quantized int weights with quantized activations (W4A8) are not supported; llmc imports W4A16/W8A16 "
+            "pack-quantized and W8A8 int8 as int-quantized"
         )
     if weights.get("type") != "int" or weights.get("strategy") not in ("group", "channel"):
         raise CheckpointError(
@@ -341,6 +373,9 @@ def expected_shapes(spec: ImportSpec, in_features: int, out_features: int) -> di
             "weight_zero_point": (-(-out_features // per_word), num_groups),
             "weight_g_idx": (in_features,),
         }
+    if spec.layout == "int-quantized":
+        return {"weight": (out_features, in_features), "weight_scale": (out_features,),
+                "weight_zero_point": (out_features,)}
     return {
         "weight": (out_features, in_features),
         "weight_scale": (out_features if spec.is_per_channel else 1,),
@@ -399,7 +434,7 @@ def check_module_tensors(
         # FP8 scales appear as [n], [n, 1] or [] across versions: compare without unit dims.
         is_match = (
             ([d for d in actual if d != 1] == [d for d in shape if d != 1])
-            if _is_scale(name)
+            if _is_scale(name) or (spec.layout == "int-quantized" and name == "weight_zero_point")
             else actual == shape
             # compressed-tensors before zero-point packing (PR #296, 2025) saved them unpacked: [out, G]
             or (name == "weight_zero_point" and actual == (out_features, shape[1]))
@@ -410,6 +445,14 @@ def check_module_tensors(
                 f"with in_features {in_features}, out_features {out_features}; check quantization_config"
             )
     _check_dtypes(spec, module_name, tensors)
+    if spec.layout == "int-quantized":
+        if tensors["weight"].dtype != torch.int8:
+            raise CheckpointError(f"{module_name}.weight has dtype {tensors['weight'].dtype}, expected int8 for "
+                                  "compressed-tensors int-quantized (W8A8 int8)")
+        zero_point = tensors.get("weight_zero_point")
+        if zero_point is not None and bool(zero_point.ne(0).any()):
+            raise CheckpointError(f"{module_name}.weight_zero_point is not all 0, but quantization_config says symmetric: "
+                                  "the config does not describe the tensors")
     g_idx_name = "weight_g_idx" if spec.layout == "pack-quantized" else "g_idx"
     g_idx = tensors.get(g_idx_name) if g_idx_name in known else None
     if g_idx is not None and g_idx.numel():

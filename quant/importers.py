@@ -25,6 +25,9 @@ compressed-tensors pack-quantized (int):
   weight_shape      int [2] = (out, in);  weight_g_idx int32 [in] only with actorder "group"
 compressed-tensors float-quantized (fp8): weight float8_e4m3fn [out, in], weight_scale [out, 1] or [1],
   input_scale [1] when activations are static.
+compressed-tensors int-quantized (W8A8 int8): weight int8 [out, in] (signed levels -128..127), weight_scale
+  [out, 1] (model dtype), weight_zero_point int8 [out, 1] of zeros in versions that save symmetric zero points;
+  activations per token at run time (nothing stored).
 """
 
 from __future__ import annotations
@@ -198,6 +201,20 @@ def pack_float_quantized(q: QuantizedWeight) -> dict[str, Tensor]:
     return tensors
 
 
+def unpack_int_quantized(tensors: Mapping[str, Tensor]) -> QuantizedWeight:
+    weight = tensors["weight"]  # [out, in] int8
+    return QuantizedWeight(qweight=weight.to(torch.int32) + 128, scales=tensors["weight_scale"].float().reshape(-1, 1),
+                           zeros=None, bits=8, group_size=-1)
+
+
+def pack_int_quantized(q: QuantizedWeight, scale_dtype: torch.dtype = torch.bfloat16) -> dict[str, Tensor]:
+    """weight int8 [out, in] and weight_scale [out, 1] in scale_dtype (float32 where that dtype would round it)."""
+    scales = q.scales.float().reshape(-1, 1)
+    if not torch.equal(scales.to(scale_dtype).float(), scales):
+        scale_dtype = torch.float32
+    return {"weight": (q.qweight - 128).to(torch.int8).contiguous(), "weight_scale": scales.to(scale_dtype).contiguous()}
+
+
 # --- dispatch and fusion ---------------------------------------------------------------------------
 
 
@@ -212,6 +229,8 @@ def unpack_module(
         q = unpack_gptq(tensors, spec.bits, spec.group_size, is_v1=spec.layout == "gptq-v1")
     elif spec.layout == "pack-quantized":
         q = unpack_pack_quantized(tensors, spec.bits, spec.group_size)
+    elif spec.layout == "int-quantized":
+        q = unpack_int_quantized(tensors)
     else:
         q = unpack_float_quantized(tensors)
     if spec.is_symmetric and not q.is_symmetric:
