@@ -152,11 +152,12 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
 
 
 # vLLM's --quantization methods, by the weights they run: integer weights with 16-bit activations, FP8
-# weights and activations. An artifact's kernels are chosen at build time, so a method naming the artifact's
+# weights and activations, int8 weights and activations. An artifact's kernels are chosen at build time, so a method naming the artifact's
 # kind of weights (awq or awq_marlin alike) is accepted; one naming another kind is refused.
 _VLLM_INT_WEIGHT_METHODS = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "gptq_bitblas", "bitblas",
                             "compressed-tensors", "moe_wna16", "rtn")
 _VLLM_FP8_METHODS = ("fp8", "fbgemm_fp8", "ptpc_fp8", "compressed-tensors", "modelopt")
+_VLLM_INT8_METHODS = ("compressed-tensors",)  # W8A8 int8 (int8 activations too): vLLM runs it through compressed-tensors
 _VLLM_OTHER_METHODS = ("bitsandbytes", "gguf", "hqq", "torchao", "modelopt_fp4", "mxfp4", "experts_int8", "quark",
                        "auto-round", "deepspeedfp", "gptq_marlin_24", "qqq", "inc", "ipex", "tpu_int8", "petit_nvfp4")
 
@@ -169,8 +170,8 @@ def _check_vllm_quantization(manifest: art.Manifest, method) -> None:
         raise ConfigError(f"quantization {method!r} is not one of vLLM's quantization methods; drop it (an artifact "
                           "is quantized at build time, by the recipe's quantization.method)")
     formats = {spec.get("format", "dense") for spec in manifest.quant.modules.values()} - {"dense"}
-    kinds = {"fp8" if name == "w8a8-fp8" else "int" for name in formats}
-    accepted = {"int": _VLLM_INT_WEIGHT_METHODS, "fp8": _VLLM_FP8_METHODS}
+    kinds = {{"w8a8-fp8": "fp8", "w8a8-int8": "int8"}.get(name, "int") for name in formats}
+    accepted = {"int": _VLLM_INT_WEIGHT_METHODS, "fp8": _VLLM_FP8_METHODS, "int8": _VLLM_INT8_METHODS}
     if kinds and all(method in accepted[kind] for kind in kinds):
         return
     holds = ("unquantized weights" if not formats else f"{', '.join(sorted(formats))} weights "

@@ -208,13 +208,15 @@ def test_logprobs_are_vllm_logprob_objects(artifact):
 
 
 @pytest.mark.parametrize("method,accepted", [("int", ["awq", "gptq_marlin", "compressed-tensors", "rtn"]),
-                                             ("fp8", ["fp8", "compressed-tensors"])])
+                                             ("fp8", ["fp8", "compressed-tensors"]),
+                                             ("int8", ["compressed-tensors"])])
 def test_quantization_names_the_artifact_s_kind_of_weights(method, accepted, tmp_path, ref_model_dir):
     """vLLM's --quantization / -q: accepted where it names the kind of weights the artifact holds (its kernels
     were chosen at build time), refused by name where it names another kind."""
     from llmc.runtime.options import resolve_options
 
-    quant = {"method": "rtn", "bits": 4, "group_size": 128} if method == "int" else {"method": "fp8"}
+    quant = {"int": {"method": "rtn", "bits": 4, "group_size": 128}, "fp8": {"method": "fp8"},
+             "int8": {"method": "int8"}}[method]
     out = tmp_path / method
     build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "quantization": quant,
                             "runtime": {"max_model_len": 128}}), show_progress=False)
@@ -222,8 +224,8 @@ def test_quantization_names_the_artifact_s_kind_of_weights(method, accepted, tmp
     for name in accepted:
         resolve_options(manifest, {"quantization": name})
     other = "fp8" if method == "int" else "awq"
-    with pytest.raises(ConfigError, match=f"quantization '{other}': this artifact holds "
-                                          f"{'w4a16' if method == 'int' else 'w8a8-fp8'} weights"):
+    holds = {"int": "w4a16", "fp8": "w8a8-fp8", "int8": "w8a8-int8"}[method]
+    with pytest.raises(ConfigError, match=f"quantization '{other}': this artifact holds {holds} weights"):
         resolve_options(manifest, {"quantization": other})
     result = CliRunner().invoke(cli, ["run", str(out), "--device", "cpu", "-q", other, "--prompt", "x"])
     assert isinstance(result.exception, ConfigError) and f"quantization '{other}'" in str(result.exception)
