@@ -28,7 +28,10 @@ def quantize_int8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., K] → (int8 [..., K], scale [..., 1] float32): each token at its own absmax / 127, rounded
     half to even, clamped to ±127."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=MIN_SCALE)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # divided by a tensor, not the Python scalar: CUDA's division by a host scalar multiplies by its reciprocal,
+    # one ulp off the CPU's (and vLLM's kernel's) true quotient at some amaxes (session 38, call 4)
+    scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=MIN_SCALE)
     return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
