@@ -221,7 +221,7 @@ def print_inspect(report: dict) -> None:
         ("saved", _saved_line(report)),
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
-        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{', all ranks' if len(report['ranks']) > 1 else ''}), "
+        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{_kv_ranks_note(kv, report['ranks'])}), "
                      f"blocks of {kv['block_size']} tokens" + _kv_scales_note(kv)),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
@@ -339,6 +339,15 @@ def _fixed_kv_note(est: dict) -> str:
     note = f", fixed by num_kv_blocks {est['num_kv_blocks']}"
     return note + (f" — MORE THAN FITS: room for {room:,} tokens; lower num_kv_blocks" if est["num_kv_tokens"] > room
                    else f" (room for {room:,})")
+
+
+def _kv_ranks_note(kv: dict, ranks: list[dict]) -> str:
+    """The model's KV bytes per token are held once over the ranks, unless tensor ranks outnumber the KV heads
+    (each head then on several ranks, as vLLM replicates them): then what the ranks hold together."""
+    if len(ranks) == 1:
+        return ""
+    held = sum(r["kv_bytes_per_token"] for r in ranks)
+    return ", all ranks" if held == kv["bytes_per_token"] else f"; the ranks hold {held} together: KV heads replicated"
 
 
 def _kv_scales_note(kv: dict) -> str:

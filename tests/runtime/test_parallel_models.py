@@ -106,3 +106,28 @@ def test_two_nodes_share_the_ranks(tiny_llama, tmp_path):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+@pytest.mark.parametrize("tensor,pipeline", [(2, 1), (4, 1), (4, 2)])
+def test_inspect_counts_the_kv_the_ranks_hold(tiny_llama, tmp_path, tensor, pipeline):
+    """`llmc inspect`'s KV row: the model's bytes per token (from transformers' config: 2 x layers x KV heads x
+    head_dim x 4 bytes in float32), said to be what all ranks hold where each KV head is on one tensor rank, and
+    what the ranks hold together where tensor ranks outnumber the KV heads (each head on tensor / heads ranks)."""
+    from click.testing import CliRunner
+    from transformers import AutoConfig
+
+    from llmc.cli import cli
+
+    hf = AutoConfig.from_pretrained(tiny_llama)
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    model = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4
+    out = _build(tiny_llama, tmp_path / "a", tensor, pipeline)
+    result = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert result.exit_code == 0, result.output
+    row = next(line[26:] for line in result.output.splitlines() if line.startswith("KV cache"))
+    copies = max(1, tensor // hf.num_key_value_heads)
+    if copies == 1:
+        assert row.startswith(f"{model} bytes/token (float32, all ranks)")
+    else:
+        assert row.startswith(f"{model} bytes/token (float32; the ranks hold {model * copies} together: KV heads "
+                              "replicated)")
