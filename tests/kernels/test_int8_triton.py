@@ -1,0 +1,194 @@
+"""The W8A8 int8 Triton kernels (kernels/int8_triton.py) against kernels/int8.py's torch path, bit for bit:
+the per-token quantization (levels and scales) and the GEMM with its fused epilogue (rtol=0, atol=0).
+
+On the CPU they run in Triton's interpreter at small shapes, every kernel, tile tail, dtype and bias;
+its float32 → bfloat16 cast truncates (conftest), so there a bfloat16 output is held to the torch
+result's float32 truncated to bfloat16 (the float32 output, exact, shows the rest). On the GPU (marked
+gpu) Llama-3-8B's four GEMM shapes at M = 1, 16, 300, 4096 against the torch path on the same GPU, and
+a few tokens against the CPU.
+"""
+
+import pytest
+import torch
+
+from llmc.kernels.int8 import MIN_SCALE, int8_matmul, int8_linear, quantize_int8_per_token, select_int8_kernel
+
+HAS_CUDA = torch.cuda.is_available()
+LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
+
+
+def _rows(num_tokens: int, size: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random tokens of very different magnitudes, then the hard rows: ties at .5 levels (scale 1 and
+    2**-3, where x / scale is exactly k + 0.5), a zero row, the largest and smallest magnitudes the
+    dtype holds (float32: subnormal), and a row whose absmax is negative."""
+    generator = torch.Generator().manual_seed(seed)
+    big = {torch.float16: 6e4, torch.bfloat16: 1e30, torch.float32: 1e30}[dtype]
+    small = {torch.float16: 1e-6, torch.bfloat16: 1e-30, torch.float32: 1e-40}[dtype]
+    x = torch.randn(num_tokens, size, generator=generator) * torch.logspace(-3, 2, num_tokens).unsqueeze(1)
+    ties = torch.arange(size, dtype=torch.float32) % 254 - 126.5  # -126.5 .. 126.5, every half level
+    ties[0] = 127.0  # absmax 127: scale 1
+    special = torch.stack([ties, ties * 2**-3, torch.zeros(size), x[0] * big / x[0].abs().max(),
+                           x[0] * small / x[0].abs().max(), -ties.abs()])
+    return torch.cat([x, special]).to(dtype)
+
+
+def _assert_same_quantization(actual, expected) -> None:
+    assert actual[0].dtype == torch.int8 and actual[1].dtype == torch.float32
+    assert actual[0].shape == expected[0].shape and actual[1].shape == expected[1].shape
+    assert torch.equal(actual[1].cpu(), expected[1]), "scales differ"
+    assert torch.equal(actual[0].cpu(), expected[0]), "levels differ"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_tokens,size,one_pass_max", [(1, 64, 16384), (3, 300, 16384), (2, 300, 128)])
+def test_quantization_is_the_torch_quantization_bit_for_bit(dtype, num_tokens, size, one_pass_max) -> None:
+    """One pass (a row in registers, a power-of-two tail) and two passes (rows longer than one_pass_max)."""
+    from llmc.kernels.int8_triton import quantize_int8_per_token as triton_quantize
+
+    x = _rows(num_tokens, size, dtype)
+    expected = quantize_int8_per_token(x, triton=False)
+    assert (expected[0][num_tokens].abs() == 126).any()  # the ties row rounds to even levels
+    _assert_same_quantization(triton_quantize(x, MIN_SCALE, one_pass_max=one_pass_max), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("one_pass_max", [16384, 4])
+def test_quantization_at_inexact_scales_next_to_ties(dtype, one_pass_max) -> None:
+    """Rows [A, ±A/2, ...]: A / 2 over scale = A / 127 is 63.5 up to the scale's rounding, so the level is
+    63 or 64 by the last bit of an IEEE quotient (x times the reciprocal of the scale gets 72 of these
+    384 wrong, and the scale times the reciprocal of 127 18 of the scales)."""
+    from llmc.kernels.int8_triton import quantize_int8_per_token as triton_quantize
+
+    amax = torch.cat([(1 + torch.arange(128) / 128) * 2.0**e for e in (-8, 0, 5)]).to(dtype).float()
+    x = torch.stack([amax, amax / 2, -amax / 2, amax / 4, amax / 3, -amax * 0.7, torch.zeros_like(amax)], 1)
+    x = x.to(dtype)
+    expected = quantize_int8_per_token(x, triton=False)
+    assert {63, 64} <= set(expected[0][:, 1].tolist())
+    _assert_same_quantization(triton_quantize(x, MIN_SCALE, one_pass_max=one_pass_max), expected)
+
+
+def test_quantization_of_strided_and_three_dim_inputs() -> None:
+    from llmc.kernels.int8_triton import quantize_int8_per_token as triton_quantize
+
+    x = torch.randn(2, 3, 96, dtype=torch.float16)
+    _assert_same_quantization(triton_quantize(x, MIN_SCALE), quantize_int8_per_token(x, triton=False))
+    wide = torch.randn(4, 160, dtype=torch.float16)[:, :80]  # row stride 160
+    _assert_same_quantization(triton_quantize(wide, MIN_SCALE), quantize_int8_per_token(wide, triton=False))
+
+
+def _operands(m: int, k: int, n: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=generator) * torch.logspace(-2, 1, m).unsqueeze(1)
+    x_int8, x_scale = quantize_int8_per_token(x, triton=False)
+    weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    weight[0] = -128  # the extreme products
+    x_int8[0] = 127
+    w_scale = torch.rand(n, 1, generator=generator) * 1e-3 + 1e-5
+    bias = torch.randn(n, generator=generator)
+    return x_int8, x_scale, weight, w_scale, bias
+
+
+def _truncated_to_bf16(y: torch.Tensor) -> torch.Tensor:
+    """float32 → bfloat16 rounding toward zero: what the interpreter's cast does."""
+    return (y.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+SMALL = dict(kind="small_m", block_m=16, block_n=32, block_k=64, num_warps=4, num_stages=2)
+LARGE = dict(kind="large_m", block_m=32, block_n=32, block_k=64, num_warps=4, num_stages=2, group_m=2)
+
+
+@pytest.mark.parametrize("m,k,n,tiles", [
+    (1, 256, 48, dict(SMALL)),  # one token, N tail
+    (5, 200, 40, dict(SMALL)),  # K tail inside a step
+    (5, 456, 40, dict(SMALL, split_k=3)),  # three K splits summed by the last to arrive, K tail
+    (20, 320, 72, dict(SMALL, split_k=2)),  # two token tiles, split
+    (40, 136, 56, dict(SMALL, block_m=32)),  # two 32-token tiles
+    (3, 7, 24, dict(SMALL)),  # K shorter than one step and not a multiple of 16
+    (70, 200, 100, dict(LARGE)),  # every tail, 3 x 4 tiles in groups of 2
+    (33, 64, 32, dict(LARGE)),  # K exactly one step
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias_dtype", [None, "out", torch.float32])
+def test_gemm_is_the_torch_product_bit_for_bit(m, k, n, tiles, out_dtype, bias_dtype) -> None:
+    from llmc.kernels.int8_triton import int8_gemm
+
+    x_int8, x_scale, weight, w_scale, bias = _operands(m, k, n)
+    bias = None if bias_dtype is None else bias.to(out_dtype if bias_dtype == "out" else bias_dtype)
+    y = int8_gemm(x_int8, x_scale, weight, w_scale, bias, out_dtype, **tiles)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    if out_dtype == torch.bfloat16:  # the interpreter truncates: the float32 result truncated
+        expected = _truncated_to_bf16(int8_matmul(x_int8, x_scale, weight, w_scale, bias, torch.float32,
+                                                  triton=False))
+    else:
+        expected = int8_matmul(x_int8, x_scale, weight, w_scale, bias, out_dtype, triton=False)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 40, 64, 65])
+def test_gemm_at_the_selected_tiles(m) -> None:
+    """The tiles select_int8_kernel picks (full-size blocks, splits) on a small shape."""
+    from llmc.kernels.int8_triton import int8_gemm
+
+    x_int8, x_scale, weight, w_scale, bias = _operands(m, 1056, 136, seed=m)
+    tiles = select_int8_kernel(m, 1056, 136)
+    y = int8_gemm(x_int8, x_scale, weight, w_scale, bias.half(), torch.float16, **tiles)
+    torch.testing.assert_close(y, int8_matmul(x_int8, x_scale, weight, w_scale, bias.half(), torch.float16,
+                                              triton=False), rtol=0, atol=0)
+
+
+def test_selection_table() -> None:
+    for k, n in LLAMA3_8B:
+        for m in (1, 16):
+            tiles = select_int8_kernel(m, k, n)
+            assert tiles["kind"] == "small_m" and tiles["block_m"] == 16
+            steps = -(-k // tiles["block_k"])
+            assert 1 <= tiles["split_k"] <= steps // 4
+            assert tiles["split_k"] == 1 or -(-n // tiles["block_n"]) * tiles["split_k"] <= 132
+        assert select_int8_kernel(300, k, n)["kind"] == "large_m"
+        assert select_int8_kernel(4096, k, n)["block_n"] == 256
+    assert select_int8_kernel(32, 4096, 4096)["block_m"] == 32
+    assert select_int8_kernel(4096, 4096, 1024)["block_n"] == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k,n", LLAMA3_8B, ids=[f"{k}x{n}" for k, n in LLAMA3_8B])
+@pytest.mark.parametrize("m", [1, 16, 300, 4096])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_triton_path_is_the_torch_path(k, n, m, has_bias, dtype, monkeypatch) -> None:
+    """On the GPU, at Llama-3-8B's shapes: the Triton quantization and GEMM (int8_linear's default on
+    CUDA) against torch's ops and torch._int_mm on the same GPU (which the CPU's numbers equal:
+    tests/quant/test_int8.py), bit for bit; at a few tokens against the CPU as well."""
+    import llmc.kernels.int8 as int8
+
+    torch.manual_seed(m + k + n)
+    x = torch.randn(m, k, device="cuda", dtype=dtype) * torch.logspace(-2, 1, m, device="cuda").unsqueeze(1).to(dtype)
+    weight = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
+    w_scale = torch.rand(n, 1, device="cuda") * 1e-3 + 1e-5
+    bias = torch.randn(n, device="cuda", dtype=dtype) if has_bias else None
+    triton_q = quantize_int8_per_token(x)
+    torch_q = quantize_int8_per_token(x, triton=False)
+    _assert_same_quantization(triton_q, (torch_q[0].cpu(), torch_q[1].cpu()))
+    expected = int8_linear(x, weight, w_scale, bias, triton=False)
+    with monkeypatch.context() as patch:  # the Triton path must not reach torch._int_mm
+        patch.setattr(int8, "int8_mm", lambda *a: pytest.fail("torch._int_mm on the Triton path"))
+        y = int8_linear(x, weight, w_scale, bias)
+    torch.cuda.synchronize()
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)
+    if m <= 16:
+        cpu = int8_linear(x.cpu(), weight.cpu(), w_scale.cpu(), None if bias is None else bias.cpu())
+        torch.testing.assert_close(y.cpu(), cpu, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m,k,n", [(1, 200, 40), (5, 456, 40), (300, 136, 100), (17, 7, 24)])
+def test_cuda_tails_are_the_torch_path(m, k, n) -> None:
+    """Sizes off every tile and off cuBLAS's multiples of 8 (the torch path's float64 product there)."""
+    x_int8, x_scale, weight, w_scale, bias = _operands(m, k, n, seed=1)
+    args = [t.cuda() for t in (x_int8, x_scale, weight, w_scale, bias.bfloat16())]
+    y = int8_matmul(*args, torch.bfloat16)
+    torch.testing.assert_close(y.cpu(), int8_matmul(x_int8, x_scale, weight, w_scale, bias.bfloat16(), torch.bfloat16,
+                                                    triton=False), rtol=0, atol=0)
