@@ -192,3 +192,82 @@ def test_cuda_tails_are_the_torch_path(m, k, n) -> None:
     y = int8_matmul(*args, torch.bfloat16)
     torch.testing.assert_close(y.cpu(), int8_matmul(x_int8, x_scale, weight, w_scale, bias.bfloat16(), torch.bfloat16,
                                                     triton=False), rtol=0, atol=0)
+
+
+_COMPILE_SM90 = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import int8_triton as it
+from llmc.kernels.int8 import INT8_TILES, LARGE_M_TILES
+
+ALIGNED = ("K", "N", "stride_xm", "stride_wn", "stride_om", "stride_x", "k_per_split")  # as launches specialize them
+
+
+def compile_90(fn, signature, constants, warps, stages):
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+             if t.startswith("*") or n in ALIGNED}
+    source = ASTSource(fn, {**signature, **{k: "constexpr" for k in constants}}, constants, attrs)
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages, "enable_fp_fusion": False})
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        print("SKIP", exc)
+        raise SystemExit(0)
+
+
+facts = {}
+k = compile_90(it._quantize_int8_per_token_kernel, {"x_ptr": "*bf16", "out_ptr": "*i8", "scale_ptr": "*fp32",
+               "size": "i32", "stride_x": "i32", "min_scale": "fp32"},
+               {"BLOCK": 4096, "ONE_PASS": True, "PDL": True}, it.one_pass_warps(4096), 3)
+ptx = k.asm["ptx"]
+facts["quantize"] = {"div_rn": ptx.count("div.rn.f32"), "div_other": len(re.findall(r"div\.(full|approx)", ptx)),
+                     "rounder": ptx.count("0f4B400000"), "local": ".local" in ptx}
+common = {"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+for tiles in [t for _, t in INT8_TILES] + [LARGE_M_TILES]:
+    if tiles["kind"] == "small_m":
+        fn = it._int8_small_m_kernel
+        signature = {**common, "part_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+                     "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+        constants = {"HAS_BIAS": True, "SPLITS": 2}
+    else:
+        fn = it._int8_large_m_kernel
+        signature = {**common, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                     "stride_om": "i32"}
+        constants = {"HAS_BIAS": True, "GROUP_M": 8}
+    constants |= {"BLOCK_M": tiles["block_m"], "BLOCK_N": tiles["block_n"], "BLOCK_K": tiles["block_k"], "PDL": True}
+    k = compile_90(fn, signature, constants, tiles["num_warps"], tiles["num_stages"])
+    ptx = k.asm["ptx"]
+    facts[repr(tiles)] = {"wgmma_s8": bool(re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.s32\.s8\.s8", ptx)),
+                          "fma": ptx.count("fma.rn.f32"), "cp_async": ptx.count("cp.async"), "local": ".local" in ptx,
+                          "shared": k.metadata.shared}
+print(json.dumps(facts))
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    """The quantization and every tile set of the table compiled for an H100/H200 on this CPU (the installed
+    triton and its ptxas, in a process of its own: the tests here run the interpreter), with the pointers and
+    sizes 16-aligned as launches at Llama's shapes specialize them: IEEE divisions only (no approximate
+    one) and the rounding constant kept; int8 wgmma, the loads pipelined (cp.async), no fused multiply-add
+    in the epilogue (enable_fp_fusion off: torch rounds the product before the bias add), no local memory,
+    shared memory that fits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("SKIP"):
+        pytest.skip(done.stdout)
+    facts = json.loads(done.stdout.splitlines()[-1])
+    quantize = facts.pop("quantize")
+    assert quantize["div_rn"] > 0 and quantize["div_other"] == 0 and quantize["rounder"] > 0 and not quantize["local"]
+    assert len(facts) == 5
+    for tiles, gemm in facts.items():
+        assert gemm["wgmma_s8"] and gemm["fma"] == 0 and gemm["cp_async"] > 0 and not gemm["local"], tiles
+        assert gemm["shared"] <= 227 * 1024, tiles
