@@ -77,28 +77,28 @@ def _tiles(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int, 
                 num_warps=num_warps, num_stages=num_stages)
 
 
-# (max_m, tiles): the first entry whose max_m >= M applies, LARGE_M_TILES above. Not tuned: first choices
-# (small M: weight-bandwidth bound, 16-64 token columns, long K steps, enough stages in flight; large M: the
-# usual 128-wide int8 tiles, K steps of 128 bytes), to be measured (benchmarks/bench_int8.py).
+# (max_m, tiles, wide_tiles): the first entry whose max_m >= M applies, LARGE_M_TILES above; wide_tiles (when
+# given) for outputs of WIDE_N columns or more. Chosen on an H200 (session 38, `python -P benchmarks/bench_int8.py
+# --sweep`, results/session38/call6.log: the GEMM alone at 16 tile sets, Llama-3-8B's four shapes): the fastest
+# set per cell, where one set won every shape of a row, else the fastest for the shapes it covers.
+WIDE_N = 16384
 INT8_TILES: tuple = (
-    (16, _tiles(SMALL_M, 16, 64, 256, 4, 4)),
-    (32, _tiles(SMALL_M, 32, 64, 256, 4, 4)),
-    (64, _tiles(SMALL_M, 64, 64, 128, 4, 4)),
-    (1024, _tiles(LARGE_M, 128, 128, 128, 8, 4)),
+    (16, _tiles(SMALL_M, 16, 64, 256, 4, 4), _tiles(SMALL_M, 16, 128, 128, 8, 3)),
+    (32, _tiles(SMALL_M, 32, 64, 256, 4, 4), None),  # (not measured)
+    (64, _tiles(SMALL_M, 64, 64, 128, 4, 4), _tiles(LARGE_M, 64, 128, 128, 4, 4)),
+    (256, _tiles(LARGE_M, 64, 128, 128, 4, 4), _tiles(LARGE_M, 256, 128, 128, 8, 3)),
 )
-LARGE_M_TILES = _tiles(LARGE_M, 128, 256, 128, 8, 3)
+LARGE_M_TILES = _tiles(LARGE_M, 128, 128, 64, 8, 4)
 
 
 def select_int8_kernel(num_tokens: int, in_features: int, out_features: int, num_sms: int = 132) -> dict:
     """The Triton GEMM's keywords (int8_triton.int8_gemm) for M tokens x [M, K] and weight [N, K]: the
     tiles of INT8_TILES; for the few-token kernel, K split into as many parts as fill the `num_sms` SMs
     that the N (and token) tiles alone leave idle, each part at least 4 K steps."""
-    tiles = next((t for max_m, t in INT8_TILES if num_tokens <= max_m), LARGE_M_TILES)
-    if tiles is LARGE_M_TILES and out_features < 4096:  # 256-wide tiles would leave SMs idle
-        tiles = dict(tiles, block_n=128, num_stages=4)
+    tiles, wide = next(((t, w) for max_m, t, w in INT8_TILES if num_tokens <= max_m), (LARGE_M_TILES, None))
+    if wide is not None and out_features >= WIDE_N:
+        tiles = wide
     if tiles["kind"] == SMALL_M:
-        if out_features >= 16384 and num_tokens <= 16:
-            tiles = dict(tiles, block_n=128, block_k=128, num_warps=8, num_stages=3)
         output_tiles = -(-out_features // tiles["block_n"]) * -(-num_tokens // tiles["block_m"])
         steps = -(-in_features // tiles["block_k"])
         tiles = dict(tiles, split_k=max(1, min(num_sms // output_tiles, steps // 4)))

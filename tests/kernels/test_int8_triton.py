@@ -136,6 +136,12 @@ def test_gemm_at_the_selected_tiles(m) -> None:
                                               triton=False), rtol=0, atol=0)
 
 
+# session 38's sweep (results/session38/call6.log): 128 x 128 x 64 tiles, 8 warps, 4 stages won every shape from
+# 1024 tokens on
+LARGE_M_TILES_OF_THE_SWEEP = dict(kind="large_m", block_m=128, block_n=128, block_k=64, split_k=1, num_warps=8,
+                                  num_stages=4)
+
+
 def test_selection_table() -> None:
     for k, n in LLAMA3_8B:
         for m in (1, 16):
@@ -145,9 +151,11 @@ def test_selection_table() -> None:
             assert 1 <= tiles["split_k"] <= steps // 4
             assert tiles["split_k"] == 1 or -(-n // tiles["block_n"]) * tiles["split_k"] <= 132
         assert select_int8_kernel(300, k, n)["kind"] == "large_m"
-        assert select_int8_kernel(4096, k, n)["block_n"] == 256
+        assert select_int8_kernel(4096, k, n) == LARGE_M_TILES_OF_THE_SWEEP
+        wide = n >= 16384  # gate_up: the sweep's wide-output tiles at 64 and 256 tokens
+        assert select_int8_kernel(64, k, n)["kind"] == ("large_m" if wide else "small_m")
+        assert select_int8_kernel(256, k, n)["block_m"] == (256 if wide else 64)
     assert select_int8_kernel(32, 4096, 4096)["block_m"] == 32
-    assert select_int8_kernel(4096, 4096, 1024)["block_n"] == 128
 
 
 @pytest.mark.gpu
@@ -225,7 +233,7 @@ ptx = k.asm["ptx"]
 facts["quantize"] = {"div_rn": ptx.count("div.rn.f32"), "div_other": len(re.findall(r"div\.(full|approx)", ptx)),
                      "rounder": ptx.count("0f4B400000"), "local": ".local" in ptx}
 common = {"x_ptr": "*i8", "xs_ptr": "*fp32", "w_ptr": "*i8", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
-for tiles in [t for _, t in INT8_TILES] + [LARGE_M_TILES]:
+for tiles in [t for _, t, w in INT8_TILES for t in (t, w) if t is not None] + [LARGE_M_TILES]:
     if tiles["kind"] == "small_m":
         fn = it._int8_small_m_kernel
         signature = {**common, "part_ptr": "*i32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
@@ -267,7 +275,10 @@ def test_kernels_compile_for_sm90() -> None:
     facts = json.loads(done.stdout.splitlines()[-1])
     quantize = facts.pop("quantize")
     assert quantize["div_rn"] > 0 and quantize["div_other"] == 0 and quantize["rounder"] > 0 and not quantize["local"]
-    assert len(facts) == 5
+    from llmc.kernels.int8 import INT8_TILES, LARGE_M_TILES
+
+    every = {str(t) for _, t, w in INT8_TILES for t in (t, w) if t is not None} | {str(LARGE_M_TILES)}
+    assert set(facts) == every
     for tiles, gemm in facts.items():
         assert gemm["wgmma_s8"] and gemm["fma"] == 0 and gemm["cp_async"] > 0 and not gemm["local"], tiles
         assert gemm["shared"] <= 227 * 1024, tiles
