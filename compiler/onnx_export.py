@@ -32,9 +32,11 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors import safe_open
 
 from llmc.compiler.onnx_linears import (
-    fallback_reason, float_weight, in_order_as_plain, log_fallbacks, nbits_block_size, nbits_tensors,
+    INT8_LINEAR, INT8_ZERO_POINT, fallback_reason, float_weight, in_order_as_plain, int8_tensors, log_fallbacks,
+    nbits_block_size, nbits_tensors,
 )
 from llmc.errors import RecipeError
+from llmc.kernels.int8 import INT8_MAX, MIN_SCALE
 from llmc.quant.formats import make_format
 from llmc.runtime import onnx_model as om
 from llmc.runtime.artifact import ModelConfig
@@ -67,6 +69,7 @@ class _Graph:
     def __init__(self):
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self._shared: set[str] = set()
         self._count = 0
 
     def name(self, hint: str) -> str:
@@ -75,6 +78,13 @@ class _Graph:
 
     def const(self, name: str, array: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def shared_const(self, name: str, array: np.ndarray) -> str:
+        """A constant every user shares: made on first use."""
+        if name not in self._shared:
+            self._shared.add(name)
+            self.const(name, array)
         return name
 
     def op(self, op_type: str, inputs: list[str], num_outputs: int = 1, domain: str = "", **attrs) -> list[str]:
@@ -108,6 +118,8 @@ class _Emitter:
         """y = x W^T (+ bias) for the artifact's `module`."""
         spec, params = in_order_as_plain(self.formats[module], self.params(module), in_features)
         bias = params.pop("bias", None)
+        if spec["format"] == "w8a8-int8":
+            return self.int8_linear(x, module, params, bias)
         fmt = make_format(spec, torch.float32)
         block = nbits_block_size(fmt, in_features) if spec["format"] != "dense" and spec["format"] != "w8a8-fp8" else None
         if block is not None:
@@ -124,6 +136,26 @@ class _Emitter:
         self.linears[module] = "MatMul"
         y = self.g.op1("MatMul", [x, weight_t])
         return y if bias is None else self.g.op1("Add", [y, self.g.const(f"{module}.bias", bias.float().numpy())])
+
+    def int8_linear(self, x: str, module: str, params: dict[str, torch.Tensor], bias: torch.Tensor | None) -> str:
+        """w8a8-int8: kernels/int8.int8_linear in standard ops (compiler/onnx_linears.py's docstring), x [.., K]."""
+        g, f32 = self.g, np.float32
+        tensors = int8_tensors(params)
+        amax = g.op1("ReduceMax", [g.op1("Abs", [x]), g.shared_const("int8_last_axis", np.array([-1], np.int64))],
+                     keepdims=1)
+        # amax / 127 divided (not times 1/127), then floored, as quantize_int8_per_token
+        scale = g.op1("Max", [g.op1("Div", [amax, g.shared_const("int8_max", np.array(INT8_MAX, f32))]),
+                              g.shared_const("int8_min_scale", np.array(MIN_SCALE, f32))])
+        levels = g.op1("Clip", [g.op1("Round", [g.op1("Div", [x, scale])]),
+                                g.shared_const("int8_lo", np.array(-INT8_MAX, f32)), "int8_max"])
+        shifted = g.op1("Cast", [g.op1("Add", [levels, g.shared_const("int8_shift", np.array(INT8_ZERO_POINT, f32))])],
+                        to=TensorProto.UINT8)
+        acc = g.op1("MatMulInteger", [shifted, g.const(f"{module}.weight_t", tensors["weight_t"]),
+                                      g.shared_const("int8_zero_point", np.array(INT8_ZERO_POINT, np.uint8))])
+        y = g.op1("Mul", [g.op1("Mul", [g.op1("Cast", [acc], to=TensorProto.FLOAT), scale]),
+                          g.const(f"{module}.weight_scale", tensors["w_scale"])])
+        self.linears[module] = INT8_LINEAR
+        return y if bias is None else g.op1("Add", [y, g.const(f"{module}.bias", bias.float().numpy())])
 
     def norm_weight(self, name: str) -> str:
         return self.g.const(name, self.tensor(name).float().numpy())

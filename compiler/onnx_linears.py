@@ -16,6 +16,21 @@ the build log and recorded per linear: 3-bit levels (the CPU kernel takes 2, 4 a
 act-order g_idx, K not a multiple of 16, and FP8 (the CPU EP has no FP8 matmul: FP8 values times
 their scales, activations unquantized). An act-order down projection, whose groups the build put in
 order (compiler/shard.order_down_groups), is a MatMulNBits like a plain linear (`in_order_as_plain`).
+
+A w8a8-int8 linear (method int8) is kernels/int8.int8_linear in standard ops, the same float32 ops in the
+same order, so the torch runtime's numbers exactly (tests/runtime/test_onnx_int8.py):
+
+  amax = ReduceMax(Abs(x), -1); s = Max(amax / 127, MIN_SCALE)               per token, [.., 1]
+  xu = Cast<uint8>(Clip(Round(x / s), -127, 127) + 128)                      Round: half to even
+  y = Cast<float>(MatMulInteger(xu, W_t, a_zero_point 128)) * s * w_scale (+ bias)
+
+with W_t the artifact's int8 levels transposed, [K, N], and w_scale [1, N]. The activations go in as uint8
+with zero point 128 (the same integers) because onnxruntime 1.32's CPU EP runs uint8 x int8 through MLAS's
+fast int8 GEMM and int8 x int8 about 40x slower (measured: a 384x2048 linear, 1 token: u8s8 10 us, s8s8
+420 us, float32 MatMul 21 us). The int32 sums are exact where that GEMM accumulates products in int32
+(VNNI: AVX512-VNNI, AVX-VNNI; ARM64's dot-product instructions); MLAS's plain-AVX2 u8s8 kernel adds pairs
+of products in saturating int16 (vpmaddubsw), which two products of |xq| near 127 and |w| near 128 can
+overflow: not measured here (this machine has VNNI).
 """
 
 from __future__ import annotations
@@ -26,7 +41,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, IntWeightFormat, default_g_idx, make_format
 from llmc.quant.packing import unpack_words
 from llmc.quant.reference import dequantize
@@ -35,6 +49,8 @@ logger = logging.getLogger("llmc")
 
 MATMUL_NBITS_BITS = (4, 8)  # what llmc emits as MatMulNBits (the op takes 2, 4, 8)
 MAX_BLOCK = 128
+INT8_ZERO_POINT = 128  # w8a8-int8 activations enter MatMulInteger as uint8 levels + 128 (see above)
+INT8_LINEAR = "MatMulInteger(w8a8-int8: per-token activations uint8 - 128, int8 weights)"
 
 
 def in_order_as_plain(spec: dict, params: dict[str, Tensor], in_features: int) -> tuple[dict, dict[str, Tensor]]:
@@ -99,6 +115,13 @@ def nbits_tensors(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: 
     return tensors
 
 
+def int8_tensors(params: dict[str, Tensor]) -> dict[str, np.ndarray]:
+    """{"weight_t": int8 [K, N], "w_scale": float32 [1, N]} of one w8a8-int8 linear: the artifact's levels and
+    scales, unchanged."""
+    return {"weight_t": np.ascontiguousarray(params["weight"].numpy().T),
+            "w_scale": params["weight_scale"].float().numpy().reshape(1, -1)}
+
+
 def float_weight(spec: dict, params: dict[str, Tensor], in_features: int) -> np.ndarray:
     """The linear's weight [N, K] float32, exactly as the torch runtime computes with it."""
     fmt = make_format(spec, torch.float32)
@@ -112,8 +135,7 @@ def fallback_reason(spec: dict, in_features: int) -> str | None:
     if spec["format"] == "dense":
         return None
     if spec["format"] == "w8a8-int8":
-        raise RecipeError("target.device onnx-cpu: w8a8-int8 linears (int8 weights and per-token int8 activations) "
-                          "have no ONNX form here yet; build for target.device cpu or cuda")
+        return None  # MatMulInteger (int8_tensors)
     if spec["format"] == "w8a8-fp8":
         return "fp8: no FP8 matmul on the CPU EP; float32 weights = FP8 values x scales, activations unquantized"
     fmt = make_format(spec, torch.float32)

@@ -298,8 +298,6 @@ def _check_int8(recipe: Recipe) -> None:
     if quant.smoothquant is not None and quant.smoothquant >= 1.0:
         raise RecipeError(f"quantization.smoothquant: {quant.smoothquant}: the smoothing strength must be below 1 "
                           "(llm-compressor's default is 0.8); null or 0 turns smoothing off")
-    if recipe.target.device == "onnx-cpu":
-        raise RecipeError("target.device: onnx-cpu has no w8a8-int8 linears yet (method int8); build for cpu or cuda")
 
 
 def _check_runtime_target(recipe: Recipe, given_runtime: dict) -> None:
