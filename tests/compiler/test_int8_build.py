@@ -163,10 +163,11 @@ def test_recipe_refusals_are_one_line(quantization, words, tiny_llama, tmp_path)
     assert "\n" not in str(e.value)
 
 
-def test_onnx_target_is_refused_by_name(tiny_llama, tmp_path):
-    with pytest.raises(RecipeError, match="onnx-cpu has no w8a8-int8"):
-        recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "o"), "quantization": {"method": "int8"},
-                          "target": {"device": "onnx-cpu"}})
+def test_onnx_target_is_accepted(tiny_llama, tmp_path):
+    """onnx-cpu builds w8a8-int8 linears as MatMulInteger (tests/runtime/test_onnx_int8.py); it was refused before."""
+    recipe = recipe_from_dict({"model": str(tiny_llama), "output": str(tmp_path / "o"), "quantization": {"method": "int8"},
+                               "target": {"device": "onnx-cpu"}})
+    assert recipe.target.device == "onnx-cpu" and recipe.quantization.method == "int8"
 
 
 def test_smoothquant_without_pre_norms_is_refused_by_name(tiny_olmo2, tmp_path, data_dir):
