@@ -2,7 +2,7 @@
 build, and onnxruntime-genai's own int4 build of the same checkpoint.
 
     python benchmarks/bench_onnx.py [--model checkpoints/ref-llama-12m] [--repeats 3] [--genai-dir DIR] [--only BUILD ...]
-        [--threads N] [--no-ppl] [--num-scheduler-steps K]
+        [--threads N] [--no-ppl] [--num-scheduler-steps K] [--no-genai]
 
 Measures, per engine, in a fresh process each time (so peak memory is that engine's alone):
 batch-1 decode tokens/s (64 new tokens after a 32-token prompt, best of 5), prompt tokens/s (a 512-token
@@ -12,7 +12,9 @@ GPTQ-paper protocol; genai's model is scored by onnxruntime on the same windows)
 llmc builds (LLMC_BUILDS): GPTQ W4 symmetric, every linear including lm_head (as genai's int4 does),
 calibrated on data/calibration.txt, at group 128 (llmc's default) and 32 (genai's block size), with
 float32 MatMulNBits compute (target.int4_accuracy_level 1, llmc's default) and int8 (4, genai's
-default), and the torch CPU path on the g128 build. onnxruntime-genai is imported from --genai-dir (installed there
+default), and the torch CPU path on the g128 build; besides, llmc-onnx-int8 (method int8, W8A8 int8 RTN, lm_head
+too: MatMulInteger), llmc-onnx-f32 (unquantized, float32 MatMul) and llmc-onnx-rtn-g32-acc4 (the g32-acc4 graph
+with RTN levels: its speed without GPTQ's calibration time). onnxruntime-genai (skipped with --no-genai) is imported from --genai-dir (installed there
 with `pip install --target DIR onnxruntime-genai onnx_ir`), its model built with
 `python -m onnxruntime_genai.models.builder -i MODEL -o OUT -p int4 -e cpu`.
 """
@@ -38,7 +40,7 @@ def _dir_bytes(path: Path, names: list[str]) -> int:
     return sum((path / n).stat().st_size for n in names)
 
 
-# llmc builds: name -> (target.device, group_size, target.int4_accuracy_level or None)
+# llmc builds: name -> (target.device, group_size, target.int4_accuracy_level or None[, quantization method])
 LLMC_BUILDS = {
     "llmc-onnx-g128": ("onnx-cpu", 128, None),  # the recipe's defaults (float32 compute)
     "llmc-onnx-g32-acc4": ("onnx-cpu", 32, 4),  # genai's int4 defaults: 32-column blocks, int8 compute
@@ -46,11 +48,19 @@ LLMC_BUILDS = {
     "llmc-torch-g32": ("cpu", 32, None),  # the torch path on the g32 build (the levels of llmc-onnx-g32*)
     "llmc-onnx-g32": ("onnx-cpu", 32, None),
     "llmc-onnx-g128-acc4": ("onnx-cpu", 128, 4),
+    "llmc-onnx-int8": ("onnx-cpu", -1, None, "int8"),  # W8A8 int8 (RTN), lm_head too: MatMulInteger
+    "llmc-onnx-f32": ("onnx-cpu", -1, None, "none"),  # unquantized: float32 MatMul
+    "llmc-onnx-rtn-g32-acc4": ("onnx-cpu", 32, 4, "rtn"),  # llmc-onnx-g32-acc4's graph, RTN levels (no calibration)
 }
 
 
-def _recipe(args, out: Path, device: str, group_size: int, accuracy_level: int | None) -> dict:
+def _recipe(args, out: Path, device: str, group_size: int, accuracy_level: int | None, method: str = "gptq") -> dict:
     target = {"device": device} | ({"int4_accuracy_level": accuracy_level} if accuracy_level else {})
+    if method != "gptq":
+        quantization = {"method": method} | ({"ignore": [], "report": False} if method != "none" else {}) | (
+            {"bits": 4, "group_size": group_size} if method == "rtn" else {})
+        return {"model": args.model, "output": str(out), "dtype": "float32", "quantization": quantization,
+                "runtime": {"max_model_len": 2048}, "target": target}
     return {"model": args.model, "output": str(out), "dtype": "float32",
             "quantization": {"method": "gptq", "bits": 4, "group_size": group_size, "ignore": [], "report": False,
                              "calibration": {"data": str(REPO / "data" / "calibration.txt"),
@@ -64,11 +74,11 @@ def build_all(args) -> dict[str, Path]:
 
     work = Path(args.work)
     builds = {name: spec for name, spec in LLMC_BUILDS.items() if not args.only or name in args.only}
-    paths = {name: work / name for name in builds} | {"genai": work / "genai-int4"}
+    paths = {name: work / name for name in builds} | ({} if args.no_genai else {"genai": work / "genai-int4"})
     for name, spec in builds.items():
         if not (paths[name] / "manifest.json").is_file():
             build(recipe_from_dict(_recipe(args, paths[name], *spec)), show_progress=False)
-    if not (paths["genai"] / "model.onnx").is_file():
+    if not args.no_genai and not (paths["genai"] / "model.onnx").is_file():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", args.model, "-o",
                         str(paths["genai"]), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")],
                        check=True, env={**os.environ, "PYTHONPATH": args.genai_dir}, stdout=subprocess.DEVNULL)
@@ -76,8 +86,8 @@ def build_all(args) -> dict[str, Path]:
 
 
 def file_sizes(paths: dict[str, Path]) -> dict[str, int]:
-    sizes = {"genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])}
-    for name, (device, _, _) in LLMC_BUILDS.items():
+    sizes = {"genai": _dir_bytes(paths["genai"], ["model.onnx", "model.onnx.data"])} if "genai" in paths else {}
+    for name, (device, *_) in LLMC_BUILDS.items():
         if name in paths:
                 sizes[name] = (_dir_bytes(paths[name] / "onnx", ["model.onnx", "model.onnx.data"]) if device == "onnx-cpu"
                            else _dir_bytes(paths[name] / "rank-00", ["weights.safetensors"]))
@@ -218,6 +228,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every engine (default: each engine's own, the machine's cores)")
     parser.add_argument("--no-ppl", action="store_true", help="skip perplexity (speed runs)")
+    parser.add_argument("--no-genai", action="store_true", help="skip onnxruntime-genai (not installed)")
     parser.add_argument("--num-scheduler-steps", type=int, default=1, help="llmc ONNX engines: decode steps per engine step")
     parser.add_argument("--worker"), parser.add_argument("--path"), parser.add_argument("--ids")
     parser.add_argument("--ppl", action="store_true")
