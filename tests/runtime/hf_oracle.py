@@ -6,7 +6,7 @@ import json
 import shutil
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import read_hf_config
@@ -146,3 +146,34 @@ def hf_model_with_config(checkpoint, **config_changes):
         setattr(config, key, value)
     return AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
                                                 attn_implementation="eager").eval()
+
+
+def check_pack_quantized_import(checkpoint, tmp_path, hf_logits, hf_encode, prompt: str):
+    """A pack-quantized W4 g32 copy of `checkpoint` (every decoder linear, as llm-compressor saves it) imports, and
+    its logits are transformers' on the dequantized twin (to 1e-4)."""
+    from llmc.runtime.llm import LLM
+    from tests.compiler.test_moe_import import _compress
+
+    dest, twin = tmp_path / "ckpt", tmp_path / "twin"
+    for path in (dest, twin):
+        shutil.copytree(checkpoint, path)
+    tensors, dequantized = {}, {}
+    for name, weight in load_file(checkpoint / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            packed, dense = _compress(weight, {"symmetric": True, "group_size": 32, "strategy": "group"})
+            tensors |= {f"{name.removesuffix('.weight')}.{k}": v for k, v in packed.items()}
+            dequantized[name] = dense.float()
+        else:
+            tensors[name] = dequantized[name] = weight
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, twin / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}}}}
+    (dest / "config.json").write_text(json.dumps(config))
+    out = build_float32(dest, tmp_path / "a", target={"device": "cpu"}, quantization={"method": "import"})
+    token_ids = hf_encode(twin, prompt) + list(range(100, 120))
+    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
+                               atol=1e-4, rtol=1e-4)

@@ -2,12 +2,10 @@
 window, greedy decoding through the paged engine (both rotary tables, the KV cache), quantized builds,
 tensor parallelism, a pre-quantized import, how the config is read, and every refusal."""
 
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
@@ -18,6 +16,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gemma3
 from llmc.runtime.sampling_params import SamplingParams
+from tests.runtime.hf_oracle import check_pack_quantized_import
 from tests.runtime.hf_oracle import build_float32 as _build
 from tests.runtime.hf_oracle import check_against_transformers, check_quantized_build, check_tensor_parallel
 from tests.runtime.hf_oracle import write_config as _write_config
@@ -113,31 +112,7 @@ def test_tensor_parallel_matches_one_rank(tiny_gemma3, artifact, tmp_path, hf_en
 def test_a_compressed_tensors_checkpoint_imports(tiny_gemma3, tmp_path, hf_logits, hf_encode):
     """A pack-quantized W4 Gemma 3 (every decoder linear, as llm-compressor saves it): its levels are imported,
     the norms folded as in any build, and the logits are transformers' on the dequantized twin."""
-    from tests.compiler.test_moe_import import _compress
-
-    dest, twin = tmp_path / "ckpt", tmp_path / "twin"
-    for path in (dest, twin):
-        shutil.copytree(tiny_gemma3, path)
-    tensors, dequantized = {}, {}
-    for name, weight in load_file(tiny_gemma3 / "model.safetensors").items():
-        if name.endswith("_proj.weight"):
-            packed, dense = _compress(weight, {"symmetric": True, "group_size": 32, "strategy": "group"})
-            tensors |= {f"{name.removesuffix('.weight')}.{k}": v for k, v in packed.items()}
-            dequantized[name] = dense.float()
-        else:
-            tensors[name] = dequantized[name] = weight
-    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, twin / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}}}}
-    (dest / "config.json").write_text(json.dumps(config))
-    out = _build(dest, tmp_path / "a", target={"device": "cpu"}, quantization={"method": "import"})
-    token_ids = hf_encode(twin, PROMPTS[1]) + list(range(100, 120))
-    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
-                               atol=1e-4, rtol=1e-4)
+    check_pack_quantized_import(tiny_gemma3, tmp_path, hf_logits, hf_encode, PROMPTS[1])
 
 
 def test_a_final_soft_cap_in_a_gemma3_config_runs_as_transformers_runs_it(tiny_gemma3, tmp_path, hf_logits,

@@ -3,12 +3,10 @@ q/k norms shown to matter, greedy decoding through the paged engine, the norms i
 their own weights, tensor parallelism (the q/k norms' variance over every rank's heads), ONNX, export and a
 pre-quantized import, how the config is read, and every refusal."""
 
-import json
-import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
@@ -17,6 +15,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import olmo2
 from llmc.runtime.sampling_params import SamplingParams
+from tests.runtime.hf_oracle import check_pack_quantized_import
 from tests.runtime.hf_oracle import (build_float32, check_against_transformers, check_quantized_build, check_tensor_parallel,
                                      hf_model_with_config, write_config)
 
@@ -162,31 +161,7 @@ def test_export_is_an_olmo2_checkpoint_transformers_runs(tiny_olmo2, artifact, t
 def test_a_compressed_tensors_checkpoint_imports(tiny_olmo2, tmp_path, hf_logits, hf_encode):
     """A pack-quantized W4 OLMo 2 (every decoder linear, as llm-compressor saves it): its levels are imported and the
     logits are transformers' on the dequantized twin."""
-    from tests.compiler.test_moe_import import _compress
-
-    dest, twin = tmp_path / "ckpt", tmp_path / "twin"
-    for path in (dest, twin):
-        shutil.copytree(tiny_olmo2, path)
-    tensors, dequantized = {}, {}
-    for name, weight in load_file(tiny_olmo2 / "model.safetensors").items():
-        if name.endswith("_proj.weight"):
-            packed, dense = _compress(weight, {"symmetric": True, "group_size": 32, "strategy": "group"})
-            tensors |= {f"{name.removesuffix('.weight')}.{k}": v for k, v in packed.items()}
-            dequantized[name] = dense.float()
-        else:
-            tensors[name] = dequantized[name] = weight
-    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, twin / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dest / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "ignore": ["lm_head"], "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}}}}
-    (dest / "config.json").write_text(json.dumps(config))
-    out = build_float32(dest, tmp_path / "a", target={"device": "cpu"}, quantization={"method": "import"})
-    token_ids = hf_encode(twin, PROMPTS[1]) + list(range(100, 120))
-    torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
-                               atol=1e-4, rtol=1e-4)
+    check_pack_quantized_import(tiny_olmo2, tmp_path, hf_logits, hf_encode, PROMPTS[1])
 
 
 @pytest.mark.parametrize("changes,message", [
