@@ -121,11 +121,11 @@ def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantizatio
     assert got[0].outputs[0].token_ids == want
 
 
-def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy):
-    """A two-rank build of `checkpoint` against the one-rank `artifact`: the same greedy tokens, logits to 1e-5."""
+def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy, tensor: int = 2):
+    """A `tensor`-rank build of `checkpoint` against the one-rank `artifact`: the same greedy tokens, logits to 1e-5."""
     from llmc.runtime.llm import LLM
 
-    split = build_float32(checkpoint, tmp_path / "tp2", parallel={"tensor": 2})
+    split = build_float32(checkpoint, tmp_path / f"tp{tensor}", parallel={"tensor": tensor})
     engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
     with LLM(split, **engine) as llm:

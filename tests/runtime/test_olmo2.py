@@ -126,15 +126,7 @@ def test_tensor_parallel_matches_one_rank(tiny_olmo2, artifact, tmp_path, hf_enc
 def test_tensor_parallel_with_replicated_kv_heads_matches_one_rank(tiny_olmo2, artifact, tmp_path, hf_encode):
     """Four ranks over 2 KV heads: each KV head (and its k_norm columns) on two ranks; the all-reduced sum of squares
     counts it twice, over twice the width, so k's variance is still the mean over the distinct heads."""
-    split = build_float32(tiny_olmo2, tmp_path / "tp4", parallel={"tensor": 4})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(tiny_olmo2, PROMPTS[1]) + list(range(100, 120))
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifact, **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+    check_tensor_parallel(tiny_olmo2, artifact, tmp_path, hf_encode, PROMPTS, GREEDY, tensor=4)
 
 
 def test_onnx_cpu_matches_transformers(tiny_olmo2, tmp_path, hf_greedy, hf_logits, hf_encode):
