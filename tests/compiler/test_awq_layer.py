@@ -42,6 +42,15 @@ def test_folding_scales_keeps_the_float_layer_output(hf_checkpoint_factory, tmp_
     assert not torch.equal(folded.linears["mlp.down"], layer.linears["mlp.down"])
 
 
+def _folded_at_random(layer, config):
+    """A copy of `layer` with every AWQ fold the model allows applied at random scales in [0.2, 3.2)."""
+    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
+    gen = torch.Generator().manual_seed(0)
+    for name, target in _awq_folds(config):
+        _fold(folded, name, target, torch.rand(folded.linears[name].shape[1], generator=gen) * 3 + 0.2)
+    return folded
+
+
 @torch.inference_mode()
 def test_gemma3_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds_keep_it(tiny_gemma3, hf_model):
     """Gemma 3's layer 0 (sliding window, local rope, sandwich norms) read through the build's norm fold
@@ -59,10 +68,7 @@ def test_gemma3_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds
     states = hf_model(tiny_gemma3)(input_ids=ids, output_hidden_states=True).hidden_states
     runner = LayerRunner(config, seq_len=32, device=torch.device("cpu"))
     torch.testing.assert_close(runner.forward(runner.build_layer(layer), states[0]), states[1], atol=1e-4, rtol=1e-4)
-    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
-    gen = torch.Generator().manual_seed(0)
-    for name, target in _awq_folds(config):
-        _fold(folded, name, target, torch.rand(folded.linears[name].shape[1], generator=gen) * 3 + 0.2)
+    folded = _folded_at_random(layer, config)
     assert not torch.equal(folded.norms["input_norm"], layer.norms["input_norm"])
     torch.testing.assert_close(runner.forward(runner.build_layer(folded), states[0]), states[1], atol=1e-4, rtol=1e-4)
 
@@ -82,10 +88,7 @@ def test_olmo2_layer_read_as_the_build_reads_it_is_transformers_layer_and_folds_
     runner = LayerRunner(config, seq_len=32, device=torch.device("cpu"))
     torch.testing.assert_close(runner.forward(runner.build_layer(layer), states[0]), states[1], atol=1e-4, rtol=1e-4)
     assert _awq_folds(config) == [("mlp.down", "mlp.gate_up")]  # GQA 4/2: o's inputs are not v's rows alone
-    folded = dataclasses.replace(layer, linears=dict(layer.linears), norms=dict(layer.norms))
-    gen = torch.Generator().manual_seed(0)
-    for name, target in _awq_folds(config):
-        _fold(folded, name, target, torch.rand(folded.linears[name].shape[1], generator=gen) * 3 + 0.2)
+    folded = _folded_at_random(layer, config)
     assert not torch.equal(folded.linears["mlp.gate_up"], layer.linears["mlp.gate_up"])
     torch.testing.assert_close(runner.forward(runner.build_layer(folded), states[0]), states[1], atol=1e-4, rtol=1e-4)
 
