@@ -672,6 +672,11 @@ def _read_turn() -> str | None:
 
 
 def _interactive_chat(llm, params) -> None:
+    import signal
+
+    # Ctrl-C must reach this thread's handler: a native library that blocked SIGINT in it while starting its
+    # threads (and the mask a parent passed on) would leave it pending for good (a chat that ignores Ctrl-C)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     history: list[dict] = []
     click.echo("chat: type a message, or /exit to quit", err=True)
     while True:
