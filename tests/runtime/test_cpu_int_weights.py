@@ -49,6 +49,7 @@ def test_int_weights_dequantized_once_give_the_per_call_results(case, request, t
     assert prompt_once == prompt_per_call
 
 
+@pytest.mark.slow  # 6 s on 2 cores
 def test_without_the_memory_for_a_copy_int_weights_stay_packed(tiny_llama, tmp_path, caplog, monkeypatch):
     """Where the float copy would take more than half the available memory, each forward dequantizes
     (as before), with a line that says so; the outputs are the same."""

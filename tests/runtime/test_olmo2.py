@@ -104,7 +104,7 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_olmo2):
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
+    pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),  # nothing OLMo's own
     {"method": "awq", "bits": 4, "group_size": 32},
     {"method": "fp8"},
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])

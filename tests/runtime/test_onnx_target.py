@@ -171,6 +171,7 @@ def test_gptq_w4_g128_matches_the_torch_runtime(ref_model_dir, tmp_path, repo_ro
         "method": "gptq", "bits": 4, "group_size": 128, "calibration": _calibration(repo_root)})
 
 
+@pytest.mark.slow  # 7 s on 2 cores
 def test_rtn_per_channel_with_zero_points_matches_the_torch_runtime(ref_model_dir, tmp_path, repo_root):
     _check_quantized_pair(ref_model_dir, tmp_path, repo_root, {
         "method": "rtn", "bits": 4, "group_size": -1, "symmetric": False})

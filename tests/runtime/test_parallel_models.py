@@ -35,7 +35,8 @@ def _build(checkpoint, out, tensor: int, pipeline: int, target: str = "cuda"):
     ("phi3", {}, 2, 1),  # the checkpoint's fused qkv_proj split by heads, gate_up_proj by halves
     # Phi-4-mini's partial rotary: each rank's heads rotate their leading 16 of 32 dims (a CPU target)
     ("phi3", {"hidden_size": 128, "partial_rotary_factor": 0.5}, 2, 1),
-    ("llama", {"vocab_size": 4099}, 4, 1),  # 4 ranks, 2 KV heads: replicated; vocab padded to 4100
+    pytest.param("llama", {"vocab_size": 4099}, 4, 1,  # 4 ranks, 2 KV heads: replicated; vocab padded to 4100
+                 marks=pytest.mark.slow),  # 6 s on 2 cores
 ])
 def test_parallel_greedy_matches_transformers(hf_checkpoint_factory, tmp_path, hf_greedy, hf_encode,
                                               family, overrides, tensor, pipeline):
@@ -85,6 +86,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # 11 s on 2 cores; the torchrun launch runs by default
 def test_two_nodes_share_the_ranks(tiny_llama, tmp_path):
     """`llmc run --nnodes 2 --node-rank 1` on a second "host" (here the same one) serves ranks 2-3
     of a tensor 2 × pipeline 2 artifact while node 0 drives; both exit 0 when the run ends."""

@@ -115,6 +115,7 @@ def test_grammars_compile_once_and_invalid_ones_name_the_field(tiny_llm):
     assert not tiny_llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow  # 18 s on 2 cores
 def test_guided_requests_beside_free_ones_overlapped_and_speculative(tmp_path_factory, tiny_llama, tiny_llm):
     """Seeded guided outputs do not depend on overlapped scheduling or on the batch; with n-gram
     speculation (drafts checked against the grammar) they still validate."""

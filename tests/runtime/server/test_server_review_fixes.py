@@ -106,6 +106,7 @@ def test_405_names_the_allowed_methods():
     assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.slow  # 8 s on 2 cores: a server process of its own
 def test_llmc_run_cors_flags(start_server, server_artifact):
     import subprocess
     import sys
