@@ -505,12 +505,12 @@ class _ResponsesReply:
         builder, parser = self._new_builder()
         builder.add_logprobs(self._logprob_entries(completion.token_ids, completion.logprobs))
         builder.feed(self._events(parser, completion.text, True))
-        status = _status(completion)
-        builder.finish("incomplete" if status == "incomplete" else "completed")
         return self._finished(builder, output, completion)
 
     def _finished(self, builder: _OutputBuilder, output: RequestOutput, completion: CompletionOutput) -> dict:
+        """The open item closed and the final Response (completed, or incomplete when the output was cut)."""
         status = _status(completion)
+        builder.finish(status)
         body = self._body(status, builder.items, self._usage(output, completion, builder.reasoning_text))
         body["completed_at"] = int(time.time()) if status == "completed" else None
         if status == "incomplete":
@@ -548,8 +548,6 @@ class _ResponsesReply:
         if not completion.is_finished:
             self._progress(builder)
             return None
-        status = _status(completion)
-        builder.finish("incomplete" if status == "incomplete" else "completed")
         return self._finished(builder, output, completion)
 
     async def generate_in_background(self, generation: Generation) -> None:
