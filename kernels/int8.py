@@ -48,15 +48,18 @@ def quantize_int8_per_token(x: Tensor, triton: bool = True) -> tuple[Tensor, Ten
     return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+def _float64_mm(a: Tensor, b: Tensor) -> Tensor:
+    """The exact product where torch._int_mm cannot take it: float64 holds every int32 sum (|sum| < 2**53)."""
+    return (a.double() @ b.double().T).to(torch.int32)
+
+
 def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     """a [M, K] int8 @ b [N, K].T int8 → [M, N] int32, exactly."""
     m, k = a.shape
     n = b.shape[0]
-    if not hasattr(torch, "_int_mm"):
-        return (a.double() @ b.double().T).to(torch.int32)
+    if not hasattr(torch, "_int_mm") or (a.is_cuda and (k % 8 or n % 8)):
+        return _float64_mm(a, b)
     if a.is_cuda:
-        if k % 8 or n % 8:
-            return (a.double() @ b.double().T).to(torch.int32)
         rows = max(_CUBLAS_MIN_ROWS, -(-m // 8) * 8)
         if rows != m:
             a = torch.cat([a, a.new_zeros(rows - m, k)])
@@ -64,7 +67,7 @@ def int8_mm(a: Tensor, b: Tensor) -> Tensor:
     try:
         return torch._int_mm(a.contiguous(), b.t())
     except RuntimeError:  # a CPU build without the int8 GEMM
-        return (a.double() @ b.double().T).to(torch.int32)
+        return _float64_mm(a, b)
 
 
 SMALL_M = "small_m"  # int8_triton._int8_small_m_kernel: operands swapped, split over K
