@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import RequestError, WorkerError
+from llmc.errors import ConfigError, RequestError, WorkerError
 from llmc.kernels import to_device
 from llmc.runtime import artifact as art
 from llmc.runtime.layers.rotary import check_rotary_device
@@ -35,6 +35,7 @@ from llmc.runtime.engine_faults import (RequestFault, check_engine_invariants, f
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
+from llmc.runtime.spec_draft import DraftModelProposer, draft_memory_reserve, read_draft_manifest
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
 from llmc.runtime.step_inputs import InFlight, PendingTokens
@@ -67,7 +68,10 @@ class Engine:
         vocab_size = self.manifest.model.vocab_size
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
-        self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch)
+        draft = self._draft_artifact()
+        reserve = (draft_memory_reserve(*draft, self.options, self.device)
+                   if draft is not None and self.device.type == "cuda" else (0, 0))
+        self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = BeamScheduler(SchedulerConfig(
             max_num_seqs=self.options.max_num_seqs,
@@ -84,7 +88,11 @@ class Engine:
         self._can_overlap = self.options.async_scheduling and self.runner.can_overlap
         self._in_flight: InFlight | None = None  # the launched step whose tokens are not resolved yet
         speculative = self.options.speculative
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = None
+        if draft is not None:
+            self.proposer = DraftModelProposer(speculative, *draft, self.options, self.device, self.runner.num_blocks)
+        elif speculative is not None:
+            self.proposer = NgramProposer(speculative)
         self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
         self.spec_stats = SpecDecodeStats()
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
@@ -98,6 +106,17 @@ class Engine:
         self.num_resets = 0  # steps that failed as a whole (the engine failed every request and reset)
         freeze_gc_heap()
         self._holds_gc_freeze = True
+
+    def _draft_artifact(self) -> tuple[Path, art.Manifest] | None:
+        """The draft model's folder and manifest under speculative method draft_model (checked), else None."""
+        speculative = self.options.speculative
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        if is_onnx(self.manifest) or self.manifest.parallel.world_size != 1:
+            where = "an onnx-cpu artifact" if is_onnx(self.manifest) else "a tensor/pipeline-parallel artifact"
+            raise ConfigError(f"speculative method draft_model does not run on {where}; use method ngram, or a "
+                              "single-rank torch artifact")
+        return read_draft_manifest(speculative, self.artifact_dir, self.manifest, self.options)
 
     # ---- requests -------------------------------------------------------------------------
 

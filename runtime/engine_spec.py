@@ -1,8 +1,10 @@
-"""The engine's n-gram speculative step (DESIGN §5): synchronous, drafts verified against known tokens.
+"""The engine's speculative step (DESIGN §5): synchronous, drafts verified against known tokens.
 
 Functions of the engine's state, as engine_faults.py's are: `speculative_step` replaces the
 launch / resolve pair of a normal step when speculation is configured; `propose_drafts` gives the
-sequences that just progressed their drafts for the next step.
+sequences that just progressed their drafts for the next step: n-gram drafts, or a draft model's
+placeholders, which the scheduler reserves KV slots for and the draft model fills in before the
+target's forward (runtime/spec_draft.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from llmc.runtime.request_state import SequenceState
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.spec_decode import sample_with_drafts
+from llmc.runtime.spec_draft import DraftModelProposer
 from llmc.runtime.structured_output import mask_verify_rows
 
 if TYPE_CHECKING:
@@ -26,6 +29,8 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
     """Run `batch` (its decode rows carry drafts), sample every verified position, update the
     scheduler, check stops and return the step's outputs."""
     num_prefill = engine._mark_scheduled(batch)
+    if isinstance(engine.proposer, DraftModelProposer):
+        engine.proposer.fill(batch)
     step = engine.runner.execute(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
     states = [engine.sequences[s.request.request_id] for s in sampled]
@@ -73,7 +78,8 @@ def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[Seque
 
 
 def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:
-    """N-gram drafts for the next step, unless speculation is off or the batch is too large."""
+    """Drafts for the next step (n-gram tokens, or a draft model's placeholders), unless speculation
+    is off or the batch is too large."""
     speculative = engine.options.speculative
     if engine.proposer is None or not speculative.is_enabled_for(engine.scheduler.num_running):
         return
@@ -83,4 +89,7 @@ def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:
         if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
             continue
         room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
-        request.spec_token_ids = engine.proposer.propose(request.all_token_ids)[: min(k, room)]
+        if isinstance(engine.proposer, DraftModelProposer):
+            request.spec_token_ids = [0] * max(0, min(k, room))  # values: DraftModelProposer.fill
+        else:
+            request.spec_token_ids = engine.proposer.propose(request.all_token_ids)[: min(k, room)]

@@ -46,7 +46,10 @@ class ModelRunner:
     """The single-rank `Runner` (runtime/runner.py)."""
 
     can_overlap = True  # its steps only enqueue device work: the engine may schedule ahead
-    def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device):
+    def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device,
+                 reserve: tuple[int, int] = (0, 0)):
+        """reserve: (bytes, KV bytes per token) the measured GPU plan leaves for a draft model's runner,
+        which shares this cache's block count (runtime/spec_draft.py)."""
         self.device = device
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -73,7 +76,7 @@ class ModelRunner:
         graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
                                                        _num_sms(device)) + piece_allowance
         # measured on a GPU, unless num_kv_blocks fixes the cache
-        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance)
+        self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance, reserve)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
                       else local_num_kv_blocks(manifest, layout, options, device))
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
@@ -104,12 +107,13 @@ class ModelRunner:
                                has_decode_graphs=bool(graph_sizes))
 
     def _measure_memory(self, manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults,
-                        allocated_before: int, graph_allowance: int) -> memory.MemoryEstimate | None:
+                        allocated_before: int, graph_allowance: int,
+                        reserve: tuple[int, int]) -> memory.MemoryEstimate | None:
         if self.device.type != "cuda" or options.num_kv_blocks is not None:
             return None
         weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
-        return measure_kv_plan(self.model, options, self.device, weight_bytes,
-                               _kv_bytes_per_token(manifest, layout, self.device, options), graph_allowance)
+        return measure_kv_plan(self.model, options, self.device, weight_bytes + reserve[0],
+                               _kv_bytes_per_token(manifest, layout, self.device, options) + reserve[1], graph_allowance)
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""

@@ -32,7 +32,8 @@ from llmc.runtime.batch_sampler import NO_TOKEN, exponentials, int64_seed, row_k
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
+NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,32 +41,53 @@ class SpeculativeConfig:
     """The `speculative` options of the engine (a boundary object: engine → scheduler/runner).
 
     Fields:
-        method: how drafts are proposed; only "ngram" (prompt lookup).
+        method: how drafts are proposed: "ngram" (prompt lookup) or "draft_model" (a smaller llmc
+            artifact's greedy tokens, runtime/spec_draft.py); default: draft_model when `model` is
+            given, else ngram (vLLM's rule).
+        model: the draft model's artifact folder (draft_model only).
         num_speculative_tokens: k, the most draft tokens proposed per request and step.
-        prompt_lookup_min: shortest suffix n-gram that is looked up.
-        prompt_lookup_max: longest suffix n-gram that is looked up (tried first).
+        prompt_lookup_min: shortest suffix n-gram that is looked up (ngram only; default 1).
+        prompt_lookup_max: longest suffix n-gram that is looked up, tried first (ngram only; default 4).
         disable_by_batch_size: no drafts while more requests than this are running (large
             batches are compute-bound and gain nothing); None = never disabled.
     """
 
-    method: str = opt("ngram", choices=list(METHODS), help="draft proposer")
+    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram or draft_model")
+    model: str | None = opt(None, help="the draft model: a built llmc artifact sharing the model's tokenizer")
     num_speculative_tokens: int = opt(min=1, help="draft tokens per request and step, k")
-    prompt_lookup_min: int = opt(1, min=1, help="shortest n-gram looked up")
-    prompt_lookup_max: int = opt(4, min=1, help="longest n-gram looked up")
+    prompt_lookup_min: int | None = opt(None, min=1, help="shortest n-gram looked up (ngram)")
+    prompt_lookup_max: int | None = opt(None, min=1, help="longest n-gram looked up (ngram)")
     disable_by_batch_size: int | None = opt(None, min=1, help="no speculation above this batch")
 
     def __post_init__(self) -> None:
         # Constructed from Python (not from_dict), types are not checked by the schema.
-        if not isinstance(self.method, str):
-            raise ConfigError(f"speculative.method: expected a string, got {self.method!r}")
+        for name in ("method", "model"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"speculative.{name}: expected a string, got {value!r}")
+        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        object.__setattr__(self, "method", method)
+        if method == "draft_model":
+            if self.model is None:
+                raise ConfigError("speculative.method draft_model needs speculative.model, the draft model's artifact folder")
+            given = [name for name in NGRAM_DEFAULTS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"speculative.{given[0]} is an n-gram setting; a draft model does not read it: drop it")
+        else:
+            if self.model is not None and method in METHODS:
+                raise ConfigError(f"speculative.model is the draft model of method draft_model, not {method}; "
+                                  "drop one of them")
+            for name, default in NGRAM_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    object.__setattr__(self, name, default)
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "disable_by_batch_size"):
             value = getattr(self, name)
             is_int = isinstance(value, int) and not isinstance(value, bool)
-            if not is_int and not (value is None and name == "disable_by_batch_size"):
+            if not is_int and not (value is None and name != "num_speculative_tokens"):
                 raise ConfigError(f"speculative.{name}: expected an integer, got {value!r}")
         check_fields(self, "speculative", ConfigError)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
+        if method == "ngram" and self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(
                 f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be at most "
                 f"prompt_lookup_max ({self.prompt_lookup_max}); lower it or raise the max"

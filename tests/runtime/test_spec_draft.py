@@ -1,0 +1,167 @@
+"""Draft-model speculative decoding (runtime/spec_draft.py): a second llmc artifact proposes the drafts.
+
+The references are the engine without speculation (greedy tokens identical, seeded samples identical) and the
+draft model itself: with the model as its own draft every draft must be accepted, which holds only if the
+draft's KV cache holds exactly the request's tokens at every step (chunked prefill, preemption, prefix cache,
+rejected drafts)."""
+
+import random
+
+import pytest
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.spec_decode import SpeculativeConfig
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, ref_model_dir):
+    out = tmp_path_factory.mktemp("spec-target") / "ref"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "runtime": {"max_model_len": 256}}), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory, ref_model_dir):
+    """The same model, 4-bit RTN: a draft that agrees with the target most of the time, not always."""
+    out = tmp_path_factory.mktemp("spec-draft") / "w4"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
+                            "quantization": {"method": "rtn", "bits": 4, "group_size": 32},
+                            "runtime": {"max_model_len": 256}}), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """24 prompts sharing a few multi-block prefixes (prefix-cache hits), of mixed lengths."""
+    rng = random.Random(1)
+    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you", "good sir")
+    prefixes = ["First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n",
+                "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"]
+    return [rng.choice(prefixes) + " ".join(rng.choice(words) for _ in range(rng.randint(1, 16))) for _ in range(24)]
+
+
+def _generate(artifact, prompts, params=None, **options):
+    llm = LLM(artifact, device="cpu", max_num_seqs=8, disable_log_stats=True, **options)
+    params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    llm.engine.scheduler.check_invariants()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
+    if llm.engine.proposer is not None and hasattr(llm.engine.proposer, "_sequences"):
+        assert not llm.engine.proposer._sequences or all(
+            s.request.is_finished for s in llm.engine.proposer._sequences.values())
+    return [[c.token_ids for c in o.outputs] for o in outputs], stats
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    return _generate(target, prompts)[0]
+
+
+WORKLOADS = {
+    "plain": {},
+    "preemption": {"num_kv_blocks": 16},
+    "chunked-prefill": {"max_num_batched_tokens": 24},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "all-at-once": {"num_kv_blocks": 16, "max_num_batched_tokens": 40},
+}
+
+
+@pytest.mark.parametrize("workload", list(WORKLOADS), ids=list(WORKLOADS))
+def test_greedy_tokens_equal_decoding_without_a_draft(target, draft, prompts, reference, workload):
+    got, stats = _generate(target, prompts, speculative={"model": str(draft), "num_speculative_tokens": 3},
+                           **WORKLOADS[workload])
+    mismatches = [i for i, (a, b) in enumerate(zip(reference, got)) if a != b]
+    assert not mismatches, f"{len(mismatches)} requests differ, first {mismatches[0]}"
+    assert stats["num_spec_proposed"] > 0
+    assert 0 < stats["num_spec_accepted"] < stats["num_spec_proposed"]  # a 4-bit draft: some rejected
+    if workload in ("preemption", "all-at-once"):
+        assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("workload", ["plain", "all-at-once"])
+def test_the_model_as_its_own_draft_has_every_draft_accepted(target, prompts, reference, workload):
+    """Only a draft cache that holds the request's exact tokens proposes the target's own argmax every time."""
+    got, stats = _generate(target, prompts, speculative={"model": str(target), "num_speculative_tokens": 4},
+                           **WORKLOADS[workload])
+    assert got == reference
+    assert stats["num_spec_proposed"] > 200
+    # float32 on one CPU: a near-tie may flip between the draft's batch shapes and the target's
+    assert stats["num_spec_accepted"] >= 0.98 * stats["num_spec_proposed"], stats
+
+
+def test_seeded_samples_and_n_equal_decoding_without_a_draft(target, draft, prompts):
+    """Drafts are point masses verified by the rejection rule, so a seeded request's tokens do not depend on
+    them (spec_decode's NOTE); n=2 and stop strings go through the same verify path."""
+    params = [SamplingParams(temperature=1.0, max_tokens=20, seed=11 + i, ignore_eos=True) for i in range(5)]
+    params.append(SamplingParams(temperature=0.8, top_p=0.9, n=2, max_tokens=20, seed=5, ignore_eos=True))
+    params.append(SamplingParams(temperature=0, max_tokens=40, stop=["king"], presence_penalty=0.5))
+    chosen = prompts[:7]
+    plain, _ = _generate(target, chosen, params)
+    spec, stats = _generate(target, chosen, params, speculative={"model": str(draft), "num_speculative_tokens": 3})
+    assert stats["num_spec_proposed"] > 0
+    assert spec == plain
+
+
+def test_aborted_requests_leave_no_blocks_and_no_draft_state(target, draft, prompts):
+    llm = LLM(target, device="cpu", max_num_seqs=8, disable_log_stats=True,
+              speculative={"model": str(draft), "num_speculative_tokens": 3})
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)) for p in prompts[:6]]
+    for _ in range(4):
+        engine.step()
+    assert engine.proposer._sequences  # drafting for the running requests
+    for request_id in ids[:3]:
+        engine.abort_request(request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # an idle step after the last finish
+    llm.generate(prompts[6], SamplingParams(temperature=0, max_tokens=4))  # a step that forgets the finished
+    assert all(s.request.is_finished for s in engine.proposer._sequences.values())
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_config_names_what_to_change(target, tmp_path):
+    with pytest.raises(ConfigError, match="needs speculative.model"):
+        SpeculativeConfig(method="draft_model", num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="prompt_lookup_max is an n-gram setting"):
+        SpeculativeConfig.from_dict({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    with pytest.raises(ConfigError, match="speculative.model is the draft model of method draft_model, not ngram"):
+        SpeculativeConfig.from_dict({"method": "ngram", "model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="method"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+    assert SpeculativeConfig.from_dict({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
+    assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).prompt_lookup_max == 4
+    with pytest.raises(ConfigError, match="speculative.model .*nothing.*: no artifact at .*build one with `llmc build RECIPE`"):
+        LLM(target, device="cpu", speculative={"model": str(tmp_path / "nothing"), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="its vocabulary has 4097 tokens, the model's 4096; a draft model must share"):
+        LLM(target, device="cpu", speculative={"model": str(_edited(tmp_path, target, vocab_size=4097)),
+                                               "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="at most 128 positions, fewer than max_model_len 256; lower max_model_len"):
+        LLM(target, device="cpu", max_model_len=256,
+            speculative={"model": str(_edited(tmp_path, target, max_position_embeddings=128)), "num_speculative_tokens": 2})
+
+
+def _edited(tmp_path, target, **model_fields):
+    """The target's manifest alone (enough for the checks made before any weight loads), model fields changed
+    and the manifest's digest recomputed (sha256 of its sorted compact JSON, as format 1.2 defines it)."""
+    import hashlib
+    import json
+
+    out = tmp_path / "-".join(model_fields)
+    out.mkdir()
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["model"].update(model_fields)
+    rest = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    canonical = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    manifest["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
