@@ -165,3 +165,25 @@ def _edited(tmp_path, target, **model_fields):
     manifest["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["self", "w4"])
+def test_on_cuda_greedy_tokens_equal_and_the_plan_leaves_room(target, draft, prompts, which, free_gpu):
+    """On a GPU: the target's measured memory plan leaves room for the draft (weights, graphs, its cache's
+    share of each block), both runners replay CUDA graphs, and greedy tokens equal decoding without a draft."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+        plain_blocks = plain.engine.runner.num_blocks
+    model = target if which == "self" else draft
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True,
+             speculative={"model": str(model), "num_speculative_tokens": 3}) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.stats()
+        assert llm.engine.runner.num_blocks < plain_blocks  # the draft's share of each block is set aside
+        assert llm.engine.proposer.runner.graphs is not None
+    assert got == expected
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    if which == "self":
+        assert stats["num_spec_accepted"] >= 0.98 * stats["num_spec_proposed"] > 0

@@ -1,0 +1,122 @@
+"""Decode speed with a draft model (runtime/spec_draft.py) against the same engine without one, in one run.
+
+    source benchmarks/gpu_env.sh && python -P benchmarks/bench_spec_draft.py TARGET --draft DRAFT \\
+        --ks 2 3 4 --batch-sizes 1 8 --json $OUT/spec_draft.json
+
+For each batch size B and each setting (no speculation, then a draft with k = each of --ks) one engine is
+opened, warmed up, and asked B requests at once: prompts of --prompt-tokens tokens (random ids, or windows of
+--prompt-file's tokens), --tokens new tokens each (greedy, ignore_eos). Reported per setting, median of
+--repeats runs: ms per decode step of one sequence = (wall - the prefill's wall) / (tokens - 1), where the
+prefill's wall is the same requests with max_tokens 1; output tokens/s over the whole run; the acceptance
+rate (accepted / proposed drafts) and tokens per verify step. The speed-up is against the no-speculation
+setting of the same batch size, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from llmc.runtime.llm import LLM  # noqa: E402
+from llmc.runtime.sampling_params import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target")
+    parser.add_argument("--draft", required=True, help="the draft model's artifact")
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-file", help="text whose tokens the prompts are cut from (default: random ids)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE engine option (JSON value)")
+    parser.add_argument("--json")
+    return parser.parse_args(argv)
+
+
+def make_prompts(llm: LLM, args, batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    if args.prompt_file:
+        ids = llm.get_tokenizer().encode(Path(args.prompt_file).read_text(), add_special_tokens=False)
+        starts = [rng.randrange(0, len(ids) - args.prompt_tokens) for _ in range(batch)]
+        return [ids[s : s + args.prompt_tokens] for s in starts]
+    vocab = llm.engine.manifest.model.vocab_size
+    return [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)] for _ in range(batch)]
+
+
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def measure(args, options: dict, batch: int) -> dict:
+    llm = LLM(args.target, device=args.device, disable_log_stats=True, **options)
+    try:
+        timed(llm, make_prompts(llm, args, batch, seed=-1), 8)  # warm-up
+        stats0 = llm.stats()
+        runs = []
+        for repeat in range(args.repeats):
+            prompts = make_prompts(llm, args, batch, seed=repeat)
+            prefill = timed(llm, prompts, 1)
+            whole = timed(llm, prompts, args.tokens)
+            runs.append({"prefill_s": prefill, "whole_s": whole,
+                         "ms_per_step": 1000 * (whole - prefill) / (args.tokens - 1),
+                         "tokens_per_s": batch * args.tokens / whole})
+        stats = llm.stats()
+        proposed = stats["num_spec_proposed"] - stats0["num_spec_proposed"]
+        accepted = stats["num_spec_accepted"] - stats0["num_spec_accepted"]
+    finally:
+        llm.close()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return {
+        "ms_per_token": statistics.median(r["ms_per_step"] for r in runs),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "acceptance": accepted / proposed if proposed else None,
+        "runs": runs,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    base_options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    results = {"device": device, "target": args.target, "draft": args.draft, "rows": []}
+    for batch in args.batch_sizes:
+        base = None
+        for k in [None, *args.ks]:
+            options = dict(base_options, max_num_seqs=max(batch, 1))
+            if k is not None:
+                options["speculative"] = {"model": args.draft, "num_speculative_tokens": k}
+            row = {"batch": batch, "k": k, **measure(args, options, batch)}
+            base = base or row
+            row["speedup"] = base["ms_per_token"] / row["ms_per_token"]
+            results["rows"].append(row)
+            acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
+            print(f"B={batch} k={k}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s, "
+                  f"acceptance {acc}, x{row['speedup']:.2f}", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
