@@ -173,11 +173,12 @@ def test_on_cuda_greedy_tokens_equal_and_the_plan_leaves_room(target, draft, pro
     """On a GPU: the target's measured memory plan leaves room for the draft (weights, graphs, its cache's
     share of each block), both runners replay CUDA graphs, and greedy tokens equal decoding without a draft."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True) as plain:
+    share = {"gpu_memory_utilization": 0.4}  # two engines in one process: a closed one's memory may stay cached
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True, **share) as plain:
         expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
         plain_blocks = plain.engine.runner.num_blocks
     model = target if which == "self" else draft
-    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True,
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True, **share,
              speculative={"model": str(model), "num_speculative_tokens": 3}) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats = llm.stats()
