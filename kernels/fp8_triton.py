@@ -1,4 +1,5 @@
-"""Triton per-token dynamic FP8 (E4M3) activation quantization (imported only when a kernel runs).
+"""Triton per-token dynamic FP8 (E4M3) activation quantization (imported only when a kernel runs); the same
+kernel quantizes to int8 for W8A8 int8 (int8_triton.quantize_int8_per_token).
 
 One program per token. A row of up to ONE_PASS_MAX values is loaded once, kept in registers, and
 its absmax, scale and quantized values come from that one load: a few tokens (a decode step) wait
@@ -22,6 +23,7 @@ from .split_k_triton import finish_splits, plan_splits, store_split
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 MAX_BLOCK = 4096  # chunk of the two-pass loop
+ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUNDER - ROUNDER rounds v (|v| < 2**22) half to even
 
 
 @triton.jit
@@ -42,48 +44,73 @@ def one_pass_warps(block: int) -> int:
 
 
 @triton.jit
-def _quantize_fp8_per_token_kernel(
+def _levels(x, scale, QMAX: tl.constexpr, INT: tl.constexpr):
+    """float32 values → quantized values at `scale`, still float32: IEEE x / scale clamped to ±QMAX, and for an
+    integer type rounded half to even by adding and subtracting 1.5 * 2**23 (exact for |v| < 2**22, in numpy as
+    on the GPU: Triton's interpreter has no libdevice `rint`); the store's cast to FP8 rounds to nearest even."""
+    v = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX)
+    if INT:
+        v = (v + ROUNDER) - ROUNDER
+    return v
+
+
+@triton.jit
+def _quantize_per_token_kernel(
     x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, QMAX: tl.constexpr, INT: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    out_type = out_ptr.dtype.element_ty
     if ONE_PASS:  # BLOCK >= size: the row stays in registers
-        row_mask = offs < size
-        row = tl.load(x_ptr + token * stride_x + offs, mask=row_mask, other=0.0).to(tl.float32)
-        quantize_row(row, row_mask, out_ptr + token * size + offs, scale_ptr + token, min_scale)
+        mask = offs < size
+        row = tl.load(x_ptr + token * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), QMAX), min_scale)
+        tl.store(scale_ptr + token, scale)
+        tl.store(out_ptr + token * size + offs, _levels(row, scale, QMAX, INT).to(out_type), mask=mask)
     else:
         absmax = tl.zeros((BLOCK,), dtype=tl.float32)
         for start in range(0, size, BLOCK):
             x = tl.load(x_ptr + token * stride_x + start + offs, mask=start + offs < size, other=0.0)
             absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), FP8_E4M3_MAX), min_scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), QMAX), min_scale)
         tl.store(scale_ptr + token, scale)
         for start in range(0, size, BLOCK):
             mask = start + offs < size
             y = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-            y = tl.clamp(tl.math.div_rn(y, scale), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-            tl.store(out_ptr + token * size + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + token * size + start + offs, _levels(y, scale, QMAX, INT).to(out_type), mask=mask)
 
 
-def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:
-    """x [..., K] → (fp8 [..., K], scale [..., 1] float32)."""
+QUANTIZED_TYPES = {torch.float8_e4m3fn: (448.0, False), torch.int8: (127.0, True)}  # dtype: (largest level, integer)
+
+
+def quantize_per_token(x: Tensor, min_scale: float, dtype: torch.dtype = torch.float8_e4m3fn,
+                       one_pass_max: int = ONE_PASS_MAX) -> tuple[Tensor, Tensor]:
+    """x [..., K] (bf16, fp16, fp32) → (`dtype` [..., K], scale [..., 1] float32): scale = max(absmax / QMAX,
+    min_scale) per token, for E4M3 (QMAX 448) or int8 (127, levels rounded half to even). `one_pass_max`: rows
+    longer than this take two passes (a test lowers it to reach that path at small sizes)."""
+    qmax, is_int = QUANTIZED_TYPES[dtype]
     size = x.shape[-1]
     rows = x.reshape(-1, size)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    out = torch.empty(x.shape, device=x.device, dtype=dtype)
     scale = torch.empty(*x.shape[:-1], 1, device=x.device, dtype=torch.float32)
     if rows.shape[0] == 0:
         return out, scale
-    one_pass = size <= ONE_PASS_MAX
-    block = triton.next_power_of_2(size) if one_pass else MAX_BLOCK
-    _quantize_fp8_per_token_kernel[(rows.shape[0],)](
-        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
+    one_pass = size <= one_pass_max
+    block = triton.next_power_of_2(size) if one_pass else min(MAX_BLOCK, triton.next_power_of_2(one_pass_max))
+    _quantize_per_token_kernel[(rows.shape[0],)](
+        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass, QMAX=qmax, INT=is_int,
         num_warps=one_pass_warps(block), **pdl_args(x.device),
     )
     return out, scale
+
+
+def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:
+    """x [..., K] → (fp8 [..., K], scale [..., 1] float32)."""
+    return quantize_per_token(x, min_scale)
 
 
 @triton.jit

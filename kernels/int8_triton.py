@@ -25,69 +25,16 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8_triton import MAX_BLOCK, one_pass_warps
+from .fp8 import ONE_PASS_MAX
+from .fp8_triton import quantize_per_token
 from .pdl_triton import pdl_args, wait_for_inputs
 from .split_k_triton import tile_counters
-
-INT8_MAX = tl.constexpr(127.0)
-ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + ROUNDER - ROUNDER rounds v (|v| < 2**22) half to even
-ONE_PASS_MAX = 16384  # as fp8.ONE_PASS_MAX: the longest row kept in registers
-
-
-@triton.jit
-def _levels(x, scale):
-    """float32 values → int8 levels at `scale`: IEEE x / scale, clamped to ±127, rounded half to even
-    (clamping first is the same: 127 is an integer and rounding is monotonic)."""
-    v = tl.clamp(tl.math.div_rn(x, scale), -INT8_MAX, INT8_MAX)
-    return ((v + ROUNDER) - ROUNDER).to(tl.int8)
-
-
-@triton.jit
-def _quantize_int8_per_token_kernel(
-    x_ptr, out_ptr, scale_ptr, size, stride_x, min_scale, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    if ONE_PASS:  # BLOCK >= size: the row stays in registers
-        mask = offs < size
-        row = tl.load(x_ptr + token * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(row), axis=0), INT8_MAX), min_scale)
-        tl.store(scale_ptr + token, scale)
-        tl.store(out_ptr + token * size + offs, _levels(row, scale), mask=mask)
-    else:
-        absmax = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, size, BLOCK):
-            x = tl.load(x_ptr + token * stride_x + start + offs, mask=start + offs < size, other=0.0)
-            absmax = tl.maximum(absmax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.math.div_rn(tl.max(absmax, axis=0), INT8_MAX), min_scale)
-        tl.store(scale_ptr + token, scale)
-        for start in range(0, size, BLOCK):
-            mask = start + offs < size
-            x = tl.load(x_ptr + token * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + token * size + start + offs, _levels(x, scale), mask=mask)
 
 
 def quantize_int8_per_token(x: Tensor, min_scale: float, one_pass_max: int = ONE_PASS_MAX) -> tuple[Tensor, Tensor]:
     """x [..., K] (bf16, fp16, fp32) → (int8 [..., K], scale [..., 1] float32), as
-    int8.quantize_int8_per_token computes them. `one_pass_max`: rows longer than this take two passes
-    (a test lowers it to reach that path at small sizes)."""
-    size = x.shape[-1]
-    rows = x.reshape(-1, size)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = torch.empty(x.shape, device=x.device, dtype=torch.int8)
-    scale = torch.empty(*x.shape[:-1], 1, device=x.device, dtype=torch.float32)
-    if rows.shape[0] == 0:
-        return out, scale
-    one_pass = size <= one_pass_max
-    block = triton.next_power_of_2(size) if one_pass else min(MAX_BLOCK, triton.next_power_of_2(one_pass_max))
-    _quantize_int8_per_token_kernel[(rows.shape[0],)](
-        rows, out, scale, size, rows.stride(0), min_scale, BLOCK=block, ONE_PASS=one_pass,
-        num_warps=one_pass_warps(block), **pdl_args(x.device),
-    )
-    return out, scale
+    int8.quantize_int8_per_token computes them: fp8_triton's per-token kernel with 127 and integer levels."""
+    return quantize_per_token(x, min_scale, torch.int8, one_pass_max)
 
 
 @triton.jit

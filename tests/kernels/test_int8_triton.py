@@ -206,7 +206,7 @@ _COMPILE_SM90 = r"""
 import json, re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from llmc.kernels import int8_triton as it
+from llmc.kernels import fp8_triton as ft, int8_triton as it
 from llmc.kernels.int8 import INT8_TILES, LARGE_M_TILES
 
 ALIGNED = ("K", "N", "stride_xm", "stride_wn", "stride_om", "stride_x", "k_per_split")  # as launches specialize them
@@ -226,9 +226,9 @@ def compile_90(fn, signature, constants, warps, stages):
 
 
 facts = {}
-k = compile_90(it._quantize_int8_per_token_kernel, {"x_ptr": "*bf16", "out_ptr": "*i8", "scale_ptr": "*fp32",
+k = compile_90(ft._quantize_per_token_kernel, {"x_ptr": "*bf16", "out_ptr": "*i8", "scale_ptr": "*fp32",
                "size": "i32", "stride_x": "i32", "min_scale": "fp32"},
-               {"BLOCK": 4096, "ONE_PASS": True, "PDL": True}, it.one_pass_warps(4096), 3)
+               {"BLOCK": 4096, "ONE_PASS": True, "PDL": True, "QMAX": 127.0, "INT": True}, ft.one_pass_warps(4096), 3)
 ptx = k.asm["ptx"]
 facts["quantize"] = {"div_rn": ptx.count("div.rn.f32"), "div_other": len(re.findall(r"div\.(full|approx)", ptx)),
                      "rounder": ptx.count("0f4B400000"), "local": ".local" in ptx}
