@@ -41,7 +41,7 @@ from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                           ResponsesRequest, TokenizeRequest, openapi_body, parse_json_body)
-from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, ModelNames, ServingContext, parse_body
+from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, EventStream, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
 from llmc.runtime.server import serving_responses
@@ -274,7 +274,7 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     return router
 
 
-async def _generate(request: Request, handle: Callable[[object], Awaitable[dict | AsyncIterator[str]]]) -> Response:
+async def _generate(request: Request, handle: Callable[[object], Awaitable[dict | EventStream]]) -> Response:
     """Run a generation handler; a client that goes away before the reply has its requests aborted
     (a streaming reply notices the disconnect itself, see StreamingResponse)."""
     body = await _json_body(request)
@@ -288,7 +288,22 @@ async def _generate(request: Request, handle: Callable[[object], Awaitable[dict 
     result = handler.result()
     if isinstance(result, dict):
         return JSONResponse(result)
-    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return ClosingStreamingResponse(result.events, result.close, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A StreamingResponse that calls `on_close` once it is over, sent, failed or cancelled (serving.EventStream)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

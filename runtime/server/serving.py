@@ -10,7 +10,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -72,11 +73,24 @@ def parse_generation_request(ctx: "ServingContext", model: type[Body], body: obj
         raise as_api_error(e) from None
 
 
+@dataclass
+class EventStream:
+    """A streaming reply: its SSE events, and what ends its engine requests however the response ends.
+
+    The events' own `finally` aborts them too, but only once iterated: when the client is gone before the
+    first chunk, Starlette may never start the iterator (cancelled while it waits, or `send` failing on the
+    response's start), and an async generator that never started runs no `finally`. So the server calls
+    `close` after the response in every case (api_server.ClosingStreamingResponse); it must be idempotent."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], None]
+
+
 async def respond(generation: "Generation", reply, is_stream: bool):
-    """An SSE event iterator (stream), or the whole response once every output is final; a
+    """An EventStream (stream), or the whole response once every output is final; a
     non-streaming request that fails or is cancelled is aborted so its KV blocks come back."""
     if is_stream:
-        return reply.stream(generation)
+        return EventStream(reply.stream(generation), generation.abort)
     try:
         outputs = await generation.final_outputs()
     finally:

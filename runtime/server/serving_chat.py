@@ -28,12 +28,12 @@ from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprob
                                             usage_body)
 from llmc.runtime.server.protocol import ChatCompletionRequest
 from llmc.runtime.server import reasoning_parsers as reasoning
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
+from llmc.runtime.server.serving import EventStream, Generation, ServingContext, new_id, parse_generation_request, respond
 from llmc.runtime.server.tool_parsers import ToolParser, fold, make_parser
 
 
 async def create_chat_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
-                                 ) -> dict | AsyncIterator[str]:
+                                 ) -> dict | EventStream:
     """The response body, or (stream=true) an iterator of SSE events."""
     request_id = new_id("chatcmpl")
     request, _, generation, num_prompt_tokens = await start_chat_generation(ctx, body, request_id, arrival_time)

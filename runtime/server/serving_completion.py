@@ -18,7 +18,7 @@ from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
                                             text_pieces, usage, usage_body)
 from llmc.runtime.server.protocol import MAX_PROMPTS, CompletionRequest
-from llmc.runtime.server.serving import Generation, ServingContext, new_id, parse_generation_request, respond
+from llmc.runtime.server.serving import EventStream, Generation, ServingContext, new_id, parse_generation_request, respond
 
 
 @dataclass
@@ -31,7 +31,7 @@ class _Prompt:
 
 
 async def create_completion(ctx: ServingContext, body: object, arrival_time: float | None = None
-                            ) -> dict | AsyncIterator[str]:
+                            ) -> dict | EventStream:
     """The response body, or (stream=true) an iterator of SSE events."""
     request, params = parse_generation_request(ctx, CompletionRequest, body)
     prompts = [await _truncated(ctx, request, p, params.truncate_prompt_tokens) for p in await _prompts(ctx, request)]

@@ -38,7 +38,7 @@ from llmc.runtime.server import reasoning_parsers as reasoning
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import DeltaTracker
 from llmc.runtime.server.protocol import INCLUDE_LOGPROBS, ResponsesRequest, responses_error
-from llmc.runtime.server.serving import Generation, ServingContext, parse_body, respond
+from llmc.runtime.server.serving import EventStream, Generation, ServingContext, parse_body, respond
 from llmc.runtime.server.serving_chat import ChatReply, start_chat_generation
 
 logger = logging.getLogger("llmc")
@@ -171,7 +171,7 @@ def not_found(response_id: str, param: str, store: ResponseStore | None) -> ApiE
 
 
 async def create_response(ctx: ServingContext, body: object, arrival_time: float | None = None
-                          ) -> dict | AsyncIterator[str]:
+                          ) -> dict | EventStream:
     """The Response, or (stream=true) an iterator of its SSE events; kept in ctx.response_store if there is
     one. A background request returns the queued Response at once; a task of the event loop generates it."""
     store = ctx.response_store
@@ -207,7 +207,11 @@ async def create_response(ctx: ServingContext, body: object, arrival_time: float
                                                              name=f"llmc-background-{rid}")
         return dict(record.response)
     if request.stream:
-        return reply.stream(generation)
+        def close() -> None:
+            generation.abort()
+            reply.abandon()
+
+        return EventStream(reply.stream(generation), close)
     try:
         return await respond(generation, reply, False)
     except BaseException:

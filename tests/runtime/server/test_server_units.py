@@ -283,3 +283,43 @@ def test_an_aborted_stream_stops_counting_as_a_replica_s_load():
     assert router.num_unfinished(0) == 1
     loops[0]._abort(Engine(), "r")  # what the engine thread runs for an abort
     assert stream.is_finished and router.num_unfinished(0) == 0
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_stream_whose_client_left_before_its_first_chunk_is_still_closed(spec_version):
+    """Starlette cancels a stream whose client is gone before it iterates it (ASGI 2.3: the disconnect
+    listener wins; 2.4: `send` of the response's start fails), and an async generator never started runs
+    no `finally`: the engine requests of such a stream were never aborted. The response itself closes now."""
+    import asyncio
+
+    from llmc.runtime.server.api_server import ClosingStreamingResponse
+
+    started, closed = [], []
+
+    async def events():
+        started.append(True)
+        try:
+            yield "data: 1\n\n"
+        finally:
+            closed.append("finally")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if spec_version == "2.4":
+            raise OSError("the client is gone")
+        await asyncio.sleep(0.05)  # the listener sees the disconnect first
+
+    response = ClosingStreamingResponse(events(), lambda: closed.append("on_close"), media_type="text/event-stream")
+    scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+
+    async def run():
+        try:
+            await response(scope, receive, send)
+        except Exception:  # noqa: BLE001 - 2.4: Starlette's ClientDisconnect
+            pass
+
+    asyncio.run(run())
+    assert not started  # the case the generator's own finally cannot cover
+    assert closed == ["on_close"]
