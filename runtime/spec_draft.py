@@ -5,10 +5,10 @@ the target's block count and is indexed by the target requests' own block tables
 layout for draft models): the scheduler reserves blocks for a request's k draft positions when it
 schedules the verify step, so the draft, which runs between `schedule` and the target's forward,
 writes its KV into blocks that already belong to the request. In one engine step:
-  1. the draft computes, for every scheduled request, the tokens its own cache lacks up to where
-     the target's forward starts its drafts (the target's prefill chunks, and after a verify step
-     the tokens it accepted), in forwards of at most `max_num_batched_tokens` tokens; a request
-     that verifies drafts samples its first draft d1 from that forward's last row;
+  1. the draft computes, for every scheduled request that verifies drafts, the tokens its own cache
+     lacks up to where the target's forward starts its drafts (its whole prompt the first time, the
+     tokens accepted since its last drafts after that), in forwards of at most
+     `max_num_batched_tokens` tokens; the last row of a request gives its first draft d1;
   2. k - 1 one-token forwards feed d1, d2, ... and give d2 .. dk;
   3. the target verifies [last token, d1 .. dk] as for n-gram drafts (spec_decode.py).
 Drafts are the draft model's argmax: a point-mass proposal, which the verify rule accepts with
@@ -166,18 +166,21 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def fill(self, batch: ScheduledBatch) -> None:
-        """Run the draft over `batch` (before the target's forward): every scheduled request's tokens the draft
-        lacks up to its drafts, then one-token steps; each ScheduledRequest's draft_token_ids get their values."""
+        """Run the draft over `batch` (before the target's forward): for every scheduled request with draft
+        placeholders, the tokens the draft's cache lacks up to its drafts, then one-token steps; each such
+        ScheduledRequest's draft_token_ids get their values. Requests without drafts cost the draft nothing."""
         self._forget_finished()
         work = []  # (sequence, end of its real tokens, number of drafts)
         for scheduled in batch.requests:
+            if not scheduled.draft_token_ids:  # nothing to propose: its catch-up waits for a step that drafts
+                continue
             request = scheduled.request
             sequence = self._sequences.get(request.request_id)
             if sequence is None or sequence.request is not request:
                 sequence = self._sequences[request.request_id] = _DraftSequence(request, num_preemptions=request.num_preemptions)
             end = request.num_computed_tokens + scheduled.num_new_tokens - len(scheduled.draft_token_ids)
             sequence.catch_up(end)
-            if scheduled.draft_token_ids and sequence.num_computed_tokens >= end:
+            if sequence.num_computed_tokens >= end:
                 sequence.num_computed_tokens = end - 1  # d1 comes from the last real token's logits
             work.append((sequence, end, len(scheduled.draft_token_ids)))
         drafts = self._first_drafts(work)
@@ -189,12 +192,12 @@ class DraftModelProposer:
             tokens = self._forward([ScheduledRequest(sequence, 1, True) for sequence, _ in rows])
             for (_, ids), token in zip(rows, tokens):
                 ids.append(token)
-        for scheduled, ids in zip(batch.requests, drafts):
+        for scheduled, ids in zip([s for s in batch.requests if s.draft_token_ids], drafts):
             scheduled.draft_token_ids[:] = ids
 
     def _first_drafts(self, work: list[tuple[_DraftSequence, int, int]]) -> list[list[int]]:
-        """Forwards over every sequence's missing tokens, `max_tokens` at a time; a sequence with drafts samples d1
-        from its last token. Returns [d1] per sequence with drafts, [] for the others."""
+        """Forwards over every sequence's missing tokens, `max_tokens` at a time; each sequence's d1 comes from
+        its last token's row. Returns [d1] per sequence."""
         drafts: list[list[int]] = [[] for _ in work]
         todo = [(i, sequence, end) for i, (sequence, end, _) in enumerate(work) if end > sequence.num_computed_tokens]
         while todo:
@@ -205,10 +208,10 @@ class DraftModelProposer:
                     left.append((i, sequence, end))
                     continue
                 is_last = sequence.num_computed_tokens + take == end
-                chunk.append(ScheduledRequest(sequence, take, is_last and work[i][2] > 0))
-                if is_last and work[i][2] > 0:
+                chunk.append(ScheduledRequest(sequence, take, is_last))
+                if is_last:
                     sampled.append(i)
-                if not is_last:
+                else:
                     left.append((i, sequence, end))
                 budget -= take
             tokens = self._forward(chunk)
