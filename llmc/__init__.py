@@ -16,6 +16,7 @@ _LAZY = {
     "GuidedDecodingParams": ("llmc.runtime.structured_output", "GuidedDecodingParams"),
     "StructuredOutputsParams": ("llmc.runtime.structured_output", "StructuredOutputsParams"),
     "CompletionOutput": ("llmc.runtime.outputs", "CompletionOutput"),
+    "LoRARequest": ("llmc.runtime.lora", "LoRARequest"),
     "build": ("llmc.compiler.build", "build"),
     "LlmcError": ("llmc.errors", "LlmcError"),
 }

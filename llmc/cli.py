@@ -329,12 +329,9 @@ def _finite(param, value: float | None) -> float | None:
               "the artifact's kind (awq, gptq, *_marlin, compressed-tensors for int weights; fp8 for FP8)")
 @click.option("--trust-remote-code", "trust_remote_code", is_flag=True, default=None,
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
-@click.option("--enable-lora", "enable_lora", is_flag=True, default=None,
-              help="vLLM's flag, refused: no adapter is served at run time; merge it at build time (recipe adapter, llmc build --adapter)")
 @click.option("--lora-modules", "lora_modules", cls=_OneOrMoreOption, multiple=True,
-              help="vLLM's flag, refused: merge the adapter at build time (recipe adapter, llmc build --adapter)")
-@click.option("--max-loras", "max_loras", type=int, default=None, help="vLLM's flag, refused (LoRA merges at build time)")
-@click.option("--max-lora-rank", "max_lora_rank", type=int, default=None, help="vLLM's flag, refused (LoRA merges at build time)")
+              help="vLLM's flag (server): LoRA adapters served by name, NAME=PATH or JSON {\"name\", \"path\", "
+              "\"base_model_name\"} (needs --enable-lora); a request's model names one")
 @runtime_option_flags
 def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, output_path: str | None, host: str,
         port: int, served_model_name: tuple[str, ...], api_key: str | None, max_waiting: int, shutdown_timeout: float,

@@ -331,6 +331,11 @@ class RuntimeDefaults:
     generation_config: str = opt("auto", help="auto: the model's generation_config.json sets the default temperature, "
                                               "top_p, top_k, min_p, repetition_penalty and max_tokens (vLLM's default); "
                                               "vllm: SamplingParams' own defaults; or a folder holding a generation_config.json")
+    enable_lora: bool = opt(False, help="run-time LoRA: requests name PEFT adapters (lora_request, the server's "
+                                             "--lora-modules), added to the linears per token (runtime/lora.py)")
+    max_loras: int = opt(1, min=1, max=1024, help="most LoRA adapters in one step (their slots on the device)")
+    max_lora_rank: int = opt(16, min=1, max=1024, help="largest LoRA rank an adapter may have (each slot's size)")
+    max_cpu_loras: int | None = opt(None, min=1, help="LoRA adapters kept read in host memory (default: max(max_loras, 8))")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 

@@ -30,6 +30,12 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     return digest.digest()
 
 
+def lora_root_hash(lora_int_id: int | None) -> BlockHash | None:
+    """The parent of a sequence's first block under a run-time LoRA adapter (None: no adapter), so the
+    blocks of one adapter never match another's or the base model's."""
+    return None if lora_int_id is None else hashlib.sha256(b"lora\x00" + str(lora_int_id).encode()).digest()
+
+
 def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """The hash chain of every full block of `token_ids` (a trailing partial block gets none)."""
     hashes: list[BlockHash] = []

@@ -18,6 +18,7 @@ from llmc.errors import ConfigError, RequestError, WorkerError
 from llmc.kernels import to_device
 from llmc.runtime import artifact as art
 from llmc.runtime.layers.rotary import check_rotary_device
+from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
 from llmc.runtime.outputs import RequestOutput
@@ -68,6 +69,8 @@ class Engine:
         vocab_size = self.manifest.model.vocab_size
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
+        if self.options.enable_lora:
+            check_lora_artifact(self.manifest)  # before any weight loads
         draft = self._draft_artifact()
         reserve = (draft_memory_reserve(*draft, self.options, self.device)
                    if draft is not None and self.device.type == "cuda" else (0, 0))
@@ -81,6 +84,7 @@ class Engine:
             num_blocks=self.runner.num_blocks,
             enable_prefix_caching=self.options.enable_prefix_caching,
             policy=self.options.scheduling_policy,
+            max_loras=self.options.max_loras,
         ))
         self.sampler = BatchSampler(self.options.max_num_seqs, self.manifest.model.vocab_size, self.device,
                                     self.eos_token_ids, seed=self.options.seed)
@@ -112,6 +116,9 @@ class Engine:
         speculative = self.options.speculative
         if speculative is None or speculative.method != "draft_model":
             return None
+        if self.options.enable_lora:
+            raise ConfigError("speculative method draft_model does not run with enable_lora (the draft has no "
+                              "adapters); use method ngram, or drop one of them")
         if is_onnx(self.manifest) or self.manifest.parallel.world_size != 1:
             where = "an onnx-cpu artifact" if is_onnx(self.manifest) else "a tensor/pipeline-parallel artifact"
             raise ConfigError(f"speculative method draft_model does not run on {where}; use method ngram, or a "
@@ -121,8 +128,10 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None) -> str:
-        """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock."""
+                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> str:
+        """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
+        `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if priority != 0 and self.options.scheduling_policy != "priority":  # vLLM refuses it too
             raise RequestError(f"priority {priority}: priority scheduling is not enabled (scheduling_policy is "
@@ -137,6 +146,7 @@ class Engine:
                 prompt_token_ids = encode_text(self.tokenizer, prompt, keep=self._prompt_tokens_kept(params))
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
+        lora_int_id = self._check_lora(lora_request, params)
         params = self._check_logprob_counts(params)
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
@@ -151,13 +161,29 @@ class Engine:
                 self._beam_group_ids.add(request_id)
                 group.start(self, priority)
             else:
-                self._add_sequences(group, priority)
+                self._add_sequences(group, priority, lora_int_id)
         except BaseException:
             self.abort_request(request_id)
             raise
         return request_id
 
-    def _add_sequences(self, group: RequestGroup, priority: int) -> None:
+    def _check_lora(self, lora_request: LoRARequest | None, params: SamplingParams) -> int | None:
+        """The adapter's id, its files read and checked (once per id); None without one."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request: expected a LoRARequest (llmc.LoRARequest), got {type(lora_request).__name__}",
+                               param="lora_request")
+        if getattr(self.runner, "lora", None) is None:
+            raise RequestError("lora_request: run-time LoRA is off; start the engine with enable_lora (llmc run "
+                               "--enable-lora), or merge the adapter at build time (recipe `adapter`)", param="lora_request")
+        if params.use_beam_search:
+            raise RequestError("lora_request: use_beam_search does not run with a LoRA adapter; drop one of them",
+                               param="lora_request")
+        self.runner.lora.read(lora_request)
+        return lora_request.lora_int_id
+
+    def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None) -> None:
         room = self.options.max_model_len - len(group.prompt_token_ids)
         for index, child_params in enumerate(group.child_params()):
             guard_processors(child_params, group.request_id)
@@ -166,6 +192,7 @@ class Engine:
                 request_id=f"{group.request_id}#{index}", prompt_token_ids=group.prompt_token_ids,
                 max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
                 sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
+                lora_int_id=lora_int_id,
             )
             state = SequenceState(request, index, child_params, self.tokenizer,
                                   self.eos_token_ids, self.options.max_model_len, group.request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +14,6 @@ from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
-from llmc.runtime.options import LORA_AT_BUILD_TIME
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -22,9 +22,14 @@ from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 PromptType = str | list[int] | dict
 
 
-def _refuse_lora_request(lora_request) -> None:
-    if lora_request is not None:
-        raise RequestError(f"lora_request: {LORA_AT_BUILD_TIME}")
+def _lora_requests(lora_request, num_prompts: int) -> list:
+    """vLLM's lora_request: one LoRARequest for every prompt, a list of one per prompt, or None."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise RequestError(f"got {len(lora_request)} lora_requests for {num_prompts} prompts; give one per prompt "
+                               "(None for the base model), or one for all")
+        return list(lora_request)
+    return [lora_request] * num_prompts
 
 
 class LLM:
@@ -103,19 +108,20 @@ class LLM:
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
         Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
-        `lora_request` (vLLM's) is refused: an adapter is merged at build time."""
+        `lora_request` (vLLM's): a LoRARequest for every prompt, or a list of one (or None) per prompt, on an LLM
+        started with enable_lora=True (runtime/lora.py)."""
         self._check_usable()
-        _refuse_lora_request(lora_request)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("LLM.generate is already running on this LLM (another thread); an LLM is not "
                                "thread-safe: serialize the calls or use one LLM per thread")
         try:
-            return self._generate(prompts, sampling_params, use_tqdm, priority)
+            return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request)
         finally:
             self._busy.release()
 
-    def _generate(self, prompts, sampling_params, use_tqdm, priority) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, priority, lora_request=None) -> list[RequestOutput]:
         prompts = self._pretokenize(_as_prompt_list(prompts))
+        loras = _lora_requests(lora_request, len(prompts))
         # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -125,7 +131,7 @@ class LLM:
         ids: list[str] = []
         try:  # all or none
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(self._add(prompt, p, priority[i] if priority else 0))
+                ids.append(self._add(prompt, p, priority[i] if priority else 0, loras[i]))
             finished = self._run_to_completion(ids, use_tqdm)
         except BaseException:  # a bad request, or an interrupt (KeyboardInterrupt) while running: abort ours
             for request_id in ids:
@@ -149,14 +155,13 @@ class LLM:
         vLLM's keywords: add_generation_prompt, continue_final_message, chat_template_kwargs (the template's
         extra variables, e.g. {"enable_thinking": False} for Qwen3), tools (OpenAI's tool definitions
         {"type": "function", "function": {...}}, rendered by the template; the replies are text, as vLLM's
-        LLM.chat returns them: read calls out of it yourself)."""
-        _refuse_lora_request(lora_request)
+        LLM.chat returns them: read calls out of it yourself). `lora_request`: as generate's."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
                    "tools": checked_tools(tools) or None}
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **options)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
         """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
@@ -211,7 +216,9 @@ class LLM:
         """vLLM's beam search: one BeamSearchOutput per prompt, its best `beam_width` beams first
         (runtime/beam_search.py: how it runs and how beams share KV through the prefix cache)."""
         self._check_usable()
-        _refuse_lora_request(lora_request)
+        if lora_request is not None:
+            raise RequestError("lora_request: beam search does not run with a LoRA adapter; use generate",
+                               param="lora_request")
         token_lists = []
         for prompt in _as_prompt_list(prompts):
             if isinstance(prompt, dict):
@@ -222,17 +229,18 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, lora_request=None) -> str:
+        add = functools.partial(self.engine.add_request, priority=priority, lora_request=lora_request)
         if isinstance(prompt, str):
-            return self.engine.add_request(prompt, params, priority=priority)
+            return add(prompt, params)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return self.engine.add_request(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]), priority=priority)
+                return add(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]))
             if "prompt" in prompt:
-                return self.engine.add_request(prompt["prompt"], params, priority=priority)
+                return add(prompt["prompt"], params)
             raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return self.engine.add_request(None, params, prompt, priority=priority)
+            return add(None, params, prompt)
         raise RequestError(f"a prompt must be text, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _run_to_completion(self, request_ids: list[str], use_tqdm) -> dict[str, RequestOutput]:

@@ -27,7 +27,7 @@ def compute_dtype(manifest: art.Manifest, device: torch.device) -> torch.dtype:
 
 
 def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device, max_positions: int,
-                layout: RankLayout | None = None, tp_group=None) -> DecoderModel:
+                layout: RankLayout | None = None, tp_group=None, keep_gate_up_order: bool = False) -> DecoderModel:
     """Create the module on the meta device, then fill every buffer from the rank's weights file
     (rank 0, the whole model, without a layout).
 
@@ -48,7 +48,7 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
         raise ArtifactError(f"manifest.json: quant.modules has no format for {e.args[0]!r}; rebuild the artifact") from None
     model.cos_sin, model.cos_sin_local = _rope_tables(manifest, max_positions, device)
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
-    model.prepare_loaded_weights()
+    model.prepare_loaded_weights(keep_gate_up_order)
     return model.eval()
 
 

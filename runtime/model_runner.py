@@ -30,6 +30,7 @@ from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, compile_mixed_s
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
+from llmc.runtime.lora import LoraManager, LoraSlots, check_lora_artifact
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.offload import WeightOffloader
@@ -53,7 +54,14 @@ class ModelRunner:
         self.device = device
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len)
+        self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
+                                 keep_gate_up_order=options.enable_lora)
+        self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
+        if options.enable_lora:
+            check_lora_artifact(manifest)
+            slots = LoraSlots(self.model, options.max_loras, options.max_lora_rank, options.max_num_batched_tokens,
+                              device)
+            self.lora = LoraManager(manifest, slots, options.max_cpu_loras)
         self.offloader = None
         if options.cpu_offload_gb:
             self.offloader = WeightOffloader(self.model, int(options.cpu_offload_gb * memory.GIB), device)
@@ -122,7 +130,17 @@ class ModelRunner:
         """Copy-on-write: each (src, dst) block's K/V copied, queued before the step that writes dst."""
         copy_blocks(self.kv_caches, pairs)
 
+    def _map_lora_tokens(self, batch: ScheduledBatch) -> None:
+        """Each token of the step to its request's adapter slot (runtime/lora.py), loading adapters into slots."""
+        slot_of = self.lora.slots_for({s.request.lora_int_id for s in batch.requests if s.request.lora_int_id is not None})
+        token_slots = []
+        for scheduled in batch.requests:
+            token_slots += [slot_of.get(scheduled.request.lora_int_id, -1)] * scheduled.num_new_tokens
+        self.lora.slots.set_mapping(token_slots)
+
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
+        if self.lora is not None:  # the base model's scores: no adapter on any token
+            self.lora.slots.set_mapping([-1] * len(self.lora.slots.mapping))
         return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch,
@@ -142,6 +160,8 @@ class ModelRunner:
         """Run one step's forward (launched, not waited for, on a GPU). `pending`: the previous
         step's sampled tokens on the device, for decode rows whose last token is still pending."""
         inputs = self.buffers.build(batch, pending)
+        if self.lora is not None:
+            self._map_lora_tokens(batch)
         logits = self.forward_logits(inputs.input_ids, inputs.forward_batch, None)  # [num_rows, vocab_size]
         return StepLogits.split(logits, inputs)
 

@@ -90,23 +90,26 @@ def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | N
     return None if max_model_len <= limit else f"{max_model_len} exceeds the model's context of {limit} ({how}); lower it"
 
 
-# vLLM's engine arguments of LoRA adapters served at run time: llmc merges an adapter at build time instead
-LORA_OPTIONS = ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "fully_sharded_loras",
-                "lora_dtype")
-LORA_AT_BUILD_TIME = ("llmc serves no LoRA adapters at run time; merge the adapter into the artifact at build time "
-                      "(the recipe's adapter: PATH, or llmc build --adapter PATH)")
+# vLLM's LoRA engine arguments llmc does not take (its run-time LoRA: enable_lora, max_loras, max_lora_rank,
+# max_cpu_loras, runtime/lora.py), with what to do instead
+LORA_REFUSED = {
+    "fully_sharded_loras": "shards adapters over tensor ranks; llmc's run-time LoRA runs on one rank: drop it",
+    "lora_dtype": "adapters run in the model's dtype here: drop it",
+    "lora_modules": "names adapters for the server (llmc run --lora-modules NAME=PATH); in Python pass "
+                    "lora_request=LoRARequest(name, id, path) to generate",
+}
 
 
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
-    pipeline_parallel_size, dtype, quantization, LoRA adapters), always does (enable_chunked_prefill) or does in
+    pipeline_parallel_size, dtype, quantization), always does (enable_chunked_prefill) or does in
     the server only (data_parallel_size): accepted where they say what
     the artifact does, refused by name where they ask for something else; trust_remote_code is
     accepted either way (no code of the checkpoint runs). Returns the other overrides."""
     rest = dict(overrides)
-    for name in LORA_OPTIONS:  # enable_lora False says what the artifact does; anything else asks for run-time LoRA
-        if name in rest and not (name == "enable_lora" and rest.pop(name) is False):
-            raise ConfigError(f"{name}: {LORA_AT_BUILD_TIME}")
+    for name, message in LORA_REFUSED.items():
+        if name in rest:
+            raise ConfigError(f"{name}: {message}")
     plan = manifest.parallel
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         value = rest.get(name)

@@ -71,6 +71,8 @@ class Request:
             while it runs; None while waiting. Set and cleared by the engine.
         beam_group_id: the beam search this request is a beam of (runtime/beam_scheduler.py), else
             None; a beam's last block may be shared, so it is checked for copy-on-write.
+        lora_int_id: the run-time LoRA adapter its tokens go through (runtime/lora.py), else None; part of
+            its blocks' prefix-cache hashes (another adapter's KV is another KV).
     """
 
     request_id: str
@@ -91,6 +93,7 @@ class Request:
     num_pending_tokens: int = 0
     batch_row: int | None = None
     beam_group_id: str | None = None
+    lora_int_id: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

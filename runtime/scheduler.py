@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from llmc.errors import ConfigError, RequestError
-from llmc.runtime.block_pool import BlockPool, KVBlock, check_invariant, hash_block_tokens
+from llmc.runtime.block_pool import BlockPool, KVBlock, check_invariant, hash_block_tokens, lora_root_hash
 from llmc.runtime.request import Request, RequestStatus, WaitingQueue, check_request_can_run
 
 logger = logging.getLogger("llmc")
@@ -42,6 +42,8 @@ class SchedulerConfig:
         enable_chunked_prefill: split a prefill that does not fit the step's remaining budget;
             when False a waiting request is admitted only if its whole prefill fits (this needs
             max_num_batched_tokens >= max_model_len).
+        max_loras: most run-time LoRA adapters among the running requests (runtime/lora.py: each needs
+            a slot); a waiting request whose adapter would be one more waits.
     """
 
     max_num_seqs: int
@@ -52,6 +54,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -251,8 +254,13 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
         while self.waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_int_id is not None and request.lora_int_id not in loras:
+                if len(loras) >= self.config.max_loras:  # its adapter would have no slot: it waits (vLLM's rule)
+                    break
+                loras.add(request.lora_int_id)
             cached_blocks = self._find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_size
             num_new_tokens = request.num_tokens - num_cached_tokens
@@ -425,7 +433,7 @@ class Scheduler:
         while len(hashes) < num_blocks:
             start = len(hashes) * self.block_size
             token_ids = request.get_token_ids(start, start + self.block_size)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids))
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else lora_root_hash(request.lora_int_id), token_ids))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:

@@ -27,9 +27,11 @@ class Linear(nn.Module):
         if has_bias:
             self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device="meta"))
         self.dense: Tensor | None = None  # an int weight dequantized once, on a CPU (dequantize_once)
+        self.lora = None  # run-time LoRA slots (runtime/lora.LinearLora), added to the output; None: none
 
     def forward(self, x: Tensor | Fp8Activation) -> Tensor:
-        return self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
+        out = self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
+        return out if self.lora is None else out + self.lora.delta(x)
 
     def params(self) -> dict[str, Tensor]:
         params = {name: getattr(self, name) for name in self.param_names}

@@ -297,11 +297,12 @@ class DecoderModel(nn.Module):
             logits = torch.tanh(logits.float() / cap) * cap
         return logits if dtype is None else logits.to(dtype)
 
-    def prepare_loaded_weights(self) -> None:
+    def prepare_loaded_weights(self, keep_gate_up_order: bool = False) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
         store (MLP.interleave_gate_up); act order's gathers gone where the identity (Linear.drop_identity_perm) or done by
         the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
-        FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device)."""
+        FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device).
+        keep_gate_up_order: gate_up's rows stay as stored (run-time LoRA adds to them: runtime/lora.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.drop_identity_perm()  # first: a norm takes no identity perm below
@@ -312,7 +313,7 @@ class DecoderModel(nn.Module):
                 layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
-            if not layer.is_moe:
+            if not layer.is_moe and not keep_gate_up_order:
                 layer.mlp.interleave_gate_up()
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)

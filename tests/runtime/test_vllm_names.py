@@ -40,13 +40,13 @@ def test_llm_takes_vllm_names(artifact):
         for bad, message in [({"sampling_params": {"max_tokens": 1}}, "sampling_params must be a SamplingParams"),
                              ({"sampling_params": [greedy, "x"]}, "a list holding str"),
                              ({"sampling_params": greedy, "priority": [1]}, "1 priorities for 2 prompts"),
-                             ({"lora_request": object()}, "lora_request: llmc serves no LoRA adapters at run time")]:
+                             ({"lora_request": object()}, "lora_request: expected a LoRARequest")]:
             with pytest.raises(RequestError, match=message):
                 llm.generate(prompts, **bad)
-        for call in (lambda: llm.chat([{"role": "user", "content": "hi"}], greedy, lora_request=object()),
-                     lambda: llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())):
-            with pytest.raises(RequestError, match="lora_request: .*merge the adapter into the artifact at build time"):
-                call()
+        with pytest.raises(RequestError, match="lora_request: expected a LoRARequest"):
+            llm.chat([{"role": "user", "content": "hi"}], greedy, lora_request=object())
+        with pytest.raises(RequestError, match="lora_request: beam search does not run with a LoRA adapter"):
+            llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2), lora_request=object())
     with LLM(model=artifact, speculative_config=NGRAM, num_gpu_blocks_override=40, tensor_parallel_size=1,
              pipeline_parallel_size=1, data_parallel_size=1, enable_chunked_prefill=True, dtype="float", trust_remote_code=True,
              quantization=None, enable_lora=False, disable_log_stats=True) as llm:
@@ -69,13 +69,11 @@ def test_llm_takes_vllm_names(artifact):
     ({"quantization": "awq"}, "quantization 'awq': this artifact holds unquantized weights; drop the flag"),
     ({"quantization": "nf4"}, "quantization 'nf4' is not one of vLLM's quantization methods"),
     ({"model": "elsewhere"}, "give the artifact directory once"),
-    # LoRA adapters are merged at build time (the recipe's adapter), never served at run time
-    ({"enable_lora": True}, "enable_lora: llmc serves no LoRA adapters at run time; merge the adapter into the artifact "
-                            "at build time (the recipe's adapter: PATH, or llmc build --adapter PATH)"),
-    ({"enable_lora": True, "max_loras": 2}, "enable_lora: llmc serves no LoRA adapters"),
-    ({"max_loras": 2}, "max_loras: llmc serves no LoRA adapters"),
-    ({"max_lora_rank": 16}, "max_lora_rank: llmc serves no LoRA adapters"),
-    ({"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]}, "lora_modules: llmc serves no LoRA adapters"),
+    # run-time LoRA takes enable_lora, max_loras, max_lora_rank, max_cpu_loras (runtime/lora.py); vLLM's others are refused
+    ({"max_loras": 0}, "max_loras: 0 is too small"),
+    ({"fully_sharded_loras": True}, "fully_sharded_loras: shards adapters over tensor ranks; llmc's run-time LoRA runs on one rank"),
+    ({"lora_dtype": "float16"}, "lora_dtype: adapters run in the model's dtype here"),
+    ({"lora_modules": [{"name": "sql", "path": "/adapters/sql"}]}, "lora_modules: names adapters for the server"),
     # allocations up to these (step buffers, sampler rows) were a numpy / torch MemoryError traceback
     ({"max_num_seqs": 10**12}, "max_num_seqs: 1000000000000 is too large; it must be at most 65536"),
     ({"max_num_batched_tokens": 10**12}, "max_num_batched_tokens: 1000000000000 is too large"),
@@ -96,11 +94,8 @@ def test_run_flags_and_recipe_keys_by_vllm_names(artifact, tmp_path, ref_model_d
     assert vllm.stdout == plain.stdout
     refused = CliRunner().invoke(cli, [*args, "--tensor-parallel-size", "2"])
     assert isinstance(refused.exception, ConfigError) and "tensor_parallel_size 2" in str(refused.exception)
-    for flags, name in [(["--enable-lora", "--max-loras", "2"], "enable_lora"), (["--max-lora-rank", "8"], "max_lora_rank"),
-                        (["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat"], "lora_modules")]:
-        refused = CliRunner().invoke(cli, [*args, *flags])
-        assert isinstance(refused.exception, ConfigError), refused.output
-        assert str(refused.exception).startswith(f"{name}: llmc serves no LoRA adapters at run time; merge the adapter")
+    lora = CliRunner().invoke(cli, [*args, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"])
+    assert lora.exit_code == 0 and lora.stdout == plain.stdout, lora.output  # no request names an adapter
     built = _build(ref_model_dir, tmp_path / "aliases", {"speculative_config": NGRAM, "num_gpu_blocks_override": 30})
     runtime = art.read_manifest(built).runtime
     assert runtime.speculative == art.SpeculativeConfig(**NGRAM) and runtime.num_kv_blocks == 30

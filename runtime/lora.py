@@ -1,0 +1,275 @@
+"""Run-time LoRA (vLLM's `enable_lora`): PEFT adapters chosen per request, added to the decoder's linears.
+
+NOTE (layout): every decoder linear an adapter may change (qkv, o, gate_up, down) gets a `LinearLora` with
+A [S·m·R, in] and B [S·m·R, out]: S = max_loras slots, m members (q, k, v of qkv; gate, up of gate_up; one
+elsewhere), R = max_lora_rank. Slot s, member j owns rows (s·m + j)·R ..+R: the adapter's lora_A [r, in]
+zero-padded to R rows, and its lora_B [out_j, r] transposed, times PEFT's scale, in the columns of member
+j's rows of the fused output. Every token of a step names a slot (or none), written as a one-hot
+[tokens, S] into one buffer the model's linears share (`LoraSlots.mapping`); a linear adds
+    ((x @ Aᵀ) [T, S·m·R] ⊙ its slot's one-hot, per R-block) @ B
+dense over the slots: fixed shapes, no per-adapter loop and no host value, so the CUDA graphs capture it,
+and rows without an adapter (an all-zero one-hot row) add exactly 0. PEFT computes scale · B(A x) per
+module; this is the same sum up to float rounding.
+
+What the scheduler guarantees (runtime/scheduler.py): the running requests use at most max_loras adapters,
+so every step's adapters have slots. `LoraManager` keeps adapters read from disk (by lora_int_id) and
+which slot each occupies; a slot is reused, least recently used first, only by a step none of whose
+requests uses it (device copies are queued on the stream after the steps that read the slot).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from llmc.errors import ConfigError, RecipeError, RequestError
+from llmc.runtime import artifact as art
+from llmc.runtime.models import spec_for_architecture
+from llmc.runtime.models.spec import hf_member_rows
+from llmc.runtime.onnx_model import is_onnx
+from llmc.runtime.peft import _load_adapter, _mergeable_linears
+
+logger = logging.getLogger("llmc")
+
+LORA_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRARequest: an adapter by name, a positive integer id (one id, one adapter) and its PEFT folder."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise RequestError(f"lora_request.lora_name {self.lora_name!r}: expected a non-empty string",
+                               param="lora_request")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
+            raise RequestError(f"lora_request.lora_int_id {self.lora_int_id!r}: expected an integer >= 1 (vLLM's rule)",
+                               param="lora_request")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise RequestError("lora_request.lora_path: give the PEFT adapter's folder", param="lora_request")
+
+
+def check_lora_artifact(manifest: art.Manifest) -> None:
+    """A ConfigError naming what stops run-time LoRA on this artifact: the adapters' deltas are computed on the
+    linears' inputs as the checkpoint had them, so builds that changed those inputs (AWQ's and SmoothQuant's
+    folded scales, W8A8 activations quantized in the norm) or the outputs (Granite's folded multipliers) cannot
+    take them; nor can mixture-of-experts layers, split or ONNX artifacts (not built yet)."""
+    model, quant = manifest.model, manifest.quant
+    problem = None
+    if is_onnx(manifest):
+        problem = "an onnx-cpu artifact"
+    elif manifest.parallel.world_size != 1:
+        problem = f"an artifact split into {manifest.parallel.world_size} ranks"
+    elif model.num_experts:
+        problem = "a mixture-of-experts model"
+    elif model.family == "granite":
+        problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
+    elif quant.method == "awq":
+        problem = "an AWQ build (its scales are folded into the norms: the linears see scaled inputs)"
+    elif quant.method == "int8" or any(spec.get("format") in ("w8a8-fp8", "w8a8-int8") for spec in quant.modules.values()):
+        problem = "W8A8 linears (their inputs are quantized by the kernel before them)"
+    elif spec_for_architecture(model.architecture) is None:
+        problem = f"architecture {model.architecture}"
+    if problem is not None:
+        raise ConfigError(f"enable_lora: run-time LoRA does not run on {problem}; merge the adapter at build time "
+                          "(recipe `adapter`), or serve an unquantized or weight-only (rtn, gptq, fp8 weights) build")
+
+
+@dataclass
+class LoadedAdapter:
+    """One adapter's factors per runtime linear ("layers.3.attn.qkv"): per member, (A [r, in], scale · B [out_j, r])
+    float32, or None where the adapter leaves that member alone."""
+
+    request: LoRARequest
+    factors: dict[str, list[tuple[Tensor, Tensor] | None]]
+    rank: int
+
+
+class _ModuleShapes:
+    """The checkpoint's module names and weight shapes, as the artifact's config gives them (what
+    peft._load_adapter asks of a checkpoint reader)."""
+
+    def __init__(self, modules: dict[str, tuple[int, int]], others: set[str]):
+        self.modules, self.others = modules, others
+
+    def has(self, name: str) -> bool:
+        return name.removesuffix(".weight") in self.modules or name in self.others
+
+    def names(self) -> list[str]:
+        return [m + ".weight" for m in self.modules] + sorted(self.others)
+
+
+def read_adapter(request: LoRARequest, manifest: art.Manifest, max_rank: int) -> LoadedAdapter:
+    """Read and check a PEFT adapter against the artifact's model; a RequestError (400) says what is wrong."""
+    model = manifest.model
+    spec = spec_for_architecture(model.architecture)
+    modules, where = {}, {}  # HF module → (out, in); HF module → (runtime linear, member index)
+    for index in range(model.num_layers):
+        for linear in spec.layer_linears:
+            if linear.name not in LORA_LINEARS:
+                continue
+            in_features = {"attn.o": model.num_heads * model.head_dim, "mlp.down": model.intermediate_size}.get(
+                linear.name, model.hidden_size)
+            for member, (hf_name, rows) in enumerate(zip(linear.hf_members, hf_member_rows(linear, model))):
+                hf_module = f"{spec.hf_layer_prefix}{index}.{hf_name}"
+                modules[hf_module] = (rows, in_features)
+                where[hf_module] = (f"layers.{index}.{linear.name}", member)
+    others = {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    shapes = _ModuleShapes(modules, others)
+    if not Path(request.lora_path).is_dir():
+        raise RequestError(f"lora_request {request.lora_name!r}: {request.lora_path} is not a folder; give a PEFT "
+                           "adapter's folder (adapter_config.json + adapter_model.safetensors)", param="lora_request")
+    try:
+        adapter = _load_adapter(request.lora_path, f"lora_request {request.lora_name!r}", modules,
+                                _mergeable_linears(spec, model), shapes)
+    except RecipeError as e:
+        raise RequestError(str(e), param="lora_request") from None
+    factors: dict[str, list[tuple[Tensor, Tensor] | None]] = {}
+    rank = 0
+    for hf_module, f in adapter.modules.items():
+        linear, member = where[hf_module]
+        rank = max(rank, f.a.shape[0])
+        members = factors.setdefault(linear, [None] * len(_members(spec, linear)))
+        members[member] = (f.a, f.b * f.scale)
+    if rank > max_rank:
+        raise RequestError(f"lora_request {request.lora_name!r}: rank {rank} is above max_lora_rank {max_rank}; start "
+                           f"the engine with max_lora_rank {rank} or more (--max-lora-rank)", param="lora_request")
+    return LoadedAdapter(request, factors, rank)
+
+
+def _members(spec, linear_name: str) -> tuple[str, ...]:
+    return spec.layer_linear(linear_name.split(".", 2)[2]).hf_members
+
+
+class LinearLora:
+    """One linear's adapter slots (see NOTE): A [S·m·R, in] and B [S·m·R, out], the model's dtype."""
+
+    def __init__(self, slots: LoraSlots, member_rows: list[int], in_features: int, input_perm: Tensor | None):
+        self.slots = slots
+        self.member_rows = member_rows
+        self.member_starts = [sum(member_rows[:j]) for j in range(len(member_rows))]
+        # the linear's input arrives in this column order (an act-order gather done by the norm before it)
+        self.input_perm = input_perm
+        block = len(member_rows) * slots.max_rank
+        self.a = torch.zeros(slots.max_loras * block, in_features, dtype=slots.dtype, device=slots.device)
+        self.b = torch.zeros(slots.max_loras * block, sum(member_rows), dtype=slots.dtype, device=slots.device)
+
+    def delta(self, x: Tensor) -> Tensor:
+        """The step's adapters' sum for x [T, in]: [T, out]."""
+        num_tokens = x.shape[0]
+        xa = x @ self.a.T  # [T, S·m·R]
+        mask = self.slots.mapping[:num_tokens]  # [T, S]
+        xa = (xa.view(num_tokens, self.slots.max_loras, -1) * mask[:, :, None]).view(num_tokens, -1)
+        return xa @ self.b
+
+    def load(self, slot: int, members: list[tuple[Tensor, Tensor] | None] | None) -> None:
+        """Slot `slot` holds these factors (None: zeros)."""
+        rank, m = self.slots.max_rank, len(self.member_rows)
+        rows = slice(slot * m * rank, (slot + 1) * m * rank)
+        a = torch.zeros(m * rank, self.a.shape[1], dtype=torch.float32)
+        b = torch.zeros(m * rank, self.b.shape[1], dtype=torch.float32)
+        for j, factors in enumerate(members or []):
+            if factors is None:
+                continue
+            lora_a, scaled_b = factors
+            r = lora_a.shape[0]
+            a[j * rank : j * rank + r] = lora_a if self.input_perm is None else lora_a[:, self.input_perm.cpu()]
+            start = self.member_starts[j]
+            b[j * rank : j * rank + r, start : start + self.member_rows[j]] = scaled_b.T
+        self.a[rows].copy_(a.to(self.slots.dtype), non_blocking=True)
+        self.b[rows].copy_(b.to(self.slots.dtype), non_blocking=True)
+
+
+class LoraSlots:
+    """The model's adapter slots: a LinearLora on each qkv / o / gate_up / down, and the step's token → slot
+    one-hot they share."""
+
+    def __init__(self, model, max_loras: int, max_rank: int, max_tokens: int, device: torch.device):
+        self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
+        self.dtype = getattr(torch, model.config.dtype)
+        self.mapping = torch.zeros(max_tokens, max_loras, dtype=self.dtype, device=device)
+        self._host = torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
+        spec = spec_for_architecture(model.config.architecture)
+        self.linears: dict[str, LinearLora] = {}
+        for index, layer in model.layers.items():
+            norms = {"attn.qkv": getattr(layer, "input_norm", None), "mlp.gate_up": getattr(layer, "post_attn_norm", None)}
+            for name in LORA_LINEARS:
+                module = layer.attn.qkv if name == "attn.qkv" else layer.attn.o if name == "attn.o" else (
+                    layer.mlp.gate_up if name == "mlp.gate_up" else layer.mlp.down)
+                norm = norms.get(name)
+                perm = None if norm is None else norm.out_perm
+                lora = LinearLora(self, hf_member_rows(spec.layer_linear(name), model.config), module.in_features, perm)
+                module.lora = lora
+                self.linears[f"layers.{index}.{name}"] = lora
+
+    def load(self, slot: int, adapter: LoadedAdapter) -> None:
+        for name, lora in self.linears.items():
+            lora.load(slot, adapter.factors.get(name))
+
+    def set_mapping(self, token_slots: list[int]) -> None:
+        """Each token's slot (-1: no adapter) for the next forward, as the one-hot (one host-to-device copy)."""
+        num_tokens = len(token_slots)
+        host = self._host[:num_tokens]
+        host.zero_()
+        slots = torch.tensor(token_slots, dtype=torch.long)
+        rows = torch.nonzero(slots >= 0).flatten()
+        host[rows, slots[rows]] = 1
+        self.mapping[:num_tokens].copy_(host, non_blocking=True)
+
+
+class LoraManager:
+    """Adapters read from disk (by lora_int_id) and the slot each holds; a step asks `slots_for` its requests'."""
+
+    def __init__(self, manifest: art.Manifest, slots: LoraSlots, max_cpu_loras: int | None = None):
+        self.manifest, self.slots = manifest, slots
+        self.adapters: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.max_cpu_loras = max_cpu_loras or max(slots.max_loras, 8)
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id → slot, least recently used first
+
+    def read(self, request: LoRARequest) -> LoadedAdapter:
+        """The adapter for `request` (read once per lora_int_id; an id given with another path is refused)."""
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is not None:
+            if (adapter.request.lora_path, adapter.request.lora_name) != (request.lora_path, request.lora_name):
+                raise RequestError(f"lora_request: lora_int_id {request.lora_int_id} is {adapter.request.lora_name!r} "
+                                   f"at {adapter.request.lora_path}; give each adapter its own id", param="lora_request")
+            self.adapters.move_to_end(request.lora_int_id)
+            return adapter
+        adapter = read_adapter(request, self.manifest, self.slots.max_rank)
+        self.adapters[request.lora_int_id] = adapter
+        while len(self.adapters) > self.max_cpu_loras:
+            oldest = next(iter(self.adapters))
+            if oldest in self.slot_of:
+                break
+            del self.adapters[oldest]
+        logger.info("LoRA adapter %r (id %d, rank %d) read from %s", request.lora_name, request.lora_int_id,
+                    adapter.rank, request.lora_path)
+        return adapter
+
+    def slots_for(self, lora_ids: set[int]) -> dict[int, int]:
+        """A slot for each adapter id of a step (at most max_loras of them: the scheduler's guarantee)."""
+        if len(lora_ids) > self.slots.max_loras:
+            raise ValueError(f"a step with {len(lora_ids)} adapters, above max_loras {self.slots.max_loras}")
+        for lora_id in lora_ids:
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.slots.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:  # the least recently used adapter this step does not use
+                victim = next(i for i in self.slot_of if i not in lora_ids)
+                slot = self.slot_of.pop(victim)
+            self.slots.load(slot, self.adapters[lora_id])
+            self.slot_of[lora_id] = slot
+        return {lora_id: self.slot_of[lora_id] for lora_id in lora_ids}
