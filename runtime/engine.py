@@ -55,6 +55,8 @@ class Engine:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = art.read_manifest(self.artifact_dir)
         self.options = resolve_options(self.manifest, options)
+        if self.options.enable_lora:
+            check_lora_artifact(self.manifest)  # before anything loads
         self.device = resolve_device(device)
         if not is_onnx(self.manifest):  # (an ONNX artifact runs on onnxruntime's CPU EP whatever the device)
             check_rotary_device(self.manifest.model, self.device)
@@ -69,8 +71,6 @@ class Engine:
         vocab_size = self.manifest.model.vocab_size
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
-        if self.options.enable_lora:
-            check_lora_artifact(self.manifest)  # before any weight loads
         draft = self._draft_artifact()
         reserve = (draft_memory_reserve(*draft, self.options, self.device)
                    if draft is not None and self.device.type == "cuda" else (0, 0))

@@ -75,8 +75,8 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
     elif quant.method == "awq":
         problem = "an AWQ build (its scales are folded into the norms: the linears see scaled inputs)"
-    elif quant.method == "int8" or any(spec.get("format") in ("w8a8-fp8", "w8a8-int8") for spec in quant.modules.values()):
-        problem = "W8A8 linears (their inputs are quantized by the kernel before them)"
+    elif quant.settings.get("smoothquant"):
+        problem = "a SmoothQuant build (its scales are folded into the norms: the linears see scaled inputs)"
     elif spec_for_architecture(model.architecture) is None:
         problem = f"architecture {model.architecture}"
     if problem is not None:
@@ -200,6 +200,11 @@ class LoraSlots:
         self._host = torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
         spec = spec_for_architecture(model.config.architecture)
         self.linears: dict[str, LinearLora] = {}
+        for layer in model.layers.values():  # W8A8: the adapters need x unquantized; the linear quantizes it itself
+            for norm in (getattr(layer, "input_norm", None), getattr(layer, "post_attn_norm", None)):
+                if norm is not None:
+                    norm.fp8_output = False
+            layer.mlp.fp8_down_input = False
         for index, layer in model.layers.items():
             norms = {"attn.qkv": getattr(layer, "input_norm", None), "mlp.gate_up": getattr(layer, "post_attn_norm", None)}
             for name in LORA_LINEARS:
