@@ -237,6 +237,9 @@ class LoraManager:
     def __init__(self, manifest: art.Manifest, slots: LoraSlots, max_cpu_loras: int | None = None):
         self.manifest, self.slots = manifest, slots
         self.adapters: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        # every id's request, kept after its factors are dropped from host memory (max_cpu_loras): a request
+        # queued with an adapter evicted since is read again when a step needs its slot
+        self.requests: dict[int, LoRARequest] = {}
         self.max_cpu_loras = max_cpu_loras or max(slots.max_loras, 8)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id → slot, least recently used first
 
@@ -249,7 +252,12 @@ class LoraManager:
                                    f"at {adapter.request.lora_path}; give each adapter its own id", param="lora_request")
             self.adapters.move_to_end(request.lora_int_id)
             return adapter
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and (known.lora_path, known.lora_name) != (request.lora_path, request.lora_name):
+            raise RequestError(f"lora_request: lora_int_id {request.lora_int_id} is {known.lora_name!r} at "
+                               f"{known.lora_path}; give each adapter its own id", param="lora_request")
         adapter = read_adapter(request, self.manifest, self.slots.max_rank)
+        self.requests[request.lora_int_id] = request
         self.adapters[request.lora_int_id] = adapter
         while len(self.adapters) > self.max_cpu_loras:
             oldest = next(iter(self.adapters))
@@ -275,6 +283,9 @@ class LoraManager:
             else:  # the least recently used adapter this step does not use
                 victim = next(i for i in self.slot_of if i not in lora_ids)
                 slot = self.slot_of.pop(victim)
-            self.slots.load(slot, self.adapters[lora_id])
+            adapter = self.adapters.get(lora_id)
+            if adapter is None:  # dropped from host memory while its request waited: read it again
+                adapter = self.read(self.requests[lora_id])
+            self.slots.load(slot, adapter)
             self.slot_of[lora_id] = slot
         return {lora_id: self.slot_of[lora_id] for lora_id in lora_ids}

@@ -223,3 +223,19 @@ def _with_quant(artifact, out, field, value):
     manifest["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
+def test_adapters_dropped_from_host_memory_while_their_requests_wait_are_read_again(setup):
+    """max_cpu_loras 1: queuing a second adapter's request drops the first adapter's factors while its request
+    still waits for a slot; the step that runs it reads it again (it failed with a KeyError), and an id once
+    used stays that adapter's (another path under it would share its prefix-cache blocks)."""
+    _, artifact, adapters = setup
+    loras = _requests(adapters)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    order = ["attn", "mlp", "all", "attn"]
+    with LLM(artifact, device="cpu", enable_lora=True, max_lora_rank=8, disable_log_stats=True) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1] * 4, params, lora_request=[loras[n] for n in order])]
+    with LLM(artifact, device="cpu", enable_lora=True, max_lora_rank=8, max_cpu_loras=1, disable_log_stats=True) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1] * 4, params, lora_request=[loras[n] for n in order])]
+        assert len(llm.engine.runner.lora.adapters) == 1
+        with pytest.raises(RequestError, match="lora_int_id 1 is 'attn'"):  # 1 is no longer read, still 'attn'
+            llm.generate("x", lora_request=LoRARequest("other", 1, str(adapters["mlp"])))
+    assert got == want and len(set(map(tuple, want))) == 3
