@@ -354,7 +354,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    overrides = {k: v for k, v in options.items() if v is not None and v != ()}  # (): --lora-modules not given
+    lora_module_values = options.pop("lora_modules", ())
+    overrides = {k: v for k, v in options.items() if v is not None}
     launch = _launch_config(nnodes, node_rank, master_addr, master_port)
     if launch is not None and launch.node_rank > 0:
         _run_worker_node(artifact, device, overrides, launch)
@@ -376,9 +377,10 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
         raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
                                "--input and --nnodes")
+    lora_modules = _lora_modules(artifact, lora_module_values, overrides, served_model_name)
     if input_path is not None or output_path is not None:
         _run_batch_file(artifact, device, overrides, input_path, output_path, served_model_name, prompt, chat, launch,
-                        enable_auto_tool_choice, tool_call_parser)
+                        enable_auto_tool_choice, tool_call_parser, lora_modules)
         return
     if prompt is None and not chat:
         from llmc.runtime.server.api_server import CorsPolicy, serve
@@ -400,7 +402,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
               reasoning_parser=reasoning_parser, reasoning_in_structured_output=structured_outputs_config,
               tls=tls, root_path=root_path, uvicorn_log_level=uvicorn_log_level,
               access_log=not disable_uvicorn_access_log, log_requests=enable_log_requests, max_log_len=max_log_len,
-              enable_responses_store=enable_responses_store)
+              enable_responses_store=enable_responses_store, lora_modules=lora_modules)
         return
     given = {name: value for name, value in [("temperature", temperature), ("top_p", top_p), ("top_k", top_k),
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
@@ -436,7 +438,7 @@ _MODE_FLAGS = {
                   "ssl_ca_certs", "ssl_cert_reqs", "root_path", "uvicorn_log_level", "disable_uvicorn_access_log",
                   "enable_log_requests", "disable_log_requests", "max_log_len", "enable_responses_store"),
     # a batch file's chat requests go through the server's handlers: tool_choice "auto" needs them there too
-    ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser"),
+    ("server", "batch"): ("enable_auto_tool_choice", "tool_call_parser", "lora_modules"),
     ("prompt",): ("max_tokens", "temperature", "top_p", "top_k", "sampling_seed"),
 }
 
@@ -457,6 +459,39 @@ def _refuse_flags_of_other_modes(mode: str) -> None:
             body = " in each request's body" if mode != "prompt" and owners == ("prompt",) else ""
             raise click.UsageError(f"--{given[0].replace('_', '-')} applies to {where} only; leave it out here"
                                    + (f" (set it{body} instead)" if body else ""))
+
+
+def _lora_modules(artifact: str, values: tuple[str, ...], overrides: dict, served_model_name: list[str]) -> list:
+    """--lora-modules (vLLM's): the adapters the server (or a batch file) serves by name, each read and checked
+    against the artifact and --max-lora-rank here, before the port is bound and the model loads."""
+    if not values:
+        return []
+    from llmc.runtime import artifact as art
+    from llmc.runtime.lora import check_lora_artifact, read_adapter
+    from llmc.runtime.options import resolve_options
+    from llmc.runtime.server.lora_modules import ServedAdapters, parse_lora_modules
+
+    manifest = art.read_manifest(artifact)
+    options = resolve_options(manifest, {k: v for k, v in overrides.items() if k != "chat_template"})
+    if not options.enable_lora:  # the flag, or the recipe's runtime enable_lora
+        raise click.UsageError("--lora-modules serves LoRA adapters at run time: give --enable-lora too (vLLM "
+                               "requires enable_lora for them)")
+    try:
+        modules = parse_lora_modules(values)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    taken = [m.name for m in modules if m.name in served_model_name]
+    if taken:
+        raise click.UsageError(f"--lora-modules: {taken[0]!r} is also a --served-model-name; give the adapter "
+                               "another name")
+    check_lora_artifact(manifest)
+    for request in ServedAdapters(modules, served_model_name[0]).requests.values():
+        try:
+            read_adapter(request, manifest, options.max_lora_rank)
+        except RequestError as e:  # its message names the adapter ("lora_request 'NAME': ...")
+            raise click.UsageError(f"--lora-modules {request.lora_name}={request.lora_path}: "
+                                   f"{str(e).split(': ', 1)[-1]}") from None
+    return modules
 
 
 def _tls_config(keyfile: str | None, certfile: str | None, ca_certs: str | None, cert_reqs: int):
@@ -625,7 +660,8 @@ def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=N
 
 def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_path: str | None,
                     output_path: str | None, served_model_name: list[str], prompt: str | None, chat: bool,
-                    launch=None, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> None:
+                    launch=None, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                    lora_modules: list = ()) -> None:
     from llmc.runtime.server.batch import run_batch
 
     if input_path is None or output_path is None:
@@ -634,7 +670,7 @@ def _run_batch_file(artifact: str, device: str | None, overrides: dict, input_pa
         raise click.UsageError("--input/--output run a batch file; leave out --prompt and --chat")
     summary = run_batch(_engine_factory(artifact, device, overrides, launch), input_path, output_path,
                         served_model_name, enable_auto_tool_choice=enable_auto_tool_choice,
-                        tool_call_parser=tool_call_parser)
+                        tool_call_parser=tool_call_parser, lora_modules=lora_modules)
     logger.info("%d request(s), %d failed; results in %s", summary.num_requests, summary.num_failed, summary.output_path)
 
 

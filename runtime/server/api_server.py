@@ -16,6 +16,7 @@ import dataclasses
 import errno
 import hmac
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -35,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import llmc
 from llmc.errors import ConfigError
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped
-from llmc.runtime.server.errors import ApiError, error_body
+from llmc.runtime.server.errors import ApiError, as_api_error, error_body, invalid
+from llmc.runtime.server.lora_modules import LoraModule, ServedAdapters, with_adapters
 from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
@@ -82,7 +84,7 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
               log_requests: bool = False, max_log_len: int | None = None,
-              enable_responses_store: bool = False) -> FastAPI:
+              enable_responses_store: bool = False, lora_modules: list[LoraModule] = ()) -> FastAPI:
     """The ASGI app. `engine_factory()` builds the Engine on the engine thread when the app starts;
     a list of factories builds one replica each (data parallelism, requests to the least loaded).
     `on_fatal` is told when an engine can never step again (a rank of a parallel engine died).
@@ -95,18 +97,24 @@ def build_app(engine_factory: Callable[[], object] | list[Callable[[], object]],
     constrains the whole output, reasoning included (else it is refused with a reasoning parser).
     `log_requests` (vLLM's --enable-log-requests): a line per request, prompt and ids cut at `max_log_len`.
     `enable_responses_store` (vLLM's VLLM_ENABLE_RESPONSES_API_STORE): /v1/responses keeps responses in
-    memory (serving_responses.ResponseStore) for GET /v1/responses/{id} and previous_response_id."""
+    memory (serving_responses.ResponseStore) for GET /v1/responses/{id} and previous_response_id.
+    `lora_modules` (vLLM's --lora-modules; the engines need enable_lora): adapters served by name, read by every
+    replica's engine as it loads (a bad one fails the start); a request whose model names one runs with it."""
     # checked before anything starts: a bad parser name is the caller's error, not a request's
     ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     check_reasoning_parser(reasoning_parser)
     metrics = ServerMetrics(served_model_name if isinstance(served_model_name, str) else served_model_name[0])
     factories = engine_factory if isinstance(engine_factory, list) else [engine_factory]
+    first_name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]
+    adapters = ServedAdapters(list(lora_modules), default_base=first_name)
+    if adapters:
+        factories = [with_adapters(factory, adapters) for factory in factories]
     loops = [EngineLoop(factory, observer=metrics, on_fatal=on_fatal) for factory in factories]
     engine_loop = loops[0] if len(loops) == 1 else ReplicaRouter(loops)
     metrics.attach(engine_loop)
     ctx = ServingContext(engine_loop, served_model_name, max_waiting, tokenizer_pool_size, trust_request_chat_template,
                          enable_auto_tool_choice, tool_call_parser, reasoning_parser, reasoning_in_structured_output,
-                         log_requests, max_log_len)
+                         log_requests, max_log_len, adapters)
     ctx.stall_timeout_s = stall_timeout_s
 
     @asynccontextmanager
@@ -199,13 +207,53 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
 
     def model_card(name: str) -> dict:
         ctx.require_ready()
+        lora = ctx.lora_request(name)
+        if lora is not None:  # a LoRA adapter (--lora-modules), as vLLM lists one: its path, its base model
+            return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
+                    "root": lora.lora_path, "parent": ctx.adapters.parents[name], "max_model_len": ctx.max_model_len}
         # No filesystem path: `root` is the served name (a client has no business with the server's paths).
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "llmc",
                 "root": name, "parent": None, "max_model_len": ctx.max_model_len}
 
     @router.get("/v1/models")
-    async def models() -> dict:  # every served name, as vLLM lists them
-        return {"object": "list", "data": [model_card(name) for name in ctx.served_model_names]}
+    async def models() -> dict:  # every served name, then the adapters, as vLLM lists them
+        names = [*ctx.served_model_names, *ctx.adapters.requests]
+        return {"object": "list", "data": [model_card(name) for name in names]}
+
+    @router.post("/v1/load_lora_adapter")  # vLLM's, behind VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    async def load_lora_adapter(request: Request) -> Response:
+        body = await _json_body(request)
+        name, path = _adapter_fields(ctx, body, ("lora_name", "lora_path"))
+        if name in ctx.adapters or name in ctx.served_model_names:
+            raise invalid("lora_name", f"the model {name!r} is already served; unload it first, or choose another name")
+        lora = ctx.adapters.next_request(name, path)
+        ctx.require_ready()
+        try:  # every replica reads and checks it (a bad folder or rank is this request's 400)
+            for replica in ctx.engine_loop.replicas:
+                await replica.read_adapter(lora)
+        except Exception as e:  # noqa: BLE001 - RequestError: the adapter's problem
+            raise _as_load_error(e) from None
+        if name in ctx.adapters:  # loaded meanwhile by a concurrent request
+            raise invalid("lora_name", f"the model {name!r} is already served; unload it first")
+        ctx.adapters.add(name, path)
+        logger.info("LoRA adapter %r loaded from %s (id %d)", name, path, lora.lora_int_id)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @router.post("/v1/unload_lora_adapter")  # vLLM's, behind VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = await _json_body(request)
+        (name,) = _adapter_fields(ctx, body, ("lora_name",))
+        lora = ctx.lora_request(name)
+        if lora is None:
+            raise ApiError(404, f"the LoRA adapter {name!r} is not served (GET /v1/models lists them)",
+                           param="lora_name", code="model_not_found")
+        running = sum([await replica.num_lora_requests(lora.lora_int_id) for replica in ctx.engine_loop.replicas])
+        if running:
+            raise invalid("lora_name", f"the LoRA adapter {name!r} has {running} unfinished request(s); unload it "
+                          "once they are done")
+        ctx.adapters.remove(name)
+        logger.info("LoRA adapter %r unloaded (id %d)", name, lora.lora_int_id)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
     async def model(model: str) -> dict:
@@ -272,6 +320,40 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
     return router
+
+
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter
+RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _adapter_fields(ctx: ServingContext, body: object, names: tuple[str, ...]) -> list[str]:
+    """The body's string fields `names` of a load/unload request, once the server allows them: started with
+    --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 (vLLM's gate); else a 400 naming --lora-modules."""
+    if os.environ.get(RUNTIME_LORA_UPDATING_ENV, "").strip().lower() not in ("1", "true"):
+        raise ApiError(400, "loading and unloading LoRA adapters at run time is off: serve adapters with "
+                       f"--enable-lora --lora-modules NAME=PATH, or start the server with {RUNTIME_LORA_UPDATING_ENV}=1 "
+                       "(and --enable-lora) to allow these endpoints (vLLM's switch)")
+    engine = ctx.engine_loop.engine
+    if engine is not None and not engine.options.enable_lora:
+        raise ApiError(400, "run-time LoRA is off on this server: start it with --enable-lora (and serve adapters "
+                       "with --lora-modules NAME=PATH, or load them here)")
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    values = []
+    for name in names:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise invalid(name, "give a non-empty string")
+        values.append(value)
+    return values
+
+
+def _as_load_error(error: Exception) -> ApiError:
+    from llmc.errors import RequestError
+
+    if isinstance(error, RequestError):
+        return ApiError(400, str(error), param="lora_path")
+    return as_api_error(error)
 
 
 async def _generate(request: Request, handle: Callable[[object], Awaitable[dict | EventStream]]) -> Response:
@@ -378,7 +460,7 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
           reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
           tls: TlsConfig | None = None, root_path: str = "", uvicorn_log_level: str = "info",
           access_log: bool = True, log_requests: bool = False, max_log_len: int | None = None,
-          enable_responses_store: bool = False) -> None:
+          enable_responses_store: bool = False, lora_modules: list[LoraModule] = ()) -> None:
     """Serve until SIGTERM or Ctrl-C; raise what the engine raised if it could not start or stopped
     for good (a rank of a parallel engine died). On SIGTERM running requests get `shutdown_timeout_s`
     to finish; then they are aborted, and each cut stream ends with an error event and [DONE].
@@ -396,7 +478,8 @@ def serve(engine_factory: Callable[[], object] | list[Callable[[], object]], ser
                     on_fatal=on_startup_failure, cors=cors, enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
                     reasoning_in_structured_output=reasoning_in_structured_output, log_requests=log_requests,
-                    max_log_len=max_log_len, enable_responses_store=enable_responses_store)  # a dead rank ends the server, and `serve` raises its error
+                    max_log_len=max_log_len, enable_responses_store=enable_responses_store,
+                    lora_modules=lora_modules)  # a dead rank ends the server, and `serve` raises its error
     sock = bind_socket(host, port)  # before the model loads, as vLLM does: a port in use fails at once
     # uvicorn cancels what is left a little after our own abort: the aborted streams finish first.
     config = uvicorn.Config(app, host=host, port=port, log_config=None, log_level=uvicorn_log_level,

@@ -4,7 +4,8 @@ Input: one request per line, `{"custom_id", "method": "POST", "url": "/v1/comple
 "/v1/chat/completions", "body": {...}}`. Output: one line per request, in input order,
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`; a request
 the server would refuse gets its error body and status (400, ...) in `response`. The body's
-`model` is ignored: the artifact being run answers every line. The file is
+`model` is ignored (the artifact being run answers every line), unless it names a LoRA adapter of
+--lora-modules: that line runs with it. The file is
 checked whole before anything runs (a malformed line is an error naming it); then every request
 goes to the engine at once, through the server's own handlers, so the engine batches them.
 """
@@ -27,6 +28,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.server.engine_loop import EngineLoop
 from llmc.runtime.server.errors import ApiError, as_api_error
 from llmc.runtime.server.protocol import BatchRequestLine, parse_json_body
+from llmc.runtime.server.lora_modules import LoraModule, ServedAdapters, with_adapters
 from llmc.runtime.server.serving import ModelNames, ServingContext, new_id
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
@@ -90,10 +92,10 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
 
 def run_batch(engine_factory: Callable[[], object], input_path: str | Path, output_path: str | Path,
               served_model_name: ModelNames, show_progress: bool = True, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> BatchSummary:
+              tool_call_parser: str | None = None, lora_modules: list[LoraModule] = ()) -> BatchSummary:
     """Run every request of `input_path` and write the results to `output_path` (atomically).
     `enable_auto_tool_choice` / `tool_call_parser`: the server's tool calling flags, for lines whose tools
-    leave tool_choice "auto"."""
+    leave tool_choice "auto". `lora_modules`: adapters a line's model may name (the engine needs enable_lora)."""
     ServingContext.check_tool_options(enable_auto_tool_choice, tool_call_parser)
     requests = read_batch_file(input_path)
     output_path = Path(output_path)
@@ -107,7 +109,7 @@ def run_batch(engine_factory: Callable[[], object], input_path: str | Path, outp
     try:
         try:
             asyncio.run(_run_all(engine_factory, requests, served_model_name, show_progress, writer,
-                                 enable_auto_tool_choice, tool_call_parser))
+                                 enable_auto_tool_choice, tool_call_parser, lora_modules))
         finally:
             try:
                 output.close()
@@ -162,15 +164,18 @@ class _OrderedWriter:
 
 async def _run_all(engine_factory, requests: list[BatchRequestLine], served_model_name: ModelNames,
                    show_progress: bool, writer: _OrderedWriter, enable_auto_tool_choice: bool = False,
-                   tool_call_parser: str | None = None) -> None:
-    engine_loop = EngineLoop(engine_factory)
+                   tool_call_parser: str | None = None, lora_modules: list[LoraModule] = ()) -> None:
+    first_name = served_model_name if isinstance(served_model_name, str) else served_model_name[0]
+    adapters = ServedAdapters(list(lora_modules), default_base=first_name)
+    engine_loop = EngineLoop(with_adapters(engine_factory, adapters) if adapters else engine_factory)
     engine_loop.start()
     try:
         await engine_loop.wait_ready()
         # every line queues (no --max-waiting: there is no client to retry a 503); the file's chat templates are
         # its author's, who runs this command
         ctx = ServingContext(engine_loop, served_model_name, max_waiting=None, trust_request_chat_template=True,
-                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                             adapters=adapters)
         with tqdm(total=len(requests), desc="requests", disable=not show_progress) as bar:
             async def run_one(index: int, request: BatchRequestLine) -> None:
                 writer.add(index, await _run_one(ctx, request))
@@ -183,7 +188,9 @@ async def _run_all(engine_factory, requests: list[BatchRequestLine], served_mode
 
 async def _run_one(ctx: ServingContext, request: BatchRequestLine) -> dict:
     body = dict(request.body)
-    body.pop("model", None)  # one model serves the whole file (a file written for another server runs as is)
+    model = body.get("model")
+    if not (isinstance(model, str) and model in ctx.adapters):  # an adapter's name runs with it (--lora-modules)
+        body.pop("model", None)  # one model serves the whole file (a file written for another server runs as is)
     try:
         status, reply = 200, await _HANDLERS[request.url](ctx, body)
     except Exception as e:  # noqa: BLE001 - a refused request is reported in its output line

@@ -64,6 +64,7 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     is_finished: bool = False
+    lora_int_id: int | None = None  # its run-time LoRA adapter's id (the server's --lora-modules), else None
 
 
 class StepObserver(Protocol):
@@ -201,15 +202,17 @@ class EngineLoop:
         return self.engine.options.max_num_seqs
 
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0) -> None:
-        """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one)."""
+                          priority: int = 0, lora_request=None) -> None:
+        """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one).
+        `lora_request`: its run-time LoRA adapter (runtime/lora.py), None for the base model."""
         stream.num_prompt_tokens = len(prompt_token_ids)
         num_sequences = params.best_of or params.n
 
         def add(engine) -> None:
             try:
                 engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
-                                   arrival_time=stream.arrival_time)
+                                   arrival_time=stream.arrival_time,
+                                   **({"lora_request": lora_request} if lora_request is not None else {}))
             finally:
                 self._num_sequences_added += num_sequences  # in the snapshot taken right after
             self._streams[stream.request_id] = stream
@@ -222,6 +225,15 @@ class EngineLoop:
         except asyncio.CancelledError:
             self.abort(stream.request_id)  # the add may still run: undo it right after
             raise
+
+    async def read_adapter(self, lora_request) -> None:
+        """Have the engine read and check a LoRA adapter (/v1/load_lora_adapter); RequestError for a bad one."""
+        await self._call(lambda engine: engine.runner.lora.read(lora_request))
+
+    async def num_lora_requests(self, lora_int_id: int) -> int:
+        """Unfinished requests with this LoRA adapter (/v1/unload_lora_adapter refuses to unload it then):
+        counted on the engine thread, after every add queued before this call."""
+        return await self._call(lambda engine: sum(s.lora_int_id == lora_int_id for s in self._streams.values()))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it finished); its blocks are freed before the next step."""

@@ -22,6 +22,7 @@ from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
+from llmc.runtime.server.lora_modules import ServedAdapters
 from llmc.runtime.server.protocol import MAX_LOGPROBS
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
@@ -105,7 +106,8 @@ class ServingContext:
                  tokenizer_pool_size: int = 0, trust_request_chat_template: bool = False,
                  enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                  reasoning_parser: str | None = None, reasoning_in_structured_output: bool = False,
-                 log_requests: bool = False, max_log_len: int | None = None):
+                 log_requests: bool = False, max_log_len: int | None = None,
+                 adapters: ServedAdapters | None = None):
         self.engine_loop = engine_loop
         # vLLM's --enable-log-requests: one INFO line per request (its id, the prompt's text and token ids, at
         # most max_log_len of each, and the sampling parameters)
@@ -124,6 +126,8 @@ class ServingContext:
         self.tool_call_parser = tool_call_parser
         self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
         self.served_model_name = self.served_model_names[0]  # metrics' and logs' name
+        # vLLM's --lora-modules: a request whose model is an adapter's name runs with it (lora_modules.py)
+        self.adapters = adapters if adapters is not None else ServedAdapters(default_base=self.served_model_name)
         self.max_waiting = max_waiting
         # vLLM's --trust-request-chat-template: a request's own chat_template (Jinja the server renders) is
         # refused unless the server was started with it
@@ -144,11 +148,16 @@ class ServingContext:
     # ---- checks ----------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        """404 for a name not served; none or "" means the served model (as vLLM reads it)."""
-        if model and model not in self.served_model_names:
-            names = ", ".join(map(repr, self.served_model_names))
+        """404 for a name not served (the base model's names and the LoRA adapters'); none or "" means the
+        served model (as vLLM reads it)."""
+        if model and model not in self.served_model_names and model not in self.adapters:
+            names = ", ".join(map(repr, [*self.served_model_names, *self.adapters.requests]))
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
+
+    def lora_request(self, model: str | None):
+        """The LoRARequest of the adapter `model` names (--lora-modules), else None (the base model)."""
+        return self.adapters.get(model)
 
     def response_model(self, model: str | None) -> str:
         """The `model` of a response: the name the request sent (one of the served names), else the first (vLLM's)."""
@@ -271,8 +280,9 @@ class ServingContext:
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int = 0,
-                       arrival_time: float | None = None) -> Generation:
-        """Queue one engine request per prompt (ids `request_id-i`); all or none are added."""
+                       arrival_time: float | None = None, lora_request=None) -> Generation:
+        """Queue one engine request per prompt (ids `request_id-i`); all or none are added. `lora_request`:
+        the adapter they run with (`lora_request(model)`), None for the base model."""
         self.require_ready()
         per_prompt = params.best_of or params.n
         self.check_admission(per_prompt * len(prompts),
@@ -284,9 +294,10 @@ class ServingContext:
         generation = Generation(self.engine_loop)
         try:
             for index, token_ids in enumerate(prompts):
-                stream = RequestStream(f"{request_id}-{index}", generation.queue, index, arrival_time)
+                stream = RequestStream(f"{request_id}-{index}", generation.queue, index, arrival_time,
+                                       lora_int_id=None if lora_request is None else lora_request.lora_int_id)
                 generation.streams.append(stream)
-                await self.engine_loop.add_request(stream, token_ids, params, priority)
+                await self.engine_loop.add_request(stream, token_ids, params, priority, lora_request)
         except BaseException as e:
             generation.abort()
             if isinstance(e, Exception):

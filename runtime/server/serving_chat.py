@@ -57,7 +57,8 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         token_ids = token_ids[-params.truncate_prompt_tokens:]
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     try:
-        generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time)
+        generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time,
+                                         ctx.lora_request(request.model))
     except ApiError as e:
         raise _as_chat_error(e) from None
     return request, params, generation, len(token_ids)

@@ -38,7 +38,8 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
     for prompt in prompts:
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
-    generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time)
+    generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time,
+                                     ctx.lora_request(request.model))
     return await respond(generation, _Reply(ctx, request, params, prompts, request_id), request.stream)
 
 
