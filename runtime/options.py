@@ -95,8 +95,8 @@ def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | N
 LORA_REFUSED = {
     "fully_sharded_loras": "shards adapters over tensor ranks; llmc's run-time LoRA runs on one rank: drop it",
     "lora_dtype": "adapters run in the model's dtype here: drop it",
-    "lora_modules": "names adapters for the server (llmc run --lora-modules NAME=PATH); in Python pass "
-                    "lora_request=LoRARequest(name, id, path) to generate",
+    "lora_modules": "names adapters for the server (llmc run --enable-lora --lora-modules NAME=PATH); in Python "
+                    "pass lora_request=LoRARequest(name, id, path) to generate",
 }
 
 
