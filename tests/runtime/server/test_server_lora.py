@@ -4,6 +4,7 @@ against transformers + PEFT); the base model's name runs without one."""
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -155,7 +156,7 @@ def test_models_lists_the_adapters_and_an_unknown_model_is_404(setup, lora_serve
 
 def test_adapters_load_and_unload_at_run_time_when_allowed(setup, tmp_path):
     """VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: a loaded adapter runs as the LLM API runs it, a bad path is a 400,
-    an unloaded one is a 404 afterwards (the next load takes a new id)."""
+    unloading an adapter with a running request is a 400, an unloaded one is a 404 afterwards."""
     artifact, adapters, want = setup
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     try:
@@ -173,7 +174,20 @@ def test_adapters_load_and_unload_at_run_time_when_allowed(setup, tmp_path):
         loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])})
         assert loaded.status_code == 200, loaded.text
         assert _text(_complete(url, "mlp").json()) == want["mlp"]
-        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 200
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "attn", "prompt": PROMPT, "max_tokens": 100, "n": 64, "ignore_eos": True,
+                "stream": True}) as stream:
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the response (the request is aborted)
+            first = next(lines)
+            assert stream.status_code == 200 and first.startswith("data: "), first
+            busy = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"})
+            assert busy.status_code == 400 and "has 1 unfinished request" in busy.text, busy.text
+        for _ in range(100):  # the closed stream's request is aborted between two steps
+            unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"})
+            if unloaded.status_code == 200:
+                break
+            time.sleep(0.05)
+        assert unloaded.status_code == 200, unloaded.text
         assert _complete(url, "attn").status_code == 404
         assert [c["id"] for c in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "mlp"]
         assert _text(_complete(url, "tiny").json()) == want[None]
