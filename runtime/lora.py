@@ -259,11 +259,11 @@ class LoraManager:
         adapter = read_adapter(request, self.manifest, self.slots.max_rank)
         self.requests[request.lora_int_id] = request
         self.adapters[request.lora_int_id] = adapter
-        while len(self.adapters) > self.max_cpu_loras:
-            oldest = next(iter(self.adapters))
-            if oldest in self.slot_of:
+        while len(self.adapters) > self.max_cpu_loras:  # the least recently used one no slot holds
+            victim = next((i for i in self.adapters if i not in self.slot_of and i != request.lora_int_id), None)
+            if victim is None:
                 break
-            del self.adapters[oldest]
+            del self.adapters[victim]
         logger.info("LoRA adapter %r (id %d, rank %d) read from %s", request.lora_name, request.lora_int_id,
                     adapter.rank, request.lora_path)
         return adapter
