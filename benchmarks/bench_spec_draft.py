@@ -57,12 +57,13 @@ def make_prompts(llm: LLM, args, batch: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab - 100) for _ in range(args.prompt_tokens)] for _ in range(batch)]
 
 
-def timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, lora_request=None) -> float:
+    """Seconds to generate max_tokens greedy tokens for every prompt at once (benchmarks/bench_lora.py passes adapters)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora_request)
     return time.perf_counter() - start
 
 
