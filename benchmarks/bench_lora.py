@@ -8,9 +8,10 @@ model (their values do not change the speed), then for each batch size B opens t
   none      enable_lora off;
   slots     enable_lora on (max_loras = --adapters), every request on the base model (the slots' sums still run);
   adapters  enable_lora on, the B requests spread round-robin over the adapters.
-Each asks B requests at once (--prompt-tokens random ids, --tokens new tokens, greedy, ignore_eos); reported:
-ms per decode step = (wall - the same requests' prefill alone) / (tokens - 1), median of --repeats, and the ratio
-to `none` of the same batch size, measured in the same process.
+Each asks B requests at once (--prompt-tokens random ids, greedy, ignore_eos), once for --tokens new tokens and once
+for half as many; reported: ms per decode step = (the first wall - the second) / (tokens - tokens // 2), the
+prefill and the first steps cancelling out, median of --repeats, and the ratio to `none` of the same batch size,
+measured in the same process.
 """
 
 from __future__ import annotations
@@ -82,11 +83,11 @@ def measure(args, options: dict, batch: int, loras: list) -> dict:
             return timed(llm, prompts, max_tokens, lora_request=requests)
 
         run(make_prompts(llm, args, batch, seed=-1), 8)  # warm-up
-        steps = []
+        steps, half = [], args.tokens // 2
         for repeat in range(args.repeats):
             prompts = make_prompts(llm, args, batch, seed=repeat)
-            prefill, whole = run(prompts, 1), run(prompts, args.tokens)
-            steps.append(1000 * (whole - prefill) / (args.tokens - 1))
+            shorter, whole = run(prompts, half), run(prompts, args.tokens)
+            steps.append(1000 * (whole - shorter) / (args.tokens - half))
     finally:
         llm.close()
         del llm

@@ -5,8 +5,9 @@ A [S·m·R, in] and B [S·m·R, out]: S = max_loras slots, m members (q, k, v of
 elsewhere), R = max_lora_rank. Slot s, member j owns rows (s·m + j)·R ..+R: the adapter's lora_A [r, in]
 zero-padded to R rows, and its lora_B [out_j, r] transposed, times PEFT's scale, in the columns of member
 j's rows of the fused output. Every token of a step names a slot (or none), written as a one-hot
-[tokens, S] into one buffer the model's linears share (`LoraSlots.mapping`); a linear adds
-    ((x @ Aᵀ) [T, S·m·R] ⊙ its slot's one-hot, per R-block) @ B
+[tokens, S] into one buffer the model's linears share (`LoraSlots.mapping`, widened once per step to each
+slot's R-blocks: `block_masks`); a linear adds, in place into its output,
+    ((x @ Aᵀ) [T, S·m·R] ⊙ the token's slot's blocks) @ B
 dense over the slots: fixed shapes, no per-adapter loop and no host value, so the CUDA graphs capture it,
 and rows without an adapter (an all-zero one-hot row) add exactly 0. PEFT computes scale · B(A x) per
 module; this is the same sum up to float rounding.
@@ -163,13 +164,12 @@ class LinearLora:
         self.a = torch.zeros(slots.max_loras * block, in_features, dtype=slots.dtype, device=slots.device)
         self.b = torch.zeros(slots.max_loras * block, sum(member_rows), dtype=slots.dtype, device=slots.device)
 
-    def delta(self, x: Tensor) -> Tensor:
-        """The step's adapters' sum for x [T, in]: [T, out]."""
-        num_tokens = x.shape[0]
+    def add_to(self, out: Tensor, x: Tensor) -> Tensor:
+        """out [T, out] += the step's adapters' sum for x [T, in], in three kernels: x @ Aᵀ, the token's slot
+        kept (the one-hot widened to its R-blocks, made once per step for all linears), @ B added in place."""
         xa = x @ self.a.T  # [T, S·m·R]
-        mask = self.slots.mapping[:num_tokens]  # [T, S]
-        xa = (xa.view(num_tokens, self.slots.max_loras, -1) * mask[:, :, None]).view(num_tokens, -1)
-        return xa @ self.b
+        xa.mul_(self.slots.block_masks[len(self.member_rows)][: x.shape[0]])
+        return out.addmm_(xa, self.b)
 
     def load(self, slot: int, members: list[tuple[Tensor, Tensor] | None] | None) -> None:
         """Slot `slot` holds these factors (None: zeros)."""
@@ -198,6 +198,9 @@ class LoraSlots:
         self.dtype = getattr(torch, model.config.dtype)
         self.mapping = torch.zeros(max_tokens, max_loras, dtype=self.dtype, device=device)
         self._host = torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
+        # the one-hot widened to each slot's m·R rows of A, for m = 1, 2, 3 members (o/down, gate_up, qkv)
+        self.block_masks = {m: torch.zeros(max_tokens, max_loras * m * max_rank, dtype=self.dtype, device=device)
+                            for m in (1, 2, 3)}
         spec = spec_for_architecture(model.config.architecture)
         self.linears: dict[str, LinearLora] = {}
         for layer in model.layers.values():  # W8A8: the adapters need x unquantized; the linear quantizes it itself
@@ -228,7 +231,10 @@ class LoraSlots:
         slots = torch.tensor(token_slots, dtype=torch.long)
         rows = torch.nonzero(slots >= 0).flatten()
         host[rows, slots[rows]] = 1
-        self.mapping[:num_tokens].copy_(host, non_blocking=True)
+        mapping = self.mapping[:num_tokens]
+        mapping.copy_(host, non_blocking=True)
+        for m, mask in self.block_masks.items():
+            mask[:num_tokens] = mapping.repeat_interleave(m * self.max_rank, dim=1)
 
 
 class LoraManager:

@@ -31,7 +31,7 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor | Fp8Activation) -> Tensor:
         out = self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
-        return out if self.lora is None else out + self.lora.delta(x)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
     def params(self) -> dict[str, Tensor]:
         params = {name: getattr(self, name) for name in self.param_names}
