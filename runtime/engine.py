@@ -72,8 +72,8 @@ class Engine:
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         draft = self._draft_artifact()
-        reserve = (draft_memory_reserve(*draft, self.options, self.device)
-                   if draft is not None and self.device.type == "cuda" else (0, 0))
+        # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
+        reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = BeamScheduler(SchedulerConfig(

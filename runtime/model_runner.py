@@ -50,7 +50,8 @@ class ModelRunner:
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device,
                  reserve: tuple[int, int] = (0, 0)):
         """reserve: (bytes, KV bytes per token) the measured GPU plan leaves for a draft model's runner,
-        which shares this cache's block count (runtime/spec_draft.py)."""
+        which shares this cache's block count (runtime/spec_draft.py); on a CPU, cpu_kv_cache_gib holds
+        both caches (its bytes per token)."""
         self.device = device
         self.block_size = options.block_size
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -86,7 +87,7 @@ class ModelRunner:
         # measured on a GPU, unless num_kv_blocks fixes the cache
         self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance, reserve)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
-                      else local_num_kv_blocks(manifest, layout, options, device))
+                      else local_num_kv_blocks(manifest, layout, options, device, reserve[1]))
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
         # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
         num_allocated = self.num_blocks + (1 if graph_sizes or piece_sizes else 0)
@@ -194,15 +195,17 @@ def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], 
 # ---- the KV cache of one rank ------------------------------------------------------------------------
 
 
-def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device) -> int:
+def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device,
+                        extra_bytes_per_token: int = 0) -> int:
     """KV blocks this rank has room for (its heads of its layers) without a measured plan: num_kv_blocks
     if set, else (on a CPU) cpu_kv_cache_gib. A GPU without num_kv_blocks measures (memory_profile.py),
-    parallel ranks too, in lockstep (runtime/parallel/shard_runner.py); ranks then agree on the smallest."""
+    parallel ranks too, in lockstep (runtime/parallel/shard_runner.py); ranks then agree on the smallest.
+    extra_bytes_per_token: what another cache of the same block count takes per token (a draft model's)."""
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
         raise ValueError("a GPU rank without num_kv_blocks measures its memory plan (measure_kv_plan)")
-    bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options)
+    bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options) + extra_bytes_per_token
     return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
 
 

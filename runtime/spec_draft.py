@@ -84,7 +84,8 @@ def draft_options(options: art.RuntimeDefaults, num_blocks: int) -> art.RuntimeD
 def draft_memory_reserve(path: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
                          device: torch.device) -> tuple[int, int]:
     """(bytes, KV bytes per token) the target's GPU memory plan leaves for the draft runner: its
-    weights (their files' size) and CUDA graphs, and its cache's bytes per token of the shared blocks."""
+    weights (their files' size) and CUDA graphs, and its cache's bytes per token of the shared blocks
+    (on a CPU only the latter counts: cpu_kv_cache_gib holds both caches)."""
     weight_bytes = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
     layout = whole_model_layout(manifest.model)
     kv_per_token = kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)

@@ -188,3 +188,19 @@ def test_on_cuda_greedy_tokens_equal_and_the_plan_leaves_room(target, draft, pro
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     if which == "self":
         assert stats["num_spec_accepted"] >= 0.98 * stats["num_spec_proposed"] > 0
+
+
+def _kv_bytes(runner):
+    return sum(t.numel() * t.element_size() for pair in runner.kv_caches for t in pair)
+
+
+def test_on_a_cpu_the_draft_cache_is_inside_cpu_kv_cache_gib(target, draft):
+    """cpu_kv_cache_gib is the KV cache's size on a CPU: the draft's cache (the model's block count, the
+    draft's bytes per token) is part of it, as the measured GPU plan sets aside the draft's share of each block."""
+    gib = 0.02
+    llm = LLM(target, device="cpu", disable_log_stats=True, cpu_kv_cache_gib=gib,
+              speculative={"model": str(draft), "num_speculative_tokens": 3})
+    total = _kv_bytes(llm.engine.runner) + _kv_bytes(llm.engine.proposer.runner)
+    assert total <= gib * 2**30, f"{total / 2**30:.4f} GiB of KV cache for cpu_kv_cache_gib {gib}"
+    with LLM(target, device="cpu", disable_log_stats=True, cpu_kv_cache_gib=gib) as plain:  # no draft: all of it
+        assert _kv_bytes(plain.engine.runner) > 0.9 * gib * 2**30
