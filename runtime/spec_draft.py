@@ -72,7 +72,7 @@ def read_draft_manifest(config: SpeculativeConfig, target_dir: Path, target: art
     return path, manifest
 
 
-def draft_options(options: art.RuntimeDefaults, num_blocks: int) -> art.RuntimeDefaults:
+def draft_options(options: art.RuntimeDefaults, num_blocks: int | None) -> art.RuntimeDefaults:
     """The draft runner's options: the target's, with its block count, room for a verify step's
     catch-up tokens, a cache in the draft's own dtype and its weights on the device."""
     k = options.speculative.num_speculative_tokens
@@ -90,8 +90,10 @@ def draft_memory_reserve(path: Path, manifest: art.Manifest, options: art.Runtim
     layout = whole_model_layout(manifest.model)
     kv_per_token = kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
     graph_bytes = 0
+    options = draft_options(options, None)  # what the draft runner plans its graphs with (ModelRunner)
     if can_use_graphs(device, options.enforce_eager):
-        sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
+        modes = options.graph_modes
+        sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs) if modes.has_full_decode else []
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         graph_bytes = memory.graph_allowance_bytes(manifest.model, sizes, options.max_model_len, num_sms)
         graph_bytes += memory.prefill_graph_allowance_bytes(manifest.model, options, memory.planned_piece_sizes(options))

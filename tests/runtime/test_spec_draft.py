@@ -204,3 +204,33 @@ def test_on_a_cpu_the_draft_cache_is_inside_cpu_kv_cache_gib(target, draft):
     assert total <= gib * 2**30, f"{total / 2**30:.4f} GiB of KV cache for cpu_kv_cache_gib {gib}"
     with LLM(target, device="cpu", disable_log_stats=True, cpu_kv_cache_gib=gib) as plain:  # no draft: all of it
         assert _kv_bytes(plain.engine.runner) > 0.9 * gib * 2**30
+
+
+def test_the_gpu_plan_reserves_the_graphs_the_draft_runner_captures(draft, monkeypatch):
+    """The draft runner captures its graphs with its own options (draft_options: weights on the device, a larger
+    token budget), so the target's plan must set aside their allowance, whatever the target offloads or budgets."""
+    import dataclasses
+
+    import torch
+
+    from llmc.runtime import artifact as art
+    from llmc.runtime import memory, spec_draft
+
+    monkeypatch.setattr(spec_draft, "can_use_graphs", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    manifest = art.read_manifest(draft)
+    config = SpeculativeConfig.from_dict({"model": str(draft), "num_speculative_tokens": 3})
+    base = art.RuntimeDefaults(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256, speculative=config)
+    device = torch.device("cuda")
+
+    def graph_bytes(options):
+        return spec_draft.draft_memory_reserve(draft, manifest, options, device)[0] - spec_draft.draft_memory_reserve(
+            draft, manifest, dataclasses.replace(options, enforce_eager=True), device)[0]
+
+    # the draft's weights stay on the device whatever the model offloads: it captures the same graphs
+    assert graph_bytes(dataclasses.replace(base, cpu_offload_gb=1.0)) == graph_bytes(base)
+    # its token budget is the model's plus a verify step's catch-up: graphs of prefill steps up to that size
+    runner_options = spec_draft.draft_options(base, 100)
+    pieces = memory.prefill_graph_allowance_bytes(manifest.model, runner_options, memory.planned_piece_sizes(runner_options))
+    assert max(memory.planned_piece_sizes(runner_options)) > max(memory.planned_piece_sizes(base))
+    assert graph_bytes(base) >= pieces
