@@ -73,12 +73,11 @@ def read_draft_manifest(config: SpeculativeConfig, target_dir: Path, target: art
 
 
 def draft_options(options: art.RuntimeDefaults, num_blocks: int | None) -> art.RuntimeDefaults:
-    """The draft runner's options: the target's, with its block count, room for a verify step's
-    catch-up tokens, a cache in the draft's own dtype and its weights on the device."""
-    k = options.speculative.num_speculative_tokens
+    """The draft runner's options: the target's, with its block count, a cache in the draft's own dtype and its
+    weights on the device. Its token budget is the target's (the size the target's plan profiles activations
+    and plans prefill graphs at): a step's catch-up beyond it runs in several forwards (`_first_drafts`)."""
     return dataclasses.replace(options, num_kv_blocks=num_blocks, kv_cache_dtype="auto", cpu_offload_gb=0.0,
-                               speculative=None,
-                               max_num_batched_tokens=options.max_num_batched_tokens + options.max_num_seqs * (k + 1))
+                               speculative=None)
 
 
 def draft_memory_reserve(path: Path, manifest: art.Manifest, options: art.RuntimeDefaults,

@@ -207,8 +207,8 @@ def test_on_a_cpu_the_draft_cache_is_inside_cpu_kv_cache_gib(target, draft):
 
 
 def test_the_gpu_plan_reserves_the_graphs_the_draft_runner_captures(draft, monkeypatch):
-    """The draft runner captures its graphs with its own options (draft_options: weights on the device, a larger
-    token budget), so the target's plan must set aside their allowance, whatever the target offloads or budgets."""
+    """The draft runner captures its graphs with its own options (draft_options: weights on the device), so the
+    target's plan must set aside their allowance, whatever the target offloads."""
     import dataclasses
 
     import torch
@@ -229,8 +229,28 @@ def test_the_gpu_plan_reserves_the_graphs_the_draft_runner_captures(draft, monke
 
     # the draft's weights stay on the device whatever the model offloads: it captures the same graphs
     assert graph_bytes(dataclasses.replace(base, cpu_offload_gb=1.0)) == graph_bytes(base)
-    # its token budget is the model's plus a verify step's catch-up: graphs of prefill steps up to that size
-    runner_options = spec_draft.draft_options(base, 100)
+    runner_options = spec_draft.draft_options(dataclasses.replace(base, cpu_offload_gb=1.0), 100)
     pieces = memory.prefill_graph_allowance_bytes(manifest.model, runner_options, memory.planned_piece_sizes(runner_options))
-    assert max(memory.planned_piece_sizes(runner_options)) > max(memory.planned_piece_sizes(base))
-    assert graph_bytes(base) >= pieces
+    assert pieces > 0
+    assert graph_bytes(dataclasses.replace(base, cpu_offload_gb=1.0)) >= pieces
+
+
+def test_draft_forwards_stay_within_max_num_batched_tokens(target, draft, prompts, reference):
+    """DESIGN §5: the draft catches up in forwards of at most max_num_batched_tokens tokens, the size the model's
+    memory plan profiles its activations at (and plans its prefill graphs for); a draft no larger than the model
+    then fits the memory the plan left. A request's first drafts make the draft catch up on its whole prompt
+    (prefix-cache hits included), more than a step's budget."""
+    budget = 24
+    llm = LLM(target, device="cpu", max_num_seqs=8, disable_log_stats=True, max_num_batched_tokens=budget,
+              speculative={"model": str(draft), "num_speculative_tokens": 3})
+    runner, sizes = llm.engine.proposer.runner, []
+    execute = runner.execute
+
+    def recording(batch, *args, **kwargs):
+        sizes.append(batch.num_batched_tokens)
+        return execute(batch, *args, **kwargs)
+
+    runner.execute = recording
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == reference
+    assert max(sizes) <= budget, f"draft forwards of up to {max(sizes)} tokens, max_num_batched_tokens {budget}"
