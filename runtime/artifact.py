@@ -323,7 +323,8 @@ class RuntimeDefaults:
     seed: int = opt(0, min=0, max=2**63 - 1, help="seed of the random sampler")
     scheduling_policy: str = opt("fcfs", choices=["fcfs", "priority"], help="fcfs, or priority (lower value first)")
     speculative: SpeculativeConfig | None = opt(None, alias="speculative_config",
-                                                help="n-gram speculative decoding, e.g. {method: ngram, num_speculative_tokens: 3}")
+                                                help="speculative decoding: a draft model, {model: DIR, num_speculative_tokens: 3}, "
+                                                     "or n-gram lookup, {method: ngram, num_speculative_tokens: 3}")
     compilation_config: CompilationConfig | None = opt(
         None, help="vLLM's CUDA-graph settings, e.g. {cudagraph_mode: FULL_DECODE_ONLY, max_cudagraph_capture_size: 256}")
     max_logprobs: int = opt(20, min=-1, max=2**31 - 1,

@@ -254,3 +254,15 @@ def test_draft_forwards_stay_within_max_num_batched_tokens(target, draft, prompt
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [[c.token_ids for c in o.outputs] for o in outputs] == reference
     assert max(sizes) <= budget, f"draft forwards of up to {max(sizes)} tokens, max_num_batched_tokens {budget}"
+
+
+def test_run_help_shows_the_draft_model_form():
+    """`llmc run --help` is where the flag's forms are looked up: the draft model's, not only n-gram's."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "--help"], terminal_width=400)
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if line.strip().startswith("--speculative JSON"))
+    assert "model" in line and "ngram" in line, line
