@@ -56,9 +56,10 @@ def read_draft_manifest(config: SpeculativeConfig, target_dir: Path, target: art
     except (ArtifactError, OSError) as e:
         raise ConfigError(f"speculative.model {config.model!r}: {e}") from None
     if is_onnx(manifest) or manifest.parallel.world_size != 1:
+        what, change = (("onnx-cpu", "target.device cpu or cuda") if is_onnx(manifest) else
+                        (f"split into {manifest.parallel.world_size} ranks", "parallel tensor 1 and pipeline 1"))
         raise ConfigError(f"speculative.model {config.model!r}: the draft must be a single-rank torch artifact "
-                          f"(it is {'onnx-cpu' if is_onnx(manifest) else f'split into {manifest.parallel.world_size} ranks'}); "
-                          "rebuild it without parallel ranks for a GPU or CPU target")
+                          f"(it is {what}); rebuild it with {change}")
     if manifest.model.vocab_size != target.model.vocab_size:
         raise ConfigError(f"speculative.model {config.model!r}: its vocabulary has {manifest.model.vocab_size} tokens, "
                           f"the model's {target.model.vocab_size}; a draft model must share the model's tokenizer")

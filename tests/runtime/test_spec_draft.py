@@ -266,3 +266,14 @@ def test_run_help_shows_the_draft_model_form():
     assert result.exit_code == 0, result.output
     line = next(line for line in result.output.splitlines() if line.strip().startswith("--speculative JSON"))
     assert "model" in line and "ngram" in line, line
+
+
+def test_an_onnx_draft_is_told_to_rebuild_for_the_torch_runtime(target, ref_model_dir, tmp_path):
+    """The refusal names what to change for that draft: its target device (an onnx-cpu build has no parallel ranks)."""
+    onnx = tmp_path / "onnx"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(onnx), "dtype": "float32",
+                            "target": {"device": "onnx-cpu"}, "runtime": {"max_model_len": 256}}), show_progress=False)
+    with pytest.raises(ConfigError) as refused:
+        LLM(target, device="cpu", speculative={"model": str(onnx), "num_speculative_tokens": 2})
+    message = str(refused.value)
+    assert "it is onnx-cpu" in message and "target.device cpu or cuda" in message and "parallel" not in message, message
