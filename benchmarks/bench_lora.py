@@ -76,7 +76,8 @@ def write_adapter(folder: Path, model: art.ModelConfig, rank: int, seed: int) ->
 
 
 def measure(args, options: dict, batch: int, loras: list) -> dict:
-    llm = LLM(args.artifact, device=args.device, disable_log_stats=True, **options)
+    # no prefix cache: the longer run would find the shorter one's prompt blocks cached and skip its prefill
+    llm = LLM(args.artifact, device=args.device, disable_log_stats=True, enable_prefix_caching=False, **options)
     try:
         def run(prompts, max_tokens):
             requests = [loras[i % len(loras)] if loras else None for i in range(len(prompts))]

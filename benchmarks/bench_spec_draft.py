@@ -68,7 +68,8 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, lora_request=None
 
 
 def measure(args, options: dict, batch: int) -> dict:
-    llm = LLM(args.target, device=args.device, disable_log_stats=True, **options)
+    # no prefix cache: the whole run would find the prefill run's prompt blocks cached and skip its prefill
+    llm = LLM(args.target, device=args.device, disable_log_stats=True, enable_prefix_caching=False, **options)
     try:
         timed(llm, make_prompts(llm, args, batch, seed=-1), 8)  # warm-up
         stats0 = llm.stats()

@@ -1,4 +1,4 @@
-# session 39, call 6, on an H200: call 5's LoRA cost measure again after the three-kernel sum (bench_lora.py now times
+# session 39, call 6, on an H200: call 5's LoRA cost measure again (its B=64 rows are wrong: the longer run found the shorter one's prompts in the prefix cache; call 7 reruns with the cache off) after the three-kernel sum (bench_lora.py now times
 # decode steps as the difference of a 64- and a 32-token run), then the LoRA and draft-model GPU tests on the final code
 source benchmarks/gpu_env.sh
 repo=$PWD; work=/tmp/lora8; mkdir -p $work
