@@ -17,7 +17,6 @@ measured in the same process.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from benchmarks.bench_spec_draft import make_prompts, timed  # noqa: E402
+from benchmarks.bench_spec_draft import make_prompts, release, timed  # noqa: E402
 from llmc.runtime import artifact as art  # noqa: E402
 from llmc.runtime.llm import LLM  # noqa: E402
 from llmc.runtime.lora import LoRARequest  # noqa: E402
@@ -90,11 +89,7 @@ def measure(args, options: dict, batch: int, loras: list) -> dict:
             shorter, whole = run(prompts, half), run(prompts, args.tokens)
             steps.append(1000 * (whole - shorter) / (args.tokens - half))
     finally:
-        llm.close()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(llm)
     return {"ms_per_step": statistics.median(steps), "runs": steps}
 
 

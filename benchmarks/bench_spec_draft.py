@@ -67,6 +67,14 @@ def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, lora_request=None
     return time.perf_counter() - start
 
 
+def release(llm: LLM) -> None:
+    """Close an engine and give its GPU memory back before the next one of the process starts."""
+    llm.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def measure(args, options: dict, batch: int) -> dict:
     # no prefix cache: the whole run would find the prefill run's prompt blocks cached and skip its prefill
     llm = LLM(args.target, device=args.device, disable_log_stats=True, enable_prefix_caching=False, **options)
@@ -85,11 +93,7 @@ def measure(args, options: dict, batch: int) -> dict:
         proposed = stats["num_spec_proposed"] - stats0["num_spec_proposed"]
         accepted = stats["num_spec_accepted"] - stats0["num_spec_accepted"]
     finally:
-        llm.close()
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release(llm)
     return {
         "ms_per_token": statistics.median(r["ms_per_step"] for r in runs),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),

@@ -177,3 +177,20 @@ def check_pack_quantized_import(checkpoint, tmp_path, hf_logits, hf_encode, prom
     token_ids = hf_encode(twin, prompt) + list(range(100, 120))
     torch.testing.assert_close(LLM(out, device="cpu").engine.score(token_ids), hf_logits(twin, token_ids),
                                atol=1e-4, rtol=1e-4)
+
+
+def make_peft_adapter(checkpoint, out, seed, **config):
+    """A PEFT LoRA of the checkpoint (peft.LoraConfig(**config)), saved by PEFT's save_pretrained, with random
+    non-zero factors (lora_B starts at zero in PEFT: the adapter would change nothing)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(out)
+    return out

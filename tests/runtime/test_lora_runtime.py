@@ -12,26 +12,12 @@ from llmc.errors import ConfigError, RequestError
 from llmc.runtime.llm import LLM
 from llmc.runtime.lora import LoRARequest
 from llmc.runtime.sampling_params import SamplingParams
+from tests.runtime.hf_oracle import make_peft_adapter
 
 peft = pytest.importorskip("peft")
 
 PROMPTS = ["ROMEO: what light through yonder window", "First Citizen:\nBefore we proceed any further",
            "the king my lord"]
-
-
-def _adapter(checkpoint, out, seed, **config):
-    """A PEFT LoRA of the checkpoint, saved by PEFT, with random (non-zero) factors."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +27,11 @@ def setup(tmp_path_factory, tiny_llama):
     build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 128}}),
           show_progress=False)
     adapters = {
-        "attn": _adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
+        "attn": make_peft_adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-        "mlp": _adapter(tiny_llama, root / "mlp", 2, r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"],
+        "mlp": make_peft_adapter(tiny_llama, root / "mlp", 2, r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"],
                         layers_to_transform=[1], rank_pattern={"down_proj": 2}),
-        "all": _adapter(tiny_llama, root / "all", 3, r=2, lora_alpha=6, target_modules="all-linear", use_rslora=True),
+        "all": make_peft_adapter(tiny_llama, root / "all", 3, r=2, lora_alpha=6, target_modules="all-linear", use_rslora=True),
     }
     return tiny_llama, artifact, adapters
 

@@ -8,7 +8,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from llmc.cli import main
 from llmc.compiler.build import build
@@ -16,27 +15,13 @@ from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.llm import LLM
 from llmc.runtime.lora import LoRARequest
 from llmc.runtime.sampling_params import SamplingParams
+from tests.runtime.hf_oracle import make_peft_adapter
 from tests.runtime.server.conftest import ServerProcess
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
 PROMPT = "ROMEO: what light through yonder window"
 MAX_TOKENS = 6
-
-
-def _adapter(checkpoint, out, seed, **config):
-    """A PEFT LoRA of the checkpoint, saved by PEFT, with random (non-zero) factors."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **config))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +31,9 @@ def setup(tmp_path_factory, tiny_llama):
     artifact = root / "base"
     build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 128}}),
           show_progress=False)
-    adapters = {"attn": _adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
+    adapters = {"attn": make_peft_adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-                "mlp": _adapter(tiny_llama, root / "mlp", 2, r=8, lora_alpha=4,
+                "mlp": make_peft_adapter(tiny_llama, root / "mlp", 2, r=8, lora_alpha=4,
                                 target_modules=["gate_proj", "up_proj", "down_proj"])}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     names = [None, *adapters]
