@@ -147,6 +147,19 @@ def read_adapter(request: LoRARequest, manifest: art.Manifest, max_rank: int) ->
     return LoadedAdapter(request, factors, rank)
 
 
+def _down_groups_reordered(down) -> bool:
+    """Whether an act-order down projection's groups were put in order at build time, its input columns and
+    gate_up's rows permuted alike (compiler/shard.order_down_groups): its g_idx (plain layout) or perm (gpu
+    layout, dropped as the identity: Linear.drop_identity_perm) is then in order."""
+    fmt = down.fmt
+    if not getattr(fmt, "has_g_idx", False):
+        return False
+    if getattr(fmt, "layout", "plain") == "gpu":
+        return "perm" not in down.param_names
+    g_idx = down.g_idx.cpu().to(torch.int64)
+    return torch.equal(g_idx, torch.arange(g_idx.numel()) // fmt.group_size)
+
+
 def _members(spec, linear_name: str) -> tuple[str, ...]:
     return spec.layer_linear(linear_name.split(".", 2)[2]).hf_members
 
@@ -218,6 +231,21 @@ class LoraSlots:
                 lora = LinearLora(self, hf_member_rows(spec.layer_linear(name), model.config), module.in_features, perm)
                 module.lora = lora
                 self.linears[f"layers.{index}.{name}"] = lora
+        # layers whose intermediate channels the build permuted (act order: compiler/shard.order_down_groups)
+        self.reordered_mlps = {index for index, layer in model.layers.items() if _down_groups_reordered(layer.mlp.down)}
+
+    def check(self, adapter: LoadedAdapter) -> None:
+        """A RequestError for an adapter on gate/up/down of a layer whose intermediate channels the build
+        permuted without keeping the order (an act-order down projection's groups put in order): its deltas
+        would land on the wrong channels."""
+        layers = sorted({int(name.split(".")[1]) for name in adapter.factors if name.split(".", 2)[2] in ("mlp.gate_up", "mlp.down")
+                         and name.split(".")[1] in self.reordered_mlps})
+        if layers:
+            raise RequestError(f"lora_request {adapter.request.lora_name!r}: this act-order build permuted the MLP's "
+                               f"intermediate channels (layers {layers}: down's groups put in order) and keeps no "
+                               "record of the order, so an adapter on gate/up/down cannot run on it; target the "
+                               "attention projections only, merge the adapter at build time (recipe `adapter`), or "
+                               "serve a build without act order", param="lora_request")
 
     def load(self, slot: int, adapter: LoadedAdapter) -> None:
         for name, lora in self.linears.items():
@@ -263,6 +291,7 @@ class LoraManager:
             raise RequestError(f"lora_request: lora_int_id {request.lora_int_id} is {known.lora_name!r} at "
                                f"{known.lora_path}; give each adapter its own id", param="lora_request")
         adapter = read_adapter(request, self.manifest, self.slots.max_rank)
+        self.slots.check(adapter)
         self.requests[request.lora_int_id] = request
         self.adapters[request.lora_int_id] = adapter
         while len(self.adapters) > self.max_cpu_loras:  # the least recently used one no slot holds

@@ -224,3 +224,56 @@ def test_adapters_dropped_from_host_memory_while_their_requests_wait_are_read_ag
         with pytest.raises(RequestError, match="lora_int_id 1 is 'attn'"):  # 1 is no longer read, still 'attn'
             llm.generate("x", lora_request=LoRARequest("other", 1, str(adapters["mlp"])))
     assert got == want and len(set(map(tuple, want))) == 3
+
+
+@pytest.mark.parametrize("target", ["cuda", "cpu"])
+def test_an_act_order_gptq_import_takes_attention_adapters_and_refuses_mlp_ones(setup, tmp_path, target):
+    """A desc_act GPTQ import: the norms gather qkv's and gate_up's inputs (the gpu layout), so the adapters'
+    lora_A columns follow that order, and PEFT's result on the dequantized weights comes out. The build put
+    down's groups in order by permuting gate_up's rows and down's input columns alike
+    (compiler/shard.order_down_groups) and keeps no record of the order: an adapter on gate/up/down would
+    add its deltas to the wrong intermediate channels (it did, silently), so it is refused by name."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from llmc.quant.importers import pack_gptq
+    from llmc.quant.reference import dequantize_weight
+    from tests.compiler.test_quantized_build import LINEARS, _act_order_rtn
+
+    checkpoint, _, adapters = setup
+    source = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, source)
+    tensors, dequantized = load_file(source / "model.safetensors"), {}
+    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
+        q = _act_order_rtn(tensors.pop(name), 32)
+        tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in pack_gptq(q, is_v1=True).items()}
+        dequantized[name] = dequantize_weight(q)
+    save_file(tensors, source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
+    (source / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    artifact = tmp_path / "a"
+    build(recipe_from_dict({"model": str(source), "output": str(artifact), "dtype": "float32",
+                            "quantization": {"method": "import"}, "target": {"device": target}}), show_progress=False)
+    loras = _requests(adapters)
+    with LLM(artifact, device="cpu", enable_lora=True, max_lora_rank=8, disable_log_stats=True) as llm:
+        if target == "cuda":
+            assert llm.engine.runner.model.layers["0"].input_norm.out_perm is not None
+        token_ids = llm.get_tokenizer().encode(PROMPTS[0])
+        got = _prompt_logprobs(llm, PROMPTS[0], loras["attn"])
+        for name in ("mlp", "all"):
+            with pytest.raises(RequestError, match="act-order .* gate/up/down"):
+                llm.generate("x", lora_request=loras[name])
+        assert not llm.engine.has_unfinished_requests()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in dequantized.items():
+            model.get_parameter(name).copy_(weight)
+        model = peft.PeftModel.from_pretrained(model, str(adapters["attn"])).eval()
+        logprobs = torch.log_softmax(model(torch.tensor([token_ids])).logits[0].double(), dim=-1)
+    want = torch.tensor([float(logprobs[i, token_ids[i + 1]]) for i in range(len(token_ids) - 1)], dtype=torch.float64)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
