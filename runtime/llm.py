@@ -163,17 +163,20 @@ class LLM:
         prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **options)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
-    def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None) -> Iterator[str]:
-        """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas."""
+    def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None,
+               lora_request=None) -> Iterator[str]:
+        """Queue one completion now (so a bad request fails here) and return an iterator of its text deltas.
+        `lora_request`: its run-time LoRA adapter, as generate's."""
         self._check_usable()
         if isinstance(sampling_params, SamplingParams) and (sampling_params.best_of or sampling_params.n) > sampling_params.n:
             raise RequestError("LLM.stream takes no best_of > n: the best sequences are known only at the end; "
                                "use generate")
         [sampling_params] = _with_output_kind([sampling_params], RequestOutputKind.DELTA)
         if messages is not None:
-            request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0)
+            request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0,
+                                   lora_request)
         else:
-            request_id = self._add(prompt, sampling_params, 0)
+            request_id = self._add(prompt, sampling_params, 0, lora_request)
         self._stream_outputs[request_id] = []
         return _TextStream(self.engine, request_id, self._deltas(request_id), self._stream_outputs)
 

@@ -210,7 +210,11 @@ class LoraSlots:
         self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
         self.dtype = getattr(torch, model.config.dtype)
         self.mapping = torch.zeros(max_tokens, max_loras, dtype=self.dtype, device=device)
-        self._host = torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
+        # two host buffers, alternating: a step's copy may still be queued when the next step fills its own (the
+        # engine resolves step N before it builds step N + 2, as runtime/step_inputs.py's staging buffers rely on)
+        self._hosts = [torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
+                       for _ in range(2)]
+        self._num_steps = 0
         # the one-hot widened to each slot's m·R rows of A, for m = 1, 2, 3 members (o/down, gate_up, qkv)
         self.block_masks = {m: torch.zeros(max_tokens, max_loras * m * max_rank, dtype=self.dtype, device=device)
                             for m in (1, 2, 3)}
@@ -254,7 +258,8 @@ class LoraSlots:
     def set_mapping(self, token_slots: list[int]) -> None:
         """Each token's slot (-1: no adapter) for the next forward, as the one-hot (one host-to-device copy)."""
         num_tokens = len(token_slots)
-        host = self._host[:num_tokens]
+        host = self._hosts[self._num_steps % 2][:num_tokens]
+        self._num_steps += 1
         host.zero_()
         slots = torch.tensor(token_slots, dtype=torch.long)
         rows = torch.nonzero(slots >= 0).flatten()

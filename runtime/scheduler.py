@@ -43,7 +43,8 @@ class SchedulerConfig:
             when False a waiting request is admitted only if its whole prefill fits (this needs
             max_num_batched_tokens >= max_model_len).
         max_loras: most run-time LoRA adapters among the running requests (runtime/lora.py: each needs
-            a slot); a waiting request whose adapter would be one more waits.
+            a slot); a waiting request whose adapter would be one more waits, and the ones behind it are
+            admitted past it (vLLM v1's rule).
     """
 
     max_num_seqs: int
@@ -255,12 +256,13 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
         loras = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        skipped: list[Request] = []  # waiting for a LoRA slot: the requests behind them go on (vLLM v1's rule)
         while self.waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.lora_int_id is not None and request.lora_int_id not in loras:
-                if len(loras) >= self.config.max_loras:  # its adapter would have no slot: it waits (vLLM's rule)
-                    break
-                loras.add(request.lora_int_id)
+            if (request.lora_int_id is not None and request.lora_int_id not in loras
+                    and len(loras) >= self.config.max_loras):
+                skipped.append(self.waiting.pop())
+                continue
             cached_blocks = self._find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_size
             num_new_tokens = request.num_tokens - num_cached_tokens
@@ -274,9 +276,13 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(request, cached_blocks, num_needed)
+            if request.lora_int_id is not None:
+                loras.add(request.lora_int_id)
             is_last_chunk = num_cached_tokens + num_new_tokens == request.num_tokens
             scheduled.append(ScheduledRequest(request, num_new_tokens, is_last_chunk))
             budget -= num_new_tokens
+        for request in reversed(skipped):  # back in their places
+            self.waiting.push_front(request)
 
     def _num_seats_taken(self) -> int:
         """Sequences holding a seat (and a persistent-batch row): the running ones here."""

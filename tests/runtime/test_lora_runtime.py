@@ -100,6 +100,9 @@ def test_adapters_change_the_output_and_never_share_cached_blocks(setup):
         assert llm.stats()["prefix_cache_hits"] > hits  # the adapter's own blocks are reused
     assert tuned != base
     assert again == base and tuned_again == tuned
+    with LLM(artifact, device="cpu", enable_lora=True, max_lora_rank=8, disable_log_stats=True) as llm:
+        streamed = "".join(llm.stream(prompt, params, lora_request=loras["all"]))
+        assert streamed == llm.generate(prompt, params, lora_request=loras["all"])[0].outputs[0].text
 
 
 def test_requests_and_engines_that_cannot_take_an_adapter_are_refused(setup, tmp_path):
@@ -167,7 +170,8 @@ def test_the_slot_sum_is_each_tokens_adapter_in_float64():
 
     gen = torch.Generator().manual_seed(0)
     slots = SimpleNamespace(max_loras=3, max_rank=4, dtype=torch.float64, device=torch.device("cpu"),
-                            mapping=torch.zeros(16, 3, dtype=torch.float64), _host=torch.zeros(16, 3, dtype=torch.float64),
+                            mapping=torch.zeros(16, 3, dtype=torch.float64), _num_steps=0,
+                            _hosts=[torch.zeros(16, 3, dtype=torch.float64) for _ in range(2)],
                             block_masks={m: torch.zeros(16, 3 * m * 4, dtype=torch.float64) for m in (1, 2, 3)})
     member_rows, in_features = [6, 2, 2], 5
     perm = torch.randperm(in_features, generator=gen)

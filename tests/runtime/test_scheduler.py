@@ -374,3 +374,27 @@ def test_stats_and_config_validation():
         make_scheduler(policy="lifo")
     with pytest.raises(ConfigError, match="block_size"):
         make_scheduler(block_size=0)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_waiting_for_a_lora_slot_lets_the_ones_behind_it_in(policy):
+    """max_loras 1 with adapter 1 running: a request of adapter 2 waits (its adapter would have no slot), the
+    base-model and adapter-1 requests behind it are admitted past it (vLLM v1), and it keeps its place: it is
+    admitted first once adapter 1's requests have finished."""
+    scheduler = make_scheduler(max_loras=1, policy=policy)
+    requests = [make_request(name, 4, max_tokens=3, arrival=i) for i, name in enumerate("abcde")]
+    for request, lora in zip(requests, [1, 2, None, 1, 2]):
+        request.lora_int_id = lora
+        scheduler.add_request(request)
+    batch, _ = step(scheduler)
+    assert [item.request.request_id for item in batch.requests] == ["a", "c", "d"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "e"]
+    admitted = []
+    while scheduler.has_unfinished_requests():
+        waiting = [r.request_id for r in scheduler.waiting]
+        step(scheduler)
+        running_loras = {r.lora_int_id for r in scheduler.running if r.lora_int_id is not None}
+        assert len(running_loras) <= 1
+        still = {r.request_id for r in scheduler.waiting}
+        admitted += [request_id for request_id in waiting if request_id not in still]
+    assert admitted == ["b", "e"]
