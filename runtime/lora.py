@@ -62,8 +62,9 @@ class LoRARequest:
 def check_lora_artifact(manifest: art.Manifest) -> None:
     """A ConfigError naming what stops run-time LoRA on this artifact: the adapters' deltas are computed on the
     linears' inputs as the checkpoint had them, so builds that changed those inputs (AWQ's and SmoothQuant's
-    folded scales, W8A8 activations quantized in the norm) or the outputs (Granite's folded multipliers) cannot
-    take them; nor can mixture-of-experts layers, split or ONNX artifacts (not built yet)."""
+    folded scales) or the outputs (Granite's folded multipliers) cannot take them; nor can mixture-of-experts
+    layers, split or ONNX artifacts (not built yet). W8A8 linears can: with LoRA on they quantize their input
+    themselves (LoraSlots), so the adapters read it unquantized."""
     model, quant = manifest.model, manifest.quant
     problem = None
     if is_onnx(manifest):
@@ -82,7 +83,8 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = f"architecture {model.architecture}"
     if problem is not None:
         raise ConfigError(f"enable_lora: run-time LoRA does not run on {problem}; merge the adapter at build time "
-                          "(recipe `adapter`), or serve an unquantized or weight-only (rtn, gptq, fp8 weights) build")
+                          "(recipe `adapter`), or serve a build that folds no scales into the norms (method none, rtn, gptq, "
+                          "fp8, or int8 without smoothquant)")
 
 
 @dataclass
