@@ -255,14 +255,16 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> None:
         """Admit waiting requests in policy order while budget, seats and blocks last."""
-        loras = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+        loras: set[int] | None = None  # the running requests' LoRA adapters, gathered once one is asked about
         skipped: list[Request] = []  # waiting for a LoRA slot: the requests behind them go on (vLLM v1's rule)
         while self.waiting and budget > 0 and self._num_seats_taken() < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if (request.lora_int_id is not None and request.lora_int_id not in loras
-                    and len(loras) >= self.config.max_loras):
-                skipped.append(self.waiting.pop())
-                continue
+            if request.lora_int_id is not None:
+                if loras is None:
+                    loras = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+                if request.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                    skipped.append(self.waiting.pop())
+                    continue
             cached_blocks = self._find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_size
             num_new_tokens = request.num_tokens - num_cached_tokens
@@ -276,7 +278,7 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(request, cached_blocks, num_needed)
-            if request.lora_int_id is not None:
+            if loras is not None and request.lora_int_id is not None:
                 loras.add(request.lora_int_id)
             is_last_chunk = num_cached_tokens + num_new_tokens == request.num_tokens
             scheduled.append(ScheduledRequest(request, num_new_tokens, is_last_chunk))
