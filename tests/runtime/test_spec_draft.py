@@ -72,9 +72,12 @@ WORKLOADS = {
     "no-prefix-cache": {"enable_prefix_caching": False},
     "all-at-once": {"num_kv_blocks": 16, "max_num_batched_tokens": 40},
 }
+# all-at-once covers preemption and chunked prefill together in the default run
+SLOW_WORKLOADS = ("preemption", "chunked-prefill", "no-prefix-cache")
 
 
-@pytest.mark.parametrize("workload", list(WORKLOADS), ids=list(WORKLOADS))
+@pytest.mark.parametrize("workload", [pytest.param(w, marks=pytest.mark.slow) if w in SLOW_WORKLOADS else w
+                                      for w in WORKLOADS], ids=list(WORKLOADS))
 def test_greedy_tokens_equal_decoding_without_a_draft(target, draft, prompts, reference, workload):
     got, stats = _generate(target, prompts, speculative={"model": str(draft), "num_speculative_tokens": 3},
                            **WORKLOADS[workload])

@@ -107,6 +107,7 @@ def test_prefix_caching_keeps_adapters_apart(lora_server, read_metrics):
     assert tuned != cold and _text(_complete(url, "tiny", prompt=prompt).json()) == cold
 
 
+@pytest.mark.slow
 def test_every_data_parallel_replica_serves_the_adapters(setup, lora_server):
     """Concurrent requests go to both replicas (the least loaded): each runs its adapter as the LLM API does."""
     from concurrent.futures import ThreadPoolExecutor
@@ -139,6 +140,7 @@ def test_models_lists_the_adapters_and_an_unknown_model_is_404(setup, lora_serve
     assert response.status_code == 400 and "--lora-modules" in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_adapters_load_and_unload_at_run_time_when_allowed(setup, tmp_path):
     """VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: a loaded adapter runs as the LLM API runs it, a bad path is a 400,
     unloading an adapter with a running request is a 400, an unloaded one is a 404 afterwards."""
