@@ -96,13 +96,12 @@ def test_adapters_change_the_output_and_never_share_cached_blocks(setup):
         tuned = llm.generate(prompt, params, lora_request=loras["all"])[0].outputs[0].token_ids
         again = llm.generate(prompt, params)[0].outputs[0].token_ids
         hits = llm.stats()["prefix_cache_hits"]
-        tuned_again = llm.generate(prompt, params, lora_request=loras["all"])[0].outputs[0].token_ids
+        tuned_output = llm.generate(prompt, params, lora_request=loras["all"])[0].outputs[0]
         assert llm.stats()["prefix_cache_hits"] > hits  # the adapter's own blocks are reused
+        streamed = "".join(llm.stream(prompt, params, lora_request=loras["all"]))  # LLM.stream takes the adapter too
     assert tuned != base
-    assert again == base and tuned_again == tuned
-    with LLM(artifact, device="cpu", enable_lora=True, max_lora_rank=8, disable_log_stats=True) as llm:
-        streamed = "".join(llm.stream(prompt, params, lora_request=loras["all"]))
-        assert streamed == llm.generate(prompt, params, lora_request=loras["all"])[0].outputs[0].text
+    assert again == base and tuned_output.token_ids == tuned
+    assert streamed == tuned_output.text
 
 
 def test_requests_and_engines_that_cannot_take_an_adapter_are_refused(setup, tmp_path):
