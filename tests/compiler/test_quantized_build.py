@@ -249,17 +249,12 @@ def _act_order_rtn(weight, group_size):
     return QuantizedWeight(levels, q.scales, None, 4, group_size, g_idx)
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_act_order_gptq_import_runs_on_the_w4a16_layout(family, request, tmp_path, hf_model):
-    """A desc_act GPTQ checkpoint: a cuda build packs its act-order linears for the W4A16 kernels (the
-    columns permuted into contiguous groups, `perm` kept), a cpu build keeps g_idx; both compute the
-    model transformers computes on the dequantized weights (Phi-3: its fused gate_up_proj's rows, both
-    halves, reordered with down's groups)."""
-    original = request.getfixturevalue(f"tiny_{family}")
-    source = tmp_path / "ckpt"
+def write_act_order_gptq(original, source) -> dict:
+    """A copy of checkpoint `original` at `source` whose linears are desc_act GPTQ (4-bit, group 32, act order
+    by column norm, packed as GPTQ v1 with g_idx, config.json's quantization_config saying so); returns the
+    dequantized weights by tensor name."""
     shutil.copytree(original, source)
-    tensors = load_file(source / "model.safetensors")
-    dequantized = {}
+    tensors, dequantized = load_file(source / "model.safetensors"), {}
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
         q = _act_order_rtn(tensors.pop(name), 32)
         tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in pack_gptq(q, is_v1=True).items()}
@@ -268,6 +263,17 @@ def test_act_order_gptq_import_runs_on_the_w4a16_layout(family, request, tmp_pat
     config = json.loads((source / "config.json").read_text())
     qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
     (source / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    return dequantized
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_act_order_gptq_import_runs_on_the_w4a16_layout(family, request, tmp_path, hf_model):
+    """A desc_act GPTQ checkpoint: a cuda build packs its act-order linears for the W4A16 kernels (the
+    columns permuted into contiguous groups, `perm` kept), a cpu build keeps g_idx; both compute the
+    model transformers computes on the dequantized weights (Phi-3: its fused gate_up_proj's rows, both
+    halves, reordered with down's groups)."""
+    original, source = request.getfixturevalue(f"tiny_{family}"), tmp_path / "ckpt"
+    dequantized = write_act_order_gptq(original, source)
     scores = {}
     for device in ("cuda", "cpu"):
         build(recipe_from_dict({"model": str(source), "output": str(tmp_path / device), "quantization": {"method": "import"},

@@ -236,27 +236,11 @@ def test_an_act_order_gptq_import_takes_attention_adapters_and_refuses_mlp_ones(
     down's groups in order by permuting gate_up's rows and down's input columns alike
     (compiler/shard.order_down_groups) and keeps no record of the order: an adapter on gate/up/down would
     add its deltas to the wrong intermediate channels (it did, silently), so it is refused by name."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from llmc.quant.importers import pack_gptq
-    from llmc.quant.reference import dequantize_weight
-    from tests.compiler.test_quantized_build import LINEARS, _act_order_rtn
+    from tests.compiler.test_quantized_build import write_act_order_gptq
 
     checkpoint, _, adapters = setup
     source = tmp_path / "ckpt"
-    shutil.copytree(checkpoint, source)
-    tensors, dequantized = load_file(source / "model.safetensors"), {}
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        q = _act_order_rtn(tensors.pop(name), 32)
-        tensors |= {f"{name[: -len('.weight')]}.{k}": v for k, v in pack_gptq(q, is_v1=True).items()}
-        dequantized[name] = dequantize_weight(q)
-    save_file(tensors, source / "model.safetensors")
-    config = json.loads((source / "config.json").read_text())
-    qconfig = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": True}
-    (source / "config.json").write_text(json.dumps({**config, "quantization_config": qconfig}))
+    dequantized = write_act_order_gptq(checkpoint, source)
     artifact = tmp_path / "a"
     build(recipe_from_dict({"model": str(source), "output": str(artifact), "dtype": "float32",
                             "quantization": {"method": "import"}, "target": {"device": target}}), show_progress=False)
