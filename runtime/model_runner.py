@@ -71,9 +71,7 @@ class ModelRunner:
         self.kv_config = kv_cache_config(manifest, options, compute_dtype(manifest, device))
         modes = options.graph_modes
         can_capture = can_use_graphs(device, options.enforce_eager)
-        graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
-                       if can_capture and modes.has_full_decode else [])
-        piece_sizes = memory.planned_piece_sizes(options) if can_capture else []
+        graph_sizes, piece_sizes = planned_graph_sizes(manifest, options, device)
         if can_capture and (modes.has_piecewise or modes.has_full_mixed) and self.offloader is not None:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no CUDA graphs of them)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
@@ -81,9 +79,7 @@ class ModelRunner:
             logger.info("MoE experts in a format the fused kernel does not read: prefill and mixed steps run eagerly "
                         "(no CUDA graphs of them)")
             piece_sizes = []
-        piece_allowance = memory.prefill_graph_allowance_bytes(self.model.config, options, piece_sizes)
-        graph_allowance = memory.graph_allowance_bytes(self.model.config, graph_sizes, options.max_model_len,
-                                                       _num_sms(device)) + piece_allowance
+        graph_allowance, piece_allowance = graph_allowances(self.model.config, graph_sizes, piece_sizes, options, device)
         # measured on a GPU, unless num_kv_blocks fixes the cache
         self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance, reserve)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
@@ -214,6 +210,26 @@ def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torc
     """One byte per element with an FP8 cache, else the compute dtype's size."""
     config = kv_cache_config(manifest, options, compute_dtype(manifest, device), log=False)
     return kv_bytes_per_token(manifest.model, layout, config.dtype.itemsize)
+
+
+def planned_graph_sizes(manifest: art.Manifest, options: art.RuntimeDefaults,
+                        device: torch.device) -> tuple[list[int], list[int]]:
+    """(decode graphs' batch sizes, prefill and mixed steps' token counts) a runner with these options captures
+    on this device, before what it finds in the loaded model (an MoE the fused kernel cannot read) removes any."""
+    if not can_use_graphs(device, options.enforce_eager):
+        return [], []
+    graph_sizes = (graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs)
+                   if options.graph_modes.has_full_decode else [])
+    return graph_sizes, memory.planned_piece_sizes(options)
+
+
+def graph_allowances(config: art.ModelConfig, graph_sizes: list[int], piece_sizes: list[int],
+                     options: art.RuntimeDefaults, device: torch.device) -> tuple[int, int]:
+    """(every graph's allowance in bytes, of which the prefill and mixed steps' graphs'); `config` in the
+    compute dtype."""
+    piece_allowance = memory.prefill_graph_allowance_bytes(config, options, piece_sizes)
+    return (memory.graph_allowance_bytes(config, graph_sizes, options.max_model_len, _num_sms(device))
+            + piece_allowance, piece_allowance)
 
 
 def _num_sms(device: torch.device) -> int:

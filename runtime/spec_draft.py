@@ -32,10 +32,8 @@ import torch
 
 from llmc.errors import ArtifactError, ConfigError
 from llmc.runtime import artifact as art
-from llmc.runtime import memory
-from llmc.runtime.cuda_graphs import can_use_graphs, graph_batch_sizes
 from llmc.runtime.loader import compute_dtype
-from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.model_runner import ModelRunner, graph_allowances, planned_graph_sizes
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.parallel.layout import kv_bytes_per_token, whole_model_layout
 from llmc.runtime.request import Request
@@ -87,16 +85,11 @@ def draft_memory_reserve(path: Path, manifest: art.Manifest, options: art.Runtim
     weights (their files' size) and CUDA graphs, and its cache's bytes per token of the shared blocks
     (on a CPU only the latter counts: cpu_kv_cache_gib holds both caches)."""
     weight_bytes = sum(f.stat().st_size for f in path.rglob("*.safetensors"))
-    layout = whole_model_layout(manifest.model)
-    kv_per_token = kv_bytes_per_token(manifest.model, layout, compute_dtype(manifest, device).itemsize)
-    graph_bytes = 0
+    dtype = compute_dtype(manifest, device)
+    kv_per_token = kv_bytes_per_token(manifest.model, whole_model_layout(manifest.model), dtype.itemsize)
     options = draft_options(options, None)  # what the draft runner plans its graphs with (ModelRunner)
-    if can_use_graphs(device, options.enforce_eager):
-        modes = options.graph_modes
-        sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs) if modes.has_full_decode else []
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        graph_bytes = memory.graph_allowance_bytes(manifest.model, sizes, options.max_model_len, num_sms)
-        graph_bytes += memory.prefill_graph_allowance_bytes(manifest.model, options, memory.planned_piece_sizes(options))
+    config = dataclasses.replace(manifest.model, dtype=str(dtype).removeprefix("torch."))  # as build_model sets it
+    graph_bytes, _ = graph_allowances(config, *planned_graph_sizes(manifest, options, device), options, device)
     return weight_bytes + graph_bytes, kv_per_token
 
 

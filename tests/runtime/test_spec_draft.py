@@ -217,10 +217,10 @@ def test_the_gpu_plan_reserves_the_graphs_the_draft_runner_captures(draft, monke
     import torch
 
     from llmc.runtime import artifact as art
-    from llmc.runtime import memory, spec_draft
+    from llmc.runtime import memory, model_runner, spec_draft
 
-    monkeypatch.setattr(spec_draft, "can_use_graphs", lambda device, enforce_eager: not enforce_eager)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(model_runner, "can_use_graphs", lambda device, enforce_eager: not enforce_eager)
+    monkeypatch.setattr(model_runner, "_num_sms", lambda device: 132)
     manifest = art.read_manifest(draft)
     config = SpeculativeConfig.from_dict({"model": str(draft), "num_speculative_tokens": 3})
     base = art.RuntimeDefaults(max_model_len=256, max_num_seqs=64, max_num_batched_tokens=256, speculative=config)
