@@ -230,8 +230,7 @@ class LoraSlots:
         for index, layer in model.layers.items():
             norms = {"attn.qkv": getattr(layer, "input_norm", None), "mlp.gate_up": getattr(layer, "post_attn_norm", None)}
             for name in LORA_LINEARS:
-                module = layer.attn.qkv if name == "attn.qkv" else layer.attn.o if name == "attn.o" else (
-                    layer.mlp.gate_up if name == "mlp.gate_up" else layer.mlp.down)
+                module = layer.get_submodule(name)  # "attn.qkv" → layer.attn.qkv
                 norm = norms.get(name)
                 perm = None if norm is None else norm.out_perm
                 lora = LinearLora(self, hf_member_rows(spec.layer_linear(name), model.config), module.in_features, perm)

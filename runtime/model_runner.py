@@ -30,7 +30,7 @@ from llmc.runtime.cuda_graphs import CudaGraphs, can_use_graphs, compile_mixed_s
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.kv_cache import copy_blocks, kv_cache_config
 from llmc.runtime.loader import build_model, compute_dtype
-from llmc.runtime.lora import LoraManager, LoraSlots, check_lora_artifact
+from llmc.runtime.lora import LoraManager, LoraSlots
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.offload import WeightOffloader
@@ -58,8 +58,7 @@ class ModelRunner:
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
-        if options.enable_lora:
-            check_lora_artifact(manifest)
+        if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
             slots = LoraSlots(self.model, options.max_loras, options.max_lora_rank, options.max_num_batched_tokens,
                               device)
             self.lora = LoraManager(manifest, slots, options.max_cpu_loras)

@@ -195,7 +195,7 @@ class DraftModelProposer:
         """Forwards over every sequence's missing tokens, `max_tokens` at a time; each sequence's d1 comes from
         its last token's row. Returns [d1] per sequence."""
         drafts: list[list[int]] = [[] for _ in work]
-        todo = [(i, sequence, end) for i, (sequence, end, _) in enumerate(work) if end > sequence.num_computed_tokens]
+        todo = [(i, sequence, end) for i, (sequence, end, _) in enumerate(work)]  # each has >= 1 token (fill)
         while todo:
             chunk, sampled, left, budget = [], [], [], self.max_tokens
             for i, sequence, end in todo:
