@@ -39,6 +39,7 @@ from llmc.runtime.layers.rotary import partial_rotary_problem
 from llmc.runtime.models import model_context_of
 from llmc.runtime.models.spec import ModelSpec
 from llmc.runtime.options import max_model_len_problem
+from llmc.runtime.pooling import sentence_transformers_files
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
 logger = logging.getLogger("llmc")
@@ -297,8 +298,10 @@ def _tokenizer_files(model_dir: Path) -> list[str]:
 
 
 def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
+    """The tokenizer files, and a sentence-transformers model's pooling settings (runtime/pooling.py)."""
     dest.mkdir(parents=True)
-    for name in _tokenizer_files(model_dir):
+    for name in [*_tokenizer_files(model_dir), *sentence_transformers_files(model_dir)]:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(model_dir / name, dest / name)
 
 

@@ -135,8 +135,10 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
     try:
         save_file(out_tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for rel in art.tokenizer_files(manifest):  # the tokenizer, chat template, generation_config.json
-            shutil.copyfile(artifact_dir / rel, tmp / Path(rel).name)
+        for rel in art.tokenizer_files(manifest):  # the tokenizer, chat template, generation_config.json,
+            dest = tmp / Path(rel).relative_to(art.TOKENIZER_DIR)  # a sentence-transformers model's 1_Pooling/
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(artifact_dir / rel, dest)
         if out_dir.exists():
             out_dir.rmdir()
         tmp.rename(out_dir)

@@ -17,6 +17,8 @@ _LAZY = {
     "StructuredOutputsParams": ("llmc.runtime.structured_output", "StructuredOutputsParams"),
     "CompletionOutput": ("llmc.runtime.outputs", "CompletionOutput"),
     "LoRARequest": ("llmc.runtime.lora", "LoRARequest"),
+    "PoolingParams": ("llmc.runtime.pooling", "PoolingParams"),
+    "EmbeddingRequestOutput": ("llmc.runtime.pooling", "EmbeddingRequestOutput"),
     "build": ("llmc.compiler.build", "build"),
     "LlmcError": ("llmc.errors", "LlmcError"),
 }

@@ -419,6 +419,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         if read_manifest(Path(artifact)).runtime.compilation_config is None:
             overrides["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
+        if llm.engine.pooler is not None:  # runner pooling: the prompt's embedding, as a JSON array
+            _one_embedding(llm, prompt, chat, given)
+            return
         # flags left out take the model's generation-config defaults (generation_config auto), as a server
         # request does; without them, 256 tokens
         params = llm.get_default_sampling_params().replace(
@@ -521,6 +524,27 @@ def _check_prompt_text(prompt: str | None) -> None:
 
     if prompt is not None and not is_unicode_text(prompt):
         raise RequestError("--prompt: not Unicode text (it holds bytes that are not UTF-8); give the text in UTF-8")
+
+
+def _one_embedding(llm, prompt: str | None, chat: bool, sampling_flags: dict) -> None:
+    """--prompt on an embedding model (--runner pooling): its embedding on stdout, one JSON array."""
+    import json
+
+    from llmc.runtime.tokenizer import apply_chat_template
+
+    if prompt is None:
+        raise click.UsageError("--chat alone is an interactive chat, which an embedding model (--runner pooling) "
+                               "cannot hold; give --prompt TEXT for its embedding, or serve it (no --prompt)")
+    if sampling_flags:
+        flag = {"seed": "sampling-seed"}.get(name := next(iter(sampling_flags)), name.replace("_", "-"))
+        raise click.UsageError(f"--{flag} samples generated text; an embedding "
+                               "model (--runner pooling) generates none: leave it out")
+    if chat:
+        [output] = llm.embed({"prompt_token_ids": apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}],
+                                                                      add_generation_prompt=False)})
+    else:
+        [output] = llm.embed(prompt)
+    click.echo(json.dumps(output.outputs.embedding))
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:

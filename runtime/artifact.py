@@ -21,6 +21,7 @@ from pathlib import Path
 from llmc.errors import ArtifactError
 from llmc.runtime import integrity
 from llmc.runtime.integrity import read_safetensors_header, sha256_file  # noqa: F401 - part of this module's API
+from llmc.runtime.pooling import CONVERTS, RUNNERS, PoolerConfig
 from llmc.runtime.spec_decode import SpeculativeConfig
 from llmc.schema import opt, parse
 
@@ -337,6 +338,14 @@ class RuntimeDefaults:
     max_loras: int = opt(1, min=1, max=1024, help="most LoRA adapters in one step (their slots on the device)")
     max_lora_rank: int = opt(16, min=1, max=1024, help="largest LoRA rank an adapter may have (each slot's size)")
     max_cpu_loras: int | None = opt(None, min=1, help="LoRA adapters kept read in host memory (default: max(max_loras, 8))")
+    runner: str = opt("auto", choices=list(RUNNERS), help="generate (text), or pooling: an embedding model (vLLM's "
+                                                         "runner; auto: generate)")
+    convert: str = opt("auto", choices=list(CONVERTS), help="vLLM's convert: embed serves the model as an embedding model "
+                                                           "(as runner pooling); classify and reward are refused")
+    pooler_config: PoolerConfig | None = opt(None, alias="override_pooler_config",
+                                             help="how embeddings are pooled (runner pooling), e.g. {pooling_type: MEAN, "
+                                                  "normalize: false}; default: the checkpoint's sentence-transformers "
+                                                  "settings, else LAST with normalization")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 

@@ -24,6 +24,7 @@ from llmc.runtime.options import generation_defaults, resolve_device, resolve_op
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
+from llmc.runtime.pooling import Pooler, PoolingGroup, PoolingParams, PoolingState, resolve_runner
 from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups, check_beam_width
@@ -71,6 +72,7 @@ class Engine:
         vocab_size = self.manifest.model.vocab_size
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
+        is_pooling = self._check_pooling()
         draft = self._draft_artifact()
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
@@ -97,6 +99,9 @@ class Engine:
             self.proposer = DraftModelProposer(speculative, *draft, self.options, self.device, self.runner.num_blocks)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
+        # runner pooling: an embedding model (runtime/pooling.py); its requests are prompts, never sampled
+        self.pooler = (Pooler.for_engine(self.options.pooler_config, self.artifact_dir / art.TOKENIZER_DIR,
+                                         self.manifest.model.hidden_size) if is_pooling else None)
         self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
         self.spec_stats = SpecDecodeStats()
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
@@ -110,6 +115,21 @@ class Engine:
         self.num_resets = 0  # steps that failed as a whole (the engine failed every request and reset)
         freeze_gc_heap()
         self._holds_gc_freeze = True
+
+    def _check_pooling(self) -> bool:
+        """Whether this engine pools (runner pooling / convert embed), refusing what does not run with it."""
+        if not resolve_runner(self.options.runner, self.options.convert):
+            if self.options.pooler_config is not None:
+                raise ConfigError("pooler_config applies to an embedding model; give runner pooling too, or drop it")
+            return False
+        if is_onnx(self.manifest) or self.manifest.parallel.world_size != 1:
+            where = "an onnx-cpu artifact" if is_onnx(self.manifest) else "a tensor/pipeline-parallel artifact"
+            raise ConfigError(f"runner pooling (embeddings) does not run on {where}; serve a single-rank torch build "
+                              "of the model")
+        if self.options.speculative is not None:
+            raise ConfigError("speculative decoding does not apply to runner pooling (embeddings sample nothing); "
+                              "drop speculative")
+        return True
 
     def _draft_artifact(self) -> tuple[Path, art.Manifest] | None:
         """The draft model's folder and manifest under speculative method draft_model (checked), else None."""
@@ -127,11 +147,18 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
-                    request_id: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    lora_request: LoRARequest | None = None) -> str:
+    def add_request(self, prompt: str | None, params: SamplingParams | PoolingParams,
+                    prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
-        `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py)."""
+        `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
+        PoolingParams (vLLM's): an embedding request, on an engine started with runner pooling."""
+        if (self.pooler is not None) != isinstance(params, PoolingParams):
+            raise RequestError("this model runs as an embedding model (runner pooling): it does not generate text; "
+                               "ask for embeddings (LLM.embed, /v1/embeddings), or start it with runner generate"
+                               if self.pooler is not None else
+                               "PoolingParams: embeddings need an engine started with runner pooling (llmc run "
+                               "--runner pooling, LLM(..., runner='pooling')); this one generates text")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if priority != 0 and self.options.scheduling_policy != "priority":  # vLLM refuses it too
             raise RequestError(f"priority {priority}: priority scheduling is not enabled (scheduling_policy is "
@@ -147,6 +174,9 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         lora_int_id = self._check_lora(lora_request, params)
+        if self.pooler is not None:
+            self._add_pooling(request_id, prompt, prompt_token_ids, params, priority, arrival_time, lora_int_id)
+            return request_id
         params = self._check_logprob_counts(params)
         prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
         params.check_vocab(self.manifest.model.vocab_size)
@@ -177,11 +207,39 @@ class Engine:
         if getattr(self.runner, "lora", None) is None:
             raise RequestError("lora_request: run-time LoRA is off; start the engine with enable_lora (llmc run "
                                "--enable-lora), or merge the adapter at build time (recipe `adapter`)", param="lora_request")
-        if params.use_beam_search:
+        if getattr(params, "use_beam_search", False):
             raise RequestError("lora_request: use_beam_search does not run with a LoRA adapter; drop one of them",
                                param="lora_request")
         self.runner.lora.read(lora_request)
         return lora_request.lora_int_id
+
+    def _add_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
+                     priority: int, arrival_time: float | None, lora_int_id: int | None) -> None:
+        """Queue an embedding request: a prompt of at most max_model_len tokens, computed and never sampled."""
+        self.pooler.check(params)
+        keep = self._prompt_tokens_kept(params)
+        prompt_token_ids = list(prompt_token_ids)[-keep:] if keep is not None else list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        self._check_token_ids(prompt_token_ids, "prompt")
+        if len(prompt_token_ids) > self.options.max_model_len:
+            raise RequestError(f"the input has {len(prompt_token_ids)} tokens but max_model_len is "
+                               f"{self.options.max_model_len}; shorten it (or set truncate_prompt_tokens), or raise "
+                               "max_model_len")
+        group = PoolingGroup(request_id, prompt, prompt_token_ids, params,
+                             time.monotonic() if arrival_time is None else arrival_time)
+        request = Request(request_id=f"{request_id}#0", prompt_token_ids=prompt_token_ids, max_tokens=0,
+                          arrival_time=group.arrival_time, priority=priority, pooling=True,
+                          skip_prefix_cache=not self.pooler.reads_cached_prefix, lora_int_id=lora_int_id)
+        state = PoolingState(request, request_id)
+        group.sequences.append(state)
+        self.groups[request_id] = group
+        self.sequences[request.request_id] = state
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            self.abort_request(request_id)
+            raise
 
     def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None) -> None:
         room = self.options.max_model_len - len(group.prompt_token_ids)
@@ -307,6 +365,9 @@ class Engine:
             outputs += self._resolve(self._take_in_flight())
             return
         self._assign_rows(batch)
+        if self.pooler is not None:
+            outputs += self._pooling_step(batch)
+            return
         if self.proposer is not None:
             outputs += speculative_step(self, batch)
             return
@@ -321,6 +382,26 @@ class Engine:
             return
         previous, self._in_flight = self._in_flight, launched
         outputs += self._resolve(previous)
+
+    def _pooling_step(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """A step of embedding requests, synchronous: forward, pool, and the embeddings of the prompts it
+        completed (runtime/pooling.py)."""
+        for request in batch.preempted:  # their prompts are computed again from the first token
+            self.sequences[request.request_id].restart()
+        num_prefill = self._mark_scheduled(batch)
+        hidden = self.runner.pool_hidden(batch)
+        states = [self.sequences[s.request.request_id] for s in batch.requests]
+        done = self.pooler.accumulate(hidden, batch, states)
+        self._release_rows(self.scheduler.complete_prompts(batch))
+        outputs = []
+        embeddings = self.pooler.finish(done, [self.groups[s.group_id].params for s in done])
+        for state, embedding in zip(done, embeddings):
+            state.embedding = embedding
+            group = self.groups[state.group_id]
+            outputs.append(group.output())
+            self._release(group)
+        self.stats_logger.record(num_prefill, 0, self.stats)
+        return outputs
 
     def _take_in_flight(self) -> InFlight | None:
         in_flight, self._in_flight = self._in_flight, None
@@ -416,6 +497,8 @@ class Engine:
             request = scheduled.request
             if request.batch_row is None:
                 request.batch_row = self._free_rows.pop()
+                if request.pooling:  # a row for its block table; nothing to sample
+                    continue
                 state = self.sequences[request.request_id]
                 try:
                     self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator, Sequence
@@ -16,6 +17,7 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
+from llmc.runtime.pooling import EmbeddingRequestOutput, PoolingParams
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 
@@ -121,11 +123,37 @@ class LLM:
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority, lora_request=None) -> list[RequestOutput]:
         prompts = self._pretokenize(_as_prompt_list(prompts))
-        loras = _lora_requests(lora_request, len(prompts))
         # Only the final outputs are returned: no output is built for the steps before (as vLLM's LLM)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _with_output_kind(_as_params_list(sampling_params, len(prompts)), RequestOutputKind.FINAL_ONLY)
+        return self._run(prompts, params, use_tqdm, priority, lora_request)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              *, truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None,
+              priority: Sequence[int] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt, in order (`outputs.embedding`), on an LLM
+        started with runner="pooling" (runtime/pooling.py). Prompts as generate's; `truncate_prompt_tokens`
+        keeps each prompt's last k tokens (it sets that field of every PoolingParams)."""
+        self._check_usable()
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("LLM.embed is already running on this LLM (another thread); an LLM is not "
+                               "thread-safe: serialize the calls or use one LLM per thread")
+        try:
+            if self.engine.pooler is None:
+                raise RequestError("LLM.embed() is only supported for pooling models; start the LLM with "
+                                   "runner='pooling' (llmc run --runner pooling)")
+            prompts = self._pretokenize(_as_prompt_list(prompts))
+            params = _as_params_list(pooling_params or PoolingParams(), len(prompts), PoolingParams)
+            if truncate_prompt_tokens is not None:
+                params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+            return self._run(prompts, params, use_tqdm, priority, lora_request)
+        finally:
+            self._busy.release()
+
+    def _run(self, prompts: list, params: list, use_tqdm, priority, lora_request) -> list:
+        """Queue one request per prompt (all or none) and step until they finish; their final outputs."""
+        loras = _lora_requests(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         ids: list[str] = []
@@ -311,15 +339,17 @@ def _with_output_kind(params: list, kind: RequestOutputKind) -> list:
     return [copies.get(id(p), p) for p in params]
 
 
-def _as_params_list(params, num_prompts: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
+def _as_params_list(params, num_prompts: int, kind: type = SamplingParams) -> list:
+    """`params` (one `kind` for every prompt, or one per prompt) as a list of one per prompt."""
+    name = "sampling_params" if kind is SamplingParams else "pooling_params"
+    if isinstance(params, kind):
         return [params] * num_prompts
     if isinstance(params, (str, bytes, dict)):
-        raise RequestError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
+        raise RequestError(f"{name} must be a {kind.__name__} or a list of them, got {type(params).__name__}")
     params = list(params)
-    if not all(isinstance(p, SamplingParams) for p in params):
-        raise RequestError("sampling_params must be a SamplingParams or a list of them, got a list holding "
-                           f"{next(type(p).__name__ for p in params if not isinstance(p, SamplingParams))}")
+    if not all(isinstance(p, kind) for p in params):
+        raise RequestError(f"{name} must be a {kind.__name__} or a list of them, got a list holding "
+                           f"{next(type(p).__name__ for p in params if not isinstance(p, kind))}")
     if len(params) != num_prompts:
-        raise RequestError(f"got {len(params)} sampling_params for {num_prompts} prompts; give one or one per prompt")
+        raise RequestError(f"got {len(params)} {name} for {num_prompts} prompts; give one or one per prompt")
     return params

@@ -143,13 +143,26 @@ class ModelRunner:
                        dtype: torch.dtype | None = torch.float32) -> Tensor:
         """One forward pass: logits [num_logits, vocab_size] at forward_batch.logits_indices, in
         `dtype` (None: the model's; DecoderModel.compute_logits)."""
-        if self.graphs is not None and self.graphs.can_run(forward_batch):
-            hidden = self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
-        elif self.pieces is not None and self.pieces.can_run(forward_batch):
-            hidden = self.pieces.run(input_ids, forward_batch)  # [num_tokens, hidden_size]
-        else:
-            hidden = self.model(input_ids, forward_batch)  # [num_tokens, hidden_size]
+        hidden = self.forward_hidden(input_ids, forward_batch)
         return self.model.compute_logits(hidden[forward_batch.logits_indices], dtype)
+
+    def forward_hidden(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
+        """One forward pass: the final norm's outputs [num_tokens, hidden_size] (a graph's output buffer,
+        valid until the next forward)."""
+        if self.graphs is not None and self.graphs.can_run(forward_batch):
+            return self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
+        if self.pieces is not None and self.pieces.can_run(forward_batch):
+            return self.pieces.run(input_ids, forward_batch)
+        return self.model(input_ids, forward_batch)
+
+    @torch.inference_mode()
+    def pool_hidden(self, batch: ScheduledBatch) -> Tensor:
+        """A pooling step's forward (runtime/pooling.py): the final hidden states [num_tokens, hidden_size]
+        of its tokens, in batch order."""
+        inputs = self.buffers.build(batch)
+        if self.lora is not None:
+            self._map_lora_tokens(batch)
+        return self.forward_hidden(inputs.input_ids, inputs.forward_batch)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:

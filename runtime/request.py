@@ -73,6 +73,8 @@ class Request:
             None; a beam's last block may be shared, so it is checked for copy-on-write.
         lora_int_id: the run-time LoRA adapter its tokens go through (runtime/lora.py), else None; part of
             its blocks' prefix-cache hashes (another adapter's KV is another KV).
+        pooling: an embedding request (runtime/pooling.py): its prompt is computed and nothing is sampled
+            (max_tokens 0); it ends when its last chunk has run (`Scheduler.complete_prompts`).
     """
 
     request_id: str
@@ -94,6 +96,7 @@ class Request:
     batch_row: int | None = None
     beam_group_id: str | None = None
     lora_int_id: int | None = None
+    pooling: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -177,7 +180,7 @@ def check_request_can_run(request: Request, max_model_len: int, block_size: int,
     name = f"request {request.request_id!r}"
     if request.num_prompt_tokens == 0:
         raise RequestError(f"{name} has an empty prompt; give at least one token")
-    if request.max_tokens < 1:
+    if request.max_tokens < (0 if request.pooling else 1):
         raise RequestError(f"{name}: max_tokens must be at least 1, got {request.max_tokens}")
     if request.status is not RequestStatus.WAITING or request.block_ids:
         raise ValueError(f"{name} was already scheduled; add a fresh Request")
@@ -188,8 +191,8 @@ def check_request_can_run(request: Request, max_model_len: int, block_size: int,
             f"({request.max_tokens}) = {num_total} exceeds max_model_len ({max_model_len}); "
             "shorten the prompt, lower max_tokens or raise max_model_len"
         )
-    # The last sampled token is never fed back, so its KV is never stored.
-    num_blocks_needed = -(-(num_total - 1) // block_size)
+    # The last sampled token is never fed back, so its KV is never stored (a pooling request samples none).
+    num_blocks_needed = -(-(num_total - (0 if request.pooling else 1)) // block_size)
     if num_blocks_needed > num_blocks:
         raise RequestError(
             f"{name} needs up to {num_blocks_needed} KV blocks but the whole cache has "

@@ -392,6 +392,22 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def complete_prompts(self, batch: ScheduledBatch) -> list[Request]:
+        """Record a step of pooling requests (`Request.pooling`: prompts computed, nothing sampled); returns
+        those whose last chunk it ran, finished (stopped) with their blocks freed, the full ones left in
+        the prefix cache."""
+        done: list[Request] = []
+        for item in batch.requests:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted since schedule
+            request.num_computed_tokens += item.num_new_tokens
+            self._cache_full_blocks(request)
+            if item.is_last_chunk:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                done.append(request)
+        return done
+
     def resolve(self, request: Request, token_ids: list[int]) -> None:
         """The values of a request's oldest pending tokens arrived: append them, and register the
         blocks they complete in the prefix cache (if the request still runs)."""

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.pooling import EmbeddingRequestOutput
 from llmc.runtime.stats import stats_line
 from llmc.runtime.server.engine_loop import RequestStream
 
@@ -100,6 +101,11 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def on_output(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None:
+        if isinstance(output, EmbeddingRequestOutput):  # a prompt, no tokens generated: vLLM counts its prompt
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.num_prompt_tokens += len(output.prompt_token_ids)
+            self._on_finished(stream, "stop", now)
+            return
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         num_new = max(0, num_generated - stream.num_generated_tokens)
         stream.num_generated_tokens = max(num_generated, stream.num_generated_tokens)

@@ -586,7 +586,7 @@ class BatchRequestLine(BaseModel):
     model_config = ConfigDict(extra="ignore")
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
     body: dict
 
 
@@ -956,3 +956,40 @@ def items_to_messages(items: list[dict]) -> list[dict]:
             else:
                 messages.append({"role": item["role"], "content": _item_text(item["content"])})
     return messages
+
+
+# vLLM's embedding fields that change the output and that llmc does not implement: a 400 unless at these values
+_UNSUPPORTED_EMBEDDING_FIELDS: dict[str, tuple] = {
+    "mm_processor_kwargs": (None,), "softmax": (None,), "activation": (None,), "use_activation": (None,),
+    "embed_dtype": (None, "float32"), "endianness": (None, "native", "little"),
+}
+
+
+class EmbeddingRequest(_Body, _ChatTemplateFields):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extras): `input` (a text, texts, token ids or lists of them)
+    or vLLM's chat form, `messages` rendered with the chat template (add_generation_prompt off by default)."""
+
+    _UNSUPPORTED = _UNSUPPORTED_EMBEDDING_FIELDS
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool | None = None  # default: true for input, false for messages (vLLM's)
+    add_generation_prompt: bool = False  # vLLM's EmbeddingChatRequest default
+    normalize: bool | None = None
+    priority: Int64 = 0
+
+    def check(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise invalid("input", "give exactly one of input or messages")
+        if self.truncate_prompt_tokens == 0:
+            raise invalid("truncate_prompt_tokens", "must be -1 (max_model_len) or at least 1")
+        template_options = sorted(self.model_fields_set & set(_ChatTemplateFields.model_fields))
+        if self.input is not None and template_options:
+            raise invalid(template_options[0], "applies to messages (the chat template), not to input")
+
+    def template_options(self) -> dict:
+        return super().template_options() | {"add_special_tokens": bool(self.add_special_tokens)}

@@ -1,0 +1,284 @@
+"""Embeddings: vLLM's pooling runner (`runner="pooling"`), its PoolingParams, pooler and outputs.
+
+An embedding request is a prompt that is computed and never sampled. The scheduler runs it as any prompt
+(chunked prefill beside other prompts, its KV in the paged cache, preemption by recompute); the engine's
+pooling step (Engine._pooling_step) takes the model's final hidden states (after the final norm:
+transformers' `last_hidden_state`) of the step's tokens and `Pooler.accumulate` keeps what each request's
+pooling needs: the last prompt token's (LAST), the first's (CLS) or the sum over every chunk (MEAN). When a
+request's last chunk has run, `Pooler.finish` makes its embedding (the mean divided, `dimensions` kept,
+L2-normalized if asked) and the request ends with its blocks freed.
+
+Which pooling an artifact gets is vLLM's rule: `pooler_config` if given, else the checkpoint's
+sentence-transformers files (modules.json and its Pooling module's config.json, copied into the artifact's
+tokenizer/ folder at build time), else LAST with normalization (vLLM's default for a causal LM used as
+an embedding model).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from llmc.errors import ConfigError, RequestError
+from llmc.kernels import to_device
+from llmc.schema import opt
+
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
+# sentence-transformers' Pooling config keys, and the pooling each one names (vLLM reads the same)
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS"}
+ST_MODULES = "modules.json"
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's `pooler_config` (formerly override_pooler_config), the part llmc has: how an embedding is
+    made from the hidden states. Unset fields take the checkpoint's sentence-transformers settings, else
+    LAST pooling with normalization."""
+
+    pooling_type: str | None = opt(None, choices=list(POOLING_TYPES),
+                                   help="LAST (the last prompt token), MEAN (every token) or CLS (the first)")
+    normalize: bool | None = opt(None, help="L2-normalize the embedding (a request's `normalize` overrides it)")
+
+
+@dataclass
+class PoolingParams:
+    """What an embedding request asks (vLLM's PoolingParams, the fields llmc has).
+
+    Fields:
+        dimensions: keep the first `dimensions` values (Matryoshka embeddings), then normalize; None: all.
+            Refused unless the engine's pooler_config says the model was trained for it.
+        normalize: L2-normalize the embedding; None: the engine's pooler_config (default true).
+        truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len); None: the prompt as is.
+        task: "embed" (vLLM's task name; the only one an llmc pooling engine runs) or None.
+    """
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    task: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise RequestError(f"PoolingParams.dimensions must be an integer >= 1, got {self.dimensions!r}",
+                               param="dimensions")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise RequestError(f"PoolingParams.normalize must be true or false, got {self.normalize!r}",
+                               param="normalize")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)):
+            raise RequestError(f"PoolingParams.truncate_prompt_tokens must be -1 or an integer >= 1, got {keep!r}",
+                               param="truncate_prompt_tokens")
+        if self.task not in (None, "embed"):
+            raise RequestError(f"PoolingParams.task {self.task!r}: an llmc pooling engine makes embeddings only "
+                               "(task 'embed'); classify, score and token-level tasks are not supported", param="task")
+
+    # what the server's admission and the engine loop count: one sequence per prompt
+    n = 1
+    best_of = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's EmbeddingOutput: the embedding, float32 values as Python floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's EmbeddingRequestOutput: one prompt's embedding (outputs.embedding). `error` is set, and
+    outputs None, when the request failed; finished is always true (an embedding comes whole)."""
+
+    request_id: str
+    outputs: EmbeddingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+def resolve_runner(runner: str, convert: str) -> bool:
+    """Whether the engine pools (embeddings) under vLLM's `runner` / `convert`; ConfigError for what llmc
+    does not run. auto: generate (every architecture llmc builds is a causal LM)."""
+    if convert in ("classify", "reward"):
+        raise ConfigError(f"convert {convert!r}: llmc's pooling runner makes embeddings only; use convert embed "
+                          "(or auto), or drop it")
+    if convert == "embed" and runner == "generate":
+        raise ConfigError("convert 'embed' makes an embedding model, which runner 'generate' does not run; use "
+                          "runner pooling (or auto)")
+    return runner == "pooling" or convert == "embed"
+
+
+def sentence_transformers_pooling(folder: Path) -> tuple[str, bool] | None:
+    """(pooling type, normalize) from a sentence-transformers model's modules.json and its Pooling module's
+    config.json in `folder` (vLLM's rule: normalize when a Normalize module follows); None without them."""
+    path = folder / ST_MODULES
+    if not path.is_file():
+        return None
+    try:
+        modules = json.loads(path.read_text(encoding="utf-8"))
+        pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+        if pooling is None:
+            return None
+        config = json.loads((folder / pooling["path"] / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a readable sentence-transformers module list ({type(e).__name__}: {e}); "
+                          "fix it, or set pooler_config's pooling_type and normalize") from None
+    modes = [kind for key, kind in _ST_POOLING_MODES.items() if config.get(key)]
+    others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v and k not in _ST_POOLING_MODES)
+    if others or len(modes) != 1:
+        named = ", ".join(others) if others else f"{len(modes)} modes"
+        raise ConfigError(f"{path}: the Pooling module asks {named}; llmc pools by one of lasttoken, mean_tokens or "
+                          "cls_token: set pooler_config's pooling_type")
+    normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
+    return modes[0], normalize
+
+
+def sentence_transformers_files(model_dir: Path) -> list[str]:
+    """The checkpoint's sentence-transformers files that say how it pools (modules.json and its Pooling
+    module's config.json, relative paths), for the build to copy beside the tokenizer; [] without them."""
+    if not (model_dir / ST_MODULES).is_file():
+        return []
+    try:
+        modules = json.loads((model_dir / ST_MODULES).read_text(encoding="utf-8"))
+        paths = [f"{m['path']}/config.json" for m in modules if str(m.get("type", "")).endswith(".Pooling")]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return [ST_MODULES]  # copied as it is: the engine names the problem if it pools by it
+    return [ST_MODULES, *(p for p in paths if (model_dir / p).is_file())]
+
+
+class PoolingState:
+    """One embedding request in the engine (as a SequenceState is for generation): its scheduler Request
+    and what the pooler has kept of its hidden states so far."""
+
+    def __init__(self, request, group_id: str):
+        self.request = request
+        self.group_id = group_id
+        self.parts: list[Tensor] = []  # [hidden_size] float32 device rows: LAST/CLS one, MEAN one per chunk
+        self.embedding: list[float] | None = None
+        self.constraints = None  # (what the engine's generation paths read of a sequence)
+        self.banned_token_ids = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.embedding is not None or self.request.is_finished
+
+    def restart(self) -> None:
+        """Preempted: its prompt is computed again from the first token."""
+        self.parts = []
+
+
+@dataclass
+class PoolingGroup:
+    """An embedding request as the engine's request maps hold it (the RequestGroup of generation)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: PoolingParams
+    arrival_time: float
+    sequences: list[PoolingState] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+
+    def mark_scheduled(self, now: float) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+
+    @property
+    def is_finished(self) -> bool:
+        return self.sequences[0].embedding is not None
+
+    def output(self) -> EmbeddingRequestOutput | None:
+        state = self.sequences[0]
+        if state.embedding is None:
+            return None
+        return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(state.embedding), self.prompt_token_ids,
+                                      prompt=self.prompt, num_cached_tokens=state.request.num_cached_tokens,
+                                      metrics={"arrival_time": self.arrival_time,
+                                               "first_scheduled_time": self.first_scheduled_time})
+
+
+class Pooler:
+    """Pools a step's final hidden states into its requests' embeddings."""
+
+    def __init__(self, pooling_type: str, normalize: bool, hidden_size: int):
+        self.pooling_type, self.normalize, self.hidden_size = pooling_type, normalize, hidden_size
+
+    @classmethod
+    def for_engine(cls, config: PoolerConfig | None, tokenizer_dir: Path, hidden_size: int) -> Pooler:
+        """vLLM's order: pooler_config's fields, then the sentence-transformers files, then LAST + normalize."""
+        config = config or PoolerConfig()
+        found = sentence_transformers_pooling(tokenizer_dir)
+        pooling_type = config.pooling_type or (found[0] if found else "LAST")
+        normalize = config.normalize if config.normalize is not None else (found[1] if found else True)
+        return cls(pooling_type, normalize, hidden_size)
+
+    @property
+    def reads_cached_prefix(self) -> bool:
+        """LAST reads only the last token's state, which is computed whatever the prefix cache holds; MEAN
+        and CLS need every prompt token (or the first) computed, so their requests skip the cache."""
+        return self.pooling_type == "LAST"
+
+    def check(self, params: PoolingParams) -> None:
+        if params.dimensions is not None and params.dimensions != self.hidden_size:
+            raise RequestError(f"dimensions {params.dimensions}: this model does not support Matryoshka "
+                               "representation (its embeddings are trained whole); changing the output dimensions "
+                               f"would give poor results; leave dimensions out (or {self.hidden_size})",
+                               param="dimensions")
+
+    def accumulate(self, hidden: Tensor, batch, states: list[PoolingState]) -> list[PoolingState]:
+        """Keep what each scheduled request's pooling needs of `hidden` [num_tokens, hidden_size] (the
+        step's tokens in batch order; `states[i]` is batch.requests[i]'s); returns the states whose
+        prompt this step completed."""
+        requests = batch.requests
+        offsets, at = [], 0
+        for scheduled in requests:
+            offsets.append(at)
+            at += scheduled.num_new_tokens
+        if self.pooling_type == "MEAN":
+            segments = torch.repeat_interleave(to_device(torch.arange(len(requests)), hidden.device),
+                                               to_device(torch.tensor([s.num_new_tokens for s in requests]),
+                                                         hidden.device), output_size=at)
+            sums = torch.zeros(len(requests), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            sums.index_add_(0, segments, hidden[:at].float())
+            for i, state in enumerate(states):
+                state.parts.append(sums[i])
+        else:
+            picks = [(i, offsets[i] + s.num_new_tokens - 1) for i, s in enumerate(requests) if s.is_last_chunk]
+            if self.pooling_type == "CLS":
+                picks = [(i, offsets[i]) for i, s in enumerate(requests) if s.request.num_computed_tokens == 0]
+            if picks:
+                rows = hidden[to_device(torch.tensor([row for _, row in picks]), hidden.device)].float()
+                for j, (i, _) in enumerate(picks):
+                    states[i].parts = [rows[j]]
+        return [state for state, scheduled in zip(states, requests) if scheduled.is_last_chunk]
+
+    def finish(self, states: list[PoolingState], params: list[PoolingParams]) -> list[list[float]]:
+        """The embeddings of requests whose prompt is complete (one copy to the host for all)."""
+        if not states:
+            return []
+        vectors = torch.stack([s.parts[0] if len(s.parts) == 1 else torch.stack(s.parts).sum(0) for s in states]).cpu()
+        embeddings = []
+        for state, vector, p in zip(states, vectors, params):
+            if self.pooling_type == "MEAN":
+                vector = vector / state.request.num_prompt_tokens
+            if p.dimensions is not None:
+                vector = vector[: p.dimensions]
+            if (self.normalize if p.normalize is None else p.normalize):
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            embeddings.append(vector.tolist())
+        return embeddings

@@ -1,0 +1,109 @@
+"""POST /v1/embeddings on `llmc run --runner pooling`, through the openai SDK (which asks for base64 by
+default) and raw HTTP, against transformers' hidden states; the generate endpoints refuse on it, and
+/v1/embeddings refuses on a generating server; batch files take /v1/embeddings lines."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from llmc.cli import main
+
+from tests.conftest import hf_encode, hf_model
+from tests.runtime.server.conftest import API_KEY, MODEL
+
+TEXTS = ["ROMEO: what light through yonder window breaks?", "Hi", "But soft, what light " * 9]
+
+
+@torch.inference_mode()
+def reference(path, token_ids: list[int]) -> torch.Tensor:
+    """LAST pooling, normalized: vLLM's default for a causal LM served as an embedding model."""
+    ids = torch.tensor([token_ids])
+    hidden = hf_model(path).model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden.double(), dim=0)
+
+
+@pytest.fixture(scope="module")
+def pooling_server(start_server):
+    server = start_server("--runner", "pooling", "--api-key", API_KEY, "--served-model-name", MODEL,
+                          "--disable-log-stats", "--trust-request-chat-template")
+    yield server
+    assert server.terminate() == 0, server.log()
+
+
+@pytest.fixture
+def embed_client(pooling_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{pooling_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(server, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=60)
+
+
+def test_openai_sdk_embeddings_equal_transformers(embed_client, pooling_server, ref_model_dir):
+    reply = embed_client.embeddings.create(model=MODEL, input=TEXTS)  # the SDK asks base64 and decodes it
+    ids = [hf_encode(ref_model_dir, t) for t in TEXTS]
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    for item, token_ids in zip(reply.data, ids):
+        got = torch.tensor(item.embedding, dtype=torch.float64)
+        assert (got - reference(ref_model_dir, token_ids)).abs().max() < 2e-6
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, ids))
+    assert reply.model == MODEL and reply.object == "list"
+    floats = embed_client.embeddings.create(model=MODEL, input=ids, encoding_format="float")  # token-id inputs
+    assert [d.embedding for d in floats.data] == [d.embedding for d in reply.data]  # float32 values both ways
+
+
+def test_embeddings_request_forms_and_errors(pooling_server, ref_model_dir):
+    one = post(pooling_server, {"input": TEXTS[0]}).json()
+    raw = post(pooling_server, {"input": TEXTS[0], "normalize": False}).json()["data"][0]["embedding"]
+    assert abs(torch.tensor(raw).norm().item() - 1) > 0.1
+    assert torch.allclose(torch.nn.functional.normalize(torch.tensor(raw), dim=0), torch.tensor(one["data"][0]["embedding"]),
+                          atol=1e-6)
+    cut = post(pooling_server, {"input": [[5, 6, 7, 8, 9]], "truncate_prompt_tokens": 2}).json()
+    assert cut["usage"]["prompt_tokens"] == 2
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    chat = post(pooling_server, {"messages": [{"role": "user", "content": "Hi"}], "chat_template": template}).json()
+    rendered = hf_encode(ref_model_dir, "user: Hi\n")[1:]  # the template gives no BOS; add_special_tokens is off
+    assert chat["usage"]["prompt_tokens"] == len(rendered)
+    assert (torch.tensor(chat["data"][0]["embedding"], dtype=torch.float64) - reference(ref_model_dir, rendered)).abs().max() < 2e-6
+    for body, status, param in [({"input": "hi", "dimensions": 8}, 400, "dimensions"),
+                                ({"input": [[5] * 300]}, 400, "input"),
+                                ({"input": []}, 400, "input"),
+                                ({"input": "hi", "messages": [{"role": "user", "content": "x"}]}, 400, "input"),
+                                ({"input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+                                ({"input": "hi", "softmax": True}, 400, "softmax"),
+                                ({"input": [99999]}, 400, "input"),
+                                ({"input": "hi", "model": "other"}, 404, "model")]:
+        response = post(pooling_server, body)
+        assert response.status_code == status, (body, response.text)
+        assert response.json()["error"]["param"] == param, (body, response.text)
+    completion = httpx.post(f"{pooling_server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                            headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert completion.status_code == 400 and "does not generate" in completion.json()["error"]["message"]
+    metrics = httpx.get(f"{pooling_server.base_url}/metrics", timeout=10).text
+    assert 'request_success_total{finished_reason="stop",model_name="ref-llama"}' in metrics
+
+
+def test_a_generating_server_refuses_embeddings(client):
+    with pytest.raises(openai.BadRequestError, match="does not support Embeddings API"):
+        client.embeddings.create(model=MODEL, input="hi")
+
+
+def test_batch_file_embeddings(tmp_path, server_artifact, ref_model_dir, restore_logging):
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS[1]}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 2}}]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", str(server_artifact), "--device", "cpu", "--runner", "pooling", "--input", str(source),
+              "--output", str(target)])
+    assert exit_info.value.code in (0, None)
+    a, b = [json.loads(line) for line in target.read_text().splitlines()]
+    got = torch.tensor(a["response"]["body"]["data"][0]["embedding"], dtype=torch.float64)
+    assert (got - reference(ref_model_dir, hf_encode(ref_model_dir, TEXTS[1]))).abs().max() < 2e-6
+    assert b["response"]["status_code"] == 400 and "Matryoshka" in b["response"]["body"]["error"]["message"]

@@ -1,0 +1,120 @@
+"""Embeddings (runner pooling, runtime/pooling.py) against transformers: the final hidden states of
+`AutoModelForCausalLM(...).model` (last_hidden_state), pooled and normalized in float64 here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ConfigError, RequestError
+from llmc.runtime.llm import LLM
+from llmc.runtime.pooling import EmbeddingRequestOutput, PoolingParams
+from llmc.runtime.sampling_params import SamplingParams
+
+from tests.conftest import hf_encode, hf_model
+
+LONG = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer " * 3
+PROMPTS = ["ROMEO: what light through yonder window breaks?", "Hi", LONG, LONG[:120] + " the slings and arrows"]
+
+
+@torch.inference_mode()
+def reference(path, token_ids: list[int], pooling_type: str, normalize: bool = True) -> torch.Tensor:
+    ids = torch.tensor([token_ids])
+    hidden = hf_model(path).model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0].double()
+    pooled = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling_type]
+    return torch.nn.functional.normalize(pooled, dim=0) if normalize else pooled
+
+
+def assert_close(output: EmbeddingRequestOutput, expected: torch.Tensor, atol: float) -> None:
+    got = torch.tensor(output.outputs.embedding, dtype=torch.float64)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < atol, (got - expected).abs().max().item()
+
+
+@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
+def test_embeddings_equal_transformers_hidden_states_pooled(ref_artifact_128, ref_model_dir, pooling_type):
+    # chunks of 16 tokens: the long prompt's MEAN sums several chunks; the fourth prompt shares the third's
+    # first blocks, which LAST reads from the prefix cache (MEAN and CLS must compute them)
+    with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"pooling_type": pooling_type},
+             max_num_batched_tokens=16) as llm:
+        outputs = llm.embed(PROMPTS)
+        stats = llm.stats()
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.prompt_token_ids == hf_encode(ref_model_dir, prompt)
+        assert output.finished and output.error is None
+        assert_close(output, reference(ref_model_dir, output.prompt_token_ids, pooling_type), 2e-6)
+    assert (stats["prefix_cache_hits"] > 0) == (pooling_type == "LAST")
+    assert stats["num_generation_tokens"] == 0
+    assert stats["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outputs) - stats["prefix_cache_hits"]
+
+
+def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
+    with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"normalize": False}) as llm:
+        raw, normed = llm.embed(PROMPTS[:2], [PoolingParams(), PoolingParams(normalize=True)])
+        [cut] = llm.embed(PROMPTS[2], truncate_prompt_tokens=7)
+    assert_close(raw, reference(ref_model_dir, raw.prompt_token_ids, "LAST", normalize=False), 1e-4)
+    assert_close(normed, reference(ref_model_dir, normed.prompt_token_ids, "LAST"), 2e-6)
+    ids = hf_encode(ref_model_dir, PROMPTS[2])  # a text cut as the tokenizer truncates it: its BOS kept (vLLM's)
+    assert cut.prompt_token_ids == ids[:1] + ids[-6:]
+    assert_close(cut, reference(ref_model_dir, cut.prompt_token_ids, "LAST", normalize=False), 1e-4)
+
+
+def test_sentence_transformers_pooling_is_read_from_the_checkpoint(tmp_path, ref_model_dir):
+    """A checkpoint with sentence-transformers files (mean pooling, no Normalize module) pools by them, as
+    vLLM does; pooler_config overrides them; `llmc export` gives the files back."""
+    checkpoint = tmp_path / "st"
+    shutil.copytree(ref_model_dir, checkpoint)
+    (checkpoint / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (checkpoint / "1_Pooling").mkdir()
+    (checkpoint / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 384, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
+    artifact = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(artifact), "dtype": "float32",
+                            "runtime": {"max_model_len": 128}}), show_progress=False)
+    with LLM(artifact, device="cpu", runner="pooling") as llm:
+        [mean] = llm.embed(PROMPTS[0])
+    assert_close(mean, reference(ref_model_dir, mean.prompt_token_ids, "MEAN", normalize=False), 1e-4)
+    with LLM(artifact, device="cpu", convert="embed", pooler_config={"pooling_type": "LAST", "normalize": True}) as llm:
+        [last] = llm.embed(PROMPTS[0])
+    assert_close(last, reference(ref_model_dir, last.prompt_token_ids, "LAST"), 2e-6)
+
+    from llmc.compiler.export import export_artifact
+    exported = tmp_path / "exported"
+    export_artifact(artifact, exported)
+    assert json.loads((exported / "1_Pooling" / "config.json").read_text())["pooling_mode_mean_tokens"] is True
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_what_a_pooling_engine_refuses(ref_artifact_128):
+    with LLM(ref_artifact_128, device="cpu", runner="pooling") as llm:
+        with pytest.raises(RequestError, match="embedding model.*does not generate"):
+            llm.generate("hi", SamplingParams(max_tokens=2))
+        with pytest.raises(RequestError, match="Matryoshka"):
+            llm.embed("hi", PoolingParams(dimensions=8))
+        with pytest.raises(RequestError, match="129 tokens but max_model_len is 128"):
+            llm.embed([[5] * 129])
+        [full] = llm.embed([[5] * 128])  # a whole context: nothing is generated after it
+        assert len(full.outputs.embedding) == 384
+        assert llm.engine.scheduler.block_pool.num_free_blocks == llm.engine.scheduler.block_pool.num_blocks
+    with pytest.raises(RequestError, match="task 'embed'"):
+        PoolingParams(task="classify")
+    with LLM(ref_artifact_128, device="cpu") as llm:
+        with pytest.raises(RequestError, match="only supported for pooling models"):
+            llm.embed("hi")
+    for options, message in [({"convert": "classify"}, "embeddings only"),
+                             ({"runner": "generate", "convert": "embed"}, "runner pooling"),
+                             ({"pooler_config": {"pooling_type": "MEAN"}}, "give runner pooling"),
+                             ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "LAST, MEAN, CLS"),
+                             ({"runner": "pooling", "pooler_config": {"softmax": True}}, "softmax"),
+                             ({"runner": "pooling", "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+                              "does not apply to runner pooling")]:
+        with pytest.raises(ConfigError, match=message):
+            LLM(ref_artifact_128, device="cpu", **options)
