@@ -36,18 +36,24 @@ def assert_close(output: EmbeddingRequestOutput, expected: torch.Tensor, atol: f
     assert (got - expected).abs().max().item() < atol, (got - expected).abs().max().item()
 
 
-@pytest.mark.parametrize("pooling_type", ["LAST", "MEAN", "CLS"])
-def test_embeddings_equal_transformers_hidden_states_pooled(ref_artifact_128, ref_model_dir, pooling_type):
+@pytest.mark.parametrize("pooling_type,device", [("LAST", "cpu"), ("MEAN", "cpu"), ("CLS", "cpu"),
+                                                  pytest.param("LAST", "cuda", marks=pytest.mark.gpu),
+                                                  pytest.param("MEAN", "cuda", marks=pytest.mark.gpu)])
+def test_embeddings_equal_transformers_hidden_states_pooled(ref_artifact_128, ref_model_dir, pooling_type, device):
     # chunks of 16 tokens: the long prompt's MEAN sums several chunks; the fourth prompt shares the third's
-    # first blocks, which LAST reads from the prefix cache (MEAN and CLS must compute them)
-    with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"pooling_type": pooling_type},
-             max_num_batched_tokens=16) as llm:
+    # first blocks, which LAST reads from the prefix cache (MEAN and CLS must compute them). On a GPU the
+    # steps replay the piecewise graphs, and a step of one-token prompts the decode graphs.
+    with LLM(ref_artifact_128, device=device, runner="pooling", pooler_config={"pooling_type": pooling_type},
+             max_num_batched_tokens=16, gpu_memory_utilization=0.3) as llm:
         outputs = llm.embed(PROMPTS)
         stats = llm.stats()
+        singles = llm.embed([[1], [2]])
     for prompt, output in zip(PROMPTS, outputs):
         assert output.prompt_token_ids == hf_encode(ref_model_dir, prompt)
         assert output.finished and output.error is None
-        assert_close(output, reference(ref_model_dir, output.prompt_token_ids, pooling_type), 2e-6)
+        assert_close(output, reference(ref_model_dir, output.prompt_token_ids, pooling_type), 2e-6 if device == "cpu" else 5e-5)
+    for output in singles:
+        assert_close(output, reference(ref_model_dir, output.prompt_token_ids, pooling_type), 2e-6 if device == "cpu" else 5e-5)
     assert (stats["prefix_cache_hits"] > 0) == (pooling_type == "LAST")
     assert stats["num_generation_tokens"] == 0
     assert stats["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outputs) - stats["prefix_cache_hits"]
@@ -118,3 +124,28 @@ def test_what_a_pooling_engine_refuses(ref_artifact_128):
                               "does not apply to runner pooling")]:
         with pytest.raises(ConfigError, match=message):
             LLM(ref_artifact_128, device="cpu", **options)
+
+
+def test_embeddings_through_run_time_lora_adapters(tmp_path, tiny_llama):
+    """enable_lora: each prompt's embedding is PEFT's model's (the adapter's, or the base model's), in one call."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime.lora import LoRARequest
+    from tests.runtime.hf_oracle import make_peft_adapter
+
+    artifact = tmp_path / "base"
+    build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 64}}),
+          show_progress=False)
+    adapter = make_peft_adapter(tiny_llama, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules="all-linear")
+    prompts = [[1, 5, 9, 200, 31, 7], [1, 5, 9, 200, 31, 7]]
+    with LLM(artifact, device="cpu", runner="pooling", enable_lora=True, max_lora_rank=4) as llm:
+        with_adapter, base = llm.embed(prompts, lora_request=[LoRARequest("a", 1, str(adapter)), None])
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    with torch.inference_mode():
+        expected_base = model.model(torch.tensor([prompts[1]])).last_hidden_state[0, -1].double()
+        tuned = peft.PeftModel.from_pretrained(model, str(adapter))
+        expected = tuned.base_model.model.model(torch.tensor([prompts[0]])).last_hidden_state[0, -1].double()
+    assert_close(with_adapter, torch.nn.functional.normalize(expected, dim=0), 1e-5)
+    assert_close(base, torch.nn.functional.normalize(expected_base, dim=0), 1e-5)
+    assert (torch.tensor(with_adapter.outputs.embedding) - torch.tensor(base.outputs.embedding)).abs().max() > 1e-2
