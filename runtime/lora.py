@@ -4,12 +4,14 @@ NOTE (layout): every decoder linear an adapter may change (qkv, o, gate_up, down
 A [S·m·R, in] and B [S·m·R, out]: S = max_loras slots, m members (q, k, v of qkv; gate, up of gate_up; one
 elsewhere), R = max_lora_rank. Slot s, member j owns rows (s·m + j)·R ..+R: the adapter's lora_A [r, in]
 zero-padded to R rows, and its lora_B [out_j, r] transposed, times PEFT's scale, in the columns of member
-j's rows of the fused output. Every token of a step names a slot (or none), written as a one-hot
-[tokens, S] into one buffer the model's linears share (`LoraSlots.mapping`, widened once per step to each
-slot's R-blocks: `block_masks`); a linear adds, in place into its output,
-    ((x @ Aᵀ) [T, S·m·R] ⊙ the token's slot's blocks) @ B
-dense over the slots: fixed shapes, no per-adapter loop and no host value, so the CUDA graphs capture it,
-and rows without an adapter (an all-zero one-hot row) add exactly 0. PEFT computes scale · B(A x) per
+j's rows of the fused output. Every token of a step names a slot (or none: -1), written as int32 into one
+buffer the model's linears share (`LoraSlots.token_slot`); a linear adds, in place into its output,
+    (x @ A[the token's slot's rows]ᵀ) @ B[the same rows]
+for each token. On CUDA that is two Triton kernels (kernels/lora_triton.py, punica's shrink and expand):
+each token multiplies by its own slot's factors only. Elsewhere (the reference) it is dense over the
+slots: ((x @ Aᵀ) [T, S·m·R] ⊙ the token's slot's blocks) @ B, the blocks a 0/1 mask made once per step
+from token_slot (`block_masks`); rows without an adapter add exactly 0. Both keep fixed shapes, no
+per-adapter loop and no host value, so the CUDA graphs capture them. PEFT computes scale · B(A x) per
 module; this is the same sum up to float rounding.
 
 What the scheduler guarantees (runtime/scheduler.py): the running requests use at most max_loras adapters,
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor
 
 from llmc.errors import ConfigError, RecipeError, RequestError
+from llmc.kernels import is_triton_installed
 from llmc.runtime import artifact as art
 from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.spec import hf_member_rows
@@ -180,8 +183,13 @@ class LinearLora:
         self.b = torch.zeros(slots.max_loras * block, sum(member_rows), dtype=slots.dtype, device=slots.device)
 
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
-        """out [T, out] += the step's adapters' sum for x [T, in], in three kernels: x @ Aᵀ, the token's slot
-        kept (the one-hot widened to its R-blocks, made once per step for all linears), @ B added in place."""
+        """out [T, out] += each token's own slot's x [T, in] @ Aᵀ @ B, in place: on CUDA two Triton kernels
+        (kernels/lora_triton.py); elsewhere three torch ops dense over the slots: x @ Aᵀ [T, S·m·R], the
+        token's slot kept (its R-blocks' 0/1 mask, made once per step for all linears), @ B added in place."""
+        if self.slots.kernels:
+            from llmc.kernels import lora_triton  # triton loads on the first CUDA call only
+
+            return lora_triton.lora_add(out, x, self.a, self.b, self.slots.token_slot, self.slots.max_loras)
         xa = x @ self.a.T  # [T, S·m·R]
         xa.mul_(self.slots.block_masks[len(self.member_rows)][: x.shape[0]])
         return out.addmm_(xa, self.b)
@@ -206,20 +214,12 @@ class LinearLora:
 
 class LoraSlots:
     """The model's adapter slots: a LinearLora on each qkv / o / gate_up / down, and the step's token → slot
-    one-hot they share."""
+    map they share (token_slot [max_tokens] int32, -1: no adapter)."""
 
     def __init__(self, model, max_loras: int, max_rank: int, max_tokens: int, device: torch.device):
         self.max_loras, self.max_rank, self.device = max_loras, max_rank, device
         self.dtype = getattr(torch, model.config.dtype)
-        self.mapping = torch.zeros(max_tokens, max_loras, dtype=self.dtype, device=device)
-        # two host buffers, alternating: a step's copy may still be queued when the next step fills its own (the
-        # engine resolves step N before it builds step N + 2, as runtime/step_inputs.py's staging buffers rely on)
-        self._hosts = [torch.zeros(max_tokens, max_loras, dtype=self.dtype, pin_memory=device.type == "cuda")
-                       for _ in range(2)]
-        self._num_steps = 0
-        # the one-hot widened to each slot's m·R rows of A, for m = 1, 2, 3 members (o/down, gate_up, qkv)
-        self.block_masks = {m: torch.zeros(max_tokens, max_loras * m * max_rank, dtype=self.dtype, device=device)
-                            for m in (1, 2, 3)}
+        self._init_mapping(max_tokens)
         spec = spec_for_architecture(model.config.architecture)
         self.linears: dict[str, LinearLora] = {}
         for layer in model.layers.values():  # W8A8: the adapters need x unquantized; the linear quantizes it itself
@@ -256,19 +256,36 @@ class LoraSlots:
         for name, lora in self.linears.items():
             lora.load(slot, adapter.factors.get(name))
 
+    def _init_mapping(self, max_tokens: int) -> None:
+        """The step's token → slot buffers, for up to max_tokens tokens (all -1 at first)."""
+        self.max_tokens = max_tokens
+        # CUDA: the two kernels read token_slot; elsewhere the torch sum reads the block masks made from it
+        self.kernels = self.device.type == "cuda" and is_triton_installed()
+        self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
+        # two host buffers, alternating: a step's copy may still be queued when the next step fills its own (the
+        # engine resolves step N before it builds step N + 2, as runtime/step_inputs.py's staging buffers rely on)
+        self._hosts = [torch.full((max_tokens,), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+                       for _ in range(2)]
+        self._num_steps = 0
+        # torch path: each column's slot of x @ Aᵀ [T, S·m·R], and the step's 0/1 mask of the token's slot's
+        # columns, for m = 1, 2, 3 members (o/down, gate_up, qkv)
+        self._column_slots = {} if self.kernels else {
+            m: torch.arange(self.max_loras * m * self.max_rank, device=self.device) // (m * self.max_rank)
+            for m in (1, 2, 3)}
+        self.block_masks = {m: torch.zeros(max_tokens, columns.numel(), dtype=self.dtype, device=self.device)
+                            for m, columns in self._column_slots.items()}
+
     def set_mapping(self, token_slots: list[int]) -> None:
-        """Each token's slot (-1: no adapter) for the next forward, as the one-hot (one host-to-device copy)."""
+        """Each token's slot (-1: no adapter) for the next forward, into token_slot (one host-to-device copy),
+        and on the torch path into the block masks."""
         num_tokens = len(token_slots)
         host = self._hosts[self._num_steps % 2][:num_tokens]
         self._num_steps += 1
-        host.zero_()
-        slots = torch.tensor(token_slots, dtype=torch.long)
-        rows = torch.nonzero(slots >= 0).flatten()
-        host[rows, slots[rows]] = 1
-        mapping = self.mapping[:num_tokens]
-        mapping.copy_(host, non_blocking=True)
+        host.copy_(torch.tensor(token_slots, dtype=torch.int32))
+        token_slot = self.token_slot[:num_tokens]
+        token_slot.copy_(host, non_blocking=True)
         for m, mask in self.block_masks.items():
-            mask[:num_tokens] = mapping.repeat_interleave(m * self.max_rank, dim=1)
+            mask[:num_tokens] = token_slot[:, None] == self._column_slots[m]
 
 
 class LoraManager:

@@ -136,7 +136,7 @@ class ModelRunner:
 
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         if self.lora is not None:  # the base model's scores: no adapter on any token
-            self.lora.slots.set_mapping([-1] * len(self.lora.slots.mapping))
+            self.lora.slots.set_mapping([-1] * self.lora.slots.max_tokens)
         return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch,

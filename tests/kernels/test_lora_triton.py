@@ -3,7 +3,8 @@ each token's slot s (rows s·m·R ..+m·R of A and B), rows of slot -1 untouched
 
 On the CPU they run in Triton's interpreter at small shapes (fp16 and fp32: the interpreter's tl.dot misreads
 bfloat16, conftest): members m = 1, 2, 3, several slot counts and ranks, mixed slots and -1 in one tile, token
-counts that are not a multiple of the tile, K splits, strided inputs and outputs. On the GPU (marked gpu)
+counts that are not a multiple of the tile, K splits, strided inputs and outputs, and LinearLora.add_to through
+the kernels against its torch path. On the GPU (marked gpu)
 Llama-3-8B's qkv and gate_up shapes with 4 slots of rank 16 at 1, 64 and 1024 tokens; and, on any machine
 with triton's ptxas, both kernels compiled for sm_90.
 """
@@ -115,6 +116,34 @@ def test_longer_token_slot_and_no_tokens(device):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     empty = torch.empty(0, 16, device=device)
     assert lora_triton.lora_add(empty, x[:0], a, b, longer, 2).shape == (0, 16)
+
+
+def test_linear_lora_through_the_kernels_is_its_torch_path(device):
+    """LinearLora.add_to with slots.kernels on (the CUDA dispatch, here in the interpreter on the CPU) against
+    the same LinearLora on the torch path, after LoraSlots.set_mapping: qkv-like members, ranks below max."""
+    from types import SimpleNamespace
+
+    from llmc.runtime.lora import LinearLora, LoraSlots
+
+    gen = torch.Generator().manual_seed(3)
+    results = []
+    for kernels in (False, True):
+        slots = SimpleNamespace(max_loras=3, max_rank=8, dtype=torch.float32, device=torch.device(device))
+        LoraSlots._init_mapping(slots, 32)
+        slots.kernels = kernels
+        lora = LinearLora(slots, [24, 8, 8], 48, None)
+        gen.manual_seed(3)
+        for slot, rank in enumerate([8, 3, 5]):
+            lora.load(slot, [(torch.randn(rank, 48, generator=gen), torch.randn(rows, rank, generator=gen))
+                             for rows in (24, 8, 8)])
+        token_slots = [0, 2, -1, 1, 1, 0, -1, 2, 2, 0, 0]
+        LoraSlots.set_mapping(slots, [1] * 32)  # a longer step before: its stale rows must not matter
+        LoraSlots.set_mapping(slots, token_slots)
+        assert slots.token_slot[: len(token_slots)].tolist() == token_slots
+        x = torch.randn(len(token_slots), 48, generator=gen).to(device)
+        base = torch.randn(len(token_slots), 40, generator=gen).to(device)
+        results.append(lora.add_to(base.clone(), x))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
 
 
 LLAMA3_8B = [(4096, 6144, 3), (4096, 28672, 2)]  # K, N, members: qkv, gate_up

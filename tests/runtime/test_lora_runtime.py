@@ -168,10 +168,8 @@ def test_the_slot_sum_is_each_tokens_adapter_in_float64():
     from llmc.runtime.lora import LinearLora, LoraSlots
 
     gen = torch.Generator().manual_seed(0)
-    slots = SimpleNamespace(max_loras=3, max_rank=4, dtype=torch.float64, device=torch.device("cpu"),
-                            mapping=torch.zeros(16, 3, dtype=torch.float64), _num_steps=0,
-                            _hosts=[torch.zeros(16, 3, dtype=torch.float64) for _ in range(2)],
-                            block_masks={m: torch.zeros(16, 3 * m * 4, dtype=torch.float64) for m in (1, 2, 3)})
+    slots = SimpleNamespace(max_loras=3, max_rank=4, dtype=torch.float64, device=torch.device("cpu"))
+    LoraSlots._init_mapping(slots, 16)
     member_rows, in_features = [6, 2, 2], 5
     perm = torch.randperm(in_features, generator=gen)
     lora = LinearLora(slots, member_rows, in_features, perm)
