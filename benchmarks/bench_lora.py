@@ -7,7 +7,9 @@ Writes --adapters random PEFT adapters of rank --rank on every q/k/v/o/gate/up/d
 model (their values do not change the speed), then for each batch size B opens three engines in turn:
   none      enable_lora off;
   slots     enable_lora on (max_loras = --adapters), every request on the base model (the slots' sums still run);
-  adapters  enable_lora on, the B requests spread round-robin over the adapters.
+  adapters  enable_lora on, the B requests spread round-robin over the adapters;
+  with --compare-torch also slots-torch / adapters-torch: the same on the torch path (three ops dense over the
+  slots, what CUDA ran before kernels/lora_triton.py), in the same process.
 Each asks B requests at once (--prompt-tokens random ids, greedy, ignore_eos), once for --tokens new tokens and once
 for half as many; reported: ms per decode step = (the first wall - the second) / (tokens - tokens // 2), the
 prefill and the first steps cancelling out, median of --repeats, and the ratio to `none` of the same batch size,
@@ -17,11 +19,13 @@ measured in the same process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
@@ -31,6 +35,7 @@ from safetensors.torch import save_file  # noqa: E402
 from benchmarks.bench_spec_draft import make_prompts, release, timed  # noqa: E402
 from llmc.runtime import artifact as art  # noqa: E402
 from llmc.runtime.llm import LLM  # noqa: E402
+from llmc.runtime import lora as lora_module  # noqa: E402
 from llmc.runtime.lora import LoRARequest  # noqa: E402
 from llmc.runtime.models import spec_for_architecture  # noqa: E402
 from llmc.runtime.models.spec import hf_member_rows  # noqa: E402
@@ -48,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default=None)
     parser.add_argument("--option", action="append", default=[], help="KEY=VALUE engine option (JSON value)")
+    parser.add_argument("--compare-torch", action="store_true",
+                        help="also the torch path on CUDA (three ops dense over the slots, what ran before the Triton "
+                             "kernels): modes slots-torch and adapters-torch")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -74,9 +82,10 @@ def write_adapter(folder: Path, model: art.ModelConfig, rank: int, seed: int) ->
     return folder
 
 
-def measure(args, options: dict, batch: int, loras: list) -> dict:
+def measure(args, options: dict, batch: int, loras: list, torch_path: bool = False) -> dict:
     # no prefix cache: the longer run would find the shorter one's prompt blocks cached and skip its prefill
-    llm = LLM(args.artifact, device=args.device, disable_log_stats=True, enable_prefix_caching=False, **options)
+    with mock.patch.object(lora_module, "is_triton_installed", lambda: False) if torch_path else contextlib.nullcontext():
+        llm = LLM(args.artifact, device=args.device, disable_log_stats=True, enable_prefix_caching=False, **options)
     try:
         def run(prompts, max_tokens):
             requests = [loras[i % len(loras)] if loras else None for i in range(len(prompts))]
@@ -103,11 +112,14 @@ def main(argv=None) -> None:
         loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(Path(tmp) / f"a{i}", model, args.rank, i)))
                  for i in range(args.adapters)]
         lora_options = {"enable_lora": True, "max_loras": args.adapters, "max_lora_rank": args.rank}
+        modes = [("none", {}, []), ("slots", lora_options, []), ("adapters", lora_options, loras)]
+        if args.compare_torch:
+            modes += [("slots-torch", lora_options, []), ("adapters-torch", lora_options, loras)]
         for batch in args.batch_sizes:
             base = None
-            for mode, options, used in [("none", {}, []), ("slots", lora_options, []), ("adapters", lora_options, loras)]:
+            for mode, options, used in modes:
                 row = {"batch": batch, "mode": mode, **measure(args, dict(base_options, max_num_seqs=batch, **options),
-                                                              batch, used)}
+                                                              batch, used, torch_path=mode.endswith("-torch"))}
                 base = base or row
                 row["ratio"] = row["ms_per_step"] / base["ms_per_step"]
                 results["rows"].append(row)
