@@ -5,17 +5,22 @@ Layout (runtime/lora.py): A [S·rows, K] and B [S·rows, N], slot s owning rows 
 m members of R zero-padded rank each); token_slot [T] int32, the token's slot or -1 (no adapter).
 
 - shrink: parts [splits, T, rows] float32, whose sum over splits is x[t] @ A[slot_t rows]ᵀ (0 for slot -1).
-  Grid (token tiles, row tiles, K splits); a few-token step splits K so that enough programs run, each
-  storing its own partial (no atomics, no zeroing kernel; summed in split order: deterministic).
+  Grid (token tiles, row tiles, slots × K splits): a program computes one slot's tokens of its tile over one
+  K split, and returns at once when none of its tokens names its slot (a test inside the kernel, no host
+  value), so each slot's A is read once per tile and split, not once per slot present. A few-token step
+  splits K so that enough programs run, each storing its own partial; the last split of a (tile, slot) to
+  arrive sums them in split order (deterministic; split_k_triton's self-resetting semaphores, so no zeroing
+  kernel and no second kernel), and the expand reads that one sum.
 - expand: out[t] += (Σ parts[:, t]) rounded to B's dtype @ B[slot_t rows], in place; rows of slot -1 are
-  neither read nor written. Grid (token tiles, column tiles).
+  neither read nor written. Grid (token tiles, column tiles); a program sums its tile's splits once, then
+  for each slot its tokens name multiplies that slot's B tile by xa with the other tokens' rows zeroed.
 
-A tile of tokens may hold several slots (a decode batch mixes requests): each program loops over the S
-slots and skips those none of its tokens names (a test inside the kernel, no host value); for a slot present
-it loads that slot's factors once for the tile and masks the other tokens' rows out of the product (their
-x or xa loads read nothing). Contiguous tokens of one request (prefill, chunks) make most tiles one slot.
-Chosen over gathering A/B rows per token, which reads the factors once per token instead of once per tile,
-and over sorting tokens by slot, which costs kernels and a grid sized by the data.
+A tile of tokens may hold several slots (a decode batch mixes requests); contiguous tokens of one request
+(prefill, chunks) make most tiles one slot. Chosen over gathering A/B rows per token, which reads the factors
+once per token instead of once per tile, and over sorting tokens by slot, which costs kernels and a grid
+sized by the data. Session 40 measured the first form (the slot loop inside the shrink, the splits summed per
+slot inside the expand, up to 2048 / T splits) at +93% of a decode step at 64 tokens over 4 adapters on an
+H200, against +27% for the torch path: the expand re-read every split for every slot.
 
 The sum between the two runs in float32 and is rounded to the model dtype before B, as the torch path's
 x @ Aᵀ rounds it; float32 products stay IEEE (no TF32), as fused_moe's checking mode. Every launch shape
@@ -32,18 +37,22 @@ from torch import Tensor
 
 from . import device_num_sms
 from .pdl_triton import pdl_args, wait_for_inputs
+from .split_k_triton import tile_counters
 
 BLOCK_K = 64  # shrink: x columns per step
 MIN_K_STEPS = 4  # shrink: a split covers at least this many BLOCK_K steps
-SPLIT_TOKENS = 2048  # shrink: splits × T stays at or below this (expand reads every split of its rows)
+SPLIT_TOKENS = 4096  # shrink: splits × T stays at or below this (the fp32 partials' size)
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, T, K, rows, num_slots, k_per_split,
-                   stride_xm, stride_xk, stride_am, PRECISION: tl.constexpr,
+def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, xa_ptr, counter_ptr, T, K, rows, num_slots, k_per_split, splits,
+                   stride_xm, stride_xk, stride_am, PRECISION: tl.constexpr, SUM_SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """parts[split, tile's tokens, tile's rows] = x [BLOCK_M, split's K] @ A[slot's rows]ᵀ, per slot present."""
-    pid_m, pid_r, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """parts[split, the tile's tokens of slot s, the tile's rows] = x [BLOCK_M, split's K] @ A[s's rows]ᵀ; the
+    program of slot 0 also writes the zeros of the tile's tokens without a slot. SUM_SPLITS: the last of a
+    (tile, slot)'s splits to arrive at its semaphore sums them all into xa and puts the semaphore back to 0."""
+    pid_m, pid_r, pid_sk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, pid_k = pid_sk % num_slots, pid_sk // num_slots
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
@@ -52,26 +61,39 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, part_ptr, T, K, rows, num_slots, k_pe
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     wait_for_inputs(PDL)
     slots = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)
-    for s in range(num_slots):
-        mine = slots == s
-        if tl.max(mine.to(tl.int32), axis=0) > 0:  # a slot none of the tile's tokens names costs nothing
-            a_rows = (s * rows + offs_r).to(tl.int64) * stride_am
-            for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
-                k_mask = k0 + offs_k < K
-                x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                            mask=mine[:, None] & k_mask[None, :], other=0.0)
-                a = tl.load(a_ptr + a_rows[None, :] + (k0 + offs_k)[:, None],
-                            mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
-                acc = tl.dot(x.to(a.dtype), a, acc, input_precision=PRECISION)
-    tl.store(part_ptr + (pid_k * T + offs_m[:, None]).to(tl.int64) * rows + offs_r[None, :], acc,
-             mask=m_mask[:, None] & r_mask[None, :])
+    mine = slots == s
+    if tl.max(mine.to(tl.int32), axis=0) > 0:  # a slot none of the tile's tokens names reads nothing
+        a_rows = (s * rows + offs_r).to(tl.int64) * stride_am
+        for k0 in range(k_begin, tl.minimum(k_begin + k_per_split, K), BLOCK_K):
+            k_mask = k0 + offs_k < K
+            x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                        mask=mine[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_ptr + a_rows[None, :] + (k0 + offs_k)[:, None],
+                        mask=r_mask[None, :] & k_mask[:, None], other=0.0)  # [BLOCK_K, BLOCK_R]
+            acc = tl.dot(x.to(a.dtype), a, acc, input_precision=PRECISION)
+    none = (slots < 0) | (slots >= num_slots)
+    writes = (mine | (none & (s == 0))) & m_mask
+    mask = writes[:, None] & r_mask[None, :]
+    offs = offs_m[:, None].to(tl.int64) * rows + offs_r[None, :]
+    tl.store(part_ptr + pid_k * T * rows + offs, acc, mask=mask)
+    if SUM_SPLITS:
+        tl.debug_barrier()  # every thread's partial is stored before the count is released
+        tile = (pid_m * tl.num_programs(1) + pid_r) * num_slots + s
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for split in range(splits):  # in split order: the same sum on every run
+                total += tl.load(part_ptr + split * T * rows + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(xa_ptr + offs, total, mask=mask)
+            tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
 def _expand_kernel(part_ptr, b_ptr, slot_ptr, out_ptr, T, N, rows, num_slots, splits,
                    stride_bm, stride_om, stride_on, PRECISION: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
-    """out[tile's tokens with a slot, tile's columns] += xa [BLOCK_M, rows] @ B[slot's rows], per slot present."""
+    """out[tile's tokens with a slot, tile's columns] += xa [BLOCK_M, rows] @ B[each token's slot's rows]: the
+    splits summed once for the tile, then one product per slot present, the other tokens' rows zeroed."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,19 +102,20 @@ def _expand_kernel(part_ptr, b_ptr, slot_ptr, out_ptr, T, N, rows, num_slots, sp
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     wait_for_inputs(PDL)
     slots = tl.load(slot_ptr + offs_m, mask=m_mask, other=-1)
-    for s in range(num_slots):
-        mine = slots == s
-        if tl.max(mine.to(tl.int32), axis=0) > 0:
-            for r0 in range(0, rows, BLOCK_R):
-                r_mask = r0 + offs_r < rows
-                xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for split in range(splits):  # in split order: the same sum on every run
-                    xa += tl.load(part_ptr + (split * T + offs_m[:, None]).to(tl.int64) * rows + (r0 + offs_r)[None, :],
-                                  mask=mine[:, None] & r_mask[None, :], other=0.0)
+    keep = (slots >= 0) & (slots < num_slots)
+    for r0 in range(0, rows, BLOCK_R):
+        r_mask = r0 + offs_r < rows
+        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for split in range(splits):  # in split order: the same sum on every run
+            xa += tl.load(part_ptr + (split * T + offs_m[:, None]).to(tl.int64) * rows + (r0 + offs_r)[None, :],
+                          mask=keep[:, None] & r_mask[None, :], other=0.0)
+        xa = xa.to(b_ptr.dtype.element_ty)
+        for s in range(num_slots):
+            mine = slots == s
+            if tl.max(mine.to(tl.int32), axis=0) > 0:
                 b = tl.load(b_ptr + (s * rows + r0 + offs_r)[:, None].to(tl.int64) * stride_bm + offs_n[None, :],
                             mask=r_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                acc = tl.dot(xa.to(b.dtype), b, acc, input_precision=PRECISION)
-    keep = (slots >= 0) & (slots < num_slots)
+                acc = tl.dot(tl.where(mine[:, None], xa, tl.zeros_like(xa)), b, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     mask = keep[:, None] & n_mask[None, :]
     out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -118,30 +141,37 @@ def shrink_splits(num_tokens: int, k: int, tiles: int, programs: int) -> int:
     return max(1, min(programs // tiles, most))
 
 
-def lora_shrink(x: Tensor, a: Tensor, token_slot: Tensor, num_slots: int, splits: int | None = None) -> Tensor:
+def lora_shrink(x: Tensor, a: Tensor, token_slot: Tensor, num_slots: int, splits: int | None = None,
+                sum_splits: bool = True) -> Tensor:
     """x [T, K] (any strides), A [S·rows, K] (unit stride along K), token_slot [T] int32 (-1: none) →
-    parts [splits, T, rows] float32 whose sum over dim 0 is x[t] @ A[slot_t·rows ..+rows]ᵀ (zeros for -1).
-    splits: the K splits (default shrink_splits; fewer if K has fewer steps of BLOCK_K)."""
+    parts [splits, T, rows] float32 whose sum over dim 0 is x[t] @ A[slot_t·rows ..+rows]ᵀ (zeros for -1): one
+    part, the sum itself, when K is not split or the kernel summed its splits (split_k_triton's semaphores;
+    none while a CUDA graph is captured before any were made).
+    splits: the K splits (default shrink_splits; fewer if K has fewer steps of BLOCK_K). sum_splits False: the
+    partials as they are (the expand sums them)."""
     num_tokens, k = x.shape
     rows = a.shape[0] // num_slots
     assert a.shape == (num_slots * rows, k) and a.stride(1) == 1 and token_slot.dtype == torch.int32
     if num_tokens == 0:
         return torch.empty(1, 0, rows, device=x.device, dtype=torch.float32)
-    block_m = 16 if num_tokens <= 1024 else 64
+    block_m = _block(num_tokens, 16, 64)
     block_r = _block(rows, 16, 64)
-    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(rows, block_r)
+    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(rows, block_r) * min(num_slots, num_tokens)  # that work
     if splits is None:
         splits = shrink_splits(num_tokens, k, tiles, _programs(x.device))
     steps_per_split = triton.cdiv(triton.cdiv(k, BLOCK_K), splits)
     splits = triton.cdiv(triton.cdiv(k, BLOCK_K), steps_per_split)  # none empty
     parts = torch.empty(splits, num_tokens, rows, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(rows, block_r), splits)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(rows, block_r), num_slots * splits)
+    counters = tile_counters(x.device, grid[0] * grid[1] * num_slots) if splits > 1 and sum_splits else None
+    xa = parts[:1] if counters is None else torch.empty(1, num_tokens, rows, device=x.device, dtype=torch.float32)
     _shrink_kernel[grid](
-        x, a, token_slot, parts, num_tokens, k, rows, num_slots, steps_per_split * BLOCK_K,
-        x.stride(0), x.stride(1), a.stride(0), PRECISION=_precision(a),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=BLOCK_K, num_warps=4, **pdl_args(x.device),
+        x, a, token_slot, parts, xa, parts if counters is None else counters, num_tokens, k, rows, num_slots,
+        steps_per_split * BLOCK_K, splits, x.stride(0), x.stride(1), a.stride(0), PRECISION=_precision(a),
+        SUM_SPLITS=counters is not None, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=BLOCK_K, num_warps=4,
+        **pdl_args(x.device),
     )
-    return parts
+    return parts if counters is None else xa
 
 
 def lora_expand(out: Tensor, parts: Tensor, b: Tensor, token_slot: Tensor, num_slots: int) -> Tensor:

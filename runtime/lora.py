@@ -256,11 +256,12 @@ class LoraSlots:
         for name, lora in self.linears.items():
             lora.load(slot, adapter.factors.get(name))
 
-    def _init_mapping(self, max_tokens: int) -> None:
-        """The step's token → slot buffers, for up to max_tokens tokens (all -1 at first)."""
+    def _init_mapping(self, max_tokens: int, kernels: bool | None = None) -> None:
+        """The step's token → slot buffers, for up to max_tokens tokens (all -1 at first). kernels: whether
+        add_to runs the Triton kernels (default: on CUDA, with triton installed)."""
         self.max_tokens = max_tokens
         # CUDA: the two kernels read token_slot; elsewhere the torch sum reads the block masks made from it
-        self.kernels = self.device.type == "cuda" and is_triton_installed()
+        self.kernels = self.device.type == "cuda" and is_triton_installed() if kernels is None else kernels
         self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
         # two host buffers, alternating: a step's copy may still be queued when the next step fills its own (the
         # engine resolves step N before it builds step N + 2, as runtime/step_inputs.py's staging buffers rely on)

@@ -87,9 +87,14 @@ def test_k_splits_give_the_same_sum(splits, made, dot_case, rel_err):
     device, dtype = dot_case
     x, a, b, token_slot, out = _case(21, 200, 40, 3, 8, 2, dtype, device, seed=1)
     _, want = _reference(x, a, b, token_slot, out, 3)
-    parts = lora_triton.lora_shrink(x, a, token_slot, 3, splits=splits)
+    parts = lora_triton.lora_shrink(x, a, token_slot, 3, splits=splits, sum_splits=False)
     assert parts.shape[0] == made
     got = lora_triton.lora_expand(out.clone(), parts, b, token_slot, 3)
+    _check(got, want, out, token_slot, dtype, rel_err)
+    summed = lora_triton.lora_shrink(x, a, token_slot, 3, splits=splits)  # the last split to arrive sums them
+    assert summed.shape[0] == 1
+    assert torch.equal(summed[0], parts.sum(0)) if made <= 2 else torch.allclose(summed[0], parts.sum(0), atol=1e-5)
+    got = lora_triton.lora_expand(out.clone(), summed, b, token_slot, 3)
     _check(got, want, out, token_slot, dtype, rel_err)
 
 
@@ -129,8 +134,7 @@ def test_linear_lora_through_the_kernels_is_its_torch_path(device):
     results = []
     for kernels in (False, True):
         slots = SimpleNamespace(max_loras=3, max_rank=8, dtype=torch.float32, device=torch.device(device))
-        LoraSlots._init_mapping(slots, 32)
-        slots.kernels = kernels
+        LoraSlots._init_mapping(slots, 32, kernels)
         lora = LinearLora(slots, [24, 8, 8], 48, None)
         gen.manual_seed(3)
         for slot, rank in enumerate([8, 3, 5]):
@@ -191,9 +195,10 @@ def record(name, kern):
 for block_m in (16, 64):
     for block_r in (16, 64):
         record(f"shrink {block_m} {block_r}", compile_90(
-            lt._shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", **common, "part_ptr": "*fp32", "K": "i32",
-                                "k_per_split": "i32", "stride_xm": "i32", "stride_xk": "constexpr", "stride_am": "i32"},
-            {"stride_xk": 1, "BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": lt.BLOCK_K}))
+            lt._shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", **common, "part_ptr": "*fp32", "xa_ptr": "*fp32",
+                                "counter_ptr": "*i32", "K": "i32", "k_per_split": "i32", "splits": "i32",
+                                "stride_xm": "i32", "stride_xk": "constexpr", "stride_am": "i32"},
+            {"stride_xk": 1, "SUM_SPLITS": True, "BLOCK_M": block_m, "BLOCK_R": block_r, "BLOCK_K": lt.BLOCK_K}))
         for block_n in (64, 128):
             record(f"expand {block_m} {block_r} {block_n}", compile_90(
                 lt._expand_kernel, {"part_ptr": "*fp32", "b_ptr": "*bf16", **common, "out_ptr": "*bf16", "N": "i32",
