@@ -275,13 +275,17 @@ class CompilationConfig:
     most mixed_graphs.MAX_CONTEXT; the others run eagerly); PIECEWISE the cut graphs for every step;
     NONE no graph (as enforce_eager). max_cudagraph_capture_size: the most tokens of a step the cut or
     whole graphs of non-decode steps are captured for (vLLM's default, 512; never above
-    max_num_batched_tokens).
+    max_num_batched_tokens). cudagraph_specialize_lora (vLLM's, default true): under run-time LoRA
+    the decode graphs are captured with the LoRA kernels and without them, and a decode step in which
+    no request has an adapter replays the one without (prefill and mixed steps keep them).
     """
 
     cudagraph_mode: str = opt("FULL_AND_PIECEWISE", choices=list(CUDAGRAPH_MODES),
                               help="FULL_AND_PIECEWISE, FULL_DECODE_ONLY, FULL, PIECEWISE or NONE")
     max_cudagraph_capture_size: int = opt(512, min=1, max=65536,
                                           help="most tokens of a prefill or mixed step captured in graphs")
+    cudagraph_specialize_lora: bool = opt(True, help="with enable_lora, decode graphs captured twice: with the LoRA "
+                                                     "kernels and without, for steps no request's adapter is in")
 
     @property
     def has_full_decode(self) -> bool:

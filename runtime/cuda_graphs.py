@@ -110,16 +110,21 @@ class CudaGraphs:
     """The captured decode graphs of one model runner, and their replay."""
 
     def __init__(self, model: DecoderModel, batch_sizes: list[int], max_model_len: int, block_size: int,
-                 scratch_block: int, device: torch.device, forward: Callable[[Tensor, ForwardBatch], Tensor] | None = None):
+                 scratch_block: int, device: torch.device, forward: Callable[[Tensor, ForwardBatch], Tensor] | None = None,
+                 lora_slots=None):
         """`forward(input_ids, batch) -> [num_seqs, hidden_size]`: what is captured (default: the whole
         model's forward; a parallel rank passes its stage's part, collectives included: every rank
-        of the engine captures the same sizes in the same order, so the collectives meet)."""
+        of the engine captures the same sizes in the same order, so the collectives meet).
+        `lora_slots`: run-time LoRA's LoraSlots (runtime/lora.py) under cudagraph_specialize_lora: each size
+        is captured with the LoRA sums (slots.active) and without, and a step replays the one its
+        slots.active names."""
         self.model = model
+        self.lora_slots = lora_slots
         self.forward = forward if forward is not None else model
         self.batch_sizes = sorted(batch_sizes)
         self.max_model_len = max_model_len
         self.device = device
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool | None], torch.cuda.CUDAGraph] = {}  # (batch size, LoRA on) → graph
         self.pool = None  # the memory pool all graphs share, from the first (largest) capture
         self.num_replays = 0
         torch.cuda.synchronize(device)
@@ -141,18 +146,24 @@ class CudaGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        variants = (True, False) if self.lora_slots is not None else (None,)
         for batch_size in reversed(self.batch_sizes):
             batch = self.inputs.batch(batch_size, self.max_model_len)
             input_ids = self.inputs.input_ids[:batch_size]
-            self.hidden[:batch_size] = self.forward(input_ids, batch)  # warm-up: compiles this shape's kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another replica's engine thread may run its steps meanwhile
-            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
-                self.hidden[:batch_size] = self.forward(input_ids, batch)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch_size] = graph
+            for lora in variants:
+                if lora is not None:
+                    self.lora_slots.active = lora
+                self.hidden[:batch_size] = self.forward(input_ids, batch)  # warm-up: compiles this shape's kernels
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: another replica's engine thread may run its steps meanwhile
+                with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
+                    self.hidden[:batch_size] = self.forward(input_ids, batch)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[(batch_size, lora)] = graph
+        if self.lora_slots is not None:
+            self.lora_slots.active = True  # the other graphs (piecewise, mixed) are captured with the sums
         torch.cuda.synchronize(self.device)
 
     def log_capture(self, allowance_bytes: int) -> None:
@@ -172,8 +183,9 @@ class CudaGraphs:
         next replay."""
         batch_size = padded_batch_size(self.batch_sizes, batch.num_seqs)
         self.inputs.load(input_ids, batch, batch_size)
+        lora = None if self.lora_slots is None else self.lora_slots.active
         with torch.cuda.device(self.device):  # replay launches on the current device's stream
-            self.graphs[batch_size].replay()
+            self.graphs[(batch_size, lora)].replay()
         self.num_replays += 1
         return self.hidden[: batch.num_seqs]
 

@@ -186,6 +186,8 @@ class LinearLora:
         """out [T, out] += each token's own slot's x [T, in] @ Aᵀ @ B, in place: on CUDA two Triton kernels
         (kernels/lora_triton.py); elsewhere three torch ops dense over the slots: x @ Aᵀ [T, S·m·R], the
         token's slot kept (its R-blocks' 0/1 mask, made once per step for all linears), @ B added in place."""
+        if not self.slots.active:  # no token of the step has an adapter (outside a graph holding the sums)
+            return out
         if self.slots.kernels:
             from llmc.kernels import lora_triton  # triton loads on the first CUDA call only
 
@@ -260,6 +262,9 @@ class LoraSlots:
         """The step's token → slot buffers, for up to max_tokens tokens (all -1 at first). kernels: whether
         add_to runs the Triton kernels (default: on CUDA, with triton installed)."""
         self.max_tokens = max_tokens
+        # whether a token of the step has an adapter: the LoRA sums are skipped when not, eagerly and in the
+        # decode graphs captured without them (compilation_config.cudagraph_specialize_lora)
+        self.active = True
         # CUDA: the two kernels read token_slot; elsewhere the torch sum reads the block masks made from it
         self.kernels = self.device.type == "cuda" and is_triton_installed() if kernels is None else kernels
         self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=self.device)
@@ -280,6 +285,7 @@ class LoraSlots:
         """Each token's slot (-1: no adapter) for the next forward, into token_slot (one host-to-device copy),
         and on the torch path into the block masks."""
         num_tokens = len(token_slots)
+        self.active = any(slot >= 0 for slot in token_slots)
         host = self._hosts[self._num_steps % 2][:num_tokens]
         self._num_steps += 1
         host.copy_(torch.tensor(token_slots, dtype=torch.int32))

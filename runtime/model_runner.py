@@ -94,8 +94,10 @@ class ModelRunner:
         self.graphs: CudaGraphs | None = None
         self.pieces: PiecewiseGraphs | MixedGraphs | None = None  # graphs of prefill and mixed steps
         if graph_sizes:
+            specialize = self.lora is not None and modes.cudagraph_specialize_lora
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
-                                     scratch_block=self.num_blocks, device=device)
+                                     scratch_block=self.num_blocks, device=device,
+                                     lora_slots=self.lora.slots if specialize else None)
             self.graphs.log_capture(graph_allowance - piece_allowance)
         if piece_sizes:
             if modes.has_full_mixed:
@@ -240,8 +242,10 @@ def graph_allowances(config: art.ModelConfig, graph_sizes: list[int], piece_size
     """(every graph's allowance in bytes, of which the prefill and mixed steps' graphs'); `config` in the
     compute dtype."""
     piece_allowance = memory.prefill_graph_allowance_bytes(config, options, piece_sizes)
-    return (memory.graph_allowance_bytes(config, graph_sizes, options.max_model_len, _num_sms(device))
-            + piece_allowance, piece_allowance)
+    decode = memory.graph_allowance_bytes(config, graph_sizes, options.max_model_len, _num_sms(device))
+    if options.enable_lora and options.graph_modes.cudagraph_specialize_lora:  # each size twice: with LoRA, without
+        decode += len(graph_sizes) * config.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER
+    return decode + piece_allowance, piece_allowance
 
 
 def _num_sms(device: torch.device) -> int:

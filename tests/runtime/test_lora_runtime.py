@@ -72,6 +72,13 @@ def test_each_request_runs_its_own_adapter_as_peft_does(setup, max_loras, device
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(order))]
         params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
         outputs = llm.generate(prompts, params, lora_request=[None if n is None else loras[n] for n in order])
+        # the base model alone: its decode steps replay the graphs captured without the LoRA sums
+        # (compilation_config.cudagraph_specialize_lora) on a GPU, and skip them eagerly on a CPU
+        order, prompts = order + [None, None], prompts + PROMPTS[:2]
+        outputs += llm.generate(prompts[-2:], params)
+        assert not llm.engine.runner.lora.slots.active
+        if device == "cuda":
+            assert {key[1] for key in llm.engine.runner.graphs.graphs} == {True, False}
         stats = llm.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     for name, prompt, output in zip(order, prompts, outputs):
