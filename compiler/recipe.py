@@ -306,9 +306,13 @@ def _check_runtime_target(recipe: Recipe, given_runtime: dict) -> None:
     for an ONNX model (float32 KV per sequence slot), multi-step decoding runs on onnx-cpu only, without speculation, and parallel ranks capture decode
     graphs only."""
     from llmc.runtime.options import graph_mode_problem, multi_step_problem
+    from llmc.runtime.pooling import pooling_problem
 
     problem = multi_step_problem(recipe.runtime, recipe.target.device == "onnx-cpu")
     if problem is not None:
+        raise RecipeError(f"runtime.{problem}")
+    world_size = recipe.parallel.tensor * recipe.parallel.pipeline
+    if (problem := pooling_problem(recipe.runtime, recipe.target.device == "onnx-cpu", world_size)) is not None:
         raise RecipeError(f"runtime.{problem}")
     if (problem := graph_mode_problem(recipe.runtime, recipe.parallel.tensor * recipe.parallel.pipeline)) is not None:
         raise RecipeError(f"runtime.{problem}")

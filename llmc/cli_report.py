@@ -63,6 +63,23 @@ def _onnx_summary(manifest: art.Manifest) -> dict | None:
             "float_fallbacks": record.get("float_fallbacks", {})}
 
 
+def _runtime_features(rt: dict) -> str:
+    """What the recipe's runtime section turns on beyond the sizes: speculation (its draft), run-time LoRA, pooling."""
+    parts = []
+    spec = rt.get("speculative")
+    if spec:
+        method = spec.get("method") or ("draft_model" if spec.get("model") else "ngram")
+        draft = f" {spec['model']}" if spec.get("model") else ""
+        parts.append(f"speculative {method}{draft}, k {spec['num_speculative_tokens']}")
+    if rt.get("enable_lora"):
+        parts.append(f"run-time LoRA (max_loras {rt['max_loras']}, max_lora_rank {rt['max_lora_rank']})")
+    if rt.get("runner") == "pooling" or rt.get("convert") == "embed":
+        pooler = rt.get("pooler_config") or {}
+        how = ", ".join(f"{k} {v}" for k, v in pooler.items() if v is not None) or "the checkpoint's pooling"
+        parts.append(f"runner pooling (embeddings; {how})")
+    return "".join(f"; {p}" for p in parts)
+
+
 def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: float | None) -> dict:
     model, runtime = manifest.model, manifest.runtime
     weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
@@ -225,7 +242,8 @@ def print_inspect(report: dict) -> None:
                      f"blocks of {kv['block_size']} tokens" + _kv_scales_note(kv)),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
-                    f"{'on' if rt['enable_prefix_caching'] else 'off'}, enforce_eager {str(rt['enforce_eager']).lower()}"),
+                    f"{'on' if rt['enable_prefix_caching'] else 'off'}, enforce_eager {str(rt['enforce_eager']).lower()}"
+                    + _runtime_features(rt)),
     ]
     if report.get("onnx") is None:  # an ONNX artifact runs on the CPU: its KV budget is cpu_kv_cache_gib
         rows.append((f"on {est['gpu_memory_gib']:g} GiB", _estimate_line(est, rt) + fit_hint(report)))

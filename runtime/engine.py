@@ -24,7 +24,7 @@ from llmc.runtime.options import generation_defaults, resolve_device, resolve_op
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import Pooler, PoolingGroup, PoolingParams, PoolingState, resolve_runner
+from llmc.runtime.pooling import Pooler, PoolingGroup, PoolingParams, PoolingState, is_pooling, pooling_problem
 from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups, check_beam_width
@@ -118,18 +118,10 @@ class Engine:
 
     def _check_pooling(self) -> bool:
         """Whether this engine pools (runner pooling / convert embed), refusing what does not run with it."""
-        if not resolve_runner(self.options.runner, self.options.convert):
-            if self.options.pooler_config is not None:
-                raise ConfigError("pooler_config applies to an embedding model; give runner pooling too, or drop it")
-            return False
-        if is_onnx(self.manifest) or self.manifest.parallel.world_size != 1:
-            where = "an onnx-cpu artifact" if is_onnx(self.manifest) else "a tensor/pipeline-parallel artifact"
-            raise ConfigError(f"runner pooling (embeddings) does not run on {where}; serve a single-rank torch build "
-                              "of the model")
-        if self.options.speculative is not None:
-            raise ConfigError("speculative decoding does not apply to runner pooling (embeddings sample nothing); "
-                              "drop speculative")
-        return True
+        problem = pooling_problem(self.options, is_onnx(self.manifest), self.manifest.parallel.world_size)
+        if problem is not None:
+            raise ConfigError(problem)
+        return is_pooling(self.options)
 
     def _draft_artifact(self) -> tuple[Path, art.Manifest] | None:
         """The draft model's folder and manifest under speculative method draft_model (checked), else None."""

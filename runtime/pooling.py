@@ -111,16 +111,29 @@ class EmbeddingRequestOutput:
     error: str | None = None
 
 
-def resolve_runner(runner: str, convert: str) -> bool:
-    """Whether the engine pools (embeddings) under vLLM's `runner` / `convert`; ConfigError for what llmc
-    does not run. auto: generate (every architecture llmc builds is a causal LM)."""
-    if convert in ("classify", "reward"):
-        raise ConfigError(f"convert {convert!r}: llmc's pooling runner makes embeddings only; use convert embed "
-                          "(or auto), or drop it")
-    if convert == "embed" and runner == "generate":
-        raise ConfigError("convert 'embed' makes an embedding model, which runner 'generate' does not run; use "
-                          "runner pooling (or auto)")
-    return runner == "pooling" or convert == "embed"
+def is_pooling(options) -> bool:
+    """Whether engine options (RuntimeDefaults) pool, under vLLM's `runner` / `convert` (auto: generate: every
+    architecture llmc builds is a causal LM)."""
+    return options.runner == "pooling" or options.convert == "embed"
+
+
+def pooling_problem(options, onnx: bool, world_size: int) -> str | None:
+    """What llmc cannot run of these options' runner / convert / pooler_config (the engine and the build
+    say it alike), or None."""
+    if options.convert in ("classify", "reward"):
+        return (f"convert {options.convert!r}: llmc's pooling runner makes embeddings only; use convert embed (or "
+                "auto), or drop it")
+    if options.convert == "embed" and options.runner == "generate":
+        return "convert 'embed' makes an embedding model, which runner 'generate' does not run; use runner pooling (or auto)"
+    if not is_pooling(options):
+        return ("pooler_config applies to an embedding model; give runner pooling too, or drop it"
+                if options.pooler_config is not None else None)
+    if onnx or world_size != 1:
+        where = "an onnx-cpu artifact" if onnx else "a tensor/pipeline-parallel artifact"
+        return f"runner pooling (embeddings) does not run on {where}; serve a single-rank torch build of the model"
+    if options.speculative is not None:
+        return "speculative: speculative decoding does not apply to runner pooling (embeddings sample nothing); drop it"
+    return None
 
 
 def sentence_transformers_pooling(folder: Path) -> tuple[str, bool] | None:

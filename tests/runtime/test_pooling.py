@@ -149,3 +149,22 @@ def test_embeddings_through_run_time_lora_adapters(tmp_path, tiny_llama):
     assert_close(with_adapter, torch.nn.functional.normalize(expected, dim=0), 1e-5)
     assert_close(base, torch.nn.functional.normalize(expected_base, dim=0), 1e-5)
     assert (torch.tensor(with_adapter.outputs.embedding) - torch.tensor(base.outputs.embedding)).abs().max() > 1e-2
+
+
+def test_a_pooling_recipe_is_checked_at_build_and_shown_by_inspect(tmp_path, ref_model_dir):
+    import subprocess
+    import sys
+
+    from llmc.errors import RecipeError
+
+    recipe = {"model": str(ref_model_dir), "output": str(tmp_path / "emb"),
+              "runtime": {"runner": "pooling", "pooler_config": {"pooling_type": "MEAN"}, "max_model_len": 64}}
+    with pytest.raises(RecipeError, match="runtime.speculative: .*does not apply to runner pooling"):
+        build(recipe_from_dict({**recipe, "runtime": {**recipe["runtime"], "speculative": {"num_speculative_tokens": 2}}}),
+              show_progress=False)
+    with pytest.raises(RecipeError, match="runtime.convert 'reward'"):
+        build(recipe_from_dict({**recipe, "runtime": {"convert": "reward"}}), show_progress=False)
+    build(recipe_from_dict(recipe), show_progress=False)
+    shown = subprocess.run([sys.executable, "-m", "llmc.cli", "inspect", str(tmp_path / "emb")], capture_output=True,
+                           text=True, check=True).stdout
+    assert "runner pooling (embeddings; pooling_type MEAN)" in shown
