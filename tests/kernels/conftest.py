@@ -54,3 +54,21 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def rel_err():
     """relative_error(actual, expected) = ||actual - expected|| / ||expected||, in float64."""
     return relative_error
+
+
+def sm90_compile_facts(script: str) -> dict:
+    """Run `script` (it compiles kernels for sm_90 with the installed triton and its ptxas, and prints a JSON
+    object of facts about each as its last line; "SKIP ..." where triton has no ptxas) in a process of its own,
+    without the interpreter the tests here run; the facts, or the test skipped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.startswith("SKIP"):
+        pytest.skip(done.stdout)
+    return json.loads(done.stdout.splitlines()[-1])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from llmc.kernels.int8 import MIN_SCALE, int8_matmul, int8_linear, quantize_int8_per_token, select_int8_kernel
+from tests.kernels.conftest import sm90_compile_facts
 
 HAS_CUDA = torch.cuda.is_available()
 LLAMA3_8B = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
@@ -261,18 +262,7 @@ def test_kernels_compile_for_sm90() -> None:
     one) and the rounding constant kept; int8 wgmma, the loads pipelined (cp.async), no fused multiply-add
     in the epilogue (enable_fp_fusion off: torch rounds the product before the bias add), no local memory,
     shared memory that fits."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    if done.stdout.startswith("SKIP"):
-        pytest.skip(done.stdout)
-    facts = json.loads(done.stdout.splitlines()[-1])
+    facts = sm90_compile_facts(_COMPILE_SM90)
     quantize = facts.pop("quantize")
     assert quantize["div_rn"] > 0 and quantize["div_other"] == 0 and quantize["rounder"] > 0 and not quantize["local"]
     from llmc.kernels.int8 import INT8_TILES, LARGE_M_TILES

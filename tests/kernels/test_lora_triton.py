@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmc.kernels import lora_triton
+from tests.kernels.conftest import sm90_compile_facts
 
 
 def _case(num_tokens, k, n, slots, rank, members, dtype, device, seed=0):
@@ -212,18 +213,7 @@ def test_kernels_compile_for_sm90() -> None:
     """Both kernels at every tile size the wrappers choose, bf16, compiled for an H100/H200 on this machine (the
     installed triton and its ptxas, in a process of its own: the tests here run the interpreter): tensor-core
     products, no local memory (spills), shared memory that fits, the PDL wait in."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    if done.stdout.startswith("SKIP"):
-        pytest.skip(done.stdout)
-    facts = json.loads(done.stdout.splitlines()[-1])
+    facts = sm90_compile_facts(_COMPILE_SM90)
     assert len(facts) == 4 + 8
     for tiles, kernel in facts.items():
         assert kernel["mma"] and not kernel["local"] and kernel["griddepcontrol"], tiles
