@@ -48,9 +48,10 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
     reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
-    if ctx.tool_call_parser == "hermes" and request.tool_mode in ("auto", "required", "named"):
-        # vLLM's hermes parser (its adjust_request): <tool_call> and </tool_call> are special tokens in some
-        # models' vocabularies, and skipped they would never reach the parser
+    if ctx.tool_call_parser in ("hermes", "mistral") and request.tool_mode in ("auto", "required", "named"):
+        # vLLM's hermes and mistral parsers (their adjust_request): <tool_call> and </tool_call> are special
+        # tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they would
+        # never reach the parser
         params = params.replace(skip_special_tokens=False)
     token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees

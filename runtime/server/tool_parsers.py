@@ -17,6 +17,10 @@ Parsers (`--tool-call-parser`):
 * llama3_json: output that starts with a JSON object {"name": ..., "parameters" (or "arguments"): ...}
   (after an optional `<|python_tag|>`), or several separated by ";" (Llama 3.1-3.3, 4). Output that
   starts otherwise is all content; text after the last object is content.
+* mistral: `[TOOL_CALLS]` then a JSON array of {"name": ..., "arguments": {...}} objects (Mistral's
+  tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}`, repeated for more calls (v11+: Mistral Small
+  3.2, Magistral, Devstral); the text outside the calls is content. (Both tags are special tokens:
+  requests with tools under this parser keep special tokens in the text, as for hermes.)
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
 under a grammar) and a named tool_choice (the whole output is the arguments).
 
@@ -27,8 +31,9 @@ blocks is usually a newline); output with no call comes back as content exactly.
 from __future__ import annotations
 
 import json
+import re
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 
 Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
 
@@ -364,7 +369,7 @@ class JsonCallsParser(ToolParser):
             if scanner.closed and scanner.name is None:  # not a call after all
                 return self._not_calls()
             if scanner.closed:
-                call, self._call = self._call, None
+                call, self._call, self._segment_called = self._call, None, True
                 self._mode = "between" if scanner.state == "done" else "drop"
                 self._raw, self._after_separator = [], False
                 return self._count(call.close())
@@ -409,6 +414,188 @@ class JsonCallsParser(ToolParser):
         return out + self._end_content()
 
 
+def _merged(events: list[Event]) -> list[Event]:
+    """Adjacent pieces of one call's arguments as one."""
+    out: list[Event] = []
+    for event in events:
+        if event[0] == "args" and out and out[-1][0] == "args" and out[-1][1] == event[1]:
+            out[-1] = ("args", event[1], out[-1][2] + event[2])
+        else:
+            out.append(event)
+    return out
+
+
+_NAME = re.compile(r"[\w.-]+")  # a function's name in Mistral's [TOOL_CALLS]name[ARGS] form
+
+
+class MistralToolParser(ToolParser):
+    """`[TOOL_CALLS]` then the calls of one segment: a JSON array of {"name", "arguments"} objects
+    (tokenizers before v11), or `name[ARGS]{...}`, one call (v11+); what follows the tag decides (`[`:
+    the array). The text outside segments is content. A segment whose first call cannot be read is
+    content, the tag included (the text after the tag is read again, so a later tag still counts); one
+    that breaks after a call was read keeps its calls, and its text up to the next tag is dropped."""
+
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def __init__(self):
+        super().__init__()
+        self._buffer = ""
+        # content, skip (dropped up to the next tag), lead (after the tag), name, args, array, object, between
+        self._state = "content"
+        self._raw = ""  # the segment's text while none of its calls was read
+        self._reread = ""  # that text after the tag, when it turned out not to be a call
+        self._segment_called = False
+        self._call: _Call | None = None  # the array form's object being read
+        self._index = 0  # the v11 call's index
+        self._started = False  # its arguments' opening brace read
+        self._blank = ""  # its arguments' blanks not sent yet (sent with what follows them)
+        self._depth = 0
+        self._in_string = self._escape = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return _merged(self._run(final=False))
+
+    def finish(self) -> list[Event]:
+        return _merged(self._run(final=True) + self._end_content())
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state = self._state
+            if self._reread:  # a segment that was not a call: its text after the tag, read again
+                self._buffer, self._reread = self._reread + self._buffer, ""
+            if state in ("content", "skip"):
+                at = self._buffer.find(self.TAG)
+                if at < 0:
+                    keep = 0 if final else _held_prefix(self._buffer, self.TAG)
+                    text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                    return out + (self._content(text) if state == "content" else [])
+                if state == "content":
+                    out += self._content(self._buffer[:at])
+                self._buffer = self._buffer[at + len(self.TAG):]
+                self._state, self._raw, self._segment_called = "lead", self.TAG, False
+            elif state == "name":
+                at = self._buffer.find(self.ARGS)
+                if at >= 0:
+                    name = self._buffer[:at].rstrip()
+                    if _NAME.fullmatch(name):
+                        self._buffer = self._buffer[at + len(self.ARGS):]
+                        out += self._start_args(name)
+                    else:
+                        out += self._broken()
+                    continue
+                keep = _held_prefix(self._buffer, self.ARGS)
+                if final or not re.fullmatch(r"[\w.-]*\s*", self._buffer[:len(self._buffer) - keep]):
+                    out += self._broken()
+                    continue
+                return out
+            elif self._buffer:  # the states read a character at a time
+                buffer, i = self._buffer, 0
+                while i < len(buffer) and self._state == state:
+                    out += self._char(buffer[i])
+                    i += 1
+                self._buffer = buffer[i:]
+            elif final:
+                out += self._end_segment()
+            else:
+                return out
+
+    def _char(self, char: str) -> list[Event]:
+        state = self._state
+        if not self._segment_called:
+            self._raw += char
+        if state == "args":
+            return self._args_char(char)
+        if state == "object":
+            scanner = self._call.scanner
+            scanner.feed(char)
+            if scanner.closed and scanner.name is None:
+                return self._broken()
+            if scanner.closed:
+                call, self._call, self._segment_called = self._call, None, True
+                out = self._count(call.close())
+                if scanner.state == "done":
+                    self._state = "between"
+                    return out
+                return out + self._broken()
+            out = self._count(self._call.events())
+            self._segment_called = self._segment_called or bool(out)
+            return out
+        if char.isspace():
+            return []
+        if state == "lead":
+            if char == "[":
+                self._state = "array"
+            else:  # the name: read again, as a whole
+                self._state, self._raw, self._reread = "name", self._raw[:-1], char
+            return []
+        if state == "array" and char == "{":
+            self._state, self._call = "object", self._new_call(("arguments", "parameters"))
+            self._call.scanner.feed(char)
+            return []
+        if state == "between" and char in ",]":
+            self._state = "array" if char == "," else "content"
+            return []
+        return self._broken()
+
+    def _start_args(self, name: str) -> list[Event]:
+        self._state, self._segment_called, self._raw = "args", True, ""
+        self._index, self._started, self._blank = self.num_calls, False, ""
+        self._depth, self._in_string, self._escape = 0, False, False
+        return self._count([("call", self._index, name)])
+
+    def _args_char(self, char: str) -> list[Event]:
+        """The v11 arguments: one JSON object, read to its closing brace (only strings and brackets tracked)."""
+        if not self._started:
+            if char.isspace():
+                return []
+            if char != "{":
+                return self._broken()  # no arguments: the call stands without any, as written
+            self._started = True
+        if self._in_string:
+            if self._escape:
+                self._escape = False
+            elif char == "\\":
+                self._escape = True
+            elif char == '"':
+                self._in_string = False
+        elif char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+        if self._depth == 0:
+            self._state = "content"
+        elif char.isspace():
+            self._blank += char
+            return []
+        piece, self._blank = self._blank + char, ""
+        return [("args", self._index, piece)]
+
+    def _end_segment(self) -> list[Event]:
+        """The output ended inside a segment: a call cut keeps what was generated of it."""
+        state, call = self._state, self._call
+        if state == "object" and call.scanner.name is not None:
+            self._state, self._call = "skip", None
+            return self._count(call.close())
+        if state in ("lead", "name", "array", "object") and not self._segment_called:
+            return self._broken()
+        self._state = "skip"
+        return []
+
+    def _broken(self) -> list[Event]:
+        """The segment cannot be read on: content (the tag, then its text read again) if no call of it was read."""
+        self._call = None
+        if self._segment_called:
+            self._state = "skip"
+            return []
+        raw, self._raw = self._raw, ""
+        self._state, self._reread = "content", raw[len(self.TAG):] + self._reread
+        return self._content(self.TAG)
+
+
 class NamedToolParser(ToolParser):
     """A named tool_choice: the whole output is the arguments of one call of that function."""
 
@@ -437,6 +624,8 @@ def make_parser(kind: str, name: str | None = None) -> ToolParser:
         return HermesToolParser()
     if kind == "llama3_json":
         return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
+    if kind == "mistral":
+        return MistralToolParser()
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":

@@ -2,8 +2,9 @@
 with --enable-auto-tool-choice --tool-call-parser hermes: tool_choice named / "required" (outputs
 valid against the tools' schemas, checked with jsonschema), "auto" (the 12M model writes no calls
 by itself: its output is forced with guided_choice, which "auto" allows, as vLLM does), "none";
-streams in vLLM's delta shape whose pieces join to the non-streamed reply; n > 1, logprobs and
-usage; tools reaching the chat template; and every 400."""
+streams in vLLM's delta shape whose pieces join to the non-streamed reply; the llama3_json and mistral
+parsers switched in; n > 1, logprobs and usage; tools reaching the chat template; and
+every 400."""
 
 from __future__ import annotations
 
@@ -204,6 +205,18 @@ def test_hermes_keeps_special_tokens_in_the_text(client):
     assert streamed[0]["content"] == "<|im_start|><|im_start|>"
 
 
+def test_mistral_keeps_special_tokens_in_the_text(client, app):
+    """So does vLLM's mistral parser: [TOOL_CALLS] and [ARGS] are special tokens of Mistral's tokenizers."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
+    ctx = app[1]
+    ctx.tool_call_parser = "mistral"
+    try:
+        assert client.chat.completions.create(tools=TOOLS, **body).choices[0].message.content == "<|im_start|>" * 2
+        assert client.chat.completions.create(tools=TOOLS, tool_choice="none", **body).choices[0].message.content == ""
+    finally:
+        ctx.tool_call_parser = "hermes"
+
+
 def test_auto_plain_text_is_content(client):
     body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 20,
             "temperature": 0, "extra_body": {"guided_choice": ["It is sunny <b>today</b>."]}}
@@ -222,19 +235,24 @@ def test_auto_plain_text_is_content(client):
     assert auto.finish_reason == with_tools.finish_reason == plain.finish_reason
 
 
-def test_llama3_json_parser(client, app):
+@pytest.mark.parametrize(("parser", "text", "content"), [
+    ("llama3_json", '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "ping", "parameters": {}}', None),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]ping[ARGS]{}', None),
+    ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "ping", '
+                '"arguments": {}}]', "Checking."),
+], ids=["llama3_json", "mistral", "mistral-array"])
+def test_other_parsers(client, app, parser, text, content):
     ctx = app[1]
-    ctx.tool_call_parser = "llama3_json"
+    ctx.tool_call_parser = parser
     try:
-        text = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "ping", "parameters": {}}'
         body = {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 200, "temperature": 0,
                 "extra_body": {"guided_choice": [text]}}
         reply = client.chat.completions.create(**body).choices[0]
-        assert reply.finish_reason == "tool_calls" and reply.message.content is None
+        assert reply.finish_reason == "tool_calls" and reply.message.content == content
         assert _calls(reply.message) == [("get_time", '{"zone": "UTC"}'), ("ping", "{}")]
         _, streamed = _stream(client, **body)
         assert [(n, a) for _, n, a in streamed[0]["calls"].values()] == _calls(reply.message)
-        assert streamed[0]["finish_reason"] == "tool_calls"
+        assert streamed[0]["finish_reason"] == "tool_calls" and streamed[0]["content"] == (content or "")
     finally:
         ctx.tool_call_parser = "hermes"
 
@@ -363,14 +381,14 @@ def test_tokenize_refuses_tools_with_a_prompt_and_bad_tools(app):
 
 
 def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
-    code, err = llmc_cli("run", tmp_path, "--tool-call-parser", "mistral")
-    assert code == 2 and "'hermes'" in err and "'llama3_json'" in err
+    code, err = llmc_cli("run", tmp_path, "--tool-call-parser", "granite")
+    assert code == 2 and all(f"'{name}'" in err for name in ("hermes", "llama3_json", "mistral"))
     code, err = llmc_cli("run", tmp_path, "--enable-auto-tool-choice")
     assert code == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in err
     code, err = llmc_cli("run", tmp_path, "--prompt", "hi", "--tool-call-parser", "hermes")
     assert code == 2 and "--tool-call-parser applies to the server" in err
-    with pytest.raises(ValueError, match="supported: hermes, llama3_json"):
-        build_app(lambda: None, MODEL, tool_call_parser="pythonic")
+    with pytest.raises(ValueError, match="supported: hermes, llama3_json, mistral"):
+        build_app(lambda: None, MODEL, tool_call_parser="granite")
 
 
 def test_required_takes_pydantic_v1_and_zod_definitions(client):

@@ -1,7 +1,8 @@
 """The tool call parsers on texts written by hand from the published formats: Hermes 2 Pro's
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks and Llama 3.1's JSON calls
 `{"name": ..., "parameters": ...}` (several joined by ";"), plus the JSON array of tool_choice
-"required" and a named tool_choice. Every text is also streamed split at every character boundary
+"required" and a named tool_choice; Mistral's `[TOOL_CALLS]` calls (a JSON array before tokenizer v11,
+`name[ARGS]{...}` after). Every text is also streamed split at every character boundary
 and one character at a time: the joined pieces must give the same content and calls."""
 
 from __future__ import annotations
@@ -64,6 +65,34 @@ LLAMA3 = [
     ("  ", "  ", []),
 ]
 
+V11 = '{"city": "Paris", "note": "[ARGS] and [TOOL_CALLS] in a string", "days": [1, {"a": "}"}]}'
+MISTRAL = [
+    # before tokenizer v11: a JSON array of {"name", "arguments"}
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": ' + WEATHER + "}]", "", [("get_weather", WEATHER)]),
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]', "",
+     [("f", '{"x": 1}'), ("g", "{}")]),
+    ('Let me look.\n[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]', "Let me look.", [("f", '{"x": 1}')]),
+    ('[TOOL_CALLS][{"name": "f"}]', "", [("f", "{}")]),
+    ('[TOOL_CALLS][{"name": "f", "arguments": {"x": "a', "", [("f", '{"x": "a')]),  # cut
+    ('[TOOL_CALLS][{"name": "f", "argu', "", [("f", "")]),  # cut before the arguments: none invented
+    # v11+: name[ARGS]{...}, the tag again for each call
+    ("[TOOL_CALLS]get_weather[ARGS]" + V11, "", [("get_weather", V11)]),
+    ('Sure.[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g_2[ARGS]{}', "Sure.", [("f", '{"x": 1}'), ("g_2", "{}")]),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1} Done.', " Done.", [("f", '{"x": 1}')]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')]),  # cut
+    ("[TOOL_CALLS]f[ARGS]", "", [("f", "")]),
+    # not a call: the tag is content, and the text after it is read on (a later tag still counts)
+    ("[TOOL_CALLS]get_wea", "[TOOL_CALLS]get_wea", []),  # cut before [ARGS]: the name is not known
+    ("[TOOL_CALLS]not a call", "[TOOL_CALLS]not a call", []),
+    ("[TOOL_CALLS][1, 2]", "[TOOL_CALLS][1, 2]", []),
+    ('[TOOL_CALLS][{"city": "Paris"}]', '[TOOL_CALLS][{"city": "Paris"}]', []),
+    ("[TOOL_CALLS][TOOL_CALLS]f[ARGS]{}", "[TOOL_CALLS]", [("f", "{}")]),
+    # broken after a call was read: the calls stand, the rest up to the next tag is dropped
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"oops": 1}] x [TOOL_CALLS]g[ARGS]{}', "", [("f", "{}"), ("g", "{}")]),
+    ("[TOOL_CALLS]f[ARGS]oops", "", [("f", "")]),
+    ("  Just text, [TOOL and [ARGS] and [].\n", "  Just text, [TOOL and [ARGS] and [].\n", []),
+]
+
 REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
@@ -96,6 +125,11 @@ def test_llama3_json(text, content, calls):
     _check("llama3_json", text, content, calls)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), MISTRAL)
+def test_mistral(text, content, calls):
+    _check("mistral", text, content, calls)
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), REQUIRED)
 def test_required_array(text, content, calls):
     _check("required", text, content, calls)
@@ -110,20 +144,22 @@ def test_arguments_of_well_formed_calls_are_the_json_written():
     """The arguments text is the JSON value as written: json.loads gives what the model meant."""
     (_, calls), = [parse(make_parser("hermes"), HERMES[0][0])]
     assert json.loads(calls[0][1]) == {"city": "Paris", "days": [1, {"a": "}]"}], "note": 'say "hi" <b>'}
+    (_, calls), = [parse(make_parser("mistral"), MISTRAL[6][0])]
+    assert json.loads(calls[0][1]) == {"city": "Paris", "note": "[ARGS] and [TOOL_CALLS] in a string",
+                                       "days": [1, {"a": "}"}]}
 
 
-def test_events_come_in_vllm_s_order():
-    """A call's name is one event, before any of its arguments; content is not held past a call."""
-    parser = make_parser("hermes")
-    events = parser.feed('Hi <tool_call>{"name": "f", "argu') + parser.feed('ments": {"x": 1') + parser.feed("2}}")
-    events += parser.feed("</tool_call>") + parser.finish()
-    assert events[0] == ("content", "Hi")
-    assert events[1] == ("call", 0, "f")
-    assert [e for e in events[2:] if e[0] != "args"] == []
-    assert "".join(e[2] for e in events[2:]) == '{"x": 12}' and len(events[2:]) >= 2
+def test_mistral_holds_back_only_what_may_be_a_tag():
+    """Content streams up to a possible `[TOOL_CALLS]`; the v11 arguments stream piece by piece."""
+    parser = make_parser("mistral")
+    assert parser.feed("Hi [TOOL") == [("content", "Hi")]
+    assert parser.feed("_CALLS]f[AR") == []
+    assert parser.feed('GS]{"x": ') == [("call", 0, "f"), ("args", 0, '{"x":')]
+    assert parser.feed("1}") == [("args", 0, " 1}")]
+    assert parser.finish() == []
 
 
 def test_unknown_parser_lists_the_supported_ones():
-    assert TOOL_CALL_PARSERS == ("hermes", "llama3_json")
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        make_parser("mistral")
+    assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        make_parser("granite")
