@@ -7,7 +7,7 @@ non-streaming reply folds the same events (`parse`), so a stream's joined conten
 pieces equal the non-streamed message whatever the pieces were: every decision depends on the
 text, never on where it was split. Arguments are the JSON text of the arguments value as
 generated (vLLM re-serializes a parsed object with json.dumps; the text here is the same JSON
-value, with the model's own spacing).
+value, with the model's own spacing), except pythonic's, which are not JSON as generated.
 
 Parsers (`--tool-call-parser`):
 * hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 /
@@ -21,6 +21,11 @@ Parsers (`--tool-call-parser`):
   tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}`, repeated for more calls (v11+: Mistral Small
   3.2, Magistral, Devstral); the text outside the calls is content. (Both tags are special tokens:
   requests with tools under this parser keep special tokens in the text, as for hermes.)
+* pythonic: output that is a Python list of calls with literal keyword arguments,
+  `[get_weather(city="Paris"), get_time()]` (Llama 3.2, Llama 4, optionally in `<|python_start|>` ...
+  `<|python_end|>`); the arguments are json.dumps of the keywords, so not the text as generated. The
+  list is read whole at its closing `]` (no call streams before); output that starts otherwise, or a
+  list with anything but such calls, is all content.
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
 under a grammar) and a named tool_choice (the whole output is the arguments).
 
@@ -30,10 +35,11 @@ blocks is usually a newline); output with no call comes back as content exactly.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
 
 Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
 
@@ -596,6 +602,171 @@ class MistralToolParser(ToolParser):
         return self._content(self.TAG)
 
 
+def _python_call(node: ast.expr) -> tuple[str, str] | None:
+    """(name, JSON arguments) of `name(key=literal, ...)`, or None for anything else."""
+    if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
+            or any(kw.arg is None for kw in node.keywords)):  # positional arguments, **kwargs
+        return None
+    try:
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        return node.func.id, json.dumps(kwargs, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # not a literal, not JSON
+        return None
+
+
+def _python_calls(elements: list[str]) -> list[tuple[str, str]] | None:
+    """The calls of a list's elements (each the text of one), or None if one is not a call."""
+    calls = []
+    for element in elements:
+        try:
+            call = _python_call(ast.parse(element.strip(), mode="eval").body)
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+class PythonicToolParser(ToolParser):
+    """Output that is a Python list of calls with keyword arguments of literal values,
+    `[f(a=1, b="x"), g()]` (Llama 3.2, Llama 4; optionally in `<|python_start|>` ... `<|python_end|>`),
+    the arguments sent as JSON (json.dumps of the keywords). Output that starts otherwise is all content.
+    The list is held until its closing `]` (or the end) and read whole: if any element is not such a call,
+    the whole text is content, streamed or not, so no call is sent before the list closed. Text after
+    the list (and `<|python_end|>`) is content. A list cut at the end keeps its whole calls, and a call cut
+    after `name(` stands with the arguments generated of it, none (nothing invented)."""
+
+    START, END = "<|python_start|>", "<|python_end|>"
+    _CUT_CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
+
+    def __init__(self):
+        super().__init__()
+        self._buffer = ""
+        self._state = "lead"  # lead, list, after (the list read: blanks, END), content
+        self._start = 0  # where the list begins in the buffer
+        self._pos = 0  # how far the list was scanned
+        self._depth = 0
+        self._quote = ""  # the open string's quote (', ", ''' or """), "" outside strings
+        self._escape = False
+        self._closing = 0  # closing quotes seen in a row, in a triple-quoted string
+        self._commas: list[int] = []  # the list's own commas
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._step(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._step(final=True) + self._end_content()
+
+    def _step(self, final: bool) -> list[Event]:
+        if self._state == "lead":
+            rest = self._buffer.lstrip()
+            if rest.startswith(self.START):
+                rest = rest[len(self.START):].lstrip()
+            elif self.START.startswith(rest) and not final:
+                return []  # maybe the tag
+            if not rest:
+                return [] if not final else self._all_content()
+            if rest[0] != "[":
+                return self._all_content()
+            self._state, self._start = "list", len(self._buffer) - len(rest)
+            self._pos = self._start
+        if self._state == "list":
+            end = self._scan(final)
+            if end is None:
+                return self._cut_list() if final else []
+            calls = self._list_calls(end)
+            if calls is None:
+                return self._all_content()
+            self._buffer, self._state = self._buffer[end + 1:], "after"
+            return self._calls(calls) + self._step(final)
+        if self._state == "after":
+            rest = self._buffer.lstrip()
+            if rest.startswith(self.END):
+                rest = rest[len(self.END):].lstrip()
+            elif self.END.startswith(rest) and not final:
+                return []  # blanks, maybe the tag
+            if not rest and not final:
+                return []
+            self._buffer, self._state = "", "content"
+            return self._content(rest)
+        text, self._buffer = self._buffer, ""
+        return self._content(text)
+
+    def _scan(self, final: bool) -> int | None:
+        """Reads the list on from `_pos`: the index of its closing `]`, or None while it is open."""
+        text = self._buffer
+        while self._pos < len(text):
+            i, char = self._pos, text[self._pos]
+            if self._quote:
+                if self._escape or char == "\\" or char != self._quote[0]:
+                    self._escape, self._closing = not self._escape and char == "\\", 0
+                else:
+                    self._closing += 1
+                    if self._closing == len(self._quote):
+                        self._quote, self._closing = "", 0
+            elif char in "'\"":
+                if text.startswith(char * 3, i):
+                    self._quote, self._closing, self._pos = char * 3, 0, i + 3
+                    continue
+                if (char * 2).startswith(text[i:]) and not final:
+                    return None  # one quote or three: the next characters tell
+                self._quote = char
+            elif char in "([{":
+                self._depth += 1
+            elif char in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    return i
+            elif char == "," and self._depth == 1:
+                self._commas.append(i)
+            self._pos = i + 1
+        return None
+
+    def _list_calls(self, end: int) -> list[tuple[str, str]] | None:
+        try:
+            node = ast.parse(self._buffer[self._start:end + 1], mode="eval").body
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return None
+        if not isinstance(node, ast.List) or not node.elts:
+            return None
+        calls = [_python_call(element) for element in node.elts]
+        return None if None in calls else calls
+
+    def _cut_list(self) -> list[Event]:
+        """The output ended inside the list: its whole elements must be calls, the last may be a cut one."""
+        bounds = [self._start] + self._commas + [len(self._buffer)]
+        elements = [self._buffer[a + 1:b] for a, b in zip(bounds, bounds[1:])]
+        calls = _python_calls(elements[:-1])
+        last = elements[-1]
+        if calls is not None and last.strip():
+            whole = _python_calls([last])
+            cut = self._CUT_CALL.match(last)
+            if whole is not None:
+                calls += whole
+            elif cut is not None:
+                calls.append((cut.group(1), ""))
+            else:
+                calls = None
+        if not calls:
+            return self._all_content()
+        self._buffer, self._state = "", "content"
+        return self._calls(calls)
+
+    def _calls(self, calls: list[tuple[str, str]]) -> list[Event]:
+        out: list[Event] = []
+        for index, (name, args) in enumerate(calls, start=self.num_calls):
+            out.append(("call", index, name))
+            if args:
+                out.append(("args", index, args))
+        return self._count(out)
+
+    def _all_content(self) -> list[Event]:
+        text, self._buffer, self._state = self._buffer, "", "content"
+        return self._content(text)
+
+
 class NamedToolParser(ToolParser):
     """A named tool_choice: the whole output is the arguments of one call of that function."""
 
@@ -626,6 +797,8 @@ def make_parser(kind: str, name: str | None = None) -> ToolParser:
         return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
     if kind == "mistral":
         return MistralToolParser()
+    if kind == "pythonic":
+        return PythonicToolParser()
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":

@@ -2,8 +2,8 @@
 with --enable-auto-tool-choice --tool-call-parser hermes: tool_choice named / "required" (outputs
 valid against the tools' schemas, checked with jsonschema), "auto" (the 12M model writes no calls
 by itself: its output is forced with guided_choice, which "auto" allows, as vLLM does), "none";
-streams in vLLM's delta shape whose pieces join to the non-streamed reply; the llama3_json and mistral
-parsers switched in; n > 1, logprobs and usage; tools reaching the chat template; and
+streams in vLLM's delta shape whose pieces join to the non-streamed reply; the llama3_json, mistral
+and pythonic parsers switched in; n > 1, logprobs and usage; tools reaching the chat template; and
 every 400."""
 
 from __future__ import annotations
@@ -213,6 +213,8 @@ def test_mistral_keeps_special_tokens_in_the_text(client, app):
     try:
         assert client.chat.completions.create(tools=TOOLS, **body).choices[0].message.content == "<|im_start|>" * 2
         assert client.chat.completions.create(tools=TOOLS, tool_choice="none", **body).choices[0].message.content == ""
+        ctx.tool_call_parser = "pythonic"
+        assert client.chat.completions.create(tools=TOOLS, **body).choices[0].message.content == ""
     finally:
         ctx.tool_call_parser = "hermes"
 
@@ -240,7 +242,8 @@ def test_auto_plain_text_is_content(client):
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}[TOOL_CALLS]ping[ARGS]{}', None),
     ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "ping", '
                 '"arguments": {}}]', "Checking."),
-], ids=["llama3_json", "mistral", "mistral-array"])
+    ("pythonic", '[get_time(zone="UTC"), ping()]', None),
+], ids=["llama3_json", "mistral", "mistral-array", "pythonic"])
 def test_other_parsers(client, app, parser, text, content):
     ctx = app[1]
     ctx.tool_call_parser = parser
@@ -382,12 +385,12 @@ def test_tokenize_refuses_tools_with_a_prompt_and_bad_tools(app):
 
 def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     code, err = llmc_cli("run", tmp_path, "--tool-call-parser", "granite")
-    assert code == 2 and all(f"'{name}'" in err for name in ("hermes", "llama3_json", "mistral"))
+    assert code == 2 and all(f"'{name}'" in err for name in ("hermes", "llama3_json", "mistral", "pythonic"))
     code, err = llmc_cli("run", tmp_path, "--enable-auto-tool-choice")
     assert code == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in err
     code, err = llmc_cli("run", tmp_path, "--prompt", "hi", "--tool-call-parser", "hermes")
     assert code == 2 and "--tool-call-parser applies to the server" in err
-    with pytest.raises(ValueError, match="supported: hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match="supported: hermes, llama3_json, mistral, pythonic"):
         build_app(lambda: None, MODEL, tool_call_parser="granite")
 
 

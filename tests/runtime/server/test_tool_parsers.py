@@ -2,7 +2,7 @@
 `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks and Llama 3.1's JSON calls
 `{"name": ..., "parameters": ...}` (several joined by ";"), plus the JSON array of tool_choice
 "required" and a named tool_choice; Mistral's `[TOOL_CALLS]` calls (a JSON array before tokenizer v11,
-`name[ARGS]{...}` after). Every text is also streamed split at every character boundary
+`name[ARGS]{...}` after) and the Python list of calls of Llama 3.2 / 4 ("pythonic"). Every text is also streamed split at every character boundary
 and one character at a time: the joined pieces must give the same content and calls."""
 
 from __future__ import annotations
@@ -93,6 +93,33 @@ MISTRAL = [
     ("  Just text, [TOOL and [ARGS] and [].\n", "  Just text, [TOOL and [ARGS] and [].\n", []),
 ]
 
+PYTHONIC = [
+    ('[get_weather(city="San Francisco", metric="celsius"), get_time()]', "",
+     [("get_weather", '{"city": "San Francisco", "metric": "celsius"}'), ("get_time", "{}")]),
+    ('<|python_start|>[f(a=[1, {"k": (2, 3)}], b=None, c=True, d=-1.5)]<|python_end|>', "",
+     [("f", '{"a": [1, {"k": [2, 3]}], "b": null, "c": true, "d": -1.5}')]),
+    # brackets, parentheses and quotes inside strings, triple-quoted ones included
+    ("""[f(s="a]b)'", t='x"', u=\"\"\"tri"ple]\"\"\", v=''), g(x='it\\'s')]""", "",
+     [("f", '{"s": "a]b)\'", "t": "x\\"", "u": "tri\\"ple]", "v": ""}'), ("g", '{"x": "it\'s"}')]),
+    ('[f(city="Zürich")]\n', "", [("f", '{"city": "Zürich"}')]),
+    ("[f(a=1)]<|python_end|> That is all.", "That is all.", [("f", '{"a": 1}')]),
+    # cut: the whole calls stand, a call cut after its name stands with no arguments (none invented)
+    ('[f(a=1), g(b="x', "", [("f", '{"a": 1}'), ("g", "")]),
+    ("[f(a=1), ", "", [("f", '{"a": 1}')]),
+    ("[get_wea", "[get_wea", []),
+    # not calls: all content, exactly
+    ("[f(a=x)]", "[f(a=x)]", []),  # not a literal
+    ("[f(1)]", "[f(1)]", []),  # positional
+    ("[f(a=1), 2]", "[f(a=1), 2]", []),
+    ("[m.f(a=1)]", "[m.f(a=1)]", []),
+    ("[f(a={1, 2})] and more", "[f(a={1, 2})] and more", []),  # a set: no JSON for it
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ("Sure: [f()]", "Sure: [f()]", []),
+    ("<|python_start|>hello", "<|python_start|>hello", []),
+    ("  ", "  ", []),
+]
+
 REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
@@ -130,6 +157,11 @@ def test_mistral(text, content, calls):
     _check("mistral", text, content, calls)
 
 
+@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC)
+def test_pythonic(text, content, calls):
+    _check("pythonic", text, content, calls)
+
+
 @pytest.mark.parametrize(("text", "content", "calls"), REQUIRED)
 def test_required_array(text, content, calls):
     _check("required", text, content, calls)
@@ -147,6 +179,9 @@ def test_arguments_of_well_formed_calls_are_the_json_written():
     (_, calls), = [parse(make_parser("mistral"), MISTRAL[6][0])]
     assert json.loads(calls[0][1]) == {"city": "Paris", "note": "[ARGS] and [TOOL_CALLS] in a string",
                                        "days": [1, {"a": "}"}]}
+    (_, calls), = [parse(make_parser("pythonic"), PYTHONIC[2][0])]
+    assert [json.loads(args) for _, args in calls] == [{"s": "a]b)'", "t": 'x"', "u": 'tri"ple]', "v": ""},
+                                                       {"x": "it's"}]
 
 
 def test_mistral_holds_back_only_what_may_be_a_tag():
@@ -159,7 +194,26 @@ def test_mistral_holds_back_only_what_may_be_a_tag():
     assert parser.finish() == []
 
 
+def test_pythonic_sends_the_calls_when_the_list_closes():
+    """Nothing is sent before the closing `]` (a later element may make it all content); then every call whole."""
+    parser = make_parser("pythonic")
+    assert parser.feed('[f(a=1), g(b="]")') == []
+    assert parser.feed("] ok") == [("call", 0, "f"), ("args", 0, '{"a": 1}'), ("call", 1, "g"),
+                                   ("args", 1, '{"b": "]"}'), ("content", "ok")]
+
+
+def test_events_come_in_vllm_s_order():
+    """A call's name is one event, before any of its arguments; content is not held past a call."""
+    parser = make_parser("hermes")
+    events = parser.feed('Hi <tool_call>{"name": "f", "argu') + parser.feed('ments": {"x": 1') + parser.feed("2}}")
+    events += parser.feed("</tool_call>") + parser.finish()
+    assert events[0] == ("content", "Hi")
+    assert events[1] == ("call", 0, "f")
+    assert [e for e in events[2:] if e[0] != "args"] == []
+    assert "".join(e[2] for e in events[2:]) == '{"x": 12}' and len(events[2:]) >= 2
+
+
 def test_unknown_parser_lists_the_supported_ones():
-    assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral")
-    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+    assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral", "pythonic")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral, pythonic"):
         make_parser("granite")
