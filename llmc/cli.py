@@ -277,8 +277,9 @@ def _finite(param, value: float | None) -> float | None:
               "calls out of the output with --tool-call-parser; without it such requests get a 400, as in vLLM")
 @click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
               help="server and batch files: how tool calls are written in the model's output: hermes "
-              "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3) or llama3_json ({\"name\": ..., \"parameters\": ...}: "
-              "Llama 3.1+)")
+              "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json ({\"name\": ..., \"parameters\": ...}: "
+              "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral) or pythonic "
+              "([f(a=1), g()]: Llama 3.2, Llama 4)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
               "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ) or qwen3")
