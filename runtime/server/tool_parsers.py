@@ -375,7 +375,7 @@ class JsonCallsParser(ToolParser):
             if scanner.closed and scanner.name is None:  # not a call after all
                 return self._not_calls()
             if scanner.closed:
-                call, self._call, self._segment_called = self._call, None, True
+                call, self._call = self._call, None
                 self._mode = "between" if scanner.state == "done" else "drop"
                 self._raw, self._after_separator = [], False
                 return self._count(call.close())
