@@ -216,6 +216,7 @@ def _with_quant(artifact, out, field, value):
     manifest["manifest_sha256"] = hashlib.sha256(canonical.encode()).hexdigest()
     (out / "manifest.json").write_text(json.dumps(manifest))
     return out
+@pytest.mark.slow  # 7 s on 2 cores
 def test_adapters_dropped_from_host_memory_while_their_requests_wait_are_read_again(setup):
     """max_cpu_loras 1: queuing a second adapter's request drops the first adapter's factors while its request
     still waits for a slot; the step that runs it reads it again (it failed with a KeyError), and an id once

@@ -263,6 +263,7 @@ def test_inspect_shows_the_op_mix_and_size(tiny_llama, onnx_artifact, capsys):
                                                                            onnx.TensorProto.BFLOAT16)} == set()
 
 
+@pytest.mark.slow  # 6 s on 2 cores
 def test_an_act_order_down_put_in_order_at_build_is_matmulnbits(tiny_llama, tmp_path):
     """A GPTQ desc_act import: the build puts down's groups in order (compiler/shard.order_down_groups), so
     its ONNX linear is a MatMulNBits like a plain one; the other act-order linears stay float MatMuls; the

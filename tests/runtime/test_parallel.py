@@ -72,7 +72,8 @@ def _are_gone(pids) -> bool:
     return True
 
 
-@pytest.mark.parametrize(("tensor", "pipeline"), SPLITS)
+# both splits at once: 7 s on 2 cores, with -m slow (tensor and pipeline alone run by default)
+@pytest.mark.parametrize(("tensor", "pipeline"), [(2, 1), (1, 2), pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_greedy_output_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
     token_ids, _, logits = reference
     with LLM(artifacts(tensor, pipeline), **ENGINE) as llm:
@@ -252,6 +253,7 @@ def test_overlapped_parallel_engine_equals_synchronous_and_one_rank(artifacts, o
 # ---- the memory plan on ranks ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 5 s on 2 cores
 def test_every_rank_reports_its_kv_room_and_the_engine_takes_the_smallest(hf_checkpoint_factory, tmp_path):
     """3 layers over 2 stages: the stages hold different numbers of layers, so their KV bytes per
     token differ; each rank sizes its own cache, all reports reach the driver, the scheduler gets

@@ -30,7 +30,8 @@ def _build(checkpoint, out, tensor: int, pipeline: int, target: str = "cuda"):
 
 
 @pytest.mark.parametrize(("family", "overrides", "tensor", "pipeline"), [
-    ("qwen2", {}, 2, 2),  # tied: the last stage holds the embedding rows as its lm_head; qkv biases split
+    pytest.param("qwen2", {}, 2, 2,  # tied: the last stage holds the embedding rows as its lm_head; qkv biases split
+                 marks=pytest.mark.slow),  # 6 s on 2 cores
     ("qwen3", {}, 2, 1),  # q_norm/k_norm per head, head_dim 32 != hidden / heads
     ("phi3", {}, 2, 1),  # the checkpoint's fused qkv_proj split by heads, gate_up_proj by halves
     # Phi-4-mini's partial rotary: each rank's heads rotate their leading 16 of 32 dims (a CPU target)
@@ -62,6 +63,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 7 s on 2 cores
 def test_torchrun_launch_joins_as_the_ranks(tiny_llama, tmp_path):
     """Under torchrun, rank 0 drives and returns outputs; the other rank serves, then leaves (exit 0)."""
     artifact = _build(tiny_llama, tmp_path / "artifact", 2, 1)

@@ -179,7 +179,8 @@ def test_a_recipe_takes_the_mode_in_any_case_and_inspect_json_shows_it(tiny_llam
     result = CliRunner().invoke(cli, ["inspect", str(out), "--json"])
     assert result.exit_code == 0, result.output
     runtime = json.loads(result.output[result.output.index("{"):])["runtime"]
-    assert runtime["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 512}
+    assert runtime["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 512,
+                                             "cudagraph_specialize_lora": True}
     assert runtime["speculative"]["num_speculative_tokens"] == 3
 
 

@@ -36,7 +36,8 @@ def assert_close(output: EmbeddingRequestOutput, expected: torch.Tensor, atol: f
     assert (got - expected).abs().max().item() < atol, (got - expected).abs().max().item()
 
 
-@pytest.mark.parametrize("pooling_type,device", [("LAST", "cpu"), ("MEAN", "cpu"), ("CLS", "cpu"),
+@pytest.mark.parametrize("pooling_type,device", [("LAST", "cpu"), ("MEAN", "cpu"),
+                                                  pytest.param("CLS", "cpu", marks=pytest.mark.slow),
                                                   pytest.param("LAST", "cuda", marks=pytest.mark.gpu),
                                                   pytest.param("MEAN", "cuda", marks=pytest.mark.gpu)])
 def test_embeddings_equal_transformers_hidden_states_pooled(ref_artifact_128, ref_model_dir, pooling_type, device):
@@ -70,6 +71,7 @@ def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
     assert_close(cut, reference(ref_model_dir, cut.prompt_token_ids, "LAST", normalize=False), 1e-4)
 
 
+@pytest.mark.slow  # 5 s on 2 cores
 def test_sentence_transformers_pooling_is_read_from_the_checkpoint(tmp_path, ref_model_dir):
     """A checkpoint with sentence-transformers files (mean pooling, no Normalize module) pools by them, as
     vLLM does; pooler_config overrides them; `llmc export` gives the files back."""

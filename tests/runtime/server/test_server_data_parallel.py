@@ -60,6 +60,7 @@ def parallel_artifact(tmp_path_factory, ref_model_dir):
     return out
 
 
+@pytest.mark.slow  # 5 s on 2 cores
 def test_each_replica_runs_its_own_ranks(run_app, parallel_artifact):
     engines = []
 

@@ -94,6 +94,7 @@ def test_a_generating_server_refuses_embeddings(client):
         client.embeddings.create(model=MODEL, input="hi")
 
 
+@pytest.mark.slow  # an engine of its own: 4 s on 2 cores
 def test_batch_file_embeddings(tmp_path, server_artifact, ref_model_dir, restore_logging):
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"input": TEXTS[1]}},
              {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x", "dimensions": 2}}]
