@@ -127,6 +127,7 @@ def test_wrong_kv_cache_dtype_is_one_line(ref_model_dir, data_dir, tmp_path) -> 
         LLM(str(artifact), kv_cache_dtype="fp16", device="cpu")
 
 
+@pytest.mark.slow  # 4 s on 2 cores
 def test_scales_made_for_one_fp8_format_are_rescaled_for_the_other(ref_model_dir, data_dir, tmp_path) -> None:
     """A build's scales are amax / the FP8 max of its kv_cache_dtype; running the artifact with the other
     format (e5m2 built, e4m3 asked) rescales them (they were reused: every K and V above amax / 128

@@ -117,6 +117,7 @@ def test_quantized_builds_run_transformers_olmo2_on_their_weights(quantization, 
     check_quantized_build(tiny_olmo2, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
+@pytest.mark.slow  # 4 s on 2 cores (tensor parallelism runs by default in tests/runtime/test_parallel*.py)
 def test_tensor_parallel_matches_one_rank(tiny_olmo2, artifact, tmp_path, hf_encode):
     """Two ranks: each holds its heads' columns of q_norm / k_norm, and the variance is all-reduced over both."""
     check_tensor_parallel(tiny_olmo2, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)

@@ -168,7 +168,8 @@ def test_bad_words_never_appear(ref_llm):
             assert not any(_contains(completion.token_ids, w) for w in banned), completion.text
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+@pytest.mark.parametrize("speculative", [None, pytest.param({"method": "ngram", "num_speculative_tokens": 3},
+                                                            marks=pytest.mark.slow)])  # 5 s on 2 cores
 def test_logprobs_under_bad_words_are_the_raw_models(ref_llm, speculative):
     """vLLM v1 takes logprobs before it bans bad words: a banned token keeps its logprob and rank,
     for one-token and several-token words, with and without n-gram speculation (the reference: the

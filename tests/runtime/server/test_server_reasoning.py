@@ -282,6 +282,7 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
         build_app(lambda: None, MODEL, reasoning_parser="granite")
 
 
+@pytest.mark.slow  # a server of its own: 4 s on 2 cores
 def test_llmc_run_serves_with_the_flags(start_server):
     server = start_server("--served-model-name", MODEL, "--disable-log-stats", "--reasoning-parser", "qwen3",
                           "--structured-outputs-config", '{"enable_in_reasoning": true}')

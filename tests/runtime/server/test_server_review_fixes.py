@@ -217,6 +217,7 @@ def test_logit_bias_beyond_100_forces_or_bans_the_token(server):
     assert forced.json()["choices"][0]["text"] == detokenized.json()["prompt"], detokenized.text
 
 
+@pytest.mark.slow  # a server of its own: 5 s on 2 cores
 def test_several_served_model_names(start_server):
     """vLLM's --served-model-name a b: every name is listed and accepted; a response names the one sent
     (the first when none is)."""
