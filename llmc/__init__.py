@@ -19,6 +19,7 @@ _LAZY = {
     "LoRARequest": ("llmc.runtime.lora", "LoRARequest"),
     "PoolingParams": ("llmc.runtime.pooling", "PoolingParams"),
     "EmbeddingRequestOutput": ("llmc.runtime.pooling", "EmbeddingRequestOutput"),
+    "ScoringRequestOutput": ("llmc.runtime.pooling", "ScoringRequestOutput"),
     "build": ("llmc.compiler.build", "build"),
     "LlmcError": ("llmc.errors", "LlmcError"),
 }

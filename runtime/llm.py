@@ -17,7 +17,8 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import EmbeddingRequestOutput, PoolingParams
+from llmc.runtime.pooling import (EmbeddingRequestOutput, PoolingParams, ScoringOutput, ScoringRequestOutput,
+                                  cosine_similarity, score_pairs)
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 
@@ -150,6 +151,20 @@ class LLM:
             return self._run(prompts, params, use_tqdm, priority, lora_request)
         finally:
             self._busy.release()
+
+    def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score on an embedding model (runner="pooling"): the cosine similarity of the embeddings of
+        each (data_1, data_2) pair, one data_1 against every data_2 or two lists of one length in pairs; one
+        ScoringRequestOutput per pair (`.outputs.score`), in order."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(first), len(second), ("data_1", "data_2"))
+        embedded = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                              lora_request=lora_request)
+        a, b = embedded[: len(first)], embedded[len(first):]
+        return [ScoringRequestOutput(f"{a[i].request_id}+{b[j].request_id}",
+                                     ScoringOutput(cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding)),
+                                     a[i].prompt_token_ids + b[j].prompt_token_ids) for i, j in pairs]
 
     def _run(self, prompts: list, params: list, use_tqdm, priority, lora_request) -> list:
         """Queue one request per prompt (all or none) and step until they finish; their final outputs."""

@@ -295,3 +295,40 @@ class Pooler:
                 vector = torch.nn.functional.normalize(vector, dim=0)
             embeddings.append(vector.tolist())
         return embeddings
+
+
+@dataclass
+class ScoringOutput:
+    """vLLM's ScoringOutput: one pair's score (here the cosine similarity of the two texts' embeddings)."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """vLLM's ScoringRequestOutput: one (text_1, text_2) pair's score; prompt_token_ids are the two texts'
+    tokens one after the other, as vLLM reports them for an embedding model's scores."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def score_pairs(num_1: int, num_2: int, what: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[int, int]]:
+    """vLLM's pairing of score inputs: one first text against each second text, or two lists of one length
+    pairwise; RequestError (naming `what`) otherwise."""
+    if not num_1 or not num_2:
+        raise RequestError(f"{what[0] if not num_1 else what[1]}: give at least one text", param=what[0] if not num_1 else what[1])
+    if num_1 == 1:
+        return [(0, j) for j in range(num_2)]
+    if num_1 != num_2:
+        raise RequestError(f"{what[0]} has {num_1} texts and {what[1]} {num_2}: give one {what[0]} (scored against "
+                           f"each {what[1]}) or as many as {what[1]} (scored in pairs)", param=what[0])
+    return [(i, i) for i in range(num_1)]
+
+
+def cosine_similarity(a: list[float], b: list[float]) -> float:
+    """The cosine of two embeddings, in float64 (vLLM's embedding score; eps 1e-8 as torch's)."""
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return float(torch.nn.functional.cosine_similarity(x, y, dim=0, eps=1e-8))

@@ -42,12 +42,12 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          EmbeddingRequest, ResponsesRequest, TokenizeRequest, openapi_body,
-                                          parse_json_body)
+                                          EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                                          TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, EventStream, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
-from llmc.runtime.server.serving_embedding import create_embedding
+from llmc.runtime.server.serving_embedding import create_embedding, create_rerank, create_score
 from llmc.runtime.server import serving_responses
 from llmc.runtime.server.serving_responses import ResponseStore, create_response, not_found
 
@@ -276,6 +276,19 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     async def embeddings(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_embedding(ctx, body, arrival_time))
+
+    @router.post("/score", openapi_extra=openapi_body(ScoreRequest))  # vLLM's, on an embedding model
+    @router.post("/v1/score", openapi_extra=openapi_body(ScoreRequest))
+    async def score(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_score(ctx, body, arrival_time))
+
+    @router.post("/rerank", openapi_extra=openapi_body(RerankRequest))  # vLLM's (Jina's, Cohere's v1 and v2 forms)
+    @router.post("/v1/rerank", openapi_extra=openapi_body(RerankRequest))
+    @router.post("/v2/rerank", openapi_extra=openapi_body(RerankRequest))
+    async def rerank(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_rerank(ctx, body, arrival_time))
 
     @router.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def responses(request: Request) -> Response:

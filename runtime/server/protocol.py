@@ -586,7 +586,7 @@ class BatchRequestLine(BaseModel):
     model_config = ConfigDict(extra="ignore")
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"]
     body: dict
 
 
@@ -993,3 +993,26 @@ class EmbeddingRequest(_Body, _ChatTemplateFields):
 
     def template_options(self) -> dict:
         return super().template_options() | {"add_special_tokens": bool(self.add_special_tokens)}
+
+
+class ScoreRequest(_Body):
+    """POST /score and /v1/score (vLLM's), on an embedding model: the cosine similarity of text_1's and text_2's
+    embeddings; one text_1 against each text_2, or pairs of equal-length lists."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    priority: Int64 = 0
+
+
+class RerankRequest(_Body):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, the Jina / Cohere form), on an embedding model: the documents
+    ordered by the cosine similarity of their embeddings to the query's, the top_n first."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=0)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    priority: Int64 = 0

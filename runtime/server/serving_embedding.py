@@ -1,7 +1,11 @@
 """POST /v1/embeddings: OpenAI's embeddings API (and vLLM's chat form, `messages`), on an engine started with
 runner pooling (runtime/pooling.py). Each input is one engine request; the reply lists the embeddings in input
 order, as float arrays or (encoding_format base64, what the openai SDK asks by default) the base64 of their
-little-endian float32 bytes."""
+little-endian float32 bytes.
+
+Also vLLM's score and rerank APIs as they run on an embedding model: POST /score (/v1/score) gives the cosine
+similarity of text_1's and text_2's embeddings, POST /rerank (/v1/rerank, /v2/rerank) the documents ordered by
+that similarity to the query (Jina's and Cohere's reply form)."""
 
 from __future__ import annotations
 
@@ -12,9 +16,9 @@ import time
 import numpy as np
 
 from llmc.errors import RequestError
-from llmc.runtime.pooling import PoolingParams
+from llmc.runtime.pooling import PoolingParams, cosine_similarity, score_pairs
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid
-from llmc.runtime.server.protocol import MAX_PROMPTS, EmbeddingRequest
+from llmc.runtime.server.protocol import MAX_PROMPTS, EmbeddingRequest, RerankRequest, ScoreRequest
 from llmc.runtime.server.serving import CONTEXT_LENGTH_PREFIX, ServingContext, new_id, parse_body
 
 
@@ -22,33 +26,92 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
     """The response body."""
     request = parse_body(EmbeddingRequest, body)
     request.check()
-    ctx.check_model(request.model)
-    ctx.require_ready()
-    engine = ctx.engine_loop.engine
-    if engine.pooler is None:
-        raise ApiError(400, "The model does not support Embeddings API: this server generates text; start it with "
-                       "--runner pooling to serve embeddings", param="model")
-    keep = ctx.max_model_len if request.truncate_prompt_tokens == -1 else request.truncate_prompt_tokens
-    try:
-        params = PoolingParams(dimensions=request.dimensions, normalize=request.normalize, truncate_prompt_tokens=keep)
-        engine.pooler.check(params)
-    except RequestError as e:
-        raise as_api_error(e) from None
-    prompts = [_checked_length(ctx, p if keep is None else p[-keep:]) for p in await _prompts(ctx, request, keep)]
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Embeddings")
+    params = _params(ctx, dimensions=request.dimensions, normalize=request.normalize, truncate_prompt_tokens=keep)
     request_id = new_id("embd")
-    generation = await ctx.generate(prompts, params, request_id, request.priority, arrival_time,
-                                    ctx.lora_request(request.model))
-    try:
-        outputs = await generation.final_outputs()
-    finally:
-        generation.abort()
+    outputs = await _embed(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": ctx.response_model(request.model),
             "data": [{"index": i, "object": "embedding", "embedding": _encoded(o.outputs.embedding, request.encoding_format)}
                      for i, o in enumerate(outputs)],
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
-                      "prompt_tokens_details": None}}
+            "usage": _usage(num_tokens)}
+
+
+async def create_score(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
+    """/score: one data item per (text_1, text_2) pair, vLLM's pairing (runtime/pooling.score_pairs)."""
+    request = parse_body(ScoreRequest, body)
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Score")
+    texts_1 = [request.text_1] if isinstance(request.text_1, str) else request.text_1
+    texts_2 = [request.text_2] if isinstance(request.text_2, str) else request.text_2
+    try:
+        pairs = score_pairs(len(texts_1), len(texts_2))
+    except RequestError as e:
+        raise as_api_error(e) from None
+    request_id = new_id("score")
+    prompts = await _encoded_texts(ctx, texts_1 + texts_2, "text_1", keep)
+    outputs = await _embed(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
+    a, b = outputs[: len(texts_1)], outputs[len(texts_1):]
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
+            "data": [{"index": k, "object": "score",
+                      "score": cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding)}
+                     for k, (i, j) in enumerate(pairs)],
+            "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
+
+
+async def create_rerank(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
+    """/rerank: the documents by relevance to the query, most relevant first, top_n of them (0 or none: all)."""
+    request = parse_body(RerankRequest, body)
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Rerank")
+    if not request.documents:
+        raise invalid("documents", "give at least one document")
+    request_id = new_id("rerank")
+    prompts = await _encoded_texts(ctx, [request.query, *request.documents], "documents", keep)
+    outputs = await _embed(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
+    scores = [cosine_similarity(outputs[0].outputs.embedding, o.outputs.embedding) for o in outputs[1:]]
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    top_n = request.top_n or len(order)
+    return {"id": request_id, "model": ctx.response_model(request.model),
+            "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outputs)},
+            "results": [{"index": i, "document": {"text": request.documents[i]}, "relevance_score": scores[i]}
+                        for i in order[:top_n]]}
+
+
+def _start(ctx: ServingContext, model: str | None, truncate_prompt_tokens: int | None, api: str) -> int | None:
+    """What every pooling endpoint checks first (the model name, a loaded pooling engine); returns the prompt
+    tokens kept (truncate_prompt_tokens, -1 being max_model_len)."""
+    ctx.check_model(model)
+    ctx.require_ready()
+    if ctx.engine_loop.engine.pooler is None:
+        raise ApiError(400, f"The model does not support {api} API: this server generates text; start it with "
+                       "--runner pooling to serve embeddings", param="model")
+    return ctx.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+
+
+def _params(ctx: ServingContext, **fields) -> PoolingParams:
+    try:
+        params = PoolingParams(**fields)
+        ctx.engine_loop.engine.pooler.check(params)
+    except RequestError as e:
+        raise as_api_error(e) from None
+    return params
+
+
+async def _embed(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str, request,
+                 arrival_time: float | None) -> list:
+    """Every prompt's EmbeddingRequestOutput, in order (one engine request each, under the request's adapter)."""
+    prompts = [_checked_length(ctx, p if params.truncate_prompt_tokens is None else p[-params.truncate_prompt_tokens:])
+               for p in prompts]
+    generation = await ctx.generate(prompts, params, request_id, request.priority, arrival_time,
+                                    ctx.lora_request(request.model))
+    try:
+        return await generation.final_outputs()
+    finally:
+        generation.abort()
+
+
+def _usage(num_tokens: int) -> dict:
+    return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
 async def _prompts(ctx: ServingContext, request: EmbeddingRequest, keep: int | None) -> list[list[int]]:
@@ -62,9 +125,8 @@ async def _prompts(ctx: ServingContext, request: EmbeddingRequest, keep: int | N
         raise invalid("input", "must not be empty")
     if len(items) > MAX_PROMPTS:
         raise invalid("input", f"at most {MAX_PROMPTS} inputs per request, got {len(items)}; split the request")
-    add_special = request.add_special_tokens is not False
     texts = [item for item in items if isinstance(item, str)]
-    encoded = iter(await asyncio.gather(*(ctx.encode_off_loop(t, add_special, "input", keep) for t in texts)))
+    encoded = iter(await _encoded_texts(ctx, texts, "input", keep, request.add_special_tokens is not False))
     prompts = []
     for item in items:
         token_ids = next(encoded) if isinstance(item, str) else list(item)
@@ -73,6 +135,16 @@ async def _prompts(ctx: ServingContext, request: EmbeddingRequest, keep: int | N
         ctx.check_token_ids(token_ids, "input")
         prompts.append(token_ids)
     return prompts
+
+
+async def _encoded_texts(ctx: ServingContext, texts: list[str], param: str, keep: int | None,
+                         add_special_tokens: bool = True) -> list[list[int]]:
+    """The texts' token ids, tokenized off the event loop (truncate_prompt_tokens `keep`); 400 naming `param`
+    for one that gives no token."""
+    encoded = await asyncio.gather(*(ctx.encode_off_loop(t, add_special_tokens, param, keep) for t in texts))
+    if not all(encoded):
+        raise invalid(param, "a text must give at least one token; one gives none")
+    return list(encoded)
 
 
 def _checked_length(ctx: ServingContext, token_ids: list[int]) -> list[int]:

@@ -101,6 +101,23 @@ def test_sentence_transformers_pooling_is_read_from_the_checkpoint(tmp_path, ref
     assert json.loads((exported / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
+def test_llm_score_is_the_cosine_of_the_embeddings(ref_artifact_128, ref_model_dir):
+    """vLLM's LLM.score on an embedding model: one data_1 against each data_2, or pairs."""
+    def cosine(a, b):
+        x, y = (reference(ref_model_dir, hf_encode(ref_model_dir, t), "LAST", normalize=False) for t in (a, b))
+        return float(torch.dot(x, y) / (x.norm() * y.norm()))
+
+    with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"normalize": False}) as llm:
+        against_each = llm.score(PROMPTS[0], PROMPTS[1:])
+        pairwise = llm.score(PROMPTS[:2], PROMPTS[2:])
+        with pytest.raises(RequestError, match="data_1 has 2 texts and data_2 3"):
+            llm.score(PROMPTS[:2], PROMPTS[1:])
+    for output, text in zip(against_each, PROMPTS[1:]):
+        assert abs(output.outputs.score - cosine(PROMPTS[0], text)) < 1e-5
+    assert against_each[0].prompt_token_ids == hf_encode(ref_model_dir, PROMPTS[0]) + hf_encode(ref_model_dir, PROMPTS[1])
+    assert [round(o.outputs.score, 5) for o in pairwise] == [round(cosine(a, b), 5) for a, b in zip(PROMPTS[:2], PROMPTS[2:])]
+
+
 def test_what_a_pooling_engine_refuses(ref_artifact_128):
     with LLM(ref_artifact_128, device="cpu", runner="pooling") as llm:
         with pytest.raises(RequestError, match="embedding model.*does not generate"):

@@ -72,7 +72,7 @@ def test_batch_file_end_to_end(server_artifact, tmp_path, capsys, restore_loggin
      ":1: .* not valid JSON"),
     ('{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n', ":1: method"),
     ('[1, 2]\n', ":1: the line is JSON but not an object \\(a list\\)"),
-    ('{"custom_id": "a", "method": "POST", "url": "/v1/score", "body": {}}\n', ":1: url"),
+    ('{"custom_id": "a", "method": "POST", "url": "/v1/pooling", "body": {}}\n', ":1: url"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"stream": true}}\n', "stream"),
     ('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n' * 2, "used twice"),
 ])
