@@ -142,24 +142,12 @@ def _check(kind: str, text: str, content: str, calls: list, name: str | None = N
     assert _streamed(kind, list(text), name) == ((content, calls), bool(calls))
 
 
-@pytest.mark.parametrize(("text", "content", "calls"), HERMES)
-def test_hermes(text, content, calls):
-    _check("hermes", text, content, calls)
-
-
-@pytest.mark.parametrize(("text", "content", "calls"), LLAMA3)
-def test_llama3_json(text, content, calls):
-    _check("llama3_json", text, content, calls)
-
-
-@pytest.mark.parametrize(("text", "content", "calls"), MISTRAL)
-def test_mistral(text, content, calls):
-    _check("mistral", text, content, calls)
-
-
-@pytest.mark.parametrize(("text", "content", "calls"), PYTHONIC)
-def test_pythonic(text, content, calls):
-    _check("pythonic", text, content, calls)
+@pytest.mark.parametrize(("kind", "text", "content", "calls"),
+                         [(kind, *case) for kind, cases in [("hermes", HERMES), ("llama3_json", LLAMA3),
+                                                            ("mistral", MISTRAL), ("pythonic", PYTHONIC)]
+                          for case in cases])
+def test_parser(kind, text, content, calls):
+    _check(kind, text, content, calls)
 
 
 @pytest.mark.parametrize(("text", "content", "calls"), REQUIRED)
