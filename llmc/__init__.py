@@ -20,6 +20,7 @@ _LAZY = {
     "PoolingParams": ("llmc.runtime.pooling", "PoolingParams"),
     "EmbeddingRequestOutput": ("llmc.runtime.pooling", "EmbeddingRequestOutput"),
     "ScoringRequestOutput": ("llmc.runtime.pooling", "ScoringRequestOutput"),
+    "PoolingRequestOutput": ("llmc.runtime.pooling", "PoolingRequestOutput"),
     "build": ("llmc.compiler.build", "build"),
     "LlmcError": ("llmc.errors", "LlmcError"),
 }

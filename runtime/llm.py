@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from llmc.errors import RequestError
@@ -17,8 +18,8 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import (EmbeddingRequestOutput, PoolingParams, ScoringOutput, ScoringRequestOutput,
-                                  cosine_similarity, score_pairs)
+from llmc.runtime.pooling import (EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput,
+                                  ScoringOutput, ScoringRequestOutput, cosine_similarity, score_pairs)
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.tokenizer import apply_chat_template, checked_tools
 
@@ -151,6 +152,20 @@ class LLM:
             return self._run(prompts, params, use_tqdm, priority, lora_request)
         finally:
             self._busy.release()
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None,
+               pooling_task: str | None = "embed") -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode: the pooled output of each prompt (`.outputs.data`, a float32 tensor); an llmc pooling
+        engine runs pooling_task "embed" (what `embed` returns, as tensors), and refuses the others by name."""
+        if pooling_task not in (None, "embed"):
+            raise RequestError(f"pooling_task {pooling_task!r}: an llmc pooling engine runs the 'embed' task only (no "
+                               "classify, score or token-level heads)", param="pooling_task")
+        outputs = self.embed(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.outputs.embedding)), o.prompt_token_ids)
+                for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
               truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None) -> list[ScoringRequestOutput]:

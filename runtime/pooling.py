@@ -298,6 +298,23 @@ class Pooler:
 
 
 @dataclass
+class PoolingOutput:
+    """vLLM's PoolingOutput: the pooled vector as a float32 tensor (LLM.encode)."""
+
+    data: Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's PoolingRequestOutput (LLM.encode): one prompt's pooled output."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
 class ScoringOutput:
     """vLLM's ScoringOutput: one pair's score (here the cosine similarity of the two texts' embeddings)."""
 

@@ -42,7 +42,8 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          EmbeddingRequest, RerankRequest, ResponsesRequest, ScoreRequest,
+                                          EmbeddingRequest, PoolingRequest, RerankRequest, ResponsesRequest,
+                                          ScoreRequest,
                                           TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, EventStream, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
@@ -276,6 +277,11 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
     async def embeddings(request: Request) -> Response:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_embedding(ctx, body, arrival_time))
+
+    @router.post("/pooling", openapi_extra=openapi_body(PoolingRequest))  # vLLM's: the embeddings, its reply's names
+    async def pooling(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_embedding(ctx, body, arrival_time, pooling=True))
 
     @router.post("/score", openapi_extra=openapi_body(ScoreRequest))  # vLLM's, on an embedding model
     @router.post("/v1/score", openapi_extra=openapi_body(ScoreRequest))

@@ -995,6 +995,19 @@ class EmbeddingRequest(_Body, _ChatTemplateFields):
         return super().template_options() | {"add_special_tokens": bool(self.add_special_tokens)}
 
 
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM's): an embedding request whose `task` (vLLM's pooling task) may only be "embed", the
+    one an llmc pooling engine runs."""
+
+    task: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.task not in (None, "embed"):
+            raise invalid("task", f"{self.task!r}: this server's pooling engine runs the 'embed' task only (no "
+                          "classify, score or token-level heads)")
+
+
 class ScoreRequest(_Body):
     """POST /score and /v1/score (vLLM's), on an embedding model: the cosine similarity of text_1's and text_2's
     embeddings; one text_1 against each text_2, or pairs of equal-length lists."""

@@ -18,22 +18,25 @@ import numpy as np
 from llmc.errors import RequestError
 from llmc.runtime.pooling import PoolingParams, cosine_similarity, score_pairs
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid
-from llmc.runtime.server.protocol import MAX_PROMPTS, EmbeddingRequest, RerankRequest, ScoreRequest
+from llmc.runtime.server.protocol import MAX_PROMPTS, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
 from llmc.runtime.server.serving import CONTEXT_LENGTH_PREFIX, ServingContext, new_id, parse_body
 
 
-async def create_embedding(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
-    """The response body."""
-    request = parse_body(EmbeddingRequest, body)
+async def create_embedding(ctx: ServingContext, body: object, arrival_time: float | None = None,
+                           pooling: bool = False) -> dict:
+    """The response body. `pooling`: vLLM's POST /pooling, the same request and vectors, its reply's names
+    ("pool-" ids, data items {"object": "pooling", "data"}); its `task` may only be "embed"."""
+    request = parse_body(PoolingRequest if pooling else EmbeddingRequest, body)
     request.check()
-    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Embeddings")
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings")
     params = _params(ctx, dimensions=request.dimensions, normalize=request.normalize, truncate_prompt_tokens=keep)
-    request_id = new_id("embd")
+    request_id = new_id("pool" if pooling else "embd")
     outputs = await _embed(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+    kind, key = ("pooling", "data") if pooling else ("embedding", "embedding")
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": ctx.response_model(request.model),
-            "data": [{"index": i, "object": "embedding", "embedding": _encoded(o.outputs.embedding, request.encoding_format)}
+            "data": [{"index": i, "object": kind, key: _encoded(o.outputs.embedding, request.encoding_format)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(num_tokens)}
 

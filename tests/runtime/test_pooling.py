@@ -64,6 +64,11 @@ def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
     with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"normalize": False}) as llm:
         raw, normed = llm.embed(PROMPTS[:2], [PoolingParams(), PoolingParams(normalize=True)])
         [cut] = llm.embed(PROMPTS[2], truncate_prompt_tokens=7)
+        encoded = llm.encode(PROMPTS[:2])  # vLLM's generic form: the same vectors as float32 tensors
+        with pytest.raises(RequestError, match="pooling_task 'classify'"):
+            llm.encode(PROMPTS[0], pooling_task="classify")
+    assert [o.outputs.data.dtype for o in encoded] == [torch.float32] * 2
+    assert torch.equal(encoded[0].outputs.data, torch.tensor(raw.outputs.embedding))
     assert_close(raw, reference(ref_model_dir, raw.prompt_token_ids, "LAST", normalize=False), 1e-4)
     assert_close(normed, reference(ref_model_dir, normed.prompt_token_ids, "LAST"), 2e-6)
     ids = hf_encode(ref_model_dir, PROMPTS[2])  # a text cut as the tokenizer truncates it: its BOS kept (vLLM's)

@@ -85,6 +85,13 @@ def test_embeddings_request_forms_and_errors(pooling_server, ref_model_dir):
         response = post(pooling_server, body)
         assert response.status_code == status, (body, response.text)
         assert response.json()["error"]["param"] == param, (body, response.text)
+    pooled = httpx.post(f"{pooling_server.base_url}/pooling", json={"input": TEXTS[0]},
+                        headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).json()  # vLLM's /pooling
+    assert pooled["id"].startswith("pool-") and pooled["data"][0]["object"] == "pooling"
+    assert torch.allclose(torch.tensor(pooled["data"][0]["data"]), torch.tensor(one["data"][0]["embedding"]), atol=1e-6)
+    refused = httpx.post(f"{pooling_server.base_url}/pooling", json={"input": "hi", "task": "classify"},
+                         headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "task"
     completion = httpx.post(f"{pooling_server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                             headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert completion.status_code == 400 and "does not generate" in completion.json()["error"]["message"]
