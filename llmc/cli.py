@@ -409,6 +409,9 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
     SamplingParams(**given)  # a bad flag fails here, before the model loads
     _check_prompt_text(prompt)
+    pooling = _is_pooling_run(artifact, overrides)
+    if pooling:  # an embedding model's --prompt prints its embedding: what only generation reads is refused now
+        _check_embedding_flags(prompt, given)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
     overrides.setdefault("disable_log_stats", True)
@@ -420,8 +423,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         if read_manifest(Path(artifact)).runtime.compilation_config is None:
             overrides["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
-        if llm.engine.pooler is not None:  # runner pooling: the prompt's embedding, as a JSON array
-            _one_embedding(llm, prompt, chat, given)
+        if pooling:  # runner pooling: the prompt's embedding, as a JSON array
+            _one_embedding(llm, prompt, chat)
             return
         # flags left out take the model's generation-config defaults (generation_config auto), as a server
         # request does; without them, 256 tokens
@@ -527,12 +530,16 @@ def _check_prompt_text(prompt: str | None) -> None:
         raise RequestError("--prompt: not Unicode text (it holds bytes that are not UTF-8); give the text in UTF-8")
 
 
-def _one_embedding(llm, prompt: str | None, chat: bool, sampling_flags: dict) -> None:
-    """--prompt on an embedding model (--runner pooling): its embedding on stdout, one JSON array."""
-    import json
+def _is_pooling_run(artifact: str, overrides: dict) -> bool:
+    """Whether the engine these options start is an embedding model (runner pooling / convert embed)."""
+    from llmc.runtime import artifact as art
+    from llmc.runtime.options import resolve_options
+    from llmc.runtime.pooling import is_pooling
 
-    from llmc.runtime.tokenizer import apply_chat_template
+    return is_pooling(resolve_options(art.read_manifest(artifact), {k: v for k, v in overrides.items() if k != "chat_template"}))
 
+
+def _check_embedding_flags(prompt: str | None, sampling_flags: dict) -> None:
     if prompt is None:
         raise click.UsageError("--chat alone is an interactive chat, which an embedding model (--runner pooling) "
                                "cannot hold; give --prompt TEXT for its embedding, or serve it (no --prompt)")
@@ -540,6 +547,14 @@ def _one_embedding(llm, prompt: str | None, chat: bool, sampling_flags: dict) ->
         flag = {"seed": "sampling-seed"}.get(name := next(iter(sampling_flags)), name.replace("_", "-"))
         raise click.UsageError(f"--{flag} samples generated text; an embedding "
                                "model (--runner pooling) generates none: leave it out")
+
+
+def _one_embedding(llm, prompt: str, chat: bool) -> None:
+    """--prompt on an embedding model (--runner pooling): its embedding on stdout, one JSON array."""
+    import json
+
+    from llmc.runtime.tokenizer import apply_chat_template
+
     if chat:
         [output] = llm.embed({"prompt_token_ids": apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}],
                                                                       add_generation_prompt=False)})

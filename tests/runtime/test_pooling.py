@@ -192,3 +192,20 @@ def test_a_pooling_recipe_is_checked_at_build_and_shown_by_inspect(tmp_path, ref
     shown = subprocess.run([sys.executable, "-m", "llmc.cli", "inspect", str(tmp_path / "emb")], capture_output=True,
                            text=True, check=True).stdout
     assert "runner pooling (embeddings; pooling_type MEAN)" in shown
+
+
+def test_llmc_run_prompt_prints_the_embedding(ref_artifact_128, ref_model_dir):
+    """`llmc run --runner pooling --prompt TEXT`: the embedding as one JSON array on stdout; a sampling flag is refused
+    before the model loads."""
+    import json
+    import subprocess
+    import sys
+
+    run = [sys.executable, "-m", "llmc.cli", "run", str(ref_artifact_128), "--device", "cpu", "--runner", "pooling",
+           "--prompt", PROMPTS[0]]
+    done = subprocess.run(run, capture_output=True, text=True, check=True)
+    got = torch.tensor(json.loads(done.stdout), dtype=torch.float64)
+    assert (got - reference(ref_model_dir, hf_encode(ref_model_dir, PROMPTS[0]), "LAST")).abs().max() < 2e-6
+    refused = subprocess.run(run + ["--max-tokens", "4"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--max-tokens samples generated text" in refused.stderr
+    assert "KV cache" not in refused.stderr  # refused before the engine started
