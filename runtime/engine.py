@@ -166,22 +166,26 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         lora_int_id = self._check_lora(lora_request, params)
-        if self.pooler is not None:
-            self._add_pooling(request_id, prompt, prompt_token_ids, params, priority, arrival_time, lora_int_id)
-            return request_id
-        params = self._check_logprob_counts(params)
-        prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
-        params.check_vocab(self.manifest.model.vocab_size)
-        if params.guided_decoding is not None:
-            self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        group = (BeamGroup if params.use_beam_search else RequestGroup)(request_id, prompt, prompt_token_ids, params,
-                                                                         arrival_time)
+        if self.pooler is not None:  # a prompt of up to max_model_len tokens, computed and never sampled
+            self.pooler.check(params)
+            prompt_token_ids = self._check_prompt(list(prompt_token_ids), params, generates=False)
+            group = PoolingGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
+        else:
+            params = self._check_logprob_counts(params)
+            prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
+            params.check_vocab(self.manifest.model.vocab_size)
+            if params.guided_decoding is not None:
+                self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
+            group = (BeamGroup if params.use_beam_search else RequestGroup)(request_id, prompt, prompt_token_ids,
+                                                                             params, arrival_time)
         self.groups[request_id] = group
         try:  # all or none: a failure part-way is undone through the abort path
             if isinstance(group, BeamGroup):
                 self._beam_group_ids.add(request_id)
                 group.start(self, priority)
+            elif isinstance(group, PoolingGroup):
+                self._add_pooling(group, priority, lora_int_id)
             else:
                 self._add_sequences(group, priority, lora_int_id)
         except BaseException:
@@ -205,33 +209,15 @@ class Engine:
         self.runner.lora.read(lora_request)
         return lora_request.lora_int_id
 
-    def _add_pooling(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: PoolingParams,
-                     priority: int, arrival_time: float | None, lora_int_id: int | None) -> None:
-        """Queue an embedding request: a prompt of at most max_model_len tokens, computed and never sampled."""
-        self.pooler.check(params)
-        keep = self._prompt_tokens_kept(params)
-        prompt_token_ids = list(prompt_token_ids)[-keep:] if keep is not None else list(prompt_token_ids)
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty; give at least one token")
-        self._check_token_ids(prompt_token_ids, "prompt")
-        if len(prompt_token_ids) > self.options.max_model_len:
-            raise RequestError(f"the input has {len(prompt_token_ids)} tokens but max_model_len is "
-                               f"{self.options.max_model_len}; shorten it (or set truncate_prompt_tokens), or raise "
-                               "max_model_len")
-        group = PoolingGroup(request_id, prompt, prompt_token_ids, params,
-                             time.monotonic() if arrival_time is None else arrival_time)
-        request = Request(request_id=f"{request_id}#0", prompt_token_ids=prompt_token_ids, max_tokens=0,
+    def _add_pooling(self, group: PoolingGroup, priority: int, lora_int_id: int | None) -> None:
+        """An embedding request's one scheduler Request (`pooling`: its prompt computed, nothing sampled)."""
+        request = Request(request_id=f"{group.request_id}#0", prompt_token_ids=group.prompt_token_ids, max_tokens=0,
                           arrival_time=group.arrival_time, priority=priority, pooling=True,
                           skip_prefix_cache=not self.pooler.reads_cached_prefix, lora_int_id=lora_int_id)
-        state = PoolingState(request, request_id)
+        state = PoolingState(request, group.request_id)
         group.sequences.append(state)
-        self.groups[request_id] = group
         self.sequences[request.request_id] = state
-        try:
-            self.scheduler.add_request(request)
-        except BaseException:
-            self.abort_request(request_id)
-            raise
+        self.scheduler.add_request(request)
 
     def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None) -> None:
         room = self.options.max_model_len - len(group.prompt_token_ids)
@@ -271,14 +257,18 @@ class Engine:
         keep = params.truncate_prompt_tokens
         return self.options.max_model_len if keep == -1 else keep
 
-    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+                      generates: bool = True) -> list[int]:
+        """The prompt truncate_prompt_tokens leaves, refused if empty, out of the vocabulary, or too long: one that
+        generates needs room for a token after it (below max_model_len), an embedding's may fill the context."""
         keep = self._prompt_tokens_kept(params)
         if keep is not None:  # a token-id prompt (a text one is cut as it is tokenized: encode_text)
             prompt_token_ids = prompt_token_ids[-keep:]
         if not prompt_token_ids:
             raise RequestError("the prompt is empty; give at least one token")
         self._check_token_ids(prompt_token_ids, "prompt")
-        if len(prompt_token_ids) >= self.options.max_model_len:
+        room = 1 if generates else 0  # the token generated after the prompt
+        if len(prompt_token_ids) > self.options.max_model_len - room:
             raise RequestError(
                 f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is {self.options.max_model_len}; "
                 "shorten the prompt or raise max_model_len"
@@ -388,9 +378,8 @@ class Engine:
         outputs = []
         embeddings = self.pooler.finish(done, [self.groups[s.group_id].params for s in done])
         for state, embedding in zip(done, embeddings):
-            state.embedding = embedding
             group = self.groups[state.group_id]
-            outputs.append(group.output())
+            outputs.append(group.output(embedding))
             self._release(group)
         self.stats_logger.record(num_prefill, 0, self.stats)
         return outputs

@@ -136,6 +136,11 @@ def pooling_problem(options, onnx: bool, world_size: int) -> str | None:
     return None
 
 
+def _of_kind(modules: list, kind: str) -> list[dict]:
+    """The entries of a sentence-transformers modules.json list whose type is `kind` (Pooling, Normalize)."""
+    return [m for m in modules if str(m.get("type", "")).endswith("." + kind)]
+
+
 def sentence_transformers_pooling(folder: Path) -> tuple[str, bool] | None:
     """(pooling type, normalize) from a sentence-transformers model's modules.json and its Pooling module's
     config.json in `folder` (vLLM's rule: normalize when a Normalize module follows); None without them."""
@@ -144,10 +149,10 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str, bool] | None:
         return None
     try:
         modules = json.loads(path.read_text(encoding="utf-8"))
-        pooling = next((m for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
-        if pooling is None:
+        pooling = _of_kind(modules, "Pooling")
+        if not pooling:
             return None
-        config = json.loads((folder / pooling["path"] / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((folder / pooling[0]["path"] / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise ConfigError(f"{path}: not a readable sentence-transformers module list ({type(e).__name__}: {e}); "
                           "fix it, or set pooler_config's pooling_type and normalize") from None
@@ -157,7 +162,7 @@ def sentence_transformers_pooling(folder: Path) -> tuple[str, bool] | None:
         named = ", ".join(others) if others else f"{len(modes)} modes"
         raise ConfigError(f"{path}: the Pooling module asks {named}; llmc pools by one of lasttoken, mean_tokens or "
                           "cls_token: set pooler_config's pooling_type")
-    normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules)
+    normalize = bool(_of_kind(modules, "Normalize"))
     return modes[0], normalize
 
 
@@ -168,7 +173,7 @@ def sentence_transformers_files(model_dir: Path) -> list[str]:
         return []
     try:
         modules = json.loads((model_dir / ST_MODULES).read_text(encoding="utf-8"))
-        paths = [f"{m['path']}/config.json" for m in modules if str(m.get("type", "")).endswith(".Pooling")]
+        paths = [f"{m['path']}/config.json" for m in _of_kind(modules, "Pooling")]
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return [ST_MODULES]  # copied as it is: the engine names the problem if it pools by it
     return [ST_MODULES, *(p for p in paths if (model_dir / p).is_file())]
@@ -182,13 +187,6 @@ class PoolingState:
         self.request = request
         self.group_id = group_id
         self.parts: list[Tensor] = []  # [hidden_size] float32 device rows: LAST/CLS one, MEAN one per chunk
-        self.embedding: list[float] | None = None
-        self.constraints = None  # (what the engine's generation paths read of a sequence)
-        self.banned_token_ids = None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.embedding is not None or self.request.is_finished
 
     def restart(self) -> None:
         """Preempted: its prompt is computed again from the first token."""
@@ -211,16 +209,10 @@ class PoolingGroup:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
 
-    @property
-    def is_finished(self) -> bool:
-        return self.sequences[0].embedding is not None
-
-    def output(self) -> EmbeddingRequestOutput | None:
-        state = self.sequences[0]
-        if state.embedding is None:
-            return None
-        return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(state.embedding), self.prompt_token_ids,
-                                      prompt=self.prompt, num_cached_tokens=state.request.num_cached_tokens,
+    def output(self, embedding: list[float]) -> EmbeddingRequestOutput:
+        """Its (only, final) output, once its prompt is pooled into `embedding`."""
+        return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(embedding), self.prompt_token_ids,
+                                      prompt=self.prompt, num_cached_tokens=self.sequences[0].request.num_cached_tokens,
                                       metrics={"arrival_time": self.arrival_time,
                                                "first_scheduled_time": self.first_scheduled_time})
 
@@ -262,10 +254,9 @@ class Pooler:
         for scheduled in requests:
             offsets.append(at)
             at += scheduled.num_new_tokens
-        if self.pooling_type == "MEAN":
-            segments = torch.repeat_interleave(to_device(torch.arange(len(requests)), hidden.device),
-                                               to_device(torch.tensor([s.num_new_tokens for s in requests]),
-                                                         hidden.device), output_size=at)
+        if self.pooling_type == "MEAN":  # each token's request, made on the host: one copy
+            counts = torch.tensor([s.num_new_tokens for s in requests])
+            segments = to_device(torch.repeat_interleave(torch.arange(len(requests)), counts), hidden.device)
             sums = torch.zeros(len(requests), hidden.shape[1], dtype=torch.float32, device=hidden.device)
             sums.index_add_(0, segments, hidden[:at].float())
             for i, state in enumerate(states):
