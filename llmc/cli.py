@@ -409,7 +409,10 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
                                              ("max_tokens", max_tokens), ("seed", sampling_seed)] if value is not None}
     SamplingParams(**given)  # a bad flag fails here, before the model loads
     _check_prompt_text(prompt)
-    pooling = _is_pooling_run(artifact, overrides)
+    from llmc.runtime.artifact import read_manifest
+
+    manifest = read_manifest(Path(artifact))
+    pooling = _is_pooling_run(manifest, overrides)
     if pooling:  # an embedding model's --prompt prints its embedding: what only generation reads is refused now
         _check_embedding_flags(prompt, given)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
@@ -418,9 +421,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if prompt is not None and "compilation_config" not in overrides:
         # one completion: one prefill step, where the piecewise graphs' capture costs seconds (unless the
         # artifact's recipe set compilation_config itself)
-        from llmc.runtime.artifact import read_manifest
-
-        if read_manifest(Path(artifact)).runtime.compilation_config is None:
+        if manifest.runtime.compilation_config is None:
             overrides["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
         if pooling:  # runner pooling: the prompt's embedding, as a JSON array
@@ -530,13 +531,12 @@ def _check_prompt_text(prompt: str | None) -> None:
         raise RequestError("--prompt: not Unicode text (it holds bytes that are not UTF-8); give the text in UTF-8")
 
 
-def _is_pooling_run(artifact: str, overrides: dict) -> bool:
-    """Whether the engine these options start is an embedding model (runner pooling / convert embed)."""
-    from llmc.runtime import artifact as art
+def _is_pooling_run(manifest, overrides: dict) -> bool:
+    """Whether the engine these options start on this artifact is an embedding model (runner pooling / convert embed)."""
     from llmc.runtime.options import resolve_options
     from llmc.runtime.pooling import is_pooling
 
-    return is_pooling(resolve_options(art.read_manifest(artifact), {k: v for k, v in overrides.items() if k != "chat_template"}))
+    return is_pooling(resolve_options(manifest, {k: v for k, v in overrides.items() if k != "chat_template"}))
 
 
 def _check_embedding_flags(prompt: str | None, sampling_flags: dict) -> None:

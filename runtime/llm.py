@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -114,12 +115,18 @@ class LLM:
         Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
         `lora_request` (vLLM's): a LoRARequest for every prompt, or a list of one (or None) per prompt, on an LLM
         started with enable_lora=True (runtime/lora.py)."""
+        with self._exclusive("generate"):
+            return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request)
+
+    @contextlib.contextmanager
+    def _exclusive(self, method: str):
+        """One generate / embed at a time (the engine is not thread-safe): a second, from another thread, raises."""
         self._check_usable()
         if not self._busy.acquire(blocking=False):
-            raise RuntimeError("LLM.generate is already running on this LLM (another thread); an LLM is not "
+            raise RuntimeError(f"LLM.{method} is already running on this LLM (another thread); an LLM is not "
                                "thread-safe: serialize the calls or use one LLM per thread")
         try:
-            return self._generate(prompts, sampling_params, use_tqdm, priority, lora_request)
+            yield
         finally:
             self._busy.release()
 
@@ -137,11 +144,7 @@ class LLM:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt, in order (`outputs.embedding`), on an LLM
         started with runner="pooling" (runtime/pooling.py). Prompts as generate's; `truncate_prompt_tokens`
         keeps each prompt's last k tokens (it sets that field of every PoolingParams)."""
-        self._check_usable()
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("LLM.embed is already running on this LLM (another thread); an LLM is not "
-                               "thread-safe: serialize the calls or use one LLM per thread")
-        try:
+        with self._exclusive("embed"):
             if self.engine.pooler is None:
                 raise RequestError("LLM.embed() is only supported for pooling models; start the LLM with "
                                    "runner='pooling' (llmc run --runner pooling)")
@@ -150,8 +153,6 @@ class LLM:
             if truncate_prompt_tokens is not None:
                 params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
             return self._run(prompts, params, use_tqdm, priority, lora_request)
-        finally:
-            self._busy.release()
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
