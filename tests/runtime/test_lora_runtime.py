@@ -12,7 +12,7 @@ from llmc.errors import ConfigError, RequestError
 from llmc.runtime.llm import LLM
 from llmc.runtime.lora import LoRARequest
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import make_peft_adapter
+from tests.runtime.hf_oracle import build_float32, make_peft_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -23,9 +23,7 @@ PROMPTS = ["ROMEO: what light through yonder window", "First Citizen:\nBefore we
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_llama):
     root = tmp_path_factory.mktemp("lora-runtime")
-    artifact = root / "base"
-    build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 128}}),
-          show_progress=False)
+    artifact = build_float32(tiny_llama, root / "base")
     adapters = {
         "attn": make_peft_adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),

@@ -156,11 +156,9 @@ def test_embeddings_through_run_time_lora_adapters(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM
 
     from llmc.runtime.lora import LoRARequest
-    from tests.runtime.hf_oracle import make_peft_adapter
+    from tests.runtime.hf_oracle import build_float32, make_peft_adapter
 
-    artifact = tmp_path / "base"
-    build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 64}}),
-          show_progress=False)
+    artifact = build_float32(tiny_llama, tmp_path / "base")
     adapter = make_peft_adapter(tiny_llama, tmp_path / "adapter", 1, r=4, lora_alpha=8, target_modules="all-linear")
     prompts = [[1, 5, 9, 200, 31, 7], [1, 5, 9, 200, 31, 7]]
     with LLM(artifact, device="cpu", runner="pooling", enable_lora=True, max_lora_rank=4) as llm:

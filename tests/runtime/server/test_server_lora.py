@@ -10,12 +10,10 @@ import httpx
 import pytest
 
 from llmc.cli import main
-from llmc.compiler.build import build
-from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.llm import LLM
 from llmc.runtime.lora import LoRARequest
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import make_peft_adapter
+from tests.runtime.hf_oracle import build_float32, make_peft_adapter
 from tests.runtime.server.conftest import ServerProcess
 
 pytest.importorskip("peft")
@@ -28,9 +26,7 @@ MAX_TOKENS = 6
 def setup(tmp_path_factory, tiny_llama):
     """(artifact, {name: adapter path}, {name or None: the LLM API's greedy text for PROMPT, ignore_eos})."""
     root = tmp_path_factory.mktemp("server-lora")
-    artifact = root / "base"
-    build(recipe_from_dict({"model": str(tiny_llama), "output": str(artifact), "runtime": {"max_model_len": 128}}),
-          show_progress=False)
+    artifact = build_float32(tiny_llama, root / "base")
     adapters = {"attn": make_peft_adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8,
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
                 "mlp": make_peft_adapter(tiny_llama, root / "mlp", 2, r=8, lora_alpha=4,
