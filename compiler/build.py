@@ -94,6 +94,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _check_moe(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
+    _check_pooling(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
@@ -146,6 +147,20 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _check_pooling(ctx: _Context) -> None:
+    """The recipe's runner / convert against the model, now that the checkpoint says whether it is a sequence
+    classifier (the recipe's own check could not know)."""
+    from llmc.runtime.pooling import pooling_problem
+
+    recipe = ctx.recipe
+    world_size = recipe.parallel.tensor * recipe.parallel.pipeline
+    if problem := pooling_problem(recipe.runtime, recipe.target.device in om.ONNX_DEVICES, world_size, ctx.model):
+        raise RecipeError(f"runtime.{problem}")
+    if ctx.model.is_classifier and recipe.runtime.speculative is not None:
+        raise RecipeError(f"runtime.speculative: {ctx.model.architecture} is a sequence classifier, which samples "
+                          "nothing to speculate; drop it")
 
 
 def _check_int8(ctx: _Context) -> None:

@@ -44,7 +44,7 @@ class LayerWeights:
 
 # Quantizes one layer: float LayerWeights → LayerWeights whose linears are float or QuantizedWeight.
 LayerPacker = Callable[[LayerWeights], LayerWeights]
-# Quantizes one global module ("embed", "norm", "lm_head") the same way: weight → float or QuantizedWeight.
+# Quantizes one global module ("embed", "norm", "lm_head", a classifier's "score") the same way: weight → float or QuantizedWeight.
 GlobalPacker = Callable[[str, Tensor], UnpackedLinear]
 
 
@@ -142,7 +142,7 @@ def pack_linear(weight: UnpackedLinear, fmt_spec: dict, dtype: torch.dtype) -> d
 
 
 def pack_global(module: str, weight: UnpackedLinear, module_formats: dict[str, dict], dtype: torch.dtype) -> dict[str, Tensor]:
-    """{runtime tensor name: tensor} of "embed", "norm" or "lm_head"."""
+    """{runtime tensor name: tensor} of "embed", "norm", "lm_head" or "score"."""
     if module == "lm_head":
         return {f"lm_head.{k}": v for k, v in pack_linear(weight, module_formats["lm_head"], dtype).items()}
     return {f"{module}.weight": weight.to(dtype)}
@@ -150,13 +150,15 @@ def pack_global(module: str, weight: UnpackedLinear, module_formats: dict[str, d
 
 def global_modules(config: ModelConfig) -> list[str]:
     """The non-layer modules, in the runtime module's order."""
+    if config.is_classifier:
+        return ["embed", "norm", "score"]
     return ["embed", "norm"] + ([] if config.tie_word_embeddings else ["lm_head"])
 
 
 def read_global(reader: TensorReader, spec: ModelSpec, module: str, padded_vocab_size: int) -> Tensor:
     """A global module's float weight; embedding and lm_head rows zero-padded to `padded_vocab_size`."""
     weight = reader.get(spec.global_tensors[f"{module}.weight"]).float()
-    if module != "norm" and weight.shape[0] < padded_vocab_size:
+    if module in ("embed", "lm_head") and weight.shape[0] < padded_vocab_size:
         padding = weight.new_zeros(padded_vocab_size - weight.shape[0], weight.shape[1])
         weight = torch.cat([weight, padding])  # rows no token id reaches; their logits are cut off
     return weight

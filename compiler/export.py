@@ -42,7 +42,7 @@ from llmc.quant.formats import Fp8Format, Int8W8A8Format, IntWeightFormat, Quant
 from llmc.quant.importers import pack_float_quantized, pack_int_quantized, pack_pack_quantized
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
-from llmc.runtime.models import spec_for_family
+from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_family
 from llmc.runtime.models.spec import ModelSpec, hf_member_rows
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -118,6 +118,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
             if b is not None:
                 out_tensors[f"{hf}.bias"] = b.clone()
     out_tensors |= _other_tensors(tensors, model, spec, {name for name, _, _ in linears})
+    if model.is_classifier:
+        ignored.append("score")  # (a classifier's head: never quantized)
 
     scheme_keys = {json.dumps(_scheme_key(s), sort_keys=True) for s in schemes.values()}
     if len(scheme_keys) > 1:
@@ -166,8 +168,9 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
         raise ArtifactError(f"{where} architecture {model.architecture}: the build folded Granite's residual_multiplier "
                             "and logits_scaling into the o_proj/down_proj and final norm weights, which a Granite "
                             "checkpoint would apply again; serve it with `llmc run`")
-    if model.architecture not in _MODEL_TYPES:
-        raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)}")
+    if CLASSIFIER_ARCHITECTURES.get(model.architecture, model.architecture) not in _MODEL_TYPES:
+        raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)} "
+                            "(and their *ForSequenceClassification)")
     if model.is_partial_rotary and int(model.head_dim * partial_rotary_factor(model)) != model.rotary_dims:
         raise ArtifactError(f"{where} rotary_dim {model.rotary_dims} of head_dim {model.head_dim}: no "
                             "partial_rotary_factor gives it back as transformers reads one")
@@ -188,7 +191,8 @@ def _scheme_key(spec: dict) -> dict:
 
 
 def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, list[tuple[str, int]], int]]:
-    """(runtime name, [(HF module, output rows)], in_features) for every linear, lm_head included."""
+    """(runtime name, [(HF module, output rows)], in_features) for every linear, lm_head included (a classifier's
+    dense `score` goes with the other tensors)."""
     hidden = model.hidden_size
     inputs = {"attn.qkv": hidden, "attn.o": model.num_heads * model.head_dim, "mlp.gate_up": hidden,
               "mlp.down": model.intermediate_size}
@@ -199,7 +203,7 @@ def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, list[tu
             members = [(f"{spec.hf_layer_prefix}{i}.{m}", rows) for m, rows in zip(linear.hf_members,
                                                                                     hf_member_rows(linear, model))]
             out.append((f"layers.{i}.{linear.name}", members, inputs[linear.name]))
-    if not model.tie_word_embeddings:
+    if not model.tie_word_embeddings and not model.is_classifier:
         out.append(("lm_head", [("lm_head", model.vocab_size)], hidden))
     return out
 
@@ -286,7 +290,7 @@ def partial_rotary_factor(model: art.ModelConfig) -> float:
 def hf_config_of(model: art.ModelConfig) -> dict:
     """The HF config.json of the artifact's model, from its ModelConfig alone (what transformers and vLLM read;
     compiler/hf_checkpoint.model_config_from_hf reads it back to the same ModelConfig)."""
-    model_type = _MODEL_TYPES[model.architecture]
+    model_type = _MODEL_TYPES[CLASSIFIER_ARCHITECTURES.get(model.architecture, model.architecture)]
     eos = model.eos_token_ids
     config = {
         "architectures": [model.architecture],
@@ -314,6 +318,13 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         "torch_dtype": model.dtype,
         "sliding_window": model.sliding_window,
     }
+    if model.is_classifier:  # the labels, and the problem_type that gives back the activation (hf_checkpoint)
+        config |= {"num_labels": model.num_labels, "id2label": dict(enumerate(model.labels)),
+                   "label2id": {label: i for i, label in enumerate(model.labels)}}
+        default = "sigmoid" if model.num_labels == 1 else "softmax"
+        if model.classifier_activation != default:
+            config["problem_type"] = {"identity": "regression", "sigmoid": "multi_label_classification"}[
+                model.classifier_activation]
     if (model.rope_scaling or {}).get("rope_type") == "longrope":
         # Phi3Config's own original_max_position_embeddings (default 4096) overrides the rope parameters' one: say it
         config["original_max_position_embeddings"] = model.rope_scaling["original_max_position_embeddings"]

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from llmc.errors import CheckpointError
 from llmc.runtime.artifact import ModelConfig
-from llmc.runtime.models import spec_for_architecture, supported_architectures
+from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_architecture, supported_architectures
 from llmc.runtime.models.spec import ModelSpec
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -176,7 +176,50 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True} if spec.family == "olmo2" else {}),
         # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
+        **(_classifier_fields(config) if config["architectures"][0] in CLASSIFIER_ARCHITECTURES else {}),
     )
+
+
+# sentence-transformers' CrossEncoder activation (config.json's sentence_transformers.activation_fn, or the older
+# sbert_ce_default_activation_function) → the classifier activation it names
+_ST_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid", "torch.nn.modules.linear.Identity": "identity"}
+
+
+def _classifier_fields(config: dict) -> dict:
+    """A sequence classifier's fields: num_labels and labels from id2label (transformers' default, 2 classes
+    LABEL_0 and LABEL_1, where the config has neither), and the activation of its logits by vLLM's rule: a
+    sentence-transformers CrossEncoder's activation_fn when the config names one, else transformers' loss for
+    problem_type (regression: identity; multi_label_classification: sigmoid), else (single_label_classification
+    or none) sigmoid for one label and softmax for more."""
+    id2label = config.get("id2label")
+    if id2label:
+        try:
+            by_index = {int(k): str(v) for k, v in id2label.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise CheckpointError(f"id2label {id2label!r}: expected an object of class index → label name") from None
+        if sorted(by_index) != list(range(len(by_index))):
+            raise CheckpointError(f"id2label: indices {sorted(by_index)} must be 0..n-1")
+        labels = [by_index[i] for i in range(len(by_index))]
+    else:
+        labels = [f"LABEL_{i}" for i in range(int(config.get("num_labels", 2)))]
+    num_labels = len(labels)
+    if config.get("num_labels") not in (None, num_labels):
+        raise CheckpointError(f"num_labels {config['num_labels']} disagrees with id2label's {num_labels} labels")
+    st = (config.get("sentence_transformers") or {}).get("activation_fn") or config.get(
+        "sbert_ce_default_activation_function")
+    problem_type = config.get("problem_type")
+    if st is not None:
+        if st not in _ST_ACTIVATIONS:
+            raise CheckpointError(f"sentence-transformers activation_fn {st!r} is not supported; supported: "
+                                  f"{', '.join(_ST_ACTIVATIONS)}")
+        activation = _ST_ACTIVATIONS[st]
+    elif problem_type in (None, "single_label_classification", "multi_label_classification", "regression"):
+        activation = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(
+            problem_type, "sigmoid" if num_labels == 1 else "softmax")
+    else:
+        raise CheckpointError(f"problem_type {problem_type!r} is not one of transformers' (regression, "
+                              "single_label_classification, multi_label_classification)")
+    return {"num_labels": num_labels, "labels": labels, "classifier_activation": activation}
 
 
 def _is_number(value) -> bool:

@@ -40,8 +40,10 @@ class QuantizingPacker:
         self.dtype = getattr(torch, config.dtype)
         windows = calibration if calibration is not None else held_out
         self.runner = LayerRunner(config, windows.shape[1], device) if windows is not None else None
-        # AWQ picks each layer's variant by the loss the float rest of the model reaches from it.
-        tail = ModelTail(reader, spec, config, self.runner, calibration) if quant.method == "awq" and calibration is not None else None
+        # AWQ picks each layer's variant by the loss the float rest of the model reaches from it (a classifier has no
+        # next-token loss: its variants are compared by the layer's output error)
+        has_tail = quant.method == "awq" and calibration is not None and not config.is_classifier
+        tail = ModelTail(reader, spec, config, self.runner, calibration) if has_tail else None
         self.quantizer = LayerQuantizer(quant, formats, config, self.runner, tail)
         embed = reader.get(spec.global_tensors["embed.weight"]).float()
         self.hidden = embed_windows(embed, calibration, config) if calibration is not None else None  # [num_samples, seq_len, hidden]
@@ -126,6 +128,12 @@ class QuantizingPacker:
         if self.eval_quant is None:
             return report
         norm = self.reader.get(self.spec.global_tensors["norm.weight"]).float()
+        report |= {"heldout_windows": int(self.held_out.shape[0]), "heldout_seq_len": int(self.held_out.shape[1])}
+        if self.config.is_classifier:
+            score = self.reader.get(self.spec.global_tensors["score.weight"]).float()
+            float_logits, quant_logits = (torch.nn.functional.linear(rms_norm(h, norm, self.config.rms_norm_eps), score)
+                                          for h in (self.eval_float, self.eval_quant))
+            return report | classifier_agreement(float_logits, quant_logits, self.config.classifier_activation)
         lm_head_name = "embed.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         lm_float = self.reader.get(self.spec.global_tensors[lm_head_name]).float()
         lm_quant = getattr(self, "lm_head_quant", lm_float).float()
@@ -133,8 +141,6 @@ class QuantizingPacker:
         quant_logits = _logits(self.eval_quant, norm, lm_quant, self.config.rms_norm_eps)
         targets = self.held_out[:, 1:]
         report |= {
-            "heldout_windows": int(self.held_out.shape[0]),
-            "heldout_seq_len": int(self.held_out.shape[1]),
             "perplexity_unquantized": round(_perplexity(float_logits, targets), 3),
             "perplexity_quantized": round(_perplexity(quant_logits, targets), 3),
             "mean_kl_divergence": round(kl_divergence(float_logits, quant_logits), 5),
@@ -172,6 +178,18 @@ class ModelTail:
         return [torch.cat([window_losses(_logits(hidden[i : i + step].to(self.runner.device), norm, lm_head,
                                                  self.config.rms_norm_eps), targets[i : i + step])
                            for i in range(0, hidden.shape[0], step)]).mean().item() for hidden in outputs]
+
+
+def classifier_agreement(float_logits: Tensor, quant_logits: Tensor, activation: str) -> dict:
+    """How a quantized classifier's outputs follow the float one's, over every position of the held-out windows
+    (each a prefix the classifier reads at its last token): the mean absolute difference of the activated
+    outputs (probabilities, scores) and, with several labels, how often the top label agrees."""
+    act = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "identity": lambda x: x}[activation]
+    out = {"classifier_mean_abs_difference": round((act(float_logits) - act(quant_logits)).abs().mean().item(), 6)}
+    if float_logits.shape[-1] > 1:
+        agree = (float_logits.argmax(-1) == quant_logits.argmax(-1)).float().mean().item()
+        out["classifier_label_agreement"] = round(agree, 4)
+    return out
 
 
 def _logits(hidden: Tensor, norm: Tensor, lm_head: Tensor, eps: float) -> Tensor:

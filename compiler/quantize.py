@@ -62,7 +62,7 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
             names[f"layers.{i}.moe.experts.gate_up"] = [f"layers.{i}.moe.experts.gate_up",
                                                          *(p + m for p in experts for m in (moe.gate, moe.up))]
             names[f"layers.{i}.moe.experts.down"] = [f"layers.{i}.moe.experts.down", *(p + moe.down for p in experts)]
-    if not config.tie_word_embeddings:
+    if not config.tie_word_embeddings and not config.is_classifier:  # (a classifier's `score` stays dense)
         names["lm_head"] = ["lm_head"]
     return names
 

@@ -413,7 +413,7 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
 
     manifest = read_manifest(Path(artifact))
     pooling = _is_pooling_run(manifest, overrides)
-    if pooling:  # an embedding model's --prompt prints its embedding: what only generation reads is refused now
+    if pooling:  # a pooling model's --prompt prints its output: what only generation reads is refused now
         _check_embedding_flags(prompt, given)
     # The text streams to stdout: no periodic statistics line cuts into it on a terminal (unless asked
     # for with --no-disable-log-stats); one summary line goes to stderr once the text is complete.
@@ -424,8 +424,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
         if manifest.runtime.compilation_config is None:
             overrides["compilation_config"] = {"cudagraph_mode": "FULL_DECODE_ONLY"}
     with LLM(artifact, device=device, launch=launch, **overrides) as llm:
-        if pooling:  # runner pooling: the prompt's embedding, as a JSON array
-            _one_embedding(llm, prompt, chat)
+        if pooling:  # runner pooling: the prompt's embedding (class probabilities), as JSON
+            _one_pooled(llm, prompt, chat)
             return
         # flags left out take the model's generation-config defaults (generation_config auto), as a server
         # request does; without them, 256 tokens
@@ -532,35 +532,42 @@ def _check_prompt_text(prompt: str | None) -> None:
 
 
 def _is_pooling_run(manifest, overrides: dict) -> bool:
-    """Whether the engine these options start on this artifact is an embedding model (runner pooling / convert embed)."""
+    """Whether the engine these options start on this artifact pools (an embedding model, a classifier)."""
     from llmc.runtime.options import resolve_options
     from llmc.runtime.pooling import is_pooling
 
-    return is_pooling(resolve_options(manifest, {k: v for k, v in overrides.items() if k != "chat_template"}))
+    options = resolve_options(manifest, {k: v for k, v in overrides.items() if k != "chat_template"})
+    return is_pooling(options, manifest.model)
 
 
 def _check_embedding_flags(prompt: str | None, sampling_flags: dict) -> None:
     if prompt is None:
-        raise click.UsageError("--chat alone is an interactive chat, which an embedding model (--runner pooling) "
-                               "cannot hold; give --prompt TEXT for its embedding, or serve it (no --prompt)")
+        raise click.UsageError("--chat alone is an interactive chat, which a pooling model (an embedding model, "
+                               "a classifier) cannot hold; give --prompt TEXT for its output, or serve it (no --prompt)")
     if sampling_flags:
         flag = {"seed": "sampling-seed"}.get(name := next(iter(sampling_flags)), name.replace("_", "-"))
-        raise click.UsageError(f"--{flag} samples generated text; an embedding "
-                               "model (--runner pooling) generates none: leave it out")
+        raise click.UsageError(f"--{flag} samples generated text; a pooling model (an embedding model, a "
+                               "classifier) generates none: leave it out")
 
 
-def _one_embedding(llm, prompt: str, chat: bool) -> None:
-    """--prompt on an embedding model (--runner pooling): its embedding on stdout, one JSON array."""
+def _one_pooled(llm, prompt: str, chat: bool) -> None:
+    """--prompt on a pooling model: an embedding model's embedding on stdout, one JSON array; a classifier's
+    {"label", "probs"}, one JSON object (vLLM's /classify item)."""
     import json
 
     from llmc.runtime.tokenizer import apply_chat_template
 
     if chat:
-        [output] = llm.embed({"prompt_token_ids": apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}],
-                                                                      add_generation_prompt=False)})
-    else:
+        prompt = {"prompt_token_ids": apply_chat_template(llm.tokenizer, [{"role": "user", "content": prompt}],
+                                                          add_generation_prompt=False)}
+    if llm.engine.pooler.task == "embed":
         [output] = llm.embed(prompt)
-    click.echo(json.dumps(output.outputs.embedding))
+        click.echo(json.dumps(output.outputs.embedding))
+        return
+    [output] = llm.classify(prompt)
+    probs = output.outputs.probs
+    label = llm.engine.manifest.model.labels[max(range(len(probs)), key=probs.__getitem__)]
+    click.echo(json.dumps({"label": label, "probs": probs}))
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:

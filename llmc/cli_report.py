@@ -226,6 +226,9 @@ def print_inspect(report: dict) -> None:
                       f"{a['modules']} linears)") for a in report["source"].get("adapters", [])],
         ("model", f"{m['architecture']} ({m['family']}): {m['num_layers']} layers, hidden {m['hidden_size']}, "
                   f"heads {m['num_heads']} (kv {m['num_kv_heads']}), head_dim {m['head_dim']}, vocab {m['vocab_size']}"),
+        *([("classifier", f"{m['num_labels']} labels ({', '.join(m['labels'][:4])}{', ...' if m['num_labels'] > 4 else ''}),"
+                          f" {m['classifier_activation']}; runs as a pooling model (convert classify)")]
+          if m.get("num_labels") else []),
         ("attention", _attention_text(m)),
         *([("layers", text)] if (text := _layer_text(m)) else []),
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, " + (f"stored as {m['dtype']}" if report.get("onnx") is None

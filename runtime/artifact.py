@@ -46,8 +46,10 @@ from llmc.schema import opt, parse
 #      head); older manifests load without them (pre-norms, per-head q/k norms).
 # 1.11: the w8a8-int8 linear format (int8 weights per channel, int8 activations per token at run time) and
 #      quant.method int8; older manifests have neither (an older llmc refuses the format by name).
-FORMAT_VERSION = "1.11"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11")
+# 1.12: sequence classifiers (model.num_labels, labels, classifier_activation; a `score` tensor in place of lm_head);
+#      older manifests load without them (a causal LM).
+FORMAT_VERSION = "1.12"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -60,6 +62,8 @@ MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
+# a classifier's logits → what it reports: softmax (classes), sigmoid (one score, or multi-label), identity (regression)
+CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 
 
 def rank_weights_path(rank: int) -> str:
@@ -123,6 +127,13 @@ class ModelConfig:
     # OLMo 2: q_norm / k_norm are RMSNorms over the whole q / k projection (num_heads * head_dim and
     # num_kv_heads * head_dim wide, one variance over every head), not per head (Qwen3, Gemma 3)
     qk_norm_full_width: bool = opt(False)
+    # A sequence classifier (HF *ForSequenceClassification): its head is `score` [num_labels, hidden_size], applied to
+    # the pooled hidden state, in place of an LM head; it runs as vLLM's pooling runner (convert classify) only.
+    # None: a causal LM. labels: HF's id2label in index order; classifier_activation: what turns the head's
+    # logits into the reported probabilities or score (runtime/pooling.classifier_activation_of).
+    num_labels: int | None = opt(None, min=1)
+    labels: list[str] | None = opt(None)
+    classifier_activation: str | None = opt(None, choices=list(CLASSIFIER_ACTIVATIONS))
 
     def __post_init__(self):
         if not self.pre_norms and not self.sandwich_norms:
@@ -132,9 +143,17 @@ class ModelConfig:
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
             raise ArtifactError(f"model: softmax_scale {self.softmax_scale} and query_pre_attn_scalar "
                                 f"{self.query_pre_attn_scalar} both set the attention's scale; keep one")
+        if (self.num_labels is None) != (self.classifier_activation is None) or (
+                self.labels is not None and len(self.labels) != self.num_labels):
+            raise ArtifactError(f"model: a classifier needs num_labels, classifier_activation and (if given) one label "
+                                f"per class; got {self.num_labels}, {self.classifier_activation}, {self.labels}")
         if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise ArtifactError(f"model: rotary_dim {self.rotary_dim} must be even and at most head_dim "
                                 f"{self.head_dim}")
+
+    @property
+    def is_classifier(self) -> bool:
+        return self.num_labels is not None
 
     @property
     def rotary_dims(self) -> int:
@@ -181,6 +200,8 @@ class ModelConfig:
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
+        if self.is_classifier:  # (HF's classifier has no LM head, tied or not: its head is `score`)
+            lm_head = self.num_labels * self.hidden_size
         num_moe = len(self.moe_layers)
         moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe

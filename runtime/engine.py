@@ -24,7 +24,7 @@ from llmc.runtime.options import generation_defaults, resolve_device, resolve_op
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import Pooler, PoolingGroup, PoolingParams, PoolingState, is_pooling, pooling_problem
+from llmc.runtime.pooling import Pooler, PoolingGroup, PoolingParams, PoolingState, pooling_problem, pooling_task
 from llmc.runtime.request import Request
 from llmc.runtime.request_state import RequestGroup, SequenceState
 from llmc.runtime.beam_group import BeamGroup, BeamState, advance_beam_groups, check_beam_width
@@ -72,7 +72,7 @@ class Engine:
         vocab_size = self.manifest.model.vocab_size
         self.eos_token_ids = model_eos_first(self.manifest.model.eos_token_ids, self.tokenizer.eos_token_id, vocab_size)
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
-        is_pooling = self._check_pooling()
+        task = self._check_pooling()
         draft = self._draft_artifact()
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
@@ -99,9 +99,11 @@ class Engine:
             self.proposer = DraftModelProposer(speculative, *draft, self.options, self.device, self.runner.num_blocks)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
-        # runner pooling: an embedding model (runtime/pooling.py); its requests are prompts, never sampled
+        # runner pooling: an embedding model or a classifier (runtime/pooling.py); its requests are prompts, never sampled
         self.pooler = (Pooler.for_engine(self.options.pooler_config, self.artifact_dir / art.TOKENIZER_DIR,
-                                         self.manifest.model.hidden_size) if is_pooling else None)
+                                         self.manifest.model, task,
+                                         self.runner.model.classify if task == "classify" else None)
+                       if task is not None else None)
         self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
         self.spec_stats = SpecDecodeStats()
         self.stats_logger = StatsLogger(self.options.log_stats_interval, enabled=not self.options.disable_log_stats)
@@ -116,12 +118,14 @@ class Engine:
         freeze_gc_heap()
         self._holds_gc_freeze = True
 
-    def _check_pooling(self) -> bool:
-        """Whether this engine pools (runner pooling / convert embed), refusing what does not run with it."""
-        problem = pooling_problem(self.options, is_onnx(self.manifest), self.manifest.parallel.world_size)
+    def _check_pooling(self) -> str | None:
+        """The pooling task this engine runs (embed, classify; None: it generates), refusing what does not run
+        with it."""
+        model = self.manifest.model
+        problem = pooling_problem(self.options, is_onnx(self.manifest), self.manifest.parallel.world_size, model)
         if problem is not None:
             raise ConfigError(problem)
-        return is_pooling(self.options)
+        return pooling_task(self.options, model)
 
     def _draft_artifact(self) -> tuple[Path, art.Manifest] | None:
         """The draft model's folder and manifest under speculative method draft_model (checked), else None."""
@@ -146,8 +150,11 @@ class Engine:
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
         PoolingParams (vLLM's): an embedding request, on an engine started with runner pooling."""
         if (self.pooler is not None) != isinstance(params, PoolingParams):
-            raise RequestError("this model runs as an embedding model (runner pooling): it does not generate text; "
-                               "ask for embeddings (LLM.embed, /v1/embeddings), or start it with runner generate"
+            raise RequestError(("this model runs as an embedding model (runner pooling): it does not generate text; "
+                                "ask for embeddings (LLM.embed, /v1/embeddings), or start it with runner generate")
+                               if self.pooler is not None and self.pooler.task == "embed" else
+                               ("this model is a sequence classifier: it does not generate text; ask for class "
+                                "probabilities (LLM.classify, /classify) or scores (LLM.score, /score)")
                                if self.pooler is not None else
                                "PoolingParams: embeddings need an engine started with runner pooling (llmc run "
                                "--runner pooling, LLM(..., runner='pooling')); this one generates text")
@@ -379,7 +386,7 @@ class Engine:
         embeddings = self.pooler.finish(done, [self.groups[s.group_id].params for s in done])
         for state, embedding in zip(done, embeddings):
             group = self.groups[state.group_id]
-            outputs.append(group.output(embedding))
+            outputs.append(group.output(embedding, self.pooler.task))
             self._release(group)
         self.stats_logger.record(num_prefill, 0, self.stats)
         return outputs

@@ -19,10 +19,11 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import (EmbeddingRequestOutput, PoolingOutput, PoolingParams, PoolingRequestOutput,
-                                  ScoringOutput, ScoringRequestOutput, cosine_similarity, score_pairs)
+from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
+                                  PoolingOutput, PoolingParams, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput,
+                                  check_cross_encoder, cosine_similarity, score_pairs)
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
-from llmc.runtime.tokenizer import apply_chat_template, checked_tools
+from llmc.runtime.tokenizer import apply_chat_template, checked_tools, encode_pair
 
 PromptType = str | list[int] | dict
 
@@ -144,10 +145,27 @@ class LLM:
         """vLLM's LLM.embed: one EmbeddingRequestOutput per prompt, in order (`outputs.embedding`), on an LLM
         started with runner="pooling" (runtime/pooling.py). Prompts as generate's; `truncate_prompt_tokens`
         keeps each prompt's last k tokens (it sets that field of every PoolingParams)."""
-        with self._exclusive("embed"):
-            if self.engine.pooler is None:
-                raise RequestError("LLM.embed() is only supported for pooling models; start the LLM with "
-                                   "runner='pooling' (llmc run --runner pooling)")
+        return self._pool("embed", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType],
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+                 truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None,
+                 priority: Sequence[int] | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's LLM.classify: one ClassificationRequestOutput per prompt, in order (`outputs.probs`), on a
+        sequence classifier's artifact (a *ForSequenceClassification checkpoint; runtime/pooling.py)."""
+        return self._pool("classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority)
+
+    def _pool(self, task: str, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority) -> list:
+        with self._exclusive(task):
+            pooler = self.engine.pooler
+            if pooler is None or pooler.task != task:
+                need = ("an embedding model; start the LLM with runner='pooling' (llmc run --runner pooling)"
+                        if task == "embed" else
+                        "a sequence classifier (an artifact built from a *ForSequenceClassification checkpoint)")
+                what = ("generates text" if pooler is None else
+                        "is a sequence classifier (LLM.classify)" if pooler.task == "classify" else
+                        "is an embedding model (LLM.embed)")
+                raise RequestError(f"LLM.{task}() is only supported for {need}; this one {what}")
             prompts = self._pretokenize(_as_prompt_list(prompts))
             params = _as_params_list(pooling_params or PoolingParams(), len(prompts), PoolingParams)
             if truncate_prompt_tokens is not None:
@@ -157,24 +175,36 @@ class LLM:
     def encode(self, prompts: PromptType | Sequence[PromptType],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
                truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None,
-               pooling_task: str | None = "embed") -> list[PoolingRequestOutput]:
-        """vLLM's LLM.encode: the pooled output of each prompt (`.outputs.data`, a float32 tensor); an llmc pooling
-        engine runs pooling_task "embed" (what `embed` returns, as tensors), and refuses the others by name."""
-        if pooling_task not in (None, "embed"):
-            raise RequestError(f"pooling_task {pooling_task!r}: an llmc pooling engine runs the 'embed' task only (no "
-                               "classify, score or token-level heads)", param="pooling_task")
-        outputs = self.embed(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
-                             lora_request=lora_request)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.outputs.embedding)), o.prompt_token_ids)
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode: the pooled output of each prompt (`.outputs.data`, a float32 tensor): pooling_task
+        "embed" (what `embed` returns) or "classify" (what `classify` returns), which must be the model's; None:
+        the model's. Other tasks are refused by name."""
+        if pooling_task not in (None, *TASKS):
+            raise RequestError(f"pooling_task {pooling_task!r}: an llmc pooling engine runs 'embed' or 'classify' (no "
+                               "token-level heads)", param="pooling_task")
+        task = pooling_task or (self.engine.pooler.task if self.engine.pooler is not None else "embed")
+        outputs = self._pool(task, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, None)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(
+                    o.outputs.embedding if task == "embed" else o.outputs.probs)), o.prompt_token_ids)
                 for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
               truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score on an embedding model (runner="pooling"): the cosine similarity of the embeddings of
-        each (data_1, data_2) pair, one data_1 against every data_2 or two lists of one length in pairs; one
-        ScoringRequestOutput per pair (`.outputs.score`), in order."""
+        """vLLM's LLM.score: one ScoringRequestOutput per (data_1, data_2) pair (`.outputs.score`), one data_1
+        against every data_2 or two lists of one length in pairs, in order. On an embedding model, the cosine
+        similarity of the two texts' embeddings; on a cross-encoder (a classifier of one label), its activated
+        output for the two texts encoded as one pair (runtime/pooling.py)."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(first), len(second), ("data_1", "data_2"))
+        pooler = self.engine.pooler
+        if pooler is not None and pooler.task == "classify":
+            check_cross_encoder(self.engine.manifest.model)
+            if truncate_prompt_tokens is not None:
+                raise RequestError(CROSS_ENCODER_TRUNCATION, param="truncate_prompt_tokens")
+            encoded = [{"prompt_token_ids": encode_pair(self.tokenizer, _pair_text(first[i], "data_1"),
+                                                         _pair_text(second[j], "data_2"))} for i, j in pairs]
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)
+                    for o in self.classify(encoded, use_tqdm=use_tqdm, lora_request=lora_request)]
         embedded = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                               lora_request=lora_request)
         a, b = embedded[: len(first)], embedded[len(first):]
@@ -350,6 +380,14 @@ class _TextStream:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _pair_text(prompt, what: str) -> str:
+    """A cross-encoder's input text (the pair is tokenized together: token-id prompts cannot be joined)."""
+    if not isinstance(prompt, str):
+        raise RequestError(f"{what}: a cross-encoder scores texts, encoded as one pair; give text, not token ids",
+                           param=what)
+    return prompt
 
 
 def _as_prompt_list(prompts) -> list:

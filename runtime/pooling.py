@@ -17,6 +17,7 @@ an embedding model).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from llmc.kernels import to_device
 from llmc.schema import opt
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
+TASKS = ("embed", "classify")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify", "reward")
 # sentence-transformers' Pooling config keys, and the pooling each one names (vLLM reads the same)
@@ -44,7 +46,9 @@ class PoolerConfig:
 
     pooling_type: str | None = opt(None, choices=list(POOLING_TYPES),
                                    help="LAST (the last prompt token), MEAN (every token) or CLS (the first)")
-    normalize: bool | None = opt(None, help="L2-normalize the embedding (a request's `normalize` overrides it)")
+    normalize: bool | None = opt(None, help="embed: L2-normalize the embedding (a request's `normalize` overrides it)")
+    use_activation: bool | None = opt(None, help="classify: apply the classifier's activation (softmax or sigmoid, "
+                                      "the default) or give its raw logits (a request's `use_activation` overrides it)")
 
 
 @dataclass
@@ -56,13 +60,16 @@ class PoolingParams:
             Refused unless the engine's pooler_config says the model was trained for it.
         normalize: L2-normalize the embedding; None: the engine's pooler_config (default true).
         truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len); None: the prompt as is.
-        task: "embed" (vLLM's task name; the only one an llmc pooling engine runs) or None.
+        task: "embed" or "classify" (vLLM's task names), which must be the engine's; None: the engine's.
+        use_activation: classify: apply the classifier's activation (softmax, sigmoid; the default) or return
+            its raw logits (false); embed: the same as normalize (vLLM's newer name for it).
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
@@ -76,9 +83,13 @@ class PoolingParams:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)):
             raise RequestError(f"PoolingParams.truncate_prompt_tokens must be -1 or an integer >= 1, got {keep!r}",
                                param="truncate_prompt_tokens")
-        if self.task not in (None, "embed"):
-            raise RequestError(f"PoolingParams.task {self.task!r}: an llmc pooling engine makes embeddings only "
-                               "(task 'embed'); classify, score and token-level tasks are not supported", param="task")
+        if self.task not in (None, *TASKS):
+            raise RequestError(f"PoolingParams.task {self.task!r}: an llmc pooling engine runs 'embed' or 'classify'; "
+                               "score is LLM.score's and the server's /score, token-level tasks are not supported",
+                               param="task")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise RequestError(f"PoolingParams.use_activation must be true or false, got {self.use_activation!r}",
+                               param="use_activation")
 
     # what the server's admission and the engine loop count: one sequence per prompt
     n = 1
@@ -97,6 +108,32 @@ class EmbeddingOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's ClassificationOutput: the class probabilities (the classifier's activation of its logits; the
+    logits themselves under use_activation false), as Python floats."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's ClassificationRequestOutput: one prompt's class probabilities (outputs.probs)."""
+
+    request_id: str
+    outputs: ClassificationOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
 class EmbeddingRequestOutput:
     """vLLM's EmbeddingRequestOutput: one prompt's embedding (outputs.embedding). `error` is set, and
     outputs None, when the request failed; finished is always true (an embedding comes whole)."""
@@ -111,26 +148,48 @@ class EmbeddingRequestOutput:
     error: str | None = None
 
 
-def is_pooling(options) -> bool:
-    """Whether engine options (RuntimeDefaults) pool, under vLLM's `runner` / `convert` (auto: generate: every
-    architecture llmc builds is a causal LM)."""
-    return options.runner == "pooling" or options.convert == "embed"
+def pooling_task(options, model=None) -> str | None:
+    """The pooling task an engine of `options` (RuntimeDefaults) runs on `model` (an artifact ModelConfig; None
+    where it is not known yet: a recipe before its checkpoint is read), under vLLM's `runner` / `convert`: "embed",
+    "classify", or None (it generates). auto and none follow the model: a sequence classifier (num_labels)
+    classifies, a causal LM generates (runner auto) or embeds (runner pooling)."""
+    if options.runner == "generate":
+        return None
+    if options.convert in TASKS:
+        return options.convert
+    is_classifier = model is not None and model.is_classifier
+    if options.runner == "pooling":
+        return "classify" if is_classifier else "embed"
+    return "classify" if is_classifier else None
 
 
-def pooling_problem(options, onnx: bool, world_size: int) -> str | None:
-    """What llmc cannot run of these options' runner / convert / pooler_config (the engine and the build
-    say it alike), or None."""
-    if options.convert in ("classify", "reward"):
-        return (f"convert {options.convert!r}: llmc's pooling runner makes embeddings only; use convert embed (or "
-                "auto), or drop it")
-    if options.convert == "embed" and options.runner == "generate":
-        return "convert 'embed' makes an embedding model, which runner 'generate' does not run; use runner pooling (or auto)"
-    if not is_pooling(options):
-        return ("pooler_config applies to an embedding model; give runner pooling too, or drop it"
+def is_pooling(options, model=None) -> bool:
+    """Whether an engine of these options pools (`pooling_task`)."""
+    return pooling_task(options, model) is not None
+
+
+def pooling_problem(options, onnx: bool, world_size: int, model=None) -> str | None:
+    """What llmc cannot run of these options' runner / convert / pooler_config on `model` (None: not known yet;
+    the engine and the build say it alike), or None."""
+    if options.convert == "reward":
+        return ("convert 'reward': reward models (per-token rewards) are not supported; a sequence classifier "
+                "checkpoint runs with convert classify (or auto), a causal LM with convert embed")
+    if options.convert in TASKS and options.runner == "generate":
+        return (f"convert {options.convert!r} makes a pooling model, which runner 'generate' does not run; use runner "
+                "pooling (or auto)")
+    if model is not None and model.is_classifier and options.runner == "generate":
+        return (f"{model.architecture} is a sequence classifier (its head is `score`, no LM head): runner 'generate' "
+                "cannot run it; use runner pooling (or auto)")
+    if options.convert == "classify" and model is not None and not model.is_classifier:
+        return (f"convert 'classify' needs a sequence classifier checkpoint (a *ForSequenceClassification with its "
+                f"`score` head); {model.architecture} has none; use convert embed, or build the classifier checkpoint")
+    task = pooling_task(options, model)
+    if task is None:
+        return ("pooler_config applies to a pooling model; give runner pooling too, or drop it"
                 if options.pooler_config is not None else None)
     if onnx or world_size != 1:
         where = "an onnx-cpu artifact" if onnx else "a tensor/pipeline-parallel artifact"
-        return f"runner pooling (embeddings) does not run on {where}; serve a single-rank torch build of the model"
+        return f"runner pooling ({task}) does not run on {where}; serve a single-rank torch build of the model"
     if options.speculative is not None:
         return "speculative: speculative decoding does not apply to runner pooling (embeddings sample nothing); drop it"
     return None
@@ -209,28 +268,50 @@ class PoolingGroup:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
 
-    def output(self, embedding: list[float]) -> EmbeddingRequestOutput:
-        """Its (only, final) output, once its prompt is pooled into `embedding`."""
-        return EmbeddingRequestOutput(self.request_id, EmbeddingOutput(embedding), self.prompt_token_ids,
-                                      prompt=self.prompt, num_cached_tokens=self.sequences[0].request.num_cached_tokens,
-                                      metrics={"arrival_time": self.arrival_time,
-                                               "first_scheduled_time": self.first_scheduled_time})
+    def output(self, values: list[float], task: str) -> EmbeddingRequestOutput | ClassificationRequestOutput:
+        """Its (only, final) output, once its prompt is pooled into `values` (an embedding, or class probabilities)."""
+        kind, output = ((EmbeddingRequestOutput, EmbeddingOutput(values)) if task == "embed" else
+                        (ClassificationRequestOutput, ClassificationOutput(values)))
+        return kind(self.request_id, output, self.prompt_token_ids, prompt=self.prompt,
+                    num_cached_tokens=self.sequences[0].request.num_cached_tokens,
+                    metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time})
+
+
+# a classifier's activation (artifact ModelConfig.classifier_activation) over a [n, num_labels] float32 tensor
+ACTIVATIONS = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "identity": lambda x: x}
 
 
 class Pooler:
-    """Pools a step's final hidden states into its requests' embeddings."""
+    """Pools a step's final hidden states into its requests' embeddings (task embed) or, through the model's
+    classifier head, their class probabilities (task classify)."""
 
-    def __init__(self, pooling_type: str, normalize: bool, hidden_size: int):
+    def __init__(self, pooling_type: str, normalize: bool, hidden_size: int, task: str = "embed",
+                 head: Callable[[Tensor], Tensor] | None = None, activation: str | None = None,
+                 use_activation: bool = True):
+        """head: classify: the model's classifier, pooled hidden states [n, hidden_size] → float32 logits
+        [n, num_labels] (DecoderModel.classify); activation: what turns them into probabilities."""
         self.pooling_type, self.normalize, self.hidden_size = pooling_type, normalize, hidden_size
+        self.task, self.head, self.activation, self.use_activation = task, head, activation, use_activation
 
     @classmethod
-    def for_engine(cls, config: PoolerConfig | None, tokenizer_dir: Path, hidden_size: int) -> Pooler:
-        """vLLM's order: pooler_config's fields, then the sentence-transformers files, then LAST + normalize."""
+    def for_engine(cls, config: PoolerConfig | None, tokenizer_dir: Path, model, task: str,
+                   head: Callable[[Tensor], Tensor] | None = None) -> Pooler:
+        """vLLM's order: pooler_config's fields, then the sentence-transformers files, then LAST + normalize.
+        `model`: the artifact's ModelConfig; `head`: classify's (DecoderModel.classify)."""
         config = config or PoolerConfig()
+        if task == "classify":
+            if config.normalize is not None:
+                raise ConfigError("pooler_config.normalize applies to embeddings; a classifier's outputs take "
+                                  "use_activation (true: probabilities, false: raw logits)")
+            return cls(config.pooling_type or "LAST", False, model.hidden_size, task, head, model.classifier_activation,
+                       config.use_activation is not False)
+        if config.use_activation is not None:
+            raise ConfigError("pooler_config.use_activation applies to classifiers; an embedding model's vectors "
+                              "take normalize")
         found = sentence_transformers_pooling(tokenizer_dir)
         pooling_type = config.pooling_type or (found[0] if found else "LAST")
         normalize = config.normalize if config.normalize is not None else (found[1] if found else True)
-        return cls(pooling_type, normalize, hidden_size)
+        return cls(pooling_type, normalize, model.hidden_size)
 
     @property
     def reads_cached_prefix(self) -> bool:
@@ -239,6 +320,16 @@ class Pooler:
         return self.pooling_type == "LAST"
 
     def check(self, params: PoolingParams) -> None:
+        if params.task not in (None, self.task):
+            raise RequestError(f"task {params.task!r}: this model runs task {self.task!r} ("
+                               f"{'an embedding model' if self.task == 'embed' else 'a sequence classifier'})",
+                               param="task")
+        if self.task == "classify":
+            given = [k for k in ("dimensions", "normalize") if getattr(params, k) is not None]
+            if given:
+                raise RequestError(f"{given[0]} applies to embeddings; a classifier's request takes use_activation "
+                                   "(and truncate_prompt_tokens)", param=given[0])
+            return
         if params.dimensions is not None and params.dimensions != self.hidden_size:
             raise RequestError(f"dimensions {params.dimensions}: this model does not support Matryoshka "
                                "representation (its embeddings are trained whole); changing the output dimensions "
@@ -272,17 +363,24 @@ class Pooler:
         return [state for state, scheduled in zip(states, requests) if scheduled.is_last_chunk]
 
     def finish(self, states: list[PoolingState], params: list[PoolingParams]) -> list[list[float]]:
-        """The embeddings of requests whose prompt is complete (one copy to the host for all)."""
+        """The embeddings (class probabilities) of requests whose prompt is complete (one copy to the host for all)."""
         if not states:
             return []
-        vectors = torch.stack([s.parts[0] if len(s.parts) == 1 else torch.stack(s.parts).sum(0) for s in states]).cpu()
+        vectors = torch.stack([s.parts[0] if len(s.parts) == 1 else torch.stack(s.parts).sum(0) for s in states])
+        if self.pooling_type == "MEAN":
+            counts = torch.tensor([s.request.num_prompt_tokens for s in states], dtype=torch.float32)
+            vectors = vectors / to_device(counts, vectors.device).unsqueeze(1)
+        if self.task == "classify":
+            logits = self.head(vectors).cpu()  # [n, num_labels] float32
+            probs = ACTIVATIONS[self.activation](logits)
+            return [(p_ if (self.use_activation if p.use_activation is None else p.use_activation) else raw).tolist()
+                    for p_, raw, p in zip(probs, logits, params)]
         embeddings = []
-        for state, vector, p in zip(states, vectors, params):
-            if self.pooling_type == "MEAN":
-                vector = vector / state.request.num_prompt_tokens
+        for vector, p in zip(vectors.cpu(), params):
             if p.dimensions is not None:
                 vector = vector[: p.dimensions]
-            if (self.normalize if p.normalize is None else p.normalize):
+            normalize = p.use_activation if p.normalize is None else p.normalize  # (vLLM's newer name for it)
+            if (self.normalize if normalize is None else normalize):
                 vector = torch.nn.functional.normalize(vector, dim=0)
             embeddings.append(vector.tolist())
         return embeddings
@@ -321,6 +419,17 @@ class ScoringRequestOutput:
     outputs: ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
+
+
+CROSS_ENCODER_TRUNCATION = ("truncate_prompt_tokens: a cross-encoder's input is the two texts as one pair, which "
+                            "cutting its first tokens would cut the first text from; shorten the texts instead")
+
+
+def check_cross_encoder(model) -> None:
+    """A classifier scores pairs only as a cross-encoder, of one label (vLLM's rule); RequestError otherwise."""
+    if model.num_labels != 1:
+        raise RequestError(f"scores need a cross-encoder (a classifier of one label); {model.architecture} has "
+                           f"{model.num_labels} labels: ask for its class probabilities (classify) instead")
 
 
 def score_pairs(num_1: int, num_2: int, what: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[int, int]]:

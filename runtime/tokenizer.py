@@ -65,6 +65,12 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True, keep: int
     return prefix + (content[len(content) - (keep - num_added):] if keep > num_added else []) + suffix
 
 
+def encode_pair(tokenizer, text_1: str, text_2: str) -> list[int]:
+    """A cross-encoder's input: the two texts' token ids as the tokenizer encodes a pair (its template's special
+    tokens around and between them), as vLLM encodes a score request for a classifier of one label."""
+    return list(tokenizer(text=text_1, text_pair=text_2, add_special_tokens=True)["input_ids"])
+
+
 def _verify(path: Path) -> None:
     """The tokenizer files of an artifact must match their sha256 in its manifest before they are parsed."""
     from llmc.runtime import artifact as art

@@ -11,12 +11,22 @@ def spec_for_family(family: str) -> ModelSpec:
     return next(spec for spec in SPECS if spec.family == family)
 
 
+# Sequence classifiers (transformers' *ForSequenceClassification: the causal model's decoder, then `score`, a
+# [num_labels, hidden_size] linear without bias, read at the last token) → the causal LM whose decoder they share
+CLASSIFIER_ARCHITECTURES = {
+    **{f"{name}ForSequenceClassification": f"{name}ForCausalLM"
+       for name in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Phi3", "Gemma2", "Olmo2")},
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+}
+
+
 def spec_for_architecture(architecture: str) -> ModelSpec | None:
+    architecture = CLASSIFIER_ARCHITECTURES.get(architecture, architecture)
     return next((spec for spec in SPECS if architecture in spec.architectures), None)
 
 
 def supported_architectures() -> list[str]:
-    return [arch for spec in SPECS for arch in spec.architectures]
+    return [arch for spec in SPECS for arch in spec.architectures] + list(CLASSIFIER_ARCHITECTURES)
 
 
 def model_context_of(model) -> tuple[int, str]:

@@ -218,7 +218,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """embed → layers → norm → lm_head. `formats` maps each linear's runtime name to its LinearFormat.
+    """embed → layers → norm → lm_head (a sequence classifier's: score). `formats` maps each linear's runtime name to its LinearFormat.
 
     With a `layout`, only that rank's share (see runtime/parallel/layout.py); `layers` is keyed by
     the global layer index, so tensor names stay `layers.{i}.…` on every rank.
@@ -237,10 +237,14 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): DecoderLayer(config, formats, i, dtype, layout, tp_group) for i in self.layout.layers}
         )
-        self.is_tied = config.tie_word_embeddings
+        self.is_tied = config.tie_word_embeddings and not config.is_classifier
         if self.layout.has_head:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-            if not self.is_tied:
+            if config.is_classifier:  # a sequence classifier's head, dense (never quantized): `classify`
+                self.score = nn.Module()
+                self.score.register_buffer("weight", torch.empty(config.num_labels, config.hidden_size, dtype=dtype,
+                                                                 device="meta"))
+            elif not self.is_tied:
                 self.lm_head = Linear(config.hidden_size, self.layout.vocab_size, formats["lm_head"], False, dtype)
         rope, local_rope = rope_tables(config, max_positions)
         self.register_buffer("cos_sin", rope, persistent=False)
@@ -291,10 +295,18 @@ class DecoderModel(nn.Module):
         (transformers computes it in the head's dtype; in bf16 the tanh would round logits near the cap
         into ties), so its logits are float32 for dtype None. Elementwise: under tensor parallelism each
         rank caps its own vocabulary rows."""
+        if self.config.is_classifier:  # (what profiles and warm-ups run; a classifier's steps pool: runtime/pooling.py)
+            return self.classify(hidden, dtype)
         logits = (torch.nn.functional.linear(hidden, self.embed.weight) if self.is_tied else self.lm_head(hidden))
         if self.final_softcap is not None:
             cap = self.final_softcap
             logits = torch.tanh(logits.float() / cap) * cap
+        return logits if dtype is None else logits.to(dtype)
+
+    def classify(self, hidden: Tensor, dtype: torch.dtype | None = torch.float32) -> Tensor:
+        """A sequence classifier's logits [n, num_labels] of pooled hidden states [n, hidden_size]: transformers'
+        `score` (no bias, no soft cap), in the weights' dtype as transformers computes it, then `dtype`."""
+        logits = torch.nn.functional.linear(hidden.to(self.score.weight.dtype), self.score.weight)
         return logits if dtype is None else logits.to(dtype)
 
     def prepare_loaded_weights(self, keep_gate_up_order: bool = False) -> None:

@@ -40,7 +40,7 @@ class ModelSpec:
     layer_linears: tuple[FusedLinear, ...]
     layer_norms: dict[str, str]  # runtime name in a layer → HF name in a layer
     qk_norms: dict[str, str]  # runtime → HF, present when the config has qk_norm
-    global_tensors: dict[str, str]  # runtime tensor name → HF tensor name (embedding, final norm, lm_head)
+    global_tensors: dict[str, str]  # runtime tensor name → HF tensor name (embedding, final norm, lm_head, score)
     hf_layer_prefix: str = "model.layers."
     never_quantized: tuple[str, ...] = ("embed", "norm")  # runtime names no recipe can quantize
     moe: MoeSpec | None = None  # mixture-of-experts layers (their router is never quantized)
@@ -74,6 +74,7 @@ LLAMA_GLOBALS = {
     "embed.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
+    "score.weight": "score.weight",  # a sequence classifier's head (in place of lm_head)
 }
 
 

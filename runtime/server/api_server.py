@@ -42,13 +42,13 @@ from llmc.runtime.server.metrics import ServerMetrics, log_stats_periodically
 from llmc.runtime.server.router import ReplicaRouter
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                          EmbeddingRequest, PoolingRequest, RerankRequest, ResponsesRequest,
+                                          ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ResponsesRequest,
                                           ScoreRequest,
                                           TokenizeRequest, openapi_body, parse_json_body)
 from llmc.runtime.server.serving import DEFAULT_MAX_WAITING, EventStream, ModelNames, ServingContext, parse_body
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
-from llmc.runtime.server.serving_embedding import create_embedding, create_rerank, create_score
+from llmc.runtime.server.serving_embedding import create_classification, create_embedding, create_rerank, create_score
 from llmc.runtime.server import serving_responses
 from llmc.runtime.server.serving_responses import ResponseStore, create_response, not_found
 
@@ -283,7 +283,13 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         arrival_time = time.monotonic()
         return await _generate(request, lambda body: create_embedding(ctx, body, arrival_time, pooling=True))
 
-    @router.post("/score", openapi_extra=openapi_body(ScoreRequest))  # vLLM's, on an embedding model
+    @router.post("/classify", openapi_extra=openapi_body(ClassificationRequest))  # vLLM's, on a sequence classifier
+    @router.post("/v1/classify", openapi_extra=openapi_body(ClassificationRequest))
+    async def classify(request: Request) -> Response:
+        arrival_time = time.monotonic()
+        return await _generate(request, lambda body: create_classification(ctx, body, arrival_time))
+
+    @router.post("/score", openapi_extra=openapi_body(ScoreRequest))  # vLLM's: embedding models and cross-encoders
     @router.post("/v1/score", openapi_extra=openapi_body(ScoreRequest))
     async def score(request: Request) -> Response:
         arrival_time = time.monotonic()

@@ -1,8 +1,8 @@
 """Offline batch files in OpenAI's batch format: `llmc run ARTIFACT --input in.jsonl --output out.jsonl`.
 
 Input: one request per line, `{"custom_id", "method": "POST", "url": "/v1/completions",
-"/v1/chat/completions", or "/v1/embeddings", "/v1/score", "/v1/rerank" (an engine started with --runner
-pooling), "body": {...}}`. Output: one line per request, in input order,
+"/v1/chat/completions", or "/v1/embeddings", "/v1/classify", "/v1/score", "/v1/rerank" (an embedding model,
+--runner pooling, or a classifier), "body": {...}}`. Output: one line per request, in input order,
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`; a request
 the server would refuse gets its error body and status (400, ...) in `response`. The body's
 `model` is ignored (the artifact being run answers every line), unless it names a LoRA adapter of
@@ -33,11 +33,12 @@ from llmc.runtime.server.lora_modules import LoraModule, ServedAdapters, with_ad
 from llmc.runtime.server.serving import ModelNames, ServingContext, new_id
 from llmc.runtime.server.serving_chat import create_chat_completion
 from llmc.runtime.server.serving_completion import create_completion
-from llmc.runtime.server.serving_embedding import create_embedding, create_rerank, create_score
+from llmc.runtime.server.serving_embedding import create_classification, create_embedding, create_rerank, create_score
 
 logger = logging.getLogger("llmc")
 _HANDLERS = {"/v1/completions": create_completion, "/v1/chat/completions": create_chat_completion,
-             "/v1/embeddings": create_embedding, "/v1/score": create_score, "/v1/rerank": create_rerank}
+             "/v1/embeddings": create_embedding, "/v1/classify": create_classification, "/v1/score": create_score,
+             "/v1/rerank": create_rerank}
 
 
 class BatchFileError(LlmcError):
@@ -83,7 +84,8 @@ def read_batch_file(path: str | Path) -> list[BatchRequestLine]:
         except ValidationError as e:
             raise BatchFileError(f"{path}:{number}: {as_api_error(e).message} "
                                  "(a line needs custom_id, method POST, url /v1/completions, "
-                                 "/v1/chat/completions, /v1/embeddings, /v1/score or /v1/rerank, and body)") from None
+                                 "/v1/chat/completions, /v1/embeddings, /v1/classify, /v1/score or /v1/rerank, and "
+                                 "body)") from None
         if request.body.get("stream"):
             raise BatchFileError(f"{path}:{number}: stream is not supported in a batch file; remove it")
         if request.custom_id in seen:

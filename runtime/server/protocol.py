@@ -586,7 +586,7 @@ class BatchRequestLine(BaseModel):
     model_config = ConfigDict(extra="ignore")
     custom_id: str
     method: Literal["POST"]
-    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"]
+    url: Literal["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify", "/v1/score", "/v1/rerank"]
     body: dict
 
 
@@ -960,26 +960,24 @@ def items_to_messages(items: list[dict]) -> list[dict]:
 
 # vLLM's embedding fields that change the output and that llmc does not implement: a 400 unless at these values
 _UNSUPPORTED_EMBEDDING_FIELDS: dict[str, tuple] = {
-    "mm_processor_kwargs": (None,), "softmax": (None,), "activation": (None,), "use_activation": (None,),
+    "mm_processor_kwargs": (None,), "softmax": (None,), "activation": (None,),
     "embed_dtype": (None, "float32"), "endianness": (None, "native", "little"),
 }
 
 
-class EmbeddingRequest(_Body, _ChatTemplateFields):
-    """POST /v1/embeddings (OpenAI's, with vLLM's extras): `input` (a text, texts, token ids or lists of them)
-    or vLLM's chat form, `messages` rendered with the chat template (add_generation_prompt off by default)."""
+class _PoolingInput(_Body, _ChatTemplateFields):
+    """What every pooling request of one or more prompts takes (vLLM's PoolingBasicRequestMixin and its chat
+    and completion forms): `input` (a text, texts, token ids or lists of them) or the chat form, `messages`
+    rendered with the chat template (add_generation_prompt off by default)."""
 
     _UNSUPPORTED = _UNSUPPORTED_EMBEDDING_FIELDS
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool | None = None  # default: true for input, false for messages (vLLM's)
     add_generation_prompt: bool = False  # vLLM's EmbeddingChatRequest default
-    normalize: bool | None = None
     priority: Int64 = 0
 
     def check(self) -> None:
@@ -995,22 +993,46 @@ class EmbeddingRequest(_Body, _ChatTemplateFields):
         return super().template_options() | {"add_special_tokens": bool(self.add_special_tokens)}
 
 
+class EmbeddingRequest(_PoolingInput):
+    """POST /v1/embeddings (OpenAI's, with vLLM's extras), on an embedding model."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(default=None, ge=1)
+    normalize: bool | None = None
+    use_activation: bool | None = None  # vLLM's newer name for normalize
+
+
+class ClassificationRequest(_PoolingInput):
+    """POST /classify and /v1/classify (vLLM's), on a sequence classifier: each input's class probabilities
+    (use_activation false: its raw logits) and most likely label."""
+
+    use_activation: bool | None = None
+
+
 class PoolingRequest(EmbeddingRequest):
-    """POST /pooling (vLLM's): an embedding request whose `task` (vLLM's pooling task) may only be "embed", the
-    one an llmc pooling engine runs."""
+    """POST /pooling (vLLM's): an embedding or classification request; its `task` (vLLM's pooling task), when
+    given, must be the model's ("embed" or "classify")."""
 
     task: str | None = None
 
     def check(self) -> None:
         super().check()
-        if self.task not in (None, "embed"):
-            raise invalid("task", f"{self.task!r}: this server's pooling engine runs the 'embed' task only (no "
-                          "classify, score or token-level heads)")
+        if self.task not in (None, "embed", "classify"):
+            raise invalid("task", f"{self.task!r}: this server's pooling engine runs 'embed' or 'classify' (no "
+                          "token-level heads)")
+
+
+# a score's activation is the classifier's (vLLM's use_activation false, raw logits, is not taken)
+_UNSUPPORTED_SCORE_FIELDS: dict[str, tuple] = {"use_activation": (None, True), "activation": (None, True),
+                                               "mm_processor_kwargs": (None,)}
 
 
 class ScoreRequest(_Body):
-    """POST /score and /v1/score (vLLM's), on an embedding model: the cosine similarity of text_1's and text_2's
-    embeddings; one text_1 against each text_2, or pairs of equal-length lists."""
+    """POST /score and /v1/score (vLLM's): on an embedding model the cosine similarity of text_1's and text_2's
+    embeddings, on a cross-encoder (a classifier of one label) its score of the pair; one text_1 against each
+    text_2, or pairs of equal-length lists."""
+
+    _UNSUPPORTED = _UNSUPPORTED_SCORE_FIELDS
 
     model: str | None = None
     text_1: str | list[str]
@@ -1020,8 +1042,10 @@ class ScoreRequest(_Body):
 
 
 class RerankRequest(_Body):
-    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, the Jina / Cohere form), on an embedding model: the documents
-    ordered by the cosine similarity of their embeddings to the query's, the top_n first."""
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, the Jina / Cohere form): the documents ordered by their score
+    against the query (ScoreRequest's), the top_n first."""
+
+    _UNSUPPORTED = _UNSUPPORTED_SCORE_FIELDS
 
     model: str | None = None
     query: str

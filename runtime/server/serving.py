@@ -26,7 +26,7 @@ from llmc.runtime.server.lora_modules import ServedAdapters
 from llmc.runtime.server.protocol import MAX_LOGPROBS
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
-from llmc.runtime.tokenizer import apply_chat_template, encode_text
+from llmc.runtime.tokenizer import apply_chat_template, encode_pair, encode_text
 
 logger = logging.getLogger("llmc")
 
@@ -225,6 +225,17 @@ class ServingContext:
                               keep: int | None = None) -> list[int]:
         """`encode` on the tokenizer pool (the default thread pool without one)."""
         return await self._off_loop(self.encode, text, add_special_tokens, param, keep)
+
+    async def encode_pair_off_loop(self, text_1: str, text_2: str, param: str) -> list[int]:
+        """A cross-encoder's pair (tokenizer.encode_pair) on the tokenizer pool; 400 naming `param` for texts that
+        cannot be tokenized."""
+        return await self._off_loop(self._encode_pair, text_1, text_2, param)
+
+    def _encode_pair(self, text_1: str, text_2: str, param: str) -> list[int]:
+        try:
+            return encode_pair(self.tokenizer, text_1, text_2)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own types
+            raise invalid(param, f"cannot be tokenized: {type(e).__name__}: {e}") from None
 
     async def render_chat_off_loop(self, messages: list[dict], options: dict | None = None) -> list[int]:
         """`render_chat` on the tokenizer pool (the default thread pool without one)."""

@@ -3,9 +3,12 @@ runner pooling (runtime/pooling.py). Each input is one engine request; the reply
 order, as float arrays or (encoding_format base64, what the openai SDK asks by default) the base64 of their
 little-endian float32 bytes.
 
-Also vLLM's score and rerank APIs as they run on an embedding model: POST /score (/v1/score) gives the cosine
-similarity of text_1's and text_2's embeddings, POST /rerank (/v1/rerank, /v2/rerank) the documents ordered by
-that similarity to the query (Jina's and Cohere's reply form)."""
+On a sequence classifier, vLLM's POST /classify (/v1/classify): each input's class probabilities and top label.
+
+Also vLLM's score and rerank APIs: POST /score (/v1/score) gives, on an embedding model, the cosine similarity
+of text_1's and text_2's embeddings, on a cross-encoder (a classifier of one label) its score of the two texts
+encoded as one pair; POST /rerank (/v1/rerank, /v2/rerank) the documents ordered by that score against the
+query (Jina's and Cohere's reply form)."""
 
 from __future__ import annotations
 
@@ -16,22 +19,27 @@ import time
 import numpy as np
 
 from llmc.errors import RequestError
-from llmc.runtime.pooling import PoolingParams, cosine_similarity, score_pairs
+from llmc.runtime.pooling import CROSS_ENCODER_TRUNCATION, PoolingParams, check_cross_encoder, cosine_similarity, score_pairs
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid
-from llmc.runtime.server.protocol import MAX_PROMPTS, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from llmc.runtime.server.protocol import (MAX_PROMPTS, ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
+                                          ScoreRequest, _PoolingInput)
 from llmc.runtime.server.serving import CONTEXT_LENGTH_PREFIX, ServingContext, new_id, parse_body
 
 
 async def create_embedding(ctx: ServingContext, body: object, arrival_time: float | None = None,
                            pooling: bool = False) -> dict:
-    """The response body. `pooling`: vLLM's POST /pooling, the same request and vectors, its reply's names
-    ("pool-" ids, data items {"object": "pooling", "data"}); its `task` may only be "embed"."""
+    """The response body. `pooling`: vLLM's POST /pooling, the same request and vectors (a classifier's: its class
+    probabilities), its reply's names ("pool-" ids, data items {"object": "pooling", "data"})."""
     request = parse_body(PoolingRequest if pooling else EmbeddingRequest, body)
     request.check()
-    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings")
-    params = _params(ctx, dimensions=request.dimensions, normalize=request.normalize, truncate_prompt_tokens=keep)
+    if pooling and (request.task or _task(ctx)) == "classify":
+        return await create_classification(ctx, body, arrival_time, pooling=True)
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings", "embed",
+                  "task" if pooling and request.task else "model")
+    params = _params(ctx, dimensions=request.dimensions, normalize=request.normalize,
+                     use_activation=request.use_activation, truncate_prompt_tokens=keep)
     request_id = new_id("pool" if pooling else "embd")
-    outputs = await _embed(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
+    outputs = await _pooled(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
     num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     kind, key = ("pooling", "data") if pooling else ("embedding", "embedding")
     return {"id": request_id, "object": "list", "created": int(time.time()),
@@ -39,6 +47,31 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
             "data": [{"index": i, "object": kind, key: _encoded(o.outputs.embedding, request.encoding_format)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(num_tokens)}
+
+
+async def create_classification(ctx: ServingContext, body: object, arrival_time: float | None = None,
+                                pooling: bool = False) -> dict:
+    """/classify: each input's class probabilities and most likely label (vLLM's reply); `pooling`: /pooling's
+    reply for a classifier (the probabilities as each item's data, float or base64)."""
+    request = parse_body(PoolingRequest if pooling else ClassificationRequest, body)
+    request.check()
+    if pooling and (request.dimensions is not None or request.normalize is not None):
+        raise invalid("dimensions" if request.dimensions is not None else "normalize",
+                      "applies to embeddings; a classifier's request takes use_activation")
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Classification",
+                  "classify", "task" if pooling else "model")
+    params = _params(ctx, use_activation=request.use_activation, truncate_prompt_tokens=keep)
+    request_id = new_id("pool" if pooling else "classify")
+    outputs = await _pooled(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
+    labels = ctx.engine_loop.engine.manifest.model.labels
+    if pooling:
+        data = [{"index": i, "object": "pooling", "data": _encoded(o.outputs.probs, request.encoding_format)}
+                for i, o in enumerate(outputs)]
+    else:
+        data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
+                 "probs": o.outputs.probs, "num_classes": len(o.outputs.probs)} for i, o in enumerate(outputs)]
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
+            "data": data, "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
 
 
 async def create_score(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
@@ -52,14 +85,10 @@ async def create_score(ctx: ServingContext, body: object, arrival_time: float | 
     except RequestError as e:
         raise as_api_error(e) from None
     request_id = new_id("score")
-    prompts = await _encoded_texts(ctx, texts_1 + texts_2, "text_1", keep)
-    outputs = await _embed(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
-    a, b = outputs[: len(texts_1)], outputs[len(texts_1):]
+    scores, num_tokens = await _scores(ctx, texts_1, texts_2, pairs, "text_1", keep, request_id, request, arrival_time)
     return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
-            "data": [{"index": k, "object": "score",
-                      "score": cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding)}
-                     for k, (i, j) in enumerate(pairs)],
-            "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
+            "data": [{"index": k, "object": "score", "score": score} for k, score in enumerate(scores)],
+            "usage": _usage(num_tokens)}
 
 
 async def create_rerank(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
@@ -69,25 +98,58 @@ async def create_rerank(ctx: ServingContext, body: object, arrival_time: float |
     if not request.documents:
         raise invalid("documents", "give at least one document")
     request_id = new_id("rerank")
-    prompts = await _encoded_texts(ctx, [request.query, *request.documents], "documents", keep)
-    outputs = await _embed(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
-    scores = [cosine_similarity(outputs[0].outputs.embedding, o.outputs.embedding) for o in outputs[1:]]
+    pairs = [(0, j) for j in range(len(request.documents))]
+    scores, num_tokens = await _scores(ctx, [request.query], request.documents, pairs, "documents", keep, request_id,
+                                       request, arrival_time)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     top_n = request.top_n or len(order)
     return {"id": request_id, "model": ctx.response_model(request.model),
-            "usage": {"total_tokens": sum(len(o.prompt_token_ids) for o in outputs)},
+            "usage": {"total_tokens": num_tokens},
             "results": [{"index": i, "document": {"text": request.documents[i]}, "relevance_score": scores[i]}
                         for i in order[:top_n]]}
 
 
-def _start(ctx: ServingContext, model: str | None, truncate_prompt_tokens: int | None, api: str) -> int | None:
-    """What every pooling endpoint checks first (the model name, a loaded pooling engine); returns the prompt
-    tokens kept (truncate_prompt_tokens, -1 being max_model_len)."""
+async def _scores(ctx: ServingContext, texts_1: list[str], texts_2: list[str], pairs: list[tuple[int, int]],
+                  param: str, keep: int | None, request_id: str, request, arrival_time: float | None
+                  ) -> tuple[list[float], int]:
+    """(each pair's score, the prompt tokens computed): on an embedding model the cosine of the two texts'
+    embeddings (each text embedded once), on a cross-encoder its score of the two texts encoded as one pair."""
+    if _task(ctx) == "classify":
+        try:
+            check_cross_encoder(ctx.engine_loop.engine.manifest.model)
+        except RequestError as e:
+            raise ApiError(400, str(e), param="model") from None
+        if keep is not None:
+            raise invalid("truncate_prompt_tokens", CROSS_ENCODER_TRUNCATION.split(": ", 1)[1])
+        prompts = list(await asyncio.gather(*(ctx.encode_pair_off_loop(texts_1[i], texts_2[j], param)
+                                              for i, j in pairs)))
+        outputs = await _pooled(ctx, prompts, _params(ctx), request_id, request, arrival_time)
+        return [o.outputs.probs[0] for o in outputs], sum(len(o.prompt_token_ids) for o in outputs)
+    prompts = await _encoded_texts(ctx, texts_1 + texts_2, param, keep)
+    outputs = await _pooled(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
+    a, b = outputs[: len(texts_1)], outputs[len(texts_1):]
+    return ([cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding) for i, j in pairs],
+            sum(len(o.prompt_token_ids) for o in outputs))
+
+
+def _task(ctx: ServingContext) -> str | None:
+    pooler = ctx.engine_loop.engine.pooler
+    return None if pooler is None else pooler.task
+
+
+def _start(ctx: ServingContext, model: str | None, truncate_prompt_tokens: int | None, api: str,
+           task: str | None = None, param: str = "model") -> int | None:
+    """What every pooling endpoint checks first (the model name, a loaded pooling engine running `task`, None:
+    either; a 400 naming `param` otherwise); returns the prompt tokens kept (truncate_prompt_tokens, -1 being
+    max_model_len)."""
     ctx.check_model(model)
     ctx.require_ready()
-    if ctx.engine_loop.engine.pooler is None:
-        raise ApiError(400, f"The model does not support {api} API: this server generates text; start it with "
-                       "--runner pooling to serve embeddings", param="model")
+    running = _task(ctx)
+    if running is None or task not in (None, running):
+        what = ("this server generates text; start it with --runner pooling to serve embeddings" if running is None
+                else "this server's model is a sequence classifier (/classify, /score)" if running == "classify"
+                else "this server's model is an embedding model (/v1/embeddings, /score)")
+        raise ApiError(400, f"The model does not support {api} API: {what}", param=param)
     return ctx.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
 
@@ -100,9 +162,9 @@ def _params(ctx: ServingContext, **fields) -> PoolingParams:
     return params
 
 
-async def _embed(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str, request,
-                 arrival_time: float | None) -> list:
-    """Every prompt's EmbeddingRequestOutput, in order (one engine request each, under the request's adapter)."""
+async def _pooled(ctx: ServingContext, prompts: list[list[int]], params: PoolingParams, request_id: str, request,
+                  arrival_time: float | None) -> list:
+    """Every prompt's EmbeddingRequestOutput (ClassificationRequestOutput), in order (one engine request each, under the request's adapter)."""
     prompts = [_checked_length(ctx, p if params.truncate_prompt_tokens is None else p[-params.truncate_prompt_tokens:])
                for p in prompts]
     generation = await ctx.generate(prompts, params, request_id, request.priority, arrival_time,
@@ -117,7 +179,7 @@ def _usage(num_tokens: int) -> dict:
     return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-async def _prompts(ctx: ServingContext, request: EmbeddingRequest, keep: int | None) -> list[list[int]]:
+async def _prompts(ctx: ServingContext, request: _PoolingInput, keep: int | None) -> list[list[int]]:
     if request.messages is not None:
         return [await ctx.render_chat_off_loop([m.as_template_input(i) for i, m in enumerate(request.messages)],
                                                request.template_options())]
@@ -159,7 +221,7 @@ def _checked_length(ctx: ServingContext, token_ids: list[int]) -> list[int]:
     return token_ids
 
 
-def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
+def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "float":
-        return embedding
-    return base64.b64encode(np.asarray(embedding, dtype="<f4").tobytes()).decode("ascii")
+        return values
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")

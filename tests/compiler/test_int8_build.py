@@ -27,7 +27,7 @@ PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", 
 def test_build_matches_transformers_with_int8_activations(quantization, tiny_llama, tmp_path, data_dir, hf_encode):
     check_quantized_build(tiny_llama, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
-    assert manifest["format_version"] == "1.11"
+    assert tuple(map(int, manifest["format_version"].split("."))) >= (1, 11)  # the format an older llmc refuses
     formats = {name: s["format"] for name, s in manifest["quant"]["modules"].items()}
     assert set(formats.values()) == {"w8a8-int8"} | ({"dense"} if "lm_head" in formats else set())
     assert formats.get("lm_head", "dense") == "dense"  # (the default ignore)

@@ -194,3 +194,19 @@ def make_peft_adapter(checkpoint, out, seed, **config):
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(out)
     return out
+
+
+def make_classifier(source, dest, num_labels: int, seed: int = 0, **config):
+    """A transformers *ForSequenceClassification checkpoint in `dest`: the causal checkpoint `source`'s decoder,
+    a random `score` head of `num_labels` (labels named class_i), `config` keys set (problem_type, ...)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    hf_config = AutoConfig.from_pretrained(str(source), num_labels=num_labels,
+                                           id2label={i: f"class_{i}" for i in range(num_labels)},
+                                           label2id={f"class_{i}": i for i in range(num_labels)}, **config)
+    model = AutoModelForSequenceClassification.from_pretrained(str(source), config=hf_config, dtype=torch.float32)
+    torch.manual_seed(seed)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # a head that tells the prompts apart
+    model.save_pretrained(str(dest))
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(str(dest))
+    return dest

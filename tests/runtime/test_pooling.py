@@ -65,8 +65,10 @@ def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
         raw, normed = llm.embed(PROMPTS[:2], [PoolingParams(), PoolingParams(normalize=True)])
         [cut] = llm.embed(PROMPTS[2], truncate_prompt_tokens=7)
         encoded = llm.encode(PROMPTS[:2])  # vLLM's generic form: the same vectors as float32 tensors
-        with pytest.raises(RequestError, match="pooling_task 'classify'"):
+        with pytest.raises(RequestError, match=r"LLM.classify\(\) is only supported for a sequence classifier"):
             llm.encode(PROMPTS[0], pooling_task="classify")
+        with pytest.raises(RequestError, match="pooling_task 'token_embed'"):
+            llm.encode(PROMPTS[0], pooling_task="token_embed")
     assert [o.outputs.data.dtype for o in encoded] == [torch.float32] * 2
     assert torch.equal(encoded[0].outputs.data, torch.tensor(raw.outputs.embedding))
     assert_close(raw, reference(ref_model_dir, raw.prompt_token_ids, "LAST", normalize=False), 1e-4)
@@ -134,12 +136,17 @@ def test_what_a_pooling_engine_refuses(ref_artifact_128):
         [full] = llm.embed([[5] * 128])  # a whole context: nothing is generated after it
         assert len(full.outputs.embedding) == 384
         assert llm.engine.scheduler.block_pool.num_free_blocks == llm.engine.scheduler.block_pool.num_blocks
-    with pytest.raises(RequestError, match="task 'embed'"):
-        PoolingParams(task="classify")
+        with pytest.raises(RequestError, match="this model runs task 'embed'"):
+            llm.embed("hi", PoolingParams(task="classify"))
+        with pytest.raises(RequestError, match="is an embedding model"):
+            llm.classify("hi")
+    with pytest.raises(RequestError, match="task 'score'"):
+        PoolingParams(task="score")
     with LLM(ref_artifact_128, device="cpu") as llm:
-        with pytest.raises(RequestError, match="only supported for pooling models"):
+        with pytest.raises(RequestError, match="only supported for an embedding model.*generates text"):
             llm.embed("hi")
-    for options, message in [({"convert": "classify"}, "embeddings only"),
+    for options, message in [({"convert": "classify"}, "needs a sequence classifier checkpoint"),
+                             ({"runner": "pooling", "pooler_config": {"use_activation": False}}, "applies to classifiers"),
                              ({"runner": "generate", "convert": "embed"}, "runner pooling"),
                              ({"pooler_config": {"pooling_type": "MEAN"}}, "give runner pooling"),
                              ({"runner": "pooling", "pooler_config": {"pooling_type": "MAX"}}, "LAST, MEAN, CLS"),

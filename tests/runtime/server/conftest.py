@@ -50,6 +50,7 @@ class ServerProcess:
     """`llmc run ARTIFACT` in a subprocess; its log goes to a file (shown when it fails)."""
 
     def __init__(self, artifact: Path, log_path: Path, *args: str):
+        self.artifact = artifact
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
