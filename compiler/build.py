@@ -77,6 +77,7 @@ class _Context:
     kv_scales: KVScales | None = None  # FP8 KV scales, calibrated or imported (art.KVSpec)
     target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
     lora: LoraMerge | None = None  # the recipe's adapters, merged as the checkpoint's tensors are read
+    derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -119,7 +120,7 @@ def _timed(timings: dict, stage: str, fn):
 
 def _read_checkpoint(recipe: Recipe) -> _Context:
     model_dir = resolve_model_dir(recipe)
-    hf_config = hf.read_hf_config(model_dir)
+    hf_config = {**hf.read_hf_config(model_dir), **recipe.hf_overrides}
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
     if biased and spec.family != "granite":  # Granite's biases: refused by name in model_config_from_hf
@@ -137,7 +138,31 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
-    return _Context(recipe, model_dir, hf_config, spec, model, {})
+    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=_derived_tensors(hf_config, spec, model, model_dir))
+
+
+def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:
+    """The tensors the build makes from the checkpoint's (hf_checkpoint.TensorReader's derived): a causal LM
+    converted into a classifier (classifier_from_token) gets its `score` from its LM head's rows of the tokens."""
+    from_tokens = hf.classifier_from_token(hf_config)
+    if from_tokens is None:
+        return {}
+    tokens, method = from_tokens
+    if model.final_logit_softcapping is not None:
+        raise CheckpointError(f"classifier_from_token: {model.architecture} soft-caps its logits, which a linear "
+                              "score head cannot carry; use a checkpoint without final_logit_softcapping")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    token_ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens]
+    unknown = [t for t, i in zip(tokens, token_ids) if i is None or i == tokenizer.unk_token_id or i >= model.vocab_size]
+    if unknown:
+        raise CheckpointError(f"classifier_from_token: {unknown} not in the tokenizer's vocabulary (give tokens as the "
+                              "vocabulary spells them, e.g. 'Ġyes' for a byte-level BPE)")
+    head = spec.global_tensors["embed.weight" if model.tie_word_embeddings else "lm_head.weight"]
+    logger.info("classifier_from_token %s (%s): score = the LM head's rows of token ids %s", tokens, method, token_ids)
+    return {spec.global_tensors["score.weight"]:
+            lambda reader: hf.score_from_token_rows(reader.get(head), token_ids, method)}
 
 
 def _check_moe(ctx: _Context) -> None:
@@ -327,7 +352,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     rank_specs = [artifact_tensor_specs(ctx.model, ctx.module_formats, layout) for layout in layouts]
     paths = [root / art.rank_weights_path(layout.rank) for layout in layouts]
     writer = ShardedWriter(paths, rank_specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    with hf.TensorReader(ctx.model_dir, merge=_reading_merge(ctx)) as reader, \
+    with hf.TensorReader(ctx.model_dir, merge=_reading_merge(ctx), derived=ctx.derived) as reader, \
             tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
         packer, pack_global_fn = _packers(ctx, reader)
         packer = _observe_kv(ctx, reader, packer)

@@ -176,8 +176,49 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True} if spec.family == "olmo2" else {}),
         # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
-        **(_classifier_fields(config) if config["architectures"][0] in CLASSIFIER_ARCHITECTURES else {}),
+        **(_classifier_fields(config) if _is_classifier(config) else {}),
     )
+
+
+def _is_classifier(config: dict) -> bool:
+    if config["architectures"][0] in CLASSIFIER_ARCHITECTURES:
+        return True
+    if config.get("classifier_from_token") is not None:
+        raise CheckpointError(f"classifier_from_token makes a sequence classifier; set architectures to one too (e.g. "
+                              f"{config['architectures'][0].replace('ForCausalLM', 'ForSequenceClassification')}), "
+                              "as vLLM's hf_overrides do")
+    return False
+
+
+CLASSIFIER_FROM_TOKEN_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_token(config: dict) -> tuple[list[str], str] | None:
+    """vLLM's conversion of a causal LM into a classifier (hf_overrides classifier_from_token, method,
+    is_original_qwen3_reranker): the tokens whose LM-head rows become the classifier's `score`, and how: one
+    score from two tokens' softmax (from_2_way_softmax: row[1] - row[0], so its sigmoid is the second token's
+    probability of the two; Qwen3-Reranker, mxbai-rerank-v2), or one label per token (no_post_processing).
+    None without classifier_from_token."""
+    tokens = config.get("classifier_from_token")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise CheckpointError(f"classifier_from_token {tokens!r}: give a list of tokens (e.g. [\"no\", \"yes\"])")
+    method = config.get("method") or ("from_2_way_softmax" if config.get("is_original_qwen3_reranker")
+                                      else "no_post_processing")
+    if method not in CLASSIFIER_FROM_TOKEN_METHODS:
+        raise CheckpointError(f"method {method!r}: classifier_from_token converts by "
+                              f"{' or '.join(CLASSIFIER_FROM_TOKEN_METHODS)}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise CheckpointError(f"classifier_from_token {tokens}: from_2_way_softmax takes two tokens (the negative "
+                              "one first, e.g. [\"no\", \"yes\"])")
+    return tokens, method
+
+
+def score_from_token_rows(head: torch.Tensor, token_ids: list[int], method: str) -> torch.Tensor:
+    """The classifier's `score` [num_labels, hidden] from the LM head's rows of the tokens (classifier_from_token)."""
+    rows = head.float()[token_ids]
+    return (rows[1] - rows[0]).unsqueeze(0) if method == "from_2_way_softmax" else rows
 
 
 # sentence-transformers' CrossEncoder activation (config.json's sentence_transformers.activation_fn, or the older
@@ -191,7 +232,12 @@ def _classifier_fields(config: dict) -> dict:
     sentence-transformers CrossEncoder's activation_fn when the config names one, else transformers' loss for
     problem_type (regression: identity; multi_label_classification: sigmoid), else (single_label_classification
     or none) sigmoid for one label and softmax for more."""
+    from_tokens = classifier_from_token(config)
     id2label = config.get("id2label")
+    if from_tokens is not None:  # (the tokens name the labels, or one score from two)
+        tokens, method = from_tokens
+        id2label = {} if method == "from_2_way_softmax" else dict(enumerate(tokens))
+        config = {k: v for k, v in config.items() if k != "num_labels"}
     if id2label:
         try:
             by_index = {int(k): str(v) for k, v in id2label.items()}
@@ -201,7 +247,7 @@ def _classifier_fields(config: dict) -> dict:
             raise CheckpointError(f"id2label: indices {sorted(by_index)} must be 0..n-1")
         labels = [by_index[i] for i in range(len(by_index))]
     else:
-        labels = [f"LABEL_{i}" for i in range(int(config.get("num_labels", 2)))]
+        labels = [f"LABEL_{i}" for i in range(1 if from_tokens else int(config.get("num_labels", 2)))]
     num_labels = len(labels)
     if config.get("num_labels") not in (None, num_labels):
         raise CheckpointError(f"num_labels {config['num_labels']} disagrees with id2label's {num_labels} labels")
@@ -467,9 +513,13 @@ class TensorReader:
     """Lazy access to the tensors of a checkpoint, by HF name, one at a time. `merge` (the recipe's LoRA
     adapters, compiler/lora.py) changes a tensor as it is read: every step of the build sees the merged weights."""
 
-    def __init__(self, model_dir: Path, merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, model_dir: Path, merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 derived: dict[str, Callable[[TensorReader], torch.Tensor]] | None = None):
+        """derived: tensors the checkpoint does not hold, made from ones it does (a converted classifier's
+        `score`: score_from_token_rows), by name."""
         self.model_dir = model_dir
         self.merge = merge
+        self.derived = derived or {}
         self.location = _tensor_locations(model_dir)  # HF tensor name → file
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
@@ -491,9 +541,11 @@ class TensorReader:
         return list(self.location)
 
     def has(self, name: str) -> bool:
-        return name in self.location
+        return name in self.location or name in self.derived
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self.derived:
+            return self.derived[name](self)
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
         tensor = self._handle(name).get_tensor(name)

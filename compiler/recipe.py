@@ -97,6 +97,9 @@ class Recipe:
     revision: str | None = opt(None, help="hub revision, when model is a hub id")
     adapter: list[str] = opt([], help="PEFT LoRA adapter directories (one path, or a list merged in order) merged "
                                       "into the weights before quantization")
+    hf_overrides: dict = opt({}, help="keys set over the checkpoint's config.json before it is read (vLLM's "
+                                      "hf_overrides), e.g. architectures and classifier_from_token to serve a causal "
+                                      "reranker as a classifier")
     output: str | None = opt(None, help="artifact directory (default: build/<model name>)")
     dtype: str = opt("auto", choices=["auto", "bfloat16", "float16", "float32"], help="weights and activations dtype")
     quantization: QuantizationConfig = opt(QuantizationConfig())

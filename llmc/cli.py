@@ -328,6 +328,8 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--quantization", "-q", "quantization", default=None,
               help="vLLM's flag: the weights are quantized at build time (quantization.method); accepted when it names "
               "the artifact's kind (awq, gptq, *_marlin, compressed-tensors for int weights; fp8 for FP8)")
+@click.option("--hf-overrides", "hf_overrides", type=JSON_OBJECT, default=None,
+              help="vLLM's flag: the checkpoint's config is read at build time; set hf_overrides in the recipe")
 @click.option("--trust-remote-code", "trust_remote_code", is_flag=True, default=None,
               help="vLLM's flag, accepted: an artifact never runs the checkpoint's code")
 @click.option("--lora-modules", "lora_modules", cls=_OneOrMoreOption, multiple=True,

@@ -139,6 +139,11 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
         elif named not in ("auto", manifest.model.dtype):
             raise ConfigError(f"dtype {dtype!r}: this artifact holds {manifest.model.dtype} weights (the recipe's dtype); "
                               f"build it again with dtype: {named}, or drop dtype")
+    if rest.get("hf_overrides", 0) in (None, {}):  # vLLM's default: none
+        rest.pop("hf_overrides")
+    if "hf_overrides" in rest:
+        raise ConfigError(f"hf_overrides {rest['hf_overrides']!r}: the model's config is read when the artifact is "
+                          "built; set hf_overrides in the recipe and build it again")
     if "data_parallel_size" in rest and rest.pop("data_parallel_size") != 1:
         raise ConfigError(f"data_parallel_size {overrides['data_parallel_size']!r}: one engine runs one replica of the "
                           "model; serve N replicas with `llmc run ARTIFACT --data-parallel-size N`, or drop it")

@@ -109,6 +109,7 @@ def test_what_a_classifier_refuses(classifier, ref_artifact_128):
     for options, message in [({"runner": "generate"}, "sequence classifier.*runner 'generate' cannot run it"),
                              ({"pooler_config": {"normalize": True}}, "normalize applies to embeddings"),
                              ({"convert": "reward"}, "reward models"),
+                             ({"hf_overrides": {"num_labels": 2}}, "set hf_overrides in the recipe"),
                              ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
                               "does not apply to runner pooling")]:
         with pytest.raises(ConfigError, match=message):
@@ -197,3 +198,47 @@ def test_a_quantized_classifier_builds_reports_and_exports(tmp_path, classifier,
     with torch.inference_mode():
         got = model(input_ids=torch.tensor([ids])).logits[0].double()
     assert torch.equal(got, hf_classifier_logits(checkpoint, ids))
+
+
+@pytest.mark.parametrize("method", ["from_2_way_softmax", "no_post_processing"])
+def test_a_causal_reranker_converted_by_classifier_from_token(tmp_path, tiny_qwen3, method):
+    """vLLM's hf_overrides for Qwen3-Reranker (architectures Qwen3ForSequenceClassification, classifier_from_token
+    [no, yes]): the score is the causal LM's probability of the second token against the first at the last
+    position, as the reranker's own recipe computes it; no_post_processing gives each token's logit as a label."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen3))
+    no, yes = tokenizer.convert_ids_to_tokens([200, 300])
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                 **({"is_original_qwen3_reranker": True} if method == "from_2_way_softmax" else {"method": method})}
+    artifact = build_float32(tiny_qwen3, tmp_path / "reranker", hf_overrides=overrides)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3), dtype=torch.float32)
+    with LLM(artifact, device="cpu") as llm:
+        if method == "from_2_way_softmax":
+            outputs = llm.score("what light breaks", ["yonder window", "Hi"])
+        else:
+            outputs = llm.classify(["what light breaks", "Hi"], PoolingParams(use_activation=False))
+    assert json.loads((artifact / "manifest.json").read_text())["model"]["labels"] == (
+        ["LABEL_0"] if method == "from_2_way_softmax" else [no, yes])
+    for output in outputs:
+        with torch.inference_mode():
+            logits = model(torch.tensor([output.prompt_token_ids])).logits[0, -1, [200, 300]].double()
+        if method == "from_2_way_softmax":
+            assert abs(output.outputs.score - logits.softmax(-1)[1].item()) < 2e-6
+        else:
+            assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - logits).abs().max() < 2e-5
+
+
+def test_classifier_from_token_is_checked(tmp_path, tiny_qwen3):
+    recipe = {"model": str(tiny_qwen3), "output": str(tmp_path / "x")}
+    for overrides, message in [
+        ({"classifier_from_token": ["a", "b"]}, "set architectures to one too"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["zzzzqqq", "yes"]},
+         "not in the tokenizer's vocabulary"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a", "b", "c"],
+          "method": "from_2_way_softmax"}, "takes two tokens"),
+        ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a"], "method": "mean"},
+         "method 'mean'"),
+    ]:
+        with pytest.raises(CheckpointError, match=message):
+            build(recipe_from_dict({**recipe, "hf_overrides": overrides}), show_progress=False)
