@@ -1,4 +1,5 @@
-"""Embedding throughput (runner pooling, runtime/pooling.py) against transformers' batched forward, in one run.
+"""Embedding (or classification) throughput (runner pooling, runtime/pooling.py) against transformers' batched
+forward, in one run.
 
     source benchmarks/gpu_env.sh && python -P benchmarks/bench_embed.py ARTIFACT --checkpoint CKPT \\
         --lengths 32 128 512 --num-prompts 256 --json $OUT/embed.json
@@ -9,6 +10,8 @@ For each prompt length L: --num-prompts prompts of L random token ids.
   transformers  the checkpoint's `AutoModel` in the artifact's dtype (sdpa attention) on the same prompts, in
                 batches of --hf-batch (equal lengths: no padding), the last position's hidden state normalized:
                 what sentence-transformers runs for such a model.
+--task classify: a classifier's artifact; llmc's `LLM.classify` against AutoModelForSequenceClassification's softmax
+(the last position: equal lengths, no padding).
 Reported: prompts/s and tokens/s of each, their ratio, and the largest |difference| between the two embeddings
 of the first prompt (a check that both computed the same thing).
 """
@@ -41,6 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default=None)
     parser.add_argument("--option", action="append", default=[], help="KEY=VALUE engine option (JSON value)")
+    parser.add_argument("--task", choices=["embed", "classify"], default="embed",
+                        help="classify: a classifier's artifact (LLM.classify against AutoModelForSequenceClassification's "
+                        "softmax)")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -70,13 +76,15 @@ def _median_seconds(run, repeats: int) -> float:
 def measure_llmc(args, options: dict) -> tuple[dict, dict]:
     llm = LLM(args.artifact, device=args.device, runner="pooling", disable_log_stats=True, enable_prefix_caching=False,
               **options)
+    pool = llm.embed if args.task == "embed" else llm.classify
+    values = (lambda o: o.outputs.embedding) if args.task == "embed" else (lambda o: o.outputs.probs)
     vocab = llm.engine.manifest.model.vocab_size
     rows, firsts = {}, {}
     for length in args.lengths:
         prompts = _prompts(vocab, length, args.num_prompts, length)
         inputs = [{"prompt_token_ids": p} for p in prompts]
-        seconds = _median_seconds(lambda: llm.embed(inputs), args.repeats)
-        firsts[length] = torch.tensor(llm.embed(inputs[:1])[0].outputs.embedding)
+        seconds = _median_seconds(lambda: pool(inputs), args.repeats)
+        firsts[length] = torch.tensor(values(pool(inputs[:1])[0]))
         rows[length] = {"seconds": seconds, "prompts_per_s": len(prompts) / seconds,
                         "tokens_per_s": len(prompts) * length / seconds}
         print(f"llmc L={length}: {rows[length]['prompts_per_s']:.1f} prompts/s, "
@@ -87,10 +95,11 @@ def measure_llmc(args, options: dict) -> tuple[dict, dict]:
 
 @torch.inference_mode()
 def measure_transformers(args, dtype: torch.dtype, vocab: int) -> tuple[dict, dict]:
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForSequenceClassification
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = AutoModel.from_pretrained(args.checkpoint, dtype=dtype, attn_implementation="sdpa").to(device).eval()
+    kind = AutoModel if args.task == "embed" else AutoModelForSequenceClassification
+    model = kind.from_pretrained(args.checkpoint, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     rows, firsts = {}, {}
     for length in args.lengths:
         ids = torch.tensor(_prompts(vocab, length, args.num_prompts, length), device=device)
@@ -98,6 +107,9 @@ def measure_transformers(args, dtype: torch.dtype, vocab: int) -> tuple[dict, di
         def run():
             out = []
             for start in range(0, len(ids), args.hf_batch):
+                if args.task == "classify":
+                    out.append(model(input_ids=ids[start : start + args.hf_batch]).logits.float().softmax(-1))
+                    continue
                 hidden = model(input_ids=ids[start : start + args.hf_batch]).last_hidden_state[:, -1]
                 out.append(torch.nn.functional.normalize(hidden.float(), dim=-1))
             return torch.cat(out)

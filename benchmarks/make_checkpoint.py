@@ -12,6 +12,7 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
 
     --layers N   fewer decoder layers (same widths)
     --tiny       a small config (2 layers, hidden 256, vocab 1024) for CPU tests
+    --classifier N   a LlamaForSequenceClassification of N labels (`score` in place of lm_head)
     --arch A     llama (default: Llama-3.1-8B), qwen3-moe (Qwen3-30B-A3B: hidden 2048, 128 experts of
                  width 768, top-8 renormalised, 32 q / 4 kv heads of 128, q/k norms, 48 layers cut to
                  12 by default) or mixtral (Mixtral-8x7B: 8 experts of width 14336, top-2, 32 layers
@@ -119,6 +120,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             p + "post_attention_layernorm.weight": (hidden,),
         }
         shapes |= mlp_shapes(config, p)
+    if "num_labels" in config:  # a sequence classifier's head
+        return shapes | {"model.norm.weight": (hidden,), "score.weight": (config["num_labels"], hidden)}
     return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (config["vocab_size"], hidden)}
 
 
@@ -214,11 +217,15 @@ def write_tokenizer(config: dict, out: Path) -> None:
 
 
 def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, device: str | None = None,
-                    seed: int = 0, arch: str = "llama") -> dict:
-    """Write the checkpoint into `out` (created); returns {"seconds", "bytes", "config"}."""
+                    seed: int = 0, arch: str = "llama", classifier: int | None = None) -> dict:
+    """Write the checkpoint into `out` (created); returns {"seconds", "bytes", "config"}. classifier: a
+    LlamaForSequenceClassification of that many labels (its `score` head in place of lm_head)."""
     start = time.perf_counter()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     config = make_config(layers, tiny, arch)
+    if classifier is not None:  # pad: the last special id, which no benchmark prompt holds
+        config |= {"architectures": ["LlamaForSequenceClassification"], "num_labels": classifier,
+                   "pad_token_id": config["vocab_size"] - 1}
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
@@ -237,8 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe or mixtral")
+    parser.add_argument("--classifier", type=int, default=None, metavar="N",
+                        help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)
-    result = make_checkpoint(args.out, args.layers, args.tiny, args.device, args.seed, args.arch)
+    if args.classifier is not None and args.arch != "llama":
+        parser.error("--classifier makes a LlamaForSequenceClassification: use it with --arch llama")
+    result = make_checkpoint(args.out, args.layers, args.tiny, args.device, args.seed, args.arch, args.classifier)
     print(f"wrote {args.out}: {result['bytes'] / 1e9:.2f} GB of weights, "
           f"{result['config']['num_hidden_layers']} layers, in {result['seconds']} s", flush=True)
 

@@ -53,25 +53,31 @@ def hf_classifier_logits(checkpoint, token_ids: list[int]) -> torch.Tensor:
     return hf_classifier(checkpoint)(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].double()
 
 
-def test_class_probabilities_equal_transformers(classifier):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_class_probabilities_equal_transformers(classifier, device):
     checkpoint, artifact = classifier
-    # chunks of 16 tokens; the fourth prompt's first blocks are the third's, read from the prefix cache
-    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+    tolerance = 2e-6 if device == "cpu" else 5e-5
+    # chunks of 16 tokens; the fourth prompt's first blocks are the third's, read from the prefix cache (on a GPU
+    # through the piecewise graphs, and a step of one-token prompts through the decode graphs)
+    with LLM(artifact, device=device, max_num_batched_tokens=16, gpu_memory_utilization=0.3) as llm:
         outputs = llm.classify(PROMPTS)
         raw = llm.classify(PROMPTS[:2], PoolingParams(use_activation=False))
+        singles = llm.classify([[1], [2], [3]])
         encoded = llm.encode(PROMPTS[:2])  # vLLM's generic form: the model's task, float32 tensors
         stats = llm.stats()
         assert llm.engine.scheduler.block_pool.num_free_blocks == llm.engine.scheduler.block_pool.num_blocks
     assert stats["prefix_cache_hits"] > 0 and stats["num_generation_tokens"] == 0
-    for output in outputs:
+    for output in outputs + singles:
         assert isinstance(output, ClassificationRequestOutput) and output.outputs.num_classes == 3
         expected = hf_classifier_logits(checkpoint, output.prompt_token_ids).softmax(-1)
-        assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - expected).abs().max() < 2e-6
+        assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - expected).abs().max() < tolerance
     assert {max(range(3), key=o.outputs.probs.__getitem__) for o in outputs} != {0}  # the head tells them apart
     for output in raw:  # use_activation false: transformers' logits themselves
         expected = hf_classifier_logits(checkpoint, output.prompt_token_ids)
-        assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - expected).abs().max() < 2e-4
-    assert [e.outputs.data.tolist() for e in encoded] == [o.outputs.probs for o in outputs[:2]]
+        assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - expected).abs().max() < 100 * tolerance
+    # the same values (up to the rounding of a step whose prompts came from the prefix cache)
+    assert torch.allclose(torch.stack([e.outputs.data for e in encoded]), torch.tensor([o.outputs.probs for o in outputs[:2]]),
+                          atol=tolerance, rtol=0)
 
 
 def test_mean_pooling_and_embeddings_of_a_classifier(classifier):
