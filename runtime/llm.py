@@ -184,8 +184,8 @@ class LLM:
                                "token-level heads)", param="pooling_task")
         task = pooling_task or (self.engine.pooler.task if self.engine.pooler is not None else "embed")
         outputs = self._pool(task, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, None)
-        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(
-                    o.outputs.embedding if task == "embed" else o.outputs.probs)), o.prompt_token_ids)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(
+                    o.outputs.data if task == "embed" else torch.tensor(o.outputs.probs)), o.prompt_token_ids)
                 for o in outputs]
 
     def score(self, data_1: PromptType | Sequence[PromptType], data_2: PromptType | Sequence[PromptType], *,
@@ -209,7 +209,7 @@ class LLM:
                               lora_request=lora_request)
         a, b = embedded[: len(first)], embedded[len(first):]
         return [ScoringRequestOutput(f"{a[i].request_id}+{b[j].request_id}",
-                                     ScoringOutput(cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding)),
+                                     ScoringOutput(cosine_similarity(a[i].outputs.data, b[j].outputs.data)),
                                      a[i].prompt_token_ids + b[j].prompt_token_ids) for i, j in pairs]
 
     def _run(self, prompts: list, params: list, use_tqdm, priority, lora_request) -> list:

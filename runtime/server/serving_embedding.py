@@ -17,6 +17,7 @@ import base64
 import time
 
 import numpy as np
+import torch
 
 from llmc.errors import RequestError
 from llmc.runtime.pooling import CROSS_ENCODER_TRUNCATION, PoolingParams, check_cross_encoder, cosine_similarity, score_pairs
@@ -44,7 +45,7 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
     kind, key = ("pooling", "data") if pooling else ("embedding", "embedding")
     return {"id": request_id, "object": "list", "created": int(time.time()),
             "model": ctx.response_model(request.model),
-            "data": [{"index": i, "object": kind, key: _encoded(o.outputs.embedding, request.encoding_format)}
+            "data": [{"index": i, "object": kind, key: _encoded(o.outputs.data, request.encoding_format)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(num_tokens)}
 
@@ -128,7 +129,7 @@ async def _scores(ctx: ServingContext, texts_1: list[str], texts_2: list[str], p
     prompts = await _encoded_texts(ctx, texts_1 + texts_2, param, keep)
     outputs = await _pooled(ctx, prompts, _params(ctx, truncate_prompt_tokens=keep), request_id, request, arrival_time)
     a, b = outputs[: len(texts_1)], outputs[len(texts_1):]
-    return ([cosine_similarity(a[i].outputs.embedding, b[j].outputs.embedding) for i, j in pairs],
+    return ([cosine_similarity(a[i].outputs.data, b[j].outputs.data) for i, j in pairs],
             sum(len(o.prompt_token_ids) for o in outputs))
 
 
@@ -221,7 +222,10 @@ def _checked_length(ctx: ServingContext, token_ids: list[int]) -> list[int]:
     return token_ids
 
 
-def _encoded(values: list[float], encoding_format: str) -> list[float] | str:
+def _encoded(values: torch.Tensor | list[float], encoding_format: str) -> list[float] | str:
+    """An embedding (float32 tensor) or probabilities (list) as the reply's float list or base64 of little-endian
+    float32 bytes."""
     if encoding_format == "float":
-        return values
-    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+        return values.tolist() if isinstance(values, torch.Tensor) else values
+    array = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")

@@ -68,7 +68,8 @@ def test_classify_equals_transformers(classify_server, ref_model_dir, hf_encode)
     expected = hf_classifier_logits(checkpoint, rendered).softmax(-1)
     assert (torch.tensor(chat["data"][0]["probs"], dtype=torch.float64) - expected).abs().max() < 2e-6
     pooled = post(server, "/pooling", {"input": TEXTS[0]}).json()  # vLLM's /pooling: the probabilities as data
-    assert pooled["data"][0]["object"] == "pooling" and pooled["data"][0]["data"] == reply["data"][0]["probs"]
+    assert pooled["data"][0]["object"] == "pooling"  # (its prompt now from the prefix cache: a step of other shapes)
+    assert torch.allclose(torch.tensor(pooled["data"][0]["data"]), torch.tensor(reply["data"][0]["probs"]), atol=1e-6)
 
 
 def test_what_a_classifier_server_refuses(classify_server, server):
