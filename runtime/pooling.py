@@ -127,11 +127,12 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    """vLLM's ClassificationRequestOutput: one prompt's class probabilities (outputs.probs)."""
+class _PooledRequestOutput:
+    """What a pooling request's (only, final) output carries. `error` is set, and outputs None, when the request
+    failed; finished is always true (a pooled output comes whole)."""
 
     request_id: str
-    outputs: ClassificationOutput | None
+    outputs: object
     prompt_token_ids: list[int]
     finished: bool = True
     prompt: str | None = None
@@ -141,18 +142,17 @@ class ClassificationRequestOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    """vLLM's EmbeddingRequestOutput: one prompt's embedding (outputs.embedding). `error` is set, and
-    outputs None, when the request failed; finished is always true (an embedding comes whole)."""
+class ClassificationRequestOutput(_PooledRequestOutput):
+    """vLLM's ClassificationRequestOutput: one prompt's class probabilities (outputs.probs)."""
 
-    request_id: str
+    outputs: ClassificationOutput | None
+
+
+@dataclass
+class EmbeddingRequestOutput(_PooledRequestOutput):
+    """vLLM's EmbeddingRequestOutput: one prompt's embedding (outputs.embedding)."""
+
     outputs: EmbeddingOutput | None
-    prompt_token_ids: list[int]
-    finished: bool = True
-    prompt: str | None = None
-    num_cached_tokens: int = 0
-    metrics: dict = field(default_factory=dict)
-    error: str | None = None
 
 
 def pooling_task(options, model=None) -> str | None:
