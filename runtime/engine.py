@@ -218,10 +218,11 @@ class Engine:
 
     def _add_pooling(self, group: PoolingGroup, priority: int, lora_int_id: int | None) -> None:
         """An embedding request's one scheduler Request (`pooling`: its prompt computed, nothing sampled)."""
+        mode = self.pooler.mode_of(group.params)
         request = Request(request_id=f"{group.request_id}#0", prompt_token_ids=group.prompt_token_ids, max_tokens=0,
                           arrival_time=group.arrival_time, priority=priority, pooling=True,
-                          skip_prefix_cache=not self.pooler.reads_cached_prefix, lora_int_id=lora_int_id)
-        state = PoolingState(request, group.request_id)
+                          skip_prefix_cache=not self.pooler.reads_cached_prefix(mode), lora_int_id=lora_int_id)
+        state = PoolingState(request, group.request_id, self.pooler.task_of(group.params), mode)
         group.sequences.append(state)
         self.sequences[request.request_id] = state
         self.scheduler.add_request(request)
@@ -386,7 +387,7 @@ class Engine:
         embeddings = self.pooler.finish(done, [self.groups[s.group_id].params for s in done])
         for state, embedding in zip(done, embeddings):
             group = self.groups[state.group_id]
-            outputs.append(group.output(embedding, self.pooler.task))
+            outputs.append(group.output(embedding, state.task))
             self._release(group)
         self.stats_logger.record(num_prefill, 0, self.stats)
         return outputs

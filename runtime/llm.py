@@ -19,7 +19,7 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
-from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
+from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, REQUEST_TASKS, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
                                   PoolingOutput, PoolingParams, PoolingRequestOutput, ScoringOutput, ScoringRequestOutput,
                                   check_cross_encoder, cosine_similarity, score_pairs)
 from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
@@ -155,21 +155,34 @@ class LLM:
         sequence classifier's artifact (a *ForSequenceClassification checkpoint; runtime/pooling.py)."""
         return self._pool("classify", prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority)
 
+    def reward(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.reward: a classifier's (a reward model's) output at every prompt token (`.outputs.data`,
+        [num_prompt_tokens, num_labels] float32): LLM.encode's pooling_task "token_classify"."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request, pooling_task="token_classify")
+
     def _pool(self, task: str, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, priority) -> list:
+        """Run `task` (a REQUEST_TASKS name; a token task on the engine of its base task) on every prompt."""
+        base = task.removeprefix("token_")
         with self._exclusive(task):
             pooler = self.engine.pooler
-            if pooler is None or pooler.task != task:
+            if pooler is None or pooler.task != base:
                 need = ("an embedding model; start the LLM with runner='pooling' (llmc run --runner pooling)"
-                        if task == "embed" else
+                        if base == "embed" else
                         "a sequence classifier (an artifact built from a *ForSequenceClassification checkpoint)")
                 what = ("generates text" if pooler is None else
                         "is a sequence classifier (LLM.classify)" if pooler.task == "classify" else
                         "is an embedding model (LLM.embed)")
-                raise RequestError(f"LLM.{task}() is only supported for {need}; this one {what}")
+                method = f"encode(pooling_task={task!r})" if task != base else f"{task}()"
+                raise RequestError(f"LLM.{method} is only supported for {need}; this one {what}")
             prompts = self._pretokenize(_as_prompt_list(prompts))
             params = _as_params_list(pooling_params or PoolingParams(), len(prompts), PoolingParams)
             if truncate_prompt_tokens is not None:
                 params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+            if task != base:
+                params = [dataclasses.replace(p, task=task) for p in params]
             return self._run(prompts, params, use_tqdm, priority, lora_request)
 
     def encode(self, prompts: PromptType | Sequence[PromptType],
@@ -177,13 +190,15 @@ class LLM:
                truncate_prompt_tokens: int | None = None, use_tqdm=False, lora_request=None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
         """vLLM's LLM.encode: the pooled output of each prompt (`.outputs.data`, a float32 tensor): pooling_task
-        "embed" (what `embed` returns) or "classify" (what `classify` returns), which must be the model's; None:
-        the model's. Other tasks are refused by name."""
-        if pooling_task not in (None, *TASKS):
-            raise RequestError(f"pooling_task {pooling_task!r}: an llmc pooling engine runs 'embed' or 'classify' (no "
-                               "token-level heads)", param="pooling_task")
+        "embed" (what `embed` returns) or "classify" (what `classify` returns), which must be the model's, or its
+        token-level form, "token_embed" / "token_classify" (one row per prompt token); None: the model's."""
+        if pooling_task not in (None, *REQUEST_TASKS):
+            raise RequestError(f"pooling_task {pooling_task!r}: an llmc pooling engine runs {', '.join(REQUEST_TASKS)}",
+                               param="pooling_task")
         task = pooling_task or (self.engine.pooler.task if self.engine.pooler is not None else "embed")
         outputs = self._pool(task, prompts, pooling_params, truncate_prompt_tokens, use_tqdm, lora_request, None)
+        if task not in TASKS:
+            return outputs
         return [PoolingRequestOutput(o.request_id, PoolingOutput(
                     o.outputs.data if task == "embed" else torch.tensor(o.outputs.probs)), o.prompt_token_ids)
                 for o in outputs]

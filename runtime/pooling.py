@@ -30,7 +30,10 @@ from llmc.kernels import to_device
 from llmc.schema import opt
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
-TASKS = ("embed", "classify")
+TASKS = ("embed", "classify")  # what a pooling engine runs (its model's task)
+# what its requests may ask: the engine's task, or its token-level form (vLLM's token_embed / token_classify:
+# one output per prompt token, pooling ALL)
+REQUEST_TASKS = (*TASKS, "token_embed", "token_classify")
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify", "reward")
 # sentence-transformers' Pooling config keys, and the pooling each one names (vLLM reads the same)
@@ -61,7 +64,8 @@ class PoolingParams:
             Refused unless the engine's pooler_config says the model was trained for it.
         normalize: L2-normalize the embedding; None: the engine's pooler_config (default true).
         truncate_prompt_tokens: keep the last k prompt tokens (-1: max_model_len); None: the prompt as is.
-        task: "embed" or "classify" (vLLM's task names), which must be the engine's; None: the engine's.
+        task: "embed" or "classify" (vLLM's task names), which must be the engine's, or its token-level form
+            ("token_embed", "token_classify": one output per prompt token); None: the engine's.
         use_activation: classify: apply the classifier's activation (softmax, sigmoid; the default) or return
             its raw logits (false); embed: the same as normalize (vLLM's newer name for it).
     """
@@ -84,10 +88,9 @@ class PoolingParams:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1)):
             raise RequestError(f"PoolingParams.truncate_prompt_tokens must be -1 or an integer >= 1, got {keep!r}",
                                param="truncate_prompt_tokens")
-        if self.task not in (None, *TASKS):
-            raise RequestError(f"PoolingParams.task {self.task!r}: an llmc pooling engine runs 'embed' or 'classify'; "
-                               "score is LLM.score's and the server's /score, token-level tasks are not supported",
-                               param="task")
+        if self.task not in (None, *REQUEST_TASKS):
+            raise RequestError(f"PoolingParams.task {self.task!r}: an llmc pooling engine runs "
+                               f"{', '.join(REQUEST_TASKS)}; score is LLM.score's and the server's /score", param="task")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise RequestError(f"PoolingParams.use_activation must be true or false, got {self.use_activation!r}",
                                param="use_activation")
@@ -127,7 +130,7 @@ class ClassificationOutput:
 
 
 @dataclass
-class _PooledRequestOutput:
+class PooledRequestOutput:
     """What a pooling request's (only, final) output carries. `error` is set, and outputs None, when the request
     failed; finished is always true (a pooled output comes whole)."""
 
@@ -142,14 +145,14 @@ class _PooledRequestOutput:
 
 
 @dataclass
-class ClassificationRequestOutput(_PooledRequestOutput):
+class ClassificationRequestOutput(PooledRequestOutput):
     """vLLM's ClassificationRequestOutput: one prompt's class probabilities (outputs.probs)."""
 
     outputs: ClassificationOutput | None
 
 
 @dataclass
-class EmbeddingRequestOutput(_PooledRequestOutput):
+class EmbeddingRequestOutput(PooledRequestOutput):
     """vLLM's EmbeddingRequestOutput: one prompt's embedding (outputs.embedding)."""
 
     outputs: EmbeddingOutput | None
@@ -249,10 +252,14 @@ class PoolingState:
     """One embedding request in the engine (as a SequenceState is for generation): its scheduler Request
     and what the pooler has kept of its hidden states so far."""
 
-    def __init__(self, request, group_id: str):
+    def __init__(self, request, group_id: str, task: str, mode: str):
+        """task: the request's (Pooler.task_of); mode: its pooling, LAST, MEAN, CLS or ALL (Pooler.mode_of)."""
         self.request = request
         self.group_id = group_id
-        self.parts: list[Tensor] = []  # [hidden_size] float32 device rows: LAST/CLS one, MEAN one per chunk
+        self.task, self.mode = task, mode
+        # float32 device rows: LAST/CLS one [hidden_size], MEAN one sum per chunk, ALL one [chunk tokens, hidden_size]
+        # per chunk
+        self.parts: list[Tensor] = []
 
     def restart(self) -> None:
         """Preempted: its prompt is computed again from the first token."""
@@ -275,11 +282,14 @@ class PoolingGroup:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
 
-    def output(self, values: Tensor | list[float], task: str) -> EmbeddingRequestOutput | ClassificationRequestOutput:
-        """Its (only, final) output, once its prompt is pooled into `values` (an embedding's float32 tensor, or class
-        probabilities)."""
-        kind, output = ((EmbeddingRequestOutput, EmbeddingOutput(values)) if task == "embed" else
-                        (ClassificationRequestOutput, ClassificationOutput(values)))
+    def output(self, values: Tensor | list[float], task: str
+               ) -> EmbeddingRequestOutput | ClassificationRequestOutput | PoolingRequestOutput:
+        """Its (only, final) output, once its prompt is pooled into `values` (an embedding's float32 tensor, class
+        probabilities, or a token task's [num_prompt_tokens, width] float32 tensor)."""
+        kind, output = {"embed": (EmbeddingRequestOutput, EmbeddingOutput),
+                        "classify": (ClassificationRequestOutput, ClassificationOutput)}.get(
+                            task, (PoolingRequestOutput, PoolingOutput))
+        output = output(values)
         return kind(self.request_id, output, self.prompt_token_ids, prompt=self.prompt,
                     num_cached_tokens=self.sequences[0].request.num_cached_tokens,
                     metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time})
@@ -321,15 +331,22 @@ class Pooler:
         normalize = config.normalize if config.normalize is not None else (found[1] if found else True)
         return cls(pooling_type, normalize, model.hidden_size)
 
-    @property
-    def reads_cached_prefix(self) -> bool:
-        """LAST reads only the last token's state, which is computed whatever the prefix cache holds; MEAN
-        and CLS need every prompt token (or the first) computed, so their requests skip the cache."""
-        return self.pooling_type == "LAST"
+    def task_of(self, params: PoolingParams) -> str:
+        return params.task or self.task
+
+    def mode_of(self, params: PoolingParams) -> str:
+        """A request's pooling: ALL for a token task, else the engine's pooling_type."""
+        return "ALL" if self.task_of(params).startswith("token_") else self.pooling_type
+
+    @staticmethod
+    def reads_cached_prefix(mode: str) -> bool:
+        """LAST reads only the last token's state, which is computed whatever the prefix cache holds; MEAN,
+        CLS and ALL need every prompt token (or the first) computed, so their requests skip the cache."""
+        return mode == "LAST"
 
     def check(self, params: PoolingParams) -> None:
-        if params.task not in (None, self.task):
-            raise RequestError(f"task {params.task!r}: this model runs task {self.task!r} ("
+        if params.task not in (None, self.task, f"token_{self.task}"):
+            raise RequestError(f"task {params.task!r}: this model runs task {self.task!r} or {'token_' + self.task!r} ("
                                f"{'an embedding model' if self.task == 'embed' else 'a sequence classifier'})",
                                param="task")
         if self.task == "classify":
@@ -353,28 +370,59 @@ class Pooler:
         for scheduled in requests:
             offsets.append(at)
             at += scheduled.num_new_tokens
-        if self.pooling_type == "MEAN":  # each token's request, made on the host: one copy
+        modes = {state.mode for state in states}
+        if "MEAN" in modes:  # each token's request, made on the host: one copy
             counts = torch.tensor([s.num_new_tokens for s in requests])
             segments = to_device(torch.repeat_interleave(torch.arange(len(requests)), counts), hidden.device)
             sums = torch.zeros(len(requests), hidden.shape[1], dtype=torch.float32, device=hidden.device)
             sums.index_add_(0, segments, hidden[:at].float())
             for i, state in enumerate(states):
-                state.parts.append(sums[i])
-        else:
-            picks = [(i, offsets[i] + s.num_new_tokens - 1) for i, s in enumerate(requests) if s.is_last_chunk]
-            if self.pooling_type == "CLS":
-                picks = [(i, offsets[i]) for i, s in enumerate(requests) if s.request.num_computed_tokens == 0]
-            if picks:
-                rows = hidden[to_device(torch.tensor([row for _, row in picks]), hidden.device)].float()
-                for j, (i, _) in enumerate(picks):
-                    states[i].parts = [rows[j]]
+                if state.mode == "MEAN":
+                    state.parts.append(sums[i])
+        picks = [(i, offsets[i] + s.num_new_tokens - 1) for i, s in enumerate(requests)
+                 if s.is_last_chunk and states[i].mode == "LAST"]
+        picks += [(i, offsets[i]) for i, s in enumerate(requests)
+                  if s.request.num_computed_tokens == 0 and states[i].mode == "CLS"]
+        if picks:
+            rows = hidden[to_device(torch.tensor([row for _, row in picks]), hidden.device)].float()
+            for j, (i, _) in enumerate(picks):
+                states[i].parts = [rows[j]]
+        for i, (state, scheduled) in enumerate(zip(states, requests)):
+            if state.mode == "ALL":  # (a copy: `hidden` may be a graph's buffer, rewritten by the next step)
+                rows = hidden[offsets[i] : offsets[i] + scheduled.num_new_tokens]
+                state.parts.append(rows.to(torch.float32, copy=True))
         return [state for state, scheduled in zip(states, requests) if scheduled.is_last_chunk]
 
-    def finish(self, states: list[PoolingState], params: list[PoolingParams]) -> list[Tensor] | list[list[float]]:
-        """The embeddings (float32 host tensors; class probabilities: lists) of requests whose prompt is complete
-        (one copy to the host for all)."""
-        if not states:
-            return []
+    def finish(self, states: list[PoolingState], params: list[PoolingParams]) -> list[Tensor | list[float]]:
+        """The outputs of requests whose prompt is complete, in order: embeddings (float32 host tensors), class
+        probabilities (lists), a token task's [num_prompt_tokens, width] float32 host tensors."""
+        done: list = [None] * len(states)
+        pooled = [i for i, s in enumerate(states) if s.mode != "ALL"]
+        if pooled:  # one vector each, stacked: one copy to the host
+            values = self._finish_vectors([states[i] for i in pooled], [params[i] for i in pooled])
+            for i, value in zip(pooled, values):
+                done[i] = value
+        for i, (state, p) in enumerate(zip(states, params)):
+            if state.mode == "ALL":
+                rows = torch.cat(state.parts)  # [num_prompt_tokens, hidden_size]
+                if self.task == "classify":
+                    logits = self.head(rows)
+                    done[i] = (ACTIVATIONS[self.activation](logits) if self._activates(p) else logits).cpu()
+                else:
+                    done[i] = self._normalized(rows, p).cpu()
+        return done
+
+    def _activates(self, p: PoolingParams) -> bool:
+        return self.use_activation if p.use_activation is None else p.use_activation
+
+    def _normalized(self, vectors: Tensor, p: PoolingParams) -> Tensor:
+        """Each row L2-normalized if the request (else the engine) asks it."""
+        normalize = p.use_activation if p.normalize is None else p.normalize  # (vLLM's newer name for it)
+        if self.normalize if normalize is None else normalize:
+            return torch.nn.functional.normalize(vectors, dim=-1)
+        return vectors
+
+    def _finish_vectors(self, states: list[PoolingState], params: list[PoolingParams]) -> list[Tensor | list[float]]:
         vectors = torch.stack([s.parts[0] if len(s.parts) == 1 else torch.stack(s.parts).sum(0) for s in states])
         if self.pooling_type == "MEAN":
             counts = torch.tensor([s.request.num_prompt_tokens for s in states], dtype=torch.float32)
@@ -382,34 +430,23 @@ class Pooler:
         if self.task == "classify":
             logits = self.head(vectors).cpu()  # [n, num_labels] float32
             probs = ACTIVATIONS[self.activation](logits)
-            return [(p_ if (self.use_activation if p.use_activation is None else p.use_activation) else raw).tolist()
-                    for p_, raw, p in zip(probs, logits, params)]
-        embeddings = []
-        for vector, p in zip(vectors.cpu(), params):
-            if p.dimensions is not None:
-                vector = vector[: p.dimensions]
-            normalize = p.use_activation if p.normalize is None else p.normalize  # (vLLM's newer name for it)
-            if (self.normalize if normalize is None else normalize):
-                vector = torch.nn.functional.normalize(vector, dim=0)
-            embeddings.append(vector)
-        return embeddings
+            return [(p_ if self._activates(p) else raw).tolist() for p_, raw, p in zip(probs, logits, params)]
+        return [self._normalized(vector[: p.dimensions], p) for vector, p in zip(vectors.cpu(), params)]
 
 
 @dataclass
 class PoolingOutput:
-    """vLLM's PoolingOutput: the pooled vector as a float32 tensor (LLM.encode)."""
+    """vLLM's PoolingOutput: the pooled output as a float32 tensor (LLM.encode): a vector, or for a token task
+    one row per prompt token ([num_prompt_tokens, hidden_size] or [num_prompt_tokens, num_labels])."""
 
     data: Tensor
 
 
 @dataclass
-class PoolingRequestOutput:
-    """vLLM's PoolingRequestOutput (LLM.encode): one prompt's pooled output."""
+class PoolingRequestOutput(PooledRequestOutput):
+    """vLLM's PoolingRequestOutput (LLM.encode, LLM.reward): one prompt's pooled output."""
 
-    request_id: str
-    outputs: PoolingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
+    outputs: PoolingOutput | None
 
 
 @dataclass

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmc.runtime.outputs import RequestOutput
-from llmc.runtime.pooling import ClassificationRequestOutput, EmbeddingRequestOutput
+from llmc.runtime.pooling import PooledRequestOutput
 from llmc.runtime.stats import stats_line
 from llmc.runtime.server.engine_loop import RequestStream
 
@@ -101,7 +101,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def on_output(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None:
-        if isinstance(output, (EmbeddingRequestOutput, ClassificationRequestOutput)):  # a prompt, no tokens generated: vLLM counts its prompt
+        if isinstance(output, PooledRequestOutput):  # a prompt, no tokens generated: vLLM counts its prompt
             self.prompt_tokens.inc(len(output.prompt_token_ids))
             self.num_prompt_tokens += len(output.prompt_token_ids)
             self._on_finished(stream, "stop", now)

@@ -1011,15 +1011,15 @@ class ClassificationRequest(_PoolingInput):
 
 class PoolingRequest(EmbeddingRequest):
     """POST /pooling (vLLM's): an embedding or classification request; its `task` (vLLM's pooling task), when
-    given, must be the model's ("embed" or "classify")."""
+    given, must be the model's ("embed" or "classify") or its token-level form ("token_embed", "token_classify")."""
 
     task: str | None = None
 
     def check(self) -> None:
         super().check()
-        if self.task not in (None, "embed", "classify"):
-            raise invalid("task", f"{self.task!r}: this server's pooling engine runs 'embed' or 'classify' (no "
-                          "token-level heads)")
+        if self.task not in (None, "embed", "classify", "token_embed", "token_classify"):
+            raise invalid("task", f"{self.task!r}: this server's pooling engine runs embed, classify, token_embed or "
+                          "token_classify")
 
 
 # a score's activation is the classifier's (vLLM's use_activation false, raw logits, is not taken)

@@ -33,6 +33,8 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
     probabilities), its reply's names ("pool-" ids, data items {"object": "pooling", "data"})."""
     request = parse_body(PoolingRequest if pooling else EmbeddingRequest, body)
     request.check()
+    if pooling and request.task in ("token_embed", "token_classify"):
+        return await _create_token_pooling(ctx, request, arrival_time)
     if pooling and (request.task or _task(ctx)) == "classify":
         return await create_classification(ctx, body, arrival_time, pooling=True)
     keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings", "embed",
@@ -48,6 +50,21 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
             "data": [{"index": i, "object": kind, key: _encoded(o.outputs.data, request.encoding_format)}
                      for i, o in enumerate(outputs)],
             "usage": _usage(num_tokens)}
+
+
+async def _create_token_pooling(ctx: ServingContext, request: PoolingRequest, arrival_time: float | None) -> dict:
+    """/pooling with task token_embed or token_classify: each input's output at every prompt token, as `data`
+    ([num_tokens][width] floats; base64: the row-major float32 bytes)."""
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling", request.task.removeprefix("token_"),
+                  "task")
+    params = _params(ctx, task=request.task, dimensions=request.dimensions, normalize=request.normalize,
+                     use_activation=request.use_activation, truncate_prompt_tokens=keep)
+    request_id = new_id("pool")
+    outputs = await _pooled(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
+            "data": [{"index": i, "object": "pooling", "data": _encoded(o.outputs.data, request.encoding_format)}
+                     for i, o in enumerate(outputs)],
+            "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
 
 
 async def create_classification(ctx: ServingContext, body: object, arrival_time: float | None = None,
@@ -227,5 +244,5 @@ def _encoded(values: torch.Tensor | list[float], encoding_format: str) -> list[f
     float32 bytes."""
     if encoding_format == "float":
         return values.tolist() if isinstance(values, torch.Tensor) else values
-    array = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    array = values.numpy() if isinstance(values, torch.Tensor) else np.asarray(values)  # (rows: row-major)
     return base64.b64encode(array.astype("<f4").tobytes()).decode("ascii")

@@ -80,11 +80,29 @@ def test_class_probabilities_equal_transformers(classifier, device):
                           atol=tolerance, rtol=0)
 
 
+def test_rewards_at_every_token_equal_transformers(classifier):
+    """vLLM's LLM.reward (pooling_task token_classify): the classifier at every prompt token, here under 16-token
+    chunks, beside a sequence-level request in the same steps."""
+    checkpoint, artifact = classifier
+    base, score = hf_classifier(checkpoint).model, hf_classifier(checkpoint).score.weight.detach().double()
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        rewards = llm.reward(PROMPTS[2:])
+        raw = llm.encode(PROMPTS[0], PoolingParams(use_activation=False), pooling_task="token_classify")
+        assert llm.engine.scheduler.block_pool.num_free_blocks == llm.engine.scheduler.block_pool.num_blocks
+    for output in rewards + raw:
+        with torch.inference_mode():
+            hidden = base(torch.tensor([output.prompt_token_ids])).last_hidden_state[0].double()
+        logits = hidden @ score.T  # [num_tokens, 3]
+        expected = logits if output is raw[0] else logits.softmax(-1)
+        assert output.outputs.data.shape == (len(output.prompt_token_ids), 3)
+        assert (output.outputs.data.double() - expected).abs().max() < (2e-4 if output is raw[0] else 1e-5)
+
+
 def test_mean_pooling_and_embeddings_of_a_classifier(classifier):
     """pooler_config MEAN: the head on the mean of the final hidden states; convert embed: the backbone's
     embedding, no head (the two vLLM allow on a classifier)."""
     checkpoint, artifact = classifier
-    base, score = hf_classifier(checkpoint).model, hf_classifier(checkpoint).score.weight.double()
+    base, score = hf_classifier(checkpoint).model, hf_classifier(checkpoint).score.weight.detach().double()
     with LLM(artifact, device="cpu", pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=16) as llm:
         [mean] = llm.classify(PROMPTS[2])
     with LLM(artifact, device="cpu", convert="embed") as llm:

@@ -60,6 +60,26 @@ def test_embeddings_equal_transformers_hidden_states_pooled(ref_artifact_128, re
     assert stats["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outputs) - stats["prefix_cache_hits"]
 
 
+def test_token_embeddings_equal_transformers_hidden_states(ref_artifact_128, ref_model_dir):
+    """vLLM's pooling_task token_embed: every prompt token's final hidden state, normalized (or not), under
+    16-token chunks; the long prompt's cached prefix is computed again (every row is needed)."""
+    with LLM(ref_artifact_128, device="cpu", runner="pooling", max_num_batched_tokens=16) as llm:
+        llm.embed(PROMPTS[2])  # its blocks in the prefix cache
+        [normed, raw] = llm.encode([PROMPTS[2], PROMPTS[0]], [PoolingParams(), PoolingParams(normalize=False)],
+                                   pooling_task="token_embed")
+        with pytest.raises(RequestError, match=r"encode\(pooling_task='token_classify'\) is only supported for a sequence"):
+            llm.encode("hi", pooling_task="token_classify")
+        with pytest.raises(RequestError, match="runs task 'embed' or 'token_embed'"):
+            llm.embed("hi", PoolingParams(task="token_classify"))
+    for output, normalize in [(normed, True), (raw, False)]:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            hidden = hf_model(ref_model_dir).model(input_ids=ids).last_hidden_state[0].double()
+        expected = torch.nn.functional.normalize(hidden, dim=-1) if normalize else hidden
+        assert output.outputs.data.shape == expected.shape
+        assert (output.outputs.data.double() - expected).abs().max() < (2e-6 if normalize else 1e-4)
+
+
 def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
     with LLM(ref_artifact_128, device="cpu", runner="pooling", pooler_config={"normalize": False}) as llm:
         raw, normed = llm.embed(PROMPTS[:2], [PoolingParams(), PoolingParams(normalize=True)])
@@ -67,8 +87,8 @@ def test_normalize_off_and_per_request(ref_artifact_128, ref_model_dir):
         encoded = llm.encode(PROMPTS[:2])  # vLLM's generic form: the same vectors as float32 tensors
         with pytest.raises(RequestError, match=r"LLM.classify\(\) is only supported for a sequence classifier"):
             llm.encode(PROMPTS[0], pooling_task="classify")
-        with pytest.raises(RequestError, match="pooling_task 'token_embed'"):
-            llm.encode(PROMPTS[0], pooling_task="token_embed")
+        with pytest.raises(RequestError, match="pooling_task 'reward'"):
+            llm.encode(PROMPTS[0], pooling_task="reward")
     assert [o.outputs.data.dtype for o in encoded] == [torch.float32] * 2
     assert torch.equal(encoded[0].outputs.data, torch.tensor(raw.outputs.embedding))
     assert_close(raw, reference(ref_model_dir, raw.prompt_token_ids, "LAST", normalize=False), 1e-4)

@@ -13,7 +13,7 @@ from llmc.cli import main
 
 from tests.runtime.hf_oracle import build_float32, make_classifier
 from tests.runtime.server.conftest import API_KEY, MODEL, ServerProcess
-from tests.runtime.test_classify import hf_classifier_logits
+from tests.runtime.test_classify import hf_classifier, hf_classifier_logits
 
 TEXTS = ["ROMEO: what light through yonder window breaks?", "Hi", "But soft, what light " * 9]
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -67,6 +67,12 @@ def test_classify_equals_transformers(classify_server, ref_model_dir, hf_encode)
     assert chat["usage"]["prompt_tokens"] == len(rendered)
     expected = hf_classifier_logits(checkpoint, rendered).softmax(-1)
     assert (torch.tensor(chat["data"][0]["probs"], dtype=torch.float64) - expected).abs().max() < 2e-6
+    rewards = post(server, "/pooling", {"input": [ids[1]], "task": "token_classify"}).json()  # one row per token
+    with torch.inference_mode():
+        model = hf_classifier(checkpoint)
+        hidden = model.model(torch.tensor([ids[1]])).last_hidden_state[0].double()
+        expected = (hidden @ model.score.weight.double().T).softmax(-1)
+    assert (torch.tensor(rewards["data"][0]["data"], dtype=torch.float64) - expected).abs().max() < 1e-5
     pooled = post(server, "/pooling", {"input": TEXTS[0]}).json()  # vLLM's /pooling: the probabilities as data
     assert pooled["data"][0]["object"] == "pooling"  # (its prompt now from the prefix cache: a step of other shapes)
     assert torch.allclose(torch.tensor(pooled["data"][0]["data"]), torch.tensor(reply["data"][0]["probs"]), atol=1e-6)
@@ -79,6 +85,7 @@ def test_what_a_classifier_server_refuses(classify_server, server):
         (classifier, "/classify", {"input": []}, 400, "input", "empty"),
         (classifier, "/classify", {"input": "hi", "model": "other"}, 404, "model", "other"),
         (classifier, "/pooling", {"input": "hi", "task": "embed"}, 400, "task", "is a sequence classifier"),
+        (classifier, "/pooling", {"input": "hi", "task": "token_embed"}, 400, "task", "is a sequence classifier"),
         (classifier, "/pooling", {"input": "hi", "normalize": True}, 400, "normalize", "applies to embeddings"),
         (classifier, "/v1/embeddings", {"input": "hi"}, 400, "model", "does not support Embeddings API"),
         (classifier, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, 400, None, "sequence classifier"),
