@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--task", choices=["embed", "classify"], default="embed",
                         help="classify: a classifier's artifact (LLM.classify against AutoModelForSequenceClassification's "
                         "softmax)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, one more call of each under torch.profiler: the top GPU kernels by time")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -73,6 +75,23 @@ def _median_seconds(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _profile(run, label: str, rows: int = 12) -> None:
+    """One call of `run` under torch.profiler: its GPU kernels' total time and the top `rows` by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        _sync()
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time_total for e in events) / 1e3
+    print(f"profile {label}: wall {wall * 1e3:.1f} ms, GPU kernels {total:.1f} ms ({100 * total / (wall * 1e3):.0f}% busy)")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:rows]:
+        print(f"  {e.device_time_total / 1e3:8.2f} ms  {e.count:5d}x  {e.key[:100]}")
+
+
 def measure_llmc(args, options: dict) -> tuple[dict, dict]:
     llm = LLM(args.artifact, device=args.device, runner="pooling", disable_log_stats=True, enable_prefix_caching=False,
               **options)
@@ -85,6 +104,8 @@ def measure_llmc(args, options: dict) -> tuple[dict, dict]:
         inputs = [{"prompt_token_ids": p} for p in prompts]
         seconds = _median_seconds(lambda: pool(inputs), args.repeats)
         firsts[length] = torch.tensor(values(pool(inputs[:1])[0]))
+        if args.profile and torch.cuda.is_available():
+            _profile(lambda: pool(inputs), f"llmc L={length}")
         rows[length] = {"seconds": seconds, "prompts_per_s": len(prompts) / seconds,
                         "tokens_per_s": len(prompts) * length / seconds}
         print(f"llmc L={length}: {rows[length]['prompts_per_s']:.1f} prompts/s, "
@@ -116,6 +137,8 @@ def measure_transformers(args, dtype: torch.dtype, vocab: int) -> tuple[dict, di
 
         seconds = _median_seconds(run, args.repeats)
         firsts[length] = run()[0].cpu()
+        if args.profile and torch.cuda.is_available():
+            _profile(run, f"transformers L={length}")
         rows[length] = {"seconds": seconds, "prompts_per_s": len(ids) / seconds, "tokens_per_s": len(ids) * length / seconds}
         print(f"transformers L={length}: {rows[length]['prompts_per_s']:.1f} prompts/s, "
               f"{rows[length]['tokens_per_s']:.0f} tokens/s", flush=True)
