@@ -30,6 +30,7 @@ from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_forma
 from llmc.compiler.lora import LoraMerge, load_adapters
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
+from llmc.compiler.vision import check_vision_recipe, is_llava, llava_config, write_vision_weights
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
@@ -47,7 +48,7 @@ logger = logging.getLogger("llmc")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
+    "generation_config.json", "preprocessor_config.json", "processor_config.json",  # (a vision model's processor)
 )
 DEFAULT_GPU_MEMORY_GIB = 80.0
 NUM_REPORT_WINDOWS = 4  # held-out calibration windows the build's quality report runs on
@@ -78,6 +79,7 @@ class _Context:
     target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
     lora: LoraMerge | None = None  # the recipe's adapters, merged as the checkpoint's tensors are read
     derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
+    vision: art.VisionSpec | None = None  # a LLaVA checkpoint's vision tower and projector (compiler/vision.py)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -104,6 +106,8 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     with atomic_directory(output) as tmp:
         _timed(timings, "tokenizer", lambda: _copy_tokenizer(ctx.model_dir, tmp / art.TOKENIZER_DIR))
         weight_bytes = _timed(timings, "weights", lambda: _write_weights(ctx, tmp, show_progress))
+        if ctx.vision is not None:
+            _timed(timings, "vision", lambda: _write_vision(ctx, tmp))
         if recipe.target.device in om.ONNX_DEVICES:
             weight_bytes = _timed(timings, "onnx graph", lambda: _write_onnx(ctx, tmp))
         manifest = _timed(timings, "manifest", lambda: _write_manifest(ctx, tmp, weight_bytes))
@@ -121,6 +125,10 @@ def _timed(timings: dict, stage: str, fn):
 def _read_checkpoint(recipe: Recipe) -> _Context:
     model_dir = resolve_model_dir(recipe)
     hf_config = {**hf.read_hf_config(model_dir), **recipe.hf_overrides}
+    vision = None
+    if is_llava(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
+        check_vision_recipe(recipe)
+        hf_config, vision = llava_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
     if biased and spec.family != "granite":  # Granite's biases: refused by name in model_config_from_hf
@@ -138,7 +146,8 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
-    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=_derived_tensors(hf_config, spec, model, model_dir))
+    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=_derived_tensors(hf_config, spec, model, model_dir),
+                    vision=vision)
 
 
 def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:
@@ -368,6 +377,12 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     return [path.stat().st_size for path in paths]
 
 
+def _write_vision(ctx: _Context, root: Path) -> None:
+    """A LLaVA checkpoint's vision tower and projector, dense in the model dtype (compiler/vision.py)."""
+    with hf.TensorReader(ctx.model_dir) as reader:
+        write_vision_weights(reader, root / art.VISION_WEIGHTS, ctx.model.dtype)
+
+
 def _unit_shards(ctx: _Context, reader: hf.TensorReader, unit: str | int, layouts: list[RankLayout], packer, pack_global_fn):
     """(rank, {tensor name: packed tensor}) for each rank holding `unit` (a layer index or a global module)."""
     dtype = getattr(torch, ctx.model.dtype)
@@ -486,6 +501,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
         runtime=runtime,
         files=art.hash_files(root),
         target=ctx.target,
+        vision=ctx.vision,
     )
     art.write_manifest(root, manifest)
     return manifest

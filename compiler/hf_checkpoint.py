@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from llmc.compiler.vision import llava_names
 from llmc.errors import CheckpointError
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_architecture, supported_architectures
@@ -36,6 +37,12 @@ _REFUSED_ARCHITECTURES = {
     "GemmaForCausalLM": "Gemma 1 is not supported (Gemma2ForCausalLM and Gemma 3's text model, Gemma3ForCausalLM, are)",
     "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower, weights under model.language_model) is not "
                                       "supported; its text-only form, Gemma3ForCausalLM (gemma-3-1b and text checkpoints), is",
+    "LlavaNextForConditionalGeneration": "LLaVA-NeXT (anyres image tiling) is not supported; LLaVA-1.5-style "
+                                         "LlavaForConditionalGeneration is",
+    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision is not supported; LLaVA-1.5-style "
+                                              "LlavaForConditionalGeneration is",
+    "Mistral3ForConditionalGeneration": "Mistral 3's vision model (Pixtral tower, patch merger) is not supported; "
+                                        "LLaVA-1.5-style LlavaForConditionalGeneration is",
     "GraniteMoeForCausalLM": "Granite MoE (granite-3.x-*-a*b) is not supported; the dense GraniteForCausalLM is",
     "GraniteMoeSharedForCausalLM": "Granite MoE with shared experts is not supported; the dense GraniteForCausalLM is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
@@ -521,6 +528,14 @@ class TensorReader:
         self.merge = merge
         self.derived = derived or {}
         self.location = _tensor_locations(model_dir)  # HF tensor name → file
+        # a LLaVA checkpoint (compiler/vision.py): its language model's tensors by the causal LM's names; its
+        # vision tower's and projector's by their artifact names (vision_names → the checkpoint's names)
+        self._checkpoint_names: dict[str, str] = {}
+        self._all_locations = self.location
+        self.vision_names: dict[str, str] = {}
+        if (llava := llava_names(list(self.location))) is not None:
+            self._checkpoint_names, self.vision_names = llava
+            self.location = {name: self.location[source] for name, source in self._checkpoint_names.items()}
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
 
@@ -548,29 +563,35 @@ class TensorReader:
             return self.derived[name](self)
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
-        tensor = self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(self._checkpoint_names.get(name, name))
         return tensor if self.merge is None else self.merge(name, tensor)
+
+    def get_source(self, source: str) -> torch.Tensor:
+        """A tensor by the checkpoint's own name (a LLaVA vision tower's), as stored."""
+        return self._file(self._all_locations[source]).get_tensor(source)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, read from the file's header (no data)."""
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(name).get_slice(self._checkpoint_names.get(name, name)).get_shape())
 
     def dtype_name(self, name: str) -> str:
         """A tensor's safetensors dtype ("BF16", "F8_E4M3", ...), read from the file's header (no data)."""
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
-        return self._handle(name).get_slice(name).get_dtype()
+        return self._handle(name).get_slice(self._checkpoint_names.get(name, name)).get_dtype()
 
     def _handle(self, name: str):
-        path = self.location[name]
+        return self._file(self.location[name])
+
+    def _file(self, path: Path):
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
         return self._handles[path]
 
     def source_files(self) -> list[Path]:
-        return sorted(set(self.location.values()))
+        return sorted(set(self._all_locations.values()))
 
 
 def _tensor_locations(model_dir: Path) -> dict[str, Path]:

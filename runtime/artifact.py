@@ -5,6 +5,7 @@ artifact/
   manifest.json                 Manifest below, as JSON
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
+  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA; format 1.13)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
@@ -48,10 +49,15 @@ from llmc.schema import opt, parse
 #      quant.method int8; older manifests have neither (an older llmc refuses the format by name).
 # 1.12: sequence classifiers (model.num_labels, labels, classifier_activation; a `score` tensor in place of lm_head);
 #      older manifests load without them (a causal LM).
-FORMAT_VERSION = "1.12"
-KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12")
+# 1.13: vision models (LLaVA): the `vision` section and vision/weights.safetensors, and the processor files in
+#      tokenizer/; older manifests load without them (a text model).
+FORMAT_VERSION = "1.13"
+KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
+                         "1.13")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
+VISION_WEIGHTS = "vision/weights.safetensors"
+VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
@@ -400,6 +406,24 @@ class Plan:
     w4a16_kernels: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class VisionSpec:
+    """A vision-language model's image side (LLaVA: compiler/vision.py builds it, runtime/multimodal.py runs it).
+    Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's under `vision_tower.` (transformers'
+    CLIPVisionModel names), the projector's under `multi_modal_projector.` (linear_1, linear_2)."""
+
+    architecture: str = opt()  # the checkpoint's class, "LlavaForConditionalGeneration"
+    vision_config: dict = opt()  # transformers' CLIPVisionConfig, as a dict
+    image_token_index: int = opt(min=0)  # the placeholder token an image's embeddings replace, one per image row
+    # the vision tower's hidden state the features are read from (0: the embeddings; negative: from the last layer)
+    vision_feature_layer: int = opt()
+    # "default": the CLS row dropped (one row per patch); "full": every row
+    vision_feature_select_strategy: str = opt(choices=VISION_FEATURE_STRATEGIES)
+    projector_hidden_act: str = opt()  # the projector's activation between its two linears, by transformers' name
+    text_hidden_size: int = opt(min=1)  # the projector's output width: the language model's hidden_size
+    projector_bias: bool = opt(True)  # its linears carry biases
+
+
 def kernel_source_label(record: dict) -> str:
     """Where one plan.w4a16_kernels record came from: "measured on NVIDIA H200", "heuristic"."""
     return f"measured on {record['gpu']}" if record.get("gpu") else str(record.get("source"))
@@ -427,6 +451,7 @@ class Manifest:
     # ONNX: {"device": "onnx-cpu", "model_format": "onnx", "onnx": {"model", "opset", "max_positions",
     #        "op_counts", "linears"}} (runtime/onnx_model.py)
     target: dict = field(default_factory=dict)
+    vision: VisionSpec | None = opt(None)  # a vision-language model's image side (format 1.13); None: a text model
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))  # the types a reader gets back
@@ -480,6 +505,11 @@ def _check_consistency(m: Manifest) -> None:
     if unlisted := [name for name in linears if name not in m.quant.modules]:
         problems.append(f"quant.modules has no format for {unlisted[0]}" + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     model_files = [rank_weights_path(r) for r in range(m.parallel.world_size)] if not m.target else []  # ONNX: its own
+    if m.vision is not None:
+        model_files.append(VISION_WEIGHTS)
+        if m.vision.text_hidden_size != model.hidden_size or m.vision.image_token_index >= model.vocab_size:
+            problems.append("vision.text_hidden_size / image_token_index do not match the model's hidden_size and "
+                            "vocab_size")
     missing = [rel for rel in model_files if rel not in m.files]
     if missing:
         problems.append(f"files lacks {missing[0]}")

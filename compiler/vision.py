@@ -1,0 +1,135 @@
+"""LLaVA checkpoints (LlavaForConditionalGeneration): the language model built as its causal LM, the vision
+tower and projector kept dense in their own file.
+
+A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
+(Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
+defaults filled in) as the checkpoint's config and its tensors under the causal LM's names (TensorReader's
+`llava_names`), so every step of the build (quantization, calibration, sharding) sees a plain causal LM; the
+vision tower's and projector's tensors are written as they are, in the model dtype, to vision/weights.safetensors,
+and the manifest's `vision` section records what the runtime needs to run them (runtime/multimodal.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from llmc.errors import CheckpointError, RecipeError
+from llmc.runtime import artifact as art
+
+LLAVA = "LlavaForConditionalGeneration"
+# text_config.model_type → the causal LM the language model is built as
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+VISION_MODEL_TYPES = ("clip_vision_model",)
+STRATEGIES = ("default", "full")
+
+# Weight-name prefixes of the two layouts: transformers >= 4.52 in memory (model.language_model.*, lm_head.*) and
+# what save_pretrained writes (transformers 5 included) and older checkpoints hold (language_model.model.*, ...)
+_LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
+_PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+
+
+def is_llava(config: dict) -> bool:
+    return LLAVA in (config.get("architectures") or [])
+
+
+def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """(the language model's config as a causal LM's config.json, the manifest's vision section), refusing by
+    name what the runtime does not run."""
+    from transformers import LlavaConfig
+
+    for key, what in (("image_grid_pinpoints", "LLaVA-NeXT's anyres tiling"),
+                      ("spatial_merge_size", "a patch-merging projector"), ("downsample_ratio", "pixel shuffle")):
+        if config.get(key) is not None:
+            raise CheckpointError(f"{model_dir}: {key} ({what}) is not supported; LLaVA-1.5-style checkpoints (one "
+                                  "image resized to the vision tower's size) are")
+    text_type = (config.get("text_config") or {}).get("model_type", "llama")
+    if text_type not in TEXT_ARCHITECTURES:
+        raise CheckpointError(f"{model_dir}: a LLaVA language model of model_type {text_type!r} is not supported; "
+                              f"supported: {', '.join(TEXT_ARCHITECTURES)}")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
+    if vision_type not in VISION_MODEL_TYPES:
+        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported; supported: "
+                              f"{', '.join(VISION_MODEL_TYPES)} (CLIP)")
+    try:
+        llava = LlavaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: config.json is not a LLaVA config transformers reads ({e})") from None
+    layer = llava.vision_feature_layer
+    if not isinstance(layer, int):
+        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer!r}: a list of layers (their features "
+                              "concatenated) is not supported; one layer index is")
+    num_layers = llava.vision_config.num_hidden_layers
+    if not -num_layers - 1 <= layer <= num_layers:
+        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer} is outside the vision tower's "
+                              f"{num_layers} layers (hidden states 0..{num_layers}, or negative from the last)")
+    strategy = llava.vision_feature_select_strategy
+    if strategy not in STRATEGIES:
+        raise CheckpointError(f"{model_dir}: vision_feature_select_strategy {strategy!r}: supported are "
+                              f"{', '.join(STRATEGIES)}")
+    from transformers.activations import ACT2FN
+
+    if llava.projector_hidden_act not in ACT2FN:
+        raise CheckpointError(f"{model_dir}: projector_hidden_act {llava.projector_hidden_act!r} is not an "
+                              "activation transformers knows")
+    text = llava.text_config.to_dict()
+    text["architectures"] = [TEXT_ARCHITECTURES[text_type]]
+    text["tie_word_embeddings"] = bool(llava.tie_word_embeddings or text.get("tie_word_embeddings"))
+    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
+    vision_config = {k: v for k, v in llava.vision_config.to_dict().items()
+                     if k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+    spec = art.VisionSpec(
+        architecture=LLAVA, vision_config=vision_config, image_token_index=int(llava.image_token_index),
+        vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+        projector_hidden_act=llava.projector_hidden_act,
+        projector_bias=bool(getattr(llava, "multimodal_projector_bias", True)),
+        text_hidden_size=text["hidden_size"],
+    )
+    return text, spec
+
+
+def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
+    """For a LLaVA checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
+    model, {artifact name: checkpoint name} of the vision tower and projector); None for any other checkpoint.
+    The vision tower's names lose CLIPVisionModel's older `vision_model.` level (transformers 5 has none)."""
+    if not any(name.startswith(_PROJECTOR_PREFIXES) for name in names):
+        return None
+    language, vision = {}, {}
+    for name in names:
+        lm = next((new + name[len(old):] for old, new in _LM_PREFIXES if name.startswith(old)), None)
+        if lm is None and name.startswith("lm_head."):
+            lm = name
+        if lm is not None:
+            language[lm] = name
+            continue
+        for prefixes, to in ((_VISION_PREFIXES, "vision_tower."), (_PROJECTOR_PREFIXES, "multi_modal_projector.")):
+            old = next((p for p in prefixes if name.startswith(p)), None)
+            if old is not None:
+                vision[to + name[len(old):].removeprefix("vision_model.")] = name
+    return language, vision
+
+
+def check_vision_recipe(recipe) -> None:
+    """A vision model runs on the torch runtime, on one rank: an onnx-cpu or parallel build is refused by name."""
+    if recipe.target.device == "onnx-cpu":
+        raise RecipeError("target.device onnx-cpu: vision models (LlavaForConditionalGeneration) are not exported to "
+                          "ONNX; use target.device cpu or cuda")
+    if recipe.parallel.tensor * recipe.parallel.pipeline > 1:
+        raise RecipeError("parallel: vision models (LlavaForConditionalGeneration) run on one rank; set parallel.tensor "
+                          "and parallel.pipeline to 1")
+
+
+def write_vision_weights(reader, path: Path, dtype: str) -> int:
+    """The vision tower's and projector's tensors, in the model dtype, to `path`; returns its size in bytes."""
+    tensors = {name: reader.get_source(source).to(getattr(torch, dtype)).contiguous()
+               for name, source in sorted(reader.vision_names.items())}
+    if not any(name.startswith("multi_modal_projector.") for name in tensors):
+        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector tensors in the checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return path.stat().st_size
