@@ -36,6 +36,16 @@ def lora_root_hash(lora_int_id: int | None) -> BlockHash | None:
     return None if lora_int_id is None else hashlib.sha256(b"lora\x00" + str(lora_int_id).encode()).digest()
 
 
+def sequence_root_hash(lora_int_id: int | None, image_hash: bytes | None) -> BlockHash | None:
+    """The parent of a sequence's first block: lora_root_hash, and with images (runtime/multimodal.py) their digest
+    too, so a prompt's blocks never match those of the same tokens with other images, or without (vLLM keys only
+    the blocks from the first image on; here the whole prompt's, text before the image included)."""
+    root = lora_root_hash(lora_int_id)
+    if image_hash is None:
+        return root
+    return hashlib.sha256(b"images\x00" + (root or b"") + image_hash).digest()
+
+
 def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """The hash chain of every full block of `token_ids` (a trailing partial block gets none)."""
     hashes: list[BlockHash] = []

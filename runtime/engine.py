@@ -18,9 +18,11 @@ from llmc.errors import ConfigError, RequestError, WorkerError
 from llmc.kernels import to_device
 from llmc.runtime import artifact as art
 from llmc.runtime.layers.rotary import check_rotary_device
+from llmc.runtime.loader import compute_dtype
 from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
+from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
@@ -76,6 +78,9 @@ class Engine:
         draft = self._draft_artifact()
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
+        # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
+        self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
+                       if self.manifest.vision is not None else None)
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = BeamScheduler(SchedulerConfig(
@@ -145,9 +150,12 @@ class Engine:
 
     def add_request(self, prompt: str | None, params: SamplingParams | PoolingParams,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> str:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    multi_modal_data: dict | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
+        `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (<image>) in the
+        prompt per image, for a vision model (runtime/multimodal.py).
         PoolingParams (vLLM's): an embedding request, on an engine started with runner pooling."""
         if (self.pooler is not None) != isinstance(params, PoolingParams):
             raise RequestError(("this model runs as an embedding model (runner pooling): it does not generate text; "
@@ -174,13 +182,14 @@ class Engine:
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         lora_int_id = self._check_lora(lora_request, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        prompt_token_ids, images = self._encode_images(list(prompt_token_ids), multi_modal_data, params)
         if self.pooler is not None:  # a prompt of up to max_model_len tokens, computed and never sampled
             self.pooler.check(params)
-            prompt_token_ids = self._check_prompt(list(prompt_token_ids), params, generates=False)
+            prompt_token_ids = self._check_prompt(prompt_token_ids, params, generates=False)
             group = PoolingGroup(request_id, prompt, prompt_token_ids, params, arrival_time)
         else:
             params = self._check_logprob_counts(params)
-            prompt_token_ids = self._check_prompt(list(prompt_token_ids), params)
+            prompt_token_ids = self._check_prompt(prompt_token_ids, params)
             params.check_vocab(self.manifest.model.vocab_size)
             if params.guided_decoding is not None:
                 self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
@@ -192,13 +201,37 @@ class Engine:
                 self._beam_group_ids.add(request_id)
                 group.start(self, priority)
             elif isinstance(group, PoolingGroup):
-                self._add_pooling(group, priority, lora_int_id)
+                self._add_pooling(group, priority, lora_int_id, images)
             else:
-                self._add_sequences(group, priority, lora_int_id)
+                self._add_sequences(group, priority, lora_int_id, images)
         except BaseException:
             self.abort_request(request_id)
             raise
         return request_id
+
+    def _encode_images(self, prompt_token_ids: list[int], multi_modal_data: dict | None,
+                       params: SamplingParams | PoolingParams) -> tuple[list[int], ImageInputs | None]:
+        """The prompt with its images' placeholders expanded and the images encoded (runtime/multimodal.py); as it
+        is, and None, without images."""
+        images = [] if multi_modal_data is None else images_of(multi_modal_data)
+        if not images:
+            if self.vision is not None:
+                self.vision.check_no_placeholders(prompt_token_ids)
+            return prompt_token_ids, None
+        self.check_takes_images("multi_modal_data")
+        if getattr(params, "use_beam_search", False):
+            raise RequestError("multi_modal_data: use_beam_search does not run with images; drop one of them",
+                               param="multi_modal_data")
+        if params.truncate_prompt_tokens is not None:
+            raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
+                               "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
+        return self.vision.prompt_inputs(prompt_token_ids, images)
+
+    def check_takes_images(self, param: str) -> None:
+        """RequestError naming `param` unless this is a vision model."""
+        if self.vision is None:
+            raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images; send text "
+                               "only, or serve a vision model (LlavaForConditionalGeneration)", param=param)
 
     def _check_lora(self, lora_request: LoRARequest | None, params: SamplingParams) -> int | None:
         """The adapter's id, its files read and checked (once per id); None without one."""
@@ -216,18 +249,21 @@ class Engine:
         self.runner.lora.read(lora_request)
         return lora_request.lora_int_id
 
-    def _add_pooling(self, group: PoolingGroup, priority: int, lora_int_id: int | None) -> None:
+    def _add_pooling(self, group: PoolingGroup, priority: int, lora_int_id: int | None,
+                     images: ImageInputs | None = None) -> None:
         """An embedding request's one scheduler Request (`pooling`: its prompt computed, nothing sampled)."""
         mode = self.pooler.mode_of(group.params)
         request = Request(request_id=f"{group.request_id}#0", prompt_token_ids=group.prompt_token_ids, max_tokens=0,
                           arrival_time=group.arrival_time, priority=priority, pooling=True,
-                          skip_prefix_cache=not self.pooler.reads_cached_prefix(mode), lora_int_id=lora_int_id)
+                          skip_prefix_cache=not self.pooler.reads_cached_prefix(mode), lora_int_id=lora_int_id,
+                          images=images)
         state = PoolingState(request, group.request_id, self.pooler.task_of(group.params), mode)
         group.sequences.append(state)
         self.sequences[request.request_id] = state
         self.scheduler.add_request(request)
 
-    def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None) -> None:
+    def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None,
+                       images: ImageInputs | None = None) -> None:
         room = self.options.max_model_len - len(group.prompt_token_ids)
         for index, child_params in enumerate(group.child_params()):
             guard_processors(child_params, group.request_id)
@@ -236,7 +272,7 @@ class Engine:
                 request_id=f"{group.request_id}#{index}", prompt_token_ids=group.prompt_token_ids,
                 max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
                 sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
-                lora_int_id=lora_int_id,
+                lora_int_id=lora_int_id, images=images,
             )
             state = SequenceState(request, index, child_params, self.tokenizer,
                                   self.eos_token_ids, self.options.max_model_len, group.request_id)

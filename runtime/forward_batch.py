@@ -31,6 +31,9 @@ class ForwardBatch:
     # A CUDA graph of mixed steps (runtime/mixed_graphs.py): the attention reads its sequences from
     # these device tensors, not from query_lens (which then only says how many tokens were captured).
     prefill_index: PrefillIndex | None = None
+    # A vision model's image tokens in this step (runtime/multimodal.step_image_rows): (flat token indices [n],
+    # embedding rows [n, hidden_size]) written over those tokens' embeddings; None: none. Such steps run eagerly.
+    image_rows: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -17,6 +17,7 @@ from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
+from llmc.runtime.multimodal import chat_images
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, REQUEST_TASKS, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -110,7 +111,8 @@ class LLM:
         lora_request=None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
-        ids, or {"prompt": ...} / {"prompt_token_ids": [...]}. If handling a request failed (its
+        ids, or {"prompt": ...} / {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data": {"image": a PIL
+        image or a list of them} for a vision model (one <image> placeholder in the prompt per image). If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
         Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
@@ -259,13 +261,24 @@ class LLM:
         vLLM's keywords: add_generation_prompt, continue_final_message, chat_template_kwargs (the template's
         extra variables, e.g. {"enable_thinking": False} for Qwen3), tools (OpenAI's tool definitions
         {"type": "function", "function": {...}}, rendered by the template; the replies are text, as vLLM's
-        LLM.chat returns them: read calls out of it yourself). `lora_request`: as generate's."""
+        LLM.chat returns them: read calls out of it yourself). `lora_request`: as generate's. For a vision model,
+        content parts {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or
+        {"type": "image_pil", "image_pil": PIL image} are rendered as the template's image placeholders
+        (runtime/multimodal.chat_images)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
                    "tools": checked_tools(tools) or None}
-        prompts = [{"prompt_token_ids": apply_chat_template(self.tokenizer, c, **options)} for c in conversations]
+        prompts = [self._chat_prompt(c, options) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
+
+    def _chat_prompt(self, messages: list[dict], options: dict) -> dict:
+        """A conversation rendered with the chat template: {"prompt_token_ids"}, and its images if any."""
+        messages, images = chat_images(messages)
+        if images:
+            self.engine.check_takes_images("messages")
+        prompt = {"prompt_token_ids": apply_chat_template(self.tokenizer, messages, **options)}
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None,
                lora_request=None) -> Iterator[str]:
@@ -341,6 +354,8 @@ class LLM:
         if isinstance(prompt, str):
             return add(prompt, params)
         if isinstance(prompt, dict):
+            if "multi_modal_data" in prompt:  # a vision model's images (runtime/multimodal.py)
+                add = functools.partial(add, multi_modal_data=prompt["multi_modal_data"])
             if "prompt_token_ids" in prompt:
                 return add(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]))
             if "prompt" in prompt:

@@ -33,6 +33,7 @@ from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.lora import LoraManager, LoraSlots
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
+from llmc.runtime.multimodal import step_image_rows
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
@@ -54,6 +55,7 @@ class ModelRunner:
         both caches (its bytes per token)."""
         self.device = device
         self.block_size = options.block_size
+        self.takes_images = manifest.vision is not None  # its prefill steps may carry image rows (runtime/multimodal.py)
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)
@@ -150,7 +152,9 @@ class ModelRunner:
 
     def forward_hidden(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: the final norm's outputs [num_tokens, hidden_size] (a graph's output buffer,
-        valid until the next forward)."""
+        valid until the next forward). A step with image rows runs eagerly (no graph reads them)."""
+        if forward_batch.image_rows is not None:
+            return self.model(input_ids, forward_batch)
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             return self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
         if self.pieces is not None and self.pieces.can_run(forward_batch):
@@ -162,6 +166,8 @@ class ModelRunner:
         """A pooling step's forward (runtime/pooling.py): the final hidden states [num_tokens, hidden_size]
         of its tokens, in batch order."""
         inputs = self.buffers.build(batch)
+        if self.takes_images:
+            inputs.forward_batch.image_rows = step_image_rows(batch)
         if self.lora is not None:
             self._map_lora_tokens(batch)
         return self.forward_hidden(inputs.input_ids, inputs.forward_batch)
@@ -171,6 +177,8 @@ class ModelRunner:
         """Run one step's forward (launched, not waited for, on a GPU). `pending`: the previous
         step's sampled tokens on the device, for decode rows whose last token is still pending."""
         inputs = self.buffers.build(batch, pending)
+        if self.takes_images:
+            inputs.forward_batch.image_rows = step_image_rows(batch)
         if self.lora is not None:
             self._map_lora_tokens(batch)
         logits = self.forward_logits(inputs.input_ids, inputs.forward_batch, None)  # [num_rows, vocab_size]

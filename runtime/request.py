@@ -75,6 +75,8 @@ class Request:
             its blocks' prefix-cache hashes (another adapter's KV is another KV).
         pooling: an embedding request (runtime/pooling.py): its prompt is computed and nothing is sampled
             (max_tokens 0); it ends when its last chunk has run (`Scheduler.complete_prompts`).
+        images: a vision model's encoded images (runtime/multimodal.ImageInputs: embedding rows on the device, opaque
+            to the scheduler but for `image_hash`), else None; kept until it ends, so a recompute puts them in again.
     """
 
     request_id: str
@@ -97,6 +99,12 @@ class Request:
     beam_group_id: str | None = None
     lora_int_id: int | None = None
     pooling: bool = False
+    images: object = None
+
+    @property
+    def image_hash(self) -> bytes | None:
+        """The digest of its images (part of its blocks' prefix-cache hashes), None without images."""
+        return None if self.images is None else self.images.hash
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from llmc.errors import ConfigError, RequestError
-from llmc.runtime.block_pool import BlockPool, KVBlock, check_invariant, hash_block_tokens, lora_root_hash
+from llmc.runtime.block_pool import BlockPool, KVBlock, check_invariant, hash_block_tokens, sequence_root_hash
 from llmc.runtime.request import Request, RequestStatus, WaitingQueue, check_request_can_run
 
 logger = logging.getLogger("llmc")
@@ -457,7 +457,8 @@ class Scheduler:
         while len(hashes) < num_blocks:
             start = len(hashes) * self.block_size
             token_ids = request.get_token_ids(start, start + self.block_size)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else lora_root_hash(request.lora_int_id), token_ids))
+            root = hashes[-1] if hashes else sequence_root_hash(request.lora_int_id, request.image_hash)
+            hashes.append(hash_block_tokens(root, token_ids))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:

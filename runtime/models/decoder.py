@@ -256,7 +256,11 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
-        x, residual = self.run_layers(self.embed_tokens(input_ids), None, batch)
+        x = self.embed_tokens(input_ids)
+        if batch.image_rows is not None:  # a vision model's image tokens take its images' rows (runtime/multimodal.py)
+            indices, rows = batch.image_rows
+            x = x.index_copy(0, indices, rows.to(x.dtype))
+        x, residual = self.run_layers(x, None, batch)
         return self.final_norm(x, residual)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:

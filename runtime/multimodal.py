@@ -1,0 +1,274 @@
+"""Images for vision-language models (LLaVA): preprocessing, the vision encoder, and the image embeddings that
+replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+
+A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
+processor of the artifact (tokenizer/'s processor files) makes the pixel values, transformers' CLIPVisionModel
+(built from the manifest's vision config, holding the artifact's vision/weights.safetensors) runs the tower, the
+configured layer's hidden states (CLS row dropped under strategy "default") go through the projector, and each
+image's one placeholder token in the prompt becomes one token per embedding row. The request keeps the embeddings
+(`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
+(`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from bisect import bisect_left
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from llmc.errors import ArtifactError, RequestError
+from llmc.runtime import artifact as art
+
+MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image sent inline (a data URL), decoded
+CHAT_IMAGE_PARTS = ("image_url", "image_pil")  # the content parts that carry an image (OpenAI's; vLLM's PIL one)
+
+
+@dataclass(eq=False)
+class ImageInputs:
+    """A request's images, encoded.
+
+    Fields:
+        positions: the prompt positions of its image tokens, ascending (one per embedding row).
+        embeds: [len(positions), hidden_size] on the model's device: the rows those positions take.
+        hash: sha256 of the images' pixel values: the root of its prefix-cache blocks (block_pool), so a prompt's
+            blocks never match those of the same text with other images, or without.
+    """
+
+    positions: list[int]
+    embeds: Tensor
+    hash: bytes
+
+
+def images_of(multi_modal_data) -> list:
+    """vLLM's multi_modal_data ({"image": a PIL image or a list of them}) → the images; RequestError otherwise."""
+    from PIL import Image
+
+    if not isinstance(multi_modal_data, dict):
+        raise RequestError(f"multi_modal_data: expected a dict such as {{'image': PIL.Image}}, got "
+                           f"{type(multi_modal_data).__name__}", param="multi_modal_data")
+    other = sorted(set(multi_modal_data) - {"image"})
+    if other:
+        raise RequestError(f"multi_modal_data.{other[0]}: only images are supported (the 'image' key)",
+                           param="multi_modal_data")
+    images = multi_modal_data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
+    for i, image in enumerate(images):
+        if not isinstance(image, Image.Image):
+            raise RequestError(f"multi_modal_data.image[{i}]: expected a PIL.Image.Image, got {type(image).__name__}",
+                               param="multi_modal_data")
+    return images
+
+
+class Projector(nn.Module):
+    """LLaVA's multi_modal_projector: linear_1, the activation, linear_2."""
+
+    def __init__(self, vision_hidden: int, text_hidden: int, act: str, bias: bool):
+        from transformers.activations import ACT2FN
+
+        super().__init__()
+        self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias)
+        self.act = ACT2FN[act]
+        self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class VisionEncoder:
+    """The image side of a vision artifact, on the engine's device in the compute dtype."""
+
+    def __init__(self, artifact_dir: Path, manifest: art.Manifest, device: torch.device, dtype: torch.dtype):
+        from safetensors.torch import load_file
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+
+        spec = manifest.vision
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self.image_token_id = spec.image_token_index
+        self.image_processor = _image_processor(artifact_dir / art.TOKENIZER_DIR)
+        art.verify_for_load(artifact_dir, manifest, [art.VISION_WEIGHTS])
+        tensors = load_file(str(artifact_dir / art.VISION_WEIGHTS))
+        config = CLIPVisionConfig(**spec.vision_config)
+        self.tower = CLIPVisionModel(config).eval()
+        nested = next(iter(self.tower.state_dict())).startswith("vision_model.")  # transformers < 5's naming
+        tower = {("vision_model." if nested else "") + name.removeprefix("vision_tower."): t
+                 for name, t in tensors.items() if name.startswith("vision_tower.")}
+        self.projector = Projector(config.hidden_size, spec.text_hidden_size, spec.projector_hidden_act,
+                                   spec.projector_bias)
+        projector = {name.removeprefix("multi_modal_projector."): t
+                     for name, t in tensors.items() if name.startswith("multi_modal_projector.")}
+        try:
+            self.tower.load_state_dict(tower, strict=True)
+            self.projector.load_state_dict(projector, strict=True)
+        except RuntimeError as e:
+            raise ArtifactError(f"{art.VISION_WEIGHTS} does not match the manifest's vision config "
+                                f"({str(e).splitlines()[0]}); rebuild the artifact") from None
+        self.tower.to(device=device, dtype=dtype)
+        self.projector.to(device=device, dtype=dtype)
+
+    @torch.inference_mode()
+    def encode(self, images: list) -> tuple[list[Tensor], bytes]:
+        """(each image's embeddings [rows, text hidden_size], the sha256 of their pixel values)."""
+        try:
+            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        except Exception as e:  # noqa: BLE001 - the processor's own types (a mode it cannot convert, ...)
+            raise RequestError(f"multi_modal_data: an image cannot be preprocessed ({type(e).__name__}: {e})",
+                               param="multi_modal_data") from None
+        digest = hashlib.sha256(pixels.float().numpy().tobytes()).digest()
+        out = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True)
+        features = out.hidden_states[self.spec.vision_feature_layer]
+        if self.spec.vision_feature_select_strategy == "default":
+            features = features[:, 1:]
+        return list(self.projector(features)), digest
+
+    def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
+        processor writes it) expanded to one image token per embedding row, and the request's ImageInputs."""
+        runs = self._placeholder_runs(token_ids)
+        if len(runs) != len(images):
+            raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (token id {self.image_token_id}) for "
+                               f"{len(images)} image(s); put one placeholder (e.g. <image>) in the prompt per image",
+                               param="multi_modal_data")
+        embeds, digest = self.encode(images)
+        expanded, positions, at = [], [], 0
+        for (start, end), rows in zip(runs, embeds):
+            if end - start not in (1, rows.shape[0]):
+                raise RequestError(f"an image placeholder of {end - start} tokens: this model takes one per image, or "
+                                   f"{rows.shape[0]} (its embedding rows)", param="multi_modal_data")
+            expanded += token_ids[at:start]
+            positions += range(len(expanded), len(expanded) + rows.shape[0])
+            expanded += [self.image_token_id] * rows.shape[0]
+            at = end
+        expanded += token_ids[at:]
+        return expanded, ImageInputs(positions, torch.cat(embeds), digest)
+
+    def check_no_placeholders(self, token_ids: list[int]) -> None:
+        """A prompt without images must not hold image tokens (their embedding rows would stand in for images)."""
+        if self.image_token_id in token_ids:
+            raise RequestError(f"the prompt holds image placeholders (token id {self.image_token_id}) but no images; "
+                               "give the images (multi_modal_data, or image_url content parts), or drop the "
+                               "placeholders", param="multi_modal_data")
+
+    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        runs, i = [], 0
+        while i < len(token_ids):
+            if token_ids[i] == self.image_token_id:
+                start = i
+                while i < len(token_ids) and token_ids[i] == self.image_token_id:
+                    i += 1
+                runs.append((start, i))
+            else:
+                i += 1
+        return runs
+
+
+def _image_processor(tokenizer_dir: Path):
+    """transformers' image processor of the artifact: its processor's (AutoProcessor), else AutoImageProcessor's."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        if hasattr(processor, "image_processor"):
+            return processor.image_processor
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        return AutoImageProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ArtifactError(f"{tokenizer_dir}: no image processor (processor_config.json or preprocessor_config.json); "
+                            "rebuild the artifact from a checkpoint that has its processor files") from None
+
+
+def step_image_rows(batch) -> tuple[Tensor, Tensor] | None:
+    """(flat token indices [n], image embedding rows [n, hidden_size]) of the step's image tokens, in the order
+    StepBuffers packs the step's tokens (each scheduled request's chunk in turn); None when the step has none."""
+    indices, rows, offset = [], [], 0
+    for scheduled in batch.requests:
+        request = scheduled.request
+        images = request.images
+        if images is not None and request.num_computed_tokens <= images.positions[-1]:
+            start = request.num_computed_tokens
+            end = start + scheduled.num_new_tokens - len(scheduled.draft_token_ids)
+            lo, hi = bisect_left(images.positions, start), bisect_left(images.positions, end)
+            if hi > lo:
+                indices += [offset + p - start for p in images.positions[lo:hi]]
+                rows.append(images.embeds[lo:hi])
+        offset += scheduled.num_new_tokens
+    if not rows:
+        return None
+    return torch.tensor(indices, dtype=torch.long, device=rows[0].device), torch.cat(rows)
+
+
+# ---- chat content parts ---------------------------------------------------------------------------
+
+
+def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+    """Messages whose content parts hold images (OpenAI's {"type": "image_url", "image_url": {"url": data URL}},
+    vLLM's {"type": "image_pil", "image_pil": PIL image}) → (the messages as a vision model's chat template reads
+    them: each image a {"type": "image"} part, every content a list of parts; the images, in order). Messages
+    without images come back as they are, with no images."""
+    if not any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") in CHAT_IMAGE_PARTS for p in m["content"])
+               for m in messages):
+        return messages, []
+    images, rendered = [], []
+    for index, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, list):
+            parts = []
+            for number, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind in CHAT_IMAGE_PARTS:
+                    images.append(_part_image(part, kind, f"messages.{index}.content.{number}"))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+        else:
+            rendered.append(message)
+            continue
+        rendered.append({**message, "content": parts})
+    return rendered, images
+
+
+def _part_image(part: dict, kind: str, where: str):
+    from PIL import Image
+
+    if kind == "image_pil":
+        image = part.get("image_pil")
+        if not isinstance(image, Image.Image):
+            raise RequestError(f"{where}.image_pil: expected a PIL.Image.Image, got {type(image).__name__}")
+        return image
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    return load_image_url(url, f"{where}.image_url")
+
+
+def load_image_url(url, where: str):
+    """A data URL's image (data:image/...;base64,...), decoded; http(s) URLs are refused by name (not fetched)."""
+    from PIL import Image
+
+    if not isinstance(url, str):
+        raise RequestError(f"{where}: expected {{\"url\": \"data:image/png;base64,...\"}}, got {type(url).__name__}")
+    if url.startswith(("http://", "https://")):
+        raise RequestError(f"{where}: http(s) image URLs are not fetched; send the image inline as a data URL "
+                           "(data:image/png;base64,...)")
+    header, comma, data = url.partition(",")
+    if not (url.startswith("data:image/") and comma and header.endswith(";base64")):
+        raise RequestError(f"{where}: expected a base64 data URL of an image (data:image/png;base64,...), got "
+                           f"{url[:40]!r}")
+    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
+        raise RequestError(f"{where}: the image is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB; send a smaller one")
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        image.load()
+    except (binascii.Error, ValueError, OSError, Image.DecompressionBombError) as e:
+        raise RequestError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+    return image
