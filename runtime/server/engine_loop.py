@@ -202,9 +202,10 @@ class EngineLoop:
         return self.engine.options.max_num_seqs
 
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, lora_request=None) -> None:
+                          priority: int = 0, lora_request=None, multi_modal_data: dict | None = None) -> None:
         """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one).
-        `lora_request`: its run-time LoRA adapter (runtime/lora.py), None for the base model."""
+        `lora_request`: its run-time LoRA adapter (runtime/lora.py), None for the base model. `multi_modal_data`:
+        its images (a vision model's); its prompt's tokens are then counted after their expansion."""
         stream.num_prompt_tokens = len(prompt_token_ids)
         num_sequences = params.best_of or params.n
 
@@ -212,7 +213,10 @@ class EngineLoop:
             try:
                 engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
                                    arrival_time=stream.arrival_time,
-                                   **({"lora_request": lora_request} if lora_request is not None else {}))
+                                   **({"lora_request": lora_request} if lora_request is not None else {}),
+                                   **({"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}))
+                if multi_modal_data is not None:  # each image's placeholder became its embedding rows' tokens
+                    stream.num_prompt_tokens = len(engine.groups[stream.request_id].prompt_token_ids)
             finally:
                 self._num_sequences_added += num_sequences  # in the snapshot taken right after
             self._streams[stream.request_id] = stream

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
+from llmc.runtime.multimodal import CHAT_IMAGE_PARTS
 from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
@@ -309,6 +310,7 @@ class ContentPart(_Body):
     type: str
     text: str | None = None
     refusal: str | None = None
+    image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."} (a vision model's)
 
 
 class ChatMessage(_Body):
@@ -324,7 +326,9 @@ class ChatMessage(_Body):
         """The message as the chat template reads it (a list of parts: `text_of_parts`; the rest as
         `tokenizer.apply_chat_template` prepares every message)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and any(part.type in CHAT_IMAGE_PARTS for part in content):
+            content = [part.model_dump(exclude_none=True) for part in content]  # runtime/multimodal.chat_images
+        elif isinstance(content, list):
             try:
                 content = text_of_parts([part.model_dump() for part in content])
             except ValueError as e:

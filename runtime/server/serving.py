@@ -291,9 +291,11 @@ class ServingContext:
     # ---- generation ------------------------------------------------------------------------
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int = 0,
-                       arrival_time: float | None = None, lora_request=None) -> Generation:
+                       arrival_time: float | None = None, lora_request=None,
+                       multi_modal_data: dict | None = None) -> Generation:
         """Queue one engine request per prompt (ids `request_id-i`); all or none are added. `lora_request`:
-        the adapter they run with (`lora_request(model)`), None for the base model."""
+        the adapter they run with (`lora_request(model)`), None for the base model. `multi_modal_data`: the
+        images of a one-prompt chat (Engine.add_request's)."""
         self.require_ready()
         per_prompt = params.best_of or params.n
         self.check_admission(per_prompt * len(prompts),
@@ -308,7 +310,7 @@ class ServingContext:
                 stream = RequestStream(f"{request_id}-{index}", generation.queue, index, arrival_time,
                                        lora_int_id=None if lora_request is None else lora_request.lora_int_id)
                 generation.streams.append(stream)
-                await self.engine_loop.add_request(stream, token_ids, params, priority, lora_request)
+                await self.engine_loop.add_request(stream, token_ids, params, priority, lora_request, multi_modal_data)
         except BaseException as e:
             generation.abort()
             if isinstance(e, Exception):

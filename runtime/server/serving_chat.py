@@ -21,9 +21,11 @@ import re
 import time
 from collections.abc import AsyncIterator
 
+from llmc.errors import RequestError
+from llmc.runtime.multimodal import chat_images
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server.errors import ApiError
+from llmc.runtime.server.errors import ApiError, as_api_error
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprobs, prompt_logprobs, sse, usage,
                                             usage_body)
 from llmc.runtime.server.protocol import ChatCompletionRequest
@@ -53,16 +55,24 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         # tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they would
         # never reach the parser
         params = params.replace(skip_special_tokens=False)
-    token_ids = await ctx.render_chat_off_loop(request.template_messages(), request.template_options())
+    messages, images = request.template_messages(), []
+    try:
+        messages, images = chat_images(messages)  # a vision model's image parts (runtime/multimodal.py)
+        if images:
+            ctx.engine_loop.engine.check_takes_images("messages")
+    except RequestError as e:
+        raise as_api_error(e) from None
+    token_ids = await ctx.render_chat_off_loop(messages, request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]
     ctx.check_prompt_length(token_ids, params, "messages", request.requested_max_tokens, request.max_tokens_param)
     try:
         generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time,
-                                         ctx.lora_request(request.model))
+                                         ctx.lora_request(request.model),
+                                         {"image": images} if images else None)
     except ApiError as e:
         raise _as_chat_error(e) from None
-    return request, params, generation, len(token_ids)
+    return request, params, generation, generation.streams[0].num_prompt_tokens
 
 
 def _as_chat_error(error: ApiError) -> ApiError:

@@ -56,10 +56,14 @@ def test_chat_content_parts_and_unsupported_fields():
         {"role": "assistant", "content": "no\nd",
          "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "42", "tool_call_id": "c1"}]
-    image = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    image = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]})
     with pytest.raises(ApiError, match="only text parts") as info:
         image.template_messages()
     assert info.value.param == "messages.0.content"
+    # image parts are kept for a vision model's template (runtime/multimodal.chat_images)
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, {"type": "text", "text": "a"}]
+    image = parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": parts}]})
+    assert image.template_messages() == [{"role": "user", "content": parts}]
     with pytest.raises(ApiError) as info:
         parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}).check()
     assert info.value.param == "tools.0.function"

@@ -1,0 +1,56 @@
+"""/v1/chat/completions with image parts on a LLaVA artifact (tests/runtime/test_llava.py's tiny checkpoint): the
+reply is transformers' greedy reply to the rendered prompt with that image; what is refused answers 400."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from llmc.runtime.engine import Engine
+from llmc.runtime.server.api_server import build_app
+from tests.runtime.hf_oracle import build_float32
+from tests.runtime.test_llava import PROMPT, data_url, hf_generate, image, make_llava_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return make_llava_checkpoint(tmp_path_factory.mktemp("llava") / "hf", seed=1)
+
+
+def _chat(base_url: str, content, **body) -> httpx.Response:
+    return httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, **body})
+
+
+@pytest.mark.slow
+def test_chat_image_parts(llava, tmp_path, run_app, server_artifact):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    artifact = build_float32(llava, tmp_path / "a", target={"device": "cpu"})
+    picture = image(7)
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava), attn_implementation="eager").eval()
+    prompt_ids, expected = hf_generate((model, AutoProcessor.from_pretrained(str(llava))), PROMPT, [picture], 6)
+    base_url = run_app(build_app(lambda: Engine(artifact, device="cpu", max_num_batched_tokens=16,
+                                                disable_log_stats=True), "m", log_stats=False), wait_healthy=True)
+    reply = _chat(base_url, [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                             {"type": "text", "text": "What is this?"}])
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == \
+        [model_token for model_token in _token_strings(llava, expected)]
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)  # the image's 16 tokens counted
+    refused = _chat(base_url, [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}])
+    assert refused.status_code == 400 and "http(s) image URLs are not fetched" in refused.json()["error"]["message"]
+    text_only = run_app(build_app(lambda: Engine(server_artifact, device="cpu", disable_log_stats=True), "m",
+                                  log_stats=False), wait_healthy=True)
+    refused = _chat(text_only, [{"type": "image_url", "image_url": {"url": data_url(picture)}}])
+    assert refused.status_code == 400 and "takes no images" in refused.json()["error"]["message"]
+
+
+def _token_strings(checkpoint, token_ids: list[int]) -> list[str]:
+    """What the server reports as each token's text (its logprobs' `token`): the token decoded alone."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    return [tokenizer.decode([t]) for t in token_ids]
