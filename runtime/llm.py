@@ -290,8 +290,7 @@ class LLM:
                                "use generate")
         [sampling_params] = _with_output_kind([sampling_params], RequestOutputKind.DELTA)
         if messages is not None:
-            request_id = self._add({"prompt_token_ids": apply_chat_template(self.tokenizer, messages)}, sampling_params, 0,
-                                   lora_request)
+            request_id = self._add(self._chat_prompt(messages, {}), sampling_params, 0, lora_request)
         else:
             request_id = self._add(prompt, sampling_params, 0, lora_request)
         self._stream_outputs[request_id] = []
@@ -341,6 +340,9 @@ class LLM:
                                param="lora_request")
         token_lists = []
         for prompt in _as_prompt_list(prompts):
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+                raise RequestError("multi_modal_data: beam search does not run with images; use generate",
+                                   param="multi_modal_data")
             if isinstance(prompt, dict):
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
             token_lists.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))

@@ -248,3 +248,29 @@ def test_what_is_not_supported_is_refused_by_name(llava, tmp_path):
         (changed / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(CheckpointError, match=message):
             build(_recipe(changed, tmp_path / "x"), show_progress=False)
+
+
+def test_qwen2_language_model_and_a_quantized_build(tmp_path):
+    """A Qwen2 language model (q/k/v biases) matches transformers too; quantization (rtn, w4 groups of 32) applies
+    to the language model's linears only, the vision tower and projector stay dense and exact."""
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    checkpoint = make_llava_checkpoint(tmp_path / "hf", text_type="qwen2", seed=3)
+    out = build_float32(checkpoint, tmp_path / "a", target={"device": "cpu"})
+    model = LlavaForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+    picture = image(8)
+    _, expected = hf_generate((model, AutoProcessor.from_pretrained(str(checkpoint))), PROMPT, [picture])
+    [output] = LLM(out, device="cpu", max_num_batched_tokens=8).generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY)
+    assert output.outputs[0].token_ids == expected
+    quantized = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
+                              quantization={"method": "rtn", "group_size": 32})
+    manifest = art.read_manifest(quantized)
+    assert manifest.quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    vision = load_file(quantized / art.VISION_WEIGHTS)
+    assert torch.equal(vision["multi_modal_projector.linear_1.weight"],
+                       model.model.multi_modal_projector.linear_1.weight.detach())
+    [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": picture}},
+                                                     GREEDY)
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
