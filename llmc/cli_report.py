@@ -118,6 +118,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "memory_knobs": _memory_knobs(manifest, layer_bytes, int(gib * memory.GIB)),
         "num_files": len(manifest.files),
         "onnx": _onnx_summary(manifest),
+        "vision": dataclasses.asdict(manifest.vision) if manifest.vision is not None else None,
     }
 
 

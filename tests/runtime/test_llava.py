@@ -274,3 +274,18 @@ def test_qwen2_language_model_and_a_quantized_build(tmp_path):
     [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": picture}},
                                                      GREEDY)
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_inspect_and_run_a_vision_artifact(artifact):
+    """`llmc inspect --json` reports the vision section; `llmc run --prompt` runs a text prompt on it."""
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    result = CliRunner().invoke(cli, ["inspect", str(artifact), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["vision"]["image_token_index"] == art.read_manifest(artifact).vision.image_token_index
+    result = CliRunner().invoke(cli, ["run", str(artifact), "--device", "cpu", "--prompt", "USER: hi ASSISTANT:",
+                                       "--max-tokens", "3"])
+    assert result.exit_code == 0, result.output
