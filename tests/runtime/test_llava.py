@@ -132,7 +132,8 @@ def test_build_records_the_vision_side(artifact, llava):
     assert {"tokenizer/processor_config.json", "tokenizer/chat_template.jinja"} <= set(manifest.files)
 
 
-def test_generate_with_images_matches_transformers(artifact, hf_llava):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_with_images_matches_transformers(artifact, hf_llava, device):
     """Greedy tokens with an image equal transformers', with the image's 16 tokens split across prefill chunks
     (8 tokens a step), beside a prompt without images and one with two images; two different images with the
     same text give different replies (no prefix-cache mix-up: the second image's prompt is queued after the first
@@ -141,7 +142,8 @@ def test_generate_with_images_matches_transformers(artifact, hf_llava):
     two = "USER: <image>\n<image>\nCompare. ASSISTANT:"
     cases = [(PROMPT, [first]), (PROMPT, [second]), (two, [first, second]), ("USER: Hello there. ASSISTANT:", None)]
     expected = [hf_generate(hf_llava, p, imgs) if imgs else None for p, imgs in cases]
-    llm = LLM(artifact, device="cpu", max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+    llm = LLM(artifact, device=device, max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=64, block_size=8,
+              gpu_memory_utilization=0.3)
     prompts = [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in cases]
     outputs = llm.generate(prompts, GREEDY)
     for (prompt_ids, tokens), output in zip(expected[:3], outputs[:3]):
