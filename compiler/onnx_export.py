@@ -15,7 +15,8 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   SkipSimplifiedLayerNormalization before the MLP and before the next layer) and one RMSNorm over each whole
   q / k projection in place of the per-head ones
 
-then Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
+then the final norm's outputs flattened to [batch * seq, hidden] (the hidden_states output, which pooling
+binds), Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
 RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
 """
 
@@ -252,7 +253,10 @@ class _Emitter:
                 x, residual = self.skip_norm(mlp, residual, after)
             else:
                 x = residual = self.g.op1("Add", [mlp, residual])
-        flat = self.g.op1("Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))])
+        # the final norm's outputs, flattened: a graph output too (om.HIDDEN_STATES, what pooling binds)
+        flat = om.HIDDEN_STATES
+        self.g.nodes.append(helper.make_node(
+            "Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))], [flat]))
         rows = self.g.op1("Gather", [flat, om.LOGITS_INDICES], axis=0)  # [rows, hidden]
         if c.tie_word_embeddings:
             logits = self.g.op1("Gemm", [rows, embed], transB=1)
@@ -268,7 +272,8 @@ class _Emitter:
 def _io(config: ModelConfig) -> tuple[list, list]:
     f32, kv = TensorProto.FLOAT, ["batch", config.num_kv_heads, "capacity", config.head_dim]
     inputs = [helper.make_tensor_value_info(om.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info(om.LOGITS, f32, ["rows", config.vocab_size])]
+    outputs = [helper.make_tensor_value_info(om.LOGITS, f32, ["rows", config.vocab_size]),
+               helper.make_tensor_value_info(om.HIDDEN_STATES, f32, ["tokens", config.hidden_size])]
     for i in range(config.num_layers):
         inputs += [helper.make_tensor_value_info(name, f32, kv) for name in om.past_names(i)]
         outputs += [helper.make_tensor_value_info(name, f32, kv) for name in om.present_names(i)]

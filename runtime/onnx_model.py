@@ -12,6 +12,9 @@ The graph (one file, weights as external data beside it):
            query_seqlens           int32   [batch]   valid (non-padded) tokens of each chunk (0: idle)
            logits_indices          int64   [rows]    rows of the flattened [batch * seq] to take logits of
   outputs  logits                  float32 [rows, vocab]
+           hidden_states           float32 [batch * seq, hidden]   the final norm's outputs of every
+                                   position (transformers' last_hidden_state, flattened): what a pooling
+                                   (embedding) step binds, with no logits rows; generation leaves it unbound
            present_key.{i}, present_value.{i}: the same buffers as past_* (the runner binds one buffer
            to both: GroupQueryAttention writes the new rows in place)
 
@@ -38,6 +41,7 @@ COMPUTE_DTYPE_BYTES = 4  # the graph computes (and caches K/V) in float32: CPUs 
 
 INPUT_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "input_ids", "seqlens_k", "total_sequence_length"
 QUERY_SEQLENS, LOGITS_INDICES, LOGITS = "query_seqlens", "logits_indices", "logits"
+HIDDEN_STATES = "hidden_states"  # graphs built before session 41 lack it: they cannot pool
 
 
 def past_names(layer: int) -> tuple[str, str]:

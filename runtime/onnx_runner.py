@@ -9,6 +9,10 @@ GroupQueryAttention reads the slot's cached rows and writes the new ones in plac
 are bound to the same buffer). A slot's length follows the scheduler: a chunk starting at 0 starts
 the sequence afresh (new, a new owner of the row, or preempted and recomputed), one starting before
 the length drops the rejected draft rows.
+
+A pooling (embedding) step runs its chunks the same way with the graph's hidden_states output bound (the final
+norm's outputs of every position) and no logits rows; its requests' slots are their rows, freed when their
+prompts complete, as generation's are when they finish.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from torch import Tensor
 from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime import onnx_model as om
+from llmc.runtime.pooling import is_pooling
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.step_inputs import PendingTokens
@@ -64,10 +69,11 @@ MAX_CACHED_BINDINGS = 16  # call shapes kept bound: a steady decode, a few prefi
 class _Call:
     """One call shape's io binding: input arrays and the logits array allocated once and bound as
     OrtValues over their memory, and each layer's K/V slot range bound as both past and present
-    (GroupQueryAttention writes the new rows in place). A call fills the arrays and runs."""
+    (GroupQueryAttention writes the new rows in place). A call fills the arrays and runs. With
+    `hidden_size` (a pooling call), the hidden_states output [batch * seq, hidden_size] is bound too."""
 
     def __init__(self, session, ort, kv: list[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int,
-                 rows: int, vocab_size: int):
+                 rows: int, vocab_size: int, hidden_size: int | None = None):
         self.input_ids = np.zeros((batch_size, seq_len), np.int64)
         self.query_lens = np.zeros(batch_size, np.int32)
         self.seqlens_k = np.zeros(batch_size, np.int32)
@@ -82,6 +88,10 @@ class _Call:
                                 om.LOGITS_INDICES), self._values):
             self.binding.bind_ortvalue_input(name, value)
         self.binding.bind_ortvalue_output(om.LOGITS, self._values[-1])
+        if hidden_size is not None:
+            self.hidden = np.zeros((batch_size * seq_len, hidden_size), np.float32)
+            self._values.append(as_value(self.hidden))
+            self.binding.bind_ortvalue_output(om.HIDDEN_STATES, self._values[-1])
         for layer, (k, v) in enumerate(kv):
             for past, present, buffer in zip(om.past_names(layer), om.present_names(layer), (k, v)):
                 value = as_value(buffer)  # a view of the runner's KV buffer: written in place
@@ -110,7 +120,7 @@ class OnnxRunner:
         self.device = torch.device("cpu")
         model = manifest.model
         art.verify_for_load(artifact_dir, manifest, [om.MODEL_PATH, str(Path(om.MODEL_PATH).parent / om.DATA_NAME)])
-        self.num_layers, self.vocab_size = model.num_layers, model.vocab_size
+        self.num_layers, self.vocab_size, self.hidden_size = model.num_layers, model.vocab_size, model.hidden_size
         self.capacity = options.max_model_len
         self.num_slots = min(options.max_num_seqs, om.num_kv_slots(model, options))
         blocks_per_seq = -(-options.max_model_len // options.block_size)
@@ -119,9 +129,12 @@ class OnnxRunner:
         self.kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32)) for _ in range(self.num_layers)]
         self.lengths = [0] * (self.num_slots + 1)
         self._ort = ort
-        self._calls: dict[tuple[int, int, int, int], _Call] = {}  # io bindings by call shape, oldest first
+        self._calls: dict[tuple[int, int, int, int, bool], _Call] = {}  # io bindings by call shape, oldest first
         self.session = ort.InferenceSession(str(Path(artifact_dir) / om.MODEL_PATH), self._session_options(ort),
                                             providers=["CPUExecutionProvider"])
+        if is_pooling(options, model) and om.HIDDEN_STATES not in {o.name for o in self.session.get_outputs()}:
+            raise ConfigError(f"runner pooling: this onnx-cpu artifact's graph has no {om.HIDDEN_STATES} output (built "
+                              "before llmc pooled on onnx-cpu); rebuild it with this llmc to make embeddings")
         logger.info("ONNX runtime: %d KV slots of %d tokens, %d threads", self.num_slots, self.capacity,
                     self.session.get_session_options().intra_op_num_threads)
 
@@ -203,6 +216,16 @@ class OnnxRunner:
         self.session.run_with_iobinding(call.binding)
         return StepLogits(torch.from_numpy(call.logits), torch.tensor([r.batch_row for r in requests]), {})
 
+    def pool_hidden(self, batch: ScheduledBatch) -> Tensor:
+        """A pooling step's forward (runtime/pooling.py): the final norm's outputs [num_tokens, hidden_size]
+        of its tokens, in batch order (ModelRunner.pool_hidden's); its chunks run as execute's, no logits."""
+        chunks = []
+        for scheduled in batch.requests:
+            request, start = scheduled.request, scheduled.request.num_computed_tokens
+            chunks.append(_Chunk(self._slot_for(request, start), start,
+                                 request.get_token_ids(start, start + scheduled.num_new_tokens)))
+        return torch.from_numpy(np.concatenate(self._run_chunks(chunks, pool=True)))
+
     def greedy_window(self, request, num_steps: int, stop_ids: set[int]) -> list[int]:
         """Up to `num_steps` one-token calls for a lone plain-greedy `request`, back to back: each call's
         argmax (numpy's, the first of equal maxima as torch's) is the next call's input, with no
@@ -225,51 +248,56 @@ class OnnxRunner:
         self.lengths[slot] = start + len(tokens)
         return tokens
 
-    def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
-        """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
+    def _run_chunks(self, chunks: list[_Chunk], pool: bool = False) -> list[np.ndarray]:
+        """Logits [len(chunk.rows), vocab] per chunk (`pool`: hidden states [len(chunk.token_ids), hidden_size]):
+        single tokens in one call, the rest one call each."""
         out: list[np.ndarray | None] = [None] * len(chunks)
         singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         if singles:
-            for i, rows in zip(singles, self._run([chunks[i] for i in singles])):
+            for i, rows in zip(singles, self._run([chunks[i] for i in singles], pool)):
                 out[i] = rows
         for i, chunk in enumerate(chunks):
             if out[i] is None:
-                out[i] = self._run([chunk])[0]
+                out[i] = self._run([chunk], pool)[0]
         return out
 
-    def _run(self, chunks: list[_Chunk]) -> list[np.ndarray]:
-        """One session call over the slot range of `chunks`; advances their slots' lengths."""
+    def _run(self, chunks: list[_Chunk], pool: bool = False) -> list[np.ndarray]:
+        """One session call over the slot range of `chunks`; advances their slots' lengths. `pool`: no logits
+        rows; returns each chunk's final hidden states instead."""
         first, last = min(c.slot for c in chunks), max(c.slot for c in chunks)
         seq_len = max(len(c.token_ids) for c in chunks)
         counts = [len(c.rows) for c in chunks]
-        call = self._binding(first, last - first + 1, seq_len, sum(max(n, 1) for n in counts))
+        call = self._binding(first, last - first + 1, seq_len, 0 if pool else sum(max(n, 1) for n in counts), pool)
         call.reset(self.lengths[first: last + 1])
         row = 0
         for c in chunks:
             b, n = c.slot - first, len(c.token_ids)
             call.input_ids[b, :n] = c.token_ids
             call.query_lens[b], call.seqlens_k[b] = n, c.start + n - 1
-            for r in c.rows or [n - 1]:  # a chunk that needs no logits still takes one row (dropped)
+            for r in [] if pool else c.rows or [n - 1]:  # a chunk that needs no logits still takes one row (dropped)
                 call.indices[row] = b * seq_len + r
                 row += 1
         call.total[()] = call.seqlens_k.max() + 1
         self.session.run_with_iobinding(call.binding)
         for c in chunks:
             self.lengths[c.slot] = c.start + len(c.token_ids)
+        if pool:
+            return [call.hidden[(c.slot - first) * seq_len:][: len(c.token_ids)].copy() for c in chunks]
         results, offset = [], 0
         for count in counts:
             results.append(call.logits[offset: offset + count].copy())
             offset += max(count, 1)
         return results
 
-    def _binding(self, first: int, batch_size: int, seq_len: int, rows: int) -> _Call:
+    def _binding(self, first: int, batch_size: int, seq_len: int, rows: int, pool: bool = False) -> _Call:
         """The io binding of a call shape over slots [first, first + batch_size): made once and kept
-        (most recently used first), so a steady decode re-binds nothing."""
-        key = (first, batch_size, seq_len, rows)
+        (most recently used first), so a steady decode re-binds nothing. `pool`: hidden_states bound too."""
+        key = (first, batch_size, seq_len, rows, pool)
         call = self._calls.pop(key, None)
         if call is None:
             kv = [(k[first: first + batch_size], v[first: first + batch_size]) for k, v in self.kv]  # views
-            call = _Call(self.session, self._ort, kv, batch_size, seq_len, rows, self.vocab_size)
+            call = _Call(self.session, self._ort, kv, batch_size, seq_len, rows, self.vocab_size,
+                         self.hidden_size if pool else None)
             while len(self._calls) >= MAX_CACHED_BINDINGS:
                 self._calls.pop(next(iter(self._calls)))
         self._calls[key] = call

@@ -197,9 +197,11 @@ def pooling_problem(options, onnx: bool, world_size: int, model=None) -> str | N
     if task is None:
         return ("pooler_config applies to a pooling model; give runner pooling too, or drop it"
                 if options.pooler_config is not None else None)
-    if onnx or world_size != 1:
-        where = "an onnx-cpu artifact" if onnx else "a tensor/pipeline-parallel artifact"
-        return f"runner pooling ({task}) does not run on {where}; serve a single-rank torch build of the model"
+    if world_size != 1:
+        return (f"runner pooling ({task}) does not run on a tensor/pipeline-parallel artifact; serve a single-rank "
+                "build of the model")
+    if onnx and task == "classify":  # the graph has no classifier head; embeddings read its hidden_states output
+        return "runner pooling (classify) does not run on an onnx-cpu artifact; serve a torch build of the classifier"
     if options.speculative is not None:
         return "speculative: speculative decoding does not apply to runner pooling (embeddings sample nothing); drop it"
     return None

@@ -1,6 +1,6 @@
 """POST /v1/embeddings on `llmc run --runner pooling`, through the openai SDK (which asks for base64 by
-default) and raw HTTP, against transformers' hidden states; the generate endpoints refuse on it, and
-/v1/embeddings refuses on a generating server; batch files take /v1/embeddings lines."""
+default) and raw HTTP, against transformers' hidden states (an onnx-cpu artifact's too); the generate endpoints
+refuse on it, and /v1/embeddings refuses on a generating server; batch files take /v1/embeddings lines."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from llmc.cli import main
 
 from tests.conftest import hf_encode, hf_model
-from tests.runtime.server.conftest import API_KEY, MODEL
+from tests.runtime.server.conftest import API_KEY, MODEL, ServerProcess
 
 TEXTS = ["ROMEO: what light through yonder window breaks?", "Hi", "But soft, what light " * 9]
 
@@ -126,6 +126,29 @@ def test_score_and_rerank_are_cosines_of_transformers_embeddings(pooling_server,
                               ("/rerank", {"query": "x", "documents": ["y"], "top_n": -1}, "top_n")]:
         response = httpx.post(f"{pooling_server.base_url}{path}", headers=headers, json=body, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.slow  # a server of its own: 3.5 s on 2 cores
+def test_onnx_cpu_embeddings_equal_transformers(tmp_path, ref_model_dir):
+    """/v1/embeddings served from an onnx-cpu artifact (onnxruntime's hidden_states output, pooled as the torch
+    runtime's): transformers' LAST hidden states, normalized."""
+    from llmc.compiler.build import build
+    from llmc.compiler.recipe import recipe_from_dict
+
+    artifact = tmp_path / "onnx"
+    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(artifact), "dtype": "float32",
+                            "target": {"device": "onnx-cpu"}, "runtime": {"max_model_len": 128}}), show_progress=False)
+    server = ServerProcess(artifact, tmp_path / "server.log", "--runner", "pooling", "--api-key", API_KEY,
+                           "--served-model-name", MODEL, "--disable-log-stats")
+    try:
+        server.wait_ready()
+        reply = post(server, {"input": TEXTS, "encoding_format": "float"})
+        assert reply.status_code == 200, reply.text
+        for item, text in zip(reply.json()["data"], TEXTS):
+            got = torch.tensor(item["embedding"], dtype=torch.float64)
+            assert (got - reference(ref_model_dir, hf_encode(ref_model_dir, text))).abs().max() < 2e-6
+    finally:
+        assert server.terminate() == 0, server.log()
 
 
 def test_a_generating_server_refuses_embeddings(client):
