@@ -10,9 +10,9 @@ are bound to the same buffer). A slot's length follows the scheduler: a chunk st
 the sequence afresh (new, a new owner of the row, or preempted and recomputed), one starting before
 the length drops the rejected draft rows.
 
-A pooling (embedding) step runs its chunks the same way with the graph's hidden_states output bound (the final
-norm's outputs of every position) and no logits rows; its requests' slots are their rows, freed when their
-prompts complete, as generation's are when they finish.
+A pooling (embedding) step binds the graph's hidden_states output (the final norm's outputs of every position)
+and no logits rows, and runs chunks of like lengths in one call, right-padded (`_pool_calls`); its requests'
+slots are their rows, freed when their prompts complete, as generation's are when they finish.
 """
 
 from __future__ import annotations
@@ -63,6 +63,9 @@ class _Chunk:
     rows: list[int] = field(default_factory=list)  # indices into token_ids
 
 
+# a pooling call's rows (its slot range times its longest chunk), at most: measured best on 2 cores, ref-llama-12m
+# (64 prompts of 16-128 tokens: 1.1-2.2x the tokens/s of one call per chunk; 768 rows was slower again)
+MAX_POOL_CALL_ROWS = 512
 MAX_CACHED_BINDINGS = 16  # call shapes kept bound: a steady decode, a few prefill chunk lengths
 
 
@@ -218,13 +221,41 @@ class OnnxRunner:
 
     def pool_hidden(self, batch: ScheduledBatch) -> Tensor:
         """A pooling step's forward (runtime/pooling.py): the final norm's outputs [num_tokens, hidden_size]
-        of its tokens, in batch order (ModelRunner.pool_hidden's); its chunks run as execute's, no logits."""
+        of its tokens, in batch order (ModelRunner.pool_hidden's). No logits; chunks share calls by
+        `_pool_calls`."""
         chunks = []
         for scheduled in batch.requests:
             request, start = scheduled.request, scheduled.request.num_computed_tokens
             chunks.append(_Chunk(self._slot_for(request, start), start,
                                  request.get_token_ids(start, start + scheduled.num_new_tokens)))
-        return torch.from_numpy(np.concatenate(self._run_chunks(chunks, pool=True)))
+        out: list[np.ndarray | None] = [None] * len(chunks)
+        for call in self._pool_calls(chunks):
+            for i, hidden in zip(call, self._run([chunks[i] for i in call], pool=True)):
+                out[i] = hidden
+        return torch.from_numpy(np.concatenate(out))
+
+    def _pool_calls(self, chunks: list[_Chunk]) -> list[list[int]]:
+        """Which chunks of a pooling step share a call (indices into `chunks`; the slots' lengths are the
+        chunks' starts): longest first, a chunk joins the first call whose rows (its slot range times its
+        longest chunk: idle slots and padding are computed too) stay within twice the tokens it computes and
+        MAX_POOL_CALL_ROWS, and where every slot of the range, idle ones included, has room for the longest
+        chunk after its length (GroupQueryAttention refuses padding past the capacity); else it starts one.
+        Short prompts gain most: per-call costs dominate them (benchmarks/RESULTS.md session 41)."""
+        calls: list[list[int]] = []
+        for i in sorted(range(len(chunks)), key=lambda i: -len(chunks[i].token_ids)):
+            chunk = chunks[i]
+            for call in calls:
+                longest = len(chunks[call[0]].token_ids)
+                slots = [chunks[j].slot for j in call] + [chunk.slot]
+                first, last = min(slots), max(slots)
+                tokens = sum(len(chunks[j].token_ids) for j in call) + len(chunk.token_ids)
+                if ((last - first + 1) * longest <= min(2 * tokens, MAX_POOL_CALL_ROWS)
+                        and max(self.lengths[first: last + 1]) + longest <= self.capacity):
+                    call.append(i)
+                    break
+            else:
+                calls.append([i])
+        return calls
 
     def greedy_window(self, request, num_steps: int, stop_ids: set[int]) -> list[int]:
         """Up to `num_steps` one-token calls for a lone plain-greedy `request`, back to back: each call's
@@ -248,17 +279,16 @@ class OnnxRunner:
         self.lengths[slot] = start + len(tokens)
         return tokens
 
-    def _run_chunks(self, chunks: list[_Chunk], pool: bool = False) -> list[np.ndarray]:
-        """Logits [len(chunk.rows), vocab] per chunk (`pool`: hidden states [len(chunk.token_ids), hidden_size]):
-        single tokens in one call, the rest one call each."""
+    def _run_chunks(self, chunks: list[_Chunk]) -> list[np.ndarray]:
+        """Logits [len(chunk.rows), vocab] per chunk: single tokens in one call, the rest one call each."""
         out: list[np.ndarray | None] = [None] * len(chunks)
         singles = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
         if singles:
-            for i, rows in zip(singles, self._run([chunks[i] for i in singles], pool)):
+            for i, rows in zip(singles, self._run([chunks[i] for i in singles])):
                 out[i] = rows
         for i, chunk in enumerate(chunks):
             if out[i] is None:
-                out[i] = self._run([chunk], pool)[0]
+                out[i] = self._run([chunk])[0]
         return out
 
     def _run(self, chunks: list[_Chunk], pool: bool = False) -> list[np.ndarray]:
