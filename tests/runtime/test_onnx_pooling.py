@@ -159,3 +159,29 @@ def test_a_graph_without_hidden_states_is_refused_for_pooling(onnx_embedder, tmp
         LLM(old, device="cpu")
     with LLM(old, device="cpu", runner="generate") as llm:
         assert len(llm.generate([[1, 5, 9]])[0].outputs[0].token_ids) > 0
+
+
+@torch.inference_mode()
+def test_onnx_token_embed_is_every_prompt_token(onnx_embedder, ref_model_dir):
+    """vLLM's token_embed on onnx-cpu: every prompt token's final hidden state (normalize off), chunked over steps."""
+    prompts = [[(7 * i) % 3000 + 5 for i in range(50)], [(3 * i) % 3000 + 5 for i in range(9)]]
+    with LLM(onnx_embedder, device="cpu", pooler_config={"normalize": False}, max_num_batched_tokens=16) as llm:
+        outputs = llm.encode([{"prompt_token_ids": p} for p in prompts], pooling_task="token_embed")
+    for output, ids in zip(outputs, prompts):
+        want = hf_model(ref_model_dir).model(input_ids=torch.tensor([ids])).last_hidden_state[0].double()
+        got = output.outputs.data.double()
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-5 * want.abs().max(), (got - want).abs().max()  # measured 7.2e-6
+
+
+def test_classifiers_stay_refused_on_onnx():
+    """The graph has hidden_states but no classifier (`score`) head: embeddings run on onnx-cpu, classifiers not."""
+    from llmc.runtime.pooling import pooling_problem
+
+    options = SimpleNamespace(runner="pooling", convert="auto", pooler_config=None, speculative=None)
+    classifier = SimpleNamespace(is_classifier=True, architecture="LlamaForSequenceClassification")
+    causal = SimpleNamespace(is_classifier=False, architecture="LlamaForCausalLM")
+    assert "(classify) does not run on an onnx-cpu artifact" in pooling_problem(options, True, 1, classifier)
+    assert pooling_problem(options, False, 1, classifier) is None
+    assert pooling_problem(options, True, 1, causal) is None
+    assert "tensor/pipeline-parallel" in pooling_problem(options, False, 2, causal)
