@@ -190,7 +190,7 @@ def _check_pooling(ctx: _Context) -> None:
 
     recipe = ctx.recipe
     world_size = recipe.parallel.tensor * recipe.parallel.pipeline
-    if problem := pooling_problem(recipe.runtime, recipe.target.device in om.ONNX_DEVICES, world_size, ctx.model):
+    if problem := pooling_problem(recipe.runtime, world_size, ctx.model):
         raise RecipeError(f"runtime.{problem}")
     if ctx.model.is_classifier and recipe.runtime.speculative is not None:
         raise RecipeError(f"runtime.speculative: {ctx.model.architecture} is a sequence classifier, which samples "

@@ -16,7 +16,7 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   q / k projection in place of the per-head ones
 
 then the final norm's outputs flattened to [batch * seq, hidden] (the hidden_states output, which pooling
-binds), Gather of the rows that need logits, and lm_head (or the tied embedding). Opset 23 (its
+binds), Gather of the rows that need logits, and lm_head (or the tied embedding; a classifier's `score`). Opset 23 (its
 RMSNormalization for norms without a residual) plus com.microsoft ops; weights as external data.
 """
 
@@ -258,7 +258,10 @@ class _Emitter:
         self.g.nodes.append(helper.make_node(
             "Reshape", [x, self.g.const("hidden_rows", np.array([-1, c.hidden_size], np.int64))], [flat]))
         rows = self.g.op1("Gather", [flat, om.LOGITS_INDICES], axis=0)  # [rows, hidden]
-        if c.tie_word_embeddings:
+        if c.is_classifier:  # a sequence classifier's head (dense): what pooling reads too (OnnxRunner.classify)
+            score = self.tensor("score.weight").float().numpy()
+            logits = self.g.op1("MatMul", [rows, self.g.const(om.CLASSIFIER_WEIGHT, np.ascontiguousarray(score.T))])
+        elif c.tie_word_embeddings:
             logits = self.g.op1("Gemm", [rows, embed], transB=1)
         else:
             logits = self.linear(rows, "lm_head", c.hidden_size, c.vocab_size)
@@ -272,7 +275,7 @@ class _Emitter:
 def _io(config: ModelConfig) -> tuple[list, list]:
     f32, kv = TensorProto.FLOAT, ["batch", config.num_kv_heads, "capacity", config.head_dim]
     inputs = [helper.make_tensor_value_info(om.INPUT_IDS, TensorProto.INT64, ["batch", "seq"])]
-    outputs = [helper.make_tensor_value_info(om.LOGITS, f32, ["rows", config.vocab_size]),
+    outputs = [helper.make_tensor_value_info(om.LOGITS, f32, ["rows", om.logits_width(config)]),
                helper.make_tensor_value_info(om.HIDDEN_STATES, f32, ["tokens", config.hidden_size])]
     for i in range(config.num_layers):
         inputs += [helper.make_tensor_value_info(name, f32, kv) for name in om.past_names(i)]

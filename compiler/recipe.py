@@ -315,7 +315,7 @@ def _check_runtime_target(recipe: Recipe, given_runtime: dict) -> None:
     if problem is not None:
         raise RecipeError(f"runtime.{problem}")
     world_size = recipe.parallel.tensor * recipe.parallel.pipeline
-    if (problem := pooling_problem(recipe.runtime, recipe.target.device == "onnx-cpu", world_size)) is not None:
+    if (problem := pooling_problem(recipe.runtime, world_size)) is not None:
         raise RecipeError(f"runtime.{problem}")
     if (problem := graph_mode_problem(recipe.runtime, world_size)) is not None:
         raise RecipeError(f"runtime.{problem}")

@@ -107,7 +107,7 @@ class Engine:
         # runner pooling: an embedding model or a classifier (runtime/pooling.py); its requests are prompts, never sampled
         self.pooler = (Pooler.for_engine(self.options.pooler_config, self.artifact_dir / art.TOKENIZER_DIR,
                                          self.manifest.model, task,
-                                         self.runner.model.classify if task == "classify" else None)
+                                         self.runner.classify if task == "classify" else None)
                        if task is not None else None)
         self.spec_generator = torch.Generator(self.device).manual_seed(self.options.seed)
         self.spec_stats = SpecDecodeStats()
@@ -127,7 +127,7 @@ class Engine:
         """The pooling task this engine runs (embed, classify; None: it generates), refusing what does not run
         with it."""
         model = self.manifest.model
-        problem = pooling_problem(self.options, is_onnx(self.manifest), self.manifest.parallel.world_size, model)
+        problem = pooling_problem(self.options, self.manifest.parallel.world_size, model)
         if problem is not None:
             raise ConfigError(problem)
         return pooling_task(self.options, model)

@@ -161,6 +161,10 @@ class ModelRunner:
             return self.pieces.run(input_ids, forward_batch)
         return self.model(input_ids, forward_batch)
 
+    def classify(self, vectors: Tensor) -> Tensor:
+        """A sequence classifier's logits of pooled hidden states (DecoderModel.classify; runtime/pooling.py)."""
+        return self.model.classify(vectors)
+
     @torch.inference_mode()
     def pool_hidden(self, batch: ScheduledBatch) -> Tensor:
         """A pooling step's forward (runtime/pooling.py): the final hidden states [num_tokens, hidden_size]

@@ -42,6 +42,7 @@ COMPUTE_DTYPE_BYTES = 4  # the graph computes (and caches K/V) in float32: CPUs 
 INPUT_IDS, SEQLENS_K, TOTAL_SEQUENCE_LENGTH = "input_ids", "seqlens_k", "total_sequence_length"
 QUERY_SEQLENS, LOGITS_INDICES, LOGITS = "query_seqlens", "logits_indices", "logits"
 HIDDEN_STATES = "hidden_states"  # graphs built before session 41 lack it: they cannot pool
+CLASSIFIER_WEIGHT = "score.weight_t"  # a sequence classifier's head [hidden, num_labels]: its logits' projection
 
 
 def past_names(layer: int) -> tuple[str, str]:
@@ -50,6 +51,11 @@ def past_names(layer: int) -> tuple[str, str]:
 
 def present_names(layer: int) -> tuple[str, str]:
     return f"present_key.{layer}", f"present_value.{layer}"
+
+
+def logits_width(model: art.ModelConfig) -> int:
+    """The graph's logits columns: the vocabulary, or a sequence classifier's labels (its head is `score`)."""
+    return model.num_labels if model.is_classifier else model.vocab_size
 
 
 def is_onnx(manifest: art.Manifest) -> bool:

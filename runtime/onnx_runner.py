@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
+from onnx import numpy_helper
 from torch import Tensor
 
 from llmc.errors import ConfigError
@@ -123,7 +125,10 @@ class OnnxRunner:
         self.device = torch.device("cpu")
         model = manifest.model
         art.verify_for_load(artifact_dir, manifest, [om.MODEL_PATH, str(Path(om.MODEL_PATH).parent / om.DATA_NAME)])
-        self.num_layers, self.vocab_size, self.hidden_size = model.num_layers, model.vocab_size, model.hidden_size
+        # (a classifier's graph gives num_labels logits: its `score` head)
+        self.num_layers, self.vocab_size, self.hidden_size = model.num_layers, om.logits_width(model), model.hidden_size
+        self._model_path = Path(artifact_dir) / om.MODEL_PATH
+        self._classifier: Tensor | None = None  # [num_labels, hidden_size]: read from the graph when first used
         self.capacity = options.max_model_len
         self.num_slots = min(options.max_num_seqs, om.num_kv_slots(model, options))
         blocks_per_seq = -(-options.max_model_len // options.block_size)
@@ -218,6 +223,16 @@ class OnnxRunner:
         call.total[()] = call.seqlens_k.max() + 1
         self.session.run_with_iobinding(call.binding)
         return StepLogits(torch.from_numpy(call.logits), torch.tensor([r.batch_row for r in requests]), {})
+
+    def classify(self, vectors: Tensor) -> Tensor:
+        """A sequence classifier's logits [n, num_labels] float32 of pooled hidden states [n, hidden_size]: the graph's
+        own `score` initializer, read once from the model file and its external data."""
+        if self._classifier is None:
+            graph = onnx.load(str(self._model_path), load_external_data=False).graph
+            [weight] = [t for t in graph.initializer if t.name == om.CLASSIFIER_WEIGHT]
+            array = numpy_helper.to_array(weight, base_dir=str(self._model_path.parent))  # [hidden, num_labels]
+            self._classifier = torch.from_numpy(np.ascontiguousarray(array.T))
+        return torch.nn.functional.linear(vectors.float(), self._classifier)
 
     def pool_hidden(self, batch: ScheduledBatch) -> Tensor:
         """A pooling step's forward (runtime/pooling.py): the final norm's outputs [num_tokens, hidden_size]

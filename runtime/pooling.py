@@ -178,7 +178,7 @@ def is_pooling(options, model=None) -> bool:
     return pooling_task(options, model) is not None
 
 
-def pooling_problem(options, onnx: bool, world_size: int, model=None) -> str | None:
+def pooling_problem(options, world_size: int, model=None) -> str | None:
     """What llmc cannot run of these options' runner / convert / pooler_config on `model` (None: not known yet;
     the engine and the build say it alike), or None."""
     if options.convert == "reward":
@@ -200,8 +200,6 @@ def pooling_problem(options, onnx: bool, world_size: int, model=None) -> str | N
     if world_size != 1:
         return (f"runner pooling ({task}) does not run on a tensor/pipeline-parallel artifact; serve a single-rank "
                 "build of the model")
-    if onnx and task == "classify":  # the graph has no classifier head; embeddings read its hidden_states output
-        return "runner pooling (classify) does not run on an onnx-cpu artifact; serve a torch build of the classifier"
     if options.speculative is not None:
         return "speculative: speculative decoding does not apply to runner pooling (embeddings sample nothing); drop it"
     return None

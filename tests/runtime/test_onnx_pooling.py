@@ -174,14 +174,31 @@ def test_onnx_token_embed_is_every_prompt_token(onnx_embedder, ref_model_dir):
         assert (got - want).abs().max() < 1e-5 * want.abs().max(), (got - want).abs().max()  # measured 7.2e-6
 
 
-def test_classifiers_stay_refused_on_onnx():
-    """The graph has hidden_states but no classifier (`score`) head: embeddings run on onnx-cpu, classifiers not."""
-    from llmc.runtime.pooling import pooling_problem
+def test_classifiers_and_cross_encoders_on_onnx(tmp_path, ref_model_dir, tiny_qwen2):
+    """A sequence classifier's onnx-cpu graph gives its class logits (`score` as the head) and pooling reads the
+    same head: class probabilities, rewards at every token, and a cross-encoder's scores equal transformers'."""
+    from transformers import AutoTokenizer
 
-    options = SimpleNamespace(runner="pooling", convert="auto", pooler_config=None, speculative=None)
-    classifier = SimpleNamespace(is_classifier=True, architecture="LlamaForSequenceClassification")
-    causal = SimpleNamespace(is_classifier=False, architecture="LlamaForCausalLM")
-    assert "(classify) does not run on an onnx-cpu artifact" in pooling_problem(options, True, 1, classifier)
-    assert pooling_problem(options, False, 1, classifier) is None
-    assert pooling_problem(options, True, 1, causal) is None
-    assert "tensor/pipeline-parallel" in pooling_problem(options, False, 2, causal)
+    from tests.runtime.hf_oracle import make_classifier
+    from tests.runtime.test_classify import hf_classifier, hf_classifier_logits
+
+    checkpoint = make_classifier(ref_model_dir, tmp_path / "hf", 3)
+    artifact = _build(checkpoint, tmp_path / "onnx")
+    with LLM(artifact, max_num_batched_tokens=16) as llm:
+        outputs = llm.classify(PROMPTS)
+        [rewards] = llm.reward(PROMPTS[0])
+    for output in outputs:
+        expected = hf_classifier_logits(checkpoint, output.prompt_token_ids).softmax(-1)
+        assert (torch.tensor(output.outputs.probs, dtype=torch.float64) - expected).abs().max() < 1e-5
+    with torch.inference_mode():
+        model = hf_classifier(checkpoint)
+        hidden = model.model(torch.tensor([rewards.prompt_token_ids])).last_hidden_state[0].double()
+    expected = (hidden @ model.score.weight.detach().double().T).softmax(-1)
+    assert (rewards.outputs.data.double() - expected).abs().max() < 1e-5
+    encoder = make_classifier(tiny_qwen2, tmp_path / "ce", 1, seed=1)
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder))
+    with LLM(_build(encoder, tmp_path / "ce-onnx")) as llm:
+        scores = llm.score("what light breaks", ["yonder window", "Hi"])
+    for output, document in zip(scores, ["yonder window", "Hi"]):
+        logit = hf_classifier_logits(encoder, tokenizer("what light breaks", text_pair=document)["input_ids"])
+        assert abs(output.outputs.score - logit.sigmoid()[0].item()) < 1e-5

@@ -71,7 +71,7 @@ def test_classify_equals_transformers(classify_server, ref_model_dir, hf_encode)
     with torch.inference_mode():
         model = hf_classifier(checkpoint)
         hidden = model.model(torch.tensor([ids[1]])).last_hidden_state[0].double()
-        expected = (hidden @ model.score.weight.double().T).softmax(-1)
+        expected = (hidden @ model.score.weight.detach().double().T).softmax(-1)
     assert (torch.tensor(rewards["data"][0]["data"], dtype=torch.float64) - expected).abs().max() < 1e-5
     pooled = post(server, "/pooling", {"input": TEXTS[0]}).json()  # vLLM's /pooling: the probabilities as data
     assert pooled["data"][0]["object"] == "pooling"  # (its prompt now from the prefix cache: a step of other shapes)
