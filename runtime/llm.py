@@ -17,7 +17,7 @@ from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
-from llmc.runtime.multimodal import chat_images
+from llmc.runtime.multimodal import chat_images, images_of
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, REQUEST_TASKS, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -235,7 +235,11 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise RequestError(f"got {len(priority)} priorities for {len(prompts)} prompts; give one per prompt")
         ids: list[str] = []
+        vision = self.engine.vision
         try:  # all or none
+            if vision is not None:  # the prompts' images encoded in batches, not one request at a time
+                vision.prefetch([image for prompt in prompts if isinstance(prompt, dict) and "multi_modal_data" in prompt
+                                 for image in images_of(prompt["multi_modal_data"])])
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 ids.append(self._add(prompt, p, priority[i] if priority else 0, loras[i]))
             finished = self._run_to_completion(ids, use_tqdm)
@@ -243,6 +247,9 @@ class LLM:
             for request_id in ids:
                 self.engine.abort_request(request_id)
             raise
+        finally:
+            if vision is not None:
+                vision.clear_prefetched()
         return self._check_failures([finished[i] for i in ids])
 
     def _pretokenize(self, prompts: list) -> list:

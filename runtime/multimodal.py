@@ -27,6 +27,7 @@ from llmc.errors import ArtifactError, RequestError
 from llmc.runtime import artifact as art
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image sent inline (a data URL), decoded
+MAX_ENCODER_BATCH = 32  # images per vision-tower call when a batch of requests' images is encoded ahead (prefetch)
 CHAT_IMAGE_PARTS = ("image_url", "image_pil")  # the content parts that carry an image (OpenAI's; vLLM's PIL one)
 
 
@@ -111,21 +112,49 @@ class VisionEncoder:
                                 f"({str(e).splitlines()[0]}); rebuild the artifact") from None
         self.tower.to(device=device, dtype=dtype)
         self.projector.to(device=device, dtype=dtype)
+        # images encoded ahead of their requests (prefetch): id(image) → (image, its pixel values, its rows)
+        self._prefetched: dict[int, tuple[object, Tensor, Tensor]] = {}
+
+    def prefetch(self, images: list) -> None:
+        """Encode the images of requests about to be added (LLM.generate's prompts), MAX_ENCODER_BATCH to a tower
+        call, for `encode` to take: one call per batch instead of one per request. `clear_prefetched` drops what
+        no request took."""
+        for start in range(0, len(images), MAX_ENCODER_BATCH):
+            chunk = images[start : start + MAX_ENCODER_BATCH]
+            pixels = self._pixels(chunk)
+            for image, px, rows in zip(chunk, pixels, self._rows(pixels)):
+                self._prefetched[id(image)] = (image, px, rows)
+
+    def clear_prefetched(self) -> None:
+        self._prefetched.clear()
 
     @torch.inference_mode()
     def encode(self, images: list) -> tuple[list[Tensor], bytes]:
-        """(each image's embeddings [rows, text hidden_size], the sha256 of their pixel values)."""
+        """(each image's embeddings [rows, text hidden_size], the sha256 of their pixel values); images prefetched
+        are taken from there."""
+        hits = [self._prefetched.pop(id(image), None) for image in images]
+        if all(hit is not None and hit[0] is image for hit, image in zip(hits, images)):
+            pixels, rows = torch.stack([hit[1] for hit in hits]), [hit[2] for hit in hits]
+        else:
+            pixels = self._pixels(images)
+            rows = self._rows(pixels)
+        return rows, hashlib.sha256(pixels.float().numpy().tobytes()).digest()
+
+    def _pixels(self, images: list) -> Tensor:
         try:
-            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
         except Exception as e:  # noqa: BLE001 - the processor's own types (a mode it cannot convert, ...)
             raise RequestError(f"multi_modal_data: an image cannot be preprocessed ({type(e).__name__}: {e})",
                                param="multi_modal_data") from None
-        digest = hashlib.sha256(pixels.float().numpy().tobytes()).digest()
+
+    @torch.inference_mode()
+    def _rows(self, pixels: Tensor) -> list[Tensor]:
+        """Each image's embedding rows: the tower's configured layer (CLS dropped for "default"), projected."""
         out = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True)
         features = out.hidden_states[self.spec.vision_feature_layer]
         if self.spec.vision_feature_select_strategy == "default":
             features = features[:, 1:]
-        return list(self.projector(features)), digest
+        return list(self.projector(features))
 
     def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'

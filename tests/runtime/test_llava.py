@@ -291,3 +291,21 @@ def test_inspect_and_run_a_vision_artifact(artifact):
     result = CliRunner().invoke(cli, ["run", str(artifact), "--device", "cpu", "--prompt", "USER: hi ASSISTANT:",
                                        "--max-tokens", "3"])
     assert result.exit_code == 0, result.output
+
+
+def test_generate_encodes_its_prompts_images_in_batches(artifact):
+    """LLM.generate encodes every prompt's images before adding them, one tower call per MAX_ENCODER_BATCH images;
+    the rows and the prefix-cache digest are those of encoding each request alone."""
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64)
+    vision, pictures = llm.engine.vision, [image(7), image(8), image(9)]
+    alone = [vision.encode([p]) for p in pictures]
+    calls = []
+    rows_of = vision._rows
+    vision._rows = lambda pixels: calls.append(len(pixels)) or rows_of(pixels)
+    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures], GREEDY)
+    assert calls == [3] and not vision._prefetched
+    vision.prefetch(pictures)
+    for picture, (rows, digest) in zip(pictures, alone):
+        got_rows, got_digest = vision.encode([picture])
+        assert got_digest == digest and torch.allclose(got_rows[0], rows[0], atol=1e-5)
+    assert calls == [3, 3] and len({tuple(o.outputs[0].token_ids) for o in outputs}) == 3
