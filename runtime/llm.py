@@ -17,7 +17,7 @@ from llmc.errors import RequestError
 from llmc.runtime.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from llmc.runtime.engine import Engine
 from llmc.runtime.engine_faults import RequestFailedError
-from llmc.runtime.multimodal import chat_images, images_of
+from llmc.runtime.multimodal import chat_images, has_image_parts, images_of
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.launcher import LaunchConfig
 from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, REQUEST_TASKS, TASKS, ClassificationRequestOutput, EmbeddingRequestOutput,
@@ -281,9 +281,9 @@ class LLM:
 
     def _chat_prompt(self, messages: list[dict], options: dict) -> dict:
         """A conversation rendered with the chat template: {"prompt_token_ids"}, and its images if any."""
-        messages, images = chat_images(messages)
-        if images:
+        if has_image_parts(messages):  # (a text model refuses them before any image is read)
             self.engine.check_takes_images("messages")
+        messages, images = chat_images(messages)
         prompt = {"prompt_token_ids": apply_chat_template(self.tokenizer, messages, **options)}
         return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
 

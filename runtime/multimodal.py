@@ -242,9 +242,7 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
     vLLM's {"type": "image_pil", "image_pil": PIL image}) → (the messages as a vision model's chat template reads
     them: each image a {"type": "image"} part, every content a list of parts; the images, in order). Messages
     without images come back as they are, with no images."""
-    if not any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") in CHAT_IMAGE_PARTS for p in m["content"])
-               for m in messages):
+    if not has_image_parts(messages):
         return messages, []
     images, rendered = [], []
     for index, message in enumerate(messages):
@@ -265,6 +263,13 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
             continue
         rendered.append({**message, "content": parts})
     return rendered, images
+
+
+def has_image_parts(messages: list) -> bool:
+    """Whether some message's content parts carry an image (CHAT_IMAGE_PARTS)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") in CHAT_IMAGE_PARTS for p in m["content"])
+               for m in messages)
 
 
 def _part_image(part: dict, kind: str, where: str):

@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 
 from llmc.errors import RequestError
-from llmc.runtime.multimodal import chat_images
+from llmc.runtime.multimodal import chat_images, has_image_parts
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, as_api_error
@@ -57,9 +57,9 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         params = params.replace(skip_special_tokens=False)
     messages, images = request.template_messages(), []
     try:
-        messages, images = chat_images(messages)  # a vision model's image parts (runtime/multimodal.py)
-        if images:
+        if has_image_parts(messages):  # a vision model's image parts (runtime/multimodal.py); a text model refuses them
             ctx.engine_loop.engine.check_takes_images("messages")
+        messages, images = chat_images(messages)
     except RequestError as e:
         raise as_api_error(e) from None
     token_ids = await ctx.render_chat_off_loop(messages, request.template_options())
