@@ -252,6 +252,7 @@ def test_what_is_not_supported_is_refused_by_name(llava, tmp_path):
             build(_recipe(changed, tmp_path / "x"), show_progress=False)
 
 
+@pytest.mark.slow  # two builds: 3.3 s on 2 cores
 def test_qwen2_language_model_and_a_quantized_build(tmp_path):
     """A Qwen2 language model (q/k/v biases) matches transformers too; quantization (rtn, w4 groups of 32) applies
     to the language model's linears only, the vision tower and projector stay dense and exact."""

@@ -100,6 +100,7 @@ def test_what_a_classifier_server_refuses(classify_server, server):
             assert error["param"] == param, (path, body, response.text)
 
 
+@pytest.mark.slow  # a server of its own: 5 s on 2 cores (LLM.score's cross-encoder path is in test_classify)
 def test_cross_encoder_score_and_rerank_equal_transformers(cross_encoder_server):
     from transformers import AutoTokenizer
 
@@ -125,6 +126,7 @@ def test_cross_encoder_score_and_rerank_equal_transformers(cross_encoder_server)
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.slow  # an engine of its own: 6 s on 2 cores
 def test_batch_file_classify(tmp_path, classify_server, ref_model_dir, hf_encode, restore_logging):
     checkpoint, server = classify_server
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/classify", "body": {"input": TEXTS[1]}},
