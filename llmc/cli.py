@@ -557,6 +557,7 @@ def _one_pooled(llm, prompt: str, chat: bool) -> None:
     {"label", "probs"}, one JSON object (vLLM's /classify item)."""
     import json
 
+    from llmc.runtime.pooling import top_label
     from llmc.runtime.tokenizer import apply_chat_template
 
     if chat:
@@ -568,8 +569,7 @@ def _one_pooled(llm, prompt: str, chat: bool) -> None:
         return
     [output] = llm.classify(prompt)
     probs = output.outputs.probs
-    label = llm.engine.manifest.model.labels[max(range(len(probs)), key=probs.__getitem__)]
-    click.echo(json.dumps({"label": label, "probs": probs}))
+    click.echo(json.dumps({"label": top_label(llm.engine.manifest.model.labels, probs), "probs": probs}))
 
 
 def _one_completion(llm, prompt: str, chat: bool, params) -> None:

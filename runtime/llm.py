@@ -217,7 +217,7 @@ class LLM:
         if pooler is not None and pooler.task == "classify":
             check_cross_encoder(self.engine.manifest.model)
             if truncate_prompt_tokens is not None:
-                raise RequestError(CROSS_ENCODER_TRUNCATION, param="truncate_prompt_tokens")
+                raise RequestError(f"truncate_prompt_tokens: {CROSS_ENCODER_TRUNCATION}", param="truncate_prompt_tokens")
             encoded = [{"prompt_token_ids": encode_pair(self.tokenizer, _pair_text(first[i], "data_1"),
                                                          _pair_text(second[j], "data_2"))} for i, j in pairs]
             return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]), o.prompt_token_ids)

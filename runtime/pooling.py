@@ -406,14 +406,16 @@ class Pooler:
             if state.mode == "ALL":
                 rows = torch.cat(state.parts)  # [num_prompt_tokens, hidden_size]
                 if self.task == "classify":
-                    logits = self.head(rows)
-                    done[i] = (ACTIVATIONS[self.activation](logits) if self._activates(p) else logits).cpu()
+                    done[i] = self._activated(self.head(rows), p).cpu()
                 else:
                     done[i] = self._normalized(rows, p).cpu()
         return done
 
-    def _activates(self, p: PoolingParams) -> bool:
-        return self.use_activation if p.use_activation is None else p.use_activation
+    def _activated(self, logits: Tensor, p: PoolingParams) -> Tensor:
+        """A classifier's logits [..., num_labels] through its activation, unless the request (else the engine) asks
+        for the raw logits (use_activation false)."""
+        activates = self.use_activation if p.use_activation is None else p.use_activation
+        return ACTIVATIONS[self.activation](logits) if activates else logits
 
     def _normalized(self, vectors: Tensor, p: PoolingParams) -> Tensor:
         """Each row L2-normalized if the request (else the engine) asks it."""
@@ -429,8 +431,7 @@ class Pooler:
             vectors = vectors / to_device(counts, vectors.device).unsqueeze(1)
         if self.task == "classify":
             logits = self.head(vectors).cpu()  # [n, num_labels] float32
-            probs = ACTIVATIONS[self.activation](logits)
-            return [(p_ if self._activates(p) else raw).tolist() for p_, raw, p in zip(probs, logits, params)]
+            return [self._activated(row, p).tolist() for row, p in zip(logits, params)]
         return [self._normalized(vector[: p.dimensions], p) for vector, p in zip(vectors.cpu(), params)]
 
 
@@ -467,8 +468,14 @@ class ScoringRequestOutput:
     finished: bool = True
 
 
-CROSS_ENCODER_TRUNCATION = ("truncate_prompt_tokens: a cross-encoder's input is the two texts as one pair, which "
+# why truncate_prompt_tokens is refused for a cross-encoder's pairs (LLM.score and the server say it alike)
+CROSS_ENCODER_TRUNCATION = ("a cross-encoder's input is the two texts as one pair, which "
                             "cutting its first tokens would cut the first text from; shorten the texts instead")
+
+
+def top_label(labels: list[str], probs: list[float]) -> str:
+    """The name of a classifier's most likely class (vLLM's /classify `label`)."""
+    return labels[max(range(len(probs)), key=probs.__getitem__)]
 
 
 def check_cross_encoder(model) -> None:

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from llmc.errors import RequestError
-from llmc.runtime.pooling import CROSS_ENCODER_TRUNCATION, PoolingParams, check_cross_encoder, cosine_similarity, score_pairs
+from llmc.runtime.pooling import (CROSS_ENCODER_TRUNCATION, PoolingParams, check_cross_encoder, cosine_similarity,
+                                  score_pairs, top_label)
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid
 from llmc.runtime.server.protocol import (MAX_PROMPTS, ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest,
                                           ScoreRequest, _PoolingInput)
@@ -29,17 +30,18 @@ from llmc.runtime.server.serving import CONTEXT_LENGTH_PREFIX, ServingContext, n
 
 async def create_embedding(ctx: ServingContext, body: object, arrival_time: float | None = None,
                            pooling: bool = False) -> dict:
-    """The response body. `pooling`: vLLM's POST /pooling, the same request and vectors (a classifier's: its class
-    probabilities), its reply's names ("pool-" ids, data items {"object": "pooling", "data"})."""
+    """The response body. `pooling`: vLLM's POST /pooling, the same request and vectors, its reply's names ("pool-"
+    ids, data items {"object": "pooling", "data"}); its `task` may ask a token task (each input's output at every
+    prompt token as `data`: [num_tokens][width] floats, base64 the row-major float32 bytes), and on a classifier
+    the data are its class probabilities."""
     request = parse_body(PoolingRequest if pooling else EmbeddingRequest, body)
     request.check()
-    if pooling and request.task in ("token_embed", "token_classify"):
-        return await _create_token_pooling(ctx, request, arrival_time)
-    if pooling and (request.task or _task(ctx)) == "classify":
-        return await create_classification(ctx, body, arrival_time, pooling=True)
-    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings", "embed",
-                  "task" if pooling and request.task else "model")
-    params = _params(ctx, dimensions=request.dimensions, normalize=request.normalize,
+    task = request.task if pooling else None  # None: the engine's
+    if pooling and (task or _task(ctx)) == "classify":
+        return await _classification(ctx, request, arrival_time, pooling=True)
+    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling" if pooling else "Embeddings",
+                  (task or "embed").removeprefix("token_"), "task" if task else "model")
+    params = _params(ctx, task=task, dimensions=request.dimensions, normalize=request.normalize,
                      use_activation=request.use_activation, truncate_prompt_tokens=keep)
     request_id = new_id("pool" if pooling else "embd")
     outputs = await _pooled(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
@@ -52,27 +54,17 @@ async def create_embedding(ctx: ServingContext, body: object, arrival_time: floa
             "usage": _usage(num_tokens)}
 
 
-async def _create_token_pooling(ctx: ServingContext, request: PoolingRequest, arrival_time: float | None) -> dict:
-    """/pooling with task token_embed or token_classify: each input's output at every prompt token, as `data`
-    ([num_tokens][width] floats; base64: the row-major float32 bytes)."""
-    keep = _start(ctx, request.model, request.truncate_prompt_tokens, "Pooling", request.task.removeprefix("token_"),
-                  "task")
-    params = _params(ctx, task=request.task, dimensions=request.dimensions, normalize=request.normalize,
-                     use_activation=request.use_activation, truncate_prompt_tokens=keep)
-    request_id = new_id("pool")
-    outputs = await _pooled(ctx, await _prompts(ctx, request, keep), params, request_id, request, arrival_time)
-    return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
-            "data": [{"index": i, "object": "pooling", "data": _encoded(o.outputs.data, request.encoding_format)}
-                     for i, o in enumerate(outputs)],
-            "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
-
-
-async def create_classification(ctx: ServingContext, body: object, arrival_time: float | None = None,
-                                pooling: bool = False) -> dict:
-    """/classify: each input's class probabilities and most likely label (vLLM's reply); `pooling`: /pooling's
-    reply for a classifier (the probabilities as each item's data, float or base64)."""
-    request = parse_body(PoolingRequest if pooling else ClassificationRequest, body)
+async def create_classification(ctx: ServingContext, body: object, arrival_time: float | None = None) -> dict:
+    """/classify: each input's class probabilities and most likely label (vLLM's reply)."""
+    request = parse_body(ClassificationRequest, body)
     request.check()
+    return await _classification(ctx, request, arrival_time)
+
+
+async def _classification(ctx: ServingContext, request: ClassificationRequest | PoolingRequest,
+                          arrival_time: float | None, pooling: bool = False) -> dict:
+    """A classifier's reply to a checked request: /classify's, or (`pooling`) /pooling's (the probabilities as each
+    item's data, float or base64)."""
     if pooling and (request.dimensions is not None or request.normalize is not None):
         raise invalid("dimensions" if request.dimensions is not None else "normalize",
                       "applies to embeddings; a classifier's request takes use_activation")
@@ -86,8 +78,8 @@ async def create_classification(ctx: ServingContext, body: object, arrival_time:
         data = [{"index": i, "object": "pooling", "data": _encoded(o.outputs.probs, request.encoding_format)}
                 for i, o in enumerate(outputs)]
     else:
-        data = [{"index": i, "label": labels[max(range(len(o.outputs.probs)), key=o.outputs.probs.__getitem__)],
-                 "probs": o.outputs.probs, "num_classes": len(o.outputs.probs)} for i, o in enumerate(outputs)]
+        data = [{"index": i, "label": top_label(labels, o.outputs.probs), "probs": o.outputs.probs,
+                 "num_classes": len(o.outputs.probs)} for i, o in enumerate(outputs)]
     return {"id": request_id, "object": "list", "created": int(time.time()), "model": ctx.response_model(request.model),
             "data": data, "usage": _usage(sum(len(o.prompt_token_ids) for o in outputs))}
 
@@ -138,7 +130,7 @@ async def _scores(ctx: ServingContext, texts_1: list[str], texts_2: list[str], p
         except RequestError as e:
             raise ApiError(400, str(e), param="model") from None
         if keep is not None:
-            raise invalid("truncate_prompt_tokens", CROSS_ENCODER_TRUNCATION.split(": ", 1)[1])
+            raise invalid("truncate_prompt_tokens", CROSS_ENCODER_TRUNCATION)
         prompts = list(await asyncio.gather(*(ctx.encode_pair_off_loop(texts_1[i], texts_2[j], param)
                                               for i, j in pairs)))
         outputs = await _pooled(ctx, prompts, _params(ctx), request_id, request, arrival_time)
