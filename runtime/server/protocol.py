@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
 from llmc.runtime.multimodal import CHAT_IMAGE_PARTS
+from llmc.runtime.pooling import REQUEST_TASKS
 from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.structured_output import GuidedDecodingParams
@@ -1021,9 +1022,8 @@ class PoolingRequest(EmbeddingRequest):
 
     def check(self) -> None:
         super().check()
-        if self.task not in (None, "embed", "classify", "token_embed", "token_classify"):
-            raise invalid("task", f"{self.task!r}: this server's pooling engine runs embed, classify, token_embed or "
-                          "token_classify")
+        if self.task not in (None, *REQUEST_TASKS):
+            raise invalid("task", f"{self.task!r}: this server's pooling engine runs {', '.join(REQUEST_TASKS)}")
 
 
 # a score's activation is the classifier's (vLLM's use_activation false, raw logits, is not taken)
