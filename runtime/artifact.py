@@ -377,6 +377,8 @@ class RuntimeDefaults:
                                              help="how embeddings are pooled (runner pooling), e.g. {pooling_type: MEAN, "
                                                   "normalize: false}; default: the checkpoint's sentence-transformers "
                                                   "settings, else LAST with normalization")
+    enable_prompt_embeds: bool = opt(False, help="requests may give the prompt as embeddings [num_tokens, hidden_size] "
+                                                 "(vLLM's prompt_embeds) in place of text or token ids")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")
     log_stats_interval: float = opt(10.0, min_exclusive=0.0, help="seconds between engine statistics lines")
 

@@ -105,11 +105,13 @@ class IncrementalDetokenizer:
         *,
         eos_token_ids: Iterable[int] | None = None,
         max_model_len: int | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """`tokenizer` may be None when `params.detokenize` is False.
 
         `eos_token_ids` defaults to the tokenizer's eos token; pass the model's (e.g. from
-        generation_config) when it has several.
+        generation_config) when it has several. `num_prompt_tokens` (for max_model_len) defaults to
+        len(prompt_token_ids); a prompt given as embeddings passes no ids, and its length.
         """
         self.params = params
         self.output_token_ids: list[int] = []
@@ -118,7 +120,7 @@ class IncrementalDetokenizer:
             eos_id = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = [] if eos_id is None else [eos_id]
         self._eos_token_ids = list(eos_token_ids)  # the model's eos first (check_stop)
-        self._num_prompt_tokens = len(prompt_token_ids)
+        self._num_prompt_tokens = len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self._max_model_len = max_model_len
         self._text = ""  # decoded text, including the held-back tail
         self._num_emitted = 0  # characters of _text returned as deltas

@@ -23,6 +23,7 @@ from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
 from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of
+from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, prompt_rows
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
 from llmc.runtime.parallel.launcher import LaunchConfig
@@ -76,6 +77,8 @@ class Engine:
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         task = self._check_pooling()
         draft = self._draft_artifact()
+        if self.options.enable_prompt_embeds:
+            self._check_prompt_embeds_engine(draft is not None)
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
@@ -132,6 +135,16 @@ class Engine:
             raise ConfigError(problem)
         return pooling_task(self.options, model)
 
+    def _check_prompt_embeds_engine(self, has_draft: bool) -> None:
+        """enable_prompt_embeds runs on the torch runtime, on one rank, without a draft model (whose embeddings
+        differ); refused by name elsewhere."""
+        where = ("an onnx-cpu artifact" if is_onnx(self.manifest) else
+                 "a tensor/pipeline-parallel artifact" if self.manifest.parallel.world_size != 1 else
+                 "speculative method draft_model (the draft embeds token ids)" if has_draft else None)
+        if where is not None:
+            raise ConfigError(f"enable_prompt_embeds does not run with {where}; drop enable_prompt_embeds, or use a "
+                              "single-rank torch artifact" + (" with method ngram" if has_draft else ""))
+
     def _draft_artifact(self) -> tuple[Path, art.Manifest] | None:
         """The draft model's folder and manifest under speculative method draft_model (checked), else None."""
         speculative = self.options.speculative
@@ -151,11 +164,13 @@ class Engine:
     def add_request(self, prompt: str | None, params: SamplingParams | PoolingParams,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                    multi_modal_data: dict | None = None) -> str:
+                    multi_modal_data: dict | None = None, prompt_embeds: torch.Tensor | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
         `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (<image>) in the
         prompt per image, for a vision model (runtime/multimodal.py).
+        `prompt_embeds` (vLLM's EmbedsPrompt): the prompt as embeddings [num_tokens, hidden_size], in place of
+        text or ids, on an engine started with enable_prompt_embeds (runtime/prompt_embeds.py).
         PoolingParams (vLLM's): an embedding request, on an engine started with runner pooling."""
         if (self.pooler is not None) != isinstance(params, PoolingParams):
             raise RequestError(("this model runs as an embedding model (runner pooling): it does not generate text; "
@@ -173,6 +188,10 @@ class Engine:
                                "scheduling_policy 'priority' (llmc run --scheduling-policy priority)", param="priority")
         if request_id in self.groups:
             raise RequestError(f"request_id {request_id!r} is already in use")
+        embeds = None
+        if prompt_embeds is not None:
+            prompt_embeds, prompt_token_ids, embeds = self._embeds_prompt(prompt, prompt_token_ids, prompt_embeds,
+                                                                          multi_modal_data, params)
         if prompt_token_ids is None:
             if prompt is None:
                 raise RequestError("give a prompt or prompt_token_ids")
@@ -182,7 +201,10 @@ class Engine:
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         lora_int_id = self._check_lora(lora_request, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        prompt_token_ids, images = self._encode_images(list(prompt_token_ids), multi_modal_data, params)
+        if embeds is None:
+            prompt_token_ids, images = self._encode_images(list(prompt_token_ids), multi_modal_data, params)
+        else:
+            images = embeds
         if self.pooler is not None:  # a prompt of up to max_model_len tokens, computed and never sampled
             self.pooler.check(params)
             prompt_token_ids = self._check_prompt(prompt_token_ids, params, generates=False)
@@ -195,6 +217,8 @@ class Engine:
                 self.grammars.compile(params.guided_decoding)  # an invalid grammar fails here, once
             group = (BeamGroup if params.use_beam_search else RequestGroup)(request_id, prompt, prompt_token_ids,
                                                                              params, arrival_time)
+            if embeds is not None:
+                group.prompt_embeds = prompt_embeds
         self.groups[request_id] = group
         try:  # all or none: a failure part-way is undone through the abort path
             if isinstance(group, BeamGroup):
@@ -226,6 +250,30 @@ class Engine:
             raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                                "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
         return self.vision.prompt_inputs(prompt_token_ids, images)
+
+    def _embeds_prompt(self, prompt, prompt_token_ids, prompt_embeds, multi_modal_data,
+                       params: SamplingParams | PoolingParams) -> tuple[torch.Tensor, list[int], ImageInputs]:
+        """A prompt given as embeddings: (the embeddings checked, its placeholder token ids, its rows), its last
+        truncate_prompt_tokens rows kept; refused where the engine does not take them or the request reads the
+        prompt's token ids."""
+        if not self.options.enable_prompt_embeds:
+            raise RequestError(NOT_ENABLED, param="prompt_embeds")
+        if prompt is not None or prompt_token_ids is not None or multi_modal_data is not None:
+            raise RequestError("prompt_embeds: give the prompt once, as embeddings, without prompt, prompt_token_ids "
+                               "or multi_modal_data", param="prompt_embeds")
+        if self.pooler is not None:
+            raise RequestError("prompt_embeds: a pooling model (runner pooling) takes text or token ids",
+                               param="prompt_embeds")
+        for name, asked in (("prompt_logprobs", params.prompt_logprobs is not None),
+                            ("use_beam_search", params.use_beam_search)):
+            if asked:
+                raise RequestError(f"{name}: a prompt given as embeddings has no token ids to score or extend; drop "
+                                   f"{name}", param=name)
+        embeds = check_prompt_embeds(prompt_embeds, self.manifest.model.hidden_size)
+        keep = self._prompt_tokens_kept(params)
+        if keep is not None:
+            embeds = embeds[-keep:]
+        return embeds, *prompt_rows(embeds, self.device, compute_dtype(self.manifest, self.device))
 
     def check_takes_images(self, param: str) -> None:
         """RequestError naming `param` unless this is a vision model."""
@@ -272,7 +320,7 @@ class Engine:
                 request_id=f"{group.request_id}#{index}", prompt_token_ids=group.prompt_token_ids,
                 max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
                 sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
-                lora_int_id=lora_int_id, images=images,
+                lora_int_id=lora_int_id, images=images, prompt_is_embeds=group.prompt_embeds is not None,
             )
             state = SequenceState(request, index, child_params, self.tokenizer,
                                   self.eos_token_ids, self.options.max_model_len, group.request_id)
@@ -443,7 +491,7 @@ class Engine:
         sampled_requests = [s.request for s in batch.requests if s.is_last_chunk]
         processors = []
         if self.sampler.has_processors:
-            processors = [(i, r.batch_row, r.prompt_token_ids, r.output_token_ids)
+            processors = [(i, r.batch_row, r.known_prompt_token_ids, r.output_token_ids)
                           for i, r in enumerate(sampled_requests) if r.sampling_params.logits_processors]
         grammar = bad_words = None
         if self.sampler.has_constraints and sampled_requests:  # none when the step is prompt chunks only
@@ -526,7 +574,7 @@ class Engine:
                     continue
                 state = self.sequences[request.request_id]
                 try:
-                    self.sampler.add(request.batch_row, request.sampling_params, request.prompt_token_ids,
+                    self.sampler.add(request.batch_row, request.sampling_params, request.known_prompt_token_ids,
                                      request.output_token_ids, state.banned_token_ids, state.constraints is not None)
                 except Exception as e:  # noqa: BLE001 - its sampling parameters: this request's fault
                     raise RequestFault(state.group_id, e) from e

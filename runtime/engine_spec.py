@@ -61,7 +61,7 @@ def _sample_with_drafts(engine: Engine, logits: torch.Tensor, states: list[Seque
         return [], []
     metadata = SamplingMetadata(
         params=[s.params for s in states],
-        prompt_token_ids=[s.request.prompt_token_ids for s in states],
+        prompt_token_ids=[s.request.known_prompt_token_ids for s in states],
         output_token_ids=[s.request.output_token_ids for s in states],
         eos_token_ids=engine.eos_token_ids,
     )

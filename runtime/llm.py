@@ -112,7 +112,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data": {"image": a PIL
-        image or a list of them} for a vision model (one <image> placeholder in the prompt per image). If handling a request failed (its
+        image or a list of them} for a vision model (one <image> placeholder in the prompt per image), or vLLM's
+        {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started with enable_prompt_embeds=True
+        (its outputs' prompt_token_ids are None). If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
         Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
@@ -347,9 +349,9 @@ class LLM:
                                param="lora_request")
         token_lists = []
         for prompt in _as_prompt_list(prompts):
-            if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
-                raise RequestError("multi_modal_data: beam search does not run with images; use generate",
-                                   param="multi_modal_data")
+            for key, what in (("multi_modal_data", "images"), ("prompt_embeds", "a prompt given as embeddings")):
+                if isinstance(prompt, dict) and prompt.get(key) is not None:
+                    raise RequestError(f"{key}: beam search does not run with {what}; use generate", param=key)
             if isinstance(prompt, dict):
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
             token_lists.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
@@ -365,6 +367,10 @@ class LLM:
         if isinstance(prompt, dict):
             if "multi_modal_data" in prompt:  # a vision model's images (runtime/multimodal.py)
                 add = functools.partial(add, multi_modal_data=prompt["multi_modal_data"])
+            if "prompt_embeds" in prompt:  # vLLM's EmbedsPrompt (enable_prompt_embeds; runtime/prompt_embeds.py)
+                token_ids = prompt.get("prompt_token_ids")
+                return add(prompt.get("prompt"), params, None if token_ids is None else list(token_ids),
+                           prompt_embeds=prompt["prompt_embeds"])
             if "prompt_token_ids" in prompt:
                 return add(prompt.get("prompt"), params, list(prompt["prompt_token_ids"]))
             if "prompt" in prompt:

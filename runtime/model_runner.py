@@ -55,7 +55,8 @@ class ModelRunner:
         both caches (its bytes per token)."""
         self.device = device
         self.block_size = options.block_size
-        self.takes_images = manifest.vision is not None  # its prefill steps may carry image rows (runtime/multimodal.py)
+        # its prefill steps may carry image rows (runtime/multimodal.py) or a prompt's embeddings (runtime/prompt_embeds.py)
+        self.takes_images = manifest.vision is not None or options.enable_prompt_embeds
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 class Logprob(float):
@@ -68,10 +72,16 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None for a prompt given as embeddings (prompt_embeds)
     outputs: list[CompletionOutput]
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (first is None)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)  # arrival, first token, finish times (seconds)
     error: str | None = None  # set (finished, no outputs) when the request failed: what went wrong
+    prompt_embeds: Tensor | None = None  # the prompt, when given as embeddings (vLLM's; runtime/prompt_embeds.py)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """The prompt's length in tokens, whether given as token ids or as embeddings."""
+        return len(self.prompt_token_ids) if self.prompt_token_ids is not None else len(self.prompt_embeds)

@@ -143,6 +143,10 @@ class PooledRequestOutput:
     metrics: dict = field(default_factory=dict)
     error: str | None = None
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
 
 @dataclass
 class ClassificationRequestOutput(PooledRequestOutput):

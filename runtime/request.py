@@ -77,6 +77,8 @@ class Request:
             (max_tokens 0); it ends when its last chunk has run (`Scheduler.complete_prompts`).
         images: a vision model's encoded images (runtime/multimodal.ImageInputs: embedding rows on the device, opaque
             to the scheduler but for `image_hash`), else None; kept until it ends, so a recompute puts them in again.
+            A prompt given as embeddings holds its rows here too (runtime/prompt_embeds.py).
+        prompt_is_embeds: the prompt was given as embeddings: its token ids are placeholders (known_prompt_token_ids).
     """
 
     request_id: str
@@ -100,6 +102,13 @@ class Request:
     lora_int_id: int | None = None
     pooling: bool = False
     images: object = None
+    prompt_is_embeds: bool = False
+
+    @property
+    def known_prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids as penalties, logits processors and the detokenizer read them: none for a prompt
+        given as embeddings (its ids are placeholders)."""
+        return [] if self.prompt_is_embeds else self.prompt_token_ids
 
     @property
     def image_hash(self) -> bytes | None:

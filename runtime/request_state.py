@@ -30,7 +30,8 @@ class SequenceState:
         self.params = params
         self.group_id = group_id
         self.detokenizer = IncrementalDetokenizer(
-            tokenizer, request.prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len
+            tokenizer, request.known_prompt_token_ids, params, eos_token_ids=eos_token_ids, max_model_len=max_model_len,
+            num_prompt_tokens=request.num_prompt_tokens,
         )
         self._decoder = tokenizer if params.detokenize else None  # Logprob.decoded_token, read lazily
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
@@ -137,6 +138,7 @@ class RequestGroup:
     sequences: list[SequenceState] = field(default_factory=list)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step
     prompt_logprobs_sent: bool = False  # DELTA: the first output (which carries them) was returned
+    prompt_embeds: torch.Tensor | None = None  # the prompt given as embeddings (its token ids are placeholders)
 
     def mark_scheduled(self, now: float) -> None:
         if self.first_scheduled_time is None:
@@ -190,10 +192,11 @@ class RequestGroup:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
+            prompt_token_ids=None if self.prompt_embeds is not None else self.prompt_token_ids,
             outputs=completions,
             finished=is_finished,
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=first.request.num_cached_tokens,
             metrics={"arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time},
+            prompt_embeds=self.prompt_embeds,
         )

@@ -29,6 +29,7 @@ from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.moe import ExpertLinears, MoE
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
@@ -252,13 +253,18 @@ class DecoderModel(nn.Module):
         # the embedding's multiplier (Gemma: sqrt(hidden_size), rounded to the artifact's dtype when it was built,
         # as transformers rounds it to the weights' dtype: exact in every compute dtype this artifact runs in)
         self.embed_scale = config.embed_scale
+        # rows given in place of embeddings (transformers' inputs_embeds) are scaled where the family's forward scales
+        # them (Granite), not where the scale is the embedding module's (Gemma: rows given are final)
+        self.input_embeds_scale = config.embed_scale if spec_for_family(config.family).scales_input_embeds else None
         self.final_softcap = config.final_logit_softcapping  # Gemma 2: logits capped (None: not)
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
         x = self.embed_tokens(input_ids)
-        if batch.image_rows is not None:  # a vision model's image tokens take its images' rows (runtime/multimodal.py)
-            indices, rows = batch.image_rows
+        if batch.image_rows is not None:  # image tokens take their images' rows (runtime/multimodal.py), and a
+            indices, rows = batch.image_rows  # prompt given as embeddings its rows (runtime/prompt_embeds.py)
+            if self.input_embeds_scale is not None:
+                rows = rows * self.input_embeds_scale
             x = x.index_copy(0, indices, rows.to(x.dtype))
         x, residual = self.run_layers(x, None, batch)
         return self.final_norm(x, residual)

@@ -16,4 +16,5 @@ SPEC = ModelSpec(
     layer_norms=LLAMA_NORMS,
     qk_norms={},
     global_tensors=LLAMA_GLOBALS,
+    scales_input_embeds=True,  # transformers multiplies inputs_embeds by embedding_multiplier in the forward
 )

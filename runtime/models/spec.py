@@ -50,6 +50,9 @@ class ModelSpec:
     # the rope scaling stretches max_position_embeddings into the model's context (vLLM's rule); False where
     # max_position_embeddings already is the scaled context (Gemma 3)
     rope_scaling_extends_context: bool = True
+    # the embedding's multiplier (ModelConfig.embed_scale) applies to embeddings given as input too (transformers'
+    # inputs_embeds: Granite multiplies them in its forward); False where it is the embedding module's own (Gemma)
+    scales_input_embeds: bool = False
 
     def layer_linear(self, name: str) -> FusedLinear:
         return next(linear for linear in self.layer_linears if linear.name == name)

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torch import Tensor
+
 from llmc.errors import WorkerError
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
@@ -201,9 +203,10 @@ class EngineLoop:
         """Sequences the engine runs at once (max_num_seqs)."""
         return self.engine.options.max_num_seqs
 
-    async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
+    async def add_request(self, stream: RequestStream, prompt_token_ids: list[int] | Tensor, params: SamplingParams,
                           priority: int = 0, lora_request=None, multi_modal_data: dict | None = None) -> None:
-        """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one).
+        """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one). A tensor in
+        place of the token ids is the prompt's embeddings (runtime/prompt_embeds.py).
         `lora_request`: its run-time LoRA adapter (runtime/lora.py), None for the base model. `multi_modal_data`:
         its images (a vision model's); its prompt's tokens are then counted after their expansion."""
         stream.num_prompt_tokens = len(prompt_token_ids)
@@ -211,8 +214,10 @@ class EngineLoop:
 
         def add(engine) -> None:
             try:
-                engine.add_request(None, params, prompt_token_ids, request_id=stream.request_id, priority=priority,
-                                   arrival_time=stream.arrival_time,
+                embeds = isinstance(prompt_token_ids, Tensor)
+                engine.add_request(None, params, None if embeds else prompt_token_ids, request_id=stream.request_id,
+                                   priority=priority, arrival_time=stream.arrival_time,
+                                   **({"prompt_embeds": prompt_token_ids} if embeds else {}),
                                    **({"lora_request": lora_request} if lora_request is not None else {}),
                                    **({"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}))
                 if multi_modal_data is not None:  # each image's placeholder became its embedding rows' tokens

@@ -100,7 +100,7 @@ def usage(outputs: Iterable[RequestOutput], count_completion_tokens: bool = True
     """Prompt tokens once per prompt, completion tokens summed over every returned sequence, and
     `prompt_tokens_details.cached_tokens`: the prompt tokens served from the prefix cache."""
     outputs = list(outputs)
-    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    num_prompt = sum(o.num_prompt_tokens for o in outputs)
     num_completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if count_completion_tokens else 0
     return usage_body(num_prompt, num_completion, sum(o.num_cached_tokens for o in outputs))
 

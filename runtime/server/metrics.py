@@ -102,8 +102,8 @@ class ServerMetrics:
 
     def on_output(self, stream: RequestStream, output: RequestOutput, now: float, step_start: float) -> None:
         if isinstance(output, PooledRequestOutput):  # a prompt, no tokens generated: vLLM counts its prompt
-            self.prompt_tokens.inc(len(output.prompt_token_ids))
-            self.num_prompt_tokens += len(output.prompt_token_ids)
+            self.prompt_tokens.inc(output.num_prompt_tokens)
+            self.num_prompt_tokens += output.num_prompt_tokens
             self._on_finished(stream, "stop", now)
             return
         num_generated = sum(len(c.token_ids) for c in output.outputs)
@@ -136,8 +136,8 @@ class ServerMetrics:
         # step that produced its first token (exact unless the prefill was split over steps).
         scheduled = output.metrics.get("first_scheduled_time", step_start)
         self.request_queue_time.observe(max(0.0, scheduled - stream.arrival_time))
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.num_prompt_tokens += len(output.prompt_token_ids)
+        self.prompt_tokens.inc(output.num_prompt_tokens)
+        self.num_prompt_tokens += output.num_prompt_tokens
 
 
 async def log_stats_periodically(metrics: ServerMetrics, engine_loop) -> None:

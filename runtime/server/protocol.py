@@ -54,7 +54,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "early_stopping": (False, None),
     "guided_decoding_backend": (None, "xgrammar", "auto"),
     "guided_whitespace_pattern": (None,), "logprob_token_ids": (None,),
-    "prompt_embeds": (None, []), "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
+    "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
     "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "documents": (None,),
     "functions": (None, []), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
@@ -273,6 +273,8 @@ PromptField = str | list[str] | list[int] | list[list[int]]
 class CompletionRequest(_SamplingFields):
     _NULL_MEANS_DEFAULT = _SamplingFields._NULL_MEANS_DEFAULT | {"echo"}
     prompt: PromptField | None = None
+    # vLLM's: base64 of torch.save(tensor [num_tokens, hidden_size]), or a list of them (enable_prompt_embeds)
+    prompt_embeds: str | list[str] | None = None
     suffix: str | None = None
     max_tokens: Int64 | None = 16  # None (null): up to the model's context, as vLLM
     echo: bool = False
@@ -281,8 +283,10 @@ class CompletionRequest(_SamplingFields):
 
     def check(self, max_logprobs: int = MAX_LOGPROBS) -> None:
         """`max_logprobs`: the engine's (most logprobs and prompt_logprobs a request may ask)."""
-        if self.prompt is None or self.prompt == "" or self.prompt == []:
+        if (self.prompt is None or self.prompt == "" or self.prompt == []) and not self.prompt_embeds:
             raise ApiError(400, EMPTY_PROMPT_MESSAGE, param="prompt")
+        if self.prompt_embeds and self.echo:
+            raise invalid("echo", "a prompt given as embeddings has no text or token ids to echo; drop echo")
         self.check_stream_options(max_logprobs)
         if self.suffix:
             raise invalid("suffix", "is not supported")

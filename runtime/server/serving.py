@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
+from torch import Tensor
 
 from llmc.errors import RequestError
 
@@ -290,10 +291,11 @@ class ServingContext:
 
     # ---- generation ------------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, request_id: str, priority: int = 0,
-                       arrival_time: float | None = None, lora_request=None,
+    async def generate(self, prompts: list[list[int] | Tensor], params: SamplingParams, request_id: str,
+                       priority: int = 0, arrival_time: float | None = None, lora_request=None,
                        multi_modal_data: dict | None = None) -> Generation:
-        """Queue one engine request per prompt (ids `request_id-i`); all or none are added. `lora_request`:
+        """Queue one engine request per prompt (ids `request_id-i`), each token ids or a prompt's embeddings
+        (enable_prompt_embeds); all or none are added. `lora_request`:
         the adapter they run with (`lora_request(model)`), None for the base model. `multi_modal_data`: the
         images of a one-prompt chat (Engine.add_request's)."""
         self.require_ready()
@@ -319,7 +321,11 @@ class ServingContext:
         return generation
 
 
-    def _log_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def _log_request(self, request_id: str, token_ids: list[int] | Tensor, params: SamplingParams) -> None:
+        if isinstance(token_ids, Tensor):  # a prompt given as embeddings (runtime/prompt_embeds.py)
+            logger.info("received request %s: prompt_embeds of shape %s, params: %s", request_id,
+                        list(token_ids.shape), params)
+            return
         limit = self.max_log_len
         ids = token_ids if limit is None else token_ids[:limit]
         text = self.tokenizer.decode(ids)

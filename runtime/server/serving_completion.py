@@ -12,7 +12,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from torch import Tensor
+
+from llmc.errors import RequestError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
+from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, decode_prompt_embeds
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
@@ -24,7 +28,7 @@ from llmc.runtime.server.serving import EventStream, Generation, ServingContext,
 @dataclass
 class _Prompt:
     text: str | None  # as sent, when sent as text (echo returns it verbatim)
-    token_ids: list[int]
+    token_ids: list[int] | Tensor  # a prompt sent as embeddings (prompt_embeds): its [num_tokens, hidden_size] rows
 
     def __post_init__(self):
         self.sent_as_text = self.text is not None
@@ -44,7 +48,38 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
 
 
 async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
+    """The request's prompts: those sent as embeddings first (vLLM's order), then text and token-id ones."""
+    embedded = _embeds_prompts(ctx, request.prompt_embeds)
     prompt = request.prompt
+    if prompt is None or prompt == "" or prompt == []:
+        return embedded
+    prompts = embedded + await _text_prompts(ctx, request, prompt)
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request (prompt and prompt_embeds together), got "
+                      f"{len(prompts)}; split the request")
+    return prompts
+
+
+def _embeds_prompts(ctx: ServingContext, prompt_embeds: str | list[str] | None) -> list[_Prompt]:
+    """Prompts sent as embeddings (runtime/prompt_embeds.py), refused unless the engine takes them."""
+    if not prompt_embeds:
+        return []
+    if not ctx.engine_loop.engine.options.enable_prompt_embeds:
+        raise ApiError(400, NOT_ENABLED, param="prompt_embeds")
+    items = [prompt_embeds] if isinstance(prompt_embeds, str) else prompt_embeds
+    if len(items) > MAX_PROMPTS:
+        raise invalid("prompt_embeds", f"at most {MAX_PROMPTS} prompts per request, got {len(items)}; split the request")
+    hidden_size = ctx.engine_loop.engine.manifest.model.hidden_size
+    where = "prompt_embeds" if isinstance(prompt_embeds, str) else "prompt_embeds.{}"
+    try:
+        return [_Prompt(None, check_prompt_embeds(decode_prompt_embeds(item, where.format(i)), hidden_size,
+                                                  where.format(i)))
+                for i, item in enumerate(items)]
+    except RequestError as e:
+        raise ApiError(400, str(e), param="prompt_embeds") from None
+
+
+async def _text_prompts(ctx: ServingContext, request: CompletionRequest, prompt) -> list[_Prompt]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -81,7 +116,7 @@ async def _truncated(ctx: ServingContext, request: CompletionRequest, prompt: _P
     the tokenizer's truncation, which keeps its BOS (runtime/tokenizer.encode_text)."""
     if keep is None or len(prompt.token_ids) <= keep:
         return prompt
-    if prompt.text is None:
+    if prompt.text is None:  # token ids, or embeddings' rows
         return _Prompt(None, prompt.token_ids[-keep:])
     return _Prompt(None, await ctx.encode_off_loop(prompt.text, request.add_special_tokens, "prompt", keep))
 
@@ -199,7 +234,7 @@ class _Reply:
                                                      num_top=self.request.logprobs)
         chunk = {**self._header(), "choices": [self._choice(index, completion, delta_text, body)]}
         if self.request.continuous_usage:  # vLLM: this prompt's tokens and this sequence's so far
-            chunk["usage"] = usage_body(len(output.prompt_token_ids), len(token_ids), output.num_cached_tokens)
+            chunk["usage"] = usage_body(output.num_prompt_tokens, len(token_ids), output.num_cached_tokens)
         elif self.request.include_usage:
             chunk["usage"] = None  # as OpenAI: only the final chunk carries usage
         return chunk
