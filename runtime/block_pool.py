@@ -36,14 +36,18 @@ def lora_root_hash(lora_int_id: int | None) -> BlockHash | None:
     return None if lora_int_id is None else hashlib.sha256(b"lora\x00" + str(lora_int_id).encode()).digest()
 
 
-def sequence_root_hash(lora_int_id: int | None, image_hash: bytes | None) -> BlockHash | None:
+def sequence_root_hash(lora_int_id: int | None, image_hash: bytes | None,
+                       cache_salt: str | None = None) -> BlockHash | None:
     """The parent of a sequence's first block: lora_root_hash, and with images (runtime/multimodal.py) their digest
     too, so a prompt's blocks never match those of the same tokens with other images, or without (vLLM keys only
-    the blocks from the first image on; here the whole prompt's, text before the image included)."""
+    the blocks from the first image on; here the whole prompt's, text before the image included). A request's
+    `cache_salt` (vLLM's) goes in last: its blocks match only requests with the same salt."""
     root = lora_root_hash(lora_int_id)
-    if image_hash is None:
-        return root
-    return hashlib.sha256(b"images\x00" + (root or b"") + image_hash).digest()
+    if image_hash is not None:
+        root = hashlib.sha256(b"images\x00" + (root or b"") + image_hash).digest()
+    if cache_salt is not None:
+        root = hashlib.sha256(b"salt\x00" + (root or b"") + cache_salt.encode("utf-8", "surrogatepass")).digest()
+    return root
 
 
 def hash_token_blocks(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:

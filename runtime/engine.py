@@ -49,6 +49,18 @@ from llmc.runtime.tokenizer import encode_text, load_chat_template, load_tokeniz
 logger = logging.getLogger("llmc")
 
 
+def check_cache_salt(cache_salt: object, params: SamplingParams | PoolingParams) -> None:
+    """vLLM's rule: a cache_salt is a non-empty string (its words); not with beam search here (its beams are
+    scheduled apart from the request's salt)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise RequestError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
+    if getattr(params, "use_beam_search", False):
+        raise RequestError("cache_salt: use_beam_search does not run with a cache salt; drop one of them",
+                           param="cache_salt")
+
+
 class Engine:
     """`launch`: where the ranks of a tensor/pipeline-parallel artifact run (default: all on this
     host, or the torchrun launch this process belongs to). `chat_template`: vLLM's --chat-template (a
@@ -164,13 +176,16 @@ class Engine:
     def add_request(self, prompt: str | None, params: SamplingParams | PoolingParams,
                     prompt_token_ids: list[int] | None = None, request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
-                    multi_modal_data: dict | None = None, prompt_embeds: torch.Tensor | None = None) -> str:
+                    multi_modal_data: dict | None = None, prompt_embeds: torch.Tensor | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
         `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (<image>) in the
         prompt per image, for a vision model (runtime/multimodal.py).
         `prompt_embeds` (vLLM's EmbedsPrompt): the prompt as embeddings [num_tokens, hidden_size], in place of
         text or ids, on an engine started with enable_prompt_embeds (runtime/prompt_embeds.py).
+        `cache_salt` (vLLM's): a string salting the request's prefix-cache hashes, so that its cached blocks serve only
+        requests with the same salt (one tenant's prompts cannot be probed by another's timing).
         PoolingParams (vLLM's): an embedding request, on an engine started with runner pooling."""
         if (self.pooler is not None) != isinstance(params, PoolingParams):
             raise RequestError(("this model runs as an embedding model (runner pooling): it does not generate text; "
@@ -200,6 +215,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the tokenizer's own types (a lone surrogate, ...)
                 raise RequestError(f"the prompt cannot be tokenized ({type(e).__name__}: {e}); send valid text") from None
         lora_int_id = self._check_lora(lora_request, params)
+        check_cache_salt(cache_salt, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if embeds is None:
             prompt_token_ids, images = self._encode_images(list(prompt_token_ids), multi_modal_data, params)
@@ -225,9 +241,9 @@ class Engine:
                 self._beam_group_ids.add(request_id)
                 group.start(self, priority)
             elif isinstance(group, PoolingGroup):
-                self._add_pooling(group, priority, lora_int_id, images)
+                self._add_pooling(group, priority, lora_int_id, images, cache_salt)
             else:
-                self._add_sequences(group, priority, lora_int_id, images)
+                self._add_sequences(group, priority, lora_int_id, images, cache_salt)
         except BaseException:
             self.abort_request(request_id)
             raise
@@ -298,20 +314,20 @@ class Engine:
         return lora_request.lora_int_id
 
     def _add_pooling(self, group: PoolingGroup, priority: int, lora_int_id: int | None,
-                     images: ImageInputs | None = None) -> None:
+                     images: ImageInputs | None = None, cache_salt: str | None = None) -> None:
         """An embedding request's one scheduler Request (`pooling`: its prompt computed, nothing sampled)."""
         mode = self.pooler.mode_of(group.params)
         request = Request(request_id=f"{group.request_id}#0", prompt_token_ids=group.prompt_token_ids, max_tokens=0,
                           arrival_time=group.arrival_time, priority=priority, pooling=True,
                           skip_prefix_cache=not self.pooler.reads_cached_prefix(mode), lora_int_id=lora_int_id,
-                          images=images)
+                          images=images, cache_salt=cache_salt)
         state = PoolingState(request, group.request_id, self.pooler.task_of(group.params), mode)
         group.sequences.append(state)
         self.sequences[request.request_id] = state
         self.scheduler.add_request(request)
 
     def _add_sequences(self, group: RequestGroup, priority: int, lora_int_id: int | None = None,
-                       images: ImageInputs | None = None) -> None:
+                       images: ImageInputs | None = None, cache_salt: str | None = None) -> None:
         room = self.options.max_model_len - len(group.prompt_token_ids)
         for index, child_params in enumerate(group.child_params()):
             guard_processors(child_params, group.request_id)
@@ -321,6 +337,7 @@ class Engine:
                 max_tokens=max_tokens, arrival_time=group.arrival_time, priority=priority,
                 sampling_params=child_params, skip_prefix_cache=child_params.prompt_logprobs is not None,
                 lora_int_id=lora_int_id, images=images, prompt_is_embeds=group.prompt_embeds is not None,
+                cache_salt=cache_salt,
             )
             state = SequenceState(request, index, child_params, self.tokenizer,
                                   self.eos_token_ids, self.options.max_model_len, group.request_id)
@@ -648,6 +665,11 @@ class Engine:
             return self.runner.score(token_ids, [b.block_id for b in blocks], self.options.max_num_batched_tokens)
         finally:
             pool.free(blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache: after new weights, or to drop one tenant's prefixes);
+        False, with nothing changed, while requests hold blocks."""
+        return self.scheduler.block_pool.reset_prefix_cache()
 
     def stats(self) -> dict:
         """Counters for logs and metrics (the names vLLM exports, without its prefix)."""

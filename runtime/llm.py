@@ -114,7 +114,8 @@ class LLM:
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data": {"image": a PIL
         image or a list of them} for a vision model (one <image> placeholder in the prompt per image), or vLLM's
         {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started with enable_prompt_embeds=True
-        (its outputs' prompt_token_ids are None). If handling a request failed (its
+        (its outputs' prompt_token_ids are None); any of these dicts may carry vLLM's "cache_salt" (a string: the
+        prompt's prefix-cache blocks are shared only with prompts of the same salt). If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
         Not thread-safe: a second concurrent call raises RuntimeError; `use_tqdm` may be a tqdm-like factory.
@@ -357,6 +358,15 @@ class LLM:
             token_lists.append(self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
         return beam_search(self, token_lists, params)
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """vLLM's: forget every cached prefix block; True when done, False while requests (an open stream's) hold
+        blocks. `reset_running_requests` (vLLM's preemption of the running ones first) is not supported."""
+        self._check_usable()
+        if reset_running_requests:
+            raise RequestError("reset_running_requests: not supported; reset the prefix cache when no request runs "
+                               "(close open streams first)", param="reset_running_requests")
+        return self.engine.reset_prefix_cache()
+
     def stats(self) -> dict:
         return self.engine.stats()
 
@@ -367,6 +377,8 @@ class LLM:
         if isinstance(prompt, dict):
             if "multi_modal_data" in prompt:  # a vision model's images (runtime/multimodal.py)
                 add = functools.partial(add, multi_modal_data=prompt["multi_modal_data"])
+            if "cache_salt" in prompt:  # vLLM's: its prefix-cache blocks match only the same salt's
+                add = functools.partial(add, cache_salt=prompt["cache_salt"])
             if "prompt_embeds" in prompt:  # vLLM's EmbedsPrompt (enable_prompt_embeds; runtime/prompt_embeds.py)
                 token_ids = prompt.get("prompt_token_ids")
                 return add(prompt.get("prompt"), params, None if token_ids is None else list(token_ids),

@@ -79,6 +79,7 @@ class Request:
             to the scheduler but for `image_hash`), else None; kept until it ends, so a recompute puts them in again.
             A prompt given as embeddings holds its rows here too (runtime/prompt_embeds.py).
         prompt_is_embeds: the prompt was given as embeddings: its token ids are placeholders (known_prompt_token_ids).
+        cache_salt: vLLM's per-request prefix-cache salt (part of its blocks' hashes), else None.
     """
 
     request_id: str
@@ -103,6 +104,7 @@ class Request:
     pooling: bool = False
     images: object = None
     prompt_is_embeds: bool = False
+    cache_salt: str | None = None
 
     @property
     def known_prompt_token_ids(self) -> list[int]:

@@ -457,7 +457,7 @@ class Scheduler:
         while len(hashes) < num_blocks:
             start = len(hashes) * self.block_size
             token_ids = request.get_token_ids(start, start + self.block_size)
-            root = hashes[-1] if hashes else sequence_root_hash(request.lora_int_id, request.image_hash)
+            root = hashes[-1] if hashes else sequence_root_hash(request.lora_int_id, request.image_hash, request.cache_salt)
             hashes.append(hash_block_tokens(root, token_ids))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:

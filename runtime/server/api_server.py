@@ -258,6 +258,17 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
         logger.info("LoRA adapter %r unloaded (id %d)", name, lora.lora_int_id)
         return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
+    if os.environ.get(DEV_MODE_ENV, "").strip().lower() in ("1", "true"):
+        @router.post("/reset_prefix_cache")  # vLLM's development endpoint, only under VLLM_SERVER_DEV_MODE=1
+        async def reset_prefix_cache() -> Response:
+            ctx.require_ready()
+            busy = [i for i, replica in enumerate(ctx.engine_loop.replicas) if not await replica.reset_prefix_cache()]
+            if busy:
+                raise ApiError(409, "the prefix cache is in use by running requests and was not reset"
+                               + (f" on replica(s) {busy}" if len(ctx.engine_loop.replicas) > 1 else "")
+                               + "; retry when they are done")
+            return Response(status_code=200)
+
     @router.get("/v1/models/{model:path}")  # OpenAI's retrieve (client.models.retrieve); a name may hold "/"
     async def model(model: str) -> dict:
         ctx.check_model(model)
@@ -356,6 +367,8 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
 
 # vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter
 RUNTIME_LORA_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# vLLM's switch for its development endpoints (here /reset_prefix_cache)
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 
 def _adapter_fields(ctx: ServingContext, body: object, names: tuple[str, ...]) -> list[str]:

@@ -204,7 +204,8 @@ class EngineLoop:
         return self.engine.options.max_num_seqs
 
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int] | Tensor, params: SamplingParams,
-                          priority: int = 0, lora_request=None, multi_modal_data: dict | None = None) -> None:
+                          priority: int = 0, lora_request=None, multi_modal_data: dict | None = None,
+                          cache_salt: str | None = None) -> None:
         """Queue a request; raises what `Engine.add_request` raises (RequestError for a bad one). A tensor in
         place of the token ids is the prompt's embeddings (runtime/prompt_embeds.py).
         `lora_request`: its run-time LoRA adapter (runtime/lora.py), None for the base model. `multi_modal_data`:
@@ -218,6 +219,7 @@ class EngineLoop:
                 engine.add_request(None, params, None if embeds else prompt_token_ids, request_id=stream.request_id,
                                    priority=priority, arrival_time=stream.arrival_time,
                                    **({"prompt_embeds": prompt_token_ids} if embeds else {}),
+                                   **({"cache_salt": cache_salt} if cache_salt is not None else {}),
                                    **({"lora_request": lora_request} if lora_request is not None else {}),
                                    **({"multi_modal_data": multi_modal_data} if multi_modal_data is not None else {}))
                 if multi_modal_data is not None:  # each image's placeholder became its embedding rows' tokens
@@ -238,6 +240,10 @@ class EngineLoop:
     async def read_adapter(self, lora_request) -> None:
         """Have the engine read and check a LoRA adapter (/v1/load_lora_adapter); RequestError for a bad one."""
         await self._call(lambda engine: engine.runner.lora.read(lora_request))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Engine.reset_prefix_cache, on the engine thread after every command queued before it."""
+        return await self._call(lambda engine: engine.reset_prefix_cache())
 
     async def num_lora_requests(self, lora_int_id: int) -> int:
         """Unfinished requests with this LoRA adapter (/v1/unload_lora_adapter refuses to unload it then):

@@ -142,6 +142,10 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)  # -1: max_model_len (vLLM's)
     allowed_token_ids: list[Int64] | None = Field(default=None, max_length=MAX_TOKEN_ID_LIST)
     prompt_logprobs: Int64 | None = None
+    # vLLM's: the prompt's prefix-cache blocks shared only with requests of the same salt (a non-empty string)
+    cache_salt: str | None = None
+    # vLLM's: the choices carry the generated token_ids, and the prompt's prompt_token_ids (streams: the first chunk)
+    return_token_ids: bool | None = None
     bad_words: list[str] | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None

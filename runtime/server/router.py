@@ -101,13 +101,14 @@ class ReplicaRouter:
         return len(streams)
 
     async def add_request(self, stream: RequestStream, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, lora_request=None, multi_modal_data: dict | None = None) -> None:
+                          priority: int = 0, lora_request=None, multi_modal_data: dict | None = None,
+                          cache_salt: str | None = None) -> None:
         index = min(range(len(self.replicas)), key=self.num_unfinished)
         self._streams[index].add(stream)
         self._routes[stream.request_id] = index
         try:
             await self.replicas[index].add_request(stream, prompt_token_ids, params, priority, lora_request,
-                                                   multi_modal_data)
+                                                   multi_modal_data, cache_salt)
         except BaseException:
             self._streams[index].discard(stream)
             self._routes.pop(stream.request_id, None)

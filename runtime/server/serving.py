@@ -293,7 +293,7 @@ class ServingContext:
 
     async def generate(self, prompts: list[list[int] | Tensor], params: SamplingParams, request_id: str,
                        priority: int = 0, arrival_time: float | None = None, lora_request=None,
-                       multi_modal_data: dict | None = None) -> Generation:
+                       multi_modal_data: dict | None = None, cache_salt: str | None = None) -> Generation:
         """Queue one engine request per prompt (ids `request_id-i`), each token ids or a prompt's embeddings
         (enable_prompt_embeds); all or none are added. `lora_request`:
         the adapter they run with (`lora_request(model)`), None for the base model. `multi_modal_data`: the
@@ -312,7 +312,8 @@ class ServingContext:
                 stream = RequestStream(f"{request_id}-{index}", generation.queue, index, arrival_time,
                                        lora_int_id=None if lora_request is None else lora_request.lora_int_id)
                 generation.streams.append(stream)
-                await self.engine_loop.add_request(stream, token_ids, params, priority, lora_request, multi_modal_data)
+                await self.engine_loop.add_request(stream, token_ids, params, priority, lora_request, multi_modal_data,
+                                                   cache_salt)
         except BaseException as e:
             generation.abort()
             if isinstance(e, Exception):

@@ -69,7 +69,7 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
     try:
         generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time,
                                          ctx.lora_request(request.model),
-                                         {"image": images} if images else None)
+                                         {"image": images} if images else None, cache_salt=request.cache_salt)
     except ApiError as e:
         raise _as_chat_error(e) from None
     return request, params, generation, generation.streams[0].num_prompt_tokens
@@ -152,8 +152,11 @@ class ChatReply:
         for c in output.outputs:
             message, finish_reason = self._message(c)
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                            **({"token_ids": list(c.token_ids)} if self.request.return_token_ids else {})})
         body = {**self._header("chat.completion"), "choices": choices, "usage": self._usage(output)}
+        if self.request.return_token_ids:  # vLLM's: the prompt's on the response, the generated ones on each choice
+            body["prompt_token_ids"] = output.prompt_token_ids
         if self.request.prompt_logprobs is not None:  # vLLM: on the response, not on a choice
             body["prompt_logprobs"] = prompt_logprobs(self.ctx.tokenizer, output, self.request.prompt_logprobs)
         return body
@@ -165,12 +168,15 @@ class ChatReply:
             for index in range(self.request.n):
                 yield self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None}, self._running_usage(None, 0))
+            prompt_ids_sent = False  # return_token_ids: the prompt's in the first chunk of the engine's output (vLLM's)
             async for _, output in generation:
                 final = output
                 for completion in output.outputs:
                     choice = self._choice_delta(completion, tracker)
                     if choice is not None:
-                        yield self._chunk(choice, self._running_usage(output, len(completion.token_ids)))
+                        prompt_ids = None if prompt_ids_sent else output.prompt_token_ids
+                        prompt_ids_sent = True
+                        yield self._chunk(choice, self._running_usage(output, len(completion.token_ids)), prompt_ids)
             if self.request.include_usage and final is not None:
                 yield sse({**self._header("chat.completion.chunk"), "choices": [], "usage": self._usage(final)})
         except ApiError as e:
@@ -191,8 +197,10 @@ class ChatReply:
             return usage_body(self.num_prompt_tokens, 0, 0)
         return usage_body(len(output.prompt_token_ids), num_completion, output.num_cached_tokens)
 
-    def _chunk(self, choice: dict, running_usage: dict | None) -> str:
+    def _chunk(self, choice: dict, running_usage: dict | None, prompt_token_ids: list[int] | None = None) -> str:
         chunk = {**self._header("chat.completion.chunk"), "choices": [choice]}
+        if self.request.return_token_ids:
+            chunk["prompt_token_ids"] = prompt_token_ids
         if self.request.include_usage:
             chunk["usage"] = running_usage  # None unless continuous: only the final chunk carries usage
         return sse(chunk)
@@ -217,7 +225,8 @@ class ChatReply:
             return None
         choice = {"index": completion.index, "delta": delta,
                   "logprobs": self._logprobs(new_ids, (completion.logprobs or [])[new]),
-                  "finish_reason": finish_reason}
+                  "finish_reason": finish_reason,
+                  **({"token_ids": list(new_ids)} if self.request.return_token_ids else {})}
         if completion.is_finished:
             choice["stop_reason"] = completion.stop_reason
         return choice

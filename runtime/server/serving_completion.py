@@ -43,7 +43,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
         ctx.check_prompt_length(prompt.token_ids, params, "prompt", request.max_tokens)
     request_id = new_id("cmpl")
     generation = await ctx.generate([p.token_ids for p in prompts], params, request_id, request.priority, arrival_time,
-                                     ctx.lora_request(request.model))
+                                     ctx.lora_request(request.model), cache_salt=request.cache_salt)
     return await respond(generation, _Reply(ctx, request, params, prompts, request_id), request.stream)
 
 
@@ -187,6 +187,8 @@ class _Reply:
                 choice = self._choice(index, completion, text, body)
                 if self.request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(output)
+                if self.request.return_token_ids:  # vLLM's: on each choice
+                    choice |= {"prompt_token_ids": output.prompt_token_ids, "token_ids": list(token_ids)}
                 choices.append(choice)
         return {**self._header(), "choices": choices,
                 "usage": usage(outputs, count_completion_tokens=not self.request.wants_prompt_only)}
@@ -232,7 +234,11 @@ class _Reply:
             pieces = self._prompt_pieces(index) if is_first else None
             body, offsets[key] = completion_logprobs(self.ctx.tokenizer, entries, offsets.get(key, 0), pieces,
                                                      num_top=self.request.logprobs)
-        chunk = {**self._header(), "choices": [self._choice(index, completion, delta_text, body)]}
+        choice = self._choice(index, completion, delta_text, body)
+        if self.request.return_token_ids:  # vLLM's: this chunk's new tokens; the prompt's in a sequence's first chunk
+            choice |= {"prompt_token_ids": output.prompt_token_ids if is_first else None,
+                       "token_ids": list(token_ids[new])}
+        chunk = {**self._header(), "choices": [choice]}
         if self.request.continuous_usage:  # vLLM: this prompt's tokens and this sequence's so far
             chunk["usage"] = usage_body(output.num_prompt_tokens, len(token_ids), output.num_cached_tokens)
         elif self.request.include_usage:
