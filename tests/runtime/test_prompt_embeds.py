@@ -161,3 +161,22 @@ def test_the_servers_base64_form(tmp_path):
                           (out_of_range, "not a base64 torch.save"), (3, "expected a base64 string")]:
         with pytest.raises(RequestError, match=message):
             decode_prompt_embeds(data)
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_graphs(artifacts, hf_model):
+    """On a GPU: the embeddings' prefill runs eagerly, the decode steps replay CUDA graphs; the tokens are
+    transformers' (float32 on the CPU)."""
+    checkpoint, artifact = artifacts["llama"]
+    hf = hf_model(checkpoint)
+    embeds = [_embeds(hf, 37, seed=7), _embeds(hf, 3, seed=8)]
+    with LLM(artifact, device="cuda", enable_prompt_embeds=True, gpu_memory_utilization=0.3) as llm:
+        assert llm.engine.runner.graphs is not None
+        outputs = llm.generate([{"prompt_embeds": e} for e in embeds],
+                               SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0))
+    for e, output in zip(embeds, outputs, strict=True):
+        tokens, logprobs = _hf_greedy(hf, e, MAX_TOKENS)
+        assert output.outputs[0].token_ids == tokens
+        got = [entry[t].logprob for entry, t in zip(output.outputs[0].logprobs, tokens, strict=True)]
+        torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(logprobs, dtype=torch.float64),
+                                   atol=2e-3, rtol=0)
