@@ -377,6 +377,9 @@ class RuntimeDefaults:
                                              help="how embeddings are pooled (runner pooling), e.g. {pooling_type: MEAN, "
                                                   "normalize: false}; default: the checkpoint's sentence-transformers "
                                                   "settings, else LAST with normalization")
+    stream_interval: int = opt(1, min=1, max=2**31 - 1,
+                               help="vLLM's: a streamed request's output every this many new tokens (the first token "
+                                    "and the finish at once); larger values spend less host time per token")
     enable_prompt_embeds: bool = opt(False, help="requests may give the prompt as embeddings [num_tokens, hidden_size] "
                                                  "(vLLM's prompt_embeds) in place of text or token ids")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")

@@ -340,7 +340,8 @@ class Engine:
                 cache_salt=cache_salt,
             )
             state = SequenceState(request, index, child_params, self.tokenizer,
-                                  self.eos_token_ids, self.options.max_model_len, group.request_id)
+                                  self.eos_token_ids, self.options.max_model_len, group.request_id,
+                                  self.options.stream_interval)
             state.banned_token_ids, state.constraints = sequence_constraints(child_params, self.grammars)
             group.sequences.append(state)
             self.sequences[request.request_id] = state

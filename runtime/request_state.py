@@ -24,8 +24,9 @@ class SequenceState:
     """One generated sequence: its scheduler request, detokenizer and logprobs."""
 
     def __init__(self, request: Request, index: int, params: SamplingParams, tokenizer,
-                 eos_token_ids: list[int], max_model_len: int, group_id: str):
+                 eos_token_ids: list[int], max_model_len: int, group_id: str, stream_interval: int = 1):
         self.request = request
+        self.stream_interval = stream_interval  # vLLM's: DELTA outputs every this many tokens (the first at once)
         self.index = index
         self.params = params
         self.group_id = group_id
@@ -105,6 +106,9 @@ class SequenceState:
         if (num_tokens == self.num_sent_tokens and num_chars == self.num_sent_chars
                 and (finish_reason is None or self.sent_finish)):
             return None
+        if (finish_reason is None and self.num_sent_tokens > 0
+                and num_tokens - self.num_sent_tokens < self.stream_interval):
+            return None  # stream_interval: held until that many tokens are new (or it finishes)
         first_token = self.num_sent_tokens
         output = CompletionOutput(
             index=self.index,

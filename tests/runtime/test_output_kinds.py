@@ -128,3 +128,23 @@ def test_output_kind_is_validated():
     with pytest.raises(RequestError, match="output_kind must be CUMULATIVE or FINAL_ONLY when best_of"):
         SamplingParams(n=1, best_of=3, output_kind=RequestOutputKind.DELTA)
     SamplingParams(n=1, best_of=3, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def test_stream_interval_batches_delta_outputs(artifact):
+    """vLLM's stream_interval 4: a DELTA request's first token comes alone, then 4 tokens an output, the rest with the
+    finish; the deltas join into the FINAL_ONLY output (the engine runs the same steps either way)."""
+    prompt = "ROMEO: what light"
+    params = SamplingParams(temperature=0, max_tokens=19, ignore_eos=True)
+    engine = Engine(artifact, device="cpu", stream_interval=4)
+    engine.add_request(prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY), request_id="f")
+    engine.add_request(prompt, dataclasses.replace(params, output_kind=RequestOutputKind.DELTA), request_id="d")
+    deltas, final = [], None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == "d":
+                deltas.append(output.outputs[0])
+            else:
+                final = output.outputs[0]
+    assert [len(d.token_ids) for d in deltas] == [1, 4, 4, 4, 4, 2]
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert "".join(d.text for d in deltas) == final.text and deltas[-1].finish_reason == "length"
