@@ -172,14 +172,14 @@ def rotate_write_and_attend(
     slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
     v_scale: float = 1.0, index_cache: dict | None = None, prefill_index: PrefillIndex | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, key_limits: Tensor | None = None,
 ) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
     kernel a layer instead of two, the same bits (attention_triton._decode_kernel, ROTATE)."""
     # the device check first: a CPU step does not scan query_lens in every layer
-    if (prefill_index is None and _rotary_kernels_apply(q, k, v, k_cache, cos_sin_cache) and query_lens
-            and max(query_lens) == 1):
+    if (prefill_index is None and key_limits is None and _rotary_kernels_apply(q, k, v, k_cache, cos_sin_cache)
+            and query_lens and max(query_lens) == 1):
         from . import attention_triton
 
         return attention_triton.paged_attention(
@@ -190,7 +190,7 @@ def rotate_write_and_attend(
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
                            max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index,
-                           softcap=softcap)
+                           softcap=softcap, key_limits=key_limits)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -220,6 +220,7 @@ def paged_attention(
     out: Tensor | None = None,
     prefill_index: PrefillIndex | None = None,
     softcap: float | None = None,
+    key_limits: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape
     (written into `out`, a tensor of q's shape and dtype, when given).
@@ -232,14 +233,21 @@ def paged_attention(
     and index_cache are not read), every one through the prefill kernel, into prefill_index.out.
     softcap: the attention logits' soft cap (Gemma 2's attn_logit_softcapping): each scaled score s becomes
     softcap * tanh(s / softcap) before the causal / window mask and the softmax; None: no cap.
+    key_limits: [num_tokens] int32 on q's device, the last key position each query may attend to in place of its
+    own (Gemma 3's image tokens see their whole image: the image's last position); every entry at least the query's
+    position and within its context; the sliding window still counts back from the query's own position. A
+    sequence of one query is taken to have its own position as its limit (the decode path reads none). None:
+    causal. Not with prefill_index.
     """
+    if key_limits is not None and prefill_index is not None:
+        raise ValueError("key_limits are not read by a prefill_index's step (a CUDA graph's); run the step eagerly")
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out, prefill_index=prefill_index,
-            softcap=softcap,
+            softcap=softcap, key_limits=key_limits,
         )
 
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
@@ -266,7 +274,8 @@ def paged_attention(
         if softcap is not None:  # after the scale, before the mask (transformers' Gemma 2 eager attention)
             scores = torch.tanh(scores / softcap) * softcap
         if query_len > 1 or sliding_window is not None:
-            mask = _causal_mask(query_len, context_len, sliding_window, q.device).repeat(group, 1)
+            limits = None if key_limits is None or query_len == 1 else key_limits[start : start + query_len]
+            mask = _causal_mask(query_len, context_len, sliding_window, q.device, limits).repeat(group, 1)
             scores.masked_fill_(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         attn = torch.bmm(probs, v.permute(1, 0, 2).float())  # [num_kv_heads, group * query_len, head_dim]
@@ -276,11 +285,13 @@ def paged_attention(
     return out
 
 
-def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> Tensor:
-    # Query i sits at position context_len - query_len + i and sees keys at positions <= its own.
+def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device,
+                 key_limits: Tensor | None = None) -> Tensor:
+    # Query i sits at position context_len - query_len + i and sees keys at positions <= its own (<= its key limit
+    # where given), and within the window back from its own.
     q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
     k_pos = torch.arange(context_len, device=device).unsqueeze(0)
-    mask = k_pos <= q_pos
+    mask = k_pos <= (q_pos if key_limits is None else key_limits.long().unsqueeze(1))
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
     return mask  # [query_len, context_len]

@@ -29,7 +29,10 @@ one query tile, so each K/V tile is loaded once per KV head.
           token's slot before reading its keys; no separate rotary kernel (benchmarks/RESULTS.md,
           session 20).
   prefill (query_len > 1, chunked prefill too): grid (query blocks, kv heads); rows = (query,
-          head) pairs; keys up to the block's last query position, causal mask per row.
+          head) pairs; keys up to the block's last query position, causal mask per row. With key
+          limits (HAS_LIMITS: Gemma 3's image tokens attend to their whole image) each row's keys run
+          up to its limit instead of its position, and the block's keys up to its rows' largest limit;
+          the sliding window still counts back from the position.
 Soft-capping (SOFTCAP > 0, a constexpr: Gemma 2's attn_logit_softcapping): each score s = q.k * scale
 becomes SOFTCAP * tanh(s / SOFTCAP), then the mask and the softmax, as transformers' eager attention.
 The kernels then take scale / SOFTCAP (times k_scale) for scale_log2, the tanh's argument, and multiply
@@ -301,7 +304,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot, stride_kvh,
     GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+    PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, limit_ptr=None, HAS_LIMITS: tl.constexpr = False,
 ):
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(blk_seq_ptr + blk)
@@ -322,6 +325,10 @@ def _prefill_kernel(
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
     last_query = tl.minimum(q_begin + QUERIES_PER_BLOCK, query_len) - 1
     hi = context_len - query_len + last_query + 1  # keys after the block's last query are never seen
+    limit = position  # the last key each row sees
+    if HAS_LIMITS:  # (an image's tokens: its last position; every limit is within the context)
+        limit = tl.load(limit_ptr + rows, mask=row_valid, other=0)
+        hi = tl.maximum(hi, tl.max(tl.where(row_valid, limit, 0), axis=0) + 1)
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(0, context_len - query_len + q_begin - window + 1)
@@ -329,7 +336,7 @@ def _prefill_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_t = start + tl.arange(0, BLOCK_N)
         key_valid = offs_t < hi
-        visible = row_valid[:, None] & key_valid[None, :] & (offs_t[None, :] <= position[:, None])
+        visible = row_valid[:, None] & key_valid[None, :] & (offs_t[None, :] <= limit[:, None])
         if HAS_WINDOW:
             visible = visible & (position[:, None] - offs_t[None, :] < window)
         acc, m_i, l_i = _attend_tile(
@@ -436,9 +443,9 @@ def paged_attention(
     query_lens: list[int], scale: float, sliding_window: int | None = None, max_context_len: int | None = None,
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
     rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
-    prefill_index: PrefillIndex | None = None, softcap: float | None = None,
+    prefill_index: PrefillIndex | None = None, softcap: float | None = None, key_limits: Tensor | None = None,
 ) -> Tensor:
-    """As kernels.attention.paged_attention. Sequences with one query go to the decode kernel, the
+    """As kernels.attention.paged_attention (key_limits: read by the prefill kernel only). Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
 
     rotary (k, v, positions, cos_sin_cache, slot_mapping), for a step whose query_lens are all 1 only:
@@ -493,7 +500,8 @@ def paged_attention(
         blocks = prefill_blocks([n if n > 1 else 0 for n in query_lens], per_block)  # decode rows: not here
         blk_seq = _int32([seq for seq, _ in blocks], q.device, index_cache, ("block_seqs", per_block))
         blk_q = _int32([start for _, start in blocks], q.device, index_cache, ("block_starts", per_block))
-        _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows_t, blk_seq, blk_q, per_block, common)
+        _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows_t, blk_seq, blk_q, per_block, common,
+                        key_limits)
     return out
 
 
@@ -571,7 +579,7 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
 
 
 def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, blk_seq, blk_q, queries_per_block,
-                    c) -> None:
+                    c, key_limits: Tensor | None = None) -> None:
     """One program per (block of queries, KV head): blk_seq / blk_q name each block's sequence and
     first query (attention.prefill_blocks)."""
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
@@ -584,4 +592,5 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, b
         GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,
         BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"], HAS_WINDOW=c["has_window"],
         PRECISION=c["precision"], SOFTCAP=c["softcap"],
+        **({} if key_limits is None else {"limit_ptr": key_limits, "HAS_LIMITS": True}),
     )

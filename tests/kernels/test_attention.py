@@ -612,3 +612,54 @@ def test_decode_step_rotating_in_the_decode_kernel_soft_caps_too(dot_case, rel_e
                                          ctx.cpu(), seqs, scale, window, k_scale=scales[0], v_scale=scales[1],
                                          softcap=SOFTCAP)
     assert rel_err(fused.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def dense_image_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window, spans):
+    """float64 attention from the rule itself (transformers' Gemma 3 masks): a query at position p sees key t when
+    t <= p, or when both are in one image span; and, on a sliding layer, when p - t < window."""
+    out, start = torch.empty(q.shape, dtype=torch.float64), 0
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    for seq, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
+        slots = [int(block_tables[seq, t // block_size]) * block_size + t % block_size for t in range(context_len)]
+        k = k_cache.cpu().double().flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [context, heads, dim]
+        v = v_cache.cpu().double().flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        for i in range(query_len):
+            p = context_len - query_len + i
+            image = next(((lo, hi) for lo, hi in spans[seq] if lo <= p < hi), None)
+            seen = [t for t in range(context_len) if (t <= p or (image and image[0] <= t < image[1]))
+                    and (window is None or p - t < window)]
+            scores = torch.einsum("hd,thd->ht", q[start + i].cpu().double(), k[seen]) * scale
+            out[start + i] = torch.einsum("ht,thd->hd", torch.softmax(scores, dim=-1), v[seen])
+        start += query_len
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_key_limits_let_an_images_tokens_see_the_whole_image(dot_case, rel_err, window) -> None:
+    """Gemma 3's image tokens attend to their whole image (key_limits: the image's last position), beside a
+    sequence without images and a decode row; the kernel and the torch path match float64 from the rule itself.
+    Sequence 0's chunk holds a whole image and the start of none; sequence 1's chunk begins mid-image (a prefix-cache
+    hit inside it) and holds a second image."""
+    from llmc.kernels.attention_triton import paged_attention as kernel
+
+    device, dtype = dot_case
+    context_lens, query_lens = [30, 40, 12, 9], [20, 25, 12, 1]
+    spans = [[(14, 19)], [(13, 20), (24, 30)], [], []]
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 4, 2, 16, 8, dtype, device, seed=3)
+    limits = []
+    for seq, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
+        for p in range(context_len - query_len, context_len):
+            limits.append(next((hi - 1 for lo, hi in spans[seq] if lo <= p < hi), p))
+    key_limits = torch.tensor(limits, dtype=torch.int32, device=device)
+    expected = dense_image_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, 0.25, window, spans)
+    out = kernel(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, 0.25, window,
+                 max(context_lens), key_limits=key_limits)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), expected) < tol
+    torch_path = attention.paged_attention(q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(),
+                                           block_tables.cpu(), lens(context_lens, "cpu"), query_lens, 0.25, window,
+                                           key_limits=key_limits.cpu())
+    assert rel_err(torch_path, expected) < 1e-6  # (the torch path scores in float32)
+    causal = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, 0.25, window)
+    assert rel_err(causal, expected) > 1e-3  # the limits changed the image rows
