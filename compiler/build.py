@@ -30,7 +30,7 @@ from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_forma
 from llmc.compiler.lora import LoraMerge, load_adapters
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
-from llmc.compiler.vision import check_vision_recipe, is_llava, llava_config, write_vision_weights
+from llmc.compiler.vision import check_vision_recipe, is_vision_model, vision_config, write_vision_weights
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
@@ -79,7 +79,7 @@ class _Context:
     target: dict = field(default_factory=dict)  # art.Manifest.target: set by an ONNX build
     lora: LoraMerge | None = None  # the recipe's adapters, merged as the checkpoint's tensors are read
     derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
-    vision: art.VisionSpec | None = None  # a LLaVA checkpoint's vision tower and projector (compiler/vision.py)
+    vision: art.VisionSpec | None = None  # a LLaVA / Gemma 3 checkpoint's vision tower and projector (compiler/vision.py)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -126,9 +126,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     model_dir = resolve_model_dir(recipe)
     hf_config = {**hf.read_hf_config(model_dir), **recipe.hf_overrides}
     vision = None
-    if is_llava(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
+    if is_vision_model(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
         check_vision_recipe(recipe)
-        hf_config, vision = llava_config(hf_config, model_dir)
+        hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
     if biased and spec.family != "granite":  # Granite's biases: refused by name in model_config_from_hf
@@ -378,7 +378,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
 
 
 def _write_vision(ctx: _Context, root: Path) -> None:
-    """A LLaVA checkpoint's vision tower and projector, dense in the model dtype (compiler/vision.py)."""
+    """A vision checkpoint's vision tower and projector, dense in the model dtype (compiler/vision.py)."""
     with hf.TensorReader(ctx.model_dir) as reader:
         write_vision_weights(reader, root / art.VISION_WEIGHTS, ctx.model.dtype)
 

@@ -35,8 +35,6 @@ def read_hf_config(model_dir: Path) -> dict:
 # Architectures close to a supported one that llmc does not run, with why (one line each).
 _REFUSED_ARCHITECTURES = {
     "GemmaForCausalLM": "Gemma 1 is not supported (Gemma2ForCausalLM and Gemma 3's text model, Gemma3ForCausalLM, are)",
-    "Gemma3ForConditionalGeneration": "the multimodal Gemma 3 (vision tower, weights under model.language_model) is not "
-                                      "supported; its text-only form, Gemma3ForCausalLM (gemma-3-1b and text checkpoints), is",
     "LlavaNextForConditionalGeneration": "LLaVA-NeXT (anyres image tiling) is not supported; LLaVA-1.5-style "
                                          "LlavaForConditionalGeneration is",
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision is not supported; LLaVA-1.5-style "

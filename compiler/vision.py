@@ -1,5 +1,5 @@
-"""LLaVA checkpoints (LlavaForConditionalGeneration): the language model built as its causal LM, the vision
-tower and projector kept dense in their own file.
+"""Vision-language checkpoints (LlavaForConditionalGeneration, Gemma3ForConditionalGeneration): the language model
+built as its causal LM, the vision tower and projector kept dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
 (Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
@@ -7,10 +7,15 @@ defaults filled in) as the checkpoint's config and its tensors under the causal 
 `llava_names`), so every step of the build (quantization, calibration, sharding) sees a plain causal LM; the
 vision tower's and projector's tensors are written as they are, in the model dtype, to vision/weights.safetensors,
 and the manifest's `vision` section records what the runtime needs to run them (runtime/multimodal.py).
+
+Gemma 3's multimodal checkpoint is the same shape of thing: a SigLIP tower, Gemma3MultiModalProjector (an average
+pool to mm_tokens_per_image rows, an RMSNorm, one matrix) and a Gemma 3 text model built as Gemma3ForCausalLM; its
+images' tokens attend to each other both ways in the prefill (the manifest's bidirectional_image_attention).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -20,6 +25,8 @@ from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime import artifact as art
 
 LLAVA = "LlavaForConditionalGeneration"
+GEMMA3 = "Gemma3ForConditionalGeneration"
+VISION_ARCHITECTURES = (LLAVA, GEMMA3)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model",)
@@ -33,8 +40,58 @@ _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 
 
-def is_llava(config: dict) -> bool:
-    return LLAVA in (config.get("architectures") or [])
+def is_vision_model(config: dict) -> bool:
+    return any(arch in VISION_ARCHITECTURES for arch in config.get("architectures") or [])
+
+
+def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """(the language model's config as a causal LM's config.json, the manifest's vision section) of a LLaVA or
+    Gemma 3 checkpoint."""
+    if GEMMA3 in (config.get("architectures") or []):
+        return gemma3_config(config, model_dir)
+    return llava_config(config, model_dir)
+
+
+def gemma3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """Gemma3ForConditionalGeneration: the text config (transformers' defaults filled in) as Gemma3ForCausalLM's,
+    and the vision section; pan-and-scan and towers other than SigLIP are refused by name."""
+    from transformers import Gemma3Config
+
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = model_dir / name
+        processor = json.loads(path.read_text()) if path.is_file() else {}
+        if processor.get("do_pan_and_scan") or (processor.get("image_processor") or {}).get("do_pan_and_scan"):
+            raise CheckpointError(f"{path}: do_pan_and_scan true (pan-and-scan crops, several images per image) is not "
+                                  "supported; set it to false (one image resized to the tower's size)")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "siglip_vision_model")
+    if vision_type != "siglip_vision_model":
+        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for Gemma 3; supported: "
+                              "siglip_vision_model")
+    try:
+        gemma = Gemma3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: config.json is not a Gemma 3 config transformers reads ({e})") from None
+    vision = gemma.vision_config
+    patches = vision.image_size // vision.patch_size
+    side = int(round(gemma.mm_tokens_per_image ** 0.5))
+    if side * side != gemma.mm_tokens_per_image or patches % side:
+        raise CheckpointError(f"{model_dir}: mm_tokens_per_image {gemma.mm_tokens_per_image} is not a square whose "
+                              f"side divides the tower's {patches} patches a side (image_size / patch_size)")
+    text = gemma.text_config.to_dict()
+    text["architectures"] = ["Gemma3ForCausalLM"]
+    text["tie_word_embeddings"] = bool(getattr(gemma, "tie_word_embeddings", True)
+                                       or text.get("tie_word_embeddings"))
+    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
+    vision_dict = {k: v for k, v in vision.to_dict().items()
+                   if k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+    spec = art.VisionSpec(
+        architecture=GEMMA3, vision_config=vision_dict, image_token_index=int(gemma.image_token_index),
+        text_hidden_size=text["hidden_size"], mm_tokens_per_image=int(gemma.mm_tokens_per_image),
+        boi_token_index=int(gemma.boi_token_index), eoi_token_index=int(gemma.eoi_token_index),
+        bidirectional_image_attention=True,
+    )
+    return text, spec
 
 
 def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
@@ -94,9 +151,10 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
 
 
 def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
-    """For a LLaVA checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
+    """For a LLaVA or Gemma 3 multimodal checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
     model, {artifact name: checkpoint name} of the vision tower and projector); None for any other checkpoint.
-    The vision tower's names lose CLIPVisionModel's older `vision_model.` level (transformers 5 has none)."""
+    The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's `vision_model.` level (transformers 5's
+    vision models have none)."""
     if not any(name.startswith(_PROJECTOR_PREFIXES) for name in names):
         return None
     language, vision = {}, {}
@@ -116,12 +174,13 @@ def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | Non
 
 def check_vision_recipe(recipe) -> None:
     """A vision model runs on the torch runtime, on one rank: an onnx-cpu or parallel build is refused by name."""
+    names = " and ".join(VISION_ARCHITECTURES)
     if recipe.target.device == "onnx-cpu":
-        raise RecipeError("target.device onnx-cpu: vision models (LlavaForConditionalGeneration) are not exported to "
-                          "ONNX; use target.device cpu or cuda")
+        raise RecipeError(f"target.device onnx-cpu: vision models ({names}) are not exported to ONNX; use "
+                          "target.device cpu or cuda")
     if recipe.parallel.tensor * recipe.parallel.pipeline > 1:
-        raise RecipeError("parallel: vision models (LlavaForConditionalGeneration) run on one rank; set parallel.tensor "
-                          "and parallel.pipeline to 1")
+        raise RecipeError(f"parallel: vision models ({names}) run on one rank; set parallel.tensor and "
+                          "parallel.pipeline to 1")
 
 
 def write_vision_weights(reader, path: Path, dtype: str) -> int:

@@ -5,7 +5,7 @@ artifact/
   manifest.json                 Manifest below, as JSON
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
-  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA; format 1.13)
+  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
@@ -51,9 +51,11 @@ from llmc.schema import opt, parse
 #      older manifests load without them (a causal LM).
 # 1.13: vision models (LLaVA): the `vision` section and vision/weights.safetensors, and the processor files in
 #      tokenizer/; older manifests load without them (a text model).
-FORMAT_VERSION = "1.13"
+# 1.14: Gemma 3's vision model: the vision section's mm_tokens_per_image, boi/eoi_token_index and
+#      bidirectional_image_attention, its LLaVA-only fields optional; older manifests load without them (LLaVA).
+FORMAT_VERSION = "1.14"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13")
+                         "1.13", "1.14")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -413,20 +415,28 @@ class Plan:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """A vision-language model's image side (LLaVA: compiler/vision.py builds it, runtime/multimodal.py runs it).
-    Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's under `vision_tower.` (transformers'
-    CLIPVisionModel names), the projector's under `multi_modal_projector.` (linear_1, linear_2)."""
+    """A vision-language model's image side (LLaVA, Gemma 3: compiler/vision.py builds it, runtime/multimodal.py
+    runs it). Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's under `vision_tower.`
+    (transformers' CLIPVisionModel / SiglipVisionModel names), the projector's under `multi_modal_projector.` (LLaVA:
+    linear_1, linear_2; Gemma 3: mm_soft_emb_norm, mm_input_projection_weight)."""
 
-    architecture: str = opt()  # the checkpoint's class, "LlavaForConditionalGeneration"
-    vision_config: dict = opt()  # transformers' CLIPVisionConfig, as a dict
+    architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"])
+    vision_config: dict = opt()  # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3), as a dict
     image_token_index: int = opt(min=0)  # the placeholder token an image's embeddings replace, one per image row
-    # the vision tower's hidden state the features are read from (0: the embeddings; negative: from the last layer)
-    vision_feature_layer: int = opt()
-    # "default": the CLS row dropped (one row per patch); "full": every row
-    vision_feature_select_strategy: str = opt(choices=VISION_FEATURE_STRATEGIES)
-    projector_hidden_act: str = opt()  # the projector's activation between its two linears, by transformers' name
     text_hidden_size: int = opt(min=1)  # the projector's output width: the language model's hidden_size
+    # LLaVA: the vision tower's hidden state the features are read from (0: the embeddings; negative: from the last
+    # layer); "default": the CLS row dropped (one row per patch), "full": every row; the projector's activation
+    vision_feature_layer: int | None = opt(None)
+    vision_feature_select_strategy: str | None = opt(None, choices=VISION_FEATURE_STRATEGIES)
+    projector_hidden_act: str | None = opt(None)
     projector_bias: bool = opt(True)  # its linears carry biases
+    # Gemma 3 (format 1.14): rows per image (the projector's average pool), the tokens around an image's rows
+    # (<start_of_image> is also the placeholder a prompt writes), and whether an image's tokens attend to each other
+    # both ways in the prefill (kernels/attention.py's key limits; the scheduler keeps such an image in one chunk)
+    mm_tokens_per_image: int | None = opt(None, min=1)
+    boi_token_index: int | None = opt(None, min=0)
+    eoi_token_index: int | None = opt(None, min=0)
+    bidirectional_image_attention: bool = opt(False)
 
 
 def kernel_source_label(record: dict) -> str:
@@ -515,6 +525,11 @@ def _check_consistency(m: Manifest) -> None:
         if m.vision.text_hidden_size != model.hidden_size or m.vision.image_token_index >= model.vocab_size:
             problems.append("vision.text_hidden_size / image_token_index do not match the model's hidden_size and "
                             "vocab_size")
+        gemma = m.vision.architecture == "Gemma3ForConditionalGeneration"
+        needed = (("mm_tokens_per_image", "boi_token_index", "eoi_token_index") if gemma else
+                  ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
+        if lacking := [key for key in needed if getattr(m.vision, key) is None]:
+            problems.append(f"vision.{lacking[0]} is missing (a {m.vision.architecture} needs it)")
     missing = [rel for rel in model_files if rel not in m.files]
     if missing:
         problems.append(f"files lacks {missing[0]}")

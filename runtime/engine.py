@@ -265,7 +265,13 @@ class Engine:
         if params.truncate_prompt_tokens is not None:
             raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                                "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
-        return self.vision.prompt_inputs(prompt_token_ids, images)
+        prompt_token_ids, inputs = self.vision.prompt_inputs(prompt_token_ids, images)
+        budget = self.options.max_num_batched_tokens
+        if any(hi - lo > budget for lo, hi in inputs.spans):  # an image is prefilled in one chunk (scheduler)
+            raise RequestError(f"an image of {max(hi - lo for lo, hi in inputs.spans)} tokens is more than "
+                               f"max_num_batched_tokens ({budget}): its tokens attend to each other and are prefilled "
+                               "in one step; raise max_num_batched_tokens", param="multi_modal_data")
+        return prompt_token_ids, inputs
 
     def _embeds_prompt(self, prompt, prompt_token_ids, prompt_embeds, multi_modal_data,
                        params: SamplingParams | PoolingParams) -> tuple[torch.Tensor, list[int], ImageInputs]:
@@ -295,7 +301,8 @@ class Engine:
         """RequestError naming `param` unless this is a vision model."""
         if self.vision is None:
             raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images; send text "
-                               "only, or serve a vision model (LlavaForConditionalGeneration)", param=param)
+                               "only, or serve a vision model (LlavaForConditionalGeneration, "
+                               "Gemma3ForConditionalGeneration)", param=param)
 
     def _check_lora(self, lora_request: LoRARequest | None, params: SamplingParams) -> int | None:
         """The adapter's id, its files read and checked (once per id); None without one."""

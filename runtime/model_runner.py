@@ -33,7 +33,7 @@ from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.lora import LoraManager, LoraSlots
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
-from llmc.runtime.multimodal import step_image_rows
+from llmc.runtime.multimodal import step_image_rows, step_key_limits
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
@@ -172,10 +172,18 @@ class ModelRunner:
         of its tokens, in batch order."""
         inputs = self.buffers.build(batch)
         if self.takes_images:
-            inputs.forward_batch.image_rows = step_image_rows(batch)
+            self._put_images(batch, inputs.forward_batch)
         if self.lora is not None:
             self._map_lora_tokens(batch)
         return self.forward_hidden(inputs.input_ids, inputs.forward_batch)
+
+    @staticmethod
+    def _put_images(batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
+        """A vision model's step: its image tokens' rows, and where its images attend both ways (Gemma 3), the
+        queries' key limits (runtime/multimodal.py); both None in a step without image tokens."""
+        forward_batch.image_rows = step_image_rows(batch)
+        if forward_batch.image_rows is not None:
+            forward_batch.key_limits = step_key_limits(batch, forward_batch.positions)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:
@@ -183,7 +191,7 @@ class ModelRunner:
         step's sampled tokens on the device, for decode rows whose last token is still pending."""
         inputs = self.buffers.build(batch, pending)
         if self.takes_images:
-            inputs.forward_batch.image_rows = step_image_rows(batch)
+            self._put_images(batch, inputs.forward_batch)
         if self.lora is not None:
             self._map_lora_tokens(batch)
         logits = self.forward_logits(inputs.input_ids, inputs.forward_batch, None)  # [num_rows, vocab_size]

@@ -1,11 +1,15 @@
-"""Images for vision-language models (LLaVA): preprocessing, the vision encoder, and the image embeddings that
-replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+"""Images for vision-language models (LLaVA, Gemma 3): preprocessing, the vision encoder, and the image embeddings
+that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
-processor of the artifact (tokenizer/'s processor files) makes the pixel values, transformers' CLIPVisionModel
-(built from the manifest's vision config, holding the artifact's vision/weights.safetensors) runs the tower, the
-configured layer's hidden states (CLS row dropped under strategy "default") go through the projector, and each
-image's one placeholder token in the prompt becomes one token per embedding row. The request keeps the embeddings
+processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
+the manifest's vision architecture make the rows, and each image's placeholder in the prompt becomes one token per
+embedding row. LLaVA: transformers' CLIPVisionModel, the configured layer's hidden states (CLS row dropped under
+strategy "default"), its two-layer projector; the placeholder is one <image> token. Gemma 3: transformers'
+SiglipVisionModel's last hidden state through transformers' Gemma3MultiModalProjector (mm_tokens_per_image rows);
+the placeholder is <start_of_image>, expanded as Gemma3Processor expands it ("\n\n", <start_of_image>, the image
+tokens, <end_of_image>, "\n\n"), or already expanded so; its images' tokens attend to each other both ways in
+the prefill (`ImageInputs.spans`, `step_key_limits`). The request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -17,7 +21,7 @@ import binascii
 import hashlib
 import io
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,11 +44,22 @@ class ImageInputs:
         embeds: [len(positions), hidden_size] on the model's device: the rows those positions take.
         hash: sha256 of the images' pixel values: the root of its prefix-cache blocks (block_pool), so a prompt's
             blocks never match those of the same text with other images, or without.
+        spans: each image's token positions [start, end) where its tokens attend to each other both ways (Gemma 3):
+            a prefill chunk never ends inside one (`chunk_end`); empty: causal images (LLaVA), chunked anywhere.
     """
 
     positions: list[int]
     embeds: Tensor
     hash: bytes
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """The end of a prefill chunk [start, end) that ends inside no span: cut back to that image's start, or to
+        `start` (nothing this step) where the chunk starts inside or at the image (the whole image must fit)."""
+        for lo, hi in self.spans:
+            if lo < end < hi:
+                return lo if lo > start else start
+        return end
 
 
 def images_of(multi_modal_data) -> list:
@@ -82,26 +97,46 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module]:
+    """The manifest's vision tower and projector, unloaded: LLaVA's CLIPVisionModel and Projector, Gemma 3's
+    SiglipVisionModel and transformers' Gemma3MultiModalProjector."""
+    if spec.architecture == "Gemma3ForConditionalGeneration":
+        from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        config = SiglipVisionConfig(**spec.vision_config)
+        gemma = Gemma3Config(vision_config=config.to_dict(), text_config={"hidden_size": spec.text_hidden_size},
+                             mm_tokens_per_image=spec.mm_tokens_per_image)
+        return SiglipVisionModel(config).eval(), Gemma3MultiModalProjector(gemma).eval()
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(**spec.vision_config)
+    return (CLIPVisionModel(config).eval(),
+            Projector(config.hidden_size, spec.text_hidden_size, spec.projector_hidden_act, spec.projector_bias))
+
+
 class VisionEncoder:
     """The image side of a vision artifact, on the engine's device in the compute dtype."""
 
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, device: torch.device, dtype: torch.dtype):
         from safetensors.torch import load_file
-        from transformers import CLIPVisionConfig, CLIPVisionModel
 
         spec = manifest.vision
         self.spec, self.device, self.dtype = spec, device, dtype
         self.image_token_id = spec.image_token_index
-        self.image_processor = _image_processor(artifact_dir / art.TOKENIZER_DIR)
+        self.is_gemma3 = spec.architecture == "Gemma3ForConditionalGeneration"
+        processor = _processor(artifact_dir / art.TOKENIZER_DIR)
+        self.image_processor = processor if not hasattr(processor, "image_processor") else processor.image_processor
+        if getattr(self.image_processor, "do_pan_and_scan", None):
+            raise ArtifactError(f"{art.TOKENIZER_DIR}: the image processor's do_pan_and_scan is true (pan-and-scan "
+                                "crops) and is not supported; set it to false in its processor files")
+        self._image_sequence = self._gemma3_image_sequence(processor) if self.is_gemma3 else None
         art.verify_for_load(artifact_dir, manifest, [art.VISION_WEIGHTS])
         tensors = load_file(str(artifact_dir / art.VISION_WEIGHTS))
-        config = CLIPVisionConfig(**spec.vision_config)
-        self.tower = CLIPVisionModel(config).eval()
+        self.tower, self.projector = _tower_and_projector(spec)
         nested = next(iter(self.tower.state_dict())).startswith("vision_model.")  # transformers < 5's naming
         tower = {("vision_model." if nested else "") + name.removeprefix("vision_tower."): t
                  for name, t in tensors.items() if name.startswith("vision_tower.")}
-        self.projector = Projector(config.hidden_size, spec.text_hidden_size, spec.projector_hidden_act,
-                                   spec.projector_bias)
         projector = {name.removeprefix("multi_modal_projector."): t
                      for name, t in tensors.items() if name.startswith("multi_modal_projector.")}
         try:
@@ -149,7 +184,10 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def _rows(self, pixels: Tensor) -> list[Tensor]:
-        """Each image's embedding rows: the tower's configured layer (CLS dropped for "default"), projected."""
+        """Each image's embedding rows: the tower's configured layer (CLS dropped for "default"), projected;
+        Gemma 3: the tower's last hidden state (after its post-layernorm), pooled and projected."""
+        if self.is_gemma3:
+            return list(self.projector(self.tower(pixels.to(self.device, self.dtype)).last_hidden_state))
         out = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True)
         features = out.hidden_states[self.spec.vision_feature_layer]
         if self.spec.vision_feature_select_strategy == "default":
@@ -159,6 +197,8 @@ class VisionEncoder:
     def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
         processor writes it) expanded to one image token per embedding row, and the request's ImageInputs."""
+        if self.is_gemma3:
+            return self._gemma3_prompt_inputs(token_ids, images)
         runs = self._placeholder_runs(token_ids)
         if len(runs) != len(images):
             raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (token id {self.image_token_id}) for "
@@ -177,8 +217,82 @@ class VisionEncoder:
         expanded += token_ids[at:]
         return expanded, ImageInputs(positions, torch.cat(embeds), digest)
 
+    def _gemma3_image_sequence(self, processor) -> list[int]:
+        """The tokens Gemma3Processor puts for one <start_of_image> (its full_image_sequence, tokenized)."""
+        n = self.spec.mm_tokens_per_image
+        if not hasattr(processor, "full_image_sequence") or getattr(processor, "image_seq_length", n) != n:
+            raise ArtifactError(f"{art.TOKENIZER_DIR}: no Gemma3Processor with image_seq_length {n} "
+                                "(mm_tokens_per_image); rebuild the artifact from a checkpoint with its processor files")
+        self.tokenizer = processor.tokenizer
+        ids = self.tokenizer.encode(processor.full_image_sequence, add_special_tokens=False)
+        boi, eoi = self.spec.boi_token_index, self.spec.eoi_token_index
+        if ids.count(boi) != 1 or ids.count(eoi) != 1 or ids.count(self.image_token_id) != n:
+            raise ArtifactError(f"{art.TOKENIZER_DIR}: the processor's image sequence does not tokenize to one "
+                                f"<start_of_image> ({boi}), {n} image tokens ({self.image_token_id}) and one "
+                                f"<end_of_image> ({eoi}); rebuild the artifact")
+        return ids
+
+    def _gemma3_prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Gemma 3: each <start_of_image> either bare (expanded as Gemma3Processor expands it, the newlines then
+        tokenized as the whole text's would be) or already followed by mm_tokens_per_image image tokens and
+        <end_of_image> (kept)."""
+        boi, eoi, n = self.spec.boi_token_index, self.spec.eoi_token_index, self.spec.mm_tokens_per_image
+        starts = [i for i, t in enumerate(token_ids) if t == boi]
+        if len(starts) != len(images):
+            raise RequestError(f"the prompt has {len(starts)} image placeholder(s) (<start_of_image>, token id {boi}) "
+                               f"for {len(images)} image(s); put one <start_of_image> in the prompt per image",
+                               param="multi_modal_data")
+        expanded, at, after_bare = [], 0, False
+        for start in starts:
+            run = 0
+            while start + 1 + run < len(token_ids) and token_ids[start + 1 + run] == self.image_token_id:
+                run += 1
+            text = token_ids[at:start]
+            expanded = self._merge_newlines(expanded, text) if after_bare else expanded + text
+            after_bare = run == 0
+            if run == 0:
+                expanded = self._merge_newlines(expanded, self._image_sequence)
+                at = start + 1
+            elif run == n and token_ids[start + 1 + n : start + 2 + n] == [eoi]:
+                expanded += token_ids[start : start + n + 2]
+                at = start + n + 2
+            else:
+                raise RequestError(f"an image placeholder of <start_of_image> and {run} image tokens: this model takes "
+                                   f"<start_of_image> alone, or followed by {n} image tokens (token id "
+                                   f"{self.image_token_id}) and <end_of_image>", param="multi_modal_data")
+        expanded = self._merge_newlines(expanded, token_ids[at:]) if after_bare else expanded + token_ids[at:]
+        positions = [i for i, t in enumerate(expanded) if t == self.image_token_id]
+        if len(positions) != n * len(images):
+            raise RequestError(f"the prompt holds image tokens (token id {self.image_token_id}) outside an image "
+                               "placeholder; write <start_of_image> per image", param="multi_modal_data")
+        embeds, digest = self.encode(images)
+        spans = [(positions[i], positions[i] + n) for i in range(0, len(positions), n)]
+        return expanded, ImageInputs(positions, torch.cat(embeds), digest, spans)
+
+    def _merge_newlines(self, head: list[int], tail: list[int]) -> list[int]:
+        """head + tail, the run of newline-only tokens where they meet tokenized again as one text: a tokenizer
+        with tokens for "\n\n\n" (Gemma's) writes the processor's "\n\n" beside the prompt's "\n" as one."""
+        def is_newlines(token: int) -> bool:
+            text = self.tokenizer.decode([token])
+            return bool(text) and not text.strip("\n")
+
+        lo = len(head)
+        while lo > 0 and is_newlines(head[lo - 1]):
+            lo -= 1
+        hi = 0
+        while hi < len(tail) and is_newlines(tail[hi]):
+            hi += 1
+        if lo == len(head) or hi == 0:
+            return head + tail
+        text = self.tokenizer.decode(head[lo:] + tail[:hi])
+        return head[:lo] + self.tokenizer.encode(text, add_special_tokens=False) + tail[hi:]
+
     def check_no_placeholders(self, token_ids: list[int]) -> None:
         """A prompt without images must not hold image tokens (their embedding rows would stand in for images)."""
+        if self.is_gemma3 and self.spec.boi_token_index in token_ids:
+            raise RequestError(f"the prompt holds <start_of_image> (token id {self.spec.boi_token_index}) but no "
+                               "images; give the images (multi_modal_data, or image_url content parts), or drop the "
+                               "placeholders", param="multi_modal_data")
         if self.image_token_id in token_ids:
             raise RequestError(f"the prompt holds image placeholders (token id {self.image_token_id}) but no images; "
                                "give the images (multi_modal_data, or image_url content parts), or drop the "
@@ -197,14 +311,14 @@ class VisionEncoder:
         return runs
 
 
-def _image_processor(tokenizer_dir: Path):
-    """transformers' image processor of the artifact: its processor's (AutoProcessor), else AutoImageProcessor's."""
+def _processor(tokenizer_dir: Path):
+    """transformers' processor of the artifact (AutoProcessor), else its image processor (AutoImageProcessor)."""
     from transformers import AutoImageProcessor, AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
         if hasattr(processor, "image_processor"):
-            return processor.image_processor
+            return processor
     except (OSError, ValueError, KeyError, TypeError):
         pass
     try:
@@ -232,6 +346,31 @@ def step_image_rows(batch) -> tuple[Tensor, Tensor] | None:
     if not rows:
         return None
     return torch.tensor(indices, dtype=torch.long, device=rows[0].device), torch.cat(rows)
+
+
+def step_key_limits(batch, positions: Tensor) -> Tensor | None:
+    """The last key position each of the step's query tokens may attend to (kernels/attention.py's key_limits),
+    [num_tokens] int32: an image token of a bidirectional image (ImageInputs.spans) sees its whole image, every
+    other token up to its own position. None when no token of the step is in such an image. The scheduler keeps
+    such an image in one chunk (ImageInputs.chunk_end), so its last position is in the step too."""
+    indices, limits, offset = [], [], 0
+    for scheduled in batch.requests:
+        request = scheduled.request
+        images = request.images
+        if images is not None and images.spans and request.num_computed_tokens < images.spans[-1][1]:
+            start = request.num_computed_tokens
+            end = start + scheduled.num_new_tokens - len(scheduled.draft_token_ids)
+            for lo, hi in images.spans:
+                for p in range(max(lo, start), min(hi, end)):
+                    indices.append(offset + p - start)
+                    limits.append(hi - 1)
+        offset += scheduled.num_new_tokens
+    if not indices:
+        return None
+    key_limits = positions.to(torch.int32, copy=True)
+    index = torch.tensor(indices, dtype=torch.long)
+    return key_limits.index_copy_(0, index.to(positions.device),
+                                  torch.tensor(limits, dtype=torch.int32).to(positions.device))
 
 
 # ---- chat content parts ---------------------------------------------------------------------------

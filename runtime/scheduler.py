@@ -226,7 +226,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             # >= 1: update() always leaves a running request at least one token to compute
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new_tokens = self._whole_images(request, request.num_computed_tokens,
+                                                min(request.num_tokens - request.num_computed_tokens, budget))
+            if num_new_tokens == 0:  # its next image does not fit the budget left: next step
+                index += 1
+                continue
             is_last_chunk = request.num_computed_tokens + num_new_tokens == request.num_tokens
             drafts = request.spec_token_ids[: budget - num_new_tokens] if is_last_chunk else []
             if not self._reserve_blocks(request, num_new_tokens + len(drafts), preempted):
@@ -271,7 +275,9 @@ class Scheduler:
             if num_new_tokens > budget:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new_tokens = budget
+                num_new_tokens = self._whole_images(request, num_cached_tokens, budget)
+                if num_new_tokens == 0:  # its next image does not fit the budget left
+                    break
             num_needed = self._num_blocks_to_cover(num_cached_tokens + num_new_tokens)
             num_needed -= len(cached_blocks)
             if not self.block_pool.can_allocate(num_needed, cached_blocks):
@@ -285,6 +291,16 @@ class Scheduler:
             budget -= num_new_tokens
         for request in reversed(skipped):  # back in their places
             self.waiting.push_front(request)
+
+    @staticmethod
+    def _whole_images(request: Request, start: int, num_new_tokens: int) -> int:
+        """num_new_tokens cut so that the chunk from `start` ends inside no image that must stay whole (Gemma 3's,
+        attended both ways: runtime/multimodal.ImageInputs.chunk_end); 0 when the chunk would hold no token before
+        such an image. A chunk may start inside one (a prefix-cache hit there: its KV was computed whole)."""
+        images = request.images
+        if images is None or not images.spans:
+            return num_new_tokens
+        return images.chunk_end(start, start + num_new_tokens) - start
 
     def _num_seats_taken(self) -> int:
         """Sequences holding a seat (and a persistent-batch row): the running ones here."""

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         out = rotate_write_and_attend(
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
-            self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index, self.softcap,
+            self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index, self.softcap, batch.key_limits,
         )  # [num_tokens, num_heads, head_dim]
         return self.output(out)
 
