@@ -278,3 +278,28 @@ def test_a_format_1_13_vision_section_still_loads(artifact):
                       "projector_hidden_act": "gelu", "text_hidden_size": 64, "projector_bias": True}
     vision = art.Manifest.from_dict(data).vision
     assert (vision.mm_tokens_per_image, vision.bidirectional_image_attention) == (None, False)
+
+
+def test_the_scheduler_never_ends_a_chunk_inside_an_image():
+    """Budget 10. Waiting: b (a 10-token image at 5..15) is admitted beside a's 4-token prompt with its 5 tokens
+    before the image, not 6 (cut back to the image's start). Running: while a decodes, the 9 tokens left are short of
+    b's image and b waits (no chunk of it); once a has finished, b's image goes in one chunk. A request whose image
+    is as large as the budget never starves; no chunk ends inside an image."""
+    from llmc.runtime.multimodal import ImageInputs
+    from llmc.runtime.request import Request
+    from llmc.runtime.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=64, block_size=4,
+                                          num_blocks=32))
+    a = Request("a", list(range(100, 104)), 3, arrival_time=0.0)
+    b = Request("b", list(range(200, 220)), 2, arrival_time=1.0)
+    b.images = ImageInputs(list(range(5, 15)), torch.zeros(10, 4), b"b", [(5, 15)])
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    steps = []
+    while scheduler.has_unfinished_requests() and len(steps) < 20:
+        batch = scheduler.schedule()
+        steps.append({s.request.request_id: (s.request.num_computed_tokens, s.num_new_tokens) for s in batch.requests})
+        scheduler.update(batch, {s.request.request_id: [7] for s in batch.requests if s.is_last_chunk})
+    assert steps[:5] == [{"a": (0, 4), "b": (0, 5)}, {"a": (4, 1)}, {"a": (5, 1)}, {"b": (5, 10)}, {"b": (15, 5)}]
+    assert not scheduler.has_unfinished_requests()

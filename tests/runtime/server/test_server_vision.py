@@ -54,3 +54,31 @@ def _token_strings(checkpoint, token_ids: list[int]) -> list[str]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     return [tokenizer.decode([t]) for t in token_ids]
+
+
+@pytest.mark.slow
+def test_gemma3_chat_image_parts(tmp_path, run_app):
+    """Gemma 3's vision model (tests/runtime/test_gemma3_vision.py's checkpoint): a data-URL image part gives
+    transformers' greedy reply to the rendered prompt with that image, the image's 16 tokens (and the processor's
+    <start_of_image>, <end_of_image> and newlines around them) counted in prompt_tokens."""
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from tests.runtime.test_gemma3_vision import PROMPT as GEMMA_PROMPT
+    from tests.runtime.test_gemma3_vision import hf_generate as gemma_generate
+    from tests.runtime.test_gemma3_vision import make_gemma3_checkpoint
+
+    checkpoint = make_gemma3_checkpoint(tmp_path / "hf", seed=2)
+    artifact = build_float32(checkpoint, tmp_path / "a", target={"device": "cpu"})
+    picture = image(8)
+    model = Gemma3ForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+    prompt_ids, expected, _ = gemma_generate((model, AutoProcessor.from_pretrained(str(checkpoint))), GEMMA_PROMPT,
+                                             [picture], 6)
+    base_url = run_app(build_app(lambda: Engine(artifact, device="cpu", max_num_batched_tokens=24,
+                                                disable_log_stats=True), "m", log_stats=False), wait_healthy=True)
+    reply = _chat(base_url, [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                             {"type": "text", "text": "Describe it."}])
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == \
+        _token_strings(checkpoint, expected)
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
