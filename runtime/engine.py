@@ -180,8 +180,8 @@ class Engine:
                     cache_salt: str | None = None) -> str:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
-        `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (<image>) in the
-        prompt per image, for a vision model (runtime/multimodal.py).
+        `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (LLaVA's <image>,
+        Gemma 3's <start_of_image>) in the prompt per image, for a vision model (runtime/multimodal.py).
         `prompt_embeds` (vLLM's EmbedsPrompt): the prompt as embeddings [num_tokens, hidden_size], in place of
         text or ids, on an engine started with enable_prompt_embeds (runtime/prompt_embeds.py).
         `cache_salt` (vLLM's): a string salting the request's prefix-cache hashes, so that its cached blocks serve only

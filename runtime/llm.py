@@ -112,9 +112,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data": {"image": a PIL
-        image or a list of them} for a vision model (one <image> placeholder in the prompt per image), or vLLM's
-        {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started with enable_prompt_embeds=True
-        (its outputs' prompt_token_ids are None); any of these dicts may carry vLLM's "cache_salt" (a string: the
+        image or a list of them} for a vision model (one placeholder in the prompt per image: LLaVA's <image>, Gemma
+        3's <start_of_image>), or vLLM's {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started
+        with enable_prompt_embeds=True (its outputs' prompt_token_ids are None); any of these dicts may carry vLLM's "cache_salt" (a string: the
         prompt's prefix-cache blocks are shared only with prompts of the same salt). If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError
         is raised with every output (`.outputs`, the failed ones with `error` set).
