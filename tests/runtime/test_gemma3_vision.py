@@ -49,8 +49,8 @@ def _randomise_(model, seed: int) -> None:
 
 
 def make_gemma3_checkpoint(path, seed: int = 0, **config_changes):
-    """A tiny random float32 Gemma3ForConditionalGeneration with the reference tokenizer plus Gemma 3's image tokens,
-    a Gemma3ImageProcessor and a chat template (Gemma3Processor's files)."""
+    """A tiny random float32 Gemma3ForConditionalGeneration with the reference tokenizer plus Gemma 3's image tokens
+    and newline-run tokens, a Gemma3ImageProcessor and a chat template (Gemma3Processor's files)."""
     from transformers import (AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
                               Gemma3Processor, Gemma3TextConfig, SiglipVisionConfig)
 
@@ -58,6 +58,7 @@ def make_gemma3_checkpoint(path, seed: int = 0, **config_changes):
     for name in TOKENIZER_FILES:
         shutil.copyfile(REF_MODEL_DIR / name, path / name)
     tokenizer = AutoTokenizer.from_pretrained(str(path), extra_special_tokens=SPECIAL)
+    tokenizer.add_tokens(["\n\n", "\n\n\n", "\n\n\n\n"])  # as Gemma's has: the processor's "\n\n" merges with a "\n"
     text = Gemma3TextConfig(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                             max_position_embeddings=256, sliding_window=12, bos_token_id=0, eos_token_id=1,
@@ -303,3 +304,31 @@ def test_the_scheduler_never_ends_a_chunk_inside_an_image():
         scheduler.update(batch, {s.request.request_id: [7] for s in batch.requests if s.is_last_chunk})
     assert steps[:5] == [{"a": (0, 4), "b": (0, 5)}, {"a": (4, 1)}, {"a": (5, 1)}, {"b": (5, 10)}, {"b": (15, 5)}]
     assert not scheduler.has_unfinished_requests()
+
+
+@pytest.mark.slow  # two builds
+def test_a_quantized_build_and_the_in_memory_weight_layout(gemma, artifact, tmp_path, hf):
+    """transformers' in-memory names (model.language_model.*, model.vision_tower.vision_model.*,
+    model.multi_modal_projector.*) build the same artifact as save_pretrained's; an RTN build quantizes the
+    language model's linears only (the vision side exact) and still runs with images."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "hf"
+    shutil.copytree(gemma, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    new = {("model.language_model." + name.removeprefix("language_model.model.")
+            if name.startswith("language_model.model.") else "model." + name): t for name, t in tensors.items()}
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
+    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
+        a, b = load_file(artifact / rel), load_file(other / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    quantized = build_float32(gemma, tmp_path / "q", target={"device": "cpu"},
+                              quantization={"method": "rtn", "group_size": 32})
+    assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    vision = load_file(quantized / art.VISION_WEIGHTS)
+    assert torch.equal(vision["multi_modal_projector.mm_input_projection_weight"],
+                       hf[0].model.multi_modal_projector.mm_input_projection_weight.detach())
+    [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
+                                                     GREEDY)
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
