@@ -63,7 +63,11 @@ def gemma3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
         if processor.get("do_pan_and_scan") or (processor.get("image_processor") or {}).get("do_pan_and_scan"):
             raise CheckpointError(f"{path}: do_pan_and_scan true (pan-and-scan crops, several images per image) is not "
                                   "supported; set it to false (one image resized to the tower's size)")
-    vision_type = (config.get("vision_config") or {}).get("model_type", "siglip_vision_model")
+    if not isinstance(config.get("text_config"), dict) or not isinstance(config.get("vision_config"), dict):
+        raise CheckpointError(f"{model_dir}: a Gemma3ForConditionalGeneration config.json needs text_config and "
+                              "vision_config; a text-only Gemma 3 checkpoint is Gemma3ForCausalLM (model_type "
+                              "gemma3_text)")
+    vision_type = config["vision_config"].get("model_type", "siglip_vision_model")
     if vision_type != "siglip_vision_model":
         raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for Gemma 3; supported: "
                               "siglip_vision_model")

@@ -132,14 +132,13 @@ def test_a_final_soft_cap_in_a_gemma3_config_runs_as_transformers_runs_it(tiny_g
 
 @pytest.mark.parametrize("changes,message", [
     ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM: Gemma 1 is not supported"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}, "the multimodal Gemma 3"),
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0: transformers' Gemma 3 attention does not apply it"),
     ({"final_logit_softcapping": "30"}, "final_logit_softcapping '30': a soft cap must be a positive number"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention: true"),
     ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported for Gemma 3"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Gemma 3"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "Gemma 3 keeps one per layer type"),
-], ids=["gemma1", "multimodal", "attn-softcap", "final-softcap-text", "bidirectional", "gelu-exact",
+], ids=["gemma1", "attn-softcap", "final-softcap-text", "bidirectional", "gelu-exact",
         "attention-bias", "flat-rope"])
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_gemma3, tmp_path, changes, message):
     checkpoint = _write_config(tiny_gemma3, tmp_path / "ckpt", **changes)

@@ -261,7 +261,8 @@ def test_what_is_not_supported_is_refused_by_name(gemma, tmp_path):
     config = json.loads((gemma / "config.json").read_text())
     for change, message in (({"mm_tokens_per_image": 15}, "mm_tokens_per_image 15 is not a square"),
                             ({"vision_config": {**config["vision_config"], "model_type": "clip_vision_model"}},
-                             "vision tower 'clip_vision_model' is not supported for Gemma 3")):
+                             "vision tower 'clip_vision_model' is not supported for Gemma 3"),
+                            ({"text_config": None}, "needs text_config and vision_config; a text-only Gemma 3")):
         changed = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
         shutil.copytree(gemma, changed)
         (changed / "config.json").write_text(json.dumps({**config, **change}))
