@@ -53,6 +53,7 @@ from llmc.schema import opt, parse
 #      tokenizer/; older manifests load without them (a text model).
 # 1.14: Gemma 3's vision model: the vision section's mm_tokens_per_image, boi/eoi_token_index and
 #      bidirectional_image_attention, its LLaVA-only fields optional; older manifests load without them (LLaVA).
+#      The runtime section's enable_prompt_embeds and stream_interval (vLLM's), default false and 1 when absent.
 FORMAT_VERSION = "1.14"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14")
