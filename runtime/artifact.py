@@ -341,6 +341,9 @@ class RuntimeDefaults:
     # far beyond any GPU's batch would fail in an allocation (a traceback) rather than here, by name.
     max_num_seqs: int = opt(64, min=1, max=65536, help="most sequences running at once")
     max_num_batched_tokens: int = opt(2048, min=1, max=2**24, help="token budget of one engine step")
+    long_prefill_token_threshold: int = opt(0, min=0, max=2**24,
+                                            help="vLLM's: > 0: at most this many of one request's prompt tokens per "
+                                                 "step, leaving room for other requests' chunks; 0: no cap")
     block_size: int = opt(16, choices=[8, 16, 32, 64, 128], help="tokens per KV-cache block")
     gpu_memory_utilization: float = opt(0.9, min_exclusive=0.0, max=1.0, help="fraction of GPU memory to use")
     num_kv_blocks: int | None = opt(None, min=1, alias="num_gpu_blocks_override",

@@ -107,6 +107,7 @@ class Engine:
             enable_prefix_caching=self.options.enable_prefix_caching,
             policy=self.options.scheduling_policy,
             max_loras=self.options.max_loras,
+            long_prefill_token_threshold=self.options.long_prefill_token_threshold,
         ))
         self.sampler = BatchSampler(self.options.max_num_seqs, self.manifest.model.vocab_size, self.device,
                                     self.eos_token_ids, seed=self.options.seed)
@@ -266,11 +267,13 @@ class Engine:
             raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                                "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
         prompt_token_ids, inputs = self.vision.prompt_inputs(prompt_token_ids, images)
-        budget = self.options.max_num_batched_tokens
+        budget, name = self.options.max_num_batched_tokens, "max_num_batched_tokens"
+        if 0 < self.options.long_prefill_token_threshold < budget:
+            budget, name = self.options.long_prefill_token_threshold, "long_prefill_token_threshold"
         if any(hi - lo > budget for lo, hi in inputs.spans):  # an image is prefilled in one chunk (scheduler)
             raise RequestError(f"an image of {max(hi - lo for lo, hi in inputs.spans)} tokens is more than "
-                               f"max_num_batched_tokens ({budget}): its tokens attend to each other and are prefilled "
-                               "in one step; raise max_num_batched_tokens", param="multi_modal_data")
+                               f"{name} ({budget}): its tokens attend to each other and are prefilled "
+                               f"in one step; raise {name}", param="multi_modal_data")
         return prompt_token_ids, inputs
 
     def _embeds_prompt(self, prompt, prompt_token_ids, prompt_embeds, multi_modal_data,

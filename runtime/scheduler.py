@@ -45,6 +45,8 @@ class SchedulerConfig:
         max_loras: most run-time LoRA adapters among the running requests (runtime/lora.py: each needs
             a slot); a waiting request whose adapter would be one more waits, and the ones behind it are
             admitted past it (vLLM v1's rule).
+        long_prefill_token_threshold: > 0: at most this many of one request's prompt tokens per step (vLLM's), so
+            that a long prompt leaves room in each step for other requests' chunks; 0: the budget alone.
     """
 
     max_num_seqs: int
@@ -56,6 +58,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     max_loras: int = 1
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -227,7 +230,8 @@ class Scheduler:
             request = self.running[index]
             # >= 1: update() always leaves a running request at least one token to compute
             num_new_tokens = self._whole_images(request, request.num_computed_tokens,
-                                                min(request.num_tokens - request.num_computed_tokens, budget))
+                                                min(request.num_tokens - request.num_computed_tokens,
+                                                    self._chunk_limit(budget)))
             if num_new_tokens == 0:  # its next image does not fit the budget left: next step
                 index += 1
                 continue
@@ -272,10 +276,11 @@ class Scheduler:
             cached_blocks = self._find_cached_prefix(request)
             num_cached_tokens = len(cached_blocks) * self.block_size
             num_new_tokens = request.num_tokens - num_cached_tokens
-            if num_new_tokens > budget:
+            limit = self._chunk_limit(budget)
+            if num_new_tokens > limit:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new_tokens = self._whole_images(request, num_cached_tokens, budget)
+                num_new_tokens = self._whole_images(request, num_cached_tokens, limit)
                 if num_new_tokens == 0:  # its next image does not fit the budget left
                     break
             num_needed = self._num_blocks_to_cover(num_cached_tokens + num_new_tokens)
@@ -291,6 +296,12 @@ class Scheduler:
             budget -= num_new_tokens
         for request in reversed(skipped):  # back in their places
             self.waiting.push_front(request)
+
+    def _chunk_limit(self, budget: int) -> int:
+        """The most tokens one request may compute this step: the budget left, capped by
+        long_prefill_token_threshold where set."""
+        threshold = self.config.long_prefill_token_threshold
+        return min(budget, threshold) if threshold > 0 else budget
 
     @staticmethod
     def _whole_images(request: Request, start: int, num_new_tokens: int) -> int:

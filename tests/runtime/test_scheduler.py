@@ -398,3 +398,21 @@ def test_a_request_waiting_for_a_lora_slot_lets_the_ones_behind_it_in(policy):
         still = {r.request_id for r in scheduler.waiting}
         admitted += [request_id for request_id in waiting if request_id not in still]
     assert admitted == ["b", "e"]
+
+
+@pytest.mark.parametrize("threshold,expected", [
+    (0, [[("long", 48, False)], [("long", 12, True), ("short", 10, True)]]),
+    # vLLM's long_prefill_token_threshold 16: the long prompt takes 16 tokens a step, the short one goes at once
+    (16, [[("long", 16, False)], [("long", 16, False), ("short", 10, True)], [("long", 16, False), ("short", 1, True)],
+          [("long", 12, True), ("short", 1, True)]]),
+])
+def test_long_prefill_token_threshold_caps_each_chunk(threshold, expected):
+    scheduler = make_scheduler(max_num_batched_tokens=48, max_model_len=128, num_blocks=64,
+                               long_prefill_token_threshold=threshold)
+    scheduler.add_request(make_request("long", 60, max_tokens=3))
+    got = [shape(step(scheduler)[0])]
+    scheduler.add_request(make_request("short", 10, max_tokens=3))
+    got += [sorted(shape(step(scheduler)[0])) for _ in range(len(expected) - 1)]
+    assert got == expected
+    run_to_completion(scheduler)
+    assert_all_free(scheduler)
