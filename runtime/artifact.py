@@ -280,6 +280,16 @@ class KVSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_num_bytes(self.dtype)
 
 
+@dataclass(frozen=True)
+class MultiModalLimits:
+    """vLLM's limit_mm_per_prompt: the most items of each modality one prompt may carry (None: no limit). llmc's
+    vision models take images only, so video and audio may only be limited to 0."""
+
+    image: int | None = opt(None, min=0, help="most images in one prompt (0: text only)")
+    video: int = opt(0, min=0, max=0, help="no video model is supported: 0 only")
+    audio: int = opt(0, min=0, max=0, help="no audio model is supported: 0 only")
+
+
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")
 
 
@@ -386,6 +396,9 @@ class RuntimeDefaults:
     stream_interval: int = opt(1, min=1, max=2**31 - 1,
                                help="vLLM's: a streamed request's output every this many new tokens (the first token "
                                     "and the finish at once); larger values spend less host time per token")
+    limit_mm_per_prompt: MultiModalLimits | None = opt(
+        None, help="vLLM's: the most images one prompt of a vision model may carry, e.g. {image: 2} (0: text only); "
+                   "more is refused by name; default: no limit")
     enable_prompt_embeds: bool = opt(False, help="requests may give the prompt as embeddings [num_tokens, hidden_size] "
                                                  "(vLLM's prompt_embeds) in place of text or token ids")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")

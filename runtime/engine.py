@@ -91,6 +91,9 @@ class Engine:
         draft = self._draft_artifact()
         if self.options.enable_prompt_embeds:
             self._check_prompt_embeds_engine(draft is not None)
+        if self.options.limit_mm_per_prompt is not None and self.manifest.vision is None:
+            raise ConfigError(f"limit_mm_per_prompt: this model ({self.manifest.model.architecture}) takes no images; "
+                              "drop limit_mm_per_prompt")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
@@ -255,6 +258,10 @@ class Engine:
         """The prompt with its images' placeholders expanded and the images encoded (runtime/multimodal.py); as it
         is, and None, without images."""
         images = [] if multi_modal_data is None else images_of(multi_modal_data)
+        limits = self.options.limit_mm_per_prompt
+        if limits is not None and limits.image is not None and len(images) > limits.image:
+            raise RequestError(f"At most {limits.image} image(s) may be provided in one prompt.",  # vLLM's words
+                               param="multi_modal_data")
         if not images:
             if self.vision is not None:
                 self.vision.check_no_placeholders(prompt_token_ids)

@@ -11,7 +11,7 @@ import torch
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import CheckpointError, RecipeError, RequestError
+from llmc.errors import CheckpointError, ConfigError, RecipeError, RequestError
 from llmc.runtime import artifact as art
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
@@ -202,6 +202,22 @@ def test_requests_with_images_are_checked(artifact, ref_artifact_128):
         text_only.generate({"prompt": "Hello", "multi_modal_data": {"image": image(1)}}, GREEDY)
     with pytest.raises(RequestError, match="messages: this model .* takes no images"):
         text_only.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(1)}]}])
+
+
+def test_limit_mm_per_prompt(artifact, ref_artifact_128):
+    """vLLM's limit_mm_per_prompt: a prompt over the limit refused in vLLM's words (before any image is encoded),
+    one within it served; 0 leaves text only; other modalities and text models refuse it by name."""
+    two = {"prompt": PROMPT.replace("<image>", "<image> and <image>"), "multi_modal_data": {"image": [image(1), image(2)]}}
+    with LLM(artifact, device="cpu", limit_mm_per_prompt={"image": 1}) as llm:
+        with pytest.raises(RequestError, match=r"^At most 1 image\(s\) may be provided in one prompt\.$"):
+            llm.generate(two, GREEDY)
+        assert llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0].outputs[0].token_ids
+    with LLM(artifact, device="cpu", limit_mm_per_prompt={"image": 0}) as llm, pytest.raises(RequestError, match="At most 0"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}}, GREEDY)
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.video"):
+        LLM(artifact, device="cpu", limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt: this model .* takes no images"):
+        LLM(ref_artifact_128, device="cpu", limit_mm_per_prompt={"image": 1})
 
 
 def test_both_weight_layouts_build_the_same_artifact(llava, artifact, tmp_path):
