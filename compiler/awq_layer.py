@@ -112,8 +112,11 @@ def _has_enough_tokens(quantizer, layer: LayerWeights, inputs: dict, name: str) 
 
 
 def _fold_members(layer: LayerWeights, name: str) -> list[str]:
+    """The linears one scale folds into: an MoE's gate_up, every expert's and the shared expert's (they read the
+    same norm's output)."""
     if name == "moe.experts.gate_up":
-        return [n for n in layer.linears if expert_of(n) is not None and n.endswith(".gate_up")]
+        shared = ["moe.shared.gate_up"] if "moe.shared.gate_up" in layer.linears else []
+        return [n for n in layer.linears if expert_of(n) is not None and n.endswith(".gate_up")] + shared
     return [name]
 
 
@@ -149,11 +152,14 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
-    experts; each expert's down gets its own, from its routed tokens, folded into its up rows."""
+    experts; each expert's down gets its own, from its routed tokens, folded into its up rows. A shared expert's
+    gate_up takes the experts' scale (it reads the same norm), its down its own, folded into its up rows."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     if layer is not None and config.is_moe_layer(layer.index):
         downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")]
         mlp = [("moe.experts.gate_up", "post_attn_norm"), *((n, n.replace(".down", ".gate_up")) for n in downs)]
+        if "moe.shared.down" in layer.linears:  # the shared expert's down, its scale folded into its own up rows
+            mlp.append(("moe.shared.down", "moe.shared.gate_up"))
     else:
         mlp = [("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
     folds = [("attn.qkv", "input_norm"), *mlp]

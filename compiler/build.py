@@ -131,9 +131,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
-    if biased and spec.family != "granite":  # Granite's biases: refused by name in model_config_from_hf
+    if biased and spec.family not in hf.GRANITE_FAMILIES:  # Granite's biases: refused by name in model_config_from_hf
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
-    if spec.family == "granite" and recipe.quantization.method == "import":
+    if spec.family in hf.GRANITE_FAMILIES and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "
                               "its residual_multiplier and logits_scaling into the o_proj/down_proj and final norm "
                               "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
@@ -146,8 +146,11 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
-    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=_derived_tensors(hf_config, spec, model, model_dir),
-                    vision=vision)
+    if (model.shared_expert_intermediate_size or spec.moe and spec.moe.fused) and recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
+                              "shared expert or fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
+    derived = _derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
+    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision)
 
 
 def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:

@@ -16,7 +16,7 @@ from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.quant.formats import QuantizedWeight, make_format
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderModel
-from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, in_layer
 from llmc.runtime.parallel.layout import RankLayout
 
 
@@ -38,7 +38,7 @@ class LayerWeights:
     linears: dict[str, UnpackedLinear]
     biases: dict[str, Tensor]  # "attn.qkv" → [out_features], only where the model has biases
     # never-quantized weights kept as they are: "input_norm" → [hidden_size]; an MoE layer's router
-    # "moe.gate" → [num_experts, hidden_size]
+    # "moe.gate" → [num_experts, hidden_size] and Qwen2-MoE's shared expert gate "moe.shared_gate" → [1, hidden_size]
     norms: dict[str, Tensor]
 
 
@@ -69,7 +69,7 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     linears, biases = {}, {}
     is_moe = config.is_moe_layer(index)
     for linear in spec.layer_linears:
-        if is_moe and linear.name.startswith("mlp."):
+        if not in_layer(linear, config, index):
             continue
         members = [prefix + member for member in linear.hf_members]
         if linear.name not in skip_linears:
@@ -81,6 +81,8 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     if is_moe:
         linears |= read_experts(reader, spec, config, index, skip_linears)
         norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()
+        if config.shared_expert_gate:  # Qwen2-MoE's shared expert gate [1, hidden]
+            norms["moe.shared_gate"] = reader.get(f"{prefix}{spec.moe.shared_gate}.weight").float()
     return LayerWeights(index, linears, biases, norms)
 
 

@@ -41,13 +41,9 @@ _REFUSED_ARCHITECTURES = {
                                               "LlavaForConditionalGeneration is",
     "Mistral3ForConditionalGeneration": "Mistral 3's vision model (Pixtral tower, patch merger) is not supported; "
                                         "LLaVA-1.5-style LlavaForConditionalGeneration is",
-    "GraniteMoeForCausalLM": "Granite MoE (granite-3.x-*-a*b) is not supported; the dense GraniteForCausalLM is",
-    "GraniteMoeSharedForCausalLM": "Granite MoE with shared experts is not supported; the dense GraniteForCausalLM is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
-    "Olmo3ForCausalLM": "OLMo 3 (sliding-window layers) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
-    "OlmoeForCausalLM": "OLMoE (mixture of experts) is not supported; the dense OLMo 2 (Olmo2ForCausalLM) is",
 }
 
 
@@ -81,6 +77,10 @@ def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
             raise CheckpointError(f"layer_types {unknown or layer_types}: supported are full_attention and "
                                   f"sliding_attention, one per layer ({num_layers})")
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif config.get("model_type") == "qwen2_moe":  # Qwen2MoeConfig's own rule (every other layer below
+        # max_window_layers): published configs keep use_sliding_window false
+        raise CheckpointError("use_sliding_window: true without layer_types is not supported for Qwen2-MoE; give "
+                              "layer_types (one per layer) or set use_sliding_window false")
     elif config.get("max_window_layers") is not None and config.get("model_type") in ("qwen2", "qwen3"):
         # (Qwen3-MoE's config carries the key too, but its attention windows every layer)
         layers = list(range(config["max_window_layers"], num_layers))
@@ -111,11 +111,23 @@ _HF_CONFIG_DEFAULTS = {
     "granite": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
                 "embedding_multiplier": 1.0, "attention_multiplier": 1.0, "residual_multiplier": 1.0,
                 "logits_scaling": 1.0},
+    "olmo3": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "bos_token_id": None, "eos_token_id": 50279,
+              "sliding_window": 4096, "rope_theta": 500000.0},
+    "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": None, "eos_token_id": 50279,
+              "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    "qwen2_moe": {"max_position_embeddings": 32768, "use_sliding_window": False, "rms_norm_eps": 1e-6,
+                  "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
+                  "shared_expert_intermediate_size": 5632, "moe_intermediate_size": 1408},
 }
+for _type in ("granitemoe", "granitemoeshared"):
+    _HF_CONFIG_DEFAULTS[_type] = {**_HF_CONFIG_DEFAULTS["granite"], "num_local_experts": 8, "num_experts_per_tok": 2}
+_HF_CONFIG_DEFAULTS["granitemoeshared"]["shared_intermediate_size"] = 0
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-                  "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2"}
+                  "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
+                  "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
+                  "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -139,11 +151,16 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                                   "(hidden_act silu)")
     if spec.family == "phi3":
         config = _phi3_rope(config)
-    if spec.family == "granite":
+    if spec.family in GRANITE_FAMILIES:
         _check_granite(config)
-    if spec.family == "olmo2" and config.get("attention_bias"):
-        raise CheckpointError("attention_bias: true is not supported for OLMo 2 (its q/k/v/o biases: the runtime's "
-                              "o has none)")
+    if spec.family in ("olmo2", "olmo3", "olmoe") and config.get("attention_bias"):
+        raise CheckpointError(f"attention_bias: true is not supported for {config['architectures'][0]} (its q/k/v/o "
+                              "biases: the runtime's o has none)")
+    if spec.family == "olmoe" and config.get("clip_qkv") is not None:
+        raise CheckpointError(f"clip_qkv {config['clip_qkv']}: OLMoE's clamping of q/k/v is not supported; "
+                              "published OLMoE checkpoints set it to null")
+    if spec.family == "olmo3":
+        config = _olmo3_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -166,7 +183,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         max_position_embeddings=config.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         # Qwen2's q/k/v always have biases; Phi-3's linears never do (its modules ignore the key)
-        attention_bias=spec.family == "qwen2" or (spec.family != "phi3" and bool(config.get("attention_bias", False))),
+        attention_bias=spec.family == "qwen2" or (spec.family == "qwen2_moe" and bool(config["qkv_bias"])) or (
+            spec.family != "phi3" and bool(config.get("attention_bias", False))),
         qk_norm=bool(spec.qk_norms),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
@@ -175,10 +193,12 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         sliding_window_layers=sliding_window_layers,
         **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
-        **(_gemma3_rope_fields(config) if spec.family == "gemma3" else {}),
-        **(_granite_fields(config) if spec.family == "granite" else {}),
-        # OLMo 2: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
-        **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True} if spec.family == "olmo2" else {}),
+        **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
+        **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
+        # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
+        **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
+           if spec.family in ("olmo2", "olmo3") else {}),
+        **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
         # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
         **(_classifier_fields(config) if _is_classifier(config) else {}),
@@ -278,6 +298,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+GRANITE_FAMILIES = ("granite", "granitemoe", "granitemoeshared")  # the families with Granite's multipliers
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -365,6 +386,31 @@ def _gemma3_config(config: dict) -> dict:
     return config
 
 
+def _olmo3_config(config: dict) -> dict:
+    """An OLMo 3 config in the form the shared reading takes: `layer_types` as Olmo3Config fills it in when absent
+    (layer i slides unless (i + 1) % 4 == 0), and its rotary tables as transformers' Olmo3 builds them, one per
+    layer type: `rope_parameters` (the full layers': a legacy rope_scaling applies to them only) and the sliding
+    layers' (`_rope_parameters_local`: the plain rope at the same theta unless the config gives them their own)."""
+    config = dict(config)
+    if config.get("layer_types") is None:
+        config["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    params = config.get("rope_parameters")
+    theta = config.get("rope_theta", 500000.0)
+    if params is not None and set(params) <= {"full_attention", "sliding_attention"}:
+        full = {"rope_theta": theta, **(params.get("full_attention") or {})}
+        local = {"rope_type": "default", "rope_theta": theta, **(params.get("sliding_attention") or {})}
+    elif params is not None:
+        raise CheckpointError(f"rope_parameters {sorted(params)}: OLMo 3 keeps one per layer type "
+                              "(full_attention, sliding_attention)")
+    else:
+        full = {**(config.get("rope_scaling") or {}), "rope_theta": theta}
+        local = {"rope_type": "default", "rope_theta": theta}
+    config["rope_parameters"] = full
+    config["_rope_parameters_local"] = local
+    return config
+
+
 def _gemma_fields(config: dict, dtype: str) -> dict:
     """Gemma 2's and 3's ModelConfig fields (_gemma2_config / _gemma3_config made `config`). The embedding's
     sqrt(hidden_size) is rounded as transformers does it (Gemma2/Gemma3TextScaledWordEmbedding): a float32
@@ -407,13 +453,16 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
     norm's weight (logits = norm(x) W^T is linear in that weight, so the fold holds with tied embeddings too).
     Every kernel, graph and parallel path then runs Granite as a Llama, and quantization, calibration and AWQ see
     the folded weights. None for the other families, and for a Granite whose two multipliers are 1."""
-    if spec.family != "granite":
+    if spec.family not in GRANITE_FAMILIES:
         return None
     config_ = with_hf_defaults(hf_config)
     residual, logits = float(config_["residual_multiplier"]), float(config_["logits_scaling"])
+    # the sub-layers' last linears: o_proj, and the MLP's down_proj or (Granite MoE) the experts' output_linear and
+    # the shared MLP's
+    outputs = ("self_attn.o_proj", "mlp.down_proj") if spec.moe is None else (
+        "self_attn.o_proj", spec.moe.fused[1], "shared_mlp.output_linear")
     factors = {} if residual == 1.0 else {
-        f"{spec.hf_layer_prefix}{i}.{name}.weight": residual
-        for i in range(config.num_layers) for name in ("self_attn.o_proj", "mlp.down_proj")}
+        f"{spec.hf_layer_prefix}{i}.{name}.weight": residual for i in range(config.num_layers) for name in outputs}
     if logits != 1.0:
         factors[spec.global_tensors["norm.weight"]] = 1.0 / logits
     if not factors:
@@ -421,23 +470,50 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
     return lambda name, tensor: tensor.float() * factors[name] if name in factors else tensor
 
 
+def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Callable]:
+    """For a family that stores every expert of a layer in two tensors (Granite MoE: MoeSpec.fused), a
+    `TensorReader` derived tensor for each expert's gate, up and down under its per-expert name, read as expert e's
+    slice of the fused tensor (only that slice is read; the reader's merge applies to it, as to the fused tensor):
+    gate the first moe_intermediate_size rows of input_linear[e], up the rest, down output_linear[e]. {} otherwise."""
+    moe = spec.moe
+    if moe is None or moe.fused is None:
+        return {}
+    width, derived = config.moe_intermediate_size, {}
+    for i in config.moe_layers:
+        layer = f"{spec.hf_layer_prefix}{i}."
+        gate_up, down = (f"{layer}{name}.weight" for name in moe.fused)
+        for e in range(config.num_experts):
+            prefix = layer + moe.expert_prefix.format(e)
+            derived[f"{prefix}{moe.gate}.weight"] = lambda r, n=gate_up, e=e: r.get_index(n, e)[:width]
+            derived[f"{prefix}{moe.up}.weight"] = lambda r, n=gate_up, e=e: r.get_index(n, e)[width:]
+            derived[f"{prefix}{moe.down}.weight"] = lambda r, n=down, e=e: r.get_index(n, e)
+    return derived
+
+
 def _moe_fields(config: dict, family: str) -> dict:
-    """Mixtral: every layer sparse, top-k always renormalised. Qwen3-MoE: layer i is sparse unless it is
-    in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob."""
+    """Mixtral, Granite MoE: every layer sparse, top-k always renormalised (Granite: the softmax of the top-k logits);
+    OLMoE: every layer sparse, renormalised by norm_topk_prob. Qwen3-MoE, Qwen2-MoE: layer i is sparse unless it is
+    in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob. Qwen2-MoE's shared
+    expert (gated) and Granite MoE shared's (shared_intermediate_size; 0: none) are read with them."""
     num_layers = config["num_hidden_layers"]
-    if family == "mixtral":
-        return {"num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
-                "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True,
-                "moe_layers": list(range(num_layers))}
+    if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared"):
+        num_experts = config.get("num_local_experts") or config.get("num_experts")
+        shared = config.get("shared_intermediate_size") or None if family == "granitemoeshared" else None
+        return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
+                "moe_intermediate_size": config["intermediate_size"],
+                "norm_topk_prob": bool(config["norm_topk_prob"]) if family == "olmoe" else True,
+                "moe_layers": list(range(num_layers)), "shared_expert_intermediate_size": shared}
     num_experts = config.get("num_experts") or config.get("num_local_experts") or 0  # transformers 5 writes the latter
     step = config.get("decoder_sparse_step", 1)
     only_mlp = set(config.get("mlp_only_layers") or [])
     layers = [i for i in range(num_layers) if i not in only_mlp and num_experts > 0 and (i + 1) % step == 0]
     if not layers:
         return {}
+    shared = {"shared_expert_intermediate_size": config["shared_expert_intermediate_size"] or None,
+              "shared_expert_gate": bool(config["shared_expert_intermediate_size"])} if family == "qwen2_moe" else {}
     return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
             "moe_intermediate_size": config["moe_intermediate_size"],
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "moe_layers": layers}
+            "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "moe_layers": layers, **shared}
 
 
 def _rope(config: dict) -> tuple[float, dict | None]:
@@ -562,6 +638,14 @@ class TensorReader:
         if name not in self.location:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
         tensor = self._handle(name).get_tensor(self._checkpoint_names.get(name, name))
+        return tensor if self.merge is None else self.merge(name, tensor)
+
+    def get_index(self, name: str, index: int) -> torch.Tensor:
+        """tensor[index] of a stored tensor, reading only that slice (an expert of Granite MoE's fused experts), merged
+        as `get` merges the whole tensor (the merges are elementwise by name: folds, offsets)."""
+        if name not in self.location:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        tensor = self._handle(name).get_slice(self._checkpoint_names.get(name, name))[index]
         return tensor if self.merge is None else self.merge(name, tensor)
 
     def get_source(self, source: str) -> torch.Tensor:

@@ -29,7 +29,7 @@ from llmc.quant.formats import DenseFormat, QuantizedWeight
 from llmc.quant.import_config import ImportSpec, check_module_tensors, parse_quantization_config
 from llmc.quant.importers import concat_out, unpack_module
 from llmc.runtime.artifact import ModelConfig
-from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, hf_member_rows
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, hf_member_rows, in_layer
 
 
 # Where AutoGPTQ / GPTQModel and AutoAWQ keep the config when config.json has none (vLLM reads them too);
@@ -113,7 +113,7 @@ class ImportPacker:
         inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size}
         linears = {}
         for linear in spec.layer_linears:
-            if c.is_moe_layer(index) and linear.name.startswith("mlp."):
+            if not in_layer(linear, c, index):
                 continue
             # a member stored fused (Phi-3's qkv_proj) is unpacked whole: its rows are the runtime linear's
             linears[linear.name] = [(prefix + m, inputs[linear.name], rows)

@@ -94,9 +94,11 @@ def expert_token_count(inputs: dict[str, Tensor], name: str) -> int:
 
 
 def scale_router(layer: LayerWeights, s: Tensor) -> None:
-    """The router reads the same normed input as the experts' gate_up: when AWQ folds 1/s into that
-    norm, the router's columns take s back, so its logits are unchanged."""
-    layer.norms["moe.gate"] = layer.norms["moe.gate"] * s.to(layer.norms["moe.gate"].device)
+    """The router (and Qwen2-MoE's shared expert gate) reads the same normed input as the experts' gate_up: when
+    AWQ folds 1/s into that norm, their columns take s back, so their logits are unchanged."""
+    for name in ("moe.gate", "moe.shared_gate"):
+        if name in layer.norms:
+            layer.norms[name] = layer.norms[name] * s.to(layer.norms[name].device)
 
 
 def stack_inputs(inputs: dict[str, Tensor], names: list[str]) -> Tensor:

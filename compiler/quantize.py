@@ -33,7 +33,7 @@ from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderLayer
-from llmc.runtime.models.spec import ModelSpec, expert_of, format_key
+from llmc.runtime.models.spec import ModelSpec, expert_of, format_key, in_layer
 
 logger = logging.getLogger("llmc")
 AWQ_MAX_TOKENS = 8192  # calibration tokens kept per linear for AWQ's searches
@@ -53,7 +53,7 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
     names = {}
     for i in range(config.num_layers):
         for linear in spec.layer_linears:
-            if config.is_moe_layer(i) and linear.name.startswith("mlp."):
+            if not in_layer(linear, config, i):
                 continue
             hf = [f"{spec.hf_layer_prefix}{i}.{m}" for m in linear.hf_members]
             names[f"layers.{i}.{linear.name}"] = [f"layers.{i}.{linear.name}", *hf]
@@ -158,7 +158,8 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     q_size = config.num_heads * config.head_dim
     sizes = {"attn.qkv": config.hidden_size, "attn.o": q_size, "mlp.gate_up": config.hidden_size,
              "mlp.down": config.intermediate_size, "moe.experts.gate_up": config.hidden_size,
-             "moe.experts.down": config.moe_intermediate_size}
+             "moe.experts.down": config.moe_intermediate_size, "moe.shared.gate_up": config.hidden_size,
+             "moe.shared.down": config.shared_expert_intermediate_size}
     result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 

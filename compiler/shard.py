@@ -89,6 +89,8 @@ def tensor_split_problems(config: ModelConfig, spec: ModelSpec, module_formats: 
     if config.moe_layers and expert == 1 and config.moe_intermediate_size % tensor:
         problems.append(f"{tensor} does not divide the experts' MLP width {config.moe_intermediate_size} "
                         "(or set parallel.expert to spread whole experts)")
+    if config.moe_layers and (config.shared_expert_intermediate_size or 0) % tensor:
+        problems.append(f"{tensor} does not divide the shared expert's MLP width {config.shared_expert_intermediate_size}")
     if config.num_heads % tensor:
         problems.append(f"{tensor} does not divide the model's {config.num_heads} attention heads")
     kv = config.num_kv_heads
@@ -106,8 +108,8 @@ def _group_problems(config: ModelConfig, module_formats: dict[str, dict], tensor
     if tensor == 1:
         return []
     in_features = {"attn.o": config.num_heads * config.head_dim, "mlp.down": config.intermediate_size,
-                   "moe.experts.down": config.moe_intermediate_size}
-    row_parallel = ("attn.o", "mlp.down") + (("moe.experts.down",) if expert == 1 else ())
+                   "moe.experts.down": config.moe_intermediate_size, "moe.shared.down": config.shared_expert_intermediate_size}
+    row_parallel = ("attn.o", "mlp.down", "moe.shared.down") + (("moe.experts.down",) if expert == 1 else ())
     problems = []
     for index in range(config.num_layers):
         for name in config.layer_linears(index):
@@ -218,6 +220,10 @@ def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tupl
     if name == "moe.experts.gate_up":  # each expert split like the MLP
         start, end = layout.moe_intermediate_start, layout.moe_intermediate_start + layout.moe_intermediate_size
         return [(start, end), (config.moe_intermediate_size + start, config.moe_intermediate_size + end)]
+    if name == "moe.shared.gate_up":  # the shared expert split like the MLP
+        start, end = layout.shared_intermediate_start, layout.shared_intermediate_start + layout.shared_intermediate_size
+        size = config.shared_expert_intermediate_size
+        return [(start, end), (size + start, size + end)]
     raise KeyError(f"{name} is not a column-parallel linear")
 
 
@@ -229,6 +235,8 @@ def row_columns(config: ModelConfig, layout: RankLayout, name: str) -> tuple[int
         return layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
     if name == "moe.experts.down":
         return layout.moe_intermediate_start, layout.moe_intermediate_start + layout.moe_intermediate_size
+    if name == "moe.shared.down":
+        return layout.shared_intermediate_start, layout.shared_intermediate_start + layout.shared_intermediate_size
     raise KeyError(f"{name} is not a row-parallel linear")
 
 

@@ -54,20 +54,25 @@ from llmc.schema import opt, parse
 # 1.14: Gemma 3's vision model: the vision section's mm_tokens_per_image, boi/eoi_token_index and
 #      bidirectional_image_attention, its LLaVA-only fields optional; older manifests load without them (LLaVA).
 #      The runtime section's enable_prompt_embeds and stream_interval (vLLM's), default false and 1 when absent.
-FORMAT_VERSION = "1.14"
+# 1.15: OLMo 3, OLMoE, Granite MoE (plain and shared), Qwen2-MoE (families olmo3, olmoe, granitemoe,
+#      granitemoeshared, qwen2_moe) and an MoE layer's shared expert (model.shared_expert_intermediate_size,
+#      shared_expert_gate; its linears moe.shared.gate_up / moe.shared.down); older manifests load without them.
+FORMAT_VERSION = "1.15"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14")
+                         "1.13", "1.14", "1.15")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
 VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
-FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
+            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
+SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
@@ -112,6 +117,10 @@ class ModelConfig:
     moe_intermediate_size: int | None = opt(None, min=1)  # each expert's MLP width
     norm_topk_prob: bool = opt(True)  # renormalise the top-k router probabilities to sum to 1
     moe_layers: list[int] = opt([])  # decoder layers whose MLP is the MoE (the rest are dense MLPs)
+    # the shared expert of every MoE layer (Qwen2-MoE, Granite MoE shared): a SiLU-gated MLP of this width that every
+    # token runs, its output added to the routed experts'; None: none
+    shared_expert_intermediate_size: int | None = opt(None, min=1)
+    shared_expert_gate: bool = opt(False)  # Qwen2-MoE: the shared expert's output times sigmoid(x · moe.shared_gate)
     # Gemma 2 and 3 (the defaults are every other family's):
     hidden_act: str = opt("silu", choices=HIDDEN_ACTS)  # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form
     query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
@@ -197,7 +206,9 @@ class ModelConfig:
 
     def layer_linears(self, index: int) -> tuple[str, ...]:
         """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""
-        return MOE_LINEARS if self.is_moe_layer(index) else DECODER_LINEARS
+        if not self.is_moe_layer(index):
+            return DECODER_LINEARS
+        return MOE_LINEARS + (SHARED_EXPERT_LINEARS if self.shared_expert_intermediate_size else ())
 
     @property
     def num_parameters(self) -> int:
@@ -213,6 +224,8 @@ class ModelConfig:
             lm_head = self.num_labels * self.hidden_size
         num_moe = len(self.moe_layers)
         moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
+        if num_moe and self.shared_expert_intermediate_size:
+            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
         return embed + layers + self.hidden_size + lm_head
 

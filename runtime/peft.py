@@ -22,7 +22,7 @@ from torch import Tensor
 
 from llmc.errors import RecipeError
 from llmc.runtime.artifact import ModelConfig, sha256_file
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, in_layer
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -101,7 +101,7 @@ def _mergeable_linears(spec: ModelSpec, model: ModelConfig) -> set[str]:
     out = set()
     for index in range(model.num_layers):
         for linear in spec.layer_linears:
-            if model.is_moe_layer(index) and linear.name.startswith("mlp."):
+            if not in_layer(linear, model, index):
                 continue
             out |= {f"{spec.hf_layer_prefix}{index}.{member}" for member in linear.hf_members}
     return out

@@ -60,6 +60,8 @@ FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
 OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2")
+# Families tested in tests/runtime/test_more_families.py (fixture: more_family_checkpoint)
+MORE_FAMILIES = ("olmo3", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -162,6 +164,31 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     # projections; every norm weight random (1 + 0.1 randn), so that a per-head q/k norm or a norm in the wrong place
     # disagrees with transformers (tests/runtime/test_olmo2.py checks the first).
     "olmo2": ("Olmo2Config", {}),
+    # OLMo 3: OLMo 2's shape with 3 layers sliding / full / sliding over an 8-token window, and two rotary tables
+    # as Olmo3Config keeps them: the full layer's linearly scaled x4, the sliding layers' plain (theta 1e4 both).
+    "olmo3": ("Olmo3Config", {"num_hidden_layers": 3, "sliding_window": 8,
+                              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                              "rope_parameters": {
+                                  "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                  "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0}}}),
+    # OLMoE: 4 experts of width 96, top-2 not renormalised (norm_topk_prob false, OLMoE's own), full-width q/k norms
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                              "norm_topk_prob": False}),
+    # Granite MoE: granite's multipliers, 4 fused experts of width 96, top-2 (softmax of the top-k logits); the shared
+    # variant adds a shared MLP of width 48
+    "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
+                                        "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+                                        "residual_multiplier": 0.3, "logits_scaling": 5.0}),
+    "granitemoeshared": ("GraniteMoeSharedConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                    "intermediate_size": 96, "shared_intermediate_size": 48,
+                                                    "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
+                                                    "residual_multiplier": 0.3, "logits_scaling": 5.0}),
+    # Qwen2-MoE: 3 layers, 0 and 2 sparse (4 experts of width 64, top-2, not renormalised), 1 dense; a gated shared
+    # expert of width 96; q/k/v biases
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                                     "shared_expert_intermediate_size": 96, "num_hidden_layers": 3,
+                                     "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": False,
+                                     "use_sliding_window": False, "sliding_window": None}),
 }
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
@@ -182,7 +209,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:

@@ -1,10 +1,12 @@
 """Model families. `spec_for_architecture` finds the ModelSpec for an HF `architectures` entry."""
 
-from llmc.runtime.models import gemma2, gemma3, granite, llama, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
+from llmc.runtime.models import (gemma2, gemma3, granite, granitemoe, llama, mixtral, olmo2, olmo3, olmoe, phi3, qwen2,
+                                 qwen2_moe, qwen3, qwen3_moe)
 from llmc.runtime.models.spec import ModelSpec
 
 SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC, gemma2.SPEC,
-                                gemma3.SPEC, granite.SPEC, olmo2.SPEC)
+                                gemma3.SPEC, granite.SPEC, olmo2.SPEC, olmo3.SPEC, olmoe.SPEC, granitemoe.SPEC,
+                                granitemoe.SHARED_SPEC, qwen2_moe.SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:
@@ -15,7 +17,8 @@ def spec_for_family(family: str) -> ModelSpec:
 # [num_labels, hidden_size] linear without bias, read at the last token) → the causal LM whose decoder they share
 CLASSIFIER_ARCHITECTURES = {
     **{f"{name}ForSequenceClassification": f"{name}ForCausalLM"
-       for name in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Phi3", "Gemma2", "Olmo2")},
+       for name in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Phi3", "Gemma2", "Olmo2", "Olmo3",
+                    "Qwen2Moe")},
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
 }
 

@@ -10,6 +10,13 @@ path (CPUs, calibration, and formats the kernel does not read: plain-layout / g_
 w8a8-fp8 on GPUs without FP8 tensor cores) loops over the experts that received tokens, calling
 each expert's format `apply`.
 
+A shared expert (Qwen2-MoE, Granite MoE shared: ModelConfig.shared_expert_intermediate_size) is a dense SiLU-gated
+MLP of ordinary `Linear`s that every token runs, on every path (the fused kernel's and the plain-torch one alike):
+its output, times sigmoid(x · shared_gate) where the model has that gate (Qwen2-MoE), is added to the routed
+experts' before the all-reduce. Under tensor parallelism it is split like the dense MLP (gate_up columns, down
+rows), whether the routed experts are split or whole; the gate is whole on every rank (the sigmoid scales each
+rank's partial sum alike).
+
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
 experts' share; the ranks' partial sums are all-reduced like a row-parallel MLP's.
@@ -22,11 +29,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.activation import silu_and_mul
+from llmc.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
 from llmc.kernels.fp8 import has_fp8_tensor_cores
 from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
-from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat
+from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.layers.linear import Linear
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
 # observe(name, x): called with the inputs routed to one expert's linear ("moe.experts.3.down"), [n, in]
@@ -75,6 +83,21 @@ class ExpertLinears(nn.Module):
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}, format={self.fmt.spec()}"
 
 
+class SharedExpert(nn.Module):
+    """An MoE layer's shared expert: SiLU(gate) · up, then down (this rank's columns of it under TP; the MoE
+    all-reduces its output with the experts')."""
+
+    def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype, layout: RankLayout):
+        super().__init__()
+        size = layout.shared_intermediate_size
+        self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
+        self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
+        self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down((act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), "silu"))
+
+
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
                  layout: RankLayout | None = None, tp_group=None):
@@ -90,6 +113,13 @@ class MoE(nn.Module):
         self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
                                              formats[prefix + "experts.gate_up"])
         self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size, formats[prefix + "experts.down"])
+        self.has_shared = bool(config.shared_expert_intermediate_size)
+        if self.has_shared:
+            self.shared = SharedExpert(config, formats, prefix + "shared.", dtype, layout)
+        self.has_shared_gate = config.shared_expert_gate
+        if self.has_shared_gate:  # never quantized, like the router
+            self.shared_gate = nn.Module()
+            self.shared_gate.register_buffer("weight", torch.empty(1, config.hidden_size, dtype=dtype, device="meta"))
         self.tp_group = tp_group
         self.observers: list[ExpertObserver] = []  # calibration only (the compiler's hooks)
 
@@ -109,7 +139,17 @@ class MoE(nn.Module):
             out = fused_moe_experts(x, weights, ids - self.expert_start, *fused)
         else:
             out = self.forward_experts(x, weights, ids)
+        if self.has_shared:
+            out = out + self.shared_output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+    def shared_output(self, x: Tensor) -> Tensor:
+        """The shared expert's output [num_tokens, hidden] (this rank's partial sum under TP), gated where the model
+        has the gate (Qwen2-MoE: times sigmoid(x · shared_gate), in the model dtype as transformers computes it)."""
+        out = self.shared(x)
+        if self.has_shared_gate:
+            out = out * torch.sigmoid(torch.nn.functional.linear(x, self.shared_gate.weight))
+        return out
 
     def runs_fused(self) -> bool:
         """Whether the fused kernel runs this layer on its weights' device (`fused_expert_weights`)."""

@@ -30,6 +30,11 @@ class MoeSpec:
     gate: str  # names of the expert's projections under its prefix: gate ("w1"), up ("w3"), down ("w2")
     up: str
     down: str
+    # Granite MoE stores every expert of a layer in two tensors, (gate_up [E, 2 * width, hidden] (gate rows, then up),
+    # down [E, hidden, width]): the build reads expert e's gate / up / down (the names above) as slices of them
+    # (hf_checkpoint.fused_expert_tensors). None: one tensor per expert and projection.
+    fused: tuple[str, str] | None = None
+    shared_gate: str | None = None  # Qwen2-MoE: the shared expert's gate [1, hidden] (sigmoid), never quantized
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,23 @@ PHI3_LINEARS = (
     FusedLinear("mlp.gate_up", ("mlp.gate_up_proj",), "column", "post_attn_norm"),
     FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
 )
+# An MoE layer's shared expert (Qwen2-MoE, Granite MoE shared): a dense SiLU-gated MLP every token runs, split over the
+# tensor ranks like the dense MLP; its linears exist in the MoE layers only, as mlp.* exist in the dense ones only
+def shared_expert_linears(gate_up: tuple[str, ...], down: str) -> tuple[FusedLinear, FusedLinear]:
+    return (FusedLinear("moe.shared.gate_up", gate_up, "column", "post_attn_norm"),
+            FusedLinear("moe.shared.down", (down,), "row", "moe.shared.gate_up"))
+
+
+def in_layer(linear: FusedLinear, config, index: int) -> bool:
+    """Whether layer `index` has `linear` (`config`: the ModelConfig): the dense MLP's (mlp.*) in the dense layers, the
+    shared expert's (moe.shared.*) in the MoE layers of a model that has one, the attention's in every layer."""
+    if linear.name.startswith("mlp."):
+        return not config.is_moe_layer(index)
+    if linear.name.startswith("moe."):
+        return config.is_moe_layer(index) and bool(config.shared_expert_intermediate_size)
+    return True
+
+
 LLAMA_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
 QK_NORMS = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
 LLAMA_GLOBALS = {
@@ -86,7 +108,9 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
     v each (gate and up), or all of them in one member that stores the linear fused (Phi-3's qkv_proj)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     parts = {"attn.qkv": [q, kv, kv], "attn.o": [config.hidden_size],
-             "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size]}[linear.name]
+             "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
+             "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
+             "moe.shared.down": [config.hidden_size]}[linear.name]
     if len(linear.hf_members) == len(parts):
         return parts
     if len(linear.hf_members) == 1:

@@ -49,6 +49,8 @@ class RankLayout:
     expert_start: int = 0
     moe_intermediate_size: int = 0  # MoE: each held expert's MLP columns on this rank
     moe_intermediate_start: int = 0
+    shared_intermediate_size: int = 0  # an MoE's shared expert: its MLP columns on this rank, split like the MLP's
+    shared_intermediate_start: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -102,6 +104,7 @@ def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayou
     else:  # every expert, each split like the MLP
         local_experts, expert_start, moe_per_rank = num_experts, 0, moe_size // tensor
         moe_start = tp_rank * moe_per_rank
+    shared = (config.shared_expert_intermediate_size or 0) // tensor  # (experts whole or split, the shared one splits)
     return RankLayout(
         rank=rank, tp_rank=tp_rank, tp_size=tensor, pp_rank=pp_rank, pp_size=plan.pipeline,
         layers=tuple(stages[pp_rank]),
@@ -113,6 +116,7 @@ def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayou
         has_head=is_last,
         num_local_experts=local_experts, expert_start=expert_start,
         moe_intermediate_size=moe_per_rank, moe_intermediate_start=moe_start,
+        shared_intermediate_size=shared, shared_intermediate_start=tp_rank * shared,
     )
 
 
