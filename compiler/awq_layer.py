@@ -90,9 +90,9 @@ def _quantize_variant(quantizer, layer: LayerWeights, inputs: dict, variant) -> 
             weights = [layer.linears[m] for m in members]
             w_mean = weight_magnitude(weights, spec["group_size"]) if duo_scaling else None
             found = awq_search_scale(x, weights, _fake_quantizer(quantizer, spec), w_mean=w_mean)
-            for member in members:
+            for i, member in enumerate(members):  # the producer (norm) divided once for all members
                 scales[member] = found.scales
-                _fold(layer, member, target, found.scales)
+                _fold(layer, member, target, found.scales, divides_producer=i == 0)
             if name == "moe.experts.gate_up":
                 scale_router(layer, found.scales)
     is_clipped = variant is not None and variant[1]
@@ -170,9 +170,12 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
     return folds
 
 
-def _fold(layer: LayerWeights, name: str, target: str, s: Tensor) -> None:
-    """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged."""
+def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, divides_producer: bool = True) -> None:
+    """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged. Linears that
+    share one producer (an MoE's experts' gate_up) each take s, the producer divides once (divides_producer)."""
     layer.linears[name] = layer.linears[name] * s
+    if not divides_producer:
+        return
     if target in layer.norms:
         layer.norms[target] = layer.norms[target] / s
         return
