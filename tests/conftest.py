@@ -175,12 +175,12 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
                               "norm_topk_prob": False}),
     # Granite MoE: granite's multipliers, 4 fused experts of width 96, top-2 (softmax of the top-k logits); the shared
-    # variant adds a shared MLP of width 48
+    # variant adds a shared MLP of width 64
     "granitemoe": ("GraniteMoeConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 96,
                                         "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
                                         "residual_multiplier": 0.3, "logits_scaling": 5.0}),
     "granitemoeshared": ("GraniteMoeSharedConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
-                                                    "intermediate_size": 96, "shared_intermediate_size": 48,
+                                                    "intermediate_size": 96, "shared_intermediate_size": 64,
                                                     "embedding_multiplier": 12.0, "attention_multiplier": 0.05,
                                                     "residual_multiplier": 0.3, "logits_scaling": 5.0}),
     # Qwen2-MoE: 3 layers, 0 and 2 sparse (4 experts of width 64, top-2, not renormalised), 1 dense; a gated shared
