@@ -153,9 +153,10 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _phi3_rope(config)
     if spec.family in GRANITE_FAMILIES:
         _check_granite(config)
-    if spec.family in ("olmo2", "olmo3", "olmoe") and config.get("attention_bias"):
-        raise CheckpointError(f"attention_bias: true is not supported for {config['architectures'][0]} (its q/k/v/o "
-                              "biases: the runtime's o has none)")
+    olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
+    if spec.family in olmo and config.get("attention_bias"):
+        raise CheckpointError(f"attention_bias: true is not supported for {olmo[spec.family]} (its q/k/v/o biases: the "
+                              "runtime's o has none)")
     if spec.family == "olmoe" and config.get("clip_qkv") is not None:
         raise CheckpointError(f"clip_qkv {config['clip_qkv']}: OLMoE's clamping of q/k/v is not supported; "
                               "published OLMoE checkpoints set it to null")

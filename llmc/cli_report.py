@@ -236,7 +236,10 @@ def print_inspect(report: dict) -> None:
                        else "float tensors stored as float32 (the ONNX graph computes in float32)")),
         *([("experts", f"{m['num_experts']} per MoE layer, top-{m['num_experts_per_tok']}"
                        f"{' renormalised' if m['norm_topk_prob'] else ''}, width {m['moe_intermediate_size']}, "
-                       f"MoE layers {m['moe_layers']}")] if m.get("moe_layers") else []),
+                       f"MoE layers {m['moe_layers']}"
+                       + (f", a shared expert of width {m['shared_expert_intermediate_size']}"
+                          f"{' (sigmoid-gated)' if m.get('shared_expert_gate') else ''}"
+                          if m.get("shared_expert_intermediate_size") else ""))] if m.get("moe_layers") else []),
         ("quantization", f"{report['quantization']['method']}: "
                          + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
         ("saved", _saved_line(report)),

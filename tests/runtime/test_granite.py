@@ -171,17 +171,13 @@ def test_a_lora_adapter_is_merged_before_the_fold(tiny_granite, tmp_path, hf_enc
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe"},
-     "architecture GraniteMoeForCausalLM: Granite MoE"),
-    ({"architectures": ["GraniteMoeSharedForCausalLM"], "model_type": "granitemoeshared"},
-     "architecture GraniteMoeSharedForCausalLM: Granite MoE with shared experts"),
     ({"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid"},
      "architecture GraniteMoeHybridForCausalLM: Granite 4"),
     ({"residual_multiplier": 0.0}, "residual_multiplier 0.0: Granite's multipliers must be positive numbers"),
     ({"logits_scaling": -8.0}, "logits_scaling -8.0: Granite's multipliers must be positive numbers"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Granite"),
     ({"mlp_bias": True}, "mlp_bias: true is not supported for Granite"),
-], ids=["moe", "moe-shared", "hybrid", "zero-residual", "negative-logits-scaling", "attention-bias", "mlp-bias"])
+], ids=["hybrid", "zero-residual", "negative-logits-scaling", "attention-bias", "mlp-bias"])
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_granite, tmp_path, changes, message):
     checkpoint = write_config(tiny_granite, tmp_path / "ckpt", **changes)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -360,6 +360,31 @@ def test_parallel_shared_expert_matches_one_rank(parallel, checkpoints, artifact
         torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # the OLMo 2 paths these ride on run by default in tests/runtime/test_olmo2.py
+def test_olmo3_tensor_parallel_and_onnx(checkpoints, artifacts, tmp_path, hf_greedy, hf_logits, hf_encode):
+    """Two tensor ranks (the whole-projection q/k norms' all-reduce, the sliding layers' windows and local table)
+    give the one-rank artifact's; the onnx-cpu graph (GroupQueryAttention's local window and second cos/sin table)
+    gives transformers' logits and greedy tokens."""
+    from tests.runtime.hf_oracle import check_against_transformers, check_tensor_parallel
+
+    check_tensor_parallel(checkpoints["olmo3"], artifacts("olmo3"), tmp_path, hf_encode, PROMPTS, GREEDY)
+    onnx = build_float32(checkpoints["olmo3"], tmp_path / "onnx", target={"device": "onnx-cpu"})
+    with LLM(onnx, device="cpu", max_num_seqs=2, max_num_batched_tokens=16) as llm:
+        check_against_transformers(llm, checkpoints["olmo3"], PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
+
+
+def test_inspect_names_the_shared_expert(artifacts):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    result = CliRunner().invoke(cli, ["inspect", str(artifacts("qwen2_moe"))])
+    assert result.exit_code == 0, result.output
+    rows = {line.split(maxsplit=1)[0]: line.split(maxsplit=1)[1] for line in result.output.splitlines() if line.strip()}
+    assert rows["experts"] == ("4 per MoE layer, top-2, width 64, MoE layers [0, 2], a shared expert of width 96 "
+                               "(sigmoid-gated)")
+
+
 @pytest.mark.parametrize("family", [pytest.param("olmo3", marks=pytest.mark.slow), "qwen2_moe"])
 def test_sequence_classifiers_equal_transformers(family, checkpoints, tmp_path):
     """Olmo3ForSequenceClassification and Qwen2MoeForSequenceClassification (3 labels): transformers' class
@@ -391,7 +416,7 @@ def test_what_the_new_families_refuse(checkpoints, tmp_path):
     refused("olmoe", "clip_qkv 8.0: OLMoE's clamping", clip_qkv=8.0)
     refused("qwen2_moe", "use_sliding_window: true without layer_types", use_sliding_window=True, sliding_window=8,
             layer_types=None)
-    refused("olmo3", "attention_bias: true is not supported for Olmo3ForCausalLM", attention_bias=True)
+    refused("olmo3", "attention_bias: true is not supported for OLMo 3", attention_bias=True)
     refused("qwen2_moe", "import is not supported for Qwen2MoeForCausalLM", {"method": "import"})
     refused("granitemoe", "import is not supported for Granite", {"method": "import"})
     refused("granitemoe", "Granite 4", architectures=["GraniteMoeHybridForCausalLM"])
