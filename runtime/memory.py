@@ -97,12 +97,14 @@ def moe_workspace_per_token(model: ModelConfig) -> int:
     (3 × moe_intermediate_size per routed copy), the down output per copy, the router's float32
     probabilities (counted as 2 elements each), the sorted-pair ids, and w8a8-fp8 experts' FP8 input
     copies (gate_up's per pair at most, down's per pair: one byte each, half an element) with their
-    float32 row scales. 0 for a dense model."""
+    float32 row scales; a shared expert's gate_up output, its SiLU·mul and its output (3 × its width + hidden).
+    0 for a dense model."""
     if not model.moe_layers:
         return 0
     top_k, hidden, inter = model.num_experts_per_tok, model.hidden_size, model.moe_intermediate_size
     fp8_inputs = -(-top_k * (hidden + inter) // 2) + 4 * top_k
-    return top_k * (3 * inter + hidden) + 2 * model.num_experts + 2 * top_k + fp8_inputs
+    shared = 3 * model.shared_expert_intermediate_size + hidden if model.shared_expert_intermediate_size else 0
+    return top_k * (3 * inter + hidden) + 2 * model.num_experts + 2 * top_k + fp8_inputs + shared
 
 
 def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,
