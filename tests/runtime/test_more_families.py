@@ -373,6 +373,26 @@ def test_olmo3_tensor_parallel_and_onnx(checkpoints, artifacts, tmp_path, hf_gre
         check_against_transformers(llm, checkpoints["olmo3"], PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
 
 
+def test_olmoe_compressed_tensors_checkpoint_imports(checkpoints, tmp_path, hf_logits, hf_encode):
+    """A pack-quantized W4 OLMoE (every decoder linear and expert, one module per expert as llm-compressor saves it):
+    its levels are imported and the logits are transformers' on the dequantized twin."""
+    from tests.runtime.hf_oracle import check_pack_quantized_import
+
+    check_pack_quantized_import(checkpoints["olmoe"], tmp_path, hf_logits, hf_encode, PROMPTS[1])
+
+
+@torch.inference_mode()
+def test_qwen2_moe_sliding_layers_from_layer_types(checkpoints, tmp_path, hf_logits, hf_encode):
+    """use_sliding_window with layer_types (sliding / full / sliding over 8 tokens): transformers' logits."""
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", "qwen2_moe", use_sliding_window=True, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    artifact = build_float32(checkpoint, tmp_path / "a")
+    assert read_manifest(artifact).model.sliding_window_layers == [0, 2]
+    token_ids = _score_ids(checkpoint, hf_encode)
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+
+
 def test_inspect_names_the_shared_expert(artifacts):
     from click.testing import CliRunner
 
