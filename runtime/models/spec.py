@@ -76,6 +76,8 @@ PHI3_LINEARS = (
     FusedLinear("mlp.gate_up", ("mlp.gate_up_proj",), "column", "post_attn_norm"),
     FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
 )
+
+
 # An MoE layer's shared expert (Qwen2-MoE, Granite MoE shared): a dense SiLU-gated MLP every token runs, split over the
 # tensor ranks like the dense MLP; its linears exist in the MoE layers only, as mlp.* exist in the dense ones only
 def shared_expert_linears(gate_up: tuple[str, ...], down: str) -> tuple[FusedLinear, FusedLinear]:
