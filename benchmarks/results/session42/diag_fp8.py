@@ -30,12 +30,25 @@ def ppl(logits, ids, start):
     return math.exp(torch.nn.functional.cross_entropy(logits[start - 1:-1], torch.tensor(ids[start:])).item())
 
 
+def zero_biases(ckpt):
+    """The checkpoint with its attention biases set to 0 (in place)."""
+    from safetensors.torch import load_file, save_file
+
+    for path in ckpt.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({k: torch.zeros_like(v) if k.endswith("_proj.bias") else v for k, v in tensors.items()}, path,
+                  metadata={"format": "pt"})
+
+
 root = Path(tempfile.mkdtemp())
-for family in sys.argv[1:]:
-    ckpt = make_hf_checkpoint(root / family, family)
-    art_gpu = build_float32(ckpt, root / f"{family}_fp8", quantization={"method": "fp8", "report": False})
-    art_cpu = build_float32(ckpt, root / f"{family}_fp8_cpu", target={"device": "cpu"},
-                            quantization={"method": "fp8", "report": False})
+for arg in sys.argv[1:]:  # FAMILY[:nobias][:float]
+    family, *variants = arg.split(":")
+    ckpt = make_hf_checkpoint(root / arg.replace(":", "_"), family)
+    if "nobias" in variants:
+        zero_biases(ckpt)
+    quant = {"method": "none"} if "float" in variants else {"method": "fp8", "report": False}
+    art_gpu = build_float32(ckpt, root / f"{arg}_gpu".replace(":", "_"), quantization=quant)
+    art_cpu = build_float32(ckpt, root / f"{arg}_cpu".replace(":", "_"), target={"device": "cpu"}, quantization=quant)
     ids = list(range(100, 160))
     with LLM(art_cpu, device="cpu", max_num_batched_tokens=32) as llm:
         cpu_logits, cpu_outs = layer_outputs(llm, ids)
@@ -50,5 +63,5 @@ for family in sys.argv[1:]:
         finally:
             moe.fused_expert_weights = original
         diffs = {i: f"{(outs[i] - cpu_outs[i]).abs().max().item():.3g}" for i in sorted(outs, key=int)}
-        print(f"{family} {name}: ppl gpu {ppl(logits, ids, 30):.4f} cpu {ppl(cpu_logits, ids, 30):.4f}; "
+        print(f"{arg} {name}: ppl gpu {ppl(logits, ids, 30):.4f} cpu {ppl(cpu_logits, ids, 30):.4f}; "
               f"logits max diff {(logits - cpu_logits).abs().max().item():.3g}; per layer max diff {diffs}", flush=True)
