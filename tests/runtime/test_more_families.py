@@ -487,7 +487,11 @@ def test_moe_families_on_the_gpu_run_the_fused_kernel(family, checkpoints, artif
 def test_quantized_shared_expert_models_on_the_gpu(family, quantization, checkpoints, continuation, tmp_path,
                                                    free_gpu):
     """W4 (the gpu layout: the fused kernel's w4a16 experts, the shared expert's W4A16 GEMM) and FP8 builds for cuda:
-    every MoE layer fused, and the perplexity next to the same build's on the CPU (its torch path), within 1%."""
+    every MoE layer fused, and the perplexity next to the same build's on the CPU (its torch path), within 1% (W4) and
+    10% (FP8). FP8 cannot be held closer: an activation rounded to e4m3 moves by a whole step (6-12%) when the two
+    devices' float32 sums before it differ in the last bit, and on these random tiny models that moves the
+    perplexity by several percent (session 42, benchmarks/results/session42/diag_fp8.py: Qwen2-MoE 7.9%, dense
+    Qwen2 2.4% and Granite 0.5% between the GPU and the CPU in FP8, while their float32 builds agree to 2e-5)."""
     out = build_float32(checkpoints[family], tmp_path / "q", quantization={**quantization, "report": False})
     token_ids, start, _ = continuation(family)
     with LLM(out, device="cuda", gpu_memory_utilization=0.3, max_num_batched_tokens=32) as llm:
@@ -495,7 +499,7 @@ def test_quantized_shared_expert_models_on_the_gpu(family, quantization, checkpo
         gpu = math.exp(_nll(llm.engine.score(token_ids).cpu(), token_ids, start))
     cpu = _perplexity(build_float32(checkpoints[family], tmp_path / "cpu", target={"device": "cpu"},
                                     quantization={**quantization, "report": False}), token_ids, start)
-    assert abs(gpu / cpu - 1) < 0.01, (gpu, cpu)
+    assert abs(gpu / cpu - 1) < (0.10 if quantization["method"] == "fp8" else 0.01), (gpu, cpu)
 
 
 @pytest.mark.gpu
