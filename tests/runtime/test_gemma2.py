@@ -149,6 +149,7 @@ def test_quantized_builds_run_transformers_gemma2_on_their_weights(quantization,
     check_quantized_build(tiny_gemma2, tmp_path, data_dir, hf_encode, quantization, PROMPTS)
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_tensor_parallel_matches_one_rank(tiny_gemma2, artifact, tmp_path, hf_encode):
     """Two ranks: each caps its own vocabulary rows' logits and its own heads' scores."""
     check_tensor_parallel(tiny_gemma2, artifact, tmp_path, hf_encode, PROMPTS, GREEDY)

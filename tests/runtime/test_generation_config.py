@@ -52,6 +52,7 @@ def test_generate_without_params_samples_as_transformers_generate_does(artifact,
         assert llm.get_default_sampling_params() == SamplingParams()
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_llmc_run_prompt_takes_the_model_s_defaults_for_flags_left_out(artifact):
     from click.testing import CliRunner
 

@@ -136,13 +136,13 @@ def _staggered_run(artifact, seed: int, async_scheduling: bool, **options) -> di
 
 # seed 1: the same options on another arrival pattern, 5-9 s each on 2 cores: with -m slow
 @pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("options", [
-    {},
-    {"max_num_batched_tokens": 24},
-    {"num_kv_blocks": 14, "max_num_batched_tokens": 48},
-    {"enable_prefix_caching": True, "max_num_batched_tokens": 32},
-    {"max_num_seqs": 3},
-], ids=["plain", "chunked", "preemption", "prefix-cache", "three-rows"])
+@pytest.mark.parametrize("options", [  # plain and three-rows with -m slow too (the default run's time, session 42)
+    pytest.param({}, id="plain", marks=pytest.mark.slow),
+    pytest.param({"max_num_batched_tokens": 24}, id="chunked"),
+    pytest.param({"num_kv_blocks": 14, "max_num_batched_tokens": 48}, id="preemption"),
+    pytest.param({"enable_prefix_caching": True, "max_num_batched_tokens": 32}, id="prefix-cache"),
+    pytest.param({"max_num_seqs": 3}, id="three-rows", marks=pytest.mark.slow),
+])
 def test_overlapped_equals_synchronous_as_requests_arrive(artifact, seed, options):
     """Requests joining while a step is in flight (the overlapped engine has scheduled the next step
     before it learns the tokens of this one) get the synchronous engine's outputs too."""

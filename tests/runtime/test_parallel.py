@@ -115,6 +115,7 @@ def test_close_joins_the_process_groups_threads(artifacts):
     assert _gloo_threads() == before
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 @pytest.mark.parametrize(("tensor", "pipeline"), SPLITS_TENSOR_RUN)
 def test_llmc_run_prompt_is_identical_to_one_rank(artifacts, reference, tensor, pipeline):
     command = [sys.executable, "-m", "llmc.cli", "run", str(artifacts(tensor, pipeline)), "--prompt", "ROMEO:",
@@ -226,6 +227,7 @@ def overlap_reference(artifacts):
     return results
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 @pytest.mark.parametrize(("tensor", "pipeline"), SPLITS_TENSOR_RUN)
 def test_overlapped_parallel_engine_equals_synchronous_and_one_rank(artifacts, overlap_reference, monkeypatch,
                                                                     tensor, pipeline):

@@ -219,6 +219,7 @@ def test_a_pooling_recipe_is_checked_at_build_and_shown_by_inspect(tmp_path, ref
     assert "runner pooling (embeddings; pooling_type MEAN)" in shown
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_llmc_run_prompt_prints_the_embedding(ref_artifact_128, ref_model_dir):
     """`llmc run --runner pooling --prompt TEXT`: the embedding as one JSON array on stdout; a sampling flag is refused
     before the model loads."""

@@ -25,6 +25,7 @@ def test_prompt_output_is_clean_text_with_statistics_after_it(server_artifact):
     assert "\n".join(text).startswith("ROMEO:\nI'll have a little more.")
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_a_notice_about_the_device_comes_before_the_text(ref_model_dir, tmp_path):
     """FP8 weights on a CPU (no FP8 matmul) are announced at load, not in the middle of the completion."""
     from llmc.compiler.build import build
@@ -67,6 +68,7 @@ def test_interactive_chat_survives_a_turn_it_cannot_take(server_artifact):
     assert result.stdout.decode().split("\n")[:2] == [first, second]
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_ctrl_c_at_the_chat_prompt_exits_130(server_artifact):
     """As the README says of every command: Ctrl-C exits 128 + SIGINT; only the end of input ends a chat with 0."""
     import signal

@@ -52,6 +52,7 @@ def _reference_ids(artifact, messages) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_https_root_path_and_chat_template_on_the_server(start_server, server_artifact, tmp_path):
     key, cert = _self_signed(tmp_path)
     template = tmp_path / "template.jinja"

@@ -164,6 +164,7 @@ def test_sigterm_lets_running_streams_finish_then_exits_0(start_server):
         httpx.get(f"{server.base_url}/health")
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(start_server):
     server = start_server("--disable-log-stats", "--shutdown-timeout", "0.2")
     events = _sigterm_mid_stream(server, max_tokens=250)
@@ -173,6 +174,7 @@ def test_sigterm_past_the_grace_period_ends_cut_streams_with_an_error_event(star
     assert server.process.wait(60) == 0, server.log()
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_statistics_lines_come_by_the_clock_and_not_while_idle(start_server):
     """vLLM's periodic line: every log_stats_interval while there is activity, covering only that interval.
     It used to be written by the engine's steps: a burst's last interval waited for the next request, and

@@ -199,6 +199,7 @@ def test_bad_lora_modules_fail_at_start_in_one_line(args, message, setup, tmp_pa
     assert message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_a_batch_file_line_naming_an_adapter_runs_with_it(setup, tmp_path):
     artifact, adapters, want = setup
     lines = [{"custom_id": name, "method": "POST", "url": "/v1/completions",

@@ -80,8 +80,11 @@ def test_cache_salt(server):
 
 def test_reset_prefix_cache_endpoint(run_app, ref_artifact_128, monkeypatch):
     factory = lambda: Engine(ref_artifact_128, device="cpu", disable_log_stats=True)  # noqa: E731
-    plain = run_app(build_app(factory, "m", log_stats=False), wait_healthy=True)
-    assert httpx.post(f"{plain}/reset_prefix_cache", timeout=60).status_code == 404  # vLLM's: a development endpoint
+    # vLLM's development endpoint: not routed (a 404) without VLLM_SERVER_DEV_MODE=1 (the app not served: no engine)
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    from fastapi.testclient import TestClient  # (outside `with`: no lifespan, no engine loaded)
+
+    assert TestClient(build_app(factory, "m", log_stats=False)).post("/reset_prefix_cache").status_code == 404
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
     dev = run_app(build_app(factory, "m", log_stats=False), wait_healthy=True)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}

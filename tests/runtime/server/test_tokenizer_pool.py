@@ -5,6 +5,7 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
+import pytest
 import httpx
 from transformers import AutoTokenizer
 
@@ -54,6 +55,7 @@ def test_prompts_are_tokenized_on_the_pool_threads(ref_model_dir):
         assert loop_thread not in tokenizer.threads  # pool 0: the default thread pool, never the loop
 
 
+@pytest.mark.slow  # for the default run's time (session 42)
 def test_a_server_with_a_tokenizer_pool_answers_as_one_without(start_server, server):
     pooled = start_server("--api-key", API_KEY, "--served-model-name", MODEL, "--disable-log-stats",
                           "--tokenizer-pool-size", "2")
