@@ -49,8 +49,6 @@ def check_prompt_embeds(embeds: object, hidden_size: int, where: str = "prompt_e
     if embeds.shape[1] != hidden_size:
         raise RequestError(f"{where}: rows of {embeds.shape[1]} values, but this model's hidden_size is {hidden_size}",
                            param="prompt_embeds")
-    if not bool(torch.isfinite(embeds).all()):
-        raise RequestError(f"{where}: holds inf or NaN values", param="prompt_embeds")
     return embeds
 
 
@@ -74,10 +72,14 @@ def decode_prompt_embeds(data: object, where: str = "prompt_embeds") -> Tensor:
 
 def prompt_rows(embeds: Tensor, device: torch.device, dtype: torch.dtype) -> tuple[list[int], ImageInputs]:
     """(the placeholder prompt, its rows as the forward takes them): every position a row, in `dtype` on `device`;
-    the digest covers the values as given and their shape."""
+    the digest covers the values as given and their shape. Rows that are not finite in `dtype` (inf, NaN, or beyond
+    its range) are refused, checked on `device` (on a GPU far cheaper than on the host: session 42)."""
     values = embeds.detach().contiguous().cpu()
-    digest = hashlib.sha256(b"prompt_embeds\x00" + str((values.dtype, tuple(values.shape))).encode()
-                            + values.view(torch.uint8).numpy().tobytes()).digest()
+    digest = hashlib.sha256(b"prompt_embeds\x00" + str((values.dtype, tuple(values.shape))).encode())
+    digest.update(memoryview(values.view(torch.uint8).numpy()))  # the bytes as they are, not copied
+    rows = values.to(device=device, dtype=dtype)
+    if not bool(torch.isfinite(rows).all()):
+        raise RequestError(f"prompt_embeds: holds inf or NaN values, or values beyond {dtype}'s range",
+                           param="prompt_embeds")
     num_tokens = values.shape[0]
-    rows = ImageInputs(list(range(num_tokens)), values.to(device=device, dtype=dtype), digest)
-    return [PLACEHOLDER_TOKEN_ID] * num_tokens, rows
+    return [PLACEHOLDER_TOKEN_ID] * num_tokens, ImageInputs(list(range(num_tokens)), rows, digest.digest())
