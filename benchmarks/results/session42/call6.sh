@@ -1,5 +1,6 @@
 # session 42, call 6, on an H200: prompts given as embeddings against the same prompts as token ids (bench_prompt_embeds.py)
 # on an 8-layer model of Llama-3.1-8B's widths, bf16: TTFT of one request and throughput of 64 x (512 + 64)
+# (call 6: the code before the finiteness check moved to the device; call 7: after)
 source benchmarks/gpu_env.sh
 repo=$PWD; work=/tmp/s42; mkdir -p $work
 [ -d $work/ck ] || python benchmarks/make_checkpoint.py --out $work/ck --layers 8 | tail -1
