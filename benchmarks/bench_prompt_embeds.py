@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (JSON value)")
+    parser.add_argument("--profile", action="store_true", help="cProfile one embeddings request of each --ttft-len "
+                                                                   "after its measures (the top 25 by cumulative time)")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -74,6 +76,16 @@ def main(argv=None) -> None:
         result["ttft_ms"][length] = {name: statistics.median(t) for name, t in times.items()}
         print(f"TTFT L={length}: ids {result['ttft_ms'][length]['ids']:.2f} ms, embeds "
               f"{result['ttft_ms'][length]['embeds']:.2f} ms", flush=True)
+        if args.profile:
+            import cProfile
+            import pstats
+
+            for name, prompt in (("ids", ids[0]), ("embeds", embeds[0])):
+                llm.reset_prefix_cache()
+                profiler = cProfile.Profile()
+                profiler.runcall(_timed, llm, [prompt], first)
+                print(f"--- profile L={length} {name}", flush=True)
+                pstats.Stats(profiler).sort_stats("cumulative").print_stats(25)
     ids, embeds = _prompts(llm, args.num_prompts, args.len, seed=1)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     rates = {"ids": [], "embeds": []}
