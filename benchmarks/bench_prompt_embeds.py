@@ -5,8 +5,8 @@ Two measures, each form alternating per round (median of --repeats):
 - time to first token of one request into an idle engine (a prompt of --ttft-len tokens, max_tokens 1);
 - output tokens/s of --num-prompts requests of --len prompt tokens and --max-tokens output tokens each.
 
-A prompt given as embeddings prefills eagerly (its steps carry rows no CUDA graph reads: runtime/prompt_embeds.py);
-decode steps replay their graphs either way.
+A prompt given as embeddings prefills through the piecewise graphs' row buffers (runtime/piecewise_graphs.py NOTE
+(rows); eagerly before session 42's change); decode steps replay their graphs either way.
 
     python -P benchmarks/bench_prompt_embeds.py ARTIFACT [--device cuda] [--json OUT]
 """

@@ -107,7 +107,8 @@ class ModelRunner:
                 self.pieces = MixedGraphs(self.model, piece_sizes, options.max_num_seqs, options.max_model_len,
                                           options.block_size, self.num_blocks, device)
             else:
-                self.pieces = PiecewiseGraphs(self.model, piece_sizes, self.num_blocks * options.block_size, device)
+                self.pieces = PiecewiseGraphs(self.model, piece_sizes, self.num_blocks * options.block_size, device,
+                                              takes_rows=self.takes_images)
             self.pieces.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
             self.pieces.log_capture(piece_allowance)
         if graph_sizes or piece_sizes:
@@ -153,8 +154,11 @@ class ModelRunner:
 
     def forward_hidden(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: the final norm's outputs [num_tokens, hidden_size] (a graph's output buffer,
-        valid until the next forward). A step with image rows runs eagerly (no graph reads them)."""
+        valid until the next forward). A step with image rows runs eagerly but where the piecewise graphs take
+        them (PiecewiseGraphs NOTE (rows))."""
         if forward_batch.image_rows is not None:
+            if getattr(self.pieces, "takes_rows", False) and self.pieces.can_run(forward_batch):
+                return self.pieces.run(input_ids, forward_batch)
             return self.model(input_ids, forward_batch)
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             return self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]

@@ -26,6 +26,12 @@ NOTE (sharing): the graphs share one memory pool with the decode graphs (runtime
 captured after them, largest size first. Graphs of one pool never run at the same time (one
 stream), and a graph's intermediates are dead once the next graph of the step starts.
 
+NOTE (rows): a runner whose prefill steps may carry rows in place of token embeddings (a vision model's image
+tokens, a prompt given as embeddings: ForwardBatch.image_rows) captures piece 0 with a `torch.where` over two more
+static buffers, a row mask and the rows (written by `load`, all-false in a step without rows), so that such steps
+replay the graphs too (they ran eagerly: a 16-token prompt given as embeddings took 3x the time to first token of
+its token ids on an 8-layer model, session 42); the attention between the pieces takes the step's key limits (Gemma 3).
+
 Not used by tensor/pipeline-parallel ranks, nor with cpu_offload_gb (its copies hang on the layers'
 forward hooks, which the pieces do not call), nor on a CPU.
 """
@@ -48,9 +54,12 @@ logger = logging.getLogger("llmc")
 class PiecewiseGraphs:
     """The cut graphs of one single-rank model runner, and their replay."""
 
-    def __init__(self, model: DecoderModel, sizes: list[int], scratch_slot: int, device: torch.device):
-        """The static buffers; `capture` captures the graphs (on a CPU, `piece` runs eagerly: tests)."""
+    def __init__(self, model: DecoderModel, sizes: list[int], scratch_slot: int, device: torch.device,
+                 takes_rows: bool = False):
+        """The static buffers; `capture` captures the graphs (on a CPU, `piece` runs eagerly: tests). `takes_rows`:
+        steps may carry rows in place of embeddings (NOTE (rows))."""
         self.model = model
+        self.takes_rows = takes_rows
         self.layers = list(model.layers.values())
         self.sizes = sorted(sizes)
         self.scratch_slot = scratch_slot
@@ -70,6 +79,9 @@ class PiecewiseGraphs:
         self.q = torch.zeros(top, *heads, dtype=dtype, device=device)  # each layer's rotated q
         self.attn = torch.zeros(top, *heads, dtype=dtype, device=device)  # each layer's attention output
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
+        if takes_rows:  # NOTE (rows)
+            self.row_mask = torch.zeros(top, 1, dtype=torch.bool, device=device)
+            self.rows = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.capture_seconds, self.graph_bytes = 0.0, 0
 
@@ -79,6 +91,8 @@ class PiecewiseGraphs:
         the residual stream for piece i + 1 (None after the last)."""
         if i == 0:
             x = self.model.embed_tokens(self.input_ids[:size])
+            if self.takes_rows:
+                x = torch.where(self.row_mask[:size], self.rows[:size], x)
         else:
             previous = self.layers[i - 1]
             x, residual = previous.feed_forward(previous.attn.output(self.attn[:size]), residual)
@@ -137,6 +151,12 @@ class PiecewiseGraphs:
         self.positions[:n].copy_(batch.positions)
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.slot_mapping[n:size].fill_(self.scratch_slot)
+        if self.takes_rows:
+            self.row_mask[:size].fill_(False)
+            if batch.image_rows is not None:
+                indices, rows = batch.image_rows
+                self.row_mask.index_fill_(0, indices, True)
+                self.rows.index_copy_(0, indices, self.model.input_rows(rows, self.rows.dtype))
         return size
 
     def run(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:

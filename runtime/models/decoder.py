@@ -129,7 +129,7 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
                                self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
-                               batch.kernel_cache, out=out, softcap=self.softcap)
+                               batch.kernel_cache, out=out, softcap=self.softcap, key_limits=batch.key_limits)
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, head_dim] → o's output [num_tokens, hidden_size] (all-reduced under TP)."""
@@ -263,11 +263,14 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if batch.image_rows is not None:  # image tokens take their images' rows (runtime/multimodal.py), and a
             indices, rows = batch.image_rows  # prompt given as embeddings its rows (runtime/prompt_embeds.py)
-            if self.input_embeds_scale is not None:
-                rows = rows * self.input_embeds_scale
-            x = x.index_copy(0, indices, rows.to(x.dtype))
+            x = x.index_copy(0, indices, self.input_rows(rows, x.dtype))
         x, residual = self.run_layers(x, None, batch)
         return self.final_norm(x, residual)
+
+    def input_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows given in place of token embeddings as the first layer takes them: times the embedding scale where the
+        family's forward scales given embeddings (input_embeds_scale), in `dtype`."""
+        return (rows if self.input_embeds_scale is None else rows * self.input_embeds_scale).to(dtype)
 
     def embed_tokens(self, input_ids: Tensor) -> Tensor:
         """input_ids [num_tokens] → [num_tokens, hidden_size]. Vocab-parallel: each rank looks up the

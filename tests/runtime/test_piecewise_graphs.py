@@ -115,6 +115,32 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
     step.assert_matches_eager(pieces.hidden[:n])
 
 
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_granite"])
+@torch.inference_mode()
+def test_the_cut_forward_takes_rows_in_place_of_embeddings(family, request, tmp_path, forward_step):
+    """Pieces made to take rows (PiecewiseGraphs NOTE (rows): a prompt given as embeddings, image tokens): a step whose
+    tokens 2-5 and 11 take given rows gives the model's eager forward with those rows (Granite's rows times its
+    embedding multiplier in both), and the next step without rows the plain forward again (the mask cleared)."""
+    step = MixedStep(family, request, tmp_path, forward_step)
+    n, hidden = step.batch.num_tokens, step.model.config.hidden_size
+    indices = torch.tensor([2, 3, 4, 5, 11])
+    rows = torch.randn(len(indices), hidden, generator=torch.Generator().manual_seed(3))
+    with_rows = dataclasses.replace(step.batch, image_rows=(indices, rows))
+    eager = step.model(step.input_ids, with_rows)
+    assert not torch.allclose(eager, step.eager, atol=1e-3)  # the rows change the step
+    for (k, v), saved in zip(step.runner.kv_caches, step.before):
+        k.copy_(saved[0])
+        v.copy_(saved[1])
+    pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"), takes_rows=True)
+    for batch, want in ((with_rows, eager), (step.batch, step.eager)):
+        size = pieces.load(step.input_ids, batch)
+        residual = pieces.piece(0, size, None)
+        for i, layer in enumerate(pieces.layers):
+            layer.attn.attend(pieces.q[:n], batch, out=pieces.attn[:n])
+            residual = pieces.piece(i + 1, size, residual)
+        torch.testing.assert_close(pieces.hidden[:n], want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_olmo2"])
 @torch.inference_mode()
 def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path, forward_step):

@@ -165,8 +165,8 @@ def test_the_servers_base64_form(tmp_path):
 
 @pytest.mark.gpu
 def test_on_cuda_with_graphs(artifacts, hf_model):
-    """On a GPU: the embeddings' prefill runs eagerly, the decode steps replay CUDA graphs; the tokens are
-    transformers' (float32 on the CPU)."""
+    """On a GPU: the embeddings' prefill replays the piecewise graphs (their rows through the row buffers), the decode
+    steps the decode graphs; the tokens are transformers' (float32 on the CPU)."""
     checkpoint, artifact = artifacts["llama"]
     hf = hf_model(checkpoint)
     embeds = [_embeds(hf, 37, seed=7), _embeds(hf, 3, seed=8)]
@@ -174,6 +174,7 @@ def test_on_cuda_with_graphs(artifacts, hf_model):
         assert llm.engine.runner.graphs is not None
         outputs = llm.generate([{"prompt_embeds": e} for e in embeds],
                                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0))
+        assert llm.engine.runner.pieces.takes_rows and llm.engine.runner.pieces.num_replays > 0  # the prefill's graphs
     for e, output in zip(embeds, outputs, strict=True):
         tokens, logprobs = _hf_greedy(hf, e, MAX_TOKENS)
         assert output.outputs[0].token_ids == tokens
