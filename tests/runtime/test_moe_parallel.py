@@ -30,7 +30,8 @@ def _greedy(artifact):
         return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2, "expert": 2}, {"tensor": 2}], ids=["ep2", "tp2"])
+@pytest.mark.parametrize("parallel", [pytest.param({"tensor": 2, "expert": 2}, id="ep2", marks=pytest.mark.slow),
+                                      pytest.param({"tensor": 2}, id="tp2")])  # ep2 with -m slow (session 42)
 def test_parallel_moe_matches_one_rank(parallel, tiny_qwen3_moe, tmp_path):
     one = _build(tiny_qwen3_moe, tmp_path / "one")
     split = _build(tiny_qwen3_moe, tmp_path / "split", **parallel)

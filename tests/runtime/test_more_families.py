@@ -264,7 +264,8 @@ def _check_against_transformers_on_its_weights(checkpoint, family, artifact, hf_
     assert got[0].outputs[0].token_ids == want
 
 
-@pytest.mark.parametrize("family", MORE_FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("olmo3", "olmoe", "granitemoe")
+                                    else f for f in MORE_FAMILIES])  # the shared-expert ones by default (session 42)
 def test_a_w8_build_runs_transformers_on_its_weights_next_to_the_float_model(family, checkpoints, continuation,
                                                                             tmp_path, hf_encode):
     """RTN W8 (groups of 32), every decoder linear and expert quantized (the shared expert's too): transformers' model

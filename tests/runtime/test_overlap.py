@@ -83,11 +83,11 @@ def _summary(results: dict) -> dict:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("options", [
-    {},
-    {"max_num_batched_tokens": 24},                 # prefill chunks
-    {"num_kv_blocks": 14, "max_num_batched_tokens": 48},  # preemption by recompute
-], ids=["plain", "chunked", "preemption"])
+@pytest.mark.parametrize("options", [  # plain with -m slow (the default run's time, session 42)
+    pytest.param({}, id="plain", marks=pytest.mark.slow),
+    pytest.param({"max_num_batched_tokens": 24}, id="chunked"),  # prefill chunks
+    pytest.param({"num_kv_blocks": 14, "max_num_batched_tokens": 48}, id="preemption"),  # preemption by recompute
+])
 def test_overlapped_equals_synchronous(artifact, device, options, free_gpu):
     aborts = {"r3": 1, "r9": 5}  # right after its first token, and mid-stream (n=1: a sibling of n=2 runs on)
     sync, sync_engine = _run(artifact, device, aborts, async_scheduling=False, **options)
@@ -140,7 +140,7 @@ def _staggered_run(artifact, seed: int, async_scheduling: bool, **options) -> di
     pytest.param({}, id="plain", marks=pytest.mark.slow),
     pytest.param({"max_num_batched_tokens": 24}, id="chunked"),
     pytest.param({"num_kv_blocks": 14, "max_num_batched_tokens": 48}, id="preemption"),
-    pytest.param({"enable_prefix_caching": True, "max_num_batched_tokens": 32}, id="prefix-cache"),
+    pytest.param({"enable_prefix_caching": True, "max_num_batched_tokens": 32}, id="prefix-cache", marks=pytest.mark.slow),
     pytest.param({"max_num_seqs": 3}, id="three-rows", marks=pytest.mark.slow),
 ])
 def test_overlapped_equals_synchronous_as_requests_arrive(artifact, seed, options):
@@ -231,8 +231,8 @@ def _random_run(artifact, seed: int, async_scheduling: bool, options: dict) -> d
     return summary
 
 
-@pytest.mark.parametrize("seed,options", [
-    (0, {}),
+@pytest.mark.parametrize("seed,options", [  # plain with -m slow (the default run's time, session 42)
+    pytest.param(0, {}, marks=pytest.mark.slow),
     (1, {"num_kv_blocks": 14, "max_num_batched_tokens": 48}),
     (2, {"enable_prefix_caching": True, "max_num_batched_tokens": 32}),
     (3, {"num_kv_blocks": 20, "max_num_batched_tokens": 32, "enable_prefix_caching": True,
