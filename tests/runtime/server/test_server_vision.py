@@ -27,25 +27,33 @@ def _chat(base_url: str, content, **body) -> httpx.Response:
 def test_chat_image_parts(llava, tmp_path, run_app, server_artifact):
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    artifact = build_float32(llava, tmp_path / "a", target={"device": "cpu"})
     picture = image(7)
     model = LlavaForConditionalGeneration.from_pretrained(str(llava), attn_implementation="eager").eval()
     prompt_ids, expected = hf_generate((model, AutoProcessor.from_pretrained(str(llava))), PROMPT, [picture], 6)
-    base_url = run_app(build_app(lambda: Engine(artifact, device="cpu", max_num_batched_tokens=16,
-                                                disable_log_stats=True), "m", log_stats=False), wait_healthy=True)
-    reply = _chat(base_url, [{"type": "image_url", "image_url": {"url": data_url(picture)}},
-                             {"type": "text", "text": "What is this?"}])
-    assert reply.status_code == 200, reply.text
-    body = reply.json()
-    assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == \
-        [model_token for model_token in _token_strings(llava, expected)]
-    assert body["usage"]["prompt_tokens"] == len(prompt_ids)  # the image's 16 tokens counted
+    base_url = _served_reply_is(run_app, llava, tmp_path, 16, picture, "What is this?", prompt_ids, expected)
     refused = _chat(base_url, [{"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}])
     assert refused.status_code == 400 and "http(s) image URLs are not fetched" in refused.json()["error"]["message"]
     text_only = run_app(build_app(lambda: Engine(server_artifact, device="cpu", disable_log_stats=True), "m",
                                   log_stats=False), wait_healthy=True)
     refused = _chat(text_only, [{"type": "image_url", "image_url": {"url": data_url(picture)}}])
     assert refused.status_code == 400 and "takes no images" in refused.json()["error"]["message"]
+
+
+def _served_reply_is(run_app, checkpoint, tmp_path, budget: int, picture, text: str, prompt_ids, expected) -> str:
+    """Serve the checkpoint's float32 build (max_num_batched_tokens `budget`) and check that a chat of `picture` and
+    `text` gives transformers' greedy tokens `expected`, its usage counting `prompt_ids` (the image's tokens
+    included); the server's base URL."""
+    artifact = build_float32(checkpoint, tmp_path / "a", target={"device": "cpu"})
+    base_url = run_app(build_app(lambda: Engine(artifact, device="cpu", max_num_batched_tokens=budget,
+                                                disable_log_stats=True), "m", log_stats=False), wait_healthy=True)
+    reply = _chat(base_url, [{"type": "image_url", "image_url": {"url": data_url(picture)}},
+                             {"type": "text", "text": text}])
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == \
+        _token_strings(checkpoint, expected)
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    return base_url
 
 
 def _token_strings(checkpoint, token_ids: list[int]) -> list[str]:
@@ -68,17 +76,8 @@ def test_gemma3_chat_image_parts(tmp_path, run_app):
     from tests.runtime.test_gemma3_vision import make_gemma3_checkpoint
 
     checkpoint = make_gemma3_checkpoint(tmp_path / "hf", seed=2)
-    artifact = build_float32(checkpoint, tmp_path / "a", target={"device": "cpu"})
     picture = image(8)
     model = Gemma3ForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
     prompt_ids, expected, _ = gemma_generate((model, AutoProcessor.from_pretrained(str(checkpoint))), GEMMA_PROMPT,
                                              [picture], 6)
-    base_url = run_app(build_app(lambda: Engine(artifact, device="cpu", max_num_batched_tokens=24,
-                                                disable_log_stats=True), "m", log_stats=False), wait_healthy=True)
-    reply = _chat(base_url, [{"type": "image_url", "image_url": {"url": data_url(picture)}},
-                             {"type": "text", "text": "Describe it."}])
-    assert reply.status_code == 200, reply.text
-    body = reply.json()
-    assert [entry["token"] for entry in body["choices"][0]["logprobs"]["content"]] == \
-        _token_strings(checkpoint, expected)
-    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    _served_reply_is(run_app, checkpoint, tmp_path, 24, picture, "Describe it.", prompt_ids, expected)
