@@ -78,9 +78,11 @@ def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
                                   f"sliding_attention, one per layer ({num_layers})")
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     elif config.get("model_type") == "qwen2_moe":  # Qwen2MoeConfig's own rule (every other layer below
-        # max_window_layers): published configs keep use_sliding_window false
-        raise CheckpointError("use_sliding_window: true without layer_types is not supported for Qwen2-MoE; give "
-                              "layer_types (one per layer) or set use_sliding_window false")
+        # max_window_layers), read from transformers' config class rather than restated here
+        from transformers import Qwen2MoeConfig
+
+        kinds = Qwen2MoeConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")}).layer_types
+        layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
     elif config.get("max_window_layers") is not None and config.get("model_type") in ("qwen2", "qwen3"):
         # (Qwen3-MoE's config carries the key too, but its attention windows every layer)
         layers = list(range(config["max_window_layers"], num_layers))

@@ -383,10 +383,17 @@ def test_olmoe_compressed_tensors_checkpoint_imports(checkpoints, tmp_path, hf_l
 
 
 @torch.inference_mode()
-def test_qwen2_moe_sliding_layers_from_layer_types(checkpoints, tmp_path, hf_logits, hf_encode):
-    """use_sliding_window with layer_types (sliding / full / sliding over 8 tokens): transformers' logits."""
-    checkpoint = make_hf_checkpoint(tmp_path / "hf", "qwen2_moe", use_sliding_window=True, sliding_window=8,
-                                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+@pytest.mark.parametrize("rule", [{"layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+                                  pytest.param({"max_window_layers": 3}, marks=pytest.mark.slow)],
+                         ids=["layer_types", "max_window_layers"])
+def test_qwen2_moe_sliding_layers_from_layer_types(checkpoints, tmp_path, hf_logits, hf_encode, rule):
+    """use_sliding_window with layer_types (sliding / full / sliding over 8 tokens), or without them Qwen2MoeConfig's own
+    rule (every other layer below max_window_layers: 0 and 2 of 3): transformers' logits."""
+    checkpoint = make_hf_checkpoint(tmp_path / "hf", "qwen2_moe", use_sliding_window=True, sliding_window=8, **rule)
+    if "max_window_layers" in rule:  # as older published configs are: no layer_types written (transformers writes them)
+        config = json.loads((checkpoint / "config.json").read_text())
+        del config["layer_types"]
+        (checkpoint / "config.json").write_text(json.dumps(config))
     artifact = build_float32(checkpoint, tmp_path / "a")
     assert read_manifest(artifact).model.sliding_window_layers == [0, 2]
     token_ids = _score_ids(checkpoint, hf_encode)
