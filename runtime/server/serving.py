@@ -20,6 +20,7 @@ from torch import Tensor
 from llmc.errors import RequestError
 
 from llmc.runtime.outputs import RequestOutput
+from llmc.runtime.prompt_embeds import check_prompt_embeds, decode_prompt_embeds
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineStopped, RequestFailed, RequestStream
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
@@ -237,6 +238,15 @@ class ServingContext:
             return encode_pair(self.tokenizer, text_1, text_2)
         except Exception as e:  # noqa: BLE001 - the tokenizer's own types
             raise invalid(param, f"cannot be tokenized: {type(e).__name__}: {e}") from None
+
+    async def decode_prompt_embeds_off_loop(self, data: object, where: str) -> Tensor:
+        """One base64 `prompt_embeds` item decoded and checked (runtime/prompt_embeds.py) on the tokenizer pool:
+        torch.load of a long prompt's rows (8 MB for 512 rows of 4096 floats) would hold the event loop."""
+        return await self._off_loop(self._decode_prompt_embeds, data, where)
+
+    def _decode_prompt_embeds(self, data: object, where: str) -> Tensor:
+        hidden_size = self.engine_loop.engine.manifest.model.hidden_size
+        return check_prompt_embeds(decode_prompt_embeds(data, where), hidden_size, where)
 
     async def render_chat_off_loop(self, messages: list[dict], options: dict | None = None) -> list[int]:
         """`render_chat` on the tokenizer pool (the default thread pool without one)."""

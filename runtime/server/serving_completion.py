@@ -16,7 +16,7 @@ from torch import Tensor
 
 from llmc.errors import RequestError
 from llmc.runtime.outputs import CompletionOutput, RequestOutput
-from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, decode_prompt_embeds
+from llmc.runtime.prompt_embeds import NOT_ENABLED
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, completion_logprobs, prompt_logprobs, sse,
@@ -49,7 +49,7 @@ async def create_completion(ctx: ServingContext, body: object, arrival_time: flo
 
 async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Prompt]:
     """The request's prompts: those sent as embeddings first (vLLM's order), then text and token-id ones."""
-    embedded = _embeds_prompts(ctx, request.prompt_embeds)
+    embedded = await _embeds_prompts(ctx, request.prompt_embeds)
     prompt = request.prompt
     if prompt is None or prompt == "" or prompt == []:
         return embedded
@@ -60,8 +60,9 @@ async def _prompts(ctx: ServingContext, request: CompletionRequest) -> list[_Pro
     return prompts
 
 
-def _embeds_prompts(ctx: ServingContext, prompt_embeds: str | list[str] | None) -> list[_Prompt]:
-    """Prompts sent as embeddings (runtime/prompt_embeds.py), refused unless the engine takes them."""
+async def _embeds_prompts(ctx: ServingContext, prompt_embeds: str | list[str] | None) -> list[_Prompt]:
+    """Prompts sent as embeddings (runtime/prompt_embeds.py), refused unless the engine takes them; decoded off the
+    event loop."""
     if not prompt_embeds:
         return []
     if not ctx.engine_loop.engine.options.enable_prompt_embeds:
@@ -69,14 +70,13 @@ def _embeds_prompts(ctx: ServingContext, prompt_embeds: str | list[str] | None) 
     items = [prompt_embeds] if isinstance(prompt_embeds, str) else prompt_embeds
     if len(items) > MAX_PROMPTS:
         raise invalid("prompt_embeds", f"at most {MAX_PROMPTS} prompts per request, got {len(items)}; split the request")
-    hidden_size = ctx.engine_loop.engine.manifest.model.hidden_size
     where = "prompt_embeds" if isinstance(prompt_embeds, str) else "prompt_embeds.{}"
     try:
-        return [_Prompt(None, check_prompt_embeds(decode_prompt_embeds(item, where.format(i)), hidden_size,
-                                                  where.format(i)))
-                for i, item in enumerate(items)]
+        rows = await asyncio.gather(*(ctx.decode_prompt_embeds_off_loop(item, where.format(i))
+                                      for i, item in enumerate(items)))
     except RequestError as e:
         raise ApiError(400, str(e), param="prompt_embeds") from None
+    return [_Prompt(None, r) for r in rows]
 
 
 async def _text_prompts(ctx: ServingContext, request: CompletionRequest, prompt) -> list[_Prompt]:
