@@ -274,9 +274,8 @@ class Engine:
             raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                                "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
         prompt_token_ids, inputs = self.vision.prompt_inputs(prompt_token_ids, images)
-        budget, name = self.options.max_num_batched_tokens, "max_num_batched_tokens"
-        if 0 < self.options.long_prefill_token_threshold < budget:
-            budget, name = self.options.long_prefill_token_threshold, "long_prefill_token_threshold"
+        budget = self.scheduler.config.max_chunk_tokens
+        name = "max_num_batched_tokens" if budget == self.options.max_num_batched_tokens else "long_prefill_token_threshold"
         if any(hi - lo > budget for lo, hi in inputs.spans):  # an image is prefilled in one chunk (scheduler)
             raise RequestError(f"an image of {max(hi - lo for lo, hi in inputs.spans)} tokens is more than "
                                f"{name} ({budget}): its tokens attend to each other and are prefilled "

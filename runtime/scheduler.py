@@ -60,6 +60,12 @@ class SchedulerConfig:
     max_loras: int = 1
     long_prefill_token_threshold: int = 0
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """The most tokens of one request a step may compute: the budget, capped by long_prefill_token_threshold."""
+        threshold = self.long_prefill_token_threshold
+        return min(self.max_num_batched_tokens, threshold) if threshold > 0 else self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
                      "num_blocks"):
@@ -298,10 +304,8 @@ class Scheduler:
             self.waiting.push_front(request)
 
     def _chunk_limit(self, budget: int) -> int:
-        """The most tokens one request may compute this step: the budget left, capped by
-        long_prefill_token_threshold where set."""
-        threshold = self.config.long_prefill_token_threshold
-        return min(budget, threshold) if threshold > 0 else budget
+        """The most tokens one request may compute this step: the budget left, capped as config.max_chunk_tokens."""
+        return min(budget, self.config.max_chunk_tokens)
 
     @staticmethod
     def _whole_images(request: Request, start: int, num_new_tokens: int) -> int:
