@@ -122,7 +122,7 @@ class _Emitter:
         if spec["format"] == "w8a8-int8":
             return self.int8_linear(x, module, params, bias)
         fmt = make_format(spec, torch.float32)
-        block = nbits_block_size(fmt, in_features) if spec["format"] != "dense" and spec["format"] != "w8a8-fp8" else None
+        block = nbits_block_size(fmt, in_features) if spec["format"] not in ("dense", "w8a8-fp8", "w8a8-fp8-block") else None
         if block is not None:
             packed = nbits_tensors(fmt, params, in_features, block)
             inputs = [x] + [self.g.const(f"{module}.{k}", v) for k, v in packed.items()]

@@ -136,7 +136,7 @@ def fallback_reason(spec: dict, in_features: int) -> str | None:
         return None
     if spec["format"] == "w8a8-int8":
         return None  # MatMulInteger (int8_tensors)
-    if spec["format"] == "w8a8-fp8":
+    if spec["format"] in ("w8a8-fp8", "w8a8-fp8-block"):
         return "fp8: no FP8 matmul on the CPU EP; float32 weights = FP8 values x scales, activations unquantized"
     fmt = make_format(spec, torch.float32)
     if nbits_block_size(fmt, in_features) is not None:

@@ -27,7 +27,7 @@ from llmc.compiler.moe_calibration import expert_input_absmax, gptq_experts, is_
 from llmc.compiler.recipe import QuantizationConfig
 from llmc.errors import RecipeError
 from llmc.quant.formats import DenseFormat, QuantizedWeight, num_groups_of
-from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight
+from llmc.quant.fp8 import AbsmaxObserver, quantize_fp8_weight, quantize_fp8_weight_block
 from llmc.quant.gptq import HessianAccumulator, float_target_weight, gptq_quantize
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
@@ -79,6 +79,8 @@ def plan_formats(quant: QuantizationConfig, spec: ModelSpec, config: ModelConfig
         if quant.method == "none" or _matches_all_or_none(quant.ignore, names, module):
             plan[module] = dense
             ignored.append(module)
+        elif quant.method == "fp8" and quant.weights == "block":
+            plan[module] = {"format": "w8a8-fp8-block", "block_size": [128, 128]}
         elif quant.method == "fp8":
             plan[module] = {"format": "w8a8-fp8", "is_per_channel": quant.weights == "per_channel",
                             "is_static_input": quant.activations == "static"}
@@ -185,6 +187,8 @@ def uses_gptq(quant: QuantizationConfig) -> bool:
 def quantize_rtn(weight: Tensor, fmt_spec: dict, scale_dtype: torch.dtype, clip_ratio=None) -> QuantizedWeight:
     if fmt_spec["format"] == "w8a8-fp8":
         return quantize_fp8_weight(weight, fmt_spec["is_per_channel"])
+    if fmt_spec["format"] == "w8a8-fp8-block":
+        return quantize_fp8_weight_block(weight, tuple(fmt_spec["block_size"]))
     p = int_weight_params(fmt_spec)
     return rtn_quantize(weight, p["bits"], p["group_size"], p["symmetric"], clip_ratio=clip_ratio,
                         scale_dtype=scale_dtype)

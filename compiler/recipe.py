@@ -55,8 +55,9 @@ class QuantizationConfig:
     ignore: list[str] = opt(["lm_head"], help="module name patterns left unquantized")
     overrides: list[QuantOverride] = opt([], help="per-module settings, first match wins")
     calibration: CalibrationConfig = opt(CalibrationConfig(), help="calibration data for gptq, awq, fp8 static")
-    weights: str = opt("per_channel", choices=["per_channel", "per_tensor"], help="fp8, int8: weight scale granularity "
-                                                                                  "(int8: per_channel only)")
+    weights: str = opt("per_channel", choices=["per_channel", "per_tensor", "block"], help=(
+        "fp8, int8: weight scale granularity (int8: per_channel only); fp8 block: one scale per 128 x 128 block of "
+        "the weights and per token and 128 inputs of the activations (llm-compressor's FP8_BLOCK, dynamic only)"))
     activations: str = opt("dynamic", choices=["dynamic", "static"], help="fp8, int8: per-token dynamic or calibrated "
                                                                           "static (int8: dynamic only)")
     algorithm: str = opt("rtn", choices=["rtn", "gptq"], help="int8: how the weights are rounded: to nearest, or GPTQ "
@@ -266,6 +267,9 @@ def _check(recipe: Recipe, given_runtime: dict) -> None:
     data = quant.calibration.data
     if quant.method == "int8":
         _check_int8(recipe)
+    if quant.method == "fp8" and quant.weights == "block" and quant.activations == "static":
+        raise RecipeError("quantization.activations: static with weights: block is not supported; block-scaled FP8 "
+                          "quantizes the activations per token and 128 inputs at run time (dynamic)")
     if quant.method in ("gptq", "awq") or (quant.method == "fp8" and quant.activations == "static"):
         if data is None:
             raise RecipeError(f"quantization.calibration.data: method {quant.method} needs a calibration text file")

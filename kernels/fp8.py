@@ -159,3 +159,59 @@ def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Ten
         scale_b = scale_b.expand(1, out_features).contiguous()
     y = torch._scaled_mm(x2, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
     return y.reshape(*x_fp8.shape[:-1], out_features)
+
+
+# w8a8-fp8-block: weights with one scale per (row, group_size columns), from 128 x 128 blocks; activations
+# quantized per token and group_size columns (DeepSeek-V3's, Qwen3's and llm-compressor's FP8_BLOCK scheme).
+
+def expand_group_scales(scale: Tensor, group_size: int, size: int) -> Tensor:
+    """scale [..., G] → [..., size]: each column's scale (column i takes group i // group_size)."""
+    return scale.repeat_interleave(group_size, dim=-1)[..., :size]
+
+
+def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """x [..., K] → (fp8 [..., K], scale [..., ceil(K / group_size)] float32): scale = max(absmax / 448,
+    MIN_SCALE) of each token's group of group_size columns (a last partial group has its own). On CUDA, where
+    the groups tile K, the per-token kernel quantizes each group as a row of its own."""
+    size = x.shape[-1]
+    groups = -(-size // group_size)
+    if can_use_triton(x) and size % group_size == 0:
+        from . import fp8_triton
+
+        values, scale = fp8_triton.quantize_fp8_per_token(x.reshape(*x.shape[:-1], groups, group_size), MIN_SCALE)
+        return values.reshape(x.shape), scale.reshape(*x.shape[:-1], groups)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - size))
+    absmax = padded.reshape(*x.shape[:-1], groups, group_size).abs().amax(dim=-1)
+    scale = (absmax / FP8_E4M3_MAX).clamp(min=MIN_SCALE)  # [..., G]
+    return cast_to_fp8(x, expand_group_scales(scale, group_size, size)), scale
+
+
+def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int,
+                     bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """y [..., N] in out_dtype = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, the scales per group_size
+    columns: x_scale [..., G], weight_scale [N, G]. The Triton kernel on FP8 tensor cores (each K chunk's product
+    scaled into a float32 accumulator), float32 math elsewhere."""
+    size, out_features = x_fp8.shape[-1], weight.shape[0]
+    x2, s2 = x_fp8.reshape(-1, size), x_scale.reshape(-1, x_scale.shape[-1]).float()
+    if not (has_fp8_tensor_cores(x_fp8) and is_triton_installed()):
+        a = x2.float() * expand_group_scales(s2, group_size, size)
+        y = a @ (weight.float() * expand_group_scales(weight_scale.float(), group_size, size)).T
+        y = y + bias.float() if bias is not None else y
+        return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
+    from .fp8_triton import fp8_linear_small_m
+
+    kernel = select_fp8_block_kernel(x2.shape[0], size, out_features)
+    y = fp8_linear_small_m(x2.contiguous(), s2, weight, weight_scale.float(), bias, out_dtype, group_size=group_size,
+                           **kernel)
+    return y.reshape(*x_fp8.shape[:-1], out_features)
+
+
+def select_fp8_block_kernel(num_tokens: int, in_features: int, out_features: int) -> dict:
+    """The Triton kernel's tiles for w8a8-fp8-block (block_k is cut to the group in the kernel): the per-channel
+    kernel's few-token tiles up to 64 tokens, then 64- and 128-token tiles."""
+    if num_tokens <= 64:
+        tiles = select_fp8_kernel(num_tokens, in_features, out_features)
+        if tiles != SCALED_MM:
+            return tiles
+    block_m = 16 if num_tokens <= 16 else 64 if num_tokens <= 64 else 128
+    return _tiles(block_m, 128, 128, 1, 8 if block_m >= 64 else 4, 3)

@@ -12,6 +12,8 @@ traffic is the 16-bit row in, the fp8 row and one float32 scale out.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -116,13 +118,16 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
 @triton.jit
 def _fp8_small_m_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, k_per_split,
-    stride_om, stride_split,
+    stride_om, stride_split, stride_xs, stride_ws,
     W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
 ):
     """W8A8 for a few tokens on FP8 tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M]
     = w @ xq.T, so the weight rows fill the MMA's 64-row side and the tokens its narrow side (where
-    torch._scaled_mm pads the tokens to a full tile). xq, xs: the per-token quantization above."""
+    torch._scaled_mm pads the tokens to a full tile). xq, xs: the per-token quantization above.
+    GROUP > 0 (w8a8-fp8-block): scales per GROUP columns, xs [M, K / GROUP] (token stride stride_xs) and ws
+    [N, K / GROUP] (row stride stride_ws); each BLOCK_K chunk (within one group: GROUP % BLOCK_K == 0) is
+    scaled by its group's scales on the way into the float32 accumulator."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -135,13 +140,22 @@ def _fp8_small_m_kernel(
         k_mask = k0 + offs_k < K
         w = tl.load(w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         xq = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(w, tl.trans(xq), acc)
-    if W_SCALE_PER_ROW:
-        w_scale = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+        if GROUP > 0:
+            group = k0 // GROUP
+            w_scale = tl.load(ws_ptr + offs_n * stride_ws + group, mask=n_mask, other=0.0)
+            x_scale = tl.load(xs_ptr + offs_m * stride_xs + group, mask=m_mask, other=0.0)
+            acc += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
+        else:
+            acc = tl.dot(w, tl.trans(xq), acc)
+    if GROUP > 0:
+        y = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     else:
-        w_scale = tl.zeros((BLOCK_N,), tl.float32) + tl.load(ws_ptr)
-    x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
-    y = tl.trans(acc * w_scale[:, None] * x_scale[None, :])  # [BLOCK_M, BLOCK_N]
+        if W_SCALE_PER_ROW:
+            w_scale = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)
+        else:
+            w_scale = tl.zeros((BLOCK_N,), tl.float32) + tl.load(ws_ptr)
+        x_scale = tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)
+        y = tl.trans(acc * w_scale[:, None] * x_scale[None, :])  # [BLOCK_M, BLOCK_N]
     out_mask = m_mask[:, None] & n_mask[None, :]
     if IS_SPLIT and SUM_SPLITS > 0:  # the last split of the tile sums them (split_k_triton)
         store_split(y, out_ptr, final_ptr, bias_ptr, counter_ptr, offs_m, offs_n, m_mask, n_mask, stride_om,
@@ -157,11 +171,15 @@ def _fp8_small_m_kernel(
 def fp8_linear_small_m(
     x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, out_dtype: torch.dtype,
     block_n: int = 64, block_k: int = 128, split_k: int = 1, num_warps: int = 4, num_stages: int = 3,
-    block_m: int = 16,
+    block_m: int = 16, group_size: int = 0,
 ) -> Tensor:
     """x_fp8 [M, K] contiguous, x_scale [M, 1] (from quantize_fp8_per_token) → [M, N] in out_dtype:
-    the product torch._scaled_mm computes, for a few tokens."""
+    the product torch._scaled_mm computes, for a few tokens. group_size > 0 (w8a8-fp8-block): x_scale [M, G]
+    and weight_scale [N, G] hold one scale per group_size columns (G = ceil(K / group_size)); block_k is cut
+    to divide the group."""
     M, K = x_fp8.shape
+    if group_size:
+        block_k = math.gcd(block_k, group_size)
     N = weight.shape[0]
     tiles_n, tiles_m = triton.cdiv(N, block_n), triton.cdiv(M, block_m)
     blocks_per_split, split_k, out, target, counters = plan_splits(triton.cdiv(K, block_k), split_k, M, N, x_fp8,
@@ -171,8 +189,9 @@ def fp8_linear_small_m(
     _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, out,
         counters if counters is not None else out, M, N, K, k_per_split, N if is_split else out.stride(0), M * N,
+        x_scale.stride(0), weight_scale.stride(0),
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
-        SUM_SPLITS=split_k if counters is not None else 0,
+        SUM_SPLITS=split_k if counters is not None else 0, GROUP=group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(x_fp8.device),
     )

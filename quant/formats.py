@@ -42,7 +42,8 @@ class QuantizedWeight:
     """A quantized weight in plain, unpacked form: the meeting point of algorithms, importers and formats.
 
     Integer formats: w[o, i] = (qweight[o, i] - zeros[o, g_idx[i]]) * scales[o, g_idx[i]].
-    FP8: w[o, i] = qweight[o, i].float() * scales[o, 0]  (per-channel) or * scales[0, 0] (per-tensor).
+    FP8: w[o, i] = qweight[o, i].float() * scales[o, 0]  (per-channel) or * scales[0, 0] (per-tensor);
+    FP8 in blocks: * scales[o, i // group_size].
     """
 
     qweight: Tensor  # [out_features, in_features] int32 levels in [0, 2**bits) (int) | float8_e4m3fn (fp8)
@@ -370,11 +371,11 @@ class _IntFormatOfBits:
 
 
 @functools.cache
-def _log_fp8_reference_path(device_type: str) -> None:
+def _log_fp8_reference_path(device_type: str, name: str = "w8a8-fp8") -> None:
     logger.warning(
-        "w8a8-fp8 on %s has no FP8 matmul: running the reference path "
+        "%s on %s has no FP8 matmul: running the reference path "
         "(weights dequantized, activations still quantized to fp8)",
-        device_type,
+        name, device_type,
     )
 
 
@@ -471,6 +472,75 @@ class Fp8Format:
 
 
 @dataclass(frozen=True)
+class Fp8BlockFormat:
+    """`w8a8-fp8-block`: E4M3 weights quantized in blocks of block_size = (rows, columns), 128 x 128 by default
+    (DeepSeek-V3's, Qwen3's FP8 checkpoints, llm-compressor's FP8_BLOCK), and E4M3 activations quantized per
+    token and per `columns` inputs at run time.
+
+    y = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, each scale applying to its group of `columns`
+    inputs. The weight scales are stored per row (the rows of one block repeat its scale), so fused q/k/v and
+    gate/up rows, and tensor-parallel shards of them, need not fall on block edges.
+
+    Tensors:
+      weight        float8_e4m3fn [out, in]
+      weight_scale  float32 [out, ceil(in / columns)]
+    """
+
+    dtype: torch.dtype
+    block_size: tuple[int, int] = (128, 128)
+    name: str = "w8a8-fp8-block"
+
+    @classmethod
+    def from_spec(cls, params: dict, dtype: torch.dtype) -> "Fp8BlockFormat":
+        if unknown := sorted(set(params) - {"block_size"}):
+            raise RecipeError(f"unknown w8a8-fp8-block field(s) {unknown}; known: ['block_size']")
+        block = params.get("block_size", (128, 128))
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block)):
+            raise RecipeError(f"w8a8-fp8-block block_size {block!r}: give [rows, columns], powers of two >= 16")
+        return cls(dtype, tuple(block))
+
+    @property
+    def group_size(self) -> int:
+        """Inputs per scale (the block's columns)."""
+        return self.block_size[1]
+
+    def spec(self) -> dict:
+        return {"format": self.name, "block_size": list(self.block_size)}
+
+    def param_specs(self, in_features: int, out_features: int) -> dict[str, TensorSpec]:
+        return {"weight": TensorSpec((out_features, in_features), FP8_DTYPE),
+                "weight_scale": TensorSpec((out_features, -(-in_features // self.group_size)), torch.float32)}
+
+    def pack(self, q: QuantizedWeight) -> dict[str, Tensor]:
+        groups = -(-q.in_features // self.group_size)
+        if q.qweight.dtype != FP8_DTYPE or q.group_size != self.group_size or tuple(q.scales.shape) != (q.out_features, groups):
+            raise RecipeError(f"a {q.qweight.dtype} weight with scales {tuple(q.scales.shape)} (group_size {q.group_size}) "
+                              f"cannot be packed into w8a8-fp8-block {list(self.block_size)}: it holds fp8 weights with "
+                              f"scales [{q.out_features}, {groups}]")
+        return {"weight": q.qweight.contiguous(), "weight_scale": q.scales.float().contiguous()}
+
+    def dequantize(self, params: dict[str, Tensor], in_features: int | None = None) -> Tensor:
+        """Weights [out, in] float32."""
+        weight = params["weight"]
+        return weight.float() * fp8_kernels.expand_group_scales(params["weight_scale"].float(), self.group_size,
+                                                                weight.shape[1])
+
+    def quantize_input(self, x: Tensor, params: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        """(x_fp8 [..., in], x_scale [..., ceil(in / columns)])."""
+        return fp8_kernels.quantize_fp8_per_token_group(x, self.group_size)
+
+    def note_device(self, params: dict[str, Tensor]) -> None:
+        if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
+            _log_fp8_reference_path(params["weight"].device.type, self.name)
+
+    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        x_fp8, x_scale = self.quantize_input(x, params)
+        return fp8_kernels.fp8_block_matmul(x_fp8, x_scale, params["weight"], params["weight_scale"], self.group_size,
+                                            bias, x.dtype)
+
+
+@dataclass(frozen=True)
 class Int8W8A8Format:
     """`w8a8-int8`: int8 weights, symmetric, one scale per output channel; activations int8, symmetric,
     one scale per token computed at run time (llm-compressor's W8A8 scheme, vLLM's dynamic int8).
@@ -527,6 +597,7 @@ class Int8W8A8Format:
 _FORMATS: dict[str, object] = {
     "dense": DenseFormat,
     "w8a8-fp8": Fp8Format,
+    "w8a8-fp8-block": Fp8BlockFormat,
     "w8a8-int8": Int8W8A8Format,
     **{name: _IntFormatOfBits(bits) for bits, name in INT_FORMAT_NAMES.items()},
 }

@@ -11,11 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmc.quant.formats import DenseFormat, Fp8Format, Int8W8A8Format, IntWeightFormat, LinearFormat, QuantizedWeight
+from llmc.kernels.fp8 import expand_group_scales
+from llmc.quant.formats import (DenseFormat, Fp8BlockFormat, Fp8Format, Int8W8A8Format, IntWeightFormat, LinearFormat,
+                                QuantizedWeight)
 
 
 def dequantize_weight(q: QuantizedWeight) -> Tensor:
     """The plain form's weight [out, in] float32 (the definition in QuantizedWeight's docstring)."""
+    if q.qweight.dtype == torch.float8_e4m3fn and q.group_size != -1:  # blocks: scales [out, groups]
+        return q.qweight.float() * expand_group_scales(q.scales.float(), q.group_size, q.in_features)
     if q.qweight.dtype == torch.float8_e4m3fn:
         return q.qweight.float() * q.scales.float()  # scales [out, 1] or [1, 1] broadcast
     if q.g_idx is not None:
@@ -68,6 +72,8 @@ def dequantize(fmt: LinearFormat, params: dict[str, Tensor], in_features: int | 
         return params["weight"].float()
     if isinstance(fmt, (Fp8Format, Int8W8A8Format)):
         return params["weight"].float() * params["weight_scale"].float()
+    if isinstance(fmt, Fp8BlockFormat):
+        return fmt.dequantize(params)
     if isinstance(fmt, IntWeightFormat):
         return _dequantize_int(fmt, params, in_features or _infer_in_features(fmt, params))
     raise TypeError(f"no reference for format {fmt.name!r}")
@@ -88,6 +94,12 @@ def reference_linear(fmt: LinearFormat, x: Tensor, params: dict[str, Tensor], bi
         x_fp8, x_scale = fmt.quantize_input(x, params)  # [..., in], [..., 1] or [1]
         accumulated = x_fp8.float() @ params["weight"].float().T  # [..., out]: what tensor cores sum
         y = accumulated * x_scale * params["weight_scale"].float().reshape(1, -1)
+    elif isinstance(fmt, Fp8BlockFormat):  # each group's scales applied to its columns, summed in float64
+        x_fp8, x_scale = fmt.quantize_input(x, params)  # [..., in], [..., groups]
+        columns = x_fp8.shape[-1]
+        x_values = x_fp8.double() * expand_group_scales(x_scale.double(), fmt.group_size, columns)
+        w_values = params["weight"].double() * expand_group_scales(params["weight_scale"].double(), fmt.group_size, columns)
+        y = (x_values @ w_values.T).float()
     elif isinstance(fmt, Int8W8A8Format):
         x_int8, x_scale = int8_per_token(x)  # [..., in] float64 integers, [..., 1]
         accumulated = x_int8 @ params["weight"].double().T  # [..., out]: exact in float64

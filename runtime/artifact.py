@@ -57,9 +57,11 @@ from llmc.schema import opt, parse
 # 1.15: OLMo 3, OLMoE, Granite MoE (plain and shared), Qwen2-MoE (families olmo3, olmoe, granitemoe,
 #      granitemoeshared, qwen2_moe) and an MoE layer's shared expert (model.shared_expert_intermediate_size,
 #      shared_expert_gate; its linears moe.shared.gate_up / moe.shared.down); older manifests load without them.
-FORMAT_VERSION = "1.15"
+# 1.16: the w8a8-fp8-block linear format (FP8 weights in 128 x 128 blocks, scales stored per row and 128 inputs;
+#      activations per token and 128 inputs at run time); older manifests do not have it (an older llmc refuses it).
+FORMAT_VERSION = "1.16"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15")
+                         "1.13", "1.14", "1.15", "1.16")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"

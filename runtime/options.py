@@ -178,7 +178,7 @@ def _check_vllm_quantization(manifest: art.Manifest, method) -> None:
         raise ConfigError(f"quantization {method!r} is not one of vLLM's quantization methods; drop it (an artifact "
                           "is quantized at build time, by the recipe's quantization.method)")
     formats = {spec.get("format", "dense") for spec in manifest.quant.modules.values()} - {"dense"}
-    kinds = {{"w8a8-fp8": "fp8", "w8a8-int8": "int8"}.get(name, "int") for name in formats}
+    kinds = {{"w8a8-fp8": "fp8", "w8a8-fp8-block": "fp8", "w8a8-int8": "int8"}.get(name, "int") for name in formats}
     accepted = {"int": _VLLM_INT_WEIGHT_METHODS, "fp8": _VLLM_FP8_METHODS, "int8": _VLLM_INT8_METHODS}
     if kinds and all(method in accepted[kind] for kind in kinds):
         return
