@@ -423,6 +423,13 @@ def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     return (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
 
 
+def fp8_per_token_group(x: torch.Tensor, group_size: int = 128) -> torch.Tensor:
+    """x with each token's groups of `group_size` columns rounded to E4M3 at scale amax / 448 of the group (the
+    block-scaled FP8 GEMM's activations, vLLM's per_token_group_quant_fp8), dequantized."""
+    parts = [fp8_per_token(part) for part in x.split(group_size, dim=-1)]
+    return torch.cat(parts, dim=-1)
+
+
 def int8_per_token(x: torch.Tensor) -> torch.Tensor:
     """x with each token rounded to int8 at scale amax / 127 (vLLM's dynamic per-token int8: round half to even,
     ±127), dequantized: what a w8a8-int8 linear's activation quantization does, for transformers oracles."""

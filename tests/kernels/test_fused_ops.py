@@ -357,3 +357,28 @@ def test_fp8_small_m_kernel_matches_float64(device, rel_err, num_tokens, k, n, i
     y = fp8_linear_small_m(*args, torch.float16, block_n=32, block_k=64, split_k=split_k, block_m=block_m)
     assert y.shape == (num_tokens, n) and y.dtype == torch.float16
     assert rel_err(y.cpu(), expected) < 1e-3
+
+
+@pytest.mark.parametrize("num_tokens,k,n,group,block_k,split_k,block_m", [
+    (1, 256, 48, 128, 64, 1, 16), (3, 320, 40, 64, 64, 3, 16), (17, 192, 72, 32, 64, 2, 16), (40, 384, 56, 128, 256, 1, 32),
+])
+def test_fp8_kernel_with_group_scales_matches_float64(device, rel_err, num_tokens, k, n, group, block_k, split_k,
+                                                      block_m) -> None:
+    """The W8A8 Triton kernel with one scale per `group` columns of each token and each weight row (w8a8-fp8-block;
+    split K, partial tiles and groups, a K chunk larger than the group cut to it) against the float64 product of
+    the same operands."""
+    from llmc.kernels.fp8 import expand_group_scales, quantize_fp8_per_token_group
+    from llmc.kernels.fp8_triton import fp8_linear_small_m
+
+    x = torch.randn(num_tokens, k) * torch.linspace(0.1, 5, k)
+    x_fp8, x_scale = quantize_fp8_per_token_group(x, group)
+    w_scale = torch.rand(n, -(-k // group)) * 0.01 + 1e-3
+    w_fp8 = (torch.randn(n, k) / expand_group_scales(w_scale, group, k)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    bias = torch.randn(n)
+    expected = ((x_fp8.double() * expand_group_scales(x_scale.double(), group, k))
+                @ (w_fp8.double() * expand_group_scales(w_scale.double(), group, k)).T + bias.double())
+    args = [t.to(device) for t in (x_fp8, x_scale, w_fp8, w_scale, bias.half())]
+    y = fp8_linear_small_m(*args, torch.float16, block_n=32, block_k=block_k, split_k=split_k, block_m=block_m,
+                           group_size=group)
+    assert y.shape == (num_tokens, n) and y.dtype == torch.float16
+    assert rel_err(y.cpu(), expected) < 1e-3

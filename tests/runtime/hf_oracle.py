@@ -12,7 +12,7 @@ from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.models import spec_for_family
-from tests.conftest import fp8_per_token, int8_per_token
+from tests.conftest import fp8_per_token, fp8_per_token_group, int8_per_token
 
 
 def build_float32(checkpoint, out, **recipe):
@@ -70,14 +70,15 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
 
 def hf_model_on_weights_of(checkpoint, artifact, method: str):
     """transformers' model of `checkpoint` (float32, eager attention) holding `artifact`'s weights (hf_state_of);
-    for an FP8 build each decoder linear's input rounded to E4M3 per token, as its dynamic activations are."""
+    for an FP8 build each decoder linear's input rounded to E4M3 per token (per token and 128 columns for a block-scaled
+    one: method "fp8-block"), as its dynamic activations are."""
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(hf_state_of(artifact, read_hf_config(checkpoint)), strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, or the artifact's
     oracle.eval()
-    rounding = {"fp8": fp8_per_token, "int8": int8_per_token}.get(method)
+    rounding = {"fp8": fp8_per_token, "fp8-block": fp8_per_token_group, "int8": int8_per_token}.get(method)
     if rounding is not None:
         for name, module in oracle.named_modules():
             if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
@@ -108,7 +109,7 @@ def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantizatio
         quantization["method"] == "int8" and (quantization.get("algorithm") == "gptq" or quantization.get("smoothquant")))
     out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
         **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"])
+    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"] + ("-block" if quantization.get("weights") == "block" else ""))
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
     llm = LLM(out, device="cpu", max_num_batched_tokens=16)
     with torch.inference_mode():
