@@ -140,3 +140,28 @@ def test_a_block_build_matches_transformers_on_its_weights(llama_256, tmp_path, 
     assert float((error < 1e-4).float().mean()) >= 0.7 and float(error.max()) < 2.0, error
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
     assert got[0].outputs[0].token_ids == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_a_block_artifact_on_cuda_agrees_with_the_cpu(llama_256, tmp_path, hf_encode, free_gpu) -> None:
+    """A float32 block build on CUDA (the Triton kernel on FP8 tensor cores, under CUDA graphs) against the same
+    artifact on the CPU's float32 path: cosine of the logits as the int8 artifact's test bounds it, and greedy
+    tokens equal."""
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+    from tests.runtime.hf_oracle import build_float32
+
+    out = build_float32(llama_256, tmp_path / "q", quantization={"method": "fp8", "weights": "block", "report": False})
+    token_ids = hf_encode(llama_256, "Once upon a time, in a land far away, there lived") + list(range(100, 140))
+    prompts = [{"prompt_token_ids": hf_encode(llama_256, p)} for p in ("The quick brown fox", "Once upon a time")]
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    with LLM(out, device="cpu") as llm:
+        cpu = llm.engine.score(token_ids).float()
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    with LLM(out, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16) as llm:
+        gpu = llm.engine.score(token_ids).float().cpu()
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # decode steps: CUDA graph replays
+    cosine = torch.nn.functional.cosine_similarity(gpu, cpu, dim=-1)
+    assert cosine.min() > 0.99 and cosine.mean() > 0.999, (cosine.min(), cosine.mean())
+    assert got == want
