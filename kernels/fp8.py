@@ -171,15 +171,15 @@ def expand_group_scales(scale: Tensor, group_size: int, size: int) -> Tensor:
 
 def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """x [..., K] → (fp8 [..., K], scale [..., ceil(K / group_size)] float32): scale = max(absmax / 448,
-    MIN_SCALE) of each token's group of group_size columns (a last partial group has its own). On CUDA, where
-    the groups tile K, the per-token kernel quantizes each group as a row of its own."""
+    MIN_SCALE) of each token's group of group_size columns (a last partial group has its own). On CUDA one
+    Triton kernel, whose scales come with strides (1, tokens) for a 2-D x (what cuBLAS's block-scaled GEMM reads)."""
     size = x.shape[-1]
     groups = -(-size // group_size)
-    if can_use_triton(x) and size % group_size == 0:
+    if can_use_triton(x):
         from . import fp8_triton
 
-        values, scale = fp8_triton.quantize_fp8_per_token(x.reshape(*x.shape[:-1], groups, group_size), MIN_SCALE)
-        return values.reshape(x.shape), scale.reshape(*x.shape[:-1], groups)
+        values, scale = fp8_triton.quantize_fp8_per_token_group(x.reshape(-1, size), group_size, MIN_SCALE)
+        return values.reshape(x.shape), scale if x.dim() == 2 else scale.reshape(*x.shape[:-1], groups)
     padded = torch.nn.functional.pad(x.float(), (0, groups * group_size - size))
     absmax = padded.reshape(*x.shape[:-1], groups, group_size).abs().amax(dim=-1)
     scale = (absmax / FP8_E4M3_MAX).clamp(min=MIN_SCALE)  # [..., G]
@@ -187,31 +187,54 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
 
 
 def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int,
-                     bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+                     bias: Tensor | None, out_dtype: torch.dtype, weight_scale_blocks: Tensor | None = None) -> Tensor:
     """y [..., N] in out_dtype = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, the scales per group_size
-    columns: x_scale [..., G], weight_scale [N, G]. The Triton kernel on FP8 tensor cores (each K chunk's product
-    scaled into a float32 accumulator), float32 math elsewhere."""
+    columns: x_scale [..., G], weight_scale [N, G]. On FP8 tensor cores: up to BLOCK_CUBLAS_MIN_TOKENS tokens (and
+    where cuBLAS cannot) the Triton kernel, each K chunk's product scaled into a float32 accumulator; more tokens
+    cuBLAS's block-scaled GEMM (1 x 128 activation scales, 128 x 128 weight scales: weight_scale_blocks
+    [N / 128, G], `block_scales`). Float32 math elsewhere."""
     size, out_features = x_fp8.shape[-1], weight.shape[0]
-    x2, s2 = x_fp8.reshape(-1, size), x_scale.reshape(-1, x_scale.shape[-1]).float()
+    x2, s2 = x_fp8.reshape(-1, size), x_scale.reshape(-1, x_scale.shape[-1])
     if not (has_fp8_tensor_cores(x_fp8) and is_triton_installed()):
-        a = x2.float() * expand_group_scales(s2, group_size, size)
+        a = x2.float() * expand_group_scales(s2.float(), group_size, size)
         y = a @ (weight.float() * expand_group_scales(weight_scale.float(), group_size, size)).T
         y = y + bias.float() if bias is not None else y
         return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
+    if x2.shape[0] > BLOCK_CUBLAS_MIN_TOKENS and weight_scale_blocks is not None:
+        if s2.stride(0) != 1:  # cuBLAS reads each group's scales contiguous over the tokens
+            s2 = s2.t().contiguous().t()
+        y = torch._scaled_mm(x2, weight.t(), scale_a=s2, scale_b=weight_scale_blocks.t(), out_dtype=out_dtype)
+        y = y + bias if bias is not None else y
+        return y.reshape(*x_fp8.shape[:-1], out_features)
     from .fp8_triton import fp8_linear_small_m
 
     kernel = select_fp8_block_kernel(x2.shape[0], size, out_features)
-    y = fp8_linear_small_m(x2.contiguous(), s2, weight, weight_scale.float(), bias, out_dtype, group_size=group_size,
-                           **kernel)
+    y = fp8_linear_small_m(x2.contiguous(), s2, weight, weight_scale, bias, out_dtype, group_size=group_size, **kernel)
     return y.reshape(*x_fp8.shape[:-1], out_features)
 
 
+BLOCK_CUBLAS_MIN_TOKENS = 16  # above: cuBLAS's block-scaled GEMM (benchmarks/RESULTS.md, session 43)
+
+
+def block_scales(weight_scale: Tensor, group_size: int) -> Tensor | None:
+    """weight_scale [N, G] (per row) → [N / 128, G], one row per 128-row block, for cuBLAS's 128 x 128 weight scales;
+    None where it cannot take them: group_size not 128, N not a multiple of 128, or rows of a 128-row block that
+    do not share their scales (an import's or a build's blocks of another height)."""
+    rows = weight_scale.shape[0]
+    if group_size != 128 or rows % 128:
+        return None
+    blocks = weight_scale[::128]
+    if not torch.equal(weight_scale.reshape(rows // 128, 128, -1), blocks[:, None, :].expand(-1, 128, -1)):
+        return None
+    return blocks.contiguous()
+
+
 def select_fp8_block_kernel(num_tokens: int, in_features: int, out_features: int) -> dict:
-    """The Triton kernel's tiles for w8a8-fp8-block (block_k is cut to the group in the kernel): the per-channel
-    kernel's few-token tiles up to 64 tokens, then 64- and 128-token tiles."""
-    if num_tokens <= 64:
-        tiles = select_fp8_kernel(num_tokens, in_features, out_features)
-        if tiles != SCALED_MM:
-            return tiles
-    block_m = 16 if num_tokens <= 16 else 64 if num_tokens <= 64 else 128
-    return _tiles(block_m, 128, 128, 1, 8 if block_m >= 64 else 4, 3)
+    """The Triton kernel's tiles for w8a8-fp8-block (block_k is cut to the group in the kernel): for up to 16 tokens
+    the best of session 43's sweep on Llama-3-8B's shapes (split K 4 for 4096 outputs, narrow tiles for a long K),
+    then 64- and 128-token tiles (where cuBLAS cannot run)."""
+    if num_tokens <= 16:
+        narrow = out_features <= 4096 and in_features >= 8192
+        return _tiles(16, 32 if narrow else 64, 128, 4 if out_features <= 4096 else 2, 4, 3 if out_features >= 16384 else 4)
+    block_m = 64 if num_tokens <= 64 else 128
+    return _tiles(block_m, 64, 128, 2 if block_m == 64 else 1, 4, 3)

@@ -110,6 +110,41 @@ def quantize_per_token(x: Tensor, min_scale: float, dtype: torch.dtype = torch.f
     return out, scale
 
 
+@triton.jit
+def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, min_scale, GROUP: tl.constexpr,
+                            GROUPS: tl.constexpr, PDL: tl.constexpr):
+    """GROUPS groups of GROUP columns of one token per program, as a [GROUPS, GROUP] tile: each row's absmax, its
+    scale (stored at scale_ptr[group * M + token]: the scales of one group are contiguous over the tokens, the
+    layout cuBLAS's block-scaled GEMM reads) and its E4M3 values."""
+    wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups[:, None] * GROUP < K) & (columns < K)
+    tile = tl.load(x_ptr + token * stride_x + columns, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(tile), axis=1), FP8_E4M3_MAX), min_scale)  # [GROUPS]
+    tl.store(scale_ptr + groups * M + token, scale, mask=groups * GROUP < K)
+    values = tl.clamp(tl.math.div_rn(tile, scale[:, None]), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    tl.store(out_ptr + token * K + columns, values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float) -> tuple[Tensor, Tensor]:
+    """x [M, K] → (fp8 [M, K], scale [M, ceil(K / group_size)] float32 with strides (1, M): the group's scales
+    contiguous over the tokens, as cuBLAS's block-scaled GEMM takes them); group_size a power of two."""
+    M, K = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_groups = triton.cdiv(K, group_size)
+    out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(num_groups, M, device=x.device, dtype=torch.float32).t()
+    groups_per_program = max(1, min(triton.next_power_of_2(num_groups), 2048 // group_size))
+    if M:
+        _quantize_groups_kernel[(M, triton.cdiv(num_groups, groups_per_program))](
+            x, out, scale, M, K, x.stride(0), min_scale, GROUP=group_size, GROUPS=groups_per_program, num_warps=4,
+            **pdl_args(x.device))
+    return out, scale
+
+
 def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]:
     """x [..., K] → (fp8 [..., K], scale [..., 1] float32)."""
     return quantize_per_token(x, min_scale)
@@ -118,14 +153,14 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
 @triton.jit
 def _fp8_small_m_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, k_per_split,
-    stride_om, stride_split, stride_xs, stride_ws,
+    stride_om, stride_split, stride_xs, stride_xsg, stride_ws,
     W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
 ):
     """W8A8 for a few tokens on FP8 tensor cores with the operands swapped: out.T [BLOCK_N, BLOCK_M]
     = w @ xq.T, so the weight rows fill the MMA's 64-row side and the tokens its narrow side (where
     torch._scaled_mm pads the tokens to a full tile). xq, xs: the per-token quantization above.
-    GROUP > 0 (w8a8-fp8-block): scales per GROUP columns, xs [M, K / GROUP] (token stride stride_xs) and ws
+    GROUP > 0 (w8a8-fp8-block): scales per GROUP columns, xs [M, K / GROUP] (strides stride_xs, stride_xsg) and ws
     [N, K / GROUP] (row stride stride_ws); each BLOCK_K chunk (within one group: GROUP % BLOCK_K == 0) is
     scaled by its group's scales on the way into the float32 accumulator."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -143,7 +178,7 @@ def _fp8_small_m_kernel(
         if GROUP > 0:
             group = k0 // GROUP
             w_scale = tl.load(ws_ptr + offs_n * stride_ws + group, mask=n_mask, other=0.0)
-            x_scale = tl.load(xs_ptr + offs_m * stride_xs + group, mask=m_mask, other=0.0)
+            x_scale = tl.load(xs_ptr + offs_m * stride_xs + group * stride_xsg, mask=m_mask, other=0.0)
             acc += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
         else:
             acc = tl.dot(w, tl.trans(xq), acc)
@@ -189,7 +224,7 @@ def fp8_linear_small_m(
     _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, out,
         counters if counters is not None else out, M, N, K, k_per_split, N if is_split else out.stride(0), M * N,
-        x_scale.stride(0), weight_scale.stride(0),
+        x_scale.stride(0), x_scale.stride(-1), weight_scale.stride(0),
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
         SUM_SPLITS=split_k if counters is not None else 0, GROUP=group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,

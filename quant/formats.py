@@ -534,10 +534,19 @@ class Fp8BlockFormat:
         if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
             _log_fp8_reference_path(params["weight"].device.type, self.name)
 
+    def derived_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Once the weights have loaded on a GPU with FP8 tensor cores: `weight_scale_blocks` [out / 128, groups],
+        one row of scales per 128-row block, which cuBLAS's block-scaled GEMM takes (kernels/fp8.block_scales);
+        nothing where the weights cannot run there."""
+        if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
+            return {}
+        blocks = fp8_kernels.block_scales(params["weight_scale"], self.group_size)
+        return {} if blocks is None else {"weight_scale_blocks": blocks}
+
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         x_fp8, x_scale = self.quantize_input(x, params)
         return fp8_kernels.fp8_block_matmul(x_fp8, x_scale, params["weight"], params["weight_scale"], self.group_size,
-                                            bias, x.dtype)
+                                            bias, x.dtype, params.get("weight_scale_blocks"))
 
 
 @dataclass(frozen=True)

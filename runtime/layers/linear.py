@@ -51,6 +51,14 @@ class Linear(nn.Module):
         dense_bytes() > 0."""
         self.dense = self.fmt.dequantize(self.params(), self.in_features).to(self.fmt.dtype)
 
+    def derive_params(self) -> None:
+        """Tensors the format computes once from the loaded ones for this device (Fp8BlockFormat.derived_params),
+        added to `params()` (as buffers outside the state dict: the artifact does not hold them)."""
+        derive = getattr(self.fmt, "derived_params", None)
+        for name, tensor in (derive(self.params()) if derive is not None else {}).items():
+            self.register_buffer(name, tensor, persistent=False)
+            self.param_names.append(name)
+
     def interleave_gate_up(self) -> bool:
         """A gate_up projection's rows reordered for `silu_mul`, once, after its weights load: whether
         the format does that (IntWeightFormat.interleave_gate_up; other formats, and a layer with a bias,

@@ -326,13 +326,15 @@ class DecoderModel(nn.Module):
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
         store (MLP.interleave_gate_up); act order's gathers gone where the identity (Linear.drop_identity_perm) or done by
         the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
-        FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device).
+        FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device); what a
+        format derives from its tensors for this device (Linear.derive_params).
         keep_gate_up_order: gate_up's rows stay as stored (run-time LoRA adds to them: runtime/lora.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.drop_identity_perm()  # first: a norm takes no identity perm below
                 if hasattr(module.fmt, "note_device"):
                     module.fmt.note_device(module.params())
+                module.derive_params()
         for layer in self.layers.values():
             if layer.has_pre_norms:  # (OLMo 2's qkv and gate_up read the residual stream: they gather it themselves)
                 layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
