@@ -39,8 +39,6 @@ _REFUSED_ARCHITECTURES = {
                                          "LlavaForConditionalGeneration is",
     "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision is not supported; LLaVA-1.5-style "
                                               "LlavaForConditionalGeneration is",
-    "Mistral3ForConditionalGeneration": "Mistral 3's vision model (Pixtral tower, patch merger) is not supported; "
-                                        "LLaVA-1.5-style LlavaForConditionalGeneration is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",

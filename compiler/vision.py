@@ -11,6 +11,12 @@ and the manifest's `vision` section records what the runtime needs to run them (
 Gemma 3's multimodal checkpoint is the same shape of thing: a SigLIP tower, Gemma3MultiModalProjector (an average
 pool to mm_tokens_per_image rows, an RMSNorm, one matrix) and a Gemma 3 text model built as Gemma3ForCausalLM; its
 images' tokens attend to each other both ways in the prefill (the manifest's bidirectional_image_attention).
+
+Mistral 3 (Mistral3ForConditionalGeneration: Mistral-Small-3.1/3.2) is a Pixtral tower (each image at its own
+size, in patches), Mistral3MultiModalProjector (an RMSNorm, Mistral3PatchMerger merging spatial_merge_size² patches
+into one row, linear-act-linear) and a Mistral text model; pixtral-12b is a LlavaForConditionalGeneration with a
+Pixtral tower and LLaVA's projector (vision_feature_select_strategy "full": every patch a row). Their images' tokens
+attend causally, as LLaVA's.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from llmc.runtime import artifact as art
 
 LLAVA = "LlavaForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, GEMMA3)
+MISTRAL3 = "Mistral3ForConditionalGeneration"
+VISION_ARCHITECTURES = (LLAVA, GEMMA3, MISTRAL3)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-VISION_MODEL_TYPES = ("clip_vision_model",)
+VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
 STRATEGIES = ("default", "full")
 
 # Weight-name prefixes of the two layouts: transformers >= 4.52 in memory (model.language_model.*, lm_head.*) and
@@ -45,11 +52,84 @@ def is_vision_model(config: dict) -> bool:
 
 
 def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
-    """(the language model's config as a causal LM's config.json, the manifest's vision section) of a LLaVA or
-    Gemma 3 checkpoint."""
+    """(the language model's config as a causal LM's config.json, the manifest's vision section) of a LLaVA,
+    Gemma 3 or Mistral 3 checkpoint."""
+    from llmc.runtime.multimodal import is_pixtral, pixtral_processor_fields
+
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)
-    return llava_config(config, model_dir)
+    text, spec = (mistral3_config if MISTRAL3 in (config.get("architectures") or []) else llava_config)(config,
+                                                                                                        model_dir)
+    if is_pixtral(spec):  # its processor files are what the runtime expands [IMG] by: checked now
+        pixtral_processor_fields(model_dir, spec, CheckpointError)
+    return text, spec
+
+
+def mistral3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """Mistral3ForConditionalGeneration: the text config (transformers' defaults filled in) as its causal LM's, and
+    the vision section (the Pixtral tower's config, the layer its features are read from, the patch merger's
+    spatial_merge_size, the projector's norm eps: the text model's rms_norm_eps, as transformers builds it)."""
+    from transformers import Mistral3Config
+
+    text_type = (config.get("text_config") or {}).get("model_type", "mistral")
+    if text_type not in TEXT_ARCHITECTURES:
+        raise CheckpointError(f"{model_dir}: a Mistral 3 language model of model_type {text_type!r} is not "
+                              f"supported; supported: {', '.join(TEXT_ARCHITECTURES)}")
+    vision_type = (config.get("vision_config") or {}).get("model_type", "pixtral")
+    if vision_type != "pixtral":
+        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for Mistral 3; supported: "
+                              "pixtral")
+    try:
+        mistral = Mistral3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: config.json is not a Mistral 3 config transformers reads ({e})") from None
+    layer = _feature_layer(mistral.vision_feature_layer, mistral.vision_config.num_hidden_layers, model_dir)
+    _check_activation(mistral.projector_hidden_act, model_dir)
+    merge = mistral.spatial_merge_size
+    if not isinstance(merge, int) or merge < 1:
+        raise CheckpointError(f"{model_dir}: spatial_merge_size {merge!r} is not a positive integer")
+    text = _text_config(mistral, config, text_type)
+    spec = art.VisionSpec(
+        architecture=MISTRAL3, vision_config=_tower_config(mistral.vision_config),
+        image_token_index=int(mistral.image_token_index), vision_feature_layer=layer,
+        projector_hidden_act=mistral.projector_hidden_act,
+        projector_bias=bool(getattr(mistral, "multimodal_projector_bias", True)), text_hidden_size=text["hidden_size"],
+        spatial_merge_size=merge, projector_norm_eps=float(mistral.text_config.rms_norm_eps),
+    )
+    return text, spec
+
+
+def _feature_layer(layer, num_layers: int, model_dir: Path) -> int:
+    """vision_feature_layer checked: one index into the tower's hidden states (a list is refused by name)."""
+    if not isinstance(layer, int):
+        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer!r}: a list of layers (their features "
+                              "concatenated) is not supported; one layer index is")
+    if not -num_layers - 1 <= layer <= num_layers:
+        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer} is outside the vision tower's "
+                              f"{num_layers} layers (hidden states 0..{num_layers}, or negative from the last)")
+    return layer
+
+
+def _check_activation(act: str, model_dir: Path) -> None:
+    from transformers.activations import ACT2FN
+
+    if act not in ACT2FN:
+        raise CheckpointError(f"{model_dir}: projector_hidden_act {act!r} is not an activation transformers knows")
+
+
+def _text_config(parsed, config: dict, text_type: str) -> dict:
+    """The language model's config (transformers' defaults filled in) as its causal LM's config.json."""
+    text = parsed.text_config.to_dict()
+    text["architectures"] = [TEXT_ARCHITECTURES[text_type]]
+    text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or text.get("tie_word_embeddings"))
+    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
+    return text
+
+
+def _tower_config(vision) -> dict:
+    return {k: v for k, v in vision.to_dict().items()
+            if k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
 
 
 def gemma3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
@@ -115,35 +195,22 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
     if vision_type not in VISION_MODEL_TYPES:
         raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported; supported: "
-                              f"{', '.join(VISION_MODEL_TYPES)} (CLIP)")
+                              f"{', '.join(VISION_MODEL_TYPES)} (CLIP, Pixtral)")
     try:
         llava = LlavaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{model_dir}: config.json is not a LLaVA config transformers reads ({e})") from None
-    layer = llava.vision_feature_layer
-    if not isinstance(layer, int):
-        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer!r}: a list of layers (their features "
-                              "concatenated) is not supported; one layer index is")
-    num_layers = llava.vision_config.num_hidden_layers
-    if not -num_layers - 1 <= layer <= num_layers:
-        raise CheckpointError(f"{model_dir}: vision_feature_layer {layer} is outside the vision tower's "
-                              f"{num_layers} layers (hidden states 0..{num_layers}, or negative from the last)")
+    layer = _feature_layer(llava.vision_feature_layer, llava.vision_config.num_hidden_layers, model_dir)
     strategy = llava.vision_feature_select_strategy
     if strategy not in STRATEGIES:
         raise CheckpointError(f"{model_dir}: vision_feature_select_strategy {strategy!r}: supported are "
                               f"{', '.join(STRATEGIES)}")
-    from transformers.activations import ACT2FN
-
-    if llava.projector_hidden_act not in ACT2FN:
-        raise CheckpointError(f"{model_dir}: projector_hidden_act {llava.projector_hidden_act!r} is not an "
-                              "activation transformers knows")
-    text = llava.text_config.to_dict()
-    text["architectures"] = [TEXT_ARCHITECTURES[text_type]]
-    text["tie_word_embeddings"] = bool(llava.tie_word_embeddings or text.get("tie_word_embeddings"))
-    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
-    vision_config = {k: v for k, v in llava.vision_config.to_dict().items()
-                     if k not in ("transformers_version", "architectures", "dtype", "torch_dtype")}
+    if vision_type == "pixtral" and strategy != "full":
+        raise CheckpointError(f"{model_dir}: vision_feature_select_strategy {strategy!r} with a Pixtral tower (it "
+                              "has no CLS row to drop) is not supported; set it to \"full\"")
+    _check_activation(llava.projector_hidden_act, model_dir)
+    text = _text_config(llava, config, text_type)
+    vision_config = _tower_config(llava.vision_config)
     spec = art.VisionSpec(
         architecture=LLAVA, vision_config=vision_config, image_token_index=int(llava.image_token_index),
         vision_feature_layer=layer, vision_feature_select_strategy=strategy,
@@ -155,7 +222,7 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
 
 
 def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
-    """For a LLaVA or Gemma 3 multimodal checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
+    """For a LLaVA, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
     model, {artifact name: checkpoint name} of the vision tower and projector); None for any other checkpoint.
     The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's `vision_model.` level (transformers 5's
     vision models have none)."""

@@ -59,9 +59,12 @@ from llmc.schema import opt, parse
 #      shared_expert_gate; its linears moe.shared.gate_up / moe.shared.down); older manifests load without them.
 # 1.16: the w8a8-fp8-block linear format (FP8 weights in 128 x 128 blocks, scales stored per row and 128 inputs;
 #      activations per token and 128 inputs at run time); older manifests do not have it (an older llmc refuses it).
-FORMAT_VERSION = "1.16"
+# 1.17: Mistral 3's vision model (Mistral3ForConditionalGeneration) and LLaVA with a Pixtral tower: the vision
+#      section's spatial_merge_size and projector_norm_eps, a vision_config of model_type pixtral; older manifests
+#      load without them (LLaVA's CLIP, Gemma 3's SigLIP).
+FORMAT_VERSION = "1.17"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16")
+                         "1.13", "1.14", "1.15", "1.16", "1.17")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -447,13 +450,17 @@ class Plan:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """A vision-language model's image side (LLaVA, Gemma 3: compiler/vision.py builds it, runtime/multimodal.py
-    runs it). Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's under `vision_tower.`
-    (transformers' CLIPVisionModel / SiglipVisionModel names), the projector's under `multi_modal_projector.` (LLaVA:
-    linear_1, linear_2; Gemma 3: mm_soft_emb_norm, mm_input_projection_weight)."""
+    """A vision-language model's image side (LLaVA, Gemma 3, Mistral 3: compiler/vision.py builds it,
+    runtime/multimodal.py runs it). Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's
+    under `vision_tower.` (transformers' CLIPVisionModel / SiglipVisionModel / PixtralVisionModel names), the
+    projector's under `multi_modal_projector.` (LLaVA: linear_1, linear_2; Gemma 3: mm_soft_emb_norm,
+    mm_input_projection_weight; Mistral 3: norm, patch_merger.merging_layer, linear_1, linear_2)."""
 
-    architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration"])
-    vision_config: dict = opt()  # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3), as a dict
+    architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                                     "Mistral3ForConditionalGeneration"])
+    # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3) / PixtralVisionConfig (Mistral 3, LLaVA
+    # with model_type pixtral: each image at its own size), as a dict
+    vision_config: dict = opt()
     image_token_index: int = opt(min=0)  # the placeholder token an image's embeddings replace, one per image row
     text_hidden_size: int = opt(min=1)  # the projector's output width: the language model's hidden_size
     # LLaVA: the vision tower's hidden state the features are read from (0: the embeddings; negative: from the last
@@ -469,6 +476,11 @@ class VisionSpec:
     boi_token_index: int | None = opt(None, min=0)
     eoi_token_index: int | None = opt(None, min=0)
     bidirectional_image_attention: bool = opt(False)
+    # Mistral 3 (format 1.17): the patch merger's side (spatial_merge_size² patches → one row) and the projector's
+    # RMSNorm eps (transformers takes the text model's rms_norm_eps); it also reads vision_feature_layer,
+    # projector_hidden_act and projector_bias
+    spatial_merge_size: int | None = opt(None, min=1)
+    projector_norm_eps: float | None = opt(None)
 
 
 def kernel_source_label(record: dict) -> str:
@@ -557,9 +569,11 @@ def _check_consistency(m: Manifest) -> None:
         if m.vision.text_hidden_size != model.hidden_size or m.vision.image_token_index >= model.vocab_size:
             problems.append("vision.text_hidden_size / image_token_index do not match the model's hidden_size and "
                             "vocab_size")
-        gemma = m.vision.architecture == "Gemma3ForConditionalGeneration"
-        needed = (("mm_tokens_per_image", "boi_token_index", "eoi_token_index") if gemma else
-                  ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
+        needed = {"Gemma3ForConditionalGeneration": ("mm_tokens_per_image", "boi_token_index", "eoi_token_index"),
+                  "Mistral3ForConditionalGeneration": ("vision_feature_layer", "projector_hidden_act",
+                                                       "spatial_merge_size", "projector_norm_eps"),
+                  }.get(m.vision.architecture,
+                        ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
         if lacking := [key for key in needed if getattr(m.vision, key) is None]:
             problems.append(f"vision.{lacking[0]} is missing (a {m.vision.architecture} needs it)")
     missing = [rel for rel in model_files if rel not in m.files]

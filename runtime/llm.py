@@ -113,7 +113,7 @@ class LLM:
         """One RequestOutput per prompt, in the prompts' order. A prompt is text, a list of token
         ids, or {"prompt": ...} / {"prompt_token_ids": [...]}, with vLLM's "multi_modal_data": {"image": a PIL
         image or a list of them} for a vision model (one placeholder in the prompt per image: LLaVA's <image>, Gemma
-        3's <start_of_image>), or vLLM's {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started
+        3's <start_of_image>, Mistral 3's / Pixtral's [IMG]), or vLLM's {"prompt_embeds": a [num_tokens, hidden_size] tensor} on an LLM started
         with enable_prompt_embeds=True (its outputs' prompt_token_ids are None); any of these dicts may carry vLLM's "cache_salt" (a string: the
         prompt's prefix-cache blocks are shared only with prompts of the same salt). If handling a request failed (its
         logits processor raised, ...) it ends alone, the others run to the end, and RequestFailedError

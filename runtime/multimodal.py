@@ -1,4 +1,4 @@
-"""Images for vision-language models (LLaVA, Gemma 3): preprocessing, the vision encoder, and the image embeddings
+"""Images for vision-language models (LLaVA, Gemma 3, Mistral 3): preprocessing, the vision encoder, and the image embeddings
 that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
@@ -9,7 +9,13 @@ strategy "default"), its two-layer projector; the placeholder is one <image> tok
 SiglipVisionModel's last hidden state through transformers' Gemma3MultiModalProjector (mm_tokens_per_image rows);
 the placeholder is <start_of_image>, expanded as Gemma3Processor expands it ("\n\n", <start_of_image>, the image
 tokens, <end_of_image>, "\n\n"), or already expanded so; its images' tokens attend to each other both ways in
-the prefill (`ImageInputs.spans`, `step_key_limits`). The request keeps the embeddings
+the prefill (`ImageInputs.spans`, `step_key_limits`). Pixtral towers (Mistral 3, LLaVA's pixtral-12b): each
+image at its own size (PixtralImageProcessor's resize to a multiple of the patch, times spatial_merge_size),
+encoded alone by transformers' PixtralVisionModel (a batch of images is one sequence to it, its attention
+block-diagonal: alone is the same rows at a single image's cost), then Mistral3MultiModalProjector (RMSNorm, patch
+merger, linear-act-linear) or LLaVA's projector; the placeholder is one [IMG], expanded as PixtralProcessor expands
+it (a row of [IMG] per row of merged patches, each row ended by [IMG_BREAK], the last by [IMG_END]), or already
+expanded so; the rows replace the [IMG] tokens only, and attend causally. The request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -20,6 +26,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,9 +104,32 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
+def is_pixtral(spec: art.VisionSpec) -> bool:
+    """Whether the tower is Pixtral's (Mistral 3, LLaVA's pixtral-12b): images of any size, PixtralProcessor's
+    placeholders."""
+    return spec.vision_config.get("model_type") == "pixtral"
+
+
 def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module]:
-    """The manifest's vision tower and projector, unloaded: LLaVA's CLIPVisionModel and Projector, Gemma 3's
-    SiglipVisionModel and transformers' Gemma3MultiModalProjector."""
+    """The manifest's vision tower and projector, unloaded: LLaVA's CLIPVisionModel (or PixtralVisionModel) and
+    Projector, Gemma 3's SiglipVisionModel and transformers' Gemma3MultiModalProjector, Mistral 3's
+    PixtralVisionModel and transformers' Mistral3MultiModalProjector."""
+    if is_pixtral(spec):
+        from transformers import Mistral3Config, PixtralVisionConfig, PixtralVisionModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        config = PixtralVisionConfig(**spec.vision_config)
+        tower = PixtralVisionModel(config).eval()
+        if spec.architecture != "Mistral3ForConditionalGeneration":
+            return tower, Projector(config.hidden_size, spec.text_hidden_size, spec.projector_hidden_act,
+                                    spec.projector_bias)
+        mistral = Mistral3Config(
+            vision_config=config.to_dict(), spatial_merge_size=spec.spatial_merge_size,
+            text_config={"model_type": "mistral", "hidden_size": spec.text_hidden_size,
+                         "rms_norm_eps": spec.projector_norm_eps},
+            projector_hidden_act=spec.projector_hidden_act, multimodal_projector_bias=spec.projector_bias,
+            vision_feature_layer=spec.vision_feature_layer)
+        return tower, Mistral3MultiModalProjector(mistral).eval()
     if spec.architecture == "Gemma3ForConditionalGeneration":
         from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
@@ -125,7 +155,12 @@ class VisionEncoder:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.image_token_id = spec.image_token_index
         self.is_gemma3 = spec.architecture == "Gemma3ForConditionalGeneration"
-        processor = _processor(artifact_dir / art.TOKENIZER_DIR)
+        self.is_pixtral = is_pixtral(spec)
+        if self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
+            self.pixtral = pixtral_processor_fields(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+            processor = _image_processor(artifact_dir / art.TOKENIZER_DIR)
+        else:
+            processor = _processor(artifact_dir / art.TOKENIZER_DIR)
         self.image_processor = processor if not hasattr(processor, "image_processor") else processor.image_processor
         if getattr(self.image_processor, "do_pan_and_scan", None):
             raise ArtifactError(f"{art.TOKENIZER_DIR}: the image processor's do_pan_and_scan is true (pan-and-scan "
@@ -169,23 +204,41 @@ class VisionEncoder:
         are taken from there."""
         hits = [self._prefetched.pop(id(image), None) for image in images]
         if all(hit is not None and hit[0] is image for hit, image in zip(hits, images)):
-            pixels, rows = torch.stack([hit[1] for hit in hits]), [hit[2] for hit in hits]
+            pixels, rows = [hit[1] for hit in hits], [hit[2] for hit in hits]
         else:
             pixels = self._pixels(images)
             rows = self._rows(pixels)
-        return rows, hashlib.sha256(pixels.float().numpy().tobytes()).digest()
+        digest = hashlib.sha256()
+        for px in pixels:  # Pixtral's images differ in size: their sizes go in too
+            if self.is_pixtral:
+                digest.update(repr(tuple(px.shape)).encode())
+            digest.update(px.float().numpy().tobytes())
+        return rows, digest.digest()
 
-    def _pixels(self, images: list) -> Tensor:
+    def _pixels(self, images: list) -> list[Tensor]:
+        """Each image's pixel values [3, height, width]: the tower's size, or a Pixtral image's own (resized to a
+        multiple of patch_size * spatial_merge_size, as PixtralProcessor asks its image processor)."""
+        kwargs = {}
+        if self.is_pixtral:
+            side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
+            kwargs["patch_size"] = {"height": side, "width": side}
         try:
-            return self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            out = self.image_processor(images=images, return_tensors="pt", **kwargs)
         except Exception as e:  # noqa: BLE001 - the processor's own types (a mode it cannot convert, ...)
             raise RequestError(f"multi_modal_data: an image cannot be preprocessed ({type(e).__name__}: {e})",
                                param="multi_modal_data") from None
+        if not self.is_pixtral:
+            return list(out["pixel_values"])
+        return [px[:, :h, :w].contiguous() for px, (h, w) in zip(out["pixel_values"], out["image_sizes"].tolist())]
 
     @torch.inference_mode()
-    def _rows(self, pixels: Tensor) -> list[Tensor]:
+    def _rows(self, pixels: list[Tensor]) -> list[Tensor]:
         """Each image's embedding rows: the tower's configured layer (CLS dropped for "default"), projected;
-        Gemma 3: the tower's last hidden state (after its post-layernorm), pooled and projected."""
+        Gemma 3: the tower's last hidden state (after its post-layernorm), pooled and projected; Pixtral: each
+        image alone, its rows as a grid [rows, columns, hidden_size] (`_pixtral_rows`)."""
+        if self.is_pixtral:
+            return [self._pixtral_rows(px) for px in pixels]
+        pixels = torch.stack(pixels)
         if self.is_gemma3:
             return list(self.projector(self.tower(pixels.to(self.device, self.dtype)).last_hidden_state))
         out = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True)
@@ -194,11 +247,27 @@ class VisionEncoder:
             features = features[:, 1:]
         return list(self.projector(features))
 
+    def _pixtral_rows(self, pixels: Tensor) -> Tensor:
+        """One image's rows [rows, columns, hidden_size] (Mistral3Model.get_image_features / LlavaModel's with
+        image_sizes): PixtralVisionModel's configured hidden state, then Mistral3MultiModalProjector (RMSNorm,
+        patch merger, linears) or LLaVA's projector; rows and columns: its patches per side / spatial_merge_size."""
+        sizes = [tuple(pixels.shape[-2:])]
+        out = self.tower(pixels[None].to(self.device, self.dtype), image_sizes=sizes, output_hidden_states=True)
+        features = out.hidden_states[self.spec.vision_feature_layer][0]
+        if self.spec.architecture == "Mistral3ForConditionalGeneration":
+            rows = self.projector(features, sizes)
+        else:
+            rows = self.projector(features)
+        side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
+        return rows.view(sizes[0][0] // side, sizes[0][1] // side, rows.shape[-1])
+
     def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
         processor writes it) expanded to one image token per embedding row, and the request's ImageInputs."""
         if self.is_gemma3:
             return self._gemma3_prompt_inputs(token_ids, images)
+        if self.is_pixtral:
+            return self._pixtral_prompt_inputs(token_ids, images)
         runs = self._placeholder_runs(token_ids)
         if len(runs) != len(images):
             raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (token id {self.image_token_id}) for "
@@ -216,6 +285,59 @@ class VisionEncoder:
             at = end
         expanded += token_ids[at:]
         return expanded, ImageInputs(positions, torch.cat(embeds), digest)
+
+    def _pixtral_placeholders(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of each image placeholder: a bare [IMG], or an expanded image (a run of [IMG] and
+        [IMG_BREAK] closed by [IMG_END]); break or end tokens outside an image are refused."""
+        image, brk, end = self.image_token_id, self.pixtral["break_id"], self.pixtral["end_id"]
+        places, i = [], 0
+        while i < len(token_ids):
+            if token_ids[i] not in (image, brk, end):
+                i += 1
+                continue
+            j = i
+            while j < len(token_ids) and token_ids[j] in (image, brk):
+                j += 1
+            if j < len(token_ids) and token_ids[j] == end and j > i:
+                places.append((i, j + 1))
+                i = j + 1
+            elif brk in token_ids[i:j] or j == i:
+                raise RequestError(f"the prompt holds {self.pixtral['break_token']} or {self.pixtral['end_token']} "
+                                   f"(token ids {brk}, {end}) outside an image; write one {self.pixtral['image_token']}"
+                                   " per image", param="multi_modal_data")
+            else:
+                places += [(k, k + 1) for k in range(i, j)]
+                i = j
+        return places
+
+    def _pixtral_prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Pixtral: each [IMG] either bare (expanded as PixtralProcessor expands it, by the image's resized size)
+        or already expanded so (kept); only the [IMG] positions take rows."""
+        image, brk, end = self.image_token_id, self.pixtral["break_id"], self.pixtral["end_id"]
+        places = self._pixtral_placeholders(token_ids)
+        if len(places) != len(images):
+            raise RequestError(f"the prompt has {len(places)} image placeholder(s) ({self.pixtral['image_token']}, "
+                               f"token id {image}) for {len(images)} image(s); put one {self.pixtral['image_token']}"
+                               " in the prompt per image", param="multi_modal_data")
+        grids, digest = self.encode(images)
+        expanded, positions, at = [], [], 0
+        for (start, stop), grid in zip(places, grids):
+            rows, columns = grid.shape[:2]
+            sequence = ([image] * columns + [brk]) * rows
+            sequence[-1] = end
+            if stop - start != 1 and token_ids[start:stop] != sequence:
+                raise RequestError(
+                    f"an image placeholder of {stop - start} tokens: this image takes {self.pixtral['image_token']} "
+                    f"alone, or its {rows} rows of {columns} {self.pixtral['image_token']} each ended by "
+                    f"{self.pixtral['break_token']}, the last by {self.pixtral['end_token']} ({len(sequence)} tokens)",
+                    param="multi_modal_data")
+            expanded += token_ids[at:start]
+            positions += [len(expanded) + i for i, t in enumerate(sequence) if t == image]
+            expanded += sequence
+            at = stop
+        expanded += token_ids[at:]
+        embeds = torch.cat([grid.reshape(-1, grid.shape[-1]) for grid in grids])
+        return expanded, ImageInputs(positions, embeds, digest)
 
     def _gemma3_image_sequence(self, processor) -> list[int]:
         """The tokens Gemma3Processor puts for one <start_of_image> (its full_image_sequence, tokenized)."""
@@ -309,6 +431,51 @@ class VisionEncoder:
             else:
                 i += 1
         return runs
+
+
+PIXTRAL_PROCESSOR = {"patch_size": 16, "spatial_merge_size": 1, "image_token": "[IMG]",
+                     "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}  # PixtralProcessor's defaults
+
+
+def pixtral_processor_fields(tokenizer_dir: Path, spec: art.VisionSpec, error: type[Exception]) -> dict:
+    """PixtralProcessor's fields from its processor_config.json (its defaults where absent), checked against the
+    model's (its patch_size the tower's, its spatial_merge_size the patch merger's, its image token the config's),
+    with the token ids: {patch_size, spatial_merge_size, image_token, break_token, end_token, break_id, end_id}.
+    `error`: CheckpointError at build, ArtifactError at load."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_dir / "processor_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if config.get("processor_class", "PixtralProcessor") != "PixtralProcessor":
+        raise error(f"{path}: processor_class {config['processor_class']!r} is not supported with a Pixtral tower; "
+                    "PixtralProcessor's files are")
+    fields = {key: config.get(key, default) for key, default in PIXTRAL_PROCESSOR.items()}
+    merge = spec.spatial_merge_size or 1
+    for key, model in (("patch_size", spec.vision_config.get("patch_size")), ("spatial_merge_size", merge)):
+        if fields[key] != model:
+            raise error(f"{path}: {key} {fields[key]!r} is not the model's ({model}); set it to {model}")
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    ids = {key: tokenizer.convert_tokens_to_ids(fields[key])
+           for key in ("image_token", "image_break_token", "image_end_token")}
+    unknown = [fields[key] for key, i in ids.items() if i is None or i == tokenizer.unk_token_id]
+    if unknown or ids["image_token"] != spec.image_token_index:
+        raise error(f"{path}: the tokenizer has no token {unknown[0]!r}" if unknown else
+                    f"{path}: image_token {fields['image_token']!r} is token id {ids['image_token']}, not the "
+                    f"model's image_token_index {spec.image_token_index}")
+    return {"patch_size": fields["patch_size"], "spatial_merge_size": merge, "image_token": fields["image_token"],
+            "break_token": fields["image_break_token"], "end_token": fields["image_end_token"],
+            "break_id": ids["image_break_token"], "end_id": ids["image_end_token"]}
+
+
+def _image_processor(tokenizer_dir: Path):
+    """transformers' image processor of the artifact (AutoImageProcessor)."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ArtifactError(f"{tokenizer_dir}: no image processor (preprocessor_config.json); rebuild the artifact "
+                            "from a checkpoint that has its processor files") from None
 
 
 def _processor(tokenizer_dir: Path):
