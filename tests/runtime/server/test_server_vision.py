@@ -81,3 +81,18 @@ def test_gemma3_chat_image_parts(tmp_path, run_app):
     prompt_ids, expected, _ = gemma_generate((model, AutoProcessor.from_pretrained(str(checkpoint))), GEMMA_PROMPT,
                                              [picture], 6)
     _served_reply_is(run_app, checkpoint, tmp_path, 24, picture, "Describe it.", prompt_ids, expected)
+
+
+@pytest.mark.slow
+def test_mistral3_chat_image_parts(tmp_path, run_app):
+    """Mistral 3's vision model (tests/runtime/test_mistral3_vision.py's checkpoint): a data-URL image part of a
+    64 x 24 image gives transformers' greedy reply, its [IMG] rows and their [IMG_BREAK] / [IMG_END] counted in
+    prompt_tokens; its image split across 8-token chunks."""
+    from tests.runtime.test_mistral3_vision import PROMPT as MISTRAL3_PROMPT
+    from tests.runtime.test_mistral3_vision import SMALL, _hf, make_pixtral_checkpoint
+    from tests.runtime.test_mistral3_vision import hf_generate as mistral3_generate
+
+    checkpoint = make_pixtral_checkpoint(tmp_path / "hf", seed=2)
+    picture = image(9, size=SMALL)
+    prompt_ids, expected, _ = mistral3_generate(_hf(checkpoint, llava=False), MISTRAL3_PROMPT, [picture], 6)
+    _served_reply_is(run_app, checkpoint, tmp_path, 8, picture, "Describe it.", prompt_ids, expected)
