@@ -54,14 +54,15 @@ def is_vision_model(config: dict) -> bool:
 def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     """(the language model's config as a causal LM's config.json, the manifest's vision section) of a LLaVA,
     Gemma 3 or Mistral 3 checkpoint."""
-    from llmc.runtime.multimodal import is_pixtral, pixtral_processor_fields
+    from llmc.runtime.multimodal import is_pixtral, pixtral_image_processor, pixtral_processor_fields
 
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)
     text, spec = (mistral3_config if MISTRAL3 in (config.get("architectures") or []) else llava_config)(config,
                                                                                                         model_dir)
     if is_pixtral(spec):  # its processor files are what the runtime expands [IMG] by: checked now
-        pixtral_processor_fields(model_dir, spec, CheckpointError)
+        pixtral_image_processor(model_dir, spec, pixtral_processor_fields(model_dir, spec, CheckpointError),
+                                CheckpointError)
     return text, spec
 
 
@@ -222,10 +223,10 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
 
 
 def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
-    """For a LLaVA, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal LM name: checkpoint name} of the language
-    model, {artifact name: checkpoint name} of the vision tower and projector); None for any other checkpoint.
-    The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's `vision_model.` level (transformers 5's
-    vision models have none)."""
+    """For a LLaVA, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal LM name:
+    checkpoint name} of the language model, {artifact name: checkpoint name} of the vision tower and projector);
+    None for any other checkpoint. The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's
+    `vision_model.` level (transformers 5's vision models, and PixtralVisionModel, have none)."""
     if not any(name.startswith(_PROJECTOR_PREFIXES) for name in names):
         return None
     language, vision = {}, {}

@@ -1,5 +1,5 @@
-"""Images for vision-language models (LLaVA, Gemma 3, Mistral 3): preprocessing, the vision encoder, and the image embeddings
-that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+"""Images for vision-language models (LLaVA, Gemma 3, Mistral 3): preprocessing, the vision encoder, and the image
+embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -158,7 +158,7 @@ class VisionEncoder:
         self.is_pixtral = is_pixtral(spec)
         if self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
             self.pixtral = pixtral_processor_fields(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
-            processor = _image_processor(artifact_dir / art.TOKENIZER_DIR)
+            processor = pixtral_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, self.pixtral, ArtifactError)
         else:
             processor = _processor(artifact_dir / art.TOKENIZER_DIR)
         self.image_processor = processor if not hasattr(processor, "image_processor") else processor.image_processor
@@ -259,7 +259,7 @@ class VisionEncoder:
         else:
             rows = self.projector(features)
         side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
-        return rows.view(sizes[0][0] // side, sizes[0][1] // side, rows.shape[-1])
+        return rows.reshape(sizes[0][0] // side, sizes[0][1] // side, rows.shape[-1])
 
     def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
@@ -467,15 +467,29 @@ def pixtral_processor_fields(tokenizer_dir: Path, spec: art.VisionSpec, error: t
             "break_id": ids["image_break_token"], "end_id": ids["image_end_token"]}
 
 
-def _image_processor(tokenizer_dir: Path):
-    """transformers' image processor of the artifact (AutoImageProcessor)."""
+def pixtral_image_processor(tokenizer_dir: Path, spec: art.VisionSpec, fields: dict, error: type[Exception]):
+    """transformers' image processor of a Pixtral checkpoint or artifact (AutoImageProcessor: PixtralImageProcessor,
+    or its PIL twin without torchvision), checked: its largest image, in patches a side, within the tower's
+    rotary table (vision_config.image_size / patch_size)."""
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        processor = AutoImageProcessor.from_pretrained(str(tokenizer_dir), local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError):
-        raise ArtifactError(f"{tokenizer_dir}: no image processor (preprocessor_config.json); rebuild the artifact "
-                            "from a checkpoint that has its processor files") from None
+        raise error(f"{tokenizer_dir}: no image processor (preprocessor_config.json); use a checkpoint that has its "
+                    "processor files") from None
+    size = getattr(processor, "size", None) or {}
+    longest = size.get("longest_edge") or max(size.get("height") or 0, size.get("width") or 0)
+    side, patch = fields["patch_size"] * fields["spatial_merge_size"], fields["patch_size"]
+    image_size = spec.vision_config.get("image_size")
+    if not longest:
+        raise error(f"{tokenizer_dir}: the image processor's size {dict(size)!r} has no longest_edge (or height and "
+                    "width); PixtralImageProcessor's files have one")
+    if image_size and -(-longest // side) * side // patch > image_size // patch:
+        raise error(f"{tokenizer_dir}: the image processor's size (longest edge {longest} px, {side} px a row) makes "
+                    f"images larger than the tower's image_size {image_size}; set size.longest_edge to at most "
+                    f"{image_size // side * side}")
+    return processor
 
 
 def _processor(tokenizer_dir: Path):

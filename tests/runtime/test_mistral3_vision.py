@@ -88,7 +88,8 @@ def make_pixtral_checkpoint(path, llava: bool = False, seed: int = 0, processor_
     _randomise_(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE}, patch_size={"height": 8, "width": 8}).save_pretrained(path)
+    image_processor = PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE}, patch_size={"height": 8, "width": 8})
+    image_processor.save_pretrained(path)
     processor = {"processor_class": "PixtralProcessor", "patch_size": 8, "spatial_merge_size": 1 if llava else 2,
                  "image_token": IMG, "image_break_token": BREAK, "image_end_token": END, **(processor_changes or {})}
     (path / "processor_config.json").write_text(json.dumps(processor))
@@ -312,6 +313,9 @@ def test_requests_with_images_are_checked(artifact, hf):
             llm.generate({"prompt_token_ids": stray, "multi_modal_data": {"image": image(1)}}, GREEDY)
     with pytest.raises(RequestError, match="2 image placeholder\\(s\\) .* for 1 image\\(s\\)"):  # two bare [IMG]
         llm.generate({"prompt_token_ids": head + [img, img], "multi_modal_data": {"image": image(1)}}, GREEDY)
+    with LLM(artifact, device="cpu", limit_mm_per_prompt={"image": 1}) as limited:
+        with pytest.raises(RequestError, match=r"^At most 1 image\(s\) may be provided in one prompt\.$"):
+            limited.generate({"prompt": TWO, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)
 
 
 def _recipe(checkpoint, out, **fields):
@@ -332,8 +336,12 @@ def test_what_is_not_supported_is_refused_by_name(mistral3, tmp_path):
         (config | {"vision_config": {**config["vision_config"], "model_type": "siglip_vision_model"}}, None,
          "vision tower 'siglip_vision_model' is not supported for Mistral 3"),
         (config, processor | {"spatial_merge_size": 1}, "spatial_merge_size 1 is not the model's \\(2\\)"),
-        (config, processor | {"processor_class": "LlavaProcessor"}, "processor_class 'LlavaProcessor' is not supported"),
+        (config, processor | {"processor_class": "LlavaProcessor"},
+         "processor_class 'LlavaProcessor' is not supported"),
         (config, processor | {"image_break_token": "[NOPE]"}, "the tokenizer has no token '\\[NOPE\\]'"),
+        (config | {"vision_config": {**config["vision_config"], "image_size": 32}}, None,
+         "longest edge 48 px, 16 px a row\\) makes images larger than the tower's image_size 32; set "
+         "size.longest_edge to at most 32"),
     ]
     for number, (changed_config, changed_processor, message) in enumerate(cases):
         changed = tmp_path / f"c{number}"
@@ -437,8 +445,8 @@ def test_a_quantized_build_and_the_in_memory_weight_layout(mistral3, artifact, t
                               quantization={"method": "rtn", "group_size": 32})
     assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
     vision = load_file(quantized / art.VISION_WEIGHTS)
-    assert torch.equal(vision["multi_modal_projector.patch_merger.merging_layer.weight"],
-                       load_file(mistral3 / "model.safetensors")["multi_modal_projector.patch_merger.merging_layer.weight"])
+    merger = "multi_modal_projector.patch_merger.merging_layer.weight"
+    assert torch.equal(vision[merger], load_file(mistral3 / "model.safetensors")[merger])
     [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
                                                      GREEDY)
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
