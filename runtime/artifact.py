@@ -5,7 +5,7 @@ artifact/
   manifest.json                 Manifest below, as JSON
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
-  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14; Mistral 3: 1.16)
+  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14; Mistral 3: 1.17)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
