@@ -483,7 +483,7 @@ def pixtral_image_processor(tokenizer_dir: Path, spec: art.VisionSpec, fields: d
     side, patch = fields["patch_size"] * fields["spatial_merge_size"], fields["patch_size"]
     image_size = spec.vision_config.get("image_size")
     if not longest:
-        raise error(f"{tokenizer_dir}: the image processor's size {dict(size)!r} has no longest_edge (or height and "
+        raise error(f"{tokenizer_dir}: the image processor's size {size!r} has no longest_edge (or height and "
                     "width); PixtralImageProcessor's files have one")
     if image_size and -(-longest // side) * side // patch > image_size // patch:
         raise error(f"{tokenizer_dir}: the image processor's size (longest edge {longest} px, {side} px a row) makes "
