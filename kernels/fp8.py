@@ -186,31 +186,44 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
     return cast_to_fp8(x, expand_group_scales(scale, group_size, size)), scale
 
 
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int, bias: Tensor | None,
+                     weight_scale_blocks: Tensor | None = None) -> Tensor:
+    """y [..., N] in x's dtype = (x quantized per token and group_size columns) @ (weight · weight_scale).T + bias,
+    weight_scale [N, G] per row. On FP8 tensor cores, above BLOCK_CUBLAS_MIN_TOKENS tokens where the weights have
+    128 x 128 scales (weight_scale_blocks [N / 128, G], `block_scales`): cuBLAS's block-scaled GEMM, which takes a
+    multiple of 4 tokens (session 43, probe_odd_m.py): the quantization pads to one with zero rows. Otherwise
+    `fp8_block_matmul`."""
+    size, out_features = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, size)
+    tokens = x2.shape[0]
+    if (tokens > BLOCK_CUBLAS_MIN_TOKENS and weight_scale_blocks is not None and has_fp8_tensor_cores(x)
+            and is_triton_installed()):
+        from . import fp8_triton
+
+        x_fp8, x_scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE, rows=-(-tokens // 4) * 4)
+        y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale_blocks.t(), out_dtype=x.dtype)
+        y = y[:tokens] + bias if bias is not None else y[:tokens]
+        return y.reshape(*x.shape[:-1], out_features)
+    x_fp8, x_scale = quantize_fp8_per_token_group(x2, group_size)
+    y = fp8_block_matmul(x_fp8, x_scale, weight, weight_scale, group_size, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
 def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int,
-                     bias: Tensor | None, out_dtype: torch.dtype, weight_scale_blocks: Tensor | None = None) -> Tensor:
-    """y [..., N] in out_dtype = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, the scales per group_size
-    columns: x_scale [..., G], weight_scale [N, G]. On FP8 tensor cores: up to BLOCK_CUBLAS_MIN_TOKENS tokens (and
-    where cuBLAS cannot) the Triton kernel, each K chunk's product scaled into a float32 accumulator; more tokens
-    cuBLAS's block-scaled GEMM (1 x 128 activation scales, 128 x 128 weight scales: weight_scale_blocks
-    [N / 128, G], `block_scales`). Float32 math elsewhere."""
-    size, out_features = x_fp8.shape[-1], weight.shape[0]
-    x2, s2 = x_fp8.reshape(-1, size), x_scale.reshape(-1, x_scale.shape[-1])
+                     bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+    """y [M, N] in out_dtype = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, the scales per group_size
+    columns: x_scale [M, G], weight_scale [N, G]. The Triton kernel on FP8 tensor cores (each K chunk's product
+    scaled into a float32 accumulator), float32 math elsewhere."""
+    size = x_fp8.shape[-1]
     if not (has_fp8_tensor_cores(x_fp8) and is_triton_installed()):
-        a = x2.float() * expand_group_scales(s2.float(), group_size, size)
+        a = x_fp8.float() * expand_group_scales(x_scale.float(), group_size, size)
         y = a @ (weight.float() * expand_group_scales(weight_scale.float(), group_size, size)).T
-        y = y + bias.float() if bias is not None else y
-        return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
-    if x2.shape[0] > BLOCK_CUBLAS_MIN_TOKENS and weight_scale_blocks is not None:
-        if s2.stride(0) != 1:  # cuBLAS reads each group's scales contiguous over the tokens
-            s2 = s2.t().contiguous().t()
-        y = torch._scaled_mm(x2, weight.t(), scale_a=s2, scale_b=weight_scale_blocks.t(), out_dtype=out_dtype)
-        y = y + bias if bias is not None else y
-        return y.reshape(*x_fp8.shape[:-1], out_features)
+        return (y + bias.float() if bias is not None else y).to(out_dtype)
     from .fp8_triton import fp8_linear_small_m
 
-    kernel = select_fp8_block_kernel(x2.shape[0], size, out_features)
-    y = fp8_linear_small_m(x2.contiguous(), s2, weight, weight_scale, bias, out_dtype, group_size=group_size, **kernel)
-    return y.reshape(*x_fp8.shape[:-1], out_features)
+    kernel = select_fp8_block_kernel(x_fp8.shape[0], size, weight.shape[0])
+    return fp8_linear_small_m(x_fp8.contiguous(), x_scale, weight, weight_scale, bias, out_dtype,
+                              group_size=group_size, **kernel)
 
 
 BLOCK_CUBLAS_MIN_TOKENS = 16  # above: cuBLAS's block-scaled GEMM (benchmarks/RESULTS.md, session 43)

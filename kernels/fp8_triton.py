@@ -111,37 +111,40 @@ def quantize_per_token(x: Tensor, min_scale: float, dtype: torch.dtype = torch.f
 
 
 @triton.jit
-def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, K, stride_x, min_scale, GROUP: tl.constexpr,
+def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, ROWS, K, stride_x, min_scale, GROUP: tl.constexpr,
                             GROUPS: tl.constexpr, PDL: tl.constexpr):
     """GROUPS groups of GROUP columns of one token per program, as a [GROUPS, GROUP] tile: each row's absmax, its
-    scale (stored at scale_ptr[group * M + token]: the scales of one group are contiguous over the tokens, the
-    layout cuBLAS's block-scaled GEMM reads) and its E4M3 values."""
+    scale (stored at scale_ptr[group * ROWS + token]: the scales of one group are contiguous over the tokens, the
+    layout cuBLAS's block-scaled GEMM reads) and its E4M3 values. Tokens M..ROWS-1 (padding) are zeros."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups[:, None] * GROUP < K) & (columns < K)
-    tile = tl.load(x_ptr + token * stride_x + columns, mask=mask, other=0.0).to(tl.float32)
+    tile = tl.load(x_ptr + token * stride_x + columns, mask=mask & (token < M), other=0.0).to(tl.float32)
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(tile), axis=1), FP8_E4M3_MAX), min_scale)  # [GROUPS]
-    tl.store(scale_ptr + groups * M + token, scale, mask=groups * GROUP < K)
+    tl.store(scale_ptr + groups * ROWS + token, scale, mask=groups * GROUP < K)
     values = tl.clamp(tl.math.div_rn(tile, scale[:, None]), -FP8_E4M3_MAX, FP8_E4M3_MAX)
     tl.store(out_ptr + token * K + columns, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float) -> tuple[Tensor, Tensor]:
-    """x [M, K] → (fp8 [M, K], scale [M, ceil(K / group_size)] float32 with strides (1, M): the group's scales
-    contiguous over the tokens, as cuBLAS's block-scaled GEMM takes them); group_size a power of two."""
+def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, rows: int | None = None
+                                 ) -> tuple[Tensor, Tensor]:
+    """x [M, K] → (fp8 [rows, K], scale [rows, ceil(K / group_size)] float32 with strides (1, rows): the group's
+    scales contiguous over the tokens, as cuBLAS's block-scaled GEMM takes them); group_size a power of two.
+    rows (default M) >= M: the rows past M are zeros at the smallest scale (cuBLAS takes a multiple of 4 rows)."""
     M, K = x.shape
+    rows = M if rows is None else rows
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_groups = triton.cdiv(K, group_size)
-    out = torch.empty(x.shape, device=x.device, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(num_groups, M, device=x.device, dtype=torch.float32).t()
+    out = torch.empty(rows, K, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(num_groups, rows, device=x.device, dtype=torch.float32).t()
     groups_per_program = max(1, min(triton.next_power_of_2(num_groups), 2048 // group_size))
-    if M:
-        _quantize_groups_kernel[(M, triton.cdiv(num_groups, groups_per_program))](
-            x, out, scale, M, K, x.stride(0), min_scale, GROUP=group_size, GROUPS=groups_per_program, num_warps=4,
-            **pdl_args(x.device))
+    if rows:
+        _quantize_groups_kernel[(rows, triton.cdiv(num_groups, groups_per_program))](
+            x, out, scale, M, rows, K, x.stride(0), min_scale, GROUP=group_size, GROUPS=groups_per_program,
+            num_warps=4, **pdl_args(x.device))
     return out, scale
 
 

@@ -544,9 +544,8 @@ class Fp8BlockFormat:
         return {} if blocks is None else {"weight_scale_blocks": blocks}
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
-        x_fp8, x_scale = self.quantize_input(x, params)
-        return fp8_kernels.fp8_block_matmul(x_fp8, x_scale, params["weight"], params["weight_scale"], self.group_size,
-                                            bias, x.dtype, params.get("weight_scale_blocks"))
+        return fp8_kernels.fp8_block_linear(x, params["weight"], params["weight_scale"], self.group_size, bias,
+                                            params.get("weight_scale_blocks"))
 
 
 @dataclass(frozen=True)

@@ -121,16 +121,20 @@ def test_fp8_per_token_quantization_matches_numerics(elementwise_case, num_token
     expected_fp8, expected_scale = reference_quantize_fp8(x)
     assert x_fp8.dtype == torch.float8_e4m3fn and scale.shape == (num_tokens, 1)
     torch.testing.assert_close(scale.cpu(), expected_scale, rtol=1e-6, atol=0)
-    actual, expected = x_fp8.cpu().float(), expected_fp8.float()
+    _assert_fp8_values_match(x_fp8.cpu().float(), expected_fp8.float(), device)
+
+
+def _assert_fp8_values_match(actual, expected, device) -> None:
+    """E4M3 values (as float32) equal to the reference's, up to what the interpreter's cast does: it rounds ties
+    away from zero, truncates subnormals and halves a value that rounds up into the next binade (124 -> 64, not
+    128); the GPU's cvt does none of that. On the CPU every value must be within one e4m3 step, or be such a
+    halving; on the GPU one in a thousand may be a bit apart (division)."""
     mismatched = actual != expected
     if device == "cpu":
-        # The interpreter's e4m3 cast rounds ties away from zero, truncates subnormals and halves a
-        # value that rounds up into the next binade (124 -> 64, not 128); the GPU's cvt does none of
-        # that. On the CPU every value must be within one e4m3 step, or be such a halving.
         step = 2.0 ** (expected.abs().clamp(min=2**-6).log2().floor() - 3)
         carried = (expected.abs().log2() == expected.abs().log2().round()) & (actual == expected / 2)
         mismatched &= ~(((actual - expected).abs() <= step) | carried)
-    assert mismatched.float().mean() <= (0 if device == "cpu" else 1e-3)  # GPU division may round one bit apart
+    assert mismatched.float().mean() <= (0 if device == "cpu" else 1e-3)
 
 
 def _assert_same_fp8(actual, expected) -> None:
@@ -382,3 +386,24 @@ def test_fp8_kernel_with_group_scales_matches_float64(device, rel_err, num_token
                            group_size=group)
     assert y.shape == (num_tokens, n) and y.dtype == torch.float16
     assert rel_err(y.cpu(), expected) < 1e-3
+
+
+@pytest.mark.parametrize("num_tokens,k,rows", [(1, 256, 4), (5, 384, 8), (7, 320, 7)])
+def test_group_quantization_kernel_pads_rows_with_zeros(device, num_tokens, k, rows) -> None:
+    """The group quantization kernel (w8a8-fp8-block's activations): each token's groups of 128 columns at absmax / 448
+    (a last partial group its own), the scales contiguous over the tokens (strides (1, rows)), and the rows past the
+    tokens, which cuBLAS's multiple of 4 needs, zero at the smallest scale."""
+    from llmc.kernels.fp8 import MIN_SCALE
+    from llmc.kernels.fp8_triton import quantize_fp8_per_token_group
+
+    x = torch.randn(num_tokens, k) * torch.linspace(0.01, 10, k)
+    values, scale = quantize_fp8_per_token_group(x.to(device), 128, MIN_SCALE, rows=rows)
+    assert values.shape == (rows, k) and scale.shape == (rows, -(-k // 128)) and scale.stride() == (1, rows)
+    for g, start in enumerate(range(0, k, 128)):
+        group = x[:, start:start + 128]
+        expected_scale = group.abs().amax(dim=1) / 448
+        torch.testing.assert_close(scale[:num_tokens, g].cpu(), expected_scale, rtol=1e-6, atol=0)
+        expected = (group / expected_scale[:, None]).to(torch.float8_e4m3fn).float()
+        _assert_fp8_values_match(values[:num_tokens, start:start + 128].cpu().float(), expected, device)
+    assert not values[num_tokens:].float().any() and bool((scale[num_tokens:] == MIN_SCALE).all())
+

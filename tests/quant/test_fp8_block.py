@@ -74,15 +74,18 @@ def test_activations_are_quantized_per_token_and_group() -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
-@pytest.mark.parametrize("num_tokens", [1, 5, 40, 300])
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 37, 300])
 def test_block_linear_equals_the_float64_product_of_its_operands(device, num_tokens) -> None:
     """y = Σ_groups (x levels · x scale)(w levels · w scale): the CPU's float32 path and, on a GPU, the Triton kernel
-    (few-token and many-token tiles), against float64; and close to the float product x @ w.T."""
+    up to 16 tokens and cuBLAS's block-scaled GEMM above (37 tokens: padded to 40), against float64; and close to
+    the float product x @ w.T."""
     torch.manual_seed(3)
     k, n = 512, 384
     w = torch.randn(n, k) * 0.05
     fmt = make_format(BLOCK, torch.bfloat16 if device == "cuda" else torch.float32)
     params = {name: t.to(device) for name, t in fmt.pack(quantize_fp8_weight_block(w, (128, 128))).items()}
+    params |= fmt.derived_params(params)  # on a GPU: the 128 x 128 scales cuBLAS takes, as a loaded model has them
+    assert ("weight_scale_blocks" in params) == (device == "cuda")
     x = torch.randn(num_tokens, k, dtype=torch.float32) * torch.linspace(0.1, 4, k)
     bias = torch.randn(n)
     x_in = x.to(device, fmt.dtype)
