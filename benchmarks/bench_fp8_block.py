@@ -15,6 +15,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from llmc.kernels import fp8 as fp8_kernels
 from llmc.kernels.fp8 import expand_group_scales, fp8_block_matmul, quantize_fp8_per_token_group, select_fp8_block_kernel
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.quant.formats import Fp8BlockFormat, Fp8Format
@@ -40,7 +41,8 @@ def scaled_mm_variants(xq, xs, w, ws_rows, n, k):
         variants["F.scaled_mm 1x128 / 128x128 [K/128, N/128]"] = lambda: F.scaled_mm(
             xq, w.t(), xs_outer, st.BlockWise1x128, compact.t(), st.BlockWise128x128, output_dtype=torch.bfloat16)
         variants["F.scaled_mm 1x128 / 1x128 [N, K/128]"] = lambda: F.scaled_mm(
-            xq, w.t(), xs_outer, st.BlockWise1x128, ws_rows.t().contiguous().t(), st.BlockWise1x128,
+            xq, w.t(), xs_outer, st.BlockWise1x128, ws_rows.t().contiguous().t() if ws_rows.stride(0) != 1 else ws_rows,
+            st.BlockWise1x128,
             output_dtype=torch.bfloat16)
     variants["torch._scaled_mm [M, K/128] / [K/128, N/128]"] = lambda: torch._scaled_mm(
         xq, w.t(), scale_a=xs_outer, scale_b=compact.t(), out_dtype=torch.bfloat16)
@@ -81,6 +83,9 @@ def bench_shape(k: int, n: int, ms: list[int], flush, sweep: bool) -> list[dict]
         row = {"K": k, "N": n, "M": m, "block_tiles": select_fp8_block_kernel(m, k, n), "us": {}, "rel_err": {}}
         for name, fn in runs.items():
             row["us"][name] = round(median_time_ms(fn, flush) * 1000, 2)
+        fp8_kernels.BLOCK_QUANT_PDL = False  # the group quantization launched without PDL, the GEMM as always
+        row["us"]["fp8_block_quant_without_pdl"] = round(median_time_ms(runs["fp8_block"], flush) * 1000, 2)
+        fp8_kernels.BLOCK_QUANT_PDL = None
         ref = runs["bf16"]().float()
         for name in ("fp8_channel", "fp8_block"):
             row["rel_err"][name] = round(rel_err(runs[name](), ref), 5)
@@ -123,12 +128,14 @@ def main() -> None:
         result["rows"] += bench_shape(k, n, args.ms, flush, args.sweep)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
-    print("| K×N | M | bf16 µs | fp8 channel ×bf16 | fp8 block ×bf16 | block ÷ channel | best scaled_mm µs | sweep best µs |")
+    print("| K×N | M | bf16 µs | fp8 channel ×bf16 | fp8 block ×bf16 | block ÷ channel | block ÷ channel, quantization "
+          "without PDL | best scaled_mm µs | sweep best µs |")
     for r in result["rows"]:
         us = r["us"]
         sm = [v for key, v in us.items() if "scaled_mm" in key and v]
         print(f"| {r['K']}×{r['N']} | {r['M']} | {us['bf16']} | {us['bf16'] / us['fp8_channel']:.2f} | "
               f"{us['bf16'] / us['fp8_block']:.2f} | {us['fp8_channel'] / us['fp8_block']:.2f} | "
+              f"{us['fp8_channel'] / us['fp8_block_quant_without_pdl']:.2f} | "
               f"{min(sm) if sm else '-'} | {r.get('sweep_best', ['-'])[0]} |")
 
 

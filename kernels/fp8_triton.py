@@ -128,11 +128,12 @@ def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, ROWS, K, stride_x, min
     tl.store(out_ptr + token * K + columns, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, rows: int | None = None
-                                 ) -> tuple[Tensor, Tensor]:
+def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, rows: int | None = None,
+                                 pdl: bool | None = None) -> tuple[Tensor, Tensor]:
     """x [M, K] → (fp8 [rows, K], scale [rows, ceil(K / group_size)] float32 with strides (1, rows): the group's
     scales contiguous over the tokens, as cuBLAS's block-scaled GEMM takes them); group_size a power of two.
-    rows (default M) >= M: the rows past M are zeros at the smallest scale (cuBLAS takes a multiple of 4 rows)."""
+    rows (default M) >= M: the rows past M are zeros at the smallest scale (cuBLAS takes a multiple of 4 rows).
+    pdl: launch with programmatic dependent launch (None: as every kernel on this device, kernels.use_pdl)."""
     M, K = x.shape
     rows = M if rows is None else rows
     if x.stride(-1) != 1:
@@ -144,7 +145,7 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, r
     if rows:
         _quantize_groups_kernel[(rows, triton.cdiv(num_groups, groups_per_program))](
             x, out, scale, M, rows, K, x.stride(0), min_scale, GROUP=group_size, GROUPS=groups_per_program,
-            num_warps=4, **pdl_args(x.device))
+            num_warps=4, **(pdl_args(x.device) if pdl is None else {"PDL": pdl, "launch_pdl": pdl}))
     return out, scale
 
 
@@ -156,7 +157,7 @@ def quantize_fp8_per_token(x: Tensor, min_scale: float) -> tuple[Tensor, Tensor]
 @triton.jit
 def _fp8_small_m_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, final_ptr, counter_ptr, M, N, K, k_per_split,
-    stride_om, stride_split, stride_xs, stride_xsg, stride_ws,
+    stride_om, stride_split, stride_xs, stride_xsg, stride_ws, stride_wsg,
     W_SCALE_PER_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, IS_SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr,
 ):
@@ -164,7 +165,7 @@ def _fp8_small_m_kernel(
     = w @ xq.T, so the weight rows fill the MMA's 64-row side and the tokens its narrow side (where
     torch._scaled_mm pads the tokens to a full tile). xq, xs: the per-token quantization above.
     GROUP > 0 (w8a8-fp8-block): scales per GROUP columns, xs [M, K / GROUP] (strides stride_xs, stride_xsg) and ws
-    [N, K / GROUP] (row stride stride_ws); each BLOCK_K chunk (within one group: GROUP % BLOCK_K == 0) is
+    [N, K / GROUP] (strides stride_ws, stride_wsg); each BLOCK_K chunk (within one group: GROUP % BLOCK_K == 0) is
     scaled by its group's scales on the way into the float32 accumulator."""
     pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -180,7 +181,7 @@ def _fp8_small_m_kernel(
         xq = tl.load(xq_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         if GROUP > 0:
             group = k0 // GROUP
-            w_scale = tl.load(ws_ptr + offs_n * stride_ws + group, mask=n_mask, other=0.0)
+            w_scale = tl.load(ws_ptr + offs_n * stride_ws + group * stride_wsg, mask=n_mask, other=0.0)
             x_scale = tl.load(xs_ptr + offs_m * stride_xs + group * stride_xsg, mask=m_mask, other=0.0)
             acc += tl.dot(w, tl.trans(xq)) * w_scale[:, None] * x_scale[None, :]
         else:
@@ -227,7 +228,7 @@ def fp8_linear_small_m(
     _fp8_small_m_kernel[(tiles_n, split_k, tiles_m)](
         x_fp8, x_scale, weight, weight_scale, bias if bias is not None else weight_scale, target, out,
         counters if counters is not None else out, M, N, K, k_per_split, N if is_split else out.stride(0), M * N,
-        x_scale.stride(0), x_scale.stride(-1), weight_scale.stride(0),
+        x_scale.stride(0), x_scale.stride(-1), weight_scale.stride(0), weight_scale.stride(-1),
         W_SCALE_PER_ROW=weight_scale.numel() > 1, HAS_BIAS=bias is not None, IS_SPLIT=is_split,
         SUM_SPLITS=split_k if counters is not None else 0, GROUP=group_size,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,

@@ -535,13 +535,15 @@ class Fp8BlockFormat:
             _log_fp8_reference_path(params["weight"].device.type, self.name)
 
     def derived_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Once the weights have loaded on a GPU with FP8 tensor cores: `weight_scale_blocks` [out / 128, groups],
-        one row of scales per 128-row block, which cuBLAS's block-scaled GEMM takes (kernels/fp8.block_scales);
-        nothing where the weights cannot run there."""
+        """Once the weights have loaded on a GPU with FP8 tensor cores, what cuBLAS's block-scaled GEMM reads
+        (kernels/fp8.block_scaled_mm): `weight_scale` again, laid out with the rows contiguous (strides (1, out)),
+        and `weight_scale_blocks` [out / 128, groups], one row of scales per 128-row block, where the rows of each
+        block share theirs (kernels/fp8.block_scales). Nothing on other devices."""
         if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
             return {}
+        derived = {"weight_scale": params["weight_scale"].t().contiguous().t()}
         blocks = fp8_kernels.block_scales(params["weight_scale"], self.group_size)
-        return {} if blocks is None else {"weight_scale_blocks": blocks}
+        return derived if blocks is None else {**derived, "weight_scale_blocks": blocks}
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         return fp8_kernels.fp8_block_linear(x, params["weight"], params["weight_scale"], self.group_size, bias,
