@@ -34,6 +34,7 @@ def scaled_mm_variants(xq, xs, w, ws_rows, n, k):
     compact = ws_rows[::128].contiguous()  # [N/128, K/128]: the rows of a block repeat its scale
     xs_outer = xs.t().contiguous().t()  # [M, K/128], M contiguous ("outer-dim-major")
     variants = {}
+    ws_rows = ws_rows.t().contiguous().t()  # (the layout the 1 x 128 weight scales take)
     if hasattr(F, "scaled_mm"):
         st = F.ScalingType
         variants["F.scaled_mm 1x128 / 128x128 [N/128, K/128]"] = lambda: F.scaled_mm(
@@ -41,8 +42,7 @@ def scaled_mm_variants(xq, xs, w, ws_rows, n, k):
         variants["F.scaled_mm 1x128 / 128x128 [K/128, N/128]"] = lambda: F.scaled_mm(
             xq, w.t(), xs_outer, st.BlockWise1x128, compact.t(), st.BlockWise128x128, output_dtype=torch.bfloat16)
         variants["F.scaled_mm 1x128 / 1x128 [N, K/128]"] = lambda: F.scaled_mm(
-            xq, w.t(), xs_outer, st.BlockWise1x128, ws_rows.t().contiguous().t() if ws_rows.stride(0) != 1 else ws_rows,
-            st.BlockWise1x128,
+            xq, w.t(), xs_outer, st.BlockWise1x128, ws_rows, st.BlockWise1x128,
             output_dtype=torch.bfloat16)
     variants["torch._scaled_mm [M, K/128] / [K/128, N/128]"] = lambda: torch._scaled_mm(
         xq, w.t(), scale_a=xs_outer, scale_b=compact.t(), out_dtype=torch.bfloat16)

@@ -188,21 +188,22 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int, bias: Tensor | None,
-                     weight_scale_blocks: Tensor | None = None) -> Tensor:
+                     weight_scale_rows: Tensor | None = None, weight_scale_blocks: Tensor | None = None) -> Tensor:
     """y [..., N] in x's dtype = (x quantized per token and group_size columns) @ (weight · weight_scale).T + bias,
     weight_scale [N, G] per row. On FP8 tensor cores with bf16/fp16 activations, above BLOCK_CUBLAS_MIN_TOKENS
-    tokens and for 128-column groups: cuBLAS's block-scaled GEMM (`block_scaled_mm`), which takes a multiple of 4
-    tokens (session 43, probe_odd_m.py): the quantization pads to one with zero rows. Otherwise `fp8_block_matmul`."""
+    tokens, where the weight's scales come laid out for it (Fp8BlockFormat.derived_params): cuBLAS's block-scaled
+    GEMM (`block_scaled_mm`), which takes a multiple of 4 tokens (session 43, probe_odd_m.py): the quantization
+    pads to one with zero rows. Otherwise `fp8_block_matmul`."""
     size, out_features = x.shape[-1], weight.shape[0]
     x2 = x.reshape(-1, size)
     tokens = x2.shape[0]
-    if (tokens > BLOCK_CUBLAS_MIN_TOKENS and group_size == 128 and x.dtype in (torch.bfloat16, torch.float16)
-            and has_fp8_tensor_cores(x) and is_triton_installed()):
+    if (tokens > BLOCK_CUBLAS_MIN_TOKENS and (weight_scale_rows is not None or weight_scale_blocks is not None)
+            and x.dtype in (torch.bfloat16, torch.float16) and has_fp8_tensor_cores(x) and is_triton_installed()):
         from . import fp8_triton
 
         x_fp8, x_scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE, rows=-(-tokens // 4) * 4,
                                                                  pdl=BLOCK_QUANT_PDL)
-        y = block_scaled_mm(x_fp8, x_scale, weight, weight_scale, weight_scale_blocks, x.dtype)
+        y = block_scaled_mm(x_fp8, x_scale, weight, weight_scale_rows, weight_scale_blocks, x.dtype)
         y = y[:tokens] + bias if bias is not None else y[:tokens]
         return y.reshape(*x.shape[:-1], out_features)
     x_fp8, x_scale = quantize_fp8_per_token_group(x2, group_size)
@@ -213,25 +214,20 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size
 BLOCK_QUANT_PDL: bool | None = None  # the group quantization's launch: None as every kernel's (kernels.use_pdl)
 BLOCK_CUBLAS_MIN_TOKENS = 16  # above: cuBLAS's block-scaled GEMM (benchmarks/RESULTS.md, session 43)
 BLOCK_ROW_SCALES_MAX_TOKENS = 64  # up to: its per-row weight scales, faster there than 128 x 128 (but on gate_up)
+BLOCK_ROW_SCALES_MAX_OUT = 16384  # outputs from which 128 x 128 scales are faster at every token count (gate_up)
 
 
-def block_scaled_mm(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor,
+def block_scaled_mm(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale_rows: Tensor | None,
                     weight_scale_blocks: Tensor | None, out_dtype: torch.dtype) -> Tensor:
     """cuBLAS's block-scaled FP8 GEMM: x_fp8 [M, K] (M a multiple of 4) with its 1 x 128 scales x_scale [M, K / 128]
-    (strides (1, M)), and the weight's scales either per row and 128 columns (weight_scale [N, K / 128], strides
-    (1, N): `Fp8BlockFormat.derived_params` lays them so) or per 128 x 128 block (weight_scale_blocks
-    [N / 128, K / 128]). Which one by session 43's measurements: rows up to BLOCK_ROW_SCALES_MAX_TOKENS tokens
-    (1.1-1.6x faster on qkv, o and down), blocks beyond and on outputs of 16384 and more; rows where the weight has
-    no blocks."""
+    (strides (1, M)), and the weight's scales either per row and 128 columns (weight_scale_rows [N, K / 128], strides
+    (1, N)) or per 128 x 128 block (weight_scale_blocks [N / 128, K / 128]). Rows up to BLOCK_ROW_SCALES_MAX_TOKENS
+    tokens (1.1-1.6x faster there on qkv, o and down, session 43), blocks beyond; whichever the weight has."""
     import torch.nn.functional as F
 
-    tokens, out_features = x_fp8.shape[0], weight.shape[0]
-    use_rows = weight_scale_blocks is None or (tokens <= BLOCK_ROW_SCALES_MAX_TOKENS and out_features < 16384)
-    if use_rows:
-        if weight_scale.stride(0) != 1:
-            weight_scale = weight_scale.t().contiguous().t()
+    if weight_scale_rows is not None and (weight_scale_blocks is None or x_fp8.shape[0] <= BLOCK_ROW_SCALES_MAX_TOKENS):
         st = F.ScalingType
-        return F.scaled_mm(x_fp8, weight.t(), x_scale, st.BlockWise1x128, weight_scale, st.BlockWise1x128,
+        return F.scaled_mm(x_fp8, weight.t(), x_scale, st.BlockWise1x128, weight_scale_rows, st.BlockWise1x128,
                            output_dtype=out_dtype)
     return torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale_blocks.t(), out_dtype=out_dtype)
 
@@ -255,10 +251,11 @@ def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scal
 
 def block_scales(weight_scale: Tensor, group_size: int) -> Tensor | None:
     """weight_scale [N, G] (per row) → [N / 128, G], one row per 128-row block, for cuBLAS's 128 x 128 weight scales;
-    None where it cannot take them: group_size not 128, N not a multiple of 128, or rows of a 128-row block that
-    do not share their scales (an import's or a build's blocks of another height)."""
-    rows = weight_scale.shape[0]
-    if group_size != 128 or rows % 128:
+    None where it cannot take them: group_size not 128, N not a multiple of 128, G not a multiple of 4 (it gave
+    wrong products at K = 256 and 384, session 43's probe_small.py), or rows of a 128-row block that do not share
+    their scales (an import's or a build's blocks of another height)."""
+    rows, groups = weight_scale.shape
+    if group_size != 128 or rows % 128 or groups % 4:  # (cuBLAS reads the groups as a leading dimension: a multiple of 4)
         return None
     blocks = weight_scale[::128]
     if not torch.equal(weight_scale.reshape(rows // 128, 128, -1), blocks[:, None, :].expand(-1, 128, -1)):

@@ -535,19 +535,26 @@ class Fp8BlockFormat:
             _log_fp8_reference_path(params["weight"].device.type, self.name)
 
     def derived_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Once the weights have loaded on a GPU with FP8 tensor cores, what cuBLAS's block-scaled GEMM reads
-        (kernels/fp8.block_scaled_mm): `weight_scale` again, laid out with the rows contiguous (strides (1, out)),
-        and `weight_scale_blocks` [out / 128, groups], one row of scales per 128-row block, where the rows of each
-        block share theirs (kernels/fp8.block_scales). Nothing on other devices."""
-        if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
+        """Once the weights have loaded on a GPU with FP8 tensor cores, the weight scales as cuBLAS's block-scaled
+        GEMM reads them (kernels/fp8.block_scaled_mm): `weight_scale_blocks` [out / 128, groups], one row per
+        128-row block, where the rows of each block share their scales (kernels/fp8.block_scales); and
+        `weight_scale_rows`, the per-row scales with the rows contiguous (strides (1, out)), for up to 64 tokens,
+        except on outputs of 16384 and more that have blocks (gate_up: blocks are faster there), or always where
+        there are no blocks. A copy: the Triton kernel reads the stored layout faster (session 43, call 6). Nothing
+        on other devices; nothing for groups other than 128 or outputs not a multiple of 4 (cuBLAS's)."""
+        scale = params["weight_scale"]
+        rows = scale.shape[0]
+        if not fp8_kernels.has_fp8_tensor_cores(params["weight"]) or self.group_size != 128 or rows % 4:
             return {}
-        derived = {"weight_scale": params["weight_scale"].t().contiguous().t()}
-        blocks = fp8_kernels.block_scales(params["weight_scale"], self.group_size)
-        return derived if blocks is None else {**derived, "weight_scale_blocks": blocks}
+        blocks = fp8_kernels.block_scales(scale, self.group_size)
+        derived = {} if blocks is None else {"weight_scale_blocks": blocks}
+        if blocks is None or rows < fp8_kernels.BLOCK_ROW_SCALES_MAX_OUT:
+            derived["weight_scale_rows"] = scale.t().contiguous().t()
+        return derived
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         return fp8_kernels.fp8_block_linear(x, params["weight"], params["weight_scale"], self.group_size, bias,
-                                            params.get("weight_scale_blocks"))
+                                            params.get("weight_scale_rows"), params.get("weight_scale_blocks"))
 
 
 @dataclass(frozen=True)

@@ -52,14 +52,10 @@ class Linear(nn.Module):
         self.dense = self.fmt.dequantize(self.params(), self.in_features).to(self.fmt.dtype)
 
     def derive_params(self) -> None:
-        """Tensors the format computes once from the loaded ones for this device (Fp8BlockFormat.derived_params):
-        a loaded tensor laid out anew replaces it; another is added to `params()` (a buffer outside the state dict:
-        the artifact does not hold it)."""
+        """Tensors the format computes once from the loaded ones for this device (Fp8BlockFormat.derived_params),
+        added to `params()` (as buffers outside the state dict: the artifact does not hold them)."""
         derive = getattr(self.fmt, "derived_params", None)
         for name, tensor in (derive(self.params()) if derive is not None else {}).items():
-            if name in self.param_names:  # the same tensor laid out for this device's kernels
-                setattr(self, name, tensor)
-                continue
             self.register_buffer(name, tensor, persistent=False)
             self.param_names.append(name)
 

@@ -85,7 +85,7 @@ def test_block_linear_equals_the_float64_product_of_its_operands(device, num_tok
     fmt = make_format(BLOCK, torch.bfloat16 if device == "cuda" else torch.float32)
     params = {name: t.to(device) for name, t in fmt.pack(quantize_fp8_weight_block(w, (128, 128))).items()}
     params |= fmt.derived_params(params)  # on a GPU: the 128 x 128 scales cuBLAS takes, as a loaded model has them
-    assert ("weight_scale_blocks" in params) == (device == "cuda")
+    assert ("weight_scale_blocks" in params and "weight_scale_rows" in params) == (device == "cuda")
     x = torch.randn(num_tokens, k, dtype=torch.float32) * torch.linspace(0.1, 4, k)
     bias = torch.randn(n)
     x_in = x.to(device, fmt.dtype)
@@ -147,25 +147,31 @@ def test_a_block_build_matches_transformers_on_its_weights(llama_256, tmp_path, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_a_block_artifact_on_cuda_agrees_with_the_cpu(llama_256, tmp_path, hf_encode, free_gpu) -> None:
-    """A float32 block build on CUDA (the Triton kernel on FP8 tensor cores, under CUDA graphs) against the same
-    artifact on the CPU's float32 path: the cosine of the logits (the int8 artifact's test asks a mean above 0.999;
-    here per-group activation scales put more values near an E4M3 rounding edge, which the GPU's float32
-    differences then flip: call 2 of session 43 measured min 0.9945, mean 0.9976), and greedy tokens equal."""
+def test_a_block_artifact_on_cuda_agrees_with_the_cpu(tmp_path, hf_encode, free_gpu) -> None:
+    """A bf16 block build of a Llama whose linears take cuBLAS's 128 x 128 weight scales (4 and 8 groups of 128
+    inputs) on CUDA, its prefill in 16-token chunks (the Triton kernel) and in one chunk of 100 tokens (cuBLAS,
+    padded to 4), against the same artifact on the CPU's float32 path: the logits' cosine. What bounds it is FP8
+    itself: on such random tiny models a GPU's float differences flip activation roundings, and the per-channel FP8
+    build measured min 0.988, mean 0.997 the same way (session 43, diag_block_gpu.py), so greedy tokens are not
+    compared; wrong scales or layouts give cosines near 0 (a mistaken cuBLAS layout measured 0.02)."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
+    from tests.conftest import make_hf_checkpoint
     from tests.runtime.hf_oracle import build_float32
 
-    out = build_float32(llama_256, tmp_path / "q", quantization={"method": "fp8", "weights": "block", "report": False})
-    token_ids = hf_encode(llama_256, "Once upon a time, in a land far away, there lived") + list(range(100, 140))
-    prompts = [{"prompt_token_ids": hf_encode(llama_256, p)} for p in ("The quick brown fox", "Once upon a time")]
-    greedy = SamplingParams(temperature=0, max_tokens=16)
+    checkpoint = make_hf_checkpoint(tmp_path / "ck", "llama", hidden_size=512, intermediate_size=1024,
+                                    num_attention_heads=8, num_key_value_heads=4)
+    out = build_float32(checkpoint, tmp_path / "q", dtype="bfloat16",
+                        quantization={"method": "fp8", "weights": "block", "report": False})
+    token_ids = hf_encode(checkpoint, "Once upon a time, in a land far away, there lived") + list(range(100, 188))
     with LLM(out, device="cpu") as llm:
         cpu = llm.engine.score(token_ids).float()
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-    with LLM(out, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16) as llm:
-        gpu = llm.engine.score(token_ids).float().cpu()
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]  # decode steps: CUDA graph replays
-    cosine = torch.nn.functional.cosine_similarity(gpu, cpu, dim=-1)
-    assert cosine.min() > 0.99 and cosine.mean() > 0.995, (cosine.min(), cosine.mean())
-    assert got == want
+    for chunk in (16, 256):
+        with LLM(out, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=chunk) as llm:
+            qkv = next(iter(llm.engine.runner.model.layers.values())).attn.qkv.params()
+            assert {"weight_scale_blocks", "weight_scale_rows"} <= set(qkv)  # what cuBLAS reads, derived at load
+            gpu = llm.engine.score(token_ids).float().cpu()
+            out_tokens = llm.generate([{"prompt_token_ids": token_ids[:20]}], SamplingParams(temperature=0, max_tokens=8))
+        assert len(out_tokens[0].outputs[0].token_ids) == 8
+        cosine = torch.nn.functional.cosine_similarity(gpu, cpu, dim=-1)
+        assert cosine.min() > 0.97 and cosine.mean() > 0.99, (chunk, cosine.min(), cosine.mean())
