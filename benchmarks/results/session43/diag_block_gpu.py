@@ -1,6 +1,8 @@
 """Why the block build's GPU test saw other greedy tokens (call 4): the same tiny Llama (hidden 256) built float32
 dense, FP8 per channel and FP8 in blocks; each artifact's logits on CUDA against the CPU's (cosine min / mean) and the
-first greedy tokens of two prompts on each. Run twice: with programmatic dependent launch and with LLMC_PDL=0."""
+first greedy tokens of two prompts on each. Run twice: with programmatic dependent launch and with LLMC_PDL=0.
+`--bf16`: a hidden-512 model built in bf16 instead (call 8: what a bf16 build's GPU logits are against the CPU's,
+dense and FP8 alike, through the Triton kernel (chunks of 16) and cuBLAS (one chunk))."""
 import sys
 from pathlib import Path
 
@@ -13,18 +15,21 @@ from tests.runtime.hf_oracle import build_float32  # noqa: E402
 from llmc.runtime.llm import LLM  # noqa: E402
 from llmc.runtime.sampling_params import SamplingParams  # noqa: E402
 
-work = Path("/tmp/s43diag")
+BF16 = "--bf16" in sys.argv
+work = Path("/tmp/s43diag" + ("-bf16" if BF16 else ""))
 ck = work / "ck"
 if not ck.exists():
-    make_hf_checkpoint(ck, "llama", hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
-ids = hf_encode(ck, "Once upon a time, in a land far away, there lived") + list(range(100, 140))
+    size = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4) if BF16 else dict(
+        hidden_size=256, intermediate_size=384, num_attention_heads=4, num_key_value_heads=2)
+    make_hf_checkpoint(ck, "llama", **size)
+ids = hf_encode(ck, "Once upon a time, in a land far away, there lived") + list(range(100, 188 if BF16 else 140))
 prompts = [{"prompt_token_ids": hf_encode(ck, p)} for p in ("The quick brown fox", "Once upon a time")]
 greedy = SamplingParams(temperature=0, max_tokens=8)
 for name, quant in (("dense", {"method": "none"}), ("fp8", {"method": "fp8", "report": False}),
                     ("fp8block", {"method": "fp8", "weights": "block", "report": False})):
     out = work / name
     if not out.exists():
-        build_float32(ck, out, quantization=quant)
+        build_float32(ck, out, quantization=quant, **({"dtype": "bfloat16"} if BF16 else {}))
     with LLM(out, device="cpu") as llm:
         cpu = llm.engine.score(ids).float()
         want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
