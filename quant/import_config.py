@@ -1,9 +1,12 @@
 """Reading a pre-quantized checkpoint's `quantization_config` and checking its tensors against it.
 
-`parse_quantization_config` normalises the three published families into one `ImportSpec`:
+`parse_quantization_config` normalises the four published families into one `ImportSpec`:
   awq                 AutoAWQ, GEMM layout only (4 bits, zero points)
   gptq                AutoGPTQ / GPTQModel, checkpoint_format "gptq" (v1: zeros stored minus 1) or "gptq_v2"
-  compressed-tensors  llm-compressor, `pack-quantized` (int weights) or `float-quantized` (FP8 W8A8)
+  compressed-tensors  llm-compressor, `pack-quantized` (int weights), `float-quantized` (FP8 W8A8: per channel,
+                      per tensor, or FP8_BLOCK's 128 x 128 blocks) or `int-quantized` (W8A8 int8)
+  fp8                 transformers' FineGrainedFP8Config / DeepSeek-V3 / Qwen3 FP8 (`weight_block_size`: weight and
+                      weight_scale_inv per block), or without blocks vLLM's per-tensor FP8 (weight_scale, input_scale)
 Anything else raises a CheckpointError naming what is supported.
 """
 
@@ -24,7 +27,8 @@ from llmc.quant.packing import levels_per_word
 
 SUPPORTED = (
     "awq (version gemm), gptq (checkpoint_format gptq or gptq_v2), "
-    "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8, int-quantized int8 w8a8)"
+    "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8 per channel, per tensor or in blocks, "
+    "int-quantized int8 w8a8), fp8 (transformers' / DeepSeek-V3's / Qwen3's weight_block_size, or vLLM's per tensor)"
 )
 
 
@@ -32,8 +36,8 @@ SUPPORTED = (
 class ImportSpec:
     """A checkpoint's quantization, normalised. Field meanings do not depend on the method."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors"
-    layout: str  # "awq-gemm" | "gptq-v1" | "gptq-v2" | "pack-quantized" | "float-quantized"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8"
+    layout: str  # "awq-gemm" | "gptq-v1" | "gptq-v2" | "pack-quantized" | "float-quantized" | "int-quantized" | "fp8"
     bits: int  # 8 for fp8
     group_size: int  # -1 = per output channel
     is_symmetric: bool
@@ -44,10 +48,17 @@ class ImportSpec:
     targets: tuple[str, ...] = ()
     is_per_channel: bool = True  # fp8: weight scales per output channel, else per tensor
     is_static_input: bool = False  # fp8: calibrated input_scale tensors instead of per-token scales
+    # fp8 in blocks (w8a8-fp8-block): (rows, columns) of one weight scale; activations per token and `columns` inputs
+    block_size: tuple[int, int] | None = None
 
     @property
     def is_fp8(self) -> bool:
-        return self.layout == "float-quantized"
+        return self.layout in ("float-quantized", "fp8")
+
+    @property
+    def scale_name(self) -> str:
+        """The weight scale's tensor name: transformers' block FP8 calls its dequantization factor weight_scale_inv."""
+        return "weight_scale_inv" if self.layout == "fp8" and self.block_size else "weight_scale"
 
     @property
     def is_int8_w8a8(self) -> bool:
@@ -58,6 +69,9 @@ class ImportSpec:
         for pattern in self.ignored_modules:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module_name):
+                    return True
+            elif self.method == "fp8":
+                if _matches_fp8_skip(pattern, module_name):
                     return True
             elif self.method == "compressed-tensors":
                 # compressed-tensors' match_name: a plain entry is a whole module name (a parent's name, say
@@ -71,6 +85,8 @@ class ImportSpec:
     def format_spec(self) -> dict:
         """The llmc format the imported weights pack into (FP8 always per channel: a per-tensor scale
         expands losslessly, and fused q/k/v with different per-tensor scales need per-channel)."""
+        if self.is_fp8 and self.block_size:
+            return {"format": "w8a8-fp8-block", "block_size": list(self.block_size)}
         if self.is_fp8:
             return {"format": "w8a8-fp8", "is_per_channel": True, "is_static_input": self.is_static_input}
         if self.is_int8_w8a8:
@@ -99,12 +115,19 @@ class ImportSpec:
             return names + (("weight_g_idx",) if self.is_act_order else ())
         if self.layout == "int-quantized":
             return ("weight", "weight_scale")
-        return ("weight", "weight_scale") + (("input_scale",) if self.is_static_input else ())
+        return ("weight", self.scale_name) + (("input_scale",) if self.is_static_input else ())
 
     def optional_tensor_names(self) -> tuple[str, ...]:
         if self.layout == "int-quantized":  # compressed-tensors versions that save symmetric zero points (all 0)
             return ("weight_zero_point",)
         return ("g_idx",) if self.layout in ("gptq-v1", "gptq-v2") else ()
+
+
+def _matches_fp8_skip(pattern: str, module_name: str) -> bool:
+    """transformers' rule for modules_to_not_convert (quantizers_utils.should_convert_module): the pattern from the
+    start up to a module boundary ("model.layers.1" skips "model.layers.1.mlp.down_proj", not layers.11), as a
+    regex with the same boundary, or as a suffix ("down_proj")."""
+    return bool(re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module_name)) or module_name.endswith(pattern)
 
 
 def _is_target(target: str, module_name: str) -> bool:
@@ -241,16 +264,18 @@ def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[st
     if (
         weights.get("type") != "float"
         or weights.get("num_bits") != 8
-        or weights.get("strategy") not in ("channel", "tensor")
+        or weights.get("strategy") not in ("channel", "tensor", "block")
     ):
         what = ", ".join(f"{k} {weights.get(k)!r}" for k in ("type", "num_bits", "strategy", "block_structure")
                          if weights.get(k) is not None)
         raise CheckpointError(f"float-quantized weights with {what} are not supported; llmc imports fp8 (float, 8 bits) "
-                              "weights with strategy channel or tensor (not block)")
+                              "weights with strategy channel, tensor or block")
     if not activations or activations.get("type") != "float" or activations.get("num_bits") != 8:
         raise CheckpointError(
-            "fp8 weight-only checkpoints are not supported; llmc imports fp8 W8A8 (FP8 or FP8_DYNAMIC)"
+            "fp8 weight-only checkpoints are not supported; llmc imports fp8 W8A8 (FP8, FP8_DYNAMIC or FP8_BLOCK)"
         )
+    if weights["strategy"] == "block":
+        return _parse_fp8_block_scheme(weights, activations, ignored)
     # A dynamic per-tensor activation scheme runs per token here: finer, and the weights are unchanged.
     is_static_input = not activations.get("dynamic", False)
     return ImportSpec(
@@ -264,6 +289,71 @@ def _parse_fp8_scheme(weights: dict, activations: dict | None, ignored: tuple[st
         is_per_channel=weights["strategy"] == "channel",
         is_static_input=is_static_input,
     )
+
+
+def _parse_fp8_block_scheme(weights: dict, activations: dict, ignored: tuple[str, ...]) -> ImportSpec:
+    """llm-compressor's FP8_BLOCK: weights in blocks of block_structure [rows, columns], activations dynamic per token
+    and `columns` inputs (strategy group, group_size = columns): what w8a8-fp8-block computes; others refused."""
+    block = _checked_block("compressed-tensors float-quantized weights.block_structure", weights.get("block_structure"))
+    want = {"strategy": "group", "group_size": block[1], "dynamic": True}
+    if bad := [f"{k} {activations.get(k)!r}" for k, v in want.items() if activations.get(k) != v]:
+        raise CheckpointError(f"float-quantized block weights {list(block)} with input_activations {', '.join(bad)} are "
+                              f"not supported; llmc imports FP8_BLOCK: activations strategy group, group_size {block[1]} "
+                              "(the block's columns), dynamic true")
+    return ImportSpec(method="compressed-tensors", layout="float-quantized", bits=8, group_size=-1, is_symmetric=True,
+                      is_act_order=False, ignored_modules=ignored, block_size=block)
+
+
+def _checked_block(what: str, block) -> tuple[int, int]:
+    """[rows, columns] (or compressed-tensors' older "RxC" string) → (rows, columns), each a power of two >= 16 (what
+    w8a8-fp8-block stores: its activation groups are the columns, split by the kernels' 16-wide tiles)."""
+    if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):
+        block = [int(b) for b in block.split("x")]
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block)):
+        raise CheckpointError(f"{what} {block!r} is not supported; llmc imports blocks of [rows, columns], each a power "
+                              "of two >= 16 (DeepSeek-V3, Qwen3 and FP8_BLOCK use [128, 128])")
+    return tuple(block)
+
+
+# quant_method "fp8" fields that change the numbers in ways llmc does not compute: (field, value llmc reads, why)
+_FP8_REFUSED = (
+    ("fmt", "e4m3", "llmc imports E4M3 weights (float8_e4m3fn)"),
+    ("scale_fmt", "float", "ue8m0 rounds the activation scales to powers of two at run time, which llmc does not"),
+    ("expert_dtype", "fp8", "llmc imports FP8 experts, not FP4-packed ones"),
+)
+
+
+def _parse_fp8(qc: dict) -> ImportSpec:
+    """transformers' FineGrainedFP8Config (DeepSeek-V3, Qwen3-*-FP8): weight_block_size [rows, columns], weight and
+    weight_scale_inv (the dequantization factor, absmax / 448, of each block) per linear, activations dynamic per
+    token and `columns` inputs. Without weight_block_size: vLLM's per-tensor FP8 (weight_scale per linear,
+    input_scale when activation_scheme is static), imported as w8a8-fp8. lm_head stays dense (transformers skips
+    the output embeddings; vLLM never quantizes its head)."""
+    for name, value, why in _FP8_REFUSED:
+        if qc.get(name) not in (None, value):
+            raise CheckpointError(f"fp8 quantization_config {name} {qc[name]!r} is not supported: {why}")
+    if qc.get("modules_to_convert"):
+        raise CheckpointError(f"fp8 quantization_config modules_to_convert {qc['modules_to_convert']!r} (FP8 embeddings) "
+                              "is not supported; llmc reads embeddings dense")
+    scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise CheckpointError(f"fp8 quantization_config activation_scheme {qc['activation_scheme']!r} is not supported; "
+                              "llmc imports dynamic or static")
+    skip = qc.get("modules_to_not_convert")
+    skip = qc.get("ignored_layers") if skip is None else skip
+    ignored = tuple(skip or ()) + ("lm_head",)
+    block = qc.get("weight_block_size")
+    if block is None:
+        return ImportSpec(method="fp8", layout="fp8", bits=8, group_size=-1, is_symmetric=True, is_act_order=False,
+                          ignored_modules=ignored, is_per_channel=False, is_static_input=scheme == "static")
+    block = _checked_block("fp8 quantization_config weight_block_size", block)
+    if scheme == "static":
+        raise CheckpointError("fp8 quantization_config activation_scheme 'static' with weight_block_size is not "
+                              "supported: llmc quantizes block FP8 activations per token and "
+                              f"{block[1]} inputs at run time (activation_scheme dynamic)")
+    return ImportSpec(method="fp8", layout="fp8", bits=8, group_size=-1, is_symmetric=True, is_act_order=False,
+                      ignored_modules=ignored, block_size=block)
 
 
 def _parse_int8_w8a8_scheme(weights: dict, activations: dict | None, ignored: tuple[str, ...]) -> ImportSpec:
@@ -339,7 +429,7 @@ def _parse_compressed_scheme(qc: dict) -> ImportSpec:
 def parse_quantization_config(config_json: dict) -> ImportSpec:
     """A checkpoint's config.json (or its `quantization_config` alone) → ImportSpec."""
     qc = config_json.get("quantization_config", config_json)
-    parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors}
+    parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors, "fp8": _parse_fp8}
     method = str(qc.get("quant_method", "")).lower()
     if method not in parsers:
         raise CheckpointError(
@@ -376,6 +466,10 @@ def expected_shapes(spec: ImportSpec, in_features: int, out_features: int) -> di
     if spec.layout == "int-quantized":
         return {"weight": (out_features, in_features), "weight_scale": (out_features,),
                 "weight_zero_point": (out_features,)}
+    if spec.block_size:
+        rows, columns = spec.block_size
+        return {"weight": (out_features, in_features),
+                spec.scale_name: (-(-out_features // rows), -(-in_features // columns))}
     return {
         "weight": (out_features, in_features),
         "weight_scale": (out_features if spec.is_per_channel else 1,),
@@ -389,7 +483,7 @@ def _is_scale(name: str) -> bool:
 
 _PACKED_INT32 = ("qweight", "qzeros", "weight_packed")
 _INTEGER = ("g_idx", "weight_g_idx", "weight_shape", "weight_zero_point")
-_FLOAT = ("scales", "weight_scale", "input_scale")
+_FLOAT = ("scales", "weight_scale", "weight_scale_inv", "input_scale")
 
 
 def _check_dtypes(spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor]) -> None:
@@ -408,11 +502,26 @@ def _check_dtypes(spec: ImportSpec, module_name: str, tensors: Mapping[str, Tens
                                   f"({spec.layout}): the checkpoint is damaged or not in this layout")
 
 
+# transformers' per-tensor FP8 (FineGrainedFP8Config with weight_block_size null) names vLLM's tensors so
+_TRANSFORMERS_PER_TENSOR_NAMES = {"weight_scale_inv": "weight_scale", "activation_scale": "input_scale"}
+
+
+def canonical_tensor_names(spec: ImportSpec, tensors: Mapping[str, Tensor]) -> Mapping[str, Tensor]:
+    """A per-tensor quant_method fp8 module's tensors under vLLM's names (weight_scale, input_scale) when the
+    checkpoint uses transformers' (weight_scale_inv, activation_scale: the same numbers); others as they are."""
+    if spec.layout != "fp8" or spec.block_size or not any(n in tensors for n in _TRANSFORMERS_PER_TENSOR_NAMES):
+        return tensors
+    return {_TRANSFORMERS_PER_TENSOR_NAMES.get(n, n) if _TRANSFORMERS_PER_TENSOR_NAMES.get(n, n) not in tensors else n: t
+            for n, t in tensors.items()}
+
+
 def check_module_tensors(
     spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor], in_features: int, out_features: int
 ) -> None:
     """Raise a one-line CheckpointError if a module's tensors do not fit the config and the model's sizes."""
-    config = f"{spec.method} {spec.bits}-bit group_size {spec.group_size} ({spec.layout})"
+    tensors = canonical_tensor_names(spec, tensors)
+    config = (f"{spec.method} fp8 blocks {list(spec.block_size)}" if spec.block_size
+              else f"{spec.method} {spec.bits}-bit group_size {spec.group_size} ({spec.layout})")
     missing = [n for n in spec.required_tensor_names() if n not in tensors]
     if missing:
         raise CheckpointError(
@@ -434,7 +543,7 @@ def check_module_tensors(
         # FP8 scales appear as [n], [n, 1] or [] across versions: compare without unit dims.
         is_match = (
             ([d for d in actual if d != 1] == [d for d in shape if d != 1])
-            if _is_scale(name) or (spec.layout == "int-quantized" and name == "weight_zero_point")
+            if (_is_scale(name) and not spec.block_size) or (spec.layout == "int-quantized" and name == "weight_zero_point")
             else actual == shape
             # compressed-tensors before zero-point packing (PR #296, 2025) saved them unpacked: [out, G]
             or (name == "weight_zero_point" and actual == (out_features, shape[1]))

@@ -25,6 +25,12 @@ compressed-tensors pack-quantized (int):
   weight_shape      int [2] = (out, in);  weight_g_idx int32 [in] only with actorder "group"
 compressed-tensors float-quantized (fp8): weight float8_e4m3fn [out, in], weight_scale [out, 1] or [1],
   input_scale [1] when activations are static.
+compressed-tensors float-quantized FP8_BLOCK, and quant_method fp8 with weight_block_size (transformers, DeepSeek-V3,
+  Qwen3): weight float8_e4m3fn [out, in], weight_scale (fp8: weight_scale_inv, the same dequantization factor)
+  [ceil(out / rows), ceil(in / columns)], one per block from row 0 and column 0, the last ones partial:
+  w[o, i] = weight[o, i] * scale[o // rows, i // columns].
+quant_method fp8 without weight_block_size (vLLM's per-tensor FP8): weight, weight_scale [] or [1] (transformers:
+  weight_scale_inv), input_scale (activation_scale) when activation_scheme is static.
 compressed-tensors int-quantized (W8A8 int8): weight int8 [out, in] (signed levels -128..127), weight_scale
   [out, 1] (model dtype), weight_zero_point int8 [out, 1] of zeros in versions that save symmetric zero points;
   activations per token at run time (nothing stored).
@@ -39,7 +45,7 @@ from torch import Tensor
 
 from llmc.errors import CheckpointError
 from llmc.quant.formats import QuantizedWeight, default_g_idx
-from llmc.quant.import_config import ImportSpec, check_module_tensors
+from llmc.quant.import_config import ImportSpec, canonical_tensor_names, check_module_tensors
 from llmc.quant.packing import (
     deinterleave_awq,
     interleave_awq,
@@ -201,6 +207,33 @@ def pack_float_quantized(q: QuantizedWeight) -> dict[str, Tensor]:
     return tensors
 
 
+def unpack_fp8_block(weight: Tensor, scale: Tensor, block_size: tuple[int, int]) -> QuantizedWeight:
+    """weight fp8 [out, in] and its block scales [ceil(out / rows), ceil(in / columns)] → the plain form, scales per
+    row ([out, ceil(in / columns)], the rows of a block repeating its scale: w8a8-fp8-block's storage)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"block fp8 weight has dtype {weight.dtype}; llmc imports float8_e4m3fn")
+    if not bool(torch.isfinite(scale).all()):
+        raise CheckpointError("block fp8 weight scales hold inf or NaN: the checkpoint is damaged")
+    rows, columns = block_size
+    scales = scale.float().repeat_interleave(rows, dim=0)[: weight.shape[0]].contiguous()
+    return QuantizedWeight(qweight=weight, scales=scales, zeros=None, bits=8, group_size=columns)
+
+
+def block_scales(q: QuantizedWeight, rows: int) -> Tensor | None:
+    """A w8a8-fp8-block weight's per-row scales [out, G] compacted to one row per block of `rows` (from row 0):
+    [ceil(out / rows), G]; None if the rows of some block do not hold one scale (no block layout stores them)."""
+    compact = q.scales[::rows].float().contiguous()
+    return compact if torch.equal(compact.repeat_interleave(rows, dim=0)[: q.out_features], q.scales.float()) else None
+
+
+def pack_fp8_block(q: QuantizedWeight, block_size: tuple[int, int]) -> dict[str, Tensor]:
+    """The inverse of unpack_fp8_block in compressed-tensors' names: weight, weight_scale [ceil(out / rows), G]."""
+    scales = block_scales(q, block_size[0])
+    if scales is None or q.group_size != block_size[1]:
+        raise ValueError(f"the weight's scales are not one per {list(block_size)} block")
+    return {"weight": q.qweight.contiguous(), "weight_scale": scales}
+
+
 def unpack_int_quantized(tensors: Mapping[str, Tensor]) -> QuantizedWeight:
     weight = tensors["weight"]  # [out, in] int8
     return QuantizedWeight(qweight=weight.to(torch.int32) + 128, scales=tensors["weight_scale"].float().reshape(-1, 1),
@@ -222,8 +255,11 @@ def unpack_module(
     spec: ImportSpec, module_name: str, tensors: Mapping[str, Tensor], in_features: int, out_features: int
 ) -> QuantizedWeight:
     """Check one module's checkpoint tensors (names after the module prefix) and unpack them."""
+    tensors = canonical_tensor_names(spec, tensors)
     check_module_tensors(spec, module_name, tensors, in_features, out_features)
-    if spec.layout == "awq-gemm":
+    if spec.block_size:
+        q = unpack_fp8_block(tensors["weight"], tensors[spec.scale_name], spec.block_size)
+    elif spec.layout == "awq-gemm":
         q = unpack_awq_gemm(tensors, spec.group_size)
     elif spec.layout in ("gptq-v1", "gptq-v2"):
         q = unpack_gptq(tensors, spec.bits, spec.group_size, is_v1=spec.layout == "gptq-v1")
@@ -262,10 +298,14 @@ def concat_out(ws: Sequence[QuantizedWeight], names: Sequence[str] = ()) -> Quan
     """Fuse weights that share an input (q/k/v, gate/up) along the output dim.
 
     Mixed symmetric/asymmetric inputs get explicit zeros; FP8 per-tensor scales become per channel
-    (lossless) unless all are equal; static input scales fuse to their max (the widest range).
+    (lossless) unless all are equal; static input scales fuse to their max (the widest range); block FP8 rows
+    keep their own scales (stored per row), so members need not end on a block edge.
     """
     _check_fusable(ws, names)
     first = ws[0]
+    if first.qweight.dtype == torch.float8_e4m3fn and first.group_size != -1:  # blocks: scales per row already
+        return QuantizedWeight(torch.cat([w.qweight for w in ws]), torch.cat([w.scales for w in ws]), None, 8,
+                               first.group_size)
     if first.qweight.dtype == torch.float8_e4m3fn:
         is_same_scale = all(w.scales.shape == (1, 1) and torch.equal(w.scales, first.scales) for w in ws)
         scales = (
