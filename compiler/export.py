@@ -14,6 +14,11 @@ Weights, per linear format (the facts of compressed-tensors' layouts: quant/impo
                    along the output dim) when asymmetric, weight_g_idx int32 [in] with actorder "group"
   w8a8-fp8       → format "float-quantized": weight float8_e4m3fn [out, in], weight_scale float32 [out, 1]
                    (strategy channel) or [1] (tensor), input_scale float32 [1] when activations are static
+  w8a8-fp8-block → format "float-quantized", llm-compressor's FP8_BLOCK: weight float8_e4m3fn [out, in],
+                   weight_scale float32 [ceil(out / rows), ceil(in / columns)] per HF module (the artifact's per-row
+                   scales compacted; refused where the rows of one of a module's blocks hold different scales, as
+                   a build's fused q/k/v whose sizes are not multiples of the block rows do); activations dynamic,
+                   per token and `columns` inputs (strategy group)
   w8a8-int8      → format "int-quantized": weight int8 [out, in] (signed levels), weight_scale [out, 1] in the
                    model dtype (float32 where that would round it); activations int8 per token, dynamic
   dense          → `.weight` in the model dtype, the module listed in `ignore`
@@ -38,8 +43,10 @@ from torch import Tensor
 from llmc.compiler.shard import take_rows
 from llmc.errors import ArtifactError
 from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
-from llmc.quant.formats import Fp8Format, Int8W8A8Format, IntWeightFormat, QuantizedWeight, default_g_idx, make_format
-from llmc.quant.importers import pack_float_quantized, pack_int_quantized, pack_pack_quantized
+from llmc.quant.formats import (Fp8BlockFormat, Fp8Format, Int8W8A8Format, IntWeightFormat, QuantizedWeight,
+                                default_g_idx, make_format)
+from llmc.quant.importers import (block_scales, pack_float_quantized, pack_fp8_block, pack_int_quantized,
+                                  pack_pack_quantized)
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_family
@@ -92,6 +99,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
                                      input_scale=params.get("input_scale"))
         elif isinstance(fmt, Int8W8A8Format):
             weight = QuantizedWeight(params["weight"].to(torch.int32) + 128, params["weight_scale"].float(), None, 8, -1)
+        elif isinstance(fmt, Fp8BlockFormat):
+            weight = QuantizedWeight(params["weight"], params["weight_scale"].float(), None, 8, fmt.group_size)
         else:  # pragma: no cover - every registered format is handled above
             raise ArtifactError(f"{runtime_name}: format {fmt_spec['format']!r} has no compressed-tensors form")
         if fmt_spec["format"] != "dense":
@@ -109,6 +118,9 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
             pieces = [pack_pack_quantized(take_rows(weight, [r]), scale_dtype=dtype) for r in rows]
         elif isinstance(fmt, Int8W8A8Format):
             pieces = [pack_int_quantized(take_rows(weight, [r]), scale_dtype=dtype) for r in rows]
+        elif isinstance(fmt, Fp8BlockFormat):
+            pieces = [pack_fp8_block(_whole_blocks(artifact_dir, hf, take_rows(weight, [r]), fmt.block_size), fmt.block_size)
+                      for (hf, _), r in zip(members, rows)]
         else:
             pieces = [pack_float_quantized(take_rows(weight, [r])) for r in rows]
         biases = bias.split(sizes) if bias is not None else [None] * len(members)
@@ -178,11 +190,22 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
         if spec["format"] == "w3a16":
             raise ArtifactError(f"{where} {name}: 3-bit weights (w3a16) have no compressed-tensors layout vLLM "
                                 "runs; build with quantization.bits: 4 or 8")
-        if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-int8"):
+        if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-fp8-block", "w8a8-int8"):
             raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
     if manifest.kv.scales_source != "none":
         raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}); build "
                             "without runtime.kv_cache_dtype fp8 and pass --kv-cache-dtype fp8 to vLLM instead")
+
+
+def _whole_blocks(artifact_dir: Path, module: str, weight: QuantizedWeight, block_size: list | tuple) -> QuantizedWeight:
+    """weight (one HF module's rows of a w8a8-fp8-block linear), if each of its blocks holds one scale; else refused."""
+    if block_scales(weight, block_size[0]) is None:
+        raise ArtifactError(
+            f"{artifact_dir}: cannot export {module}: the rows of one of its {list(block_size)} blocks hold different "
+            f"weight scales (the build quantized the fused linear in blocks from its row 0, and this module's rows do not "
+            f"start on a block edge), which compressed-tensors' block layout cannot store; export a model whose q/k/v "
+            f"and gate/up sizes are multiples of {block_size[0]}, or build with quantization.weights: per_channel")
+    return weight
 
 
 def _scheme_key(spec: dict) -> dict:
@@ -251,6 +274,15 @@ def _quantization_config(spec: dict, act_order: bool, ignored: list[str]) -> dic
                    "observer_kwargs": {}}
         activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "group_size": None,
                        "strategy": "token", "block_structure": None, "actorder": None, "observer": None,
+                       "observer_kwargs": {}}
+    elif spec["format"] == "w8a8-fp8-block":  # llm-compressor's FP8_BLOCK preset
+        layout = "float-quantized"
+        rows, columns = spec["block_size"]
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "block", "block_structure": [rows, columns], "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+        activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "group_size": columns,
+                       "strategy": "group", "block_structure": None, "actorder": None, "observer": None,
                        "observer_kwargs": {}}
     elif spec["format"] == "w8a8-fp8":
         layout = "float-quantized"

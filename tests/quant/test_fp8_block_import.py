@@ -1,0 +1,281 @@
+"""Block-scaled FP8 checkpoints (w8a8-fp8-block): import from transformers' / DeepSeek-V3's / Qwen3's `quant_method:
+fp8` and from compressed-tensors' FP8_BLOCK, export back to FP8_BLOCK, and every refusal.
+
+The checkpoints are written here by the published definition, independently of llmc: per block of 128 x 128
+weights from row 0 and column 0 (the last ones partial), scale = absmax / 448 in float64 (1 for an all-zero block,
+as transformers' Fp8Quantize), stored as float32, levels = E4M3(w / scale); transformers' layout names the scale
+`weight_scale_inv` (it is the dequantization factor: w = weight * scale_inv of its block), compressed-tensors'
+`weight_scale`. The oracle is transformers itself: on a CPU it loads the `quant_method: fp8` checkpoint by
+dequantizing each linear (FP8 × its block scale, in float32), and runs with each quantized linear's input rounded
+to E4M3 per token and 128 inputs (absmax / 448), as llmc's dynamic block activations are.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.compiler.build import build
+from llmc.compiler.export import export_artifact
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ArtifactError, CheckpointError
+from llmc.quant.formats import make_format
+from llmc.quant.import_config import parse_quantization_config
+from llmc.quant.reference import dequantize
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+
+BLOCK = (128, 128)
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SKIPPED = "model.layers.1.mlp.down_proj"  # left dense by modules_to_not_convert / ignore
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+HF_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+# llm-compressor's FP8_BLOCK preset (compressed_tensors/quantization/quant_scheme.py), as QuantizationArgs saves it
+FP8_BLOCK_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "block",
+                     "block_structure": [128, 128], "dynamic": False, "actorder": None, "observer": "minmax",
+                     "observer_kwargs": {}}
+FP8_BLOCK_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "group_size": 128, "strategy": "group",
+                         "block_structure": None, "dynamic": True, "actorder": None, "observer": None,
+                         "observer_kwargs": {}}
+
+
+def quantize_blocks(weight: torch.Tensor, block=BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 levels [out, in], float32 scales [ceil(out / rows), ceil(in / columns)]) by the published definition."""
+    w = weight.double()
+    rows, columns = block
+    scales = torch.empty(-(-w.shape[0] // rows), -(-w.shape[1] // columns), dtype=torch.float64)
+    for a in range(scales.shape[0]):
+        for b in range(scales.shape[1]):
+            absmax = w[a * rows:(a + 1) * rows, b * columns:(b + 1) * columns].abs().max()
+            scales[a, b] = absmax / 448.0 if absmax > 0 else 1.0
+    scales = scales.float()
+    levels = (w / expand(scales.double(), w.shape, block)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return levels, scales
+
+
+def expand(scales: torch.Tensor, shape, block=BLOCK) -> torch.Tensor:
+    """Block scales → one per weight element."""
+    return scales.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
+
+
+def dequantized(levels: torch.Tensor, scales: torch.Tensor, block=BLOCK) -> torch.Tensor:
+    """The published dequantization, exact in float64, rounded once to float32."""
+    return (levels.double() * expand(scales.double(), levels.shape, block)).float()
+
+
+def fp8_per_token_group(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x with each token's groups of `group` inputs (the last one partial) rounded to E4M3 at absmax / 448."""
+    size = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -size % group)).unflatten(-1, (-1, group))
+    scale = padded.abs().amax(dim=-1, keepdim=True) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    rounded = (padded / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+    return rounded.flatten(-2)[..., :size]
+
+
+def write_fp8_checkpoint(source, dest, layout: str, skip=(SKIPPED,)) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`source` with every decoder linear (and expert) but `skip` quantized in blocks, in `layout` "fp8"
+    (transformers: weight_scale_inv, quant_method fp8) or "compressed-tensors" (weight_scale, FP8_BLOCK).
+    Returns {HF module: (levels, scales)}."""
+    shutil.copytree(source, dest)
+    tensors, quantized = {}, {}
+    scale_name = "weight_scale_inv" if layout == "fp8" else "weight_scale"
+    for name, weight in load_file(source / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in LINEARS and module not in skip:
+            quantized[module] = quantize_blocks(weight)
+            tensors[name], tensors[f"{module}.{scale_name}"] = quantized[module]
+        else:
+            tensors[name] = weight
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    if layout == "fp8":
+        config["quantization_config"] = {**HF_FP8, **({"modules_to_not_convert": list(skip)} if skip else {})}
+    else:
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "ignore": ["lm_head", *skip, "re:.*mlp[.]gate$"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": FP8_BLOCK_WEIGHTS,
+                                          "input_activations": FP8_BLOCK_ACTIVATIONS, "format": "float-quantized"}}}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return quantized
+
+
+def build_import(checkpoint, out, **recipe):
+    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
+                            "runtime": {"max_model_len": 256}, "quantization": {"method": "import"}, **recipe}),
+          show_progress=False)
+    return out
+
+
+def artifact_weights(artifact) -> dict[str, torch.Tensor]:
+    """The artifact's decoder linears as HF modules' float32 weights (each format's dequantization, fused rows split)."""
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model, tensors = manifest["model"], load_file(artifact / "rank-00" / "weights.safetensors")
+    q, kv, inter = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"], model["intermediate_size"]
+    members = {"attn.qkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q, kv, kv]),
+               "attn.o": (["self_attn.o_proj"], None), "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [inter, inter]),
+               "mlp.down": (["mlp.down_proj"], None)}
+    out = {}
+    for i in range(model["num_layers"]):
+        for runtime, (names, sizes) in members.items():
+            prefix = f"layers.{i}.{runtime}."
+            params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+            if not params:
+                continue  # an MoE layer's MLP
+            weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
+            for name, part in zip(names, weight.split(sizes) if sizes else [weight], strict=True):
+                out[f"model.layers.{i}.{name}"] = part
+    return out
+
+
+def oracle_of(checkpoint, state: dict | None = None, skip=(SKIPPED,)):
+    """transformers' float32 model of `checkpoint` (an fp8 one is dequantized on load), optionally with `state`'s
+    weights, each quantized linear's input rounded per token and 128 inputs to E4M3."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear) and name not in skip:
+            module.register_forward_pre_hook(lambda _, args: (fp8_per_token_group(args[0]),))
+    return model.eval()
+
+
+@torch.inference_mode()
+def check_llm_against(oracle, artifact, token_ids, prompt_ids, num_tokens=16):
+    """Logits over token_ids to 1e-4 (both sides round the same activations to E4M3: a flip of one rounding would
+    move the logits by ~1e-2, so agreement at 1e-4 says that none flipped) and greedy tokens equal."""
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=16)
+    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                               atol=1e-4, rtol=1e-4)
+    want = oracle.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                           max_new_tokens=num_tokens, do_sample=False)[0, len(prompt_ids):].tolist()
+    got = llm.generate([{"prompt_token_ids": prompt_ids}], SamplingParams(temperature=0, max_tokens=num_tokens))
+    assert got[0].outputs[0].token_ids == want
+
+
+@pytest.fixture(scope="module")
+def aligned(tmp_path_factory, hf_checkpoint_factory):
+    """Qwen3 with hidden 128, intermediate 256 (whole blocks; k/v 64 rows, one block row each): the float
+    checkpoint, its transformers FP8 and compressed-tensors FP8_BLOCK copies, their levels and scales, and the
+    imports of both."""
+    root = tmp_path_factory.mktemp("fp8_block")
+    source = hf_checkpoint_factory(root / "float", "qwen3", hidden_size=128, intermediate_size=256)
+    quantized = write_fp8_checkpoint(source, root / "hf_fp8", "fp8")
+    assert write_fp8_checkpoint(source, root / "ct_fp8", "compressed-tensors").keys() == quantized.keys()
+    return {"source": source, "hf": root / "hf_fp8", "ct": root / "ct_fp8", "quantized": quantized,
+            "hf_artifact": build_import(root / "hf_fp8", root / "hf_artifact"),
+            "ct_artifact": build_import(root / "ct_fp8", root / "ct_artifact")}
+
+
+def test_transformers_and_the_import_dequantize_to_the_same_weights(aligned):
+    """(a) transformers (accelerate installed, no GPU) loads the quant_method fp8 checkpoint dequantized to float32
+    nn.Linear weights; llmc's artifact holds w8a8-fp8-block linears whose dequantized weights are those, bit for
+    bit, and the published definition's; the module in modules_to_not_convert and lm_head stay dense."""
+    import accelerate  # noqa: F401 - transformers' FP8 loader needs it
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(aligned["hf"]), dtype=torch.float32)
+    state = hf.state_dict()
+    assert type(hf.model.layers[0].self_attn.q_proj) is torch.nn.Linear  # dequantized, not an FP8Linear
+    ours = artifact_weights(aligned["hf_artifact"])
+    for module, (levels, scales) in aligned["quantized"].items():
+        assert torch.equal(state[module + ".weight"], dequantized(levels, scales)), module
+        assert torch.equal(ours[module], state[module + ".weight"]), module
+    float_tensors = load_file(aligned["source"] / "model.safetensors")
+    assert torch.equal(ours[SKIPPED], float_tensors[SKIPPED + ".weight"])
+    modules = json.loads((aligned["hf_artifact"] / "manifest.json").read_text())["quant"]["modules"]
+    assert modules["layers.0.attn.qkv"] == {"format": "w8a8-fp8-block", "block_size": [128, 128]}
+    assert modules["layers.1.mlp.down"]["format"] == modules["lm_head"]["format"] == "dense"
+
+
+def test_imported_artifact_runs_as_transformers_with_block_activations(aligned, hf_encode):
+    """(a) LLM(artifact) against transformers' dequantized model with each quantized linear's input rounded per
+    token and 128 inputs (llmc quantizes the activations too): logits to 1e-4, 16 greedy tokens equal."""
+    token_ids = hf_encode(aligned["source"], PROMPT) + list(range(100, 120))
+    check_llm_against(oracle_of(aligned["hf"]), aligned["hf_artifact"], token_ids, hf_encode(aligned["source"], "ROMEO:"))
+
+
+def test_compressed_tensors_block_imports_the_same_levels_and_scales(aligned):
+    """(b) compressed-tensors FP8_BLOCK (weight_scale, the same blocks) imports to the artifact the transformers
+    layout gives: the same formats, every tensor equal bit for bit; the rows of a block repeat its scale."""
+    hf, ct = (load_file(aligned[k] / "rank-00" / "weights.safetensors") for k in ("hf_artifact", "ct_artifact"))
+    assert hf.keys() == ct.keys()
+    for name in hf:
+        assert torch.equal(hf[name].view(torch.uint8) if hf[name].dtype == torch.float8_e4m3fn else hf[name],
+                           ct[name].view(torch.uint8) if ct[name].dtype == torch.float8_e4m3fn else ct[name]), name
+    manifests = [json.loads((aligned[k] / "manifest.json").read_text())["quant"]["modules"]
+                 for k in ("hf_artifact", "ct_artifact")]
+    assert manifests[0] == manifests[1]
+    levels_k, scales_k = aligned["quantized"]["model.layers.0.self_attn.k_proj"]
+    qkv_scale = ct["layers.0.attn.qkv.weight_scale"]  # rows: q 128, k 64, v 64
+    assert torch.equal(qkv_scale[128:192], scales_k.expand(64, -1))
+    assert torch.equal(ct["layers.0.attn.qkv.weight"][128:192].view(torch.uint8), levels_k.view(torch.uint8))
+
+
+def test_export_gives_back_the_fp8_block_checkpoint_and_imports_to_the_same_tensors(aligned, tmp_path):
+    """(c) exporting the import writes compressed-tensors' FP8_BLOCK config and, per HF module, the checkpoint's
+    own levels and [ceil(out / 128), ceil(in / 128)] scales; importing the export gives the artifact's tensors."""
+    out = tmp_path / "export"
+    result = export_artifact(aligned["hf_artifact"], out)
+    assert result.format == "float-quantized"
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert qc["format"] == group["format"] == "float-quantized" and group["targets"] == ["Linear"]
+    assert group["weights"] == FP8_BLOCK_WEIGHTS and group["input_activations"] == FP8_BLOCK_ACTIVATIONS
+    assert set(qc["ignore"]) == {SKIPPED, "lm_head"}
+    exported = load_file(out / "model.safetensors")
+    for module, (levels, scales) in aligned["quantized"].items():
+        assert torch.equal(exported[module + ".weight"].view(torch.uint8), levels.view(torch.uint8)), module
+        assert torch.equal(exported[module + ".weight_scale"], scales), module
+    back = build_import(out, tmp_path / "back")
+    original, again = (load_file(a / "rank-00" / "weights.safetensors") for a in (aligned["hf_artifact"], back))
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[n].view(torch.uint8), again[n].view(torch.uint8)) for n in original)
+
+
+def test_export_refuses_blocks_that_straddle_fused_members(tmp_path, hf_checkpoint_factory):
+    """(d) a build quantizes the fused q/k/v in blocks from its row 0: with q and k 96 rows each, k's rows 0..95 (fused
+    rows 96..191) straddle two fused blocks, so k has no [128, 128] block scales to write; the export says so."""
+    source = hf_checkpoint_factory(tmp_path / "float", "qwen3", hidden_size=128, intermediate_size=256,
+                                   num_attention_heads=3, num_key_value_heads=3)
+    artifact = tmp_path / "artifact"
+    build(recipe_from_dict({"model": str(source), "output": str(artifact), "dtype": "float32",
+                            "quantization": {"method": "fp8", "weights": "block"}}), show_progress=False)
+    with pytest.raises(ArtifactError, match=r"k_proj: the rows of one of its \[128, 128\] blocks hold different") as err:
+        export_artifact(artifact, tmp_path / "export")
+    assert "\n" not in str(err.value) and not (tmp_path / "export").exists()
+
+
+def test_a_build_in_blocks_exports_and_imports_back_bit_for_bit(aligned, tmp_path):
+    """(c) method fp8, weights block: export (FP8_BLOCK) then import gives the build's tensors, bit for bit."""
+    artifact = tmp_path / "build"
+    build(recipe_from_dict({"model": str(aligned["source"]), "output": str(artifact), "dtype": "float32",
+                            "target": {"device": "cpu"}, "quantization": {"method": "fp8", "weights": "block"}}),
+          show_progress=False)
+    export_artifact(artifact, tmp_path / "export")
+    back = build_import(tmp_path / "export", tmp_path / "back")
+    original, again = (load_file(a / "rank-00" / "weights.safetensors") for a in (artifact, back))
+    assert original.keys() == again.keys()
+    assert all(torch.equal(original[n].view(torch.uint8), again[n].view(torch.uint8)) for n in original)
+
+
+def test_partial_blocks_import_as_published(tmp_path, hf_checkpoint_factory, hf_encode):
+    """(a) hidden 160 and intermediate 200: the last row and column blocks are partial (gate/up 200 rows: 128 + 72;
+    down 200 inputs: 128 + 72; every 160-input linear: 128 + 32). transformers' dequantization divides the rows
+    evenly by the scale rows (200 / 2), so it is not the oracle here: the published definition is, run by
+    transformers on those weights with the inputs rounded per token and 128 inputs (the last group 32 or 72)."""
+    source = hf_checkpoint_factory(tmp_path / "float", "qwen3", hidden_size=160, intermediate_size=200)
+    quantized = write_fp8_checkpoint(source, tmp_path / "fp8", "fp8", skip=())
+    artifact = build_import(tmp_path / "fp8", tmp_path / "artifact")
+    ours = artifact_weights(artifact)
+    state = {}
+    for module, (levels, scales) in quantized.items():
+        state[module + ".weight"] = dequantized(levels, scales)
+        assert torch.equal(ours[module], state[module + ".weight"]), module
+    token_ids = hf_encode(source, PROMPT) + list(range(100, 120))
+    check_llm_against(oracle_of(source, state, skip=()), artifact, token_ids, hf_encode(source, "ROMEO:"))
