@@ -279,3 +279,58 @@ def test_partial_blocks_import_as_published(tmp_path, hf_checkpoint_factory, hf_
         assert torch.equal(ours[module], state[module + ".weight"]), module
     token_ids = hf_encode(source, PROMPT) + list(range(100, 120))
     check_llm_against(oracle_of(source, state, skip=()), artifact, token_ids, hf_encode(source, "ROMEO:"))
+
+
+def _experts_forward_rounded(experts):
+    """transformers' Qwen3MoeExperts loop (one F.linear per expert on its tokens) with each expert linear's input
+    rounded per token and 128 inputs, as llmc's w8a8-fp8-block experts run on a CPU."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(experts.num_experts):
+            token, slot = torch.where(top_k_index == e)
+            if token.numel():
+                gate, up = torch.nn.functional.linear(fp8_per_token_group(hidden_states[token]),
+                                                      experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = torch.nn.functional.linear(fp8_per_token_group(experts.act_fn(gate) * up), experts.down_proj[e])
+                out.index_add_(0, token, h * top_k_weights[token, slot, None])
+        return out
+    return forward
+
+
+@pytest.mark.parametrize("layout", ["fp8", "compressed-tensors"])
+def test_qwen3_moe_block_fp8_experts_import_and_generate(layout, tiny_qwen3_moe, tmp_path, hf_encode):
+    """(MoE) a Qwen3-MoE checkpoint with every expert in blocks (one module per expert, the router dense) imports
+    with w8a8-fp8-block experts; each expert's dequantized weights are the published definition's and, from the
+    quant_method fp8 checkpoint, transformers' (which fuses the experts on load, dequantized); LLM(artifact) runs
+    as transformers with the experts' and the linears' inputs rounded per token and 128 inputs (without the
+    experts' rounding the logits differ by ~2): logits to 1e-4, 16 greedy tokens equal."""
+    quantized = write_fp8_checkpoint(tiny_qwen3_moe, tmp_path / "ckpt", layout, skip=())
+    artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+    if layout == "fp8":
+        oracle = oracle_of(tmp_path / "ckpt", skip=())
+    else:  # transformers reads compressed-tensors through its own package (not installed): the published weights
+        oracle = oracle_of(tiny_qwen3_moe, skip=())
+        missing, unexpected = oracle.load_state_dict(
+            {f"{m}.weight": dequantized(*lq) for m, lq in quantized.items() if ".experts." not in m}, strict=False)
+        assert not unexpected  # (the experts, fused by transformers, are set below)
+    for i in manifest["model"]["moe_layers"]:
+        fmt = make_format(manifest["quant"]["modules"][f"layers.{i}.moe.experts.gate_up"], torch.float32)
+        assert fmt.name == "w8a8-fp8-block"
+        experts = oracle.model.layers[i].mlp.experts
+        for e in range(experts.num_experts):
+            prefix = f"model.layers.{i}.mlp.experts.{e}."
+            stacked = {p: {k: tensors[f"layers.{i}.moe.experts.{p}.{k}"][e] for k in ("weight", "weight_scale")}
+                       for p in ("gate_up", "down")}
+            gate_up, down = dequantize(fmt, stacked["gate_up"]), dequantize(fmt, stacked["down"])
+            published = [dequantized(*quantized[prefix + p]) for p in ("gate_proj", "up_proj", "down_proj")]
+            assert torch.equal(gate_up, torch.cat(published[:2])) and torch.equal(down, published[2])
+            if layout == "fp8":
+                assert torch.equal(experts.gate_up_proj[e], gate_up) and torch.equal(experts.down_proj[e], down)
+            else:
+                with torch.no_grad():
+                    experts.gate_up_proj[e], experts.down_proj[e] = gate_up, down
+        experts.forward = _experts_forward_rounded(experts)
+    token_ids = hf_encode(tiny_qwen3_moe, PROMPT) + list(range(100, 120))
+    check_llm_against(oracle, artifact, token_ids, hf_encode(tiny_qwen3_moe, "ROMEO:"))
