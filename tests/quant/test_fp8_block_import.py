@@ -334,3 +334,111 @@ def test_qwen3_moe_block_fp8_experts_import_and_generate(layout, tiny_qwen3_moe,
         experts.forward = _experts_forward_rounded(experts)
     token_ids = hf_encode(tiny_qwen3_moe, PROMPT) + list(range(100, 120))
     check_llm_against(oracle, artifact, token_ids, hf_encode(tiny_qwen3_moe, "ROMEO:"))
+
+
+def _ct(weights: dict | None = None, activations: dict | None | bool = True) -> dict:
+    """A compressed-tensors FP8_BLOCK quantization_config with fields of its weights / input_activations changed
+    (activations None: weight-only)."""
+    acts = None if activations is None else {**FP8_BLOCK_ACTIVATIONS, **(activations if isinstance(activations, dict) else {})}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**FP8_BLOCK_WEIGHTS, **(weights or {})},
+                                          "input_activations": acts}}}
+
+
+REFUSED_CONFIGS = {
+    "ue8m0 scales": ({**HF_FP8, "scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'.*powers of two"),
+    "e5m2": ({**HF_FP8, "fmt": "e5m2"}, "fmt 'e5m2'.*E4M3"),
+    "static with blocks": ({**HF_FP8, "activation_scheme": "static"}, "activation_scheme 'static' with weight_block_size"),
+    "unknown activation scheme": ({**HF_FP8, "activation_scheme": "tensorwise"}, "activation_scheme 'tensorwise'"),
+    "block not a power of two": ({**HF_FP8, "weight_block_size": [128, 96]}, r"weight_block_size \[128, 96\]"),
+    "block below 16": ({**HF_FP8, "weight_block_size": [8, 8]}, r"weight_block_size \[8, 8\]"),
+    "block of three sizes": ({**HF_FP8, "weight_block_size": [128, 128, 1]}, r"weight_block_size \[128, 128, 1\]"),
+    "fp4 experts": ({**HF_FP8, "expert_dtype": "fp4"}, "expert_dtype 'fp4'"),
+    "fp8 embeddings": ({**HF_FP8, "modules_to_convert": ["model.embed_tokens"]}, "modules_to_convert"),
+    "ct activation groups not the block's columns": (_ct(activations={"group_size": 64}), "group_size 64"),
+    "ct activations per token": (_ct(activations={"strategy": "token", "group_size": None}), "strategy 'token'"),
+    "ct static activations": (_ct(activations={"dynamic": False}), "dynamic False"),
+    "ct block not a power of two": (_ct({"block_structure": [128, 100]}), r"block_structure \[128, 100\]"),
+    "ct weight-only blocks": (_ct(activations=None), "weight-only"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_CONFIGS))
+def test_what_block_fp8_does_not_compute_is_refused_by_name(case):
+    """(d) every quantization_config that changes the numbers w8a8-fp8-block computes: one line naming the field."""
+    config, pattern = REFUSED_CONFIGS[case]
+    with pytest.raises(CheckpointError, match=pattern) as err:
+        parse_quantization_config({"quantization_config": config})
+    assert "\n" not in str(err.value)
+
+
+def test_block_configs_parse_as_published():
+    """Qwen3's config, DeepSeek-V3's (no fmt), vLLM's ignored_layers, compressed-tensors' older "RxC" block string:
+    w8a8-fp8-block [128, 128]; transformers' skip rule (prefix to a module boundary, or suffix) and lm_head dense."""
+    for config in (HF_FP8, {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+                   _ct({"block_structure": "128x128"})):
+        assert parse_quantization_config(config).format_spec() == {"format": "w8a8-fp8-block", "block_size": [128, 128]}
+    spec = parse_quantization_config({**HF_FP8, "ignored_layers": ["model.layers.1", "o_proj"]})
+    assert spec.is_ignored("model.layers.1.mlp.down_proj") and not spec.is_ignored("model.layers.11.mlp.down_proj")
+    assert spec.is_ignored("model.layers.3.self_attn.o_proj") and spec.is_ignored("lm_head")
+    assert not spec.is_ignored("model.layers.3.self_attn.q_proj")
+
+
+@pytest.mark.parametrize("damage, pattern", [
+    ("scale shape", r"gate_proj.weight_scale_inv has shape \[1, 1\], expected \[2, 1\]"),
+    ("no scale", r"up_proj lacks \['weight_scale_inv'\]"),
+    ("bf16 weight", "float8_e4m3fn"),
+    ("nan scale", "inf or NaN"),
+])
+def test_damaged_block_tensors_are_one_error_line(damage, pattern, aligned, tmp_path):
+    """(d) a block scale of the wrong shape, a missing one, a weight not in FP8, a NaN scale: one line."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(aligned["hf"], ckpt)
+    tensors = load_file(ckpt / "model.safetensors")
+    layer = "model.layers.0.mlp."
+    if damage == "scale shape":
+        tensors[layer + "gate_proj.weight_scale_inv"] = tensors[layer + "gate_proj.weight_scale_inv"][:1]
+    elif damage == "no scale":
+        del tensors[layer + "up_proj.weight_scale_inv"]
+    elif damage == "bf16 weight":
+        tensors[layer + "down_proj.weight"] = tensors[layer + "down_proj.weight"].to(torch.bfloat16)
+    else:
+        tensors[layer + "down_proj.weight_scale_inv"][0, 1] = float("nan")
+    save_file(tensors, ckpt / "model.safetensors")
+    with pytest.raises(CheckpointError, match=pattern) as err:
+        build_import(ckpt, tmp_path / "artifact")
+    assert "\n" not in str(err.value) and not (tmp_path / "artifact").exists()
+
+
+@pytest.mark.parametrize("names", ["vllm", "transformers"])
+def test_per_tensor_fp8_imports_as_w8a8_fp8(names, aligned, tmp_path):
+    """quant_method fp8 without weight_block_size (vLLM's per-tensor FP8, activation_scheme static): each linear's
+    scalar weight scale expands to its rows (w8a8-fp8 per channel, fused q/k/v keep their own), the static input
+    scales of fused members take their max. transformers' names (weight_scale_inv, activation_scale) read alike."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(aligned["source"], ckpt)
+    scale_name, input_name = ("weight_scale", "input_scale") if names == "vllm" else ("weight_scale_inv", "activation_scale")
+    tensors, stored = {}, {}
+    gen = torch.Generator().manual_seed(0)
+    for name, weight in load_file(aligned["source"] / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] not in LINEARS:
+            tensors[name] = weight
+            continue
+        scale = (weight.double().abs().max() / 448.0).float()
+        stored[module] = ((weight.double() / scale.double()).to(torch.float8_e4m3fn), scale, torch.rand((), generator=gen))
+        tensors |= {name: stored[module][0], f"{module}.{scale_name}": scale, f"{module}.{input_name}": stored[module][2]}
+    save_file(tensors, ckpt / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    artifact = build_import(ckpt, tmp_path / "artifact")
+    modules = json.loads((artifact / "manifest.json").read_text())["quant"]["modules"]
+    assert modules["layers.0.attn.qkv"] == {"format": "w8a8-fp8", "is_per_channel": True, "is_static_input": True}
+    weights = load_file(artifact / "rank-00" / "weights.safetensors")
+    members = [stored[f"model.layers.0.self_attn.{m}_proj"] for m in "qkv"]
+    assert torch.equal(weights["layers.0.attn.qkv.weight"].view(torch.uint8),
+                       torch.cat([w for w, _, _ in members]).view(torch.uint8))
+    rows = torch.cat([s.expand(w.shape[0]) for w, s, _ in members])
+    assert torch.equal(weights["layers.0.attn.qkv.weight_scale"].reshape(-1), rows)
+    assert torch.equal(weights["layers.0.attn.qkv.input_scale"].reshape(()), max(i for _, _, i in members))
