@@ -32,8 +32,8 @@ QUIP = {"config_groups": {"v": {"type": "hadamard", "apply": [
                                    "output_activations": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}),
      "output_activations"),
     (ct({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "block_structure": [128, 128]},
-        "float-quantized", {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128, "dynamic": True}),
-     "strategy 'block', block_structure \\[128, 128\\]"),
+        "float-quantized", {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}),
+     "block weights \\[128, 128\\] with input_activations strategy 'token'"),
     (ct({**W4, "strategy": "tensor"}), "strategy 'tensor'"),
     (ct(sparsity_config={"format": "sparse-24-bitmask"}), "sparse-24-bitmask"),
 ])
