@@ -138,6 +138,13 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
                               "its residual_multiplier and logits_scaling into the o_proj/down_proj and final norm "
                               "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
                               "take; quantize the float checkpoint with rtn, gptq, awq or fp8")
+    qc = hf_config.get("quantization_config") or {}
+    if recipe.quantization.method != "import" and (qc.get("quant_method") == "fp8" or (
+            qc.get("quant_method") == "compressed-tensors" and qc.get("config_groups"))):
+        # their linears' `.weight` holds FP8 or int8 levels, which a float read would take for weights
+        raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "
+                              f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
+                              "float weights; build it with quantization.method: import")
     if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")

@@ -442,3 +442,12 @@ def test_per_tensor_fp8_imports_as_w8a8_fp8(names, aligned, tmp_path):
     rows = torch.cat([s.expand(w.shape[0]) for w, s, _ in members])
     assert torch.equal(weights["layers.0.attn.qkv.weight_scale"].reshape(-1), rows)
     assert torch.equal(weights["layers.0.attn.qkv.input_scale"].reshape(()), max(i for _, _, i in members))
+
+
+@pytest.mark.parametrize("checkpoint", ["hf", "ct"])
+def test_a_float_build_of_an_fp8_checkpoint_is_refused(checkpoint, aligned, tmp_path):
+    """(d) method rtn (or none, fp8, ...) reads `.weight` as float weights: of an FP8 checkpoint those are E4M3
+    levels without their scales, so the build refuses and names method import."""
+    with pytest.raises(CheckpointError, match="the checkpoint is quantized .* build it with quantization.method: import"):
+        build(recipe_from_dict({"model": str(aligned[checkpoint]), "output": str(tmp_path / "a"),
+                                "quantization": {"method": "rtn", "bits": 8}}), show_progress=False)
