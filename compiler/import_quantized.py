@@ -162,7 +162,8 @@ class ImportPacker:
             raise CheckpointError(
                 f"{self.reader.model_dir}: the checkpoint's {module} is quantized ({stored}), but quantization_config "
                 "leaves it dense (GPTQ lm_head: false; AutoAWQ, which never quantizes it; compressed-tensors with lm_head in "
-                "ignore or outside the targets): the config does not describe the tensors")
+                "ignore or outside the targets; quant_method fp8, whose lm_head llmc reads dense as vLLM and transformers "
+                "do): the config does not describe the tensors")
         # the head is written after every layer: its shapes, dtypes and g_idx are checked now, not then
         tensors = {k: self.reader.get(n) for k, n in self.module_tensors[module].items()}
         check_module_tensors(self.ispec, module, tensors, self.config.hidden_size, self.config.vocab_size)

@@ -451,3 +451,29 @@ def test_a_float_build_of_an_fp8_checkpoint_is_refused(checkpoint, aligned, tmp_
     with pytest.raises(CheckpointError, match="the checkpoint is quantized .* build it with quantization.method: import"):
         build(recipe_from_dict({"model": str(aligned[checkpoint]), "output": str(tmp_path / "a"),
                                 "quantization": {"method": "rtn", "bits": 8}}), show_progress=False)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "compressed-tensors"])
+def test_a_block_quantized_lm_head(layout, aligned, tmp_path):
+    """compressed-tensors' targets may reach lm_head (ignore without it): it imports in blocks, its scales
+    expanded to rows; quant_method fp8 reads lm_head dense (transformers skips it, vLLM never quantizes it), so a
+    checkpoint that stores it quantized is refused in one line."""
+    ckpt = tmp_path / "ckpt"
+    write_fp8_checkpoint(aligned["source"], ckpt, layout, skip=())
+    tensors = load_file(ckpt / "model.safetensors")
+    levels, scales = quantize_blocks(tensors["lm_head.weight"])
+    tensors |= {"lm_head.weight": levels, "lm_head.weight_scale" + ("_inv" if layout == "fp8" else ""): scales}
+    save_file(tensors, ckpt / "model.safetensors")
+    config = json.loads((ckpt / "config.json").read_text())
+    if layout == "fp8":
+        with pytest.raises(CheckpointError, match="lm_head is quantized .* quant_method fp8, whose lm_head llmc reads dense"):
+            build_import(ckpt, tmp_path / "artifact")
+        return
+    config["quantization_config"]["ignore"] = ["re:.*mlp[.]gate$"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    artifact = build_import(ckpt, tmp_path / "artifact")
+    assert json.loads((artifact / "manifest.json").read_text())["quant"]["modules"]["lm_head"]["format"] == "w8a8-fp8-block"
+    weights = load_file(artifact / "rank-00" / "weights.safetensors")
+    assert torch.equal(weights["lm_head.weight"].view(torch.uint8), levels.view(torch.uint8))
+    assert torch.equal(weights["lm_head.weight_scale"], scales.repeat_interleave(128, 0))
+    assert LLM(artifact, device="cpu").generate("ROMEO:", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
