@@ -121,7 +121,7 @@ def _group_problems(config: ModelConfig, module_formats: dict[str, dict], tensor
             if fmt.get("has_g_idx"):
                 problems.append(f"{tensor} would split {module} (row-parallel), whose act-order groups (g_idx) "
                                 "are not contiguous; only tensor 1 keeps them whole")
-            group_size = fmt.get("group_size", -1)
+            group_size = fmt["block_size"][1] if fmt["format"] == "w8a8-fp8-block" else fmt.get("group_size", -1)
             if group_size != -1 and per_rank % group_size:
                 problems.append(
                     f"{tensor} would cut the quantization groups of {module} (row-parallel): its {size} input "
@@ -296,7 +296,7 @@ def take_columns(weight: UnpackedLinear, start: int, end: int, module: str) -> U
     if isinstance(weight, Tensor):
         return weight[:, start:end].contiguous()
     group_size = weight.group_size
-    is_per_row = group_size == -1 or weight.qweight.dtype == torch.float8_e4m3fn  # one scale spans every column
+    is_per_row = group_size == -1  # one scale spans every column (FP8 per channel or per tensor; w8a8-fp8-block: groups)
     if weight.g_idx is not None and not torch.equal(
             weight.g_idx.to(torch.int32), default_g_idx(weight.in_features, group_size, weight.g_idx.device)):
         raise RecipeError(f"{module}: act-order groups (g_idx) cannot be split row-parallel; build with parallel.tensor: 1")

@@ -319,7 +319,8 @@ def _checked_block(what: str, block) -> tuple[int, int]:
 # quant_method "fp8" fields that change the numbers in ways llmc does not compute: (field, value llmc reads, why)
 _FP8_REFUSED = (
     ("fmt", "e4m3", "llmc imports E4M3 weights (float8_e4m3fn)"),
-    ("scale_fmt", "float", "ue8m0 rounds the activation scales to powers of two at run time, which llmc does not"),
+    ("scale_fmt", "float", "ue8m0 scales are powers of two (E8M0 bytes), and the activation scales are rounded to "
+                           "powers of two at run time, which llmc does not do"),
     ("expert_dtype", "fp8", "llmc imports FP8 experts, not FP4-packed ones"),
 )
 
@@ -511,8 +512,11 @@ def canonical_tensor_names(spec: ImportSpec, tensors: Mapping[str, Tensor]) -> M
     checkpoint uses transformers' (weight_scale_inv, activation_scale: the same numbers); others as they are."""
     if spec.layout != "fp8" or spec.block_size or not any(n in tensors for n in _TRANSFORMERS_PER_TENSOR_NAMES):
         return tensors
-    return {_TRANSFORMERS_PER_TENSOR_NAMES.get(n, n) if _TRANSFORMERS_PER_TENSOR_NAMES.get(n, n) not in tensors else n: t
-            for n, t in tensors.items()}
+    renamed = {}
+    for name, tensor in tensors.items():
+        vllm_name = _TRANSFORMERS_PER_TENSOR_NAMES.get(name, name)
+        renamed[name if vllm_name in tensors else vllm_name] = tensor  # (both names given: each kept as it is)
+    return renamed
 
 
 def check_module_tensors(

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ArtifactError, CheckpointError
+from llmc.errors import ArtifactError, CheckpointError, RecipeError
 from llmc.quant.formats import make_format
 from llmc.quant.import_config import parse_quantization_config
 from llmc.quant.reference import dequantize
@@ -477,3 +477,25 @@ def test_a_block_quantized_lm_head(layout, aligned, tmp_path):
     assert torch.equal(weights["lm_head.weight"].view(torch.uint8), levels.view(torch.uint8))
     assert torch.equal(weights["lm_head.weight_scale"], scales.repeat_interleave(128, 0))
     assert LLM(artifact, device="cpu").generate("ROMEO:", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_tensor_parallel_splits_whole_column_groups(tmp_path, hf_checkpoint_factory, hf_encode):
+    """Row-parallel o and down take their scales' column groups with their columns: an import at tensor 2 (o and
+    down 256 inputs: 128 a rank) gives tensor 1's greedy tokens and logits (1e-4: the ranks' partial sums add in
+    another order); at hidden 128 a rank would get half a group, which the plan refuses by name."""
+    source = hf_checkpoint_factory(tmp_path / "float", "qwen3", hidden_size=256, intermediate_size=256, head_dim=64)
+    write_fp8_checkpoint(source, tmp_path / "fp8", "fp8", skip=())
+    artifacts = [build_import(tmp_path / "fp8", tmp_path / f"tp{tp}", parallel={"tensor": tp}) for tp in (1, 2)]
+    token_ids = hf_encode(source, PROMPT) + list(range(100, 110))
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    results = []
+    for artifact in artifacts:
+        with LLM(artifact, **engine) as llm:
+            results.append((llm.engine.score(token_ids), llm.generate(["ROMEO:"], greedy)[0].outputs[0].token_ids))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    assert results[1][1] == results[0][1]
+    narrow = hf_checkpoint_factory(tmp_path / "narrow", "qwen3", hidden_size=128, intermediate_size=256)
+    write_fp8_checkpoint(narrow, tmp_path / "narrow_fp8", "fp8", skip=())
+    with pytest.raises(RecipeError, match="would cut the quantization groups of layers.0.attn.o .* group_size 128"):
+        build_import(tmp_path / "narrow_fp8", tmp_path / "narrow_tp2", parallel={"tensor": 2})
