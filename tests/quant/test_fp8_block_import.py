@@ -320,7 +320,7 @@ def test_qwen3_moe_block_fp8_experts_import_and_generate(layout, tiny_qwen3_moe,
         oracle = oracle_of(tmp_path / "ckpt", skip=())
     else:  # transformers reads compressed-tensors through its own package (not installed): the published weights
         oracle = oracle_of(tiny_qwen3_moe, skip=())
-        missing, unexpected = oracle.load_state_dict(
+        _, unexpected = oracle.load_state_dict(
             {f"{m}.weight": dequantized(*lq) for m, lq in quantized.items() if ".experts." not in m}, strict=False)
         assert not unexpected  # (the experts, fused by transformers, are set below)
     for i in manifest["model"]["moe_layers"]:
