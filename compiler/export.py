@@ -42,10 +42,11 @@ from torch import Tensor
 
 from llmc.compiler.shard import take_rows
 from llmc.errors import ArtifactError
+from llmc.kernels.fp8 import compact_row_scales
 from llmc.kernels.w4a16_gemm import unpack_w4a16_from_gpu
 from llmc.quant.formats import (Fp8BlockFormat, Fp8Format, Int8W8A8Format, IntWeightFormat, QuantizedWeight,
                                 default_g_idx, make_format)
-from llmc.quant.importers import (block_scales, pack_float_quantized, pack_fp8_block, pack_int_quantized,
+from llmc.quant.importers import (pack_float_quantized, pack_fp8_block, pack_int_quantized,
                                   pack_pack_quantized)
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
@@ -199,7 +200,7 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
 
 def _whole_blocks(artifact_dir: Path, module: str, weight: QuantizedWeight, block_size: list | tuple) -> QuantizedWeight:
     """weight (one HF module's rows of a w8a8-fp8-block linear), if each of its blocks holds one scale; else refused."""
-    if block_scales(weight, block_size[0]) is None:
+    if compact_row_scales(weight.scales, block_size[0]) is None:
         raise ArtifactError(
             f"{artifact_dir}: cannot export {module}: the rows of one of its {list(block_size)} blocks hold different "
             f"weight scales (the build quantized the fused linear in blocks from its row 0, and this module's rows do not "

@@ -249,6 +249,14 @@ def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scal
                               group_size=group_size, **kernel)
 
 
+def compact_row_scales(weight_scale: Tensor, rows: int) -> Tensor | None:
+    """Per-row scales [N, G] → one row per block of `rows` rows from row 0, [ceil(N / rows), G] float32; None if the
+    rows of some block do not hold one scale (no block layout can store them)."""
+    compact = weight_scale[::rows].float().contiguous()
+    return compact if torch.equal(compact.repeat_interleave(rows, dim=0)[: weight_scale.shape[0]],
+                                  weight_scale.float()) else None
+
+
 def block_scales(weight_scale: Tensor, group_size: int) -> Tensor | None:
     """weight_scale [N, G] (per row) → [N / 128, G], one row per 128-row block, for cuBLAS's 128 x 128 weight scales;
     None where it cannot take them: group_size not 128, N not a multiple of 128, G not a multiple of 4 (it gave
@@ -257,10 +265,7 @@ def block_scales(weight_scale: Tensor, group_size: int) -> Tensor | None:
     rows, groups = weight_scale.shape
     if group_size != 128 or rows % 128 or groups % 4:  # (cuBLAS reads the groups as a leading dimension: a multiple of 4)
         return None
-    blocks = weight_scale[::128]
-    if not torch.equal(weight_scale.reshape(rows // 128, 128, -1), blocks[:, None, :].expand(-1, 128, -1)):
-        return None
-    return blocks.contiguous()
+    return compact_row_scales(weight_scale, 128)
 
 
 def select_fp8_block_kernel(num_tokens: int, in_features: int, out_features: int) -> dict:

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from llmc.errors import CheckpointError
+from llmc.kernels.fp8 import compact_row_scales
 from llmc.quant.formats import QuantizedWeight, default_g_idx
 from llmc.quant.import_config import ImportSpec, canonical_tensor_names, check_module_tensors
 from llmc.quant.packing import (
@@ -219,16 +220,9 @@ def unpack_fp8_block(weight: Tensor, scale: Tensor, block_size: tuple[int, int])
     return QuantizedWeight(qweight=weight, scales=scales, zeros=None, bits=8, group_size=columns)
 
 
-def block_scales(q: QuantizedWeight, rows: int) -> Tensor | None:
-    """A w8a8-fp8-block weight's per-row scales [out, G] compacted to one row per block of `rows` (from row 0):
-    [ceil(out / rows), G]; None if the rows of some block do not hold one scale (no block layout stores them)."""
-    compact = q.scales[::rows].float().contiguous()
-    return compact if torch.equal(compact.repeat_interleave(rows, dim=0)[: q.out_features], q.scales.float()) else None
-
-
 def pack_fp8_block(q: QuantizedWeight, block_size: tuple[int, int]) -> dict[str, Tensor]:
     """The inverse of unpack_fp8_block in compressed-tensors' names: weight, weight_scale [ceil(out / rows), G]."""
-    scales = block_scales(q, block_size[0])
+    scales = compact_row_scales(q.scales, block_size[0])
     if scales is None or q.group_size != block_size[1]:
         raise ValueError(f"the weight's scales are not one per {list(block_size)} block")
     return {"weight": q.qweight.contiguous(), "weight_scale": scales}
