@@ -66,6 +66,19 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     return text, spec
 
 
+def _read_config(config_class, config: dict, model_dir: Path, family: str, tower: str):
+    """`config` as transformers' `config_class` reads it, its vision tower of model_type `tower` (the default when
+    config.json names none); another tower, or a config the class refuses, is one CheckpointError."""
+    vision_type = (config.get("vision_config") or {}).get("model_type", tower)
+    if vision_type != tower:
+        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for {family}; supported: "
+                              f"{tower}")
+    try:
+        return config_class(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{model_dir}: config.json is not a {family} config transformers reads ({e})") from None
+
+
 def mistral3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     """Mistral3ForConditionalGeneration: the text config (transformers' defaults filled in) as its causal LM's, and
     the vision section (the Pixtral tower's config, the layer its features are read from, the patch merger's
@@ -76,14 +89,7 @@ def mistral3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec
     if text_type not in TEXT_ARCHITECTURES:
         raise CheckpointError(f"{model_dir}: a Mistral 3 language model of model_type {text_type!r} is not "
                               f"supported; supported: {', '.join(TEXT_ARCHITECTURES)}")
-    vision_type = (config.get("vision_config") or {}).get("model_type", "pixtral")
-    if vision_type != "pixtral":
-        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for Mistral 3; supported: "
-                              "pixtral")
-    try:
-        mistral = Mistral3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: config.json is not a Mistral 3 config transformers reads ({e})") from None
+    mistral = _read_config(Mistral3Config, config, model_dir, "Mistral 3", "pixtral")
     layer = _feature_layer(mistral.vision_feature_layer, mistral.vision_config.num_hidden_layers, model_dir)
     _check_activation(mistral.projector_hidden_act, model_dir)
     merge = mistral.spatial_merge_size
@@ -148,14 +154,7 @@ def gemma3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
         raise CheckpointError(f"{model_dir}: a Gemma3ForConditionalGeneration config.json needs text_config and "
                               "vision_config; a text-only Gemma 3 checkpoint is Gemma3ForCausalLM (model_type "
                               "gemma3_text)")
-    vision_type = config["vision_config"].get("model_type", "siglip_vision_model")
-    if vision_type != "siglip_vision_model":
-        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for Gemma 3; supported: "
-                              "siglip_vision_model")
-    try:
-        gemma = Gemma3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: config.json is not a Gemma 3 config transformers reads ({e})") from None
+    gemma = _read_config(Gemma3Config, config, model_dir, "Gemma 3", "siglip_vision_model")
     vision = gemma.vision_config
     patches = vision.image_size // vision.patch_size
     side = int(round(gemma.mm_tokens_per_image ** 0.5))

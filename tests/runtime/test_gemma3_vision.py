@@ -19,6 +19,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import BIAS_STD, LINEAR_STD, NORM_JITTER, REF_MODEL_DIR, TIED_EMBED_STD, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
+from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs
 from tests.runtime.test_llava import data_url, image
 
 SPECIAL = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
@@ -108,21 +109,7 @@ def hf_generate(hf, prompt: str | list[int], images, max_tokens: int = GREEDY.ma
                   "token_type_ids": (ids == model.config.image_token_id).long()}
         if images:
             inputs["pixel_values"] = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return prompt_ids, tokens, logprobs
-
-
-def check_output(output, expected, atol=2e-4):
-    prompt_ids, tokens, logprobs = expected
-    assert output.prompt_token_ids == prompt_ids
-    assert output.outputs[0].token_ids == tokens
-    ours = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, tokens)]
-    assert ours == pytest.approx(logprobs, abs=atol)
+    return hf_greedy_with_logprobs(model, inputs, max_tokens)
 
 
 def test_build_records_the_vision_side(artifact, gemma):
@@ -154,16 +141,7 @@ def test_generate_with_images_matches_transformers(artifact, hf, device):
     expected.append(hf_generate(hf, plain_ids, None))
     llm = LLM(artifact, device=device, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8,
               gpu_memory_utilization=0.3)
-    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": first}},
-                            {"prompt": PROMPT, "multi_modal_data": {"image": second}},
-                            {"prompt": TWO, "multi_modal_data": {"image": [first, second]}},
-                            {"prompt_token_ids": plain_ids}], GREEDY)
-    for output, want in zip(outputs, expected):
-        check_output(output, want, atol)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
-    [expanded] = llm.generate({"prompt_token_ids": expected[2][0], "multi_modal_data": {"image": [first, second]}},
-                              GREEDY)
-    check_output(expanded, expected[2], atol)
+    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, atol)
 
 
 def test_chunked_prefill_keeps_an_image_whole(artifact, hf, monkeypatch):

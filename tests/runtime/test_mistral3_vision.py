@@ -24,6 +24,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import BIAS_STD, EMBED_STD, LINEAR_STD, LM_HEAD_STD, NORM_JITTER, REF_MODEL_DIR, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
+from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs
 from tests.runtime.test_llava import data_url, image
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -155,21 +156,7 @@ def hf_inputs(hf, prompt: str | list[int], images) -> dict:
 def hf_generate(hf, prompt, images, max_tokens: int = GREEDY.max_tokens):
     """(the prompt ids, transformers' greedy tokens, each one's logprob)."""
     inputs = hf_inputs(hf, prompt, images)
-    with torch.no_grad():
-        out = hf[0].generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-    return prompt_ids, tokens, logprobs
-
-
-def check_output(output, expected, atol=2e-4):
-    prompt_ids, tokens, logprobs = expected
-    assert output.prompt_token_ids == prompt_ids
-    assert output.outputs[0].token_ids == tokens
-    ours = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, tokens)]
-    assert ours == pytest.approx(logprobs, abs=atol)
+    return hf_greedy_with_logprobs(hf[0], inputs, max_tokens)
 
 
 def _grid(tokenizer, ids: list[int]) -> list[list[str]]:
@@ -224,16 +211,7 @@ def test_generate_with_images_matches_transformers(artifact, hf, device):
     expected.append(hf_generate(hf, plain_ids, None))
     llm = LLM(artifact, device=device, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8,
               gpu_memory_utilization=0.3)
-    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": first}},
-                            {"prompt": PROMPT, "multi_modal_data": {"image": second}},
-                            {"prompt": TWO, "multi_modal_data": {"image": [first, second]}},
-                            {"prompt_token_ids": plain_ids}], GREEDY)
-    for output, want in zip(outputs, expected):
-        check_output(output, want, atol)
-    assert outputs[0].outputs[0].token_ids != outputs[1].outputs[0].token_ids
-    [expanded] = llm.generate({"prompt_token_ids": expected[2][0], "multi_modal_data": {"image": [first, second]}},
-                              GREEDY)
-    check_output(expanded, expected[2], atol)
+    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, atol)
 
 
 def test_chunked_prefill_splits_an_image(artifact, hf, monkeypatch):
