@@ -19,7 +19,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import BIAS_STD, LINEAR_STD, NORM_JITTER, REF_MODEL_DIR, TIED_EMBED_STD, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
-from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs
+from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs, record_chunks
 from tests.runtime.test_llava import data_url, image
 
 SPECIAL = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
@@ -147,19 +147,9 @@ def test_generate_with_images_matches_transformers(artifact, hf, device):
 def test_chunked_prefill_keeps_an_image_whole(artifact, hf, monkeypatch):
     """A budget of 20 tokens a step for prompts whose 16-token images start at positions 8 and 31: no chunk ends
     inside an image (a chunk that would is cut back to the image's start), and the replies are transformers'."""
-    from llmc.runtime.scheduler import Scheduler
-
     pictures = [image(3), image(4)]
     expected = [hf_generate(hf, TWO, pictures), hf_generate(hf, PROMPT, pictures[:1])]
-    chunks = []
-    schedule = Scheduler.schedule
-
-    def recording(self):
-        batch = schedule(self)
-        chunks.extend((s.request, s.request.num_computed_tokens, s.num_new_tokens) for s in batch.requests)
-        return batch
-
-    monkeypatch.setattr(Scheduler, "schedule", recording)
+    chunks = record_chunks(monkeypatch)
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=20, max_num_seqs=2, num_kv_blocks=64, block_size=8)
     outputs = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": pictures}},
                             {"prompt": PROMPT, "multi_modal_data": {"image": pictures[0]}}], GREEDY)

@@ -24,8 +24,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import BIAS_STD, EMBED_STD, LINEAR_STD, LM_HEAD_STD, NORM_JITTER, REF_MODEL_DIR, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
-from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs
-from tests.runtime.test_llava import data_url, image
+from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs, record_chunks
+from tests.runtime.test_llava import _randomise_, data_url, image
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 PROMPT = "[INST][IMG]Describe it.[/INST]"
@@ -37,23 +37,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs
 LONGEST_EDGE = 48
 # image(1) is 40 x 36 px: kept, padded up to 48 x 48; SMALL is 64 x 24: scaled to 48 x 18, padded up to 48 x 32
 SMALL = (64, 24)
-
-
-def _randomise_(model, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith(".bias"):
-                p.copy_(BIAS_STD * noise)
-            elif "norm" in name:
-                p.copy_(1.0 + NORM_JITTER * noise)
-            elif "embed_tokens" in name:
-                p.copy_(EMBED_STD * noise)
-            elif "lm_head" in name:
-                p.copy_(LM_HEAD_STD * noise)
-            else:  # linears, the patch convolution, the patch merger
-                p.copy_(LINEAR_STD * noise)
 
 
 def make_pixtral_checkpoint(path, llava: bool = False, seed: int = 0, processor_changes: dict | None = None,
@@ -217,19 +200,9 @@ def test_generate_with_images_matches_transformers(artifact, hf, device):
 def test_chunked_prefill_splits_an_image(artifact, hf, monkeypatch):
     """8 tokens a step: the images (12 and 8 tokens with their breaks) are split across chunks (causal: no
     chunk is cut back), and the replies are transformers'."""
-    from llmc.runtime.scheduler import Scheduler
-
     pictures = [image(3), image(4, size=SMALL)]
     expected = [hf_generate(hf, TWO, pictures), hf_generate(hf, PROMPT, pictures[1:])]
-    chunks = []
-    schedule = Scheduler.schedule
-
-    def recording(self):
-        batch = schedule(self)
-        chunks.extend((s.request, s.request.num_computed_tokens, s.num_new_tokens) for s in batch.requests)
-        return batch
-
-    monkeypatch.setattr(Scheduler, "schedule", recording)
+    chunks = record_chunks(monkeypatch)
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=8, max_num_seqs=2, num_kv_blocks=64, block_size=8)
     outputs = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": pictures}},
                             {"prompt": PROMPT, "multi_modal_data": {"image": pictures[1]}}], GREEDY)

@@ -39,3 +39,18 @@ def check_image_requests(llm, greedy, expected, prompt: str, two: str, plain_ids
     [expanded] = llm.generate({"prompt_token_ids": expected[2][0], "multi_modal_data": {"image": [first, second]}},
                               greedy)
     check_output(expanded, expected[2], atol)
+
+
+def record_chunks(monkeypatch) -> list:
+    """(request, its computed tokens, the step's new tokens) of every request the scheduler schedules from now on."""
+    from llmc.runtime.scheduler import Scheduler
+
+    chunks, schedule = [], Scheduler.schedule
+
+    def recording(self):
+        batch = schedule(self)
+        chunks.extend((s.request, s.request.num_computed_tokens, s.num_new_tokens) for s in batch.requests)
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    return chunks
