@@ -21,7 +21,7 @@ from llmc.compiler.convert import (
 )
 from llmc.compiler.calibration import LayerRunner, calibration_windows, embed_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
-from llmc.compiler.import_quantized import ImportPacker, import_formats
+from llmc.compiler.import_quantized import ImportPacker, checkpoint_quantization_config, import_formats
 from llmc.compiler.onnx_export import DEFAULT_INT4_ACCURACY_LEVEL, check_onnx_recipe, export_onnx
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
 from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_scales, fp8_max
@@ -138,8 +138,8 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
                               "its residual_multiplier and logits_scaling into the o_proj/down_proj and final norm "
                               "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
                               "take; quantize the float checkpoint with rtn, gptq, awq or fp8")
-    qc = hf_config.get("quantization_config") or {}
-    if recipe.quantization.method != "import" and (qc.get("quant_method") == "fp8" or (
+    qc = checkpoint_quantization_config(hf_config, model_dir) or {}
+    if recipe.quantization.method != "import" and (qc.get("quant_method") in ("fp8", "modelopt") or (
             qc.get("quant_method") == "compressed-tensors" and qc.get("config_groups"))):
         # their linears' `.weight` holds FP8 or int8 levels, which a float read would take for weights
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "

@@ -1,4 +1,4 @@
-"""`quantization.method: import`: an AutoAWQ, GPTQ or compressed-tensors checkpoint, unpacked and
+"""`quantization.method: import`: an AutoAWQ, GPTQ, compressed-tensors, FP8 or ModelOpt checkpoint, unpacked and
 re-packed into llmc's formats. No re-quantization: the levels, scales and zeros are the checkpoint's.
 
 Mixture-of-experts checkpoints are read as llm-compressor, GPTQModel and AutoAWQ write them: one module
@@ -34,19 +34,26 @@ from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, 
 
 # Where AutoGPTQ / GPTQModel and AutoAWQ keep the config when config.json has none (vLLM reads them too);
 # the quant_method they imply when the file does not say.
-SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+# NVIDIA ModelOpt writes hf_quant_config.json ({"producer": ..., "quantization": {"quant_algo": ...}}).
+SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"), ("hf_quant_config.json", "modelopt"))
 
 
-def import_spec(hf_config: dict, model_dir: Path) -> ImportSpec:
+def checkpoint_quantization_config(hf_config: dict, model_dir: Path) -> dict | None:
+    """config.json's quantization_config, else the first side file's (with the quant_method it implies), else None."""
     config = hf_config.get("quantization_config")
     for name, method in SIDE_CONFIG_FILES:
         path = Path(model_dir) / name
         if not config and path.is_file():
             config = {"quant_method": method, **json.loads(path.read_text())}
+    return config or None
+
+
+def import_spec(hf_config: dict, model_dir: Path) -> ImportSpec:
+    config = checkpoint_quantization_config(hf_config, model_dir)
     if not config:
         raise CheckpointError(f"{model_dir}: quantization.method import needs a quantized checkpoint, and "
-                              "config.json has no quantization_config (and there is no quantize_config.json or quant_config.json); "
-                              "use rtn, gptq, awq or fp8 instead")
+                              "config.json has no quantization_config (and there is no quantize_config.json, "
+                              "quant_config.json or hf_quant_config.json); use rtn, gptq, awq or fp8 instead")
     return parse_quantization_config(config)
 
 
@@ -83,6 +90,7 @@ class ImportPacker:
         self.module_tensors = _tensors_by_module(reader.names())
         self._check_routers()
         self._check_head()
+        self._check_dense_linears()
 
     def read_layer(self, reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
         return read_layer(reader, spec, config, index, skip_linears=set(self._quantized_linears(index)))
@@ -167,6 +175,22 @@ class ImportPacker:
         # the head is written after every layer: its shapes, dtypes and g_idx are checked now, not then
         tensors = {k: self.reader.get(n) for k, n in self.module_tensors[module].items()}
         check_module_tensors(self.ispec, module, tensors, self.config.hidden_size, self.config.vocab_size)
+
+    def _check_dense_linears(self) -> None:
+        """A linear quantization_config leaves dense must hold a float `.weight`: FP8 or int8 levels would be read as
+        weights (a ModelOpt exclude_modules wildcard, say, that names more or fewer modules than the export left
+        dense). Read from the files' headers, before any layer is written."""
+        for index in range(self.config.num_layers):
+            quantized = self._quantized_linears(index)
+            for name, members in self._all_linears(index).items():
+                for module, _, _ in members if name not in quantized else ():
+                    weight = module + ".weight"
+                    dtype = self.reader.dtype_name(weight) if self.reader.has(weight) else ""
+                    if dtype.startswith(("F8", "I8")) or {"weight_scale", "weight_scale_inv"} & set(self.module_tensors.get(module, {})):
+                        raise CheckpointError(
+                            f"{self.reader.model_dir}: {module} is quantized in the checkpoint ({weight} {dtype}) but "
+                            f"quantization_config leaves it dense ({self.ispec.method} ignore / exclude_modules / "
+                            "modules_to_not_convert): the config does not describe the tensors")
 
     def _check_routers(self) -> None:
         """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight`."""

@@ -1,5 +1,6 @@
 """Per-layer FP8 KV-cache scales: measured on the calibration windows, or read from an imported
-compressed-tensors checkpoint's `kv_cache_scheme` (kv section of the manifest, runtime/kv_cache.py).
+compressed-tensors checkpoint's `kv_cache_scheme` or a ModelOpt one's `kv_cache_quant_algo: FP8` (kv section of
+the manifest, runtime/kv_cache.py).
 
 scale = amax / FP8 max (448 for e4m3, 57344 for e5m2), per layer for K and for V over every token
 and head, as vLLM and llm-compressor's per-tensor kv_cache_scheme keep them: the largest key or value
@@ -18,7 +19,9 @@ from torch import Tensor
 from llmc.compiler.calibration import LayerRunner
 from llmc.compiler.convert import LayerWeights
 from llmc.compiler.hf_checkpoint import TensorReader
+from llmc.compiler.import_quantized import checkpoint_quantization_config
 from llmc.errors import CheckpointError
+from llmc.quant.import_config import modelopt_fields
 from llmc.runtime import artifact as art
 from llmc.runtime.models.spec import ModelSpec
 
@@ -83,25 +86,34 @@ class KVScaleObserver:
 
 
 def checkpoint_kv_scales(hf_config: dict, reader: TensorReader, spec: ModelSpec, num_layers: int) -> KVScales | None:
-    """The per-layer k_scale / v_scale tensors a compressed-tensors checkpoint with a kv_cache_scheme
-    carries (`model.layers.N.self_attn.k_scale`, or as older exports named it `...self_attn.k_proj.output_scale`,
-    which vLLM reads too); None without a scheme. A per-head scale is reduced
-    to its maximum (llmc keeps one scale per layer): no head's values then saturate."""
-    scheme = (hf_config.get("quantization_config") or {}).get("kv_cache_scheme")
-    if not scheme:
-        return None
-    if scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8:
-        raise CheckpointError(f"{reader.model_dir}: kv_cache_scheme {scheme} is not FP8 (8-bit float); "
-                              "llmc imports FP8 KV scales only")
+    """The per-layer k_scale / v_scale tensors an imported checkpoint carries; None without KV quantization.
+    compressed-tensors' kv_cache_scheme: `model.layers.N.self_attn.k_scale`, or as older exports named it
+    `...self_attn.k_proj.output_scale`, which vLLM reads too. ModelOpt's kv_cache_quant_algo FP8:
+    `...self_attn.k_proj.k_scale` and `...v_proj.v_scale` (its amax / 448, which ModelOpt raises to at least 1), or
+    `self_attn.k_scale`. Both are vLLM's per-tensor dequantization factors of the post-rotary K and of V, as llmc's
+    are. A per-head scale is reduced to its maximum (llmc keeps one scale per layer): no head's values then saturate."""
+    qc = checkpoint_quantization_config(hf_config, reader.model_dir) or {}
+    if str(qc.get("quant_method", "")).lower() == "modelopt":
+        if modelopt_fields(qc)[1] is None:  # (parse_quantization_config refused any kv_cache_quant_algo but FP8)
+            return None
+        what, names = "kv_cache_quant_algo FP8", ("self_attn.{kind}_proj.{kind}_scale", "self_attn.{kind}_scale")
+    else:
+        scheme = qc.get("kv_cache_scheme")
+        if not scheme:
+            return None
+        if scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8:
+            raise CheckpointError(f"{reader.model_dir}: kv_cache_scheme {scheme} is not FP8 (8-bit float); "
+                                  "llmc imports FP8 KV scales only")
+        # (older: llm-compressor before 0.3)
+        what, names = "kv_cache_scheme", ("self_attn.{kind}_scale", "self_attn.{kind}_proj.output_scale")
     scales: dict[str, list[float]] = {"k": [], "v": []}
     for i in range(num_layers):
         for kind in scales:
-            name = f"{spec.hf_layer_prefix}{i}.self_attn.{kind}_scale"
-            older = f"{spec.hf_layer_prefix}{i}.self_attn.{kind}_proj.output_scale"  # llm-compressor before 0.3
-            name = older if not reader.has(name) and reader.has(older) else name
-            if not reader.has(name):
-                raise CheckpointError(f"{reader.model_dir}: config.json has a kv_cache_scheme but the weights lack "
-                                      f"{name}; re-export the checkpoint with its KV scales")
+            candidates = [f"{spec.hf_layer_prefix}{i}.{n.format(kind=kind)}" for n in names]
+            name = next((n for n in candidates if reader.has(n)), None)
+            if name is None:
+                raise CheckpointError(f"{reader.model_dir}: the checkpoint's quantization config has a {what} but the "
+                                      f"weights lack {candidates[0]}; re-export the checkpoint with its KV scales")
             value = float(reader.get(name).float().max())
             if not (value > 0 and value != float("inf")):
                 raise CheckpointError(f"{reader.model_dir}: {name} is {value}, not a finite scale > 0")

@@ -1,18 +1,21 @@
 """Reading a pre-quantized checkpoint's `quantization_config` and checking its tensors against it.
 
-`parse_quantization_config` normalises the four published families into one `ImportSpec`:
+`parse_quantization_config` normalises the five published families into one `ImportSpec`:
   awq                 AutoAWQ, GEMM layout only (4 bits, zero points)
   gptq                AutoGPTQ / GPTQModel, checkpoint_format "gptq" (v1: zeros stored minus 1) or "gptq_v2"
   compressed-tensors  llm-compressor, `pack-quantized` (int weights), `float-quantized` (FP8 W8A8: per channel,
                       per tensor, or FP8_BLOCK's 128 x 128 blocks) or `int-quantized` (W8A8 int8)
   fp8                 transformers' FineGrainedFP8Config / DeepSeek-V3 / Qwen3 FP8 (`weight_block_size`: weight and
                       weight_scale_inv per block), or without blocks vLLM's per-tensor FP8 (weight_scale, input_scale)
+  modelopt            NVIDIA TensorRT Model Optimizer's FP8 (`quant_algo` FP8: per-tensor weight and static input
+                      scales; FP8_PER_CHANNEL_PER_TOKEN: per-channel weight scales, dynamic per-token activations)
 Anything else raises a CheckpointError naming what is supported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import re
 from dataclasses import dataclass
@@ -28,7 +31,8 @@ from llmc.quant.packing import levels_per_word
 SUPPORTED = (
     "awq (version gemm), gptq (checkpoint_format gptq or gptq_v2), "
     "compressed-tensors (pack-quantized int weights, float-quantized fp8 w8a8 per channel, per tensor or in blocks, "
-    "int-quantized int8 w8a8), fp8 (transformers' / DeepSeek-V3's / Qwen3's weight_block_size, or vLLM's per tensor)"
+    "int-quantized int8 w8a8), fp8 (transformers' / DeepSeek-V3's / Qwen3's weight_block_size, or vLLM's per tensor), "
+    "modelopt (quant_algo FP8 or FP8_PER_CHANNEL_PER_TOKEN)"
 )
 
 
@@ -36,7 +40,7 @@ SUPPORTED = (
 class ImportSpec:
     """A checkpoint's quantization, normalised. Field meanings do not depend on the method."""
 
-    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8"
+    method: str  # "awq" | "gptq" | "compressed-tensors" | "fp8" | "modelopt"
     layout: str  # "awq-gemm" | "gptq-v1" | "gptq-v2" | "pack-quantized" | "float-quantized" | "int-quantized" | "fp8"
     bits: int  # 8 for fp8
     group_size: int  # -1 = per output channel
@@ -72,6 +76,9 @@ class ImportSpec:
                     return True
             elif self.method == "fp8":
                 if _matches_fp8_skip(pattern, module_name):
+                    return True
+            elif self.method == "modelopt":
+                if _matches_modelopt_exclude(pattern, module_name):
                     return True
             elif self.method == "compressed-tensors":
                 # compressed-tensors' match_name: a plain entry is a whole module name (a parent's name, say
@@ -128,6 +135,17 @@ def _matches_fp8_skip(pattern: str, module_name: str) -> bool:
     start up to a module boundary ("model.layers.1" skips "model.layers.1.mlp.down_proj", not layers.11), as a
     regex with the same boundary, or as a suffix ("down_proj")."""
     return bool(re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", module_name)) or module_name.endswith(pattern)
+
+
+def _matches_modelopt_exclude(pattern: str, module_name: str) -> bool:
+    """ModelOpt's exclude_modules entries are fnmatch wildcards ("lm_head", "*.mlp.gate", "model.layers.0.mlp*"). As
+    vLLM reads them: "path*" (a `*` not after a dot) is the module `path` and its subtree, so "model.layers.1*" is not
+    layer 11; an entry without wildcards also matches as whole dotted segments of the name ("lm_head", "mlp.gate")."""
+    if len(pattern) >= 2 and pattern[-1] == "*" and pattern[-2] != ".":
+        return fnmatch.fnmatchcase(module_name, pattern[:-1]) or fnmatch.fnmatchcase(module_name, pattern[:-1] + ".*")
+    if fnmatch.fnmatchcase(module_name, pattern):
+        return True
+    return not any(c in pattern for c in "*?[") and f".{pattern}." in f".{module_name}."
 
 
 def _is_target(target: str, module_name: str) -> bool:
@@ -357,6 +375,66 @@ def _parse_fp8(qc: dict) -> ImportSpec:
                       ignored_modules=ignored, block_size=block)
 
 
+# ModelOpt quant_algo values llmc does not import, with what they are (the refusal names them)
+_MODELOPT_REFUSED = {
+    "FP8_PB_WO": "block-scaled FP8 weights, weight only",
+    "FP8_PB_REAL": "block-scaled FP8 weights",
+    "NVFP4": "4-bit float (NVFP4) weights and activations; vLLM's modelopt_fp4",
+    "NVFP4_AWQ": "4-bit float (NVFP4) weights with AWQ pre-quant scales",
+    "W4A16_NVFP4": "4-bit float (NVFP4) weights",
+    "W4A8_NVFP4_FP8": "4-bit float weights with FP8 activations",
+    "MXFP8": "MXFP8 (E8M0 block scales)",
+    "MXFP4": "MXFP4 weights",
+    "W4A8_MXFP4_FP8": "MXFP4 weights with FP8 activations",
+    "INT4_AWQ": "int4 AWQ weights with pre-quant scales",
+    "W4A8_AWQ": "int4 AWQ weights with FP8 activations",
+    "INT8_SQ": "int8 SmoothQuant with static per-tensor activations",
+    "MIXED_PRECISION": "a different quant_algo per layer (quantized_layers)",
+}
+MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+
+
+def modelopt_fields(qc: dict) -> tuple[str, str | None, tuple[str, ...]]:
+    """A ModelOpt config's (quant_algo, kv_cache_quant_algo, exclude_modules), upper-cased as vLLM reads them, from
+    either form: hf_quant_config.json's `quantization` section (kv_cache_quant_algo, exclude_modules), or the flat
+    config.json quantization_config (quant_algo, kv_cache_scheme {type float, num_bits 8} = FP8, ignore)."""
+    section = qc.get("quantization")
+    if isinstance(section, dict):
+        algo, kv_algo, exclude = section.get("quant_algo"), section.get("kv_cache_quant_algo"), section.get("exclude_modules")
+    else:
+        algo, exclude = qc.get("quant_algo"), qc.get("ignore", qc.get("exclude_modules"))
+        kv_algo, scheme = qc.get("kv_cache_quant_algo"), qc.get("kv_cache_scheme")
+        if scheme is not None:
+            if not isinstance(scheme, dict) or scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+                raise CheckpointError(f"ModelOpt kv_cache_scheme {scheme!r} is not supported; llmc imports FP8 KV "
+                                      "scales (type float, num_bits 8)")
+            kv_algo = "FP8"
+    if not isinstance(exclude or [], list) or not all(isinstance(e, str) for e in exclude or []):
+        raise CheckpointError(f"ModelOpt exclude_modules {exclude!r} is not a list of module names or wildcards")
+    if kv_algo is not None and not isinstance(kv_algo, str):
+        raise CheckpointError(f"ModelOpt kv_cache_quant_algo {kv_algo!r} is not a string (FP8 or null)")
+    return str(algo or "").upper(), kv_algo.upper() if kv_algo else None, tuple(exclude or ())
+
+
+def _parse_modelopt(qc: dict) -> ImportSpec:
+    """NVIDIA TensorRT Model Optimizer's FP8 export, as vLLM's `modelopt` reads it. FP8: weight float8_e4m3fn, a
+    scalar weight_scale and a scalar input_scale (static activations) per linear: w8a8-fp8 with static input scales.
+    FP8_PER_CHANNEL_PER_TOKEN: weight_scale [out], no input_scale: w8a8-fp8 per channel, per-token activations.
+    exclude_modules (wildcards) stay dense; every other quant_algo, and KV caches other than FP8, refused by name."""
+    algo, kv_algo, exclude = modelopt_fields(qc)
+    if algo not in MODELOPT_ALGOS:
+        what = f" ({_MODELOPT_REFUSED[algo]})" if algo in _MODELOPT_REFUSED else ""
+        raise CheckpointError(f"ModelOpt quant_algo {algo or None!r}{what} is not supported; llmc imports ModelOpt "
+                              "FP8 (per-tensor weights, static input scales) and FP8_PER_CHANNEL_PER_TOKEN")
+    if kv_algo not in (None, "FP8"):
+        raise CheckpointError(f"ModelOpt kv_cache_quant_algo {kv_algo!r} is not supported; llmc imports FP8 KV cache "
+                              "scales (k_scale, v_scale) or none")
+    is_per_channel = algo == "FP8_PER_CHANNEL_PER_TOKEN"
+    return ImportSpec(method="modelopt", layout="float-quantized", bits=8, group_size=-1, is_symmetric=True,
+                      is_act_order=False, ignored_modules=exclude, is_per_channel=is_per_channel,
+                      is_static_input=not is_per_channel)
+
+
 def _parse_int8_w8a8_scheme(weights: dict, activations: dict | None, ignored: tuple[str, ...]) -> ImportSpec:
     """llm-compressor's W8A8 int8 (`int-quantized`): int8 symmetric per-channel weights, int8 symmetric per-token
     dynamic activations; anything else of that format is refused by name."""
@@ -430,7 +508,8 @@ def _parse_compressed_scheme(qc: dict) -> ImportSpec:
 def parse_quantization_config(config_json: dict) -> ImportSpec:
     """A checkpoint's config.json (or its `quantization_config` alone) → ImportSpec."""
     qc = config_json.get("quantization_config", config_json)
-    parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors, "fp8": _parse_fp8}
+    parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors, "fp8": _parse_fp8,
+               "modelopt": _parse_modelopt}
     method = str(qc.get("quant_method", "")).lower()
     if method not in parsers:
         raise CheckpointError(
@@ -476,6 +555,11 @@ def expected_shapes(spec: ImportSpec, in_features: int, out_features: int) -> di
         "weight_scale": (out_features if spec.is_per_channel else 1,),
         "input_scale": (1,),
     }
+
+
+# tensors a ModelOpt module may hold beside its format's: a bias (read with the layer), the KV cache scales
+# (k_proj.k_scale, v_proj.v_scale: compiler/kv_scales.py)
+_MODELOPT_OTHER_TENSORS = {"bias", "k_scale", "v_scale"}
 
 
 def _is_scale(name: str) -> bool:
@@ -540,6 +624,11 @@ def check_module_tensors(
             "its zero points (vLLM refuses this output size too); re-export it as compressed-tensors pack-quantized, "
             "or with this module dense")
     known = set(spec.required_tensor_names()) | set(spec.optional_tensor_names())
+    if spec.method == "modelopt" and (extra := sorted(set(tensors) - known - _MODELOPT_OTHER_TENSORS)):
+        # pre_quant_scale (AWQ smoothing), weight_scale_2 (NVFP4), an input_scale of per-token activations: each would
+        # change the numbers, and FP8 / FP8_PER_CHANNEL_PER_TOKEN define none of them
+        raise CheckpointError(f"{module_name} has {extra}, which ModelOpt {'FP8_PER_CHANNEL_PER_TOKEN' if spec.is_per_channel else 'FP8'} "
+                              f"does not define (it stores {sorted(known)}): the config does not describe the tensors")
     for name, shape in expected_shapes(spec, in_features, out_features).items():
         if name not in tensors or name not in known:
             continue
