@@ -35,7 +35,8 @@ from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, 
 # Where AutoGPTQ / GPTQModel and AutoAWQ keep the config when config.json has none (vLLM reads them too);
 # the quant_method they imply when the file does not say.
 # NVIDIA ModelOpt writes hf_quant_config.json ({"producer": ..., "quantization": {"quant_algo": ...}}).
-SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"), ("hf_quant_config.json", "modelopt"))
+SIDE_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"),
+                     ("hf_quant_config.json", "modelopt"))
 
 
 def checkpoint_quantization_config(hf_config: dict, model_dir: Path) -> dict | None:
@@ -186,7 +187,8 @@ class ImportPacker:
                 for module, _, _ in members if name not in quantized else ():
                     weight = module + ".weight"
                     dtype = self.reader.dtype_name(weight) if self.reader.has(weight) else ""
-                    if dtype.startswith(("F8", "I8")) or {"weight_scale", "weight_scale_inv"} & set(self.module_tensors.get(module, {})):
+                    scales = {"weight_scale", "weight_scale_inv"} & set(self.module_tensors.get(module, {}))
+                    if dtype.startswith(("F8", "I8")) or scales:
                         raise CheckpointError(
                             f"{self.reader.model_dir}: {module} is quantized in the checkpoint ({weight} {dtype}) but "
                             f"quantization_config leaves it dense ({self.ispec.method} ignore / exclude_modules / "

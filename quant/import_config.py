@@ -400,7 +400,8 @@ def modelopt_fields(qc: dict) -> tuple[str, str | None, tuple[str, ...]]:
     config.json quantization_config (quant_algo, kv_cache_scheme {type float, num_bits 8} = FP8, ignore)."""
     section = qc.get("quantization")
     if isinstance(section, dict):
-        algo, kv_algo, exclude = section.get("quant_algo"), section.get("kv_cache_quant_algo"), section.get("exclude_modules")
+        algo, kv_algo = section.get("quant_algo"), section.get("kv_cache_quant_algo")
+        exclude = section.get("exclude_modules")
     else:
         algo, exclude = qc.get("quant_algo"), qc.get("ignore", qc.get("exclude_modules"))
         kv_algo, scheme = qc.get("kv_cache_quant_algo"), qc.get("kv_cache_scheme")
@@ -627,8 +628,9 @@ def check_module_tensors(
     if spec.method == "modelopt" and (extra := sorted(set(tensors) - known - _MODELOPT_OTHER_TENSORS)):
         # pre_quant_scale (AWQ smoothing), weight_scale_2 (NVFP4), an input_scale of per-token activations: each would
         # change the numbers, and FP8 / FP8_PER_CHANNEL_PER_TOKEN define none of them
-        raise CheckpointError(f"{module_name} has {extra}, which ModelOpt {'FP8_PER_CHANNEL_PER_TOKEN' if spec.is_per_channel else 'FP8'} "
-                              f"does not define (it stores {sorted(known)}): the config does not describe the tensors")
+        algo = "FP8_PER_CHANNEL_PER_TOKEN" if spec.is_per_channel else "FP8"
+        raise CheckpointError(f"{module_name} has {extra}, which ModelOpt {algo} does not define (it stores "
+                              f"{sorted(known)}): the config does not describe the tensors")
     for name, shape in expected_shapes(spec, in_features, out_features).items():
         if name not in tensors or name not in known:
             continue

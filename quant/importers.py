@@ -31,6 +31,8 @@ compressed-tensors float-quantized FP8_BLOCK, and quant_method fp8 with weight_b
   w[o, i] = weight[o, i] * scale[o // rows, i // columns].
 quant_method fp8 without weight_block_size (vLLM's per-tensor FP8): weight, weight_scale [] or [1] (transformers:
   weight_scale_inv), input_scale (activation_scale) when activation_scheme is static.
+NVIDIA ModelOpt FP8 (quant_method modelopt, hf_quant_config.json): the float-quantized tensors, weight, weight_scale []
+  and input_scale [] (quant_algo FP8), or weight_scale [out] and no input_scale (FP8_PER_CHANNEL_PER_TOKEN).
 compressed-tensors int-quantized (W8A8 int8): weight int8 [out, in] (signed levels -128..127), weight_scale
   [out, 1] (model dtype), weight_zero_point int8 [out, 1] of zeros in versions that save symmetric zero points;
   activations per token at run time (nothing stored).

@@ -165,6 +165,23 @@ def test_modelopt_import_matches_transformers_on_the_dequantized_weights(algo, f
     llm.close()
 
 
+def test_a_mixture_of_experts_checkpoint_imports_each_expert_s_levels_and_scales(tiny_qwen3_moe, tmp_path):
+    """Qwen3-MoE as ModelOpt exports it: one module per expert, the routers dense (ModelOpt's "*.mlp.gate")."""
+    quantized = write_modelopt(tiny_qwen3_moe, tmp_path / "ckpt", [], algo="FP8_PER_CHANNEL_PER_TOKEN", form="config.json",
+                               kv=False, exclude=["lm_head", "*.mlp.gate", EXCLUDED + "*"])
+    out = build_import(tmp_path / "ckpt", tmp_path / "out")
+    formats = json.loads((out / "manifest.json").read_text())["quant"]["modules"]
+    assert formats["layers.0.moe.experts.gate_up"]["format"] == "w8a8-fp8" and formats["layers.1.mlp.down"]["format"] == "dense"
+    weights = load_file(out / "rank-00" / "weights.safetensors")
+    experts = [[quantized[f"model.layers.0.mlp.experts.{e}.{m}_proj"] for m in ("gate", "up")] for e in range(4)]
+    assert torch.equal(weights["layers.0.moe.experts.gate_up.weight"].view(torch.uint8),
+                       torch.stack([torch.cat([levels for levels, _, _ in e]) for e in experts]).view(torch.uint8))
+    assert torch.equal(weights["layers.0.moe.experts.gate_up.weight_scale"],
+                       torch.stack([torch.cat([scale for _, scale, _ in e]).reshape(-1, 1) for e in experts]))
+    assert torch.equal(weights["layers.0.moe.gate.weight"],
+                       load_file(tiny_qwen3_moe / "model.safetensors")["model.layers.0.mlp.gate.weight"])
+
+
 @pytest.mark.parametrize("naming", ["self_attn.{kind}_proj.{kind}_scale", "self_attn.{kind}_scale"])
 def test_kv_scales_under_either_name(naming, tmp_path):
     """ModelOpt's k_proj.k_scale / v_proj.v_scale, and self_attn.k_scale (what vLLM remaps them to)."""
