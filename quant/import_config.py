@@ -140,7 +140,9 @@ def _matches_fp8_skip(pattern: str, module_name: str) -> bool:
 def _matches_modelopt_exclude(pattern: str, module_name: str) -> bool:
     """ModelOpt's exclude_modules entries are fnmatch wildcards ("lm_head", "*.mlp.gate", "model.layers.0.mlp*"). As
     vLLM reads them: "path*" (a `*` not after a dot) is the module `path` and its subtree, so "model.layers.1*" is not
-    layer 11; an entry without wildcards also matches as whole dotted segments of the name ("lm_head", "mlp.gate")."""
+    layer 11; an entry without wildcards also matches as whole dotted segments of the name ("lm_head", "mlp.gate"),
+    where vLLM takes any substring ("model.layers.1" in layer 11's names): ImportPacker refuses a linear read dense
+    that holds levels, and unpack_module one read quantized that lacks its scales, so no reading goes unnoticed."""
     if len(pattern) >= 2 and pattern[-1] == "*" and pattern[-2] != ".":
         return fnmatch.fnmatchcase(module_name, pattern[:-1]) or fnmatch.fnmatchcase(module_name, pattern[:-1] + ".*")
     if fnmatch.fnmatchcase(module_name, pattern):
