@@ -49,7 +49,7 @@ def input_amax(checkpoint, token_ids) -> dict[str, float]:
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     amax = {}
     for name, module in model.named_modules():
-        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+        if (name.startswith("model.layers.") or name == "lm_head") and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda _, args, name=name: amax.__setitem__(name, float(args[0].abs().max())))
     with torch.inference_mode():
         model(torch.tensor([token_ids]))
@@ -64,7 +64,7 @@ def write_modelopt(source, dest, token_ids, algo="FP8", form="hf_quant_config", 
     for name, weight in load_file(source / "model.safetensors").items():
         module = name.removesuffix(".weight")
         kind = module.rsplit(".", 1)[-1]
-        if kind not in LINEARS or module == EXCLUDED:
+        if (kind not in LINEARS or module == EXCLUDED) and not (module == "lm_head" and "lm_head" not in exclude):
             tensors[name] = weight
             continue
         w = weight.double()
@@ -77,7 +77,7 @@ def write_modelopt(source, dest, token_ids, algo="FP8", form="hf_quant_config", 
         levels = e4m3(w, scale.reshape(-1, 1))
         tensors[name], tensors[module + ".weight_scale"] = levels, scale
         quantized[module] = (levels, scale, input_scale)
-    layers = sorted({int(m.split(".")[2]) for m in quantized})
+    layers = sorted({int(m.split(".")[2]) for m in quantized if m.startswith("model.layers.")})
     if kv:
         for i in layers:
             tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(K_SCALES[i])
@@ -104,6 +104,12 @@ def build_import(checkpoint, out, **recipe):
     return out
 
 
+def _fused_linear(module: str) -> str:
+    """The runtime linear a checkpoint module fuses into, named by its first member (k_proj → q_proj)."""
+    prefix, _, kind = module.rpartition(".")
+    return f"{prefix}.{FUSED.get(kind, kind)}"
+
+
 def oracle_of(checkpoint, quantized):
     """transformers on the dequantized weights, each quantized linear's input rounded as the format rounds it."""
     from transformers import AutoModelForCausalLM
@@ -117,25 +123,28 @@ def oracle_of(checkpoint, quantized):
         if input_scale is None:
             modules[module].register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
             continue
-        prefix, kind = module.rsplit(".", 1)
-        first = FUSED.get(kind, kind)
-        fused = [m for m in quantized if m.rsplit(".", 1)[0] == prefix and FUSED.get(m.rsplit(".", 1)[1], m.rsplit(".", 1)[1]) == first]
+        fused = [m for m in quantized if _fused_linear(m) == _fused_linear(module)]
         scale = max(float(quantized[m][2]) for m in fused)
         modules[module].register_forward_pre_hook(
             lambda _, args, s=scale: ((args[0] / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * s,))
     return model.eval()
 
 
-@pytest.mark.parametrize(("algo", "form"), [("FP8", "hf_quant_config"), ("FP8_PER_CHANNEL_PER_TOKEN", "config.json")])
-def test_modelopt_import_matches_transformers_on_the_dequantized_weights(algo, form, tiny_llama, tmp_path, hf_encode):
+@pytest.mark.parametrize(("algo", "form", "exclude"), [
+    ("FP8", "hf_quant_config", EXCLUDE), ("FP8_PER_CHANNEL_PER_TOKEN", "config.json", EXCLUDE),
+    ("FP8", "config.json", EXCLUDE[1:]),  # lm_head quantized too, as vLLM reads it when exclude_modules leaves it
+], ids=["FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8-quantized-head"])
+def test_modelopt_import_matches_transformers_on_the_dequantized_weights(algo, form, exclude, tiny_llama, tmp_path,
+                                                                        hf_encode):
     token_ids = hf_encode(tiny_llama, PROMPT) + list(range(100, 120))
-    quantized = write_modelopt(tiny_llama, tmp_path / "ckpt", token_ids[:12], algo=algo, form=form)
+    quantized = write_modelopt(tiny_llama, tmp_path / "ckpt", token_ids[:12], algo=algo, form=form, exclude=exclude)
     out = build_import(tmp_path / "ckpt", tmp_path / "out")
     manifest = json.loads((out / "manifest.json").read_text())
     formats = manifest["quant"]["modules"]
     static = algo == "FP8"
     assert formats["layers.0.attn.qkv"] == {"format": "w8a8-fp8", "is_per_channel": True, "is_static_input": static}
-    assert formats["layers.1.mlp.down"]["format"] == "dense" and formats["lm_head"]["format"] == "dense"
+    assert formats["layers.1.mlp.down"]["format"] == "dense"
+    assert formats["lm_head"]["format"] == ("w8a8-fp8" if "lm_head" in quantized else "dense")
     assert formats["layers.0.mlp.down"]["format"] == "w8a8-fp8"
     # the checkpoint's own levels and scales (a per-tensor scale repeated per channel); static input scales fused by max
     weights = load_file(out / "rank-00" / "weights.safetensors")
