@@ -139,7 +139,8 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
                               "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
                               "take; quantize the float checkpoint with rtn, gptq, awq or fp8")
     qc = checkpoint_quantization_config(hf_config, model_dir) or {}
-    if recipe.quantization.method != "import" and (qc.get("quant_method") in ("fp8", "modelopt") or (
+    quant_method = str(qc.get("quant_method", "")).lower()
+    if recipe.quantization.method != "import" and (quant_method == "fp8" or quant_method.startswith("modelopt") or (
             qc.get("quant_method") == "compressed-tensors" and qc.get("config_groups"))):
         # their linears' `.weight` holds FP8 or int8 levels, which a float read would take for weights
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "

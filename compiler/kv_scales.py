@@ -93,7 +93,7 @@ def checkpoint_kv_scales(hf_config: dict, reader: TensorReader, spec: ModelSpec,
     `self_attn.k_scale`. Both are vLLM's per-tensor dequantization factors of the post-rotary K and of V, as llmc's
     are. A per-head scale is reduced to its maximum (llmc keeps one scale per layer): no head's values then saturate."""
     qc = checkpoint_quantization_config(hf_config, reader.model_dir) or {}
-    if str(qc.get("quant_method", "")).lower() == "modelopt":
+    if str(qc.get("quant_method", "")).lower().startswith("modelopt"):
         if modelopt_fields(qc)[1] is None:  # (parse_quantization_config refused any kv_cache_quant_algo but FP8)
             return None
         what, names = "kv_cache_quant_algo FP8", ("self_attn.{kind}_proj.{kind}_scale", "self_attn.{kind}_scale")

@@ -514,6 +514,7 @@ def parse_quantization_config(config_json: dict) -> ImportSpec:
     parsers = {"awq": _parse_awq, "gptq": _parse_gptq, "compressed-tensors": _parse_compressed_tensors, "fp8": _parse_fp8,
                "modelopt": _parse_modelopt}
     method = str(qc.get("quant_method", "")).lower()
+    method = "modelopt" if method.startswith("modelopt") else method  # (modelopt_fp4, modelopt_mxfp8: vLLM's names)
     if method not in parsers:
         raise CheckpointError(
             f"quantization method {method or 'none'!r} is not supported; supported: {SUPPORTED}"

@@ -226,6 +226,7 @@ def test_exclude_modules_match_as_vllm_reads_them():
     *[(modelopt(algo), f"quant_algo '{algo}'.* is not supported; llmc imports ModelOpt FP8")
       for algo in ("NVFP4", "FP8_PB_WO", "W4A8_AWQ", "INT4_AWQ", "MIXED_PRECISION", "W4A16_NVFP4", "MXFP8", "INT8_SQ")],
     (modelopt(None), "quant_algo None"),
+    ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4", "ignore": ["lm_head"]}, "quant_algo 'NVFP4' .*NVFP4"),
     (modelopt(kv_cache_quant_algo="NVFP4"), "kv_cache_quant_algo 'NVFP4' is not supported"),
     (modelopt(exclude_modules="lm_head"), "exclude_modules 'lm_head' is not a list"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_scheme": {"type": "int", "num_bits": 8}},
