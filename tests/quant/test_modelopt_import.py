@@ -110,14 +110,16 @@ def _fused_linear(module: str) -> str:
     return f"{prefix}.{FUSED.get(kind, kind)}"
 
 
-def oracle_of(checkpoint, quantized):
-    """transformers on the dequantized weights, each quantized linear's input rounded as the format rounds it."""
+def oracle_of(source, quantized):
+    """transformers' float model of `source` holding the dequantized weights, each quantized linear's input rounded as
+    the format rounds it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, attn_implementation="eager")
     state = {m + ".weight": (levels.double() * scale.double().reshape(-1, 1)).float()
              for m, (levels, scale, _) in quantized.items()}
-    model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected
     modules = dict(model.named_modules())
     for module, (_, _, input_scale) in quantized.items():
         if input_scale is None:
@@ -161,7 +163,7 @@ def test_modelopt_import_matches_transformers_on_the_dequantized_weights(algo, f
     # the KV cache scales, as the checkpoint stores them
     assert (manifest["kv"]["k_scales"], manifest["kv"]["v_scales"], manifest["kv"]["scales_source"]) == (
         K_SCALES, V_SCALES, "checkpoint")
-    oracle = oracle_of(tmp_path / "ckpt", quantized)
+    oracle = oracle_of(tiny_llama, quantized)  # the float model, its quantized linears replaced
     llm = LLM(out, device="cpu", max_num_batched_tokens=16)
     with torch.inference_mode():
         torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
