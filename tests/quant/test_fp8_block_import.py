@@ -26,6 +26,7 @@ from llmc.quant.import_config import parse_quantization_config
 from llmc.quant.reference import dequantize
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
+from tests.runtime.hf_oracle import build_import
 
 BLOCK = (128, 128)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,13 +102,6 @@ def write_fp8_checkpoint(source, dest, layout: str, skip=(SKIPPED,)) -> dict[str
                                           "input_activations": FP8_BLOCK_ACTIVATIONS, "format": "float-quantized"}}}
     (dest / "config.json").write_text(json.dumps(config, indent=2))
     return quantized
-
-
-def build_import(checkpoint, out, **recipe):
-    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
-                            "runtime": {"max_model_len": 256}, "quantization": {"method": "import"}, **recipe}),
-          show_progress=False)
-    return out
 
 
 def artifact_weights(artifact) -> dict[str, torch.Tensor]:

@@ -21,13 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmc.compiler.build import build
-from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError
 from llmc.quant.import_config import parse_quantization_config
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import fp8_per_token
+from tests.runtime.hf_oracle import build_float32, build_import
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EXCLUDED = "model.layers.1.mlp.down_proj"
@@ -95,13 +94,6 @@ def write_modelopt(source, dest, token_ids, algo="FP8", form="hf_quant_config", 
             "producer": {"name": "modelopt", "version": "0.39.0"}}
         (dest / "config.json").write_text(json.dumps(config, indent=2))
     return quantized
-
-
-def build_import(checkpoint, out, **recipe):
-    build(recipe_from_dict({"model": str(checkpoint), "output": str(out), "dtype": "float32", "target": {"device": "cpu"},
-                            "runtime": {"max_model_len": 256}, "quantization": {"method": "import"}, **recipe}),
-          show_progress=False)
-    return out
 
 
 def _fused_linear(module: str) -> str:
@@ -274,4 +266,4 @@ def test_an_input_scale_with_per_token_activations_is_refused(tiny_llama, tmp_pa
 def test_a_float_build_of_a_modelopt_checkpoint_is_refused(tiny_llama, tmp_path):
     write_modelopt(tiny_llama, tmp_path / "ckpt", [], algo="FP8_PER_CHANNEL_PER_TOKEN")
     with pytest.raises(CheckpointError, match="quant_method 'modelopt'.* build it with quantization.method: import"):
-        build_import(tmp_path / "ckpt", tmp_path / "out", quantization={"method": "rtn"})
+        build_float32(tmp_path / "ckpt", tmp_path / "out", quantization={"method": "rtn"})

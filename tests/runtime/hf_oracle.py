@@ -21,6 +21,11 @@ def build_float32(checkpoint, out, **recipe):
     return out
 
 
+def build_import(checkpoint, out, **recipe):
+    """A float32 CPU build of a pre-quantized checkpoint with `quantization.method: import`."""
+    return build_float32(checkpoint, out, target={"device": "cpu"}, quantization={"method": "import"}, **recipe)
+
+
 def write_config(source, dest, **changes):
     """A copy of checkpoint `source` in `dest` with its config.json keys changed."""
     shutil.copytree(source, dest)
