@@ -133,18 +133,18 @@ def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | N
 
 
 def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
-               out_dtype: torch.dtype) -> Tensor:
+               out_dtype: torch.dtype, dense: Tensor | None = None) -> Tensor:
     """y [..., N] in out_dtype = (x_fp8 * x_scale) @ (weight * weight_scale).T + bias for activations
     already in FP8: x_scale [..., 1] per token, or one scale ([1] / [1, 1], a static input scale).
     torch._scaled_mm or the Triton kernel as `select_fp8_kernel` says, float32 math without FP8
-    tensor cores."""
+    tensor cores (`dense`, where given: weight · weight_scale computed once)."""
     x2 = x_fp8.reshape(-1, x_fp8.shape[-1])  # [num_tokens, K]
     scale_a = x_scale.float().reshape(-1, 1)
     if scale_a.shape[0] != x2.shape[0]:
         scale_a = scale_a.expand(x2.shape[0], 1).contiguous()
     out_features = weight.shape[0]
     if not can_use_scaled_mm(x_fp8, weight):
-        w = weight.float() * weight_scale.float()  # [N, K]
+        w = dense if dense is not None else weight.float() * weight_scale.float()  # [N, K]
         y = (x2.float() * scale_a) @ w.T
         y = y + bias.float() if bias is not None else y
         return y.to(out_dtype).reshape(*x_fp8.shape[:-1], out_features)
@@ -188,7 +188,8 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
 
 
 def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int, bias: Tensor | None,
-                     weight_scale_rows: Tensor | None = None, weight_scale_blocks: Tensor | None = None) -> Tensor:
+                     weight_scale_rows: Tensor | None = None, weight_scale_blocks: Tensor | None = None,
+                     dense: Tensor | None = None) -> Tensor:
     """y [..., N] in x's dtype = (x quantized per token and group_size columns) @ (weight · weight_scale).T + bias,
     weight_scale [N, G] per row. On FP8 tensor cores with bf16/fp16 activations, above BLOCK_CUBLAS_MIN_TOKENS
     tokens, where the weight's scales come laid out for it (Fp8BlockFormat.derived_params): cuBLAS's block-scaled
@@ -207,7 +208,7 @@ def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size
         y = y[:tokens] + bias if bias is not None else y[:tokens]
         return y.reshape(*x.shape[:-1], out_features)
     x_fp8, x_scale = quantize_fp8_per_token_group(x2, group_size)
-    y = fp8_block_matmul(x_fp8, x_scale, weight, weight_scale, group_size, bias, x.dtype)
+    y = fp8_block_matmul(x_fp8, x_scale, weight, weight_scale, group_size, bias, x.dtype, dense)
     return y.reshape(*x.shape[:-1], out_features)
 
 
@@ -233,14 +234,17 @@ def block_scaled_mm(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale
 
 
 def fp8_block_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int,
-                     bias: Tensor | None, out_dtype: torch.dtype) -> Tensor:
+                     bias: Tensor | None, out_dtype: torch.dtype, dense: Tensor | None = None) -> Tensor:
     """y [M, N] in out_dtype = (x_fp8 · x_scale) @ (weight · weight_scale).T + bias, the scales per group_size
     columns: x_scale [M, G], weight_scale [N, G]. The Triton kernel on FP8 tensor cores (each K chunk's product
-    scaled into a float32 accumulator), float32 math elsewhere."""
+    scaled into a float32 accumulator), float32 math elsewhere (`dense`, where given: the weight so dequantized
+    once)."""
     size = x_fp8.shape[-1]
     if not (has_fp8_tensor_cores(x_fp8) and is_triton_installed()):
         a = x_fp8.float() * expand_group_scales(x_scale.float(), group_size, size)
-        y = a @ (weight.float() * expand_group_scales(weight_scale.float(), group_size, size)).T
+        if dense is None:
+            dense = weight.float() * expand_group_scales(weight_scale.float(), group_size, size)
+        y = a @ dense.T
         return (y + bias.float() if bias is not None else y).to(out_dtype)
     from .fp8_triton import fp8_linear_small_m
 

@@ -460,7 +460,12 @@ class Fp8Format:
         if not fp8_kernels.can_use_scaled_mm(params["weight"], params["weight"]):
             _log_fp8_reference_path(params["weight"].device.type)
 
+    def dequantize(self, params: dict[str, Tensor], in_features: int | None = None) -> Tensor:
+        """Weights [out, in] float32."""
+        return params["weight"].float() * params["weight_scale"].float()
+
     def apply(self, x: Tensor | fp8_kernels.Fp8Activation, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        """params["dense"], where present: the weight dequantized once (on a CPU: Linear.dequantize_once)."""
         if isinstance(x, fp8_kernels.Fp8Activation):
             x_fp8, x_scale, out_dtype = x
         else:
@@ -468,7 +473,8 @@ class Fp8Format:
         weight = params["weight"]  # [out, in]
         if not fp8_kernels.can_use_scaled_mm(x_fp8, weight):
             _log_fp8_reference_path(x_fp8.device.type)
-        return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, out_dtype)
+        return fp8_kernels.fp8_matmul(x_fp8, x_scale, weight, params["weight_scale"], bias, out_dtype,
+                                      params.get("dense"))
 
 
 @dataclass(frozen=True)
@@ -553,8 +559,10 @@ class Fp8BlockFormat:
         return derived
 
     def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
+        """params["dense"], where present: the weight dequantized once (on a CPU: Linear.dequantize_once)."""
         return fp8_kernels.fp8_block_linear(x, params["weight"], params["weight_scale"], self.group_size, bias,
-                                            params.get("weight_scale_rows"), params.get("weight_scale_blocks"))
+                                            params.get("weight_scale_rows"), params.get("weight_scale_blocks"),
+                                            params.get("dense"))
 
 
 @dataclass(frozen=True)
@@ -618,6 +626,13 @@ _FORMATS: dict[str, object] = {
     "w8a8-int8": Int8W8A8Format,
     **{name: _IntFormatOfBits(bits) for bits, name in INT_FORMAT_NAMES.items()},
 }
+
+
+def dequantizes_once_on_cpu(fmt: LinearFormat) -> bool:
+    """Whether a CPU holds this format's weights dequantized once at load (Linear.dequantize_once): the integer
+    weight-only formats (the CPU's only int path) and the FP8 ones (whose CPU path is the reference: the same
+    weights, its activations still rounded to FP8); not w8a8-int8, whose CPU path multiplies the int8 levels."""
+    return isinstance(fmt, (IntWeightFormat, Fp8Format, Fp8BlockFormat))
 
 
 def takes_fp8_activations(fmt: LinearFormat) -> bool:

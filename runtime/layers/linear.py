@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from llmc.kernels.fp8 import Fp8Activation
-from llmc.quant.formats import IntWeightFormat, LinearFormat
+from llmc.quant.formats import LinearFormat, dequantizes_once_on_cpu
 
 
 class Linear(nn.Module):
@@ -38,17 +38,17 @@ class Linear(nn.Module):
         return params if self.dense is None else {**params, "dense": self.dense}
 
     def dense_bytes(self) -> int:
-        """What dequantize_once would hold: an int-weight format's weight in the compute dtype, on a CPU
-        (0 for other formats, and on GPUs)."""
-        if not isinstance(self.fmt, IntWeightFormat) or self.qweight.device.type != "cpu":
+        """What dequantize_once would hold: an int-weight or FP8 format's weight in the compute dtype, on a CPU
+        (0 for other formats, and on GPUs; quant/formats.dequantizes_once_on_cpu)."""
+        if not dequantizes_once_on_cpu(self.fmt) or getattr(self, self.param_names[0]).device.type != "cpu":
             return 0
         return self.out_features * self.in_features * self.fmt.dtype.itemsize
 
     def dequantize_once(self) -> None:
-        """On a CPU, after the weights load (and after interleave_gate_up): an int-weight format's
+        """On a CPU, after the weights load (and after interleave_gate_up): an int-weight or FP8 format's
         weight dequantized once into the compute dtype, which `apply` then multiplies by, instead of
-        dequantizing it in every forward (the CPU's only int path: ~8x slower decode). Only where
-        dense_bytes() > 0."""
+        dequantizing it in every forward (the CPU's only int path: ~8x slower decode; FP8's reference path
+        4-7x, session 43). Only where dense_bytes() > 0."""
         self.dense = self.fmt.dequantize(self.params(), self.in_features).to(self.fmt.dtype)
 
     def derive_params(self) -> None:

@@ -348,13 +348,13 @@ class DecoderModel(nn.Module):
             return
         available = available_memory_bytes()
         if available is not None and dense_bytes > available // 2:
-            logger.info("int weights stay packed on the CPU and are dequantized in every forward (several times "
+            logger.info("int and FP8 weights stay packed on the CPU and are dequantized in every forward (several times "
                         "slower): a %s copy would take %.1f GiB of the %.1f GiB available; an onnx-cpu build keeps "
                         "them packed and fast", self.config.dtype, dense_bytes / 2**30, available / 2**30)
             return
         for module in int_modules:
             module.dequantize_once()
-        logger.info("int weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
+        logger.info("int and FP8 weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
                     "packed)", dense_bytes / 2**20, self.config.dtype)
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],

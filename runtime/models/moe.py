@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from llmc.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
 from llmc.kernels.fp8 import has_fp8_tensor_cores
 from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
-from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, takes_fp8_activations
+from llmc.quant.formats import (DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, dequantizes_once_on_cpu,
+                                takes_fp8_activations)
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
@@ -68,7 +69,7 @@ class ExpertLinears(nn.Module):
 
     def dense_bytes(self) -> int:
         """As Linear.dense_bytes, for every expert."""
-        if not isinstance(self.fmt, IntWeightFormat) or getattr(self, self.param_names[0]).device.type != "cpu":
+        if not dequantizes_once_on_cpu(self.fmt) or getattr(self, self.param_names[0]).device.type != "cpu":
             return 0
         return self.num_experts * self.out_features * self.in_features * self.fmt.dtype.itemsize
 
