@@ -35,10 +35,10 @@ def read_hf_config(model_dir: Path) -> dict:
 # Architectures close to a supported one that llmc does not run, with why (one line each).
 _REFUSED_ARCHITECTURES = {
     "GemmaForCausalLM": "Gemma 1 is not supported (Gemma2ForCausalLM and Gemma 3's text model, Gemma3ForCausalLM, are)",
-    "LlavaNextForConditionalGeneration": "LLaVA-NeXT (anyres image tiling) is not supported; LLaVA-1.5-style "
-                                         "LlavaForConditionalGeneration is",
-    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision is not supported; LLaVA-1.5-style "
-                                              "LlavaForConditionalGeneration is",
+    "LlavaOnevisionForConditionalGeneration": "LLaVA-OneVision is not supported; LlavaForConditionalGeneration and "
+                                              "LLaVA-NeXT's LlavaNextForConditionalGeneration are",
+    "LlavaNextVideoForConditionalGeneration": "LLaVA-NeXT-Video (video input) is not supported; LLaVA-NeXT's image "
+                                              "model LlavaNextForConditionalGeneration is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",

@@ -1,5 +1,6 @@
-"""Vision-language checkpoints (LlavaForConditionalGeneration, Gemma3ForConditionalGeneration): the language model
-built as its causal LM, the vision tower and projector kept dense in their own file.
+"""Vision-language checkpoints (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
+Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration): the language model built as its causal LM, the
+vision tower and projector kept dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
 (Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
@@ -17,6 +18,12 @@ size, in patches), Mistral3MultiModalProjector (an RMSNorm, Mistral3PatchMerger 
 into one row, linear-act-linear) and a Mistral text model; pixtral-12b is a LlavaForConditionalGeneration with a
 Pixtral tower and LLaVA's projector (vision_feature_select_strategy "full": every patch a row). Their images' tokens
 attend causally, as LLaVA's.
+
+LLaVA-NeXT (LlavaNextForConditionalGeneration: llava-v1.6-*, llama3-llava-next) is LLaVA's CLIP tower and projector
+plus anyres tiling: each image resized and padded to the best of `image_grid_pinpoints`, cut into tiles of the
+tower's size, encoded with the image itself resized (the base), and one learned `image_newline` row appended after
+each row of the tiles' features (unpadded to the image's aspect); its tensor goes to vision/weights.safetensors
+with the tower's. Its images' tokens attend causally.
 """
 
 from __future__ import annotations
@@ -31,9 +38,10 @@ from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime import artifact as art
 
 LLAVA = "LlavaForConditionalGeneration"
+LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 MISTRAL3 = "Mistral3ForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, GEMMA3, MISTRAL3)
+VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
@@ -45,6 +53,7 @@ _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "
                 ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+_NEWLINE_NAMES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row separator
 
 
 def is_vision_model(config: dict) -> bool:
@@ -53,11 +62,17 @@ def is_vision_model(config: dict) -> bool:
 
 def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     """(the language model's config as a causal LM's config.json, the manifest's vision section) of a LLaVA,
-    Gemma 3 or Mistral 3 checkpoint."""
+    LLaVA-NeXT, Gemma 3 or Mistral 3 checkpoint."""
     from llmc.runtime.multimodal import is_pixtral, pixtral_image_processor, pixtral_processor_fields
 
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)
+    if LLAVA_NEXT in (config.get("architectures") or []):
+        from llmc.runtime.multimodal import check_anyres_processor
+
+        text, spec = llava_next_config(config, model_dir)
+        check_anyres_processor(model_dir, spec, CheckpointError)  # what the runtime expands <image> by: checked now
+        return text, spec
     text, spec = (mistral3_config if MISTRAL3 in (config.get("architectures") or []) else llava_config)(config,
                                                                                                         model_dir)
     if is_pixtral(spec):  # its processor files are what the runtime expands [IMG] by: checked now
@@ -186,8 +201,9 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     for key, what in (("image_grid_pinpoints", "LLaVA-NeXT's anyres tiling"),
                       ("spatial_merge_size", "a patch-merging projector"), ("downsample_ratio", "pixel shuffle")):
         if config.get(key) is not None:
-            raise CheckpointError(f"{model_dir}: {key} ({what}) is not supported; LLaVA-1.5-style checkpoints (one "
-                                  "image resized to the vision tower's size) are")
+            raise CheckpointError(f"{model_dir}: {key} ({what}) is not supported in a LlavaForConditionalGeneration; "
+                                  "LLaVA-1.5-style checkpoints (one image resized to the vision tower's size) are, and "
+                                  "anyres tiling as LlavaNextForConditionalGeneration")
     text_type = (config.get("text_config") or {}).get("model_type", "llama")
     if text_type not in TEXT_ARCHITECTURES:
         raise CheckpointError(f"{model_dir}: a LLaVA language model of model_type {text_type!r} is not supported; "
@@ -221,9 +237,47 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     return text, spec
 
 
+def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """LlavaNextForConditionalGeneration: LLaVA's fields (CLIP tower only) and image_grid_pinpoints, each
+    resolution a [height, width] of multiples of the tower's image_size (the tiles transformers cuts it into)."""
+    from transformers import LlavaNextConfig
+
+    text_type = (config.get("text_config") or {}).get("model_type", "llama")
+    if text_type not in TEXT_ARCHITECTURES:
+        raise CheckpointError(f"{model_dir}: a LLaVA-NeXT language model of model_type {text_type!r} is not "
+                              f"supported; supported: {', '.join(TEXT_ARCHITECTURES)}")
+    for key, what in (("spatial_merge_size", "a patch-merging projector"), ("downsample_ratio", "pixel shuffle")):
+        if config.get(key) is not None:
+            raise CheckpointError(f"{model_dir}: {key} ({what}) is not supported for LLaVA-NeXT")
+    nxt = _read_config(LlavaNextConfig, config, model_dir, "LLaVA-NeXT", "clip_vision_model")
+    layer = _feature_layer(nxt.vision_feature_layer, nxt.vision_config.num_hidden_layers, model_dir)
+    strategy = nxt.vision_feature_select_strategy
+    if strategy != "default":  # "full" keeps CLIP's CLS row: a tile's rows are no grid (transformers fails too)
+        raise CheckpointError(f"{model_dir}: vision_feature_select_strategy {strategy!r} is not supported for "
+                              "LLaVA-NeXT (its tiles' rows must be a grid of patches); set it to \"default\"")
+    _check_activation(nxt.projector_hidden_act, model_dir)
+    tile = nxt.vision_config.image_size
+    pinpoints = nxt.image_grid_pinpoints
+    if not (isinstance(pinpoints, list) and pinpoints and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and x > 0 and x % tile == 0
+                                                                for x in p) for p in pinpoints)):
+        raise CheckpointError(f"{model_dir}: image_grid_pinpoints {pinpoints!r}: expected a list of [height, width] "
+                              f"resolutions, each a multiple of the vision tower's image_size {tile}")
+    text = _text_config(nxt, config, text_type)
+    spec = art.VisionSpec(
+        architecture=LLAVA_NEXT, vision_config=_tower_config(nxt.vision_config),
+        image_token_index=int(nxt.image_token_index), vision_feature_layer=layer,
+        vision_feature_select_strategy=strategy, projector_hidden_act=nxt.projector_hidden_act,
+        projector_bias=bool(getattr(nxt, "multimodal_projector_bias", True)), text_hidden_size=text["hidden_size"],
+        image_grid_pinpoints=[[int(h), int(w)] for h, w in pinpoints],
+    )
+    return text, spec
+
+
 def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
-    """For a LLaVA, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal LM name:
-    checkpoint name} of the language model, {artifact name: checkpoint name} of the vision tower and projector);
+    """For a LLaVA, LLaVA-NeXT, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal
+    LM name: checkpoint name} of the language model, {artifact name: checkpoint name} of the vision tower, projector
+    and LLaVA-NeXT's image_newline);
     None for any other checkpoint. The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's
     `vision_model.` level (transformers 5's vision models, and PixtralVisionModel, have none)."""
     if not any(name.startswith(_PROJECTOR_PREFIXES) for name in names):
@@ -235,6 +289,9 @@ def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | Non
             lm = name
         if lm is not None:
             language[lm] = name
+            continue
+        if name in _NEWLINE_NAMES:
+            vision["image_newline"] = name
             continue
         for prefixes, to in ((_VISION_PREFIXES, "vision_tower."), (_PROJECTOR_PREFIXES, "multi_modal_projector.")):
             old = next((p for p in prefixes if name.startswith(p)), None)

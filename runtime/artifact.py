@@ -5,7 +5,8 @@ artifact/
   manifest.json                 Manifest below, as JSON
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
-  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14; Mistral 3: 1.17)
+  vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14;
+                                Mistral 3: 1.17; LLaVA-NeXT: 1.18)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
@@ -62,9 +63,11 @@ from llmc.schema import opt, parse
 # 1.17: Mistral 3's vision model (Mistral3ForConditionalGeneration) and LLaVA with a Pixtral tower: the vision
 #      section's spatial_merge_size and projector_norm_eps, a vision_config of model_type pixtral; older manifests
 #      load without them (LLaVA's CLIP, Gemma 3's SigLIP).
-FORMAT_VERSION = "1.17"
+# 1.18: LLaVA-NeXT (LlavaNextForConditionalGeneration): the vision section's image_grid_pinpoints (anyres tiling) and
+#      an `image_newline` tensor in vision/weights.safetensors; older manifests load without them (no tiling).
+FORMAT_VERSION = "1.18"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16", "1.17")
+                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -450,14 +453,15 @@ class Plan:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """A vision-language model's image side (LLaVA, Gemma 3, Mistral 3: compiler/vision.py builds it,
+    """A vision-language model's image side (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3: compiler/vision.py builds it,
     runtime/multimodal.py runs it). Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's
     under `vision_tower.` (transformers' CLIPVisionModel / SiglipVisionModel / PixtralVisionModel names), the
     projector's under `multi_modal_projector.` (LLaVA: linear_1, linear_2; Gemma 3: mm_soft_emb_norm,
-    mm_input_projection_weight; Mistral 3: norm, patch_merger.merging_layer, linear_1, linear_2)."""
+    mm_input_projection_weight; Mistral 3: norm, patch_merger.merging_layer, linear_1, linear_2); LLaVA-NeXT's also
+    `image_newline` (the row appended after each row of an image's tiles)."""
 
     architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                                     "Mistral3ForConditionalGeneration"])
+                                     "Mistral3ForConditionalGeneration", "LlavaNextForConditionalGeneration"])
     # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3) / PixtralVisionConfig (Mistral 3, LLaVA
     # with model_type pixtral: each image at its own size), as a dict
     vision_config: dict = opt()
@@ -481,6 +485,9 @@ class VisionSpec:
     # projector_hidden_act and projector_bias
     spatial_merge_size: int | None = opt(None, min=1)
     projector_norm_eps: float | None = opt(None)
+    # LLaVA-NeXT (format 1.18): the resolutions [height, width] an image is resized and padded to (the best fit),
+    # each a multiple of the tower's image_size, cut into tiles of that size; it also reads LLaVA's fields
+    image_grid_pinpoints: list[list[int]] | None = opt(None)
 
 
 def kernel_source_label(record: dict) -> str:
@@ -572,6 +579,8 @@ def _check_consistency(m: Manifest) -> None:
         needed = {"Gemma3ForConditionalGeneration": ("mm_tokens_per_image", "boi_token_index", "eoi_token_index"),
                   "Mistral3ForConditionalGeneration": ("vision_feature_layer", "projector_hidden_act",
                                                        "spatial_merge_size", "projector_norm_eps"),
+                  "LlavaNextForConditionalGeneration": ("vision_feature_layer", "vision_feature_select_strategy",
+                                                        "projector_hidden_act", "image_grid_pinpoints"),
                   }.get(m.vision.architecture,
                         ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
         if lacking := [key for key in needed if getattr(m.vision, key) is None]:

@@ -311,7 +311,8 @@ class Engine:
         if self.vision is None:
             raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images; send text "
                                "only, or serve a vision model (LlavaForConditionalGeneration, "
-                               "Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration)", param=param)
+                               "LlavaNextForConditionalGeneration, Gemma3ForConditionalGeneration, "
+                               "Mistral3ForConditionalGeneration)", param=param)
 
     def _check_lora(self, lora_request: LoRARequest | None, params: SamplingParams) -> int | None:
         """The adapter's id, its files read and checked (once per id); None without one."""

@@ -1,5 +1,5 @@
-"""Images for vision-language models (LLaVA, Gemma 3, Mistral 3): preprocessing, the vision encoder, and the image
-embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+"""Images for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3): preprocessing, the vision encoder,
+and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -15,7 +15,12 @@ encoded alone by transformers' PixtralVisionModel (a batch of images is one sequ
 block-diagonal: alone is the same rows at a single image's cost), then Mistral3MultiModalProjector (RMSNorm, patch
 merger, linear-act-linear) or LLaVA's projector; the placeholder is one [IMG], expanded as PixtralProcessor expands
 it (a row of [IMG] per row of merged patches, each row ended by [IMG_BREAK], the last by [IMG_END]), or already
-expanded so; the rows replace the [IMG] tokens only, and attend causally. The request keeps the embeddings
+expanded so; the rows replace the [IMG] tokens only, and attend causally. LLaVA-NeXT: LLaVA's tower and
+projector run on each tile of the anyres grid (LlavaNextImageProcessor's: the image resized and padded to the best of
+image_grid_pinpoints, cut into tiles of the tower's size, after the image itself resized, the base), the tiles'
+features laid out as the grid, unpadded to the image's aspect and ended row by row with `image_newline`
+(`_anyres_rows`); the placeholder is one <image>, expanded to that image's rows (as many as LlavaNextProcessor
+writes), or already expanded so. The request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -27,6 +32,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,7 +162,10 @@ class VisionEncoder:
         self.image_token_id = spec.image_token_index
         self.is_gemma3 = spec.architecture == "Gemma3ForConditionalGeneration"
         self.is_pixtral = is_pixtral(spec)
-        if self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
+        self.is_next = spec.architecture == "LlavaNextForConditionalGeneration"
+        if self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
+            processor = check_anyres_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+        elif self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
             self.pixtral = pixtral_processor_fields(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
             processor = pixtral_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, self.pixtral, ArtifactError)
         else:
@@ -172,6 +181,10 @@ class VisionEncoder:
         nested = next(iter(self.tower.state_dict())).startswith("vision_model.")  # transformers < 5's naming
         tower = {("vision_model." if nested else "") + name.removeprefix("vision_tower."): t
                  for name, t in tensors.items() if name.startswith("vision_tower.")}
+        self.image_newline = tensors.get("image_newline")
+        if self.is_next and (self.image_newline is None or self.image_newline.shape != (spec.text_hidden_size,)):
+            raise ArtifactError(f"{art.VISION_WEIGHTS} has no image_newline of {spec.text_hidden_size} values "
+                                "(LLaVA-NeXT's row separator); rebuild the artifact")
         projector = {name.removeprefix("multi_modal_projector."): t
                      for name, t in tensors.items() if name.startswith("multi_modal_projector.")}
         try:
@@ -182,6 +195,8 @@ class VisionEncoder:
                                 f"({str(e).splitlines()[0]}); rebuild the artifact") from None
         self.tower.to(device=device, dtype=dtype)
         self.projector.to(device=device, dtype=dtype)
+        if self.image_newline is not None:
+            self.image_newline = self.image_newline.to(device=device, dtype=dtype)
         # images encoded ahead of their requests (prefetch): id(image) → (image, its pixel values, its rows)
         self._prefetched: dict[int, tuple[object, Tensor, Tensor]] = {}
 
@@ -209,15 +224,19 @@ class VisionEncoder:
             pixels = self._pixels(images)
             rows = self._rows(pixels)
         digest = hashlib.sha256()
-        for px in pixels:  # Pixtral's images differ in size: their sizes go in too
+        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's: their own)
+            if self.is_next:
+                digest.update(repr(px[1]).encode())
+                px = px[0]
             if self.is_pixtral:
                 digest.update(repr(tuple(px.shape)).encode())
             digest.update(px.float().numpy().tobytes())
         return rows, digest.digest()
 
-    def _pixels(self, images: list) -> list[Tensor]:
+    def _pixels(self, images: list) -> list:
         """Each image's pixel values [3, height, width]: the tower's size, or a Pixtral image's own (resized to a
-        multiple of patch_size * spatial_merge_size, as PixtralProcessor asks its image processor)."""
+        multiple of patch_size * spatial_merge_size, as PixtralProcessor asks its image processor); LLaVA-NeXT:
+        (its tiles [base + grid, 3, size, size], its (height, width))."""
         kwargs = {}
         if self.is_pixtral:
             side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
@@ -227,6 +246,10 @@ class VisionEncoder:
         except Exception as e:  # noqa: BLE001 - the processor's own types (a mode it cannot convert, ...)
             raise RequestError(f"multi_modal_data: an image cannot be preprocessed ({type(e).__name__}: {e})",
                                param="multi_modal_data") from None
+        if self.is_next:
+            sizes = [tuple(int(x) for x in size) for size in out["image_sizes"].tolist()]
+            return [(px[: 1 + math.prod(self._grid(size))].contiguous(), size)
+                    for px, size in zip(out["pixel_values"], sizes)]
         if not self.is_pixtral:
             return list(out["pixel_values"])
         return [px[:, :h, :w].contiguous() for px, (h, w) in zip(out["pixel_values"], out["image_sizes"].tolist())]
@@ -238,14 +261,54 @@ class VisionEncoder:
         image alone, its rows as a grid [rows, columns, hidden_size] (`_pixtral_rows`)."""
         if self.is_pixtral:
             return [self._pixtral_rows(px) for px in pixels]
+        if self.is_next:  # every image's tiles in one tower call, then each image's packed alone
+            tiles = torch.cat([px for px, _ in pixels])
+            features = self._projected(tiles).split([px.shape[0] for px, _ in pixels])
+            return [self._anyres_rows(f, size) for f, (_, size) in zip(features, pixels)]
         pixels = torch.stack(pixels)
         if self.is_gemma3:
             return list(self.projector(self.tower(pixels.to(self.device, self.dtype)).last_hidden_state))
+        return list(self._projected(pixels))
+
+    def _projected(self, pixels: Tensor) -> Tensor:
+        """LLaVA's rows of a batch of images [n, 3, size, size] → [n, patches (+ CLS under "full"), hidden_size]:
+        the tower's configured layer, CLS dropped for "default", projected."""
         out = self.tower(pixels.to(self.device, self.dtype), output_hidden_states=True)
         features = out.hidden_states[self.spec.vision_feature_layer]
         if self.spec.vision_feature_select_strategy == "default":
             features = features[:, 1:]
-        return list(self.projector(features))
+        return self.projector(features)
+
+    def _grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """LLaVA-NeXT: the tiles (rows, columns) of an image of `size` (height, width): the best of
+        image_grid_pinpoints (transformers' select_best_resolution, as its image processor picks it) in tiles."""
+        from transformers.image_processing_utils import select_best_resolution
+
+        tile = self.spec.vision_config["image_size"]
+        height, width = select_best_resolution(size, self.spec.image_grid_pinpoints)
+        return height // tile, width // tile
+
+    def _anyres_rows(self, features: Tensor, size: tuple[int, int]) -> Tensor:
+        """One LLaVA-NeXT image's rows: the base image's, then the tiles' features as one grid of patches
+        [rows, columns], the padding the resize added (to fit the image's aspect in the grid) cut off, and
+        image_newline after each row of patches (LlavaNextModel.pack_image_features' order)."""
+        side = self.spec.vision_config["image_size"] // self.spec.vision_config["patch_size"]
+        rows, columns = self._grid(size)
+        base, tiles = features[0], features[1:]
+        if tiles.shape[1] != side * side:
+            raise ArtifactError(f"the vision tower gives {tiles.shape[1]} rows a tile, not {side * side} (its "
+                                "patches); vision_feature_select_strategy \"default\" needs a tower with a CLS row")
+        grid = tiles.view(rows, columns, side, side, -1).permute(0, 2, 1, 3, 4).reshape(rows * side, columns * side, -1)
+        height, width = size
+        grid_height, grid_width = grid.shape[:2]
+        if width / height > grid_width / grid_height:  # wider than the grid: padded above and below
+            pad = (grid_height - int(round(height * (grid_width / width), 7))) // 2
+            grid = grid[pad : grid_height - pad]
+        else:  # padded left and right
+            pad = (grid_width - int(round(width * (grid_height / height), 7))) // 2
+            grid = grid[:, pad : grid_width - pad]
+        newline = self.image_newline.expand(grid.shape[0], 1, -1)
+        return torch.cat([base, torch.cat([grid, newline], dim=1).reshape(-1, grid.shape[-1])])
 
     def _pixtral_rows(self, pixels: Tensor) -> Tensor:
         """One image's rows [rows, columns, hidden_size] (Mistral3Model.get_image_features / LlavaModel's with
@@ -489,6 +552,40 @@ def pixtral_image_processor(tokenizer_dir: Path, spec: art.VisionSpec, fields: d
         raise error(f"{tokenizer_dir}: the image processor's size (longest edge {longest} px, {side} px a row) makes "
                     f"images larger than the tower's image_size {image_size}; set size.longest_edge to at most "
                     f"{image_size // side * side}")
+    return processor
+
+
+def check_anyres_processor(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]):
+    """LLaVA-NeXT's processor (AutoProcessor: LlavaNextProcessor with LlavaNextImageProcessor, or its PIL twin
+    without torchvision) of a checkpoint or artifact, checked against the model: its image_grid_pinpoints and
+    crop_size the model's (the tiles), and LlavaNextProcessor's patch_size, vision_feature_select_strategy and
+    num_additional_image_tokens (its count of <image> tokens) the tower's, so it expands <image> as we do.
+    `error`: CheckpointError at build, ArtifactError at load."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(str(processor_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        processor = None
+    image_processor = getattr(processor, "image_processor", None)
+    if image_processor is None or not hasattr(image_processor, "image_grid_pinpoints"):
+        raise error(f"{processor_dir}: no LLaVA-NeXT processor (LlavaNextProcessor's processor_config.json); use a "
+                    "checkpoint that has its processor files")
+    tile = spec.vision_config["image_size"]
+    crop = getattr(image_processor, "crop_size", None) or {}
+    crop = {key: crop.get(key) for key in ("height", "width")} if isinstance(crop, dict) else \
+        {"height": crop.height, "width": crop.width}
+    pinpoints = [list(p) for p in image_processor.image_grid_pinpoints or []]
+    wanted = {"image_grid_pinpoints": (pinpoints, spec.image_grid_pinpoints),
+              "crop_size": (crop, {"height": tile, "width": tile}),
+              "patch_size": (getattr(processor, "patch_size", None), spec.vision_config["patch_size"]),
+              "vision_feature_select_strategy": (getattr(processor, "vision_feature_select_strategy", None),
+                                                 spec.vision_feature_select_strategy),
+              "num_additional_image_tokens": (getattr(processor, "num_additional_image_tokens", None), 1)}
+    for key, (value, model) in wanted.items():
+        if value != model:
+            raise error(f"{processor_dir}: the processor's {key} {value!r} is not the model's ({model!r}); set it to "
+                        f"{model!r} in its processor files")
     return processor
 
 

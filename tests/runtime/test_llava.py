@@ -259,7 +259,7 @@ def test_what_is_not_supported_is_refused_by_name(llava, tmp_path):
     config = json.loads((llava / "config.json").read_text())
     for change, message in (({"vision_feature_layer": [-2, -1]}, "a list of layers"),
                             ({"image_grid_pinpoints": [[336, 672]]}, "anyres"),
-                            ({"architectures": ["LlavaNextForConditionalGeneration"]}, "LLaVA-NeXT"),
+                            ({"architectures": ["LlavaOnevisionForConditionalGeneration"]}, "LLaVA-OneVision"),
                             ({"text_config": {**config["text_config"], "model_type": "gemma2"}}, "model_type 'gemma2'")):
         changed = tmp_path / f"c{len(list(tmp_path.iterdir()))}"
         shutil.copytree(llava, changed)
