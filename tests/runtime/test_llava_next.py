@@ -43,9 +43,9 @@ def make_llava_next_checkpoint(path, seed: int = 0, processor_changes: dict | No
         shutil.copyfile(REF_MODEL_DIR / name, path / name)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    text = LlamaConfig(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=0,
-                       eos_token_id=1, pad_token_id=4, tie_word_embeddings=False)
+    text = LlamaConfig(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                       bos_token_id=0, eos_token_id=1, pad_token_id=4, tie_word_embeddings=False)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
                               image_size=32, patch_size=8, projection_dim=32)
     config = LlavaNextConfig(vision_config=vision, text_config=text, image_grid_pinpoints=PINPOINTS,
@@ -227,3 +227,59 @@ def test_what_is_not_supported_is_refused_by_name(checkpoint, tmp_path):
             (changed / "processor_config.json").write_text(json.dumps(changed_processor))
         with pytest.raises(CheckpointError, match=message):
             build(_recipe(changed, tmp_path / "x"), show_progress=False)
+
+
+def test_generate_encodes_its_prompts_tiles_in_one_call(artifact):
+    """LLM.generate's prefetch runs the tiles (base + 2 each) of images of three sizes through one tower call; each
+    image's rows and prefix-cache digest are those of encoding its request alone."""
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=128)
+    vision, pictures = llm.engine.vision, [image(7), image(8, size=WIDE), image(9, size=TALL)]
+    alone = [vision.encode([p]) for p in pictures]
+    calls = []
+    rows_of = vision._rows
+    vision._rows = lambda pixels: calls.append([px.shape[0] for px, _ in pixels]) or rows_of(pixels)
+    llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures], GREEDY)
+    assert calls == [[3, 3, 3]] and not vision._prefetched
+    vision.prefetch(pictures)
+    for picture, (rows, digest) in zip(pictures, alone):
+        got_rows, got_digest = vision.encode([picture])
+        assert got_digest == digest and torch.allclose(got_rows[0], rows[0], atol=1e-5)
+    assert len({digest for _, digest in alone}) == 3
+
+
+def test_quantized_build_and_the_in_memory_weight_layout(checkpoint, artifact, hf, tmp_path):
+    """transformers' in-memory names (model.language_model.*, model.vision_tower.*, model.image_newline, lm_head.*)
+    build the same artifact as save_pretrained's; a quantized build (rtn, w4 groups of 32) quantizes the language
+    model's linears only: the tower, projector and image_newline stay exact, and an image prompt is served (its
+    prompt ids the processor's)."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "hf"
+    shutil.copytree(checkpoint, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    new = {}
+    for name, tensor in tensors.items():
+        if name.startswith("language_model.model."):
+            name = "model.language_model." + name.removeprefix("language_model.model.")
+        elif name.startswith("language_model.lm_head."):
+            name = name.removeprefix("language_model.")
+        elif not name.startswith("lm_head."):
+            name = "model." + name
+        new[name] = tensor
+    assert "model.image_newline" in new and new.keys().isdisjoint(tensors.keys())
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
+    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
+        a, b = load_file(artifact / rel), load_file(other / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    quantized = build_float32(renamed, tmp_path / "q", target={"device": "cpu"},
+                              quantization={"method": "rtn", "group_size": 32})
+    assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    vision = load_file(quantized / art.VISION_WEIGHTS)
+    assert vision.keys() == load_file(artifact / art.VISION_WEIGHTS).keys()
+    assert torch.equal(vision["image_newline"], hf[0].model.image_newline.detach())
+    picture = image(11, size=TALL)
+    [output] = LLM(quantized, device="cpu", max_num_batched_tokens=128).generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY)
+    assert output.prompt_token_ids == hf_generate(hf, PROMPT, [picture], 1)[0]
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens

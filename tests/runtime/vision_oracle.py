@@ -1,6 +1,6 @@
-"""What the vision models' tests (Gemma 3, Mistral 3) share: transformers' greedy generation as the oracle, an
-output checked against it, and the four requests every family answers (one image, another image, both in one
-prompt, no image, then the processor's already-expanded ids)."""
+"""What the vision models' tests (Gemma 3, Mistral 3, LLaVA-NeXT) share: transformers' greedy generation as the
+oracle, an output checked against it, and the four requests every family answers (one image, another image, both in
+one prompt, no image, then the processor's already-expanded ids)."""
 
 import pytest
 import torch
