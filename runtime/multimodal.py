@@ -117,8 +117,8 @@ def is_pixtral(spec: art.VisionSpec) -> bool:
 
 
 def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module]:
-    """The manifest's vision tower and projector, unloaded: LLaVA's CLIPVisionModel (or PixtralVisionModel) and
-    Projector, Gemma 3's SiglipVisionModel and transformers' Gemma3MultiModalProjector, Mistral 3's
+    """The manifest's vision tower and projector, unloaded: LLaVA's and LLaVA-NeXT's CLIPVisionModel (or LLaVA's
+    PixtralVisionModel) and Projector, Gemma 3's SiglipVisionModel and transformers' Gemma3MultiModalProjector, Mistral 3's
     PixtralVisionModel and transformers' Mistral3MultiModalProjector."""
     if is_pixtral(spec):
         from transformers import Mistral3Config, PixtralVisionConfig, PixtralVisionModel
