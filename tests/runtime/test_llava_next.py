@@ -1,5 +1,5 @@
 """LLaVA-NeXT (LlavaNextForConditionalGeneration, anyres tiling): a tiny random checkpoint (CLIP tower of 32 px
-images in 8 px patches, image_grid_pinpoints 32 x 64 and 64 x 32) built float32 and run with images of different
+images in 8 px patches, image_grid_pinpoints 32 x 64 and 64 x 64: 3 or 5 tiles) built float32 and run with images of different
 aspect ratios against transformers' own LlavaNextForConditionalGeneration.generate and LlavaNextProcessor (its PIL
 image processor: this machine's torch has no torchvision): the prompt ids (<image> expanded to each image's count),
 greedy tokens and their logprobs, chunked prefill across an image, the chat form, and what is refused."""
@@ -23,11 +23,12 @@ from tests.runtime.vision_oracle import check_image_requests, check_output, hf_g
 
 PROMPT = "USER: <image>\nWhat is this? ASSISTANT:"
 TWO = "USER: <image>\n<image>\nCompare. ASSISTANT:"
-PINPOINTS = [[32, 64], [64, 32]]
+PINPOINTS = [[32, 64], [64, 64]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 # Rows per image: 16 for the base image, then the tiles' patches unpadded, each row of them ended by image_newline.
-# image(1), 40 x 36 px (width x height): one row of 2 tiles (32 x 64 px), 4 x 8 patches unpadded to 4 x 4: 16 + 20
-# = 36. WIDE: 2 tiles a row, 4 x 8 patches kept: 16 + 36 = 52. TALL: 2 rows of 1 tile, 8 x 4 unpadded to 8 x 2: 40.
+# image(1), 40 x 36 px (width x height): 64 x 64 px, 2 x 2 tiles, 8 x 8 patches (the padding under one patch row):
+# 16 + 8 x 9 = 88. WIDE: 32 x 64 px, 1 x 2 tiles, 4 x 8 patches: 16 + 4 x 9 = 52. TALL: 2 x 2 tiles, 8 x 8 patches
+# unpadded to 8 x 2: 16 + 8 x 3 = 40. So a batch of both holds 5 and 3 tiles (the processor pads it to 5 each).
 WIDE, TALL = (64, 24), (20, 70)
 
 
@@ -125,15 +126,15 @@ def test_build_records_the_vision_side(artifact, checkpoint):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_generate_with_images_matches_transformers(artifact, hf, device):
-    """One image (a bare <image>, expanded to its 36 rows), an image of another aspect (52 rows), both in one
-    prompt, the processor's already-expanded ids, and a prompt without images: LlavaNextProcessor's prompt ids,
+    """One image (a bare <image>, expanded to its 88 rows), an image of another aspect (52 rows), both in one
+    prompt (5 and 3 tiles), the processor's already-expanded ids, and a prompt without images: LlavaNextProcessor's prompt ids,
     transformers' greedy tokens and their logprobs."""
     atol = 2e-4 if device == "cpu" else 2e-3
     first, second = image(1), image(2, size=WIDE)
     expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),
                 hf_generate(hf, TWO, [first, second])]
     image_id = art.read_manifest(artifact).vision.image_token_index
-    assert [ids.count(image_id) for ids, _, _ in expected] == [36, 52, 88]
+    assert [ids.count(image_id) for ids, _, _ in expected] == [88, 52, 140]
     plain_ids = hf[1].tokenizer("USER: Hello there. ASSISTANT:")["input_ids"]
     expected.append(hf_generate(hf, plain_ids, None))
     llm = LLM(artifact, device=device, max_num_batched_tokens=128, max_num_seqs=4, num_kv_blocks=64, block_size=8,
@@ -156,7 +157,7 @@ def test_image_token_counts_equal_the_processors(artifact, hf):
 
 
 def test_chunked_prefill_splits_an_image(artifact, hf, monkeypatch):
-    """16 tokens a step: the images (36 and 52 rows) are split across chunks, and the replies are transformers'."""
+    """16 tokens a step: the images (40 and 52 rows) are split across chunks, and the replies are transformers'."""
     pictures = [image(3, size=TALL), image(4, size=WIDE)]
     expected = [hf_generate(hf, TWO, pictures), hf_generate(hf, PROMPT, pictures[1:])]
     chunks = record_chunks(monkeypatch)
@@ -187,8 +188,8 @@ def test_requests_with_images_are_checked(artifact, hf):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)
     with pytest.raises(RequestError, match="image placeholders .* but no images"):
         llm.generate(PROMPT, GREEDY)
-    wrong = tokenizer("USER:")["input_ids"] + [image_id] * 52  # image(1) takes 36
-    with pytest.raises(RequestError, match="placeholder of 52 tokens: this model takes one per image, or 36"):
+    wrong = tokenizer("USER:")["input_ids"] + [image_id] * 52  # image(1) takes 88
+    with pytest.raises(RequestError, match="placeholder of 52 tokens: this model takes one per image, or 88"):
         llm.generate({"prompt_token_ids": wrong, "multi_modal_data": {"image": image(1)}}, GREEDY)
     with pytest.raises(RequestError, match="multi_modal_data.video: only images"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"video": [image(1)]}}, GREEDY)
@@ -230,8 +231,8 @@ def test_what_is_not_supported_is_refused_by_name(checkpoint, tmp_path):
 
 
 def test_generate_encodes_its_prompts_tiles_in_one_call(artifact):
-    """LLM.generate's prefetch runs the tiles (base + 2 each) of images of three sizes through one tower call; each
-    image's rows and prefix-cache digest are those of encoding its request alone."""
+    """LLM.generate's prefetch runs the tiles (base + 4, base + 2, base + 4) of images of three sizes through one
+    tower call; each image's rows and prefix-cache digest are those of encoding its request alone."""
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=128)
     vision, pictures = llm.engine.vision, [image(7), image(8, size=WIDE), image(9, size=TALL)]
     alone = [vision.encode([p]) for p in pictures]
@@ -239,7 +240,7 @@ def test_generate_encodes_its_prompts_tiles_in_one_call(artifact):
     rows_of = vision._rows
     vision._rows = lambda pixels: calls.append([px.shape[0] for px, _ in pixels]) or rows_of(pixels)
     llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pictures], GREEDY)
-    assert calls == [[3, 3, 3]] and not vision._prefetched
+    assert calls == [[5, 3, 5]] and not vision._prefetched
     vision.prefetch(pictures)
     for picture, (rows, digest) in zip(pictures, alone):
         got_rows, got_digest = vision.encode([picture])
