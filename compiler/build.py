@@ -154,9 +154,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     model = _merge_generation_eos(model, model_dir)
-    if (model.shared_expert_intermediate_size or spec.moe and spec.moe.fused) and recipe.quantization.method == "import":
+    if spec.moe and spec.moe.fused and recipe.quantization.method == "import":  # (Granite MoE: refused above too)
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
-                              "shared expert or fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
+                              "fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
     derived = _derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision)
 

@@ -51,10 +51,12 @@ from llmc.quant.importers import (pack_float_quantized, pack_fp8_block, pack_int
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_family
-from llmc.runtime.models.spec import ModelSpec, hf_member_rows
+from llmc.runtime.models.spec import ModelSpec, hf_member_rows, in_layer
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2"}
+                "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
+                "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
+                "Qwen2MoeForCausalLM": "qwen2_moe"}
 
 
 @dataclass
@@ -84,10 +86,13 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
     schemes: dict[str, dict] = {}  # HF module → its format spec (quantized ones)
     ignored: list[str] = []
     linears = _linears(model, spec)
-    read = []  # (members, in_features, format, the weight read back, bias) of every linear
-    for runtime_name, members, in_features in linears:
+    by_module = _tensors_by_module(tensors)
+    read = []  # (members, in_features, format, the weight read back, bias) of every linear (every expert)
+    for runtime_name, expert, members, in_features in linears:
         fmt_spec = manifest.quant.modules.get(runtime_name, {"format": "dense"})
-        params = {k[len(runtime_name) + 1:]: v for k, v in tensors.items() if k.startswith(runtime_name + ".")}
+        params = dict(by_module.get(runtime_name, {}))
+        if expert is not None:  # the stacked [E, ...] tensors of ExpertLinears: this expert's slice
+            params = {k: v[expert] for k, v in params.items()}
         bias = params.pop("bias", None)
         fmt = make_format(fmt_spec, dtype)
         if fmt_spec["format"] == "dense":
@@ -130,7 +135,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
             out_tensors |= {f"{hf}.{k}": v.contiguous() if i == 0 else v.clone() for k, v in piece.items()}
             if b is not None:
                 out_tensors[f"{hf}.bias"] = b.clone()
-    out_tensors |= _other_tensors(tensors, model, spec, {name for name, _, _ in linears})
+    out_tensors |= _other_tensors(tensors, model, spec, {name for name, _, _, _ in linears})
+    ignored += _routers(model, spec)  # Linear modules too, never quantized (as llm-compressor's ignore has them)
     if model.is_classifier:
         ignored.append("score")  # (a classifier's head: never quantized)
 
@@ -139,6 +145,9 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
         raise ArtifactError(f"{artifact_dir}: the artifact mixes quantization schemes ({', '.join(sorted(scheme_keys))}); "
                             "export writes one compressed-tensors scheme: build without per-module overrides")
     quant_config = _quantization_config(next(iter(schemes.values())), act_order, ignored) if schemes else None
+    if manifest.kv.scales_source != "none":
+        out_tensors |= _kv_scales(manifest.kv, spec)
+        quant_config["kv_cache_scheme"] = KV_CACHE_SCHEME
     config = hf_config_of(model)
     if quant_config is not None:
         config["quantization_config"] = quant_config
@@ -175,8 +184,11 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             f"{parallel.world_size} ranks); build with parallel.tensor: 1 and parallel.pipeline: 1 "
                             "(vLLM splits the exported checkpoint itself)")
     model = manifest.model
-    if model.moe_layers:
-        raise ArtifactError(f"{where} a mixture-of-experts model ({model.architecture}); export writes dense models; serve it with `llmc run`")
+    if model.family in ("granitemoe", "granitemoeshared"):
+        raise ArtifactError(f"{where} architecture {model.architecture}: Granite MoE's checkpoints store every expert of "
+                            "a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), which compressed-"
+                            "tensors quantizes as no Linear, and the build folded its residual_multiplier and "
+                            "logits_scaling into the weights; serve it with `llmc run`")
     if model.family == "granite":
         raise ArtifactError(f"{where} architecture {model.architecture}: the build folded Granite's residual_multiplier "
                             "and logits_scaling into the o_proj/down_proj and final norm weights, which a Granite "
@@ -193,9 +205,30 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                                 "runs; build with quantization.bits: 4 or 8")
         if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-fp8-block", "w8a8-int8"):
             raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
-    if manifest.kv.scales_source != "none":
-        raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}); build "
+    if manifest.kv.scales_source != "none" and all(s["format"] == "dense" for s in manifest.quant.modules.values()):
+        raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}) of an "
+                            "unquantized model: export writes them beside a quantized scheme (a kv_cache_scheme "
+                            "without config_groups does not import back); build with a quantization method, or "
                             "without runtime.kv_cache_dtype fp8 and pass --kv-cache-dtype fp8 to vLLM instead")
+
+
+# compressed-tensors' kv_cache_scheme (QuantizationArgs) for FP8 K and V with one static scale per layer each, as
+# llm-compressor saves it and vLLM reads it (k_scale / v_scale: the dequantization factors, amax / 448)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None,
+                   "strategy": "tensor", "block_structure": None, "actorder": None, "observer": "minmax",
+                   "observer_kwargs": {}}
+
+
+def _kv_scales(kv: art.KVSpec, spec: ModelSpec) -> dict[str, Tensor]:
+    """Each layer's `self_attn.k_scale` / `v_scale` (float32 [1]), as compressed-tensors writes them. A scale is
+    e4m3's (kv_cache_scheme's float 8): scales calibrated for e5m2 (amax / 57344) are given back as amax / 448."""
+    made_for = kv.dtype if kv.scales_source == "calibration" and kv.dtype.startswith("float8") else "float8_e4m3fn"
+    factor = torch.finfo(getattr(torch, made_for)).max / torch.finfo(torch.float8_e4m3fn).max
+    out = {}
+    for i, (k, v) in enumerate(zip(kv.k_scales, kv.v_scales, strict=True)):
+        out[f"{spec.hf_layer_prefix}{i}.self_attn.k_scale"] = torch.tensor([k * factor], dtype=torch.float32)
+        out[f"{spec.hf_layer_prefix}{i}.self_attn.v_scale"] = torch.tensor([v * factor], dtype=torch.float32)
+    return out
 
 
 def _whole_blocks(artifact_dir: Path, module: str, weight: QuantizedWeight, block_size: list | tuple) -> QuantizedWeight:
@@ -214,27 +247,49 @@ def _scheme_key(spec: dict) -> dict:
     return {k: v for k, v in spec.items() if k not in ("layout", "has_g_idx")}
 
 
-def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, list[tuple[str, int]], int]]:
-    """(runtime name, [(HF module, output rows)], in_features) for every linear, lm_head included (a classifier's
-    dense `score` goes with the other tensors)."""
+def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, int | None, list[tuple[str, int]], int]]:
+    """(runtime name, expert index or None, [(HF module, output rows)], in_features) for every linear, lm_head
+    included (a classifier's dense `score` goes with the other tensors). An MoE layer's experts are one entry per
+    expert and projection: expert e of `layers.N.moe.experts.gate_up` [E, ...] is its HF gate and up modules
+    (Mixtral's w1 / w3, the others' gate_proj / up_proj), of `...down` its down module."""
     hidden = model.hidden_size
     inputs = {"attn.qkv": hidden, "attn.o": model.num_heads * model.head_dim, "mlp.gate_up": hidden,
-              "mlp.down": model.intermediate_size}
+              "mlp.down": model.intermediate_size, "moe.shared.gate_up": hidden,
+              "moe.shared.down": model.shared_expert_intermediate_size}
     out = []
     for i in range(model.num_layers):
+        prefix = f"{spec.hf_layer_prefix}{i}."
         for linear in spec.layer_linears:
+            if not in_layer(linear, model, i):  # (a dense MLP in an MoE layer, a shared expert in a dense one)
+                continue
             # (Phi-3's qkv_proj and gate_up_proj are one member each: written fused, as its checkpoints hold them)
-            members = [(f"{spec.hf_layer_prefix}{i}.{m}", rows) for m, rows in zip(linear.hf_members,
-                                                                                    hf_member_rows(linear, model))]
-            out.append((f"layers.{i}.{linear.name}", members, inputs[linear.name]))
+            members = [(prefix + m, rows) for m, rows in zip(linear.hf_members, hf_member_rows(linear, model))]
+            out.append((f"layers.{i}.{linear.name}", None, members, inputs[linear.name]))
+        if model.is_moe_layer(i):
+            moe, width = spec.moe, model.moe_intermediate_size
+            for e in range(model.num_experts):
+                expert = prefix + moe.expert_prefix.format(e)
+                out.append((f"layers.{i}.moe.experts.gate_up", e, [(expert + moe.gate, width), (expert + moe.up, width)],
+                            hidden))
+            for e in range(model.num_experts):
+                out.append((f"layers.{i}.moe.experts.down", e, [(prefix + moe.expert_prefix.format(e) + moe.down, hidden)],
+                            width))
     if not model.tie_word_embeddings and not model.is_classifier:
-        out.append(("lm_head", [("lm_head", model.vocab_size)], hidden))
+        out.append(("lm_head", None, [("lm_head", model.vocab_size)], hidden))
     return out
+
+
+def _routers(model: art.ModelConfig, spec: ModelSpec) -> list[str]:
+    """The HF modules of every MoE layer's router (and Qwen2-MoE's shared expert gate): dense, in `ignore`."""
+    if spec.moe is None:
+        return []
+    gates = [spec.moe.router] + ([spec.moe.shared_gate] if model.shared_expert_gate else [])
+    return [f"{spec.hf_layer_prefix}{i}.{gate}" for i in model.moe_layers for gate in gates]
 
 
 def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: ModelSpec,
                    linears: set[str]) -> dict[str, Tensor]:
-    """Embedding, norms (and qk norms): renamed, as they are."""
+    """Embedding, norms (and qk norms), MoE routers (and shared expert gates): renamed, as they are."""
     out = {}
     for runtime, hf in spec.global_tensors.items():
         if runtime.removesuffix(".weight") not in linears and runtime in tensors:
@@ -242,7 +297,20 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
     for i in range(model.num_layers):
         for runtime, hf in spec.layer_norms.items() | (spec.qk_norms.items() if model.qk_norm else {}.items()):
             out[f"{spec.hf_layer_prefix}{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
+    for i in model.moe_layers:
+        out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.weight"] = tensors[f"layers.{i}.moe.gate.weight"]
+        if model.shared_expert_gate:
+            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = tensors[f"layers.{i}.moe.shared_gate.weight"]
     return out
+
+
+def _tensors_by_module(tensors: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
+    """{runtime module: {parameter: tensor}}, split at the last dot ("layers.0.attn.qkv" → {"qweight": ...})."""
+    modules: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in tensors.items():
+        module, _, param = name.rpartition(".")
+        modules.setdefault(module, {})[param] = tensor
+    return modules
 
 
 def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: int) -> QuantizedWeight:
@@ -363,10 +431,31 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         config["original_max_position_embeddings"] = model.rope_scaling["original_max_position_embeddings"]
     if model.is_partial_rotary:  # Phi-4-mini's form: transformers rotates int(head_dim * factor) dims
         config["partial_rotary_factor"] = partial_rotary_factor(model)
-    if model_type in ("qwen2", "qwen3"):
+    if model.moe_layers:
+        config |= _moe_config(model, model_type)
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         config["use_sliding_window"] = model.sliding_window is not None
         config["max_window_layers"] = model.num_layers if model.sliding_window is None else 0
     if model.sliding_window is not None and model.sliding_window_layers is not None:
         config["layer_types"] = ["sliding_attention" if i in model.sliding_window_layers else "full_attention"
                                  for i in range(model.num_layers)]
+    return config
+
+
+def _moe_config(model: art.ModelConfig, model_type: str) -> dict:
+    """An MoE family's config keys, as its transformers config class names them (compiler/hf_checkpoint._moe_fields
+    reads them back): Mixtral and OLMoE, an MoE in every layer of width intermediate_size; Qwen3-MoE and Qwen2-MoE,
+    the dense layers as mlp_only_layers (decoder_sparse_step 1), Qwen2-MoE's gated shared expert and q/k/v biases."""
+    experts = {"num_experts_per_tok": model.num_experts_per_tok}
+    if model_type == "mixtral":
+        return experts | {"num_local_experts": model.num_experts, "intermediate_size": model.moe_intermediate_size}
+    if model_type == "olmoe":
+        return experts | {"num_experts": model.num_experts, "intermediate_size": model.moe_intermediate_size,
+                          "norm_topk_prob": model.norm_topk_prob, "clip_qkv": None}
+    config = experts | {"num_experts": model.num_experts, "moe_intermediate_size": model.moe_intermediate_size,
+                        "norm_topk_prob": model.norm_topk_prob, "decoder_sparse_step": 1,
+                        "mlp_only_layers": [i for i in range(model.num_layers) if not model.is_moe_layer(i)]}
+    if model_type == "qwen2_moe":
+        config |= {"shared_expert_intermediate_size": model.shared_expert_intermediate_size or 0,
+                   "qkv_bias": model.attention_bias}
     return config

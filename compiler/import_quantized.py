@@ -119,7 +119,8 @@ class ImportPacker:
         down) → its HF member modules, each as (name, in_features, out_features)."""
         c, spec, prefix = self.config, self.spec, f"{self.spec.hf_layer_prefix}{index}."
         h = c.hidden_size
-        inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size}
+        inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size,
+                  "moe.shared.gate_up": h, "moe.shared.down": c.shared_expert_intermediate_size}
         linears = {}
         for linear in spec.layer_linears:
             if not in_layer(linear, c, index):
