@@ -7,6 +7,13 @@ What is written (OUT/):
                           family's checkpoints hold them fused (Phi-3's qkv_proj, gate_up_proj)
   tokenizer files         the artifact's tokenizer/ folder (generation_config.json with it, if there)
 
+Mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): each expert's slice of the stacked `moe.experts.gate_up`
+/ `down` [E, ...] tensors is written as its own modules under the family's MoeSpec names (one per expert and
+projection, as llm-compressor saves MoE models and the importer reads them); the routers and Qwen2-MoE's shared
+expert gate stay dense, named in `ignore`. Granite MoE's checkpoints hold the experts fused (no Linear per expert):
+refused. FP8 KV-cache scales (kv.k_scales / v_scales) go out as compressed-tensors' kv_cache_scheme with each
+layer's `self_attn.k_scale` / `v_scale`, float32 [1] (compiler/kv_scales.checkpoint_kv_scales reads them back).
+
 Weights, per linear format (the facts of compressed-tensors' layouts: quant/importers.py's docstring):
   w4a16 / w8a16  → format "pack-quantized": weight_packed int32 [out, in / (32 // bits)] (levels in
                    [0, 2**bits), = signed levels + 2**(bits-1)), weight_scale [out, G] (model dtype),
@@ -185,10 +192,10 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "(vLLM splits the exported checkpoint itself)")
     model = manifest.model
     if model.family in ("granitemoe", "granitemoeshared"):
-        raise ArtifactError(f"{where} architecture {model.architecture}: Granite MoE's checkpoints store every expert of "
-                            "a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), which compressed-"
-                            "tensors quantizes as no Linear, and the build folded its residual_multiplier and "
-                            "logits_scaling into the weights; serve it with `llmc run`")
+        raise ArtifactError(f"{where} architecture {model.architecture}: Granite MoE's checkpoints store every "
+                            "expert of a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), "
+                            "which compressed-tensors quantizes as no Linear, and the build folded its "
+                            "residual_multiplier and logits_scaling into the weights; serve it with `llmc run`")
     if model.family == "granite":
         raise ArtifactError(f"{where} architecture {model.architecture}: the build folded Granite's residual_multiplier "
                             "and logits_scaling into the o_proj/down_proj and final norm weights, which a Granite "
@@ -269,11 +276,11 @@ def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, int | N
             moe, width = spec.moe, model.moe_intermediate_size
             for e in range(model.num_experts):
                 expert = prefix + moe.expert_prefix.format(e)
-                out.append((f"layers.{i}.moe.experts.gate_up", e, [(expert + moe.gate, width), (expert + moe.up, width)],
-                            hidden))
+                members = [(expert + moe.gate, width), (expert + moe.up, width)]
+                out.append((f"layers.{i}.moe.experts.gate_up", e, members, hidden))
             for e in range(model.num_experts):
-                out.append((f"layers.{i}.moe.experts.down", e, [(prefix + moe.expert_prefix.format(e) + moe.down, hidden)],
-                            width))
+                members = [(prefix + moe.expert_prefix.format(e) + moe.down, hidden)]
+                out.append((f"layers.{i}.moe.experts.down", e, members, width))
     if not model.tie_word_embeddings and not model.is_classifier:
         out.append(("lm_head", None, [("lm_head", model.vocab_size)], hidden))
     return out
@@ -300,7 +307,8 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
     for i in model.moe_layers:
         out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.weight"] = tensors[f"layers.{i}.moe.gate.weight"]
         if model.shared_expert_gate:
-            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = tensors[f"layers.{i}.moe.shared_gate.weight"]
+            shared_gate = tensors[f"layers.{i}.moe.shared_gate.weight"]
+            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = shared_gate
     return out
 
 

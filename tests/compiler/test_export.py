@@ -302,8 +302,9 @@ def test_cli_export_and_dense_artifact(family, request, tmp_path, llmc_cli, hf_m
 # --- refusals ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["parallel", "onnx", "3-bit", "moe", "mixed-schemes", "out-exists"])
-def test_refusals_are_one_line(kind, tiny_llama, tiny_mixtral, tmp_path, llmc_cli):
+@pytest.mark.parametrize("kind", ["parallel", "onnx", "3-bit", "mixed-schemes", "out-exists"])
+def test_refusals_are_one_line(kind, tiny_llama, tmp_path, llmc_cli):
+    """(Mixture-of-experts and KV-scale refusals: tests/compiler/test_export_moe.py.)"""
     rtn = {"method": "rtn", "bits": 4, "group_size": 32}
     out = tmp_path / "exported"
     if kind == "parallel":
@@ -312,8 +313,6 @@ def test_refusals_are_one_line(kind, tiny_llama, tiny_mixtral, tmp_path, llmc_cl
         artifact, said = _build(tiny_llama, tmp_path / "a", {"method": "none"}, device="onnx-cpu"), "ONNX"
     elif kind == "3-bit":
         artifact, said = _build(tiny_llama, tmp_path / "a", {**rtn, "bits": 3}), "bits: 4 or 8"
-    elif kind == "moe":
-        artifact, said = _build(tiny_mixtral, tmp_path / "a", rtn), "mixture-of-experts"
     elif kind == "mixed-schemes":
         overrides = [{"match": "layers.1.*", "bits": 8}]
         artifact, said = _build(tiny_llama, tmp_path / "a", {**rtn, "overrides": overrides}), "without per-module overrides"
