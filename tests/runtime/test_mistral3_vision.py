@@ -22,10 +22,11 @@ from llmc.errors import CheckpointError, RecipeError, RequestError
 from llmc.runtime import artifact as art
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import BIAS_STD, EMBED_STD, LINEAR_STD, LM_HEAD_STD, NORM_JITTER, REF_MODEL_DIR, TOKENIZER_FILES
+from tests.conftest import REF_MODEL_DIR, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
-from tests.runtime.vision_oracle import check_image_requests, check_output, hf_greedy_with_logprobs, record_chunks
-from tests.runtime.test_llava import _randomise_, data_url, image
+from tests.runtime.vision_oracle import (check_chat_image_parts, check_image_requests, check_output,
+                                         hf_greedy_with_logprobs, record_chunks)
+from tests.runtime.test_llava import _randomise_, image
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 PROMPT = "[INST][IMG]Describe it.[/INST]"
@@ -241,10 +242,7 @@ def test_chat_with_an_image_part_equals_the_offline_form(artifact, hf):
     picture = image(6, size=SMALL)
     expected = hf_generate(hf, PROMPT, [picture])
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=64)
-    for part in ({"type": "image_url", "image_url": {"url": data_url(picture)}},
-                 {"type": "image_pil", "image_pil": picture}):
-        [output] = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": "Describe it."}]}], GREEDY)
-        check_output(output, expected)
+    check_chat_image_parts(llm, GREEDY, picture, "Describe it.", expected)
 
 
 def test_requests_with_images_are_checked(artifact, hf):

@@ -54,3 +54,14 @@ def record_chunks(monkeypatch) -> list:
 
     monkeypatch.setattr(Scheduler, "schedule", recording)
     return chunks
+
+
+def check_chat_image_parts(llm, greedy, picture, text: str, expected) -> None:
+    """`llm.chat` with `picture` as an image_url (a data URL) and as vLLM's image_pil part, then `text`: each reply
+    equal to transformers' (`expected`, for the same prompt as the chat template renders it)."""
+    from tests.runtime.test_llava import data_url
+
+    for part in ({"type": "image_url", "image_url": {"url": data_url(picture)}},
+                 {"type": "image_pil", "image_pil": picture}):
+        [output] = llm.chat([{"role": "user", "content": [part, {"type": "text", "text": text}]}], greedy)
+        check_output(output, expected)
