@@ -31,7 +31,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+SLOW_CASES = ("w8-g32", "w3-g32-asym", "fp8-tensor-static")  # 3.3 s each; w4 and fp8-channel cover their paths
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
 def test_int_weights_dequantized_once_give_the_per_call_results(case, request, tmp_path, caplog):
     family, device, quantization = CASES[case]
     out = tmp_path / "a"
