@@ -47,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from llmc.compiler.import_quantized import tensors_by_module
 from llmc.compiler.shard import take_rows
 from llmc.errors import ArtifactError
 from llmc.kernels.fp8 import compact_row_scales
@@ -93,7 +94,8 @@ def export_artifact(artifact_dir: str | Path, out_dir: str | Path) -> ExportResu
     schemes: dict[str, dict] = {}  # HF module → its format spec (quantized ones)
     ignored: list[str] = []
     linears = _linears(model, spec)
-    by_module = _tensors_by_module(tensors)
+    by_module = {module: {param: tensors[name] for param, name in params.items()}
+                 for module, params in tensors_by_module(tensors).items()}
     read = []  # (members, in_features, format, the weight read back, bias) of every linear (every expert)
     for runtime_name, expert, members, in_features in linears:
         fmt_spec = manifest.quant.modules.get(runtime_name, {"format": "dense"})
@@ -310,15 +312,6 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
             shared_gate = tensors[f"layers.{i}.moe.shared_gate.weight"]
             out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = shared_gate
     return out
-
-
-def _tensors_by_module(tensors: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
-    """{runtime module: {parameter: tensor}}, split at the last dot ("layers.0.attn.qkv" → {"qweight": ...})."""
-    modules: dict[str, dict[str, Tensor]] = {}
-    for name, tensor in tensors.items():
-        module, _, param = name.rpartition(".")
-        modules.setdefault(module, {})[param] = tensor
-    return modules
 
 
 def _int_weight(fmt: IntWeightFormat, params: dict[str, Tensor], in_features: int) -> QuantizedWeight:

@@ -88,7 +88,7 @@ class ImportPacker:
         self.config = config
         self.formats = formats
         self.reader = reader
-        self.module_tensors = _tensors_by_module(reader.names())
+        self.module_tensors = tensors_by_module(reader.names())
         self._check_routers()
         self._check_head()
         self._check_dense_linears()
@@ -230,7 +230,7 @@ def _pad_rows(q: QuantizedWeight, rows: int) -> QuantizedWeight:
         g_idx=q.g_idx, input_scale=q.input_scale)
 
 
-def _tensors_by_module(names: list[str]) -> dict[str, dict[str, str]]:
+def tensors_by_module(names) -> dict[str, dict[str, str]]:
     """{module: {tensor name after the module: full name}}, split at the last dot (one pass over the checkpoint)."""
     modules: dict[str, dict[str, str]] = {}
     for name in names:

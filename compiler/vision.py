@@ -81,13 +81,13 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     return text, spec
 
 
-def _read_config(config_class, config: dict, model_dir: Path, family: str, tower: str):
-    """`config` as transformers' `config_class` reads it, its vision tower of model_type `tower` (the default when
-    config.json names none); another tower, or a config the class refuses, is one CheckpointError."""
-    vision_type = (config.get("vision_config") or {}).get("model_type", tower)
-    if vision_type != tower:
+def _read_config(config_class, config: dict, model_dir: Path, family: str, towers: tuple[str, ...]):
+    """`config` as transformers' `config_class` reads it, its vision tower one of the model_types `towers` (the
+    first when config.json names none); another tower, or a config the class refuses, is one CheckpointError."""
+    vision_type = (config.get("vision_config") or {}).get("model_type", towers[0])
+    if vision_type not in towers:
         raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported for {family}; supported: "
-                              f"{tower}")
+                              f"{', '.join(towers)}")
     try:
         return config_class(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     except (TypeError, ValueError) as e:
@@ -104,7 +104,7 @@ def mistral3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec
     if text_type not in TEXT_ARCHITECTURES:
         raise CheckpointError(f"{model_dir}: a Mistral 3 language model of model_type {text_type!r} is not "
                               f"supported; supported: {', '.join(TEXT_ARCHITECTURES)}")
-    mistral = _read_config(Mistral3Config, config, model_dir, "Mistral 3", "pixtral")
+    mistral = _read_config(Mistral3Config, config, model_dir, "Mistral 3", ("pixtral",))
     layer = _feature_layer(mistral.vision_feature_layer, mistral.vision_config.num_hidden_layers, model_dir)
     _check_activation(mistral.projector_hidden_act, model_dir)
     merge = mistral.spatial_merge_size
@@ -169,7 +169,7 @@ def gemma3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
         raise CheckpointError(f"{model_dir}: a Gemma3ForConditionalGeneration config.json needs text_config and "
                               "vision_config; a text-only Gemma 3 checkpoint is Gemma3ForCausalLM (model_type "
                               "gemma3_text)")
-    gemma = _read_config(Gemma3Config, config, model_dir, "Gemma 3", "siglip_vision_model")
+    gemma = _read_config(Gemma3Config, config, model_dir, "Gemma 3", ("siglip_vision_model",))
     vision = gemma.vision_config
     patches = vision.image_size // vision.patch_size
     side = int(round(gemma.mm_tokens_per_image ** 0.5))
@@ -208,14 +208,8 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     if text_type not in TEXT_ARCHITECTURES:
         raise CheckpointError(f"{model_dir}: a LLaVA language model of model_type {text_type!r} is not supported; "
                               f"supported: {', '.join(TEXT_ARCHITECTURES)}")
-    vision_type = (config.get("vision_config") or {}).get("model_type", "clip_vision_model")
-    if vision_type not in VISION_MODEL_TYPES:
-        raise CheckpointError(f"{model_dir}: vision tower {vision_type!r} is not supported; supported: "
-                              f"{', '.join(VISION_MODEL_TYPES)} (CLIP, Pixtral)")
-    try:
-        llava = LlavaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{model_dir}: config.json is not a LLaVA config transformers reads ({e})") from None
+    llava = _read_config(LlavaConfig, config, model_dir, "LLaVA", VISION_MODEL_TYPES)
+    vision_type = llava.vision_config.model_type
     layer = _feature_layer(llava.vision_feature_layer, llava.vision_config.num_hidden_layers, model_dir)
     strategy = llava.vision_feature_select_strategy
     if strategy not in STRATEGIES:
@@ -249,7 +243,7 @@ def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSp
     for key, what in (("spatial_merge_size", "a patch-merging projector"), ("downsample_ratio", "pixel shuffle")):
         if config.get(key) is not None:
             raise CheckpointError(f"{model_dir}: {key} ({what}) is not supported for LLaVA-NeXT")
-    nxt = _read_config(LlavaNextConfig, config, model_dir, "LLaVA-NeXT", "clip_vision_model")
+    nxt = _read_config(LlavaNextConfig, config, model_dir, "LLaVA-NeXT", ("clip_vision_model",))
     layer = _feature_layer(nxt.vision_feature_layer, nxt.vision_config.num_hidden_layers, model_dir)
     strategy = nxt.vision_feature_select_strategy
     if strategy != "default":  # "full" keeps CLIP's CLS row: a tile's rows are no grid (transformers fails too)

@@ -477,6 +477,13 @@ class Fp8Format:
                                       params.get("dense"))
 
 
+def is_fp8_block_size(block) -> bool:
+    """Whether `block` is a [rows, columns] w8a8-fp8-block can hold: two powers of two >= 16 (its activation groups
+    are the columns, split by the kernels' 16-wide tiles)."""
+    return (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block))
+
+
 @dataclass(frozen=True)
 class Fp8BlockFormat:
     """`w8a8-fp8-block`: E4M3 weights quantized in blocks of block_size = (rows, columns), 128 x 128 by default
@@ -501,8 +508,7 @@ class Fp8BlockFormat:
         if unknown := sorted(set(params) - {"block_size"}):
             raise RecipeError(f"unknown w8a8-fp8-block field(s) {unknown}; known: ['block_size']")
         block = params.get("block_size", (128, 128))
-        if (not isinstance(block, (list, tuple)) or len(block) != 2
-                or not all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block)):
+        if not is_fp8_block_size(block):
             raise RecipeError(f"w8a8-fp8-block block_size {block!r}: give [rows, columns], powers of two >= 16")
         return cls(dtype, tuple(block))
 

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from llmc.errors import CheckpointError
-from llmc.quant.formats import INT_FORMAT_NAMES, SUPPORTED_GROUP_SIZES
+from llmc.quant.formats import INT_FORMAT_NAMES, SUPPORTED_GROUP_SIZES, is_fp8_block_size
 from llmc.quant.packing import levels_per_word
 
 SUPPORTED = (
@@ -325,12 +325,11 @@ def _parse_fp8_block_scheme(weights: dict, activations: dict, ignored: tuple[str
 
 
 def _checked_block(what: str, block) -> tuple[int, int]:
-    """[rows, columns] (or compressed-tensors' older "RxC" string) → (rows, columns), each a power of two >= 16 (what
-    w8a8-fp8-block stores: its activation groups are the columns, split by the kernels' 16-wide tiles)."""
+    """[rows, columns] (or compressed-tensors' older "RxC" string) → (rows, columns), as w8a8-fp8-block holds them
+    (quant/formats.is_fp8_block_size)."""
     if isinstance(block, str) and re.fullmatch(r"\d+x\d+", block):
         block = [int(b) for b in block.split("x")]
-    if (not isinstance(block, (list, tuple)) or len(block) != 2
-            or not all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block)):
+    if not is_fp8_block_size(block):
         raise CheckpointError(f"{what} {block!r} is not supported; llmc imports blocks of [rows, columns], each a power "
                               "of two >= 16 (DeepSeek-V3, Qwen3 and FP8_BLOCK use [128, 128])")
     return tuple(block)

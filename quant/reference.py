@@ -70,9 +70,7 @@ def dequantize(fmt: LinearFormat, params: dict[str, Tensor], in_features: int | 
     """
     if isinstance(fmt, DenseFormat):
         return params["weight"].float()
-    if isinstance(fmt, (Fp8Format, Int8W8A8Format)):
-        return params["weight"].float() * params["weight_scale"].float()
-    if isinstance(fmt, Fp8BlockFormat):
+    if isinstance(fmt, (Fp8Format, Fp8BlockFormat, Int8W8A8Format)):
         return fmt.dequantize(params)
     if isinstance(fmt, IntWeightFormat):
         return _dequantize_int(fmt, params, in_features or _infer_in_features(fmt, params))

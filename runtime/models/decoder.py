@@ -325,7 +325,7 @@ class DecoderModel(nn.Module):
     def prepare_loaded_weights(self, keep_gate_up_order: bool = False) -> None:
         """Once, after every weight has loaded: the layouts the kernels want that the artifact does not
         store (MLP.interleave_gate_up); act order's gathers gone where the identity (Linear.drop_identity_perm) or done by
-        the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int weights dequantized once (Linear.dequantize_once); the
+        the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int and FP8 weights dequantized once (Linear.dequantize_once); the
         FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device); what a
         format derives from its tensors for this device (Linear.derive_params).
         keep_gate_up_order: gate_up's rows stay as stored (run-time LoRA adds to them: runtime/lora.py)."""
