@@ -543,7 +543,9 @@ class Fp8BlockFormat:
         return fp8_kernels.quantize_fp8_per_token_group(x, self.group_size)
 
     def note_device(self, params: dict[str, Tensor]) -> None:
-        if not fp8_kernels.has_fp8_tensor_cores(params["weight"]):
+        """Say at load when this device runs the reference path: no FP8 tensor cores, or no triton (both the group
+        quantization and the few-token kernel are Triton's; fp8_block_matmul then computes in float32)."""
+        if not (fp8_kernels.has_fp8_tensor_cores(params["weight"]) and fp8_kernels.is_triton_installed()):
             _log_fp8_reference_path(params["weight"].device.type, self.name)
 
     def derived_params(self, params: dict[str, Tensor]) -> dict[str, Tensor]:
