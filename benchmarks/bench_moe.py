@@ -10,6 +10,8 @@ Rows per shape, batch size M and kind (the same routing for all):
           bf16 loop
   fp8     fused (w8a8-fp8: per-token dynamic FP8 inputs, FP8 × FP8)  vs  the per-expert loop through
           kernels/fp8.fp8_linear  and  the bf16 loop
+  fp8-block  fused (w8a8-fp8-block: 128 x 128 weight blocks, inputs per token and 128 columns)  vs  the
+          per-expert loop through the format's own linear (Triton / cuBLAS block-scaled)  and  the bf16 loop
 Each fused result is checked against its own loop first. Times are µs per layer (gate_up + SiLU +
 down + combine, routing excluded): "fused" and the loops are eager calls between two synchronisations
 (host launches included); "graph" is the fused op's GPU time as a decode step pays it (CUDA-graph
@@ -31,11 +33,13 @@ from llmc.kernels.fp8 import fp8_linear
 from llmc.kernels.fused_moe import ExpertWeights, MoeConfig, fused_moe_experts, select_moe_config
 from llmc.kernels.timing import make_l2_flush_buffer, median_time_ms
 from llmc.kernels.w4a16_gemm import pack_w4a16_for_gpu, w4a16_linear
+from llmc.quant.formats import Fp8BlockFormat
+from llmc.quant.fp8 import quantize_fp8_weight_block
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8)}  # hidden, inter, E, k
 SMOKE = {"smoke": (128, 128, 4, 2)}
 BATCHES, SMOKE_BATCHES = (1, 16, 128, 1024), (1, 8)
-KINDS = ("bf16", "w4a16", "fp8")
+KINDS = ("bf16", "w4a16", "fp8", "fp8-block")
 SWEEP = (  # (block_m, block_n, block_k, num_warps, num_stages, w4_tiles): w4a16 steps w4_tiles packed
     # 128-column tiles in place of block_k; the table's choice is timed too when it is not listed
     MoeConfig(16, 32, 128, 4, 4, 2), MoeConfig(16, 64, 128, 4, 4, 1), MoeConfig(16, 64, 128, 4, 4, 2),
@@ -66,6 +70,13 @@ def make_experts(kind: str, w1: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertW
         linears = (lambda e, x: fp8_linear(x, q1[e], s1[e][:, None], None),
                    lambda e, x: fp8_linear(x, q2[e], s2[e][:, None], None))
         return ExpertWeights(q1, "w8a8-fp8", s1), ExpertWeights(q2, "w8a8-fp8", s2), linears
+    if kind == "fp8-block":
+        fmt = Fp8BlockFormat(w1.dtype)
+        p1, p2 = _fp8_block(fmt, w1), _fp8_block(fmt, w2)
+        linears = (lambda e, x: fmt.apply(x, p1[e], None), lambda e, x: fmt.apply(x, p2[e], None))
+        fused = [ExpertWeights(torch.stack([p["weight"] for p in ps]), "w8a8-fp8-block",
+                               torch.stack([p["weight_scale"] for p in ps]), group_size=fmt.group_size) for ps in (p1, p2)]
+        return fused[0], fused[1], linears
     p1, p2 = _w4a16(w1), _w4a16(w2)
     linears = (lambda e, x: w4a16_linear(x, p1["qweight"][e], p1["scales"][e], None, None, GROUP_SIZE),
                lambda e, x: w4a16_linear(x, p2["qweight"][e], p2["scales"][e], None, None, GROUP_SIZE))
@@ -76,6 +87,12 @@ def make_experts(kind: str, w1: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertW
 def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.float().abs().amax(dim=2) / 448).clamp(min=1e-12)  # [E, N]
     return (w.float() / scale[:, :, None]).to(torch.float8_e4m3fn), scale
+
+
+def _fp8_block(fmt: Fp8BlockFormat, w: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Each expert packed in the w8a8-fp8-block format, with the layouts it derives at load (cuBLAS's scales)."""
+    params = [fmt.pack(quantize_fp8_weight_block(we.float(), fmt.block_size)) for we in w]
+    return [p | fmt.derived_params(p) for p in params]
 
 
 def _w4a16(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -138,7 +155,7 @@ def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> lis
             got = fused_moe_experts(x, weights, ids, gate_up, down).float()
             error = float((got - want).norm() / want.norm())
             assert error < 3e-2, f"{name} {kind} M={m}: fused vs loop relative error {error:.3g}"
-            chosen = select_moe_config(m, top_k, num_experts)
+            chosen = select_moe_config(m, top_k, num_experts, gate_up.kind)
             configs = (chosen, *(c for c in SWEEP if c != chosen)) if sweep else (chosen,)
             for config in configs:
                 run = lambda: fused_moe_experts(x, weights, ids, gate_up, down, config)  # noqa: E731
@@ -154,7 +171,7 @@ def bench_shape(name, shape, kinds, batches, device, dtype, iters, sweep) -> lis
     return rows
 
 
-HEADER = f"{'shape':<15}{'kind':<7}{'M':>6}{'fused µs':>11}{'graph µs':>10}{'GB/s':>8}{'loop µs':>11}{'bf16 loop µs':>14}{'loop/fused':>12}  tiles"
+HEADER = f"{'shape':<15}{'kind':<10}{'M':>6}{'fused µs':>11}{'graph µs':>10}{'GB/s':>8}{'loop µs':>11}{'bf16 loop µs':>14}{'loop/fused':>12}  tiles"
 
 
 def format_row(row: dict) -> str:
@@ -165,14 +182,14 @@ def format_row(row: dict) -> str:
     cells = (f"{loop_us:>11.1f}{bf16_us:>14.1f}{loop_us / row['fused_us']:>12.2f}" if loop_us is not None
              else f"{'':>11}{'':>14}{'':>12}")
     graph = f"{row['graph_us']:>10.1f}" if row["graph_us"] is not None else f"{'-':>10}"
-    return f"{row['shape']:<15}{row['kind']:<7}{row['M']:>6}{row['fused_us']:>11.1f}{graph}{row['gb_per_s']:>8.1f}{cells}  {tiles}"
+    return f"{row['shape']:<15}{row['kind']:<10}{row['M']:>6}{row['fused_us']:>11.1f}{graph}{row['gb_per_s']:>8.1f}{cells}  {tiles}"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (the torch reference paths)")
     parser.add_argument("--sweep", action="store_true", help="time every SWEEP tile config (table's choice: *)")
-    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: bf16, w4a16, fp8")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="comma-separated: bf16, w4a16, fp8, fp8-block")
     parser.add_argument("--shapes", default=None, help=f"comma-separated of {sorted(SHAPES)} (default: all)")
     parser.add_argument("--batches", default=None, help="comma-separated M (default: 1,16,128,1024)")
     parser.add_argument("--iters", type=int, default=20)

@@ -14,12 +14,16 @@ are one `ExpertWeights` (gate_up: N = 2I, K = H; down: N = H, K = I), in one of 
             the w8a8-fp8 format does: per row (dynamic; gate_up: once per token, down: once per pair)
             or with each expert's calibrated input_scale [E] (static); FP8 × FP8 dot, the row and
             channel scales applied to the float32 accumulator
+  w8a8-fp8-block  weight [E, N, K] float8_e4m3fn, scale [E, N, ceil(K / group_size)] float32 (the
+            w8a8-fp8-block format's per-row layout of its 128 x 128 blocks), the input quantized per row
+            and group_size columns as that format does; each group's FP8 × FP8 product scaled into
+            the float32 accumulator by its row's and its channel's group scales
 Output [M, H] in x's dtype.
 
 `align_by_expert` is plain torch and never synchronises with the host (no .item(), no boolean
 indexing), so the whole op can be captured in a CUDA graph: its buffers have static sizes, bounded
-by M·k + E·(block_m − 1) sorted slots; block_m comes from the tile table by M, k and E only. On
-CPUs, `fused_moe_reference` is the same computation, expert by expert.
+by M·k + E·(block_m − 1) sorted slots; block_m comes from the tile table by M, k, E and the experts'
+kind only. On CPUs, `fused_moe_reference` is the same computation, expert by expert.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import cast_to_fp8, quantize_fp8_per_token
+from .fp8 import cast_to_fp8, expand_group_scales, quantize_fp8_per_token, quantize_fp8_per_token_group
 from .w4a16_gemm import dequantize_w4a16
 
-KINDS = ("dense", "fp8", "w4a16", "w8a8-fp8")
+KINDS = ("dense", "fp8", "w4a16", "w8a8-fp8", "w8a8-fp8-block")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class ExpertWeights:
     kind: str = "dense"
     scale: Tensor | None = None
     zeros: Tensor | None = None  # w4a16 asymmetric only
-    group_size: int = -1  # w4a16: input columns per group, -1 one group per output channel
+    group_size: int = -1  # w4a16, w8a8-fp8-block: input columns per group (w4a16: -1 one group per output channel)
     in_features: int | None = None  # w4a16: K (qweight's rows are K padded to whole 128-column tiles)
     input_scale: Tensor | None = None  # w8a8-fp8 static: [E] float32; None: dynamic per row
 
@@ -56,6 +60,8 @@ class ExpertWeights:
             raise ValueError(f"{self.kind} expert weights need their scales")
         if self.kind == "w4a16" and self.in_features is None:
             raise ValueError("w4a16 expert weights need in_features")
+        if self.kind == "w8a8-fp8-block" and self.group_size < 1:
+            raise ValueError("w8a8-fp8-block expert weights need their group_size")
 
     @property
     def num_experts(self) -> int:
@@ -95,10 +101,22 @@ MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 )
 
 
-def select_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The table's tiles for this many tokens (static per batch size, so CUDA graphs keep their sizes)."""
+# w8a8-fp8-block experts, measured (session 44, `bench_moe.py --kinds fp8-block --sweep` on an H200): their K steps
+# are one 128-column group each, and from 9 pairs per expert 64 x 128 tiles of 4 warps were the fastest candidate
+# (Mixtral-8x7B at 128 tokens 567 µs against the table's 764, at 1024 tokens 1751 against 2382; Qwen3-30B-A3B at
+# 1024 tokens 509 against 616); up to 8 pairs the decode entry was within 3% of the best.
+BLOCK_FP8_MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
+    MOE_CONFIGS[0],
+    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)),
+)
+
+
+def select_moe_config(num_tokens: int, top_k: int, num_experts: int, kind: str = "dense") -> MoeConfig:
+    """The table's tiles for this many tokens and the gate_up experts' kind (static per batch size, so CUDA graphs
+    keep their sizes)."""
     pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
-    return next(config for bound, config in MOE_CONFIGS if pairs_per_expert <= bound)
+    table = BLOCK_FP8_MOE_CONFIGS if kind == "w8a8-fp8-block" else MOE_CONFIGS
+    return next(config for bound, config in table if pairs_per_expert <= bound)
 
 
 def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tuple[Tensor, Tensor]:
@@ -170,6 +188,11 @@ def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_
 
 def expert_linear(x: Tensor, w: ExpertWeights, expert: int) -> Tensor:
     """x [n, K] through one expert's weights → [n, N] in x's dtype (the reference's linear)."""
+    if w.kind == "w8a8-fp8-block":
+        x_fp8, x_scale = quantize_fp8_per_token_group(x, w.group_size)
+        size = x.shape[-1]
+        weight = w.weight[expert].float() * expand_group_scales(w.scale[expert].float(), w.group_size, size)
+        return F.linear(x_fp8.float() * expand_group_scales(x_scale.float(), w.group_size, size), weight).to(x.dtype)
     if w.kind == "w8a8-fp8":
         x_fp8, x_scale = quantize_input_fp8(x, None if w.input_scale is None else w.input_scale[expert].reshape(1))
         weight = w.weight[expert].float() * w.scale[expert].float()[:, None]

@@ -9,6 +9,10 @@ by the routing weight in the down GEMM. Blocks of padding or of no expert exit a
                 the float32 accumulator);
   w8a8-fp8      FP8 × FP8 tensor-core dot; row scale × channel scale on the accumulator (the input
                 rows are quantized before the launch, once per token or per pair);
+  w8a8-fp8-block  FP8 × FP8 dots of one scale group's columns each (BLOCK_K = the group, at most 128,
+                whatever the tiles' block_k: each step's scaling costs a pass over the accumulator),
+                each product times its rows' and channels' scales of that group added to the float32
+                accumulator (the inputs quantized per row and group before the launch);
   w4a16         `w4_tiles` packed 128-column tiles ([16, BLOCK_N] int32 each) per step, unpacked in
                 registers to [128·tiles, BLOCK_N] in natural K order (row 16 j + r of a tile is nibble
                 j of its word row r), turned
@@ -24,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .activation import silu_and_mul
+from .fp8 import quantize_fp8_per_token_group
 from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input_fp8, select_moe_config
 from .w4a16_gemm import K_TILE
 from .w4a16_triton import _group_params
@@ -48,10 +53,13 @@ def _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, row
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr, block_expert_ptr, topk_weights_ptr,
                          num_pairs, num_experts, N, K, stride_am, stride_we, stride_wn, stride_cm,
+                         stride_asm, stride_asg, stride_se, stride_sn,
                          A_ROWS_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
+                         GROUP: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """dense, fp8 (weight-only: HAS_SCALE) and w8a8-fp8 (HAS_A_SCALE: a is FP8 too) experts."""
+    """dense, fp8 (weight-only: HAS_SCALE), w8a8-fp8 (HAS_A_SCALE: a is FP8 too) and w8a8-fp8-block (GROUP > 0:
+    GROUP input columns per scale, a multiple of BLOCK_K; a_scale [rows, G] and scale [E, N, G] by their strides)
+    experts."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     if expert >= num_experts:
@@ -67,7 +75,12 @@ def _grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr,
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
         w = tl.load(w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + ks[:, None],
                     mask=(offs_n[None, :] < N) & (ks[:, None] < K), other=0.0)  # [BLOCK_K, BLOCK_N]
-        if HAS_A_SCALE:
+        if GROUP > 0:  # this step's product times its group's row and channel scales
+            g = k0 // GROUP
+            a_s = tl.load(a_scale_ptr + rows * stride_asm + g * stride_asg, mask=is_pair, other=0.0)
+            w_s = tl.load(scale_ptr + expert * stride_se + offs_n * stride_sn + g, mask=offs_n < N, other=0.0)
+            acc += tl.dot(a, w) * a_s[:, None] * w_s[None, :]
+        elif HAS_A_SCALE:
             acc = tl.dot(a, w, acc)  # FP8 × FP8, float32 accumulation
         else:
             acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
@@ -140,17 +153,23 @@ def _grouped_gemm(a: Tensor, a_scale: Tensor | None, w: ExpertWeights, out: Tens
             GROUP_SIZE=group_columns, HAS_ZEROS=w.zeros is not None, TILES=config.w4_tiles,
             GROUPS=max(config.w4_tiles * K_TILE // group_columns, 1), **common)
         return
-    weight = w.weight
+    weight, block = w.weight, w.kind == "w8a8-fp8-block"
+    scale = w.scale if w.scale is not None else topk_weights
+    a_scale_ = a_scale if a_scale is not None else topk_weights
     _grouped_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else topk_weights, weight, w.scale if w.scale is not None else topk_weights,
-        out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k, a.stride(0),
-        weight.stride(0), weight.stride(1), out.stride(0), HAS_SCALE=w.scale is not None,
-        HAS_A_SCALE=a_scale is not None, BLOCK_K=config.block_k, **common)
+        a, a_scale_, weight, scale, out, sorted_pairs, block_expert, topk_weights, out.shape[0], w.num_experts, n, k,
+        a.stride(0), weight.stride(0), weight.stride(1), out.stride(0), a_scale_.stride(0),
+        a_scale_.stride(-1) if block else 0, scale.stride(0), scale.stride(1) if block else 0,
+        HAS_SCALE=w.scale is not None and not block, HAS_A_SCALE=a_scale is not None and not block,
+        GROUP=w.group_size if block else 0, BLOCK_K=min(w.group_size, 128) if block else config.block_k,
+        **common)
 
 
 def _gemm_input(a: Tensor, w: ExpertWeights, local_ids: Tensor, rows_per_pair: int) -> tuple[Tensor, Tensor | None, int]:
     """(input rows, their float32 scales or None, input rows per pair): w8a8-fp8 quantizes the rows
     as its format does — per row (dynamic), or per pair with its expert's static input scale."""
+    if w.kind == "w8a8-fp8-block":
+        return (*quantize_fp8_per_token_group(a, w.group_size), rows_per_pair)  # scales [rows, G], by their strides
     if w.kind != "w8a8-fp8":
         return a, None, rows_per_pair
     if w.input_scale is None:
@@ -169,7 +188,7 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: Expert
     """See kernels/fused_moe.py. x [M, H] → [M, H]."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    config = config or select_moe_config(num_tokens, top_k, gate_up.num_experts)
+    config = config or select_moe_config(num_tokens, top_k, gate_up.num_experts, gate_up.kind)
     x = x.contiguous()
     sorted_pairs, block_expert = align_by_expert(topk_ids, gate_up.num_experts, config.block_m)
     weights = topk_weights.float().contiguous().flatten()

@@ -2,9 +2,9 @@
 SiLU-gated MLP, and their outputs are summed with the router's weights.
 
 Every expert's projection is one `ExpertLinears`: the tensors of its LinearFormat (dense, w4a16,
-w8a8-fp8) stacked on a leading [num_local_experts] dim, so the artifact holds `moe.experts.gate_up.*`
-[E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA, dense,
-w4a16 (gpu layout) and w8a8-fp8 experts run the fused kernel: one grouped GEMM per projection
+w8a8-fp8, w8a8-fp8-block) stacked on a leading [num_local_experts] dim, so the artifact holds
+`moe.experts.gate_up.*` [E, ...] and the fused kernel (kernels/fused_moe.py) reads all experts at once. On CUDA,
+dense, w4a16 (gpu layout), w8a8-fp8 and w8a8-fp8-block experts run the fused kernel: one grouped GEMM per projection
 (tokens sorted by expert, no host sync, so decode steps capture in CUDA graphs). The plain-torch
 path (CPUs, calibration, and formats the kernel does not read: plain-layout / g_idx integer weights,
 w8a8-fp8 on GPUs without FP8 tensor cores) loops over the experts that received tokens, calling
@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from llmc.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
 from llmc.kernels.fp8 import has_fp8_tensor_cores
 from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
-from llmc.quant.formats import (DenseFormat, Fp8Format, IntWeightFormat, LinearFormat, dequantizes_once_on_cpu,
-                                takes_fp8_activations)
+from llmc.quant.formats import (DenseFormat, Fp8BlockFormat, Fp8Format, IntWeightFormat, LinearFormat,
+                                dequantizes_once_on_cpu, takes_fp8_activations)
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
@@ -202,15 +202,16 @@ def fused_expert_weights(x: Tensor, gate_up: ExpertLinears,
     w_gate_up, w_down = expert_weights(gate_up), expert_weights(down)
     if w_gate_up is None or w_down is None:
         return None
-    if "w8a8-fp8" in (w_gate_up.kind, w_down.kind) and not has_fp8_tensor_cores(x):
+    if {"w8a8-fp8", "w8a8-fp8-block"} & {w_gate_up.kind, w_down.kind} and not has_fp8_tensor_cores(x):
         return None
     return w_gate_up, w_down
 
 
 def expert_weights(linears: ExpertLinears) -> ExpertWeights | None:
     """One projection's stacked tensors as the fused kernel reads them: dense, w4a16 in the gpu
-    layout, w8a8-fp8 (per-channel or per-tensor weight scales, dynamic or static input); None for
-    the rest (plain-layout or g_idx integer weights, 3 and 8 bits), which run expert by expert."""
+    layout, w8a8-fp8 (per-channel or per-tensor weight scales, dynamic or static input), w8a8-fp8-block
+    (groups of 32 columns or more); None for the rest (plain-layout or g_idx integer weights, 3 and 8
+    bits), which run expert by expert."""
     fmt, params, num_experts = linears.fmt, linears.params(), linears.num_experts
     if isinstance(fmt, DenseFormat):
         return ExpertWeights(params["weight"])
@@ -221,4 +222,7 @@ def expert_weights(linears: ExpertLinears) -> ExpertWeights | None:
         scale = params["weight_scale"].reshape(num_experts, -1).expand(num_experts, linears.out_features)
         input_scale = params["input_scale"].reshape(num_experts) if fmt.is_static_input else None
         return ExpertWeights(params["weight"], "w8a8-fp8", scale.contiguous(), input_scale=input_scale)
+    if isinstance(fmt, Fp8BlockFormat) and fmt.group_size >= 32:  # (an FP8 tensor-core dot takes 32 columns or more)
+        return ExpertWeights(params["weight"], "w8a8-fp8-block", params["weight_scale"].float().contiguous(),
+                             group_size=fmt.group_size)
     return None

@@ -210,6 +210,66 @@ def test_fused_moe_w8a8_fp8_matches_the_formats_math_in_float64(per_channel, sta
     assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 1.5e-2)
 
 
+def _fp8_block_experts(num_experts, out_features, in_features, columns, gen):
+    """Random experts in the w8a8-fp8-block format (blocks of 128 rows x `columns`) → (the kernel's ExpertWeights,
+    the weights [E, out, in] float32 as the definition dequantizes them: levels times their block's scale)."""
+    from llmc.quant.formats import make_format
+    from llmc.quant.fp8 import quantize_fp8_weight_block
+
+    fmt = make_format({"format": "w8a8-fp8-block", "block_size": [128, columns]}, torch.float32)
+    w = torch.randn(num_experts, out_features, in_features, generator=gen) * torch.logspace(-1, 0.5, in_features)
+    quantized = [quantize_fp8_weight_block(w[e], (128, columns)) for e in range(num_experts)]
+    weights = _packed_experts(fmt, quantized, in_features, out_features)
+    assert weights.kind == "w8a8-fp8-block" and weights.scale.shape == (num_experts, out_features, -(-in_features // columns))
+    dense = torch.stack([q.qweight.float() * q.scales.repeat_interleave(columns, dim=1)[:, :in_features] for q in quantized])
+    return weights, dense
+
+
+def reference64_w8a8_block(x, weights, ids, w1, w2, columns):
+    """As reference64_w8a8, each expert's input rows quantized per token and `columns` inputs by the scheme's
+    definition (scale = absmax / 448 of the group in float64, values rounded to E4M3), the last group partial."""
+
+    def quantized(rows):
+        out = torch.empty(rows.shape, dtype=torch.float64)
+        for c in range(0, rows.shape[-1], columns):
+            group = rows[..., c:c + columns].double()
+            scale = group.abs().amax(dim=-1, keepdim=True) / 448.0
+            out[..., c:c + columns] = (group / scale).float().to(torch.float8_e4m3fn).double() * scale
+        return out
+
+    result = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if 0 <= e < w1.shape[0]:
+                h = (quantized(x[t:t + 1]) @ w1[e].double().T).to(x.dtype)
+                gate, up = h.double().chunk(2, dim=-1)
+                act = (F.silu(gate) * up).to(x.dtype)
+                result[t] += float(weights[t, j]) * (quantized(act) @ w2[e].double().T)[0]
+    return result
+
+
+@pytest.mark.parametrize("hidden, inter, columns", [(256, 192, 128), (96, 80, 32)])  # last groups partial
+@pytest.mark.parametrize("num_tokens", [1, 9, 40])
+def test_fused_moe_w8a8_fp8_block_matches_the_formats_math_in_float64(hidden, inter, columns, num_tokens, device,
+                                                                       rel_err):
+    """Block-scaled FP8 experts (DeepSeek-V3's, Qwen3-MoE's FP8 checkpoints): each group's FP8 product scaled by its
+    row's and channel's scales; 1 and 9 tokens take BLOCK_FP8_MOE_CONFIGS' first entry, 40 tokens its second."""
+    from llmc.kernels import fused_moe_triton
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(num_tokens + columns)
+    gate_up, w1 = _fp8_block_experts(4, 2 * inter, hidden, columns, gen)
+    down, w2 = _fp8_block_experts(4, hidden, inter, columns, gen)
+    x = (torch.randn(num_tokens, hidden, generator=gen) * torch.logspace(0.5, -1, hidden)).to(dtype)
+    weights, ids = _route(num_tokens, 4, 2, gen)
+    want = reference64_w8a8_block(x, weights, ids, w1, w2, columns)
+    got = fused_moe_triton.fused_moe(x.to(device), weights.to(device), ids.to(device), _on(gate_up, device), _on(down, device))
+    # float32: the same FP8 inputs and exact products; bf16 on the GPU: the gate_up and output roundings, and the
+    # down input's FP8 roundings they flip (32-column groups, 9 tokens: 2.1% on an H200, session 44's call 1)
+    assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
 @pytest.mark.parametrize("config_index", range(4))
 def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_err):
     """Each MOE_CONFIGS entry (and so each block_m of align_by_expert), and 4 packed tiles per step,
@@ -236,19 +296,22 @@ def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_
 
 def _runtime_experts(kind, num_experts, out_features, in_features, device, gen):
     """ExpertLinears (the runtime's module) of one format holding random experts, on device."""
-    from llmc.quant.formats import DenseFormat, Fp8Format, IntWeightFormat, QuantizedWeight
+    from llmc.quant.formats import DenseFormat, Fp8BlockFormat, Fp8Format, IntWeightFormat, QuantizedWeight
+    from llmc.quant.fp8 import quantize_fp8_weight_block
     from llmc.runtime.models.moe import ExpertLinears
 
     dtype = torch.bfloat16
     fmt = {"dense": DenseFormat(dtype), "w4a16-gpu": IntWeightFormat(dtype, layout="gpu"),
            "w4a16-plain": IntWeightFormat(dtype), "fp8-dynamic": Fp8Format(dtype, is_per_channel=False),
-           "fp8-static": Fp8Format(dtype, is_static_input=True)}[kind]
+           "fp8-static": Fp8Format(dtype, is_static_input=True), "fp8-block": Fp8BlockFormat(dtype)}[kind]
     linears = ExpertLinears(num_experts, in_features, out_features, fmt)
     packed = []
     for _ in range(num_experts):
         w = 0.05 * torch.randn(out_features, in_features, generator=gen)
         if kind == "dense":
             packed.append(fmt.pack_dense(w))
+        elif kind == "fp8-block":
+            packed.append(fmt.pack(quantize_fp8_weight_block(w, (128, 128))))
         elif kind.startswith("w4a16"):
             scales = w.abs().unflatten(1, (-1, 128)).amax(dim=2) / 7  # [out, G]
             levels = (w / scales.repeat_interleave(128, dim=1) + 8).round().clamp(0, 15).to(torch.int32)
@@ -262,7 +325,7 @@ def _runtime_experts(kind, num_experts, out_features, in_features, device, gen):
     return linears
 
 
-@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "w4a16-plain", "fp8-dynamic", "fp8-static"])
+@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "w4a16-plain", "fp8-dynamic", "fp8-static", "fp8-block"])
 def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind, device, rel_err):
     """runtime/models/moe.py: on CUDA, dense, gpu-layout w4a16 and w8a8-fp8 experts run the fused
     kernel and agree with the expert-by-expert path through the formats' own kernels; plain-layout
@@ -274,8 +337,9 @@ def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind
     gate_up = _runtime_experts(kind, 4, 256, 128, device, gen)
     down = _runtime_experts(kind, 4, 128, 128, device, gen)
     view = expert_weights(gate_up)
-    assert (view and view.kind) == {"dense": "dense", "w4a16-gpu": "w4a16", "w4a16-plain": None}.get(kind, "w8a8-fp8")
-    if kind.startswith("fp8"):  # per-tensor weight scales reach the kernel per channel; static input scales per expert
+    assert (view and view.kind) == {"dense": "dense", "w4a16-gpu": "w4a16", "w4a16-plain": None,
+                                    "fp8-block": "w8a8-fp8-block"}.get(kind, "w8a8-fp8")
+    if kind in ("fp8-dynamic", "fp8-static"):  # per-tensor weight scales reach the kernel per channel; static input scales per expert
         assert torch.equal(view.scale, gate_up.weight_scale.reshape(4, -1).expand(4, 256))
         assert (view.input_scale is None) == (kind == "fp8-dynamic")
     x = torch.randn(5, 128, generator=gen).to(device, torch.bfloat16)
@@ -297,7 +361,7 @@ def test_runtime_moe_takes_the_fused_kernel_on_cuda_where_the_format_allows(kind
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "fp8-dynamic", "fp8-static", "w4a16-plain"])
+@pytest.mark.parametrize("kind", ["dense", "w4a16-gpu", "fp8-dynamic", "fp8-static", "fp8-block", "w4a16-plain"])
 def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
     """Decode steps capture the MoE in CUDA graphs: capturing it must not copy from the host, and a
     replay with new inputs and new routes (written into the captured buffers) equals eager."""

@@ -486,12 +486,13 @@ def test_moe_families_on_the_gpu_run_the_fused_kernel(family, checkpoints, artif
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("quantization", [{"method": "rtn", "bits": 4, "group_size": 32}, {"method": "fp8"}],
-                         ids=["w4-gpu-layout", "fp8"])
+@pytest.mark.parametrize("quantization", [{"method": "rtn", "bits": 4, "group_size": 32}, {"method": "fp8"},
+                                          {"method": "fp8", "weights": "block"}], ids=["w4-gpu-layout", "fp8", "fp8-block"])
 @pytest.mark.parametrize("family", ["qwen2_moe", "granitemoeshared"])
 def test_quantized_shared_expert_models_on_the_gpu(family, quantization, checkpoints, continuation, tmp_path,
                                                    free_gpu):
-    """W4 (the gpu layout: the fused kernel's w4a16 experts, the shared expert's W4A16 GEMM) and FP8 builds for cuda:
+    """W4 (the gpu layout: the fused kernel's w4a16 experts, the shared expert's W4A16 GEMM), FP8 and block-FP8 builds
+    for cuda:
     every MoE layer fused, and the perplexity next to the same build's on the CPU (its torch path), within 1% (W4) and
     10% (FP8). FP8 cannot be held closer: an activation rounded to e4m3 moves by a whole step (6-12%) when the two
     devices' float32 sums before it differ in the last bit, and on these random tiny models that moves the
