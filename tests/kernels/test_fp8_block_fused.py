@@ -114,3 +114,34 @@ def test_group_outputs_on_cpu_are_the_two_steps() -> None:
     quantized = activation.act_and_mul_fp8(gate_up, "gelu_pytorch_tanh", group_size=128)
     assert quantized.shape == (3, 200)
     _assert_same(quantized[:2], quantize_fp8_per_token_group(activation.act_and_mul(gate_up, "gelu_pytorch_tanh"), 128))
+
+
+def test_a_block_model_takes_its_input_from_the_fused_kernels(tmp_path, monkeypatch):
+    """A bf16 block build of a tiny Llama (hidden 256, intermediate 384: 2 and 3 groups of 128) with its norm, act ·
+    mul and group quantization run as Triton kernels in the interpreter (the products in float32; the interpreter is
+    set for this directory before triton loads): the fused kernels' padded activations give the logits of the norm's
+    and SiLU · mul's kernels followed by the group quantization's kernel, bit for bit, in prefill chunks of 16
+    tokens and of 3 (decode-sized steps). On a GPU: tests/quant/test_fp8_block.py's cuda case."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's Triton interpreter (on a GPU the kernels themselves: tests/quant/test_fp8_block.py)")
+    pytest.importorskip("triton")
+    from llmc.kernels import fp8
+    from llmc.runtime.llm import LLM
+    from tests.conftest import make_hf_checkpoint
+    from tests.quant.test_fp8_block import build_block_bf16, score_fused_and_not
+
+    checkpoint = make_hf_checkpoint(tmp_path / "ck", "llama", hidden_size=256, intermediate_size=384,
+                                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    artifact = build_block_bf16(checkpoint, tmp_path / "q")
+    from llmc.kernels import activation_triton, norm_triton
+
+    for module in (activation, fp8, norm):
+        monkeypatch.setattr(module, "can_use_triton", lambda *tensors: True)
+    launches = []  # the fused kernels' hosts, counted
+    for module, name in ((norm_triton, "rms_norm_fp8_groups"), (activation_triton, "act_and_mul_fp8_groups")):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **k: launches.append(_n) or _f(*a, **k))
+    for chunk, token_ids in ((16, list(range(5, 42))), (3, list(range(5, 12)))):
+        with LLM(artifact, device="cpu", max_num_batched_tokens=chunk) as llm:
+            fused, unfused = score_fused_and_not(llm, token_ids)
+        assert torch.equal(fused, unfused), chunk
+    assert launches.count("rms_norm_fp8_groups") and launches.count("act_and_mul_fp8_groups")

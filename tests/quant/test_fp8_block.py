@@ -177,3 +177,88 @@ def test_a_block_artifact_on_cuda_agrees_with_the_cpu(tmp_path, hf_encode, free_
         assert len(out_tokens[0].outputs[0].token_ids) == 8
         cosine = torch.nn.functional.cosine_similarity(gpu, cpu, dim=-1)
         assert cosine.min() > 0.85 and cosine.mean() > 0.97, (chunk, cosine.min(), cosine.mean())
+
+
+def test_block_linear_takes_activations_quantized_before_it() -> None:
+    """An Fp8BlockActivation (what the norm or act · mul before the linear hands it), unpadded as the CPU's path makes
+    it or with zero rows padded to 4 and its scales contiguous over the rows (the Triton kernels' layout): the output
+    of the linear that quantizes x itself, bit for bit; activations in other groups than the weight's are refused."""
+    from llmc.kernels.fp8 import Fp8BlockActivation, fp8_block_linear, quantize_fp8_block_activation
+
+    torch.manual_seed(4)
+    k, n, tokens = 320, 96, 5
+    fmt = make_format({"format": "w8a8-fp8-block", "block_size": [128, 64]}, torch.float32)
+    params = fmt.pack(quantize_fp8_weight_block(torch.randn(n, k) * 0.05, (128, 64)))
+    x, bias = torch.randn(2, tokens, k), torch.randn(n)
+    expected = fmt.apply(x, params, bias)
+    quantized = quantize_fp8_block_activation(x, 64)
+    assert quantized.values.shape == (2 * tokens, k) and quantized.shape == x.shape
+    assert torch.equal(fmt.apply(quantized, params, bias), expected)
+    values, scale = quantize_fp8_per_token_group(x.reshape(-1, k), 64)
+    padded_scale = torch.full((5, 12), MIN_SCALE).t()  # [12 rows, 5 groups], strides (1, 12)
+    padded_scale[:10] = scale
+    padded_values = torch.cat([values, torch.zeros(2, k).to(torch.float8_e4m3fn)])
+    padded = Fp8BlockActivation(padded_values, padded_scale, x.shape, x.dtype, 64)
+    assert torch.equal(fp8_block_linear(padded, params["weight"], params["weight_scale"], 64, bias), expected)
+    with pytest.raises(ValueError, match="groups of 128 columns for a linear of 64"):
+        fmt.apply(quantize_fp8_block_activation(x, 128), params, bias)
+
+
+def score_fused_and_not(llm, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's logits with each w8a8-fp8-block linear's input quantized by the norm / SiLU · mul before it, and
+    with the fusion turned off on the built model (each linear quantizing its own input)."""
+    layers = list(llm.engine.runner.model.layers.values())
+    for layer in layers:
+        assert layer.input_norm.fp8_output and layer.post_attn_norm.fp8_output and layer.mlp.fp8_down_input
+        assert layer.input_norm.fp8_group == layer.post_attn_norm.fp8_group == layer.mlp.fp8_down_group == 128
+    fused = llm.engine.score(token_ids)
+    for layer in layers:
+        layer.input_norm.fp8_output = layer.post_attn_norm.fp8_output = layer.mlp.fp8_down_input = False
+    return fused, llm.engine.score(token_ids)
+
+
+def build_block_bf16(checkpoint, out):
+    """A bf16 `method: fp8, weights: block` build."""
+    from tests.runtime.hf_oracle import build_float32
+
+    return build_float32(checkpoint, out, dtype="bfloat16",
+                         quantization={"method": "fp8", "weights": "block", "report": False})
+
+
+@pytest.fixture(scope="module")
+def block_bf16(llama_256, tmp_path_factory):
+    return build_block_bf16(llama_256, tmp_path_factory.mktemp("block_bf16") / "q")
+
+
+def test_block_linears_take_their_input_quantized_by_the_kernel_before(block_bf16, monkeypatch) -> None:
+    """A bf16 block build on the CPU: the norms before qkv and gate_up and the SiLU · mul before down hand their
+    linear its input quantized per token and 128 columns (the two steps without Triton), and the logits equal, bit
+    for bit, those of the same model with every linear quantizing its own input; FP8_BLOCK_FUSED_INPUT off builds the
+    model unfused."""
+    from llmc.quant import formats
+    from llmc.runtime.llm import LLM
+
+    token_ids = list(range(5, 45))
+    with LLM(block_bf16, device="cpu", max_num_batched_tokens=16) as llm:
+        fused, unfused = score_fused_and_not(llm, token_ids)
+    assert torch.equal(fused, unfused)
+    monkeypatch.setattr(formats, "FP8_BLOCK_FUSED_INPUT", False)
+    with LLM(block_bf16, device="cpu") as llm:
+        layer = next(iter(llm.engine.runner.model.layers.values()))
+        assert not (layer.input_norm.fp8_output or layer.post_attn_norm.fp8_output or layer.mlp.fp8_down_input)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_block_linears_take_their_input_from_the_fused_kernels_on_cuda(block_bf16, free_gpu) -> None:
+    """On the GPU: the fused kernels' activations give, bit for bit, the logits of the unfused kernels, in prefill
+    chunks of 16 tokens (the Triton GEMM, the padded rows cut off) and of 64 (cuBLAS's block-scaled GEMM on the padded
+    rows)."""
+    from llmc.runtime.llm import LLM
+
+    token_ids = list(range(5, 105))
+    for chunk in (16, 64):
+        with LLM(block_bf16, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3,
+                 max_num_batched_tokens=chunk) as llm:
+            fused, unfused = score_fused_and_not(llm, token_ids)
+        assert torch.equal(fused, unfused), chunk
