@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows, quantize_fp8_block_activation,
-                  quantize_fp8_per_token)
+from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows,
+                  quantize_fp8_block_activation, quantize_fp8_per_token)
 
 GATE_UP_INTERLEAVE = 8
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' names (ModelConfig.hidden_act)

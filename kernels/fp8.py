@@ -200,7 +200,8 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
 
 
 def cublas_rows(tokens: int) -> int:
-    """The rows cuBLAS's block-scaled GEMM is handed for `tokens` tokens: a multiple of 4 (session 43, probe_odd_m.py)."""
+    """The rows cuBLAS's block-scaled GEMM is handed for `tokens` tokens: a multiple of 4 (session 43,
+    probe_odd_m.py)."""
     return -(-tokens // 4) * 4
 
 
@@ -212,8 +213,8 @@ def quantize_fp8_block_activation(x: Tensor, group_size: int) -> Fp8BlockActivat
     if can_use_triton(x):
         from . import fp8_triton
 
-        values, scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE, rows=cublas_rows(x2.shape[0]),
-                                                                pdl=BLOCK_QUANT_PDL)
+        values, scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE,
+                                                                rows=cublas_rows(x2.shape[0]), pdl=BLOCK_QUANT_PDL)
     else:
         values, scale = quantize_fp8_per_token_group(x2, group_size)
     return Fp8BlockActivation(values, scale, x.shape, x.dtype, group_size)

@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows, quantize_fp8_block_activation,
-                  quantize_fp8_per_token)
+from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows,
+                  quantize_fp8_block_activation, quantize_fp8_per_token)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, perm: Tensor | None = None) -> Tensor:

@@ -52,8 +52,9 @@ def _rms_norm_kernel(
         y = tl.reshape((normed * w).to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK // GROUP, GROUP))
         groups = tl.arange(0, BLOCK // GROUP)
         columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        quantize_groups(y, columns < hidden, out_ptr + row * hidden + columns, scale_ptr + groups * tl.num_programs(0) + row,
-                        groups * GROUP < hidden, min_scale)
+        scale_ptrs = scale_ptr + groups * tl.num_programs(0) + row  # a group's scales contiguous over the rows
+        quantize_groups(y, columns < hidden, out_ptr + row * hidden + columns, scale_ptrs, groups * GROUP < hidden,
+                        min_scale)
     elif FP8_OUT:  # the normed row in the model dtype (x's, which is w's here), quantized as fp8_triton does
         y = (normed * w).to(x_ptr.dtype.element_ty).to(tl.float32)
         quantize_row(y, mask, out_ptr + row * hidden + offs, scale_ptr + row, min_scale)

@@ -12,7 +12,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"))
         self.fp8_output = fp8_output  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
-        self.fp8_group = fp8_group  # > 0: per token and fp8_group columns instead, for w8a8-fp8-block (Fp8BlockActivation)
+        self.fp8_group = fp8_group  # > 0: per token and fp8_group columns, for w8a8-fp8-block (Fp8BlockActivation)
         self.out_perm: Tensor | None = None  # the act-order gather of the linear it feeds (take_linear_perm)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):

@@ -139,7 +139,11 @@ def test_a_block_model_takes_its_input_from_the_fused_kernels(tmp_path, monkeypa
         monkeypatch.setattr(module, "can_use_triton", lambda *tensors: True)
     launches = []  # the fused kernels' hosts, counted
     for module, name in ((norm_triton, "rms_norm_fp8_groups"), (activation_triton, "act_and_mul_fp8_groups")):
-        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name), _n=name, **k: launches.append(_n) or _f(*a, **k))
+        def counted(*args, _kernel=getattr(module, name), _name=name, **kwargs):
+            launches.append(_name)
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
     for chunk, token_ids in ((16, list(range(5, 42))), (3, list(range(5, 12)))):
         with LLM(artifact, device="cpu", max_num_batched_tokens=chunk) as llm:
             fused, unfused = score_fused_and_not(llm, token_ids)
