@@ -174,7 +174,8 @@ def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Ten
 
 
 # w8a8-fp8-block: weights with one scale per (row, group_size columns), from 128 x 128 blocks; activations
-# quantized per token and group_size columns (DeepSeek-V3's, Qwen3's and llm-compressor's FP8_BLOCK scheme).
+# quantized per token and group_size columns (DeepSeek-V3's, Qwen3's and llm-compressor's FP8_BLOCK scheme), by the
+# linear or, after an RMSNorm or act · mul, by that kernel (an Fp8BlockActivation).
 
 def expand_group_scales(scale: Tensor, group_size: int, size: int) -> Tensor:
     """scale [..., G] → [..., size]: each column's scale (column i takes group i // group_size)."""
