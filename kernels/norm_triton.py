@@ -16,7 +16,7 @@ from .fp8_triton import empty_group_outputs, quantize_groups, quantize_row
 from .pdl_triton import pdl_args, wait_for_inputs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # read only with GROUP: no compiled variant of its own for 1 token
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, perm_ptr, hidden, inner, stride_x_outer, stride_x_inner,
     stride_res, eps, min_scale, num_rows, HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, PERM: tl.constexpr,

@@ -8,6 +8,7 @@ import torch
 
 from llmc.kernels import activation, norm
 from llmc.kernels.fp8 import MIN_SCALE, Fp8BlockActivation, cublas_rows, quantize_fp8_per_token_group
+from tests.kernels.conftest import sm90_compile_facts
 
 # the scales against torch's values: bf16/fp16 values may differ by a step of each of their two roundings (the norm's
 # and its product with the weight; the interpreter truncates bf16)
@@ -149,3 +150,47 @@ def test_a_block_model_takes_its_input_from_the_fused_kernels(tmp_path, monkeypa
             fused, unfused = score_fused_and_not(llm, token_ids)
         assert torch.equal(fused, unfused), chunk
     assert launches.count("rms_norm_fp8_groups") and launches.count("act_and_mul_fp8_groups")
+
+
+_COMPILE_SM90 = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import activation_triton, norm_triton
+
+def compile_90(fn, signature, constants, num_warps):
+    constants = {**constants, "PDL": True}
+    source = ASTSource(fn, {**signature, **{k: "constexpr" for k in constants}}, constants, {})
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        print("SKIP", exc)
+        raise SystemExit(0)
+
+facts = {}
+def record(name, kernel):
+    facts[name] = {"local": ".local" in kernel.asm["ptx"], "fp8": "e4m3" in kernel.asm["ptx"]}
+
+norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+        "scale_ptr": "*fp32", "perm_ptr": "*bf16", "hidden": "i32", "inner": "i32", "stride_x_outer": "i32",
+        "stride_x_inner": "i32", "stride_res": "i32", "eps": "fp32", "min_scale": "fp32", "num_rows": "i32"}
+for block, group in ((4096, 128), (8192, 128), (64, 64)):
+    for residual in (False, True):
+        record(f"norm {block} {group} {residual}", compile_90(norm_triton._rms_norm_kernel, norm, {
+            "HAS_RESIDUAL": residual, "FP8_OUT": True, "PERM": False, "BLOCK": block, "GROUP": group},
+            min(16, max(1, block // 256))))
+act = {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "M": "i32", "size": "i32",
+       "stride_in": "i32", "min_scale": "fp32"}
+for code in (0, 1):
+    record(f"act {code}", compile_90(activation_triton._act_and_mul_fp8_groups_kernel, act,
+                                     {"INTERLEAVE": 0, "GROUP": 128, "GROUPS": 16, "ACT": code}, 4))
+print(json.dumps(facts))
+"""
+
+
+def test_the_fused_kernels_compile_for_sm90_without_spills() -> None:
+    """The group-quantizing norm (Llama widths, with and without the residual) and SiLU / GELU · mul kernels compiled
+    for an H100 / H200 with the installed triton, no GPU needed: they compile, write E4M3, and spill nothing to local
+    memory (the norm's row reshaped to a [groups, 128] tile stays in registers)."""
+    facts = sm90_compile_facts(_COMPILE_SM90)
+    assert len(facts) == 8 and all(fact == {"local": False, "fp8": True} for fact in facts.values()), facts
