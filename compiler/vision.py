@@ -1,6 +1,7 @@
 """Vision-language checkpoints (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
-Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration): the language model built as its causal LM, the
-vision tower and projector kept dense in their own file.
+Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration,
+Qwen2_5_VLForConditionalGeneration): the language model built as its causal LM, the vision tower and projector kept
+dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
 (Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
@@ -24,6 +25,14 @@ plus anyres tiling: each image resized and padded to the best of `image_grid_pin
 tower's size, encoded with the image itself resized (the base), and one learned `image_newline` row appended after
 each row of the tiles' features (unpadded to the image's aspect); its tensor goes to vision/weights.safetensors
 with the tower's. Its images' tokens attend causally.
+
+Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration) are transformers'
+vision transformer (patches of temporal_patch_size frames, 2-D rotary, Qwen2.5's window attention, the 2 x 2 patch
+merger at its end: one module, written whole under `vision_tower.`) and a Qwen2 language model whose rotary
+positions are M-RoPE's: three per token (temporal, height, width), `mrope_section` splitting the rotary frequencies
+among them. The language model is built as Qwen2ForCausalLM (its tensors are a Qwen2's), the split goes to the
+vision section (`mrope_section`), and the runtime computes the positions (runtime/mrope.py). Its images' tokens
+attend causally.
 """
 
 from __future__ import annotations
@@ -41,7 +50,10 @@ LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 MISTRAL3 = "Mistral3ForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3)
+QWEN2_VL = "Qwen2VLForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+QWEN_VL_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL)  # M-RoPE's positions (runtime/mrope.py)
+VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
@@ -54,6 +66,9 @@ _LM_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "
 _VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 _PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 _NEWLINE_NAMES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row separator
+# Qwen2-VL / Qwen2.5-VL: the vision transformer (transformers >= 4.52 in memory: model.visual.*; saved and older:
+# visual.*) and the language model (model.language_model.* in memory; saved and older: model.*, a Qwen2's names)
+_QWEN_VISUAL_PREFIXES = ("model.visual.", "visual.")
 
 
 def is_vision_model(config: dict) -> bool:
@@ -65,6 +80,12 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     LLaVA-NeXT, Gemma 3 or Mistral 3 checkpoint."""
     from llmc.runtime.multimodal import is_pixtral, pixtral_image_processor, pixtral_processor_fields
 
+    if set(QWEN_VL_ARCHITECTURES) & set(config.get("architectures") or []):
+        from llmc.runtime.multimodal import qwen_vl_image_processor
+
+        text, spec = qwen_vl_config(config, model_dir)
+        qwen_vl_image_processor(model_dir, spec, CheckpointError)  # what the runtime expands <|image_pad|> by
+        return text, spec
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)
     if LLAVA_NEXT in (config.get("architectures") or []):
@@ -268,12 +289,75 @@ def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSp
     return text, spec
 
 
+def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
+    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration: the text config (transformers' defaults
+    filled in, a flat legacy config.json read as transformers reads it) as Qwen2ForCausalLM's, and the vision section
+    (the tower's config, the image and video tokens, the patch merger's side, M-RoPE's mrope_section)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    is_2_5 = QWEN2_5_VL in (config.get("architectures") or [])
+    family = "Qwen2.5-VL" if is_2_5 else "Qwen2-VL"
+    config_class, towers = ((Qwen2_5_VLConfig, ("qwen2_5_vl_vision", "qwen2_5_vl")) if is_2_5
+                            else (Qwen2VLConfig, ("qwen2_vl_vision", "qwen2_vl")))
+    parsed = _read_config(config_class, config, model_dir, family, towers)
+    text = parsed.text_config.to_dict()
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    section = rope.pop("mrope_section", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise CheckpointError(f"{model_dir}: {family}'s rope type {rope_type!r} is not supported; M-RoPE over the "
+                              "default rotary is (rope_type default)")
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if not (isinstance(section, list) and len(section) == 3 and all(isinstance(n, int) and n >= 0 for n in section)
+            and sum(section) == head_dim // 2):
+        raise CheckpointError(f"{model_dir}: mrope_section {section!r}: expected 3 counts of rotary frequencies "
+                              f"(temporal, height, width) summing to head_dim / 2 = {head_dim // 2}")
+    rope["rope_type"] = "default"
+    rope.pop("type", None)
+    text["rope_parameters"] = rope
+    text.pop("rope_scaling", None)
+    text["model_type"] = "qwen2"
+    text["architectures"] = ["Qwen2ForCausalLM"]
+    text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or text.get("tie_word_embeddings"))
+    dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
+    vision = _tower_config(parsed.vision_config)
+    out = "out_hidden_size" if is_2_5 else "hidden_size"  # the merger's output width
+    if vision.get(out) != text["hidden_size"]:
+        raise CheckpointError(f"{model_dir}: vision_config.{out} {vision.get(out)} (the patch merger's output) is not "
+                              f"the language model's hidden_size {text['hidden_size']}")
+    spec = art.VisionSpec(
+        architecture=QWEN2_5_VL if is_2_5 else QWEN2_VL, vision_config=vision,
+        image_token_index=int(parsed.image_token_id), text_hidden_size=text["hidden_size"],
+        spatial_merge_size=int(parsed.vision_config.spatial_merge_size), mrope_section=list(section),
+        video_token_index=int(parsed.video_token_id),
+    )
+    return text, spec
+
+
+def _qwen_vl_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Qwen2-VL's / Qwen2.5-VL's tensor names (either layout): ({causal LM name: checkpoint name}, {artifact name
+    (`vision_tower.` + the vision transformer's own name): checkpoint name})."""
+    language, vision = {}, {}
+    for name in names:
+        old = next((p for p in _QWEN_VISUAL_PREFIXES if name.startswith(p)), None)
+        if old is not None:
+            vision["vision_tower." + name[len(old):]] = name
+        elif name.startswith("model.language_model."):
+            language["model." + name.removeprefix("model.language_model.")] = name
+        else:
+            language[name] = name
+    return language, vision
+
+
 def llava_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]] | None:
     """For a LLaVA, LLaVA-NeXT, Gemma 3 or Mistral 3 multimodal checkpoint's tensor names (either layout): ({causal
     LM name: checkpoint name} of the language model, {artifact name: checkpoint name} of the vision tower, projector
-    and LLaVA-NeXT's image_newline);
+    and LLaVA-NeXT's image_newline); Qwen2-VL's and Qwen2.5-VL's (a `visual.` tower) by `_qwen_vl_names`;
     None for any other checkpoint. The vision tower's names lose CLIPVisionModel's / SiglipVisionModel's
     `vision_model.` level (transformers 5's vision models, and PixtralVisionModel, have none)."""
+    if any(name.startswith(_QWEN_VISUAL_PREFIXES) for name in names):
+        return _qwen_vl_names(names)
     if not any(name.startswith(_PROJECTOR_PREFIXES) for name in names):
         return None
     language, vision = {}, {}
@@ -309,8 +393,9 @@ def write_vision_weights(reader, path: Path, dtype: str) -> int:
     """The vision tower's and projector's tensors, in the model dtype, to `path`; returns its size in bytes."""
     tensors = {name: reader.get_source(source).to(getattr(torch, dtype)).contiguous()
                for name, source in sorted(reader.vision_names.items())}
-    if not any(name.startswith("multi_modal_projector.") for name in tensors):
-        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector tensors in the checkpoint")
+    if not any(name.startswith(("multi_modal_projector.", "vision_tower.merger.")) for name in tensors):
+        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector (or Qwen2-VL's visual.merger) tensors "
+                              "in the checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path.stat().st_size

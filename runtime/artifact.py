@@ -6,7 +6,7 @@ artifact/
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
   vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14;
-                                Mistral 3: 1.17; LLaVA-NeXT: 1.18)
+                                Mistral 3: 1.17; LLaVA-NeXT: 1.18; Qwen2-VL, Qwen2.5-VL: 1.19)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
@@ -65,9 +65,13 @@ from llmc.schema import opt, parse
 #      load without them (LLaVA's CLIP, Gemma 3's SigLIP).
 # 1.18: LLaVA-NeXT (LlavaNextForConditionalGeneration): the vision section's image_grid_pinpoints (anyres tiling) and
 #      an `image_newline` tensor in vision/weights.safetensors; older manifests load without them (no tiling).
-FORMAT_VERSION = "1.18"
+# 1.19: Qwen2-VL and Qwen2.5-VL (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration): the vision
+#      section's mrope_section (M-RoPE: the rotary dims' split over temporal, height and width positions) and
+#      video_token_index (refused in prompts), a Qwen2-VL / Qwen2.5-VL vision_config whose tower holds its patch
+#      merger; older manifests load without them (1-D rotary positions).
+FORMAT_VERSION = "1.19"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18")
+                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -453,15 +457,18 @@ class Plan:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """A vision-language model's image side (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3: compiler/vision.py builds it,
+    """A vision-language model's image side (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL:
+    compiler/vision.py builds it,
     runtime/multimodal.py runs it). Its tensors are in VISION_WEIGHTS, dense in the model dtype: the vision tower's
     under `vision_tower.` (transformers' CLIPVisionModel / SiglipVisionModel / PixtralVisionModel names), the
     projector's under `multi_modal_projector.` (LLaVA: linear_1, linear_2; Gemma 3: mm_soft_emb_norm,
     mm_input_projection_weight; Mistral 3: norm, patch_merger.merging_layer, linear_1, linear_2); LLaVA-NeXT's also
-    `image_newline` (the row appended after each row of an image's tiles)."""
+    `image_newline` (the row appended after each row of an image's tiles). Qwen2-VL / Qwen2.5-VL: the whole of
+    transformers' vision transformer (its patch merger `merger.` included) under `vision_tower.`, no projector."""
 
     architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                                     "Mistral3ForConditionalGeneration", "LlavaNextForConditionalGeneration"])
+                                     "Mistral3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
     # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3) / PixtralVisionConfig (Mistral 3, LLaVA
     # with model_type pixtral: each image at its own size), as a dict
     vision_config: dict = opt()
@@ -488,6 +495,11 @@ class VisionSpec:
     # LLaVA-NeXT (format 1.18): the resolutions [height, width] an image is resized and padded to (the best fit),
     # each a multiple of the tower's image_size, cut into tiles of that size; it also reads LLaVA's fields
     image_grid_pinpoints: list[list[int]] | None = opt(None)
+    # Qwen2-VL, Qwen2.5-VL (format 1.19): M-RoPE's split of the rotary frequencies (head_dim / 2 of them, in order)
+    # over the (temporal, height, width) positions of a token (runtime/mrope.py), and the video placeholder the
+    # runtime refuses; spatial_merge_size is the tower's patch merger's
+    mrope_section: list[int] | None = opt(None)
+    video_token_index: int | None = opt(None, min=0)
 
 
 def kernel_source_label(record: dict) -> str:
@@ -581,6 +593,8 @@ def _check_consistency(m: Manifest) -> None:
                                                        "spatial_merge_size", "projector_norm_eps"),
                   "LlavaNextForConditionalGeneration": ("vision_feature_layer", "vision_feature_select_strategy",
                                                         "projector_hidden_act", "image_grid_pinpoints"),
+                  "Qwen2VLForConditionalGeneration": ("spatial_merge_size", "mrope_section", "video_token_index"),
+                  "Qwen2_5_VLForConditionalGeneration": ("spatial_merge_size", "mrope_section", "video_token_index"),
                   }.get(m.vision.architecture,
                         ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
         if lacking := [key for key in needed if getattr(m.vision, key) is None]:

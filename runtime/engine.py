@@ -91,6 +91,9 @@ class Engine:
         draft = self._draft_artifact()
         if self.options.enable_prompt_embeds:
             self._check_prompt_embeds_engine(draft is not None)
+        if draft is not None and self.manifest.vision is not None and self.manifest.vision.mrope_section:
+            raise ConfigError(f"speculative method draft_model: {self.manifest.vision.architecture}'s M-RoPE positions "
+                              "are not given to a draft model; use method ngram, or no speculative decoding")
         if self.options.limit_mm_per_prompt is not None and self.manifest.vision is None:
             raise ConfigError(f"limit_mm_per_prompt: this model ({self.manifest.model.architecture}) takes no images; "
                               "drop limit_mm_per_prompt")

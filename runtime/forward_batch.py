@@ -18,7 +18,8 @@ class ForwardBatch:
     max_context_len stay on the host (the prefill kernel plans its grid from them).
     """
 
-    positions: Tensor  # [num_tokens] int64 position of each token in its sequence
+    positions: Tensor  # [num_tokens] int64 rotary position of each token: its index in its sequence (Qwen2-VL: + the
+    # request's rope_delta after its prompt), or its row of rope_table where the step has one
     slot_mapping: Tensor  # [num_tokens] int64 KV-cache slot each token's K/V is written to
     block_tables: Tensor  # [num_seqs, max_num_blocks] int32 block ids, rows padded with block 0 (never read)
     context_lens: Tensor  # [num_seqs] int32 tokens in the cache after this step, per sequence
@@ -37,6 +38,9 @@ class ForwardBatch:
     # [num_tokens] int32: the last key position each query may attend to, where a step holds tokens of an image
     # attended both ways (Gemma 3: runtime/multimodal.step_key_limits); None: causal (each query's own position)
     key_limits: Tensor | None = None
+    # [num_tokens, rotary_dims] float32: the step's own rotary rows (M-RoPE, runtime/mrope.step_rope), read at
+    # positions 0..num_tokens-1 in place of the model's table; None: the model's. Such steps run eagerly.
+    rope_table: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -33,6 +33,7 @@ from llmc.runtime.loader import build_model, compute_dtype
 from llmc.runtime.lora import LoraManager, LoraSlots
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
+from llmc.runtime.mrope import column_components, step_rope
 from llmc.runtime.multimodal import step_image_rows, step_key_limits
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
@@ -57,6 +58,9 @@ class ModelRunner:
         self.block_size = options.block_size
         # its prefill steps may carry image rows (runtime/multimodal.py) or a prompt's embeddings (runtime/prompt_embeds.py)
         self.takes_images = manifest.vision is not None or options.enable_prompt_embeds
+        # Qwen2-VL's M-RoPE: each rotary column's position component (runtime/mrope.py); None: 1-D positions
+        section = manifest.vision.mrope_section if manifest.vision is not None else None
+        self.rope_components = column_components(section) if section else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)
@@ -155,7 +159,9 @@ class ModelRunner:
     def forward_hidden(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: the final norm's outputs [num_tokens, hidden_size] (a graph's output buffer,
         valid until the next forward). A step with image rows runs eagerly but where the piecewise graphs take
-        them (PiecewiseGraphs NOTE (rows))."""
+        them (PiecewiseGraphs NOTE (rows)); a step with its own rotary rows (M-RoPE) runs eagerly."""
+        if forward_batch.rope_table is not None:
+            return self.model(input_ids, forward_batch)
         if forward_batch.image_rows is not None:
             if getattr(self.pieces, "takes_rows", False) and self.pieces.can_run(forward_batch):
                 return self.pieces.run(input_ids, forward_batch)
@@ -181,13 +187,17 @@ class ModelRunner:
             self._map_lora_tokens(batch)
         return self.forward_hidden(inputs.input_ids, inputs.forward_batch)
 
-    @staticmethod
-    def _put_images(batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
+    def _put_images(self, batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
         """A vision model's step: its image tokens' rows, and where its images attend both ways (Gemma 3), the
-        queries' key limits (runtime/multimodal.py); both None in a step without image tokens."""
+        queries' key limits (runtime/multimodal.py); both None in a step without image tokens. M-RoPE (Qwen2-VL):
+        the step's own rotary rows where it needs them (runtime/mrope.step_rope)."""
         forward_batch.image_rows = step_image_rows(batch)
         if forward_batch.image_rows is not None:
             forward_batch.key_limits = step_key_limits(batch, forward_batch.positions)
+        if self.rope_components is not None:
+            rope = step_rope(batch, self.model.cos_sin, self.rope_components)
+            if rope is not None:
+                forward_batch.positions, forward_batch.rope_table = rope
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepLogits:

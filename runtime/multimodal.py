@@ -1,5 +1,5 @@
-"""Images for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3): preprocessing, the vision encoder,
-and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+"""Images for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL): preprocessing,
+the vision encoder, and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -20,7 +20,12 @@ projector run on each tile of the anyres grid (LlavaNextImageProcessor's: the im
 image_grid_pinpoints, cut into tiles of the tower's size, after the image itself resized, the base), the tiles'
 features laid out as the grid, unpadded to the image's aspect and ended row by row with `image_newline`
 (`_anyres_rows`); the placeholder is one <image>, expanded to that image's rows (as many as LlavaNextProcessor
-writes), or already expanded so. The request keeps the embeddings
+writes), or already expanded so. Qwen2-VL / Qwen2.5-VL: each image at its own size (Qwen2VLImageProcessor's
+dynamic resolution: its image_grid_thw), every image of a call in one run of transformers' vision transformer (its
+attention is per image: cu_seqlens), whose patch merger gives the rows, a grid [rows, columns] of merged patches;
+the placeholder is one <|image_pad|>, expanded to that image's rows (as Qwen2VLProcessor writes them), or already
+expanded so; its tokens attend causally, and the request's M-RoPE positions (three per token, runtime/mrope.py)
+are computed with the expansion (`ImageInputs.mrope`). The request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -37,6 +42,7 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -59,12 +65,25 @@ class ImageInputs:
             blocks never match those of the same text with other images, or without.
         spans: each image's token positions [start, end) where its tokens attend to each other both ways (Gemma 3):
             a prefill chunk never ends inside one (`chunk_end`); empty: causal images (LLaVA), chunked anywhere.
+        mrope: Qwen2-VL's M-RoPE positions of the prompt's tokens, [3, prompt tokens] int64 (temporal, height,
+            width; a text token's three equal), or None: the 1-D positions (every other model).
+        rope_delta: the rotary position of a token after the prompt minus its index (vLLM's mrope_position_delta:
+            the prompt's largest M-RoPE position + 1 - its length; 0 without M-RoPE).
     """
 
     positions: list[int]
     embeds: Tensor
     hash: bytes
     spans: list[tuple[int, int]] = field(default_factory=list)
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
+
+    def rope_positions(self, start: int, end: int) -> np.ndarray:
+        """[3, end - start] int64: the M-RoPE positions of tokens start..end-1 (the prompt's, then index + rope_delta
+        for the tokens after it, three equal)."""
+        prompt = self.mrope.shape[1]
+        after = np.arange(max(start, prompt), end, dtype=np.int64) + self.rope_delta
+        return np.concatenate([self.mrope[:, start:min(end, prompt)], np.broadcast_to(after, (3, len(after)))], axis=1)
 
     def chunk_end(self, start: int, end: int) -> int:
         """The end of a prefill chunk [start, end) that ends inside no span: cut back to that image's start, or to
@@ -116,10 +135,27 @@ def is_pixtral(spec: art.VisionSpec) -> bool:
     return spec.vision_config.get("model_type") == "pixtral"
 
 
-def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module]:
+def is_qwen_vl(spec: art.VisionSpec) -> bool:
+    """Whether the model is Qwen2-VL or Qwen2.5-VL: dynamic resolution, the merger in the tower, M-RoPE positions."""
+    return spec.architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module | None]:
     """The manifest's vision tower and projector, unloaded: LLaVA's and LLaVA-NeXT's CLIPVisionModel (or LLaVA's
     PixtralVisionModel) and Projector, Gemma 3's SiglipVisionModel and transformers' Gemma3MultiModalProjector, Mistral 3's
-    PixtralVisionModel and transformers' Mistral3MultiModalProjector."""
+    PixtralVisionModel and transformers' Mistral3MultiModalProjector; Qwen2-VL's / Qwen2.5-VL's vision transformer
+    (transformers' Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel: its patch merger
+    is the projector) and None."""
+    if spec.architecture == "Qwen2VLForConditionalGeneration":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel(Qwen2VLVisionConfig(**spec.vision_config)).eval(), None
+    if spec.architecture == "Qwen2_5_VLForConditionalGeneration":
+        from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**spec.vision_config)).eval(), None
     if is_pixtral(spec):
         from transformers import Mistral3Config, PixtralVisionConfig, PixtralVisionModel
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
@@ -163,7 +199,10 @@ class VisionEncoder:
         self.is_gemma3 = spec.architecture == "Gemma3ForConditionalGeneration"
         self.is_pixtral = is_pixtral(spec)
         self.is_next = spec.architecture == "LlavaNextForConditionalGeneration"
-        if self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
+        self.is_qwen = is_qwen_vl(spec)
+        if self.is_qwen:  # its processor files checked against the tower (what <|image_pad|> expands to)
+            processor = qwen_vl_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+        elif self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
             processor = check_anyres_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
             self.pixtral = pixtral_processor_fields(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
@@ -189,12 +228,14 @@ class VisionEncoder:
                      for name, t in tensors.items() if name.startswith("multi_modal_projector.")}
         try:
             self.tower.load_state_dict(tower, strict=True)
-            self.projector.load_state_dict(projector, strict=True)
+            if self.projector is not None:
+                self.projector.load_state_dict(projector, strict=True)
         except RuntimeError as e:
             raise ArtifactError(f"{art.VISION_WEIGHTS} does not match the manifest's vision config "
                                 f"({str(e).splitlines()[0]}); rebuild the artifact") from None
         self.tower.to(device=device, dtype=dtype)
-        self.projector.to(device=device, dtype=dtype)
+        if self.projector is not None:
+            self.projector.to(device=device, dtype=dtype)
         if self.image_newline is not None:
             self.image_newline = self.image_newline.to(device=device, dtype=dtype)
         # images encoded ahead of their requests (prefetch): id(image) → (image, its pixel values, its rows)
@@ -224,8 +265,8 @@ class VisionEncoder:
             pixels = self._pixels(images)
             rows = self._rows(pixels)
         digest = hashlib.sha256()
-        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's: their own)
-            if self.is_next:
+        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's, Qwen2-VL's: their own)
+            if self.is_next or self.is_qwen:
                 digest.update(repr(px[1]).encode())
                 px = px[0]
             if self.is_pixtral:
@@ -236,7 +277,8 @@ class VisionEncoder:
     def _pixels(self, images: list) -> list:
         """Each image's pixel values [3, height, width]: the tower's size, or a Pixtral image's own (resized to a
         multiple of patch_size * spatial_merge_size, as PixtralProcessor asks its image processor); LLaVA-NeXT:
-        (its tiles [base + grid, 3, size, size], its (height, width))."""
+        (its tiles [base + grid, 3, size, size], its (height, width)); Qwen2-VL: (its patches [t * h * w,
+        channels * temporal_patch_size * patch_size²], its image_grid_thw (t, h, w))."""
         kwargs = {}
         if self.is_pixtral:
             side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
@@ -246,6 +288,9 @@ class VisionEncoder:
         except Exception as e:  # noqa: BLE001 - the processor's own types (a mode it cannot convert, ...)
             raise RequestError(f"multi_modal_data: an image cannot be preprocessed ({type(e).__name__}: {e})",
                                param="multi_modal_data") from None
+        if self.is_qwen:
+            grids = [tuple(int(x) for x in grid) for grid in out["image_grid_thw"].tolist()]
+            return list(zip(out["pixel_values"].split([math.prod(g) for g in grids]), grids))
         if self.is_next:
             sizes = [tuple(int(x) for x in size) for size in out["image_sizes"].tolist()]
             return [(px[: 1 + math.prod(self._grid(size))].contiguous(), size)
@@ -261,6 +306,8 @@ class VisionEncoder:
         image alone, its rows as a grid [rows, columns, hidden_size] (`_pixtral_rows`)."""
         if self.is_pixtral:
             return [self._pixtral_rows(px) for px in pixels]
+        if self.is_qwen:
+            return self._qwen_rows(pixels)
         if self.is_next:  # every image's tiles in one tower call, then each image's packed alone
             tiles = torch.cat([px for px, _ in pixels])
             features = self._projected(tiles).split([px.shape[0] for px, _ in pixels])
@@ -310,6 +357,17 @@ class VisionEncoder:
         newline = self.image_newline.expand(grid.shape[0], 1, -1)
         return torch.cat([base, torch.cat([grid, newline], dim=1).reshape(-1, grid.shape[-1])])
 
+    def _qwen_rows(self, pixels: list[tuple[Tensor, tuple[int, int, int]]]) -> list[Tensor]:
+        """Qwen2-VL's / Qwen2.5-VL's images in one call of the vision transformer (Qwen2VLModel.get_image_features:
+        its attention is per image, and Qwen2.5's windows stay within one), each image's merged rows as a grid
+        [h / merge, w / merge, hidden_size] (an image is one frame: t 1)."""
+        grids = [grid for _, grid in pixels]
+        patches = torch.cat([px for px, _ in pixels]).to(self.device, self.dtype)
+        rows = self.tower(patches, grid_thw=torch.tensor(grids, device=self.device)).pooler_output
+        merge = self.spec.spatial_merge_size
+        return [r.reshape(h // merge, w // merge, r.shape[-1])
+                for r, (_, h, w) in zip(rows.split([math.prod(g) // merge**2 for g in grids]), grids)]
+
     def _pixtral_rows(self, pixels: Tensor) -> Tensor:
         """One image's rows [rows, columns, hidden_size] (Mistral3Model.get_image_features / LlavaModel's with
         image_sizes): PixtralVisionModel's configured hidden state, then Mistral3MultiModalProjector (RMSNorm,
@@ -331,6 +389,8 @@ class VisionEncoder:
             return self._gemma3_prompt_inputs(token_ids, images)
         if self.is_pixtral:
             return self._pixtral_prompt_inputs(token_ids, images)
+        if self.is_qwen:
+            return self._qwen_prompt_inputs(token_ids, images)
         runs = self._placeholder_runs(token_ids)
         if len(runs) != len(images):
             raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (token id {self.image_token_id}) for "
@@ -348,6 +408,41 @@ class VisionEncoder:
             at = end
         expanded += token_ids[at:]
         return expanded, ImageInputs(positions, torch.cat(embeds), digest)
+
+    def _qwen_prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+        """Qwen2-VL: each <|image_pad|> run either one token (expanded to the image's rows, as Qwen2VLProcessor
+        expands it) or already that many (kept); the request's M-RoPE positions (`mrope_positions`) with it. A
+        video placeholder is refused by name."""
+        self._refuse_video(token_ids)
+        runs = self._placeholder_runs(token_ids)
+        if len(runs) != len(images):
+            raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (<|image_pad|>, token id "
+                               f"{self.image_token_id}) for {len(images)} image(s); put one "
+                               "<|vision_start|><|image_pad|><|vision_end|> in the prompt per image",
+                               param="multi_modal_data")
+        grids, digest = self.encode(images)
+        expanded, positions, places, at = [], [], [], 0
+        for (start, end), grid in zip(runs, grids):
+            rows, columns = grid.shape[:2]
+            if end - start not in (1, rows * columns):
+                raise RequestError(f"an image placeholder of {end - start} tokens: this image takes one <|image_pad|>, "
+                                   f"or {rows * columns} (its {rows} x {columns} merged patches)",
+                                   param="multi_modal_data")
+            expanded += token_ids[at:start]
+            places.append((len(expanded), rows, columns))
+            positions += range(len(expanded), len(expanded) + rows * columns)
+            expanded += [self.image_token_id] * (rows * columns)
+            at = end
+        expanded += token_ids[at:]
+        mrope, delta = mrope_positions(len(expanded), places)
+        embeds = torch.cat([grid.reshape(-1, grid.shape[-1]) for grid in grids])
+        return expanded, ImageInputs(positions, embeds, digest, mrope=mrope, rope_delta=delta)
+
+    def _refuse_video(self, token_ids: list[int]) -> None:
+        video = self.spec.video_token_index
+        if video is not None and video in token_ids:
+            raise RequestError(f"the prompt holds <|video_pad|> (token id {video}): video inputs are not supported; "
+                               "send images (multi_modal_data's 'image')", param="multi_modal_data")
 
     def _pixtral_placeholders(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each image placeholder: a bare [IMG], or an expanded image (a run of [IMG] and
@@ -474,6 +569,8 @@ class VisionEncoder:
 
     def check_no_placeholders(self, token_ids: list[int]) -> None:
         """A prompt without images must not hold image tokens (their embedding rows would stand in for images)."""
+        if self.is_qwen:
+            self._refuse_video(token_ids)
         if self.is_gemma3 and self.spec.boi_token_index in token_ids:
             raise RequestError(f"the prompt holds <start_of_image> (token id {self.spec.boi_token_index}) but no "
                                "images; give the images (multi_modal_data, or image_url content parts), or drop the "
@@ -552,6 +649,53 @@ def pixtral_image_processor(tokenizer_dir: Path, spec: art.VisionSpec, fields: d
         raise error(f"{tokenizer_dir}: the image processor's size (longest edge {longest} px, {side} px a row) makes "
                     f"images larger than the tower's image_size {image_size}; set size.longest_edge to at most "
                     f"{image_size // side * side}")
+    return processor
+
+
+def mrope_positions(num_tokens: int, images: list[tuple[int, int, int]]) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's M-RoPE positions of a prompt of `num_tokens` whose images are (first token, rows, columns) of
+    merged patches, in order: ([3, num_tokens] int64 temporal, height, width positions, the rope delta). Text
+    tokens count on one by one, their three equal; an image's tokens share its first position p as temporal, and
+    take p + row, p + column as height and width (row-major); the text after it goes on from p + max(rows,
+    columns) (Qwen2VLModel.get_rope_index for an image of one frame). The delta: the largest position + 1 minus
+    num_tokens, what every later token's index is shifted by."""
+    positions = np.empty((3, num_tokens), dtype=np.int64)
+    at = index = 0  # the next text position, the next token
+    for start, rows, columns in images:
+        positions[:, index:start] = np.arange(at, at + start - index)
+        at += start - index
+        end = start + rows * columns
+        positions[0, start:end] = at
+        positions[1, start:end] = at + np.repeat(np.arange(rows), columns)
+        positions[2, start:end] = at + np.tile(np.arange(columns), rows)
+        at += max(rows, columns)
+        index = end
+    positions[:, index:] = np.arange(at, at + num_tokens - index)
+    at += num_tokens - index
+    return positions, at - num_tokens
+
+
+def qwen_vl_image_processor(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]):
+    """Qwen2-VL's / Qwen2.5-VL's image processor (AutoImageProcessor: Qwen2VLImageProcessor, or its PIL twin without
+    torchvision) of a checkpoint or artifact, checked against the tower: its patch_size, temporal_patch_size and
+    merge_size the tower's (the patches it cuts and the rows Qwen2VLProcessor expands <|image_pad|> to).
+    `error`: CheckpointError at build, ArtifactError at load."""
+    from transformers import AutoImageProcessor
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(str(processor_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        processor = None
+    if processor is None or not hasattr(processor, "merge_size"):
+        raise error(f"{processor_dir}: no Qwen2-VL image processor (Qwen2VLImageProcessor's "
+                    "preprocessor_config.json); use a checkpoint that has its processor files")
+    tower = spec.vision_config
+    wanted = {"patch_size": tower.get("patch_size"), "temporal_patch_size": tower.get("temporal_patch_size"),
+              "merge_size": spec.spatial_merge_size}
+    for key, model in wanted.items():
+        if getattr(processor, key, None) != model:
+            raise error(f"{processor_dir}: the image processor's {key} {getattr(processor, key, None)!r} is not the "
+                        f"model's ({model!r}); set it to {model!r} in preprocessor_config.json")
     return processor
 
 

@@ -118,8 +118,7 @@ class StepBuffers:
 
     def build(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> StepInputs:
         """Pack the scheduled chunks into the staging buffer, copy once, and return device views."""
-        if all(s.num_new_tokens == 1 and not s.draft_token_ids and not s.request.skip_prefix_cache
-               for s in batch.requests):
+        if is_single_token_step(batch):
             return self._build_single_tokens(batch, pending)
         return self._build_chunks(batch, pending)
 
@@ -166,8 +165,10 @@ class StepBuffers:
 
     def _build_single_tokens(self, batch: ScheduledBatch, pending: PendingTokens | None) -> StepInputs:
         """A step of one token per sequence (decodes), gathered in one Python pass: at the batch
-        sizes where host time shows (a few sequences) this beats numpy's per-call cost."""
+        sizes where host time shows (a few sequences) this beats numpy's per-call cost. A request with M-RoPE
+        images (Qwen2-VL) rotates at its index + rope_delta (runtime/mrope.py; its slot stays the index's)."""
         token_ids, positions, slots, rows, logits_rows, sample_rows, fixups = [], [], [], [], [], [], []
+        context_lens = []
         block_size = self.block_size
         for i, scheduled in enumerate(batch.requests):
             request = scheduled.request
@@ -178,12 +179,12 @@ class StepBuffers:
             else:
                 token_ids.append(request.get_token_ids(position, position + 1)[0])
             rows.append(self._sync_table(request))
-            positions.append(position)
+            positions.append(position if request.images is None else position + request.images.rope_delta)
+            context_lens.append(position + 1)
             slots.append(request.block_ids[position // block_size] * block_size + position % block_size)
             if scheduled.is_last_chunk:
                 logits_rows.append(i)
                 sample_rows.append(request.batch_row)
-        context_lens = [p + 1 for p in positions]
         return self._pack(_Gathered(token_ids, positions, slots, context_lens, [1] * len(rows), rows, logits_rows,
                                     len(logits_rows), sample_rows, {}, fixups), pending)
 
@@ -224,6 +225,13 @@ class StepBuffers:
             logits_indices=views[3],
         )
         return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows, views[6], views[7])
+
+
+def is_single_token_step(batch: ScheduledBatch) -> bool:
+    """Whether StepBuffers builds the step by its single-token path: each sequence one token, without drafts or
+    prompt logprobs."""
+    return all(s.num_new_tokens == 1 and not s.draft_token_ids and not s.request.skip_prefix_cache
+               for s in batch.requests)
 
 
 @dataclass

@@ -290,9 +290,11 @@ class DecoderModel(nn.Module):
         return x if self.embed_scale is None else x * self.embed_scale
 
     def run_layers(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
-        """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each."""
+        """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each. A step
+        with its own rotary rows (batch.rope_table: M-RoPE, runtime/mrope.py) rotates by them in every layer."""
+        step_rope = batch.rope_table
         for layer in self.layers.values():
-            x, residual = layer(x, residual, batch, self.rope_of(layer))
+            x, residual = layer(x, residual, batch, self.rope_of(layer) if step_rope is None else step_rope)
         return x, residual
 
     def rope_of(self, layer: DecoderLayer) -> Tensor:
