@@ -299,3 +299,110 @@ def test_what_is_not_supported_is_refused_by_name(checkpoint, artifact, family, 
             (changed / "preprocessor_config.json").write_text(json.dumps(changed_processor))
         with pytest.raises(CheckpointError, match=message):
             build(_recipe(changed, tmp_path / "x"), show_progress=False)
+
+
+TRITON_SCRIPT = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import llmc.kernels.attention as attention
+attention.can_use_triton = lambda *tensors: True  # the rotary, KV-write and attention kernels, interpreted
+from llmc.kernels import attention_triton
+calls = {"table": 0, "fused": 0}
+write, attend = attention_triton.rotate_and_write_kv, attention_triton.paged_attention
+def counted_write(q, k, v, positions, table, *args, **kwargs):
+    calls["table"] += table.shape[0] == positions.shape[0] and positions.shape[0] > 1  # a step's own rows
+    return write(q, k, v, positions, table, *args, **kwargs)
+def counted_attend(*args, **kwargs):
+    calls["fused"] += kwargs.get("rotary") is not None  # a decode step's fused rotary
+    return attend(*args, **kwargs)
+attention_triton.rotate_and_write_kv, attention_triton.paged_attention = counted_write, counted_attend
+from PIL import Image
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+artifact, prompt, two, paths = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+first, second = [Image.open(p) for p in paths]
+llm = LLM(artifact, device="cpu", max_num_batched_tokens=16, max_num_seqs=2, num_kv_blocks=32, block_size=8)
+params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
+outputs = llm.generate([{"prompt": two, "multi_modal_data": {"image": [first, second]}},
+                        {"prompt": prompt, "multi_modal_data": {"image": second}}], params)
+print(json.dumps([calls] + [[o.outputs[0].token_ids, [s[t].logprob for s, t in zip(o.outputs[0].logprobs,
+                                                                                   o.outputs[0].token_ids)]]
+                            for o in outputs]))
+"""
+
+
+def test_the_triton_kernels_rotate_at_the_mrope_positions(artifact, hf, family, tmp_path):
+    """The rotary + KV-write kernel (a step's own M-RoPE rows, read at positions 0..n-1) and the decode kernel's
+    fused rotary (at index + rope delta) in Triton's interpreter on the CPU: chunks of 16 tokens split the images,
+    the replies are transformers'. (Qwen2-VL only: the language model is the same for Qwen2.5-VL.)"""
+    if family != "qwen2_vl":
+        pytest.skip("the language model's kernels are the same for Qwen2.5-VL")
+    pictures = [image(10, size=WIDE), image(11, size=TALL)]
+    paths = []
+    for number, picture in enumerate(pictures):
+        paths.append(str(tmp_path / f"{number}.png"))
+        picture.save(paths[-1])
+    expected = [hf_generate(hf, TWO, pictures, max_tokens=4), hf_generate(hf, PROMPT, pictures[1:], max_tokens=4)]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(artifact), PROMPT, TWO, *paths], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    calls, *got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert calls["table"] > 0 and calls["fused"] > 0
+    for (tokens, logprobs), (_, want_tokens, want_logprobs) in zip(got, expected):
+        assert tokens == want_tokens and logprobs == pytest.approx(want_logprobs, abs=2e-4)
+
+
+def test_prompt_ids_equal_qwen2_vl_processors(checkpoint, hf):
+    """Where torchvision is installed: transformers' Qwen2VLProcessor writes the prompt ids `hf_inputs` writes."""
+    pytest.importorskip("torchvision")
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor.from_pretrained(str(checkpoint))
+    pictures = [image(1, size=WIDE), image(2, size=TALL)]
+    ids = processor(text=TWO, images=pictures, return_tensors="pt")["input_ids"][0].tolist()
+    assert ids == hf_inputs(hf, TWO, pictures)["input_ids"][0].tolist()
+
+
+@pytest.mark.slow  # three builds
+def test_other_layouts_and_a_quantized_build(checkpoint, artifact, family, tmp_path):
+    """The published flat config.json (the text model's keys at the top, rope_scaling {type: mrope}) and
+    transformers' in-memory names (model.language_model.*, model.visual.*) build the same artifact as
+    save_pretrained's; an RTN build quantizes the language model's linears only (the tower exact) and still runs
+    with images."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "hf"
+    shutil.copytree(checkpoint, renamed)
+    config = json.loads((renamed / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config["vision_config"].pop("model_type")
+    config.update({key: value for key, value in text.items() if key != "model_type"})
+    config.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    (renamed / "config.json").write_text(json.dumps(config))
+    tensors = load_file(renamed / "model.safetensors")
+    new = {}
+    for name, t in tensors.items():
+        if name.startswith("visual."):
+            new["model." + name] = t
+        elif name.startswith("model."):
+            new["model.language_model." + name.removeprefix("model.")] = t
+        else:
+            new[name] = t
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
+    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
+        a, b = load_file(artifact / rel), load_file(other / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
+    assert ours.vision == theirs.vision and ours.model == theirs.model
+    quantized = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
+                              quantization={"method": "rtn", "group_size": 32})
+    assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    vision = load_file(quantized / art.VISION_WEIGHTS)
+    merger = "vision_tower.merger.mlp.0.weight"
+    assert torch.equal(vision[merger], load_file(checkpoint / "model.safetensors")["visual.merger.mlp.0.weight"])
+    [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
+                                                     GREEDY)
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
