@@ -406,3 +406,17 @@ def test_other_layouts_and_a_quantized_build(checkpoint, artifact, family, tmp_p
     [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
                                                      GREEDY)
     assert len(output.outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_ngram_speculation_verifies_drafts_at_the_mrope_positions(artifact, hf):
+    """ngram drafts are verified in steps of several tokens per request (the step's own rotary rows, the tokens
+    after the prompt at index + rope delta): the greedy tokens stay transformers'."""
+    pictures = [image(12, size=WIDE), image(13, size=TALL)]
+    expected = [hf_generate(hf, TWO, pictures, max_tokens=24)[1], hf_generate(hf, PROMPT, pictures[1:], 24)[1]]
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, num_kv_blocks=64, block_size=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": pictures}},
+                            {"prompt": PROMPT, "multi_modal_data": {"image": pictures[1]}}], params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert llm.stats()["num_spec_proposed"] > 0  # (the random model accepts none: each step keeps its first token)
