@@ -188,7 +188,7 @@ class Engine:
         """Queue a request (text or token ids); returns its id. `arrival_time` is on time.monotonic()'s clock.
         `lora_request`: the run-time LoRA adapter its tokens go through (enable_lora; runtime/lora.py).
         `multi_modal_data` (vLLM's): {"image": a PIL image or a list of them}, one placeholder (LLaVA's <image>,
-        Gemma 3's <start_of_image>, Pixtral's [IMG]) in the prompt per image, for a vision model (runtime/multimodal.py).
+        Gemma 3's <start_of_image>, Pixtral's [IMG], Qwen2-VL's <|image_pad|>) in the prompt per image, for a vision model (runtime/multimodal.py).
         `prompt_embeds` (vLLM's EmbedsPrompt): the prompt as embeddings [num_tokens, hidden_size], in place of
         text or ids, on an engine started with enable_prompt_embeds (runtime/prompt_embeds.py).
         `cache_salt` (vLLM's): a string salting the request's prefix-cache hashes, so that its cached blocks serve only
@@ -315,7 +315,8 @@ class Engine:
             raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images; send text "
                                "only, or serve a vision model (LlavaForConditionalGeneration, "
                                "LlavaNextForConditionalGeneration, Gemma3ForConditionalGeneration, "
-                               "Mistral3ForConditionalGeneration)", param=param)
+                               "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+                               "Qwen2_5_VLForConditionalGeneration)", param=param)
 
     def _check_lora(self, lora_request: LoRARequest | None, params: SamplingParams) -> int | None:
         """The adapter's id, its files read and checked (once per id); None without one."""
