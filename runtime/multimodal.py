@@ -1,5 +1,6 @@
 """Images for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL): preprocessing,
-the vision encoder, and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
+the vision encoder, and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill
+(DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -265,7 +266,7 @@ class VisionEncoder:
             pixels = self._pixels(images)
             rows = self._rows(pixels)
         digest = hashlib.sha256()
-        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's, Qwen2-VL's: their own)
+        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's, Qwen2-VL's: own)
             if self.is_next or self.is_qwen:
                 digest.update(repr(px[1]).encode())
                 px = px[0]
