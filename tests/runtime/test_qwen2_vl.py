@@ -420,3 +420,27 @@ def test_ngram_speculation_verifies_drafts_at_the_mrope_positions(artifact, hf):
                             {"prompt": PROMPT, "multi_modal_data": {"image": pictures[1]}}], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["num_spec_proposed"] > 0  # (the random model accepts none: each step keeps its first token)
+
+
+def test_only_steps_with_prompt_tokens_of_an_image_request_get_their_own_rows(artifact, hf, monkeypatch):
+    """Decode steps rotate at index + rope delta in the step's positions (no table of their own: CUDA graphs can
+    run them), a text-only request's steps never get one, and the replies are transformers'."""
+    from llmc.runtime.model_runner import ModelRunner
+
+    steps, forward = [], ModelRunner.forward_hidden
+
+    def recording(self, input_ids, forward_batch):
+        steps.append((forward_batch.is_decode, forward_batch.rope_table is not None))
+        return forward(self, input_ids, forward_batch)
+
+    monkeypatch.setattr(ModelRunner, "forward_hidden", recording)
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    plain_ids = hf[1]("User:Hello there.")["input_ids"]
+    [plain] = llm.generate({"prompt_token_ids": plain_ids}, GREEDY)
+    assert not any(table for _, table in steps)
+    check_output(plain, hf_generate(hf, plain_ids, None))
+    steps.clear()
+    picture = image(14, size=TALL)
+    [output] = llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY)
+    check_output(output, hf_generate(hf, PROMPT, [picture]))
+    assert steps[0] == (False, True) and steps[1:] == [(True, False)] * (GREEDY.max_tokens - 1)
