@@ -1,13 +1,9 @@
 """w8a8-fp8-block on the GPU: the format's linear (group quantization + the Triton kernel) beside cuBLAS bf16 and the
 per-channel w8a8-fp8 linear, on Llama-3-8B's four shapes at M = 1 ... 4096, bench_kernels' timer (CUDA-graph replays,
 cold L2, median); a tile sweep of the Triton kernel; and which of torch's block-scaled cuBLAS products
-(F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales) run on this GPU and how fast. With --fused instead: the
-RMSNorm (residual add) + qkv and SiLU · mul + down pairs, the linear's input quantized by the kernel before it (the
-model's path) against the norm / SiLU · mul kernel, then the linear quantizing its own input, and beside both the
-per-channel w8a8-fp8 pair (fused since session 28); outputs checked equal, fused and unfused.
+(F.scaled_mm with BlockWise1x128 / BlockWise128x128 scales) run on this GPU and how fast.
 
     python -P benchmarks/bench_fp8_block.py --json OUT.json [--sweep] [--ms 1 16 256]
-    python -P benchmarks/bench_fp8_block.py --json OUT.json --fused [--ms 1 4 16 64]
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ from llmc.quant.fp8 import quantize_fp8_weight, quantize_fp8_weight_block
 
 SHAPES = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]  # K x N: qkv, o, gate_up, down
 MS = [1, 4, 16, 64, 256, 1024, 4096]
-FUSED_MS = [1, 4, 16, 64]
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -64,60 +59,15 @@ def tile_candidates(m: int) -> list[dict]:
     return [dict(block_m=a, block_n=b, block_k=c, split_k=d, num_warps=e, num_stages=f) for a, b, c, d, e, f in grid]
 
 
-def make_weights(k: int, n: int):
-    """(dense bf16 [n, k], block format, its params, per-channel format, its params), random, on the GPU."""
+def bench_shape(k: int, n: int, ms: list[int], flush, sweep: bool) -> list[dict]:
+    from llmc.kernels.fp8_triton import fp8_linear_small_m
+
     torch.manual_seed(0)
     dense = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     block_fmt, channel_fmt = Fp8BlockFormat(torch.bfloat16), Fp8Format(torch.bfloat16)
     block = block_fmt.pack(quantize_fp8_weight_block(dense.float(), (128, 128)))
     block |= block_fmt.derived_params(block)  # the 128 x 128 scales cuBLAS reads, as a loaded model derives them
     channel = channel_fmt.pack(quantize_fp8_weight(dense.float()))
-    return dense, block_fmt, block, channel_fmt, channel
-
-
-def bench_fused_pairs(ms: list[int], flush) -> list[dict]:
-    """Llama-3-8B's norm + qkv (4096 → 6144, the residual added in the norm) and SiLU · mul + down (28672 → 14336
-    → 4096), per token count: µs of the block pair fused (rms_norm_fp8 / act_and_mul_fp8 with group_size 128, then the
-    linear on the Fp8BlockActivation) and unfused (the bf16 norm / SiLU · mul, then the linear quantizing its input),
-    and of the per-channel pair fused; whether the block pair's outputs are equal."""
-    from llmc.kernels.activation import act_and_mul, act_and_mul_fp8
-    from llmc.kernels.norm import add_rms_norm, rms_norm_fp8
-
-    rows = []
-    for pair, (k, n) in (("norm+qkv", (4096, 6144)), ("silu_mul+down", (14336, 4096))):
-        _, block_fmt, block, channel_fmt, channel = make_weights(k, n)
-        norm_weight = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
-        for m in ms:
-            if pair == "norm+qkv":
-                x, residual = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(
-                    m, k, device="cuda", dtype=torch.bfloat16)
-                def normed(group_size=None):  # quantized in groups, per token, or not (None)
-                    if group_size is None:
-                        return add_rms_norm(x, residual, norm_weight, 1e-5)[0]
-                    return rms_norm_fp8(x, norm_weight, 1e-5, residual, group_size)[0]
-
-                runs = {"block_fused": lambda: block_fmt.apply(normed(128), block, None),
-                        "block_unfused": lambda: block_fmt.apply(normed(), block, None),
-                        "channel_fused": lambda: channel_fmt.apply(normed(0), channel, None)}
-            else:
-                gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-                runs = {"block_fused": lambda: block_fmt.apply(act_and_mul_fp8(gate_up, "silu", group_size=128), block,
-                                                               None),
-                        "block_unfused": lambda: block_fmt.apply(act_and_mul(gate_up, "silu"), block, None),
-                        "channel_fused": lambda: channel_fmt.apply(act_and_mul_fp8(gate_up, "silu"), channel, None)}
-            row = {"pair": pair, "K": k, "N": n, "M": m, "us": {},
-                   "block_fused_equals_unfused": bool(torch.equal(runs["block_fused"](), runs["block_unfused"]()))}
-            for name, fn in runs.items():
-                row["us"][name] = round(median_time_ms(fn, flush) * 1000, 2)
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    return rows
-
-
-def bench_shape(k: int, n: int, ms: list[int], flush, sweep: bool) -> list[dict]:
-    from llmc.kernels.fp8_triton import fp8_linear_small_m
-
-    dense, block_fmt, block, channel_fmt, channel = make_weights(k, n)
     w_fp64 = block["weight"].double() * expand_group_scales(block["weight_scale"].double(), 128, k)
     rows = []
     for m in ms:
@@ -169,26 +119,11 @@ def bench_shape(k: int, n: int, ms: list[int], flush, sweep: bool) -> list[dict]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True)
-    parser.add_argument("--ms", type=int, nargs="+", help=f"token counts (default {MS}; with --fused {FUSED_MS})")
+    parser.add_argument("--ms", type=int, nargs="+", default=MS)
     parser.add_argument("--sweep", action="store_true", help="also time a grid of the Triton kernel's tiles")
-    parser.add_argument("--fused", action="store_true", help="only the norm + qkv and SiLU · mul + down pairs, the "
-                        "input quantized by the kernel before the linear or by the linear")
     args = parser.parse_args()
     flush = make_l2_flush_buffer()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    if args.fused:
-        result["rows"] = bench_fused_pairs(args.ms or FUSED_MS, flush)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print("| pair | M | block fused µs | block unfused µs | unfused ÷ fused | channel fused µs | block fused ÷ "
-              "channel fused | outputs equal |")
-        for r in result["rows"]:
-            us = r["us"]
-            print(f"| {r['pair']} | {r['M']} | {us['block_fused']} | {us['block_unfused']} | "
-                  f"{us['block_unfused'] / us['block_fused']:.2f} | {us['channel_fused']} | "
-                  f"{us['block_fused'] / us['channel_fused']:.2f} | {r['block_fused_equals_unfused']} |")
-        return
-    args.ms = args.ms or MS
     for k, n in SHAPES:
         result["rows"] += bench_shape(k, n, args.ms, flush, args.sweep)
     with open(args.json, "w") as f:

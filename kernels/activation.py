@@ -6,19 +6,16 @@ columns (GATE_UP_INTERLEAVE: columns 16 q ... 16 q + 7 are gate features 8 q ...
 eight the same features' up), the order in which a W4A16 gate_up's rows are kept on load so that
 its GEMV can finish SiLU · mul in its own epilogue (w4a16_gemm.interleave_gate_up).
 On CUDA one Triton kernel (activation_triton.py); elsewhere plain torch. `act_and_mul_fp8` also
-quantizes the output per token for a w8a8-fp8 down projection (kernels/fp8.py), or per token and group of
-columns for a w8a8-fp8-block one, in the same kernel on CUDA.
+quantizes the output per token for a w8a8-fp8 down projection (kernels/fp8.py), in the same kernel on CUDA.
 """
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows,
-                  quantize_fp8_block_activation, quantize_fp8_per_token)
+from .fp8 import MIN_SCALE, ONE_PASS_MAX, Fp8Activation, quantize_fp8_per_token
 
 GATE_UP_INTERLEAVE = 8
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # transformers' names (ModelConfig.hidden_act)
@@ -44,23 +41,11 @@ def act_and_mul(gate_up: Tensor, act: str = "silu", interleave: int = 0) -> Tens
     return _act(gate, act) * up
 
 
-def act_and_mul_fp8(gate_up: Tensor, act: str = "silu", interleave: int = 0, group_size: int = 0,
-                    ) -> Fp8Activation | Fp8BlockActivation:
+def act_and_mul_fp8(gate_up: Tensor, act: str = "silu", interleave: int = 0) -> Fp8Activation:
     """quantize_fp8_per_token(act_and_mul(gate_up, act)): the same values and scales, from one kernel on CUDA
-    (outputs of up to ONE_PASS_MAX values per token; two kernels otherwise). group_size > 0 (a w8a8-fp8-block
-    down): an Fp8BlockActivation, quantize_fp8_block_activation(act_and_mul(...), group_size)'s values and scales,
-    from one kernel on CUDA at any width."""
+    (outputs of up to ONE_PASS_MAX values per token; two kernels otherwise)."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r}: one of {ACTIVATIONS}")
-    if can_use_triton(gate_up) and group_size:
-        from . import activation_triton
-
-        rows = cublas_rows(gate_up.numel() // gate_up.shape[-1])
-        values, scale = activation_triton.act_and_mul_fp8_groups(gate_up, MIN_SCALE, act, group_size, rows, interleave)
-        shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-        return Fp8BlockActivation(values, scale, torch.Size(shape), gate_up.dtype, group_size)
-    if group_size:
-        return quantize_fp8_block_activation(act_and_mul(gate_up, act, interleave), group_size)
     if can_use_triton(gate_up) and gate_up.shape[-1] // 2 <= ONE_PASS_MAX:
         from . import activation_triton
 

@@ -1,7 +1,6 @@
 """Triton SiLU(gate) · up, or GELU(gate) · up in its tanh form (ACT 1, Gemma) (imported only when a kernel
 runs): one pass, no gate/up temporaries; or one
-program per token that also quantizes the token's row to FP8 for a w8a8-fp8 down projection; or, for a w8a8-fp8-block
-down, programs of a token's groups of columns that quantize each group (no row-wide absmax: any width)."""
+program per token that also quantizes the token's row to FP8 for a w8a8-fp8 down projection."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .fp8_triton import empty_group_outputs, one_pass_warps, program_groups, quantize_groups, quantize_row
+from .fp8_triton import one_pass_warps, quantize_row
 from .pdl_triton import pdl_args, wait_for_inputs
 
 BLOCK = 1024
@@ -66,25 +65,6 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, m
     quantize_row(h, mask, out_ptr + token * size + offs, scale_ptr + token, min_scale)
 
 
-@triton.jit
-def _act_and_mul_fp8_groups_kernel(gate_up_ptr, out_ptr, scale_ptr, M, size, stride_in, min_scale,
-                                   INTERLEAVE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
-                                   PDL: tl.constexpr, ACT: tl.constexpr):
-    """GROUPS groups of GROUP output columns of one token per program, as a [GROUPS, GROUP] tile: act(gate) · up
-    rounded to the model dtype as the unfused kernel stores it, then quantized per group as
-    fp8_triton.quantize_fp8_per_token_group does (scales at scale_ptr[group * rows + token], rows = the grid's
-    first dimension). Tokens M..rows-1 (padding) are zeros."""
-    wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-    columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = columns < size
-    h = _silu_mul(gate_up_ptr + token * stride_in, columns, mask & (token < M), size, INTERLEAVE, ACT)
-    h = h.to(gate_up_ptr.dtype.element_ty).to(tl.float32)
-    quantize_groups(h, mask, out_ptr + token * size + columns, scale_ptr + groups * tl.num_programs(0) + token,
-                    groups * GROUP < size, min_scale)
-
-
 def _rows(gate_up: Tensor) -> Tensor:
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
@@ -118,24 +98,5 @@ def act_and_mul_fp8(gate_up: Tensor, min_scale: float, act: str, interleave: int
     _silu_and_mul_fp8_kernel[(rows.shape[0],)](
         rows, out, scale, size, rows.stride(0), min_scale, INTERLEAVE=interleave, BLOCK=block,
         num_warps=one_pass_warps(block), ACT=ACT_CODES[act], **pdl_args(gate_up.device),
-    )
-    return out, scale
-
-
-def act_and_mul_fp8_groups(gate_up: Tensor, min_scale: float, act: str, group_size: int, rows: int,
-                           interleave: int = 0) -> tuple[Tensor, Tensor]:
-    """gate_up [..., 2 * size] → (values float8_e4m3fn [rows, size], scale float32 [rows, ceil(size / group_size)]
-    with strides (1, rows)): act(gate) · up in the model dtype quantized per token and group_size columns as
-    fp8_triton.quantize_fp8_per_token_group(..., rows=rows) does; rows >= the tokens (the rows past them zeros at
-    the smallest scale)."""
-    size = gate_up.shape[-1] // 2
-    rows_in = _rows(gate_up)
-    out, scale = empty_group_outputs(rows, size, group_size, gate_up.device)
-    if rows == 0:
-        return out, scale
-    groups = program_groups(triton.cdiv(size, group_size), group_size)
-    _act_and_mul_fp8_groups_kernel[(rows, triton.cdiv(triton.cdiv(size, group_size), groups))](
-        rows_in, out, scale, rows_in.shape[0], size, rows_in.stride(0), min_scale, INTERLEAVE=interleave,
-        GROUP=group_size, GROUPS=groups, num_warps=4, ACT=ACT_CODES[act], **pdl_args(gate_up.device),
     )
     return out, scale

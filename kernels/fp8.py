@@ -38,18 +38,6 @@ class Fp8Activation(NamedTuple):
     dtype: torch.dtype  # of the values before quantization: the product's output dtype
 
 
-class Fp8BlockActivation(NamedTuple):
-    """Activations already quantized per token and group_size columns, as `fp8_block_linear` quantizes them: what
-    the kernel before a w8a8-fp8-block linear hands it when it ends in that quantization (norm.rms_norm_fp8,
-    activation.act_and_mul_fp8 with a group_size; `quantize_fp8_block_activation` the two steps)."""
-
-    values: Tensor  # float8_e4m3fn [rows, K], rows >= the tokens: the rows past them zeros (cuBLAS's multiple of 4)
-    scale: Tensor  # float32 [rows, ceil(K / group_size)]: strides (1, rows) from the Triton kernels
-    shape: torch.Size  # of the activations before quantization, [..., K] (the tokens: all but the last dim)
-    dtype: torch.dtype  # of the values before quantization: the product's output dtype
-    group_size: int
-
-
 def quantize_fp8_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., K] → (fp8 [..., K], scale [..., 1] float32), scale = max(absmax / 448, MIN_SCALE)."""
     if can_use_triton(x):
@@ -174,8 +162,7 @@ def fp8_matmul(x_fp8: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Ten
 
 
 # w8a8-fp8-block: weights with one scale per (row, group_size columns), from 128 x 128 blocks; activations
-# quantized per token and group_size columns (DeepSeek-V3's, Qwen3's and llm-compressor's FP8_BLOCK scheme), by the
-# linear or, after an RMSNorm or act · mul, by that kernel (an Fp8BlockActivation).
+# quantized per token and group_size columns (DeepSeek-V3's, Qwen3's and llm-compressor's FP8_BLOCK scheme).
 
 def expand_group_scales(scale: Tensor, group_size: int, size: int) -> Tensor:
     """scale [..., G] → [..., size]: each column's scale (column i takes group i // group_size)."""
@@ -200,60 +187,29 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int) -> tuple[Tensor, Te
     return cast_to_fp8(x, expand_group_scales(scale, group_size, size)), scale
 
 
-def cublas_rows(tokens: int) -> int:
-    """The rows cuBLAS's block-scaled GEMM is handed for `tokens` tokens: a multiple of 4 (session 43,
-    probe_odd_m.py)."""
-    return -(-tokens // 4) * 4
-
-
-def quantize_fp8_block_activation(x: Tensor, group_size: int) -> Fp8BlockActivation:
-    """x [..., K] quantized per token and group_size columns as `fp8_block_linear` quantizes it, as an
-    Fp8BlockActivation: on CUDA with triton the group kernel with the rows padded to cublas_rows (whichever product
-    the linear then picks can read it); elsewhere quantize_fp8_per_token_group's torch path, unpadded."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if can_use_triton(x):
-        from . import fp8_triton
-
-        values, scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE,
-                                                                rows=cublas_rows(x2.shape[0]), pdl=BLOCK_QUANT_PDL)
-    else:
-        values, scale = quantize_fp8_per_token_group(x2, group_size)
-    return Fp8BlockActivation(values, scale, x.shape, x.dtype, group_size)
-
-
-def fp8_block_linear(x: Tensor | Fp8BlockActivation, weight: Tensor, weight_scale: Tensor, group_size: int,
-                     bias: Tensor | None, weight_scale_rows: Tensor | None = None,
-                     weight_scale_blocks: Tensor | None = None, dense: Tensor | None = None) -> Tensor:
+def fp8_block_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, group_size: int, bias: Tensor | None,
+                     weight_scale_rows: Tensor | None = None, weight_scale_blocks: Tensor | None = None,
+                     dense: Tensor | None = None) -> Tensor:
     """y [..., N] in x's dtype = (x quantized per token and group_size columns) @ (weight · weight_scale).T + bias,
     weight_scale [N, G] per row. On FP8 tensor cores with bf16/fp16 activations, above BLOCK_CUBLAS_MIN_TOKENS
     tokens, where the weight's scales come laid out for it (Fp8BlockFormat.derived_params): cuBLAS's block-scaled
     GEMM (`block_scaled_mm`), which takes a multiple of 4 tokens (session 43, probe_odd_m.py): the quantization
-    pads to one with zero rows. Otherwise `fp8_block_matmul`. An Fp8BlockActivation (quantized by the kernel before)
-    is taken as it is: its rows already padded for cuBLAS, the few-token kernel reads its tokens' rows."""
-    quantized = isinstance(x, Fp8BlockActivation)
-    if quantized and x.group_size != group_size:
-        raise ValueError(f"activations quantized in groups of {x.group_size} columns for a linear of {group_size}")
-    shape, dtype, out_features = x.shape, x.dtype, weight.shape[0]
-    tokens = shape[:-1].numel()
+    pads to one with zero rows. Otherwise `fp8_block_matmul`."""
+    size, out_features = x.shape[-1], weight.shape[0]
+    x2 = x.reshape(-1, size)
+    tokens = x2.shape[0]
     if (tokens > BLOCK_CUBLAS_MIN_TOKENS and (weight_scale_rows is not None or weight_scale_blocks is not None)
-            and dtype in (torch.bfloat16, torch.float16) and has_fp8_tensor_cores(weight) and is_triton_installed()
-            and (not quantized or x.values.shape[0] == cublas_rows(tokens))):
+            and x.dtype in (torch.bfloat16, torch.float16) and has_fp8_tensor_cores(x) and is_triton_installed()):
         from . import fp8_triton
 
-        if quantized:
-            x_fp8, x_scale = x.values, x.scale
-        else:
-            x_fp8, x_scale = fp8_triton.quantize_fp8_per_token_group(x.reshape(-1, shape[-1]), group_size, MIN_SCALE,
-                                                                     rows=cublas_rows(tokens), pdl=BLOCK_QUANT_PDL)
-        y = block_scaled_mm(x_fp8, x_scale, weight, weight_scale_rows, weight_scale_blocks, dtype)
+        x_fp8, x_scale = fp8_triton.quantize_fp8_per_token_group(x2, group_size, MIN_SCALE, rows=-(-tokens // 4) * 4,
+                                                                 pdl=BLOCK_QUANT_PDL)
+        y = block_scaled_mm(x_fp8, x_scale, weight, weight_scale_rows, weight_scale_blocks, x.dtype)
         y = y[:tokens] + bias if bias is not None else y[:tokens]
-        return y.reshape(*shape[:-1], out_features)
-    if quantized:
-        x_fp8, x_scale = x.values[:tokens], x.scale[:tokens]
-    else:
-        x_fp8, x_scale = quantize_fp8_per_token_group(x.reshape(-1, shape[-1]), group_size)
-    y = fp8_block_matmul(x_fp8, x_scale, weight, weight_scale, group_size, bias, dtype, dense)
-    return y.reshape(*shape[:-1], out_features)
+        return y.reshape(*x.shape[:-1], out_features)
+    x_fp8, x_scale = quantize_fp8_per_token_group(x2, group_size)
+    y = fp8_block_matmul(x_fp8, x_scale, weight, weight_scale, group_size, bias, x.dtype, dense)
+    return y.reshape(*x.shape[:-1], out_features)
 
 
 BLOCK_QUANT_PDL: bool | None = None  # the group quantization's launch: None as every kernel's (kernels.use_pdl)

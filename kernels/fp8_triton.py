@@ -111,18 +111,6 @@ def quantize_per_token(x: Tensor, min_scale: float, dtype: torch.dtype = torch.f
 
 
 @triton.jit
-def quantize_groups(tile, mask, out_ptrs, scale_ptrs, scale_mask, min_scale):
-    """A token's [GROUPS, GROUP] tile of float32 values (0 where masked) to E4M3 at out_ptrs, each group's scale at
-    scale_ptrs: scale = max(absmax / 448, min_scale), each value divided by it (div_rn), saturated, rounded to nearest
-    even. The group quantization's arithmetic, shared by the kernels that end in it (norm_triton, activation_triton)
-    so that their values and scales are this kernel's bit for bit."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(tile), axis=1), FP8_E4M3_MAX), min_scale)  # [GROUPS]
-    tl.store(scale_ptrs, scale, mask=scale_mask)
-    values = tl.clamp(tl.math.div_rn(tile, scale[:, None]), -FP8_E4M3_MAX, FP8_E4M3_MAX)
-    tl.store(out_ptrs, values.to(out_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, ROWS, K, stride_x, min_scale, GROUP: tl.constexpr,
                             GROUPS: tl.constexpr, PDL: tl.constexpr):
     """GROUPS groups of GROUP columns of one token per program, as a [GROUPS, GROUP] tile: each row's absmax, its
@@ -134,20 +122,10 @@ def _quantize_groups_kernel(x_ptr, out_ptr, scale_ptr, M, ROWS, K, stride_x, min
     columns = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     mask = (groups[:, None] * GROUP < K) & (columns < K)
     tile = tl.load(x_ptr + token * stride_x + columns, mask=mask & (token < M), other=0.0).to(tl.float32)
-    quantize_groups(tile, mask, out_ptr + token * K + columns, scale_ptr + groups * ROWS + token, groups * GROUP < K,
-                    min_scale)
-
-
-def empty_group_outputs(rows: int, size: int, group_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(values float8_e4m3fn [rows, size], scale float32 [rows, ceil(size / group_size)] with strides (1, rows)): what
-    the group quantization writes, the layout cuBLAS's block-scaled GEMM reads."""
-    scale = torch.empty(triton.cdiv(size, group_size), rows, device=device, dtype=torch.float32).t()
-    return torch.empty(rows, size, device=device, dtype=torch.float8_e4m3fn), scale
-
-
-def program_groups(num_groups: int, group_size: int) -> int:
-    """Groups one program of a [tokens, groups / GROUPS] grid quantizes: up to 2048 columns (a power of two)."""
-    return max(1, min(triton.next_power_of_2(num_groups), 2048 // group_size))
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(tile), axis=1), FP8_E4M3_MAX), min_scale)  # [GROUPS]
+    tl.store(scale_ptr + groups * ROWS + token, scale, mask=groups * GROUP < K)
+    values = tl.clamp(tl.math.div_rn(tile, scale[:, None]), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    tl.store(out_ptr + token * K + columns, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, rows: int | None = None,
@@ -161,8 +139,9 @@ def quantize_fp8_per_token_group(x: Tensor, group_size: int, min_scale: float, r
     if x.stride(-1) != 1:
         x = x.contiguous()
     num_groups = triton.cdiv(K, group_size)
-    out, scale = empty_group_outputs(rows, K, group_size, x.device)
-    groups_per_program = program_groups(num_groups, group_size)
+    out = torch.empty(rows, K, device=x.device, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(num_groups, rows, device=x.device, dtype=torch.float32).t()
+    groups_per_program = max(1, min(triton.next_power_of_2(num_groups), 2048 // group_size))
     if rows:
         _quantize_groups_kernel[(rows, triton.cdiv(num_groups, groups_per_program))](
             x, out, scale, M, rows, K, x.stride(0), min_scale, GROUP=group_size, GROUPS=groups_per_program,

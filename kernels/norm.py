@@ -2,8 +2,8 @@
 
 Shapes: x, residual [num_tokens, hidden_size] (or [num_tokens, num_heads, head_dim] for q/k norms);
 weight [hidden_size]. On CUDA one Triton kernel (norm_triton.py) per call; elsewhere plain torch.
-`rms_norm_fp8` also quantizes the output per token for a w8a8-fp8 linear (kernels/fp8.py), or per token
-and group of columns for a w8a8-fp8-block one, in the same kernel on CUDA.
+`rms_norm_fp8` also quantizes the output per token for a w8a8-fp8 linear (kernels/fp8.py), in the
+same kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import torch
 from torch import Tensor
 
 from . import can_use_triton
-from .fp8 import (MIN_SCALE, ONE_PASS_MAX, Fp8Activation, Fp8BlockActivation, cublas_rows,
-                  quantize_fp8_block_activation, quantize_fp8_per_token)
+from .fp8 import MIN_SCALE, ONE_PASS_MAX, Fp8Activation, quantize_fp8_per_token
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, perm: Tensor | None = None) -> Tensor:
@@ -40,27 +39,19 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, perm: 
     return rms_norm(residual, weight, eps, perm), residual
 
 
-def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, group_size: int = 0,
-                 ) -> tuple[Fp8Activation | Fp8BlockActivation, Tensor | None]:
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None,
+                 ) -> tuple[Fp8Activation, Tensor | None]:
     """(quantize_fp8_per_token(rms_norm(x [+ residual])), x + residual or None): the same values and
     scales as the two calls, from one kernel on CUDA (rows of up to ONE_PASS_MAX values, weight in x's
-    dtype; two kernels otherwise). group_size > 0 (a w8a8-fp8-block linear): an Fp8BlockActivation,
-    quantize_fp8_block_activation(rms_norm(...), group_size)'s values and scales, from one kernel on CUDA."""
+    dtype; two kernels otherwise)."""
     if can_use_triton(x, weight, *([] if residual is None else [residual])) and x.dtype == weight.dtype \
             and x.shape[-1] <= ONE_PASS_MAX:
         from . import norm_triton
 
-        if group_size:
-            rows = cublas_rows(x.numel() // x.shape[-1])
-            values, scale, residual = norm_triton.rms_norm_fp8_groups(x, weight, eps, residual, MIN_SCALE, group_size,
-                                                                      rows)
-            return Fp8BlockActivation(values, scale, x.shape, x.dtype, group_size), residual
         values, scale, residual = norm_triton.rms_norm_fp8(x, weight, eps, residual, MIN_SCALE)
         return Fp8Activation(values, scale, x.dtype), residual
     if residual is None:
         normed = rms_norm(x, weight, eps)
     else:
         normed, residual = add_rms_norm(x, residual, weight, eps)
-    if group_size:
-        return quantize_fp8_block_activation(normed, group_size), residual
     return Fp8Activation(*quantize_fp8_per_token(normed), normed.dtype), residual

@@ -484,10 +484,6 @@ def is_fp8_block_size(block) -> bool:
             and all(type(b) is int and b >= 16 and b & (b - 1) == 0 for b in block))
 
 
-FP8_BLOCK_FUSED_INPUT = True  # the norm / act · mul before a w8a8-fp8-block linear quantize for it (read as a model
-# is built; False: each linear quantizes its own input, what benchmarks compare against)
-
-
 @dataclass(frozen=True)
 class Fp8BlockFormat:
     """`w8a8-fp8-block`: E4M3 weights quantized in blocks of block_size = (rows, columns), 128 x 128 by default
@@ -570,19 +566,7 @@ class Fp8BlockFormat:
             derived["weight_scale_rows"] = scale.t().contiguous().t()
         return derived
 
-    @property
-    def takes_fp8_activations(self) -> bool:
-        """Whether `apply` may be handed an `Fp8BlockActivation` (quantized per token and group by the kernel
-        before, as `apply` would): while FP8_BLOCK_FUSED_INPUT is on."""
-        return FP8_BLOCK_FUSED_INPUT
-
-    @property
-    def fp8_activation_group(self) -> int:
-        """The columns per scale of the activations `apply` takes quantized: the block's."""
-        return self.group_size
-
-    def apply(self, x: Tensor | fp8_kernels.Fp8BlockActivation, params: dict[str, Tensor], bias: Tensor | None,
-              ) -> Tensor:
+    def apply(self, x: Tensor, params: dict[str, Tensor], bias: Tensor | None) -> Tensor:
         """params["dense"], where present: the weight dequantized once (on a CPU: Linear.dequantize_once)."""
         return fp8_kernels.fp8_block_linear(x, params["weight"], params["weight_scale"], self.group_size, bias,
                                             params.get("weight_scale_rows"), params.get("weight_scale_blocks"),
@@ -660,17 +644,9 @@ def dequantizes_once_on_cpu(fmt: LinearFormat) -> bool:
 
 
 def takes_fp8_activations(fmt: LinearFormat) -> bool:
-    """Whether fmt.apply takes an `Fp8Activation` (w8a8-fp8 with per-token input scales) or an
-    `Fp8BlockActivation` (w8a8-fp8-block, while FP8_BLOCK_FUSED_INPUT is on): the kernel that makes such a
-    linear's input then quantizes it too (norm.rms_norm_fp8, activation.act_and_mul_fp8), in groups of
-    fp8_activation_group(fmt) columns."""
+    """Whether fmt.apply takes an `Fp8Activation` (w8a8-fp8 with per-token input scales): the kernel that
+    makes such a linear's input then quantizes it too (norm.rms_norm_fp8, activation.act_and_mul_fp8)."""
     return getattr(fmt, "takes_fp8_activations", False)
-
-
-def fp8_activation_group(fmt: LinearFormat) -> int:
-    """The group_size argument of norm.rms_norm_fp8 / activation.act_and_mul_fp8 for fmt's input: 0 (one scale per
-    token, w8a8-fp8), or the columns per scale of w8a8-fp8-block."""
-    return getattr(fmt, "fp8_activation_group", 0)
 
 
 def register_format(name: str, cls: object) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.fp8 import Fp8Activation, Fp8BlockActivation
+from llmc.kernels.fp8 import Fp8Activation
 from llmc.quant.formats import LinearFormat, dequantizes_once_on_cpu
 
 
@@ -29,7 +29,7 @@ class Linear(nn.Module):
         self.dense: Tensor | None = None  # an int weight dequantized once, on a CPU (dequantize_once)
         self.lora = None  # run-time LoRA slots (runtime/lora.LinearLora), added to the output; None: none
 
-    def forward(self, x: Tensor | Fp8Activation | Fp8BlockActivation) -> Tensor:
+    def forward(self, x: Tensor | Fp8Activation) -> Tensor:
         out = self.fmt.apply(x, self.params(), self.bias if self.has_bias else None)
         return out if self.lora is None else self.lora.add_to(out, x)
 

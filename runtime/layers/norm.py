@@ -7,19 +7,18 @@ from llmc.kernels.norm import add_rms_norm, rms_norm, rms_norm_fp8
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, fp8_output: bool = False, fp8_group: int = 0):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, fp8_output: bool = False):
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"))
         self.fp8_output = fp8_output  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
-        self.fp8_group = fp8_group  # > 0: per token and fp8_group columns, for w8a8-fp8-block (Fp8BlockActivation)
         self.out_perm: Tensor | None = None  # the act-order gather of the linear it feeds (take_linear_perm)
 
     def forward(self, x: Tensor, residual: Tensor | None = None):
         """Without residual: rms_norm(x). With residual: (rms_norm(x + residual), x + residual). With
-        fp8_output the normed values come as an Fp8Activation or Fp8BlockActivation (kernels/norm.rms_norm_fp8)."""
+        fp8_output the normed values come as an Fp8Activation (kernels/norm.rms_norm_fp8)."""
         if self.fp8_output:
-            normed, residual = rms_norm_fp8(x, self.weight, self.eps, residual, self.fp8_group)
+            normed, residual = rms_norm_fp8(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps, self.out_perm)
@@ -35,5 +34,4 @@ class RMSNorm(nn.Module):
         return True
 
     def extra_repr(self) -> str:
-        return "" if not self.fp8_output else f"fp8_output=True, fp8_group={self.fp8_group}" if self.fp8_group \
-            else "fp8_output=True"
+        return "fp8_output=True" if self.fp8_output else ""

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from llmc.kernels.activation import act_and_mul, act_and_mul_fp8
 from llmc.kernels.attention import paged_attention, rotate_and_write_kv, rotate_write_and_attend
-from llmc.quant.formats import fp8_activation_group, takes_fp8_activations
+from llmc.quant.formats import takes_fp8_activations
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
@@ -147,7 +147,6 @@ class MLP(nn.Module):
         self.tp_group = tp_group
         self.is_gate_up_interleaved = False
         self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
-        self.fp8_down_group = fp8_activation_group(formats[prefix + "down"])
         self.act = config.hidden_act
 
     def interleave_gate_up(self) -> None:
@@ -159,10 +158,8 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.is_gate_up_interleaved:
             h = self.gate_up.silu_mul(x)
-        elif self.fp8_down_input:  # quantized in the same kernel where down is w8a8-fp8 (-block)
-            h = act_and_mul_fp8(self.gate_up(x), self.act, group_size=self.fp8_down_group)
-        else:
-            h = act_and_mul(self.gate_up(x), self.act)
+        else:  # quantized in the same kernel where down is w8a8-fp8
+            h = (act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), self.act)
         out = self.down(h)  # [num_tokens, hidden_size], partial under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
@@ -178,14 +175,12 @@ class DecoderLayer(nn.Module):
         if config.pre_norms:
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized)
-            qkv = formats[f"layers.{index}.attn.qkv"]
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
-                                      fp8_output=takes_fp8_activations(qkv), fp8_group=fp8_activation_group(qkv))
+                                      fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
         self.attn = Attention(config, formats, index, dtype, layout, tp_group)
         if config.pre_norms:
-            gate_up = formats.get(f"layers.{index}.mlp.gate_up")
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
-                                          and takes_fp8_activations(gate_up), fp8_group=fp8_activation_group(gate_up))
+                                          and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         else:

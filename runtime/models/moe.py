@@ -33,7 +33,7 @@ from llmc.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
 from llmc.kernels.fp8 import has_fp8_tensor_cores
 from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
 from llmc.quant.formats import (DenseFormat, Fp8BlockFormat, Fp8Format, IntWeightFormat, LinearFormat,
-                                dequantizes_once_on_cpu, fp8_activation_group, takes_fp8_activations)
+                                dequantizes_once_on_cpu, takes_fp8_activations)
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
@@ -94,12 +94,9 @@ class SharedExpert(nn.Module):
         self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
         self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
-        self.fp8_down_group = fp8_activation_group(formats[prefix + "down"])
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.fp8_down_input:
-            return self.down(act_and_mul_fp8(self.gate_up(x), "silu", group_size=self.fp8_down_group))
-        return self.down(act_and_mul(self.gate_up(x), "silu"))
+        return self.down((act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), "silu"))
 
 
 class MoE(nn.Module):
