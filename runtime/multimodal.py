@@ -235,6 +235,12 @@ class VisionEncoder:
             raise ArtifactError(f"{art.VISION_WEIGHTS} does not match the manifest's vision config "
                                 f"({str(e).splitlines()[0]}); rebuild the artifact") from None
         self.tower.to(device=device, dtype=dtype)
+        if torch.device(device).type == "cuda" and dtype == torch.float32:
+            # PyTorch lets cuDNN round a float32 convolution's inputs to TF32 by default: Qwen2-VL's Conv3d patch
+            # embedding then moved its image tokens' logprobs by up to 6e-3 from the CPU's (session 44, H200; 1e-5
+            # with it off, as text-only requests agree). A float32 artifact computes in float32; llmc's own
+            # kernels use no cuDNN, so the process-wide flag changes only the towers.
+            torch.backends.cudnn.allow_tf32 = False
         if self.projector is not None:
             self.projector.to(device=device, dtype=dtype)
         if self.image_newline is not None:
