@@ -86,8 +86,8 @@ class MoeConfig:
     w4_tiles: int = 1
 
 
-# By reasoning, not measured (benchmarks/bench_moe.py --sweep measures candidates on a GPU): the
-# first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
+# By reasoning, not measured (benchmarks/bench_moe.py --sweep measures candidates on a GPU; the kinds it measured
+# take MEASURED_MOE_CONFIGS below, w4a16 this table): the first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
 #  decode (a few tokens per expert): the weights are read once, so the tile is shaped for bandwidth:
 #    the fewest padded rows, wide K steps and deep pipelining, for many bytes in flight per SM (a
 #    step of bf16 64 × 128 is 16 KB, of two packed int4 tiles 8 KB; the previous 64 × 32 bf16
@@ -101,21 +101,28 @@ MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 )
 
 
-# w8a8-fp8-block experts, measured (session 44, `bench_moe.py --kinds fp8-block --sweep` on an H200): their K steps
-# are one 128-column group each, and from 9 pairs per expert 64 x 128 tiles of 4 warps were the fastest candidate
-# (Mixtral-8x7B at 128 tokens 567 µs against the table's 764, at 1024 tokens 1751 against 2382; Qwen3-30B-A3B at
-# 1024 tokens 509 against 616); up to 8 pairs the decode entry was within 3% of the best.
-BLOCK_FP8_MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    MOE_CONFIGS[0],
-    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3)),
-)
+# Measured tables (session 44, `bench_moe.py --sweep` on an H200, Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes at
+# 1-1024 tokens), by the gate_up experts' kind; w4a16 experts keep MOE_CONFIGS (not swept).
+#  dense, w8a8-fp8: MOE_CONFIGS' decode and prefill entries were within 4% of the best candidate (10% for bf16
+#    Mixtral at 1 and 1024 tokens); between them (9-48 pairs per expert: Mixtral at 128 tokens) 64 x 128 tiles of 4
+#    warps took 0.80 (FP8) and 0.85 (bf16) of the 32 x 64 tiles' time.
+#  w8a8-fp8-block: its K steps are one 128-column group each (fused_moe_triton), and from 9 pairs per expert the
+#    same 64 x 128 tiles were the fastest candidate (Mixtral at 128 tokens 567 µs against MOE_CONFIGS' 764, at 1024
+#    tokens 1751 against 2382; Qwen3-30B-A3B at 1024 tokens 509 against 616); up to 8 pairs the decode entry was
+#    within 3% of the best.
+_WIDE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+MEASURED_MOE_CONFIGS: dict[str, tuple[tuple[float, MoeConfig], ...]] = {
+    "dense": (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2]),
+    "w8a8-fp8": (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2]),
+    "w8a8-fp8-block": (MOE_CONFIGS[0], (float("inf"), _WIDE)),
+}
 
 
 def select_moe_config(num_tokens: int, top_k: int, num_experts: int, kind: str = "dense") -> MoeConfig:
-    """The table's tiles for this many tokens and the gate_up experts' kind (static per batch size, so CUDA graphs
-    keep their sizes)."""
+    """The tiles for this many tokens and the gate_up experts' kind (static per batch size, so CUDA graphs keep their
+    sizes): the measured table of the kind, else MOE_CONFIGS."""
     pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
-    table = BLOCK_FP8_MOE_CONFIGS if kind == "w8a8-fp8-block" else MOE_CONFIGS
+    table = MEASURED_MOE_CONFIGS.get(kind, MOE_CONFIGS)
     return next(config for bound, config in table if pairs_per_expert <= bound)
 
 

@@ -270,15 +270,17 @@ def test_fused_moe_w8a8_fp8_block_matches_the_formats_math_in_float64(hidden, in
     assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
-@pytest.mark.parametrize("config_index", range(4))
+@pytest.mark.parametrize("config_index", range(5))
 def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_err):
-    """Each MOE_CONFIGS entry (and so each block_m of align_by_expert), and 4 packed tiles per step,
+    """Each MOE_CONFIGS entry (and so each block_m of align_by_expert), 4 packed tiles per step, and the measured
+    tables' 64 x 128 tiles of 4 warps,
     on dense, W4A16 and W8A8-FP8 experts, in float32 (exact products in the interpreter), against
     the float64 references."""
     from llmc.kernels import fused_moe_triton
-    from llmc.kernels.fused_moe import MOE_CONFIGS, MoeConfig
+    from llmc.kernels.fused_moe import MEASURED_MOE_CONFIGS, MOE_CONFIGS, MoeConfig
 
-    config = [*(c for _, c in MOE_CONFIGS), MoeConfig(block_m=16, block_n=32, w4_tiles=4)][config_index]
+    config = [*(c for _, c in MOE_CONFIGS), MoeConfig(block_m=16, block_n=32, w4_tiles=4),
+              MEASURED_MOE_CONFIGS["dense"][1][1]][config_index]
     gen = torch.Generator().manual_seed(config_index)
     x = torch.randn(9, 128, generator=gen)
     weights, ids = _route(9, 4, 2, gen)
