@@ -56,6 +56,20 @@ def record_chunks(monkeypatch) -> list:
     return chunks
 
 
+def check_chunked_image_prefill(artifact, monkeypatch, greedy, requests: list[dict], expected) -> None:
+    """`requests` (prompts with images) served 8 tokens a step on the CPU: each reply equal to transformers'
+    (`expected`, in order), and some chunk ended inside an image (split across chunks)."""
+    from llmc.runtime.llm import LLM
+
+    chunks = record_chunks(monkeypatch)
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=8, max_num_seqs=2, num_kv_blocks=64, block_size=8)
+    for output, want in zip(llm.generate(requests, greedy), expected, strict=True):
+        check_output(output, want)
+    inside = [(start, n) for request, start, n in chunks
+              if request.images and request.images.positions[0] < start + n <= request.images.positions[-1]]
+    assert inside  # some chunk ended inside an image
+
+
 def check_chat_image_parts(llm, greedy, picture, text: str, expected) -> None:
     """`llm.chat` with `picture` as an image_url (a data URL) and as vLLM's image_pil part, then `text`: each reply
     equal to transformers' (`expected`, for the same prompt as the chat template renders it)."""
