@@ -38,7 +38,7 @@ from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
 from llmc.runtime.layers.rotary import partial_rotary_problem
 from llmc.runtime.models import model_context_of
-from llmc.runtime.models.spec import ModelSpec
+from llmc.runtime.models.spec import ModelSpec, float32_norms
 from llmc.runtime.options import max_model_len_problem
 from llmc.runtime.pooling import sentence_transformers_files
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
@@ -400,7 +400,8 @@ def _unit_shards(ctx: _Context, reader: hf.TensorReader, unit: str | int, layout
     if isinstance(unit, int):
         layer = order_down_groups(packer(getattr(packer, "read_layer", read_layer)(reader, ctx.spec, ctx.model, unit)))
         for layout in (lay for lay in layouts if unit in lay.layers):
-            packed = pack_layer(shard_layer(layer, layout, ctx.model, ctx.spec), ctx.module_formats, dtype)
+            packed = pack_layer(shard_layer(layer, layout, ctx.model, ctx.spec), ctx.module_formats, dtype,
+                                float32_norms(ctx.model))
             yield layout.rank, {f"layers.{unit}.{name}": tensor for name, tensor in packed.items()}
         return
     holders = [lay for lay in layouts if (lay.has_embed if unit == "embed" else lay.has_head)]

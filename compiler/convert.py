@@ -16,7 +16,7 @@ from llmc.compiler.hf_checkpoint import TensorReader
 from llmc.quant.formats import QuantizedWeight, make_format
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.decoder import DecoderModel
-from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, in_layer
+from llmc.runtime.models.spec import ModelSpec, expert_linear_name, format_key, in_layer, layer_norm_names
 from llmc.runtime.parallel.layout import RankLayout
 
 
@@ -76,13 +76,14 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
             linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
         if config.attention_bias and linear.name == "attn.qkv":
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
-    norm_names = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
-    norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in norm_names.items()}
+    norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config).items()}
     if is_moe:
         linears |= read_experts(reader, spec, config, index, skip_linears)
         norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()
         if config.shared_expert_gate:  # Qwen2-MoE's shared expert gate [1, hidden]
             norms["moe.shared_gate"] = reader.get(f"{prefix}{spec.moe.shared_gate}.weight").float()
+        if config.router_scoring == "sigmoid":  # DeepSeek-V3's e_score_correction_bias [num_experts]
+            norms["moe.gate_bias"] = reader.get(f"{prefix}{spec.moe.router}.e_score_correction_bias").float()
     return LayerWeights(index, linears, biases, norms)
 
 
@@ -124,9 +125,10 @@ def dense_global_packer(module: str, weight: Tensor) -> Tensor:
     return weight
 
 
-def pack_layer(layer: LayerWeights, module_formats: dict[str, dict], dtype: torch.dtype) -> dict[str, Tensor]:
+def pack_layer(layer: LayerWeights, module_formats: dict[str, dict], dtype: torch.dtype,
+               float32_norms: tuple[str, ...] = ()) -> dict[str, Tensor]:
     """A layer's runtime tensors (names inside the layer): each linear packed in its planned format,
-    biases and norms cast to the model dtype."""
+    biases and norms cast to the model dtype, except `float32_norms` (DeepSeek's router: spec.float32_norms)."""
     out = {}
     for name, weight in layer.linears.items():
         for param, tensor in pack_linear(weight, module_formats[f"layers.{layer.index}.{format_key(name)}"], dtype).items():
@@ -134,7 +136,7 @@ def pack_layer(layer: LayerWeights, module_formats: dict[str, dict], dtype: torc
     for name, bias in layer.biases.items():
         out[f"{name}.bias"] = bias.to(dtype)
     for name, weight in layer.norms.items():
-        out[f"{name}.weight"] = weight.to(dtype)
+        out[f"{name}.weight"] = weight.to(torch.float32 if name in float32_norms else dtype)
     return stack_experts(out)
 
 

@@ -7,6 +7,7 @@ memory twice. Single-file and sharded (with model.safetensors.index.json) checkp
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -21,6 +22,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_architecture, supported_architectures
 from llmc.runtime.models.spec import ModelSpec
 
+logger = logging.getLogger("llmc")
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 
@@ -119,6 +121,17 @@ _HF_CONFIG_DEFAULTS = {
                   "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
                   "shared_expert_intermediate_size": 5632, "moe_intermediate_size": 1408},
 }
+_DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
+                      "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                      "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
+                      "topk_group": None, "moe_intermediate_size": 1407, "max_position_embeddings": 2048,
+                      "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2}
+_HF_CONFIG_DEFAULTS["deepseek_v2"] = _DEEPSEEK_DEFAULTS
+_HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_replace": 3, "n_routed_experts": 256,
+                                      "n_shared_experts": 1, "routed_scaling_factor": 2.5, "topk_method": None,
+                                      "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                                      "moe_intermediate_size": 2048, "max_position_embeddings": 4096,
+                                      "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
 for _type in ("granitemoe", "granitemoeshared"):
     _HF_CONFIG_DEFAULTS[_type] = {**_HF_CONFIG_DEFAULTS["granite"], "num_local_experts": 8, "num_experts_per_tok": 2}
 _HF_CONFIG_DEFAULTS["granitemoeshared"]["shared_intermediate_size"] = 0
@@ -127,7 +140,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                   "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
-                  "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe"}
+                  "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -162,6 +176,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                               "published OLMoE checkpoints set it to null")
     if spec.family == "olmo3":
         config = _olmo3_config(config)
+    if spec.family in DEEPSEEK_FAMILIES:
+        config = _deepseek_config(config, spec.family)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -192,7 +208,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         dtype=dtype,
         sliding_window=sliding_window,
         sliding_window_layers=sliding_window_layers,
-        **(_moe_fields(config, spec.family) if spec.moe is not None else {}),
+        **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_FAMILIES else {}),
+        **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
@@ -489,6 +506,89 @@ def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Call
             derived[f"{prefix}{moe.up}.weight"] = lambda r, n=gate_up, e=e: r.get_index(n, e)[width:]
             derived[f"{prefix}{moe.down}.weight"] = lambda r, n=down, e=e: r.get_index(n, e)
     return derived
+
+
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+
+
+def _deepseek_config(config: dict, family: str) -> dict:
+    """A DeepSeek config checked, refusing by name what transformers' DeepseekV2/V3ForCausalLM would not run as its
+    config says (or llmc does not build), with the attention's head as the KV cache holds it: head_dim
+    qk_nope_head_dim + qk_rope_head_dim (transformers' head_dim is the rope part's), one KV head per query head."""
+    name = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[family]
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for {name} (its attention's or MLPs' biases)")
+    if config.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"moe_layer_freq {config['moe_layer_freq']}: transformers' {name} ignores it (every "
+                              "layer from first_k_dense_replace on is an MoE); published checkpoints set 1")
+    heads = config["num_attention_heads"]
+    if (config.get("num_key_value_heads") or heads) != heads:
+        raise CheckpointError(f"num_key_value_heads {config['num_key_value_heads']}: {name}'s attention expands one K "
+                              f"and V head per query head; set it to num_attention_heads ({heads})")
+    if not config.get("kv_lora_rank"):
+        raise CheckpointError(f"kv_lora_rank {config.get('kv_lora_rank')!r}: {name}'s attention needs the compressed "
+                              "kv's width")
+    if config["v_head_dim"] > config["qk_nope_head_dim"] + config["qk_rope_head_dim"]:
+        raise CheckpointError(f"v_head_dim {config['v_head_dim']} is wider than the key's qk_nope_head_dim + "
+                              "qk_rope_head_dim: the expanded KV cache pads V to K's head_dim, not K to V's")
+    if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
+        raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
+                              "and top-k)")
+    if config.get("num_nextn_predict_layers") or config.get("num_mtp_layers"):
+        logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built: transformers' "
+                    "forward does not run them either; no MTP speculative decoding", name)
+    return {**config, "head_dim": config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+            "num_key_value_heads": heads}
+
+
+def _deepseek_fields(config: dict, family: str) -> dict:
+    """DeepSeek's MLA and MoE fields (runtime/models/mla.py, moe.deepseek_route). The attention's scale is
+    qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under a rope scaling (transformers' yarn_apply_mscale).
+    V2's router: softmax, top-k greedy or group_limited_greedy, never renormalised (transformers' DeepseekV2TopkRouter
+    reads no norm_topk_prob: one set true is refused); V3's: sigmoid with e_score_correction_bias, n_group /
+    topk_group (transformers runs noaux_tc whatever topk_method says), norm_topk_prob."""
+    name = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[family]
+    experts, num_layers = config["n_routed_experts"], config["num_hidden_layers"]
+    scoring, method = config.get("scoring_func"), config.get("topk_method")
+    if family == "deepseek_v2":
+        if scoring not in (None, "softmax") or method not in ("greedy", "group_limited_greedy"):
+            raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' DeepSeek-V2 routes "
+                                  "by softmax, greedy or group_limited_greedy")
+        if config.get("norm_topk_prob"):
+            raise CheckpointError("norm_topk_prob: true is not supported for DeepSeek-V2: transformers' "
+                                  "DeepseekV2TopkRouter does not renormalise (DeepSeek's own code would)")
+        groups = (config["n_group"], config["topk_group"]) if method == "group_limited_greedy" else (None, None)
+    else:
+        if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
+            raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' DeepSeek-V3 routes "
+                                  "by sigmoid with noaux_tc")
+        groups = (config["n_group"], config["topk_group"])
+    if groups[0] is not None and (not groups[1] or experts % groups[0] or groups[1] > groups[0]
+                                  or (family == "deepseek_v3" and experts // groups[0] < 2)):
+        raise CheckpointError(f"n_group {groups[0]}, topk_group {groups[1]}: the {experts} experts must split evenly "
+                              f"into n_group groups{' of at least 2' if family == 'deepseek_v3' else ''}, of which "
+                              "topk_group (at most n_group) are chosen from")
+    qk_head_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    _, rope_scaling = _rope(config)
+    scale = qk_head_dim ** -0.5
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        factor = rope_scaling["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * rope_scaling["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    shared = config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
+    return {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"],
+            "norm_topk_prob": family == "deepseek_v3" and bool(config.get("norm_topk_prob")),
+            "moe_layers": list(range(config["first_k_dense_replace"] or 0, num_layers)),
+            "shared_expert_intermediate_size": shared or None,
+            "router_scoring": "softmax" if family == "deepseek_v2" else "sigmoid",
+            "router_groups": groups[0], "router_topk_groups": groups[1],
+            "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
+            "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank") or None,
+            "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"], "softmax_scale": scale,
+            "mla_rope_interleave": family == "deepseek_v2" or bool(config.get("rope_interleave", True))}
 
 
 def _moe_fields(config: dict, family: str) -> dict:

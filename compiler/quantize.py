@@ -162,6 +162,10 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
              "mlp.down": config.intermediate_size, "moe.experts.gate_up": config.hidden_size,
              "moe.experts.down": config.moe_intermediate_size, "moe.shared.gate_up": config.hidden_size,
              "moe.shared.down": config.shared_expert_intermediate_size}
+    if config.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
+        sizes |= {"attn.q": config.hidden_size, "attn.q_a": config.hidden_size, "attn.q_b": config.q_lora_rank,
+                  "attn.kv_a": config.hidden_size, "attn.kv_b": config.kv_lora_rank,
+                  "attn.o": config.num_heads * config.v_head_dim}
     result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 

@@ -69,22 +69,28 @@ from llmc.schema import opt, parse
 #      section's mrope_section (M-RoPE: the rotary dims' split over temporal, height and width positions) and
 #      video_token_index (refused in prompts), a Qwen2-VL / Qwen2.5-VL vision_config whose tower holds its patch
 #      merger; older manifests load without them (1-D rotary positions).
-FORMAT_VERSION = "1.19"
+FORMAT_VERSION = "1.20"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19")
+                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
 VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
-            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe"]
+            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
+# DeepSeek's multi-head latent attention (runtime/models/mla.py) in place of attn.qkv: q (attn.q, or attn.q_a then
+# attn.q_b under a q_lora_rank), the compressed kv and the shared rope key (attn.kv_a), the per-head k_nope and v
+# (attn.kv_b)
+MLA_LINEARS = ("attn.q", "attn.kv_a", "attn.kv_b", "attn.o")
+MLA_LORA_Q_LINEARS = ("attn.q_a", "attn.q_b", "attn.kv_a", "attn.kv_b", "attn.o")
+ROUTER_SCORINGS = ["softmax", "sigmoid"]  # how an MoE router turns its logits into expert scores
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
@@ -133,6 +139,25 @@ class ModelConfig:
     # token runs, its output added to the routed experts'; None: none
     shared_expert_intermediate_size: int | None = opt(None, min=1)
     shared_expert_gate: bool = opt(False)  # Qwen2-MoE: the shared expert's output times sigmoid(x · moe.shared_gate)
+    # DeepSeek's routing (the defaults are every other family's): scores by softmax (V2) or sigmoid (V3, which also adds
+    # moe.gate_bias, e_score_correction_bias, to the scores it chooses by, not to the weights); router_groups: the
+    # experts split into that many groups of which the best router_topk_groups are chosen from (a group's score: its
+    # best expert's under softmax, its two best experts' sum under sigmoid), None: no groups; the chosen weights
+    # (renormalised where norm_topk_prob) times routed_scaling_factor. The router runs in float32 as transformers'.
+    router_scoring: str = opt("softmax", choices=ROUTER_SCORINGS)
+    router_groups: int | None = opt(None, min=1)
+    router_topk_groups: int | None = opt(None, min=1)
+    routed_scaling_factor: float = opt(1.0, min_exclusive=0.0)
+    # DeepSeek's multi-head latent attention (runtime/models/mla.py; None: the plain q/k/v attention): the compressed
+    # kv's width (kv_lora_rank), q's low rank (None: q_proj), each head's q/k dims without and with the rotary
+    # (head_dim is their sum) and its v dims (at most head_dim: zero-padded to it in the KV cache); mla_rope_interleave:
+    # the rotary dims are rotated in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek-V2, V3's rope_interleave)
+    kv_lora_rank: int | None = opt(None, min=1)
+    q_lora_rank: int | None = opt(None, min=1)
+    qk_nope_head_dim: int | None = opt(None, min=1)
+    qk_rope_head_dim: int | None = opt(None, min=2)
+    v_head_dim: int | None = opt(None, min=1)
+    mla_rope_interleave: bool = opt(False)
     # Gemma 2 and 3 (the defaults are every other family's):
     hidden_act: str = opt("silu", choices=HIDDEN_ACTS)  # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form
     query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
@@ -181,18 +206,39 @@ class ModelConfig:
             raise ArtifactError(f"model: rotary_dim {self.rotary_dim} must be even and at most head_dim "
                                 f"{self.head_dim}")
 
+        if self.is_mla and (self.qk_nope_head_dim is None or self.qk_rope_head_dim is None or self.v_head_dim is None
+                            or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
+                            or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):
+            raise ArtifactError(f"model: MLA needs qk_nope_head_dim + qk_rope_head_dim = head_dim {self.head_dim}, "
+                                f"v_head_dim at most head_dim and num_kv_heads = num_heads; got {self.qk_nope_head_dim}, "
+                                f"{self.qk_rope_head_dim}, {self.v_head_dim}, {self.num_kv_heads}")
+
     @property
     def is_classifier(self) -> bool:
         return self.num_labels is not None
 
     @property
+    def is_mla(self) -> bool:
+        """DeepSeek's multi-head latent attention (runtime/models/mla.py) in place of the q/k/v attention."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def router_in_float32(self) -> bool:
+        """DeepSeek's router weight (and V3's score bias) is held and run in float32, as transformers keeps it."""
+        return self.family in ("deepseek_v2", "deepseek_v3")
+
+    @property
     def rotary_dims(self) -> int:
-        """The dims of each q/k head the rotary embedding rotates: rotary_dim, else the whole head."""
+        """The dims of each q/k head the rotary embedding rotates: rotary_dim, else the whole head; MLA: the rope
+        part's (qk_rope_head_dim), which the MLA module rotates itself before the cache write."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def is_partial_rotary(self) -> bool:
-        return self.rotary_dims < self.head_dim
+        """A partial_rotary_factor's leading dims rotated by the kernels (not MLA's rope part, rotated by its module)."""
+        return not self.is_mla and self.rotary_dims < self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -218,15 +264,29 @@ class ModelConfig:
 
     def layer_linears(self, index: int) -> tuple[str, ...]:
         """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""
+        attention = DECODER_LINEARS[:2]
+        if self.is_mla:
+            attention = MLA_LORA_Q_LINEARS if self.q_lora_rank else MLA_LINEARS
         if not self.is_moe_layer(index):
-            return DECODER_LINEARS
-        return MOE_LINEARS + (SHARED_EXPERT_LINEARS if self.shared_expert_intermediate_size else ())
+            return attention + DECODER_LINEARS[2:]
+        return attention + MOE_LINEARS[2:] + (SHARED_EXPERT_LINEARS if self.shared_expert_intermediate_size else ())
+
+    @property
+    def mla_parameters(self) -> int:
+        """An MLA layer's attention parameters: its linears and its q_a / kv_a norms."""
+        h, heads, q = self.hidden_size, self.num_heads, self.num_heads * self.head_dim
+        q_params = h * q if not self.q_lora_rank else h * self.q_lora_rank + self.q_lora_rank * (q + 1)
+        kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * (
+            heads * (self.qk_nope_head_dim + self.v_head_dim) + 1)
+        return q_params + kv + heads * self.v_head_dim * h
 
     @property
     def num_parameters(self) -> int:
         """Logical parameter count (as the HF model counts it), whatever the storage format."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv if self.attention_bias else 0)
+        if self.is_mla:
+            attn = self.mla_parameters
         mlp = 3 * self.hidden_size * self.intermediate_size
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
         norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
@@ -238,6 +298,8 @@ class ModelConfig:
         moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
         if num_moe and self.shared_expert_intermediate_size:
             moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
+        if num_moe and self.router_scoring == "sigmoid":
+            moe += self.num_experts  # e_score_correction_bias
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
         return embed + layers + self.hidden_size + lm_head
 

@@ -190,6 +190,23 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": False,
                                      "use_sliding_window": False, "sliding_window": None}),
 }
+# DeepSeek (tests/runtime/test_deepseek.py): MLA with 4 heads of 12 + 4 q/k dims and 8 v dims, one dense layer, then MoE
+# layers of 8 experts (top 2) and 2 shared ones. V2 without a q_lora_rank, greedy; V2 with one, group-limited; V3 with
+# YaRN's mscale terms, sigmoid routing within groups, renormalised and scaled.
+_MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 12, "qk_rope_head_dim": 4, "v_head_dim": 8,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 2,
+        "first_k_dense_replace": 1, "num_hidden_layers": 3}
+_FAMILY_SPECS |= {
+    "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "topk_method": "greedy"}),
+    "deepseek_v2_q_lora": ("DeepseekV2Config", {**_MLA, "q_lora_rank": 48, "topk_method": "group_limited_greedy",
+                                                "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 48, "n_group": 4, "topk_group": 2,
+                                         "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+                                         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                             "original_max_position_embeddings": 64, "mscale": 1.0,
+                                                             "mscale_all_dim": 0.8}}),
+}
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3")
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the

@@ -30,6 +30,7 @@ from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.models import spec_for_family
+from llmc.runtime.models.mla import MLAttention
 from llmc.runtime.models.moe import ExpertLinears, MoE
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
@@ -172,12 +173,13 @@ class DecoderLayer(nn.Module):
         # OLMo 2 (pre_norms false): no input_norm / post_attn_norm; the attention and the MLP read the residual stream
         # (a w8a8-fp8 qkv / gate_up then quantizes its input itself)
         self.has_pre_norms = config.pre_norms
+        self.is_mla = config.is_mla  # DeepSeek (runtime/models/mla.py): its q and kv_a linears quantize their input
         if config.pre_norms:
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized)
-            self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
-                                      fp8_output=takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
-        self.attn = Attention(config, formats, index, dtype, layout, tp_group)
+            self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
+                                      and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
+        self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         if config.pre_norms:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
                                           and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
@@ -339,7 +341,8 @@ class DecoderModel(nn.Module):
                 module.derive_params()
         for layer in self.layers.values():
             if layer.has_pre_norms:  # (OLMo 2's qkv and gate_up read the residual stream: they gather it themselves)
-                layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
+                if not layer.is_mla:  # (MLA's q and kv_a both read the input norm's output: they gather it themselves)
+                    layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
             if not layer.is_moe and not keep_gate_up_order:

@@ -17,6 +17,12 @@ experts' before the all-reduce. Under tensor parallelism it is split like the de
 rows), whether the routed experts are split or whole; the gate is whole on every rank (the sigmoid scales each
 rank's partial sum alike).
 
+DeepSeek's routers (ModelConfig.router_scoring, router_groups, routed_scaling_factor: `deepseek_route`) run in float32
+on a float32 router weight, as transformers' DeepseekV2/V3TopkRouter: V2 softmax scores, top-k (greedy, or within the
+best groups by their best expert); V3 sigmoid scores chosen by score + e_score_correction_bias (moe.gate_bias) within
+the best groups by their two best experts' sum, weighted by the scores without the bias, renormalised where
+norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (ids, weights) as the softmax router does.
+
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
 experts' share; the ranks' partial sums are all-reduced like a row-parallel MLP's.
@@ -107,8 +113,16 @@ class MoE(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
         self.expert_start, self.num_local_experts = layout.expert_start, layout.num_local_experts
-        self.gate = nn.Module()  # the router: never quantized
-        self.gate.register_buffer("weight", torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device="meta"))
+        self.gate = nn.Module()  # the router: never quantized (float32 for DeepSeek: ModelConfig.router_in_float32)
+        router_dtype = torch.float32 if config.router_in_float32 else dtype
+        self.gate.register_buffer("weight", torch.empty(config.num_experts, config.hidden_size, dtype=router_dtype,
+                                                        device="meta"))
+        self.is_deepseek_router = config.router_in_float32
+        self.scoring, self.routed_scaling_factor = config.router_scoring, config.routed_scaling_factor
+        self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
+        if config.router_scoring == "sigmoid":  # DeepSeek-V3's e_score_correction_bias [num_experts]
+            self.gate_bias = nn.Module()
+            self.gate_bias.register_buffer("weight", torch.empty(config.num_experts, dtype=torch.float32, device="meta"))
         size = layout.moe_intermediate_size
         self.experts = nn.Module()
         self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
@@ -126,7 +140,13 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [num_tokens, hidden] → (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64):
-        softmax over all experts in float32, top-k, renormalised to sum 1 when the config says so."""
+        softmax over all experts in float32, top-k, renormalised to sum 1 when the config says so (DeepSeek's:
+        `deepseek_route`)."""
+        if self.is_deepseek_router:
+            logits = torch.nn.functional.linear(x.float(), self.gate.weight)
+            bias = self.gate_bias.weight if self.scoring == "sigmoid" else None
+            return deepseek_route(logits, self.top_k, self.scoring, bias, self.groups, self.topk_groups,
+                                  self.norm_topk_prob, self.routed_scaling_factor)
         probs = torch.softmax(torch.nn.functional.linear(x, self.gate.weight).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -188,6 +208,30 @@ class MoE(nn.Module):
         for observe in self.observers:
             observe(name, x)
         return x
+
+
+def deepseek_route(logits: Tensor, top_k: int, scoring: str, bias: Tensor | None, groups: int | None,
+                   topk_groups: int | None, norm_topk_prob: bool, scaling: float) -> tuple[Tensor, Tensor]:
+    """DeepSeek's routing of float32 router logits [num_tokens, num_experts] → (weights [num_tokens, top_k] float32,
+    ids [num_tokens, top_k] int64). scoring softmax (V2): the top-k of the softmax, among the experts of the best
+    `topk_groups` of `groups` groups (a group's score: its best expert's) where groups is set. sigmoid (V3): the
+    experts are chosen by sigmoid + `bias` among the best groups (a group's score: the sum of its two best experts'),
+    and weighted by their sigmoid (without the bias). Renormalised to sum 1 where norm_topk_prob (V3; the 1e-20
+    transformers adds), then times `scaling` (routed_scaling_factor)."""
+    scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
+    if groups is not None:
+        grouped = choice.view(choice.shape[0], groups, -1)
+        group_scores = grouped.max(dim=-1).values if scoring == "softmax" else grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, topk_groups, dim=-1)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        # outside the chosen groups: 0 for V2's softmax (as transformers), -inf for V3's biased choice
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), 0.0 if scoring == "softmax" else float("-inf")).flatten(1)
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def fused_expert_weights(x: Tensor, gate_up: ExpertLinears,

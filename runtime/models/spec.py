@@ -85,14 +85,44 @@ def shared_expert_linears(gate_up: tuple[str, ...], down: str) -> tuple[FusedLin
             FusedLinear("moe.shared.down", (down,), "row", "moe.shared.gate_up"))
 
 
+# DeepSeek's multi-head latent attention (runtime/models/mla.py): q by q_proj, or by q_a_proj, its norm and q_b_proj
+# under a q_lora_rank; kv_a_proj_with_mqa (the compressed kv and the shared rope key), its norm, kv_b_proj (k_nope and v
+# per head); o_proj. Unfused: each reads another input (the norms' outputs feed q_b and kv_b).
+MLA_LINEARS = (
+    FusedLinear("attn.q", ("self_attn.q_proj",), "column", "input_norm"),
+    FusedLinear("attn.q_a", ("self_attn.q_a_proj",), "column", "input_norm"),
+    FusedLinear("attn.q_b", ("self_attn.q_b_proj",), "column", "attn.q_a_norm"),
+    FusedLinear("attn.kv_a", ("self_attn.kv_a_proj_with_mqa",), "column", "input_norm"),
+    FusedLinear("attn.kv_b", ("self_attn.kv_b_proj",), "column", "attn.kv_a_norm"),
+    FusedLinear("attn.o", ("self_attn.o_proj",), "row", "attn.kv_b"),
+)
+MLA_NORMS = {"attn.q_a_norm": "self_attn.q_a_layernorm", "attn.kv_a_norm": "self_attn.kv_a_layernorm"}
+
+
 def in_layer(linear: FusedLinear, config, index: int) -> bool:
     """Whether layer `index` has `linear` (`config`: the ModelConfig): the dense MLP's (mlp.*) in the dense layers, the
-    shared expert's (moe.shared.*) in the MoE layers of a model that has one, the attention's in every layer."""
+    shared expert's (moe.shared.*) in the MoE layers of a model that has one, the attention's in every layer (MLA's
+    attn.q without a q_lora_rank, attn.q_a and attn.q_b with one)."""
+    if linear.name in ("attn.q", "attn.q_a", "attn.q_b"):
+        return (linear.name != "attn.q") == bool(config.q_lora_rank)
     if linear.name.startswith("mlp."):
         return not config.is_moe_layer(index)
     if linear.name.startswith("moe."):
         return config.is_moe_layer(index) and bool(config.shared_expert_intermediate_size)
     return True
+
+
+def float32_norms(config) -> tuple[str, ...]:
+    """The never-quantized layer tensors kept in float32 whatever the model dtype (`config`: the ModelConfig):
+    DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict)."""
+    return ("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()
+
+
+def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
+    """A layer's norms, runtime name → HF name (`config`: the ModelConfig): the family's, its q/k norms where the
+    config has them, MLA's q_a norm only under a q_lora_rank."""
+    norms = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
+    return {name: hf for name, hf in norms.items() if name != "attn.q_a_norm" or config.q_lora_rank}
 
 
 LLAMA_NORMS = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm"}
@@ -112,7 +142,12 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
     parts = {"attn.qkv": [q, kv, kv], "attn.o": [config.hidden_size],
              "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
              "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
-             "moe.shared.down": [config.hidden_size]}[linear.name]
+             "moe.shared.down": [config.hidden_size]}
+    if config.is_mla:
+        parts |= {"attn.q": [q], "attn.q_a": [config.q_lora_rank], "attn.q_b": [q],
+                  "attn.kv_a": [config.kv_lora_rank + config.qk_rope_head_dim],
+                  "attn.kv_b": [config.num_heads * (config.qk_nope_head_dim + config.v_head_dim)]}
+    parts = parts[linear.name]
     if len(linear.hf_members) == len(parts):
         return parts
     if len(linear.hf_members) == 1:
