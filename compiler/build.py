@@ -95,6 +95,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
+    _check_mla(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
     _check_pooling(ctx)
@@ -192,6 +193,28 @@ def _check_moe(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {ctx.recipe.target.device}: mixture-of-experts models ({ctx.model.architecture}) "
                           "are not exported to ONNX; use target.device cuda or cpu")
+
+
+def _check_mla(ctx: _Context) -> None:
+    """What a DeepSeek build (multi-head latent attention: runtime/models/mla.py) does not do, refused by name before
+    any work: ONNX graphs, split artifacts (the expanded heads are not split over ranks, nor its layers into stages:
+    neither is verified), AWQ and SmoothQuant (their folds target a fused qkv after the input norm; MLA has q, kv_a
+    and the q_a / kv_a norms in between), w8a8-int8, and imported quantized checkpoints (DeepSeek-V3's block FP8 among
+    them: not verified on the MLA linears)."""
+    model, recipe = ctx.model, ctx.recipe
+    if not model.is_mla:
+        return
+    name, quant = model.architecture, recipe.quantization
+    if recipe.target.device in om.ONNX_DEVICES:
+        raise RecipeError(f"target.device {recipe.target.device}: {name}'s latent attention is not exported to ONNX; "
+                          "use target.device cuda or cpu")
+    if recipe.parallel.tensor != 1 or recipe.parallel.pipeline != 1:
+        raise RecipeError(f"parallel: {name} is built for one rank (its latent attention is not split over tensor "
+                          "ranks, nor its layers into pipeline stages); set parallel.tensor and parallel.pipeline to 1")
+    if quant.method in ("awq", "int8", "import"):
+        raise RecipeError(f"quantization.method {quant.method}: not supported for {name} (its latent attention has no "
+                          "fused qkv after the input norm for AWQ's folds, no w8a8-int8 path, and imported checkpoints "
+                          "are not verified on it); use rtn, gptq or fp8")
 
 
 def _check_pooling(ctx: _Context) -> None:

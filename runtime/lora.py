@@ -76,6 +76,8 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = f"an artifact split into {manifest.parallel.world_size} ranks"
     elif model.num_experts:
         problem = "a mixture-of-experts model"
+    elif model.kv_lora_rank:
+        problem = "DeepSeek's latent attention (its q / kv_a / kv_b linears have no run-time LoRA)"
     elif model.family == "granite":
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
     elif quant.method == "awq":

@@ -198,9 +198,9 @@ _MLA = {"num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 12, "q
         "first_k_dense_replace": 1, "num_hidden_layers": 3}
 _FAMILY_SPECS |= {
     "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "topk_method": "greedy"}),
-    "deepseek_v2_q_lora": ("DeepseekV2Config", {**_MLA, "q_lora_rank": 48, "topk_method": "group_limited_greedy",
+    "deepseek_v2_q_lora": ("DeepseekV2Config", {**_MLA, "q_lora_rank": 32, "topk_method": "group_limited_greedy",
                                                 "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.5}),
-    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 48, "n_group": 4, "topk_group": 2,
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 32, "n_group": 4, "topk_group": 2,
                                          "routed_scaling_factor": 2.5, "norm_topk_prob": True,
                                          "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                              "original_max_position_embeddings": 64, "mscale": 1.0,

@@ -1,0 +1,301 @@
+"""DeepSeek-V2 (with and without a q_lora_rank) and DeepSeek-V3 against transformers' own models (float32): logits at
+every position of a chunked prefill and greedy decoding through the paged engine, on the CPU path and on the Triton
+path (the paged-attention and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors); DeepSeek's routers against
+transformers' routers; a quantized build against transformers holding its dequantized weights; the KV cache's size;
+how configs are read; the refusals. The V3 checkpoint carries a random e_score_correction_bias (transformers writes
+zeros), so the biased choice is checked."""
+
+import json
+import math
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.compiler.build import build
+from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import CheckpointError, RecipeError
+from llmc.runtime.artifact import read_manifest
+from llmc.runtime.llm import LLM
+from llmc.runtime.models import spec_for_architecture
+from llmc.runtime.models.moe import deepseek_route
+from llmc.runtime.sampling_params import SamplingParams
+from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
+from tests.runtime.hf_oracle import build_float32, write_config
+
+PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def _random_score_bias(checkpoint) -> None:
+    """V3's e_score_correction_bias set to random values of the sigmoid scores' size, so it changes which experts
+    are chosen (transformers writes zeros)."""
+    path = checkpoint / "model.safetensors"
+    tensors = load_file(path)
+    gen = torch.Generator().manual_seed(7)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = 0.3 * torch.randn(tensors[name].shape, generator=gen)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("deepseek"), {}
+    for family in DEEPSEEK_FAMILIES:
+        made[family] = make_hf_checkpoint(root / family, family)
+        if family == "deepseek_v3":
+            _random_score_bias(made[family])
+    return made
+
+
+@pytest.fixture(scope="module")
+def artifacts(checkpoints, tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("deepseek_artifacts"), {}
+
+    def artifact(family):
+        if family not in built:
+            built[family] = build_float32(checkpoints[family], root / family)
+        return built[family]
+    return artifact
+
+
+def _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, prompts=PROMPTS):
+    """Logits over 40 positions prefilled in chunks of 16 (to 1e-4) and greedy tokens of `prompts` batched: transformers'."""
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
+    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+    want = hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
+    assert all(len(set(tokens)) > 3 for tokens in want)  # not a model that repeats one token
+    outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_logits_and_greedy_match_transformers(family, checkpoints, artifacts, hf_logits, hf_greedy, hf_encode):
+    with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode)
+    assert read_manifest(artifacts(family)).model.family == family.removesuffix("_q_lora")
+
+
+@pytest.fixture
+def triton_dispatch(monkeypatch):
+    """The model's paged attention and MoE dispatched to their Triton kernels on CPU tensors (the interpreter), as on
+    CUDA; {kernel: calls} counts them."""
+    import llmc.kernels.attention as attention
+    import llmc.kernels.attention_triton as attention_triton
+    import llmc.kernels.fused_moe as fused_moe
+    import llmc.kernels.fused_moe_triton as fused_moe_triton
+    import llmc.runtime.models.moe as moe
+
+    calls = {"paged_attention": 0, "fused_moe": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(attention, "can_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(fused_moe, "can_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(moe, "fused_expert_weights",
+                        lambda x, gate_up, down: (moe.expert_weights(gate_up), moe.expert_weights(down)))
+    monkeypatch.setattr(attention_triton, "paged_attention", counted("paged_attention", attention_triton.paged_attention))
+    monkeypatch.setattr(fused_moe_triton, "fused_moe", counted("fused_moe", fused_moe_triton.fused_moe))
+    return calls
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "deepseek_v2" else f
+                                    for f in DEEPSEEK_FAMILIES])  # (V2 without q_lora: the same kernels' calls)
+def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, triton_dispatch, hf_logits, hf_greedy,
+                                              hf_encode):
+    """The paged-attention kernels (prefill and decode, K of qk_nope + qk_rope dims, V zero-padded to them) and the
+    fused MoE kernel (DeepSeek's routing weights) give transformers' logits and greedy tokens."""
+    with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
+    assert triton_dispatch["paged_attention"] and triton_dispatch["fused_moe"]
+
+
+def test_routers_are_transformers_routers():
+    """deepseek_route against transformers' DeepseekV2TopkRouter (greedy, group_limited_greedy) and
+    DeepseekV3TopkRouter (groups, score bias, renormalised, scaled) on 512 random tokens: the same experts, the same
+    weights."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 32, generator=gen)
+    cases = [
+        (DeepseekV2TopkRouter, DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3,
+                                                topk_method="greedy", routed_scaling_factor=1.0), "softmax", None),
+        (DeepseekV2TopkRouter, DeepseekV2Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3,
+                                                topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                routed_scaling_factor=16.0), "softmax", (4, 2)),
+        (DeepseekV3TopkRouter, DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
+                                                topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+         "sigmoid", (4, 2)),
+        (DeepseekV3TopkRouter, DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=1,
+                                                topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.446),
+         "sigmoid", (1, 1)),
+    ]
+    for router_class, config, scoring, groups in cases:
+        router = router_class(config)
+        torch.nn.init.normal_(router.weight, generator=gen)
+        bias = None
+        if scoring == "sigmoid":
+            router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
+            bias = router.e_score_correction_bias
+        with torch.no_grad():
+            logits, want_weights, want_ids = router(x)
+        weights, ids = deepseek_route(logits, 3, scoring, bias, *(groups or (None, None)),
+                                      scoring == "sigmoid" and config.norm_topk_prob, config.routed_scaling_factor)
+        order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+        assert torch.equal(order.values, want_order.values)
+        torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def _hf_state(artifact) -> dict[str, torch.Tensor]:
+    """A DeepSeek artifact's weights as transformers' in-memory state dict (experts stacked: gate_up_proj, down_proj),
+    every linear dequantized by the formats' oracle (quant/reference.py)."""
+    from llmc.quant.formats import make_format
+    from llmc.quant.reference import dequantize
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model, modules = manifest["model"], manifest["quant"]["modules"]
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+
+    def weight(name: str, expert: int | None = None) -> torch.Tensor:
+        params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+        if expert is not None:
+            params = {k: v[expert] for k, v in params.items()}
+        return dequantize(make_format(modules[name], torch.float32), params).float()
+
+    state = {"model.embed_tokens.weight": tensors["embed.weight"], "lm_head.weight": tensors["lm_head.weight"],
+             "model.norm.weight": tensors["norm.weight"]}
+    linears = {"attn.q": "self_attn.q_proj", "attn.q_a": "self_attn.q_a_proj", "attn.q_b": "self_attn.q_b_proj",
+               "attn.kv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_b": "self_attn.kv_b_proj",
+               "attn.o": "self_attn.o_proj", "mlp.down": "mlp.down_proj", "moe.shared.down": "mlp.shared_experts.down_proj"}
+    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+             "attn.q_a_norm": "self_attn.q_a_layernorm", "attn.kv_a_norm": "self_attn.kv_a_layernorm",
+             "moe.gate": "mlp.gate"}
+    for i in range(model["num_layers"]):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        state |= {f"{hf}{theirs}.weight": weight(ours + name) for name, theirs in linears.items()
+                  if ours + name in modules}
+        state |= {f"{hf}{theirs}.weight": tensors[f"{ours}{name}.weight"] for name, theirs in norms.items()
+                  if f"{ours}{name}.weight" in tensors}
+        for name, prefix in (("mlp.gate_up", "mlp."), ("moe.shared.gate_up", "mlp.shared_experts.")):
+            if ours + name in modules:
+                gate, up = weight(ours + name).chunk(2)
+                state |= {f"{hf}{prefix}gate_proj.weight": gate, f"{hf}{prefix}up_proj.weight": up}
+        if i in model["moe_layers"]:
+            experts = range(model["num_experts"])
+            state[hf + "mlp.experts.gate_up_proj"] = torch.stack([weight(ours + "moe.experts.gate_up", e) for e in experts])
+            state[hf + "mlp.experts.down_proj"] = torch.stack([weight(ours + "moe.experts.down", e) for e in experts])
+            if ours + "moe.gate_bias.weight" in tensors:
+                state[hf + "mlp.gate.e_score_correction_bias"] = tensors[ours + "moe.gate_bias.weight"]
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("quantization", [
+    {"method": "rtn", "bits": 4, "group_size": 32},
+    pytest.param({"method": "fp8", "weights": "per_channel", "activations": "dynamic"}, marks=pytest.mark.slow),
+])
+def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode):
+    """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts) against transformers'
+    model holding its dequantized weights (FP8: each layer linear's input rounded to E4M3 per token, as its dynamic
+    activations are): logits over 34 positions (1e-4) and 12 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import fp8_per_token
+
+    checkpoint = checkpoints["deepseek_v3"]
+    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
+                        quantization={**quantization, "report": False})
+    modules = read_manifest(out).quant.modules
+    assert modules["layers.1.attn.kv_b"]["format"] != "dense" and modules["layers.2.moe.experts.down"]["format"] != "dense"
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(_hf_state(out), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    oracle.eval()
+    if quantization["method"] == "fp8":
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear) and not name.endswith("gate"):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
+    prompt = hf_encode(checkpoint, PROMPTS[0])
+    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+        want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                               max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_the_kv_cache_holds_expanded_heads(artifacts):
+    """The cache holds every head's K (qk_nope + qk_rope dims) and V zero-padded to it, and the memory planner's
+    per-token bytes are what the engine allocates: 2 * layers * heads * head_dim * 4 (float32)."""
+    from llmc.runtime.parallel.layout import kv_bytes_per_token, whole_model_layout
+
+    manifest = read_manifest(artifacts("deepseek_v3"))
+    model, kv = manifest.model, manifest.kv
+    assert (kv.num_kv_heads, kv.head_dim) == (model.num_heads, model.qk_nope_head_dim + model.qk_rope_head_dim) == (4, 16)
+    planned = kv_bytes_per_token(model, whole_model_layout(model), 4)
+    assert planned == kv.bytes_per_token == 2 * model.num_layers * 4 * 16 * 4
+    with LLM(artifacts("deepseek_v3"), device="cpu", num_kv_blocks=16) as llm:
+        caches = [layer.attn.kv_cache for layer in llm.engine.runner.model.layers.values()]
+        block_size = caches[0][0].shape[1]
+        assert sum(t.numel() * t.element_size() for pair in caches for t in pair) == planned * 16 * block_size
+
+
+def test_configs_read_as_transformers_reads_them(checkpoints):
+    """head_dim is the key's (qk_nope + qk_rope; transformers' config says the rope part's), one KV head per query
+    head, V3's YaRN scale: qk_head_dim^-0.5 * (0.1 * mscale_all_dim * ln(factor) + 1)^2; the MoE layers from
+    first_k_dense_replace on, n_shared_experts shared experts as one."""
+    spec = spec_for_architecture("DeepseekV3ForCausalLM")
+    config = model_config_from_hf(read_hf_config(checkpoints["deepseek_v3"]), spec, "float32")
+    assert (config.head_dim, config.num_kv_heads, config.v_head_dim, config.rotary_dims) == (16, 4, 8, 4)
+    assert math.isclose(config.softmax_scale, 16 ** -0.5 * (0.1 * 0.8 * math.log(4.0) + 1) ** 2)
+    assert config.moe_layers == [1, 2] and config.shared_expert_intermediate_size == 64
+    assert (config.router_scoring, config.router_groups, config.router_topk_groups) == ("sigmoid", 4, 2)
+    assert config.mla_rope_interleave and not config.is_partial_rotary
+    v2 = model_config_from_hf(read_hf_config(checkpoints["deepseek_v2"]),
+                              spec_for_architecture("DeepseekV2ForCausalLM"), "float32")
+    assert (v2.q_lora_rank, v2.router_scoring, v2.router_groups, v2.norm_topk_prob) == (None, "softmax", None, False)
+
+
+def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
+    def refused(error, match, family="deepseek_v3", recipe=None, **changes):
+        checkpoint = write_config(checkpoints[family], tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
+            if changes else checkpoints[family]
+        with pytest.raises(error, match=match):
+            build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "out"), "dtype": "float32",
+                                    **(recipe or {})}), show_progress=False)
+
+    refused(RecipeError, "parallel.tensor", recipe={"parallel": {"tensor": 2}})
+    refused(RecipeError, "pipeline stages", recipe={"parallel": {"pipeline": 2}})
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    refused(RecipeError, "quantization.method awq", recipe={"quantization": {"method": "awq", "calibration": calibration}})
+    refused(RecipeError, "not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
+    refused(CheckpointError, "moe_layer_freq 2", moe_layer_freq=2)
+    refused(CheckpointError, "norm_topk_prob: true is not supported for DeepSeek-V2", "deepseek_v2", norm_topk_prob=True)
+    refused(CheckpointError, "num_key_value_heads 2", num_key_value_heads=2)
+    refused(CheckpointError, "scoring_func 'softmax'", scoring_func="softmax")
+    refused(CheckpointError, "topk_method 'noaux_tc'", "deepseek_v2", topk_method="noaux_tc")
+    refused(CheckpointError, "attention_bias: true", attention_bias=True)
+    refused(CheckpointError, "v_head_dim 32", v_head_dim=32)
+    refused(CheckpointError, "n_group 3", n_group=3)
+    from llmc.compiler.export import export_artifact
+    from llmc.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="DeepseekV3ForCausalLM"):
+        export_artifact(artifacts("deepseek_v3"), tmp_path / "export")
