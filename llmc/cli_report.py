@@ -235,7 +235,8 @@ def print_inspect(report: dict) -> None:
         ("parameters", f"{m['num_parameters'] / 1e6:.2f} M, " + (f"stored as {m['dtype']}" if report.get("onnx") is None
                        else "float tensors stored as float32 (the ONNX graph computes in float32)")),
         *([("experts", f"{m['num_experts']} per MoE layer, top-{m['num_experts_per_tok']}"
-                       f"{' renormalised' if m['norm_topk_prob'] else ''}, width {m['moe_intermediate_size']}, "
+                       f"{' renormalised' if m['norm_topk_prob'] else ''}{_router_text(m)}, "
+                       f"width {m['moe_intermediate_size']}, "
                        f"MoE layers {m['moe_layers']}"
                        + (f", a shared expert of width {m['shared_expert_intermediate_size']}"
                           f"{' (sigmoid-gated)' if m.get('shared_expert_gate') else ''}"
@@ -286,9 +287,22 @@ def _rope_text(theta: float, scaling: dict | None) -> str:
     return f"rope theta {theta:g} ({kind}{factor})"
 
 
+def _router_text(m: dict) -> str:
+    """DeepSeek's routing, where the model has it: scoring, groups, scale (the softmax router says nothing)."""
+    if m.get("router_scoring", "softmax") == "softmax" and not m.get("router_groups") and \
+            m.get("routed_scaling_factor", 1.0) == 1.0:
+        return ""
+    groups = f", best {m['router_topk_groups']} of {m['router_groups']} groups" if m.get("router_groups") else ""
+    return f" ({m.get('router_scoring', 'softmax')}{groups}, x {m.get('routed_scaling_factor', 1.0):g})"
+
+
 def _attention_text(m: dict) -> str:
     """The model's attention as the artifact runs it: rotary (and partial rotary), the scale, windows, caps."""
     parts = [_rope_text(m["rope_theta"], m.get("rope_scaling"))]
+    if m.get("kv_lora_rank"):  # DeepSeek's MLA, expanded
+        q = f"q rank {m['q_lora_rank']}" if m.get("q_lora_rank") else "q_proj"
+        parts.append(f"latent attention (kv rank {m['kv_lora_rank']}, {q}; per head {m['qk_nope_head_dim']} + "
+                     f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; cached expanded)")
     if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
         parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
     if m.get("softmax_scale"):

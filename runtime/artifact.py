@@ -210,8 +210,9 @@ class ModelConfig:
                             or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
                             or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):
             raise ArtifactError(f"model: MLA needs qk_nope_head_dim + qk_rope_head_dim = head_dim {self.head_dim}, "
-                                f"v_head_dim at most head_dim and num_kv_heads = num_heads; got {self.qk_nope_head_dim}, "
-                                f"{self.qk_rope_head_dim}, {self.v_head_dim}, {self.num_kv_heads}")
+                                "v_head_dim at most head_dim and num_kv_heads = num_heads; got "
+                                f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, "
+                                f"{self.num_kv_heads}")
 
     @property
     def is_classifier(self) -> bool:
@@ -237,7 +238,8 @@ class ModelConfig:
 
     @property
     def is_partial_rotary(self) -> bool:
-        """A partial_rotary_factor's leading dims rotated by the kernels (not MLA's rope part, rotated by its module)."""
+        """A partial_rotary_factor's leading dims, rotated by the kernels (not MLA's rope part, which its module
+        rotates)."""
         return not self.is_mla and self.rotary_dims < self.head_dim
 
     @property
@@ -298,8 +300,6 @@ class ModelConfig:
         moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
         if num_moe and self.shared_expert_intermediate_size:
             moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
-        if num_moe and self.router_scoring == "sigmoid":
-            moe += self.num_experts  # e_score_correction_bias
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
         return embed + layers + self.hidden_size + lm_head
 

@@ -1,7 +1,7 @@
 """Model families. `spec_for_architecture` finds the ModelSpec for an HF `architectures` entry."""
 
-from llmc.runtime.models import (deepseek, gemma2, gemma3, granite, granitemoe, llama, mixtral, olmo2, olmo3, olmoe, phi3, qwen2,
-                                 qwen2_moe, qwen3, qwen3_moe)
+from llmc.runtime.models import (deepseek, gemma2, gemma3, granite, granitemoe, llama, mixtral, olmo2, olmo3, olmoe,
+                                 phi3, qwen2, qwen2_moe, qwen3, qwen3_moe)
 from llmc.runtime.models.spec import ModelSpec
 
 SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC, gemma2.SPEC,

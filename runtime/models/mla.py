@@ -28,7 +28,8 @@ from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
-LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm: DeepseekV2/V3RMSNorm's default, not rms_norm_eps
+# transformers' q_a_layernorm and kv_a_layernorm: DeepseekV2/V3RMSNorm's default eps, not the config's rms_norm_eps
+LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(torch.nn.Module):

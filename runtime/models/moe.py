@@ -122,7 +122,8 @@ class MoE(nn.Module):
         self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
         if config.router_scoring == "sigmoid":  # DeepSeek-V3's e_score_correction_bias [num_experts]
             self.gate_bias = nn.Module()
-            self.gate_bias.register_buffer("weight", torch.empty(config.num_experts, dtype=torch.float32, device="meta"))
+            self.gate_bias.register_buffer("weight", torch.empty(config.num_experts, dtype=torch.float32,
+                                                                 device="meta"))
         size = layout.moe_intermediate_size
         self.experts = nn.Module()
         self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,

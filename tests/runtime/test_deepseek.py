@@ -65,7 +65,8 @@ def artifacts(checkpoints, tmp_path_factory):
 
 
 def _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, prompts=PROMPTS):
-    """Logits over 40 positions prefilled in chunks of 16 (to 1e-4) and greedy tokens of `prompts` batched: transformers'."""
+    """Logits over 40 positions prefilled in chunks of 16 (to 1e-4) and greedy tokens of `prompts` batched:
+    transformers'."""
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
     torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
     want = hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
@@ -104,7 +105,8 @@ def triton_dispatch(monkeypatch):
     monkeypatch.setattr(fused_moe, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(moe, "fused_expert_weights",
                         lambda x, gate_up, down: (moe.expert_weights(gate_up), moe.expert_weights(down)))
-    monkeypatch.setattr(attention_triton, "paged_attention", counted("paged_attention", attention_triton.paged_attention))
+    monkeypatch.setattr(attention_triton, "paged_attention",
+                        counted("paged_attention", attention_triton.paged_attention))
     monkeypatch.setattr(fused_moe_triton, "fused_moe", counted("fused_moe", fused_moe_triton.fused_moe))
     return calls
 
@@ -181,7 +183,8 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
              "model.norm.weight": tensors["norm.weight"]}
     linears = {"attn.q": "self_attn.q_proj", "attn.q_a": "self_attn.q_a_proj", "attn.q_b": "self_attn.q_b_proj",
                "attn.kv_a": "self_attn.kv_a_proj_with_mqa", "attn.kv_b": "self_attn.kv_b_proj",
-               "attn.o": "self_attn.o_proj", "mlp.down": "mlp.down_proj", "moe.shared.down": "mlp.shared_experts.down_proj"}
+               "attn.o": "self_attn.o_proj", "mlp.down": "mlp.down_proj",
+               "moe.shared.down": "mlp.shared_experts.down_proj"}
     norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
              "attn.q_a_norm": "self_attn.q_a_layernorm", "attn.kv_a_norm": "self_attn.kv_a_layernorm",
              "moe.gate": "mlp.gate"}
@@ -197,7 +200,8 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
                 state |= {f"{hf}{prefix}gate_proj.weight": gate, f"{hf}{prefix}up_proj.weight": up}
         if i in model["moe_layers"]:
             experts = range(model["num_experts"])
-            state[hf + "mlp.experts.gate_up_proj"] = torch.stack([weight(ours + "moe.experts.gate_up", e) for e in experts])
+            state[hf + "mlp.experts.gate_up_proj"] = torch.stack([weight(ours + "moe.experts.gate_up", e)
+                                                                  for e in experts])
             state[hf + "mlp.experts.down_proj"] = torch.stack([weight(ours + "moe.experts.down", e) for e in experts])
             if ours + "moe.gate_bias.weight" in tensors:
                 state[hf + "mlp.gate.e_score_correction_bias"] = tensors[ours + "moe.gate_bias.weight"]
@@ -213,9 +217,10 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
 ])
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode, data_dir):
-    """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts; RTN, FP8, GPTQ calibrated
-    through the MLA layers) against transformers' model holding its dequantized weights (FP8: each layer linear's input rounded to E4M3 per token, as its dynamic
-    activations are): logits over 34 positions (1e-4) and 12 greedy tokens."""
+    """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts; RTN, FP8, GPTQ
+    calibrated through the MLA layers) against transformers' model holding its dequantized weights (FP8: each layer
+    linear's input rounded to E4M3 per token, as its dynamic activations are): logits over 34 positions (1e-4) and 12
+    greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import fp8_per_token
@@ -225,7 +230,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
         **quantization, "report": False, **({"calibration": calibration} if quantization["method"] == "gptq" else {})})
     modules = read_manifest(out).quant.modules
-    assert modules["layers.1.attn.kv_b"]["format"] != "dense" and modules["layers.2.moe.shared.down"]["format"] != "dense"
+    assert "dense" not in (modules["layers.1.attn.kv_b"]["format"], modules["layers.2.moe.shared.down"]["format"])
     assert (modules["layers.2.moe.experts.down"]["format"] == "dense") == (quantization["method"] == "fp8")
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(_hf_state(out), strict=False)
@@ -253,7 +258,8 @@ def test_the_kv_cache_holds_expanded_heads(artifacts):
 
     manifest = read_manifest(artifacts("deepseek_v3"))
     model, kv = manifest.model, manifest.kv
-    assert (kv.num_kv_heads, kv.head_dim) == (model.num_heads, model.qk_nope_head_dim + model.qk_rope_head_dim) == (4, 16)
+    assert (kv.num_kv_heads, kv.head_dim) == (model.num_heads, model.qk_nope_head_dim + model.qk_rope_head_dim)
+    assert (kv.num_kv_heads, kv.head_dim) == (4, 16)
     planned = kv_bytes_per_token(model, whole_model_layout(model), 4)
     assert planned == kv.bytes_per_token == 2 * model.num_layers * 4 * 16 * 4
     with LLM(artifacts("deepseek_v3"), device="cpu", num_kv_blocks=16) as llm:
@@ -273,6 +279,10 @@ def test_configs_read_as_transformers_reads_them(checkpoints):
     assert config.moe_layers == [1, 2] and config.shared_expert_intermediate_size == 64
     assert (config.router_scoring, config.router_groups, config.router_topk_groups) == ("sigmoid", 4, 2)
     assert config.mla_rope_interleave and not config.is_partial_rotary
+    from transformers import AutoModelForCausalLM
+
+    assert config.num_parameters == AutoModelForCausalLM.from_pretrained(
+        str(checkpoints["deepseek_v3"])).num_parameters()  # (as `llmc inspect` reports it)
     v2 = model_config_from_hf(read_hf_config(checkpoints["deepseek_v2"]),
                               spec_for_architecture("DeepseekV2ForCausalLM"), "float32")
     assert (v2.q_lora_rank, v2.router_scoring, v2.router_groups, v2.norm_topk_prob) == (None, "softmax", None, False)
@@ -289,10 +299,12 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
     refused(RecipeError, "parallel.tensor", recipe={"parallel": {"tensor": 2}})
     refused(RecipeError, "pipeline stages", recipe={"parallel": {"pipeline": 2}})
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    refused(RecipeError, "quantization.method awq", recipe={"quantization": {"method": "awq", "calibration": calibration}})
+    refused(RecipeError, "quantization.method awq",
+            recipe={"quantization": {"method": "awq", "calibration": calibration}})
     refused(RecipeError, "not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
     refused(CheckpointError, "moe_layer_freq 2", moe_layer_freq=2)
-    refused(CheckpointError, "norm_topk_prob: true is not supported for DeepSeek-V2", "deepseek_v2", norm_topk_prob=True)
+    refused(CheckpointError, "norm_topk_prob: true is not supported for DeepSeek-V2", "deepseek_v2",
+            norm_topk_prob=True)
     refused(CheckpointError, "num_key_value_heads 2", num_key_value_heads=2)
     refused(CheckpointError, "scoring_func 'softmax'", scoring_func="softmax")
     refused(CheckpointError, "topk_method 'noaux_tc'", "deepseek_v2", topk_method="noaux_tc")
