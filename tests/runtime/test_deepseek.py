@@ -83,6 +83,17 @@ def test_logits_and_greedy_match_transformers(family, checkpoints, artifacts, hf
     assert read_manifest(artifacts(family)).model.family == family.removesuffix("_q_lora")
 
 
+@torch.inference_mode()
+def test_v3_without_rope_interleave(checkpoints, tmp_path, hf_logits, hf_encode):
+    """rope_interleave: false (rotate-half over the rope dims as they are) is transformers' too; interleaved it is not."""
+    checkpoint = write_config(checkpoints["deepseek_v3"], tmp_path / "plain_rope", rope_interleave=False)
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
+    with LLM(build_float32(checkpoint, tmp_path / "art"), device="cpu", num_kv_blocks=64) as llm:
+        got = llm.engine.score(token_ids)
+    torch.testing.assert_close(got, hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+    assert (got - hf_logits(checkpoints["deepseek_v3"], token_ids)).abs().max() > 1.0
+
+
 @pytest.fixture
 def triton_dispatch(monkeypatch):
     """The model's paged attention and MoE dispatched to their Triton kernels on CPU tensors (the interpreter), as on
