@@ -199,8 +199,7 @@ def _check_mla(ctx: _Context) -> None:
     """What a DeepSeek build (multi-head latent attention: runtime/models/mla.py) does not do, refused by name before
     any work: ONNX graphs, split artifacts (the expanded heads are not split over ranks, nor its layers into stages:
     neither is verified), AWQ and SmoothQuant (their folds target a fused qkv after the input norm; MLA has q, kv_a
-    and the q_a / kv_a norms in between), w8a8-int8, and imported quantized checkpoints (DeepSeek-V3's block FP8 among
-    them: not verified on the MLA linears)."""
+    and the q_a / kv_a norms in between) and w8a8-int8 (not verified on it)."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_mla:
         return
@@ -211,10 +210,10 @@ def _check_mla(ctx: _Context) -> None:
     if recipe.parallel.tensor != 1 or recipe.parallel.pipeline != 1:
         raise RecipeError(f"parallel: {name} is built for one rank (its latent attention is not split over tensor "
                           "ranks, nor its layers into pipeline stages); set parallel.tensor and parallel.pipeline to 1")
-    if quant.method in ("awq", "int8", "import"):
+    if quant.method in ("awq", "int8"):
         raise RecipeError(f"quantization.method {quant.method}: not supported for {name} (its latent attention has no "
-                          "fused qkv after the input norm for AWQ's folds, no w8a8-int8 path, and imported checkpoints "
-                          "are not verified on it); use rtn, gptq or fp8")
+                          "fused qkv after the input norm for AWQ's folds, and no verified w8a8-int8 path); use rtn, "
+                          "gptq or fp8, or import a quantized checkpoint")
 
 
 def _check_pooling(ctx: _Context) -> None:

@@ -121,6 +121,9 @@ class ImportPacker:
         h = c.hidden_size
         inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size,
                   "moe.shared.gate_up": h, "moe.shared.down": c.shared_expert_intermediate_size}
+        if c.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
+            inputs |= {"attn.q": h, "attn.q_a": h, "attn.q_b": c.q_lora_rank, "attn.kv_a": h,
+                       "attn.kv_b": c.kv_lora_rank, "attn.o": c.num_heads * c.v_head_dim}
         linears = {}
         for linear in spec.layer_linears:
             if not in_layer(linear, c, index):
@@ -196,11 +199,13 @@ class ImportPacker:
                             "modules_to_not_convert): the config does not describe the tensors")
 
     def _check_routers(self) -> None:
-        """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight`."""
+        """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight` (DeepSeek-V3's
+        also its float e_score_correction_bias)."""
+        expected = ["e_score_correction_bias", "weight"] if self.config.router_scoring == "sigmoid" else ["weight"]
         for index in self.config.moe_layers:
             router = f"{self.spec.hf_layer_prefix}{index}.{self.spec.moe.router}"
             found = sorted(self.module_tensors.get(router, {}))
-            if found != ["weight"] or self.reader.get(router + ".weight").dtype == torch.float8_e4m3fn:
+            if found != expected or self.reader.get(router + ".weight").dtype == torch.float8_e4m3fn:
                 raise CheckpointError(
                     f"{self.reader.model_dir}: the router {router} has {found or 'no tensors'} instead of a dense "
                     "weight; llmc keeps MoE routers unquantized: re-export with the router in quantization_config's ignore")

@@ -8,6 +8,8 @@ zeros), so the biased choice is checked."""
 import json
 import math
 import os
+import re
+import shutil
 
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
@@ -262,6 +264,76 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     assert got[0].outputs[0].token_ids == want
 
 
+DEEPSEEK_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                    "up_proj", "down_proj")
+
+
+def _write_block_fp8(source, dest, skip=()) -> dict[str, torch.Tensor]:
+    """`source` as DeepSeek-V3 ships its weights (tests/quant/test_fp8_block_import.py's published definition: E4M3
+    levels and float32 `weight_scale_inv` per 128 x 128 block, `quant_method: fp8`), every decoder linear and expert
+    but those `skip` matches (modules_to_not_convert, transformers' regex rule) quantized; the router and its score bias dense. Returns {HF weight name:
+    its published dequantization}."""
+    from tests.quant.test_fp8_block_import import HF_FP8, dequantized, quantize_blocks
+
+    shutil.copytree(source, dest)
+    tensors, expected = {}, {}
+    for name, weight in load_file(source / "model.safetensors").items():
+        module = name.removesuffix(".weight")
+        if (module.startswith("model.layers.") and module.rsplit(".", 1)[-1] in DEEPSEEK_LINEARS
+                and not any(re.match(pattern, module) for pattern in skip)):
+            tensors[name], tensors[module + ".weight_scale_inv"] = levels, scales = quantize_blocks(weight)
+            expected[name] = dequantized(levels, scales)
+        else:
+            tensors[name] = weight
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**HF_FP8, **({"modules_to_not_convert": list(skip)} if skip else {})}
+    (dest / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@torch.inference_mode()
+def test_deepseek_v3_block_fp8_checkpoint_imports(checkpoints, tmp_path, hf_encode):
+    """DeepSeek-V3's own checkpoint format (every linear and expert block-FP8) imports as w8a8-fp8-block holding the
+    published dequantization exactly (MLA's partial blocks included); with the experts dense, the artifact gives
+    transformers' logits with those weights and each layer linear's input rounded to E4M3 per token and 128 inputs
+    (as the runtime's dynamic block activations are: transformers' stacked experts take no such hook)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.quant.test_fp8_block_import import fp8_per_token_group
+    from tests.runtime.hf_oracle import build_import
+
+    expected = _write_block_fp8(checkpoints["deepseek_v3"], tmp_path / "fp8")
+    artifact = build_import(tmp_path / "fp8", tmp_path / "fp8_art")
+    state = _hf_state(artifact)
+    for name, weight in expected.items():
+        experts = name.split(".mlp.experts.")
+        if len(experts) == 2:  # model.layers.1.mlp.experts.3.down_proj.weight → the stacked tensor's expert 3
+            expert, projection = experts[1].split(".")[:2]
+            stacked = state[f"{experts[0]}.mlp.experts.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}"]
+            rows = stacked[int(expert)]
+            got = rows if projection == "down_proj" else rows.chunk(2)[projection == "up_proj"]
+        else:
+            got = state[name]
+        assert torch.equal(got, weight), name
+    assert read_manifest(artifact).quant.modules["layers.1.attn.kv_a"]["format"] == "w8a8-fp8-block"
+
+    checkpoint = tmp_path / "fp8_dense_experts"
+    _write_block_fp8(checkpoints["deepseek_v3"], checkpoint, skip=(r"model\.layers\.\d+\.mlp\.experts",))
+    artifact = build_import(checkpoint, tmp_path / "art2")
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoints["deepseek_v3"]), dtype=torch.float32,
+                                                  attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(_hf_state(artifact), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    for name, module in oracle.eval().named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _, args: (fp8_per_token_group(args[0]),))
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+
+
 def test_the_kv_cache_holds_expanded_heads(artifacts):
     """The cache holds every head's K (qk_nope + qk_rope dims) and V zero-padded to it, and the memory planner's
     per-token bytes are what the engine allocates: 2 * layers * heads * head_dim * 4 (float32)."""
@@ -310,6 +382,7 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
     refused(RecipeError, "parallel.tensor", recipe={"parallel": {"tensor": 2}})
     refused(RecipeError, "pipeline stages", recipe={"parallel": {"pipeline": 2}})
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    refused(RecipeError, "quantization.method int8", recipe={"quantization": {"method": "int8"}})
     refused(RecipeError, "quantization.method awq",
             recipe={"quantization": {"method": "awq", "calibration": calibration}})
     refused(RecipeError, "not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
