@@ -44,6 +44,12 @@ def windowed_mistral(tmp_path_factory, hf_checkpoint_factory):
     return hf_checkpoint_factory(tmp_path_factory.mktemp("windowed_mistral"), "mistral", sliding_window=8)
 
 
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3(tmp_path_factory, hf_checkpoint_factory):
+    """DeepSeek-V3's latent attention (runtime/models/mla.py: its own project / attend / output) and routing."""
+    return hf_checkpoint_factory(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3")
+
+
 class MixedStep:
     """A CPU model (no graphs) with cached prefixes, every block no sequence owns filled with 7.0, and
     a mixed step of 27 tokens (a prompt chunk after a cached prefix, a fresh prompt, two decode rows)
@@ -90,7 +96,7 @@ class MixedStep:
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma3",
-                                    "tiny_gemma2", "tiny_olmo2"])
+                                    "tiny_gemma2", "tiny_olmo2", "tiny_deepseek_v3"])
 @torch.inference_mode()
 def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratch_block(family, request, tmp_path,
                                                                                        forward_step):
@@ -98,7 +104,8 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
     larger size whose padding rows hold an earlier step's tokens: the hidden states and the KV cache
     of the model's forward, and only the scratch block written besides (qk_norm, a sliding window, MoE
     layers; Gemma 3's sandwich norms and second rotary table; Gemma 2's attention soft cap in `attend`; OLMo 2's
-    residual stream read by qkv and gate_up, and its full-width q/k norms in `project`)."""
+    residual stream read by qkv and gate_up, and its full-width q/k norms in `project`; DeepSeek's latent attention,
+    whose `project` rotates its rope part and writes the expanded K and padded V)."""
     step = MixedStep(family, request, tmp_path, forward_step)
     n = step.batch.num_tokens  # 27: padded to 32
     pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
@@ -141,7 +148,8 @@ def test_the_cut_forward_takes_rows_in_place_of_embeddings(family, request, tmp_
         torch.testing.assert_close(pieces.hidden[:n], want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_olmo2"])
+@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral", "tiny_qwen3_moe", "tiny_gemma2", "tiny_olmo2",
+                                    "tiny_deepseek_v3"])
 @torch.inference_mode()
 def test_the_whole_graph_forward_reads_its_sequences_from_the_index(family, request, tmp_path, forward_step):
     """cudagraph_mode FULL's forward (runtime/mixed_graphs.py; on a CPU, the same forward eagerly):
