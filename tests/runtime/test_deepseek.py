@@ -136,6 +136,24 @@ def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, tr
     assert triton_dispatch["paged_attention"] and triton_dispatch["fused_moe"]
 
 
+@torch.inference_mode()
+def test_two_pipeline_stages_are_one_rank(checkpoints, artifacts, tmp_path, hf_encode):
+    """parallel.pipeline 2 (the dense layer and the first MoE layer on one stage, the last MoE layer on the other):
+    the one-rank artifact's greedy tokens and logits (1e-5)."""
+    checkpoint = checkpoints["deepseek_v3"]
+    split = build_float32(checkpoint, tmp_path / "pp2", parallel={"pipeline": 2})
+    assert read_manifest(split).parallel.pipeline == 2
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
+    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
+    with LLM(split, **engine) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        scores = llm.engine.score(token_ids)
+    with LLM(artifacts("deepseek_v3"), **engine) as llm:
+        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+
+
 def test_routers_are_transformers_routers():
     """deepseek_route against transformers' DeepseekV2TopkRouter (greedy, group_limited_greedy) and
     DeepseekV3TopkRouter (groups, score bias, renormalised, scaled) on 512 random tokens: the same experts, the same
@@ -379,8 +397,7 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
             build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "out"), "dtype": "float32",
                                     **(recipe or {})}), show_progress=False)
 
-    refused(RecipeError, "parallel.tensor", recipe={"parallel": {"tensor": 2}})
-    refused(RecipeError, "pipeline stages", recipe={"parallel": {"pipeline": 2}})
+    refused(RecipeError, "parallel.tensor 2", recipe={"parallel": {"tensor": 2}})
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     refused(RecipeError, "quantization.method int8", recipe={"quantization": {"method": "int8"}})
     refused(RecipeError, "quantization.method awq",
