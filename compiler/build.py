@@ -197,7 +197,7 @@ def _check_moe(ctx: _Context) -> None:
 
 def _check_mla(ctx: _Context) -> None:
     """What a DeepSeek build (multi-head latent attention: runtime/models/mla.py) does not do, refused by name before
-    any work: ONNX graphs, tensor parallelism (the heads are not split over ranks; pipeline stages are built), AWQ and SmoothQuant (their folds target a fused qkv after the input norm; MLA has q, kv_a
+    any work: ONNX graphs, AWQ and SmoothQuant (their folds target a fused qkv after the input norm; MLA has q, kv_a
     and the q_a / kv_a norms in between) and w8a8-int8 (not verified on it)."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_mla:
@@ -206,9 +206,6 @@ def _check_mla(ctx: _Context) -> None:
     if recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {recipe.target.device}: {name}'s latent attention is not exported to ONNX; "
                           "use target.device cuda or cpu")
-    if recipe.parallel.tensor != 1:
-        raise RecipeError(f"parallel.tensor {recipe.parallel.tensor}: {name}'s latent attention is not split over "
-                          "tensor ranks; set parallel.tensor to 1 (parallel.pipeline splits its layers into stages)")
     if quant.method in ("awq", "int8"):
         raise RecipeError(f"quantization.method {quant.method}: not supported for {name} (its latent attention has no "
                           "fused qkv after the input norm for AWQ's folds, and no verified w8a8-int8 path); use rtn, "

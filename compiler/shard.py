@@ -107,8 +107,10 @@ def _group_problems(config: ModelConfig, module_formats: dict[str, dict], tensor
     """Row-parallel linears whose quantization groups a split into `tensor` parts would cut."""
     if tensor == 1:
         return []
-    in_features = {"attn.o": config.num_heads * config.head_dim, "mlp.down": config.intermediate_size,
-                   "moe.experts.down": config.moe_intermediate_size, "moe.shared.down": config.shared_expert_intermediate_size}
+    in_features = {"attn.o": config.num_heads * (config.v_head_dim if config.is_mla else config.head_dim),
+                   "mlp.down": config.intermediate_size,
+                   "moe.experts.down": config.moe_intermediate_size,
+                   "moe.shared.down": config.shared_expert_intermediate_size}
     row_parallel = ("attn.o", "mlp.down", "moe.shared.down") + (("moe.experts.down",) if expert == 1 else ())
     problems = []
     for index in range(config.num_layers):
@@ -180,6 +182,8 @@ def shard_layer(layer: LayerWeights, layout: RankLayout, config: ModelConfig, sp
         if expert is not None and layout.num_local_experts < config.num_experts:  # expert parallel: whole experts
             if layout.expert_start <= expert < layout.expert_start + layout.num_local_experts:
                 linears[name] = weight
+        elif spec_parallel(spec, name) == "replicated":  # (MLA's q_a and kv_a)
+            linears[name] = weight
         elif spec_parallel(spec, name) == "column":
             linears[name] = take_rows(weight, column_rows(config, layout, format_key(name)))
         else:
@@ -214,6 +218,9 @@ def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tupl
         kv = (layout.kv_head_start * d, (layout.kv_head_start + layout.num_kv_heads) * d)
         k_offset, v_offset = config.num_heads * d, (config.num_heads + config.num_kv_heads) * d
         return [q, (k_offset + kv[0], k_offset + kv[1]), (v_offset + kv[0], v_offset + kv[1])]
+    if name in ("attn.q", "attn.q_b", "attn.kv_b"):  # MLA: the rank's heads (q: head_dim rows each; kv_b: k_nope, v)
+        per_head = config.head_dim if name != "attn.kv_b" else config.qk_nope_head_dim + config.v_head_dim
+        return [(layout.head_start * per_head, (layout.head_start + layout.num_heads) * per_head)]
     if name == "mlp.gate_up":
         start, end = layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
         return [(start, end), (config.intermediate_size + start, config.intermediate_size + end)]
@@ -229,8 +236,9 @@ def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tupl
 
 def row_columns(config: ModelConfig, layout: RankLayout, name: str) -> tuple[int, int]:
     """Input columns [start, end) of a row-parallel linear that the rank holds."""
-    if name == "attn.o":
-        return layout.head_start * config.head_dim, (layout.head_start + layout.num_heads) * config.head_dim
+    if name == "attn.o":  # (MLA: each head's v_head_dim outputs)
+        d = config.v_head_dim if config.is_mla else config.head_dim
+        return layout.head_start * d, (layout.head_start + layout.num_heads) * d
     if name == "mlp.down":
         return layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
     if name == "moe.experts.down":
@@ -241,7 +249,8 @@ def row_columns(config: ModelConfig, layout: RankLayout, name: str) -> tuple[int
 
 
 def spec_parallel(spec: ModelSpec, name: str) -> str:
-    """"column" or "row" for a layer linear (an expert's gate_up is column-, its down row-parallel)."""
+    """"column", "row" or "replicated" (MLA's q_a, kv_a) for a layer linear (an expert's gate_up is column-, its down
+    row-parallel)."""
     if expert_of(name) is not None:
         return "column" if name.endswith("gate_up") else "row"
     return spec.layer_linear(name).parallel

@@ -104,5 +104,7 @@ class MLAttention(torch.nn.Module):
                                batch.kernel_cache, out=out, key_limits=batch.key_limits)
 
     def output(self, attn: Tensor) -> Tensor:
-        """attn [num_tokens, num_heads, head_dim] → o of its first v_head_dim dims per head [num_tokens, hidden]."""
-        return self.o(attn[..., : self.v_dim].flatten(1))
+        """attn [num_tokens, num_heads, head_dim] → o of its first v_head_dim dims per head [num_tokens, hidden]
+        (all-reduced under TP: this rank's heads' partial sum)."""
+        out = self.o(attn[..., : self.v_dim].flatten(1))
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)

@@ -17,7 +17,7 @@ class FusedLinear:
     # HF names inside a layer, e.g. ("self_attn.q_proj", "self_attn.k_proj", ...); one name where the checkpoint
     # stores the linear fused already, in the runtime's row order (Phi-3's "self_attn.qkv_proj": q, k, v rows)
     hf_members: tuple[str, ...]
-    parallel: str  # "column" (split the output dim) | "row" (split the input dim)
+    parallel: str  # "column" (split the output dim) | "row" (split the input dim) | "replicated" (whole on every rank)
     input_from: str  # the runtime module whose output feeds this linear ("input_norm", "attn.qkv", ...)
 
 
@@ -87,12 +87,13 @@ def shared_expert_linears(gate_up: tuple[str, ...], down: str) -> tuple[FusedLin
 
 # DeepSeek's multi-head latent attention (runtime/models/mla.py): q by q_proj, or by q_a_proj, its norm and q_b_proj
 # under a q_lora_rank; kv_a_proj_with_mqa (the compressed kv and the shared rope key), its norm, kv_b_proj (k_nope and v
-# per head); o_proj. Unfused: each reads another input (the norms' outputs feed q_b and kv_b).
+# per head); o_proj. Unfused: each reads another input (the norms' outputs feed q_b and kv_b). Under tensor parallelism
+# the low-rank q_a and kv_a (and their norms) are whole on every rank, q / q_b and kv_b split by heads, o by heads' v.
 MLA_LINEARS = (
     FusedLinear("attn.q", ("self_attn.q_proj",), "column", "input_norm"),
-    FusedLinear("attn.q_a", ("self_attn.q_a_proj",), "column", "input_norm"),
+    FusedLinear("attn.q_a", ("self_attn.q_a_proj",), "replicated", "input_norm"),
     FusedLinear("attn.q_b", ("self_attn.q_b_proj",), "column", "attn.q_a_norm"),
-    FusedLinear("attn.kv_a", ("self_attn.kv_a_proj_with_mqa",), "column", "input_norm"),
+    FusedLinear("attn.kv_a", ("self_attn.kv_a_proj_with_mqa",), "replicated", "input_norm"),
     FusedLinear("attn.kv_b", ("self_attn.kv_b_proj",), "column", "attn.kv_a_norm"),
     FusedLinear("attn.o", ("self_attn.o_proj",), "row", "attn.kv_b"),
 )

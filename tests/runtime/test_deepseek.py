@@ -87,7 +87,8 @@ def test_logits_and_greedy_match_transformers(family, checkpoints, artifacts, hf
 
 @torch.inference_mode()
 def test_v3_without_rope_interleave(checkpoints, tmp_path, hf_logits, hf_encode):
-    """rope_interleave: false (rotate-half over the rope dims as they are) is transformers' too; interleaved it is not."""
+    """rope_interleave: false (rotate-half over the rope dims as they are) is transformers' too; interleaved it is
+    not."""
     checkpoint = write_config(checkpoints["deepseek_v3"], tmp_path / "plain_rope", rope_interleave=False)
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
     with LLM(build_float32(checkpoint, tmp_path / "art"), device="cpu", num_kv_blocks=64) as llm:
@@ -137,12 +138,15 @@ def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, tr
 
 
 @torch.inference_mode()
-def test_two_pipeline_stages_are_one_rank(checkpoints, artifacts, tmp_path, hf_encode):
-    """parallel.pipeline 2 (the dense layer and the first MoE layer on one stage, the last MoE layer on the other):
-    the one-rank artifact's greedy tokens and logits (1e-5)."""
+@pytest.mark.parametrize("parallel", [{"tensor": 2}, pytest.param({"pipeline": 2}, marks=pytest.mark.slow),
+                                      pytest.param({"tensor": 2, "expert": 2}, marks=pytest.mark.slow)])
+def test_split_builds_are_one_rank(parallel, checkpoints, artifacts, tmp_path, hf_encode):
+    """Tensor parallel 2 (q_a, kv_a and their norms whole on each rank; q_b, kv_b and o split by heads; the MLPs and
+    each expert by columns), pipeline 2, expert parallel 2: the one-rank artifact's greedy tokens and logits (5e-5:
+    the ranks' partial sums add in another order)."""
     checkpoint = checkpoints["deepseek_v3"]
-    split = build_float32(checkpoint, tmp_path / "pp2", parallel={"pipeline": 2})
-    assert read_manifest(split).parallel.pipeline == 2
+    split = build_float32(checkpoint, tmp_path / "split", parallel=parallel)
+    assert read_manifest(split).parallel.world_size == 2
     engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
     prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
@@ -151,7 +155,7 @@ def test_two_pipeline_stages_are_one_rank(checkpoints, artifacts, tmp_path, hf_e
         scores = llm.engine.score(token_ids)
     with LLM(artifacts("deepseek_v3"), **engine) as llm:
         assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=5e-5, rtol=1e-5)  # (ranks sum apart)
 
 
 def test_routers_are_transformers_routers():
@@ -289,8 +293,8 @@ DEEPSEEK_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_
 def _write_block_fp8(source, dest, skip=()) -> dict[str, torch.Tensor]:
     """`source` as DeepSeek-V3 ships its weights (tests/quant/test_fp8_block_import.py's published definition: E4M3
     levels and float32 `weight_scale_inv` per 128 x 128 block, `quant_method: fp8`), every decoder linear and expert
-    but those `skip` matches (modules_to_not_convert, transformers' regex rule) quantized; the router and its score bias dense. Returns {HF weight name:
-    its published dequantization}."""
+    but those `skip` matches (modules_to_not_convert, transformers' regex rule) quantized; the router and its score
+    bias dense. Returns {HF weight name: its published dequantization}."""
     from tests.quant.test_fp8_block_import import HF_FP8, dequantized, quantize_blocks
 
     shutil.copytree(source, dest)
@@ -397,7 +401,7 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
             build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "out"), "dtype": "float32",
                                     **(recipe or {})}), show_progress=False)
 
-    refused(RecipeError, "parallel.tensor 2", recipe={"parallel": {"tensor": 2}})
+    refused(RecipeError, "parallel.tensor: 3 does not divide", recipe={"parallel": {"tensor": 3}})
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     refused(RecipeError, "quantization.method int8", recipe={"quantization": {"method": "int8"}})
     refused(RecipeError, "quantization.method awq",
