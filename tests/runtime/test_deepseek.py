@@ -356,6 +356,33 @@ def test_deepseek_v3_block_fp8_checkpoint_imports(checkpoints, tmp_path, hf_enco
                                    atol=1e-4, rtol=1e-4)
 
 
+@torch.inference_mode()
+def test_mtp_layers_are_left_out_and_a_bf16_router_stays_float32(checkpoints, artifacts, tmp_path, caplog):
+    """A checkpoint with a multi-token-prediction layer (num_nextn_predict_layers 1: model.layers.3.*, which
+    transformers' forward skips) builds without it, says so, and gives the same logits; a bfloat16 build keeps the
+    router weight and e_score_correction_bias in float32 (as transformers' _keep_in_fp32_modules_strict)."""
+    checkpoint = write_config(checkpoints["deepseek_v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors |= {name.replace("layers.2.", "layers.3."): t.clone() for name, t in tensors.items() if ".layers.2." in name}
+    tensors |= {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="llmc"):
+        artifact = build_float32(checkpoint, tmp_path / "art")
+    assert "multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
+    assert read_manifest(artifact).model.num_layers == 3
+    token_ids = list(range(100, 120))
+    with LLM(artifact, device="cpu", num_kv_blocks=64) as llm, LLM(artifacts("deepseek_v3"), device="cpu",
+                                                                    num_kv_blocks=64) as plain:
+        torch.testing.assert_close(llm.engine.score(token_ids), plain.engine.score(token_ids), atol=0, rtol=0)
+    build(recipe_from_dict({"model": str(checkpoints["deepseek_v3"]), "output": str(tmp_path / "bf16"),
+                                   "dtype": "bfloat16", "runtime": {"max_model_len": 256}}), show_progress=False)
+    weights = load_file(tmp_path / "bf16" / "rank-00" / "weights.safetensors")
+    assert weights["layers.1.moe.gate.weight"].dtype == weights["layers.1.moe.gate_bias.weight"].dtype == torch.float32
+    assert weights["layers.1.attn.kv_b.weight"].dtype == torch.bfloat16
+    with LLM(tmp_path / "bf16", device="cpu", num_kv_blocks=64) as llm:  # (loading checks every dtype)
+        assert llm.generate([{"prompt_token_ids": token_ids}], GREEDY)[0].outputs[0].token_ids
+
+
 def test_the_kv_cache_holds_expanded_heads(artifacts):
     """The cache holds every head's K (qk_nope + qk_rope dims) and V zero-padded to it, and the memory planner's
     per-token bytes are what the engine allocates: 2 * layers * heads * head_dim * 4 (float32)."""
