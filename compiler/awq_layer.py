@@ -92,7 +92,7 @@ def _quantize_variant(quantizer, layer: LayerWeights, inputs: dict, variant) -> 
             found = awq_search_scale(x, weights, _fake_quantizer(quantizer, spec), w_mean=w_mean)
             for i, member in enumerate(members):  # the producer (norm) divided once for all members
                 scales[member] = found.scales
-                _fold(layer, member, target, found.scales, divides_producer=i == 0)
+                _fold(layer, member, target, found.scales, divides_producer=i == 0, config=quantizer.config)
             if name == "moe.experts.gate_up":
                 scale_router(layer, found.scales)
     is_clipped = variant is not None and variant[1]
@@ -117,6 +117,8 @@ def _fold_members(layer: LayerWeights, name: str) -> list[str]:
     if name == "moe.experts.gate_up":
         shared = ["moe.shared.gate_up"] if "moe.shared.gate_up" in layer.linears else []
         return [n for n in layer.linears if expert_of(n) is not None and n.endswith(".gate_up")] + shared
+    if name == "attn.kv_a":  # MLA: q (or q_a) reads input_norm's output too
+        return [n for n in ("attn.q", "attn.q_a") if n in layer.linears] + [name]
     return [name]
 
 
@@ -140,6 +142,10 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None
         if name == "attn.qkv":  # q and k rows feed a softmax: clipping them hurts more than it helps
             config = quantizer.config
             clip[: (config.num_heads + config.num_kv_heads) * config.head_dim] = 1.0
+        elif name in ("attn.q", "attn.q_b", "attn.kv_a"):  # MLA: q, and the rope key (kv_a's latent feeds kv_b)
+            clip[:] = 1.0
+        elif name == "attn.kv_b":  # MLA: each head's k_nope rows
+            clip[_mla_rows(quantizer.config, "k")] = 1.0
     q = rtn_quantize(w, spec["bits"], spec["group_size"], spec["symmetric"], clip_ratio=clip,
                      scale_dtype=quantizer.scale_dtype)
     layer.linears[name] = dequantize_weight(q)
@@ -153,8 +159,16 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
     experts; each expert's down gets its own, from its routed tokens, folded into its up rows. A shared expert's
-    gate_up takes the experts' scale (it reads the same norm), its down its own, folded into its up rows."""
+    gate_up takes the experts' scale (it reads the same norm), its down its own, folded into its up rows.
+
+    DeepSeek's latent attention: q (or q_a) and kv_a share one scale folded into input_norm, q_b's folds into
+    q_a_norm, kv_b's into kv_a_norm, and o's into kv_b's v rows (each head's), as o's into qkv's v rows."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    attention = [("attn.qkv", "input_norm")] + ([("attn.o", "attn.qkv")] if q_size == kv_size else [])
+    if config.is_mla:  # DeepSeek: q (or q_a) and kv_a share input_norm's scale (_fold_members); q_b's folds into
+        # q_a_norm, kv_b's into kv_a_norm, o's into kv_b's v rows
+        attention = [("attn.kv_a", "input_norm"), *([("attn.q_b", "attn.q_a_norm")] if config.q_lora_rank else []),
+                     ("attn.kv_b", "attn.kv_a_norm"), ("attn.o", "attn.kv_b")]
     if layer is not None and config.is_moe_layer(layer.index):
         downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")]
         mlp = [("moe.experts.gate_up", "post_attn_norm"), *((n, n.replace(".down", ".gate_up")) for n in downs)]
@@ -162,17 +176,24 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
             mlp.append(("moe.shared.down", "moe.shared.gate_up"))
     else:
         mlp = [("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
-    folds = [("attn.qkv", "input_norm"), *mlp]
-    if q_size == kv_size:  # o's inputs are v's outputs only without grouped-query attention
-        folds.insert(1, ("attn.o", "attn.qkv"))
+    folds = [*attention, *mlp]  # (o's inputs are v's outputs only without grouped-query attention)
     if not config.pre_norms:  # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale
         folds = [(name, target) for name, target in folds if target not in ("input_norm", "post_attn_norm")]
     return folds
 
 
-def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, divides_producer: bool = True) -> None:
+def _mla_rows(config: ModelConfig, part: str) -> Tensor:
+    """The rows of MLA's kv_b holding each head's k_nope ("k") or v ("v"), head by head."""
+    width, offset, size = config.qk_nope_head_dim + config.v_head_dim, *(
+        (0, config.qk_nope_head_dim) if part == "k" else (config.qk_nope_head_dim, config.v_head_dim))
+    return (torch.arange(config.num_heads)[:, None] * width + offset + torch.arange(size)).flatten()
+
+
+def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, divides_producer: bool = True,
+          config: ModelConfig | None = None) -> None:
     """W_name[:, j] *= s_j and the producer of input j divides by s_j: the layer's function is unchanged. Linears that
-    share one producer (an MoE's experts' gate_up) each take s, the producer divides once (divides_producer)."""
+    share one producer (an MoE's experts' gate_up, MLA's q and kv_a) each take s, the producer divides once
+    (divides_producer)."""
     layer.linears[name] = layer.linears[name] * s
     if not divides_producer:
         return
@@ -180,6 +201,8 @@ def _fold(layer: LayerWeights, name: str, target: str, s: Tensor, divides_produc
         layer.norms[target] = layer.norms[target] / s
         return
     rows = slice(layer.linears[target].shape[0] - s.shape[0], None)  # v is the tail of qkv, up of gate_up
+    if target == "attn.kv_b":  # MLA: o's inputs are each head's v rows of kv_b
+        rows = _mla_rows(config, "v")
     producer = layer.linears[target].clone()
     producer[rows] /= s.unsqueeze(1)
     layer.linears[target] = producer

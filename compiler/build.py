@@ -197,8 +197,7 @@ def _check_moe(ctx: _Context) -> None:
 
 def _check_mla(ctx: _Context) -> None:
     """What a DeepSeek build (multi-head latent attention: runtime/models/mla.py) does not do, refused by name before
-    any work: ONNX graphs, AWQ and SmoothQuant (their folds target a fused qkv after the input norm; MLA has q, kv_a
-    and the q_a / kv_a norms in between) and w8a8-int8 (not verified on it)."""
+    any work: ONNX graphs and w8a8-int8 (not verified on it; refused for MoE layers anyway)."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_mla:
         return
@@ -206,10 +205,9 @@ def _check_mla(ctx: _Context) -> None:
     if recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {recipe.target.device}: {name}'s latent attention is not exported to ONNX; "
                           "use target.device cuda or cpu")
-    if quant.method in ("awq", "int8"):
-        raise RecipeError(f"quantization.method {quant.method}: not supported for {name} (its latent attention has no "
-                          "fused qkv after the input norm for AWQ's folds, and no verified w8a8-int8 path); use rtn, "
-                          "gptq or fp8, or import a quantized checkpoint")
+    if quant.method == "int8":  # (refused for its MoE layers too)
+        raise RecipeError(f"quantization.method int8: not supported for {name} (no verified w8a8-int8 path for its "
+                          "latent attention); use rtn, gptq, awq or fp8, or import a quantized checkpoint")
 
 
 def _check_pooling(ctx: _Context) -> None:

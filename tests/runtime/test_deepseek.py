@@ -250,9 +250,10 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
     pytest.param({"method": "fp8", "weights": "per_channel", "activations": "dynamic",
                   "ignore": ["lm_head", r"re:layers\.\d+\.moe\.experts\..*"]}, marks=pytest.mark.slow),
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
+    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
 ])
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode, data_dir):
-    """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts; RTN, FP8, GPTQ
+    """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts; RTN, FP8, GPTQ and AWQ
     calibrated through the MLA layers) against transformers' model holding its dequantized weights (FP8: each layer
     linear's input rounded to E4M3 per token, as its dynamic activations are): logits over 34 positions (1e-4) and 12
     greedy tokens."""
@@ -263,7 +264,8 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     checkpoint = checkpoints["deepseek_v3"]
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False, **({"calibration": calibration} if quantization["method"] == "gptq" else {})})
+        **quantization, "report": False,
+        **({"calibration": calibration} if quantization["method"] in ("gptq", "awq") else {})})
     modules = read_manifest(out).quant.modules
     assert "dense" not in (modules["layers.1.attn.kv_b"]["format"], modules["layers.2.moe.shared.down"]["format"])
     assert (modules["layers.2.moe.experts.down"]["format"] == "dense") == (quantization["method"] == "fp8")
@@ -363,7 +365,8 @@ def test_mtp_layers_are_left_out_and_a_bf16_router_stays_float32(checkpoints, ar
     router weight and e_score_correction_bias in float32 (as transformers' _keep_in_fp32_modules_strict)."""
     checkpoint = write_config(checkpoints["deepseek_v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
     tensors = load_file(checkpoint / "model.safetensors")
-    tensors |= {name.replace("layers.2.", "layers.3."): t.clone() for name, t in tensors.items() if ".layers.2." in name}
+    tensors |= {name.replace("layers.2.", "layers.3."): t.clone() for name, t in tensors.items()
+                if ".layers.2." in name}
     tensors |= {"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64)}
     save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level("INFO", logger="llmc"):
@@ -381,6 +384,34 @@ def test_mtp_layers_are_left_out_and_a_bf16_router_stays_float32(checkpoints, ar
     assert weights["layers.1.attn.kv_b.weight"].dtype == torch.bfloat16
     with LLM(tmp_path / "bf16", device="cpu", num_kv_blocks=64) as llm:  # (loading checks every dtype)
         assert llm.generate([{"prompt_token_ids": token_ids}], GREEDY)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_awq_folds_keep_the_function(family, checkpoints, tmp_path, data_dir, hf_encode, monkeypatch):
+    """AWQ forced to fold random scales into W8 layers (every variant but round-to-nearest dropped), each a power of
+    two from 1/4 to 4, one per group of 32 input columns: the groups' quantization scales take them exactly, so the
+    build is the plain RTN W8 build's function if and only if every fold is undone where it is made: input_norm
+    divided once for q (or q_a) and kv_a, q_a_norm for q_b, kv_a_norm for kv_b, each head's v rows of kv_b for o
+    (and the MoE's folds, as for every MoE)."""
+    import llmc.compiler.awq_layer as awq_layer
+    from llmc.quant.awq import ScaleSearchResult
+
+    gen = torch.Generator().manual_seed(0)
+
+    def random_scales(x, weights, quantize, w_mean=None):
+        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
+        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
+    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
+    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    token_ids, logits = hf_encode(checkpoints[family], PROMPTS[1]) + list(range(100, 120)), {}
+    for method in ("awq", "rtn"):
+        out = build_float32(checkpoints[family], tmp_path / method, target={"device": "cpu"}, quantization={
+            "method": method, "bits": 8, "group_size": 32, "report": False, "min_expert_tokens": 1,
+            **({"calibration": calibration} if method == "awq" else {})})
+        with LLM(out, device="cpu", max_num_batched_tokens=32, num_kv_blocks=64) as llm:
+            logits[method] = llm.engine.score(token_ids)
+    torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
 
 
 def test_the_kv_cache_holds_expanded_heads(artifacts):
@@ -420,7 +451,7 @@ def test_configs_read_as_transformers_reads_them(checkpoints):
     assert (v2.q_lora_rank, v2.router_scoring, v2.router_groups, v2.norm_topk_prob) == (None, "softmax", None, False)
 
 
-def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
+def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path):
     def refused(error, match, family="deepseek_v3", recipe=None, **changes):
         checkpoint = write_config(checkpoints[family], tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
             if changes else checkpoints[family]
@@ -429,10 +460,7 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path, data_dir):
                                     **(recipe or {})}), show_progress=False)
 
     refused(RecipeError, "parallel.tensor: 3 does not divide", recipe={"parallel": {"tensor": 3}})
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     refused(RecipeError, "quantization.method int8", recipe={"quantization": {"method": "int8"}})
-    refused(RecipeError, "quantization.method awq",
-            recipe={"quantization": {"method": "awq", "calibration": calibration}})
     refused(RecipeError, "not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
     refused(CheckpointError, "moe_layer_freq 2", moe_layer_freq=2)
     refused(CheckpointError, "norm_topk_prob: true is not supported for DeepSeek-V2", "deepseek_v2",
