@@ -7,10 +7,12 @@ What is written (OUT/):
                           family's checkpoints hold them fused (Phi-3's qkv_proj, gate_up_proj)
   tokenizer files         the artifact's tokenizer/ folder (generation_config.json with it, if there)
 
-Mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE): each expert's slice of the stacked `moe.experts.gate_up`
-/ `down` [E, ...] tensors is written as its own modules under the family's MoeSpec names (one per expert and
-projection, as llm-compressor saves MoE models and the importer reads them); the routers and Qwen2-MoE's shared
-expert gate stay dense, named in `ignore`. Granite MoE's checkpoints hold the experts fused (no Linear per expert):
+Mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V2 / V3): each expert's slice of the stacked
+`moe.experts.gate_up` / `down` [E, ...] tensors is written as its own modules under the family's MoeSpec names (one
+per expert and projection, as llm-compressor saves MoE models and the importer reads them); the routers and
+Qwen2-MoE's shared expert gate stay dense, named in `ignore` (DeepSeek-V3's e_score_correction_bias written beside
+its router). DeepSeek's latent attention goes out as its HF linears (q_proj or q_a_proj / q_b_proj,
+kv_a_proj_with_mqa, kv_b_proj, o_proj). Granite MoE's checkpoints hold the experts fused (no Linear per expert):
 refused. FP8 KV-cache scales (kv.k_scales / v_scales) go out as compressed-tensors' kv_cache_scheme with each
 layer's `self_attn.k_scale` / `v_scale`, float32 [1] (compiler/kv_scales.checkpoint_kv_scales reads them back).
 
@@ -59,12 +61,13 @@ from llmc.quant.importers import (pack_float_quantized, pack_fp8_block, pack_int
 from llmc.quant.packing import unpack_words
 from llmc.runtime import artifact as art
 from llmc.runtime.models import CLASSIFIER_ARCHITECTURES, spec_for_family
-from llmc.runtime.models.spec import ModelSpec, hf_member_rows, in_layer
+from llmc.runtime.models.spec import ModelSpec, hf_member_rows, in_layer, layer_norm_names
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
-                "Qwen2MoeForCausalLM": "qwen2_moe"}
+                "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
+                "DeepseekV3ForCausalLM": "deepseek_v3"}
 
 
 @dataclass
@@ -214,6 +217,9 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                                 "runs; build with quantization.bits: 4 or 8")
         if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-fp8-block", "w8a8-int8"):
             raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
+    if manifest.kv.scales_source != "none" and model.is_mla:
+        raise ArtifactError(f"{where} FP8 KV-cache scales of {model.architecture}: they scale llmc's expanded K and V, "
+                            "not the latent cache vLLM's MLA keeps; build without runtime.kv_cache_dtype fp8")
     if manifest.kv.scales_source != "none" and all(s["format"] == "dense" for s in manifest.quant.modules.values()):
         raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}) of an "
                             "unquantized model: export writes them beside a quantized scheme (a kv_cache_scheme "
@@ -265,6 +271,9 @@ def _linears(model: art.ModelConfig, spec: ModelSpec) -> list[tuple[str, int | N
     inputs = {"attn.qkv": hidden, "attn.o": model.num_heads * model.head_dim, "mlp.gate_up": hidden,
               "mlp.down": model.intermediate_size, "moe.shared.gate_up": hidden,
               "moe.shared.down": model.shared_expert_intermediate_size}
+    if model.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
+        inputs |= {"attn.q": hidden, "attn.q_a": hidden, "attn.q_b": model.q_lora_rank, "attn.kv_a": hidden,
+                   "attn.kv_b": model.kv_lora_rank, "attn.o": model.num_heads * model.v_head_dim}
     out = []
     for i in range(model.num_layers):
         prefix = f"{spec.hf_layer_prefix}{i}."
@@ -298,19 +307,23 @@ def _routers(model: art.ModelConfig, spec: ModelSpec) -> list[str]:
 
 def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: ModelSpec,
                    linears: set[str]) -> dict[str, Tensor]:
-    """Embedding, norms (and qk norms), MoE routers (and shared expert gates): renamed, as they are."""
+    """Embedding, norms (and qk norms; MLA's q_a / kv_a norms), MoE routers (and shared expert gates, DeepSeek-V3's
+    e_score_correction_bias): renamed, as they are."""
     out = {}
     for runtime, hf in spec.global_tensors.items():
         if runtime.removesuffix(".weight") not in linears and runtime in tensors:
             out[hf] = tensors[runtime]
     for i in range(model.num_layers):
-        for runtime, hf in spec.layer_norms.items() | (spec.qk_norms.items() if model.qk_norm else {}.items()):
+        for runtime, hf in layer_norm_names(spec, model).items():
             out[f"{spec.hf_layer_prefix}{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
     for i in model.moe_layers:
         out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.weight"] = tensors[f"layers.{i}.moe.gate.weight"]
         if model.shared_expert_gate:
             shared_gate = tensors[f"layers.{i}.moe.shared_gate.weight"]
             out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = shared_gate
+        if model.router_scoring == "sigmoid":
+            bias = tensors[f"layers.{i}.moe.gate_bias.weight"]
+            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.e_score_correction_bias"] = bias
     return out
 
 
@@ -432,7 +445,9 @@ def hf_config_of(model: art.ModelConfig) -> dict:
         config["original_max_position_embeddings"] = model.rope_scaling["original_max_position_embeddings"]
     if model.is_partial_rotary:  # Phi-4-mini's form: transformers rotates int(head_dim * factor) dims
         config["partial_rotary_factor"] = partial_rotary_factor(model)
-    if model.moe_layers:
+    if model.is_mla:
+        config |= _deepseek_config(model, model_type)
+    elif model.moe_layers:
         config |= _moe_config(model, model_type)
     if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         config["use_sliding_window"] = model.sliding_window is not None
@@ -460,3 +475,23 @@ def _moe_config(model: art.ModelConfig, model_type: str) -> dict:
         config |= {"shared_expert_intermediate_size": model.shared_expert_intermediate_size or 0,
                    "qkv_bias": model.attention_bias}
     return config
+
+
+def _deepseek_config(model: art.ModelConfig, model_type: str) -> dict:
+    """DeepSeek's config keys, as DeepseekV2Config / DeepseekV3Config name them (compiler/hf_checkpoint._deepseek_config
+    and _deepseek_fields read them back): the latent attention's sizes (head_dim the rope part's, as transformers
+    sets it), the MoE layers from first_k_dense_replace on, the shared experts as n_shared_experts of the experts'
+    width, and the router (V2: greedy or group_limited_greedy; V3: noaux_tc with sigmoid scores)."""
+    first_moe = model.moe_layers[0] if model.moe_layers else model.num_layers
+    shared = (model.shared_expert_intermediate_size or 0) // model.moe_intermediate_size
+    config = {"head_dim": model.qk_rope_head_dim, "kv_lora_rank": model.kv_lora_rank, "q_lora_rank": model.q_lora_rank,
+              "qk_nope_head_dim": model.qk_nope_head_dim, "qk_rope_head_dim": model.qk_rope_head_dim,
+              "v_head_dim": model.v_head_dim, "n_routed_experts": model.num_experts,
+              "num_experts_per_tok": model.num_experts_per_tok, "moe_intermediate_size": model.moe_intermediate_size,
+              "n_shared_experts": shared, "first_k_dense_replace": first_moe, "moe_layer_freq": 1,
+              "routed_scaling_factor": model.routed_scaling_factor, "n_group": model.router_groups,
+              "topk_group": model.router_topk_groups, "norm_topk_prob": model.norm_topk_prob}
+    if model_type == "deepseek_v2":
+        method = "group_limited_greedy" if model.router_groups else "greedy"
+        return config | {"topk_method": method, "scoring_func": "softmax"}
+    return config | {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_interleave": model.mla_rope_interleave}

@@ -28,7 +28,7 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, write_config
+from tests.runtime.hf_oracle import build_float32, build_import, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -325,7 +325,6 @@ def test_deepseek_v3_block_fp8_checkpoint_imports(checkpoints, tmp_path, hf_enco
     from transformers import AutoModelForCausalLM
 
     from tests.quant.test_fp8_block_import import fp8_per_token_group
-    from tests.runtime.hf_oracle import build_import
 
     expected = _write_block_fp8(checkpoints["deepseek_v3"], tmp_path / "fp8")
     artifact = build_import(tmp_path / "fp8", tmp_path / "fp8_art")
@@ -414,6 +413,37 @@ def test_awq_folds_keep_the_function(family, checkpoints, tmp_path, data_dir, hf
     torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_export_round_trips_and_transformers_reads_it(family, checkpoints, artifacts, tmp_path):
+    """`llmc export`: the float32 artifact's export is a checkpoint transformers loads (config.json rebuilt from the
+    manifest: its DeepSeek keys) to the artifact's logits; an RTN W4 build's (compressed-tensors, one module per MLA
+    linear and expert, the router and V3's score bias dense) imports back to the same tensors, bit for bit, and
+    logits."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.compiler.export import export_artifact
+
+    token_ids = list(range(100, 130))
+    export_artifact(artifacts(family), tmp_path / "dense")
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "dense"), dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    with LLM(artifacts(family), device="cpu", num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), exported(torch.tensor([token_ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+    quantized = build_float32(checkpoints[family], tmp_path / "w4", target={"device": "cpu"},
+                              quantization={"method": "rtn", "bits": 4, "group_size": 32, "report": False})
+    export_artifact(quantized, tmp_path / "w4_export")
+    config = json.loads((tmp_path / "w4_export" / "config.json").read_text())
+    assert "model.layers.1.mlp.gate" in config["quantization_config"]["ignore"]
+    back = build_import(tmp_path / "w4_export", tmp_path / "back")
+    assert read_manifest(back).quant.modules == read_manifest(quantized).quant.modules
+    ours, theirs = (load_file(a / "rank-00" / "weights.safetensors") for a in (quantized, back))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+    with LLM(quantized, device="cpu", num_kv_blocks=64) as a, LLM(back, device="cpu", num_kv_blocks=64) as b:
+        torch.testing.assert_close(a.engine.score(token_ids), b.engine.score(token_ids), atol=0, rtol=0)
+
+
 def test_the_kv_cache_holds_expanded_heads(artifacts):
     """The cache holds every head's K (qk_nope + qk_rope dims) and V zero-padded to it, and the memory planner's
     per-token bytes are what the engine allocates: 2 * layers * heads * head_dim * 4 (float32)."""
@@ -471,8 +501,3 @@ def test_what_deepseek_refuses(checkpoints, artifacts, tmp_path):
     refused(CheckpointError, "attention_bias: true", attention_bias=True)
     refused(CheckpointError, "v_head_dim 32", v_head_dim=32)
     refused(CheckpointError, "n_group 3", n_group=3)
-    from llmc.compiler.export import export_artifact
-    from llmc.errors import ArtifactError
-
-    with pytest.raises(ArtifactError, match="DeepseekV3ForCausalLM"):
-        export_artifact(artifacts("deepseek_v3"), tmp_path / "export")
