@@ -69,6 +69,9 @@ from llmc.schema import opt, parse
 #      section's mrope_section (M-RoPE: the rotary dims' split over temporal, height and width positions) and
 #      video_token_index (refused in prompts), a Qwen2-VL / Qwen2.5-VL vision_config whose tower holds its patch
 #      merger; older manifests load without them (1-D rotary positions).
+# 1.20: DeepSeek-V2 / V3: the model's MLA fields (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+#      v_head_dim, mla_rope_interleave), DeepSeek's routing (router_scoring, router_groups, router_topk_groups,
+#      routed_scaling_factor), float32 `moe.gate` and `moe.gate_bias` tensors; older manifests load with the defaults.
 FORMAT_VERSION = "1.20"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20")
@@ -205,7 +208,6 @@ class ModelConfig:
         if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise ArtifactError(f"model: rotary_dim {self.rotary_dim} must be even and at most head_dim "
                                 f"{self.head_dim}")
-
         if self.is_mla and (self.qk_nope_head_dim is None or self.qk_rope_head_dim is None or self.v_head_dim is None
                             or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
                             or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):

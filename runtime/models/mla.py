@@ -8,7 +8,9 @@ parts are rotated here, in torch (the interleaved pairs of DeepSeek-V2 and of V3
 rotate-half's halves first, for q and k alike, which leaves q·k as it was), then each head's K is [k_nope, k_pe] and
 its V is v zero-padded to K's head_dim: the cache holds num_heads K and V heads of head_dim per token, and the output
 is sliced back to v_head_dim before o. The scale is qk_head_dim^-0.5 (times YaRN's mscale_all_dim term squared:
-ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields).
+ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Under tensor parallelism a rank holds its heads
+(q / q_b and kv_b rows, o's columns) and the whole low-rank q_a, kv_a and their norms; o's partial sums are
+all-reduced, as decoder.Attention's.
 
 What it costs: 2 * num_heads * head_dim values per token and layer (DeepSeek-V3: 2 * 128 * 192 = 49152), where the
 latent cache of vLLM's MLA backend keeps kv_lora_rank + qk_rope_head_dim (576): about 85x more KV memory, so far
