@@ -66,11 +66,12 @@ def artifacts(checkpoints, tmp_path_factory):
     return artifact
 
 
-def _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, prompts=PROMPTS):
-    """Logits over 40 positions prefilled in chunks of 16 (to 1e-4) and greedy tokens of `prompts` batched:
+def _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, prompts=PROMPTS, tolerance=1e-4):
+    """Logits over 40 positions prefilled in chunks of 16 (to `tolerance`) and greedy tokens of `prompts` batched:
     transformers'."""
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
-    torch.testing.assert_close(llm.engine.score(token_ids), hf_logits(checkpoint, token_ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(checkpoint, token_ids), atol=tolerance,
+                               rtol=tolerance)
     want = hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
     assert all(len(set(tokens)) > 3 for tokens in want)  # not a model that repeats one token
     outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts], GREEDY)
@@ -135,6 +136,19 @@ def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, tr
     with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
     assert triton_dispatch["paged_attention"] and triton_dispatch["fused_moe"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+@pytest.mark.parametrize("family", DEEPSEEK_FAMILIES)
+def test_on_the_gpu(family, checkpoints, artifacts, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 artifacts on CUDA (Triton attention and fused MoE, CUDA graphs): transformers' logits (2e-3, as the
+    other MoE families' GPU test) and greedy tokens."""
+    with LLM(artifacts(family), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3,
+             max_num_batched_tokens=16) as llm:
+        assert all(layer.moe.runs_fused() for layer in llm.engine.runner.model.layers.values() if layer.is_moe)
+        _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
 
 
 @torch.inference_mode()
