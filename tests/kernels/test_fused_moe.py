@@ -379,7 +379,7 @@ def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
     moe.gate.register_buffer("weight", (0.5 * torch.randn(4, 128, generator=gen)).to("cuda", torch.bfloat16))
     moe.experts = torch.nn.Module()
     moe.experts.gate_up, moe.experts.down = gate_up, down
-    moe.tp_group, moe.observers, moe.has_shared = None, [], False
+    moe.tp_group, moe.observers, moe.has_shared, moe.is_deepseek_router = None, [], False, False
     x = torch.randn(6, 128, generator=gen).to("cuda", torch.bfloat16)
     moe(x)  # compile the kernels outside the capture
     torch.cuda.synchronize()
