@@ -44,6 +44,9 @@ _REFUSED_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
+    "Cohere2ForCausalLM": "Cohere 2 (Command R7B: LayerNorm, attention and MLP in parallel, rotary on the sliding "
+                          "layers only) is not supported",
+    "CohereForCausalLM": "Cohere (Command R: LayerNorm, attention and MLP in parallel) is not supported",
 }
 
 
@@ -117,6 +120,8 @@ _HF_CONFIG_DEFAULTS = {
               "sliding_window": 4096, "rope_theta": 500000.0},
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": None, "eos_token_id": 50279,
               "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    "glm4": {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "num_key_value_heads": 2, "head_dim": 128,
+             "attention_bias": True, "bos_token_id": None, "eos_token_id": None},
     "qwen2_moe": {"max_position_embeddings": 32768, "use_sliding_window": False, "rms_norm_eps": 1e-6,
                   "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
                   "shared_expert_intermediate_size": 5632, "moe_intermediate_size": 1408},
@@ -141,7 +146,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
-                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+                  "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                  "Glm4ForCausalLM": "glm4"}
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -165,6 +171,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                                   "(hidden_act silu)")
     if spec.family == "phi3":
         config = _phi3_rope(config)
+    if spec.family == "glm4":
+        config = _glm4_rope(config)
     if spec.family in GRANITE_FAMILIES:
         _check_granite(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
@@ -217,7 +225,10 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
         **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
-        # Phi-3's partial_rotary_factor (_phi3_rope); the other families' transformers models rotate whole heads
+        # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
+        **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
+        # Phi-3's and GLM-4's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families' transformers models
+        # rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
         **(_classifier_fields(config) if _is_classifier(config) else {}),
     )
@@ -654,14 +665,7 @@ def _phi3_rope(config: dict) -> dict:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     arch = config["architectures"][0]
     factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if not _is_number(factor) or not 0 < factor <= 1:
-        raise CheckpointError(f"{arch}: partial_rotary_factor {factor!r} must be a number in (0, 1]")
-    rotary_dim = int(head_dim * factor)  # transformers' truncation
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise CheckpointError(f"{arch}: partial_rotary_factor {factor} rotates {rotary_dim} of head_dim {head_dim}'s "
-                              "dims; rotate-half needs an even number of them, at least 2")
-    config = {**config, "_rotary_dim": None if rotary_dim == head_dim else rotary_dim}
+    config = {**config, "_rotary_dim": _partial_rotary_dim(config, factor)}
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     if rope_type == "default":
         return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
@@ -676,6 +680,59 @@ def _phi3_rope(config: dict) -> dict:
         params["attention_factor"] = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
     longrope = {"rope_type": "longrope", "rope_theta": theta, **params, "original_max_position_embeddings": original}
     return {**config, "rope_parameters": longrope, "rope_scaling": None}
+
+
+def _partial_rotary_dim(config: dict, factor) -> int | None:
+    """The rotated dims of each head under a partial_rotary_factor, int(head_dim * factor) as transformers truncates
+    it; None for the whole head."""
+    arch = config["architectures"][0]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if not _is_number(factor) or not 0 < factor <= 1:
+        raise CheckpointError(f"{arch}: partial_rotary_factor {factor!r} must be a number in (0, 1]")
+    rotary_dim = int(head_dim * factor)  # transformers' truncation
+    if rotary_dim < 2 or rotary_dim % 2 or head_dim % 2:
+        raise CheckpointError(f"{arch}: partial_rotary_factor {factor} rotates {rotary_dim} of head_dim {head_dim}'s "
+                              "dims; the rotation needs an even number of them, at least 2, of an even head_dim")
+    return None if rotary_dim == head_dim else rotary_dim
+
+
+def _glm4_rope(config: dict) -> dict:
+    """GLM-4's rotary as Glm4Config reads it: partial_rotary_factor from the rope parameters (transformers 5's
+    rope_parameters, else the older rope_scaling), else the top level (GLM-4-0414's config.json), else 0.5 (the
+    config class's default): `_rotary_dim`; the rest of the rope parameters as every family's (_rope)."""
+    source = config.get("rope_parameters")
+    params = dict(source if source is not None else (config.get("rope_scaling") or {}))
+    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", 0.5))
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return {**config, "rope_parameters": params, "_rotary_dim": _partial_rotary_dim(config, factor)}
+
+
+def interleaved_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
+    """[head_dim] int64: the old dim of each head's new dim, moving GLM's interleaved rotary pairs (2i, 2i + 1) of the
+    leading rotary_dims to the rotate-half layout over the whole head, (i, i + head_dim / 2), and the pass-through dims
+    to the pairs after them, in order (ModelConfig.rotary_interleaved)."""
+    half_rotated, half_passed = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    passed = torch.arange(rotary_dims, head_dim)
+    return torch.cat((torch.arange(0, rotary_dims, 2), passed[:half_passed],
+                      torch.arange(1, rotary_dims, 2), passed[half_passed:]))
+
+
+def interleaved_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """For a model whose checkpoint rotates interleaved pairs (GLM-4: ModelConfig.rotary_interleaved), a `TensorReader`
+    merge that reads q_proj's and k_proj's weights and biases with each head's rows permuted
+    (interleaved_rotary_permutation): q.k is unchanged (one permutation of both), and the runtime rotates whole heads
+    in its rotate-half layout, the pass-through pairs by a table of cos 1, sin 0. None for the other families."""
+    if not config.rotary_interleaved:
+        return None
+    perm = interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
+    names = {f"{spec.hf_layer_prefix}{i}.self_attn.{proj}.{kind}" for i in range(config.num_layers)
+             for proj in ("q_proj", "k_proj") for kind in ("weight", "bias")}
+
+    def permute(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in names:
+            return tensor
+        return tensor.unflatten(0, (-1, config.head_dim))[:, perm].flatten(0, 1)
+    return permute
 
 
 # what each rope scaling type reads (as transformers' computations of them)

@@ -226,9 +226,9 @@ class _Emitter:
         # the runtime's tables (Gemma 3: the sliding layers' own too), over the rotated dims: GroupQueryAttention
         # rotates the leading 2 * cos_cache.shape[1] dims of each head and passes the rest (onnxruntime 1.32,
         # measured against transformers' partial rotary, tests/runtime/test_phi3.py)
-        half = c.rotary_dims // 2
         for suffix, table in zip(("", "_local"), rope_tables(c, max_positions)):
             if table is not None:
+                half = table.shape[1] // 2  # (GLM-4: the whole head's, ModelConfig.rotary_table_dims)
                 self.g.const(f"cos_cache{suffix}", table[:, :half].numpy())
                 self.g.const(f"sin_cache{suffix}", table[:, half:].numpy())
         embed = self.g.const("embed.weight", self.tensor("embed.weight").float().numpy()[: c.vocab_size])

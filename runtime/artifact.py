@@ -72,16 +72,18 @@ from llmc.schema import opt, parse
 # 1.20: DeepSeek-V2 / V3: the model's MLA fields (kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
 #      v_head_dim, mla_rope_interleave), DeepSeek's routing (router_scoring, router_groups, router_topk_groups,
 #      routed_scaling_factor), float32 `moe.gate` and `moe.gate_bias` tensors; older manifests load with the defaults.
-FORMAT_VERSION = "1.20"
+# 1.21: GLM-4 (family glm4) and model.rotary_interleaved (the checkpoint rotates interleaved pairs; the build permuted
+#      q/k's rows into the runtime's rotate-half layout over whole heads); older manifests load without it (false).
+FORMAT_VERSION = "1.21"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20")
+                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
 VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
-            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3"]
+            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -179,6 +181,11 @@ class ModelConfig:
     # the leading dims of each q/k head that the rotary embedding rotates (rotate-half over them), the rest passed
     # through: int(head_dim * partial_rotary_factor) (Phi-4-mini); None: the whole head. Even, at most head_dim.
     rotary_dim: int | None = opt(None, min=2)
+    # GLM-4: the checkpoint rotates interleaved pairs (2i, 2i + 1) of the leading rotary_dims; the build permuted each
+    # q/k head's rows (weights and biases: hf_checkpoint.interleaved_rotary_fold) so that pair i sits at (i, i +
+    # head_dim / 2), the pass-through dims in the other pairs, and the rotary table is head_dim wide with cos 1, sin 0
+    # past rotary_dims / 2: every kernel rotates whole heads (q.k is the same under one permutation of q's and k's dims)
+    rotary_interleaved: bool = opt(False)
     # OLMo 2: False: no input_norm before the attention nor post_attn_norm before the MLP; each sub-layer reads the
     # residual stream itself and only its output is normed (sandwich_norms' attn_out_norm / mlp_out_norm)
     pre_norms: bool = opt(True)
@@ -239,10 +246,16 @@ class ModelConfig:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
+    def rotary_table_dims(self) -> int:
+        """The rotary table's width: rotary_dims, or the whole head where the build moved the rotated pairs over it
+        (rotary_interleaved: the pass-through pairs' cos 1, sin 0)."""
+        return self.head_dim if self.rotary_interleaved else self.rotary_dims
+
+    @property
     def is_partial_rotary(self) -> bool:
         """A partial_rotary_factor's leading dims, rotated by the kernels (not MLA's rope part, which its module
-        rotates)."""
-        return not self.is_mla and self.rotary_dims < self.head_dim
+        rotates; not GLM-4's, whose table is the whole head's: rotary_table_dims)."""
+        return not self.is_mla and self.rotary_table_dims < self.head_dim
 
     @property
     def attention_scale(self) -> float:

@@ -10,6 +10,7 @@ helper here is reachable through a fixture:
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
 * ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite``, ``tiny_olmo2`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
+* ``tiny_glm4`` -> ``Path`` (tests/runtime/test_glm4_cohere.py)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -62,6 +63,8 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe")
 OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2")
 # Families tested in tests/runtime/test_more_families.py (fixture: more_family_checkpoint)
 MORE_FAMILIES = ("olmo3", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
+# Families tested in tests/runtime/test_glm4_cohere.py (fixture: tiny_glm4)
+GLM_COHERE_FAMILIES = ("glm4",)
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -189,6 +192,11 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "shared_expert_intermediate_size": 96, "num_hidden_layers": 3,
                                      "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": False,
                                      "use_sliding_window": False, "sliding_window": None}),
+    # GLM-4: head_dim 32 (q_proj 64 -> 128), partial_rotary_factor 0.5 (16 of each head's dims rotated, in
+    # interleaved pairs), q/k/v biases, gate_up_proj fused, the sub-layers' outputs normed (tests/runtime/test_glm4_cohere.py)
+    "glm4": ("Glm4Config", {"head_dim": 32, "attention_bias": True,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                                                "partial_rotary_factor": 0.5}}),
 }
 # DeepSeek (tests/runtime/test_deepseek.py): MLA with 4 heads of 12 + 4 q/k dims and 8 v dims, one dense layer, then MoE
 # layers of 8 experts (top 2) and 2 shared ones. V2 without a q_lora_rank, greedy; V2 with one, group-limited; V3 with
@@ -226,7 +234,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:
@@ -636,6 +644,11 @@ def tiny_granite(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_olmo2(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "olmo2")
+
+
+@pytest.fixture(scope="session")
+def tiny_glm4(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "glm4")
 
 
 @pytest.fixture(scope="session")

@@ -107,12 +107,20 @@ def model_context(max_position_embeddings: int, rope_scaling: dict | None) -> tu
     return max_position_embeddings, f"max_position_embeddings {max_position_embeddings}"
 
 
-def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None) -> Tensor:
-    """[max_positions, head_dim] float32: cos of each angle in the first half, sin in the second. `head_dim`: the
-    rotated dims (ModelConfig.rotary_dims); a table narrower than the heads rotates only their leading dims."""
+def cos_sin_cache(head_dim: int, max_positions: int, theta: float, rope_scaling: dict | None,
+                  width: int | None = None) -> Tensor:
+    """[max_positions, width] float32: cos of each angle in the first half, sin in the second. `head_dim`: the
+    rotated dims (ModelConfig.rotary_dims); a table narrower than the heads rotates only their leading dims. `width`
+    (ModelConfig.rotary_table_dims, GLM-4's whole head): the pairs past head_dim / 2 rotate by 0 (cos 1, sin 0
+    exactly: the rotation passes those dims unchanged); None: head_dim."""
     inv_freq = inv_frequencies(head_dim, theta, rope_scaling).float()
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)  # [max_positions, head_dim/2]
-    return torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor(rope_scaling)
+    factor = attention_factor(rope_scaling)
+    cos, sin = angles.cos() * factor, angles.sin() * factor
+    if width is not None and width > head_dim:
+        passed = (max_positions, (width - head_dim) // 2)
+        cos, sin = torch.cat((cos, torch.ones(passed)), dim=-1), torch.cat((sin, torch.zeros(passed)), dim=-1)
+    return torch.cat((cos, sin), dim=-1)
 
 
 def partial_rotary_problem(config, device_type: str) -> str | None:

@@ -374,8 +374,11 @@ class DecoderModel(nn.Module):
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor | None]:
     """(the global rotary table, the sliding layers' own or None), [max_positions, rotary_dims] float32 each
-    (rotary_dims: head_dim, or fewer under a partial_rotary_factor; the rotation passes the rest of a head)."""
-    table = cos_sin_cache(config.rotary_dims, max_positions, config.rope_theta, config.rope_scaling)
+    (rotary_dims: head_dim, or fewer under a partial_rotary_factor; the rotation passes the rest of a head), as wide
+    as ModelConfig.rotary_table_dims (GLM-4: the whole head, its pass-through pairs rotated by 0)."""
+    width = config.rotary_table_dims
+    table = cos_sin_cache(config.rotary_dims, max_positions, config.rope_theta, config.rope_scaling, width)
     if config.rope_local_theta is None:
         return table, None
-    return table, cos_sin_cache(config.rotary_dims, max_positions, config.rope_local_theta, config.rope_local_scaling)
+    return table, cos_sin_cache(config.rotary_dims, max_positions, config.rope_local_theta, config.rope_local_scaling,
+                                width)
