@@ -154,7 +154,8 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None
 
 def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[tuple[str, str]]:
     """(linear, where its input scale folds): a norm, or the preceding linear's output rows. Without pre-norms
-    (OLMo 2) qkv and gate_up have no such producer and are not scaled (round to nearest, or clipped below 4 bits).
+    (OLMo 2), and in a parallel block (Cohere: one norm before both), qkv and gate_up have no such producer and are
+    not scaled (round to nearest, or clipped below 4 bits).
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
@@ -177,7 +178,9 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
     else:
         mlp = [("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
     folds = [*attention, *mlp]  # (o's inputs are v's outputs only without grouped-query attention)
-    if not config.pre_norms:  # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale
+    # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale; Cohere: both read input_norm,
+    # which takes no two scales
+    if not config.pre_norms or config.parallel_block:
         folds = [(name, target) for name, target in folds if target not in ("input_norm", "post_attn_norm")]
     return folds
 

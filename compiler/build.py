@@ -96,6 +96,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
     _check_mla(ctx)
+    _check_onnx_norms(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
     _check_pooling(ctx)
@@ -147,8 +148,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "
                               f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
                               "float weights; build it with quantization.method: import")
-    if spec.family == "glm4" and recipe.quantization.method == "import":
-        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for GLM-4: the build permutes "
+    if spec.family in ("glm4", "cohere", "cohere2") and recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]}: "
+                              "the build permutes "
                               "q_proj's and k_proj's rows into the runtime's rotary layout as it reads them, which a "
                               "pre-quantized checkpoint's packed weights do not take; quantize the float checkpoint "
                               "with rtn, gptq, awq or fp8")
@@ -215,6 +217,14 @@ def _check_mla(ctx: _Context) -> None:
                           "latent attention); use rtn, gptq, awq or fp8, or import a quantized checkpoint")
 
 
+def _check_onnx_norms(ctx: _Context) -> None:
+    """Cohere's LayerNorm and parallel block have no form in the onnx-cpu graph yet: refused by name before any work."""
+    model = ctx.model
+    if ctx.recipe.target.device in om.ONNX_DEVICES and (model.layer_norm or model.parallel_block):
+        raise RecipeError(f"target.device {ctx.recipe.target.device}: {model.architecture}'s LayerNorm and parallel "
+                          "attention + MLP block are not exported to ONNX; use target.device cpu or cuda")
+
+
 def _check_pooling(ctx: _Context) -> None:
     """The recipe's runner / convert against the model, now that the checkpoint says whether it is a sequence
     classifier (the recipe's own check could not know)."""
@@ -240,6 +250,9 @@ def _check_int8(ctx: _Context) -> None:
     if quant.smoothquant and not ctx.model.pre_norms:
         raise RecipeError(f"quantization.smoothquant: {ctx.model.architecture} has no norm before qkv and gate_up "
                           "(its norms follow the sub-layers) to fold the smoothing into; set smoothquant: null")
+    if quant.smoothquant and ctx.model.parallel_block:
+        raise RecipeError(f"quantization.smoothquant: {ctx.model.architecture}'s qkv and gate_up read one norm, which "
+                          "takes no two smoothings; set smoothquant: null")
 
 
 def _check_partial_rotary(ctx: _Context) -> None:

@@ -207,8 +207,8 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "checkpoint would apply again; serve it with `llmc run`")
     if model.rotary_interleaved:
         raise ArtifactError(f"{where} architecture {model.architecture}: the build permuted q_proj's and k_proj's rows "
-                            "out of GLM's interleaved rotary layout (hf_checkpoint.interleaved_rotary_fold), which a "
-                            "GLM-4 checkpoint would read as they are; serve it with `llmc run`")
+                            "out of its interleaved rotary layout (hf_checkpoint.interleaved_rotary_fold), which its "
+                            "checkpoints would read as they are; serve it with `llmc run`")
     if CLASSIFIER_ARCHITECTURES.get(model.architecture, model.architecture) not in _MODEL_TYPES:
         raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)} "
                             "(and their *ForSequenceClassification)")

@@ -44,9 +44,6 @@ _REFUSED_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
-    "Cohere2ForCausalLM": "Cohere 2 (Command R7B: LayerNorm, attention and MLP in parallel, rotary on the sliding "
-                          "layers only) is not supported",
-    "CohereForCausalLM": "Cohere (Command R: LayerNorm, attention and MLP in parallel) is not supported",
 }
 
 
@@ -120,6 +117,10 @@ _HF_CONFIG_DEFAULTS = {
               "sliding_window": 4096, "rope_theta": 500000.0},
     "olmoe": {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "bos_token_id": None, "eos_token_id": 50279,
               "num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+    "cohere": {"max_position_embeddings": 8192, "layer_norm_eps": 1e-5, "bos_token_id": 5, "eos_token_id": 255001,
+               "tie_word_embeddings": True, "logit_scale": 0.0625, "attention_bias": False, "use_qk_norm": False},
+    "cohere2": {"max_position_embeddings": 8192, "layer_norm_eps": 1e-5, "bos_token_id": 5, "eos_token_id": 255001,
+                "tie_word_embeddings": True, "logit_scale": 0.0625, "attention_bias": False, "sliding_window": 4096},
     "glm4": {"max_position_embeddings": 131072, "rms_norm_eps": 1.5625e-7, "num_key_value_heads": 2, "head_dim": 128,
              "attention_bias": True, "bos_token_id": None, "eos_token_id": None},
     "qwen2_moe": {"max_position_embeddings": 32768, "use_sliding_window": False, "rms_norm_eps": 1e-6,
@@ -147,7 +148,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                  "Glm4ForCausalLM": "glm4"}
+                  "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2"}
+COHERE_FAMILIES = ("cohere", "cohere2")
 
 
 def with_hf_defaults(config: dict) -> dict:
@@ -173,6 +175,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _phi3_rope(config)
     if spec.family == "glm4":
         config = _glm4_rope(config)
+    if spec.family in COHERE_FAMILIES:
+        config = _cohere_config(config, spec.family)
     if spec.family in GRANITE_FAMILIES:
         _check_granite(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
@@ -227,6 +231,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
         # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
+        **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         # Phi-3's and GLM-4's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families' transformers models
         # rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
@@ -481,7 +486,12 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
     the residual add are those linears' outputs, and neither has a bias), and 1 / logits_scaling into the final
     norm's weight (logits = norm(x) W^T is linear in that weight, so the fold holds with tied embeddings too).
     Every kernel, graph and parallel path then runs Granite as a Llama, and quantization, calibration and AWQ see
-    the folded weights. None for the other families, and for a Granite whose two multipliers are 1."""
+    the folded weights. For Cohere, logit_scale into the final norm's weight as Granite's 1 / logits_scaling.
+    None for the other families, and for a Granite whose two multipliers are 1 (a Cohere whose logit_scale is)."""
+    if spec.family in COHERE_FAMILIES:  # Cohere: the logits times logit_scale, into the final norm's weight
+        scale = float(with_hf_defaults(hf_config)["logit_scale"])
+        norm = spec.global_tensors["norm.weight"]
+        return None if scale == 1.0 else (lambda name, tensor: tensor.float() * scale if name == norm else tensor)
     if spec.family not in GRANITE_FAMILIES:
         return None
     config_ = with_hf_defaults(hf_config)
@@ -680,6 +690,36 @@ def _phi3_rope(config: dict) -> dict:
         params["attention_factor"] = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
     longrope = {"rope_type": "longrope", "rope_theta": theta, **params, "original_max_position_embeddings": original}
     return {**config, "rope_parameters": longrope, "rope_scaling": None}
+
+
+def _cohere_config(config: dict, family: str) -> dict:
+    """Cohere's and Cohere 2's config as their config classes read it: layer_norm_eps as the norms' eps; Cohere 2's
+    layer_types from the older sliding_window_pattern (every pattern-th layer full, default 4) where absent. q/k
+    norms (Cohere's use_qk_norm) and biases (attention_bias: o_proj's too) are refused by name."""
+    arch = config["architectures"][0]
+    if config.get("use_qk_norm"):
+        raise CheckpointError(f"{arch}: use_qk_norm (Cohere's per-head LayerNorms of q and k) is not supported")
+    if config.get("attention_bias"):
+        raise CheckpointError(f"{arch}: attention_bias: true is not supported (its o_proj bias: the runtime's o has "
+                              "none)")
+    if not _is_number(config.get("logit_scale")):
+        raise CheckpointError(f"{arch}: logit_scale {config.get('logit_scale')!r} must be a number")
+    config = {**config, "rms_norm_eps": config["layer_norm_eps"]}
+    if family == "cohere2" and config.get("layer_types") is None and config.get("sliding_window"):
+        pattern = config.get("sliding_window_pattern", 4)
+        config["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    return config
+
+
+def _cohere_fields(config: dict, family: str) -> dict:
+    """Cohere's LayerNorm, parallel block and interleaved rotary (runtime/models/cohere.py); Cohere 2's rotary on the
+    sliding layers only: their table (the local one) is the rope's, the full layers' rotates by 0."""
+    fields = {"layer_norm": True, "parallel_block": True, "rotary_interleaved": True}
+    if family == "cohere2":
+        theta, scaling = _rope(config)
+        fields |= {"rope_on_full_layers": False, "rope_local_theta": theta, "rope_local_scaling": scaling}
+    return fields
 
 
 def _partial_rotary_dim(config: dict, factor) -> int | None:

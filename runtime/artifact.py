@@ -73,7 +73,10 @@ from llmc.schema import opt, parse
 #      v_head_dim, mla_rope_interleave), DeepSeek's routing (router_scoring, router_groups, router_topk_groups,
 #      routed_scaling_factor), float32 `moe.gate` and `moe.gate_bias` tensors; older manifests load with the defaults.
 # 1.21: GLM-4 (family glm4) and model.rotary_interleaved (the checkpoint rotates interleaved pairs; the build permuted
-#      q/k's rows into the runtime's rotate-half layout over whole heads); older manifests load without it (false).
+#      q/k's rows into the runtime's rotate-half layout over whole heads); Cohere and Cohere 2 (families cohere,
+#      cohere2), model.layer_norm (LayerNorm without bias in place of RMSNorm), parallel_block (attention and MLP on
+#      one norm's output, summed into the residual) and rope_on_full_layers (false: Cohere 2's full-attention layers
+#      have no rotary); older manifests load without them (false, false, false, true).
 FORMAT_VERSION = "1.21"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21")
@@ -83,7 +86,8 @@ VISION_WEIGHTS = "vision/weights.safetensors"
 VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
-            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4"]
+            "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
+            "cohere2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -186,6 +190,15 @@ class ModelConfig:
     # head_dim / 2), the pass-through dims in the other pairs, and the rotary table is head_dim wide with cos 1, sin 0
     # past rotary_dims / 2: every kernel rotates whole heads (q.k is the same under one permutation of q's and k's dims)
     rotary_interleaved: bool = opt(False)
+    # Cohere: every norm (the layers' and the final one) is a LayerNorm without bias, (x - mean) / sqrt(var + eps) * w,
+    # eps rms_norm_eps (the checkpoint's layer_norm_eps), in place of RMSNorm
+    layer_norm: bool = opt(False)
+    # Cohere: the attention and the MLP both read input_norm's output, and both outputs join the residual stream
+    # (x + attn(norm(x)) + mlp(norm(x))); no post_attn_norm
+    parallel_block: bool = opt(False)
+    # Cohere 2: False: the full-attention layers rotate q and k by nothing (their table is cos 1, sin 0), only the
+    # sliding-window layers by the rope (the local table: rope_local_theta, rope_local_scaling)
+    rope_on_full_layers: bool = opt(True)
     # OLMo 2: False: no input_norm before the attention nor post_attn_norm before the MLP; each sub-layer reads the
     # residual stream itself and only its output is normed (sandwich_norms' attn_out_norm / mlp_out_norm)
     pre_norms: bool = opt(True)
@@ -203,6 +216,9 @@ class ModelConfig:
     def __post_init__(self):
         if not self.pre_norms and not self.sandwich_norms:
             raise ArtifactError("model: pre_norms false needs sandwich_norms (the sub-layers' outputs normed instead)")
+        if self.parallel_block and (not self.pre_norms or self.sandwich_norms):
+            raise ArtifactError("model: parallel_block needs pre_norms and no sandwich_norms (one norm before both "
+                                "sub-layers)")
         if self.qk_norm_full_width and not self.qk_norm:
             raise ArtifactError("model: qk_norm_full_width needs qk_norm")
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
@@ -306,7 +322,7 @@ class ModelConfig:
             attn = self.mla_parameters
         mlp = 3 * self.hidden_size * self.intermediate_size
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
-        norms = (2 * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
+        norms = ((1 if self.parallel_block else 2) * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         if self.is_classifier:  # (HF's classifier has no LM head, tied or not: its head is `score`)

@@ -65,7 +65,7 @@ class LoRARequest:
 def check_lora_artifact(manifest: art.Manifest) -> None:
     """A ConfigError naming what stops run-time LoRA on this artifact: the adapters' deltas are computed on the
     linears' inputs as the checkpoint had them, so builds that changed those inputs (AWQ's and SmoothQuant's
-    folded scales) or the outputs (Granite's folded multipliers, GLM-4's permuted q/k rows) cannot take them; nor
+    folded scales) or the outputs (Granite's folded multipliers, GLM-4's and Cohere's permuted q/k rows) cannot take them; nor
     can mixture-of-experts layers, split or ONNX artifacts (not built yet). W8A8 linears can: with LoRA on they quantize their input
     themselves (LoraSlots), so the adapters read it unquantized."""
     model, quant = manifest.model, manifest.quant
@@ -81,7 +81,8 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
     elif model.family == "granite":
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
     elif model.rotary_interleaved:
-        problem = "GLM-4 (its q_proj and k_proj rows are permuted into the runtime's rotary layout at build time)"
+        problem = (f"{model.architecture} (its q_proj and k_proj rows are permuted into the runtime's rotary layout "
+                   "at build time)")
     elif quant.method == "awq":
         problem = "an AWQ build (its scales are folded into the norms: the linears see scaled inputs)"
     elif quant.settings.get("smoothquant"):

@@ -10,7 +10,7 @@ helper here is reachable through a fixture:
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
 * ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite``, ``tiny_olmo2`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
-* ``tiny_glm4`` -> ``Path`` (tests/runtime/test_glm4_cohere.py)
+* ``tiny_glm4``, ``tiny_cohere2``, ``tiny_cohere`` -> ``Path`` (tests/runtime/test_glm4_cohere.py)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
 * ``repo_root``, ``data_dir``, ``peer_checkpoint_dir``, ``ref_model_dir`` -> ``Path``
@@ -64,7 +64,7 @@ OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2")
 # Families tested in tests/runtime/test_more_families.py (fixture: more_family_checkpoint)
 MORE_FAMILIES = ("olmo3", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
 # Families tested in tests/runtime/test_glm4_cohere.py (fixture: tiny_glm4)
-GLM_COHERE_FAMILIES = ("glm4",)
+GLM_COHERE_FAMILIES = ("glm4", "cohere2", "cohere")
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 4
 
@@ -197,6 +197,13 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4": ("Glm4Config", {"head_dim": 32, "attention_bias": True,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
                                                 "partial_rotary_factor": 0.5}}),
+    # Cohere 2: 3 layers sliding / full / sliding over an 8-token window (rotary on the sliding ones only), LayerNorm,
+    # the parallel block, tied embeddings, logit_scale 0.25 (not Command R7B's 0.0625: the logits stay O(1));
+    # Cohere: the same without the window, rotary on every layer
+    "cohere2": ("Cohere2Config", {"num_hidden_layers": 3, "sliding_window": 8, "tie_word_embeddings": True,
+                                  "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                  "logit_scale": 0.25, "layer_norm_eps": 1e-5}),
+    "cohere": ("CohereConfig", {"tie_word_embeddings": True, "logit_scale": 0.25, "layer_norm_eps": 1e-5}),
 }
 # DeepSeek (tests/runtime/test_deepseek.py): MLA with 4 heads of 12 + 4 q/k dims and 8 v dims, one dense layer, then MoE
 # layers of 8 experts (top 2) and 2 shared ones. V2 without a q_lora_rank, greedy; V2 with one, group-limited; V3 with
@@ -649,6 +656,16 @@ def tiny_olmo2(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_glm4(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "glm4")
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere2(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "cohere2")
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "cohere")
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2, Gemma 3, Granite, OLMo 2, and the mixture-of-experts Mixtral and Qwen3-MoE, whose MoE layers use
-runtime/models/moe.py).
+Gemma 2, Gemma 3, Granite, OLMo 2, GLM-4, Cohere, Cohere 2, and the mixture-of-experts Mixtral and Qwen3-MoE, whose
+MoE layers use runtime/models/moe.py).
 
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma's hidden_act,
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
-soft-capping; OLMo 2's pre_norms false and qk_norm_full_width), so one module serves them all. Buffers are
+soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
+parallel_block, Cohere 2's rope_on_full_layers false), so one module serves them all. Buffers are
 named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so loading is a strict comparison of
 names, shapes and dtypes.
 
@@ -176,11 +177,14 @@ class DecoderLayer(nn.Module):
         self.is_mla = config.is_mla  # DeepSeek (runtime/models/mla.py): its q and kv_a linears quantize their input
         if config.pre_norms:
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
-            # unquantized)
+            # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
-                                      and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]))
+                                      and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]),
+                                      centered=config.layer_norm)
         self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
-        if config.pre_norms:
+        # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
+        self.is_parallel = config.parallel_block
+        if config.pre_norms and not config.parallel_block:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
                                           and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.is_moe:  # mixture of experts (runtime/models/moe.py)
@@ -202,14 +206,25 @@ class DecoderLayer(nn.Module):
         if not self.has_pre_norms:
             residual = x if residual is None else x + residual
             return residual, residual
+        if self.is_parallel:
+            return self.parallel_norm_in(x, residual)
         if residual is None:
             return self.input_norm(x), x
         return self.input_norm(x, residual)
+
+    def parallel_norm_in(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Cohere's parallel block: the MLP runs here, on the input norm's output, and its output joins the residual
+        stream at once; feed_forward then passes the attention's output on (the next norm adds it), so each layer
+        adds attn(norm(x)) + mlp(norm(x)) to x, and the CUDA graphs' pieces split the layer as any other's."""
+        x, residual = (self.input_norm(x), x) if residual is None else self.input_norm(x, residual)
+        return x, residual + self.mlp(x)
 
     def feed_forward(self, attn_out: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """After the attention: (the MLP's or MoE's output, the residual stream); with sandwich norms both
         outputs are normed before they join the residual stream (the next norm adds them). Without pre-norms
         (OLMo 2) the MLP reads the residual stream itself."""
+        if self.is_parallel:  # (the MLP ran in parallel_norm_in)
+            return attn_out, residual
         if self.has_sandwich_norms:
             attn_out = self.attn_out_norm(attn_out)
         if self.has_pre_norms:
@@ -242,7 +257,7 @@ class DecoderModel(nn.Module):
         )
         self.is_tied = config.tie_word_embeddings and not config.is_classifier
         if self.layout.has_head:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, centered=config.layer_norm)
             if config.is_classifier:  # a sequence classifier's head, dense (never quantized): `classify`
                 self.score = nn.Module()
                 self.score.register_buffer("weight", torch.empty(config.num_labels, config.hidden_size, dtype=dtype,
@@ -340,7 +355,9 @@ class DecoderModel(nn.Module):
                     module.fmt.note_device(module.params())
                 module.derive_params()
         for layer in self.layers.values():
-            if layer.has_pre_norms:  # (OLMo 2's qkv and gate_up read the residual stream: they gather it themselves)
+            # (OLMo 2's qkv and gate_up read the residual stream, Cohere's both read input_norm: they gather it
+            # themselves)
+            if layer.has_pre_norms and not layer.is_parallel:
                 if not layer.is_mla:  # (MLA's q and kv_a both read the input norm's output: they gather it themselves)
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe:
@@ -378,6 +395,8 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor
     as ModelConfig.rotary_table_dims (GLM-4: the whole head, its pass-through pairs rotated by 0)."""
     width = config.rotary_table_dims
     table = cos_sin_cache(config.rotary_dims, max_positions, config.rope_theta, config.rope_scaling, width)
+    if not config.rope_on_full_layers:  # Cohere 2's full-attention layers: rotated by 0 (cos 1, sin 0)
+        table = torch.cat((torch.ones(max_positions, width // 2), torch.zeros(max_positions, width // 2)), dim=-1)
     if config.rope_local_theta is None:
         return table, None
     return table, cos_sin_cache(config.rotary_dims, max_positions, config.rope_local_theta, config.rope_local_scaling,

@@ -253,13 +253,13 @@ def test_tensor_parallel_matches_one_rank(tiny_glm4, artifact, tmp_path, hf_enco
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_glm4, artifact, tmp_path):
     """Export (the permuted q/k rows), run-time LoRA, importing a pre-quantized checkpoint, a partial rotary of an odd
     number of dims, and Cohere 2 (not supported yet)."""
-    with pytest.raises(ArtifactError, match="permuted q_proj's and k_proj's rows out of GLM's interleaved rotary"):
+    with pytest.raises(ArtifactError, match="Glm4ForCausalLM: the build permuted q_proj's and k_proj's rows out of its interleaved rotary"):
         export_artifact(artifact, tmp_path / "export")
-    with pytest.raises(ConfigError, match=r"run-time LoRA does not run on GLM-4 \(its q_proj and k_proj rows"):
+    with pytest.raises(ConfigError, match=r"run-time LoRA does not run on Glm4ForCausalLM \(its q_proj and k_proj rows"):
         LLM(artifact, device="cpu", enable_lora=True)
     quantized = write_config(tiny_glm4, tmp_path / "gptq", quantization_config={
         "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False})
-    with pytest.raises(CheckpointError, match="quantization.method import is not supported for GLM-4"):
+    with pytest.raises(CheckpointError, match="quantization.method import is not supported for Glm4ForCausalLM"):
         build_import(quantized, tmp_path / "imported")
     odd = write_config(tiny_glm4, tmp_path / "odd", rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3})
