@@ -1,8 +1,8 @@
-"""GLM-4 (Glm4ForCausalLM) against transformers' own model (float32): its interleaved partial rotary against
-transformers' apply_rotary_pos_emb, logits over chunked prefill and greedy decoding on the CPU, the Triton rotary,
-KV-write and attention kernels in Triton's interpreter, the onnx-cpu graph, quantized builds against transformers
-holding their dequantized weights, how the config is read, the artifact, and every refusal. (Cohere 2 is not
-supported yet: its refusal is here too.)"""
+"""GLM-4 (Glm4ForCausalLM), Cohere 2 (Cohere2ForCausalLM) and Cohere (CohereForCausalLM) against transformers' own
+models (float32): the interleaved rotary (GLM-4's partial) against transformers' apply_rotary_pos_emb, logits over
+chunked prefill and greedy decoding on the CPU, the Triton rotary, KV-write and attention kernels in Triton's
+interpreter, GLM-4's onnx-cpu graph, quantized builds against transformers holding their dequantized weights, how the
+configs are read, the artifacts, and every refusal."""
 
 import json
 import os
@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import interleaved_rotary_permutation, model_config_from_hf, read_hf_config
-from llmc.errors import ArtifactError, CheckpointError, ConfigError
+from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.llm import LLM
-from llmc.runtime.models import glm4
+from llmc.runtime.models import cohere, glm4
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
 from tests.runtime.hf_oracle import build_float32, build_import, check_against_transformers, write_config
@@ -118,40 +118,84 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_glm4):
     assert ours.rotary_dim == int(theirs.head_dim * theirs.rope_parameters["partial_rotary_factor"]) == 64
 
 
-def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
-    """The artifact's weights as Glm4ForCausalLM's state dict: each linear dequantized by the formats' oracle
-    (quant/reference.py), q/k rows (and biases) permuted back to GLM's interleaved layout, qkv split into q/k/v."""
+def _hf_state_of(artifact, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """The artifact's weights as its transformers model's state dict (Glm4ForCausalLM, Cohere2ForCausalLM): each
+    linear dequantized by the formats' oracle (quant/reference.py), q/k rows (and biases) permuted back to the
+    interleaved rotary layout, qkv split into q/k/v (Cohere's gate_up into gate and up), Cohere's final norm divided
+    by its logit_scale (the build folded it in)."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     model = manifest["model"]
+    spec = glm4.SPEC if model["family"] == "glm4" else cohere.SPEC2
     tensors = load_file(artifact / "rank-00" / "weights.safetensors")
-    inverse = torch.argsort(interleaved_rotary_permutation(model["head_dim"], model["rotary_dim"]))
+    head_dim = model["head_dim"]
+    inverse = torch.argsort(interleaved_rotary_permutation(head_dim, model.get("rotary_dim") or head_dim))
+    q_size, kv_size = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
 
     def unpermute(rows):
-        return rows.unflatten(0, (-1, model["head_dim"]))[:, inverse].flatten(0, 1)
+        return rows.unflatten(0, (-1, head_dim))[:, inverse].flatten(0, 1)
 
-    state = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"],
-             "lm_head.weight": tensors["lm_head.weight"]}
-    names = {"attn.o": "self_attn.o_proj", "mlp.gate_up": "mlp.gate_up_proj", "mlp.down": "mlp.down_proj"}
+    state = {"model.embed_tokens.weight": tensors["embed.weight"],
+             "model.norm.weight": tensors["norm.weight"] / logit_scale}
+    if "lm_head.weight" in tensors:
+        state["lm_head.weight"] = tensors["lm_head.weight"]
     for i in range(model["num_layers"]):
         layer = f"model.layers.{i}."
-        for runtime, hf in glm4.GLM4_NORMS.items():
+        for runtime, hf in spec.layer_norms.items():
             state[f"{layer}{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
-        for runtime in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
-            prefix = f"layers.{i}.{runtime}."
+        for linear in spec.layer_linears:
+            prefix = f"layers.{i}.{linear.name}."
             params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix) and k != prefix + "bias"}
             weight = dequantize(make_format(manifest["quant"]["modules"][prefix[:-1]], torch.float32), params).float()
-            if runtime != "attn.qkv":
-                state[f"{layer}{names[runtime]}.weight"] = weight
-                continue
-            bias = tensors[prefix + "bias"].float()
-            for kind, whole in (("weight", weight), ("bias", bias)):
-                q, k, v = whole.split([128, 64, 64])
-                state |= {f"{layer}self_attn.q_proj.{kind}": unpermute(q), f"{layer}self_attn.k_proj.{kind}": unpermute(k),
-                          f"{layer}self_attn.v_proj.{kind}": v}
+            if linear.name == "mlp.gate_up" and len(linear.hf_members) == 2:
+                gate, up = weight.chunk(2)
+                state |= {f"{layer}mlp.gate_proj.weight": gate, f"{layer}mlp.up_proj.weight": up}
+            elif linear.name != "attn.qkv":
+                state[f"{layer}{linear.hf_members[0]}.weight"] = weight
+            else:
+                for kind, whole in (("weight", weight), ("bias", tensors.get(prefix + "bias"))):
+                    if whole is not None:
+                        q, k, v = whole.float().split([q_size, kv_size, kv_size])
+                        state |= {f"{layer}self_attn.q_proj.{kind}": unpermute(q),
+                                  f"{layer}self_attn.k_proj.{kind}": unpermute(k), f"{layer}self_attn.v_proj.{kind}": v}
     return state
+
+
+def _check_quantized_build(checkpoint, out, hf_encode, method: str, logit_scale: float = 1.0) -> None:
+    """`out` against transformers' model of `checkpoint` holding its dequantized weights (FP8: each decoder linear's
+    input rounded to E4M3 per token, as its dynamic activations are): logits over 40 positions to 1e-4 and 16 greedy
+    tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import fp8_per_token
+
+    assert read_manifest(out).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(_hf_state_of(out, logit_scale), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # (a tied lm_head is the embedding)
+    oracle.eval()
+    if method == "fp8":
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
+    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
+    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                               atol=1e-4, rtol=1e-4)
+    prompt = hf_encode(checkpoint, PROMPTS[0])
+    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
+    assert got[0].outputs[0].token_ids == want
+
+
+def _quantized(checkpoint, tmp_path, data_dir, quantization: dict):
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    needs_data = quantization["method"] in ("gptq", "awq")
+    return build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
+        **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
 
 
 @torch.inference_mode()
@@ -163,34 +207,10 @@ def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_glm4_on_their_weights(quantization, tiny_glm4, tmp_path, data_dir,
                                                                  hf_encode):
-    """Each build is transformers' Glm4ForCausalLM holding the artifact's weights dequantized (FP8: each decoder
-    linear's input rounded to E4M3 per token, as its dynamic activations are): logits over 40 positions and 16 greedy
-    tokens. AWQ's folds apply as for Gemma (a norm before qkv and gate_up, v before o, up before down)."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import fp8_per_token
-
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    out = build_float32(tiny_glm4, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False, **({"calibration": calibration} if quantization["method"] != "rtn" and
-                                            quantization["method"] != "fp8" else {})})
-    assert read_manifest(out).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
-    oracle = AutoModelForCausalLM.from_pretrained(str(tiny_glm4), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(_hf_state_of(out), strict=True)
-    oracle.eval()
-    if quantization["method"] == "fp8":
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    token_ids = hf_encode(tiny_glm4, PROMPTS[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
-    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
-                               atol=1e-4, rtol=1e-4)
-    prompt = hf_encode(tiny_glm4, PROMPTS[0])
-    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
+    """Each build is transformers' Glm4ForCausalLM holding its weights (the q/k rows permuted back). AWQ's folds apply
+    as for Gemma (a norm before qkv and gate_up, up before down; o not: grouped-query attention here)."""
+    out = _quantized(tiny_glm4, tmp_path, data_dir, quantization)
+    _check_quantized_build(tiny_glm4, out, hf_encode, quantization["method"])
 
 
 TRITON_SCRIPT = """
@@ -219,19 +239,24 @@ print(json.dumps([calls, [o.outputs[0].token_ids for o in outputs], logits.tolis
 """
 
 
-def test_the_triton_kernels_rotate_glm4_as_transformers(tiny_glm4, artifact, hf_greedy, hf_logits, hf_encode):
-    """The GPU path on the CPU: the rotary + KV-write kernel (prefill chunks of 16) and the decode kernel's fused
-    rotary, in Triton's interpreter, over the head-wide table: transformers' greedy tokens and logits."""
-    prompts = [hf_encode(tiny_glm4, p) for p in PROMPTS[:2]]
-    scored = hf_encode(tiny_glm4, PROMPTS[1]) + list(range(100, 120))
+def _check_triton_kernels(checkpoint, artifact, hf_greedy, hf_logits, hf_encode) -> None:
+    """`artifact` with the rotary + KV-write kernel (prefill chunks of 16) and the decode kernel's fused rotary in
+    Triton's interpreter (a subprocess: TRITON_INTERPRET is read at import): transformers' greedy tokens and logits."""
+    prompts = [hf_encode(checkpoint, p) for p in PROMPTS[:2]]
+    scored = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(artifact), json.dumps(prompts), json.dumps(scored)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     calls, tokens, logits = json.loads(run.stdout.strip().splitlines()[-1])
     assert calls["write"] > 0 and calls["fused"] > 0
-    assert tokens == hf_greedy(tiny_glm4, PROMPTS[:2], 6)
-    torch.testing.assert_close(torch.tensor(logits), hf_logits(tiny_glm4, scored), atol=1e-4, rtol=1e-4)
+    assert tokens == hf_greedy(checkpoint, PROMPTS[:2], 6)
+    torch.testing.assert_close(torch.tensor(logits), hf_logits(checkpoint, scored), atol=1e-4, rtol=1e-4)
+
+
+def test_the_triton_kernels_rotate_glm4_as_transformers(tiny_glm4, artifact, hf_greedy, hf_logits, hf_encode):
+    """The GPU path on the CPU: the Triton kernels rotate whole heads by the head-wide table."""
+    _check_triton_kernels(tiny_glm4, artifact, hf_greedy, hf_logits, hf_encode)
 
 
 def test_onnx_cpu_matches_transformers(tiny_glm4, tmp_path, hf_greedy, hf_logits, hf_encode):
@@ -252,7 +277,7 @@ def test_tensor_parallel_matches_one_rank(tiny_glm4, artifact, tmp_path, hf_enco
 
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_glm4, artifact, tmp_path):
     """Export (the permuted q/k rows), run-time LoRA, importing a pre-quantized checkpoint, a partial rotary of an odd
-    number of dims, and Cohere 2 (not supported yet)."""
+    number of dims."""
     with pytest.raises(ArtifactError, match="Glm4ForCausalLM: the build permuted q_proj's and k_proj's rows out of its interleaved rotary"):
         export_artifact(artifact, tmp_path / "export")
     with pytest.raises(ConfigError, match=r"run-time LoRA does not run on Glm4ForCausalLM \(its q_proj and k_proj rows"):
@@ -265,9 +290,137 @@ def test_what_llmc_does_not_run_is_refused_by_name(tiny_glm4, artifact, tmp_path
         "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3})
     with pytest.raises(CheckpointError, match="partial_rotary_factor 0.3 rotates 9 of head_dim 32's dims"):
         build_float32(odd, tmp_path / "odd-out")
-    cohere = write_config(tiny_glm4, tmp_path / "cohere", architectures=["Cohere2ForCausalLM"], model_type="cohere2")
-    with pytest.raises(CheckpointError, match="architecture Cohere2ForCausalLM: Cohere 2"):
-        build_float32(cohere, tmp_path / "cohere-out")
+
+
+# ---- Cohere 2 and Cohere ---------------------------------------------------------------------------------------
+
+LOGIT_SCALE = 0.25  # tests/conftest.py's tiny Cohere 2 and Cohere
+
+
+@pytest.fixture(scope="module")
+def cohere2_artifact(tiny_cohere2, tmp_path_factory):
+    return build_float32(tiny_cohere2, tmp_path_factory.mktemp("cohere2") / "a")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("family", ["cohere2", "cohere"])
+def test_cohere_logits_and_greedy_tokens_match_transformers(family, request, tmp_path, hf_greedy, hf_logits,
+                                                            hf_encode):
+    """60 positions prefilled in chunks of 16 (past Cohere 2's 8-token window), then greedy decoding of three prompts
+    with continuous batching: the LayerNorms, the parallel block, the interleaved rotary (Cohere 2: on the sliding
+    layers only) and the logit scale."""
+    checkpoint = request.getfixturevalue(f"tiny_{family}")
+    artifact = request.getfixturevalue("cohere2_artifact") if family == "cohere2" else \
+        build_float32(checkpoint, tmp_path / "a")
+    llm = LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64)
+    check_against_transformers(llm, checkpoint, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
+    assert all(len(set(tokens)) > 10 for tokens in hf_greedy(checkpoint, PROMPTS, GREEDY.max_tokens))
+
+
+@torch.inference_mode()
+def test_cohere2_without_rotary_on_its_full_layer_is_what_transformers_computes(tiny_cohere2, cohere2_artifact,
+                                                                                 hf_logits, hf_encode):
+    """The full-attention layer rotates by nothing: the same artifact with the rope on every layer (the manifest's
+    rope_on_full_layers true) is far from transformers."""
+    import dataclasses
+
+    from llmc.runtime.models.decoder import rope_tables
+
+    model = read_manifest(cohere2_artifact).model
+    assert (model.rope_on_full_layers, model.sliding_window_layers, model.rope_local_theta) == (False, [0, 2], 10000.0)
+    everywhere, _ = rope_tables(dataclasses.replace(model, rope_on_full_layers=True), 64)
+    table, local = rope_tables(model, 64)
+    assert torch.equal(local, everywhere) and torch.equal(table[:, :8], torch.ones(64, 8)) and not table[:, 8:].any()
+    token_ids = hf_encode(tiny_cohere2, PROMPTS[1]) + list(range(100, 140))
+    llm = LLM(cohere2_artifact, device="cpu", max_num_batched_tokens=16)
+    expected = hf_logits(tiny_cohere2, token_ids)
+    llm.engine.runner.model.cos_sin.copy_(rope_tables(dataclasses.replace(model, rope_on_full_layers=True),
+                                                      llm.engine.runner.model.cos_sin.shape[0])[0])
+    moved = llm.engine.score(token_ids)
+    assert (moved - expected).abs().mean() > 0.05 * expected.abs().mean()
+
+
+def test_the_cohere2_artifact_holds_the_model_as_transformers_reads_it(tiny_cohere2, cohere2_artifact):
+    """One norm per layer, the final norm times logit_scale, q/k rows permuted per head (whole heads), gate and up
+    fused; the manifest's config, and the older sliding_window_pattern read as Cohere2Config reads it."""
+    from transformers import AutoModelForCausalLM, Cohere2Config
+
+    hf = load_file(tiny_cohere2 / "model.safetensors")
+    ours = load_file(cohere2_artifact / "rank-00" / "weights.safetensors")
+    torch.testing.assert_close(ours["norm.weight"], hf["model.norm.weight"] * LOGIT_SCALE, atol=0, rtol=0)
+    perm = interleaved_rotary_permutation(16, 16)
+    assert perm.tolist() == list(range(0, 16, 2)) + list(range(1, 16, 2))
+    q = ours["layers.1.attn.qkv.weight"][:64]
+    assert torch.equal(q, hf["model.layers.1.self_attn.q_proj.weight"].unflatten(0, (4, 16))[:, perm].flatten(0, 1))
+    assert "layers.0.post_attn_norm.weight" not in ours and "lm_head.weight" not in ours
+    assert torch.equal(ours["layers.0.input_norm.weight"], hf["model.layers.0.input_layernorm.weight"])
+    model = read_manifest(cohere2_artifact).model
+    assert (model.family, model.layer_norm, model.parallel_block, model.rotary_interleaved, model.rms_norm_eps,
+            model.tie_word_embeddings) == ("cohere2", True, True, True, 1e-5, True)
+    hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_cohere2), dtype=torch.float32)
+    assert model.num_parameters == sum(p.numel() for p in hf_model.parameters())
+    saved = read_hf_config(tiny_cohere2)
+    older = {k: v for k, v in saved.items() if k != "layer_types"} | {"num_hidden_layers": 6, "sliding_window_pattern": 3}
+    theirs = Cohere2Config(**{k: v for k, v in older.items() if k not in ("architectures", "model_type")})
+    ours = model_config_from_hf(older, cohere.SPEC2, "float32")
+    assert ours.sliding_window_layers == [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("quantization", [
+    {"method": "rtn", "bits": 4, "group_size": 32},
+    pytest.param({"method": "gptq", "bits": 4, "group_size": 32, "act_order": True}, marks=pytest.mark.slow),
+    {"method": "awq", "bits": 4, "group_size": 32},
+    {"method": "fp8"},
+], ids=["rtn-w4", "gptq-w4-act-order", "awq-w4", "fp8"])
+def test_quantized_builds_run_transformers_cohere2_on_their_weights(quantization, tiny_cohere2, tmp_path, data_dir,
+                                                                    hf_encode):
+    """Each build is transformers' Cohere2ForCausalLM holding its weights (q/k rows permuted back, the final norm
+    divided by logit_scale). AWQ scales down only (folded into up's rows): qkv and gate_up read one norm, which takes
+    no two scales, and o's inputs are not v's under grouped-query attention; act order's gathers stay the linears'
+    own (the norm feeds two)."""
+    out = _quantized(tiny_cohere2, tmp_path, data_dir, quantization)
+    _check_quantized_build(tiny_cohere2, out, hf_encode, quantization["method"], LOGIT_SCALE)
+
+
+def test_the_triton_kernels_rotate_cohere2_as_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits,
+                                                           hf_encode):
+    """The GPU path on the CPU: the sliding layers rotate by the local table, the full one by cos 1, sin 0."""
+    _check_triton_kernels(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits, hf_encode)
+
+
+@pytest.mark.slow  # 2 ranks on the CPU
+def test_cohere2_tensor_parallel_matches_one_rank(tiny_cohere2, cohere2_artifact, tmp_path, hf_encode):
+    """Two ranks: the attention's and the MLP's partial sums all-reduced each, the LayerNorms on every rank."""
+    from tests.runtime.hf_oracle import check_tensor_parallel
+
+    check_tensor_parallel(tiny_cohere2, cohere2_artifact, tmp_path, hf_encode, PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("changes,recipe,message", [
+    ({"use_qk_norm": True}, {}, "use_qk_norm"),
+    ({"attention_bias": True}, {}, "attention_bias: true is not supported"),
+    ({}, {"target": {"device": "onnx-cpu"}}, "LayerNorm and parallel attention \\+ MLP block are not exported to ONNX"),
+    ({}, {"quantization": {"method": "int8", "smoothquant": 0.5, "report": False,
+                           "calibration": {"num_samples": 2, "seq_len": 16}}}, "read one norm"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}},
+     {"target": {"device": "cpu"}, "quantization": {"method": "import"}},
+     "import is not supported for Cohere2ForCausalLM"),
+], ids=["qk-norm", "attention-bias", "onnx", "smoothquant", "import"])
+def test_what_llmc_does_not_run_on_cohere_is_refused_by_name(tiny_cohere2, tiny_cohere, tmp_path, data_dir, changes,
+                                                              recipe, message):
+    checkpoint = write_config(tiny_cohere if "use_qk_norm" in changes else tiny_cohere2, tmp_path / "ckpt", **changes)
+    if "quantization" in recipe and "calibration" in recipe["quantization"]:
+        recipe["quantization"]["calibration"]["data"] = str(data_dir / "calibration.txt")
+    with pytest.raises((CheckpointError, RecipeError), match=message):
+        build_float32(checkpoint, tmp_path / "out", **recipe)
+
+
+def test_cohere2_export_and_run_time_lora_are_refused_by_name(cohere2_artifact, tmp_path):
+    with pytest.raises(ArtifactError, match="Cohere2ForCausalLM: the build permuted q_proj's and k_proj's rows"):
+        export_artifact(cohere2_artifact, tmp_path / "export")
+    with pytest.raises(ConfigError, match=r"run-time LoRA does not run on Cohere2ForCausalLM"):
+        LLM(cohere2_artifact, device="cpu", enable_lora=True)
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------
@@ -278,4 +431,15 @@ def test_float32_on_the_gpu_matches_transformers(tiny_glm4, artifact, hf_greedy,
     """The Triton kernels rotating whole heads by the head-wide table (decode, prefill, CUDA graphs)."""
     llm = LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
     check_against_transformers(llm, tiny_glm4, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
+    llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cohere2_float32_on_the_gpu_matches_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits, hf_encode,
+                                                          free_gpu):
+    """The LayerNorms in torch on CUDA, the parallel block inside the piecewise and decode CUDA graphs, the Triton
+    kernels with the two tables."""
+    llm = LLM(cohere2_artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
+    check_against_transformers(llm, tiny_cohere2, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 2e-3)
     llm.close()
