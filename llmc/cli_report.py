@@ -305,6 +305,10 @@ def _attention_text(m: dict) -> str:
                      f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; cached expanded)")
     if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
         parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
+    if m.get("rotary_interleaved"):
+        parts.append("interleaved rotary pairs (q/k rows permuted at build)")
+    if m.get("rope_on_full_layers") is False:
+        parts.append("no rotary on the full-attention layers")
     if m.get("softmax_scale"):
         parts.append(f"scale {m['softmax_scale']:g}")
     elif m.get("query_pre_attn_scalar"):
@@ -333,6 +337,10 @@ def _layer_text(m: dict) -> str:
     if m.get("sandwich_norms"):
         parts.append("norms after attention and MLP too (sandwich)" if m.get("pre_norms", True)
                      else "norms after attention and MLP only (no pre-norms)")
+    if m.get("layer_norm"):
+        parts.append("LayerNorm (no bias)")
+    if m.get("parallel_block"):
+        parts.append("attention and MLP in parallel on one norm")
     if m.get("embed_scale"):
         parts.append(f"embeddings x {m['embed_scale']:g}")
     if m.get("final_logit_softcapping"):
