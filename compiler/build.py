@@ -150,10 +150,9 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
                               "float weights; build it with quantization.method: import")
     if spec.family in ("glm4", "cohere", "cohere2") and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]}: "
-                              "the build permutes "
-                              "q_proj's and k_proj's rows into the runtime's rotary layout as it reads them, which a "
-                              "pre-quantized checkpoint's packed weights do not take; quantize the float checkpoint "
-                              "with rtn, gptq, awq or fp8")
+                              "the build permutes q_proj's and k_proj's rows into the runtime's rotary layout as it "
+                              "reads them, which a pre-quantized checkpoint's packed weights do not take; quantize the "
+                              "float checkpoint with rtn, gptq, awq or fp8")
     if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
@@ -272,8 +271,8 @@ def _reading_merge(ctx: _Context):
     """What the build's reader does to a tensor as it is read: the recipe's LoRA adapters merged, then a
     (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma), then Granite's residual and logits multipliers folded
     (hf_checkpoint.multiplier_fold: after the merge, so the adapter's delta is scaled with the weight it joins), then
-    GLM-4's q/k rows permuted into the runtime's rotary layout (hf_checkpoint.interleaved_rotary_fold: after the merge,
-    so the adapter's delta moves with its rows); None when none applies."""
+    GLM-4's and Cohere's q/k rows permuted into the runtime's rotary layout (hf_checkpoint.interleaved_rotary_fold:
+    after the merge, so the adapter's delta moves with its rows); None when none applies."""
     steps = [step for step in (ctx.lora, hf.norm_fold(ctx.spec, ctx.model),
                                hf.multiplier_fold(ctx.spec, ctx.model, ctx.hf_config),
                                hf.interleaved_rotary_fold(ctx.spec, ctx.model)) if step is not None]

@@ -748,17 +748,18 @@ def _glm4_rope(config: dict) -> dict:
 
 
 def interleaved_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
-    """[head_dim] int64: the old dim of each head's new dim, moving GLM's interleaved rotary pairs (2i, 2i + 1) of the
-    leading rotary_dims to the rotate-half layout over the whole head, (i, i + head_dim / 2), and the pass-through dims
-    to the pairs after them, in order (ModelConfig.rotary_interleaved)."""
-    half_rotated, half_passed = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    """[head_dim] int64: the old dim of each head's new dim, moving the interleaved rotary pairs (2i, 2i + 1) of the
+    leading rotary_dims (GLM-4's, Cohere's) to the rotate-half layout over the whole head, (i, i + head_dim / 2), and
+    the pass-through dims to the pairs after them, in order (ModelConfig.rotary_interleaved)."""
+    half_passed = (head_dim - rotary_dims) // 2
     passed = torch.arange(rotary_dims, head_dim)
     return torch.cat((torch.arange(0, rotary_dims, 2), passed[:half_passed],
                       torch.arange(1, rotary_dims, 2), passed[half_passed:]))
 
 
 def interleaved_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """For a model whose checkpoint rotates interleaved pairs (GLM-4: ModelConfig.rotary_interleaved), a `TensorReader`
+    """For a model whose checkpoint rotates interleaved pairs (GLM-4, Cohere: ModelConfig.rotary_interleaved), a
+    `TensorReader`
     merge that reads q_proj's and k_proj's weights and biases with each head's rows permuted
     (interleaved_rotary_permutation): q.k is unchanged (one permutation of both), and the runtime rotates whole heads
     in its rotate-half layout, the pass-through pairs by a table of cos 1, sin 0. None for the other families."""

@@ -185,10 +185,11 @@ class ModelConfig:
     # the leading dims of each q/k head that the rotary embedding rotates (rotate-half over them), the rest passed
     # through: int(head_dim * partial_rotary_factor) (Phi-4-mini); None: the whole head. Even, at most head_dim.
     rotary_dim: int | None = opt(None, min=2)
-    # GLM-4: the checkpoint rotates interleaved pairs (2i, 2i + 1) of the leading rotary_dims; the build permuted each
-    # q/k head's rows (weights and biases: hf_checkpoint.interleaved_rotary_fold) so that pair i sits at (i, i +
-    # head_dim / 2), the pass-through dims in the other pairs, and the rotary table is head_dim wide with cos 1, sin 0
-    # past rotary_dims / 2: every kernel rotates whole heads (q.k is the same under one permutation of q's and k's dims)
+    # GLM-4, Cohere: the checkpoint rotates interleaved pairs (2i, 2i + 1) of the leading rotary_dims; the build
+    # permuted each q/k head's rows (weights and biases: hf_checkpoint.interleaved_rotary_fold) so that pair i sits at
+    # (i, i + head_dim / 2), the pass-through dims in the other pairs, and the rotary table is head_dim wide with cos 1,
+    # sin 0 past rotary_dims / 2: every kernel rotates whole heads (q.k is the same under one permutation of q's and
+    # k's dims)
     rotary_interleaved: bool = opt(False)
     # Cohere: every norm (the layers' and the final one) is a LayerNorm without bias, (x - mean) / sqrt(var + eps) * w,
     # eps rms_norm_eps (the checkpoint's layer_norm_eps), in place of RMSNorm
@@ -322,7 +323,8 @@ class ModelConfig:
             attn = self.mla_parameters
         mlp = 3 * self.hidden_size * self.intermediate_size
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
-        norms = ((1 if self.parallel_block else 2) * self.pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
+        pre_norms = (1 if self.parallel_block else 2) * self.pre_norms  # (Cohere: one norm before both sub-layers)
+        norms = (pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         if self.is_classifier:  # (HF's classifier has no LM head, tied or not: its head is `score`)

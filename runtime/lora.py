@@ -65,9 +65,9 @@ class LoRARequest:
 def check_lora_artifact(manifest: art.Manifest) -> None:
     """A ConfigError naming what stops run-time LoRA on this artifact: the adapters' deltas are computed on the
     linears' inputs as the checkpoint had them, so builds that changed those inputs (AWQ's and SmoothQuant's
-    folded scales) or the outputs (Granite's folded multipliers, GLM-4's and Cohere's permuted q/k rows) cannot take them; nor
-    can mixture-of-experts layers, split or ONNX artifacts (not built yet). W8A8 linears can: with LoRA on they quantize their input
-    themselves (LoraSlots), so the adapters read it unquantized."""
+    folded scales) or the outputs (Granite's folded multipliers, GLM-4's and Cohere's permuted q/k rows) cannot take
+    them; nor can mixture-of-experts layers, split or ONNX artifacts (not built yet). W8A8 linears can: with LoRA on
+    they quantize their input themselves (LoraSlots), so the adapters read it unquantized."""
     model, quant = manifest.model, manifest.quant
     problem = None
     if is_onnx(manifest):

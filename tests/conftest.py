@@ -193,7 +193,8 @@ _FAMILY_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
                                      "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": False,
                                      "use_sliding_window": False, "sliding_window": None}),
     # GLM-4: head_dim 32 (q_proj 64 -> 128), partial_rotary_factor 0.5 (16 of each head's dims rotated, in
-    # interleaved pairs), q/k/v biases, gate_up_proj fused, the sub-layers' outputs normed (tests/runtime/test_glm4_cohere.py)
+    # interleaved pairs), q/k/v biases, gate_up_proj fused, the sub-layers' outputs normed
+    # (tests/runtime/test_glm4_cohere.py)
     "glm4": ("Glm4Config", {"head_dim": 32, "attention_bias": True,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
                                                 "partial_rotary_factor": 0.5}}),
@@ -241,7 +242,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES}")
+        known = FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
+        raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
     if "rope_parameters" in kwargs:

@@ -13,7 +13,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.register_buffer("weight", torch.empty(hidden_size, dtype=dtype, device="meta"))
-        self.fp8_output = fp8_output and not centered  # output quantized per token for a w8a8-fp8 linear (an Fp8Activation)
+        # output quantized per token for a w8a8-fp8 linear (an Fp8Activation); not a LayerNorm's
+        self.fp8_output = fp8_output and not centered
         self.out_perm: Tensor | None = None  # the act-order gather of the linear it feeds (take_linear_perm)
         self.is_centered = centered
 

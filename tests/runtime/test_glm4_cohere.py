@@ -147,7 +147,8 @@ def _hf_state_of(artifact, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
             state[f"{layer}{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
         for linear in spec.layer_linears:
             prefix = f"layers.{i}.{linear.name}."
-            params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix) and k != prefix + "bias"}
+            params = {k.removeprefix(prefix): v for k, v in tensors.items()
+                      if k.startswith(prefix) and k != prefix + "bias"}
             weight = dequantize(make_format(manifest["quant"]["modules"][prefix[:-1]], torch.float32), params).float()
             if linear.name == "mlp.gate_up" and len(linear.hf_members) == 2:
                 gate, up = weight.chunk(2)
@@ -278,9 +279,9 @@ def test_tensor_parallel_matches_one_rank(tiny_glm4, artifact, tmp_path, hf_enco
 def test_what_llmc_does_not_run_is_refused_by_name(tiny_glm4, artifact, tmp_path):
     """Export (the permuted q/k rows), run-time LoRA, importing a pre-quantized checkpoint, a partial rotary of an odd
     number of dims."""
-    with pytest.raises(ArtifactError, match="Glm4ForCausalLM: the build permuted q_proj's and k_proj's rows out of its interleaved rotary"):
+    with pytest.raises(ArtifactError, match="Glm4ForCausalLM: the build permuted q_proj's and k_proj's rows out of"):
         export_artifact(artifact, tmp_path / "export")
-    with pytest.raises(ConfigError, match=r"run-time LoRA does not run on Glm4ForCausalLM \(its q_proj and k_proj rows"):
+    with pytest.raises(ConfigError, match=r"run-time LoRA does not run on Glm4ForCausalLM \(its q_proj and k_proj"):
         LLM(artifact, device="cpu", enable_lora=True)
     quantized = write_config(tiny_glm4, tmp_path / "gptq", quantization_config={
         "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False})
@@ -360,7 +361,8 @@ def test_the_cohere2_artifact_holds_the_model_as_transformers_reads_it(tiny_cohe
     hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_cohere2), dtype=torch.float32)
     assert model.num_parameters == sum(p.numel() for p in hf_model.parameters())
     saved = read_hf_config(tiny_cohere2)
-    older = {k: v for k, v in saved.items() if k != "layer_types"} | {"num_hidden_layers": 6, "sliding_window_pattern": 3}
+    older = {k: v for k, v in saved.items() if k != "layer_types"}
+    older |= {"num_hidden_layers": 6, "sliding_window_pattern": 3}
     theirs = Cohere2Config(**{k: v for k, v in older.items() if k not in ("architectures", "model_type")})
     ours = model_config_from_hf(older, cohere.SPEC2, "float32")
     assert ours.sliding_window_layers == [i for i, kind in enumerate(theirs.layer_types) if kind == "sliding_attention"]
@@ -436,8 +438,8 @@ def test_float32_on_the_gpu_matches_transformers(tiny_glm4, artifact, hf_greedy,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cohere2_float32_on_the_gpu_matches_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits, hf_encode,
-                                                          free_gpu):
+def test_cohere2_float32_on_the_gpu_matches_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits,
+                                                          hf_encode, free_gpu):
     """The LayerNorms in torch on CUDA, the parallel block inside the piecewise and decode CUDA graphs, the Triton
     kernels with the two tables."""
     llm = LLM(cohere2_artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16)
