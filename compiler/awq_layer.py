@@ -85,7 +85,8 @@ def _quantize_variant(quantizer, layer: LayerWeights, inputs: dict, variant) -> 
             spec = quantizer._spec(layer, name)
             if spec["format"] == "dense" or (name in layer.linears and not _has_enough_tokens(quantizer, layer, inputs, name)):
                 continue
-            members = _fold_members(layer, name)  # an MoE's gate_up: every expert's, with one shared scale
+            # an MoE's gate_up: every expert's, with one shared scale (Cohere's qkv and gate_up, MLA's q and kv_a too)
+            members = _fold_members(layer, name, quantizer.config)
             x = inputs[name] if name in inputs else stack_inputs(inputs, members)
             weights = [layer.linears[m] for m in members]
             w_mean = weight_magnitude(weights, spec["group_size"]) if duo_scaling else None
@@ -111,9 +112,11 @@ def _has_enough_tokens(quantizer, layer: LayerWeights, inputs: dict, name: str) 
     return True
 
 
-def _fold_members(layer: LayerWeights, name: str) -> list[str]:
+def _fold_members(layer: LayerWeights, name: str, config: ModelConfig) -> list[str]:
     """The linears one scale folds into: an MoE's gate_up, every expert's and the shared expert's (they read the
-    same norm's output)."""
+    same norm's output); in a parallel block (Cohere) qkv and gate_up (both read input_norm's)."""
+    if name == "attn.qkv" and config.parallel_block:
+        return [name, "mlp.gate_up"]
     if name == "moe.experts.gate_up":
         shared = ["moe.shared.gate_up"] if "moe.shared.gate_up" in layer.linears else []
         return [n for n in layer.linears if expert_of(n) is not None and n.endswith(".gate_up")] + shared
@@ -154,8 +157,8 @@ def _quantize_linear(quantizer, layer: LayerWeights, name: str, x: Tensor | None
 
 def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[tuple[str, str]]:
     """(linear, where its input scale folds): a norm, or the preceding linear's output rows. Without pre-norms
-    (OLMo 2), and in a parallel block (Cohere: one norm before both), qkv and gate_up have no such producer and are
-    not scaled (round to nearest, or clipped below 4 bits).
+    (OLMo 2) qkv and gate_up have no such producer and are not scaled (round to nearest, or clipped below 4 bits).
+    In a parallel block (Cohere) qkv and gate_up read one norm: one scale, searched over both, folds into it.
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
@@ -177,10 +180,10 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
             mlp.append(("moe.shared.down", "moe.shared.gate_up"))
     else:
         mlp = [("mlp.gate_up", "post_attn_norm"), ("mlp.down", "mlp.gate_up")]
+    if config.parallel_block:  # Cohere: gate_up takes qkv's scale (_fold_members), both folded into input_norm
+        mlp = [("mlp.down", "mlp.gate_up")]
     folds = [*attention, *mlp]  # (o's inputs are v's outputs only without grouped-query attention)
-    # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale; Cohere: both read input_norm,
-    # which takes no two scales
-    if not config.pre_norms or config.parallel_block:
+    if not config.pre_norms:  # OLMo 2: qkv and gate_up read the residual stream, with no norm to take a scale
         folds = [(name, target) for name, target in folds if target not in ("input_norm", "post_attn_norm")]
     return folds
 

@@ -378,11 +378,43 @@ def test_the_cohere2_artifact_holds_the_model_as_transformers_reads_it(tiny_cohe
 def test_quantized_builds_run_transformers_cohere2_on_their_weights(quantization, tiny_cohere2, tmp_path, data_dir,
                                                                     hf_encode):
     """Each build is transformers' Cohere2ForCausalLM holding its weights (q/k rows permuted back, the final norm
-    divided by logit_scale). AWQ scales down only (folded into up's rows): qkv and gate_up read one norm, which takes
-    no two scales, and o's inputs are not v's under grouped-query attention; act order's gathers stay the linears'
-    own (the norm feeds two)."""
+    divided by logit_scale). AWQ searches one scale for qkv and gate_up (both read input_norm) and one for down (o's
+    inputs are not v's under grouped-query attention); act order's gathers stay the linears' own (the norm feeds
+    two)."""
     out = _quantized(tiny_cohere2, tmp_path, data_dir, quantization)
     _check_quantized_build(tiny_cohere2, out, hf_encode, quantization["method"], LOGIT_SCALE)
+
+
+@pytest.mark.parametrize("family", ["cohere2", "glm4"])
+def test_awq_folds_keep_the_function(family, request, tmp_path, data_dir, hf_encode, monkeypatch):
+    """AWQ forced to fold random scales into W8 layers (every variant but round-to-nearest dropped), each a power of
+    two from 1/4 to 4, one per group of 32 input columns: the groups' quantization scales take them exactly, so the
+    build is the plain RTN W8 build's function if and only if every fold is undone where it is made. Cohere 2: one
+    scale for qkv and gate_up, input_norm (a LayerNorm) divided once; GLM-4: input_norm and post_attn_norm, each
+    followed by its linear, then the output norms."""
+    import llmc.compiler.awq_layer as awq_layer
+    from llmc.quant.awq import ScaleSearchResult
+
+    checkpoint = request.getfixturevalue(f"tiny_{family}")
+    gen = torch.Generator().manual_seed(0)
+    searched = []
+
+    def random_scales(x, weights, quantize, w_mean=None):
+        searched.append(len(weights))
+        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
+        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
+    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
+    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    token_ids, logits = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120)), {}
+    for method in ("awq", "rtn"):
+        out = build_float32(checkpoint, tmp_path / method, target={"device": "cpu"}, quantization={
+            "method": method, "bits": 8, "group_size": 32, "report": False,
+            **({"calibration": calibration} if method == "awq" else {})})
+        logits[method] = LLM(out, device="cpu", max_num_batched_tokens=32).engine.score(token_ids)
+    # per layer: Cohere 2 one search over qkv and gate_up, one for down; GLM-4 qkv, gate_up, down (o: GQA)
+    assert searched == ([2, 1] * 3 if family == "cohere2" else [1, 1, 1] * 2)
+    torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
 
 
 def test_the_triton_kernels_rotate_cohere2_as_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits,
