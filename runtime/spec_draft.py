@@ -103,6 +103,7 @@ class _DraftSequence:
         num_checked: leading entries of `tokens` known to be the request's.
         num_computed_tokens: where this draft forward starts (StepBuffers reads it).
         num_preemptions: the request's count when `tokens` were written (a preemption drops them).
+        images: None (a request's images, where StepBuffers reads Qwen2-VL's rotary delta; drafts serve no such request).
     """
 
     request: Request
@@ -112,6 +113,7 @@ class _DraftSequence:
     num_preemptions: int = 0
     num_pending_tokens: int = 0
     skip_prefix_cache: bool = False
+    images: None = None
 
     @property
     def request_id(self) -> str:
