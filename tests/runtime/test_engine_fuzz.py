@@ -1,0 +1,315 @@
+"""A seeded randomized differential test of the engine across its features (session 45).
+
+Each seed draws an engine (token budget, rows, a tiny KV cache or not, prefix caching, the scheduling
+policy, n-gram or draft-model speculation, run-time LoRA, prompt embeds) and a workload of requests arriving
+over the first steps, each with a random mix of what it can combine: text, token ids or embeddings as the
+prompt, a LoRA adapter, a cache salt, a priority, n and best_of, seeds, penalties, logit bias, allowed ids,
+bad words, min_tokens, stop strings and ids, logprobs and prompt logprobs, a regex or a JSON schema, beam
+search; a few are aborted mid-stream, and a few ask for a combination llmc refuses by name. Checked:
+
+* the overlapped engine gives the synchronous engine's outputs (async_scheduling false, the reference path):
+  tokens, text, finish reasons, and logprobs to float32 batch-order noise;
+* a greedy or seeded request gives inside the crowd what it gives alone (batch invariance, as
+  test_engine_invariance.py claims it on the CPU);
+* a refused combination is one RequestError at add_request, leaving nothing behind;
+* no request fails and the engine never resets; after the last step every KV block is free, every
+  persistent-batch row too, no request is left in a queue or a map, and the counters agree with what was
+  delivered; an aborted request says nothing after its abort.
+
+The default run draws a few seeds (< 40 s on 2 cores); `-m slow` draws many more.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmc.errors import RequestError
+from llmc.runtime.engine import Engine
+from llmc.runtime.lora import LoRARequest
+from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
+from llmc.runtime.structured_output import StructuredOutputsParams
+from tests.runtime.hf_oracle import build_float32, make_peft_adapter
+
+peft = pytest.importorskip("peft")
+
+WORDS = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you", "good sir")
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_llama):
+    """tiny_llama in float32, two PEFT adapters of it, and its embedding table (for prompt embeds)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("engine-fuzz")
+    artifact = build_float32(tiny_llama, root / "base")
+    adapters = [make_peft_adapter(tiny_llama, root / "attn", 1, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+                make_peft_adapter(tiny_llama, root / "mlp", 2, r=2, lora_alpha=4, target_modules=["down_proj"])]
+    table = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).get_input_embeddings().weight
+    return artifact, [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)], table.detach().clone()
+
+
+def _engine_options(rng: random.Random, artifact) -> dict:
+    """One engine's settings; run-time LoRA and prompt embeds exclude a draft model (refused by name)."""
+    options = {"max_model_len": 128, "max_num_seqs": rng.choice([3, 4, 8]),
+               "max_num_batched_tokens": rng.choice([16, 32, 64, 256]),
+               "enable_prefix_caching": rng.random() < 0.6,
+               "scheduling_policy": rng.choice(["fcfs", "priority"])}
+    if rng.random() < 0.4:
+        options["num_kv_blocks"] = rng.choice([9, 12, 16])  # 8 blocks of 16 hold one max_model_len sequence
+    speculative = rng.choice([None, None, "ngram", "draft"])
+    if speculative == "draft":
+        options["speculative"] = {"model": str(artifact), "num_speculative_tokens": rng.choice([1, 3])}
+    else:
+        if speculative == "ngram":
+            options["speculative"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3])}
+        options["enable_lora"] = rng.random() < 0.5
+        if options["enable_lora"]:
+            options |= {"max_loras": rng.choice([1, 2]), "max_lora_rank": 4}
+        options["enable_prompt_embeds"] = rng.random() < 0.5
+    return options
+
+
+def _sampling(rng: random.Random, beams: bool) -> SamplingParams:
+    """Any mix of the sampling, stopping and output fields (a beam search takes only its own)."""
+    kind = rng.choice(list(RequestOutputKind))
+    if beams and rng.random() < 0.1:
+        return SamplingParams(use_beam_search=True, n=rng.choice([2, 3]), temperature=0.0, max_tokens=rng.randint(1, 12),
+                              length_penalty=rng.choice([1.0, 0.5]), ignore_eos=rng.random() < 0.5,
+                              output_kind=RequestOutputKind.FINAL_ONLY if kind is RequestOutputKind.DELTA else kind)
+    kw = {"max_tokens": rng.randint(1, 24), "output_kind": kind}
+    if rng.random() < 0.6:
+        kw |= {"temperature": rng.choice([0.5, 1.0, 1.3]), "seed": rng.randrange(1000)}
+        for name, values, chance in [("top_p", [0.5, 0.9], 0.4), ("top_k", [1, 5, 40], 0.4), ("min_p", [0.02, 0.1], 0.3)]:
+            if rng.random() < chance:
+                kw[name] = rng.choice(values)
+        if rng.random() < 0.3:
+            kw["n"] = rng.choice([2, 3])
+            if rng.random() < 0.3 and kind is not RequestOutputKind.DELTA:
+                kw["best_of"] = kw["n"] + 1
+    else:
+        kw["temperature"] = 0.0
+    for name, values, chance in [
+        ("presence_penalty", [0.3, -0.5], 0.2), ("frequency_penalty", [0.3, 0.8], 0.2),
+        ("repetition_penalty", [1.2, 0.9], 0.2), ("stop", [["\n"], [" the", "lord"], [",", "ing"]], 0.3),
+        ("include_stop_str_in_output", [True], 0.2), ("ignore_eos", [True], 0.3), ("logprobs", [0, 1, 3], 0.3),
+        ("bad_words", [["the", "lord"], ["king"]], 0.1), ("prompt_logprobs", [0, 2], 0.1),
+    ]:
+        if rng.random() < chance:
+            kw[name] = rng.choice(values)
+    if rng.random() < 0.2:
+        kw["stop_token_ids"] = [rng.randrange(2000) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.2:
+        kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
+    if rng.random() < 0.2:
+        kw["logit_bias"] = {rng.randrange(2000): rng.choice([-100.0, 5.0, 2.0]) for _ in range(3)}
+    if rng.random() < 0.1:
+        kw["allowed_token_ids"] = [rng.randrange(2000) for _ in range(50)]
+    elif rng.random() < 0.15:
+        kw["structured_outputs"] = StructuredOutputsParams(**rng.choice(
+            [{"regex": "[a-z ]{4,12}"}, {"regex": "(yes|no), my lord"}, {"json": SCHEMA}, {"choice": ["aye", "nay"]}]))
+    return SamplingParams(**kw)
+
+
+def _refused(rng: random.Random, options: dict, adapters, table) -> tuple[dict, str]:
+    """A request llmc refuses by name on this engine (its add_request keywords, made when called: a
+    SamplingParams may refuse itself), and a word of the message."""
+    cases = [(lambda: {"params": SamplingParams(use_beam_search=True, n=2), "cache_salt": "s"}, "cache_salt"),
+             (lambda: {"params": SamplingParams(use_beam_search=True, n=2, logprobs=1)}, "beam search"),
+             (lambda: {"params": SamplingParams(max_tokens=4, logprobs=10_000)}, "max_logprobs"),
+             (lambda: {"params": SamplingParams(max_tokens=4, logit_bias={10_000: 1.0})}, "vocabulary"),
+             (lambda: {"params": SamplingParams(max_tokens=4), "prompt": " ".join(["the king"] * 90)}, "max_model_len"),
+             (lambda: {"params": SamplingParams(max_tokens=4), "priority": 3}, "priority")]
+    if options.get("enable_lora"):
+        cases.append((lambda: {"params": SamplingParams(use_beam_search=True, n=2), "lora_request": adapters[0]}, "lora_request"))
+    else:
+        cases.append((lambda: {"params": SamplingParams(max_tokens=4), "lora_request": adapters[0]}, "enable_lora"))
+    if options.get("enable_prompt_embeds"):
+        cases.append((lambda: {"params": SamplingParams(max_tokens=4, prompt_logprobs=1), "prompt": None,
+                       "prompt_embeds": table[5:9]}, "prompt_logprobs"))
+    else:
+        cases.append((lambda: {"params": SamplingParams(max_tokens=4), "prompt": None, "prompt_embeds": table[5:9]}, "prompt_embeds"))
+    if "speculative" in options:
+        cases.append((lambda: {"params": SamplingParams(use_beam_search=True, n=2)}, "speculative"))
+    case, word = rng.choice(cases)
+    if word == "priority" and options["scheduling_policy"] == "priority":
+        return lambda: {"params": SamplingParams(max_tokens=4, stop=[""])}, "stop"
+    return case, word
+
+
+def _workload(seed: int, artifact, adapters, table) -> tuple[dict, list, dict, list]:
+    """(engine options, requests (id, add_request keywords, arrival step), aborts {id: outputs seen before
+    aborting}, refused (keywords, word, arrival step))."""
+    rng = random.Random(seed)
+    options = _engine_options(rng, artifact)
+    prefixes = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 25))) for _ in range(4)]
+    requests = []
+    for i in range(rng.randint(4, 14)):
+        prompt = rng.choice(prefixes) + (" " + rng.choice(WORDS) if rng.random() < 0.5 else "")
+        kw = {"prompt": prompt, "params": _sampling(rng, beams="speculative" not in options)}
+        beams = kw["params"].use_beam_search
+        if options.get("enable_prompt_embeds") and rng.random() < 0.3 and not beams:
+            kw["params"] = kw["params"].replace(prompt_logprobs=None)
+            first = rng.randrange(100, 2000)
+            kw |= {"prompt": None, "prompt_embeds": table[first:first + rng.randint(1, 20)].clone()}
+        elif rng.random() < 0.3:
+            kw |= {"prompt": None, "prompt_token_ids": [rng.randrange(5, 4000) for _ in range(rng.randint(1, 40))]}
+        if options.get("enable_lora") and rng.random() < 0.6 and not beams:
+            kw["lora_request"] = rng.choice(adapters)
+        if rng.random() < 0.15 and not beams:
+            kw["cache_salt"] = rng.choice(["tenant-a", "tenant-b"])
+        if options["scheduling_policy"] == "priority":
+            kw["priority"] = rng.choice([0, 0, 1, -1])
+        requests.append((f"r{i}", kw, rng.randint(0, 10)))
+    aborts = {f"r{rng.randrange(len(requests))}": rng.randint(0, 5) for _ in range(rng.randint(0, 2))}
+    refused = [(*_refused(rng, options, adapters, table), rng.randint(0, 8)) for _ in range(rng.randint(0, 2))]
+    return options, requests, aborts, refused
+
+
+def _drive(artifact, options: dict, requests, aborts: dict, refused=()) -> tuple[dict, Engine]:
+    """Run the workload through one engine, checking what holds at every step and at the end; every
+    output of each request, by request id."""
+    engine = Engine(artifact, device="cpu", disable_log_stats=True, **options)
+    outputs: dict[str, list] = {}
+    aborted: set[str] = set()
+    step = 0
+    try:
+        while engine.has_unfinished_requests() or step <= 10:
+            for request_id, kw, arrival in requests:
+                if arrival == step:
+                    kw = dict(kw)
+                    engine.add_request(kw.pop("prompt"), kw.pop("params"), request_id=request_id, **kw)
+            for i, (make, word, arrival) in enumerate(refused):
+                if arrival == step:
+                    before = (set(engine.groups), engine.stats()["num_free_blocks"])
+                    with pytest.raises(RequestError, match=word):
+                        kw = make()
+                        engine.add_request(kw.pop("prompt", "the king"), kw.pop("params"), request_id=f"x{i}", **kw)
+                    assert (set(engine.groups), engine.stats()["num_free_blocks"]) == before
+            for output in engine.step():
+                assert output.error is None, (output.request_id, output.error)
+                assert output.request_id not in aborted, f"{output.request_id}: an output after its abort"
+                outputs.setdefault(output.request_id, []).append(output)
+            for request_id, num_outputs in aborts.items():
+                if len(outputs.get(request_id, [])) >= num_outputs and request_id in engine.groups:
+                    engine.abort_request(request_id)
+                    aborted.add(request_id)
+            step += 1
+            assert step < 2000, "the engine does not finish"
+        assert engine.num_resets == 0
+        _check_idle(engine)
+    finally:
+        engine.close()
+    return outputs, engine
+
+
+def _check_idle(engine: Engine) -> None:
+    """Nothing is left anywhere once every request has finished or been aborted."""
+    engine.scheduler.check_invariants()
+    scheduler, stats = engine.scheduler, engine.stats()
+    assert not engine.groups and not engine.sequences and not engine._beam_group_ids
+    assert not scheduler.running and not scheduler.waiting and engine._in_flight is None
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
+    assert stats["kv_cache_usage"] == 0.0
+    assert sorted(engine._free_rows) == list(range(engine.options.max_num_seqs)), "persistent-batch rows leaked"
+    assert 0 <= stats["prefix_cache_hits"] <= stats["prefix_cache_queries"]
+    assert 0 <= stats["num_spec_accepted"] <= stats["num_spec_proposed"]
+    if engine.options.speculative is None:
+        assert stats["num_spec_proposed"] == 0
+    if not engine.options.enable_prefix_caching:
+        assert stats["prefix_cache_hits"] == 0
+
+
+def _summary(requests, aborts: dict, outputs: dict) -> dict:
+    """What each request not aborted was given: completions (token ids, text, finish reason, logprobs)
+    of its last output, or its deltas joined per sequence; its prompt logprobs."""
+    summary = {}
+    for request_id, kw, _ in requests:
+        if request_id in aborts:
+            continue
+        got, params = outputs[request_id], kw["params"]
+        last = got[-1]
+        assert last.finished and all(c.finish_reason in ("stop", "length") for c in last.outputs), last
+        if params.output_kind is RequestOutputKind.FINAL_ONLY:
+            assert len(got) == 1
+        if params.output_kind is RequestOutputKind.DELTA:
+            joined: dict[int, tuple] = {}
+            for output in got:
+                for c in output.outputs:
+                    ids, text, _, lps = joined.get(c.index, ((), "", None, ()))
+                    joined[c.index] = (ids + tuple(c.token_ids), text + c.text, c.finish_reason,
+                                       lps + tuple(c.logprobs or ()))
+            completions = [joined[i] for i in sorted(joined)]
+        else:
+            completions = [(tuple(c.token_ids), c.text, c.finish_reason, tuple(c.logprobs or ())) for c in last.outputs]
+        prompt_logprobs = next((o.prompt_logprobs for o in got if o.prompt_logprobs is not None), None)
+        summary[request_id] = (completions, prompt_logprobs)
+    return summary
+
+
+def _same_logprobs(got, expected, tolerance: float) -> None:
+    """Logprob dicts step by step: the same finite token ids, values within `tolerance`."""
+    assert len(got) == len(expected)
+    for step_got, step_expected in zip(got, expected):
+        if step_got is None or step_expected is None:
+            assert step_got is None and step_expected is None
+            continue
+        finite = {t: v for t, v in step_got.items() if v != float("-inf")}
+        assert finite.keys() == {t for t, v in step_expected.items() if v != float("-inf")}
+        assert all(abs(v - step_expected[t]) < tolerance for t, v in finite.items()), (step_got, step_expected)
+
+
+def _assert_same(got: dict, expected: dict, tolerance: float = 1e-3) -> None:
+    assert got.keys() == expected.keys()
+    for request_id in got:
+        (completions, prompt_lps), (ref_completions, ref_prompt_lps) = got[request_id], expected[request_id]
+        assert [c[:3] for c in completions] == [c[:3] for c in ref_completions], request_id
+        for c, ref in zip(completions, ref_completions):
+            _same_logprobs(c[3], ref[3], tolerance)
+        assert (prompt_lps is None) == (ref_prompt_lps is None), request_id
+        if prompt_lps is not None:
+            _same_logprobs(prompt_lps, ref_prompt_lps, tolerance)
+
+
+def _is_reproducible(params: SamplingParams) -> bool:
+    return params.temperature == 0 or params.seed is not None or params.use_beam_search
+
+
+def check_seed(setup, seed: int, alone: bool = True) -> None:
+    artifact, adapters, table = setup
+    options, requests, aborts, refused = _workload(seed, artifact, adapters, table)
+    sync_outputs, _ = _drive(artifact, {**options, "async_scheduling": False}, requests, aborts)
+    outputs, engine = _drive(artifact, options, requests, aborts, refused)
+    overlapped, synchronous = _summary(requests, aborts, outputs), _summary(requests, aborts, sync_outputs)
+    _assert_same(overlapped, synchronous)
+    stats = engine.stats()
+    if "speculative" not in options and not any(kw["params"].use_beam_search for _, kw, _ in requests):
+        # every token a sequence generated is counted once: the delivered ones and, for best_of, the others
+        delivered = sum(len(c[0]) for completions, _ in overlapped.values() for c in completions)
+        assert stats["num_generation_tokens"] >= delivered
+    if not alone:
+        return
+    chosen = [(rid, kw) for rid, kw, _ in requests if rid not in aborts and _is_reproducible(kw["params"])]
+    for request_id, kw in chosen[:3]:
+        single, _ = _drive(artifact, options, [(request_id, kw, 0)], {})
+        (completions, _), (ref, _) = _summary([(request_id, kw, 0)], {}, single)[request_id], overlapped[request_id]
+        assert [c[:3] for c in completions] == [c[:3] for c in ref], (request_id, kw)
+        for c, r in zip(completions, ref):
+            _same_logprobs(c[3], r[3], 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_agree(setup, seed):
+    """A few seeds in the default run."""
+    check_seed(setup, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3, 60))
+def test_random_workloads_agree_many_seeds(setup, seed):
+    check_seed(setup, seed)
