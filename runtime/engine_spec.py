@@ -41,15 +41,19 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
             engine.scheduler.finish_request(state.request.request_id, RequestStatus.FINISHED_STOPPED)
     updates = {state.request.request_id: t for state, t in zip(states, tokens)}
     engine._release_rows(engine.scheduler.update(batch, updates))
-    failed, kept = engine._record_prompt_logprobs(step.prompt_logits), []
+    failed, kept, num_generated = engine._record_prompt_logprobs(step.prompt_logits), [], 0
     for state, new_tokens, blocked in zip(states, tokens, no_token_allowed):
         if state.request.request_id not in engine.sequences:  # failed recording its prompt logprobs
             continue
+        num_before = len(state.detokenizer.output_token_ids)
         errors = engine._guarded(state, engine._check_stop, state, new_tokens, blocked)
         failed += errors
         kept += [] if errors else [state]
+        # the tokens the sequence kept: accepted drafts after a stop string are dropped, and not counted (as
+        # the overlapped engine's token after a stop is not)
+        num_generated += len(state.detokenizer.output_token_ids) - num_before
     propose_drafts(engine, kept)
-    engine.stats_logger.record(num_prefill, sum(len(t) for t in tokens), engine.stats)
+    engine.stats_logger.record(num_prefill, num_generated, engine.stats)
     return failed + engine._collect_outputs(kept)
 
 
