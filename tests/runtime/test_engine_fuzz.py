@@ -226,7 +226,7 @@ def _check_idle(engine: Engine) -> None:
     engine.scheduler.check_invariants()
     scheduler, stats = engine.scheduler, engine.stats()
     assert not engine.groups and not engine.sequences and not engine._beam_group_ids
-    assert not scheduler.running and not scheduler.waiting and engine._in_flight is None
+    assert not scheduler.running and not scheduler.waiting and not scheduler.requests and engine._in_flight is None
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "KV blocks leaked"
     assert stats["kv_cache_usage"] == 0.0
@@ -302,7 +302,8 @@ def _check_counters(requests, aborts: dict, summary: dict, engine: Engine) -> No
     stats = engine.stats()
     delivered = sum(len(c[0]) for completions, _ in summary.values() for c in completions)
     assert stats["num_generation_tokens"] == delivered, (stats, delivered)
-    if stats["num_preemptions"] == 0 and stats["prefix_cache_hits"] == 0:
+    images = any("multi_modal_data" in kw for _, kw, _ in requests)  # (their prompts grow by the images' tokens)
+    if stats["num_preemptions"] == 0 and stats["prefix_cache_hits"] == 0 and not images:
         prompts = sum(_prompt_len(kw, engine.tokenizer) * kw["params"].n for _, kw, _ in requests)
         assert stats["num_prompt_tokens"] == prompts, (stats, prompts)
 
@@ -313,6 +314,25 @@ def _prompt_len(kw: dict, tokenizer) -> int:
     if kw.get("prompt_token_ids") is not None:
         return len(kw["prompt_token_ids"])
     return len(tokenizer(kw["prompt"]).input_ids)  # the Hugging Face tokenizer's, BOS included
+
+
+def test_drafts_accepted_after_a_stop_string_are_not_counted(setup):
+    """A stop string inside a step's accepted drafts ends the sequence there: the tokens after it are dropped
+    and num_generation_tokens does not count them (it counted every accepted token: more than delivered).
+    The model is its own draft, so every draft is accepted and the stops fall inside verified runs."""
+    artifact = setup[0]
+    options = {"max_model_len": 128, "speculative": {"model": str(artifact), "num_speculative_tokens": 4}}
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outputs, _ = _drive(artifact, options, [("free", {"prompt": "ROMEO: my lord", "params": greedy}, 0)], {})
+    text = outputs["free"][-1].outputs[0].text
+    stops = [piece for piece in (text[i:i + 2] for i in range(4, len(text) - 4, 3)) if piece.strip()]
+    requests = [(f"r{i}", {"prompt": "ROMEO: my lord", "params": greedy.replace(stop=[stop])}, 0)
+                for i, stop in enumerate(stops)]
+    outputs, engine = _drive(artifact, options, requests, {})
+    summary = _summary(requests, {}, outputs)
+    assert engine.stats()["num_spec_accepted"] > 0
+    assert all(completions[0][2] == "stop" for completions, _ in summary.values())
+    _check_counters(requests, {}, summary, engine)
 
 
 def _is_reproducible(params: SamplingParams) -> bool:
@@ -349,3 +369,70 @@ def test_random_workloads_agree(setup, seed):
 @pytest.mark.parametrize("seed", range(3, 90))
 def test_random_workloads_agree_many_seeds(setup, seed):
     check_seed(setup, seed)
+
+
+# ---- vision requests: Qwen2-VL's M-RoPE (decodes rotate at index + the request's rope delta) ----------------
+
+
+@pytest.fixture(scope="module")
+def vision_setup(tmp_path_factory):
+    """A tiny Qwen2-VL in float32 and three pictures (12, 12 and 4 image tokens)."""
+    from tests.runtime.test_llava import image
+    from tests.runtime.test_qwen2_vl import make_qwen_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("engine-fuzz-vl")
+    artifact = build_float32(make_qwen_vl_checkpoint(root / "hf"), root / "a", target={"device": "cpu"})
+    return artifact, [image(1, (64, 48)), image(2, (96, 32)), image(3, (40, 36))]
+
+
+def _vision_workload(seed: int, pictures) -> tuple[dict, list, dict, list]:
+    """Text-only requests and requests of one or two images (some sharing a picture, so a prefix-cache hit
+    can end inside an image), under chunking, preemption, prefix caching and n-gram speculation."""
+    rng = random.Random(seed)
+    options = {"max_model_len": 128, "max_num_seqs": rng.choice([3, 4, 8]),
+               "max_num_batched_tokens": rng.choice([8, 16, 32, 256]), "enable_prefix_caching": rng.random() < 0.7}
+    if rng.random() < 0.4:
+        options["num_kv_blocks"] = rng.choice([9, 12])
+    if rng.random() < 0.3:
+        options["speculative"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 3])}
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    heads = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 6))) for _ in range(3)]
+    requests = []
+    for i in range(rng.randint(4, 10)):
+        num_images = rng.choice([0, 1, 1, 2])
+        chosen = [rng.choice(pictures) for _ in range(num_images)]
+        prompt = rng.choice(heads) + "".join(pad + rng.choice(WORDS) for _ in chosen) + " " + rng.choice(WORDS)
+        kw = {"prompt": prompt, "params": _sampling(rng, beams=False)}
+        if chosen:
+            kw["multi_modal_data"] = {"image": chosen if len(chosen) > 1 else chosen[0]}
+        requests.append((f"r{i}", kw, rng.randint(0, 8)))
+    aborts = {f"r{rng.randrange(len(requests))}": rng.randint(0, 4) for _ in range(rng.randint(0, 2))}
+    refused = [(lambda: {"prompt": "look" + pad, "params": SamplingParams(use_beam_search=True, n=2),
+                         "multi_modal_data": {"image": pictures[0]}}, "multi_modal_data", rng.randint(0, 5))]
+    return options, requests, aborts, refused
+
+
+def check_vision_seed(vision_setup, seed: int) -> None:
+    artifact, pictures = vision_setup
+    options, requests, aborts, refused = _vision_workload(seed, pictures)
+    sync_outputs, sync_engine = _drive(artifact, {**options, "async_scheduling": False}, requests, aborts)
+    outputs, engine = _drive(artifact, options, requests, aborts, refused)
+    overlapped = _summary(requests, aborts, outputs)
+    _assert_same(overlapped, _summary(requests, aborts, sync_outputs))
+    _check_counters(requests, aborts, overlapped, engine)
+    chosen = [(rid, kw) for rid, kw, _ in requests if rid not in aborts and _is_reproducible(kw["params"])]
+    for request_id, kw in chosen[:2]:
+        single, _ = _drive(artifact, options, [(request_id, kw, 0)], {})
+        (completions, _), (ref, _) = _summary([(request_id, kw, 0)], {}, single)[request_id], overlapped[request_id]
+        assert [c[:3] for c in completions] == [c[:3] for c in ref], (request_id, kw)
+
+
+@pytest.mark.parametrize("seed", range(1))
+def test_random_vision_workloads_agree(vision_setup, seed):
+    check_vision_seed(vision_setup, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(1, 40))
+def test_random_vision_workloads_agree_many_seeds(vision_setup, seed):
+    check_vision_seed(vision_setup, seed)
