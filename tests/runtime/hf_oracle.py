@@ -21,6 +21,17 @@ def build_float32(checkpoint, out, **recipe):
     return out
 
 
+def float32_artifacts(checkpoints: dict, root):
+    """family → the float32 artifact of checkpoints[family] under root, built on first use (a module fixture's)."""
+    built = {}
+
+    def artifact(family):
+        if family not in built:
+            built[family] = build_float32(checkpoints[family], root / family)
+        return built[family]
+    return artifact
+
+
 def build_import(checkpoint, out, **recipe):
     """A float32 CPU build of a pre-quantized checkpoint with `quantization.method: import`."""
     return build_float32(checkpoint, out, target={"device": "cpu"}, quantization={"method": "import"}, **recipe)

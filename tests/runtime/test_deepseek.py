@@ -28,7 +28,7 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_import, write_config
+from tests.runtime.hf_oracle import build_float32, build_import, float32_artifacts, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -57,13 +57,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def artifacts(checkpoints, tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("deepseek_artifacts"), {}
-
-    def artifact(family):
-        if family not in built:
-            built[family] = build_float32(checkpoints[family], root / family)
-        return built[family]
-    return artifact
+    return float32_artifacts(checkpoints, tmp_path_factory.mktemp("deepseek_artifacts"))
 
 
 def _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, prompts=PROMPTS, tolerance=1e-4):

@@ -21,7 +21,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import olmo3, qwen2_moe, spec_for_architecture
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import MORE_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, hf_model_with_config, make_classifier, write_config
+from tests.runtime.hf_oracle import (build_float32, float32_artifacts, hf_model_with_config, make_classifier,
+                                     write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -37,13 +38,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifacts(checkpoints, tmp_path_factory):
     """family → its float32 artifact, built on first use."""
-    root, built = tmp_path_factory.mktemp("more_artifacts"), {}
-
-    def artifact(family):
-        if family not in built:
-            built[family] = build_float32(checkpoints[family], root / family)
-        return built[family]
-    return artifact
+    return float32_artifacts(checkpoints, tmp_path_factory.mktemp("more_artifacts"))
 
 
 def _score_ids(checkpoint, hf_encode):
