@@ -138,6 +138,36 @@ def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantizatio
     assert got[0].outputs[0].token_ids == want
 
 
+def awq_and_rtn_logits(checkpoint, out_dir, token_ids, monkeypatch, data_dir, searched: list | None = None,
+                       **quantization) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the AWQ W8 g32 build's logits over token_ids, the RTN build's), the AWQ build's scales forced to seeded
+    random powers of two (exact in float32) with one variant per layer: the two are equal if and only if every fold
+    is undone where it is made. `searched`, where given, collects how many weights each search scaled;
+    `quantization`: further fields of both builds."""
+    import llmc.compiler.awq_layer as awq_layer
+    from llmc.quant.awq import ScaleSearchResult
+    from llmc.runtime.llm import LLM
+
+    gen = torch.Generator().manual_seed(0)
+
+    def random_scales(x, weights, quantize, w_mean=None):
+        if searched is not None:
+            searched.append(len(weights))
+        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
+        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
+    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
+    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
+    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
+    logits = {}
+    for method in ("awq", "rtn"):
+        out = build_float32(checkpoint, out_dir / method, target={"device": "cpu"}, quantization={
+            "method": method, "bits": 8, "group_size": 32, "report": False, **quantization,
+            **({"calibration": calibration} if method == "awq" else {})})
+        with LLM(out, device="cpu", max_num_batched_tokens=32, num_kv_blocks=64) as llm:
+            logits[method] = llm.engine.score(token_ids)
+    return logits["awq"], logits["rtn"]
+
+
 def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy, tensor: int = 2):
     """A `tensor`-rank build of `checkpoint` against the one-rank `artifact`: the same greedy tokens, logits to 1e-5."""
     from llmc.runtime.llm import LLM

@@ -28,7 +28,7 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_import, float32_artifacts, write_config
+from tests.runtime.hf_oracle import awq_and_rtn_logits, build_float32, build_import, float32_artifacts, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -400,25 +400,9 @@ def test_awq_folds_keep_the_function(family, checkpoints, tmp_path, data_dir, hf
     build is the plain RTN W8 build's function if and only if every fold is undone where it is made: input_norm
     divided once for q (or q_a) and kv_a, q_a_norm for q_b, kv_a_norm for kv_b, each head's v rows of kv_b for o
     (and the MoE's folds, as for every MoE)."""
-    import llmc.compiler.awq_layer as awq_layer
-    from llmc.quant.awq import ScaleSearchResult
-
-    gen = torch.Generator().manual_seed(0)
-
-    def random_scales(x, weights, quantize, w_mean=None):
-        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
-        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
-    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
-    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    token_ids, logits = hf_encode(checkpoints[family], PROMPTS[1]) + list(range(100, 120)), {}
-    for method in ("awq", "rtn"):
-        out = build_float32(checkpoints[family], tmp_path / method, target={"device": "cpu"}, quantization={
-            "method": method, "bits": 8, "group_size": 32, "report": False, "min_expert_tokens": 1,
-            **({"calibration": calibration} if method == "awq" else {})})
-        with LLM(out, device="cpu", max_num_batched_tokens=32, num_kv_blocks=64) as llm:
-            logits[method] = llm.engine.score(token_ids)
-    torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
+    token_ids = hf_encode(checkpoints[family], PROMPTS[1]) + list(range(100, 120))
+    awq, rtn = awq_and_rtn_logits(checkpoints[family], tmp_path, token_ids, monkeypatch, data_dir, min_expert_tokens=1)
+    torch.testing.assert_close(awq, rtn, atol=1e-4, rtol=1e-4)
 
 
 @torch.inference_mode()

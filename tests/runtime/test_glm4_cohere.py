@@ -22,7 +22,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import cohere, glm4
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
-from tests.runtime.hf_oracle import build_float32, build_import, check_against_transformers, write_config
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, check_against_transformers,
+                                     write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -392,29 +393,13 @@ def test_awq_folds_keep_the_function(family, request, tmp_path, data_dir, hf_enc
     build is the plain RTN W8 build's function if and only if every fold is undone where it is made. Cohere 2: one
     scale for qkv and gate_up, input_norm (a LayerNorm) divided once; GLM-4: input_norm and post_attn_norm, each
     followed by its linear, then the output norms."""
-    import llmc.compiler.awq_layer as awq_layer
-    from llmc.quant.awq import ScaleSearchResult
-
     checkpoint = request.getfixturevalue(f"tiny_{family}")
-    gen = torch.Generator().manual_seed(0)
     searched = []
-
-    def random_scales(x, weights, quantize, w_mean=None):
-        searched.append(len(weights))
-        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
-        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
-    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
-    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    token_ids, logits = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120)), {}
-    for method in ("awq", "rtn"):
-        out = build_float32(checkpoint, tmp_path / method, target={"device": "cpu"}, quantization={
-            "method": method, "bits": 8, "group_size": 32, "report": False,
-            **({"calibration": calibration} if method == "awq" else {})})
-        logits[method] = LLM(out, device="cpu", max_num_batched_tokens=32).engine.score(token_ids)
+    awq, rtn = awq_and_rtn_logits(checkpoint, tmp_path, hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120)),
+                                  monkeypatch, data_dir, searched)
     # per layer: Cohere 2 one search over qkv and gate_up, one for down; GLM-4 qkv, gate_up, down (o: GQA)
     assert searched == ([2, 1] * 3 if family == "cohere2" else [1, 1, 1] * 2)
-    torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(awq, rtn, atol=1e-4, rtol=1e-4)
 
 
 def test_the_triton_kernels_rotate_cohere2_as_transformers(tiny_cohere2, cohere2_artifact, hf_greedy, hf_logits,

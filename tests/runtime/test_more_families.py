@@ -21,8 +21,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import olmo3, qwen2_moe, spec_for_architecture
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import MORE_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import (build_float32, float32_artifacts, hf_model_with_config, make_classifier,
-                                     write_config)
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, float32_artifacts, hf_model_with_config,
+                                     make_classifier, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -312,25 +312,9 @@ def test_awq_folds_keep_the_function(family, checkpoints, tmp_path, data_dir, hf
     post_attn_norm divided once for all the experts' gate_up and the shared expert's (it was divided once per
     expert before: logits off by ~4 here), the router's and the shared gate's columns scaled back, the shared down's
     scale taken by its up rows, the attention's by input_norm."""
-    import llmc.compiler.awq_layer as awq_layer
-    from llmc.quant.awq import ScaleSearchResult
-
-    gen = torch.Generator().manual_seed(0)
-
-    def random_scales(x, weights, quantize, w_mean=None):
-        powers = torch.randint(-2, 3, (x.shape[-1] // 32,), generator=gen).repeat_interleave(32)
-        return ScaleSearchResult(2.0 ** powers.float(), 1.0, 0.0, 0.0)
-    monkeypatch.setattr(awq_layer, "_variants", lambda quantizer, layer: [(False, False)])
-    monkeypatch.setattr(awq_layer, "awq_search_scale", random_scales)
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    token_ids, logits = _score_ids(checkpoints[family], hf_encode), {}
-    for method in ("awq", "rtn"):
-        out = build_float32(checkpoints[family], tmp_path / method, target={"device": "cpu"}, quantization={
-            "method": method, "bits": 8, "group_size": 32, "report": False,
-            **({"calibration": calibration} if method == "awq" else {})})
-        with LLM(out, device="cpu", max_num_batched_tokens=32) as llm:
-            logits[method] = llm.engine.score(token_ids)
-    torch.testing.assert_close(logits["awq"], logits["rtn"], atol=1e-4, rtol=1e-4)
+    token_ids = _score_ids(checkpoints[family], hf_encode)
+    awq, rtn = awq_and_rtn_logits(checkpoints[family], tmp_path, token_ids, monkeypatch, data_dir)
+    torch.testing.assert_close(awq, rtn, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("parallel", [{"tensor": 2}, pytest.param({"tensor": 2, "expert": 2}, marks=pytest.mark.slow)],
