@@ -111,9 +111,10 @@ MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
 #    tokens 1751 against 2382; Qwen3-30B-A3B at 1024 tokens 509 against 616); up to 8 pairs the decode entry was
 #    within 3% of the best.
 _WIDE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+_DENSE_AND_FP8 = (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2])
 MEASURED_MOE_CONFIGS: dict[str, tuple[tuple[float, MoeConfig], ...]] = {
-    "dense": (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2]),
-    "w8a8-fp8": (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2]),
+    "dense": _DENSE_AND_FP8,
+    "w8a8-fp8": _DENSE_AND_FP8,
     "w8a8-fp8-block": (MOE_CONFIGS[0], (float("inf"), _WIDE)),
 }
 
