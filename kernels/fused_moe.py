@@ -28,7 +28,7 @@ kind only. On CPUs, `fused_moe_reference` is the same computation, expert by exp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -86,45 +86,40 @@ class MoeConfig:
     w4_tiles: int = 1
 
 
-# By reasoning, not measured (benchmarks/bench_moe.py --sweep measures candidates on a GPU; the kinds it measured
-# take MEASURED_MOE_CONFIGS below, w4a16 this table): the first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
-#  decode (a few tokens per expert): the weights are read once, so the tile is shaped for bandwidth:
-#    the fewest padded rows, wide K steps and deep pipelining, for many bytes in flight per SM (a
-#    step of bf16 64 × 128 is 16 KB, of two packed int4 tiles 8 KB; the previous 64 × 32 bf16
-#    tiles, 4 KB with 3 stages, read Mixtral's experts at ~0.4 TB/s on an H100);
-#  mid: 32-row tiles halve the weight re-reads without much padding;
-#  prefill: 64 × 128 tensor-core tiles, K steps of 64, 8 warps for the larger accumulator.
-MOE_CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    (8, MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, w4_tiles=2)),
-    (48, MoeConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)),
-    (float("inf"), MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)),
-)
-
-
-# Measured tables (session 44, `bench_moe.py --sweep` on an H200, Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes at
-# 1-1024 tokens), by the gate_up experts' kind; w4a16 experts keep MOE_CONFIGS (not swept).
-#  dense, w8a8-fp8: MOE_CONFIGS' decode and prefill entries were within 4% of the best candidate (10% for bf16
-#    Mixtral at 1 and 1024 tokens); between them (9-48 pairs per expert: Mixtral at 128 tokens) 64 x 128 tiles of 4
-#    warps took 0.80 (FP8) and 0.85 (bf16) of the 32 x 64 tiles' time.
-#  w8a8-fp8-block: its K steps are one 128-column group each (fused_moe_triton), and from 9 pairs per expert the
-#    same 64 x 128 tiles were the fastest candidate (Mixtral at 128 tokens 567 µs against MOE_CONFIGS' 764, at 1024
-#    tokens 1751 against 2382; Qwen3-30B-A3B at 1024 tokens 509 against 616); up to 8 pairs the decode entry was
-#    within 3% of the best.
+# The tiles by the gate_up experts' kind, measured (`benchmarks/bench_moe.py --sweep` on an H200: every SWEEP candidate
+# at Mixtral-8x7B's and Qwen3-30B-A3B's expert shapes, 1 / 16 / 128 / 1024 tokens, timed as a decode step pays it,
+# inside a CUDA graph): the first entry whose bound is >= the mean (token, expert) pairs per expert (M·k / E) applies.
+#  decode (a few pairs per expert): the weights are read once, so the tile is shaped for bandwidth: the fewest padded
+#    rows, wide K steps and deep pipelining (a step of bf16 16 × 64 × 128 is 16 KB, of two packed int4 tiles 8 KB).
+#    Within 3-4% of the best candidate for dense, FP8 and block FP8 (session 44; 10% for bf16 Mixtral at 1 token).
+#  between (9-48 pairs; Mixtral at 128 tokens): 64 × 128 tiles of 4 warps took 0.80 (FP8) and 0.85 (bf16) of the 32 × 64
+#    tiles' time the table had chosen by reasoning, and block FP8's 567 µs against 764 (session 44).
+#  prefill: 64 × 128 tiles, K steps of 64, 8 warps for dense and FP8 (within 4% of the best); block FP8 keeps the
+#    4-warp tiles (its K steps are one 128-column group each, fused_moe_triton: 1751 µs against 2382 for Mixtral at
+#    1024 tokens).
+#  w4a16 (session 45, `results/session45/call1.sh`): two packed tiles per K step only below one pair per expert
+#    (Mixtral at 1 token 307 µs against one tile's 352, Qwen3 116 against 128); from one pair to 8 one tile
+#    (Qwen3 at 16 and 128 tokens 269 and 392 µs against 300 and 444; Mixtral at 16 tokens 707 against 776); above
+#    8 the 4-warp 64 × 128 tiles (Mixtral at 128 tokens 856 µs against the 32 × 64 tiles' 1531, at 1024 3276
+#    against 3419; Qwen3 at 1024 697 against 724).
+_DECODE = MoeConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, w4_tiles=2)
 _WIDE = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-_DENSE_AND_FP8 = (MOE_CONFIGS[0], (48, _WIDE), MOE_CONFIGS[2])
-MEASURED_MOE_CONFIGS: dict[str, tuple[tuple[float, MoeConfig], ...]] = {
+_PREFILL = MoeConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+_DENSE_AND_FP8 = ((8, _DECODE), (48, _WIDE), (float("inf"), _PREFILL))
+MOE_CONFIGS: dict[str, tuple[tuple[float, MoeConfig], ...]] = {
     "dense": _DENSE_AND_FP8,
     "w8a8-fp8": _DENSE_AND_FP8,
-    "w8a8-fp8-block": (MOE_CONFIGS[0], (float("inf"), _WIDE)),
+    "fp8": _DENSE_AND_FP8,  # weight-only FP8, not swept: its products run in the activations' dtype, as dense's
+    "w8a8-fp8-block": ((8, _DECODE), (float("inf"), _WIDE)),
+    "w4a16": ((0.5, _DECODE), (8, replace(_DECODE, w4_tiles=1)), (float("inf"), _WIDE)),
 }
 
 
 def select_moe_config(num_tokens: int, top_k: int, num_experts: int, kind: str = "dense") -> MoeConfig:
     """The tiles for this many tokens and the gate_up experts' kind (static per batch size, so CUDA graphs keep their
-    sizes): the measured table of the kind, else MOE_CONFIGS."""
+    sizes)."""
     pairs_per_expert = num_tokens * top_k / max(num_experts, 1)
-    table = MEASURED_MOE_CONFIGS.get(kind, MOE_CONFIGS)
-    return next(config for bound, config in table if pairs_per_expert <= bound)
+    return next(config for bound, config in MOE_CONFIGS[kind] if pairs_per_expert <= bound)
 
 
 def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tuple[Tensor, Tensor]:

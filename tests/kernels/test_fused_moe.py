@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dataclasses
 
-from llmc.kernels.fused_moe import ExpertWeights, align_by_expert, fused_moe_reference
+from llmc.kernels.fused_moe import MOE_CONFIGS, ExpertWeights, MoeConfig, align_by_expert, fused_moe_reference
 
 
 def reference64(x, weights, ids, w1, w2, s1=None, s2=None):
@@ -254,7 +254,7 @@ def reference64_w8a8_block(x, weights, ids, w1, w2, columns):
 def test_fused_moe_w8a8_fp8_block_matches_the_formats_math_in_float64(hidden, inter, columns, num_tokens, device,
                                                                        rel_err):
     """Block-scaled FP8 experts (DeepSeek-V3's, Qwen3-MoE's FP8 checkpoints): each group's FP8 product scaled by its
-    row's and channel's scales; 1 and 9 tokens take BLOCK_FP8_MOE_CONFIGS' first entry, 40 tokens its second."""
+    row's and channel's scales; 1 and 9 tokens take MOE_CONFIGS["w8a8-fp8-block"]'s first entry, 40 tokens its second."""
     from llmc.kernels import fused_moe_triton
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -270,18 +270,27 @@ def test_fused_moe_w8a8_fp8_block_matches_the_formats_math_in_float64(hidden, in
     assert rel_err(got.cpu(), want) < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
-@pytest.mark.parametrize("config_index", range(5))
-def test_every_tile_config_of_the_table_computes_the_same_moe(config_index, rel_err):
-    """Each MOE_CONFIGS entry (and so each block_m of align_by_expert), 4 packed tiles per step, and the measured
-    tables' 64 x 128 tiles of 4 warps,
-    on dense, W4A16 and W8A8-FP8 experts, in float32 (exact products in the interpreter), against
-    the float64 references."""
-    from llmc.kernels import fused_moe_triton
-    from llmc.kernels.fused_moe import MEASURED_MOE_CONFIGS, MOE_CONFIGS, MoeConfig
+# every tile config of the measured table (all kinds'), 32-row tiles (so every block_m of align_by_expert) and 4
+# packed tiles per step
+_TILE_CONFIGS = (*sorted({config for entries in MOE_CONFIGS.values() for _, config in entries}, key=repr),
+                 MoeConfig(block_m=32, block_n=64, num_stages=4), MoeConfig(block_m=16, block_n=32, w4_tiles=4))
 
-    config = [*(c for _, c in MOE_CONFIGS), MoeConfig(block_m=16, block_n=32, w4_tiles=4),
-              MEASURED_MOE_CONFIGS["dense"][1][1]][config_index]
-    gen = torch.Generator().manual_seed(config_index)
+
+def test_every_expert_kind_has_tiles_for_any_number_of_tokens():
+    from llmc.kernels.fused_moe import KINDS, select_moe_config
+
+    assert set(MOE_CONFIGS) == set(KINDS)
+    for kind in KINDS:
+        assert select_moe_config(10**9, 8, 1, kind) == MOE_CONFIGS[kind][-1][1]
+
+
+@pytest.mark.parametrize("config", _TILE_CONFIGS, ids=repr)
+def test_every_tile_config_of_the_table_computes_the_same_moe(config, rel_err):
+    """Each of _TILE_CONFIGS on dense, W4A16 and W8A8-FP8 experts, in float32 (exact products in the interpreter),
+    against the float64 references."""
+    from llmc.kernels import fused_moe_triton
+
+    gen = torch.Generator().manual_seed(config.block_m + config.block_n + config.w4_tiles)
     x = torch.randn(9, 128, generator=gen)
     weights, ids = _route(9, 4, 2, gen)
     w4_up, w1 = _w4a16_experts(4, 192, 128, 64, False, torch.float32, gen)
