@@ -25,7 +25,7 @@ for r in 1 2; do
     pp=/tmp/llmcpkg; [ $tree = before ] && pp=/tmp/llmcpkg-before
     (cd /tmp && PYTHONPATH=$pp timeout 150 python $repo/benchmarks/bench_e2e.py "$work/moe-w4a16=w4a16-$tree" \
       --parts decode,throughput --throughput 128x128:1000 --time-limit 40 --json $OUT/e2e-moe-w4a16-$tree-r$r.json 2>&1 \
-      | grep -E -- "->|Error|error:|ms/token|tokens/s" | tail -6)
+      | grep -E -- "^\||Error|error:" | tail -6)
     echo "[+${SECONDS}s] $tree r$r"
   done
 done
