@@ -9,7 +9,7 @@ old=/tmp/s45-before; rm -rf $old; mkdir -p $old
 cp -r $repo/llmc $repo/compiler $repo/quant $repo/kernels $repo/runtime $old/
 cp $repo/benchmarks/results/session45/fused_moe_before.py $old/kernels/fused_moe.py
 bash $repo/benchmarks/package_dir.sh $old /tmp/llmcpkg-before
-python $repo/benchmarks/make_checkpoint.py --out $work/ckpt --arch qwen3-moe --layers 6 2>&1 | tail -2
+[ -f $work/ckpt/config.json ] || python $repo/benchmarks/make_checkpoint.py --out $work/ckpt --arch qwen3-moe --layers 6 2>&1 | tail -2
 cat > $work/w4.yaml <<EOR
 model: $work/ckpt
 output: $work/moe-w4a16
@@ -18,7 +18,7 @@ quantization: {method: rtn, bits: 4, group_size: 128, symmetric: true}
 runtime: {max_model_len: 4096, max_num_seqs: 256, max_num_batched_tokens: 8192}
 target: {device: cuda, gpu_memory_gib: 141}
 EOR
-python -m llmc.cli build $work/w4.yaml -q 2>&1 | tail -3
+python -P -m llmc.cli build $work/w4.yaml -q 2>&1 | tail -3
 echo "[+${SECONDS}s] built"
 for r in 1 2; do
   for tree in now before; do
