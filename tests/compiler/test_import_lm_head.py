@@ -19,7 +19,7 @@ from llmc.compiler.import_quantized import _pad_rows
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError
 from llmc.quant.formats import QuantizedWeight
-from llmc.quant.importers import pack_awq_gemm, pack_float_quantized, pack_gptq, pack_pack_quantized
+from llmc.quant.importers import pack_awq_gemm, pack_gptq, pack_pack_quantized
 from llmc.quant.reference import dequantize_weight
 from llmc.quant.rtn import rtn_quantize
 from llmc.runtime.llm import LLM

@@ -202,7 +202,7 @@ def test_a_quantized_router_or_partly_ignored_experts_are_refused_in_one_line(im
     config["quantization_config"]["ignore"].append(expert)
     (partly / "config.json").write_text(json.dumps(config))
     for checkpoint, message in ((quantized_router, f"router {router} has .*weight_packed.* instead of a dense weight"),
-                                (partly, rf"layers\.0\.moe\.experts\.(gate_up|down) fuses \d+ .* only some")):
+                                (partly, r"layers\.0\.moe\.experts\.(gate_up|down) fuses \d+ .* only some")):
         with pytest.raises(CheckpointError, match=message) as error:
             build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "o"),
                                     "quantization": {"method": "import"}}), show_progress=False)

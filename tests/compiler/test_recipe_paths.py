@@ -105,7 +105,7 @@ def test_a_relative_generation_config_folder_is_recorded_absolute(tmp_path):
     import json
     shutil.copytree(MODEL, tmp_path / "ck")
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(f"model: ck\noutput: art\ntarget: {{device: cpu}}\n"
+    recipe.write_text("model: ck\noutput: art\ntarget: {device: cpu}\n"
                       "runtime: {max_model_len: 256, generation_config: ck}\n")
     result = subprocess.run([sys.executable, "-m", "llmc.cli", "build", "-q", str(recipe)], capture_output=True,
                             text=True, cwd=tmp_path)

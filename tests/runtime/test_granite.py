@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from llmc.compiler.export import export_artifact
-from llmc.compiler.hf_checkpoint import model_config_from_hf, model_spec_for, read_hf_config
+from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
