@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,10 @@ from llmc.compiler.convert import (
 )
 from llmc.compiler.calibration import LayerRunner, calibration_windows, embed_windows
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
+from llmc.compiler.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader, is_gguf
+from llmc.compiler.gguf_input import (
+    GGUFImportPacker, gguf_import_formats, imported_tensors, say_dequantized, stage_tokenizer,
+)
 from llmc.compiler.import_quantized import ImportPacker, checkpoint_quantization_config, import_formats
 from llmc.compiler.onnx_export import DEFAULT_INT4_ACCURACY_LEVEL, check_onnx_recipe, export_onnx
 from llmc.compiler.kernel_plan import plan_w4a16_kernels, tune_w4a16_shapes, w4a16_gemm_shapes
@@ -80,6 +85,14 @@ class _Context:
     lora: LoraMerge | None = None  # the recipe's adapters, merged as the checkpoint's tensors are read
     derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
     vision: art.VisionSpec | None = None  # a LLaVA / Gemma 3 checkpoint's vision tower and projector (compiler/vision.py)
+    gguf: GGUFCheckpoint | None = None  # a .gguf model (compiler/gguf_checkpoint.py); model_dir holds its tokenizer
+
+
+def _reader(ctx: _Context, merge=None, derived=None):
+    """The checkpoint's tensors by HF name: a safetensors checkpoint's, or a GGUF file's (GGUFTensorReader)."""
+    if ctx.gguf is not None:
+        return GGUFTensorReader(ctx.gguf, ctx.model_dir, merge=merge, derived=derived)
+    return hf.TensorReader(ctx.model_dir, merge=merge, derived=derived)
 
 
 def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
@@ -91,7 +104,12 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     prepare_output(recipe.output_dir, create=False)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
-    ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe))
+    with tempfile.TemporaryDirectory(prefix="llmc-gguf-") as staging:  # a GGUF model's tokenizer files, for the build
+        ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe, Path(staging)))
+        return _build(ctx, recipe, timings, start, show_progress)
+
+
+def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_progress: bool) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
     _check_moe(ctx)
@@ -124,9 +142,13 @@ def _timed(timings: dict, stage: str, fn):
     return result
 
 
-def _read_checkpoint(recipe: Recipe) -> _Context:
-    model_dir = resolve_model_dir(recipe)
-    hf_config = {**hf.read_hf_config(model_dir), **recipe.hf_overrides}
+def _read_checkpoint(recipe: Recipe, staging: Path) -> _Context:
+    """The checkpoint's config, model spec and ModelConfig, checked; a GGUF model's tokenizer staged in `staging`."""
+    gguf = GGUFCheckpoint(Path(recipe.model)) if is_gguf(recipe.model) else None
+    if gguf is not None:
+        stage_tokenizer(gguf, recipe.tokenizer, staging, TOKENIZER_FILES)
+    model_dir = staging if gguf is not None else resolve_model_dir(recipe)
+    hf_config = {**(gguf.config if gguf is not None else hf.read_hf_config(model_dir)), **recipe.hf_overrides}
     vision = None
     if is_vision_model(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
         check_vision_recipe(recipe)
@@ -156,16 +178,20 @@ def _read_checkpoint(recipe: Recipe) -> _Context:
     if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
-    hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
+    if gguf is None:
+        hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
     _tokenizer_files(model_dir)
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
+    if gguf is not None:
+        method = recipe.quantization.method
+        say_dequantized(gguf, imported_tensors(gguf) if method == "import" else set(), model.dtype, method)
     model = _merge_generation_eos(model, model_dir)
     if spec.moe and spec.moe.fused and recipe.quantization.method == "import":  # (Granite MoE: refused above too)
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
                               "fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
     derived = _derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
-    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision)
+    return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
 
 
 def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:
@@ -288,7 +314,7 @@ def _reading_merge(ctx: _Context):
 
 def _read_adapters(ctx: _Context) -> LoraMerge | None:
     """The recipe's LoRA adapters, checked against the checkpoint before any work (compiler/lora.py)."""
-    with hf.TensorReader(ctx.model_dir) as reader:
+    with _reader(ctx) as reader:
         return load_adapters(ctx.recipe.adapter, reader, ctx.spec, ctx.model, ctx.hf_config,
                              ctx.recipe.quantization.method)
 
@@ -326,7 +352,9 @@ def _merge_generation_eos(model: art.ModelConfig, model_dir: Path) -> art.ModelC
 
 
 def _plan_formats(ctx: _Context) -> dict[str, dict]:
-    if ctx.recipe.quantization.method == "import":
+    if ctx.recipe.quantization.method == "import" and ctx.gguf is not None:
+        formats = gguf_import_formats(ctx.gguf, ctx.spec, ctx.model)
+    elif ctx.recipe.quantization.method == "import":
         formats = import_formats(ctx.hf_config, ctx.spec, ctx.model, ctx.model_dir)
     else:
         in_features = linear_in_features(ctx.spec, ctx.model)
@@ -407,7 +435,7 @@ def _write_weights(ctx: _Context, root: Path, show_progress: bool) -> list[int]:
     rank_specs = [artifact_tensor_specs(ctx.model, ctx.module_formats, layout) for layout in layouts]
     paths = [root / art.rank_weights_path(layout.rank) for layout in layouts]
     writer = ShardedWriter(paths, rank_specs, metadata={"format": "pt", "llmc": llmc.__version__})
-    with hf.TensorReader(ctx.model_dir, merge=_reading_merge(ctx), derived=ctx.derived) as reader, \
+    with _reader(ctx, merge=_reading_merge(ctx), derived=ctx.derived) as reader, \
             tqdm(total=ctx.model.num_layers, desc="layers", unit="layer", disable=not show_progress) as bar:
         packer, pack_global_fn = _packers(ctx, reader)
         packer = _observe_kv(ctx, reader, packer)
@@ -451,6 +479,9 @@ def _packers(ctx: _Context, reader: hf.TensorReader):
     quant = ctx.recipe.quantization
     if quant.method == "none":
         return dense_packer, dense_global_packer
+    if quant.method == "import" and ctx.gguf is not None:
+        packer = GGUFImportPacker(ctx.spec, ctx.model, ctx.module_formats, reader)
+        return packer, packer.pack_global
     if quant.method == "import":
         packer = ImportPacker(ctx.hf_config, ctx.spec, ctx.model, ctx.module_formats, reader)
         return packer, packer.pack_global
@@ -610,7 +641,7 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
 
 
 def _source_record(ctx: _Context) -> dict:
-    files = [ctx.model_dir / "config.json", *hf.TensorReader(ctx.model_dir).source_files()]
+    files = ctx.gguf.source_files() if ctx.gguf else [ctx.model_dir / "config.json", *_reader(ctx).source_files()]
     return {
         "path": str(ctx.recipe.model),
         "revision": ctx.recipe.revision,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from llmc.compiler.gguf_checkpoint import gguf_stem, is_gguf
 from llmc.compiler.lora import adapter_key, check_adapter_dir
 from llmc.errors import RecipeError
 from llmc.runtime.artifact import RuntimeDefaults, upper_cudagraph_mode
@@ -94,7 +95,10 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class Recipe:
-    model: str = opt(help="local HF checkpoint directory (or a hub id, when online)")
+    model: str = opt(help="local HF checkpoint directory (or a hub id, when online), or a .gguf file (llama.cpp's; "
+                          "a gguf-split set by its first file)")
+    tokenizer: str | None = opt(None, help="a .gguf model's tokenizer: an HF tokenizer directory (vLLM's --tokenizer); "
+                                           "default: made from the GGUF's own tokenizer metadata")
     revision: str | None = opt(None, help="hub revision, when model is a hub id")
     adapter: list[str] = opt([], help="PEFT LoRA adapter directories (one path, or a list merged in order) merged "
                                       "into the weights before quantization")
@@ -112,13 +116,15 @@ class Recipe:
     def output_dir(self) -> Path:
         if self.output:
             return Path(self.output)
+        if is_gguf(self.model):
+            return Path("build") / (gguf_stem(self.model) or "model")
         model = Path(self.model.rstrip("/") or "/")
         name = model.name if self.is_hub_id else Path(os.path.abspath(model)).name  # "." and ".." name a folder
         return Path("build") / (name or "model")
 
     @property
     def is_hub_id(self) -> bool:
-        return not Path(self.model).exists() and bool(_HUB_ID.match(self.model))
+        return not Path(self.model).exists() and bool(_HUB_ID.match(self.model)) and not is_gguf(self.model)
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -257,9 +263,17 @@ def _check(recipe: Recipe, given_runtime: dict) -> None:
     check_adapters(recipe)
     model = Path(recipe.model)
     if not model.exists() and not recipe.is_hub_id:
-        raise RecipeError(f"model: directory {recipe.model!r} does not exist (relative paths start at the current directory)")
-    if model.exists() and not model.is_dir():
-        raise RecipeError(f"model: {recipe.model!r} is a file; give the checkpoint's directory")
+        what = "file" if is_gguf(recipe.model) else "directory"
+        raise RecipeError(f"model: {what} {recipe.model!r} does not exist (relative paths start at the current directory)")
+    if model.exists() and not model.is_dir() and not is_gguf(recipe.model):
+        raise RecipeError(f"model: {recipe.model!r} is a file; give the checkpoint's directory (or a .gguf file)")
+    if is_gguf(recipe.model) and not model.is_file():
+        raise RecipeError(f"model: {recipe.model!r} is not a file (a .gguf model is one file, or a gguf-split set's first)")
+    _check_path_text("tokenizer", recipe.tokenizer)
+    if recipe.tokenizer is not None and not is_gguf(recipe.model):
+        raise RecipeError("tokenizer: applies to a .gguf model; an HF checkpoint's tokenizer is the one in its directory")
+    if recipe.tokenizer is not None and not Path(recipe.tokenizer).is_dir():
+        raise RecipeError(f"tokenizer: {recipe.tokenizer!r} is not a directory; give the HF tokenizer's directory")
     if recipe.revision is not None and not recipe.is_hub_id:
         raise RecipeError(f"revision: {recipe.revision!r} applies to a hub id, and model {recipe.model!r} is a local "
                           "directory (read as it is); drop revision, or check out that revision there")
