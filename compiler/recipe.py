@@ -242,7 +242,8 @@ def check_output(recipe: Recipe) -> None:
     output = Path(os.path.realpath(recipe.output_dir))
     if output == model or model in output.parents or output in model.parents:
         where = "is" if output == model else ("is inside" if model in output.parents else "holds")
-        raise RecipeError(f"output: {recipe.output_dir} {where} the checkpoint directory {recipe.model}; choose "
+        what = "checkpoint" if is_gguf(recipe.model) else "checkpoint directory"
+        raise RecipeError(f"output: {recipe.output_dir} {where} the {what} {recipe.model}; choose "
                           "an output outside the checkpoint")
 
 
