@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError, RecipeError
+from llmc.quant.formats import make_format
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
@@ -167,10 +168,10 @@ def test_llama_f32_logits_greedy_and_tokenizer_match_transformers(llama_f32, tmp
 
 
 def test_qwen2_f16_with_an_hf_tokenizer_directory(tmp_path):
-    """qwen2: q/k/v biases, tied embeddings (no output.weight), rows not permuted; F16 weights; `tokenizer` names
+    """qwen2: q/k/v biases, tied embeddings (no output.weight), rows not permuted; F16 and BF16 weights; `tokenizer` names
     an HF tokenizer directory (vLLM's --tokenizer), whose files the artifact holds."""
     hf_dir = make_hf_checkpoint(tmp_path / "hf", "qwen2")
-    path = write_gguf(hf_dir, tmp_path / "qwen2-f16.gguf", "qwen2", types={"": Q.F16}, tokenizer=False)
+    path = write_gguf(hf_dir, tmp_path / "qwen2-f16.gguf", "qwen2", types={"mlp": Q.BF16, "": Q.F16}, tokenizer=False)
     with pytest.raises(CheckpointError, match="holds no tokenizer.*set the recipe's tokenizer"):
         _build(path, tmp_path / "none")
     artifact = _build(path, tmp_path / "a", tokenizer=str(hf_dir))
@@ -193,6 +194,13 @@ def test_q8_0_and_q4_0_import_as_the_int_formats(llama_dir, tmp_path):
                    for m in ("attn.qkv", "mlp.down"))
     assert modules["lm_head"]["format"] == "dense"
     _check_against_transformers(path, artifact)
+    weights, layer = load_file(artifact / "rank-00" / "weights.safetensors"), _transformers(path).model.layers[1]
+    for name, members in (("attn.qkv", ("q_proj", "k_proj", "v_proj")), ("mlp.gate_up", ("gate_proj", "up_proj"))):
+        params = {k.split(".")[-1]: v for k, v in weights.items() if k.startswith(f"layers.1.{name}.")}
+        ours = make_format(modules[f"layers.1.{name}"], torch.float32).dequantize(params, 64)
+        parent = layer.self_attn if name == "attn.qkv" else layer.mlp
+        theirs = torch.cat([getattr(parent, m).weight for m in members])
+        assert torch.equal(ours, theirs), name  # the stored levels and scales, exactly
     with pytest.raises(RecipeError, match="dtype: bfloat16 would round"):
         _build(path, tmp_path / "b", dtype="bfloat16", quantization={"method": "import"})
 
