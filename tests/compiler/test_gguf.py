@@ -203,6 +203,24 @@ def test_q8_0_and_q4_0_import_as_the_int_formats(llama_dir, tmp_path):
         assert torch.equal(ours, theirs), name  # the stored levels and scales, exactly
     with pytest.raises(RecipeError, match="dtype: bfloat16 would round"):
         _build(path, tmp_path / "b", dtype="bfloat16", quantization={"method": "import"})
+    gpu = _build(path, tmp_path / "gpu", quantization={"method": "import"}, target={"device": "cuda"})
+    assert read_manifest(gpu).quant.modules["layers.0.mlp.down"]["layout"] == "gpu"  # the W4A16 kernels' packing
+    torch.testing.assert_close(LLM(gpu, device="cpu").engine.score(PROMPT_IDS),
+                               LLM(artifact, device="cpu").engine.score(PROMPT_IDS), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_q4_0_import_on_cuda_matches_transformers(llama_dir, tmp_path):
+    """The Q4_0 import (group 32, fp16 scales, some negative) through the Triton W4A16 kernels, float16, against
+    transformers' float32 forward on the dequantized weights."""
+    path = write_gguf(llama_dir, tmp_path / "llama-q4.gguf", "llama", types={"self_attn": Q.Q4_0, "mlp": Q.Q4_0})
+    artifact = _build(path, tmp_path / "a", dtype="float16", quantization={"method": "import"},
+                      target={"device": "cuda"})
+    expected = _transformers(path)(torch.tensor([PROMPT_IDS])).logits[0]
+    got = LLM(artifact, device="cuda", gpu_memory_utilization=0.3).engine.score(PROMPT_IDS).float().cpu()
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 
 def test_k_quants_are_dequantized_then_rtn_quantized(tmp_path, caplog):
