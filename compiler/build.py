@@ -8,6 +8,7 @@ import logging
 import shutil
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,8 +105,9 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
     prepare_output(recipe.output_dir, create=False)  # a bad output fails before any work; killed builds' debris goes
     _check_tuning(recipe)
     check_onnx_recipe(recipe)
-    with tempfile.TemporaryDirectory(prefix="llmc-gguf-") as staging:  # a GGUF model's tokenizer files, for the build
-        ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe, Path(staging)))
+    # a GGUF model's tokenizer files, for the build's length
+    with tempfile.TemporaryDirectory(prefix="llmc-gguf-") if is_gguf(recipe.model) else nullcontext() as staging:
+        ctx = _timed(timings, "read checkpoint", lambda: _read_checkpoint(recipe, staging and Path(staging)))
         return _build(ctx, recipe, timings, start, show_progress)
 
 
@@ -142,7 +144,7 @@ def _timed(timings: dict, stage: str, fn):
     return result
 
 
-def _read_checkpoint(recipe: Recipe, staging: Path) -> _Context:
+def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     """The checkpoint's config, model spec and ModelConfig, checked; a GGUF model's tokenizer staged in `staging`."""
     gguf = GGUFCheckpoint(Path(recipe.model)) if is_gguf(recipe.model) else None
     if gguf is not None:
