@@ -25,7 +25,7 @@ from llmc.compiler.calibration import LayerRunner, calibration_windows, embed_wi
 from llmc.compiler.emit import ShardedWriter, atomic_directory, prepare_output
 from llmc.compiler.gguf_checkpoint import GGUFCheckpoint, GGUFTensorReader, is_gguf
 from llmc.compiler.gguf_input import (
-    GGUFImportPacker, gguf_import_formats, imported_tensors, say_dequantized, stage_tokenizer,
+    GGUFImportPacker, gguf_import_formats, imported_tensors, llama3_rope, say_dequantized, stage_tokenizer,
 )
 from llmc.compiler.import_quantized import ImportPacker, checkpoint_quantization_config, import_formats
 from llmc.compiler.onnx_export import DEFAULT_INT4_ACCURACY_LEVEL, check_onnx_recipe, export_onnx
@@ -186,6 +186,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     dtype = hf.checkpoint_dtype(hf_config) if recipe.dtype == "auto" else recipe.dtype
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     if gguf is not None:
+        model = llama3_rope(gguf, model)
         method = recipe.quantization.method
         say_dequantized(gguf, imported_tensors(gguf) if method == "import" else set(), model.dtype, method)
     model = _merge_generation_eos(model, model_dir)

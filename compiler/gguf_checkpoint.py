@@ -100,6 +100,9 @@ class GGUFCheckpoint:
             raise CheckpointError(f"model: {self.path.name}: GGUF architecture {self.arch!r} is not supported; "
                                   f"supported: {', '.join(ARCHITECTURES)} (convert the HF checkpoint instead)")
         tensors = {t.name: t for reader in readers for t in reader.tensors}
+        # llama.cpp's Llama 3 rope scaling: per-frequency divisors (compiler/gguf_input.py's llama3_rope reads them)
+        freqs = tensors.pop("rope_freqs.weight", None)
+        self.rope_freqs = None if freqs is None else torch.from_numpy(np.array(freqs.data, dtype=np.float64))
         self.num_layers = self._arch_field("block_count")
         self._gguf_names = self._hf_names(tensors)
         self.tensors = {hf: tensors[g] for hf, g in self._gguf_names.items()}
@@ -129,9 +132,8 @@ class GGUFCheckpoint:
             else:
                 unknown.append(name)
         if unknown:
-            why = " (Llama 3.1's rope frequency factors: its llama3 rope scaling)" if "rope_freqs.weight" in unknown else ""
             raise CheckpointError(f"model: {self.path.name} holds tensor(s) llmc does not read for {self.arch}: "
-                                  f"{unknown[:4]}{why}; they are not supported")
+                                  f"{unknown[:4]}; they are not supported")
         return names
 
     def _check_types(self) -> None:

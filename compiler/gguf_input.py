@@ -11,6 +11,7 @@ gguf's own `dequantize` and quantizes the float weights as it would an HF checkp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from pathlib import Path
@@ -24,11 +25,15 @@ from llmc.compiler.quantize import module_names
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import DenseFormat, IntWeightFormat, QuantizedWeight
 from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.layers.rotary import inv_frequencies
 from llmc.runtime.models.spec import ModelSpec
 
 logger = logging.getLogger("llmc")
 
 FLOAT_TYPES = ("F32", "F16", "BF16")
+# Llama 3's published rope scalings (3.1 and 3.3; 3.2's 1B and 3B), which a GGUF keeps only as rope_freqs.weight
+LLAMA3_SCALINGS = tuple({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192} for factor in (8.0, 32.0))
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4}  # GGML type → llmc's integer bits (group 32, symmetric)
 
 
@@ -51,6 +56,27 @@ def stage_tokenizer(checkpoint: GGUFCheckpoint, tokenizer: str | None, dest: Pat
         raise CheckpointError(f"model: transformers cannot build a tokenizer from {checkpoint.path.name}'s metadata "
                               f"({type(e).__name__}: {e}); set the recipe's tokenizer to an HF tokenizer directory") from None
     hf_tokenizer.save_pretrained(str(dest))
+
+
+def llama3_rope(checkpoint: GGUFCheckpoint, model: ModelConfig) -> ModelConfig:
+    """The model with the rope scaling llama.cpp's `rope_freqs.weight` encodes (per-frequency divisors: its converter
+    writes Llama 3's llama3 scaling so, with no metadata): the config's own (the recipe's hf_overrides.rope_scaling)
+    if it gives those divisors, else the published Llama 3 scaling that does (said in one line); refused by name if
+    none does."""
+    if checkpoint.rope_freqs is None:
+        return model
+    plain = inv_frequencies(model.head_dim, model.rope_theta, None)
+    candidates = [model.rope_scaling] if model.rope_scaling else list(LLAMA3_SCALINGS)
+    for scaling in candidates:
+        divisors = plain / inv_frequencies(model.head_dim, model.rope_theta, scaling)
+        if divisors.shape == checkpoint.rope_freqs.shape and torch.allclose(divisors, checkpoint.rope_freqs, rtol=1e-6):
+            if not model.rope_scaling:
+                logger.info("%s: rope_freqs.weight is Llama 3's rope scaling %s", checkpoint.path.name, scaling)
+            return dataclasses.replace(model, rope_scaling=scaling)
+    what = "the config's rope_scaling" if model.rope_scaling else "a published Llama 3 rope scaling (factor 8 or 32)"
+    raise CheckpointError(f"model: {checkpoint.path.name}: rope_freqs.weight (llama.cpp's rope frequency divisors) is "
+                          f"not {what}; set hf_overrides.rope_scaling to the model's config.json rope_scaling, which "
+                          "the build checks against them")
 
 
 def dequantized_types(checkpoint: GGUFCheckpoint, kept: set[str]) -> dict[str, int]:

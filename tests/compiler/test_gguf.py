@@ -40,6 +40,26 @@ def _converter_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _converter_rope_freqs(config: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf rope_freqs.weight for a llama3 rope scaling: each frequency's divisor."""
+    rope = config["rope_parameters"]
+    dim = config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    old, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def _kquant_bytes(shape: tuple[int, int], kind, rng) -> np.ndarray:
     """Random blocks of a k-quant with small finite fp16 scales: [out, in / 256 * block bytes] uint8."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
@@ -255,6 +275,37 @@ def test_k_quants_are_dequantized_then_rtn_quantized(tmp_path, caplog):
         _build(path, tmp_path / "imp", quantization={"method": "import"})
 
 
+@torch.inference_mode()
+def test_llama3_rope_freqs_are_read_as_the_published_scaling(tmp_path, caplog):
+    """Llama 3.2's rope scaling (factor 32), which llama.cpp's converter keeps only as rope_freqs.weight: the build
+    finds the published scaling that gives those divisors (one log line) and the logits are transformers' on the HF
+    checkpoint it was converted from (transformers' GGUF loader ignores rope_freqs, so it is no reference here). A
+    scaling the divisors do not match, given by hf_overrides, is refused by name."""
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    hf_dir = make_hf_checkpoint(tmp_path / "hf", "llama", rope_scaling=scaling)
+    config = json.loads((hf_dir / "config.json").read_text())
+    freqs = _converter_rope_freqs(config)
+    assert 1 < freqs.max() and freqs.min() == 1  # some frequencies scaled, some kept
+    path = write_gguf(hf_dir, tmp_path / "llama32.gguf", "llama", extra_tensors={"rope_freqs.weight": freqs})
+    with caplog.at_level(logging.INFO, logger="llmc"):
+        artifact = _build(path, tmp_path / "a")
+    assert any("rope_freqs.weight is Llama 3's rope scaling" in r.getMessage() for r in caplog.records)
+    assert read_manifest(artifact).model.rope_scaling["factor"] == 32.0
+    from transformers import AutoModelForCausalLM
+
+    token_ids = PROMPT_IDS + list(range(100, 320))  # far enough for the slowed frequencies to matter
+    ours = LLM(artifact, device="cpu").engine.score(token_ids)
+    expected = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()(
+        torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    unscaled = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert (unscaled.eval()(torch.tensor([token_ids])).logits[0] - ours).abs().max() > 1e-2
+    with pytest.raises(CheckpointError, match="rope_freqs.weight .* is not the config's rope_scaling"):
+        _build(path, tmp_path / "b", hf_overrides={"rope_scaling": {**scaling, "factor": 8.0}})
+
+
 def test_a_gguf_split_set_builds_as_the_single_file(llama_dir, llama_f32, tmp_path):
     """gguf-split's NAME-00001-of-0000N.gguf: every file read; another split than the first is refused by name."""
     write_gguf(llama_dir, tmp_path / "llama.gguf", "llama", split_max_tensors=8)
@@ -280,14 +331,14 @@ def test_refusals(llama_dir, tmp_path):
     bad = write_gguf(llama_dir, tmp_path / "f64.gguf", "llama", tokenizer=False, types={"model.norm": Q.F64})
     with pytest.raises(CheckpointError, match="output_norm.weight has type F64, which is not a weight type"):
         _build(bad, tmp_path / "b", tokenizer=str(llama_dir))
-    extra = write_gguf(llama_dir, tmp_path / "e.gguf", "llama", tokenizer=False,
-                       extra_tensors={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
-    with pytest.raises(CheckpointError, match=r"rope_freqs.weight.*Llama 3.1's rope"):
-        _build(extra, tmp_path / "c", tokenizer=str(llama_dir))
     mixed = write_gguf(llama_dir, tmp_path / "m.gguf", "llama", tokenizer=False,
                        types={"q_proj": Q.Q8_0, "k_proj": Q.Q4_0, "v_proj": Q.Q8_0})
     with pytest.raises(CheckpointError, match=r"layers.0.attn.qkv fuses .* of different GGUF types \['Q4_0', 'Q8_0'\]"):
         _build(mixed, tmp_path / "d", tokenizer=str(llama_dir), quantization={"method": "import"})
+    extra = write_gguf(llama_dir, tmp_path / "x.gguf", "llama", tokenizer=False,
+                       extra_tensors={"blk.0.attn_rot_embd": np.ones(8, dtype=np.float32)})
+    with pytest.raises(CheckpointError, match=r"tensor\(s\) llmc does not read for llama: \['blk.0.attn_rot_embd'\]"):
+        _build(extra, tmp_path / "x", tokenizer=str(llama_dir))
     with pytest.raises(RecipeError, match="tokenizer: applies to a .gguf model"):
         recipe_from_dict({"model": str(llama_dir), "tokenizer": str(llama_dir)})
     with pytest.raises(RecipeError, match="model: file .*missing.gguf' does not exist"):
