@@ -9,7 +9,9 @@ reads it back:
 - a tensor's GGUF shape lists the fastest dim first ([in, out] for a linear): the data is the [out, in] matrix;
 - llama's q and k rows are permuted per head for llama.cpp's interleaved rotary: GGUF row (h, i, j) is HF row
   (h, j, i) for i < head_dim / 2, j in {0, 1} (k with the KV heads' count); qwen2's rows are not permuted;
-- no `output.weight`: the embedding is tied.
+- no `output.weight`: the embedding is tied;
+- `rope_freqs.weight` ([head_dim / 2], llama): the divisor of each rotary frequency, how the converter keeps Llama 3's
+  llama3 rope scaling (no metadata says it): held aside as `rope_freqs` (gguf_input.llama3_rope reads it).
 
 Q8_0 and Q4_0 hold blocks of 32 inputs with one fp16 scale: Q8_0 w = d * q (q int8), Q4_0 w = d * (q - 8)
 (q 0..15, byte k holds element k in its low nibble and k + 16 in its high one). They are llmc's symmetric w8a16 /

@@ -41,9 +41,12 @@ def stage_tokenizer(checkpoint: GGUFCheckpoint, tokenizer: str | None, dest: Pat
     """The tokenizer's HF files into `dest`: copied from the recipe's `tokenizer` directory (vLLM's --tokenizer), else
     made by transformers from the GGUF's own tokenizer metadata (`from_pretrained(..., gguf_file=...)`)."""
     if tokenizer is not None:
-        for name in names:
-            if (Path(tokenizer) / name).is_file():
-                shutil.copy2(Path(tokenizer) / name, dest / name)
+        found = [name for name in names if (Path(tokenizer) / name).is_file()]
+        if not {"tokenizer.json", "tokenizer.model", "vocab.json"} & set(found):
+            raise CheckpointError(f"tokenizer: {tokenizer} has no tokenizer files (tokenizer.json, tokenizer.model or "
+                                  "vocab.json); give an HF tokenizer's directory")
+        for name in found:
+            shutil.copy2(Path(tokenizer) / name, dest / name)
         return
     from transformers import AutoTokenizer
 
@@ -54,7 +57,8 @@ def stage_tokenizer(checkpoint: GGUFCheckpoint, tokenizer: str | None, dest: Pat
         hf_tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path.parent), gguf_file=checkpoint.path.name)
     except (ValueError, KeyError, NotImplementedError) as e:
         raise CheckpointError(f"model: transformers cannot build a tokenizer from {checkpoint.path.name}'s metadata "
-                              f"({type(e).__name__}: {e}); set the recipe's tokenizer to an HF tokenizer directory") from None
+                              f"({type(e).__name__}: {e}); set the recipe's tokenizer to an HF tokenizer "
+                              "directory") from None
     hf_tokenizer.save_pretrained(str(dest))
 
 
@@ -108,7 +112,8 @@ def gguf_import_formats(checkpoint: GGUFCheckpoint, spec: ModelSpec, config: Mod
             formats[module] = DenseFormat(dtype).spec()
             continue
         members = [f"{m}.weight" for m in names[1:]]
-        inexact = [(m, checkpoint.type_name(m)) for m in members if checkpoint.type_name(m) not in (*EXACT_TYPES, *FLOAT_TYPES)]
+        inexact = [(m, checkpoint.type_name(m)) for m in members
+                   if checkpoint.type_name(m) not in (*EXACT_TYPES, *FLOAT_TYPES)]
         if inexact:
             raise CheckpointError(f"quantization.method import: {inexact[0][0]} is GGUF {inexact[0][1]}, which no llmc "
                                   "format holds exactly (import keeps Q8_0 and Q4_0 as stored); use method none, rtn, "

@@ -188,8 +188,8 @@ def test_llama_f32_logits_greedy_and_tokenizer_match_transformers(llama_f32, tmp
 
 
 def test_qwen2_f16_with_an_hf_tokenizer_directory(tmp_path):
-    """qwen2: q/k/v biases, tied embeddings (no output.weight), rows not permuted; F16 and BF16 weights; `tokenizer` names
-    an HF tokenizer directory (vLLM's --tokenizer), whose files the artifact holds."""
+    """qwen2: q/k/v biases, tied embeddings (no output.weight), rows not permuted; F16 and BF16 weights; `tokenizer`
+    names an HF tokenizer directory (vLLM's --tokenizer), whose files the artifact holds."""
     hf_dir = make_hf_checkpoint(tmp_path / "hf", "qwen2")
     path = write_gguf(hf_dir, tmp_path / "qwen2-f16.gguf", "qwen2", types={"mlp": Q.BF16, "": Q.F16}, tokenizer=False)
     with pytest.raises(CheckpointError, match="holds no tokenizer.*set the recipe's tokenizer"):
@@ -339,6 +339,8 @@ def test_refusals(llama_dir, tmp_path):
                        extra_tensors={"blk.0.attn_rot_embd": np.ones(8, dtype=np.float32)})
     with pytest.raises(CheckpointError, match=r"tensor\(s\) llmc does not read for llama: \['blk.0.attn_rot_embd'\]"):
         _build(extra, tmp_path / "x", tokenizer=str(llama_dir))
+    with pytest.raises(CheckpointError, match="tokenizer: .* has no tokenizer files"):
+        _build(mixed, tmp_path / "y", tokenizer=str(tmp_path))
     with pytest.raises(RecipeError, match="tokenizer: applies to a .gguf model"):
         recipe_from_dict({"model": str(llama_dir), "tokenizer": str(llama_dir)})
     with pytest.raises(RecipeError, match="model: file .*missing.gguf' does not exist"):
