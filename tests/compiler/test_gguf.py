@@ -3,7 +3,7 @@
 F32 / F16 files (llama with its permuted q/k rows, qwen2 with biases and tied embeddings), the tokenizer made from
 the GGUF's metadata or given as an HF directory, Q8_0 / Q4_0 kept as llmc's w8a16 / w4a16 by method import, a
 k-quant file dequantized then RTN-quantized (the artifact equal to an RTN build of transformers' dequantized
-weights), a gguf-split set, and the refusals.
+weights), Llama 3's rope_freqs, a LoRA adapter merged, a gguf-split set, and the refusals.
 
 The files are written here the way llama.cpp's converter lays them out: gguf's tensor name map, its writer and its
 quantize functions, llama's q/k rows permuted for the interleaved rotary; k-quant blocks are random bytes with
@@ -26,6 +26,7 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
+from tests.runtime.hf_oracle import make_peft_adapter
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -304,6 +305,18 @@ def test_llama3_rope_freqs_are_read_as_the_published_scaling(tmp_path, caplog):
     assert (unscaled.eval()(torch.tensor([token_ids])).logits[0] - ours).abs().max() > 1e-2
     with pytest.raises(CheckpointError, match="rope_freqs.weight .* is not the config's rope_scaling"):
         _build(path, tmp_path / "b", hf_overrides={"rope_scaling": {**scaling, "factor": 8.0}})
+
+
+def test_a_lora_adapter_merges_into_gguf_weights_as_into_the_hf_checkpoints(llama_dir, llama_f32, tmp_path):
+    """The adapter's q/k deltas join the rows un-permuted: the artifact equals the HF checkpoint's LoRA build."""
+    adapter = make_peft_adapter(llama_dir, tmp_path / "lora", seed=1, r=4,
+                                target_modules=["q_proj", "k_proj", "down_proj"])
+    ours = _build(llama_f32, tmp_path / "gguf", adapter=[str(adapter)])
+    theirs = _build(llama_dir, tmp_path / "hf", adapter=[str(adapter)])
+    a, b = load_file(ours / "rank-00/weights.safetensors"), load_file(theirs / "rank-00/weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    plain = load_file(_build(llama_f32, tmp_path / "plain") / "rank-00/weights.safetensors")
+    assert not torch.equal(a["layers.0.attn.qkv.weight"], plain["layers.0.attn.qkv.weight"])  # the adapter counts
 
 
 def test_a_gguf_split_set_builds_as_the_single_file(llama_dir, llama_f32, tmp_path):
