@@ -31,6 +31,7 @@ from tests.runtime.hf_oracle import make_peft_adapter
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 PROMPT_IDS = [1, 312, 45, 1001, 7, 2048, 99, 3000, 15, 640, 8, 77, 1500, 4000, 23, 5]
 # byte offsets of the fp16 scales in a k-quant block (ggml's block_q*_K layouts)
 K_SCALES = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
@@ -103,6 +104,7 @@ def write_gguf(hf_dir, path, arch: str, types=None, split_max_tensors: int = 0, 
         writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
         writer.add_bos_token_id(config["bos_token_id"])
         writer.add_eos_token_id(config["eos_token_id"])
+        writer.add_chat_template(CHAT_TEMPLATE)
     names = gguf.get_tensor_name_map(ARCH[arch], config["num_hidden_layers"])
     rng = np.random.default_rng(seed)
     for hf_name, tensor in state.items():
@@ -167,7 +169,8 @@ def _check_against_transformers(gguf_path, artifact, atol=1e-4):
 
 def test_llama_f32_logits_greedy_and_tokenizer_match_transformers(llama_f32, tmp_path):
     """q/k un-permuted (shown to matter: transformers' model with the rows as stored is far off), the config from
-    the metadata, and the tokenizer transformers makes from the GGUF's metadata copied into the artifact."""
+    the metadata, and the tokenizer transformers makes from the GGUF's metadata (its chat template too) copied into the
+    artifact."""
     from transformers import AutoTokenizer
 
     artifact = _build(llama_f32, tmp_path / "a")
@@ -179,6 +182,7 @@ def test_llama_f32_logits_greedy_and_tokenizer_match_transformers(llama_f32, tmp
     theirs = AutoTokenizer.from_pretrained(str(llama_f32.parent), gguf_file=llama_f32.name)
     text = "What light through yonder window breaks?"
     assert ours(text)["input_ids"] == theirs(text)["input_ids"] and len(theirs(text)["input_ids"]) > 5
+    assert ours.chat_template == CHAT_TEMPLATE  # the GGUF's tokenizer.chat_template
     with torch.inference_mode():  # the permutation matters
         model = _transformers(llama_f32)
         for layer in model.model.layers:
