@@ -173,6 +173,8 @@ class GGUFCheckpoint:
         if self.field(f"{self.arch}.expert_count", 0):
             raise CheckpointError(f"model: {self.path.name}: mixture-of-experts GGUF ({self.arch}.expert_count) is not "
                                   "supported")
+        if "model.embed_tokens.weight" not in self.tensors:
+            raise CheckpointError(f"model: {self.path.name} has no token_embd.weight; the file is incomplete")
         embed = self.tensors["model.embed_tokens.weight"]
         eos = [self.field(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id")]
         config = {
