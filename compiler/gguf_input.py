@@ -95,7 +95,7 @@ def say_dequantized(checkpoint: GGUFCheckpoint, kept: set[str], dtype: str, meth
     if not types:
         return
     then = {"none": "kept dense", "import": "kept dense (the embedding and output head)"}.get(
-        method, f"then quantized by method {method}")
+        method, f"then quantization.method {method} applies as to float weights")
     logger.info("%s: dequantizing %s with gguf to %s, %s", checkpoint.path.name,
                 ", ".join(f"{kind} ({n} tensors)" for kind, n in types.items()), dtype, then)
 
