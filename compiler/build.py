@@ -565,10 +565,11 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
     scales = ctx.kv_scales
     # an ONNX graph keeps K/V in float32 whatever the weights' dtype (onnx_export's past_key_values)
     kv_dtype = "float32" if ctx.target else art.kv_storage_dtype(runtime.kv_cache_dtype, ctx.model.dtype)
-    kv = art.KVSpec(runtime.block_size, kv_dtype,
-                    ctx.model.num_layers, ctx.model.num_kv_heads, ctx.model.head_dim,
+    model = ctx.model
+    shape = art.latent_kv_shape(model) if model.is_mla else (model.num_layers, model.num_kv_heads, model.head_dim)
+    kv = art.KVSpec(runtime.block_size, kv_dtype, *shape,
                     k_scales=scales.k_scales if scales else [], v_scales=scales.v_scales if scales else [],
-                    scales_source=scales.source if scales else "none")
+                    scales_source=scales.source if scales else "none", latent=model.is_mla)
     manifest = art.Manifest(
         format_version=art.FORMAT_VERSION,
         llmc_version=llmc.__version__,

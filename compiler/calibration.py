@@ -19,6 +19,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderLayer, rope_tables
 from llmc.runtime.models.spec import format_key
+from llmc.runtime.parallel.layout import kv_cache_shapes
 
 BLOCK_SIZE = 16
 
@@ -119,8 +120,8 @@ class LayerRunner:
         self.windows_per_chunk = windows_per_chunk
         self.cos_sin, self.cos_sin_local = (None if t is None else t.to(device) for t in rope_tables(config, seq_len))
         num_blocks = windows_per_chunk * -(-seq_len // BLOCK_SIZE)
-        shape = (num_blocks, BLOCK_SIZE, config.num_kv_heads, config.head_dim)
-        self.kv_cache = (torch.zeros(shape, device=device), torch.zeros(shape, device=device))
+        self.kv_cache = tuple(torch.zeros(shape, device=device)
+                              for shape in kv_cache_shapes(config, config.num_kv_heads, num_blocks, BLOCK_SIZE))
 
     def build_layer(self, layer: LayerWeights) -> DecoderLayer:
         """A float32 DecoderLayer holding `layer`'s (possibly already fake-quantized) weights."""
@@ -131,12 +132,16 @@ class LayerRunner:
             module = DecoderLayer(self.config, formats, layer.index, torch.float32)
         set_layer_weights(module, layer, self.device)
         module.attn.kv_cache = self.kv_cache
+        if module.is_mla:  # the expanded form on every window: kv_b sees its inputs (GPTQ, AWQ capture them)
+            module.attn.absorb_kv_b()
+            module.attn.expand_min_queries = 1
         return module
 
     @torch.inference_mode()
     def forward(self, module: DecoderLayer, hidden: Tensor, observe_kv=None) -> Tensor:
         """hidden [num_windows, seq_len, hidden_size] → the layer's output, same shape.
-        observe_kv(k_cache, v_cache): called after each chunk of windows with the scratch cache,
+        observe_kv(k_cache, v_cache) (MLA: observe_kv(latent_cache)): called after each chunk of windows with the
+        scratch cache,
         zeroed before the chunk, so it holds that chunk's keys and values (post-rotary) and zeros."""
         out = torch.empty_like(hidden)
         for start in range(0, hidden.shape[0], self.windows_per_chunk):

@@ -68,9 +68,10 @@ class KVScaleObserver:
         packed = self.packer(layer)
         amax = [0.0, 0.0]
 
-        def observe(k_cache: Tensor, v_cache: Tensor) -> None:
+        def observe(k_cache: Tensor, v_cache: Tensor | None = None) -> None:
+            """K and V; or MLA's one latent cache, whose amax is both (runtime/models/mla.py reads k_scale)."""
             amax[0] = max(amax[0], float(k_cache.abs().max()))
-            amax[1] = max(amax[1], float(v_cache.abs().max()))
+            amax[1] = max(amax[1], float((k_cache if v_cache is None else v_cache).abs().max()))
 
         self.hidden = self.runner.forward(self.runner.build_layer(float_layer), self.hidden, observe_kv=observe)
         self.k_amax.append(amax[0])

@@ -77,9 +77,14 @@ from llmc.schema import opt, parse
 #      cohere2), model.layer_norm (LayerNorm without bias in place of RMSNorm), parallel_block (attention and MLP on
 #      one norm's output, summed into the residual) and rope_on_full_layers (false: Cohere 2's full-attention layers
 #      have no rotary); older manifests load without them (false, false, false, true).
-FORMAT_VERSION = "1.21"
+# 1.22: DeepSeek's latent KV cache (runtime/models/mla.py): kv.latent, one [num_blocks, block_size, kv_lora_rank +
+#      qk_rope_head_dim] cache per layer (kv.num_kv_heads 1, kv.head_dim that sum) in place of the expanded K and V;
+#      a 1.20 / 1.21 DeepSeek manifest's kv section describes the expanded cache, and the runtime allocates the latent
+#      one for it too.
+FORMAT_VERSION = "1.22"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
-                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21")
+                         "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
+                         "1.22")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -377,7 +382,9 @@ class ParallelPlan:
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Shape of one rank's KV cache: per layer, a [num_blocks, block_size, num_kv_heads, head_dim] K and V.
+    """Shape of one rank's KV cache: per layer, a [num_blocks, block_size, num_kv_heads, head_dim] K and V; latent
+    (DeepSeek's MLA): one [num_blocks, block_size, head_dim] cache per layer, num_kv_heads 1 and head_dim
+    kv_lora_rank + qk_rope_head_dim, on every rank (runtime/models/mla.py).
 
     dtype: the storage dtype on a GPU (runtime.kv_cache_dtype resolved: the model's dtype for auto).
     k_scales, v_scales: per decoder layer, the FP8 dequantization scale of its K and V (K = k_scale *
@@ -394,10 +401,12 @@ class KVSpec:
     k_scales: list[float] = opt([])
     v_scales: list[float] = opt([])
     scales_source: str = opt("none", choices=KV_SCALE_SOURCES)
+    latent: bool = opt(False)
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_num_bytes(self.dtype)
+        return (1 if self.latent else 2) * self.num_layers * self.num_kv_heads * self.head_dim * dtype_num_bytes(
+            self.dtype)
 
 
 @dataclass(frozen=True)
@@ -651,8 +660,11 @@ def _check_consistency(m: Manifest) -> None:
         problems.append(f"model.num_heads ({model.num_heads}) is not a multiple of num_kv_heads ({model.num_kv_heads})")
     if not all(0 <= t < model.vocab_size for t in model.eos_token_ids):
         problems.append(f"model.eos_token_ids {model.eos_token_ids} are not all in [0, {model.vocab_size})")
-    if (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) != (model.num_layers, model.num_kv_heads, model.head_dim):
-        problems.append("kv does not match the model's num_layers, num_kv_heads and head_dim")
+    # (a 1.20 / 1.21 DeepSeek manifest records the expanded cache it ran with)
+    is_latent = model.is_mla and (m.kv.latent or m.format_version not in ("1.20", "1.21"))
+    want = latent_kv_shape(model) if is_latent else (model.num_layers, model.num_kv_heads, model.head_dim)
+    if (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) != want or m.kv.latent != is_latent:
+        problems.append("kv does not match the model's num_layers, num_kv_heads and head_dim (MLA: its latent cache)")
     fp8 = KV_CACHE_DTYPES[m.runtime.kv_cache_dtype]
     if fp8 is not None and m.kv.dtype != fp8:
         problems.append(f"kv.dtype {m.kv.dtype} does not match runtime.kv_cache_dtype {m.runtime.kv_cache_dtype}")
@@ -723,6 +735,12 @@ def _check_formats(modules: dict[str, dict]) -> None:
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def latent_kv_shape(model: ModelConfig) -> tuple[int, int, int]:
+    """An MLA model's kv section (num_layers, num_kv_heads, head_dim): one latent of kv_lora_rank + qk_rope_head_dim
+    per token and layer."""
+    return model.num_layers, 1, model.kv_lora_rank + model.qk_rope_head_dim
 
 
 def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:

@@ -25,6 +25,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderModel
+from llmc.runtime.parallel.layout import kv_cache_shapes
 
 logger = logging.getLogger("llmc")
 ProfileStep = Callable[[Tensor, ForwardBatch], Tensor]  # (input_ids, batch) -> what the step's sampler reads
@@ -59,9 +60,9 @@ def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, 
     input_ids, batch, num_blocks = profile_batch(options.max_num_batched_tokens, options.max_model_len,
                                                  options.max_num_seqs, options.block_size, device)
     attn = next(iter(model.layers.values())).attn
-    shape = (num_blocks, options.block_size, attn.num_kv_heads, attn.head_dim)
     dtype = getattr(torch, model.config.dtype)  # the compute dtype (build_model set it)
-    kv_cache = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device)
+                     for shape in kv_cache_shapes(model.config, attn.num_kv_heads, num_blocks, options.block_size))
     model.bind_kv_caches([kv_cache] * len(model.layers))
     try:
         torch.cuda.synchronize(device)

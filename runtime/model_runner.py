@@ -36,7 +36,7 @@ from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.mrope import column_components, step_rope
 from llmc.runtime.multimodal import step_image_rows, step_key_limits
 from llmc.runtime.offload import WeightOffloader
-from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, whole_model_layout
+from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, kv_cache_shapes, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
@@ -320,18 +320,16 @@ def _not_fitting_message(num_blocks: int, max_seq_blocks: int, options: art.Runt
 def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: int, block_size: int,
                        device: torch.device, dtype: torch.dtype | None = None) -> list[tuple[Tensor, Tensor]]:
     """(K, V) per layer of the rank, each [num_blocks, block_size, num_kv_heads of the rank, head_dim]
-    of `dtype` (KVCacheConfig.dtype; None: the compute dtype)."""
-    shape = (num_blocks, block_size, layout.num_kv_heads, manifest.model.head_dim)
+    of `dtype` (KVCacheConfig.dtype; None: the compute dtype); under MLA (the latent cache,) per layer
+    (layout.kv_cache_shapes)."""
+    shapes = kv_cache_shapes(manifest.model, layout.num_kv_heads, num_blocks, block_size)
     dtype = dtype or compute_dtype(manifest, device)
     try:
-        return [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in layout.layers
-        ]
+        return [tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes) for _ in layout.layers]
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
             raise
-        size = 2 * len(layout.layers) * math.prod(shape) * dtype.itemsize
+        size = len(layout.layers) * sum(math.prod(shape) for shape in shapes) * dtype.itemsize
         knob = "num_kv_blocks" if device.type == "cuda" else "num_kv_blocks or cpu_kv_cache_gib"
         raise ConfigError(f"the KV cache of {num_blocks} blocks ({size / memory.GIB:.1f} GiB) cannot be allocated on "
                           f"{device} (out of memory); lower {knob}") from None

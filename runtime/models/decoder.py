@@ -346,7 +346,8 @@ class DecoderModel(nn.Module):
         store (MLP.interleave_gate_up); act order's gathers gone where the identity (Linear.drop_identity_perm) or done by
         the norm before qkv and gate_up (RMSNorm.take_linear_perm); on a CPU, int and FP8 weights dequantized once (Linear.dequantize_once); the
         FP8 formats' note that a device without FP8 matmuls runs their reference path (Fp8Format.note_device); what a
-        format derives from its tensors for this device (Linear.derive_params).
+        format derives from its tensors for this device (Linear.derive_params); MLA's W_UK / W_UV from kv_b
+        (MLAttention.absorb_kv_b).
         keep_gate_up_order: gate_up's rows stay as stored (run-time LoRA adds to them: runtime/lora.py)."""
         for module in self.modules():
             if isinstance(module, Linear):
@@ -355,6 +356,8 @@ class DecoderModel(nn.Module):
                     module.fmt.note_device(module.params())
                 module.derive_params()
         for layer in self.layers.values():
+            if layer.is_mla:
+                layer.attn.absorb_kv_b()
             # (OLMo 2's qkv and gate_up read the residual stream, Cohere's both read input_norm: they gather it
             # themselves)
             if layer.has_pre_norms and not layer.is_parallel:

@@ -124,6 +124,17 @@ def all_rank_layouts(config: ModelConfig, plan: ParallelPlan) -> list[RankLayout
     return [rank_layout(config, plan, rank) for rank in range(plan.world_size)]
 
 
+def kv_cache_shapes(config: ModelConfig, num_kv_heads: int, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+    """The cache tensors of one layer: K and V [num_blocks, block_size, num_kv_heads, head_dim]; under MLA one latent
+    cache [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (runtime/models/mla.py), every head's on every
+    rank."""
+    if config.is_mla:
+        return [(num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim)]
+    return [(num_blocks, block_size, num_kv_heads, config.head_dim)] * 2
+
+
 def kv_bytes_per_token(config: ModelConfig, layout: RankLayout, num_bytes: int) -> int:
-    """KV-cache bytes one token takes on this rank: K and V of its heads in its layers."""
-    return 2 * len(layout.layers) * layout.num_kv_heads * config.head_dim * num_bytes
+    """KV-cache bytes one token takes on this rank: K and V of its heads in its layers (MLA: its latent)."""
+    per_layer = sum(shape[-1] * (shape[-2] if len(shape) == 4 else 1)
+                    for shape in kv_cache_shapes(config, layout.num_kv_heads, 1, 1))
+    return len(layout.layers) * per_layer * num_bytes

@@ -94,15 +94,15 @@ def test_v3_without_rope_interleave(checkpoints, tmp_path, hf_logits, hf_encode)
 
 @pytest.fixture
 def triton_dispatch(monkeypatch):
-    """The model's paged attention and MoE dispatched to their Triton kernels on CPU tensors (the interpreter), as on
+    """The model's latent attention and MoE dispatched to their Triton kernels on CPU tensors (the interpreter), as on
     CUDA; {kernel: calls} counts them."""
-    import llmc.kernels.attention as attention
-    import llmc.kernels.attention_triton as attention_triton
     import llmc.kernels.fused_moe as fused_moe
     import llmc.kernels.fused_moe_triton as fused_moe_triton
+    import llmc.kernels.mla_attention as mla_attention
+    import llmc.kernels.mla_attention_triton as mla_attention_triton
     import llmc.runtime.models.moe as moe
 
-    calls = {"paged_attention": 0, "fused_moe": 0}
+    calls = {"mla_attention": 0, "fused_moe": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -110,12 +110,12 @@ def triton_dispatch(monkeypatch):
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(attention, "can_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(mla_attention, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(fused_moe, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(moe, "fused_expert_weights",
                         lambda x, gate_up, down: (moe.expert_weights(gate_up), moe.expert_weights(down)))
-    monkeypatch.setattr(attention_triton, "paged_attention",
-                        counted("paged_attention", attention_triton.paged_attention))
+    monkeypatch.setattr(mla_attention_triton, "mla_absorbed_attention",
+                        counted("mla_attention", mla_attention_triton.mla_absorbed_attention))
     monkeypatch.setattr(fused_moe_triton, "fused_moe", counted("fused_moe", fused_moe_triton.fused_moe))
     return calls
 
@@ -125,11 +125,11 @@ def triton_dispatch(monkeypatch):
                                     for f in DEEPSEEK_FAMILIES])  # (V2 without q_lora: the same kernels' calls)
 def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, triton_dispatch, hf_logits, hf_greedy,
                                               hf_encode):
-    """The paged-attention kernels (prefill and decode, K of qk_nope + qk_rope dims, V zero-padded to them) and the
+    """The latent-attention kernel (absorbed, over the paged latent cache: prefill chunks and decode rows) and the
     fused MoE kernel (DeepSeek's routing weights) give transformers' logits and greedy tokens."""
     with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
-    assert triton_dispatch["paged_attention"] and triton_dispatch["fused_moe"]
+    assert triton_dispatch["mla_attention"] and triton_dispatch["fused_moe"]
 
 
 @pytest.mark.gpu
