@@ -134,7 +134,7 @@ class LayerRunner:
         module.attn.kv_cache = self.kv_cache
         if module.is_mla:  # the expanded form on every window: kv_b sees its inputs (GPTQ, AWQ capture them)
             module.attn.absorb_kv_b()
-            module.attn.expand_min_queries = 1
+            module.attn.form = "expanded"
         return module
 
     @torch.inference_mode()

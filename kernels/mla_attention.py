@@ -29,10 +29,23 @@ from torch import Tensor
 from . import can_use_triton, to_device
 from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quantize_kv
 
-# A sequence with at least this many queries in a step takes the expanded form on a CPU, fewer the absorbed form.
-# Measured (benchmarks/mla_forms.py, 2 CPU cores, float32, DeepSeek-V2-Lite's 16 heads of 128 + 64 q/k dims, 128 v
-# dims, 512 + 64 latent): see DESIGN; the expanded form computes kv_b over the whole context once per sequence.
-EXPAND_MIN_QUERIES = 8
+# On a CPU a sequence takes the expanded form where its step computes at least min(EXPAND_MIN_QUERIES, context //
+# EXPAND_KEYS_PER_QUERY) queries (at least 1), else the absorbed form. The expanded form pays kv_b over the whole
+# context once (num_heads * (qk_nope + v) * kv_lora_rank per key), the absorbed one about num_heads * 700 more per
+# query and key at V2-Lite's shape: even at some 190 queries by count. Measured (benchmarks/mla_forms.py, 2 shared
+# CPU cores, V2-Lite's 16 heads, float32 and bfloat16): at 2048 keys absorbed up to 64 queries, expanded at 256; at
+# 256 keys expanded from 16 queries on (torch's per-call costs), either within noise below.
+EXPAND_MIN_QUERIES = 128
+EXPAND_KEYS_PER_QUERY = 16
+FORMS = ("absorbed", "expanded")
+
+
+def takes_expanded(query_len: int, context_len: int, form: str | None = None) -> bool:
+    """Whether a sequence's step runs the expanded form on a CPU: `form` where given (FORMS), else the measured
+    rule above."""
+    if form is not None:
+        return form == "expanded"
+    return query_len >= max(1, min(EXPAND_MIN_QUERIES, context_len // EXPAND_KEYS_PER_QUERY))
 
 
 def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
@@ -48,15 +61,16 @@ def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: 
 def mla_attention(
     q: Tensor, cache: Tensor, w_uk: Tensor, w_uv: Tensor, block_tables: Tensor, context_lens: Tensor,
     query_lens: list[int], scale: float, kv_scale: float = 1.0, *,
-    expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, expand_min_queries: int = EXPAND_MIN_QUERIES,
+    expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, form: str | None = None,
     index_cache: dict | None = None, prefill_index: PrefillIndex | None = None, out: Tensor | None = None,
 ) -> Tensor:
     """Causal latent attention of each sequence's new queries over its cached latents.
 
     q [num_tokens, num_heads, qk_nope + qk_rope]: each head's q_nope, then its rotated q_pe. w_uk [num_heads, qk_nope,
     kv_lora_rank], w_uv [num_heads, v_head_dim, kv_lora_rank] in q's dtype. expand(c_kv [n, kv_lora_rank]) → (k_nope
-    [n, num_heads, qk_nope], v [n, num_heads, v_head_dim]): the expanded form's kv_b (None: always absorbed); a
-    sequence of at least expand_min_queries queries takes it on a CPU. Returns [num_tokens, num_heads, v_head_dim]
+    [n, num_heads, qk_nope], v [n, num_heads, v_head_dim]): the expanded form's kv_b (None: always absorbed). form:
+    "absorbed" or "expanded" for every sequence on a CPU; None: each by takes_expanded's rule (CUDA: absorbed
+    always). Returns [num_tokens, num_heads, v_head_dim]
     (into out[..., :v_head_dim] when given)."""
     nope = w_uk.shape[1]
     q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
@@ -70,6 +84,7 @@ def mla_attention(
         attn = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return attn if out is None else out[..., : attn.shape[-1]].copy_(attn)
     rank = w_uk.shape[2]
+    work = torch.promote_types(q.dtype, torch.float32)  # (float64 where the tests ask for it)
     attn = q.new_zeros(q.shape[0], q.shape[1], w_uv.shape[1])  # (padding rows: zeros)
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
         query_lens = prefill_index.query_lens.tolist()[: prefill_index.pad_seq]  # unused ones: 0 queries
@@ -79,25 +94,25 @@ def mla_attention(
             continue
         blocks = block_tables[seq, : -(-context_len // block_size)].long()
         latent = cache[blocks].flatten(0, 1)[:context_len]
-        latent = dequantize_kv(latent, kv_scale) if is_fp8(cache) else latent.float()
+        latent = dequantize_kv(latent, kv_scale, work) if is_fp8(cache) else latent.to(work)
         c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)  # [context_len, rank], [.., rope]
-        qn, qp = q_nope[start : start + query_len].float(), q_pe[start : start + query_len].float()
+        qn, qp = q_nope[start : start + query_len].to(work), q_pe[start : start + query_len].to(work)
         rope_scores = torch.einsum("qhd,kd->hqk", qp, k_pe)
-        is_expanded = expand is not None and query_len >= expand_min_queries
+        is_expanded = expand is not None and takes_expanded(query_len, context_len, form)
         if is_expanded:
             k_nope, v = expand(c_kv.to(q.dtype))
-            scores = torch.einsum("qhd,khd->hqk", qn, k_nope.float()) + rope_scores
+            scores = torch.einsum("qhd,khd->hqk", qn, k_nope.to(work)) + rope_scores
         else:
-            q_lat = torch.einsum("qhn,hnr->qhr", qn, w_uk.float())
+            q_lat = torch.einsum("qhn,hnr->qhr", qn, w_uk.to(work))
             scores = torch.einsum("qhr,kr->hqk", q_lat, c_kv) + rope_scores
         scores = scores * scale
         if query_len > 1:
             scores.masked_fill_(~_causal_mask(query_len, context_len, None, q.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [num_heads, query_len, context_len]
         if is_expanded:
-            seq_attn = torch.einsum("hqk,khv->qhv", probs, v.float())
+            seq_attn = torch.einsum("hqk,khv->qhv", probs, v.to(work))
         else:
-            seq_attn = torch.einsum("qhr,hvr->qhv", torch.einsum("hqk,kr->qhr", probs, c_kv), w_uv.float())
+            seq_attn = torch.einsum("qhr,hvr->qhv", torch.einsum("hqk,kr->qhr", probs, c_kv), w_uv.to(work))
         attn[start : start + query_len] = seq_attn.to(q.dtype)
         start += query_len
     if out is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from llmc.kernels.mla_attention import EXPAND_MIN_QUERIES, mla_attention, write_latent_cache
+from llmc.kernels.mla_attention import mla_attention, write_latent_cache
 from llmc.kernels.rotary import apply_rotary
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
@@ -69,7 +69,9 @@ class MLAttention(torch.nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's one scale: k_scale (v_scale is not read)
         self.w_uk: Tensor | None = None  # absorb_kv_b's
         self.w_uv: Tensor | None = None
-        self.expand_min_queries = EXPAND_MIN_QUERIES  # (the calibration runner's: 1, so kv_b sees its inputs)
+        # the CPU's form of every step (kernels/mla_attention.FORMS); None: by each sequence's queries and context
+        # (the calibration runner's: "expanded", so that kv_b sees its inputs)
+        self.form: str | None = None
 
     def absorb_kv_b(self) -> None:
         """Once, after the weights load (DecoderModel.prepare_loaded_weights): W_UK [num_heads, qk_nope, kv_lora_rank]
@@ -114,8 +116,8 @@ class MLAttention(torch.nn.Module):
         if batch.key_limits is not None:  # (a vision model's steps only: DeepSeek has none)
             raise ValueError("latent attention reads no key_limits")
         return mla_attention(q, self.kv_cache[0], self.w_uk, self.w_uv, batch.block_tables, batch.context_lens,
-                             batch.query_lens, self.scale, self.k_scale, expand=self.expand,
-                             expand_min_queries=self.expand_min_queries, index_cache=batch.kernel_cache,
+                             batch.query_lens, self.scale, self.k_scale, expand=self.expand, form=self.form,
+                             index_cache=batch.kernel_cache,
                              prefill_index=batch.prefill_index, out=out)
 
     def output(self, attn: Tensor) -> Tensor:

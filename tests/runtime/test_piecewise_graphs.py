@@ -71,20 +71,20 @@ class MixedStep:
         self.tokens = lambda n: torch.randint(5, 200, (n,), generator=gen).tolist()  # noqa: E731
         prefixes = [([0, 1], 0, self.tokens(20)), ([2], 0, self.tokens(3)), ([3], 0, self.tokens(9))]
         model(*forward_step(prefixes, "cpu"))
-        for k, v in self.runner.kv_caches:
-            k[6:].fill_(7.0)
-            v[6:].fill_(7.0)
+        for caches in self.runner.kv_caches:  # (K and V; DeepSeek's one latent cache)
+            for cache in caches:
+                cache[6:].fill_(7.0)
         self.input_ids, self.batch = forward_step([([0, 1], 20, self.tokens(7)), ([2], 3, [11]),
                                                    ([4, 5], 0, self.tokens(18)), ([3], 9, [12])], "cpu")
         self.before = self.caches()
         self.eager = model(self.input_ids, self.batch)
         self.eager_caches = self.caches()
-        for (k, v), saved in zip(self.runner.kv_caches, self.before):
-            k.copy_(saved[0])
-            v.copy_(saved[1])
+        for caches, saved in zip(self.runner.kv_caches, self.before):
+            for cache, old in zip(caches, saved):
+                cache.copy_(old)
 
     def caches(self) -> list[torch.Tensor]:
-        return [torch.stack([k, v]).clone() for k, v in self.runner.kv_caches]
+        return [torch.stack(caches).clone() for caches in self.runner.kv_caches]
 
     def assert_matches_eager(self, hidden: torch.Tensor) -> None:
         """The eager hidden states and KV cache, and only the scratch block written besides."""
@@ -105,7 +105,7 @@ def test_the_cut_forward_is_the_model_forward_and_padding_writes_only_the_scratc
     of the model's forward, and only the scratch block written besides (qk_norm, a sliding window, MoE
     layers; Gemma 3's sandwich norms and second rotary table; Gemma 2's attention soft cap in `attend`; OLMo 2's
     residual stream read by qkv and gate_up, and its full-width q/k norms in `project`; DeepSeek's latent attention,
-    whose `project` rotates its rope part and writes the expanded K and padded V)."""
+    whose `project` rotates its rope part and writes the latent cache, and whose `attend` writes v_head_dim dims)."""
     step = MixedStep(family, request, tmp_path, forward_step)
     n = step.batch.num_tokens  # 27: padded to 32
     pieces = PiecewiseGraphs(step.model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))

@@ -1,0 +1,160 @@
+"""DeepSeek's latent attention over the paged latent cache (kernels/mla_attention.py): the Triton kernel of the absorbed
+form (under TRITON_INTERPRET=1 on CPU tensors, small shapes; on a GPU, -m gpu, DeepSeek-V2-Lite's shape) and the torch
+path's absorbed and expanded forms, against a float64 reference that expands every head's key and value from the
+cached latents (k_nope = W_UK c_kv, v = W_UV c_kv) and runs plain causal attention: the MLA definition, not the
+absorption."""
+
+import math
+
+import pytest
+import torch
+
+from llmc.kernels import attention, mla_attention
+
+
+def make_step(context_lens, query_lens, num_heads, nope, rope, v_dim, rank, block_size, dtype, device, seed=0,
+              cache_dtype=None, kv_scale=1.0):
+    """q, the latent cache (slots no sequence owns: NaN, block 0 too), block tables, W_UK, W_UV of a step; and the
+    float64 latents each sequence wrote (as the cache holds them: FP8-rounded where it is FP8)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(context_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    cache_dtype = cache_dtype or dtype
+    cache = torch.full((num_blocks, block_size, rank + rope), float("nan"), dtype=dtype).to(cache_dtype)
+    latents = []
+    for seq, (context_len, n_blocks) in enumerate(zip(context_lens, blocks_per_seq)):
+        blocks = torch.tensor([order.pop() for _ in range(n_blocks)], dtype=torch.int32)
+        tables[seq, :n_blocks] = blocks
+        slots = (blocks.long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context_len]
+        c_kv = torch.randn(context_len, rank, generator=gen).to(dtype)
+        k_pe = torch.randn(context_len, rope, generator=gen).to(dtype)
+        mla_attention.write_latent_cache(c_kv, k_pe, cache, slots, kv_scale)
+        latents.append(cache.view(-1, rank + rope)[slots].double() * (kv_scale if cache_dtype != dtype else 1.0))
+    q = torch.randn(sum(query_lens), num_heads, nope + rope, generator=gen).to(dtype)
+    w_uk = (torch.randn(num_heads, nope, rank, generator=gen) * rank ** -0.5).to(dtype)
+    w_uv = (torch.randn(num_heads, v_dim, rank, generator=gen) * rank ** -0.5).to(dtype)
+    return [t.to(device) for t in (q, cache, tables, w_uk, w_uv)], latents
+
+
+def reference(q, latents, w_uk, w_uv, query_lens, scale):
+    """Per sequence and head, in float64: K = [W_UK c_kv, k_pe], V = W_UV c_kv, causal softmax(q K^T * scale) V."""
+    q, w_uk, w_uv = q.cpu().double(), w_uk.cpu().double(), w_uv.cpu().double()
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    out, start = [], 0
+    for latent, n in zip(latents, query_lens):
+        c_kv, k_pe = latent[:, :rank], latent[:, rank:]
+        context, heads = latent.shape[0], q.shape[1]
+        k = torch.cat((c_kv @ w_uk.transpose(1, 2), k_pe.expand(heads, -1, -1)), dim=-1)  # [heads, context, q/k dims]
+        v = c_kv @ w_uv.transpose(1, 2)  # [heads, context, v dims]
+        scores = q[start : start + n].transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, n, context]
+        position = torch.arange(context - n, context)[:, None]  # query i sees keys 0..its own position
+        scores = scores.masked_fill(torch.arange(context)[None, :] > position, float("-inf"))
+        out.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+CASES = {
+    # name: (context_lens, query_lens, num_heads, nope, rope, v_dim, rank, block_size)
+    "decode": ([1, 17, 100], [1, 1, 1], 4, 16, 16, 16, 32, 16),
+    "chunked-mixed": ([40, 9, 70], [13, 1, 70], 4, 16, 16, 8, 32, 8),
+    "uneven-dims-and-many-heads": ([33, 5], [1, 5], 20, 12, 4, 8, 24, 16),  # two head blocks; masked 24 + 4 dims
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_absorbed_kernel_matches_float64(dot_case, rel_err, case):
+    from llmc.kernels.mla_attention_triton import mla_absorbed_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES[case]
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, dtype, device)
+    scale = (nope + rope) ** -0.5
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    row_seq, row_limit = mla_attention.row_index(query_lens, ctx, q.shape[0], None, None)
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope.double(), w_uk.double()).to(dtype)
+    out_lat = mla_absorbed_attention(q_lat, q_pe, cache, tables, row_seq, row_limit, scale)
+    assert out_lat.shape == (q.shape[0], heads, rank) and torch.isfinite(out_lat).all()
+    got = torch.einsum("thr,hvr->thv", out_lat.double(), w_uv.double())
+    assert rel_err(got.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
+        1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("form", mla_attention.FORMS + (None,))
+def test_the_torch_forms_match_float64(form, rel_err):
+    """The CPU path, absorbed, expanded (kv_b of the context's latents) and by the measured rule: float64's."""
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES["chunked-mixed"]
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, torch.float64, "cpu")
+
+    def expand(c_kv):
+        return torch.einsum("kr,hnr->khn", c_kv, w_uk), torch.einsum("kr,hvr->khv", c_kv, w_uv)
+
+    scale = (nope + rope) ** -0.5
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens), query_lens, scale,
+                                      expand=expand, form=form)
+    assert rel_err(out, reference(q, latents, w_uk, w_uv, query_lens, scale)) < 1e-12
+
+
+def test_an_fp8_cache_holds_the_latent_with_one_scale(rel_err):
+    """An FP8 latent cache: [c_kv, k_pe] stored as clamp(x / scale) in E4M3, read back times the scale by the kernel
+    and the torch path; both give float64's attention over those rounded latents."""
+    from llmc.kernels.mla_attention_triton import mla_absorbed_attention
+
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES["chunked-mixed"]
+    scale_kv = 0.05
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, torch.float32, "cpu",
+                                                        cache_dtype=torch.float8_e4m3fn, kv_scale=scale_kv)
+    assert cache.dtype == torch.float8_e4m3fn
+    scale = (nope + rope) ** -0.5
+    want = reference(q, latents, w_uk, w_uv, query_lens, scale)
+    ctx = torch.tensor(context_lens, dtype=torch.int32)
+    torch_out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, ctx, query_lens, scale, scale_kv)
+    assert rel_err(torch_out, want) < 1e-5
+    row_seq, row_limit = mla_attention.row_index(query_lens, ctx, q.shape[0], None, None)
+    q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
+    out_lat = mla_absorbed_attention(q_lat, q[..., nope:], cache, tables, row_seq, row_limit, scale, scale_kv)
+    assert rel_err(torch.einsum("thr,hvr->thv", out_lat, w_uv), want) < 1e-5
+
+
+def test_a_prefill_index_gives_each_row_its_sequence_and_prefix():
+    """A mixed CUDA graph's step (attention.PrefillIndex: blocks of queries, an unused sequence with stale values,
+    the padding sequence) gives each query row the sequence and causal prefix that its host query_lens give, and the
+    padding rows a prefix of 0 keys, from device tensors alone."""
+    context_lens, query_lens, size, per_block = [40, 17, 9, 33, 1], [13, 1, 1, 33, 1], 64, 16
+    blocks = attention.prefill_blocks(query_lens, per_block)
+    num_blocks, pad = attention.max_prefill_blocks(size, 6, per_block), 6
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    index = attention.PrefillIndex(
+        query_lens=i32(query_lens + [0, 0]), first_rows=i32([0, 13, 14, 15, 48, 7, 0]),
+        block_seqs=i32([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks))),
+        block_starts=i32([start for _, start in blocks] + [0] * (num_blocks - len(blocks))),
+        queries_per_block=per_block, out=torch.zeros(size, 1, 1))
+    row_seq, row_limit = mla_attention.row_index([size], i32(context_lens + [9, 0]), size, None, index)
+    host_seq, host_limit = mla_attention.row_index(query_lens, i32(context_lens), sum(query_lens), None, None)
+    n = sum(query_lens)
+    assert torch.equal(row_seq[:n], host_seq) and torch.equal(row_limit[:n], host_limit)
+    assert host_limit[:13].tolist() == list(range(28, 41)) and host_limit[13:15].tolist() == [17, 9]
+    assert row_limit[n:].eq(0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernel_at_deepseek_v2_lite_shape_on_the_gpu(dtype, rel_err):
+    """DeepSeek-V2-Lite's attention (16 heads, 128 + 64 q/k dims, 128 v dims, latent 512 + 64, blocks of 16) through
+    mla_attention on CUDA (the absorbed kernel for every row: decode rows, a chunk after a cached prefix, a fresh
+    prompt): float64's expanded attention."""
+    context_lens, query_lens = [1, 700, 333, 129], [1, 1, 200, 129]
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, 16, 128, 64, 128, 512, 16, dtype,
+                                                        "cuda")
+    scale = 192 ** -0.5
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens, dtype=torch.int32,
+                                                                                   device="cuda"), query_lens, scale)
+    assert out.shape == (q.shape[0], 16, 128) and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < 2e-2
