@@ -222,8 +222,9 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
         if spec["format"] not in ("dense", "w4a16", "w8a16", "w8a8-fp8", "w8a8-fp8-block", "w8a8-int8"):
             raise ArtifactError(f"{where} {name}: format {spec['format']!r} has no compressed-tensors form")
     if manifest.kv.scales_source != "none" and model.is_mla:
-        raise ArtifactError(f"{where} FP8 KV-cache scales of {model.architecture}: they scale llmc's expanded K and V, "
-                            "not the latent cache vLLM's MLA keeps; build without runtime.kv_cache_dtype fp8")
+        raise ArtifactError(f"{where} FP8 KV-cache scales of {model.architecture}: llmc's one latent-cache scale per "
+                            "layer has no kv_cache_scheme form verified against vLLM's MLA cache; build without "
+                            "runtime.kv_cache_dtype fp8")
     if manifest.kv.scales_source != "none" and all(s["format"] == "dense" for s in manifest.quant.modules.values()):
         raise ArtifactError(f"{where} FP8 KV-cache scales (kv.scales_source {manifest.kv.scales_source}) of an "
                             "unquantized model: export writes them beside a quantized scheme (a kv_cache_scheme "

@@ -552,7 +552,7 @@ def _deepseek_config(config: dict, family: str) -> dict:
                               "kv's width")
     if config["v_head_dim"] > config["qk_nope_head_dim"] + config["qk_rope_head_dim"]:
         raise CheckpointError(f"v_head_dim {config['v_head_dim']} is wider than the key's qk_nope_head_dim + "
-                              "qk_rope_head_dim: the expanded KV cache pads V to K's head_dim, not K to V's")
+                              "qk_rope_head_dim: the attention's output buffers (the CUDA graphs') are the key's head_dim wide")
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
         raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")

@@ -299,10 +299,11 @@ def _router_text(m: dict) -> str:
 def _attention_text(m: dict) -> str:
     """The model's attention as the artifact runs it: rotary (and partial rotary), the scale, windows, caps."""
     parts = [_rope_text(m["rope_theta"], m.get("rope_scaling"))]
-    if m.get("kv_lora_rank"):  # DeepSeek's MLA, expanded
+    if m.get("kv_lora_rank"):  # DeepSeek's MLA over its latent cache (runtime/models/mla.py)
         q = f"q rank {m['q_lora_rank']}" if m.get("q_lora_rank") else "q_proj"
         parts.append(f"latent attention (kv rank {m['kv_lora_rank']}, {q}; per head {m['qk_nope_head_dim']} + "
-                     f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; cached expanded)")
+                     f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; latent KV cache of "
+                     f"{m['kv_lora_rank']} + {m['qk_rope_head_dim']} values per token and layer, kv_b absorbed)")
     if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
         parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
     if m.get("rotary_interleaved"):

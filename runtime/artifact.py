@@ -164,7 +164,8 @@ class ModelConfig:
     routed_scaling_factor: float = opt(1.0, min_exclusive=0.0)
     # DeepSeek's multi-head latent attention (runtime/models/mla.py; None: the plain q/k/v attention): the compressed
     # kv's width (kv_lora_rank), q's low rank (None: q_proj), each head's q/k dims without and with the rotary
-    # (head_dim is their sum) and its v dims (at most head_dim: zero-padded to it in the KV cache); mla_rope_interleave:
+    # (head_dim is their sum) and its v dims (at most head_dim: the attention's output buffers are head_dim wide);
+    # the KV cache holds the latent (kv_lora_rank + qk_rope_head_dim per token: KVSpec.latent); mla_rope_interleave:
     # the rotary dims are rotated in interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek-V2, V3's rope_interleave)
     kv_lora_rank: int | None = opt(None, min=1)
     q_lora_rank: int | None = opt(None, min=1)

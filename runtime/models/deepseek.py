@@ -1,6 +1,6 @@
 """DeepSeek-V2 (DeepseekV2ForCausalLM, model_type deepseek_v2: DeepSeek-V2-Lite(-Chat), DeepSeek-Coder-V2-Lite) and
 DeepSeek-V3 (DeepseekV3ForCausalLM, deepseek_v3: DeepSeek-V3, R1, Moonlight-16B-A3B): multi-head latent attention
-(runtime/models/mla.py, in its expanded form) in every layer; dense SiLU MLPs in the first `first_k_dense_replace`
+(runtime/models/mla.py, over vLLM's latent KV cache) in every layer; dense SiLU MLPs in the first `first_k_dense_replace`
 layers, then mixtures of `n_routed_experts` experts with `n_shared_experts` shared ones, which run as one shared expert
 of n_shared_experts * moe_intermediate_size (Qwen2-MoE's, ungated), routed by DeepSeek's routers (runtime/models/moe.py
 `deepseek_route`: V2's softmax top-k, V3's sigmoid with e_score_correction_bias, groups, routed_scaling_factor)."""

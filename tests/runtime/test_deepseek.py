@@ -1,8 +1,8 @@
 """DeepSeek-V2 (with and without a q_lora_rank) and DeepSeek-V3 against transformers' own models (float32): logits at
 every position of a chunked prefill and greedy decoding through the paged engine, on the CPU path and on the Triton
-path (the paged-attention and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors); DeepSeek's routers against
-transformers' routers; a quantized build against transformers holding its dequantized weights; the KV cache's size;
-how configs are read; the refusals. The V3 checkpoint carries a random e_score_correction_bias (transformers writes
+path (the latent-attention and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors); DeepSeek's routers against
+transformers' routers; a quantized build against transformers holding its dequantized weights (the latent cache's own
+tests: test_mla_latent.py); how configs are read; the refusals. The V3 checkpoint carries a random e_score_correction_bias (transformers writes
 zeros), so the biased choice is checked."""
 
 import json
@@ -264,7 +264,8 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     """A quantized V3 build (every linear and expert: q_a, q_b, kv_a, kv_b, o, MLPs, experts; RTN, FP8, GPTQ and AWQ
     calibrated through the MLA layers) against transformers' model holding its dequantized weights (FP8: each layer
     linear's input rounded to E4M3 per token, as its dynamic activations are): logits over 34 positions (1e-4) and 12
-    greedy tokens."""
+    greedy tokens; and the logits again with every step's attention absorbed (W_UK / W_UV dequantized from kv_b's
+    format at load; not for FP8, whose kv_b rounds its input only in the expanded form)."""
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import fp8_per_token
@@ -293,6 +294,11 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
         want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
         got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+        if quantization["method"] != "fp8":  # the absorbed form's W_UK / W_UV: kv_b's dequantized weights exactly
+            for layer in llm.engine.runner.model.layers.values():  # (an FP8 kv_b's input is not rounded there)
+                layer.attn.form = "absorbed"
+            torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
+                                       atol=1e-4, rtol=1e-4)
     assert got[0].outputs[0].token_ids == want
 
 
@@ -434,23 +440,6 @@ def test_export_round_trips_and_transformers_reads_it(family, checkpoints, artif
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
     with LLM(quantized, device="cpu", num_kv_blocks=64) as a, LLM(back, device="cpu", num_kv_blocks=64) as b:
         torch.testing.assert_close(a.engine.score(token_ids), b.engine.score(token_ids), atol=0, rtol=0)
-
-
-def test_the_kv_cache_holds_expanded_heads(artifacts):
-    """The cache holds every head's K (qk_nope + qk_rope dims) and V zero-padded to it, and the memory planner's
-    per-token bytes are what the engine allocates: 2 * layers * heads * head_dim * 4 (float32)."""
-    from llmc.runtime.parallel.layout import kv_bytes_per_token, whole_model_layout
-
-    manifest = read_manifest(artifacts("deepseek_v3"))
-    model, kv = manifest.model, manifest.kv
-    assert (kv.num_kv_heads, kv.head_dim) == (model.num_heads, model.qk_nope_head_dim + model.qk_rope_head_dim)
-    assert (kv.num_kv_heads, kv.head_dim) == (4, 16)
-    planned = kv_bytes_per_token(model, whole_model_layout(model), 4)
-    assert planned == kv.bytes_per_token == 2 * model.num_layers * 4 * 16 * 4
-    with LLM(artifacts("deepseek_v3"), device="cpu", num_kv_blocks=16) as llm:
-        caches = [layer.attn.kv_cache for layer in llm.engine.runner.model.layers.values()]
-        block_size = caches[0][0].shape[1]
-        assert sum(t.numel() * t.element_size() for pair in caches for t in pair) == planned * 16 * block_size
 
 
 def test_configs_read_as_transformers_reads_them(checkpoints):
