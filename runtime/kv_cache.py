@@ -1,7 +1,8 @@
 """The KV cache's storage dtype and FP8 scales, from the artifact's kv section and the engine options.
 
 runtime.kv_cache_dtype (vLLM's names): auto stores K/V in the compute dtype; fp8 / fp8_e4m3 /
-fp8_e5m2 store them in one byte with a per-layer scale for K and one for V (K = k_scale * stored).
+fp8_e5m2 store them in one byte with a per-layer scale for K and one for V (K = k_scale * stored; DeepSeek's
+latent cache: k_scale alone, runtime/models/mla.py).
 The scales come from the artifact (the build's calibration pass, or an imported checkpoint's
 kv_cache_scheme); without any, 1.0 (vLLM's default), said once in the log. On a CPU the torch path
 reads and writes the same FP8 cache, so CPU tests see what a GPU stores.
@@ -65,7 +66,7 @@ def kv_cache_config(manifest: art.Manifest, options: art.RuntimeDefaults, comput
 
 def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write of KV blocks: block dst gets block src's K and V in every layer, for each
-    (src, dst) of `pairs` (caches [num_blocks, block_size, num_kv_heads, head_dim]; any device).
+    (src, dst) of `pairs` (caches [num_blocks, block_size, ...]: K and V, or MLA's one latent cache; any device).
     The sources are gathered before any destination is written, so a pair may read a block
     another pair writes."""
     if not pairs:

@@ -384,8 +384,8 @@ class DecoderModel(nn.Module):
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:
-        """One (K, V) per layer of this rank, in layer order, with its (k_scale, v_scale) for an FP8
-        cache (None: 1.0)."""
+        """One (K, V) per layer of this rank, in layer order (MLA: (latent,)), with its (k_scale, v_scale) for an
+        FP8 cache (None: 1.0; MLA reads k_scale)."""
         scales = scales or [(1.0, 1.0)] * len(kv_caches)
         for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache

@@ -125,30 +125,51 @@ def test_the_cache_is_the_latent_and_a_budget_holds_that_many_more_tokens(artifa
 
 
 @torch.inference_mode()
-def test_an_fp8_latent_cache(checkpoint, artifact, hf_logits, hf_encode, monkeypatch):
-    """kv_cache_dtype fp8: the latent cache is E4M3 (one scale per layer, 1.0 without calibrated ones): transformers'
-    logits (1e-4) where its own latent cache's two parts, the normed c_kv and the rotated k_pe, are rounded to E4M3,
-    and not the float cache's."""
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_an_fp8_latent_cache(calibrated, checkpoint, artifact, tmp_path, data_dir, hf_logits, hf_encode,
+                             monkeypatch):
+    """kv_cache_dtype fp8: the latent cache is E4M3 with one scale per layer (1.0 without calibrated ones; a build's
+    calibration records the amax of the latents it wrote / 448 as both k_scale and v_scale): transformers' logits
+    (1e-4) where its own latent cache's two parts, the normed c_kv and the rotated k_pe, are stored as
+    E4M3(x / scale) * scale, and not the float cache's."""
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
+    if calibrated:
+        artifact = build_float32(checkpoint, tmp_path / "fp8", runtime={"kv_cache_dtype": "fp8", "max_model_len": 256},
+                                 quantization={"calibration": {"data": str(data_dir / "calibration.txt"),
+                                                               "num_samples": 4, "seq_len": 32}})
+        kv = read_manifest(artifact).kv
+        assert kv.scales_source == "calibration" and kv.k_scales == kv.v_scales and min(kv.k_scales) > 0
+        scales = kv.k_scales
+    else:
+        scales = [1.0] * 3
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
     with LLM(artifact, kv_cache_dtype="fp8", **ENGINE) as llm:
         assert all(attn.kv_cache[0].dtype == torch.float8_e4m3fn for attn in _attention_modules(llm))
+        assert [attn.k_scale for attn in _attention_modules(llm)] == pytest.approx(scales)
         got = llm.engine.score(token_ids)
-    e4m3 = lambda x: x.to(torch.float8_e4m3fn).to(x.dtype)  # noqa: E731
+    assert (got - hf_logits(checkpoint, token_ids)).abs().max() > 1e-2  # (transformers' float cache: before the patch)
+    layer_of_call = iter(range(3))  # (one forward rotates layer 0, 1, 2 in turn)
+
+    def e4m3(x, layer):
+        return ((x / scales[layer]).to(torch.float8_e4m3fn).to(x.dtype) * scales[layer])
+
     rotate = hf.apply_rotary_pos_emb_interleave
-    monkeypatch.setattr(hf, "apply_rotary_pos_emb_interleave", lambda q, k, *args, **kwargs: (
-        lambda q_rot, k_rot: (q_rot, e4m3(k_rot)))(*rotate(q, k, *args, **kwargs)))
+
+    def rotate_and_round(q, k, *args, **kwargs):
+        q_rot, k_rot = rotate(q, k, *args, **kwargs)
+        return q_rot, e4m3(k_rot, next(layer_of_call))
+
+    monkeypatch.setattr(hf, "apply_rotary_pos_emb_interleave", rotate_and_round)
     model = _hf_model(checkpoint)
-    hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda _, args, out: e4m3(out))
-             for layer in model.model.layers]
+    hooks = [layer.self_attn.kv_a_layernorm.register_forward_hook(lambda _, args, out, i=i: e4m3(out, i))
+             for i, layer in enumerate(model.model.layers)]
     try:
         want = model(torch.tensor([token_ids])).logits[0]
     finally:
         for hook in hooks:
             hook.remove()
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert (got - hf_logits(checkpoint, token_ids)).abs().max() > 1e-2
 
 
 def test_inspect_states_the_latent_cache(artifact):
