@@ -158,3 +158,39 @@ def test_the_kernel_at_deepseek_v2_lite_shape_on_the_gpu(dtype, rel_err):
                                                                                    device="cuda"), query_lens, scale)
     assert out.shape == (q.shape[0], 16, 128) and torch.isfinite(out).all()
     assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < 2e-2
+
+
+_COMPILE_SM90 = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import mla_attention_triton as mt
+
+sig = {"q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "row_seq_ptr": "*i32",
+       "row_limit_ptr": "*i32", "out_ptr": "*bf16", **{s: "i32" for s in ("stride_qlt", "stride_qlh", "stride_qpt",
+       "stride_qph", "stride_slot", "stride_bt", "stride_ot", "stride_oh", "num_heads")}, "scale_log2": "fp32",
+       "kv_scale": "fp32"}
+constants = {"RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_SIZE": 16, "BLOCK_H": mt.BLOCK_H,
+             "BLOCK_N": mt.BLOCK_N, "PRECISION": "tf32"}
+names = list(mt._mla_kernel.arg_names)
+attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+source = ASTSource(mt._mla_kernel, {**sig, **{k: "constexpr" for k in constants}}, constants, attrs)
+try:
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+except FileNotFoundError as exc:  # a triton without its bundled ptxas
+    print("SKIP", exc)
+    raise SystemExit(0)
+ptx = kernel.asm["ptx"]
+print(json.dumps({"mma": "mma.sync" in ptx or "wgmma" in ptx, "local": ".local" in ptx,
+                  "shared": kernel.metadata.shared}))
+"""
+
+
+def test_the_kernel_compiles_for_sm90_at_the_deepseek_shape():
+    """The kernel at DeepSeek-V2 / V3's latent (512 + 64, bf16, blocks of 16 tokens) compiled for an H100 / H200 on
+    this machine (the installed triton and its ptxas, in a process of its own): tensor-core products, no local memory,
+    shared memory that fits."""
+    from tests.kernels.conftest import sm90_compile_facts
+
+    facts = sm90_compile_facts(_COMPILE_SM90)
+    assert facts["mma"] and not facts["local"] and facts["shared"] <= 227 * 1024, facts
