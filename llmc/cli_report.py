@@ -246,7 +246,9 @@ def print_inspect(report: dict) -> None:
         ("saved", _saved_line(report)),
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
-        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{_kv_ranks_note(kv, report['ranks'])}), "
+        ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{_kv_ranks_note(kv, report['ranks'])}"
+                     + (f"; MLA's latent, {kv['head_dim']} values per token and layer" if kv.get("latent") else "")
+                     + "), "
                      f"blocks of {kv['block_size']} tokens" + _kv_scales_note(kv)),
         ("runtime", f"max_model_len {rt['max_model_len']}, max_num_seqs {rt['max_num_seqs']}, "
                     f"max_num_batched_tokens {rt['max_num_batched_tokens']}, prefix caching "
@@ -395,7 +397,10 @@ def _kv_ranks_note(kv: dict, ranks: list[dict]) -> str:
     if len(ranks) == 1:
         return ""
     held = sum(r["kv_bytes_per_token"] for r in ranks)
-    return ", all ranks" if held == kv["bytes_per_token"] else f"; the ranks hold {held} together: KV heads replicated"
+    if held == kv["bytes_per_token"]:
+        return ", all ranks"
+    return f"; the ranks hold {held} together: " + ("each tensor rank the whole latent" if kv.get("latent")
+                                                     else "KV heads replicated")
 
 
 def _kv_scales_note(kv: dict) -> str:

@@ -101,10 +101,11 @@ def _hf_model(checkpoint):
 
 def test_the_cache_is_the_latent_and_a_budget_holds_that_many_more_tokens(artifact):
     """Per token and layer kv_lora_rank + qk_rope_head_dim values (32 + 4 here; 576 for V2 / V3): the manifest, the
-    memory plan and the engine's tensors agree with (kv_lora_rank + qk_rope_head_dim) x layers x 4 bytes (float32),
-    and a cpu_kv_cache_gib budget holds 2 x heads x (qk_nope + qk_rope) / (kv_lora_rank + qk_rope) = 3.6x the tokens
+    memory plan and the engine's tensors agree with (kv_lora_rank + qk_rope_head_dim) x layers x 4 bytes (float32;
+    on each of two tensor ranks too: the latent is every head's), and a cpu_kv_cache_gib budget holds 2 x heads x (qk_nope + qk_rope) / (kv_lora_rank + qk_rope) = 3.6x the tokens
     the expanded heads held."""
-    from llmc.runtime.parallel.layout import kv_bytes_per_token, whole_model_layout
+    from llmc.runtime.artifact import ParallelPlan
+    from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token, whole_model_layout
 
     manifest = read_manifest(artifact)
     model, kv = manifest.model, manifest.kv
@@ -112,6 +113,8 @@ def test_the_cache_is_the_latent_and_a_budget_holds_that_many_more_tokens(artifa
     assert latent == 36 and kv.latent and (kv.num_kv_heads, kv.head_dim) == (1, latent)
     per_token = latent * model.num_layers * 4
     assert kv.bytes_per_token == kv_bytes_per_token(model, whole_model_layout(model), 4) == per_token
+    # tensor parallel 2: each rank its 2 heads' W_UK / W_UV, and the whole latent of every token
+    assert [kv_bytes_per_token(model, r, 4) for r in all_rank_layouts(model, ParallelPlan(2))] == [per_token] * 2
     expanded = 2 * model.num_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim) * model.num_layers * 4
     budget_gib = 1 / 1024  # 1 MiB
     with LLM(artifact, device="cpu", cpu_kv_cache_gib=budget_gib, max_model_len=64) as llm:
@@ -180,4 +183,5 @@ def test_inspect_states_the_latent_cache(artifact):
     result = CliRunner().invoke(cli, ["inspect", str(artifact)])
     assert result.exit_code == 0, result.output
     assert "latent KV cache of 32 + 4 values per token and layer, kv_b absorbed" in result.output
-    assert "KV cache                          432 bytes/token (float32)" in result.output  # 36 x 3 layers x 4
+    assert ("KV cache                          432 bytes/token (float32; MLA's latent, 36 values per token and layer)"
+            in result.output)  # 36 x 3 layers x 4 bytes
