@@ -185,3 +185,20 @@ def test_inspect_states_the_latent_cache(artifact):
     assert "latent KV cache of 32 + 4 values per token and layer, kv_b absorbed" in result.output
     assert ("KV cache                          432 bytes/token (float32; MLA's latent, 36 values per token and layer)"
             in result.output)  # 36 x 3 layers x 4 bytes
+
+
+def test_an_older_manifest_records_the_expanded_cache_and_still_loads(artifact):
+    """A 1.20 / 1.21 DeepSeek manifest's kv section is the expanded cache it ran with (num_heads K and V heads of
+    qk_nope + qk_rope dims): accepted (the runtime allocates the latent cache from the model's fields); a 1.22 one
+    must say latent."""
+    import dataclasses
+
+    from llmc.errors import ArtifactError
+    from llmc.runtime import artifact as art
+
+    manifest = read_manifest(artifact)
+    expanded = dataclasses.replace(manifest.kv, latent=False, num_kv_heads=4, head_dim=16)
+    art._check_consistency(dataclasses.replace(manifest, format_version="1.21", kv=expanded))
+    for kv in (expanded, dataclasses.replace(manifest.kv, latent=False)):
+        with pytest.raises(ArtifactError, match="kv does not match .* \\(MLA: its latent cache\\)"):
+            art._check_consistency(dataclasses.replace(manifest, kv=kv))
