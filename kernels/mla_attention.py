@@ -60,7 +60,7 @@ def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: 
 
 def mla_attention(
     q: Tensor, cache: Tensor, w_uk: Tensor, w_uv: Tensor, block_tables: Tensor, context_lens: Tensor,
-    query_lens: list[int], scale: float, kv_scale: float = 1.0, *,
+    query_lens: list[int], scale: float, kv_scale: float = 1.0, max_context_len: int | None = None, *,
     expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, form: str | None = None,
     index_cache: dict | None = None, prefill_index: PrefillIndex | None = None, out: Tensor | None = None,
 ) -> Tensor:
@@ -70,7 +70,8 @@ def mla_attention(
     kv_lora_rank], w_uv [num_heads, v_head_dim, kv_lora_rank] in q's dtype. expand(c_kv [n, kv_lora_rank]) → (k_nope
     [n, num_heads, qk_nope], v [n, num_heads, v_head_dim]): the expanded form's kv_b (None: always absorbed). form:
     "absorbed" or "expanded" for every sequence on a CPU; None: each by takes_expanded's rule (CUDA: absorbed
-    always). Returns [num_tokens, num_heads, v_head_dim]
+    always). max_context_len: at least every context_lens entry (a host value: CUDA splits long contexts of few rows
+    by it; None: no split). Returns [num_tokens, num_heads, v_head_dim]
     (into out[..., :v_head_dim] when given)."""
     nope = w_uk.shape[1]
     q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
@@ -80,7 +81,7 @@ def mla_attention(
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_tokens, num_heads, kv_lora_rank]
         row_seq, row_limit = row_index(query_lens, context_lens, q.shape[0], index_cache, prefill_index)
         out_lat = mla_attention_triton.mla_absorbed_attention(q_lat, q_pe, cache, block_tables, row_seq, row_limit,
-                                                              scale, kv_scale)
+                                                              scale, kv_scale, max_context_len)
         attn = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return attn if out is None else out[..., : attn.shape[-1]].copy_(attn)
     rank = w_uk.shape[2]

@@ -6,7 +6,10 @@ BLOCK_H rows. A token's cached vector is split as kv_lora_rank + qk_rope_head_di
 into the latent c_kv and the rope key k_pe, each in its own power-of-two block (narrower dims masked):
   score = (q_latent · c_kv + q_pe · k_pe) * scale,   out_latent = softmax(score) · c_kv
 over the keys [0, row_limit) of the row's sequence, through its block table; a row whose limit is 0 (a padding row)
-writes zeros. An FP8 cache's one scale multiplies every loaded key (the latent and the rope key alike).
+writes zeros. Where the (row, head block) programs are too few to fill the GPU (a decode of few sequences: V2-Lite's
+16 heads are one block), each row's keys are split over partitions (a third grid axis), each partition's normalized
+output, running max and sum stored in float32 and merged by torch ops after (as the paged-attention decode kernel's
+split; a CUDA graph captures both, the split fixed by the graph's max_context_len). An FP8 cache's one scale multiplies every loaded key (the latent and the rope key alike).
 """
 
 from __future__ import annotations
@@ -16,27 +19,35 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import device_num_sms
+
 BLOCK_N = 32  # keys per tile
 BLOCK_H = 16  # heads per program (tl.dot's smallest M)
+MIN_PARTITION_KEYS = 256  # a split's partitions: at least this many keys each
+MAX_PARTITIONS = 32
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # (per-step: attention_triton's NOTE (specialization))
+@triton.jit(do_not_specialize=["stride_bt", "num_rows", "partition_size"])  # (per-step: attention_triton's NOTE (specialization))
 def _mla_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, row_seq_ptr, row_limit_ptr, out_ptr,
+    q_lat_ptr, q_pe_ptr, cache_ptr, bt_ptr, row_seq_ptr, row_limit_ptr, out_ptr, ml_ptr,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_slot, stride_bt, stride_ot, stride_oh,
-    num_heads, scale_log2, kv_scale,
+    num_heads, num_rows, partition_size, scale_log2, kv_scale,
     RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    part = tl.program_id(2)
     h_mask = heads < num_heads
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     r_mask, p_mask = offs_r < RANK, offs_p < ROPE
     seq = tl.load(row_seq_ptr + row)
     limit = tl.load(row_limit_ptr + row)
+    first = part * partition_size  # this program's keys: [first, min(first + partition_size, limit))
+    end = tl.minimum(limit, first + partition_size)
     q_lat = tl.load(q_lat_ptr + row * stride_qlt + heads[:, None] * stride_qlh + offs_r[None, :],
                     mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
     q_pe = tl.load(q_pe_ptr + row * stride_qpt + heads[:, None] * stride_qph + offs_p[None, :],
@@ -45,9 +56,9 @@ def _mla_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, limit, BLOCK_N):
+    for start in range(first, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < limit
+        n_mask = offs_n < end
         blocks = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
         slots = (blocks.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * stride_slot  # [BLOCK_N]
         c_kv = tl.load(cache_ptr + slots[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :],
@@ -66,29 +77,61 @@ def _mla_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(c_kv.dtype), c_kv, input_precision=PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptr += part * num_rows * stride_ot  # (partition p's rows follow partition p - 1's)
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_r[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=h_mask[:, None] & r_mask[None, :])
+    if SPLIT:  # the partition's running max (exp2 units) and sum, [partitions, rows, heads, 2], for the merge
+        ml = ml_ptr + ((part * num_rows + row) * num_heads + heads) * 2
+        tl.store(ml, m_i, mask=h_mask)
+        tl.store(ml + 1, l_i, mask=h_mask)
+
+
+def num_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Partitions of the keys per row: 1 while the (row, head block) programs fill the GPU (2 per SM); else enough
+    to, each of at least MIN_PARTITION_KEYS keys, at most MAX_PARTITIONS (a decode of few sequences and heads:
+    DeepSeek-V2-Lite's 16 heads are one program per row). Depends on max_context_len, which a CUDA graph fixes
+    (max_model_len)."""
+    if num_programs >= 2 * num_sms:
+        return 1
+    by_keys = triton.cdiv(max_context_len, MIN_PARTITION_KEYS)
+    return max(1, min(by_keys, MAX_PARTITIONS, triton.cdiv(2 * num_sms, num_programs)))
 
 
 def mla_absorbed_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, block_tables: Tensor, row_seq: Tensor,
-                           row_limit: Tensor, scale: float, kv_scale: float = 1.0) -> Tensor:
+                           row_limit: Tensor, scale: float, kv_scale: float = 1.0, max_context_len: int | None = None,
+                           partitions: int | None = None) -> Tensor:
     """q_lat [T, H, kv_lora_rank], q_pe [T, H, qk_rope_head_dim] (q's dtype), cache [num_blocks, block_size,
     kv_lora_rank + qk_rope_head_dim] → out_latent [T, H, kv_lora_rank] in q's dtype; row t attends keys
-    [0, row_limit[t]) of sequence row_seq[t] (int32 device tensors)."""
+    [0, row_limit[t]) of sequence row_seq[t] (int32 device tensors). max_context_len: a bound on every row_limit
+    (a host value: it sizes the split); partitions: the split forced (None: num_partitions', 1 off CUDA)."""
     num_rows, num_heads, rank = q_lat.shape
     rope = q_pe.shape[-1]
     block_size = cache.shape[1]
-    out = torch.empty_like(q_lat)
     if num_rows == 0:
-        return out
+        return torch.empty_like(q_lat)
     assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and cache.is_contiguous()
-    grid = (num_rows, triton.cdiv(num_heads, BLOCK_H))
-    _mla_kernel[grid](
-        q_lat, q_pe, cache, block_tables, row_seq, row_limit, out,
+    head_blocks = triton.cdiv(num_heads, BLOCK_H)
+    if partitions is None:
+        partitions = 1 if max_context_len is None or not q_lat.is_cuda else num_partitions(
+            num_rows * head_blocks, max_context_len, device_num_sms(q_lat.device))
+    split = partitions > 1
+    partition_size = triton.cdiv(triton.cdiv(max_context_len or 1, partitions), BLOCK_N) * BLOCK_N if split else 2**30
+    # split: each partition's normalized output in float32, then merged by its share of the softmax's sum
+    out = torch.empty((partitions * num_rows, num_heads, rank), dtype=torch.float32 if split else q_lat.dtype,
+                      device=q_lat.device)
+    ml = torch.empty((partitions, num_rows, num_heads, 2), dtype=torch.float32, device=q_lat.device) if split else out
+    _mla_kernel[(num_rows, head_blocks, partitions)](
+        q_lat, q_pe, cache, block_tables, row_seq, row_limit, out, ml,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), num_heads, scale * _LOG2E, kv_scale,
+        out.stride(0), out.stride(1), num_heads, num_rows, partition_size, scale * _LOG2E, kv_scale,
         RANK=rank, ROPE=rope, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_SIZE=block_size, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-        PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", SPLIT=split,
     )
-    return out
+    if not split:
+        return out
+    m, l = ml.unbind(-1)  # [partitions, rows, heads] each
+    weight = l * torch.exp2(m - m.amax(dim=0, keepdim=True))  # an empty partition: l 0
+    total = weight.sum(dim=0)
+    merged = (out.view(partitions, num_rows, num_heads, rank) * weight[..., None]).sum(dim=0)
+    return (merged / torch.where(total > 0, total, 1.0)[..., None]).to(q_lat.dtype)

@@ -57,10 +57,13 @@ def reference(q, latents, w_uk, w_uv, query_lens, scale):
 
 
 CASES = {
-    # name: (context_lens, query_lens, num_heads, nope, rope, v_dim, rank, block_size)
-    "decode": ([1, 17, 100], [1, 1, 1], 4, 16, 16, 16, 32, 16),
-    "chunked-mixed": ([40, 9, 70], [13, 1, 70], 4, 16, 16, 8, 32, 8),
-    "uneven-dims-and-many-heads": ([33, 5], [1, 5], 20, 12, 4, 8, 24, 16),  # two head blocks; masked 24 + 4 dims
+    # name: (context_lens, query_lens, num_heads, nope, rope, v_dim, rank, block_size, partitions)
+    "decode": ([1, 17, 100], [1, 1, 1], 4, 16, 16, 16, 32, 16, 1),
+    "chunked-mixed": ([40, 9, 70], [13, 1, 70], 4, 16, 16, 8, 32, 8, 1),
+    "uneven-dims-and-many-heads": ([33, 5], [1, 5], 20, 12, 4, 8, 24, 16, 1),  # two head blocks; masked 24 + 4 dims
+    # the keys split over partitions of 64 (a decode of few rows on a GPU): empty ones (a 1-token context), merged
+    "split-decode": ([1, 17, 300], [1, 1, 1], 4, 16, 16, 16, 32, 16, 5),
+    "split-mixed": ([130, 9, 40], [5, 1, 9], 4, 12, 4, 8, 24, 8, 3),
 }
 
 
@@ -69,7 +72,7 @@ def test_the_absorbed_kernel_matches_float64(dot_case, rel_err, case):
     from llmc.kernels.mla_attention_triton import mla_absorbed_attention
 
     device, dtype = dot_case
-    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES[case]
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size, partitions = CASES[case]
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
                                                         block_size, dtype, device)
     scale = (nope + rope) ** -0.5
@@ -77,7 +80,8 @@ def test_the_absorbed_kernel_matches_float64(dot_case, rel_err, case):
     row_seq, row_limit = mla_attention.row_index(query_lens, ctx, q.shape[0], None, None)
     q_nope, q_pe = q.split([nope, rope], dim=-1)
     q_lat = torch.einsum("thn,hnr->thr", q_nope.double(), w_uk.double()).to(dtype)
-    out_lat = mla_absorbed_attention(q_lat, q_pe, cache, tables, row_seq, row_limit, scale)
+    out_lat = mla_absorbed_attention(q_lat, q_pe, cache, tables, row_seq, row_limit, scale,
+                                     max_context_len=max(context_lens), partitions=partitions)
     assert out_lat.shape == (q.shape[0], heads, rank) and torch.isfinite(out_lat).all()
     got = torch.einsum("thr,hvr->thv", out_lat.double(), w_uv.double())
     assert rel_err(got.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
@@ -87,7 +91,7 @@ def test_the_absorbed_kernel_matches_float64(dot_case, rel_err, case):
 @pytest.mark.parametrize("form", mla_attention.FORMS + (None,))
 def test_the_torch_forms_match_float64(form, rel_err):
     """The CPU path, absorbed, expanded (kv_b of the context's latents) and by the measured rule: float64's."""
-    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES["chunked-mixed"]
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size, _ = CASES["chunked-mixed"]
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
                                                         block_size, torch.float64, "cpu")
 
@@ -105,7 +109,7 @@ def test_an_fp8_cache_holds_the_latent_with_one_scale(rel_err):
     and the torch path; both give float64's attention over those rounded latents."""
     from llmc.kernels.mla_attention_triton import mla_absorbed_attention
 
-    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size = CASES["chunked-mixed"]
+    context_lens, query_lens, heads, nope, rope, v_dim, rank, block_size, _ = CASES["chunked-mixed"]
     scale_kv = 0.05
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
                                                         block_size, torch.float32, "cpu",
@@ -146,16 +150,17 @@ def test_a_prefill_index_gives_each_row_its_sequence_and_prefix():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_kernel_at_deepseek_v2_lite_shape_on_the_gpu(dtype, rel_err):
+@pytest.mark.parametrize("context_lens, query_lens", [([1, 700, 333, 129], [1, 1, 200, 129]), ([2000, 37], [1, 1])])
+def test_the_kernel_at_deepseek_v2_lite_shape_on_the_gpu(dtype, context_lens, query_lens, rel_err):
     """DeepSeek-V2-Lite's attention (16 heads, 128 + 64 q/k dims, 128 v dims, latent 512 + 64, blocks of 16) through
     mla_attention on CUDA (the absorbed kernel for every row: decode rows, a chunk after a cached prefix, a fresh
-    prompt): float64's expanded attention."""
-    context_lens, query_lens = [1, 700, 333, 129], [1, 1, 200, 129]
+    prompt; and a decode of two rows, whose keys the kernel splits over partitions): float64's expanded attention."""
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, 16, 128, 64, 128, 512, 16, dtype,
                                                         "cuda")
     scale = 192 ** -0.5
     out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens, dtype=torch.int32,
-                                                                                   device="cuda"), query_lens, scale)
+                                                                                   device="cuda"), query_lens, scale,
+                                      max(context_lens))
     assert out.shape == (q.shape[0], 16, 128) and torch.isfinite(out).all()
     assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < 2e-2
 
@@ -166,31 +171,37 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmc.kernels import mla_attention_triton as mt
 
-sig = {"q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "row_seq_ptr": "*i32",
-       "row_limit_ptr": "*i32", "out_ptr": "*bf16", **{s: "i32" for s in ("stride_qlt", "stride_qlh", "stride_qpt",
-       "stride_qph", "stride_slot", "stride_bt", "stride_ot", "stride_oh", "num_heads")}, "scale_log2": "fp32",
-       "kv_scale": "fp32"}
-constants = {"RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_SIZE": 16, "BLOCK_H": mt.BLOCK_H,
-             "BLOCK_N": mt.BLOCK_N, "PRECISION": "tf32"}
-names = list(mt._mla_kernel.arg_names)
-attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
-source = ASTSource(mt._mla_kernel, {**sig, **{k: "constexpr" for k in constants}}, constants, attrs)
-try:
-    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-except FileNotFoundError as exc:  # a triton without its bundled ptxas
-    print("SKIP", exc)
-    raise SystemExit(0)
-ptx = kernel.asm["ptx"]
-print(json.dumps({"mma": "mma.sync" in ptx or "wgmma" in ptx, "local": ".local" in ptx,
-                  "shared": kernel.metadata.shared}))
+facts = {}
+for split in (False, True):  # (split: the partitions' outputs in float32)
+    sig = {"q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32", "row_seq_ptr": "*i32",
+           "row_limit_ptr": "*i32", "out_ptr": "*fp32" if split else "*bf16", "ml_ptr": "*fp32",
+           **{s: "i32" for s in ("stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_slot", "stride_bt",
+                                 "stride_ot", "stride_oh", "num_heads", "num_rows", "partition_size")},
+           "scale_log2": "fp32", "kv_scale": "fp32"}
+    constants = {"RANK": 512, "ROPE": 64, "BLOCK_R": 512, "BLOCK_P": 64, "BLOCK_SIZE": 16, "BLOCK_H": mt.BLOCK_H,
+                 "BLOCK_N": mt.BLOCK_N, "PRECISION": "tf32", "SPLIT": split}
+    names = list(mt._mla_kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    source = ASTSource(mt._mla_kernel, {**sig, **{k: "constexpr" for k in constants}}, constants, attrs)
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        print("SKIP", exc)
+        raise SystemExit(0)
+    ptx = kernel.asm["ptx"]
+    facts[str(split)] = {"mma": "mma.sync" in ptx or "wgmma" in ptx, "local": ".local" in ptx,
+                         "shared": kernel.metadata.shared}
+print(json.dumps(facts))
 """
 
 
 def test_the_kernel_compiles_for_sm90_at_the_deepseek_shape():
-    """The kernel at DeepSeek-V2 / V3's latent (512 + 64, bf16, blocks of 16 tokens) compiled for an H100 / H200 on
-    this machine (the installed triton and its ptxas, in a process of its own): tensor-core products, no local memory,
-    shared memory that fits."""
+    """The kernel, unsplit and split, at DeepSeek-V2 / V3's latent (512 + 64, bf16, blocks of 16 tokens) compiled for
+    an H100 / H200 on this machine (the installed triton and its ptxas, in a process of its own): tensor-core products,
+    no local memory, shared memory that fits."""
     from tests.kernels.conftest import sm90_compile_facts
 
     facts = sm90_compile_facts(_COMPILE_SM90)
-    assert facts["mma"] and not facts["local"] and facts["shared"] <= 227 * 1024, facts
+    assert len(facts) == 2
+    for split, kernel in facts.items():
+        assert kernel["mma"] and not kernel["local"] and kernel["shared"] <= 227 * 1024, (split, kernel)
