@@ -11,8 +11,7 @@ in one of two forms of the same function (the DeepSeek-V2 paper's weight absorpt
 The absorbed form reads 576 values per key for every head at once; the expanded one computes num_heads * (qk_nope +
 v) per key first, which pays back over many queries. On CUDA the absorbed form runs for every step in one Triton
 kernel (mla_attention_triton.py: decode and prefill rows alike, each query row over its causal prefix); on a CPU the
-torch code below picks by each sequence's query count (EXPAND_MIN_QUERIES, measured) and is the kernel tests' oracle
-together with their float64 expanded reference.
+torch code below picks a form per sequence by its queries against its context (takes_expanded, measured).
 
 An FP8 cache (float8_e4m3fn / e5m2) stores clamp(x / kv_scale) for c_kv and k_pe alike: one scale per layer (the
 artifact's k_scale; vLLM's MLA cache has one too). Shapes as attention.py's (query_lens on the host; prefill_index:

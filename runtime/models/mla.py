@@ -46,7 +46,6 @@ class MLAttention(torch.nn.Module):
         layout = layout or whole_model_layout(config)
         self.num_heads, self.num_kv_heads = layout.num_heads, 1  # (one latent per token, every head's)
         self.head_dim, self.scale = config.head_dim, config.attention_scale
-        self.latent_dim = config.kv_lora_rank + config.qk_rope_head_dim
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank, self.is_rope_interleaved = config.kv_lora_rank, config.mla_rope_interleave
         self.sliding_window, self.is_local_rope, self.softcap = None, False, None
@@ -117,9 +116,8 @@ class MLAttention(torch.nn.Module):
             raise ValueError("latent attention reads no key_limits")
         return mla_attention(q, self.kv_cache[0], self.w_uk, self.w_uv, batch.block_tables, batch.context_lens,
                              batch.query_lens, self.scale, self.k_scale, batch.max_context_len, expand=self.expand,
-                             form=self.form,
-                             index_cache=batch.kernel_cache,
-                             prefill_index=batch.prefill_index, out=out)
+                             form=self.form, index_cache=batch.kernel_cache, prefill_index=batch.prefill_index,
+                             out=out)
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, >= v_head_dim] → o of its first v_head_dim dims per head [num_tokens, hidden]
