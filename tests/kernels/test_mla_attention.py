@@ -160,7 +160,7 @@ def test_the_kernel_at_deepseek_v2_lite_shape_on_the_gpu(dtype, context_lens, qu
     scale = 192 ** -0.5
     out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens, dtype=torch.int32,
                                                                                    device="cuda"), query_lens, scale,
-                                      max(context_lens))
+                                      max_context_len=max(context_lens))
     assert out.shape == (q.shape[0], 16, 128) and torch.isfinite(out).all()
     assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < 2e-2
 

@@ -4,7 +4,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import os
+
 import torch
+
+DEV = os.environ.get("DEV", "cuda")
 
 from llmc.kernels import mla_attention, mla_attention_triton as mt
 
@@ -35,19 +39,19 @@ def rel(a, b):
 def case(name, context_lens, query_lens, dtype, heads=16, rank=512, rope=64, strided=True, partitions=None,
          nan=True):
     (q, cache, tables, w_uk, w_uv), latents = t.make_step(context_lens, query_lens, heads, 128, rope, 128, rank, 16,
-                                                          dtype, "cuda")
+                                                          dtype, DEV)
     if not nan:
         cache = torch.nan_to_num(cache, nan=0.0)
     q_nope, q_pe = q.split([128, rope], -1)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
     if not strided:
         q_lat = q_lat.contiguous()
-    ctx = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=DEV)
     row_seq, row_limit = mla_attention.row_index(query_lens, ctx, q.shape[0], None, None)
     scale = 192 ** -0.5
     got = mt.mla_absorbed_attention(q_lat, q_pe, cache, tables, row_seq, row_limit, scale, 1.0, max(context_lens),
                                     partitions)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize() if DEV == "cuda" else None
     want = torch_absorbed(q_lat, q_pe, torch.nan_to_num(cache, nan=0.0), tables, row_seq, row_limit, scale, rank)
     per_row = [round(rel(got[r], want[r]), 4) for r in range(min(4, got.shape[0]))]
     print(f"{name:44s} rel {rel(got, want):.3e}  max|got| {got.float().abs().max():.3g} max|want| "
