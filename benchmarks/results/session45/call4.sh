@@ -5,8 +5,9 @@
 source benchmarks/gpu_env.sh
 export PYTHONPATH=$PYTHONPATH:$repo/.gpu_deps
 nvidia-smi --query-gpu=name,clocks.max.sm,power.limit --format=csv,noheader
-timeout 420 python -P -m pytest -q -p no:cacheprovider -m gpu -x tests/kernels/test_mla_attention.py \
+timeout 420 python -P -m pytest -p no:cacheprovider -m gpu -x tests/kernels/test_mla_attention.py \
   tests/runtime/test_deepseek.py tests/compiler/test_gguf.py tests/runtime/test_memory_plan.py \
   tests/runtime/test_piecewise_graphs.py tests/runtime/test_cuda_graphs.py tests/runtime/test_overlap.py \
-  tests/runtime/test_spec_draft.py tests/runtime/test_hf_equivalence.py 2>&1 | tail -25
+  tests/runtime/test_spec_draft.py tests/runtime/test_hf_equivalence.py -v > $OUT/pytest.log 2>&1
+grep -E "PASSED|FAILED|ERROR|SKIPPED|Fatal|Segmentation|^  File \"/|passed|failed" $OUT/pytest.log | grep -v "site-packages" | head -60
 echo "[+${SECONDS}s] done"
