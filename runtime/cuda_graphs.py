@@ -155,6 +155,9 @@ class CudaGraphs:
                     self.lora_slots.active = lora
                 self.hidden[:batch_size] = self.forward(input_ids, batch)  # warm-up: compiles this shape's kernels
                 torch.cuda.synchronize(self.device)
+                # the warm-up's index tensors (kernels' per-step cache) are not the graph's: made again in it, so a
+                # replay never reads memory freed after capture (an illegal address, session 45's MLA rows)
+                batch.kernel_cache.clear()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: another replica's engine thread may run its steps meanwhile
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
