@@ -59,7 +59,7 @@ def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: 
 
 def mla_attention(
     q: Tensor, cache: Tensor, w_uk: Tensor, w_uv: Tensor, block_tables: Tensor, context_lens: Tensor,
-    query_lens: list[int], scale: float, kv_scale: float = 1.0, max_context_len: int | None = None, *,
+    query_lens: list[int], scale: float, *, kv_scale: float = 1.0, max_context_len: int | None = None,
     expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, form: str | None = None,
     index_cache: dict | None = None, prefill_index: PrefillIndex | None = None, out: Tensor | None = None,
 ) -> Tensor:

@@ -115,7 +115,8 @@ class MLAttention(torch.nn.Module):
         if batch.key_limits is not None:  # (a vision model's steps only: DeepSeek has none)
             raise ValueError("latent attention reads no key_limits")
         return mla_attention(q, self.kv_cache[0], self.w_uk, self.w_uv, batch.block_tables, batch.context_lens,
-                             batch.query_lens, self.scale, self.k_scale, batch.max_context_len, expand=self.expand,
+                             batch.query_lens, self.scale, kv_scale=self.k_scale,
+                             max_context_len=batch.max_context_len, expand=self.expand,
                              form=self.form, index_cache=batch.kernel_cache, prefill_index=batch.prefill_index,
                              out=out)
 

@@ -118,7 +118,7 @@ def test_an_fp8_cache_holds_the_latent_with_one_scale(rel_err):
     scale = (nope + rope) ** -0.5
     want = reference(q, latents, w_uk, w_uv, query_lens, scale)
     ctx = torch.tensor(context_lens, dtype=torch.int32)
-    torch_out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, ctx, query_lens, scale, scale_kv)
+    torch_out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, ctx, query_lens, scale, kv_scale=scale_kv)
     assert rel_err(torch_out, want) < 1e-5
     row_seq, row_limit = mla_attention.row_index(query_lens, ctx, q.shape[0], None, None)
     q_lat = torch.einsum("thn,hnr->thr", q[..., :nope], w_uk)
