@@ -67,7 +67,12 @@ ROUND_TRIPS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(ROUND_TRIPS))
+# 2-3.5 s each: the default run keeps one of each method and layout (sym gpu, asym plain, act order, static FP8, w8)
+SLOW_ROUND_TRIPS = ("rtn-w4-asym-g32-gpu", "rtn-w8-asym-g32", "gptq-w4-g32", "fp8-dynamic", "fp8-per-tensor")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_ROUND_TRIPS else k
+                                  for k in ROUND_TRIPS])
 def test_round_trip_through_the_importer(kind, tiny_llama, tmp_path, data_dir):
     quant, device = ROUND_TRIPS[kind]
     if "calibration" in quant:

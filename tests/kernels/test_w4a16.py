@@ -249,7 +249,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, pytest.param(5, marks=pytest.mark.slow), 33])  # (1: one row; 33: past a tile)
 @pytest.mark.parametrize("k,n,group_size,symmetric", SHAPES[:3])
 def test_triton_gemm_matches_reference(dot_case, rel_err, m, k, n, group_size, symmetric) -> None:
     from llmc.kernels.w4a16_triton import launch_w4a16_gemm
@@ -486,7 +486,8 @@ print("spills", "0 bytes spill stores" not in info.stdout + info.stderr)
 """
 
 
-@pytest.mark.parametrize("order", ["slice", "tile", "acc", "acc8", "ws"])
+@pytest.mark.parametrize("order", [*(pytest.param(o, marks=pytest.mark.slow) for o in ("slice", "tile")),
+                                   "acc", "acc8", "ws"])  # 2 s each: the default run compiles the orders the table runs
 def test_wgmma_kernel_compiles_for_sm90_without_spills(order) -> None:
     """The Gluon kernels compiled for an H100 on this CPU (the installed triton and its ptxas), in a
     process of its own (the tests here run Triton's interpreter): wgmma, TMA loads, the paired bf16

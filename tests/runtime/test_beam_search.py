@@ -98,9 +98,10 @@ def _run_beam_requests(llm, prompts, width, max_tokens):
 
 @pytest.mark.parametrize("options", [
     {"num_kv_blocks": 64, "enable_prefix_caching": True},
-    {"num_kv_blocks": 64, "enable_prefix_caching": False},
+    pytest.param({"num_kv_blocks": 64, "enable_prefix_caching": False}, marks=pytest.mark.slow),  # 3 s each
     # two searches that do not fit at once (seats and blocks): beams wait, are held and preempted
-    {"num_kv_blocks": 8, "max_num_seqs": 4, "max_model_len": 16, "enable_prefix_caching": False},
+    pytest.param({"num_kv_blocks": 8, "max_num_seqs": 4, "max_model_len": 16, "enable_prefix_caching": False},
+                 marks=pytest.mark.slow),
     {"num_kv_blocks": 8, "max_num_seqs": 8, "max_model_len": 16, "enable_prefix_caching": True},
 ])
 def test_beams_share_kv_blocks_with_copy_on_write(tiny_vocab, options):

@@ -31,7 +31,8 @@ CASES = {
 }
 
 
-SLOW_CASES = ("w8-g32", "w3-g32-asym", "fp8-tensor-static")  # 3.3 s each; w4 and fp8-channel cover their paths
+SLOW_CASES = ("w8-g32", "w3-g32-asym", "fp8-tensor-static", "w4-asym-channel", "fp8-channel")  # 3.5 s each; the
+# gpu-layout w4, block FP8 and the MoE experts cover their paths
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])

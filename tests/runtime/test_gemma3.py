@@ -91,10 +91,10 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_gemma3):
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "rtn", "bits": 8, "group_size": 32},
+    pytest.param({"method": "rtn", "bits": 8, "group_size": 32}, marks=pytest.mark.slow),
     {"method": "gptq", "bits": 4, "group_size": 32},
     {"method": "awq", "bits": 4, "group_size": 32},
-    {"method": "fp8"},
+    pytest.param({"method": "fp8"}, marks=pytest.mark.slow),  # 2 s; tests/compiler covers FP8 linears
 ], ids=["rtn-w4", "rtn-w8", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_gemma3_on_their_weights(quantization, tiny_gemma3, tmp_path, data_dir,
                                                                    hf_encode):

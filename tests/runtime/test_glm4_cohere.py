@@ -205,7 +205,7 @@ def _quantized(checkpoint, tmp_path, data_dir, quantization: dict):
     {"method": "rtn", "bits": 4, "group_size": 32},
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),  # RTN's path, calibrated
     {"method": "awq", "bits": 4, "group_size": 32},
-    {"method": "fp8"},
+    pytest.param({"method": "fp8"}, marks=pytest.mark.slow),  # 2 s; tests/compiler covers FP8 linears
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_glm4_on_their_weights(quantization, tiny_glm4, tmp_path, data_dir,
                                                                  hf_encode):
@@ -374,7 +374,7 @@ def test_the_cohere2_artifact_holds_the_model_as_transformers_reads_it(tiny_cohe
     {"method": "rtn", "bits": 4, "group_size": 32},
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32, "act_order": True}, marks=pytest.mark.slow),
     {"method": "awq", "bits": 4, "group_size": 32},
-    {"method": "fp8"},
+    pytest.param({"method": "fp8"}, marks=pytest.mark.slow),  # 2 s; tests/compiler covers FP8 linears
 ], ids=["rtn-w4", "gptq-w4-act-order", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_cohere2_on_their_weights(quantization, tiny_cohere2, tmp_path, data_dir,
                                                                     hf_encode):

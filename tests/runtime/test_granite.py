@@ -121,7 +121,7 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_granite):
     # calibrated: the same code as Gemma 3's (which runs them by default); with -m slow here
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
     pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
-    {"method": "fp8"},
+    pytest.param({"method": "fp8"}, marks=pytest.mark.slow),  # 2 s; tests/compiler covers FP8 linears
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_granite_on_their_weights(quantization, tiny_granite, tmp_path, data_dir,
                                                                     hf_encode):

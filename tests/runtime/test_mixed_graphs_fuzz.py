@@ -149,8 +149,8 @@ def windowed_mistral_fuzz(tmp_path_factory, hf_checkpoint_factory):
 
 
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen3", "windowed_mistral_fuzz",
-                                    pytest.param("tiny_qwen3_moe", marks=pytest.mark.slow)])  # 5 s per kernel
+@pytest.mark.parametrize("family", ["tiny_llama", "windowed_mistral_fuzz",  # 3-5 s per kernel
+                                    *(pytest.param(f, marks=pytest.mark.slow) for f in ("tiny_qwen3", "tiny_qwen3_moe"))])
 @torch.inference_mode()
 def test_mixed_graphs_run_matches_the_model_over_random_steps(family, kernel, request, tmp_path, monkeypatch,
                                                              forward_step):

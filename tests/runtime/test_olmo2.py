@@ -106,7 +106,7 @@ def test_published_config_keys_read_as_transformers_reads_them(tiny_olmo2):
     {"method": "rtn", "bits": 4, "group_size": 32},
     pytest.param({"method": "gptq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),  # nothing OLMo's own
     {"method": "awq", "bits": 4, "group_size": 32},
-    {"method": "fp8"},
+    pytest.param({"method": "fp8"}, marks=pytest.mark.slow),  # 2 s; tests/compiler covers FP8 linears
 ], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
 def test_quantized_builds_run_transformers_olmo2_on_their_weights(quantization, tiny_olmo2, tmp_path, data_dir,
                                                                   hf_encode):

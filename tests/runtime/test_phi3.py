@@ -60,7 +60,7 @@ def _hf_state_of(artifact) -> dict[str, torch.Tensor]:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.slow) if m == "fp8-dynamic" else m for m in METHODS])
 def test_quantized_builds_run_transformers_phi3_on_their_weights(method, tiny_phi3, tmp_path, data_dir, hf_encode):
     from transformers import AutoModelForCausalLM
 
@@ -179,8 +179,9 @@ LONG = [8.0 + i for i in range(16)]
     {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": SHORT, "long_factor": LONG},
      "original_max_position_embeddings": 64, "max_position_embeddings": 1024},
     # "yarn", which Phi3Config reads as longrope
-    {"rope_parameters": None, "rope_theta": 1e4, "original_max_position_embeddings": 64, "max_position_embeddings": 1024,
-     "rope_scaling": {"type": "yarn", "short_factor": SHORT, "long_factor": LONG}},
+    pytest.param({"rope_parameters": None, "rope_theta": 1e4, "original_max_position_embeddings": 64,
+                  "max_position_embeddings": 1024, "rope_scaling": {"type": "yarn", "short_factor": SHORT,
+                                                                    "long_factor": LONG}}, marks=pytest.mark.slow),
 ], ids=["rope-scaling", "rope-parameters", "yarn-is-longrope"])
 def test_longrope_runs_within_its_original_context_as_transformers(hf_checkpoint_factory, tmp_path, changes, hf_logits,
                                                                    hf_greedy, hf_encode):
