@@ -41,6 +41,7 @@ from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.spec_draft import DraftModelProposer, draft_memory_reserve, read_draft_manifest
+from llmc.runtime.spec_eagle import EagleProposer, eagle_memory_reserve, read_eagle_head
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
 from llmc.runtime.step_inputs import InFlight, PendingTokens
@@ -89,6 +90,7 @@ class Engine:
         self.max_logprobs = vocab_size if self.options.max_logprobs == -1 else self.options.max_logprobs
         task = self._check_pooling()
         draft = self._draft_artifact()
+        eagle = self._eagle_head()
         if self.options.enable_prompt_embeds:
             self._check_prompt_embeds_engine(draft is not None)
         if draft is not None and self.manifest.vision is not None and self.manifest.vision.mrope_section:
@@ -99,6 +101,8 @@ class Engine:
                               "drop limit_mm_per_prompt")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
+        if eagle is not None:
+            reserve = eagle_memory_reserve(eagle[0], eagle[1], self.manifest, self.device)
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
         self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
                        if self.manifest.vision is not None else None)
@@ -124,6 +128,8 @@ class Engine:
         self.proposer = None
         if draft is not None:
             self.proposer = DraftModelProposer(speculative, *draft, self.options, self.device, self.runner.num_blocks)
+        elif eagle is not None:
+            self.proposer = EagleProposer(speculative, *eagle, self.runner, self.options, self.device)
         elif speculative is not None:
             self.proposer = NgramProposer(speculative)
         # runner pooling: an embedding model or a classifier (runtime/pooling.py); its requests are prompts, never sampled
@@ -177,6 +183,24 @@ class Engine:
             raise ConfigError(f"speculative method draft_model does not run on {where}; use method ngram, or a "
                               "single-rank torch artifact")
         return read_draft_manifest(speculative, self.artifact_dir, self.manifest, self.options)
+
+    def _eagle_head(self) -> tuple | None:
+        """The EAGLE-3 head's folder, config and the model's layers it reads under speculative method eagle3
+        (checked against the model and the engine's options), else None."""
+        speculative = self.options.speculative
+        if speculative is None or speculative.method != "eagle3":
+            return None
+        where = ("an onnx-cpu artifact" if is_onnx(self.manifest) else
+                 "a tensor/pipeline-parallel artifact" if self.manifest.parallel.world_size != 1 else
+                 "a vision model (its image rows are not the head's inputs)" if self.manifest.vision is not None else
+                 "enable_prompt_embeds (the head embeds token ids)" if self.options.enable_prompt_embeds else
+                 "enable_lora (the head has no adapters)" if self.options.enable_lora else None)
+        if where is not None:
+            raise ConfigError(f"speculative method eagle3 does not run with {where}; use method ngram, or drop one of them")
+        if self.device.type == "cuda" and not self.options.enforce_eager:
+            raise ConfigError("speculative method eagle3 runs the model eagerly on a GPU (its CUDA graphs do not hand the "
+                              "head its hidden states); set enforce_eager true")
+        return read_eagle_head(speculative, self.manifest, self.options)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -429,7 +453,7 @@ class Engine:
         the garbage collector see the frozen heap again once no other engine of the process is open, so that what
         the engines held can be freed (release_gc_heap)."""
         self.runner.close()
-        if isinstance(getattr(self, "proposer", None), DraftModelProposer):
+        if isinstance(getattr(self, "proposer", None), (DraftModelProposer, EagleProposer)):
             self.proposer.close()
         if getattr(self, "_holds_gc_freeze", False):
             self._holds_gc_freeze = False

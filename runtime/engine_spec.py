@@ -3,8 +3,9 @@
 Functions of the engine's state, as engine_faults.py's are: `speculative_step` replaces the
 launch / resolve pair of a normal step when speculation is configured; `propose_drafts` gives the
 sequences that just progressed their drafts for the next step: n-gram drafts, or a draft model's
-placeholders, which the scheduler reserves KV slots for and the draft model fills in before the
-target's forward (runtime/spec_draft.py).
+placeholders, which the scheduler reserves KV slots for and the draft model (runtime/spec_draft.py) or
+EAGLE-3 head (runtime/spec_eagle.py) fills in before the target's forward; the head also reads each step's
+hidden states right after its sampling (`EagleProposer.absorb`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.spec_decode import sample_with_drafts
 from llmc.runtime.spec_draft import DraftModelProposer
+from llmc.runtime.spec_eagle import EagleProposer
 from llmc.runtime.structured_output import mask_verify_rows
 
 if TYPE_CHECKING:
@@ -29,13 +31,15 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
     """Run `batch` (its decode rows carry drafts), sample every verified position, update the
     scheduler, check stops and return the step's outputs."""
     num_prefill = engine._mark_scheduled(batch)
-    if isinstance(engine.proposer, DraftModelProposer):
+    if isinstance(engine.proposer, (DraftModelProposer, EagleProposer)):
         engine.proposer.fill(batch)
     step = engine.runner.execute(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
     states = [engine.sequences[s.request.request_id] for s in sampled]
     tokens, no_token_allowed = _sample_with_drafts(engine, step.logits.float(), states,
                                                    [s.draft_token_ids for s in sampled])
+    if isinstance(engine.proposer, EagleProposer):  # the head's rows of this step, while its blocks are the requests'
+        engine.proposer.absorb(batch, {state.request.request_id: t for state, t in zip(states, tokens)})
     for state, blocked in zip(states, no_token_allowed):
         if blocked:  # it ends after its tokens: the scheduler need not append them
             engine.scheduler.finish_request(state.request.request_id, RequestStatus.FINISHED_STOPPED)
@@ -93,7 +97,7 @@ def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:
         if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
             continue
         room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
-        if isinstance(engine.proposer, DraftModelProposer):
-            request.spec_token_ids = [0] * max(0, min(k, room))  # values: DraftModelProposer.fill
+        if isinstance(engine.proposer, (DraftModelProposer, EagleProposer)):
+            request.spec_token_ids = [0] * max(0, min(k, room))  # values: the proposer's fill
         else:
             request.spec_token_ids = engine.proposer.propose(request.all_token_ids)[: min(k, room)]

@@ -32,7 +32,8 @@ from llmc.runtime.batch_sampler import NO_TOKEN, exponentials, int64_seed, row_k
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle3")  # the methods whose drafts come from speculative.model
 NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
@@ -41,10 +42,12 @@ class SpeculativeConfig:
     """The `speculative` options of the engine (a boundary object: engine → scheduler/runner).
 
     Fields:
-        method: how drafts are proposed: "ngram" (prompt lookup) or "draft_model" (a smaller llmc
-            artifact's greedy tokens, runtime/spec_draft.py); default: draft_model when `model` is
+        method: how drafts are proposed: "ngram" (prompt lookup), "draft_model" (a smaller llmc
+            artifact's greedy tokens, runtime/spec_draft.py) or "eagle3" (an EAGLE-3 head reading the
+            model's hidden states, runtime/spec_eagle.py); default: draft_model when `model` is
             given, else ngram (vLLM's rule).
-        model: the draft model's artifact folder (draft_model only).
+        model: the draft model's artifact folder (draft_model), the EAGLE-3 head's Hugging Face
+            folder (eagle3).
         num_speculative_tokens: k, the most draft tokens proposed per request and step.
         prompt_lookup_min: shortest suffix n-gram that is looked up (ngram only; default 1).
         prompt_lookup_max: longest suffix n-gram that is looked up, tried first (ngram only; default 4).
@@ -52,8 +55,8 @@ class SpeculativeConfig:
             batches are compute-bound and gain nothing); None = never disabled.
     """
 
-    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram or draft_model")
-    model: str | None = opt(None, help="the draft model: a built llmc artifact sharing the model's tokenizer")
+    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram, draft_model or eagle3")
+    model: str | None = opt(None, help="the draft model (a built llmc artifact sharing the model's tokenizer) or EAGLE-3 head (its HF folder)")
     num_speculative_tokens: int = opt(min=1, help="draft tokens per request and step, k")
     prompt_lookup_min: int | None = opt(None, min=1, help="shortest n-gram looked up (ngram)")
     prompt_lookup_max: int | None = opt(None, min=1, help="longest n-gram looked up (ngram)")
@@ -67,12 +70,13 @@ class SpeculativeConfig:
                 raise ConfigError(f"speculative.{name}: expected a string, got {value!r}")
         method = self.method or ("draft_model" if self.model is not None else "ngram")
         object.__setattr__(self, "method", method)
-        if method == "draft_model":
+        if method in MODEL_METHODS:
             if self.model is None:
-                raise ConfigError("speculative.method draft_model needs speculative.model, the draft model's artifact folder")
+                what = "the draft model's artifact folder" if method == "draft_model" else "the EAGLE-3 head's folder"
+                raise ConfigError(f"speculative.method {method} needs speculative.model, {what}")
             given = [name for name in NGRAM_DEFAULTS if getattr(self, name) is not None]
             if given:
-                raise ConfigError(f"speculative.{given[0]} is an n-gram setting; a draft model does not read it: drop it")
+                raise ConfigError(f"speculative.{given[0]} is an n-gram setting; method {method} does not read it: drop it")
         else:
             if self.model is not None and method in METHODS:
                 raise ConfigError(f"speculative.model is the draft model of method draft_model, not {method}; "

@@ -274,6 +274,10 @@ class DecoderModel(nn.Module):
         # them (Granite), not where the scale is the embedding module's (Gemma: rows given are final)
         self.input_embeds_scale = config.embed_scale if spec_for_family(config.family).scales_input_embeds else None
         self.final_softcap = config.final_logit_softcapping  # Gemma 2: logits capped (None: not)
+        # EAGLE-3 speculation (runtime/spec_eagle.py): the layers whose input (the residual stream entering them) a
+        # forward keeps in aux_hidden [num_tokens, len(ids) * hidden_size], concatenated in this order; () keeps none
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: Tensor | None = None
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
@@ -304,9 +308,13 @@ class DecoderModel(nn.Module):
     def run_layers(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each. A step
         with its own rotary rows (batch.rope_table: M-RoPE, runtime/mrope.py) rotates by them in every layer."""
-        step_rope = batch.rope_table
-        for layer in self.layers.values():
+        step_rope, keep, kept = batch.rope_table, self.aux_layer_ids, {}
+        for index, layer in self.layers.items():
+            if keep and int(index) in keep:  # (an EAGLE-3 head's inputs: runtime/spec_eagle.py)
+                kept[int(index)] = x if residual is None else x + residual
             x, residual = layer(x, residual, batch, self.rope_of(layer) if step_rope is None else step_rope)
+        if keep:
+            self.aux_hidden = torch.cat([kept[i] for i in keep], dim=-1)
         return x, residual
 
     def rope_of(self, layer: DecoderLayer) -> Tensor:

@@ -1,0 +1,196 @@
+"""EAGLE-3 speculative decoding: a draft head reads the model's hidden states and proposes each step's drafts.
+
+NOTE (algorithm): the head (runtime/eagle_head.py) at position p reads the model's aux hidden states of position p
+and the token at p + 1, so it can only follow the model: its rows for the positions a step's forward computed run
+right after that step's sampling (`absorb`), when the tokens after them are known:
+  - a prefill chunk [s, e) gives head rows s .. e - 1 (the token at e is the prompt's);
+  - a request's last chunk or verify step gives rows s .. N - 2, N the request's tokens after the step: the real
+    positions and the accepted drafts' (rejected drafts' rows are not computed: their hidden states are not the
+    request's). The last row's argmax is the next step's first draft d1, and its output hidden state is kept.
+The model's aux hidden states are the step's, read on the spot (DecoderModel.aux_layer_ids), so nothing is stored
+across steps but one (d1, hidden state) per request. Before the next verify step's forward `fill` runs k - 1
+one-row head steps per request (d1 at position N - 1 with the kept hidden state gives d2, and so on), at positions
+the scheduler reserved for the verify step; `absorb` rewrites them with the model's hidden states once verified.
+The head's one-layer KV cache is indexed by the model's block tables (as the draft model's, runtime/spec_draft.py):
+preemption drops a request's head state with its blocks (its re-prefill recomputes both), and a prefix-cache hit
+reads the head rows the request that computed the blocks wrote (the one row before the hit's end read that
+request's next token: a draft there may be worse, never wrong). Drafts are the head's argmax: point masses the
+verify rule accepts with the model's probability, so outputs are distributed as without speculation.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from llmc.errors import ConfigError
+from llmc.runtime import artifact as art
+from llmc.runtime.eagle_head import EagleHead, EagleHeadConfig, aux_layers, read_head_config, read_head_tensors
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.loader import compute_dtype
+from llmc.runtime.request import Request
+from llmc.runtime.scheduler import ScheduledBatch
+from llmc.runtime.spec_decode import SpeculativeConfig
+
+logger = logging.getLogger("llmc")
+
+
+def read_eagle_head(config: SpeculativeConfig, target: art.Manifest,
+                    options: art.RuntimeDefaults) -> tuple[Path, EagleHeadConfig, tuple[int, ...]]:
+    """The head's folder, config and the model's layers it reads, checked against the model (one-line ConfigErrors)."""
+    name = f"speculative.model {config.model!r}"
+    path = Path(config.model).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"{name}: no folder there; give the EAGLE-3 head's Hugging Face folder (config.json and "
+                          "safetensors)")
+    head = read_head_config(path, name)
+    layers = aux_layers(head, target.model, name)
+    if options.max_model_len > head.max_position_embeddings:
+        logger.info("%s: max_model_len %d is past the head's max_position_embeddings %d (its rotary table is "
+                    "extended; drafts there may be accepted less)", name, options.max_model_len,
+                    head.max_position_embeddings)
+    return path, head, layers
+
+
+def eagle_memory_reserve(path: Path, head: EagleHeadConfig, manifest: art.Manifest,
+                         device: torch.device) -> tuple[int, int]:
+    """(bytes, KV bytes per token) the model's memory plan leaves for the head: its weights' files (on a GPU) and its
+    one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a CPU)."""
+    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors")) if device.type == "cuda" else 0
+    return weight_bytes, head.kv_bytes_per_token(compute_dtype(manifest, device).itemsize)
+
+
+@dataclass
+class _HeadState:
+    """A request's next first draft and the head's output hidden state it came from (`absorb`).
+
+    Fields:
+        request: the request.
+        num_tokens: the request's tokens when it was computed (valid for the step that verifies after them).
+        num_preemptions: the request's count then (a preemption drops the head's cache rows).
+        draft: d1, the model's token id.
+        hidden: [hidden_size], the head's output at position num_tokens - 2.
+    """
+
+    request: Request
+    num_tokens: int
+    num_preemptions: int
+    draft: int
+    hidden: Tensor
+
+
+class EagleProposer:
+    """Runs an EAGLE-3 head beside the model's runner: `absorb` after each step, `fill` before each verify."""
+
+    def __init__(self, config: SpeculativeConfig, path: Path, head_config: EagleHeadConfig, layers: tuple[int, ...],
+                 runner, options: art.RuntimeDefaults, device: torch.device):
+        self.config = config
+        self.runner = runner
+        model = runner.model
+        dtype = model.embed.weight.dtype
+        tensors = read_head_tensors(path, head_config, f"speculative.model {config.model!r}")
+        self.head = EagleHead(head_config, tensors, model.embed.weight, runner.num_blocks, options.block_size,
+                              max(options.max_model_len, head_config.max_position_embeddings), device, dtype)
+        model.aux_layer_ids = layers  # the model's forward keeps these layers' inputs (DecoderModel.run_layers)
+        self.block_size, self.device = options.block_size, device
+        self._states: dict[str, _HeadState] = {}
+        self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)
+        logger.info("speculative decoding: EAGLE-3 head %s reading layers %s, draft vocabulary %d, %d tokens per step",
+                    path, list(layers), head_config.draft_vocab_size, config.num_speculative_tokens)
+
+    @torch.inference_mode()
+    def absorb(self, batch: ScheduledBatch, new_tokens: dict[str, list[int]]) -> None:
+        """After the model's forward over `batch` and its sampling (before the scheduler's update): the head's rows
+        for the positions whose hidden states and next tokens are now known; the last chunks' last rows give the
+        requests' next first drafts. `new_tokens`: request_id -> the tokens the step appends (sampled requests)."""
+        aux = getattr(self.runner.model, "aux_hidden", None)
+        rows, offset = [], 0  # (request, first position, tokens after each position, first aux row, keeps a state)
+        for scheduled in batch.requests:
+            request, start, drafts = scheduled.request, scheduled.request.num_computed_tokens, scheduled.draft_token_ids
+            num_real = scheduled.num_new_tokens - len(drafts)
+            if not scheduled.is_last_chunk:
+                after = request.get_token_ids(start + 1, start + scheduled.num_new_tokens + 1)
+            else:
+                new = new_tokens.get(request.request_id, [])
+                accepted = next((i for i, (d, t) in enumerate(zip(drafts, new)) if d != t), min(len(drafts), len(new)))
+                after = (request.get_token_ids(start + 1, start + num_real) + new)[: num_real + accepted]
+            keeps = scheduled.is_last_chunk and len(after) == num_real - 1 + len(new_tokens.get(request.request_id, []))
+            if after and not request.is_finished:
+                rows.append((request, start, after, offset, keeps and bool(new_tokens.get(request.request_id))))
+            offset += scheduled.num_new_tokens
+        if not rows or aux is None:
+            return
+        hidden = self.head.combine(torch.cat([aux[first : first + len(after)] for _, _, after, first, _ in rows]))
+        batch_in = self._forward_batch([(r, start, len(after)) for r, start, after, _, _ in rows])
+        ids = torch.tensor([t for _, _, after, _, _ in rows for t in after], dtype=torch.long, device=self.device)
+        out = self.head(ids, hidden, batch_in)
+        ends = torch.tensor([len(after) for _, _, after, _, _ in rows]).cumsum(0) - 1
+        keep = [i for i, row in enumerate(rows) if row[4]]
+        if not keep:
+            return
+        last = out[ends[keep].to(self.device)]
+        drafts = self.head.greedy_tokens(last).tolist()
+        for i, draft, state_hidden in zip(keep, drafts, last):
+            request, start, after = rows[i][0], rows[i][1], rows[i][2]
+            self._states[request.request_id] = _HeadState(request, start + len(after) + 1, request.num_preemptions,
+                                                          draft, state_hidden)
+
+    @torch.inference_mode()
+    def fill(self, batch: ScheduledBatch) -> None:
+        """Before the model's forward: every scheduled request with draft placeholders gets d1 (from `absorb`) and
+        d2 .. dk from one-row head steps at positions N - 1 .. N + k - 3 (slots its verify step reserved)."""
+        self._forget_finished()
+        work = []  # (scheduled, state, draft ids, hidden state)
+        for scheduled in batch.requests:
+            if not scheduled.draft_token_ids:
+                continue
+            request = scheduled.request
+            state = self._states.get(request.request_id)
+            if (state is None or state.request is not request or state.num_tokens != request.num_tokens
+                    or state.num_preemptions != request.num_preemptions):
+                self.num_unprepared += 1  # its placeholders are verified as they are (still exact)
+                continue
+            work.append([scheduled, state, [state.draft], state.hidden])
+        for step in range(1, max((len(w[0].draft_token_ids) for w in work), default=0)):
+            live = [w for w in work if len(w[0].draft_token_ids) > step]
+            position = [w[1].num_tokens - 2 + step for w in live]
+            batch_in = self._forward_batch([(w[0].request, p, 1) for w, p in zip(live, position)])
+            ids = torch.tensor([w[2][-1] for w in live], dtype=torch.long, device=self.device)
+            out = self.head(ids, torch.stack([w[3] for w in live]), batch_in)
+            for w, token, hidden in zip(live, self.head.greedy_tokens(out).tolist(), out):
+                w[2].append(token)
+                w[3] = hidden
+        for scheduled, _, ids, _ in work:
+            scheduled.draft_token_ids[:] = ids
+
+    def _forward_batch(self, spans: list[tuple[Request, int, int]]) -> ForwardBatch:
+        """The head's ForwardBatch of (request, first position, rows) spans, through the requests' block tables."""
+        bs, device = self.block_size, self.device
+        positions, slots = [], []
+        for request, start, n in spans:
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(request.block_ids[p // bs] * bs + p % bs)
+        width = max(len(r.block_ids) for r, _, _ in spans)
+        tables = [r.block_ids + [0] * (width - len(r.block_ids)) for r, _, _ in spans]
+        ends = [start + n for _, start, n in spans]
+        return ForwardBatch(
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(ends, dtype=torch.int32, device=device),
+            query_lens=[n for _, _, n in spans],
+            max_context_len=max(ends),
+            logits_indices=torch.empty(0, dtype=torch.long, device=device),
+        )
+
+    def _forget_finished(self) -> None:
+        for request_id in [rid for rid, state in self._states.items() if state.request.is_finished]:
+            del self._states[request_id]
+
+    def close(self) -> None:
+        """Nothing to release (the head lives in this process)."""
