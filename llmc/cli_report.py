@@ -12,6 +12,7 @@ from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.parallel.layout import all_rank_layouts
+from llmc.runtime.spec_decode import default_method
 
 COMPONENTS = (("embed.", "embedding"), ("lm_head.", "lm_head"), (".attn.", "attention"), (".mlp.", "mlp"),
               (".moe.", "moe"))  # moe: the experts and the router
@@ -68,7 +69,7 @@ def _runtime_features(rt: dict) -> str:
     parts = []
     spec = rt.get("speculative")
     if spec:
-        method = spec.get("method") or ("draft_model" if spec.get("model") else "ngram")
+        method = spec.get("method") or default_method(spec.get("model"))
         draft = f" {spec['model']}" if spec.get("model") else ""
         parts.append(f"speculative {method}{draft}, k {spec['num_speculative_tokens']}")
     if rt.get("enable_lora"):

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft heads (vLLM's speculative method eagle3): the published checkpoint read and run.
+"""EAGLE draft heads (vLLM's speculative methods eagle3 and eagle): the published checkpoints read and run.
 
 NOTE (format): a head is a Hugging Face folder, config.json (a LlamaConfig with `draft_vocab_size`, optional
 `target_hidden_size`, `eagle_aux_hidden_state_layer_ids`, `norm_before_residual`) and safetensors:
@@ -18,6 +18,14 @@ norm_before_residual); a = attention(cat(input_layernorm(e), hidden_norm(x))) + 
 mlp(post_attention_layernorm(a)); the next token's logits are lm_head(norm(out)) over the draft vocabulary, and
 `out` is the hidden state the next draft step reads. Sources: the EAGLE-3 paper (Li et al., 2025) and the
 published heads' config.json and tensor names; runtime/spec_eagle.py runs the head in the engine.
+
+NOTE (EAGLE-1, method eagle; the EAGLE paper, Li et al., 2024, and yuhuili/EAGLE-LLaMA3-Instruct-8B's names):
+  fc.weight [hidden, 2 * hidden] (fc.bias [hidden] where the config's `bias` is true) over cat(embedding, hidden)
+  layers.0.self_attn.{q,k,v,o}_proj.weight, layers.0.mlp.*, layers.0.post_attention_layernorm.weight: a Llama
+  decoder layer without its input norm; no norm, no lm_head: the model's head reads the layer's output.
+The hidden state it reads is the model's last (after its final norm, the one its head reads). One step:
+x = fc(cat(embed(token), h_p)); a = attention(x) + x; out = a + mlp(post_attention_layernorm(a)); logits: the
+model's head at out; `out` is what the next draft step reads.
 """
 
 from __future__ import annotations
@@ -37,10 +45,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.rotary import cos_sin_cache
 
-LAYER = "midlayer."
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-NORMS = ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+LAYER = "midlayer."  # EAGLE-3's; EAGLE-1's is layers.0.
 
 
 @dataclass(frozen=True)
@@ -61,21 +66,31 @@ class EagleHeadConfig:
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...] | None  # None: vLLM's default (2, n // 2, n - 3)
     norm_before_residual: bool
+    method: str = "eagle3"  # or "eagle" (EAGLE-1)
+    fc_bias: bool = False  # EAGLE-1's fc may have one
+
+    @property
+    def layer(self) -> str:
+        """The decoder layer's tensor prefix."""
+        return LAYER if self.method == "eagle3" else "layers.0."
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
 
-def read_head_config(path: Path, name: str) -> EagleHeadConfig:
+def read_head_config(path: Path, name: str, method: str = "eagle3") -> EagleHeadConfig:
     """The head folder's config.json; a one-line ConfigError (prefixed `name`) where it is missing or is not an
-    EAGLE-3 head llmc runs."""
+    EAGLE head llmc runs (`method`: eagle3, or eagle for EAGLE-1)."""
     file = path / "config.json"
+    what = "EAGLE-3" if method == "eagle3" else "EAGLE"
     if not file.is_file():
-        raise ConfigError(f"{name}: no config.json in {path}; give the EAGLE-3 head's Hugging Face folder")
+        raise ConfigError(f"{name}: no config.json in {path}; give the {what} head's Hugging Face folder")
     raw = json.loads(file.read_text())
     layers = raw.get("num_hidden_layers", 1)
     if layers != 1:
-        raise ConfigError(f"{name}: the head has {layers} layers; an EAGLE-3 head has one (midlayer)")
+        raise ConfigError(f"{name}: the head has {layers} layers; llmc runs {what} heads of one layer")
+    if method == "eagle" and (raw.get("eagle_aux_hidden_state_layer_ids") or raw.get("draft_vocab_size")):
+        raise ConfigError(f"{name}: its config is an EAGLE-3 head's (draft_vocab_size, aux layers); use method eagle3")
     if raw.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{name}: hidden_act {raw['hidden_act']!r}; the head's MLP computes SiLU(gate) * up only")
     hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
@@ -88,7 +103,8 @@ def read_head_config(path: Path, name: str) -> EagleHeadConfig:
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=theta,
         rope_scaling=scaling, vocab_size=raw["vocab_size"], draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        aux_layer_ids=tuple(aux) if aux else None, norm_before_residual=bool(raw.get("norm_before_residual", False)))
+        aux_layer_ids=tuple(aux) if aux else None, norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        method=method, fc_bias=bool(raw.get("bias", False)))
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:
@@ -108,6 +124,8 @@ def aux_layers(config: EagleHeadConfig, target: ModelConfig, name: str) -> tuple
     if config.vocab_size != target.vocab_size:
         raise ConfigError(f"{name}: the head's vocabulary has {config.vocab_size} tokens, the model's "
                           f"{target.vocab_size}; use a head trained for this model")
+    if config.method == "eagle":
+        return ()
     n = target.num_layers
     ids = config.aux_layer_ids or (2, n // 2, n - 3)
     if len(ids) != 3 or not all(isinstance(i, int) and 0 <= i < n for i in ids):
@@ -132,36 +150,48 @@ def read_head_tensors(path: Path, config: EagleHeadConfig, name: str) -> dict[st
     except (SafetensorError, OSError) as e:
         raise ConfigError(f"{name}: cannot read {path}: {e}") from None
     tensors = {key.removeprefix("model."): value for key, value in tensors.items()}
-    c = config
+    c, layer = config, config.layer
     q, kv, h = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.hidden_size
-    shapes = {"fc.weight": (h, 3 * c.target_hidden_size), "norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h),
-              **{f"{LAYER}{n}.weight": (h,) for n in NORMS},
-              f"{LAYER}self_attn.q_proj.weight": (q, 2 * h), f"{LAYER}self_attn.k_proj.weight": (kv, 2 * h),
-              f"{LAYER}self_attn.v_proj.weight": (kv, 2 * h), f"{LAYER}self_attn.o_proj.weight": (h, q),
-              f"{LAYER}mlp.gate_proj.weight": (c.intermediate_size, h), f"{LAYER}mlp.up_proj.weight": (c.intermediate_size, h),
-              f"{LAYER}mlp.down_proj.weight": (h, c.intermediate_size)}
+    attn_in = 2 * h if c.method == "eagle3" else h
+    shapes = {f"{layer}self_attn.q_proj.weight": (q, attn_in), f"{layer}self_attn.k_proj.weight": (kv, attn_in),
+              f"{layer}self_attn.v_proj.weight": (kv, attn_in), f"{layer}self_attn.o_proj.weight": (h, q),
+              f"{layer}mlp.gate_proj.weight": (c.intermediate_size, h), f"{layer}mlp.up_proj.weight": (c.intermediate_size, h),
+              f"{layer}mlp.down_proj.weight": (h, c.intermediate_size), f"{layer}post_attention_layernorm.weight": (h,)}
+    if c.method == "eagle3":
+        shapes.update({"fc.weight": (h, 3 * c.target_hidden_size), "norm.weight": (h,),
+                       "lm_head.weight": (c.draft_vocab_size, h),
+                       **{f"{layer}{n}.weight": (h,) for n in ("input_layernorm", "hidden_norm")}})
+    else:
+        shapes["fc.weight"] = (h, 2 * h)
+        if c.fc_bias:
+            shapes["fc.bias"] = (h,)
     if c.draft_vocab_size != c.vocab_size:
         shapes["d2t"] = (c.draft_vocab_size,)
     if "embed_tokens.weight" in tensors:
         shapes["embed_tokens.weight"] = (c.vocab_size, h)
     for key, shape in shapes.items():
         if key not in tensors:
-            raise ConfigError(f"{name}: tensor {key} is missing; not an EAGLE-3 head in the published format "
-                              "(fc, midlayer.*, norm, lm_head, d2t)")
+            raise ConfigError(f"{name}: tensor {key} is missing; not an {'EAGLE-3' if c.method == 'eagle3' else 'EAGLE'} "
+                              f"head in the published format ({'fc, midlayer.*, norm, lm_head, d2t' if c.method == 'eagle3' else 'fc, layers.0.*'})")
         if tuple(tensors[key].shape) != shape:
             raise ConfigError(f"{name}: tensor {key} has shape {list(tensors[key].shape)}, its config.json says "
                               f"{list(shape)}; fix the head's config")
-    biases = sorted(key for key in tensors if key.endswith(".bias"))
+    biases = sorted(key for key in tensors if key.endswith(".bias") and key not in shapes)
     if biases:
-        raise ConfigError(f"{name}: tensor {biases[0]}: an EAGLE-3 head has no biases; llmc does not run this head")
+        raise ConfigError(f"{name}: tensor {biases[0]}: llmc runs heads whose only bias is EAGLE-1's fc.bias (config "
+                          "`bias` true); not this head")
+    if c.method == "eagle" and f"{layer}input_layernorm.weight" in tensors:
+        raise ConfigError(f"{name}: tensor {layer}input_layernorm.weight: an EAGLE head's layer has no input norm; "
+                          "not a head llmc runs")
     return tensors
 
 
 class EagleHead(nn.Module):
-    """The head's weights in the compute dtype, its own one-layer KV cache and its rotary table."""
+    """The head's weights in the compute dtype, its own one-layer KV cache and its rotary table. `target_logits`: the
+    model's head (DecoderModel.compute_logits), which EAGLE-1 drafts read."""
 
-    def __init__(self, config: EagleHeadConfig, tensors: dict[str, Tensor], target_embed: Tensor, num_blocks: int,
-                 block_size: int, max_positions: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EagleHeadConfig, tensors: dict[str, Tensor], target_embed: Tensor, target_logits,
+                 num_blocks: int, block_size: int, max_positions: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
         self.config = config
         self.w = {key: value.to(device=device, dtype=dtype) for key, value in tensors.items()
@@ -169,6 +199,7 @@ class EagleHead(nn.Module):
         self.embed = self.w.pop("embed_tokens.weight", None)
         if self.embed is None:  # shared with the model (its raw rows: an embedding scale is the model's forward's)
             self.embed = target_embed
+        self.target_logits = target_logits
         draft_ids = torch.arange(config.draft_vocab_size, dtype=torch.int64)
         if "d2t" in tensors:
             draft_ids = draft_ids + tensors["d2t"].to(torch.int64)
@@ -180,19 +211,26 @@ class EagleHead(nn.Module):
         self.cos_sin = cos_sin_cache(config.head_dim, max_positions, config.rope_theta, config.rope_scaling).to(device)
         self.scale = config.head_dim ** -0.5
 
-    def combine(self, aux: Tensor) -> Tensor:
-        """The model's aux hidden states [n, 3 * target_hidden] → the head's input hidden states [n, hidden]."""
-        return nn.functional.linear(aux.to(self.w["fc.weight"].dtype), self.w["fc.weight"])
+    def combine(self, states: Tensor) -> Tensor:
+        """The model's kept hidden states → the head's input hidden states [n, hidden]: EAGLE-3's fc over the aux
+        layers' [n, 3 * target_hidden]; EAGLE-1's final hidden states as they are."""
+        if self.config.method != "eagle3":
+            return states.to(self.embed.dtype)
+        return nn.functional.linear(states.to(self.w["fc.weight"].dtype), self.w["fc.weight"])
 
     def forward(self, input_ids: Tensor, hidden: Tensor, batch: ForwardBatch) -> Tensor:
         """One head step over a flat batch (positions, KV slots and tables as the model's): input_ids [n] (each the
         token after its position), hidden [n, hidden] → the head's output hidden states [n, hidden] (pre-norm)."""
-        c, w = self.config, self.w
+        c, w, layer = self.config, self.w, self.config.layer
         eps = c.rms_norm_eps
-        normed = rms_norm(hidden, w[LAYER + "hidden_norm.weight"], eps)
-        residual = normed if c.norm_before_residual else hidden
-        x = torch.cat((rms_norm(self.embed[input_ids], w[LAYER + "input_layernorm.weight"], eps), normed), dim=-1)
-        attn = LAYER + "self_attn."
+        embedded = self.embed[input_ids]
+        if c.method == "eagle3":
+            normed = rms_norm(hidden, w[layer + "hidden_norm.weight"], eps)
+            residual = normed if c.norm_before_residual else hidden
+            x = torch.cat((rms_norm(embedded, w[layer + "input_layernorm.weight"], eps), normed), dim=-1)
+        else:  # EAGLE-1: fc over [embedding, hidden], the layer without its input norm
+            x = residual = nn.functional.linear(torch.cat((embedded, hidden), dim=-1), w["fc.weight"], w.get("fc.bias"))
+        attn = layer + "self_attn."
         q = nn.functional.linear(x, w[attn + "q_proj.weight"]).view(-1, c.num_heads, c.head_dim)
         k = nn.functional.linear(x, w[attn + "k_proj.weight"]).view(-1, c.num_kv_heads, c.head_dim)
         v = nn.functional.linear(x, w[attn + "v_proj.weight"]).view(-1, c.num_kv_heads, c.head_dim)
@@ -200,12 +238,15 @@ class EagleHead(nn.Module):
                                       batch.block_tables, batch.context_lens, batch.query_lens, self.scale, None,
                                       batch.max_context_len, index_cache=batch.kernel_cache)
         h = residual + nn.functional.linear(out.flatten(1), w[attn + "o_proj.weight"])
-        mlp = LAYER + "mlp."
-        y = rms_norm(h, w[LAYER + "post_attention_layernorm.weight"], eps)
+        mlp = layer + "mlp."
+        y = rms_norm(h, w[layer + "post_attention_layernorm.weight"], eps)
         gate = nn.functional.silu(nn.functional.linear(y, w[mlp + "gate_proj.weight"]))
         return h + nn.functional.linear(gate * nn.functional.linear(y, w[mlp + "up_proj.weight"]), w[mlp + "down_proj.weight"])
 
     def greedy_tokens(self, out: Tensor) -> Tensor:
-        """The model's token ids [n] of the head's argmax over its draft vocabulary at output hidden states out [n, hidden]."""
+        """The model's token ids [n] of the head's argmax at its output hidden states out [n, hidden]: EAGLE-3's own
+        norm and lm_head over its draft vocabulary; EAGLE-1's through the model's head."""
+        if self.config.method != "eagle3":
+            return self.target_logits(out).argmax(dim=-1)
         logits = nn.functional.linear(rms_norm(out, self.w["norm.weight"], self.config.rms_norm_eps), self.w["lm_head.weight"])
         return self.draft_to_target[logits.argmax(dim=-1)]

@@ -185,20 +185,21 @@ class Engine:
         return read_draft_manifest(speculative, self.artifact_dir, self.manifest, self.options)
 
     def _eagle_head(self) -> tuple | None:
-        """The EAGLE-3 head's folder, config and the model's layers it reads under speculative method eagle3
+        """The EAGLE head's folder, config and the model's layers it reads under speculative method eagle3 or eagle
         (checked against the model and the engine's options), else None."""
         speculative = self.options.speculative
-        if speculative is None or speculative.method != "eagle3":
+        if speculative is None or speculative.method not in ("eagle3", "eagle"):
             return None
+        method = speculative.method
         where = ("an onnx-cpu artifact" if is_onnx(self.manifest) else
                  "a tensor/pipeline-parallel artifact" if self.manifest.parallel.world_size != 1 else
                  "a vision model (its image rows are not the head's inputs)" if self.manifest.vision is not None else
                  "enable_prompt_embeds (the head embeds token ids)" if self.options.enable_prompt_embeds else
                  "enable_lora (the head has no adapters)" if self.options.enable_lora else None)
         if where is not None:
-            raise ConfigError(f"speculative method eagle3 does not run with {where}; use method ngram, or drop one of them")
+            raise ConfigError(f"speculative method {method} does not run with {where}; use method ngram, or drop one of them")
         if self.device.type == "cuda" and not self.options.enforce_eager:
-            raise ConfigError("speculative method eagle3 runs the model eagerly on a GPU (its CUDA graphs do not hand the "
+            raise ConfigError(f"speculative method {method} runs the model eagerly on a GPU (its CUDA graphs do not hand the "
                               "head its hidden states); set enforce_eager true")
         return read_eagle_head(speculative, self.manifest, self.options)
 

@@ -32,8 +32,8 @@ from llmc.runtime.batch_sampler import NO_TOKEN, exponentials, int64_seed, row_k
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
-METHODS = ("ngram", "draft_model", "eagle3")
-MODEL_METHODS = ("draft_model", "eagle3")  # the methods whose drafts come from speculative.model
+METHODS = ("ngram", "draft_model", "eagle3", "eagle")
+MODEL_METHODS = ("draft_model", "eagle3", "eagle")  # the methods whose drafts come from speculative.model
 NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
@@ -43,11 +43,12 @@ class SpeculativeConfig:
 
     Fields:
         method: how drafts are proposed: "ngram" (prompt lookup), "draft_model" (a smaller llmc
-            artifact's greedy tokens, runtime/spec_draft.py) or "eagle3" (an EAGLE-3 head reading the
-            model's hidden states, runtime/spec_eagle.py); default: draft_model when `model` is
-            given, else ngram (vLLM's rule).
-        model: the draft model's artifact folder (draft_model), the EAGLE-3 head's Hugging Face
-            folder (eagle3).
+            artifact's greedy tokens, runtime/spec_draft.py), "eagle3" (an EAGLE-3 head reading the
+            model's hidden states, runtime/spec_eagle.py) or "eagle" (an EAGLE-1 head); default (vLLM's
+            rule): with `model`, eagle3 where its name says "eagle3", eagle where it says "eagle-", else
+            draft_model; without, ngram.
+        model: the draft model's artifact folder (draft_model), the EAGLE head's Hugging Face
+            folder (eagle3, eagle).
         num_speculative_tokens: k, the most draft tokens proposed per request and step.
         prompt_lookup_min: shortest suffix n-gram that is looked up (ngram only; default 1).
         prompt_lookup_max: longest suffix n-gram that is looked up, tried first (ngram only; default 4).
@@ -55,8 +56,8 @@ class SpeculativeConfig:
             batches are compute-bound and gain nothing); None = never disabled.
     """
 
-    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram, draft_model or eagle3")
-    model: str | None = opt(None, help="the draft model (a built llmc artifact sharing the model's tokenizer) or EAGLE-3 head (its HF folder)")
+    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram, draft_model, eagle3 or eagle")
+    model: str | None = opt(None, help="the draft model (a built llmc artifact sharing the model's tokenizer) or EAGLE head (its HF folder)")
     num_speculative_tokens: int = opt(min=1, help="draft tokens per request and step, k")
     prompt_lookup_min: int | None = opt(None, min=1, help="shortest n-gram looked up (ngram)")
     prompt_lookup_max: int | None = opt(None, min=1, help="longest n-gram looked up (ngram)")
@@ -68,11 +69,12 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"speculative.{name}: expected a string, got {value!r}")
-        method = self.method or ("draft_model" if self.model is not None else "ngram")
+        method = self.method or default_method(self.model)
         object.__setattr__(self, "method", method)
         if method in MODEL_METHODS:
             if self.model is None:
-                what = "the draft model's artifact folder" if method == "draft_model" else "the EAGLE-3 head's folder"
+                what = {"draft_model": "the draft model's artifact folder", "eagle3": "the EAGLE-3 head's folder",
+                        "eagle": "the EAGLE head's folder"}[method]
                 raise ConfigError(f"speculative.method {method} needs speculative.model, {what}")
             given = [name for name in NGRAM_DEFAULTS if getattr(self, name) is not None]
             if given:
@@ -105,6 +107,15 @@ class SpeculativeConfig:
     def is_enabled_for(self, num_running: int) -> bool:
         """Whether to propose drafts in a step with `num_running` running requests."""
         return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+
+def default_method(model: str | None) -> str:
+    """vLLM's method for a speculative config that names none: by the draft's name (EAGLE heads are published as
+    .../EAGLE3-... and .../EAGLE-...), else a draft model; ngram without one."""
+    if model is None:
+        return "ngram"
+    name = model.lower() if isinstance(model, str) else ""
+    return "eagle3" if "eagle3" in name else "eagle" if "eagle-" in name else "draft_model"
 
 
 class NgramProposer:

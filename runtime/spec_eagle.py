@@ -1,13 +1,14 @@
-"""EAGLE-3 speculative decoding: a draft head reads the model's hidden states and proposes each step's drafts.
+"""EAGLE speculative decoding (EAGLE-3, EAGLE-1): a draft head reads the model's hidden states and proposes drafts.
 
-NOTE (algorithm): the head (runtime/eagle_head.py) at position p reads the model's aux hidden states of position p
+NOTE (algorithm): the head (runtime/eagle_head.py) at position p reads the model's hidden states of position p
+(EAGLE-3: three layers' inputs; EAGLE-1: the final norm's output)
 and the token at p + 1, so it can only follow the model: its rows for the positions a step's forward computed run
 right after that step's sampling (`absorb`), when the tokens after them are known:
   - a prefill chunk [s, e) gives head rows s .. e - 1 (the token at e is the prompt's);
   - a request's last chunk or verify step gives rows s .. N - 2, N the request's tokens after the step: the real
     positions and the accepted drafts' (rejected drafts' rows are not computed: their hidden states are not the
     request's). The last row's argmax is the next step's first draft d1, and its output hidden state is kept.
-The model's aux hidden states are the step's, read on the spot (DecoderModel.aux_layer_ids), so nothing is stored
+The model's hidden states are the step's, read on the spot (DecoderModel.aux_hidden), so nothing is stored
 across steps but one (d1, hidden state) per request. Before the next verify step's forward `fill` runs k - 1
 one-row head steps per request (d1 at position N - 1 with the kept hidden state gives d2, and so on), at positions
 the scheduler reserved for the verify step; `absorb` rewrites them with the model's hidden states once verified.
@@ -45,9 +46,9 @@ def read_eagle_head(config: SpeculativeConfig, target: art.Manifest,
     name = f"speculative.model {config.model!r}"
     path = Path(config.model).expanduser()
     if not path.is_dir():
-        raise ConfigError(f"{name}: no folder there; give the EAGLE-3 head's Hugging Face folder (config.json and "
-                          "safetensors)")
-    head = read_head_config(path, name)
+        raise ConfigError(f"{name}: no folder there; give the {'EAGLE-3' if config.method == 'eagle3' else 'EAGLE'} "
+                          "head's Hugging Face folder (config.json and safetensors)")
+    head = read_head_config(path, name, config.method)
     layers = aux_layers(head, target.model, name)
     if options.max_model_len > head.max_position_embeddings:
         logger.info("%s: max_model_len %d is past the head's max_position_embeddings %d (its rotary table is "
@@ -84,7 +85,7 @@ class _HeadState:
 
 
 class EagleProposer:
-    """Runs an EAGLE-3 head beside the model's runner: `absorb` after each step, `fill` before each verify."""
+    """Runs an EAGLE head beside the model's runner: `absorb` after each step, `fill` before each verify."""
 
     def __init__(self, config: SpeculativeConfig, path: Path, head_config: EagleHeadConfig, layers: tuple[int, ...],
                  runner, options: art.RuntimeDefaults, device: torch.device):
@@ -93,14 +94,17 @@ class EagleProposer:
         model = runner.model
         dtype = model.embed.weight.dtype
         tensors = read_head_tensors(path, head_config, f"speculative.model {config.model!r}")
-        self.head = EagleHead(head_config, tensors, model.embed.weight, runner.num_blocks, options.block_size,
-                              max(options.max_model_len, head_config.max_position_embeddings), device, dtype)
-        model.aux_layer_ids = layers  # the model's forward keeps these layers' inputs (DecoderModel.run_layers)
+        self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks,
+                              options.block_size, max(options.max_model_len, head_config.max_position_embeddings),
+                              device, dtype)
+        # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1)
+        model.aux_layer_ids, model.keeps_final_hidden = layers, head_config.method == "eagle"
         self.block_size, self.device = options.block_size, device
         self._states: dict[str, _HeadState] = {}
         self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)
-        logger.info("speculative decoding: EAGLE-3 head %s reading layers %s, draft vocabulary %d, %d tokens per step",
-                    path, list(layers), head_config.draft_vocab_size, config.num_speculative_tokens)
+        logger.info("speculative decoding: %s head %s reading %s, draft vocabulary %d, %d tokens per step",
+                    config.method, path, f"layers {list(layers)}" if layers else "the final hidden states",
+                    head_config.draft_vocab_size, config.num_speculative_tokens)
 
     @torch.inference_mode()
     def absorb(self, batch: ScheduledBatch, new_tokens: dict[str, list[int]]) -> None:
@@ -111,16 +115,15 @@ class EagleProposer:
         rows, offset = [], 0  # (request, first position, tokens after each position, first aux row, keeps a state)
         for scheduled in batch.requests:
             request, start, drafts = scheduled.request, scheduled.request.num_computed_tokens, scheduled.draft_token_ids
-            num_real = scheduled.num_new_tokens - len(drafts)
+            num_real, new = scheduled.num_new_tokens - len(drafts), new_tokens.get(request.request_id, [])
             if not scheduled.is_last_chunk:
-                after = request.get_token_ids(start + 1, start + scheduled.num_new_tokens + 1)
-            else:
-                new = new_tokens.get(request.request_id, [])
+                after, keeps = request.get_token_ids(start + 1, start + scheduled.num_new_tokens + 1), False
+            else:  # the real positions and the accepted drafts' (their hidden states are the request's)
                 accepted = next((i for i, (d, t) in enumerate(zip(drafts, new)) if d != t), min(len(drafts), len(new)))
                 after = (request.get_token_ids(start + 1, start + num_real) + new)[: num_real + accepted]
-            keeps = scheduled.is_last_chunk and len(after) == num_real - 1 + len(new_tokens.get(request.request_id, []))
+                keeps = bool(new) and len(after) == num_real - 1 + len(new)  # its last row reads the newest token
             if after and not request.is_finished:
-                rows.append((request, start, after, offset, keeps and bool(new_tokens.get(request.request_id))))
+                rows.append((request, start, after, offset, keeps))
             offset += scheduled.num_new_tokens
         if not rows or aux is None:
             return

@@ -278,6 +278,7 @@ class DecoderModel(nn.Module):
         # forward keeps in aux_hidden [num_tokens, len(ids) * hidden_size], concatenated in this order; () keeps none
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden: Tensor | None = None
+        self.keeps_final_hidden = False  # EAGLE-1: aux_hidden is the final norm's output [num_tokens, hidden_size]
 
     def forward(self, input_ids: Tensor, batch: ForwardBatch) -> Tensor:
         """input_ids [num_tokens] → final hidden states [num_tokens, hidden_size] (normed)."""
@@ -286,7 +287,10 @@ class DecoderModel(nn.Module):
             indices, rows = batch.image_rows  # prompt given as embeddings its rows (runtime/prompt_embeds.py)
             x = x.index_copy(0, indices, self.input_rows(rows, x.dtype))
         x, residual = self.run_layers(x, None, batch)
-        return self.final_norm(x, residual)
+        out = self.final_norm(x, residual)
+        if self.keeps_final_hidden:
+            self.aux_hidden = out
+        return out
 
     def input_rows(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
         """Rows given in place of token embeddings as the first layer takes them: times the embedding scale where the

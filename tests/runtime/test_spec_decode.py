@@ -109,7 +109,7 @@ def test_config_defaults_and_from_dict():
     ({}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),
-    ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
+    ({"num_speculative_tokens": 2, "method": "medusa"}, "method"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5}, "prompt_lookup_min"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),

@@ -140,7 +140,7 @@ def test_config_names_what_to_change(target, tmp_path):
     with pytest.raises(ConfigError, match="speculative.model is the draft model of method draft_model, not ngram"):
         SpeculativeConfig.from_dict({"method": "ngram", "model": "x", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="method"):
-        SpeculativeConfig.from_dict({"method": "eagle", "model": "x", "num_speculative_tokens": 2})
+        SpeculativeConfig.from_dict({"method": "medusa", "model": "x", "num_speculative_tokens": 2})
     assert SpeculativeConfig.from_dict({"model": "x", "num_speculative_tokens": 2}).method == "draft_model"
     assert SpeculativeConfig.from_dict({"num_speculative_tokens": 2}).prompt_lookup_max == 4
     with pytest.raises(ConfigError, match="speculative.model .*nothing.*: no artifact at .*build one with `llmc build RECIPE`"):

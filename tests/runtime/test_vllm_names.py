@@ -62,7 +62,7 @@ def test_llm_takes_vllm_names(artifact):
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2: this artifact is split 1 way(s) at build time"),
     ({"pipeline_parallel_size": 2}, "build it again with parallel.pipeline: 2"),
     ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override: 0 is too small"),  # the name given, not num_kv_blocks
-    ({"speculative_config": {"method": "eagle"}}, "speculative_config.method: 'eagle' is not allowed"),
+    ({"speculative_config": {"method": "medusa"}}, "speculative_config.method: 'medusa' is not allowed"),
     ({"data_parallel_size": 2}, "data_parallel_size 2: one engine runs one replica of the model; serve N replicas"),
     ({"enable_chunked_prefill": False}, "enable_chunked_prefill False: llmc always prefills a prompt in chunks"),
     ({"dtype": "half"}, "dtype 'half': this artifact holds float32 weights (the recipe's dtype); build it again with dtype: float16"),
