@@ -85,7 +85,13 @@ def read_head_config(path: Path, name: str, method: str = "eagle3") -> EagleHead
     what = "EAGLE-3" if method == "eagle3" else "EAGLE"
     if not file.is_file():
         raise ConfigError(f"{name}: no config.json in {path}; give the {what} head's Hugging Face folder")
-    raw = json.loads(file.read_text())
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{name}: {file} is not JSON ({e}); fix the head's config") from None
+    missing = [key for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if key not in raw]
+    if missing:
+        raise ConfigError(f"{name}: {file} has no {', '.join(missing)}; not a head's config (a LlamaConfig)")
     layers = raw.get("num_hidden_layers", 1)
     if layers != 1:
         raise ConfigError(f"{name}: the head has {layers} layers; llmc runs {what} heads of one layer")
@@ -169,10 +175,10 @@ def read_head_tensors(path: Path, config: EagleHeadConfig, name: str) -> dict[st
         shapes["d2t"] = (c.draft_vocab_size,)
     if "embed_tokens.weight" in tensors:
         shapes["embed_tokens.weight"] = (c.vocab_size, h)
+    what, names = ("EAGLE-3", "fc, midlayer.*, norm, lm_head, d2t") if c.method == "eagle3" else ("EAGLE", "fc, layers.0.*")
     for key, shape in shapes.items():
         if key not in tensors:
-            raise ConfigError(f"{name}: tensor {key} is missing; not an {'EAGLE-3' if c.method == 'eagle3' else 'EAGLE'} "
-                              f"head in the published format ({'fc, midlayer.*, norm, lm_head, d2t' if c.method == 'eagle3' else 'fc, layers.0.*'})")
+            raise ConfigError(f"{name}: tensor {key} is missing; not an {what} head in the published format ({names})")
         if tuple(tensors[key].shape) != shape:
             raise ConfigError(f"{name}: tensor {key} has shape {list(tensors[key].shape)}, its config.json says "
                               f"{list(shape)}; fix the head's config")

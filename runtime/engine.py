@@ -118,6 +118,7 @@ class Engine:
             policy=self.options.scheduling_policy,
             max_loras=self.options.max_loras,
             long_prefill_token_threshold=self.options.long_prefill_token_threshold,
+            recompute_last_cached_block=eagle is not None,
         ))
         self.sampler = BatchSampler(self.options.max_num_seqs, self.manifest.model.vocab_size, self.device,
                                     self.eos_token_ids, seed=self.options.seed)

@@ -47,6 +47,9 @@ class SchedulerConfig:
             admitted past it (vLLM v1's rule).
         long_prefill_token_threshold: > 0: at most this many of one request's prompt tokens per step (vLLM's), so
             that a long prompt leaves room in each step for other requests' chunks; 0: the budget alone.
+        recompute_last_cached_block: a prefix-cache hit gives one block fewer (vLLM's rule under EAGLE): an EAGLE
+            head's row at a position reads the model's hidden state there and the next token, so the row before the
+            first computed token needs the model to compute that position (runtime/spec_eagle.py).
     """
 
     max_num_seqs: int
@@ -59,6 +62,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_loras: int = 1
     long_prefill_token_threshold: int = 0
+    recompute_last_cached_block: bool = False
 
     @property
     def max_chunk_tokens(self) -> int:
@@ -327,7 +331,8 @@ class Scheduler:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_block_hashes(request, num_blocks)
-        return self.block_pool.find_cached_blocks(request.block_hashes[:num_blocks])
+        blocks = self.block_pool.find_cached_blocks(request.block_hashes[:num_blocks])
+        return blocks[:-1] if self.config.recompute_last_cached_block else blocks
 
     def _admit(self, request: Request, cached_blocks: list[KVBlock], num_new_blocks: int) -> None:
         self.block_pool.share(cached_blocks)

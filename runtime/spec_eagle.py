@@ -14,8 +14,9 @@ one-row head steps per request (d1 at position N - 1 with the kept hidden state 
 the scheduler reserved for the verify step; `absorb` rewrites them with the model's hidden states once verified.
 The head's one-layer KV cache is indexed by the model's block tables (as the draft model's, runtime/spec_draft.py):
 preemption drops a request's head state with its blocks (its re-prefill recomputes both), and a prefix-cache hit
-reads the head rows the request that computed the blocks wrote (the one row before the hit's end read that
-request's next token: a draft there may be worse, never wrong). Drafts are the head's argmax: point masses the
+reads the head rows the request that computed the blocks wrote, which are this request's: the scheduler gives a
+hit one block fewer (SchedulerConfig.recompute_last_cached_block, vLLM's rule), so the row before the first
+computed token, which reads the next token, is recomputed with this request's. Drafts are the head's argmax: point masses the
 verify rule accepts with the model's probability, so outputs are distributed as without speculation.
 """
 
