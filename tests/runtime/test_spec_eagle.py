@@ -22,10 +22,36 @@ from llmc.errors import ConfigError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
+from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS  # (the draft model's workloads)
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINED_HEAD = REPO / "checkpoints" / "eagle3-ref-llama-12m"
 MAX_TOKENS = 16
+
+
+def _llama_layer(layer: str, rand, qkv_inputs: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int) -> dict:
+    """A head's decoder layer under `layer`: q/k/v (reading qkv_inputs), o, the MLP and the post-attention norm."""
+    return {layer + "self_attn.q_proj.weight": rand(heads * head_dim, qkv_inputs),
+            layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, qkv_inputs),
+            layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, qkv_inputs),
+            layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            layer + "mlp.gate_proj.weight": rand(intermediate, hidden), layer + "mlp.up_proj.weight": rand(intermediate, hidden),
+            layer + "mlp.down_proj.weight": rand(hidden, intermediate),
+            layer + "post_attention_layernorm.weight": 1 + rand(hidden)}
+
+
+def _save_head(path: Path, tensors: dict, architecture: str, hidden: int, vocab: int, heads: int, kv_heads: int,
+               head_dim: int, intermediate: int, **config_fields) -> Path:
+    """model.safetensors and a one-layer LlamaConfig's config.json (plus config_fields) in path."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
+    config = {"architectures": [architecture], "model_type": "llama", "hidden_size": hidden,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+              "intermediate_size": intermediate, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": vocab, **config_fields}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 def write_head(path: Path, hidden: int, vocab: int, *, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
@@ -38,27 +64,14 @@ def write_head(path: Path, hidden: int, vocab: int, *, heads: int = 4, kv_heads:
     draft_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[draft_ids] = True
-    layer = "midlayer."
     tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": 1 + rand(hidden), "lm_head.weight": rand(draft_vocab, hidden),
                "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d,
-               layer + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
-               layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               layer + "mlp.gate_proj.weight": rand(intermediate, hidden), layer + "mlp.up_proj.weight": rand(intermediate, hidden),
-               layer + "mlp.down_proj.weight": rand(hidden, intermediate),
-               **{f"{layer}{n}.weight": 1 + rand(hidden) for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")}}
+               **_llama_layer("midlayer.", rand, 2 * hidden, hidden, heads, kv_heads, head_dim, intermediate),
+               **{f"midlayer.{n}.weight": 1 + rand(hidden) for n in ("input_layernorm", "hidden_norm")}}
     if embed:
         tensors["embed_tokens.weight"] = rand(vocab, hidden)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-              "intermediate_size": intermediate, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": vocab,
-              "draft_vocab_size": draft_vocab, **config_fields}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return _save_head(path, tensors, "LlamaForCausalLMEagle3", hidden, vocab, heads, kv_heads, head_dim, intermediate,
+                      draft_vocab_size=draft_vocab, **config_fields)
 
 
 @pytest.fixture(scope="module")
@@ -119,14 +132,6 @@ def reference(target, prompts):
     return _generate(target, prompts)[0]
 
 
-WORKLOADS = {
-    "plain": {},
-    "preemption": {"num_kv_blocks": 16},
-    "chunked-prefill": {"max_num_batched_tokens": 24},
-    "no-prefix-cache": {"enable_prefix_caching": False},
-    "all-at-once": {"num_kv_blocks": 16, "max_num_batched_tokens": 40},
-}
-SLOW_WORKLOADS = ("preemption", "chunked-prefill", "no-prefix-cache")  # all-at-once covers them in the default run
 
 
 @pytest.mark.parametrize("workload", [pytest.param(w, marks=pytest.mark.slow) if w in SLOW_WORKLOADS else w
@@ -323,27 +328,14 @@ def write_eagle1_head(path: Path, hidden: int, vocab: int, *, heads: int = 4, kv
     model.safetensors (fc over [embedding, hidden], layers.0.* without an input norm; embed_tokens only if `embed`)."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, generator=g) * scale  # noqa: E731
-    layer = "layers.0."
     tensors = {"fc.weight": rand(hidden, 2 * hidden),
-               layer + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-               layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-               layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-               layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               layer + "mlp.gate_proj.weight": rand(intermediate, hidden), layer + "mlp.up_proj.weight": rand(intermediate, hidden),
-               layer + "mlp.down_proj.weight": rand(hidden, intermediate),
-               layer + "post_attention_layernorm.weight": 1 + rand(hidden)}
+               **_llama_layer("layers.0.", rand, hidden, hidden, heads, kv_heads, head_dim, intermediate)}
     if bias:
         tensors["fc.bias"] = rand(hidden)
     if embed:
         tensors["embed_tokens.weight"] = rand(vocab, hidden)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
-              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-              "intermediate_size": intermediate, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
-              "rope_theta": 10000.0, "max_position_embeddings": 2048, "vocab_size": vocab, "bias": bias, **config_fields}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
+    return _save_head(path, tensors, "LlamaForCausalLM", hidden, vocab, heads, kv_heads, head_dim, intermediate,
+                      bias=bias, **config_fields)
 
 
 def _eagle1(head, k=3):
