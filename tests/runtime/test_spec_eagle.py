@@ -9,7 +9,6 @@ at every step), and acceptance: the head trained by benchmarks/train_eagle.py fo
 
 import dataclasses
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,8 @@ from llmc.errors import ConfigError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
-from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS  # (the draft model's workloads)
+from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS, prompts  # noqa: F401 (the draft model's
+# workloads and prompts fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINED_HEAD = REPO / "checkpoints" / "eagle3-ref-llama-12m"
@@ -99,14 +99,20 @@ def trained_head():
     return TRAINED_HEAD
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    """24 prompts sharing a few multi-block prefixes (prefix-cache hits), of mixed lengths."""
-    rng = random.Random(1)
-    words = ("the king", "my lord", "ROMEO:", "sweet love", "of the night", "and then", "I pray you", "good sir")
-    prefixes = ["First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n",
-                "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?\n"]
-    return [rng.choice(prefixes) + " ".join(rng.choice(words) for _ in range(rng.randint(1, 16))) for _ in range(24)]
+def _record_first_drafts(llm) -> dict:
+    """{a verified request's tokens: the first draft the head proposed after them}, filled as llm's steps run."""
+    proposer, seen = llm.engine.proposer, {}
+    fill = proposer.fill
+
+    def recording_fill(batch):
+        for scheduled in batch.requests:
+            state = proposer._states.get(scheduled.request.request_id)
+            if scheduled.draft_token_ids and state is not None:
+                seen[tuple(scheduled.request.all_token_ids)] = state.draft
+        fill(batch)
+
+    proposer.fill = recording_fill
+    return seen
 
 
 def _spec(head, k=3):
@@ -203,17 +209,7 @@ def test_first_drafts_equal_a_full_sequence_head_over_transformers_hidden_states
 
     llm = LLM(target, device="cpu", max_num_seqs=2, disable_log_stats=True, max_num_batched_tokens=40,
               speculative=_spec(trained_head))
-    proposer, seen = llm.engine.proposer, {}
-    fill = proposer.fill
-
-    def recording_fill(batch):  # each verified request's tokens and the first draft the head proposed after them
-        for scheduled in batch.requests:
-            state = proposer._states.get(scheduled.request.request_id)
-            if scheduled.draft_token_ids and state is not None:
-                seen[tuple(scheduled.request.all_token_ids)] = state.draft
-        fill(batch)
-
-    proposer.fill = recording_fill
+    seen = _record_first_drafts(llm)
     shared = _heldout_prompts(1, 40)[0]
     llm.generate([shared + " " + p for p in _heldout_prompts(4, 12)], SamplingParams(temperature=0, max_tokens=24,
                                                                                      ignore_eos=True))
@@ -356,21 +352,11 @@ def test_an_eagle1_head_changes_no_token_and_its_drafts_are_a_llama_layer_over_t
     head_dir = write_eagle1_head(tmp_path / "eagle1", 64, 4096, scale=0.3)
     llm = LLM(tiny, device="cpu", max_num_seqs=8, disable_log_stats=True, max_num_batched_tokens=32, num_kv_blocks=24,
               speculative=_eagle1(head_dir))
-    proposer, seen = llm.engine.proposer, {}
-    fill = proposer.fill
-
-    def recording_fill(batch):
-        for scheduled in batch.requests:
-            state = proposer._states.get(scheduled.request.request_id)
-            if scheduled.draft_token_ids and state is not None:
-                seen[tuple(scheduled.request.all_token_ids)] = state.draft
-        fill(batch)
-
-    proposer.fill = recording_fill
+    seen = _record_first_drafts(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                                   ignore_eos=True))]
     assert got == [r[0] for r in reference]
-    assert llm.stats()["num_spec_proposed"] > 0 and proposer.num_unprepared == 0
+    assert llm.stats()["num_spec_proposed"] > 0 and llm.engine.proposer.num_unprepared == 0
 
     model = AutoModelForCausalLM.from_pretrained(tiny.parent / "hf", dtype=torch.float64).eval()
     config = json.loads((head_dir / "config.json").read_text())
