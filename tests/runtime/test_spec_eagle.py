@@ -21,8 +21,8 @@ from llmc.errors import ConfigError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
-from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS, prompts  # noqa: F401 (the draft model's
-# workloads and prompts fixture)
+from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS, prompts, target  # noqa: F401 (the draft
+# model's workloads, and its prompts and float32 target fixtures)
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINED_HEAD = REPO / "checkpoints" / "eagle3-ref-llama-12m"
@@ -82,14 +82,6 @@ def tiny(tmp_path_factory, hf_checkpoint_factory):
     build(recipe_from_dict({"model": str(checkpoint), "output": str(root / "art"), "dtype": "float32",
                             "runtime": {"max_model_len": 256}}), show_progress=False)
     return root / "art"
-
-
-@pytest.fixture(scope="module")
-def target(tmp_path_factory, ref_model_dir):
-    out = tmp_path_factory.mktemp("eagle-target") / "ref"
-    build(recipe_from_dict({"model": str(ref_model_dir), "output": str(out), "dtype": "float32",
-                            "runtime": {"max_model_len": 256}}), show_progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")
