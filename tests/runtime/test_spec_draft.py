@@ -54,9 +54,12 @@ def _generate(artifact, prompts, params=None, **options):
     stats = llm.stats()
     llm.engine.scheduler.check_invariants()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
-    if llm.engine.proposer is not None and hasattr(llm.engine.proposer, "_sequences"):
-        assert not llm.engine.proposer._sequences or all(
-            s.request.is_finished for s in llm.engine.proposer._sequences.values())
+    proposer = llm.engine.proposer
+    if proposer is not None and hasattr(proposer, "_sequences"):  # a draft model's
+        assert not proposer._sequences or all(s.request.is_finished for s in proposer._sequences.values())
+    if proposer is not None and hasattr(proposer, "num_unprepared"):  # an EAGLE head's (test_spec_eagle.py)
+        assert proposer.num_unprepared == 0, "a request was verified without the head's drafts"
+        assert all(s.request.is_finished for s in proposer._states.values())
     return [[c.token_ids for c in o.outputs] for o in outputs], stats
 
 

@@ -21,8 +21,8 @@ from llmc.errors import ConfigError
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
-from tests.runtime.test_spec_draft import SLOW_WORKLOADS, WORKLOADS, prompts, target  # noqa: F401 (the draft
-# model's workloads, and its prompts and float32 target fixtures)
+from tests.runtime.test_spec_draft import (  # noqa: F401 (the draft model's workloads, generate-and-check, and
+    SLOW_WORKLOADS, WORKLOADS, _generate, prompts, reference, target)  # its prompts, float32 target and reference)
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINED_HEAD = REPO / "checkpoints" / "eagle3-ref-llama-12m"
@@ -109,25 +109,6 @@ def _record_first_drafts(llm) -> dict:
 
 def _spec(head, k=3):
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
-
-
-def _generate(artifact, prompts, params=None, **options):
-    llm = LLM(artifact, device="cpu", max_num_seqs=8, disable_log_stats=True, **options)
-    params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(prompts, params)
-    stats = llm.stats()
-    llm.engine.scheduler.check_invariants()
-    assert stats["num_free_blocks"] == stats["num_total_blocks"], "blocks leaked"
-    proposer = llm.engine.proposer
-    if proposer is not None and hasattr(proposer, "num_unprepared"):
-        assert proposer.num_unprepared == 0, "a request was verified without the head's drafts"
-        assert all(s.request.is_finished for s in proposer._states.values())
-    return [[c.token_ids for c in o.outputs] for o in outputs], stats
-
-
-@pytest.fixture(scope="module")
-def reference(target, prompts):
-    return _generate(target, prompts)[0]
 
 
 
