@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmc.compiler.hf_checkpoint import interleaved_rotary_permutation
 from llmc.errors import CheckpointError
 from llmc.quant.formats import QuantizedWeight
 
@@ -254,7 +255,8 @@ class GGUFCheckpoint:
             return None
         heads = self.config["num_attention_heads"] if ".q_proj." in name else self.config["num_key_value_heads"]
         head_dim = self.config["head_dim"]
-        return torch.arange(heads * head_dim).reshape(heads, head_dim // 2, 2).transpose(1, 2).flatten()
+        # (interleaved pairs to rotate-half over the whole head: GLM-4's and Cohere's fold, per head)
+        return (torch.arange(heads)[:, None] * head_dim + interleaved_rotary_permutation(head_dim, head_dim)).flatten()
 
     def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         perm = self._row_order(name)
