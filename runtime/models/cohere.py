@@ -7,6 +7,8 @@ hf_checkpoint.multiplier_fold). Cohere 2 alternates sliding-window and full-atte
 older sliding_window_pattern) and rotates only on the sliding ones (ModelConfig.rope_on_full_layers false: the full
 layers' table is cos 1, sin 0)."""
 
+from dataclasses import replace
+
 from llmc.runtime.models.spec import LLAMA_GLOBALS, FusedLinear, ModelSpec
 
 # gate_up reads input_norm, as qkv does (the parallel block)
@@ -28,12 +30,5 @@ SPEC = ModelSpec(
     global_tensors=LLAMA_GLOBALS,
 )
 
-SPEC2 = ModelSpec(
-    family="cohere2",
-    architectures=("Cohere2ForCausalLM",),
-    model_types=("cohere2",),
-    layer_linears=COHERE_LINEARS,
-    layer_norms=COHERE_NORMS,
-    qk_norms={},
-    global_tensors=LLAMA_GLOBALS,
-)
+# Cohere 2's tensors are Cohere's (its sliding layers are config fields: compiler/hf_checkpoint)
+SPEC2 = replace(SPEC, family="cohere2", architectures=("Cohere2ForCausalLM",), model_types=("cohere2",))

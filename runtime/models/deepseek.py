@@ -5,6 +5,8 @@ layers, then mixtures of `n_routed_experts` experts with `n_shared_experts` shar
 of n_shared_experts * moe_intermediate_size (Qwen2-MoE's, ungated), routed by DeepSeek's routers (runtime/models/moe.py
 `deepseek_route`: V2's softmax top-k, V3's sigmoid with e_score_correction_bias, groups, routed_scaling_factor)."""
 
+from dataclasses import replace
+
 from llmc.runtime.models.spec import (LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, MLA_LINEARS, MLA_NORMS, ModelSpec,
                                       MoeSpec, shared_expert_linears)
 
@@ -23,13 +25,5 @@ V2_SPEC = ModelSpec(
     moe=_MOE,
 )
 
-V3_SPEC = ModelSpec(
-    family="deepseek_v3",
-    architectures=("DeepseekV3ForCausalLM",),
-    model_types=("deepseek_v3",),
-    layer_linears=_LINEARS,
-    layer_norms={**LLAMA_NORMS, **MLA_NORMS},
-    qk_norms={},
-    global_tensors=LLAMA_GLOBALS,
-    moe=_MOE,
-)
+# V3's tensors are V2's (its routing differs by config fields: compiler/hf_checkpoint._deepseek_fields)
+V3_SPEC = replace(V2_SPEC, family="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), model_types=("deepseek_v3",))
