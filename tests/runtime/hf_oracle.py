@@ -84,14 +84,15 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     return state
 
 
-def hf_model_on_weights_of(checkpoint, artifact, method: str):
-    """transformers' model of `checkpoint` (float32, eager attention) holding `artifact`'s weights (hf_state_of);
-    for an FP8 build each decoder linear's input rounded to E4M3 per token (per token and 128 columns for a block-scaled
-    one: method "fp8-block"), as its dynamic activations are."""
+def hf_model_on_weights_of(checkpoint, artifact, method: str, state: dict | None = None):
+    """transformers' model of `checkpoint` (float32, eager attention) holding `artifact`'s weights (hf_state_of; or
+    `state`, a family's own mapping of them); for an FP8 build each decoder linear's input rounded to E4M3 per token
+    (per token and 128 columns for a block-scaled one: method "fp8-block"), as its dynamic activations are."""
     from transformers import AutoModelForCausalLM
 
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(hf_state_of(artifact, read_hf_config(checkpoint)), strict=False)
+    state = hf_state_of(artifact, read_hf_config(checkpoint)) if state is None else state
+    missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, or the artifact's
     oracle.eval()
     rounding = {"fp8": fp8_per_token, "fp8-block": fp8_per_token_group, "int8": int8_per_token}.get(method)
@@ -113,29 +114,39 @@ def check_against_transformers(llm, checkpoint, prompts, greedy, hf_greedy, hf_l
     assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization: dict, prompts):
-    """A build with `quantization` (GPTQ and AWQ calibrated on 4 windows of 32 tokens) against transformers run on
-    its own weights (hf_model_on_weights_of): logits over prompts[1] and 20 more ids to 1e-4, and 16 greedy tokens
-    of prompts[0]."""
-    from llmc.runtime.llm import LLM
-    from llmc.runtime.sampling_params import SamplingParams
-
+def build_quantized(checkpoint, tmp_path, data_dir, quantization: dict):
+    """A float32 CPU build of `checkpoint` with `quantization` (what calibrates: on 4 windows of 32 tokens)."""
     calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
     needs_data = quantization["method"] in ("gptq", "awq") or (
         quantization["method"] == "int8" and (quantization.get("algorithm") == "gptq" or quantization.get("smoothquant")))
-    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
+    return build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
         **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
-    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"] + ("-block" if quantization.get("weights") == "block" else ""))
+
+
+def check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens: int = 16) -> None:
+    """`llm`'s logits over prompts[1] and 20 more ids against `oracle`'s (a transformers model) to 1e-4, and its
+    max_tokens greedy tokens of prompts[0] equal to oracle.generate's."""
+    from llmc.runtime.sampling_params import SamplingParams
+
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
+    prompt = hf_encode(checkpoint, prompts[0])
     with torch.inference_mode():
         torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
                                    atol=1e-4, rtol=1e-4)
-        prompt = hf_encode(checkpoint, prompts[0])
         want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
+                               max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
+        got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))
     assert got[0].outputs[0].token_ids == want
+
+
+def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization: dict, prompts):
+    """A build with `quantization` (build_quantized) against transformers run on its own weights
+    (hf_model_on_weights_of): check_against_oracle's logits and 16 greedy tokens."""
+    from llmc.runtime.llm import LLM
+
+    out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
+    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"] + ("-block" if quantization.get("weights") == "block" else ""))
+    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, prompts)
 
 
 def awq_and_rtn_logits(checkpoint, out_dir, token_ids, monkeypatch, data_dir, searched: list | None = None,

@@ -28,7 +28,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import awq_and_rtn_logits, build_float32, build_import, float32_artifacts, write_config
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, build_quantized, check_against_oracle,
+                                     float32_artifacts, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -271,10 +272,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     from tests.conftest import fp8_per_token
 
     checkpoint = checkpoints["deepseek_v3"]
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False,
-        **({"calibration": calibration} if quantization["method"] in ("gptq", "awq") else {})})
+    out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
     assert "dense" not in (modules["layers.1.attn.kv_b"]["format"], modules["layers.2.moe.shared.down"]["format"])
     assert (modules["layers.2.moe.experts.down"]["format"] == "dense") == (quantization["method"] == "fp8")
@@ -286,20 +284,14 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
         for name, module in oracle.named_modules():
             if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear) and not name.endswith("gate"):
                 module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-    prompt = hf_encode(checkpoint, PROMPTS[0])
     with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
-                                   atol=1e-4, rtol=1e-4)
-        want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
-        got = llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=GREEDY.max_tokens)
         if quantization["method"] != "fp8":  # the absorbed form's W_UK / W_UV: kv_b's dequantized weights exactly
             for layer in llm.engine.runner.model.layers.values():  # (an FP8 kv_b's input is not rounded there)
                 layer.attn.form = "absorbed"
+            token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
             torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
                                        atol=1e-4, rtol=1e-4)
-    assert got[0].outputs[0].token_ids == want
 
 
 DEEPSEEK_LINEARS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",

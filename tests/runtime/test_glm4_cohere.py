@@ -22,7 +22,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import cohere, glm4
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import REPO_ROOT
-from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, check_against_transformers,
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, build_quantized,
+                                     check_against_oracle, check_against_transformers, hf_model_on_weights_of,
                                      write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -166,38 +167,12 @@ def _hf_state_of(artifact, logit_scale: float = 1.0) -> dict[str, torch.Tensor]:
 
 
 def _check_quantized_build(checkpoint, out, hf_encode, method: str, logit_scale: float = 1.0) -> None:
-    """`out` against transformers' model of `checkpoint` holding its dequantized weights (FP8: each decoder linear's
-    input rounded to E4M3 per token, as its dynamic activations are): logits over 40 positions to 1e-4 and 16 greedy
-    tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import fp8_per_token
-
+    """`out` against transformers' model of `checkpoint` holding its dequantized weights (the q/k rows permuted back;
+    FP8: each decoder linear's input rounded to E4M3 per token, as its dynamic activations are): logits over 40
+    positions to 1e-4 and 16 greedy tokens."""
     assert read_manifest(out).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(_hf_state_of(out, logit_scale), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # (a tied lm_head is the embedding)
-    oracle.eval()
-    if method == "fp8":
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-    llm = LLM(out, device="cpu", max_num_batched_tokens=16)
-    torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
-                               atol=1e-4, rtol=1e-4)
-    prompt = hf_encode(checkpoint, PROMPTS[0])
-    want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                           max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
-
-
-def _quantized(checkpoint, tmp_path, data_dir, quantization: dict):
-    calibration = {"data": str(data_dir / "calibration.txt"), "num_samples": 4, "seq_len": 32}
-    needs_data = quantization["method"] in ("gptq", "awq")
-    return build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"}, quantization={
-        **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
+    oracle = hf_model_on_weights_of(checkpoint, out, method, _hf_state_of(out, logit_scale))
+    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, PROMPTS)
 
 
 @torch.inference_mode()
@@ -211,7 +186,7 @@ def test_quantized_builds_run_transformers_glm4_on_their_weights(quantization, t
                                                                  hf_encode):
     """Each build is transformers' Glm4ForCausalLM holding its weights (the q/k rows permuted back). AWQ's folds apply
     as for Gemma (a norm before qkv and gate_up, up before down; o not: grouped-query attention here)."""
-    out = _quantized(tiny_glm4, tmp_path, data_dir, quantization)
+    out = build_quantized(tiny_glm4, tmp_path, data_dir, quantization)
     _check_quantized_build(tiny_glm4, out, hf_encode, quantization["method"])
 
 
@@ -382,7 +357,7 @@ def test_quantized_builds_run_transformers_cohere2_on_their_weights(quantization
     divided by logit_scale). AWQ searches one scale for qkv and gate_up (both read input_norm) and one for down (o's
     inputs are not v's under grouped-query attention); act order's gathers stay the linears' own (the norm feeds
     two)."""
-    out = _quantized(tiny_cohere2, tmp_path, data_dir, quantization)
+    out = build_quantized(tiny_cohere2, tmp_path, data_dir, quantization)
     _check_quantized_build(tiny_cohere2, out, hf_encode, quantization["method"], LOGIT_SCALE)
 
 

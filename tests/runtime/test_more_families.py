@@ -240,7 +240,7 @@ def _check_against_transformers_on_its_weights(checkpoint, family, artifact, hf_
     ones by _hf_moe_state): the artifact's logits over 40 positions (1e-4) and 16 greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from tests.runtime.hf_oracle import hf_state_of
+    from tests.runtime.hf_oracle import check_against_oracle, hf_state_of
 
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     hf_config = read_hf_config(checkpoint)
@@ -248,15 +248,8 @@ def _check_against_transformers_on_its_weights(checkpoint, family, artifact, hf_
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not unexpected and not missing, (missing, unexpected)
     oracle.eval()
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-    prompt = hf_encode(checkpoint, PROMPTS[0])
-    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm, torch.inference_mode():
-        torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
-                                   atol=1e-4, rtol=1e-4)
-        want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                               max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))
-    assert got[0].outputs[0].token_ids == want
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS)
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("olmo3", "olmoe", "granitemoe")
