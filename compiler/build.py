@@ -645,7 +645,7 @@ def _plan(recipe: Recipe, model: art.ModelConfig, parallel: art.ParallelPlan, ru
 
 
 def _source_record(ctx: _Context) -> dict:
-    files = ctx.gguf.source_files() if ctx.gguf else [ctx.model_dir / "config.json", *_reader(ctx).source_files()]
+    files = ctx.gguf.source_files() if ctx.gguf else [ctx.model_dir / "config.json", *hf.TensorReader(ctx.model_dir).source_files()]
     return {
         "path": str(ctx.recipe.model),
         "revision": ctx.recipe.revision,
