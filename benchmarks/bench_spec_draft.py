@@ -1,7 +1,13 @@
-"""Decode speed with a draft model (runtime/spec_draft.py) against the same engine without one, in one run.
+"""Decode speed with a draft model (runtime/spec_draft.py) or an EAGLE head (runtime/spec_eagle.py) against the
+same engine without one, in one run.
 
     source benchmarks/gpu_env.sh && python -P benchmarks/bench_spec_draft.py TARGET --draft DRAFT \\
         --ks 2 3 4 --batch-sizes 1 8 --json $OUT/spec_draft.json
+    python -P benchmarks/bench_spec_draft.py TARGET --method eagle3 --draft HEAD_DIR --ks 1 3
+
+`--method eagle3` / `eagle`: DRAFT is the head's folder; `--random-head` writes a random EAGLE-3 head with the
+target's shapes there first (a 32,000-token draft vocabulary, Llama-3 heads'), for what the mechanism costs where
+no trained head exists (random weights: no draft is accepted).
 
 For each batch size B and each setting (no speculation, then a draft with k = each of --ks) one engine is
 opened, warmed up, and asked B requests at once: prompts of --prompt-tokens tokens (random ids, or windows of
@@ -34,7 +40,9 @@ from llmc.runtime.sampling_params import SamplingParams  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target")
-    parser.add_argument("--draft", required=True, help="the draft model's artifact")
+    parser.add_argument("--draft", required=True, help="the draft model's artifact (an EAGLE head's folder)")
+    parser.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3", "eagle"])
+    parser.add_argument("--random-head", action="store_true", help="write a random EAGLE-3 head at --draft first")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -102,17 +110,57 @@ def measure(args, options: dict, batch: int) -> dict:
     }
 
 
+def write_random_eagle3_head(target: str, out: Path, draft_vocab: int = 32000, seed: int = 0) -> None:
+    """A random EAGLE-3 head in the published layout (README "Speculative decoding with an EAGLE-3 head") with the
+    target's hidden size, heads and vocabulary: fc, one decoder layer reading 2 * hidden, norm, lm_head, d2t, t2d."""
+    from safetensors.torch import save_file
+
+    from llmc.runtime import artifact as art
+
+    config = art.read_manifest(Path(target)).model
+    hidden, vocab, heads, kv_heads = config.hidden_size, config.vocab_size, config.num_heads, config.num_kv_heads
+    head_dim, inter = config.head_dim, config.intermediate_size
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    draft_vocab = min(draft_vocab, vocab)
+    draft_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[draft_ids] = True
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    layer = "midlayer."
+    tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": ones(hidden),
+               "lm_head.weight": rand(draft_vocab, hidden), "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d,
+               layer + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+               layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+               layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+               layer + "mlp.gate_proj.weight": rand(inter, hidden), layer + "mlp.up_proj.weight": rand(inter, hidden),
+               layer + "mlp.down_proj.weight": rand(hidden, inter),
+               **{f"{layer}{n}.weight": ones(hidden) for n in ("input_layernorm", "hidden_norm",
+                                                               "post_attention_layernorm")}}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "intermediate_size": inter, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab}))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.random_head:
+        write_random_eagle3_head(args.target, Path(args.draft))
     base_options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    results = {"device": device, "target": args.target, "draft": args.draft, "rows": []}
+    results = {"device": device, "target": args.target, "draft": args.draft, "method": args.method, "rows": []}
     for batch in args.batch_sizes:
         base = None
         for k in [None, *args.ks]:
             options = dict(base_options, max_num_seqs=max(batch, 1))
             if k is not None:
-                options["speculative"] = {"model": args.draft, "num_speculative_tokens": k}
+                options["speculative"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": k}
             row = {"batch": batch, "k": k, **measure(args, options, batch)}
             base = base or row
             row["speedup"] = base["ms_per_token"] / row["ms_per_token"]

@@ -135,6 +135,8 @@ class CudaGraphs:
         # [max batch size, hidden_size]: what every graph writes its final hidden states to
         self.hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=getattr(torch, model.config.dtype),
                                   device=device)
+        # [max batch size, aux_width]: the hidden states an EAGLE head reads (DecoderModel.keep_hidden), when kept
+        self.aux = aux_buffer(model, self.batch_sizes[-1], device)
         with torch.cuda.device(device):  # a data-parallel replica's GPU need not be the thread's current one
             # torch's default capture stream lives on the device of the process's first capture
             self.capture_stream = torch.cuda.Stream(device)
@@ -162,6 +164,8 @@ class CudaGraphs:
                 # thread_local: another replica's engine thread may run its steps meanwhile
                 with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream, capture_error_mode="thread_local"):
                     self.hidden[:batch_size] = self.forward(input_ids, batch)
+                    if self.aux is not None:
+                        self.aux[:batch_size].copy_(self.model.aux_hidden)
                 if self.pool is None:
                     self.pool = graph.pool()
                 self.graphs[(batch_size, lora)] = graph
@@ -190,6 +194,8 @@ class CudaGraphs:
         with torch.cuda.device(self.device):  # replay launches on the current device's stream
             self.graphs[(batch_size, lora)].replay()
         self.num_replays += 1
+        if self.aux is not None:
+            self.model.aux_hidden = self.aux[: batch.num_seqs]
         return self.hidden[: batch.num_seqs]
 
 
@@ -222,6 +228,13 @@ def compile_mixed_step(model: DecoderModel, scratch_block: int, block_size: int,
             for forward in (model,) if pieces is None or prefill else (model, pieces.run):
                 model.compute_logits(forward(input_ids, batch)[batch.logits_indices])
     torch.cuda.synchronize(device)
+
+
+def aux_buffer(model: DecoderModel, rows: int, device: torch.device) -> Tensor | None:
+    """The static buffer graphs copy a forward's aux_hidden to ([rows, aux_width]); None when nothing is kept.
+    After a replay, the model's aux_hidden is its first rows (runtime/spec_eagle.py reads it after the step)."""
+    width = model.aux_width()
+    return torch.zeros(rows, width, dtype=getattr(torch, model.config.dtype), device=device) if width else None
 
 
 def _sizes_text(sizes: list[int]) -> str:

@@ -106,7 +106,9 @@ class Engine:
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
         self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
                        if self.manifest.vision is not None else None)
-        self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve)
+        keep_hidden = None if eagle is None else (eagle[2], eagle[1].method == "eagle")  # what the head reads
+        self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve,
+                                        keep_hidden)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
         self.scheduler = BeamScheduler(SchedulerConfig(
             max_num_seqs=self.options.max_num_seqs,
@@ -199,9 +201,6 @@ class Engine:
                  "enable_lora (the head has no adapters)" if self.options.enable_lora else None)
         if where is not None:
             raise ConfigError(f"speculative method {method} does not run with {where}; use method ngram, or drop one of them")
-        if self.device.type == "cuda" and not self.options.enforce_eager:
-            raise ConfigError(f"speculative method {method} runs the model eagerly on a GPU (its CUDA graphs do not hand the "
-                              "head its hidden states); set enforce_eager true")
         return read_eagle_head(speculative, self.manifest, self.options)
 
     # ---- requests -------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from llmc.kernels.attention import PrefillIndex, max_prefill_blocks, prefill_blocks, prefill_queries_per_block
 from llmc.runtime import memory
+from llmc.runtime.cuda_graphs import aux_buffer
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderModel
 
@@ -81,6 +82,7 @@ class MixedGraphs:
         self._index.copy_(self._index_host)
         self.attn = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
+        self.aux = aux_buffer(model, top, device)  # an EAGLE head's inputs, when the model keeps them
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds, self.graph_bytes = 0.0, 0
 
@@ -108,6 +110,8 @@ class MixedGraphs:
     def forward(self, size: int) -> None:
         """The captured forward: the final hidden states of `size` tokens into `hidden`."""
         self.hidden[:size].copy_(self.model(self.input_ids[:size], self.batch(size)))
+        if self.aux is not None:
+            self.aux[:size].copy_(self.model.aux_hidden)
 
     @torch.inference_mode()
     def capture(self, pool=None, stream: torch.cuda.Stream | None = None) -> None:
@@ -175,4 +179,6 @@ class MixedGraphs:
             with torch.inference_mode():
                 self.forward(size)
         self.num_replays += 1
+        if self.aux is not None:
+            self.model.aux_hidden = self.aux[: batch.num_tokens]
         return self.hidden[: batch.num_tokens]

@@ -50,10 +50,11 @@ class ModelRunner:
 
     can_overlap = True  # its steps only enqueue device work: the engine may schedule ahead
     def __init__(self, artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults, device: torch.device,
-                 reserve: tuple[int, int] = (0, 0)):
+                 reserve: tuple[int, int] = (0, 0), keep_hidden: tuple[tuple[int, ...], bool] | None = None):
         """reserve: (bytes, KV bytes per token) the measured GPU plan leaves for a draft model's runner,
         which shares this cache's block count (runtime/spec_draft.py); on a CPU, cpu_kv_cache_gib holds
-        both caches (its bytes per token)."""
+        both caches (its bytes per token). keep_hidden: (layer ids, final) an EAGLE head reads
+        (DecoderModel.keep_hidden), set before the graphs are captured so that they keep them too."""
         self.device = device
         self.block_size = options.block_size
         # its prefill steps may carry image rows (runtime/multimodal.py) or a prompt's embeddings (runtime/prompt_embeds.py)
@@ -64,6 +65,8 @@ class ModelRunner:
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)
+        if keep_hidden is not None:
+            self.model.keep_hidden(*keep_hidden)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
         if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
             slots = LoraSlots(self.model, options.max_loras, options.max_lora_rank, options.max_num_batched_tokens,

@@ -32,6 +32,11 @@ static buffers, a row mask and the rows (written by `load`, all-false in a step 
 replay the graphs too (they ran eagerly: a 16-token prompt given as embeddings took 3x the time to first token of
 its token ids on an 8-layer model, session 42); the attention between the pieces takes the step's key limits (Gemma 3).
 
+NOTE (aux): under an EAGLE head (runtime/spec_eagle.py) the model keeps the residual stream entering some layers
+(EAGLE-3) or its final hidden states (EAGLE-1): piece i copies layer i's input (norm_in's residual: the sum the eager
+forward keeps) into its columns of a static buffer, the last piece the hidden states, and a replay leaves the
+model's aux_hidden pointing at the buffer's first n rows, as the eager forward leaves it.
+
 Not used by tensor/pipeline-parallel ranks, nor with cpu_offload_gb (its copies hang on the layers'
 forward hooks, which the pieces do not call), nor on a CPU.
 """
@@ -45,6 +50,7 @@ import torch
 from torch import Tensor
 
 from llmc.runtime import memory
+from llmc.runtime.cuda_graphs import aux_buffer
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.models.decoder import DecoderModel
 
@@ -79,6 +85,10 @@ class PiecewiseGraphs:
         self.q = torch.zeros(top, *heads, dtype=dtype, device=device)  # each layer's rotated q
         self.attn = torch.zeros(top, *heads, dtype=dtype, device=device)  # each layer's attention output
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
+        # an EAGLE head's inputs, when the model keeps them (NOTE (aux))
+        self.aux = aux_buffer(model, top, device)
+        self.aux_columns = {layer: slice(k * model.config.hidden_size, (k + 1) * model.config.hidden_size)
+                            for k, layer in enumerate(model.aux_layer_ids)}
         if takes_rows:  # NOTE (rows)
             self.row_mask = torch.zeros(top, 1, dtype=torch.bool, device=device)
             self.rows = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
@@ -98,9 +108,13 @@ class PiecewiseGraphs:
             x, residual = previous.feed_forward(previous.attn.output(self.attn[:size]), residual)
         if i == len(self.layers):
             self.hidden[:size].copy_(self.model.final_norm(x, residual))
+            if self.model.keeps_final_hidden:
+                self.aux[:size].copy_(self.hidden[:size])
             return None
         layer = self.layers[i]
         x, residual = layer.norm_in(x, residual)
+        if i in self.aux_columns:  # the residual stream entering layer i
+            self.aux[:size, self.aux_columns[i]].copy_(residual)
         layer.attn.project(x, self.positions[:size], self.slot_mapping[:size], self.model.rope_of(layer),
                            q_out=self.q[:size])
         return residual
@@ -171,4 +185,6 @@ class PiecewiseGraphs:
                 layer.attn.attend(self.q[:n], batch, out=self.attn[:n])
                 graph.replay()
         self.num_replays += 1
+        if self.aux is not None:
+            self.model.aux_hidden = self.aux[:n]
         return self.hidden[:n]

@@ -98,8 +98,9 @@ class EagleProposer:
         self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks,
                               options.block_size, max(options.max_model_len, head_config.max_position_embeddings),
                               device, dtype)
-        # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1)
-        model.aux_layer_ids, model.keeps_final_hidden = layers, head_config.method == "eagle"
+        # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1): the runner
+        # was made so (its graphs keep them too)
+        assert (model.aux_layer_ids, model.keeps_final_hidden) == (tuple(layers), head_config.method == "eagle")
         self.block_size, self.device = options.block_size, device
         self._states: dict[str, _HeadState] = {}
         self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)

@@ -321,6 +321,17 @@ class DecoderModel(nn.Module):
             self.aux_hidden = torch.cat([kept[i] for i in keep], dim=-1)
         return x, residual
 
+    def keep_hidden(self, layer_ids: tuple[int, ...], final: bool) -> None:
+        """What every forward keeps in aux_hidden from now on (an EAGLE head's inputs, runtime/spec_eagle.py): the
+        inputs of `layer_ids` (EAGLE-3), or the final hidden states (`final`, EAGLE-1). Set before any CUDA graph is
+        captured: the graphs copy what is kept to a static buffer of aux_width() columns."""
+        self.aux_layer_ids, self.keeps_final_hidden = tuple(layer_ids), final
+
+    def aux_width(self) -> int:
+        """Columns of aux_hidden (0: a forward keeps nothing)."""
+        hidden = self.config.hidden_size
+        return len(self.aux_layer_ids) * hidden if self.aux_layer_ids else hidden if self.keeps_final_hidden else 0
+
     def rope_of(self, layer: DecoderLayer) -> Tensor:
         """The rotary table `layer` reads (Gemma 3's sliding layers have their own)."""
         return self.cos_sin_local if layer.attn.is_local_rope else self.cos_sin

@@ -42,10 +42,12 @@ logger = logging.getLogger("llmc")
 
 def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
                       device: torch.device, launch: LaunchConfig | None = None,
-                      reserve: tuple[int, int] = (0, 0)) -> Runner:
+                      reserve: tuple[int, int] = (0, 0),
+                      keep_hidden: tuple[tuple[int, ...], bool] | None = None) -> Runner:
     """The runner for this artifact and launch. Under torchrun, ranks other than 0 serve their shard
     here until the driver shuts down, then leave the process (SystemExit(0)). `reserve`: what a
-    single-rank GPU runner's memory plan leaves for a draft model (ModelRunner)."""
+    single-rank GPU runner's memory plan leaves for a draft model, `keep_hidden`: the hidden states its model keeps
+    for an EAGLE head (ModelRunner; the engine refuses both on more ranks)."""
     if is_onnx(manifest):  # one graph on onnxruntime's CPU EP (target onnx-cpu): never split
         from llmc.runtime.onnx_runner import OnnxRunner
 
@@ -60,7 +62,7 @@ def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.R
                 f"WORLD_SIZE {rendezvous.world_size}; launch {world_size} rank(s) or rebuild with another parallel plan"
             )
         if world_size == 1:
-            return ModelRunner(artifact_dir, manifest, options, device, reserve)
+            return ModelRunner(artifact_dir, manifest, options, device, reserve, keep_hidden)
         ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if rank != 0:
             serve_rank(rank, WorkerArgs(str(artifact_dir), options, device.type, rendezvous, ranks_per_node))
@@ -69,7 +71,7 @@ def make_model_runner(artifact_dir: Path, manifest: art.Manifest, options: art.R
     launch = launch or LaunchConfig()
     ranks_per_node = launch.ranks_per_node(world_size)
     if world_size == 1:
-        return ModelRunner(artifact_dir, manifest, options, device, reserve)
+        return ModelRunner(artifact_dir, manifest, options, device, reserve, keep_hidden)
     if launch.node_rank != 0:
         raise ConfigError("a node other than 0 runs worker ranks only: use `llmc run ... --node-rank N`")
     rendezvous = Rendezvous(launch.master_addr, launch.master_port, world_size)

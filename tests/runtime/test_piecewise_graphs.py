@@ -299,3 +299,37 @@ def test_w4a16_prefill_through_the_pieces_matches_eager(ref_model_dir, tmp_path,
     for mode in ("FULL_AND_PIECEWISE", "FULL"):
         assert runs[mode][0] == pytest.approx(runs["NONE"][0], abs=0.05), mode
         assert runs[mode][1][:2] == runs["NONE"][1][:2], mode
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["eagle3-layers", "eagle1-final"])
+@torch.inference_mode()
+def test_the_graphs_keep_an_eagle_heads_inputs_as_the_eager_forward_does(final, request, tmp_path, forward_step):
+    """Under an EAGLE head the model keeps some layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1) in
+    aux_hidden (runtime/spec_eagle.py reads them after the step): the cut forward copies them to its static buffer
+    piece by piece, the whole-graph forward after the forward; either leaves aux_hidden equal to the eager forward's."""
+    step = MixedStep("tiny_llama", request, tmp_path, forward_step)
+    model, n = step.model, step.batch.num_tokens
+    model.keep_hidden(() if final else (0, len(model.layers) - 1), final)
+
+    def restore():
+        for caches, saved in zip(step.runner.kv_caches, step.before):
+            for cache, old in zip(caches, saved):
+                cache.copy_(old)
+
+    model(step.input_ids, step.batch)
+    want = model.aux_hidden.clone()
+    assert want.shape == (n, model.config.hidden_size * (1 if final else 2))
+    restore()
+    pieces = PiecewiseGraphs(model, [8, 16, 32, 48], NUM_BLOCKS * BLOCK_SIZE, torch.device("cpu"))
+    size = pieces.load(step.input_ids, step.batch)
+    residual = pieces.piece(0, size, None)
+    for i, layer in enumerate(pieces.layers):
+        layer.attn.attend(pieces.q[:n], step.batch, out=pieces.attn[:n])
+        residual = pieces.piece(i + 1, size, residual)
+    torch.testing.assert_close(pieces.aux[:n], want, atol=2e-5, rtol=2e-5)
+    restore()
+    graphs = MixedGraphs(model, [8, 16, 32, 48], 5, MAX_MODEL_LEN, BLOCK_SIZE, NUM_BLOCKS, torch.device("cpu"))
+    model.aux_hidden = None
+    graphs.run(step.input_ids, step.batch)
+    assert model.aux_hidden.data_ptr() == graphs.aux.data_ptr()  # the static buffer's rows, as after a replay
+    torch.testing.assert_close(model.aux_hidden, want, atol=2e-5, rtol=2e-5)

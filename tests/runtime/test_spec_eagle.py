@@ -388,3 +388,25 @@ def test_a_prefix_cache_hit_recomputes_its_last_block_for_the_head(tiny, tmp_pat
             llm.generate(prompt, params)
         hits[name] = llm.engine.scheduler.prefix_cache_hits
     assert hits["plain"] >= 3 * 16 and hits["eagle"] == hits["plain"] - 16, hits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_on_cuda_greedy_tokens_equal_decoding_without_speculation(target, trained_head, prompts, eager, free_gpu):
+    """On a GPU, with CUDA graphs (the decode graphs and the piecewise graphs of the verify steps keep the head's
+    inputs: DecoderModel.keep_hidden) and without: greedy tokens as without speculation, drafts accepted, no block
+    left in use."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    share = {"gpu_memory_utilization": 0.4}  # two engines in one process: a closed one's memory may stay cached
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True, **share) as plain:
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True, enforce_eager=eager, **share,
+             speculative=_spec(trained_head)) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats, runner = llm.stats(), llm.engine.runner
+        assert (runner.pieces is None) == eager
+        if not eager:
+            assert runner.pieces.num_replays > 0  # the verify steps replayed the graphs
+    assert got == expected
+    assert 0 < stats["num_spec_accepted"] < stats["num_spec_proposed"]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
