@@ -160,17 +160,25 @@ class EagleProposer:
                 self.num_unprepared += 1  # its placeholders are verified as they are (still exact)
                 continue
             work.append([scheduled, state, [state.draft], state.hidden])
-        for step in range(1, max((len(w[0].draft_token_ids) for w in work), default=0)):
-            live = [w for w in work if len(w[0].draft_token_ids) > step]
-            position = [w[1].num_tokens - 2 + step for w in live]
-            batch_in = self._forward_batch([(w[0].request, p, 1) for w, p in zip(live, position)])
-            ids = torch.tensor([w[2][-1] for w in live], dtype=torch.long, device=self.device)
-            out = self.head(ids, torch.stack([w[3] for w in live]), batch_in)
-            for w, token, hidden in zip(live, self.head.greedy_tokens(out).tolist(), out):
-                w[2].append(token)
-                w[3] = hidden
-        for scheduled, _, ids, _ in work:
-            scheduled.draft_token_ids[:] = ids
+        num_drafts = [len(w[0].draft_token_ids) for w in work]
+        if not work or max(num_drafts) == 1:
+            for scheduled, _, ids, _ in work:
+                scheduled.draft_token_ids[:] = ids
+            return
+        # the drafts stay on the device from one head step to the next (no host round trip per step): [work, k]
+        drafts = torch.zeros(len(work), max(num_drafts), dtype=torch.long, device=self.device)
+        drafts[:, 0] = torch.tensor([w[2][0] for w in work], dtype=torch.long, device=self.device)
+        hidden = torch.stack([w[3] for w in work])
+        for step in range(1, max(num_drafts)):
+            live = [i for i, n in enumerate(num_drafts) if n > step]
+            batch_in = self._forward_batch([(work[i][0].request, work[i][1].num_tokens - 2 + step, 1) for i in live])
+            rows = (slice(None) if len(live) == len(work)
+                    else torch.tensor(live, dtype=torch.long, device=self.device))
+            out = self.head(drafts[rows, step - 1], hidden[rows], batch_in)
+            drafts[rows, step] = self.head.greedy_tokens(out)
+            hidden[rows] = out
+        for (scheduled, _, _, _), ids, n in zip(work, drafts.tolist(), num_drafts):
+            scheduled.draft_token_ids[:] = ids[:n]
 
     def _forward_batch(self, spans: list[tuple[Request, int, int]]) -> ForwardBatch:
         """The head's ForwardBatch of (request, first position, rows) spans, through the requests' block tables."""

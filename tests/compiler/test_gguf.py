@@ -245,7 +245,10 @@ def test_q4_0_import_on_cuda_matches_transformers(llama_dir, tmp_path):
                       target={"device": "cuda"})
     expected = _transformers(path)(torch.tensor([PROMPT_IDS])).logits[0]
     got = LLM(artifact, device="cuda", gpu_memory_utilization=0.3).engine.score(PROMPT_IDS).float().cpu()
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+    # float16 activations against float32 ones: on an H200 (session 46) 89 of 65,536 logits were more than 0.02 off,
+    # the largest 0.041; every position's argmax the same
+    torch.testing.assert_close(got, expected, atol=6e-2, rtol=2e-2)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
 
 def test_k_quants_are_dequantized_then_rtn_quantized(tmp_path, caplog):
