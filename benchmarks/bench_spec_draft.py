@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-file", help="text whose tokens the prompts are cut from (default: random ids)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--option", action="append", default=[], help="KEY=VALUE engine option (JSON value)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also one run under torch.profiler (GPU busy time) and one under cProfile (host functions)")
     parser.add_argument("--json")
     return parser.parse_args(argv)
 
@@ -98,6 +100,7 @@ def measure(args, options: dict, batch: int) -> dict:
                          "ms_per_step": 1000 * (whole - prefill) / (args.tokens - 1),
                          "tokens_per_s": batch * args.tokens / whole})
         stats = llm.stats()
+        profiled = profile(llm, make_prompts(llm, args, batch, seed=0), args.tokens) if args.profile else {}
         proposed = stats["num_spec_proposed"] - stats0["num_spec_proposed"]
         accepted = stats["num_spec_accepted"] - stats0["num_spec_accepted"]
     finally:
@@ -107,7 +110,39 @@ def measure(args, options: dict, batch: int) -> dict:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
         "acceptance": accepted / proposed if proposed else None,
         "runs": runs,
+        **profiled,
     }
+
+
+def profile(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
+    """One run under torch.profiler: its wall and the time some CUDA kernel ran (the union of their intervals,
+    benchmarks/profile_step.py), so wall - kernel is the time the GPU waited for the host; then one under cProfile:
+    the host functions by their own time (the 25 largest, as pstats prints them)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from benchmarks.profile_step import busy_us, kernel_events
+
+    result = {}
+    if torch.cuda.is_available():
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            wall = timed(llm, prompts, tokens)
+            torch.cuda.synchronize()
+        kernel_ms = busy_us(kernel_events(prof)) / 1000
+        result.update(profiled_wall_ms=round(1000 * wall, 2), kernel_ms=round(kernel_ms, 2),
+                      gpu_busy=round(kernel_ms / (1000 * wall), 3))
+    host = cProfile.Profile()
+    host.enable()
+    timed(llm, prompts, tokens)
+    host.disable()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
+    result["host_top"] = text.getvalue()
+    return result
 
 
 def write_random_eagle3_head(target: str, out: Path, draft_vocab: int = 32000, seed: int = 0) -> None:
@@ -166,8 +201,9 @@ def main(argv=None) -> None:
             row["speedup"] = base["ms_per_token"] / row["ms_per_token"]
             results["rows"].append(row)
             acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.3f}"
+            busy = f", GPU busy {row['gpu_busy']:.2f} of a profiled run" if "gpu_busy" in row else ""
             print(f"B={batch} k={k}: {row['ms_per_token']:.3f} ms/token, {row['tokens_per_s']:.1f} tokens/s, "
-                  f"acceptance {acc}, x{row['speedup']:.2f}", flush=True)
+                  f"acceptance {acc}, x{row['speedup']:.2f}{busy}", flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=2))
 
