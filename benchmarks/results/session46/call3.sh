@@ -6,7 +6,7 @@ source benchmarks/gpu_env.sh
 work=/tmp/e8b
 if [ ! -d $work/bf16 ]; then bash benchmarks/results/session46/call2.sh > /dev/null 2>&1; fi
 ls $work
-for mode in PIECEWISE FULL; do
+for mode in FULL_AND_PIECEWISE FULL; do
   (cd /tmp && timeout 240 python -P $repo/benchmarks/bench_spec_draft.py $work/bf16 --method eagle3 --draft $work/head \
     --ks 3 --batch-sizes 1 --repeats 2 --tokens 64 --prompt-tokens 128 --profile \
     --option "compilation_config={\"cudagraph_mode\": \"$mode\"}" \
