@@ -9,9 +9,14 @@ in one of two forms of the same function (the DeepSeek-V2 paper's weight absorpt
   expanded  k_nope, v = expand(c_kv) for every cached key (kv_b over the context's latents, as vLLM's long
             prefills); score = (q_nope · k_nope + q_pe · k_pe) * scale; out = softmax · v
 The absorbed form reads 576 values per key for every head at once; the expanded one computes num_heads * (qk_nope +
-v) per key first, which pays back over many queries. On CUDA the absorbed form runs for every step in one Triton
-kernel (mla_attention_triton.py: decode and prefill rows alike, each query row over its causal prefix); on a CPU the
-torch code below picks a form per sequence by its queries against its context (takes_expanded, measured).
+v) per key first, which pays back over many queries. Both devices run the expanded form through one function
+(`expanded_attention`: torch's scaled_dot_product_attention over the context's expanded keys, causal with the queries
+at the context's end, vLLM's lower-right mask for a chunk after cached tokens). On CUDA a step's sequences of many
+queries (`cuda_expanded_sequences`) take it and the rest (decode rows, short chunks) the absorbed form in one Triton
+kernel (mla_attention_triton.py: each query row over its causal prefix), both writing into one output; a step of a
+whole-forward CUDA graph (a prefill_index) runs every row absorbed, as the expanded form sizes its tensors from host
+lengths. On a CPU the torch code below picks a form per sequence by its queries against its context (takes_expanded,
+measured).
 
 An FP8 cache (float8_e4m3fn / e5m2) stores clamp(x / kv_scale) for c_kv and k_pe alike: one scale per layer (the
 artifact's k_scale; vLLM's MLA cache has one too). Shapes as attention.py's (query_lens on the host; prefill_index:
@@ -20,10 +25,11 @@ a mixed CUDA graph's sequences from device tensors).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention
 
 from . import can_use_triton, to_device
 from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quantize_kv
@@ -37,6 +43,23 @@ from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quanti
 EXPAND_MIN_QUERIES = 128
 EXPAND_KEYS_PER_QUERY = 16
 FORMS = ("absorbed", "expanded")
+# On CUDA a sequence takes the expanded form where its step computes at least CUDA_EXPAND_MIN_QUERIES queries and its
+# context times num_heads is at most CUDA_EXPAND_MAX_KEY_HEADS. A GUESS until measured on a GPU (benchmarks/
+# mla_prefill.py times both): by count the absorbed form costs num_heads * (576 + 512) multiply-adds per query and key
+# against the expanded one's num_heads * (192 + 128) plus kv_b's num_heads * 256 * 512 per key, even at some 170
+# queries for a chunk after a long context and 340 for a fresh prompt, and torch's fused attention kernels run the
+# expanded products at tensor-core tile sizes the absorbed kernel's 16-head rows do not reach. The second bound
+# caps the expanded keys and values a step holds at once (about 900 bytes per key and head in bf16: ~0.9 GiB, which
+# the memory profile does not reserve beyond its own prompt's): DeepSeek-V3's 128 heads expand chunks of contexts up
+# to 8192 keys, V2-Lite's 16 up to 65536; longer contexts stay absorbed (vLLM expands them in workspace-sized chunks
+# merged by their log-sum-exp, not done here).
+CUDA_EXPAND_MIN_QUERIES = 128
+CUDA_EXPAND_MAX_KEY_HEADS = 2**20
+# The most num_heads * queries * keys scores one scaled_dot_product_attention call of the expanded form covers (2**28:
+# 1 GiB of float32 where a backend materializes them, as torch's math path does; on a CPU every call takes it, the
+# CPU's flash kernel needing v as wide as q and k, 128 against 192; CUDA's memory-efficient kernel takes the narrower
+# v and holds no scores): longer steps split their queries into chunks, each against its causal prefix of the keys.
+EXPAND_MAX_SCORES = 2**28
 
 
 def takes_expanded(query_len: int, context_len: int, form: str | None = None) -> bool:
@@ -45,6 +68,57 @@ def takes_expanded(query_len: int, context_len: int, form: str | None = None) ->
     if form is not None:
         return form == "expanded"
     return query_len >= max(1, min(EXPAND_MIN_QUERIES, context_len // EXPAND_KEYS_PER_QUERY))
+
+
+def cuda_expanded_sequences(query_lens: list[int], context_lens: Callable[[], Sequence[int]], num_heads: int,
+                            form: str | None = None) -> list[int]:
+    """The sequences of a CUDA step that take the expanded form (the rest run the absorbed kernel): every one that
+    computes queries where `form` is "expanded", none where "absorbed", else those of at least
+    CUDA_EXPAND_MIN_QUERIES queries whose context is within CUDA_EXPAND_MAX_KEY_HEADS / num_heads keys.
+    context_lens: the step's context lengths on the host, asked only where some sequence computes that many queries
+    (reading them from the device waits for it)."""
+    if form == "absorbed":
+        return []
+    if form == "expanded":
+        return [seq for seq, n in enumerate(query_lens) if n > 0]
+    many = [seq for seq, n in enumerate(query_lens) if n >= CUDA_EXPAND_MIN_QUERIES]
+    if not many:
+        return []
+    lens = context_lens()
+    return [seq for seq in many if int(lens[seq]) * num_heads <= CUDA_EXPAND_MAX_KEY_HEADS]
+
+
+def expanded_attention(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float) -> Tensor:
+    """One sequence's expanded-form attention: its queries q [n, num_heads, qk_nope + qk_rope] (the last n of its c
+    context tokens) against k_nope [c, num_heads, qk_nope] (kv_b's), k_pe [c, qk_rope] (every head's) and v [c,
+    num_heads, v_head_dim], causal lower-right (query i sees keys 0..c - n + i), softmax(q k^T * scale) v →
+    [n, num_heads, v_head_dim], in the inputs' dtype. scaled_dot_product_attention per chunk of queries
+    (EXPAND_MAX_SCORES): with is_causal where the chunk's keys are as many as its queries, else on CUDA torch's
+    lower-right CausalBias (its memory-efficient kernel's own mask, none in memory; flash needs v as wide as q), on a
+    CPU an explicit mask (CausalBias would build it there too, warning at every call)."""
+    num_queries, num_heads = q.shape[:2]
+    context = k_nope.shape[0]
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1).transpose(0, 1)[None]  # [1, h, c, qk]
+    v = v.transpose(0, 1)[None]  # [1, heads, c, v_head_dim]
+    out = q.new_empty(num_queries, num_heads, v.shape[-1])
+    chunk = max(1, EXPAND_MAX_SCORES // (num_heads * context))
+    for first in range(0, num_queries, chunk):
+        last = min(first + chunk, num_queries)
+        keys = context - num_queries + last  # the chunk's causal prefix: its last query's own position, inclusive
+        qc = q[first:last].transpose(0, 1)[None]  # [1, heads, queries, qk] (the fused kernels take 4 dims)
+        kc, vc = k[:, :, :keys], v[:, :, :keys]
+        if keys == last - first:
+            attn = scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
+        elif q.is_cuda:
+            from torch.nn.attention.bias import causal_lower_right
+
+            attn = scaled_dot_product_attention(qc, kc, vc, attn_mask=causal_lower_right(last - first, keys),
+                                                scale=scale)
+        else:
+            mask = _causal_mask(last - first, keys, None, q.device)
+            attn = scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
+        out[first:last] = attn[0].transpose(0, 1)
+    return out
 
 
 def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
@@ -62,63 +136,135 @@ def mla_attention(
     query_lens: list[int], scale: float, *, kv_scale: float = 1.0, max_context_len: int | None = None,
     expand: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None, form: str | None = None,
     index_cache: dict | None = None, prefill_index: PrefillIndex | None = None, out: Tensor | None = None,
+    host_context_lens: Sequence[int] | None = None,
 ) -> Tensor:
     """Causal latent attention of each sequence's new queries over its cached latents.
 
     q [num_tokens, num_heads, qk_nope + qk_rope]: each head's q_nope, then its rotated q_pe. w_uk [num_heads, qk_nope,
     kv_lora_rank], w_uv [num_heads, v_head_dim, kv_lora_rank] in q's dtype. expand(c_kv [n, kv_lora_rank]) → (k_nope
     [n, num_heads, qk_nope], v [n, num_heads, v_head_dim]): the expanded form's kv_b (None: always absorbed). form:
-    "absorbed" or "expanded" for every sequence on a CPU; None: each by takes_expanded's rule (CUDA: absorbed
-    always). max_context_len: at least every context_lens entry (a host value: CUDA splits long contexts of few rows
-    by it; None: no split). Returns [num_tokens, num_heads, v_head_dim]
+    "absorbed" or "expanded" for every sequence; None: each by takes_expanded's rule on a CPU, by
+    cuda_expanded_sequences' on CUDA (a prefill_index's step: absorbed always). max_context_len: at least every
+    context_lens entry (a host value: CUDA splits long contexts of few rows by it; None: no split).
+    host_context_lens: context_lens on the host where the caller has them (CUDA's expanded sequences are sized by
+    them; None: read from the device once per step where needed). Returns [num_tokens, num_heads, v_head_dim]
     (into out[..., :v_head_dim] when given)."""
-    nope = w_uk.shape[1]
-    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
     if can_use_triton(q, cache):
-        from . import mla_attention_triton  # triton loads on the first CUDA call only
-
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [num_tokens, num_heads, kv_lora_rank]
-        row_seq, row_limit = row_index(query_lens, context_lens, q.shape[0], index_cache, prefill_index)
-        out_lat = mla_attention_triton.mla_absorbed_attention(q_lat, q_pe, cache, block_tables, row_seq, row_limit,
-                                                              scale, kv_scale, max_context_len)
-        attn = torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return attn if out is None else out[..., : attn.shape[-1]].copy_(attn)
-    rank = w_uk.shape[2]
+        return cuda_mla_attention(q, cache, w_uk, w_uv, block_tables, context_lens, query_lens, scale, kv_scale,
+                                   max_context_len, expand, form, index_cache, prefill_index, out, host_context_lens)
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.split([nope, q.shape[-1] - nope], dim=-1)
     work = torch.promote_types(q.dtype, torch.float32)  # (float64 where the tests ask for it)
     attn = q.new_zeros(q.shape[0], q.shape[1], w_uv.shape[1])  # (padding rows: zeros)
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
         query_lens = prefill_index.query_lens.tolist()[: prefill_index.pad_seq]  # unused ones: 0 queries
-    block_size, start = cache.shape[1], 0
+    start = 0
     for seq, (context_len, query_len) in enumerate(zip(context_lens.tolist(), query_lens)):
         if query_len == 0:
             continue
-        blocks = block_tables[seq, : -(-context_len // block_size)].long()
-        latent = cache[blocks].flatten(0, 1)[:context_len]
-        latent = dequantize_kv(latent, kv_scale, work) if is_fp8(cache) else latent.to(work)
+        rows = slice(start, start + query_len)
+        start += query_len
+        latent = _sequence_latent(cache, block_tables, seq, context_len, kv_scale, work)
+        if expand is not None and takes_expanded(query_len, context_len, form):
+            attn[rows] = _expanded_sequence(q[rows].to(work), latent, rank, expand, scale, q.dtype).to(q.dtype)
+            continue
         c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)  # [context_len, rank], [.., rope]
-        qn, qp = q_nope[start : start + query_len].to(work), q_pe[start : start + query_len].to(work)
-        rope_scores = torch.einsum("qhd,kd->hqk", qp, k_pe)
-        is_expanded = expand is not None and takes_expanded(query_len, context_len, form)
-        if is_expanded:
-            k_nope, v = expand(c_kv.to(q.dtype))
-            scores = torch.einsum("qhd,khd->hqk", qn, k_nope.to(work)) + rope_scores
-        else:
-            q_lat = torch.einsum("qhn,hnr->qhr", qn, w_uk.to(work))
-            scores = torch.einsum("qhr,kr->hqk", q_lat, c_kv) + rope_scores
-        scores = scores * scale
+        qn, qp = q_nope[rows].to(work), q_pe[rows].to(work)
+        q_lat = torch.einsum("qhn,hnr->qhr", qn, w_uk.to(work))
+        scores = (torch.einsum("qhr,kr->hqk", q_lat, c_kv) + torch.einsum("qhd,kd->hqk", qp, k_pe)) * scale
         if query_len > 1:
             scores.masked_fill_(~_causal_mask(query_len, context_len, None, q.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [num_heads, query_len, context_len]
-        if is_expanded:
-            seq_attn = torch.einsum("hqk,khv->qhv", probs, v.to(work))
-        else:
-            seq_attn = torch.einsum("qhr,hvr->qhv", torch.einsum("hqk,kr->qhr", probs, c_kv), w_uv.to(work))
-        attn[start : start + query_len] = seq_attn.to(q.dtype)
-        start += query_len
+        seq_attn = torch.einsum("qhr,hvr->qhv", torch.einsum("hqk,kr->qhr", probs, c_kv), w_uv.to(work))
+        attn[rows] = seq_attn.to(q.dtype)
     if out is None:
         return attn
     out[: attn.shape[0], :, : attn.shape[-1]] = attn
     return out[..., : attn.shape[-1]]
+
+
+def _sequence_latent(cache: Tensor, block_tables: Tensor, seq: int, context_len: int, kv_scale: float,
+                     dtype: torch.dtype) -> Tensor:
+    """Sequence seq's cached [c_kv, k_pe] [context_len, kv_lora_rank + qk_rope] in dtype (an FP8 cache's times its
+    scale)."""
+    block_size = cache.shape[1]
+    blocks = block_tables[seq, : -(-context_len // block_size)].long()
+    latent = cache[blocks].flatten(0, 1)[:context_len]
+    return dequantize_kv(latent, kv_scale, dtype) if is_fp8(cache) else latent.to(dtype)
+
+
+def _expanded_sequence(q: Tensor, latent: Tensor, rank: int, expand: Callable[[Tensor], tuple[Tensor, Tensor]],
+                       scale: float, expand_dtype: torch.dtype) -> Tensor:
+    """One sequence's expanded form: kv_b over its latents [context_len, rank + rope] (in expand_dtype, the model's),
+    then expanded_attention in q's dtype."""
+    c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
+    k_nope, v = expand(c_kv.to(expand_dtype).contiguous())
+    return expanded_attention(q, k_nope.to(q.dtype), k_pe.to(q.dtype), v.to(q.dtype), scale)
+
+
+def cuda_mla_attention(q, cache, w_uk, w_uv, block_tables, context_lens, query_lens, scale, kv_scale,
+                       max_context_len, expand, form, index_cache, prefill_index, out, host_context_lens) -> Tensor:
+    """mla_attention on CUDA (its arguments; on CPU tensors the kernel runs in Triton's interpreter: tests): the
+    expanded sequences (cuda_expanded_sequences) one by one, the other rows through the absorbed Triton kernel, into
+    one output."""
+    from . import mla_attention_triton  # triton loads on the first CUDA call only
+
+    nope, rank, num_rows = w_uk.shape[1], w_uk.shape[2], q.shape[0]
+    expanded, absorbed_rows = _cuda_route(query_lens, context_lens, num_rows, q.shape[1], expand is not None, form,
+                                          index_cache, prefill_index, host_context_lens)
+
+    def absorbed(q_rows: Tensor, row_seq: Tensor, row_limit: Tensor) -> Tensor:
+        q_nope, q_pe = q_rows.split([nope, q.shape[-1] - nope], dim=-1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [rows, num_heads, kv_lora_rank]
+        out_lat = mla_attention_triton.mla_absorbed_attention(q_lat, q_pe, cache, block_tables, row_seq, row_limit,
+                                                              scale, kv_scale, max_context_len)
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    if absorbed_rows is None:  # every row absorbed (decode steps, graphs)
+        attn = absorbed(q, *row_index(query_lens, context_lens, num_rows, index_cache, prefill_index))
+        return attn if out is None else out[..., : attn.shape[-1]].copy_(attn)
+    attn = q.new_empty(num_rows, q.shape[1], w_uv.shape[1]) if out is None else out[..., : w_uv.shape[1]]
+    if absorbed_rows.numel():
+        row_seq, row_limit = row_index(query_lens, context_lens, num_rows, index_cache, prefill_index)
+        attn.index_copy_(0, absorbed_rows, absorbed(q[absorbed_rows], row_seq[absorbed_rows],
+                                                    row_limit[absorbed_rows]))
+    for seq, first, context_len in expanded:
+        rows = slice(first, first + query_lens[seq])
+        latent = _sequence_latent(cache, block_tables, seq, context_len, kv_scale, q.dtype)
+        attn[rows] = _expanded_sequence(q[rows], latent, rank, expand, scale, q.dtype)
+    return attn
+
+
+def _cuda_route(query_lens: list[int], context_lens: Tensor, num_rows: int, num_heads: int, can_expand: bool,
+                form: str | None, index_cache: dict | None, prefill_index: PrefillIndex | None,
+                host_context_lens: Sequence[int] | None) -> tuple[list[tuple[int, int, int]], Tensor | None]:
+    """A CUDA step's split, made once per step (index_cache): [(seq, first row, context_len)] of its expanded
+    sequences, and the absorbed rows as a device index (None: every row; a graph's step, whose query_lens are its
+    captured size, is all absorbed)."""
+    cache = {} if index_cache is None else index_cache
+    key = ("mla_route", num_rows)
+    if key in cache:
+        return cache[key]
+    lens: list[int] = []
+
+    def host_lens() -> list[int]:
+        if not lens:  # (a device read: only where some sequence may expand)
+            lens.extend(context_lens.tolist() if host_context_lens is None else host_context_lens)
+        return lens
+
+    expanded = [] if not can_expand or prefill_index is not None else cuda_expanded_sequences(
+        query_lens, host_lens, num_heads, form)
+    if not expanded:
+        cache[key] = [], None
+        return cache[key]
+    firsts = [0]
+    for n in query_lens[:-1]:
+        firsts.append(firsts[-1] + n)
+    chosen = set(expanded)
+    rows = [row for seq, n in enumerate(query_lens) if seq not in chosen for row in range(firsts[seq], firsts[seq] + n)]
+    absorbed = to_device(torch.tensor(rows, dtype=torch.long), context_lens.device)
+    cache[key] = [(seq, firsts[seq], int(host_lens()[seq])) for seq in expanded], absorbed
+    return cache[key]
 
 
 def row_index(query_lens: list[int], context_lens: Tensor, num_rows: int, index_cache: dict | None,

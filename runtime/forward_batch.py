@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -41,6 +42,9 @@ class ForwardBatch:
     # [num_tokens, rotary_dims] float32: the step's own rotary rows (M-RoPE, runtime/mrope.step_rope), read at
     # positions 0..num_tokens-1 in place of the model's table; None: the model's. Such steps run eagerly.
     rope_table: Tensor | None = None
+    # context_lens on the host where the step's builder had them (runtime/step_inputs.py): DeepSeek's expanded
+    # attention on CUDA sizes its sequences' keys by them (kernels/mla_attention.py); None: read from the device there
+    host_context_lens: Sequence[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -107,5 +107,6 @@ def profile_batch(num_tokens: int, max_model_len: int, max_num_seqs: int, block_
         query_lens=seq_lens,
         max_context_len=max(seq_lens),
         logits_indices=torch.arange(num_tokens - num_logit_rows, num_tokens, device=device),
+        host_context_lens=seq_lens,
     )
     return torch.zeros(num_tokens, dtype=torch.long, device=device), batch, sum(blocks_per_seq)

@@ -234,6 +234,7 @@ def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], 
             query_lens=[end - start],
             max_context_len=end,
             logits_indices=torch.arange(end - start, device=device),
+            host_context_lens=[end],
         )
         input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
         logits.append(forward_logits(input_ids, forward_batch))

@@ -223,6 +223,7 @@ class StepBuffers:
             query_lens=g.num_news,
             max_context_len=int(np.max(g.context_lens) if isinstance(g.context_lens, np.ndarray) else max(g.context_lens)),
             logits_indices=views[3],
+            host_context_lens=g.context_lens,
         )
         return StepInputs(input_ids, forward_batch, views[5], g.prompt_spans, g.num_sampling_rows, views[6], views[7])
 

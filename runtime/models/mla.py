@@ -7,8 +7,9 @@ without the rotary, then qk_rope_head_dim with it. attn.kv_a (kv_a_proj_with_mqa
 interleaved pairs of DeepSeek-V2 and of V3's rope_interleave taken apart into rotate-half's halves first, for q and k
 alike, which leaves q·k as it was). The cache holds [c_kv, k_pe] per token and layer: kv_lora_rank + qk_rope_head_dim
 values (576 for V2 / V3), one FP8 scale where it is FP8. attn.kv_b (kv_b_proj) holds each head's k_nope and v rows
-(W_UK, W_UV): attention runs absorbed (q_nope · W_UK against c_kv, the output's latent · W_UV^T) or, on a CPU for
-sequences of many queries, expanded (kv_b over the context's latents); W_UK and W_UV are kv_b's weights dequantized
+(W_UK, W_UV): attention runs absorbed (q_nope · W_UK against c_kv, the output's latent · W_UV^T) or, for sequences
+of many queries in a step (on CUDA and on a CPU, each device by its rule), expanded (kv_b over the context's latents,
+then torch's fused attention); W_UK and W_UV are kv_b's weights dequantized
 once at load (`absorb_kv_b`), exactly the weights kv_b multiplies by. The scale is qk_head_dim^-0.5 (times YaRN's
 mscale_all_dim term squared: ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Under tensor
 parallelism a rank holds its heads (q / q_b and kv_b rows: its W_UK / W_UV, o's columns) and the whole low-rank q_a,
@@ -68,8 +69,8 @@ class MLAttention(torch.nn.Module):
         self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's one scale: k_scale (v_scale is not read)
         self.w_uk: Tensor | None = None  # absorb_kv_b's
         self.w_uv: Tensor | None = None
-        # the CPU's form of every step (kernels/mla_attention.FORMS); None: by each sequence's queries and context
-        # (the calibration runner's: "expanded", so that kv_b sees its inputs)
+        # the form of every step (kernels/mla_attention.FORMS), on any device; None: by each sequence's queries and
+        # context (the calibration runner's: "expanded", so that kv_b sees its inputs)
         self.form: str | None = None
 
     def absorb_kv_b(self) -> None:
@@ -118,7 +119,7 @@ class MLAttention(torch.nn.Module):
                              batch.query_lens, self.scale, kv_scale=self.k_scale,
                              max_context_len=batch.max_context_len, expand=self.expand,
                              form=self.form, index_cache=batch.kernel_cache, prefill_index=batch.prefill_index,
-                             out=out)
+                             out=out, host_context_lens=batch.host_context_lens)
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, >= v_head_dim] → o of its first v_head_dim dims per head [num_tokens, hidden]

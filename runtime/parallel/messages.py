@@ -115,6 +115,7 @@ class StepMessage:
             query_lens=query_lens,
             max_context_len=max(context_lens, default=0),
             logits_indices=logits_indices,
+            host_context_lens=context_lens,
         )
         return RankStep(ids, batch, dst, src, self.num_pending)
 

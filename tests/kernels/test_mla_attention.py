@@ -205,3 +205,140 @@ def test_the_kernel_compiles_for_sm90_at_the_deepseek_shape():
     assert len(facts) == 2
     for split, kernel in facts.items():
         assert kernel["mma"] and not kernel["local"] and kernel["shared"] <= 227 * 1024, (split, kernel)
+
+
+def _expand_of(w_uk, w_uv):
+    """kv_b of the test's weights: (k_nope, v) of latents c_kv [n, rank], as MLAttention.expand returns them."""
+    return lambda c_kv: (torch.einsum("kr,hnr->khn", c_kv, w_uk), torch.einsum("kr,hvr->khv", c_kv, w_uv))
+
+
+EXPANDED_CASES = {
+    # name: (context_lens, query_lens, cache dtype, kv_scale)
+    "fresh-prompt": ([37], [37], None, 1.0),  # queries == keys: plain causal
+    "chunk-after-cached-tokens": ([70], [23], None, 1.0),  # lower-right: query i sees keys 0..47 + i
+    "several-sequences": ([40, 9, 70, 5], [13, 1, 70, 2], None, 1.0),
+    "fp8-latent-cache": ([40, 70], [13, 31], torch.float8_e4m3fn, 0.05),
+}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-call", "query-chunks"])
+@pytest.mark.parametrize("case", list(EXPANDED_CASES))
+def test_the_expanded_form_matches_float64(case, chunked, monkeypatch, rel_err):
+    """mla_attention's expanded form (expanded_attention: scaled_dot_product_attention over kv_b's keys, the queries
+    at the context's end) on a CPU: float64's plain causal attention, also with its queries split into chunks of 4
+    (EXPAND_MAX_SCORES), each chunk against its own causal prefix of the keys."""
+    context_lens, query_lens, cache_dtype, kv_scale = EXPANDED_CASES[case]
+    heads, nope, rope, v_dim, rank, block_size = 4, 16, 16, 8, 32, 8
+    dtype = torch.float64 if cache_dtype is None else torch.float32  # (an FP8 cache is read in float32)
+    if chunked:
+        monkeypatch.setattr(mla_attention, "EXPAND_MAX_SCORES", 4 * heads * max(context_lens))
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, dtype, "cpu", cache_dtype=cache_dtype,
+                                                        kv_scale=kv_scale)
+    scale = (nope + rope) ** -0.5
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens), query_lens, scale,
+                                      kv_scale=kv_scale, expand=_expand_of(w_uk, w_uv), form="expanded")
+    assert out.dtype == dtype and out.shape == (sum(query_lens), heads, v_dim)
+    assert rel_err(out, reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
+        1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_the_cuda_routing_expands_the_sequences_of_many_queries():
+    """cuda_expanded_sequences: decode rows and short chunks stay absorbed; a sequence of CUDA_EXPAND_MIN_QUERIES
+    queries or more expands unless its context times the heads passes CUDA_EXPAND_MAX_KEY_HEADS; a forced form is
+    every sequence's (an empty one none); the context lengths are not asked for where no sequence has that many
+    queries (a decode step: reading them would wait for the device)."""
+    many, cap = mla_attention.CUDA_EXPAND_MIN_QUERIES, mla_attention.CUDA_EXPAND_MAX_KEY_HEADS
+
+    def unread():
+        raise AssertionError("read the context lengths")
+
+    route = mla_attention.cuda_expanded_sequences
+    assert route([1] * 8, unread, 16) == [] and route([1, many - 1, 3], unread, 128) == []
+    lens = [500, many, 4096 + many, cap // 16, cap // 16 + 1]
+    assert route([1, many, many, many, many], lambda: lens, 16) == [1, 2, 3]  # the last: past the cap
+    assert route([many, 1], lambda: [cap // 128, 9], 128) == [0]
+    assert route([many, 1], lambda: [cap // 128 + many, 9], 128) == []  # V3's 128 heads: a shorter cap in keys
+    assert route([1, 0, 5], unread, 16, form="expanded") == [0, 2]
+    assert route([many, many], unread, 16, form="absorbed") == []
+
+
+SPLIT_CASES = {
+    # name: (context_lens, query_lens, expanded sequences)
+    "decodes-beside-a-long-chunk": ([1, 150, 33, 600], [1, 130, 1, 1], [1]),
+    "a-whole-prompt": ([140], [140], [0]),
+    "two-long-chunks-and-a-short-one": ([129, 40, 300], [129, 20, 200], [0, 2]),
+    "all-absorbed": ([40, 9, 70], [13, 1, 70], []),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_a_cuda_step_splits_its_rows_between_the_two_forms(dot_case, case, rel_err):
+    """The CUDA path (cuda_mla_attention: on CPU tensors its kernel in Triton's interpreter; on a GPU, -m gpu,
+    through mla_attention) splits a mixed step: the sequences of many queries expanded, the other rows through the
+    absorbed kernel, into one output equal to float64's; the split it made is the step's route."""
+    device, dtype = dot_case
+    context_lens, query_lens, want_expanded = SPLIT_CASES[case]
+    heads, nope, rope, v_dim, rank, block_size = 4, 16, 16, 8, 32, 16
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, dtype, device)
+    scale = (nope + rope) ** -0.5
+    ctx = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    step, out = {}, torch.full((q.shape[0], heads, nope + rope), float("nan"), dtype=dtype, device=device)
+    run = mla_attention.mla_attention if device == "cuda" else mla_attention.cuda_mla_attention
+    got = run(q, cache, w_uk, w_uv, tables, ctx, query_lens, scale, kv_scale=1.0, max_context_len=max(context_lens),
+              expand=_expand_of(w_uk, w_uv), form=None, index_cache=step, prefill_index=None, out=out,
+              host_context_lens=context_lens)
+    expanded, absorbed_rows = step[("mla_route", q.shape[0])]
+    assert [seq for seq, _, _ in expanded] == want_expanded
+    firsts = [sum(query_lens[:seq]) for seq in range(len(query_lens))]
+    want = [(firsts[seq], context_lens[seq]) for seq in want_expanded]
+    assert [(first, context) for _, first, context in expanded] == want
+    if want_expanded:
+        absorbed = [row for seq, n in enumerate(query_lens) if seq not in want_expanded
+                    for row in range(firsts[seq], firsts[seq] + n)]
+        assert absorbed_rows.tolist() == absorbed
+    else:
+        assert absorbed_rows is None
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    assert rel_err(got.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
+        1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_a_graph_step_and_a_model_without_kv_b_stay_absorbed():
+    """A whole-forward CUDA graph's step (a prefill_index: query_lens is its captured size) and a call without an
+    expand run every row absorbed: no route expands, whatever the query count."""
+    many = mla_attention.CUDA_EXPAND_MIN_QUERIES
+    ctx = torch.tensor([many], dtype=torch.int32)
+    index = attention.PrefillIndex(*(torch.zeros(2, dtype=torch.int32),) * 4, queries_per_block=16,
+                                   out=torch.zeros(1))
+    for can_expand, prefill_index in ((True, index), (False, None)):
+        assert mla_attention._cuda_route([many], ctx, many, 16, can_expand, None, {}, prefill_index,
+                                         [many]) == ([], None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, context_lens, query_lens, host", [
+    pytest.param(16, [1, 700, 4096 + 512, 333], [1, 1, 512, 1], True, id="v2-lite-decodes-and-a-chunk-after-4096"),
+    pytest.param(16, [2048], [2048], False, id="v2-lite-whole-prompt-device-lengths"),
+    pytest.param(128, [1, 1024 + 256, 900], [1, 256, 1], True, id="v3-decodes-and-a-chunk-after-1024"),
+])
+def test_a_mixed_step_at_deepseek_shapes_on_the_gpu(dtype, heads, context_lens, query_lens, host, rel_err):
+    """A mixed step on CUDA at DeepSeek's attention shape (128 + 64 q/k dims, 128 v dims, latent 512 + 64, blocks of
+    16; V2-Lite's 16 heads, V3's 128): the long prefill expanded (torch's fused attention, lower-right causal after
+    the cached tokens), the decode rows through the absorbed kernel, one output: float64's expanded attention. The
+    context lengths given on the host, or read from the device."""
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, 128, 64, 128, 512, 16, dtype,
+                                                        "cuda")
+    scale, step = 192 ** -0.5, {}
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens, dtype=torch.int32,
+                                                                                   device="cuda"), query_lens, scale,
+                                      max_context_len=max(context_lens), expand=_expand_of(w_uk, w_uv),
+                                      index_cache=step, host_context_lens=context_lens if host else None)
+    expanded, _ = step[("mla_route", q.shape[0])]
+    assert [seq for seq, _, _ in expanded] == [s for s, n in enumerate(query_lens) if n >= 128]
+    assert out.shape == (q.shape[0], heads, 128) and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
+        2e-2 if dtype == torch.bfloat16 else 1e-4)

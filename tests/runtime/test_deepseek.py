@@ -133,6 +133,26 @@ def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, tr
     assert triton_dispatch["mla_attention"] and triton_dispatch["fused_moe"]
 
 
+@torch.inference_mode()
+def test_the_cuda_path_expands_long_chunks_beside_absorbed_rows(checkpoints, artifacts, triton_dispatch, monkeypatch,
+                                                                 hf_logits, hf_greedy, hf_encode):
+    """The CUDA dispatch (interpreted) with CUDA_EXPAND_MIN_QUERIES lowered to 4, so that this test's prompts and
+    16-token chunks count as long: those sequences expanded (the model's kv_b over the cached latents, lower-right
+    after the chunks before, sized by the step builder's host context lengths), decode rows and short chunks through
+    the absorbed kernel in the same steps; transformers' logits and greedy tokens."""
+    import llmc.kernels.mla_attention as mla_attention
+
+    expanded = []
+    attention = mla_attention.expanded_attention
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(mla_attention, "expanded_attention",
+                        lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
+    family = DEEPSEEK_FAMILIES[-1]
+    with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
+    assert triton_dispatch["mla_attention"] and expanded and min(expanded) >= 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()

@@ -23,6 +23,7 @@ def _fields(inputs) -> dict:
     return {"input_ids": inputs.input_ids.tolist(), "positions": batch.positions.tolist(),
             "slots": batch.slot_mapping.tolist(), "tables": batch.block_tables.tolist(),
             "context_lens": batch.context_lens.tolist(), "query_lens": list(batch.query_lens),
+            "host_context_lens": [int(n) for n in batch.host_context_lens],
             "max_context_len": batch.max_context_len, "logits_indices": batch.logits_indices.tolist(),
             "sample_rows": inputs.sample_rows.tolist(), "prompt_spans": inputs.prompt_spans,
             "num_sampling_rows": inputs.num_sampling_rows}
@@ -34,15 +35,19 @@ def test_single_token_steps_build_what_the_general_gather_builds(artifact, async
                     async_scheduling=async_scheduling, disable_log_stats=True)
     buffers = engine.runner.buffers
     build_fast = buffers.build
-    compared = {"steps": 0, "placeholders": 0}
+    compared = {"steps": 0, "placeholders": 0, "general": 0}
 
     def checked_build(batch, pending=None):
         if not all(s.num_new_tokens == 1 and not s.draft_token_ids and not s.request.skip_prefix_cache
                    for s in batch.requests):
-            return build_fast(batch, pending)
+            inputs = build_fast(batch, pending)
+            fields = _fields(inputs)  # (the host copy of the context lengths: DeepSeek's expanded attention's)
+            assert fields["host_context_lens"] == fields["context_lens"]
+            compared["general"] += 1
+            return inputs
         expected = _fields(buffers._build_chunks(batch, pending))  # the general numpy gather
         inputs = build_fast(batch, pending)
-        assert _fields(inputs) == expected
+        assert _fields(inputs) == expected and expected["host_context_lens"] == expected["context_lens"]
         compared["steps"] += 1
         compared["placeholders"] += sum(1 for s in batch.requests if s.request.num_pending_tokens)
         return inputs
@@ -56,5 +61,5 @@ def test_single_token_steps_build_what_the_general_gather_builds(artifact, async
     with torch.inference_mode():
         while engine.has_unfinished_requests():
             engine.step()
-    assert compared["steps"] > 20
+    assert compared["steps"] > 20 and compared["general"] > 0
     assert (compared["placeholders"] > 0) == async_scheduling
