@@ -166,6 +166,37 @@ def test_on_the_gpu(family, checkpoints, artifacts, hf_logits, hf_greedy, hf_enc
         _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_long_prefills_expand_on_the_gpu(checkpoints, artifacts, monkeypatch, hf_logits, hf_greedy, hf_encode,
+                                         free_gpu):
+    """On CUDA (CUDA graphs on: the piecewise graphs run attention eagerly) with CUDA_EXPAND_MIN_QUERIES lowered to
+    64: chunks of 64 queries and more take the expanded form (the model's kv_b, torch's attention, lower-right after
+    the chunk before), decode rows and shorter chunks the absorbed kernel in the same steps; transformers' logits
+    over 200 positions prefilled in chunks of 128 (2e-3) and greedy tokens of a ~160-token prompt beside a short
+    one."""
+    import llmc.kernels.mla_attention as mla_attention
+
+    expanded = []
+    attention = mla_attention.expanded_attention
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 64)
+    monkeypatch.setattr(mla_attention, "expanded_attention",
+                        lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
+    checkpoint = checkpoints["deepseek_v3"]
+    token_ids = (hf_encode(checkpoint, PROMPTS[1]) * 20)[:200]
+    prompts = [" ".join([PROMPTS[1]] * 12), PROMPTS[0]]
+    with LLM(artifacts("deepseek_v3"), device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3,
+             max_num_batched_tokens=128) as llm:
+        expanded.clear()  # (the memory profile's prompt of 128 expanded too)
+        torch.testing.assert_close(llm.engine.score(token_ids).cpu(), hf_logits(checkpoint, token_ids), atol=2e-3,
+                                   rtol=2e-3)
+        assert expanded == [128] * 3 + [72] * 3  # (3 layers): the second chunk after the first's 128 cached
+        outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in prompts], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(checkpoint, prompts, GREEDY.max_tokens)
+    assert len(expanded) > 6
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("parallel", [{"tensor": 2}, pytest.param({"pipeline": 2}, marks=pytest.mark.slow),
                                       pytest.param({"tensor": 2, "expert": 2}, marks=pytest.mark.slow)])
