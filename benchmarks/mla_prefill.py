@@ -1,6 +1,6 @@
 """DeepSeek's latent attention of a prefill on CUDA, absorbed form against expanded (kernels/mla_attention.py).
 
-Sets CUDA_EXPAND_MIN_QUERIES: the absorbed Triton kernel (every query row over its causal prefix of 576-value
+Sets CUDA_EXPAND_MIN_QUERIES and CUDA_EXPAND_MIN_WORK: the absorbed Triton kernel (every query row over its causal prefix of 576-value
 latents) against the expanded path (kv_b over the context's latents, then torch's scaled_dot_product_attention,
 lower-right causal), each through mla_attention with its form forced, at DeepSeek-V2-Lite's (16 heads) and
 DeepSeek-V3's (128 heads) attention shape: 128 + 64 q/k dims, 128 v dims, latent 512 + 64, bf16, blocks of 16 tokens.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(),
-        "constants": {"CUDA_EXPAND_MIN_QUERIES": mla.CUDA_EXPAND_MIN_QUERIES,
+        "constants": {"CUDA_EXPAND_MIN_QUERIES": mla.CUDA_EXPAND_MIN_QUERIES, "CUDA_EXPAND_MIN_WORK": mla.CUDA_EXPAND_MIN_WORK,
                       "CUDA_EXPAND_MAX_KEY_HEADS": mla.CUDA_EXPAND_MAX_KEY_HEADS,
                       "EXPAND_MAX_SCORES": mla.EXPAND_MAX_SCORES},
         "reps": args.reps, "sdpa_backends": probes, "rows": rows, "table": table(rows),

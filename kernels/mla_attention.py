@@ -43,17 +43,20 @@ from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quanti
 EXPAND_MIN_QUERIES = 128
 EXPAND_KEYS_PER_QUERY = 16
 FORMS = ("absorbed", "expanded")
-# On CUDA a sequence takes the expanded form where its step computes at least CUDA_EXPAND_MIN_QUERIES queries and its
-# context times num_heads is at most CUDA_EXPAND_MAX_KEY_HEADS. A GUESS until measured on a GPU (benchmarks/
-# mla_prefill.py times both): by count the absorbed form costs num_heads * (576 + 512) multiply-adds per query and key
-# against the expanded one's num_heads * (192 + 128) plus kv_b's num_heads * 256 * 512 per key, even at some 170
-# queries for a chunk after a long context and 340 for a fresh prompt, and torch's fused attention kernels run the
-# expanded products at tensor-core tile sizes the absorbed kernel's 16-head rows do not reach. The second bound
+# On CUDA a sequence takes the expanded form where its step computes at least CUDA_EXPAND_MIN_QUERIES queries, its
+# queries times its context times num_heads reach CUDA_EXPAND_MIN_WORK, and its context times num_heads is at most
+# CUDA_EXPAND_MAX_KEY_HEADS. Measured on an H200 (session 46, benchmarks/mla_prefill.py, bf16, the attention alone,
+# absorbed ms / expanded ms): V2-Lite's 16 heads, prompts of 128 / 512 / 2048 / 8192 tokens 0.22 / 0.16 / 1.10 / 15.6
+# against 0.39 / 0.48 / 0.46 / 2.75, a 512-query chunk after 4096 cached 1.08 against 0.61; V3's 128 heads, prompts of
+# 128 / 512 / 2048 / 8192 0.19 / 0.65 / 8.1 / 121.8 against 0.41 / 0.43 / 1.40 / 21.5, the chunk 8.4 against 2.1. The
+# expanded form wins from about 2^24 query-key-head products on (V2-Lite's 512-token prompt, 2^22: absorbed 3x
+# faster; V3's, 2^25: expanded 1.5x); below, both take a few tenths of a millisecond, mostly launches. The key bound
 # caps the expanded keys and values a step holds at once (about 900 bytes per key and head in bf16: ~0.9 GiB, which
 # the memory profile does not reserve beyond its own prompt's): DeepSeek-V3's 128 heads expand chunks of contexts up
 # to 8192 keys, V2-Lite's 16 up to 65536; longer contexts stay absorbed (vLLM expands them in workspace-sized chunks
 # merged by their log-sum-exp, not done here).
 CUDA_EXPAND_MIN_QUERIES = 128
+CUDA_EXPAND_MIN_WORK = 2**24
 CUDA_EXPAND_MAX_KEY_HEADS = 2**20
 # The most num_heads * queries * keys scores one scaled_dot_product_attention call of the expanded form covers (2**28:
 # 1 GiB of float32 where a backend materializes them, as torch's math path does; on a CPU every call takes it, the
@@ -74,7 +77,8 @@ def cuda_expanded_sequences(query_lens: list[int], context_lens: Callable[[], Se
                             form: str | None = None) -> list[int]:
     """The sequences of a CUDA step that take the expanded form (the rest run the absorbed kernel): every one that
     computes queries where `form` is "expanded", none where "absorbed", else those of at least
-    CUDA_EXPAND_MIN_QUERIES queries whose context is within CUDA_EXPAND_MAX_KEY_HEADS / num_heads keys.
+    CUDA_EXPAND_MIN_QUERIES queries whose queries * context * num_heads reach CUDA_EXPAND_MIN_WORK and whose
+    context is within CUDA_EXPAND_MAX_KEY_HEADS / num_heads keys.
     context_lens: the step's context lengths on the host, asked only where some sequence computes that many queries
     (reading them from the device waits for it)."""
     if form == "absorbed":
@@ -85,7 +89,8 @@ def cuda_expanded_sequences(query_lens: list[int], context_lens: Callable[[], Se
     if not many:
         return []
     lens = context_lens()
-    return [seq for seq in many if int(lens[seq]) * num_heads <= CUDA_EXPAND_MAX_KEY_HEADS]
+    return [seq for seq in many if CUDA_EXPAND_MIN_WORK <= query_lens[seq] * int(lens[seq]) * num_heads
+            and int(lens[seq]) * num_heads <= CUDA_EXPAND_MAX_KEY_HEADS]
 
 
 def expanded_attention(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float) -> Tensor:

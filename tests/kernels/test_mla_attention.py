@@ -243,7 +243,7 @@ def test_the_expanded_form_matches_float64(case, chunked, monkeypatch, rel_err):
         1e-12 if dtype == torch.float64 else 1e-5)
 
 
-def test_the_cuda_routing_expands_the_sequences_of_many_queries():
+def test_the_cuda_routing_expands_the_sequences_of_many_queries(monkeypatch):
     """cuda_expanded_sequences: decode rows and short chunks stay absorbed; a sequence of CUDA_EXPAND_MIN_QUERIES
     queries or more expands unless its context times the heads passes CUDA_EXPAND_MAX_KEY_HEADS; a forced form is
     every sequence's (an empty one none); the context lengths are not asked for where no sequence has that many
@@ -254,6 +254,11 @@ def test_the_cuda_routing_expands_the_sequences_of_many_queries():
         raise AssertionError("read the context lengths")
 
     route = mla_attention.cuda_expanded_sequences
+    # at DeepSeek's shapes, as measured (the constants' comment): V2-Lite's 512-token prompt absorbed, its 2048-token
+    # prompt and a 512-query chunk after 4096 expanded; V3's 128-token prompt absorbed, its 512-token prompt expanded
+    assert route([512, 2048, 512], lambda: [512, 2048, 4608], 16) == [1, 2]
+    assert route([128, 512], lambda: [128, 512], 128) == [1]
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)  # below: the other bounds alone
     assert route([1] * 8, unread, 16) == [] and route([1, many - 1, 3], unread, 128) == []
     lens = [500, many, 4096 + many, cap // 16, cap // 16 + 1]
     assert route([1, many, many, many, many], lambda: lens, 16) == [1, 2, 3]  # the last: past the cap
@@ -273,11 +278,12 @@ SPLIT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_a_cuda_step_splits_its_rows_between_the_two_forms(dot_case, case, rel_err):
+def test_a_cuda_step_splits_its_rows_between_the_two_forms(dot_case, case, rel_err, monkeypatch):
     """The CUDA path (cuda_mla_attention: on CPU tensors its kernel in Triton's interpreter; on a GPU, -m gpu,
     through mla_attention) splits a mixed step: the sequences of many queries expanded, the other rows through the
     absorbed kernel, into one output equal to float64's; the split it made is the step's route."""
     device, dtype = dot_case
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)  # (these shapes are small)
     context_lens, query_lens, want_expanded = SPLIT_CASES[case]
     heads, nope, rope, v_dim, rank, block_size = 4, 16, 16, 8, 32, 16
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,

@@ -145,6 +145,7 @@ def test_the_cuda_path_expands_long_chunks_beside_absorbed_rows(checkpoints, art
     expanded = []
     attention = mla_attention.expanded_attention
     monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 4)
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)
     monkeypatch.setattr(mla_attention, "expanded_attention",
                         lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
     family = DEEPSEEK_FAMILIES[-1]
@@ -181,6 +182,7 @@ def test_long_prefills_expand_on_the_gpu(checkpoints, artifacts, monkeypatch, hf
     expanded = []
     attention = mla_attention.expanded_attention
     monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 64)
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)
     monkeypatch.setattr(mla_attention, "expanded_attention",
                         lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
     checkpoint = checkpoints["deepseek_v3"]
