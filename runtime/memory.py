@@ -160,13 +160,27 @@ def piecewise_allowance_bytes(model_config: ModelConfig, sizes: list[int]) -> in
             + len(sizes) * (model_config.num_layers + 1) * GRAPH_BYTES_PER_PIECE)
 
 
+def verify_graph_sizes(runtime: RuntimeDefaults, piece_sizes: list[int]) -> list[int]:
+    """The token counts of the whole-forward graphs (runtime/mixed_graphs.py) a runner captures beside its piecewise
+    graphs for speculative decoding's verify steps (ModelRunner NOTE (verify graphs)): the piecewise sizes, under
+    cudagraph_mode FULL_AND_PIECEWISE with a `speculative` config; else none."""
+    modes = runtime.graph_modes
+    if runtime.speculative is None or not (modes.has_piecewise and modes.has_full_decode):
+        return []
+    return piece_sizes
+
+
 def prefill_graph_allowance_bytes(model_config: ModelConfig, runtime: RuntimeDefaults, sizes: list[int]) -> int:
     """What the graphs of prefill and mixed steps of `sizes` tokens may take: piecewise_allowance_bytes,
     and with cudagraph_mode FULL (runtime/mixed_graphs.py) their block-table buffer besides, a row per
-    sequence a captured step may hold (~16 MB at 512 sequences of 128K tokens in 16-token blocks)."""
+    sequence a captured step may hold (~16 MB at 512 sequences of 128K tokens in 16-token blocks); with the verify
+    steps' whole-forward graphs beside piecewise ones (verify_graph_sizes), both."""
     allowance = piecewise_allowance_bytes(model_config, sizes)
-    if sizes and runtime.graph_modes.has_full_mixed:
-        allowance += (min(runtime.max_num_seqs, max(sizes)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
+    whole = sizes if runtime.graph_modes.has_full_mixed else verify_graph_sizes(runtime, sizes)
+    if whole and not runtime.graph_modes.has_full_mixed:
+        allowance += piecewise_allowance_bytes(model_config, whole)
+    if whole:
+        allowance += (min(runtime.max_num_seqs, max(whole)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
     return allowance
 
 

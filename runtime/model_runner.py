@@ -118,6 +118,19 @@ class ModelRunner:
                                               takes_rows=self.takes_images)
             self.pieces.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
             self.pieces.log_capture(piece_allowance)
+        # NOTE (verify graphs): a speculative engine's verify steps (k + 1 rows per request) replay whole-forward
+        # graphs, attention included, beside the piecewise graphs of prefills: between piecewise graphs each layer's
+        # attention is launched from Python, ~0.1-0.2 ms of host time apiece, which set an EAGLE step's pace on an 8B
+        # model (RESULTS.md session 46; vLLM's uniform-decode full graphs)
+        self.verify_graphs: MixedGraphs | None = None
+        self.max_verify_rows = 0
+        verify_sizes = memory.verify_graph_sizes(options, piece_sizes) if isinstance(self.pieces, PiecewiseGraphs) else []
+        if verify_sizes:
+            self.max_verify_rows = options.speculative.num_speculative_tokens + 1
+            self.verify_graphs = MixedGraphs(self.model, verify_sizes, options.max_num_seqs, options.max_model_len,
+                                             options.block_size, self.num_blocks, device)
+            self.verify_graphs.capture(*((self.graphs.pool, self.graphs.capture_stream) if self.graphs else ()))
+            self.verify_graphs.log_capture(piece_allowance)
         if graph_sizes or piece_sizes:
             compile_mixed_step(self.model, self.num_blocks, options.block_size, options.max_model_len, device,
                                self.pieces if isinstance(self.pieces, PiecewiseGraphs) else None,
@@ -171,6 +184,9 @@ class ModelRunner:
             return self.model(input_ids, forward_batch)
         if self.graphs is not None and self.graphs.can_run(forward_batch):
             return self.graphs.run(input_ids, forward_batch)  # [num_tokens = num_seqs, hidden_size]
+        if (self.verify_graphs is not None and max(forward_batch.query_lens) <= self.max_verify_rows
+                and self.verify_graphs.can_run(forward_batch)):  # NOTE (verify graphs)
+            return self.verify_graphs.run(input_ids, forward_batch)
         if self.pieces is not None and self.pieces.can_run(forward_batch):
             return self.pieces.run(input_ids, forward_batch)
         return self.model(input_ids, forward_batch)

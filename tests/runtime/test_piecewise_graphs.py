@@ -194,6 +194,27 @@ def test_cudagraph_mode_takes_vllms_names(tiny_llama, tmp_path):
         resolve_options(manifest, {"compilation_config": {"cudagraph_capture_sizes": [1, 2]}})
 
 
+def test_a_speculative_engine_plans_whole_forward_graphs_of_its_verify_steps(tiny_llama, tmp_path):
+    """ModelRunner NOTE (verify graphs): under FULL_AND_PIECEWISE with a `speculative` config the runner captures
+    whole-forward graphs of the piecewise sizes too (verify steps), and the memory plan holds them back; under the
+    other modes, or without speculation, none."""
+    manifest = art.read_manifest(_artifact(tiny_llama, tmp_path / "a"))
+    config = manifest.model
+    ngram = {"speculative": {"method": "ngram", "num_speculative_tokens": 3}, "max_num_batched_tokens": 100}
+    sizes = [8, 16, 24, 32, 48, 64, 96, 100]
+    plain = resolve_options(manifest, {"max_num_batched_tokens": 100})
+    spec = resolve_options(manifest, ngram)
+    assert memory.planned_piece_sizes(spec) == sizes
+    assert memory.verify_graph_sizes(spec, sizes) == sizes and memory.verify_graph_sizes(plain, sizes) == []
+    for mode in ("PIECEWISE", "FULL", "FULL_DECODE_ONLY"):
+        other = resolve_options(manifest, {**ngram, "compilation_config": {"cudagraph_mode": mode}})
+        assert memory.verify_graph_sizes(other, sizes) == []
+    full = resolve_options(manifest, {**ngram, "compilation_config": {"cudagraph_mode": "FULL"}})
+    both = memory.prefill_graph_allowance_bytes(config, spec, sizes)
+    assert both == (memory.prefill_graph_allowance_bytes(config, plain, sizes)
+                    + memory.prefill_graph_allowance_bytes(config, full, sizes))  # piecewise + whole
+
+
 def test_a_recipe_takes_the_mode_in_any_case_and_inspect_json_shows_it(tiny_llama, tmp_path):
     """vLLM upper-cases cudagraph_mode: a recipe may say `full_decode_only`, as the flags may; and
     `llmc inspect --json` writes the runtime section's nested settings (it raised TypeError on them)."""
