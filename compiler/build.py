@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 import llmc
+from llmc.compiler import gpt_oss_checkpoint
 from llmc.compiler import hf_checkpoint as hf
 from llmc.compiler.convert import (
     artifact_tensor_specs, dense_global_packer, dense_packer, global_modules, pack_global, pack_layer, read_global,
@@ -165,6 +166,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                               "weights as it reads them, which a pre-quantized checkpoint's packed weights do not "
                               "take; quantize the float checkpoint with rtn, gptq, awq or fp8")
     qc = checkpoint_quantization_config(hf_config, model_dir) or {}
+    if spec.family == "gpt_oss":
+        _check_gpt_oss(recipe, model_dir, qc)
     quant_method = str(qc.get("quant_method", "")).lower()
     if recipe.quantization.method != "import" and (quant_method == "fp8" or quant_method.startswith("modelopt") or (
             qc.get("quant_method") == "compressed-tensors" and qc.get("config_groups"))):
@@ -193,8 +196,24 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     if spec.moe and spec.moe.fused and recipe.quantization.method == "import":  # (Granite MoE: refused above too)
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
                               "fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
-    derived = _derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
+    derived = (_derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
+               | gpt_oss_checkpoint.expert_tensors(spec, model))
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
+
+
+def _check_gpt_oss(recipe: Recipe, model_dir: Path, qc: dict) -> None:
+    """What a gpt-oss build does not do, refused by name; one line where its MXFP4 experts are dequantized."""
+    if recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for gpt-oss (its fused, "
+                              "interleaved experts; MXFP4 is no format llmc runs): build with none, rtn, gptq, awq or "
+                              "fp8, which read its MXFP4 experts dequantized")
+    if recipe.parallel.tensor > 1:
+        raise RecipeError(f"parallel.tensor {recipe.parallel.tensor}: not supported for gpt-oss (its o_proj's and "
+                          "experts' down biases would be added once per rank); use parallel.tensor 1 (pipeline "
+                          "parallelism splits whole layers)")
+    if gpt_oss_checkpoint.check_quantization_config(qc, model_dir):
+        logger.info("gpt-oss: the checkpoint's MXFP4 experts are dequantized as they are read (exactly, to float32), "
+                    "then quantization.method %s applies", recipe.quantization.method)
 
 
 def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:

@@ -74,12 +74,17 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
         members = [prefix + member for member in linear.hf_members]
         if linear.name not in skip_linears:
             linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
-        if config.attention_bias and linear.name == "attn.qkv":
+        if (config.attention_bias and linear.name == "attn.qkv") or (config.o_bias and linear.name == "attn.o"):
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
     norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config).items()}
+    if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
+        norms["attn.sinks"] = reader.get(f"{prefix}self_attn.sinks").float()
     if is_moe:
         linears |= read_experts(reader, spec, config, index, skip_linears)
         norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()
+        if config.moe_bias:  # gpt-oss: the router's bias [num_experts], every expert's gate_up and down biases
+            biases["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.bias").float()
+            biases |= read_experts(reader, spec, config, index, kind="bias")
         if config.shared_expert_gate:  # Qwen2-MoE's shared expert gate [1, hidden]
             norms["moe.shared_gate"] = reader.get(f"{prefix}{spec.moe.shared_gate}.weight").float()
         if config.router_scoring == "sigmoid":  # DeepSeek-V3's e_score_correction_bias [num_experts]
@@ -88,15 +93,16 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
 
 
 def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
-                 skip_linears: set[str] = frozenset()) -> dict[str, Tensor]:
+                 skip_linears: set[str] = frozenset(), kind: str = "weight") -> dict[str, Tensor]:
     """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows), then every
-    down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read."""
+    down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read. kind "bias": their
+    biases (gpt-oss) in the same order, [2 * width] and [hidden]."""
     moe = spec.moe
     prefixes = [f"{spec.hf_layer_prefix}{index}.{moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
-    gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(p + moe.gate + ".weight").float(),
-                                                              reader.get(p + moe.up + ".weight").float()])
+    gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(f"{p}{moe.gate}.{kind}").float(),
+                                                              reader.get(f"{p}{moe.up}.{kind}").float()])
                 for e, p in enumerate(prefixes) if expert_linear_name(e, "gate_up") not in skip_linears}
-    downs = {expert_linear_name(e, "down"): reader.get(p + moe.down + ".weight").float()
+    downs = {expert_linear_name(e, "down"): reader.get(f"{p}{moe.down}.{kind}").float()
              for e, p in enumerate(prefixes) if expert_linear_name(e, "down") not in skip_linears}
     return gate_ups | downs
 

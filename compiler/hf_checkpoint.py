@@ -138,6 +138,11 @@ _HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_repla
                                       "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
                                       "moe_intermediate_size": 2048, "max_position_embeddings": 4096,
                                       "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
+# GptOssConfig's defaults (its rope_parameters' default, YaRN, is filled in by _gpt_oss_config)
+_HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "head_dim": 64,
+                                  "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
+                                  "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
+                                  "bos_token_id": None, "eos_token_id": None, "rope_theta": 150000.0}
 for _type in ("granitemoe", "granitemoeshared"):
     _HF_CONFIG_DEFAULTS[_type] = {**_HF_CONFIG_DEFAULTS["granite"], "num_local_experts": 8, "num_experts_per_tok": 2}
 _HF_CONFIG_DEFAULTS["granitemoeshared"]["shared_intermediate_size"] = 0
@@ -148,7 +153,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                  "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2"}
+                  "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
+                  "GptOssForCausalLM": "gpt_oss"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -190,6 +196,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _olmo3_config(config)
     if spec.family in DEEPSEEK_FAMILIES:
         config = _deepseek_config(config, spec.family)
+    if spec.family == "gpt_oss":
+        config = _gpt_oss_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -232,6 +240,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
+        **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
         # Phi-3's and GLM-4's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families' transformers models
         # rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
@@ -618,7 +627,7 @@ def _moe_fields(config: dict, family: str) -> dict:
     in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob. Qwen2-MoE's shared
     expert (gated) and Granite MoE shared's (shared_intermediate_size; 0: none) are read with them."""
     num_layers = config["num_hidden_layers"]
-    if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared"):
+    if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss"):
         num_experts = config.get("num_local_experts") or config.get("num_experts")
         shared = config.get("shared_intermediate_size") or None if family == "granitemoeshared" else None
         return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
@@ -690,6 +699,31 @@ def _phi3_rope(config: dict) -> dict:
         params["attention_factor"] = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
     longrope = {"rope_type": "longrope", "rope_theta": theta, **params, "original_max_position_embeddings": original}
     return {**config, "rope_parameters": longrope, "rope_scaling": None}
+
+
+def _gpt_oss_config(config: dict) -> dict:
+    """A gpt-oss config as GptOssConfig reads it: `layer_types` alternating sliding and full (layer i slides when
+    (i + 1) % 2) where absent, and its default rope (YaRN x32 over 4096 positions, beta_fast 32, beta_slow 1, not
+    truncated) where the config gives neither rope_parameters nor rope_scaling. Its swiglu_limit and swiglu_alpha must
+    be positive numbers."""
+    config = dict(config)
+    for key in ("swiglu_limit", "swiglu_alpha"):
+        if not _is_number(config.get(key)) or not config[key] > 0:
+            raise CheckpointError(f"{key} {config.get(key)!r}: gpt-oss's clamped SwiGLU needs a positive number")
+    if config.get("layer_types") is None:
+        config["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 4096}
+    return config
+
+
+def _gpt_oss_fields(config: dict) -> dict:
+    """gpt-oss's runtime fields (runtime/models/gpt_oss.py): attention sinks, o_proj's bias (attention_bias covers
+    q/k/v/o), the router's and experts' biases, the experts' clamped SwiGLU."""
+    return {"attention_sinks": True, "o_bias": bool(config.get("attention_bias")), "moe_bias": True,
+            "swiglu_limit": float(config["swiglu_limit"]), "swiglu_alpha": float(config["swiglu_alpha"])}
 
 
 def _cohere_config(config: dict, family: str) -> dict:

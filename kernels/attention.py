@@ -172,7 +172,7 @@ def rotate_write_and_attend(
     slot_mapping: Tensor, block_tables: Tensor, context_lens: Tensor, query_lens: list[int], scale: float,
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
     v_scale: float = 1.0, index_cache: dict | None = None, prefill_index: PrefillIndex | None = None,
-    softcap: float | None = None, key_limits: Tensor | None = None,
+    softcap: float | None = None, key_limits: Tensor | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
@@ -185,12 +185,12 @@ def rotate_write_and_attend(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
-            rotary=(k, v, positions, cos_sin_cache, slot_mapping), softcap=softcap,
+            rotary=(k, v, positions, cos_sin_cache, slot_mapping), softcap=softcap, sinks=sinks,
         )
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
                            max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index,
-                           softcap=softcap, key_limits=key_limits)
+                           softcap=softcap, key_limits=key_limits, sinks=sinks)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -221,6 +221,7 @@ def paged_attention(
     prefill_index: PrefillIndex | None = None,
     softcap: float | None = None,
     key_limits: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape
     (written into `out`, a tensor of q's shape and dtype, when given).
@@ -238,6 +239,9 @@ def paged_attention(
     position and within its context; the sliding window still counts back from the query's own position. A
     sequence of one query is taken to have its own position as its limit (the decode path reads none). None:
     causal. Not with prefill_index.
+    sinks: [num_heads] float32, gpt-oss's attention sinks: each head's logit joins every query row's softmax as one
+    more column (after the scale, the cap and the mask), and its probability is dropped, so a row's weights sum to
+    less than 1; None: none.
     """
     if key_limits is not None and prefill_index is not None:
         raise ValueError("key_limits are not read by a prefill_index's step (a CUDA graph's); run the step eagerly")
@@ -247,7 +251,7 @@ def paged_attention(
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out, prefill_index=prefill_index,
-            softcap=softcap, key_limits=key_limits,
+            softcap=softcap, key_limits=key_limits, sinks=sinks,
         )
 
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
@@ -277,7 +281,12 @@ def paged_attention(
             limits = None if key_limits is None or query_len == 1 else key_limits[start : start + query_len]
             mask = _causal_mask(query_len, context_len, sliding_window, q.device, limits).repeat(group, 1)
             scores.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # rows ordered (KV head, group member, query): head kv * group + member's sink for each
+            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, query_len, 1)
+            probs = torch.softmax(torch.cat((scores, sink.reshape(num_kv_heads, group * query_len, 1)), dim=-1),
+                                  dim=-1)[..., :-1]
         attn = torch.bmm(probs, v.permute(1, 0, 2).float())  # [num_kv_heads, group * query_len, head_dim]
         attn = attn.view(num_kv_heads, group, query_len, head_dim).permute(2, 0, 1, 3)
         out[start : start + query_len] = attn.reshape(query_len, num_heads, head_dim).to(q.dtype)

@@ -444,6 +444,7 @@ def paged_attention(
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
     rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
     prefill_index: PrefillIndex | None = None, softcap: float | None = None, key_limits: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention (key_limits: read by the prefill kernel only). Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -458,6 +459,8 @@ def paged_attention(
     buffers fix, into prefill_index.out; query_lens and max_context_len are not read).
     """
     _check_cache(k_cache, v_cache)
+    if sinks is not None:
+        raise NotImplementedError("attention sinks (gpt-oss) are not in the Triton attention kernels")
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     if prefill_index is not None:

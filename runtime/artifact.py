@@ -81,10 +81,14 @@ from llmc.schema import opt, parse
 #      qk_rope_head_dim] cache per layer (kv.num_kv_heads 1, kv.head_dim that sum) in place of the expanded K and V;
 #      a 1.20 / 1.21 DeepSeek manifest's kv section describes the expanded cache, and the runtime allocates the latent
 #      one for it too.
-FORMAT_VERSION = "1.22"
+# 1.23: gpt-oss (family gpt_oss): model.attention_sinks (a float32 `attn.sinks` [num_heads] per layer, one more softmax
+#      column per head whose value is dropped), o_bias (attn.o's bias), moe_bias (moe.gate.bias, and
+#      moe.experts.gate_up.bias / moe.experts.down.bias [E, out]) and swiglu_limit / swiglu_alpha (the experts' clamped
+#      SwiGLU); older manifests load without them (none of these).
+FORMAT_VERSION = "1.23"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22")
+                         "1.22", "1.23")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -92,7 +96,7 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2"]
+            "cohere2", "gpt_oss"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -219,8 +223,21 @@ class ModelConfig:
     num_labels: int | None = opt(None, min=1)
     labels: list[str] | None = opt(None)
     classifier_activation: str | None = opt(None, choices=list(CLASSIFIER_ACTIVATIONS))
+    # gpt-oss (runtime/models/gpt_oss.py; the defaults are every other family's): attention_sinks: each layer's
+    # `attn.sinks` [num_heads] (float32) is one more logit in every query row's softmax, its probability dropped (the
+    # row's weights sum to less than 1); o_bias: attn.o has a bias; moe_bias: the router (moe.gate.bias) and every
+    # expert's gate_up and down have biases; swiglu_limit: the experts compute (clamp(up, -limit, limit) + 1) *
+    # g * sigmoid(swiglu_alpha * g), g = clamp(gate, max=limit), in place of SiLU(gate) * up (None: SiLU)
+    attention_sinks: bool = opt(False)
+    o_bias: bool = opt(False)
+    moe_bias: bool = opt(False)
+    swiglu_limit: float | None = opt(None, min_exclusive=0.0)
+    swiglu_alpha: float | None = opt(None, min_exclusive=0.0)
 
     def __post_init__(self):
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ArtifactError(f"model: swiglu_limit {self.swiglu_limit} and swiglu_alpha {self.swiglu_alpha}: the "
+                                "clamped SwiGLU needs both (or neither: SiLU)")
         if not self.pre_norms and not self.sandwich_norms:
             raise ArtifactError("model: pre_norms false needs sandwich_norms (the sub-layers' outputs normed instead)")
         if self.parallel_block and (not self.pre_norms or self.sandwich_norms):
@@ -325,6 +342,7 @@ class ModelConfig:
         """Logical parameter count (as the HF model counts it), whatever the storage format."""
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = self.hidden_size * (q + 2 * kv) + q * self.hidden_size + (q + 2 * kv if self.attention_bias else 0)
+        attn += self.hidden_size * self.o_bias + self.num_heads * self.attention_sinks
         if self.is_mla:
             attn = self.mla_parameters
         mlp = 3 * self.hidden_size * self.intermediate_size
@@ -337,6 +355,8 @@ class ModelConfig:
             lm_head = self.num_labels * self.hidden_size
         num_moe = len(self.moe_layers)
         moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
+        if num_moe and self.moe_bias:  # the router's bias, each expert's gate_up and down biases
+            moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + self.hidden_size)
         if num_moe and self.shared_expert_intermediate_size:
             moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe

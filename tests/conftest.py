@@ -223,6 +223,16 @@ _FAMILY_SPECS |= {
                                                              "mscale_all_dim": 0.8}}),
 }
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v2_q_lora", "deepseek_v3")
+# gpt-oss (tests/runtime/test_gpt_oss.py): head_dim 32 (not hidden / heads), 3 layers sliding / full / sliding over an
+# 8-token window, q/k/v/o biases, attention sinks (random: std 1), 4 experts of width 64 with biases, top-2 of a biased
+# router, YaRN x4 over 64 positions untruncated, and swiglu_limit 1.0: with LINEAR_STD the gate and up outputs have
+# std ~1.6, so the clamps bind on many of them (7.0, the published limit, would hardly ever bind here)
+_FAMILY_SPECS["gpt_oss"] = ("GptOssConfig", {
+    "head_dim": 32, "num_hidden_layers": 3, "sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "intermediate_size": 64, "swiglu_limit": 1.0,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                        "truncate": False, "original_max_position_embeddings": 64}})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -267,8 +277,10 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
 
     # named_parameters() yields a tied lm_head/embedding once (under the embedding's name).
     for name, p in model.named_parameters():
-        if name.endswith(".bias"):
+        if name.endswith((".bias", "_bias")):  # (gpt-oss's experts: gate_up_proj_bias, down_proj_bias)
             p.copy_(BIAS_STD * randn_like(p))
+        elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits of the scores' size
+            p.copy_(randn_like(p))
         elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm (Gemma: scaled by 1 + w)
             p.copy_(1.0 + NORM_JITTER * randn_like(p))
         elif "embed_tokens" in name:

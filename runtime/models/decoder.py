@@ -1,11 +1,12 @@
 """The decoder-only transformer every supported family is built from (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2, Gemma 3, Granite, OLMo 2, GLM-4, Cohere, Cohere 2, and the mixture-of-experts Mixtral and Qwen3-MoE, whose
-MoE layers use runtime/models/moe.py).
+Gemma 2, Gemma 3, Granite, OLMo 2, GLM-4, Cohere, Cohere 2, and the mixture-of-experts Mixtral, Qwen3-MoE and gpt-oss,
+whose MoE layers use runtime/models/moe.py).
 
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma's hidden_act,
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
-parallel_block, Cohere 2's rope_on_full_layers false), so one module serves them all. Buffers are
+parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias), so one module serves
+them all. Buffers are
 named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so loading is a strict comparison of
 names, shapes and dtypes.
 
@@ -66,7 +67,11 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
-        self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], False, dtype)
+        self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], config.o_bias, dtype)
+        self.has_sinks = config.attention_sinks  # gpt-oss: one learned logit per (this rank's) head, float32
+        if config.attention_sinks:
+            self.sinks = nn.Module()
+            self.sinks.register_buffer("weight", torch.empty(self.num_heads, dtype=torch.float32, device="meta"))
         self.has_qk_norm = config.qk_norm
         # OLMo 2: q_norm / k_norm over the whole projection (this rank's heads' share of it under TP), not per head
         self.is_qk_norm_full_width = config.qk_norm_full_width
@@ -86,6 +91,7 @@ class Attention(nn.Module):
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
             self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index, self.softcap, batch.key_limits,
+            self.sink_logits(),
         )  # [num_tokens, num_heads, head_dim]
         return self.output(out)
 
@@ -131,7 +137,12 @@ class Attention(nn.Module):
         k_cache, v_cache = self.kv_cache
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
                                self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
-                               batch.kernel_cache, out=out, softcap=self.softcap, key_limits=batch.key_limits)
+                               batch.kernel_cache, out=out, softcap=self.softcap, key_limits=batch.key_limits,
+                               sinks=self.sink_logits())
+
+    def sink_logits(self) -> Tensor | None:
+        """gpt-oss's attention sinks [num_heads] float32 (None: the model has none)."""
+        return self.sinks.weight if self.has_sinks else None
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, head_dim] → o's output [num_tokens, hidden_size] (all-reduced under TP)."""
@@ -390,6 +401,10 @@ class DecoderModel(nn.Module):
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
             if not layer.is_moe and not keep_gate_up_order:
                 layer.mlp.interleave_gate_up()
+        slow_moe = [i for i, layer in self.layers.items() if layer.is_moe and not layer.moe.runs_fused_math()]
+        if slow_moe and self.layers[slow_moe[0]].moe.gate.weight.is_cuda:
+            logger.info("%s: the MoE layers' biased experts and clamped SwiGLU run expert by expert (the fused Triton "
+                        "MoE kernel computes neither): slower than the fused kernel", self.config.architecture)
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
         if not dense_bytes:

@@ -23,6 +23,11 @@ best groups by their best expert); V3 sigmoid scores chosen by score + e_score_c
 the best groups by their two best experts' sum, weighted by the scores without the bias, renormalised where
 norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (ids, weights) as the softmax router does.
 
+gpt-oss (ModelConfig.moe_bias, swiglu_limit): the router's logits take its bias (`moe.gate.bias`), every expert's
+gate_up and down add theirs (`ExpertLinears.bias`, [E, out], never quantized), and the experts' activation is the
+clamped SwiGLU (`MoE.expert_activation`). The fused kernel computes neither: such a layer takes the expert-by-expert
+path on every device (`MoE.runs_fused_math`; one line at load on CUDA).
+
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
 experts' share; the ranks' partial sums are all-reduced like a row-parallel MLP's.
@@ -50,15 +55,20 @@ ExpertObserver = Callable[[str, Tensor], None]
 
 class ExpertLinears(nn.Module):
     """One projection of every local expert: each tensor of `fmt`'s param_specs with a leading
-    [num_experts] dim (buffers named as the format's, so state_dict keys are the artifact's)."""
+    [num_experts] dim (buffers named as the format's, so state_dict keys are the artifact's); with `bias_dtype`,
+    a `bias` [num_experts, out_features] too (gpt-oss), never quantized."""
 
-    def __init__(self, num_experts: int, in_features: int, out_features: int, fmt: LinearFormat):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, fmt: LinearFormat,
+                 bias_dtype: torch.dtype | None = None):
         super().__init__()
         self.num_experts, self.in_features, self.out_features, self.fmt = num_experts, in_features, out_features, fmt
         self.param_names = []
         for name, spec in fmt.param_specs(in_features, out_features).items():
             self.register_buffer(name, torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="meta"))
             self.param_names.append(name)
+        self.has_bias = bias_dtype is not None
+        if self.has_bias:
+            self.register_buffer("bias", torch.empty(num_experts, out_features, dtype=bias_dtype, device="meta"))
         self.dense: Tensor | None = None  # [num_experts, out, in]: int weights dequantized once, on a CPU
 
     def params(self) -> dict[str, Tensor]:
@@ -66,8 +76,8 @@ class ExpertLinears(nn.Module):
         return {name: getattr(self, name) for name in self.param_names}
 
     def apply_expert(self, expert: int, x: Tensor) -> Tensor:
-        """x [n, in_features] through local expert `expert` → [n, out_features]."""
-        return self.fmt.apply(x, self._expert_params(expert), None)
+        """x [n, in_features] through local expert `expert` → [n, out_features] (plus its bias, where it has one)."""
+        return self.fmt.apply(x, self._expert_params(expert), self.bias[expert] if self.has_bias else None)
 
     def _expert_params(self, expert: int) -> dict[str, Tensor]:
         params = {name: getattr(self, name)[expert] for name in self.param_names}
@@ -117,6 +127,11 @@ class MoE(nn.Module):
         router_dtype = torch.float32 if config.router_in_float32 else dtype
         self.gate.register_buffer("weight", torch.empty(config.num_experts, config.hidden_size, dtype=router_dtype,
                                                         device="meta"))
+        self.has_bias = config.moe_bias  # gpt-oss: the router's and every expert's projections' biases
+        if config.moe_bias:
+            self.gate.register_buffer("bias", torch.empty(config.num_experts, dtype=router_dtype, device="meta"))
+        # gpt-oss's clamped SwiGLU (None: SiLU(gate) * up): `expert_activation`
+        self.swiglu = None if config.swiglu_limit is None else (config.swiglu_alpha, config.swiglu_limit)
         self.is_deepseek_router = config.router_in_float32
         self.scoring, self.routed_scaling_factor = config.router_scoring, config.routed_scaling_factor
         self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
@@ -126,9 +141,11 @@ class MoE(nn.Module):
                                                                  device="meta"))
         size = layout.moe_intermediate_size
         self.experts = nn.Module()
+        bias_dtype = dtype if config.moe_bias else None
         self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
-                                             formats[prefix + "experts.gate_up"])
-        self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size, formats[prefix + "experts.down"])
+                                             formats[prefix + "experts.gate_up"], bias_dtype)
+        self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size,
+                                          formats[prefix + "experts.down"], bias_dtype)
         self.has_shared = bool(config.shared_expert_intermediate_size)
         if self.has_shared:
             self.shared = SharedExpert(config, formats, prefix + "shared.", dtype, layout)
@@ -148,7 +165,8 @@ class MoE(nn.Module):
             bias = self.gate_bias.weight if self.scoring == "sigmoid" else None
             return deepseek_route(logits, self.top_k, self.scoring, bias, self.groups, self.topk_groups,
                                   self.norm_topk_prob, self.routed_scaling_factor)
-        probs = torch.softmax(torch.nn.functional.linear(x, self.gate.weight).float(), dim=-1)
+        logits = torch.nn.functional.linear(x, self.gate.weight, self.gate.bias if self.has_bias else None)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -156,7 +174,8 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
-        fused = None if self.observers else fused_expert_weights(x, self.experts.gate_up, self.experts.down)
+        fused = None if self.observers or not self.runs_fused_math() else fused_expert_weights(
+            x, self.experts.gate_up, self.experts.down)
         if fused is not None:
             out = fused_moe_experts(x, weights, ids - self.expert_start, *fused)
         else:
@@ -175,7 +194,24 @@ class MoE(nn.Module):
 
     def runs_fused(self) -> bool:
         """Whether the fused kernel runs this layer on its weights' device (`fused_expert_weights`)."""
-        return fused_expert_weights(self.gate.weight, self.experts.gate_up, self.experts.down) is not None
+        return self.runs_fused_math() and fused_expert_weights(self.gate.weight, self.experts.gate_up,
+                                                               self.experts.down) is not None
+
+    def runs_fused_math(self) -> bool:
+        """Whether the fused kernel computes this layer's experts: not gpt-oss's biased experts and clamped SwiGLU,
+        which take the expert-by-expert path on every device."""
+        return not self.has_bias and self.swiglu is None
+
+    def expert_activation(self, gate_up: Tensor) -> Tensor:
+        """An expert's gate_up output [n, 2 * width] (gate, then up) → down's input [n, width]: SiLU(gate) * up, or
+        gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit),
+        in the activations' dtype as transformers' GptOssExperts computes it."""
+        if self.swiglu is None:
+            return silu_and_mul(gate_up)
+        alpha, limit = self.swiglu
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def forward_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The plain-torch path: each local expert that received tokens runs on them (a token that
@@ -190,7 +226,7 @@ class MoE(nn.Module):
                 continue
             name = f"moe.experts.{self.expert_start + expert}."
             h = self._observed(name + "gate_up", x[token])
-            h = silu_and_mul(self.experts.gate_up.apply_expert(expert, h))
+            h = self.expert_activation(self.experts.gate_up.apply_expert(expert, h))
             y = self.experts.down.apply_expert(expert, self._observed(name + "down", h))  # [n, hidden]
             out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
         return out
@@ -200,7 +236,7 @@ class MoE(nn.Module):
         weighted by its routing weight (0 where unrouted), since selecting tokens would sync with the host."""
         for expert in range(self.num_local_experts):
             weight = (weights * (local == expert)).sum(dim=-1, keepdim=True).to(x.dtype)  # [num_tokens, 1]
-            h = silu_and_mul(self.experts.gate_up.apply_expert(expert, x))
+            h = self.expert_activation(self.experts.gate_up.apply_expert(expert, x))
             y = self.experts.down.apply_expert(expert, h)
             out += y.masked_fill(weight == 0, 0) * weight  # an unrouted token's inf must not become NaN (inf * 0)
         return out

@@ -34,6 +34,10 @@ class MoeSpec:
     # down [E, hidden, width]): the build reads expert e's gate / up / down (the names above) as slices of them
     # (hf_checkpoint.fused_expert_tensors). None: one tensor per expert and projection.
     fused: tuple[str, str] | None = None
+    # how `fused` stores them: "granite" (above), or "gpt_oss": gate_up [E, hidden, 2 * width] (input-major, gate and
+    # up interleaved in its columns) and down [E, width, hidden], each with a `{name}_bias` [E, out], or in MXFP4 as
+    # `{name}_blocks` / `{name}_scales` (compiler/gpt_oss_checkpoint.py)
+    fused_layout: str = "granite"
     shared_gate: str | None = None  # Qwen2-MoE: the shared expert's gate [1, hidden] (sigmoid), never quantized
 
 
@@ -115,8 +119,10 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
 
 def float32_norms(config) -> tuple[str, ...]:
     """The never-quantized layer tensors kept in float32 whatever the model dtype (`config`: the ModelConfig):
-    DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict)."""
-    return ("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()
+    DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict); gpt-oss's
+    attention sinks (the kernels read them as float32 logits)."""
+    return (("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()) + (
+        ("attn.sinks",) if config.attention_sinks else ())
 
 
 def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
