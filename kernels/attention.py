@@ -284,7 +284,7 @@ def paged_attention(
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)
         else:  # rows ordered (KV head, group member, query): head kv * group + member's sink for each
-            sink = sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, query_len, 1)
+            sink = sinks.to(scores.dtype).view(num_kv_heads, group, 1, 1).expand(-1, -1, query_len, 1)
             probs = torch.softmax(torch.cat((scores, sink.reshape(num_kv_heads, group * query_len, 1)), dim=-1),
                                   dim=-1)[..., :-1]
         attn = torch.bmm(probs, v.permute(1, 0, 2).float())  # [num_kv_heads, group * query_len, head_dim]

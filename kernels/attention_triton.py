@@ -38,6 +38,11 @@ becomes SOFTCAP * tanh(s / SOFTCAP), then the mask and the softmax, as transform
 The kernels then take scale / SOFTCAP (times k_scale) for scale_log2, the tanh's argument, and multiply
 the tanh by SOFTCAP * log2(e): the capped score in exp2's units. SOFTCAP 0 compiles none of it (every
 other model's kernels are the ones they were). The partition merges read m and l only: unchanged.
+Attention sinks (HAS_SINKS, a constexpr: gpt-oss; sink_ptr [num_heads] float32 logits): each head's sink is one
+more column of every row's softmax whose value is dropped, so it adds exp(sink) to the denominator only. An unsplit
+decode and the prefill kernel start their online softmax from it (m = sink in exp2's units, l = 1, acc = 0); a split
+decode's partitions leave it out and both merges start from it instead, so it counts once. HAS_SINKS false compiles
+none of it.
 """
 
 from __future__ import annotations
@@ -119,7 +124,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, sink_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
@@ -159,7 +164,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL, SOFTCAP,
+            PRECISION, MERGE_IN_KERNEL, SOFTCAP, sink_ptr, HAS_SINKS,
         )
 
 
@@ -202,13 +207,13 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, SOFTCAP: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, SOFTCAP: tl.constexpr, sink_ptr, HAS_SINKS: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
-    heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL)."""
+    heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL). An unsplit decode
+    starts from the heads' sinks; a partition's partial leaves them to the merge."""
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
-    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    m_i, l_i = _softmax_start(sink_ptr, heads, g_mask, BLOCK_G, HAS_SINKS and not IS_PARTITIONED)
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         offs_t = start + tl.arange(0, BLOCK_N)
@@ -231,10 +236,23 @@ def _decode_partition(
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == end - first - 1:
                 _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask,
                                   num_heads, num_partitions, first, end, stride_ot, stride_oh, HEAD_DIM, BLOCK_G,
-                                  BLOCK_D)
+                                  BLOCK_D, sink_ptr, HAS_SINKS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     else:
         _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_oh)
+
+
+@triton.jit
+def _softmax_start(sink_ptr, heads, mask, BLOCK: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The online softmax's (m, l) before any key, [BLOCK] each: (_M_INIT, 0), or with the heads' sinks (sink in
+    exp2's units, 1): the sink's column, whose value is 0 (acc starts at 0 either way)."""
+    if HAS_SINKS:
+        m_i = tl.load(sink_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BLOCK,), 1.0, tl.float32)
+    else:
+        m_i = tl.full((BLOCK,), _M_INIT, tl.float32)
+        l_i = tl.zeros((BLOCK,), dtype=tl.float32)
+    return m_i, l_i
 
 
 @triton.jit
@@ -247,16 +265,15 @@ def _store_out(out_ptr, acc, l_i, row, heads, offs_d, q_mask, stride_ot, stride_
 @triton.jit
 def _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask, num_heads,
                       num_partitions, first, end, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+                      BLOCK_D: tl.constexpr, sink_ptr, HAS_SINKS: tl.constexpr):
     """out[row, heads] = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p over the non-empty
     partitions [first, end) of decode sequence i (M: their largest m), in one pass in partition
     order (online, as over keys). An empty partition (m = _M_INIT, l = 0, acc = 0) would add exact
     zeros wherever it sat (before a real one the sums stay 0, after one its weight is exactly 0 and
     the rescale exactly 1), so leaving them out changes no bit, and one real partition gives acc / l
-    exactly, as an unsplit decode does."""
+    exactly, as an unsplit decode does. With sinks the merge starts from them (_softmax_start)."""
     rows = (i * num_heads + heads) * num_partitions  # [BLOCK_G]
-    m_i = tl.full((BLOCK_G,), _M_INIT, tl.float32)
-    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    m_i, l_i = _softmax_start(sink_ptr, heads, g_mask, BLOCK_G, HAS_SINKS)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     for part in range(first, end):
         base = rows + part
@@ -276,7 +293,7 @@ def _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d,
 def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, window, num_heads, num_partitions, partition_size,
     stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-    IS_DENSE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr,
+    IS_DENSE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, sink_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     """The merge as a kernel of its own, one program per (decode seq, head), every non-empty
     partition loaded at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Below
@@ -291,9 +308,16 @@ def _merge_partitions_kernel(
     base = (i * num_heads + head) * num_partitions + offs_p  # [BLOCK_P]
     m = tl.load(part_ml_ptr + base * 2, mask=p_mask, other=_M_INIT)
     l = tl.load(part_ml_ptr + base * 2 + 1, mask=p_mask, other=0.0)
-    weights = tl.exp2(m - tl.max(m, axis=0))
+    top = tl.max(m, axis=0)
+    if HAS_SINKS:  # the sink's column: exp2(sink - M) in the denominator, M over it too
+        sink = tl.load(sink_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weights = tl.exp2(m - top)
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(weights[:, None] * acc, axis=0) / tl.sum(weights * l, axis=0)
+    denominator = tl.sum(weights * l, axis=0)
+    if HAS_SINKS:
+        denominator += tl.exp2(sink - top)
+    out = tl.sum(weights[:, None] * acc, axis=0) / denominator
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -305,6 +329,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, limit_ptr=None, HAS_LIMITS: tl.constexpr = False,
+    sink_ptr=None, HAS_SINKS: tl.constexpr = False,
 ):
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(blk_seq_ptr + blk)
@@ -321,8 +346,7 @@ def _prefill_kernel(
     q_mask = row_valid[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask, other=0.0)
     acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-    m_i = tl.full((BLOCK_R,), _M_INIT, tl.float32)
-    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    m_i, l_i = _softmax_start(sink_ptr, heads, row_valid, BLOCK_R, HAS_SINKS)
     last_query = tl.minimum(q_begin + QUERIES_PER_BLOCK, query_len) - 1
     hi = context_len - query_len + last_query + 1  # keys after the block's last query are never seen
     limit = position  # the last key each row sees
@@ -459,20 +483,18 @@ def paged_attention(
     buffers fix, into prefill_index.out; query_lens and max_context_len are not read).
     """
     _check_cache(k_cache, v_cache)
-    if sinks is not None:
-        raise NotImplementedError("attention sinks (gpt-oss) are not in the Triton attention kernels")
     if context_lens.dtype != torch.int32 or context_lens.device != q.device:
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     if prefill_index is not None:
         out, index = prefill_index.out[: q.shape[0]], prefill_index
-        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap)
+        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks)
         _launch_prefill(q, k_cache, v_cache, block_tables, out, index.query_lens, index.first_rows, index.block_seqs,
                         index.block_starts, index.queries_per_block, common)
         return out
     out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
-    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap)
+    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks)
     first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     if rotary is not None:
         if prefill:
@@ -508,13 +530,19 @@ def paged_attention(
     return out
 
 
-def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap=None) -> dict:
+def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap=None, sinks=None) -> dict:
     """The launch arguments both kernels take. With a soft cap, scale_log2 is the tanh's argument's
-    multiplier (scale / softcap) and the kernels multiply the tanh by softcap * log2(e)."""
+    multiplier (scale / softcap) and the kernels multiply the tanh by softcap * log2(e). `sinks` [num_heads]
+    float32 (gpt-oss), passed as the kernels' sink_ptr / HAS_SINKS where given."""
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive (None: no cap), got {softcap}")
+    if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or sinks.device != q.device
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous float32 [{q.shape[1]}] on {q.device}, got {tuple(sinks.shape)} "
+                         f"{sinks.dtype} on {sinks.device}")
     return dict(
+        sinks={} if sinks is None else {"sink_ptr": sinks, "HAS_SINKS": True},
         context_lens=context_lens, v_scale=v_scale, softcap=float(softcap or 0.0),
         scale_log2=scale * k_scale / softcap if softcap else scale * k_scale * _LOG2E,
         window=sliding_window or 0, has_window=sliding_window is not None,
@@ -570,14 +598,14 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
-        SOFTCAP=c["softcap"], **DECODE_LAUNCH, **pdl_args(q.device),
+        SOFTCAP=c["softcap"], **c["sinks"], **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, c["context_lens"], seqs, rows, out, c["window"], num_heads, num_partitions,
             partition_size, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             BLOCK_P=_merge_block_p(num_partitions), BLOCK_D=c["block_d"], IS_DENSE=is_dense,
-            HAS_WINDOW=c["has_window"], **pdl_args(q.device),
+            HAS_WINDOW=c["has_window"], **c["sinks"], **pdl_args(q.device),
         )
 
 
@@ -594,6 +622,6 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, b
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,
         BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"], HAS_WINDOW=c["has_window"],
-        PRECISION=c["precision"], SOFTCAP=c["softcap"],
+        PRECISION=c["precision"], SOFTCAP=c["softcap"], **c["sinks"],
         **({} if key_limits is None else {"limit_ptr": key_limits, "HAS_LIMITS": True}),
     )

@@ -663,3 +663,123 @@ def test_key_limits_let_an_images_tokens_see_the_whole_image(dot_case, rel_err, 
     assert rel_err(torch_path, expected) < 1e-6  # (the torch path scores in float32)
     causal = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, 0.25, window)
     assert rel_err(causal, expected) > 1e-3  # the limits changed the image rows
+
+
+# ---- attention sinks (gpt-oss's self_attn.sinks) ------------------------------------------------------------------
+
+
+def head_sinks(num_heads: int, device="cpu") -> torch.Tensor:
+    """[num_heads] float32 sink logits around the scores' size (std ~1, up to ~4): large enough to take much of a
+    row's weight, and different per head (a head mix-up shows)."""
+    return (torch.randn(num_heads, generator=torch.Generator().manual_seed(7)) * 1.5 + 1.0).to(device)
+
+
+def test_torch_path_attention_sinks_are_transformers_gpt_oss_attention() -> None:
+    """The torch path (the CPU runtime's, and the kernels' oracle) with sinks against transformers' own GptOss eager
+    attention (modeling_gpt_oss.eager_attention_forward) in float64 over one prompt with a window, prefilled whole,
+    in chunks and as decode rows; the sinks matter (the output moves without them)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    context, num_heads, num_kv_heads, head_dim, block_size, window = 37, 4, 2, 16, 8, 11
+    q, k_cache, v_cache, block_tables = make_batch([context], [context], num_heads, num_kv_heads, head_dim,
+                                                   block_size, torch.float64, "cpu")
+    blocks = block_tables[0, : -(-context // block_size)].long()
+    k = k_cache[blocks].flatten(0, 1)[:context]  # [ctx, kv heads, d]
+    v = v_cache[blocks].flatten(0, 1)[:context]
+    sinks, scale = head_sinks(num_heads), 0.3
+    positions = torch.arange(context)
+    masked = (positions[None, :] > positions[:, None]) | (positions[:, None] - positions[None, :] >= window)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = sinks.double(), num_heads // num_kv_heads
+    expected, _ = eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                          v.transpose(0, 1)[None], torch.zeros(context, context, dtype=torch.float64)
+                                          .masked_fill(masked, float("-inf"))[None, None], scale)
+    expected = expected[0]  # [ctx, heads, d]
+    ctx = lens([context], "cpu")
+    whole = attention.paged_attention(q, k_cache, v_cache, block_tables, ctx, [context], scale, window, sinks=sinks)
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)  # (the torch path's scores: float32)
+    for start, end in ((0, 13), (13, 36), (36, 37)):  # chunks, then a decode row, each over its context so far
+        part = attention.paged_attention(q[start:end], k_cache, v_cache, block_tables, lens([end], "cpu"),
+                                         [end - start], scale, window, sinks=sinks)
+        torch.testing.assert_close(part, expected[start:end], rtol=1e-5, atol=1e-5)  # (the torch path's scores: float32)
+    without = attention.paged_attention(q, k_cache, v_cache, block_tables, ctx, [context], scale, window)
+    assert (without - whole).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("merge_in_kernel_min_pairs", [1, 10**9])  # merged in the decode kernel; by the second
+@pytest.mark.parametrize("case", ["decode-gqa", "mixed-chunked", "window", "partitioned-window", "partitioned-mixed"])
+def test_paged_attention_kernels_add_the_sinks(dot_case, rel_err, monkeypatch, case, merge_in_kernel_min_pairs) -> None:
+    """Decode (unsplit and split, both merges), prefill and chunked prefill, GQA, the window, with sinks: against the
+    float64 torch path with the same sinks, far from the result without them."""
+    from llmc.kernels.attention_triton import paged_attention
+
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
+    if merge_in_kernel_min_pairs > 1 and not partitions:
+        pytest.skip("no split: no merge")
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
+    q, k_cache, v_cache, block_tables = make_batch(
+        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
+    )
+    # the sinks weigh as much as the longest row's keys together: they matter at 300 keys too
+    scale, sinks = head_dim**-0.5, head_sinks(num_heads) + math.log(min(max(context_lens), window or 10**9))
+    out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, scale, window,
+                          max(context_lens), partitions, sinks=sinks.to(device))
+    as64 = lambda t: t.cpu().double()  # noqa: E731
+    expected = attention.paged_attention(as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(),
+                                         lens(context_lens, "cpu"), query_lens, scale, window, sinks=sinks)
+    plain = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, window)
+    assert torch.isfinite(out).all()
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(plain, expected) > 0.05  # the sinks matter here
+
+
+def test_prefill_index_and_the_fused_decode_step_add_the_sinks(dot_case, rel_err) -> None:
+    """The indexed prefill (FULL CUDA graphs of mixed steps) and rotate_write_and_attend's decode-only step (rotary
+    and KV write in the decode kernel, split and merged in it) with sinks, against the float64 torch path."""
+    from llmc.kernels import attention_triton
+
+    device, dtype = dot_case
+    context_lens, query_lens, window = [40, 17, 33, 1], [13, 1, 33, 1], 20
+    num_heads, num_kv_heads, head_dim, block_size, size = 8, 2, 16, 8, 64
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                                                   block_size, dtype, device)
+    sinks = head_sinks(num_heads)
+    n, per_block = q.shape[0], attention.prefill_queries_per_block(num_heads // num_kv_heads)
+    blocks = attention.prefill_blocks(query_lens, per_block)
+    num_blocks, pad = attention.max_prefill_blocks(size, 5, per_block), 4
+    index = attention.PrefillIndex(
+        query_lens=lens(query_lens + [0], device), first_rows=lens([0, 13, 14, 47, 0], device),
+        block_seqs=lens([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks)), device),
+        block_starts=lens([start for _, start in blocks] + [0] * (num_blocks - len(blocks)), device),
+        queries_per_block=per_block, out=torch.zeros((size, num_heads, head_dim), dtype=dtype, device=device),
+    )
+    q_padded = torch.cat([q, torch.zeros((size - n, num_heads, head_dim), dtype=dtype, device=device)])
+    out = attention_triton.paged_attention(q_padded, k_cache, v_cache, torch.cat([block_tables, block_tables[:1]]),
+                                           lens(context_lens + [0], device), [size], head_dim**-0.5, window,
+                                           prefill_index=index, sinks=sinks.to(device))
+    as64 = lambda t: t.cpu().double()  # noqa: E731
+    expected = attention.paged_attention(as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(),
+                                         lens(context_lens, "cpu"), query_lens, head_dim**-0.5, window, sinks=sinks)
+    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, _, _ = ROTATE_CASES["split-merged-in-kernel"]
+    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
+                                                   head_dim, 16, dtype, "cpu")
+    sinks = head_sinks(num_heads)
+    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
+    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    positions = lens(context_lens, device).long() - 1
+    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
+                         device=device)
+    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
+    ctx, scale, seqs = lens(context_lens, device), head_dim**-0.5, [1] * len(context_lens)
+    q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
+    fused = attention_triton.paged_attention(q, k_cache, v_cache, block_tables, ctx, seqs, scale, window, 2048,
+                                             partitions, rotary=(k, v, positions, cos_sin, slots),
+                                             sinks=sinks.to(device))
+    q = rotary.apply_rotary(q, k, positions, cos_sin)[0]
+    expected = attention.paged_attention(as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), ctx.cpu(), seqs,
+                                         scale, window, sinks=sinks)
+    assert rel_err(fused.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)

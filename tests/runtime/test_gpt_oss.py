@@ -295,9 +295,15 @@ def test_config_read_as_gptossconfig_reads_it(checkpoint):
     assert model_config_from_hf(legacy, gpt_oss.SPEC, "float32").rope_scaling == params
 
 
-def test_what_gpt_oss_refuses(checkpoint, tmp_path):
+def test_what_gpt_oss_refuses(checkpoint, artifact, tmp_path):
     """One line each: a quantization_config other than mxfp4, an mxfp4 key the reader does not take, import, tensor
-    parallelism, ONNX, a swiglu_limit that is not a number."""
+    parallelism, ONNX, a swiglu_limit that is not a number, `llmc export`."""
+    from llmc.compiler.export import export_artifact
+    from llmc.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="architecture GptOssForCausalLM; export writes"):
+        export_artifact(artifact, tmp_path / "exported")
+
     def refused(error, match, recipe=None, **changes):
         source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes)
         with pytest.raises(error, match=match):
@@ -313,3 +319,22 @@ def test_what_gpt_oss_refuses(checkpoint, tmp_path):
     refused(RecipeError, r"mixture-of-experts models \(GptOssForCausalLM\) are not exported to ONNX",
             {"target": {"device": "onnx-cpu"}})
     refused(CheckpointError, "swiglu_limit 'x'", swiglu_limit="x")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_gpt_oss_on_the_gpu_matches_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, caplog, graphs):
+    """The float32 artifact on CUDA (the Triton attention kernels with sinks: prefill, chunked prefill, decode; the
+    experts one by one, said in one line; with and without CUDA graphs): transformers' float32 logits (1e-4) and greedy
+    tokens of three prompts batched continuously."""
+    token_ids = _score_ids(checkpoint, hf_encode)
+    expected = hf_logits(checkpoint, token_ids)
+    with caplog.at_level(logging.INFO, logger="llmc"):
+        with LLM(artifact, device="cuda", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64,
+                 enforce_eager=not graphs) as llm:
+            torch.testing.assert_close(llm.engine.score(token_ids).cpu(), expected, atol=1e-4, rtol=1e-4)
+            want = hf_greedy(checkpoint, PROMPTS, GREEDY.max_tokens)
+            outputs = llm.generate([{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert sum("run expert by expert" in r.message for r in caplog.records) == 1
