@@ -162,8 +162,9 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
 
     An MoE layer (as llm-compressor maps Mixtral): every expert's gate_up shares one scale folded into
     post_attn_norm (the router's columns take it back), searched on the tokens as they reach the
-    experts; each expert's down gets its own, from its routed tokens, folded into its up rows. A shared expert's
-    gate_up takes the experts' scale (it reads the same norm), its down its own, folded into its up rows.
+    experts; each expert's down gets its own, from its routed tokens, folded into its up rows (not gpt-oss's, whose
+    clamped SwiGLU is not linear in up: its experts' down is not scaled). A shared expert's gate_up takes the experts'
+    scale (it reads the same norm), its down its own, folded into its up rows.
 
     DeepSeek's latent attention: q (or q_a) and kv_a share one scale folded into input_norm, q_b's folds into
     q_a_norm, kv_b's into kv_a_norm, and o's into kv_b's v rows (each head's), as o's into qkv's v rows."""
@@ -174,7 +175,9 @@ def _awq_folds(config: ModelConfig, layer: LayerWeights | None = None) -> list[t
         attention = [("attn.kv_a", "input_norm"), *([("attn.q_b", "attn.q_a_norm")] if config.q_lora_rank else []),
                      ("attn.kv_b", "attn.kv_a_norm"), ("attn.o", "attn.kv_b")]
     if layer is not None and config.is_moe_layer(layer.index):
-        downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")]
+        # gpt-oss: down's input, (clamp(up) + 1) * glu, is not linear in up's rows: no fold for its experts' down
+        downs = [n for n in layer.linears if expert_of(n) is not None and n.endswith(".down")
+                 and config.swiglu_limit is None]
         mlp = [("moe.experts.gate_up", "post_attn_norm"), *((n, n.replace(".down", ".gate_up")) for n in downs)]
         if "moe.shared.down" in layer.linears:  # the shared expert's down, its scale folded into its own up rows
             mlp.append(("moe.shared.down", "moe.shared.gate_up"))

@@ -176,6 +176,28 @@ def test_rtn_w4a16_build_is_transformers_on_its_weights(checkpoint, artifact, tm
         check_against_oracle(llm, _oracle_on(checkpoint, _gpt_oss_state(out)), checkpoint, hf_encode, PROMPTS)
 
 
+def test_gptq_build_is_transformers_on_its_weights(checkpoint, tmp_path, data_dir, hf_encode):
+    """GPTQ W4 (groups of 32), calibrated through the runtime's expert-by-expert path (each expert on its routed
+    tokens, biases and clamped SwiGLU included): transformers on its dequantized weights gives its logits and
+    greedy tokens."""
+    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": "gptq", "bits": 4, "group_size": 32})
+    with LLM(out, device="cpu", max_num_batched_tokens=16) as llm:
+        check_against_oracle(llm, _oracle_on(checkpoint, _gpt_oss_state(out)), checkpoint, hf_encode, PROMPTS)
+
+
+def test_awq_folds_keep_the_function(checkpoint, tmp_path, data_dir, hf_encode, monkeypatch):
+    """AWQ with every searched scale forced to random powers of two gives the RTN build's logits exactly: each fold
+    (into the norms, the router's columns, v's rows) is undone where it is made, and no expert's down is folded into
+    its up rows (the clamped SwiGLU is not linear in them)."""
+    from tests.runtime.hf_oracle import awq_and_rtn_logits
+
+    searched = []  # min_expert_tokens 1: every expert's down is searched (and would be folded) where it could be
+    awq, rtn = awq_and_rtn_logits(checkpoint, tmp_path, _score_ids(checkpoint, hf_encode), monkeypatch, data_dir,
+                                  searched, min_expert_tokens=1)
+    assert len(searched) == 3 * 2  # per layer: qkv, the experts' gate_up (o: GQA has no fold; no expert's down)
+    torch.testing.assert_close(awq, rtn, atol=1e-5, rtol=1e-5)
+
+
 # ---- MXFP4 -------------------------------------------------------------------------------------------------------
 
 
