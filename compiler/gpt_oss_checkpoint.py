@@ -58,6 +58,18 @@ def check_quantization_config(config: dict | None, model_dir: Path) -> bool:
     return True
 
 
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def stored_dtype(reader, spec: ModelSpec) -> str:
+    """The model dtype of a gpt-oss checkpoint whose config.json names none (the published ones: their `dtype: auto`
+    would otherwise read as float32, twice their size): the embedding's stored dtype (bfloat16 there)."""
+    name = reader.dtype_name(spec.global_tensors["embed.weight"])
+    if name not in _SAFETENSORS_DTYPES:
+        raise CheckpointError(f"{reader.model_dir}: the embedding is stored as {name}; set `dtype` in the recipe")
+    return _SAFETENSORS_DTYPES[name]
+
+
 def _expert_weight(reader, name: str, expert: int) -> torch.Tensor:
     """Expert `expert`'s weight of fused tensor `name`, output-major [out, in] float32: the MXFP4 blocks dequantized
     where the checkpoint holds `{name}_blocks`, else the float tensor's slice transposed ([in, out] stored)."""

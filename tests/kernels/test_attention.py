@@ -783,3 +783,62 @@ def test_prefill_index_and_the_fused_decode_step_add_the_sinks(dot_case, rel_err
     expected = attention.paged_attention(as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(), ctx.cpu(), seqs,
                                          scale, window, sinks=sinks)
     assert rel_err(fused.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+_COMPILE_SM90_SINKS = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import attention_triton as at
+
+POINTERS = {"bt_ptr": "*i32", "ctx_ptr": "*i32", "seq_ptr": "*i32", "row_ptr": "*i32", "counter_ptr": "*i32",
+            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i64",
+            "cos_sin_ptr": "*fp32", "sink_ptr": "*fp32", "qlen_ptr": "*i32", "qoff_ptr": "*i32",
+            "blk_seq_ptr": "*i32", "blk_q_ptr": "*i32", "limit_ptr": "*i32"}
+FLOATS = ("scale_log2", "v_scale", "inv_k_scale", "inv_v_scale")
+
+
+def compile_facts(kernel, constants, num_warps=4):
+    sig = {n: "constexpr" if n in constants else POINTERS.get(n, "*bf16") if n.endswith("_ptr")
+           else "fp32" if n in FLOATS else "i32" for n in kernel.arg_names}
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    source = ASTSource(kernel, sig, constants, attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = compiled.asm["ptx"]
+    return {"mma": "mma.sync" in ptx or "wgmma" in ptx, "local": ".local" in ptx, "shared": compiled.metadata.shared}
+
+
+facts = {}
+try:
+    for split, merge in ((False, False), (True, True), (True, False)):
+        constants = {"GROUP": 8, "HEAD_DIM": 64, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 64, "BLOCK_SIZE": 16,
+                     "IS_PARTITIONED": split, "HAS_WINDOW": True, "PRECISION": "tf32", "IS_DENSE": True,
+                     "MERGE_IN_KERNEL": merge, "ROTATE": True, "FP8_MAX": 0.0, "PDL": False, "SOFTCAP": 0.0,
+                     "HAS_SINKS": True}
+        facts[f"decode-{split}-{merge}"] = compile_facts(at._decode_kernel, constants)
+    facts["merge"] = compile_facts(at._merge_partitions_kernel, {"HEAD_DIM": 64, "BLOCK_P": 64, "BLOCK_D": 64,
+                                                                 "IS_DENSE": True, "HAS_WINDOW": True, "PDL": False,
+                                                                 "HAS_SINKS": True})
+    facts["prefill"] = compile_facts(at._prefill_kernel, {
+        "GROUP": 8, "QUERIES_PER_BLOCK": 8, "HEAD_DIM": 64, "BLOCK_R": 64, "BLOCK_D": 64, "BLOCK_N": 64,
+        "BLOCK_SIZE": 16, "HAS_WINDOW": True, "PRECISION": "tf32", "SOFTCAP": 0.0, "HAS_LIMITS": False,
+        "limit_ptr": None, "HAS_SINKS": True})
+except FileNotFoundError as exc:  # a triton without its bundled ptxas
+    print("SKIP", exc)
+    raise SystemExit(0)
+print(json.dumps(facts))
+"""
+
+
+def test_the_kernels_with_sinks_compile_for_sm90_at_gpt_oss_shapes():
+    """The decode kernel (unsplit; split, merged in it or not; rotating), the second merge and the prefill kernel with
+    sinks, at gpt-oss's heads (64 dims, 8 query heads per KV head, bf16, a window), compiled for an H100 / H200 on this
+    machine (the installed triton and its ptxas, in a process of its own, not the interpreter the other tests run):
+    tensor-core products where there are dots, no local memory."""
+    from tests.kernels.conftest import sm90_compile_facts
+
+    facts = sm90_compile_facts(_COMPILE_SM90_SINKS)
+    assert len(facts) == 5
+    for name, kernel in facts.items():
+        assert (kernel["mma"] or name == "merge") and not kernel["local"] and kernel["shared"] <= 227 * 1024, (name, kernel)

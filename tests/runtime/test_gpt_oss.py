@@ -198,6 +198,16 @@ def test_awq_folds_keep_the_function(checkpoint, tmp_path, data_dir, hf_encode, 
     torch.testing.assert_close(awq, rtn, atol=1e-5, rtol=1e-5)
 
 
+def test_pipeline_parallel_matches_one_rank(checkpoint, artifact, tmp_path, hf_encode):
+    """Pipeline parallel 2 (whole layers per rank: the biases and sinks move with them): one rank's logits (1e-5)."""
+    split = build_float32(checkpoint, tmp_path / "pp2", parallel={"pipeline": 2})
+    token_ids = _score_ids(checkpoint, hf_encode)
+    with LLM(split, **ENGINE) as llm:
+        scores = llm.engine.score(token_ids)
+    with LLM(artifact, **ENGINE) as llm:
+        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+
+
 # ---- MXFP4 -------------------------------------------------------------------------------------------------------
 
 
@@ -315,6 +325,21 @@ def test_config_read_as_gptossconfig_reads_it(checkpoint):
     assert (ours.swiglu_limit, ours.swiglu_alpha, ours.o_bias) == (theirs.swiglu_limit, theirs.swiglu_alpha, True)
     legacy = {**config, "rope_theta": 150000.0, "rope_scaling": {**params}}
     assert model_config_from_hf(legacy, gpt_oss.SPEC, "float32").rope_scaling == params
+
+
+def test_a_config_without_dtype_builds_in_the_stored_dtype(checkpoint, tmp_path):
+    """The published config.json names no torch_dtype: `dtype: auto` takes the embedding's stored dtype (bfloat16),
+    not float32."""
+    source = write_config(checkpoint, tmp_path / "bf16")
+    config = read_hf_config(source)
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (source / "config.json").write_text(json.dumps(config))
+    tensors = load_file(source / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, source / "model.safetensors",
+              metadata={"format": "pt"})
+    out = tmp_path / "out"
+    build(recipe_from_dict({"model": str(source), "output": str(out)}), show_progress=False)
+    assert json.loads((out / "manifest.json").read_text())["model"]["dtype"] == "bfloat16"
 
 
 def test_what_gpt_oss_refuses(checkpoint, artifact, tmp_path):
