@@ -18,7 +18,9 @@ are one `ExpertWeights` (gate_up: N = 2I, K = H; down: N = H, K = I), in one of 
             w8a8-fp8-block format's per-row layout of its 128 x 128 blocks), the input quantized per row
             and group_size columns as that format does; each group's FP8 × FP8 product scaled into
             the float32 accumulator by its row's and its channel's group scales
-Output [M, H] in x's dtype.
+Each projection may carry a bias [E, N] in x's dtype (gpt-oss), added to its output before the routing weight.
+The activation between the GEMMs is SiLU(gate) · up, or gpt-oss's clamped SwiGLU (`swiglu` (alpha, limit):
+`gated_activation`). Output [M, H] in x's dtype.
 
 `align_by_expert` is plain torch and never synchronises with the host (no .item(), no boolean
 indexing), so the whole op can be captured in a CUDA graph: its buffers have static sizes, bounded
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import can_use_triton
+from .activation import silu_and_mul
 from .fp8 import cast_to_fp8, expand_group_scales, quantize_fp8_per_token, quantize_fp8_per_token_group
 from .w4a16_gemm import dequantize_w4a16
 
@@ -52,6 +55,7 @@ class ExpertWeights:
     group_size: int = -1  # w4a16, w8a8-fp8-block: input columns per group (w4a16: -1 one group per output channel)
     in_features: int | None = None  # w4a16: K (qweight's rows are K padded to whole 128-column tiles)
     input_scale: Tensor | None = None  # w8a8-fp8 static: [E] float32; None: dynamic per row
+    bias: Tensor | None = None  # [E, N] in x's dtype (gpt-oss), added to each expert's output; None: none
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -150,14 +154,28 @@ def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tu
 
 
 def fused_moe_experts(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights,
-                      down: ExpertWeights, config: MoeConfig | None = None) -> Tensor:
+                      down: ExpertWeights, config: MoeConfig | None = None,
+                      swiglu: tuple[float, float] | None = None) -> Tensor:
     """The MoE MLP of x [M, H] (module docstring): Triton on CUDA, else the torch reference.
-    config: the tiles (default: the table's for M); ignored by the reference."""
+    config: the tiles (default: the table's for M); ignored by the reference. swiglu: (alpha, limit) of gpt-oss's
+    clamped SwiGLU (`gated_activation`); None: SiLU(gate) · up."""
     if not can_use_triton(x):
-        return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down)
+        return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down, swiglu=swiglu)
     from . import fused_moe_triton  # triton loads on the first CUDA call only
 
-    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, gate_up, down, config)
+    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, gate_up, down, config, swiglu)
+
+
+def gated_activation(gate_up: Tensor, swiglu: tuple[float, float] | None = None) -> Tensor:
+    """An expert's gate_up output [n, 2I] (gate columns, then up) → down's input [n, I]: SiLU(gate) · up, or with
+    `swiglu` (alpha, limit) gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g) with
+    g = clamp(gate, max=limit), in gate_up's dtype as transformers' GptOssExperts computes it."""
+    if swiglu is None:
+        return silu_and_mul(gate_up)
+    alpha, limit = swiglu
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w_gate_up: Tensor, w_down: Tensor,
@@ -173,7 +191,7 @@ def _plain(weight: Tensor, scale: Tensor | None) -> ExpertWeights:
 
 def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights | Tensor,
                         down: ExpertWeights | Tensor, gate_up_scale: Tensor | None = None,
-                        down_scale: Tensor | None = None) -> Tensor:
+                        down_scale: Tensor | None = None, swiglu: tuple[float, float] | None = None) -> Tensor:
     """Expert by expert in plain torch, in x's dtype (float32 accumulation for FP8 weights). Plain
     tensors (and scales) are dense or weight-only FP8 experts, as for `fused_moe`."""
     gate_up = gate_up if isinstance(gate_up, ExpertWeights) else _plain(gate_up, gate_up_scale)
@@ -183,14 +201,18 @@ def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        gate, up = expert_linear(x[token], gate_up, expert).chunk(2, dim=-1)
-        y = expert_linear(F.silu(gate) * up, down, expert)
+        y = expert_linear(gated_activation(expert_linear(x[token], gate_up, expert), swiglu), down, expert)
         out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
     return out
 
 
 def expert_linear(x: Tensor, w: ExpertWeights, expert: int) -> Tensor:
-    """x [n, K] through one expert's weights → [n, N] in x's dtype (the reference's linear)."""
+    """x [n, K] through one expert's weights (and its bias) → [n, N] in x's dtype (the reference's linear)."""
+    out = _expert_product(x, w, expert)
+    return out if w.bias is None else out + w.bias[expert].to(out.dtype)
+
+
+def _expert_product(x: Tensor, w: ExpertWeights, expert: int) -> Tensor:
     if w.kind == "w8a8-fp8-block":
         x_fp8, x_scale = quantize_fp8_per_token_group(x, w.group_size)
         size = x.shape[-1]

@@ -18,6 +18,8 @@ by the routing weight in the down GEMM. Blocks of padding or of no expert exit a
                 j of its word row r), turned
                 into (level − zero) · scale in the input dtype (the same rounding as the w4a16
                 dequantize + matmul path) and fed to tl.dot.
+A bias (HAS_BIAS: gpt-oss's experts) is added to the float32 accumulator after the scales, before the routing
+weight; the activation between the GEMMs is fused_moe.gated_activation (SiLU · up, or the clamped SwiGLU).
 """
 
 from __future__ import annotations
@@ -27,23 +29,26 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .activation import silu_and_mul
 from .fp8 import quantize_fp8_per_token_group
-from .fused_moe import ExpertWeights, MoeConfig, align_by_expert, quantize_input_fp8, select_moe_config
+from .fused_moe import (ExpertWeights, MoeConfig, align_by_expert, gated_activation, quantize_input_fp8,
+                        select_moe_config)
 from .w4a16_gemm import K_TILE
 from .w4a16_triton import _group_params
 
 
 @triton.jit
 def _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
-                stride_cm, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr):
-    """Scales on the float32 accumulator (per channel, per input row, routing weight), then the
-    rows scattered to their pairs' output rows."""
+                stride_cm, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                bias_ptr, HAS_BIAS: tl.constexpr):
+    """Scales on the float32 accumulator (per channel, per input row), the expert's bias [E, N], the routing weight,
+    then the rows scattered to their pairs' output rows."""
     n_mask = offs_n < N
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N + offs_n, mask=n_mask, other=0.0)[None, :]
     if HAS_A_SCALE:
         acc *= tl.load(a_scale_ptr + rows, mask=is_pair, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
     out = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -56,7 +61,8 @@ def _grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr,
                          stride_asm, stride_asg, stride_se, stride_sn,
                          A_ROWS_PER_PAIR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_A_SCALE: tl.constexpr,
                          GROUP: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         bias_ptr=None, HAS_BIAS: tl.constexpr = False):
     """dense, fp8 (weight-only: HAS_SCALE), w8a8-fp8 (HAS_A_SCALE: a is FP8 too) and w8a8-fp8-block (GROUP > 0:
     GROUP input columns per scale, a multiple of BLOCK_K; a_scale [rows, G] and scale [E, N, G] by their strides)
     experts."""
@@ -85,7 +91,7 @@ def _grouped_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, c_ptr, pairs_ptr,
         else:
             acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
     _store_rows(acc, c_ptr, scale_ptr, a_scale_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
-                stride_cm, HAS_SCALE, HAS_A_SCALE, MUL_WEIGHT)
+                stride_cm, HAS_SCALE, HAS_A_SCALE, MUL_WEIGHT, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -93,7 +99,8 @@ def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_
                           num_pairs, num_experts, N, K, num_groups, num_tiles, stride_am, stride_qwe, stride_se,
                           stride_qze, stride_cm, A_ROWS_PER_PAIR: tl.constexpr, GROUP_SIZE: tl.constexpr,
                           HAS_ZEROS: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr,
-                          TILES: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          TILES: tl.constexpr, GROUPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          bias_ptr=None, HAS_BIAS: tl.constexpr = False):
     """w4a16 experts in the gpu layout, TILES packed 128-column tiles per step, GROUPS = the groups
     a step spans (GROUP_SIZE and TILES are powers of two; per channel: GROUP_SIZE >= the padded K)."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -126,7 +133,7 @@ def _grouped_w4a16_kernel(a_ptr, qw_ptr, s_ptr, qz_ptr, c_ptr, pairs_ptr, block_
         a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=is_pair[:, None] & (ks[None, :] < K), other=0.0)
         acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
     _store_rows(acc, c_ptr, s_ptr, s_ptr, topk_weights_ptr, pairs, rows, is_pair, expert, offs_n, N,
-                stride_cm, False, False, MUL_WEIGHT)
+                stride_cm, False, False, MUL_WEIGHT, bias_ptr, HAS_BIAS)
 
 
 def _precision(a: Tensor) -> str:
@@ -141,6 +148,8 @@ def _grouped_gemm(a: Tensor, a_scale: Tensor | None, w: ExpertWeights, out: Tens
     common = dict(A_ROWS_PER_PAIR=rows_per_pair, MUL_WEIGHT=mul_weight, PRECISION=_precision(a),
                   BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
                   num_stages=config.num_stages)
+    if w.bias is not None:  # [E, N], contiguous (the kernels index expert * N + n)
+        common |= {"bias_ptr": w.bias.contiguous(), "HAS_BIAS": True}
     if w.kind == "w4a16":
         qw, scales = w.weight, w.scale
         num_tiles = qw.shape[1] // 16
@@ -184,8 +193,8 @@ def _gemm_input(a: Tensor, w: ExpertWeights, local_ids: Tensor, rows_per_pair: i
 
 
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights, down: ExpertWeights,
-              config: MoeConfig | None = None) -> Tensor:
-    """See kernels/fused_moe.py. x [M, H] → [M, H]."""
+              config: MoeConfig | None = None, swiglu: tuple[float, float] | None = None) -> Tensor:
+    """See kernels/fused_moe.py. x [M, H] → [M, H]; swiglu: fused_moe.gated_activation's."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     config = config or select_moe_config(num_tokens, top_k, gate_up.num_experts, gate_up.kind)
@@ -196,7 +205,7 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: Expert
     gate_up_out = torch.empty(num_pairs, gate_up.out_features, device=x.device, dtype=x.dtype)  # [P, 2I]
     a, a_scale, rows_per_pair = _gemm_input(x, gate_up, topk_ids, top_k)
     _grouped_gemm(a, a_scale, gate_up, gate_up_out, sorted_pairs, block_expert, weights, rows_per_pair, False, config)
-    act = silu_and_mul(gate_up_out)  # [P, I]
+    act = gated_activation(gate_up_out, swiglu)  # [P, I]
     a, a_scale, _ = _gemm_input(act, down, topk_ids, 1)
     down_out = torch.zeros(num_pairs, down.out_features, device=x.device, dtype=x.dtype)  # [P, H], other ranks' pairs 0
     _grouped_gemm(a, a_scale, down, down_out, sorted_pairs, block_expert, weights, 1, True, config)

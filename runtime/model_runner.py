@@ -85,8 +85,8 @@ class ModelRunner:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no CUDA graphs of them)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
             # captured, their experts would all run on every token of up to 512 (MoE._forward_every_expert)
-            logger.info("MoE experts the fused kernel does not run (their format, or gpt-oss's biases and clamped "
-                        "SwiGLU): prefill and mixed steps run eagerly (no CUDA graphs of them)")
+            logger.info("MoE experts in a format the fused kernel does not read: prefill and mixed steps run eagerly "
+                        "(no CUDA graphs of them)")
             piece_sizes = []
         graph_allowance, piece_allowance = graph_allowances(self.model.config, graph_sizes, piece_sizes, options, device)
         # measured on a GPU, unless num_kv_blocks fixes the cache

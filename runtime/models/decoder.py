@@ -401,10 +401,6 @@ class DecoderModel(nn.Module):
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
             if not layer.is_moe and not keep_gate_up_order:
                 layer.mlp.interleave_gate_up()
-        slow_moe = [i for i, layer in self.layers.items() if layer.is_moe and not layer.moe.runs_fused_math()]
-        if slow_moe and self.layers[slow_moe[0]].moe.gate.weight.is_cuda:
-            logger.info("%s: the MoE layers' biased experts and clamped SwiGLU run expert by expert (the fused Triton "
-                        "MoE kernel computes neither): slower than the fused kernel", self.config.architecture)
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
         if not dense_bytes:

@@ -25,8 +25,7 @@ norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (id
 
 gpt-oss (ModelConfig.moe_bias, swiglu_limit): the router's logits take its bias (`moe.gate.bias`), every expert's
 gate_up and down add theirs (`ExpertLinears.bias`, [E, out], never quantized), and the experts' activation is the
-clamped SwiGLU (`MoE.expert_activation`). The fused kernel computes neither: such a layer takes the expert-by-expert
-path on every device (`MoE.runs_fused_math`; one line at load on CUDA).
+clamped SwiGLU (fused_moe.gated_activation), on every path: the fused kernel adds the biases in its GEMMs' epilogue.
 
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
@@ -36,13 +35,14 @@ experts' share; the ranks' partial sums are all-reduced like a row-parallel MLP'
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from llmc.kernels.activation import act_and_mul, act_and_mul_fp8, silu_and_mul
+from llmc.kernels.activation import act_and_mul, act_and_mul_fp8
 from llmc.kernels.fp8 import has_fp8_tensor_cores
-from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts
+from llmc.kernels.fused_moe import ExpertWeights, fused_moe_experts, gated_activation
 from llmc.quant.formats import (DenseFormat, Fp8BlockFormat, Fp8Format, IntWeightFormat, LinearFormat,
                                 dequantizes_once_on_cpu, takes_fp8_activations)
 from llmc.runtime.artifact import ModelConfig
@@ -174,10 +174,9 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
-        fused = None if self.observers or not self.runs_fused_math() else fused_expert_weights(
-            x, self.experts.gate_up, self.experts.down)
+        fused = None if self.observers else fused_expert_weights(x, self.experts.gate_up, self.experts.down)
         if fused is not None:
-            out = fused_moe_experts(x, weights, ids - self.expert_start, *fused)
+            out = fused_moe_experts(x, weights, ids - self.expert_start, *fused, swiglu=self.swiglu)
         else:
             out = self.forward_experts(x, weights, ids)
         if self.has_shared:
@@ -194,24 +193,12 @@ class MoE(nn.Module):
 
     def runs_fused(self) -> bool:
         """Whether the fused kernel runs this layer on its weights' device (`fused_expert_weights`)."""
-        return self.runs_fused_math() and fused_expert_weights(self.gate.weight, self.experts.gate_up,
-                                                               self.experts.down) is not None
-
-    def runs_fused_math(self) -> bool:
-        """Whether the fused kernel computes this layer's experts: not gpt-oss's biased experts and clamped SwiGLU,
-        which take the expert-by-expert path on every device."""
-        return not self.has_bias and self.swiglu is None
+        return fused_expert_weights(self.gate.weight, self.experts.gate_up, self.experts.down) is not None
 
     def expert_activation(self, gate_up: Tensor) -> Tensor:
-        """An expert's gate_up output [n, 2 * width] (gate, then up) → down's input [n, width]: SiLU(gate) * up, or
-        gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit),
-        in the activations' dtype as transformers' GptOssExperts computes it."""
-        if self.swiglu is None:
-            return silu_and_mul(gate_up)
-        alpha, limit = self.swiglu
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+        """An expert's gate_up output [n, 2 * width] → down's input [n, width] (fused_moe.gated_activation: SiLU(gate)
+        * up, or gpt-oss's clamped SwiGLU)."""
+        return gated_activation(gate_up, self.swiglu)
 
     def forward_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The plain-torch path: each local expert that received tokens runs on them (a token that
@@ -289,10 +276,15 @@ def fused_expert_weights(x: Tensor, gate_up: ExpertLinears,
 
 
 def expert_weights(linears: ExpertLinears) -> ExpertWeights | None:
-    """One projection's stacked tensors as the fused kernel reads them: dense, w4a16 in the gpu
-    layout, w8a8-fp8 (per-channel or per-tensor weight scales, dynamic or static input), w8a8-fp8-block
+    """One projection's stacked tensors as the fused kernel reads them (with their biases, gpt-oss's): dense, w4a16 in
+    the gpu layout, w8a8-fp8 (per-channel or per-tensor weight scales, dynamic or static input), w8a8-fp8-block
     (groups of 32 columns or more); None for the rest (plain-layout or g_idx integer weights, 3 and 8
     bits), which run expert by expert."""
+    weights = _expert_weights(linears)
+    return weights if weights is None or not linears.has_bias else replace(weights, bias=linears.bias)
+
+
+def _expert_weights(linears: ExpertLinears) -> ExpertWeights | None:
     fmt, params, num_experts = linears.fmt, linears.params(), linears.num_experts
     if isinstance(fmt, DenseFormat):
         return ExpertWeights(params["weight"])

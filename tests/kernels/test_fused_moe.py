@@ -389,6 +389,7 @@ def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
     moe.experts = torch.nn.Module()
     moe.experts.gate_up, moe.experts.down = gate_up, down
     moe.tp_group, moe.observers, moe.has_shared, moe.is_deepseek_router = None, [], False, False
+    moe.has_bias, moe.swiglu = False, None
     x = torch.randn(6, 128, generator=gen).to("cuda", torch.bfloat16)
     moe(x)  # compile the kernels outside the capture
     torch.cuda.synchronize()
@@ -399,3 +400,64 @@ def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
         x.copy_(torch.randn(6, 128, generator=torch.Generator().manual_seed(10 + seed)).to("cuda", torch.bfloat16))
         graph.replay()
         assert torch.equal(out, moe(x))
+
+
+# ---- gpt-oss: biased experts and the clamped SwiGLU ---------------------------------------------------------------
+
+SWIGLU = (1.702, 1.0)  # gpt-oss's alpha; a limit of 1 binds on many of these gate / up outputs (std ~1.4)
+
+
+def gpt_oss_experts64(x, weights, ids, w1, b1, w2, b2):
+    """transformers' own GptOssExperts in float64 holding these experts (w1 [E, 2I, H] gate rows then up, w2 [E, H, I],
+    biases [E, 2I] and [E, H]): gate_up_proj [E, H, 2I] with gate and up interleaved in its columns, down_proj
+    [E, I, H], input-major as transformers stores them."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    num_experts, two_i, hidden = w1.shape
+    config = GptOssConfig(hidden_size=hidden, intermediate_size=two_i // 2, num_local_experts=num_experts,
+                          swiglu_alpha=SWIGLU[0], swiglu_limit=SWIGLU[1])
+    experts = GptOssExperts(config).double()
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.stack(w1.double().chunk(2, dim=1), dim=2).flatten(1, 2).transpose(1, 2))
+        experts.gate_up_proj_bias.copy_(torch.stack(b1.double().chunk(2, dim=1), dim=2).flatten(1))
+        experts.down_proj.copy_(w2.double().transpose(1, 2))
+        experts.down_proj_bias.copy_(b2.double())
+        return experts(x.double(), ids, weights.double())
+
+
+def _gpt_oss_route(num_tokens, num_experts, gen):
+    ids = torch.randint(0, num_experts - 1, (num_tokens, 2), generator=gen)  # expert E - 1: no token
+    ids[0, 1] = ids[0, 0]  # a repeated expert: both copies count
+    return torch.rand(num_tokens, 2, generator=gen), ids
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_with_biases_and_clamped_swiglu_is_transformers_gpt_oss_experts(num_tokens, dot_case, rel_err):
+    """Dense and W4A16 (gpu layout) experts with biases and gpt-oss's clamped SwiGLU through the Triton kernels, and
+    dense through the torch reference: transformers' GptOssExperts in float64 on the same (dequantized) weights; the
+    biases and the clamps matter."""
+    from llmc.kernels import fused_moe_triton
+
+    device, dtype = dot_case
+    gen = torch.Generator().manual_seed(num_tokens)
+    x, _, _, w1, w2 = _case(num_tokens)
+    b1, b2 = 0.5 * torch.randn(4, w1.shape[1], generator=gen), 0.5 * torch.randn(4, w2.shape[1], generator=gen)
+    weights, ids = _gpt_oss_route(num_tokens, 4, gen)
+    want = gpt_oss_experts64(x, weights, ids, w1, b1, w2, b2)
+    tolerance = {torch.float32: 1e-5, torch.float16: 3e-3}[dtype]
+    on = lambda t: t.to(device, dtype)  # noqa: E731
+    gate_up, down = ExpertWeights(on(w1), bias=on(b1)), ExpertWeights(on(w2), bias=on(b2))
+    got = fused_moe_triton.fused_moe(on(x), weights.to(device), ids.to(device), gate_up, down, swiglu=SWIGLU)
+    assert rel_err(got.cpu(), want) < tolerance
+    assert rel_err(fused_moe_reference(x, weights, ids, ExpertWeights(w1, bias=b1), ExpertWeights(w2, bias=b2),
+                                       swiglu=SWIGLU), want) < 1e-5
+    assert rel_err(reference64(x, weights, ids, w1, w2), want) > 0.1  # without biases and clamps: far off
+    q_up, w1 = _w4a16_experts(4, 64, 64, 32, False, dtype, gen)
+    q_down, w2 = _w4a16_experts(4, 64, 32, 32, True, dtype, gen)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    b1, b2 = 0.5 * torch.randn(4, 64, generator=gen), 0.5 * torch.randn(4, 64, generator=gen)
+    want = gpt_oss_experts64(x, weights, ids, w1, b1, w2, b2)
+    q_up, q_down = dataclasses.replace(_on(q_up, device), bias=on(b1)), dataclasses.replace(_on(q_down, device), bias=on(b2))
+    got = fused_moe_triton.fused_moe(on(x), weights.to(device), ids.to(device), q_up, q_down, swiglu=SWIGLU)
+    assert rel_err(got.cpu(), want) < tolerance
