@@ -140,6 +140,7 @@ _HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_repla
                                       "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
 # GptOssConfig's defaults (its rope_parameters' default, YaRN, is filled in by _gpt_oss_config)
 _HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "head_dim": 64,
+                                  "num_key_value_heads": 8, "tie_word_embeddings": False,
                                   "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128,
                                   "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True,
                                   "bos_token_id": None, "eos_token_id": None, "rope_theta": 150000.0}

@@ -323,6 +323,14 @@ def test_config_read_as_gptossconfig_reads_it(checkpoint):
     assert ours.rope_theta == params.pop("rope_theta") == 150000.0
     assert ours.rope_scaling == params
     assert (ours.swiglu_limit, ours.swiglu_alpha, ours.o_bias) == (theirs.swiglu_limit, theirs.swiglu_alpha, True)
+    assert (ours.num_experts, ours.num_experts_per_tok, ours.moe_intermediate_size, ours.norm_topk_prob) == \
+        (theirs.num_local_experts, theirs.num_experts_per_tok, theirs.intermediate_size, True)
+    from llmc.compiler.hf_checkpoint import with_hf_defaults
+
+    defaults, hf_defaults = with_hf_defaults({"model_type": "gpt_oss"}), GptOssConfig()
+    for key, value in defaults.items():  # every default llmc fills in is the config class's
+        expected = hf_defaults.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(hf_defaults, key)
+        assert value == expected, key
     legacy = {**config, "rope_theta": 150000.0, "rope_scaling": {**params}}
     assert model_config_from_hf(legacy, gpt_oss.SPEC, "float32").rope_scaling == params
 
