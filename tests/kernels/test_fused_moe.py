@@ -461,3 +461,53 @@ def test_fused_moe_with_biases_and_clamped_swiglu_is_transformers_gpt_oss_expert
     q_up, q_down = dataclasses.replace(_on(q_up, device), bias=on(b1)), dataclasses.replace(_on(q_down, device), bias=on(b2))
     got = fused_moe_triton.fused_moe(on(x), weights.to(device), ids.to(device), q_up, q_down, swiglu=SWIGLU)
     assert rel_err(got.cpu(), want) < tolerance
+
+
+_COMPILE_SM90_BIAS = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import fused_moe_triton as ft
+
+POINTERS = {"a_scale_ptr": "*fp32", "scale_ptr": "*fp32", "pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+            "topk_weights_ptr": "*fp32", "qw_ptr": "*i32", "qz_ptr": "*i32", "s_ptr": "*bf16"}
+
+
+def compile_facts(kernel, constants, num_warps=4):
+    sig = {n: "constexpr" if n in constants else POINTERS.get(n, "*bf16") if n.endswith("_ptr") else "i32"
+           for n in kernel.arg_names}
+    names = list(kernel.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if t.startswith("*")}
+    compiled = triton.compile(ASTSource(kernel, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps})
+    ptx = compiled.asm["ptx"]
+    return {"mma": "mma.sync" in ptx or "wgmma" in ptx, "local": ".local" in ptx, "shared": compiled.metadata.shared}
+
+
+facts = {}
+try:
+    for weight in (False, True):  # gate_up (no routing weight), down (with it)
+        facts[f"dense-{weight}"] = compile_facts(ft._grouped_gemm_kernel, {
+            "A_ROWS_PER_PAIR": 4 if not weight else 1, "HAS_SCALE": False, "HAS_A_SCALE": False, "GROUP": 0,
+            "MUL_WEIGHT": weight, "PRECISION": "tf32", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+            "HAS_BIAS": True})
+        facts[f"w4a16-{weight}"] = compile_facts(ft._grouped_w4a16_kernel, {
+            "A_ROWS_PER_PAIR": 4 if not weight else 1, "GROUP_SIZE": 32, "HAS_ZEROS": False, "MUL_WEIGHT": weight,
+            "PRECISION": "tf32", "TILES": 1, "GROUPS": 4, "BLOCK_M": 16, "BLOCK_N": 64, "HAS_BIAS": True})
+except FileNotFoundError as exc:  # a triton without its bundled ptxas
+    print("SKIP", exc)
+    raise SystemExit(0)
+print(json.dumps(facts))
+"""
+
+
+def test_the_grouped_gemms_with_biases_compile_for_sm90():
+    """The dense and w4a16 grouped GEMMs with an expert bias (gate_up's and down's, with the routing weight),
+    compiled for an H100 / H200 on this machine (the installed triton and its ptxas, not the interpreter):
+    tensor-core products, no local memory."""
+    from tests.kernels.conftest import sm90_compile_facts
+
+    facts = sm90_compile_facts(_COMPILE_SM90_BIAS)
+    assert len(facts) == 4
+    for name, kernel in facts.items():
+        assert kernel["mma"] and not kernel["local"] and kernel["shared"] <= 227 * 1024, (name, kernel)
