@@ -184,7 +184,9 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
     if gguf is None:
-        hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
+        reader = hf.TensorReader(model_dir)  # fails early on missing or pickle-only weights
+        if spec.family == "gpt_oss":
+            gpt_oss_checkpoint.say_dequantized(reader, recipe.quantization.method)
     _tokenizer_files(model_dir)
     dtype = recipe.dtype
     if dtype == "auto":
@@ -206,7 +208,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
 
 
 def _check_gpt_oss(recipe: Recipe, model_dir: Path, qc: dict) -> None:
-    """What a gpt-oss build does not do, refused by name; one line where its MXFP4 experts are dequantized."""
+    """What a gpt-oss build does not do, refused by name (its quantization_config: mxfp4 or none)."""
     if recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for gpt-oss (its fused, "
                               "interleaved experts; MXFP4 is no format llmc runs): build with none, rtn, gptq, awq or "
@@ -215,9 +217,7 @@ def _check_gpt_oss(recipe: Recipe, model_dir: Path, qc: dict) -> None:
         raise RecipeError(f"parallel.tensor {recipe.parallel.tensor}: not supported for gpt-oss (its o_proj's and "
                           "experts' down biases would be added once per rank); use parallel.tensor 1 (pipeline "
                           "parallelism splits whole layers)")
-    if gpt_oss_checkpoint.check_quantization_config(qc, model_dir):
-        logger.info("gpt-oss: the checkpoint's MXFP4 experts are dequantized as they are read (exactly, to float32), "
-                    "then quantization.method %s applies", recipe.quantization.method)
+    gpt_oss_checkpoint.check_quantization_config(qc, model_dir)
 
 
 def _derived_tensors(hf_config: dict, spec: ModelSpec, model: art.ModelConfig, model_dir: Path) -> dict:

@@ -40,12 +40,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return torch.ldexp(values, scales.to(torch.int32).unsqueeze(-1) - 127).flatten(-2)
 
 
-def check_quantization_config(config: dict | None, model_dir: Path) -> bool:
-    """Whether a gpt-oss checkpoint's experts are MXFP4 (quantization_config quant_method mxfp4, the published
-    layout); a config without quantization_config is float. Any other method, or an mxfp4 key the build does not
+def check_quantization_config(config: dict | None, model_dir: Path) -> None:
+    """A gpt-oss checkpoint's quantization_config: none (float experts) or quant_method mxfp4 (the published layout;
+    the tensors say which experts are MXFP4: `_expert_weight`). Any other method, or an mxfp4 key the build does not
     read, is refused by name."""
     if not config:
-        return False
+        return
     method = str(config.get("quant_method", "")).lower()
     if method != "mxfp4":
         raise CheckpointError(f"{model_dir}: gpt-oss with quantization_config quant_method {config.get('quant_method')!r}"
@@ -55,7 +55,15 @@ def check_quantization_config(config: dict | None, model_dir: Path) -> bool:
     if unknown:
         raise CheckpointError(f"{model_dir}: quantization_config {unknown}: not read by llmc's MXFP4 reader (it takes "
                               f"{', '.join(MXFP4_KEYS)}); remove them or use the float checkpoint")
-    return True
+
+
+def say_dequantized(reader, method: str) -> None:
+    """One line where the checkpoint holds MXFP4 experts (`*_blocks` tensors): the build dequantizes them as it
+    reads them, then the recipe's method applies."""
+    blocks = [name for name in reader.names() if name.endswith("_blocks")]
+    if blocks:
+        logger.info("gpt-oss: the checkpoint's MXFP4 experts (%d tensors) are dequantized as they are read (exactly, "
+                    "to float32), then quantization.method %s applies", len(blocks), method)
 
 
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
