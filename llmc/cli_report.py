@@ -241,7 +241,10 @@ def print_inspect(report: dict) -> None:
                        f"MoE layers {m['moe_layers']}"
                        + (f", a shared expert of width {m['shared_expert_intermediate_size']}"
                           f"{' (sigmoid-gated)' if m.get('shared_expert_gate') else ''}"
-                          if m.get("shared_expert_intermediate_size") else ""))] if m.get("moe_layers") else []),
+                          if m.get("shared_expert_intermediate_size") else "")
+                       + (", biased router and experts" if m.get("moe_bias") else "")
+                       + (f", clamped SwiGLU (limit {m['swiglu_limit']:g}, alpha {m['swiglu_alpha']:g})"
+                          if m.get("swiglu_limit") else ""))] if m.get("moe_layers") else []),
         ("quantization", f"{report['quantization']['method']}: "
                          + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
         ("saved", _saved_line(report)),
@@ -320,7 +323,9 @@ def _attention_text(m: dict) -> str:
     if m.get("qk_norm"):
         parts.append("q/k RMSNorm over the whole projections" if m.get("qk_norm_full_width") else "q/k RMSNorm per head")
     if m.get("attention_bias"):
-        parts.append("q/k/v biases")
+        parts.append("q/k/v/o biases" if m.get("o_bias") else "q/k/v biases")
+    if m.get("attention_sinks"):
+        parts.append("attention sinks (a learned softmax column per head)")
     window = m.get("sliding_window")
     if window:
         layers = m.get("sliding_window_layers")

@@ -307,6 +307,20 @@ def test_the_manifest_says_what_gpt_oss_is(checkpoint, artifact):
     assert manifest.format_version == FORMAT_VERSION == "1.23"
 
 
+def test_inspect_names_what_gpt_oss_adds(artifact):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    result = CliRunner().invoke(cli, ["inspect", str(artifact)])
+    assert result.exit_code == 0, result.output
+    rows = {line.split(maxsplit=1)[0]: line.split(maxsplit=1)[1] for line in result.output.splitlines() if line.strip()}
+    assert "q/k/v/o biases, attention sinks (a learned softmax column per head), sliding window 8 on 2 of 3 layers" \
+        in rows["attention"]
+    assert rows["experts"] == ("4 per MoE layer, top-2 renormalised, width 64, MoE layers [0, 1, 2], biased router "
+                               "and experts, clamped SwiGLU (limit 1, alpha 1.702)")
+
+
 def test_config_read_as_gptossconfig_reads_it(checkpoint):
     """Keys a config leaves out take GptOssConfig's defaults: alternating sliding / full layers, YaRN x32 over 4096
     positions untruncated, swiglu_limit 7 and alpha 1.702, q/k/v/o biases; a legacy rope_scaling is read as well."""
