@@ -404,6 +404,18 @@ def _evict(path: Path) -> None:
             del _CACHE[key]
 
 
+def honour_swiglu_config(model):
+    """gpt-oss's experts with the config's swiglu_alpha / swiglu_limit: transformers before 5.18 or so hard-coded
+    1.702 and 7.0 in GptOssExperts (5.17 on the GPU machine, session 46), which the tests' checkpoints (limit 1.0, so
+    that the clamps bind) do not use; later versions read the config. Returns the model."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) == "gpt_oss":
+        for module in model.modules():
+            if hasattr(module, "limit") and hasattr(module, "alpha"):
+                module.alpha, module.limit = getattr(config, "swiglu_alpha", 1.702), config.swiglu_limit
+    return model
+
+
 def _load(path) -> tuple[Any, Any]:
     """(model, tokenizer-or-None) for ``path``, loaded once per session (float32, eager)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -416,6 +428,7 @@ def _load(path) -> tuple[Any, Any]:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch.float32, attn_implementation="eager"
             )
+            honour_swiglu_config(model)
             model.eval()
             tok = None
             if (Path(path) / "tokenizer.json").exists():

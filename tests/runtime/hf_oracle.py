@@ -12,7 +12,7 @@ from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.runtime.models import spec_for_family
-from tests.conftest import fp8_per_token, fp8_per_token_group, int8_per_token
+from tests.conftest import fp8_per_token, fp8_per_token_group, honour_swiglu_config, int8_per_token
 
 
 def build_float32(checkpoint, out, **recipe):
@@ -90,7 +90,8 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str, state: dict | None
     (per token and 128 columns for a block-scaled one: method "fp8-block"), as its dynamic activations are."""
     from transformers import AutoModelForCausalLM
 
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    oracle = honour_swiglu_config(AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                                       attn_implementation="eager"))
     state = hf_state_of(artifact, read_hf_config(checkpoint)) if state is None else state
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, or the artifact's
@@ -202,8 +203,8 @@ def hf_model_with_config(checkpoint, **config_changes):
     config = AutoConfig.from_pretrained(str(checkpoint))
     for key, value in config_changes.items():
         setattr(config, key, value)
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+    return honour_swiglu_config(AutoModelForCausalLM.from_pretrained(str(checkpoint), config=config, dtype=torch.float32,
+                                                                     attn_implementation="eager")).eval()
 
 
 def check_pack_quantized_import(checkpoint, tmp_path, hf_logits, hf_encode, prompt: str):

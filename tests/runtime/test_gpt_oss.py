@@ -20,7 +20,7 @@ from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gpt_oss
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import make_hf_checkpoint
+from tests.conftest import honour_swiglu_config, make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32, build_quantized, check_against_oracle, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -46,7 +46,8 @@ def _hf_with(checkpoint, **changes):
     """transformers' float32 model of `checkpoint` with parameters changed in place (name suffix → function)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    model = honour_swiglu_config(AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                                      attn_implementation="eager"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             for suffix, change in changes.items():
@@ -156,7 +157,8 @@ def _gpt_oss_state(artifact) -> dict[str, torch.Tensor]:
 def _oracle_on(checkpoint, state):
     from transformers import AutoModelForCausalLM
 
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    oracle = honour_swiglu_config(AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                                       attn_implementation="eager"))
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     return oracle.eval()
