@@ -323,6 +323,27 @@ ROTATE_CASES = {
 }
 
 
+def _rotating_decode_step(case: str, dtype: torch.dtype, device: str):
+    """A decode step of ROTATE_CASES[case] whose rotary and KV write the decode kernel may do (rotate_write_and_attend):
+    (qkv, sizes, k_cache, v_cache (FP8 with scales 0.02 / 0.03 where the case says), scales, block_tables, positions,
+    cos_sin, slots, context lengths on the device), on `device`."""
+    context_lens, num_heads, num_kv_heads, head_dim, _, _, _, fp8 = ROTATE_CASES[case]
+    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
+                                                   head_dim, 16, dtype, "cpu")
+    scales = (0.02, 0.03) if fp8 else (1.0, 1.0)
+    if fp8:
+        k_cache = attention.quantize_kv(k_cache.nan_to_num(0.0), scales[0], torch.float8_e4m3fn)
+        v_cache = attention.quantize_kv(v_cache.nan_to_num(0.0), scales[1], torch.float8_e4m3fn)
+    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
+    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
+    positions = lens(context_lens, device).long() - 1  # the new token is the context's last
+    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
+                         device=device)
+    return (qkv.to(device), sizes, k_cache.to(device), v_cache.to(device), scales, block_tables.to(device), positions,
+            cos_sin, slots, lens(context_lens, device))
+
+
 @pytest.mark.parametrize("case", list(ROTATE_CASES))
 def test_decode_step_rotates_and_writes_its_keys_in_the_decode_kernel(dot_case, monkeypatch, case) -> None:
     """A decode step's rotary embedding and KV write inside the decode kernel (rotate_write_and_attend
@@ -333,23 +354,11 @@ def test_decode_step_rotates_and_writes_its_keys_in_the_decode_kernel(dot_case, 
     from llmc.kernels import attention_triton
 
     device, dtype = dot_case
-    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, min_pairs, fp8 = ROTATE_CASES[case]
+    context_lens, _, _, head_dim, window, partitions, min_pairs, _ = ROTATE_CASES[case]
     monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", min_pairs)
-    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
-                                                   head_dim, 16, dtype, "cpu")
-    scales = (1.0, 1.0)
-    if fp8:
-        scales = (0.02, 0.03)
-        k_cache = attention.quantize_kv(k_cache.nan_to_num(0.0), scales[0], torch.float8_e4m3fn)
-        v_cache = attention.quantize_kv(v_cache.nan_to_num(0.0), scales[1], torch.float8_e4m3fn)
-    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
-    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
-    positions = lens(context_lens, device).long() - 1  # the new token is the context's last
-    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
-                         device=device)
-    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
-    ctx, scale = lens(context_lens, device), head_dim**-0.5
+    qkv, sizes, k_cache, v_cache, scales, block_tables, positions, cos_sin, slots, ctx = _rotating_decode_step(
+        case, dtype, device)
+    scale = head_dim**-0.5
 
     def step(rotate_in_decode: bool):
         qkv_copy, k_c, v_c = qkv.clone(), k_cache.clone(), v_cache.clone()
@@ -496,6 +505,17 @@ def test_torch_path_soft_caps_the_scaled_scores_before_the_mask() -> None:
     assert (outs[0] - outs[1]).abs().max() > 0.1
 
 
+def _merge_case_batch(dot_case, monkeypatch, case: str, merge_in_kernel_min_pairs: int):
+    """CASES[case]'s (q, k_cache, v_cache, block_tables) on dot_case's device and dtype, partitions merged in the decode
+    kernel from merge_in_kernel_min_pairs (query, head) pairs on; a case without a split skips the second merge."""
+    device, dtype = dot_case
+    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, _, partitions = CASES[case]
+    if merge_in_kernel_min_pairs > 1 and not partitions:
+        pytest.skip("no split: no merge")
+    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
+    return make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+
+
 @pytest.mark.parametrize("merge_in_kernel_min_pairs", [1, 10**9])  # merged in the decode kernel; by the second
 @pytest.mark.parametrize("case", ["decode-gqa", "mixed-chunked", "window", "partitioned-decode", "partitioned-window",
                                   "partitioned-mixed"])
@@ -506,13 +526,8 @@ def test_paged_attention_kernels_soft_cap_the_scores(dot_case, rel_err, monkeypa
     from llmc.kernels.attention_triton import paged_attention
 
     device, dtype = dot_case
-    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
-    if merge_in_kernel_min_pairs > 1 and not partitions:
-        pytest.skip("no split: no merge")
-    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
-    q, k_cache, v_cache, block_tables = make_batch(
-        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
-    )
+    context_lens, query_lens, num_heads, _, head_dim, _, window, partitions = CASES[case]
+    q, k_cache, v_cache, block_tables = _merge_case_batch(dot_case, monkeypatch, case, merge_in_kernel_min_pairs)
     scale = head_dim**-0.5
     out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, scale, window,
                           max(context_lens), partitions, softcap=SOFTCAP)
@@ -551,6 +566,18 @@ def test_paged_attention_kernels_soft_cap_over_an_fp8_cache(dot_case, rel_err, c
 
 def test_prefill_index_soft_caps_the_scores(dot_case, rel_err) -> None:
     """The indexed prefill (FULL CUDA graphs of mixed steps) with SOFTCAP and a window, against float64."""
+    dtype = dot_case[1]
+    out, (q, k_cache, v_cache, block_tables, context_lens, query_lens, window) = _indexed_prefill(dot_case,
+                                                                                                   softcap=SOFTCAP)
+    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, q.shape[-1]**-0.5,
+                                  window, SOFTCAP)
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def _indexed_prefill(dot_case, **kwargs):
+    """A padded mixed step (a chunk after cached tokens, a decode row, a whole prompt, a one-token prompt; a window of
+    20) through the indexed prefill kernel (a FULL CUDA graph's, kernels.attention.PrefillIndex) with `kwargs`:
+    (its n rows' output, (q, k_cache, v_cache, block_tables, context_lens, query_lens, window))."""
     from llmc.kernels.attention_triton import paged_attention
 
     device, dtype = dot_case
@@ -570,10 +597,8 @@ def test_prefill_index_soft_caps_the_scores(dot_case, rel_err) -> None:
     q_padded = torch.cat([q, torch.zeros((size - n, num_heads, head_dim), dtype=dtype, device=device)])
     out = paged_attention(q_padded, k_cache, v_cache, torch.cat([block_tables, block_tables[:1]]),
                           lens(context_lens + [0], device), [size], head_dim**-0.5, window, prefill_index=index,
-                          softcap=SOFTCAP)
-    expected = expected_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, head_dim**-0.5, window,
-                                  SOFTCAP)
-    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+                          **kwargs)
+    return out[:n], (q, k_cache, v_cache, block_tables, context_lens, query_lens, window)
 
 
 @pytest.mark.parametrize("case", ["split-merged-in-kernel", "fp8-cache"])
@@ -583,21 +608,10 @@ def test_decode_step_rotating_in_the_decode_kernel_soft_caps_too(dot_case, rel_e
     from llmc.kernels import attention_triton
 
     device, dtype = dot_case
-    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, _, fp8 = ROTATE_CASES[case]
-    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
-                                                   head_dim, 16, dtype, "cpu")
-    scales = (0.02, 0.03) if fp8 else (1.0, 1.0)
-    if fp8:
-        k_cache = attention.quantize_kv(k_cache.nan_to_num(0.0), scales[0], torch.float8_e4m3fn)
-        v_cache = attention.quantize_kv(v_cache.nan_to_num(0.0), scales[1], torch.float8_e4m3fn)
-    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
-    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
-    positions = lens(context_lens, device).long() - 1
-    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
-                         device=device)
-    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
-    ctx, scale, seqs = lens(context_lens, device), head_dim**-0.5, [1] * len(context_lens)
+    context_lens, _, _, head_dim, window, partitions, _, fp8 = ROTATE_CASES[case]
+    qkv, sizes, k_cache, v_cache, scales, block_tables, positions, cos_sin, slots, ctx = _rotating_decode_step(
+        case, dtype, device)
+    scale, seqs = head_dim**-0.5, [1] * len(context_lens)
     common = dict(num_partitions=partitions, k_scale=scales[0], v_scale=scales[1], softcap=SOFTCAP)
     q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
     k_fused, v_fused = k_cache.clone(), v_cache.clone()
@@ -714,13 +728,8 @@ def test_paged_attention_kernels_add_the_sinks(dot_case, rel_err, monkeypatch, c
     from llmc.kernels.attention_triton import paged_attention
 
     device, dtype = dot_case
-    context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, window, partitions = CASES[case]
-    if merge_in_kernel_min_pairs > 1 and not partitions:
-        pytest.skip("no split: no merge")
-    monkeypatch.setattr(attention, "MERGE_IN_KERNEL_MIN_PAIRS", merge_in_kernel_min_pairs)
-    q, k_cache, v_cache, block_tables = make_batch(
-        context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
-    )
+    context_lens, query_lens, num_heads, _, head_dim, _, window, partitions = CASES[case]
+    q, k_cache, v_cache, block_tables = _merge_case_batch(dot_case, monkeypatch, case, merge_in_kernel_min_pairs)
     # the sinks weigh as much as the longest row's keys together: they matter at 300 keys too
     scale, sinks = head_dim**-0.5, head_sinks(num_heads) + math.log(min(max(context_lens), window or 10**9))
     out = paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, device), query_lens, scale, window,
@@ -740,41 +749,19 @@ def test_prefill_index_and_the_fused_decode_step_add_the_sinks(dot_case, rel_err
     from llmc.kernels import attention_triton
 
     device, dtype = dot_case
-    context_lens, query_lens, window = [40, 17, 33, 1], [13, 1, 33, 1], 20
-    num_heads, num_kv_heads, head_dim, block_size, size = 8, 2, 16, 8, 64
-    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
-                                                   block_size, dtype, device)
-    sinks = head_sinks(num_heads)
-    n, per_block = q.shape[0], attention.prefill_queries_per_block(num_heads // num_kv_heads)
-    blocks = attention.prefill_blocks(query_lens, per_block)
-    num_blocks, pad = attention.max_prefill_blocks(size, 5, per_block), 4
-    index = attention.PrefillIndex(
-        query_lens=lens(query_lens + [0], device), first_rows=lens([0, 13, 14, 47, 0], device),
-        block_seqs=lens([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks)), device),
-        block_starts=lens([start for _, start in blocks] + [0] * (num_blocks - len(blocks)), device),
-        queries_per_block=per_block, out=torch.zeros((size, num_heads, head_dim), dtype=dtype, device=device),
-    )
-    q_padded = torch.cat([q, torch.zeros((size - n, num_heads, head_dim), dtype=dtype, device=device)])
-    out = attention_triton.paged_attention(q_padded, k_cache, v_cache, torch.cat([block_tables, block_tables[:1]]),
-                                           lens(context_lens + [0], device), [size], head_dim**-0.5, window,
-                                           prefill_index=index, sinks=sinks.to(device))
+    sinks = head_sinks(8)  # (_indexed_prefill's 8 heads)
+    out, (q, k_cache, v_cache, block_tables, context_lens, query_lens, window) = _indexed_prefill(
+        dot_case, sinks=sinks.to(device))
     as64 = lambda t: t.cpu().double()  # noqa: E731
     expected = attention.paged_attention(as64(q), as64(k_cache), as64(v_cache), block_tables.cpu(),
-                                         lens(context_lens, "cpu"), query_lens, head_dim**-0.5, window, sinks=sinks)
-    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+                                         lens(context_lens, "cpu"), query_lens, q.shape[-1]**-0.5, window, sinks=sinks)
+    assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
-    context_lens, num_heads, num_kv_heads, head_dim, window, partitions, _, _ = ROTATE_CASES["split-merged-in-kernel"]
-    _, k_cache, v_cache, block_tables = make_batch(context_lens, [1] * len(context_lens), num_heads, num_kv_heads,
-                                                   head_dim, 16, dtype, "cpu")
+    context_lens, num_heads, _, head_dim, window, partitions, _, _ = ROTATE_CASES["split-merged-in-kernel"]
     sinks = head_sinks(num_heads)
-    qkv, sizes, _, _ = rotary_step(len(context_lens), num_heads, num_kv_heads, head_dim, dtype)
-    angles = torch.rand(2048, head_dim // 2, generator=torch.Generator().manual_seed(1)) * 6
-    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1).to(device)
-    positions = lens(context_lens, device).long() - 1
-    slots = torch.tensor([int(block_tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(context_lens)],
-                         device=device)
-    qkv, k_cache, v_cache, block_tables = qkv.to(device), k_cache.to(device), v_cache.to(device), block_tables.to(device)
-    ctx, scale, seqs = lens(context_lens, device), head_dim**-0.5, [1] * len(context_lens)
+    qkv, sizes, k_cache, v_cache, _, block_tables, positions, cos_sin, slots, ctx = _rotating_decode_step(
+        "split-merged-in-kernel", dtype, device)
+    scale, seqs = head_dim**-0.5, [1] * len(context_lens)
     q, k, v = split_qkv(qkv.clone(), sizes, head_dim)
     fused = attention_triton.paged_attention(q, k_cache, v_cache, block_tables, ctx, seqs, scale, window, 2048,
                                              partitions, rotary=(k, v, positions, cos_sin, slots),

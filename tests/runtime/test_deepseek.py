@@ -133,6 +133,19 @@ def test_the_triton_path_matches_transformers(family, checkpoints, artifacts, tr
     assert triton_dispatch["mla_attention"] and triton_dispatch["fused_moe"]
 
 
+def _expand_from(monkeypatch, min_queries: int) -> list[int]:
+    """CUDA's expanded form taken from `min_queries` queries on, whatever the context (CUDA_EXPAND_MIN_WORK 0); the
+    list the query count of every expanded_attention call is appended to."""
+    import llmc.kernels.mla_attention as mla_attention
+
+    expanded, attention = [], mla_attention.expanded_attention
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", min_queries)
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)
+    monkeypatch.setattr(mla_attention, "expanded_attention",
+                        lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
+    return expanded
+
+
 @torch.inference_mode()
 def test_the_cuda_path_expands_long_chunks_beside_absorbed_rows(checkpoints, artifacts, triton_dispatch, monkeypatch,
                                                                  hf_logits, hf_greedy, hf_encode):
@@ -140,14 +153,7 @@ def test_the_cuda_path_expands_long_chunks_beside_absorbed_rows(checkpoints, art
     16-token chunks count as long: those sequences expanded (the model's kv_b over the cached latents, lower-right
     after the chunks before, sized by the step builder's host context lengths), decode rows and short chunks through
     the absorbed kernel in the same steps; transformers' logits and greedy tokens."""
-    import llmc.kernels.mla_attention as mla_attention
-
-    expanded = []
-    attention = mla_attention.expanded_attention
-    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 4)
-    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)
-    monkeypatch.setattr(mla_attention, "expanded_attention",
-                        lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
+    expanded = _expand_from(monkeypatch, 4)
     family = DEEPSEEK_FAMILIES[-1]
     with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
@@ -177,14 +183,7 @@ def test_long_prefills_expand_on_the_gpu(checkpoints, artifacts, monkeypatch, hf
     the chunk before), decode rows and shorter chunks the absorbed kernel in the same steps; transformers' logits
     over 200 positions prefilled in chunks of 128 (2e-3) and greedy tokens of a ~160-token prompt beside a short
     one."""
-    import llmc.kernels.mla_attention as mla_attention
-
-    expanded = []
-    attention = mla_attention.expanded_attention
-    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_QUERIES", 64)
-    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)
-    monkeypatch.setattr(mla_attention, "expanded_attention",
-                        lambda q, *args: expanded.append(q.shape[0]) or attention(q, *args))
+    expanded = _expand_from(monkeypatch, 64)
     checkpoint = checkpoints["deepseek_v3"]
     token_ids = (hf_encode(checkpoint, PROMPTS[1]) * 20)[:200]
     prompts = [" ".join([PROMPTS[1]] * 12), PROMPTS[0]]
