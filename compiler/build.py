@@ -213,10 +213,6 @@ def _check_gpt_oss(recipe: Recipe, model_dir: Path, qc: dict) -> None:
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for gpt-oss (its fused, "
                               "interleaved experts; MXFP4 is no format llmc runs): build with none, rtn, gptq, awq or "
                               "fp8, which read its MXFP4 experts dequantized")
-    if recipe.parallel.tensor > 1:
-        raise RecipeError(f"parallel.tensor {recipe.parallel.tensor}: not supported for gpt-oss (its o_proj's and "
-                          "experts' down biases would be added once per rank); use parallel.tensor 1 (pipeline "
-                          "parallelism splits whole layers)")
     gpt_oss_checkpoint.check_quantization_config(qc, model_dir)
 
 

@@ -10,7 +10,8 @@ Slicing happens on the unpacked weights (float, or `QuantizedWeight` levels and 
 quantization and before packing: quantizing the whole weight first keeps a T-rank build's numbers
 identical to the 1-rank build's, and packing each slice on its own gives every rank well-formed
 tensors. Fused linears are sliced member by member (q, k, v; gate, up) and re-concatenated, so each
-rank's `qkv` is [its q heads; its k heads; its v heads].
+rank's `qkv` is [its q heads; its k heads; its v heads]. Biases follow their linears (`shard_bias`: a row-parallel
+one on tensor rank 0 alone), attention sinks their heads.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from llmc.quant.formats import QuantizedWeight, default_g_idx
 from llmc.runtime.artifact import ModelConfig, ParallelPlan
 from llmc.runtime.models.spec import ModelSpec, expert_of, format_key
 from llmc.runtime.parallel.layout import (
-    RankLayout, all_rank_layouts, experts_of_rank, num_kv_heads_per_rank, padded_vocab_size,
+    RankLayout, all_rank_layouts, experts_of_rank, holds_row_bias, num_kv_heads_per_rank, padded_vocab_size,
 )
 
 # ---- the plan -------------------------------------------------------------------------------------
@@ -189,18 +190,32 @@ def shard_layer(layer: LayerWeights, layout: RankLayout, config: ModelConfig, sp
         else:
             start, end = row_columns(config, layout, format_key(name))
             linears[name] = take_columns(weight, start, end, f"layers.{layer.index}.{name}")
-    biases = {}
-    for name, bias in layer.biases.items():
-        if spec.layer_linear(name).parallel != "column":
-            raise NotImplementedError(f"a bias on row-parallel {name} would be added once per rank")
-        biases[name] = take_rows(bias, column_rows(config, layout, name))
+    biases = {name: shard for name, bias in layer.biases.items()
+              if (shard := shard_bias(name, bias, layout, config, spec)) is not None}
     norms = dict(layer.norms)
+    if "attn.sinks" in norms:  # gpt-oss: the rank's heads' sinks
+        norms["attn.sinks"] = norms["attn.sinks"][layout.head_start:layout.head_start + layout.num_heads]
     if config.qk_norm_full_width:  # OLMo 2: q_norm / k_norm span q's / k's rows: the rank's heads' share of each
         q_rows, k_rows, _ = column_rows(config, layout, "attn.qkv")
         k_offset = config.num_heads * config.head_dim
         norms["attn.q_norm"] = norms["attn.q_norm"][q_rows[0]:q_rows[1]]
         norms["attn.k_norm"] = norms["attn.k_norm"][k_rows[0] - k_offset:k_rows[1] - k_offset]
     return LayerWeights(layer.index, linears, biases, norms)
+
+
+def shard_bias(name: str, bias: Tensor, layout: RankLayout, config: ModelConfig, spec: ModelSpec) -> Tensor | None:
+    """The rank's share of one bias (None: the rank holds none), as the runtime's module holds it (layout.py): a whole
+    expert's (expert parallelism) with its expert; the router's whole; a column-parallel linear's (qkv's, a split
+    expert's gate_up) split with its rows; a row-parallel linear's (o's, a split expert's down) whole on tensor rank 0
+    alone (holds_row_bias), so the all-reduce adds it once."""
+    expert = expert_of(name)
+    if expert is not None and layout.num_local_experts < config.num_experts:
+        return bias if layout.expert_start <= expert < layout.expert_start + layout.num_local_experts else None
+    if name == "moe.gate":
+        return bias
+    if spec_parallel(spec, name) == "column":
+        return take_rows(bias, column_rows(config, layout, format_key(name)))
+    return bias if holds_row_bias(layout) else None
 
 
 def shard_global(module: str, weight: UnpackedLinear, layout: RankLayout) -> UnpackedLinear:

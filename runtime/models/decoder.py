@@ -11,8 +11,8 @@ comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
 layers (keeping their global names), heads, MLP columns and vocabulary rows; `tp_group` all-reduces
-the row-parallel outputs (o, down) and the vocab-parallel embedding. Without a layout it is the
-whole model and no collective runs.
+the row-parallel outputs (o, down) and the vocab-parallel embedding (o's bias, gpt-oss's, is held by tensor
+rank 0 alone, so the all-reduce adds it once). Without a layout it is the whole model and no collective runs.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.mla import MLAttention
 from llmc.runtime.models.moe import ExpertLinears, MoE
-from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
+from llmc.runtime.parallel.layout import RankLayout, holds_row_bias, whole_model_layout
 
 logger = logging.getLogger("llmc")
 
@@ -66,7 +66,9 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
-        self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], config.o_bias, dtype)
+        # o's bias (gpt-oss): on tensor rank 0 alone, added once by the all-reduce of the ranks' partial sums
+        self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], config.o_bias and holds_row_bias(layout),
+                        dtype)
         self.has_sinks = config.attention_sinks  # gpt-oss: one learned logit per (this rank's) head, float32
         if config.attention_sinks:
             self.sinks = nn.Module()

@@ -26,6 +26,8 @@ norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (id
 gpt-oss (ModelConfig.moe_bias, swiglu_limit): the router's logits take its bias (`moe.gate.bias`), every expert's
 gate_up and down add theirs (`ExpertLinears.bias`, [E, out], never quantized), and the experts' activation is the
 clamped SwiGLU (fused_moe.gated_activation), on every path: the fused kernel adds the biases in its GEMMs' epilogue.
+Under tensor parallelism gate_up's bias is split with its rows; down's, where the experts are split on their width, is
+held by tensor rank 0 alone (the all-reduce adds it once); whole experts (expert parallelism) keep theirs.
 
 Under expert parallelism a rank holds experts [expert_start, expert_start + num_local_experts): it
 routes every token over all experts (the router is whole on every rank) and computes only its own
@@ -47,7 +49,7 @@ from llmc.quant.formats import (DenseFormat, Fp8BlockFormat, Fp8Format, IntWeigh
                                 dequantizes_once_on_cpu, takes_fp8_activations)
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.layers.linear import Linear
-from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
+from llmc.runtime.parallel.layout import RankLayout, holds_expert_down_bias, whole_model_layout
 
 # observe(name, x): called with the inputs routed to one expert's linear ("moe.experts.3.down"), [n, in]
 ExpertObserver = Callable[[str, Tensor], None]
@@ -142,10 +144,12 @@ class MoE(nn.Module):
         size = layout.moe_intermediate_size
         self.experts = nn.Module()
         bias_dtype = dtype if config.moe_bias else None
+        # down's bias: on tensor rank 0 alone where the experts are split on their width (added once by the all-reduce)
+        down_bias_dtype = bias_dtype if holds_expert_down_bias(config, layout) else None
         self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
                                              formats[prefix + "experts.gate_up"], bias_dtype)
         self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size,
-                                          formats[prefix + "experts.down"], bias_dtype)
+                                          formats[prefix + "experts.down"], down_bias_dtype)
         self.has_shared = bool(config.shared_expert_intermediate_size)
         if self.has_shared:
             self.shared = SharedExpert(config, formats, prefix + "shared.", dtype, layout)

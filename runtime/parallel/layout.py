@@ -14,6 +14,10 @@ Rank r = pp_rank * tensor + tp_rank. Tensor parallelism splits, within a layer:
                like the MLP (gate_up columns, down rows of its moe_intermediate_size); with
                parallel.expert = tensor, whole experts: rank t holds experts [t * Er, (t + 1) * Er).
                Either way each rank's output is a partial sum, all-reduced like the MLP's.
+  biases       (gpt-oss) column-parallel ones (qkv's, each expert's gate_up) split with their rows; a row-parallel
+               one (o's; a split expert's down) held and added by tensor rank 0 alone, so the all-reduce adds it
+               once (vLLM's RowParallelLinear); whole experts' down biases go with their experts; the router's whole
+  sinks        (gpt-oss) the rank's heads' attention sinks
 Pipeline parallelism gives each stage a contiguous run of layers: the first stage also holds the
 embedding, the last the final norm and lm_head (and, with tied embeddings, the embedding as lm_head).
 """
@@ -81,6 +85,19 @@ def whole_model_layout(config: ModelConfig) -> RankLayout:
 def experts_of_rank(layout: RankLayout) -> list[int]:
     """The global indices of the experts whose weights this rank holds (empty for a dense model)."""
     return list(range(layout.expert_start, layout.expert_start + layout.num_local_experts))
+
+
+def holds_row_bias(layout: RankLayout) -> bool:
+    """Whether this rank holds (and adds) a row-parallel linear's bias (o's): tensor rank 0 only, since the
+    all-reduce sums the ranks' partial outputs, so the bias is added exactly once."""
+    return layout.tp_rank == 0
+
+
+def holds_expert_down_bias(config: ModelConfig, layout: RankLayout) -> bool:
+    """Whether this rank holds its experts' down biases: whole experts (one rank, or expert parallelism: each
+    expert's output is its owner's alone) always; experts split on their width (row-parallel down) on tensor
+    rank 0 only (`holds_row_bias`)."""
+    return layout.moe_intermediate_size == (config.moe_intermediate_size or 0) or holds_row_bias(layout)
 
 
 def rank_layout(config: ModelConfig, plan: ParallelPlan, rank: int) -> RankLayout:

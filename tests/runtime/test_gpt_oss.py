@@ -2,7 +2,8 @@
 greedy decoding batched continuously, a prefix-cache hit; each of its own parts (attention sinks, the clamped SwiGLU,
 the router's and experts' biases, the sliding layers) shown to matter; an RTN W4A16 build against transformers run on
 its own weights; the published MXFP4 layout (written here by the test's own packer, checked against transformers'
-dequantizer) read exactly; how configs are read; the refusals. The Triton kernels' sinks: tests/kernels/test_attention.py."""
+dequantizer) read exactly; pipeline, tensor and expert parallel 2 against one rank, and what each rank holds; how
+configs are read; the refusals. The Triton kernels' sinks: tests/kernels/test_attention.py."""
 
 import json
 import logging
@@ -17,6 +18,7 @@ from llmc.compiler.gpt_oss_checkpoint import E2M1_VALUES, dequantize_mxfp4
 from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError, RecipeError
+from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import gpt_oss
 from llmc.runtime.sampling_params import SamplingParams
@@ -36,6 +38,19 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def artifact(checkpoint, tmp_path_factory):
     return build_float32(checkpoint, tmp_path_factory.mktemp("gpt_oss_art") / "art")
+
+
+@pytest.fixture(scope="module")
+def split_artifact(checkpoint, tmp_path_factory):
+    """A recipe's parallel block → the float32 artifact of `checkpoint` built with it (once per module)."""
+    root, built = tmp_path_factory.mktemp("gpt_oss_split"), {}
+
+    def artifact(parallel: dict):
+        key = "-".join(f"{k}{v}" for k, v in parallel.items())
+        if key not in built:
+            built[key] = build_float32(checkpoint, root / key, parallel=parallel)
+        return built[key]
+    return artifact
 
 
 def _score_ids(checkpoint, hf_encode):
@@ -200,14 +215,64 @@ def test_awq_folds_keep_the_function(checkpoint, tmp_path, data_dir, hf_encode, 
     torch.testing.assert_close(awq, rtn, atol=1e-5, rtol=1e-5)
 
 
-def test_pipeline_parallel_matches_one_rank(checkpoint, artifact, tmp_path, hf_encode):
-    """Pipeline parallel 2 (whole layers per rank: the biases and sinks move with them): one rank's logits (1e-5)."""
-    split = build_float32(checkpoint, tmp_path / "pp2", parallel={"pipeline": 2})
+@pytest.mark.parametrize("parallel, tolerance", [({"pipeline": 2}, 1e-5), ({"tensor": 2}, 1e-4),
+                                                ({"tensor": 2, "expert": 2}, 1e-4)], ids=["pp2", "tp2", "ep2"])
+def test_parallel_matches_one_rank(checkpoint, artifact, split_artifact, hf_encode, parallel, tolerance):
+    """Pipeline parallel 2 (whole layers per rank: the biases and sinks move with them), tensor parallel 2 (heads,
+    their q/k/v biases and sinks split; the experts split on their width; o's and the experts' down biases on rank 0
+    alone) and expert parallel 2 (whole experts, each with its biases): one rank's logits and greedy tokens of three
+    prompts batched continuously. Logits within 1e-5 for the pipeline (the same sums: equal here), 1e-4 for the two-way
+    splits, whose all-reduce adds the ranks' float32 partial sums in another order (up to 2.5e-5 here); o's and the
+    experts' down biases held on both ranks (added twice) move them by ~4."""
+    split = split_artifact(parallel)
     token_ids = _score_ids(checkpoint, hf_encode)
-    with LLM(split, **ENGINE) as llm:
-        scores = llm.engine.score(token_ids)
-    with LLM(artifact, **ENGINE) as llm:
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
+    runs = []
+    for art in (split, artifact):
+        with LLM(art, **ENGINE) as llm:
+            runs.append((llm.engine.score(token_ids), [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]))
+    (scores, tokens), (one_scores, one_tokens) = runs
+    torch.testing.assert_close(scores, one_scores, atol=tolerance, rtol=tolerance)
+    assert tokens == one_tokens
+
+
+def test_tensor_and_expert_parallel_ranks_hold_their_share(artifact, split_artifact):
+    """What each rank's file holds, against the one-rank artifact: under tensor parallel 2, rank t the sinks and q/k/v
+    bias rows of its heads, its half of every expert's gate_up bias (gate and up rows alike), the router's weight and
+    bias whole, and o's and the experts' down biases only on rank 0; under expert parallel 2, rank t its experts'
+    gate_up and down biases whole, the manifest's rank_experts saying which (and o's bias on rank 0 alone)."""
+    whole = load_file(artifact / "rank-00" / "weights.safetensors")
+    model = json.loads((artifact / "manifest.json").read_text())["model"]
+    d, heads, kv_heads = model["head_dim"], model["num_heads"], model["num_kv_heads"]
+    width = model["moe_intermediate_size"]
+    tp, ep = split_artifact({"tensor": 2}), split_artifact({"tensor": 2, "expert": 2})
+    for rank in range(2):
+        mine = load_file(tp / f"rank-{rank:02d}" / "weights.safetensors")
+        h, kv, w = heads // 2, kv_heads // 2, width // 2
+        q_rows = range(rank * h * d, (rank + 1) * h * d)
+        k_rows = [heads * d + rank * kv * d + i for i in range(kv * d)]
+        v_rows = [(heads + kv_heads) * d + rank * kv * d + i for i in range(kv * d)]
+        gate_up_rows = list(range(rank * w, (rank + 1) * w)) + list(range(width + rank * w, width + (rank + 1) * w))
+        for i in range(model["num_layers"]):
+            p = f"layers.{i}."
+            assert torch.equal(mine[p + "attn.sinks.weight"], whole[p + "attn.sinks.weight"][rank * h:(rank + 1) * h])
+            assert torch.equal(mine[p + "attn.qkv.bias"], whole[p + "attn.qkv.bias"][[*q_rows, *k_rows, *v_rows]])
+            gate_up = p + "moe.experts.gate_up.bias"
+            assert torch.equal(mine[gate_up], whole[gate_up][:, gate_up_rows])
+            for name in ("moe.gate.weight", "moe.gate.bias"):
+                assert torch.equal(mine[p + name], whole[p + name])
+            for name in ("attn.o.bias", "moe.experts.down.bias"):
+                assert (p + name in mine) == (rank == 0), (rank, name)
+                if rank == 0:
+                    assert torch.equal(mine[p + name], whole[p + name])
+        mine = load_file(ep / f"rank-{rank:02d}" / "weights.safetensors")
+        experts = read_manifest(ep).parallel.rank_experts[rank]
+        assert experts == [2 * rank, 2 * rank + 1]
+        for i in range(model["num_layers"]):
+            p = f"layers.{i}."
+            for name in ("moe.experts.gate_up.bias", "moe.experts.down.bias"):
+                assert torch.equal(mine[p + name], whole[p + name][experts])
+            assert (p + "attn.o.bias" in mine) == (rank == 0)
 
 
 # ---- MXFP4 -------------------------------------------------------------------------------------------------------
@@ -295,7 +360,7 @@ def test_an_mxfp4_checkpoint_builds_as_its_dequantized_weights(checkpoint, tmp_p
 def test_the_manifest_says_what_gpt_oss_is(checkpoint, artifact):
     """The manifest's model: its own fields, and the parameter count of transformers' model (sinks and biases
     included); format 1.23."""
-    from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
+    from llmc.runtime.artifact import FORMAT_VERSION
     from tests.conftest import hf_model
 
     manifest = read_manifest(artifact)
@@ -367,8 +432,8 @@ def test_a_config_without_dtype_builds_in_the_stored_dtype(checkpoint, tmp_path)
 
 
 def test_what_gpt_oss_refuses(checkpoint, artifact, tmp_path):
-    """One line each: a quantization_config other than mxfp4, an mxfp4 key the reader does not take, import, tensor
-    parallelism, ONNX, a swiglu_limit that is not a number, `llmc export`."""
+    """One line each: a quantization_config other than mxfp4, an mxfp4 key the reader does not take, import, ONNX, a
+    swiglu_limit that is not a number, `llmc export`."""
     from llmc.compiler.export import export_artifact
     from llmc.errors import ArtifactError
 
@@ -386,7 +451,6 @@ def test_what_gpt_oss_refuses(checkpoint, artifact, tmp_path):
     refused(CheckpointError, r"quantization_config \['dequantize'\]",
             quantization_config={"quant_method": "mxfp4", "dequantize": True})
     refused(CheckpointError, "import is not supported for gpt-oss", {"quantization": {"method": "import"}})
-    refused(RecipeError, "parallel.tensor 2: not supported for gpt-oss", {"parallel": {"tensor": 2}})
     refused(RecipeError, r"mixture-of-experts models \(GptOssForCausalLM\) are not exported to ONNX",
             {"target": {"device": "onnx-cpu"}})
     refused(CheckpointError, "swiglu_limit 'x'", swiglu_limit="x")
