@@ -42,13 +42,15 @@ def artifact(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def split_artifact(checkpoint, tmp_path_factory):
-    """A recipe's parallel block → the float32 artifact of `checkpoint` built with it (once per module)."""
+    """A recipe's parallel block (and quantization) → the float32 artifact of `checkpoint` built with them (once per
+    module)."""
     root, built = tmp_path_factory.mktemp("gpt_oss_split"), {}
 
-    def artifact(parallel: dict):
-        key = "-".join(f"{k}{v}" for k, v in parallel.items())
+    def artifact(parallel: dict, quantization: dict | None = None):
+        key = "-".join(f"{k}{v}" for k, v in parallel.items()) + ("-rtn" if quantization else "")
         if key not in built:
-            built[key] = build_float32(checkpoint, root / key, parallel=parallel)
+            recipe = {"quantization": quantization} if quantization else {}
+            built[key] = build_float32(checkpoint, root / (key or "one"), parallel=parallel, **recipe)
         return built[key]
     return artifact
 
@@ -215,20 +217,26 @@ def test_awq_folds_keep_the_function(checkpoint, tmp_path, data_dir, hf_encode, 
     torch.testing.assert_close(awq, rtn, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("parallel, tolerance", [({"pipeline": 2}, 1e-5), ({"tensor": 2}, 1e-4),
-                                                ({"tensor": 2, "expert": 2}, 1e-4)], ids=["pp2", "tp2", "ep2"])
-def test_parallel_matches_one_rank(checkpoint, artifact, split_artifact, hf_encode, parallel, tolerance):
+RTN_W4 = {"method": "rtn", "bits": 4, "group_size": 32, "report": False}
+
+
+@pytest.mark.parametrize("parallel, quantization, tolerance", [
+    ({"pipeline": 2}, None, 1e-5), ({"tensor": 2}, None, 1e-4), ({"tensor": 2, "expert": 2}, None, 1e-4),
+    ({"tensor": 2}, RTN_W4, 1e-4)], ids=["pp2", "tp2", "ep2", "tp2-w4a16"])
+def test_parallel_matches_one_rank(checkpoint, artifact, split_artifact, hf_encode, parallel, quantization, tolerance):
     """Pipeline parallel 2 (whole layers per rank: the biases and sinks move with them), tensor parallel 2 (heads,
     their q/k/v biases and sinks split; the experts split on their width; o's and the experts' down biases on rank 0
-    alone) and expert parallel 2 (whole experts, each with its biases): one rank's logits and greedy tokens of three
-    prompts batched continuously. Logits within 1e-5 for the pipeline (the same sums: equal here), 1e-4 for the two-way
-    splits, whose all-reduce adds the ranks' float32 partial sums in another order (up to 2.5e-5 here); o's and the
-    experts' down biases held on both ranks (added twice) move them by ~4."""
-    split = split_artifact(parallel)
+    alone; float32, and RTN W4A16 in groups of 32 against the one-rank RTN build) and expert parallel 2 (whole experts,
+    each with its biases): one rank's logits and greedy tokens of three prompts batched continuously. Logits within
+    1e-5 for the pipeline (the same sums: equal here), 1e-4 for the two-way splits, whose all-reduce adds the ranks'
+    float32 partial sums in another order (up to 2.8e-5 here); o's and the experts' down biases held on both ranks
+    (added twice) move them by ~4."""
+    split = split_artifact(parallel, quantization)
+    one = artifact if quantization is None else split_artifact({}, quantization)
     token_ids = _score_ids(checkpoint, hf_encode)
     prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
     runs = []
-    for art in (split, artifact):
+    for art in (split, one):
         with LLM(art, **ENGINE) as llm:
             runs.append((llm.engine.score(token_ids), [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]))
     (scores, tokens), (one_scores, one_tokens) = runs
