@@ -65,6 +65,43 @@ CUDA_EXPAND_MAX_KEY_HEADS = 2**20
 EXPAND_MAX_SCORES = 2**28
 
 
+# The absorbed kernel's split (mla_attention_triton): one program per (query row, HEADS_PER_PROGRAM heads); where those
+# programs are fewer than 2 per SM, each row's keys are split over partitions of at least MIN_PARTITION_KEYS keys, at
+# most MAX_PARTITIONS. Here, beside the torch path, so that the memory plan (runtime/memory.py) sizes the split's
+# buffers without importing triton.
+HEADS_PER_PROGRAM = 16
+MIN_PARTITION_KEYS = 256
+MAX_PARTITIONS = 32
+
+
+def num_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Partitions of the keys per row: 1 while the (row, head block) programs fill the GPU (2 per SM); else enough
+    to, each of at least MIN_PARTITION_KEYS keys, at most MAX_PARTITIONS (a decode of few sequences and heads:
+    DeepSeek-V2-Lite's 16 heads are one program per row). Depends on max_context_len, which a CUDA graph fixes
+    (max_model_len)."""
+    if num_programs >= 2 * num_sms:
+        return 1
+    by_keys = -(-max_context_len // MIN_PARTITION_KEYS)
+    return max(1, min(by_keys, MAX_PARTITIONS, -(-2 * num_sms // num_programs)))
+
+
+def absorbed_split_bytes(num_rows: int, num_heads: int, kv_lora_rank: int, max_context_len: int, num_sms: int,
+                         dtype_bytes: int) -> int:
+    """The most bytes one launch of the absorbed kernel over num_rows rows holds at once for its split, q in a dtype
+    of dtype_bytes (0 where it does not split): each (partition, row, head)'s normalized float32 output of
+    kv_lora_rank values, its max and sum; then in the merge by torch ops either two float32 temporaries per
+    (partition, row, head) of the weights, or the weights, their total per (row, head), the merged float32 sum and
+    its cast to q's dtype. A CUDA graph's pool keeps this once (each layer's launch frees it before the next
+    allocates): runtime/memory.py plans it for the decode graphs (at max_model_len) and the whole-forward graphs
+    (at their context bound)."""
+    partitions = num_partitions(num_rows * -(-num_heads // HEADS_PER_PROGRAM), max_context_len, num_sms)
+    if partitions == 1:
+        return 0
+    pairs, rows_heads = partitions * num_rows * num_heads, num_rows * num_heads
+    merge = max(8 * pairs, 4 * pairs + rows_heads * (kv_lora_rank * (4 + dtype_bytes) + 4))
+    return 4 * pairs * (kv_lora_rank + 2) + merge
+
+
 def takes_expanded(query_len: int, context_len: int, form: str | None = None) -> bool:
     """Whether a sequence's step runs the expanded form on a CPU: `form` where given (FORMS), else the measured
     rule above."""

@@ -20,11 +20,10 @@ import triton.language as tl
 from torch import Tensor
 
 from . import device_num_sms
+from .mla_attention import HEADS_PER_PROGRAM, num_partitions
 
 BLOCK_N = 32  # keys per tile
-BLOCK_H = 16  # heads per program (tl.dot's smallest M)
-MIN_PARTITION_KEYS = 256  # a split's partitions: at least this many keys each
-MAX_PARTITIONS = 32
+BLOCK_H = HEADS_PER_PROGRAM  # heads per program (tl.dot's smallest M); the split: mla_attention.num_partitions
 _LOG2E = 1.4426950408889634
 
 
@@ -86,17 +85,6 @@ def _mla_kernel(
         tl.store(ml + 1, l_i, mask=h_mask)
 
 
-def num_partitions(num_programs: int, max_context_len: int, num_sms: int) -> int:
-    """Partitions of the keys per row: 1 while the (row, head block) programs fill the GPU (2 per SM); else enough
-    to, each of at least MIN_PARTITION_KEYS keys, at most MAX_PARTITIONS (a decode of few sequences and heads:
-    DeepSeek-V2-Lite's 16 heads are one program per row). Depends on max_context_len, which a CUDA graph fixes
-    (max_model_len)."""
-    if num_programs >= 2 * num_sms:
-        return 1
-    by_keys = triton.cdiv(max_context_len, MIN_PARTITION_KEYS)
-    return max(1, min(by_keys, MAX_PARTITIONS, triton.cdiv(2 * num_sms, num_programs)))
-
-
 def mla_absorbed_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, block_tables: Tensor, row_seq: Tensor,
                            row_limit: Tensor, scale: float, kv_scale: float = 1.0, max_context_len: int | None = None,
                            partitions: int | None = None) -> Tensor:
@@ -133,5 +121,6 @@ def mla_absorbed_attention(q_lat: Tensor, q_pe: Tensor, cache: Tensor, block_tab
     m, l = ml.unbind(-1)  # [partitions, rows, heads] each
     weight = l * torch.exp2(m - m.amax(dim=0, keepdim=True))  # an empty partition: l 0
     total = weight.sum(dim=0)
-    merged = (out.view(partitions, num_rows, num_heads, rank) * weight[..., None]).sum(dim=0)
-    return (merged / torch.where(total > 0, total, 1.0)[..., None]).to(q_lat.dtype)
+    # in place: one copy of the partials (mla_attention.absorbed_split_bytes, what the memory plan holds for it)
+    merged = out.view(partitions, num_rows, num_heads, rank).mul_(weight[..., None]).sum(dim=0)
+    return merged.div_(torch.where(total > 0, total, 1.0)[..., None]).to(q_lat.dtype)
