@@ -18,9 +18,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from llmc.kernels.attention import decode_split
+from llmc.kernels.mla_attention import absorbed_split_bytes
 from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
                                    rank_weights_path, read_safetensors_header)
-from llmc.runtime.parallel.layout import all_rank_layouts, kv_bytes_per_token
+from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, kv_bytes_per_token
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -39,6 +40,9 @@ GRAPH_BASE_BYTES = 96 * MIB
 GRAPH_BYTES_PER_GRAPH_LAYER = 768 * 1024
 GRAPH_BYTES_PER_PIECE = 64 * 1024  # one piecewise graph (a layer's kernels) beyond the pool it shares
 DEFAULT_NUM_SMS = 132  # what the estimate assumes (H100, H200); the runtime asks its GPU
+# The longest context a step may have to replay the whole-forward graphs (runtime/mixed_graphs.py's MAX_CONTEXT, its
+# module docstring says why); here, as the plan sizes the latent MLA kernel's split in them by it.
+WHOLE_GRAPH_MAX_CONTEXT = 2048
 
 
 @dataclass(frozen=True)
@@ -107,15 +111,32 @@ def moe_workspace_per_token(model: ModelConfig) -> int:
     return top_k * (3 * inter + hidden) + 2 * model.num_experts + 2 * top_k + fp8_inputs + shared
 
 
+def decode_split_bytes(model: ModelConfig, num_rows: int, max_context_len: int, num_sms: int,
+                       layout: RankLayout | None = None) -> int:
+    """Bytes one layer's decode attention over num_rows query rows allocates for splitting max_context_len keys
+    (0 where it does not split), over the heads of `layout` (a tensor-parallel rank's share; None: the model's):
+    the paged kernel's float32 (acc, m, l) per head and partition (attention_triton, merged in the kernel);
+    DeepSeek's latent MLA kernel's float32 partials of kv_lora_rank values per head and partition and its merge by
+    torch ops (mla_attention.absorbed_split_bytes: its own split and heads per program). A rank's split is its own:
+    fewer heads a row fill fewer programs, so more rows split."""
+    num_heads, num_kv_heads = (model.num_heads, model.num_kv_heads) if layout is None else (
+        layout.num_heads, layout.num_kv_heads)
+    if model.is_mla:
+        return absorbed_split_bytes(num_rows, num_heads, model.kv_lora_rank, max_context_len, num_sms,
+                                    dtype_num_bytes(model.dtype))
+    partitions = decode_split(num_rows * num_kv_heads, max_context_len, num_sms)[0]
+    return num_rows * partitions * num_heads * (model.head_dim + 2) * 4 if partitions > 1 else 0
+
+
 def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,
-                          num_sms: int = DEFAULT_NUM_SMS) -> int:
+                          num_sms: int = DEFAULT_NUM_SMS, layout: RankLayout | None = None) -> int:
     """What captured decode graphs of these batch sizes are allowed to take (0 for none). Graphs
-    split the decode attention's keys as for max_model_len: float32 (acc, m, l) per head and partition."""
+    split the decode attention's keys as for max_model_len: the split's buffers of the size whose split
+    takes the most (decode_split_bytes, over the heads of `layout` where given; the pool keeps one
+    layer's, which the next layer reuses)."""
     if not batch_sizes:
         return 0
-    split_rows = max(size * decode_split(size * model.num_kv_heads, max_model_len, num_sms)[0]
-                     for size in batch_sizes)  # (sequence, partition) pairs, at the size with the most
-    partitions = split_rows * model.num_heads * (model.head_dim + 2) * 4 if split_rows > max(batch_sizes) else 0
+    partitions = max(decode_split_bytes(model, size, max_model_len, num_sms, layout) for size in batch_sizes)
     return (GRAPH_BASE_BYTES + len(batch_sizes) * model.num_layers * GRAPH_BYTES_PER_GRAPH_LAYER
             + activation_peak_bytes(model, max(batch_sizes), 0) + partitions)
 
@@ -170,17 +191,24 @@ def verify_graph_sizes(runtime: RuntimeDefaults, piece_sizes: list[int]) -> list
     return piece_sizes
 
 
-def prefill_graph_allowance_bytes(model_config: ModelConfig, runtime: RuntimeDefaults, sizes: list[int]) -> int:
+def prefill_graph_allowance_bytes(model_config: ModelConfig, runtime: RuntimeDefaults, sizes: list[int],
+                                  num_sms: int = DEFAULT_NUM_SMS) -> int:
     """What the graphs of prefill and mixed steps of `sizes` tokens may take: piecewise_allowance_bytes,
     and with cudagraph_mode FULL (runtime/mixed_graphs.py) their block-table buffer besides, a row per
     sequence a captured step may hold (~16 MB at 512 sequences of 128K tokens in 16-token blocks); with the verify
-    steps' whole-forward graphs beside piecewise ones (verify_graph_sizes), both."""
+    steps' whole-forward graphs beside piecewise ones (verify_graph_sizes), both. A whole-forward graph of DeepSeek's
+    latent MLA runs every token row through the absorbed kernel, which splits the keys of few rows as for the graphs'
+    context bound (WHOLE_GRAPH_MAX_CONTEXT): that split's buffers too (decode_split_bytes, at the size with the most;
+    the paged attention's indexed prefill kernel does not split)."""
     allowance = piecewise_allowance_bytes(model_config, sizes)
     whole = sizes if runtime.graph_modes.has_full_mixed else verify_graph_sizes(runtime, sizes)
     if whole and not runtime.graph_modes.has_full_mixed:
         allowance += piecewise_allowance_bytes(model_config, whole)
     if whole:
         allowance += (min(runtime.max_num_seqs, max(whole)) + 1) * -(-runtime.max_model_len // runtime.block_size) * 4
+    if whole and model_config.is_mla:
+        bound = min(runtime.max_model_len, WHOLE_GRAPH_MAX_CONTEXT)
+        allowance += max(decode_split_bytes(model_config, size, bound, num_sms) for size in whole)
     return allowance
 
 

@@ -44,7 +44,7 @@ from llmc.runtime.models.decoder import DecoderModel
 
 logger = logging.getLogger("llmc")
 
-MAX_CONTEXT = 2048  # longest context a step may have to replay these graphs (module docstring)
+MAX_CONTEXT = memory.WHOLE_GRAPH_MAX_CONTEXT  # longest context a step may have to replay these graphs (docstring)
 
 
 class MixedGraphs:

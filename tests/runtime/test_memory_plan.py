@@ -14,6 +14,7 @@ from llmc.runtime import memory
 from llmc.runtime.memory_profile import profile_batch, run_profile_step
 from llmc.runtime.model_runner import ModelRunner, check_num_kv_blocks
 from llmc.runtime.options import resolve_options
+from llmc.runtime.parallel.layout import all_rank_layouts
 
 GIB = memory.GIB
 MODEL = art.ModelConfig(
@@ -69,6 +70,10 @@ def test_graph_allowance_holds_the_decode_split_of_max_model_len():
     assert long - short == 32 * 256 * 32 * (128 + 2) * 4
     # on 16 SMs only sizes 1 and 2 split (2 × 8 < 32)
     assert memory.graph_allowance_bytes(MODEL, sizes, 131072, num_sms=16) - short == 2 * 256 * 32 * 130 * 4
+    # a rank of tensor parallel 8 splits its own 4 heads, 1 KV head: every size up to 64 (64 × 1 < 264), 256 partitions
+    rank = all_rank_layouts(MODEL, art.ParallelPlan(tensor=8, stage_layers=[list(range(32))]))[0]
+    assert (memory.graph_allowance_bytes(MODEL, sizes, 131072, layout=rank)
+            - memory.graph_allowance_bytes(MODEL, sizes, 64, layout=rank)) == 64 * 256 * 4 * 130 * 4
 
 
 def test_parallel_ranks_are_planned_without_graphs():

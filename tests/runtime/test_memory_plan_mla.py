@@ -1,0 +1,161 @@
+"""The memory plan holds what DeepSeek's latent MLA kernel allocates for its split (kernels/mla_attention_triton.py):
+per (partition, row, head) a float32 partial of kv_lora_rank (512) values, not head_dim, and its merge by torch ops.
+The kernel's allocation is measured, not restated: its Python wrapper runs on meta tensors with the Triton launch
+stubbed out, the split it would choose on CUDA given, and every tensor the call allocates is tracked until freed (a
+CUDA graph's pool keeps that peak). The shapes are DeepSeek-V2-Lite's and V3's, at the batch sizes and contexts the
+graphs are captured for."""
+
+import functools
+import os
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
+from llmc.runtime.parallel.layout import all_rank_layouts
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
+
+V2_LITE = art.ModelConfig(
+    family="deepseek_v2", architecture="DeepseekV2ForCausalLM", vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, num_layers=27, num_heads=16, num_kv_heads=16, head_dim=192, rms_norm_eps=1e-6,
+    rope_theta=1e4, rope_scaling=None, max_position_embeddings=163840, tie_word_embeddings=False,
+    attention_bias=False, qk_norm=False, bos_token_id=100000, eos_token_ids=[100001], dtype="bfloat16",
+    num_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408, moe_layers=list(range(1, 27)),
+    shared_expert_intermediate_size=2816, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+)
+V3 = art.ModelConfig(
+    family="deepseek_v3", architecture="DeepseekV3ForCausalLM", vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, num_layers=61, num_heads=128, num_kv_heads=128, head_dim=192, rms_norm_eps=1e-6,
+    rope_theta=1e4, rope_scaling=None, max_position_embeddings=163840, tie_word_embeddings=False,
+    attention_bias=False, qk_norm=False, bos_token_id=0, eos_token_ids=[1], dtype="bfloat16",
+    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, moe_layers=list(range(3, 61)),
+    shared_expert_intermediate_size=2048, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128,
+)
+MODELS = {"v2-lite": V2_LITE, "v3": V3}
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The most bytes of tensors allocated under it that are alive at once: every op's new (non-aliasing) outputs,
+    each counted until its storage is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak = [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if all(r.alias_info is None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.live.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
+        self.peak = max(self.peak, sum(n for _, n in self.live))
+        return out
+
+
+class _NoLaunch:
+    """The Triton kernel's launcher, launching nothing (only the wrapper's own allocations are measured)."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@functools.cache
+def kernel_split_bytes(num_rows: int, num_heads: int, max_context_len: int, num_sms: int) -> int:
+    """The peak bytes mla_absorbed_attention allocates for num_rows rows of num_heads heads (bf16, kv_lora_rank 512,
+    rope 64) where it splits max_context_len keys on num_sms SMs; 0 where it does not (its only tensor is then the
+    output, the layer's activation)."""
+    import llmc.kernels.mla_attention_triton as mt
+
+    # the split the kernel chooses on CUDA (off CUDA it forces none): its own function over its (row, head block) grid
+    partitions = mt.num_partitions(num_rows * -(-num_heads // mt.BLOCK_H), max_context_len, num_sms)
+    if partitions == 1:
+        return 0
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    q_lat, q_pe = torch.empty(num_rows, num_heads, 512, **meta), torch.empty(num_rows, num_heads, 64, **meta)
+    cache = torch.empty(4, 16, 576, **meta)
+    tables = torch.zeros(num_rows, 1, dtype=torch.int32, device="meta")
+    rows = torch.zeros(num_rows, dtype=torch.int32, device="meta")
+    launcher, mt._mla_kernel = mt._mla_kernel, _NoLaunch()
+    try:
+        with _PeakBytes() as tracked:
+            out = mt.mla_absorbed_attention(q_lat, q_pe, cache, tables, rows, rows, 0.1, 1.0, max_context_len,
+                                            partitions=partitions)
+    finally:
+        mt._mla_kernel = launcher
+    assert out.shape == (num_rows, num_heads, 512) and out.dtype == torch.bfloat16
+    return tracked.peak
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("num_sms", [132, 78])
+def test_the_decode_graphs_allowance_holds_the_mla_split(name, num_sms):
+    """The decode graphs are captured at max_model_len, each size splitting as the kernel does for it; the allowance
+    grows by the split's buffers (the allowance at a max_model_len of 64 keys, which nothing splits, taken away) at
+    least as much as the largest split the kernel allocates at any planned size, and by little more. A
+    tensor-parallel rank (parallel/shard_runner.py passes its layout) splits its own share of the heads: more rows
+    split, of fewer heads each."""
+    model = MODELS[name]
+    for tp in (1, 2, 4, 8):
+        layout = all_rank_layouts(model, art.ParallelPlan(tensor=tp, stage_layers=[list(range(model.num_layers))]))[0]
+        assert layout.num_heads == model.num_heads // tp
+        for max_num_seqs in (1, 8, 20, 32, 256, 512):
+            sizes = memory.cuda_graph_batch_sizes(max_num_seqs)
+            for max_model_len in (2048, 8192, 163840):
+                planned = (memory.graph_allowance_bytes(model, sizes, max_model_len, num_sms, layout)
+                           - memory.graph_allowance_bytes(model, sizes, 64, num_sms, layout))
+                kernel = max(kernel_split_bytes(size, layout.num_heads, max_model_len, num_sms) for size in sizes)
+                assert kernel > 0  # every case splits at its smallest size
+                assert kernel <= planned <= 1.01 * kernel, (tp, max_num_seqs, max_model_len)
+
+
+def test_the_split_estimate_is_the_kernels_allocation_size_by_size():
+    """decode_split_bytes, per number of rows: what the kernel allocates, to within 1% (0 where it does not split:
+    V2-Lite's 16 heads are one program a row, V3's 128 eight, and 264 programs fill 132 SMs)."""
+    for model in MODELS.values():
+        for rows in (1, 2, 7, 16, 32, 33, 100, 263, 264):
+            kernel = kernel_split_bytes(rows, model.num_heads, 32768, 132)
+            planned = memory.decode_split_bytes(model, rows, 32768, 132)
+            assert kernel <= planned <= 1.01 * kernel
+            assert (kernel == 0) == (rows * model.num_heads // 16 >= 264)
+
+
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE"])
+def test_the_whole_forward_graphs_allowance_holds_the_mla_split(mode):
+    """A whole-forward graph (cudagraph_mode FULL, or speculative verify steps beside piecewise graphs) runs each of
+    its token rows through the absorbed kernel at the graphs' context bound (mixed_graphs.MAX_CONTEXT): its
+    allowance on 132 SMs less its allowance on one (where no captured size splits) holds the largest split."""
+    from llmc.runtime.mixed_graphs import MAX_CONTEXT
+
+    speculative = art.SpeculativeConfig(method="ngram", num_speculative_tokens=3) if mode != "FULL" else None
+    for model in MODELS.values():
+        for max_model_len in (1024, 32768):
+            runtime = art.RuntimeDefaults(max_model_len=max_model_len, speculative=speculative,
+                                          compilation_config=art.CompilationConfig(mode))
+            sizes = memory.planned_piece_sizes(runtime)
+            planned = (memory.prefill_graph_allowance_bytes(model, runtime, sizes, 132)
+                       - memory.prefill_graph_allowance_bytes(model, runtime, sizes, 1))
+            bound = min(max_model_len, MAX_CONTEXT)
+            kernel = max(kernel_split_bytes(size, model.num_heads, bound, 132) for size in sizes)
+            assert 0 < kernel <= planned <= 1.01 * kernel
+
+
+def test_an_eager_split_fits_in_the_activation_allowance():
+    """Eager steps (enforce_eager, the start-up forwards of eager_decode_cases, steps the graphs do not take) split as
+    for their longest context, outside any graph: the activation term, one forward of max_num_batched_tokens,
+    holds a step of fewer rows with its split (V2-Lite's and V3's shapes, 128K contexts, the budgets named)."""
+    for model in MODELS.values():
+        for max_num_batched_tokens in (256, 2048, 8192):
+            for max_num_seqs in (1, 8, 64, 256):
+                allowance = memory.activation_peak_bytes(model, max_num_batched_tokens,
+                                                         min(max_num_seqs, max_num_batched_tokens))
+                for rows in {1, 8, 33, 132, 263} & set(range(1, min(max_num_seqs, max_num_batched_tokens) + 1)):
+                    step = memory.activation_peak_bytes(model, rows, rows) + kernel_split_bytes(
+                        rows, model.num_heads, 131072, 132)
+                    assert step <= allowance
