@@ -90,10 +90,21 @@ def activation_peak_bytes(model: ModelConfig, num_tokens: int, num_logit_rows: i
     elt = dtype_num_bytes(model.dtype)
     q_kv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     # Residual + hidden + the widest of (qkv, gate_up + its SiLU·mul output) live at once.
-    widest = max(q_kv + model.num_heads * model.head_dim, 3 * model.intermediate_size, moe_workspace_per_token(model))
+    widest = max(q_kv + model.num_heads * model.head_dim, 3 * model.intermediate_size, moe_workspace_per_token(model),
+                 mla_attention_per_token(model))
     per_token = (2 * model.hidden_size + widest) * elt
     logits = num_logit_rows * model.vocab_size * 4 * 2  # logits and the sampler's probabilities
     return num_tokens * per_token + logits
+
+
+def mla_attention_per_token(model: ModelConfig) -> int:
+    """Elements DeepSeek's latent attention keeps live per token in its absorbed form (kernels/mla_attention.py, every
+    decode row's): q (num_heads × head_dim), q_nope · W_UK and the kernel's output latent (num_heads × kv_lora_rank
+    each), and that times W_UV (num_heads × v_head_dim) at once; V3's 128 heads: 172K, more than its MoE's 157K.
+    0 without MLA."""
+    if not model.is_mla:
+        return 0
+    return model.num_heads * (model.head_dim + 2 * model.kv_lora_rank + model.v_head_dim)
 
 
 def moe_workspace_per_token(model: ModelConfig) -> int:

@@ -13,8 +13,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmc.quant.formats import DenseFormat
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.parallel.layout import all_rank_layouts
 
 if not torch.cuda.is_available():
@@ -159,3 +161,50 @@ def test_an_eager_split_fits_in_the_activation_allowance():
                     step = memory.activation_peak_bytes(model, rows, rows) + kernel_split_bytes(
                         rows, model.num_heads, 131072, 132)
                     assert step <= allowance
+
+
+def test_a_decode_graph_step_of_the_latent_attention_fits_its_allowance(monkeypatch):
+    """One decode step of a layer's MLAttention as a CUDA graph captures it (runtime/models/mla.py on meta tensors:
+    the absorbed kernel's wrapper with its launch stubbed, split as on 132 SMs at max_model_len 32768): what it
+    allocates, with the residual and hidden states it reads, stays within the graph allowance of that one batch size
+    less its fixed shares (what is left: the largest graph's activations and the split): q, its latent, the
+    kernel's output latent and that times W_UV live at once (memory.mla_attention_per_token; V3's exceeded its MoE's
+    per-token estimate, which bounded it before), besides the split's buffers."""
+    import llmc.kernels.mla_attention as mla_attention
+    import llmc.kernels.mla_attention_triton as mt
+    from llmc.runtime.models.mla import MLAttention
+
+    def split_as_on_cuda(q_lat, q_pe, cache, tables, row_seq, row_limit, scale, kv_scale, max_context_len):
+        partitions = mt.num_partitions(q_lat.shape[0] * -(-q_lat.shape[1] // mt.BLOCK_H), max_context_len, 132)
+        return absorbed(q_lat, q_pe, cache, tables, row_seq, row_limit, scale, kv_scale, max_context_len, partitions)
+
+    absorbed = mt.mla_absorbed_attention
+    monkeypatch.setattr(mla_attention, "can_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(mt, "_mla_kernel", _NoLaunch())
+    monkeypatch.setattr(mt, "mla_absorbed_attention", split_as_on_cuda)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    max_model_len = 32768
+    for model in MODELS.values():
+        formats = {f"layers.0.attn.{name}": DenseFormat(torch.bfloat16) for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")}
+        attn = MLAttention(model, formats, 0, torch.bfloat16).to("meta")
+        heads = model.num_heads
+        attn.w_uk = torch.empty(heads, model.qk_nope_head_dim, model.kv_lora_rank, **meta)
+        attn.w_uv = torch.empty(heads, model.v_head_dim, model.kv_lora_rank, **meta)
+        attn.kv_cache = (torch.empty(8, 16, model.kv_lora_rank + model.qk_rope_head_dim, **meta),)
+        cos_sin = torch.empty(64, model.qk_rope_head_dim, dtype=torch.float32, device="meta")
+        for rows in (1, 8, 32, 256):
+            index = dict(dtype=torch.int32, device="meta")
+            batch = ForwardBatch(
+                positions=torch.zeros(rows, dtype=torch.long, device="meta"),
+                slot_mapping=torch.zeros(rows, dtype=torch.long, device="meta"),
+                block_tables=torch.zeros(rows, 1, **index), context_lens=torch.ones(rows, **index),
+                query_lens=[1] * rows, max_context_len=max_model_len,
+                logits_indices=torch.zeros(rows, dtype=torch.long, device="meta"))
+            x = torch.empty(rows, model.hidden_size, **meta)
+            with _PeakBytes() as tracked:
+                out = attn(x, batch, cos_sin)
+            assert out.shape == (rows, model.hidden_size)
+            step = tracked.peak + 2 * x.nbytes  # and the residual and hidden states
+            allowance = (memory.graph_allowance_bytes(model, [rows], max_model_len)
+                         - memory.GRAPH_BASE_BYTES - model.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER)
+            assert step <= allowance + 4 * rows, (model.family, rows)  # (the rows' int32 index: the base's share)
