@@ -3,7 +3,8 @@ per (partition, row, head) a float32 partial of kv_lora_rank (512) values, not h
 The kernel's allocation is measured, not restated: its Python wrapper runs on meta tensors with the Triton launch
 stubbed out, the split it would choose on CUDA given, and every tensor the call allocates is tracked until freed (a
 CUDA graph's pool keeps that peak). The shapes are DeepSeek-V2-Lite's and V3's, at the batch sizes and contexts the
-graphs are captured for."""
+graphs are captured for; and one decode step of the latent attention module, measured the same way, against the
+activation and split shares of its graph's allowance."""
 
 import functools
 import os
@@ -185,7 +186,8 @@ def test_a_decode_graph_step_of_the_latent_attention_fits_its_allowance(monkeypa
     meta = dict(dtype=torch.bfloat16, device="meta")
     max_model_len = 32768
     for model in MODELS.values():
-        formats = {f"layers.0.attn.{name}": DenseFormat(torch.bfloat16) for name in ("q", "q_a", "q_b", "kv_a", "kv_b", "o")}
+        names = ("q", "q_a", "q_b", "kv_a", "kv_b", "o")
+        formats = {f"layers.0.attn.{name}": DenseFormat(torch.bfloat16) for name in names}
         attn = MLAttention(model, formats, 0, torch.bfloat16).to("meta")
         heads = model.num_heads
         attn.w_uk = torch.empty(heads, model.qk_nope_head_dim, model.kv_lora_rank, **meta)
