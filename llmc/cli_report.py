@@ -247,7 +247,7 @@ def print_inspect(report: dict) -> None:
                           if m.get("swiglu_limit") else ""))] if m.get("moe_layers") else []),
         ("quantization", f"{report['quantization']['method']}: "
                          + ", ".join(f"{n} × {f}" for f, n in report["quantization"]["formats"].items())),
-        ("saved", _saved_line(report)),
+        _saved_row(report),
         ("weights", f"{_fmt_bytes(report['weight_bytes'])}: " + ", ".join(
             f"{k} {_fmt_bytes(v)}" for k, v in sorted(report["bytes_by_component"].items(), key=lambda kv_: -kv_[1]))),
         ("KV cache", f"{kv['bytes_per_token']} bytes/token ({kv['dtype']}{_kv_ranks_note(kv, report['ranks'])}"
@@ -370,10 +370,14 @@ def _onnx_rows(onnx_summary: dict | None) -> list[tuple[str, str]]:
     return rows
 
 
-def _saved_line(report: dict) -> str:
+def _saved_row(report: dict) -> tuple[str, str]:
+    """("saved", what the tensors save against 16-bit weights), or ("larger", by how much) for a float32 artifact."""
     tensor_bytes, dense = sum(report["bytes_by_component"].values()), report["dense_bf16_bytes"]
-    return (f"{_fmt_bytes(max(dense - tensor_bytes, 0))} against 16-bit weights "
-            f"(tensors are {tensor_bytes / dense:.0%} of {_fmt_bytes(dense)})")
+    share = f"(tensors are {tensor_bytes / dense:.0%} of {_fmt_bytes(dense)})"
+    if tensor_bytes > dense:
+        return "larger", f"{_fmt_bytes(tensor_bytes - dense)} than 16-bit weights {share}"
+    return "saved", f"{_fmt_bytes(dense - tensor_bytes)} against 16-bit weights {share}"
+
 
 
 def _estimate_line(est: dict, rt: dict) -> str:

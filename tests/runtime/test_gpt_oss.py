@@ -394,6 +394,8 @@ def test_inspect_names_what_gpt_oss_adds(artifact):
         in rows["attention"]
     assert rows["experts"] == ("4 per MoE layer, top-2 renormalised, width 64, MoE layers [0, 1, 2], biased router "
                                "and experts, clamped SwiGLU (limit 1, alpha 1.702)")
+    # a float32 artifact is larger than 16-bit weights, not "saved 0 B" (its linears and experts twice as large)
+    assert "saved" not in rows and " than 16-bit weights (tensors are 2" in rows["larger"]
 
 
 def test_config_read_as_gptossconfig_reads_it(checkpoint):
