@@ -454,7 +454,7 @@ class Engine:
         the garbage collector see the frozen heap again once no other engine of the process is open, so that what
         the engines held can be freed (release_gc_heap)."""
         self.runner.close()
-        if isinstance(getattr(self, "proposer", None), (DraftModelProposer, EagleProposer)):
+        if getattr(self, "proposer", None) is not None:
             self.proposer.close()
         if getattr(self, "_holds_gc_freeze", False):
             self._holds_gc_freeze = False

@@ -19,7 +19,6 @@ from llmc.runtime.request_state import SequenceState
 from llmc.runtime.sampler import SamplingMetadata
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.spec_decode import sample_with_drafts
-from llmc.runtime.spec_draft import DraftModelProposer
 from llmc.runtime.spec_eagle import EagleProposer
 from llmc.runtime.structured_output import mask_verify_rows
 
@@ -31,7 +30,7 @@ def speculative_step(engine: Engine, batch: ScheduledBatch) -> list[RequestOutpu
     """Run `batch` (its decode rows carry drafts), sample every verified position, update the
     scheduler, check stops and return the step's outputs."""
     num_prefill = engine._mark_scheduled(batch)
-    if isinstance(engine.proposer, (DraftModelProposer, EagleProposer)):
+    if engine.proposer.fills_drafts:
         engine.proposer.fill(batch)
     step = engine.runner.execute(batch)
     sampled = [s for s in batch.requests if s.is_last_chunk]
@@ -97,7 +96,7 @@ def propose_drafts(engine: Engine, states: list[SequenceState]) -> None:
         if request.is_finished or request.num_tokens - request.num_computed_tokens != 1:
             continue
         room = request.max_tokens - request.num_output_tokens - 1  # the verify step emits one more
-        if isinstance(engine.proposer, (DraftModelProposer, EagleProposer)):
+        if engine.proposer.fills_drafts:
             request.spec_token_ids = [0] * max(0, min(k, room))  # values: the proposer's fill
         else:
             request.spec_token_ids = engine.proposer.propose(request.all_token_ids)[: min(k, room)]

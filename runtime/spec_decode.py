@@ -121,10 +121,15 @@ def default_method(model: str | None) -> str:
 class NgramProposer:
     """Prompt-lookup decoding: drafts are copied from earlier in the request's own tokens."""
 
+    fills_drafts = False  # its drafts are tokens when proposed (`propose`), not placeholders a `fill` sets
+
     def __init__(self, config: SpeculativeConfig):
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to k draft tokens to follow `token_ids` (prompt + generated so far); [] if none.

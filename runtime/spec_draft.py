@@ -152,6 +152,8 @@ class _DraftSequence:
 class DraftModelProposer:
     """Fills each scheduled request's draft placeholders with a draft model's greedy tokens."""
 
+    fills_drafts = True  # the scheduler reserves placeholders; `fill` sets them before the target's forward
+
     def __init__(self, config: SpeculativeConfig, path: Path, manifest: art.Manifest, options: art.RuntimeDefaults,
                  device: torch.device, num_blocks: int):
         self.config = config

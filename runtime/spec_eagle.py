@@ -88,6 +88,8 @@ class _HeadState:
 class EagleProposer:
     """Runs an EAGLE head beside the model's runner: `absorb` after each step, `fill` before each verify."""
 
+    fills_drafts = True  # (as DraftModelProposer's)
+
     def __init__(self, config: SpeculativeConfig, path: Path, head_config: EagleHeadConfig, layers: tuple[int, ...],
                  runner, options: art.RuntimeDefaults, device: torch.device):
         self.config = config
