@@ -25,6 +25,7 @@ a mixed CUDA graph's sequences from device tensors).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -299,9 +300,7 @@ def _cuda_route(query_lens: list[int], context_lens: Tensor, num_rows: int, num_
     if not expanded:
         cache[key] = [], None
         return cache[key]
-    firsts = [0]
-    for n in query_lens[:-1]:
-        firsts.append(firsts[-1] + n)
+    firsts = [0, *itertools.accumulate(query_lens)][:-1]  # each sequence's first row (as attention_triton's)
     chosen = set(expanded)
     rows = [row for seq, n in enumerate(query_lens) if seq not in chosen for row in range(firsts[seq], firsts[seq] + n)]
     absorbed = to_device(torch.tensor(rows, dtype=torch.long), context_lens.device)

@@ -151,7 +151,7 @@ class EagleProposer:
         """Before the model's forward: every scheduled request with draft placeholders gets d1 (from `absorb`) and
         d2 .. dk from one-row head steps at positions N - 1 .. N + k - 3 (slots its verify step reserved)."""
         self._forget_finished()
-        work = []  # (scheduled, state, draft ids, hidden state)
+        work = []  # (scheduled, state)
         for scheduled in batch.requests:
             if not scheduled.draft_token_ids:
                 continue
@@ -161,16 +161,16 @@ class EagleProposer:
                     or state.num_preemptions != request.num_preemptions):
                 self.num_unprepared += 1  # its placeholders are verified as they are (still exact)
                 continue
-            work.append([scheduled, state, [state.draft], state.hidden])
-        num_drafts = [len(w[0].draft_token_ids) for w in work]
+            work.append((scheduled, state))
+        num_drafts = [len(scheduled.draft_token_ids) for scheduled, _ in work]
         if not work or max(num_drafts) == 1:
-            for scheduled, _, ids, _ in work:
-                scheduled.draft_token_ids[:] = ids
+            for scheduled, state in work:
+                scheduled.draft_token_ids[:] = [state.draft]
             return
         # the drafts stay on the device from one head step to the next (no host round trip per step): [work, k]
         drafts = torch.zeros(len(work), max(num_drafts), dtype=torch.long, device=self.device)
-        drafts[:, 0] = torch.tensor([w[2][0] for w in work], dtype=torch.long, device=self.device)
-        hidden = torch.stack([w[3] for w in work])
+        drafts[:, 0] = torch.tensor([state.draft for _, state in work], dtype=torch.long, device=self.device)
+        hidden = torch.stack([state.hidden for _, state in work])
         for step in range(1, max(num_drafts)):
             live = [i for i, n in enumerate(num_drafts) if n > step]
             batch_in = self._forward_batch([(work[i][0].request, work[i][1].num_tokens - 2 + step, 1) for i in live])
@@ -179,7 +179,7 @@ class EagleProposer:
             out = self.head(drafts[rows, step - 1], hidden[rows], batch_in)
             drafts[rows, step] = self.head.greedy_tokens(out)
             hidden[rows] = out
-        for (scheduled, _, _, _), ids, n in zip(work, drafts.tolist(), num_drafts):
+        for (scheduled, _), ids, n in zip(work, drafts.tolist(), num_drafts):
             scheduled.draft_token_ids[:] = ids[:n]
 
     def _forward_batch(self, spans: list[tuple[Request, int, int]]) -> ForwardBatch:
