@@ -147,40 +147,18 @@ def profile(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
 
 def write_random_eagle3_head(target: str, out: Path, draft_vocab: int = 32000, seed: int = 0) -> None:
     """A random EAGLE-3 head in the published layout (README "Speculative decoding with an EAGLE-3 head") with the
-    target's hidden size, heads and vocabulary: fc, one decoder layer reading 2 * hidden, norm, lm_head, d2t, t2d."""
-    from safetensors.torch import save_file
-
+    target's hidden size, heads and vocabulary: benchmarks/train_eagle.py's Head as initialized, in bfloat16."""
+    from benchmarks.train_eagle import Head, save_head
     from llmc.runtime import artifact as art
 
     config = art.read_manifest(Path(target)).model
-    hidden, vocab, heads, kv_heads = config.hidden_size, config.vocab_size, config.num_heads, config.num_kv_heads
-    head_dim, inter = config.head_dim, config.intermediate_size
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
-    draft_vocab = min(draft_vocab, vocab)
-    draft_ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[draft_ids] = True
-    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
-    layer = "midlayer."
-    tensors = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": ones(hidden),
-               "lm_head.weight": rand(draft_vocab, hidden), "d2t": draft_ids - torch.arange(draft_vocab), "t2d": t2d,
-               layer + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
-               layer + "self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               layer + "self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
-               layer + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-               layer + "mlp.gate_proj.weight": rand(inter, hidden), layer + "mlp.up_proj.weight": rand(inter, hidden),
-               layer + "mlp.down_proj.weight": rand(hidden, inter),
-               **{f"{layer}{n}.weight": ones(hidden) for n in ("input_layernorm", "hidden_norm",
-                                                               "post_attention_layernorm")}}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
-        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "intermediate_size": inter, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "rope_theta": config.rope_theta, "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": vocab, "draft_vocab_size": draft_vocab}))
+    torch.manual_seed(seed)
+    draft_vocab = min(draft_vocab, config.vocab_size)
+    head = Head(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size,
+                draft_vocab, config.rms_norm_eps, config.rope_theta)
+    draft_ids = torch.randperm(config.vocab_size)[:draft_vocab].sort().values
+    save_head(head, draft_ids, config.vocab_size, out, torch.bfloat16,
+              max_position_embeddings=config.max_position_embeddings)
 
 
 def main(argv=None) -> None:

@@ -141,13 +141,46 @@ def features(model, windows: torch.Tensor, window: int) -> tuple[torch.Tensor, t
     return windows, torch.cat(aux), torch.cat(final)
 
 
+def save_head(head: Head, draft_ids: torch.Tensor, vocab_size: int, out: Path, dtype: torch.dtype,
+              **config_fields) -> None:
+    """`head` in the published EAGLE-3 layout in `out`: model.safetensors (fc, midlayer.*, norm, lm_head in `dtype`;
+    d2t, t2d of the ascending draft_ids [draft_vocab]; no embed_tokens: the model's are read) and config.json (a
+    one-layer LlamaConfig of the head's shapes with draft_vocab_size, plus `config_fields`). Also
+    benchmarks/bench_spec_draft.py's random head."""
+    from safetensors.torch import save_file
+
+    layer = "midlayer."
+    tensors = {
+        "fc.weight": head.fc.weight, "norm.weight": head.norms["norm"], "lm_head.weight": head.lm_head.weight,
+        layer + "self_attn.q_proj.weight": head.q.weight, layer + "self_attn.k_proj.weight": head.k.weight,
+        layer + "self_attn.v_proj.weight": head.v.weight, layer + "self_attn.o_proj.weight": head.o.weight,
+        layer + "mlp.gate_proj.weight": head.gate.weight, layer + "mlp.up_proj.weight": head.up.weight,
+        layer + "mlp.down_proj.weight": head.down.weight,
+        **{f"{layer}{n}.weight": head.norms[n] for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+    }
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}
+    draft_vocab = draft_ids.numel()
+    tensors["d2t"] = (draft_ids - torch.arange(draft_vocab)).to(torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    head_config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": head.fc.weight.shape[0],
+        "num_attention_heads": head.heads, "num_key_value_heads": head.kv_heads, "head_dim": head.head_dim,
+        "intermediate_size": head.gate.weight.shape[0], "num_hidden_layers": 1, "hidden_act": "silu",
+        "rms_norm_eps": head.eps, "rope_theta": head.theta, "vocab_size": vocab_size, "draft_vocab_size": draft_vocab,
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."), **config_fields,
+    }
+    (out / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from safetensors.torch import save_file
-
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     config = model.config
@@ -196,31 +229,9 @@ def main(argv=None) -> int:
         step += 1
     total_steps = step
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    layer = "midlayer."
-    tensors = {
-        "fc.weight": head.fc.weight, "norm.weight": head.norms["norm"], "lm_head.weight": head.lm_head.weight,
-        layer + "self_attn.q_proj.weight": head.q.weight, layer + "self_attn.k_proj.weight": head.k.weight,
-        layer + "self_attn.v_proj.weight": head.v.weight, layer + "self_attn.o_proj.weight": head.o.weight,
-        layer + "mlp.gate_proj.weight": head.gate.weight, layer + "mlp.up_proj.weight": head.up.weight,
-        layer + "mlp.down_proj.weight": head.down.weight,
-        **{f"{layer}{n}.weight": head.norms[n] for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
-    }
-    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in tensors.items()}
-    tensors["d2t"] = (draft_ids - torch.arange(args.draft_vocab)).to(torch.int64)
-    t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
-    t2d[draft_ids] = True
-    tensors["t2d"] = t2d
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    head_config = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": config.hidden_size,
-        "num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": head_dim, "intermediate_size": args.intermediate, "num_hidden_layers": 1, "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": theta, "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size, "draft_vocab_size": args.draft_vocab, "tie_word_embeddings": False,
-        "torch_dtype": "float16", "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
-    }
-    (out / "config.json").write_text(json.dumps(head_config, indent=2) + "\n")
+    save_head(head, draft_ids, config.vocab_size, out, torch.float16,
+              max_position_embeddings=config.max_position_embeddings, bos_token_id=config.bos_token_id,
+              eos_token_id=config.eos_token_id)
     print(f"{total_steps} steps of {args.batch} x {args.window - 1} rows; wrote {out}", file=sys.stderr)
     return 0
 

@@ -192,7 +192,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     if dtype == "auto":
         dtype = hf.checkpoint_dtype(hf_config)
         if spec.family == "gpt_oss" and gguf is None and not (hf_config.get("torch_dtype") or hf_config.get("dtype")):
-            dtype = gpt_oss_checkpoint.stored_dtype(hf.TensorReader(model_dir), spec)
+            dtype = gpt_oss_checkpoint.stored_dtype(reader, spec)
     model = hf.model_config_from_hf(hf_config, spec, dtype)
     if gguf is not None:
         model = llama3_rope(gguf, model)
