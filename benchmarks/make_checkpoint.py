@@ -16,7 +16,8 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
     --arch A     llama (default: Llama-3.1-8B), qwen3-moe (Qwen3-30B-A3B: hidden 2048, 128 experts of
                  width 768, top-8 renormalised, 32 q / 4 kv heads of 128, q/k norms, 48 layers cut to
                  12 by default) or mixtral (Mixtral-8x7B: 8 experts of width 14336, top-2, 32 layers
-                 cut to 8 by default). The MoE configs are written by transformers' config classes
+                 cut to 8 by default) or deepseek-v2-lite (DeepSeek-V2-Lite: latent attention, 64 experts of
+                 width 1408, top-6, 2 shared, 27 layers cut to 4 by default). The MoE configs are written by transformers' config classes
                  (Qwen3MoeConfig, MixtralConfig); the experts' tensors are named per expert, as the
                  published checkpoints name them (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
 """
@@ -70,10 +71,23 @@ MIXTRAL_8X7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 1
                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 8,
                 "num_experts_per_tok": 2, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}
+# DeepSeek-V2-Lite's (multi-head latent attention: kv_lora_rank 512, no q_lora; 64 routed experts of width 1408, top-6,
+# two shared; layer 0 dense; its yarn rope scaling left out: speed and memory do not depend on it)
+DEEPSEEK_V2_LITE = {"vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+                    "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+                    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+                    "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                    "v_head_dim": 128, "topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                    "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
                                                         "num_experts_per_tok": 2}),
     "mixtral": ("MixtralConfig", MIXTRAL_8X7B, 8, {"intermediate_size": 128, "num_local_experts": 4}),
+    "deepseek-v2-lite": ("DeepseekV2Config", DEEPSEEK_V2_LITE, 4, {"moe_intermediate_size": 128, "n_routed_experts": 8,
+                                                                   "num_experts_per_tok": 2, "kv_lora_rank": 64,
+                                                                   "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                                                                   "v_head_dim": 32, "num_key_value_heads": 4,
+                                                                   "intermediate_size": 512}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
@@ -108,30 +122,51 @@ def moe_config(arch: str, tiny: bool) -> dict:
 
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF name → shape, in the order the shards hold them (embedding, layers, norm, lm_head)."""
-    hidden, head_dim = config["hidden_size"], config["head_dim"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    hidden = config["hidden_size"]
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
-            p + "post_attention_layernorm.weight": (hidden,),
-        }
-        shapes |= mlp_shapes(config, p)
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
+        shapes |= attention_shapes(config, p) | mlp_shapes(config, p, i)
     if "num_labels" in config:  # a sequence classifier's head
         return shapes | {"model.norm.weight": (hidden,), "score.weight": (config["num_labels"], hidden)}
     return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (config["vocab_size"], hidden)}
 
 
-def mlp_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
-    """One layer's MLP tensors: Llama's dense MLP, Qwen3-MoE's (with its q/k norms) or Mixtral's experts."""
+def attention_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """One layer's attention tensors: q/k/v/o, or DeepSeek's latent attention (q, the joint kv_a, its norm, kv_b, o)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    if config["model_type"] == "deepseek_v2":
+        latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+        nope, v = config["qk_nope_head_dim"], config["v_head_dim"]
+        return {p + "self_attn.q_proj.weight": (heads * (nope + rope), hidden),
+                p + "self_attn.kv_a_proj_with_mqa.weight": (latent + rope, hidden),
+                p + "self_attn.kv_a_layernorm.weight": (latent,),
+                p + "self_attn.kv_b_proj.weight": (heads * (nope + v), latent),
+                p + "self_attn.o_proj.weight": (hidden, heads * v)}
+    q, kv = heads * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    return {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
+
+
+def dense_mlp_shapes(p: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {p + "gate_proj.weight": (inter, hidden), p + "up_proj.weight": (inter, hidden),
+            p + "down_proj.weight": (hidden, inter)}
+
+
+def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """One layer's MLP tensors: Llama's dense MLP, Qwen3-MoE's (with its q/k norms), Mixtral's experts or
+    DeepSeek's (dense before first_k_dense_replace, then routed experts beside shared ones)."""
     hidden, model_type = config["hidden_size"], config["model_type"]
-    if model_type == "llama":
-        inter = config["intermediate_size"]
-        return {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter)}
+    if model_type == "llama" or (model_type == "deepseek_v2" and layer < config["first_k_dense_replace"]):
+        return dense_mlp_shapes(p + "mlp.", hidden, config["intermediate_size"])
+    if model_type == "deepseek_v2":
+        inter, num_experts = config["moe_intermediate_size"], config["n_routed_experts"]
+        shapes = {p + "mlp.gate.weight": (num_experts, hidden)}
+        shapes |= dense_mlp_shapes(p + "mlp.shared_experts.", hidden, inter * config["n_shared_experts"])
+        for e in range(num_experts):
+            shapes |= dense_mlp_shapes(p + f"mlp.experts.{e}.", hidden, inter)
+        return shapes
     num_experts = config["num_local_experts"]  # transformers 5 writes Qwen3-MoE's num_experts under this name too
     if model_type == "qwen3_moe":
         inter, head_dim = config["moe_intermediate_size"], config["head_dim"]
@@ -239,11 +274,11 @@ def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, de
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8; 2 with --tiny)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, deepseek-v2-lite 4; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe or mixtral")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral or deepseek-v2-lite")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)
