@@ -140,16 +140,19 @@ def decode_split_bytes(model: ModelConfig, num_rows: int, max_context_len: int, 
 
 
 def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,
-                          num_sms: int = DEFAULT_NUM_SMS, layout: RankLayout | None = None) -> int:
+                          num_sms: int = DEFAULT_NUM_SMS, layout: RankLayout | None = None, block_size: int = 16) -> int:
     """What captured decode graphs of these batch sizes are allowed to take (0 for none). Graphs
     split the decode attention's keys as for max_model_len: the split's buffers of the size whose split
     takes the most (decode_split_bytes, over the heads of `layout` where given; the pool keeps one
-    layer's, which the next layer reuses)."""
+    layer's, which the next layer reuses). Their static block-table buffer holds a row of max_model_len's
+    blocks per sequence of the largest size (int32: 2.5 MiB at 64 rows of DeepSeek-V2's 163840 tokens in 16-token
+    blocks, which a V2-Lite-shaped capture on an H200 overran the allowance by, session 47)."""
     if not batch_sizes:
         return 0
     partitions = max(decode_split_bytes(model, size, max_model_len, num_sms, layout) for size in batch_sizes)
+    table = max(batch_sizes) * -(-max_model_len // block_size) * 4
     return (GRAPH_BASE_BYTES + len(batch_sizes) * model.num_layers * GRAPH_BYTES_PER_GRAPH_LAYER
-            + activation_peak_bytes(model, max(batch_sizes), 0) + partitions)
+            + activation_peak_bytes(model, max(batch_sizes), 0) + partitions + table)
 
 
 # Token counts captured: powers of two and the midpoints between them, up to vLLM's default 512.
@@ -270,7 +273,8 @@ def estimate(
     graph allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of
     prefill and mixed steps, prefill_graph_allowance_bytes, given)."""
     activations = activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
-    graphs = graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len) if use_graphs else 0
+    graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
+              if use_graphs else 0)
     graphs += piece_graph_bytes
     return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)

@@ -297,7 +297,8 @@ def graph_allowances(config: art.ModelConfig, graph_sizes: list[int], piece_size
     """(every graph's allowance in bytes, of which the prefill and mixed steps' graphs'); `config` in the
     compute dtype."""
     piece_allowance = memory.prefill_graph_allowance_bytes(config, options, piece_sizes, _num_sms(device))
-    decode = memory.graph_allowance_bytes(config, graph_sizes, options.max_model_len, _num_sms(device))
+    decode = memory.graph_allowance_bytes(config, graph_sizes, options.max_model_len, _num_sms(device),
+                                          block_size=options.block_size)
     if options.enable_lora and options.graph_modes.cudagraph_specialize_lora:  # each size twice: with LoRA, without
         decode += len(graph_sizes) * config.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER
     return decode + piece_allowance, piece_allowance

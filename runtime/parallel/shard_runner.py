@@ -76,7 +76,7 @@ class ShardRunner:
         graph_sizes = graph_batch_sizes(manifest.plan.cuda_graph_batch_sizes, options.max_num_seqs) if can_capture else []
         graph_allowance = memory.graph_allowance_bytes(manifest.model, graph_sizes, options.max_model_len,
                                                        device_num_sms(device) if device.type == "cuda" else memory.DEFAULT_NUM_SMS,
-                                                       layout)  # the attention's split over this rank's heads
+                                                       layout, options.block_size)  # the split over this rank's heads
         self.memory_plan = None
         if device.type == "cuda" and options.num_kv_blocks is None:  # every rank profiles at once
             weight_bytes = torch.cuda.memory_allocated(device) - allocated_before

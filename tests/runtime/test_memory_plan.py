@@ -64,16 +64,37 @@ def test_graph_allowance_holds_the_decode_split_of_max_model_len():
     sizes = memory.cuda_graph_batch_sizes(64)
     short = memory.graph_allowance_bytes(MODEL, sizes, 64)  # one partition: no split buffers
     assert short == (memory.GRAPH_BASE_BYTES + len(sizes) * MODEL.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER
-                     + memory.activation_peak_bytes(MODEL, 64, 0))
+                     + memory.activation_peak_bytes(MODEL, 64, 0) + _block_table_bytes(64, 64, 16))
+    tables = _block_table_bytes(64, 131072, 16) - _block_table_bytes(64, 64, 16)  # (test below)
     # 8 KV heads on 132 SMs: sizes up to 32 split (32 × 8 < 264), into 131072 / 512 = 256 partitions
     long = memory.graph_allowance_bytes(MODEL, sizes, 131072)
-    assert long - short == 32 * 256 * 32 * (128 + 2) * 4
+    assert long - short == 32 * 256 * 32 * (128 + 2) * 4 + tables
     # on 16 SMs only sizes 1 and 2 split (2 × 8 < 32)
-    assert memory.graph_allowance_bytes(MODEL, sizes, 131072, num_sms=16) - short == 2 * 256 * 32 * 130 * 4
+    assert memory.graph_allowance_bytes(MODEL, sizes, 131072, num_sms=16) - short == 2 * 256 * 32 * 130 * 4 + tables
     # a rank of tensor parallel 8 splits its own 4 heads, 1 KV head: every size up to 64 (64 × 1 < 264), 256 partitions
     rank = all_rank_layouts(MODEL, art.ParallelPlan(tensor=8, stage_layers=[list(range(32))]))[0]
     assert (memory.graph_allowance_bytes(MODEL, sizes, 131072, layout=rank)
-            - memory.graph_allowance_bytes(MODEL, sizes, 64, layout=rank)) == 64 * 256 * 4 * 130 * 4
+            - memory.graph_allowance_bytes(MODEL, sizes, 64, layout=rank)) == 64 * 256 * 4 * 130 * 4 + tables
+
+
+def _block_table_bytes(max_batch_size: int, max_model_len: int, block_size: int) -> int:
+    """The decode graphs' static block-table buffer, as runtime/cuda_graphs.py allocates it (on the CPU here)."""
+    from llmc.runtime.cuda_graphs import StaticInputs
+
+    inputs = StaticInputs(max_batch_size, -(-max_model_len // block_size), 0, block_size, torch.device("cpu"))
+    return inputs.block_tables.nbytes
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_graph_allowance_holds_the_graphs_block_tables(block_size):
+    """The static block tables grow with max_model_len / block_size (2.5 MiB at DeepSeek-V2's 163840 tokens and 64
+    rows: what a capture on an H200 overran the allowance by before they were counted); with one SM nothing splits,
+    so the allowance grows by the buffer alone."""
+    sizes = memory.cuda_graph_batch_sizes(64)
+    for max_model_len in (1000, 8192, 163840):
+        growth = (memory.graph_allowance_bytes(MODEL, sizes, max_model_len, num_sms=1, block_size=block_size)
+                  - memory.graph_allowance_bytes(MODEL, sizes, block_size, num_sms=1, block_size=block_size))
+        assert growth == _block_table_bytes(64, max_model_len, block_size) - _block_table_bytes(64, block_size, block_size)
 
 
 def test_parallel_ranks_are_planned_without_graphs():

@@ -111,8 +111,9 @@ def test_the_decode_graphs_allowance_holds_the_mla_split(name, num_sms):
         for max_num_seqs in (1, 8, 20, 32, 256, 512):
             sizes = memory.cuda_graph_batch_sizes(max_num_seqs)
             for max_model_len in (2048, 8192, 163840):
-                planned = (memory.graph_allowance_bytes(model, sizes, max_model_len, num_sms, layout)
-                           - memory.graph_allowance_bytes(model, sizes, 64, num_sms, layout))
+                # (blocks of max_model_len tokens: the graphs' block tables are the same one column in both)
+                planned = (memory.graph_allowance_bytes(model, sizes, max_model_len, num_sms, layout, max_model_len)
+                           - memory.graph_allowance_bytes(model, sizes, 64, num_sms, layout, max_model_len))
                 kernel = max(kernel_split_bytes(size, layout.num_heads, max_model_len, num_sms) for size in sizes)
                 assert kernel > 0  # every case splits at its smallest size
                 assert kernel <= planned <= 1.01 * kernel, (tp, max_num_seqs, max_model_len)
