@@ -16,12 +16,16 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmc.kernels.attention import decode_split
 from llmc.kernels.mla_attention import absorbed_split_bytes
 from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
                                    rank_weights_path, read_safetensors_header)
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, kv_bytes_per_token
+
+if TYPE_CHECKING:
+    from llmc.runtime.eagle_head import EagleHeadConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -135,8 +139,15 @@ def decode_split_bytes(model: ModelConfig, num_rows: int, max_context_len: int, 
     if model.is_mla:
         return absorbed_split_bytes(num_rows, num_heads, model.kv_lora_rank, max_context_len, num_sms,
                                     dtype_num_bytes(model.dtype))
+    return paged_split_bytes(num_rows, num_heads, num_kv_heads, model.head_dim, max_context_len, num_sms)
+
+
+def paged_split_bytes(num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context_len: int,
+                      num_sms: int) -> int:
+    """The paged decode kernel's float32 (acc, m, l) per head and partition for num_rows rows splitting
+    max_context_len keys (attention_triton's split); 0 where it does not split."""
     partitions = decode_split(num_rows * num_kv_heads, max_context_len, num_sms)[0]
-    return num_rows * partitions * num_heads * (model.head_dim + 2) * 4 if partitions > 1 else 0
+    return num_rows * partitions * num_heads * (head_dim + 2) * 4 if partitions > 1 else 0
 
 
 def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_len: int,
@@ -153,6 +164,31 @@ def graph_allowance_bytes(model: ModelConfig, batch_sizes: list[int], max_model_
     table = max(batch_sizes) * -(-max_model_len // block_size) * 4
     return (GRAPH_BASE_BYTES + len(batch_sizes) * model.num_layers * GRAPH_BYTES_PER_GRAPH_LAYER
             + activation_peak_bytes(model, max(batch_sizes), 0) + partitions + table)
+
+
+def draft_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_sizes: list[int],
+                                num_speculative_tokens: int, max_model_len: int, block_size: int,
+                                num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """What an EAGLE head's captured draft steps (runtime/eagle_graphs.py) of these batch sizes may take, its weights
+    `itemsize` bytes an element (0 for none, or k = 1: no step): per graph its k - 1 one-layer steps' kernel nodes
+    (GRAPH_BYTES_PER_GRAPH_LAYER each); the static buffers of the largest size (k drafts, k - 1 positions, slots and
+    context lengths, a hidden state and a block table row of max_model_len a row); one step's intermediates at that
+    size in the pool (the concatenated input, q/k/v, attention output, MLP, as activation_peak_bytes counts a layer,
+    and logits over the draft vocabulary in float32, the widest: an EAGLE-1 head's, through the model's head); the
+    attention's split for max_model_len keys (paged_split_bytes, at the size that splits most); the head cache's
+    scratch block (its padding rows' slot)."""
+    k = num_speculative_tokens
+    if not batch_sizes or k < 2:
+        return 0
+    top, steps, hidden = max(batch_sizes), k - 1, head.hidden_size
+    static = top * (8 * k + steps * (8 + 8 + 4) + hidden * itemsize + -(-max_model_len // block_size) * 4)
+    q_kv = (head.num_heads + 2 * head.num_kv_heads) * head.head_dim
+    widest = max(q_kv + head.num_heads * head.head_dim, 3 * head.intermediate_size)
+    intermediates = top * ((4 * hidden + widest) * itemsize + head.draft_vocab_size * 4)
+    split = max(paged_split_bytes(size, head.num_heads, head.num_kv_heads, head.head_dim, max_model_len, num_sms)
+                for size in batch_sizes)
+    scratch = block_size * head.kv_bytes_per_token(itemsize)
+    return len(batch_sizes) * steps * GRAPH_BYTES_PER_GRAPH_LAYER + static + intermediates + split + scratch
 
 
 # Token counts captured: powers of two and the midpoints between them, up to vLLM's default 512.
