@@ -102,7 +102,7 @@ class Engine:
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         if eagle is not None:
-            reserve = eagle_memory_reserve(eagle[0], eagle[1], self.manifest, self.device)
+            reserve = eagle_memory_reserve(eagle[0], eagle[1], self.manifest, self.options, self.device)
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
         self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
                        if self.manifest.vision is not None else None)

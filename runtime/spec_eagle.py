@@ -12,6 +12,8 @@ The model's hidden states are the step's, read on the spot (DecoderModel.aux_hid
 across steps but one (d1, hidden state) per request. Before the next verify step's forward `fill` runs k - 1
 one-row head steps per request (d1 at position N - 1 with the kept hidden state gives d2, and so on), at positions
 the scheduler reserved for the verify step; `absorb` rewrites them with the model's hidden states once verified.
+On a GPU with decode graphs those k - 1 steps replay one CUDA graph (runtime/eagle_graphs.py, which writes exactly
+the head rows the eager steps write: a request with fewer than k drafts reserved fewer slots).
 The head's one-layer KV cache is indexed by the model's block tables (as the draft model's, runtime/spec_draft.py):
 preemption drops a request's head state with its blocks (its re-prefill recomputes both), and a prefix-cache hit
 reads the head rows the request that computed the blocks wrote, which are this request's: the scheduler gives a
@@ -30,10 +32,14 @@ import torch
 from torch import Tensor
 
 from llmc.errors import ConfigError
+from llmc.kernels import device_num_sms
 from llmc.runtime import artifact as art
+from llmc.runtime import memory
+from llmc.runtime.eagle_graphs import EagleFillGraphs
 from llmc.runtime.eagle_head import EagleHead, EagleHeadConfig, aux_layers, read_head_config, read_head_tensors
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import compute_dtype
+from llmc.runtime.model_runner import planned_graph_sizes
 from llmc.runtime.request import Request
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.spec_decode import SpeculativeConfig
@@ -58,12 +64,19 @@ def read_eagle_head(config: SpeculativeConfig, target: art.Manifest,
     return path, head, layers
 
 
-def eagle_memory_reserve(path: Path, head: EagleHeadConfig, manifest: art.Manifest,
+def eagle_memory_reserve(path: Path, head: EagleHeadConfig, manifest: art.Manifest, options: art.RuntimeDefaults,
                          device: torch.device) -> tuple[int, int]:
-    """(bytes, KV bytes per token) the model's memory plan leaves for the head: its weights' files (on a GPU) and its
-    one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a CPU)."""
+    """(bytes, KV bytes per token) the model's memory plan leaves for the head: its weights' files and its draft
+    steps' graphs (on a GPU: memory.draft_graph_allowance_bytes at the decode graphs' sizes, where it captures them;
+    runtime/eagle_graphs.py) and its one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a
+    CPU)."""
+    itemsize = compute_dtype(manifest, device).itemsize
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors")) if device.type == "cuda" else 0
-    return weight_bytes, head.kv_bytes_per_token(compute_dtype(manifest, device).itemsize)
+    graph_sizes = planned_graph_sizes(manifest, options, device)[0]
+    graph_bytes = memory.draft_graph_allowance_bytes(
+        head, itemsize, graph_sizes, options.speculative.num_speculative_tokens, options.max_model_len,
+        options.block_size, device_num_sms(device) if graph_sizes else memory.DEFAULT_NUM_SMS)
+    return weight_bytes + graph_bytes, head.kv_bytes_per_token(itemsize)
 
 
 @dataclass
@@ -97,7 +110,8 @@ class EagleProposer:
         model = runner.model
         dtype = model.embed.weight.dtype
         tensors = read_head_tensors(path, head_config, f"speculative.model {config.model!r}")
-        self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks,
+        # its cache's block num_blocks (which no request holds) is the draft graphs' scratch block
+        self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks + 1,
                               options.block_size, max(options.max_model_len, head_config.max_position_embeddings),
                               device, dtype)
         # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1): the runner
@@ -106,6 +120,17 @@ class EagleProposer:
         self.block_size, self.device = options.block_size, device
         self._states: dict[str, _HeadState] = {}
         self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)
+        # the draft steps replayed from CUDA graphs, captured where the runner captured decode graphs (their sizes,
+        # their pool); None: `fill` runs them eagerly (runtime/eagle_graphs.py)
+        self.graphs: EagleFillGraphs | None = None
+        model_graphs, k = getattr(runner, "graphs", None), config.num_speculative_tokens
+        if model_graphs is not None and k > 1:
+            self.graphs = EagleFillGraphs(self.head, model_graphs.batch_sizes, k, options.max_model_len,
+                                          options.block_size, runner.num_blocks, device, model_graphs.pool,
+                                          model_graphs.capture_stream)
+            self.graphs.log_capture(memory.draft_graph_allowance_bytes(
+                head_config, dtype.itemsize, model_graphs.batch_sizes, k, options.max_model_len, options.block_size,
+                device_num_sms(device)))
         logger.info("speculative decoding: %s head %s reading %s, draft vocabulary %d, %d tokens per step",
                     config.method, path, f"layers {list(layers)}" if layers else "the final hidden states",
                     head_config.draft_vocab_size, config.num_speculative_tokens)
@@ -149,7 +174,8 @@ class EagleProposer:
     @torch.inference_mode()
     def fill(self, batch: ScheduledBatch) -> None:
         """Before the model's forward: every scheduled request with draft placeholders gets d1 (from `absorb`) and
-        d2 .. dk from one-row head steps at positions N - 1 .. N + k - 3 (slots its verify step reserved)."""
+        d2 .. dk from one-row head steps at positions N - 1 .. N + k - 3 (slots its verify step reserved): replayed
+        from the draft graphs where they hold the batch, else eagerly."""
         self._forget_finished()
         work = []  # (scheduled, state)
         for scheduled in batch.requests:
@@ -166,6 +192,13 @@ class EagleProposer:
         if not work or max(num_drafts) == 1:
             for scheduled, state in work:
                 scheduled.draft_token_ids[:] = [state.draft]
+            return
+        width = max(len(scheduled.request.block_ids) for scheduled, _ in work)
+        if self.graphs is not None and self.graphs.can_run(len(work), width):  # eagle_graphs.py NOTE (rows)
+            rows = [(s.request.block_ids, state.num_tokens, n) for (s, state), n in zip(work, num_drafts)]
+            drafts = self.graphs.run([state.draft for _, state in work], [state.hidden for _, state in work], rows)
+            for (scheduled, _), ids, n in zip(work, drafts.tolist(), num_drafts):
+                scheduled.draft_token_ids[:] = ids[:n]
             return
         # the drafts stay on the device from one head step to the next (no host round trip per step): [work, k]
         drafts = torch.zeros(len(work), max(num_drafts), dtype=torch.long, device=self.device)
