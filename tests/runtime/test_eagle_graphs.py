@@ -3,10 +3,14 @@
 References: the eager `EagleProposer.fill` (the drafts the head's own step-by-step forward gives, and the head cache
 it leaves), on the same batch from the same cache; the engine without speculation (greedy tokens); the memory
 plan's allowance worked out by hand from its documented terms. On the CPU the graphs' body runs eagerly over the
-graphs' buffers (padding rows, dead steps, the block tables as captured), so what a replay computes is checked here;
-the `gpu` tests replay the captured graphs."""
+graphs' buffers (padding rows, dead steps, the block tables as captured), so what a replay computes is checked here,
+once through the Triton kernels a GPU runs (in Triton's interpreter); the `gpu` tests replay the captured graphs."""
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,7 +23,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
 from tests.runtime.test_spec_draft import _generate, prompts, target  # noqa: F401 (fixtures)
-from tests.runtime.test_spec_eagle import _eagle1, _spec, tiny, trained_head, write_eagle1_head  # noqa: F401
+from tests.runtime.test_spec_eagle import (  # noqa: F401 (fixtures)
+    REPO, _eagle1, _spec, tiny, trained_head, write_eagle1_head, write_head)
 
 K = 4  # three head steps a fill: dead steps where a request has 1 .. 3 drafts
 
@@ -108,6 +113,52 @@ def test_an_eagle1_heads_graph_body_gives_the_eager_fills_drafts(tiny, tmp_path)
     seen = _check_fills(llm, graphs)
     assert [[c.token_ids for c in o.outputs] for o in llm.generate(chosen, params)] == reference
     assert seen["runs"] > 0 and seen["padded"] > 0 and seen["mixed"] > 0, seen
+
+
+TRITON_SCRIPT = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+import llmc.kernels.attention as attention
+attention.can_use_triton = lambda *tensors: True  # the decode kernel with its fused rotary and KV write, interpreted
+import torch
+from llmc.kernels import attention_triton
+from llmc.runtime.eagle_graphs import EagleFillGraphs
+from llmc.runtime.llm import LLM
+from tests.runtime.test_eagle_graphs import K, _check_fills, _params
+bounds = set()
+attend = attention_triton.paged_attention
+def recording_attend(*args, **kwargs):
+    bounds.add(args[8] if len(args) > 8 else kwargs.get("max_context_len"))
+    return attend(*args, **kwargs)
+attention_triton.paged_attention = recording_attend
+artifact, head = sys.argv[1], sys.argv[2]
+llm = LLM(artifact, device="cpu", max_num_seqs=4, disable_log_stats=True, num_kv_blocks=24, max_num_batched_tokens=32,
+          speculative={"method": "eagle3", "model": head, "num_speculative_tokens": K})
+runner = llm.engine.runner
+graphs = EagleFillGraphs(llm.engine.proposer.head, [1, 2, 4], K, 256, runner.block_size, runner.num_blocks,
+                         torch.device("cpu"))
+seen = _check_fills(llm, graphs)
+prompts = [f"the king {'and then ' * i}my lord" for i in range(3)]
+outputs = llm.generate(prompts, _params(3))
+print(json.dumps([seen, 256 in bounds, [o.outputs[0].token_ids for o in outputs]]))
+"""
+
+
+def test_the_graphs_body_through_the_triton_kernels(tiny, tmp_path):
+    """The body as a GPU replays it, in Triton's interpreter on the CPU: the decode kernel rotating and writing K/V,
+    its split planned for the bound max_model_len (256), padding rows on the scratch slot; each fill's drafts and head
+    cache are the eager fill's (whose kernels are bounded by the batch's longest context), greedy tokens as without
+    speculation."""
+    head = write_head(tmp_path / "head", 64, 4096)
+    reference, _ = _generate(tiny, [f"the king {'and then ' * i}my lord" for i in range(3)], _params(3),
+                             num_kv_blocks=24, max_num_batched_tokens=32)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(tiny), str(head)], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen, bounded, got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["runs"] > 0 and seen["padded"] > 0 and seen["mixed"] > 0 and bounded, seen
+    assert [[t] for t in got] == reference
 
 
 def test_loaded_rows_dead_steps_and_padding_rows_by_hand():
