@@ -5,10 +5,12 @@ latents) against the expanded path (kv_b over the context's latents, then torch'
 lower-right causal), each through mla_attention with its form forced, at DeepSeek-V2-Lite's (16 heads) and
 DeepSeek-V3's (128 heads) attention shape: 128 + 64 q/k dims, 128 v dims, latent 512 + 64, bf16, blocks of 16 tokens.
 
-    python -P benchmarks/mla_prefill.py --out mla_prefill.json [--lengths 128,512,2048,8192] [--reps 7]
+    python -P benchmarks/mla_prefill.py --out mla_prefill.json [--lengths 128,512,2048,8192] [--cached 4096] [--reps 7]
 
-Cases per shape: one sequence prefilling its whole prompt of each length, and a 512-query chunk after 4096 cached
-tokens. Times are CUDA events around each call, median of --reps after warm-up, a cold L2 before each (the
+Cases per shape: one sequence prefilling its whole prompt of each length, and a 512-query chunk after each --cached
+count of cached tokens. Contexts past a chunk (mla_attention.expand_chunk_keys: 8192 keys at V3's 128 heads, 65536 at
+V2-Lite's 16) take the expanded form in chunks merged by their log-sum-exps: `--lengths 16384,32768 --cached 100000`
+measures those. Times are CUDA events around each call, median of --reps after warm-up, a cold L2 before each (the
 attention alone: the eager calls' host time is inside, as between the piecewise graphs). Prints a table (ms of each
 form, absorbed / expanded, the form the CUDA rule picks, both outputs' relative difference, each path's peak of
 extra memory) and writes it with the rows, the GPU and the versions as JSON to --out. Also records which of torch's
@@ -29,15 +31,15 @@ import torch
 HEADS = {"deepseek-v2-lite": 16, "deepseek-v3": 128}
 NOPE, ROPE, V, RANK, BLOCK = 128, 64, 128, 512, 16
 SCALE = (NOPE + ROPE) ** -0.5
-CHUNK = (4096, 512)  # (cached tokens, queries) of the chunked-prefill case
+CHUNK_QUERIES = 512  # the queries of the chunked-prefill cases
 DEVICE = "cuda"  # (a test sets "cpu" to run the plumbing)
 
 
-def cases(lengths: list[int]) -> list[tuple[str, int, int]]:
-    """(name, context_len, query_len) of one sequence: each whole prompt, then the chunk after cached tokens."""
+def cases(lengths: list[int], cached: tuple[int, ...] = (4096,)) -> list[tuple[str, int, int]]:
+    """(name, context_len, query_len) of one sequence: each whole prompt, then the chunk after each count of cached
+    tokens."""
     whole = [(f"prompt {n}", n, n) for n in lengths]
-    cached, queries = CHUNK
-    return whole + [(f"chunk {queries} after {cached}", cached + queries, queries)]
+    return whole + [(f"chunk {CHUNK_QUERIES} after {n}", n + CHUNK_QUERIES, CHUNK_QUERIES) for n in cached]
 
 
 def make_inputs(heads: int, context: int, queries: int, gen: torch.Generator, device: str | None = None):
@@ -147,10 +149,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="the JSON report's path")
     parser.add_argument("--lengths", default="128,512,2048,8192", help="whole-prompt lengths, comma-separated")
+    parser.add_argument("--cached", default="4096", help="cached tokens before a 512-query chunk, comma-separated")
     parser.add_argument("--shapes", default=",".join(HEADS), help=f"of {', '.join(HEADS)}, comma-separated")
     parser.add_argument("--reps", type=int, default=7, help="timed calls per form and case (their median)")
     args = parser.parse_args(argv)
     args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.cached = tuple(int(n) for n in args.cached.split(","))
     args.shapes = args.shapes.split(",")
     unknown = [s for s in args.shapes if s not in HEADS]
     if unknown:
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for shape in args.shapes:
             heads = HEADS[shape]
             probes[shape] = backends_probe(heads)
-            for case, context, queries in cases(args.lengths):
+            for case, context, queries in cases(args.lengths, args.cached):
                 row = {"shape": shape, "case": case, **run_case(heads, context, queries, args.reps, flush, gen)}
                 rows.append(row)
                 print(f"{shape:17} {case:22} absorbed {row['absorbed_ms']:9.3f} ms  expanded {row['expanded_ms']:9.3f}"
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(),
         "constants": {"CUDA_EXPAND_MIN_QUERIES": mla.CUDA_EXPAND_MIN_QUERIES, "CUDA_EXPAND_MIN_WORK": mla.CUDA_EXPAND_MIN_WORK,
-                      "CUDA_EXPAND_MAX_KEY_HEADS": mla.CUDA_EXPAND_MAX_KEY_HEADS,
+                      "EXPAND_MAX_KEY_HEADS": mla.EXPAND_MAX_KEY_HEADS, "EXPAND_MAX_KEYS": mla.EXPAND_MAX_KEYS,
                       "EXPAND_MAX_SCORES": mla.EXPAND_MAX_SCORES},
         "reps": args.reps, "sdpa_backends": probes, "rows": rows, "table": table(rows),
     }

@@ -10,13 +10,15 @@ in one of two forms of the same function (the DeepSeek-V2 paper's weight absorpt
             prefills); score = (q_nope · k_nope + q_pe · k_pe) * scale; out = softmax · v
 The absorbed form reads 576 values per key for every head at once; the expanded one computes num_heads * (qk_nope +
 v) per key first, which pays back over many queries. Both devices run the expanded form through one function
-(`expanded_attention`: torch's scaled_dot_product_attention over the context's expanded keys, causal with the queries
-at the context's end, vLLM's lower-right mask for a chunk after cached tokens). On CUDA a step's sequences of many
-queries (`cuda_expanded_sequences`) take it and the rest (decode rows, short chunks) the absorbed form in one Triton
-kernel (mla_attention_triton.py: each query row over its causal prefix), both writing into one output; a step of a
-whole-forward CUDA graph (a prefill_index) runs every row absorbed, as the expanded form sizes its tensors from host
-lengths. On a CPU the torch code below picks a form per sequence by its queries against its context (takes_expanded,
-measured).
+(`expanded_attention`: the context expanded in chunks of at most EXPAND_MAX_KEY_HEADS / num_heads keys, each chunk
+attended by the queries that see it, unmasked or causal lower-right where it holds their own positions, the chunks'
+outputs merged by their log-sum-exps in float32, as vLLM's chunked MLA prefill; one attention call per chunk and
+block of queries, `attend`: torch's memory-efficient kernel on CUDA, which returns the log-sum-exp, matmuls on a
+CPU). On CUDA a step's sequences of many queries (`cuda_expanded_sequences`) take it and the rest (decode rows, short
+chunks) the absorbed form in one Triton kernel (mla_attention_triton.py: each query row over its causal prefix), both
+writing into one output; a step of a whole-forward CUDA graph (a prefill_index) runs every row absorbed, as the
+expanded form sizes its tensors from host lengths. On a CPU the torch code below picks a form per sequence by its
+queries against its context (takes_expanded, measured).
 
 An FP8 cache (float8_e4m3fn / e5m2) stores clamp(x / kv_scale) for c_kv and k_pe alike: one scale per layer (the
 artifact's k_scale; vLLM's MLA cache has one too). Shapes as attention.py's (query_lens on the host; prefill_index:
@@ -30,10 +32,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.functional import scaled_dot_product_attention
 
 from . import can_use_triton, to_device
-from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quantize_kv
+from .attention import PrefillIndex, _causal_mask, is_fp8, quantize_kv
 
 # On a CPU a sequence takes the expanded form where its step computes at least min(EXPAND_MIN_QUERIES, context //
 # EXPAND_KEYS_PER_QUERY) queries (at least 1), else the absorbed form. The expanded form pays kv_b over the whole
@@ -44,25 +45,29 @@ from .attention import PrefillIndex, _causal_mask, dequantize_kv, is_fp8, quanti
 EXPAND_MIN_QUERIES = 128
 EXPAND_KEYS_PER_QUERY = 16
 FORMS = ("absorbed", "expanded")
-# On CUDA a sequence takes the expanded form where its step computes at least CUDA_EXPAND_MIN_QUERIES queries, its
-# queries times its context times num_heads reach CUDA_EXPAND_MIN_WORK, and its context times num_heads is at most
-# CUDA_EXPAND_MAX_KEY_HEADS. Measured on an H200 (session 46, benchmarks/mla_prefill.py, bf16, the attention alone,
-# absorbed ms / expanded ms): V2-Lite's 16 heads, prompts of 128 / 512 / 2048 / 8192 tokens 0.22 / 0.16 / 1.10 / 15.6
-# against 0.39 / 0.48 / 0.46 / 2.75, a 512-query chunk after 4096 cached 1.08 against 0.61; V3's 128 heads, prompts of
-# 128 / 512 / 2048 / 8192 0.19 / 0.65 / 8.1 / 121.8 against 0.41 / 0.43 / 1.40 / 21.5, the chunk 8.4 against 2.1. The
-# expanded form wins from about 2^24 query-key-head products on (V2-Lite's 512-token prompt, 2^22: absorbed 3x
-# faster; V3's, 2^25: expanded 1.5x); below, both take a few tenths of a millisecond, mostly launches. The key bound
-# caps the expanded keys and values a step holds at once (about 900 bytes per key and head in bf16: ~0.9 GiB, which
-# the memory profile does not reserve beyond its own prompt's): DeepSeek-V3's 128 heads expand chunks of contexts up
-# to 8192 keys, V2-Lite's 16 up to 65536; longer contexts stay absorbed (vLLM expands them in workspace-sized chunks
-# merged by their log-sum-exp, not done here).
+# On CUDA a sequence takes the expanded form where its step computes at least CUDA_EXPAND_MIN_QUERIES queries and its
+# queries times its context times num_heads reach CUDA_EXPAND_MIN_WORK. Measured on an H200 (session 46,
+# benchmarks/mla_prefill.py, bf16, the attention alone, absorbed ms / expanded ms): V2-Lite's 16 heads, prompts of 128 /
+# 512 / 2048 / 8192 tokens 0.22 / 0.16 / 1.10 / 15.6 against 0.39 / 0.48 / 0.46 / 2.75, a 512-query chunk after 4096
+# cached 1.08 against 0.61; V3's 128 heads, prompts of 128 / 512 / 2048 / 8192 0.19 / 0.65 / 8.1 / 121.8 against 0.41 /
+# 0.43 / 1.40 / 21.5, the chunk 8.4 against 2.1. The expanded form wins from about 2^24 query-key-head products on
+# (V2-Lite's 512-token prompt, 2^22: absorbed 3x faster; V3's, 2^25: expanded 1.5x); below, both take a few tenths of a
+# millisecond, mostly launches. (Session 46 also bounded the context at 2^20 / num_heads keys, as the whole context was
+# expanded at once; it is now expanded in chunks, below, so no context is too long.)
 CUDA_EXPAND_MIN_QUERIES = 128
 CUDA_EXPAND_MIN_WORK = 2**24
-CUDA_EXPAND_MAX_KEY_HEADS = 2**20
-# The most num_heads * queries * keys scores one scaled_dot_product_attention call of the expanded form covers (2**28:
-# 1 GiB of float32 where a backend materializes them, as torch's math path does; on a CPU every call takes it, the
-# CPU's flash kernel needing v as wide as q and k, 128 against 192; CUDA's memory-efficient kernel takes the narrower
-# v and holds no scores): longer steps split their queries into chunks, each against its causal prefix of the keys.
+# The expanded form expands a sequence's context in chunks of at most EXPAND_MAX_KEY_HEADS / num_heads keys, and at
+# most EXPAND_MAX_KEYS (on both devices): kv_b's output, the keys and the values of one chunk at a time, about 900 bytes
+# per key and head in bf16 beside the chunk's latents and kv_b's input (~1 GiB, which the memory plan holds back:
+# expanded_bytes), whatever the context (DeepSeek-V3's 128 heads: chunks of 8192 keys, V2-Lite's 16 or a V3 rank of
+# 16 heads: 65536; the key bound keeps the latents of a rank of few heads within ~140 MiB). Each chunk's attention
+# returns its output and log-sum-exp per query and head; the chunks' outputs merge exactly by their log-sum-exps
+# (vLLM's chunked MLA prefill, merge_attn_states).
+EXPAND_MAX_KEY_HEADS = 2**20
+EXPAND_MAX_KEYS = 2**16
+# The most num_heads * queries * keys scores one attention call of the expanded form covers (2**28: 1 GiB of float32
+# where they are materialized, as on a CPU, whose matmuls hold them; CUDA's memory-efficient kernel holds none): the
+# queries a chunk's call attends split into blocks within it.
 EXPAND_MAX_SCORES = 2**28
 
 
@@ -103,6 +108,26 @@ def absorbed_split_bytes(num_rows: int, num_heads: int, kv_lora_rank: int, max_c
     return 4 * pairs * (kv_lora_rank + 2) + merge
 
 
+def expanded_bytes(num_queries: int, num_heads: int, qk_nope: int, qk_rope: int, v_dim: int, kv_lora_rank: int,
+                   dtype_bytes: int) -> int:
+    """The most bytes expanded_attention allocates at once on CUDA for one sequence of num_queries queries over a
+    context of at least a chunk (expand_chunk_keys) in a dtype of dtype_bytes, beyond q and the step's output: the
+    queries' running output and log-sum-exp (float32), beside either a chunk's tensors (its latents gathered from the
+    cache in the dtype, an FP8 cache's converted from its gather, which is freed before kv_b runs; kv_b's output of
+    qk_nope + v per head, a dense kv_b's; the keys [k_nope, k_pe] of qk_nope + qk_rope per head, or kv_b's input, c_kv
+    contiguous, while it runs) and one call's (its rows' partial output, its log-sum-exp of rows padded to 32, the
+    merge's six float32 temporaries per row and head), or the running output cast to the dtype at the end. The memory
+    plan holds it back (runtime/memory.py: mla_expanded_bytes)."""
+    keys = expand_chunk_keys(num_heads)
+    rows = min(num_queries, max(1, EXPAND_MAX_SCORES // (num_heads * keys)))
+    latent = keys * (kv_lora_rank + qk_rope) * dtype_bytes
+    kv_b = keys * num_heads * (qk_nope + v_dim) * dtype_bytes
+    chunk = latent + kv_b + max(keys * num_heads * (qk_nope + qk_rope), keys * kv_lora_rank) * dtype_bytes
+    call = rows * num_heads * (v_dim * dtype_bytes + 6 * 4) + num_heads * -(-rows // 32) * 32 * 4
+    running = num_queries * num_heads * (v_dim + 1) * 4
+    return running + max(chunk + call, num_queries * num_heads * v_dim * dtype_bytes)
+
+
 def takes_expanded(query_len: int, context_len: int, form: str | None = None) -> bool:
     """Whether a sequence's step runs the expanded form on a CPU: `form` where given (FORMS), else the measured
     rule above."""
@@ -115,8 +140,8 @@ def cuda_expanded_sequences(query_lens: list[int], context_lens: Callable[[], Se
                             form: str | None = None) -> list[int]:
     """The sequences of a CUDA step that take the expanded form (the rest run the absorbed kernel): every one that
     computes queries where `form` is "expanded", none where "absorbed", else those of at least
-    CUDA_EXPAND_MIN_QUERIES queries whose queries * context * num_heads reach CUDA_EXPAND_MIN_WORK and whose
-    context is within CUDA_EXPAND_MAX_KEY_HEADS / num_heads keys.
+    CUDA_EXPAND_MIN_QUERIES queries whose queries * context * num_heads reach CUDA_EXPAND_MIN_WORK, however long
+    their context (expanded_attention expands it in chunks).
     context_lens: the step's context lengths on the host, asked only where some sequence computes that many queries
     (reading them from the device waits for it)."""
     if form == "absorbed":
@@ -127,41 +152,110 @@ def cuda_expanded_sequences(query_lens: list[int], context_lens: Callable[[], Se
     if not many:
         return []
     lens = context_lens()
-    return [seq for seq in many if CUDA_EXPAND_MIN_WORK <= query_lens[seq] * int(lens[seq]) * num_heads
-            and int(lens[seq]) * num_heads <= CUDA_EXPAND_MAX_KEY_HEADS]
+    return [seq for seq in many if CUDA_EXPAND_MIN_WORK <= query_lens[seq] * int(lens[seq]) * num_heads]
 
 
-def expanded_attention(q: Tensor, k_nope: Tensor, k_pe: Tensor, v: Tensor, scale: float) -> Tensor:
-    """One sequence's expanded-form attention: its queries q [n, num_heads, qk_nope + qk_rope] (the last n of its c
-    context tokens) against k_nope [c, num_heads, qk_nope] (kv_b's), k_pe [c, qk_rope] (every head's) and v [c,
-    num_heads, v_head_dim], causal lower-right (query i sees keys 0..c - n + i), softmax(q k^T * scale) v →
-    [n, num_heads, v_head_dim], in the inputs' dtype. scaled_dot_product_attention per chunk of queries
-    (EXPAND_MAX_SCORES): with is_causal where the chunk's keys are as many as its queries, else on CUDA torch's
-    lower-right CausalBias (its memory-efficient kernel's own mask, none in memory; flash needs v as wide as q), on a
-    CPU an explicit mask (CausalBias would build it there too, warning at every call)."""
+def expand_chunk_keys(num_heads: int) -> int:
+    """The most keys of a context the expanded form expands at once: EXPAND_MAX_KEY_HEADS / num_heads, at most
+    EXPAND_MAX_KEYS (at least 1)."""
+    return max(1, min(EXPAND_MAX_KEY_HEADS // num_heads, EXPAND_MAX_KEYS))
+
+
+def expanded_attention(q: Tensor, latents: Callable[[int, int], Tensor], context_len: int, rank: int,
+                       expand: Callable[[Tensor], tuple[Tensor, Tensor]], scale: float,
+                       expand_dtype: torch.dtype) -> Tensor:
+    """One sequence's expanded-form attention: its queries q [n, num_heads, qk_nope + qk_rope] (the last n of its
+    context_len tokens; query i sees keys 0..context_len - n + i) → softmax(q k^T * scale) v [n, num_heads,
+    v_head_dim] in q's dtype. The context is expanded in chunks of expand_chunk_keys(num_heads) keys: latents(first,
+    last) → the cached [c_kv, k_pe] [last - first, rank + rope] in q's dtype; kv_b over its c_kv (`expand`, in
+    expand_dtype, the model's) → k_nope, v; the keys [k_nope, k_pe every head's]. Each chunk is attended by the
+    queries that see any of it, in blocks of queries within EXPAND_MAX_SCORES (_chunk_calls: unmasked where the
+    queries see the whole chunk, causal lower-right where the chunk holds their own positions), each call's output
+    and log-sum-exp merged into a running output (merge_partial, float32 or q's wider dtype)."""
     num_queries, num_heads = q.shape[:2]
-    context = k_nope.shape[0]
-    k = torch.cat((k_nope, k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1).transpose(0, 1)[None]  # [1, h, c, qk]
-    v = v.transpose(0, 1)[None]  # [1, heads, c, v_head_dim]
-    out = q.new_empty(num_queries, num_heads, v.shape[-1])
-    chunk = max(1, EXPAND_MAX_SCORES // (num_heads * context))
-    for first in range(0, num_queries, chunk):
-        last = min(first + chunk, num_queries)
-        keys = context - num_queries + last  # the chunk's causal prefix: its last query's own position, inclusive
-        qc = q[first:last].transpose(0, 1)[None]  # [1, heads, queries, qk] (the fused kernels take 4 dims)
-        kc, vc = k[:, :, :keys], v[:, :, :keys]
-        if keys == last - first:
-            attn = scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
-        elif q.is_cuda:
-            from torch.nn.attention.bias import causal_lower_right
+    work = torch.promote_types(q.dtype, torch.float32)
+    out = lse = None
+    chunk = expand_chunk_keys(num_heads)
+    for start in range(0, context_len, chunk):
+        out, lse = _attend_chunk(q, latents(start, min(start + chunk, context_len)), start, context_len - num_queries,
+                                 rank, expand, scale, expand_dtype, out, lse, work)
+    return out.to(q.dtype)
 
-            attn = scaled_dot_product_attention(qc, kc, vc, attn_mask=causal_lower_right(last - first, keys),
-                                                scale=scale)
-        else:
-            mask = _causal_mask(last - first, keys, None, q.device)
-            attn = scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
-        out[first:last] = attn[0].transpose(0, 1)
-    return out
+
+def _attend_chunk(q: Tensor, latent: Tensor, start: int, first_position: int, rank: int,
+                  expand: Callable[[Tensor], tuple[Tensor, Tensor]], scale: float, expand_dtype: torch.dtype,
+                  out: Tensor | None, lse: Tensor | None, work: torch.dtype) -> tuple[Tensor, Tensor]:
+    """expanded_attention's chunk of keys at positions start.. (latent [keys, rank + rope]) attended and merged into
+    the running (out [n, heads, v] in work, lse [n, heads] float32 or work), made at the first chunk, whose calls
+    are each row's first part (copied, not merged: a context within one chunk merges nothing). Its own function, so
+    that a chunk's tensors are freed before the next chunk's are made."""
+    num_heads = q.shape[1]
+    c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
+    k_nope, v = expand(c_kv.to(expand_dtype).contiguous())
+    k = torch.cat((k_nope.to(q.dtype), k_pe[:, None, :].expand(-1, num_heads, -1)), dim=-1)  # [keys, heads, qk]
+    v = v.to(q.dtype)
+    first_chunk = out is None  # (every query sees key 0: the first chunk's calls give each row its first part)
+    if first_chunk:
+        out = torch.empty(q.shape[0], num_heads, v.shape[-1], dtype=work, device=q.device)
+        lse = torch.empty(q.shape[0], num_heads, dtype=work, device=q.device)
+    for rows, keys, lower_right in _chunk_calls(q.shape[0], first_position, start, k.shape[0], num_heads):
+        merge_partial(out, lse, rows, *attend(q[rows], k[:keys], v[:keys], scale, lower_right), first=first_chunk)
+    return out, lse
+
+
+def _chunk_calls(num_queries: int, first_position: int, start: int, num_keys: int,
+                 num_heads: int) -> list[tuple[slice, int, bool]]:
+    """The attention calls of one chunk of keys (positions start..start + num_keys - 1) for queries at positions
+    first_position..: (query rows, the chunk's first keys they read, causal lower-right) per call. Queries go in
+    blocks of at most EXPAND_MAX_SCORES / (num_heads * num_keys); in a block, the queries before the chunk see none
+    of it, those within it (their own positions) see its keys up to theirs (lower-right over the keys up to the
+    last of them), those after it all of it (unmasked)."""
+    calls = []
+    end = start + num_keys
+    block = max(1, EXPAND_MAX_SCORES // (num_heads * num_keys))
+    for first in range(0, num_queries, block):
+        low, high = first_position + first, first_position + min(first + block, num_queries)  # positions [low, high)
+        seen, inside = max(low, start), min(high, end)  # the first position seeing the chunk; past the diagonal
+        if seen < inside:
+            calls.append((slice(seen - first_position, inside - first_position), inside - start, True))
+        if max(seen, end) < high:
+            calls.append((slice(max(seen, end) - first_position, high - first_position), num_keys, False))
+    return calls
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, scale: float, lower_right: bool) -> tuple[Tensor, Tensor]:
+    """Attention of q [n, heads, qk] over k [keys, heads, qk], v [keys, heads, v_dim] (unmasked, or causal
+    lower-right: query i sees keys 0..keys - n + i; n <= keys) → (output [n, heads, v_dim], log-sum-exp of the
+    scaled scores [n, heads], float32 or wider). On CUDA torch's memory-efficient kernel, which returns the
+    log-sum-exp (custom_mask_type 2 is its lower-right mask; rows padded to 32 in it; its meta kernel on meta tensors,
+    which the memory plan's test measures); on a CPU matmuls in q's dtype (float32 or wider there)."""
+    if q.device.type != "cpu":
+        out, lse = torch.ops.aten._efficient_attention_forward(
+            q[None], k[None], v[None], None, None, None, None, None, 0.0, 2 if lower_right else 0, True,
+            scale=scale)[:2]
+        return out[0], lse[0, :, : q.shape[0]].transpose(0, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if lower_right:
+        scores.masked_fill_(~_causal_mask(q.shape[0], k.shape[0], None, q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [heads, n]
+    probs = torch.exp(scores.sub_(lse[..., None]))
+    return torch.einsum("hqk,khv->qhv", probs, v), lse.transpose(0, 1)
+
+
+def merge_partial(out: Tensor, lse: Tensor, rows: slice, part: Tensor, part_lse: Tensor, first: bool = False) -> None:
+    """Merge one call's normalized output part [n, heads, v] and its log-sum-exp part_lse [n, heads] into the
+    running out / lse of the rows, in place (out's dtype, float32 or wider): with m the larger log-sum-exp, the
+    weights exp(lse - m) and exp(part_lse - m), out = (out * w + part * w_part) / (w + w_part), lse = m + log(w +
+    w_part). first: the rows' first part, copied (the running tensors hold nothing there yet)."""
+    if first:
+        out[rows], lse[rows] = part, part_lse
+        return
+    old = lse[rows]
+    top = torch.maximum(old, part_lse)
+    weight, part_weight = torch.exp(old - top), torch.exp(part_lse - top)
+    total = weight + part_weight
+    out[rows].mul_((weight / total)[..., None]).addcmul_(part, (part_weight / total)[..., None])
+    lse[rows] = top + torch.log(total)
 
 
 def write_latent_cache(c_kv: Tensor, k_pe: Tensor, cache: Tensor, slot_mapping: Tensor, kv_scale: float = 1.0) -> None:
@@ -207,10 +301,11 @@ def mla_attention(
             continue
         rows = slice(start, start + query_len)
         start += query_len
-        latent = _sequence_latent(cache, block_tables, seq, context_len, kv_scale, work)
         if expand is not None and takes_expanded(query_len, context_len, form):
-            attn[rows] = _expanded_sequence(q[rows].to(work), latent, rank, expand, scale, q.dtype).to(q.dtype)
+            attn[rows] = expanded_attention(q[rows].to(work), _latents_of(cache, block_tables, seq, kv_scale, work),
+                                            context_len, rank, expand, scale, q.dtype).to(q.dtype)
             continue
+        latent = _sequence_latent(cache, block_tables, seq, 0, context_len, kv_scale, work)
         c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)  # [context_len, rank], [.., rope]
         qn, qp = q_nope[rows].to(work), q_pe[rows].to(work)
         q_lat = torch.einsum("qhn,hnr->qhr", qn, w_uk.to(work))
@@ -226,23 +321,21 @@ def mla_attention(
     return out[..., : attn.shape[-1]]
 
 
-def _sequence_latent(cache: Tensor, block_tables: Tensor, seq: int, context_len: int, kv_scale: float,
+def _sequence_latent(cache: Tensor, block_tables: Tensor, seq: int, first: int, last: int, kv_scale: float,
                      dtype: torch.dtype) -> Tensor:
-    """Sequence seq's cached [c_kv, k_pe] [context_len, kv_lora_rank + qk_rope] in dtype (an FP8 cache's times its
-    scale)."""
+    """Sequence seq's cached [c_kv, k_pe] of the keys at positions first..last - 1 [last - first, kv_lora_rank +
+    qk_rope] in dtype (an FP8 cache's times its scale: converted to dtype, exactly, then scaled in it, which rounds
+    as attention.dequantize_kv's float32 product does in float32 and narrower dtypes, without its float32 copies)."""
     block_size = cache.shape[1]
-    blocks = block_tables[seq, : -(-context_len // block_size)].long()
-    latent = cache[blocks].flatten(0, 1)[:context_len]
-    return dequantize_kv(latent, kv_scale, dtype) if is_fp8(cache) else latent.to(dtype)
+    blocks = block_tables[seq, first // block_size : -(-last // block_size)].long()
+    latent = cache[blocks].flatten(0, 1)[first % block_size :][: last - first]
+    return latent.to(dtype).mul_(kv_scale) if is_fp8(cache) else latent.to(dtype)
 
 
-def _expanded_sequence(q: Tensor, latent: Tensor, rank: int, expand: Callable[[Tensor], tuple[Tensor, Tensor]],
-                       scale: float, expand_dtype: torch.dtype) -> Tensor:
-    """One sequence's expanded form: kv_b over its latents [context_len, rank + rope] (in expand_dtype, the model's),
-    then expanded_attention in q's dtype."""
-    c_kv, k_pe = latent.split([rank, latent.shape[-1] - rank], dim=-1)
-    k_nope, v = expand(c_kv.to(expand_dtype).contiguous())
-    return expanded_attention(q, k_nope.to(q.dtype), k_pe.to(q.dtype), v.to(q.dtype), scale)
+def _latents_of(cache: Tensor, block_tables: Tensor, seq: int, kv_scale: float,
+                dtype: torch.dtype) -> Callable[[int, int], Tensor]:
+    """expanded_attention's latents(first, last) of sequence seq."""
+    return lambda first, last: _sequence_latent(cache, block_tables, seq, first, last, kv_scale, dtype)
 
 
 def cuda_mla_attention(q, cache, w_uk, w_uv, block_tables, context_lens, query_lens, scale, kv_scale,
@@ -273,8 +366,8 @@ def cuda_mla_attention(q, cache, w_uk, w_uv, block_tables, context_lens, query_l
                                                     row_limit[absorbed_rows]))
     for seq, first, context_len in expanded:
         rows = slice(first, first + query_lens[seq])
-        latent = _sequence_latent(cache, block_tables, seq, context_len, kv_scale, q.dtype)
-        attn[rows] = _expanded_sequence(q[rows], latent, rank, expand, scale, q.dtype)
+        attn[rows] = expanded_attention(q[rows], _latents_of(cache, block_tables, seq, kv_scale, q.dtype),
+                                        context_len, rank, expand, scale, q.dtype)
     return attn
 
 

@@ -40,7 +40,14 @@ def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: t
     num_tokens = options.max_num_batched_tokens
     activation_bytes = profile_activation_bytes(model, options, device, step)
     logger.info("profiled one forward of %d tokens: activation peak %.1f MiB", num_tokens, activation_bytes / memory.MIB)
-    return gpu_kv_plan(options, device, weight_bytes, activation_bytes, kv_bytes_per_token, graph_bytes)
+    # NOTE (expanded MLA): the profiled prompts are fresh, so DeepSeek's expanded form expanded at most their own keys;
+    # a step after a long cached context expands a whole chunk of it (mla_attention.expand_chunk_keys): held back
+    # beside the profile (counting the profiled prompt's own expansion twice, at most one chunk's)
+    expanded = memory.mla_expanded_bytes(model.config, num_tokens, next(iter(model.layers.values())).attn.num_heads)
+    if expanded:
+        logger.info("held back %.1f MiB for the expanded latent attention's chunk of a long context",
+                    expanded / memory.MIB)
+    return gpu_kv_plan(options, device, weight_bytes, activation_bytes + expanded, kv_bytes_per_token, graph_bytes)
 
 
 def gpu_kv_plan(options: art.RuntimeDefaults, device: torch.device, weight_bytes: int, activation_bytes: int,

@@ -1,6 +1,7 @@
 """benchmarks/mla_prefill.py (it times CUDA kernels) on a CPU: its cases are the brief's (whole prompts of each
-length and a 512-query chunk after 4096 cached tokens), its inputs' kv_b is W_UK's and W_UV's rows (both forms give
-one attention through it), its table reads its rows, and without a GPU it says so and stops."""
+length and a 512-query chunk after 4096 cached tokens, or after each --cached count), its inputs' kv_b is W_UK's and
+W_UV's rows (both forms give one attention through it), its table reads its rows, and without a GPU it says so and
+stops."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ def test_the_cases_and_the_inputs(load_benchmark):
     assert bench.cases([128, 512, 2048, 8192]) == [("prompt 128", 128, 128), ("prompt 512", 512, 512),
                                                   ("prompt 2048", 2048, 2048), ("prompt 8192", 8192, 8192),
                                                   ("chunk 512 after 4096", 4608, 512)]
+    assert bench.cases([16384], (100000,)) == [("prompt 16384", 16384, 16384), ("chunk 512 after 100000", 100512, 512)]
     assert bench.HEADS == {"deepseek-v2-lite": 16, "deepseek-v3": 128}
     q, cache, tables, w_uk, w_uv, kv_b = bench.make_inputs(2, 40, 9, torch.Generator().manual_seed(0), device="cpu")
     assert q.shape == (9, 2, 192) and cache.shape == (4, 16, 576) and sorted(tables[0].tolist()) == [1, 2, 3]
@@ -32,7 +34,8 @@ def test_the_table_and_the_arguments(load_benchmark):
            "expanded_peak_mib": 20.0}
     assert "| deepseek-v3 | prompt 128 | 1.500 | 0.500 | 3.00 | expanded | 1.0e-03 | 10 / 20 |" in bench.table([row])
     args = bench.parse_args(["--out", "x.json", "--lengths", "64,256", "--shapes", "deepseek-v3"])
-    assert args.lengths == [64, 256] and args.shapes == ["deepseek-v3"] and args.reps == 7
+    assert args.lengths == [64, 256] and args.shapes == ["deepseek-v3"] and args.reps == 7 and args.cached == (4096,)
+    assert bench.parse_args(["--out", "x.json", "--cached", "4096,100000"]).cached == (4096, 100000)
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x.json", "--shapes", "deepseek-v4"])
 

@@ -8,9 +8,9 @@ interleaved pairs of DeepSeek-V2 and of V3's rope_interleave taken apart into ro
 alike, which leaves q·k as it was). The cache holds [c_kv, k_pe] per token and layer: kv_lora_rank + qk_rope_head_dim
 values (576 for V2 / V3), one FP8 scale where it is FP8. attn.kv_b (kv_b_proj) holds each head's k_nope and v rows
 (W_UK, W_UV): attention runs absorbed (q_nope · W_UK against c_kv, the output's latent · W_UV^T) or, for sequences
-of many queries in a step (on CUDA and on a CPU, each device by its rule), expanded (kv_b over the context's latents,
-then torch's fused attention); W_UK and W_UV are kv_b's weights dequantized
-once at load (`absorb_kv_b`), exactly the weights kv_b multiplies by. The scale is qk_head_dim^-0.5 (times YaRN's
+of many queries in a step (on CUDA and on a CPU, each device by its rule), expanded (kv_b over the context's latents
+chunk by chunk, each chunk attended and the chunks merged by their log-sum-exps); W_UK and W_UV are kv_b's weights
+dequantized once at load (`absorb_kv_b`), exactly the weights kv_b multiplies by. The scale is qk_head_dim^-0.5 (times YaRN's
 mscale_all_dim term squared: ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Under tensor
 parallelism a rank holds its heads (q / q_b and kv_b rows: its W_UK / W_UV, o's columns) and the whole low-rank q_a,
 kv_a and their norms, so every rank caches the whole latent; o's partial sums are all-reduced, as

@@ -243,27 +243,93 @@ def test_the_expanded_form_matches_float64(case, chunked, monkeypatch, rel_err):
         1e-12 if dtype == torch.float64 else 1e-5)
 
 
+KEY_CHUNK_CASES = {
+    # name: (context_lens, query_lens, keys per chunk)
+    "one-chunk": ([37], [37], 64),  # a whole prompt within one chunk: causal, nothing to merge across chunks
+    "several-chunks-queries-in-the-last": ([70], [6], 16),  # keys 0..63 unmasked in 4 chunks, 64..69 causal
+    "queries-span-a-chunk-boundary": ([70], [23], 16),  # keys 32..47: cached 32..46 and query 47's own
+    "chunk-size-one": ([20, 9], [7, 9], 1),  # every key its own chunk
+    "exact-multiple": ([64, 48], [20, 48], 16),  # the last chunk full
+    "several-sequences": ([40, 9, 70, 5], [13, 1, 70, 2], 8),
+}
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["one-call-a-chunk", "query-blocks"])
+@pytest.mark.parametrize("case", list(KEY_CHUNK_CASES))
+def test_the_expanded_form_in_chunks_of_keys_matches_float64(case, blocks, monkeypatch, rel_err):
+    """The expanded form with the context expanded in chunks of few keys (EXPAND_MAX_KEY_HEADS lowered to the chunk
+    times the heads): each chunk's output and log-sum-exp merged give float64's plain causal attention over the
+    whole context (1e-12), also with the queries of a chunk in blocks of 3 (EXPAND_MAX_SCORES); kv_b never sees more
+    than a chunk of keys at once, and sees each key once per sequence."""
+    context_lens, query_lens, chunk = KEY_CHUNK_CASES[case]
+    heads, nope, rope, v_dim, rank, block_size = 4, 16, 16, 8, 32, 8
+    monkeypatch.setattr(mla_attention, "EXPAND_MAX_KEY_HEADS", chunk * heads)
+    if blocks:
+        monkeypatch.setattr(mla_attention, "EXPAND_MAX_SCORES", 3 * heads * chunk)
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, nope, rope, v_dim, rank,
+                                                        block_size, torch.float64, "cpu")
+    expanded_keys = []
+    expand = _expand_of(w_uk, w_uv)
+    scale = (nope + rope) ** -0.5
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens), query_lens, scale,
+                                      expand=lambda c_kv: expanded_keys.append(len(c_kv)) or expand(c_kv),
+                                      form="expanded")
+    assert rel_err(out, reference(q, latents, w_uk, w_uv, query_lens, scale)) < 1e-12
+    assert max(expanded_keys) == min(chunk, max(context_lens)) and sum(expanded_keys) == sum(context_lens)
+
+
+def test_a_chunk_of_keys_is_attended_by_the_queries_that_see_it():
+    """_chunk_calls: the queries before a chunk read none of it, those whose own positions it holds read it causal
+    lower-right up to the last of them, those after it all of it unmasked; query blocks split the rows."""
+    calls = mla_attention._chunk_calls
+    # 23 queries at positions 47..69, chunks of 16 keys
+    assert calls(23, 47, 0, 16, 4) == [(slice(0, 23), 16, False)]  # keys 0..15: every query, unmasked
+    assert calls(23, 47, 32, 16, 4) == [(slice(0, 1), 16, True), (slice(1, 23), 16, False)]  # query 47 its own
+    assert calls(23, 47, 48, 16, 4) == [(slice(1, 17), 16, True), (slice(17, 23), 16, False)]
+    assert calls(23, 47, 64, 6, 4) == [(slice(17, 23), 6, True)]
+    # a fresh prompt of 8 in one chunk, blocks of 3 queries: each block lower-right over the keys up to its last
+    scores = mla_attention.EXPAND_MAX_SCORES
+    assert calls(8, 0, 0, 8, scores // 24) == [(slice(0, 3), 3, True), (slice(3, 6), 6, True), (slice(6, 8), 8, True)]
+
+
+def test_partial_outputs_merge_by_their_log_sum_exps():
+    """merge_partial: two halves of the keys attended apart, merged in either order (the first copied, as the first
+    chunk's calls are, or merged into an empty running output), give attention over all of them (float64)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((5, 2, 6), (9, 2, 6), (9, 2, 4)))
+    whole, whole_lse = mla_attention.attend(q, k, v, 0.3, False)
+    want = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * 0.3, dim=-1)
+    torch.testing.assert_close(whole, torch.einsum("hqk,khv->qhv", want, v), rtol=1e-12, atol=1e-12)
+    for order in ((slice(0, 4), slice(4, 9)), (slice(4, 9), slice(0, 4))):
+        for copy_first in (True, False):
+            out, lse = torch.zeros(5, 2, 4, dtype=torch.float64), torch.full((5, 2), float("-inf"), dtype=torch.float64)
+            for i, keys in enumerate(order):
+                part = mla_attention.attend(q, k[keys], v[keys], 0.3, False)
+                mla_attention.merge_partial(out, lse, slice(0, 5), *part, first=copy_first and i == 0)
+            torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(lse, whole_lse, rtol=1e-12, atol=1e-12)
+
+
 def test_the_cuda_routing_expands_the_sequences_of_many_queries(monkeypatch):
     """cuda_expanded_sequences: decode rows and short chunks stay absorbed; a sequence of CUDA_EXPAND_MIN_QUERIES
-    queries or more expands unless its context times the heads passes CUDA_EXPAND_MAX_KEY_HEADS; a forced form is
-    every sequence's (an empty one none); the context lengths are not asked for where no sequence has that many
-    queries (a decode step: reading them would wait for the device)."""
-    many, cap = mla_attention.CUDA_EXPAND_MIN_QUERIES, mla_attention.CUDA_EXPAND_MAX_KEY_HEADS
+    queries or more expands, however long its context (the expanded form takes it in chunks: no context bound, where
+    contexts past 2^20 / num_heads keys stayed absorbed before); a forced form is every sequence's (an empty one
+    none); the context lengths are not asked for where no sequence has that many queries (a decode step: reading
+    them would wait for the device)."""
+    many = mla_attention.CUDA_EXPAND_MIN_QUERIES
 
     def unread():
         raise AssertionError("read the context lengths")
 
     route = mla_attention.cuda_expanded_sequences
     # at DeepSeek's shapes, as measured (the constants' comment): V2-Lite's 512-token prompt absorbed, its 2048-token
-    # prompt and a 512-query chunk after 4096 expanded; V3's 128-token prompt absorbed, its 512-token prompt expanded
+    # prompt and a 512-query chunk after 4096 expanded; V3's 128-token prompt absorbed, its 512-token prompt expanded;
+    # V3's 512-query chunk after 100000 cached tokens and its 32768-token prompt expanded (past 8192 keys)
     assert route([512, 2048, 512], lambda: [512, 2048, 4608], 16) == [1, 2]
-    assert route([128, 512], lambda: [128, 512], 128) == [1]
-    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)  # below: the other bounds alone
+    assert route([128, 512, 512, 32768], lambda: [128, 512, 100512, 32768], 128) == [1, 2, 3]
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MIN_WORK", 0)  # below: the query count alone
     assert route([1] * 8, unread, 16) == [] and route([1, many - 1, 3], unread, 128) == []
-    lens = [500, many, 4096 + many, cap // 16, cap // 16 + 1]
-    assert route([1, many, many, many, many], lambda: lens, 16) == [1, 2, 3]  # the last: past the cap
-    assert route([many, 1], lambda: [cap // 128, 9], 128) == [0]
-    assert route([many, 1], lambda: [cap // 128 + many, 9], 128) == []  # V3's 128 heads: a shorter cap in keys
+    assert route([1, many, many, many], lambda: [500, many, 4096 + many, 2**20], 16) == [1, 2, 3]
     assert route([1, 0, 5], unread, 16, form="expanded") == [0, 2]
     assert route([many, many], unread, 16, form="absorbed") == []
 
@@ -345,6 +411,40 @@ def test_a_mixed_step_at_deepseek_shapes_on_the_gpu(dtype, heads, context_lens, 
                                       index_cache=step, host_context_lens=context_lens if host else None)
     expanded, _ = step[("mla_route", q.shape[0])]
     assert [seq for seq, _, _ in expanded] == [s for s, n in enumerate(query_lens) if n >= 128]
+    assert out.shape == (q.shape[0], heads, 128) and torch.isfinite(out).all()
+    assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
+        2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads, context_lens, query_lens, chunk, scores", [
+    pytest.param(16, [3000, 700], [1000, 1], 1024, 2**28, id="v2-lite-a-chunk-after-2000-in-chunks-of-1024"),
+    pytest.param(128, [2500, 1500], [700, 1500], 512, 128 * 512 * 256,
+                 id="v3-a-chunk-after-1800-and-a-prompt-in-chunks-of-512-blocks-of-256"),
+])
+def test_the_expanded_form_in_chunks_of_keys_on_the_gpu(dtype, heads, context_lens, query_lens, chunk, scores,
+                                                        monkeypatch, rel_err):
+    """The CUDA route of the expanded form at DeepSeek's attention shape (128 + 64 q/k dims, 128 v, latent 512 + 64,
+    blocks of 16) with contexts of several chunks (EXPAND_MAX_KEY_HEADS lowered to the chunk times the heads; V3's
+    query blocks of 256 in a chunk): torch's memory-efficient kernel per chunk and block, unmasked and lower-right
+    (custom_mask_type 2), its log-sum-exps merging the chunks (V2-Lite's beside a decode row through the absorbed
+    kernel): float64's plain attention over the whole contexts."""
+    monkeypatch.setattr(mla_attention, "EXPAND_MAX_KEY_HEADS", chunk * heads)
+    monkeypatch.setattr(mla_attention, "EXPAND_MAX_SCORES", scores)
+    (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, 128, 64, 128, 512, 16, dtype,
+                                                        "cuda")
+    scale, step, calls = 192 ** -0.5, {}, []
+    attend = mla_attention.attend
+    monkeypatch.setattr(mla_attention, "attend", lambda q, k, *args: calls.append(k.shape[0]) or attend(q, k, *args))
+    out = mla_attention.mla_attention(q, cache, w_uk, w_uv, tables, torch.tensor(context_lens, dtype=torch.int32,
+                                                                                   device="cuda"), query_lens, scale,
+                                      max_context_len=max(context_lens), expand=_expand_of(w_uk, w_uv),
+                                      index_cache=step, host_context_lens=context_lens)
+    expanded, _ = step[("mla_route", q.shape[0])]
+    assert [seq for seq, _, _ in expanded] == [s for s, n in enumerate(query_lens) if n >= 128]
+    assert max(calls) == chunk and len(calls) > len(expanded) * 2
     assert out.shape == (q.shape[0], heads, 128) and torch.isfinite(out).all()
     assert rel_err(out.cpu(), reference(q, latents, w_uk, w_uv, query_lens, scale)) < (
         2e-2 if dtype == torch.bfloat16 else 1e-4)

@@ -160,6 +160,25 @@ def test_the_cuda_path_expands_long_chunks_beside_absorbed_rows(checkpoints, art
     assert triton_dispatch["mla_attention"] and expanded and min(expanded) >= 4
 
 
+@torch.inference_mode()
+def test_long_contexts_expand_in_chunks_of_keys(checkpoints, artifacts, monkeypatch, hf_logits, hf_greedy, hf_encode):
+    """The CPU path's expanded form with the context expanded in chunks of 8 keys (EXPAND_MAX_KEY_HEADS lowered to 8
+    times the 4 heads): the prefill chunks of 16 after cached ones read contexts of up to 5 chunks, each chunk's
+    output merged by its log-sum-exp; transformers' logits (1e-4) and greedy tokens."""
+    import llmc.kernels.mla_attention as mla_attention
+
+    family = DEEPSEEK_FAMILIES[-1]
+    monkeypatch.setattr(mla_attention, "EXPAND_MAX_KEY_HEADS", 8 * 4)
+    calls, attention = [], mla_attention.expanded_attention
+    monkeypatch.setattr(mla_attention, "expanded_attention",
+                        lambda q, latents, context_len, *args: calls.append((q.shape[0], context_len))
+                        or attention(q, latents, context_len, *args))
+    with LLM(artifacts(family), device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        assert llm.engine.runner.model.layers["0"].attn.num_heads == 4
+        _check(llm, checkpoints[family], hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
+    assert (16, 32) in calls and (8, 40) in calls  # the scored 40 positions' second and third chunks: 4 and 5 chunks
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()

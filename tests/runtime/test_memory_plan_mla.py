@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from llmc.quant.formats import DenseFormat
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.memory import GIB
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.parallel.layout import all_rank_layouts
 
@@ -211,3 +212,125 @@ def test_a_decode_graph_step_of_the_latent_attention_fits_its_allowance(monkeypa
             allowance = (memory.graph_allowance_bytes(model, [rows], max_model_len)
                          - memory.GRAPH_BASE_BYTES - model.num_layers * memory.GRAPH_BYTES_PER_GRAPH_LAYER)
             assert step <= allowance + 4 * rows, (model.family, rows)  # (the rows' int32 index: the base's share)
+
+
+def expanded_peak_bytes(num_queries: int, context_len: int, num_heads: int, cache_dtype=torch.bfloat16) -> int:
+    """The peak bytes mla_attention.expanded_attention allocates for one sequence of num_queries queries over
+    context_len keys (bf16, DeepSeek's 128 + 64 q/k dims, 128 v, latent 512 + 64, blocks of 16; a dense kv_b), its
+    CUDA route on meta tensors (torch's memory-efficient kernel's meta function: its output and padded log-sum-exp),
+    the returned output included, q and the cache not."""
+    import llmc.kernels.mla_attention as mla_attention
+
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    blocks = -(-context_len // 16)
+    cache = torch.empty(blocks, 16, 576, device="meta", dtype=cache_dtype)
+    tables = torch.zeros(1, blocks, dtype=torch.int32, device="meta")
+    q = torch.empty(num_queries, num_heads, 192, **meta)
+    kv_b = torch.empty(num_heads * 256, 512, **meta)
+
+    def expand(c_kv):
+        return torch.nn.functional.linear(c_kv, kv_b).view(-1, num_heads, 256).split([128, 128], dim=-1)
+
+    latents = mla_attention._latents_of(cache, tables, 0, 0.5, torch.bfloat16)
+    with _PeakBytes() as tracked:
+        out = mla_attention.expanded_attention(q, latents, context_len, 512, expand, 0.1, torch.bfloat16)
+    assert out.shape == (num_queries, num_heads, 128) and out.dtype == torch.bfloat16
+    return tracked.peak
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_expanded_workspace_is_what_the_expanded_form_allocates(name):
+    """mla_attention.expanded_bytes (the plan's mla_expanded_bytes), per tensor-parallel rank's heads and number of
+    queries: what the expanded form allocates for a sequence over a context of several chunks, to within 1% (V3's
+    128 heads: chunks of 8192 keys; a rank of 8, 16 heads, and V2-Lite's 16: 65536; V2-Lite's rank of 8, 2 heads:
+    65536 too, EXPAND_MAX_KEYS), with a bf16 and with an FP8 latent cache (its conversion is over before kv_b runs);
+    a context of one full chunk and the queries' own keys, or within one chunk, allocates no more."""
+    model = MODELS[name]
+    for tp in (1, 8):
+        heads = model.num_heads // tp
+        chunk = min(2**20 // heads, 2**16)
+        for queries in (128, 1000, 8192):
+            planned = memory.mla_expanded_bytes(model, queries, heads)
+            context = 2 * chunk + 3 * queries // 2  # (the second full chunk expands beside the queries' running output)
+            fp8 = expanded_peak_bytes(queries, context, heads, torch.float8_e4m3fn)
+            bf16 = expanded_peak_bytes(queries, context, heads)
+            assert max(bf16, fp8) <= planned <= 1.01 * min(bf16, fp8), (tp, queries)
+            for context in (chunk + queries, chunk // 2 + queries):
+                assert expanded_peak_bytes(queries, context, heads, torch.float8_e4m3fn) <= planned, (tp, queries)
+    assert memory.mla_expanded_bytes(MODELS["v3"], 8192) > 2**30  # V3: ~1.4 GiB at a budget of 8192 tokens
+
+
+def test_a_long_context_prefill_of_the_latent_attention_fits_the_activation_term(monkeypatch):
+    """One eager prefill step of a layer's MLAttention on CUDA's route (runtime/models/mla.py on meta tensors, every row
+    expanded, the form forced: a chunk of the step's budget after a cached context of several expanded chunks, and a
+    fresh prompt of the budget): what it allocates, with the residual and hidden states, stays within the estimate's
+    activation term for that budget (activation_peak_bytes and mla_expanded_bytes, over the rank's heads), at V2-Lite's
+    and V3's shapes, whole and as a rank of tensor parallel 8."""
+    import llmc.kernels.mla_attention as mla_attention
+    from llmc.runtime.models.mla import MLAttention
+
+    monkeypatch.setattr(mla_attention, "can_use_triton", lambda *tensors: True)
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    for model in MODELS.values():
+        for tp in (1, 8):
+            plan = art.ParallelPlan(tensor=tp, stage_layers=[list(range(model.num_layers))])
+            layout = all_rank_layouts(model, plan)[0]
+            names = ("q", "q_a", "q_b", "kv_a", "kv_b", "o")
+            formats = {f"layers.0.attn.{name}": DenseFormat(torch.bfloat16) for name in names}
+            attn = MLAttention(model, formats, 0, torch.bfloat16, layout).to("meta")
+            attn.form = "expanded"  # (the shorter prompts of a rank of few heads are below CUDA_EXPAND_MIN_WORK)
+            heads, chunk = layout.num_heads, mla_attention.expand_chunk_keys(layout.num_heads)
+            attn.w_uk = torch.empty(heads, model.qk_nope_head_dim, model.kv_lora_rank, **meta)
+            attn.w_uv = torch.empty(heads, model.v_head_dim, model.kv_lora_rank, **meta)
+            for tokens in (2048, 8192):
+                for context in (2 * chunk + tokens + 5, tokens):
+                    blocks = -(-context // 16)
+                    attn.kv_cache = (torch.empty(blocks, 16, model.kv_lora_rank + model.qk_rope_head_dim, **meta),)
+                    cos_sin = torch.empty(context, model.qk_rope_head_dim, dtype=torch.float32, device="meta")
+                    batch = ForwardBatch(
+                        positions=torch.zeros(tokens, dtype=torch.long, device="meta"),
+                        slot_mapping=torch.zeros(tokens, dtype=torch.long, device="meta"),
+                        block_tables=torch.zeros(1, blocks, dtype=torch.int32, device="meta"),
+                        context_lens=torch.tensor([context], dtype=torch.int32, device="meta"),
+                        query_lens=[tokens], max_context_len=context,
+                        logits_indices=torch.zeros(1, dtype=torch.long, device="meta"), host_context_lens=[context])
+                    x = torch.empty(tokens, model.hidden_size, **meta)
+                    with _PeakBytes() as tracked:
+                        out = attn(x, batch, cos_sin)
+                    route, absorbed = batch.kernel_cache[("mla_route", tokens)]
+                    assert out.shape == (tokens, model.hidden_size) and route == [(0, 0, context)]
+                    step = tracked.peak + 2 * x.nbytes  # and the residual and hidden states
+                    allowance = (memory.activation_peak_bytes(model, tokens, 0)
+                                 + memory.mla_expanded_bytes(model, tokens, heads))
+                    assert step <= allowance, (model.family, tp, tokens, context)
+
+
+def test_both_plans_hold_back_the_expanded_workspace(monkeypatch):
+    """The estimate of every tensor-parallel rank (`llmc inspect`, the compiler) holds, beside one forward's
+    activations, what the expanded form allocates over a long context at that rank's heads (measured on meta
+    tensors); the runtime's measured plan adds the same workspace to its profiled peak (the profile's prompts are
+    fresh: they expand no long context), over its layers' heads; a model without MLA adds nothing."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from llmc.kernels.mla_attention import expand_chunk_keys
+    from llmc.runtime import memory_profile
+
+    runtime = art.RuntimeDefaults(max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=163840, enforce_eager=True)
+    for model in MODELS.values():
+        for tp in (1, 8):
+            plan = art.ParallelPlan(tensor=tp, stage_layers=[list(range(model.num_layers))])
+            estimates = memory.estimate_per_rank(model, plan, [GIB] * tp, "bfloat16", runtime, 141 * GIB)
+            heads = model.num_heads // tp
+            expanded = expanded_peak_bytes(2048, 2 * expand_chunk_keys(heads) + 3000, heads)
+            for estimate in estimates:
+                assert estimate.activation_bytes >= memory.activation_peak_bytes(model, 2048, 8) + expanded
+    held = []
+    monkeypatch.setattr(memory_profile, "profile_activation_bytes", lambda *args: 1000)
+    monkeypatch.setattr(memory_profile, "gpu_kv_plan", lambda options, device, weights, activations, *rest:
+                        held.append(activations))
+    for config, heads in ((V3, 16), (replace(V3, kv_lora_rank=None), 16)):
+        layer = SimpleNamespace(attn=SimpleNamespace(num_heads=heads))
+        model = SimpleNamespace(config=config, layers={"0": layer})
+        memory_profile.measure_kv_plan(model, runtime, "cuda", 0, 1, 0)
+    assert held == [1000 + memory.mla_expanded_bytes(V3, 2048, 16), 1000]
