@@ -109,16 +109,17 @@ def absorbed_split_bytes(num_rows: int, num_heads: int, kv_lora_rank: int, max_c
 
 
 def expanded_bytes(num_queries: int, num_heads: int, qk_nope: int, qk_rope: int, v_dim: int, kv_lora_rank: int,
-                   dtype_bytes: int) -> int:
+                   dtype_bytes: int, max_context: int | None = None) -> int:
     """The most bytes expanded_attention allocates at once on CUDA for one sequence of num_queries queries over a
     context of at least a chunk (expand_chunk_keys) in a dtype of dtype_bytes, beyond q and the step's output: the
     queries' running output and log-sum-exp (float32), beside either a chunk's tensors (its latents gathered from the
     cache in the dtype, an FP8 cache's converted from its gather, which is freed before kv_b runs; kv_b's output of
     qk_nope + v per head, a dense kv_b's; the keys [k_nope, k_pe] of qk_nope + qk_rope per head, or kv_b's input, c_kv
     contiguous, while it runs) and one call's (its rows' partial output, its log-sum-exp of rows padded to 32, the
-    merge's six float32 temporaries per row and head), or the running output cast to the dtype at the end. The memory
+    merge's six float32 temporaries per row and head), or the running output cast to the dtype at the end. A context
+    of at most max_context keys (max_model_len; None: unbounded) expands chunks of at most that many. The memory
     plan holds it back (runtime/memory.py: mla_expanded_bytes)."""
-    keys = expand_chunk_keys(num_heads)
+    keys = expand_chunk_keys(num_heads) if max_context is None else min(expand_chunk_keys(num_heads), max_context)
     rows = min(num_queries, max(1, EXPAND_MAX_SCORES // (num_heads * keys)))
     latent = keys * (kv_lora_rank + qk_rope) * dtype_bytes
     kv_b = keys * num_heads * (qk_nope + v_dim) * dtype_bytes

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmc.kernels.attention import decode_split
-from llmc.kernels.mla_attention import absorbed_split_bytes, expanded_bytes
+from llmc.kernels.mla_attention import CUDA_EXPAND_MIN_QUERIES, absorbed_split_bytes, expanded_bytes
 from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
                                    rank_weights_path, read_safetensors_header)
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, kv_bytes_per_token
@@ -111,17 +111,20 @@ def mla_attention_per_token(model: ModelConfig) -> int:
     return model.num_heads * (model.head_dim + 2 * model.kv_lora_rank + model.v_head_dim)
 
 
-def mla_expanded_bytes(model: ModelConfig, num_tokens: int, num_heads: int | None = None) -> int:
+def mla_expanded_bytes(model: ModelConfig, num_tokens: int, max_model_len: int, num_heads: int | None = None) -> int:
     """Bytes DeepSeek's latent attention allocates in its expanded form for a step of num_tokens queries, over
     num_heads heads (a tensor-parallel rank's; None: the model's), beyond what activation_peak_bytes counts per token
     (q and the output): one chunk of the context expanded (kv_b's output, keys, latents), the queries' float32 running
     output and log-sum-exp and one call's partials (mla_attention.expanded_bytes). A long context is expanded chunk
     by chunk, so this holds for any context; the decode and whole-forward graphs never expand, so only the eager
-    steps' activation term holds it (estimate, and the measured plan beside its profiled prompt's). 0 without MLA."""
-    if not model.is_mla:
+    steps' activation term holds it (estimate, and the measured plan beside its profiled prompt's). A chunk holds at
+    most max_model_len keys. 0 without MLA, and where no step computes CUDA_EXPAND_MIN_QUERIES queries (a budget of
+    fewer tokens: every row runs absorbed on CUDA)."""
+    if not model.is_mla or num_tokens < CUDA_EXPAND_MIN_QUERIES:
         return 0
-    return expanded_bytes(num_tokens, num_heads or model.num_heads, model.qk_nope_head_dim, model.qk_rope_head_dim,
-                          model.v_head_dim, model.kv_lora_rank, dtype_num_bytes(model.dtype))
+    return expanded_bytes(min(num_tokens, max_model_len), num_heads or model.num_heads, model.qk_nope_head_dim,
+                          model.qk_rope_head_dim, model.v_head_dim, model.kv_lora_rank, dtype_num_bytes(model.dtype),
+                          max_model_len)
 
 
 def moe_workspace_per_token(model: ModelConfig) -> int:
@@ -324,7 +327,7 @@ def estimate(
     compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
     prefill_graph_allowance_bytes, given)."""
     activations = (activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
-                   + mla_expanded_bytes(model, max_num_batched_tokens, num_heads))
+                   + mla_expanded_bytes(model, max_num_batched_tokens, max_model_len, num_heads))
     graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
               if use_graphs else 0)
     graphs += piece_graph_bytes

@@ -43,7 +43,8 @@ def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: t
     # NOTE (expanded MLA): the profiled prompts are fresh, so DeepSeek's expanded form expanded at most their own keys;
     # a step after a long cached context expands a whole chunk of it (mla_attention.expand_chunk_keys): held back
     # beside the profile (counting the profiled prompt's own expansion twice, at most one chunk's)
-    expanded = memory.mla_expanded_bytes(model.config, num_tokens, next(iter(model.layers.values())).attn.num_heads)
+    expanded = memory.mla_expanded_bytes(model.config, num_tokens, options.max_model_len,
+                                         next(iter(model.layers.values())).attn.num_heads)
     if expanded:
         logger.info("held back %.1f MiB for the expanded latent attention's chunk of a long context",
                     expanded / memory.MIB)

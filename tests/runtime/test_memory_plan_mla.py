@@ -250,14 +250,27 @@ def test_the_expanded_workspace_is_what_the_expanded_form_allocates(name):
         heads = model.num_heads // tp
         chunk = min(2**20 // heads, 2**16)
         for queries in (128, 1000, 8192):
-            planned = memory.mla_expanded_bytes(model, queries, heads)
+            planned = memory.mla_expanded_bytes(model, queries, 163840, heads)
             context = 2 * chunk + 3 * queries // 2  # (the second full chunk expands beside the queries' running output)
             fp8 = expanded_peak_bytes(queries, context, heads, torch.float8_e4m3fn)
             bf16 = expanded_peak_bytes(queries, context, heads)
             assert max(bf16, fp8) <= planned <= 1.01 * min(bf16, fp8), (tp, queries)
             for context in (chunk + queries, chunk // 2 + queries):
                 assert expanded_peak_bytes(queries, context, heads, torch.float8_e4m3fn) <= planned, (tp, queries)
-    assert memory.mla_expanded_bytes(MODELS["v3"], 8192) > 2**30  # V3: ~1.4 GiB at a budget of 8192 tokens
+    assert memory.mla_expanded_bytes(MODELS["v3"], 8192, 163840) > 2**30  # V3: ~1.4 GiB at a budget of 8192 tokens
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_expanded_workspace_is_bounded_by_max_model_len(name):
+    """A context of at most max_model_len keys expands chunks of at most that many: at max_model_len 4096 the plan
+    holds what a whole context of 4096 allocates (2048 queries after 2048 cached, and a fresh prompt of 4096),
+    less than at 163840 (V2-Lite: chunks of 65536 keys there); a budget below CUDA_EXPAND_MIN_QUERIES expands nothing on CUDA and holds nothing back."""
+    model = MODELS[name]
+    for queries in (2048, 4096):
+        planned = memory.mla_expanded_bytes(model, queries, 4096)
+        assert expanded_peak_bytes(queries, 4096, model.num_heads) <= planned, queries
+        assert planned < memory.mla_expanded_bytes(model, queries, 163840)
+    assert memory.mla_expanded_bytes(model, 127, 4096) == 0 < memory.mla_expanded_bytes(model, 128, 4096)
 
 
 def test_a_long_context_prefill_of_the_latent_attention_fits_the_activation_term(monkeypatch):
@@ -301,7 +314,7 @@ def test_a_long_context_prefill_of_the_latent_attention_fits_the_activation_term
                     assert out.shape == (tokens, model.hidden_size) and route == [(0, 0, context)]
                     step = tracked.peak + 2 * x.nbytes  # and the residual and hidden states
                     allowance = (memory.activation_peak_bytes(model, tokens, 0)
-                                 + memory.mla_expanded_bytes(model, tokens, heads))
+                                 + memory.mla_expanded_bytes(model, tokens, 163840, heads))
                     assert step <= allowance, (model.family, tp, tokens, context)
 
 
@@ -333,4 +346,4 @@ def test_both_plans_hold_back_the_expanded_workspace(monkeypatch):
         layer = SimpleNamespace(attn=SimpleNamespace(num_heads=heads))
         model = SimpleNamespace(config=config, layers={"0": layer})
         memory_profile.measure_kv_plan(model, runtime, "cuda", 0, 1, 0)
-    assert held == [1000 + memory.mla_expanded_bytes(V3, 2048, 16), 1000]
+    assert held == [1000 + memory.mla_expanded_bytes(V3, 2048, 163840, 16), 1000]
