@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "constants": {"CUDA_EXPAND_MIN_QUERIES": mla.CUDA_EXPAND_MIN_QUERIES, "CUDA_EXPAND_MIN_WORK": mla.CUDA_EXPAND_MIN_WORK,
                       "EXPAND_MAX_KEY_HEADS": mla.EXPAND_MAX_KEY_HEADS, "EXPAND_MAX_KEYS": mla.EXPAND_MAX_KEYS,
-                      "EXPAND_MAX_SCORES": mla.EXPAND_MAX_SCORES},
+                      "EXPAND_MAX_SCORES": mla.EXPAND_MAX_SCORES,
+                      "CUDA_EXPAND_MAX_SCORES": mla.CUDA_EXPAND_MAX_SCORES},
         "reps": args.reps, "sdpa_backends": probes, "rows": rows, "table": table(rows),
     }
     print(report["table"])

@@ -65,10 +65,14 @@ CUDA_EXPAND_MIN_WORK = 2**24
 # (vLLM's chunked MLA prefill, merge_attn_states).
 EXPAND_MAX_KEY_HEADS = 2**20
 EXPAND_MAX_KEYS = 2**16
-# The most num_heads * queries * keys scores one attention call of the expanded form covers (2**28: 1 GiB of float32
-# where they are materialized, as on a CPU, whose matmuls hold them; CUDA's memory-efficient kernel holds none): the
-# queries a chunk's call attends split into blocks within it.
+# The most num_heads * queries * keys scores one attention call of the expanded form covers: the queries a chunk's
+# call attends split into blocks within it. On a CPU 2**28 (1 GiB of float32: its matmuls materialize them). CUDA's
+# memory-efficient kernel holds none, so there the blocks only trade calls and merges for the partial outputs'
+# memory: 2**31, measured on an H200 (session 47, benchmarks/results/session47/call4.sh) against 2**28 and 2**40:
+# V2-Lite's 512-query chunk after 32768 cached 3.43 → 2.19 ms, V3's 8192-token prompt 22.1 → 21.0 ms (2**40 no
+# faster anywhere, its peak up to 580 MiB higher at V3's 16384).
 EXPAND_MAX_SCORES = 2**28
+CUDA_EXPAND_MAX_SCORES = 2**31
 
 
 # The absorbed kernel's split (mla_attention_triton): one program per (query row, HEADS_PER_PROGRAM heads); where those
@@ -114,19 +118,21 @@ def expanded_bytes(num_queries: int, num_heads: int, qk_nope: int, qk_rope: int,
     context of at least a chunk (expand_chunk_keys) in a dtype of dtype_bytes, beyond q and the step's output: the
     queries' running output and log-sum-exp (float32), beside either a chunk's tensors (its latents gathered from the
     cache in the dtype, an FP8 cache's converted from its gather, which is freed before kv_b runs; kv_b's output of
-    qk_nope + v per head, a dense kv_b's; the keys [k_nope, k_pe] of qk_nope + qk_rope per head, or kv_b's input, c_kv
-    contiguous, while it runs) and one call's (its rows' partial output, its log-sum-exp of rows padded to 32, the
-    merge's six float32 temporaries per row and head), or the running output cast to the dtype at the end. A context
+    qk_nope + v per head, a dense kv_b's; then kv_b's input, c_kv contiguous, while it runs, or after it the keys
+    [k_nope, k_pe] of qk_nope + qk_rope per head beside one call's: its rows' partial output, its log-sum-exp of rows
+    padded to 32, the merge's six float32 temporaries per row and head), or the running output cast to the dtype at
+    the end. A context
     of at most max_context keys (max_model_len; None: unbounded) expands chunks of at most that many. The memory
     plan holds it back (runtime/memory.py: mla_expanded_bytes)."""
     keys = expand_chunk_keys(num_heads) if max_context is None else min(expand_chunk_keys(num_heads), max_context)
-    rows = min(num_queries, max(1, EXPAND_MAX_SCORES // (num_heads * keys)))
+    rows = min(num_queries, max(1, CUDA_EXPAND_MAX_SCORES // (num_heads * keys)))
     latent = keys * (kv_lora_rank + qk_rope) * dtype_bytes
     kv_b = keys * num_heads * (qk_nope + v_dim) * dtype_bytes
-    chunk = latent + kv_b + max(keys * num_heads * (qk_nope + qk_rope), keys * kv_lora_rank) * dtype_bytes
     call = rows * num_heads * (v_dim * dtype_bytes + 6 * 4) + num_heads * -(-rows // 32) * 32 * 4
+    chunk = latent + kv_b + max(keys * kv_lora_rank * dtype_bytes, keys * num_heads * (qk_nope + qk_rope) * dtype_bytes
+                                + call)
     running = num_queries * num_heads * (v_dim + 1) * 4
-    return running + max(chunk + call, num_queries * num_heads * v_dim * dtype_bytes)
+    return running + max(chunk, num_queries * num_heads * v_dim * dtype_bytes)
 
 
 def takes_expanded(query_len: int, context_len: int, form: str | None = None) -> bool:
@@ -170,7 +176,7 @@ def expanded_attention(q: Tensor, latents: Callable[[int, int], Tensor], context
     v_head_dim] in q's dtype. The context is expanded in chunks of expand_chunk_keys(num_heads) keys: latents(first,
     last) → the cached [c_kv, k_pe] [last - first, rank + rope] in q's dtype; kv_b over its c_kv (`expand`, in
     expand_dtype, the model's) → k_nope, v; the keys [k_nope, k_pe every head's]. Each chunk is attended by the
-    queries that see any of it, in blocks of queries within EXPAND_MAX_SCORES (_chunk_calls: unmasked where the
+    queries that see any of it, in blocks of queries within (CUDA_)EXPAND_MAX_SCORES (_chunk_calls: unmasked where the
     queries see the whole chunk, causal lower-right where the chunk holds their own positions), each call's output
     and log-sum-exp merged into a running output (merge_partial, float32 or q's wider dtype)."""
     num_queries, num_heads = q.shape[:2]
@@ -199,21 +205,22 @@ def _attend_chunk(q: Tensor, latent: Tensor, start: int, first_position: int, ra
     if first_chunk:
         out = torch.empty(q.shape[0], num_heads, v.shape[-1], dtype=work, device=q.device)
         lse = torch.empty(q.shape[0], num_heads, dtype=work, device=q.device)
-    for rows, keys, lower_right in _chunk_calls(q.shape[0], first_position, start, k.shape[0], num_heads):
+    max_scores = EXPAND_MAX_SCORES if q.device.type == "cpu" else CUDA_EXPAND_MAX_SCORES
+    for rows, keys, lower_right in _chunk_calls(q.shape[0], first_position, start, k.shape[0], num_heads, max_scores):
         merge_partial(out, lse, rows, *attend(q[rows], k[:keys], v[:keys], scale, lower_right), first=first_chunk)
     return out, lse
 
 
-def _chunk_calls(num_queries: int, first_position: int, start: int, num_keys: int,
-                 num_heads: int) -> list[tuple[slice, int, bool]]:
+def _chunk_calls(num_queries: int, first_position: int, start: int, num_keys: int, num_heads: int,
+                 max_scores: int) -> list[tuple[slice, int, bool]]:
     """The attention calls of one chunk of keys (positions start..start + num_keys - 1) for queries at positions
     first_position..: (query rows, the chunk's first keys they read, causal lower-right) per call. Queries go in
-    blocks of at most EXPAND_MAX_SCORES / (num_heads * num_keys); in a block, the queries before the chunk see none
+    blocks of at most max_scores / (num_heads * num_keys); in a block, the queries before the chunk see none
     of it, those within it (their own positions) see its keys up to theirs (lower-right over the keys up to the
     last of them), those after it all of it (unmasked)."""
     calls = []
     end = start + num_keys
-    block = max(1, EXPAND_MAX_SCORES // (num_heads * num_keys))
+    block = max(1, max_scores // (num_heads * num_keys))
     for first in range(0, num_queries, block):
         low, high = first_position + first, first_position + min(first + block, num_queries)  # positions [low, high)
         seen, inside = max(low, start), min(high, end)  # the first position seeing the chunk; past the diagonal

@@ -281,15 +281,17 @@ def test_the_expanded_form_in_chunks_of_keys_matches_float64(case, blocks, monke
 def test_a_chunk_of_keys_is_attended_by_the_queries_that_see_it():
     """_chunk_calls: the queries before a chunk read none of it, those whose own positions it holds read it causal
     lower-right up to the last of them, those after it all of it unmasked; query blocks split the rows."""
-    calls = mla_attention._chunk_calls
+    def calls(*args, max_scores=mla_attention.EXPAND_MAX_SCORES):
+        return mla_attention._chunk_calls(*args, max_scores)
+
     # 23 queries at positions 47..69, chunks of 16 keys
     assert calls(23, 47, 0, 16, 4) == [(slice(0, 23), 16, False)]  # keys 0..15: every query, unmasked
     assert calls(23, 47, 32, 16, 4) == [(slice(0, 1), 16, True), (slice(1, 23), 16, False)]  # query 47 its own
     assert calls(23, 47, 48, 16, 4) == [(slice(1, 17), 16, True), (slice(17, 23), 16, False)]
     assert calls(23, 47, 64, 6, 4) == [(slice(17, 23), 6, True)]
     # a fresh prompt of 8 in one chunk, blocks of 3 queries: each block lower-right over the keys up to its last
-    scores = mla_attention.EXPAND_MAX_SCORES
-    assert calls(8, 0, 0, 8, scores // 24) == [(slice(0, 3), 3, True), (slice(3, 6), 6, True), (slice(6, 8), 8, True)]
+    assert calls(8, 0, 0, 8, 2, max_scores=2 * 8 * 3) == [(slice(0, 3), 3, True), (slice(3, 6), 6, True),
+                                                          (slice(6, 8), 8, True)]
 
 
 def test_partial_outputs_merge_by_their_log_sum_exps():
@@ -432,7 +434,7 @@ def test_the_expanded_form_in_chunks_of_keys_on_the_gpu(dtype, heads, context_le
     (custom_mask_type 2), its log-sum-exps merging the chunks (V2-Lite's beside a decode row through the absorbed
     kernel): float64's plain attention over the whole contexts."""
     monkeypatch.setattr(mla_attention, "EXPAND_MAX_KEY_HEADS", chunk * heads)
-    monkeypatch.setattr(mla_attention, "EXPAND_MAX_SCORES", scores)
+    monkeypatch.setattr(mla_attention, "CUDA_EXPAND_MAX_SCORES", scores)
     (q, cache, tables, w_uk, w_uv), latents = make_step(context_lens, query_lens, heads, 128, 64, 128, 512, 16, dtype,
                                                         "cuda")
     scale, step, calls = 192 ** -0.5, {}, []
