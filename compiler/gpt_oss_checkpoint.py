@@ -78,12 +78,15 @@ def stored_dtype(reader, spec: ModelSpec) -> str:
     return _SAFETENSORS_DTYPES[name]
 
 
-def _expert_weight(reader, name: str, expert: int) -> torch.Tensor:
-    """Expert `expert`'s weight of fused tensor `name`, output-major [out, in] float32: the MXFP4 blocks dequantized
-    where the checkpoint holds `{name}_blocks`, else the float tensor's slice transposed ([in, out] stored)."""
+def _expert_weight(reader, name: str, expert: int, rows: slice = slice(None)) -> torch.Tensor:
+    """Expert `expert`'s weight of fused tensor `name`, output-major [out, in] float32, its output rows `rows` (gate
+    the even ones of gate_up, up the odd ones): the MXFP4 blocks of those rows dequantized (each row's scales are its
+    own, so only they are) where the checkpoint holds `{name}_blocks`, else the float tensor's slice transposed
+    ([in, out] stored)."""
     if reader.has(f"{name}_blocks"):
-        return dequantize_mxfp4(reader.get_index(f"{name}_blocks", expert), reader.get_index(f"{name}_scales", expert))
-    return reader.get_index(name, expert).float().t()
+        return dequantize_mxfp4(reader.get_index(f"{name}_blocks", expert)[rows],
+                                reader.get_index(f"{name}_scales", expert)[rows])
+    return reader.get_index(name, expert)[:, rows].float().t()
 
 
 def expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Callable]:
@@ -100,8 +103,8 @@ def expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Callable]:
         for e in range(config.num_experts):
             prefix = layer + moe.expert_prefix.format(e)
             derived |= {
-                f"{prefix}{moe.gate}.weight": lambda r, n=gate_up, e=e: _expert_weight(r, n, e)[0::2],
-                f"{prefix}{moe.up}.weight": lambda r, n=gate_up, e=e: _expert_weight(r, n, e)[1::2],
+                f"{prefix}{moe.gate}.weight": lambda r, n=gate_up, e=e: _expert_weight(r, n, e, slice(0, None, 2)),
+                f"{prefix}{moe.up}.weight": lambda r, n=gate_up, e=e: _expert_weight(r, n, e, slice(1, None, 2)),
                 f"{prefix}{moe.down}.weight": lambda r, n=down, e=e: _expert_weight(r, n, e),
                 f"{prefix}{moe.gate}.bias": lambda r, n=gate_up, e=e: r.get_index(f"{n}_bias", e)[0::2],
                 f"{prefix}{moe.up}.bias": lambda r, n=gate_up, e=e: r.get_index(f"{n}_bias", e)[1::2],
