@@ -134,9 +134,7 @@ class _RowTraits:
     @classmethod
     def of(cls, row: int, params: SamplingParams, constrained: bool, banned_token_ids, eos_token_ids: list[int],
            vocab_size: int) -> _RowTraits:
-        is_plain_greedy = params.is_greedy and not (
-            params.has_penalties or params.logit_bias or params.allowed_token_ids is not None or params.min_tokens
-            or params.logprobs is not None or params.logits_processors)
+        is_plain_greedy = params.is_greedy and not (params.changes_logits or params.logprobs is not None)
         flags = (("not_greedy", not params.is_greedy), ("top_p", params.top_p < 1.0), ("min_p", params.min_p > 0.0),
                  ("penalties", params.has_penalties), ("processors", bool(params.logits_processors)),
                  ("constrained", constrained), ("not_plain_greedy", not is_plain_greedy))

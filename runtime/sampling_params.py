@@ -162,6 +162,14 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
+    def changes_logits(self) -> bool:
+        """Whether something acts on this request's logits before it samples, beyond temperature and the top-k / top-p
+        / min-p filters: penalties, logit_bias, allowed_token_ids, min_tokens, logits processors. A greedy request
+        without any takes the argmax of its raw logits (after grammar and bad-word masks, which the engine applies)."""
+        return bool(self.has_penalties or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens
+                    or self.logits_processors)
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

@@ -218,6 +218,21 @@ def rejection_sample(
     return [tokens[: count + 1] for tokens, count in zip(sampled_rows, accepted_counts)]
 
 
+def greedy_verify(logits: torch.Tensor, draft_token_ids: list[list[int]]) -> list[list[int]]:
+    """rejection_sample's result where every request is greedy and nothing acts on its logits (their one-hot
+    distributions need not be made): `logits` [sum(k_r + 1), vocab_size], request r's k_r + 1 rows consecutive; per
+    request its drafts up to the first that is not its position's argmax, then that position's argmax (NO_TOKEN where
+    every logit is -inf: a grammar or bad word left no token). Two device ops and one copy to the host."""
+    tokens = logits.argmax(dim=-1).masked_fill_(logits.amax(dim=-1) == float("-inf"), NO_TOKEN).tolist()
+    sampled, start = [], 0
+    for drafts in draft_token_ids:
+        row = tokens[start : start + len(drafts) + 1]
+        accepted = next((i for i, (d, t) in enumerate(zip(drafts, row)) if d != t), len(drafts))
+        sampled.append(row[: accepted + 1])
+        start += len(drafts) + 1
+    return sampled
+
+
 def _pad_drafts(draft_token_ids: list[list[int]], num_positions: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafts as [num_rows, num_positions] int64 (zero-padded) and where they are real."""
@@ -275,12 +290,15 @@ def sample_with_drafts(logits: torch.Tensor, metadata: SamplingMetadata,
     if logits.dim() != 2 or logits.shape[0] != sum(num_rows_per_request):
         raise ValueError(f"logits {tuple(logits.shape)} for {sum(num_rows_per_request)} "
                          "verify rows")
-    flat_probs = probs_for(logits, verify_metadata(metadata, draft_token_ids))
-    target_probs = _pad_positions(flat_probs, num_rows_per_request)
-    seeds = [None if p.seed is None else (p.seed, len(outputs))
-             for p, outputs in zip(metadata.params, metadata.output_token_ids)]
-    sampled = rejection_sample(target_probs, draft_token_ids, seeds, shared_generator,
-                               [p.is_greedy for p in metadata.params])
+    if all(p.is_greedy and not p.changes_logits for p in metadata.params):
+        sampled = greedy_verify(logits, draft_token_ids)
+    else:
+        flat_probs = probs_for(logits, verify_metadata(metadata, draft_token_ids))
+        target_probs = _pad_positions(flat_probs, num_rows_per_request)
+        seeds = [None if p.seed is None else (p.seed, len(outputs))
+                 for p, outputs in zip(metadata.params, metadata.output_token_ids)]
+        sampled = rejection_sample(target_probs, draft_token_ids, seeds, shared_generator,
+                                   [p.is_greedy for p in metadata.params])
     no_token_allowed = [tokens[-1] == NO_TOKEN for tokens in sampled]
     token_ids = [tokens[:-1] if blocked else tokens for tokens, blocked in zip(sampled, no_token_allowed)]
     logprobs: list[list[dict[int, float]] | None] = [None] * len(token_ids)

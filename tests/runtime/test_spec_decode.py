@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from llmc.errors import ConfigError
-from llmc.runtime.sampler import SamplingMetadata
+from llmc.runtime.sampler import SamplingMetadata, probs_for
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import (
+    NO_TOKEN,
     NgramProposer,
     SpecDecodeStats,
     SpeculativeConfig,
+    _pad_positions,
     rejection_sample,
     sample_with_drafts,
     verify_metadata,
@@ -263,3 +265,28 @@ def test_stats_count_proposed_and_accepted():
     assert (stats.num_proposed, stats.num_accepted, stats.num_draft_steps) == (4, 2, 2)
     assert stats.acceptance_rate == 0.5
     assert stats.as_dict()["spec_mean_tokens_per_step"] == 2.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_verify_gives_rejection_sampling_of_one_hot_rows(seed):
+    """An all-greedy batch with nothing acting on its logits skips the distributions (greedy_verify); its tokens are
+    rejection sampling's over the one-hot rows `probs_for` makes (the path any other batch takes): random logits with
+    ties, drafts that agree for a while (0 .. k of them), requests without drafts, and rows every logit of which is -inf
+    (a grammar left no token: NO_TOKEN, a rejection)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    drafts = [[] if rng.random() < 0.2 else [0] * rng.randint(1, 4) for _ in range(12)]
+    logits = torch.randint(0, 4, (sum(len(d) + 1 for d in drafts), 7), generator=gen).float()  # ties
+    logits[rng.sample(range(logits.shape[0]), 3)] = float("-inf")
+    argmax, start = logits.argmax(dim=-1).tolist(), 0
+    for d in drafts:  # each request agrees with its argmax for a random number of drafts, then (maybe) not
+        agree = rng.randint(0, len(d))
+        d[:] = [argmax[start + i] if i < agree else (argmax[start + i] + 1) % 7 for i in range(len(d))]
+        start += len(d) + 1
+    params = [SamplingParams(temperature=0) for _ in drafts]
+    fast = sample_with_drafts(logits, metadata(params), drafts, None)
+    reference = rejection_sample(_pad_positions(probs_for(logits, verify_metadata(metadata(params), drafts)),
+                                                [len(d) + 1 for d in drafts]),
+                                 drafts, [None] * len(drafts), None, [True] * len(drafts))
+    assert [t + ([NO_TOKEN] if blocked else []) for t, blocked in zip(fast.token_ids, fast.no_token_allowed)] == reference
+    assert any(len(t) > 1 for t in reference) and any(blocked for blocked in fast.no_token_allowed)
