@@ -39,6 +39,25 @@ from typing import Any, Sequence
 import pytest
 import torch
 
+# What addopts selects (pyproject.toml): the default run, which pytest_cmdline_main splits over processes.
+DEFAULT_MARKEXPR = "not slow and not gpu"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`pytest` over the whole default selection runs in LLMC_TEST_PROCESSES processes (default 2) where pytest-xdist
+    is installed (the `dev` extra) and the machine has that many CPUs: whole test files to a process (--dist
+    loadfile), so a file's module fixtures are built once. 10:39 against 19:08 in one process on a 2-core machine
+    (session 47). Left as asked: named files or tests, another -m (gpu tests share one device), -n, -p no:xdist,
+    LLMC_TEST_PROCESSES=1. Runs before xdist's own hook (a conftest registers after the installed plugins), which
+    turns the count into worker processes."""
+    processes = int(os.environ.get("LLMC_TEST_PROCESSES", "2"))
+    if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) is None
+            and not hasattr(config, "workerinput") and config.args_source != pytest.Config.ArgsSource.ARGS
+            and config.option.markexpr == DEFAULT_MARKEXPR and processes > 1 and (os.cpu_count() or 1) >= processes
+            and not config.option.collectonly):
+        config.option.numprocesses, config.option.dist = processes, "loadfile"
+
 # Small models on a small shared CPU: torch's intra-op threads cost more in contention than they
 # gain, and subprocesses (the CLI, the server) inherit the setting through the environment.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
