@@ -242,7 +242,8 @@ class EagleHead(nn.Module):
         v = nn.functional.linear(x, w[attn + "v_proj.weight"]).view(-1, c.num_kv_heads, c.head_dim)
         out = rotate_write_and_attend(q, k, v, batch.positions, self.cos_sin, *self.kv_cache, batch.slot_mapping,
                                       batch.block_tables, batch.context_lens, batch.query_lens, self.scale, None,
-                                      batch.max_context_len, index_cache=batch.kernel_cache)
+                                      batch.max_context_len, index_cache=batch.kernel_cache,
+                                      prefill_index=batch.prefill_index)
         h = residual + nn.functional.linear(out.flatten(1), w[attn + "o_proj.weight"])
         mlp = layer + "mlp."
         y = rms_norm(h, w[layer + "post_attention_layernorm.weight"], eps)

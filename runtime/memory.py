@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmc.kernels.attention import decode_split
+from llmc.kernels.attention import decode_split, max_prefill_blocks, prefill_queries_per_block
 from llmc.kernels.mla_attention import CUDA_EXPAND_MIN_QUERIES, absorbed_split_bytes, expanded_bytes
 from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
                                    rank_weights_path, read_safetensors_header)
@@ -205,6 +205,33 @@ def draft_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_size
                 for size in batch_sizes)
     scratch = block_size * head.kv_bytes_per_token(itemsize)
     return len(batch_sizes) * steps * GRAPH_BYTES_PER_GRAPH_LAYER + static + intermediates + split + scratch
+
+
+def absorb_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_sizes: list[int],
+                                 num_speculative_tokens: int, max_model_len: int, block_size: int) -> int:
+    """What an EAGLE head's captured absorb of decode verify steps (runtime/eagle_absorb_graphs.py) of these batch sizes
+    may take, its weights `itemsize` bytes an element (0 for none): per graph one layer's kernel nodes
+    (GRAPH_BYTES_PER_GRAPH_LAYER); the static buffers of the largest size `top`, k + 1 rows a request (token ids,
+    positions, slots, aux row index: int64; the gathered aux rows, the model's (EAGLE-3: 3 x target hidden; EAGLE-1: the
+    hidden size) and the attention's output; top + 1 block-table rows of max_model_len and context lengths; the int32
+    prefill index; per request its kept row, draft and hidden state); the layer's intermediates over those rows (fc's
+    output and as the draft graphs count a row: the concatenated input, q/k/v, attention output, MLP) and the kept rows'
+    float32 logits over the draft vocabulary; the head cache's scratch block where no draft graphs count it (k = 1).
+    The prefill kernel does not split keys: no split buffers."""
+    if not batch_sizes:
+        return 0
+    top, k, hidden = max(batch_sizes), num_speculative_tokens, head.hidden_size
+    rows = top * (k + 1)
+    aux_width = 3 * head.target_hidden_size if head.method == "eagle3" else head.target_hidden_size
+    blocks = max_prefill_blocks(rows, top, prefill_queries_per_block(head.num_heads // head.num_kv_heads))
+    static = (rows * (4 * 8 + (aux_width + head.num_heads * head.head_dim) * itemsize)
+              + (top + 1) * (-(-max_model_len // block_size) * 4 + 4) + (2 * (top + 1) + 2 * blocks) * 4
+              + top * (8 + 8 + hidden * itemsize))
+    q_kv = (head.num_heads + 2 * head.num_kv_heads) * head.head_dim
+    widest = max(q_kv + head.num_heads * head.head_dim, 3 * head.intermediate_size)
+    intermediates = rows * (5 * hidden + widest) * itemsize + top * (hidden * itemsize + head.draft_vocab_size * 4)
+    scratch = block_size * head.kv_bytes_per_token(itemsize) if k < 2 else 0
+    return len(batch_sizes) * GRAPH_BYTES_PER_GRAPH_LAYER + static + intermediates + scratch
 
 
 # Token counts captured: powers of two and the midpoints between them, up to vLLM's default 512.

@@ -35,6 +35,7 @@ from llmc.errors import ConfigError
 from llmc.kernels import device_num_sms
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
+from llmc.runtime.eagle_absorb_graphs import AbsorbRow, EagleAbsorbGraphs
 from llmc.runtime.eagle_graphs import EagleFillGraphs
 from llmc.runtime.eagle_head import EagleHead, EagleHeadConfig, aux_layers, read_head_config, read_head_tensors
 from llmc.runtime.forward_batch import ForwardBatch
@@ -67,15 +68,18 @@ def read_eagle_head(config: SpeculativeConfig, target: art.Manifest,
 def eagle_memory_reserve(path: Path, head: EagleHeadConfig, manifest: art.Manifest, options: art.RuntimeDefaults,
                          device: torch.device) -> tuple[int, int]:
     """(bytes, KV bytes per token) the model's memory plan leaves for the head: its weights' files and its draft
-    steps' graphs (on a GPU: memory.draft_graph_allowance_bytes at the decode graphs' sizes, where it captures them;
-    runtime/eagle_graphs.py) and its one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a
-    CPU)."""
+    steps' and its absorb's graphs (on a GPU: memory.draft_graph_allowance_bytes and absorb_graph_allowance_bytes at
+    the decode graphs' sizes, where it captures them; runtime/eagle_graphs.py, eagle_absorb_graphs.py) and its
+    one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a CPU)."""
     itemsize = compute_dtype(manifest, device).itemsize
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors")) if device.type == "cuda" else 0
     graph_sizes = planned_graph_sizes(manifest, options, device)[0]
+    k = options.speculative.num_speculative_tokens
     graph_bytes = memory.draft_graph_allowance_bytes(
-        head, itemsize, graph_sizes, options.speculative.num_speculative_tokens, options.max_model_len,
-        options.block_size, device_num_sms(device) if graph_sizes else memory.DEFAULT_NUM_SMS)
+        head, itemsize, graph_sizes, k, options.max_model_len, options.block_size,
+        device_num_sms(device) if graph_sizes else memory.DEFAULT_NUM_SMS)
+    graph_bytes += memory.absorb_graph_allowance_bytes(head, itemsize, graph_sizes, k, options.max_model_len,
+                                                       options.block_size)
     return weight_bytes + graph_bytes, head.kv_bytes_per_token(itemsize)
 
 
@@ -131,6 +135,16 @@ class EagleProposer:
             self.graphs.log_capture(memory.draft_graph_allowance_bytes(
                 head_config, dtype.itemsize, model_graphs.batch_sizes, k, options.max_model_len, options.block_size,
                 device_num_sms(device)))
+        # absorb's head forward of decode verify steps, replayed from CUDA graphs where the runner captured decode
+        # graphs (any k); None: it runs eagerly (runtime/eagle_absorb_graphs.py)
+        self.absorb_graphs: EagleAbsorbGraphs | None = None
+        if model_graphs is not None:
+            self.absorb_graphs = EagleAbsorbGraphs(self.head, model_graphs.batch_sizes, k, model.aux_width(),
+                                                   model_graphs.aux.dtype, options.max_model_len, options.block_size,
+                                                   runner.num_blocks, device, model_graphs.pool,
+                                                   model_graphs.capture_stream)
+            self.absorb_graphs.log_capture(memory.absorb_graph_allowance_bytes(
+                head_config, dtype.itemsize, model_graphs.batch_sizes, k, options.max_model_len, options.block_size))
         logger.info("speculative decoding: %s head %s reading %s, draft vocabulary %d, %d tokens per step",
                     config.method, path, f"layers {list(layers)}" if layers else "the final hidden states",
                     head_config.draft_vocab_size, config.num_speculative_tokens)
@@ -156,6 +170,14 @@ class EagleProposer:
             offset += scheduled.num_new_tokens
         if not rows or aux is None:
             return
+        graph_rows = [(r.block_ids, start, after, first) for r, start, after, first, _ in rows]
+        if self.absorb_graphs is not None and self._replays_absorb(batch, graph_rows, aux):
+            drafts, hidden = self.absorb_graphs.run(aux, graph_rows)  # hidden: this step's copy, one row a request
+            for (request, start, after, _, keeps), draft, state_hidden in zip(rows, drafts, hidden):
+                if keeps:
+                    self._states[request.request_id] = _HeadState(request, start + len(after) + 1,
+                                                                  request.num_preemptions, draft, state_hidden)
+            return
         hidden = self.head.combine(torch.cat([aux[first : first + len(after)] for _, _, after, first, _ in rows]))
         batch_in = self._forward_batch([(r, start, len(after)) for r, start, after, _, _ in rows])
         ids = torch.tensor([t for _, _, after, _, _ in rows for t in after], dtype=torch.long, device=self.device)
@@ -170,6 +192,12 @@ class EagleProposer:
             request, start, after = rows[i][0], rows[i][1], rows[i][2]
             self._states[request.request_id] = _HeadState(request, start + len(after) + 1, request.num_preemptions,
                                                           draft, state_hidden)
+
+    def _replays_absorb(self, batch: ScheduledBatch, rows: list[AbsorbRow], aux: Tensor) -> bool:
+        """A decode verify step (every request's last chunk, one real token and its drafts: at most k + 1 rows each)
+        that the absorb graphs' buffers hold (runtime/eagle_absorb_graphs.py)."""
+        return (all(s.is_last_chunk and s.num_new_tokens - len(s.draft_token_ids) == 1 for s in batch.requests)
+                and self.absorb_graphs.can_run(aux, rows))
 
     @torch.inference_mode()
     def fill(self, batch: ScheduledBatch) -> None:

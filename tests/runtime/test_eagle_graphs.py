@@ -215,8 +215,8 @@ def test_the_draft_graphs_allowance_by_hand():
 
 
 def test_the_memory_plan_holds_back_the_draft_graphs(target, trained_head, monkeypatch):
-    """eagle_memory_reserve on a GPU: the head's weights, and the draft graphs' allowance at the decode graphs' sizes
-    where they are captured (not under enforce_eager, cudagraph_mode NONE or PIECEWISE)."""
+    """eagle_memory_reserve on a GPU: the head's weights, and the draft (and absorb) graphs' allowances at the decode
+    graphs' sizes where they are captured (not under enforce_eager, cudagraph_mode NONE or PIECEWISE)."""
     monkeypatch.setattr(model_runner, "can_use_graphs", lambda device, enforce_eager: not enforce_eager)
     monkeypatch.setattr(spec_eagle, "device_num_sms", lambda device: 132)
     manifest, device = art.read_manifest(target), torch.device("cuda")
@@ -231,7 +231,8 @@ def test_the_memory_plan_holds_back_the_draft_graphs(target, trained_head, monke
 
     sizes = model_runner.planned_graph_sizes(manifest, base, device)[0]
     assert sizes[-1] == 8
-    assert reserve() == weights + memory.draft_graph_allowance_bytes(head, 4, sizes, 3, 256, 16, 132) > weights
+    absorb = memory.absorb_graph_allowance_bytes(head, 4, sizes, 3, 256, 16)  # test_eagle_absorb_graphs.py
+    assert reserve() == weights + memory.draft_graph_allowance_bytes(head, 4, sizes, 3, 256, 16, 132) + absorb > weights
     assert reserve(enforce_eager=True) == weights
     for mode in ("NONE", "PIECEWISE"):
         assert reserve(compilation_config=art.CompilationConfig(cudagraph_mode=mode)) == weights
