@@ -15,14 +15,17 @@ batch) run as the decode graphs' padding rows (runtime/cuda_graphs.py NOTE (padd
 cache's scratch slot (its block `num_blocks`, which no request holds), context length 1. A padding row's block
 table row starts with the scratch block, so it attends to that slot, which it wrote; a dead step of a real row
 attends to its request's position 0, which `absorb` wrote with its first chunk. So the head cache's writes are
-exactly the eager fill's, and the graph's kept drafts are the eager fill's.
+exactly the eager fill's, and the graph's kept drafts are the eager fill's. The absorb of a decode verify step that
+follows (runtime/eagle_absorb_graphs.py) rewrites the verified positions with the model's hidden states and leaves
+the rejected ones as this fill wrote them (as the eager absorb does); its dead rows write the same scratch slot.
 
 NOTE (capture): after the model's graphs, for their batch sizes (largest first, in their memory pool and on their
 capture stream), each size run once eagerly first (Triton compiles its launches), the attention bounded by
 max_model_len as the decode graphs'. Captured only where the runner has decode graphs (a CUDA device, not
 enforce_eager, a cudagraph_mode with full decode graphs: FULL_AND_PIECEWISE, FULL_DECODE_ONLY, FULL); a batch
 above the largest size, or a block table wider than max_model_len's, runs the eager fill. The memory plan holds
-back `memory.draft_graph_allowance_bytes` for them (spec_eagle.eagle_memory_reserve).
+back `memory.draft_graph_allowance_bytes` for them (spec_eagle.eagle_memory_reserve). The absorb graphs
+(runtime/eagle_absorb_graphs.py) are captured right after these, for the same sizes, in the same pool.
 """
 
 from __future__ import annotations

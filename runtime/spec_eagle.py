@@ -13,7 +13,8 @@ across steps but one (d1, hidden state) per request. Before the next verify step
 one-row head steps per request (d1 at position N - 1 with the kept hidden state gives d2, and so on), at positions
 the scheduler reserved for the verify step; `absorb` rewrites them with the model's hidden states once verified.
 On a GPU with decode graphs those k - 1 steps replay one CUDA graph (runtime/eagle_graphs.py, which writes exactly
-the head rows the eager steps write: a request with fewer than k drafts reserved fewer slots).
+the head rows the eager steps write: a request with fewer than k drafts reserved fewer slots), and so does `absorb`
+after a decode verify step (runtime/eagle_absorb_graphs.py: k + 1 rows a request, the dead ones on the scratch slot).
 The head's one-layer KV cache is indexed by the model's block tables (as the draft model's, runtime/spec_draft.py):
 preemption drops a request's head state with its blocks (its re-prefill recomputes both), and a prefix-cache hit
 reads the head rows the request that computed the blocks wrote, which are this request's: the scheduler gives a

@@ -24,7 +24,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
 from tests.runtime.test_spec_draft import _generate, prompts, target  # noqa: F401 (fixtures)
-from tests.runtime.test_spec_eagle import REPO, _spec, trained_head  # noqa: F401 (fixtures)
+from tests.runtime.test_spec_eagle import (  # noqa: F401 (fixtures)
+    REPO, _eagle1, _spec, tiny, trained_head, write_eagle1_head)
 
 K = 3  # up to 4 rows a request: accepted counts 0 .. 3, and requests near their end with fewer drafts
 
@@ -135,6 +136,19 @@ def test_the_forced_path_keeps_greedy_outputs(target, trained_head, prompts):
         assert got == reference, k
         assert proposer.absorb_graphs.num_replays > 0 and proposer.num_unprepared == 0
         assert llm.stats()["num_spec_accepted"] == eager_stats["num_spec_accepted"] > 0
+
+
+def test_an_eagle1_heads_absorb_body_gives_the_eager_absorbs_drafts(tiny, tmp_path):
+    """EAGLE-1 (the model's final hidden states as the aux rows, drafts through the model's own head) on the tiny
+    random model: the same checks (a random head's drafts are rejected: one live row a request)."""
+    chosen = [f"the king {'and then ' * i}my lord" for i in range(6)]
+    params, options = _params(6), {"max_num_batched_tokens": 32, "num_kv_blocks": 40}
+    reference, _ = _generate(tiny, chosen, params, **options)
+    head = write_eagle1_head(tmp_path / "eagle1", 64, 4096)
+    llm = LLM(tiny, device="cpu", max_num_seqs=8, disable_log_stats=True, speculative=_eagle1(head, K), **options)
+    seen = _check_absorbs(llm, _absorb_graphs(llm, [1, 2, 4, 8]))
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(chosen, params)] == reference
+    assert seen["runs"] > 0 and seen["padded"] > 0 and seen["rejected"] > 0, seen
 
 
 def test_loaded_rows_dead_rows_and_prefill_index_by_hand():
