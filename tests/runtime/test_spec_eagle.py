@@ -394,9 +394,9 @@ def test_a_prefix_cache_hit_recomputes_its_last_block_for_the_head(tiny, tmp_pat
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_on_cuda_greedy_tokens_equal_decoding_without_speculation(target, trained_head, prompts, eager, free_gpu):
     """On a GPU, with CUDA graphs (the decode graphs, the piecewise graphs of prompts and the whole-forward graphs of
-    the verify steps keep the head's inputs: DecoderModel.keep_hidden; the head's draft steps replay their own graphs,
-    runtime/eagle_graphs.py) and without: greedy tokens as without speculation, drafts accepted, no block left in
-    use."""
+    the verify steps keep the head's inputs: DecoderModel.keep_hidden; the head's draft steps and its absorb of decode
+    verify steps replay their own graphs, runtime/eagle_graphs.py, eagle_absorb_graphs.py) and without: greedy tokens
+    as without speculation, drafts accepted, no block left in use."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     share = {"gpu_memory_utilization": 0.4}  # two engines in one process: a closed one's memory may stay cached
     with LLM(target, device="cuda", max_num_seqs=8, disable_log_stats=True, **share) as plain:
@@ -405,11 +405,12 @@ def test_on_cuda_greedy_tokens_equal_decoding_without_speculation(target, traine
              speculative=_spec(trained_head)) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         stats, runner = llm.stats(), llm.engine.runner
-        assert (runner.pieces is None) == eager and (llm.engine.proposer.graphs is None) == eager
+        proposer = llm.engine.proposer
+        assert (runner.pieces is None) == eager and (proposer.graphs is None) == (proposer.absorb_graphs is None) == eager
         if not eager:  # the prompts replayed the piecewise graphs, the verify steps the whole-forward ones, the
-            # draft steps the head's
+            # draft steps and the decode verify steps' absorb the head's
             assert runner.pieces.num_replays > 0 and runner.verify_graphs.num_replays > 0
-            assert llm.engine.proposer.graphs.num_replays > 0
+            assert proposer.graphs.num_replays > 0 and proposer.absorb_graphs.num_replays > 0
     assert got == expected
     assert 0 < stats["num_spec_accepted"] < stats["num_spec_proposed"]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
