@@ -34,8 +34,10 @@ overwrites the buffer; `_HeadState` keeps a view of the copy).
 
 NOTE (capture): as the draft graphs' (runtime/eagle_graphs.py NOTE (capture)): after the model's graphs, for their
 batch sizes, largest first, in their pool and on their capture stream, each size warmed up eagerly first. Only where
-the runner captured decode graphs; a step with a prefill chunk, more requests than the largest size, or a block table
-wider than max_model_len's runs the eager absorb. The memory plan holds back `memory.absorb_graph_allowance_bytes`.
+the runner captured decode graphs; a step with a prefill chunk, more requests than the largest size, a block table
+wider than max_model_len's, or a context longer than MAX_CONTEXT (the whole-forward graphs' bound: the prefill kernel
+does not split a sequence's keys across programs as the decode kernel does, so one program per KV head would walk a
+long context alone) runs the eager absorb. The memory plan holds back `memory.absorb_graph_allowance_bytes`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from llmc.runtime.eagle_head import EagleHead
 from llmc.runtime.forward_batch import ForwardBatch
 
 logger = logging.getLogger("llmc")
+
+MAX_CONTEXT = memory.WHOLE_GRAPH_MAX_CONTEXT  # longest context a step may have to replay these graphs (NOTE (capture))
 
 # A request's rows: (block ids, computed tokens s before the step, the tokens after its live rows' positions, its
 # first row in the step's aux_hidden)
@@ -158,6 +162,7 @@ class EagleAbsorbGraphs:
                  max_model_len: int, block_size: int, scratch_block: int, device: torch.device, pool=None,
                  stream: torch.cuda.Stream | None = None):
         self.head, self.batch_sizes, self.k, self.device = head, sorted(batch_sizes), k, device
+        self.max_context_len = min(max_model_len, MAX_CONTEXT)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
@@ -195,11 +200,12 @@ class EagleAbsorbGraphs:
 
     def can_run(self, aux: Tensor, rows: list[AbsorbRow]) -> bool:
         """The buffers hold these requests' rows over `aux`: at most the largest size of requests, k + 1 rows each,
-        block tables at most max_model_len's wide, aux rows of the buffer's width and dtype."""
+        block tables at most max_model_len's wide, contexts at most MAX_CONTEXT, aux rows of the buffer's width and
+        dtype."""
         return (0 < len(rows) <= self.batch_sizes[-1] and aux.shape[1:] == self.inputs.aux.shape[1:]
                 and aux.dtype == self.inputs.aux.dtype
                 and all(len(after) <= self.k + 1 and len(block_ids) <= self.inputs.block_tables.shape[1]
-                        for block_ids, _, after, _ in rows))
+                        and start + len(after) <= self.max_context_len for block_ids, start, after, _ in rows))
 
     def run(self, aux: Tensor, rows: list[AbsorbRow]) -> tuple[list[int], Tensor]:
         """(each request's first draft, its kept hidden states [n, hidden_size]: a copy, not the buffer) of n

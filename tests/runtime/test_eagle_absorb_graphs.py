@@ -177,8 +177,8 @@ def test_loaded_rows_dead_rows_and_prefill_index_by_hand():
 
 
 def test_batches_the_absorb_graphs_do_not_hold_run_eagerly(target, trained_head):
-    """More requests than the largest size, more than k + 1 rows, a block table wider than max_model_len's, or aux
-    rows of another dtype: can_run says no."""
+    """More requests than the largest size, more than k + 1 rows, a block table wider than max_model_len's, a context
+    past MAX_CONTEXT (2048), or aux rows of another dtype: can_run says no."""
     llm = LLM(target, device="cpu", max_num_seqs=4, disable_log_stats=True, speculative=_spec(trained_head, K),
               num_kv_blocks=32)
     graphs = _absorb_graphs(llm, [1, 2])
@@ -187,6 +187,10 @@ def test_batches_the_absorb_graphs_do_not_hold_run_eagerly(target, trained_head)
     assert graphs.can_run(aux, [row, row]) and not graphs.can_run(aux, [row] * 3)
     assert not graphs.can_run(aux, [([1], 3, [5] * (K + 2), 0)]) and not graphs.can_run(aux, [([1] * 17, 3, [5], 0)])
     assert not graphs.can_run(aux.double(), [row])
+    wide = EagleAbsorbGraphs(llm.engine.proposer.head, [1], K, aux.shape[1], aux.dtype, 4096, 16, 32,
+                             torch.device("cpu"))
+    assert wide.max_context_len == 2048
+    assert wide.can_run(aux, [([1] * 128, 2044, [5] * 4, 0)]) and not wide.can_run(aux, [([1] * 128, 2045, [5] * 4, 0)])
 
 
 def _head_8b() -> spec_eagle.EagleHeadConfig:
