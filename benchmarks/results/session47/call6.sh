@@ -3,7 +3,7 @@
 # profile (call 5: k = 1 7.72 ms, k = 3 8.71 ms per step, GPU busy 0.62 / 0.60; 4.53 ms per token without a head)
 source benchmarks/gpu_env.sh
 export PYTHONPATH=$PYTHONPATH:$repo/benchmarks/results/session47
-timeout 120 python -P -m pytest -p no:cacheprovider -p printfail -m gpu tests/runtime/test_eagle_graphs.py \
+timeout 150 python -P -m pytest -p no:cacheprovider -p printfail -m gpu tests/runtime/test_eagle_graphs.py tests/runtime/test_eagle_absorb_graphs.py \
   tests/runtime/test_spec_eagle.py -v > $OUT/pytest.log 2>&1
 grep -E "FAILED|ERROR|passed|failed|^E " $OUT/pytest.log | head -30
 echo "[+${SECONDS}s] tests done"
@@ -19,7 +19,7 @@ target: {device: cuda, gpu_memory_gib: 141}
 YAML
 (cd /tmp && timeout 100 python -m llmc.cli build $work/bf16.yaml -q > $OUT/build.log 2>&1) || tail -3 $OUT/build.log
 echo "[+${SECONDS}s] built"
-(cd /tmp && timeout $((330 - SECONDS)) python -P $repo/benchmarks/bench_spec_draft.py $work/bf16 --method eagle3 \
-  --draft $work/head --random-head --ks 1 3 --batch-sizes 1 --repeats 2 --tokens 64 --prompt-tokens 128 --profile \
+(cd /tmp && timeout $((320 - SECONDS)) python -P $repo/benchmarks/bench_spec_draft.py $work/bf16 --method eagle3 \
+  --draft $work/head --random-head --ks 1 3 --batch-sizes 1 --repeats 1 --tokens 64 --prompt-tokens 128 --profile \
   --json $OUT/eagle_8b_final.json > $OUT/bench.log 2>&1; grep -E "^B=|Error|Traceback" $OUT/bench.log | head)
 echo "[+${SECONDS}s] done"
