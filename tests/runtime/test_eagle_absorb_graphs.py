@@ -255,6 +255,7 @@ def test_on_cuda_the_graphed_absorb_gives_the_eager_absorbs_drafts(target, train
                "max_num_batched_tokens": 40, "num_kv_blocks": 256}
     with LLM(target, device="cuda", **options) as plain:
         reference = [[c.token_ids for c in o.outputs] for o in plain.generate(chosen, params)]
+    padded = 0
     for k in (1, K):
         with LLM(target, device="cuda", speculative=_spec(trained_head, k), **options) as llm:
             graphs = llm.engine.proposer.absorb_graphs
@@ -264,8 +265,11 @@ def test_on_cuda_the_graphed_absorb_gives_the_eager_absorbs_drafts(target, train
             got = [[c.token_ids for c in o.outputs] for o in llm.generate(chosen, params)]
             stats = llm.stats()
         assert got == reference, k
-        assert seen["runs"] > 0 and seen["padded"] > 0 and seen["mixed"] > 0, seen
+        assert seen["runs"] > 0 and seen["mixed"] > 0, seen
         assert 0 < stats["num_spec_accepted"] < stats["num_spec_proposed"]
+        padded += seen["padded"]
+    # (which batch sizes the decode verify steps hit is the workload's: at k = 1 an H200 run hit only 1, 2, 4, 8)
+    assert padded > 0
 
 
 TRITON_SCRIPT = """
