@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 
 import torch
 from torch import Tensor
@@ -52,6 +51,7 @@ from torch import Tensor
 from llmc.kernels.attention import PrefillIndex, max_prefill_blocks, prefill_blocks, prefill_queries_per_block
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import padded_batch_size
+from llmc.runtime.eagle_graphs import capture_graphs
 from llmc.runtime.eagle_head import EagleHead
 from llmc.runtime.forward_batch import ForwardBatch
 
@@ -176,21 +176,10 @@ class EagleAbsorbGraphs:
             torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
             self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # buffers, pool growth, graphs
 
-    @torch.inference_mode()
     def _capture(self, pool, stream: torch.cuda.Stream | None) -> None:
-        start = time.perf_counter()
-        with torch.cuda.device(self.device):
-            stream = stream if stream is not None else torch.cuda.Stream(self.device)
-            for batch_size in reversed(self.batch_sizes):
-                absorb_rows(self.head, self.inputs, batch_size)  # warm-up: compiles its launches
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    absorb_rows(self.head, self.inputs, batch_size)
-                pool = pool if pool is not None else graph.pool()
-                self.graphs[batch_size] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
+        self.graphs, self.capture_seconds = capture_graphs(
+            lambda batch_size: absorb_rows(self.head, self.inputs, batch_size), self.batch_sizes, self.device, pool,
+            stream)
 
     def log_capture(self, allowance_bytes: int) -> None:
         logger.info("CUDA graphs: EAGLE's absorb of decode verify steps (%d rows a request) captured for %d batch "

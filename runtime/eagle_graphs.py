@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -104,6 +105,27 @@ class DraftInputs:
         )
 
 
+@torch.inference_mode()
+def capture_graphs(body: Callable[[int], None], batch_sizes: list[int], device: torch.device, pool,
+                   stream: torch.cuda.Stream | None) -> tuple[dict[int, torch.cuda.CUDAGraph], float]:
+    """({batch size: a CUDA graph of body(batch size)}, seconds): the largest size first, each run once eagerly before
+    its capture (Triton compiles its launches), in `pool` (the first graph's where None) on `stream` (the model's
+    graphs' pool and capture stream; the draft and absorb graphs both)."""
+    start, graphs = time.perf_counter(), {}
+    with torch.cuda.device(device):
+        stream = stream if stream is not None else torch.cuda.Stream(device)
+        for batch_size in sorted(batch_sizes, reverse=True):
+            body(batch_size)  # warm-up
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                body(batch_size)
+            pool = pool if pool is not None else graph.pool()
+            graphs[batch_size] = graph
+    torch.cuda.synchronize(device)
+    return graphs, time.perf_counter() - start
+
+
 def draft_steps(head: EagleHead, inputs: DraftInputs, batch_size: int, max_context_len: int) -> None:
     """The graphs' body: the k - 1 head steps of the first batch_size rows, drafts written to inputs.drafts[:, 1:]."""
     hidden = inputs.hidden[:batch_size]
@@ -135,21 +157,10 @@ class EagleFillGraphs:
             torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
             self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # buffers, pool growth, graphs
 
-    @torch.inference_mode()
     def _capture(self, pool, stream: torch.cuda.Stream | None) -> None:
-        start = time.perf_counter()
-        with torch.cuda.device(self.device):
-            stream = stream if stream is not None else torch.cuda.Stream(self.device)
-            for batch_size in reversed(self.batch_sizes):
-                draft_steps(self.head, self.inputs, batch_size, self.max_model_len)  # warm-up: compiles its launches
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    draft_steps(self.head, self.inputs, batch_size, self.max_model_len)
-                pool = pool if pool is not None else graph.pool()
-                self.graphs[batch_size] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
+        self.graphs, self.capture_seconds = capture_graphs(
+            lambda batch_size: draft_steps(self.head, self.inputs, batch_size, self.max_model_len), self.batch_sizes,
+            self.device, pool, stream)
 
     def log_capture(self, allowance_bytes: int) -> None:
         logger.info("CUDA graphs: EAGLE's %d draft steps captured for %d batch sizes in %.1f s, %.1f MiB of GPU memory "
