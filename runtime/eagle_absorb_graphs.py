@@ -51,7 +51,7 @@ from torch import Tensor
 from llmc.kernels.attention import PrefillIndex, max_prefill_blocks, prefill_blocks, prefill_queries_per_block
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import padded_batch_size
-from llmc.runtime.eagle_graphs import capture_graphs
+from llmc.runtime.eagle_graphs import HeadGraphs
 from llmc.runtime.eagle_head import EagleHead
 from llmc.runtime.forward_batch import ForwardBatch
 
@@ -153,33 +153,18 @@ def absorb_rows(head: EagleHead, inputs: AbsorbInputs, batch_size: int) -> None:
     inputs.drafts[:batch_size].copy_(head.greedy_tokens(kept))
 
 
-class EagleAbsorbGraphs:
-    """The decode verify steps' absorb for batch sizes `batch_sizes` and num_speculative_tokens k: CUDA graphs captured
-    on a GPU (in `pool`, on `stream`: the model's graphs'), or on a CPU the same body run eagerly over the same
-    buffers (tests: what a replay computes from its padded inputs)."""
+class EagleAbsorbGraphs(HeadGraphs):
+    """The decode verify steps' absorb for batch sizes `batch_sizes` and num_speculative_tokens k (HeadGraphs: graphs
+    on a GPU, in the model's graphs' pool and stream)."""
 
     def __init__(self, head: EagleHead, batch_sizes: list[int], k: int, aux_width: int, aux_dtype: torch.dtype,
                  max_model_len: int, block_size: int, scratch_block: int, device: torch.device, pool=None,
                  stream: torch.cuda.Stream | None = None):
-        self.head, self.batch_sizes, self.k, self.device = head, sorted(batch_sizes), k, device
+        self.head, self.k = head, k
         self.max_context_len = min(max_model_len, MAX_CONTEXT)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-        self.inputs = AbsorbInputs(head, self.batch_sizes[-1], k, aux_width, aux_dtype,
-                                   -(-max_model_len // block_size), scratch_block, block_size, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> graph (none on a CPU)
-        self.num_replays = 0  # absorbs run here (replayed, or the body run eagerly on a CPU)
-        self.graph_bytes, self.capture_seconds = 0, 0.0
-        if device.type == "cuda":
-            self._capture(pool, stream)
-            torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
-            self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # buffers, pool growth, graphs
-
-    def _capture(self, pool, stream: torch.cuda.Stream | None) -> None:
-        self.graphs, self.capture_seconds = capture_graphs(
-            lambda batch_size: absorb_rows(self.head, self.inputs, batch_size), self.batch_sizes, self.device, pool,
-            stream)
+        super().__init__(batch_sizes, device, lambda rows: AbsorbInputs(
+            head, rows, k, aux_width, aux_dtype, -(-max_model_len // block_size), scratch_block, block_size, device),
+            lambda batch_size: absorb_rows(head, self.inputs, batch_size), pool, stream)
 
     def log_capture(self, allowance_bytes: int) -> None:
         logger.info("CUDA graphs: EAGLE's absorb of decode verify steps (%d rows a request) captured for %d batch "
@@ -203,11 +188,6 @@ class EagleAbsorbGraphs:
         inputs, total = self.inputs, batch_size * self.inputs.rows_per_request
         inputs.load(rows, batch_size)
         torch.index_select(aux, 0, inputs.aux_index[:total], out=inputs.aux[:total])
-        if self.graphs:
-            with torch.cuda.device(self.device):
-                self.graphs[batch_size].replay()
-        else:
-            absorb_rows(self.head, inputs, batch_size)
-        self.num_replays += 1
+        self.launch(batch_size)
         hidden = inputs.hidden[: len(rows)].clone()
         return inputs.drafts[: len(rows)].tolist(), hidden

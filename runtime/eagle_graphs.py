@@ -105,25 +105,53 @@ class DraftInputs:
         )
 
 
-@torch.inference_mode()
-def capture_graphs(body: Callable[[int], None], batch_sizes: list[int], device: torch.device, pool,
-                   stream: torch.cuda.Stream | None) -> tuple[dict[int, torch.cuda.CUDAGraph], float]:
-    """({batch size: a CUDA graph of body(batch size)}, seconds): the largest size first, each run once eagerly before
-    its capture (Triton compiles its launches), in `pool` (the first graph's where None) on `stream` (the model's
-    graphs' pool and capture stream; the draft and absorb graphs both)."""
-    start, graphs = time.perf_counter(), {}
-    with torch.cuda.device(device):
-        stream = stream if stream is not None else torch.cuda.Stream(device)
-        for batch_size in sorted(batch_sizes, reverse=True):
-            body(batch_size)  # warm-up
+class HeadGraphs:
+    """What the draft and absorb graphs share: static buffers (`make_inputs(largest batch size)`) and one CUDA graph of
+    `body(batch size)` per size on a GPU, captured largest first, each run once eagerly before (Triton compiles its
+    launches), in `pool` (the first graph's where None) on `stream`: the model's graphs' pool and capture stream; on a
+    CPU the body runs eagerly over the same buffers (tests: what a replay computes from its padded inputs).
+    graph_bytes: what the buffers, the pool's growth and the graphs took."""
+
+    def __init__(self, batch_sizes: list[int], device: torch.device, make_inputs: Callable[[int], object],
+                 body: Callable[[int], None], pool=None, stream: torch.cuda.Stream | None = None):
+        self.batch_sizes, self.device, self.body = sorted(batch_sizes), device, body
+        cuda = device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                body(batch_size)
-            pool = pool if pool is not None else graph.pool()
-            graphs[batch_size] = graph
-    torch.cuda.synchronize(device)
-    return graphs, time.perf_counter() - start
+        free_before = torch.cuda.mem_get_info(device)[0] if cuda else 0
+        self.inputs = make_inputs(self.batch_sizes[-1])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> graph (none on a CPU)
+        self.num_replays = 0  # runs (replayed, or the body run eagerly on a CPU)
+        self.graph_bytes, self.capture_seconds = 0, 0.0
+        if cuda:
+            self._capture(pool, stream)
+            torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
+            self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+
+    @torch.inference_mode()
+    def _capture(self, pool, stream: torch.cuda.Stream | None) -> None:
+        start = time.perf_counter()
+        with torch.cuda.device(self.device):
+            stream = stream if stream is not None else torch.cuda.Stream(self.device)
+            for batch_size in reversed(self.batch_sizes):
+                self.body(batch_size)  # warm-up
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    self.body(batch_size)
+                pool = pool if pool is not None else graph.pool()
+                self.graphs[batch_size] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+
+    def launch(self, batch_size: int) -> None:
+        """The body over the loaded buffers' first batch_size rows: its graph replayed, or run eagerly on a CPU."""
+        if self.graphs:
+            with torch.cuda.device(self.device):
+                self.graphs[batch_size].replay()
+        else:
+            self.body(batch_size)
+        self.num_replays += 1
 
 
 def draft_steps(head: EagleHead, inputs: DraftInputs, batch_size: int, max_context_len: int) -> None:
@@ -135,32 +163,17 @@ def draft_steps(head: EagleHead, inputs: DraftInputs, batch_size: int, max_conte
         inputs.drafts[:batch_size, step] = head.greedy_tokens(hidden)
 
 
-class EagleFillGraphs:
-    """The draft steps of batch sizes `batch_sizes` for num_speculative_tokens k: CUDA graphs captured on a GPU (in
-    `pool`, on `stream`: the model's graphs'), or on a CPU the same body run eagerly over the same buffers (tests:
-    what a replay computes from its padded inputs)."""
+class EagleFillGraphs(HeadGraphs):
+    """The draft steps of batch sizes `batch_sizes` for num_speculative_tokens k (HeadGraphs: graphs on a GPU, in the
+    model's graphs' pool and stream)."""
 
     def __init__(self, head: EagleHead, batch_sizes: list[int], k: int, max_model_len: int, block_size: int,
                  scratch_block: int, device: torch.device, pool=None, stream: torch.cuda.Stream | None = None):
-        self.head, self.batch_sizes, self.max_model_len = head, sorted(batch_sizes), max_model_len
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        free_before = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-        self.inputs = DraftInputs(self.batch_sizes[-1], k, -(-max_model_len // block_size), scratch_block, block_size,
-                                  head.config.hidden_size, head.kv_cache[0].dtype, device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # batch size -> graph (none on a CPU)
-        self.num_replays = 0  # fills run here (replayed, or the body run eagerly on a CPU)
-        self.graph_bytes, self.capture_seconds = 0, 0.0
-        if device.type == "cuda":
-            self._capture(pool, stream)
-            torch.cuda.empty_cache()  # the warm-up runs' intermediates are not graph memory
-            self.graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]  # buffers, pool growth, graphs
-
-    def _capture(self, pool, stream: torch.cuda.Stream | None) -> None:
-        self.graphs, self.capture_seconds = capture_graphs(
-            lambda batch_size: draft_steps(self.head, self.inputs, batch_size, self.max_model_len), self.batch_sizes,
-            self.device, pool, stream)
+        self.head, self.max_model_len = head, max_model_len
+        super().__init__(batch_sizes, device, lambda rows: DraftInputs(
+            rows, k, -(-max_model_len // block_size), scratch_block, block_size, head.config.hidden_size,
+            head.kv_cache[0].dtype, device), lambda batch_size: draft_steps(head, self.inputs, batch_size, max_model_len),
+            pool, stream)
 
     def log_capture(self, allowance_bytes: int) -> None:
         logger.info("CUDA graphs: EAGLE's %d draft steps captured for %d batch sizes in %.1f s, %.1f MiB of GPU memory "
@@ -177,10 +190,5 @@ class EagleFillGraphs:
         state): a view of the buffer, valid until the next run; row i's first num_drafts are its drafts."""
         batch_size = padded_batch_size(self.batch_sizes, len(rows))
         self.inputs.load(first_drafts, hidden, rows, batch_size)
-        if self.graphs:
-            with torch.cuda.device(self.device):
-                self.graphs[batch_size].replay()
-        else:
-            draft_steps(self.head, self.inputs, batch_size, self.max_model_len)
-        self.num_replays += 1
+        self.launch(batch_size)
         return self.inputs.drafts[: len(rows)]
