@@ -432,11 +432,11 @@ class KVSpec:
 
 @dataclass(frozen=True)
 class MultiModalLimits:
-    """vLLM's limit_mm_per_prompt: the most items of each modality one prompt may carry (None: no limit). llmc's
-    vision models take images only, so video and audio may only be limited to 0."""
+    """vLLM's limit_mm_per_prompt: the most items of each modality one prompt may carry (None: no limit). Videos:
+    Qwen2-VL's and Qwen2.5-VL's only (other models refuse a video limit above 0, engine.py); no audio model."""
 
     image: int | None = opt(None, min=0, help="most images in one prompt (0: text only)")
-    video: int = opt(0, min=0, max=0, help="no video model is supported: 0 only")
+    video: int | None = opt(None, min=0, help="most videos in one prompt (Qwen2-VL, Qwen2.5-VL; others: 0 only)")
     audio: int = opt(0, min=0, max=0, help="no audio model is supported: 0 only")
 
 

@@ -22,7 +22,7 @@ from llmc.runtime.loader import compute_dtype
 from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
-from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of
+from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of, is_qwen_vl, videos_of
 from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, prompt_rows
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
@@ -99,6 +99,10 @@ class Engine:
         if self.options.limit_mm_per_prompt is not None and self.manifest.vision is None:
             raise ConfigError(f"limit_mm_per_prompt: this model ({self.manifest.model.architecture}) takes no images; "
                               "drop limit_mm_per_prompt")
+        limits = self.options.limit_mm_per_prompt
+        if limits is not None and limits.video and not is_qwen_vl(self.manifest.vision):
+            raise ConfigError(f"limit_mm_per_prompt.video: this model ({self.manifest.vision.architecture}) takes no "
+                              "videos (Qwen2-VL and Qwen2.5-VL do); set it to 0 or drop it")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         if eagle is not None:
@@ -286,11 +290,16 @@ class Engine:
         """The prompt with its images' placeholders expanded and the images encoded (runtime/multimodal.py); as it
         is, and None, without images."""
         images = [] if multi_modal_data is None else images_of(multi_modal_data)
+        takes_video = self.vision is not None and self.vision.is_qwen
+        videos = [] if multi_modal_data is None else videos_of(multi_modal_data, takes_video)
         limits = self.options.limit_mm_per_prompt
         if limits is not None and limits.image is not None and len(images) > limits.image:
             raise RequestError(f"At most {limits.image} image(s) may be provided in one prompt.",  # vLLM's words
                                param="multi_modal_data")
-        if not images:
+        if limits is not None and limits.video is not None and len(videos) > limits.video:
+            raise RequestError(f"At most {limits.video} video(s) may be provided in one prompt.",  # vLLM's words
+                               param="multi_modal_data")
+        if not images and not videos:
             if self.vision is not None:
                 self.vision.check_no_placeholders(prompt_token_ids)
             return prompt_token_ids, None
@@ -301,7 +310,7 @@ class Engine:
         if params.truncate_prompt_tokens is not None:
             raise RequestError("truncate_prompt_tokens: a prompt with images is not truncated (it could cut an "
                                "image's tokens); drop truncate_prompt_tokens", param="truncate_prompt_tokens")
-        prompt_token_ids, inputs = self.vision.prompt_inputs(prompt_token_ids, images)
+        prompt_token_ids, inputs = self.vision.prompt_inputs(prompt_token_ids, images, videos)
         budget = self.scheduler.config.max_chunk_tokens
         name = "max_num_batched_tokens" if budget == self.options.max_num_batched_tokens else "long_prefill_token_threshold"
         if any(hi - lo > budget for lo, hi in inputs.spans):  # an image is prefilled in one chunk (scheduler)

@@ -1,6 +1,6 @@
-"""Images for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL, Qwen2.5-VL): preprocessing,
-the vision encoder, and the image embeddings that replace the image tokens' embedding rows in a prompt's prefill
-(DESIGN §5, "Images").
+"""Images (and Qwen2-VL's videos) for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL,
+Qwen2.5-VL): preprocessing, the vision encoder, and the image embeddings that replace the image tokens' embedding
+rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -26,7 +26,10 @@ dynamic resolution: its image_grid_thw), every image of a call in one run of tra
 attention is per image: cu_seqlens), whose patch merger gives the rows, a grid [rows, columns] of merged patches;
 the placeholder is one <|image_pad|>, expanded to that image's rows (as Qwen2VLProcessor writes them), or already
 expanded so; its tokens attend causally, and the request's M-RoPE positions (three per token, runtime/mrope.py)
-are computed with the expansion (`ImageInputs.mrope`). The request keeps the embeddings
+are computed with the expansion (`ImageInputs.mrope`). Qwen2-VL's videos (multi_modal_data's 'video': frames) go
+through the same tower, each frame preprocessed by the image processor and the frames grouped temporal_patch_size
+at a time (`_video_pixels`), <|video_pad|> expanded to t x h x w / merge² rows, the frame groups' temporal
+positions apart by `video_interval`; a prompt's images and videos share its ImageInputs. The request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -49,6 +52,7 @@ from torch import Tensor, nn
 
 from llmc.errors import ArtifactError, RequestError
 from llmc.runtime import artifact as art
+from llmc.runtime.tokenizer import TEXT_PART_FIELDS
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image sent inline (a data URL), decoded
 MAX_ENCODER_BATCH = 32  # images per vision-tower call when a batch of requests' images is encoded ahead (prefetch)
@@ -102,7 +106,7 @@ def images_of(multi_modal_data) -> list:
     if not isinstance(multi_modal_data, dict):
         raise RequestError(f"multi_modal_data: expected a dict such as {{'image': PIL.Image}}, got "
                            f"{type(multi_modal_data).__name__}", param="multi_modal_data")
-    other = sorted(set(multi_modal_data) - {"image"})
+    other = sorted(set(multi_modal_data) - {"image", "video"})  # videos: videos_of
     if other:
         raise RequestError(f"multi_modal_data.{other[0]}: only images are supported (the 'image' key)",
                            param="multi_modal_data")
@@ -113,6 +117,48 @@ def images_of(multi_modal_data) -> list:
             raise RequestError(f"multi_modal_data.image[{i}]: expected a PIL.Image.Image, got {type(image).__name__}",
                                param="multi_modal_data")
     return images
+
+
+def videos_of(multi_modal_data, takes_video: bool) -> list[list]:
+    """vLLM's multi_modal_data's videos ({"video": frames or a list of them}; frames: a uint8 numpy array
+    [num_frames, height, width, 3] or a list of PIL images of one size) → each video's frames as PIL RGB images;
+    RequestError where the model takes no video (`takes_video`: Qwen2-VL, Qwen2.5-VL) or a video is malformed."""
+    from PIL import Image
+
+    videos = multi_modal_data.get("video") if isinstance(multi_modal_data, dict) else None
+    if videos is None:
+        return []
+    if not takes_video:
+        raise RequestError("multi_modal_data.video: only images are supported (the 'image' key)",
+                           param="multi_modal_data")
+    if isinstance(videos, tuple):
+        raise RequestError("multi_modal_data.video: (frames, metadata) pairs are not supported (frames are taken as "
+                           "sampled at 2 fps); give the frames alone", param="multi_modal_data")
+    if isinstance(videos, np.ndarray) or (isinstance(videos, list) and videos
+                                          and all(isinstance(f, Image.Image) for f in videos)):
+        videos = [videos]
+    if not isinstance(videos, list):
+        raise RequestError(f"multi_modal_data.video: expected frames (a uint8 array [num_frames, height, width, 3] "
+                           f"or a list of PIL images) or a list of them, got {type(videos).__name__}",
+                           param="multi_modal_data")
+    return [_frames(video, f"multi_modal_data.video[{i}]") for i, video in enumerate(videos)]
+
+
+def _frames(video, where: str) -> list:
+    from PIL import Image
+
+    if isinstance(video, np.ndarray):
+        if video.dtype != np.uint8 or video.ndim != 4 or video.shape[-1] != 3 or 0 in video.shape:
+            raise RequestError(f"{where}: expected a uint8 array [num_frames, height, width, 3], got {video.dtype} "
+                               f"{list(video.shape)}", param="multi_modal_data")
+        return [Image.fromarray(frame) for frame in video]
+    if not isinstance(video, list) or not video or not all(isinstance(f, Image.Image) for f in video):
+        raise RequestError(f"{where}: expected a uint8 array [num_frames, height, width, 3] or a non-empty list of "
+                           f"PIL images, got {type(video).__name__}", param="multi_modal_data")
+    if len({f.size for f in video}) > 1:
+        raise RequestError(f"{where}: its frames differ in size ({sorted({f.size for f in video})}); give frames of "
+                           "one size", param="multi_modal_data")
+    return [f.convert("RGB") for f in video]
 
 
 class Projector(nn.Module):
@@ -203,6 +249,7 @@ class VisionEncoder:
         self.is_qwen = is_qwen_vl(spec)
         if self.is_qwen:  # its processor files checked against the tower (what <|image_pad|> expands to)
             processor = qwen_vl_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+            self.video_interval = video_interval(spec)
         elif self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
             processor = check_anyres_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
@@ -367,13 +414,13 @@ class VisionEncoder:
     def _qwen_rows(self, pixels: list[tuple[Tensor, tuple[int, int, int]]]) -> list[Tensor]:
         """Qwen2-VL's / Qwen2.5-VL's images in one call of the vision transformer (Qwen2VLModel.get_image_features:
         its attention is per image, and Qwen2.5's windows stay within one), each image's merged rows as a grid
-        [h / merge, w / merge, hidden_size] (an image is one frame: t 1)."""
+        [t, h / merge, w / merge, hidden_size] (an image is one frame: t 1; a video t frame groups)."""
         grids = [grid for _, grid in pixels]
         patches = torch.cat([px for px, _ in pixels]).to(self.device, self.dtype)
         rows = self.tower(patches, grid_thw=torch.tensor(grids, device=self.device)).pooler_output
         merge = self.spec.spatial_merge_size
-        return [r.reshape(h // merge, w // merge, r.shape[-1])
-                for r, (_, h, w) in zip(rows.split([math.prod(g) // merge**2 for g in grids]), grids)]
+        return [r.reshape(t, h // merge, w // merge, r.shape[-1])
+                for r, (t, h, w) in zip(rows.split([math.prod(g) // merge**2 for g in grids]), grids)]
 
     def _pixtral_rows(self, pixels: Tensor) -> Tensor:
         """One image's rows [rows, columns, hidden_size] (Mistral3Model.get_image_features / LlavaModel's with
@@ -389,15 +436,16 @@ class VisionEncoder:
         side = self.pixtral["patch_size"] * self.pixtral["spatial_merge_size"]
         return rows.reshape(sizes[0][0] // side, sizes[0][1] // side, rows.shape[-1])
 
-    def prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
+    def prompt_inputs(self, token_ids: list[int], images: list, videos: list = ()) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
-        processor writes it) expanded to one image token per embedding row, and the request's ImageInputs."""
+        processor writes it) expanded to one image token per embedding row, and the request's ImageInputs;
+        `videos` (each a list of frames): Qwen2-VL's only (videos_of refuses them for other models)."""
         if self.is_gemma3:
             return self._gemma3_prompt_inputs(token_ids, images)
         if self.is_pixtral:
             return self._pixtral_prompt_inputs(token_ids, images)
         if self.is_qwen:
-            return self._qwen_prompt_inputs(token_ids, images)
+            return self._qwen_prompt_inputs(token_ids, images, videos)
         runs = self._placeholder_runs(token_ids)
         if len(runs) != len(images):
             raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (token id {self.image_token_id}) for "
@@ -416,40 +464,91 @@ class VisionEncoder:
         expanded += token_ids[at:]
         return expanded, ImageInputs(positions, torch.cat(embeds), digest)
 
-    def _qwen_prompt_inputs(self, token_ids: list[int], images: list) -> tuple[list[int], ImageInputs]:
-        """Qwen2-VL: each <|image_pad|> run either one token (expanded to the image's rows, as Qwen2VLProcessor
-        expands it) or already that many (kept); the request's M-RoPE positions (`mrope_positions`) with it. A
-        video placeholder is refused by name."""
-        self._refuse_video(token_ids)
-        runs = self._placeholder_runs(token_ids)
-        if len(runs) != len(images):
-            raise RequestError(f"the prompt has {len(runs)} image placeholder(s) (<|image_pad|>, token id "
+    def _qwen_prompt_inputs(self, token_ids: list[int], images: list, videos: list) -> tuple[list[int], ImageInputs]:
+        """Qwen2-VL: each <|image_pad|> / <|video_pad|> run either one token (expanded to the image's or video's
+        rows, as Qwen2VLProcessor expands it: t x h x w / merge² for a video's video_grid_thw) or already that many
+        (kept); the request's M-RoPE positions (`mrope_positions`) with it. Images and videos take their runs in
+        order, each kind its own."""
+        video = self.spec.video_token_index
+        runs = self._placeholder_runs(token_ids, (self.image_token_id, video))
+        counts = [sum(token_ids[lo] == t for lo, _ in runs) for t in (self.image_token_id, video)]
+        if counts[0] != len(images):
+            raise RequestError(f"the prompt has {counts[0]} image placeholder(s) (<|image_pad|>, token id "
                                f"{self.image_token_id}) for {len(images)} image(s); put one "
                                "<|vision_start|><|image_pad|><|vision_end|> in the prompt per image",
                                param="multi_modal_data")
-        grids, digest = self.encode(images)
-        expanded, positions, places, at = [], [], [], 0
-        for (start, end), grid in zip(runs, grids):
-            rows, columns = grid.shape[:2]
-            if end - start not in (1, rows * columns):
-                raise RequestError(f"an image placeholder of {end - start} tokens: this image takes one <|image_pad|>, "
-                                   f"or {rows * columns} (its {rows} x {columns} merged patches)",
-                                   param="multi_modal_data")
+        if counts[1] != len(videos):
+            raise RequestError(f"the prompt has {counts[1]} video placeholder(s) (<|video_pad|>, token id {video}) for "
+                               f"{len(videos)} video(s); put one <|vision_start|><|video_pad|><|vision_end|> in the "
+                               "prompt per video", param="multi_modal_data")
+        image_grids, digest = self.encode(images) if images else ([], b"")
+        if videos:
+            video_grids, video_digest = self.encode_videos(videos)
+            digest = hashlib.sha256(digest + b"video" + video_digest).digest()
+        items = {self.image_token_id: iter(image_grids), video: iter(video_grids if videos else [])}
+        expanded, positions, places, grids, at = [], [], [], [], 0
+        for start, end in runs:
+            token = token_ids[start]
+            grid = next(items[token])
+            frames, rows, columns = grid.shape[:3]
+            n = frames * rows * columns
+            if end - start not in (1, n):
+                what = (f"this image takes one <|image_pad|>, or {n} (its {rows} x {columns} merged patches)"
+                        if token != video else f"this video takes one <|video_pad|>, or {n} (its {frames} frame "
+                        f"group(s) of {rows} x {columns} merged patches)")
+                raise RequestError(f"a{'n image' if token != video else ' video'} placeholder of {end - start} "
+                                   f"tokens: {what}", param="multi_modal_data")
             expanded += token_ids[at:start]
-            places.append((len(expanded), rows, columns))
-            positions += range(len(expanded), len(expanded) + rows * columns)
-            expanded += [self.image_token_id] * (rows * columns)
+            places.append((len(expanded), rows, columns) if token != video else
+                          (len(expanded), rows, columns, frames, self.video_interval))
+            positions += range(len(expanded), len(expanded) + n)
+            expanded += [token] * n
+            grids.append(grid.reshape(-1, grid.shape[-1]))
             at = end
         expanded += token_ids[at:]
         mrope, delta = mrope_positions(len(expanded), places)
-        embeds = torch.cat([grid.reshape(-1, grid.shape[-1]) for grid in grids])
-        return expanded, ImageInputs(positions, embeds, digest, mrope=mrope, rope_delta=delta)
+        return expanded, ImageInputs(positions, torch.cat(grids), digest, mrope=mrope, rope_delta=delta)
 
-    def _refuse_video(self, token_ids: list[int]) -> None:
+    @torch.inference_mode()
+    def encode_videos(self, videos: list[list]) -> tuple[list[Tensor], bytes]:
+        """Qwen2-VL: (each video's rows [frame groups, rows, columns, hidden_size], the sha256 of their pixel
+        values and grids). The vision tower runs a video's patches as an image's, its video_grid_thw's t > 1
+        (Qwen2VLModel.get_video_features)."""
+        pixels = [self._video_pixels(frames, i) for i, frames in enumerate(videos)]
+        digest = hashlib.sha256()
+        for px, grid in pixels:
+            digest.update(repr(grid).encode())
+            digest.update(px.float().numpy().tobytes())
+        return self._qwen_rows(pixels), digest.digest()
+
+    def _video_pixels(self, frames: list, number: int) -> tuple[Tensor, tuple[int, int, int]]:
+        """One video's patches [t * h * w, channels * temporal_patch_size * patch_size²] and its video_grid_thw
+        (t, h, w), laid out as Qwen2VLVideoProcessor lays them out: each frame resized, rescaled and normalized by
+        the artifact's image processor (transformers'; Qwen2VLVideoProcessor itself needs torchvision), the
+        frames taken temporal_patch_size at a time (the last repeated to fill the last group), each group's
+        patches in the image processor's order (merge windows row-major) with the frames as the temporal axis."""
+        try:
+            out = self.image_processor(images=frames, return_tensors="pt")
+        except Exception as e:  # noqa: BLE001 - the processor's own types
+            raise RequestError(f"multi_modal_data.video[{number}]: its frames cannot be preprocessed "
+                               f"({type(e).__name__}: {e})", param="multi_modal_data") from None
+        grid = out["image_grid_thw"]
+        _, h, w = (int(x) for x in grid[0])
+        temporal, patch = self.image_processor.temporal_patch_size, self.image_processor.patch_size
+        # each frame's patches hold it temporal_patch_size times (an image's layout): one copy per frame
+        px = out["pixel_values"].view(len(frames), h * w, -1, temporal, patch * patch)[:, :, :, 0]
+        if pad := -len(frames) % temporal:
+            px = torch.cat([px, px[-1:].expand(pad, -1, -1, -1)])
+        t = px.shape[0] // temporal
+        px = px.view(t, temporal, h * w, -1, patch * patch).permute(0, 2, 3, 1, 4)
+        return px.reshape(t * h * w, -1).contiguous(), (t, h, w)
+
+    def _check_no_video_placeholders(self, token_ids: list[int]) -> None:
         video = self.spec.video_token_index
         if video is not None and video in token_ids:
-            raise RequestError(f"the prompt holds <|video_pad|> (token id {video}): video inputs are not supported; "
-                               "send images (multi_modal_data's 'image')", param="multi_modal_data")
+            raise RequestError(f"the prompt holds video placeholders (<|video_pad|>, token id {video}) but no videos; "
+                               "give the videos (multi_modal_data's 'video'), or drop the placeholders",
+                               param="multi_modal_data")
 
     def _pixtral_placeholders(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each image placeholder: a bare [IMG], or an expanded image (a run of [IMG] and
@@ -577,7 +676,7 @@ class VisionEncoder:
     def check_no_placeholders(self, token_ids: list[int]) -> None:
         """A prompt without images must not hold image tokens (their embedding rows would stand in for images)."""
         if self.is_qwen:
-            self._refuse_video(token_ids)
+            self._check_no_video_placeholders(token_ids)
         if self.is_gemma3 and self.spec.boi_token_index in token_ids:
             raise RequestError(f"the prompt holds <start_of_image> (token id {self.spec.boi_token_index}) but no "
                                "images; give the images (multi_modal_data, or image_url content parts), or drop the "
@@ -587,12 +686,14 @@ class VisionEncoder:
                                "give the images (multi_modal_data, or image_url content parts), or drop the "
                                "placeholders", param="multi_modal_data")
 
-    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+    def _placeholder_runs(self, token_ids: list[int], tokens: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+        """[start, end) of each run of one placeholder token (the image token, or any of `tokens`)."""
+        tokens = tokens or (self.image_token_id,)
         runs, i = [], 0
         while i < len(token_ids):
-            if token_ids[i] == self.image_token_id:
+            if token_ids[i] in tokens:
                 start = i
-                while i < len(token_ids) and token_ids[i] == self.image_token_id:
+                while i < len(token_ids) and token_ids[i] == token_ids[start]:
                     i += 1
                 runs.append((start, i))
             else:
@@ -659,27 +760,45 @@ def pixtral_image_processor(tokenizer_dir: Path, spec: art.VisionSpec, fields: d
     return processor
 
 
-def mrope_positions(num_tokens: int, images: list[tuple[int, int, int]]) -> tuple[np.ndarray, int]:
-    """Qwen2-VL's M-RoPE positions of a prompt of `num_tokens` whose images are (first token, rows, columns) of
-    merged patches, in order: ([3, num_tokens] int64 temporal, height, width positions, the rope delta). Text
-    tokens count on one by one, their three equal; an image's tokens share its first position p as temporal, and
-    take p + row, p + column as height and width (row-major); the text after it goes on from p + max(rows,
-    columns) (Qwen2VLModel.get_rope_index for an image of one frame). The delta: the largest position + 1 minus
-    num_tokens, what every later token's index is shifted by."""
+def mrope_positions(num_tokens: int, items: list[tuple]) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's M-RoPE positions of a prompt of `num_tokens` whose images and videos are (first token, rows,
+    columns) of merged patches, or (first token, rows, columns, frame groups, interval) for a video, in order:
+    ([3, num_tokens] int64 temporal, height, width positions, the rope delta). Text tokens count on one by one,
+    their three equal; an item's tokens (frame group by frame group, each row-major) take p + floor(group *
+    interval) as temporal (p: its first position; interval 1 for Qwen2-VL, tokens_per_second *
+    second_per_grid_ts for Qwen2.5-VL's videos), p + row, p + column as height and width; the text after it goes
+    on from p + max(rows, columns) (transformers' Qwen2VLModel.get_rope_index). The delta: the largest position
+    + 1 minus num_tokens, what every later token's index is shifted by."""
     positions = np.empty((3, num_tokens), dtype=np.int64)
     at = index = 0  # the next text position, the next token
-    for start, rows, columns in images:
+    for start, rows, columns, *video in items:
+        groups, interval = video if video else (1, 1.0)
         positions[:, index:start] = np.arange(at, at + start - index)
         at += start - index
-        end = start + rows * columns
-        positions[0, start:end] = at
-        positions[1, start:end] = at + np.repeat(np.arange(rows), columns)
-        positions[2, start:end] = at + np.tile(np.arange(columns), rows)
+        end = start + groups * rows * columns
+        temporal = (np.arange(groups, dtype=np.float32) * np.float32(interval)).astype(np.int64)  # as torch's .long()
+        positions[0, start:end] = at + np.repeat(temporal, rows * columns)
+        positions[1, start:end] = at + np.tile(np.repeat(np.arange(rows), columns), groups)
+        positions[2, start:end] = at + np.tile(np.arange(columns), rows * groups)
         at += max(rows, columns)
         index = end
     positions[:, index:] = np.arange(at, at + num_tokens - index)
-    at += num_tokens - index
-    return positions, at - num_tokens
+    return positions, int(positions.max(initial=-1)) + 1 - num_tokens
+
+
+VIDEO_FPS = 2.0  # the rate a video's frames are taken as sampled at (Qwen2_5_VLProcessor's default fps)
+
+
+def video_interval(spec: art.VisionSpec) -> float:
+    """The temporal M-RoPE step between a video's frame groups: Qwen2-VL 1; Qwen2.5-VL tokens_per_second *
+    second_per_grid_ts (temporal_patch_size / VIDEO_FPS seconds a group, as Qwen2_5_VLProcessor computes it),
+    float32 as transformers multiplies it."""
+    if spec.architecture != "Qwen2_5_VLForConditionalGeneration":
+        return 1.0
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    config = Qwen2_5_VLVisionConfig(**spec.vision_config)  # its tokens_per_second, or transformers' default
+    return float(np.float32(config.tokens_per_second) * np.float32(config.temporal_patch_size / VIDEO_FPS))
 
 
 def qwen_vl_image_processor(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]):
@@ -824,6 +943,10 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
                 if kind in CHAT_IMAGE_PARTS:
                     images.append(_part_image(part, kind, f"messages.{index}.content.{number}"))
                     parts.append({"type": "image"})
+                elif kind not in TEXT_PART_FIELDS:  # video_url, audio: the template would drop them unseen
+                    raise RequestError(f"messages.{index}.content.{number}: {kind!r} parts are not supported beside "
+                                       f"images (text and {', '.join(CHAT_IMAGE_PARTS)} parts are; a Qwen2-VL video "
+                                       "goes in LLM.generate's multi_modal_data 'video')")
                 else:
                     parts.append(part)
         else:

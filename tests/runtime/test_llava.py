@@ -214,7 +214,7 @@ def test_limit_mm_per_prompt(artifact, ref_artifact_128):
         assert llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}}, GREEDY)[0].outputs[0].token_ids
     with LLM(artifact, device="cpu", limit_mm_per_prompt={"image": 0}) as llm, pytest.raises(RequestError, match="At most 0"):
         llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}}, GREEDY)
-    with pytest.raises(ConfigError, match="limit_mm_per_prompt.video"):
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.video: this model .* takes no videos"):
         LLM(artifact, device="cpu", limit_mm_per_prompt={"video": 1})
     with pytest.raises(ConfigError, match="limit_mm_per_prompt: this model .* takes no images"):
         LLM(ref_artifact_128, device="cpu", limit_mm_per_prompt={"image": 1})
