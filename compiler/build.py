@@ -56,6 +56,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json", "preprocessor_config.json", "processor_config.json",  # (a vision model's processor)
+    "video_preprocessor_config.json",  # (Qwen2-VL's video processor)
 )
 DEFAULT_GPU_MEMORY_GIB = 80.0
 NUM_REPORT_WINDOWS = 4  # held-out calibration windows the build's quality report runs on

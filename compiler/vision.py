@@ -81,10 +81,11 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
     from llmc.runtime.multimodal import is_pixtral, pixtral_image_processor, pixtral_processor_fields
 
     if set(QWEN_VL_ARCHITECTURES) & set(config.get("architectures") or []):
-        from llmc.runtime.multimodal import qwen_vl_image_processor
+        from llmc.runtime.multimodal import qwen_vl_image_processor, qwen_vl_video_kwargs
 
         text, spec = qwen_vl_config(config, model_dir)
         qwen_vl_image_processor(model_dir, spec, CheckpointError)  # what the runtime expands <|image_pad|> by
+        qwen_vl_video_kwargs(model_dir, spec, CheckpointError)  # and <|video_pad|>
         return text, spec
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)

@@ -250,6 +250,7 @@ class VisionEncoder:
         if self.is_qwen:  # its processor files checked against the tower (what <|image_pad|> expands to)
             processor = qwen_vl_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
             self.video_interval = video_interval(spec)
+            self.video_kwargs = qwen_vl_video_kwargs(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
             processor = check_anyres_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
@@ -524,11 +525,12 @@ class VisionEncoder:
     def _video_pixels(self, frames: list, number: int) -> tuple[Tensor, tuple[int, int, int]]:
         """One video's patches [t * h * w, channels * temporal_patch_size * patch_size²] and its video_grid_thw
         (t, h, w), laid out as Qwen2VLVideoProcessor lays them out: each frame resized, rescaled and normalized by
-        the artifact's image processor (transformers'; Qwen2VLVideoProcessor itself needs torchvision), the
+        the artifact's image processor (transformers'; Qwen2VLVideoProcessor itself needs torchvision) with the
+        video processor's size, mean and std (`qwen_vl_video_kwargs`), the
         frames taken temporal_patch_size at a time (the last repeated to fill the last group), each group's
         patches in the image processor's order (merge windows row-major) with the frames as the temporal axis."""
         try:
-            out = self.image_processor(images=frames, return_tensors="pt")
+            out = self.image_processor(images=frames, return_tensors="pt", **self.video_kwargs)
         except Exception as e:  # noqa: BLE001 - the processor's own types
             raise RequestError(f"multi_modal_data.video[{number}]: its frames cannot be preprocessed "
                                f"({type(e).__name__}: {e})", param="multi_modal_data") from None
@@ -799,6 +801,47 @@ def video_interval(spec: art.VisionSpec) -> float:
 
     config = Qwen2_5_VLVisionConfig(**spec.vision_config)  # its tokens_per_second, or transformers' default
     return float(np.float32(config.tokens_per_second) * np.float32(config.temporal_patch_size / VIDEO_FPS))
+
+
+VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json")
+QWEN_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}  # Qwen2VLVideoProcessor.size
+
+
+def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]) -> dict:
+    """What Qwen2VLVideoProcessor's files (transformers' order: processor_config.json's video_processor, else
+    video_preprocessor_config.json, else preprocessor_config.json) set for the frames, as keywords of the image
+    processor's call: size (its class default, overridden by the files' size, then min_pixels / max_pixels, as
+    Qwen2VLVideoProcessor reads them), image_mean, image_std;
+    its patch_size, temporal_patch_size and merge_size checked against the tower's, and frame sampling
+    (do_sample_frames) refused: every frame given is used. `error`: CheckpointError at build, ArtifactError at load."""
+    config, path = {}, processor_dir
+    for name in VIDEO_CONFIG_FILES:
+        path = processor_dir / name
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data = data.get("video_processor", {}) if name == "processor_config.json" else data
+        if data:
+            config = data
+            break
+    tower = spec.vision_config
+    wanted = {"patch_size": tower.get("patch_size"), "temporal_patch_size": tower.get("temporal_patch_size"),
+              "merge_size": spec.spatial_merge_size}
+    for key, model in wanted.items():
+        if key in config and config[key] != model:
+            raise error(f"{path}: the video processor's {key} {config[key]!r} is not the model's ({model!r}); set it to "
+                        f"{model!r}")
+    if config.get("do_sample_frames"):
+        raise error(f"{path}: do_sample_frames true (the video processor samples frames by fps) is not supported; "
+                    "set it to false (videos are given as the frames to use)")
+    kwargs = {key: config[key] for key in ("image_mean", "image_std") if config.get(key) is not None}
+    size = dict(config.get("size") or QWEN_VIDEO_SIZE)
+    for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if config.get(key) is not None:
+            size[edge] = config[key]
+    if not (size.get("shortest_edge") and size.get("longest_edge")):
+        raise error(f"{path}: the video processor's size {size!r} needs shortest_edge and longest_edge (or "
+                    "min_pixels and max_pixels)")
+    kwargs["size"] = {"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]}
+    return kwargs
 
 
 def qwen_vl_image_processor(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]):

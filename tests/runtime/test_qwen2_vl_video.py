@@ -186,3 +186,36 @@ def test_chat_video_url_parts_are_refused(artifact):
     for parts in ([{"type": "image_url", "image_url": {"url": data_url(image(1))}}, video], [video]):
         with pytest.raises(RequestError, match="'video_url'"):
             llm.chat([{"role": "user", "content": parts + [{"type": "text", "text": "What happens?"}]}], GREEDY)
+
+
+def test_the_video_processor_files_decide_the_frames_size(checkpoint, family, tmp_path):  # noqa: F811
+    """A video_preprocessor_config.json (carried into the artifact) of at most 512 px a frame: 4 frames of 32 x 32 px
+    are resized to 16 x 16 (smart_resize), 2 video tokens, while images keep the image processor's size; its fields
+    that disagree with the tower, and frame sampling, are refused at build."""
+    import json
+    import shutil
+
+    from llmc.compiler.build import build
+    from llmc.errors import CheckpointError
+    from tests.runtime.hf_oracle import build_float32
+    from tests.runtime.test_qwen2_vl import _recipe
+
+    if family != "qwen2_vl":
+        pytest.skip("the processor files are read alike for Qwen2.5-VL")
+    changed = tmp_path / "hf"
+    shutil.copytree(checkpoint, changed)
+    video = {"size": {"shortest_edge": 256, "longest_edge": 512}, "patch_size": PATCH, "merge_size": MERGE,
+             "temporal_patch_size": TEMPORAL, "video_processor_type": "Qwen2VLVideoProcessor"}
+    (changed / "video_preprocessor_config.json").write_text(json.dumps(video))
+    artifact = build_float32(changed, tmp_path / "a", target={"device": "cpu"})  # noqa: F811
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64)
+    [output] = llm.generate({"prompt": BOTH, "multi_modal_data": {"image": image(1, size=WIDE), "video": frames(1)}},
+                            GREEDY)
+    ids = output.prompt_token_ids
+    assert ids.count(llm.get_tokenizer().convert_tokens_to_ids(VIDEO)) == 2
+    assert ids.count(llm.get_tokenizer().convert_tokens_to_ids(PAD)) == 12
+    for change, message in (({"merge_size": 1}, "the video processor's merge_size 1 is not the model's \\(2\\)"),
+                            ({"do_sample_frames": True}, "do_sample_frames true .* is not supported")):
+        (changed / "video_preprocessor_config.json").write_text(json.dumps(video | change))
+        with pytest.raises(CheckpointError, match=message):
+            build(_recipe(changed, tmp_path / "x"), show_progress=False)
