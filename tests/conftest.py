@@ -49,13 +49,13 @@ def pytest_cmdline_main(config):
     is installed (the `dev` extra) and the machine has that many CPUs: whole test files to a process (--dist
     loadfile), so a file's module fixtures are built once. 10:39 against 19:08 in one process on a 2-core machine
     (session 47). Left as asked: named files or tests, another -m (gpu tests share one device), -n, -p no:xdist,
-    LLMC_TEST_PROCESSES=1. Runs before xdist's own hook (a conftest registers after the installed plugins), which
-    turns the count into worker processes."""
+    LLMC_TEST_PROCESSES=1, --pdb / --trace, --collect-only. Runs before xdist's own hook (a conftest registers after
+    the installed plugins), which turns the count into worker processes."""
     processes = int(os.environ.get("LLMC_TEST_PROCESSES", "2"))
     if (config.pluginmanager.hasplugin("xdist") and getattr(config.option, "numprocesses", None) is None
             and not hasattr(config, "workerinput") and config.args_source != pytest.Config.ArgsSource.ARGS
             and config.option.markexpr == DEFAULT_MARKEXPR and processes > 1 and (os.cpu_count() or 1) >= processes
-            and not config.option.collectonly):
+            and not (config.option.collectonly or config.option.usepdb or config.option.trace)):  # (xdist refuses pdb)
         config.option.numprocesses, config.option.dist = processes, "loadfile"
 
 # Small models on a small shared CPU: torch's intra-op threads cost more in contention than they
