@@ -42,18 +42,18 @@ long context alone) runs the eager absorb. The memory plan holds back `memory.ab
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
 from torch import Tensor
 
-from llmc.kernels.attention import PrefillIndex, max_prefill_blocks, prefill_blocks, prefill_queries_per_block
+from llmc.kernels.attention import max_prefill_blocks, prefill_queries_per_block
 from llmc.runtime import memory
 from llmc.runtime.cuda_graphs import padded_batch_size
 from llmc.runtime.eagle_graphs import HeadGraphs
 from llmc.runtime.eagle_head import EagleHead
 from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.mixed_graphs import index_views, index_values
 
 logger = logging.getLogger("llmc")
 
@@ -86,28 +86,18 @@ class AbsorbInputs:
         self.attn = torch.zeros(rows, config.num_heads, config.head_dim, dtype=dtype, device=device)
         self.block_tables = torch.full((seqs, max_num_blocks), scratch_block, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
-        self.index = torch.tensor(self._index_values([], 0), dtype=torch.int32, device=device)
+        self.index = torch.tensor(index_values([], max_batch_size, self.top_blocks, self.queries_per_block),
+                                  dtype=torch.int32, device=device)
         self.keep = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.drafts = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.hidden = torch.zeros(max_batch_size, config.hidden_size, dtype=dtype, device=device)
 
-    def _index_values(self, query_lens: list[int], num_seqs: int) -> list[int]:
-        """The PrefillIndex of num_seqs sequences of these query lengths (rows packed from 0); the rest unused."""
-        pad, blocks = self.top + 1 - num_seqs, prefill_blocks(query_lens, self.queries_per_block)
-        unused = self.top_blocks - len(blocks)
-        first_rows = list(itertools.accumulate(query_lens[:-1], initial=0))[:num_seqs]
-        return [*query_lens, *[0] * pad, *first_rows, *[0] * pad, *(seq for seq, _ in blocks), *[self.top] * unused,
-                *(start for _, start in blocks), *[0] * unused]
-
     def batch(self, batch_size: int) -> ForwardBatch:
         """The head forward's ForwardBatch of batch_size requests' rows: views of the buffers."""
-        rows, seqs, top_blocks = batch_size * self.rows_per_request, self.top + 1, self.top_blocks
-        blocks = max_prefill_blocks(rows, batch_size, self.queries_per_block)
-        index = PrefillIndex(
-            query_lens=self.index[:seqs], first_rows=self.index[seqs : 2 * seqs],
-            block_seqs=self.index[2 * seqs : 2 * seqs + blocks],
-            block_starts=self.index[2 * seqs + top_blocks : 2 * seqs + top_blocks + blocks],
-            queries_per_block=self.queries_per_block, out=self.attn[:rows])
+        rows = batch_size * self.rows_per_request
+        index = index_views(self.index, self.top, self.top_blocks,
+                            max_prefill_blocks(rows, batch_size, self.queries_per_block), self.queries_per_block,
+                            self.attn[:rows])
         return ForwardBatch(positions=self.positions[:rows], slot_mapping=self.slot_mapping[:rows],
                             block_tables=self.block_tables, context_lens=self.context_lens, query_lens=[rows],
                             max_context_len=self.block_tables.shape[1] * self.block_size,
@@ -130,7 +120,7 @@ class AbsorbInputs:
         width = max(len(block_ids) for block_ids, _, _, _ in rows)
         tables = [b for block_ids, _, _, _ in rows for b in block_ids + [0] * (width - len(block_ids))]
         contexts = [start + len(after) for _, start, after, _ in rows]
-        index = self._index_values([len(after) for _, _, after, _ in rows], n)
+        index = index_values([len(after) for _, _, after, _ in rows], self.top, self.top_blocks, self.queries_per_block)
         flat = torch.tensor(ids + [0] * dead + positions + [0] * dead + slots + [self.scratch_slot] * dead + aux_rows
                             + [0] * dead + keep + contexts + tables + index, dtype=torch.long)
         parts = flat.to(self.input_ids.device, non_blocking=True).split(
@@ -160,7 +150,7 @@ class EagleAbsorbGraphs(HeadGraphs):
     def __init__(self, head: EagleHead, batch_sizes: list[int], k: int, aux_width: int, aux_dtype: torch.dtype,
                  max_model_len: int, block_size: int, scratch_block: int, device: torch.device, pool=None,
                  stream: torch.cuda.Stream | None = None):
-        self.head, self.k = head, k
+        self.k = k
         self.max_context_len = min(max_model_len, MAX_CONTEXT)
         super().__init__(batch_sizes, device, lambda rows: AbsorbInputs(
             head, rows, k, aux_width, aux_dtype, -(-max_model_len // block_size), scratch_block, block_size, device),

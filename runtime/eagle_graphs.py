@@ -169,11 +169,10 @@ class EagleFillGraphs(HeadGraphs):
 
     def __init__(self, head: EagleHead, batch_sizes: list[int], k: int, max_model_len: int, block_size: int,
                  scratch_block: int, device: torch.device, pool=None, stream: torch.cuda.Stream | None = None):
-        self.head, self.max_model_len = head, max_model_len
         super().__init__(batch_sizes, device, lambda rows: DraftInputs(
             rows, k, -(-max_model_len // block_size), scratch_block, block_size, head.config.hidden_size,
-            head.kv_cache[0].dtype, device), lambda batch_size: draft_steps(head, self.inputs, batch_size, max_model_len),
-            pool, stream)
+            head.kv_cache[0].dtype, device),
+            lambda batch_size: draft_steps(head, self.inputs, batch_size, max_model_len), pool, stream)
 
     def log_capture(self, allowance_bytes: int) -> None:
         logger.info("CUDA graphs: EAGLE's %d draft steps captured for %d batch sizes in %.1f s, %.1f MiB of GPU memory "

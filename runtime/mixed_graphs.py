@@ -47,6 +47,29 @@ logger = logging.getLogger("llmc")
 MAX_CONTEXT = memory.WHOLE_GRAPH_MAX_CONTEXT  # longest context a step may have to replay these graphs (docstring)
 
 
+def index_values(query_lens: list[int], max_seqs: int, top_blocks: int, queries_per_block: int) -> list[int]:
+    """The flat int32 PrefillIndex of a step's sequences (their rows packed from 0) in graphs of at most max_seqs
+    sequences and top_blocks query blocks: query_lens | first_rows, each padded with 0 to max_seqs + 1 sequences
+    (the last the padding sequence: no query, context 0) | block_seqs | block_starts, the blocks past the step's the
+    padding sequence's (index_views reads it). No sequence: every block the padding sequence's."""
+    blocks = prefill_blocks(query_lens, queries_per_block)
+    pad, unused = max_seqs + 1 - len(query_lens), top_blocks - len(blocks)
+    first_rows = list(itertools.accumulate(query_lens[:-1], initial=0))[: len(query_lens)]
+    return [*query_lens, *[0] * pad, *first_rows, *[0] * pad, *(seq for seq, _ in blocks), *[max_seqs] * unused,
+            *(start for _, start in blocks), *[0] * unused]
+
+
+def index_views(index: Tensor, max_seqs: int, top_blocks: int, blocks: int, queries_per_block: int,
+                out: Tensor) -> PrefillIndex:
+    """The PrefillIndex of a graph of `blocks` query blocks over the flat `index` index_values lays out (max_seqs + 1
+    sequences, top_blocks blocks), its attention written to `out`."""
+    seqs = max_seqs + 1
+    return PrefillIndex(query_lens=index[:seqs], first_rows=index[seqs : 2 * seqs],
+                        block_seqs=index[2 * seqs : 2 * seqs + blocks],
+                        block_starts=index[2 * seqs + top_blocks : 2 * seqs + top_blocks + blocks],
+                        queries_per_block=queries_per_block, out=out)
+
+
 class MixedGraphs:
     """The whole-forward graphs of prefill and mixed steps of one single-rank model runner."""
 
@@ -77,30 +100,18 @@ class MixedGraphs:
                                        device=device)
         self.context_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
         # query_lens | first_rows | block_seqs | block_starts, int32, set by one copy per step
-        self._index = torch.zeros(2 * num_seqs + 2 * self.num_blocks[top], dtype=torch.int32, device=device)
-        self._index_host = self._initial_index()
-        self._index.copy_(self._index_host)
+        self._index = torch.tensor(index_values([], self.max_seqs, self.num_blocks[top], self.queries_per_block),
+                                   dtype=torch.int32, device=device)
         self.attn = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
         self.aux = aux_buffer(model, top, device)  # an EAGLE head's inputs, when the model keeps them
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds, self.graph_bytes = 0.0, 0
 
-    def _initial_index(self) -> Tensor:
-        """No sequence: every block the padding sequence's."""
-        num_seqs, top_blocks = self.max_seqs + 1, self.num_blocks[self.sizes[-1]]
-        return torch.tensor([0] * (2 * num_seqs) + [self.max_seqs] * top_blocks + [0] * top_blocks, dtype=torch.int32)
-
     def batch(self, size: int) -> ForwardBatch:
         """The ForwardBatch every step of `size` captured tokens runs with: views of the buffers."""
-        num_seqs, top_blocks, blocks = self.max_seqs + 1, self.num_blocks[self.sizes[-1]], self.num_blocks[size]
-        index = self._index
-        prefill_index = PrefillIndex(
-            query_lens=index[:num_seqs], first_rows=index[num_seqs : 2 * num_seqs],
-            block_seqs=index[2 * num_seqs : 2 * num_seqs + blocks],
-            block_starts=index[2 * num_seqs + top_blocks : 2 * num_seqs + top_blocks + blocks],
-            queries_per_block=self.queries_per_block, out=self.attn[:size],
-        )
+        prefill_index = index_views(self._index, self.max_seqs, self.num_blocks[self.sizes[-1]], self.num_blocks[size],
+                                    self.queries_per_block, self.attn[:size])
         return ForwardBatch(
             positions=self.positions[:size], slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables,
             context_lens=self.context_lens, query_lens=[size], max_context_len=self.max_context_len,
@@ -156,13 +167,7 @@ class MixedGraphs:
         self.slot_mapping[n:size].fill_(self.scratch_slot)
         self.context_lens[:num_seqs].copy_(batch.context_lens)
         self.block_tables[:num_seqs, : batch.block_tables.shape[1]].copy_(batch.block_tables)
-        blocks = prefill_blocks(batch.query_lens, self.queries_per_block)
-        pad = self.max_seqs + 1 - num_seqs
-        top_blocks = self.num_blocks[self.sizes[-1]]
-        first_rows = itertools.accumulate(batch.query_lens[:-1], initial=0)
-        values = [*batch.query_lens, *[0] * pad, *first_rows, *[0] * pad,
-                  *(seq for seq, _ in blocks), *[self.max_seqs] * (top_blocks - len(blocks)),
-                  *(start for _, start in blocks), *[0] * (top_blocks - len(blocks))]
+        values = index_values(batch.query_lens, self.max_seqs, self.num_blocks[self.sizes[-1]], self.queries_per_block)
         host = torch.tensor(values, dtype=torch.int32)
         self._index.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
         return size
