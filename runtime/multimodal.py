@@ -319,15 +319,20 @@ class VisionEncoder:
         else:
             pixels = self._pixels(images)
             rows = self._rows(pixels)
+        return rows, self._digest(pixels)
+
+    def _digest(self, pixels: list) -> bytes:
+        """The sha256 of images' (or Qwen2-VL videos') pixel values as `_pixels` gives them, with their sizes where
+        those differ (Pixtral's images; LLaVA-NeXT's and Qwen2-VL's: their own)."""
         digest = hashlib.sha256()
-        for px in pixels:  # Pixtral's images differ in size: their sizes go in too (LLaVA-NeXT's, Qwen2-VL's: own)
+        for px in pixels:
             if self.is_next or self.is_qwen:
                 digest.update(repr(px[1]).encode())
                 px = px[0]
             if self.is_pixtral:
                 digest.update(repr(tuple(px.shape)).encode())
             digest.update(px.float().numpy().tobytes())
-        return rows, digest.digest()
+        return digest.digest()
 
     def _pixels(self, images: list) -> list:
         """Each image's pixel values [3, height, width]: the tower's size, or a Pixtral image's own (resized to a
@@ -516,11 +521,7 @@ class VisionEncoder:
         values and grids). The vision tower runs a video's patches as an image's, its video_grid_thw's t > 1
         (Qwen2VLModel.get_video_features)."""
         pixels = [self._video_pixels(frames, i) for i, frames in enumerate(videos)]
-        digest = hashlib.sha256()
-        for px, grid in pixels:
-            digest.update(repr(grid).encode())
-            digest.update(px.float().numpy().tobytes())
-        return self._qwen_rows(pixels), digest.digest()
+        return self._qwen_rows(pixels), self._digest(pixels)
 
     def _video_pixels(self, frames: list, number: int) -> tuple[Tensor, tuple[int, int, int]]:
         """One video's patches [t * h * w, channels * temporal_patch_size * patch_size²] and its video_grid_thw
@@ -822,10 +823,7 @@ def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[
         if data:
             config = data
             break
-    tower = spec.vision_config
-    wanted = {"patch_size": tower.get("patch_size"), "temporal_patch_size": tower.get("temporal_patch_size"),
-              "merge_size": spec.spatial_merge_size}
-    for key, model in wanted.items():
+    for key, model in _qwen_patch_sizes(spec).items():
         if key in config and config[key] != model:
             raise error(f"{path}: the video processor's {key} {config[key]!r} is not the model's ({model!r}); set it to "
                         f"{model!r}")
@@ -844,6 +842,14 @@ def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[
     return kwargs
 
 
+def _qwen_patch_sizes(spec: art.VisionSpec) -> dict:
+    """The tower's patch_size, temporal_patch_size and merge_size, which Qwen2-VL's image and video processors must
+    cut patches by."""
+    tower = spec.vision_config
+    return {"patch_size": tower.get("patch_size"), "temporal_patch_size": tower.get("temporal_patch_size"),
+            "merge_size": spec.spatial_merge_size}
+
+
 def qwen_vl_image_processor(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]):
     """Qwen2-VL's / Qwen2.5-VL's image processor (AutoImageProcessor: Qwen2VLImageProcessor, or its PIL twin without
     torchvision) of a checkpoint or artifact, checked against the tower: its patch_size, temporal_patch_size and
@@ -858,10 +864,7 @@ def qwen_vl_image_processor(processor_dir: Path, spec: art.VisionSpec, error: ty
     if processor is None or not hasattr(processor, "merge_size"):
         raise error(f"{processor_dir}: no Qwen2-VL image processor (Qwen2VLImageProcessor's "
                     "preprocessor_config.json); use a checkpoint that has its processor files")
-    tower = spec.vision_config
-    wanted = {"patch_size": tower.get("patch_size"), "temporal_patch_size": tower.get("temporal_patch_size"),
-              "merge_size": spec.spatial_merge_size}
-    for key, model in wanted.items():
+    for key, model in _qwen_patch_sizes(spec).items():
         if getattr(processor, key, None) != model:
             raise error(f"{processor_dir}: the image processor's {key} {getattr(processor, key, None)!r} is not the "
                         f"model's ({model!r}); set it to {model!r} in preprocessor_config.json")
