@@ -121,9 +121,8 @@ def expanded_bytes(num_queries: int, num_heads: int, qk_nope: int, qk_rope: int,
     qk_nope + v per head, a dense kv_b's; then kv_b's input, c_kv contiguous, while it runs, or after it the keys
     [k_nope, k_pe] of qk_nope + qk_rope per head beside one call's: its rows' partial output, its log-sum-exp of rows
     padded to 32, the merge's six float32 temporaries per row and head), or the running output cast to the dtype at
-    the end. A context
-    of at most max_context keys (max_model_len; None: unbounded) expands chunks of at most that many. The memory
-    plan holds it back (runtime/memory.py: mla_expanded_bytes)."""
+    the end. A context of at most max_context keys (max_model_len; None: unbounded) expands chunks of at most that
+    many. The memory plan holds it back (runtime/memory.py: mla_expanded_bytes)."""
     keys = expand_chunk_keys(num_heads) if max_context is None else min(expand_chunk_keys(num_heads), max_context)
     rows = min(num_queries, max(1, CUDA_EXPAND_MAX_SCORES // (num_heads * keys)))
     latent = keys * (kv_lora_rank + qk_rope) * dtype_bytes

@@ -198,13 +198,18 @@ def draft_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_size
         return 0
     top, steps, hidden = max(batch_sizes), k - 1, head.hidden_size
     static = top * (8 * k + steps * (8 + 8 + 4) + hidden * itemsize + -(-max_model_len // block_size) * 4)
-    q_kv = (head.num_heads + 2 * head.num_kv_heads) * head.head_dim
-    widest = max(q_kv + head.num_heads * head.head_dim, 3 * head.intermediate_size)
-    intermediates = top * ((4 * hidden + widest) * itemsize + head.draft_vocab_size * 4)
+    intermediates = top * ((4 * hidden + _head_layer_widest(head)) * itemsize + head.draft_vocab_size * 4)
     split = max(paged_split_bytes(size, head.num_heads, head.num_kv_heads, head.head_dim, max_model_len, num_sms)
                 for size in batch_sizes)
     scratch = block_size * head.kv_bytes_per_token(itemsize)
     return len(batch_sizes) * steps * GRAPH_BYTES_PER_GRAPH_LAYER + static + intermediates + split + scratch
+
+
+def _head_layer_widest(head: EagleHeadConfig) -> int:
+    """The widest of an EAGLE head's layer's intermediates per row, in elements: q/k/v beside the attention's output,
+    or gate_up with its SiLU · mul (as activation_peak_bytes counts a model's layer)."""
+    q_kv = (head.num_heads + 2 * head.num_kv_heads) * head.head_dim
+    return max(q_kv + head.num_heads * head.head_dim, 3 * head.intermediate_size)
 
 
 def absorb_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_sizes: list[int],
@@ -227,9 +232,7 @@ def absorb_graph_allowance_bytes(head: EagleHeadConfig, itemsize: int, batch_siz
     static = (rows * (4 * 8 + (aux_width + head.num_heads * head.head_dim) * itemsize)
               + (top + 1) * (-(-max_model_len // block_size) * 4 + 4) + (2 * (top + 1) + 2 * blocks) * 4
               + top * (8 + 8 + hidden * itemsize))
-    q_kv = (head.num_heads + 2 * head.num_kv_heads) * head.head_dim
-    widest = max(q_kv + head.num_heads * head.head_dim, 3 * head.intermediate_size)
-    intermediates = rows * (5 * hidden + widest) * itemsize + top * (hidden * itemsize + head.draft_vocab_size * 4)
+    intermediates = rows * (5 * hidden + _head_layer_widest(head)) * itemsize + top * (hidden * itemsize + head.draft_vocab_size * 4)
     scratch = block_size * head.kv_bytes_per_token(itemsize) if k < 2 else 0
     return len(batch_sizes) * GRAPH_BYTES_PER_GRAPH_LAYER + static + intermediates + scratch
 
