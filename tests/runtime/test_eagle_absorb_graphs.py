@@ -23,16 +23,12 @@ from llmc.runtime.eagle_head import read_head_config
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec_decode import SpeculativeConfig
+from tests.runtime.test_eagle_graphs import _params, check_body_against_eager
 from tests.runtime.test_spec_draft import _generate, prompts, target  # noqa: F401 (fixtures)
 from tests.runtime.test_spec_eagle import (  # noqa: F401 (fixtures)
     REPO, _eagle1, _spec, tiny, trained_head, write_eagle1_head)
 
 K = 3  # up to 4 rows a request: accepted counts 0 .. 3, and requests near their end with fewer drafts
-
-
-def _params(n: int) -> list[SamplingParams]:
-    """Greedy, max_tokens 3 .. 14: requests near their end have fewer than K drafts beside others with K."""
-    return [SamplingParams(temperature=0, max_tokens=3 + (5 * i) % 12, ignore_eos=True) for i in range(n)]
 
 
 def _absorb_graphs(llm, sizes: list[int]) -> EagleAbsorbGraphs:
@@ -99,24 +95,12 @@ def test_the_absorb_body_gives_the_eager_absorbs_drafts_states_and_head_cache(ta
     the shipped head: accepted counts 0 .. K, requests with fewer drafts than K (max_tokens runs out; a budget of 40
     tokens cuts drafts), live rows starting a new block: the eager absorb's first drafts, kept hidden states and head
     cache; greedy tokens as without speculation and the eager engine's acceptance."""
-    chosen, params = prompts[:12], _params(12)
-    options = {"max_num_batched_tokens": 40, "num_kv_blocks": 64}
-    reference, _ = _generate(target, chosen, params, **options)
-    eager, eager_stats = _generate(target, chosen, params, speculative=_spec(trained_head, K), **options)
-    assert eager == reference
-    llm = LLM(target, device="cpu", max_num_seqs=8, disable_log_stats=True, speculative=_spec(trained_head, K),
-              **options)
-    assert llm.engine.proposer.absorb_graphs is None  # a CPU: no graphs unless given
-    graphs = _absorb_graphs(llm, [1, 2, 4, 6])
-    seen = _check_absorbs(llm, graphs)
-    got = [[c.token_ids for c in o.outputs] for o in llm.generate(chosen, params)]
-    stats = llm.stats()
-    assert got == reference
-    assert all(seen.values()), seen
-    assert graphs.num_replays == seen["runs"]
-    assert stats["num_spec_accepted"] == eager_stats["num_spec_accepted"] > 0
-    assert stats["num_spec_proposed"] == eager_stats["num_spec_proposed"]
-    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    def absorb_graphs(llm):
+        assert llm.engine.proposer.absorb_graphs is None  # a CPU: no graphs unless given
+        graphs = _absorb_graphs(llm, [1, 2, 4, 6])
+        return graphs, _check_absorbs(llm, graphs)
+
+    check_body_against_eager(target, trained_head, prompts, K, absorb_graphs)
 
 
 def test_the_forced_path_keeps_greedy_outputs(target, trained_head, prompts):

@@ -78,18 +78,29 @@ def test_the_graphs_body_gives_the_eager_fills_drafts_and_head_cache(target, tra
     requests with mixed num_drafts (max_tokens runs out; a budget of 40 tokens cuts drafts), draft positions starting a
     new block: the eager fill's drafts, the same head cache outside the scratch block, greedy tokens as without
     speculation and the eager fill's acceptance."""
+    def fill_graphs(llm):
+        assert llm.engine.proposer.graphs is None  # a CPU: no graphs unless given
+        runner = llm.engine.runner
+        graphs = EagleFillGraphs(llm.engine.proposer.head, [1, 2, 4, 6], K, 256, runner.block_size, runner.num_blocks,
+                                 torch.device("cpu"))
+        return graphs, _check_fills(llm, graphs)
+
+    check_body_against_eager(target, trained_head, prompts, K, fill_graphs)
+
+
+def check_body_against_eager(target, trained_head, prompts, k: int, attach) -> None:
+    """12 greedy requests of max_tokens 3 .. 14 (_params) under a 40-token budget, through an EAGLE engine of k
+    drafts on the CPU whose graphs' body `attach(llm) -> (graphs, seen)` checks every run against the eager path (_check_fills,
+    or the absorb's twin): greedy tokens as without speculation, every case `seen` counts met, one body run per
+    check, the eager engine's acceptance, every block free after."""
     chosen, params = prompts[:12], _params(12)
     options = {"max_num_batched_tokens": 40, "num_kv_blocks": 64}
     reference, _ = _generate(target, chosen, params, **options)
-    eager, eager_stats = _generate(target, chosen, params, speculative=_spec(trained_head, K), **options)
+    eager, eager_stats = _generate(target, chosen, params, speculative=_spec(trained_head, k), **options)
     assert eager == reference
-    llm = LLM(target, device="cpu", max_num_seqs=8, disable_log_stats=True, speculative=_spec(trained_head, K),
+    llm = LLM(target, device="cpu", max_num_seqs=8, disable_log_stats=True, speculative=_spec(trained_head, k),
               **options)
-    assert llm.engine.proposer.graphs is None  # a CPU: no graphs unless given
-    runner = llm.engine.runner
-    graphs = EagleFillGraphs(llm.engine.proposer.head, [1, 2, 4, 6], K, 256, runner.block_size, runner.num_blocks,
-                             torch.device("cpu"))
-    seen = _check_fills(llm, graphs)
+    graphs, seen = attach(llm)
     got = [[c.token_ids for c in o.outputs] for o in llm.generate(chosen, params)]
     stats = llm.stats()
     assert got == reference
