@@ -176,7 +176,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "
                               f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
                               "float weights; build it with quantization.method: import")
-    if spec.family in ("glm4", "cohere", "cohere2") and recipe.quantization.method == "import":
+    if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2") and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]}: "
                               "the build permutes q_proj's and k_proj's rows into the runtime's rotary layout as it "
                               "reads them, which a pre-quantized checkpoint's packed weights do not take; quantize the "
@@ -321,10 +321,12 @@ def _reading_merge(ctx: _Context):
     (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma), then Granite's residual and logits multipliers folded
     (hf_checkpoint.multiplier_fold: after the merge, so the adapter's delta is scaled with the weight it joins), then
     GLM-4's and Cohere's q/k rows permuted into the runtime's rotary layout (hf_checkpoint.interleaved_rotary_fold:
-    after the merge, so the adapter's delta moves with its rows); None when none applies."""
+    after the merge, so the adapter's delta moves with its rows), GLM-4.5's likewise
+    (hf_checkpoint.partial_rotary_fold); None when none applies."""
     steps = [step for step in (ctx.lora, hf.norm_fold(ctx.spec, ctx.model),
                                hf.multiplier_fold(ctx.spec, ctx.model, ctx.hf_config),
-                               hf.interleaved_rotary_fold(ctx.spec, ctx.model)) if step is not None]
+                               hf.interleaved_rotary_fold(ctx.spec, ctx.model),
+                               hf.partial_rotary_fold(ctx.spec, ctx.model)) if step is not None]
     if len(steps) <= 1:
         return steps[0] if steps else None
 

@@ -138,6 +138,13 @@ _HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_repla
                                       "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
                                       "moe_intermediate_size": 2048, "max_position_embeddings": 4096,
                                       "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
+# Glm4MoeConfig's defaults (its partial_rotary_factor, 0.5: _glm4_rope)
+_HF_CONFIG_DEFAULTS["glm4_moe"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                                   "attention_bias": False, "use_qk_norm": False, "moe_intermediate_size": 1408,
+                                   "num_experts_per_tok": 8, "n_routed_experts": 128, "n_shared_experts": 1,
+                                   "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+                                   "first_k_dense_replace": 1, "norm_topk_prob": True, "tie_word_embeddings": False,
+                                   "bos_token_id": None, "eos_token_id": None}
 # GptOssConfig's defaults (its rope_parameters' default, YaRN, is filled in by _gpt_oss_config)
 _HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "head_dim": 64,
                                   "num_key_value_heads": 8, "tie_word_embeddings": False,
@@ -155,7 +162,7 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
-                  "GptOssForCausalLM": "gpt_oss"}
+                  "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -180,8 +187,10 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                                   "(hidden_act silu)")
     if spec.family == "phi3":
         config = _phi3_rope(config)
-    if spec.family == "glm4":
+    if spec.family in ("glm4", "glm4_moe"):
         config = _glm4_rope(config)
+    if spec.family == "glm4_moe":
+        _check_glm4_moe(config)
     if spec.family in COHERE_FAMILIES:
         config = _cohere_config(config, spec.family)
     if spec.family in GRANITE_FAMILIES:
@@ -223,13 +232,15 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         # Qwen2's q/k/v always have biases; Phi-3's linears never do (its modules ignore the key)
         attention_bias=spec.family == "qwen2" or (spec.family == "qwen2_moe" and bool(config["qkv_bias"])) or (
             spec.family != "phi3" and bool(config.get("attention_bias", False))),
-        qk_norm=bool(spec.qk_norms),
+        qk_norm=bool(spec.qk_norms) and (spec.family != "glm4_moe" or bool(config["use_qk_norm"])),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         dtype=dtype,
         sliding_window=sliding_window,
         sliding_window_layers=sliding_window_layers,
-        **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_FAMILIES else {}),
+        **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_ROUTER_FAMILIES
+           else {}),
+        **(_glm4_moe_fields(config) if spec.family == "glm4_moe" else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -242,8 +253,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
-        # Phi-3's and GLM-4's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families' transformers models
-        # rotate whole heads
+        # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
+        # transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
         **(_classifier_fields(config) if _is_classifier(config) else {}),
     )
@@ -540,6 +551,7 @@ def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Call
 
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe")  # routed by moe.deepseek_route (their own MoE fields)
 
 
 def _deepseek_config(config: dict, family: str) -> dict:
@@ -595,11 +607,8 @@ def _deepseek_fields(config: dict, family: str) -> dict:
             raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' DeepSeek-V3 routes "
                                   "by sigmoid with noaux_tc")
         groups = (config["n_group"], config["topk_group"])
-    if groups[0] is not None and (not groups[1] or experts % groups[0] or groups[1] > groups[0]
-                                  or (family == "deepseek_v3" and experts // groups[0] < 2)):
-        raise CheckpointError(f"n_group {groups[0]}, topk_group {groups[1]}: the {experts} experts must split evenly "
-                              f"into n_group groups{' of at least 2' if family == 'deepseek_v3' else ''}, of which "
-                              "topk_group (at most n_group) are chosen from")
+    if groups[0] is not None:
+        _check_router_groups(experts, *groups, pairs=family == "deepseek_v3")
     qk_head_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     _, rope_scaling = _rope(config)
     scale = qk_head_dim ** -0.5
@@ -620,6 +629,47 @@ def _deepseek_fields(config: dict, family: str) -> dict:
             "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
             "v_head_dim": config["v_head_dim"], "softmax_scale": scale,
             "mla_rope_interleave": family == "deepseek_v2" or bool(config.get("rope_interleave", True))}
+
+
+def _check_router_groups(experts: int, groups, topk_groups, pairs: bool) -> None:
+    """n_group and topk_group must split the experts evenly into groups (of at least 2 where a group scores by its
+    two best experts: `pairs`, DeepSeek-V3's and GLM-4.5's), topk_group of them (at most n_group) chosen from."""
+    valid = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (groups, topk_groups))
+    if not valid or experts % groups or topk_groups > groups or (pairs and experts // groups < 2):
+        raise CheckpointError(f"n_group {groups}, topk_group {topk_groups}: the {experts} experts must split evenly "
+                              f"into n_group groups{' of at least 2' if pairs else ''}, of which topk_group (at most "
+                              "n_group) are chosen from")
+
+
+def _check_glm4_moe(config: dict) -> None:
+    """What a GLM-4.5 config can say that transformers' Glm4MoeForCausalLM would not run as it says, refused by name:
+    a router other than its sigmoid with noaux_tc (it reads neither key), no experts. Its multi-token-prediction
+    layers are left out, and the build says so."""
+    scoring, method = config.get("scoring_func"), config.get("topk_method")
+    if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
+        raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' GLM-4.5 routes by "
+                              "sigmoid with noaux_tc (e_score_correction_bias)")
+    if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
+        raise CheckpointError("GLM-4.5: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
+                              "and top-k)")
+    if config.get("num_nextn_predict_layers") or config.get("num_mtp_layers"):
+        logger.info("GLM-4.5: the multi-token prediction layers (num_nextn_predict_layers) are not built: "
+                    "transformers' forward does not run them either; no MTP speculative decoding")
+
+
+def _glm4_moe_fields(config: dict) -> dict:
+    """GLM-4.5's MoE fields: the layers from first_k_dense_replace on, DeepSeek-V3's router (sigmoid scores chosen
+    with e_score_correction_bias within the best topk_group of n_group groups, renormalised where norm_topk_prob,
+    times routed_scaling_factor), n_shared_experts shared experts as one of n_shared_experts * moe_intermediate_size."""
+    experts, groups = config["n_routed_experts"], (config["n_group"], config["topk_group"])
+    _check_router_groups(experts, *groups, pairs=True)
+    shared = config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
+    return {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"], "norm_topk_prob": bool(config["norm_topk_prob"]),
+            "moe_layers": list(range(config["first_k_dense_replace"] or 0, config["num_hidden_layers"])),
+            "shared_expert_intermediate_size": shared or None, "router_scoring": "sigmoid",
+            "router_groups": groups[0], "router_topk_groups": groups[1],
+            "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0)}
 
 
 def _moe_fields(config: dict, family: str) -> dict:
@@ -803,6 +853,34 @@ def interleaved_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[s
     perm = interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
     names = {f"{spec.hf_layer_prefix}{i}.self_attn.{proj}.{kind}" for i in range(config.num_layers)
              for proj in ("q_proj", "k_proj") for kind in ("weight", "bias")}
+
+    def permute(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in names:
+            return tensor
+        return tensor.unflatten(0, (-1, config.head_dim))[:, perm].flatten(0, 1)
+    return permute
+
+
+def partial_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
+    """[head_dim] int64: the old dim of each head's new dim, moving the rotate-half pairs (i, i + rotary_dims / 2) of
+    the leading rotary_dims (GLM-4.5's) to (i, i + head_dim / 2), the rotate-half layout over the whole head, and the
+    pass-through dims to the pairs after them, in order (ModelConfig.rotary_rows_permuted)."""
+    half, half_passed = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    return torch.cat((torch.arange(half), torch.arange(rotary_dims, rotary_dims + half_passed),
+                      torch.arange(half, rotary_dims), torch.arange(rotary_dims + half_passed, head_dim)))
+
+
+def partial_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """For GLM-4.5 (rotate-half over the leading rotary_dim of each head: ModelConfig.rotary_rows_permuted), a
+    `TensorReader` merge that reads q_proj's and k_proj's weights and biases with each head's rows permuted
+    (partial_rotary_permutation), and the per-head q_norm / k_norm weights with the same permutation (the RMS of a
+    head is unchanged by it): q.k is unchanged, and the runtime rotates whole heads, the pass-through pairs by a table
+    of cos 1, sin 0. None for the other families, and for a GLM-4.5 that rotates whole heads."""
+    if config.family != "glm4_moe" or not config.rotary_rows_permuted:
+        return None
+    perm = partial_rotary_permutation(config.head_dim, config.rotary_dims)
+    names = {f"{spec.hf_layer_prefix}{i}.self_attn.{module}.{kind}" for i in range(config.num_layers)
+             for module in ("q_proj", "k_proj", "q_norm", "k_norm") for kind in ("weight", "bias")}
 
     def permute(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name not in names:

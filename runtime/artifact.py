@@ -96,7 +96,7 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2", "gpt_oss"]
+            "cohere2", "gpt_oss", "glm4_moe"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -274,8 +274,9 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's router weight (and V3's score bias) is held and run in float32, as transformers keeps it."""
-        return self.family in ("deepseek_v2", "deepseek_v3")
+        """DeepSeek's and GLM-4.5's router weight (and V3's and GLM-4.5's score bias) is held and run in float32, as
+        transformers keeps it, and routes by `deepseek_route`."""
+        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
 
     @property
     def rotary_dims(self) -> int:
@@ -286,15 +287,22 @@ class ModelConfig:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
+    def rotary_rows_permuted(self) -> bool:
+        """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
+        rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
+        rotate-half over the leading rotary_dim (family glm4_moe: hf_checkpoint.partial_rotary_fold)."""
+        return self.rotary_interleaved or (self.family == "glm4_moe" and self.rotary_dim is not None)
+
+    @property
     def rotary_table_dims(self) -> int:
         """The rotary table's width: rotary_dims, or the whole head where the build moved the rotated pairs over it
-        (rotary_interleaved: the pass-through pairs' cos 1, sin 0)."""
-        return self.head_dim if self.rotary_interleaved else self.rotary_dims
+        (rotary_rows_permuted: the pass-through pairs' cos 1, sin 0)."""
+        return self.head_dim if self.rotary_rows_permuted else self.rotary_dims
 
     @property
     def is_partial_rotary(self) -> bool:
         """A partial_rotary_factor's leading dims, rotated by the kernels (not MLA's rope part, which its module
-        rotates; not GLM-4's, whose table is the whole head's: rotary_table_dims)."""
+        rotates; not GLM-4's or GLM-4.5's, whose table is the whole head's: rotary_table_dims)."""
         return not self.is_mla and self.rotary_table_dims < self.head_dim
 
     @property

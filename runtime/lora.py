@@ -80,7 +80,7 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = "DeepSeek's latent attention (its q / kv_a / kv_b linears have no run-time LoRA)"
     elif model.family == "granite":
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
-    elif model.rotary_interleaved:
+    elif model.rotary_rows_permuted:
         problem = (f"{model.architecture} (its q_proj and k_proj rows are permuted into the runtime's rotary layout "
                    "at build time)")
     elif quant.method == "awq":
