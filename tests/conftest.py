@@ -252,6 +252,15 @@ _FAMILY_SPECS["gpt_oss"] = ("GptOssConfig", {
     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
     "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                         "truncate": False, "original_max_position_embeddings": 64}})
+# GLM-4.5 MoE (tests/runtime/test_glm4_moe.py): GQA 4/2 of head_dim 32 with q/k/v biases, rotary on the leading 16
+# dims of each head (rotate-half over them), one dense layer, then 2 MoE layers of 8 experts of width 32 (top 2) in 2
+# groups of which 1 is chosen, renormalised and scaled by 2.5, beside one shared expert; q/k norms (use_qk_norm: the
+# tests build a copy without them), one multi-token-prediction layer named in the config (the tests write its tensors)
+_FAMILY_SPECS["glm4_moe"] = ("Glm4MoeConfig", {
+    "head_dim": 32, "attention_bias": True, "use_qk_norm": True, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+    "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
