@@ -17,9 +17,13 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
                  width 768, top-8 renormalised, 32 q / 4 kv heads of 128, q/k norms, 48 layers cut to
                  12 by default) or mixtral (Mixtral-8x7B: 8 experts of width 14336, top-2, 32 layers
                  cut to 8 by default) or deepseek-v2-lite (DeepSeek-V2-Lite: latent attention, 64 experts of
-                 width 1408, top-6, 2 shared, 27 layers cut to 4 by default). The MoE configs are written by transformers' config classes
-                 (Qwen3MoeConfig, MixtralConfig); the experts' tensors are named per expert, as the
-                 published checkpoints name them (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
+                 width 1408, top-6, 2 shared, 27 layers cut to 4 by default) or glm4-moe (GLM-4.5-Air: 96 q / 8 kv
+                 heads of 128 with q/k/v biases, rotary on half of each head, layer 0 dense, then 128 experts of
+                 width 1408, top-8 by V3's sigmoid router with e_score_correction_bias, 1 shared; 46 layers cut to 4
+                 by default; its multi-token-prediction layer left out, as llmc does not build it). The MoE configs
+                 are written by transformers' config classes (Qwen3MoeConfig, MixtralConfig, DeepseekV2Config,
+                 Glm4MoeConfig); the experts' tensors are named per expert, as the published checkpoints name them
+                 (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ DEEPSEEK_V2_LITE = {"vocab_size": 102400, "hidden_size": 2048, "intermediate_siz
                     "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                     "v_head_dim": 128, "topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                     "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False}
+# GLM-4.5-Air's (zai-org/GLM-4.5-Air: partial_rotary_factor 0.5, use_qk_norm false; GLM-4.5 itself sets it, with 160
+# experts and 92 layers); num_nextn_predict_layers 0: its MTP layer (model.layers.46) is not written (llmc does not
+# build it)
+GLM_45_AIR = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+              "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
+              "attention_bias": True, "use_qk_norm": False, "n_routed_experts": 128, "n_shared_experts": 1,
+              "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+              "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
+              "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
                                                         "num_experts_per_tok": 2}),
@@ -88,6 +102,8 @@ MOE_ARCHS = {  # arch → (config class, published config, layers by default, ti
                                                                    "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
                                                                    "v_head_dim": 32, "num_key_value_heads": 4,
                                                                    "intermediate_size": 512}),
+    "glm4-moe": ("Glm4MoeConfig", GLM_45_AIR, 4, {"moe_intermediate_size": 128, "n_routed_experts": 8,
+                                                  "num_experts_per_tok": 2, "intermediate_size": 512}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
@@ -144,9 +160,17 @@ def attention_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.kv_a_layernorm.weight": (latent,),
                 p + "self_attn.kv_b_proj.weight": (heads * (nope + v), latent),
                 p + "self_attn.o_proj.weight": (hidden, heads * v)}
-    q, kv = heads * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    return {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
+    head_dim = config["head_dim"]
+    q, kv = heads * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+              p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
+    if config["model_type"] == "glm4_moe":  # q/k/v biases (attention_bias), q/k norms where use_qk_norm
+        if config["attention_bias"]:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config["use_qk_norm"]:
+            shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    return shapes
 
 
 def dense_mlp_shapes(p: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
@@ -156,13 +180,17 @@ def dense_mlp_shapes(p: str, hidden: int, inter: int) -> dict[str, tuple[int, ..
 
 def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     """One layer's MLP tensors: Llama's dense MLP, Qwen3-MoE's (with its q/k norms), Mixtral's experts or
-    DeepSeek's (dense before first_k_dense_replace, then routed experts beside shared ones)."""
+    DeepSeek's and GLM-4.5's (dense before first_k_dense_replace, then routed experts beside shared ones; GLM-4.5's
+    router with its e_score_correction_bias)."""
     hidden, model_type = config["hidden_size"], config["model_type"]
-    if model_type == "llama" or (model_type == "deepseek_v2" and layer < config["first_k_dense_replace"]):
+    deepseek_like = model_type in ("deepseek_v2", "glm4_moe")
+    if model_type == "llama" or (deepseek_like and layer < config["first_k_dense_replace"]):
         return dense_mlp_shapes(p + "mlp.", hidden, config["intermediate_size"])
-    if model_type == "deepseek_v2":
+    if deepseek_like:
         inter, num_experts = config["moe_intermediate_size"], config["n_routed_experts"]
         shapes = {p + "mlp.gate.weight": (num_experts, hidden)}
+        if model_type == "glm4_moe":
+            shapes[p + "mlp.gate.e_score_correction_bias"] = (num_experts,)
         shapes |= dense_mlp_shapes(p + "mlp.shared_experts.", hidden, inter * config["n_shared_experts"])
         for e in range(num_experts):
             shapes |= dense_mlp_shapes(p + f"mlp.experts.{e}.", hidden, inter)
@@ -186,6 +214,8 @@ def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith("e_score_correction_bias"):  # float32, as GLM-4.5 stores it (transformers keeps it so)
+        return torch.zeros(shape, dtype=torch.float32)
     tensor = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=generator)
     return tensor.cpu()
 
@@ -274,11 +304,13 @@ def make_checkpoint(out: Path, layers: int | None = None, tiny: bool = False, de
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, deepseek-v2-lite 4; 2 with --tiny)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, "
+                        "deepseek-v2-lite 4, glm4-moe 4; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral or deepseek-v2-lite")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite or "
+                        "glm4-moe")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)
