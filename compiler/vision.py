@@ -1,7 +1,7 @@
 """Vision-language checkpoints (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
 Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration,
-Qwen2_5_VLForConditionalGeneration): the language model built as its causal LM, the vision tower and projector kept
-dense in their own file.
+Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration): the language model built as its causal LM, the
+vision tower and projector kept dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
 (Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
@@ -33,6 +33,13 @@ positions are M-RoPE's: three per token (temporal, height, width), `mrope_sectio
 among them. The language model is built as Qwen2ForCausalLM (its tensors are a Qwen2's), the split goes to the
 vision section (`mrope_section`), and the runtime computes the positions (runtime/mrope.py). Its images' tokens
 attend causally.
+
+Qwen3-VL (Qwen3VLForConditionalGeneration, dense) is the same shape: transformers' Qwen3VLVisionModel (16 px patches,
+learned position embeddings interpolated to each image's grid, 2-D rotary, the patch merger, and one more merger per
+`deepstack_visual_indexes` layer: their rows are added to the language model's hidden states at the image tokens
+after its first decoder layers) written whole under `vision_tower.`, and a Qwen3 language model (q/k RMSNorm per
+head) built as Qwen3ForCausalLM whose M-RoPE interleaves the three positions' frequencies (`mrope_interleaved`).
+Its videos are not run (refused at run time); Qwen3-VL-MoE is refused by name (hf_checkpoint).
 """
 
 from __future__ import annotations
@@ -52,8 +59,9 @@ GEMMA3 = "Gemma3ForConditionalGeneration"
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-QWEN_VL_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL)  # M-RoPE's positions (runtime/mrope.py)
-VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL)
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN_VL_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)  # M-RoPE's positions (runtime/mrope.py)
+VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
@@ -85,7 +93,8 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
 
         text, spec = qwen_vl_config(config, model_dir)
         qwen_vl_image_processor(model_dir, spec, CheckpointError)  # what the runtime expands <|image_pad|> by
-        qwen_vl_video_kwargs(model_dir, spec, CheckpointError)  # and <|video_pad|>
+        if spec.architecture != QWEN3_VL:  # (Qwen3-VL's videos are refused at run time: its files are not read)
+            qwen_vl_video_kwargs(model_dir, spec, CheckpointError)  # and <|video_pad|>
         return text, spec
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)
@@ -291,19 +300,28 @@ def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSp
 
 
 def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
-    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration: the text config (transformers' defaults
-    filled in, a flat legacy config.json read as transformers reads it) as Qwen2ForCausalLM's, and the vision section
-    (the tower's config, the image and video tokens, the patch merger's side, M-RoPE's mrope_section)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration: the
+    text config (transformers' defaults filled in, a flat legacy config.json read as transformers reads it) as
+    Qwen2ForCausalLM's (Qwen3-VL: Qwen3ForCausalLM's), and the vision section (the tower's config, the image and video
+    tokens, the patch merger's side, M-RoPE's mrope_section; Qwen3-VL: its interleaved frequencies, its deepstack
+    layers checked against the language model's)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
 
-    is_2_5 = QWEN2_5_VL in (config.get("architectures") or [])
-    family = "Qwen2.5-VL" if is_2_5 else "Qwen2-VL"
-    config_class, towers = ((Qwen2_5_VLConfig, ("qwen2_5_vl_vision", "qwen2_5_vl")) if is_2_5
-                            else (Qwen2VLConfig, ("qwen2_vl_vision", "qwen2_vl")))
+    architectures = config.get("architectures") or []
+    arch = next(a for a in QWEN_VL_ARCHITECTURES if a in architectures)
+    family, config_class, towers = {
+        QWEN2_VL: ("Qwen2-VL", Qwen2VLConfig, ("qwen2_vl_vision", "qwen2_vl")),
+        QWEN2_5_VL: ("Qwen2.5-VL", Qwen2_5_VLConfig, ("qwen2_5_vl_vision", "qwen2_5_vl")),
+        QWEN3_VL: ("Qwen3-VL", Qwen3VLConfig, ("qwen3_vl_vision", "qwen3_vl")),
+    }[arch]
     parsed = _read_config(config_class, config, model_dir, family, towers)
     text = parsed.text_config.to_dict()
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     section = rope.pop("mrope_section", None)
+    interleaved = bool(rope.pop("mrope_interleaved", arch == QWEN3_VL))
+    if interleaved != (arch == QWEN3_VL):  # transformers interleaves Qwen3-VL's always, the others' never
+        raise CheckpointError(f"{model_dir}: mrope_interleaved {interleaved} is not what {family} runs "
+                              f"({arch == QWEN3_VL}); drop it from rope_parameters")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise CheckpointError(f"{model_dir}: {family}'s rope type {rope_type!r} is not supported; M-RoPE over the "
@@ -317,28 +335,41 @@ def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]
     rope.pop("type", None)
     text["rope_parameters"] = rope
     text.pop("rope_scaling", None)
-    text["model_type"] = "qwen2"
-    text["architectures"] = ["Qwen2ForCausalLM"]
+    text["model_type"], text["architectures"] = ("qwen3", ["Qwen3ForCausalLM"]) if arch == QWEN3_VL else \
+        ("qwen2", ["Qwen2ForCausalLM"])
     text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or text.get("tie_word_embeddings"))
     dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
     vision = _tower_config(parsed.vision_config)
-    out = "out_hidden_size" if is_2_5 else "hidden_size"  # the merger's output width
+    out = "hidden_size" if arch == QWEN2_VL else "out_hidden_size"  # the merger's output width
     if vision.get(out) != text["hidden_size"]:
         raise CheckpointError(f"{model_dir}: vision_config.{out} {vision.get(out)} (the patch merger's output) is not "
                               f"the language model's hidden_size {text['hidden_size']}")
+    if arch == QWEN3_VL:
+        _check_deepstack(vision, text["num_hidden_layers"], model_dir)
     spec = art.VisionSpec(
-        architecture=QWEN2_5_VL if is_2_5 else QWEN2_VL, vision_config=vision,
+        architecture=arch, vision_config=vision,
         image_token_index=int(parsed.image_token_id), text_hidden_size=text["hidden_size"],
         spatial_merge_size=int(parsed.vision_config.spatial_merge_size), mrope_section=list(section),
-        video_token_index=int(parsed.video_token_id),
+        video_token_index=int(parsed.video_token_id), mrope_interleaved=interleaved,
     )
     return text, spec
 
 
+def _check_deepstack(vision: dict, num_layers: int, model_dir: Path) -> None:
+    """Qwen3-VL's deepstack_visual_indexes: each a layer of the tower, distinct, and no more of them than decoder
+    layers (the k-th feature transformers collects, in the tower's layer order, is added after decoder layer k)."""
+    indexes, depth = vision.get("deepstack_visual_indexes") or [], vision.get("depth")
+    if (not all(isinstance(i, int) and 0 <= i < depth for i in indexes) or len(set(indexes)) != len(indexes)
+            or len(indexes) > num_layers):
+        raise CheckpointError(f"{model_dir}: vision_config.deepstack_visual_indexes {list(indexes)!r}: expected "
+                              f"distinct tower layers in 0..{depth - 1}, no more of them than the language model's "
+                              f"{num_layers} decoder layers")
+
+
 def _qwen_vl_names(names: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """Qwen2-VL's / Qwen2.5-VL's tensor names (either layout): ({causal LM name: checkpoint name}, {artifact name
-    (`vision_tower.` + the vision transformer's own name): checkpoint name})."""
+    """Qwen2-VL's / Qwen2.5-VL's / Qwen3-VL's tensor names (either layout): ({causal LM name: checkpoint name},
+    {artifact name (`vision_tower.` + the vision transformer's own name): checkpoint name})."""
     language, vision = {}, {}
     for name in names:
         old = next((p for p in _QWEN_VISUAL_PREFIXES if name.startswith(p)), None)
@@ -395,7 +426,7 @@ def write_vision_weights(reader, path: Path, dtype: str) -> int:
     tensors = {name: reader.get_source(source).to(getattr(torch, dtype)).contiguous()
                for name, source in sorted(reader.vision_names.items())}
     if not any(name.startswith(("multi_modal_projector.", "vision_tower.merger.")) for name in tensors):
-        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector (or Qwen2-VL's visual.merger) tensors "
+        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector (or Qwen2-VL's / Qwen3-VL's visual.merger) tensors "
                               "in the checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt"})

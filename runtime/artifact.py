@@ -6,7 +6,7 @@ artifact/
   tokenizer/                    HF tokenizer files, copied (chat template included)
   rank-00/weights.safetensors   this rank's tensors, already sharded and packed
   vision/weights.safetensors    a vision model's vision tower and projector, dense (LLaVA: 1.13; Gemma 3: 1.14;
-                                Mistral 3: 1.17; LLaVA-NeXT: 1.18; Qwen2-VL, Qwen2.5-VL: 1.19)
+                                Mistral 3: 1.17; LLaVA-NeXT: 1.18; Qwen2-VL, Qwen2.5-VL: 1.19; Qwen3-VL: 1.24)
 ```
 The compiler writes a `Manifest`; the runtime reads it. JSON and safetensors only, no pickles.
 """
@@ -85,10 +85,13 @@ from llmc.schema import opt, parse
 #      column per head whose value is dropped), o_bias (attn.o's bias), moe_bias (moe.gate.bias, and
 #      moe.experts.gate_up.bias / moe.experts.down.bias [E, out]) and swiglu_limit / swiglu_alpha (the experts' clamped
 #      SwiGLU); older manifests load without them (none of these).
-FORMAT_VERSION = "1.23"
+# 1.24: Qwen3-VL (Qwen3VLForConditionalGeneration): the vision section's mrope_interleaved (M-RoPE's frequencies
+#      interleaved over temporal, height and width) and a Qwen3-VL vision_config (its tower holds the patch merger and
+#      the deepstack mergers); older manifests load without them (false: Qwen2-VL's contiguous sections).
+FORMAT_VERSION = "1.24"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23")
+                         "1.22", "1.23", "1.24")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -597,11 +600,13 @@ class VisionSpec:
     projector's under `multi_modal_projector.` (LLaVA: linear_1, linear_2; Gemma 3: mm_soft_emb_norm,
     mm_input_projection_weight; Mistral 3: norm, patch_merger.merging_layer, linear_1, linear_2); LLaVA-NeXT's also
     `image_newline` (the row appended after each row of an image's tiles). Qwen2-VL / Qwen2.5-VL: the whole of
-    transformers' vision transformer (its patch merger `merger.` included) under `vision_tower.`, no projector."""
+    transformers' vision transformer (its patch merger `merger.` included) under `vision_tower.`, no projector; Qwen3-VL
+    the same, its deepstack mergers (`deepstack_merger_list.`) included."""
 
     architecture: str = opt(choices=["LlavaForConditionalGeneration", "Gemma3ForConditionalGeneration",
                                      "Mistral3ForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"])
+                                     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                     "Qwen3VLForConditionalGeneration"])
     # transformers' CLIPVisionConfig (LLaVA) / SiglipVisionConfig (Gemma 3) / PixtralVisionConfig (Mistral 3, LLaVA
     # with model_type pixtral: each image at its own size), as a dict
     vision_config: dict = opt()
@@ -633,6 +638,10 @@ class VisionSpec:
     # runtime refuses; spatial_merge_size is the tower's patch merger's
     mrope_section: list[int] | None = opt(None)
     video_token_index: int | None = opt(None, min=0)
+    # Qwen3-VL (format 1.24): M-RoPE's frequencies interleaved (frequency j reads height where j % 3 == 1 and j <
+    # 3 * mrope_section[1], width where j % 3 == 2 and j < 3 * mrope_section[2], temporal otherwise: transformers'
+    # Qwen3VLTextRotaryEmbedding) rather than in three contiguous runs
+    mrope_interleaved: bool = opt(False)
 
 
 def kernel_source_label(record: dict) -> str:
@@ -731,6 +740,7 @@ def _check_consistency(m: Manifest) -> None:
                                                         "projector_hidden_act", "image_grid_pinpoints"),
                   "Qwen2VLForConditionalGeneration": ("spatial_merge_size", "mrope_section", "video_token_index"),
                   "Qwen2_5_VLForConditionalGeneration": ("spatial_merge_size", "mrope_section", "video_token_index"),
+                  "Qwen3VLForConditionalGeneration": ("spatial_merge_size", "mrope_section", "video_token_index"),
                   }.get(m.vision.architecture,
                         ("vision_feature_layer", "vision_feature_select_strategy", "projector_hidden_act"))
         if lacking := [key for key in needed if getattr(m.vision, key) is None]:

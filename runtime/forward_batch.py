@@ -36,6 +36,10 @@ class ForwardBatch:
     # A vision model's image tokens in this step (runtime/multimodal.step_image_rows): (flat token indices [n],
     # embedding rows [n, hidden_size]) written over those tokens' embeddings; None: none. Such steps run eagerly.
     image_rows: tuple[Tensor, Tensor] | None = None
+    # Qwen3-VL's deepstack rows of this step's image tokens (runtime/multimodal.step_deepstack_rows): (flat token
+    # indices [n], rows [levels, n, hidden_size]), level k added to those tokens' hidden states after decoder layer k
+    # (DecoderModel.run_layers); None: none. Such steps run eagerly.
+    deepstack_rows: tuple[Tensor, Tensor] | None = None
     # [num_tokens] int32: the last key position each query may attend to, where a step holds tokens of an image
     # attended both ways (Gemma 3: runtime/multimodal.step_key_limits); None: causal (each query's own position)
     key_limits: Tensor | None = None

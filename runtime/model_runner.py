@@ -34,7 +34,7 @@ from llmc.runtime.lora import LoraManager, LoraSlots
 from llmc.runtime.memory_profile import measure_kv_plan
 from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.mrope import column_components, step_rope
-from llmc.runtime.multimodal import step_image_rows, step_key_limits
+from llmc.runtime.multimodal import step_deepstack_rows, step_image_rows, step_key_limits
 from llmc.runtime.offload import WeightOffloader
 from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, kv_cache_shapes, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
@@ -61,7 +61,7 @@ class ModelRunner:
         self.takes_images = manifest.vision is not None or options.enable_prompt_embeds
         # Qwen2-VL's M-RoPE: each rotary column's position component (runtime/mrope.py); None: 1-D positions
         section = manifest.vision.mrope_section if manifest.vision is not None else None
-        self.rope_components = column_components(section) if section else None
+        self.rope_components = column_components(section, manifest.vision.mrope_interleaved) if section else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(artifact_dir, manifest, device, max_positions=options.max_model_len,
                                  keep_gate_up_order=options.enable_lora)
@@ -175,8 +175,8 @@ class ModelRunner:
     def forward_hidden(self, input_ids: Tensor, forward_batch: ForwardBatch) -> Tensor:
         """One forward pass: the final norm's outputs [num_tokens, hidden_size] (a graph's output buffer,
         valid until the next forward). A step with image rows runs eagerly but where the piecewise graphs take
-        them (PiecewiseGraphs NOTE (rows)); a step with its own rotary rows (M-RoPE) runs eagerly."""
-        if forward_batch.rope_table is not None:
+        them (PiecewiseGraphs NOTE (rows)); a step with its own rotary rows (M-RoPE) or deepstack rows runs eagerly."""
+        if forward_batch.rope_table is not None or forward_batch.deepstack_rows is not None:
             return self.model(input_ids, forward_batch)
         if forward_batch.image_rows is not None:
             if getattr(self.pieces, "takes_rows", False) and self.pieces.can_run(forward_batch):
@@ -208,11 +208,13 @@ class ModelRunner:
 
     def _put_images(self, batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
         """A vision model's step: its image tokens' rows, and where its images attend both ways (Gemma 3), the
-        queries' key limits (runtime/multimodal.py); both None in a step without image tokens. M-RoPE (Qwen2-VL):
+        queries' key limits (runtime/multimodal.py), Qwen3-VL's deepstack rows; None in a step without image tokens.
+        M-RoPE (Qwen2-VL):
         the step's own rotary rows where it needs them (runtime/mrope.step_rope)."""
         forward_batch.image_rows = step_image_rows(batch)
         if forward_batch.image_rows is not None:
             forward_batch.key_limits = step_key_limits(batch, forward_batch.positions)
+            forward_batch.deepstack_rows = step_deepstack_rows(batch)
         if self.rope_components is not None:
             rope = step_rope(batch, self.model.cos_sin, self.rope_components)
             if rope is not None:

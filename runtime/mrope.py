@@ -1,10 +1,12 @@
-"""M-RoPE (Qwen2-VL, Qwen2.5-VL): a step's rotary rows where a token's three positions (temporal, height, width)
+"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a step's rotary rows where a token's three positions (temporal, height, width)
 differ (DESIGN §5, "M-RoPE").
 
 The rotary kernels take one position per token and a table, and rotate by table[position]. M-RoPE rotates each
 token's frequencies by one of its three positions: mrope_section[0] frequencies by the temporal one, the next
-mrope_section[1] by the height, the rest by the width (in cos's half and in sin's). Row `column` of such a token
-is therefore the model's own table at that column's position: table[positions[component(column)], column].
+mrope_section[1] by the height, the rest by the width (in cos's half and in sin's); Qwen3-VL interleaves them
+(frequency j: height where j % 3 == 1 and j < 3 * mrope_section[1], width where j % 3 == 2 and j < 3 *
+mrope_section[2], temporal otherwise). Row `column` of such a token is therefore the model's own table at that
+column's position: table[positions[component(column)], column].
 
 A request's positions are its prompt's (ImageInputs.mrope, computed when its images are expanded) and, after the
 prompt, its token index + ImageInputs.rope_delta, three equal. So:
@@ -25,10 +27,17 @@ from torch import Tensor
 from llmc.runtime.step_inputs import is_single_token_step
 
 
-def column_components(mrope_section: list[int]) -> Tensor:
+def column_components(mrope_section: list[int], interleaved: bool = False) -> Tensor:
     """[rotary_dims] int64: the position (0 temporal, 1 height, 2 width) each column of a cos / sin table row reads;
-    the cos half and the sin half alike (transformers' Qwen2VLRotaryEmbedding.recomposition_frequencies)."""
-    half = np.repeat(np.arange(3), mrope_section)
+    the cos half and the sin half alike (transformers' Qwen2VLRotaryEmbedding.recomposition_frequencies; interleaved:
+    Qwen3VLTextRotaryEmbedding's, whose height and width take every third frequency from 1 and 2, as many as their
+    sections, and temporal the rest)."""
+    if interleaved:
+        half = np.zeros(sum(mrope_section), dtype=np.int64)
+        for component in (1, 2):
+            half[component : 3 * mrope_section[component] : 3] = component
+    else:
+        half = np.repeat(np.arange(3), mrope_section)
     return torch.from_numpy(np.concatenate([half, half]))
 
 

@@ -29,7 +29,11 @@ expanded so; its tokens attend causally, and the request's M-RoPE positions (thr
 are computed with the expansion (`ImageInputs.mrope`). Qwen2-VL's videos (multi_modal_data's 'video': frames) go
 through the same tower, each frame preprocessed by the image processor and the frames grouped temporal_patch_size
 at a time (`_video_pixels`), <|video_pad|> expanded to t x h x w / merge² rows, the frame groups' temporal
-positions apart by `video_interval`; a prompt's images and videos share its ImageInputs. The request keeps the embeddings
+positions apart by `video_interval`; a prompt's images and videos share its ImageInputs. Qwen3-VL: Qwen2-VL's flow
+with transformers' Qwen3VLVisionModel, whose deepstack mergers give each image token one more row per deepstack
+layer (`ImageInputs.deepstack`), added to the language model's hidden state at that token after decoder layer 0, 1,
+... (`step_deepstack_rows`), and interleaved M-RoPE frequencies (runtime/mrope.py); its videos are refused. The
+request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
 """
@@ -74,6 +78,8 @@ class ImageInputs:
             width; a text token's three equal), or None: the 1-D positions (every other model).
         rope_delta: the rotary position of a token after the prompt minus its index (vLLM's mrope_position_delta:
             the prompt's largest M-RoPE position + 1 - its length; 0 without M-RoPE).
+        deepstack: Qwen3-VL's deepstack rows [levels, len(positions), hidden_size] on the model's device: level k is
+            added to the hidden state of the token at positions[i] after decoder layer k; None: no deepstack.
     """
 
     positions: list[int]
@@ -82,6 +88,7 @@ class ImageInputs:
     spans: list[tuple[int, int]] = field(default_factory=list)
     mrope: np.ndarray | None = None
     rope_delta: int = 0
+    deepstack: Tensor | None = None
 
     def rope_positions(self, start: int, end: int) -> np.ndarray:
         """[3, end - start] int64: the M-RoPE positions of tokens start..end-1 (the prompt's, then index + rope_delta
@@ -119,18 +126,19 @@ def images_of(multi_modal_data) -> list:
     return images
 
 
-def videos_of(multi_modal_data, takes_video: bool) -> list[list]:
+def videos_of(multi_modal_data, takes_video: bool, refusal: str | None = None) -> list[list]:
     """vLLM's multi_modal_data's videos ({"video": frames or a list of them}; frames: a uint8 numpy array
     [num_frames, height, width, 3] or a list of PIL images of one size) → each video's frames as PIL RGB images;
-    RequestError where the model takes no video (`takes_video`: Qwen2-VL, Qwen2.5-VL) or a video is malformed."""
+    RequestError where the model takes no video (`takes_video`: Qwen2-VL, Qwen2.5-VL; `refusal` says why) or a
+    video is malformed."""
     from PIL import Image
 
     videos = multi_modal_data.get("video") if isinstance(multi_modal_data, dict) else None
     if videos is None:
         return []
     if not takes_video:
-        raise RequestError("multi_modal_data.video: only images are supported (the 'image' key)",
-                           param="multi_modal_data")
+        why = refusal or "only images are supported (the 'image' key)"
+        raise RequestError(f"multi_modal_data.video: {why}", param="multi_modal_data")
     if isinstance(videos, tuple):
         raise RequestError("multi_modal_data.video: (frames, metadata) pairs are not supported (frames are taken as "
                            "sampled at 2 fps); give the frames alone", param="multi_modal_data")
@@ -182,9 +190,21 @@ def is_pixtral(spec: art.VisionSpec) -> bool:
     return spec.vision_config.get("model_type") == "pixtral"
 
 
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN3_VL_VIDEOS = ("Qwen3-VL's videos are not supported (its prompts interleave frame timestamps with "
+                   "<|video_pad|> runs); give images")
+
+
 def is_qwen_vl(spec: art.VisionSpec) -> bool:
-    """Whether the model is Qwen2-VL or Qwen2.5-VL: dynamic resolution, the merger in the tower, M-RoPE positions."""
-    return spec.architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+    """Whether the model is Qwen2-VL, Qwen2.5-VL or Qwen3-VL: dynamic resolution, the merger in the tower, M-RoPE
+    positions."""
+    return spec.architecture in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                 QWEN3_VL)
+
+
+def takes_videos(spec: art.VisionSpec | None) -> bool:
+    """Whether the model runs videos (multi_modal_data's 'video'): Qwen2-VL and Qwen2.5-VL."""
+    return spec is not None and is_qwen_vl(spec) and spec.architecture != QWEN3_VL
 
 
 def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module | None]:
@@ -192,7 +212,7 @@ def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module | N
     PixtralVisionModel) and Projector, Gemma 3's SiglipVisionModel and transformers' Gemma3MultiModalProjector, Mistral 3's
     PixtralVisionModel and transformers' Mistral3MultiModalProjector; Qwen2-VL's / Qwen2.5-VL's vision transformer
     (transformers' Qwen2VisionTransformerPretrainedModel / Qwen2_5_VisionTransformerPretrainedModel: its patch merger
-    is the projector) and None."""
+    is the projector) and None; Qwen3-VL's Qwen3VLVisionModel (its mergers, deepstack's included) and None."""
     if spec.architecture == "Qwen2VLForConditionalGeneration":
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -203,6 +223,11 @@ def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module | N
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
         return Qwen2_5_VisionTransformerPretrainedModel(Qwen2_5_VLVisionConfig(**spec.vision_config)).eval(), None
+    if spec.architecture == QWEN3_VL:
+        from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel(Qwen3VLVisionConfig(**spec.vision_config)).eval(), None
     if is_pixtral(spec):
         from transformers import Mistral3Config, PixtralVisionConfig, PixtralVisionModel
         from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
@@ -247,8 +272,11 @@ class VisionEncoder:
         self.is_pixtral = is_pixtral(spec)
         self.is_next = spec.architecture == "LlavaNextForConditionalGeneration"
         self.is_qwen = is_qwen_vl(spec)
+        self.is_qwen3 = spec.architecture == QWEN3_VL  # deepstack rows; no videos
+        self.takes_videos = takes_videos(spec)
         if self.is_qwen:  # its processor files checked against the tower (what <|image_pad|> expands to)
             processor = qwen_vl_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+        if self.takes_videos:
             self.video_interval = video_interval(spec)
             self.video_kwargs = qwen_vl_video_kwargs(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
@@ -420,10 +448,15 @@ class VisionEncoder:
     def _qwen_rows(self, pixels: list[tuple[Tensor, tuple[int, int, int]]]) -> list[Tensor]:
         """Qwen2-VL's / Qwen2.5-VL's images in one call of the vision transformer (Qwen2VLModel.get_image_features:
         its attention is per image, and Qwen2.5's windows stay within one), each image's merged rows as a grid
-        [t, h / merge, w / merge, hidden_size] (an image is one frame: t 1; a video t frame groups)."""
+        [t, h / merge, w / merge, hidden_size] (an image is one frame: t 1; a video t frame groups). Qwen3-VL: each
+        grid [..., (1 + levels) * hidden_size], the merger's row then each deepstack merger's side by side
+        (Qwen3VLModel.get_image_features' pooler_output and deepstack_features; `_qwen_prompt_inputs` parts them)."""
         grids = [grid for _, grid in pixels]
         patches = torch.cat([px for px, _ in pixels]).to(self.device, self.dtype)
-        rows = self.tower(patches, grid_thw=torch.tensor(grids, device=self.device)).pooler_output
+        out = self.tower(patches, grid_thw=torch.tensor(grids, device=self.device))
+        rows = out.pooler_output
+        if self.is_qwen3 and out.deepstack_features:
+            rows = torch.cat([rows, *out.deepstack_features], dim=-1)
         merge = self.spec.spatial_merge_size
         return [r.reshape(t, h // merge, w // merge, r.shape[-1])
                 for r, (t, h, w) in zip(rows.split([math.prod(g) // merge**2 for g in grids]), grids)]
@@ -476,6 +509,8 @@ class VisionEncoder:
         (kept); the request's M-RoPE positions (`mrope_positions`) with it. Images and videos take their runs in
         order, each kind its own."""
         video = self.spec.video_token_index
+        if not self.takes_videos:
+            self._check_no_video_placeholders(token_ids)
         runs = self._placeholder_runs(token_ids, (self.image_token_id, video))
         counts = [sum(token_ids[lo] == t for lo, _ in runs) for t in (self.image_token_id, video)]
         if counts[0] != len(images):
@@ -513,7 +548,11 @@ class VisionEncoder:
             at = end
         expanded += token_ids[at:]
         mrope, delta = mrope_positions(len(expanded), places)
-        return expanded, ImageInputs(positions, torch.cat(grids), digest, mrope=mrope, rope_delta=delta)
+        rows, deepstack, hidden = torch.cat(grids), None, self.spec.text_hidden_size
+        if rows.shape[-1] > hidden:  # Qwen3-VL: [n, (1 + levels) * hidden] → rows, deepstack [levels, n, hidden]
+            rows, deepstack = rows[:, :hidden], rows[:, hidden:].reshape(len(rows), -1, hidden).transpose(0, 1)
+            rows, deepstack = rows.contiguous(), deepstack.contiguous()
+        return expanded, ImageInputs(positions, rows, digest, mrope=mrope, rope_delta=delta, deepstack=deepstack)
 
     @torch.inference_mode()
     def encode_videos(self, videos: list[list]) -> tuple[list[Tensor], bytes]:
@@ -548,6 +587,9 @@ class VisionEncoder:
 
     def _check_no_video_placeholders(self, token_ids: list[int]) -> None:
         video = self.spec.video_token_index
+        if not self.takes_videos and video is not None and video in token_ids:
+            raise RequestError(f"the prompt holds video placeholders (<|video_pad|>, token id {video}): "
+                               f"{QWEN3_VL_VIDEOS}", param="multi_modal_data")
         if video is not None and video in token_ids:
             raise RequestError(f"the prompt holds video placeholders (<|video_pad|>, token id {video}) but no videos; "
                                "give the videos (multi_modal_data's 'video'), or drop the placeholders",
@@ -922,10 +964,10 @@ def _processor(tokenizer_dir: Path):
                             "rebuild the artifact from a checkpoint that has its processor files") from None
 
 
-def step_image_rows(batch) -> tuple[Tensor, Tensor] | None:
-    """(flat token indices [n], image embedding rows [n, hidden_size]) of the step's image tokens, in the order
-    StepBuffers packs the step's tokens (each scheduled request's chunk in turn); None when the step has none."""
-    indices, rows, offset = [], [], 0
+def _step_image_tokens(batch):
+    """(each request's ImageInputs, the range [lo, hi) of its positions in this step, their flat token indices) for
+    the step's requests with image tokens in it, in the order StepBuffers packs the step's tokens."""
+    offset = 0
     for scheduled in batch.requests:
         request = scheduled.request
         images = request.images
@@ -934,12 +976,34 @@ def step_image_rows(batch) -> tuple[Tensor, Tensor] | None:
             end = start + scheduled.num_new_tokens - len(scheduled.draft_token_ids)
             lo, hi = bisect_left(images.positions, start), bisect_left(images.positions, end)
             if hi > lo:
-                indices += [offset + p - start for p in images.positions[lo:hi]]
-                rows.append(images.embeds[lo:hi])
+                yield images, lo, hi, [offset + p - start for p in images.positions[lo:hi]]
         offset += scheduled.num_new_tokens
+
+
+def step_image_rows(batch) -> tuple[Tensor, Tensor] | None:
+    """(flat token indices [n], image embedding rows [n, hidden_size]) of the step's image tokens, in the order
+    StepBuffers packs the step's tokens (each scheduled request's chunk in turn); None when the step has none."""
+    indices, rows = [], []
+    for images, lo, hi, flat in _step_image_tokens(batch):
+        indices += flat
+        rows.append(images.embeds[lo:hi])
     if not rows:
         return None
     return torch.tensor(indices, dtype=torch.long, device=rows[0].device), torch.cat(rows)
+
+
+def step_deepstack_rows(batch) -> tuple[Tensor, Tensor] | None:
+    """Qwen3-VL: (flat token indices [n], deepstack rows [levels, n, hidden_size]) of the step's image tokens (those
+    of step_image_rows), added to their hidden states after decoder layers 0..levels-1 (ForwardBatch.deepstack_rows);
+    None when the step has no image token with deepstack rows."""
+    indices, rows = [], []
+    for images, lo, hi, flat in _step_image_tokens(batch):
+        if images.deepstack is not None:
+            indices += flat
+            rows.append(images.deepstack[:, lo:hi])
+    if not rows:
+        return None
+    return torch.tensor(indices, dtype=torch.long, device=rows[0].device), torch.cat(rows, dim=1)
 
 
 def step_key_limits(batch, positions: Tensor) -> Tensor | None:

@@ -323,12 +323,17 @@ class DecoderModel(nn.Module):
 
     def run_layers(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch) -> tuple[Tensor, Tensor]:
         """This rank's decoder layers: (x, residual) in, (x, residual) out, [num_tokens, hidden_size] each. A step
-        with its own rotary rows (batch.rope_table: M-RoPE, runtime/mrope.py) rotates by them in every layer."""
+        with its own rotary rows (batch.rope_table: M-RoPE, runtime/mrope.py) rotates by them in every layer; one with
+        deepstack rows (batch.deepstack_rows: Qwen3-VL) adds level k to its image tokens' hidden states after layer k
+        (to the layer's output, which the next norm adds to the residual: transformers' _deepstack_process)."""
         step_rope, keep, kept = batch.rope_table, self.aux_layer_ids, {}
+        deepstack = batch.deepstack_rows
         for index, layer in self.layers.items():
             if keep and int(index) in keep:  # (an EAGLE-3 head's inputs: runtime/spec_eagle.py)
                 kept[int(index)] = x if residual is None else x + residual
             x, residual = layer(x, residual, batch, self.rope_of(layer) if step_rope is None else step_rope)
+            if deepstack is not None and int(index) < deepstack[1].shape[0]:
+                x = x.index_add(0, deepstack[0], deepstack[1][int(index)].to(x.dtype))
         if keep:
             self.aux_hidden = torch.cat([kept[i] for i in keep], dim=-1)
         return x, residual

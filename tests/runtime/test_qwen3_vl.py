@@ -1,0 +1,270 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, dense): a tiny random float32 checkpoint (a vision transformer of 8 px
+patches merged 2 x 2, so 16 px a token, learned position embeddings on a 4 x 4 grid interpolated to each image's,
+deepstack mergers after tower layers 0 and 1, so decoder layers 0 and 1 take their rows; a Qwen3 text model, q/k
+RMSNorm per head, whose M-RoPE interleaves mrope_section [4, 2, 2] over its 8 rotary frequencies) built and run
+against transformers' own Qwen3VLForConditionalGeneration.generate: the prompt ids (<|image_pad|> expanded to an
+image's merged patches, as Qwen3VLProcessor writes them), the greedy tokens and their logprobs with one image, two
+images of different sizes in one prompt, an image prompt beside a text prompt in one batch, chunked prefill ending
+inside an image, a prefix-cache hit inside an image; the positions against transformers' get_rope_index; the
+interleaved rotary columns against Qwen3VLTextRotaryEmbedding; what is refused.
+
+Qwen3VLProcessor needs torchvision (its video processor), which this machine's torch has no build of: the checkpoint
+carries the PIL image processor's files (Qwen2VLImageProcessorPil, the class transformers maps qwen3_vl to without
+torchvision) and the reference prompt ids follow Qwen3VLProcessor.replace_image_token's layout (image_grid_thw's
+product / merge_size² tokens an image), as tests/runtime/test_qwen2_vl.py's `expand` writes them."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import CheckpointError, RequestError
+from llmc.runtime import artifact as art
+from llmc.runtime.llm import LLM
+from llmc.runtime.mrope import column_components
+from llmc.runtime.multimodal import mrope_positions
+from llmc.runtime.sampling_params import SamplingParams
+from tests.conftest import REF_MODEL_DIR, TOKENIZER_FILES
+from tests.runtime.hf_oracle import build_float32
+from tests.runtime.test_llava import _randomise_, image
+from tests.runtime.test_qwen2_vl import CHAT_TEMPLATE, END, PAD, PROMPT, START, TALL, TWO, VIDEO, WIDE, expand
+from tests.runtime.vision_oracle import (check_chat_image_parts, check_chunked_image_prefill, check_image_requests,
+                                         check_output, hf_greedy_with_logprobs)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+SECTION = [4, 2, 2]  # interleaved over 8 frequencies: height 1, 4; width 2, 5; temporal 0, 3, 6, 7
+
+
+def make_qwen3_vl_checkpoint(path, seed: int = 0, **config_changes):
+    """A tiny random float32 Qwen3-VL with the reference tokenizer plus the vision tokens, the PIL image processor's
+    files (patch 8, merge 2, temporal patch 2) and a chat template."""
+    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    path.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": [START, END, PAD, VIDEO]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    start, end, pad, video = tokenizer.convert_tokens_to_ids([START, END, PAD, VIDEO])
+    text = dict(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0,
+                eos_token_id=1, pad_token_id=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTION,
+                                 "mrope_interleaved": True})
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=8,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 1])
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, vision_start_token_id=start,
+                           vision_end_token_id=end, image_token_id=pad, video_token_id=video,
+                           tie_word_embeddings=False, **config_changes)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    _randomise_(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
+                             image_std=[0.5] * 3,
+                             size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_qwen3_vl_checkpoint(tmp_path_factory.mktemp("qwen3_vl") / "hf")
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return build_float32(checkpoint, tmp_path_factory.mktemp("qwen3-vl-art") / "a", target={"device": "cpu"})
+
+
+@pytest.fixture(scope="module")
+def hf(checkpoint):
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    return model, AutoTokenizer.from_pretrained(str(checkpoint)), AutoImageProcessor.from_pretrained(str(checkpoint))
+
+
+def hf_inputs(hf, prompt: str | list[int], images) -> dict:
+    """transformers' inputs: the image processor's patches and image_grid_thw, the prompt expanded by them (or token
+    ids as they are), mm_token_type_ids 1 at the image tokens (as Qwen3VLProcessor returns them)."""
+    model, tokenizer, image_processor = hf
+    inputs, grids = {}, []
+    if images:
+        pixels = image_processor(images=images, return_tensors="pt")
+        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
+        grids = pixels["image_grid_thw"].tolist()
+    ids = tokenizer(expand(prompt, grids))["input_ids"] if isinstance(prompt, str) else prompt
+    ids = torch.tensor([ids])
+    types = (ids == model.config.image_token_id).int()
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types, **inputs}
+
+
+def hf_generate(hf, prompt, images, max_tokens: int = GREEDY.max_tokens):
+    return hf_greedy_with_logprobs(hf[0], hf_inputs(hf, prompt, images), max_tokens)
+
+
+def test_build_records_the_vision_side(artifact, checkpoint):
+    manifest = art.read_manifest(artifact)
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert manifest.format_version == art.FORMAT_VERSION == "1.24"
+    assert manifest.model.architecture == "Qwen3ForCausalLM" and manifest.model.qk_norm
+    assert not manifest.model.attention_bias
+    vision = manifest.vision
+    assert vision.architecture == "Qwen3VLForConditionalGeneration"
+    assert (vision.image_token_index, vision.video_token_index, vision.spatial_merge_size, vision.mrope_section,
+            vision.mrope_interleaved) == (config["image_token_id"], config["video_token_id"], 2, SECTION, True)
+    from safetensors.torch import load_file
+
+    names = load_file(artifact / art.VISION_WEIGHTS).keys()
+    assert {"vision_tower.merger.linear_fc1.weight", "vision_tower.deepstack_merger_list.1.linear_fc2.weight",
+            "vision_tower.pos_embed.weight"} <= set(names)
+    assert all(n.startswith("vision_tower.") for n in names)
+
+
+def test_interleaved_columns_equal_transformers(hf):
+    """Each rotary frequency reads the position Qwen3VLTextRotaryEmbedding gives it (positions 100 + c for component
+    c, so a cos row tells which one a column read)."""
+    rotary = hf[0].model.language_model.rotary_emb
+    positions = torch.tensor([100, 200, 300]).view(3, 1, 1)
+    cos, _ = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    inv = rotary.inv_freq
+    read = [min(range(3), key=lambda c: abs(float(torch.cos((100 * (c + 1)) * inv[j])) - float(cos[0, 0, j])))
+            for j in range(len(inv))]
+    components = column_components(SECTION, interleaved=True)
+    assert components.tolist() == read + read and read == [0, 1, 2, 0, 1, 2, 0, 0]
+
+
+def test_mrope_positions_equal_transformers(hf):
+    """Two images (3 x 4 and 2 x 6 tokens) between text: our positions and delta are get_rope_index's."""
+    inputs = hf_inputs(hf, TWO, [image(1, size=WIDE), image(2, size=TALL)])
+    ids = inputs["input_ids"][0].tolist()
+    want, delta = hf[0].model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                             inputs["image_grid_thw"])
+    pad = hf[0].config.image_token_id
+    starts = [i for i, t in enumerate(ids) if t == pad and ids[i - 1] != pad]
+    ours, our_delta = mrope_positions(len(ids), [(s, r, c) for s, (r, c) in zip(starts, [(3, 4), (2, 6)])])
+    assert np.array_equal(ours, want[:, 0].numpy()) and our_delta == int(delta) < 0
+
+
+def test_generate_with_images_matches_transformers(artifact, hf):
+    """One image, an image of another size, both in one prompt, a text-only prompt in the same batch, and the
+    already-expanded ids: transformers' prompt ids, greedy tokens and their logprobs (deepstack rows added after
+    decoder layers 0 and 1; without them the replies differ: test_deepstack_matters)."""
+    first, second = image(1, size=WIDE), image(2, size=TALL)
+    expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),
+                hf_generate(hf, TWO, [first, second])]
+    pad = hf[0].config.image_token_id
+    assert [expected[0][0].count(pad), expected[1][0].count(pad), expected[2][0].count(pad)] == [12, 12, 24]
+    plain_ids = hf[1]("User:Hello there.")["input_ids"]
+    expected.append(hf_generate(hf, plain_ids, None))
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, 2e-4)
+
+
+def test_deepstack_matters(artifact, hf, monkeypatch):
+    """Without the deepstack additions the logprobs are not transformers' (so the test above checks them)."""
+    import llmc.runtime.model_runner as model_runner
+
+    picture = image(3, size=WIDE)
+    _, _, want = hf_generate(hf, PROMPT, [picture])
+    monkeypatch.setattr(model_runner, "step_deepstack_rows", lambda batch: None)
+    [output] = LLM(artifact, device="cpu", max_num_batched_tokens=64).generate(
+        {"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY)
+    ours = [step[t].logprob for step, t in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+    assert max(abs(a - b) for a, b in zip(ours, want)) > 1e-2
+
+
+def test_chunked_prefill_ends_inside_an_image(artifact, hf, monkeypatch):
+    """8 tokens a step: the images (12 tokens each) are split across chunks, each chunk's image tokens taking their
+    own deepstack rows, and the replies are transformers'."""
+    pictures = [image(4, size=WIDE), image(5, size=TALL)]
+    expected = [hf_generate(hf, TWO, pictures), hf_generate(hf, PROMPT, pictures[1:])]
+    check_chunked_image_prefill(artifact, monkeypatch, GREEDY,
+                                [{"prompt": TWO, "multi_modal_data": {"image": pictures}},
+                                 {"prompt": PROMPT, "multi_modal_data": {"image": pictures[1]}}], expected)
+
+
+def test_a_prefix_cache_hit_that_ends_inside_an_image(artifact, hf):
+    """The first prompt's cached blocks end inside its image; the second (the first plus text) computes the image's
+    rest, with its deepstack rows, at their M-RoPE positions, as transformers does; the same text with another image
+    shares no block."""
+    tokenizer = hf[1]
+    head = tokenizer("User: the picture:" + START)["input_ids"]
+    picture = image(6, size=WIDE)
+    pad, end = tokenizer.convert_tokens_to_ids([PAD, END])
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    [first] = llm.generate({"prompt_token_ids": head + [pad, end], "multi_modal_data": {"image": picture}}, GREEDY)
+    positions = [i for i, t in enumerate(first.prompt_token_ids) if t == pad]
+    assert positions[0] < 16 <= positions[-1] and len(first.prompt_token_ids) < 24
+    second_ids = head + [pad, end] + tokenizer("Describe it.", add_special_tokens=False)["input_ids"]
+    [second] = llm.generate({"prompt_token_ids": second_ids, "multi_modal_data": {"image": picture}}, GREEDY)
+    assert second.num_cached_tokens == 16
+    check_output(second, hf_generate(hf, second.prompt_token_ids, [picture]))
+    other = image(7, size=WIDE)
+    [third] = llm.generate({"prompt_token_ids": second_ids, "multi_modal_data": {"image": other}}, GREEDY)
+    assert third.num_cached_tokens == 0
+    check_output(third, hf_generate(hf, third.prompt_token_ids, [other]))
+
+
+def test_chat_with_an_image_part_equals_the_offline_form(artifact, hf):
+    picture = image(8, size=TALL)
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64)
+    check_chat_image_parts(llm, GREEDY, picture, "Describe it.", hf_generate(hf, PROMPT, [picture]))
+
+
+def test_videos_and_too_many_images_are_refused(artifact, hf):
+    tokenizer = hf[1]
+    pad, video = tokenizer.convert_tokens_to_ids([PAD, VIDEO])
+    frames = np.zeros((2, 32, 32, 3), dtype=np.uint8)
+    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(RequestError, match="multi_modal_data.video: Qwen3-VL's videos are not supported"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1), "video": frames}}, GREEDY)
+    head = tokenizer("User:" + START)["input_ids"]
+    for data in (None, {"image": image(1)}):
+        with pytest.raises(RequestError, match="video placeholders .*: Qwen3-VL's videos are not supported"):
+            llm.generate({"prompt_token_ids": head + [pad, video], "multi_modal_data": data}
+                         if data else {"prompt_token_ids": head + [video]}, GREEDY)
+    with pytest.raises(RequestError, match="At most 1 image\\(s\\) may be provided in one prompt"):
+        llm.generate({"prompt": TWO, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)
+    with pytest.raises(RequestError, match="use_beam_search does not run with images"):
+        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
+                     SamplingParams(use_beam_search=True, n=2, max_tokens=4))
+    from llmc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.video: .* takes no videos"):
+        LLM(artifact, device="cpu", limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ConfigError, match="speculative method draft_model: .*M-RoPE"):
+        LLM(artifact, device="cpu", speculative_config={"method": "draft_model", "model": str(artifact),
+                                                        "num_speculative_tokens": 2})
+
+
+def test_checkpoints_that_are_not_run_are_refused_by_name(checkpoint, tmp_path):
+    config = json.loads((checkpoint / "config.json").read_text())
+    text, vision = config["text_config"], config["vision_config"]
+    cases = [
+        (config | {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe"},
+         "Qwen3-VL-MoE is not supported"),
+        (config | {"vision_config": {**vision, "deepstack_visual_indexes": [0, 3]}},
+         "deepstack_visual_indexes \\[0, 3\\]: expected distinct tower layers in 0..2"),
+        (config | {"vision_config": {**vision, "depth": 5, "deepstack_visual_indexes": [0, 1, 2, 3]}},
+         "no more of them than the language model's 3 decoder layers"),
+        (config | {"text_config": {**text, "rope_parameters": {**text["rope_parameters"], "mrope_interleaved": False}}},
+         "mrope_interleaved False is not what Qwen3-VL runs"),
+        (config | {"text_config": {**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": [4, 2, 1]}}},
+         "mrope_section \\[4, 2, 1\\]: expected 3 counts"),
+    ]
+    for number, (changed_config, message) in enumerate(cases):
+        changed = tmp_path / f"c{number}"
+        shutil.copytree(checkpoint, changed)
+        (changed / "config.json").write_text(json.dumps(changed_config))
+        with pytest.raises(CheckpointError, match=message):
+            build(recipe_from_dict({"model": str(changed), "output": str(tmp_path / "x"), "dtype": "float32"}),
+                  show_progress=False)
