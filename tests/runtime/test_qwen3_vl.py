@@ -154,10 +154,12 @@ def test_mrope_positions_equal_transformers(hf):
     assert np.array_equal(ours, want[:, 0].numpy()) and our_delta == int(delta) < 0
 
 
-def test_generate_with_images_matches_transformers(artifact, hf):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_generate_with_images_matches_transformers(artifact, hf, device):
     """One image, an image of another size, both in one prompt, a text-only prompt in the same batch, and the
     already-expanded ids: transformers' prompt ids, greedy tokens and their logprobs (deepstack rows added after
     decoder layers 0 and 1; without them the replies differ: test_deepstack_matters)."""
+    atol = 2e-4 if device == "cpu" else 2e-3
     first, second = image(1, size=WIDE), image(2, size=TALL)
     expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),
                 hf_generate(hf, TWO, [first, second])]
@@ -165,8 +167,9 @@ def test_generate_with_images_matches_transformers(artifact, hf):
     assert [expected[0][0].count(pad), expected[1][0].count(pad), expected[2][0].count(pad)] == [12, 12, 24]
     plain_ids = hf[1]("User:Hello there.")["input_ids"]
     expected.append(hf_generate(hf, plain_ids, None))
-    llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8)
-    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, 2e-4)
+    llm = LLM(artifact, device=device, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8,
+              gpu_memory_utilization=0.3)
+    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, atol)
 
 
 def test_deepstack_matters(artifact, hf, monkeypatch):
@@ -268,3 +271,56 @@ def test_checkpoints_that_are_not_run_are_refused_by_name(checkpoint, tmp_path):
         with pytest.raises(CheckpointError, match=message):
             build(recipe_from_dict({"model": str(changed), "output": str(tmp_path / "x"), "dtype": "float32"}),
                   show_progress=False)
+
+
+def test_prompt_ids_equal_qwen3_vl_processors(checkpoint, hf):
+    """Where torchvision is installed: transformers' Qwen3VLProcessor writes the prompt ids `hf_inputs` writes."""
+    pytest.importorskip("torchvision")
+    from transformers import Qwen3VLProcessor
+
+    processor = Qwen3VLProcessor.from_pretrained(str(checkpoint))
+    pictures = [image(1, size=WIDE), image(2, size=TALL)]
+    ids = processor(text=TWO, images=pictures, return_tensors="pt")["input_ids"][0].tolist()
+    assert ids == hf_inputs(hf, TWO, pictures)["input_ids"][0].tolist()
+
+
+@pytest.mark.slow  # three builds
+def test_other_layouts_and_a_quantized_build(checkpoint, artifact, tmp_path):
+    """The published config.json (text_config's rope_scaling and rope_theta, the tower's model_type qwen3_vl) and the
+    older names (visual.*, model.*) build the same artifact as save_pretrained's; an RTN build quantizes the language
+    model's linears only (the tower and its deepstack mergers exact) and still runs with images."""
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "hf"
+    shutil.copytree(checkpoint, renamed)
+    config = json.loads((renamed / "config.json").read_text())
+    rope = config["text_config"].pop("rope_parameters")
+    config["text_config"].update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    config["vision_config"]["model_type"] = "qwen3_vl"
+    (renamed / "config.json").write_text(json.dumps(config))
+    tensors = load_file(renamed / "model.safetensors")
+    new = {}
+    for name, t in tensors.items():
+        if name.startswith("model.visual."):
+            new[name.removeprefix("model.")] = t
+        elif name.startswith("model.language_model."):
+            new["model." + name.removeprefix("model.language_model.")] = t
+        else:
+            new[name] = t
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
+    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
+        a, b = load_file(artifact / rel), load_file(other / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
+    assert ours.vision == theirs.vision and ours.model == theirs.model
+    quantized = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
+                              quantization={"method": "rtn", "group_size": 32})
+    assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
+    vision = load_file(quantized / art.VISION_WEIGHTS)
+    source = load_file(checkpoint / "model.safetensors")
+    for name in ("merger.linear_fc1.weight", "deepstack_merger_list.0.linear_fc2.weight"):
+        assert torch.equal(vision["vision_tower." + name], source["model.visual." + name])
+    [output] = LLM(quantized, device="cpu").generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1)}},
+                                                     GREEDY)
+    assert len(output.outputs[0].token_ids) == GREEDY.max_tokens

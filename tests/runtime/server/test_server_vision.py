@@ -96,3 +96,25 @@ def test_mistral3_chat_image_parts(tmp_path, run_app):
     picture = image(9, size=SMALL)
     prompt_ids, expected, _ = mistral3_generate(_hf(checkpoint, llava=False), MISTRAL3_PROMPT, [picture], 6)
     _served_reply_is(run_app, checkpoint, tmp_path, 8, picture, "Describe it.", prompt_ids, expected)
+
+
+@pytest.mark.slow
+def test_qwen3_vl_chat_image_parts(tmp_path, run_app):
+    """Qwen3-VL (tests/runtime/test_qwen3_vl.py's checkpoint): a data-URL image part of a 64 x 48 image gives
+    transformers' greedy reply (its 12 image tokens' deepstack rows added, split across 8-token chunks), the image's
+    tokens counted in prompt_tokens; a video_url part is refused by name."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
+
+    from tests.runtime.test_qwen3_vl import PROMPT as QWEN3_PROMPT
+    from tests.runtime.test_qwen3_vl import WIDE, make_qwen3_vl_checkpoint
+    from tests.runtime.test_qwen3_vl import hf_generate as qwen3_generate
+
+    checkpoint = make_qwen3_vl_checkpoint(tmp_path / "hf", seed=2)
+    picture = image(10, size=WIDE)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+    hf = (model, AutoTokenizer.from_pretrained(str(checkpoint)), AutoImageProcessor.from_pretrained(str(checkpoint)))
+    prompt_ids, expected, _ = qwen3_generate(hf, QWEN3_PROMPT, [picture], 6)
+    base_url = _served_reply_is(run_app, checkpoint, tmp_path, 8, picture, "Describe it.", prompt_ids, expected)
+    refused = _chat(base_url, [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                               {"type": "text", "text": "Describe it."}])
+    assert refused.status_code == 400 and "got 'video_url'" in refused.json()["error"]["message"]
