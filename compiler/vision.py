@@ -426,8 +426,8 @@ def write_vision_weights(reader, path: Path, dtype: str) -> int:
     tensors = {name: reader.get_source(source).to(getattr(torch, dtype)).contiguous()
                for name, source in sorted(reader.vision_names.items())}
     if not any(name.startswith(("multi_modal_projector.", "vision_tower.merger.")) for name in tensors):
-        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector (or Qwen2-VL's / Qwen3-VL's visual.merger) tensors "
-                              "in the checkpoint")
+        raise CheckpointError(f"{reader.model_dir}: no multi_modal_projector (or Qwen2-VL's / Qwen3-VL's "
+                              "visual.merger) tensors in the checkpoint")
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path.stat().st_size

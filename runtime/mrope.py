@@ -1,5 +1,5 @@
-"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a step's rotary rows where a token's three positions (temporal, height, width)
-differ (DESIGN §5, "M-RoPE").
+"""M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a step's rotary rows where a token's three positions (temporal, height,
+width) differ (DESIGN §5, "M-RoPE").
 
 The rotary kernels take one position per token and a table, and rotate by table[position]. M-RoPE rotates each
 token's frequencies by one of its three positions: mrope_section[0] frequencies by the temporal one, the next
