@@ -435,3 +435,23 @@ def check_vision_seed(vision_setup, seed: int) -> None:
 @pytest.mark.parametrize("seed", range(40))
 def test_random_vision_workloads_agree(vision_setup, seed):
     check_vision_seed(vision_setup, seed)
+
+
+@pytest.fixture(scope="module")
+def qwen3_vision_setup(tmp_path_factory):
+    """A tiny Qwen3-VL in float32 (deepstack rows into decoder layers 0 and 1, interleaved M-RoPE) and
+    vision_setup's three pictures."""
+    from tests.runtime.test_llava import image
+    from tests.runtime.test_qwen3_vl import make_qwen3_vl_checkpoint
+
+    root = tmp_path_factory.mktemp("engine-fuzz-qwen3-vl")
+    artifact = build_float32(make_qwen3_vl_checkpoint(root / "hf"), root / "a", target={"device": "cpu"})
+    return artifact, [image(1, (64, 48)), image(2, (96, 32)), image(3, (40, 36))]
+
+
+@pytest.mark.slow  # tests/runtime/test_qwen3_vl.py serves Qwen3-VL's requests in the default run
+@pytest.mark.parametrize("seed", range(8))
+def test_random_qwen3_vl_workloads_agree(qwen3_vision_setup, seed):
+    """The vision workloads on Qwen3-VL: each step's deepstack rows go to its own image tokens wherever a batch,
+    a chunk, a prefix-cache hit or a preemption puts them (a request alone gives what it gives crowded)."""
+    check_vision_seed(qwen3_vision_setup, seed)
