@@ -209,8 +209,7 @@ class ModelRunner:
     def _put_images(self, batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
         """A vision model's step: its image tokens' rows, and where its images attend both ways (Gemma 3), the
         queries' key limits (runtime/multimodal.py), Qwen3-VL's deepstack rows; None in a step without image tokens.
-        M-RoPE (Qwen2-VL):
-        the step's own rotary rows where it needs them (runtime/mrope.step_rope)."""
+        M-RoPE (Qwen2-VL, Qwen3-VL): the step's own rotary rows where it needs them (runtime/mrope.step_rope)."""
         forward_batch.image_rows = step_image_rows(batch)
         if forward_batch.image_rows is not None:
             forward_batch.key_limits = step_key_limits(batch, forward_batch.positions)

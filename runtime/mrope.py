@@ -30,8 +30,8 @@ from llmc.runtime.step_inputs import is_single_token_step
 def column_components(mrope_section: list[int], interleaved: bool = False) -> Tensor:
     """[rotary_dims] int64: the position (0 temporal, 1 height, 2 width) each column of a cos / sin table row reads;
     the cos half and the sin half alike (transformers' Qwen2VLRotaryEmbedding.recomposition_frequencies; interleaved:
-    Qwen3VLTextRotaryEmbedding's, whose height and width take every third frequency from 1 and 2, as many as their
-    sections, and temporal the rest)."""
+    Qwen3VLTextRotaryEmbedding's: height every third frequency from 1 below 3 * mrope_section[1], width every third
+    from 2 below 3 * mrope_section[2], temporal the rest)."""
     if interleaved:
         half = np.zeros(sum(mrope_section), dtype=np.int64)
         for component in (1, 2):
