@@ -82,6 +82,9 @@ class StepObserver(Protocol):
 class _Command:
     run: Callable[[Any], Any]  # fn(engine) -> result, on the engine thread
     future: asyncio.Future | None = field(default=None)
+    # an add's images (a vision model's request), encoded in one tower call with the other adds queued beside it
+    # (EngineLoop._prefetch_images)
+    images: list = field(default_factory=list)
 
 
 _STOP = object()
@@ -232,7 +235,7 @@ class EngineLoop:
             raise EngineStopped("the engine is stopped")
         self._num_sequences_sent += num_sequences
         try:
-            await self._call(add)
+            await self._call(add, images=_images(multi_modal_data))
         except asyncio.CancelledError:
             self.abort(stream.request_id)  # the add may still run: undo it right after
             raise
@@ -259,11 +262,11 @@ class EngineLoop:
         if self._thread is not None:
             self._commands.put(_Command(lambda engine: self._abort_all(engine, error)))
 
-    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+    async def _call(self, fn: Callable[[Any], Any], images: list | None = None) -> Any:
         if self._thread is None:
             raise EngineStopped("the engine is stopped")
         future = self._loop.create_future()
-        self._commands.put(_Command(fn, future))
+        self._commands.put(_Command(fn, future, images or []))
         return await future
 
     # ---- the engine thread -----------------------------------------------------------------
@@ -302,11 +305,44 @@ class EngineLoop:
             close()  # a parallel engine's worker ranks and process groups
 
     def _run_commands(self, engine, block: bool) -> bool:
-        """Run the queued commands (waiting for one if `block`); False once told to stop."""
+        """Run the queued commands (waiting for one if `block`); False once told to stop. The images of the adds
+        queued together are encoded together first (`_prefetch_images`)."""
         command = self._commands.get() if block else _get_nowait(self._commands)
+        vision = getattr(engine, "vision", None)
         while command is not None:
+            commands = []  # what is queued now (commands queued while these run come in the next round)
+            while command is not None and command is not _STOP:
+                commands.append(command)
+                command = _get_nowait(self._commands)
+            try:
+                self._prefetch_images(vision, commands)
+                self._run_each(engine, commands)
+            finally:
+                if vision is not None:
+                    vision.clear_prefetched()  # an add aborted or refused before its images were taken
             if command is _STOP:
                 return False
+            command = _get_nowait(self._commands)
+        return True
+
+    def _prefetch_images(self, vision, commands: list[_Command]) -> None:
+        """The images of several queued adds (concurrent vision requests) encoded MAX_ENCODER_BATCH to a tower call
+        (VisionEncoder.prefetch, as LLM.generate does), not one request's at a time as each add runs. An image that
+        cannot be preprocessed stops the prefetch where it is: each add then encodes what is left alone, and only
+        the request with the bad image gets its error."""
+        images = [image for command in commands for image in command.images]
+        if vision is None or len(images) < 2:
+            return
+        self.busy_since = time.monotonic()
+        try:
+            vision.prefetch(images)
+        except Exception:  # noqa: BLE001 - the bad request's own add reports it
+            pass
+        finally:
+            self.busy_since = None
+
+    def _run_each(self, engine, commands: list[_Command]) -> None:
+        for command in commands:
             self.busy_since = time.monotonic()
             try:
                 result, error = command.run(engine), None
@@ -317,8 +353,6 @@ class EngineLoop:
             self.stats = self._snapshot(engine)  # before the handler resumes: admission reads num_waiting
             if command.future is not None:
                 self._post(_settle, command.future, result, error)
-            command = _get_nowait(self._commands)
-        return True
 
     def _step(self, engine) -> None:
         step_start = self.busy_since = time.monotonic()
@@ -383,6 +417,15 @@ class EngineLoop:
         self.stats = self._snapshot(engine)
         if deliveries:
             self._post(_deliver, deliveries)
+
+
+def _images(multi_modal_data: dict | None) -> list:
+    """A request's images as VisionEncoder.prefetch takes them; none where it has none or they are malformed (its
+    add reports that)."""
+    if not isinstance(multi_modal_data, dict):
+        return []
+    images = multi_modal_data.get("image")
+    return list(images) if isinstance(images, (list, tuple)) else [] if images is None else [images]
 
 
 def _get_nowait(commands: queue.SimpleQueue):

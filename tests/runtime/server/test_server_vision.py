@@ -3,10 +3,17 @@ reply is transformers' greedy reply to the rendered prompt with that image; what
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import httpx
 import pytest
 
+from llmc.errors import RequestError
 from llmc.runtime.engine import Engine
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.server.engine_loop import EngineLoop, RequestStream, _Command
 from llmc.runtime.server.api_server import build_app
 from tests.runtime.hf_oracle import build_float32
 from tests.runtime.test_llava import PROMPT, data_url, hf_generate, image, make_llava_checkpoint
@@ -15,6 +22,9 @@ from tests.runtime.test_llava import PROMPT, data_url, hf_generate, image, make_
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     return make_llava_checkpoint(tmp_path_factory.mktemp("llava") / "hf", seed=1)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def _chat(base_url: str, content, **body) -> httpx.Response:
@@ -37,6 +47,66 @@ def test_chat_image_parts(llava, tmp_path, run_app, server_artifact):
                                   log_stats=False), wait_healthy=True)
     refused = _chat(text_only, [{"type": "image_url", "image_url": {"url": data_url(picture)}}])
     assert refused.status_code == 400 and "takes no images" in refused.json()["error"]["message"]
+
+
+def _queued_together(artifact, requests: list) -> tuple[list, list[int]]:
+    """Add `requests` ((prompt ids, multi_modal_data) each) to an EngineLoop while its engine thread is held by
+    another command, so that they are queued together, as concurrent requests are under load; (each request's
+    greedy tokens, or the exception its add raised; the number of images of each vision-tower call)."""
+    tower_calls: list[int] = []
+
+    def engine():
+        engine = Engine(artifact, device="cpu", disable_log_stats=True)
+        rows = engine.vision._rows
+        engine.vision._rows = lambda pixels: (tower_calls.append(len(pixels)), rows(pixels))[1]
+        return engine
+
+    async def run():
+        loop = EngineLoop(engine)
+        loop.start()
+        await loop.wait_ready()
+        started, release = threading.Event(), threading.Event()
+        loop._commands.put(_Command(lambda _: (started.set(), release.wait(60))))
+        assert await asyncio.to_thread(started.wait, 60)
+        streams = [RequestStream(f"r{i}", asyncio.Queue(), i, time.monotonic()) for i in range(len(requests))]
+        adds = [asyncio.ensure_future(loop.add_request(stream, ids, GREEDY, multi_modal_data=data))
+                for stream, (ids, data) in zip(streams, requests)]
+        await asyncio.sleep(0.2)  # every add's command is queued behind the held one
+        release.set()
+        added = await asyncio.gather(*adds, return_exceptions=True)
+        replies = []
+        for stream, error in zip(streams, added):
+            output = None
+            while error is None and (output is None or not output.finished):
+                _, output = await asyncio.wait_for(stream.queue.get(), 60)
+            replies.append(error if error is not None else output.outputs[0].token_ids)
+        await loop.shutdown()
+        return replies
+
+    return asyncio.run(run()), tower_calls
+
+
+def test_concurrent_requests_images_are_encoded_in_one_tower_call(llava, tmp_path):
+    """Three LLaVA requests with an image each, queued while the engine thread is busy: their images go through
+    the tower in one call (not one each), and each reply is transformers' greedy reply to its own image. With a
+    malformed image queued among them, that request alone gets its error and the others their replies."""
+    from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
+
+    pictures = [image(11), image(12, size=(48, 30)), image(13)]
+    model = LlavaForConditionalGeneration.from_pretrained(str(llava), attn_implementation="eager").eval()
+    processor = AutoProcessor.from_pretrained(str(llava))
+    expected = [hf_generate((model, processor), PROMPT, [picture], GREEDY.max_tokens)[1] for picture in pictures]
+    assert len({tuple(tokens) for tokens in expected}) > 1  # the replies depend on the image
+    ids = AutoTokenizer.from_pretrained(str(llava))(PROMPT)["input_ids"]
+    artifact = build_float32(llava, tmp_path / "a", target={"device": "cpu"})
+    replies, tower_calls = _queued_together(artifact, [(ids, {"image": picture}) for picture in pictures])
+    assert replies == expected
+    assert tower_calls == [3]
+    mixed = [(ids, {"image": pictures[0]}), (ids, {"image": "not an image"}), (ids, {"image": pictures[2]})]
+    replies, tower_calls = _queued_together(artifact, mixed)
+    assert [replies[0], replies[2]] == [expected[0], expected[2]]
+    assert isinstance(replies[1], RequestError) and "multi_modal_data.image[0]" in str(replies[1])
+    assert tower_calls == [1, 1]  # the batch could not be preprocessed: each good image alone
 
 
 def _served_reply_is(run_app, checkpoint, tmp_path, budget: int, picture, text: str, prompt_ids, expected) -> str:
