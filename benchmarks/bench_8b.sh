@@ -31,6 +31,8 @@
 #   moe   Qwen3-30B-A3B-shaped (make_checkpoint.py --arch qwen3-moe, 12 of its 48 layers): bf16 and RTN
 #         W4A16 (g128, symmetric, gpu layout) built side by side, then decode + throughput 128/128 of
 #         each while time is left (one bench_e2e run)    → e2e-moe.json (its markdown under "table")
+#   glm4-moe  GLM-4.5-Air-shaped (make_checkpoint.py --arch glm4-moe, 4 of its 46 layers; CKPT_ARGS="--layers N"):
+#         bf16 and RTN W4A16 side by side, then decode + throughput 128/128 of each     → e2e-glm4-moe.json
 #   moe-fp8  the same checkpoint built bf16, FP8 per channel and FP8 in 128 x 128 blocks; one bench_e2e run of the
 #         three (decode, 128/128 throughput)                     → e2e-moe-fp8.json
 #   moe-kernels  benchmarks/bench_moe.py: fused MoE kernel vs per-expert loops per layer (bf16, W4A16,
@@ -42,7 +44,7 @@
 # WORK (default /tmp/llmc-bench8b) holds the checkpoint (16 GB) and artifacts; it is removed at the end.
 # For a dry run on a CPU: CKPT_ARGS="--tiny" E2E_ARGS="--device cpu ..." PARALLEL_ARGS="--device cpu ..."
 set -euo pipefail
-stage=${1:?usage: bench_8b.sh w4|w4-vs|w4-head|decode-profile|prefill-host|fp8|bf16|moe|moe-fp8|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
+stage=${1:?usage: bench_8b.sh w4|w4-vs|w4-head|decode-profile|prefill-host|fp8|bf16|moe|glm4-moe|moe-fp8|moe-kernels|tp|tp-bf16|overlap-bf16|overlap-fp8|kprofile-bf16|kprofile-fp8|tprofile [OUT_DIR]}
 out=${2:-${OUT:?give OUT_DIR or set OUT}}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo/benchmarks/gpu_env.sh"
@@ -114,6 +116,15 @@ case $stage in
       --parts decode,throughput --throughput 128x128:1000 --time-limit 60 --json "$out/e2e-moe.json" \
       --budget "$(left)" ${E2E_ARGS:-} 2>&1 | tee -a "$log" >&2 || say "bench_e2e moe: FAILED"
     say "bench_e2e moe: done"
+    ;;
+  glm4-moe)
+    make_checkpoint --arch glm4-moe
+    build glm4-moe-bf16 1 '{method: none}' & build glm4-moe-w4a16 1 "$W4" & wait
+    say "bench_e2e glm4-moe-bf16, glm4-moe-w4a16: start ($(left) s left)"
+    python "$repo/benchmarks/bench_e2e.py" "$work/glm4-moe-bf16=glm4-moe-bf16" "$work/glm4-moe-w4a16=glm4-moe-w4a16" \
+      --parts decode,throughput --throughput 128x128:1000 --time-limit 45 --json "$out/e2e-glm4-moe.json" \
+      --budget "$(left)" ${E2E_ARGS:-} 2>&1 | tee -a "$log" >&2 || say "bench_e2e glm4-moe: FAILED"
+    say "bench_e2e glm4-moe: done"
     ;;
   moe-fp8)
     make_checkpoint --arch qwen3-moe
