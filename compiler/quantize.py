@@ -151,8 +151,10 @@ def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_fea
     try:
         num_groups_of(in_features, group_size)
     except RecipeError:
-        raise RecipeError(f"{group_key}: {group_size} does not divide {module}'s {in_features} input "
-                          "features; choose a group size that does, or -1 (per channel)") from None
+        fit = next((g for g in (512, 256, 128, 64, 32, 16) if g < group_size and in_features % g == 0), -1)
+        raise RecipeError(f"{group_key}: {group_size} does not divide {module}'s {in_features} input features; "
+                          "choose a group size that does, or -1 (per channel), or give this linear its own: "
+                          f"quantization.overrides: [{{match: \"{module}\", group_size: {fit}}}]") from None
     return {"format": f"w{bits}a16", "bits": bits, "group_size": group_size, "symmetric": symmetric, "has_g_idx": False}
 
 
