@@ -17,7 +17,7 @@ from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import DenseFormat
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
-from llmc.runtime.models.decoder import DecoderLayer, rope_tables
+from llmc.runtime.models.decoder import DecoderLayer, layer_table, nope_table, rope_tables
 from llmc.runtime.models.spec import format_key
 from llmc.runtime.parallel.layout import kv_cache_shapes
 
@@ -118,7 +118,8 @@ class LayerRunner:
         self.seq_len = seq_len
         self.device = device
         self.windows_per_chunk = windows_per_chunk
-        self.cos_sin, self.cos_sin_local = (None if t is None else t.to(device) for t in rope_tables(config, seq_len))
+        self.cos_sin, self.cos_sin_local, self.cos_sin_none = (
+            None if t is None else t.to(device) for t in (*rope_tables(config, seq_len), nope_table(config, seq_len)))
         num_blocks = windows_per_chunk * -(-seq_len // BLOCK_SIZE)
         self.kv_cache = tuple(torch.zeros(shape, device=device)
                               for shape in kv_cache_shapes(config, config.num_kv_heads, num_blocks, BLOCK_SIZE))
@@ -151,7 +152,7 @@ class LayerRunner:
                 for cache in self.kv_cache:
                     cache.zero_()
             x, residual = module(chunk.flatten(0, 1), None, batch,
-                                 self.cos_sin_local if module.attn.is_local_rope else self.cos_sin)
+                                 layer_table(module, self.cos_sin, self.cos_sin_local, self.cos_sin_none))
             if observe_kv is not None:
                 observe_kv(*self.kv_cache)
             out[start : start + chunk.shape[0]] = (x + residual).view_as(chunk).to(out.device)

@@ -129,6 +129,11 @@ _HF_CONFIG_DEFAULTS = {
                   "num_experts": 60, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
                   "shared_expert_intermediate_size": 5632, "moe_intermediate_size": 1408},
 }
+# SmolLM3Config's (no_rope_layers and layer_types: _smollm3_config, as its __post_init__ fills them in)
+_HF_CONFIG_DEFAULTS["smollm3"] = {"max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "num_key_value_heads": 4,
+                                  "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": True,
+                                  "rope_theta": 2_000_000.0, "use_sliding_window": False, "sliding_window": None,
+                                  "no_rope_layer_interval": 4}
 _DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
                       "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                       "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
@@ -164,7 +169,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
-                  "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe"}
+                  "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
+                  "SmolLM3ForCausalLM": "smollm3"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -210,6 +216,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _deepseek_config(config, spec.family)
     if spec.family == "gpt_oss":
         config = _gpt_oss_config(config)
+    if spec.family == "smollm3":
+        config = _smollm3_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -255,6 +263,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
+        nope_layers=config.get("_nope_layers", []),  # SmolLM3's (_smollm3_config)
         # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
         # transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
@@ -777,6 +786,41 @@ def _gpt_oss_fields(config: dict) -> dict:
     q/k/v/o), the router's and experts' biases, the experts' clamped SwiGLU."""
     return {"attention_sinks": True, "o_bias": bool(config.get("attention_bias")), "moe_bias": True,
             "swiglu_limit": float(config["swiglu_limit"]), "swiglu_alpha": float(config["swiglu_alpha"])}
+
+
+def _smollm3_config(config: dict) -> dict:
+    """A SmolLM3 config as SmolLM3Config reads it: `no_rope_layers` (one 0 or 1 per layer, 0 a NoPE layer) where
+    given, else a NoPE layer every no_rope_layer_interval-th layer, (i + 1) % interval == 0; `layer_types` where
+    absent, sliding_attention for the NoPE layers under use_sliding_window with a sliding_window, full_attention for
+    the rest; `_nope_layers`, the NoPE layers' indices. Refused by name: attention_bias and mlp_bias (the o_proj's and
+    the MLP's biases: the runtime's Llama layout has none; published checkpoints set both false) and sliding layers
+    without use_sliding_window and a sliding_window (transformers' eager and SDPA masks would slide them, its flash
+    attention would not)."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for SmolLM3 (its attention's or MLP's biases); "
+                                  "published checkpoints set it false")
+    num_layers = config["num_hidden_layers"]
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config["no_rope_layer_interval"]
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise CheckpointError(f"no_rope_layer_interval {interval!r} must be a positive integer")
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) < num_layers or any(f not in (0, 1) for f in flags[:num_layers]):
+        raise CheckpointError(f"no_rope_layers {flags!r}: give one 1 (rotary) or 0 (NoPE) per layer "
+                              f"({num_layers})")
+    config = dict(config)
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if config.get("layer_types") is None:
+        config["layer_types"] = ["sliding_attention" if window and not flags[i] else "full_attention"
+                                 for i in range(num_layers)]
+    elif "sliding_attention" in config["layer_types"] and not window:
+        raise CheckpointError("layer_types has sliding_attention layers but use_sliding_window is false or "
+                              "sliding_window null: transformers' attention implementations disagree on whether they "
+                              "slide; set use_sliding_window true and a sliding_window, or make them full_attention")
+    config["_nope_layers"] = [i for i in range(num_layers) if not flags[i]]
+    return config
 
 
 def _cohere_config(config: dict, family: str) -> dict:

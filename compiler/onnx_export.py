@@ -9,8 +9,9 @@ runtime/onnx_model.py's interface, and removes them. Per decoder layer:
   past/present K/V in one shared buffer) → o → [RMSNorm] → SkipSimplifiedLayerNormalization (residual
   add + norm) → gate_up → SiLU(gate) * up (GELU-tanh for Gemma) → down → [RMSNorm] →
   SkipSimplifiedLayerNormalization (into the next layer); the bracketed norms are Gemma's and OLMo 2's
-  sandwich norms (Gemma 3's sliding layers also read a second rotary table; Gemma's embeddings are scaled;
-  Gemma 2 soft-caps the attention scores, GroupQueryAttention's softcap, and the logits). OLMo 2 has no
+  sandwich norms (Gemma 3's sliding layers also read a second rotary table; SmolLM3's NoPE layers none, do_rotary
+  0; Gemma's embeddings are scaled; Gemma 2 soft-caps the attention scores, GroupQueryAttention's softcap, and the
+  logits). OLMo 2 has no
   RMSNorm before qkv or gate_up (plain Adds of the residual stream in place of the first norm and the
   SkipSimplifiedLayerNormalization before the MLP and before the next layer) and one RMSNorm over each whole
   q / k projection in place of the per-head ones
@@ -198,13 +199,15 @@ class _Emitter:
                   *[""] * 7, om.QUERY_SEQLENS]
         if c.uses_local_rope(i):  # Gemma 3's sliding layers: their own rotary table
             inputs[7:9] = ["cos_cache_local", "sin_cache_local"]
+        if not c.rotates(i):  # SmolLM3's NoPE layers: no rotary (no tables)
+            inputs[7:9] = ["", ""]
         out = self.g.name("attn")
         window = {"local_window_size": c.window_of(i)} if c.window_of(i) else {}
         if c.attn_logit_softcapping:  # Gemma 2: scores cap * tanh(s / cap) after the scale, before the softmax
             window["softcap"] = float(c.attn_logit_softcapping)
         self.g.nodes.append(helper.make_node(
             "GroupQueryAttention", inputs, [out, present_k, present_v], domain=MS_DOMAIN,
-            num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=1, rotary_interleaved=0,
+            num_heads=c.num_heads, kv_num_heads=c.num_kv_heads, do_rotary=int(c.rotates(i)), rotary_interleaved=0,
             scale=float(c.attention_scale), **window,
         ))
         return self.linear(out, f"layers.{i}.attn.o", q_size, c.hidden_size)

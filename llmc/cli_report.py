@@ -316,6 +316,8 @@ def _attention_text(m: dict) -> str:
         parts.append("interleaved rotary pairs (q/k rows permuted at build)")
     if m.get("rope_on_full_layers") is False:
         parts.append("no rotary on the full-attention layers")
+    if m.get("nope_layers"):  # SmolLM3
+        parts.append(f"no rotary on {len(m['nope_layers'])} of {m['num_layers']} layers (NoPE)")
     if m.get("softmax_scale"):
         parts.append(f"scale {m['softmax_scale']:g}")
     elif m.get("query_pre_attn_scalar"):

@@ -88,10 +88,12 @@ from llmc.schema import opt, parse
 # 1.24: Qwen3-VL (Qwen3VLForConditionalGeneration): the vision section's mrope_interleaved (M-RoPE's frequencies
 #      interleaved over temporal, height and width) and a Qwen3-VL vision_config (its tower holds the patch merger and
 #      the deepstack mergers); older manifests load without them (false: Qwen2-VL's contiguous sections).
-FORMAT_VERSION = "1.24"
+# 1.25: SmolLM3 (family smollm3) and model.nope_layers (layers whose q and k are not rotated: their table is cos 1,
+#      sin 0); older manifests load without it (every layer rotates).
+FORMAT_VERSION = "1.25"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24")
+                         "1.22", "1.23", "1.24", "1.25")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -99,7 +101,7 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2", "gpt_oss", "glm4_moe"]
+            "cohere2", "gpt_oss", "glm4_moe", "smollm3"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -213,6 +215,9 @@ class ModelConfig:
     # Cohere 2: False: the full-attention layers rotate q and k by nothing (their table is cos 1, sin 0), only the
     # sliding-window layers by the rope (the local table: rope_local_theta, rope_local_scaling)
     rope_on_full_layers: bool = opt(True)
+    # SmolLM3: the NoPE layers (its no_rope_layers' zeros), whose q and k are not rotated: they read a table of cos 1,
+    # sin 0 (every path that takes a table rotates by it exactly: x * 1 - y * 0 is x); empty: every layer rotates
+    nope_layers: list[int] = opt([])
     # OLMo 2: False: no input_norm before the attention nor post_attn_norm before the MLP; each sub-layer reads the
     # residual stream itself and only its output is normed (sandwich_norms' attn_out_norm / mlp_out_norm)
     pre_norms: bool = opt(True)
@@ -258,6 +263,10 @@ class ModelConfig:
         if self.rotary_dim is not None and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise ArtifactError(f"model: rotary_dim {self.rotary_dim} must be even and at most head_dim "
                                 f"{self.head_dim}")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers) or len(set(self.nope_layers)) != len(
+                self.nope_layers):
+            raise ArtifactError(f"model: nope_layers {self.nope_layers} must be distinct layers of the "
+                                f"{self.num_layers}")
         if self.is_mla and (self.qk_nope_head_dim is None or self.qk_rope_head_dim is None or self.v_head_dim is None
                             or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
                             or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):
@@ -320,6 +329,10 @@ class ModelConfig:
         """Whether layer `index` reads the local rotary table: a sliding-window layer of a model that has one
         (Gemma 3); every other layer reads rope_theta / rope_scaling's."""
         return self.rope_local_theta is not None and self.window_of(index) is not None
+
+    def rotates(self, index: int) -> bool:
+        """Whether layer `index` rotates q and k by a rope (SmolLM3's NoPE layers do not: nope_layers)."""
+        return index not in self.nope_layers
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers

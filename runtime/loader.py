@@ -46,7 +46,7 @@ def build_model(artifact_dir: Path, manifest: art.Manifest, device: torch.device
             model = DecoderModel(config, formats, max_positions, layout, tp_group)
     except KeyError as e:  # a linear the manifest gives no format
         raise ArtifactError(f"manifest.json: quant.modules has no format for {e.args[0]!r}; rebuild the artifact") from None
-    model.cos_sin, model.cos_sin_local = _rope_tables(manifest, max_positions, device)
+    model.cos_sin, model.cos_sin_local, model.cos_sin_none = _rope_tables(manifest, max_positions, device)
     load_weights(model, artifact_dir / rel, device, stored_dtype=getattr(torch, manifest.model.dtype))
     model.prepare_loaded_weights(keep_gate_up_order)
     return model.eval()
@@ -98,10 +98,11 @@ def log_kernel_table(manifest: art.Manifest, device: torch.device) -> None:
 
 
 def _rope_tables(manifest: art.Manifest, max_positions: int, device: torch.device):
-    """(the global rotary table, the sliding layers' own or None) on `device` (decoder.rope_tables)."""
-    from llmc.runtime.models.decoder import rope_tables
+    """(the global rotary table, the sliding layers' own or None, the NoPE layers' or None) on `device`
+    (decoder.rope_tables, decoder.nope_table)."""
+    from llmc.runtime.models.decoder import nope_table, rope_tables
 
-    tables = rope_tables(manifest.model, max_positions)
+    tables = (*rope_tables(manifest.model, max_positions), nope_table(manifest.model, max_positions))
     return tuple(None if table is None else table.to(device) for table in tables)
 
 

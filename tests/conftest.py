@@ -9,7 +9,8 @@ helper here is reachable through a fixture:
 * ``tiny_checkpoint`` -> ``(family, Path)``, parametrised over every dense family
 * ``tiny_mixtral``, ``tiny_qwen3_moe`` -> ``Path``; ``tiny_any_checkpoint`` -> ``(family, Path)`` over the dense and MoE families;
   ``upcycled_mixtral`` -> ``Path`` (ref-llama-12m's trained weights as a 4-expert Mixtral)
-* ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite``, ``tiny_olmo2`` -> ``Path`` (OTHER_FAMILIES: each has its own test file)
+* ``tiny_gemma3``, ``tiny_gemma2``, ``tiny_granite``, ``tiny_olmo2``, ``tiny_smollm3`` -> ``Path`` (OTHER_FAMILIES: each
+  has its own test file)
 * ``tiny_glm4``, ``tiny_cohere2``, ``tiny_cohere`` -> ``Path`` (tests/runtime/test_glm4_cohere.py)
 * ``hf_greedy`` -> :func:`hf_greedy`, ``hf_logits`` -> :func:`hf_logits`,
   ``hf_encode`` -> :func:`hf_encode` (the exact prompt ids ``hf_greedy`` feeds the model)
@@ -79,7 +80,7 @@ FAMILIES = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3")
 # Mixture-of-experts families: not in FAMILIES (the dense-family tests do not run them), own fixtures below.
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 # Families with their own test files (not in FAMILIES: the dense-family tests do not run them).
-OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2")
+OTHER_FAMILIES = ("gemma3", "gemma2", "granite", "olmo2", "smollm3")
 # Families tested in tests/runtime/test_more_families.py (fixture: more_family_checkpoint)
 MORE_FAMILIES = ("olmo3", "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe")
 # Families tested in tests/runtime/test_glm4_cohere.py (fixture: tiny_glm4)
@@ -261,6 +262,11 @@ _FAMILY_SPECS["glm4_moe"] = ("Glm4MoeConfig", {
     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
     "n_group": 2, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_nextn_predict_layers": 1,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}})
+
+# SmolLM3 (tests/runtime/test_smollm3.py): 4 layers, NoPE every second one (no_rope_layer_interval 2: layers 1 and 3
+# rotate neither q nor k), tied embeddings as SmolLM3-3B's; the test file writes an untied and a sliding copy
+_FAMILY_SPECS["smollm3"] = ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
+                                              "tie_word_embeddings": True})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -706,6 +712,11 @@ def tiny_granite(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_olmo2(tmp_path_factory) -> Path:
     return _session_checkpoint(tmp_path_factory, "olmo2")
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3(tmp_path_factory) -> Path:
+    return _session_checkpoint(tmp_path_factory, "smollm3")
 
 
 @pytest.fixture(scope="session")

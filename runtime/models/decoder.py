@@ -5,9 +5,9 @@ whose MoE layers use runtime/models/moe.py).
 Families differ only in data (ModelSpec) and config flags (attention_bias, qk_norm; Gemma's hidden_act,
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
-parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias), so one module serves
-them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so loading is a strict
-comparison of names, shapes and dtypes.
+parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias; SmolLM3's nope_layers),
+so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so
+loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
 layers (keeping their global names), heads, MLP columns and vocabulary rows; `tp_group` all-reduces
@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.scale = config.attention_scale
         self.sliding_window = config.window_of(index)
         self.is_local_rope = config.uses_local_rope(index)
+        self.has_rope = config.rotates(index)  # False: SmolLM3's NoPE layers, rotated by the identity table
         self.softcap = config.attn_logit_softcapping  # None: scores uncapped (every kernel as without it)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
@@ -279,6 +280,8 @@ class DecoderModel(nn.Module):
         rope, local_rope = rope_tables(config, max_positions)
         self.register_buffer("cos_sin", rope, persistent=False)
         self.register_buffer("cos_sin_local", local_rope, persistent=False)  # None: one table (not Gemma 3)
+        # SmolLM3's NoPE layers' table, cos 1 and sin 0 (None: every layer rotates)
+        self.register_buffer("cos_sin_none", nope_table(config, max_positions), persistent=False)
         # the embedding's multiplier (Gemma: sqrt(hidden_size), rounded to the artifact's dtype when it was built,
         # as transformers rounds it to the weights' dtype: exact in every compute dtype this artifact runs in)
         self.embed_scale = config.embed_scale
@@ -350,8 +353,9 @@ class DecoderModel(nn.Module):
         return len(self.aux_layer_ids) * hidden if self.aux_layer_ids else hidden if self.keeps_final_hidden else 0
 
     def rope_of(self, layer: DecoderLayer) -> Tensor:
-        """The rotary table `layer` reads (Gemma 3's sliding layers have their own)."""
-        return self.cos_sin_local if layer.attn.is_local_rope else self.cos_sin
+        """The rotary table `layer` reads (Gemma 3's sliding layers have their own, SmolLM3's NoPE layers the
+        identity)."""
+        return layer_table(layer, self.cos_sin, self.cos_sin_local, self.cos_sin_none)
 
     def final_norm(self, x: Tensor, residual: Tensor) -> Tensor:
         x, _ = self.norm(x, residual)
@@ -439,8 +443,28 @@ def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor
     width = config.rotary_table_dims
     table = cos_sin_cache(config.rotary_dims, max_positions, config.rope_theta, config.rope_scaling, width)
     if not config.rope_on_full_layers:  # Cohere 2's full-attention layers: rotated by 0 (cos 1, sin 0)
-        table = torch.cat((torch.ones(max_positions, width // 2), torch.zeros(max_positions, width // 2)), dim=-1)
+        table = identity_table(max_positions, width)
     if config.rope_local_theta is None:
         return table, None
     return table, cos_sin_cache(config.rotary_dims, max_positions, config.rope_local_theta, config.rope_local_scaling,
                                 width)
+
+
+def identity_table(max_positions: int, width: int) -> Tensor:
+    """[max_positions, width] float32 of cos 1, sin 0: rotating by it leaves q and k exactly as they are
+    (x * 1 - y * 0 is x in every kernel's float32 rotation), so a layer without rotary runs every rotary path."""
+    return torch.cat((torch.ones(max_positions, width // 2), torch.zeros(max_positions, width // 2)), dim=-1)
+
+
+def nope_table(config: ModelConfig, max_positions: int) -> Tensor | None:
+    """SmolLM3's NoPE layers' table (identity_table, as wide as the rope's), or None where every layer rotates.
+    One table beside the rope's: max_positions x head_dim float32 (32 MiB at SmolLM3-3B's 65536 positions)."""
+    return identity_table(max_positions, config.rotary_table_dims) if config.nope_layers else None
+
+
+def layer_table(layer: DecoderLayer, table: Tensor, local: Tensor | None, nope: Tensor | None) -> Tensor:
+    """The rotary table `layer` reads of the model's: `nope` for a NoPE layer (SmolLM3), `local` for a sliding layer
+    of a model with its own local rope (Gemma 3, OLMo 3, Cohere 2), else `table`."""
+    if not layer.attn.has_rope:
+        return nope
+    return local if layer.attn.is_local_rope else table

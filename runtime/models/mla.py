@@ -49,7 +49,7 @@ class MLAttention(torch.nn.Module):
         self.head_dim, self.scale = config.head_dim, config.attention_scale
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank, self.is_rope_interleaved = config.kv_lora_rank, config.mla_rope_interleave
-        self.sliding_window, self.is_local_rope, self.softcap = None, False, None
+        self.sliding_window, self.is_local_rope, self.softcap, self.has_rope = None, False, None, True
         h, q_size = config.hidden_size, self.num_heads * self.head_dim
         self.has_q_lora = bool(config.q_lora_rank)
         if self.has_q_lora:

@@ -313,6 +313,25 @@ def test_rotate_and_write_kv_kernel_matches_torch(elementwise_case, num_tokens, 
         torch.testing.assert_close(k_cache.cpu().float(), expected_k_cache.float(), rtol=tolerance, atol=tolerance)
 
 
+def test_an_identity_table_leaves_q_and_k_as_they_are(elementwise_case) -> None:
+    """A table of cos 1, sin 0 (SmolLM3's NoPE layers: runtime/models/decoder.identity_table): the kernel's q and
+    cached k are the unrotated ones bit for bit in every dtype (x * 1 - y * 0 is x, fused into an FMA or not), at
+    every position."""
+    from llmc.kernels.attention_triton import rotate_and_write_kv
+
+    device, dtype = elementwise_case
+    num_tokens, head_dim, num_blocks, block_size = 7, 16, 4, 4
+    qkv, sizes, _, positions = rotary_step(num_tokens, 4, 2, head_dim, dtype)
+    identity = torch.cat((torch.ones(64, head_dim // 2), torch.zeros(64, head_dim // 2)), dim=-1)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    k_cache, v_cache = (torch.zeros(num_blocks, block_size, 2, head_dim, dtype=dtype, device=device) for _ in range(2))
+    q, k, v = split_qkv(qkv.to(device), sizes, head_dim)
+    want_q, want_k = q.clone(), k.clone()
+    out = rotate_and_write_kv(q, k, v, positions.to(device), identity.to(device), k_cache, v_cache, slots.to(device))
+    assert torch.equal(out.cpu(), want_q.cpu())
+    assert torch.equal(k_cache.flatten(0, 1)[slots.to(device)].cpu(), want_k.cpu())
+
+
 # name: (context_lens, num_heads, num_kv_heads, head_dim, window, partitions, merge_in_kernel_min_pairs, fp8 cache)
 ROTATE_CASES = {
     "unsplit-gqa": ([1, 17, 100], 8, 2, 32, None, None, 32, False),
