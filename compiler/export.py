@@ -7,6 +7,8 @@ What is written (OUT/):
                           family's checkpoints hold them fused (Phi-3's qkv_proj, gate_up_proj)
   tokenizer files         the artifact's tokenizer/ folder (generation_config.json with it, if there)
 
+SmolLM3's config.json names its NoPE layers (no_rope_layers) and every layer's type (layer_types).
+
 Mixture of experts (Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V2 / V3): each expert's slice of the stacked
 `moe.experts.gate_up` / `down` [E, ...] tensors is written as its own modules under the family's MoeSpec names (one
 per expert and projection, as llm-compressor saves MoE models and the importer reads them); the routers and
@@ -67,7 +69,7 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
                 "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-                "DeepseekV3ForCausalLM": "deepseek_v3"}
+                "DeepseekV3ForCausalLM": "deepseek_v3", "SmolLM3ForCausalLM": "smollm3"}
 
 
 @dataclass
@@ -460,6 +462,11 @@ def hf_config_of(model: art.ModelConfig) -> dict:
     if model.sliding_window is not None and model.sliding_window_layers is not None:
         config["layer_types"] = ["sliding_attention" if i in model.sliding_window_layers else "full_attention"
                                  for i in range(model.num_layers)]
+    if model_type == "smollm3":  # its NoPE layers, and every layer's type (SmolLM3Config would derive them from those)
+        config |= {"no_rope_layers": [int(model.rotates(i)) for i in range(model.num_layers)],
+                   "use_sliding_window": model.sliding_window is not None,
+                   "layer_types": ["sliding_attention" if model.window_of(i) else "full_attention"
+                                   for i in range(model.num_layers)]}
     return config
 
 

@@ -285,7 +285,7 @@ def test_checkpoint_is_compressed_tensors_float_quantized(activations, tiny_llam
             assert torch.equal(t["input_scale"], artifact["layers.1.attn.qkv.input_scale"])
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "smollm3"])
 def test_cli_export_and_dense_artifact(family, request, tmp_path, llmc_cli, hf_model):
     """An unquantized artifact exports as a plain checkpoint (no quantization_config): the source's tensors (Phi-3's
     fused ones as they were), and a config.json from which transformers builds the same model (its logits)."""
@@ -333,7 +333,7 @@ def test_refusals_are_one_line(kind, tiny_llama, tmp_path, llmc_cli):
     assert not (tmp_path / "exported.tmp-export").exists()
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "smollm3"])
 def test_config_reads_back_to_the_same_model(family, request):
     """config.json is rebuilt from the manifest's ModelConfig alone: llmc's HF reader (what a re-import runs)
     reads it back to the same ModelConfig (rope scaling, sliding windows, eos ids included)."""

@@ -216,6 +216,33 @@ def test_two_tensor_ranks_give_the_one_rank_model(checkpoints, artifacts, tmp_pa
     torch.testing.assert_close(results[0][1], results[1][1], atol=5e-5, rtol=5e-5)
 
 
+@torch.inference_mode()
+def test_export_says_the_nope_and_sliding_layers_and_imports_back(checkpoints, tmp_path, hf_encode):
+    """`llmc export` of an RTN W4 build with sliding NoPE layers: config.json names the NoPE layers (no_rope_layers),
+    the window and every layer's type as SmolLM3Config reads them, and its `quantization.method: import` build gives
+    the same logits."""
+    import json
+
+    from transformers import AutoConfig
+
+    from llmc.compiler.export import export_artifact
+
+    original = build_float32(checkpoints["sliding"], tmp_path / "w4", target={"device": "cpu"}, quantization=W4)
+    export_artifact(original, tmp_path / "exported")
+    config = json.loads((tmp_path / "exported" / "config.json").read_text())
+    assert (config["no_rope_layers"], config["use_sliding_window"], config["sliding_window"]) == ([1, 0, 1, 0], True, 8)
+    assert AutoConfig.from_pretrained(tmp_path / "exported").layer_types == ["full_attention", "sliding_attention"] * 2
+    reimported = build_float32(tmp_path / "exported", tmp_path / "reimported", target={"device": "cpu"},
+                               quantization={"method": "import"})
+    assert read_manifest(reimported).model == read_manifest(original).model
+    token_ids = _score_ids(checkpoints["sliding"], hf_encode)
+    scores = []
+    for artifact in (original, reimported):
+        with LLM(artifact, **ENGINE) as llm:
+            scores.append(llm.engine.score(token_ids))
+    torch.testing.assert_close(scores[0], scores[1], atol=0, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("variant", ["tied", "sliding"])
