@@ -278,6 +278,25 @@ def test_the_calibration_runner_runs_each_layer_as_transformers(tiny_smollm3, hf
             torch.testing.assert_close(runner.forward(layer, states[index]), states[index + 1], atol=1e-4, rtol=1e-4)
 
 
+def test_a_sequence_classifier_equals_transformers(checkpoints, tmp_path):
+    """SmolLM3ForSequenceClassification (3 labels) on the NoPE decoder: transformers' class probabilities at the last
+    token."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.runtime.hf_oracle import make_classifier
+
+    checkpoint = make_classifier(checkpoints["untied"], tmp_path / "hf", 3)
+    artifact = build_float32(checkpoint, tmp_path / "a")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        outputs = llm.classify(PROMPTS)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+
+
 def _read(config: dict):
     return model_config_from_hf(config, smollm3.SPEC, "float32")
 
