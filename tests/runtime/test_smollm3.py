@@ -113,18 +113,21 @@ def test_the_nope_layers_are_what_transformers_leaves_unrotated(checkpoints, art
     assert (rotated - expected).abs().mean() > 0.05 * expected.abs().mean()
 
 
-def test_onnx_graph_matches_transformers(checkpoints, tmp_path, hf_greedy, hf_logits, hf_encode):
-    """The onnx-cpu build: GroupQueryAttention with do_rotary 0 and no cos/sin tables on the NoPE layers (1 and 3), 1
-    on the others; logits at 50 positions (1e-4) and 24 greedy tokens of three prompts are transformers', and so is
-    the text `llmc run` prints."""
+@pytest.mark.parametrize("variant", ["tied", "sliding"])
+def test_onnx_graph_matches_transformers(variant, checkpoints, tmp_path, hf_greedy, hf_logits, hf_encode):
+    """The onnx-cpu build: GroupQueryAttention with do_rotary 0 and no cos/sin tables on the NoPE layers (1 and 3;
+    sliding: their local_window_size 8 too), 1 on the others; logits at 50 positions (1e-4) and 24 greedy tokens of
+    three prompts are transformers', and so is the text `llmc run` prints."""
     from tests.runtime.hf_oracle import check_against_transformers
 
-    checkpoint = checkpoints["tied"]
+    checkpoint = checkpoints[variant]
     artifact = build_float32(checkpoint, tmp_path / "onnx", target={"device": "onnx-cpu"})
     graph = onnx.load(str(artifact / "onnx" / "model.onnx"), load_external_data=False).graph
     attention = [node for node in graph.node if node.op_type == "GroupQueryAttention"]
     rotary = [next(a.i for a in node.attribute if a.name == "do_rotary") for node in attention]
     assert rotary == [1, 0, 1, 0] and [bool(node.input[7]) for node in attention] == [True, False, True, False]
+    windows = [next((a.i for a in node.attribute if a.name == "local_window_size"), None) for node in attention]
+    assert windows == ([None, 8, None, 8] if variant == "sliding" else [None] * 4)
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16) as llm:
         check_against_transformers(llm, checkpoint, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
         text = llm.tokenizer.decode(hf_greedy(checkpoint, [PROMPTS[0]], 8)[0])
