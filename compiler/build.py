@@ -37,7 +37,8 @@ from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_forma
 from llmc.compiler.lora import LoraMerge, load_adapters
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
-from llmc.compiler.vision import check_vision_recipe, is_vision_model, vision_config, write_vision_weights
+from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, vision_config,
+                                  write_vision_weights)
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.runtime import artifact as art
@@ -203,8 +204,13 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     if spec.moe and spec.moe.fused and recipe.quantization.method == "import":  # (Granite MoE: refused above too)
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
                               "fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
+    if vision is not None and spec.family == "qwen3_moe" and recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Qwen3-VL-MoE (its fused "
+                              "experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
     derived = (_derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
-               | gpt_oss_checkpoint.expert_tensors(spec, model))
+               | gpt_oss_checkpoint.expert_tensors(spec, model)
+               | (qwen3_vl_moe_expert_tensors(reader, spec, model) if vision is not None and spec.family == "qwen3_moe"
+                  else {}))  # (Qwen3-VL-MoE: its language model is the only Qwen3-MoE with a vision side)
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
 
 

@@ -43,8 +43,6 @@ _REFUSED_ARCHITECTURES = {
                                               "model LlavaNextForConditionalGeneration is",
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL-MoE is not supported; the dense Qwen3-VL "
-                                          "(Qwen3VLForConditionalGeneration) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
 }
 

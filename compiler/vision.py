@@ -1,7 +1,7 @@
 """Vision-language checkpoints (LlavaForConditionalGeneration, LlavaNextForConditionalGeneration,
 Gemma3ForConditionalGeneration, Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration,
-Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration): the language model built as its causal LM, the
-vision tower and projector kept dense in their own file.
+Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration): the language
+model built as its causal LM, the vision tower and projector kept dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
 (Llama, Mistral or Qwen2 here). The build reads the language model's config (`text_config`, with transformers'
@@ -39,7 +39,14 @@ learned position embeddings interpolated to each image's grid, 2-D rotary, the p
 `deepstack_visual_indexes` layer: their rows are added to the language model's hidden states at the image tokens
 after its first decoder layers) written whole under `vision_tower.`, and a Qwen3 language model (q/k RMSNorm per
 head) built as Qwen3ForCausalLM whose M-RoPE interleaves the three positions' frequencies (`mrope_interleaved`).
-Its videos are not run (refused at run time); Qwen3-VL-MoE is refused by name (hf_checkpoint).
+Its videos are not run (refused at run time).
+
+Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is Qwen3-VL with a Qwen3-MoE language model: its tower (transformers'
+Qwen3VLMoeVisionModel subclasses Qwen3VLVisionModel and changes nothing) and prompt layout are dense Qwen3-VL's, so
+its vision section is Qwen3-VL's (architecture Qwen3VLForConditionalGeneration) and the runtime runs it as that; the
+language model is built as Qwen3MoeForCausalLM (softmax top-k router, always renormalised: transformers'
+Qwen3VLMoeTextTopKRouter reads no norm_topk_prob), its experts read from each layer's two fused tensors
+(`qwen3_vl_moe_expert_tensors`).
 """
 
 from __future__ import annotations
@@ -60,8 +67,9 @@ MISTRAL3 = "Mistral3ForConditionalGeneration"
 QWEN2_VL = "Qwen2VLForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
-QWEN_VL_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)  # M-RoPE's positions (runtime/mrope.py)
-VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL)
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"  # built with Qwen3-VL's vision section (above)
+QWEN_VL_ARCHITECTURES = (QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)  # M-RoPE's positions (runtime/mrope.py)
+VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
@@ -300,12 +308,13 @@ def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSp
 
 
 def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
-    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration: the
-    text config (transformers' defaults filled in, a flat legacy config.json read as transformers reads it) as
-    Qwen2ForCausalLM's (Qwen3-VL: Qwen3ForCausalLM's), and the vision section (the tower's config, the image and video
-    tokens, the patch merger's side, M-RoPE's mrope_section; Qwen3-VL: its interleaved frequencies, its deepstack
-    layers checked against the language model's)."""
-    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig
+    """Qwen2VLForConditionalGeneration / Qwen2_5_VLForConditionalGeneration / Qwen3VLForConditionalGeneration /
+    Qwen3VLMoeForConditionalGeneration: the text config (transformers' defaults filled in, a flat legacy config.json
+    read as transformers reads it) as Qwen2ForCausalLM's (Qwen3-VL: Qwen3ForCausalLM's; Qwen3-VL-MoE:
+    Qwen3MoeForCausalLM's), and the vision section (the tower's config, the image and video tokens, the patch merger's
+    side, M-RoPE's mrope_section; Qwen3-VL: its interleaved frequencies, its deepstack layers checked against the
+    language model's; Qwen3-VL-MoE: Qwen3-VL's section)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, Qwen3VLMoeConfig
 
     architectures = config.get("architectures") or []
     arch = next(a for a in QWEN_VL_ARCHITECTURES if a in architectures)
@@ -313,15 +322,17 @@ def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]
         QWEN2_VL: ("Qwen2-VL", Qwen2VLConfig, ("qwen2_vl_vision", "qwen2_vl")),
         QWEN2_5_VL: ("Qwen2.5-VL", Qwen2_5_VLConfig, ("qwen2_5_vl_vision", "qwen2_5_vl")),
         QWEN3_VL: ("Qwen3-VL", Qwen3VLConfig, ("qwen3_vl_vision", "qwen3_vl")),
+        QWEN3_VL_MOE: ("Qwen3-VL-MoE", Qwen3VLMoeConfig, ("qwen3_vl_moe_vision", "qwen3_vl_moe")),
     }[arch]
+    qwen3 = arch in (QWEN3_VL, QWEN3_VL_MOE)
     parsed = _read_config(config_class, config, model_dir, family, towers)
     text = parsed.text_config.to_dict()
     rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
     section = rope.pop("mrope_section", None)
-    interleaved = bool(rope.pop("mrope_interleaved", arch == QWEN3_VL))
-    if interleaved != (arch == QWEN3_VL):  # transformers interleaves Qwen3-VL's always, the others' never
+    interleaved = bool(rope.pop("mrope_interleaved", qwen3))
+    if interleaved != qwen3:  # transformers interleaves Qwen3-VL's always, the others' never
         raise CheckpointError(f"{model_dir}: mrope_interleaved {interleaved} is not what {family} runs "
-                              f"({arch == QWEN3_VL}); drop it from rope_parameters")
+                              f"({qwen3}); drop it from rope_parameters")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise CheckpointError(f"{model_dir}: {family}'s rope type {rope_type!r} is not supported; M-RoPE over the "
@@ -335,9 +346,14 @@ def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]
     rope.pop("type", None)
     text["rope_parameters"] = rope
     text.pop("rope_scaling", None)
-    text["model_type"], text["architectures"] = ("qwen3", ["Qwen3ForCausalLM"]) if arch == QWEN3_VL else \
-        ("qwen2", ["Qwen2ForCausalLM"])
-    text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or text.get("tie_word_embeddings"))
+    text["model_type"], text["architectures"] = {QWEN3_VL: ("qwen3", ["Qwen3ForCausalLM"]),
+                                                 QWEN3_VL_MOE: ("qwen3_moe", ["Qwen3MoeForCausalLM"])}.get(
+        arch, ("qwen2", ["Qwen2ForCausalLM"]))
+    # (Qwen3VLMoeTextConfig defaults its own tie_word_embeddings to true; transformers ties by the top level's)
+    text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or (arch != QWEN3_VL_MOE
+                                                                      and text.get("tie_word_embeddings")))
+    if arch == QWEN3_VL_MOE:
+        text = _qwen3_vl_moe_text(text, model_dir)
     dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
     vision = _tower_config(parsed.vision_config)
@@ -345,8 +361,10 @@ def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]
     if vision.get(out) != text["hidden_size"]:
         raise CheckpointError(f"{model_dir}: vision_config.{out} {vision.get(out)} (the patch merger's output) is not "
                               f"the language model's hidden_size {text['hidden_size']}")
-    if arch == QWEN3_VL:
+    if qwen3:
         _check_deepstack(vision, text["num_hidden_layers"], model_dir)
+    if arch == QWEN3_VL_MOE:  # the same tower (Qwen3VLMoeVisionModel is Qwen3VLVisionModel): Qwen3-VL's section
+        arch, vision["model_type"] = QWEN3_VL, "qwen3_vl_vision"
     spec = art.VisionSpec(
         architecture=arch, vision_config=vision,
         image_token_index=int(parsed.image_token_id), text_hidden_size=text["hidden_size"],
@@ -354,6 +372,55 @@ def qwen_vl_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]
         video_token_index=int(parsed.video_token_id), mrope_interleaved=interleaved,
     )
     return text, spec
+
+
+def _qwen3_vl_moe_text(text: dict, model_dir: Path) -> dict:
+    """Qwen3-VL-MoE's language model as Qwen3MoeForCausalLM's config: num_experts (transformers 5 writes it as
+    num_local_experts) and norm_topk_prob true, as transformers' Qwen3VLMoeTextTopKRouter always renormalises the
+    top-k; a config asking otherwise is refused by name."""
+    if text.get("norm_topk_prob") is False:
+        raise CheckpointError(f"{model_dir}: text_config.norm_topk_prob false: transformers' Qwen3-VL-MoE router "
+                              "renormalises the top-k weights always (it reads no norm_topk_prob); set it to true")
+    num_experts = text.get("num_experts") or text.get("num_local_experts")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise CheckpointError(f"{model_dir}: text_config.num_experts {num_experts!r}: Qwen3-VL-MoE needs experts (a "
+                              "positive count)")
+    return {**text, "num_experts": num_experts, "norm_topk_prob": True}
+
+
+def qwen3_vl_moe_expert_tensors(reader, spec, config) -> dict:
+    """Qwen3-VL-MoE's experts, as `TensorReader` derived tensors under Qwen3-MoE's per-expert names (gate_proj,
+    up_proj, down_proj of `mlp.experts.{e}.`, output-major), each read as expert e's slice of its layer's two fused
+    tensors (only that slice). The fused tensors come in two layouts: the published checkpoints' (transformers 4.57's,
+    used with bmm: gate_up_proj [E, hidden, 2 * width], down_proj [E, width, hidden]) and the one transformers 5 holds
+    in memory and its save_pretrained writes (gate_up_proj [E, 2 * width, hidden], down_proj [E, hidden, width]; it
+    transposes the published ones as it loads them); gate is the first `width` outputs of gate_up, up the rest. The two
+    tensors' shapes together tell the layouts apart (one tensor's can fit both: gate_up's where hidden == 2 * width,
+    down's where hidden == width, never both at once); a layer whose shapes fit neither is refused by name."""
+    hidden, width, experts = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    layouts = {"published": ((experts, hidden, 2 * width), (experts, width, hidden)),
+               "save_pretrained": ((experts, 2 * width, hidden), (experts, hidden, width))}
+    derived = {}
+    for i in config.moe_layers:
+        layer = f"{spec.hf_layer_prefix}{i}.mlp.experts."
+        gate_up, down = layer + "gate_up_proj", layer + "down_proj"
+        shapes = (reader.shape(gate_up), reader.shape(down))
+        fits = [name for name, want in layouts.items() if shapes == want]
+        if not fits:
+            raise CheckpointError(f"{reader.model_dir}: {gate_up} {list(shapes[0])} and {down} {list(shapes[1])}: "
+                                  f"expected {list(layouts['published'][0])} and {list(layouts['published'][1])} "
+                                  f"(the published layout) or {list(layouts['save_pretrained'][0])} and "
+                                  f"{list(layouts['save_pretrained'][1])} (transformers 5's) for num_experts "
+                                  f"{experts}, hidden_size {hidden}, moe_intermediate_size {width}")
+        major = (lambda t: t.t().contiguous()) if fits[0] == "published" else (lambda t: t)  # → [out, in]
+        for e in range(experts):
+            prefix = f"{layer}{e}."
+            derived |= {
+                prefix + "gate_proj.weight": lambda r, n=gate_up, e=e, m=major: m(r.get_index(n, e))[:width],
+                prefix + "up_proj.weight": lambda r, n=gate_up, e=e, m=major: m(r.get_index(n, e))[width:],
+                prefix + "down_proj.weight": lambda r, n=down, e=e, m=major: m(r.get_index(n, e)),
+            }
+    return derived
 
 
 def _check_deepstack(vision: dict, num_layers: int, model_dir: Path) -> None:
