@@ -188,3 +188,18 @@ def test_qwen3_vl_chat_image_parts(tmp_path, run_app):
     refused = _chat(base_url, [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
                                {"type": "text", "text": "Describe it."}])
     assert refused.status_code == 400 and "got 'video_url'" in refused.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_qwen3_vl_moe_chat_image_parts(tmp_path, run_app):
+    """Qwen3-VL-MoE (tests/runtime/test_qwen3_vl_moe.py's checkpoint): a data-URL image part gives transformers'
+    greedy reply (the image tokens through the experts, split across 8-token chunks)."""
+    from tests.runtime.test_qwen3_vl import WIDE
+    from tests.runtime.test_qwen3_vl_moe import PROMPT as MOE_PROMPT
+    from tests.runtime.test_qwen3_vl_moe import hf_generate as moe_generate
+    from tests.runtime.test_qwen3_vl_moe import load_hf, make_qwen3_vl_moe_checkpoint
+
+    checkpoint = make_qwen3_vl_moe_checkpoint(tmp_path / "hf", seed=3)
+    picture = image(11, size=WIDE)
+    prompt_ids, expected, _ = moe_generate(load_hf(checkpoint), MOE_PROMPT, [picture])
+    _served_reply_is(run_app, checkpoint, tmp_path, 8, picture, "Describe it.", prompt_ids, expected)
