@@ -69,9 +69,18 @@ def make_qwen3_vl_moe_checkpoint(path, seed: int = 0, **text_changes):
 
 
 def published_layout(checkpoint, path):
-    """`checkpoint` copied to `path` with its fused experts as the published Qwen3-VL-MoE files store them
-    (transformers 4.57's bmm layout: gate_up_proj [E, hidden, 2 * width], down_proj [E, width, hidden])."""
+    """`checkpoint` copied to `path` as Qwen/Qwen3-VL-30B-A3B-Instruct's files are written: its fused experts in
+    transformers 4.57's bmm layout (gate_up_proj [E, hidden, 2 * width], down_proj [E, width, hidden]), and its
+    config.json's form (text_config's rope_scaling and rope_theta, num_experts, norm_topk_prob true; the tower's
+    model_type qwen3_vl_moe)."""
     shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    text = config["text_config"]
+    rope = text.pop("rope_parameters")
+    text.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope, num_experts=text.pop("num_local_experts"),
+                norm_topk_prob=True)
+    config["vision_config"]["model_type"] = "qwen3_vl_moe"
+    (path / "config.json").write_text(json.dumps(config))
     tensors = load_file(path / "model.safetensors")
     save_file({name: t.transpose(1, 2).contiguous() if ".mlp.experts." in name else t
                for name, t in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
@@ -162,9 +171,9 @@ def test_chunked_prefill_ends_inside_an_image(artifact, hf, monkeypatch):
 
 
 def test_the_published_layout_builds_the_same_artifact(checkpoint, artifact, tmp_path):
-    """The fused experts as the published checkpoints store them (transposed from save_pretrained's): transformers
-    reads them back to its own weights (so this is the layout it converts on load), and the build writes the same
-    artifact as from save_pretrained's."""
+    """The fused experts and config.json as the published checkpoints store them (the experts transposed from
+    save_pretrained's): transformers reads them back to its own weights (so this is the layout it converts on load),
+    and the build writes the same artifact and manifest as from save_pretrained's."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
     published = published_layout(checkpoint, tmp_path / "published")
@@ -177,6 +186,8 @@ def test_the_published_layout_builds_the_same_artifact(checkpoint, artifact, tmp
     for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
         a, b = load_file(artifact / rel), load_file(other / rel)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
+    assert ours.vision == theirs.vision and ours.model == theirs.model
 
 
 
