@@ -278,11 +278,13 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
               help="server and batch files: how tool calls are written in the model's output: hermes "
               "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json ({\"name\": ..., \"parameters\": ...}: "
-              "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral) or pythonic "
-              "([f(a=1), g()]: Llama 3.2, Llama 4)")
+              "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral), pythonic "
+              "([f(a=1), g()]: Llama 3.2, Llama 4) or openai (gpt-oss's harmony messages to functions.NAME; with "
+              "--reasoning-parser openai_gptoss)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
-              "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ) or qwen3")
+              "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3 or "
+              "openai_gptoss (gpt-oss's harmony analysis and final channels)")
 @click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
               callback=_structured_outputs_config,
               help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "
@@ -377,6 +379,8 @@ def run(artifact: str, prompt: str | None, chat: bool, input_path: str | None, o
     if enable_auto_tool_choice and tool_call_parser is None:  # vLLM's start-up check
         raise click.UsageError("--enable-auto-tool-choice requires --tool-call-parser (one of "
                                f"{', '.join(TOOL_CALL_PARSERS)})")
+    if tool_call_parser == "openai" or reasoning_parser == "openai_gptoss":
+        _check_harmony(artifact, tool_call_parser, reasoning_parser)
     if data_parallel > 1 and (prompt is not None or chat or input_path is not None or launch is not None):
         raise click.UsageError("--data-parallel replicates the server's engine: use it without --prompt, --chat, "
                                "--input and --nnodes")
@@ -694,6 +698,18 @@ def _check_engine_options(artifact: str, devices: list[str | None], overrides: d
     resolve_options(art.read_manifest(artifact), {k: v for k, v in overrides.items() if k != "chat_template"})
     for device in devices:
         resolve_device(device)
+
+
+def _check_harmony(artifact: str, tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """gpt-oss's harmony parsers (runtime/server/harmony.py): together, and on a gpt-oss artifact only."""
+    from llmc.runtime import artifact as art
+    from llmc.runtime.server.harmony import check_flags, check_model
+
+    try:
+        check_flags(tool_call_parser, reasoning_parser)
+        check_model(art.read_manifest(artifact).model.architecture, tool_call_parser, reasoning_parser)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _engine_factory(artifact: str, device: str | None, overrides: dict, launch=None):

@@ -346,6 +346,9 @@ class ChatMessage(_Body):
         for name in ("name", "tool_calls", "tool_call_id", "reasoning", "reasoning_content"):
             if getattr(self, name) is not None:
                 message[name] = getattr(self, name)
+        thought = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thought is not None:  # gpt-oss's template reads an assistant's analysis as `thinking`
+            message["thinking"] = thought
         return message
 
 

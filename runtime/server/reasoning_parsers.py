@@ -22,6 +22,9 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   `</think>` ends the reasoning, the tag going to the content (Qwen3.5 may call a tool from inside
   its thinking). With `chat_template_kwargs: {"enable_thinking": false}` the template closes the
   thinking in the prompt and the whole output is content.
+* openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
+  content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
+  --tool-call-parser openai).
 Where vLLM's non-streamed and streamed paths differ, the parser keeps one rule for both: a
 `<think>` after reasoning text is text (vLLM's non-streamed reply drops whatever came before it),
 and a `<tool_call>` before a later `</think>` ends the qwen3 reasoning (as vLLM's stream does).
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 from typing import Any
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
@@ -107,6 +110,10 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
     if name == "qwen3":
         thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
         return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinking)
+    if name == "openai_gptoss":
+        from llmc.runtime.server.harmony import HarmonyParser
+
+        return HarmonyParser(tools=False)
     raise ValueError(f"invalid reasoning parser {name!r}; supported: {', '.join(REASONING_PARSERS)}")
 
 
@@ -162,6 +169,8 @@ def with_reasoning(name: str | None, request: Any, tool_parser: Any) -> Any:
     parser when the request's output is parsed for reasoning, else `tool_parser` itself."""
     if not thinks(name, request.chat_template_kwargs):
         return tool_parser
+    if name == "openai_gptoss":  # one harmony parser reads it all: --tool-call-parser openai's when calls are read
+        return tool_parser if tool_parser is not None else make_parser(name)
     return WithReasoning(make_parser(name, request.chat_template_kwargs), tool_parser)
 
 

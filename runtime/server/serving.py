@@ -26,6 +26,7 @@ from llmc.runtime.server.engine_loop import STALL_TIMEOUT_S, EngineLoop, EngineS
 from llmc.runtime.server.errors import ApiError, as_api_error, invalid, unavailable
 from llmc.runtime.server.lora_modules import ServedAdapters
 from llmc.runtime.server.protocol import MAX_LOGPROBS
+from llmc.runtime.server.harmony import check_flags as check_harmony_flags
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
 from llmc.runtime.tokenizer import apply_chat_template, encode_pair, encode_text
@@ -124,6 +125,7 @@ class ServingContext:
         # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default with tools)
         # reads calls out of the output with that parser; refused without them
         self.check_tool_options(enable_auto_tool_choice, tool_call_parser)
+        check_harmony_flags(tool_call_parser, reasoning_parser)  # gpt-oss's parsers go together (harmony.py)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser = tool_call_parser
         self.served_model_names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)

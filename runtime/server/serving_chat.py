@@ -13,6 +13,8 @@ and vLLM's), and an output cut by max_tokens keeps "length".
 
 With --reasoning-parser (reasoning_parsers): the thinking goes to `reasoning` / `reasoning_content`,
 only the answer to `content` and to the tool parser; usage gains completion_tokens_details.reasoning_tokens.
+gpt-oss's harmony output (--reasoning-parser openai_gptoss, --tool-call-parser openai) is read by one
+parser (harmony.py), its markers kept in the text (skip_special_tokens off).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         # tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they would
         # never reach the parser
         params = params.replace(skip_special_tokens=False)
+    if reasoning.thinks(ctx.reasoning_parser, request.chat_template_kwargs) and ctx.reasoning_parser == "openai_gptoss":
+        params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
     messages, images = request.template_messages(), []
     try:
         if has_image_parts(messages):  # a vision model's image parts (runtime/multimodal.py); a text model refuses them
@@ -130,7 +134,7 @@ class ChatReply:
             calls = calls[:1]
         if self.tool_mode in ("required", "named"):
             content = ""  # vLLM's message of a forced call
-        elif (calls or isinstance(parser, reasoning.WithReasoning)) and not content:
+        elif (calls or reasoning.thinks(self.ctx.reasoning_parser, self.request.chat_template_kwargs)) and not content:
             content = None
         message = {"role": "assistant", "content": content, **reasoning.fields(self.ctx.reasoning_parser, thought)}
         if calls:

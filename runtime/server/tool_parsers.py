@@ -26,6 +26,8 @@ Parsers (`--tool-call-parser`):
   `<|python_end|>`); the arguments are json.dumps of the keywords, so not the text as generated. The
   list is read whole at its closing `]` (no call streams before); output that starts otherwise, or a
   list with anything but such calls, is all content.
+* openai: gpt-oss's harmony messages, a call being a message to `functions.NAME` (runtime/server/harmony.py;
+  with --reasoning-parser openai_gptoss only, which reads the whole output).
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
 under a grammar) and a named tool_choice (the whole output is the arguments).
 
@@ -39,7 +41,7 @@ import ast
 import json
 import re
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
 
 Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
 
@@ -799,6 +801,10 @@ def make_parser(kind: str, name: str | None = None) -> ToolParser:
         return MistralToolParser()
     if kind == "pythonic":
         return PythonicToolParser()
+    if kind == "openai":
+        from llmc.runtime.server.harmony import HarmonyParser
+
+        return HarmonyParser(tools=True)
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":
