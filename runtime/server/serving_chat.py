@@ -57,7 +57,7 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         # tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they would
         # never reach the parser
         params = params.replace(skip_special_tokens=False)
-    if reasoning.thinks(ctx.reasoning_parser, request.chat_template_kwargs) and ctx.reasoning_parser == "openai_gptoss":
+    if ctx.reasoning_parser == "openai_gptoss":
         params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
     messages, images = request.template_messages(), []
     try:

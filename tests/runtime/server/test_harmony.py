@@ -117,3 +117,21 @@ def test_start_up_checks():
     with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss reads gpt-oss's harmony output .*"
                                          "LlamaForCausalLM"):
         check_model("LlamaForCausalLM", None, "openai_gptoss")
+
+
+def test_responses_output_items():
+    """/v1/responses builds its items from the same events: a reasoning item, a message (the preamble), then
+    a function_call, in the order written."""
+    from llmc.runtime.server.serving_responses import _OutputBuilder
+
+    parser, builder = HarmonyParser(tools=True), _OutputBuilder(False)
+    text = THINK + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALL_IN_CHANNEL
+    for char in text:
+        builder.feed(parser.feed(char))
+    builder.feed(parser.finish())
+    builder.finish("completed")
+    assert [(i["type"], i.get("name")) for i in builder.items] == [("reasoning", None), ("message", None),
+                                                                   ("function_call", "get_weather")]
+    assert builder.items[0]["content"][0]["text"] == "User asks for the weather. Call the tool."
+    assert builder.items[1]["content"][0]["text"] == "Checking."
+    assert builder.items[2]["arguments"] == '{"city": "Paris"}'
