@@ -21,7 +21,7 @@ Messages for the same field are joined by a newline. Output that does not start 
 (after blanks), or that goes on after a message with anything but `<|start|>`, is content from there
 on, exactly as generated. At the end of the output an open message counts up to the end (a body cut by
 max_tokens keeps what was generated); a header cut before its `<|message|>` carries no text and is
-dropped. Every decision depends on the text, never on where it was split: a marker split across pieces
+dropped, unless it ran past MAX_HEADER characters: that is text, not a header, and is content. Every decision depends on the text, never on where it was split: a marker split across pieces
 is held back until it is known, so a stream's events join to the whole text's.
 """
 
@@ -35,6 +35,7 @@ START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", 
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 BODY_ENDS = (END, CALL, RETURN, START)  # a `<|start|>` in a body begins the next message (its end was dropped)
 FUNCTIONS = "functions."
+MAX_HEADER = 256  # characters: a longer text before `<|message|>` is no header (published headers are a few words)
 
 Event = tuple
 
@@ -86,8 +87,13 @@ class HarmonyParser(ToolParser):
                     self._enter_raw()
             elif self._state == "header":
                 at = self._buffer.find(MESSAGE)
+                keep = _held(self._buffer, (MESSAGE,)) if at < 0 else 0
+                if len(self._header) + (len(self._buffer) - keep if at < 0 else at) > MAX_HEADER:
+                    # not a header (whatever follows): text, from the message's start
+                    self._buffer, self._header = self._opener + self._header + self._buffer, ""
+                    self._enter_raw()
+                    continue
                 if at < 0:
-                    keep = _held(self._buffer, (MESSAGE,))
                     self._header += self._buffer[:len(self._buffer) - keep]
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break

@@ -53,6 +53,11 @@ CASES = [
     ("", True, ("", "", [])),
     (THINK + "oops <|channel|>final<|message|>x", True,
      ("User asks for the weather. Call the tool.", "oops <|channel|>final<|message|>x", [])),
+    # a header that never ends is text after MAX_HEADER characters
+    ("<|channel|>" + "word " * 60, True, ("", "<|channel|>" + "word " * 60, [])),
+    (THINK + "<|start|>" + "x" * 257 + "<|message|>y", True,
+     ("User asks for the weather. Call the tool.", "<|start|>" + "x" * 257 + "<|message|>y", [])),
+    (THINK + "<|start|>" + "x" * 256 + "<|message|>y", True, ("User asks for the weather. Call the tool.", "y", [])),
     # a marker-like text that is not a marker stays in the body
     ("<|channel|>final<|message|>a <|endoftext b <|", True, ("", "a <|endoftext b <|", [])),
 ]
