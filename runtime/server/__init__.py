@@ -6,6 +6,7 @@
     serving_chat.py        POST /v1/chat/completions
     tool_parsers.py        tool calls read out of the generated text (--tool-call-parser), streamed or whole
     reasoning_parsers.py   the thinking of reasoning models read apart from the answer (--reasoning-parser), streamed or whole
+    harmony.py             gpt-oss's harmony messages read apart: analysis, final, calls (openai_gptoss / openai)
     protocol.py            request bodies (pydantic) and their SamplingParams
     formatting.py          logprobs, usage and SSE in OpenAI's wire format
     errors.py              OpenAI's error JSON and the HTTP status of each mistake
