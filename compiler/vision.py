@@ -39,7 +39,7 @@ learned position embeddings interpolated to each image's grid, 2-D rotary, the p
 `deepstack_visual_indexes` layer: their rows are added to the language model's hidden states at the image tokens
 after its first decoder layers) written whole under `vision_tower.`, and a Qwen3 language model (q/k RMSNorm per
 head) built as Qwen3ForCausalLM whose M-RoPE interleaves the three positions' frequencies (`mrope_interleaved`).
-Its videos are not run (refused at run time).
+Its video processor's files are checked as Qwen2-VL's (Qwen3VLVideoProcessor's defaults; runtime/multimodal.py).
 
 Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) is Qwen3-VL with a Qwen3-MoE language model: its tower (transformers'
 Qwen3VLMoeVisionModel subclasses Qwen3VLVisionModel and changes nothing) and prompt layout are dense Qwen3-VL's, so
@@ -101,8 +101,7 @@ def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
 
         text, spec = qwen_vl_config(config, model_dir)
         qwen_vl_image_processor(model_dir, spec, CheckpointError)  # what the runtime expands <|image_pad|> by
-        if spec.architecture != QWEN3_VL:  # (Qwen3-VL's videos are refused at run time: its files are not read)
-            qwen_vl_video_kwargs(model_dir, spec, CheckpointError)  # and <|video_pad|>
+        qwen_vl_video_kwargs(model_dir, spec, CheckpointError)  # and <|video_pad|>
         return text, spec
     if GEMMA3 in (config.get("architectures") or []):
         return gemma3_config(config, model_dir)

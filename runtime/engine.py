@@ -22,7 +22,7 @@ from llmc.runtime.loader import compute_dtype
 from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
-from llmc.runtime.multimodal import QWEN3_VL_VIDEOS, ImageInputs, VisionEncoder, images_of, takes_videos, videos_of
+from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of, takes_videos, videos_of
 from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, prompt_rows
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
@@ -102,7 +102,7 @@ class Engine:
         limits = self.options.limit_mm_per_prompt
         if limits is not None and limits.video and not takes_videos(self.manifest.vision):
             raise ConfigError(f"limit_mm_per_prompt.video: this model ({self.manifest.vision.architecture}) takes no "
-                              "videos (Qwen2-VL and Qwen2.5-VL do); set it to 0 or drop it")
+                              "videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); set it to 0 or drop it")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         if eagle is not None:
@@ -291,8 +291,8 @@ class Engine:
         is, and None, without images."""
         images = [] if multi_modal_data is None else images_of(multi_modal_data)
         takes_video = self.vision is not None and self.vision.takes_videos
-        refusal = QWEN3_VL_VIDEOS if self.vision is not None and self.vision.is_qwen3 else None
-        videos = [] if multi_modal_data is None else videos_of(multi_modal_data, takes_video, refusal)
+        metadata = self.vision is not None and self.vision.is_qwen3  # (frames, metadata) pairs: timestamps
+        videos = [] if multi_modal_data is None else videos_of(multi_modal_data, takes_video, metadata=metadata)
         limits = self.options.limit_mm_per_prompt
         if limits is not None and limits.image is not None and len(images) > limits.image:
             raise RequestError(f"At most {limits.image} image(s) may be provided in one prompt.",  # vLLM's words

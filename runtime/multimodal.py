@@ -1,6 +1,6 @@
-"""Images (and Qwen2-VL's videos) for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3, Qwen2-VL,
-Qwen2.5-VL): preprocessing, the vision encoder, and the image embeddings that replace the image tokens' embedding
-rows in a prompt's prefill (DESIGN §5, "Images").
+"""Images (and Qwen2-VL's and Qwen3-VL's videos) for vision-language models (LLaVA, LLaVA-NeXT, Gemma 3, Mistral 3,
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL): preprocessing, the vision encoder, and the image embeddings that replace the image
+tokens' embedding rows in a prompt's prefill (DESIGN §5, "Images").
 
 A request's images are encoded once, when it is added (`VisionEncoder.prompt_inputs`): transformers' image
 processor of the artifact (tokenizer/'s processor files) makes the pixel values, a tower and a projector chosen by
@@ -32,7 +32,12 @@ at a time (`_video_pixels`), <|video_pad|> expanded to t x h x w / merge² rows,
 positions apart by `video_interval`; a prompt's images and videos share its ImageInputs. Qwen3-VL: Qwen2-VL's flow
 with transformers' Qwen3VLVisionModel, whose deepstack mergers give each image token one more row per deepstack
 layer (`ImageInputs.deepstack`), added to the language model's hidden state at that token after decoder layer 0, 1,
-... (`step_deepstack_rows`), and interleaved M-RoPE frequencies (runtime/mrope.py); its videos are refused. The
+... (`step_deepstack_rows`), and interleaved M-RoPE frequencies (runtime/mrope.py). Its videos (`Video`: frames,
+and vLLM's metadata fps and frames_indices) are resized as Qwen3VLVideoProcessor resizes them (its smart_resize over
+all frames, `_qwen3_frames`), patched as Qwen2-VL's, and each <|vision_start|><|video_pad|><|vision_end|> (or a bare
+<|video_pad|>) becomes, per frame group, its timestamp "<t seconds>" (`qwen3_timestamps`), <|vision_start|>, the
+group's <|video_pad|> run and <|vision_end|>, as Qwen3VLProcessor and vLLM write it; each group's positions are an
+image's (t = 1), and its tokens take deepstack rows as image tokens do. The
 request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
 (`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
@@ -61,6 +66,7 @@ from llmc.runtime.tokenizer import TEXT_PART_FIELDS
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image sent inline (a data URL), decoded
 MAX_ENCODER_BATCH = 32  # images per vision-tower call when a batch of requests' images is encoded ahead (prefetch)
 CHAT_IMAGE_PARTS = ("image_url", "image_pil")  # the content parts that carry an image (OpenAI's; vLLM's PIL one)
+QWEN3_DEFAULT_FPS = 24.0  # Qwen3VLProcessor's frame rate for a video whose metadata gives none (its timestamps)
 
 
 @dataclass(eq=False)
@@ -126,11 +132,26 @@ def images_of(multi_modal_data) -> list:
     return images
 
 
-def videos_of(multi_modal_data, takes_video: bool, refusal: str | None = None) -> list[list]:
+@dataclass(eq=False)
+class Video:
+    """One video of a request: its frames (PIL RGB images of one size), and for Qwen3-VL the rate and source frame
+    indices its frame timestamps are computed from (`qwen3_timestamps`)."""
+
+    frames: list
+    fps: float = QWEN3_DEFAULT_FPS
+    indices: list[int] = field(default_factory=list)
+
+
+VIDEO_METADATA_KEYS = ("fps", "frames_indices", "total_num_frames", "duration", "video_backend", "do_sample_frames")
+
+
+def videos_of(multi_modal_data, takes_video: bool, refusal: str | None = None,
+              metadata: bool = False) -> list[Video]:
     """vLLM's multi_modal_data's videos ({"video": frames or a list of them}; frames: a uint8 numpy array
     [num_frames, height, width, 3] or a list of PIL images of one size) → each video's frames as PIL RGB images;
-    RequestError where the model takes no video (`takes_video`: Qwen2-VL, Qwen2.5-VL; `refusal` says why) or a
-    video is malformed."""
+    RequestError where the model takes no video (`takes_video`: Qwen2-VL, Qwen2.5-VL, Qwen3-VL; `refusal` says why)
+    or a video is malformed. `metadata` (Qwen3-VL): a video may also be vLLM's (frames, metadata dict) pair, whose
+    fps and frames_indices make its frame timestamps (`_video_metadata`)."""
     from PIL import Image
 
     videos = multi_modal_data.get("video") if isinstance(multi_modal_data, dict) else None
@@ -139,17 +160,68 @@ def videos_of(multi_modal_data, takes_video: bool, refusal: str | None = None) -
     if not takes_video:
         why = refusal or "only images are supported (the 'image' key)"
         raise RequestError(f"multi_modal_data.video: {why}", param="multi_modal_data")
-    if isinstance(videos, tuple):
+    if isinstance(videos, tuple) and not metadata:
         raise RequestError("multi_modal_data.video: (frames, metadata) pairs are not supported (frames are taken as "
                            "sampled at 2 fps); give the frames alone", param="multi_modal_data")
-    if isinstance(videos, np.ndarray) or (isinstance(videos, list) and videos
-                                          and all(isinstance(f, Image.Image) for f in videos)):
+    if isinstance(videos, (np.ndarray, tuple)) or (isinstance(videos, list) and videos
+                                                   and all(isinstance(f, Image.Image) for f in videos)):
         videos = [videos]
     if not isinstance(videos, list):
         raise RequestError(f"multi_modal_data.video: expected frames (a uint8 array [num_frames, height, width, 3] "
                            f"or a list of PIL images) or a list of them, got {type(videos).__name__}",
                            param="multi_modal_data")
-    return [_frames(video, f"multi_modal_data.video[{i}]") for i, video in enumerate(videos)]
+    out = []
+    for i, video in enumerate(videos):
+        where = f"multi_modal_data.video[{i}]"
+        if isinstance(video, tuple) and metadata:
+            if len(video) != 2:
+                raise RequestError(f"{where}: expected a (frames, metadata) pair, got a tuple of {len(video)}",
+                                   param="multi_modal_data")
+            frames = _frames(video[0], where)
+            out.append(Video(frames, *_video_metadata(video[1], len(frames), where)))
+        elif isinstance(video, tuple):
+            raise RequestError(f"{where}: (frames, metadata) pairs are not supported (frames are taken as sampled at "
+                               "2 fps); give the frames alone", param="multi_modal_data")
+        else:
+            frames = _frames(video, where)
+            out.append(Video(frames, QWEN3_DEFAULT_FPS, list(range(len(frames)))))
+    return out
+
+
+def _video_metadata(metadata, count: int, where: str) -> tuple[float, list[int]]:
+    """(fps, frames_indices) of vLLM's video metadata dict for `count` frames: fps (QWEN3_DEFAULT_FPS where absent or
+    None, as Qwen3VLProcessor assumes) and frames_indices (the frames' indices in the source video; 0..count-1 where
+    absent) make the timestamps; total_num_frames, duration and video_backend only describe the source (checked
+    where they bound the indices); do_sample_frames true (sample the frames again) is refused: the frames given are
+    the frames used. Any other key is refused by name."""
+    if not isinstance(metadata, dict):
+        raise RequestError(f"{where}: expected (frames, metadata) with metadata a dict such as {{'fps': 2.0, "
+                           f"'frames_indices': [...]}}, got {type(metadata).__name__}", param="multi_modal_data")
+    other = sorted(set(metadata) - set(VIDEO_METADATA_KEYS))
+    if other:
+        raise RequestError(f"{where}: video metadata {other[0]!r} is not supported (only "
+                           f"{', '.join(VIDEO_METADATA_KEYS)}); drop it", param="multi_modal_data")
+    if metadata.get("do_sample_frames"):
+        raise RequestError(f"{where}: do_sample_frames true (sampling the frames again) is not supported; give the "
+                           "frames to use, with do_sample_frames false", param="multi_modal_data")
+    fps = metadata.get("fps")
+    fps = QWEN3_DEFAULT_FPS if fps is None else fps
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        raise RequestError(f"{where}: video metadata fps must be a positive number, got {fps!r}",
+                           param="multi_modal_data")
+    indices = metadata.get("frames_indices")
+    indices = list(range(count)) if indices is None else indices
+    if isinstance(indices, np.ndarray):
+        indices = indices.tolist()
+    if (not isinstance(indices, (list, tuple)) or len(indices) != count
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in indices)):
+        raise RequestError(f"{where}: video metadata frames_indices must be {count} non-negative ints (one per frame "
+                           f"given), got {indices!r:.80}", param="multi_modal_data")
+    total = metadata.get("total_num_frames")
+    if total is not None and (not isinstance(total, int) or any(x >= total for x in indices)):
+        raise RequestError(f"{where}: video metadata frames_indices reach past total_num_frames {total!r}",
+                           param="multi_modal_data")
+    return float(fps), [int(x) for x in indices]
 
 
 def _frames(video, where: str) -> list:
@@ -191,8 +263,6 @@ def is_pixtral(spec: art.VisionSpec) -> bool:
 
 
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
-QWEN3_VL_VIDEOS = ("Qwen3-VL's videos are not supported (its prompts interleave frame timestamps with "
-                   "<|video_pad|> runs); give images")
 
 
 def is_qwen_vl(spec: art.VisionSpec) -> bool:
@@ -203,8 +273,9 @@ def is_qwen_vl(spec: art.VisionSpec) -> bool:
 
 
 def takes_videos(spec: art.VisionSpec | None) -> bool:
-    """Whether the model runs videos (multi_modal_data's 'video'): Qwen2-VL and Qwen2.5-VL."""
-    return spec is not None and is_qwen_vl(spec) and spec.architecture != QWEN3_VL
+    """Whether the model runs videos (multi_modal_data's 'video'): Qwen2-VL, Qwen2.5-VL and Qwen3-VL (Qwen3-VL-MoE
+    builds Qwen3-VL's vision section)."""
+    return spec is not None and is_qwen_vl(spec)
 
 
 def _tower_and_projector(spec: art.VisionSpec) -> tuple[nn.Module, nn.Module | None]:
@@ -272,13 +343,22 @@ class VisionEncoder:
         self.is_pixtral = is_pixtral(spec)
         self.is_next = spec.architecture == "LlavaNextForConditionalGeneration"
         self.is_qwen = is_qwen_vl(spec)
-        self.is_qwen3 = spec.architecture == QWEN3_VL  # deepstack rows; no videos
+        self.is_qwen3 = spec.architecture == QWEN3_VL  # deepstack rows; timestamped videos
         self.takes_videos = takes_videos(spec)
         if self.is_qwen:  # its processor files checked against the tower (what <|image_pad|> expands to)
             processor = qwen_vl_image_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         if self.takes_videos:
             self.video_interval = video_interval(spec)
             self.video_kwargs = qwen_vl_video_kwargs(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
+        if self.is_qwen3:  # a video's frame timestamps ("<0.5 seconds>") are tokenized as the prompt is
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(str(artifact_dir / art.TOKENIZER_DIR), local_files_only=True)
+            ids = self.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+            if None in ids or self.tokenizer.unk_token_id in ids:
+                raise ArtifactError(f"{art.TOKENIZER_DIR}: the tokenizer has no <|vision_start|> or <|vision_end|> "
+                                    "token (Qwen3-VL's video frames are written between them); rebuild the artifact")
+            self.vision_start, self.vision_end = ids
         elif self.is_next:  # its processor files checked against the model's tiling (what <image> expands to)
             processor = check_anyres_processor(artifact_dir / art.TOKENIZER_DIR, spec, ArtifactError)
         elif self.is_pixtral:  # PixtralProcessor's fields read from its files (it needs torchvision; we do not)
@@ -478,7 +558,7 @@ class VisionEncoder:
     def prompt_inputs(self, token_ids: list[int], images: list, videos: list = ()) -> tuple[list[int], ImageInputs]:
         """The prompt with each image's placeholder (one image token, or as many as it has rows, as transformers'
         processor writes it) expanded to one image token per embedding row, and the request's ImageInputs;
-        `videos` (each a list of frames): Qwen2-VL's only (videos_of refuses them for other models)."""
+        `videos` (`Video`s): Qwen2-VL's and Qwen3-VL's only (videos_of refuses them for other models)."""
         if self.is_gemma3:
             return self._gemma3_prompt_inputs(token_ids, images)
         if self.is_pixtral:
@@ -503,14 +583,16 @@ class VisionEncoder:
         expanded += token_ids[at:]
         return expanded, ImageInputs(positions, torch.cat(embeds), digest)
 
-    def _qwen_prompt_inputs(self, token_ids: list[int], images: list, videos: list) -> tuple[list[int], ImageInputs]:
+    def _qwen_prompt_inputs(self, token_ids: list[int], images: list, videos: list[Video]
+                            ) -> tuple[list[int], ImageInputs]:
         """Qwen2-VL: each <|image_pad|> / <|video_pad|> run either one token (expanded to the image's or video's
         rows, as Qwen2VLProcessor expands it: t x h x w / merge² for a video's video_grid_thw) or already that many
         (kept); the request's M-RoPE positions (`mrope_positions`) with it. Images and videos take their runs in
-        order, each kind its own."""
+        order, each kind its own. A Qwen3-VL video's one <|video_pad|> (with the <|vision_start|> and <|vision_end|>
+        around it, where they are) becomes, per frame group, its timestamp's tokens (`_qwen3_timestamps`),
+        <|vision_start|>, the group's h x w / merge² <|video_pad|> and <|vision_end|>; each group's positions are an
+        image's (t = 1), as Qwen3VLModel.get_rope_index splits video_grid_thw."""
         video = self.spec.video_token_index
-        if not self.takes_videos:
-            self._check_no_video_placeholders(token_ids)
         runs = self._placeholder_runs(token_ids, (self.image_token_id, video))
         counts = [sum(token_ids[lo] == t for lo, _ in runs) for t in (self.image_token_id, video)]
         if counts[0] != len(images):
@@ -519,20 +601,39 @@ class VisionEncoder:
                                "<|vision_start|><|image_pad|><|vision_end|> in the prompt per image",
                                param="multi_modal_data")
         if counts[1] != len(videos):
+            expanded = (" (a Qwen3-VL video's placeholder is one <|video_pad|>, not its timestamped expansion)"
+                        if self.is_qwen3 and counts[1] > len(videos) else "")
             raise RequestError(f"the prompt has {counts[1]} video placeholder(s) (<|video_pad|>, token id {video}) for "
                                f"{len(videos)} video(s); put one <|vision_start|><|video_pad|><|vision_end|> in the "
-                               "prompt per video", param="multi_modal_data")
+                               f"prompt per video{expanded}", param="multi_modal_data")
         image_grids, digest = self.encode(images) if images else ([], b"")
         if videos:
             video_grids, video_digest = self.encode_videos(videos)
             digest = hashlib.sha256(digest + b"video" + video_digest).digest()
-        items = {self.image_token_id: iter(image_grids), video: iter(video_grids if videos else [])}
+        items = {self.image_token_id: iter(image_grids), video: iter(zip(video_grids, videos) if videos else [])}
         expanded, positions, places, grids, at = [], [], [], [], 0
         for start, end in runs:
             token = token_ids[start]
-            grid = next(items[token])
+            grid, clip = next(items[token]) if token == video else (next(items[token]), None)
             frames, rows, columns = grid.shape[:3]
             n = frames * rows * columns
+            if self.is_qwen3 and token == video:  # its frame groups' runs between timestamps
+                if end - start != 1:
+                    raise RequestError(f"a video placeholder of {end - start} tokens: a Qwen3-VL video takes one "
+                                       "<|video_pad|> (expanded with its frame timestamps here); give the prompt "
+                                       "unexpanded", param="multi_modal_data")
+                whole = start > 0 and token_ids[start - 1 : start + 2] == [self.vision_start, video, self.vision_end]
+                if whole:  # <|vision_start|><|video_pad|><|vision_end|> is replaced as a whole
+                    start, end = start - 1, end + 1
+                expanded += token_ids[at:start]
+                for stamp in self._qwen3_timestamps(clip):
+                    expanded += stamp + [self.vision_start]
+                    places.append((len(expanded), rows, columns))
+                    positions += range(len(expanded), len(expanded) + rows * columns)
+                    expanded += [video] * (rows * columns) + [self.vision_end]
+                grids.append(grid.reshape(-1, grid.shape[-1]))
+                at = end
+                continue
             if end - start not in (1, n):
                 what = (f"this image takes one <|image_pad|>, or {n} (its {rows} x {columns} merged patches)"
                         if token != video else f"this video takes one <|video_pad|>, or {n} (its {frames} frame "
@@ -554,13 +655,24 @@ class VisionEncoder:
             rows, deepstack = rows.contiguous(), deepstack.contiguous()
         return expanded, ImageInputs(positions, rows, digest, mrope=mrope, rope_delta=delta, deepstack=deepstack)
 
+    def _qwen3_timestamps(self, video: Video) -> list[list[int]]:
+        """The tokens of each frame group's timestamp, "<{seconds:.1f} seconds>" (`qwen3_timestamps`), each tokenized
+        alone (as vLLM does; the same ids as Qwen3VLProcessor's whole text where a special token or a newline comes
+        before the video)."""
+        temporal = self.spec.vision_config["temporal_patch_size"]
+        return [self.tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False)
+                for seconds in qwen3_timestamps(video.indices, video.fps, temporal)]
+
     @torch.inference_mode()
-    def encode_videos(self, videos: list[list]) -> tuple[list[Tensor], bytes]:
+    def encode_videos(self, videos: list[Video]) -> tuple[list[Tensor], bytes]:
         """Qwen2-VL: (each video's rows [frame groups, rows, columns, hidden_size], the sha256 of their pixel
-        values and grids). The vision tower runs a video's patches as an image's, its video_grid_thw's t > 1
-        (Qwen2VLModel.get_video_features)."""
-        pixels = [self._video_pixels(frames, i) for i, frames in enumerate(videos)]
-        return self._qwen_rows(pixels), self._digest(pixels)
+        values and grids, and for Qwen3-VL their timestamps). The vision tower runs a video's patches as an image's,
+        its video_grid_thw's t > 1 (Qwen2VLModel.get_video_features; Qwen3VLModel's too)."""
+        pixels = [self._video_pixels(video.frames, i) for i, video in enumerate(videos)]
+        digest = self._digest(pixels)
+        if self.is_qwen3:  # the timestamps are part of the prompt: another fps is another prefix
+            digest = hashlib.sha256(digest + repr([(v.fps, v.indices) for v in videos]).encode()).digest()
+        return self._qwen_rows(pixels), digest
 
     def _video_pixels(self, frames: list, number: int) -> tuple[Tensor, tuple[int, int, int]]:
         """One video's patches [t * h * w, channels * temporal_patch_size * patch_size²] and its video_grid_thw
@@ -568,9 +680,14 @@ class VisionEncoder:
         the artifact's image processor (transformers'; Qwen2VLVideoProcessor itself needs torchvision) with the
         video processor's size, mean and std (`qwen_vl_video_kwargs`), the
         frames taken temporal_patch_size at a time (the last repeated to fill the last group), each group's
-        patches in the image processor's order (merge windows row-major) with the frames as the temporal axis."""
+        patches in the image processor's order (merge windows row-major) with the frames as the temporal axis.
+        Qwen3-VL: Qwen3VLVideoProcessor's size instead (`_qwen3_frames`), the same layout."""
+        kwargs = self.video_kwargs
+        if self.is_qwen3:
+            frames, kwargs = self._qwen3_frames(frames, number), {**kwargs, "do_resize": False}
+            kwargs.pop("size"), kwargs.pop("resample")
         try:
-            out = self.image_processor(images=frames, return_tensors="pt", **self.video_kwargs)
+            out = self.image_processor(images=frames, return_tensors="pt", **kwargs)
         except Exception as e:  # noqa: BLE001 - the processor's own types
             raise RequestError(f"multi_modal_data.video[{number}]: its frames cannot be preprocessed "
                                f"({type(e).__name__}: {e})", param="multi_modal_data") from None
@@ -585,11 +702,31 @@ class VisionEncoder:
         px = px.view(t, temporal, h * w, -1, patch * patch).permute(0, 2, 3, 1, 4)
         return px.reshape(t * h * w, -1).contiguous(), (t, h, w)
 
+    def _qwen3_frames(self, frames: list, number: int) -> list:
+        """Qwen3-VL: the frames resized (PIL, the video processor's resample) to the one size transformers'
+        Qwen3VLVideoProcessor gives them: its smart_resize over the whole video (the pixels of all frames within
+        the size's shortest_edge..longest_edge, so more frames get smaller ones), a multiple of patch × merge px."""
+        from PIL import Image
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        temporal = self.spec.vision_config["temporal_patch_size"]
+        if len(frames) < temporal:
+            raise RequestError(f"multi_modal_data.video[{number}]: {len(frames)} frame(s); Qwen3-VL's video processor "
+                               f"takes at least temporal_patch_size ({temporal}) frames", param="multi_modal_data")
+        width, height = frames[0].size
+        size = self.video_kwargs["size"]
+        try:
+            h, w = smart_resize(len(frames), height, width, temporal_factor=temporal,
+                                factor=self.spec.vision_config["patch_size"] * self.spec.spatial_merge_size,
+                                min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+        except ValueError as e:  # an aspect ratio over 200
+            raise RequestError(f"multi_modal_data.video[{number}]: {e}", param="multi_modal_data") from None
+        if (h, w) == (height, width):
+            return frames
+        return [f.resize((w, h), resample=Image.Resampling(self.video_kwargs["resample"])) for f in frames]
+
     def _check_no_video_placeholders(self, token_ids: list[int]) -> None:
         video = self.spec.video_token_index
-        if not self.takes_videos and video is not None and video in token_ids:
-            raise RequestError(f"the prompt holds video placeholders (<|video_pad|>, token id {video}): "
-                               f"{QWEN3_VL_VIDEOS}", param="multi_modal_data")
         if video is not None and video in token_ids:
             raise RequestError(f"the prompt holds video placeholders (<|video_pad|>, token id {video}) but no videos; "
                                "give the videos (multi_modal_data's 'video'), or drop the placeholders",
@@ -848,6 +985,8 @@ def video_interval(spec: art.VisionSpec) -> float:
 
 VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json")
 QWEN_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}  # Qwen2VLVideoProcessor.size
+QWEN3_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}  # Qwen3VLVideoProcessor.size
+BICUBIC = 3  # PIL's (and the Qwen video processors' default) resample
 
 
 def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[Exception]) -> dict:
@@ -856,7 +995,11 @@ def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[
     processor's call: size (its class default, overridden by the files' size, then min_pixels / max_pixels, as
     Qwen2VLVideoProcessor reads them), image_mean, image_std;
     its patch_size, temporal_patch_size and merge_size checked against the tower's, and frame sampling
-    (do_sample_frames) refused: every frame given is used. `error`: CheckpointError at build, ArtifactError at load."""
+    (do_sample_frames) refused: every frame given is used. Qwen3-VL (Qwen3VLVideoProcessor's files): its class
+    default size, the files' size only (it reads no min_pixels / max_pixels), and resample; its frame sampling
+    fields (do_sample_frames, fps, min_frames, max_frames) are not applied, as vLLM passes do_sample_frames false
+    for the frames its loader sampled: the frames given are the frames used; cap_pixels_per_frame true is refused.
+    `error`: CheckpointError at build, ArtifactError at load."""
     config, path = {}, processor_dir
     for name in VIDEO_CONFIG_FILES:
         path = processor_dir / name
@@ -869,19 +1012,35 @@ def qwen_vl_video_kwargs(processor_dir: Path, spec: art.VisionSpec, error: type[
         if key in config and config[key] != model:
             raise error(f"{path}: the video processor's {key} {config[key]!r} is not the model's ({model!r}); set it to "
                         f"{model!r}")
-    if config.get("do_sample_frames"):
+    qwen3 = spec.architecture == QWEN3_VL
+    if config.get("do_sample_frames") and not qwen3:
         raise error(f"{path}: do_sample_frames true (the video processor samples frames by fps) is not supported; "
                     "set it to false (videos are given as the frames to use)")
+    if qwen3 and config.get("cap_pixels_per_frame"):
+        raise error(f"{path}: cap_pixels_per_frame true (Qwen3VLVideoProcessor's per-frame pixel cap) is not "
+                    "supported; set it to false or drop it")
     kwargs = {key: config[key] for key in ("image_mean", "image_std") if config.get(key) is not None}
-    size = dict(config.get("size") or QWEN_VIDEO_SIZE)
+    size = dict(config.get("size") or (QWEN3_VIDEO_SIZE if qwen3 else QWEN_VIDEO_SIZE))
     for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
-        if config.get(key) is not None:
+        if config.get(key) is not None and not qwen3:
             size[edge] = config[key]
     if not (size.get("shortest_edge") and size.get("longest_edge")):
         raise error(f"{path}: the video processor's size {size!r} needs shortest_edge and longest_edge (or "
                     "min_pixels and max_pixels)")
     kwargs["size"] = {"shortest_edge": size["shortest_edge"], "longest_edge": size["longest_edge"]}
+    if qwen3:
+        kwargs["resample"] = config.get("resample", BICUBIC)
     return kwargs
+
+
+def qwen3_timestamps(indices: list[int], fps: float, temporal_patch_size: int) -> list[float]:
+    """Qwen3-VL's frame group timestamps in seconds, as Qwen3VLProcessor computes them: each frame at its source
+    index / fps (the indices padded to whole groups by repeating the last, as the frames are), a group at the mean
+    of its first and last frame's."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    seconds = [index / fps for index in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+            for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def _qwen_patch_sizes(spec: art.VisionSpec) -> dict:
@@ -1055,8 +1214,8 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
                     parts.append({"type": "image"})
                 elif kind not in TEXT_PART_FIELDS:  # video_url, audio: the template would drop them unseen
                     raise RequestError(f"messages.{index}.content.{number}: {kind!r} parts are not supported beside "
-                                       f"images (text and {', '.join(CHAT_IMAGE_PARTS)} parts are; a Qwen2-VL video "
-                                       "goes in LLM.generate's multi_modal_data 'video')")
+                                       f"images (text and {', '.join(CHAT_IMAGE_PARTS)} parts are; a Qwen2-VL or "
+                                       "Qwen3-VL video goes in LLM.generate's multi_modal_data 'video')")
                 else:
                     parts.append(part)
         else:
