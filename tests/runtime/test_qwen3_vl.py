@@ -236,18 +236,9 @@ def test_chat_with_an_image_part_equals_the_offline_form(artifact, hf):
     check_chat_image_parts(llm, GREEDY, picture, "Describe it.", hf_generate(hf, PROMPT, [picture]))
 
 
-def test_videos_and_too_many_images_are_refused(artifact, hf):
-    tokenizer = hf[1]
-    pad, video = tokenizer.convert_tokens_to_ids([PAD, VIDEO])
-    frames = np.zeros((2, 32, 32, 3), dtype=np.uint8)
+def test_too_many_images_are_refused(artifact, hf):
+    """(Videos: tests/runtime/test_qwen3_vl_video.py.)"""
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=64, limit_mm_per_prompt={"image": 1})
-    with pytest.raises(RequestError, match="multi_modal_data.video: Qwen3-VL's videos are not supported"):
-        llm.generate({"prompt": PROMPT, "multi_modal_data": {"image": image(1), "video": frames}}, GREEDY)
-    head = tokenizer("User:" + START)["input_ids"]
-    for data in (None, {"image": image(1)}):
-        with pytest.raises(RequestError, match="video placeholders .*: Qwen3-VL's videos are not supported"):
-            llm.generate({"prompt_token_ids": head + [pad, video], "multi_modal_data": data}
-                         if data else {"prompt_token_ids": head + [video]}, GREEDY)
     with pytest.raises(RequestError, match="At most 1 image\\(s\\) may be provided in one prompt"):
         llm.generate({"prompt": TWO, "multi_modal_data": {"image": [image(1), image(2)]}}, GREEDY)
     with pytest.raises(RequestError, match="use_beam_search does not run with images"):
@@ -255,8 +246,6 @@ def test_videos_and_too_many_images_are_refused(artifact, hf):
                      SamplingParams(use_beam_search=True, n=2, max_tokens=4))
     from llmc.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="limit_mm_per_prompt.video: .* takes no videos"):
-        LLM(artifact, device="cpu", limit_mm_per_prompt={"video": 1})
     with pytest.raises(ConfigError, match="speculative method draft_model: .*M-RoPE"):
         LLM(artifact, device="cpu", speculative_config={"method": "draft_model", "model": str(artifact),
                                                         "num_speculative_tokens": 2})

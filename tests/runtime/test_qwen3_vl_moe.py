@@ -2,7 +2,8 @@
 tests/runtime/test_qwen3_vl.py, deepstack mergers after tower layers 0 and 1; a Qwen3-MoE text model of 3 layers,
 layers 0 and 1 sparse with 4 experts top-2 of width 96, layer 2 dense by mlp_only_layers) built and run against
 transformers' own Qwen3VLMoeForConditionalGeneration.generate: greedy tokens and their logprobs for an image prompt, a
-two-image prompt and a text prompt in one batch, chunked prefill ending inside an image, chat image_url parts; the
+two-image prompt and a text prompt in one batch, chunked prefill ending inside an image, a video beside an image,
+chat image_url parts; the
 published on-disk layout of the fused experts (transposed from what transformers 5's save_pretrained writes) building
 the same artifact, also where one tensor's shape fits both layouts; W4 builds against transformers holding their
 dequantized weights; what is refused."""
@@ -163,6 +164,21 @@ def test_generate_with_images_and_text_in_one_batch_matches_transformers(artifac
         check_output(output, want, atol)
     if device == "cpu":  # (its logprobs at the CPU's tolerance)
         check_chat_image_parts(llm, GREEDY, second, "Describe it.", hf_generate(hf, PROMPT, [second]))
+
+
+def test_a_video_beside_an_image_matches_transformers(artifact, hf, monkeypatch):
+    """Qwen3-VL's videos run the same (the vision section is dense Qwen3-VL's): a 5-frame video with vLLM's metadata
+    beside an image, 8 tokens a step (chunks ending inside the video), against transformers' generate with
+    pixel_values_videos (tests/runtime/test_qwen3_vl_video.py's reference, timestamps and all)."""
+    from tests.runtime.test_qwen2_vl_video import frames
+    from tests.runtime.test_qwen3_vl_video import BOTH, METADATA, hf_video_inputs
+
+    picture, clip = image(6, size=WIDE), frames(8, count=5, height=48)
+    inputs = hf_video_inputs(hf, BOTH, [picture], [(clip, METADATA["fps"], METADATA["frames_indices"])])
+    expected = hf_greedy_with_logprobs(hf[0], inputs, GREEDY.max_tokens)
+    check_chunked_image_prefill(artifact, monkeypatch, GREEDY,
+                                [{"prompt": BOTH, "multi_modal_data": {"image": picture, "video": (clip, METADATA)}}],
+                                [expected])
 
 
 def test_chunked_prefill_ends_inside_an_image(artifact, hf, monkeypatch):
