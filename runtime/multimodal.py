@@ -51,6 +51,7 @@ import hashlib
 import io
 import json
 import math
+import numbers
 from bisect import bisect_left
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,7 +207,7 @@ def _video_metadata(metadata, count: int, where: str) -> tuple[float, list[int]]
                            "frames to use, with do_sample_frames false", param="multi_modal_data")
     fps = metadata.get("fps")
     fps = QWEN3_DEFAULT_FPS if fps is None else fps
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+    if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
         raise RequestError(f"{where}: video metadata fps must be a positive number, got {fps!r}",
                            param="multi_modal_data")
     indices = metadata.get("frames_indices")
@@ -214,11 +215,11 @@ def _video_metadata(metadata, count: int, where: str) -> tuple[float, list[int]]
     if isinstance(indices, np.ndarray):
         indices = indices.tolist()
     if (not isinstance(indices, (list, tuple)) or len(indices) != count
-            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in indices)):
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in indices)):
         raise RequestError(f"{where}: video metadata frames_indices must be {count} non-negative ints (one per frame "
                            f"given), got {indices!r:.80}", param="multi_modal_data")
     total = metadata.get("total_num_frames")
-    if total is not None and (not isinstance(total, int) or any(x >= total for x in indices)):
+    if total is not None and (not isinstance(total, numbers.Integral) or any(x >= total for x in indices)):
         raise RequestError(f"{where}: video metadata frames_indices reach past total_num_frames {total!r}",
                            param="multi_modal_data")
     return float(fps), [int(x) for x in indices]

@@ -117,11 +117,11 @@ def test_generate_with_videos_matches_transformers(artifact, hf, device):  # noq
     (the deepstack rows of video tokens included: transformers adds them at the video tokens as at image tokens)."""
     atol = 2e-4 if device == "cpu" else 2e-3
     clip, other, picture = frames(2), frames(3, count=5, height=48), image(4, size=WIDE)
-    pil_metadata = {"fps": 1.0, "frames_indices": [2, 4, 6, 8]}
+    pil_metadata = {"fps": np.float32(1.0), "frames_indices": list(np.arange(2, 10, 2))}  # numpy scalars too
     plain_ids = hf[1]("User:Hello there.")["input_ids"]
     expected = [hf_generate(hf, VIDEO_PROMPT, None, [(clip, None, [0, 1, 2, 3])]),
                 hf_generate(hf, BOTH, [picture], [(other, 2.0, METADATA["frames_indices"])]),
-                hf_generate(hf, VIDEO_PROMPT, None, [(clip, 1.0, pil_metadata["frames_indices"])]),
+                hf_generate(hf, VIDEO_PROMPT, None, [(clip, 1.0, [2, 4, 6, 8])]),
                 hf_greedy_with_logprobs(hf[0], hf_inputs(hf, plain_ids, None), GREEDY.max_tokens)]
     video_id = hf[0].config.video_token_id
     assert [expected[0][0].count(video_id), expected[1][0].count(video_id)] == [8, 18]
