@@ -35,6 +35,7 @@ from tests.runtime.vision_oracle import check_output, hf_greedy_with_logprobs, r
 CLIP = START + VIDEO + END
 VIDEO_PROMPT = "User:" + CLIP + "What happens?"
 BOTH = "Look:" + START + PAD + END + "and" + CLIP + "Compare them."
+TWO_VIDEOS = "First:" + CLIP + "then\n" + CLIP + "Compare them."
 MERGE = 2
 METADATA = {"fps": 2.0, "frames_indices": [0, 3, 6, 9, 12], "total_num_frames": 20, "duration": 10.0,
             "video_backend": "opencv", "do_sample_frames": False}  # vLLM's form (5 frames: the last group padded)
@@ -113,7 +114,8 @@ def test_video_mrope_positions_equal_transformers(artifact, hf):  # noqa: F811
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_generate_with_videos_matches_transformers(artifact, hf, device):  # noqa: F811
     """In one batch: a video of 4 frames (no metadata: 24 fps), a 5-frame video with vLLM's metadata beside an image,
-    the first video as PIL frames with metadata, a text prompt: transformers' prompt ids, greedy tokens and logprobs
+    the first video as PIL frames with metadata, both videos in one prompt, a text prompt: transformers' prompt ids,
+    greedy tokens and logprobs
     (the deepstack rows of video tokens included: transformers adds them at the video tokens as at image tokens)."""
     atol = 2e-4 if device == "cpu" else 2e-3
     clip, other, picture = frames(2), frames(3, count=5, height=48), image(4, size=WIDE)
@@ -122,17 +124,20 @@ def test_generate_with_videos_matches_transformers(artifact, hf, device):  # noq
     expected = [hf_generate(hf, VIDEO_PROMPT, None, [(clip, None, [0, 1, 2, 3])]),
                 hf_generate(hf, BOTH, [picture], [(other, 2.0, METADATA["frames_indices"])]),
                 hf_generate(hf, VIDEO_PROMPT, None, [(clip, 1.0, [2, 4, 6, 8])]),
-                hf_greedy_with_logprobs(hf[0], hf_inputs(hf, plain_ids, None), GREEDY.max_tokens)]
+                hf_greedy_with_logprobs(hf[0], hf_inputs(hf, plain_ids, None), GREEDY.max_tokens),
+                hf_generate(hf, TWO_VIDEOS, None,
+                            [(other, 2.0, METADATA["frames_indices"]), (clip, None, [0, 1, 2, 3])])]
     video_id = hf[0].config.video_token_id
     assert [expected[0][0].count(video_id), expected[1][0].count(video_id)] == [8, 18]
     assert expected[0][0] != expected[2][0]  # the timestamps differ
     llm = LLM(artifact, device=device, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8,
-              limit_mm_per_prompt={"image": 1, "video": 1}, gpu_memory_utilization=0.3)
+              limit_mm_per_prompt={"image": 1, "video": 2}, gpu_memory_utilization=0.3)
     outputs = llm.generate([{"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": clip}},
                             {"prompt": BOTH, "multi_modal_data": {"image": picture, "video": (other, METADATA)}},
                             {"prompt": VIDEO_PROMPT,
                              "multi_modal_data": {"video": [([Image.fromarray(f) for f in clip], pil_metadata)]}},
-                            {"prompt_token_ids": plain_ids}], GREEDY)
+                            {"prompt_token_ids": plain_ids},
+                            {"prompt": TWO_VIDEOS, "multi_modal_data": {"video": [(other, METADATA), clip]}}], GREEDY)
     for output, want in zip(outputs, expected, strict=True):
         check_output(output, want, atol)
 
