@@ -28,7 +28,7 @@ from llmc.runtime.server.lora_modules import ServedAdapters
 from llmc.runtime.server.protocol import MAX_LOGPROBS
 from llmc.runtime.server.harmony import check_flags as check_harmony_flags
 from llmc.runtime.server.reasoning_parsers import check_name as check_reasoning_parser
-from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
+from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS, unknown_parser
 from llmc.runtime.tokenizer import apply_chat_template, encode_pair, encode_text
 
 logger = logging.getLogger("llmc")
@@ -171,7 +171,7 @@ class ServingContext:
     def check_tool_options(enable_auto_tool_choice: bool, tool_call_parser: str | None) -> None:
         """ValueError for a parser name llmc does not have, or auto tool choice without a parser (vLLM's)."""
         if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"invalid tool call parser {tool_call_parser!r}; supported: {', '.join(TOOL_CALL_PARSERS)}")
+            raise ValueError(unknown_parser(tool_call_parser))
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 

@@ -30,7 +30,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.server.errors import ApiError, as_api_error
 from llmc.runtime.server.formatting import (SSE_DONE, DeltaTracker, chat_logprobs, prompt_logprobs, sse, usage,
                                             usage_body)
-from llmc.runtime.server.protocol import ChatCompletionRequest
+from llmc.runtime.server.protocol import ChatCompletionRequest, checked_tools
 from llmc.runtime.server import reasoning_parsers as reasoning
 from llmc.runtime.server.serving import EventStream, Generation, ServingContext, new_id, parse_generation_request, respond
 from llmc.runtime.server.tool_parsers import ToolParser, fold, make_parser
@@ -52,10 +52,10 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
     reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
-    if ctx.tool_call_parser in ("hermes", "mistral") and request.tool_mode in ("auto", "required", "named"):
-        # vLLM's hermes and mistral parsers (their adjust_request): <tool_call> and </tool_call> are special
-        # tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they would
-        # never reach the parser
+    if ctx.tool_call_parser in ("hermes", "mistral", "glm45") and request.tool_mode in ("auto", "required", "named"):
+        # vLLM's hermes, mistral and glm45 parsers (their adjust_request): <tool_call> and </tool_call> are
+        # special tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they
+        # would never reach the parser
         params = params.replace(skip_special_tokens=False)
     if ctx.reasoning_parser == "openai_gptoss":
         params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
@@ -106,7 +106,7 @@ class ChatReply:
     def _tool_parser(self) -> ToolParser | None:
         """The reader of tool calls in one choice's text, or None when its text is all content."""
         if self.tool_mode == "auto":
-            return make_parser(self.ctx.tool_call_parser)
+            return make_parser(self.ctx.tool_call_parser, tools=checked_tools(self.request.tools))
         if self.tool_mode == "required":
             return make_parser("required")
         if self.tool_mode == "named":

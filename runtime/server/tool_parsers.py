@@ -41,7 +41,11 @@ import ast
 import json
 import re
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "openai")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "qwen3_coder", "deepseek_v3", "openai")
+# vLLM's names of formats llmc does not read, refused by name at start-up
+NOT_BUILT = {"deepseek_v31": "DeepSeek-V3.1's calls (NAME<｜tool▁sep｜>{...}, without deepseek_v3's type and ```json "
+                             "fences) are not read by llmc",
+             "deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
 Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
 
@@ -791,8 +795,15 @@ class NamedToolParser(ToolParser):
         return self._announce()
 
 
-def make_parser(kind: str, name: str | None = None) -> ToolParser:
-    """`kind`: a --tool-call-parser name, "required", or "named" (with the function's `name`)."""
+def unknown_parser(kind: str) -> str:
+    """The error for a --tool-call-parser name llmc does not have."""
+    why = f"{NOT_BUILT[kind]}; " if kind in NOT_BUILT else ""
+    return f"invalid tool call parser {kind!r}; {why}supported: {', '.join(TOOL_CALL_PARSERS)}"
+
+
+def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = None) -> ToolParser:
+    """`kind`: a --tool-call-parser name, "required", or "named" (with the function's `name`); `tools`:
+    the request's (checked) tools, whose parameter schemas type glm45's and qwen3_coder's values."""
     if kind == "hermes":
         return HermesToolParser()
     if kind == "llama3_json":
@@ -805,11 +816,16 @@ def make_parser(kind: str, name: str | None = None) -> ToolParser:
         from llmc.runtime.server.harmony import HarmonyParser
 
         return HarmonyParser(tools=True)
+    if kind in ("glm45", "qwen3_coder", "deepseek_v3"):
+        from llmc.runtime.server import tagged_tool_parsers as tagged
+        if kind == "deepseek_v3":
+            return tagged.DeepSeekV3ToolParser()
+        return (tagged.Glm45ToolParser if kind == "glm45" else tagged.Qwen3CoderToolParser)(tools)
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":
         return NamedToolParser(name)
-    raise ValueError(f"unknown tool call parser {kind!r}; supported: {', '.join(TOOL_CALL_PARSERS)}")
+    raise ValueError(unknown_parser(kind))
 
 
 def fold(events: list[Event]) -> tuple[str, list[tuple[str, str]]]:

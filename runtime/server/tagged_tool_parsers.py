@@ -1,0 +1,508 @@
+"""Tool call parsers of the tag-delimited formats of GLM-4.5, Qwen3-Coder and DeepSeek-V3 (vLLM's
+`--tool-call-parser` glm45, qwen3_coder and deepseek_v3), on tool_parsers' streaming frame: `feed` /
+`finish` return ("content", text), ("call", index, name) and ("args", index, text) events, and every
+decision depends on the text, never on where it was split.
+
+* glm45 (GLM-4.5 / 4.6, vLLM's glm4_moe_tool_parser): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n
+  <arg_value>V</arg_value>\\n...</tool_call>`. The name is the block's text up to its first newline (or
+  `<arg_key>`, or `</tool_call>`); a block without one is content, the tag included (its text read again).
+  A value whose parameter the request's tool declares `"type": "string"` is that string as written;
+  any other is read as JSON, else as a Python literal, else kept as the string (vLLM's rule, on the value
+  stripped). The arguments are the JSON object of the pairs (vLLM's json.dumps spacing); string values
+  stream as they are generated, the others whole at their `</arg_value>`. Text between pairs is ignored,
+  and a key not followed by `<arg_value>` is dropped.
+* qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n
+  </function>\\n</tool_call>`, or the `<function=...>` call without the `<tool_call>` tags (vLLM reads that
+  too). One newline at each end of a value goes; a parameter left open ends at the next `<parameter=`,
+  `</function>` or `</tool_call>`. Values are typed by the parameter's schema as vLLM does: undeclared or
+  string-like types as written; "null"/"None" null where the schema allows null or the type is not a
+  string; integer types by int(), number types by float() (whole numbers as integers), booleans as
+  "true" (any other text is false), objects and arrays as JSON (else a Python literal), other types as a
+  Python literal; a value that does not convert stays the string. A list of types or an anyOf counts as
+  its first non-null type. Each parameter goes out whole at its end. A first `</parameter>` always ends
+  the value (vLLM's newest parser looks past one written inside a value; this one does not). A
+  function name with blanks, quotes, braces or angle brackets is not a call: the tags are content.
+* deepseek_v3 (DeepSeek-V3 / R1, vLLM's deepseekv3_tool_parser): `<｜tool▁calls▁begin｜>` then calls
+  `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, then
+  `<｜tool▁calls▁end｜>`. The arguments are the JSON text as generated (fences and blanks around it off;
+  vLLM's regex needs it on one line, this parser does not). The calls section is never content (vLLM's):
+  a call there that cannot be read is dropped. DeepSeek-V3.1's form (`NAME<｜tool▁sep｜>{...}`, vLLM's
+  deepseek_v31) and V3.2's are not built: those names are refused at start-up.
+
+As for hermes: text outside the calls is content, blanks next to calls dropped once a call was read; a
+block left open at the end counts up to the end, its open value ended there and its object closed; a
+call cut before any of its arguments keeps none (nothing invented).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+
+from llmc.runtime.server.tool_parsers import Event, ToolParser, _held_prefix, _merged
+
+
+def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest of `tags` in `text`: (index, tag), or None."""
+    found = [(text.find(tag), tag) for tag in tags]
+    found = [hit for hit in found if hit[0] >= 0]
+    return min(found) if found else None
+
+
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` might begin one of `tags`."""
+    return max(_held_prefix(text, tag) for tag in tags)
+
+
+def _json(value) -> str | None:
+    """`value` as vLLM's json.dumps writes it, or None when it is not JSON (a set, NaN, bytes)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _literal(text: str):
+    """A Python literal's value; ValueError when the text is not one."""
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise ValueError(text) from None
+
+
+def _properties(tools: list[dict] | None, name: str) -> dict:
+    """The JSON schema properties of the function `name` among the request's tools ({} if none)."""
+    for tool in tools or []:
+        function = tool.get("function") or {}
+        if function.get("name") == name:
+            properties = (function.get("parameters") or {}).get("properties")
+            return properties if isinstance(properties, dict) else {}
+    return {}
+
+
+class _PairsParser(ToolParser):
+    """Base of the XML-like formats: content outside calls, one call's arguments written as the JSON
+    object of its (key, value) pairs."""
+
+    def __init__(self, tools: list[dict] | None):
+        super().__init__()
+        self.tools = tools
+        self._buffer = ""
+        self._index = 0
+        self._pairs = 0  # pairs written of the open call
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return _merged(self._run(final=False))
+
+    def finish(self) -> list[Event]:
+        return _merged(self._run(final=True) + self._end_content())
+
+    def _run(self, final: bool) -> list[Event]:
+        raise NotImplementedError
+
+    def _open_call(self, name: str) -> list[Event]:
+        self._index, self._pairs = self.num_calls, 0
+        return self._count([("call", self._index, name)])
+
+    def _key(self, key: str) -> str:
+        """The next pair's start: `{"key": ` or `, "key": `."""
+        self._pairs += 1
+        return ("{" if self._pairs == 1 else ", ") + json.dumps(key, ensure_ascii=False) + ": "
+
+    def _args(self, text: str) -> list[Event]:
+        return [("args", self._index, text)] if text else []
+
+    def _close_call(self, whole: bool) -> list[Event]:
+        """The call's end: its object closed; `whole` (the end tag read) writes {} for a call without pairs."""
+        return self._args("}" if self._pairs else "{}" if whole else "")
+
+    def _held_content(self, tags: tuple[str, ...], final: bool) -> list[Event]:
+        """The buffer as content but what may begin one of `tags` (kept for the next piece)."""
+        keep = 0 if final else _held(self._buffer, tags)
+        text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        return self._content(text)
+
+
+class Glm45ToolParser(_PairsParser):
+    START, END = "<tool_call>", "</tool_call>"
+    KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._state = "content"  # content, name, pairs, key, after_key, value
+        self._name = ""
+        self._key_text = ""
+        self._string = False  # the open value is written as a string as it comes
+        self._value: list[str] = []  # the open value (not a string) so far
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state, buffer = self._state, self._buffer
+            if state == "content":
+                at = buffer.find(self.START)
+                if at < 0:
+                    return out + self._held_content((self.START,), final)
+                out += self._content(buffer[:at])
+                self._buffer, self._state = buffer[at + len(self.START):], "name"
+            elif state == "name":
+                hit = _first(buffer, ("\n", self.KEY, self.END))
+                if hit is None and not final:
+                    return out
+                name = "" if hit is None else buffer[:hit[0]].strip()
+                if not name:  # not a call (or one cut in its name): the tag is content, its text read again
+                    self._state = "content"
+                    out += self._content(self.START)
+                    continue
+                self._name, self._state = name, "pairs"
+                self._buffer = buffer[hit[0] + (1 if hit[1] == "\n" else 0):]
+                out += self._open_call(name)
+            elif state == "pairs":
+                hit = _first(buffer, (self.KEY, self.END))
+                if hit is None:
+                    if final:
+                        return out + self._end_call(False)
+                    self._buffer = buffer[len(buffer) - _held(buffer, (self.KEY, self.END)):]
+                    return out
+                self._buffer = buffer[hit[0] + len(hit[1]):]
+                if hit[1] == self.END:
+                    out += self._end_call(True)
+                else:
+                    self._state = "key"
+            elif state == "key":
+                hit = _first(buffer, (self.KEY_END, self.END))
+                if hit is None:
+                    if final:
+                        return out + self._end_call(False)
+                    return out
+                if hit[1] == self.END:  # a key never closed: dropped, the call ends
+                    self._buffer = buffer[hit[0] + len(self.END):]
+                    out += self._end_call(True)
+                    continue
+                self._key_text, self._buffer, self._state = buffer[:hit[0]].strip(), buffer[hit[0] + len(self.KEY_END):], "after_key"
+            elif state == "after_key":
+                rest = buffer.lstrip()
+                if rest.startswith(self.VALUE):
+                    self._buffer, self._state = rest[len(self.VALUE):], "value"
+                    out += self._start_value()
+                elif self.VALUE.startswith(rest) and not final:
+                    return out  # blanks, maybe the tag
+                else:
+                    self._state = "pairs"  # the key without a value: dropped
+                    if final and not rest:
+                        return out + self._end_call(False)
+            else:  # value
+                hit = _first(buffer, (self.VALUE_END, self.END))
+                if hit is None:
+                    keep = 0 if final else _held(buffer, (self.VALUE_END, self.END))
+                    out += self._value_text(buffer[:len(buffer) - keep])
+                    self._buffer = buffer[len(buffer) - keep:]
+                    if final:
+                        return out + self._end_value() + self._end_call(False)
+                    return out
+                out += self._value_text(buffer[:hit[0]]) + self._end_value()
+                self._buffer, self._state = buffer[hit[0] + len(hit[1]):], "pairs"
+                if hit[1] == self.END:  # the value ends with the call
+                    out += self._end_call(True)
+
+    def _start_value(self) -> list[Event]:
+        schema = _properties(self.tools, self._name).get(self._key_text)
+        self._string = isinstance(schema, dict) and schema.get("type") == "string"
+        self._value = []
+        return self._args(self._key(self._key_text) + '"') if self._string else []
+
+    def _value_text(self, text: str) -> list[Event]:
+        if self._string:
+            return self._args(json.dumps(text, ensure_ascii=False)[1:-1])
+        self._value.append(text)
+        return []
+
+    def _end_value(self) -> list[Event]:
+        if self._string:
+            return self._args('"')
+        text = "".join(self._value).strip()
+        for read in (json.loads, _literal):
+            try:
+                value = _json(read(text))
+            except (ValueError, RecursionError):
+                continue
+            if value is not None:
+                break
+        else:
+            value = json.dumps(text, ensure_ascii=False)
+        return self._args(self._key(self._key_text) + value)
+
+    def _end_call(self, whole: bool) -> list[Event]:
+        self._state = "content"
+        return self._close_call(whole)
+
+
+# vLLM's qwen3coder type names (lower case): kept as written, and read as JSON first
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_NULLS = ("null", "none")
+
+
+def _type_of(schema) -> tuple[str, bool]:
+    """(the parameter's type, whether null is allowed): its "type", or first non-null one of a list of
+    types or of an anyOf; "string" when the schema names none."""
+    if not isinstance(schema, dict):
+        return "string", False
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    elif isinstance(schema.get("anyOf"), list):
+        types = [option.get("type") for option in schema["anyOf"] if isinstance(option, dict) and "type" in option]
+    else:
+        return "string", False
+    names = [str(t).strip().lower() for t in types]
+    others = [t for t in names if t != "null"]
+    return (others[0] if others else "null" if names else "string"), "null" in names
+
+
+def qwen3_coder_value(text: str, schema) -> object:
+    """A Qwen3-Coder parameter's value typed by its JSON schema (None: not declared), as vLLM reads it."""
+    if schema is None:
+        return text
+    kind, nullable = _type_of(schema)
+    if (nullable or kind not in _STRING_TYPES) and text.lower() in _NULLS:
+        return None
+    if kind in _STRING_TYPES:
+        return text
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(text)
+        if kind.startswith(("num", "float")):
+            number = float(text)
+            return int(number) if number == int(number) else number
+    except (ValueError, OverflowError):
+        return text
+    if kind in ("boolean", "bool", "binary"):
+        return text.lower() == "true"
+    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
+    if container:
+        try:
+            value = json.loads(text)
+            if isinstance(value, str):  # a Python repr written as a JSON string
+                try:
+                    value = _literal(value)
+                except ValueError:
+                    pass
+            return value
+        except ValueError:
+            pass
+    try:
+        value = _literal(text)
+    except ValueError:
+        return text
+    if container and isinstance(value, str):
+        try:
+            value = _literal(value)
+        except ValueError:
+            pass
+    return value
+
+
+_BAD_NAME = re.compile(r"""[{}<>"'\s]""")
+
+
+class Qwen3CoderToolParser(_PairsParser):
+    BLOCK, BLOCK_END = "<tool_call>", "</tool_call>"
+    FUNCTION, FUNCTION_END = "<function=", "</function>"
+    PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        self._state = "content"  # content, block (after <tool_call>), name, body, pname, value, after
+        self._opened = ""  # the tags read of a call not known yet (content if it is not one)
+        self._name = ""
+        self._properties: dict = {}
+        self._param = ""
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state, buffer = self._state, self._buffer
+            if state == "content":
+                hit = _first(buffer, (self.BLOCK, self.FUNCTION))
+                if hit is None:
+                    return out + self._held_content((self.BLOCK, self.FUNCTION), final)
+                out += self._content(buffer[:hit[0]])
+                self._buffer, self._opened = buffer[hit[0] + len(hit[1]):], hit[1]
+                self._state = "block" if hit[1] == self.BLOCK else "name"
+            elif state == "block":
+                rest = buffer.lstrip()
+                if rest.startswith(self.FUNCTION):
+                    self._buffer, self._state = rest[len(self.FUNCTION):], "name"
+                    self._opened += buffer[:len(buffer) - len(rest)] + self.FUNCTION
+                elif self.FUNCTION.startswith(rest) and not final:
+                    return out
+                else:
+                    out += self._not_a_call()
+            elif state == "name":
+                at = buffer.find(">")
+                if at < 0 and not final and not _BAD_NAME.search(buffer):
+                    return out
+                name = buffer[:at] if at >= 0 else ""
+                if not name or _BAD_NAME.search(name):
+                    out += self._not_a_call()
+                    continue
+                self._buffer, self._state, self._name = buffer[at + 1:], "body", name
+                self._properties = _properties(self.tools, name)
+                out += self._open_call(name)
+            elif state == "body":
+                hit = _first(buffer, (self.PARAMETER, self.FUNCTION_END, self.BLOCK_END))
+                if hit is None:
+                    if final:
+                        return out + self._end_call(False)
+                    self._buffer = buffer[len(buffer) - _held(buffer, (self.PARAMETER, self.FUNCTION_END,
+                                                                       self.BLOCK_END)):]
+                    return out
+                self._buffer = buffer[hit[0] + len(hit[1]):]
+                if hit[1] == self.PARAMETER:
+                    self._state = "pname"
+                else:
+                    out += self._end_call(True)
+                    self._state = "after" if hit[1] == self.FUNCTION_END and self._opened.startswith(self.BLOCK) \
+                        else "content"
+            elif state == "pname":
+                at = buffer.find(">")
+                if at < 0:
+                    if final:
+                        return out + self._end_call(False)
+                    return out
+                self._param, self._buffer, self._state = buffer[:at], buffer[at + 1:], "value"
+            elif state == "value":
+                hit = _first(buffer, (self.PARAMETER_END, self.PARAMETER, self.FUNCTION_END, self.BLOCK_END))
+                if hit is None and not final:
+                    return out
+                value = buffer if hit is None else buffer[:hit[0]]
+                value = value.removeprefix("\n").removesuffix("\n")
+                out += self._pair(value)
+                if hit is None:
+                    return out + self._end_call(False)
+                # only </parameter> is the value's own: the other tags are read on in the body
+                self._buffer = buffer[hit[0] + (len(hit[1]) if hit[1] == self.PARAMETER_END else 0):]
+                self._state = "body"
+            else:  # after: </function> read, the block's </tool_call> (after blanks) goes with it
+                rest = buffer.lstrip()
+                if rest.startswith(self.BLOCK_END):
+                    self._buffer, self._state = rest[len(self.BLOCK_END):], "content"
+                elif self.BLOCK_END.startswith(rest) and not final:
+                    return out
+                else:
+                    self._state = "content"
+
+    def _not_a_call(self) -> list[Event]:
+        """The tags read are content, the text after them read again."""
+        self._state = "content"
+        return self._content(self._opened)
+
+    def _pair(self, value: str) -> list[Event]:
+        typed = _json(qwen3_coder_value(value, self._properties.get(self._param)))
+        return self._args(self._key(self._param) + (typed if typed is not None else json.dumps(value, ensure_ascii=False)))
+
+    def _end_call(self, whole: bool) -> list[Event]:
+        self._state = "content"
+        return self._close_call(whole)
+
+
+class DeepSeekV3ToolParser(ToolParser):
+    CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    FENCE = "```"
+
+    def __init__(self):
+        super().__init__()
+        self._buffer = ""
+        self._state = "content"  # content, section, type, name, fence, args, skip (a call dropped)
+        self._index = 0
+        self._raw = ""  # the open call's arguments as generated
+        self._sent = 0
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._run(final=True) + self._end_content()
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state, buffer = self._state, self._buffer
+            if state == "content":
+                at = buffer.find(self.CALLS)
+                if at < 0:
+                    keep = 0 if final else _held_prefix(buffer, self.CALLS)
+                    self._buffer = buffer[len(buffer) - keep:]
+                    return out + self._content(buffer[:len(buffer) - keep])
+                out += self._content(buffer[:at])
+                self._buffer, self._state = buffer[at + len(self.CALLS):], "section"
+            elif state in ("section", "skip"):  # between calls (skip: inside one dropped)
+                tags = (self.CALL, self.CALLS_END) if state == "section" else (self.CALL_END, self.CALLS_END)
+                hit = _first(buffer, tags)
+                if hit is None:
+                    self._buffer = "" if final else buffer[len(buffer) - _held(buffer, tags):]
+                    return out
+                self._buffer = buffer[hit[0] + len(hit[1]):]
+                self._state = {self.CALL: "type", self.CALL_END: "section", self.CALLS_END: "content"}[hit[1]]
+            elif state == "type":
+                hit = _first(buffer, (self.SEP, self.CALL_END, self.CALLS_END))
+                if hit is None:
+                    self._buffer = "" if final else buffer
+                    return out
+                if hit[1] != self.SEP:  # no name: the call is dropped
+                    self._state = "skip"
+                    continue
+                self._buffer, self._state = buffer[hit[0] + len(self.SEP):], "name"
+            elif state == "name":
+                hit = _first(buffer, ("\n", self.FENCE, self.CALL_END, self.CALLS_END))
+                if hit is None:  # the name goes on (or was cut: no call)
+                    self._buffer = "" if final else buffer
+                    return out
+                name = buffer[:hit[0]].strip()
+                if not name:
+                    self._state = "skip"
+                    continue
+                self._buffer = buffer[hit[0] + (1 if hit[1] == "\n" else 0):]
+                self._index, self._raw, self._sent, self._state = self.num_calls, "", 0, "fence"
+                out += self._count([("call", self._index, name)])
+            elif state == "fence":  # ```json before the arguments, if there
+                rest, opening = buffer.lstrip(), self.FENCE + "json"
+                if opening.startswith(rest) and len(rest) < len(opening) and not final:
+                    return out  # blanks, or maybe the fence
+                for tag in (opening, self.FENCE, ""):
+                    if rest.startswith(tag):
+                        self._buffer = rest[len(tag):]
+                        break
+                self._state = "args"
+            else:  # args
+                hit = _first(buffer, (self.CALL_END, self.CALLS_END))
+                if hit is None:
+                    keep = 0 if final else _held(buffer, (self.CALL_END, self.CALLS_END))
+                    self._raw += buffer[:len(buffer) - keep]
+                    self._buffer = buffer[len(buffer) - keep:]
+                    if final:
+                        return out + self._args(done=True)
+                    return out + self._args(done=False)
+                self._raw += buffer[:hit[0]]
+                out += self._args(done=True)
+                self._buffer = buffer[hit[0] + len(hit[1]):]
+                self._state = "section" if hit[1] == self.CALL_END else "content"
+
+    def _args(self, done: bool) -> list[Event]:
+        """The arguments' new text: while open, up to what may be the closing fence; at the end, the
+        text without that fence and the blanks around it."""
+        raw = self._raw.lstrip()
+        if done:
+            text = raw.rstrip()
+            text = text.removesuffix(self.FENCE).rstrip() if text.endswith(self.FENCE) else text
+        else:
+            end = len(raw)
+            while end and (raw[end - 1].isspace() or raw[end - 1] == "`"):
+                end -= 1
+            text = raw[:end]
+        piece, self._sent = text[self._sent:], max(self._sent, len(text))
+        return [("args", self._index, piece)] if piece else []
