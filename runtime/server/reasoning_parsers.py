@@ -22,6 +22,11 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   `</think>` ends the reasoning, the tag going to the content (Qwen3.5 may call a tool from inside
   its thinking). With `chat_template_kwargs: {"enable_thinking": false}` the template closes the
   thinking in the prompt and the whole output is content.
+* glm45 (GLM-4.5 / 4.6; current vLLM reads it with DeepSeekV3ReasoningWithThinkingParser): deepseek_r1's
+  rules, output without `</think>` all reasoning; thinking is on unless chat_template_kwargs give
+  `enable_thinking` or `thinking` and neither is true (GLM's template then closes `<think></think>` in
+  the prompt): the whole output is content. (vLLM's older glm4_moe_reasoning_parser read output without
+  both tags as content; its current one does not.)
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 from typing import Any
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
@@ -56,7 +61,7 @@ def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
 class ReasoningParser:
     """The thinking of one sequence's text. `end_tags`: the tags that end the reasoning, with
     whether the tag itself is content (`<tool_call>`) or dropped (`</think>`). `thinking`: False when
-    the whole output is content (qwen3 with enable_thinking false)."""
+    the whole output is content (qwen3 or glm45 with thinking switched off)."""
 
     def __init__(self, end_tags: dict[str, bool], thinking: bool = True):
         self.end_tags = end_tags
@@ -108,8 +113,9 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
     if name == "deepseek_r1":
         return ReasoningParser({THINK_END: False})
     if name == "qwen3":
-        thinking = (chat_template_kwargs or {}).get("enable_thinking", True) is not False
-        return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinking)
+        return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinks(name, chat_template_kwargs))
+    if name == "glm45":
+        return ReasoningParser({THINK_END: False}, thinks(name, chat_template_kwargs))
     if name == "openai_gptoss":
         from llmc.runtime.server.harmony import HarmonyParser
 
@@ -134,7 +140,11 @@ def thinks(name: str | None, chat_template_kwargs: dict | None) -> bool:
     """Whether a request's output is parsed for reasoning (a parser, and thinking not switched off)."""
     if name is None:
         return False
-    return name != "qwen3" or (chat_template_kwargs or {}).get("enable_thinking", True) is not False
+    kwargs = chat_template_kwargs or {}
+    if name == "glm45":  # vLLM's: on unless either switch is given and neither is true
+        switches = [kwargs.get(key) for key in ("enable_thinking", "thinking")]
+        return all(value is None for value in switches) or any(bool(value) for value in switches)
+    return name != "qwen3" or kwargs.get("enable_thinking", True) is not False
 
 
 class WithReasoning:
@@ -219,12 +229,12 @@ def check_request(name: str | None, request: Any, whole_output_constrained: bool
                       f"constrains the output to tool calls, which with --reasoning-parser {name} vLLM starts after "
                       "the reasoning; llmc cannot start a constraint there: send tool_choice \"auto\" (the calls are "
                       "read from the answer after the reasoning) or \"none\""
-                      + (', or chat_template_kwargs {"enable_thinking": false}' if name == "qwen3" else ""))
+                      + (', or chat_template_kwargs {"enable_thinking": false}' if name in ("qwen3", "glm45") else ""))
     constraints = request._output_constraints()
     if constraints and not whole_output_constrained:
         raise invalid(constraints[0], f"structured output ({', '.join(constraints)}) with --reasoning-parser {name}: "
                       "vLLM constrains only the answer after the reasoning, which llmc cannot do; leave it out"
-                      + (', send chat_template_kwargs {"enable_thinking": false}' if name == "qwen3" else "")
+                      + (', send chat_template_kwargs {"enable_thinking": false}' if name in ("qwen3", "glm45") else "")
                       + ", or start the server with --structured-outputs-config '{\"enable_in_reasoning\": true}' "
                       "to constrain the whole output, reasoning included")
 

@@ -111,11 +111,11 @@ def test_tool_calls_are_read_from_the_content_only():
 
 
 def test_unknown_names_are_refused_with_the_supported_ones():
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "openai_gptoss")
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)
-    with pytest.raises(ValueError, match="'granite'; supported: deepseek_r1, qwen3, openai_gptoss"):
+    with pytest.raises(ValueError, match="'granite'; supported: deepseek_r1, qwen3, glm45, openai_gptoss"):
         check_name("granite")
-    with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3, openai_gptoss"):
+    with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3, glm45, openai_gptoss"):
         make_parser("deepseek_v3")
