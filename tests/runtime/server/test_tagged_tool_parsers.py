@@ -1,0 +1,228 @@
+"""The glm45, qwen3_coder and deepseek_v3 tool call parsers and the glm45 reasoning parser, on texts
+written by hand from the published formats (GLM-4.5's chat template: `<tool_call>NAME\\n<arg_key>K</arg_key>
+\\n<arg_value>V</arg_value>\\n</tool_call>`; Qwen3-Coder's: `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV
+\\n</parameter>\\n</function>\\n</tool_call>`; DeepSeek-V3's: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
+<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>`) and vLLM's documented rules for
+typing the values by the request's tool schemas. Every text is also streamed split at every character
+boundary, one character at a time and in random pieces: the joined pieces must give the same content
+and calls, and every call's arguments are JSON whose value is checked."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from llmc.runtime.server import reasoning_parsers
+from llmc.runtime.server.serving import ServingContext
+from llmc.runtime.server.tagged_tool_parsers import qwen3_coder_value
+from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS, fold, make_parser, parse
+
+PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+              "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+              "unit": {"type": ["string", "null"]}, "note": {"anyOf": [{"type": "null"}, {"type": "string"}]},
+              "any": {}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                                                                                 "properties": PROPERTIES}}},
+         {"type": "function", "function": {"name": "ping"}}]
+
+GLM45 = [
+    # (text, content, [(name, arguments as a value)])
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n"
+     "<arg_value>3</arg_value>\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),
+    # content before, two calls, a call without arguments; values that are not strings read as JSON
+    ('Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lyon "2"\n</arg_value>\n'
+     '<arg_key>opts</arg_key>\n<arg_value>{"a": [1, true, null]}</arg_value>\n<arg_key>ratio</arg_key>\n'
+     "<arg_value> 0.5 </arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>", "Let me check.",
+     [("get_weather", {"city": 'Lyon "2"\n', "opts": {"a": [1, True, None]}, "ratio": 0.5}), ("ping", {})]),
+    # a string parameter keeps a number-like value as written; others: JSON, else a Python literal, else the text
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>123</arg_value><arg_key>metric</arg_key>"
+     "<arg_value>True</arg_value><arg_key>tags</arg_key><arg_value>['a', 'b']</arg_value><arg_key>any</arg_key>"
+     "<arg_value>hello world</arg_value></tool_call>", "",
+     [("get_weather", {"city": "123", "metric": True, "tags": ["a", "b"], "any": "hello world"})]),
+    # a function the tools do not declare: every value read as JSON where it is JSON
+    ("<tool_call>other\n<arg_key>x</arg_key>\n<arg_value>7</arg_value>\n<arg_key>y</arg_key>\n<arg_value>seven"
+     "</arg_value>\n</tool_call> Done.", " Done.", [("other", {"x": 7, "y": "seven"})]),
+    # cut in a string value (max_tokens): the call stands with what was written, its object closed
+    ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par", "", [("get_weather", {"city": "Par"})]),
+    ("<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>4", "", [("get_weather", {"days": 4})]),
+    # cut before any argument: none invented
+    ("<tool_call>get_weather\n<arg_key>ci", "", [("get_weather", None)]),
+    # a key without a value is dropped; text between pairs is ignored
+    ("<tool_call>get_weather\n<arg_key>city</arg_key> oops <arg_key>days</arg_key>\n<arg_value>2</arg_value>"
+     "</tool_call>", "", [("get_weather", {"days": 2})]),
+    # no name, or cut in it: not a call, the text comes back
+    ("<tool_call></tool_call>ok", "<tool_call></tool_call>ok", []),
+    ("Hi <tool_call>get_wea", "Hi <tool_call>get_wea", []),
+    ("No call: a < b, <tool and </tool_call>.\n", "No call: a < b, <tool and </tool_call>.\n", []),
+    ("", "", []),
+]
+
+QWEN3_CODER = [
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+     "</parameter>\n</function>\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),
+    # content before, two calls, one without parameters
+    ("I will look.\n<tool_call>\n<function=get_weather>\n<parameter=ratio>\n2.0\n</parameter>\n<parameter=metric>\n"
+     "False\n</parameter>\n<parameter=opts>\n{\"k\": [1, 2]}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+     "<function=ping>\n</function>\n</tool_call>", "I will look.",
+     [("get_weather", {"ratio": 2, "metric": False, "opts": {"k": [1, 2]}}), ("ping", {})]),
+    # a multi-line string value keeps its inner newlines (one at each end goes); nullable types read null
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\n\nline 1\nline 2\n\n</parameter>\n<parameter=unit>\n"
+     "null\n</parameter>\n<parameter=note>\nNone\n</parameter>\n<parameter=days>\nnull\n</parameter>\n</function>\n"
+     "</tool_call>", "", [("get_weather", {"city": "\nline 1\nline 2\n", "unit": None, "note": None, "days": None})]),
+    # undeclared parameters and undeclared functions: strings as written; a value that does not convert stays text
+    ("<tool_call>\n<function=get_weather>\n<parameter=extra>\n5\n</parameter>\n<parameter=days>\nthree\n</parameter>\n"
+     "</function>\n</tool_call>", "", [("get_weather", {"extra": "5", "days": "three"})]),
+    ("<function=other>\n<parameter=n>\n5\n</parameter>\n</function> after", " after", [("other", {"n": "5"})]),
+    # a parameter left open ends at the next one or at </function>
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n<parameter=days>\n2\n</function>\n</tool_call>",
+     "", [("get_weather", {"city": "Rome", "days": 2})]),
+    # cut inside a value: it ends there, the object closed; cut before any parameter: none invented
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOsl", "", [("get_weather", {"city": "Osl"})]),
+    ("<tool_call>\n<function=get_weather>\n<para", "", [("get_weather", None)]),
+    # not a call: no function, a name that is not one, cut before the name's end
+    ("<tool_call>\nhello\n</tool_call>", "<tool_call>\nhello\n</tool_call>", []),
+    ("<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>",
+     "<tool_call>\n<function={{ name }}>\n</function>\n</tool_call>", []),
+    ("x <function=get_wea", "x <function=get_wea", []),
+    ("Use a < b and <tool_ here.", "Use a < b and <tool_ here.", []),
+]
+
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+C, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_V3 = [
+    (f'{B}{C}function{S}get_weather\n```json\n{{"city": "Paris", "days": 3}}\n```{CE}{E}', "",
+     [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (f'Let me look.{B}{C}function{S}get_weather\n```json\n{{"city": "a```b"}}\n```{CE}\n{C}function{S}ping\n'
+     f"```json\n{{}}\n```{CE}{E}", "Let me look.", [("get_weather", '{"city": "a```b"}'), ("ping", "{}")]),
+    # JSON over several lines (vLLM's regex wants it on one), no fences
+    (f'{B}{C}function{S}f\n```json\n{{\n  "a": [1,\n 2]\n}}\n```{CE}{E}', "", [("f", '{\n  "a": [1,\n 2]\n}')]),
+    (f'{B}{C}function{S}f\n{{"a": 1}}{CE}{E}', "", [("f", '{"a": 1}')]),
+    # text after the section is content (its leading blanks too, as hermes')
+    (f'{B}{C}function{S}f\n```json\n{{}}\n```{CE}{E}\nDone.', "\nDone.", [("f", "{}")]),
+    # cut in the arguments: what was written; cut in the name: no call
+    (f'{B}{C}function{S}f\n```json\n{{"a": "x', "", [("f", '{"a": "x')]),
+    (f"{B}{C}function{S}get_wea", "", []),
+    # the section is never content (vLLM's): a call without a name is dropped
+    (f"x{B}{C}function{CE}{E}y", "xy", []),
+    (f"Plain text with <｜tool▁ in it.", "Plain text with <｜tool▁ in it.", []),
+]
+
+
+def _events(kind: str, pieces: list[str]) -> list:
+    parser = make_parser(kind, tools=TOOLS)
+    return [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+
+
+def _check(kind: str, text: str, content: str, calls: list) -> None:
+    whole = parse(make_parser(kind, tools=TOOLS), text)
+    got_calls = [(name, json.loads(args) if args else None) for name, args in whole[1]] if kind != "deepseek_v3" \
+        else whole[1]
+    assert (whole[0], got_calls) == (content, calls)
+    for cut in range(len(text) + 1):
+        assert fold(_events(kind, [text[:cut], text[cut:]])) == whole, cut
+    assert fold(_events(kind, list(text))) == whole
+    rng = random.Random(len(text))
+    for _ in range(5):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(4, len(text) + 1)))
+        assert fold(_events(kind, [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])) == whole
+
+
+@pytest.mark.parametrize(("kind", "text", "content", "calls"),
+                         [("glm45", *case) for case in GLM45] + [("qwen3_coder", *case) for case in QWEN3_CODER]
+                         + [("deepseek_v3", *case) for case in DEEPSEEK_V3])
+def test_parser(kind, text, content, calls):
+    _check(kind, text, content, calls)
+
+
+def test_glm45_arguments_are_vllm_s_json_dumps():
+    """The arguments text is json.dumps of the pairs (", " and ": ", non-ASCII as is), as vLLM writes it."""
+    text = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Zürich</arg_value>\n<arg_key>days</arg_key>\n" \
+           "<arg_value>2</arg_value>\n</tool_call>"
+    assert parse(make_parser("glm45", tools=TOOLS), text)[1] == [("get_weather", '{"city": "Zürich", "days": 2}')]
+    # without the request's tools every value is read as JSON first (vLLM's rule)
+    assert parse(make_parser("glm45"), text.replace("Zürich", "12"))[1] == [("get_weather", '{"city": 12, "days": 2}')]
+
+
+def test_glm45_streams_string_values_as_they_come():
+    parser = make_parser("glm45", tools=TOOLS)
+    assert parser.feed("Hi <tool_call>get_weather\n") == [("content", "Hi"), ("call", 0, "get_weather")]
+    assert parser.feed("<arg_key>city</arg_key><arg_value>Pa") == [("args", 0, '{"city": "Pa')]
+    assert parser.feed('ris "</arg_') == [("args", 0, 'ris \\"')]  # what may be </arg_value> waits
+    assert parser.feed("value><arg_key>days</arg_key><arg_value>1") == [("args", 0, '"')]
+    assert parser.feed("2</arg_value></tool_call>") == [("args", 0, ', "days": 12}')]
+    assert parser.finish() == [] and parser.called
+
+
+def test_qwen3_coder_values_are_typed_as_vllm_does():
+    assert qwen3_coder_value("5", None) == "5"  # not declared
+    assert qwen3_coder_value("5", {"type": "string"}) == "5"
+    assert qwen3_coder_value("null", {"type": "string"}) == "null"
+    assert qwen3_coder_value("None", {"type": ["string", "null"]}) is None
+    assert qwen3_coder_value("NULL", {"type": "integer"}) is None
+    assert qwen3_coder_value("12", {"type": "integer"}) == 12
+    assert qwen3_coder_value("1.5", {"type": "integer"}) == "1.5"
+    assert qwen3_coder_value("3.0", {"type": "number"}) == 3 and isinstance(qwen3_coder_value("3.0", {"type": "number"}), int)
+    assert qwen3_coder_value("2.5", {"type": "float"}) == 2.5
+    assert qwen3_coder_value("inf", {"type": "number"}) == "inf"
+    assert qwen3_coder_value("TRUE", {"type": "boolean"}) is True
+    assert qwen3_coder_value("yes", {"type": "boolean"}) is False
+    assert qwen3_coder_value('{"a": 1}', {"type": "object"}) == {"a": 1}
+    assert qwen3_coder_value("{'a': 1}", {"type": "object"}) == {"a": 1}  # a Python literal
+    assert qwen3_coder_value('"[1, 2]"', {"type": "array"}) == [1, 2]  # a JSON string holding one
+    assert qwen3_coder_value("(1, 2)", {"type": "tuple"}) == (1, 2)  # other types: a Python literal
+    assert qwen3_coder_value("x y", {"type": "array"}) == "x y"
+    assert qwen3_coder_value("7", {"anyOf": [{"type": "null"}, {"type": "integer"}]}) == 7
+    assert qwen3_coder_value("7", {"description": "no type"}) == "7"
+
+
+def test_qwen3_coder_sends_each_parameter_whole():
+    parser = make_parser("qwen3_coder", tools=TOOLS)
+    assert parser.feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n1") == [("call", 0, "get_weather")]
+    assert parser.feed("0\n</parameter>\n") == [("args", 0, '{"days": 10')]
+    assert parser.feed("</function>\n</tool_call>") == [("args", 0, "}")]
+    assert parser.finish() == []
+
+
+def test_deepseek_v3_streams_the_arguments_as_written():
+    parser = make_parser("deepseek_v3")
+    assert parser.feed(f"{B}{C}function{S}f\n```json\n") == [("call", 0, "f")]
+    assert parser.feed('{"a": "x ') == [("args", 0, '{"a": "x')]  # blanks may end the arguments: they wait
+    assert parser.feed('y"}\n``') == [("args", 0, ' y"}')]
+    assert parser.feed(f"`{CE}{E}") == []
+    assert parser.finish() == []
+
+
+def test_names_and_refusals():
+    assert {"glm45", "qwen3_coder", "deepseek_v3"} <= set(TOOL_CALL_PARSERS)
+    for name in ("deepseek_v31", "deepseek_v32"):
+        with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.[12]'s .* not read by llmc; supported: .*deepseek_v3"):
+            ServingContext.check_tool_options(True, name)
+        with pytest.raises(ValueError, match="not read by llmc"):
+            make_parser(name)
+    assert "glm45" in reasoning_parsers.REASONING_PARSERS
+
+
+GLM45_REASONING = [
+    # (text, reasoning, content): deepseek_r1's rules (vLLM's DeepSeekV3ReasoningWithThinkingParser)
+    ("<think>Paris in May.</think>It is mild.", "Paris in May.", "It is mild."),
+    ("\n<think>a</think>\n<tool_call>ping\n</tool_call>", "a", "\n<tool_call>ping\n</tool_call>"),
+    ("Cut while thinking", "Cut while thinking", ""),
+    ("<think></think>Quick answer.", "", "Quick answer."),
+]
+
+
+@pytest.mark.parametrize(("text", "reasoning", "content"), GLM45_REASONING)
+def test_glm45_reasoning(text, reasoning, content):
+    for kwargs in (None, {}, {"enable_thinking": True}, {"thinking": True, "enable_thinking": False}):
+        assert reasoning_parsers.split(reasoning_parsers.make_parser("glm45", kwargs), text) == (reasoning, content)
+        for at in range(len(text) + 1):
+            parser = reasoning_parsers.make_parser("glm45", kwargs)
+            events = parser.feed(text[:at]) + parser.feed(text[at:]) + parser.finish()
+            assert ("".join(e[1] for e in events if e[0] == "reasoning"),
+                    "".join(e[1] for e in events if e[0] == "content")) == (reasoning, content)
+    # thinking switched off (either switch given, neither true): all content, and no reasoning parsed
+    for kwargs in ({"enable_thinking": False}, {"thinking": False}, {"enable_thinking": 0, "thinking": None}):
+        assert reasoning_parsers.split(reasoning_parsers.make_parser("glm45", kwargs), text) == ("", text)
+        assert not reasoning_parsers.thinks("glm45", kwargs)
