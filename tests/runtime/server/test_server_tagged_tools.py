@@ -1,0 +1,117 @@
+"""The glm45, qwen3_coder and deepseek_v3 tool call parsers and the glm45 reasoning parser over HTTP with
+the openai client, against an in-process app serving ref-llama-12m with --enable-auto-tool-choice: the 12M
+model writes no calls by itself, so its output is forced with guided_choice (as test_server_tools does) to
+each format's calls written by hand from the published chat templates. The reply's calls (typed by the
+request's tool schemas), content and finish_reason, and the stream's pieces joined, must be the same."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from llmc.runtime.engine import Engine
+from llmc.runtime.server.api_server import build_app
+
+MODEL = "ref-llama"
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "ping"}}]
+CALLS = [("get_weather", '{"city": "Paris", "days": 3}'), ("ping", "{}")]
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+C, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+GLM45 = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>")
+FORMATS = {
+    "glm45": GLM45,
+    "qwen3_coder": ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=ping>\n"
+                    "</function>\n</tool_call>"),
+    # one call: DeepSeek's tags take many tokens of the 12M model's vocabulary (several calls: the unit tests)
+    "deepseek_v3": f'Checking.{B}{C}function{S}get_weather\n```json\n{{"city": "Paris", "days": 3}}\n```{CE}{E}',
+}
+CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1]}
+
+
+@pytest.fixture(scope="module")
+def app(server_artifact, served):
+    app = build_app(lambda: Engine(server_artifact, device="cpu"), MODEL, log_stats=False,
+                    enable_auto_tool_choice=True, tool_call_parser="glm45")
+    with served(app, wait_healthy=True) as base_url:
+        yield base_url, app.state.ctx
+
+
+@pytest.fixture
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{app[0]}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def switch(app):
+    """switch(name=value, ...): set ServingContext attributes for one test (put back after it)."""
+    ctx, saved = app[1], {}
+
+    def set_(**values):
+        for name, value in values.items():
+            saved.setdefault(name, getattr(ctx, name))
+            setattr(ctx, name, value)
+
+    yield set_
+    for name, value in saved.items():
+        setattr(ctx, name, value)
+
+
+def _stream(client, **body) -> dict:
+    """The stream's joined reasoning, content, calls [(name, arguments)] and finish_reason of choice 0."""
+    joined = {"reasoning": "", "content": "", "calls": {}, "finish_reason": None}
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            joined["reasoning"] += getattr(choice.delta, "reasoning_content", None) or ""
+            joined["content"] += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = joined["calls"].setdefault(call.index, [call.function.name, ""])
+                entry[1] += call.function.arguments or ""
+            joined["finish_reason"] = choice.finish_reason or joined["finish_reason"]
+    joined["calls"] = [tuple(joined["calls"][i]) for i in sorted(joined["calls"])]
+    return joined
+
+
+def _body(text: str, **extra) -> dict:
+    return {"model": MODEL, "messages": CHAT, "tools": TOOLS, "max_tokens": 200, "temperature": 0,
+            "extra_body": {"guided_choice": [text]}, **extra}
+
+
+@pytest.mark.parametrize("parser", list(FORMATS))
+def test_calls_read_by_each_parser(client, switch, parser):
+    switch(tool_call_parser=parser)
+    body = _body(FORMATS[parser])
+    reply = client.chat.completions.create(**body).choices[0]
+    assert reply.finish_reason == "tool_calls" and reply.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS_OF[parser]
+    assert _stream(client, **body) == {"reasoning": "", "content": "Checking.", "calls": CALLS_OF[parser],
+                                       "finish_reason": "tool_calls"}
+
+
+def test_glm45_keeps_special_tokens_in_the_text(client):
+    """vLLM's glm45 parser turns skip_special_tokens off for requests with tools (its adjust_request); the
+    12M model's <|im_start|> (a special token) stands for a GLM tag here."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
+    assert client.chat.completions.create(**body).choices[0].message.content == ""
+    assert client.chat.completions.create(tools=TOOLS, **body).choices[0].message.content == "<|im_start|>" * 2
+    assert client.chat.completions.create(tools=TOOLS, tool_choice="none", **body).choices[0].message.content == ""
+
+
+def test_glm45_reasoning_then_calls(client, switch):
+    switch(reasoning_parser="glm45", reasoning_in_structured_output=True)
+    body = _body("<think>Paris, in May.</think>" + GLM45)
+    reply = client.chat.completions.create(**body).choices[0]
+    assert reply.message.reasoning_content == "Paris, in May." and reply.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS
+    assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": "Checking.", "calls": CALLS,
+                                       "finish_reason": "tool_calls"}
+    # thinking switched off: the whole output is the answer, its calls read all the same
+    off = client.chat.completions.create(**{**body, "extra_body": {
+        "guided_choice": ["<think></think>" + GLM45], "chat_template_kwargs": {"enable_thinking": False}}})
+    message = off.choices[0].message
+    assert getattr(message, "reasoning_content", None) is None and message.content == "<think></think>Checking."
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == CALLS
