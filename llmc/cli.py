@@ -20,7 +20,7 @@ import llmc
 from llmc.errors import ConfigError, LlmcError, RecipeError, RequestError
 from llmc.runtime.artifact import KV_CACHE_DTYPES, RuntimeDefaults
 from llmc.runtime.server.reasoning_parsers import REASONING_PARSERS
-from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS
+from llmc.runtime.server.tool_parsers import NOT_BUILT, TOOL_CALL_PARSERS, unknown_parser
 
 logger = logging.getLogger("llmc")
 
@@ -61,6 +61,13 @@ class _JsonStringList(click.ParamType):
 
 
 JSON_STRING_LIST = _JsonStringList()
+
+
+def _tool_call_parser(ctx, param, value: str | None) -> str | None:
+    """--tool-call-parser: vLLM's names of formats llmc does not read are refused saying so."""
+    if value in NOT_BUILT:
+        raise click.BadParameter(unknown_parser(value), param=param)
+    return value
 
 
 def _structured_outputs_config(ctx, param, value: dict | None) -> bool:
@@ -275,16 +282,18 @@ def _finite(param, value: float | None) -> float | None:
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="server and batch files: tool_choice \"auto\" (the default when a request gives tools) reads tool "
               "calls out of the output with --tool-call-parser; without it such requests get a 400, as in vLLM")
-@click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS), default=None,
+@click.option("--tool-call-parser", type=click.Choice(TOOL_CALL_PARSERS + tuple(NOT_BUILT)), default=None,
+              callback=_tool_call_parser,
               help="server and batch files: how tool calls are written in the model's output: hermes "
               "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json ({\"name\": ..., \"parameters\": ...}: "
               "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral), pythonic "
-              "([f(a=1), g()]: Llama 3.2, Llama 4) or openai (gpt-oss's harmony messages to functions.NAME; with "
-              "--reasoning-parser openai_gptoss)")
+              "([f(a=1), g()]: Llama 3.2, Llama 4), glm45 (<tool_call>NAME<arg_key>...: GLM-4.5/4.6), qwen3_coder "
+              "(<function=NAME><parameter=...: Qwen3-Coder), deepseek_v3 (<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1) or "
+              "openai (gpt-oss's harmony messages to functions.NAME; with --reasoning-parser openai_gptoss)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
-              "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3 or "
-              "openai_gptoss (gpt-oss's harmony analysis and final channels)")
+              "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ), qwen3, glm45 "
+              "or openai_gptoss (gpt-oss's harmony analysis and final channels)")
 @click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
               callback=_structured_outputs_config,
               help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "

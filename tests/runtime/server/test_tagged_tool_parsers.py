@@ -194,13 +194,15 @@ def test_deepseek_v3_streams_the_arguments_as_written():
     assert parser.finish() == []
 
 
-def test_names_and_refusals():
+def test_names_and_refusals(llmc_cli, tmp_path):
     assert {"glm45", "qwen3_coder", "deepseek_v3"} <= set(TOOL_CALL_PARSERS)
     for name in ("deepseek_v31", "deepseek_v32"):
         with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.[12]'s .* not read by llmc; supported: .*deepseek_v3"):
             ServingContext.check_tool_options(True, name)
         with pytest.raises(ValueError, match="not read by llmc"):
             make_parser(name)
+        code, err = llmc_cli("run", tmp_path, "--tool-call-parser", name)
+        assert code == 2 and "not read by llmc" in err and "deepseek_v3" in err
     assert "glm45" in reasoning_parsers.REASONING_PARSERS
 
 
