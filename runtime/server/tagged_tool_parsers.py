@@ -5,7 +5,8 @@ decision depends on the text, never on where it was split.
 
 * glm45 (GLM-4.5 / 4.6, vLLM's glm4_moe_tool_parser): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n
   <arg_value>V</arg_value>\\n...</tool_call>`. The name is the block's text up to its first newline (or
-  `<arg_key>`, or `</tool_call>`); a block without one is content, the tag included (its text read again).
+  `<arg_key>`, or `</tool_call>`); a block without one, or whose name has blanks, quotes, braces or angle
+  brackets (vLLM takes any first line), is content, the tag included (its text read again).
   A value whose parameter the request's tool declares `"type": "string"` is that string as written;
   any other is read as JSON, else as a Python literal, else kept as the string (vLLM's rule, on the value
   stripped). The arguments are the JSON object of the pairs (vLLM's json.dumps spacing); string values
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 
 from llmc.runtime.server.tool_parsers import Event, ToolParser, _held_prefix, _merged
@@ -126,6 +126,9 @@ class _PairsParser(ToolParser):
         return self._content(text)
 
 
+_BAD_NAME = re.compile(r"""[{}<>"'\s]""")  # not in a function's name (vLLM's qwen3coder rule)
+
+
 class Glm45ToolParser(_PairsParser):
     START, END = "<tool_call>", "</tool_call>"
     KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
@@ -153,7 +156,8 @@ class Glm45ToolParser(_PairsParser):
                 if hit is None and not final:
                     return out
                 name = "" if hit is None else buffer[:hit[0]].strip()
-                if not name:  # not a call (or one cut in its name): the tag is content, its text read again
+                if not name or _BAD_NAME.search(name):  # not a call, or cut in its name: the tag is content
+                    # and its text is read again
                     self._state = "content"
                     out += self._content(self.START)
                     continue
@@ -182,7 +186,8 @@ class Glm45ToolParser(_PairsParser):
                     self._buffer = buffer[hit[0] + len(self.END):]
                     out += self._end_call(True)
                     continue
-                self._key_text, self._buffer, self._state = buffer[:hit[0]].strip(), buffer[hit[0] + len(self.KEY_END):], "after_key"
+                self._key_text, self._state = buffer[:hit[0]].strip(), "after_key"
+                self._buffer = buffer[hit[0] + len(self.KEY_END):]
             elif state == "after_key":
                 rest = buffer.lstrip()
                 if rest.startswith(self.VALUE):
@@ -304,9 +309,6 @@ def qwen3_coder_value(text: str, schema) -> object:
     return value
 
 
-_BAD_NAME = re.compile(r"""[{}<>"'\s]""")
-
-
 class Qwen3CoderToolParser(_PairsParser):
     BLOCK, BLOCK_END = "<tool_call>", "</tool_call>"
     FUNCTION, FUNCTION_END = "<function=", "</function>"
@@ -401,7 +403,7 @@ class Qwen3CoderToolParser(_PairsParser):
 
     def _pair(self, value: str) -> list[Event]:
         typed = _json(qwen3_coder_value(value, self._properties.get(self._param)))
-        return self._args(self._key(self._param) + (typed if typed is not None else json.dumps(value, ensure_ascii=False)))
+        return self._args(self._key(self._param) + (json.dumps(value, ensure_ascii=False) if typed is None else typed))
 
     def _end_call(self, whole: bool) -> list[Event]:
         self._state = "content"

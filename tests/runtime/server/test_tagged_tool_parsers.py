@@ -54,6 +54,7 @@ GLM45 = [
      "</tool_call>", "", [("get_weather", {"days": 2})]),
     # no name, or cut in it: not a call, the text comes back
     ("<tool_call></tool_call>ok", "<tool_call></tool_call>ok", []),
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
     ("Hi <tool_call>get_wea", "Hi <tool_call>get_wea", []),
     ("No call: a < b, <tool and </tool_call>.\n", "No call: a < b, <tool and </tool_call>.\n", []),
     ("", "", []),
@@ -106,7 +107,7 @@ DEEPSEEK_V3 = [
     (f"{B}{C}function{S}get_wea", "", []),
     # the section is never content (vLLM's): a call without a name is dropped
     (f"x{B}{C}function{CE}{E}y", "xy", []),
-    (f"Plain text with <｜tool▁ in it.", "Plain text with <｜tool▁ in it.", []),
+    ("Plain text with <｜tool▁ in it.", "Plain text with <｜tool▁ in it.", []),
 ]
 
 
