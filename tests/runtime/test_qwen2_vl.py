@@ -53,17 +53,10 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 def make_qwen_vl_checkpoint(path, family: str = "qwen2_vl", seed: int = 0, **config_changes):
     """A tiny random float32 Qwen2-VL (or Qwen2.5-VL) with the reference tokenizer plus the vision tokens, the
     PIL image processor's files (patch 8, merge 2, temporal patch 2) and a chat template."""
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig
     from transformers import Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    path.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(REF_MODEL_DIR / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [START, END, PAD, VIDEO]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    start, end, pad, video = tokenizer.convert_tokens_to_ids([START, END, PAD, VIDEO])
+    tokenizer, (start, end, pad, video) = qwen_vl_tokenizer(path)
     text = dict(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0,
                 eos_token_id=1, pad_token_id=4,
@@ -80,10 +73,32 @@ def make_qwen_vl_checkpoint(path, family: str = "qwen2_vl", seed: int = 0, **con
                       spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1])
         config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens, **config_changes)
         model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return save_qwen_vl(model, tokenizer, path, seed)
+
+
+def qwen_vl_tokenizer(path):
+    """`path` (created) with the reference tokenizer's files; the tokenizer plus the vision tokens and the chat
+    template, and their ids (vision start, vision end, image pad, video pad)."""
+    from transformers import AutoTokenizer
+
+    path.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.add_special_tokens({"additional_special_tokens": [START, END, PAD, VIDEO]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer, tokenizer.convert_tokens_to_ids([START, END, PAD, VIDEO])
+
+
+def save_qwen_vl(model, tokenizer, path, seed: int, **processor):
+    """`model` randomised (seed) and saved to `path` with `tokenizer` and the PIL image processor's files (patch 8,
+    merge 2, temporal patch 2, images of 16 to 128 tokens a side; `processor`: other fields); `path`."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     _randomise_(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, **processor,
                              size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128}).save_pretrained(path)
     return path
 
@@ -123,7 +138,8 @@ def expand(prompt: str, grids) -> str:
 
 def hf_inputs(hf, prompt: str | list[int], images) -> dict:
     """transformers' inputs: the image processor's patches and image_grid_thw, the prompt expanded by them (or token
-    ids as they are), mm_token_type_ids 1 at the image tokens (as Qwen2VLProcessor returns them)."""
+    ids as they are), mm_token_type_ids 1 at the image tokens (as Qwen2VLProcessor and Qwen3VLProcessor return
+    them)."""
     model, tokenizer, image_processor = hf
     inputs, grids = {}, []
     if images:

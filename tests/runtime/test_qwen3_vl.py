@@ -28,12 +28,12 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.mrope import column_components
 from llmc.runtime.multimodal import mrope_positions
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import REF_MODEL_DIR, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
-from tests.runtime.test_llava import _randomise_, image
-from tests.runtime.test_qwen2_vl import CHAT_TEMPLATE, END, PAD, PROMPT, START, TALL, TWO, VIDEO, WIDE, expand
+from tests.runtime.test_llava import image
+from tests.runtime.test_qwen2_vl import (END, PAD, PROMPT, START, TALL, TWO, WIDE, hf_generate, hf_inputs,
+                                         qwen_vl_tokenizer, save_qwen_vl)
 from tests.runtime.vision_oracle import (check_chat_image_parts, check_chunked_image_prefill, check_image_requests,
-                                         check_output, hf_greedy_with_logprobs)
+                                         check_output)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 SECTION = [4, 2, 2]  # interleaved over 8 frequencies: height 1, 4; width 2, 5; temporal 0, 3, 6, 7
@@ -42,16 +42,9 @@ SECTION = [4, 2, 2]  # interleaved over 8 frequencies: height 1, 4; width 2, 5; 
 def make_qwen3_vl_checkpoint(path, seed: int = 0, **config_changes):
     """A tiny random float32 Qwen3-VL with the reference tokenizer plus the vision tokens, the PIL image processor's
     files (patch 8, merge 2, temporal patch 2) and a chat template."""
-    from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    path.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(REF_MODEL_DIR / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [START, END, PAD, VIDEO]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    start, end, pad, video = tokenizer.convert_tokens_to_ids([START, END, PAD, VIDEO])
+    tokenizer, (start, end, pad, video) = qwen_vl_tokenizer(path)
     text = dict(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0,
                 eos_token_id=1, pad_token_id=4,
@@ -64,13 +57,7 @@ def make_qwen3_vl_checkpoint(path, seed: int = 0, **config_changes):
                            vision_end_token_id=end, image_token_id=pad, video_token_id=video,
                            tie_word_embeddings=False, **config_changes)
     model = Qwen3VLForConditionalGeneration(config).eval()
-    _randomise_(model, seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3,
-                             size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128}).save_pretrained(path)
-    return path
+    return save_qwen_vl(model, tokenizer, path, seed, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
 @pytest.fixture(scope="module")
@@ -90,25 +77,6 @@ def hf(checkpoint):
     model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32,
                                                             attn_implementation="eager").eval()
     return model, AutoTokenizer.from_pretrained(str(checkpoint)), AutoImageProcessor.from_pretrained(str(checkpoint))
-
-
-def hf_inputs(hf, prompt: str | list[int], images) -> dict:
-    """transformers' inputs: the image processor's patches and image_grid_thw, the prompt expanded by them (or token
-    ids as they are), mm_token_type_ids 1 at the image tokens (as Qwen3VLProcessor returns them)."""
-    model, tokenizer, image_processor = hf
-    inputs, grids = {}, []
-    if images:
-        pixels = image_processor(images=images, return_tensors="pt")
-        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-        grids = pixels["image_grid_thw"].tolist()
-    ids = tokenizer(expand(prompt, grids))["input_ids"] if isinstance(prompt, str) else prompt
-    ids = torch.tensor([ids])
-    types = (ids == model.config.image_token_id).int()
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types, **inputs}
-
-
-def hf_generate(hf, prompt, images, max_tokens: int = GREEDY.max_tokens):
-    return hf_greedy_with_logprobs(hf[0], hf_inputs(hf, prompt, images), max_tokens)
 
 
 def test_build_records_the_vision_side(artifact, checkpoint):

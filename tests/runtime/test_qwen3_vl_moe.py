@@ -21,10 +21,9 @@ from llmc.errors import CheckpointError
 from llmc.runtime import artifact as art
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import REF_MODEL_DIR, TOKENIZER_FILES
 from tests.runtime.hf_oracle import build_float32
-from tests.runtime.test_llava import _randomise_, image
-from tests.runtime.test_qwen2_vl import CHAT_TEMPLATE, END, PAD, PROMPT, START, TALL, TWO, VIDEO, WIDE, expand
+from tests.runtime.test_llava import image
+from tests.runtime.test_qwen2_vl import PROMPT, TALL, TWO, WIDE, hf_generate, qwen_vl_tokenizer, save_qwen_vl
 from tests.runtime.test_qwen3_vl import SECTION
 from tests.runtime.vision_oracle import (check_chat_image_parts, check_chunked_image_prefill, check_output,
                                          hf_greedy_with_logprobs)
@@ -37,16 +36,9 @@ def make_qwen3_vl_moe_checkpoint(path, seed: int = 0, **text_changes):
     """A tiny random float32 Qwen3-VL-MoE as transformers 5's save_pretrained writes it, with the reference tokenizer
     plus the vision tokens, the PIL image processor's files (patch 8, merge 2, temporal patch 2) and a chat
     template."""
-    from transformers import AutoTokenizer, Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
-    path.mkdir(parents=True)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(REF_MODEL_DIR / name, path / name)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    tokenizer.add_special_tokens({"additional_special_tokens": [START, END, PAD, VIDEO]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    start, end, pad, video = tokenizer.convert_tokens_to_ids([START, END, PAD, VIDEO])
+    tokenizer, (start, end, pad, video) = qwen_vl_tokenizer(path)
     text = dict(vocab_size=4160, hidden_size=HIDDEN, intermediate_size=128, moe_intermediate_size=WIDTH,
                 num_experts=EXPERTS, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[2],
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -60,13 +52,7 @@ def make_qwen3_vl_moe_checkpoint(path, seed: int = 0, **text_changes):
                               vision_end_token_id=end, image_token_id=pad, video_token_id=video,
                               tie_word_embeddings=False)
     model = Qwen3VLMoeForConditionalGeneration(config).eval()
-    _randomise_(model, seed)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3,
-                             size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128}).save_pretrained(path)
-    return path
+    return save_qwen_vl(model, tokenizer, path, seed, image_mean=[0.5] * 3, image_std=[0.5] * 3)
 
 
 def published_layout(checkpoint, path):
@@ -109,21 +95,6 @@ def load_hf(checkpoint):
 @pytest.fixture(scope="module")
 def hf(checkpoint):
     return load_hf(checkpoint)
-
-
-def hf_generate(hf, prompt, images, max_tokens: int = GREEDY.max_tokens):
-    """transformers' (prompt ids, greedy tokens, logprobs): the prompt expanded by the image processor's grids as
-    Qwen3VLProcessor expands it (tests/runtime/test_qwen3_vl.py), mm_token_type_ids 1 at the image tokens."""
-    model, tokenizer, image_processor = hf
-    inputs, grids = {}, []
-    if images:
-        pixels = image_processor(images=images, return_tensors="pt")
-        inputs = {"pixel_values": pixels["pixel_values"], "image_grid_thw": pixels["image_grid_thw"]}
-        grids = pixels["image_grid_thw"].tolist()
-    ids = torch.tensor([tokenizer(expand(prompt, grids))["input_ids"] if isinstance(prompt, str) else prompt])
-    inputs |= {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-               "mm_token_type_ids": (ids == model.config.image_token_id).int()}
-    return hf_greedy_with_logprobs(model, inputs, max_tokens)
 
 
 def test_build_reads_the_language_model_as_qwen3_moe(artifact, checkpoint):
@@ -311,7 +282,6 @@ def test_a_w4_build_runs_transformers_on_its_weights(quantization, checkpoint, h
     [output] = LLM(out, device="cpu", max_num_batched_tokens=64).generate(
         {"prompt": PROMPT, "multi_modal_data": {"image": picture}}, GREEDY)
     check_output(output, want)
-    float_want = hf_generate(hf, PROMPT, [picture])
     float_want = hf_generate(hf, PROMPT, [picture])
     assert max(abs(a - b) for a, b in zip(want[2], float_want[2])) > 1e-4  # (the weights were quantized)
     source = load_file(checkpoint / "model.safetensors")

@@ -28,8 +28,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.multimodal import mrope_positions, qwen3_timestamps
 from tests.runtime.test_llava import image
 from tests.runtime.test_qwen2_vl_video import frames, video_patches
-from tests.runtime.test_qwen3_vl import (END, GREEDY, PAD, START, VIDEO, WIDE, artifact, checkpoint,  # noqa: F401
-                                         expand, hf, hf_inputs)
+from tests.runtime.test_qwen2_vl import END, PAD, START, VIDEO, WIDE, expand, hf_inputs
+from tests.runtime.test_qwen3_vl import GREEDY, artifact, checkpoint, hf  # noqa: F401
 from tests.runtime.vision_oracle import check_output, hf_greedy_with_logprobs, record_chunks
 
 CLIP = START + VIDEO + END
