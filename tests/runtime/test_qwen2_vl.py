@@ -76,6 +76,18 @@ def make_qwen_vl_checkpoint(path, family: str = "qwen2_vl", seed: int = 0, **con
     return save_qwen_vl(model, tokenizer, path, seed)
 
 
+def assert_same_build(artifact, other) -> None:
+    """Two builds of one model (another weight layout or config form): the same language-model and vision weights
+    and the same manifest model and vision sections."""
+    from safetensors.torch import load_file
+
+    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
+        a, b = load_file(artifact / rel), load_file(other / rel)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
+    assert ours.vision == theirs.vision and ours.model == theirs.model
+
+
 def qwen_vl_tokenizer(path):
     """`path` (created) with the reference tokenizer's files; the tokenizer plus the vision tokens and the chat
     template, and their ids (vision start, vision end, image pad, video pad)."""
@@ -400,12 +412,7 @@ def test_other_layouts_and_a_quantized_build(checkpoint, artifact, family, tmp_p
         else:
             new[name] = t
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
-    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
-    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
-        a, b = load_file(artifact / rel), load_file(other / rel)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
-    assert ours.vision == theirs.vision and ours.model == theirs.model
+    assert_same_build(artifact, build_float32(renamed, tmp_path / "a", target={"device": "cpu"}))
     quantized = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
                               quantization={"method": "rtn", "group_size": 32})
     assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"

@@ -31,7 +31,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.runtime.hf_oracle import build_float32
 from tests.runtime.test_llava import image
 from tests.runtime.test_qwen2_vl import (END, PAD, PROMPT, START, TALL, TWO, WIDE, hf_generate, hf_inputs,
-                                         qwen_vl_tokenizer, save_qwen_vl)
+                                         assert_same_build, qwen_vl_tokenizer, save_qwen_vl)
 from tests.runtime.vision_oracle import (check_chat_image_parts, check_chunked_image_prefill, check_image_requests,
                                          check_output)
 
@@ -276,12 +276,7 @@ def test_other_layouts_and_a_quantized_build(checkpoint, artifact, tmp_path):
         else:
             new[name] = t
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
-    other = build_float32(renamed, tmp_path / "a", target={"device": "cpu"})
-    for rel in ("rank-00/weights.safetensors", art.VISION_WEIGHTS):
-        a, b = load_file(artifact / rel), load_file(other / rel)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ours, theirs = art.read_manifest(artifact), art.read_manifest(other)
-    assert ours.vision == theirs.vision and ours.model == theirs.model
+    assert_same_build(artifact, build_float32(renamed, tmp_path / "a", target={"device": "cpu"}))
     quantized = build_float32(checkpoint, tmp_path / "q", target={"device": "cpu"},
                               quantization={"method": "rtn", "group_size": 32})
     assert art.read_manifest(quantized).quant.modules["layers.0.attn.qkv"]["format"] != "dense"
