@@ -84,8 +84,8 @@ DEEPSEEK_V2_LITE = {"vocab_size": 102400, "hidden_size": 2048, "intermediate_siz
                     "v_head_dim": 128, "topk_method": "greedy", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                     "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False}
 # GLM-4.5-Air's (zai-org/GLM-4.5-Air: partial_rotary_factor 0.5, use_qk_norm false; GLM-4.5 itself sets it, with 160
-# experts and 92 layers); num_nextn_predict_layers 0: its MTP layer (model.layers.46) is not written (llmc does not
-# build it)
+# experts and 92 layers); num_nextn_predict_layers 0: its MTP layer (model.layers.46) is not written (a build would
+# keep it for speculative method mtp; these benchmarks measure the model alone)
 GLM_45_AIR = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "moe_intermediate_size": 1408,
               "num_hidden_layers": 46, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
               "attention_bias": True, "use_qk_norm": False, "n_routed_experts": 128, "n_shared_experts": 1,

@@ -35,6 +35,7 @@ from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_sca
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.lora import LoraMerge, load_adapters
+from llmc.compiler.mtp import checkpoint_mtp, num_mtp_layers, write_mtp_weights
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
 from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, vision_config,
@@ -90,6 +91,7 @@ class _Context:
     derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
     vision: art.VisionSpec | None = None  # a LLaVA / Gemma 3 checkpoint's vision tower and projector (compiler/vision.py)
     gguf: GGUFCheckpoint | None = None  # a .gguf model (compiler/gguf_checkpoint.py); model_dir holds its tokenizer
+    mtp: art.MtpSpec | None = None  # GLM-4.5's multi-token-prediction layer, built apart (compiler/mtp.py)
 
 
 def _reader(ctx: _Context, merge=None, derived=None):
@@ -124,6 +126,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_partial_rotary(ctx)
     _check_pooling(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
+    ctx.mtp = _plan_mtp(ctx)
     ctx.module_formats = _plan_formats(ctx)
     ctx.parallel = _plan_parallel(ctx)
     ctx.w4a16_kernels = _plan_kernels(ctx, timings)
@@ -133,10 +136,26 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
         weight_bytes = _timed(timings, "weights", lambda: _write_weights(ctx, tmp, show_progress))
         if ctx.vision is not None:
             _timed(timings, "vision", lambda: _write_vision(ctx, tmp))
+        if ctx.mtp is not None:
+            _timed(timings, "mtp layer", lambda: write_mtp_weights(ctx.model_dir, ctx.spec, ctx.model, ctx.mtp,
+                                                                   tmp / art.MTP_WEIGHTS, ctx.lora))
         if recipe.target.device in om.ONNX_DEVICES:
             weight_bytes = _timed(timings, "onnx graph", lambda: _write_onnx(ctx, tmp))
         manifest = _timed(timings, "manifest", lambda: _write_manifest(ctx, tmp, weight_bytes))
     return BuildResult(output, manifest, time.perf_counter() - start, timings)
+
+
+def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
+    """GLM-4.5's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file nor into an ONNX
+    build (logged)."""
+    if ctx.spec.family != "glm4_moe" or not num_mtp_layers(ctx.hf_config):
+        return None
+    if ctx.gguf is not None or ctx.recipe.target.device in om.ONNX_DEVICES:
+        logger.info("GLM-4.5: the multi-token prediction layer is not built into %s; no MTP speculative decoding",
+                    "a build from a GGUF file" if ctx.gguf is not None else "an ONNX build")
+        return None
+    with hf.TensorReader(ctx.model_dir) as reader:
+        return checkpoint_mtp(reader, ctx.spec, ctx.model, ctx.hf_config)
 
 
 def _timed(timings: dict, stage: str, fn):
@@ -612,6 +631,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
         files=art.hash_files(root),
         target=ctx.target,
         vision=ctx.vision,
+        mtp=ctx.mtp,
     )
     art.write_manifest(root, manifest)
     return manifest

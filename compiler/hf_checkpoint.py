@@ -589,7 +589,8 @@ def _deepseek_config(config: dict, family: str) -> dict:
                               "and top-k)")
     if config.get("num_nextn_predict_layers") or config.get("num_mtp_layers"):
         logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built: transformers' "
-                    "forward does not run them either; no MTP speculative decoding", name)
+                    "forward does not run them either; no MTP speculative decoding (llmc runs GLM-4.5's MTP layer, not an MLA "
+                    "one)", name)
     return {**config, "head_dim": config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
             "num_key_value_heads": heads}
 
@@ -653,7 +654,7 @@ def _check_router_groups(experts: int, groups, topk_groups, pairs: bool) -> None
 def _check_glm4_moe(config: dict) -> None:
     """What a GLM-4.5 config can say that transformers' Glm4MoeForCausalLM would not run as it says, refused by name:
     a router other than its sigmoid with noaux_tc (it reads neither key), no experts. Its multi-token-prediction
-    layers are left out, and the build says so."""
+    layer is built apart (compiler/mtp.py)."""
     scoring, method = config.get("scoring_func"), config.get("topk_method")
     if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
         raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' GLM-4.5 routes by "
@@ -661,9 +662,6 @@ def _check_glm4_moe(config: dict) -> None:
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
         raise CheckpointError("GLM-4.5: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")
-    if config.get("num_nextn_predict_layers") or config.get("num_mtp_layers"):
-        logger.info("GLM-4.5: the multi-token prediction layers (num_nextn_predict_layers) are not built: "
-                    "transformers' forward does not run them either; no MTP speculative decoding")
 
 
 def _glm4_moe_fields(config: dict) -> dict:

@@ -90,13 +90,16 @@ from llmc.schema import opt, parse
 #      the deepstack mergers); older manifests load without them (false: Qwen2-VL's contiguous sections).
 # 1.25: SmolLM3 (family smollm3) and model.nope_layers (layers whose q and k are not rotated: their table is cos 1,
 #      sin 0); older manifests load without it (every layer rotates).
-FORMAT_VERSION = "1.25"
+# 1.26: the manifest's `mtp` section (MtpSpec) and its MTP_WEIGHTS: GLM-4.5's multi-token-prediction layer, kept for
+#      speculative method mtp; older manifests load without it (no MTP layer).
+FORMAT_VERSION = "1.26"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25")
+                         "1.22", "1.23", "1.24", "1.25", "1.26")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
+MTP_WEIGHTS = "mtp/weights.safetensors"  # the MTP layer's tensors (MtpSpec, compiler/mtp.py)
 VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
@@ -657,6 +660,19 @@ class VisionSpec:
     mrope_interleaved: bool = opt(False)
 
 
+@dataclass(frozen=True)
+class MtpSpec:
+    """The checkpoint's multi-token-prediction layer (GLM-4.5's; compiler/mtp.py builds it, runtime/mtp_head.py runs it
+    under speculative method mtp). Its tensors are in MTP_WEIGHTS, dense in the model dtype: the decoder layer under
+    `layers.{layer_index}.` (the runtime's names), enorm, hnorm, eh_proj, shared_head.norm, and where the checkpoint has
+    them shared_head.head and embed."""
+
+    layer_index: int = opt(min=1)  # the checkpoint's index of the layer: the model's num_layers
+    is_moe: bool = opt()  # its MLP is the model's MoE (else a dense MLP)
+    has_head: bool = opt()  # shared_head.head.weight stored; false: the model's lm_head reads its output
+    has_embed: bool = opt()  # embed.weight stored; false: the model's embedding
+
+
 def kernel_source_label(record: dict) -> str:
     """Where one plan.w4a16_kernels record came from: "measured on NVIDIA H200", "heuristic"."""
     return f"measured on {record['gpu']}" if record.get("gpu") else str(record.get("source"))
@@ -685,6 +701,7 @@ class Manifest:
     #        "op_counts", "linears"}} (runtime/onnx_model.py)
     target: dict = field(default_factory=dict)
     vision: VisionSpec | None = opt(None)  # a vision-language model's image side (format 1.13); None: a text model
+    mtp: MtpSpec | None = opt(None)  # the MTP layer kept for speculative method mtp (format 1.26); None: none
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))  # the types a reader gets back
@@ -741,6 +758,10 @@ def _check_consistency(m: Manifest) -> None:
     if unlisted := [name for name in linears if name not in m.quant.modules]:
         problems.append(f"quant.modules has no format for {unlisted[0]}" + (f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""))
     model_files = [rank_weights_path(r) for r in range(m.parallel.world_size)] if not m.target else []  # ONNX: its own
+    if m.mtp is not None:
+        model_files.append(MTP_WEIGHTS)
+        if m.mtp.layer_index != model.num_layers:
+            problems.append(f"mtp.layer_index {m.mtp.layer_index} is not the model's num_layers {model.num_layers}")
     if m.vision is not None:
         model_files.append(VISION_WEIGHTS)
         if m.vision.text_hidden_size != model.hidden_size or m.vision.image_token_index >= model.vocab_size:

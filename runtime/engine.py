@@ -41,6 +41,7 @@ from llmc.runtime.sampling_params import RequestOutputKind, SamplingParams
 from llmc.runtime.scheduler import ScheduledBatch, SchedulerConfig
 from llmc.runtime.spec_decode import NgramProposer, SpecDecodeStats
 from llmc.runtime.spec_draft import DraftModelProposer, draft_memory_reserve, read_draft_manifest
+from llmc.runtime.mtp_head import read_mtp_head
 from llmc.runtime.spec_eagle import EagleProposer, eagle_memory_reserve, read_eagle_head
 from llmc.runtime.stats import StatsLogger
 from llmc.runtime.structured_output import GrammarCache, fill_bitmasks, sequence_constraints
@@ -110,7 +111,7 @@ class Engine:
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
         self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
                        if self.manifest.vision is not None else None)
-        keep_hidden = None if eagle is None else (eagle[2], eagle[1].method == "eagle")  # what the head reads
+        keep_hidden = None if eagle is None else (eagle[2], eagle[1].method in ("eagle", "mtp"))  # what the head reads
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve,
                                         keep_hidden)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
@@ -193,9 +194,10 @@ class Engine:
 
     def _eagle_head(self) -> tuple | None:
         """The EAGLE head's folder, config and the model's layers it reads under speculative method eagle3 or eagle
-        (checked against the model and the engine's options), else None."""
+        (checked against the model and the engine's options); under method mtp the artifact's folder, its MTP
+        layer's config and no layers (it reads the final hidden states: runtime/mtp_head.py); else None."""
         speculative = self.options.speculative
-        if speculative is None or speculative.method not in ("eagle3", "eagle"):
+        if speculative is None or speculative.method not in ("eagle3", "eagle", "mtp"):
             return None
         method = speculative.method
         where = ("an onnx-cpu artifact" if is_onnx(self.manifest) else
@@ -205,6 +207,8 @@ class Engine:
                  "enable_lora (the head has no adapters)" if self.options.enable_lora else None)
         if where is not None:
             raise ConfigError(f"speculative method {method} does not run with {where}; use method ngram, or drop one of them")
+        if method == "mtp":
+            return self.artifact_dir, read_mtp_head(self.manifest), ()
         return read_eagle_head(speculative, self.manifest, self.options)
 
     # ---- requests -------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from llmc.runtime.batch_sampler import NO_TOKEN, exponentials, int64_seed, row_k
 from llmc.runtime.sampler import SamplingMetadata, compute_prompt_logprobs, probs_for
 from llmc.schema import check_fields, opt, parse
 
-METHODS = ("ngram", "draft_model", "eagle3", "eagle")
+METHODS = ("ngram", "draft_model", "eagle3", "eagle", "mtp")
+# vLLM's older names of method mtp (it reads them as mtp): the checkpoint's own multi-token-prediction layer
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 MODEL_METHODS = ("draft_model", "eagle3", "eagle")  # the methods whose drafts come from speculative.model
 NGRAM_DEFAULTS = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
@@ -44,7 +46,9 @@ class SpeculativeConfig:
     Fields:
         method: how drafts are proposed: "ngram" (prompt lookup), "draft_model" (a smaller llmc
             artifact's greedy tokens, runtime/spec_draft.py), "eagle3" (an EAGLE-3 head reading the
-            model's hidden states, runtime/spec_eagle.py) or "eagle" (an EAGLE-1 head); default (vLLM's
+            model's hidden states, runtime/spec_eagle.py), "eagle" (an EAGLE-1 head) or "mtp" (the artifact's own
+            multi-token-prediction layer, GLM-4.5's: runtime/mtp_head.py; vLLM's older names deepseek_mtp and
+            glm4_moe_mtp are read as mtp); default (vLLM's
             rule): with `model`, eagle3 where its name says "eagle3", eagle where it says "eagle-", else
             draft_model; without, ngram.
         model: the draft model's artifact folder (draft_model), the EAGLE head's Hugging Face
@@ -56,7 +60,8 @@ class SpeculativeConfig:
             batches are compute-bound and gain nothing); None = never disabled.
     """
 
-    method: str | None = opt(None, choices=list(METHODS), help="draft proposer: ngram, draft_model, eagle3 or eagle")
+    method: str | None = opt(None, choices=list(METHODS + MTP_ALIASES),
+                              help="draft proposer: ngram, draft_model, eagle3, eagle or mtp")
     model: str | None = opt(None, help="the draft model (a built llmc artifact sharing the model's tokenizer) or EAGLE head (its HF folder)")
     num_speculative_tokens: int = opt(min=1, help="draft tokens per request and step, k")
     prompt_lookup_min: int | None = opt(None, min=1, help="shortest n-gram looked up (ngram)")
@@ -70,6 +75,7 @@ class SpeculativeConfig:
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"speculative.{name}: expected a string, got {value!r}")
         method = self.method or default_method(self.model)
+        method = "mtp" if method in MTP_ALIASES else method
         object.__setattr__(self, "method", method)
         if method in MODEL_METHODS:
             if self.model is None:
@@ -79,6 +85,13 @@ class SpeculativeConfig:
             given = [name for name in NGRAM_DEFAULTS if getattr(self, name) is not None]
             if given:
                 raise ConfigError(f"speculative.{given[0]} is an n-gram setting; method {method} does not read it: drop it")
+        elif method == "mtp":
+            if self.model is not None:
+                raise ConfigError("speculative.model: method mtp runs the artifact's own multi-token-prediction layer; "
+                                  "drop speculative.model")
+            given = [name for name in NGRAM_DEFAULTS if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"speculative.{given[0]} is an n-gram setting; method mtp does not read it: drop it")
         else:
             if self.model is not None and method in METHODS:
                 raise ConfigError(f"speculative.model is the draft model of method draft_model, not {method}; "

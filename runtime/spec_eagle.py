@@ -1,4 +1,6 @@
 """EAGLE speculative decoding (EAGLE-3, EAGLE-1): a draft head reads the model's hidden states and proposes drafts.
+Method mtp runs the artifact's own multi-token-prediction layer (runtime/mtp_head.py) as such a head, as EAGLE-1's
+(the final hidden states), eagerly: the graphs below are EagleHead's.
 
 NOTE (algorithm): the head (runtime/eagle_head.py) at position p reads the model's hidden states of position p
 (EAGLE-3: three layers' inputs; EAGLE-1: the final norm's output)
@@ -42,6 +44,7 @@ from llmc.runtime.eagle_head import EagleHead, EagleHeadConfig, aux_layers, read
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.loader import compute_dtype
 from llmc.runtime.model_runner import planned_graph_sizes
+from llmc.runtime.mtp_head import MtpHead
 from llmc.runtime.request import Request
 from llmc.runtime.scheduler import ScheduledBatch
 from llmc.runtime.spec_decode import SpeculativeConfig
@@ -73,6 +76,9 @@ def eagle_memory_reserve(path: Path, head: EagleHeadConfig, manifest: art.Manife
     the decode graphs' sizes, where it captures them; runtime/eagle_graphs.py, eagle_absorb_graphs.py) and its
     one-layer cache's share of every block (cpu_kv_cache_gib holds both caches on a CPU)."""
     itemsize = compute_dtype(manifest, device).itemsize
+    if head.method == "mtp":  # (runtime/mtp_head.py: its one file, no graphs of its own)
+        weight_bytes = (path / art.MTP_WEIGHTS).stat().st_size if device.type == "cuda" else 0
+        return weight_bytes, head.kv_bytes_per_token(itemsize)
     weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors")) if device.type == "cuda" else 0
     graph_sizes = planned_graph_sizes(manifest, options, device)[0]
     k = options.speculative.num_speculative_tokens
@@ -114,14 +120,19 @@ class EagleProposer:
         self.runner = runner
         model = runner.model
         dtype = model.embed.weight.dtype
-        tensors = read_head_tensors(path, head_config, f"speculative.model {config.model!r}")
-        # its cache's block num_blocks (which no request holds) is the draft graphs' scratch block
-        self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks + 1,
-                              options.block_size, max(options.max_model_len, head_config.max_position_embeddings),
-                              device, dtype)
-        # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1): the runner
-        # was made so (its graphs keep them too)
-        assert (model.aux_layer_ids, model.keeps_final_hidden) == (tuple(layers), head_config.method == "eagle")
+        is_mtp = head_config.method == "mtp"  # the artifact's own MTP layer (runtime/mtp_head.py), `path` the artifact
+        if is_mtp:
+            self.head = MtpHead(path, art.read_manifest(path), head_config, model, runner.num_blocks + 1,
+                                options.block_size, device, dtype)
+        else:
+            tensors = read_head_tensors(path, head_config, f"speculative.model {config.model!r}")
+            # its cache's block num_blocks (which no request holds) is the draft graphs' scratch block
+            self.head = EagleHead(head_config, tensors, model.embed.weight, model.compute_logits, runner.num_blocks + 1,
+                                  options.block_size, max(options.max_model_len, head_config.max_position_embeddings),
+                                  device, dtype)
+        # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1, MTP): the
+        # runner was made so (its graphs keep them too)
+        assert (model.aux_layer_ids, model.keeps_final_hidden) == (tuple(layers), head_config.method in ("eagle", "mtp"))
         self.block_size, self.device = options.block_size, device
         self._states: dict[str, _HeadState] = {}
         self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)
@@ -129,7 +140,7 @@ class EagleProposer:
         # their pool); None: `fill` runs them eagerly (runtime/eagle_graphs.py)
         self.graphs: EagleFillGraphs | None = None
         model_graphs, k = getattr(runner, "graphs", None), config.num_speculative_tokens
-        if model_graphs is not None and k > 1:
+        if model_graphs is not None and k > 1 and not is_mtp:  # (the MTP head's steps run eagerly)
             self.graphs = EagleFillGraphs(self.head, model_graphs.batch_sizes, k, options.max_model_len,
                                           options.block_size, runner.num_blocks, device, model_graphs.pool,
                                           model_graphs.capture_stream)
@@ -139,7 +150,7 @@ class EagleProposer:
         # absorb's head forward of decode verify steps, replayed from CUDA graphs where the runner captured decode
         # graphs (any k); None: it runs eagerly (runtime/eagle_absorb_graphs.py)
         self.absorb_graphs: EagleAbsorbGraphs | None = None
-        if model_graphs is not None:
+        if model_graphs is not None and not is_mtp:
             self.absorb_graphs = EagleAbsorbGraphs(self.head, model_graphs.batch_sizes, k, model.aux_width(),
                                                    model_graphs.aux.dtype, options.max_model_len, options.block_size,
                                                    runner.num_blocks, device, model_graphs.pool,

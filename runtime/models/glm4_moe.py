@@ -11,8 +11,9 @@ the rotate-half layout over those dims, pairs (i, i + rotary_dim / 2): not dense
 permutes each q/k head's rows (weights, biases and the q/k norms' weights: hf_checkpoint.partial_rotary_fold) so that
 pair i sits at (i, i + head_dim / 2), the rotate-half layout over the whole head, and the rotary table is head_dim
 wide with cos 1, sin 0 in the pass-through pairs (ModelConfig.rotary_rows_permuted), as GLM-4's: every kernel (torch,
-Triton, CUDA graphs) rotates whole heads. The checkpoint's multi-token-prediction layers (num_nextn_predict_layers:
-GLM-4.5 ships one, as layer num_hidden_layers) are not built, as DeepSeek-V3's are not."""
+Triton, CUDA graphs) rotates whole heads. The checkpoint's multi-token-prediction layer (num_nextn_predict_layers:
+GLM-4.5 ships one, as layer num_hidden_layers) is no layer of this model: the build keeps it apart (compiler/mtp.py)
+for speculative method mtp (runtime/mtp_head.py); DeepSeek-V3's is not built."""
 
 from llmc.runtime.models.spec import (LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, QK_NORMS, ModelSpec, MoeSpec,
                                       shared_expert_linears)

@@ -1,0 +1,93 @@
+"""GLM-4.5's multi-token-prediction (MTP) layer kept in the artifact, for MTP speculative decoding (runtime/mtp_head.py).
+
+NOTE (format): GLM-4.5 / 4.6 ship `num_nextn_predict_layers` = 1 MTP layer as checkpoint layer num_hidden_layers = N
+(the DeepSeek-V3 paper's MTP module; the published index's names): model.layers.N.{enorm, hnorm}.weight [hidden],
+model.layers.N.eh_proj.weight [hidden, 2 * hidden], model.layers.N.shared_head.norm.weight [hidden], optionally
+model.layers.N.shared_head.head.weight [vocab, hidden] and model.layers.N.embed_tokens.weight [vocab, hidden] (absent:
+the model's lm_head and embedding, which they copy), and an ordinary decoder layer's tensors under model.layers.N.
+(its MLP the MoE where N >= first_k_dense_replace, as transformers' Glm4MoeDecoderLayer decides).
+
+The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer): the decoder
+layer under the runtime's names (`layers.N.attn.qkv.weight`, ...: read, fused and packed as the main layers are, its
+q/k rows permuted by hf_checkpoint.partial_rotary_fold), then enorm.weight, hnorm.weight, eh_proj.weight,
+shared_head.norm.weight and, where the checkpoint has them, shared_head.head.weight and embed.weight; the manifest's
+`mtp` section (art.MtpSpec) records which. Only the first MTP layer is built (the one GLM-4.5 ships)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from llmc.compiler.convert import pack_layer, read_layer
+from llmc.compiler.emit import SafetensorsWriter
+from llmc.compiler.hf_checkpoint import TensorReader, partial_rotary_fold
+from llmc.runtime import artifact as art
+from llmc.runtime.artifact import ModelConfig
+from llmc.runtime.models.spec import ModelSpec, float32_norms
+from llmc.runtime.mtp_head import mtp_model_config, mtp_module_formats
+
+logger = logging.getLogger("llmc")
+
+# the MTP module's own tensors: the artifact's name → the checkpoint's, under model.layers.N.
+OWN_TENSORS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "shared_head.norm.weight": "shared_head.norm.weight"}
+OPTIONAL_TENSORS = {"shared_head.head.weight": "shared_head.head.weight", "embed.weight": "embed_tokens.weight"}
+
+
+def num_mtp_layers(hf_config: dict) -> int:
+    """The checkpoint's MTP layers by its config (num_nextn_predict_layers, or transformers 5's num_mtp_layers)."""
+    return int(hf_config.get("num_nextn_predict_layers") or hf_config.get("num_mtp_layers") or 0)
+
+
+def checkpoint_mtp(reader: TensorReader, spec: ModelSpec, model: ModelConfig, hf_config: dict) -> art.MtpSpec | None:
+    """The MtpSpec of a GLM-4.5 checkpoint's first MTP layer, else None; the build log says which and why."""
+    count = num_mtp_layers(hf_config)
+    if not count:
+        return None
+    n = model.num_layers
+    prefix = f"{spec.hf_layer_prefix}{n}."
+    missing = [prefix + hf for hf in OWN_TENSORS.values() if not reader.has(prefix + hf)]
+    if missing:
+        logger.info("GLM-4.5: config num_nextn_predict_layers is %d but the checkpoint has no %s: no MTP layer built, "
+                    "no MTP speculative decoding", count, missing[0])
+        return None
+    if count > 1:
+        logger.info("GLM-4.5: %d MTP layers; the first (layer %d) is built, the others are not", count, n)
+    mtp = art.MtpSpec(layer_index=n, is_moe=reader.has(f"{prefix}{spec.moe.router}.weight"),
+                      has_head=reader.has(prefix + OPTIONAL_TENSORS["shared_head.head.weight"]),
+                      has_embed=reader.has(prefix + OPTIONAL_TENSORS["embed.weight"]))
+    logger.info("GLM-4.5: the multi-token prediction layer (layer %d) is built into %s, dense in %s, for speculative "
+                "method mtp%s", n, art.MTP_WEIGHTS, model.dtype,
+                "" if mtp.has_head else " (its head: the model's lm_head)")
+    return mtp
+
+
+def write_mtp_weights(model_dir: Path, spec: ModelSpec, model: ModelConfig, mtp: art.MtpSpec, path: Path,
+                      lora=None) -> None:
+    """The MTP layer's tensors (module NOTE) into `path`, read through the recipe's LoRA merge (`lora`, where it has
+    one) and the q/k row permutation of the main layers."""
+    config = mtp_model_config(model, mtp)
+    steps = [step for step in (lora, partial_rotary_fold(spec, config)) if step is not None]
+
+    def merge(name, tensor):
+        for step in steps:
+            tensor = step(name, tensor)
+        return tensor
+
+    dtype = getattr(torch, model.dtype)
+    n, prefix = mtp.layer_index, f"{spec.hf_layer_prefix}{mtp.layer_index}."
+    with TensorReader(model_dir, merge=merge if steps else None) as reader:
+        layer = read_layer(reader, spec, config, n)
+        packed = pack_layer(layer, mtp_module_formats(config, mtp), dtype, float32_norms(config))
+        tensors = {f"layers.{n}.{name}": tensor for name, tensor in packed.items()}
+        own = dict(OWN_TENSORS) | {name: hf for name, hf in OPTIONAL_TENSORS.items()
+                                   if (mtp.has_head if name.startswith("shared_head") else mtp.has_embed)}
+        tensors |= {name: reader.get(prefix + hf).to(dtype) for name, hf in own.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = SafetensorsWriter(path, [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()],
+                               metadata={"format": "pt"})
+    for name, tensor in tensors.items():
+        writer.write(name, tensor.contiguous())
+    writer.close()
