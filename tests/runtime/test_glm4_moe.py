@@ -3,7 +3,7 @@ every position of a chunked prefill, greedy tokens and their logprobs of prompts
 the CPU path and on the Triton path (the attention and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors);
 the rotary's row permutation against transformers' apply_rotary_pos_emb; its router against transformers' router; a
 W4 build against transformers holding its dequantized weights (and not with two experts swapped); tensor parallelism;
-the multi-token-prediction layer left out; how configs are read; the refusals. The checkpoints carry a random
+the multi-token-prediction layer built apart; how configs are read; the refusals. The checkpoints carry a random
 e_score_correction_bias (transformers writes zeros), so the biased choice within the groups is checked."""
 
 import json
@@ -319,17 +319,21 @@ def test_split_builds_are_one_rank(parallel, checkpoints, artifacts, tmp_path, h
 
 
 @torch.inference_mode()
-def test_the_mtp_layer_is_left_out_and_a_bf16_router_stays_float32(checkpoints, artifacts, tmp_path, caplog):
+def test_the_mtp_layer_is_built_apart_and_a_bf16_router_stays_float32(checkpoints, artifacts, tmp_path, caplog):
     """The checkpoint's multi-token-prediction layer (num_nextn_predict_layers 1: model.layers.3.*, which
-    transformers' forward skips) is not built, and the build says so; a bfloat16 build keeps the router weight and
-    e_score_correction_bias in float32 (as transformers' _keep_in_fp32_modules_strict)."""
+    transformers' forward skips) is not one of the model's layers: the build keeps it apart, in mtp/ (speculative
+    method mtp, tests/runtime/test_spec_mtp.py), and says so; a bfloat16 build keeps the router weight and
+    e_score_correction_bias in float32 (as transformers' _keep_in_fp32_modules_strict), the MTP layer's too."""
     with caplog.at_level("INFO", logger="llmc"):
         build(recipe_from_dict({"model": str(checkpoints["qk_norm"]), "output": str(tmp_path / "bf16"),
                                 "dtype": "bfloat16", "runtime": {"max_model_len": 256}}), show_progress=False)
-    assert "GLM-4.5: the multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
+    assert "GLM-4.5: the multi-token prediction layer (layer 3) is built into mtp/weights.safetensors" in caplog.text
     assert read_manifest(artifacts("qk_norm")).model.num_layers == 3
+    assert read_manifest(artifacts("plain")).mtp is None  # (num_nextn_predict_layers 0)
     weights = load_file(tmp_path / "bf16" / "rank-00" / "weights.safetensors")
     assert not [name for name in weights if name.startswith("layers.3.")]
+    mtp = load_file(tmp_path / "bf16" / "mtp" / "weights.safetensors")
+    assert mtp["layers.3.moe.gate.weight"].dtype == torch.float32 and mtp["eh_proj.weight"].dtype == torch.bfloat16
     assert weights["layers.1.moe.gate.weight"].dtype == weights["layers.1.moe.gate_bias.weight"].dtype == torch.float32
     assert weights["layers.1.attn.qkv.weight"].dtype == torch.bfloat16
     with LLM(tmp_path / "bf16", device="cpu", num_kv_blocks=64) as llm:  # (loading checks every dtype)
