@@ -5,6 +5,7 @@ same engine without one, in one run.
         --ks 2 3 4 --batch-sizes 1 8 --json $OUT/spec_draft.json
     python -P benchmarks/bench_spec_draft.py TARGET --method eagle3 --draft HEAD_DIR --ks 1 3
 
+`--method mtp`: no --draft (a GLM-4.5 artifact's own MTP layer, runtime/mtp_head.py).
 `--method eagle3` / `eagle`: DRAFT is the head's folder; `--random-head` writes a random EAGLE-3 head with the
 target's shapes there first (a 32,000-token draft vocabulary, Llama-3 heads'), for what the mechanism costs where
 no trained head exists (random weights: no draft is accepted).
@@ -40,8 +41,8 @@ from llmc.runtime.sampling_params import SamplingParams  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target")
-    parser.add_argument("--draft", required=True, help="the draft model's artifact (an EAGLE head's folder)")
-    parser.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3", "eagle"])
+    parser.add_argument("--draft", help="the draft model's artifact (an EAGLE head's folder; none for mtp)")
+    parser.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3", "eagle", "mtp"])
     parser.add_argument("--random-head", action="store_true", help="write a random EAGLE-3 head at --draft first")
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
@@ -54,7 +55,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also one run under torch.profiler (GPU busy time) and one under cProfile (host functions)")
     parser.add_argument("--json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.draft is None) != (args.method == "mtp"):
+        parser.error("--draft is required, except with --method mtp (which reads the target's own MTP layer)")
+    if args.random_head and args.method == "mtp":
+        parser.error("--random-head writes an EAGLE-3 head; --method mtp has none")
+    return args
 
 
 def make_prompts(llm: LLM, args, batch: int, seed: int) -> list[list[int]]:
@@ -173,7 +179,8 @@ def main(argv=None) -> None:
         for k in [None, *args.ks]:
             options = dict(base_options, max_num_seqs=max(batch, 1))
             if k is not None:
-                options["speculative"] = {"method": args.method, "model": args.draft, "num_speculative_tokens": k}
+                options["speculative"] = {"method": args.method, "num_speculative_tokens": k,
+                                          **({"model": args.draft} if args.draft else {})}
             row = {"batch": batch, "k": k, **measure(args, options, batch)}
             base = base or row
             row["speedup"] = base["ms_per_token"] / row["ms_per_token"]
