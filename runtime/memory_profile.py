@@ -15,12 +15,15 @@ not counted: gpu_memory_utilization is a share per engine, as vLLM's.
 
 from __future__ import annotations
 
+import gc
 import logging
+import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from llmc.errors import ConfigError
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime.forward_batch import ForwardBatch
@@ -53,12 +56,26 @@ def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: t
 
 def gpu_kv_plan(options: art.RuntimeDefaults, device: torch.device, weight_bytes: int, activation_bytes: int,
                 kv_bytes_per_token: int, graph_bytes: int) -> memory.MemoryEstimate:
-    """memory.plan_kv with this GPU's total and what it has in use outside torch's allocator."""
+    """memory.plan_kv with this GPU's total and what it has in use outside torch's allocator. A plan whose KV cache
+    and graphs do not fit in what is free now is refused in one line (vLLM's start-up check): memory held by tensors
+    of this process that are not this engine's (another engine, open or dropped and not yet collected) or by other
+    processes leaves less than gpu_memory_utilization asks for."""
+    gc.collect()  # engines dropped earlier in this process (reference cycles) give their device memory back first
     torch.cuda.empty_cache()  # what the profile freed goes back to the device, so mem_get_info sees it free
     free, total = torch.cuda.mem_get_info(device)
     other_bytes = max(0, total - free - torch.cuda.memory_reserved(device))
-    return memory.plan_kv(total, options.gpu_memory_utilization, weight_bytes, other_bytes, activation_bytes,
+    plan = memory.plan_kv(total, options.gpu_memory_utilization, weight_bytes, other_bytes, activation_bytes,
                           graph_bytes, kv_bytes_per_token, options.block_size, options.max_model_len)
+    short = plan.kv_bytes + graph_bytes - free
+    if short > 0:
+        fits = math.floor((options.gpu_memory_utilization - short / total) * 100) / 100
+        raise ConfigError(
+            f"gpu_memory_utilization {options.gpu_memory_utilization} leaves {plan.kv_bytes / memory.GIB:.1f} GiB "
+            f"for the KV cache but only {free / memory.GIB:.1f} GiB of this GPU's {total / memory.GIB:.1f} GiB are free "
+            f"({(total - free) / memory.GIB:.1f} GiB in use: this engine's weights, tensors this process holds for "
+            "something else such as another engine (close it), other processes); "
+            + (f"lower gpu_memory_utilization to {fits} or less" if fits > 0 else "free the GPU first"))
+    return plan
 
 
 @torch.inference_mode()

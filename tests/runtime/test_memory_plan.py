@@ -184,8 +184,62 @@ def test_refusal_names_the_knobs_in_one_line():
     assert check_num_kv_blocks(256, options, torch.device("cpu")) == 256
 
 
+def test_a_plan_that_does_not_fit_in_what_is_free_is_refused_naming_a_utilization_that_does(monkeypatch):
+    """vLLM's start-up check. An 80 GiB GPU, gpu_memory_utilization 0.9: this engine's weights 2 GiB, 30 GiB held by
+    another tensor of the process (an engine not closed: torch's, so not "other"), 1 GiB outside torch; profiled
+    activations 1 GiB, graphs 0.5 GiB. The plan's KV (72 - 4.5 = 67.5 GiB) and graphs need 68 GiB, only 47 are free:
+    refused, naming the largest utilization that fits, worked out by hand: 0.63 (usable 50.4, KV 45.9 + 0.5 <= 47);
+    0.64 would need 47.2."""
+    from llmc.runtime import memory_profile
+
+    total, weights, held, non_torch = 80 * GIB, 2 * GIB, 30 * GIB, 1 * GIB
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (total - weights - held - non_torch, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: weights + held)
+    per_token = 2 * 8 * 128 * 2 * 32  # bf16 K and V of 8 heads of 128 over 32 layers
+
+    def plan(utilization):
+        options = art.RuntimeDefaults(gpu_memory_utilization=utilization, max_model_len=4096, block_size=16)
+        return memory_profile.gpu_kv_plan(options, torch.device("cuda"), weights, GIB, per_token, GIB // 2)
+
+    for utilization in (0.9, 0.64):
+        with pytest.raises(ConfigError) as error:
+            plan(utilization)
+        message = str(error.value)
+        assert "\n" not in message and "only 47.0 GiB of this GPU's 80.0 GiB are free" in message
+        assert "lower gpu_memory_utilization to 0.63 or less" in message
+    fitting = plan(0.63)
+    assert fitting.other_bytes == non_torch and fitting.kv_bytes + GIB // 2 <= 47 * GIB
+    assert fitting.kv_bytes > 45 * GIB
+
+
 # ---- on a GPU ------------------------------------------------------------------------------------
 
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_another_tensor_of_the_process_holds_is_refused_up_front(artifact, free_gpu):
+    """A third of the GPU held by a tensor of this process (as an engine not closed holds it): a 0.9 plan is refused
+    in one line naming a utilization that fits, and an engine with that utilization loads and generates."""
+    import re
+
+    from llmc.runtime.llm import LLM
+    from llmc.runtime.sampling_params import SamplingParams
+
+    _, total = torch.cuda.mem_get_info()
+    held = torch.empty(total // 3, dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(ConfigError) as error:
+            LLM(artifact, device="cuda", gpu_memory_utilization=0.9)
+        message = str(error.value)
+        assert "\n" not in message and "are free" in message
+        utilization = float(re.search(r"lower gpu_memory_utilization to (0\.\d+) or less", message)[1])
+        assert 0.3 < utilization < 0.67
+        with LLM(artifact, device="cuda", gpu_memory_utilization=utilization) as llm:
+            [output] = llm.generate("the king", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            assert len(output.outputs[0].token_ids) == 4
+    finally:
+        del held
 
 
 @pytest.mark.gpu

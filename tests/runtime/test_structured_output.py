@@ -43,7 +43,9 @@ def tiny_llm(tmp_path_factory, tiny_llama):
 
 @pytest.fixture(scope="module")
 def ref_llm(tmp_path_factory, ref_model_dir):
-    with LLM(_artifact(tmp_path_factory, ref_model_dir, "guided_ref"), max_num_seqs=32, disable_log_stats=True) as llm:
+    # (on a GPU machine it runs there: 0.4 of it, so that the cuda case's own engine fits beside it)
+    with LLM(_artifact(tmp_path_factory, ref_model_dir, "guided_ref"), max_num_seqs=32, disable_log_stats=True,
+             gpu_memory_utilization=0.4) as llm:
         yield llm
 
 
@@ -227,7 +229,8 @@ SPECULATIVE = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1
 @pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": False},
                                          {"speculative": {**SPECULATIVE, "num_speculative_tokens": 1}},
                                          {"speculative": {**SPECULATIVE, "num_speculative_tokens": 3}},
-                                         pytest.param({"device": "cuda"}, marks=pytest.mark.gpu)],
+                                         pytest.param({"device": "cuda", "gpu_memory_utilization": 0.4},
+                                                      marks=pytest.mark.gpu)],
                          ids=["overlapped", "sync", "ngram-k1", "ngram-k3", "cuda"])
 def test_constraints_that_allow_no_token_end_the_sequence(ref_llm, engine_args):
     """A complete regex while min_tokens still bans eos, allowed ids the grammar refuses, allowed ids
