@@ -27,6 +27,9 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   `enable_thinking` or `thinking` and neither is true (GLM's template then closes `<think></think>` in
   the prompt): the whole output is content. (vLLM's older glm4_moe_reasoning_parser read output without
   both tags as content; its current one does not.)
+* deepseek_v3 (DeepSeek-V3.1 and later; vLLM's DeepSeekV3ReasoningParser): thinking is off unless
+  chat_template_kwargs give `thinking` (V3.1's switch) or `enable_thinking` true; then the template opens
+  `<think>` in the prompt and deepseek_r1's rules apply, else the whole output is content.
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -44,7 +47,10 @@ from __future__ import annotations
 
 from typing import Any
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
+# the chat_template_kwargs that switch thinking off, named in 400s
+_THINKING_OFF = {"qwen3": '{"enable_thinking": false}', "glm45": '{"enable_thinking": false}',
+                 "deepseek_v3": '{"thinking": false}'}
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
@@ -114,7 +120,7 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
         return ReasoningParser({THINK_END: False})
     if name == "qwen3":
         return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinks(name, chat_template_kwargs))
-    if name == "glm45":
+    if name in ("glm45", "deepseek_v3"):
         return ReasoningParser({THINK_END: False}, thinks(name, chat_template_kwargs))
     if name == "openai_gptoss":
         from llmc.runtime.server.harmony import HarmonyParser
@@ -141,9 +147,11 @@ def thinks(name: str | None, chat_template_kwargs: dict | None) -> bool:
     if name is None:
         return False
     kwargs = chat_template_kwargs or {}
+    switches = [kwargs.get(key) for key in ("enable_thinking", "thinking")]
     if name == "glm45":  # vLLM's: on unless either switch is given and neither is true
-        switches = [kwargs.get(key) for key in ("enable_thinking", "thinking")]
         return all(value is None for value in switches) or any(bool(value) for value in switches)
+    if name == "deepseek_v3":  # vLLM's: off unless either switch is true
+        return any(bool(value) for value in switches)
     return name != "qwen3" or kwargs.get("enable_thinking", True) is not False
 
 
@@ -229,12 +237,12 @@ def check_request(name: str | None, request: Any, whole_output_constrained: bool
                       f"constrains the output to tool calls, which with --reasoning-parser {name} vLLM starts after "
                       "the reasoning; llmc cannot start a constraint there: send tool_choice \"auto\" (the calls are "
                       "read from the answer after the reasoning) or \"none\""
-                      + (', or chat_template_kwargs {"enable_thinking": false}' if name in ("qwen3", "glm45") else ""))
+                      + (f", or chat_template_kwargs {_THINKING_OFF[name]}" if name in _THINKING_OFF else ""))
     constraints = request._output_constraints()
     if constraints and not whole_output_constrained:
         raise invalid(constraints[0], f"structured output ({', '.join(constraints)}) with --reasoning-parser {name}: "
                       "vLLM constrains only the answer after the reasoning, which llmc cannot do; leave it out"
-                      + (', send chat_template_kwargs {"enable_thinking": false}' if name in ("qwen3", "glm45") else "")
+                      + (f", send chat_template_kwargs {_THINKING_OFF[name]}" if name in _THINKING_OFF else "")
                       + ", or start the server with --structured-outputs-config '{\"enable_in_reasoning\": true}' "
                       "to constrain the whole output, reasoning included")
 

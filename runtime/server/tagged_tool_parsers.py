@@ -1,7 +1,7 @@
-"""Tool call parsers of the tag-delimited formats of GLM-4.5, Qwen3-Coder and DeepSeek-V3 (vLLM's
-`--tool-call-parser` glm45, qwen3_coder and deepseek_v3), on tool_parsers' streaming frame: `feed` /
-`finish` return ("content", text), ("call", index, name) and ("args", index, text) events, and every
-decision depends on the text, never on where it was split.
+"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder and DeepSeek-V3 / V3.1
+(vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31), on tool_parsers'
+streaming frame: `feed` / `finish` return ("content", text), ("call", index, name) and ("args", index,
+text) events, and every decision depends on the text, never on where it was split.
 
 * glm45 (GLM-4.5 / 4.6, vLLM's glm4_moe_tool_parser): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n
   <arg_value>V</arg_value>\\n...</tool_call>`. The name is the block's text up to its first newline (or
@@ -12,6 +12,11 @@ decision depends on the text, never on where it was split.
   stripped). The arguments are the JSON object of the pairs (vLLM's json.dumps spacing); string values
   stream as they are generated, the others whole at their `</arg_value>`. Text between pairs is ignored,
   and a key not followed by `<arg_value>` is dropped.
+* glm47 (GLM-4.7, vLLM's glm47_moe_tool_parser): glm45's, written `<tool_call>NAME<arg_key>K</arg_key>
+  <arg_value>V</arg_value></tool_call>` (no newlines; a call without arguments `<tool_call>NAME</tool_call>`).
+  The name is the text up to the first `<arg_key>` or `</tool_call>`, and an escaped newline (the two
+  characters `\\n`, which GLM-4.7 may write) is read as a blank around the name and between a key and
+  its value (vLLM's regexes: `(?:\\\\n|\\s)*` there). A name over two lines is not one.
 * qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n
   </function>\\n</tool_call>`, or the `<function=...>` call without the `<tool_call>` tags (vLLM reads that
   too). One newline at each end of a value goes; a parameter left open ends at the next `<parameter=`,
@@ -27,8 +32,11 @@ decision depends on the text, never on where it was split.
   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>`, then
   `<｜tool▁calls▁end｜>`. The arguments are the JSON text as generated (fences and blanks around it off;
   vLLM's regex needs it on one line, this parser does not). The calls section is never content (vLLM's):
-  a call there that cannot be read is dropped. DeepSeek-V3.1's form (`NAME<｜tool▁sep｜>{...}`, vLLM's
-  deepseek_v31) and V3.2's are not built: those names are refused at start-up.
+  a call there that cannot be read is dropped.
+* deepseek_v31 (DeepSeek-V3.1, V3.2-Exp, vLLM's deepseekv31_tool_parser): the same section, calls
+  `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (no type, no fences: a fence would be part of
+  the arguments, as in vLLM). A call without `<｜tool▁sep｜>`, or whose name spans lines, is dropped.
+  DeepSeek-V3.2's DSML format (vLLM's deepseek_v32) is not built: that name is refused at start-up.
 
 As for hermes: text outside the calls is content, blanks next to calls dropped once a call was read; a
 block left open at the end counts up to the end, its open value ended there and its object closed; a
@@ -132,6 +140,8 @@ _BAD_NAME = re.compile(r"""[{}<>"'\s]""")  # not in a function's name (vLLM's qw
 class Glm45ToolParser(_PairsParser):
     START, END = "<tool_call>", "</tool_call>"
     KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+    NAME_ENDS = ("\n", KEY, END)  # what ends the name
+    BLANKS: tuple[str, ...] = ()  # text read as blanks around the name and between a key and its value
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
@@ -152,10 +162,14 @@ class Glm45ToolParser(_PairsParser):
                 out += self._content(buffer[:at])
                 self._buffer, self._state = buffer[at + len(self.START):], "name"
             elif state == "name":
-                hit = _first(buffer, ("\n", self.KEY, self.END))
-                if hit is None and not final:
-                    return out
-                name = "" if hit is None else buffer[:hit[0]].strip()
+                hit = _first(buffer, self.NAME_ENDS)
+                if hit is None and not final:  # the name goes on, unless what came cannot begin one
+                    name = buffer[:len(buffer) - _held(buffer, self.NAME_ENDS)]
+                    if not _BAD_NAME.search(self._unblank(name, both=True)):
+                        return out
+                    name = ""
+                else:
+                    name = "" if hit is None else self._unblank(buffer[:hit[0]], both=True)
                 if not name or _BAD_NAME.search(name):  # not a call, or cut in its name: the tag is content
                     # and its text is read again
                     self._state = "content"
@@ -189,11 +203,11 @@ class Glm45ToolParser(_PairsParser):
                 self._key_text, self._state = buffer[:hit[0]].strip(), "after_key"
                 self._buffer = buffer[hit[0] + len(self.KEY_END):]
             elif state == "after_key":
-                rest = buffer.lstrip()
+                rest = self._unblank(buffer)
                 if rest.startswith(self.VALUE):
                     self._buffer, self._state = rest[len(self.VALUE):], "value"
                     out += self._start_value()
-                elif self.VALUE.startswith(rest) and not final:
+                elif any(tag.startswith(rest) for tag in (self.VALUE,) + self.BLANKS) and not final:
                     return out  # blanks, maybe the tag
                 else:
                     self._state = "pairs"  # the key without a value: dropped
@@ -212,6 +226,23 @@ class Glm45ToolParser(_PairsParser):
                 self._buffer, self._state = buffer[hit[0] + len(hit[1]):], "pairs"
                 if hit[1] == self.END:  # the value ends with the call
                     out += self._end_call(True)
+
+    def _unblank(self, text: str, both: bool = False) -> str:
+        """`text` without its leading blanks (and BLANKS), or both ends' with `both`."""
+        while True:
+            rest = text.lstrip()
+            rest = next((rest[len(tag):] for tag in self.BLANKS if rest.startswith(tag)), rest)
+            if rest == text:
+                break
+            text = rest
+        if both:
+            while True:
+                rest = text.rstrip()
+                rest = next((rest[:-len(tag)] for tag in self.BLANKS if rest.endswith(tag)), rest)
+                if rest == text:
+                    break
+                text = rest
+        return text
 
     def _start_value(self) -> list[Event]:
         schema = _properties(self.tools, self._name).get(self._key_text)
@@ -243,6 +274,14 @@ class Glm45ToolParser(_PairsParser):
     def _end_call(self, whole: bool) -> list[Event]:
         self._state = "content"
         return self._close_call(whole)
+
+
+class Glm47ToolParser(Glm45ToolParser):
+    """GLM-4.7's calls: glm45's, the name running to the first `<arg_key>` (or `</tool_call>`), and an
+    escaped newline (the two characters `\\n`) read as a blank (vLLM's glm47 regexes)."""
+
+    NAME_ENDS = (Glm45ToolParser.KEY, Glm45ToolParser.END)
+    BLANKS = ("\\n",)
 
 
 # vLLM's qwen3coder type names (lower case): kept as written, and read as JSON first
@@ -414,6 +453,7 @@ class DeepSeekV3ToolParser(ToolParser):
     CALLS, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     FENCE = "```"
+    TYPED = True  # a call is TYPE<｜tool▁sep｜>NAME then the arguments in ```json fences (else NAME<｜tool▁sep｜>ARGS)
 
     def __init__(self):
         super().__init__()
@@ -449,7 +489,8 @@ class DeepSeekV3ToolParser(ToolParser):
                     self._buffer = "" if final else buffer[len(buffer) - _held(buffer, tags):]
                     return out
                 self._buffer = buffer[hit[0] + len(hit[1]):]
-                self._state = {self.CALL: "type", self.CALL_END: "section", self.CALLS_END: "content"}[hit[1]]
+                self._state = {self.CALL: "type" if self.TYPED else "name", self.CALL_END: "section",
+                               self.CALLS_END: "content"}[hit[1]]
             elif state == "type":
                 hit = _first(buffer, (self.SEP, self.CALL_END, self.CALLS_END))
                 if hit is None:
@@ -460,16 +501,19 @@ class DeepSeekV3ToolParser(ToolParser):
                     continue
                 self._buffer, self._state = buffer[hit[0] + len(self.SEP):], "name"
             elif state == "name":
-                hit = _first(buffer, ("\n", self.FENCE, self.CALL_END, self.CALLS_END))
+                ends = ("\n", self.FENCE) if self.TYPED else (self.SEP,)
+                hit = _first(buffer, ends + (self.CALL_END, self.CALLS_END))
                 if hit is None:  # the name goes on (or was cut: no call)
                     self._buffer = "" if final else buffer
                     return out
                 name = buffer[:hit[0]].strip()
-                if not name:
-                    self._state = "skip"
+                if not name or hit[1] in (self.CALL_END, self.CALLS_END) and not self.TYPED or "\n" in name:
+                    self._state = "skip"  # no name, or (V3.1) no separator: the call is dropped
                     continue
-                self._buffer = buffer[hit[0] + (1 if hit[1] == "\n" else 0):]
-                self._index, self._raw, self._sent, self._state = self.num_calls, "", 0, "fence"
+                self._buffer = buffer[hit[0] + (0 if hit[1] in (self.FENCE, self.CALL_END, self.CALLS_END)
+                                                else len(hit[1])):]
+                self._index, self._raw, self._sent = self.num_calls, "", 0
+                self._state = "fence" if self.TYPED else "args"
                 out += self._count([("call", self._index, name)])
             elif state == "fence":  # ```json before the arguments, if there
                 rest, opening = buffer.lstrip(), self.FENCE + "json"
@@ -500,11 +544,18 @@ class DeepSeekV3ToolParser(ToolParser):
         raw = self._raw.lstrip()
         if done:
             text = raw.rstrip()
-            text = text.removesuffix(self.FENCE).rstrip() if text.endswith(self.FENCE) else text
+            text = text.removesuffix(self.FENCE).rstrip() if self.TYPED and text.endswith(self.FENCE) else text
         else:
             end = len(raw)
-            while end and (raw[end - 1].isspace() or raw[end - 1] == "`"):
+            while end and (raw[end - 1].isspace() or self.TYPED and raw[end - 1] == "`"):
                 end -= 1
             text = raw[:end]
         piece, self._sent = text[self._sent:], max(self._sent, len(text))
         return [("args", self._index, piece)] if piece else []
+
+
+class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
+    """DeepSeek-V3.1's (and V3.2-Exp's) calls: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`,
+    no type and no fences (vLLM's deepseekv31_tool_parser)."""
+
+    TYPED = False

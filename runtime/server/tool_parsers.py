@@ -41,11 +41,10 @@ import ast
 import json
 import re
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "qwen3_coder", "deepseek_v3", "openai")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
+                     "deepseek_v31", "openai")
 # vLLM's names of formats llmc does not read, refused by name at start-up
-NOT_BUILT = {"deepseek_v31": "DeepSeek-V3.1's calls (NAME<｜tool▁sep｜>{...}, without deepseek_v3's type and ```json "
-                             "fences) are not read by llmc",
-             "deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
+NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
 Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
 
@@ -803,7 +802,7 @@ def unknown_parser(kind: str) -> str:
 
 def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = None) -> ToolParser:
     """`kind`: a --tool-call-parser name, "required", or "named" (with the function's `name`); `tools`:
-    the request's (checked) tools, whose parameter schemas type glm45's and qwen3_coder's values."""
+    the request's (checked) tools, whose parameter schemas type glm45's, glm47's and qwen3_coder's values."""
     if kind == "hermes":
         return HermesToolParser()
     if kind == "llama3_json":
@@ -816,11 +815,12 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
         from llmc.runtime.server.harmony import HarmonyParser
 
         return HarmonyParser(tools=True)
-    if kind in ("glm45", "qwen3_coder", "deepseek_v3"):
+    if kind in ("glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31"):
         from llmc.runtime.server import tagged_tool_parsers as tagged
-        if kind == "deepseek_v3":
-            return tagged.DeepSeekV3ToolParser()
-        return (tagged.Glm45ToolParser if kind == "glm45" else tagged.Qwen3CoderToolParser)(tools)
+        if kind.startswith("deepseek"):
+            return (tagged.DeepSeekV3ToolParser if kind == "deepseek_v3" else tagged.DeepSeekV31ToolParser)()
+        return {"glm45": tagged.Glm45ToolParser, "glm47": tagged.Glm47ToolParser,
+                "qwen3_coder": tagged.Qwen3CoderToolParser}[kind](tools)
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":

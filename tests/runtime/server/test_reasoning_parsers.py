@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from llmc.runtime.server.reasoning_parsers import (REASONING_PARSERS, WithReasoning, check_name, make_parser,
-                                                   split)
+                                                   split, thinks)
 from llmc.runtime.server.tool_parsers import make_parser as make_tool_parser
 
 BOTH = [
@@ -88,6 +88,20 @@ def test_qwen3_with_thinking_off_is_all_content(text):
     assert split(make_parser("qwen3", {}), "abc") == ("abc", "")
 
 
+@pytest.mark.parametrize(("text", "reasoning", "content"), DEEPSEEK_R1)
+def test_deepseek_v3_thinks_only_when_switched_on(text, reasoning, content):
+    """vLLM's deepseek_v3 (DeepSeek-V3.1's thinking switch): deepseek_r1's rules when chat_template_kwargs
+    `thinking` or `enable_thinking` is true (the template then opens <think> in the prompt), else all content."""
+    for kwargs in ({"thinking": True}, {"enable_thinking": True}, {"thinking": 1, "enable_thinking": False}):
+        assert thinks("deepseek_v3", kwargs)
+        for pieces in _pieces(text):
+            assert _streamed(make_parser("deepseek_v3", kwargs), pieces) == (reasoning, content), pieces
+    for kwargs in (None, {}, {"thinking": False}, {"thinking": 0, "enable_thinking": None}):
+        assert not thinks("deepseek_v3", kwargs)
+        for pieces in _pieces(text):
+            assert _streamed(make_parser("deepseek_v3", kwargs), pieces) == ("", text), pieces
+
+
 def test_streamed_reasoning_is_not_held_back_longer_than_a_tag():
     parser = make_parser("deepseek_r1")
     assert parser.feed("<think>") == []
@@ -111,11 +125,12 @@ def test_tool_calls_are_read_from_the_content_only():
 
 
 def test_unknown_names_are_refused_with_the_supported_ones():
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "openai_gptoss")
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)
-    with pytest.raises(ValueError, match="'granite'; supported: deepseek_r1, qwen3, glm45, openai_gptoss"):
+    supported = "supported: deepseek_r1, qwen3, glm45, deepseek_v3, openai_gptoss"
+    with pytest.raises(ValueError, match=f"'granite'; {supported}"):
         check_name("granite")
-    with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3, glm45, openai_gptoss"):
-        make_parser("deepseek_v3")
+    with pytest.raises(ValueError, match=supported):
+        make_parser("kimi_k2")

@@ -1,4 +1,5 @@
-"""The glm45, qwen3_coder and deepseek_v3 tool call parsers and the glm45 reasoning parser over HTTP with
+"""The glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31 tool call parsers and the glm45 and
+deepseek_v3 reasoning parsers over HTTP with
 the openai client, against an in-process app serving ref-llama-12m with --enable-auto-tool-choice: the 12M
 model writes no calls by itself, so its output is forced with guided_choice (as test_server_tools does) to
 each format's calls written by hand from the published chat templates. The reply's calls (typed by the
@@ -29,8 +30,11 @@ FORMATS = {
                     "</function>\n</tool_call>"),
     # one call: DeepSeek's tags take many tokens of the 12M model's vocabulary (several calls: the unit tests)
     "deepseek_v3": f'Checking.{B}{C}function{S}get_weather\n```json\n{{"city": "Paris", "days": 3}}\n```{CE}{E}',
+    "glm47": ("Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days"
+              "</arg_key><arg_value>3</arg_value></tool_call><tool_call>ping</tool_call>"),
+    "deepseek_v31": f'Checking.{B}{C}get_weather{S}{{"city": "Paris", "days": 3}}{CE}{E}',
 }
-CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1]}
+CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1], "glm47": CALLS, "deepseek_v31": CALLS[:1]}
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +96,11 @@ def test_calls_read_by_each_parser(client, switch, parser):
                                        "finish_reason": "tool_calls"}
 
 
-def test_glm45_keeps_special_tokens_in_the_text(client):
-    """vLLM's glm45 parser turns skip_special_tokens off for requests with tools (its adjust_request); the
-    12M model's <|im_start|> (a special token) stands for a GLM tag here."""
+@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+def test_glm_parsers_keep_special_tokens_in_the_text(client, switch, parser):
+    """vLLM's glm45 and glm47 parsers turn skip_special_tokens off for requests with tools (their
+    adjust_request); the 12M model's <|im_start|> (a special token) stands for a GLM tag here."""
+    switch(tool_call_parser=parser)
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
     assert client.chat.completions.create(**body).choices[0].message.content == ""
     assert client.chat.completions.create(tools=TOOLS, **body).choices[0].message.content == "<|im_start|>" * 2
@@ -115,3 +121,20 @@ def test_glm45_reasoning_then_calls(client, switch):
     message = off.choices[0].message
     assert getattr(message, "reasoning_content", None) is None and message.content == "<think></think>Checking."
     assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == CALLS
+
+
+def test_deepseek_v3_reasoning_only_when_thinking(client, switch):
+    """DeepSeek-V3.1's switch: with chat_template_kwargs {"thinking": true} the template opens <think> in
+    the prompt and the output is reasoning up to </think>; without it the whole output is the answer."""
+    switch(reasoning_parser="deepseek_v3", tool_call_parser="deepseek_v31", reasoning_in_structured_output=True)
+    text = "Paris, in May.</think>" + FORMATS["deepseek_v31"]
+    body = _body(text, extra_body={"guided_choice": [text], "chat_template_kwargs": {"thinking": True}})
+    reply = client.chat.completions.create(**body).choices[0]
+    assert reply.message.reasoning_content == "Paris, in May." and reply.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS[:1]
+    assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": "Checking.", "calls": CALLS[:1],
+                                       "finish_reason": "tool_calls"}
+    body = _body("Paris, in May.</think>Sunny.")
+    del body["tools"]
+    off = client.chat.completions.create(**body).choices[0].message
+    assert getattr(off, "reasoning_content", None) is None and off.content == "Paris, in May.</think>Sunny."

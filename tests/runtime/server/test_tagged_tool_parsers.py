@@ -1,9 +1,11 @@
-"""The glm45, qwen3_coder and deepseek_v3 tool call parsers and the glm45 reasoning parser, on texts
-written by hand from the published formats (GLM-4.5's chat template: `<tool_call>NAME\\n<arg_key>K</arg_key>
-\\n<arg_value>V</arg_value>\\n</tool_call>`; Qwen3-Coder's: `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV
+"""The glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31 tool call parsers and the glm45 reasoning
+parser, on texts written by hand from the published formats (GLM-4.5's chat template: `<tool_call>NAME\\n
+<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`; GLM-4.7's: `<tool_call>NAME<arg_key>K</arg_key>
+<arg_value>V</arg_value></tool_call>`; Qwen3-Coder's: `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV
 \\n</parameter>\\n</function>\\n</tool_call>`; DeepSeek-V3's: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
-<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>`) and vLLM's documented rules for
-typing the values by the request's tool schemas. Every text is also streamed split at every character
+<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>`; DeepSeek-V3.1's:
+`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>`) and vLLM's
+documented rules for typing the values by the request's tool schemas. Every text is also streamed split at every character
 boundary, one character at a time and in random pieces: the joined pieces must give the same content
 and calls, and every call's arguments are JSON whose value is checked."""
 
@@ -60,6 +62,27 @@ GLM45 = [
     ("", "", []),
 ]
 
+GLM47 = [
+    # GLM-4.7's template: the first <arg_key> right after the name, no newlines
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key>"
+     "<arg_value>3</arg_value></tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),
+    # content before and after, a call without arguments, GLM-4.5's newlines read too
+    ("Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Lyon</arg_value>\n</tool_call>"
+     "<tool_call>ping</tool_call> Done.", "Let me check.\n Done.", [("get_weather", {"city": "Lyon"}), ("ping", {})]),
+    # an escaped newline (the two characters) reads as a blank around the name and between a key and its value
+    ("<tool_call>get_weather\\n<arg_key>days</arg_key>\\n \\n<arg_value>2</arg_value>\\n<arg_key>city</arg_key>"
+     "<arg_value>Oslo</arg_value></tool_call>", "", [("get_weather", {"days": 2, "city": "Oslo"})]),
+    # other text there drops the key; a name over two lines is not one (the text comes back)
+    ("<tool_call>ping<arg_key>a</arg_key>\\t<arg_value>1</arg_value></tool_call>", "", [("ping", {})]),
+    ("<tool_call>get\nweather<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>",
+     "<tool_call>get\nweather<arg_key>x</arg_key><arg_value>1</arg_value></tool_call>", []),
+    # a tag in prose: content, the text after it read again
+    ("Use <tool_call> like so: <tool_call>ping</tool_call>", "Use <tool_call> like so:", [("ping", {})]),
+    # cut in a value: what was written; cut in the name: not a call
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Ro", "", [("get_weather", {"city": "Ro"})]),
+    ("<tool_call>get_weather\n", "<tool_call>get_weather\n", []),
+]
+
 QWEN3_CODER = [
     ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
      "</parameter>\n</function>\n</tool_call>", "", [("get_weather", {"city": "Paris", "days": 3})]),
@@ -110,6 +133,20 @@ DEEPSEEK_V3 = [
     ("Plain text with <｜tool▁ in it.", "Plain text with <｜tool▁ in it.", []),
 ]
 
+DEEPSEEK_V31 = [
+    (f'{B}{C}get_weather{S}{{"city": "Paris", "days": 3}}{CE}{E}', "", [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (f'Let me look.{B}{C}get_weather{S}{{"city": "a```b"}}{CE}\n{C}ping{S}{{}}{CE}{E}', "Let me look.",
+     [("get_weather", '{"city": "a```b"}'), ("ping", "{}")]),
+    # the arguments as written (over several lines too), blanks around them off; text after the section: content
+    (f'{B}{C} f {S} {{\n  "a": [1,\n 2]\n}}\n{CE}{E}\nDone.', "\nDone.", [("f", '{\n  "a": [1,\n 2]\n}')]),
+    # cut in the arguments: what was written; cut in the name: no call
+    (f'{B}{C}f{S}{{"a": "x', "", [("f", '{"a": "x')]),
+    (f"{B}{C}get_wea", "", []),
+    # the section is never content: a call without a separator, or whose name has a newline, is dropped
+    (f"x{B}{C}f{CE}{C}a\nb{S}{{}}{CE}{C}g{S}{{}}{CE}{E}y", "xy", [("g", "{}")]),
+    ("Plain text with <｜tool▁ in it.", "Plain text with <｜tool▁ in it.", []),
+]
+
 
 def _events(kind: str, pieces: list[str]) -> list:
     parser = make_parser(kind, tools=TOOLS)
@@ -118,7 +155,7 @@ def _events(kind: str, pieces: list[str]) -> list:
 
 def _check(kind: str, text: str, content: str, calls: list) -> None:
     whole = parse(make_parser(kind, tools=TOOLS), text)
-    got_calls = [(name, json.loads(args) if args else None) for name, args in whole[1]] if kind != "deepseek_v3" \
+    got_calls = [(name, json.loads(args) if args else None) for name, args in whole[1]] if not kind.startswith("deepseek") \
         else whole[1]
     assert (whole[0], got_calls) == (content, calls)
     for cut in range(len(text) + 1):
@@ -131,8 +168,9 @@ def _check(kind: str, text: str, content: str, calls: list) -> None:
 
 
 @pytest.mark.parametrize(("kind", "text", "content", "calls"),
-                         [("glm45", *case) for case in GLM45] + [("qwen3_coder", *case) for case in QWEN3_CODER]
-                         + [("deepseek_v3", *case) for case in DEEPSEEK_V3])
+                         [("glm45", *case) for case in GLM45] + [("glm47", *case) for case in GLM47]
+                         + [("qwen3_coder", *case) for case in QWEN3_CODER] + [("deepseek_v3", *case) for case in DEEPSEEK_V3]
+                         + [("deepseek_v31", *case) for case in DEEPSEEK_V31])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
 
@@ -195,10 +233,34 @@ def test_deepseek_v3_streams_the_arguments_as_written():
     assert parser.finish() == []
 
 
+def test_deepseek_v31_streams_the_arguments_as_written():
+    parser = make_parser("deepseek_v31")
+    assert parser.feed(f"{B}{C}f") == []  # the name is known at the separator
+    assert parser.feed(S) == [("call", 0, "f")]
+    assert parser.feed('{"a": "x ``') == [("args", 0, '{"a": "x ``')]  # blanks may end the arguments: they wait
+    assert parser.feed('y"} ') == [("args", 0, 'y"}')]
+    assert parser.feed(f"{CE}{E}") == []
+    assert parser.finish() == []
+
+
+def test_glm47_streams_like_glm45():
+    parser = make_parser("glm47", tools=TOOLS)
+    assert parser.feed("Hi <tool_call>get_weather\n") == [("content", "Hi")]  # the name runs to <arg_key>
+    assert parser.feed("<arg_key>city</arg_key>\\") == [("call", 0, "get_weather")]  # maybe an escaped newline
+    assert parser.feed("n<arg_value>Pa") == [("args", 0, '{"city": "Pa')]
+    assert parser.feed("ris</arg_value></tool_call>") == [("args", 0, 'ris"}')]
+    assert parser.finish() == [] and parser.called
+    # a tag in prose is content as soon as what follows it cannot be a name (not at the output's end)
+    for kind in ("glm45", "glm47"):
+        parser = make_parser(kind)
+        assert parser.feed("Write <tool_call>") == [("content", "Write")]
+        assert fold(parser.feed("NAME then")) == (" <tool_call>NAME then", [])
+
+
 def test_names_and_refusals(llmc_cli, tmp_path):
-    assert {"glm45", "qwen3_coder", "deepseek_v3"} <= set(TOOL_CALL_PARSERS)
-    for name in ("deepseek_v31", "deepseek_v32"):
-        with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.[12]'s .* not read by llmc; supported: .*deepseek_v3"):
+    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31"} <= set(TOOL_CALL_PARSERS)
+    for name in ("deepseek_v32",):
+        with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.2's .* not read by llmc; supported: .*deepseek_v31"):
             ServingContext.check_tool_options(True, name)
         with pytest.raises(ValueError, match="not read by llmc"):
             make_parser(name)
