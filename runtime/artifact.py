@@ -467,6 +467,21 @@ class MultiModalLimits:
     audio: int = opt(0, min=0, max=0, help="no audio model is supported: 0 only")
 
 
+@dataclass(frozen=True)
+class VideoIOKwargs:
+    """vLLM's media_io_kwargs video: how a chat's video_url part is sampled (runtime/video_io.py)."""
+
+    num_frames: int = opt(32, min=-1, help="frames kept of each video, spread uniformly (-1: every frame)")
+
+
+@dataclass(frozen=True)
+class MediaIOKwargs:
+    """vLLM's media_io_kwargs, the part llmc has: the video loader's num_frames (other modalities' keys are
+    refused by name)."""
+
+    video: VideoIOKwargs | None = opt(None, help="the video loader's settings, e.g. {num_frames: 16}")
+
+
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "FULL", "PIECEWISE", "NONE")
 
 
@@ -576,6 +591,9 @@ class RuntimeDefaults:
     limit_mm_per_prompt: MultiModalLimits | None = opt(
         None, help="vLLM's: the most images one prompt of a vision model may carry, e.g. {image: 2} (0: text only); "
                    "more is refused by name; default: no limit")
+    media_io_kwargs: MediaIOKwargs | None = opt(
+        None, help="vLLM's: how chat video_url parts are decoded, e.g. {video: {num_frames: 16}} (Qwen2-VL, "
+                   "Qwen2.5-VL, Qwen3-VL; default 32 frames, spread uniformly)")
     enable_prompt_embeds: bool = opt(False, help="requests may give the prompt as embeddings [num_tokens, hidden_size] "
                                                  "(vLLM's prompt_embeds) in place of text or token ids")
     disable_log_stats: bool = opt(False, help="no periodic engine statistics line")

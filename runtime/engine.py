@@ -22,7 +22,8 @@ from llmc.runtime.loader import compute_dtype
 from llmc.runtime.lora import LoRARequest, check_lora_artifact
 from llmc.runtime.onnx_model import is_onnx
 from llmc.runtime.options import generation_defaults, resolve_device, resolve_options
-from llmc.runtime.multimodal import ImageInputs, VisionEncoder, images_of, takes_videos, videos_of
+from llmc.runtime.multimodal import ChatVideos, ImageInputs, VisionEncoder, images_of, takes_videos, videos_of
+from llmc.runtime.video_io import DEFAULT_NUM_FRAMES
 from llmc.runtime.prompt_embeds import NOT_ENABLED, check_prompt_embeds, prompt_rows
 from llmc.runtime.outputs import RequestOutput
 from llmc.runtime.parallel.driver import make_model_runner
@@ -104,6 +105,12 @@ class Engine:
         if limits is not None and limits.video and not takes_videos(self.manifest.vision):
             raise ConfigError(f"limit_mm_per_prompt.video: this model ({self.manifest.vision.architecture}) takes no "
                               "videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); set it to 0 or drop it")
+        video_io = self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
+        if video_io is not None and not takes_videos(self.manifest.vision):
+            raise ConfigError(f"media_io_kwargs.video: this model ({(self.manifest.vision or self.manifest.model).architecture}) "
+                              "takes no videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); drop it")
+        if video_io is not None and video_io.num_frames == 0:
+            raise ConfigError("media_io_kwargs.video.num_frames: 0 keeps no frame; give a count, or -1 for every frame")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU
         reserve = draft_memory_reserve(*draft, self.options, self.device) if draft is not None else (0, 0)
         if eagle is not None:
@@ -347,6 +354,14 @@ class Engine:
         if keep is not None:
             embeds = embeds[-keep:]
         return embeds, *prompt_rows(embeds, self.device, compute_dtype(self.manifest, self.device))
+
+    def chat_videos(self) -> ChatVideos | None:
+        """How a chat's video_url parts are read for this model (runtime/multimodal.chat_images); None: it takes
+        no video."""
+        if self.vision is None or not self.vision.takes_videos:
+            return None
+        video_io = self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
+        return ChatVideos(video_io.num_frames if video_io is not None else DEFAULT_NUM_FRAMES, self.vision.is_qwen3)
 
     def check_takes_images(self, param: str) -> None:
         """RequestError naming `param` unless this is a vision model."""

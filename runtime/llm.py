@@ -273,8 +273,9 @@ class LLM:
         {"type": "function", "function": {...}}, rendered by the template; the replies are text, as vLLM's
         LLM.chat returns them: read calls out of it yourself). `lora_request`: as generate's. For a vision model,
         content parts {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}} or
-        {"type": "image_pil", "image_pil": PIL image} are rendered as the template's image placeholders
-        (runtime/multimodal.chat_images)."""
+        {"type": "image_pil", "image_pil": PIL image} are rendered as the template's image placeholders, and for
+        Qwen2-VL, Qwen2.5-VL and Qwen3-VL {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}
+        as its video placeholders (decoded with PyAV, runtime/video_io.py; runtime/multimodal.chat_images)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs,
@@ -286,9 +287,10 @@ class LLM:
         """A conversation rendered with the chat template: {"prompt_token_ids"}, and its images if any."""
         if has_image_parts(messages):  # (a text model refuses them before any image is read)
             self.engine.check_takes_images("messages")
-        messages, images = chat_images(messages)
+        messages, images, videos = chat_images(messages, self.engine.chat_videos())
         prompt = {"prompt_token_ids": apply_chat_template(self.tokenizer, messages, **options)}
-        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+        media = {**({"image": images} if images else {}), **({"video": videos} if videos else {})}
+        return {**prompt, "multi_modal_data": media} if media else prompt
 
     def stream(self, prompt: str | None, sampling_params: SamplingParams, messages: list[dict] | None = None,
                lora_request=None) -> Iterator[str]:

@@ -67,6 +67,7 @@ from llmc.runtime.tokenizer import TEXT_PART_FIELDS
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an image sent inline (a data URL), decoded
 MAX_ENCODER_BATCH = 32  # images per vision-tower call when a batch of requests' images is encoded ahead (prefetch)
 CHAT_IMAGE_PARTS = ("image_url", "image_pil")  # the content parts that carry an image (OpenAI's; vLLM's PIL one)
+CHAT_VIDEO_PART = "video_url"  # vLLM's content part of a video (a data URL; runtime/video_io.py decodes it)
 QWEN3_DEFAULT_FPS = 24.0  # Qwen3VLProcessor's frame rate for a video whose metadata gives none (its timestamps)
 
 
@@ -1194,14 +1195,27 @@ def step_key_limits(batch, positions: Tensor) -> Tensor | None:
 # ---- chat content parts ---------------------------------------------------------------------------
 
 
-def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
+@dataclass(frozen=True)
+class ChatVideos:
+    """How a chat's video_url parts are read: the model takes videos (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), sampled to
+    `num_frames` each (vLLM's media_io_kwargs video num_frames; -1: every frame), given to the engine with vLLM's
+    metadata where `metadata` (Qwen3-VL: its timestamps), else as frames alone."""
+
+    num_frames: int
+    metadata: bool
+
+
+def chat_images(messages: list[dict], videos: ChatVideos | None = None) -> tuple[list[dict], list, list]:
     """Messages whose content parts hold images (OpenAI's {"type": "image_url", "image_url": {"url": data URL}},
-    vLLM's {"type": "image_pil", "image_pil": PIL image}) → (the messages as a vision model's chat template reads
-    them: each image a {"type": "image"} part, every content a list of parts; the images, in order). Messages
-    without images come back as they are, with no images."""
+    vLLM's {"type": "image_pil", "image_pil": PIL image}) or videos (vLLM's {"type": "video_url", "video_url":
+    {"url": data URL}}, decoded by runtime/video_io.py as `videos` says; None: the model takes no video, and the
+    part is refused by name) → (the messages as a vision model's chat template reads them: each image a
+    {"type": "image"} part, each video a {"type": "video"} part, every content a list of parts; the images, in
+    order; the videos, in order, as multi_modal_data's 'video' takes them). Messages without either come back as
+    they are, with none."""
     if not has_image_parts(messages):
-        return messages, []
-    images, rendered = [], []
+        return messages, [], []
+    images, clips, rendered = [], [], []
     for index, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -1210,27 +1224,44 @@ def chat_images(messages: list[dict]) -> tuple[list[dict], list]:
             parts = []
             for number, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
+                where = f"messages.{index}.content.{number}"
                 if kind in CHAT_IMAGE_PARTS:
-                    images.append(_part_image(part, kind, f"messages.{index}.content.{number}"))
+                    images.append(_part_image(part, kind, where))
                     parts.append({"type": "image"})
-                elif kind not in TEXT_PART_FIELDS:  # video_url, audio: the template would drop them unseen
-                    raise RequestError(f"messages.{index}.content.{number}: {kind!r} parts are not supported beside "
-                                       f"images (text and {', '.join(CHAT_IMAGE_PARTS)} parts are; a Qwen2-VL or "
-                                       "Qwen3-VL video goes in LLM.generate's multi_modal_data 'video')")
+                elif kind == CHAT_VIDEO_PART:
+                    clips.append(_part_video(part, where, videos))
+                    parts.append({"type": "video"})
+                elif kind not in TEXT_PART_FIELDS:  # audio: the template would drop them unseen
+                    raise RequestError(f"{where}: {kind!r} parts are not supported beside images (text, "
+                                       f"{', '.join(CHAT_IMAGE_PARTS)} and {CHAT_VIDEO_PART} parts are)")
                 else:
                     parts.append(part)
         else:
             rendered.append(message)
             continue
         rendered.append({**message, "content": parts})
-    return rendered, images
+    return rendered, images, clips
 
 
 def has_image_parts(messages: list) -> bool:
-    """Whether some message's content parts carry an image (CHAT_IMAGE_PARTS)."""
+    """Whether some message's content parts carry an image or a video (CHAT_IMAGE_PARTS, CHAT_VIDEO_PART)."""
+    kinds = (*CHAT_IMAGE_PARTS, CHAT_VIDEO_PART)
     return any(isinstance(m, dict) and isinstance(m.get("content"), list)
-               and any(isinstance(p, dict) and p.get("type") in CHAT_IMAGE_PARTS for p in m["content"])
+               and any(isinstance(p, dict) and p.get("type") in kinds for p in m["content"])
                for m in messages)
+
+
+def _part_video(part: dict, where: str, videos: ChatVideos | None):
+    """A video_url part's frames (Qwen3-VL: with vLLM's metadata), or RequestError where the model takes none."""
+    from llmc.runtime.video_io import load_video_url
+
+    if videos is None:
+        raise RequestError(f"{where}: a video_url part needs a model that takes videos (Qwen2-VL, Qwen2.5-VL, "
+                           "Qwen3-VL); this one takes images only: drop the video")
+    value = part.get(CHAT_VIDEO_PART)
+    url = value.get("url") if isinstance(value, dict) else value
+    frames, metadata = load_video_url(url, f"{where}.video_url", videos.num_frames)
+    return (frames, metadata) if videos.metadata else frames
 
 
 def _part_image(part: dict, kind: str, where: str):

@@ -122,8 +122,8 @@ def _template_message(index: int, message: dict) -> dict:
     assistant's reasoning under both of vLLM's names (`reasoning`, `reasoning_content`). A copy."""
     message = dict(message)
     content = message.get("content")
-    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
-        pass  # a vision model's parts (runtime/multimodal.chat_images): its template places each image
+    if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image", "video") for p in content):
+        pass  # a vision model's parts (runtime/multimodal.chat_images): its template places each image and video
     elif isinstance(content, list):
         try:
             content = text_of_parts(content)

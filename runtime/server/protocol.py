@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import RequestError
-from llmc.runtime.multimodal import CHAT_IMAGE_PARTS
+from llmc.runtime.multimodal import CHAT_IMAGE_PARTS, CHAT_VIDEO_PART
 from llmc.runtime.pooling import REQUEST_TASKS
 from llmc.runtime.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams
 from llmc.runtime.server.errors import ApiError, invalid
@@ -320,6 +320,7 @@ class ContentPart(_Body):
     text: str | None = None
     refusal: str | None = None
     image_url: dict[str, Any] | str | None = None  # {"url": "data:image/png;base64,..."} (a vision model's)
+    video_url: dict[str, Any] | str | None = None  # {"url": "data:video/mp4;base64,..."} (Qwen2-VL's, Qwen3-VL's)
 
 
 class ChatMessage(_Body):
@@ -335,7 +336,7 @@ class ChatMessage(_Body):
         """The message as the chat template reads it (a list of parts: `text_of_parts`; the rest as
         `tokenizer.apply_chat_template` prepares every message)."""
         content = self.content
-        if isinstance(content, list) and any(part.type in CHAT_IMAGE_PARTS for part in content):
+        if isinstance(content, list) and any(part.type in (*CHAT_IMAGE_PARTS, CHAT_VIDEO_PART) for part in content):
             content = [part.model_dump(exclude_none=True) for part in content]  # runtime/multimodal.chat_images
         elif isinstance(content, list):
             try:

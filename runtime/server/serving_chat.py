@@ -60,13 +60,14 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         params = params.replace(skip_special_tokens=False)
     if ctx.reasoning_parser == "openai_gptoss":
         params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
-    messages, images = request.template_messages(), []
+    messages = request.template_messages()
     try:
-        if has_image_parts(messages):  # a vision model's image parts (runtime/multimodal.py); a text model refuses them
+        if has_image_parts(messages):  # a vision model's images and videos (runtime/multimodal.py); a text model refuses
             ctx.engine_loop.engine.check_takes_images("messages")
-        messages, images = chat_images(messages)
+        messages, images, videos = chat_images(messages, ctx.engine_loop.engine.chat_videos())
     except RequestError as e:
         raise as_api_error(e) from None
+    media = {**({"image": images} if images else {}), **({"video": videos} if videos else {})}
     token_ids = await ctx.render_chat_off_loop(messages, request.template_options())
     if params.truncate_prompt_tokens is not None:  # here, so that usage counts what the model sees
         token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -74,7 +75,7 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
     try:
         generation = await ctx.generate([token_ids], params, request_id, request.priority, arrival_time,
                                          ctx.lora_request(request.model),
-                                         {"image": images} if images else None, cache_salt=request.cache_salt)
+                                         media or None, cache_salt=request.cache_salt)
     except ApiError as e:
         raise _as_chat_error(e) from None
     return request, params, generation, generation.streams[0].num_prompt_tokens
