@@ -42,7 +42,8 @@ IMAGE = START + PAD + END
 PROMPT = "User:" + IMAGE + "Describe it."
 TWO = "First:" + IMAGE + "then" + IMAGE + "Compare them."
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}User:{% if m['content'] is string %}{{ m['content'] }}{% else %}"
-                 "{% for c in m['content'] %}{% if c['type'] == 'image' %}" + IMAGE + "{% else %}{{ c['text'] }}"
+                 "{% for c in m['content'] %}{% if c['type'] == 'image' %}" + IMAGE + "{% elif c['type'] == 'video' %}"
+                 + START + VIDEO + END + "{% else %}{{ c['text'] }}"
                  "{% endif %}{% endfor %}{% endif %}{% endfor %}")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 # (width, height): 64 x 48 px is 4 x 3 tokens of 16 px; 96 x 32, 6 x 2; 40 x 36 resized to 32 x 32: 2 x 2

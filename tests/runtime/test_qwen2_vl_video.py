@@ -179,15 +179,16 @@ def test_video_patches_equal_qwen2_vl_video_processor(checkpoint, hf):  # noqa: 
     torch.testing.assert_close(out["pixel_values_videos"], patches, atol=1e-5, rtol=0)
 
 
-def test_chat_video_url_parts_are_refused(artifact):
-    """The chat API carries no video (the server decodes no video container): a video_url part beside an image, or
-    alone, is refused by name, not dropped."""
+def test_chat_video_url_parts_that_are_no_video_are_refused(artifact):
+    """A video_url part (decoded with PyAV: tests/runtime/server/test_server_video.py) whose data is no video, beside
+    an image or alone, is refused by name, not dropped."""
     from tests.runtime.test_llava import data_url
 
+    pytest.importorskip("av")
     llm = LLM(artifact, device="cpu", max_num_batched_tokens=64)
     video = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     for parts in ([{"type": "image_url", "image_url": {"url": data_url(image(1))}}, video], [video]):
-        with pytest.raises(RequestError, match="'video_url'"):
+        with pytest.raises(RequestError, match="video_url: not a readable video"):
             llm.chat([{"role": "user", "content": parts + [{"type": "text", "text": "What happens?"}]}], GREEDY)
 
 

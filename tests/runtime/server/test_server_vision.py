@@ -172,7 +172,7 @@ def test_mistral3_chat_image_parts(tmp_path, run_app):
 def test_qwen3_vl_chat_image_parts(tmp_path, run_app):
     """Qwen3-VL (tests/runtime/test_qwen3_vl.py's checkpoint): a data-URL image part of a 64 x 48 image gives
     transformers' greedy reply (its 12 image tokens' deepstack rows added, split across 8-token chunks), the image's
-    tokens counted in prompt_tokens; a video_url part is refused by name."""
+    tokens counted in prompt_tokens; a video_url part that is no video is refused by name."""
     from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
 
     from tests.runtime.test_qwen3_vl import PROMPT as QWEN3_PROMPT
@@ -187,7 +187,7 @@ def test_qwen3_vl_chat_image_parts(tmp_path, run_app):
     base_url = _served_reply_is(run_app, checkpoint, tmp_path, 8, picture, "Describe it.", prompt_ids, expected)
     refused = _chat(base_url, [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
                                {"type": "text", "text": "Describe it."}])
-    assert refused.status_code == 400 and "got 'video_url'" in refused.json()["error"]["message"]
+    assert refused.status_code == 400 and "video_url: not a readable video" in refused.json()["error"]["message"]
 
 
 @pytest.mark.slow
