@@ -107,8 +107,9 @@ class Engine:
                               "videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); set it to 0 or drop it")
         video_io = self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
         if video_io is not None and not takes_videos(self.manifest.vision):
-            raise ConfigError(f"media_io_kwargs.video: this model ({(self.manifest.vision or self.manifest.model).architecture}) "
-                              "takes no videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); drop it")
+            architecture = (self.manifest.vision or self.manifest.model).architecture
+            raise ConfigError(f"media_io_kwargs.video: this model ({architecture}) takes no videos (Qwen2-VL, "
+                              "Qwen2.5-VL and Qwen3-VL do); drop it")
         if video_io is not None and video_io.num_frames == 0:
             raise ConfigError("media_io_kwargs.video.num_frames: 0 keeps no frame; give a count, or -1 for every frame")
         # the draft's share of the memory: of the measured plan on a GPU, of cpu_kv_cache_gib on a CPU

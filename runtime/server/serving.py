@@ -254,6 +254,10 @@ class ServingContext:
         """`render_chat` on the tokenizer pool (the default thread pool without one)."""
         return await self._off_loop(self.render_chat, messages, options)
 
+    async def run_off_loop(self, function, *args):
+        """`function(*args)` on the tokenizer pool (the default thread pool without one)."""
+        return await self._off_loop(function, *args)
+
     async def _off_loop(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, function, *args)
 

@@ -62,9 +62,10 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
     messages = request.template_messages()
     try:
-        if has_image_parts(messages):  # a vision model's images and videos (runtime/multimodal.py); a text model refuses
+        if has_image_parts(messages):  # a vision model's images and videos (runtime/multimodal.py); text models refuse
             ctx.engine_loop.engine.check_takes_images("messages")
-        messages, images, videos = chat_images(messages, ctx.engine_loop.engine.chat_videos())
+        videos = ctx.engine_loop.engine.chat_videos()  # the parts decoded off the event loop (a video takes a while)
+        messages, images, videos = await ctx.run_off_loop(chat_images, messages, videos)
     except RequestError as e:
         raise as_api_error(e) from None
     media = {**({"image": images} if images else {}), **({"video": videos} if videos else {})}

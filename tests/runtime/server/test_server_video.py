@@ -206,3 +206,8 @@ def test_qwen3_vl_served_video_url(tmp_path, run_app):
     metadata = {"fps": float(RATE), "frames_indices": list(range(8)), "total_num_frames": 8}
     [offline] = llm.generate({"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": (frames, metadata)}}, GREEDY)
     check_output(offline, (prompt_ids, tokens, logprobs))
+
+
+def test_a_model_without_videos_refuses_media_io_kwargs(server_artifact):
+    with pytest.raises(ConfigError, match="media_io_kwargs.video: this model .* takes no videos"):
+        LLM(server_artifact, device="cpu", media_io_kwargs={"video": {"num_frames": 4}})
