@@ -40,7 +40,9 @@ group's <|video_pad|> run and <|vision_end|>, as Qwen3VLProcessor and vLLM write
 image's (t = 1), and its tokens take deepstack rows as image tokens do. The
 request keeps the embeddings
 (`ImageInputs`) until it ends, so a chunk of its prompt, and a recompute after preemption, puts the same rows in
-(`step_image_rows`); the model's forward writes them over those tokens' embedding rows.
+(`step_image_rows`); the model's forward writes them over those tokens' embedding rows. The chat API's parts
+(`chat_images`): images as data URLs or PIL images, and for the models that take videos vLLM's video_url parts,
+decoded by runtime/video_io.py.
 """
 
 from __future__ import annotations
