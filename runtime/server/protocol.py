@@ -57,6 +57,7 @@ _UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "truncation_side": (None, "left"), "return_tokens_as_token_ids": (None, False),
     "watermarking": (None, False), "thinking_token_budget": (None,), "repetition_detection": (None,),
     "documents": (None,),
+    "mm_processor_kwargs": (None, {}),  # vLLM's per-request processor settings (a video's fps, frame counts)
     "functions": (None, []), "function_call": (None, "none"), "prediction": (None,), "audio": (None,),
     "modalities": (None, ["text"]), "logits_processors": (None,),
     "echo": (None, False),  # on chat completions (vLLM: the last message prepended to the reply); completions have it

@@ -1,7 +1,7 @@
-"""/v1/chat/completions (and LLM.chat) with vLLM's video_url parts on the tiny Qwen2-VL and Qwen3-VL checkpoints
-(tests/runtime/test_qwen2_vl.py, test_qwen3_vl.py): a video written here with PyAV (8 frames of 32 x 32 px, one
-random colour each) sent as a data URL gives transformers' greedy reply to the frames PyAV itself decodes from it,
-sampled as vLLM samples them (numpy's linspace over the frames, truncated), and the offline API's reply to those
+"""/v1/chat/completions (and LLM.chat) with vLLM's video_url parts on the tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL
+checkpoints (tests/runtime/test_qwen2_vl.py, test_qwen3_vl.py): a video written here with PyAV (8 frames of 32 x 32
+px, one random colour each) sent as a data URL gives transformers' greedy reply to the frames PyAV itself decodes from
+it, sampled as vLLM samples them (numpy's linspace over the frames, truncated), and the offline API's reply to those
 frames; Qwen3-VL's timestamps from the stream's frame rate and the kept frames' indices. What is refused answers 400
 naming the part."""
 
@@ -114,25 +114,30 @@ def test_chat_parts_are_checked(monkeypatch):
         chat(video_url(raw))
 
 
-@pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    """(checkpoint, float32 artifact, transformers' model, tokenizer and image processor) of Qwen2-VL."""
-    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen2(request, tmp_path_factory):
+    """(checkpoint, float32 artifact, transformers' model, tokenizer and image processor) of Qwen2-VL and of
+    Qwen2.5-VL."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2VLForConditionalGeneration
 
     from tests.runtime.test_qwen2_vl import make_qwen_vl_checkpoint
 
-    checkpoint = make_qwen_vl_checkpoint(tmp_path_factory.mktemp("qwen2_vl") / "hf", "qwen2_vl", seed=3)
-    artifact = build_float32(checkpoint, tmp_path_factory.mktemp("qwen2-vl-art") / "a", target={"device": "cpu"})
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
+    family = request.param
+    checkpoint = make_qwen_vl_checkpoint(tmp_path_factory.mktemp(family) / "hf", family, seed=3)
+    artifact = build_float32(checkpoint, tmp_path_factory.mktemp(f"{family}-art") / "a", target={"device": "cpu"})
+    kind = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    model = kind.from_pretrained(str(checkpoint), attn_implementation="eager").eval()
     return checkpoint, artifact, (model, AutoTokenizer.from_pretrained(str(checkpoint)),
                                   AutoImageProcessor.from_pretrained(str(checkpoint)))
 
 
 def test_qwen2_vl_served_video_url(qwen2, run_app, monkeypatch):
-    """--media-io-kwargs '{"video": {"num_frames": 4}}': an 8-frame mp4 (MPEG-4 part 2) sent as a data URL is
-    frames 0, 2, 4, 7 as PyAV decodes them: the reply's tokens are transformers' greedy tokens for those frames, its
-    prompt_tokens the expanded prompt's; the offline API (LLM.generate with the frames) answers the same. Over the
-    server: an http URL, a corrupt video and no PyAV are 400s naming the part."""
+    """Qwen2-VL and Qwen2.5-VL (its frames taken at 2 fps), --media-io-kwargs '{"video": {"num_frames": 4}}': an
+    8-frame mp4 (MPEG-4 part 2) sent as a data URL is frames 0, 2, 4, 7 as PyAV decodes them: the reply's tokens are
+    transformers' greedy tokens for those frames, its prompt_tokens the expanded prompt's; the offline API
+    (LLM.generate with the frames) answers the same. Over the server: an http URL, a corrupt video and no PyAV are
+    400s naming the part."""
     from tests.runtime.test_qwen2_vl_video import hf_generate
 
     checkpoint, artifact, hf = qwen2
@@ -171,7 +176,8 @@ def test_qwen2_vl_chat_default_frames_and_options(qwen2):
                                                     {"type": "text", "text": "What happens?"}]}], GREEDY)
     [offline] = llm.generate({"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": decoded_frames(raw, range(8))}},
                              GREEDY)
-    assert chat.prompt_token_ids == offline.prompt_token_ids and chat.outputs[0].token_ids == offline.outputs[0].token_ids
+    assert chat.prompt_token_ids == offline.prompt_token_ids
+    assert chat.outputs[0].token_ids == offline.outputs[0].token_ids
     assert chat.prompt_token_ids.count(hf_video_token(llm)) == 4 * 4  # 8 frames: 4 groups of 2 x 2 tokens
     with pytest.raises(ConfigError, match="media_io_kwargs.video.num_frames: 0 keeps no frame"):
         LLM(artifact, device="cpu", media_io_kwargs={"video": {"num_frames": 0}})
@@ -211,3 +217,15 @@ def test_qwen3_vl_served_video_url(tmp_path, run_app):
 def test_a_model_without_videos_refuses_media_io_kwargs(server_artifact):
     with pytest.raises(ConfigError, match="media_io_kwargs.video: this model .* takes no videos"):
         LLM(server_artifact, device="cpu", media_io_kwargs={"video": {"num_frames": 4}})
+
+
+def test_mm_processor_kwargs_are_refused_by_name():
+    """vLLM's per-request processor settings (a video's fps, do_sample_frames) would change the frames: a 400 naming
+    the field, not a warning."""
+    from llmc.runtime.server.errors import ApiError
+    from llmc.runtime.server.protocol import ChatCompletionRequest
+    from llmc.runtime.server.serving import parse_body
+
+    with pytest.raises(ApiError, match="mm_processor_kwargs: not supported"):
+        parse_body(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                           "mm_processor_kwargs": {"fps": 1}})
