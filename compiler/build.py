@@ -179,7 +179,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
-    if biased and spec.family not in hf.GRANITE_FAMILIES:  # Granite's biases: refused by name in model_config_from_hf
+    # Granite's and Seed-OSS's biases: refused by name in model_config_from_hf
+    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss"):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
     if spec.family in hf.GRANITE_FAMILIES and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "
@@ -196,7 +197,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "
                               f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
                               "float weights; build it with quantization.method: import")
-    if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2") and recipe.quantization.method == "import":
+    if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5") and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]}: "
                               "the build permutes q_proj's and k_proj's rows into the runtime's rotary layout as it "
                               "reads them, which a pre-quantized checkpoint's packed weights do not take; quantize the "

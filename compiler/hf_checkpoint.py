@@ -44,6 +44,10 @@ _REFUSED_ARCHITECTURES = {
     "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
+    "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
+    "Ernie4_5_MoeForCausalLM": "ERNIE 4.5 MoE is not supported; the dense ERNIE 4.5 (Ernie4_5ForCausalLM) is",
+    "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
+                            "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
 }
 
 
@@ -132,6 +136,16 @@ _HF_CONFIG_DEFAULTS["smollm3"] = {"max_position_embeddings": 32768, "rms_norm_ep
                                   "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": True,
                                   "rope_theta": 2_000_000.0, "use_sliding_window": False, "sliding_window": None,
                                   "no_rope_layer_interval": 4}
+# Exaone4Config's (layer_types: _exaone4_config), SeedOssConfig's and Ernie4_5Config's (rope_theta: its default_theta)
+_HF_CONFIG_DEFAULTS["exaone4"] = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "num_key_value_heads": 32,
+                                  "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": False,
+                                  "sliding_window": 4096, "sliding_window_pattern": 4}
+_HF_CONFIG_DEFAULTS["seed_oss"] = {"max_position_embeddings": 524288, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
+                                   "head_dim": 128, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": False,
+                                   "attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
+_HF_CONFIG_DEFAULTS["ernie4_5"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_key_value_heads": 2,
+                                   "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+                                   "use_bias": False, "rope_theta": 500000.0}
 _DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
                       "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                       "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
@@ -168,7 +182,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
-                  "SmolLM3ForCausalLM": "smollm3"}
+                  "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4",
+                  "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -216,6 +231,10 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _gpt_oss_config(config)
     if spec.family == "smollm3":
         config = _smollm3_config(config)
+    if spec.family == "exaone4":
+        config = _exaone4_config(config)
+    if spec.family in ("seed_oss", "ernie4_5"):
+        config = _seed_oss_ernie_config(config, spec.family)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -256,12 +275,18 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
+        # EXAONE 4: OLMo 2's norm placement with per-head q/k norms (runtime/models/exaone4.py)
+        **({"sandwich_norms": True, "pre_norms": False} if spec.family == "exaone4" else {}),
+        # Seed-OSS: o_proj's bias where attention_out_bias (runtime/models/seed_oss.py)
+        **({"o_bias": bool(config["attention_out_bias"])} if spec.family == "seed_oss" else {}),
+        # ERNIE 4.5: interleaved rotary pairs over the whole head (runtime/models/ernie4_5.py)
+        **({"rotary_interleaved": True} if spec.family == "ernie4_5" else {}),
         **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
         # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
-        nope_layers=config.get("_nope_layers", []),  # SmolLM3's (_smollm3_config)
+        nope_layers=config.get("_nope_layers", []),  # SmolLM3's, EXAONE 4's (_smollm3_config, _exaone4_config)
         # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
         # transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
@@ -817,6 +842,46 @@ def _smollm3_config(config: dict) -> dict:
                               "slide; set use_sliding_window true and a sliding_window, or make them full_attention")
     config["_nope_layers"] = [i for i in range(num_layers) if not flags[i]]
     return config
+
+
+def _exaone4_config(config: dict) -> dict:
+    """An EXAONE 4 config as Exaone4Config and Exaone4Attention read it: `layer_types` where absent, every
+    sliding_window_pattern-th layer full and the rest sliding ((i + 1) % pattern; Exaone4Config's rule), all full
+    without a sliding_window; `_nope_layers`, the full layers when there is a sliding_window (transformers rotates q
+    and k only where sliding_window is null or the layer slides). Refused by name: a sliding_window_pattern other than
+    a positive integer where layer_types is absent, and a sliding_window with no sliding layer (transformers would run
+    every layer without rotary, vLLM every layer with it)."""
+    config = dict(config)
+    num_layers, window = config["num_hidden_layers"], config.get("sliding_window")
+    if config.get("layer_types") is None:
+        pattern = config.get("sliding_window_pattern")
+        if window is not None and (not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1):
+            raise CheckpointError(f"sliding_window_pattern {pattern!r}: give a positive integer (every pattern-th layer "
+                                  "full) or layer_types, one full_attention or sliding_attention per layer")
+        config["layer_types"] = ["sliding_attention" if window is not None and (i + 1) % pattern else "full_attention"
+                                 for i in range(num_layers)]
+    if window is not None and "sliding_attention" not in config["layer_types"]:
+        raise CheckpointError(f"sliding_window {window} with no sliding_attention layer: transformers runs every layer "
+                              "without rotary then, vLLM every layer with it; set sliding_window null (every layer "
+                              "full, with rotary) or make some layers sliding_attention")
+    if window is not None:
+        config["_nope_layers"] = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
+    return config
+
+
+def _seed_oss_ernie_config(config: dict, family: str) -> dict:
+    """Seed-OSS's and ERNIE 4.5's biases as the runtime holds them: Seed-OSS's q/k/v (attention_bias) and o
+    (attention_out_bias, ModelConfig.o_bias); ERNIE's use_bias (every linear's) as attention_bias. The MLP's biases
+    (Seed-OSS's mlp_bias, ERNIE's use_bias) are refused by name: the runtime's MLP has none."""
+    if family == "seed_oss":
+        if config.get("mlp_bias"):
+            raise CheckpointError("mlp_bias: true is not supported for Seed-OSS (the MLP's biases: the runtime's MLP "
+                                  "has none); published checkpoints set it false")
+        return config
+    if config.get("use_bias"):
+        raise CheckpointError("use_bias: true is not supported for ERNIE 4.5 (biases on every linear, the MLP's too: "
+                              "the runtime's MLP has none); published checkpoints set it false")
+    return {**config, "attention_bias": False}
 
 
 def _cohere_config(config: dict, family: str) -> dict:

@@ -92,10 +92,12 @@ from llmc.schema import opt, parse
 #      sin 0); older manifests load without it (every layer rotates).
 # 1.26: the manifest's `mtp` section (MtpSpec) and its MTP_WEIGHTS: GLM-4.5's multi-token-prediction layer, kept for
 #      speculative method mtp; older manifests load without it (no MTP layer).
-FORMAT_VERSION = "1.26"
+# 1.27: EXAONE 4.0, Seed-OSS and ERNIE 4.5 dense (families exaone4, seed_oss, ernie4_5), read with fields older
+#      formats have (an older llmc refuses the family by name).
+FORMAT_VERSION = "1.27"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -104,7 +106,7 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2", "gpt_oss", "glm4_moe", "smollm3"]
+            "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
