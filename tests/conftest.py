@@ -268,6 +268,16 @@ _FAMILY_SPECS["glm4_moe"] = ("Glm4MoeConfig", {
 _FAMILY_SPECS["smollm3"] = ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2,
                                               "tie_word_embeddings": True})
 
+# EXAONE 4, Seed-OSS, ERNIE 4.5 (tests/runtime/test_exaone4_seed_ernie.py). EXAONE 4: OLMo 2's norm placement with
+# per-head q/k norms, 4 layers sliding / full / sliding / full over an 8-token window (the full layers NoPE, as
+# Exaone4Attention runs them with a sliding_window). Seed-OSS: head_dim 32, q/k/v and o biases (attention_out_bias).
+# ERNIE 4.5: head_dim 32, interleaved rotary over the whole head, tied embeddings (its default).
+_FAMILY_SPECS["exaone4"] = ("Exaone4Config", {"num_hidden_layers": 4, "sliding_window": 8, "sliding_window_pattern": 2})
+_FAMILY_SPECS["seed_oss"] = ("SeedOssConfig", {"head_dim": 32, "attention_bias": True, "attention_out_bias": True,
+                                               "mlp_bias": False})
+_FAMILY_SPECS["ernie4_5"] = ("Ernie4_5Config", {"head_dim": 32, "tie_word_embeddings": True, "use_bias": False})
+EXAONE_SEED_ERNIE_FAMILIES = ("exaone4", "seed_oss", "ernie4_5")
+
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
 # residual stream has rms ~4 after layer 0, attention entropy is ~1.5 nats against ~3 for uniform
@@ -286,7 +296,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     import transformers
 
     if family not in _FAMILY_SPECS:
-        known = FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
+        known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
+                 + EXAONE_SEED_ERNIE_FAMILIES)
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
