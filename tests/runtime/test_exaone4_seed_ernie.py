@@ -198,6 +198,36 @@ def test_an_rtn_w4_build_is_transformers_on_its_weights(variant, checkpoints, tm
         check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS)
 
 
+@pytest.mark.parametrize("variant", ["exaone4", "seed_oss"])
+def test_the_sequence_classifier_classifies_as_transformers(variant, checkpoints, tmp_path):
+    """Exaone4ForSequenceClassification and SeedOssForSequenceClassification (the causal model's decoder, then
+    `score` at the last token) build and give transformers' class probabilities (1e-5)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.runtime.hf_oracle import make_classifier
+
+    checkpoint = make_classifier(checkpoints[variant], tmp_path / "hf", 3)
+    artifact = build_float32(checkpoint, tmp_path / "a")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        outputs = llm.classify(PROMPTS)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # 2 ranks on the CPU
+@pytest.mark.parametrize("variant", ["exaone4", "seed_oss", "ernie4_5"])
+def test_tensor_parallel_matches_transformers(variant, checkpoints, tmp_path, hf_greedy, hf_logits, hf_encode):
+    """Two ranks (their heads' per-head q/k norms, NoPE layers and windows; q/k/v biases split and o's bias on rank 0
+    alone; the permuted rows): transformers' logits (1e-4) and greedy tokens."""
+    split = build_float32(checkpoints[variant], tmp_path / "tp2", parallel={"tensor": 2})
+    with LLM(split, **ENGINE) as llm:
+        check_against_transformers(llm, checkpoints[variant], PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
+
+
 def _model_config(checkpoint, **changes):
     config = {**read_hf_config(checkpoint), **changes}
     return model_config_from_hf(config, spec_for_architecture(config["architectures"][0]), "float32")
@@ -231,7 +261,8 @@ def test_what_is_not_run_is_refused_by_name(checkpoints, artifacts, tmp_path):
     """EXAONE 4: a sliding_window with no sliding layer (transformers and vLLM disagree on its rotary), a
     sliding_window_pattern that is not an integer without layer_types; Seed-OSS's mlp_bias and ERNIE's use_bias (the
     MLP's biases), at build time too; importing a pre-quantized ERNIE (its q/k rows are permuted at build); export of
-    the three (no export form); EXAONE 3, ERNIE 4.5 MoE and ERNIE's remote-code architecture."""
+    the three (no export form); EXAONE 3, ERNIE 4.5 MoE and ERNIE's remote-code architecture, and ERNIE 4.5 as a
+    sequence classifier (transformers has no such class)."""
     exaone = checkpoints["exaone4"]
     with pytest.raises(CheckpointError, match="sliding_window 8 with no sliding_attention layer: transformers runs"):
         _model_config(exaone, layer_types=["full_attention"] * 4)
@@ -247,11 +278,11 @@ def test_what_is_not_run_is_refused_by_name(checkpoints, artifacts, tmp_path):
         with pytest.raises(ArtifactError, match="cannot export"):
             export_artifact(artifacts(variant), tmp_path / f"export_{variant}")
     for arch, reason in (("ExaoneForCausalLM", "EXAONE 3 / 3.5"), ("Ernie4_5_MoeForCausalLM", "ERNIE 4.5 MoE"),
-                         ("Ernie4_5_ForCausalLM", "remote-code")):
+                         ("Ernie4_5_ForCausalLM", "remote-code"), ("Ernie4_5ForSequenceClassification", "supported")):
         source = tmp_path / arch
         source.mkdir()
         (source / "config.json").write_text(json.dumps({**read_hf_config(exaone), "architectures": [arch]}))
-        with pytest.raises(CheckpointError, match=f"architecture {arch}: .*{reason}"):
+        with pytest.raises(CheckpointError, match=f"architecture .*{arch}.* {reason}"):
             build_float32(source, tmp_path / f"out_{arch}")
 
 
