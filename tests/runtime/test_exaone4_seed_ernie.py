@@ -186,14 +186,16 @@ def _hf_state(artifact, checkpoint) -> dict:
     return state
 
 
+@pytest.mark.parametrize("method", ["rtn", pytest.param("awq", marks=pytest.mark.slow)])  # AWQ: calibrated, 2-4 s
 @pytest.mark.parametrize("variant", ["exaone4", "seed_oss", "ernie4_5"])
-def test_an_rtn_w4_build_is_transformers_on_its_weights(variant, checkpoints, tmp_path, data_dir, hf_encode):
-    """RTN W4A16 (groups of 32, every decoder linear): transformers' model holding the artifact's dequantized weights
-    (its biases, ERNIE's rows permuted back) gives its logits (1e-4) and greedy tokens."""
+def test_a_w4_build_is_transformers_on_its_weights(variant, method, checkpoints, tmp_path, data_dir, hf_encode):
+    """RTN and AWQ W4A16 (groups of 32, every decoder linear; AWQ's folds where the family has a norm to take them,
+    none before EXAONE's sub-layers): transformers' model holding the artifact's dequantized weights (its biases,
+    its norms, ERNIE's rows permuted back) gives its logits (1e-4) and greedy tokens."""
     checkpoint = checkpoints[variant]
-    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": "rtn", "bits": 4, "group_size": 32})
+    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
     assert read_manifest(out).quant.modules["layers.0.attn.qkv"]["format"] == "w4a16"
-    oracle = hf_model_on_weights_of(checkpoint, out, "rtn", _hf_state(out, checkpoint))
+    oracle = hf_model_on_weights_of(checkpoint, out, method, _hf_state(out, checkpoint))
     with LLM(out, device="cpu", max_num_batched_tokens=16) as llm:
         check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS)
 
