@@ -255,6 +255,25 @@ def make_peft_adapter(checkpoint, out, seed, **config):
     return out
 
 
+def check_classifier_as_transformers(source, tmp_path, prompts) -> None:
+    """A 3-label classifier made of the causal checkpoint `source` (make_classifier) built float32 and run on the CPU:
+    each prompt's class probabilities equal transformers' at the last token (1e-5)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from llmc.runtime.llm import LLM
+
+    checkpoint = make_classifier(source, tmp_path / "hf", 3)
+    artifact = build_float32(checkpoint, tmp_path / "a")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
+        outputs = llm.classify(prompts)
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.inference_mode():
+            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
+        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+
+
 def make_classifier(source, dest, num_labels: int, seed: int = 0, **config):
     """A transformers *ForSequenceClassification checkpoint in `dest`: the causal checkpoint `source`'s decoder,
     a random `score` head of `num_labels` (labels named class_i), `config` keys set (problem_type, ...)."""

@@ -204,20 +204,9 @@ def test_a_w4_build_is_transformers_on_its_weights(variant, method, checkpoints,
 def test_the_sequence_classifier_classifies_as_transformers(variant, checkpoints, tmp_path):
     """Exaone4ForSequenceClassification and SeedOssForSequenceClassification (the causal model's decoder, then
     `score` at the last token) build and give transformers' class probabilities (1e-5)."""
-    from transformers import AutoModelForSequenceClassification
+    from tests.runtime.hf_oracle import check_classifier_as_transformers
 
-    from tests.runtime.hf_oracle import make_classifier
-
-    checkpoint = make_classifier(checkpoints[variant], tmp_path / "hf", 3)
-    artifact = build_float32(checkpoint, tmp_path / "a")
-    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
-        outputs = llm.classify(PROMPTS)
-    for output in outputs:
-        ids = torch.tensor([output.prompt_token_ids])
-        with torch.inference_mode():
-            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
-        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+    check_classifier_as_transformers(checkpoints[variant], tmp_path, PROMPTS)
 
 
 @pytest.mark.slow  # 2 ranks on the CPU

@@ -21,8 +21,8 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import olmo3, qwen2_moe, spec_for_architecture
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import MORE_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, float32_artifacts, hf_model_with_config,
-                                     make_classifier, write_config)
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, check_classifier_as_transformers,
+                                     float32_artifacts, hf_model_with_config, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -389,18 +389,7 @@ def test_inspect_names_the_shared_expert(artifacts):
 def test_sequence_classifiers_equal_transformers(family, checkpoints, tmp_path):
     """Olmo3ForSequenceClassification and Qwen2MoeForSequenceClassification (3 labels): transformers' class
     probabilities at the last token."""
-    from transformers import AutoModelForSequenceClassification
-
-    checkpoint = make_classifier(checkpoints[family], tmp_path / "hf", 3)
-    artifact = build_float32(checkpoint, tmp_path / "a")
-    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
-        outputs = llm.classify(PROMPTS)
-    for output in outputs:
-        ids = torch.tensor([output.prompt_token_ids])
-        with torch.inference_mode():
-            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
-        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+    check_classifier_as_transformers(checkpoints[family], tmp_path, PROMPTS)
 
 
 def test_what_the_new_families_refuse(checkpoints, tmp_path):

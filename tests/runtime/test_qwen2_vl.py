@@ -202,6 +202,13 @@ def test_mrope_positions_equal_transformers(hf):
 def test_generate_with_images_matches_transformers(artifact, hf, device):
     """One image, an image of another size, both in one prompt with text after them, a prompt without images, and
     the already-expanded ids: transformers' prompt ids, greedy tokens and their logprobs."""
+    check_generate_with_images(artifact, hf, device)
+
+
+def check_generate_with_images(artifact, hf, device: str) -> None:
+    """`artifact` on `device` against transformers (`hf`: a Qwen-VL model, its tokenizer and image processor): one
+    image of 4 x 3 tokens, one of 6 x 2, both in one prompt, a text prompt in the same batch, and the already-expanded
+    ids; prompt ids, greedy tokens and their logprobs (2e-4 on a CPU, 2e-3 on CUDA)."""
     atol = 2e-4 if device == "cpu" else 2e-3
     first, second = image(1, size=WIDE), image(2, size=TALL)
     expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),

@@ -30,10 +30,10 @@ from llmc.runtime.multimodal import mrope_positions
 from llmc.runtime.sampling_params import SamplingParams
 from tests.runtime.hf_oracle import build_float32
 from tests.runtime.test_llava import image
-from tests.runtime.test_qwen2_vl import (END, PAD, PROMPT, START, TALL, TWO, WIDE, hf_generate, hf_inputs,
-                                         assert_same_build, qwen_vl_tokenizer, save_qwen_vl)
-from tests.runtime.vision_oracle import (check_chat_image_parts, check_chunked_image_prefill, check_image_requests,
-                                         check_output)
+from tests.runtime.test_qwen2_vl import (END, PAD, PROMPT, START, TALL, TWO, WIDE, assert_same_build,
+                                         check_generate_with_images, hf_generate, hf_inputs, qwen_vl_tokenizer,
+                                         save_qwen_vl)
+from tests.runtime.vision_oracle import check_chat_image_parts, check_chunked_image_prefill, check_output
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 SECTION = [4, 2, 2]  # interleaved over 8 frequencies: height 1, 4; width 2, 5; temporal 0, 3, 6, 7
@@ -127,17 +127,7 @@ def test_generate_with_images_matches_transformers(artifact, hf, device):
     """One image, an image of another size, both in one prompt, a text-only prompt in the same batch, and the
     already-expanded ids: transformers' prompt ids, greedy tokens and their logprobs (deepstack rows added after
     decoder layers 0 and 1; without them the replies differ: test_deepstack_matters)."""
-    atol = 2e-4 if device == "cpu" else 2e-3
-    first, second = image(1, size=WIDE), image(2, size=TALL)
-    expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),
-                hf_generate(hf, TWO, [first, second])]
-    pad = hf[0].config.image_token_id
-    assert [expected[0][0].count(pad), expected[1][0].count(pad), expected[2][0].count(pad)] == [12, 12, 24]
-    plain_ids = hf[1]("User:Hello there.")["input_ids"]
-    expected.append(hf_generate(hf, plain_ids, None))
-    llm = LLM(artifact, device=device, max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8,
-              gpu_memory_utilization=0.3)
-    check_image_requests(llm, GREEDY, expected, PROMPT, TWO, plain_ids, first, second, atol)
+    check_generate_with_images(artifact, hf, device)
 
 
 def test_deepstack_matters(artifact, hf, monkeypatch):

@@ -284,20 +284,9 @@ def test_the_calibration_runner_runs_each_layer_as_transformers(tiny_smollm3, hf
 def test_a_sequence_classifier_equals_transformers(checkpoints, tmp_path):
     """SmolLM3ForSequenceClassification (3 labels) on the NoPE decoder: transformers' class probabilities at the last
     token."""
-    from transformers import AutoModelForSequenceClassification
+    from tests.runtime.hf_oracle import check_classifier_as_transformers
 
-    from tests.runtime.hf_oracle import make_classifier
-
-    checkpoint = make_classifier(checkpoints["untied"], tmp_path / "hf", 3)
-    artifact = build_float32(checkpoint, tmp_path / "a")
-    hf = AutoModelForSequenceClassification.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    with LLM(artifact, device="cpu", max_num_batched_tokens=16) as llm:
-        outputs = llm.classify(PROMPTS)
-    for output in outputs:
-        ids = torch.tensor([output.prompt_token_ids])
-        with torch.inference_mode():
-            expected = hf(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].softmax(-1)
-        torch.testing.assert_close(torch.tensor(output.outputs.probs), expected, atol=1e-5, rtol=1e-5)
+    check_classifier_as_transformers(checkpoints["untied"], tmp_path, PROMPTS)
 
 
 def _read(config: dict):
