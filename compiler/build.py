@@ -42,6 +42,7 @@ from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl
                                   write_vision_weights)
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
+from llmc.quant.import_config import parse_quantization_config
 from llmc.runtime import artifact as art
 from llmc.runtime import memory
 from llmc.runtime import onnx_model as om
@@ -146,8 +147,9 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
 
 
 def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
-    """GLM-4.5's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file nor into an ONNX
-    build (logged)."""
+    """GLM-4.5's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor into an ONNX
+    build, nor where an imported checkpoint quantized it (compiler/mtp.py writes it dense from float weights):
+    logged."""
     if ctx.spec.family != "glm4_moe" or not num_mtp_layers(ctx.hf_config):
         return None
     if ctx.gguf is not None or ctx.recipe.target.device in om.ONNX_DEVICES:
@@ -155,6 +157,13 @@ def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
                     "a build from a GGUF file" if ctx.gguf is not None else "an ONNX build")
         return None
     with hf.TensorReader(ctx.model_dir) as reader:
+        prefix = f"{ctx.spec.hf_layer_prefix}{ctx.model.num_layers}."
+        quantized = [name for name in reader.names() if name.startswith(prefix) and (
+            name.endswith((".weight_scale", ".weight_scale_inv")) or reader.dtype_name(name).startswith(("F8", "I8")))]
+        if quantized:
+            logger.info("GLM-4.5: the checkpoint's multi-token prediction layer is quantized (%s); it is not built "
+                        "from an import; no MTP speculative decoding", quantized[0])
+            return None
         return checkpoint_mtp(reader, ctx.spec, ctx.model, ctx.hf_config)
 
 
@@ -198,10 +207,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                               f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
                               "float weights; build it with quantization.method: import")
     if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5") and recipe.quantization.method == "import":
-        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]}: "
-                              "the build permutes q_proj's and k_proj's rows into the runtime's rotary layout as it "
-                              "reads them, which a pre-quantized checkpoint's packed weights do not take; quantize the "
-                              "float checkpoint with rtn, gptq, awq or fp8")
+        _check_permuted_import(spec, model_dir, qc, gguf is not None)
     if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
@@ -232,6 +238,21 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                | (qwen3_vl_moe_expert_tensors(reader, spec, model) if vision is not None and spec.family == "qwen3_moe"
                   else {}))  # (Qwen3-VL-MoE: its language model is the only Qwen3-MoE with a vision side)
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
+
+
+def _check_permuted_import(spec: ModelSpec, model_dir: Path, qc: dict, is_gguf: bool) -> None:
+    """GLM-4, GLM-4.5, Cohere, ERNIE 4.5: the build permutes q_proj's and k_proj's rows into the runtime's rotary
+    layout as it reads them. An FP8 checkpoint's rows move with their scales (compiler/import_quantized.py); packed
+    integer weights (GPTQ, AWQ, compressed-tensors ints, int8, GGUF blocks) do not take the permutation: refused."""
+    what = "a GGUF file" if is_gguf else None
+    if what is None and qc:
+        ispec = parse_quantization_config(qc)
+        what = None if ispec.is_fp8 else f"{ispec.method} {ispec.layout} weights"
+    if what is not None:
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {spec.architectures[0]} "
+                              f"from {what}: the build permutes q_proj's and k_proj's rows into the "
+                              "runtime's rotary layout as it reads them, which packed integer weights do not take (FP8 "
+                              "checkpoints import); quantize the float checkpoint with rtn, gptq, awq or fp8")
 
 
 def _check_gpt_oss(recipe: Recipe, model_dir: Path, qc: dict) -> None:

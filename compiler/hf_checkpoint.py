@@ -996,6 +996,16 @@ def partial_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, 
     return permute
 
 
+def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
+    """[head_dim] int64: the permutation interleaved_rotary_fold or partial_rotary_fold gives each head's q/k rows, or
+    None where neither applies. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
+    if config.rotary_interleaved:
+        return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
+    if config.family == "glm4_moe" and config.rotary_rows_permuted:
+        return partial_rotary_permutation(config.head_dim, config.rotary_dims)
+    return None
+
+
 # what each rope scaling type reads (as transformers' computations of them)
 _ROPE_KEYS = {"linear": ("factor",), "yarn": ("factor", "original_max_position_embeddings"),
               "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),

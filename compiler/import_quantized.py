@@ -11,10 +11,17 @@ targets that reach it and an `ignore` without it), unpacked like any linear and 
 the ranks split; the runtime runs it as it runs a head quantized by a build from the float checkpoint.
 A quantized head on a model with tie_word_embeddings, and a head whose tensors the config does not describe,
 are refused by name.
+
+GLM-4, GLM-4.5, Cohere and ERNIE 4.5 (hf_checkpoint.rotary_row_permutation): the build's reader permutes q_proj's and
+k_proj's `.weight` rows per head as it reads them (the rotary folds, by name: FP8 levels too), and the packer moves
+each row's FP8 scale with it: a per-tensor scale holds for every row, per-channel scales and block scales (unpacked
+one per row, as w8a8-fp8-block stores them) are permuted alike, so the product is exact whatever the block size.
+Other formats' packed weights do not take the permutation; compiler/build.py refuses them by name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,7 +29,7 @@ import torch
 from torch import Tensor
 
 from llmc.compiler.convert import LayerWeights, UnpackedLinear, read_global, read_layer
-from llmc.compiler.hf_checkpoint import TensorReader
+from llmc.compiler.hf_checkpoint import TensorReader, rotary_row_permutation
 from llmc.compiler.quantize import module_names
 from llmc.errors import CheckpointError
 from llmc.quant.formats import DenseFormat, QuantizedWeight
@@ -89,6 +96,7 @@ class ImportPacker:
         self.formats = formats
         self.reader = reader
         self.module_tensors = tensors_by_module(reader.names())
+        self.row_permutation = rotary_row_permutation(config)  # of each head's q/k rows, or None
         self._check_routers()
         self._check_head()
         self._check_dense_linears()
@@ -98,7 +106,7 @@ class ImportPacker:
 
     def __call__(self, layer: LayerWeights) -> LayerWeights:
         quantized = self._quantized_linears(layer.index)
-        linears = {name: concat_out([self._unpack(*m) for m in members], [m[0] for m in members])
+        linears = {name: concat_out([self._unpack_member(*m) for m in members], [m[0] for m in members])
                    if name in quantized else layer.linears[name]
                    for name, members in self._all_linears(layer.index).items()}
         return LayerWeights(layer.index, linears, layer.biases, layer.norms)
@@ -142,6 +150,13 @@ class ImportPacker:
     def _quantized_linears(self, index: int) -> dict[str, list[tuple[str, int, int]]]:
         return {name: members for name, members in self._all_linears(index).items()
                 if self.formats[f"layers.{index}.{format_key(name)}"]["format"] != "dense"}
+
+    def _unpack_member(self, module: str, in_features: int, out_features: int) -> QuantizedWeight:
+        """A layer member unpacked; q_proj's and k_proj's scales permuted with the rows the reader permuted."""
+        q = self._unpack(module, in_features, out_features)
+        if self.row_permutation is None or not module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
+            return q
+        return scales_with_rows(q, self.row_permutation, self.config.head_dim, module)
 
     def _unpack(self, module: str, in_features: int, out_features: int) -> QuantizedWeight:
         tensors = self.module_tensors.get(module)
@@ -209,6 +224,18 @@ class ImportPacker:
                 raise CheckpointError(
                     f"{self.reader.model_dir}: the router {router} has {found or 'no tensors'} instead of a dense "
                     "weight; llmc keeps MoE routers unquantized: re-export with the router in quantization_config's ignore")
+
+
+def scales_with_rows(q: QuantizedWeight, permutation: Tensor, head_dim: int, module: str) -> QuantizedWeight:
+    """FP8 `q`, whose weight rows the reader permuted per head by `permutation` ([head_dim]: the old row of each new
+    row), with its per-row scales permuted alike (per-channel, or block scales unpacked one per row); a per-tensor
+    scale holds for every row as it is. Other formats are refused: their packed levels were not permuted."""
+    if q.qweight.dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{module}: only FP8 q/k weights take the rotary row permutation, not {q.qweight.dtype}")
+    if q.scales.shape[0] != q.out_features:  # per tensor ([1, 1])
+        return q
+    rows = (torch.arange(q.out_features // head_dim)[:, None] * head_dim + permutation).flatten()
+    return dataclasses.replace(q, scales=q.scales[rows])
 
 
 def _head_module(spec: ModelSpec) -> str:
