@@ -264,7 +264,8 @@ def test_what_is_not_run_is_refused_by_name(checkpoints, artifacts, tmp_path):
     with pytest.raises(CheckpointError, match="use_bias: true is not supported for ERNIE 4.5"):
         build_float32(write_config(checkpoints["ernie4_5"], tmp_path / "ernie", use_bias=True), tmp_path / "b")
     with pytest.raises(CheckpointError, match="quantization.method import is not supported for Ernie4_5ForCausalLM"):
-        build_import(checkpoints["ernie4_5"], tmp_path / "c")
+        build_import(write_config(checkpoints["ernie4_5"], tmp_path / "ernie_awq", quantization_config={
+            "quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}), tmp_path / "c")
     for variant in ("exaone4", "seed_oss", "ernie4_5"):
         with pytest.raises(ArtifactError, match="cannot export"):
             export_artifact(artifacts(variant), tmp_path / f"export_{variant}")

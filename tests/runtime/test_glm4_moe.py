@@ -391,8 +391,9 @@ def test_what_glm45_refuses(checkpoints, artifacts, tmp_path):
 
     refused(RecipeError, "not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
     refused(RecipeError, "quantization.method int8", recipe={"quantization": {"method": "int8"}})
-    refused(CheckpointError, "quantization.method import is not supported for Glm4MoeForCausalLM",
-            recipe={"quantization": {"method": "import"}})
+    refused(CheckpointError, "quantization.method import is not supported for Glm4MoeForCausalLM from gptq",
+            recipe={"quantization": {"method": "import"}}, quantization_config={
+                "quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False})
     refused(CheckpointError, "scoring_func 'softmax'", scoring_func="softmax")
     refused(CheckpointError, "n_group 3, topk_group 1", n_group=3)
     refused(CheckpointError, "n_group 2, topk_group 3", topk_group=3)
