@@ -35,7 +35,7 @@ from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_sca
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.lora import LoraMerge, load_adapters
-from llmc.compiler.mtp import checkpoint_mtp, num_mtp_layers, write_mtp_weights
+from llmc.compiler.mtp import MTP_FAMILIES, checkpoint_mtp, num_mtp_layers, write_mtp_weights
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
 from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, vision_config,
@@ -92,7 +92,7 @@ class _Context:
     derived: dict = field(default_factory=dict)  # tensors made from the checkpoint's (hf_checkpoint.TensorReader)
     vision: art.VisionSpec | None = None  # a LLaVA / Gemma 3 checkpoint's vision tower and projector (compiler/vision.py)
     gguf: GGUFCheckpoint | None = None  # a .gguf model (compiler/gguf_checkpoint.py); model_dir holds its tokenizer
-    mtp: art.MtpSpec | None = None  # GLM-4.5's multi-token-prediction layer, built apart (compiler/mtp.py)
+    mtp: art.MtpSpec | None = None  # GLM-4.5's / DeepSeek-V3's MTP layer, built apart (compiler/mtp.py)
 
 
 def _reader(ctx: _Context, merge=None, derived=None):
@@ -147,22 +147,24 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
 
 
 def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
-    """GLM-4.5's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor into an ONNX
-    build, nor where an imported checkpoint quantized it (compiler/mtp.py writes it dense from float weights):
-    logged."""
-    if ctx.spec.family != "glm4_moe" or not num_mtp_layers(ctx.hf_config):
+    """GLM-4.5's or DeepSeek-V3's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor
+    into an ONNX build, nor where an imported checkpoint quantized it (compiler/mtp.py writes it dense from float
+    weights; DeepSeek-V3's published layer is block-FP8): logged."""
+    if ctx.spec.family not in MTP_FAMILIES or not num_mtp_layers(ctx.hf_config):
         return None
+    family = MTP_FAMILIES[ctx.spec.family]
     if ctx.gguf is not None or ctx.recipe.target.device in om.ONNX_DEVICES:
-        logger.info("GLM-4.5: the multi-token prediction layer is not built into %s; no MTP speculative decoding",
+        logger.info("%s: the multi-token prediction layer is not built into %s; no MTP speculative decoding", family,
                     "a build from a GGUF file" if ctx.gguf is not None else "an ONNX build")
         return None
     with hf.TensorReader(ctx.model_dir) as reader:
         prefix = f"{ctx.spec.hf_layer_prefix}{ctx.model.num_layers}."
         quantized = [name for name in reader.names() if name.startswith(prefix) and (
-            name.endswith((".weight_scale", ".weight_scale_inv")) or reader.dtype_name(name).startswith(("F8", "I8")))]
+            name.endswith((".weight_scale", ".weight_scale_inv", ".qweight"))
+            or reader.dtype_name(name).startswith(("F8", "I8")))]
         if quantized:
-            logger.info("GLM-4.5: the checkpoint's multi-token prediction layer is quantized (%s); it is not built "
-                        "from an import; no MTP speculative decoding", quantized[0])
+            logger.info("%s: the checkpoint's multi-token prediction layer is quantized (%s); it is not built from an "
+                        "import; no MTP speculative decoding", family, quantized[0])
             return None
         return checkpoint_mtp(reader, ctx.spec, ctx.model, ctx.hf_config)
 

@@ -612,10 +612,9 @@ def _deepseek_config(config: dict, family: str) -> dict:
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
         raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")
-    if config.get("num_nextn_predict_layers") or config.get("num_mtp_layers"):
-        logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built: transformers' "
-                    "forward does not run them either; no MTP speculative decoding (llmc runs GLM-4.5's MTP layer, not an MLA "
-                    "one)", name)
+    if family == "deepseek_v2" and (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
+        logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built (DeepSeek-V2 "
+                    "ships none; llmc builds DeepSeek-V3's and GLM-4.5's: compiler/mtp.py)", name)
     return {**config, "head_dim": config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
             "num_key_value_heads": heads}
 

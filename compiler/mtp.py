@@ -1,17 +1,22 @@
-"""GLM-4.5's multi-token-prediction (MTP) layer kept in the artifact, for MTP speculative decoding (runtime/mtp_head.py).
+"""GLM-4.5's and DeepSeek-V3's multi-token-prediction (MTP) layer kept in the artifact, for MTP speculative decoding
+(runtime/mtp_head.py).
 
-NOTE (format): GLM-4.5 / 4.6 ship `num_nextn_predict_layers` = 1 MTP layer as checkpoint layer num_hidden_layers = N
-(the DeepSeek-V3 paper's MTP module; the published index's names): model.layers.N.{enorm, hnorm}.weight [hidden],
-model.layers.N.eh_proj.weight [hidden, 2 * hidden], model.layers.N.shared_head.norm.weight [hidden], optionally
-model.layers.N.shared_head.head.weight [vocab, hidden] and model.layers.N.embed_tokens.weight [vocab, hidden] (absent:
-the model's lm_head and embedding, which they copy), and an ordinary decoder layer's tensors under model.layers.N.
-(its MLP the MoE where N >= first_k_dense_replace, as transformers' Glm4MoeDecoderLayer decides).
+NOTE (format): GLM-4.5 / 4.6 and DeepSeek-V3 / R1 ship `num_nextn_predict_layers` = 1 MTP layer as checkpoint layer
+num_hidden_layers = N (the DeepSeek-V3 paper's MTP module; the published indexes' names): model.layers.N.{enorm,
+hnorm}.weight [hidden], model.layers.N.eh_proj.weight [hidden, 2 * hidden], model.layers.N.shared_head.norm.weight
+[hidden], optionally model.layers.N.shared_head.head.weight [vocab, hidden] and model.layers.N.embed_tokens.weight
+[vocab, hidden] (absent: the model's lm_head and embedding, which they copy), and an ordinary decoder layer's tensors
+under model.layers.N. (its MLP the MoE where N >= first_k_dense_replace, as transformers' Glm4MoeDecoderLayer /
+DeepseekV3DecoderLayer decide; DeepSeek-V3's attention MLA: q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
+kv_a_layernorm, kv_b_proj, o_proj).
 
-The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer): the decoder
-layer under the runtime's names (`layers.N.attn.qkv.weight`, ...: read, fused and packed as the main layers are, its
-q/k rows permuted by hf_checkpoint.partial_rotary_fold), then enorm.weight, hnorm.weight, eh_proj.weight,
+The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer; a quantized
+one of an import is not built: compiler/build._plan_mtp): the decoder layer under the runtime's names
+(`layers.N.attn.qkv.weight`, ...: read, fused and packed as the main layers are, its q/k rows permuted by
+hf_checkpoint.partial_rotary_fold; an MLA layer's linears as the main layers' too: kv_b whole, split into W_UK / W_UV
+at load, the interleaved rope pairs taken apart at run time), then enorm.weight, hnorm.weight, eh_proj.weight,
 shared_head.norm.weight and, where the checkpoint has them, shared_head.head.weight and embed.weight; the manifest's
-`mtp` section (art.MtpSpec) records which. Only the first MTP layer is built (the one GLM-4.5 ships)."""
+`mtp` section (art.MtpSpec) records which. Only the first MTP layer is built (the one both ship)."""
 
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ logger = logging.getLogger("llmc")
 OWN_TENSORS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
                "shared_head.norm.weight": "shared_head.norm.weight"}
 OPTIONAL_TENSORS = {"shared_head.head.weight": "shared_head.head.weight", "embed.weight": "embed_tokens.weight"}
+# the families whose MTP layer is built, by the name the build log gives them (DeepSeek-V2 ships none)
+MTP_FAMILIES = {"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3"}
 
 
 def num_mtp_layers(hf_config: dict) -> int:
@@ -42,24 +49,25 @@ def num_mtp_layers(hf_config: dict) -> int:
 
 
 def checkpoint_mtp(reader: TensorReader, spec: ModelSpec, model: ModelConfig, hf_config: dict) -> art.MtpSpec | None:
-    """The MtpSpec of a GLM-4.5 checkpoint's first MTP layer, else None; the build log says which and why."""
-    count = num_mtp_layers(hf_config)
+    """The MtpSpec of a GLM-4.5 or DeepSeek-V3 checkpoint's first MTP layer, else None; the build log says which and
+    why."""
+    count, name = num_mtp_layers(hf_config), MTP_FAMILIES[spec.family]
     if not count:
         return None
     n = model.num_layers
     prefix = f"{spec.hf_layer_prefix}{n}."
     missing = [prefix + hf for hf in OWN_TENSORS.values() if not reader.has(prefix + hf)]
     if missing:
-        logger.info("GLM-4.5: config num_nextn_predict_layers is %d but the checkpoint has no %s: no MTP layer built, "
-                    "no MTP speculative decoding", count, missing[0])
+        logger.info("%s: config num_nextn_predict_layers is %d but the checkpoint has no %s: no MTP layer built, "
+                    "no MTP speculative decoding", name, count, missing[0])
         return None
     if count > 1:
-        logger.info("GLM-4.5: %d MTP layers; the first (layer %d) is built, the others are not", count, n)
+        logger.info("%s: %d MTP layers; the first (layer %d) is built, the others are not", name, count, n)
     mtp = art.MtpSpec(layer_index=n, is_moe=reader.has(f"{prefix}{spec.moe.router}.weight"),
                       has_head=reader.has(prefix + OPTIONAL_TENSORS["shared_head.head.weight"]),
                       has_embed=reader.has(prefix + OPTIONAL_TENSORS["embed.weight"]))
-    logger.info("GLM-4.5: the multi-token prediction layer (layer %d) is built into %s, dense in %s, for speculative "
-                "method mtp%s", n, art.MTP_WEIGHTS, model.dtype,
+    logger.info("%s: the multi-token prediction layer (layer %d) is built into %s, dense in %s, for speculative "
+                "method mtp%s", name, n, art.MTP_WEIGHTS, model.dtype,
                 "" if mtp.has_head else " (its head: the model's lm_head)")
     return mtp
 

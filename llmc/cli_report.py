@@ -120,7 +120,7 @@ def inspect_report(artifact_dir: str, manifest: art.Manifest, gpu_memory_gib: fl
         "num_files": len(manifest.files),
         "onnx": _onnx_summary(manifest),
         "vision": dataclasses.asdict(manifest.vision) if manifest.vision is not None else None,
-        # GLM-4.5's multi-token-prediction layer (speculative method mtp) and its file's bytes; None: none
+        # GLM-4.5's / DeepSeek-V3's MTP layer (speculative method mtp) and its file's bytes; None: none
         "mtp": ({**dataclasses.asdict(manifest.mtp), "bytes": manifest.files[art.MTP_WEIGHTS]["size"]}
                 if manifest.mtp is not None else None),
     }

@@ -94,10 +94,12 @@ from llmc.schema import opt, parse
 #      speculative method mtp; older manifests load without it (no MTP layer).
 # 1.27: EXAONE 4.0, Seed-OSS and ERNIE 4.5 dense (families exaone4, seed_oss, ernie4_5), read with fields older
 #      formats have (an older llmc refuses the family by name).
-FORMAT_VERSION = "1.27"
+# 1.28: DeepSeek-V3's multi-token-prediction layer in the `mtp` section and MTP_WEIGHTS (an MLA + MoE layer, its own
+#      latent cache; an older llmc would run it with GQA's cache); older DeepSeek manifests load without it.
+FORMAT_VERSION = "1.28"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -682,10 +684,10 @@ class VisionSpec:
 
 @dataclass(frozen=True)
 class MtpSpec:
-    """The checkpoint's multi-token-prediction layer (GLM-4.5's; compiler/mtp.py builds it, runtime/mtp_head.py runs it
-    under speculative method mtp). Its tensors are in MTP_WEIGHTS, dense in the model dtype: the decoder layer under
-    `layers.{layer_index}.` (the runtime's names), enorm, hnorm, eh_proj, shared_head.norm, and where the checkpoint has
-    them shared_head.head and embed."""
+    """The checkpoint's multi-token-prediction layer (GLM-4.5's, format 1.26; DeepSeek-V3's, an MLA layer, 1.28;
+    compiler/mtp.py builds it, runtime/mtp_head.py runs it under speculative method mtp). Its tensors are in
+    MTP_WEIGHTS, dense in the model dtype: the decoder layer under `layers.{layer_index}.` (the runtime's names),
+    enorm, hnorm, eh_proj, shared_head.norm, and where the checkpoint has them shared_head.head and embed."""
 
     layer_index: int = opt(min=1)  # the checkpoint's index of the layer: the model's num_layers
     is_moe: bool = opt()  # its MLP is the model's MoE (else a dense MLP)
@@ -721,7 +723,7 @@ class Manifest:
     #        "op_counts", "linears"}} (runtime/onnx_model.py)
     target: dict = field(default_factory=dict)
     vision: VisionSpec | None = opt(None)  # a vision-language model's image side (format 1.13); None: a text model
-    mtp: MtpSpec | None = opt(None)  # the MTP layer kept for speculative method mtp (format 1.26); None: none
+    mtp: MtpSpec | None = opt(None)  # the MTP layer kept for speculative method mtp (format 1.26; MLA 1.28); None: none
 
     def to_json(self) -> str:
         data = json.loads(json.dumps(dataclasses.asdict(self), allow_nan=False))  # the types a reader gets back

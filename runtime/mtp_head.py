@@ -1,12 +1,16 @@
-"""The MTP head: GLM-4.5's multi-token-prediction layer (art.MtpSpec, compiler/mtp.py) run as a draft head (vLLM's
-speculative method mtp), by the EAGLE machinery (runtime/spec_eagle.py: absorb, fill, the one-layer KV cache indexed by
-the model's block tables).
+"""The MTP head: GLM-4.5's or DeepSeek-V3's multi-token-prediction layer (art.MtpSpec, compiler/mtp.py) run as a draft
+head (vLLM's speculative method mtp), by the EAGLE machinery (runtime/spec_eagle.py: absorb, fill, the one-layer KV
+cache indexed by the model's block tables).
 
-NOTE (definition): the DeepSeek-V3 paper's MTP module, which GLM-4.5 follows (transformers' Glm4MoeMultiTokenPredictorLayer,
-vLLM's glm4_moe_mtp). One step at position p reads a hidden state h_p and the token t_{p+1}:
+NOTE (definition): the DeepSeek-V3 paper's MTP module, which GLM-4.5 follows (transformers'
+Glm4MoeMultiTokenPredictorLayer, vLLM's deepseek_mtp and glm4_moe_mtp). One step at position p reads a hidden state h_p
+and the token t_{p+1}:
   x = eh_proj(cat(enorm(embed(t_{p+1})), hnorm(h_p)))        (embed: the layer's own embed_tokens, else the model's)
-  out = decoder_layer(x)                                      (the model's own layer kind: GQA with q/k/v biases and the
-                                                               permuted partial rotary, q/k norms, the MoE; its own KV)
+  out = decoder_layer(x)                                      (the model's own layer kind, with the MoE and its own KV
+                                                               cache: GLM-4.5's GQA with q/k/v biases, the permuted
+                                                               partial rotary and q/k norms; DeepSeek-V3's MLA with a
+                                                               one-layer latent cache of kv_lora_rank + qk_rope_head_dim
+                                                               per token, W_UK / W_UV split from its kv_b at load)
   logits of t_{p+2} = head(shared_head.norm(out))             (head: shared_head.head, else the model's lm_head)
 h_p is the model's final hidden state after its final norm (what its lm_head reads: transformers' last_hidden_state,
 vLLM's) for the first draft, and the head's own `out` (before shared_head.norm) for later drafts: the same layer applied
@@ -32,6 +36,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.models.decoder import DecoderLayer
+from llmc.runtime.parallel.layout import kv_cache_shapes
 
 
 def mtp_model_config(model: ModelConfig, mtp: art.MtpSpec) -> ModelConfig:
@@ -55,6 +60,7 @@ class MtpHeadConfig:
     head_dim: int
     hidden_size: int
     vocab_size: int
+    latent_dim: int | None = None  # MLA's cache width per token (kv_lora_rank + qk_rope_head_dim); None: K and V
     method: str = "mtp"
 
     @property
@@ -62,19 +68,28 @@ class MtpHeadConfig:
         return self.vocab_size
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
+        """The head's one-layer cache per token: MLA's latent, else K and V of its heads."""
+        if self.latent_dim is not None:
+            return self.latent_dim * itemsize
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 
 
 def read_mtp_head(manifest: art.Manifest, name: str = "speculative method mtp") -> MtpHeadConfig:
     """The MTP head's config; a one-line ConfigError where the artifact holds no MTP layer."""
     if manifest.mtp is None:
-        what = ("its checkpoint has none, or it was built before llmc kept it (artifact format 1.26): rebuild it"
-                if manifest.model.family == "glm4_moe" else "llmc builds GLM-4.5's (Glm4MoeForCausalLM) only")
+        family = manifest.model.family
+        what = ("llmc builds GLM-4.5's (Glm4MoeForCausalLM) and DeepSeek-V3's (DeepseekV3ForCausalLM) only"
+                if family not in ("glm4_moe", "deepseek_v3") else
+                "it was built by quantization.method import: its checkpoint has none, or a quantized one, which is "
+                "not built; build from a dense checkpoint" if manifest.quant.method == "import" else
+                "its checkpoint has none, or it was built before llmc kept it (artifact format 1.26 for GLM-4.5, 1.28 "
+                "for DeepSeek-V3): rebuild it")
         raise ConfigError(f"{name}: this artifact ({manifest.model.architecture}) holds no multi-token-prediction "
                           f"layer ({what}); use method ngram, or another speculative method")
     model = manifest.model
     return MtpHeadConfig(num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, hidden_size=model.hidden_size,
-                         vocab_size=model.vocab_size)
+                         vocab_size=model.vocab_size,
+                         latent_dim=model.kv_lora_rank + model.qk_rope_head_dim if model.is_mla else None)
 
 
 def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -88,7 +103,8 @@ def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.d
 
 
 class MtpHead(nn.Module):
-    """The MTP layer's weights in the compute dtype, its decoder layer bound to its own one-layer KV cache. Buffers
+    """The MTP layer's weights in the compute dtype, its decoder layer bound to its own one-layer KV cache (MLA: its
+    latent cache, of the shape the model's layers have: parallel/layout.kv_cache_shapes). Buffers
     are named as art.MTP_WEIGHTS's tensors, so loading is loader.load_weights' strict comparison. `target`: the
     model (DecoderModel): its embedding, lm_head (compute_logits) and rotary table are read where the layer shares
     them."""
@@ -118,12 +134,14 @@ class MtpHead(nn.Module):
                 module.drop_identity_perm()
                 module.derive_params()
         self.layer = self.layers[str(mtp.layer_index)]
+        if self.layer.is_mla:  # (as DecoderModel.prepare_loaded_weights: W_UK / W_UV of its kv_b)
+            self.layer.attn.absorb_kv_b()
         self.eps = model.rms_norm_eps
         self.embed_weight = self.embed.weight if mtp.has_embed else target.embed.weight
         self.target_logits = target.compute_logits
         self.cos_sin = target.rope_of(self.layer)  # the model's table (its rows permuted as the layer's q/k rows)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.kv_cache = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        shapes = kv_cache_shapes(model, config.num_kv_heads, num_blocks, block_size)  # (K, V), or MLA's (latent,)
+        self.kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
         self.layer.attn.kv_cache = self.kv_cache
         self.eval()
 

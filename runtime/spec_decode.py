@@ -47,10 +47,9 @@ class SpeculativeConfig:
         method: how drafts are proposed: "ngram" (prompt lookup), "draft_model" (a smaller llmc
             artifact's greedy tokens, runtime/spec_draft.py), "eagle3" (an EAGLE-3 head reading the
             model's hidden states, runtime/spec_eagle.py), "eagle" (an EAGLE-1 head) or "mtp" (the artifact's own
-            multi-token-prediction layer, GLM-4.5's: runtime/mtp_head.py; vLLM's older names deepseek_mtp and
-            glm4_moe_mtp are read as mtp); default (vLLM's
-            rule): with `model`, eagle3 where its name says "eagle3", eagle where it says "eagle-", else
-            draft_model; without, ngram.
+            multi-token-prediction layer, GLM-4.5's or DeepSeek-V3's: runtime/mtp_head.py; vLLM's older names
+            deepseek_mtp and glm4_moe_mtp are read as mtp); default (vLLM's rule): with `model`, eagle3
+            where its name says "eagle3", eagle where it says "eagle-", else draft_model; without, ngram.
         model: the draft model's artifact folder (draft_model), the EAGLE head's Hugging Face
             folder (eagle3, eagle).
         num_speculative_tokens: k, the most draft tokens proposed per request and step.

@@ -3,7 +3,9 @@ DeepSeek-V3 (DeepseekV3ForCausalLM, deepseek_v3: DeepSeek-V3, R1, Moonlight-16B-
 (runtime/models/mla.py, over vLLM's latent KV cache) in every layer; dense SiLU MLPs in the first `first_k_dense_replace`
 layers, then mixtures of `n_routed_experts` experts with `n_shared_experts` shared ones, which run as one shared expert
 of n_shared_experts * moe_intermediate_size (Qwen2-MoE's, ungated), routed by DeepSeek's routers (runtime/models/moe.py
-`deepseek_route`: V2's softmax top-k, V3's sigmoid with e_score_correction_bias, groups, routed_scaling_factor)."""
+`deepseek_route`: V2's softmax top-k, V3's sigmoid with e_score_correction_bias, groups, routed_scaling_factor).
+V3's multi-token-prediction layer (layer num_hidden_layers, an MLA + MoE layer) is no layer of this model: the build
+keeps it apart (compiler/mtp.py) for speculative method mtp (runtime/mtp_head.py, its own one-layer latent cache)."""
 
 from dataclasses import replace
 

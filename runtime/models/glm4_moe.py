@@ -13,7 +13,7 @@ pair i sits at (i, i + head_dim / 2), the rotate-half layout over the whole head
 wide with cos 1, sin 0 in the pass-through pairs (ModelConfig.rotary_rows_permuted), as GLM-4's: every kernel (torch,
 Triton, CUDA graphs) rotates whole heads. The checkpoint's multi-token-prediction layer (num_nextn_predict_layers:
 GLM-4.5 ships one, as layer num_hidden_layers) is no layer of this model: the build keeps it apart (compiler/mtp.py)
-for speculative method mtp (runtime/mtp_head.py); DeepSeek-V3's is not built."""
+for speculative method mtp (runtime/mtp_head.py), as DeepSeek-V3's is."""
 
 from llmc.runtime.models.spec import (LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, QK_NORMS, ModelSpec, MoeSpec,
                                       shared_expert_linears)
