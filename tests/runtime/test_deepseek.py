@@ -436,8 +436,9 @@ def test_deepseek_v3_block_fp8_checkpoint_imports(checkpoints, tmp_path, hf_enco
 
 @torch.inference_mode()
 def test_mtp_layers_are_left_out_and_a_bf16_router_stays_float32(checkpoints, artifacts, tmp_path, caplog):
-    """A checkpoint with a multi-token-prediction layer (num_nextn_predict_layers 1: model.layers.3.*, which
-    transformers' forward skips) builds without it, says so, and gives the same logits; a bfloat16 build keeps the
+    """A checkpoint naming a multi-token-prediction layer (num_nextn_predict_layers 1: model.layers.3.*, which
+    transformers' forward skips) without all its tensors (no hnorm) builds without it, says so, and gives the same
+    logits (a whole one is built apart: tests/runtime/test_spec_mtp_deepseek.py); a bfloat16 build keeps the
     router weight and e_score_correction_bias in float32 (as transformers' _keep_in_fp32_modules_strict)."""
     checkpoint = write_config(checkpoints["deepseek_v3"], tmp_path / "mtp", num_nextn_predict_layers=1)
     tensors = load_file(checkpoint / "model.safetensors")
@@ -447,8 +448,9 @@ def test_mtp_layers_are_left_out_and_a_bf16_router_stays_float32(checkpoints, ar
     save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level("INFO", logger="llmc"):
         artifact = build_float32(checkpoint, tmp_path / "art")
-    assert "multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
-    assert read_manifest(artifact).model.num_layers == 3
+    assert ("DeepSeek-V3: config num_nextn_predict_layers is 1 but the checkpoint has no model.layers.3.hnorm.weight: "
+            "no MTP layer built") in caplog.text
+    assert read_manifest(artifact).model.num_layers == 3 and read_manifest(artifact).mtp is None
     token_ids = list(range(100, 120))
     with LLM(artifact, device="cpu", num_kv_blocks=64) as llm, LLM(artifacts("deepseek_v3"), device="cpu",
                                                                     num_kv_blocks=64) as plain:
