@@ -289,9 +289,13 @@ def test_accepted_drafts_are_the_references(checkpoints, artifacts, tmp_path):
     """k = 1, greedy: a draft is accepted iff it is the greedy token, so along each request's greedy tokens the
     engine accepts exactly where the float64 reference's draft is the next token (the verify steps skip a token after
     each acceptance). The bigram MTP layer's drafts are accepted often; the random ones' never."""
-    artifact = artifacts["bigram"]
+    check_accepted_as_the_reference(artifacts["bigram"], Reference(checkpoints["bigram"], tmp_path), artifacts["own"])
+
+
+def check_accepted_as_the_reference(artifact, reference, random_artifact) -> None:
+    """At k = 1, greedy, `artifact`'s engine accepts a draft exactly where `reference` (the float64 MTP definition)
+    drafts the next greedy token, at least 30% of the proposals; `random_artifact`'s layer hardly ever (<= 2)."""
     got, stats = _generate(artifact, PROMPTS, speculative=_spec(1))
-    reference = Reference(checkpoints["bigram"], tmp_path)
     llm = LLM(artifact, device="cpu", disable_log_stats=True)
     prompt_ids = [llm.get_tokenizer()(p)["input_ids"] for p in PROMPTS]
     want = 0
@@ -303,39 +307,49 @@ def test_accepted_drafts_are_the_references(checkpoints, artifacts, tmp_path):
             n += 1 + hit
     assert stats["num_spec_accepted"] == want, (stats, want)
     assert want >= 0.3 * stats["num_spec_proposed"], stats
-    assert _generate(artifacts["own"], PROMPTS, speculative=_spec(1))[1]["num_spec_accepted"] <= 2
+    assert _generate(random_artifact, PROMPTS, speculative=_spec(1))[1]["num_spec_accepted"] <= 2
 
 
 def test_the_triton_path_gives_the_same_tokens(artifacts, triton_dispatch):  # noqa: F811
     """The kernels CUDA runs (rotary + KV write, paged attention, fused MoE: Triton's interpreter on CPU tensors) in
     the model and the MTP head alike: greedy tokens as without speculation, the bigram layer's drafts accepted."""
-    prompts, params = PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain, _ = _generate(artifacts["bigram"], prompts, params)
-    llm = LLM(artifacts["bigram"], device="cpu", disable_log_stats=True, speculative=_spec(2))
-    moe, in_head = llm.engine.proposer.head.layer.moe, []
-    forward = moe.forward
+    check_the_head_runs_a_kernel(artifacts["bigram"], triton_dispatch, lambda layer: layer.moe, "forward", "fused_moe")
 
-    def counted(x):
-        before = triton_dispatch["fused_moe"]
-        out = forward(x)
-        in_head.append(triton_dispatch["fused_moe"] - before)
+
+def check_the_head_runs_a_kernel(artifact, triton_dispatch, part, method: str, kernel: str) -> None:
+    """With Triton's kernels dispatched (interpreted on CPU tensors): greedy tokens with MTP at k = 2 as without, drafts
+    accepted, and every call of the head layer's `part(layer).method` ran `kernel` once."""
+    prompts, params = PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain, _ = _generate(artifact, prompts, params)
+    llm = LLM(artifact, device="cpu", disable_log_stats=True, speculative=_spec(2))
+    module, in_head = part(llm.engine.proposer.head.layer), []
+    run = getattr(module, method)
+
+    def counted(*args, **kwargs):
+        before = triton_dispatch[kernel]
+        out = run(*args, **kwargs)
+        in_head.append(triton_dispatch[kernel] - before)
         return out
 
-    moe.forward = counted
+    setattr(module, method, counted)
     got = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, params)]
     assert got == plain and llm.stats()["num_spec_accepted"] > 0
-    assert in_head and all(n == 1 for n in in_head)  # every head step's MoE ran the fused kernel
+    assert in_head and all(n == 1 for n in in_head)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu(artifacts, free_gpu):
     """On CUDA (the model's CUDA graphs, the head eager): greedy tokens as without speculation."""
+    check_on_the_gpu(artifacts["bigram"])
+
+
+def check_on_the_gpu(artifact) -> None:
+    """On CUDA: greedy tokens with MTP at k = 3 as without speculation, drafts accepted."""
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = {}
     for speculative in (None, _spec(3)):
-        with LLM(artifacts["bigram"], device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4,
-                 speculative=speculative) as llm:
+        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4, speculative=speculative) as llm:
             outputs[speculative is None] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
             if speculative:
                 assert llm.stats()["num_spec_accepted"] > 0

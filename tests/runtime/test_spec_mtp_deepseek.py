@@ -36,7 +36,9 @@ from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_import
 from tests.runtime.test_deepseek import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_spec_mtp import (MAX_TOKENS, PROMPTS, Reference, _add_mtp_layer, _generate,
-                                         _make_it_a_bigram_predictor, _record_drafts, _spec)
+                                         _make_it_a_bigram_predictor, _record_drafts, _spec,
+                                         check_accepted_as_the_reference, check_on_the_gpu,
+                                         check_the_head_runs_a_kernel)
 
 N, LATENT = 3, 32 + 4  # the MTP layer's index; kv_lora_rank + qk_rope_head_dim of the tiny config
 
@@ -142,57 +144,22 @@ def test_accepted_drafts_are_the_references(checkpoints, artifacts, tmp_path):
     """k = 1, greedy: a draft is accepted iff it is the greedy token, so along each request's greedy tokens the engine
     accepts exactly where the float64 reference's draft is the next token (a verify step skips a token after each
     acceptance). The bigram layer's drafts are accepted often, the random layer's hardly ever."""
-    got, stats = _generate(artifacts["bigram"], PROMPTS, speculative=_spec(1))
-    reference = Reference(checkpoints["bigram"], tmp_path)
-    llm = LLM(artifacts["bigram"], device="cpu", disable_log_stats=True)
-    want = 0
-    for prompt, (tokens,) in zip(PROMPTS, got):
-        sequence = llm.get_tokenizer()(prompt)["input_ids"] + tokens
-        n = len(sequence) - len(tokens) + 1  # the prefill samples the first token
-        while n < len(sequence) - 1:  # (no draft where one token is left to generate)
-            hit = reference.drafts(sequence[:n], 1)[0] == sequence[n]
-            want += hit
-            n += 1 + hit
-    assert stats["num_spec_accepted"] == want, (stats, want)
-    assert want >= 0.3 * stats["num_spec_proposed"], stats
-    assert _generate(artifacts["shared"], PROMPTS, speculative=_spec(1))[1]["num_spec_accepted"] <= 2
+    check_accepted_as_the_reference(artifacts["bigram"], Reference(checkpoints["bigram"], tmp_path), artifacts["shared"])
 
 
 def test_the_triton_path_gives_the_same_tokens(artifacts, triton_dispatch):  # noqa: F811
     """The kernels CUDA runs (the absorbed latent attention over the paged latent cache, the fused MoE: Triton's
     interpreter on CPU tensors) in the model and the MTP head alike: greedy tokens as without speculation, the bigram
     layer's drafts accepted, and the head's own attention steps through the latent kernel."""
-    prompts, params = PROMPTS[1:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    plain, _ = _generate(artifacts["bigram"], prompts, params)
-    llm = LLM(artifacts["bigram"], device="cpu", disable_log_stats=True, speculative=_spec(2))
-    attn, in_head = llm.engine.proposer.head.layer.attn, []
-    attend = attn.attend
-
-    def counted(*args, **kwargs):
-        before = triton_dispatch["mla_attention"]
-        out = attend(*args, **kwargs)
-        in_head.append(triton_dispatch["mla_attention"] - before)
-        return out
-
-    attn.attend = counted
-    got = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, params)]
-    assert got == plain and llm.stats()["num_spec_accepted"] > 0
-    assert in_head and all(n == 1 for n in in_head)  # every head step's attention ran the latent kernel
+    check_the_head_runs_a_kernel(artifacts["bigram"], triton_dispatch, lambda layer: layer.attn, "attend",
+                                 "mla_attention")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu(artifacts, free_gpu):
     """On CUDA (the model's CUDA graphs, the head eager over its latent cache): greedy tokens as without speculation."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = {}
-    for speculative in (None, _spec(3)):
-        with LLM(artifacts["bigram"], device="cuda", gpu_memory_utilization=0.3, max_num_seqs=4,
-                 speculative=speculative) as llm:
-            outputs[speculative is None] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-            if speculative:
-                assert llm.stats()["num_spec_accepted"] > 0
-    assert outputs[True] == outputs[False]
+    check_on_the_gpu(artifacts["bigram"])
 
 
 def test_what_is_refused_or_left_out(checkpoints, tmp_path, caplog):
