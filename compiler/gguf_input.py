@@ -142,6 +142,7 @@ class GGUFImportPacker(ImportPacker):
     def __init__(self, spec: ModelSpec, config: ModelConfig, formats: dict[str, dict], reader: GGUFTensorReader):
         self.spec, self.config, self.formats, self.reader = spec, config, formats, reader
         self.checkpoint = reader.checkpoint
+        self.row_permutation = None  # (the families whose q/k rows the build permutes refuse GGUF inputs: build.py)
 
     def read_layer(self, reader, spec: ModelSpec, config: ModelConfig, index: int) -> LayerWeights:
         return read_layer(reader, spec, config, index, skip_linears=set(self._quantized_linears(index)))
