@@ -1279,21 +1279,30 @@ def _part_image(part: dict, kind: str, where: str):
     return load_image_url(url, f"{where}.image_url")
 
 
+def inline_data(url, where: str, media: str, example: str, max_bytes: int) -> tuple[str, str]:
+    """A base64 data URL of `media` ("image", "video": data:MEDIA/...;base64,...) → (its header, its base64 text);
+    RequestError naming `where` for no string, an http(s) URL (nothing is fetched), another kind of URL, or more than
+    max_bytes once decoded. `example`: the MIME type the messages show (image/png, video/mp4)."""
+    article = "an" if media[0] in "aeiou" else "a"
+    if not isinstance(url, str):
+        raise RequestError(f"{where}: expected {{\"url\": \"data:{example};base64,...\"}}, got {type(url).__name__}")
+    if url.startswith(("http://", "https://")):
+        raise RequestError(f"{where}: http(s) {media} URLs are not fetched; send the {media} inline as a data URL "
+                           f"(data:{example};base64,...)")
+    header, comma, data = url.partition(",")
+    if not (url.startswith(f"data:{media}/") and comma and header.endswith(";base64")):
+        raise RequestError(f"{where}: expected a base64 data URL of {article} {media} (data:{example};base64,...), "
+                           f"got {url[:40]!r}")
+    if len(data) > max_bytes * 4 // 3 + 4:
+        raise RequestError(f"{where}: the {media} is over {max_bytes // (1024 * 1024)} MiB; send a smaller one")
+    return header, data
+
+
 def load_image_url(url, where: str):
     """A data URL's image (data:image/...;base64,...), decoded; http(s) URLs are refused by name (not fetched)."""
     from PIL import Image
 
-    if not isinstance(url, str):
-        raise RequestError(f"{where}: expected {{\"url\": \"data:image/png;base64,...\"}}, got {type(url).__name__}")
-    if url.startswith(("http://", "https://")):
-        raise RequestError(f"{where}: http(s) image URLs are not fetched; send the image inline as a data URL "
-                           "(data:image/png;base64,...)")
-    header, comma, data = url.partition(",")
-    if not (url.startswith("data:image/") and comma and header.endswith(";base64")):
-        raise RequestError(f"{where}: expected a base64 data URL of an image (data:image/png;base64,...), got "
-                           f"{url[:40]!r}")
-    if len(data) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise RequestError(f"{where}: the image is over {MAX_IMAGE_BYTES // (1024 * 1024)} MiB; send a smaller one")
+    _, data = inline_data(url, where, "image", "image/png", MAX_IMAGE_BYTES)
     try:
         image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
         image.load()

@@ -37,20 +37,12 @@ def load_video_url(url, where: str, num_frames: int = DEFAULT_NUM_FRAMES) -> tup
     """A data URL's video (data:video/...;base64,...) → (frames, uint8 [n, height, width, 3] RGB; vLLM's metadata
     {fps, frames_indices, total_num_frames, duration, video_backend}); RequestError naming `where` for an http(s)
     URL, another kind of URL, one over MAX_VIDEO_BYTES, or a container PyAV cannot decode."""
-    if not isinstance(url, str):
-        raise RequestError(f"{where}: expected {{\"url\": \"data:video/mp4;base64,...\"}}, got {type(url).__name__}")
-    if url.startswith(("http://", "https://")):
-        raise RequestError(f"{where}: http(s) video URLs are not fetched; send the video inline as a data URL "
-                           "(data:video/mp4;base64,...)")
-    header, comma, data = url.partition(",")
-    if not (url.startswith("data:video/") and comma and header.endswith(";base64")):
-        raise RequestError(f"{where}: expected a base64 data URL of a video (data:video/mp4;base64,...), got "
-                           f"{url[:40]!r}")
+    from llmc.runtime.multimodal import inline_data  # (multimodal imports this module lazily too)
+
+    header, data = inline_data(url, where, "video", "video/mp4", MAX_VIDEO_BYTES)
     if header.lower().startswith("data:video/jpeg"):  # vLLM's comma-separated JPEG frames
         raise RequestError(f"{where}: data:video/jpeg (frames as JPEG images) is not supported; send a video "
                            "container (data:video/mp4, video/webm, ...)")
-    if len(data) > MAX_VIDEO_BYTES * 4 // 3 + 4:
-        raise RequestError(f"{where}: the video is over {MAX_VIDEO_BYTES // (1024 * 1024)} MiB; send a smaller one")
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:
@@ -79,7 +71,7 @@ def decode_video(raw: bytes, where: str, num_frames: int = DEFAULT_NUM_FRAMES) -
             raise RequestError(f"{where}: {len(indices)} frames of {stream.width}x{stream.height} are over "
                                f"{MAX_FRAME_BYTES // 1024**3} GiB decoded; lower num_frames (--media-io-kwargs) or "
                                "send a smaller video")
-        wanted, frames, kept = set(indices), {}, []
+        wanted, frames = set(indices), {}
         with av.open(io.BytesIO(raw), mode="r") as container:
             for index, frame in enumerate(container.decode(video=0)):
                 if index > indices[-1]:
