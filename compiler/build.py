@@ -369,13 +369,11 @@ def _reading_merge(ctx: _Context):
     """What the build's reader does to a tensor as it is read: the recipe's LoRA adapters merged, then a
     (1 + w) norm folded (hf_checkpoint.norm_fold, Gemma), then Granite's residual and logits multipliers folded
     (hf_checkpoint.multiplier_fold: after the merge, so the adapter's delta is scaled with the weight it joins), then
-    GLM-4's and Cohere's q/k rows permuted into the runtime's rotary layout (hf_checkpoint.interleaved_rotary_fold:
-    after the merge, so the adapter's delta moves with its rows), GLM-4.5's likewise
-    (hf_checkpoint.partial_rotary_fold); None when none applies."""
+    GLM-4's, GLM-4.5's, Cohere's and ERNIE 4.5's q/k rows permuted into the runtime's rotary layout
+    (hf_checkpoint.rotary_fold: after the merge, so the adapter's delta moves with its rows); None when none applies."""
     steps = [step for step in (ctx.lora, hf.norm_fold(ctx.spec, ctx.model),
                                hf.multiplier_fold(ctx.spec, ctx.model, ctx.hf_config),
-                               hf.interleaved_rotary_fold(ctx.spec, ctx.model),
-                               hf.partial_rotary_fold(ctx.spec, ctx.model)) if step is not None]
+                               hf.rotary_fold(ctx.spec, ctx.model)) if step is not None]
     if len(steps) <= 1:
         return steps[0] if steps else None
 

@@ -209,7 +209,7 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "checkpoint would apply again; serve it with `llmc run`")
     if model.rotary_rows_permuted:
         raise ArtifactError(f"{where} architecture {model.architecture}: the build permuted q_proj's and k_proj's rows "
-                            "out of its rotary layout (hf_checkpoint.interleaved_rotary_fold, partial_rotary_fold), "
+                            "out of its rotary layout (hf_checkpoint.rotary_fold), "
                             "which its checkpoints would read as they are; serve it with `llmc run`")
     if CLASSIFIER_ARCHITECTURES.get(model.architecture, model.architecture) not in _MODEL_TYPES:
         raise ArtifactError(f"{where} architecture {model.architecture}; export writes {', '.join(_MODEL_TYPES)} "

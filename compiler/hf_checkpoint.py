@@ -948,25 +948,6 @@ def interleaved_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Ten
                       torch.arange(1, rotary_dims, 2), passed[half_passed:]))
 
 
-def interleaved_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """For a model whose checkpoint rotates interleaved pairs (GLM-4, Cohere: ModelConfig.rotary_interleaved), a
-    `TensorReader`
-    merge that reads q_proj's and k_proj's weights and biases with each head's rows permuted
-    (interleaved_rotary_permutation): q.k is unchanged (one permutation of both), and the runtime rotates whole heads
-    in its rotate-half layout, the pass-through pairs by a table of cos 1, sin 0. None for the other families."""
-    if not config.rotary_interleaved:
-        return None
-    perm = interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    names = {f"{spec.hf_layer_prefix}{i}.self_attn.{proj}.{kind}" for i in range(config.num_layers)
-             for proj in ("q_proj", "k_proj") for kind in ("weight", "bias")}
-
-    def permute(name: str, tensor: torch.Tensor) -> torch.Tensor:
-        if name not in names:
-            return tensor
-        return tensor.unflatten(0, (-1, config.head_dim))[:, perm].flatten(0, 1)
-    return permute
-
-
 def partial_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
     """[head_dim] int64: the old dim of each head's new dim, moving the rotate-half pairs (i, i + rotary_dims / 2) of
     the leading rotary_dims (GLM-4.5's) to (i, i + head_dim / 2), the rotate-half layout over the whole head, and the
@@ -976,15 +957,27 @@ def partial_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
                       torch.arange(half, rotary_dims), torch.arange(rotary_dims + half_passed, head_dim)))
 
 
-def partial_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
-    """For GLM-4.5 (rotate-half over the leading rotary_dim of each head: ModelConfig.rotary_rows_permuted), a
-    `TensorReader` merge that reads q_proj's and k_proj's weights and biases with each head's rows permuted
-    (partial_rotary_permutation), and the per-head q_norm / k_norm weights with the same permutation (the RMS of a
-    head is unchanged by it): q.k is unchanged, and the runtime rotates whole heads, the pass-through pairs by a table
-    of cos 1, sin 0. None for the other families, and for a GLM-4.5 that rotates whole heads."""
-    if config.family != "glm4_moe" or not config.rotary_rows_permuted:
+def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
+    """[head_dim] int64: the permutation rotary_fold gives each head's q/k rows (ModelConfig.rotary_rows_permuted):
+    interleaved pairs (GLM-4, Cohere, ERNIE 4.5: interleaved_rotary_permutation) or GLM-4.5's rotate-half over the
+    leading rotary_dim (partial_rotary_permutation); None where the checkpoint's rows are the runtime's. An FP8 import
+    moves the rows' scales with it (compiler/import_quantized.py)."""
+    if config.rotary_interleaved:
+        return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
+    if config.family == "glm4_moe" and config.rotary_rows_permuted:
+        return partial_rotary_permutation(config.head_dim, config.rotary_dims)
+    return None
+
+
+def rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """For a model whose checkpoint rotates other pairs than the runtime's rotate-half over the whole head
+    (rotary_row_permutation), a `TensorReader` merge that reads q_proj's and k_proj's weights and biases, and the
+    per-head q_norm / k_norm weights (GLM-4.5's; the RMS of a head is unchanged by the permutation), with each head's
+    rows permuted: q.k is unchanged (one permutation of both), and the runtime rotates whole heads, the pass-through
+    pairs by a table of cos 1, sin 0. None for the other families."""
+    perm = rotary_row_permutation(config)
+    if perm is None:
         return None
-    perm = partial_rotary_permutation(config.head_dim, config.rotary_dims)
     names = {f"{spec.hf_layer_prefix}{i}.self_attn.{module}.{kind}" for i in range(config.num_layers)
              for module in ("q_proj", "k_proj", "q_norm", "k_norm") for kind in ("weight", "bias")}
 
@@ -993,16 +986,6 @@ def partial_rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, 
             return tensor
         return tensor.unflatten(0, (-1, config.head_dim))[:, perm].flatten(0, 1)
     return permute
-
-
-def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
-    """[head_dim] int64: the permutation interleaved_rotary_fold or partial_rotary_fold gives each head's q/k rows, or
-    None where neither applies. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
-    if config.rotary_interleaved:
-        return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    if config.family == "glm4_moe" and config.rotary_rows_permuted:
-        return partial_rotary_permutation(config.head_dim, config.rotary_dims)
-    return None
 
 
 # what each rope scaling type reads (as transformers' computations of them)

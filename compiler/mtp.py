@@ -13,7 +13,7 @@ kv_a_layernorm, kv_b_proj, o_proj).
 The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer; a quantized
 one of an import is not built: compiler/build._plan_mtp): the decoder layer under the runtime's names
 (`layers.N.attn.qkv.weight`, ...: read, fused and packed as the main layers are, its q/k rows permuted by
-hf_checkpoint.partial_rotary_fold; an MLA layer's linears as the main layers' too: kv_b whole, split into W_UK / W_UV
+hf_checkpoint.rotary_fold; an MLA layer's linears as the main layers' too: kv_b whole, split into W_UK / W_UV
 at load, the interleaved rope pairs taken apart at run time), then enorm.weight, hnorm.weight, eh_proj.weight,
 shared_head.norm.weight and, where the checkpoint has them, shared_head.head.weight and embed.weight; the manifest's
 `mtp` section (art.MtpSpec) records which. Only the first MTP layer is built (the one both ship)."""
@@ -27,7 +27,7 @@ import torch
 
 from llmc.compiler.convert import pack_layer, read_layer
 from llmc.compiler.emit import SafetensorsWriter
-from llmc.compiler.hf_checkpoint import TensorReader, partial_rotary_fold
+from llmc.compiler.hf_checkpoint import TensorReader, rotary_fold
 from llmc.runtime import artifact as art
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec, float32_norms
@@ -77,7 +77,7 @@ def write_mtp_weights(model_dir: Path, spec: ModelSpec, model: ModelConfig, mtp:
     """The MTP layer's tensors (module NOTE) into `path`, read through the recipe's LoRA merge (`lora`, where it has
     one) and the q/k row permutation of the main layers."""
     config = mtp_model_config(model, mtp)
-    steps = [step for step in (lora, partial_rotary_fold(spec, config)) if step is not None]
+    steps = [step for step in (lora, rotary_fold(spec, config)) if step is not None]
 
     def merge(name, tensor):
         for step in steps:

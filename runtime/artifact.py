@@ -208,7 +208,7 @@ class ModelConfig:
     # through: int(head_dim * partial_rotary_factor) (Phi-4-mini); None: the whole head. Even, at most head_dim.
     rotary_dim: int | None = opt(None, min=2)
     # GLM-4, Cohere: the checkpoint rotates interleaved pairs (2i, 2i + 1) of the leading rotary_dims; the build
-    # permuted each q/k head's rows (weights and biases: hf_checkpoint.interleaved_rotary_fold) so that pair i sits at
+    # permuted each q/k head's rows (weights and biases: hf_checkpoint.rotary_fold) so that pair i sits at
     # (i, i + head_dim / 2), the pass-through dims in the other pairs, and the rotary table is head_dim wide with cos 1,
     # sin 0 past rotary_dims / 2: every kernel rotates whole heads (q.k is the same under one permutation of q's and
     # k's dims)
@@ -309,7 +309,7 @@ class ModelConfig:
     def rotary_rows_permuted(self) -> bool:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
-        rotate-half over the leading rotary_dim (family glm4_moe: hf_checkpoint.partial_rotary_fold)."""
+        rotate-half over the leading rotary_dim (family glm4_moe: hf_checkpoint.rotary_fold)."""
         return self.rotary_interleaved or (self.family == "glm4_moe" and self.rotary_dim is not None)
 
     @property

@@ -4,7 +4,7 @@ fused MLP member); q/k/v carry biases (attention_bias, true by default); the att
 normed before their residual add (post_self_attn_layernorm, post_mlp_layernorm: Gemma's sandwich norms, plain RMSNorm
 weights); and the rotary embedding rotates interleaved pairs (2i, 2i + 1) of only the leading
 int(head_dim * partial_rotary_factor) dims (0.5 by default). The build permutes each q/k head's rows so that pair i
-sits at (i, i + head_dim / 2), the rotate-half layout over the whole head (hf_checkpoint.interleaved_rotary_fold,
+sits at (i, i + head_dim / 2), the rotate-half layout over the whole head (hf_checkpoint.rotary_fold,
 ModelConfig.rotary_interleaved); the rotary table is head_dim wide with cos 1 and sin 0 in the pass-through pairs,
 so every kernel (torch, Triton, onnxruntime's GroupQueryAttention) runs GLM-4 as it runs whole-head rotate-half."""
 

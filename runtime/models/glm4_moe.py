@@ -8,7 +8,7 @@ transformers keeps it), beside `n_shared_experts` shared ones run as one shared 
 
 The rotary embedding rotates the leading int(head_dim * partial_rotary_factor) dims of each head (0.5 by default) in
 the rotate-half layout over those dims, pairs (i, i + rotary_dim / 2): not dense GLM-4's interleaved pairs. The build
-permutes each q/k head's rows (weights, biases and the q/k norms' weights: hf_checkpoint.partial_rotary_fold) so that
+permutes each q/k head's rows (weights, biases and the q/k norms' weights: hf_checkpoint.rotary_fold) so that
 pair i sits at (i, i + head_dim / 2), the rotate-half layout over the whole head, and the rotary table is head_dim
 wide with cos 1, sin 0 in the pass-through pairs (ModelConfig.rotary_rows_permuted), as GLM-4's: every kernel (torch,
 Triton, CUDA graphs) rotates whole heads. The checkpoint's multi-token-prediction layer (num_nextn_predict_layers:

@@ -1,5 +1,5 @@
 """FP8 checkpoints of a family whose q/k rows the build permutes into the runtime's rotary layout (GLM-4.5 MoE:
-hf_checkpoint.partial_rotary_fold), imported: transformers' block FP8 (`quant_method: fp8`, weight_scale_inv) in 128 x
+hf_checkpoint.rotary_fold), imported: transformers' block FP8 (`quant_method: fp8`, weight_scale_inv) in 128 x
 128 blocks and in 16 x 16 blocks, whose rows the permutation moves across blocks (w8a8-fp8-block keeps one scale per
 row, so the scales move with them), and compressed-tensors' per-channel FP8 with dynamic per-token activations.
 
@@ -9,7 +9,7 @@ expert and the MTP layer's quantized, the router dense (as zai-org's FP8 release
 transformers' Glm4MoeForCausalLM in float32 holding the checkpoint's dequantized weights (the FP8 values x their
 scales), each quantized linear's and expert's input rounded to E4M3 as llmc's dynamic activations are. Integer and
 GGUF imports of the family are refused by name. GLM-4, Cohere 2 and ERNIE 4.5 (interleaved rotary pairs:
-hf_checkpoint.interleaved_rotary_fold) import the same way, checked in 16 x 16 blocks.
+hf_checkpoint.rotary_fold) import the same way, checked in 16 x 16 blocks.
 """
 
 import json
