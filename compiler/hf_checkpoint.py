@@ -625,7 +625,6 @@ def _deepseek_fields(config: dict, family: str) -> dict:
     V2's router: softmax, top-k greedy or group_limited_greedy, never renormalised (transformers' DeepseekV2TopkRouter
     reads no norm_topk_prob: one set true is refused); V3's: sigmoid with e_score_correction_bias, n_group /
     topk_group (transformers runs noaux_tc whatever topk_method says), norm_topk_prob."""
-    name = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[family]
     experts, num_layers = config["n_routed_experts"], config["num_hidden_layers"]
     scoring, method = config.get("scoring_func"), config.get("topk_method")
     if family == "deepseek_v2":
