@@ -74,6 +74,11 @@ class EagleHeadConfig:
         """The decoder layer's tensor prefix."""
         return LAYER if self.method == "eagle3" else "layers.0."
 
+    @property
+    def reads_final_hidden(self) -> bool:
+        """Whether the head reads the model's final hidden states (EAGLE-1) rather than aux layers' inputs."""
+        return self.method == "eagle"
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_kv_heads * self.head_dim * itemsize
 

@@ -105,7 +105,7 @@ class Engine:
         if limits is not None and limits.video and not takes_videos(self.manifest.vision):
             raise ConfigError(f"limit_mm_per_prompt.video: this model ({self.manifest.vision.architecture}) takes no "
                               "videos (Qwen2-VL, Qwen2.5-VL and Qwen3-VL do); set it to 0 or drop it")
-        video_io = self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
+        video_io = self._video_io()
         if video_io is not None and not takes_videos(self.manifest.vision):
             architecture = (self.manifest.vision or self.manifest.model).architecture
             raise ConfigError(f"media_io_kwargs.video: this model ({architecture}) takes no videos (Qwen2-VL, "
@@ -119,7 +119,7 @@ class Engine:
         # a vision model's encoder (runtime/multimodal.py), loaded before the runner sizes the KV cache
         self.vision = (VisionEncoder(self.artifact_dir, self.manifest, self.device, compute_dtype(self.manifest, self.device))
                        if self.manifest.vision is not None else None)
-        keep_hidden = None if eagle is None else (eagle[2], eagle[1].method in ("eagle", "mtp"))  # what the head reads
+        keep_hidden = None if eagle is None else (eagle[2], eagle[1].reads_final_hidden)  # what the head reads
         self.runner = make_model_runner(self.artifact_dir, self.manifest, self.options, self.device, launch, reserve,
                                         keep_hidden)
         self.device = getattr(self.runner, "device", self.device)  # a parallel driver pins its GPU
@@ -361,8 +361,12 @@ class Engine:
         no video."""
         if self.vision is None or not self.vision.takes_videos:
             return None
-        video_io = self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
+        video_io = self._video_io()
         return ChatVideos(video_io.num_frames if video_io is not None else DEFAULT_NUM_FRAMES, self.vision.is_qwen3)
+
+    def _video_io(self):
+        """vLLM's media_io_kwargs' video part (how a chat's video_url parts are sampled), or None."""
+        return self.options.media_io_kwargs.video if self.options.media_io_kwargs is not None else None
 
     def check_takes_images(self, param: str) -> None:
         """RequestError naming `param` unless this is a vision model."""

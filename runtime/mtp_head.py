@@ -67,6 +67,11 @@ class MtpHeadConfig:
     def draft_vocab_size(self) -> int:
         return self.vocab_size
 
+    @property
+    def reads_final_hidden(self) -> bool:
+        """The MTP layer reads the model's final hidden states (after its final norm)."""
+        return True
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """The head's one-layer cache per token: MLA's latent, else K and V of its heads."""
         if self.latent_dim is not None:

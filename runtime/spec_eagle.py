@@ -132,7 +132,7 @@ class EagleProposer:
                                   device, dtype)
         # the model's forward keeps these layers' inputs (EAGLE-3) or its final hidden states (EAGLE-1, MTP): the
         # runner was made so (its graphs keep them too)
-        assert (model.aux_layer_ids, model.keeps_final_hidden) == (tuple(layers), head_config.method in ("eagle", "mtp"))
+        assert (model.aux_layer_ids, model.keeps_final_hidden) == (tuple(layers), head_config.reads_final_hidden)
         self.block_size, self.device = options.block_size, device
         self._states: dict[str, _HeadState] = {}
         self.num_unprepared = 0  # requests verified with placeholder drafts (no head state: never expected)
