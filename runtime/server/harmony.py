@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-from llmc.runtime.server.tool_parsers import ToolParser
+from llmc.runtime.server.tool_parsers import ToolParser, _first, _held
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -38,14 +38,6 @@ FUNCTIONS = "functions."
 MAX_HEADER = 256  # characters: a longer text before `<|message|>` is no header (published headers are a few words)
 
 Event = tuple
-
-
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` might begin one of `tags` (held until the next piece)."""
-    for size in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
-        if any(tag.startswith(text[-size:]) for tag in tags):
-            return size
-    return 0
 
 
 def read_header(header: str) -> tuple[str | None, str | None]:
@@ -101,14 +93,13 @@ class HarmonyParser(ToolParser):
                 self._buffer = self._buffer[at + len(MESSAGE):]
                 out += self._open_body()
             elif self._state == "body":
-                found = [(self._buffer.find(tag), tag) for tag in BODY_ENDS]
-                found = [(at, tag) for at, tag in found if at >= 0]
-                if not found:
+                found = _first(self._buffer, BODY_ENDS)
+                if found is None:  # (no whole tag in the buffer: only a tag's start at its end is held)
                     keep = _held(self._buffer, BODY_ENDS)
                     out += self._body(self._buffer[:len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
-                at, tag = min(found)
+                at, tag = found
                 out += self._body(self._buffer[:at])
                 if self._kind == "raw" and tag != START:
                     out += self._text("content", tag)

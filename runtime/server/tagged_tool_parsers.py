@@ -49,19 +49,7 @@ import ast
 import json
 import re
 
-from llmc.runtime.server.tool_parsers import Event, ToolParser, _held_prefix, _merged
-
-
-def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest of `tags` in `text`: (index, tag), or None."""
-    found = [(text.find(tag), tag) for tag in tags]
-    found = [hit for hit in found if hit[0] >= 0]
-    return min(found) if found else None
-
-
-def _held(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of `text` might begin one of `tags`."""
-    return max(_held_prefix(text, tag) for tag in tags)
+from llmc.runtime.server.tool_parsers import Event, ToolParser, _first, _held, _held_prefix, _merged
 
 
 def _json(value) -> str | None:

@@ -267,6 +267,18 @@ def _held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+def _held(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of `text` might begin one of `tags`."""
+    return max(_held_prefix(text, tag) for tag in tags)
+
+
+def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest of `tags` in `text`: (index, tag), or None."""
+    found = [(text.find(tag), tag) for tag in tags]
+    found = [hit for hit in found if hit[0] >= 0]
+    return min(found) if found else None
+
+
 class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
 
