@@ -49,7 +49,7 @@ import ast
 import json
 import re
 
-from llmc.runtime.server.tool_parsers import Event, ToolParser, _first, _held, _held_prefix, _merged
+from llmc.runtime.server.tool_parsers import BufferedToolParser, Event, ToolParser, _first, _held, _held_prefix
 
 
 def _json(value) -> str | None:
@@ -78,7 +78,7 @@ def _properties(tools: list[dict] | None, name: str) -> dict:
     return {}
 
 
-class _PairsParser(ToolParser):
+class _PairsParser(BufferedToolParser):
     """Base of the XML-like formats: content outside calls, one call's arguments written as the JSON
     object of its (key, value) pairs."""
 
@@ -88,16 +88,6 @@ class _PairsParser(ToolParser):
         self._buffer = ""
         self._index = 0
         self._pairs = 0  # pairs written of the open call
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return _merged(self._run(final=False))
-
-    def finish(self) -> list[Event]:
-        return _merged(self._run(final=True) + self._end_content())
-
-    def _run(self, final: bool) -> list[Event]:
-        raise NotImplementedError
 
     def _open_call(self, name: str) -> list[Event]:
         self._index, self._pairs = self.num_calls, 0

@@ -451,7 +451,22 @@ def _merged(events: list[Event]) -> list[Event]:
 _NAME = re.compile(r"[\w.-]+")  # a function's name in Mistral's [TOOL_CALLS]name[ARGS] form
 
 
-class MistralToolParser(ToolParser):
+class BufferedToolParser(ToolParser):
+    """A parser that reads its text from one buffer: `_run(final)` turns what the buffer holds into events (holding
+    back what may begin a tag, unless `final`); pieces of the same kind that follow each other are merged."""
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return _merged(self._run(final=False))
+
+    def finish(self) -> list[Event]:
+        return _merged(self._run(final=True) + self._end_content())
+
+    def _run(self, final: bool) -> list[Event]:
+        raise NotImplementedError
+
+
+class MistralToolParser(BufferedToolParser):
     """`[TOOL_CALLS]` then the calls of one segment: a JSON array of {"name", "arguments"} objects
     (tokenizers before v11), or `name[ARGS]{...}`, one call (v11+); what follows the tag decides (`[`:
     the array). The text outside segments is content. A segment whose first call cannot be read is
@@ -474,13 +489,6 @@ class MistralToolParser(ToolParser):
         self._blank = ""  # its arguments' blanks not sent yet (sent with what follows them)
         self._depth = 0
         self._in_string = self._escape = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        return _merged(self._run(final=False))
-
-    def finish(self) -> list[Event]:
-        return _merged(self._run(final=True) + self._end_content())
 
     def _run(self, final: bool) -> list[Event]:
         out: list[Event] = []
