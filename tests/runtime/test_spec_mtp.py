@@ -99,18 +99,28 @@ def _make_it_a_bigram_predictor(checkpoint) -> None:
 def checkpoints(tmp_path_factory):
     """"shared": no shared_head.head nor embed_tokens (the model's lm_head and embedding, as in GLM-4.5-Air's index);
     "own": both its own; "bigram": "own" made a bigram predictor (_make_it_a_bigram_predictor)."""
-    root = tmp_path_factory.mktemp("mtp")
+    return make_mtp_checkpoints(tmp_path_factory.mktemp("mtp"), "glm4_moe", {"shared": 2, "own": 1, "bigram": 1})
+
+
+def make_mtp_checkpoints(root, family: str, seeds: dict[str, int]) -> dict:
+    """Tiny `family` checkpoints with an MTP layer each, by kind: "shared" without its own head and embedding, the
+    others with them (seeded as `seeds` says); "bigram" made a bigram predictor."""
     made = {}
-    for kind, own in (("shared", False), ("own", True), ("bigram", True)):
-        made[kind] = make_hf_checkpoint(root / kind, "glm4_moe")
-        _add_mtp_layer(made[kind], seed=1 if own else 2, head=own, embed=own)
+    for kind, seed in seeds.items():
+        own = kind != "shared"
+        made[kind] = make_hf_checkpoint(root / kind, family)
+        _add_mtp_layer(made[kind], seed=seed, head=own, embed=own)
     _make_it_a_bigram_predictor(made["bigram"])
     return made
 
 
 @pytest.fixture(scope="module")
 def artifacts(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp_artifacts")
+    return build_mtp_artifacts(checkpoints, tmp_path_factory.mktemp("mtp_artifacts"))
+
+
+def build_mtp_artifacts(checkpoints: dict, root) -> dict:
+    """Each checkpoint's float32 build (max_model_len 64), by kind."""
     for kind, checkpoint in checkpoints.items():
         build(recipe_from_dict({"model": str(checkpoint), "output": str(root / kind), "dtype": "float32",
                                 "runtime": {"max_model_len": 64}}), show_progress=False)

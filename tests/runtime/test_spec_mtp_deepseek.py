@@ -35,10 +35,9 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_import
 from tests.runtime.test_deepseek import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_spec_mtp import (MAX_TOKENS, PROMPTS, Reference, _add_mtp_layer, _generate,
-                                         _make_it_a_bigram_predictor, _record_drafts, _spec,
-                                         check_accepted_as_the_reference, check_on_the_gpu,
-                                         check_the_head_runs_a_kernel)
+from tests.runtime.test_spec_mtp import (MAX_TOKENS, PROMPTS, Reference, _generate, _record_drafts, _spec,
+                                         build_mtp_artifacts, check_accepted_as_the_reference, check_on_the_gpu,
+                                         check_the_head_runs_a_kernel, make_mtp_checkpoints)
 
 N, LATENT = 3, 32 + 4  # the MTP layer's index; kv_lora_rank + qk_rope_head_dim of the tiny config
 
@@ -47,22 +46,12 @@ N, LATENT = 3, 32 + 4  # the MTP layer's index; kv_lora_rank + qk_rope_head_dim 
 def checkpoints(tmp_path_factory):
     """"shared": no shared_head.head nor embed_tokens (the model's lm_head and embedding); "bigram": its own, made a
     bigram predictor of the greedy continuations (test_spec_mtp._make_it_a_bigram_predictor)."""
-    root = tmp_path_factory.mktemp("mtp_deepseek")
-    made = {}
-    for kind, own in (("shared", False), ("bigram", True)):
-        made[kind] = make_hf_checkpoint(root / kind, "deepseek_v3")
-        _add_mtp_layer(made[kind], seed=3 if own else 4, head=own, embed=own)
-    _make_it_a_bigram_predictor(made["bigram"])
-    return made
+    return make_mtp_checkpoints(tmp_path_factory.mktemp("mtp_deepseek"), "deepseek_v3", {"shared": 4, "bigram": 3})
 
 
 @pytest.fixture(scope="module")
 def artifacts(checkpoints, tmp_path_factory):
-    root = tmp_path_factory.mktemp("mtp_deepseek_artifacts")
-    for kind, checkpoint in checkpoints.items():
-        build(recipe_from_dict({"model": str(checkpoint), "output": str(root / kind), "dtype": "float32",
-                                "runtime": {"max_model_len": 64}}), show_progress=False)
-    return {kind: root / kind for kind in checkpoints}
+    return build_mtp_artifacts(checkpoints, tmp_path_factory.mktemp("mtp_deepseek_artifacts"))
 
 
 def test_the_build_keeps_the_mla_mtp_layer(checkpoints, artifacts, tmp_path, caplog):
