@@ -133,6 +133,22 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture
+def switch(app):
+    """switch(name=value, ...): set ServingContext attributes of the module's `app` ((base URL, ServingContext)) for
+    one test; put back after it."""
+    ctx, saved = app[1], {}
+
+    def set_(**values):
+        for name, value in values.items():
+            saved.setdefault(name, getattr(ctx, name))
+            setattr(ctx, name, value)
+
+    yield set_
+    for name, value in saved.items():
+        setattr(ctx, name, value)
+
+
+@pytest.fixture
 def async_client(server) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 

@@ -39,22 +39,6 @@ def client(app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app[0]}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture
-def switch(app):
-    """switch(name=value, ...): set ServingContext attributes for one test (put back after it)."""
-    ctx = app[1]
-    saved: dict = {}
-
-    def set_(**values):
-        for name, value in values.items():
-            saved.setdefault(name, getattr(ctx, name))
-            setattr(ctx, name, value)
-
-    yield set_
-    for name, value in saved.items():
-        setattr(ctx, name, value)
-
-
 def _body(forced: list[str] | None = None, **extra) -> dict:
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 120, "temperature": 0, **extra}
     if forced is not None:

@@ -50,21 +50,6 @@ def client(app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app[0]}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture
-def switch(app):
-    """switch(name=value, ...): set ServingContext attributes for one test (put back after it)."""
-    ctx, saved = app[1], {}
-
-    def set_(**values):
-        for name, value in values.items():
-            saved.setdefault(name, getattr(ctx, name))
-            setattr(ctx, name, value)
-
-    yield set_
-    for name, value in saved.items():
-        setattr(ctx, name, value)
-
-
 def _stream(client, **body) -> dict:
     """The stream's joined reasoning, content, calls [(name, arguments)] and finish_reason of choice 0."""
     joined = {"reasoning": "", "content": "", "calls": {}, "finish_reason": None}
