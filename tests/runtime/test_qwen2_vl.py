@@ -253,11 +253,17 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(artifact, hf):
 def test_preemption_recomputes_at_the_same_positions(artifact, hf):
     """A KV cache of 64 tokens for three prompts of 22 tokens and 24 generated: requests are preempted and
     recomputed (prompt and generated tokens, at their M-RoPE positions)."""
-    cases = [image(6, size=WIDE), image(7, size=TALL), image(8, size=WIDE)]
-    expected = [hf_generate(hf, PROMPT, [picture], max_tokens=24)[1] for picture in cases]
+    check_preemption_recomputes(artifact, hf, (6, 7, 8), 24)
+
+
+def check_preemption_recomputes(artifact, hf, seeds: tuple[int, int, int], max_tokens: int) -> None:
+    """Three image prompts (images of `seeds`: wide, tall, wide) of 22 tokens and max_tokens generated in a KV cache
+    of 64 tokens: requests are preempted and recomputed, and the greedy tokens stay transformers'."""
+    cases = [image(seeds[0], size=WIDE), image(seeds[1], size=TALL), image(seeds[2], size=WIDE)]
+    expected = [hf_generate(hf, PROMPT, [picture], max_tokens=max_tokens)[1] for picture in cases]
     llm = LLM(artifact, device="cpu", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, num_kv_blocks=8,
               block_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in cases], params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.stats()["num_preemptions"] > 0

@@ -31,7 +31,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.runtime.hf_oracle import build_float32
 from tests.runtime.test_llava import image
 from tests.runtime.test_qwen2_vl import (END, PAD, PROMPT, START, TALL, TWO, WIDE, assert_same_build,
-                                         check_generate_with_images, hf_generate, hf_inputs, qwen_vl_tokenizer,
+                                         check_generate_with_images, check_preemption_recomputes, hf_generate, hf_inputs, qwen_vl_tokenizer,
                                          save_qwen_vl)
 from tests.runtime.vision_oracle import check_chat_image_parts, check_chunked_image_prefill, check_output
 
@@ -178,14 +178,7 @@ def test_a_prefix_cache_hit_that_ends_inside_an_image(artifact, hf):
 def test_preemption_recomputes_with_the_deepstack_rows(artifact, hf):
     """A KV cache of 64 tokens for three prompts of 22 tokens and 16 generated: requests are preempted and recomputed
     (their image tokens taking their deepstack rows again), and the greedy tokens stay transformers'."""
-    cases = [image(11, size=WIDE), image(12, size=TALL), image(13, size=WIDE)]
-    expected = [hf_generate(hf, PROMPT, [picture], max_tokens=16)[1] for picture in cases]
-    llm = LLM(artifact, device="cpu", max_model_len=64, max_num_batched_tokens=16, max_num_seqs=3, num_kv_blocks=8,
-              block_size=8)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outputs = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in cases], params)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert llm.stats()["num_preemptions"] > 0
+    check_preemption_recomputes(artifact, hf, (11, 12, 13), 16)
 
 
 def test_chat_with_an_image_part_equals_the_offline_form(artifact, hf):
