@@ -35,7 +35,7 @@ from llmc.compiler.kv_scales import KVScaleObserver, KVScales, checkpoint_kv_sca
 from llmc.compiler.pipeline import QuantizingPacker
 from llmc.compiler.quantize import kernel_layout, linear_in_features, plan_formats
 from llmc.compiler.lora import LoraMerge, load_adapters
-from llmc.compiler.mtp import MTP_FAMILIES, checkpoint_mtp, num_mtp_layers, write_mtp_weights
+from llmc.compiler.mtp import MTP_FAMILIES, checkpoint_mtp, fp8_scale_name, num_mtp_layers, write_mtp_weights
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
 from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, vision_config,
@@ -139,7 +139,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
             _timed(timings, "vision", lambda: _write_vision(ctx, tmp))
         if ctx.mtp is not None:
             _timed(timings, "mtp layer", lambda: write_mtp_weights(ctx.model_dir, ctx.spec, ctx.model, ctx.mtp,
-                                                                   tmp / art.MTP_WEIGHTS, ctx.lora))
+                                                                   tmp / art.MTP_WEIGHTS, ctx.lora, _fp8_block(ctx)))
         if recipe.target.device in om.ONNX_DEVICES:
             weight_bytes = _timed(timings, "onnx graph", lambda: _write_onnx(ctx, tmp))
         manifest = _timed(timings, "manifest", lambda: _write_manifest(ctx, tmp, weight_bytes))
@@ -148,8 +148,8 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
 
 def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
     """GLM-4.5's or DeepSeek-V3's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor
-    into an ONNX build, nor where an imported checkpoint quantized it (compiler/mtp.py writes it dense from float
-    weights; DeepSeek-V3's published layer is block-FP8): logged."""
+    into an ONNX build, nor where an imported checkpoint holds it in integers (packed or int8): logged. An import's FP8
+    layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and written dense."""
     if ctx.spec.family not in MTP_FAMILIES or not num_mtp_layers(ctx.hf_config):
         return None
     family = MTP_FAMILIES[ctx.spec.family]
@@ -159,14 +159,25 @@ def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
         return None
     with hf.TensorReader(ctx.model_dir) as reader:
         prefix = f"{ctx.spec.hf_layer_prefix}{ctx.model.num_layers}."
-        quantized = [name for name in reader.names() if name.startswith(prefix) and (
-            name.endswith((".weight_scale", ".weight_scale_inv", ".qweight"))
-            or reader.dtype_name(name).startswith(("F8", "I8")))]
-        if quantized:
-            logger.info("%s: the checkpoint's multi-token prediction layer is quantized (%s); it is not built from an "
-                        "import; no MTP speculative decoding", family, quantized[0])
+        names = [name for name in reader.names() if name.startswith(prefix)]
+        fp8 = [name for name in names if reader.dtype_name(name).startswith("F8")]
+        integer = [name for name in names if reader.dtype_name(name).startswith(("I", "U"))
+                   or name in fp8 and fp8_scale_name(reader, name) is None]
+        if integer:
+            logger.info("%s: the checkpoint's multi-token prediction layer is quantized (%s), not in FP8 with its "
+                        "scales; it is not built from an import; no MTP speculative decoding", family, integer[0])
             return None
+        if fp8:
+            logger.info("%s: the checkpoint's multi-token prediction layer is FP8 (%d weights, %s first): dequantized "
+                        "with its scales", family, len(fp8), fp8[0])
         return checkpoint_mtp(reader, ctx.spec, ctx.model, ctx.hf_config)
+
+
+def _fp8_block(ctx: _Context) -> tuple[int, int] | None:
+    """The block size of an imported FP8 checkpoint's weight scales (None: per tensor or per channel, or no import)."""
+    qc = checkpoint_quantization_config(ctx.hf_config, ctx.model_dir) if ctx.recipe.quantization.method == "import" \
+        else None
+    return parse_quantization_config(qc).block_size if qc else None
 
 
 def _timed(timings: dict, stage: str, fn):

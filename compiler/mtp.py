@@ -10,8 +10,9 @@ under model.layers.N. (its MLP the MoE where N >= first_k_dense_replace, as tran
 DeepseekV3DecoderLayer decide; DeepSeek-V3's attention MLA: q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa,
 kv_a_layernorm, kv_b_proj, o_proj).
 
-The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer; a quantized
-one of an import is not built: compiler/build._plan_mtp): the decoder layer under the runtime's names
+The build writes art.MTP_WEIGHTS, dense in the model dtype whatever the recipe's quantization (one layer; an import's
+FP8 layer is dequantized as it is read, `fp8_dequantizer`: DeepSeek-V3 / R1 publish theirs in block FP8; an integer
+one is not built: compiler/build._plan_mtp): the decoder layer under the runtime's names
 (`layers.N.attn.qkv.weight`, ...: read, fused and packed as the main layers are, its q/k rows permuted by
 hf_checkpoint.rotary_fold; an MLA layer's linears as the main layers' too: kv_b whole, split into W_UK / W_UV
 at load, the interleaved rope pairs taken apart at run time), then enorm.weight, hnorm.weight, eh_proj.weight,
@@ -28,6 +29,7 @@ import torch
 from llmc.compiler.convert import pack_layer, read_layer
 from llmc.compiler.emit import SafetensorsWriter
 from llmc.compiler.hf_checkpoint import TensorReader, rotary_fold
+from llmc.errors import CheckpointError
 from llmc.runtime import artifact as art
 from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.models.spec import ModelSpec, float32_norms
@@ -72,12 +74,58 @@ def checkpoint_mtp(reader: TensorReader, spec: ModelSpec, model: ModelConfig, hf
     return mtp
 
 
+# an FP8 weight's scale, by the name each layout gives it: transformers' / DeepSeek-V3's block-FP8 dequantization
+# factor; compressed-tensors', vLLM's and ModelOpt's scale (a product, too)
+FP8_SCALES = ("weight_scale_inv", "weight_scale")
+
+
+def fp8_scale_name(reader: TensorReader, name: str) -> str | None:
+    """The checkpoint's scale tensor of FP8 weight `name` (a module's .weight), None where it has none."""
+    module = name.removesuffix(".weight")
+    return next((f"{module}.{scale}" for scale in FP8_SCALES if name.endswith(".weight") and
+                 reader.has(f"{module}.{scale}")), None)
+
+
+def dequantize_fp8(levels: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                   name: str = "weight") -> torch.Tensor:
+    """levels x scale in float64 (exact: E4M3 times a float32): with `block` (rows, columns), one scale per block from
+    row 0 and column 0, the last ones partial (the published block-FP8 rule, scale [ceil(out / rows), ceil(in /
+    columns)]); without, one scale for the tensor or one per output row ([out] or [out, 1])."""
+    w, s = levels.double(), scale.double()
+    out, inputs = w.shape
+    if block is not None:
+        rows, columns = block
+        if tuple(s.shape) != (-(-out // rows), -(-inputs // columns)):
+            raise CheckpointError(f"{name}: scale of shape {tuple(s.shape)} for {tuple(w.shape)} weights in blocks of "
+                                  f"{list(block)}: expected {[-(-out // rows), -(-inputs // columns)]}")
+        return w * s.repeat_interleave(rows, 0)[:out].repeat_interleave(columns, 1)[:, :inputs]
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if s.numel() == out and s.dim() <= 2 and s.shape[0] == out:
+        return w * s.reshape(out, 1)
+    raise CheckpointError(f"{name}: scale of shape {tuple(s.shape)} for {tuple(w.shape)} weights: expected one for the "
+                          f"tensor or one per output row")
+
+
+def fp8_dequantizer(scales: TensorReader, block: tuple[int, int] | None):
+    """A TensorReader merge that reads an FP8 weight as its float64 dequantization (dequantize_fp8; its scale read from
+    `scales`); other tensors as they are."""
+    def dequantize(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        scale = fp8_scale_name(scales, name) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+        if scale is None:
+            return tensor
+        return dequantize_fp8(tensor, scales.get(scale), block, name)
+    return dequantize
+
+
 def write_mtp_weights(model_dir: Path, spec: ModelSpec, model: ModelConfig, mtp: art.MtpSpec, path: Path,
-                      lora=None) -> None:
-    """The MTP layer's tensors (module NOTE) into `path`, read through the recipe's LoRA merge (`lora`, where it has
+                      lora=None, fp8_block: tuple[int, int] | None = None) -> None:
+    """The MTP layer's tensors (module NOTE) into `path`, read through an FP8 import's dequantization (`fp8_block`: the
+    checkpoint's block size, None for per-tensor or per-channel scales), the recipe's LoRA merge (`lora`, where it has
     one) and the q/k row permutation of the main layers."""
     config = mtp_model_config(model, mtp)
-    steps = [step for step in (lora, rotary_fold(spec, config)) if step is not None]
+    raw = TensorReader(model_dir)
+    steps = [step for step in (fp8_dequantizer(raw, fp8_block), lora, rotary_fold(spec, config)) if step is not None]
 
     def merge(name, tensor):
         for step in steps:
@@ -86,7 +134,7 @@ def write_mtp_weights(model_dir: Path, spec: ModelSpec, model: ModelConfig, mtp:
 
     dtype = getattr(torch, model.dtype)
     n, prefix = mtp.layer_index, f"{spec.hf_layer_prefix}{mtp.layer_index}."
-    with TensorReader(model_dir, merge=merge if steps else None) as reader:
+    with raw, TensorReader(model_dir, merge=merge) as reader:
         layer = read_layer(reader, spec, config, n)
         packed = pack_layer(layer, mtp_module_formats(config, mtp), dtype, float32_norms(config))
         tensors = {f"layers.{n}.{name}": tensor for name, tensor in packed.items()}

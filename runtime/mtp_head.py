@@ -85,8 +85,9 @@ def read_mtp_head(manifest: art.Manifest, name: str = "speculative method mtp") 
         family = manifest.model.family
         what = ("llmc builds GLM-4.5's (Glm4MoeForCausalLM) and DeepSeek-V3's (DeepseekV3ForCausalLM) only"
                 if family not in ("glm4_moe", "deepseek_v3") else
-                "it was built by quantization.method import: its checkpoint has none, or a quantized one, which is "
-                "not built; build from a dense checkpoint" if manifest.quant.method == "import" else
+                "it was built by quantization.method import: its checkpoint has none, or one in integers (GPTQ, "
+                "AWQ, int8), which is not built; build from a dense or FP8 checkpoint"
+                if manifest.quant.method == "import" else
                 "its checkpoint has none, or it was built before llmc kept it (artifact format 1.26 for GLM-4.5, 1.28 "
                 "for DeepSeek-V3): rebuild it")
         raise ConfigError(f"{name}: this artifact ({manifest.model.architecture}) holds no multi-token-prediction "

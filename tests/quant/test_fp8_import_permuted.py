@@ -23,9 +23,10 @@ from llmc.compiler.build import build
 from llmc.compiler.hf_checkpoint import partial_rotary_permutation
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import CheckpointError
+from llmc.runtime.artifact import MTP_WEIGHTS
 from tests.conftest import make_hf_checkpoint
 from tests.quant.test_fp8_block_import import check_llm_against, dequantized, fp8_per_token_group, quantize_blocks
-from tests.runtime.hf_oracle import build_import
+from tests.runtime.hf_oracle import build_float32, build_import
 from tests.runtime.test_glm4_moe import _random_score_bias
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
@@ -138,7 +139,8 @@ def test_block16_permutation_moves_rows_across_blocks():
 def test_fp8_glm4_moe_imports_and_runs_as_transformers(kind, source, tmp_path, hf_encode, caplog):
     """The import's logits over 46 positions (90% to 1e-4, all to 0.5: test_fp8_block_import.check_logits) and 16
     greedy tokens equal to transformers' on the dequantized weights; the linears kept in the checkpoint's FP8 format (lm_head
-    dense); the quantized MTP layer not built, said in the log."""
+    dense); the MTP layer written dense, equal to a float build's of the checkpoint holding the dequantized weights
+    (its q/k rows dequantized, then permuted as the float path permutes them), said in the log."""
     weights = write_checkpoint(source, tmp_path / "ckpt", kind)
     with caplog.at_level("INFO", logger="llmc"):
         artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
@@ -146,7 +148,13 @@ def test_fp8_glm4_moe_imports_and_runs_as_transformers(kind, source, tmp_path, h
     formats = {name: m["format"] for name, m in manifest["quant"]["modules"].items()}
     assert formats.pop("lm_head") == "dense"
     assert set(formats.values()) == {"w8a8-fp8" if kind == "channel" else "w8a8-fp8-block"}, formats
-    assert manifest.get("mtp") is None and "multi-token prediction layer is quantized" in caplog.text
+    assert manifest["mtp"]["layer_index"] == 3 and "multi-token prediction layer is FP8" in caplog.text
+    shutil.copytree(source, tmp_path / "dense")
+    save_file(load_file(source / "model.safetensors") | {f"{m}.weight": w for m, w in weights.items()},
+              tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    mtp = load_file(artifact / MTP_WEIGHTS)
+    dense = load_file(build_float32(tmp_path / "dense", tmp_path / "dense-art") / MTP_WEIGHTS)
+    assert mtp.keys() == dense.keys() and all(torch.equal(mtp[name], dense[name]) for name in mtp)
     group = {"block128": 128, "block16": 16}.get(kind)
     token_ids = hf_encode(source, PROMPT) + list(range(100, 126))
     check_llm_against(oracle(source, weights, group), artifact, token_ids, hf_encode(source, "ROMEO:"))

@@ -14,17 +14,22 @@ transformers' float64 hidden states, its decoder layer transformers' own Deepsee
 copy of the checkpoint: test_spec_mtp.Reference), under chunked prefill and preemption; (b) greedy and seeded outputs
 identical to decoding without speculation, every KV block freed; (c) with k = 1 the accepted drafts, counted, equal
 what the reference's predictions accept along the greedy tokens (a bigram-predicting layer), a random layer's hardly
-ever; (d) the head's latent cache has MLA's shape and the CPU memory plan counts it. Also: the Triton kernels
-(interpreted) in the head, the refusals and what is left out; -m gpu: CUDA (not yet run)."""
+ever; (d) the head's latent cache has MLA's shape and the CPU memory plan counts it; (e) an import of the MTP layer in
+block FP8 (DeepSeek-V3 / R1's published format: E4M3 and weight_scale_inv per block, written here by the published
+rule, test_fp8_block_import.quantize_blocks) holds the float64 dequantization of its weights, and its drafts equal the
+reference's on those weights. Also: the Triton kernels (interpreted) in the head, the refusals and what is left out;
+-m gpu: CUDA (not yet run)."""
 
+import json
 import os
+import shutil
 
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from llmc.compiler.build import build
 from llmc.compiler.recipe import recipe_from_dict
@@ -105,15 +110,70 @@ def test_drafts_equal_the_float64_reference(checkpoints, artifacts, kind, tmp_pa
     """Every verify step's drafts (k = 2: the first from the model's hidden state, the second chained on the head's
     own output) equal the float64 reference's over DeepseekV3DecoderLayer, under chunked prefill and preemption:
     holds only if the head's latent cache holds the right rows at every step."""
-    llm = LLM(artifacts[kind], device="cpu", max_num_seqs=4, disable_log_stats=True, max_num_batched_tokens=24,
+    check_drafts(artifacts[kind], Reference(checkpoints[kind], tmp_path))
+
+
+def check_drafts(artifact, reference) -> None:
+    llm = LLM(artifact, device="cpu", max_num_seqs=4, disable_log_stats=True, max_num_batched_tokens=24,
               num_kv_blocks=6, speculative=_spec(2))
     seen = _record_drafts(llm)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     assert llm.stats()["num_preemptions"] > 0
-    reference = Reference(checkpoints[kind], tmp_path)
     agree = sum(reference.drafts(list(tokens), len(drafts)) == drafts for tokens, drafts in seen.items())
     assert len(seen) > 30
     assert agree >= 0.95 * len(seen), (agree, len(seen))  # float32 against float64: a near-tie may flip
+
+
+def _fp8_mtp_layer(source, dest, dense, block: int) -> dict[str, torch.Tensor]:
+    """`source` as DeepSeek-V3 publishes its MTP layer: every linear of layer 3 (MLA's, the experts', the shared
+    experts', eh_proj) in `block` x `block` FP8 (`quant_method: fp8`, weight_scale_inv), the router dense; the main
+    layers left dense (modules_to_not_convert) so that the reference's hidden states are the model's. `dense`: the
+    same checkpoint holding the published dequantization (float64, rounded once to float32). Returns it by name."""
+    from tests.quant.test_fp8_block_import import HF_FP8, dequantized, quantize_blocks
+
+    shutil.copytree(source, dest)
+    shutil.copytree(source, dense)
+    tensors, expected = load_file(source / "model.safetensors"), {}
+    linears = ("proj.weight", "proj_with_mqa.weight")
+    for name in [n for n in tensors if n.startswith(f"model.layers.{N}.") and n.endswith(linears)]:
+        levels, scales = quantize_blocks(tensors[name], (block, block))
+        expected[name] = dequantized(levels, scales, (block, block))
+        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = levels, scales
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    save_file(load_file(source / "model.safetensors") | expected, dense / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((dest / "config.json").read_text())
+    config["quantization_config"] = {**HF_FP8, "weight_block_size": [block, block],
+                                     "modules_to_not_convert": [rf"model\.layers\.[0-{N - 1}]\."]}
+    (dest / "config.json").write_text(json.dumps(config))
+    return expected
+
+
+@pytest.mark.parametrize("block", [128, 16])
+def test_an_fp8_import_builds_the_dequantized_mtp_layer(checkpoints, block, tmp_path, caplog):
+    """An import of the MTP layer in block FP8 (128: the published blocks, each tensor here one partial block; 16:
+    kv_a's 36 rows and the experts' 24 in partial blocks) writes it dense: its linears equal the float64 dequantization
+    of the checkpoint's levels and scales, the whole file equals a float build's of the dequantized checkpoint, and
+    (16) every verify step's drafts equal the float64 reference's on the dequantized weights."""
+    expected = _fp8_mtp_layer(checkpoints["bigram"], tmp_path / "fp8", tmp_path / "dense", block)
+    assert len(expected) > 10 and any(t.shape[0] % block for t in expected.values())
+    with caplog.at_level("INFO", logger="llmc"):
+        artifact = build_import(tmp_path / "fp8", tmp_path / "fp8-art", runtime={"max_model_len": 64})
+    assert (f"DeepSeek-V3: the checkpoint's multi-token prediction layer is FP8 ({len(expected)} weights" in caplog.text
+            and "dequantized with its scales" in caplog.text)
+    assert read_manifest(artifact).mtp.has_head
+    weights, p = load_file(artifact / MTP_WEIGHTS), f"model.layers.{N}."
+    for ours, theirs in (("attn.q_a", "self_attn.q_a_proj"), ("attn.q_b", "self_attn.q_b_proj"),
+                         ("attn.kv_a", "self_attn.kv_a_proj_with_mqa"), ("attn.kv_b", "self_attn.kv_b_proj"),
+                         ("attn.o", "self_attn.o_proj")):
+        assert torch.equal(weights[f"layers.{N}.{ours}.weight"], expected[f"{p}{theirs}.weight"]), ours
+    assert torch.equal(weights["eh_proj.weight"], expected[p + "eh_proj.weight"])
+    dense = build_mtp_artifacts({"dense": tmp_path / "dense"}, tmp_path / "built")["dense"]
+    reference = load_file(dense / MTP_WEIGHTS)
+    assert weights.keys() == reference.keys()
+    assert all(torch.equal(weights[name], reference[name]) for name in weights)
+    if block == 16:
+        check_drafts(artifact, Reference(tmp_path / "dense", tmp_path))
 
 
 def test_greedy_and_seeded_samples_equal_decoding_without_speculation(artifacts):
@@ -153,18 +213,21 @@ def test_on_the_gpu(artifacts, free_gpu):
 
 def test_what_is_refused_or_left_out(checkpoints, tmp_path, caplog):
     """DeepSeek-V2 ships no MTP layer: method mtp is refused by name; a DeepSeek-V3 config that names one without its
-    tensors builds without it, and so does an import of DeepSeek-V3's block-FP8 format, whose MTP layer is quantized
-    too (logged, refused by name at run time)."""
+    tensors builds without it, and so does an import whose MTP layer is in integers (here int8: W8A8's levels), not
+    FP8 (logged, refused by name at run time)."""
     from tests.runtime.test_deepseek import _write_block_fp8
 
-    _write_block_fp8(checkpoints["shared"], tmp_path / "fp8")
+    _write_block_fp8(checkpoints["shared"], tmp_path / "int8")
+    path = tmp_path / "int8" / "model.safetensors"
+    save_file({name: t.view(torch.int8) if name.startswith(f"model.layers.{N}.") and t.dtype == torch.float8_e4m3fn
+               else t for name, t in load_file(path).items()}, path, metadata={"format": "pt"})
     with caplog.at_level("INFO", logger="llmc"):
-        build_import(tmp_path / "fp8", tmp_path / "fp8-art")
+        build_import(tmp_path / "int8", tmp_path / "int8-art")
     assert ("DeepSeek-V3: the checkpoint's multi-token prediction layer is quantized (model.layers.3." in caplog.text
-            and "it is not built from an import" in caplog.text)
+            and "not in FP8 with its scales; it is not built from an import" in caplog.text)
     with pytest.raises(ConfigError, match=r"holds no multi-token-prediction layer \(it was built by "
-                                          r"quantization.method import: its checkpoint has none, or a quantized one"):
-        LLM(tmp_path / "fp8-art", device="cpu", speculative=_spec())
+                                          r"quantization.method import: its checkpoint has none, or one in integers"):
+        LLM(tmp_path / "int8-art", device="cpu", speculative=_spec())
     v2 = make_hf_checkpoint(tmp_path / "v2", "deepseek_v2")
     build(recipe_from_dict({"model": str(v2), "output": str(tmp_path / "v2-art"), "dtype": "float32"}),
           show_progress=False)
