@@ -221,7 +221,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                               "float weights; build it with quantization.method: import")
     if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5") and recipe.quantization.method == "import":
         _check_permuted_import(spec, model_dir, qc, gguf is not None)
-    if spec.family in ("qwen3", "qwen3_moe") and hf_config.get("attention_bias"):  # o_proj has a bias then too
+    if spec.family in ("qwen3", "qwen3_moe", "dots1") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
     if gguf is None:

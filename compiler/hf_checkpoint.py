@@ -87,8 +87,9 @@ def _sliding_window(config: dict) -> tuple[int | None, list[int] | None]:
 
         kinds = Qwen2MoeConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")}).layer_types
         layers = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
-    elif config.get("max_window_layers") is not None and config.get("model_type") in ("qwen2", "qwen3"):
-        # (Qwen3-MoE's config carries the key too, but its attention windows every layer)
+    elif config.get("max_window_layers") is not None and config.get("model_type") in ("qwen2", "qwen3", "dots1"):
+        # (Qwen3-MoE's config carries the key too, but its attention windows every layer; Dots1Config fills in
+        # layer_types by this rule)
         layers = list(range(config["max_window_layers"], num_layers))
     else:
         return window, None
@@ -164,6 +165,12 @@ _HF_CONFIG_DEFAULTS["glm4_moe"] = {"max_position_embeddings": 131072, "rms_norm_
                                    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
                                    "first_k_dense_replace": 1, "norm_topk_prob": True, "tie_word_embeddings": False,
                                    "bos_token_id": None, "eos_token_id": None}
+# Dots1Config's defaults (head_dim: hidden_size / num_attention_heads, as Qwen3Attention reads a config without one)
+_HF_CONFIG_DEFAULTS["dots1"] = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "attention_bias": False,
+                                "moe_intermediate_size": 1408, "n_group": 1, "topk_group": 1,
+                                "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                                "sliding_window": 4096, "max_window_layers": 62, "tie_word_embeddings": False,
+                                "bos_token_id": None, "eos_token_id": None}
 # GptOssConfig's defaults (its rope_parameters' default, YaRN, is filled in by _gpt_oss_config)
 _HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "head_dim": 64,
                                   "num_key_value_heads": 8, "tie_word_embeddings": False,
@@ -183,7 +190,7 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
                   "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4",
-                  "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5"}
+                  "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -210,8 +217,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _phi3_rope(config)
     if spec.family in ("glm4", "glm4_moe"):
         config = _glm4_rope(config)
-    if spec.family == "glm4_moe":
-        _check_glm4_moe(config)
+    if spec.family in ("glm4_moe", "dots1"):
+        _check_glm4_moe(config, spec.family)
     if spec.family in COHERE_FAMILIES:
         config = _cohere_config(config, spec.family)
     if spec.family in GRANITE_FAMILIES:
@@ -267,7 +274,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         sliding_window_layers=sliding_window_layers,
         **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_ROUTER_FAMILIES
            else {}),
-        **(_glm4_moe_fields(config) if spec.family == "glm4_moe" else {}),
+        **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -585,7 +592,7 @@ def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Call
 
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
-DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe")  # routed by moe.deepseek_route (their own MoE fields)
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1")  # routed by moe.deepseek_route (their own MoE fields)
 
 
 def _deepseek_config(config: dict, family: str) -> dict:
@@ -674,17 +681,22 @@ def _check_router_groups(experts: int, groups, topk_groups, pairs: bool) -> None
                               "n_group) are chosen from")
 
 
-def _check_glm4_moe(config: dict) -> None:
-    """What a GLM-4.5 config can say that transformers' Glm4MoeForCausalLM would not run as it says, refused by name:
-    a router other than its sigmoid with noaux_tc (it reads neither key), no experts. Its multi-token-prediction
-    layer is built apart (compiler/mtp.py)."""
+def _check_glm4_moe(config: dict, family: str) -> None:
+    """What a GLM-4.5 or dots.llm1 config can say that transformers' Glm4MoeForCausalLM / Dots1ForCausalLM would not run
+    as it says, refused by name: a router other than their sigmoid with noaux_tc (they read neither key), no experts;
+    dots.llm1's moe_layer_freq other than 1 (Dots1's layers read it no more than DeepSeek-V3's). GLM-4.5's
+    multi-token-prediction layer is built apart (compiler/mtp.py)."""
+    name = {"glm4_moe": "GLM-4.5", "dots1": "dots.llm1"}[family]
     scoring, method = config.get("scoring_func"), config.get("topk_method")
     if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
-        raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' GLM-4.5 routes by "
+        raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' {name} routes by "
                               "sigmoid with noaux_tc (e_score_correction_bias)")
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
-        raise CheckpointError("GLM-4.5: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
+        raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")
+    if family == "dots1" and config.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"moe_layer_freq {config['moe_layer_freq']}: transformers' dots.llm1 ignores it (every "
+                              "layer from first_k_dense_replace on is an MoE); published checkpoints set 1")
 
 
 def _glm4_moe_fields(config: dict) -> dict:

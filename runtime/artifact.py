@@ -96,10 +96,12 @@ from llmc.schema import opt, parse
 #      formats have (an older llmc refuses the family by name).
 # 1.28: DeepSeek-V3's multi-token-prediction layer in the `mtp` section and MTP_WEIGHTS (an MLA + MoE layer, its own
 #      latent cache; an older llmc would run it with GQA's cache); older DeepSeek manifests load without it.
-FORMAT_VERSION = "1.28"
+# 1.29: dots.llm1 (family dots1: GLM-4.5's fields, Qwen3's attention), read with fields older formats have (an older
+#      llmc refuses the family by name).
+FORMAT_VERSION = "1.29"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -108,7 +110,7 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5"]
+            "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -293,9 +295,9 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's and GLM-4.5's router weight (and V3's and GLM-4.5's score bias) is held and run in float32, as
-        transformers keeps it, and routes by `deepseek_route`."""
-        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
+        """DeepSeek's, GLM-4.5's and dots.llm1's router weight (and V3's, GLM-4.5's and dots.llm1's score bias) is held
+        and run in float32, as transformers keeps it, and routes by `deepseek_route`."""
+        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
 
     @property
     def rotary_dims(self) -> int:
