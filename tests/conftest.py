@@ -277,6 +277,13 @@ _FAMILY_SPECS["seed_oss"] = ("SeedOssConfig", {"head_dim": 32, "attention_bias":
                                                "mlp_bias": False})
 _FAMILY_SPECS["ernie4_5"] = ("Ernie4_5Config", {"head_dim": 32, "tie_word_embeddings": True, "use_bias": False})
 EXAONE_SEED_ERNIE_FAMILIES = ("exaone4", "seed_oss", "ernie4_5")
+# dots.llm1 (tests/runtime/test_dots1.py): Qwen3's attention (GQA 4/2 of head_dim 32, q/k norms, no biases), one
+# dense layer, then 2 MoE layers of 8 experts of width 32 (top 2) in 2 groups of which 1 is chosen, renormalised and
+# scaled by 2.5, beside 2 shared experts (one of width 64); no sliding window (the test file writes a sliding copy)
+_FAMILY_SPECS["dots1"] = ("Dots1Config", {
+    "head_dim": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "n_shared_experts": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "sliding_window": None})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the

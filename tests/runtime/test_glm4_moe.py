@@ -198,8 +198,9 @@ def test_the_router_is_transformers_router():
 
 
 def _hf_state(artifact) -> dict[str, torch.Tensor]:
-    """A GLM-4.5 artifact's weights as transformers' in-memory state dict (experts stacked: gate_up_proj, down_proj),
-    every linear dequantized by the formats' oracle (quant/reference.py), q/k rows, biases and norms permuted back."""
+    """A GLM-4.5 (or dots.llm1) artifact's weights as transformers' in-memory state dict (experts stacked: gate_up_proj,
+    down_proj), every linear dequantized by the formats' oracle (quant/reference.py), q/k rows, biases and norms
+    permuted back (GLM-4.5's partial rotary; dots.llm1's rows are the checkpoint's)."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -207,7 +208,8 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
     model, modules = manifest["model"], manifest["quant"]["modules"]
     tensors = load_file(artifact / "rank-00" / "weights.safetensors")
     head_dim = model["head_dim"]
-    inverse = torch.argsort(partial_rotary_permutation(head_dim, model["rotary_dim"]))
+    inverse = torch.argsort(partial_rotary_permutation(head_dim, model["rotary_dim"])) if model.get("rotary_dim") \
+        else torch.arange(head_dim)
 
     def weight(name: str, expert: int | None = None) -> torch.Tensor:
         params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
@@ -226,7 +228,9 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
              "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
     for i in range(model["num_layers"]):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for kind, qkv in (("weight", weight(ours + "attn.qkv")), ("bias", tensors[ours + "attn.qkv.bias"])):
+        for kind, qkv in (("weight", weight(ours + "attn.qkv")), ("bias", tensors.get(ours + "attn.qkv.bias"))):
+            if qkv is None:
+                continue
             wq, wk, wv = qkv.split([q, kv, kv])
             state |= {f"{hf}self_attn.q_proj.{kind}": unpermute(wq), f"{hf}self_attn.k_proj.{kind}": unpermute(wk),
                       f"{hf}self_attn.v_proj.{kind}": wv}
