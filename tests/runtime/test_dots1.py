@@ -68,6 +68,9 @@ def test_logits_greedy_and_logprobs_match_transformers(kind, checkpoints, artifa
     assert (model.family, model.qk_norm, model.rotary_dim, model.attention_bias, model.rotary_rows_permuted) == (
         "dots1", True, None, False, False)
     assert (model.sliding_window, model.sliding_window_layers) == ((None, None) if kind == "full" else (8, [1, 2]))
+    if kind == "sliding":  # (the same weights as "full": the window changes transformers' logits past 8 tokens)
+        token_ids = hf_encode(checkpoints[kind], PROMPTS[1]) + list(range(100, 126))
+        assert (hf_logits(checkpoints["full"], token_ids) - hf_logits(checkpoints[kind], token_ids)).abs().max() > 0.1
     assert (model.moe_layers, model.shared_expert_intermediate_size, model.router_groups, model.router_in_float32) == (
         [1, 2], 64, 2, True)
 
