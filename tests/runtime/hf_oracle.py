@@ -104,6 +104,67 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str, state: dict | None
     return oracle
 
 
+def moe_hf_state(artifact, score_bias: str = "mlp.gate.e_score_correction_bias",
+                 score_bias_shape: tuple[int, ...] = (-1,)) -> dict[str, torch.Tensor]:
+    """An MoE artifact's weights (GLM-4.5, ERNIE 4.5 MoE) as transformers' in-memory state dict (experts stacked:
+    gate_up_proj, down_proj), every linear dequantized by the formats' oracle (quant/reference.py), q/k rows, their
+    biases and q/k norms permuted back (hf_checkpoint.rotary_row_permutation); the router's score bias under
+    `score_bias` in `score_bias_shape` (ERNIE's: mlp.gate.moe_statics.e_score_correction_bias, [1, E])."""
+    from llmc.compiler.hf_checkpoint import rotary_row_permutation
+    from llmc.quant.formats import make_format
+    from llmc.quant.reference import dequantize
+    from llmc.runtime.artifact import read_manifest
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model, modules = manifest["model"], manifest["quant"]["modules"]
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+    head_dim = model["head_dim"]
+    inverse = torch.argsort(rotary_row_permutation(read_manifest(artifact).model))
+
+    def weight(name: str, expert: int | None = None) -> torch.Tensor:
+        params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+        params.pop("bias", None)
+        if expert is not None:
+            params = {k: v[expert] for k, v in params.items()}
+        return dequantize(make_format(modules[name], torch.float32), params).float()
+
+    def unpermute(rows: torch.Tensor) -> torch.Tensor:
+        return rows.unflatten(0, (-1, head_dim))[:, inverse].flatten(0, 1)
+
+    state = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"]}
+    if "lm_head.weight" in tensors:  # (else tied to the embedding)
+        state["lm_head.weight"] = tensors["lm_head.weight"]
+    q, kv = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
+    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm", "moe.gate": "mlp.gate",
+             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+    for i in range(model["num_layers"]):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [("weight", weight(ours + "attn.qkv"))]
+        if ours + "attn.qkv.bias" in tensors:
+            qkv.append(("bias", tensors[ours + "attn.qkv.bias"]))
+        for kind, rows in qkv:
+            wq, wk, wv = rows.split([q, kv, kv])
+            state |= {f"{hf}self_attn.q_proj.{kind}": unpermute(wq), f"{hf}self_attn.k_proj.{kind}": unpermute(wk),
+                      f"{hf}self_attn.v_proj.{kind}": wv}
+        state[hf + "self_attn.o_proj.weight"] = weight(ours + "attn.o")
+        for name, theirs in norms.items():
+            if f"{ours}{name}.weight" in tensors:
+                norm = tensors[f"{ours}{name}.weight"]
+                state[f"{hf}{theirs}.weight"] = unpermute(norm) if name in ("attn.q_norm", "attn.k_norm") else norm
+        for ours_mlp, theirs in (("mlp.", "mlp."), ("moe.shared.", "mlp.shared_experts.")):
+            if ours + ours_mlp + "down" in modules:
+                gate, up = weight(ours + ours_mlp + "gate_up").chunk(2)
+                state |= {f"{hf}{theirs}gate_proj.weight": gate, f"{hf}{theirs}up_proj.weight": up,
+                          f"{hf}{theirs}down_proj.weight": weight(ours + ours_mlp + "down")}
+        if i in model["moe_layers"]:
+            experts = range(model["num_experts"])
+            state[hf + "mlp.experts.gate_up_proj"] = torch.stack([weight(ours + "moe.experts.gate_up", e)
+                                                                  for e in experts])
+            state[hf + "mlp.experts.down_proj"] = torch.stack([weight(ours + "moe.experts.down", e) for e in experts])
+            state[hf + score_bias] = tensors[ours + "moe.gate_bias.weight"].reshape(score_bias_shape)
+    return {name: tensor.float() for name, tensor in state.items()}
+
+
 def check_against_transformers(llm, checkpoint, prompts, greedy, hf_greedy, hf_logits, hf_encode, tolerance: float):
     """`llm`'s logits over prompts[1] and 40 more ids (past the tests' windows) against transformers' within
     `tolerance`, and its greedy tokens for every prompt equal to transformers'."""

@@ -25,8 +25,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, write_config
-from tests.runtime.test_glm4_moe import PROMPTS, _check, _hf_state, _random_score_bias
+from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, moe_hf_state, write_config
+from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 KINDS = ("full", "sliding")  # every layer full; layers 1 and 2 over an 8-token window (max_window_layers 1)
@@ -149,7 +149,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     experts = {modules[f"layers.1.moe.experts.{name}"]["format"] for name in ("gate_up", "down")}
     fp8 = quantization["method"] == "fp8"
     assert (formats, experts) == (({"w8a8-fp8"}, {"dense"}) if fp8 else ({"w4a16"}, {"w4a16"}))
-    state = _hf_state(out)
+    state = moe_hf_state(out)
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)

@@ -6,7 +6,6 @@ W4 build against transformers holding its dequantized weights (and not with two 
 the multi-token-prediction layer built apart; how configs are read; the refusals. The checkpoints carry a random
 e_score_correction_bias (transformers writes zeros), so the biased choice within the groups is checked."""
 
-import json
 import os
 
 if not __import__("torch").cuda.is_available():
@@ -27,7 +26,7 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, write_config
+from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, moe_hf_state, write_config
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
@@ -197,62 +196,6 @@ def test_the_router_is_transformers_router():
                                    atol=1e-6, rtol=1e-6)
 
 
-def _hf_state(artifact) -> dict[str, torch.Tensor]:
-    """A GLM-4.5 (or dots.llm1) artifact's weights as transformers' in-memory state dict (experts stacked: gate_up_proj,
-    down_proj), every linear dequantized by the formats' oracle (quant/reference.py), q/k rows, biases and norms
-    permuted back (GLM-4.5's partial rotary; dots.llm1's rows are the checkpoint's)."""
-    from llmc.quant.formats import make_format
-    from llmc.quant.reference import dequantize
-
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    model, modules = manifest["model"], manifest["quant"]["modules"]
-    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
-    head_dim = model["head_dim"]
-    inverse = torch.argsort(partial_rotary_permutation(head_dim, model["rotary_dim"])) if model.get("rotary_dim") \
-        else torch.arange(head_dim)
-
-    def weight(name: str, expert: int | None = None) -> torch.Tensor:
-        params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
-        params.pop("bias", None)
-        if expert is not None:
-            params = {k: v[expert] for k, v in params.items()}
-        return dequantize(make_format(modules[name], torch.float32), params).float()
-
-    def unpermute(rows: torch.Tensor) -> torch.Tensor:
-        return rows.unflatten(0, (-1, head_dim))[:, inverse].flatten(0, 1)
-
-    state = {"model.embed_tokens.weight": tensors["embed.weight"], "lm_head.weight": tensors["lm_head.weight"],
-             "model.norm.weight": tensors["norm.weight"]}
-    q, kv = model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
-    norms = {"input_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm", "moe.gate": "mlp.gate",
-             "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
-    for i in range(model["num_layers"]):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for kind, qkv in (("weight", weight(ours + "attn.qkv")), ("bias", tensors.get(ours + "attn.qkv.bias"))):
-            if qkv is None:
-                continue
-            wq, wk, wv = qkv.split([q, kv, kv])
-            state |= {f"{hf}self_attn.q_proj.{kind}": unpermute(wq), f"{hf}self_attn.k_proj.{kind}": unpermute(wk),
-                      f"{hf}self_attn.v_proj.{kind}": wv}
-        state[hf + "self_attn.o_proj.weight"] = weight(ours + "attn.o")
-        for name, theirs in norms.items():
-            if f"{ours}{name}.weight" in tensors:
-                norm = tensors[f"{ours}{name}.weight"]
-                state[f"{hf}{theirs}.weight"] = unpermute(norm) if name in ("attn.q_norm", "attn.k_norm") else norm
-        for ours_mlp, theirs in (("mlp.", "mlp."), ("moe.shared.", "mlp.shared_experts.")):
-            if ours + ours_mlp + "down" in modules:
-                gate, up = weight(ours + ours_mlp + "gate_up").chunk(2)
-                state |= {f"{hf}{theirs}gate_proj.weight": gate, f"{hf}{theirs}up_proj.weight": up,
-                          f"{hf}{theirs}down_proj.weight": weight(ours + ours_mlp + "down")}
-        if i in model["moe_layers"]:
-            experts = range(model["num_experts"])
-            state[hf + "mlp.experts.gate_up_proj"] = torch.stack([weight(ours + "moe.experts.gate_up", e)
-                                                                  for e in experts])
-            state[hf + "mlp.experts.down_proj"] = torch.stack([weight(ours + "moe.experts.down", e) for e in experts])
-            state[hf + "mlp.gate.e_score_correction_bias"] = tensors[ours + "moe.gate_bias.weight"]
-    return {name: tensor.float() for name, tensor in state.items()}
-
-
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32},
@@ -280,7 +223,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     experts = {modules[f"layers.1.moe.experts.{name}"]["format"] for name in ("gate_up", "down")}
     fp8 = quantization["method"] == "fp8"
     assert (formats, experts) == (({"w8a8-fp8"}, {"dense"}) if fp8 else ({"w4a16"}, {"w4a16"}))
-    state = _hf_state(out)
+    state = moe_hf_state(out)
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
