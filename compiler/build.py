@@ -219,6 +219,10 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized (quantization_config quant_method "
                               f"{qc['quant_method']!r}) and quantization.method {recipe.quantization.method} reads "
                               "float weights; build it with quantization.method: import")
+    if spec.family == "ernie4_5_moe" and recipe.quantization.method == "import":
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for ERNIE 4.5 MoE (its router's "
+                              "mlp.moe_statics bias and permuted q/k rows are not read from a quantized checkpoint); "
+                              "quantize the float checkpoint with rtn, gptq, awq or fp8")
     if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5") and recipe.quantization.method == "import":
         _check_permuted_import(spec, model_dir, qc, gguf is not None)
     if spec.family in ("qwen3", "qwen3_moe", "dots1") and hf_config.get("attention_bias"):  # o_proj has a bias then too

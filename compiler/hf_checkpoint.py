@@ -45,7 +45,6 @@ _REFUSED_ARCHITECTURES = {
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
-    "Ernie4_5_MoeForCausalLM": "ERNIE 4.5 MoE is not supported; the dense ERNIE 4.5 (Ernie4_5ForCausalLM) is",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
 }
@@ -147,6 +146,14 @@ _HF_CONFIG_DEFAULTS["seed_oss"] = {"max_position_embeddings": 524288, "rms_norm_
 _HF_CONFIG_DEFAULTS["ernie4_5"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_key_value_heads": 2,
                                    "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
                                    "use_bias": False, "rope_theta": 500000.0}
+# Ernie4_5_MoeConfig's defaults (no head_dim: hidden_size / num_attention_heads, as its attention reads it)
+_HF_CONFIG_DEFAULTS["ernie4_5_moe"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5,
+                                       "num_key_value_heads": 4, "bos_token_id": 1, "eos_token_id": 2,
+                                       "tie_word_embeddings": True,
+                                       "use_bias": False, "rope_theta": 500000.0, "moe_intermediate_size": 1536,
+                                       "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+                                       "moe_layer_start_index": 1, "moe_layer_end_index": -1, "moe_layer_interval": 1,
+                                       "moe_norm_min": 1e-12}
 _DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
                       "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                       "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
@@ -190,7 +197,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
                   "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4",
-                  "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1"}
+                   "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1",
+                   "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -240,7 +248,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _smollm3_config(config)
     if spec.family == "exaone4":
         config = _exaone4_config(config)
-    if spec.family in ("seed_oss", "ernie4_5"):
+    if spec.family in ("seed_oss", "ernie4_5", "ernie4_5_moe"):
         config = _seed_oss_ernie_config(config, spec.family)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
@@ -275,6 +283,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_ROUTER_FAMILIES
            else {}),
         **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
+        **(_ernie4_5_moe_fields(config) if spec.family == "ernie4_5_moe" else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -286,8 +295,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "pre_norms": False} if spec.family == "exaone4" else {}),
         # Seed-OSS: o_proj's bias where attention_out_bias (runtime/models/seed_oss.py)
         **({"o_bias": bool(config["attention_out_bias"])} if spec.family == "seed_oss" else {}),
-        # ERNIE 4.5: interleaved rotary pairs over the whole head (runtime/models/ernie4_5.py)
-        **({"rotary_interleaved": True} if spec.family == "ernie4_5" else {}),
+        # ERNIE 4.5 (and its MoE): interleaved rotary pairs over the whole head (runtime/models/ernie4_5.py)
+        **({"rotary_interleaved": True} if spec.family in ("ernie4_5", "ernie4_5_moe") else {}),
         **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
         # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
@@ -592,7 +601,8 @@ def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Call
 
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
-DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1")  # routed by moe.deepseek_route (their own MoE fields)
+# routed by moe.deepseek_route (their own MoE fields)
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe")
 
 
 def _deepseek_config(config: dict, family: str) -> dict:
@@ -712,6 +722,39 @@ def _glm4_moe_fields(config: dict) -> dict:
             "shared_expert_intermediate_size": shared or None, "router_scoring": "sigmoid",
             "router_groups": groups[0], "router_topk_groups": groups[1],
             "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0)}
+
+
+def _ernie4_5_moe_fields(config: dict) -> dict:
+    """ERNIE 4.5 MoE's fields as Ernie4_5_MoeDecoderLayer and Ernie4_5_MoeTopKRouter read the config: layer i is an MoE
+    where (i + 1) % moe_layer_interval == 0 and moe_layer_start_index <= i <= moe_layer_end_index (-1: the last
+    layer), the softmax router choosing with its moe_statics bias, renormalised by max(sum, moe_norm_min), and
+    moe_num_shared_experts shared experts as one. What it cannot say as transformers runs it is refused by name."""
+    num_layers = config["num_hidden_layers"]
+    keys = ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
+    start, end, interval = (config[key] for key in keys)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end, interval)) or interval < 1:
+        raise CheckpointError(f"moe_layer_start_index {start!r}, moe_layer_end_index {end!r}, moe_layer_interval "
+                              f"{interval!r}: ERNIE 4.5 MoE needs integers, the interval at least 1 (lists are the "
+                              "vision-language ERNIE's, which is not supported)")
+    norm_min = config["moe_norm_min"]
+    if not _is_number(norm_min) or norm_min <= 0:
+        raise CheckpointError(f"moe_norm_min {norm_min!r}: the router's renormalisation floor must be a positive "
+                              "number (published checkpoints: 1e-12)")
+    if not config.get("moe_num_experts") or not config.get("moe_k"):
+        raise CheckpointError("ERNIE 4.5 MoE: moe_num_experts and moe_k must be set (the MoE layers' experts and "
+                              "top-k)")
+    if config.get("num_nextn_predict_layers"):
+        logger.info("ERNIE 4.5 MoE: the multi-token prediction layers (num_nextn_predict_layers %s, model.mtp_*) are "
+                    "not built (transformers' Ernie4_5_MoeForCausalLM skips them)", config["num_nextn_predict_layers"])
+    end = num_layers - 1 if end == -1 else end
+    layers = [i for i in range(num_layers) if (i + 1) % interval == 0 and start <= i <= end]
+    if not layers:
+        return {}
+    shared = config["moe_intermediate_size"] * (config.get("moe_num_shared_experts") or 0)
+    return {"num_experts": config["moe_num_experts"], "num_experts_per_tok": config["moe_k"],
+            "moe_intermediate_size": config["moe_intermediate_size"], "norm_topk_prob": True, "moe_layers": layers,
+            "shared_expert_intermediate_size": shared or None, "router_scoring": "softmax",
+            "router_norm_min": float(norm_min)}
 
 
 def _moe_fields(config: dict, family: str) -> dict:
@@ -880,16 +923,17 @@ def _exaone4_config(config: dict) -> dict:
 
 
 def _seed_oss_ernie_config(config: dict, family: str) -> dict:
-    """Seed-OSS's and ERNIE 4.5's biases as the runtime holds them: Seed-OSS's q/k/v (attention_bias) and o
-    (attention_out_bias, ModelConfig.o_bias); ERNIE's use_bias (every linear's) as attention_bias. The MLP's biases
-    (Seed-OSS's mlp_bias, ERNIE's use_bias) are refused by name: the runtime's MLP has none."""
+    """Seed-OSS's and ERNIE 4.5's (dense and MoE) biases as the runtime holds them: Seed-OSS's q/k/v (attention_bias)
+    and o (attention_out_bias, ModelConfig.o_bias); ERNIE's use_bias (every linear's) as attention_bias. The MLP's
+    biases (Seed-OSS's mlp_bias, ERNIE's use_bias) are refused by name: the runtime's MLP has none."""
     if family == "seed_oss":
         if config.get("mlp_bias"):
             raise CheckpointError("mlp_bias: true is not supported for Seed-OSS (the MLP's biases: the runtime's MLP "
                                   "has none); published checkpoints set it false")
         return config
     if config.get("use_bias"):
-        raise CheckpointError("use_bias: true is not supported for ERNIE 4.5 (biases on every linear, the MLP's too: "
+        name = "ERNIE 4.5 MoE" if family == "ernie4_5_moe" else "ERNIE 4.5"
+        raise CheckpointError(f"use_bias: true is not supported for {name} (biases on every linear, the MLP's too: "
                               "the runtime's MLP has none); published checkpoints set it false")
     return {**config, "attention_bias": False}
 

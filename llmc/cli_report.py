@@ -297,7 +297,10 @@ def _rope_text(theta: float, scaling: dict | None) -> str:
 
 
 def _router_text(m: dict) -> str:
-    """DeepSeek's routing, where the model has it: scoring, groups, scale (the softmax router says nothing)."""
+    """DeepSeek's routing, where the model has it: scoring, groups, scale (the softmax router says nothing); ERNIE 4.5
+    MoE's softmax chosen with its score bias."""
+    if m.get("family") == "ernie4_5_moe":
+        return " (softmax chosen with its score bias)"
     if m.get("router_scoring", "softmax") == "softmax" and not m.get("router_groups") and \
             m.get("routed_scaling_factor", 1.0) == 1.0:
         return ""

@@ -98,10 +98,12 @@ from llmc.schema import opt, parse
 #      latent cache; an older llmc would run it with GQA's cache); older DeepSeek manifests load without it.
 # 1.29: dots.llm1 (family dots1: GLM-4.5's fields, Qwen3's attention), read with fields older formats have (an older
 #      llmc refuses the family by name).
-FORMAT_VERSION = "1.29"
+# 1.30: ERNIE 4.5 MoE (family ernie4_5_moe: a softmax router whose choice takes moe.gate_bias) and
+#      model.router_norm_min (its renormalisation's floor, moe_norm_min); older manifests load without it (None).
+FORMAT_VERSION = "1.30"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -110,7 +112,8 @@ VISION_FEATURE_STRATEGIES = ["default", "full"]
 DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
-            "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1"]
+            "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
+            "ernie4_5_moe"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -180,6 +183,9 @@ class ModelConfig:
     router_groups: int | None = opt(None, min=1)
     router_topk_groups: int | None = opt(None, min=1)
     routed_scaling_factor: float = opt(1.0, min_exclusive=0.0)
+    # ERNIE 4.5 MoE's moe_norm_min: the renormalisation divides by max(sum, router_norm_min); None: by sum + 1e-20
+    # (DeepSeek's)
+    router_norm_min: float | None = opt(None, min_exclusive=0.0)
     # DeepSeek's multi-head latent attention (runtime/models/mla.py; None: the plain q/k/v attention): the compressed
     # kv's width (kv_lora_rank), q's low rank (None: q_proj), each head's q/k dims without and with the rotary
     # (head_dim is their sum) and its v dims (at most head_dim: the attention's output buffers are head_dim wide);
@@ -295,9 +301,15 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's, GLM-4.5's and dots.llm1's router weight (and V3's, GLM-4.5's and dots.llm1's score bias) is held
-        and run in float32, as transformers keeps it, and routes by `deepseek_route`."""
-        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+        """DeepSeek's, GLM-4.5's, dots.llm1's and ERNIE 4.5 MoE's router weight (and their score bias where they
+        have one) is held and run in float32, as transformers keeps it, and routes by `deepseek_route`."""
+        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe")
+
+    @property
+    def router_score_bias(self) -> bool:
+        """The router chooses by its scores plus moe.gate_bias (e_score_correction_bias), weighting by the scores
+        alone: DeepSeek-V3's and GLM-4.5's sigmoid scores, ERNIE 4.5 MoE's softmax ones (its moe_statics)."""
+        return self.router_scoring == "sigmoid" or self.family == "ernie4_5_moe"
 
     @property
     def rotary_dims(self) -> int:

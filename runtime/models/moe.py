@@ -22,6 +22,8 @@ on a float32 router weight, as transformers' DeepseekV2/V3TopkRouter: V2 softmax
 best groups by their best expert); V3 sigmoid scores chosen by score + e_score_correction_bias (moe.gate_bias) within
 the best groups by their two best experts' sum, weighted by the scores without the bias, renormalised where
 norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (ids, weights) as the softmax router does.
+ERNIE 4.5 MoE's router is V2's softmax chosen by score + its moe_statics bias (moe.gate_bias) as V3's, no groups,
+renormalised by max(sum, moe_norm_min) (ModelConfig.router_norm_min), as transformers' Ernie4_5_MoeTopKRouter.
 
 gpt-oss (ModelConfig.moe_bias, swiglu_limit): the router's logits take its bias (`moe.gate.bias`), every expert's
 gate_up and down add theirs (`ExpertLinears.bias`, [E, out], never quantized), and the experts' activation is the
@@ -137,7 +139,9 @@ class MoE(nn.Module):
         self.is_deepseek_router = config.router_in_float32
         self.scoring, self.routed_scaling_factor = config.router_scoring, config.routed_scaling_factor
         self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
-        if config.router_scoring == "sigmoid":  # DeepSeek-V3's e_score_correction_bias [num_experts]
+        self.norm_min = config.router_norm_min
+        self.has_score_bias = config.router_score_bias
+        if self.has_score_bias:  # DeepSeek-V3's, GLM-4.5's, ERNIE's e_score_correction_bias [num_experts]
             self.gate_bias = nn.Module()
             self.gate_bias.register_buffer("weight", torch.empty(config.num_experts, dtype=torch.float32,
                                                                  device="meta"))
@@ -166,9 +170,9 @@ class MoE(nn.Module):
         `deepseek_route`)."""
         if self.is_deepseek_router:
             logits = torch.nn.functional.linear(x.float(), self.gate.weight)
-            bias = self.gate_bias.weight if self.scoring == "sigmoid" else None
+            bias = self.gate_bias.weight if self.has_score_bias else None
             return deepseek_route(logits, self.top_k, self.scoring, bias, self.groups, self.topk_groups,
-                                  self.norm_topk_prob, self.routed_scaling_factor)
+                                  self.norm_topk_prob, self.routed_scaling_factor, self.norm_min)
         logits = torch.nn.functional.linear(x, self.gate.weight, self.gate.bias if self.has_bias else None)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
@@ -239,13 +243,15 @@ class MoE(nn.Module):
 
 
 def deepseek_route(logits: Tensor, top_k: int, scoring: str, bias: Tensor | None, groups: int | None,
-                   topk_groups: int | None, norm_topk_prob: bool, scaling: float) -> tuple[Tensor, Tensor]:
+                   topk_groups: int | None, norm_topk_prob: bool, scaling: float,
+                   norm_min: float | None = None) -> tuple[Tensor, Tensor]:
     """DeepSeek's routing of float32 router logits [num_tokens, num_experts] → (weights [num_tokens, top_k] float32,
     ids [num_tokens, top_k] int64). scoring softmax (V2): the top-k of the softmax, among the experts of the best
     `topk_groups` of `groups` groups (a group's score: its best expert's) where groups is set. sigmoid (V3): the
     experts are chosen by sigmoid + `bias` among the best groups (a group's score: the sum of its two best experts'),
-    and weighted by their sigmoid (without the bias). Renormalised to sum 1 where norm_topk_prob (V3; the 1e-20
-    transformers adds), then times `scaling` (routed_scaling_factor)."""
+    and weighted by their sigmoid (without the bias); softmax with a `bias` (ERNIE 4.5 MoE): chosen by softmax + bias,
+    weighted by the softmax. Renormalised to sum 1 where norm_topk_prob (V3; the 1e-20 transformers adds, or ERNIE's
+    floor of the sum, `norm_min`), then times `scaling` (routed_scaling_factor)."""
     scores = logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
     choice = scores if bias is None else scores + bias
     if groups is not None:
@@ -258,7 +264,8 @@ def deepseek_route(logits: Tensor, top_k: int, scoring: str, bias: Tensor | None
     ids = torch.topk(choice, top_k, dim=-1)[1]
     weights = scores.gather(1, ids)
     if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if norm_min is None else total.clamp(min=norm_min))
     return weights * scaling, ids
 
 

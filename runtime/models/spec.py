@@ -39,6 +39,9 @@ class MoeSpec:
     # `{name}_blocks` / `{name}_scales` (compiler/gpt_oss_checkpoint.py)
     fused_layout: str = "granite"
     shared_gate: str | None = None  # Qwen2-MoE: the shared expert's gate [1, hidden] (sigmoid), never quantized
+    # the router's e_score_correction_bias (ModelConfig.router_score_bias) where it is not under the router (None:
+    # f"{router}.e_score_correction_bias"): ERNIE 4.5 MoE's "mlp.moe_statics.e_score_correction_bias" [1, num_experts]
+    score_bias: str | None = None
 
 
 @dataclass(frozen=True)

@@ -252,8 +252,8 @@ def test_what_is_not_run_is_refused_by_name(checkpoints, artifacts, tmp_path):
     """EXAONE 4: a sliding_window with no sliding layer (transformers and vLLM disagree on its rotary), a
     sliding_window_pattern that is not an integer without layer_types; Seed-OSS's mlp_bias and ERNIE's use_bias (the
     MLP's biases), at build time too; importing a pre-quantized ERNIE (its q/k rows are permuted at build); export of
-    the three (no export form); EXAONE 3, ERNIE 4.5 MoE and ERNIE's remote-code architecture, and ERNIE 4.5 as a
-    sequence classifier (transformers has no such class)."""
+    the three (no export form); EXAONE 3 and ERNIE's remote-code architecture, and ERNIE 4.5 as a sequence
+    classifier (transformers has no such class)."""
     exaone = checkpoints["exaone4"]
     with pytest.raises(CheckpointError, match="sliding_window 8 with no sliding_attention layer: transformers runs"):
         _model_config(exaone, layer_types=["full_attention"] * 4)
@@ -269,8 +269,8 @@ def test_what_is_not_run_is_refused_by_name(checkpoints, artifacts, tmp_path):
     for variant in ("exaone4", "seed_oss", "ernie4_5"):
         with pytest.raises(ArtifactError, match="cannot export"):
             export_artifact(artifacts(variant), tmp_path / f"export_{variant}")
-    for arch, reason in (("ExaoneForCausalLM", "EXAONE 3 / 3.5"), ("Ernie4_5_MoeForCausalLM", "ERNIE 4.5 MoE"),
-                         ("Ernie4_5_ForCausalLM", "remote-code"), ("Ernie4_5ForSequenceClassification", "supported")):
+    for arch, reason in (("ExaoneForCausalLM", "EXAONE 3 / 3.5"), ("Ernie4_5_ForCausalLM", "remote-code"),
+                         ("Ernie4_5ForSequenceClassification", "supported")):
         source = tmp_path / arch
         source.mkdir()
         (source / "config.json").write_text(json.dumps({**read_hf_config(exaone), "architectures": [arch]}))
