@@ -284,6 +284,13 @@ _FAMILY_SPECS["dots1"] = ("Dots1Config", {
     "head_dim": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "moe_intermediate_size": 32, "n_shared_experts": 2, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
     "routed_scaling_factor": 2.5, "sliding_window": None})
+# ERNIE 4.5 MoE (tests/runtime/test_ernie4_5_moe.py): dense ERNIE's attention (head_dim 32, interleaved rotary, tied),
+# 4 layers of which 1 and 3 are MoE ((i + 1) % moe_layer_interval 2 == 0 from moe_layer_start_index 1): 8 experts of
+# width 32, top 2, beside 2 shared experts (one of width 64); 0 and 2 dense MLPs (the base intermediate_size)
+_FAMILY_SPECS["ernie4_5_moe"] = ("Ernie4_5_MoeConfig", {
+    "head_dim": 32, "tie_word_embeddings": True, "use_bias": False, "num_hidden_layers": 4, "moe_num_experts": 8,
+    "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
+    "moe_layer_end_index": -1, "moe_layer_interval": 2})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
