@@ -20,9 +20,12 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
                  width 1408, top-6, 2 shared, 27 layers cut to 4 by default) or glm4-moe (GLM-4.5-Air: 96 q / 8 kv
                  heads of 128 with q/k/v biases, rotary on half of each head, layer 0 dense, then 128 experts of
                  width 1408, top-8 by V3's sigmoid router with e_score_correction_bias, 1 shared; 46 layers cut to 4
-                 by default; its multi-token-prediction layer left out, as llmc does not build it). The MoE configs
-                 are written by transformers' config classes (Qwen3MoeConfig, MixtralConfig, DeepseekV2Config,
-                 Glm4MoeConfig); the experts' tensors are named per expert, as the published checkpoints name them
+                 by default; its multi-token-prediction layer left out, as llmc does not build it) or ernie4_5-moe
+                 (ERNIE-4.5-21B-A3B: 20 q / 4 kv heads of 128, interleaved rotary, tied embeddings, layer 0 dense,
+                 then 64 experts of width 1536, top-6 by a softmax router with its moe_statics bias, 2 shared; 28
+                 layers cut to 4 by default). The MoE configs are written by transformers' config classes
+                 (Qwen3MoeConfig, MixtralConfig, DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig); the experts'
+                 tensors are named per expert, as the published checkpoints name them
                  (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
 """
 
@@ -93,6 +96,14 @@ GLM_45_AIR = {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10
               "routed_scaling_factor": 1.0, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
               "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}
+# ERNIE-4.5-21B-A3B-PT's (baidu: interleaved rotary over whole heads of 128, tied embeddings, layer 0 dense, then 64
+# experts of width 1536, top-6 by a softmax router choosing with its moe_statics bias, 2 shared; its MTP layer left out)
+ERNIE_45_21B = {"vocab_size": 103424, "hidden_size": 2560, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                "num_hidden_layers": 28, "num_attention_heads": 20, "num_key_value_heads": 4, "moe_num_experts": 64,
+                "moe_k": 6, "moe_num_shared_experts": 2, "moe_layer_start_index": 1, "moe_layer_end_index": -1,
+                "moe_layer_interval": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
+                "tie_word_embeddings": True, "use_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
                                                         "num_experts_per_tok": 2}),
@@ -104,6 +115,8 @@ MOE_ARCHS = {  # arch → (config class, published config, layers by default, ti
                                                                    "intermediate_size": 512}),
     "glm4-moe": ("Glm4MoeConfig", GLM_45_AIR, 4, {"moe_intermediate_size": 128, "n_routed_experts": 8,
                                                   "num_experts_per_tok": 2, "intermediate_size": 512}),
+    "ernie4_5-moe": ("Ernie4_5_MoeConfig", ERNIE_45_21B, 4, {"moe_intermediate_size": 128, "moe_num_experts": 8,
+                                                            "moe_k": 2, "intermediate_size": 512}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
@@ -146,6 +159,8 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes |= attention_shapes(config, p) | mlp_shapes(config, p, i)
     if "num_labels" in config:  # a sequence classifier's head
         return shapes | {"model.norm.weight": (hidden,), "score.weight": (config["num_labels"], hidden)}
+    if config.get("tie_word_embeddings"):  # (ERNIE 4.5: the embedding is the LM head)
+        return shapes | {"model.norm.weight": (hidden,)}
     return shapes | {"model.norm.weight": (hidden,), "lm_head.weight": (config["vocab_size"], hidden)}
 
 
@@ -160,7 +175,7 @@ def attention_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.kv_a_layernorm.weight": (latent,),
                 p + "self_attn.kv_b_proj.weight": (heads * (nope + v), latent),
                 p + "self_attn.o_proj.weight": (hidden, heads * v)}
-    head_dim = config["head_dim"]
+    head_dim = config.get("head_dim") or hidden // heads  # (ERNIE 4.5 MoE's config has none)
     q, kv = heads * head_dim, config["num_key_value_heads"] * head_dim
     shapes = {p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
               p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q)}
@@ -183,6 +198,8 @@ def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     DeepSeek's and GLM-4.5's (dense before first_k_dense_replace, then routed experts beside shared ones; GLM-4.5's
     router with its e_score_correction_bias)."""
     hidden, model_type = config["hidden_size"], config["model_type"]
+    if model_type == "ernie4_5_moe":
+        return ernie_mlp_shapes(config, p, layer)
     deepseek_like = model_type in ("deepseek_v2", "glm4_moe")
     if model_type == "llama" or (deepseek_like and layer < config["first_k_dense_replace"]):
         return dense_mlp_shapes(p + "mlp.", hidden, config["intermediate_size"])
@@ -208,6 +225,22 @@ def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     for e in range(num_experts):
         gate, up, down = (p + name.format(e) + ".weight" for name in names)
         shapes |= {gate: (inter, hidden), up: (inter, hidden), down: (hidden, inter)}
+    return shapes
+
+
+def ernie_mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
+    """ERNIE 4.5 MoE's: layer i an MoE where (i + 1) % moe_layer_interval == 0 within [moe_layer_start_index,
+    moe_layer_end_index], its router's bias under mlp.moe_statics [1, E], as the published checkpoints hold it."""
+    hidden, inter, num_experts = config["hidden_size"], config["moe_intermediate_size"], config["moe_num_experts"]
+    if (layer + 1) % config["moe_layer_interval"] or not (
+            config["moe_layer_start_index"] <= layer <= config["moe_layer_end_index"]):
+        return dense_mlp_shapes(p + "mlp.", hidden, config["intermediate_size"])
+    shapes = {p + "mlp.gate.weight": (num_experts, hidden),
+              p + "mlp.moe_statics.e_score_correction_bias": (1, num_experts)}
+    if config["moe_num_shared_experts"]:
+        shapes |= dense_mlp_shapes(p + "mlp.shared_experts.", hidden, inter * config["moe_num_shared_experts"])
+    for e in range(num_experts):
+        shapes |= dense_mlp_shapes(p + f"mlp.experts.{e}.", hidden, inter)
     return shapes
 
 
@@ -305,12 +338,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, "
-                        "deepseek-v2-lite 4, glm4-moe 4; 2 with --tiny)")
+                        "deepseek-v2-lite 4, glm4-moe 4, ernie4_5-moe 4; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite or "
-                        "glm4-moe")
+    parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite, "
+                        "glm4-moe or ernie4_5-moe")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)
