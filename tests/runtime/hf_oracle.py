@@ -185,16 +185,17 @@ def build_quantized(checkpoint, tmp_path, data_dir, quantization: dict):
         **quantization, "report": False, **({"calibration": calibration} if needs_data else {})})
 
 
-def check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens: int = 16) -> None:
-    """`llm`'s logits over prompts[1] and 20 more ids against `oracle`'s (a transformers model) to 1e-4, and its
-    max_tokens greedy tokens of prompts[0] equal to oracle.generate's."""
+def check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens: int = 16,
+                         tolerance: float = 1e-4) -> None:
+    """`llm`'s logits over prompts[1] and 20 more ids against `oracle`'s (a transformers model) to `tolerance`, and
+    its max_tokens greedy tokens of prompts[0] equal to oracle.generate's."""
     from llmc.runtime.sampling_params import SamplingParams
 
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
     prompt = hf_encode(checkpoint, prompts[0])
     with torch.inference_mode():
         torch.testing.assert_close(llm.engine.score(token_ids), oracle(torch.tensor([token_ids])).logits[0],
-                                   atol=1e-4, rtol=1e-4)
+                                   atol=tolerance, rtol=tolerance)
         want = oracle.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):].tolist()
         got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens))

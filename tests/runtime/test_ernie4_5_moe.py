@@ -125,25 +125,38 @@ def test_the_router_is_transformers_router():
     {"method": "rtn", "bits": 4, "group_size": 32},
     {"method": "gptq", "bits": 4, "group_size": 32},
     pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
-], ids=["rtn-w4", "gptq-w4", "awq-w4"])
-def test_a_w4_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, hf_encode, data_dir):
+    # (the experts dense: transformers' stacked experts are no nn.Linear whose inputs a hook could round to FP8)
+    {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
+     "ignore": [r"re:layers\.\d+\.moe\.experts\..*"]},
+], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
+def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, hf_encode, data_dir):
     """A W4A16 build (qkv, o, the dense MLPs, the shared experts and every expert; GPTQ and AWQ calibrated through the
-    MoE layers) against transformers' model holding its dequantized weights (q/k rows permuted back, the float32
-    router and its bias as built): logits (1e-4) and greedy tokens."""
+    MoE layers) and an FP8 one (its linears; each input rounded to E4M3 per token in transformers too) against
+    transformers' model holding its dequantized weights (q/k rows permuted back, the float32 router and its bias as
+    built): logits (1e-4; FP8 1e-3: one of the 34 positions is 3e-4 off, the others within 1e-5, as one activation
+    rounded to the other E4M3 neighbour at a near-tie would make it) and greedy tokens."""
     from transformers import AutoModelForCausalLM
+
+    from tests.conftest import fp8_per_token
 
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
+    fp8 = quantization["method"] == "fp8"
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in (
-        (0, "attn.qkv"), (0, "mlp.down"), (1, "moe.shared.gate_up"), (1, "moe.experts.gate_up"),
-        (3, "moe.experts.down"))} == {"w4a16"}
+        (0, "attn.qkv"), (0, "mlp.down"), (1, "moe.shared.gate_up"))} == {"w8a8-fp8" if fp8 else "w4a16"}
+    assert {modules[f"layers.{i}.moe.experts.{name}"]["format"] for i, name in ((1, "gate_up"), (3, "down"))} == {
+        "dense" if fp8 else "w4a16"}
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(moe_hf_state(out, SCORE_BIAS, (1, -1)), strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # (tied to the embedding)
     oracle.tie_weights()
     oracle.eval()
+    if fp8:
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
     with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS)
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, tolerance=1e-3 if fp8 else 1e-4)
 
 
 @torch.inference_mode()
