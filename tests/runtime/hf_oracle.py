@@ -119,7 +119,8 @@ def moe_hf_state(artifact, score_bias: str = "mlp.gate.e_score_correction_bias",
     model, modules = manifest["model"], manifest["quant"]["modules"]
     tensors = load_file(artifact / "rank-00" / "weights.safetensors")
     head_dim = model["head_dim"]
-    inverse = torch.argsort(rotary_row_permutation(read_manifest(artifact).model))
+    permutation = rotary_row_permutation(read_manifest(artifact).model)  # (None: the checkpoint's rows, dots.llm1)
+    inverse = torch.arange(head_dim) if permutation is None else torch.argsort(permutation)
 
     def weight(name: str, expert: int | None = None) -> torch.Tensor:
         params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
