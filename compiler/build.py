@@ -123,6 +123,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_moe(ctx)
     _check_mla(ctx)
     _check_onnx_norms(ctx)
+    _check_onnx_temperature(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
     _check_pooling(ctx)
@@ -335,6 +336,15 @@ def _check_onnx_norms(ctx: _Context) -> None:
     if ctx.recipe.target.device in om.ONNX_DEVICES and (model.layer_norm or model.parallel_block):
         raise RecipeError(f"target.device {ctx.recipe.target.device}: {model.architecture}'s LayerNorm and parallel "
                           "attention + MLP block are not exported to ONNX; use target.device cpu or cuda")
+
+
+def _check_onnx_temperature(ctx: _Context) -> None:
+    """A query temperature (Ministral 3's llama_4_scaling_beta) has no form in the onnx-cpu graph (its
+    GroupQueryAttention rotates q itself, with no per-position scale): refused by name before any work."""
+    model, device = ctx.model, ctx.recipe.target.device
+    if device in om.ONNX_DEVICES and model.query_temperature_beta is not None:
+        raise RecipeError(f"target.device {device}: {model.architecture}'s query temperature (q scaled by position) is "
+                          "not exported to ONNX; use target.device cpu or cuda")
 
 
 def _check_pooling(ctx: _Context) -> None:

@@ -154,6 +154,12 @@ _HF_CONFIG_DEFAULTS["ernie4_5_moe"] = {"max_position_embeddings": 131072, "rms_n
                                        "moe_k": 6, "moe_num_experts": 64, "moe_num_shared_experts": 2,
                                        "moe_layer_start_index": 1, "moe_layer_end_index": -1, "moe_layer_interval": 1,
                                        "moe_norm_min": 1e-12}
+# Ministral3Config's (its default rope_parameters, YaRN with llama_4_scaling_beta 0.1, filled in by _ministral3_config)
+_HF_CONFIG_DEFAULTS["ministral3"] = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                                     "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+                                     "sliding_window": None}
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
+                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
 _DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
                       "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                       "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
@@ -198,7 +204,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
                   "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4",
                    "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1",
-                   "Ernie4_5_MoeForCausalLM": "ernie4_5_moe"}
+                   "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+                   "Ministral3ForCausalLM": "ministral3"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -250,6 +257,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _exaone4_config(config)
     if spec.family in ("seed_oss", "ernie4_5", "ernie4_5_moe"):
         config = _seed_oss_ernie_config(config, spec.family)
+    if spec.family == "ministral3":
+        config = _ministral3_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -302,6 +311,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
+        **(config["_query_temperature"] if spec.family == "ministral3" else {}),
         nope_layers=config.get("_nope_layers", []),  # SmolLM3's, EXAONE 4's (_smollm3_config, _exaone4_config)
         # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
         # transformers models rotate whole heads
@@ -920,6 +930,24 @@ def _exaone4_config(config: dict) -> dict:
     if window is not None:
         config["_nope_layers"] = [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"]
     return config
+
+
+def _ministral3_config(config: dict) -> dict:
+    """A Ministral 3 config as Ministral3Config and its attention read it: its default rope_parameters (YaRN) where
+    the config gives neither rope_parameters nor rope_scaling; `_query_temperature`, the ModelConfig fields of its q
+    scale, 1 + llama_4_scaling_beta * log(1 + floor(position / original_max_position_embeddings)) (both from the rope
+    parameters, which transformers requires) in every layer; no biases and one window for every layer whatever
+    attention_bias or layer_types say (its modules read neither)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or _MINISTRAL3_ROPE)
+    beta, original = params.pop("llama_4_scaling_beta", None), params.get("original_max_position_embeddings")
+    if not _is_number(beta) or not _is_number(original) or original <= 0:
+        raise CheckpointError(f"Ministral3ForCausalLM: rope_parameters llama_4_scaling_beta {beta!r} and "
+                              f"original_max_position_embeddings {original!r}: its query scale needs both (numbers, the "
+                              "second positive); fix the checkpoint's config")
+    params.pop("max_position_embeddings", None)  # (Ministral3Config's copy of the top-level key; not a rope parameter)
+    config = {k: v for k, v in config.items() if k not in ("rope_scaling", "layer_types")}
+    temperature = {"query_temperature_beta": float(beta), "query_temperature_floor": float(original)}
+    return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
 
 
 def _seed_oss_ernie_config(config: dict, family: str) -> dict:

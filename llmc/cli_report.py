@@ -324,6 +324,13 @@ def _attention_text(m: dict) -> str:
         parts.append("no rotary on the full-attention layers")
     if m.get("nope_layers"):  # SmolLM3
         parts.append(f"no rotary on {len(m['nope_layers'])} of {m['num_layers']} layers (NoPE)")
+    if m.get("query_temperature_beta") is not None:  # Ministral 3, Llama 4
+        layers = m.get("query_temperature_layers")
+        where = "every layer" if layers is None else f"{len(layers)} of {m['num_layers']} layers"
+        offset = m.get("query_temperature_offset", 0.0)
+        position = f"(position + {offset:g})" if offset else "position"
+        parts.append(f"q x 1 + {m['query_temperature_beta']:g} log(1 + floor({position} / "
+                     f"{m['query_temperature_floor']:g})) on {where}")
     if m.get("softmax_scale"):
         parts.append(f"scale {m['softmax_scale']:g}")
     elif m.get("query_pre_attn_scalar"):

@@ -100,10 +100,12 @@ from llmc.schema import opt, parse
 #      llmc refuses the family by name).
 # 1.30: ERNIE 4.5 MoE (family ernie4_5_moe: a softmax router whose choice takes moe.gate_bias) and
 #      model.router_norm_min (its renormalisation's floor, moe_norm_min); older manifests load without it (None).
-FORMAT_VERSION = "1.30"
+# 1.31: Ministral 3 (family ministral3) and the query temperature (model.query_temperature_beta, _floor, _offset,
+#      _layers: q scaled by position); older manifests load without it (no temperature).
+FORMAT_VERSION = "1.31"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -113,7 +115,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
-            "ernie4_5_moe"]
+            "ernie4_5_moe", "ministral3"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -256,6 +258,14 @@ class ModelConfig:
     moe_bias: bool = opt(False)
     swiglu_limit: float | None = opt(None, min_exclusive=0.0)
     swiglu_alpha: float | None = opt(None, min_exclusive=0.0)
+    # A per-position query temperature (Ministral 3's llama_4_scaling_beta; Llama 4's attn_temperature_tuning): in the
+    # layers query_temperature_layers lists (None: every layer), q times 1 + beta * log(1 + floor((position + offset) /
+    # floor)) (runtime/models/decoder.query_temperature, from the step's positions on the device); exactly 1 below
+    # position floor - offset. None: no temperature
+    query_temperature_beta: float | None = opt(None)
+    query_temperature_floor: float | None = opt(None, min_exclusive=0.0)
+    query_temperature_offset: float = opt(0.0)
+    query_temperature_layers: list[int] | None = opt(None)
 
     def __post_init__(self):
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
@@ -282,6 +292,11 @@ class ModelConfig:
                 self.nope_layers):
             raise ArtifactError(f"model: nope_layers {self.nope_layers} must be distinct layers of the "
                                 f"{self.num_layers}")
+        if self.query_temperature_beta is not None and (self.query_temperature_floor is None or self.is_mla or any(
+                not 0 <= i < self.num_layers for i in self.query_temperature_layers or [])):
+            raise ArtifactError(f"model: query_temperature_beta needs query_temperature_floor, layers of the "
+                                f"{self.num_layers} (query_temperature_layers {self.query_temperature_layers}) and the "
+                                "q/k/v attention (not MLA)")
         if self.is_mla and (self.qk_nope_head_dim is None or self.qk_rope_head_dim is None or self.v_head_dim is None
                             or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
                             or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):
@@ -354,6 +369,13 @@ class ModelConfig:
     def rotates(self, index: int) -> bool:
         """Whether layer `index` rotates q and k by a rope (SmolLM3's NoPE layers do not: nope_layers)."""
         return index not in self.nope_layers
+
+    def query_temperature_of(self, index: int) -> tuple[float, float, float] | None:
+        """Layer `index`'s query temperature (beta, floor, offset): None where its q is not scaled."""
+        if self.query_temperature_beta is None or (self.query_temperature_layers is not None
+                                                   and index not in self.query_temperature_layers):
+            return None
+        return self.query_temperature_beta, self.query_temperature_floor, self.query_temperature_offset
 
     def is_moe_layer(self, index: int) -> bool:
         return index in self.moe_layers

@@ -291,6 +291,14 @@ _FAMILY_SPECS["ernie4_5_moe"] = ("Ernie4_5_MoeConfig", {
     "head_dim": 32, "tie_word_embeddings": True, "use_bias": False, "num_hidden_layers": 4, "moe_num_experts": 8,
     "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
     "moe_layer_end_index": -1, "moe_layer_interval": 2})
+# Ministral 3 (tests/runtime/test_ministral3.py): 3 layers, head_dim 16, YaRN over original_max_position_embeddings 8 (x32: the
+# 256 positions of the builds) whose llama_4_scaling_beta 0.3 scales q by 1 + 0.3 log(1 + floor(position / 8)): every
+# 8 positions a new factor, 1 below 8
+MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 8,
+                   "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+                   "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}
+_FAMILY_SPECS["ministral3"] = ("Ministral3Config", {"head_dim": 16, "num_hidden_layers": 3,
+                                                    "rope_parameters": MINISTRAL3_ROPE})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -311,7 +319,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
 
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
-                 + EXAONE_SEED_ERNIE_FAMILIES)
+                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3",))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}

@@ -64,6 +64,7 @@ class Attention(nn.Module):
         self.is_local_rope = config.uses_local_rope(index)
         self.has_rope = config.rotates(index)  # False: SmolLM3's NoPE layers, rotated by the identity table
         self.softcap = config.attn_logit_softcapping  # None: scores uncapped (every kernel as without it)
+        self.temperature = config.query_temperature_of(index)  # (beta, floor, offset); None: q not scaled
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         self.tp_group = tp_group  # all-reduces o's partial sums; None on a single rank
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor) -> Tensor:
-        q, k, v = self.heads(x)
+        q, k, v = self.heads(x, batch.positions)
         k_cache, v_cache = self.kv_cache
         out = rotate_write_and_attend(
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
@@ -97,9 +98,10 @@ class Attention(nn.Module):
         )  # [num_tokens, num_heads, head_dim]
         return self.output(out)
 
-    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def heads(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [num_tokens, hidden_size] → q [num_tokens, num_heads, head_dim], k and v [num_tokens,
-        num_kv_heads, head_dim] (views of qkv's output; q and k normed where the model has qk_norm)."""
+        num_kv_heads, head_dim] (views of qkv's output; q and k normed where the model has qk_norm; q times the
+        layer's query temperature at each token's position where it has one)."""
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
         if self.is_qk_norm_full_width:  # OLMo 2: before the split into heads (contiguous outputs)
             q, k = self.full_width_norm(q, self.q_norm), self.full_width_norm(k, self.k_norm)
@@ -108,6 +110,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm and not self.is_qk_norm_full_width:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.temperature is not None:  # before the rotary, which is linear in q: the same as after it
+            q = q * query_temperature(positions, *self.temperature).to(q.dtype)[:, None, None]
         return q, k, v
 
     def full_width_norm(self, x: Tensor, norm: RMSNorm) -> Tensor:
@@ -129,7 +133,7 @@ class Attention(nn.Module):
                 q_out: Tensor | None = None) -> Tensor:
         """The heads, the rotary embedding, and this step's keys and values written to the cache: the
         rotated q [num_tokens, num_heads, head_dim] (written into q_out, when given)."""
-        q, k, v = self.heads(x)
+        q, k, v = self.heads(x, positions)
         k_cache, v_cache = self.kv_cache
         return rotate_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                    self.k_scale, self.v_scale, q_out)
@@ -434,6 +438,13 @@ class DecoderModel(nn.Module):
         for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
             layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale
+
+
+def query_temperature(positions: Tensor, beta: float, floor: float, offset: float) -> Tensor:
+    """[num_tokens] float32: 1 + beta * log(1 + floor((position + offset) / floor)), the factor q is multiplied by at
+    each position (Ministral 3: offset 0, floor original_max_position_embeddings; Llama 4: offset 1, floor_scale).
+    Device ops on the step's positions: a CUDA graph computes it from its positions buffer at every replay."""
+    return 1 + beta * torch.log(1 + torch.floor((positions.float() + offset) / floor))
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor | None]:
