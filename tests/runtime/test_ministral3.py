@@ -3,8 +3,8 @@ transformers' own float32 models: Mistral's decoder with YaRN and the query temp
 floor(position / original_max_position_embeddings)) in every layer (tests/conftest.py's checkpoint: beta 0.3 over 8
 positions, so the 50 positions scored and the greedy tokens pass its threshold six times). Logits over a chunked
 prefill and greedy decoding on the torch CPU path and on the Triton kernels (the interpreter), what the match rests
-on, RTN / GPTQ W4 and FP8 builds, the calibration runner, two tensor ranks, how the config is read and what is
-refused; the CUDA cases are marked gpu."""
+on, RTN / GPTQ W4 and FP8 builds, the calibration runner, two tensor ranks, an image case, how the config is read and
+what is refused; the CUDA cases are marked gpu."""
 
 import math
 import os
@@ -145,6 +145,31 @@ def test_two_tensor_ranks_give_the_one_rank_model(checkpoint, artifact, tmp_path
                             llm.engine.score(token_ids)))
     assert results[0][0] == results[1][0]
     torch.testing.assert_close(results[0][1], results[1][1], atol=5e-5, rtol=5e-5)
+
+
+def test_mistral3_with_a_ministral3_text_model_matches_transformers(tmp_path):
+    """Mistral3ForConditionalGeneration whose text_config is a Ministral 3 (the published Ministral 3 checkpoints'
+    form): built as Ministral3ForCausalLM with its temperature; one image, another size, both in one prompt and a
+    prompt without images (up to 43 positions): transformers' prompt ids, greedy tokens and their logprobs."""
+    from tests.runtime.test_llava import image
+    from tests.runtime.test_mistral3_vision import (GREEDY as IMAGE_GREEDY, PROMPT, SMALL, TWO, _hf, hf_generate,
+                                                    make_pixtral_checkpoint)
+    from tests.runtime.vision_oracle import check_image_requests
+
+    checkpoint = make_pixtral_checkpoint(tmp_path / "hf", text_config_class="Ministral3Config")
+    built = build_float32(checkpoint, tmp_path / "a", target={"device": "cpu"})
+    model = read_manifest(built).model
+    assert (model.architecture, model.query_temperature_beta, model.query_temperature_floor) == (
+        "Ministral3ForCausalLM", 0.3, 8.0)
+    hf = _hf(checkpoint, llava=False)
+    first, second = image(1), image(2, size=SMALL)
+    expected = [hf_generate(hf, PROMPT, [first]), hf_generate(hf, PROMPT, [second]),
+                hf_generate(hf, TWO, [first, second])]
+    plain_ids = hf[1]("[INST]Hello there.[/INST]")["input_ids"]
+    expected.append(hf_generate(hf, plain_ids, None))
+    assert max(len(ids) for ids, _, _ in expected) > 16
+    llm = LLM(built, device="cpu", max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=64, block_size=8)
+    check_image_requests(llm, IMAGE_GREEDY, expected, PROMPT, TWO, plain_ids, first, second, 2e-4)
 
 
 def _read(config: dict):

@@ -41,12 +41,16 @@ SMALL = (64, 24)
 
 
 def make_pixtral_checkpoint(path, llava: bool = False, seed: int = 0, processor_changes: dict | None = None,
-                            **config_changes):
+                            text_config_class: str = "MistralConfig", **config_changes):
     """A tiny random float32 Mistral3ForConditionalGeneration (spatial_merge_size 2: 16 px a row), or with
     `llava` a LlavaForConditionalGeneration with a Pixtral tower (8 px a row), with the reference tokenizer plus
-    [IMG], [IMG_BREAK], [IMG_END], PixtralProcessor's files and a chat template."""
+    [IMG], [IMG_BREAK], [IMG_END], PixtralProcessor's files and a chat template. The text model: a Mistral, or a
+    Ministral 3 (text_config_class "Ministral3Config", tests/conftest.py's MINISTRAL3_ROPE: its query temperature)."""
+    import transformers
     from transformers import (AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration, Mistral3Config,
-                              Mistral3ForConditionalGeneration, MistralConfig, PixtralVisionConfig)
+                              Mistral3ForConditionalGeneration, PixtralVisionConfig)
+
+    from tests.conftest import MINISTRAL3_ROPE
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     path.mkdir(parents=True)
@@ -55,10 +59,11 @@ def make_pixtral_checkpoint(path, llava: bool = False, seed: int = 0, processor_
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMG, BREAK, END]})
     tokenizer.chat_template = CHAT_TEMPLATE
-    text = MistralConfig(vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=4, sliding_window=None,
-                         tie_word_embeddings=False)
+    rope = {"rope_parameters": MINISTRAL3_ROPE} if text_config_class == "Ministral3Config" else {}
+    text = getattr(transformers, text_config_class)(
+        vocab_size=4160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=0,
+        eos_token_id=1, pad_token_id=4, sliding_window=None, tie_word_embeddings=False, **rope)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                  head_dim=16, patch_size=8, image_size=64)
     image_token_index = tokenizer.convert_tokens_to_ids(IMG)
@@ -274,8 +279,8 @@ def test_what_is_not_supported_is_refused_by_name(mistral3, tmp_path):
     processor = json.loads((mistral3 / "processor_config.json").read_text())
     cases = [
         (config | {"vision_feature_layer": [-1, -2]}, None, "vision_feature_layer \\[-1, -2\\]: a list of layers"),
-        (config | {"text_config": {**config["text_config"], "model_type": "ministral3"}}, None,
-         "Mistral 3 language model of model_type 'ministral3' is not supported"),
+        (config | {"text_config": {**config["text_config"], "model_type": "qwen3"}}, None,
+         "Mistral 3 language model of model_type 'qwen3' is not supported"),
         (config | {"vision_config": {**config["vision_config"], "model_type": "siglip_vision_model"}}, None,
          "vision tower 'siglip_vision_model' is not supported for Mistral 3"),
         (config, processor | {"spatial_merge_size": 1}, "spatial_merge_size 1 is not the model's \\(2\\)"),
