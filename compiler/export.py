@@ -69,7 +69,8 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Q
                 "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Olmo2ForCausalLM": "olmo2",
                 "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe", "OlmoeForCausalLM": "olmoe",
                 "Qwen2MoeForCausalLM": "qwen2_moe", "DeepseekV2ForCausalLM": "deepseek_v2",
-                "DeepseekV3ForCausalLM": "deepseek_v3", "SmolLM3ForCausalLM": "smollm3"}
+                "DeepseekV3ForCausalLM": "deepseek_v3", "SmolLM3ForCausalLM": "smollm3",
+                "Ministral3ForCausalLM": "ministral3"}
 
 
 @dataclass
@@ -467,6 +468,10 @@ def hf_config_of(model: art.ModelConfig) -> dict:
                    "use_sliding_window": model.sliding_window is not None,
                    "layer_types": ["sliding_attention" if model.window_of(i) else "full_attention"
                                    for i in range(model.num_layers)]}
+    if model_type == "ministral3":  # its query temperature is a rope parameter (Ministral3Config's rope_parameters)
+        del config["rope_theta"], config["rope_scaling"]
+        config["rope_parameters"] = {"rope_theta": model.rope_theta, **model.rope_scaling,
+                                     "llama_4_scaling_beta": model.query_temperature_beta}
     return config
 
 

@@ -3,8 +3,8 @@ transformers' own float32 models: Mistral's decoder with YaRN and the query temp
 floor(position / original_max_position_embeddings)) in every layer (tests/conftest.py's checkpoint: beta 0.3 over 8
 positions, so the 50 positions scored and the greedy tokens pass its threshold six times). Logits over a chunked
 prefill and greedy decoding on the torch CPU path and on the Triton kernels (the interpreter), what the match rests
-on, RTN / GPTQ W4 and FP8 builds, the calibration runner, two tensor ranks, an image case, how the config is read and
-what is refused; the CUDA cases are marked gpu."""
+on, RTN / GPTQ W4 and FP8 builds, the calibration runner, two tensor ranks, an image case, `llmc export` and back,
+how the config is read and what is refused; the CUDA cases are marked gpu."""
 
 import math
 import os
@@ -21,7 +21,7 @@ from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ArtifactError, CheckpointError, RecipeError
+from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import ministral3, spec_for_architecture
@@ -199,14 +199,37 @@ def test_config_read_as_transformers_reads_it(checkpoint):
             _read({**base, "rope_parameters": params})
 
 
-def test_onnx_and_export_are_refused_by_name(checkpoint, artifact, tmp_path):
-    """onnx-cpu (GroupQueryAttention has no per-position q scale) and `llmc export` (no Ministral 3 writer) name
-    what to do instead."""
+def test_onnx_is_refused_by_name(checkpoint, tmp_path):
+    """onnx-cpu: GroupQueryAttention has no per-position q scale; the message names what to do instead."""
     with pytest.raises(RecipeError, match="onnx-cpu: Ministral3ForCausalLM's query temperature .* use target.device"):
         build(recipe_from_dict({"model": str(checkpoint), "output": str(tmp_path / "o"),
                                 "target": {"device": "onnx-cpu"}}), show_progress=False)
-    with pytest.raises(ArtifactError, match="cannot export architecture Ministral3ForCausalLM"):
-        export_artifact(artifact, tmp_path / "exported")
+
+
+@torch.inference_mode()
+def test_export_writes_the_temperature_and_imports_back(checkpoint, artifact, tmp_path, hf_logits, hf_encode):
+    """`llmc export` of the float build: config.json's rope_parameters carry llama_4_scaling_beta, and transformers'
+    Ministral3ForCausalLM on the export gives the checkpoint's logits (1e-5); an RTN W4 build's export imported
+    back (`quantization.method: import`) is the same model and gives its logits exactly."""
+    import json
+
+    export_artifact(artifact, tmp_path / "float")
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    assert config["model_type"] == "ministral3" and config["rope_parameters"]["llama_4_scaling_beta"] == 0.3
+    token_ids = _score_ids(checkpoint, hf_encode)
+    torch.testing.assert_close(hf_logits(tmp_path / "float", token_ids), hf_logits(checkpoint, token_ids), atol=1e-5,
+                               rtol=1e-5)
+    original = build_float32(checkpoint, tmp_path / "w4", target={"device": "cpu"},
+                             quantization={"method": "rtn", "bits": 4, "group_size": 32, "report": False})
+    export_artifact(original, tmp_path / "exported")
+    reimported = build_float32(tmp_path / "exported", tmp_path / "reimported", target={"device": "cpu"},
+                               quantization={"method": "import"})
+    assert read_manifest(reimported).model == read_manifest(original).model
+    scores = []
+    for built in (original, reimported):
+        with LLM(built, **ENGINE) as llm:
+            scores.append(llm.engine.score(token_ids))
+    torch.testing.assert_close(scores[0], scores[1], atol=0, rtol=0)
 
 
 def test_inspect_says_the_temperature(artifact):
