@@ -156,10 +156,11 @@ _HF_CONFIG_DEFAULTS["ernie4_5_moe"] = {"max_position_embeddings": 131072, "rms_n
                                        "moe_norm_min": 1e-12}
 # Ministral3Config's (its default rope_parameters, YaRN with llama_4_scaling_beta 0.1, filled in by _ministral3_config)
 _HF_CONFIG_DEFAULTS["ministral3"] = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
-                                     "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-                                     "sliding_window": None}
-_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
-                    "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+                                     "head_dim": 128, "bos_token_id": 1, "eos_token_id": 2,
+                                     "tie_word_embeddings": False, "sliding_window": None}
+_MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                    "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
 _DEEPSEEK_DEFAULTS = {"first_k_dense_replace": 0, "q_lora_rank": 1536, "kv_lora_rank": 512, "n_routed_experts": 64,
                       "n_shared_experts": 2, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
                       "routed_scaling_factor": 1.0, "topk_method": "greedy", "norm_topk_prob": False, "n_group": None,
@@ -942,8 +943,8 @@ def _ministral3_config(config: dict) -> dict:
     beta, original = params.pop("llama_4_scaling_beta", None), params.get("original_max_position_embeddings")
     if not _is_number(beta) or not _is_number(original) or original <= 0:
         raise CheckpointError(f"Ministral3ForCausalLM: rope_parameters llama_4_scaling_beta {beta!r} and "
-                              f"original_max_position_embeddings {original!r}: its query scale needs both (numbers, the "
-                              "second positive); fix the checkpoint's config")
+                              f"original_max_position_embeddings {original!r}: its query scale needs both (numbers, "
+                              "the second positive); fix the checkpoint's config")
     params.pop("max_position_embeddings", None)  # (Ministral3Config's copy of the top-level key; not a rope parameter)
     config = {k: v for k, v in config.items() if k not in ("rope_scaling", "layer_types")}
     temperature = {"query_temperature_beta": float(beta), "query_temperature_floor": float(original)}

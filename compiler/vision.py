@@ -4,8 +4,8 @@ Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration, Qwen3VLMoeF
 model built as its causal LM, the vision tower and projector kept dense in their own file.
 
 A LLaVA checkpoint is a CLIP vision tower, a two-layer projector (linear, activation, linear) and a causal LM
-(Llama, Mistral, Qwen2 or Ministral 3 here). The build reads the language model's config (`text_config`, with transformers'
-defaults filled in) as the checkpoint's config and its tensors under the causal LM's names (TensorReader's
+(Llama, Mistral, Qwen2 or Ministral 3 here). The build reads the language model's config (`text_config`, with
+transformers' defaults filled in) as the checkpoint's config and its tensors under the causal LM's names (TensorReader's
 `llava_names`), so every step of the build (quantization, calibration, sharding) sees a plain causal LM; the
 vision tower's and projector's tensors are written as they are, in the model dtype, to vision/weights.safetensors,
 and the manifest's `vision` section records what the runtime needs to run them (runtime/multimodal.py).
@@ -17,9 +17,9 @@ images' tokens attend to each other both ways in the prefill (the manifest's bid
 Mistral 3 (Mistral3ForConditionalGeneration: Mistral-Small-3.1/3.2) is a Pixtral tower (each image at its own
 size, in patches), Mistral3MultiModalProjector (an RMSNorm, Mistral3PatchMerger merging spatial_merge_size² patches
 into one row, linear-act-linear) and a Mistral text model, or Ministral 3's (3B / 8B / 14B: text model_type
-ministral3, built as Ministral3ForCausalLM with its query temperature); pixtral-12b is a LlavaForConditionalGeneration with a
-Pixtral tower and LLaVA's projector (vision_feature_select_strategy "full": every patch a row). Their images' tokens
-attend causally, as LLaVA's.
+ministral3, built as Ministral3ForCausalLM with its query temperature); pixtral-12b is a
+LlavaForConditionalGeneration with a Pixtral tower and LLaVA's projector (vision_feature_select_strategy "full": every
+patch a row). Their images' tokens attend causally, as LLaVA's.
 
 LLaVA-NeXT (LlavaNextForConditionalGeneration: llava-v1.6-*, llama3-llava-next) is LLaVA's CLIP tower and projector
 plus anyres tiling: each image resized and padded to the best of `image_grid_pinpoints`, cut into tiles of the

@@ -291,9 +291,9 @@ _FAMILY_SPECS["ernie4_5_moe"] = ("Ernie4_5_MoeConfig", {
     "head_dim": 32, "tie_word_embeddings": True, "use_bias": False, "num_hidden_layers": 4, "moe_num_experts": 8,
     "moe_k": 2, "moe_intermediate_size": 32, "moe_num_shared_experts": 2, "moe_layer_start_index": 1,
     "moe_layer_end_index": -1, "moe_layer_interval": 2})
-# Ministral 3 (tests/runtime/test_ministral3.py): 3 layers, head_dim 16, YaRN over original_max_position_embeddings 8 (x32: the
-# 256 positions of the builds) whose llama_4_scaling_beta 0.3 scales q by 1 + 0.3 log(1 + floor(position / 8)): every
-# 8 positions a new factor, 1 below 8
+# Ministral 3 (tests/runtime/test_ministral3.py): 3 layers, head_dim 16, YaRN over original_max_position_embeddings 8
+# (x32: the 256 positions of the builds) whose llama_4_scaling_beta 0.3 scales q by 1 + 0.3 log(1 + floor(position /
+# 8)): every 8 positions a new factor, 1 below 8
 MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 8,
                    "max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}

@@ -6,8 +6,8 @@ Families differ only in data (ModelSpec) and config flags (attention_bias, qk_no
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
 parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias; SmolLM3's nope_layers;
-Ministral 3's query temperature), so one module serves them all. Buffers are named exactly as the artifact's tensors (`layers.3.attn.qkv.weight`), so
-loading is a strict comparison of names, shapes and dtypes.
+Ministral 3's query temperature), so one module serves them all. Buffers are named exactly as the artifact's tensors
+(`layers.3.attn.qkv.weight`), so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
 layers (keeping their global names), heads, MLP columns and vocabulary rows; `tp_group` all-reduces
