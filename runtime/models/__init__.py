@@ -22,7 +22,7 @@ def spec_for_family(family: str) -> ModelSpec:
 CLASSIFIER_ARCHITECTURES = {
     **{f"{name}ForSequenceClassification": f"{name}ForCausalLM"
        for name in ("Llama", "Mistral", "Mixtral", "Qwen2", "Qwen3", "Qwen3Moe", "Phi3", "Gemma2", "Olmo2", "Olmo3",
-                    "Qwen2Moe", "SmolLM3", "Exaone4", "SeedOss")},
+                    "Qwen2Moe", "SmolLM3", "Exaone4", "SeedOss", "Ministral3")},
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
 }
 

@@ -4,8 +4,9 @@ floor(position / original_max_position_embeddings)) in every layer (tests/confte
 positions, so the 50 positions scored and the greedy tokens pass its threshold six times). Logits over a chunked
 prefill and greedy decoding on the torch CPU path and on the Triton kernels (the interpreter), what the match rests
 on, RTN / GPTQ W4 and FP8 builds, the calibration runner, two tensor ranks, an image case, `llmc export` and back,
-how the config is read and what is refused; the CUDA cases are marked gpu."""
+a sequence classifier, the manifest's fields, how the config is read and what is refused; the CUDA cases are marked gpu."""
 
+import dataclasses
 import math
 import os
 
@@ -21,7 +22,7 @@ from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import CheckpointError, RecipeError
+from llmc.errors import ArtifactError, CheckpointError, RecipeError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import ministral3, spec_for_architecture
@@ -172,8 +173,28 @@ def test_mistral3_with_a_ministral3_text_model_matches_transformers(tmp_path):
     check_image_requests(llm, IMAGE_GREEDY, expected, PROMPT, TWO, plain_ids, first, second, 2e-4)
 
 
+def test_a_sequence_classifier_equals_transformers(checkpoint, tmp_path):
+    """Ministral3ForSequenceClassification (3 labels) on the tempered decoder: transformers' class probabilities at
+    the last token (prompts of up to 13 tokens: past the threshold)."""
+    from tests.runtime.hf_oracle import check_classifier_as_transformers
+
+    check_classifier_as_transformers(checkpoint, tmp_path, PROMPTS)
+
+
 def _read(config: dict):
     return model_config_from_hf(config, ministral3.SPEC, "float32")
+
+
+def test_the_manifest_fields(checkpoint):
+    """The temperature's fields checked on read (a floor, layers of the model, not MLA) and each layer's share:
+    every layer where query_temperature_layers is None, only those listed otherwise (Llama 4's NoPE layers)."""
+    model = _read(read_hf_config(checkpoint))
+    assert [model.query_temperature_of(i) for i in range(3)] == [(0.3, 8.0, 0.0)] * 3
+    some = dataclasses.replace(model, query_temperature_offset=1.0, query_temperature_layers=[1])
+    assert [some.query_temperature_of(i) for i in range(3)] == [None, (0.3, 8.0, 1.0), None]
+    for changes in ({"query_temperature_floor": None}, {"query_temperature_layers": [3]}):
+        with pytest.raises(ArtifactError, match="query_temperature_beta needs query_temperature_floor"):
+            dataclasses.replace(model, **changes)
 
 
 def test_config_read_as_transformers_reads_it(checkpoint):
