@@ -272,13 +272,15 @@ def test_on_the_gpu(checkpoint, artifact, hf_greedy, hf_logits, hf_encode, free_
 @torch.inference_mode()
 def test_a_w4_build_on_the_gpu(checkpoint, tmp_path, data_dir, hf_encode, free_gpu):
     """An RTN W4A16 build for CUDA (the experts in the fused kernel's w4a16 layout) against transformers holding its
-    dequantized weights: logits (2e-3) and greedy tokens."""
+    dequantized weights (read from the same RTN build for the CPU, whose plain layout the formats' oracle reads; RTN
+    rounds both alike): logits (2e-3)."""
     from transformers import AutoModelForCausalLM
 
-    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cuda"},
-                        quantization={"method": "rtn", "bits": 4, "group_size": 32, "report": False})
+    rtn = {"method": "rtn", "bits": 4, "group_size": 32, "report": False}
+    out = build_float32(checkpoint, tmp_path / "q", target={"device": "cuda"}, quantization=rtn)
+    plain = build_float32(checkpoint, tmp_path / "q-cpu", target={"device": "cpu"}, quantization=rtn)
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    oracle.load_state_dict(moe_hf_state(out, SCORE_BIAS, (1, -1)), strict=False)
+    oracle.load_state_dict(moe_hf_state(plain, SCORE_BIAS, (1, -1)), strict=False)
     oracle.tie_weights()
     oracle.eval()
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
