@@ -20,13 +20,16 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
                  width 1408, top-6, 2 shared, 27 layers cut to 4 by default) or glm4-moe (GLM-4.5-Air: 96 q / 8 kv
                  heads of 128 with q/k/v biases, rotary on half of each head, layer 0 dense, then 128 experts of
                  width 1408, top-8 by V3's sigmoid router with e_score_correction_bias, 1 shared; 46 layers cut to 4
-                 by default; its multi-token-prediction layer left out, as llmc does not build it) or ernie4_5-moe
+                 by default; its multi-token-prediction layer left out, as llmc does not build it), ernie4_5-moe
                  (ERNIE-4.5-21B-A3B: 20 q / 4 kv heads of 128, interleaved rotary, tied embeddings, layer 0 dense,
                  then 64 experts of width 1536, top-6 by a softmax router with its moe_statics bias, 2 shared; 28
-                 layers cut to 4 by default). The MoE configs are written by transformers' config classes
-                 (Qwen3MoeConfig, MixtralConfig, DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig); the experts'
+                 layers cut to 4 by default) or llama4 (Llama-4-Maverick-17B-128E's text model: MoE every other
+                 layer, 128 experts of width 8192, top 1, a shared expert, every 4th layer NoPE; 48 layers cut to 4
+                 by default). The MoE configs are written by transformers' config classes (Qwen3MoeConfig,
+                 MixtralConfig, DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig, Llama4TextConfig); the experts'
                  tensors are named per expert, as the published checkpoints name them
-                 (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1).
+                 (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1), Llama 4's fused
+                 (feed_forward.experts.gate_up_proj [E, hidden, 2 x width], down_proj).
 """
 
 from __future__ import annotations
@@ -104,6 +107,15 @@ ERNIE_45_21B = {"vocab_size": 103424, "hidden_size": 2560, "intermediate_size": 
                 "moe_layer_interval": 1, "max_position_embeddings": 131072, "rms_norm_eps": 1e-05,
                 "tie_word_embeddings": True, "use_bias": False,
                 "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+# Llama-4-Maverick-17B-128E's text config (Llama4TextConfig arguments): MoE every other layer (128 experts of width 8192,
+# top 1, a shared expert as wide), dense layers 16384 wide, every 4th layer NoPE (its default no_rope_layers), no q/k
+# norm, chunks of 8192 (llmc holds the context to them)
+LLAMA4_MAVERICK = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                   "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
+                   "num_local_experts": 128, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                   "use_qk_norm": False, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+                   "floor_scale": 8192, "attn_scale": 0.1, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-05,
+                   "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
                                                         "num_experts_per_tok": 2}),
@@ -117,6 +129,8 @@ MOE_ARCHS = {  # arch → (config class, published config, layers by default, ti
                                                   "num_experts_per_tok": 2, "intermediate_size": 512}),
     "ernie4_5-moe": ("Ernie4_5_MoeConfig", ERNIE_45_21B, 4, {"moe_intermediate_size": 128, "moe_num_experts": 8,
                                                             "moe_k": 2, "intermediate_size": 512}),
+    "llama4": ("Llama4TextConfig", LLAMA4_MAVERICK, 4, {"intermediate_size": 128, "intermediate_size_mlp": 512,
+                                                        "num_local_experts": 8}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
@@ -127,7 +141,7 @@ def make_config(layers: int | None, tiny: bool, arch: str = "llama") -> dict:
     if arch == "llama":
         config = {**LLAMA3_8B, **(TINY if tiny else {})}
     else:
-        config = moe_config(arch, tiny)
+        config = moe_config(arch, tiny, layers)
     if layers is not None:
         config["num_hidden_layers"] = layers
     first_special = config["vocab_size"] - NUM_SPECIAL  # Llama-3's ids: bos 128000, eos 128001, 128008, 128009
@@ -136,16 +150,17 @@ def make_config(layers: int | None, tiny: bool, arch: str = "llama") -> dict:
     return config
 
 
-def moe_config(arch: str, tiny: bool) -> dict:
-    """The arch's config.json through its transformers config class (tiny: TINY's widths, few experts)."""
+def moe_config(arch: str, tiny: bool, layers: int | None = None) -> dict:
+    """The arch's config.json through its transformers config class (tiny: TINY's widths, few experts; layers: that
+    many, else the arch's default, before the class fills in what follows from them: Llama 4's moe_layers)."""
     import transformers
 
     class_name, published, default_layers, tiny_widths = MOE_ARCHS[arch]
-    values = {**published, "num_hidden_layers": default_layers}
+    values = {**published, "num_hidden_layers": layers or default_layers}
     if tiny:
         values |= {key: value for key, value in TINY.items() if key != "intermediate_size"} | tiny_widths
     config = getattr(transformers, class_name)(**values, dtype="bfloat16").to_dict()
-    config["architectures"] = [class_name.replace("Config", "ForCausalLM")]
+    config["architectures"] = [class_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config
 
 
@@ -200,6 +215,14 @@ def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     hidden, model_type = config["hidden_size"], config["model_type"]
     if model_type == "ernie4_5_moe":
         return ernie_mlp_shapes(config, p, layer)
+    if model_type == "llama4_text":  # feed_forward: dense, or fused experts (input-major) beside a shared expert
+        if layer not in config["moe_layers"]:
+            return dense_mlp_shapes(p + "feed_forward.", hidden, config["intermediate_size_mlp"])
+        inter, num_experts = config["intermediate_size"], config["num_local_experts"]
+        return {p + "feed_forward.router.weight": (num_experts, hidden),
+                p + "feed_forward.experts.gate_up_proj": (num_experts, hidden, 2 * inter),
+                p + "feed_forward.experts.down_proj": (num_experts, inter, hidden),
+                **dense_mlp_shapes(p + "feed_forward.shared_expert.", hidden, inter)}
     deepseek_like = model_type in ("deepseek_v2", "glm4_moe")
     if model_type == "llama" or (deepseek_like and layer < config["first_k_dense_replace"]):
         return dense_mlp_shapes(p + "mlp.", hidden, config["intermediate_size"])
@@ -343,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite, "
-                        "glm4-moe or ernie4_5-moe")
+                        "glm4-moe, ernie4_5-moe or llama4")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)

@@ -124,6 +124,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_mla(ctx)
     _check_onnx_norms(ctx)
     _check_onnx_temperature(ctx)
+    _check_onnx_qk_l2_norm(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
     _check_pooling(ctx)
@@ -345,6 +346,15 @@ def _check_onnx_temperature(ctx: _Context) -> None:
     if device in om.ONNX_DEVICES and model.query_temperature_beta is not None:
         raise RecipeError(f"target.device {device}: {model.architecture}'s query temperature (q scaled by position) is "
                           "not exported to ONNX; use target.device cpu or cuda")
+
+
+def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
+    """Llama 4's weightless q/k norm (qk_l2_norm_layers) has no form in the onnx-cpu graph: refused by name (its MoE
+    layers are refused there too, _check_moe)."""
+    model, device = ctx.model, ctx.recipe.target.device
+    if device in om.ONNX_DEVICES and model.qk_l2_norm_layers:
+        raise RecipeError(f"target.device {device}: {model.architecture}'s weightless q/k norm (use_qk_norm) is not "
+                          "exported to ONNX; use target.device cpu or cuda")
 
 
 def _check_pooling(ctx: _Context) -> None:

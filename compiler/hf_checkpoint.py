@@ -219,6 +219,8 @@ def with_hf_defaults(config: dict) -> dict:
 
 def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConfig:
     """Normalise an HF config (old `rope_theta`/`rope_scaling` or new `rope_parameters` keys)."""
+    if spec.family == "llama4":  # (Llama4ForConditionalGeneration: its text_config)
+        config = _llama4_config(config)
     config = with_hf_defaults(config)
     if spec.family == "gemma3":
         config = _gemma3_config(config)
@@ -290,8 +292,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         dtype=dtype,
         sliding_window=sliding_window,
         sliding_window_layers=sliding_window_layers,
-        **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in DEEPSEEK_ROUTER_FAMILIES
-           else {}),
+        **(_moe_fields(config, spec.family) if spec.moe is not None and spec.family not in (*DEEPSEEK_ROUTER_FAMILIES,
+                                                                                             "llama4") else {}),
         **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
         **(_ernie4_5_moe_fields(config) if spec.family == "ernie4_5_moe" else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
@@ -313,7 +315,9 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
         **(config["_query_temperature"] if spec.family == "ministral3" else {}),
-        nope_layers=config.get("_nope_layers", []),  # SmolLM3's, EXAONE 4's (_smollm3_config, _exaone4_config)
+        **(config["_llama4"] if spec.family == "llama4" else {}),
+        # SmolLM3's, EXAONE 4's, Llama 4's (_smollm3_config, _exaone4_config, _llama4_config)
+        nope_layers=config.get("_nope_layers", []),
         # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
         # transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
@@ -592,23 +596,35 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
 
 
 def fused_expert_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Callable]:
-    """For a family that stores every expert of a layer in two tensors (Granite MoE: MoeSpec.fused), a
+    """For a family that stores every expert of a layer in two tensors (Granite MoE, Llama 4: MoeSpec.fused), a
     `TensorReader` derived tensor for each expert's gate, up and down under its per-expert name, read as expert e's
     slice of the fused tensor (only that slice is read; the reader's merge applies to it, as to the fused tensor):
-    gate the first moe_intermediate_size rows of input_linear[e], up the rest, down output_linear[e]. {} otherwise."""
+    gate the first moe_intermediate_size rows of input_linear[e], up the rest, down output_linear[e] (Llama 4: columns
+    of gate_up_proj[e] and down_proj[e], transposed). {} otherwise."""
     moe = spec.moe
     if moe is None or moe.fused is None:
         return {}
     width, derived = config.moe_intermediate_size, {}
     for i in config.moe_layers:
         layer = f"{spec.hf_layer_prefix}{i}."
-        gate_up, down = (f"{layer}{name}.weight" for name in moe.fused)
+        suffix = "" if moe.fused_layout == "llama4" else ".weight"  # (Llama 4's are parameters of the experts module)
+        gate_up, down = (f"{layer}{name}{suffix}" for name in moe.fused)
         for e in range(config.num_experts):
             prefix = layer + moe.expert_prefix.format(e)
+            if moe.fused_layout == "llama4":  # input-major: gate_up [hidden, 2 * width], down [width, hidden]
+                derived[f"{prefix}{moe.gate}.weight"] = lambda r, n=gate_up, e=e: _columns(r.get_index(n, e), 0, width)
+                derived[f"{prefix}{moe.up}.weight"] = lambda r, n=gate_up, e=e: _columns(r.get_index(n, e), width, None)
+                derived[f"{prefix}{moe.down}.weight"] = lambda r, n=down, e=e: _columns(r.get_index(n, e), 0, None)
+                continue
             derived[f"{prefix}{moe.gate}.weight"] = lambda r, n=gate_up, e=e: r.get_index(n, e)[:width]
             derived[f"{prefix}{moe.up}.weight"] = lambda r, n=gate_up, e=e: r.get_index(n, e)[width:]
             derived[f"{prefix}{moe.down}.weight"] = lambda r, n=down, e=e: r.get_index(n, e)
     return derived
+
+
+def _columns(tensor: torch.Tensor, start: int, stop: int | None) -> torch.Tensor:
+    """Columns [start, stop) of an input-major [in, out] tensor as a Linear's [out, in] weight."""
+    return tensor[:, start:stop].t().contiguous()
 
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -949,6 +965,59 @@ def _ministral3_config(config: dict) -> dict:
     config = {k: v for k, v in config.items() if k not in ("rope_scaling", "layer_types")}
     temperature = {"query_temperature_beta": float(beta), "query_temperature_floor": float(original)}
     return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
+
+
+LLAMA4_CG = "Llama4ForConditionalGeneration"
+
+
+def _llama4_config(config: dict) -> dict:
+    """A Llama 4 config (Llama4ForCausalLM's, or Llama4ForConditionalGeneration's text_config: its language model,
+    served as text only) as transformers' Llama4TextConfig fills it in, flat, with its layers' kinds as ModelConfig
+    fields (`_llama4`) and `_nope_layers` (no_rope_layers' zeros): interleaved rotary pairs; a weightless q/k L2 norm on
+    the rope layers (use_qk_norm); on the NoPE layers, where attn_temperature_tuning, q times 1 + attn_scale * log(1 +
+    floor((position + 1) / floor_scale)); the MoE layers (moe_layers), their experts intermediate_size wide beside a
+    shared expert as wide, routed by the top logit's sigmoid scaling the expert's input; dense layers
+    intermediate_size_mlp wide; attention_chunk_size where a layer attends in chunks (the context is held to it).
+    Refused by name: num_experts_per_tok above 1, attention_bias (o_proj's bias too), layer kinds transformers does
+    not have."""
+    from transformers import Llama4TextConfig
+
+    arch = config["architectures"][0]
+    text = config.get("text_config") if arch == LLAMA4_CG else config
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{arch}: config.json needs a text_config (its language model's config)")
+    try:
+        parsed = Llama4TextConfig(**{k: v for k, v in text.items()
+                                     if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{arch}: the text config is not one transformers' Llama4TextConfig reads ({e})") from None
+    num_layers, top_k = parsed["num_hidden_layers"], parsed["num_experts_per_tok"]
+    if top_k != 1:
+        raise CheckpointError(f"{arch}: num_experts_per_tok {top_k}: llmc runs Llama 4's router (the chosen expert's "
+                              "input scaled by its score) with one expert per token, as every published Llama 4; set 1")
+    if parsed.get("attention_bias"):
+        raise CheckpointError(f"{arch}: attention_bias: true is not supported (its o_proj bias with q/k/v's); published "
+                              "checkpoints set it false")
+    kinds = parsed["layer_types"]
+    if len(kinds) != num_layers or not set(kinds) <= {"full_attention", "chunked_attention"}:
+        raise CheckpointError(f"{arch}: layer_types {kinds}: give full_attention or chunked_attention for each of the "
+                              f"{num_layers} layers")
+    rope = [bool(flag) for flag in parsed["no_rope_layers"][:num_layers]]
+    nope = [i for i in range(num_layers) if not rope[i]]
+    fields = {"rotary_interleaved": True, "num_experts": parsed["num_local_experts"], "num_experts_per_tok": 1,
+              "moe_intermediate_size": parsed["intermediate_size"], "norm_topk_prob": False,
+              "moe_layers": sorted(parsed["moe_layers"]), "shared_expert_intermediate_size": parsed["intermediate_size"],
+              "router_scoring": "sigmoid_input",
+              "qk_l2_norm_layers": [i for i in range(num_layers) if rope[i]] if parsed["use_qk_norm"] else [],
+              "attention_chunk_size": parsed["attention_chunk_size"] if "chunked_attention" in kinds else None}
+    if parsed["attn_temperature_tuning"] and nope:
+        fields |= {"query_temperature_beta": float(parsed["attn_scale"]),
+                   "query_temperature_floor": float(parsed["floor_scale"]), "query_temperature_offset": 1.0,
+                   "query_temperature_layers": nope}
+    flat = {k: v for k, v in parsed.items() if k not in ("layer_types", "rope_scaling")}
+    tied = bool(parsed.get("tie_word_embeddings") or (arch == LLAMA4_CG and config.get("tie_word_embeddings")))
+    return {**flat, "architectures": [arch], "intermediate_size": parsed["intermediate_size_mlp"],
+            "tie_word_embeddings": tied, "_nope_layers": nope, "_llama4": fields}
 
 
 def _seed_oss_ernie_config(config: dict, family: str) -> dict:

@@ -337,6 +337,10 @@ def _attention_text(m: dict) -> str:
         parts.append(f"scale {m['query_pre_attn_scalar']:g}^-0.5")
     if m.get("qk_norm"):
         parts.append("q/k RMSNorm over the whole projections" if m.get("qk_norm_full_width") else "q/k RMSNorm per head")
+    if m.get("qk_l2_norm_layers"):  # Llama 4
+        parts.append(f"q/k L2 norm per head (no weight) on {len(m['qk_l2_norm_layers'])} of {m['num_layers']} layers")
+    if m.get("attention_chunk_size"):
+        parts.append(f"chunked attention not run: context held to its chunk of {m['attention_chunk_size']}")
     if m.get("attention_bias"):
         parts.append("q/k/v/o biases" if m.get("o_bias") else "q/k/v biases")
     if m.get("attention_sinks"):

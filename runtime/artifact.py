@@ -102,10 +102,13 @@ from llmc.schema import opt, parse
 #      model.router_norm_min (its renormalisation's floor, moe_norm_min); older manifests load without it (None).
 # 1.31: Ministral 3 (family ministral3) and the query temperature (model.query_temperature_beta, _floor, _offset,
 #      _layers: q scaled by position); older manifests load without it (no temperature).
-FORMAT_VERSION = "1.31"
+# 1.32: Llama 4 (family llama4), the weightless q/k norm (model.qk_l2_norm_layers), the router that scales the expert's
+#      input (router_scoring sigmoid_input) and model.attention_chunk_size (the context held to it); older manifests
+#      load without them.
+FORMAT_VERSION = "1.32"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -115,7 +118,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
-            "ernie4_5_moe", "ministral3"]
+            "ernie4_5_moe", "ministral3", "llama4"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -127,7 +130,7 @@ SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE laye
 # (attn.kv_b)
 MLA_LINEARS = ("attn.q", "attn.kv_a", "attn.kv_b", "attn.o")
 MLA_LORA_Q_LINEARS = ("attn.q_a", "attn.q_b", "attn.kv_a", "attn.kv_b", "attn.o")
-ROUTER_SCORINGS = ["softmax", "sigmoid"]  # how an MoE router turns its logits into expert scores
+ROUTER_SCORINGS = ["softmax", "sigmoid", "sigmoid_input"]  # how an MoE router turns its logits into expert scores
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
@@ -177,10 +180,12 @@ class ModelConfig:
     shared_expert_intermediate_size: int | None = opt(None, min=1)
     shared_expert_gate: bool = opt(False)  # Qwen2-MoE: the shared expert's output times sigmoid(x · moe.shared_gate)
     # DeepSeek's routing (the defaults are every other family's): scores by softmax (V2) or sigmoid (V3, which also adds
-    # moe.gate_bias, e_score_correction_bias, to the scores it chooses by, not to the weights); router_groups: the
-    # experts split into that many groups of which the best router_topk_groups are chosen from (a group's score: its
-    # best expert's under softmax, its two best experts' sum under sigmoid), None: no groups; the chosen weights
-    # (renormalised where norm_topk_prob) times routed_scaling_factor. The router runs in float32 as transformers'.
+    # moe.gate_bias, e_score_correction_bias, to the scores it chooses by, not to the weights); sigmoid_input (Llama 4):
+    # the top-k of the raw logits, each expert's INPUT times the sigmoid of its logit (its output unweighted; top-k 1);
+    # router_groups: the experts split into that many groups of which the best router_topk_groups are chosen from (a
+    # group's score: its best expert's under softmax, its two best experts' sum under sigmoid), None: no groups; the
+    # chosen weights (renormalised where norm_topk_prob) times routed_scaling_factor. DeepSeek's router runs in float32
+    # as transformers' (router_in_float32).
     router_scoring: str = opt("softmax", choices=ROUTER_SCORINGS)
     router_groups: int | None = opt(None, min=1)
     router_topk_groups: int | None = opt(None, min=1)
@@ -266,6 +271,12 @@ class ModelConfig:
     query_temperature_floor: float | None = opt(None, min_exclusive=0.0)
     query_temperature_offset: float = opt(0.0)
     query_temperature_layers: list[int] | None = opt(None)
+    # Llama 4 (use_qk_norm): these layers norm each q and k head by x * rsqrt(mean(x^2) + rms_norm_eps), no weight
+    # (transformers' Llama4TextL2Norm; after the rotary there, which keeps a head's norm: the same before it)
+    qk_l2_norm_layers: list[int] = opt([])
+    # Llama 4's chunked local attention (a query at p sees keys from floor(p / C) * C on, on its rope layers) is not
+    # run: the model's context is held to C (runtime/models.model_context_of), within which it is causal attention
+    attention_chunk_size: int | None = opt(None, min=1)
 
     def __post_init__(self):
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
@@ -297,6 +308,13 @@ class ModelConfig:
             raise ArtifactError(f"model: query_temperature_beta needs query_temperature_floor, layers of the "
                                 f"{self.num_layers} (query_temperature_layers {self.query_temperature_layers}) and the "
                                 "q/k/v attention (not MLA)")
+        if any(not 0 <= i < self.num_layers for i in self.qk_l2_norm_layers) or (self.qk_l2_norm_layers and (
+                self.qk_norm or self.is_mla)):
+            raise ArtifactError(f"model: qk_l2_norm_layers {self.qk_l2_norm_layers} must be layers of the "
+                                f"{self.num_layers} of a q/k/v attention without qk_norm")
+        if self.router_scoring == "sigmoid_input" and self.num_experts_per_tok != 1:
+            raise ArtifactError(f"model: router_scoring sigmoid_input scales the one chosen expert's input; "
+                                f"num_experts_per_tok {self.num_experts_per_tok} must be 1")
         if self.is_mla and (self.qk_nope_head_dim is None or self.qk_rope_head_dim is None or self.v_head_dim is None
                             or self.qk_nope_head_dim + self.qk_rope_head_dim != self.head_dim
                             or self.v_head_dim > self.head_dim or self.num_kv_heads != self.num_heads):

@@ -99,8 +99,8 @@ class Engine:
             raise ConfigError(f"speculative method draft_model: {self.manifest.vision.architecture}'s M-RoPE positions "
                               "are not given to a draft model; use method ngram, or no speculative decoding")
         if self.options.limit_mm_per_prompt is not None and self.manifest.vision is None:
-            raise ConfigError(f"limit_mm_per_prompt: this model ({self.manifest.model.architecture}) takes no images; "
-                              "drop limit_mm_per_prompt")
+            raise ConfigError(f"limit_mm_per_prompt: this model ({self.manifest.model.architecture}) takes no images"
+                              f"{_text_only(self.manifest)}; drop limit_mm_per_prompt")
         limits = self.options.limit_mm_per_prompt
         if limits is not None and limits.video and not takes_videos(self.manifest.vision):
             raise ConfigError(f"limit_mm_per_prompt.video: this model ({self.manifest.vision.architecture}) takes no "
@@ -371,8 +371,8 @@ class Engine:
     def check_takes_images(self, param: str) -> None:
         """RequestError naming `param` unless this is a vision model."""
         if self.vision is None:
-            raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images; send text "
-                               "only, or serve a vision model (LlavaForConditionalGeneration, "
+            raise RequestError(f"{param}: this model ({self.manifest.model.architecture}) takes no images"
+                               f"{_text_only(self.manifest)}; send text only, or serve a vision model (LlavaForConditionalGeneration, "
                                "LlavaNextForConditionalGeneration, Gemma3ForConditionalGeneration, "
                                "Mistral3ForConditionalGeneration, Qwen2VLForConditionalGeneration, "
                                "Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration)", param=param)
@@ -805,3 +805,10 @@ def release_gc_heap() -> None:
 def _is_decode(scheduled) -> bool:
     """One real token after generated ones (with or without drafts): a decode, not a prefill."""
     return scheduled.request.num_output_tokens > 0 and scheduled.num_new_tokens - len(scheduled.draft_token_ids) == 1
+
+
+def _text_only(manifest: art.Manifest) -> str:
+    """Why a multimodal checkpoint's artifact takes no images (Llama 4's is built as its language model), or ""."""
+    if manifest.model.architecture == "Llama4ForConditionalGeneration":
+        return " (llmc builds Llama 4's language model only: its vision tower is not built)"
+    return ""

@@ -299,6 +299,18 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "
                    "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.3}
 _FAMILY_SPECS["ministral3"] = ("Ministral3Config", {"head_dim": 16, "num_hidden_layers": 3,
                                                     "rope_parameters": MINISTRAL3_ROPE})
+# Llama 4 text (tests/runtime/test_llama4.py): 4 layers, head_dim 16, interleaved rotary with llama3 scaling (as
+# llama3_rope's, all three branches), layer 2 NoPE (no_rope_layers) with its q tempered by 1 + 0.3 log(1 + floor((p +
+# 1) / 8)), the weightless q/k norm on the others; MoE on layers 1 and 3 (interleave_moe_layer_step 2: 4 experts of
+# width 64, top 1, beside a shared expert as wide), dense layers 128 wide; chunked attention in chunks of 256, the
+# builds' context (max_position_embeddings 1024)
+LLAMA4_TEXT = {"head_dim": 16, "num_hidden_layers": 4, "no_rope_layers": [1, 1, 0, 1], "floor_scale": 8,
+               "attn_scale": 0.3, "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
+               "intermediate_size": 64, "intermediate_size_mlp": 128, "attention_chunk_size": 256,
+               "max_position_embeddings": 1024, "use_qk_norm": True,
+               "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}}
+_FAMILY_SPECS["llama4"] = ("Llama4TextConfig", LLAMA4_TEXT)
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -319,7 +331,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
 
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
-                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3",))
+                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}

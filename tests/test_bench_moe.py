@@ -30,9 +30,9 @@ def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(load_benchmark):
 
 
 def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark):
-    """--arch qwen3-moe / mixtral / deepseek-v2-lite / glm4-moe / ernie4_5-moe --tiny: transformers finds every tensor
-    it expects and no other; `llmc build` ingests the Qwen3-MoE, GLM-4.5 and ERNIE 4.5 MoE ones with their router
-    settings."""
+    """--arch qwen3-moe / mixtral / deepseek-v2-lite / glm4-moe / ernie4_5-moe / llama4 --tiny: transformers finds every
+    tensor it expects and no other; `llmc build` ingests the Qwen3-MoE, GLM-4.5 and ERNIE 4.5 MoE ones with their
+    router settings."""
     import transformers
 
     from llmc.compiler.build import build
@@ -43,7 +43,7 @@ def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark
     published = make.make_config(None, False, "qwen3-moe")
     assert (published["hidden_size"], published["num_local_experts"], published["num_experts_per_tok"],
             published["moe_intermediate_size"], published["num_hidden_layers"]) == (2048, 128, 8, 768, 12)
-    for arch in ("qwen3-moe", "mixtral", "deepseek-v2-lite", "glm4-moe", "ernie4_5-moe"):
+    for arch in ("qwen3-moe", "mixtral", "deepseek-v2-lite", "glm4-moe", "ernie4_5-moe", "llama4"):
         make.make_checkpoint(tmp_path / arch, tiny=True, device="cpu", arch=arch)
         _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / arch, output_loading_info=True)
         assert not any(info.values()), (arch, info)

@@ -65,6 +65,7 @@ class Attention(nn.Module):
         self.has_rope = config.rotates(index)  # False: SmolLM3's NoPE layers, rotated by the identity table
         self.softcap = config.attn_logit_softcapping  # None: scores uncapped (every kernel as without it)
         self.temperature = config.query_temperature_of(index)  # (beta, floor, offset); None: q not scaled
+        self.l2_norm_eps = config.rms_norm_eps if index in config.qk_l2_norm_layers else None  # Llama 4's q/k norm
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
         self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
@@ -110,6 +111,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm and not self.is_qk_norm_full_width:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.l2_norm_eps is not None:  # (after the rotary in transformers: a rotation keeps each head's norm)
+            q, k = l2_norm(q, self.l2_norm_eps), l2_norm(k, self.l2_norm_eps)
         if self.temperature is not None:  # before the rotary, which is linear in q: the same as after it
             q = q * query_temperature(positions, *self.temperature).to(q.dtype)[:, None, None]
         return q, k, v
@@ -438,6 +441,13 @@ class DecoderModel(nn.Module):
         for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
             layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """Each head of x [num_tokens, heads, head_dim] times rsqrt(mean(head^2) + eps), in float32, back in x's dtype
+    (Llama 4's weightless q/k norm, transformers' Llama4TextL2Norm: ModelConfig.qk_l2_norm_layers)."""
+    x_f32 = x.float()
+    return (x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def query_temperature(positions: Tensor, beta: float, floor: float, offset: float) -> Tensor:

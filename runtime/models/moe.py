@@ -25,6 +25,11 @@ norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (id
 ERNIE 4.5 MoE's router is V2's softmax chosen by score + its moe_statics bias (moe.gate_bias) as V3's, no groups,
 renormalised by max(sum, moe_norm_min) (ModelConfig.router_norm_min), as transformers' Ernie4_5_MoeTopKRouter.
 
+Llama 4's router (router_scoring sigmoid_input, top-k 1) takes the top logit and its sigmoid, which multiplies the
+expert's input rather than its output: the hidden state is scaled by its score (in the model dtype, as transformers)
+before the routed experts, whose outputs are then weighted by 1, on every path (the fused kernel's, the plain-torch
+one, calibration's observers, which see the scaled inputs the experts read); the shared expert reads x unscaled.
+
 gpt-oss (ModelConfig.moe_bias, swiglu_limit): the router's logits take its bias (`moe.gate.bias`), every expert's
 gate_up and down add theirs (`ExpertLinears.bias`, [E, out], never quantized), and the experts' activation is the
 clamped SwiGLU (fused_moe.gated_activation), on every path: the fused kernel adds the biases in its GEMMs' epilogue.
@@ -174,6 +179,9 @@ class MoE(nn.Module):
             return deepseek_route(logits, self.top_k, self.scoring, bias, self.groups, self.topk_groups,
                                   self.norm_topk_prob, self.routed_scaling_factor, self.norm_min)
         logits = torch.nn.functional.linear(x, self.gate.weight, self.gate.bias if self.has_bias else None)
+        if self.scoring == "sigmoid_input":  # Llama 4: the top-k logits' sigmoid, not renormalised
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(top.float()), ids
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -182,11 +190,14 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
+        routed = x
+        if self.scoring == "sigmoid_input":  # Llama 4 (top-k 1): the expert's input times its score, in the model
+            routed, weights = x * weights.to(x.dtype), torch.ones_like(weights)  # dtype; its output weighted by 1
         fused = None if self.observers else fused_expert_weights(x, self.experts.gate_up, self.experts.down)
         if fused is not None:
-            out = fused_moe_experts(x, weights, ids - self.expert_start, *fused, swiglu=self.swiglu)
+            out = fused_moe_experts(routed, weights, ids - self.expert_start, *fused, swiglu=self.swiglu)
         else:
-            out = self.forward_experts(x, weights, ids)
+            out = self.forward_experts(routed, weights, ids)
         if self.has_shared:
             out = out + self.shared_output(x)
         return out if self.tp_group is None else self.tp_group.all_reduce(out)

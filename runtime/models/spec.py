@@ -36,7 +36,8 @@ class MoeSpec:
     fused: tuple[str, str] | None = None
     # how `fused` stores them: "granite" (above), or "gpt_oss": gate_up [E, hidden, 2 * width] (input-major, gate and
     # up interleaved in its columns) and down [E, width, hidden], each with a `{name}_bias` [E, out], or in MXFP4 as
-    # `{name}_blocks` / `{name}_scales` (compiler/gpt_oss_checkpoint.py)
+    # `{name}_blocks` / `{name}_scales` (compiler/gpt_oss_checkpoint.py); or "llama4": gate_up [E, hidden, 2 * width]
+    # (input-major, gate columns then up) and down [E, width, hidden], read transposed (hf_checkpoint.fused_expert_tensors)
     fused_layout: str = "granite"
     shared_gate: str | None = None  # Qwen2-MoE: the shared expert's gate [1, hidden] (sigmoid), never quantized
     # the router's e_score_correction_bias (ModelConfig.router_score_bias) where it is not under the router (None:
