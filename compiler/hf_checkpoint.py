@@ -990,14 +990,15 @@ def _llama4_config(config: dict) -> dict:
         parsed = Llama4TextConfig(**{k: v for k, v in text.items()
                                      if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{arch}: the text config is not one transformers' Llama4TextConfig reads ({e})") from None
+        raise CheckpointError(f"{arch}: the text config is not one transformers' Llama4TextConfig reads "
+                              f"({e})") from None
     num_layers, top_k = parsed["num_hidden_layers"], parsed["num_experts_per_tok"]
     if top_k != 1:
         raise CheckpointError(f"{arch}: num_experts_per_tok {top_k}: llmc runs Llama 4's router (the chosen expert's "
                               "input scaled by its score) with one expert per token, as every published Llama 4; set 1")
     if parsed.get("attention_bias"):
-        raise CheckpointError(f"{arch}: attention_bias: true is not supported (its o_proj bias with q/k/v's); published "
-                              "checkpoints set it false")
+        raise CheckpointError(f"{arch}: attention_bias: true is not supported (its o_proj bias with q/k/v's); "
+                              "published checkpoints set it false")
     kinds = parsed["layer_types"]
     if len(kinds) != num_layers or not set(kinds) <= {"full_attention", "chunked_attention"}:
         raise CheckpointError(f"{arch}: layer_types {kinds}: give full_attention or chunked_attention for each of the "
@@ -1006,8 +1007,8 @@ def _llama4_config(config: dict) -> dict:
     nope = [i for i in range(num_layers) if not rope[i]]
     fields = {"rotary_interleaved": True, "num_experts": parsed["num_local_experts"], "num_experts_per_tok": 1,
               "moe_intermediate_size": parsed["intermediate_size"], "norm_topk_prob": False,
-              "moe_layers": sorted(parsed["moe_layers"]), "shared_expert_intermediate_size": parsed["intermediate_size"],
-              "router_scoring": "sigmoid_input",
+              "moe_layers": sorted(parsed["moe_layers"]), "router_scoring": "sigmoid_input",
+              "shared_expert_intermediate_size": parsed["intermediate_size"],
               "qk_l2_norm_layers": [i for i in range(num_layers) if rope[i]] if parsed["use_qk_norm"] else [],
               "attention_chunk_size": parsed["attention_chunk_size"] if "chunked_attention" in kinds else None}
     if parsed["attn_temperature_tuning"] and nope:
