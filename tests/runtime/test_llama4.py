@@ -173,23 +173,35 @@ def _hf_state(artifact) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 @pytest.mark.parametrize("quantization", [
     {"method": "rtn", "bits": 4, "group_size": 32}, {"method": "gptq", "bits": 4, "group_size": 32},
-    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow)], ids=["rtn", "gptq", "awq"])
+    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
+    # (the experts dense: transformers' stacked experts are no nn.Linear whose inputs a hook could round to FP8)
+    {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
+     "ignore": ["lm_head", r"re:layers\.\d+\.moe\.experts\..*"]}], ids=["rtn", "gptq", "awq", "fp8"])
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, data_dir, hf_encode):
     """A W4A16 build (every linear and expert: qkv, o, the dense MLP, the shared expert, the experts; GPTQ and AWQ
-    calibrated through the MoE layers on the scaled inputs the experts read) against transformers' model holding its dequantized
+    calibrated through the MoE layers on the scaled inputs the experts read) and an FP8 one (its linears; each input
+    rounded to E4M3 per token in transformers too) against transformers' model holding its dequantized
     weights (q/k rows permuted back, experts stacked input-major): logits over 34 positions (1e-4) and 16 greedy tokens;
     with two experts of a layer swapped in transformers' copy the logits move."""
     from transformers import AutoModelForCausalLM
 
+    from tests.conftest import fp8_per_token
+
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
-    assert {modules[f"layers.1.{name}"]["format"] for name in ("attn.qkv", "moe.shared.down", "moe.experts.gate_up",
-                                                                "moe.experts.down")} == {"w4a16"}
+    formats = {modules[f"layers.1.{name}"]["format"] for name in ("attn.qkv", "moe.shared.down")}
+    experts = {modules[f"layers.1.moe.experts.{name}"]["format"] for name in ("gate_up", "down")}
+    fp8 = quantization["method"] == "fp8"
+    assert (formats, experts) == (({"w8a8-fp8"}, {"dense"}) if fp8 else ({"w4a16"}, {"w4a16"}))
     state = _hf_state(out)
     oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
     missing, unexpected = oracle.load_state_dict(state, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
     oracle.eval()
+    if fp8:  # the linears' inputs rounded to E4M3 per token, as the artifact's dynamic activations are (not the
+        for name, module in oracle.named_modules():  # router's, an nn.Linear there, never quantized here)
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear) and not name.endswith("router"):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
     with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=GREEDY.max_tokens)
         token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
