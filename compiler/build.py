@@ -225,8 +225,12 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for ERNIE 4.5 MoE (its router's "
                               "mlp.moe_statics bias and permuted q/k rows are not read from a quantized checkpoint); "
                               "quantize the float checkpoint with rtn, gptq, awq or fp8")
-    if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5") and recipe.quantization.method == "import":
+    if spec.family in ("glm4", "glm4_moe", "cohere", "cohere2", "ernie4_5", "minimax_m2") and \
+            recipe.quantization.method == "import":
         _check_permuted_import(spec, model_dir, qc, gguf is not None)
+    if spec.family == "minimax_m2" and hf_config.get("num_mtp_modules"):  # (MiniMax-M2's config: use_mtp, 3 modules)
+        logger.info("MiniMax-M2: the checkpoint's %d multi-token-prediction modules (num_mtp_modules) are not built; "
+                    "the model runs without them (no speculative method mtp)", hf_config["num_mtp_modules"])
     if spec.family in ("qwen3", "qwen3_moe", "dots1") and hf_config.get("attention_bias"):  # o_proj has a bias then too
         raise CheckpointError(f"{model_dir}: {spec.family} checkpoints with attention_bias (an o_proj bias) are not "
                               "supported")
@@ -260,9 +264,9 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
 
 
 def _check_permuted_import(spec: ModelSpec, model_dir: Path, qc: dict, is_gguf: bool) -> None:
-    """GLM-4, GLM-4.5, Cohere, ERNIE 4.5: the build permutes q_proj's and k_proj's rows into the runtime's rotary
-    layout as it reads them. An FP8 checkpoint's rows move with their scales (compiler/import_quantized.py); packed
-    integer weights (GPTQ, AWQ, compressed-tensors ints, int8, GGUF blocks) do not take the permutation: refused."""
+    """GLM-4, GLM-4.5, Cohere, ERNIE 4.5, MiniMax-M2: the build permutes q_proj's and k_proj's rows into the runtime's
+    rotary layout as it reads them. An FP8 checkpoint's rows move with their scales (compiler/import_quantized.py);
+    packed integer weights (GPTQ, AWQ, compressed-tensors ints, int8, GGUF blocks) do not take the permutation: refused."""
     what = "a GGUF file" if is_gguf else None
     if what is None and qc:
         ispec = parse_quantization_config(qc)

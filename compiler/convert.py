@@ -87,9 +87,8 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
             biases |= read_experts(reader, spec, config, index, kind="bias")
         if config.shared_expert_gate:  # Qwen2-MoE's shared expert gate [1, hidden]
             norms["moe.shared_gate"] = reader.get(f"{prefix}{spec.moe.shared_gate}.weight").float()
-        if config.router_score_bias:  # DeepSeek-V3's, GLM-4.5's, ERNIE's e_score_correction_bias [num_experts]
-            name = spec.moe.score_bias or f"{spec.moe.router}.e_score_correction_bias"
-            norms["moe.gate_bias"] = reader.get(prefix + name).float().reshape(-1)
+        if config.router_score_bias:  # DeepSeek-V3's, GLM-4.5's, MiniMax-M2's, ERNIE's e_score_correction_bias [E]
+            norms["moe.gate_bias"] = reader.get(f"{prefix}{spec.moe.score_bias_name}").float().reshape(-1)
     return LayerWeights(index, linears, biases, norms)
 
 

@@ -331,7 +331,7 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
             out[f"{spec.hf_layer_prefix}{i}.{spec.moe.shared_gate}.weight"] = shared_gate
         if model.router_scoring == "sigmoid":
             bias = tensors[f"layers.{i}.moe.gate_bias.weight"]
-            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.e_score_correction_bias"] = bias
+            out[f"{spec.hf_layer_prefix}{i}.{spec.moe.score_bias_name}"] = bias
     return out
 
 

@@ -185,6 +185,11 @@ _HF_CONFIG_DEFAULTS["dots1"] = {"max_position_embeddings": 2048, "rms_norm_eps":
                                 "first_k_dense_replace": 0, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
                                 "sliding_window": 4096, "max_window_layers": 62, "tie_word_embeddings": False,
                                 "bos_token_id": None, "eos_token_id": None}
+# MiniMaxM2Config's defaults (its partial rotary: the legacy rotary_dim, _minimax_m2_config)
+_HF_CONFIG_DEFAULTS["minimax_m2"] = {"max_position_embeddings": 196608, "rms_norm_eps": 1e-6, "head_dim": 128,
+                                     "num_key_value_heads": 8, "num_experts_per_tok": 8, "num_local_experts": 256,
+                                     "tie_word_embeddings": False, "bos_token_id": 200034, "eos_token_id": 200020,
+                                     "rope_theta": 5000000.0}
 # GptOssConfig's defaults (its rope_parameters' default, YaRN, is filled in by _gpt_oss_config)
 _HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "head_dim": 64,
                                   "num_key_value_heads": 8, "tie_word_embeddings": False,
@@ -206,7 +211,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                   "SmolLM3ForCausalLM": "smollm3", "Exaone4ForCausalLM": "exaone4",
                    "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1",
                    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
-                   "Ministral3ForCausalLM": "ministral3"}
+                   "Ministral3ForCausalLM": "ministral3",
+                   "MiniMaxM2ForCausalLM": "minimax_m2"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -262,6 +268,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _seed_oss_ernie_config(config, spec.family)
     if spec.family == "ministral3":
         config = _ministral3_config(config)
+    if spec.family == "minimax_m2":
+        config = _minimax_m2_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -296,6 +304,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
                                                                                              "llama4") else {}),
         **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
         **(_ernie4_5_moe_fields(config) if spec.family == "ernie4_5_moe" else {}),
+        **(_minimax_m2_fields(config) if spec.family == "minimax_m2" else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -309,7 +318,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"o_bias": bool(config["attention_out_bias"])} if spec.family == "seed_oss" else {}),
         # ERNIE 4.5 (and its MoE): interleaved rotary pairs over the whole head (runtime/models/ernie4_5.py)
         **({"rotary_interleaved": True} if spec.family in ("ernie4_5", "ernie4_5_moe") else {}),
-        **({"qk_norm_full_width": True} if spec.family == "olmoe" else {}),  # OLMoE: pre-norms, OLMo 2's q/k norms
+        **({"qk_norm_full_width": True} if spec.family in ("olmoe", "minimax_m2") else {}),  # OLMoE, MiniMax-M2: OLMo 2's
+        # q/k norms
         # GLM-4: the sub-layers' outputs normed too, interleaved rotary pairs (runtime/models/glm4.py)
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
@@ -318,7 +328,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(config["_llama4"] if spec.family == "llama4" else {}),
         # SmolLM3's, EXAONE 4's, Llama 4's (_smollm3_config, _exaone4_config, _llama4_config)
         nope_layers=config.get("_nope_layers", []),
-        # Phi-3's, GLM-4's and GLM-4.5's partial_rotary_factor (_phi3_rope, _glm4_rope); the other families'
+        # Phi-3's, GLM-4's, GLM-4.5's and MiniMax-M2's partial_rotary_factor (_phi3_rope, _glm4_rope,
+        # _minimax_m2_config); the other families'
         # transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
         **(_classifier_fields(config) if _is_classifier(config) else {}),
@@ -629,7 +640,7 @@ def _columns(tensor: torch.Tensor, start: int, stop: int | None) -> torch.Tensor
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # routed by moe.deepseek_route (their own MoE fields)
-DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe")
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
 
 
 def _deepseek_config(config: dict, family: str) -> dict:
@@ -782,6 +793,44 @@ def _ernie4_5_moe_fields(config: dict) -> dict:
             "moe_intermediate_size": config["moe_intermediate_size"], "norm_topk_prob": True, "moe_layers": layers,
             "shared_expert_intermediate_size": shared or None, "router_scoring": "softmax",
             "router_norm_min": float(norm_min)}
+
+
+def _minimax_m2_config(config: dict) -> dict:
+    """MiniMax-M2's config as MiniMaxM2Config reads it: partial_rotary_factor from the rope parameters, else the top
+    level, else the legacy rotary_dim / head_dim (MiniMax's config.json), else the whole head: `_rotary_dim`. Refused by
+    name what transformers' MiniMaxM2ForCausalLM would not run as the config says: another scoring_func (it routes by
+    sigmoid), a shared expert (shared_intermediate_size), MiniMax-Text-01's linear-attention layers (attn_type_list
+    0), no experts."""
+    scoring = config.get("scoring_func")
+    if scoring not in (None, "sigmoid"):
+        raise CheckpointError(f"scoring_func {scoring!r}: transformers' MiniMax-M2 routes by sigmoid with "
+                              "e_score_correction_bias")
+    if config.get("shared_intermediate_size"):
+        raise CheckpointError(f"shared_intermediate_size {config['shared_intermediate_size']}: transformers' "
+                              "MiniMax-M2 has no shared expert; published checkpoints set 0")
+    if 0 in (config.get("attn_type_list") or []):
+        raise CheckpointError("attn_type_list: layers of type 0 (MiniMax-Text-01's lightning linear attention) are not "
+                              "supported; MiniMax-M2's layers are all 1 (full attention)")
+    if not config.get("num_experts_per_tok") or not config.get("num_local_experts"):
+        raise CheckpointError("MiniMax-M2: num_local_experts and num_experts_per_tok must be set (the experts and "
+                              "top-k)")
+    source = config.get("rope_parameters")
+    params = dict(source if source is not None else (config.get("rope_scaling") or {}))
+    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if factor is None and config.get("rotary_dim") is not None:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        factor = config["rotary_dim"] / head_dim
+    params.setdefault("rope_theta", config.get("rope_theta", 5000000.0))
+    return {**config, "rope_parameters": params,
+            "_rotary_dim": None if factor is None else _partial_rotary_dim(config, factor)}
+
+
+def _minimax_m2_fields(config: dict) -> dict:
+    """MiniMax-M2's MoE fields: every layer sparse, DeepSeek-V3's sigmoid router with e_score_correction_bias and no
+    groups, always renormalised, unscaled; no shared expert."""
+    return {"num_experts": config["num_local_experts"], "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["intermediate_size"], "norm_topk_prob": True,
+            "moe_layers": list(range(config["num_hidden_layers"])), "router_scoring": "sigmoid"}
 
 
 def _moe_fields(config: dict, family: str) -> dict:
@@ -1114,11 +1163,11 @@ def partial_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
 def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
     """[head_dim] int64: the permutation rotary_fold gives each head's q/k rows (ModelConfig.rotary_rows_permuted):
     interleaved pairs (GLM-4, Cohere, ERNIE 4.5: interleaved_rotary_permutation) or GLM-4.5's rotate-half over the
-    leading rotary_dim (partial_rotary_permutation); None where the checkpoint's rows are the runtime's. An FP8 import
-    moves the rows' scales with it (compiler/import_quantized.py)."""
+    leading rotary_dim (partial_rotary_permutation; MiniMax-M2's alike); None where the checkpoint's rows are the
+    runtime's. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
     if config.rotary_interleaved:
         return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    if config.family == "glm4_moe" and config.rotary_rows_permuted:
+    if config.family in ("glm4_moe", "minimax_m2") and config.rotary_rows_permuted:
         return partial_rotary_permutation(config.head_dim, config.rotary_dims)
     return None
 
@@ -1126,7 +1175,8 @@ def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
 def rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
     """For a model whose checkpoint rotates other pairs than the runtime's rotate-half over the whole head
     (rotary_row_permutation), a `TensorReader` merge that reads q_proj's and k_proj's weights and biases, and the
-    per-head q_norm / k_norm weights (GLM-4.5's; the RMS of a head is unchanged by the permutation), with each head's
+    q_norm / k_norm weights (GLM-4.5's per head, MiniMax-M2's over all heads: an RMS over the same elements in another
+    order is unchanged by the permutation), with each head's
     rows permuted: q.k is unchanged (one permutation of both), and the runtime rotates whole heads, the pass-through
     pairs by a table of cos 1, sin 0. None for the other families."""
     perm = rotary_row_permutation(config)

@@ -215,8 +215,9 @@ class ImportPacker:
 
     def _check_routers(self) -> None:
         """An MoE router is never quantized: the checkpoint must hold it dense, as its plain `.weight` (DeepSeek-V3's
-        also its float e_score_correction_bias)."""
-        expected = ["e_score_correction_bias", "weight"] if self.config.router_scoring == "sigmoid" else ["weight"]
+        also its float e_score_correction_bias; MiniMax-M2's beside the router, MoeSpec.score_bias)."""
+        biased = self.config.router_scoring == "sigmoid" and self.spec.moe.score_bias is None
+        expected = ["e_score_correction_bias", "weight"] if biased else ["weight"]
         for index in self.config.moe_layers:
             router = f"{self.spec.hf_layer_prefix}{index}.{self.spec.moe.router}"
             found = sorted(self.module_tensors.get(router, {}))

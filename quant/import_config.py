@@ -335,12 +335,13 @@ def _checked_block(what: str, block) -> tuple[int, int]:
     return tuple(block)
 
 
-# quant_method "fp8" fields that change the numbers in ways llmc does not compute: (field, value llmc reads, why)
+# quant_method "fp8" fields that change the numbers in ways llmc does not compute: (field, values llmc reads, why);
+# fmt float8_e4m3fn: MiniMax-M2's config.json names E4M3 by its torch dtype
 _FP8_REFUSED = (
-    ("fmt", "e4m3", "llmc imports E4M3 weights (float8_e4m3fn)"),
-    ("scale_fmt", "float", "ue8m0 scales are powers of two (E8M0 bytes), and the activation scales are rounded to "
+    ("fmt", ("e4m3", "float8_e4m3fn"), "llmc imports E4M3 weights (float8_e4m3fn)"),
+    ("scale_fmt", ("float",), "ue8m0 scales are powers of two (E8M0 bytes), and the activation scales are rounded to "
                            "powers of two at run time, which llmc does not do"),
-    ("expert_dtype", "fp8", "llmc imports FP8 experts, not FP4-packed ones"),
+    ("expert_dtype", ("fp8",), "llmc imports FP8 experts, not FP4-packed ones"),
 )
 
 
@@ -350,8 +351,8 @@ def _parse_fp8(qc: dict) -> ImportSpec:
     token and `columns` inputs. Without weight_block_size: vLLM's per-tensor FP8 (weight_scale per linear,
     input_scale when activation_scheme is static), imported as w8a8-fp8. lm_head stays dense (transformers skips
     the output embeddings; vLLM never quantizes its head)."""
-    for name, value, why in _FP8_REFUSED:
-        if qc.get(name) not in (None, value):
+    for name, values, why in _FP8_REFUSED:
+        if qc.get(name) not in (None, *values):
             raise CheckpointError(f"fp8 quantization_config {name} {qc[name]!r} is not supported: {why}")
     if qc.get("modules_to_convert"):
         raise CheckpointError(f"fp8 quantization_config modules_to_convert {qc['modules_to_convert']!r} (FP8 embeddings) "

@@ -105,10 +105,12 @@ from llmc.schema import opt, parse
 # 1.32: Llama 4 (family llama4), the weightless q/k norm (model.qk_l2_norm_layers), the router that scales the expert's
 #      input (router_scoring sigmoid_input) and model.attention_chunk_size (the context held to it); older manifests
 #      load without them.
-FORMAT_VERSION = "1.32"
+# 1.33: MiniMax-M2 (family minimax_m2: DeepSeek-V3's router fields without groups, OLMo 2's q/k norms, GLM-4.5's
+#      permuted partial rotary), read with fields older formats have (an older llmc refuses the family by name).
+FORMAT_VERSION = "1.33"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -118,7 +120,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
-            "ernie4_5_moe", "ministral3", "llama4"]
+            "ernie4_5_moe", "ministral3", "llama4", "minimax_m2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -334,9 +336,10 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's, GLM-4.5's, dots.llm1's and ERNIE 4.5 MoE's router weight (and their score bias where they
-        have one) is held and run in float32, as transformers keeps it, and routes by `deepseek_route`."""
-        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe")
+        """DeepSeek's, GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's and MiniMax-M2's router weight (and their score bias
+        where they have one) is held and run in float32, as transformers keeps it (MiniMax-M2's: as vLLM does), and
+        routes by `deepseek_route`."""
+        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
 
     @property
     def router_score_bias(self) -> bool:
@@ -356,8 +359,8 @@ class ModelConfig:
     def rotary_rows_permuted(self) -> bool:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
-        rotate-half over the leading rotary_dim (family glm4_moe: hf_checkpoint.rotary_fold)."""
-        return self.rotary_interleaved or (self.family == "glm4_moe" and self.rotary_dim is not None)
+        rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2: hf_checkpoint.rotary_fold)."""
+        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2") and self.rotary_dim is not None)
 
     @property
     def rotary_table_dims(self) -> int:

@@ -40,9 +40,15 @@ class MoeSpec:
     # (input-major, gate columns then up) and down [E, width, hidden], read transposed (hf_checkpoint.fused_expert_tensors)
     fused_layout: str = "granite"
     shared_gate: str | None = None  # Qwen2-MoE: the shared expert's gate [1, hidden] (sigmoid), never quantized
-    # the router's e_score_correction_bias (ModelConfig.router_score_bias) where it is not under the router (None:
-    # f"{router}.e_score_correction_bias"): ERNIE 4.5 MoE's "mlp.moe_statics.e_score_correction_bias" [1, num_experts]
+    # the router's e_score_correction_bias (ModelConfig.router_score_bias) inside a layer; None: the router's own
+    # (`{router}.e_score_correction_bias`, DeepSeek-V3's); MiniMax-M2 keeps it beside the gate, ERNIE 4.5 MoE under
+    # "mlp.moe_statics.e_score_correction_bias" [1, num_experts]
     score_bias: str | None = None
+
+    @property
+    def score_bias_name(self) -> str:
+        """The e_score_correction_bias tensor's name inside a layer."""
+        return self.score_bias or f"{self.router}.e_score_correction_bias"
 
 
 @dataclass(frozen=True)
