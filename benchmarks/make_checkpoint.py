@@ -23,11 +23,14 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
                  by default; its multi-token-prediction layer left out, as llmc does not build it), ernie4_5-moe
                  (ERNIE-4.5-21B-A3B: 20 q / 4 kv heads of 128, interleaved rotary, tied embeddings, layer 0 dense,
                  then 64 experts of width 1536, top-6 by a softmax router with its moe_statics bias, 2 shared; 28
-                 layers cut to 4 by default) or llama4 (Llama-4-Maverick-17B-128E's text model: MoE every other
+                 layers cut to 4 by default), llama4 (Llama-4-Maverick-17B-128E's text model: MoE every other
                  layer, 128 experts of width 8192, top 1, a shared expert, every 4th layer NoPE; 48 layers cut to 4
-                 by default). The MoE configs are written by transformers' config classes (Qwen3MoeConfig,
-                 MixtralConfig, DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig, Llama4TextConfig); the experts'
-                 tensors are named per expert, as the published checkpoints name them
+                 by default) or minimax-m2 (MiniMax-M2: 48 q / 8 kv heads of 128 with q/k norms over the whole
+                 projections, rotary on 64 of each head's dims, 256 experts of width 1536 in every layer, top-8 by a
+                 sigmoid router with e_score_correction_bias; 62 layers cut to 4 by default; its MTP modules left
+                 out). The MoE configs are written by transformers' config classes (Qwen3MoeConfig, MixtralConfig,
+                 DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig, Llama4TextConfig, MiniMaxM2Config); the
+                 experts' tensors are named per expert, as the published checkpoints name them
                  (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1), Llama 4's fused
                  (feed_forward.experts.gate_up_proj [E, hidden, 2 x width], down_proj).
 """
@@ -116,6 +119,12 @@ LLAMA4_MAVERICK = {"vocab_size": 202048, "hidden_size": 5120, "intermediate_size
                    "use_qk_norm": False, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
                    "floor_scale": 8192, "attn_scale": 0.1, "max_position_embeddings": 1048576, "rms_norm_eps": 1e-05,
                    "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+# MiniMax-M2's (MiniMaxAI/MiniMax-M2; as recalled, not checked against the hub): the legacy rotary_dim (64 of 128),
+# its 3 MTP modules not written
+MINIMAX_M2 = {"vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536, "num_hidden_layers": 62,
+              "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 256,
+              "num_experts_per_tok": 8, "rotary_dim": 64, "max_position_embeddings": 196608, "rms_norm_eps": 1e-06,
+              "rope_theta": 5000000.0, "tie_word_embeddings": False}
 MOE_ARCHS = {  # arch → (config class, published config, layers by default, tiny widths)
     "qwen3-moe": ("Qwen3MoeConfig", QWEN3_30B_A3B, 12, {"moe_intermediate_size": 128, "num_experts": 8,
                                                         "num_experts_per_tok": 2}),
@@ -131,6 +140,8 @@ MOE_ARCHS = {  # arch → (config class, published config, layers by default, ti
                                                             "moe_k": 2, "intermediate_size": 512}),
     "llama4": ("Llama4TextConfig", LLAMA4_MAVERICK, 4, {"intermediate_size": 128, "intermediate_size_mlp": 512,
                                                         "num_local_experts": 8}),
+    "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2, 4, {"intermediate_size": 128, "num_local_experts": 8,
+                                                      "num_experts_per_tok": 2, "rotary_dim": 32}),
 }
 ARCHS = ("llama", *MOE_ARCHS)
 SHARD_BYTES = 5 * 10**9
@@ -200,6 +211,8 @@ def attention_shapes(config: dict, p: str) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.v_proj.bias": (kv,)}
         if config["use_qk_norm"]:
             shapes |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+    if config["model_type"] == "minimax_m2":  # q/k norms over the whole projections
+        shapes |= {p + "self_attn.q_norm.weight": (q,), p + "self_attn.k_norm.weight": (kv,)}
     return shapes
 
 
@@ -244,6 +257,8 @@ def mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, ...]]:
     else:
         inter = config["intermediate_size"]
         shapes = {p + "block_sparse_moe.gate.weight": (num_experts, hidden)}
+        if model_type == "minimax_m2":  # its score bias beside the router
+            shapes[p + "block_sparse_moe.e_score_correction_bias"] = (num_experts,)
         names = ("block_sparse_moe.experts.{}.w1", "block_sparse_moe.experts.{}.w3", "block_sparse_moe.experts.{}.w2")
     for e in range(num_experts):
         gate, up, down = (p + name.format(e) + ".weight" for name in names)
@@ -361,12 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, "
-                        "deepseek-v2-lite 4, glm4-moe 4, ernie4_5-moe 4; 2 with --tiny)")
+                        "deepseek-v2-lite 4, glm4-moe 4, ernie4_5-moe 4, llama4 4, minimax-m2 4; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite, "
-                        "glm4-moe, ernie4_5-moe or llama4")
+                        "glm4-moe, ernie4_5-moe, llama4 or minimax-m2")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)

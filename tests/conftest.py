@@ -311,6 +311,11 @@ LLAMA4_TEXT = {"head_dim": 16, "num_hidden_layers": 4, "no_rope_layers": [1, 1, 
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 64}}
 _FAMILY_SPECS["llama4"] = ("Llama4TextConfig", LLAMA4_TEXT)
+# MiniMax-M2 (tests/runtime/test_minimax_m2.py): GQA 4/2 of head_dim 32 with q/k norms over the whole projections
+# (128 and 64 wide) and a partial rotary over 16 of each head's 32 dims (the legacy rotary_dim, as MiniMax's
+# config.json), 2 layers of 8 experts of width 32 (top 2, renormalised), stored as Mixtral's (block_sparse_moe)
+_FAMILY_SPECS["minimax_m2"] = ("MiniMaxM2Config", {
+    "head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the

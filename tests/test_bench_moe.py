@@ -30,9 +30,9 @@ def test_bench_moe_w4a16_packing_round_trips_to_rtn_weights(load_benchmark):
 
 
 def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark):
-    """--arch qwen3-moe / mixtral / deepseek-v2-lite / glm4-moe / ernie4_5-moe / llama4 --tiny: transformers finds every
-    tensor it expects and no other; `llmc build` ingests the Qwen3-MoE, GLM-4.5 and ERNIE 4.5 MoE ones with their
-    router settings."""
+    """--arch qwen3-moe / mixtral / deepseek-v2-lite / glm4-moe / ernie4_5-moe / llama4 / minimax-m2 --tiny:
+    transformers finds every tensor it expects and no other; `llmc build` ingests the Qwen3-MoE, GLM-4.5, ERNIE 4.5
+    MoE and MiniMax-M2 ones with their router settings."""
     import transformers
 
     from llmc.compiler.build import build
@@ -43,7 +43,7 @@ def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark
     published = make.make_config(None, False, "qwen3-moe")
     assert (published["hidden_size"], published["num_local_experts"], published["num_experts_per_tok"],
             published["moe_intermediate_size"], published["num_hidden_layers"]) == (2048, 128, 8, 768, 12)
-    for arch in ("qwen3-moe", "mixtral", "deepseek-v2-lite", "glm4-moe", "ernie4_5-moe", "llama4"):
+    for arch in ("qwen3-moe", "mixtral", "deepseek-v2-lite", "glm4-moe", "ernie4_5-moe", "llama4", "minimax-m2"):
         make.make_checkpoint(tmp_path / arch, tiny=True, device="cpu", arch=arch)
         _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / arch, output_loading_info=True)
         assert not any(info.values()), (arch, info)
@@ -62,3 +62,8 @@ def test_moe_checkpoints_load_in_transformers_and_build(tmp_path, load_benchmark
     assert (model.family, model.num_experts, model.moe_layers, model.router_score_bias, model.rotary_interleaved,
             model.shared_expert_intermediate_size, model.tie_word_embeddings) == ("ernie4_5_moe", 8, [1], True, True,
                                                                                    256, True)
+    build(recipe_from_dict({**recipe, "model": str(tmp_path / "minimax-m2"), "output": str(tmp_path / "m2")}),
+          show_progress=False)
+    model = read_manifest(tmp_path / "m2").model
+    assert (model.family, model.num_experts, model.moe_layers, model.router_scoring, model.rotary_dims,
+            model.qk_norm_full_width) == ("minimax_m2", 8, [0, 1], "sigmoid", 32, True)

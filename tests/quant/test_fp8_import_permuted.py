@@ -29,7 +29,8 @@ from tests.quant.test_fp8_block_import import check_llm_against, dequantized, fp
 from tests.runtime.hf_oracle import build_float32, build_import
 from tests.runtime.test_glm4_moe import _random_score_bias
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+           "w1", "w3", "w2")  # (MiniMax-M2's experts: Mixtral's names)
 PROMPT = "What light through yonder window breaks? It is the east"
 CHANNEL_FP8 = {  # llm-compressor's FP8_DYNAMIC preset as QuantizationArgs saves it
     "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -84,9 +85,11 @@ def write_checkpoint(source, dest, kind: str) -> dict[str, torch.Tensor]:
     return weights
 
 
-def oracle(source, weights: dict[str, torch.Tensor], group: int | None):
-    """transformers' float32 model of `source` holding `weights` (the experts' fused as transformers stores them),
-    each quantized linear's and expert's input rounded to E4M3 per token and `group` inputs (None: the whole row)."""
+def oracle(source, weights: dict[str, torch.Tensor], group: int | None,
+           experts_names: tuple[str, str, str, str] = ("mlp.experts", "gate_proj", "up_proj", "down_proj")):
+    """transformers' float32 model of `source` holding `weights` (the experts' fused as transformers stores them; in
+    the checkpoint under `experts_names`: their module, gate, up, down), each quantized linear's and expert's input
+    rounded to E4M3 per token and `group` inputs (None: the whole row)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, attn_implementation="eager").eval()
@@ -106,9 +109,9 @@ def oracle(source, weights: dict[str, torch.Tensor], group: int | None):
             continue
         with torch.no_grad():
             for e in range(experts.num_experts):
-                p = f"model.layers.{i}.mlp.experts.{e}."
-                experts.gate_up_proj[e] = torch.cat([weights[p + "gate_proj"], weights[p + "up_proj"]])
-                experts.down_proj[e] = weights[p + "down_proj"]
+                p = f"model.layers.{i}.{experts_names[0]}.{e}."
+                experts.gate_up_proj[e] = torch.cat([weights[p + experts_names[1]], weights[p + experts_names[2]]])
+                experts.down_proj[e] = weights[p + experts_names[3]]
         experts.forward = _experts_rounded(experts, rounded)
     return model
 
@@ -169,6 +172,30 @@ def test_interleaved_rotary_families_import_block_fp8(family, tmp_path, hf_encod
     artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
     token_ids = hf_encode(source, PROMPT) + list(range(100, 126))
     check_llm_against(oracle(source, weights, 16), artifact, token_ids, hf_encode(source, "ROMEO:"))
+
+
+@pytest.mark.parametrize("kind", ["block128", "block16"])
+def test_fp8_minimax_m2_imports_and_runs_as_transformers(kind, tmp_path, hf_encode):
+    """MiniMax-M2 (partial rotary over 16 of 32 dims: rows cross 16-row blocks; q/k norms over the whole projections,
+    permuted with the rows; a random e_score_correction_bias beside the dense router) in transformers' block FP8:
+    every linear and expert kept in w8a8-fp8-block (lm_head dense); logits and 16 greedy tokens as transformers' on
+    the dequantized weights."""
+    source = make_hf_checkpoint(tmp_path / "float", "minimax_m2")
+    _random_score_bias(source, mtp=False)
+    weights = write_checkpoint(source, tmp_path / "ckpt", kind)
+    assert any(".block_sparse_moe.experts.7.w2" in m for m in weights) and not any(".gate" in m for m in weights)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())  # the published quantization_config's keys
+    config["quantization_config"] |= {"fmt": "float8_e4m3fn",
+                                      "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config, indent=2))
+    artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
+    formats = {name: m["format"] for name, m in json.loads((artifact / "manifest.json").read_text())[
+        "quant"]["modules"].items()}
+    assert formats.pop("lm_head") == "dense" and set(formats.values()) == {"w8a8-fp8-block"}, formats
+    token_ids = hf_encode(source, PROMPT) + list(range(100, 126))
+    model = oracle(source, weights, {"block128": 128, "block16": 16}[kind],
+                   ("block_sparse_moe.experts", "w1", "w3", "w2"))
+    check_llm_against(model, artifact, token_ids, hf_encode(source, "ROMEO:"))
 
 
 @pytest.mark.parametrize("qc", [
