@@ -289,13 +289,15 @@ def _finite(param, value: float | None) -> float | None:
               "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral), pythonic "
               "([f(a=1), g()]: Llama 3.2, Llama 4), glm45 (<tool_call>NAME<arg_key>...: GLM-4.5/4.6), glm47 "
               "(GLM-4.7), qwen3_coder (<function=NAME><parameter=...: Qwen3-Coder), deepseek_v3 "
-              "(<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1), deepseek_v31 (NAME<｜tool▁sep｜>{...}: DeepSeek-V3.1) or "
+              "(<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1), deepseek_v31 (NAME<｜tool▁sep｜>{...}: DeepSeek-V3.1), "
+              "minimax_m2 (<minimax:tool_call><invoke name=...: MiniMax-M2) or "
               "openai (gpt-oss's harmony messages to functions.NAME; with --reasoning-parser openai_gptoss)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
               "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ), deepseek_v3 "
-              "(DeepSeek-V3.1: only with chat_template_kwargs {\"thinking\": true}), qwen3, glm45 or openai_gptoss "
-              "(gpt-oss's harmony analysis and final channels)")
+              "(DeepSeek-V3.1: only with chat_template_kwargs {\"thinking\": true}), qwen3, glm45, minimax_m2 (MiniMax-M2: "
+              "reasoning up to </think>), minimax_m2_append_think (all content, <think> put before it) or "
+              "openai_gptoss (gpt-oss's harmony analysis and final channels)")
 @click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
               callback=_structured_outputs_config,
               help="server: vLLM's JSON; llmc reads '{\"enable_in_reasoning\": true}': with --reasoning-parser, "

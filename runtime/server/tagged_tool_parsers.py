@@ -1,5 +1,5 @@
-"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder and DeepSeek-V3 / V3.1
-(vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31), on tool_parsers'
+"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder, DeepSeek-V3 / V3.1 and MiniMax-M2
+(vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31 and minimax_m2), on tool_parsers'
 streaming frame: `feed` / `finish` return ("content", text), ("call", index, name) and ("args", index,
 text) events, and every decision depends on the text, never on where it was split.
 
@@ -37,6 +37,18 @@ text) events, and every decision depends on the text, never on where it was spli
   `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` (no type, no fences: a fence would be part of
   the arguments, as in vLLM). A call without `<｜tool▁sep｜>`, or whose name spans lines, is dropped.
   DeepSeek-V3.2's DSML format (vLLM's deepseek_v32) is not built: that name is refused at start-up.
+* minimax_m2 (MiniMax-M2, M2.1, vLLM's minimax_m2_tool_parser): `<minimax:tool_call>\n<invoke name="NAME">\n
+  <parameter name="K">V</parameter>\n...</invoke>\n...</minimax:tool_call>`, several invokes a block. A name is
+  the text up to the tag's `>`, blanks and one pair of quotes off; an invoke whose name is empty or holds a `<` is
+  dropped (to its `</invoke>`), a parameter alike (to its `</parameter>`). A value is its text stripped, typed as
+  vLLM's parser types it: "null", "none" or "nil" (any case) is null; else by the types the parameter's schema
+  names (its "type" or list of types, its enum values' types, anyOf / oneOf / allOf's), tried integer (int()),
+  number (float(), whole numbers as integers), boolean (true/1/yes/on, false/0/no/off), object and array (JSON),
+  string (as written), in that order, the first that converts; a parameter the schema does not declare is a
+  string; none of its types converting: JSON, else the string. Each parameter goes out whole at its
+  `</parameter>`; one cut by `</invoke>` or `</minimax:tool_call>` is dropped, an invoke left open ends at
+  `</minimax:tool_call>`. As in vLLM (both its paths), nothing after the first `<minimax:tool_call>` is content:
+  text between invokes and after the blocks is dropped, and a block with no call in it gives none.
 
 As for hermes: text outside the calls is content, blanks next to calls dropped once a call was read; a
 block left open at the end counts up to the end, its open value ended there and its object closed; a
@@ -537,3 +549,148 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
     no type and no fences (vLLM's deepseekv31_tool_parser)."""
 
     TYPED = False
+
+
+_MINIMAX_NULLS = ("null", "none", "nil")
+# vLLM's minimax_m2 order of trying a parameter's types (the first that converts wins)
+_MINIMAX_ORDER = ("integer", "int", "number", "float", "boolean", "bool", "object", "array", "string", "str", "text")
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+               (dict, "object"))
+
+
+def _minimax_types(schema) -> set[str]:
+    """The type names a MiniMax-M2 parameter's schema allows: its "type" (or list of them), its enum values' JSON
+    types (null for None), and those of its anyOf / oneOf / allOf choices; {"string"} when it names none."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    types: set[str] = set()
+    kind = schema.get("type")
+    types |= {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
+        else set()
+    for value in schema.get("enum") or [] if isinstance(schema.get("enum"), list) else []:
+        types.add("null" if value is None else next(name for cls, name in _JSON_TYPES if isinstance(value, cls)))
+    for choices in (schema.get(key) for key in ("anyOf", "oneOf", "allOf")):
+        for choice in choices if isinstance(choices, list) else []:
+            types |= _minimax_types(choice)
+    return types or {"string"}
+
+
+def minimax_m2_value(text: str, schema) -> object:
+    """A MiniMax-M2 parameter's value (its text stripped) typed by its JSON schema (None: not declared), as vLLM
+    reads it."""
+    if text.lower() in _MINIMAX_NULLS:
+        return None
+    types = {t.lower() for t in _minimax_types(schema)}
+    for kind in (t for t in _MINIMAX_ORDER if t in types):
+        if kind in ("string", "str", "text"):
+            return text
+        try:
+            if kind in ("integer", "int"):
+                return int(text)
+            if kind in ("number", "float"):
+                number = float(text)
+                return number if number != int(number) else int(number)
+        except (ValueError, OverflowError):
+            continue
+        if kind in ("boolean", "bool"):
+            word = text.strip().lower()
+            if word in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+                return word in ("true", "1", "yes", "on")
+            continue
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _unquoted(name: str) -> str:
+    """A tag's name attribute: blanks and one pair of matching quotes off."""
+    name = name.strip()
+    return name[1:-1] if len(name) >= 2 and name[0] == name[-1] and name[0] in "\"'" else name
+
+
+class MiniMaxM2ToolParser(_PairsParser):
+    BLOCK, BLOCK_END = "<minimax:tool_call>", "</minimax:tool_call>"
+    INVOKE, INVOKE_END = "<invoke name=", "</invoke>"
+    PARAMETER, PARAMETER_END = "<parameter name=", "</parameter>"
+
+    def __init__(self, tools: list[dict] | None = None):
+        super().__init__(tools)
+        # content (before any block), outside (after one), block, name, body, pname, value, skip_invoke, skip_param
+        self._state = "content"
+        self._properties: dict = {}
+        self._param = ""
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state, buffer = self._state, self._buffer
+            if state == "content":
+                at = buffer.find(self.BLOCK)
+                if at < 0:
+                    return out + self._held_content((self.BLOCK,), final)
+                out += self._content(buffer[:at])
+                self._buffer, self._state = buffer[at + len(self.BLOCK):], "block"
+            elif state in ("name", "pname"):  # the name runs to the tag's ">"
+                at = buffer.find(">")
+                raw = buffer if at < 0 else buffer[:at]
+                skip = "skip_invoke" if state == "name" else "skip_param"
+                if "<" in raw:  # a tag before the name's end: no name, the tag read on
+                    self._state = skip
+                    continue
+                if at < 0:  # the name goes on, or (at the end) was cut: no call, no parameter
+                    if final and state == "pname":
+                        self._state = skip
+                        continue
+                    return out
+                name, self._buffer = _unquoted(raw), buffer[at + 1:]
+                if not name:
+                    self._state = skip
+                elif state == "name":
+                    self._state, self._properties = "body", _properties(self.tools, name)
+                    out += self._open_call(name)
+                else:
+                    self._state, self._param = "value", name
+            elif state == "value":
+                hit = _first(buffer, (self.PARAMETER_END, self.INVOKE_END, self.BLOCK_END))
+                if hit is None:
+                    if final:
+                        return out + self._pair(buffer) + self._close_call(False)
+                    return out
+                if hit[1] == self.PARAMETER_END:
+                    out += self._pair(buffer[:hit[0]])
+                    self._buffer = buffer[hit[0] + len(hit[1]):]
+                else:  # cut by the invoke's or the block's end: dropped, the tag read in the body
+                    self._buffer = buffer[hit[0]:]
+                self._state = "body"
+            else:  # between tags: what ends the state, the text before it dropped
+                tags = {"outside": (self.BLOCK,), "block": (self.INVOKE, self.BLOCK_END),
+                        "body": (self.PARAMETER, self.INVOKE_END, self.BLOCK_END),
+                        "skip_invoke": (self.INVOKE_END, self.BLOCK_END),
+                        "skip_param": (self.PARAMETER_END, self.INVOKE_END, self.BLOCK_END)}[state]
+                hit = _first(buffer, tags)
+                if hit is None:
+                    self._buffer = "" if final else buffer[len(buffer) - _held(buffer, tags):]
+                    if final and state in ("body", "skip_param"):
+                        out += self._close_call(False)
+                    return out
+                end = hit[0] + len(hit[1])
+                if hit[1] == self.BLOCK_END:
+                    out += self._close_call(True) if state in ("body", "skip_param") else []
+                    self._buffer, self._state = buffer[end:], "outside"
+                elif hit[1] == self.INVOKE_END:
+                    out += self._close_call(True) if state in ("body", "skip_param") else []
+                    self._buffer, self._state = buffer[end:], "block"
+                else:
+                    self._buffer = buffer[end:]
+                    self._state = {self.BLOCK: "block", self.INVOKE: "name", self.PARAMETER: "pname",
+                                   self.PARAMETER_END: "body"}[hit[1]]
+
+    def _pair(self, text: str) -> list[Event]:
+        value = text.strip()
+        typed = _json(minimax_m2_value(value, self._properties.get(self._param)))
+        return self._args(self._key(self._param) + (json.dumps(value, ensure_ascii=False) if typed is None else typed))

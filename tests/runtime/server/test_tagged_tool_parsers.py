@@ -1,10 +1,12 @@
-"""The glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31 tool call parsers and the glm45 reasoning
+"""The glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31 and minimax_m2 tool call parsers and the glm45 reasoning
 parser, on texts written by hand from the published formats (GLM-4.5's chat template: `<tool_call>NAME\\n
 <arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`; GLM-4.7's: `<tool_call>NAME<arg_key>K</arg_key>
 <arg_value>V</arg_value></tool_call>`; Qwen3-Coder's: `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV
 \\n</parameter>\\n</function>\\n</tool_call>`; DeepSeek-V3's: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function
 <｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>`; DeepSeek-V3.1's:
-`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>`) and vLLM's
+`<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜><｜tool▁calls▁end｜>`; MiniMax-M2's
+tool calling guide: `<minimax:tool_call>\n<invoke name="NAME">\n<parameter name="K">V</parameter>\n</invoke>\n
+</minimax:tool_call>`) and vLLM's
 documented rules for typing the values by the request's tool schemas. Every text is also streamed split at every character
 boundary, one character at a time and in random pieces: the joined pieces must give the same content
 and calls, and every call's arguments are JSON whose value is checked."""
@@ -18,7 +20,7 @@ import pytest
 
 from llmc.runtime.server import reasoning_parsers
 from llmc.runtime.server.serving import ServingContext
-from llmc.runtime.server.tagged_tool_parsers import qwen3_coder_value
+from llmc.runtime.server.tagged_tool_parsers import minimax_m2_value, qwen3_coder_value
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS, fold, make_parser, parse
 
 PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
@@ -148,6 +150,41 @@ DEEPSEEK_V31 = [
 ]
 
 
+MB, ME = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_M2 = [
+    # MiniMax's guide: content before, two invokes in one block, values typed by the schema
+    (f'Let me check.\n{MB}\n<invoke name="get_weather">\n<parameter name="city">San Francisco</parameter>\n'
+     f'<parameter name="days">3</parameter>\n</invoke>\n<invoke name="get_weather">\n<parameter name="city">Lyon'
+     f'</parameter>\n<parameter name="metric">yes</parameter>\n</invoke>\n{ME}', "Let me check.",
+     [("get_weather", {"city": "San Francisco", "days": 3}), ("get_weather", {"city": "Lyon", "metric": True})]),
+    # a call without parameters; single quotes; values stripped; JSON containers; null; an undeclared parameter and
+    # a function the tools do not declare: strings
+    (f"{MB}<invoke name='ping'></invoke><invoke name=\"get_weather\"><parameter name='opts'> {{\"a\": [1, null]}} "
+     f'</parameter><parameter name="tags">["x"]</parameter><parameter name="unit">None</parameter><parameter '
+     f'name="extra">7</parameter></invoke><invoke name="other"><parameter name="n">7</parameter></invoke>{ME}', "",
+     [("ping", {}), ("get_weather", {"opts": {"a": [1, None]}, "tags": ["x"], "unit": None, "extra": "7"}),
+      ("other", {"n": "7"})]),
+    # nothing after the first block is content (vLLM's), calls in a later block count, text between invokes dropped
+    (f'A\n{MB}<invoke name="ping"></invoke> chatter {ME} after\n{MB}<invoke name="ping">x</invoke>{ME}tail', "A",
+     [("ping", {}), ("ping", {})]),
+    # a block with no call gives none and is not content
+    (f"Hi {MB}just text{ME} bye", "Hi ", []),  # (no call read: the blank before the block stays)
+    # cut in a value (max_tokens): the call stands with it; cut before any parameter or in a name: nothing invented
+    (f'{MB}<invoke name="get_weather"><parameter name="days">1', "", [("get_weather", {"days": 1})]),
+    (f'{MB}<invoke name="get_weather"><parameter name="da', "", [("get_weather", None)]),
+    (f'{MB}<invoke name="get_wea', "", []),
+    # a parameter cut by </invoke> is dropped; an invoke left open ends at the block's end; no name: dropped
+    (f'{MB}<invoke name="get_weather"><parameter name="city">Paris</parameter><parameter name="days">2</invoke>'
+     f'<invoke name="ping"><parameter name="x">1</parameter>{ME}', "",
+     [("get_weather", {"city": "Paris"}), ("ping", {"x": "1"})]),
+    (f'{MB}<invoke name="">\n<parameter name="x">1</parameter></invoke><invoke name="a<b"></invoke>'
+     f'<invoke name="ping"><parameter name=>2</parameter><parameter name="y>3</parameter></invoke>{ME}', "",
+     [("ping", {'"y': "3"})]),  # (an unmatched quote stays in the name, as vLLM reads it)
+    ("No call: a < b, <minimax:tool and </invoke>.\n", "No call: a < b, <minimax:tool and </invoke>.\n", []),
+    ("", "", []),
+]
+
+
 def _events(kind: str, pieces: list[str]) -> list:
     parser = make_parser(kind, tools=TOOLS)
     return [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
@@ -170,7 +207,8 @@ def _check(kind: str, text: str, content: str, calls: list) -> None:
 @pytest.mark.parametrize(("kind", "text", "content", "calls"),
                          [("glm45", *case) for case in GLM45] + [("glm47", *case) for case in GLM47]
                          + [("qwen3_coder", *case) for case in QWEN3_CODER] + [("deepseek_v3", *case) for case in DEEPSEEK_V3]
-                         + [("deepseek_v31", *case) for case in DEEPSEEK_V31])
+                         + [("deepseek_v31", *case) for case in DEEPSEEK_V31]
+                         + [("minimax_m2", *case) for case in MINIMAX_M2])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
 
@@ -216,6 +254,36 @@ def test_qwen3_coder_values_are_typed_as_vllm_does():
     assert qwen3_coder_value("7", {"description": "no type"}) == "7"
 
 
+def test_minimax_m2_values_are_typed_as_vllm_does():
+    """vLLM's minimax_m2 rules: null words first, then the schema's types in its fixed order, else JSON, else text."""
+    assert minimax_m2_value("5", None) == "5"  # not declared: a string
+    assert minimax_m2_value("Nil", {"type": "string"}) is None  # null words whatever the type
+    assert minimax_m2_value("12", {"type": "integer"}) == 12
+    assert minimax_m2_value("1.5", {"type": "integer"}) == 1.5  # int() fails: JSON
+    assert minimax_m2_value("3.0", {"type": "number"}) == 3 and isinstance(minimax_m2_value("3.0", {"type": "number"}),
+                                                                          int)
+    assert minimax_m2_value("inf", {"type": "number"}) == "inf"  # no JSON either: the text
+    assert minimax_m2_value("7", {"type": ["string", "integer"]}) == 7  # integer before string
+    assert minimax_m2_value("7", {"anyOf": [{"type": "string"}, {"type": "number"}]}) == 7
+    assert minimax_m2_value("7", {"oneOf": [{"type": "string"}]}) == "7"
+    assert minimax_m2_value("2", {"enum": [1, 2, 3]}) == 2  # the enum's values' type
+    assert minimax_m2_value("on", {"type": "boolean"}) is True and minimax_m2_value("0", {"type": "bool"}) is False
+    assert minimax_m2_value("maybe", {"type": "boolean"}) == "maybe"
+    assert minimax_m2_value('{"a": 1}', {"type": "object"}) == {"a": 1}
+    assert minimax_m2_value("{'a': 1}", {"type": "object"}) == "{'a': 1}"  # no Python literals
+    assert minimax_m2_value("[1]", {"type": "tuple"}) == [1]  # an unknown type: JSON, else the text
+    assert minimax_m2_value("x", {"description": "no type"}) == "x"
+
+
+def test_minimax_m2_sends_each_parameter_whole():
+    parser = make_parser("minimax_m2", tools=TOOLS)
+    assert parser.feed('Hi <minimax:tool_call>\n<invoke name="get_weather') == [("content", "Hi")]
+    assert parser.feed('">\n<parameter name="days">1') == [("call", 0, "get_weather")]
+    assert parser.feed("0</parameter>\n") == [("args", 0, '{"days": 10')]
+    assert parser.feed("</invoke>\n</minimax:tool_call> bye") == [("args", 0, "}")]
+    assert parser.finish() == [] and parser.called
+
+
 def test_qwen3_coder_sends_each_parameter_whole():
     parser = make_parser("qwen3_coder", tools=TOOLS)
     assert parser.feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n1") == [("call", 0, "get_weather")]
@@ -258,7 +326,7 @@ def test_glm47_streams_like_glm45():
 
 
 def test_names_and_refusals(llmc_cli, tmp_path):
-    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31"} <= set(TOOL_CALL_PARSERS)
+    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2"} <= set(TOOL_CALL_PARSERS)
     for name in ("deepseek_v32",):
         with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.2's .* not read by llmc; supported: .*deepseek_v31"):
             ServingContext.check_tool_options(True, name)

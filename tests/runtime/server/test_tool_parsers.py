@@ -203,6 +203,6 @@ def test_events_come_in_vllm_s_order():
 
 def test_unknown_parser_lists_the_supported_ones():
     assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder",
-                                 "deepseek_v3", "deepseek_v31", "openai")
-    with pytest.raises(ValueError, match="pythonic, glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, openai$"):
+                                 "deepseek_v3", "deepseek_v31", "minimax_m2", "openai")
+    with pytest.raises(ValueError, match="glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2, openai$"):
         make_parser("granite")
