@@ -30,6 +30,14 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
 * deepseek_v3 (DeepSeek-V3.1 and later; vLLM's DeepSeekV3ReasoningParser): thinking is off unless
   chat_template_kwargs give `thinking` (V3.1's switch) or `enable_thinking` true; then the template opens
   `<think>` in the prompt and deepseek_r1's rules apply, else the whole output is content.
+* minimax_m2 (MiniMax-M2, M2.1; vLLM's MiniMaxM2ReasoningParser): the template opens `<think>` in the prompt, so
+  everything up to the first `</think>` is reasoning (a `<think>` in the output too: nothing is dropped before it),
+  everything after it content, with every later `</think>` taken out of it (vLLM's: the model may write it again).
+  Output without `</think>` is all reasoning.
+* minimax_m2_append_think (vLLM's MiniMaxM2AppendThinkReasoningParser): no reasoning apart: the whole output is
+  content, `<think>` put before it (the tag the prompt opened), so the thinking stays in the content as MiniMax
+  asks clients to send it back. (Structured output is still refused as for the others: vLLM starts it after
+  `</think>`.)
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -47,7 +55,8 @@ from __future__ import annotations
 
 from typing import Any
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
+                     "openai_gptoss")
 # the chat_template_kwargs that switch thinking off, named in 400s
 _THINKING_OFF = {"qwen3": '{"enable_thinking": false}', "glm45": '{"enable_thinking": false}',
                  "deepseek_v3": '{"thinking": false}'}
@@ -114,6 +123,52 @@ class ReasoningParser:
         return [("content" if self._state == "content" else "reasoning", text)]
 
 
+class MiniMaxM2ReasoningParser(ReasoningParser):
+    """minimax_m2: reasoning from the first character to the first `</think>`, then content without any `</think>`
+    (each taken out as str.replace would: text a removal joins is not read again)."""
+
+    def __init__(self):
+        super().__init__({THINK_END: False})
+        self._state = "reasoning"
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        out = self._reasoning() if self._state == "reasoning" else []
+        return out + (self._content(final=False) if self._state == "content" else [])
+
+    def _content(self, final: bool) -> list[Event]:
+        kept: list[str] = []
+        while (at := self._buffer.find(THINK_END)) >= 0:
+            kept.append(self._buffer[:at])
+            self._buffer = self._buffer[at + len(THINK_END):]
+        keep = 0 if final else _held_suffix(self._buffer, (THINK_END,))
+        kept.append(self._buffer[:len(self._buffer) - keep])
+        self._buffer = self._buffer[len(self._buffer) - keep:]
+        text = "".join(kept)
+        return [("content", text)] if text else []
+
+    def finish(self) -> list[Event]:
+        if self._state == "content":
+            return self._content(final=True)
+        return super().finish()
+
+
+class AppendThinkParser:
+    """minimax_m2_append_think: every piece content, the first after `<think>` (the whole output of none: `<think>`)."""
+
+    def __init__(self):
+        self._started = False
+
+    def feed(self, text: str) -> list[Event]:
+        if not self._started:
+            self._started = True
+            return [("content", THINK_START + text)]
+        return [("content", text)] if text else []
+
+    def finish(self) -> list[Event]:
+        return [] if self._started else self.feed("")
+
+
 def make_parser(name: str, chat_template_kwargs: dict | None = None) -> ReasoningParser:
     """A --reasoning-parser by name, for a request with these chat_template_kwargs."""
     if name == "deepseek_r1":
@@ -122,6 +177,10 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
         return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinks(name, chat_template_kwargs))
     if name in ("glm45", "deepseek_v3"):
         return ReasoningParser({THINK_END: False}, thinks(name, chat_template_kwargs))
+    if name == "minimax_m2":
+        return MiniMaxM2ReasoningParser()
+    if name == "minimax_m2_append_think":
+        return AppendThinkParser()
     if name == "openai_gptoss":
         from llmc.runtime.server.harmony import HarmonyParser
 

@@ -49,6 +49,18 @@ QWEN3 = BOTH + [
     ("<think>a<tool_cal", "a<tool_cal", ""),
 ]
 
+# vLLM's minimax_m2: reasoning to the first </think> (nothing dropped before it), then content without any </think>
+MINIMAX_M2 = [
+    ("abc</think>xyz", "abc", "xyz"),
+    ("<think>abc</think>xyz", "<think>abc", "xyz"),
+    ("Cut while thinking", "Cut while thinking", ""),
+    ("a</think>b</think>c<think>d", "a", "bc<think>d"),
+    ("a</think>b<</think>/think>c", "a", "b</think>c"),  # one pass, as str.replace: a removal joins no new tag
+    ("a</think>x</thin", "a", "x</thin"),
+    ("</think>", "", ""),
+    ("", "", ""),
+]
+
 NO_THINKING = ["<think>abc</think>xyz", "abc</think>xyz", "plain answer", "<tool_call>{}", ""]
 
 
@@ -102,6 +114,25 @@ def test_deepseek_v3_thinks_only_when_switched_on(text, reasoning, content):
             assert _streamed(make_parser("deepseek_v3", kwargs), pieces) == ("", text), pieces
 
 
+@pytest.mark.parametrize(("text", "reasoning", "content"), MINIMAX_M2)
+def test_minimax_m2(text, reasoning, content):
+    """minimax_m2 as vLLM's MiniMaxM2ReasoningParser; minimax_m2_append_think: all content, after `<think>`."""
+    assert thinks("minimax_m2", None) and thinks("minimax_m2_append_think", {"enable_thinking": False})
+    for pieces in _pieces(text):
+        assert _streamed(make_parser("minimax_m2"), pieces) == (reasoning, content), pieces
+        assert _streamed(make_parser("minimax_m2_append_think"), pieces) == ("", "<think>" + text), pieces
+
+
+def test_minimax_m2_append_think_streams_the_tag_first():
+    parser = make_parser("minimax_m2_append_think")
+    assert parser.feed("a") == [("content", "<think>a")]
+    assert parser.feed("</think>b") == [("content", "</think>b")]
+    assert parser.finish() == []
+    tools = WithReasoning(make_parser("minimax_m2_append_think"), make_tool_parser("minimax_m2"))
+    events = tools.feed('x</think>Hi <minimax:tool_call><invoke name="f"></invoke></minimax:tool_call>') + tools.finish()
+    assert events == [("content", "<think>x</think>Hi"), ("call", 0, "f"), ("args", 0, "{}")]
+
+
 def test_streamed_reasoning_is_not_held_back_longer_than_a_tag():
     parser = make_parser("deepseek_r1")
     assert parser.feed("<think>") == []
@@ -125,11 +156,12 @@ def test_tool_calls_are_read_from_the_content_only():
 
 
 def test_unknown_names_are_refused_with_the_supported_ones():
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "openai_gptoss")
+    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
+                                 "openai_gptoss")
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)
-    supported = "supported: deepseek_r1, qwen3, glm45, deepseek_v3, openai_gptoss"
+    supported = "supported: deepseek_r1, qwen3, glm45, deepseek_v3, minimax_m2, minimax_m2_append_think, openai_gptoss"
     with pytest.raises(ValueError, match=f"'granite'; {supported}"):
         check_name("granite")
     with pytest.raises(ValueError, match=supported):

@@ -1,5 +1,5 @@
-"""The glm45, glm47, qwen3_coder, deepseek_v3 and deepseek_v31 tool call parsers and the glm45 and
-deepseek_v3 reasoning parsers over HTTP with
+"""The glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31 and minimax_m2 tool call parsers and the glm45,
+deepseek_v3, minimax_m2 and minimax_m2_append_think reasoning parsers over HTTP with
 the openai client, against an in-process app serving ref-llama-12m with --enable-auto-tool-choice: the 12M
 model writes no calls by itself, so its output is forced with guided_choice (as test_server_tools does) to
 each format's calls written by hand from the published chat templates. The reply's calls (typed by the
@@ -33,8 +33,12 @@ FORMATS = {
     "glm47": ("Checking.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days"
               "</arg_key><arg_value>3</arg_value></tool_call><tool_call>ping</tool_call>"),
     "deepseek_v31": f'Checking.{B}{C}get_weather{S}{{"city": "Paris", "days": 3}}{CE}{E}',
+    "minimax_m2": ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>'
+                   '\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="ping">\n</invoke>\n'
+                   "</minimax:tool_call>"),
 }
-CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1], "glm47": CALLS, "deepseek_v31": CALLS[:1]}
+CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1], "glm47": CALLS, "deepseek_v31": CALLS[:1],
+            "minimax_m2": CALLS}
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +127,22 @@ def test_deepseek_v3_reasoning_only_when_thinking(client, switch):
     del body["tools"]
     off = client.chat.completions.create(**body).choices[0].message
     assert getattr(off, "reasoning_content", None) is None and off.content == "Paris, in May.</think>Sunny."
+
+
+def test_minimax_m2_reasoning_then_calls(client, switch):
+    """MiniMax-M2's template opens <think> in the prompt: minimax_m2 reads the reasoning up to </think>, the calls
+    from the answer; minimax_m2_append_think keeps it all in the content, <think> put before it."""
+    switch(reasoning_parser="minimax_m2", tool_call_parser="minimax_m2", reasoning_in_structured_output=True)
+    body = _body("Paris, in May.</think>" + FORMATS["minimax_m2"])
+    reply = client.chat.completions.create(**body).choices[0]
+    assert reply.message.reasoning_content == "Paris, in May." and reply.message.content == "Checking."
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS
+    assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": "Checking.", "calls": CALLS,
+                                       "finish_reason": "tool_calls"}
+    switch(reasoning_parser="minimax_m2_append_think")
+    reply = client.chat.completions.create(**body).choices[0]
+    assert getattr(reply.message, "reasoning_content", None) is None
+    assert reply.message.content == "<think>Paris, in May.</think>Checking."
+    assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS
+    assert _stream(client, **body) == {"reasoning": "", "content": "<think>Paris, in May.</think>Checking.",
+                                       "calls": CALLS, "finish_reason": "tool_calls"}
