@@ -9,7 +9,8 @@ expert and the MTP layer's quantized, the router dense (as zai-org's FP8 release
 transformers' Glm4MoeForCausalLM in float32 holding the checkpoint's dequantized weights (the FP8 values x their
 scales), each quantized linear's and expert's input rounded to E4M3 as llmc's dynamic activations are. Integer and
 GGUF imports of the family are refused by name. GLM-4, Cohere 2 and ERNIE 4.5 (interleaved rotary pairs:
-hf_checkpoint.rotary_fold) import the same way, checked in 16 x 16 blocks.
+hf_checkpoint.rotary_fold) import the same way, checked in 16 x 16 blocks; MiniMax-M2 (GLM-4.5's permutation under
+q/k norms over the whole projections, its experts Mixtral's w1 / w3 / w2) in 128 x 128 and 16 x 16 blocks.
 """
 
 import json
@@ -175,20 +176,29 @@ def test_interleaved_rotary_families_import_block_fp8(family, tmp_path, hf_encod
 
 
 @pytest.mark.parametrize("kind", ["block128", "block16"])
-def test_fp8_minimax_m2_imports_and_runs_as_transformers(kind, tmp_path, hf_encode):
+def test_fp8_minimax_m2_imports_and_runs_as_transformers(kind, tmp_path, hf_encode, caplog):
     """MiniMax-M2 (partial rotary over 16 of 32 dims: rows cross 16-row blocks; q/k norms over the whole projections,
-    permuted with the rows; a random e_score_correction_bias beside the dense router) in transformers' block FP8:
-    every linear and expert kept in w8a8-fp8-block (lm_head dense); logits and 16 greedy tokens as transformers' on
-    the dequantized weights."""
+    permuted with the rows; a random e_score_correction_bias beside the dense router) in transformers' block FP8, with
+    an MTP module as vLLM finds MiniMax's (num_mtp_modules, layer num_hidden_layers: here a copy of layer 1, in FP8
+    too), which the build leaves out and says so: every linear and expert kept in w8a8-fp8-block (lm_head dense);
+    logits and 16 greedy tokens as transformers' on the dequantized weights."""
     source = make_hf_checkpoint(tmp_path / "float", "minimax_m2")
     _random_score_bias(source, mtp=False)
+    tensors = load_file(source / "model.safetensors")
+    mtp = {n.replace(".layers.1.", ".layers.2."): t.clone() for n, t in tensors.items() if ".layers.1." in n}
+    save_file(tensors | mtp, source / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_mtp_modules": 1, "use_mtp": True}, indent=2))
     weights = write_checkpoint(source, tmp_path / "ckpt", kind)
+    assert "model.layers.2.self_attn.q_proj" in weights
     assert any(".block_sparse_moe.experts.7.w2" in m for m in weights) and not any(".gate" in m for m in weights)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())  # the published quantization_config's keys
     config["quantization_config"] |= {"fmt": "float8_e4m3fn",
                                       "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config, indent=2))
-    artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
+    with caplog.at_level("INFO", logger="llmc"):
+        artifact = build_import(tmp_path / "ckpt", tmp_path / "artifact")
+    assert "1 multi-token-prediction modules (num_mtp_modules) are not built" in caplog.text
     formats = {name: m["format"] for name, m in json.loads((artifact / "manifest.json").read_text())[
         "quant"]["modules"].items()}
     assert formats.pop("lm_head") == "dense" and set(formats.values()) == {"w8a8-fp8-block"}, formats
