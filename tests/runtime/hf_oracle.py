@@ -203,6 +203,50 @@ def check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens
     assert got[0].outputs[0].token_ids == want
 
 
+def check_moe_build_as_oracle(out, checkpoint, state: dict, hf_encode, prompts, fp8: bool, max_tokens: int = 12,
+                              tolerance: float = 1e-4, moved_layer: int | None = 1) -> None:
+    """An MoE artifact `out` on the CPU against transformers' model of `checkpoint` holding `state` (its weights,
+    moe_hf_state; a tied lm_head may be missing from it): check_against_oracle's logits and greedy tokens, with FP8
+    each decoder linear's input rounded to E4M3 per token in transformers too. With `moved_layer`, every expert of
+    that layer moved (their order reversed) in transformers' copy moves the logits: the experts are where the
+    artifact's router sends their tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from llmc.runtime.llm import LLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(state, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+    if missing:
+        oracle.tie_weights()
+    oracle.eval()
+    if fp8:
+        for name, module in oracle.named_modules():
+            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+    token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
+    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens=max_tokens, tolerance=tolerance)
+        got = llm.engine.score(token_ids)
+    if moved_layer is None:
+        return
+    for name in ("gate_up_proj", "down_proj"):
+        key = f"model.layers.{moved_layer}.mlp.experts.{name}"
+        state[key] = state[key].flip(0)
+    oracle.load_state_dict(state, strict=False)
+    with torch.inference_mode():
+        assert (oracle(torch.tensor([token_ids])).logits[0] - got).abs().max() > 0.1
+
+
+def assert_same_routes(weights, ids, want_weights, want_ids) -> None:
+    """A router's top-k (weights, ids) [tokens, k] against transformers' (want_*): the same experts for every token, in
+    any order, with the same weights (1e-6)."""
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
+                               atol=1e-6, rtol=1e-6)
+
+
 def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization: dict, prompts):
     """A build with `quantization` (build_quantized) against transformers run on its own weights
     (hf_model_on_weights_of): check_against_oracle's logits and 16 greedy tokens."""

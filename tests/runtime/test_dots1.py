@@ -25,7 +25,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, moe_hf_state, write_config
+from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_moe_build_as_oracle,
+                                     float32_artifacts, moe_hf_state, write_config)
 from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
@@ -116,10 +117,7 @@ def test_the_router_is_transformers_router():
             logits, want_weights, want_ids = router(x)
         weights, ids = deepseek_route(logits, 3, "sigmoid", router.e_score_correction_bias, *groups, norm_topk_prob,
                                       scaling)
-        order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
-        assert torch.equal(order.values, want_order.values)
-        torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
-                                   atol=1e-6, rtol=1e-6)
+        assert_same_routes(weights, ids, want_weights, want_ids)
 
 
 @torch.inference_mode()
@@ -134,13 +132,8 @@ def test_the_router_is_transformers_router():
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode, data_dir):
     """A W4 build (every linear and expert: qkv, o, the dense MLP, the shared experts, the experts) and an FP8 one (its
     linears; each input rounded to E4M3 per token in transformers too) against transformers' model holding its
-    dequantized weights: logits over 34 positions (1e-4) and 12 greedy tokens; with two experts of a layer swapped
+    dequantized weights: logits over 34 positions (1e-4) and 12 greedy tokens; with layer 1's experts reordered
     in transformers' copy the logits move."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import fp8_per_token
-    from tests.runtime.hf_oracle import check_against_oracle
-
     checkpoint = checkpoints["full"]
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
@@ -149,23 +142,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     experts = {modules[f"layers.1.moe.experts.{name}"]["format"] for name in ("gate_up", "down")}
     fp8 = quantization["method"] == "fp8"
     assert (formats, experts) == (({"w8a8-fp8"}, {"dense"}) if fp8 else ({"w4a16"}, {"w4a16"}))
-    state = moe_hf_state(out)
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    oracle.eval()
-    if fp8:
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12)
-        token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-        got = llm.engine.score(token_ids)
-    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
-        state[name] = state[name][[1, 0, *range(2, 8)]]
-    oracle.load_state_dict(state, strict=False)
-    assert (oracle(torch.tensor([token_ids])).logits[0] - got).abs().max() > 0.1
+    check_moe_build_as_oracle(out, checkpoint, moe_hf_state(out), hf_encode, PROMPTS, fp8)
 
 
 @torch.inference_mode()

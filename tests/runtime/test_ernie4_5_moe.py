@@ -27,8 +27,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (build_float32, build_quantized, check_against_oracle, check_against_transformers,
-                                     moe_hf_state, write_config)
+from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_against_transformers,
+                                     check_moe_build_as_oracle, moe_hf_state, write_config)
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -114,10 +114,7 @@ def test_the_router_is_transformers_router():
         assert not torch.equal(ids.sort().values, logits.topk(3).indices.sort().values)  # the bias changes choices
         if norm_min == 0.6:
             assert (want_weights.sum(-1) < 0.999).any()  # the floor binds on some tokens
-        order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
-        assert torch.equal(order.values, want_order.values)
-        torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
-                                   atol=1e-6, rtol=1e-6)
+        assert_same_routes(weights, ids, want_weights, want_ids)
 
 
 @torch.inference_mode()
@@ -135,10 +132,6 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     transformers' model holding its dequantized weights (q/k rows permuted back, the float32 router and its bias as
     built): logits (1e-4; FP8 1e-3: one of the 34 positions is 3e-4 off, the others within 1e-5, as one activation
     rounded to the other E4M3 neighbour at a near-tie would make it) and greedy tokens."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import fp8_per_token
-
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
     fp8 = quantization["method"] == "fp8"
@@ -146,17 +139,8 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
         (0, "attn.qkv"), (0, "mlp.down"), (1, "moe.shared.gate_up"))} == {"w8a8-fp8" if fp8 else "w4a16"}
     assert {modules[f"layers.{i}.moe.experts.{name}"]["format"] for i, name in ((1, "gate_up"), (3, "down"))} == {
         "dense" if fp8 else "w4a16"}
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(moe_hf_state(out, SCORE_BIAS, (1, -1)), strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)  # (tied to the embedding)
-    oracle.tie_weights()
-    oracle.eval()
-    if fp8:
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, tolerance=1e-3 if fp8 else 1e-4)
+    check_moe_build_as_oracle(out, checkpoint, moe_hf_state(out, SCORE_BIAS, (1, -1)), hf_encode, PROMPTS, fp8,
+                              tolerance=1e-3 if fp8 else 1e-4)
 
 
 @torch.inference_mode()

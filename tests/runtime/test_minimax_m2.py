@@ -27,7 +27,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_quantized, float32_artifacts, moe_hf_state, write_config
+from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_moe_build_as_oracle,
+                                     float32_artifacts, moe_hf_state, write_config)
 from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
@@ -111,10 +112,7 @@ def test_the_router_is_transformers_router():
     with torch.no_grad():
         logits, want_weights, want_ids = router(x, bias)
     weights, ids = deepseek_route(logits, 3, "sigmoid", bias, None, None, True, 1.0)
-    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
-    assert torch.equal(order.values, want_order.values)
-    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
-                               atol=1e-6, rtol=1e-6)
+    assert_same_routes(weights, ids, want_weights, want_ids)
     assert not torch.equal(want_ids.sort(dim=-1).values, torch.topk(logits, 3, dim=-1)[1].sort(dim=-1).values)
 
 
@@ -130,13 +128,7 @@ def test_the_router_is_transformers_router():
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, hf_encode, data_dir):
     """A W4 build (qkv, o and every expert; GPTQ and AWQ calibrated through the MoE layers) and an FP8 one (its
     linears; each input rounded to E4M3 per token in transformers too) against transformers' model holding its
-    dequantized weights (q/k rows and norms permuted back): logits over 34 positions (1e-4) and 12 greedy tokens; with
-    two experts of a layer swapped in transformers' copy the logits move."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import fp8_per_token
-    from tests.runtime.hf_oracle import check_against_oracle
-
+    dequantized weights (q/k rows and norms permuted back): logits over 34 positions (1e-4) and 12 greedy tokens; with layer 1's experts reordered in transformers' copy the logits move."""
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
     fp8 = quantization["method"] == "fp8"
@@ -144,23 +136,7 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
     assert {modules[f"layers.1.{name}"]["format"] for name in ("attn.qkv", "attn.o")} == {want}
     assert {modules[f"layers.1.moe.experts.{name}"]["format"] for name in ("gate_up", "down")} == {
         "dense" if fp8 else "w4a16"}
-    state = hf_state(out)
-    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
-    missing, unexpected = oracle.load_state_dict(state, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
-    oracle.eval()
-    if fp8:
-        for name, module in oracle.named_modules():
-            if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
-    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12)
-        token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-        got = llm.engine.score(token_ids)
-    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
-        state[name] = state[name].flip(0)  # (every expert moved: a swap of two may miss the ones routed to)
-    oracle.load_state_dict(state, strict=False)
-    assert (oracle(torch.tensor([token_ids])).logits[0] - got).abs().max() > 0.1
+    check_moe_build_as_oracle(out, checkpoint, hf_state(out), hf_encode, PROMPTS, fp8)
 
 
 @torch.inference_mode()
