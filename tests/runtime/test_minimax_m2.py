@@ -128,7 +128,8 @@ def test_the_router_is_transformers_router():
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, hf_encode, data_dir):
     """A W4 build (qkv, o and every expert; GPTQ and AWQ calibrated through the MoE layers) and an FP8 one (its
     linears; each input rounded to E4M3 per token in transformers too) against transformers' model holding its
-    dequantized weights (q/k rows and norms permuted back): logits over 34 positions (1e-4) and 12 greedy tokens; with layer 1's experts reordered in transformers' copy the logits move."""
+    dequantized weights (q/k rows and norms permuted back): logits over 34 positions (1e-4) and 12 greedy tokens;
+    with layer 1's experts reordered in transformers' copy the logits move."""
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
     fp8 = quantization["method"] == "fp8"
