@@ -173,6 +173,7 @@ def rotate_write_and_attend(
     sliding_window: int | None = None, max_context_len: int | None = None, k_scale: float = 1.0,
     v_scale: float = 1.0, index_cache: dict | None = None, prefill_index: PrefillIndex | None = None,
     softcap: float | None = None, key_limits: Tensor | None = None, sinks: Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Tensor:
     """rotate_and_write_kv, then paged_attention (arguments as theirs); q and k are not read after.
     On CUDA a step whose query_lens are all 1 (a decode step) does both in the decode kernel: one
@@ -186,11 +187,13 @@ def rotate_write_and_attend(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache,
             rotary=(k, v, positions, cos_sin_cache, slot_mapping), softcap=softcap, sinks=sinks,
+            attention_chunk_size=attention_chunk_size,
         )
     q = rotate_and_write_kv(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window,
                            max_context_len, k_scale, v_scale, index_cache, prefill_index=prefill_index,
-                           softcap=softcap, key_limits=key_limits, sinks=sinks)
+                           softcap=softcap, key_limits=key_limits, sinks=sinks,
+                           attention_chunk_size=attention_chunk_size)
 
 
 def write_kv_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor,
@@ -222,6 +225,7 @@ def paged_attention(
     softcap: float | None = None,
     key_limits: Tensor | None = None,
     sinks: Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> Tensor:
     """Causal attention of each sequence's new queries over its cached context. Returns q's shape
     (written into `out`, a tensor of q's shape and dtype, when given).
@@ -242,16 +246,21 @@ def paged_attention(
     sinks: [num_heads] float32, gpt-oss's attention sinks: each head's logit joins every query row's softmax as one
     more column (after the scale, the cap and the mask), and its probability is dropped, so a row's weights sum to
     less than 1; None: none.
+    attention_chunk_size: Llama 4's chunked local attention: a query at position p sees keys from its chunk's start,
+    floor(p / attention_chunk_size) * attention_chunk_size, on (transformers' create_chunked_causal_mask); not with a
+    sliding_window. None: no chunks.
     """
     if key_limits is not None and prefill_index is not None:
         raise ValueError("key_limits are not read by a prefill_index's step (a CUDA graph's); run the step eagerly")
+    if sliding_window is not None and attention_chunk_size is not None:
+        raise ValueError("a layer attends within a sliding_window or in chunks (attention_chunk_size), not both")
     if can_use_triton(q, k_cache):
         from . import attention_triton
 
         return attention_triton.paged_attention(
             q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, sliding_window, max_context_len,
             k_scale=k_scale, v_scale=v_scale, index_cache=index_cache, out=out, prefill_index=prefill_index,
-            softcap=softcap, key_limits=key_limits, sinks=sinks,
+            softcap=softcap, key_limits=key_limits, sinks=sinks, attention_chunk_size=attention_chunk_size,
         )
 
     if prefill_index is not None:  # the torch path reads the index's sequences (they start at row 0, in order)
@@ -277,9 +286,10 @@ def paged_attention(
         scores = torch.bmm(q_seq.float(), k.permute(1, 2, 0).float()) * scale  # [num_kv_heads, group*query_len, context_len]
         if softcap is not None:  # after the scale, before the mask (transformers' Gemma 2 eager attention)
             scores = torch.tanh(scores / softcap) * softcap
-        if query_len > 1 or sliding_window is not None:
+        if query_len > 1 or sliding_window is not None or attention_chunk_size is not None:
             limits = None if key_limits is None or query_len == 1 else key_limits[start : start + query_len]
-            mask = _causal_mask(query_len, context_len, sliding_window, q.device, limits).repeat(group, 1)
+            mask = _causal_mask(query_len, context_len, sliding_window, q.device, limits,
+                                attention_chunk_size).repeat(group, 1)
             scores.masked_fill_(~mask, float("-inf"))
         if sinks is None:
             probs = torch.softmax(scores, dim=-1)
@@ -295,12 +305,14 @@ def paged_attention(
 
 
 def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device,
-                 key_limits: Tensor | None = None) -> Tensor:
+                 key_limits: Tensor | None = None, attention_chunk_size: int | None = None) -> Tensor:
     # Query i sits at position context_len - query_len + i and sees keys at positions <= its own (<= its key limit
-    # where given), and within the window back from its own.
+    # where given), and within the window back from its own, or from its chunk's start on.
     q_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
     k_pos = torch.arange(context_len, device=device).unsqueeze(0)
     mask = k_pos <= (q_pos if key_limits is None else key_limits.long().unsqueeze(1))
     if sliding_window is not None:
         mask &= q_pos - k_pos < sliding_window
+    if attention_chunk_size is not None:
+        mask &= k_pos >= q_pos // attention_chunk_size * attention_chunk_size
     return mask  # [query_len, context_len]

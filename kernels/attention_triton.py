@@ -33,6 +33,10 @@ one query tile, so each K/V tile is loaded once per KV head.
           limits (HAS_LIMITS: Gemma 3's image tokens attend to their whole image) each row's keys run
           up to its limit instead of its position, and the block's keys up to its rows' largest limit;
           the sliding window still counts back from the position.
+Chunked local attention (CHUNKED, a constexpr, with HAS_WINDOW: Llama 4's rope layers; `window` is then the chunk
+size C): a query at position p sees keys from its chunk's start, floor(p / C) * C, where a sliding window's first key
+is p - window + 1 (_first_key); everything else (the decode's first partitions left empty, the merges' range, the
+prefill block's first key tile and per-row mask) is the sliding window's. CHUNKED false compiles none of it.
 Soft-capping (SOFTCAP > 0, a constexpr: Gemma 2's attn_logit_softcapping): each score s = q.k * scale
 becomes SOFTCAP * tanh(s / SOFTCAP), then the mask and the softmax, as transformers' eager attention.
 The kernels then take scale / SOFTCAP (times k_scale) for scale_log2, the tanh's argument, and multiply
@@ -108,6 +112,17 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _first_key(position, window, CHUNKED: tl.constexpr):
+    """The first key a query at `position` sees under HAS_WINDOW: a sliding window's position - window + 1 (below 0
+    early on), or with CHUNKED its chunk's start, floor(position / window) * window (window: the chunk size)."""
+    if CHUNKED:
+        first = position // window * window
+    else:
+        first = position - window + 1
+    return first
+
+
 # NOTE (specialization): Triton compiles a variant per value class (== 1, divisible by 16, other) of
 # each integer argument. The block-table width of an eager step is its longest sequence's block
 # count, so stride_bt changes from step to step; left specialized, a variant compiled in the middle of
@@ -124,7 +139,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, IS_DENSE: tl.constexpr,
     MERGE_IN_KERNEL: tl.constexpr, ROTATE: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
-    SOFTCAP: tl.constexpr = 0.0, sink_ptr=None, HAS_SINKS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0, sink_ptr=None, HAS_SINKS: tl.constexpr = False, CHUNKED: tl.constexpr = False,
 ):
     """ROTATE (a decode-only step): q and this step's keys arrive unrotated and this step's keys and
     values are not in the cache yet. Every program rotates its q heads (as _rotary_write_kv_kernel
@@ -136,8 +151,8 @@ def _decode_kernel(
     seq, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
     lo = part * partition_size  # num_partitions * partition_size covers every context of the launch
     hi = tl.minimum(lo + partition_size, context_len)
-    if HAS_WINDOW:  # the one query sits at context_len - 1 and sees keys t > context_len - 1 - window
-        lo = tl.maximum(lo, context_len - window)
+    if HAS_WINDOW:  # the one query sits at context_len - 1 (a window: it sees keys t > context_len - 1 - window)
+        lo = tl.maximum(lo, _first_key(context_len - 1, window, CHUNKED))
     if not IS_PARTITIONED or lo < hi:  # else an empty partition: no partial, no count (the merges skip it)
         offs_g, offs_d = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_D)
         g_mask, d_mask = offs_g < GROUP, offs_d < HEAD_DIM
@@ -164,7 +179,7 @@ def _decode_kernel(
             num_heads, num_partitions, partition_size, stride_ot, stride_oh, stride_bt,
             stride_slot, stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask,
             heads, q_mask, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, BLOCK_SIZE, IS_PARTITIONED, HAS_WINDOW,
-            PRECISION, MERGE_IN_KERNEL, SOFTCAP, sink_ptr, HAS_SINKS,
+            PRECISION, MERGE_IN_KERNEL, SOFTCAP, sink_ptr, HAS_SINKS, CHUNKED,
         )
 
 
@@ -189,12 +204,12 @@ def _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE: tl.constexpr):
 
 
 @triton.jit
-def _busy_partitions(context_len, window, partition_size, HAS_WINDOW: tl.constexpr):
-    """The partitions [first, end) that hold keys of a context (a sliding window's first keys may
+def _busy_partitions(context_len, window, partition_size, HAS_WINDOW: tl.constexpr, CHUNKED: tl.constexpr):
+    """The partitions [first, end) that hold keys of a context (a sliding window's or chunk's first keys may
     leave the first ones empty)."""
     end = tl.cdiv(context_len, partition_size)
     if HAS_WINDOW:
-        first = tl.maximum(context_len - window, 0) // partition_size
+        first = tl.maximum(_first_key(context_len - 1, window, CHUNKED), 0) // partition_size
     else:
         first = end * 0
     return first, end
@@ -207,7 +222,7 @@ def _decode_partition(
     stride_kvh, i, kv_head, part, seq, row, context_len, lo, hi, offs_d, g_mask, d_mask, heads, q_mask,
     HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_PARTITIONED: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    MERGE_IN_KERNEL: tl.constexpr, SOFTCAP: tl.constexpr, sink_ptr, HAS_SINKS: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, SOFTCAP: tl.constexpr, sink_ptr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     """One (sequence, KV head, partition)'s keys lo ... hi - 1 against q [BLOCK_G, BLOCK_D] (the group's
     heads): its output, or its partial (merged here by the last partition, MERGE_IN_KERNEL). An unsplit decode
@@ -231,7 +246,7 @@ def _decode_partition(
         tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=g_mask)
         if MERGE_IN_KERNEL:  # the last non-empty partition of (sequence, KV head) to finish merges them
             counter = counter_ptr + i * tl.num_programs(1) + kv_head
-            first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW)
+            first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW, CHUNKED)
             tl.debug_barrier()  # every thread's partial is stored before the count is released
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == end - first - 1:
                 _merge_partitions(part_acc_ptr, part_ml_ptr, out_ptr, i, row, heads, offs_d, g_mask, q_mask,
@@ -294,6 +309,7 @@ def _merge_partitions_kernel(
     part_acc_ptr, part_ml_ptr, ctx_ptr, seq_ptr, row_ptr, out_ptr, window, num_heads, num_partitions, partition_size,
     stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_DENSE: tl.constexpr, HAS_WINDOW: tl.constexpr, PDL: tl.constexpr, sink_ptr=None, HAS_SINKS: tl.constexpr = False,
+    CHUNKED: tl.constexpr = False,
 ):
     """The merge as a kernel of its own, one program per (decode seq, head), every non-empty
     partition loaded at once: out = sum_p exp2(m_p - M) acc_p / sum_p exp2(m_p - M) l_p. Below
@@ -302,7 +318,7 @@ def _merge_partitions_kernel(
     wait_for_inputs(PDL)
     i, head = tl.program_id(0), tl.program_id(1)
     _, row, context_len = _decode_row(i, seq_ptr, row_ptr, ctx_ptr, IS_DENSE)
-    first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW)
+    first, end = _busy_partitions(context_len, window, partition_size, HAS_WINDOW, CHUNKED)
     offs_p, offs_d = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_D)
     p_mask, d_mask = (offs_p >= first) & (offs_p < end), offs_d < HEAD_DIM
     base = (i * num_heads + head) * num_partitions + offs_p  # [BLOCK_P]
@@ -329,7 +345,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, QUERIES_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, limit_ptr=None, HAS_LIMITS: tl.constexpr = False,
-    sink_ptr=None, HAS_SINKS: tl.constexpr = False,
+    sink_ptr=None, HAS_SINKS: tl.constexpr = False, CHUNKED: tl.constexpr = False,
 ):
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     seq = tl.load(blk_seq_ptr + blk)
@@ -354,15 +370,15 @@ def _prefill_kernel(
         limit = tl.load(limit_ptr + rows, mask=row_valid, other=0)
         hi = tl.maximum(hi, tl.max(tl.where(row_valid, limit, 0), axis=0) + 1)
     lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(0, context_len - query_len + q_begin - window + 1)
+    if HAS_WINDOW:  # the block's first query sees the earliest keys
+        lo = tl.maximum(0, _first_key(context_len - query_len + q_begin, window, CHUNKED))
     bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         offs_t = start + tl.arange(0, BLOCK_N)
         key_valid = offs_t < hi
         visible = row_valid[:, None] & key_valid[None, :] & (offs_t[None, :] <= limit[:, None])
         if HAS_WINDOW:
-            visible = visible & (position[:, None] - offs_t[None, :] < window)
+            visible = visible & (offs_t[None, :] >= _first_key(position, window, CHUNKED)[:, None])
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, offs_t, visible, key_valid, bt_row_ptr, k_ptr, v_ptr, kv_head * stride_kvh,
             offs_d, d_mask, stride_slot, scale_log2, BLOCK_SIZE, PRECISION, SOFTCAP,
@@ -468,7 +484,7 @@ def paged_attention(
     num_partitions: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0, index_cache: dict | None = None,
     rotary: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None, out: Tensor | None = None,
     prefill_index: PrefillIndex | None = None, softcap: float | None = None, key_limits: Tensor | None = None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, attention_chunk_size: int | None = None,
 ) -> Tensor:
     """As kernels.attention.paged_attention (key_limits: read by the prefill kernel only). Sequences with one query go to the decode kernel, the
     rest to the prefill kernel; `num_partitions` forces the decode split (tests), else it is chosen.
@@ -487,14 +503,16 @@ def paged_attention(
         raise ValueError(f"context_lens must be int32 on {q.device}, got {context_lens.dtype} on {context_lens.device}")
     if prefill_index is not None:
         out, index = prefill_index.out[: q.shape[0]], prefill_index
-        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks)
+        common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks,
+                         attention_chunk_size)
         _launch_prefill(q, k_cache, v_cache, block_tables, out, index.query_lens, index.first_rows, index.block_seqs,
                         index.block_starts, index.queries_per_block, common)
         return out
     out = torch.empty_like(q) if out is None else out  # [num_tokens, num_heads, head_dim]
     decode = [i for i, n in enumerate(query_lens) if n == 1]
     prefill = [i for i, n in enumerate(query_lens) if n > 1]
-    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks)
+    common = _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap, sinks,
+                         attention_chunk_size)
     first_rows = [0, *itertools.accumulate(query_lens)][:-1]  # query row of each sequence's first token
     if rotary is not None:
         if prefill:
@@ -530,11 +548,15 @@ def paged_attention(
     return out
 
 
-def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap=None, sinks=None) -> dict:
+def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, softcap=None, sinks=None,
+            attention_chunk_size=None) -> dict:
     """The launch arguments both kernels take. With a soft cap, scale_log2 is the tanh's argument's
     multiplier (scale / softcap) and the kernels multiply the tanh by softcap * log2(e). `sinks` [num_heads]
-    float32 (gpt-oss), passed as the kernels' sink_ptr / HAS_SINKS where given."""
+    float32 (gpt-oss), passed as the kernels' sink_ptr / HAS_SINKS where given. A chunk size goes where the
+    window does (window, HAS_WINDOW) with CHUNKED."""
     head_dim, num_kv_heads = q.shape[2], k_cache.shape[2]
+    if sliding_window is not None and attention_chunk_size is not None:
+        raise ValueError("a layer attends within a sliding_window or in chunks (attention_chunk_size), not both")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive (None: no cap), got {softcap}")
     if sinks is not None and (sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or sinks.device != q.device
@@ -545,7 +567,9 @@ def _common(q, k_cache, context_lens, scale, k_scale, v_scale, sliding_window, s
         sinks={} if sinks is None else {"sink_ptr": sinks, "HAS_SINKS": True},
         context_lens=context_lens, v_scale=v_scale, softcap=float(softcap or 0.0),
         scale_log2=scale * k_scale / softcap if softcap else scale * k_scale * _LOG2E,
-        window=sliding_window or 0, has_window=sliding_window is not None,
+        window=sliding_window or attention_chunk_size or 0,
+        has_window=sliding_window is not None or attention_chunk_size is not None,
+        chunked=attention_chunk_size is not None,
         precision="ieee" if q.dtype == torch.float32 else "tf32",
         block_d=max(16, triton.next_power_of_2(head_dim)), group=q.shape[1] // num_kv_heads,
         block_size=k_cache.shape[1],
@@ -598,14 +622,14 @@ def _launch_decode(q, k_cache, v_cache, block_tables, out, num_decode, seqs, row
         BLOCK_D=c["block_d"], BLOCK_N=block_n, BLOCK_SIZE=c["block_size"],
         IS_PARTITIONED=is_partitioned, HAS_WINDOW=c["has_window"], PRECISION=c["precision"], IS_DENSE=is_dense,
         MERGE_IN_KERNEL=counters is not None, ROTATE=rotary is not None, FP8_MAX=c.get("fp8_max", 0.0),
-        SOFTCAP=c["softcap"], **c["sinks"], **DECODE_LAUNCH, **pdl_args(q.device),
+        SOFTCAP=c["softcap"], CHUNKED=c["chunked"], **c["sinks"], **DECODE_LAUNCH, **pdl_args(q.device),
     )
     if is_partitioned and counters is None:
         _merge_partitions_kernel[(num_decode, num_heads)](
             part_acc, part_ml, c["context_lens"], seqs, rows, out, c["window"], num_heads, num_partitions,
             partition_size, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             BLOCK_P=_merge_block_p(num_partitions), BLOCK_D=c["block_d"], IS_DENSE=is_dense,
-            HAS_WINDOW=c["has_window"], **c["sinks"], **pdl_args(q.device),
+            HAS_WINDOW=c["has_window"], CHUNKED=c["chunked"], **c["sinks"], **pdl_args(q.device),
         )
 
 
@@ -622,6 +646,6 @@ def _launch_prefill(q, k_cache, v_cache, block_tables, out, qlens, first_rows, b
         k_cache.stride(1), k_cache.stride(2),
         GROUP=c["group"], QUERIES_PER_BLOCK=queries_per_block, HEAD_DIM=head_dim, BLOCK_R=block_r,
         BLOCK_D=c["block_d"], BLOCK_N=BLOCK_N, BLOCK_SIZE=c["block_size"], HAS_WINDOW=c["has_window"],
-        PRECISION=c["precision"], SOFTCAP=c["softcap"], **c["sinks"],
+        PRECISION=c["precision"], SOFTCAP=c["softcap"], CHUNKED=c["chunked"], **c["sinks"],
         **({} if key_limits is None else {"limit_ptr": key_limits, "HAS_LIMITS": True}),
     )
