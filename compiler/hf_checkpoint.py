@@ -1026,7 +1026,8 @@ def _llama4_config(config: dict) -> dict:
     the rope layers (use_qk_norm); on the NoPE layers, where attn_temperature_tuning, q times 1 + attn_scale * log(1 +
     floor((position + 1) / floor_scale)); the MoE layers (moe_layers), their experts intermediate_size wide beside a
     shared expert as wide, routed by the top logit's sigmoid scaling the expert's input; dense layers
-    intermediate_size_mlp wide; attention_chunk_size where a layer attends in chunks (the context is held to it).
+    intermediate_size_mlp wide; attention_chunk_size and the layers that attend in chunks of it (layer_types'
+    chunked_attention: by default the rope layers).
     Refused by name: num_experts_per_tok above 1, attention_bias (o_proj's bias too), layer kinds transformers does
     not have."""
     from transformers import Llama4TextConfig
@@ -1059,7 +1060,8 @@ def _llama4_config(config: dict) -> dict:
               "moe_layers": sorted(parsed["moe_layers"]), "router_scoring": "sigmoid_input",
               "shared_expert_intermediate_size": parsed["intermediate_size"],
               "qk_l2_norm_layers": [i for i in range(num_layers) if rope[i]] if parsed["use_qk_norm"] else [],
-              "attention_chunk_size": parsed["attention_chunk_size"] if "chunked_attention" in kinds else None}
+              "attention_chunk_size": parsed["attention_chunk_size"] if "chunked_attention" in kinds else None,
+              "attention_chunk_layers": [i for i, kind in enumerate(kinds) if kind == "chunked_attention"] or None}
     if parsed["attn_temperature_tuning"] and nope:
         fields |= {"query_temperature_beta": float(parsed["attn_scale"]),
                    "query_temperature_floor": float(parsed["floor_scale"]), "query_temperature_offset": 1.0,

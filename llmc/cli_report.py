@@ -339,8 +339,11 @@ def _attention_text(m: dict) -> str:
         parts.append("q/k RMSNorm over the whole projections" if m.get("qk_norm_full_width") else "q/k RMSNorm per head")
     if m.get("qk_l2_norm_layers"):  # Llama 4
         parts.append(f"q/k L2 norm per head (no weight) on {len(m['qk_l2_norm_layers'])} of {m['num_layers']} layers")
-    if m.get("attention_chunk_size"):
+    if m.get("attention_chunk_size") and m.get("attention_chunk_layers") is None:  # format 1.32-1.33
         parts.append(f"chunked attention not run: context held to its chunk of {m['attention_chunk_size']}")
+    elif m.get("attention_chunk_size"):
+        parts.append(f"chunked attention in chunks of {m['attention_chunk_size']} on "
+                     f"{len(m['attention_chunk_layers'])} of {m['num_layers']} layers")
     if m.get("attention_bias"):
         parts.append("q/k/v/o biases" if m.get("o_bias") else "q/k/v biases")
     if m.get("attention_sinks"):

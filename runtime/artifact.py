@@ -107,10 +107,13 @@ from llmc.schema import opt, parse
 #      load without them.
 # 1.33: MiniMax-M2 (family minimax_m2: DeepSeek-V3's router fields without groups, OLMo 2's q/k norms, GLM-4.5's
 #      permuted partial rotary), read with fields older formats have (an older llmc refuses the family by name).
-FORMAT_VERSION = "1.33"
+# 1.34: Llama 4's chunked local attention run (model.attention_chunk_layers: the layers that attend in chunks of
+#      attention_chunk_size); a manifest without it (1.32, 1.33) still holds its context to one chunk.
+FORMAT_VERSION = "1.34"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
-                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33")
+                         "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
+                         "1.34")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -276,9 +279,11 @@ class ModelConfig:
     # Llama 4 (use_qk_norm): these layers norm each q and k head by x * rsqrt(mean(x^2) + rms_norm_eps), no weight
     # (transformers' Llama4TextL2Norm; after the rotary there, which keeps a head's norm: the same before it)
     qk_l2_norm_layers: list[int] = opt([])
-    # Llama 4's chunked local attention (a query at p sees keys from floor(p / C) * C on, on its rope layers) is not
-    # run: the model's context is held to C (runtime/models.model_context_of), within which it is causal attention
+    # Llama 4's chunked local attention: on attention_chunk_layers (its rope layers, transformers' layer_types
+    # chunked_attention) a query at p sees keys from floor(p / C) * C on, C = attention_chunk_size. None layers with a
+    # size: a manifest before 1.34, which did not run it: its context is held to C (runtime/models.model_context_of)
     attention_chunk_size: int | None = opt(None, min=1)
+    attention_chunk_layers: list[int] | None = opt(None)
 
     def __post_init__(self):
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
@@ -314,6 +319,12 @@ class ModelConfig:
                 self.qk_norm or self.is_mla)):
             raise ArtifactError(f"model: qk_l2_norm_layers {self.qk_l2_norm_layers} must be layers of the "
                                 f"{self.num_layers} of a q/k/v attention without qk_norm")
+        chunked = self.attention_chunk_layers or []
+        if (chunked and self.attention_chunk_size is None) or any(not 0 <= i < self.num_layers for i in chunked) or any(
+                self.window_of(i) is not None for i in chunked) or (chunked and self.is_mla):
+            raise ArtifactError(f"model: attention_chunk_layers {self.attention_chunk_layers} must be layers of the "
+                                f"{self.num_layers} of a q/k/v attention without a sliding window, with an "
+                                "attention_chunk_size")
         if self.router_scoring == "sigmoid_input" and self.num_experts_per_tok != 1:
             raise ArtifactError(f"model: router_scoring sigmoid_input scales the one chosen expert's input; "
                                 f"num_experts_per_tok {self.num_experts_per_tok} must be 1")
@@ -406,6 +417,10 @@ class ModelConfig:
         if self.sliding_window_layers is not None and index not in self.sliding_window_layers:
             return None
         return self.sliding_window
+
+    def chunk_of(self, index: int) -> int | None:
+        """Layer `index`'s attention chunk size (Llama 4's chunked local attention; None: not in chunks)."""
+        return self.attention_chunk_size if index in (self.attention_chunk_layers or []) else None
 
     def layer_linears(self, index: int) -> tuple[str, ...]:
         """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""

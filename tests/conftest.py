@@ -302,11 +302,11 @@ _FAMILY_SPECS["ministral3"] = ("Ministral3Config", {"head_dim": 16, "num_hidden_
 # Llama 4 text (tests/runtime/test_llama4.py): 4 layers, head_dim 16, interleaved rotary with llama3 scaling (as
 # llama3_rope's, all three branches), layer 2 NoPE (no_rope_layers) with its q tempered by 1 + 0.3 log(1 + floor((p +
 # 1) / 8)), the weightless q/k norm on the others; MoE on layers 1 and 3 (interleave_moe_layer_step 2: 4 experts of
-# width 64, top 1, beside a shared expert as wide), dense layers 128 wide; chunked attention in chunks of 256, the
-# builds' context (max_position_embeddings 1024)
+# width 64, top 1, beside a shared expert as wide), dense layers 128 wide; chunked attention on the rope layers in
+# chunks of 12 (not a multiple of the cache's 16-slot blocks or of the 16-token prefill chunks), context 1024
 LLAMA4_TEXT = {"head_dim": 16, "num_hidden_layers": 4, "no_rope_layers": [1, 1, 0, 1], "floor_scale": 8,
                "attn_scale": 0.3, "interleave_moe_layer_step": 2, "num_local_experts": 4, "num_experts_per_tok": 1,
-               "intermediate_size": 64, "intermediate_size_mlp": 128, "attention_chunk_size": 256,
+               "intermediate_size": 64, "intermediate_size_mlp": 128, "attention_chunk_size": 12,
                "max_position_embeddings": 1024, "use_qk_norm": True,
                "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                 "original_max_position_embeddings": 64}}

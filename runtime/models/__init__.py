@@ -45,7 +45,7 @@ def model_context_of(model) -> tuple[int, str]:
     extends = spec_for_family(model.family).rope_scaling_extends_context
     limit, how = model_context(model.max_position_embeddings, model.rope_scaling if extends else None)
     chunk = model.attention_chunk_size
-    if chunk is not None and chunk < limit:  # Llama 4's chunked attention is not run: within one chunk it is causal
-        return chunk, (f"attention_chunk_size {chunk}: llmc does not run {model.architecture}'s chunked local "
-                       "attention, which equals causal attention up to one chunk")
+    if chunk is not None and model.attention_chunk_layers is None and chunk < limit:  # a manifest before 1.34
+        return chunk, (f"attention_chunk_size {chunk}: this artifact (format before 1.34) does not say which layers "
+                       f"attend in chunks; rebuild it to serve {model.architecture} past one chunk")
     return limit, how

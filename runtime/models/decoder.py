@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.window_of(index)
+        self.attention_chunk_size = config.chunk_of(index)  # Llama 4's chunked local attention (None: not in chunks)
         self.is_local_rope = config.uses_local_rope(index)
         self.has_rope = config.rotates(index)  # False: SmolLM3's NoPE layers, rotated by the identity table
         self.softcap = config.attn_logit_softcapping  # None: scores uncapped (every kernel as without it)
@@ -95,7 +96,7 @@ class Attention(nn.Module):
             q, k, v, batch.positions, cos_sin, k_cache, v_cache, batch.slot_mapping, batch.block_tables,
             batch.context_lens, batch.query_lens, self.scale, self.sliding_window, batch.max_context_len,
             self.k_scale, self.v_scale, batch.kernel_cache, batch.prefill_index, self.softcap, batch.key_limits,
-            self.sink_logits(),
+            self.sink_logits(), self.attention_chunk_size,
         )  # [num_tokens, num_heads, head_dim]
         return self.output(out)
 
@@ -147,7 +148,7 @@ class Attention(nn.Module):
         return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.context_lens, batch.query_lens,
                                self.scale, self.sliding_window, batch.max_context_len, self.k_scale, self.v_scale,
                                batch.kernel_cache, out=out, softcap=self.softcap, key_limits=batch.key_limits,
-                               sinks=self.sink_logits())
+                               sinks=self.sink_logits(), attention_chunk_size=self.attention_chunk_size)
 
     def sink_logits(self) -> Tensor | None:
         """gpt-oss's attention sinks [num_heads] float32 (None: the model has none)."""

@@ -7,8 +7,9 @@ layers (no_rope_layers' zeros: nope_layers) whose q is tempered by position, 1 +
 the top logit and scales the expert's input by its sigmoid (router_scoring sigmoid_input), beside a shared expert;
 dense layers of width intermediate_size_mlp. The experts are stored fused, `feed_forward.experts.gate_up_proj`
 [E, hidden, 2 * width] (input-major, gate columns then up) and `down_proj` [E, width, hidden]: the build reads expert
-e's gate, up and down transposed under per-expert names (hf_checkpoint.fused_expert_tensors). The chunked local
-attention is not run: the context is held to attention_chunk_size (runtime/models.model_context_of)."""
+e's gate, up and down transposed under per-expert names (hf_checkpoint.fused_expert_tensors). Chunked local attention
+on layer_types' chunked_attention layers (by default the rope layers: attention_chunk_layers): a query at p sees keys
+from floor(p / attention_chunk_size) * attention_chunk_size on (kernels.attention, attention_chunk_size)."""
 
 from llmc.runtime.models.spec import FusedLinear, LLAMA_GLOBALS, LLAMA_NORMS, ModelSpec, MoeSpec, shared_expert_linears
 

@@ -2,10 +2,10 @@
 models (tests/conftest.py's checkpoint: 4 layers, interleaved rotary with llama3 scaling, layer 2 NoPE with its q
 tempered past position 7 (floor_scale 8, attn_scale 0.3), the weightless q/k norm on the other three, MoE on layers 1
 and 3 (4 experts, top 1, the chosen expert's input scaled by its sigmoid score, a shared expert), dense layers twice as
-wide, chunks of 256 = the builds' context). Logits over a chunked prefill and greedy decoding on the torch CPU path and
-on the Triton kernels (the interpreter: rotary + KV write, attention, fused MoE), what the match rests on, RTN / GPTQ W4
-builds on their own weights, the conditional-generation config form, and what is refused; the CUDA case is marked
-gpu."""
+wide, chunked attention on the rope layers in chunks of 12). Logits over a chunked prefill crossing chunk boundaries,
+greedy decoding past several chunks and a prefix-cache hit ending mid-chunk on the torch CPU path and on the Triton
+kernels (the interpreter: rotary + KV write, attention, fused MoE), what the match rests on, RTN / GPTQ W4 builds on
+their own weights, the conditional-generation config form, and what is refused; the CUDA cases are marked gpu."""
 
 import os
 
@@ -28,6 +28,7 @@ from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import TOKENIZER_FILES, make_hf_checkpoint
+from tests.runtime.test_artifact_damage import _edit
 from tests.runtime.hf_oracle import (build_float32, build_quantized, check_against_oracle, check_against_transformers,
                                      write_config)
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 - a fixture (attention and fused MoE kernels)
@@ -55,27 +56,82 @@ def _score_ids(checkpoint, hf_encode):
 def test_logits_and_greedy_match_transformers(checkpoint, artifact, hf_greedy, hf_logits, hf_encode):
     """The manifest's reading of the config (NoPE layer 2 tempered at offset 1, the q/k L2 norm on the rope layers,
     MoE layers 1 and 3 routed by sigmoid_input beside a shared expert, dense width intermediate_size_mlp, the rows
-    permuted for the interleaved rotary, the context held to the chunk); logits at 50 positions prefilled in chunks
-    of 16 (1e-4) and 16 greedy tokens of three prompts batched two at a time: transformers' float32 model's."""
+    permuted for the interleaved rotary, chunked attention on the rope layers); logits at 54 positions prefilled in
+    steps of 16 across chunks of 12 (1e-4) and 16 greedy tokens of three prompts batched two at a time: transformers'
+    float32 model's."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.33"
+    assert manifest.format_version == FORMAT_VERSION == "1.34"
     assert (m.family, m.nope_layers, m.query_temperature_beta, m.query_temperature_floor, m.query_temperature_offset,
             m.query_temperature_layers, m.qk_l2_norm_layers, m.qk_norm, m.rotary_interleaved) == (
         "llama4", [2], 0.3, 8.0, 1.0, [2], [0, 1, 3], False, True)
     assert (m.moe_layers, m.num_experts, m.num_experts_per_tok, m.router_scoring, m.moe_intermediate_size,
             m.shared_expert_intermediate_size, m.shared_expert_gate, m.intermediate_size) == (
         [1, 3], 4, 1, "sigmoid_input", 64, 64, False, 128)
-    assert (m.attention_chunk_size, m.rope_scaling["rope_type"], manifest.runtime.max_model_len) == (256, "llama3", 256)
+    assert (m.attention_chunk_size, m.attention_chunk_layers, m.rope_scaling["rope_type"]) == (12, [0, 1, 3], "llama3")
     with LLM(artifact, **ENGINE) as llm:
         check_against_transformers(llm, checkpoint, PROMPTS, GREEDY, hf_greedy, hf_logits, hf_encode, 1e-4)
     assert all(len(set(tokens)) > 4 for tokens in hf_greedy(checkpoint, PROMPTS, 16))
 
 
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# the CPU torch path, the Triton kernels in the interpreter, and on CUDA eager or under each CUDA graph mode
+PATHS = ["torch", "triton", *(pytest.param(f"cuda-{mode}", marks=_GPU) for mode in (
+    "eager", "FULL_AND_PIECEWISE", "PIECEWISE", "FULL"))]
+
+
+def _engine(request, path: str) -> dict:
+    """The LLM arguments of a PATHS entry (its fixtures requested), and the logits' tolerance there."""
+    if path == "triton":
+        request.getfixturevalue("triton_dispatch")
+    if not path.startswith("cuda"):
+        return ENGINE, 1e-4
+    request.getfixturevalue("free_gpu")
+    mode = path.removeprefix("cuda-")
+    graphs = {"enforce_eager": True} if mode == "eager" else {"compilation_config": {"cudagraph_mode": mode}}
+    return {"device": "cuda", "gpu_memory_utilization": 0.3, "max_num_seqs": 2, "max_num_batched_tokens": 16,
+            **graphs}, 2e-3
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_decoding_past_several_chunks(path, request, checkpoint, artifact, hf_greedy, hf_encode):
+    """40 greedy tokens of two prompts batched (to positions past 40 and 50: three and four chunk boundaries crossed
+    while decoding), on the torch path, the Triton kernels and on CUDA (-m gpu): transformers' tokens."""
+    engine, _ = _engine(request, path)
+    prompts = [hf_encode(checkpoint, p) for p in PROMPTS[1:]]
+    with LLM(artifact, **engine) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=40))
+    expected = hf_greedy(checkpoint, PROMPTS[1:], 40)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(len(p) + len(t) > 40 for p, t in zip(prompts, expected))
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("path", PATHS)
+def test_a_prefix_cache_hit_ending_mid_chunk(path, request, checkpoint, artifact, hf_logits):
+    """A prompt whose first 32 tokens (two 16-slot blocks) an earlier prompt cached: its prefill starts at position
+    32, inside the chunk [24, 36), whose first keys it reads from the cache, and crosses 36. Its 12 greedy tokens and
+    their logprobs (1e-4; 2e-3 on CUDA) are transformers' over the whole sequence."""
+    engine, tolerance = _engine(request, path)
+    first = list(range(200, 240))
+    second = first[:32] + list(range(300, 309))
+    with LLM(artifact, **engine) as llm:
+        llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0, max_tokens=1))
+        out = llm.generate([{"prompt_token_ids": second}], SamplingParams(temperature=0, max_tokens=12, logprobs=1))[0]
+    assert out.num_cached_tokens == 32
+    tokens = out.outputs[0].token_ids
+    want = torch.log_softmax(hf_logits(checkpoint, second + tokens)[len(second) - 1 : -1], dim=-1)
+    assert tokens == want.argmax(dim=-1).tolist()
+    got = torch.tensor([step[token].logprob for step, token in zip(out.outputs[0].logprobs, tokens)])
+    torch.testing.assert_close(got, want[torch.arange(len(tokens)), tokens], atol=tolerance, rtol=tolerance)
+
+
 @torch.inference_mode()
 def test_what_the_match_rests_on(checkpoint, tmp_path, hf_logits, hf_encode):
     """transformers without the temperature is the model's below position 7 (the factor is exactly 1 there) and far
-    from it past it; without the q/k norm, or with the router's score on the experts' outputs, far everywhere: each
+    from it past it; with full attention in place of the chunks, the model's within the first chunk (12 positions)
+    and far past it; without the q/k norm, or with the router's score on the experts' outputs, far everywhere: each
     is a term the first test matches. The parameter count is transformers'."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama4 import modeling_llama4
@@ -85,6 +141,9 @@ def test_what_the_match_rests_on(checkpoint, tmp_path, hf_logits, hf_encode):
     flat = hf_logits(write_config(checkpoint, tmp_path / "flat", attn_temperature_tuning=False), token_ids)
     assert torch.equal(flat[:7], expected[:7])
     assert (flat[7:] - expected[7:]).abs().mean() > 0.02 * expected.abs().mean()
+    full = hf_logits(write_config(checkpoint, tmp_path / "full", layer_types=["full_attention"] * 4), token_ids)
+    assert torch.equal(full[:12], expected[:12])
+    assert (full[12:] - expected[12:]).abs().mean() > 0.05 * expected.abs().mean()
     unnormed = hf_logits(write_config(checkpoint, tmp_path / "unnormed", use_qk_norm=False), token_ids)
     assert (unnormed - expected).abs().mean() > 0.05 * expected.abs().mean()
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
@@ -271,8 +330,8 @@ SCOUT_TEXT = {"model_type": "llama4_text", "hidden_size": 5120, "intermediate_si
 
 def test_a_scout_config_reads_as_transformers():
     """A Scout-shaped Llama4ForConditionalGeneration config: every layer MoE, every 4th NoPE and tempered (offset 1,
-    floor 8192), the q/k norm on the rest, llama3 rope from the legacy keys, the context held to 8192 (of 10M
-    positions), the text config's tokens; with 4 layers, transformers' parameter count (its model on the meta
+    floor 8192), the q/k norm and chunks of 8192 on the rest, llama3 rope from the legacy keys, the context its 10M
+    positions, the text config's tokens; with 4 layers, transformers' parameter count (its model on the meta
     device)."""
     from transformers import AutoModelForCausalLM, Llama4TextConfig
 
@@ -288,7 +347,8 @@ def test_a_scout_config_reads_as_transformers():
     assert (m.query_temperature_beta, m.query_temperature_floor, m.query_temperature_offset) == (0.1, 8192.0, 1.0)
     assert (m.rope_theta, m.rope_scaling["rope_type"], m.rope_scaling["factor"], m.eos_token_ids) == (
         500000.0, "llama3", 16.0, [200001, 200007])
-    assert model_context_of(m)[0] == 8192 and m.num_experts == 16
+    assert (m.attention_chunk_size, m.attention_chunk_layers) == (8192, [i for i in range(48) if i % 4 != 3])
+    assert model_context_of(m)[0] == 10485760 and m.num_experts == 16
     short = {**SCOUT_TEXT, "num_hidden_layers": 4, "architectures": ["Llama4ForCausalLM"]}
     with torch.device("meta"):
         count = AutoModelForCausalLM.from_config(Llama4TextConfig(**{k: v for k, v in short.items() if k not in (
@@ -297,8 +357,9 @@ def test_a_scout_config_reads_as_transformers():
 
 
 def test_what_llama4_refuses(checkpoint, artifact, tmp_path):
-    """Each by name: a context past attention_chunk_size (the chunked attention llmc does not run), at build and at
-    start; num_experts_per_tok 2; attention_bias; onnx-cpu; `llmc export` (the permuted q/k rows); importing a
+    """Each by name: a context past max_position_embeddings; a context past attention_chunk_size from a manifest
+    before 1.34 (which does not say which layers attend in chunks: held to one chunk, as it was built; `llmc inspect`
+    says which); a manifest's attention_chunk_layers outside its layers; num_experts_per_tok 2; attention_bias; onnx-cpu; `llmc export` (the permuted q/k rows); importing a
     quantized checkpoint (the fused experts)."""
     def refused(error, match, recipe=None, **changes):
         source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
@@ -307,11 +368,27 @@ def test_what_llama4_refuses(checkpoint, artifact, tmp_path):
             build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
                                     **(recipe or {})}), show_progress=False)
 
-    chunk = r"exceeds the model's context of 256 \(attention_chunk_size 256: llmc does not run Llama4ForCausalLM's " \
-            "chunked local attention"
-    refused(RecipeError, "runtime.max_model_len: 512 " + chunk, recipe={"runtime": {"max_model_len": 512}})
-    with pytest.raises(ConfigError, match="512 " + chunk):
-        LLM(artifact, **ENGINE, max_model_len=512)
+    refused(RecipeError, r"runtime.max_model_len: 2048 exceeds the model's context of 1024 \(max_position_embeddings",
+            recipe={"runtime": {"max_model_len": 2048}})
+    older = shutil.copytree(artifact, tmp_path / "older")
+    _edit(older, lambda d: (d["model"].pop("attention_chunk_layers"), d.update(format_version="1.33"),
+                            d["runtime"].update(max_model_len=12)))
+    with pytest.raises(ConfigError, match=r"24 exceeds the model's context of 12 \(attention_chunk_size 12: this "
+                                          r"artifact \(format before 1.34\) does not say which layers"):
+        LLM(older, **ENGINE, max_model_len=24)
+    for layers in ([4], [0, 2, 5]):  # (the 4 layers are 0-3)
+        bad = shutil.copytree(artifact, tmp_path / f"bad{len(layers)}")
+        _edit(bad, lambda d: d["model"].update(attention_chunk_layers=layers))
+        with pytest.raises(ArtifactError, match=r"attention_chunk_layers \[.*\] must be layers of the 4"):
+            read_manifest(bad)
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    for source, says in ((artifact, "chunked attention in chunks of 12 on 3 of 4 layers"),
+                         (older, "chunked attention not run: context held to its chunk of 12")):
+        result = CliRunner().invoke(cli, ["inspect", str(source)])
+        assert result.exit_code == 0 and says in result.output, result.output
     refused(CheckpointError, "num_experts_per_tok 2: llmc runs Llama 4's router", num_experts_per_tok=2)
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
     refused(RecipeError, "target.device onnx-cpu: mixture-of-experts models", recipe={"target": {"device": "onnx-cpu"}})
