@@ -1029,7 +1029,7 @@ def _llama4_config(config: dict) -> dict:
     intermediate_size_mlp wide; attention_chunk_size and the layers that attend in chunks of it (layer_types'
     chunked_attention: by default the rope layers).
     Refused by name: num_experts_per_tok above 1, attention_bias (o_proj's bias too), layer kinds transformers does
-    not have."""
+    not have, chunked_attention layers without a chunk size."""
     from transformers import Llama4TextConfig
 
     arch = config["architectures"][0]
@@ -1053,6 +1053,9 @@ def _llama4_config(config: dict) -> dict:
     if len(kinds) != num_layers or not set(kinds) <= {"full_attention", "chunked_attention"}:
         raise CheckpointError(f"{arch}: layer_types {kinds}: give full_attention or chunked_attention for each of the "
                               f"{num_layers} layers")
+    if "chunked_attention" in kinds and not parsed["attention_chunk_size"]:
+        raise CheckpointError(f"{arch}: layer_types has chunked_attention layers but attention_chunk_size is "
+                              f"{parsed['attention_chunk_size']!r}; give the chunk size, or make them full_attention")
     rope = [bool(flag) for flag in parsed["no_rope_layers"][:num_layers]]
     nope = [i for i in range(num_layers) if not rope[i]]
     fields = {"rotary_interleaved": True, "num_experts": parsed["num_local_experts"], "num_experts_per_tok": 1,

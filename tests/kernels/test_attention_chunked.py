@@ -28,13 +28,14 @@ def chunked_reference(q, k_cache, v_cache, block_tables, context_lens, query_len
     group = q.shape[1] // num_kv_heads
     out, row = torch.zeros(q.shape, dtype=torch.float64), 0
     for seq, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
-        slots = [int(block_tables[seq, t // block_size]) * block_size + t % block_size for t in range(context_len)]
-        k = k_cache.cpu().double().flatten(0, 1)[slots].repeat_interleave(group, dim=1)  # [context, heads, d]
-        v = v_cache.cpu().double().flatten(0, 1)[slots].repeat_interleave(group, dim=1)
+        slots = (block_tables[seq].cpu().long()[:, None] * block_size + torch.arange(block_size)).flatten()[:context_len]
+        k = k_cache.cpu().flatten(0, 1)[slots].double()  # [context, kv heads, d]
+        v = v_cache.cpu().flatten(0, 1)[slots].double()
         for p in range(context_len - query_len, context_len):
             first = 0 if chunk is None else p // chunk * chunk
-            scores = torch.einsum("hd,khd->hk", q[row].cpu().double(), k[first : p + 1]) * scale
-            out[row] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v[first : p + 1])
+            q_row = q[row].cpu().double().view(num_kv_heads, group, head_dim)  # head h reads KV head h // group
+            scores = torch.einsum("kgd,tkd->kgt", q_row, k[first : p + 1]) * scale
+            out[row] = torch.einsum("kgt,tkd->kgd", torch.softmax(scores, dim=-1), v[first : p + 1]).flatten(0, 1)
             row += 1
     return out
 
@@ -120,3 +121,18 @@ def test_a_window_and_a_chunk_together_are_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window or in chunks"):
         attention.paged_attention(q, k_cache, v_cache, block_tables, lens([5], "cpu"), [5], 0.25, 4,
                                   attention_chunk_size=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_public_paged_attention_on_cuda_llama4_shapes(rel_err, dtype) -> None:
+    """Scout's attention (40 heads over 8 KV heads of 128, chunks of 8192) through kernels.attention: decodes 2 and
+    0 chunks past the first and 1 key into its second, a prefill of 300 crossing 8192, against the rule in float64."""
+    context_lens, query_lens, chunk = [20000, 1, 8193, 8300], [1, 1, 1, 300], 8192
+    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, 40, 8, 128, 16, dtype, "cuda")
+    scale = 128**-0.5
+    out = attention.paged_attention(q, k_cache, v_cache, block_tables, lens(context_lens, "cuda"), query_lens, scale,
+                                    attention_chunk_size=chunk)
+    expected = chunked_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, chunk)
+    assert torch.isfinite(out).all() and rel_err(out.cpu(), expected) < 1e-2

@@ -359,7 +359,8 @@ def test_a_scout_config_reads_as_transformers():
 def test_what_llama4_refuses(checkpoint, artifact, tmp_path):
     """Each by name: a context past max_position_embeddings; a context past attention_chunk_size from a manifest
     before 1.34 (which does not say which layers attend in chunks: held to one chunk, as it was built; `llmc inspect`
-    says which); a manifest's attention_chunk_layers outside its layers; num_experts_per_tok 2; attention_bias; onnx-cpu; `llmc export` (the permuted q/k rows); importing a
+    says which); a manifest's attention_chunk_layers outside its layers; chunked_attention layers without a chunk
+    size; num_experts_per_tok 2; attention_bias; onnx-cpu; `llmc export` (the permuted q/k rows); importing a
     quantized checkpoint (the fused experts)."""
     def refused(error, match, recipe=None, **changes):
         source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
@@ -389,6 +390,8 @@ def test_what_llama4_refuses(checkpoint, artifact, tmp_path):
                          (older, "chunked attention not run: context held to its chunk of 12")):
         result = CliRunner().invoke(cli, ["inspect", str(source)])
         assert result.exit_code == 0 and says in result.output, result.output
+    refused(CheckpointError, "layer_types has chunked_attention layers but attention_chunk_size is None",
+            attention_chunk_size=None)
     refused(CheckpointError, "num_experts_per_tok 2: llmc runs Llama 4's router", num_experts_per_tok=2)
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
     refused(RecipeError, "target.device onnx-cpu: mixture-of-experts models", recipe={"target": {"device": "onnx-cpu"}})
