@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.append(str(Path(__file__).resolve().parents[3]))  # (after the package folder: the tree's ./llmc would shadow it)
 from llmc.runtime.llm import LLM  # noqa: E402
 from llmc.runtime.models import moe as moe_module  # noqa: E402
 from tests.conftest import hf_encode, hf_logits, make_hf_checkpoint  # noqa: E402
