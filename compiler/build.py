@@ -127,6 +127,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_onnx_qk_l2_norm(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
+    _check_hybrid(ctx)
     _check_pooling(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.mtp = _plan_mtp(ctx)
@@ -359,6 +360,26 @@ def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
     if device in om.ONNX_DEVICES and model.qk_l2_norm_layers:
         raise RecipeError(f"target.device {device}: {model.architecture}'s weightless q/k norm (use_qk_norm) is not "
                           "exported to ONNX; use target.device cpu or cuda")
+
+
+HYBRID_QUANT_METHODS = ("none", "rtn", "gptq")
+
+
+def _check_hybrid(ctx: _Context) -> None:
+    """A hybrid model (Qwen3.5's Gated DeltaNet layers, runtime/models/gated_deltanet.py) runs on one rank of the torch
+    runtime, dense or with int weights from RTN or GPTQ: the rest is refused by name before any work."""
+    model, recipe = ctx.model, ctx.recipe
+    if not model.is_hybrid:
+        return
+    name = f"{model.architecture} (a hybrid model with Gated DeltaNet layers)"
+    if recipe.target.device in om.ONNX_DEVICES:
+        raise RecipeError(f"target.device {recipe.target.device}: {name} is not exported to ONNX; use target.device "
+                          "cpu or cuda")
+    if recipe.parallel.tensor > 1 or recipe.parallel.pipeline > 1:
+        raise RecipeError(f"parallel: {name} runs on one rank; set parallel.tensor and parallel.pipeline to 1")
+    if recipe.quantization.method not in HYBRID_QUANT_METHODS:
+        raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
+                          f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
 
 
 def _check_pooling(ctx: _Context) -> None:
@@ -674,7 +695,7 @@ def _write_manifest(ctx: _Context, root: Path, weight_bytes: list[int]) -> art.M
     # an ONNX graph keeps K/V in float32 whatever the weights' dtype (onnx_export's past_key_values)
     kv_dtype = "float32" if ctx.target else art.kv_storage_dtype(runtime.kv_cache_dtype, ctx.model.dtype)
     model = ctx.model
-    shape = art.latent_kv_shape(model) if model.is_mla else (model.num_layers, model.num_kv_heads, model.head_dim)
+    shape = art.latent_kv_shape(model) if model.is_mla else (len(model.kv_layers), model.num_kv_heads, model.head_dim)
     kv = art.KVSpec(runtime.block_size, kv_dtype, *shape,
                     k_scales=scales.k_scales if scales else [], v_scales=scales.v_scales if scales else [],
                     scales_source=scales.source if scales else "none", latent=model.is_mla)
@@ -717,6 +738,10 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
                            "refuses to start where that folder does not hold one (use 'auto', the model's, or "
                            "'vllm')", generation_config)
         generation_config = str(Path(generation_config).absolute())
+    if model.is_hybrid and runtime.enable_prefix_caching:  # (runtime/options.hybrid_options)
+        logger.info("runtime.enable_prefix_caching false: %s is a hybrid model, without prefix caching (vLLM's "
+                    "default for them)", model.architecture)
+        runtime = dataclasses.replace(runtime, enable_prefix_caching=False)
     return dataclasses.replace(runtime, max_model_len=max_model_len, generation_config=generation_config)
 
 

@@ -76,7 +76,10 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
             linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
         if (config.attention_bias and linear.name == "attn.qkv") or (config.o_bias and linear.name == "attn.o"):
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
-    norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config).items()}
+    norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config).items()
+             if not (config.is_linear_attention_layer(index) and name in ("attn.q_norm", "attn.k_norm"))}
+    if config.is_linear_attention_layer(index):
+        norms |= read_linear_attention(reader, prefix)
     if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
         norms["attn.sinks"] = reader.get(f"{prefix}self_attn.sinks").float()
     if is_moe:
@@ -90,6 +93,18 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
         if config.router_score_bias:  # DeepSeek-V3's, GLM-4.5's, MiniMax-M2's, ERNIE's e_score_correction_bias [E]
             norms["moe.gate_bias"] = reader.get(f"{prefix}{spec.moe.score_bias_name}").float().reshape(-1)
     return LayerWeights(index, linears, biases, norms)
+
+
+def read_linear_attention(reader: TensorReader, prefix: str) -> dict[str, Tensor]:
+    """A Qwen3.5 Gated DeltaNet's dense tensors in runtime names (kept as norms are: never quantized): in_proj_b's rows
+    then in_proj_a's (attn.in_ba), the depthwise conv's weight [conv_dim, kernel] (attn.conv), A_log, dt_bias and the
+    gated RMSNorm's weight (attn.norm: w itself, not folded)."""
+    hf = f"{prefix}linear_attn."
+    return {"attn.in_ba": torch.cat([reader.get(f"{hf}in_proj_b.weight").float(),
+                                     reader.get(f"{hf}in_proj_a.weight").float()]),
+            "attn.conv": reader.get(f"{hf}conv1d.weight").float().flatten(1),
+            "attn.A_log": reader.get(f"{hf}A_log").float(), "attn.dt_bias": reader.get(f"{hf}dt_bias").float(),
+            "attn.norm": reader.get(f"{hf}norm.weight").float()}
 
 
 def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,

@@ -45,6 +45,12 @@ _REFUSED_ARCHITECTURES = {
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
+    "Qwen3_5ForConditionalGeneration": "Qwen3.5's image-text checkpoints are not built yet (their language model's "
+                                       "tensors live under model.language_model); Qwen3_5ForCausalLM (text) is",
+    "Qwen3_5MoeForCausalLM": "Qwen3.5 MoE (hybrid linear attention with experts) is not supported; the dense "
+                             "Qwen3_5ForCausalLM is",
+    "Qwen3NextForCausalLM": "Qwen3-Next (hybrid linear attention with experts) is not supported; the dense "
+                            "Qwen3_5ForCausalLM is",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
 }
@@ -212,7 +218,7 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1",
                    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                    "Ministral3ForCausalLM": "ministral3",
-                   "MiniMaxM2ForCausalLM": "minimax_m2"}
+                   "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -270,6 +276,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _ministral3_config(config)
     if spec.family == "minimax_m2":
         config = _minimax_m2_config(config)
+    if spec.family == "qwen3_5":
+        config = _qwen3_5_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -305,6 +313,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
         **(_ernie4_5_moe_fields(config) if spec.family == "ernie4_5_moe" else {}),
         **(_minimax_m2_fields(config) if spec.family == "minimax_m2" else {}),
+        **(config["_qwen3_5"] if spec.family == "qwen3_5" else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -328,9 +337,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(config["_llama4"] if spec.family == "llama4" else {}),
         # SmolLM3's, EXAONE 4's, Llama 4's (_smollm3_config, _exaone4_config, _llama4_config)
         nope_layers=config.get("_nope_layers", []),
-        # Phi-3's, GLM-4's, GLM-4.5's and MiniMax-M2's partial_rotary_factor (_phi3_rope, _glm4_rope,
-        # _minimax_m2_config); the other families'
-        # transformers models rotate whole heads
+        # Phi-3's, GLM-4's, GLM-4.5's, MiniMax-M2's and Qwen3.5's partial_rotary_factor (_phi3_rope, _glm4_rope,
+        # _minimax_m2_config, _qwen3_5_config); the other families' transformers models rotate whole heads
         rotary_dim=config.get("_rotary_dim"),
         **(_classifier_fields(config) if _is_classifier(config) else {}),
     )
@@ -1016,6 +1024,39 @@ def _ministral3_config(config: dict) -> dict:
     return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
 
 
+def _qwen3_5_config(config: dict) -> dict:
+    """A Qwen3.5 text config as transformers' Qwen3_5TextConfig fills it in (layer_types from full_attention_interval,
+    partial_rotary_factor 0.25), flat, its layer kinds and DeltaNet sizes as ModelConfig fields (`_qwen3_5`), the
+    partial rotary as `_rotary_dim`. The M-RoPE keys (mrope_section, mrope_interleaved) are dropped: a text token's
+    three positions are one, so the interleaved sections rotate it as the plain rotary. Refused by name:
+    attention_bias, layer kinds other than linear_attention and full_attention, a hidden_act other than SiLU (the
+    MLP's and the conv's)."""
+    from transformers import Qwen3_5TextConfig
+
+    arch = config["architectures"][0]
+    try:
+        parsed = Qwen3_5TextConfig(**{k: v for k, v in config.items()
+                                      if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{arch}: the config is not one transformers' Qwen3_5TextConfig reads ({e})") from None
+    if parsed.get("attention_bias"):
+        raise CheckpointError(f"{arch}: attention_bias: true is not supported (Qwen3.5 checkpoints set it false)")
+    kinds = parsed["layer_types"]
+    if len(kinds) != parsed["num_hidden_layers"] or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise CheckpointError(f"{arch}: layer_types {kinds}: one of linear_attention or full_attention per layer")
+    params = dict(parsed.get("rope_parameters") or {})
+    for key in ("mrope_section", "mrope_interleaved"):
+        params.pop(key, None)
+    factor = params.pop("partial_rotary_factor", parsed.get("partial_rotary_factor", 0.25))
+    fields = {"linear_attention_layers": [i for i, kind in enumerate(kinds) if kind == "linear_attention"],
+              "attn_output_gate": True,
+              **{key: parsed[key] for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                              "linear_value_head_dim", "linear_conv_kernel_dim")}}
+    parsed = {**parsed, "architectures": config["architectures"], "rope_parameters": params,
+              "eos_token_id": config.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
+    return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
+
+
 LLAMA4_CG = "Llama4ForConditionalGeneration"
 
 
@@ -1172,7 +1213,7 @@ def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
     runtime's. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
     if config.rotary_interleaved:
         return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    if config.family in ("glm4_moe", "minimax_m2") and config.rotary_rows_permuted:
+    if config.family in ("glm4_moe", "minimax_m2", "qwen3_5") and config.rotary_rows_permuted:
         return partial_rotary_permutation(config.head_dim, config.rotary_dims)
     return None
 
@@ -1183,7 +1224,8 @@ def rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Te
     q_norm / k_norm weights (GLM-4.5's per head, MiniMax-M2's over all heads: an RMS over the same elements in another
     order is unchanged by the permutation), with each head's
     rows permuted: q.k is unchanged (one permutation of both), and the runtime rotates whole heads, the pass-through
-    pairs by a table of cos 1, sin 0. None for the other families."""
+    pairs by a table of cos 1, sin 0. Qwen3.5's q_proj (attn_output_gate): each head's q rows are permuted, its gate
+    rows (which scale the attention's output, not rotated) are not. None for the other families."""
     perm = rotary_row_permutation(config)
     if perm is None:
         return None
@@ -1193,6 +1235,9 @@ def rotary_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Te
     def permute(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name not in names:
             return tensor
+        if config.attn_output_gate and ".q_proj." in name:  # [heads, (q, gate), head_dim, ...]: q's rows only
+            heads = tensor.unflatten(0, (-1, 2, config.head_dim))
+            return torch.stack((heads[:, 0, perm], heads[:, 1]), dim=1).flatten(0, 2)
         return tensor.unflatten(0, (-1, config.head_dim))[:, perm].flatten(0, 1)
     return permute
 

@@ -316,6 +316,9 @@ def _attention_text(m: dict) -> str:
         parts.append(f"latent attention (kv rank {m['kv_lora_rank']}, {q}; per head {m['qk_nope_head_dim']} + "
                      f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; latent KV cache of "
                      f"{m['kv_lora_rank']} + {m['qk_rope_head_dim']} values per token and layer, kv_b absorbed)")
+    if m.get("linear_attention_layers"):  # Qwen3.5 (runtime/models/gated_deltanet.py)
+        parts.append(f"Gated DeltaNet on {len(m['linear_attention_layers'])} of {m['num_layers']} layers (a state per "
+                     f"request, no KV), gated attention on the others")
     if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
         parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
     if m.get("rotary_interleaved"):

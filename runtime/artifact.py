@@ -109,11 +109,16 @@ from llmc.schema import opt, parse
 #      permuted partial rotary), read with fields older formats have (an older llmc refuses the family by name).
 # 1.34: Llama 4's chunked local attention run (model.attention_chunk_layers: the layers that attend in chunks of
 #      attention_chunk_size); a manifest without it (1.32, 1.33) still holds its context to one chunk.
-FORMAT_VERSION = "1.34"
+# 1.35: Qwen3.5 (family qwen3_5), the first hybrid model: model.linear_attention_layers (Gated DeltaNet layers with a
+#      per-request recurrent state in place of attention: their attn.in_qkvz / attn.out linears, attn.in_ba, attn.conv,
+#      attn.A_log, attn.dt_bias, attn.norm tensors; no KV cache) and linear_num_key_heads ... linear_conv_kernel_dim;
+#      kv.num_layers counts the layers that hold a cache; model.attn_output_gate (q_proj's rows give each
+#      head's q and a sigmoid gate on its output); older manifests load without them (attention in every layer, no gate).
+FORMAT_VERSION = "1.35"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34")
+                         "1.34", "1.35")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -123,10 +128,12 @@ DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
-            "ernie4_5_moe", "ministral3", "llama4", "minimax_m2"]
+            "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
+# a Gated DeltaNet layer's in place of attn.qkv / attn.o (Qwen3.5: in_proj_qkv and in_proj_z fused, out_proj)
+LINEAR_ATTENTION_LINEARS = ("attn.in_qkvz", "attn.out")
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
@@ -284,6 +291,19 @@ class ModelConfig:
     # size: a manifest before 1.34, which did not run it: its context is held to C (runtime/models.model_context_of)
     attention_chunk_size: int | None = opt(None, min=1)
     attention_chunk_layers: list[int] | None = opt(None)
+    # Qwen3.5 (runtime/models/gated_deltanet.py): these layers run a Gated DeltaNet (a causal depthwise conv over q/k/v
+    # of linear_conv_kernel_dim, the gated delta rule over a recurrent state [linear_num_value_heads,
+    # linear_key_head_dim, linear_value_head_dim] per request, a gated RMSNorm) in place of attention, and hold no KV
+    # cache; empty: attention in every layer
+    linear_attention_layers: list[int] = opt([])
+    linear_num_key_heads: int | None = opt(None, min=1)
+    linear_num_value_heads: int | None = opt(None, min=1)
+    linear_key_head_dim: int | None = opt(None, min=1)
+    linear_value_head_dim: int | None = opt(None, min=1)
+    linear_conv_kernel_dim: int | None = opt(None, min=1)
+    # Qwen3-Next / Qwen3.5: q_proj gives each head's q then as many gate rows; the attention's output times
+    # sigmoid(gate) before o (attn.qkv is 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim rows)
+    attn_output_gate: bool = opt(False)
 
     def __post_init__(self):
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
@@ -336,6 +356,28 @@ class ModelConfig:
                                 f"{self.qk_nope_head_dim}, {self.qk_rope_head_dim}, {self.v_head_dim}, "
                                 f"{self.num_kv_heads}")
 
+        if self.linear_attention_layers and (self.is_mla or self.linear_num_value_heads is None or any(
+                getattr(self, key) is None for key in ("linear_num_key_heads", "linear_key_head_dim",
+                                                      "linear_value_head_dim", "linear_conv_kernel_dim"))
+                or self.linear_num_value_heads % self.linear_num_key_heads
+                or any(not 0 <= i < self.num_layers for i in self.linear_attention_layers)):
+            raise ArtifactError(f"model: linear_attention_layers {self.linear_attention_layers} need layers of the "
+                                f"{self.num_layers}, the linear_* head counts and dims (value heads a multiple of key "
+                                "heads) and the q/k/v attention (not MLA)")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers run a Gated DeltaNet with a per-request recurrent state (runtime/models/gated_deltanet.py)."""
+        return bool(self.linear_attention_layers)
+
+    def is_linear_attention_layer(self, index: int) -> bool:
+        return index in self.linear_attention_layers
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that hold a KV cache: all but the linear-attention ones."""
+        return [i for i in range(self.num_layers) if i not in self.linear_attention_layers]
+
     @property
     def is_classifier(self) -> bool:
         return self.num_labels is not None
@@ -370,8 +412,9 @@ class ModelConfig:
     def rotary_rows_permuted(self) -> bool:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
-        rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2: hf_checkpoint.rotary_fold)."""
-        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2") and self.rotary_dim is not None)
+        rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2, qwen3_5: hf_checkpoint.rotary_fold)."""
+        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5")
+                                           and self.rotary_dim is not None)
 
     @property
     def rotary_table_dims(self) -> int:
@@ -425,7 +468,9 @@ class ModelConfig:
     def layer_linears(self, index: int) -> tuple[str, ...]:
         """The runtime names of layer `index`'s quantizable linears (experts' by projection)."""
         attention = DECODER_LINEARS[:2]
-        if self.is_mla:
+        if self.is_linear_attention_layer(index):
+            attention = LINEAR_ATTENTION_LINEARS
+        elif self.is_mla:
             attention = MLA_LORA_Q_LINEARS if self.q_lora_rank else MLA_LINEARS
         if not self.is_moe_layer(index):
             return attention + DECODER_LINEARS[2:]
@@ -462,8 +507,21 @@ class ModelConfig:
             moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + self.hidden_size)
         if num_moe and self.shared_expert_intermediate_size:
             moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
+        attn += self.hidden_size * q * self.attn_output_gate  # (Qwen3.5's gate rows in q_proj)
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
+        if self.is_hybrid:  # its linear-attention layers: a Gated DeltaNet in place of attn and the q/k norms
+            layers += len(self.linear_attention_layers) * (self.linear_attention_parameters - attn - qk_norms)
         return embed + layers + self.hidden_size + lm_head
+
+    @property
+    def linear_attention_parameters(self) -> int:
+        """One Gated DeltaNet's parameters (Qwen3.5): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, the conv, A_log,
+        dt_bias, the gated norm, out_proj."""
+        key = self.linear_num_key_heads * self.linear_key_head_dim
+        value = self.linear_num_value_heads * self.linear_value_head_dim
+        conv = 2 * key + value
+        return (self.hidden_size * (conv + value + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim
+                + 2 * self.linear_num_value_heads + self.linear_value_head_dim + value * self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -519,7 +577,7 @@ class KVSpec:
 
     block_size: int = opt(min=1)
     dtype: str = opt(choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"])
-    num_layers: int = opt(min=1)
+    num_layers: int = opt(min=1)  # the layers that hold a cache (a hybrid's attention layers: ModelConfig.kv_layers)
     num_kv_heads: int = opt(min=1)
     head_dim: int = opt(min=1)
     k_scales: list[float] = opt([])
@@ -824,9 +882,10 @@ def _check_consistency(m: Manifest) -> None:
         problems.append(f"model.eos_token_ids {model.eos_token_ids} are not all in [0, {model.vocab_size})")
     # (a 1.20 / 1.21 DeepSeek manifest records the expanded cache it ran with)
     is_latent = model.is_mla and (m.kv.latent or m.format_version not in ("1.20", "1.21"))
-    want = latent_kv_shape(model) if is_latent else (model.num_layers, model.num_kv_heads, model.head_dim)
+    want = latent_kv_shape(model) if is_latent else (len(model.kv_layers), model.num_kv_heads, model.head_dim)
     if (m.kv.num_layers, m.kv.num_kv_heads, m.kv.head_dim) != want or m.kv.latent != is_latent:
-        problems.append("kv does not match the model's num_layers, num_kv_heads and head_dim (MLA: its latent cache)")
+        problems.append("kv does not match the model's num_layers (a hybrid model's attention layers), num_kv_heads "
+                        "and head_dim (MLA: its latent cache)")
     fp8 = KV_CACHE_DTYPES[m.runtime.kv_cache_dtype]
     if fp8 is not None and m.kv.dtype != fp8:
         problems.append(f"kv.dtype {m.kv.dtype} does not match runtime.kv_cache_dtype {m.runtime.kv_cache_dtype}")

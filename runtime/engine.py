@@ -439,6 +439,9 @@ class Engine:
                 raise RequestError(f"SamplingParams.{name} {asked} is more than max_logprobs ({self.max_logprobs}); "
                                    "ask for fewer, or start the engine with a larger max_logprobs (-1: no limit)")
         if params.use_beam_search:
+            if self.manifest.model.is_hybrid:  # (forked beams would need their states copied)
+                raise RequestError(f"use_beam_search: not supported for {self.manifest.model.architecture} (a hybrid "
+                                   "model: a beam's recurrent state is not forked); sample instead")
             check_beam_width("SamplingParams.n", params.n, self.max_logprobs)
         return params.replace(**whole) if whole else params
 

@@ -49,6 +49,9 @@ class ForwardBatch:
     # context_lens on the host where the step's builder had them (runtime/step_inputs.py): DeepSeek's expanded
     # attention on CUDA sizes its sequences' keys by them (kernels/mla_attention.py); None: read from the device there
     host_context_lens: Sequence[int] | None = None
+    # [num_seqs] int64: each sequence's state slot (its persistent-batch row) in a hybrid model's Gated DeltaNet states
+    # (runtime/models/gated_deltanet.py NOTE (state slots)); None: a model without them, or a forward keeping no state
+    state_slots: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -353,16 +353,30 @@ def estimate(
     num_heads: int | None = None,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula (with DeepSeek's expanded workspace over num_heads
-    heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES for other, and the graph allowance for the buckets the
-    compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
+    heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES and a hybrid model's states for other, and the graph
+    allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
     prefill_graph_allowance_bytes, given)."""
     activations = (activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
                    + mla_expanded_bytes(model, max_num_batched_tokens, max_model_len, num_heads))
     graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
               if use_graphs else 0)
     graphs += piece_graph_bytes
-    return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
+    other = CUDA_CONTEXT_BYTES + (max_num_seqs + 1) * linear_state_bytes_per_slot(model)  # (a hybrid's states)
+    return plan_kv(total_bytes, utilization, weight_bytes, other, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)
+
+
+def linear_state_bytes_per_slot(model: ModelConfig) -> int:
+    """A hybrid model's Gated DeltaNet states of one request slot (runtime/models/gated_deltanet.py): each linear-
+    attention layer's conv state [conv_dim, kernel - 1] in the model dtype and recurrent state [value heads, key dim,
+    value dim] in float32; the runner holds max_num_seqs + 1 slots. 0 for other models."""
+    if not model.is_hybrid:
+        return 0
+    conv_dim = 2 * model.linear_num_key_heads * model.linear_key_head_dim + (
+        model.linear_num_value_heads * model.linear_value_head_dim)
+    per_layer = (conv_dim * (model.linear_conv_kernel_dim - 1) * dtype_num_bytes(model.dtype)
+                 + model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * 4)
+    return len(model.linear_attention_layers) * per_layer
 
 
 def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,
@@ -371,8 +385,9 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
     fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks are planned
     without graphs; one rank with runtime.compilation_config's (runtime/model_runner.py)."""
     one_rank = parallel.world_size == 1
-    decode_graphs = one_rank and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
-    piece_sizes = planned_piece_sizes(runtime) if one_rank else []
+    captures = one_rank and not model.is_hybrid  # (a hybrid model runs eagerly: runtime/model_runner.py)
+    decode_graphs = captures and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
+    piece_sizes = planned_piece_sizes(runtime) if captures else []
     estimates = [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),

@@ -36,7 +36,7 @@ from llmc.runtime.mixed_graphs import MixedGraphs
 from llmc.runtime.mrope import column_components, step_rope
 from llmc.runtime.multimodal import step_deepstack_rows, step_image_rows, step_key_limits
 from llmc.runtime.offload import WeightOffloader
-from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, kv_cache_shapes, whole_model_layout
+from llmc.runtime.parallel.layout import RankLayout, kv_bytes_per_token, kv_cache_shapes, kv_layers, whole_model_layout
 from llmc.runtime.piecewise_graphs import PiecewiseGraphs
 from llmc.runtime.runner import StepLogits
 from llmc.runtime.scheduler import ScheduledBatch
@@ -67,6 +67,16 @@ class ModelRunner:
                                  keep_gate_up_order=options.enable_lora)
         if keep_hidden is not None:
             self.model.keep_hidden(*keep_hidden)
+        # a hybrid model's Gated DeltaNet states (runtime/models/gated_deltanet.py NOTE (state slots)): one slot per
+        # persistent-batch row and a scratch slot (`score`), allocated before the memory plan, which counts them as it
+        # counts the weights, before the KV blocks
+        self.is_hybrid = manifest.model.is_hybrid
+        self.state_bytes = 0
+        if self.is_hybrid:
+            self.state_bytes = self.model.bind_states(options.max_num_seqs + 1, device)
+            logger.info("Gated DeltaNet states: %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, before the "
+                        "KV cache; CUDA graphs are not captured for hybrid models (every step runs eagerly)",
+                        options.max_num_seqs + 1, self.model.state_bytes_per_slot() / 2**20, self.state_bytes / 2**20)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
         if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
             slots = LoraSlots(self.model, options.max_loras, options.max_lora_rank, options.max_num_batched_tokens,
@@ -81,6 +91,8 @@ class ModelRunner:
         modes = options.graph_modes
         can_capture = can_use_graphs(device, options.enforce_eager)
         graph_sizes, piece_sizes = planned_graph_sizes(manifest, options, device)
+        if self.is_hybrid:  # (the states' slots are not yet static inputs of the graphs)
+            graph_sizes, piece_sizes = [], []
         if can_capture and (modes.has_piecewise or modes.has_full_mixed) and self.offloader is not None:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no CUDA graphs of them)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
@@ -92,13 +104,13 @@ class ModelRunner:
         # measured on a GPU, unless num_kv_blocks fixes the cache
         self.memory_plan = self._measure_memory(manifest, layout, options, allocated_before, graph_allowance, reserve)
         num_blocks = (self.memory_plan.num_kv_blocks if self.memory_plan is not None
-                      else local_num_kv_blocks(manifest, layout, options, device, reserve[1]))
+                      else local_num_kv_blocks(manifest, layout, options, device, reserve[1], self.state_bytes))
         self.num_blocks = check_num_kv_blocks(num_blocks, options, device, self.memory_plan)
         # the scheduler hands out blocks 0..num_blocks-1; block num_blocks is the graphs' scratch block
         num_allocated = self.num_blocks + (1 if graph_sizes or piece_sizes else 0)
         self.kv_caches = allocate_kv_caches(manifest, layout, num_allocated, options.block_size, device,
                                             self.kv_config.dtype)
-        self.model.bind_kv_caches(self.kv_caches, self.kv_config.layer_scales(layout.layers))
+        self.model.bind_kv_caches(self.kv_caches, self.kv_config.layer_scales(kv_layers(manifest.model, layout)))
         self.buffers = StepBuffers(options.max_num_seqs, options.max_num_batched_tokens,
                                    -(-options.max_model_len // options.block_size), options.block_size, device)
         self.graphs: CudaGraphs | None = None
@@ -163,7 +175,18 @@ class ModelRunner:
     def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int) -> Tensor:
         if self.lora is not None:  # the base model's scores: no adapter on any token
             self.lora.slots.set_mapping([-1] * self.lora.slots.max_tokens)
-        return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device)
+        return score_in_chunks(self.forward_logits, token_ids, block_ids, chunk_size, self.block_size, self.device,
+                               self.scratch_state_slot)
+
+    @property
+    def scratch_state_slot(self) -> int | None:
+        """A hybrid model's state slot that no request holds (`score`'s); None for other models."""
+        return self.model.linear_attention_layers()[0].conv_state.shape[0] - 1 if self.is_hybrid else None
+
+    def _put_state_slots(self, batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
+        """A hybrid model's step: each sequence's state slot, its persistent-batch row (gated_deltanet NOTE)."""
+        if self.is_hybrid:
+            forward_batch.state_slots = torch.tensor([s.request.batch_row for s in batch.requests], device=self.device)
 
     def forward_logits(self, input_ids: Tensor, forward_batch: ForwardBatch,
                        dtype: torch.dtype | None = torch.float32) -> Tensor:
@@ -200,6 +223,7 @@ class ModelRunner:
         """A pooling step's forward (runtime/pooling.py): the final hidden states [num_tokens, hidden_size]
         of its tokens, in batch order."""
         inputs = self.buffers.build(batch)
+        self._put_state_slots(batch, inputs.forward_batch)
         if self.takes_images:
             self._put_images(batch, inputs.forward_batch)
         if self.lora is not None:
@@ -224,6 +248,7 @@ class ModelRunner:
         """Run one step's forward (launched, not waited for, on a GPU). `pending`: the previous
         step's sampled tokens on the device, for decode rows whose last token is still pending."""
         inputs = self.buffers.build(batch, pending)
+        self._put_state_slots(batch, inputs.forward_batch)
         if self.takes_images:
             self._put_images(batch, inputs.forward_batch)
         if self.lora is not None:
@@ -234,9 +259,10 @@ class ModelRunner:
 
 @torch.inference_mode()
 def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], chunk_size: int, block_size: int,
-                    device: torch.device) -> Tensor:
+                    device: torch.device, state_slot: int | None = None) -> Tensor:
     """Logits [len(token_ids), vocab_size] float32 at every position of one sequence, prefilled
-    in chunks of chunk_size tokens into the given blocks by `forward_logits(input_ids, batch)`."""
+    in chunks of chunk_size tokens into the given blocks by `forward_logits(input_ids, batch)` (a hybrid model's
+    states in `state_slot`)."""
     block_table = torch.tensor([block_ids], dtype=torch.int32, device=device)
     logits = []
     for start in range(0, len(token_ids), chunk_size):
@@ -252,6 +278,7 @@ def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], 
             max_context_len=end,
             logits_indices=torch.arange(end - start, device=device),
             host_context_lens=[end],
+            state_slots=None if state_slot is None else torch.tensor([state_slot], device=device),
         )
         input_ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
         logits.append(forward_logits(input_ids, forward_batch))
@@ -262,17 +289,18 @@ def score_in_chunks(forward_logits, token_ids: list[int], block_ids: list[int], 
 
 
 def local_num_kv_blocks(manifest: art.Manifest, layout: RankLayout, options: art.RuntimeDefaults, device: torch.device,
-                        extra_bytes_per_token: int = 0) -> int:
+                        extra_bytes_per_token: int = 0, state_bytes: int = 0) -> int:
     """KV blocks this rank has room for (its heads of its layers) without a measured plan: num_kv_blocks
     if set, else (on a CPU) cpu_kv_cache_gib. A GPU without num_kv_blocks measures (memory_profile.py),
     parallel ranks too, in lockstep (runtime/parallel/shard_runner.py); ranks then agree on the smallest.
-    extra_bytes_per_token: what another cache of the same block count takes per token (a draft model's)."""
+    extra_bytes_per_token: what another cache of the same block count takes per token (a draft model's); state_bytes:
+    what a hybrid model's Gated DeltaNet states take of cpu_kv_cache_gib first."""
     if options.num_kv_blocks is not None:
         return options.num_kv_blocks
     if device.type == "cuda":
         raise ValueError("a GPU rank without num_kv_blocks measures its memory plan (measure_kv_plan)")
     bytes_per_token = _kv_bytes_per_token(manifest, layout, device, options) + extra_bytes_per_token
-    return int(options.cpu_kv_cache_gib * memory.GIB) // (bytes_per_token * options.block_size)
+    return max(0, int(options.cpu_kv_cache_gib * memory.GIB) - state_bytes) // (bytes_per_token * options.block_size)
 
 
 def _kv_bytes_per_token(manifest: art.Manifest, layout: RankLayout, device: torch.device,
@@ -347,11 +375,12 @@ def allocate_kv_caches(manifest: art.Manifest, layout: RankLayout, num_blocks: i
     shapes = kv_cache_shapes(manifest.model, layout.num_kv_heads, num_blocks, block_size)
     dtype = dtype or compute_dtype(manifest, device)
     try:
-        return [tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes) for _ in layout.layers]
+        return [tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
+                for _ in kv_layers(manifest.model, layout)]
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
         if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and "alloc" not in str(e):
             raise
-        size = len(layout.layers) * sum(math.prod(shape) for shape in shapes) * dtype.itemsize
+        size = len(kv_layers(manifest.model, layout)) * sum(math.prod(shape) for shape in shapes) * dtype.itemsize
         knob = "num_kv_blocks" if device.type == "cuda" else "num_kv_blocks or cpu_kv_cache_gib"
         raise ConfigError(f"the KV cache of {num_blocks} blocks ({size / memory.GIB:.1f} GiB) cannot be allocated on "
                           f"{device} (out of memory); lower {knob}") from None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,8 @@ from llmc.runtime import artifact as art
 from llmc.runtime.models import model_context_of
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.onnx_model import is_onnx, onnx_options
+
+logger = logging.getLogger("llmc")
 from llmc.schema import canonical_keys, parse
 
 
@@ -73,6 +76,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         raise ConfigError(f"{given_as[name]}{str(e)[len(name):]}") from None
     if (problem := max_model_len_problem(options.max_model_len, manifest.model)) is not None:
         raise ConfigError(f"max_model_len {problem}")
+    if manifest.model.is_hybrid:
+        options = hybrid_options(manifest.model, options, overrides)
     if options.num_scheduler_steps > 1:
         _check_multi_step(manifest, options)
     if (problem := graph_mode_problem(options, manifest.parallel.world_size)) is not None:
@@ -80,6 +85,26 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
     if is_onnx(manifest):
         _check_onnx_memory_knobs(options)
         options = onnx_options(manifest, options, overrides)
+    return options
+
+
+def hybrid_options(model: art.ModelConfig, options: art.RuntimeDefaults, overrides: dict) -> art.RuntimeDefaults:
+    """A hybrid model's options (Qwen3.5: Gated DeltaNet layers with a per-request state, runtime/models/
+    gated_deltanet.py): what does not keep that state right is refused by name; prefix caching is off by default, as
+    vLLM turns it off for hybrid models without its mamba prefix caching (a cached prefix has KV, not the state after
+    it), refused where asked for."""
+    name = f"{model.architecture} (a hybrid model: its linear-attention layers keep a recurrent state per request)"
+    if overrides.get("enable_prefix_caching"):
+        raise ConfigError(f"enable_prefix_caching: {name} has no prefix caching (a cached prefix holds KV, not the "
+                          "state after it); drop it or set it false")
+    refused = {"speculative_config": options.speculative is not None, "enable_lora": options.enable_lora,
+               "num_scheduler_steps": options.num_scheduler_steps > 1}
+    for key, asked in refused.items():
+        if asked:
+            raise ConfigError(f"{key}: not supported for {name} yet; drop it")
+    if options.enable_prefix_caching:
+        logger.info("enable_prefix_caching off: %s has no prefix caching (vLLM's default for hybrid models)", name)
+        options = dataclasses.replace(options, enable_prefix_caching=False)
     return options
 
 

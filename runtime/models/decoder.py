@@ -31,6 +31,7 @@ from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.models import spec_for_family
+from llmc.runtime.models.gated_deltanet import GatedDeltaNet
 from llmc.runtime.models.mla import MLAttention
 from llmc.runtime.models.moe import ExpertLinears, MoE
 from llmc.runtime.parallel.layout import RankLayout, holds_row_bias, whole_model_layout
@@ -68,8 +69,13 @@ class Attention(nn.Module):
         self.temperature = config.query_temperature_of(index)  # (beta, floor, offset); None: q not scaled
         self.l2_norm_eps = config.rms_norm_eps if index in config.qk_l2_norm_layers else None  # Llama 4's q/k norm
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv = Linear(config.hidden_size, q_size + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias, dtype)
+        # Qwen3.5: each head's q then its output gate's rows (attn_output_gate); `heads` keeps the gate for `output`
+        self.has_output_gate = config.attn_output_gate
+        self.output_gate: Tensor | None = None
+        q_rows = 2 * q_size if self.has_output_gate else q_size
+        self.split_sizes = [q_rows, kv_size, kv_size]
+        self.qkv = Linear(config.hidden_size, q_rows + 2 * kv_size, formats[prefix + "qkv"], config.attention_bias,
+                          dtype)
         # o's bias (gpt-oss): on tensor rank 0 alone, added once by the all-reduce of the ranks' partial sums
         self.o = Linear(q_size, config.hidden_size, formats[prefix + "o"], config.o_bias and holds_row_bias(layout),
                         dtype)
@@ -105,6 +111,9 @@ class Attention(nn.Module):
         num_kv_heads, head_dim] (views of qkv's output; q and k normed where the model has qk_norm; q times the
         layer's query temperature at each token's position where it has one)."""
         q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        if self.has_output_gate:
+            q, gate = q.unflatten(-1, (self.num_heads, 2 * self.head_dim)).split(self.head_dim, dim=-1)
+            q, self.output_gate = q.flatten(1), gate.flatten(1)
         if self.is_qk_norm_full_width:  # OLMo 2: before the split into heads (contiguous outputs)
             q, k = self.full_width_norm(q, self.q_norm), self.full_width_norm(k, self.k_norm)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -156,7 +165,10 @@ class Attention(nn.Module):
 
     def output(self, attn: Tensor) -> Tensor:
         """attn [num_tokens, num_heads, head_dim] → o's output [num_tokens, hidden_size] (all-reduced under TP)."""
-        out = self.o(attn.flatten(1))  # this rank's partial sum under TP
+        attn = attn.flatten(1)
+        if self.has_output_gate:  # (eager only: hybrid models run without CUDA graphs)
+            attn, self.output_gate = attn * torch.sigmoid(self.output_gate), None
+        out = self.o(attn)  # this rank's partial sum under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
@@ -200,9 +212,15 @@ class DecoderLayer(nn.Module):
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
+                                      and not config.is_linear_attention_layer(index)
                                       and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]),
                                       centered=config.layer_norm)
-        self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
+        # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache)
+        self.is_linear_attention = config.is_linear_attention_layer(index)
+        if self.is_linear_attention:
+            self.attn = GatedDeltaNet(config, formats, index, dtype)
+        else:
+            self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
         self.is_parallel = config.parallel_block
         if config.pre_norms and not config.parallel_block:
@@ -413,7 +431,9 @@ class DecoderModel(nn.Module):
             # (OLMo 2's qkv and gate_up read the residual stream, Cohere's both read input_norm: they gather it
             # themselves)
             if layer.has_pre_norms and not layer.is_parallel:
-                if not layer.is_mla:  # (MLA's q and kv_a both read the input norm's output: they gather it themselves)
+                # (MLA's q and kv_a, a Gated DeltaNet's in_qkvz and in_ba both read the input norm's output: they gather
+                # it themselves)
+                if not layer.is_mla and not layer.is_linear_attention:
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
@@ -434,12 +454,28 @@ class DecoderModel(nn.Module):
         logger.info("int and FP8 weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
                     "packed)", dense_bytes / 2**20, self.config.dtype)
 
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """This rank's Gated DeltaNet layers (Qwen3.5), in layer order; [] for any other model."""
+        return [layer.attn for layer in self.layers.values() if layer.is_linear_attention]
+
+    def bind_states(self, num_slots: int, device: torch.device) -> int:
+        """Allocate every Gated DeltaNet layer's states for `num_slots` request slots (gated_deltanet NOTE (state
+        slots)); returns their bytes."""
+        for attn in self.linear_attention_layers():
+            attn.bind_states(num_slots, device)
+        return num_slots * self.state_bytes_per_slot()
+
+    def state_bytes_per_slot(self) -> int:
+        dtype = getattr(torch, self.config.dtype)
+        return sum(attn.state_bytes_per_slot(dtype) for attn in self.linear_attention_layers())
+
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:
         """One (K, V) per layer of this rank, in layer order (MLA: (latent,)), with its (k_scale, v_scale) for an
         FP8 cache (None: 1.0; MLA reads k_scale)."""
         scales = scales or [(1.0, 1.0)] * len(kv_caches)
-        for layer, kv_cache, (k_scale, v_scale) in zip(self.layers.values(), kv_caches, scales, strict=True):
+        layers = [layer for layer in self.layers.values() if not layer.is_linear_attention]  # (Qwen3.5's hold none)
+        for layer, kv_cache, (k_scale, v_scale) in zip(layers, kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
             layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale
 

@@ -118,6 +118,10 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
     """Whether layer `index` has `linear` (`config`: the ModelConfig): the dense MLP's (mlp.*) in the dense layers, the
     shared expert's (moe.shared.*) in the MoE layers of a model that has one, the attention's in every layer (MLA's
     attn.q without a q_lora_rank, attn.q_a and attn.q_b with one)."""
+    if linear.name in ("attn.in_qkvz", "attn.out"):  # a Gated DeltaNet's (Qwen3.5), in its layers only
+        return config.is_linear_attention_layer(index)
+    if linear.name in ("attn.qkv", "attn.o") and config.is_linear_attention_layer(index):
+        return False
     if linear.name in ("attn.q", "attn.q_a", "attn.q_b"):
         return (linear.name != "attn.q") == bool(config.q_lora_rank)
     if linear.name.startswith("mlp."):
@@ -130,9 +134,11 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
 def float32_norms(config) -> tuple[str, ...]:
     """The never-quantized layer tensors kept in float32 whatever the model dtype (`config`: the ModelConfig):
     DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict); gpt-oss's
-    attention sinks (the kernels read them as float32 logits)."""
+    attention sinks (the kernels read them as float32 logits); a Gated DeltaNet's A_log and dt_bias (Qwen3.5: its decay
+    is computed in float32)."""
     return (("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()) + (
-        ("attn.sinks",) if config.attention_sinks else ())
+        ("attn.sinks",) if config.attention_sinks else ()) + (
+        ("attn.A_log", "attn.dt_bias") if config.is_hybrid else ())
 
 
 def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
@@ -156,10 +162,15 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
     """Output rows of each of a dense layer linear's HF members, in order (`config`: the ModelConfig): q, k and
     v each (gate and up), or all of them in one member that stores the linear fused (Phi-3's qkv_proj)."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    parts = {"attn.qkv": [q, kv, kv], "attn.o": [config.hidden_size],
+    q_rows = 2 * q if config.attn_output_gate else q  # (Qwen3.5: each head's q, then its gate)
+    parts = {"attn.qkv": [q_rows, kv, kv], "attn.o": [config.hidden_size],
              "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
              "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
              "moe.shared.down": [config.hidden_size]}
+    if config.is_hybrid:
+        key, value = (config.linear_num_key_heads * config.linear_key_head_dim,
+                      config.linear_num_value_heads * config.linear_value_head_dim)
+        parts |= {"attn.in_qkvz": [2 * key + value, value], "attn.out": [config.hidden_size]}
     if config.is_mla:
         parts |= {"attn.q": [q], "attn.q_a": [config.q_lora_rank], "attn.q_b": [q],
                   "attn.kv_a": [config.kv_lora_rank + config.qk_rope_head_dim],

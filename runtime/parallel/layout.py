@@ -151,7 +151,13 @@ def kv_cache_shapes(config: ModelConfig, num_kv_heads: int, num_blocks: int, blo
 
 
 def kv_bytes_per_token(config: ModelConfig, layout: RankLayout, num_bytes: int) -> int:
-    """KV-cache bytes one token takes on this rank: K and V of its heads in its layers (MLA: its latent)."""
+    """KV-cache bytes one token takes on this rank: K and V of its heads in its layers (MLA: its latent); a hybrid
+    model's linear-attention layers hold none."""
     per_layer = sum(shape[-1] * (shape[-2] if len(shape) == 4 else 1)
                     for shape in kv_cache_shapes(config, layout.num_kv_heads, 1, 1))
-    return len(layout.layers) * per_layer * num_bytes
+    return len(kv_layers(config, layout)) * per_layer * num_bytes
+
+
+def kv_layers(config: ModelConfig, layout: RankLayout) -> list[int]:
+    """This rank's layers that hold a KV cache: all of them but a hybrid model's linear-attention layers."""
+    return [i for i in layout.layers if not config.is_linear_attention_layer(i)]

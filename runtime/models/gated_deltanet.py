@@ -1,0 +1,179 @@
+"""The Gated DeltaNet layer (Qwen3.5's "linear_attention" layers) and its per-request state.
+
+NOTE (state slots): a request's state is its conv state [conv_dim, kernel - 1] (the last inputs of the causal
+depthwise conv) and its recurrent state [value heads, key dim, value dim] (float32) in every DeltaNet layer, kept in
+tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
+persistent-batch row (`Request.batch_row`, `ForwardBatch.state_slots`): taken when it is first scheduled, given
+back when it finishes, is aborted or is preempted, as vLLM's mamba cache hands out one slot per running request. A
+sequence whose chunk starts at position 0 (a new prompt, or a re-prefill after preemption by recompute) starts from
+zero state, read from nothing; a later chunk or a decode starts from its slot; each sequence's state after its
+chunk is written back to its slot. So chunked prefill carries the state across chunks and no slot needs clearing.
+
+The delta rule (per value head, state S [key dim, value dim], q and k L2-normed, q scaled by key_dim^-0.5):
+S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t. `recurrent_delta_rule` runs it one
+token at a time (decodes); `chunked_delta_rule` in chunks of C tokens, solving each chunk's u in one triangular
+system (prefill chunks). Both in float32 on torch ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.layers.linear import Linear
+
+L2_NORM_EPS = 1e-6  # q and k: x / sqrt(sum(x^2) + eps), as FLA's l2norm
+
+
+def _weight(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Module:
+    holder = nn.Module()
+    holder.register_buffer("weight", torch.empty(shape, dtype=dtype, device="meta"))
+    return holder
+
+
+def l2_normalize(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_NORM_EPS)
+
+
+def recurrent_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                         state: Tensor) -> tuple[Tensor, Tensor]:
+    """q, k [N, T, H, dk], v [N, T, H, dv], g and beta [N, T, H] (float32; q and k normed and q scaled already,
+    heads grouped to H), state [N, H, dk, dv] → (o [N, T, H, dv], the state after the last token), token by token."""
+    outputs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        predicted = torch.einsum("nhkv,nhk->nhv", state, k[:, t])
+        update = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * update[:, :, None, :]
+        outputs.append(torch.einsum("nhkv,nhk->nhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor,
+                       chunk_size: int = 64) -> tuple[Tensor, Tensor]:
+    """The same as recurrent_delta_rule for one sequence (q, k [T, H, dk], v [T, H, dv], g, beta [T, H], state
+    [H, dk, dv]), in chunks: within a chunk with cumulative log decays G (G_i = g_1 + ... + g_i) and start state S0,
+    the updates U solve (I + A) U = beta (V - e^G K S0), A_ij = beta_i e^(G_i - G_j) k_i.k_j for j < i; the outputs are
+    e^G Q S0 + (e^(G_i - G_j) q_i.k_j, j <= i) U, and the state after it e^(G_C) S0 + sum_j e^(G_C - G_j) k_j u_j^T."""
+    outputs = []
+    for start in range(0, q.shape[0], chunk_size):
+        qc, kc, vc, gc, bc = (x[start:start + chunk_size].transpose(0, 1) for x in (q, k, v, g, beta))  # heads first
+        size = qc.shape[1]
+        cum = gc.cumsum(-1)  # [H, C]
+        diff = cum[:, :, None] - cum[:, None, :]  # G_i - G_j
+        lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower, diff, float("-inf")).exp()  # e^(G_i - G_j) for j <= i, else 0
+        strict = decay * ~torch.eye(size, dtype=torch.bool, device=q.device)
+        system = torch.eye(size, device=q.device) + bc[:, :, None] * strict * (kc @ kc.transpose(1, 2))
+        rhs = bc[:, :, None] * (vc - cum.exp()[:, :, None] * (kc @ state))
+        updates = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # [H, C, dv]
+        out = cum.exp()[:, :, None] * (qc @ state) + (decay * (qc @ kc.transpose(1, 2))) @ updates
+        outputs.append(out.transpose(0, 1))
+        tail = (cum[:, -1:] - cum).exp()  # e^(G_C - G_j)
+        state = cum[:, -1].exp()[:, None, None] * state + (kc * tail[:, :, None]).transpose(1, 2) @ updates
+    return torch.cat(outputs), state
+
+
+class GatedDeltaNet(nn.Module):
+    """A Qwen3.5 linear-attention layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the
+    rotary table unread). Its states are bound by the model runner (`bind_states`); a forward without
+    batch.state_slots (the memory profile, calibration) runs every sequence from zero state and keeps nothing."""
+
+    def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
+        super().__init__()
+        prefix = f"layers.{index}.attn."
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_size + self.value_size
+        self.kernel = config.linear_conv_kernel_dim
+        self.eps = config.rms_norm_eps
+        self.has_rope, self.is_local_rope = True, False  # (the model's table is passed, unread)
+        hidden = config.hidden_size
+        self.in_qkvz = Linear(hidden, self.conv_dim + self.value_size, formats[prefix + "in_qkvz"], False, dtype)
+        self.out = Linear(self.value_size, hidden, formats[prefix + "out"], False, dtype)
+        self.in_ba = _weight((2 * self.num_v_heads, hidden), dtype)  # in_proj_b's rows, then in_proj_a's (dense)
+        self.conv = _weight((self.conv_dim, self.kernel), dtype)
+        self.A_log = _weight((self.num_v_heads,), torch.float32)
+        self.dt_bias = _weight((self.num_v_heads,), torch.float32)
+        self.norm = _weight((self.v_dim,), dtype)  # the gated RMSNorm's weight (plain w, not 1 + w)
+        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] in the model dtype (bind_states)
+        self.recurrent_state: Tensor | None = None  # [slots, num_v_heads, k_dim, v_dim] float32
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.num_v_heads * self.k_dim * self.v_dim * 4
+
+    def bind_states(self, num_slots: int, device: torch.device) -> None:
+        dtype = self.conv.weight.dtype
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+        self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32,
+                                           device=device)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
+        projected = self.in_qkvz(x)
+        mixed, z = projected.split([self.conv_dim, self.value_size], dim=-1)
+        b, a = F.linear(x, self.in_ba.weight).split(self.num_v_heads, dim=-1)
+        beta = b.sigmoid().float()
+        g = -self.A_log.weight.exp() * F.softplus(a.float() + self.dt_bias.weight)
+        slots = batch.state_slots
+        if batch.is_decode and slots is not None:
+            out = self._decode(mixed, g, beta, slots, batch.context_lens)
+        else:
+            out = self._prefill(mixed, g, beta, batch, slots)
+        return self.out(self._gated_norm(out, z).flatten(1))
+
+    def _split_heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The conv's output [..., conv_dim] (float32) → q, k [..., num_v_heads, k_dim] (normed, grouped, q scaled),
+        v [..., num_v_heads, v_dim]."""
+        q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        group = self.num_v_heads // self.num_k_heads
+        q, k = (l2_normalize(t.unflatten(-1, (self.num_k_heads, self.k_dim))).repeat_interleave(group, dim=-2)
+                for t in (q, k))
+        return q * self.k_dim ** -0.5, k, v.unflatten(-1, (self.num_v_heads, self.v_dim))
+
+    def _decode(self, mixed: Tensor, g: Tensor, beta: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
+        """One token per sequence: device ops only (no host value of the step)."""
+        fresh = (context_lens == 1)  # a one-token prompt: zero state
+        window = torch.cat([self.conv_state[slots] * ~fresh[:, None, None], mixed[:, :, None]], dim=-1)
+        self.conv_state[slots] = window[:, :, 1:]
+        conv = F.silu((window.float() * self.conv.weight.float()).sum(-1)).to(mixed.dtype).float()
+        q, k, v = self._split_heads(conv)
+        state = self.recurrent_state[slots] * ~fresh[:, None, None, None]
+        out, state = recurrent_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
+        self.recurrent_state[slots] = state
+        return out[:, 0]
+
+    def _prefill(self, mixed: Tensor, g: Tensor, beta: Tensor, batch: ForwardBatch, slots: Tensor | None) -> Tensor:
+        """Sequence by sequence: the conv over its chunk after its conv state, the chunked delta rule from its state."""
+        context_lens = batch.host_context_lens
+        if context_lens is None:
+            context_lens = batch.context_lens.tolist()
+        outputs, offset, width = [], 0, self.kernel - 1
+        for i, length in enumerate(batch.query_lens):
+            rows = slice(offset, offset + length)
+            offset += length
+            starts_fresh = slots is None or int(context_lens[i]) == length
+            if starts_fresh:
+                conv_state = mixed.new_zeros(self.conv_dim, width)
+                state = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+            else:
+                conv_state, state = self.conv_state[slots[i]], self.recurrent_state[slots[i]]
+            window = torch.cat([conv_state, mixed[rows].t()], dim=-1)  # [conv_dim, width + length]
+            conv = F.conv1d(window.float()[None], self.conv.weight.float()[:, None], groups=self.conv_dim)[0]
+            q, k, v = self._split_heads(F.silu(conv).to(mixed.dtype).float().t())
+            out, state = chunked_delta_rule(q, k, v, g[rows], beta[rows], state)
+            if slots is not None:
+                self.conv_state[slots[i]] = window[:, -width:]
+                self.recurrent_state[slots[i]] = state
+            outputs.append(out)
+        return torch.cat(outputs)
+
+    def _gated_norm(self, out: Tensor, z: Tensor) -> Tensor:
+        """Qwen3.5's gated RMSNorm per value head: w * rms_norm(o) (rounded to the model dtype first) * silu(z), in
+        float32, back in the model dtype. out [T, num_v_heads, v_dim] float32, z [T, value_size]."""
+        dtype = z.dtype
+        out = out.to(dtype).float()  # (the rule's output in the model dtype, as transformers rounds it)
+        normed = (out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
+        gated = (self.norm.weight * normed).float() * F.silu(z.unflatten(-1, (self.num_v_heads, self.v_dim)).float())
+        return gated.to(dtype)
