@@ -316,6 +316,13 @@ _FAMILY_SPECS["llama4"] = ("Llama4TextConfig", LLAMA4_TEXT)
 # config.json), 2 layers of 8 experts of width 32 (top 2, renormalised), stored as Mixtral's (block_sparse_moe)
 _FAMILY_SPECS["minimax_m2"] = ("MiniMaxM2Config", {
     "head_dim": 32, "rotary_dim": 16, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2})
+# Qwen3.5 (tests/runtime/test_qwen3_5.py): the hybrid layer_types [linear, linear, full, linear]; the full layer GQA 4/2
+# of head_dim 32 with its output gate and a partial rotary over 8 of 32 dims (partial_rotary_factor 0.25); the Gated
+# DeltaNet 2 key heads of 16 serving 4 value heads of 16, conv kernel 4
+_FAMILY_SPECS["qwen3_5"] = ("Qwen3_5TextConfig", {
+    "head_dim": 32, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -336,7 +343,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
 
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
-                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4"))
+                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -363,6 +370,10 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith((".bias", "_bias")):  # (gpt-oss's experts: gate_up_proj_bias, down_proj_bias)
             p.copy_(BIAS_STD * randn_like(p))
+        elif name.endswith(".A_log"):  # a Gated DeltaNet's decay rates A in [0.05, 0.5]: the state lasts several tokens
+            p.copy_((0.05 + 0.45 * torch.rand(p.shape, generator=gen)).log())
+        elif name.endswith("conv1d.weight"):  # its depthwise conv [channels, 1, kernel]
+            p.copy_(0.5 * randn_like(p))
         elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits of the scores' size
             p.copy_(randn_like(p))
         elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm (Gemma: scaled by 1 + w)

@@ -1,0 +1,327 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM), the first hybrid model, against transformers' own model (float32) on a tiny random
+checkpoint whose layer_types are [linear, linear, full, linear]: logits at every position of a prefill in chunks of 16
+(each Gated DeltaNet's conv and recurrent state carried across chunks in its slot), greedy tokens and logprobs of
+prompts of different lengths batched through the paged engine with fewer seats than prompts, the same under preemption
+by recompute (a tiny KV cache) and with n > 1; an abort mid-stream gives its slot back (the request that takes it next
+starts from zero state); the delta rule's chunked and one-step forms against transformers' torch functions; an RTN W4
+build against transformers holding its dequantized weights; the refusals; -m gpu: CUDA (eager)."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from llmc.compiler.build import build
+from llmc.compiler.export import export_artifact
+from llmc.compiler.hf_checkpoint import partial_rotary_permutation
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError, RequestError
+from llmc.runtime.artifact import read_manifest
+from llmc.runtime.engine import Engine
+from llmc.runtime.llm import LLM
+from llmc.runtime.models.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
+from llmc.runtime.sampling_params import SamplingParams
+from tests.conftest import make_hf_checkpoint
+from tests.runtime.hf_oracle import build_quantized, float32_artifacts, write_config
+from tests.runtime.test_glm4_moe import PROMPTS, _check
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "ckpt", "qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return float32_artifacts({"q": checkpoint}, tmp_path_factory.mktemp("qwen3_5_artifacts"))("q")
+
+
+@torch.inference_mode()
+def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Logits over 40 positions prefilled in chunks of 16 (1e-4), greedy tokens of 3 prompts on 2 seats and their
+    logprobs as transformers'; the manifest says which layers are linear attention, the gate and the partial rotary."""
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode)
+        runner = llm.engine.runner
+        assert len(runner.kv_caches) == 1  # the full-attention layer's alone
+        assert runner.model.layers["0"].attn.recurrent_state.shape == (3, 4, 16, 16)  # max_num_seqs + 1 slots
+        assert not llm.engine.options.enable_prefix_caching
+    model = read_manifest(artifact).model
+    assert (model.family, model.linear_attention_layers, model.attn_output_gate, model.rotary_dim,
+            model.rotary_rows_permuted, model.kv_layers) == ("qwen3_5", [0, 1, 3], True, 8, True, [2])
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
+                         ids=["preemption", "chunks-of-5"])
+def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
+    """3 prompts on 3 seats with 5 KV blocks (of 16 tokens) for 3 sequences of up to 2 blocks: requests are preempted
+    and prefilled again from zero state; or chunks of 5 tokens (each chunk's conv reads the chunk before's last 3
+    inputs from the conv state); greedy tokens as transformers', no block or row left held."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(artifact, device="cpu", max_num_seqs=3, **{"num_kv_blocks": 64, **options}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], params)
+        stats = llm.stats()
+        engine = llm.engine
+        assert (stats["num_preemptions"] > 0) == ("num_kv_blocks" in options)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert sorted(engine._free_rows) == list(range(3))
+    want = [_hf_tokens(checkpoint, ids, 16) for ids in encoded]
+    assert [o.outputs[0].token_ids for o in outputs] == want
+
+
+@torch.inference_mode()
+def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
+    """n = 2 samples of top_k 1 (each sequence its own prefill and state) both transformers' greedy tokens; a request
+    aborted after 3 tokens gives its row (its state slot) back at once, and the request that takes that slot starts from zero state: its tokens are transformers'."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(artifact, device="cpu", max_num_seqs=2, num_kv_blocks=64) as llm:
+        two = llm.generate([{"prompt_token_ids": encoded[0]}], SamplingParams(temperature=1.0, top_k=1, n=2,
+                                                                               max_tokens=12, ignore_eos=True))[0]
+    assert [c.token_ids for c in two.outputs] == [_hf_tokens(checkpoint, encoded[0], 12)] * 2
+    engine = Engine(artifact, device="cpu", max_num_seqs=2, num_kv_blocks=64, disable_log_stats=True)
+    try:
+        engine.add_request(None, params, prompt_token_ids=encoded[0], request_id="aborted")
+        engine.add_request(None, params, prompt_token_ids=encoded[1], request_id="kept")
+        results, delivered = {}, 0
+        while delivered < 3:
+            for output in engine.step():
+                results[output.request_id] = output
+            delivered = len(results["aborted"].outputs[0].token_ids) if "aborted" in results else 0
+        row = engine.groups["aborted"].sequences[0].request.batch_row
+        engine.abort_request("aborted")
+        assert row in engine._free_rows
+        engine.add_request(None, params, prompt_token_ids=encoded[2], request_id="next")
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                results[output.request_id] = output
+        assert engine.sequences == {} and sorted(engine._free_rows) == [0, 1]
+        assert engine.scheduler.block_pool.num_free_blocks == 64
+    finally:
+        engine.close()
+    assert results["kept"].outputs[0].token_ids == _hf_tokens(checkpoint, encoded[1], 12)
+    assert results["next"].outputs[0].token_ids == _hf_tokens(checkpoint, encoded[2], 12)
+
+
+def _hf_tokens(checkpoint, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy tokens after `prompt` (no eos stop: ignore_eos's)."""
+    from tests.conftest import hf_model
+
+    ids = torch.tensor([prompt])
+    out = hf_model(checkpoint).generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                        min_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("chunk_size", [64, 5])
+def test_the_delta_rule_is_transformers(chunk_size):
+    """chunked_delta_rule (chunks of 64 and 5 over 23 tokens) and recurrent_delta_rule (two sequences at once) from a
+    random state: transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule's outputs and final
+    states (q and k L2-normed there: use_qk_l2norm_in_kernel), 2 key heads grouped over 4 value heads."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
+                                                              torch_recurrent_gated_delta_rule)
+
+    gen = torch.Generator().manual_seed(0)
+    n, t, hk, hv, dk, dv = 2, 23, 2, 4, 8, 6
+    q, k = torch.randn(n, t, hk, dk, generator=gen), torch.randn(n, t, hk, dk, generator=gen)
+    v = torch.randn(n, t, hv, dv, generator=gen)
+    g = -torch.rand(n, t, hv, generator=gen) * 2
+    beta = torch.rand(n, t, hv, generator=gen)
+    state = torch.randn(n, hv, dk, dv, generator=gen)
+    want_chunk, want_state = torch_chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_steps, want_step_state = torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    qn, kn = (l2_normalize(x).repeat_interleave(hv // hk, dim=2) for x in (q, k))
+    qn = qn * dk ** -0.5
+    for i in range(n):
+        out, final = chunked_delta_rule(qn[i], kn[i], v[i], g[i], beta[i], state[i], chunk_size)
+        torch.testing.assert_close(out, want_chunk[i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final, want_state[i], atol=1e-4, rtol=1e-4)
+    out, final = recurrent_delta_rule(qn, kn, v, g, beta, state)
+    torch.testing.assert_close(out, want_steps, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_step_state, atol=1e-5, rtol=1e-5)
+
+
+def test_the_default_config_reads_as_transformers():
+    """Qwen3_5TextConfig's defaults (transformers' "Qwen3.5-9B style"; layer_types from full_attention_interval 4,
+    partial_rotary_factor 0.25 filled in) read as transformers reads them: every fourth layer full attention, 64 of
+    256 dims rotated, and transformers' parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf
+    from llmc.runtime.models import spec_for_architecture
+
+    hf_config = Qwen3_5TextConfig(num_hidden_layers=8)
+    config = {**hf_config.to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
+    config.pop("layer_types")
+    model = model_config_from_hf(config, spec_for_architecture("Qwen3_5ForCausalLM"), "bfloat16")
+    assert (model.linear_attention_layers, model.kv_layers, model.rotary_dim, model.linear_num_value_heads) == (
+        [0, 1, 2, 4, 5, 6], [3, 7], 64, 32)
+    with torch.device("meta"):
+        assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
+def hf_state(artifact) -> dict[str, torch.Tensor]:
+    """A Qwen3.5 artifact's weights as transformers' state dict: each linear dequantized by the formats' oracle
+    (quant/reference.py) and split into its HF members, the (1 + w) norms unfolded, the full layer's q rows (not its
+    gate rows), k rows and q/k norms permuted back (hf_checkpoint.rotary_fold)."""
+    from llmc.quant.formats import make_format
+    from llmc.quant.reference import dequantize
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    model, modules = manifest["model"], manifest["quant"]["modules"]
+    tensors = load_file(artifact / "rank-00" / "weights.safetensors")
+    head_dim = model["head_dim"]
+    inverse = torch.argsort(partial_rotary_permutation(head_dim, model["rotary_dim"]))
+
+    def weight(name: str) -> torch.Tensor:
+        params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+        return dequantize(make_format(modules[name], torch.float32), params).float()
+
+    def unpermute(rows: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        if gated:
+            heads = rows.unflatten(0, (-1, 2, head_dim))
+            return torch.stack((heads[:, 0, inverse], heads[:, 1]), dim=1).flatten(0, 2)
+        return rows.unflatten(0, (-1, head_dim))[:, inverse].flatten(0, 1)
+
+    state = {"model.embed_tokens.weight": tensors["embed.weight"], "model.norm.weight": tensors["norm.weight"] - 1,
+             "lm_head.weight": weight("lm_head")}
+    q, kv = 2 * model["num_heads"] * head_dim, model["num_kv_heads"] * head_dim
+    key = model["linear_num_key_heads"] * model["linear_key_head_dim"]
+    value = model["linear_num_value_heads"] * model["linear_value_head_dim"]
+    for i in range(model["num_layers"]):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        state |= {hf + "input_layernorm.weight": tensors[ours + "input_norm.weight"] - 1,
+                  hf + "post_attention_layernorm.weight": tensors[ours + "post_attn_norm.weight"] - 1,
+                  hf + "mlp.down_proj.weight": weight(ours + "mlp.down")}
+        state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"] = weight(ours + "mlp.gate_up").chunk(2)
+        if i in model["linear_attention_layers"]:
+            la = hf + "linear_attn."
+            qkv, z = weight(ours + "attn.in_qkvz").split([2 * key + value, value])
+            b, a = tensors[ours + "attn.in_ba.weight"].chunk(2)
+            state |= {la + "in_proj_qkv.weight": qkv, la + "in_proj_z.weight": z, la + "in_proj_b.weight": b,
+                      la + "in_proj_a.weight": a, la + "out_proj.weight": weight(ours + "attn.out"),
+                      la + "conv1d.weight": tensors[ours + "attn.conv.weight"][:, None],
+                      la + "A_log": tensors[ours + "attn.A_log.weight"],
+                      la + "dt_bias": tensors[ours + "attn.dt_bias.weight"],
+                      la + "norm.weight": tensors[ours + "attn.norm.weight"]}
+            continue
+        wq, wk, wv = weight(ours + "attn.qkv").split([q, kv, kv])
+        state |= {hf + "self_attn.q_proj.weight": unpermute(wq, gated=True),
+                  hf + "self_attn.k_proj.weight": unpermute(wk),
+                  hf + "self_attn.v_proj.weight": wv, hf + "self_attn.o_proj.weight": weight(ours + "attn.o"),
+                  hf + "self_attn.q_norm.weight": unpermute(tensors[ours + "attn.q_norm.weight"] - 1),
+                  hf + "self_attn.k_norm.weight": unpermute(tensors[ours + "attn.k_norm.weight"] - 1)}
+    return state
+
+
+@torch.inference_mode()
+def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
+    """hf_state of the float32 build is the checkpoint's own state dict (what the quantized test's oracle rests on)."""
+    from tests.conftest import hf_model
+
+    want = hf_model(checkpoint).state_dict()
+    got = hf_state(artifact)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, hf_encode, data_dir):
+    """RTN and GPTQ (calibrated through the DeltaNet layers: test_the_calibration_runs_a_deltanet_layer_...) W4 of every
+    linear (the full layer's qkv and o, the DeltaNets' in_qkvz and out, the MLPs, lm_head; in_ba,
+    the conv, A_log, dt_bias dense) against transformers' model holding its dequantized weights: logits over 34
+    positions (1e-4) and 12 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.runtime.hf_oracle import check_against_oracle
+
+    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    modules = read_manifest(out).quant.modules
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
+            [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (3, "mlp.gate_up")]} == {"w4a16"}
+    oracle = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32, attn_implementation="eager")
+    missing, unexpected = oracle.load_state_dict(hf_state(out), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    oracle.eval()
+    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12)
+
+
+@torch.inference_mode()
+def test_the_calibration_runs_a_deltanet_layer_as_transformers(checkpoint):
+    """What GPTQ calibrates on: LayerRunner's forward of a Gated DeltaNet layer (every window from zero state, no
+    slots) is transformers' decoder layer on the same hidden states (2 windows of 32 tokens)."""
+    from llmc.compiler.calibration import LayerRunner
+    from llmc.compiler.convert import read_layer
+    from llmc.compiler.hf_checkpoint import TensorReader, model_config_from_hf, norm_fold, read_hf_config
+    from llmc.runtime.models import spec_for_architecture
+    from tests.conftest import hf_model
+
+    spec = spec_for_architecture("Qwen3_5ForCausalLM")
+    config = model_config_from_hf(read_hf_config(checkpoint), spec, "float32")
+    runner = LayerRunner(config, 32, torch.device("cpu"))
+    with TensorReader(checkpoint, merge=norm_fold(spec, config)) as reader:
+        module = runner.build_layer(read_layer(reader, spec, config, 1))
+    hidden = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(3))
+    want = hf_model(checkpoint).model.layers[1](hidden, position_embeddings=None)
+    torch.testing.assert_close(runner.forward(module, hidden), want, atol=1e-4, rtol=1e-4)
+
+
+def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
+    """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
+    multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, FP8 and int8 (AWQ and
+    imports alike), attention_bias, an unknown layer type, Qwen3_5ForConditionalGeneration (images); `llmc export`."""
+    def refused_at_start(match, **options):
+        with pytest.raises(ConfigError, match=match):
+            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
+
+    refused_at_start("enable_prefix_caching: Qwen3_5ForCausalLM .* has no prefix caching", enable_prefix_caching=True)
+    refused_at_start("speculative_config: not supported for Qwen3_5ForCausalLM",
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    refused_at_start("enable_lora: not supported", enable_lora=True)
+    refused_at_start("num_scheduler_steps: not supported", num_scheduler_steps=4)
+    with caplog.at_level("INFO", logger="llmc"), LLM(artifact, device="cpu", num_kv_blocks=64) as llm:
+        with pytest.raises(RequestError, match="use_beam_search: not supported for Qwen3_5ForCausalLM"):
+            llm.engine.add_request(None, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
+                                   prompt_token_ids=[5, 6, 7])
+    assert "Gated DeltaNet states: " in caplog.text
+    assert read_manifest(artifact).runtime.enable_prefix_caching is False  # (the build's default for it, logged)
+
+    def refused(error, match, recipe=None, **changes):
+        source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
+            if changes else checkpoint
+        with pytest.raises(error, match=match):
+            build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
+                                    **(recipe or {})}), show_progress=False)
+
+    refused(RecipeError, "target.device onnx-cpu: .* is not exported to ONNX",
+            recipe={"target": {"device": "onnx-cpu"}})
+    refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
+    for method in ("fp8", "int8"):
+        refused(RecipeError, f"quantization.method {method}: .* builds with none, rtn, gptq",
+                recipe={"quantization": {"method": method}})
+    refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
+    refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
+            layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
+    refused(CheckpointError, "Qwen3_5ForConditionalGeneration: Qwen3.5's image-text checkpoints are not built",
+            architectures=["Qwen3_5ForConditionalGeneration"])
+    with pytest.raises(ArtifactError, match="cannot export architecture Qwen3_5ForCausalLM: a hybrid model"):
+        export_artifact(artifact, tmp_path / "export")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 artifact on CUDA (eager: no CUDA graphs for hybrid models; Triton attention in the full layer, the
+    delta rule in torch ops): transformers' logits (2e-3), greedy tokens and logprobs."""
+    with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16) as llm:
+        assert llm.engine.runner.graphs is None and llm.engine.runner.pieces is None
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
