@@ -19,6 +19,9 @@ so never garbage); they read nothing of a real sequence and write nothing one re
 ids and positions are whatever an earlier step left there (valid values); their outputs are
 dropped.
 
+A hybrid model's decode graphs (Qwen3.5: runtime/models/gated_deltanet.py) read and write its states by the
+state_slots buffer: the Gated DeltaNet's decode is device ops on the slots' rows; padding rows use the scratch slot.
+
 Only steps whose every sequence computes one token (ForwardBatch.is_decode: no prefill chunk of
 more than one token, no draft tokens) and that fit the largest graph are replayed; other steps replay
 the piecewise graphs (runtime/piecewise_graphs.py) or run eagerly. `enforce_eager`, a CPU device, or
@@ -69,8 +72,13 @@ class StaticInputs:
     as a padding row (scratch slot, context_len 1, block table row = [scratch block, ...])."""
 
     def __init__(self, max_batch_size: int, max_num_blocks: int, scratch_block: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, scratch_state_slot: int | None = None):
+        """scratch_state_slot: a hybrid model's state slot no request holds (runtime/models/gated_deltanet.py), which
+        padding rows read and write; None: a model without states (no state_slots buffer)."""
         self.scratch_block = scratch_block
+        self.scratch_state_slot = scratch_state_slot
+        self.state_slots = (None if scratch_state_slot is None else
+                            torch.full((max_batch_size,), scratch_state_slot, dtype=torch.long, device=device))
         self.scratch_slot = scratch_block * block_size  # slot 0 of the scratch block
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
@@ -90,6 +98,7 @@ class StaticInputs:
             query_lens=[1] * batch_size,
             max_context_len=max_context_len,
             logits_indices=self.logits_indices[:batch_size],
+            state_slots=None if self.state_slots is None else self.state_slots[:batch_size],
         )
 
     def load(self, input_ids: Tensor, batch: ForwardBatch, batch_size: int) -> None:
@@ -104,6 +113,9 @@ class StaticInputs:
         self.slot_mapping[n:batch_size].fill_(self.scratch_slot)
         self.context_lens[n:batch_size].fill_(1)
         self.block_tables[n:batch_size, 0].fill_(self.scratch_block)
+        if self.state_slots is not None:  # (a padding row starts from zero state: context_len 1)
+            self.state_slots[:n].copy_(batch.state_slots)
+            self.state_slots[n:batch_size].fill_(self.scratch_state_slot)
 
 
 class CudaGraphs:
@@ -111,13 +123,13 @@ class CudaGraphs:
 
     def __init__(self, model: DecoderModel, batch_sizes: list[int], max_model_len: int, block_size: int,
                  scratch_block: int, device: torch.device, forward: Callable[[Tensor, ForwardBatch], Tensor] | None = None,
-                 lora_slots=None):
+                 lora_slots=None, scratch_state_slot: int | None = None):
         """`forward(input_ids, batch) -> [num_seqs, hidden_size]`: what is captured (default: the whole
         model's forward; a parallel rank passes its stage's part, collectives included: every rank
         of the engine captures the same sizes in the same order, so the collectives meet).
         `lora_slots`: run-time LoRA's LoraSlots (runtime/lora.py) under cudagraph_specialize_lora: each size
         is captured with the LoRA sums (slots.active) and without, and a step replays the one its
-        slots.active names."""
+        slots.active names. `scratch_state_slot`: a hybrid model's (StaticInputs)."""
         self.model = model
         self.lora_slots = lora_slots
         self.forward = forward if forward is not None else model
@@ -131,7 +143,8 @@ class CudaGraphs:
         free_before, reserved_before = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         max_num_blocks = -(-max_model_len // block_size)
-        self.inputs = StaticInputs(self.batch_sizes[-1], max_num_blocks, scratch_block, block_size, device)
+        self.inputs = StaticInputs(self.batch_sizes[-1], max_num_blocks, scratch_block, block_size, device,
+                                   scratch_state_slot)
         # [max batch size, hidden_size]: what every graph writes its final hidden states to
         self.hidden = torch.zeros(self.batch_sizes[-1], model.config.hidden_size, dtype=getattr(torch, model.config.dtype),
                                   device=device)

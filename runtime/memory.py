@@ -385,9 +385,9 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
     fewest KV tokens bounds the engine (every rank holds the same blocks). Parallel ranks are planned
     without graphs; one rank with runtime.compilation_config's (runtime/model_runner.py)."""
     one_rank = parallel.world_size == 1
-    captures = one_rank and not model.is_hybrid  # (a hybrid model runs eagerly: runtime/model_runner.py)
-    decode_graphs = captures and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
-    piece_sizes = planned_piece_sizes(runtime) if captures else []
+    decode_graphs = one_rank and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
+    # (a hybrid model captures decode graphs only: runtime/model_runner.py)
+    piece_sizes = planned_piece_sizes(runtime) if one_rank and not model.is_hybrid else []
     estimates = [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),

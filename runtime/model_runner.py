@@ -75,7 +75,7 @@ class ModelRunner:
         if self.is_hybrid:
             self.state_bytes = self.model.bind_states(options.max_num_seqs + 1, device)
             logger.info("Gated DeltaNet states: %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, before the "
-                        "KV cache; CUDA graphs are not captured for hybrid models (every step runs eagerly)",
+                        "KV cache; CUDA graphs of decode steps only (prefill and mixed steps run eagerly)",
                         options.max_num_seqs + 1, self.model.state_bytes_per_slot() / 2**20, self.state_bytes / 2**20)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
         if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
@@ -91,8 +91,8 @@ class ModelRunner:
         modes = options.graph_modes
         can_capture = can_use_graphs(device, options.enforce_eager)
         graph_sizes, piece_sizes = planned_graph_sizes(manifest, options, device)
-        if self.is_hybrid:  # (the states' slots are not yet static inputs of the graphs)
-            graph_sizes, piece_sizes = [], []
+        if self.is_hybrid:  # decode graphs only: a DeltaNet's prefill chunk reads the step's host values
+            piece_sizes = []
         if can_capture and (modes.has_piecewise or modes.has_full_mixed) and self.offloader is not None:
             logger.info("cpu_offload_gb: prefill and mixed steps run eagerly (no CUDA graphs of them)")
         if piece_sizes and not all(layer.moe.runs_fused() for layer in self.model.layers.values() if layer.is_moe):
@@ -119,7 +119,8 @@ class ModelRunner:
             specialize = self.lora is not None and modes.cudagraph_specialize_lora
             self.graphs = CudaGraphs(self.model, graph_sizes, options.max_model_len, options.block_size,
                                      scratch_block=self.num_blocks, device=device,
-                                     lora_slots=self.lora.slots if specialize else None)
+                                     lora_slots=self.lora.slots if specialize else None,
+                                     scratch_state_slot=self.scratch_state_slot)
             self.graphs.log_capture(graph_allowance - piece_allowance)
         if piece_sizes:
             if modes.has_full_mixed:

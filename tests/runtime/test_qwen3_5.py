@@ -4,9 +4,14 @@ checkpoint whose layer_types are [linear, linear, full, linear]: logits at every
 prompts of different lengths batched through the paged engine with fewer seats than prompts, the same under preemption
 by recompute (a tiny KV cache) and with n > 1; an abort mid-stream gives its slot back (the request that takes it next
 starts from zero state); the delta rule's chunked and one-step forms against transformers' torch functions; an RTN W4
-build against transformers holding its dequantized weights; the refusals; -m gpu: CUDA (eager)."""
+build against transformers holding its dequantized weights; the refusals; the full layer's attention on the Triton
+kernels (the interpreter on CPU tensors); -m gpu: CUDA (eager)."""
 
 import json
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
 
 import pytest
 import torch
@@ -18,6 +23,7 @@ from llmc.compiler.hf_checkpoint import partial_rotary_permutation
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError, RequestError
 from llmc.runtime.artifact import read_manifest
+from llmc.runtime.cuda_graphs import StaticInputs
 from llmc.runtime.engine import Engine
 from llmc.runtime.llm import LLM
 from llmc.runtime.models.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
@@ -25,6 +31,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_quantized, float32_artifacts, write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,52 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     model = read_manifest(artifact).model
     assert (model.family, model.linear_attention_layers, model.attn_output_gate, model.rotary_dim,
             model.rotary_rows_permuted, model.kv_layers) == ("qwen3_5", [0, 1, 3], True, 8, True, [2])
+
+
+@torch.inference_mode()
+def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
+                                              hf_encode):
+    """The full layer's rotary + KV write and paged attention on their Triton kernels (the rows permuted to a whole-head
+    table, the output gate after them), the DeltaNets in torch: transformers' logits, greedy tokens and logprobs."""
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
+    assert triton_dispatch["rotate_and_write_kv"]
+
+
+class StaticDecodeSteps:
+    """CudaGraphs' replay without the capture, on the CPU: each decode step loaded into the graphs' static buffers
+    (runtime/cuda_graphs.StaticInputs: state slots included, padding rows on the scratch block and scratch state slot)
+    padded to 4 rows, and the model run on them."""
+
+    def __init__(self, runner, scratch_block: int):
+        self.model, self.num_replays = runner.model, 0
+        self.inputs = StaticInputs(4, 16, scratch_block, 16, torch.device("cpu"), runner.scratch_state_slot)
+
+    def can_run(self, batch) -> bool:
+        return batch.is_decode and batch.num_seqs <= 4
+
+    def run(self, input_ids, batch):
+        self.inputs.load(input_ids, batch, 4)
+        self.num_replays += 1
+        return self.model(self.inputs.input_ids, self.inputs.batch(4, 256))[: batch.num_seqs]
+
+
+@torch.inference_mode()
+def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """What a decode graph replays (runtime/cuda_graphs.py), on the CPU: decode steps of 1 to 3 sequences padded to 4
+    rows whose padding rows write the scratch state slot: transformers' greedy tokens and logprobs; then with the first
+    request finishing first (a later step's padding row is where a running request's row was)."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    lengths = [3, 12, 8]
+    with LLM(artifact, device="cpu", max_num_seqs=3, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        runner = llm.engine.runner
+        runner.graphs = StaticDecodeSteps(runner, scratch_block=63)  # (the 3 prompts take fewer than 63 blocks)
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded],
+                               [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+        assert runner.graphs.num_replays > 0 and runner.scratch_state_slot == 3
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        _hf_tokens(checkpoint, ids, n) for ids, n in zip(encoded, lengths, strict=True)]
 
 
 @torch.inference_mode()
@@ -320,8 +373,19 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (eager: no CUDA graphs for hybrid models; Triton attention in the full layer, the
-    delta rule in torch ops): transformers' logits (2e-3), greedy tokens and logprobs."""
-    with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=2, max_num_batched_tokens=16) as llm:
-        assert llm.engine.runner.graphs is None and llm.engine.runner.pieces is None
-        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
+    """The float32 artifact on CUDA (Triton attention in the full layer, the delta rule in torch ops; decode steps
+    replay CUDA graphs that read the state slots, prefill and mixed steps eager): transformers' logits (2e-3), greedy
+    tokens and logprobs, also with the first request finishing first; the same with enforce_eager."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    lengths = [3, 12, 8]
+    for eager in (False, True):
+        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
+                 enforce_eager=eager) as llm:
+            runner = llm.engine.runner
+            assert runner.pieces is None and (runner.graphs is None) == eager
+            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded],
+                                   [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
+            assert eager or runner.graphs.num_replays > 0
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            _hf_tokens(checkpoint, ids, n) for ids, n in zip(encoded, lengths, strict=True)]
