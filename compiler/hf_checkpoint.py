@@ -45,8 +45,6 @@ _REFUSED_ARCHITECTURES = {
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
-    "Qwen3_5ForConditionalGeneration": "Qwen3.5's image-text checkpoints are not built yet (their language model's "
-                                       "tensors live under model.language_model); Qwen3_5ForCausalLM (text) is",
     "Qwen3_5MoeForCausalLM": "Qwen3.5 MoE (hybrid linear attention with experts) is not supported; the dense "
                              "Qwen3_5ForCausalLM is",
     "Qwen3NextForCausalLM": "Qwen3-Next (hybrid linear attention with experts) is not supported; the dense "
@@ -218,7 +216,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "SeedOssForCausalLM": "seed_oss", "Ernie4_5ForCausalLM": "ernie4_5", "Dots1ForCausalLM": "dots1",
                    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                    "Ministral3ForCausalLM": "ministral3",
-                   "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text"}
+                   "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                   "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -1024,23 +1023,35 @@ def _ministral3_config(config: dict) -> dict:
     return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
 
 
+QWEN3_5_CG = "Qwen3_5ForConditionalGeneration"
+
+
 def _qwen3_5_config(config: dict) -> dict:
     """A Qwen3.5 text config as transformers' Qwen3_5TextConfig fills it in (layer_types from full_attention_interval,
     partial_rotary_factor 0.25), flat, its layer kinds and DeltaNet sizes as ModelConfig fields (`_qwen3_5`), the
     partial rotary as `_rotary_dim`. The M-RoPE keys (mrope_section, mrope_interleaved) are dropped: a text token's
     three positions are one, so the interleaved sections rotate it as the plain rotary. Refused by name:
     attention_bias, layer kinds other than linear_attention and full_attention, a hidden_act other than SiLU (the
-    MLP's and the conv's)."""
+    MLP's and the conv's). Qwen3_5ForConditionalGeneration: its text_config (its language model, served as text; the
+    top level's tie_word_embeddings and eos_token_id where the text config has none)."""
     from transformers import Qwen3_5TextConfig
 
     arch = config["architectures"][0]
+    text = config.get("text_config") if arch == QWEN3_5_CG else config
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{arch}: config.json needs a text_config (its language model's config)")
+    if arch == QWEN3_5_CG:
+        text = {**{k: config[k] for k in ("tie_word_embeddings", "eos_token_id") if k in config}, **text}
     try:
-        parsed = Qwen3_5TextConfig(**{k: v for k, v in config.items()
+        parsed = Qwen3_5TextConfig(**{k: v for k, v in text.items()
                                       if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"{arch}: the config is not one transformers' Qwen3_5TextConfig reads ({e})") from None
     if parsed.get("attention_bias"):
         raise CheckpointError(f"{arch}: attention_bias: true is not supported (Qwen3.5 checkpoints set it false)")
+    if parsed.get("hidden_act") not in ("silu", "swish"):
+        raise CheckpointError(f"{arch}: hidden_act {parsed.get('hidden_act')!r} is not supported: the runtime's MLP "
+                              "and the DeltaNet's conv compute SiLU (hidden_act silu)")
     kinds = parsed["layer_types"]
     if len(kinds) != parsed["num_hidden_layers"] or not set(kinds) <= {"linear_attention", "full_attention"}:
         raise CheckpointError(f"{arch}: layer_types {kinds}: one of linear_attention or full_attention per layer")
@@ -1053,7 +1064,7 @@ def _qwen3_5_config(config: dict) -> dict:
               **{key: parsed[key] for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
                                               "linear_value_head_dim", "linear_conv_kernel_dim")}}
     parsed = {**parsed, "architectures": config["architectures"], "rope_parameters": params,
-              "eos_token_id": config.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
+              "eos_token_id": text.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
     return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
 
 

@@ -811,7 +811,10 @@ def _is_decode(scheduled) -> bool:
 
 
 def _text_only(manifest: art.Manifest) -> str:
-    """Why a multimodal checkpoint's artifact takes no images (Llama 4's is built as its language model), or ""."""
+    """Why a multimodal checkpoint's artifact takes no images (Llama 4's and Qwen3.5's are built as their language
+    models), or ""."""
     if manifest.model.architecture == "Llama4ForConditionalGeneration":
         return " (llmc builds Llama 4's language model only: its vision tower is not built)"
+    if manifest.model.architecture == "Qwen3_5ForConditionalGeneration":
+        return " (llmc builds Qwen3.5's language model only: its vision tower is not built)"
     return ""

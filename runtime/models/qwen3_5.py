@@ -1,5 +1,6 @@
-"""Qwen3.5 dense (Qwen3_5ForCausalLM, model_type qwen3_5_text; Qwen3_5ForConditionalGeneration's language model, text
-only): the first hybrid family. Its `layer_types` mix "linear_attention" layers, a Gated DeltaNet
+"""Qwen3.5 dense (Qwen3_5ForCausalLM, model_type qwen3_5_text; Qwen3_5ForConditionalGeneration's language model,
+served as text: its text_config, its weights under model.language_model renamed as Qwen2-VL's by the TensorReader, its
+vision tower not built): the first hybrid family. Its `layer_types` mix "linear_attention" layers, a Gated DeltaNet
 (runtime/models/gated_deltanet.py: in_proj_qkv and in_proj_z fused as attn.in_qkvz, in_proj_b / in_proj_a kept dense
 as attn.in_ba, a causal depthwise conv1d, the gated delta rule over a per-request recurrent state, a gated RMSNorm,
 out_proj as attn.out), with "full_attention" layers, Qwen3-Next's attention: q_proj gives each head's q and a sigmoid
@@ -17,8 +18,8 @@ LINEAR_ATTENTION = (
 
 SPEC = ModelSpec(
     family="qwen3_5",
-    architectures=("Qwen3_5ForCausalLM",),
-    model_types=("qwen3_5_text",),
+    architectures=("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"),
+    model_types=("qwen3_5_text", "qwen3_5"),
     layer_linears=LLAMA_LINEARS + LINEAR_ATTENTION,
     layer_norms=LLAMA_NORMS,
     qk_norms=QK_NORMS,

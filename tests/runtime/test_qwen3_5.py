@@ -128,7 +128,8 @@ def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoin
 @torch.inference_mode()
 def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
     """n = 2 samples of top_k 1 (each sequence its own prefill and state) both transformers' greedy tokens; a request
-    aborted after 3 tokens gives its row (its state slot) back at once, and the request that takes that slot starts from zero state: its tokens are transformers'."""
+    aborted after 3 tokens gives its row (its state slot) back at once, and the request that takes that slot starts
+    from zero state: its tokens are transformers'."""
     encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     with LLM(artifact, device="cpu", max_num_seqs=2, num_kv_blocks=64) as llm:
@@ -327,10 +328,50 @@ def test_the_calibration_runs_a_deltanet_layer_as_transformers(checkpoint):
     torch.testing.assert_close(runner.forward(module, hidden), want, atol=1e-4, rtol=1e-4)
 
 
+@torch.inference_mode()
+def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, hf_logits, hf_encode):
+    """Qwen3_5ForConditionalGeneration's config form (text_config) and weights (model.language_model.*, a one-layer
+    vision tower beside them): its artifact is the text model's, scored as transformers'
+    Qwen3_5ForConditionalGeneration loaded from it scores text ids (1e-4); an image is refused by name."""
+    import shutil
+
+    from PIL import Image
+    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from tests.conftest import TOKENIZER_FILES
+    from tests.runtime.hf_oracle import build_float32
+
+    text = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "num_position_embeddings": 16}
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision))
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    source = tmp_path / "cg"
+    model.save_pretrained(source)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(checkpoint / name, source / name)
+    built = build_float32(source, tmp_path / "a")
+    m = read_manifest(built).model
+    assert (m.architecture, m.family, m.linear_attention_layers, m.vocab_size) == (
+        "Qwen3_5ForConditionalGeneration", "qwen3_5", [0, 1, 3], 4096)
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
+    reference = Qwen3_5ForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32,
+                                                                attn_implementation="eager").eval()
+    want = reference(input_ids=torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(want, hf_logits(checkpoint, token_ids), atol=1e-5, rtol=1e-5)
+    with LLM(built, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), want, atol=1e-4, rtol=1e-4)
+        with pytest.raises(RequestError, match="vision tower is not built"):
+            image = Image.new("RGB", (28, 28))
+            llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": image}}],
+                         SamplingParams(max_tokens=2))
+
+
 def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
     multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, FP8 and int8 (AWQ and
-    imports alike), attention_bias, an unknown layer type, Qwen3_5ForConditionalGeneration (images); `llmc export`."""
+    imports alike), attention_bias, an unknown layer type, Qwen3-Next; `llmc export`."""
     def refused_at_start(match, **options):
         with pytest.raises(ConfigError, match=match):
             LLM(artifact, device="cpu", num_kv_blocks=64, **options)
@@ -363,8 +404,8 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
     refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
             layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
-    refused(CheckpointError, "Qwen3_5ForConditionalGeneration: Qwen3.5's image-text checkpoints are not built",
-            architectures=["Qwen3_5ForConditionalGeneration"])
+    refused(CheckpointError, "Qwen3NextForCausalLM: Qwen3-Next .* is not supported",
+            architectures=["Qwen3NextForCausalLM"])
     with pytest.raises(ArtifactError, match="cannot export architecture Qwen3_5ForCausalLM: a hybrid model"):
         export_artifact(artifact, tmp_path / "export")
 
