@@ -145,12 +145,22 @@ class GatedDeltaNet(nn.Module):
         return out[:, 0]
 
     def _prefill(self, mixed: Tensor, g: Tensor, beta: Tensor, batch: ForwardBatch, slots: Tensor | None) -> Tensor:
-        """Sequence by sequence: the conv over its chunk after its conv state, the chunked delta rule from its state."""
+        """The step's leading one-token sequences (its decodes, listed first) together as `_decode`, then sequence by
+        sequence: the conv over its chunk after its conv state, the chunked delta rule from its state."""
         context_lens = batch.host_context_lens
         if context_lens is None:
             context_lens = batch.context_lens.tolist()
         outputs, offset, width = [], 0, self.kernel - 1
+        num_decodes = 0
+        while slots is not None and num_decodes < len(batch.query_lens) and batch.query_lens[num_decodes] == 1:
+            num_decodes += 1
+        if num_decodes:
+            rows = slice(0, num_decodes)
+            outputs.append(self._decode(mixed[rows], g[rows], beta[rows], slots[rows], batch.context_lens[rows]))
+            offset = num_decodes
         for i, length in enumerate(batch.query_lens):
+            if i < num_decodes:
+                continue
             rows = slice(offset, offset + length)
             offset += length
             starts_fresh = slots is None or int(context_lens[i]) == length
