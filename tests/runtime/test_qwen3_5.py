@@ -160,6 +160,22 @@ def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
     assert results["next"].outputs[0].token_ids == _hf_tokens(checkpoint, encoded[2], 12)
 
 
+@torch.inference_mode()
+def test_runner_pooling_embeds_as_transformers(checkpoint, artifact, hf_encode):
+    """runner pooling (convert embed: the last token's final hidden state, normalized) over two prompts prefilled in
+    chunks of 8 on 2 seats (pool_hidden passes the state slots too): transformers' model's, normalized (1e-5)."""
+    from tests.conftest import hf_model
+
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS[:2]]
+    with LLM(artifact, device="cpu", runner="pooling", max_num_seqs=2, max_num_batched_tokens=8,
+             num_kv_blocks=64) as llm:
+        outputs = llm.embed([{"prompt_token_ids": ids} for ids in encoded])
+    for output, ids in zip(outputs, encoded, strict=True):
+        last = hf_model(checkpoint).model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(output.outputs.embedding),
+                                   torch.nn.functional.normalize(last, dim=-1), atol=1e-5, rtol=1e-5)
+
+
 def _hf_tokens(checkpoint, prompt: list[int], max_tokens: int) -> list[int]:
     """transformers' greedy tokens after `prompt` (no eos stop: ignore_eos's)."""
     from tests.conftest import hf_model
