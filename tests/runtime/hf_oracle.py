@@ -203,6 +203,23 @@ def check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens
     assert got[0].outputs[0].token_ids == want
 
 
+def _moe_quantizations(ignore: list[str]) -> list:
+    """An MoE family's quantized builds checked by check_moe_build_as_oracle: RTN, GPTQ and AWQ (-m slow) W4 of every
+    linear and expert, and FP8 of its linears (the experts dense: transformers' stacked experts are no nn.Linear whose
+    inputs a hook could round to FP8), `ignore` also left out."""
+    import pytest
+
+    return [{"method": "rtn", "bits": 4, "group_size": 32}, {"method": "gptq", "bits": 4, "group_size": 32},
+            pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
+            {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
+             "ignore": [*ignore, r"re:layers\.\d+\.moe\.experts\..*"]}]
+
+
+MOE_QUANTIZATIONS = _moe_quantizations(["lm_head"])
+MOE_QUANTIZATIONS_TIED = _moe_quantizations([])  # (a tied lm_head is the embedding's matrix: never quantized)
+MOE_QUANTIZATION_IDS = ["rtn-w4", "gptq-w4", "awq-w4", "fp8"]
+
+
 def check_moe_build_as_oracle(out, checkpoint, state: dict, hf_encode, prompts, fp8: bool, max_tokens: int = 12,
                               tolerance: float = 1e-4, moved_layer: int | None = 1) -> None:
     """An MoE artifact `out` on the CPU against transformers' model of `checkpoint` holding `state` (its weights,

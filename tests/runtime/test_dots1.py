@@ -22,12 +22,11 @@ from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import spec_for_architecture
-from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_moe_build_as_oracle,
-                                     float32_artifacts, moe_hf_state, write_config)
-from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, build_float32, build_quantized,
+                                     check_moe_build_as_oracle, float32_artifacts, moe_hf_state, write_config)
+from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias, check_v3_router
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 KINDS = ("full", "sliding")  # every layer full; layers 1 and 2 over an 8-token window (max_window_layers 1)
@@ -105,30 +104,11 @@ def test_the_router_is_transformers_router():
     from transformers import Dots1Config
     from transformers.models.dots1.modeling_dots1 import Dots1TopkRouter
 
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(512, 32, generator=gen)
-    for groups, norm_topk_prob, scaling in (((4, 2), True, 2.5), ((1, 1), False, 1.0)):
-        config = Dots1Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=groups[0],
-                             topk_group=groups[1], norm_topk_prob=norm_topk_prob, routed_scaling_factor=scaling)
-        router = Dots1TopkRouter(config)
-        torch.nn.init.normal_(router.weight, generator=gen)
-        router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
-        with torch.no_grad():
-            logits, want_weights, want_ids = router(x)
-        weights, ids = deepseek_route(logits, 3, "sigmoid", router.e_score_correction_bias, *groups, norm_topk_prob,
-                                      scaling)
-        assert_same_routes(weights, ids, want_weights, want_ids)
+    check_v3_router(Dots1Config, Dots1TopkRouter, (((4, 2), True, 2.5), ((1, 1), False, 1.0)), seed=1)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("quantization", [
-    {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
-    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
-    # (the experts dense: transformers' stacked experts are no nn.Linear whose inputs a hook could round to FP8)
-    {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
-     "ignore": ["lm_head", r"re:layers\.\d+\.moe\.experts\..*"]},
-], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
+@pytest.mark.parametrize("quantization", MOE_QUANTIZATIONS, ids=MOE_QUANTIZATION_IDS)
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode, data_dir):
     """A W4 build (every linear and expert: qkv, o, the dense MLP, the shared experts, the experts) and an FP8 one (its
     linears; each input rounded to E4M3 per token in transformers too) against transformers' model holding its

@@ -27,8 +27,9 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_against_transformers,
-                                     check_moe_build_as_oracle, moe_hf_state, write_config)
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS_TIED, MOE_QUANTIZATION_IDS, assert_same_routes, build_float32,
+                                     build_quantized, check_against_transformers, check_moe_build_as_oracle,
+                                     moe_hf_state, write_config)
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -118,14 +119,7 @@ def test_the_router_is_transformers_router():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("quantization", [
-    {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
-    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),
-    # (the experts dense: transformers' stacked experts are no nn.Linear whose inputs a hook could round to FP8)
-    {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
-     "ignore": [r"re:layers\.\d+\.moe\.experts\..*"]},
-], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
+@pytest.mark.parametrize("quantization", MOE_QUANTIZATIONS_TIED, ids=MOE_QUANTIZATION_IDS)
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoint, tmp_path, hf_encode, data_dir):
     """A W4A16 build (qkv, o, the dense MLPs, the shared experts and every expert; GPTQ and AWQ calibrated through the
     MoE layers) and an FP8 one (its linears; each input rounded to E4M3 per token in transformers too) against

@@ -26,8 +26,9 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (assert_same_routes, build_float32, build_quantized, check_moe_build_as_oracle,
-                                     float32_artifacts, moe_hf_state, write_config)
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_float32,
+                                     build_quantized, check_moe_build_as_oracle, float32_artifacts, moe_hf_state,
+                                     write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
@@ -179,12 +180,20 @@ def test_the_router_is_transformers_router():
     from transformers import Glm4MoeConfig
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-    gen = torch.Generator().manual_seed(0)
+    check_v3_router(Glm4MoeConfig, Glm4MoeTopkRouter, (((4, 2), True, 2.5), ((1, 1), False, 1.0), ((8, 3), True, 1.0)),
+                    seed=0)
+
+
+def check_v3_router(config_class, router_class, settings, seed: int) -> None:
+    """deepseek_route (sigmoid scores chosen with a random e_score_correction_bias) against transformers' DeepSeek-V3
+    router `router_class` of 16 experts, top 3, on 512 random tokens, for each ((groups, topk_group), norm_topk_prob,
+    routed_scaling_factor) of `settings`: the same experts and weights (assert_same_routes)."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(512, 32, generator=gen)
-    for groups, norm_topk_prob, scaling in (((4, 2), True, 2.5), ((1, 1), False, 1.0), ((8, 3), True, 1.0)):
-        config = Glm4MoeConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=groups[0],
-                               topk_group=groups[1], norm_topk_prob=norm_topk_prob, routed_scaling_factor=scaling)
-        router = Glm4MoeTopkRouter(config)
+    for groups, norm_topk_prob, scaling in settings:
+        config = config_class(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=groups[0],
+                              topk_group=groups[1], norm_topk_prob=norm_topk_prob, routed_scaling_factor=scaling)
+        router = router_class(config)
         torch.nn.init.normal_(router.weight, generator=gen)
         router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
         with torch.no_grad():
@@ -195,14 +204,7 @@ def test_the_router_is_transformers_router():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("quantization", [
-    {"method": "rtn", "bits": 4, "group_size": 32},
-    {"method": "gptq", "bits": 4, "group_size": 32},
-    pytest.param({"method": "awq", "bits": 4, "group_size": 32}, marks=pytest.mark.slow),  # (its folds: below)
-    # (the experts dense: transformers' stacked experts are no nn.Linear whose inputs a hook could round to FP8)
-    {"method": "fp8", "weights": "per_channel", "activations": "dynamic",
-     "ignore": ["lm_head", r"re:layers\.\d+\.moe\.experts\..*"]},
-], ids=["rtn-w4", "gptq-w4", "awq-w4", "fp8"])
+@pytest.mark.parametrize("quantization", MOE_QUANTIZATIONS, ids=MOE_QUANTIZATION_IDS)
 def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkpoints, tmp_path, hf_encode, data_dir):
     """A W4 build (every linear and expert: qkv, o, the dense MLP, the shared expert, the experts; RTN, and GPTQ and
     AWQ calibrated through the MoE layers) and an FP8 one (its linears; each input rounded to E4M3 per token in
