@@ -286,8 +286,8 @@ def _finite(param, value: float | None) -> float | None:
               callback=_tool_call_parser,
               help="server and batch files: how tool calls are written in the model's output: hermes "
               "(<tool_call>{...}</tool_call>: Hermes, Qwen 2.5/3), llama3_json ({\"name\": ..., \"parameters\": ...}: "
-              "Llama 3.1+), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral), pythonic "
-              "([f(a=1), g()]: Llama 3.2, Llama 4), glm45 (<tool_call>NAME<arg_key>...: GLM-4.5/4.6), glm47 "
+              "Llama 3.1+; llama4_json the same), mistral ([TOOL_CALLS][{...}] or [TOOL_CALLS]name[ARGS]{...}: Mistral), "
+              "pythonic ([f(a=1), g()]: Llama 3.2, Llama 4; llama4_pythonic the same), glm45 (<tool_call>NAME<arg_key>...: GLM-4.5/4.6), glm47 "
               "(GLM-4.7), qwen3_coder (<function=NAME><parameter=...: Qwen3-Coder), deepseek_v3 "
               "(<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1), deepseek_v31 (NAME<｜tool▁sep｜>{...}: DeepSeek-V3.1), "
               "minimax_m2 (<minimax:tool_call><invoke name=...: MiniMax-M2) or "

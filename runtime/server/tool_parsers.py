@@ -16,7 +16,8 @@ Parsers (`--tool-call-parser`):
   that name the arguments "parameters" (Llama 3's key) keep them: the first of the two keys counts.
 * llama3_json: output that starts with a JSON object {"name": ..., "parameters" (or "arguments"): ...}
   (after an optional `<|python_tag|>`), or several separated by ";" (Llama 3.1-3.3, 4). Output that
-  starts otherwise is all content; text after the last object is content.
+  starts otherwise is all content; text after the last object is content. llama4_json is this parser
+  (vLLM registers its Llama 3 JSON parser under both names).
 * mistral: `[TOOL_CALLS]` then a JSON array of {"name": ..., "arguments": {...}} objects (Mistral's
   tokenizers before v11), or `[TOOL_CALLS]name[ARGS]{...}`, repeated for more calls (v11+: Mistral Small
   3.2, Magistral, Devstral); the text outside the calls is content. (Both tags are special tokens:
@@ -25,7 +26,8 @@ Parsers (`--tool-call-parser`):
   `[get_weather(city="Paris"), get_time()]` (Llama 3.2, Llama 4, optionally in `<|python_start|>` ...
   `<|python_end|>`); the arguments are json.dumps of the keywords, so not the text as generated. The
   list is read whole at its closing `]` (no call streams before); output that starts otherwise, or a
-  list with anything but such calls, is all content.
+  list with anything but such calls, is all content. llama4_pythonic (vLLM's Llama4PythonicToolParser) is this
+  parser: Llama 4's calls in `<|python_start|>` ... `<|python_end|>` or bare, read by the same rules.
 * openai: gpt-oss's harmony messages, a call being a message to `functions.NAME` (runtime/server/harmony.py;
   with --reasoning-parser openai_gptoss only, which reads the whole output).
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
@@ -42,7 +44,7 @@ import json
 import re
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
-                     "deepseek_v31", "minimax_m2", "openai")
+                     "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic")
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
@@ -826,11 +828,11 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
     values."""
     if kind == "hermes":
         return HermesToolParser()
-    if kind == "llama3_json":
+    if kind in ("llama3_json", "llama4_json"):
         return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
     if kind == "mistral":
         return MistralToolParser()
-    if kind == "pythonic":
+    if kind in ("pythonic", "llama4_pythonic"):
         return PythonicToolParser()
     if kind == "openai":
         from llmc.runtime.server.harmony import HarmonyParser

@@ -120,6 +120,16 @@ PYTHONIC = [
     ("  ", "  ", []),
 ]
 
+# Llama 4's pythonic calls (its chat template's form: the list, or the list in <|python_start|> ... <|python_end|>),
+# read as vLLM's llama4_pythonic reads them; plus every pythonic case
+LLAMA4 = PYTHONIC + [
+    ('<|python_start|>[get_weather(city="Paris", days=2)]<|python_end|>', "",
+     [("get_weather", '{"city": "Paris", "days": 2}')]),
+    ("<|python_start|>[f(), g(x=[1, 2])]", "", [("f", "{}"), ("g", '{"x": [1, 2]}')]),  # the end tag not written
+    ('<|python_start|>[f(a="x"), g(b=1', "", [("f", '{"a": "x"}'), ("g", "")]),  # cut: g's arguments not whole
+    ("<|python_start|>[f(a=x)]<|python_end|>", "<|python_start|>[f(a=x)]<|python_end|>", []),  # not a literal
+]
+
 REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
@@ -144,7 +154,8 @@ def _check(kind: str, text: str, content: str, calls: list, name: str | None = N
 
 @pytest.mark.parametrize(("kind", "text", "content", "calls"),
                          [(kind, *case) for kind, cases in [("hermes", HERMES), ("llama3_json", LLAMA3),
-                                                            ("mistral", MISTRAL), ("pythonic", PYTHONIC)]
+                                                            ("mistral", MISTRAL), ("pythonic", PYTHONIC),
+                                                            ("llama4_json", LLAMA3), ("llama4_pythonic", LLAMA4)]
                           for case in cases])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
@@ -202,7 +213,9 @@ def test_events_come_in_vllm_s_order():
 
 
 def test_unknown_parser_lists_the_supported_ones():
-    assert TOOL_CALL_PARSERS == ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder",
-                                 "deepseek_v3", "deepseek_v31", "minimax_m2", "openai")
-    with pytest.raises(ValueError, match="glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2, openai$"):
+    assert TOOL_CALL_PARSERS[:11] == ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder",
+                                      "deepseek_v3", "deepseek_v31", "minimax_m2", "openai")
+    assert {"llama4_json", "llama4_pythonic"} <= set(TOOL_CALL_PARSERS)
+    with pytest.raises(ValueError, match="glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2, openai, "
+                                         "llama4_json"):
         make_parser("granite")
