@@ -38,6 +38,10 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   content, `<think>` put before it (the tag the prompt opened), so the thinking stays in the content as MiniMax
   asks clients to send it back. (Structured output is still refused as for the others: vLLM starts it after
   `</think>`.)
+* kimi_k2 (Kimi-K2-Thinking, K2 Instruct; vLLM's KimiK2ReasoningParser): deepseek_r1's rules, plus an implicit end as
+  qwen3's: a tool call section (`<|tool_calls_section_begin|>`, or the singular `<|tool_call_section_begin|>`) before
+  any `</think>` ends the reasoning, the tag going to the content. Thinking is on unless chat_template_kwargs give
+  `thinking` false (Kimi's switch): then the whole output is content.
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -56,11 +60,12 @@ from __future__ import annotations
 from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
-                     "openai_gptoss")
+                     "openai_gptoss", "kimi_k2")
 # the chat_template_kwargs that switch thinking off, named in 400s
 _THINKING_OFF = {"qwen3": '{"enable_thinking": false}', "glm45": '{"enable_thinking": false}',
-                 "deepseek_v3": '{"thinking": false}'}
+                 "deepseek_v3": '{"thinking": false}', "kimi_k2": '{"thinking": false}'}
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
+KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
 
@@ -177,6 +182,9 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
         return ReasoningParser({THINK_END: False, TOOL_CALL_START: True}, thinks(name, chat_template_kwargs))
     if name in ("glm45", "deepseek_v3"):
         return ReasoningParser({THINK_END: False}, thinks(name, chat_template_kwargs))
+    if name == "kimi_k2":
+        return ReasoningParser({THINK_END: False, **{tag: True for tag in KIMI_SECTIONS}},
+                               thinks(name, chat_template_kwargs))
     if name == "minimax_m2":
         return MiniMaxM2ReasoningParser()
     if name == "minimax_m2_append_think":
@@ -211,6 +219,8 @@ def thinks(name: str | None, chat_template_kwargs: dict | None) -> bool:
         return all(value is None for value in switches) or any(bool(value) for value in switches)
     if name == "deepseek_v3":  # vLLM's: off unless either switch is true
         return any(bool(value) for value in switches)
+    if name == "kimi_k2":  # vLLM's: on unless "thinking" is false
+        return bool(kwargs.get("thinking", True))
     return name != "qwen3" or kwargs.get("enable_thinking", True) is not False
 
 

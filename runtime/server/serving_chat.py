@@ -52,11 +52,11 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
     request, params = parse_generation_request(ctx, ChatCompletionRequest, body)
     ctx.check_tool_choice(request.tool_mode)
     reasoning.check_request(ctx.reasoning_parser, request, ctx.reasoning_in_structured_output)
-    if ctx.tool_call_parser in ("hermes", "mistral", "glm45", "glm47") and request.tool_mode in ("auto", "required",
-                                                                                               "named"):
-        # vLLM's hermes, mistral, glm45 and glm47 parsers (their adjust_request): <tool_call> and </tool_call> are
-        # special tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's, and skipped they
-        # would never reach the parser
+    if ctx.tool_call_parser in ("hermes", "mistral", "glm45", "glm47", "kimi_k2") and request.tool_mode in (
+            "auto", "required", "named"):
+        # vLLM's hermes, mistral, glm45, glm47 and kimi_k2 parsers (their adjust_request): <tool_call> and
+        # </tool_call> are special tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's,
+        # Kimi-K2's <|tool_call...|> markers in its, and skipped they would never reach the parser
         params = params.replace(skip_special_tokens=False)
     if ctx.reasoning_parser == "openai_gptoss":
         params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)

@@ -1,7 +1,7 @@
-"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder, DeepSeek-V3 / V3.1 and MiniMax-M2
-(vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31 and minimax_m2), on tool_parsers'
-streaming frame: `feed` / `finish` return ("content", text), ("call", index, name) and ("args", index,
-text) events, and every decision depends on the text, never on where it was split.
+"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder, DeepSeek-V3 / V3.1, MiniMax-M2 and
+Kimi-K2 (vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2 and kimi_k2),
+on tool_parsers' streaming frame: `feed` / `finish` return ("content", text), ("call", index, name) and ("args",
+index, text) events, and every decision depends on the text, never on where it was split.
 
 * glm45 (GLM-4.5 / 4.6, vLLM's glm4_moe_tool_parser): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n
   <arg_value>V</arg_value>\\n...</tool_call>`. The name is the block's text up to its first newline (or
@@ -49,6 +49,15 @@ text) events, and every decision depends on the text, never on where it was spli
   `</parameter>`; one cut by `</invoke>` or `</minimax:tool_call>` is dropped, an invoke left open ends at
   `</minimax:tool_call>`. As in vLLM (both its paths), nothing after the first `<minimax:tool_call>` is content:
   text between invokes and after the blocks is dropped, and a block with no call in it gives none.
+
+* kimi_k2 (Kimi-K2, which runs as DeepseekV3ForCausalLM; vLLM's kimi_k2_tool_parser): `<|tool_calls_section_begin|>`
+  (or the singular `<|tool_call_section_begin|>` some checkpoints write) then calls
+  `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>`, then
+  `<|tool_calls_section_end|>`. The name is the id's text before its first `:`, after its last `.`; an id (blanks
+  around it off) that does not end in `:IDX`, holds a `<` or gives no name, and a call without the argument tag, are
+  dropped. The arguments are the text as generated, blanks around it off (deepseek_v31's streaming); a next call's
+  tag or a section's end cuts them. As in vLLM (both its paths), nothing from the first section tag on is content,
+  and output without one is all content. vLLM returns the id as the call's id; llmc's calls get their own ids.
 
 As for hermes: text outside the calls is content, blanks next to calls dropped once a call was read; a
 block left open at the end counts up to the end, its open value ended there and its object closed; a
@@ -549,6 +558,63 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
     no type and no fences (vLLM's deepseekv31_tool_parser)."""
 
     TYPED = False
+
+
+class KimiK2ToolParser(DeepSeekV31ToolParser):
+    """Kimi-K2's calls (vLLM's kimi_k2_tool_parser): content up to the first section tag, then calls
+    `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`, the arguments as written."""
+
+    SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # vLLM reads both spellings
+    SECTION_ENDS = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
+    CALL, CALL_END, SEP = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+    _ID = re.compile(r"[^<]+:\d+")  # vLLM's: functions.NAME:IDX (or NAME:IDX), the name before the first ":"
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        while True:
+            state, buffer = self._state, self._buffer
+            if state == "content":
+                hit = _first(buffer, self.SECTIONS)
+                if hit is None:
+                    keep = 0 if final else _held(buffer, self.SECTIONS)
+                    self._buffer = buffer[len(buffer) - keep:]
+                    return out + self._content(buffer[:len(buffer) - keep])
+                out += self._content(buffer[:hit[0]])
+                self._buffer, self._state = buffer[hit[0] + len(hit[1]):], "section"
+            elif state in ("section", "skip"):  # between calls (skip: in one dropped), text dropped
+                tags = (self.CALL,) if state == "section" else (self.CALL, self.CALL_END)
+                hit = _first(buffer, tags)
+                if hit is None:
+                    self._buffer = "" if final else buffer[len(buffer) - _held(buffer, tags):]
+                    return out
+                self._buffer = buffer[hit[0] + len(hit[1]):]
+                self._state = "name" if hit[1] == self.CALL else "section"
+            elif state == "name":
+                hit = _first(buffer, (self.SEP, self.CALL, self.CALL_END))
+                if hit is None:  # the id goes on (or was cut: no call)
+                    self._buffer = "" if final else buffer
+                    return out
+                call_id = buffer[:hit[0]].strip()
+                name = call_id.split(":")[0].split(".")[-1]
+                if hit[1] != self.SEP or not self._ID.fullmatch(call_id) or not name:
+                    self._buffer = buffer[hit[0]:]  # no id or no arguments: the call is dropped
+                    self._state = "skip"
+                    continue
+                self._buffer, self._state = buffer[hit[0] + len(self.SEP):], "args"
+                self._index, self._raw, self._sent = self.num_calls, "", 0
+                out += self._count([("call", self._index, name)])
+            else:  # args: to the call's end (a section's end or a next call cuts it)
+                ends = (self.CALL_END, self.CALL) + self.SECTION_ENDS
+                hit = _first(buffer, ends)
+                if hit is None:
+                    keep = 0 if final else _held(buffer, ends)
+                    self._raw += buffer[:len(buffer) - keep]
+                    self._buffer = buffer[len(buffer) - keep:]
+                    return out + self._args(done=final)
+                self._raw += buffer[:hit[0]]
+                out += self._args(done=True)
+                self._buffer = buffer[hit[0] + (len(hit[1]) if hit[1] == self.CALL_END else 0):]
+                self._state = "section"
 
 
 _MINIMAX_NULLS = ("null", "none", "nil")

@@ -44,7 +44,8 @@ import json
 import re
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
-                     "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic")
+                     "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic",
+                     "kimi_k2")
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
@@ -838,8 +839,10 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
         from llmc.runtime.server.harmony import HarmonyParser
 
         return HarmonyParser(tools=True)
-    if kind in ("glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2"):
+    if kind in ("glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2"):
         from llmc.runtime.server import tagged_tool_parsers as tagged
+        if kind == "kimi_k2":
+            return tagged.KimiK2ToolParser()
         if kind.startswith("deepseek"):
             return (tagged.DeepSeekV3ToolParser if kind == "deepseek_v3" else tagged.DeepSeekV31ToolParser)()
         return {"glm45": tagged.Glm45ToolParser, "glm47": tagged.Glm47ToolParser,

@@ -49,6 +49,17 @@ QWEN3 = BOTH + [
     ("<think>a<tool_cal", "a<tool_cal", ""),
 ]
 
+# vLLM's kimi_k2: deepseek_r1's, and a tool call section (either spelling) before any </think> ends the reasoning,
+# the tag going to the content
+KIMI_K2 = BOTH + [
+    ("I will call.<|tool_calls_section_begin|><|tool_call_begin|>f:0", "I will call.",
+     "<|tool_calls_section_begin|><|tool_call_begin|>f:0"),
+    ("<think>a<|tool_call_section_begin|>b</think>c", "a", "<|tool_call_section_begin|>b</think>c"),
+    ("a</think>b<|tool_calls_section_begin|>c", "a", "b<|tool_calls_section_begin|>c"),
+    ("a<tool_call>b", "a<tool_call>b", ""),  # not Kimi's tag
+    ("<think>a<|tool_calls_sec", "a<|tool_calls_sec", ""),
+]
+
 # vLLM's minimax_m2: reasoning to the first </think> (nothing dropped before it), then content without any </think>
 MINIMAX_M2 = [
     ("abc</think>xyz", "abc", "xyz"),
@@ -84,7 +95,8 @@ def _streamed(parser, pieces: list[str]) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(("name", "text", "reasoning", "content"),
-                         [("deepseek_r1", *case) for case in DEEPSEEK_R1] + [("qwen3", *case) for case in QWEN3])
+                         [("deepseek_r1", *case) for case in DEEPSEEK_R1] + [("qwen3", *case) for case in QWEN3]
+                         + [("kimi_k2", *case) for case in KIMI_K2])
 def test_parser_reads_the_text_the_same_way_whatever_the_split(name, text, reasoning, content):
     assert split(make_parser(name), text) == (reasoning, content)
     for pieces in _pieces(text):
@@ -98,6 +110,17 @@ def test_qwen3_with_thinking_off_is_all_content(text):
     # thinking on (left out, or true): parsed
     assert split(make_parser("qwen3", {"enable_thinking": True}), "abc</think>xyz") == ("abc", "xyz")
     assert split(make_parser("qwen3", {}), "abc") == ("abc", "")
+
+
+def test_kimi_k2_with_thinking_off_is_all_content():
+    """Kimi's switch, chat_template_kwargs {"thinking": false} (vLLM's identity parser then); no other key counts."""
+    for kwargs in ({"thinking": False}, {"thinking": 0, "enable_thinking": True}):
+        assert not thinks("kimi_k2", kwargs)
+        for text in NO_THINKING + ["a<|tool_calls_section_begin|>b"]:
+            assert split(make_parser("kimi_k2", kwargs), text) == ("", text)
+    for kwargs in (None, {}, {"thinking": True}, {"enable_thinking": False}):
+        assert thinks("kimi_k2", kwargs)
+        assert split(make_parser("kimi_k2", kwargs), "abc</think>xyz") == ("abc", "xyz")
 
 
 @pytest.mark.parametrize(("text", "reasoning", "content"), DEEPSEEK_R1)
@@ -156,8 +179,9 @@ def test_tool_calls_are_read_from_the_content_only():
 
 
 def test_unknown_names_are_refused_with_the_supported_ones():
-    assert REASONING_PARSERS == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
-                                 "openai_gptoss")
+    assert REASONING_PARSERS[:7] == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2",
+                                     "minimax_m2_append_think", "openai_gptoss")
+    assert "kimi_k2" in REASONING_PARSERS
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)
@@ -165,4 +189,4 @@ def test_unknown_names_are_refused_with_the_supported_ones():
     with pytest.raises(ValueError, match=f"'granite'; {supported}"):
         check_name("granite")
     with pytest.raises(ValueError, match=supported):
-        make_parser("kimi_k2")
+        make_parser("granite")

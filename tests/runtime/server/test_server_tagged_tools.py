@@ -1,5 +1,5 @@
-"""The glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31 and minimax_m2 tool call parsers and the glm45,
-deepseek_v3, minimax_m2 and minimax_m2_append_think reasoning parsers over HTTP with
+"""The glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2 and kimi_k2 tool call parsers and the glm45,
+deepseek_v3, minimax_m2, minimax_m2_append_think and kimi_k2 reasoning parsers over HTTP with
 the openai client, against an in-process app serving ref-llama-12m with --enable-auto-tool-choice: the 12M
 model writes no calls by itself, so its output is forced with guided_choice (as test_server_tools does) to
 each format's calls written by hand from the published chat templates. The reply's calls (typed by the
@@ -21,6 +21,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 CALLS = [("get_weather", '{"city": "Paris", "days": 3}'), ("ping", "{}")]
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 C, CE, S = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+KB, KE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KC, KCE, KA = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_K2 = f'{KB}{KC}functions.get_weather:0{KA}{{"city": "Paris", "days": 3}}{KCE}{KE}'
 GLM45 = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
          "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>ping\n</tool_call>")
 FORMATS = {
@@ -36,9 +39,10 @@ FORMATS = {
     "minimax_m2": ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>'
                    '\n<parameter name="days">3</parameter>\n</invoke>\n<invoke name="ping">\n</invoke>\n'
                    "</minimax:tool_call>"),
+    "kimi_k2": "Checking." + KIMI_K2,
 }
 CALLS_OF = {"glm45": CALLS, "qwen3_coder": CALLS, "deepseek_v3": CALLS[:1], "glm47": CALLS, "deepseek_v31": CALLS[:1],
-            "minimax_m2": CALLS}
+            "minimax_m2": CALLS, "kimi_k2": CALLS[:1]}
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +89,10 @@ def test_calls_read_by_each_parser(client, switch, parser):
                                        "finish_reason": "tool_calls"}
 
 
-@pytest.mark.parametrize("parser", ["glm45", "glm47"])
+@pytest.mark.parametrize("parser", ["glm45", "glm47", "kimi_k2"])
 def test_glm_parsers_keep_special_tokens_in_the_text(client, switch, parser):
-    """vLLM's glm45 and glm47 parsers turn skip_special_tokens off for requests with tools (their
-    adjust_request); the 12M model's <|im_start|> (a special token) stands for a GLM tag here."""
+    """vLLM's glm45, glm47 and kimi_k2 parsers turn skip_special_tokens off for requests with tools (their
+    adjust_request); the 12M model's <|im_start|> (a special token) stands for a GLM or Kimi tag here."""
     switch(tool_call_parser=parser)
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
     assert client.chat.completions.create(**body).choices[0].message.content == ""
@@ -146,3 +150,21 @@ def test_minimax_m2_reasoning_then_calls(client, switch):
     assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS
     assert _stream(client, **body) == {"reasoning": "", "content": "<think>Paris, in May.</think>Checking.",
                                        "calls": CALLS, "finish_reason": "tool_calls"}
+
+
+def test_kimi_k2_reasoning_then_calls(client, switch):
+    """Kimi-K2-Thinking: reasoning up to </think>, or up to a tool call section opened before it (vLLM's implicit
+    end); with chat_template_kwargs {"thinking": false} the whole output is the answer, its calls read the same."""
+    switch(reasoning_parser="kimi_k2", tool_call_parser="kimi_k2", reasoning_in_structured_output=True)
+    for text, content in (("<think>Paris, in May.</think>" + FORMATS["kimi_k2"], "Checking."),
+                          ("Paris, in May." + KIMI_K2, None)):
+        body = _body(text)
+        reply = client.chat.completions.create(**body).choices[0]
+        assert reply.message.reasoning_content == "Paris, in May." and reply.message.content == content
+        assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS[:1]
+        assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": content or "",
+                                           "calls": CALLS[:1], "finish_reason": "tool_calls"}
+    off = client.chat.completions.create(**_body("Paris." + KIMI_K2, extra_body={
+        "guided_choice": ["Paris." + KIMI_K2], "chat_template_kwargs": {"thinking": False}})).choices[0].message
+    assert getattr(off, "reasoning_content", None) is None and off.content == "Paris."
+    assert [(c.function.name, c.function.arguments) for c in off.tool_calls] == CALLS[:1]

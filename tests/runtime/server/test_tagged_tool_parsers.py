@@ -150,6 +150,32 @@ DEEPSEEK_V31 = [
 ]
 
 
+# Kimi-K2's chat template and tool calling guide: a section of calls ID<|tool_call_argument_begin|>ARGS, ID being
+# functions.NAME:IDX; vLLM's kimi_k2 reads the name before the ":" after the last ".", the arguments as written
+KB, KE, KS, KSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_section_begin|>", \
+    "<|tool_call_section_end|>"
+KC, KCE, KA = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_K2 = [
+    (f'{KB}{KC}functions.get_weather:0{KA}{{"city": "Paris", "days": 3}}{KCE}{KE}', "",
+     [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (f'Let me look.\n{KB}\n{KC} functions.get_weather:0 {KA} {{"city": "a<b"}} {KCE}\n{KC}ping:1{KA}{{}}{KCE}\n{KE}',
+     "Let me look.", [("get_weather", '{"city": "a<b"}'), ("ping", "{}")]),
+    # the singular spelling some checkpoints write; arguments over several lines as written
+    (f'{KS}{KC}functions.f:0{KA}{{\n  "a": [1,\n 2]\n}}{KCE}{KSE}', "", [("f", '{\n  "a": [1,\n 2]\n}')]),
+    # as vLLM: nothing from the section on is content (text between calls and after the section dropped)
+    (f"x {KB}junk{KC}functions.f:0{KA}{{}}{KCE} more {KE} after", "x", [("f", "{}")]),
+    # an id without its :IDX, with no name, or a call without the argument tag: dropped
+    (f"{KB}{KC}functions.f{KA}{{}}{KCE}{KC}functions.:0{KA}{{}}{KCE}{KC}g:0{KCE}{KC}h:2{KA}{{}}{KCE}{KE}", "",
+     [("h", "{}")]),
+    # cut in the arguments: what was written; cut in the id: no call; a call cut by the next one keeps its text
+    (f'{KB}{KC}functions.f:0{KA}{{"a": "x', "", [("f", '{"a": "x')]),
+    (f"{KB}{KC}functions.get_wea", "", []),
+    (f'{KB}{KC}f:0{KA}{{"a": 1{KC}g:1{KA}{{}}{KCE}', "", [("f", '{"a": 1'), ("g", "{}")]),
+    # calls without the section tag are not read (vLLM's check): all content, exactly
+    (f"{KC}f:0{KA}{{}}{KCE}", f"{KC}f:0{KA}{{}}{KCE}", []),
+    ("Plain text with <|tool_calls_ in it.", "Plain text with <|tool_calls_ in it.", []),
+]
+
 MB, ME = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX_M2 = [
     # MiniMax's guide: content before, two invokes in one block, values typed by the schema
@@ -192,8 +218,8 @@ def _events(kind: str, pieces: list[str]) -> list:
 
 def _check(kind: str, text: str, content: str, calls: list) -> None:
     whole = parse(make_parser(kind, tools=TOOLS), text)
-    got_calls = [(name, json.loads(args) if args else None) for name, args in whole[1]] if not kind.startswith("deepseek") \
-        else whole[1]
+    as_written = kind.startswith("deepseek") or kind == "kimi_k2"  # arguments as generated: compared as text
+    got_calls = whole[1] if as_written else [(name, json.loads(args) if args else None) for name, args in whole[1]]
     assert (whole[0], got_calls) == (content, calls)
     for cut in range(len(text) + 1):
         assert fold(_events(kind, [text[:cut], text[cut:]])) == whole, cut
@@ -208,7 +234,7 @@ def _check(kind: str, text: str, content: str, calls: list) -> None:
                          [("glm45", *case) for case in GLM45] + [("glm47", *case) for case in GLM47]
                          + [("qwen3_coder", *case) for case in QWEN3_CODER] + [("deepseek_v3", *case) for case in DEEPSEEK_V3]
                          + [("deepseek_v31", *case) for case in DEEPSEEK_V31]
-                         + [("minimax_m2", *case) for case in MINIMAX_M2])
+                         + [("minimax_m2", *case) for case in MINIMAX_M2] + [("kimi_k2", *case) for case in KIMI_K2])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
 
@@ -311,6 +337,16 @@ def test_deepseek_v31_streams_the_arguments_as_written():
     assert parser.finish() == []
 
 
+def test_kimi_k2_streams_the_arguments_as_written():
+    parser = make_parser("kimi_k2")
+    assert parser.feed(f"Hi {KB}{KC}functions.f:") == [("content", "Hi")]  # the name is known at the argument tag
+    assert parser.feed(f"0{KA}") == [("call", 0, "f")]
+    assert parser.feed('{"a": "x ') == [("args", 0, '{"a": "x')]  # blanks may end the arguments: they wait
+    assert parser.feed('y"} <|tool_call_') == [("args", 0, ' y"}')]
+    assert parser.feed(f"end|>{KE} bye") == []
+    assert parser.finish() == [] and parser.called
+
+
 def test_glm47_streams_like_glm45():
     parser = make_parser("glm47", tools=TOOLS)
     assert parser.feed("Hi <tool_call>get_weather\n") == [("content", "Hi")]  # the name runs to <arg_key>
@@ -326,7 +362,8 @@ def test_glm47_streams_like_glm45():
 
 
 def test_names_and_refusals(llmc_cli, tmp_path):
-    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2"} <= set(TOOL_CALL_PARSERS)
+    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2"} <= set(
+        TOOL_CALL_PARSERS)
     for name in ("deepseek_v32",):
         with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.2's .* not read by llmc; supported: .*deepseek_v31"):
             ServingContext.check_tool_options(True, name)
