@@ -291,14 +291,15 @@ def _finite(param, value: float | None) -> float | None:
               "(GLM-4.7), qwen3_coder (<function=NAME><parameter=...: Qwen3-Coder), deepseek_v3 "
               "(<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1), deepseek_v31 (NAME<｜tool▁sep｜>{...}: DeepSeek-V3.1), "
               "minimax_m2 (<minimax:tool_call><invoke name=...: MiniMax-M2), kimi_k2 (<|tool_calls_section_begin|>...: "
-              "Kimi-K2) or "
+              "Kimi-K2), seed_oss (<seed:tool_call><function=NAME>...: Seed-OSS) or "
               "openai (gpt-oss's harmony messages to functions.NAME; with --reasoning-parser openai_gptoss)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "
               "reasoning_content, the answer in content: deepseek_r1 (DeepSeek-R1 and distills, QwQ), deepseek_v3 "
               "(DeepSeek-V3.1: only with chat_template_kwargs {\"thinking\": true}), qwen3, glm45, minimax_m2 (MiniMax-M2: "
               "reasoning up to </think>), minimax_m2_append_think (all content, <think> put before it), kimi_k2 "
-              "(Kimi-K2-Thinking: also ended by a tool call section) or "
+              "(Kimi-K2-Thinking: also ended by a tool call section), seed_oss (<seed:think>...</seed:think>: "
+              "Seed-OSS) or "
               "openai_gptoss (gpt-oss's harmony analysis and final channels)")
 @click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
               callback=_structured_outputs_config,

@@ -42,6 +42,8 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   qwen3's: a tool call section (`<|tool_calls_section_begin|>`, or the singular `<|tool_call_section_begin|>`) before
   any `</think>` ends the reasoning, the tag going to the content. Thinking is on unless chat_template_kwargs give
   `thinking` false (Kimi's switch): then the whole output is content.
+* seed_oss (Seed-OSS; vLLM's SeedOssReasoningParser): deepseek_r1's rules with Seed's tags, `<seed:think>` and
+  `</seed:think>` (the thinking budget's `<seed:cot_budget_reflect>` notes stay in the reasoning).
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -60,12 +62,13 @@ from __future__ import annotations
 from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
-                     "openai_gptoss", "kimi_k2")
+                     "openai_gptoss", "kimi_k2", "seed_oss")
 # the chat_template_kwargs that switch thinking off, named in 400s
 _THINKING_OFF = {"qwen3": '{"enable_thinking": false}', "glm45": '{"enable_thinking": false}',
                  "deepseek_v3": '{"thinking": false}', "kimi_k2": '{"thinking": false}'}
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
 KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+SEED_THINK_START, SEED_THINK_END = "<seed:think>", "</seed:think>"
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
 
@@ -81,10 +84,11 @@ def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
 class ReasoningParser:
     """The thinking of one sequence's text. `end_tags`: the tags that end the reasoning, with
     whether the tag itself is content (`<tool_call>`) or dropped (`</think>`). `thinking`: False when
-    the whole output is content (qwen3 or glm45 with thinking switched off)."""
+    the whole output is content (qwen3 or glm45 with thinking switched off). `start`: the opening tag."""
 
-    def __init__(self, end_tags: dict[str, bool], thinking: bool = True):
+    def __init__(self, end_tags: dict[str, bool], thinking: bool = True, start: str = THINK_START):
         self.end_tags = end_tags
+        self.start = start
         self._state = "lead" if thinking else "content"  # lead (only blanks so far), reasoning, content
         self._buffer = ""
 
@@ -93,10 +97,10 @@ class ReasoningParser:
         out: list[Event] = []
         if self._state == "lead":
             stripped = self._buffer.lstrip()
-            if stripped.startswith(THINK_START):  # the model opened the thinking itself: the tag goes
-                self._buffer = stripped[len(THINK_START):]
+            if stripped.startswith(self.start):  # the model opened the thinking itself: the tag goes
+                self._buffer = stripped[len(self.start):]
                 self._state = "reasoning"
-            elif THINK_START.startswith(stripped):  # blanks, or maybe the tag: wait for more
+            elif self.start.startswith(stripped):  # blanks, or maybe the tag: wait for more
                 return out
             else:
                 self._state = "reasoning"
@@ -185,6 +189,8 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
     if name == "kimi_k2":
         return ReasoningParser({THINK_END: False, **{tag: True for tag in KIMI_SECTIONS}},
                                thinks(name, chat_template_kwargs))
+    if name == "seed_oss":
+        return ReasoningParser({SEED_THINK_END: False}, start=SEED_THINK_START)
     if name == "minimax_m2":
         return MiniMaxM2ReasoningParser()
     if name == "minimax_m2_append_think":

@@ -1,7 +1,7 @@
-"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder, DeepSeek-V3 / V3.1, MiniMax-M2 and
-Kimi-K2 (vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2 and kimi_k2),
-on tool_parsers' streaming frame: `feed` / `finish` return ("content", text), ("call", index, name) and ("args",
-index, text) events, and every decision depends on the text, never on where it was split.
+"""Tool call parsers of the tag-delimited formats of GLM-4.5 / 4.7, Qwen3-Coder, DeepSeek-V3 / V3.1, MiniMax-M2,
+Kimi-K2 and Seed-OSS (vLLM's `--tool-call-parser` glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2,
+kimi_k2 and seed_oss), on tool_parsers' streaming frame: `feed` / `finish` return ("content", text), ("call",
+index, name) and ("args", index, text) events, and every decision depends on the text, never on where it was split.
 
 * glm45 (GLM-4.5 / 4.6, vLLM's glm4_moe_tool_parser): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n
   <arg_value>V</arg_value>\\n...</tool_call>`. The name is the block's text up to its first newline (or
@@ -58,6 +58,10 @@ index, text) events, and every decision depends on the text, never on where it w
   dropped. The arguments are the text as generated, blanks around it off (deepseek_v31's streaming); a next call's
   tag or a section's end cuts them. As in vLLM (both its paths), nothing from the first section tag on is content,
   and output without one is all content. vLLM returns the id as the call's id; llmc's calls get their own ids.
+
+* seed_oss (Seed-OSS, vLLM's seed_oss_tool_parser): qwen3_coder's calls in `<seed:tool_call>` ... `</seed:tool_call>`
+  (or bare), the values typed by seed_oss_value (vLLM's older qwen3coder rules, "null" first); a thinking span
+  `<seed:think>` ... `</seed:think>` (there when no reasoning parser took it) is content, its calls not read.
 
 As for hermes: text outside the calls is content, blanks next to calls dropped once a call was read; a
 block left open at the end counts up to the end, its open value ended there and its object closed; a
@@ -351,10 +355,11 @@ class Qwen3CoderToolParser(_PairsParser):
     BLOCK, BLOCK_END = "<tool_call>", "</tool_call>"
     FUNCTION, FUNCTION_END = "<function=", "</function>"
     PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
+    THINK, THINK_END = (), ""  # a span of content whose calls are not read (seed_oss: the model's thinking)
 
     def __init__(self, tools: list[dict] | None = None):
         super().__init__(tools)
-        self._state = "content"  # content, block (after <tool_call>), name, body, pname, value, after
+        self._state = "content"  # content, think, block (after <tool_call>), name, body, pname, value, after
         self._opened = ""  # the tags read of a call not known yet (content if it is not one)
         self._name = ""
         self._properties: dict = {}
@@ -365,12 +370,23 @@ class Qwen3CoderToolParser(_PairsParser):
         while True:
             state, buffer = self._state, self._buffer
             if state == "content":
-                hit = _first(buffer, (self.BLOCK, self.FUNCTION))
+                hit = _first(buffer, (self.BLOCK, self.FUNCTION) + self.THINK)
                 if hit is None:
-                    return out + self._held_content((self.BLOCK, self.FUNCTION), final)
+                    return out + self._held_content((self.BLOCK, self.FUNCTION) + self.THINK, final)
+                if hit[1] in self.THINK:  # content to the span's end, its tags not read
+                    end = hit[0] + len(hit[1])
+                    out += self._content(buffer[:end])
+                    self._buffer, self._state = buffer[end:], "think"
+                    continue
                 out += self._content(buffer[:hit[0]])
                 self._buffer, self._opened = buffer[hit[0] + len(hit[1]):], hit[1]
                 self._state = "block" if hit[1] == self.BLOCK else "name"
+            elif state == "think":
+                at = buffer.find(self.THINK_END)
+                if at < 0:
+                    return out + self._held_content((self.THINK_END,), final)
+                out += self._content(buffer[:at + len(self.THINK_END)])
+                self._buffer, self._state = buffer[at + len(self.THINK_END):], "content"
             elif state == "block":
                 rest = buffer.lstrip()
                 if rest.startswith(self.FUNCTION):
@@ -440,12 +456,64 @@ class Qwen3CoderToolParser(_PairsParser):
         return self._content(self._opened)
 
     def _pair(self, value: str) -> list[Event]:
-        typed = _json(qwen3_coder_value(value, self._properties.get(self._param)))
+        typed = _json(self._typed(value, self._properties.get(self._param)))
         return self._args(self._key(self._param) + (json.dumps(value, ensure_ascii=False) if typed is None else typed))
 
     def _end_call(self, whole: bool) -> list[Event]:
         self._state = "content"
         return self._close_call(whole)
+
+
+    @staticmethod
+    def _typed(text: str, schema) -> object:
+        return qwen3_coder_value(text, schema)
+
+
+def seed_oss_value(text: str, schema) -> object:
+    """A Seed-OSS parameter's value typed by its JSON schema (None: not declared), as vLLM's seed_oss reads it:
+    "null" (any case) null whatever the type; undeclared parameters as written; the schema's "type" (a list of
+    types: its text, no type named) string-like as written, integer types by int(), number types by float()
+    (whole numbers as integers), booleans "true" (any case; any other text false), objects as JSON, else (and
+    any other type) a Python literal; a value that does not convert stays the string."""
+    if text.lower() == "null":
+        return None
+    if schema is None:
+        return text
+    kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
+    if kind in _STRING_TYPES:
+        return text
+    try:
+        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+            return int(text)
+        if kind.startswith(("num", "float")):
+            number = float(text)
+            return int(number) if number == int(number) else number
+    except (ValueError, OverflowError):
+        return text
+    if kind in ("boolean", "bool", "binary"):
+        return text.lower() == "true"
+    if kind == "object" or kind.startswith("dict"):
+        try:
+            return json.loads(text)
+        except (ValueError, RecursionError):
+            pass
+    try:
+        return _literal(text)
+    except ValueError:
+        return text
+
+
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS's calls: qwen3_coder's, in `<seed:tool_call>` ... `</seed:tool_call>` (or bare `<function=...>`),
+    typed by seed_oss_value; a thinking span `<seed:think>` ... `</seed:think>` in the text is content, its calls not
+    read (vLLM reads calls after the thinking)."""
+
+    BLOCK, BLOCK_END = "<seed:tool_call>", "</seed:tool_call>"
+    THINK, THINK_END = ("<seed:think>",), "</seed:think>"
+
+    @staticmethod
+    def _typed(text: str, schema) -> object:
+        return seed_oss_value(text, schema)
 
 
 class DeepSeekV3ToolParser(ToolParser):

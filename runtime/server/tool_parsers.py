@@ -45,7 +45,7 @@ import re
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
                      "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic",
-                     "kimi_k2")
+                     "kimi_k2", "seed_oss")
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
@@ -825,8 +825,8 @@ def unknown_parser(kind: str) -> str:
 
 def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = None) -> ToolParser:
     """`kind`: a --tool-call-parser name, "required", or "named" (with the function's `name`); `tools`:
-    the request's (checked) tools, whose parameter schemas type glm45's, glm47's, qwen3_coder's and minimax_m2's
-    values."""
+    the request's (checked) tools, whose parameter schemas type glm45's, glm47's, qwen3_coder's, minimax_m2's and
+    seed_oss's values."""
     if kind == "hermes":
         return HermesToolParser()
     if kind in ("llama3_json", "llama4_json"):
@@ -839,14 +839,15 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
         from llmc.runtime.server.harmony import HarmonyParser
 
         return HarmonyParser(tools=True)
-    if kind in ("glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2"):
+    if kind in ("glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2", "seed_oss"):
         from llmc.runtime.server import tagged_tool_parsers as tagged
         if kind == "kimi_k2":
             return tagged.KimiK2ToolParser()
         if kind.startswith("deepseek"):
             return (tagged.DeepSeekV3ToolParser if kind == "deepseek_v3" else tagged.DeepSeekV31ToolParser)()
         return {"glm45": tagged.Glm45ToolParser, "glm47": tagged.Glm47ToolParser,
-                "qwen3_coder": tagged.Qwen3CoderToolParser, "minimax_m2": tagged.MiniMaxM2ToolParser}[kind](tools)
+                "qwen3_coder": tagged.Qwen3CoderToolParser, "minimax_m2": tagged.MiniMaxM2ToolParser,
+                "seed_oss": tagged.SeedOssToolParser}[kind](tools)
     if kind == "required":
         return JsonCallsParser(("parameters",), ",", opener="[", closer="]", content=False)
     if kind == "named":

@@ -60,6 +60,18 @@ KIMI_K2 = BOTH + [
     ("<think>a<|tool_calls_sec", "a<|tool_calls_sec", ""),
 ]
 
+def _seed(text: str) -> str:
+    return text.replace("<think>", "<seed:think>").replace("</think>", "</seed:think>")
+
+
+# vLLM's seed_oss: deepseek_r1's rules with Seed-OSS's tags; <think> is text to it
+SEED_OSS = [tuple(_seed(t) for t in case) for case in BOTH] + [
+    ("<think>a</think>b", "<think>a</think>b", ""),
+    ("<seed:think>Budget <seed:cot_budget_reflect>used 10</seed:cot_budget_reflect></seed:think>Hi",
+     "Budget <seed:cot_budget_reflect>used 10</seed:cot_budget_reflect>", "Hi"),
+    ("a</seed:thin", "a</seed:thin", ""),
+]
+
 # vLLM's minimax_m2: reasoning to the first </think> (nothing dropped before it), then content without any </think>
 MINIMAX_M2 = [
     ("abc</think>xyz", "abc", "xyz"),
@@ -96,7 +108,7 @@ def _streamed(parser, pieces: list[str]) -> tuple[str, str]:
 
 @pytest.mark.parametrize(("name", "text", "reasoning", "content"),
                          [("deepseek_r1", *case) for case in DEEPSEEK_R1] + [("qwen3", *case) for case in QWEN3]
-                         + [("kimi_k2", *case) for case in KIMI_K2])
+                         + [("kimi_k2", *case) for case in KIMI_K2] + [("seed_oss", *case) for case in SEED_OSS])
 def test_parser_reads_the_text_the_same_way_whatever_the_split(name, text, reasoning, content):
     assert split(make_parser(name), text) == (reasoning, content)
     for pieces in _pieces(text):
@@ -181,7 +193,7 @@ def test_tool_calls_are_read_from_the_content_only():
 def test_unknown_names_are_refused_with_the_supported_ones():
     assert REASONING_PARSERS[:7] == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2",
                                      "minimax_m2_append_think", "openai_gptoss")
-    assert "kimi_k2" in REASONING_PARSERS
+    assert {"kimi_k2", "seed_oss"} <= set(REASONING_PARSERS)
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)

@@ -5,7 +5,8 @@ model does not think by itself, so its output is forced with guided_choice / gui
 last flag lets constrain the whole output) to hold `<think>...</think>`. Replies carry the thinking in
 `reasoning` and `reasoning_content`, the answer in `content`; stream deltas carry the same pieces,
 which join to the reply; tool calls come from the answer only; n > 1, logprobs and usage (with
-completion_tokens_details.reasoning_tokens); qwen3's rules and enable_thinking false; /v1/completions
+completion_tokens_details.reasoning_tokens); qwen3's rules and enable_thinking false; seed_oss's tags with its
+tool parser; /v1/completions
 left unparsed; the 400s for structured output and forced tool calls; the start-up refusals."""
 
 from __future__ import annotations
@@ -198,6 +199,24 @@ def test_qwen3_rules_and_enable_thinking_false(client, switch):
     forced_call = client.chat.completions.create(**_body(tools=TOOLS, tool_choice="required", max_tokens=40,
                                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}}))
     assert forced_call.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_seed_oss_reasoning_then_calls(client, switch):
+    """Seed-OSS: --reasoning-parser seed_oss reads <seed:think> ... </seed:think> apart, --tool-call-parser seed_oss
+    the calls of the answer (<seed:tool_call><function=...>), typed by the request's tool schema."""
+    switch(reasoning_parser="seed_oss", tool_call_parser="seed_oss")
+    call = "<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n" \
+           "</seed:tool_call>"
+    body = _body(["<seed:think>Use " + call + "</seed:think>Let me check.\n" + call], tools=TOOLS, max_tokens=220)
+    choice = client.chat.completions.create(**body).choices[0]
+    assert _fields(choice.message) == ("Use " + call, "Let me check.") and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == \
+        [("get_weather", '{"city": "Paris"}')]
+    _, streamed = _stream(client, **body)
+    _same(streamed[0], choice)
+    body = _body(["Still thinking <think>"])  # no </seed:think>: all reasoning; <think> is text to Seed
+    choice = client.chat.completions.create(**body).choices[0]
+    assert _fields(choice.message) == ("Still thinking <think>", None)
 
 
 def test_without_the_structured_outputs_flag_constraints_are_refused(client, switch):

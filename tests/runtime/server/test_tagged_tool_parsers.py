@@ -20,7 +20,7 @@ import pytest
 
 from llmc.runtime.server import reasoning_parsers
 from llmc.runtime.server.serving import ServingContext
-from llmc.runtime.server.tagged_tool_parsers import minimax_m2_value, qwen3_coder_value
+from llmc.runtime.server.tagged_tool_parsers import minimax_m2_value, qwen3_coder_value, seed_oss_value
 from llmc.runtime.server.tool_parsers import TOOL_CALL_PARSERS, fold, make_parser, parse
 
 PROPERTIES = {"city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
@@ -176,6 +176,38 @@ KIMI_K2 = [
     ("Plain text with <|tool_calls_ in it.", "Plain text with <|tool_calls_ in it.", []),
 ]
 
+# Seed-OSS's chat template: qwen3_coder's calls in <seed:tool_call> ... </seed:tool_call>, values typed by vLLM's
+# seed_oss rules (seed_oss_value)
+SB, SE = "<seed:tool_call>", "</seed:tool_call>"
+SEED_OSS = [
+    (f"{SB}\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+     f"</function>\n{SE}", "", [("get_weather", {"city": "Paris", "days": 3})]),
+    # content before, two calls, one without parameters; objects as JSON, whole numbers as integers, booleans
+    (f'Let me check.\n{SB}\n<function=get_weather>\n<parameter=opts>\n{{"a": [1, true]}}\n</parameter>\n'
+     f"<parameter=ratio>\n2.0\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n</function>\n{SE}\n{SB}\n"
+     f"<function=ping>\n</function>\n{SE}", "Let me check.",
+     [("get_weather", {"opts": {"a": [1, True]}, "ratio": 2, "metric": True}), ("ping", {})]),
+    # seed_oss's own rules: "null" null even for a string; an array as a Python literal only (JSON's true is not
+    # one: the text stays); a list of types read as a literal; an undeclared parameter as written
+    (f"{SB}<function=get_weather><parameter=city>NULL</parameter><parameter=tags>[1, true]</parameter>"
+     f"<parameter=unit>5</parameter><parameter=x>7</parameter></function>{SE}", "",
+     [("get_weather", {"city": None, "tags": "[1, true]", "unit": 5, "x": "7"})]),
+    (f"{SB}<function=get_weather><parameter=tags>['a', 2]</parameter><parameter=days>2.5</parameter></function>{SE}",
+     "", [("get_weather", {"tags": ["a", 2], "days": "2.5"})]),
+    # a call without the block tags (vLLM's fallback); a thinking span's calls are not read, its text is content
+    ("<function=ping>\n</function>", "", [("ping", {})]),
+    (f"<seed:think>Maybe {SB}<function=ping></function>{SE}?</seed:think>\n{SB}<function=get_weather>"
+     f"<parameter=days>1</parameter></function>{SE}", f"<seed:think>Maybe {SB}<function=ping></function>{SE}?"
+     "</seed:think>", [("get_weather", {"days": 1})]),
+    (f"<seed:think>cut {SB}<function=ping>", f"<seed:think>cut {SB}<function=ping>", []),
+    # cut in a value: what was written; cut before any parameter: none invented
+    (f"{SB}\n<function=get_weather>\n<parameter=days>\n4", "", [("get_weather", {"days": 4})]),
+    (f"{SB}\n<function=get_weather>\n", "", [("get_weather", None)]),
+    # not a call: the text comes back
+    (f"{SB}\n<function=a b>\n</function>{SE}", f"{SB}\n<function=a b>\n</function>{SE}", []),
+    ("No call: <seed:tool and </seed:tool_call>.\n", "No call: <seed:tool and </seed:tool_call>.\n", []),
+]
+
 MB, ME = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX_M2 = [
     # MiniMax's guide: content before, two invokes in one block, values typed by the schema
@@ -234,7 +266,8 @@ def _check(kind: str, text: str, content: str, calls: list) -> None:
                          [("glm45", *case) for case in GLM45] + [("glm47", *case) for case in GLM47]
                          + [("qwen3_coder", *case) for case in QWEN3_CODER] + [("deepseek_v3", *case) for case in DEEPSEEK_V3]
                          + [("deepseek_v31", *case) for case in DEEPSEEK_V31]
-                         + [("minimax_m2", *case) for case in MINIMAX_M2] + [("kimi_k2", *case) for case in KIMI_K2])
+                         + [("minimax_m2", *case) for case in MINIMAX_M2] + [("kimi_k2", *case) for case in KIMI_K2]
+                         + [("seed_oss", *case) for case in SEED_OSS])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
 
@@ -278,6 +311,23 @@ def test_qwen3_coder_values_are_typed_as_vllm_does():
     assert qwen3_coder_value("x y", {"type": "array"}) == "x y"
     assert qwen3_coder_value("7", {"anyOf": [{"type": "null"}, {"type": "integer"}]}) == 7
     assert qwen3_coder_value("7", {"description": "no type"}) == "7"
+
+
+def test_seed_oss_values_are_typed_as_vllm_does():
+    """vLLM's seed_oss rules: qwen3_coder's older ones, "null" first whatever the type, the type's text as written."""
+    assert seed_oss_value("5", None) == "5" and seed_oss_value("Null", None) is None  # not declared
+    assert seed_oss_value("null", {"type": "string"}) is None and seed_oss_value("None", {"type": "string"}) == "None"
+    assert seed_oss_value("12", {"type": "integer"}) == 12 and seed_oss_value("1.5", {"type": "int"}) == "1.5"
+    assert seed_oss_value("3.0", {"type": "number"}) == 3 and isinstance(seed_oss_value("3.0", {"type": "number"}), int)
+    assert seed_oss_value("inf", {"type": "number"}) == "inf" and seed_oss_value("nan", {"type": "float"}) == "nan"
+    assert seed_oss_value("TRUE", {"type": "boolean"}) is True and seed_oss_value("yes", {"type": "bool"}) is False
+    assert seed_oss_value('{"a": true}', {"type": "object"}) == {"a": True}
+    assert seed_oss_value("{'a': 1}", {"type": "dict"}) == {"a": 1}  # not JSON: a Python literal
+    assert seed_oss_value("[1, 2]", {"type": "array"}) == [1, 2] and seed_oss_value("[true]", {"type": "array"}) == \
+        "[true]"
+    assert seed_oss_value("7", {"type": ["integer", "null"]}) == 7  # "['integer', 'null']": a literal
+    assert seed_oss_value("x y", {"type": "tuple"}) == "x y"
+    assert seed_oss_value("7", {"anyOf": [{"type": "integer"}]}) == "7"  # no "type": a string
 
 
 def test_minimax_m2_values_are_typed_as_vllm_does():
@@ -362,7 +412,7 @@ def test_glm47_streams_like_glm45():
 
 
 def test_names_and_refusals(llmc_cli, tmp_path):
-    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2"} <= set(
+    assert {"glm45", "glm47", "qwen3_coder", "deepseek_v3", "deepseek_v31", "minimax_m2", "kimi_k2", "seed_oss"} <= set(
         TOOL_CALL_PARSERS)
     for name in ("deepseek_v32",):
         with pytest.raises(ValueError, match=f"'{name}'; DeepSeek-V3.2's .* not read by llmc; supported: .*deepseek_v31"):
