@@ -299,7 +299,9 @@ def _finite(param, value: float | None) -> float | None:
               "(DeepSeek-V3.1: only with chat_template_kwargs {\"thinking\": true}), qwen3, glm45, minimax_m2 (MiniMax-M2: "
               "reasoning up to </think>), minimax_m2_append_think (all content, <think> put before it), kimi_k2 "
               "(Kimi-K2-Thinking: also ended by a tool call section), seed_oss (<seed:think>...</seed:think>: "
-              "Seed-OSS) or "
+              "Seed-OSS), ernie45 (ERNIE 4.5 Thinking: the answer unwrapped from <response>), granite (\"Here is my "
+              "thought process:\" ... \"Here is my response:\": Granite 3.2+), mistral ([THINK]...[/THINK]: "
+              "Magistral) or "
               "openai_gptoss (gpt-oss's harmony analysis and final channels)")
 @click.option("--structured-outputs-config", type=JSON_OBJECT, default=None,
               callback=_structured_outputs_config,

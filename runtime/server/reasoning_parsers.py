@@ -44,6 +44,18 @@ Parsers (current vLLM's rules, vllm/reasoning/deepseek_r1_reasoning_parser.py, q
   `thinking` false (Kimi's switch): then the whole output is content.
 * seed_oss (Seed-OSS; vLLM's SeedOssReasoningParser): deepseek_r1's rules with Seed's tags, `<seed:think>` and
   `</seed:think>` (the thinking budget's `<seed:cot_budget_reflect>` notes stay in the reasoning).
+* ernie45 (ERNIE-4.5-21B-A3B-Thinking; vLLM's Ernie45ReasoningParser): deepseek_r1's rules; the answer, written
+  `</think>\n\n<response>\nANSWER\n</response>\n`, is unwrapped: a `<response>` after blanks only opens it (the blanks
+  and the tag go), and its last `</response>` and what follows go. (vLLM's whole reply unwraps only where both tags
+  are there, from a `<response>` anywhere; its stream unwraps as here.)
+* granite (Granite 3.2 / 3.3 with chat_template_kwargs {"thinking": true}; vLLM's GraniteReasoningParser): output
+  that starts (after blanks) with "Here is my thought process:" (or "Here's ...") is reasoning up to "Here is my
+  response:" (or "Here's ..."), content after it; the phrases go. Output that starts otherwise is all content.
+  Output cut before the response phrase is all reasoning (vLLM's stream; its whole reply reads it as content).
+* mistral (Magistral; vLLM's MistralReasoningParser): `[THINK]` opens the reasoning and `[/THINK]` ends it; the text
+  before `[THINK]` and after `[/THINK]` is content, and output without `[THINK]` is all content, its first `[/THINK]`
+  dropped. A `[THINK]` never closed: reasoning to the end. (Both tags are special tokens: with this parser chat
+  requests keep special tokens in the text, as for --tool-call-parser mistral.)
 * openai_gptoss: gpt-oss's harmony messages, the analysis channel the reasoning, the final channel the
   content (runtime/server/harmony.py: one parser reads the whole output, tool calls too with
   --tool-call-parser openai).
@@ -62,13 +74,17 @@ from __future__ import annotations
 from typing import Any
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2", "minimax_m2_append_think",
-                     "openai_gptoss", "kimi_k2", "seed_oss")
+                     "openai_gptoss", "kimi_k2", "seed_oss", "ernie45", "granite", "mistral")
 # the chat_template_kwargs that switch thinking off, named in 400s
 _THINKING_OFF = {"qwen3": '{"enable_thinking": false}', "glm45": '{"enable_thinking": false}',
                  "deepseek_v3": '{"thinking": false}', "kimi_k2": '{"thinking": false}'}
 THINK_START, THINK_END, TOOL_CALL_START = "<think>", "</think>", "<tool_call>"
 KIMI_SECTIONS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SEED_THINK_START, SEED_THINK_END = "<seed:think>", "</seed:think>"
+GRANITE_STARTS = ("Here is my thought process:", "Here's my thought process:")
+GRANITE_ENDS = ("Here is my response:", "Here's my response:")
+RESPONSE_START, RESPONSE_END = "<response>", "</response>"
+MISTRAL_THINK, MISTRAL_THINK_END = "[THINK]", "[/THINK]"
 
 Event = tuple  # ("reasoning", str) | ("content", str) | a tool parser's events
 
@@ -84,11 +100,13 @@ def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
 class ReasoningParser:
     """The thinking of one sequence's text. `end_tags`: the tags that end the reasoning, with
     whether the tag itself is content (`<tool_call>`) or dropped (`</think>`). `thinking`: False when
-    the whole output is content (qwen3 or glm45 with thinking switched off). `start`: the opening tag."""
+    the whole output is content (qwen3 or glm45 with thinking switched off). `starts`: the opening tags, dropped
+    at the start (after blanks); without one there the output is reasoning, or content if `required`."""
 
-    def __init__(self, end_tags: dict[str, bool], thinking: bool = True, start: str = THINK_START):
+    def __init__(self, end_tags: dict[str, bool], thinking: bool = True, starts: tuple[str, ...] = (THINK_START,),
+                 required: bool = False):
         self.end_tags = end_tags
-        self.start = start
+        self.starts, self.required = starts, required
         self._state = "lead" if thinking else "content"  # lead (only blanks so far), reasoning, content
         self._buffer = ""
 
@@ -97,13 +115,14 @@ class ReasoningParser:
         out: list[Event] = []
         if self._state == "lead":
             stripped = self._buffer.lstrip()
-            if stripped.startswith(self.start):  # the model opened the thinking itself: the tag goes
-                self._buffer = stripped[len(self.start):]
+            start = next((tag for tag in self.starts if stripped.startswith(tag)), None)
+            if start is not None:  # the model opened the thinking itself: the tag goes
+                self._buffer = stripped[len(start):]
                 self._state = "reasoning"
-            elif self.start.startswith(stripped):  # blanks, or maybe the tag: wait for more
+            elif any(tag.startswith(stripped) for tag in self.starts):  # blanks, or maybe the tag: wait for more
                 return out
             else:
-                self._state = "reasoning"
+                self._state = "content" if self.required else "reasoning"
         if self._state == "reasoning":
             out += self._reasoning()
         if self._state == "content" and self._buffer:
@@ -129,7 +148,87 @@ class ReasoningParser:
         text, self._buffer = self._buffer, ""
         if not text:
             return []
-        return [("content" if self._state == "content" else "reasoning", text)]
+        content = self._state == "content" or self._state == "lead" and self.required
+        return [("content" if content else "reasoning", text)]
+
+
+class Ernie45ReasoningParser(ReasoningParser):
+    """ernie45: deepseek_r1's reasoning, the answer unwrapped from `<response>` ... (its last) `</response>`."""
+
+    def __init__(self):
+        super().__init__({THINK_END: False})
+        self._answer = "lead"  # lead (blanks so far), inside (after <response>), plain
+        self._held = ""
+
+    def feed(self, text: str) -> list[Event]:
+        return self._unwrap(super().feed(text), final=False)
+
+    def finish(self) -> list[Event]:
+        return self._unwrap(super().finish(), final=True)
+
+    def _unwrap(self, events: list[Event], final: bool) -> list[Event]:
+        out = [e for e in events if e[0] == "reasoning"]
+        self._held += "".join(e[1] for e in events if e[0] == "content")
+        held = self._held
+        if self._answer == "lead" and held:
+            rest = held.lstrip()
+            if rest.startswith(RESPONSE_START):
+                self._answer, held = "inside", rest[len(RESPONSE_START):]
+            elif not RESPONSE_START.startswith(rest) or final:
+                self._answer = "plain"
+        if self._answer == "plain":
+            text, held = held, ""
+        elif self._answer == "inside":  # held from the last </response> (or what may begin one) on
+            at = held.rfind(RESPONSE_END)
+            if at < 0:
+                at = len(held) - (0 if final else _held_suffix(held, (RESPONSE_END,)))
+            text, held = held[:at], held[at:]
+            if final:
+                held = ""  # the last </response> and what follows it go
+        else:
+            text = ""
+        self._held = held
+        return out + ([("content", text)] if text else [])
+
+
+class MistralReasoningParser(ReasoningParser):
+    """mistral: content, `[THINK]` reasoning `[/THINK]`, content; a `[/THINK]` before any `[THINK]` dropped (the
+    first)."""
+
+    def __init__(self):
+        super().__init__({MISTRAL_THINK_END: False})
+        self._state = "before"  # before (content), reasoning, content
+        self._dropped = False  # a stray [/THINK] was dropped
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._run(final=False)
+
+    def _run(self, final: bool) -> list[Event]:
+        out: list[Event] = []
+        if self._state == "before":
+            tags = (MISTRAL_THINK,) if self._dropped else (MISTRAL_THINK, MISTRAL_THINK_END)
+            found = [(at, tag) for at, tag in ((self._buffer.find(tag), tag) for tag in tags) if at >= 0]
+            if not found:
+                keep = 0 if final else _held_suffix(self._buffer, tags)
+                text, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                return [("content", text)] if text else []
+            at, tag = min(found)
+            out += [("content", self._buffer[:at])] if at else []
+            self._buffer = self._buffer[at + len(tag):]
+            if tag == MISTRAL_THINK_END:
+                self._dropped = True
+                return out + self._run(final)
+            self._state = "reasoning"
+        if self._state == "reasoning":
+            out += self._reasoning()
+        if self._state == "content" and self._buffer:
+            out.append(("content", self._buffer))
+            self._buffer = ""
+        return out
+
+    def finish(self) -> list[Event]:
+        return self._run(final=True) + super().finish()
 
 
 class MiniMaxM2ReasoningParser(ReasoningParser):
@@ -190,7 +289,13 @@ def make_parser(name: str, chat_template_kwargs: dict | None = None) -> Reasonin
         return ReasoningParser({THINK_END: False, **{tag: True for tag in KIMI_SECTIONS}},
                                thinks(name, chat_template_kwargs))
     if name == "seed_oss":
-        return ReasoningParser({SEED_THINK_END: False}, start=SEED_THINK_START)
+        return ReasoningParser({SEED_THINK_END: False}, starts=(SEED_THINK_START,))
+    if name == "ernie45":
+        return Ernie45ReasoningParser()
+    if name == "granite":
+        return ReasoningParser({tag: False for tag in GRANITE_ENDS}, starts=GRANITE_STARTS, required=True)
+    if name == "mistral":
+        return MistralReasoningParser()
     if name == "minimax_m2":
         return MiniMaxM2ReasoningParser()
     if name == "minimax_m2_append_think":

@@ -58,8 +58,9 @@ async def start_chat_generation(ctx: ServingContext, body: object, request_id: s
         # </tool_call> are special tokens in some models' vocabularies, [TOOL_CALLS] and [ARGS] in Mistral's,
         # Kimi-K2's <|tool_call...|> markers in its, and skipped they would never reach the parser
         params = params.replace(skip_special_tokens=False)
-    if ctx.reasoning_parser == "openai_gptoss":
-        params = params.replace(skip_special_tokens=False)  # harmony's markers are special tokens (harmony.py)
+    if ctx.reasoning_parser in ("openai_gptoss", "mistral"):
+        # harmony's markers are special tokens (harmony.py), and so are Magistral's [THINK] and [/THINK]
+        params = params.replace(skip_special_tokens=False)
     messages = request.template_messages()
     try:
         if has_image_parts(messages):  # a vision model's images and videos (runtime/multimodal.py); text models refuse

@@ -72,6 +72,46 @@ SEED_OSS = [tuple(_seed(t) for t in case) for case in BOTH] + [
     ("a</seed:thin", "a</seed:thin", ""),
 ]
 
+# vLLM's ernie45: deepseek_r1's, the answer unwrapped from <response> ... </response> (ERNIE-4.5-21B-A3B-Thinking's
+# "abc\n</think>\n\n<response>\ndef\n</response>\n", or "abc\n</think>\ndef")
+ERNIE45 = BOTH + [
+    ("abc\n</think>\n\n<response>\ndef\n</response>\n", "abc\n", "\ndef\n"),
+    ("abc\n</think>\ndef", "abc\n", "\ndef"),
+    ("a</think><response>x</response>y</response>z", "a", "x</response>y"),  # the last </response> ends it
+    ("a</think>\n<response>cut", "a", "cut"),  # cut inside: what was written
+    ("a</think>\n<respo", "a", "\n<respo"),
+    ("a</think>x<response>y</response>", "a", "x<response>y</response>"),  # not after blanks only: as written
+    ("a</think><response></response>", "a", ""),
+]
+
+# vLLM's granite: "Here is my thought process:" ... "Here is my response:" ... ("Here's" too), at the start
+GRANITE = [
+    ("Here is my thought process: 2 + 2. Here is my response: 4.", " 2 + 2. ", " 4."),
+    ("Here's my thought process:\nhmm\nHere's my response:\nok", "\nhmm\n", "\nok"),
+    ("  Here is my thought process:a Here's my response:b Here is my response:c", "a ", "b Here is my response:c"),
+    ("Here is my thought process: cut by max_tokens", " cut by max_tokens", ""),
+    ("Here is my thought process: a Here is my resp", " a Here is my resp", ""),
+    # anything else at the start: all content, exactly
+    ("The answer is 4. Here is my response: 4", "", "The answer is 4. Here is my response: 4"),
+    ("Here is the answer: 4", "", "Here is the answer: 4"),
+    ("  Here is my", "", "  Here is my"),
+    ("", "", ""),
+]
+
+# vLLM's mistral (Magistral): [THINK] ... [/THINK]; no [THINK]: all content, its first stray [/THINK] dropped
+MISTRAL = [
+    ("[THINK]Let me see.[/THINK]It is 4.", "Let me see.", "It is 4."),
+    ("Intro [THINK]a[/THINK] b", "a", "Intro  b"),
+    ("[THINK]cut while thinking", "cut while thinking", ""),
+    ("Just an answer.", "", "Just an answer."),
+    ("a[/THINK]b[/THINK]c", "", "ab[/THINK]c"),
+    ("[THINK]a[/THINK]b[THINK]c[/THINK]", "a", "b[THINK]c[/THINK]"),  # after the reasoning: as written
+    ("<think>a</think>b", "", "<think>a</think>b"),
+    ("[THINK]a[/THI", "a[/THI", ""),
+    ("x[THI", "", "x[THI"),
+    ("", "", ""),
+]
+
 # vLLM's minimax_m2: reasoning to the first </think> (nothing dropped before it), then content without any </think>
 MINIMAX_M2 = [
     ("abc</think>xyz", "abc", "xyz"),
@@ -108,7 +148,9 @@ def _streamed(parser, pieces: list[str]) -> tuple[str, str]:
 
 @pytest.mark.parametrize(("name", "text", "reasoning", "content"),
                          [("deepseek_r1", *case) for case in DEEPSEEK_R1] + [("qwen3", *case) for case in QWEN3]
-                         + [("kimi_k2", *case) for case in KIMI_K2] + [("seed_oss", *case) for case in SEED_OSS])
+                         + [("kimi_k2", *case) for case in KIMI_K2] + [("seed_oss", *case) for case in SEED_OSS]
+                         + [("ernie45", *case) for case in ERNIE45] + [("granite", *case) for case in GRANITE]
+                         + [("mistral", *case) for case in MISTRAL])
 def test_parser_reads_the_text_the_same_way_whatever_the_split(name, text, reasoning, content):
     assert split(make_parser(name), text) == (reasoning, content)
     for pieces in _pieces(text):
@@ -193,12 +235,12 @@ def test_tool_calls_are_read_from_the_content_only():
 def test_unknown_names_are_refused_with_the_supported_ones():
     assert REASONING_PARSERS[:7] == ("deepseek_r1", "qwen3", "glm45", "deepseek_v3", "minimax_m2",
                                      "minimax_m2_append_think", "openai_gptoss")
-    assert {"kimi_k2", "seed_oss"} <= set(REASONING_PARSERS)
+    assert {"kimi_k2", "seed_oss", "ernie45", "granite", "mistral"} <= set(REASONING_PARSERS)
     check_name(None)
     for name in REASONING_PARSERS:
         check_name(name)
     supported = "supported: deepseek_r1, qwen3, glm45, deepseek_v3, minimax_m2, minimax_m2_append_think, openai_gptoss"
-    with pytest.raises(ValueError, match=f"'granite'; {supported}"):
-        check_name("granite")
+    with pytest.raises(ValueError, match=f"'step3'; {supported}"):
+        check_name("step3")
     with pytest.raises(ValueError, match=supported):
-        make_parser("granite")
+        make_parser("step3")

@@ -6,7 +6,7 @@ last flag lets constrain the whole output) to hold `<think>...</think>`. Replies
 `reasoning` and `reasoning_content`, the answer in `content`; stream deltas carry the same pieces,
 which join to the reply; tool calls come from the answer only; n > 1, logprobs and usage (with
 completion_tokens_details.reasoning_tokens); qwen3's rules and enable_thinking false; seed_oss's tags with its
-tool parser; /v1/completions
+tool parser; ernie45's, granite's and mistral's rules; /v1/completions
 left unparsed; the 400s for structured output and forced tool calls; the start-up refusals."""
 
 from __future__ import annotations
@@ -219,6 +219,31 @@ def test_seed_oss_reasoning_then_calls(client, switch):
     assert _fields(choice.message) == ("Still thinking <think>", None)
 
 
+@pytest.mark.parametrize(("parser", "forced", "reasoning", "content"), [
+    ("ernie45", "Paris.\n</think>\n\n<response>\nSunny.\n</response>\n", "Paris.\n", "\nSunny.\n"),
+    ("granite", "Here is my thought process: Paris. Here is my response: Sunny.", " Paris. ", " Sunny."),
+    ("granite", "Sunny.", None, "Sunny."),
+    ("mistral", "[THINK]Paris.[/THINK]Sunny.", "Paris.", "Sunny."),
+    ("mistral", "Sunny.", None, "Sunny."),
+])
+def test_ernie45_granite_and_mistral_rules(client, switch, parser, forced, reasoning, content):
+    switch(reasoning_parser=parser)
+    body = _body([forced])
+    choice = client.chat.completions.create(**body).choices[0]
+    assert _fields(choice.message) == (reasoning, content)
+    _, streamed = _stream(client, **body)
+    _same(streamed[0], choice)
+
+
+def test_mistral_keeps_special_tokens_in_the_text(client, switch):
+    """Magistral's [THINK] and [/THINK] are special tokens: --reasoning-parser mistral keeps special tokens in the text
+    (the 12M model's <|im_start|>, a special token, stands for them here); deepseek_r1 does not."""
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
+    assert _fields(client.chat.completions.create(**body).choices[0].message) == (None, None)
+    switch(reasoning_parser="mistral")
+    assert _fields(client.chat.completions.create(**body).choices[0].message) == (None, "<|im_start|>" * 2)
+
+
 def test_without_the_structured_outputs_flag_constraints_are_refused(client, switch):
     switch(reasoning_in_structured_output=False)
     for extra, param in [({"guided_choice": ["a"]}, "guided_choice"), ({"guided_regex": "a+"}, "guided_regex"),
@@ -266,7 +291,7 @@ def test_a_server_without_the_parser_keeps_the_plain_shape(app, switch):
 
 
 def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
-    code, err = llmc_cli("run", tmp_path, "--reasoning-parser", "granite")
+    code, err = llmc_cli("run", tmp_path, "--reasoning-parser", "step3")
     assert code == 2 and "'deepseek_r1'" in err and "'qwen3'" in err
     code, err = llmc_cli("run", tmp_path, "--prompt", "hi", "--reasoning-parser", "qwen3")
     assert code == 2 and "--reasoning-parser applies to the server" in err
@@ -282,7 +307,7 @@ def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
     code, err = llmc_cli("run", tmp_path, "--chat", "--structured-outputs-config", '{"enable_in_reasoning": true}')
     assert code == 2 and "--structured-outputs-config applies to the server" in err
     with pytest.raises(ValueError, match="supported: deepseek_r1, qwen3"):
-        build_app(lambda: None, MODEL, reasoning_parser="granite")
+        build_app(lambda: None, MODEL, reasoning_parser="step3")
 
 
 @pytest.mark.slow  # a server of its own: 4 s on 2 cores
