@@ -28,6 +28,11 @@ Parsers (`--tool-call-parser`):
   list is read whole at its closing `]` (no call streams before); output that starts otherwise, or a
   list with anything but such calls, is all content. llama4_pythonic (vLLM's Llama4PythonicToolParser) is this
   parser: Llama 4's calls in `<|python_start|>` ... `<|python_end|>` or bare, read by the same rules.
+* ernie45 (ERNIE 4.5, vLLM's ernie45): hermes's blocks, the arguments under "arguments" only (a block without them
+  calls the function without any: {}); as in vLLM, nothing after the first call is content.
+* granite (Granite 3.x, vLLM's granite): output that is (after blanks, `<|tool_call|>` and / or `<tool_call>`) a
+  JSON array of {"name": ..., "arguments": ...} objects; output that starts otherwise is all content, and text after
+  the array is dropped.
 * openai: gpt-oss's harmony messages, a call being a message to `functions.NAME` (runtime/server/harmony.py;
   with --reasoning-parser openai_gptoss only, which reads the whole output).
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
@@ -45,7 +50,7 @@ import re
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
                      "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic",
-                     "kimi_k2", "seed_oss")
+                     "kimi_k2", "seed_oss", "ernie45", "granite")
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
@@ -284,6 +289,7 @@ def _first(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
 
 class HermesToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"
+    ARGS_KEYS = ("arguments", "parameters")
 
     def __init__(self):
         super().__init__()
@@ -304,7 +310,7 @@ class HermesToolParser(ToolParser):
                     break
                 out += self._content(self._buffer[:at])
                 self._buffer = self._buffer[at + len(self.START):]
-                self._call, self._raw = self._new_call(("arguments", "parameters")), []
+                self._call, self._raw = self._new_call(self.ARGS_KEYS), []
             else:
                 at = self._buffer.find(self.END)
                 if at < 0:
@@ -369,10 +375,8 @@ class JsonCallsParser(ToolParser):
             return []
         self._raw.append(char)
         if mode == "lead":
-            raw = "".join(self._raw)
-            if self.prefix_tag and raw.startswith(self.prefix_tag):
-                raw = raw[len(self.prefix_tag):]
-            elif self.prefix_tag and self.prefix_tag.startswith(raw):
+            raw = self._after_tags("".join(self._raw))
+            if raw is None:
                 return []  # maybe the tag
             if not raw.strip():
                 return []
@@ -416,6 +420,14 @@ class JsonCallsParser(ToolParser):
             return []
         return self._not_calls()
 
+    def _after_tags(self, raw: str) -> str | None:
+        """The output so far without its opening tag, or None while it may be one."""
+        if self.prefix_tag and raw.startswith(self.prefix_tag):
+            return raw[len(self.prefix_tag):]
+        if self.prefix_tag and self.prefix_tag.startswith(raw):
+            return None
+        return raw
+
     def _start_object(self, char: str) -> list[Event]:
         self._mode = "object"
         self._call = self._new_call(self.args_keys)
@@ -438,6 +450,35 @@ class JsonCallsParser(ToolParser):
             out += self._not_calls()
         self._mode, self._call, self._raw = "drop", None, []
         return out + self._end_content()
+
+
+class Ernie45ToolParser(HermesToolParser):
+    """ERNIE 4.5's calls: hermes's blocks, the arguments under "arguments" only; nothing after the first call is
+    content (vLLM's ernie45, both its paths)."""
+
+    ARGS_KEYS = ("arguments",)
+
+    def _content(self, text: str) -> list[Event]:
+        return [] if self.called else super()._content(text)
+
+
+class GraniteToolParser(JsonCallsParser):
+    """Granite 3.x's calls: `<|tool_call|>` (3.0) and / or `<tool_call>` (3.1+), then a JSON array of {"name",
+    "arguments"} objects; output that starts otherwise is all content, text after the array is dropped."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")
+
+    def __init__(self):
+        super().__init__(("arguments",), ",", opener="[", closer="]")
+
+    def _after_tags(self, raw: str) -> str | None:
+        rest = raw.lstrip()
+        for tag in self.TAGS:
+            if rest.startswith(tag):
+                rest = rest[len(tag):].lstrip()
+            elif rest and tag.startswith(rest):
+                return None
+        return rest
 
 
 def _merged(events: list[Event]) -> list[Event]:
@@ -829,6 +870,10 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
     seed_oss's values."""
     if kind == "hermes":
         return HermesToolParser()
+    if kind == "ernie45":
+        return Ernie45ToolParser()
+    if kind == "granite":
+        return GraniteToolParser()
     if kind in ("llama3_json", "llama4_json"):
         return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
     if kind == "mistral":

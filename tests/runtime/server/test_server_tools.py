@@ -243,7 +243,12 @@ def test_auto_plain_text_is_content(client):
     ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "ping", '
                 '"arguments": {}}]', "Checking."),
     ("pythonic", '[get_time(zone="UTC"), ping()]', None),
-], ids=["llama3_json", "mistral", "mistral-array", "pythonic"])
+    ("llama4_pythonic", '<|python_start|>[get_time(zone="UTC"), ping()]<|python_end|>', None),
+    ("ernie45", 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n', "Checking."),
+    ("granite", '<tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "ping", "arguments": {}}]',
+     None),
+], ids=["llama3_json", "mistral", "mistral-array", "pythonic", "llama4_pythonic", "ernie45", "granite"])
 def test_other_parsers(client, app, parser, text, content):
     ctx = app[1]
     ctx.tool_call_parser = parser
@@ -384,14 +389,14 @@ def test_tokenize_refuses_tools_with_a_prompt_and_bad_tools(app):
 
 
 def test_server_flags_are_checked_at_start_up(llmc_cli, tmp_path):
-    code, err = llmc_cli("run", tmp_path, "--tool-call-parser", "granite")
+    code, err = llmc_cli("run", tmp_path, "--tool-call-parser", "step3")
     assert code == 2 and all(f"'{name}'" in err for name in ("hermes", "llama3_json", "mistral", "pythonic"))
     code, err = llmc_cli("run", tmp_path, "--enable-auto-tool-choice")
     assert code == 2 and "--enable-auto-tool-choice requires --tool-call-parser" in err
     code, err = llmc_cli("run", tmp_path, "--prompt", "hi", "--tool-call-parser", "hermes")
     assert code == 2 and "--tool-call-parser applies to the server" in err
     with pytest.raises(ValueError, match="supported: hermes, llama3_json, mistral, pythonic"):
-        build_app(lambda: None, MODEL, tool_call_parser="granite")
+        build_app(lambda: None, MODEL, tool_call_parser="step3")
 
 
 def test_required_takes_pydantic_v1_and_zod_definitions(client):

@@ -130,6 +130,36 @@ LLAMA4 = PYTHONIC + [
     ("<|python_start|>[f(a=x)]<|python_end|>", "<|python_start|>[f(a=x)]<|python_end|>", []),  # not a literal
 ]
 
+# ERNIE 4.5's template: hermes's blocks ("arguments" only); vLLM's ernie45 keeps no content after the first call
+ERNIE45 = [
+    (f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER}}}\n</tool_call>\n', "", [("get_weather", WEATHER)]),
+    ('Let me look.\n\n<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\nand then\n<tool_call>{"name": "g"}'
+     "</tool_call> done", "Let me look.", [("f", '{"x": 1}'), ("g", "{}")]),
+    ('<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>', "", [("f", "{}")]),  # "parameters" not read
+    ('<tool_call>{"name": "f", "arguments": {"x": "ab', "", [("f", '{"x": "ab')]),  # cut
+    ("<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>oops</tool_call>', "", [("f", "{}")]),
+    ("No call here.\n", "No call here.\n", []),
+]
+
+# Granite 3.0's <|tool_call|> token / 3.1+'s <tool_call> string, then a JSON array of {"name", "arguments"}
+GRANITE = [
+    ('<|tool_call|>[{"name": "get_weather", "arguments": ' + WEATHER + "}]", "", [("get_weather", WEATHER)]),
+    (' <tool_call>[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]', "",
+     [("f", '{"x": 1}'), ("g", "{}")]),
+    ('<|tool_call|> <tool_call> [{"name": "f", "arguments": {}}]', "", [("f", "{}")]),
+    ('[{"name": "f", "arguments": {"a": [1]}}]', "", [("f", '{"a": [1]}')]),  # the tag left out
+    ('<tool_call>[{"name": "f", "arguments": {"s": "x', "", [("f", '{"s": "x')]),  # cut
+    ('<tool_call>[{"name": "f", "arguments": {}}] trailing', "", [("f", "{}")]),  # after the array: dropped
+    # not calls: all content, exactly
+    ('<tool_call>{"name": "f", "arguments": {}}', '<tool_call>{"name": "f", "arguments": {}}', []),
+    ('Sure: <tool_call>[{"name": "f"}]', 'Sure: <tool_call>[{"name": "f"}]', []),
+    ("<tool_call>[1, 2]", "<tool_call>[1, 2]", []),
+    ("<|tool_call|>hello", "<|tool_call|>hello", []),
+    ("<tool", "<tool", []),
+    ("The weather is fine.", "The weather is fine.", []),
+]
+
 REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
@@ -155,7 +185,8 @@ def _check(kind: str, text: str, content: str, calls: list, name: str | None = N
 @pytest.mark.parametrize(("kind", "text", "content", "calls"),
                          [(kind, *case) for kind, cases in [("hermes", HERMES), ("llama3_json", LLAMA3),
                                                             ("mistral", MISTRAL), ("pythonic", PYTHONIC),
-                                                            ("llama4_json", LLAMA3), ("llama4_pythonic", LLAMA4)]
+                                                            ("llama4_json", LLAMA3), ("llama4_pythonic", LLAMA4),
+                                                            ("ernie45", ERNIE45), ("granite", GRANITE)]
                           for case in cases])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
@@ -215,7 +246,7 @@ def test_events_come_in_vllm_s_order():
 def test_unknown_parser_lists_the_supported_ones():
     assert TOOL_CALL_PARSERS[:11] == ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder",
                                       "deepseek_v3", "deepseek_v31", "minimax_m2", "openai")
-    assert {"llama4_json", "llama4_pythonic"} <= set(TOOL_CALL_PARSERS)
+    assert {"llama4_json", "llama4_pythonic", "ernie45", "granite"} <= set(TOOL_CALL_PARSERS)
     with pytest.raises(ValueError, match="glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2, openai, "
                                          "llama4_json"):
-        make_parser("granite")
+        make_parser("step3")
