@@ -292,7 +292,8 @@ def _finite(param, value: float | None) -> float | None:
               "(<｜tool▁calls▁begin｜>...: DeepSeek-V3/R1), deepseek_v31 (NAME<｜tool▁sep｜>{...}: DeepSeek-V3.1), "
               "minimax_m2 (<minimax:tool_call><invoke name=...: MiniMax-M2), kimi_k2 (<|tool_calls_section_begin|>...: "
               "Kimi-K2), seed_oss (<seed:tool_call><function=NAME>...: Seed-OSS), ernie45 "
-              "(<tool_call>{...}</tool_call>: ERNIE 4.5), granite (<tool_call>[{...}]: Granite 3.x) or "
+              "(<tool_call>{...}</tool_call>: ERNIE 4.5), granite (<tool_call>[{...}]: Granite 3.x), olmo3 "
+              "(<function_calls>f(a=1)...: OLMo 3) or "
               "openai (gpt-oss's harmony messages to functions.NAME; with --reasoning-parser openai_gptoss)")
 @click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default=None,
               help="server: chat replies carry the model's thinking (<think>...</think>) apart in reasoning / "

@@ -33,6 +33,8 @@ Parsers (`--tool-call-parser`):
 * granite (Granite 3.x, vLLM's granite): output that is (after blanks, `<|tool_call|>` and / or `<tool_call>`) a
   JSON array of {"name": ..., "arguments": ...} objects; output that starts otherwise is all content, and text after
   the array is dropped.
+* olmo3 (OLMo 3, vLLM's olmo3): `<function_calls>` then one Python call a line, JSON's true / false / null as
+  literals too, then `</function_calls>` (Olmo3ToolParser).
 * openai: gpt-oss's harmony messages, a call being a message to `functions.NAME` (runtime/server/harmony.py;
   with --reasoning-parser openai_gptoss only, which reads the whole output).
 Plus the forms of tool_choice "required" (a JSON array of {"name", "parameters"} objects, generated
@@ -50,7 +52,7 @@ import re
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder", "deepseek_v3",
                      "deepseek_v31", "minimax_m2", "openai", "llama4_json", "llama4_pythonic",
-                     "kimi_k2", "seed_oss", "ernie45", "granite")
+                     "kimi_k2", "seed_oss", "ernie45", "granite", "olmo3")
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
@@ -671,24 +673,35 @@ class MistralToolParser(BufferedToolParser):
         return self._content(self.TAG)
 
 
-def _python_call(node: ast.expr) -> tuple[str, str] | None:
-    """(name, JSON arguments) of `name(key=literal, ...)`, or None for anything else."""
+class _JsonNames(ast.NodeTransformer):
+    """JSON's true, false and null written as names, read as the constants (vLLM's olmo3 rule)."""
+
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
+
+
+def _python_call(node: ast.expr, json_names: bool = False) -> tuple[str, str] | None:
+    """(name, JSON arguments) of `name(key=literal, ...)`, or None for anything else (`json_names`: true, false
+    and null are literals too)."""
     if (not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args
             or any(kw.arg is None for kw in node.keywords)):  # positional arguments, **kwargs
         return None
     try:
-        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+        values = [_JsonNames().visit(kw.value) if json_names else kw.value for kw in node.keywords]
+        kwargs = {kw.arg: ast.literal_eval(value) for kw, value in zip(node.keywords, values)}
         return node.func.id, json.dumps(kwargs, ensure_ascii=False, allow_nan=False)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # not a literal, not JSON
         return None
 
 
-def _python_calls(elements: list[str]) -> list[tuple[str, str]] | None:
+def _python_calls(elements: list[str], json_names: bool = False) -> list[tuple[str, str]] | None:
     """The calls of a list's elements (each the text of one), or None if one is not a call."""
     calls = []
     for element in elements:
         try:
-            call = _python_call(ast.parse(element.strip(), mode="eval").body)
+            call = _python_call(ast.parse(element.strip(), mode="eval").body, json_names)
         except (SyntaxError, ValueError, MemoryError, RecursionError):
             return None
         if call is None:
@@ -836,6 +849,66 @@ class PythonicToolParser(ToolParser):
         return self._content(text)
 
 
+class Olmo3ToolParser(ToolParser):
+    """OLMo 3's calls: output that starts (after blanks) with `<function_calls>`, then one Python call a line,
+    `get_weather(city="Paris", metric=true)` (JSON's true, false and null read as literals), then
+    `</function_calls>`; read whole at the end tag (nothing is sent before), the arguments json.dumps of the
+    keywords. If a line is not such a call, or none is there, the whole text is content; output that starts
+    otherwise is all content. Text after the end tag is dropped. Cut before the end tag: the whole lines stand if
+    they are calls, the last may be a call cut after `name(` (no arguments: none invented)."""
+
+    START, END = "<function_calls>", "</function_calls>"
+
+    def __init__(self):
+        super().__init__()
+        self._buffer = ""
+        self._state = "lead"  # lead, calls, content, drop
+        self._start = 0  # where the calls begin in the buffer
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        return self._step(final=False)
+
+    def finish(self) -> list[Event]:
+        return self._step(final=True) + self._end_content()
+
+    def _step(self, final: bool) -> list[Event]:
+        if self._state == "lead":
+            rest = self._buffer.lstrip()
+            if rest.startswith(self.START):
+                self._state, self._start = "calls", len(self._buffer) - len(rest) + len(self.START)
+            elif self.START.startswith(rest) and not final:
+                return []  # blanks, or maybe the tag
+            else:
+                self._state = "content"
+        if self._state == "calls":
+            at = self._buffer.find(self.END, self._start)
+            if at < 0 and not final:
+                return []
+            lines = [line for line in self._buffer[self._start:at if at >= 0 else None].splitlines() if line.strip()]
+            calls = _python_calls(lines, json_names=True) if at >= 0 else self._cut(lines)
+            if not calls:
+                self._state = "content"
+            else:
+                self._buffer, self._state = "", "drop"
+                return self._count([e for index, (name, args) in enumerate(calls)
+                                    for e in [("call", index, name)] + ([("args", index, args)] if args else [])])
+        if self._state == "content":
+            text, self._buffer = self._buffer, ""
+            return self._content(text)
+        self._buffer = ""
+        return []
+
+    @staticmethod
+    def _cut(lines: list[str]) -> list[tuple[str, str]] | None:
+        calls = _python_calls(lines[:-1], json_names=True)
+        if calls is None or not lines:
+            return None
+        whole = _python_calls(lines[-1:], json_names=True)
+        cut = PythonicToolParser._CUT_CALL.match(lines[-1])
+        return calls + whole if whole is not None else calls + [(cut.group(1), "")] if cut else None
+
+
 class NamedToolParser(ToolParser):
     """A named tool_choice: the whole output is the arguments of one call of that function."""
 
@@ -874,6 +947,8 @@ def make_parser(kind: str, name: str | None = None, tools: list[dict] | None = N
         return Ernie45ToolParser()
     if kind == "granite":
         return GraniteToolParser()
+    if kind == "olmo3":
+        return Olmo3ToolParser()
     if kind in ("llama3_json", "llama4_json"):
         return JsonCallsParser(("parameters", "arguments"), ";", prefix_tag="<|python_tag|>")
     if kind == "mistral":

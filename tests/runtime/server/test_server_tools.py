@@ -248,7 +248,8 @@ def test_auto_plain_text_is_content(client):
                 '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>\n', "Checking."),
     ("granite", '<tool_call>[{"name": "get_time", "arguments": {"zone": "UTC"}}, {"name": "ping", "arguments": {}}]',
      None),
-], ids=["llama3_json", "mistral", "mistral-array", "pythonic", "llama4_pythonic", "ernie45", "granite"])
+    ("olmo3", '<function_calls>\nget_time(zone="UTC")\nping()\n</function_calls>', None),
+], ids=["llama3_json", "mistral", "mistral-array", "pythonic", "llama4_pythonic", "ernie45", "granite", "olmo3"])
 def test_other_parsers(client, app, parser, text, content):
     ctx = app[1]
     ctx.tool_call_parser = parser

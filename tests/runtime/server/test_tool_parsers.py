@@ -160,6 +160,28 @@ GRANITE = [
     ("The weather is fine.", "The weather is fine.", []),
 ]
 
+# OLMo 3's template: <function_calls>, one Python call a line (JSON's true / false / null allowed), </function_calls>
+OLMO3 = [
+    ('<function_calls>\nget_weather(city="Paris", days=[1, 2])\nget_time()\n</function_calls>', "",
+     [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", "{}")]),
+    ('  <function_calls>f(a=true, b=null, c={"k": false}, d=True)</function_calls>', "",
+     [("f", '{"a": true, "b": null, "c": {"k": false}, "d": true}')]),
+    ("<function_calls>\nf(s='x\\ny')\n</function_calls>\nDone.", "", [("f", '{"s": "x\\ny"}')]),  # after: dropped
+    # cut: the whole lines stand, a call cut after its name with no arguments (none invented)
+    ('<function_calls>\nf(a=1)\ng(b="x', "", [("f", '{"a": 1}'), ("g", "")]),
+    ("<function_calls>\nf(a=1)\n", "", [("f", '{"a": 1}')]),
+    # not calls: all content, exactly
+    ("<function_calls>\nf(a=x)\n</function_calls>", "<function_calls>\nf(a=x)\n</function_calls>", []),
+    ("<function_calls>\nI will call f.\nf()\n</function_calls>", "<function_calls>\nI will call f.\nf()\n"
+     "</function_calls>", []),
+    ("<function_calls></function_calls>", "<function_calls></function_calls>", []),
+    ("<function_calls>\nget_wea", "<function_calls>\nget_wea", []),
+    ("get_weather(city='Paris')", "get_weather(city='Paris')", []),  # without the tag (vLLM's stream: content)
+    ("Sure. <function_calls>f()</function_calls>", "Sure. <function_calls>f()</function_calls>", []),
+    ("<function", "<function", []),
+    ("", "", []),
+]
+
 REQUIRED = [
     ('[{"name":"f","parameters":{"a":1}}]', "", [("f", '{"a":1}')]),
     ('[{"name":"f","parameters":{"a":[1,2]}},{"name":"g","parameters":{}}]', "", [("f", '{"a":[1,2]}'), ("g", "{}")]),
@@ -186,7 +208,8 @@ def _check(kind: str, text: str, content: str, calls: list, name: str | None = N
                          [(kind, *case) for kind, cases in [("hermes", HERMES), ("llama3_json", LLAMA3),
                                                             ("mistral", MISTRAL), ("pythonic", PYTHONIC),
                                                             ("llama4_json", LLAMA3), ("llama4_pythonic", LLAMA4),
-                                                            ("ernie45", ERNIE45), ("granite", GRANITE)]
+                                                            ("ernie45", ERNIE45), ("granite", GRANITE),
+                                                            ("olmo3", OLMO3)]
                           for case in cases])
 def test_parser(kind, text, content, calls):
     _check(kind, text, content, calls)
@@ -246,7 +269,7 @@ def test_events_come_in_vllm_s_order():
 def test_unknown_parser_lists_the_supported_ones():
     assert TOOL_CALL_PARSERS[:11] == ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "glm47", "qwen3_coder",
                                       "deepseek_v3", "deepseek_v31", "minimax_m2", "openai")
-    assert {"llama4_json", "llama4_pythonic", "ernie45", "granite"} <= set(TOOL_CALL_PARSERS)
+    assert {"llama4_json", "llama4_pythonic", "ernie45", "granite", "olmo3"} <= set(TOOL_CALL_PARSERS)
     with pytest.raises(ValueError, match="glm45, glm47, qwen3_coder, deepseek_v3, deepseek_v31, minimax_m2, openai, "
                                          "llama4_json"):
         make_parser("step3")
