@@ -142,8 +142,10 @@ class ChatReply:
             content = None
         message = {"role": "assistant", "content": content, **reasoning.fields(self.ctx.reasoning_parser, thought)}
         if calls:
-            message["tool_calls"] = [{"id": new_id("chatcmpl-tool"), "type": "function",
-                                      "function": {"name": name, "arguments": arguments}} for name, arguments in calls]
+            ids = {event[1]: event[3] for event in events if event[0] == "call" and len(event) > 3}
+            message["tool_calls"] = [{"id": ids.get(index) or new_id("chatcmpl-tool"), "type": "function",
+                                      "function": {"name": name, "arguments": arguments}}
+                                     for index, (name, arguments) in enumerate(calls)]
         return message, self._finish_reason(completion, parser)
 
     def _header(self, obj: str) -> dict:
@@ -248,8 +250,9 @@ class ChatReply:
             events = [event for event in events if event[0] == "content" or event[1] == 0]
         calls: dict[int, dict] = {}
         for event in events:
-            if event[0] == "call":
-                calls[event[1]] = {"index": event[1], "id": new_id("chatcmpl-tool"), "type": "function",
+            if event[0] == "call":  # the model's own id where the parser read one (kimi_k2's)
+                call_id = event[3] if len(event) > 3 else new_id("chatcmpl-tool")
+                calls[event[1]] = {"index": event[1], "id": call_id, "type": "function",
                                    "function": {"name": event[2], "arguments": ""}}
             elif event[0] == "args":
                 entry = calls.setdefault(event[1], {"index": event[1], "function": {"arguments": ""}})

@@ -57,7 +57,8 @@ index, name) and ("args", index, text) events, and every decision depends on the
   around it off) that does not end in `:IDX`, holds a `<` or gives no name, and a call without the argument tag, are
   dropped. The arguments are the text as generated, blanks around it off (deepseek_v31's streaming); a next call's
   tag or a section's end cuts them. As in vLLM (both its paths), nothing from the first section tag on is content,
-  and output without one is all content. vLLM returns the id as the call's id; llmc's calls get their own ids.
+  and output without one is all content. The id is the call's id (vLLM's): its "call" event carries it, a fourth
+  element the server sends as the call's `id`.
 
 * seed_oss (Seed-OSS, vLLM's seed_oss_tool_parser): qwen3_coder's calls in `<seed:tool_call>` ... `</seed:tool_call>`
   (or bare), the values typed by seed_oss_value (vLLM's older qwen3coder rules, "null" first); a thinking span
@@ -670,7 +671,7 @@ class KimiK2ToolParser(DeepSeekV31ToolParser):
                     continue
                 self._buffer, self._state = buffer[hit[0] + len(self.SEP):], "args"
                 self._index, self._raw, self._sent = self.num_calls, "", 0
-                out += self._count([("call", self._index, name)])
+                out += self._count([("call", self._index, name, call_id)])  # the call's id: the model's
             else:  # args: to the call's end (a section's end or a next call cuts it)
                 ends = (self.CALL_END, self.CALL) + self.SECTION_ENDS
                 hit = _first(buffer, ends)

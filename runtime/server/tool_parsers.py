@@ -2,12 +2,13 @@
 
 A parser is fed the text of one sequence a piece at a time (`feed`) and told when it ends
 (`finish`); it returns events in output order: ("content", text), ("call", index, name) when a
-call's name is known, ("args", index, text) with the next piece of that call's arguments. The
-non-streaming reply folds the same events (`parse`), so a stream's joined content and argument
-pieces equal the non-streamed message whatever the pieces were: every decision depends on the
-text, never on where it was split. Arguments are the JSON text of the arguments value as
-generated (vLLM re-serializes a parsed object with json.dumps; the text here is the same JSON
-value, with the model's own spacing), except pythonic's, which are not JSON as generated.
+call's name is known (("call", index, name, id) where the model wrote the call's id: kimi_k2's), ("args",
+index, text) with the next piece of that call's arguments. The non-streaming reply folds the same events
+(`parse`), so a stream's joined content and argument pieces equal the non-streamed message whatever the
+pieces were: every decision depends on the text, never on where it was split. Arguments are the JSON text of
+the arguments value as generated (vLLM re-serializes a parsed object with json.dumps; the text here is the
+same JSON value, with the model's own spacing), except pythonic's (and olmo3's), which are not JSON as
+generated.
 
 Parsers (`--tool-call-parser`):
 * hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2 Pro, Qwen 2.5 /
@@ -56,7 +57,7 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "glm45", "g
 # vLLM's names of formats llmc does not read, refused by name at start-up
 NOT_BUILT = {"deepseek_v32": "DeepSeek-V3.2's DSML calls are not read by llmc"}
 
-Event = tuple  # ("content", str) | ("call", int, str) | ("args", int, str)
+Event = tuple  # ("content", str) | ("call", int, str) | ("call", int, str, str) | ("args", int, str)
 
 
 class _ObjectScanner:

@@ -164,6 +164,11 @@ def test_kimi_k2_reasoning_then_calls(client, switch):
         assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS[:1]
         assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": content or "",
                                            "calls": CALLS[:1], "finish_reason": "tool_calls"}
+    # the call's id is the model's, streamed or not (vLLM's; Kimi's template writes it back in the history)
+    assert reply.message.tool_calls[0].id == "functions.get_weather:0"
+    streamed_ids = [call.id for chunk in client.chat.completions.create(stream=True, **body) for choice in chunk.choices
+                    for call in choice.delta.tool_calls or [] if call.id]
+    assert streamed_ids == ["functions.get_weather:0"]
     off = client.chat.completions.create(**_body("Paris." + KIMI_K2, extra_body={
         "guided_choice": ["Paris." + KIMI_K2], "chat_template_kwargs": {"thinking": False}})).choices[0].message
     assert getattr(off, "reasoning_content", None) is None and off.content == "Paris."

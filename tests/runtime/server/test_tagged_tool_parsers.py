@@ -390,7 +390,7 @@ def test_deepseek_v31_streams_the_arguments_as_written():
 def test_kimi_k2_streams_the_arguments_as_written():
     parser = make_parser("kimi_k2")
     assert parser.feed(f"Hi {KB}{KC}functions.f:") == [("content", "Hi")]  # the name is known at the argument tag
-    assert parser.feed(f"0{KA}") == [("call", 0, "f")]
+    assert parser.feed(f"0{KA}") == [("call", 0, "f", "functions.f:0")]  # the model's id: the call's (vLLM's)
     assert parser.feed('{"a": "x ') == [("args", 0, '{"a": "x')]  # blanks may end the arguments: they wait
     assert parser.feed('y"} <|tool_call_') == [("args", 0, ' y"}')]
     assert parser.feed(f"end|>{KE} bye") == []
