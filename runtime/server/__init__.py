@@ -5,7 +5,7 @@
     serving_completion.py  POST /v1/completions
     serving_chat.py        POST /v1/chat/completions
     tool_parsers.py        tool calls read out of the generated text (--tool-call-parser), streamed or whole
-    tagged_tool_parsers.py the glm45, qwen3_coder and deepseek_v3 tool call parsers (tag-delimited calls)
+    tagged_tool_parsers.py the tag-delimited tool call parsers (glm45, qwen3_coder, deepseek_v3, kimi_k2, ...)
     reasoning_parsers.py   the thinking of reasoning models read apart from the answer (--reasoning-parser), streamed or whole
     harmony.py             gpt-oss's harmony messages read apart: analysis, final, calls (openai_gptoss / openai)
     protocol.py            request bodies (pydantic) and their SamplingParams
