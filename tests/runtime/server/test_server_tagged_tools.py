@@ -58,8 +58,9 @@ def client(app) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{app[0]}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def _stream(client, **body) -> dict:
-    """The stream's joined reasoning, content, calls [(name, arguments)] and finish_reason of choice 0."""
+def _stream(client, ids: list | None = None, **body) -> dict:
+    """The stream's joined reasoning, content, calls [(name, arguments)] and finish_reason of choice 0 (the calls'
+    ids appended to `ids`)."""
     joined = {"reasoning": "", "content": "", "calls": {}, "finish_reason": None}
     for chunk in client.chat.completions.create(stream=True, **body):
         for choice in chunk.choices:
@@ -67,6 +68,8 @@ def _stream(client, **body) -> dict:
             joined["content"] += choice.delta.content or ""
             for call in choice.delta.tool_calls or []:
                 entry = joined["calls"].setdefault(call.index, [call.function.name, ""])
+                if call.id and ids is not None:
+                    ids.append(call.id)
                 entry[1] += call.function.arguments or ""
             joined["finish_reason"] = choice.finish_reason or joined["finish_reason"]
     joined["calls"] = [tuple(joined["calls"][i]) for i in sorted(joined["calls"])]
@@ -158,17 +161,14 @@ def test_kimi_k2_reasoning_then_calls(client, switch):
     switch(reasoning_parser="kimi_k2", tool_call_parser="kimi_k2", reasoning_in_structured_output=True)
     for text, content in (("<think>Paris, in May.</think>" + FORMATS["kimi_k2"], "Checking."),
                           ("Paris, in May." + KIMI_K2, None)):
-        body = _body(text)
+        body, ids = _body(text), []
         reply = client.chat.completions.create(**body).choices[0]
         assert reply.message.reasoning_content == "Paris, in May." and reply.message.content == content
         assert [(c.function.name, c.function.arguments) for c in reply.message.tool_calls] == CALLS[:1]
-        assert _stream(client, **body) == {"reasoning": "Paris, in May.", "content": content or "",
-                                           "calls": CALLS[:1], "finish_reason": "tool_calls"}
-    # the call's id is the model's, streamed or not (vLLM's; Kimi's template writes it back in the history)
-    assert reply.message.tool_calls[0].id == "functions.get_weather:0"
-    streamed_ids = [call.id for chunk in client.chat.completions.create(stream=True, **body) for choice in chunk.choices
-                    for call in choice.delta.tool_calls or [] if call.id]
-    assert streamed_ids == ["functions.get_weather:0"]
+        assert _stream(client, ids, **body) == {"reasoning": "Paris, in May.", "content": content or "",
+                                                "calls": CALLS[:1], "finish_reason": "tool_calls"}
+        # the call's id is the model's, streamed or not (vLLM's; Kimi's template writes it back in the history)
+        assert [c.id for c in reply.message.tool_calls] == ids == ["functions.get_weather:0"]
     off = client.chat.completions.create(**_body("Paris." + KIMI_K2, extra_body={
         "guided_choice": ["Paris." + KIMI_K2], "chat_template_kwargs": {"thinking": False}})).choices[0].message
     assert getattr(off, "reasoning_content", None) is None and off.content == "Paris."
