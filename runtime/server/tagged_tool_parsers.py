@@ -309,15 +309,13 @@ def _type_of(schema) -> tuple[str, bool]:
     return (others[0] if others else "null" if names else "string"), "null" in names
 
 
-def qwen3_coder_value(text: str, schema) -> object:
-    """A Qwen3-Coder parameter's value typed by its JSON schema (None: not declared), as vLLM reads it."""
-    if schema is None:
-        return text
-    kind, nullable = _type_of(schema)
-    if (nullable or kind not in _STRING_TYPES) and text.lower() in _NULLS:
-        return None
-    if kind in _STRING_TYPES:
-        return text
+_NOT_SCALAR = object()
+
+
+def _scalar(text: str, kind: str) -> object:
+    """A value of a scalar schema type as vLLM's XML-style parsers (qwen3_coder, seed_oss) convert it: integer types by
+    int(), number types by float() (whole numbers as integers), the text where those do not convert; booleans "true"
+    (any case; any other text false); _NOT_SCALAR for other types."""
     try:
         if kind.startswith(("int", "uint", "long", "short", "unsigned")):
             return int(text)
@@ -328,6 +326,20 @@ def qwen3_coder_value(text: str, schema) -> object:
         return text
     if kind in ("boolean", "bool", "binary"):
         return text.lower() == "true"
+    return _NOT_SCALAR
+
+
+def qwen3_coder_value(text: str, schema) -> object:
+    """A Qwen3-Coder parameter's value typed by its JSON schema (None: not declared), as vLLM reads it."""
+    if schema is None:
+        return text
+    kind, nullable = _type_of(schema)
+    if (nullable or kind not in _STRING_TYPES) and text.lower() in _NULLS:
+        return None
+    if kind in _STRING_TYPES:
+        return text
+    if (value := _scalar(text, kind)) is not _NOT_SCALAR:
+        return value
     container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
     if container:
         try:
@@ -483,16 +495,8 @@ def seed_oss_value(text: str, schema) -> object:
     kind = str(schema["type"]).strip().lower() if isinstance(schema, dict) and "type" in schema else "string"
     if kind in _STRING_TYPES:
         return text
-    try:
-        if kind.startswith(("int", "uint", "long", "short", "unsigned")):
-            return int(text)
-        if kind.startswith(("num", "float")):
-            number = float(text)
-            return int(number) if number == int(number) else number
-    except (ValueError, OverflowError):
-        return text
-    if kind in ("boolean", "bool", "binary"):
-        return text.lower() == "true"
+    if (value := _scalar(text, kind)) is not _NOT_SCALAR:
+        return value
     if kind == "object" or kind.startswith("dict"):
         try:
             return json.loads(text)
