@@ -45,10 +45,8 @@ _REFUSED_ARCHITECTURES = {
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
-    "Qwen3_5MoeForCausalLM": "Qwen3.5 MoE (hybrid linear attention with experts) is not supported; the dense "
-                             "Qwen3_5ForCausalLM is",
-    "Qwen3NextForCausalLM": "Qwen3-Next (hybrid linear attention with experts) is not supported; the dense "
-                            "Qwen3_5ForCausalLM is",
+    "Qwen3NextForCausalLM": "Qwen3-Next (hybrid linear attention with experts) is not supported; Qwen3.5's "
+                            "Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM are",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
 }
@@ -275,7 +273,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _ministral3_config(config)
     if spec.family == "minimax_m2":
         config = _minimax_m2_config(config)
-    if spec.family == "qwen3_5":
+    if spec.family in QWEN3_5_FAMILIES:
         config = _qwen3_5_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
@@ -312,7 +310,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_glm4_moe_fields(config) if spec.family in ("glm4_moe", "dots1") else {}),
         **(_ernie4_5_moe_fields(config) if spec.family == "ernie4_5_moe" else {}),
         **(_minimax_m2_fields(config) if spec.family == "minimax_m2" else {}),
-        **(config["_qwen3_5"] if spec.family == "qwen3_5" else {}),
+        **(config["_qwen3_5"] if spec.family in QWEN3_5_FAMILIES else {}),
         **(_deepseek_fields(config, spec.family) if spec.family in DEEPSEEK_FAMILIES else {}),
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
@@ -843,8 +841,9 @@ def _minimax_m2_fields(config: dict) -> dict:
 def _moe_fields(config: dict, family: str) -> dict:
     """Mixtral, Granite MoE: every layer sparse, top-k always renormalised (Granite: the softmax of the top-k logits);
     OLMoE: every layer sparse, renormalised by norm_topk_prob. Qwen3-MoE, Qwen2-MoE: layer i is sparse unless it is
-    in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob. Qwen2-MoE's shared
-    expert (gated) and Granite MoE shared's (shared_intermediate_size; 0: none) are read with them."""
+    in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0; renormalised by norm_topk_prob (Qwen3.5-MoE: every
+    layer, always: _qwen3_5_config). Qwen2-MoE's and Qwen3.5-MoE's shared expert (gated) and Granite MoE shared's
+    (shared_intermediate_size; 0: none) are read with them."""
     num_layers = config["num_hidden_layers"]
     if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss"):
         num_experts = config.get("num_local_experts") or config.get("num_experts")
@@ -860,7 +859,8 @@ def _moe_fields(config: dict, family: str) -> dict:
     if not layers:
         return {}
     shared = {"shared_expert_intermediate_size": config["shared_expert_intermediate_size"] or None,
-              "shared_expert_gate": bool(config["shared_expert_intermediate_size"])} if family == "qwen2_moe" else {}
+              "shared_expert_gate": bool(config["shared_expert_intermediate_size"])} if family in (
+        "qwen2_moe", "qwen3_5_moe") else {}
     return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
             "moe_intermediate_size": config["moe_intermediate_size"],
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "moe_layers": layers, **shared}
@@ -1023,30 +1023,44 @@ def _ministral3_config(config: dict) -> dict:
     return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
 
 
-QWEN3_5_CG = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+QWEN3_5_CG = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def _qwen3_5_config(config: dict) -> dict:
-    """A Qwen3.5 text config as transformers' Qwen3_5TextConfig fills it in (layer_types from full_attention_interval,
+    """A Qwen3.5 text config as transformers' Qwen3_5TextConfig (Qwen3.5-MoE: Qwen3_5MoeTextConfig) fills it in
+    (layer_types from full_attention_interval,
     partial_rotary_factor 0.25), flat, its layer kinds and DeltaNet sizes as ModelConfig fields (`_qwen3_5`), the
     partial rotary as `_rotary_dim`. The M-RoPE keys (mrope_section, mrope_interleaved) are dropped: a text token's
     three positions are one, so the interleaved sections rotate it as the plain rotary. Refused by name:
     attention_bias, layer kinds other than linear_attention and full_attention, a hidden_act other than SiLU (the
     MLP's and the conv's). Qwen3_5ForConditionalGeneration: its text_config (its language model, served as text; the
-    top level's tie_word_embeddings and eos_token_id where the text config has none)."""
-    from transformers import Qwen3_5TextConfig
+    top level's tie_word_embeddings and eos_token_id where the text config has none). Qwen3.5-MoE: every layer's MLP
+    sparse, its top-k always renormalised (transformers reads neither decoder_sparse_step, mlp_only_layers nor
+    norm_topk_prob for it: other values refused by name), a gated shared expert of shared_expert_intermediate_size
+    (positive); intermediate_size (no dense MLP) is moe_intermediate_size."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     arch = config["architectures"][0]
-    text = config.get("text_config") if arch == QWEN3_5_CG else config
+    moe = arch.startswith("Qwen3_5Moe")
+    text = config.get("text_config") if arch in QWEN3_5_CG else config
     if not isinstance(text, dict):
         raise CheckpointError(f"{arch}: config.json needs a text_config (its language model's config)")
-    if arch == QWEN3_5_CG:
+    if arch in QWEN3_5_CG:
         text = {**{k: config[k] for k in ("tie_word_embeddings", "eos_token_id") if k in config}, **text}
+    if moe:
+        _check_qwen3_5_moe(text, arch)
+    reader = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
     try:
-        parsed = Qwen3_5TextConfig(**{k: v for k, v in text.items()
-                                      if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
+        unread = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "intermediate_size") if moe else ()
+        parsed = reader(**{k: v for k, v in text.items()
+                           if k not in ("architectures", "model_type", "transformers_version", *unread)}).to_dict()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{arch}: the config is not one transformers' Qwen3_5TextConfig reads ({e})") from None
+        raise CheckpointError(f"{arch}: the config is not one transformers' {reader.__name__} reads ({e})") from None
+    if moe:
+        parsed = {**parsed, "intermediate_size": parsed["moe_intermediate_size"], "norm_topk_prob": True}
+        parsed.pop("decoder_sparse_step", None)
+        parsed.pop("mlp_only_layers", None)
     if parsed.get("attention_bias"):
         raise CheckpointError(f"{arch}: attention_bias: true is not supported (Qwen3.5 checkpoints set it false)")
     if parsed.get("hidden_act") not in ("silu", "swish"):
@@ -1066,6 +1080,22 @@ def _qwen3_5_config(config: dict) -> dict:
     parsed = {**parsed, "architectures": config["architectures"], "rope_parameters": params,
               "eos_token_id": text.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
     return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
+
+
+def _check_qwen3_5_moe(text: dict, arch: str) -> None:
+    """What a Qwen3.5-MoE config can say that transformers' Qwen3_5MoeTextConfig does not read (every layer is sparse,
+    the top-k always renormalised), refused by name where it asks otherwise; experts and a shared expert needed."""
+    if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+        raise CheckpointError(f"{arch}: mlp_only_layers {text.get('mlp_only_layers')!r} / decoder_sparse_step "
+                              f"{text.get('decoder_sparse_step')!r}: every Qwen3.5-MoE layer is sparse (transformers "
+                              "reads neither); drop them")
+    if text.get("norm_topk_prob") is False:
+        raise CheckpointError(f"{arch}: norm_topk_prob false: transformers' Qwen3.5-MoE router renormalises the top-k "
+                              "weights always (it reads no norm_topk_prob); set it to true")
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        value = text.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise CheckpointError(f"{arch}: {key} {value!r}: Qwen3.5-MoE needs a positive integer")
 
 
 LLAMA4_CG = "Llama4ForConditionalGeneration"
@@ -1224,7 +1254,7 @@ def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
     runtime's. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
     if config.rotary_interleaved:
         return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    if config.family in ("glm4_moe", "minimax_m2", "qwen3_5") and config.rotary_rows_permuted:
+    if config.family in ("glm4_moe", "minimax_m2", *QWEN3_5_FAMILIES) and config.rotary_rows_permuted:
         return partial_rotary_permutation(config.head_dim, config.rotary_dims)
     return None
 

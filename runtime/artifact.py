@@ -114,11 +114,13 @@ from llmc.schema import opt, parse
 #      attn.A_log, attn.dt_bias, attn.norm tensors; no KV cache) and linear_num_key_heads ... linear_conv_kernel_dim;
 #      kv.num_layers counts the layers that hold a cache; model.attn_output_gate (q_proj's rows give each
 #      head's q and a sigmoid gate on its output); older manifests load without them (attention in every layer, no gate).
-FORMAT_VERSION = "1.35"
+# 1.36: Qwen3.5-MoE (family qwen3_5_moe): Qwen3.5's hybrid fields with Qwen2-MoE's (gated shared expert) in every
+#      layer (an older llmc refuses the family by name).
+FORMAT_VERSION = "1.36"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35")
+                         "1.34", "1.35", "1.36")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -128,7 +130,8 @@ DTYPES = ["float32", "bfloat16", "float16"]
 FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2", "gemma3", "granite", "olmo2", "olmo3",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
-            "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5"]
+            "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
+            "qwen3_5_moe"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -413,7 +416,7 @@ class ModelConfig:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
         rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2, qwen3_5: hf_checkpoint.rotary_fold)."""
-        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5")
+        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5", "qwen3_5_moe")
                                            and self.rotary_dim is not None)
 
     @property

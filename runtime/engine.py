@@ -815,6 +815,6 @@ def _text_only(manifest: art.Manifest) -> str:
     models), or ""."""
     if manifest.model.architecture == "Llama4ForConditionalGeneration":
         return " (llmc builds Llama 4's language model only: its vision tower is not built)"
-    if manifest.model.architecture == "Qwen3_5ForConditionalGeneration":
+    if manifest.model.architecture in ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"):
         return " (llmc builds Qwen3.5's language model only: its vision tower is not built)"
     return ""

@@ -323,6 +323,11 @@ _FAMILY_SPECS["qwen3_5"] = ("Qwen3_5TextConfig", {
     "head_dim": 32, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
     "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]})
+# Qwen3.5-MoE (tests/runtime/test_qwen3_5_moe.py): Qwen3.5's layers and sizes, every MLP 4 experts of width 32 (top 2,
+# always renormalised) beside a gated shared expert of width 64 (no intermediate_size: Qwen3_5MoeTextConfig has none)
+_FAMILY_SPECS["qwen3_5_moe"] = ("Qwen3_5MoeTextConfig", {
+    **_FAMILY_SPECS["qwen3_5"][1], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 64})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -343,7 +348,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
 
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
-                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5"))
+                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -353,6 +358,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         kwargs.pop("rope_scaling", None)
     if cls_name in ("Gemma3TextConfig", "Gemma2Config"):
         kwargs.pop("hidden_act")  # Gemma reads hidden_activation
+    if cls_name == "Qwen3_5MoeTextConfig":
+        kwargs.pop("intermediate_size")
     config = getattr(transformers, cls_name)(**kwargs)
     config.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config

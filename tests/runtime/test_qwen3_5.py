@@ -238,7 +238,9 @@ def test_the_default_config_reads_as_transformers():
 def hf_state(artifact) -> dict[str, torch.Tensor]:
     """A Qwen3.5 artifact's weights as transformers' state dict: each linear dequantized by the formats' oracle
     (quant/reference.py) and split into its HF members, the (1 + w) norms unfolded, the full layer's q rows (not its
-    gate rows), k rows and q/k norms permuted back (hf_checkpoint.rotary_fold)."""
+    gate rows), k rows and q/k norms permuted back (hf_checkpoint.rotary_fold). Qwen3.5-MoE's sparse MLPs: the
+    experts stacked as transformers holds them (gate_up_proj [E, 2 * width, hidden], down_proj [E, hidden, width]),
+    the router, the shared expert and its gate."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -248,8 +250,10 @@ def hf_state(artifact) -> dict[str, torch.Tensor]:
     head_dim = model["head_dim"]
     inverse = torch.argsort(partial_rotary_permutation(head_dim, model["rotary_dim"]))
 
-    def weight(name: str) -> torch.Tensor:
+    def weight(name: str, expert: int | None = None) -> torch.Tensor:
         params = {k.removeprefix(name + "."): v for k, v in tensors.items() if k.startswith(name + ".")}
+        if expert is not None:
+            params = {k: v[expert] for k, v in params.items()}
         return dequantize(make_format(modules[name], torch.float32), params).float()
 
     def unpermute(rows: torch.Tensor, gated: bool = False) -> torch.Tensor:
@@ -266,9 +270,21 @@ def hf_state(artifact) -> dict[str, torch.Tensor]:
     for i in range(model["num_layers"]):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         state |= {hf + "input_layernorm.weight": tensors[ours + "input_norm.weight"] - 1,
-                  hf + "post_attention_layernorm.weight": tensors[ours + "post_attn_norm.weight"] - 1,
-                  hf + "mlp.down_proj.weight": weight(ours + "mlp.down")}
-        state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"] = weight(ours + "mlp.gate_up").chunk(2)
+                  hf + "post_attention_layernorm.weight": tensors[ours + "post_attn_norm.weight"] - 1}
+        if i in model.get("moe_layers", []):
+            experts = range(model["num_experts"])
+            shared = hf + "mlp.shared_expert."
+            state |= {hf + "mlp.experts.gate_up_proj": torch.stack([weight(ours + "moe.experts.gate_up", e)
+                                                                    for e in experts]),
+                      hf + "mlp.experts.down_proj": torch.stack([weight(ours + "moe.experts.down", e) for e in experts]),
+                      hf + "mlp.gate.weight": tensors[ours + "moe.gate.weight"],
+                      hf + "mlp.shared_expert_gate.weight": tensors[ours + "moe.shared_gate.weight"],
+                      shared + "down_proj.weight": weight(ours + "moe.shared.down")}
+            state[shared + "gate_proj.weight"], state[shared + "up_proj.weight"] = weight(
+                ours + "moe.shared.gate_up").chunk(2)
+        else:
+            state[hf + "mlp.down_proj.weight"] = weight(ours + "mlp.down")
+            state[hf + "mlp.gate_proj.weight"], state[hf + "mlp.up_proj.weight"] = weight(ours + "mlp.gate_up").chunk(2)
         if i in model["linear_attention_layers"]:
             la = hf + "linear_attn."
             qkv, z = weight(ours + "attn.in_qkvz").split([2 * key + value, value])

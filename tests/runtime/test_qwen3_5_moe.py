@@ -1,0 +1,237 @@
+"""Qwen3.5-MoE (Qwen3_5MoeForCausalLM) against transformers' own model (float32) on a tiny random checkpoint: Qwen3.5's
+layer_types [linear, linear, full, linear] (tests/conftest.py), every MLP 4 experts (top 2, renormalised) beside a
+gated shared expert: logits over a prefill in chunks of 16, greedy tokens and logprobs of 3 prompts on 2 seats, on the
+CPU and with the full layer's attention on the Triton kernels (the interpreter); the experts read from fused
+gate_up_proj / down_proj as from per-expert names; RTN and GPTQ W4 builds (experts too) against transformers holding
+their dequantized weights; Qwen3_5MoeForConditionalGeneration's language model; the default config's parameter count;
+the refusals; -m gpu: CUDA (graphs and eager)."""
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmc.compiler.build import build
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import CheckpointError, ConfigError, RecipeError, RequestError
+from llmc.runtime.artifact import read_manifest
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams
+from tests.conftest import make_hf_checkpoint
+from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_build_as_oracle, float32_artifacts, \
+    write_config
+from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
+from tests.runtime.test_qwen3_5 import hf_state
+
+# Logits' tolerance: this model's logits (std 8) in float32 are 1.7e-4 from exact (transformers' float32 model against
+# its float64 copy over the 40 positions _check scores; llmc's 1.5e-4), so 1e-4 would test rounding
+TOLERANCE = 2e-4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_5_moe") / "ckpt", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return float32_artifacts({"q": checkpoint}, tmp_path_factory.mktemp("qwen3_5_moe_artifacts"))("q")
+
+
+@torch.inference_mode()
+def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Logits over 40 positions prefilled in chunks of 16 (TOLERANCE), greedy tokens of 3 prompts on 2 seats and their
+    logprobs as transformers'; the manifest: the DeltaNet layers, every layer sparse with the gated shared expert."""
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=TOLERANCE)
+        assert len(llm.engine.runner.kv_caches) == 1  # the full-attention layer's alone
+    model = read_manifest(artifact).model
+    assert (model.family, model.linear_attention_layers, model.kv_layers, model.attn_output_gate, model.moe_layers,
+            model.num_experts, model.norm_topk_prob, model.shared_expert_intermediate_size,
+            model.shared_expert_gate) == ("qwen3_5_moe", [0, 1, 3], [2], True, [0, 1, 2, 3], 4, True, 64, True)
+
+
+@torch.inference_mode()
+def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
+                                              hf_encode):
+    """The full layer's rotary + KV write and paged attention on their Triton kernels, the DeltaNets and the experts in
+    torch: transformers' logits, greedy tokens and logprobs."""
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2], tolerance=TOLERANCE)
+    assert triton_dispatch["rotate_and_write_kv"]
+
+
+def _fuse_experts(checkpoint, dest):
+    """A copy of `checkpoint` whose experts are each layer's two tensors as transformers 5 holds them (gate_up_proj
+    [E, 2 * width, hidden]: gate rows then up; down_proj [E, hidden, width]) instead of per-expert names."""
+    source = write_config(checkpoint, dest)
+    tensors = load_file(source / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}.mlp.experts."
+        pop = [lambda name, e=e: tensors.pop(f"{layer}{e}.{name}.weight") for e in range(config["num_experts"])]
+        tensors[layer + "gate_up_proj"] = torch.stack([torch.cat([p("gate_proj"), p("up_proj")]) for p in pop])
+        tensors[layer + "down_proj"] = torch.stack([p("down_proj") for p in pop])
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    return source
+
+
+@torch.inference_mode()
+def test_fused_experts_read_as_per_expert_ones(checkpoint, artifact, tmp_path, hf_logits):
+    """A checkpoint holding each layer's experts fused (transformers 5's gate_up_proj / down_proj): transformers loads
+    it as the per-expert one, and its build's weights are the per-expert build's, tensor for tensor."""
+    from transformers import AutoModelForCausalLM
+
+    fused = _fuse_experts(checkpoint, tmp_path / "fused")
+    token_ids = list(range(100, 120))
+    reference = AutoModelForCausalLM.from_pretrained(str(fused), dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    torch.testing.assert_close(reference(torch.tensor([token_ids])).logits[0], hf_logits(checkpoint, token_ids),
+                               atol=1e-5, rtol=1e-5)
+    built = build_float32(fused, tmp_path / "a")
+    got, want = (load_file(a / "rank-00" / "weights.safetensors") for a in (built, artifact))
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@torch.inference_mode()
+def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
+    """hf_state of the float32 build is transformers' own state dict (what the quantized tests' oracle rests on)."""
+    from tests.conftest import hf_model
+
+    want = hf_model(checkpoint).state_dict()
+    got = hf_state(artifact)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, hf_encode, data_dir):
+    """RTN and GPTQ (calibrated through the DeltaNet layers and the experts) W4 g32 of every linear and expert (the
+    DeltaNets' in_qkvz and out, the full layer's qkv and o, the experts, the shared experts, lm_head; the routers and
+    shared gates dense) against transformers' model holding its dequantized weights: logits over 34 positions (TOLERANCE)
+    and 12 greedy tokens; the experts of layer 1 reversed in transformers' copy move its logits."""
+    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    modules = read_manifest(out).quant.modules
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
+            [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (1, "moe.experts.gate_up"),
+             (3, "moe.experts.down"), (3, "moe.shared.gate_up"), (0, "moe.shared.down")]} == {"w4a16"}
+    check_moe_build_as_oracle(out, checkpoint, hf_state(out), hf_encode, PROMPTS, fp8=False, tolerance=TOLERANCE)
+
+
+@torch.inference_mode()
+def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, hf_logits, hf_encode):
+    """Qwen3_5MoeForConditionalGeneration's config form (text_config) and weights (model.language_model.*, its experts
+    fused as transformers 5 saves them, a one-layer vision tower beside them): its artifact is the text model's,
+    scored as transformers' Qwen3_5MoeForConditionalGeneration loaded from it scores text ids (TOLERANCE); an image is
+    refused by name."""
+    import shutil
+
+    from PIL import Image
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from tests.conftest import TOKENIZER_FILES
+
+    text = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "num_position_embeddings": 16}
+    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text.config.to_dict(),
+                                                                vision_config=vision))
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    source = tmp_path / "cg"
+    model.save_pretrained(source)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(checkpoint / name, source / name)
+    built = build_float32(source, tmp_path / "a")
+    m = read_manifest(built).model
+    assert (m.architecture, m.family, m.linear_attention_layers, m.moe_layers) == (
+        "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", [0, 1, 3], [0, 1, 2, 3])
+    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
+    reference = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()
+    want = reference(input_ids=torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(want, hf_logits(checkpoint, token_ids), atol=1e-5, rtol=1e-5)
+    with LLM(built, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), want, atol=TOLERANCE, rtol=TOLERANCE)
+        with pytest.raises(RequestError, match="vision tower is not built"):
+            llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": Image.new("RGB", (28, 28))}}],
+                         SamplingParams(max_tokens=2))
+
+
+def test_the_default_config_reads_as_transformers():
+    """Qwen3_5MoeTextConfig's defaults (transformers' "Qwen3.5-35B-A3B style": 256 experts of width 512, top 8, a shared
+    expert of 512; layer_types from full_attention_interval 4) read as transformers reads them: every layer sparse,
+    every fourth one full attention, and transformers' parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf
+    from llmc.runtime.models import spec_for_architecture
+
+    hf_config = Qwen3_5MoeTextConfig(num_hidden_layers=4)
+    config = {**hf_config.to_dict(), "architectures": ["Qwen3_5MoeForCausalLM"]}
+    config.pop("layer_types")
+    model = model_config_from_hf(config, spec_for_architecture("Qwen3_5MoeForCausalLM"), "bfloat16")
+    assert (model.linear_attention_layers, model.kv_layers, model.moe_layers, model.num_experts,
+            model.num_experts_per_tok, model.moe_intermediate_size, model.shared_expert_intermediate_size) == (
+        [0, 1, 2], [3], [0, 1, 2, 3], 256, 8, 512, 512)
+    with torch.device("meta"):
+        assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
+def test_the_refusals(checkpoint, artifact, tmp_path):
+    """The hybrid refusals hold for the MoE (prefix caching, speculative decoding, beam search; at build ONNX, tensor
+    parallel, FP8); refused by name at build: mlp_only_layers / decoder_sparse_step (transformers reads neither: every
+    layer sparse), norm_topk_prob false (its router renormalises always), a zero shared expert, Qwen3-Next."""
+    for match, options in (("enable_prefix_caching: Qwen3_5MoeForCausalLM .* has no prefix caching",
+                            {"enable_prefix_caching": True}),
+                           ("speculative_config: not supported for Qwen3_5MoeForCausalLM",
+                            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}})):
+        with pytest.raises(ConfigError, match=match):
+            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
+    with LLM(artifact, device="cpu", num_kv_blocks=64) as llm:
+        with pytest.raises(RequestError, match="use_beam_search: not supported for Qwen3_5MoeForCausalLM"):
+            llm.engine.add_request(None, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
+                                   prompt_token_ids=[5, 6, 7])
+
+    def refused(error, match, recipe=None, **changes):
+        source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
+            if changes else checkpoint
+        with pytest.raises(error, match=match):
+            build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
+                                    **(recipe or {})}), show_progress=False)
+
+    refused(RecipeError, "target.device onnx-cpu: .* are not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
+    refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
+    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq", recipe={"quantization": {"method": "fp8"}})
+    refused(CheckpointError, "mlp_only_layers \\[1\\] .* every Qwen3.5-MoE layer is sparse", mlp_only_layers=[1])
+    refused(CheckpointError, "decoder_sparse_step 2: every Qwen3.5-MoE layer is sparse", decoder_sparse_step=2)
+    refused(CheckpointError, "norm_topk_prob false: .* renormalises the top-k weights always", norm_topk_prob=False)
+    refused(CheckpointError, "shared_expert_intermediate_size 0: Qwen3.5-MoE needs a positive integer",
+            shared_expert_intermediate_size=0)
+    refused(CheckpointError, "Qwen3NextForCausalLM: Qwen3-Next .* is not supported",
+            architectures=["Qwen3NextForCausalLM"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 artifact on CUDA (Triton attention in the full layer, the fused MoE kernel, the delta rule in torch
+    ops; decode steps replay CUDA graphs, prefill and mixed steps eager), then with enforce_eager: transformers'
+    logits (2e-3), greedy tokens and logprobs."""
+    for eager in (False, True):
+        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
+                 enforce_eager=eager) as llm:
+            assert (llm.engine.runner.graphs is None) == eager
+            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
