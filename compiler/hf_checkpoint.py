@@ -45,8 +45,6 @@ _REFUSED_ARCHITECTURES = {
                                    "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
-    "Qwen3NextForCausalLM": "Qwen3-Next (hybrid linear attention with experts) is not supported; Qwen3.5's "
-                            "Qwen3_5ForCausalLM and Qwen3_5MoeForCausalLM are",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
 }
@@ -860,7 +858,7 @@ def _moe_fields(config: dict, family: str) -> dict:
         return {}
     shared = {"shared_expert_intermediate_size": config["shared_expert_intermediate_size"] or None,
               "shared_expert_gate": bool(config["shared_expert_intermediate_size"])} if family in (
-        "qwen2_moe", "qwen3_5_moe") else {}
+        "qwen2_moe", "qwen3_5_moe", "qwen3_next") else {}
     return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
             "moe_intermediate_size": config["moe_intermediate_size"],
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)), "moe_layers": layers, **shared}
@@ -1023,7 +1021,7 @@ def _ministral3_config(config: dict) -> dict:
     return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
 
 
-QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 QWEN3_5_CG = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
@@ -1038,8 +1036,9 @@ def _qwen3_5_config(config: dict) -> dict:
     top level's tie_word_embeddings and eos_token_id where the text config has none). Qwen3.5-MoE: every layer's MLP
     sparse, its top-k always renormalised (transformers reads neither decoder_sparse_step, mlp_only_layers nor
     norm_topk_prob for it: other values refused by name), a gated shared expert of shared_expert_intermediate_size
-    (positive); intermediate_size (no dense MLP) is moe_intermediate_size."""
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+    (positive); intermediate_size (no dense MLP) is moe_intermediate_size. Qwen3-Next (Qwen3NextConfig): its MoE
+    fields as Qwen2-MoE's (_moe_fields), its fused DeltaNet projections regrouped at read (qwen3_next_tensors)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     arch = config["architectures"][0]
     moe = arch.startswith("Qwen3_5Moe")
@@ -1050,7 +1049,7 @@ def _qwen3_5_config(config: dict) -> dict:
         text = {**{k: config[k] for k in ("tie_word_embeddings", "eos_token_id") if k in config}, **text}
     if moe:
         _check_qwen3_5_moe(text, arch)
-    reader = Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
+    reader = Qwen3NextConfig if arch == "Qwen3NextForCausalLM" else Qwen3_5MoeTextConfig if moe else Qwen3_5TextConfig
     try:
         unread = ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "intermediate_size") if moe else ()
         parsed = reader(**{k: v for k, v in text.items()
@@ -1096,6 +1095,32 @@ def _check_qwen3_5_moe(text: dict, arch: str) -> None:
         value = text.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise CheckpointError(f"{arch}: {key} {value!r}: Qwen3.5-MoE needs a positive integer")
+
+
+def qwen3_next_tensors(spec: ModelSpec, config: ModelConfig) -> dict[str, Callable]:
+    """For Qwen3-Next, a `TensorReader` derived tensor for each Gated DeltaNet's in_proj_qkv, in_proj_z, in_proj_b and
+    in_proj_a (Qwen3.5's names, which the rest of the build reads), each regrouped from the fused in_proj_qkvz rows
+    [key head g: (q_g, k_g, v_g, z_g)] (v_g, z_g: the g-th group of num_value_heads / num_key_heads value heads) and
+    in_proj_ba's [key head g: (b_g, a_g)], as transformers' fix_query_key_value_ordering splits them. {} otherwise."""
+    if config.family != "qwen3_next":
+        return {}
+    groups, key = config.linear_num_key_heads, config.linear_key_head_dim
+    value = config.linear_num_value_heads // groups * config.linear_value_head_dim  # one group's v (and z) rows
+    per_group = config.linear_num_value_heads // groups  # one group's b (and a) rows
+    derived = {}
+    for i in config.linear_attention_layers:
+        hf = f"{spec.hf_layer_prefix}{i}.linear_attn."
+
+        def parts(r, name, sizes, hf=hf):
+            fused = r.get(f"{hf}{name}.weight")
+            return [p.flatten(0, 1) for p in fused.unflatten(0, (groups, -1)).split(sizes, dim=1)]
+
+        qkvz, ba = (key, key, value, value), (per_group, per_group)
+        derived |= {f"{hf}in_proj_qkv.weight": lambda r, f=parts: torch.cat(f(r, "in_proj_qkvz", qkvz)[:3]),
+                    f"{hf}in_proj_z.weight": lambda r, f=parts: f(r, "in_proj_qkvz", qkvz)[3],
+                    f"{hf}in_proj_b.weight": lambda r, f=parts: f(r, "in_proj_ba", ba)[0],
+                    f"{hf}in_proj_a.weight": lambda r, f=parts: f(r, "in_proj_ba", ba)[1]}
+    return derived
 
 
 LLAMA4_CG = "Llama4ForConditionalGeneration"

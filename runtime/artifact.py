@@ -115,7 +115,7 @@ from llmc.schema import opt, parse
 #      kv.num_layers counts the layers that hold a cache; model.attn_output_gate (q_proj's rows give each
 #      head's q and a sigmoid gate on its output); older manifests load without them (attention in every layer, no gate).
 # 1.36: Qwen3.5-MoE (family qwen3_5_moe): Qwen3.5's hybrid fields with Qwen2-MoE's (gated shared expert) in every
-#      layer (an older llmc refuses the family by name).
+#      layer; Qwen3-Next (family qwen3_next) the same fields (an older llmc refuses the families by name).
 FORMAT_VERSION = "1.36"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
@@ -131,7 +131,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe"]
+            "qwen3_5_moe", "qwen3_next"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -416,7 +416,8 @@ class ModelConfig:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
         rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2, qwen3_5: hf_checkpoint.rotary_fold)."""
-        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5", "qwen3_5_moe")
+        return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5", "qwen3_5_moe",
+                                                                 "qwen3_next")
                                            and self.rotary_dim is not None)
 
     @property

@@ -328,6 +328,10 @@ _FAMILY_SPECS["qwen3_5"] = ("Qwen3_5TextConfig", {
 _FAMILY_SPECS["qwen3_5_moe"] = ("Qwen3_5MoeTextConfig", {
     **_FAMILY_SPECS["qwen3_5"][1], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 64})
+# Qwen3-Next (tests/runtime/test_qwen3_5_moe.py): Qwen3.5-MoE's layers and sizes with its fused in_proj_qkvz / in_proj_ba,
+# layer 1 a dense MLP (mlp_only_layers) 128 wide, the top 2 not renormalised (norm_topk_prob false)
+_FAMILY_SPECS["qwen3_next"] = ("Qwen3NextConfig", {
+    **_FAMILY_SPECS["qwen3_5_moe"][1], "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": False})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -348,7 +352,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
 
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
-                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe"))
+                 + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
+                                                                       "qwen3_next"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}

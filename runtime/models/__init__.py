@@ -3,7 +3,7 @@
 from llmc.runtime.models import (cohere, deepseek, dots1, ernie4_5, ernie4_5_moe, exaone4, gemma2, gemma3, glm4,
                                  glm4_moe, gpt_oss, granite, granitemoe, llama, llama4, minimax_m2, ministral3, mixtral,
                                  olmo2, olmo3, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe,
-                                 seed_oss, smollm3)
+                                 qwen3_next, seed_oss, smollm3)
 from llmc.runtime.models.spec import ModelSpec
 
 SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC, gemma2.SPEC,
@@ -11,7 +11,8 @@ SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, m
                                 granitemoe.SHARED_SPEC, qwen2_moe.SPEC, deepseek.V2_SPEC, deepseek.V3_SPEC, glm4.SPEC,
                                 cohere.SPEC, cohere.SPEC2, gpt_oss.SPEC, glm4_moe.SPEC, smollm3.SPEC, exaone4.SPEC,
                                 seed_oss.SPEC, ernie4_5.SPEC, dots1.SPEC, ernie4_5_moe.SPEC,
-                                ministral3.SPEC, llama4.SPEC, minimax_m2.SPEC, qwen3_5.SPEC, qwen3_5_moe.SPEC)
+                                ministral3.SPEC, llama4.SPEC, minimax_m2.SPEC, qwen3_5.SPEC, qwen3_5_moe.SPEC,
+                                qwen3_next.SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:

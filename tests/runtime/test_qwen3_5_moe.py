@@ -4,7 +4,9 @@ gated shared expert: logits over a prefill in chunks of 16, greedy tokens and lo
 CPU and with the full layer's attention on the Triton kernels (the interpreter); the experts read from fused
 gate_up_proj / down_proj as from per-expert names; RTN and GPTQ W4 builds (experts too) against transformers holding
 their dequantized weights; Qwen3_5MoeForConditionalGeneration's language model; the default config's parameter count;
-the refusals; -m gpu: CUDA (graphs and eager)."""
+the refusals. Qwen3-Next (Qwen3NextForCausalLM: the same layers with its fused in_proj_qkvz / in_proj_ba, a dense
+layer, the top 2 not renormalised): the same checks on the CPU and Triton paths, its weights read back, RTN and GPTQ
+W4, its default config. -m gpu: CUDA (graphs and eager) for both."""
 
 import os
 
@@ -192,7 +194,7 @@ def test_the_default_config_reads_as_transformers():
 def test_the_refusals(checkpoint, artifact, tmp_path):
     """The hybrid refusals hold for the MoE (prefix caching, speculative decoding, beam search; at build ONNX, tensor
     parallel, FP8); refused by name at build: mlp_only_layers / decoder_sparse_step (transformers reads neither: every
-    layer sparse), norm_topk_prob false (its router renormalises always), a zero shared expert, Qwen3-Next."""
+    layer sparse), norm_topk_prob false (its router renormalises always), a zero shared expert."""
     for match, options in (("enable_prefix_caching: Qwen3_5MoeForCausalLM .* has no prefix caching",
                             {"enable_prefix_caching": True}),
                            ("speculative_config: not supported for Qwen3_5MoeForCausalLM",
@@ -219,19 +221,108 @@ def test_the_refusals(checkpoint, artifact, tmp_path):
     refused(CheckpointError, "norm_topk_prob false: .* renormalises the top-k weights always", norm_topk_prob=False)
     refused(CheckpointError, "shared_expert_intermediate_size 0: Qwen3.5-MoE needs a positive integer",
             shared_expert_intermediate_size=0)
-    refused(CheckpointError, "Qwen3NextForCausalLM: Qwen3-Next .* is not supported",
-            architectures=["Qwen3NextForCausalLM"])
+
+
+@pytest.fixture(scope="module")
+def next_checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_next") / "ckpt", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def next_artifact(next_checkpoint, tmp_path_factory):
+    return float32_artifacts({"q": next_checkpoint}, tmp_path_factory.mktemp("qwen3_next_artifacts"))("q")
+
+
+def next_state(artifact) -> dict[str, torch.Tensor]:
+    """A Qwen3-Next artifact's weights as transformers' state dict: hf_state's, each DeltaNet's in_proj_qkv / in_proj_z
+    and in_proj_b / in_proj_a grouped back per key head into in_proj_qkvz ([q_g, k_g, v_g, z_g] for key head g) and
+    in_proj_ba ([b_g, a_g]), as transformers' Qwen3NextGatedDeltaNet splits them."""
+    model = read_manifest(artifact).model
+    groups = model.linear_num_key_heads
+    state = hf_state(artifact)
+    for i in model.linear_attention_layers:
+        la = f"model.layers.{i}.linear_attn."
+        key = model.linear_num_key_heads * model.linear_key_head_dim
+        value = model.linear_num_value_heads * model.linear_value_head_dim
+        q, k, v = state.pop(la + "in_proj_qkv.weight").split([key, key, value])
+        parts = [t.unflatten(0, (groups, -1)) for t in (q, k, v, state.pop(la + "in_proj_z.weight"))]
+        state[la + "in_proj_qkvz.weight"] = torch.cat(parts, dim=1).flatten(0, 1)
+        ba = [state.pop(la + f"in_proj_{x}.weight").unflatten(0, (groups, -1)) for x in "ba"]
+        state[la + "in_proj_ba.weight"] = torch.cat(ba, dim=1).flatten(0, 1)
+    return state
+
+
+@torch.inference_mode()
+def test_qwen3_next_matches_transformers(next_checkpoint, next_artifact, hf_logits, hf_greedy, hf_encode):
+    """Qwen3-Next (its fused, per-key-head-grouped in_proj_qkvz / in_proj_ba regrouped at build; layer 1 a dense MLP,
+    the top 2 not renormalised): logits over 40 positions prefilled in chunks of 16 (TOLERANCE), greedy tokens of 3
+    prompts on 2 seats and their logprobs as transformers'; its weights read back (next_state) are transformers'."""
+    from tests.conftest import hf_model
+
+    with LLM(next_artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, next_checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=TOLERANCE)
+    model = read_manifest(next_artifact).model
+    assert (model.family, model.linear_attention_layers, model.moe_layers, model.norm_topk_prob,
+            model.intermediate_size, model.shared_expert_gate) == ("qwen3_next", [0, 1, 3], [0, 2, 3], False, 128, True)
+    want = hf_model(next_checkpoint).state_dict()
+    got = next_state(next_artifact)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)
+
+
+@torch.inference_mode()
+def test_qwen3_next_on_the_triton_path(next_checkpoint, next_artifact, triton_dispatch, hf_logits,  # noqa: F811
+                                       hf_greedy, hf_encode):
+    """Qwen3-Next's full layer on the Triton kernels (interpreter): transformers' logits, greedy tokens, logprobs."""
+    with LLM(next_artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, next_checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2], tolerance=TOLERANCE)
+    assert triton_dispatch["rotate_and_write_kv"]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_qwen3_next_w4_build_runs_transformers_on_its_weights(method, next_checkpoint, tmp_path, hf_encode,
+                                                                 data_dir):
+    """Qwen3-Next RTN / GPTQ W4 g32 (the regrouped in_qkvz quantized as one linear, the experts, the dense MLP) against
+    transformers' model holding its dequantized weights (next_state): logits (TOLERANCE) and 12 greedy tokens; the
+    experts of layer 2 reversed there move its logits."""
+    out = build_quantized(next_checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    modules = read_manifest(out).quant.modules
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
+            [(0, "attn.in_qkvz"), (3, "attn.out"), (1, "mlp.gate_up"), (2, "moe.experts.down")]} == {"w4a16"}
+    check_moe_build_as_oracle(out, next_checkpoint, next_state(out), hf_encode, PROMPTS, fp8=False,
+                              tolerance=TOLERANCE, moved_layer=2)
+
+
+def test_qwen3_next_default_config_reads_as_transformers():
+    """Qwen3NextConfig's defaults (transformers' "Qwen3-Next-80B-A3B style"; layer_types from full_attention_interval)
+    with layer 1 dense read as transformers reads them, and transformers' parameter count."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf
+    from llmc.runtime.models import spec_for_architecture
+
+    hf_config = Qwen3NextConfig(num_hidden_layers=4, mlp_only_layers=[1])
+    config = {**hf_config.to_dict(), "architectures": ["Qwen3NextForCausalLM"]}
+    config.pop("layer_types")
+    model = model_config_from_hf(config, spec_for_architecture("Qwen3NextForCausalLM"), "bfloat16")
+    assert (model.linear_attention_layers, model.moe_layers, model.num_experts, model.rotary_dim) == (
+        [0, 1, 2], [0, 2, 3], 512, 64)
+    with torch.device("meta"):
+        assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
-def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the full layer, the fused MoE kernel, the delta rule in torch
-    ops; decode steps replay CUDA graphs, prefill and mixed steps eager), then with enforce_eager: transformers'
-    logits (2e-3), greedy tokens and logprobs."""
-    for eager in (False, True):
-        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
-                 enforce_eager=eager) as llm:
-            assert (llm.engine.runner.graphs is None) == eager
-            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
+def test_on_the_gpu(checkpoint, artifact, next_checkpoint, next_artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 Qwen3.5-MoE and Qwen3-Next artifacts on CUDA (Triton attention in the full layer, the fused MoE
+    kernel, the delta rule in torch ops; decode steps replay CUDA graphs, prefill and mixed steps eager), then with
+    enforce_eager: transformers' logits (2e-3), greedy tokens and logprobs."""
+    for ckpt, built in ((checkpoint, artifact), (next_checkpoint, next_artifact)):
+        for eager in (False, True):
+            with LLM(built, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
+                     enforce_eager=eager) as llm:
+                assert (llm.engine.runner.graphs is None) == eager
+                _check(llm, ckpt, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
