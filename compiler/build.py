@@ -261,7 +261,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                | hf.qwen3_next_tensors(spec, model)
                | gpt_oss_checkpoint.expert_tensors(spec, model)
                | (qwen3_vl_moe_expert_tensors(reader, spec, model) if vision is not None and spec.family == "qwen3_moe"
-                  or spec.family in ("qwen3_5_moe", "qwen3_next") and gguf is None and _fused_experts(reader, spec, model)
+                  or spec.family in ("qwen3_5_moe", "qwen3_next") and gguf is None
+                  and _fused_experts(reader, spec, model)
                   else {}))  # (Qwen3-VL-MoE: its language model is the only Qwen3-MoE with a vision side)
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
 
@@ -269,7 +270,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
 def _fused_experts(reader, spec: ModelSpec, model: art.ModelConfig) -> bool:
     """Whether a Qwen3.5-MoE / Qwen3-Next checkpoint holds each layer's experts fused (mlp.experts.gate_up_proj /
     down_proj, as transformers 5 holds them) rather than under per-expert names (what its save_pretrained writes)."""
-    return bool(model.moe_layers) and reader.has(f"{spec.hf_layer_prefix}{model.moe_layers[0]}.mlp.experts.gate_up_proj")
+    layers = model.moe_layers
+    return bool(layers) and reader.has(f"{spec.hf_layer_prefix}{layers[0]}.mlp.experts.gate_up_proj")
 
 
 def _check_permuted_import(spec: ModelSpec, model_dir: Path, qc: dict, is_gguf: bool) -> None:

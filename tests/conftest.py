@@ -328,8 +328,8 @@ _FAMILY_SPECS["qwen3_5"] = ("Qwen3_5TextConfig", {
 _FAMILY_SPECS["qwen3_5_moe"] = ("Qwen3_5MoeTextConfig", {
     **_FAMILY_SPECS["qwen3_5"][1], "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 64})
-# Qwen3-Next (tests/runtime/test_qwen3_5_moe.py): Qwen3.5-MoE's layers and sizes with its fused in_proj_qkvz / in_proj_ba,
-# layer 1 a dense MLP (mlp_only_layers) 128 wide, the top 2 not renormalised (norm_topk_prob false)
+# Qwen3-Next (tests/runtime/test_qwen3_5_moe.py): Qwen3.5-MoE's layers and sizes with its fused in_proj_qkvz /
+# in_proj_ba, layer 1 a dense MLP (mlp_only_layers) 128 wide, the top 2 not renormalised (norm_topk_prob false)
 _FAMILY_SPECS["qwen3_next"] = ("Qwen3NextConfig", {
     **_FAMILY_SPECS["qwen3_5_moe"][1], "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": False})
 

@@ -2,7 +2,8 @@
 model, served as text as Qwen3.5 dense's: runtime/models/qwen3_5.py): Qwen3.5's hybrid decoder (Gated DeltaNet and
 gated full-attention layers by `layer_types`) whose MLP is, in every layer, Qwen3-Next's sparse block: a softmax
 top-k router always renormalised (transformers' Qwen3VLMoeTextTopKRouter) over SiLU-gated experts, plus a shared
-expert every token runs, its output times sigmoid(x · `mlp.shared_expert_gate`), as Qwen2-MoE's (runtime/models/moe.py).
+expert every token runs, its output times sigmoid(x · `mlp.shared_expert_gate`), as Qwen2-MoE's
+(runtime/models/moe.py).
 The experts are read under Qwen2-MoE's per-expert names (what transformers' save_pretrained writes), or as slices of a
 layer's fused `mlp.experts.gate_up_proj` / `down_proj` where the checkpoint holds those (either layout:
 compiler/vision.qwen3_vl_moe_expert_tensors)."""

@@ -276,7 +276,8 @@ def hf_state(artifact) -> dict[str, torch.Tensor]:
             shared = hf + "mlp.shared_expert."
             state |= {hf + "mlp.experts.gate_up_proj": torch.stack([weight(ours + "moe.experts.gate_up", e)
                                                                     for e in experts]),
-                      hf + "mlp.experts.down_proj": torch.stack([weight(ours + "moe.experts.down", e) for e in experts]),
+                      hf + "mlp.experts.down_proj": torch.stack([weight(ours + "moe.experts.down", e)
+                                                                 for e in experts]),
                       hf + "mlp.gate.weight": tensors[ours + "moe.gate.weight"],
                       hf + "mlp.shared_expert_gate.weight": tensors[ours + "moe.shared_gate.weight"],
                       shared + "down_proj.weight": weight(ours + "moe.shared.down")}

@@ -121,8 +121,8 @@ def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, hf_encode, data_dir):
     """RTN and GPTQ (calibrated through the DeltaNet layers and the experts) W4 g32 of every linear and expert (the
     DeltaNets' in_qkvz and out, the full layer's qkv and o, the experts, the shared experts, lm_head; the routers and
-    shared gates dense) against transformers' model holding its dequantized weights: logits over 34 positions (TOLERANCE)
-    and 12 greedy tokens; the experts of layer 1 reversed in transformers' copy move its logits."""
+    shared gates dense) against transformers' model holding its dequantized weights: logits over 34 positions
+    (TOLERANCE) and 12 greedy tokens; the experts of layer 1 reversed in transformers' copy move its logits."""
     out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
     modules = read_manifest(out).quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
@@ -167,7 +167,8 @@ def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, 
     with LLM(built, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         torch.testing.assert_close(llm.engine.score(token_ids), want, atol=TOLERANCE, rtol=TOLERANCE)
         with pytest.raises(RequestError, match="vision tower is not built"):
-            llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": Image.new("RGB", (28, 28))}}],
+            image = Image.new("RGB", (28, 28))
+            llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": image}}],
                          SamplingParams(max_tokens=2))
 
 
@@ -213,9 +214,11 @@ def test_the_refusals(checkpoint, artifact, tmp_path):
             build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
                                     **(recipe or {})}), show_progress=False)
 
-    refused(RecipeError, "target.device onnx-cpu: .* are not exported to ONNX", recipe={"target": {"device": "onnx-cpu"}})
+    refused(RecipeError, "target.device onnx-cpu: .* are not exported to ONNX",
+            recipe={"target": {"device": "onnx-cpu"}})
     refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
-    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq", recipe={"quantization": {"method": "fp8"}})
+    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq",
+            recipe={"quantization": {"method": "fp8"}})
     refused(CheckpointError, "mlp_only_layers \\[1\\] .* every Qwen3.5-MoE layer is sparse", mlp_only_layers=[1])
     refused(CheckpointError, "decoder_sparse_step 2: every Qwen3.5-MoE layer is sparse", decoder_sparse_step=2)
     refused(CheckpointError, "norm_topk_prob false: .* renormalises the top-k weights always", norm_topk_prob=False)
