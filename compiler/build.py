@@ -152,7 +152,14 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
 def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
     """GLM-4.5's or DeepSeek-V3's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor
     into an ONNX build, nor where an imported checkpoint holds it in integers (packed or int8): logged. An import's FP8
-    layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and written dense."""
+    layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and written dense.
+    Qwen3-Next's and Qwen3.5's (mtp.*) are not built: logged."""
+    if ctx.spec.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") and ctx.gguf is None:
+        with hf.TensorReader(ctx.model_dir) as reader:
+            mtp = [name for name in reader.names() if name.startswith("mtp.")]
+        if mtp:  # (Qwen3-Next's and Qwen3.5's published checkpoints hold one; transformers skips it too)
+            logger.info("%s: the checkpoint's multi-token prediction layer (%d mtp.* tensors) is not built; no MTP "
+                        "speculative decoding", ctx.spec.family, len(mtp))
     if ctx.spec.family not in MTP_FAMILIES or not num_mtp_layers(ctx.hf_config):
         return None
     family = MTP_FAMILIES[ctx.spec.family]

@@ -461,3 +461,26 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
             assert eager or runner.graphs.num_replays > 0
         assert [o.outputs[0].token_ids for o in outputs] == [
             _hf_tokens(checkpoint, ids, n) for ids, n in zip(encoded, lengths, strict=True)]
+
+
+def test_a_checkpoints_mtp_layer_is_left_out_and_said(checkpoint, tmp_path, caplog):
+    """A checkpoint holding Qwen3.5's multi-token prediction tensors (mtp.*, as the published ones do; transformers
+    skips them) builds the same weights as without them, and the build says the layer is not built."""
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.runtime.hf_oracle import build_float32
+
+    source = tmp_path / "with-mtp"
+    shutil.copytree(checkpoint, source)
+    tensors = load_file(source / "model.safetensors")
+    tensors |= {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.ones(64)}
+    save_file(tensors, source / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="llmc"):
+        built = build_float32(source, tmp_path / "a")
+    assert "multi-token prediction layer (2 mtp.* tensors) is not built" in caplog.text
+    plain = build_float32(checkpoint, tmp_path / "b")
+    assert load_file(built / "rank-00" / "weights.safetensors").keys() == \
+        load_file(plain / "rank-00" / "weights.safetensors").keys()
