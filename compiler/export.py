@@ -207,7 +207,7 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "expert of a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), "
                             "which compressed-tensors quantizes as no Linear, and the build folded its "
                             "residual_multiplier and logits_scaling into the weights; serve it with `llmc run`")
-    if model.family == "granite":
+    if model.family in ("granite", "granitemoehybrid"):
         raise ArtifactError(f"{where} architecture {model.architecture}: the build folded Granite's residual_multiplier "
                             "and logits_scaling into the o_proj/down_proj and final norm weights, which a Granite "
                             "checkpoint would apply again; serve it with `llmc run`")

@@ -41,8 +41,6 @@ _REFUSED_ARCHITECTURES = {
                                               "LLaVA-NeXT's LlavaNextForConditionalGeneration are",
     "LlavaNextVideoForConditionalGeneration": "LLaVA-NeXT-Video (video input) is not supported; LLaVA-NeXT's image "
                                               "model LlavaNextForConditionalGeneration is",
-    "GraniteMoeHybridForCausalLM": "Granite 4 (hybrid Mamba-2/attention MoE) is not supported; the dense "
-                                   "GraniteForCausalLM (Granite 3.x) is",
     "OlmoForCausalLM": "OLMo 1 (non-parametric LayerNorm, clipped q/k/v) is not supported; OLMo 2 (Olmo2ForCausalLM) is",
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
@@ -199,12 +197,16 @@ _HF_CONFIG_DEFAULTS["gpt_oss"] = {"max_position_embeddings": 131072, "rms_norm_e
 for _type in ("granitemoe", "granitemoeshared"):
     _HF_CONFIG_DEFAULTS[_type] = {**_HF_CONFIG_DEFAULTS["granite"], "num_local_experts": 8, "num_experts_per_tok": 2}
 _HF_CONFIG_DEFAULTS["granitemoeshared"]["shared_intermediate_size"] = 0
+# GraniteMoeHybridConfig's (layer_types null: every layer Mamba-2; position_embedding_type null: no rotary)
+_HF_CONFIG_DEFAULTS["granitemoehybrid"] = {**_HF_CONFIG_DEFAULTS["granitemoe"], "shared_intermediate_size": 1024,
+                                           "position_embedding_type": None, "layer_types": None}
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                   "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
+                  "GraniteMoeHybridForCausalLM": "granitemoehybrid",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
@@ -248,6 +250,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _cohere_config(config, spec.family)
     if spec.family in GRANITE_FAMILIES:
         _check_granite(config)
+    if spec.family == "granitemoehybrid":
+        config = _granite4_config(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
     if spec.family in olmo and config.get("attention_bias"):
         raise CheckpointError(f"attention_bias: true is not supported for {olmo[spec.family]} (its q/k/v/o biases: the "
@@ -432,7 +436,8 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-GRANITE_FAMILIES = ("granite", "granitemoe", "granitemoeshared")  # the families with Granite's multipliers
+# the families with Granite's multipliers
+GRANITE_FAMILIES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 
 
@@ -446,6 +451,33 @@ def _check_granite(config: dict) -> None:
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise CheckpointError(f"{key}: true is not supported for Granite (its q/k/v/o or MLP biases)")
+
+
+def _granite4_config(config: dict) -> dict:
+    """A Granite 4.0 config as GraniteMoeHybridConfig and its model read it, for its attention-only checkpoints
+    (granite-4.0-micro): `intermediate_size`, the MLP's width, is shared_intermediate_size (the MLP is its shared_mlp);
+    `_nope_layers`, every layer unless position_embedding_type is "rope" (transformers rotates only then). Refused by
+    name: a Mamba-2 layer in layer_types (also where layer_types is absent: every layer is one then), experts
+    (num_local_experts above 0), a position_embedding_type other than rope, nope or null."""
+    config = {**_HF_CONFIG_DEFAULTS["granitemoehybrid"], **config}  # (whatever its model_type says)
+    kinds = config["layer_types"] or config.get("layers_block_type")
+    if kinds is None or any(kind not in ("attention", "full_attention") for kind in kinds):
+        raise CheckpointError(f"layer_types {kinds!r}: Granite 4.0's Mamba-2 layers (mamba / linear_attention; every "
+                              "layer where layer_types is absent) are not supported; its attention-only checkpoints "
+                              "(every layer attention: granite-4.0-micro) are")
+    if len(kinds) != config["num_hidden_layers"]:
+        raise CheckpointError(f"layer_types has {len(kinds)} entries for {config['num_hidden_layers']} layers")
+    if config["num_local_experts"]:
+        raise CheckpointError(f"num_local_experts {config['num_local_experts']}: Granite 4.0's experts "
+                              "(block_sparse_moe) are not supported; its dense checkpoints (num_local_experts 0) are")
+    position = config["position_embedding_type"]
+    if position not in ("rope", "nope", None):
+        raise CheckpointError(f"position_embedding_type {position!r} is not supported for Granite 4.0; supported: "
+                              "rope, nope or null (no rotary)")
+    config["intermediate_size"] = config["shared_intermediate_size"]
+    if position != "rope":
+        config["_nope_layers"] = list(range(config["num_hidden_layers"]))
+    return config
 
 
 def _granite_fields(config: dict) -> dict:
@@ -596,9 +628,9 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
         return None
     config_ = with_hf_defaults(hf_config)
     residual, logits = float(config_["residual_multiplier"]), float(config_["logits_scaling"])
-    # the sub-layers' last linears: o_proj, and the MLP's down_proj or (Granite MoE) the experts' output_linear and
-    # the shared MLP's
-    outputs = ("self_attn.o_proj", "mlp.down_proj") if spec.moe is None else (
+    # the sub-layers' last linears: o_proj, and the MLP's down_proj (Granite 4.0: its shared_mlp.output_linear) or
+    # (Granite MoE) the experts' output_linear and the shared MLP's
+    outputs = ("self_attn.o_proj", spec.layer_linear("mlp.down").hf_members[0]) if spec.moe is None else (
         "self_attn.o_proj", spec.moe.fused[1], "shared_mlp.output_linear")
     factors = {} if residual == 1.0 else {
         f"{spec.hf_layer_prefix}{i}.{name}.weight": residual for i in range(config.num_layers) for name in outputs}

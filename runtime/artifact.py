@@ -116,11 +116,13 @@ from llmc.schema import opt, parse
 #      head's q and a sigmoid gate on its output); older manifests load without them (attention in every layer, no gate).
 # 1.36: Qwen3.5-MoE (family qwen3_5_moe): Qwen3.5's hybrid fields with Qwen2-MoE's (gated shared expert) in every
 #      layer; Qwen3-Next (family qwen3_next) the same fields (an older llmc refuses the families by name).
-FORMAT_VERSION = "1.36"
+# 1.37: Granite 4.0's attention-only checkpoints (family granitemoehybrid: Granite's fields, its shared_mlp as the
+#      dense MLP), read with fields older formats have (an older llmc refuses the family by name).
+FORMAT_VERSION = "1.37"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36")
+                         "1.34", "1.35", "1.36", "1.37")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -131,7 +133,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next"]
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name

@@ -78,7 +78,7 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = "a mixture-of-experts model"
     elif model.kv_lora_rank:
         problem = "DeepSeek's latent attention (its q / kv_a / kv_b linears have no run-time LoRA)"
-    elif model.family == "granite":
+    elif model.family in ("granite", "granitemoehybrid"):
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
     elif model.rotary_rows_permuted:
         problem = (f"{model.architecture} (its q_proj and k_proj rows are permuted into the runtime's rotary layout "

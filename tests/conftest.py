@@ -332,6 +332,12 @@ _FAMILY_SPECS["qwen3_5_moe"] = ("Qwen3_5MoeTextConfig", {
 # in_proj_ba, layer 1 a dense MLP (mlp_only_layers) 128 wide, the top 2 not renormalised (norm_topk_prob false)
 _FAMILY_SPECS["qwen3_next"] = ("Qwen3NextConfig", {
     **_FAMILY_SPECS["qwen3_5_moe"][1], "mlp_only_layers": [1], "decoder_sparse_step": 1, "norm_topk_prob": False})
+# Granite 4.0 (tests/runtime/test_granitemoehybrid.py): its attention-only form (granite-4.0-micro's), 3 layers, no
+# experts, the MLP its shared_mlp 96 wide (not intermediate_size's 128, which the model never reads), rotary
+# (position_embedding_type rope; the test builds a NoPE copy) and granite's multipliers
+_FAMILY_SPECS["granitemoehybrid"] = ("GraniteMoeHybridConfig", {
+    **_FAMILY_SPECS["granite"][1], "num_hidden_layers": 3, "layer_types": ["attention"] * 3, "num_local_experts": 0,
+    "shared_intermediate_size": 96, "position_embedding_type": "rope"})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -353,7 +359,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
-                                                                       "qwen3_next"))
+                                                                       "qwen3_next", "granitemoehybrid"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
