@@ -77,9 +77,11 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
         if (config.attention_bias and linear.name == "attn.qkv") or (config.o_bias and linear.name == "attn.o"):
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
     norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config).items()
-             if not (config.is_linear_attention_layer(index) and name in ("attn.q_norm", "attn.k_norm"))}
+             if not (config.is_state_layer(index) and name in ("attn.q_norm", "attn.k_norm"))}
     if config.is_linear_attention_layer(index):
         norms |= read_linear_attention(reader, prefix)
+    if config.is_mamba_layer(index):
+        norms |= read_mamba(reader, prefix, config.mamba_conv_bias)
     if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
         norms["attn.sinks"] = reader.get(f"{prefix}self_attn.sinks").float()
     if is_moe:
@@ -105,6 +107,19 @@ def read_linear_attention(reader: TensorReader, prefix: str) -> dict[str, Tensor
             "attn.conv": reader.get(f"{hf}conv1d.weight").float().flatten(1),
             "attn.A_log": reader.get(f"{hf}A_log").float(), "attn.dt_bias": reader.get(f"{hf}dt_bias").float(),
             "attn.norm": reader.get(f"{hf}norm.weight").float()}
+
+
+def read_mamba(reader: TensorReader, prefix: str, conv_bias: bool) -> dict[str, Tensor]:
+    """A Granite 4.0 Mamba-2 mixer's dense tensors in runtime names (kept as norms are: never quantized): the depthwise
+    conv's weight [conv_dim, kernel] (attn.conv) and bias (attn.conv_bias, where mamba_conv_bias), dt_bias, A_log, D
+    and the gated RMSNorm's weight (attn.norm: w itself)."""
+    hf = f"{prefix}mamba."
+    tensors = {"attn.conv": reader.get(f"{hf}conv1d.weight").float().flatten(1),
+               "attn.A_log": reader.get(f"{hf}A_log").float(), "attn.dt_bias": reader.get(f"{hf}dt_bias").float(),
+               "attn.D": reader.get(f"{hf}D").float(), "attn.norm": reader.get(f"{hf}norm.weight").float()}
+    if conv_bias:
+        tensors["attn.conv_bias"] = reader.get(f"{hf}conv1d.bias").float()
+    return tensors
 
 
 def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,

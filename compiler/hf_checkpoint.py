@@ -317,6 +317,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
+        **(config["_mamba"] if spec.family == "granitemoehybrid" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -454,22 +455,28 @@ def _check_granite(config: dict) -> None:
 
 
 def _granite4_config(config: dict) -> dict:
-    """A Granite 4.0 config as GraniteMoeHybridConfig and its model read it, for its attention-only checkpoints
-    (granite-4.0-micro): `intermediate_size`, the MLP's width, is shared_intermediate_size (the MLP is its shared_mlp);
-    `_nope_layers`, every layer unless position_embedding_type is "rope" (transformers rotates only then). Refused by
-    name: a Mamba-2 layer in layer_types (also where layer_types is absent: every layer is one then), experts
-    (num_local_experts above 0), a position_embedding_type other than rope, nope or null."""
+    """A Granite 4.0 config as GraniteMoeHybridConfig and its model read it: `intermediate_size`, the MLP's width, is
+    shared_intermediate_size (the MLP is its shared_mlp); `_nope_layers`, every layer unless position_embedding_type is
+    "rope" (transformers rotates only then); `_mamba`, the Mamba-2 layers (layer_types mamba / linear_attention; every
+    layer where layer_types is absent) and their sizes (mamba_d_head "auto": mamba_expand * hidden_size /
+    mamba_n_heads). Refused by name: experts (num_local_experts above 0), a position_embedding_type other than rope,
+    nope or null, no attention layer at all, mamba_proj_bias, a time_step_limit other than (0, inf), a hidden_act
+    other than silu with Mamba-2 layers."""
     config = {**_HF_CONFIG_DEFAULTS["granitemoehybrid"], **config}  # (whatever its model_type says)
-    kinds = config["layer_types"] or config.get("layers_block_type")
-    if kinds is None or any(kind not in ("attention", "full_attention") for kind in kinds):
-        raise CheckpointError(f"layer_types {kinds!r}: Granite 4.0's Mamba-2 layers (mamba / linear_attention; every "
-                              "layer where layer_types is absent) are not supported; its attention-only checkpoints "
-                              "(every layer attention: granite-4.0-micro) are")
-    if len(kinds) != config["num_hidden_layers"]:
-        raise CheckpointError(f"layer_types has {len(kinds)} entries for {config['num_hidden_layers']} layers")
+    layers = config["num_hidden_layers"]
+    kinds = config["layer_types"] or config.get("layers_block_type") or ["mamba"] * layers
+    if any(kind not in ("attention", "full_attention", "mamba", "linear_attention") for kind in kinds):
+        raise CheckpointError(f"layer_types {kinds!r}: Granite 4.0's layers are attention or mamba (linear_attention)")
+    if len(kinds) != layers:
+        raise CheckpointError(f"layer_types has {len(kinds)} entries for {layers} layers")
+    mamba = [i for i, kind in enumerate(kinds) if kind in ("mamba", "linear_attention")]
+    if len(mamba) == layers:
+        raise CheckpointError(f"layer_types {config['layer_types']!r}: every layer Mamba-2 (no attention layer; also "
+                              "where layer_types is absent) is not supported; Granite 4.0's hybrids mix attention in")
     if config["num_local_experts"]:
         raise CheckpointError(f"num_local_experts {config['num_local_experts']}: Granite 4.0's experts "
                               "(block_sparse_moe) are not supported; its dense checkpoints (num_local_experts 0) are")
+    config["_mamba"] = _granite4_mamba_fields(config, mamba) if mamba else {}
     position = config["position_embedding_type"]
     if position not in ("rope", "nope", None):
         raise CheckpointError(f"position_embedding_type {position!r} is not supported for Granite 4.0; supported: "
@@ -610,6 +617,33 @@ def norm_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tens
     return lambda name, tensor: tensor.float() + offset if name in names else tensor
 
 
+def _granite4_mamba_fields(config: dict, mamba: list[int]) -> dict:
+    """The manifest's mamba_* fields of a Granite 4.0 hybrid whose Mamba-2 layers are `mamba`."""
+    if config.get("mamba_proj_bias"):
+        raise CheckpointError("mamba_proj_bias: true is not supported for Granite 4.0 (in_proj / out_proj biases; its "
+                              "checkpoints set it false)")
+    # (transformers writes inf as {"__float__": "Infinity"})
+    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)
+             for v in config.get("time_step_limit") or (0.0, float("inf"))]
+    if limit != [0.0, float("inf")]:
+        raise CheckpointError(f"time_step_limit {limit!r} is not supported for Granite 4.0's Mamba-2 layers; only "
+                              "(0.0, inf), transformers' default (dt unclamped)")
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise CheckpointError(f"hidden_act {config.get('hidden_act')!r} is not supported for Granite 4.0's hybrids: "
+                              "the runtime's MLP and the Mamba-2 conv compute SiLU (hidden_act silu)")
+    heads = config.get("mamba_n_heads", 128)
+    width = config.get("mamba_expand", 2) * config["hidden_size"]
+    head_dim = config.get("mamba_d_head", "auto")
+    head_dim = width // heads if head_dim in ("auto", None) else head_dim
+    if head_dim * heads != width:
+        raise CheckpointError(f"mamba_d_head {head_dim} * mamba_n_heads {heads} must be mamba_expand * hidden_size "
+                              f"{width}")
+    return {"mamba_layers": mamba, "mamba_num_heads": heads, "mamba_head_dim": head_dim,
+            "mamba_n_groups": config.get("mamba_n_groups", 1), "mamba_d_state": config.get("mamba_d_state", 256),
+            "mamba_conv_kernel": config.get("mamba_d_conv", 4), "mamba_chunk_size": config.get("mamba_chunk_size", 256),
+            "mamba_conv_bias": bool(config.get("mamba_conv_bias", True))}
+
+
 def multiplier_fold(spec: ModelSpec, config: ModelConfig,
                     hf_config: dict) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
     """For Granite, a `TensorReader` merge that folds the two multipliers the runtime has no field for into the
@@ -630,8 +664,11 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
     residual, logits = float(config_["residual_multiplier"]), float(config_["logits_scaling"])
     # the sub-layers' last linears: o_proj, and the MLP's down_proj (Granite 4.0: its shared_mlp.output_linear) or
     # (Granite MoE) the experts' output_linear and the shared MLP's
+    # (Granite 4.0's Mamba-2 layers: mamba.out_proj in place of o_proj)
     outputs = ("self_attn.o_proj", spec.layer_linear("mlp.down").hf_members[0]) if spec.moe is None else (
         "self_attn.o_proj", spec.moe.fused[1], "shared_mlp.output_linear")
+    if spec.family == "granitemoehybrid":
+        outputs += ("mamba.out_proj",)
     factors = {} if residual == 1.0 else {
         f"{spec.hf_layer_prefix}{i}.{name}.weight": residual for i in range(config.num_layers) for name in outputs}
     if logits != 1.0:

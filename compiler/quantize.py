@@ -168,9 +168,12 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
         sizes |= {"attn.q": config.hidden_size, "attn.q_a": config.hidden_size, "attn.q_b": config.q_lora_rank,
                   "attn.kv_a": config.hidden_size, "attn.kv_b": config.kv_lora_rank,
                   "attn.o": config.num_heads * config.v_head_dim}
-    if config.is_hybrid:  # a Gated DeltaNet's (Qwen3.5)
+    if config.linear_attention_layers:  # a Gated DeltaNet's (Qwen3.5)
         sizes |= {"attn.in_qkvz": config.hidden_size,
                   "attn.out": config.linear_num_value_heads * config.linear_value_head_dim}
+    if config.mamba_layers:  # a Mamba-2 mixer's (Granite 4.0)
+        sizes |= {"attn.mamba_in": config.hidden_size,
+                  "attn.mamba_out": config.mamba_num_heads * config.mamba_head_dim}
     result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 

@@ -118,11 +118,15 @@ from llmc.schema import opt, parse
 #      layer; Qwen3-Next (family qwen3_next) the same fields (an older llmc refuses the families by name).
 # 1.37: Granite 4.0's attention-only checkpoints (family granitemoehybrid: Granite's fields, its shared_mlp as the
 #      dense MLP), read with fields older formats have (an older llmc refuses the family by name).
-FORMAT_VERSION = "1.37"
+# 1.38: Granite 4.0's hybrids (family granitemoehybrid): model.mamba_layers (Mamba-2 layers with a per-request conv
+#      and SSM state in place of attention: their attn.mamba_in / attn.mamba_out linears, attn.conv, attn.conv_bias,
+#      attn.A_log, attn.dt_bias, attn.D, attn.norm tensors; no KV cache) and mamba_num_heads ... mamba_chunk_size;
+#      older manifests load without them (no Mamba-2 layer).
+FORMAT_VERSION = "1.38"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37")
+                         "1.34", "1.35", "1.36", "1.37", "1.38")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -139,6 +143,7 @@ QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # a Gated DeltaNet layer's in place of attn.qkv / attn.o (Qwen3.5: in_proj_qkv and in_proj_z fused, out_proj)
 LINEAR_ATTENTION_LINEARS = ("attn.in_qkvz", "attn.out")
+MAMBA_LINEARS = ("attn.mamba_in", "attn.mamba_out")  # a Mamba-2 layer's (Granite 4.0)
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
@@ -306,6 +311,18 @@ class ModelConfig:
     linear_key_head_dim: int | None = opt(None, min=1)
     linear_value_head_dim: int | None = opt(None, min=1)
     linear_conv_kernel_dim: int | None = opt(None, min=1)
+    # Granite 4.0's hybrids (runtime/models/mamba2.py): these layers run a Mamba-2 mixer (in_proj to z, x, B, C, dt; a
+    # causal depthwise conv of mamba_conv_kernel over x, B, C; the SSD recurrence over a state [mamba_num_heads,
+    # mamba_head_dim, mamba_d_state] per request, B and C shared by mamba_n_groups groups of heads; a gated RMSNorm per
+    # group; out_proj) in place of attention, and hold no KV cache; empty: no Mamba-2 layer
+    mamba_layers: list[int] = opt([])
+    mamba_num_heads: int | None = opt(None, min=1)
+    mamba_head_dim: int | None = opt(None, min=1)
+    mamba_n_groups: int | None = opt(None, min=1)
+    mamba_d_state: int | None = opt(None, min=1)
+    mamba_conv_kernel: int | None = opt(None, min=2)
+    mamba_chunk_size: int | None = opt(None, min=1)
+    mamba_conv_bias: bool = opt(True)
     # Qwen3-Next / Qwen3.5: q_proj gives each head's q then as many gate rows; the attention's output times
     # sigmoid(gate) before o (attn.qkv is 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim rows)
     attn_output_gate: bool = opt(False)
@@ -370,18 +387,40 @@ class ModelConfig:
                                 f"{self.num_layers}, the linear_* head counts and dims (value heads a multiple of key "
                                 "heads) and the q/k/v attention (not MLA)")
 
+        if self.mamba_layers and (self.is_mla or any(getattr(self, key) is None for key in (
+                "mamba_num_heads", "mamba_head_dim", "mamba_n_groups", "mamba_d_state", "mamba_conv_kernel",
+                "mamba_chunk_size")) or self.mamba_num_heads % self.mamba_n_groups
+                or any(not 0 <= i < self.num_layers for i in self.mamba_layers)
+                or set(self.mamba_layers) & set(self.linear_attention_layers)):
+            raise ArtifactError(f"model: mamba_layers {self.mamba_layers} need layers of the {self.num_layers} (none a "
+                                "linear-attention layer), the mamba_* sizes (heads a multiple of groups) and the q/k/v "
+                                "attention (not MLA)")
+
     @property
     def is_hybrid(self) -> bool:
-        """Some layers run a Gated DeltaNet with a per-request recurrent state (runtime/models/gated_deltanet.py)."""
-        return bool(self.linear_attention_layers)
+        """Some layers keep a per-request state in place of attention: a Gated DeltaNet (runtime/models/
+        gated_deltanet.py) or a Mamba-2 mixer (runtime/models/mamba2.py)."""
+        return bool(self.linear_attention_layers or self.mamba_layers)
 
     def is_linear_attention_layer(self, index: int) -> bool:
         return index in self.linear_attention_layers
 
+    def is_mamba_layer(self, index: int) -> bool:
+        return index in self.mamba_layers
+
+    def is_state_layer(self, index: int) -> bool:
+        """Layer `index` keeps a per-request state in place of attention (and no KV cache)."""
+        return index in self.linear_attention_layers or index in self.mamba_layers
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """A Mamba-2 layer's conv channels: x, B and C."""
+        return self.mamba_num_heads * self.mamba_head_dim + 2 * self.mamba_n_groups * self.mamba_d_state
+
     @property
     def kv_layers(self) -> list[int]:
-        """The layers that hold a KV cache: all but the linear-attention ones."""
-        return [i for i in range(self.num_layers) if i not in self.linear_attention_layers]
+        """The layers that hold a KV cache: all but the linear-attention and Mamba-2 ones."""
+        return [i for i in range(self.num_layers) if not self.is_state_layer(i)]
 
     @property
     def is_classifier(self) -> bool:
@@ -476,6 +515,8 @@ class ModelConfig:
         attention = DECODER_LINEARS[:2]
         if self.is_linear_attention_layer(index):
             attention = LINEAR_ATTENTION_LINEARS
+        elif self.is_mamba_layer(index):
+            attention = MAMBA_LINEARS
         elif self.is_mla:
             attention = MLA_LORA_Q_LINEARS if self.q_lora_rank else MLA_LINEARS
         if not self.is_moe_layer(index):
@@ -515,8 +556,10 @@ class ModelConfig:
             moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
         attn += self.hidden_size * q * self.attn_output_gate  # (Qwen3.5's gate rows in q_proj)
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
-        if self.is_hybrid:  # its linear-attention layers: a Gated DeltaNet in place of attn and the q/k norms
+        if self.linear_attention_layers:  # its linear-attention layers: a Gated DeltaNet in place of attn and q/k norms
             layers += len(self.linear_attention_layers) * (self.linear_attention_parameters - attn - qk_norms)
+        if self.mamba_layers:  # Granite 4.0's Mamba-2 layers: a Mamba-2 mixer in place of attn
+            layers += len(self.mamba_layers) * (self.mamba_parameters - attn - qk_norms)
         return embed + layers + self.hidden_size + lm_head
 
     @property
@@ -528,6 +571,15 @@ class ModelConfig:
         conv = 2 * key + value
         return (self.hidden_size * (conv + value + 2 * self.linear_num_value_heads) + conv * self.linear_conv_kernel_dim
                 + 2 * self.linear_num_value_heads + self.linear_value_head_dim + value * self.hidden_size)
+
+    @property
+    def mamba_parameters(self) -> int:
+        """One Mamba-2 mixer's parameters (Granite 4.0): in_proj, the conv (and its bias), dt_bias, A_log, D, the
+        gated norm, out_proj."""
+        width, heads = self.mamba_num_heads * self.mamba_head_dim, self.mamba_num_heads
+        conv = self.mamba_conv_dim
+        return (self.hidden_size * (width + conv + heads) + conv * (self.mamba_conv_kernel + self.mamba_conv_bias)
+                + 3 * heads + width + width * self.hidden_size)
 
 
 @dataclass(frozen=True)

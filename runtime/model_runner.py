@@ -67,15 +67,17 @@ class ModelRunner:
                                  keep_gate_up_order=options.enable_lora)
         if keep_hidden is not None:
             self.model.keep_hidden(*keep_hidden)
-        # a hybrid model's Gated DeltaNet states (runtime/models/gated_deltanet.py NOTE (state slots)): one slot per
+        # a hybrid model's per-request states (Gated DeltaNet or Mamba-2 layers; runtime/models/gated_deltanet.py NOTE
+        # (state slots)): one slot per
         # persistent-batch row and a scratch slot (`score`), allocated before the memory plan, which counts them as it
         # counts the weights, before the KV blocks
         self.is_hybrid = manifest.model.is_hybrid
         self.state_bytes = 0
         if self.is_hybrid:
             self.state_bytes = self.model.bind_states(options.max_num_seqs + 1, device)
-            logger.info("Gated DeltaNet states: %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, before the "
-                        "KV cache; CUDA graphs of decode steps only (prefill and mixed steps run eagerly)",
+            kinds = " and ".join(dict.fromkeys(attn.STATE_KIND for attn in self.model.state_layers()))
+            logger.info("%s states: %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, before the "
+                        "KV cache; CUDA graphs of decode steps only (prefill and mixed steps run eagerly)", kinds,
                         options.max_num_seqs + 1, self.model.state_bytes_per_slot() / 2**20, self.state_bytes / 2**20)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
         if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
@@ -182,7 +184,7 @@ class ModelRunner:
     @property
     def scratch_state_slot(self) -> int | None:
         """A hybrid model's state slot that no request holds (`score`'s); None for other models."""
-        return self.model.linear_attention_layers()[0].conv_state.shape[0] - 1 if self.is_hybrid else None
+        return self.model.state_layers()[0].conv_state.shape[0] - 1 if self.is_hybrid else None
 
     def _put_state_slots(self, batch: ScheduledBatch, forward_batch: ForwardBatch) -> None:
         """A hybrid model's step: each sequence's state slot, its persistent-batch row (gated_deltanet NOTE)."""

@@ -390,6 +390,8 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(BIAS_STD * randn_like(p))
         elif name.endswith(".A_log"):  # a Gated DeltaNet's decay rates A in [0.05, 0.5]: the state lasts several tokens
             p.copy_((0.05 + 0.45 * torch.rand(p.shape, generator=gen)).log())
+        elif name.endswith("mamba.D"):  # a Mamba-2 layer's skip weight per head [heads]
+            p.copy_(randn_like(p))
         elif name.endswith("conv1d.weight"):  # its depthwise conv [channels, 1, kernel]
             p.copy_(0.5 * randn_like(p))
         elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits of the scores' size

@@ -32,6 +32,7 @@ from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import cos_sin_cache
 from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.gated_deltanet import GatedDeltaNet
+from llmc.runtime.models.mamba2 import Mamba2
 from llmc.runtime.models.mla import MLAttention
 from llmc.runtime.models.moe import ExpertLinears, MoE
 from llmc.runtime.parallel.layout import RankLayout, holds_row_bias, whole_model_layout
@@ -212,13 +213,16 @@ class DecoderLayer(nn.Module):
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
-                                      and not config.is_linear_attention_layer(index)
+                                      and not config.is_state_layer(index)
                                       and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]),
                                       centered=config.layer_norm)
-        # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache)
-        self.is_linear_attention = config.is_linear_attention_layer(index)
-        if self.is_linear_attention:
+        # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache); Granite 4.0's
+        # Mamba-2 layers: a Mamba-2 mixer there (the same: a per-request state in slots, gated_deltanet NOTE)
+        self.is_state_layer = config.is_state_layer(index)
+        if config.is_linear_attention_layer(index):
             self.attn = GatedDeltaNet(config, formats, index, dtype)
+        elif config.is_mamba_layer(index):
+            self.attn = Mamba2(config, formats, index, dtype)
         else:
             self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
@@ -433,7 +437,7 @@ class DecoderModel(nn.Module):
             if layer.has_pre_norms and not layer.is_parallel:
                 # (MLA's q and kv_a, a Gated DeltaNet's in_qkvz and in_ba both read the input norm's output: they gather
                 # it themselves)
-                if not layer.is_mla and not layer.is_linear_attention:
+                if not layer.is_mla and not layer.is_state_layer:
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
@@ -454,27 +458,28 @@ class DecoderModel(nn.Module):
         logger.info("int and FP8 weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
                     "packed)", dense_bytes / 2**20, self.config.dtype)
 
-    def linear_attention_layers(self) -> list[GatedDeltaNet]:
-        """This rank's Gated DeltaNet layers (Qwen3.5), in layer order; [] for any other model."""
-        return [layer.attn for layer in self.layers.values() if layer.is_linear_attention]
+    def state_layers(self) -> list[GatedDeltaNet | Mamba2]:
+        """This rank's layers with a per-request state (Qwen3.5's Gated DeltaNets, Granite 4.0's Mamba-2 mixers), in
+        layer order; [] for any other model."""
+        return [layer.attn for layer in self.layers.values() if layer.is_state_layer]
 
     def bind_states(self, num_slots: int, device: torch.device) -> int:
-        """Allocate every Gated DeltaNet layer's states for `num_slots` request slots (gated_deltanet NOTE (state
-        slots)); returns their bytes."""
-        for attn in self.linear_attention_layers():
+        """Allocate every stateful layer's own state tensors (each kind its own: bind_states) for `num_slots` request
+        slots (gated_deltanet NOTE (state slots)); returns their bytes."""
+        for attn in self.state_layers():
             attn.bind_states(num_slots, device)
         return num_slots * self.state_bytes_per_slot()
 
     def state_bytes_per_slot(self) -> int:
         dtype = getattr(torch, self.config.dtype)
-        return sum(attn.state_bytes_per_slot(dtype) for attn in self.linear_attention_layers())
+        return sum(attn.state_bytes_per_slot(dtype) for attn in self.state_layers())
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:
         """One (K, V) per layer of this rank, in layer order (MLA: (latent,)), with its (k_scale, v_scale) for an
         FP8 cache (None: 1.0; MLA reads k_scale)."""
         scales = scales or [(1.0, 1.0)] * len(kv_caches)
-        layers = [layer for layer in self.layers.values() if not layer.is_linear_attention]  # (Qwen3.5's hold none)
+        layers = [layer for layer in self.layers.values() if not layer.is_state_layer]  # (those hold none)
         for layer, kv_cache, (k_scale, v_scale) in zip(layers, kv_caches, scales, strict=True):
             layer.attn.kv_cache = kv_cache
             layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale

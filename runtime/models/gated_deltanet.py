@@ -1,8 +1,9 @@
 """The Gated DeltaNet layer (Qwen3.5's "linear_attention" layers) and its per-request state.
 
 NOTE (state slots): a request's state is its conv state [conv_dim, kernel - 1] (the last inputs of the causal
-depthwise conv) and its recurrent state [value heads, key dim, value dim] (float32) in every DeltaNet layer, kept in
-tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
+depthwise conv) and its recurrent state [value heads, key dim, value dim] (float32) in every DeltaNet layer (and in
+Granite 4.0's Mamba-2 layers, runtime/models/mamba2.py, their conv and SSM states: each layer kind binds its own
+tensors), kept in tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
 persistent-batch row (`Request.batch_row`, `ForwardBatch.state_slots`): taken when it is first scheduled, given
 back when it finishes, is aborted or is preempted, as vLLM's mamba cache hands out one slot per running request. A
 sequence whose chunk starts at position 0 (a new prompt, or a re-prefill after preemption by recompute) starts from
@@ -79,6 +80,8 @@ class GatedDeltaNet(nn.Module):
     """A Qwen3.5 linear-attention layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the
     rotary table unread). Its states are bound by the model runner (`bind_states`); a forward without
     batch.state_slots (the memory profile, calibration) runs every sequence from zero state and keeps nothing."""
+
+    STATE_KIND = "Gated DeltaNet"
 
     def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
         super().__init__()

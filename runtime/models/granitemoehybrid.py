@@ -1,19 +1,27 @@
-"""IBM Granite 4.0 (GraniteMoeHybridForCausalLM, model_type granitemoehybrid), its attention-only checkpoints
-(granite-4.0-micro: every `layer_types` entry "attention", num_local_experts 0): dense Granite's four multipliers
+"""IBM Granite 4.0 (GraniteMoeHybridForCausalLM, model_type granitemoehybrid): its attention-only checkpoints
+(granite-4.0-micro: every `layer_types` entry "attention", num_local_experts 0) and its hybrids (granite-4.0-h-*:
+"mamba" layers, a Mamba-2 mixer in the attention's place, runtime/models/mamba2.py, its in_proj and out_proj as
+attn.mamba_in / attn.mamba_out, its states in slots as Qwen3.5's DeltaNet's): dense Granite's four multipliers
 (runtime/models/granite.py: the embedding's and the attention's as ModelConfig fields, residual_multiplier folded into
 o_proj and the MLP's output_linear, 1 / logits_scaling into the final norm) with its MLP stored as `shared_mlp`:
 `input_linear` [2 * shared_intermediate_size, hidden] holds gate rows then up rows (the runtime's gate_up order, as
 Phi-3's gate_up_proj) and `output_linear` is down. `position_embedding_type` "rope" rotates q and k; null or "nope"
-(the hybrids') rotates neither (ModelConfig.nope_layers: every layer). The Mamba-2 layers and the experts of the
-hybrid checkpoints are refused by name (compiler/hf_checkpoint._granite4_config)."""
+(the hybrids') rotates neither (ModelConfig.nope_layers: every layer). residual_multiplier is folded into a Mamba-2
+layer's out_proj as into o_proj. Experts (num_local_experts > 0) are refused by name
+(compiler/hf_checkpoint._granite4_config)."""
 
 from llmc.runtime.models.spec import LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, FusedLinear, ModelSpec
+
+MAMBA = (  # a Mamba-2 layer's linears, in its layers only (runtime/models/mamba2.py)
+    FusedLinear("attn.mamba_in", ("mamba.in_proj",), "column", "input_norm"),
+    FusedLinear("attn.mamba_out", ("mamba.out_proj",), "row", "attn.mamba_in"),
+)
 
 SPEC = ModelSpec(
     family="granitemoehybrid",
     architectures=("GraniteMoeHybridForCausalLM",),
     model_types=("granitemoehybrid",),
-    layer_linears=LLAMA_LINEARS[:2] + (
+    layer_linears=LLAMA_LINEARS[:2] + MAMBA + (
         FusedLinear("mlp.gate_up", ("shared_mlp.input_linear",), "column", "post_attn_norm"),
         FusedLinear("mlp.down", ("shared_mlp.output_linear",), "row", "mlp.gate_up"),
     ),

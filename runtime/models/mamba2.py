@@ -1,7 +1,7 @@
 """Granite 4.0's Mamba-2 mixer in torch ops (float32), for one sequence at a time, state carried in and out: its conv
 state [conv_dim, kernel - 1] (the last inputs of the causal depthwise conv over x, B and C) and its SSM state
-[heads, head_dim, d_state]. NOT yet wired into the decoder: the step before Granite 4.0's hybrid layers (the state
-slots of runtime/models/gated_deltanet.py, generalised to a layer kind's own state tensors).
+[heads, head_dim, d_state]; and `Mamba2`, Granite 4.0's Mamba-2 layer in the attention's place, its states kept per
+request in slots as the Gated DeltaNet's are (runtime/models/gated_deltanet.py NOTE (state slots)).
 
 Per head h (group g = h // (heads / groups)), dt_t = softplus(dt_raw_t + dt_bias) clamped to time_step_limit,
 S <- exp(dt_t A_h) S + dt_t x_t B_t^T; y_t = S C_t + D_h x_t. `ssd_step` runs it for one token (decodes);
@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.layers.linear import Linear
+from llmc.runtime.models.gated_deltanet import _weight
 
 
 def causal_conv(xbc: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,3 +94,112 @@ def mamba2_mixer(hidden: Tensor, w: dict[str, Tensor], cfg: dict, conv_state: Te
         y = ssd_chunked(x, dt, a, b, c, d, ssm_state, cfg["chunk"])
     y = gated_group_norm(y.flatten(-2), z, w["norm"].float(), groups, cfg["eps"])
     return y @ w["out_proj"].float().t(), conv_state
+
+
+class Mamba2(nn.Module):
+    """A Granite 4.0 Mamba-2 layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the rotary
+    table unread); in_proj and out_proj are attn.mamba_in / attn.mamba_out (quantizable), the rest dense. Its conv
+    state [slots, conv_dim, kernel - 1] (model dtype) and SSM state [slots, heads, head_dim, d_state] (float32) are
+    bound by the model runner (`bind_states`); a forward without batch.state_slots (the memory profile, calibration)
+    runs every sequence from zero state and keeps nothing."""
+
+    STATE_KIND = "Mamba-2"
+
+    def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
+        super().__init__()
+        prefix = f"layers.{index}.attn."
+        self.heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
+        self.groups, self.d_state = config.mamba_n_groups, config.mamba_d_state
+        self.width, self.conv_dim = self.heads * self.head_dim, config.mamba_conv_dim
+        self.kernel = config.mamba_conv_kernel
+        self.chunk, self.eps = config.mamba_chunk_size, config.rms_norm_eps
+        self.has_rope, self.is_local_rope = True, False  # (the model's table is passed, unread)
+        hidden = config.hidden_size
+        self.mamba_in = Linear(hidden, self.width + self.conv_dim + self.heads, formats[prefix + "mamba_in"], False,
+                               dtype)
+        self.mamba_out = Linear(self.width, hidden, formats[prefix + "mamba_out"], False, dtype)
+        self.conv = _weight((self.conv_dim, self.kernel), dtype)
+        self.conv_bias = _weight((self.conv_dim,), dtype) if config.mamba_conv_bias else None
+        self.A_log = _weight((self.heads,), torch.float32)
+        self.dt_bias = _weight((self.heads,), torch.float32)
+        self.D = _weight((self.heads,), torch.float32)
+        self.norm = _weight((self.width,), dtype)  # the gated RMSNorm's weight, per group of width / groups columns
+        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] in the model dtype (bind_states)
+        self.ssm_state: Tensor | None = None  # [slots, heads, head_dim, d_state] float32
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.heads * self.head_dim * self.d_state * 4
+
+    def bind_states(self, num_slots: int, device: torch.device) -> None:
+        dtype = self.conv.weight.dtype
+        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
+        self.ssm_state = torch.zeros(num_slots, self.heads, self.head_dim, self.d_state, dtype=torch.float32,
+                                     device=device)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
+        z, xbc, dt = self.mamba_in(x).split([self.width, self.conv_dim, self.heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.weight)  # (time_step_limit (0, inf): unclamped)
+        slots = batch.state_slots
+        if batch.is_decode and slots is not None:
+            y = self._decode(xbc, dt, slots, batch.context_lens)
+        else:
+            y = self._prefill(xbc, dt, batch, slots)
+        y = gated_group_norm(y, z.float(), self.norm.weight.float(), self.groups, self.eps)
+        return self.mamba_out(y.to(x.dtype))
+
+    def _conv_bias(self) -> Tensor | None:
+        return None if self.conv_bias is None else self.conv_bias.weight.float()
+
+    def _decode(self, xbc: Tensor, dt: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
+        """One token per sequence: device ops only (no host value of the step)."""
+        fresh = context_lens == 1  # a one-token prompt: zero state
+        window = torch.cat([self.conv_state[slots] * ~fresh[:, None, None], xbc[:, :, None]], dim=-1)
+        self.conv_state[slots] = window[:, :, 1:]
+        conv = (window.float() * self.conv.weight.float()).sum(-1)
+        conv = F.silu(conv if self.conv_bias is None else conv + self._conv_bias())
+        x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+        per_group = self.heads // self.groups
+        x = x.unflatten(-1, (self.heads, self.head_dim))
+        b, c = (t.unflatten(-1, (self.groups, self.d_state)).repeat_interleave(per_group, 1) for t in (b, c))
+        a = -torch.exp(self.A_log.weight)
+        state = self.ssm_state[slots] * ~fresh[:, None, None, None]
+        state = state * torch.exp(dt * a)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
+        self.ssm_state[slots] = state
+        y = torch.einsum("nhpd,nhd->nhp", state, c) + self.D.weight[None, :, None] * x
+        return y.flatten(1)
+
+    def _prefill(self, xbc: Tensor, dt: Tensor, batch: ForwardBatch, slots: Tensor | None) -> Tensor:
+        """The step's leading one-token sequences (its decodes, listed first) together as `_decode`, then sequence by
+        sequence: the conv after its conv state, the chunked SSD from its SSM state."""
+        context_lens = batch.host_context_lens
+        if context_lens is None:
+            context_lens = batch.context_lens.tolist()
+        outputs, offset = [], 0
+        num_decodes = 0
+        while slots is not None and num_decodes < len(batch.query_lens) and batch.query_lens[num_decodes] == 1:
+            num_decodes += 1
+        if num_decodes:
+            rows = slice(0, num_decodes)
+            outputs.append(self._decode(xbc[rows], dt[rows], slots[rows], batch.context_lens[rows]))
+            offset = num_decodes
+        a = -torch.exp(self.A_log.weight)
+        for i, length in enumerate(batch.query_lens):
+            if i < num_decodes:
+                continue
+            rows = slice(offset, offset + length)
+            offset += length
+            if slots is None or int(context_lens[i]) == length:  # starts fresh
+                conv_state = xbc.new_zeros(self.conv_dim, self.kernel - 1, dtype=torch.float32)
+                state = xbc.new_zeros(self.heads, self.head_dim, self.d_state, dtype=torch.float32)
+            else:
+                conv_state, state = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]].clone()
+            conv, conv_state = causal_conv(xbc[rows].float(), self.conv.weight.float(), self._conv_bias(), conv_state)
+            x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+            x = x.unflatten(-1, (self.heads, self.head_dim))
+            b, c = (t.unflatten(-1, (self.groups, self.d_state)) for t in (b, c))
+            y = ssd_chunked(x, dt[rows], a, b, c, self.D.weight, state, self.chunk)
+            if slots is not None:
+                self.conv_state[slots[i]] = conv_state.to(self.conv_state.dtype)
+                self.ssm_state[slots[i]] = state
+            outputs.append(y.flatten(1))
+        return torch.cat(outputs)

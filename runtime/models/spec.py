@@ -120,7 +120,9 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
     attn.q without a q_lora_rank, attn.q_a and attn.q_b with one)."""
     if linear.name in ("attn.in_qkvz", "attn.out"):  # a Gated DeltaNet's (Qwen3.5), in its layers only
         return config.is_linear_attention_layer(index)
-    if linear.name in ("attn.qkv", "attn.o") and config.is_linear_attention_layer(index):
+    if linear.name in ("attn.mamba_in", "attn.mamba_out"):  # a Mamba-2 mixer's (Granite 4.0), in its layers only
+        return config.is_mamba_layer(index)
+    if linear.name in ("attn.qkv", "attn.o") and config.is_state_layer(index):
         return False
     if linear.name in ("attn.q", "attn.q_a", "attn.q_b"):
         return (linear.name != "attn.q") == bool(config.q_lora_rank)
@@ -135,10 +137,10 @@ def float32_norms(config) -> tuple[str, ...]:
     """The never-quantized layer tensors kept in float32 whatever the model dtype (`config`: the ModelConfig):
     DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict); gpt-oss's
     attention sinks (the kernels read them as float32 logits); a Gated DeltaNet's A_log and dt_bias (Qwen3.5: its decay
-    is computed in float32)."""
+    is computed in float32); a Mamba-2 mixer's A_log, dt_bias and D (Granite 4.0, the same)."""
     return (("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()) + (
         ("attn.sinks",) if config.attention_sinks else ()) + (
-        ("attn.A_log", "attn.dt_bias") if config.is_hybrid else ())
+        ("attn.A_log", "attn.dt_bias") if config.is_hybrid else ()) + (("attn.D",) if config.mamba_layers else ())
 
 
 def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
@@ -167,10 +169,14 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
              "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
              "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
              "moe.shared.down": [config.hidden_size]}
-    if config.is_hybrid:
+    if config.linear_attention_layers:
         key, value = (config.linear_num_key_heads * config.linear_key_head_dim,
                       config.linear_num_value_heads * config.linear_value_head_dim)
         parts |= {"attn.in_qkvz": [2 * key + value, value], "attn.out": [config.hidden_size]}
+    if config.mamba_layers:  # z, then x, B, C, then dt
+        width = config.mamba_num_heads * config.mamba_head_dim
+        parts |= {"attn.mamba_in": [width + config.mamba_conv_dim + config.mamba_num_heads],
+                  "attn.mamba_out": [config.hidden_size]}
     if config.is_mla:
         parts |= {"attn.q": [q], "attn.q_a": [config.q_lora_rank], "attn.q_b": [q],
                   "attn.kv_a": [config.kv_lora_rank + config.qk_rope_head_dim],

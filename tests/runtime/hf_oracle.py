@@ -47,11 +47,11 @@ def write_config(source, dest, **changes):
 
 def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
-    GraniteForCausalLM, GraniteMoeHybridForCausalLM's attention-only form): each linear dequantized by the formats'
-    oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the family's layer
-    norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold) unfolded with
-    `hf_config`'s multipliers: o_proj and down_proj divided by residual_multiplier, the final norm times
-    logits_scaling."""
+    GraniteForCausalLM, GraniteMoeHybridForCausalLM with its Mamba-2 layers' dense tensors): each linear dequantized
+    by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
+    family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
+    unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
+    the final norm times logits_scaling."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -70,8 +70,9 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
         residual, logits = hf_config["residual_multiplier"], hf_config["logits_scaling"]
     if model["family"] == "granitemoehybrid":  # Granite 4.0's MLP: shared_mlp, its gate and up rows in one tensor
         members |= {"mlp.gate_up": (["shared_mlp.input_linear"], None),
-                    "mlp.down": (["shared_mlp.output_linear"], None)}
-    unfold = {"attn.o": residual, "mlp.down": residual}
+                    "mlp.down": (["shared_mlp.output_linear"], None),
+                    "attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
+    unfold = {"attn.o": residual, "mlp.down": residual, "attn.mamba_out": residual}
     state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
              "model.norm.weight": (tensors["norm.weight"].float() - offset) * logits}
     if "lm_head.weight" in tensors:
@@ -79,13 +80,23 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     for i in range(model["num_layers"]):
         for runtime, hf in norms.items():
             state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
+        for runtime, hf in MAMBA_DENSE.items():  # (a Mamba-2 layer's: Granite 4.0)
+            if f"layers.{i}.{runtime}.weight" in tensors:
+                weight = tensors[f"layers.{i}.{runtime}.weight"].float()
+                state[f"model.layers.{i}.{hf}"] = weight[:, None] if runtime == "attn.conv" else weight
         for runtime, (names, sizes) in members.items():
+            if f"layers.{i}.{runtime}" not in manifest["quant"]["modules"]:  # (not in this layer)
+                continue
             prefix = f"layers.{i}.{runtime}."
             params = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
             weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
             for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
                 state[f"model.layers.{i}.{name}.weight"] = part / unfold.get(runtime, 1.0)
     return state
+
+
+MAMBA_DENSE = {"attn.conv": "mamba.conv1d.weight", "attn.conv_bias": "mamba.conv1d.bias", "attn.A_log": "mamba.A_log",
+               "attn.dt_bias": "mamba.dt_bias", "attn.D": "mamba.D", "attn.norm": "mamba.norm.weight"}
 
 
 def hf_model_on_weights_of(checkpoint, artifact, method: str, state: dict | None = None):

@@ -172,7 +172,7 @@ def test_a_lora_adapter_is_merged_before_the_fold(tiny_granite, tmp_path, hf_enc
 
 @pytest.mark.parametrize("changes,message", [
     ({"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid"},
-     "layer_types None: Granite 4.0's Mamba-2 layers"),
+     "layer_types None: every layer Mamba-2"),
     ({"residual_multiplier": 0.0}, "residual_multiplier 0.0: Granite's multipliers must be positive numbers"),
     ({"logits_scaling": -8.0}, "logits_scaling -8.0: Granite's multipliers must be positive numbers"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Granite"),

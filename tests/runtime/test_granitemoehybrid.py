@@ -53,7 +53,7 @@ def test_logits_and_greedy_match_transformers(variant, nope_layers, checkpoints,
     transformers' float32 model's, to 1e-4."""
     manifest = read_manifest(artifacts(variant))
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.37"
+    assert manifest.format_version == FORMAT_VERSION == "1.38"
     assert (m.family, m.nope_layers, m.intermediate_size, m.embed_scale, m.softmax_scale, m.num_experts) == (
         "granitemoehybrid", nope_layers, 96, 12.0, 0.05, None)
     with LLM(artifacts(variant), **ENGINE) as llm:
@@ -148,16 +148,15 @@ def test_config_read_as_transformers_reads_it(checkpoints):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"layer_types": ["attention", "mamba", "attention"]}, "layer_types ['attention', 'mamba', 'attention']: Granite "
-                                                           "4.0's Mamba-2 layers"),
-    ({"layer_types": ["full_attention", "linear_attention", "full_attention"]}, "Granite 4.0's Mamba-2 layers"),
-    ({"layer_types": None}, "layer_types None: Granite 4.0's Mamba-2 layers"),
+    ({"layer_types": ["attention", "sliding_attention", "mamba"]}, "layer_types ['attention', 'sliding_attention', "
+                                                                   "'mamba']: Granite 4.0's layers are attention or "
+                                                                   "mamba"),
     ({"layer_types": ["attention"] * 2}, "layer_types has 2 entries for 3 layers"),
     ({"num_local_experts": 4}, "num_local_experts 4: Granite 4.0's experts"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type 'alibi' is not supported for Granite 4.0"),
     ({"residual_multiplier": 0.0}, "residual_multiplier 0.0: Granite's multipliers must be positive numbers"),
     ({"attention_bias": True}, "attention_bias: true is not supported for Granite"),
-], ids=["mamba", "linear-attention", "no-layer-types", "layer-count", "experts", "alibi", "zero-residual",
+], ids=["layer-kind", "layer-count", "experts", "alibi", "zero-residual",
         "attention-bias"])
 def test_what_llmc_does_not_run_is_refused_by_name(checkpoints, tmp_path, changes, message):
     checkpoint = write_config(checkpoints["rope"], tmp_path / "ckpt", **changes)

@@ -394,7 +394,7 @@ def test_sequence_classifiers_equal_transformers(family, checkpoints, tmp_path):
 
 def test_what_the_new_families_refuse(checkpoints, tmp_path):
     """One line each: OLMoE's clip_qkv, OLMo's attention_bias, a pre-quantized import of a fused-expert model, and
-    Granite 4.0's hybrid (its Mamba-2 layers), still refused (a Qwen2-MoE import with its shared expert:
+    a Granite 4.0 whose every layer is Mamba-2, refused (a Qwen2-MoE import with its shared expert:
     tests/compiler/test_export_moe.py)."""
     def refused(family, match, quantization=None, **changes):
         source = write_config(checkpoints[family], tmp_path / f"{family}{len(list(tmp_path.iterdir()))}", **changes)
@@ -406,7 +406,7 @@ def test_what_the_new_families_refuse(checkpoints, tmp_path):
     refused("olmoe", "clip_qkv 8.0: OLMoE's clamping", clip_qkv=8.0)
     refused("olmo3", "attention_bias: true is not supported for OLMo 3", attention_bias=True)
     refused("granitemoe", "import is not supported for Granite", {"method": "import"})
-    refused("granitemoe", "layer_types None: Granite 4.0's Mamba-2 layers",
+    refused("granitemoe", "layer_types None: every layer Mamba-2",
             architectures=["GraniteMoeHybridForCausalLM"])
 
 

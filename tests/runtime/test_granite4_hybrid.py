@@ -1,0 +1,167 @@
+"""Granite 4.0's hybrids (GraniteMoeHybridForCausalLM with Mamba-2 layers: granite-4.0-h-*) against transformers' own
+model (float32) on a tiny random checkpoint whose layer_types are [mamba, attention, mamba] (Mamba-2 of 8 heads of 16
+in 2 groups, d_state 16, a conv of 4, chunks of 8; NoPE, Granite's multipliers): logits at every position of a prefill
+in chunks of 16 (each Mamba-2 layer's conv and SSM state carried across chunks in its slot), greedy tokens and
+logprobs of prompts batched on fewer seats than prompts; the same under preemption by recompute (a tiny KV cache) and
+chunks of 5; an abort mid-stream gives its slot back (the request that takes it next starts from zero state); RTN
+and GPTQ W4 builds (in_proj and out_proj quantized, the rest dense) against transformers holding their dequantized
+weights; the parameter count of GraniteMoeHybridConfig's defaults; the refusals (every layer Mamba-2 among them: a
+model without an attention layer is not run); -m gpu: CUDA (written, not run here)."""
+
+import pytest
+import torch
+
+from llmc.compiler.build import build
+from llmc.compiler.export import export_artifact
+from llmc.compiler.recipe import recipe_from_dict
+from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError
+from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
+from llmc.runtime.llm import LLM
+from tests.conftest import make_hf_checkpoint
+from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts, write_config
+from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_qwen3_5 import _hf_tokens, test_n_above_1_and_an_abort_mid_stream as qwen_abort
+
+MAMBA = {"layer_types": ["mamba", "attention", "mamba"], "position_embedding_type": "nope", "mamba_n_heads": 8,
+         "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("granite4_hybrid") / "ckpt", "granitemoehybrid", **MAMBA)
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return float32_artifacts({"h": checkpoint}, tmp_path_factory.mktemp("granite4_hybrid_artifacts"))("h")
+
+
+@torch.inference_mode()
+def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Logits over 40 positions prefilled in chunks of 16 (1e-4), greedy tokens of 3 prompts on 2 seats and their
+    logprobs as transformers'; the manifest's Mamba-2 layers and sizes; one KV cache (the attention layer's)."""
+    manifest = read_manifest(artifact)
+    m = manifest.model
+    assert manifest.format_version == FORMAT_VERSION == "1.38"
+    assert (m.mamba_layers, m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state,
+            m.mamba_conv_kernel, m.mamba_chunk_size, m.mamba_conv_bias, m.kv_layers) == (
+        [0, 2], 8, 16, 2, 16, 4, 8, True, [1])
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode)
+        runner = llm.engine.runner
+        assert len(runner.kv_caches) == 1
+        assert runner.model.layers["0"].attn.ssm_state.shape == (3, 8, 16, 16)  # max_num_seqs + 1 slots
+        assert runner.model.layers["2"].attn.conv_state.shape == (3, 128 + 2 * 2 * 16, 3)
+        assert not llm.engine.options.enable_prefix_caching
+
+
+
+def test_the_default_config_reads_as_transformers():
+    """GraniteMoeHybridConfig's defaults (mamba_d_head auto, the published "mamba" / "attention" spelling): the
+    manifest's sizes, and its parameter count transformers' (a model on the meta device)."""
+    from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf
+    from llmc.runtime.models import granitemoehybrid
+
+    hf_config = GraniteMoeHybridConfig(num_hidden_layers=4, num_local_experts=0, shared_intermediate_size=512,
+                                       hidden_size=256, mamba_n_heads=8, mamba_d_state=32,
+                                       layer_types=["mamba", "mamba", "attention", "mamba"])
+    config = {**hf_config.to_dict(), "architectures": ["GraniteMoeHybridForCausalLM"],
+              "layer_types": ["mamba", "mamba", "attention", "mamba"]}
+    model = model_config_from_hf(config, granitemoehybrid.SPEC, "bfloat16")
+    assert (model.mamba_layers, model.kv_layers, model.mamba_head_dim, model.mamba_conv_kernel) == (
+        [0, 1, 3], [2], 64, 4)
+    with torch.device("meta"):
+        assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
+                         ids=["preemption", "chunks-of-5"])
+def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
+    """3 prompts on 3 seats with 5 KV blocks: requests are preempted and prefilled again from zero state; or chunks of
+    5 tokens (each chunk's conv reads the chunk before's last 3 inputs from the conv state): transformers' greedy
+    tokens, no block or row left held."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    from llmc.runtime.sampling_params import SamplingParams
+
+    with LLM(artifact, device="cpu", max_num_seqs=3, **{"num_kv_blocks": 64, **options}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded],
+                               SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        stats = llm.stats()
+        assert (stats["num_preemptions"] > 0) == ("num_kv_blocks" in options)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert sorted(llm.engine._free_rows) == list(range(3))
+    assert [o.outputs[0].token_ids for o in outputs] == [_hf_tokens(checkpoint, ids, 16) for ids in encoded]
+
+
+def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
+    """Qwen3.5's test on this model: n = 2 samples of top_k 1 both transformers' greedy tokens; a request aborted
+    after 3 tokens gives its slot back at once and the request that takes it next starts from zero state."""
+    qwen_abort(checkpoint, artifact, hf_encode)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
+    """RTN and GPTQ (calibrated through the Mamba-2 layers from zero state) W4 of every linear (the Mamba-2 layers'
+    in_proj and out_proj, the attention's qkv and o, the MLPs) against transformers holding its dequantized weights
+    (the conv, dt_bias, A_log, D and the gated norm dense)."""
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
+                          PROMPTS)
+    modules = read_manifest(tmp_path / "q").quant.modules
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
+            [(0, "attn.mamba_in"), (2, "attn.mamba_out"), (1, "attn.qkv"), (0, "mlp.gate_up")]} == {"w4a16"}
+    assert "layers.0.attn.qkv" not in modules
+
+
+def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
+    """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
+    an ONNX target, tensor parallel, FP8; Granite 4.0's experts, no attention layer, mamba_proj_bias, a
+    time_step_limit, another hidden_act; `llmc export`."""
+    def refused_at_start(match, **options):
+        with pytest.raises(ConfigError, match=match):
+            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
+
+    refused_at_start("enable_prefix_caching: GraniteMoeHybridForCausalLM .* has no prefix caching",
+                     enable_prefix_caching=True)
+    refused_at_start("speculative_config: not supported", speculative_config={"method": "ngram",
+                                                                              "num_speculative_tokens": 2})
+    refused_at_start("enable_lora: not supported", enable_lora=True)
+    refused_at_start("num_scheduler_steps: not supported", num_scheduler_steps=4)
+
+    def refused(error, match, recipe=None, **changes):
+        source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
+            if changes else checkpoint
+        with pytest.raises(error, match=match):
+            build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
+                                    **(recipe or {})}), show_progress=False)
+
+    refused(RecipeError, "target.device onnx-cpu: .* is not exported to ONNX",
+            recipe={"target": {"device": "onnx-cpu"}})
+    refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
+    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq",
+            recipe={"quantization": {"method": "fp8"}})
+    refused(CheckpointError, "num_local_experts 4: Granite 4.0's experts", num_local_experts=4)
+    refused(CheckpointError, "layer_types None: every layer Mamba-2 .* is not supported", layer_types=None)
+    refused(CheckpointError, "mamba_proj_bias: true is not supported", mamba_proj_bias=True)
+    refused(CheckpointError, "time_step_limit .* is not supported", time_step_limit=[0.0, 10.0])
+    refused(CheckpointError, "hidden_act 'gelu' is not supported", hidden_act="gelu")
+    with pytest.raises(ArtifactError, match="cannot export architecture GraniteMoeHybridForCausalLM: a hybrid model"):
+        export_artifact(artifact, tmp_path / "export")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 artifact on CUDA (Triton attention in the attention layer, the Mamba-2 mixer in torch ops; decode
+    steps replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits (2e-3), greedy
+    tokens and logprobs."""
+    for eager in (False, True):
+        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
+                 enforce_eager=eager) as llm:
+            runner = llm.engine.runner
+            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
+            assert eager or runner.graphs.num_replays > 0
