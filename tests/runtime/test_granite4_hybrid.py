@@ -2,11 +2,18 @@
 model (float32) on a tiny random checkpoint whose layer_types are [mamba, attention, mamba] (Mamba-2 of 8 heads of 16
 in 2 groups, d_state 16, a conv of 4, chunks of 8; NoPE, Granite's multipliers): logits at every position of a prefill
 in chunks of 16 (each Mamba-2 layer's conv and SSM state carried across chunks in its slot), greedy tokens and
-logprobs of prompts batched on fewer seats than prompts; the same under preemption by recompute (a tiny KV cache) and
-chunks of 5; an abort mid-stream gives its slot back (the request that takes it next starts from zero state); RTN
-and GPTQ W4 builds (in_proj and out_proj quantized, the rest dense) against transformers holding their dequantized
-weights; the parameter count of GraniteMoeHybridConfig's defaults; the refusals (every layer Mamba-2 among them: a
-model without an attention layer is not run); -m gpu: CUDA (written, not run here)."""
+logprobs of prompts batched on fewer seats than prompts, also with the attention on its Triton kernels (interpreted)
+and with decode steps through a decode graph's static buffers (padding rows on the scratch slot); greedy tokens under
+preemption by recompute (a tiny KV cache) and in chunks of 5; an abort mid-stream gives its slot back (the request
+that takes it next starts from zero state); RTN and GPTQ W4 builds (in_proj and out_proj quantized, the rest dense)
+against transformers holding their dequantized weights; the parameter count of GraniteMoeHybridConfig's defaults; the
+refusals (every layer Mamba-2 among them: a model without an attention layer is not run); -m gpu: CUDA (written, not
+run here)."""
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
 
 import pytest
 import torch
@@ -20,7 +27,11 @@ from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts, write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
-from tests.runtime.test_qwen3_5 import _hf_tokens, test_n_above_1_and_an_abort_mid_stream as qwen_abort
+from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
+from tests.runtime.test_qwen3_5 import _hf_tokens
+from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
+from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
+from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 MAMBA = {"layer_types": ["mamba", "attention", "mamba"], "position_embedding_type": "nope", "mamba_n_heads": 8,
          "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8}
@@ -54,6 +65,20 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
         assert runner.model.layers["2"].attn.conv_state.shape == (3, 128 + 2 * 2 * 16, 3)
         assert not llm.engine.options.enable_prefix_caching
 
+
+
+def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
+                                              hf_encode):
+    """Qwen3.5's test on this model: the attention layer's rotary + KV write and paged attention on their Triton kernels
+    (the interpreter on CPU tensors), the Mamba-2 layers in torch: transformers' logits, greedy tokens, logprobs."""
+    qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
+
+
+def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Qwen3.5's test on this model: what a decode graph replays (runtime/cuda_graphs.py), on the CPU: decode steps
+    padded to 4 rows whose padding rows write the scratch state slot, also with the first request finishing first:
+    transformers' greedy tokens and logprobs."""
+    qwen_static_decodes(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
 
 
 def test_the_default_config_reads_as_transformers():

@@ -1,7 +1,8 @@
-"""runtime/models/mamba2.py (Granite 4.0's Mamba-2 mixer, not yet wired in) against transformers'
-GraniteMoeHybridMambaLayer (its torch path, float32, no cache: the whole sequence at once) on a random layer of 8 heads
-of 16 in 2 groups, d_state 16, a conv of 4, transformers' chunk 8: the sequence prefilled in pieces of 13 (chunks of
-8 and 5, the conv and SSM states carried across pieces), then decoded one token at a time by the recurrence."""
+"""runtime/models/mamba2.py's mixer functions (Granite 4.0's Mamba-2; the wired layer: test_granite4_hybrid.py)
+against transformers' GraniteMoeHybridMambaLayer (its torch path, float32, no cache: the whole sequence at once) on a
+random layer of 8 heads of 16 in 2 groups, d_state 16, a conv of 4, transformers' chunk 8: the sequence prefilled in
+pieces of 13 (chunks of 8 and 5, the conv and SSM states carried across pieces), then decoded one token at a time by
+the recurrence."""
 
 import pytest
 import torch
