@@ -68,9 +68,8 @@ class ModelRunner:
         if keep_hidden is not None:
             self.model.keep_hidden(*keep_hidden)
         # a hybrid model's per-request states (Gated DeltaNet or Mamba-2 layers; runtime/models/gated_deltanet.py NOTE
-        # (state slots)): one slot per
-        # persistent-batch row and a scratch slot (`score`), allocated before the memory plan, which counts them as it
-        # counts the weights, before the KV blocks
+        # (state slots)): one slot per persistent-batch row and a scratch slot (`score`), allocated before the memory
+        # plan, which counts them as it counts the weights, before the KV blocks
         self.is_hybrid = manifest.model.is_hybrid
         self.state_bytes = 0
         if self.is_hybrid:
