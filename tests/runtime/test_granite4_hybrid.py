@@ -18,17 +18,15 @@ if not __import__("torch").cuda.is_available():
 import pytest
 import torch
 
-from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
-from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError
+from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts, write_config
+from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import _hf_tokens
+from tests.runtime.test_qwen3_5 import _hf_tokens, check_hybrid_refusals
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
@@ -145,29 +143,7 @@ def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
     an ONNX target, tensor parallel, FP8; Granite 4.0's experts, no attention layer, mamba_proj_bias, a
     time_step_limit, another hidden_act; `llmc export`."""
-    def refused_at_start(match, **options):
-        with pytest.raises(ConfigError, match=match):
-            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
-
-    refused_at_start("enable_prefix_caching: GraniteMoeHybridForCausalLM .* has no prefix caching",
-                     enable_prefix_caching=True)
-    refused_at_start("speculative_config: not supported", speculative_config={"method": "ngram",
-                                                                              "num_speculative_tokens": 2})
-    refused_at_start("enable_lora: not supported", enable_lora=True)
-    refused_at_start("num_scheduler_steps: not supported", num_scheduler_steps=4)
-
-    def refused(error, match, recipe=None, **changes):
-        source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
-            if changes else checkpoint
-        with pytest.raises(error, match=match):
-            build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
-                                    **(recipe or {})}), show_progress=False)
-
-    refused(RecipeError, "target.device onnx-cpu: .* is not exported to ONNX",
-            recipe={"target": {"device": "onnx-cpu"}})
-    refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
-    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq",
-            recipe={"quantization": {"method": "fp8"}})
+    refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "GraniteMoeHybridForCausalLM")
     refused(CheckpointError, "num_local_experts 4: Granite 4.0's experts", num_local_experts=4)
     refused(CheckpointError, "layer_types None: every layer Mamba-2 .* is not supported", layer_types=None)
     refused(CheckpointError, "mamba_proj_bias: true is not supported", mamba_proj_bias=True)

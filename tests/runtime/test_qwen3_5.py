@@ -405,21 +405,35 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
     multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, FP8 and int8 (AWQ and
     imports alike), attention_bias, an unknown layer type; `llmc export`."""
-    def refused_at_start(match, **options):
-        with pytest.raises(ConfigError, match=match):
-            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
-
-    refused_at_start("enable_prefix_caching: Qwen3_5ForCausalLM .* has no prefix caching", enable_prefix_caching=True)
-    refused_at_start("speculative_config: not supported for Qwen3_5ForCausalLM",
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    refused_at_start("enable_lora: not supported", enable_lora=True)
-    refused_at_start("num_scheduler_steps: not supported", num_scheduler_steps=4)
+    refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "Qwen3_5ForCausalLM")
     with caplog.at_level("INFO", logger="llmc"), LLM(artifact, device="cpu", num_kv_blocks=64) as llm:
         with pytest.raises(RequestError, match="use_beam_search: not supported for Qwen3_5ForCausalLM"):
             llm.engine.add_request(None, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
                                    prompt_token_ids=[5, 6, 7])
     assert "Gated DeltaNet states: " in caplog.text
     assert read_manifest(artifact).runtime.enable_prefix_caching is False  # (the build's default for it, logged)
+    refused(RecipeError, "quantization.method int8: .* builds with none, rtn, gptq",
+            recipe={"quantization": {"method": "int8"}})
+    refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
+    refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
+            layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
+    with pytest.raises(ArtifactError, match="cannot export architecture Qwen3_5ForCausalLM: a hybrid model"):
+        export_artifact(artifact, tmp_path / "export")
+
+
+def check_hybrid_refusals(checkpoint, artifact, tmp_path, architecture: str):
+    """What every hybrid model refuses by name (Qwen3.5's, Granite 4.0's): at start prefix caching asked for,
+    speculative decoding, LoRA, multi-step scheduling; at build an ONNX target, tensor parallel, FP8. Returns
+    `refused(error, match, recipe=None, **config_changes)`, a build of the checkpoint (its config changed) refused."""
+    def refused_at_start(match, **options):
+        with pytest.raises(ConfigError, match=match):
+            LLM(artifact, device="cpu", num_kv_blocks=64, **options)
+
+    refused_at_start(f"enable_prefix_caching: {architecture} .* has no prefix caching", enable_prefix_caching=True)
+    refused_at_start(f"speculative_config: not supported for {architecture}",
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    refused_at_start("enable_lora: not supported", enable_lora=True)
+    refused_at_start("num_scheduler_steps: not supported", num_scheduler_steps=4)
 
     def refused(error, match, recipe=None, **changes):
         source = write_config(checkpoint, tmp_path / f"c{len(list(tmp_path.iterdir()))}", **changes) \
@@ -431,14 +445,9 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     refused(RecipeError, "target.device onnx-cpu: .* is not exported to ONNX",
             recipe={"target": {"device": "onnx-cpu"}})
     refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
-    for method in ("fp8", "int8"):
-        refused(RecipeError, f"quantization.method {method}: .* builds with none, rtn, gptq",
-                recipe={"quantization": {"method": method}})
-    refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
-    refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
-            layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
-    with pytest.raises(ArtifactError, match="cannot export architecture Qwen3_5ForCausalLM: a hybrid model"):
-        export_artifact(artifact, tmp_path / "export")
+    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq",
+            recipe={"quantization": {"method": "fp8"}})
+    return refused
 
 
 @pytest.mark.gpu
