@@ -321,11 +321,15 @@ def awq_and_rtn_logits(checkpoint, out_dir, token_ids, monkeypatch, data_dir, se
     return logits["awq"], logits["rtn"]
 
 
-def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy, tensor: int = 2):
-    """A `tensor`-rank build of `checkpoint` against the one-rank `artifact`: the same greedy tokens, logits to 1e-5."""
+def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, greedy, tensor: int = 2,
+                          parallel: dict | None = None, atol: float = 1e-5):
+    """A build of `checkpoint` split over ranks (`parallel`, default {"tensor": tensor}) against the one-rank
+    `artifact`: the same greedy tokens, logits to `atol` (MoE and MLA models: 5e-5, the ranks' partial sums adding in
+    another order). Returns the split artifact."""
     from llmc.runtime.llm import LLM
 
-    split = build_float32(checkpoint, tmp_path / f"tp{tensor}", parallel={"tensor": tensor})
+    parallel = parallel or {"tensor": tensor}
+    split = build_float32(checkpoint, tmp_path / "split", parallel=parallel)
     engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
     with LLM(split, **engine) as llm:
@@ -333,7 +337,8 @@ def check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, prompts, gr
         scores = llm.engine.score(token_ids)
     with LLM(artifact, **engine) as llm:
         assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=atol, rtol=1e-5)
+    return split
 
 
 def hf_model_with_config(checkpoint, **config_changes):

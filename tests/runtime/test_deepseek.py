@@ -28,8 +28,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import DEEPSEEK_FAMILIES, make_hf_checkpoint
-from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, build_quantized, check_against_oracle,
-                                     float32_artifacts, write_config)
+from tests.runtime.hf_oracle import (awq_and_rtn_logits, build_float32, build_import, build_quantized,
+                                     check_against_oracle, check_tensor_parallel, float32_artifacts, write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -224,18 +224,9 @@ def test_split_builds_are_one_rank(parallel, checkpoints, artifacts, tmp_path, h
     """Tensor parallel 2 (q_a, kv_a and their norms whole on each rank; q_b, kv_b and o split by heads; the MLPs and
     each expert by columns), pipeline 2, expert parallel 2: the one-rank artifact's greedy tokens and logits (5e-5:
     the ranks' partial sums add in another order)."""
-    checkpoint = checkpoints["deepseek_v3"]
-    split = build_float32(checkpoint, tmp_path / "split", parallel=parallel)
+    split = check_tensor_parallel(checkpoints["deepseek_v3"], artifacts("deepseek_v3"), tmp_path, hf_encode,
+                                  PROMPTS[:2], GREEDY, parallel=parallel, atol=5e-5)  # (ranks sum apart)
     assert read_manifest(split).parallel.world_size == 2
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
-    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifacts("deepseek_v3"), **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=5e-5, rtol=1e-5)  # (ranks sum apart)
 
 
 def test_routers_are_transformers_routers():

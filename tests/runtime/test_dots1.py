@@ -24,8 +24,9 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, build_float32, build_quantized,
-                                     check_moe_build_as_oracle, float32_artifacts, moe_hf_state, write_config)
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, build_quantized,
+                                     check_moe_build_as_oracle, check_tensor_parallel, float32_artifacts, moe_hf_state,
+                                     write_config)
 from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias, check_v3_router
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
@@ -130,18 +131,8 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
 def test_tensor_parallel_2_is_one_rank(checkpoints, artifacts, tmp_path, hf_encode):
     """Tensor parallel 2 (each rank its heads, the q/k norms whole; the experts, dense MLP and shared experts split by
     columns; the router whole): the one-rank artifact's greedy tokens and logits (5e-5)."""
-    checkpoint = checkpoints["full"]
-    split = build_float32(checkpoint, tmp_path / "split", parallel={"tensor": 2})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
-    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifacts("full"), **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=5e-5, rtol=1e-5)
+    check_tensor_parallel(checkpoints["full"], artifacts("full"), tmp_path, hf_encode, PROMPTS[:2],
+                          SamplingParams(temperature=0, max_tokens=8), atol=5e-5)
 
 
 def test_configs_read_as_transformers_reads_them(checkpoints):

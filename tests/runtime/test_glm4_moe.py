@@ -26,8 +26,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_float32,
-                                     build_quantized, check_moe_build_as_oracle, float32_artifacts, moe_hf_state,
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_quantized,
+                                     check_moe_build_as_oracle, check_tensor_parallel, float32_artifacts, moe_hf_state,
                                      write_config)
 
 PROMPTS = ["ROMEO:", "What light through yonder window breaks? It is the east", "In the beginning"]
@@ -229,19 +229,9 @@ def test_split_builds_are_one_rank(parallel, checkpoints, artifacts, tmp_path, h
     dense MLP and the shared expert split by columns; the router whole), pipeline 2, expert parallel 2 (whole experts
     spread over the ranks): the one-rank artifact's greedy tokens and logits (5e-5, as DeepSeek's: the ranks' partial
     sums add in another order)."""
-    checkpoint = checkpoints["qk_norm"]
-    split = build_float32(checkpoint, tmp_path / "split", parallel=parallel)
+    split = check_tensor_parallel(checkpoints["qk_norm"], artifacts("qk_norm"), tmp_path, hf_encode, PROMPTS[:2],
+                                  SamplingParams(temperature=0, max_tokens=8), parallel=parallel, atol=5e-5)
     assert read_manifest(split).parallel.world_size == 2
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
-    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifacts("qk_norm"), **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=5e-5, rtol=1e-5)
 
 
 @torch.inference_mode()

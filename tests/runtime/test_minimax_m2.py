@@ -27,8 +27,8 @@ from llmc.runtime.models import spec_for_architecture
 from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_float32,
-                                     build_quantized, check_moe_build_as_oracle, float32_artifacts, moe_hf_state,
+from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_quantized,
+                                     check_moe_build_as_oracle, check_tensor_parallel, float32_artifacts, moe_hf_state,
                                      write_config)
 from tests.runtime.test_glm4_moe import GREEDY, PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -153,17 +153,8 @@ def test_a_quantized_build_runs_transformers_on_its_weights(quantization, checkp
 def test_tensor_parallel_2_is_one_rank(checkpoint, artifact, tmp_path, hf_encode):
     """Tensor parallel 2 (each rank its heads, the whole-width q/k norms' sums of squares all-reduced; the experts split
     by columns; the router whole): the one-rank artifact's greedy tokens and logits (5e-5)."""
-    split = build_float32(checkpoint, tmp_path / "split", parallel={"tensor": 2})
-    engine = {"device": "cpu", "max_num_seqs": 2, "max_num_batched_tokens": 16, "num_kv_blocks": 64}
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 116))
-    prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS[:2]]
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    with LLM(split, **engine) as llm:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        scores = llm.engine.score(token_ids)
-    with LLM(artifact, **engine) as llm:
-        assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        torch.testing.assert_close(scores, llm.engine.score(token_ids), atol=5e-5, rtol=1e-5)
+    check_tensor_parallel(checkpoint, artifact, tmp_path, hf_encode, PROMPTS[:2],
+                          SamplingParams(temperature=0, max_tokens=8), atol=5e-5)
 
 
 def test_configs_read_as_transformers_reads_them(checkpoint, caplog):
