@@ -309,10 +309,15 @@ def hf_state(artifact) -> dict[str, torch.Tensor]:
 @torch.inference_mode()
 def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
     """hf_state of the float32 build is the checkpoint's own state dict (what the quantized test's oracle rests on)."""
+    assert_reads_back(hf_state(artifact), checkpoint)
+
+
+def assert_reads_back(got: dict[str, torch.Tensor], checkpoint) -> None:
+    """`got` (a float32 artifact's weights as transformers' state dict) is transformers' own state dict of
+    `checkpoint`: the same names, every tensor to 1e-6."""
     from tests.conftest import hf_model
 
     want = hf_model(checkpoint).state_dict()
-    got = hf_state(artifact)
     assert set(got) == set(want)
     for name, tensor in want.items():
         torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)

@@ -30,7 +30,7 @@ from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_bu
     write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import hf_state
+from tests.runtime.test_qwen3_5 import assert_reads_back, hf_state
 
 # Logits' tolerance: this model's logits (std 8) in float32 are 1.7e-4 from exact (transformers' float32 model against
 # its float64 copy over the 40 positions _check scores; llmc's 1.5e-4), so 1e-4 would test rounding
@@ -107,13 +107,7 @@ def test_fused_experts_read_as_per_expert_ones(checkpoint, artifact, tmp_path, h
 @torch.inference_mode()
 def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
     """hf_state of the float32 build is transformers' own state dict (what the quantized tests' oracle rests on)."""
-    from tests.conftest import hf_model
-
-    want = hf_model(checkpoint).state_dict()
-    got = hf_state(artifact)
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)
+    assert_reads_back(hf_state(artifact), checkpoint)
 
 
 @torch.inference_mode()
@@ -260,18 +254,12 @@ def test_qwen3_next_matches_transformers(next_checkpoint, next_artifact, hf_logi
     """Qwen3-Next (its fused, per-key-head-grouped in_proj_qkvz / in_proj_ba regrouped at build; layer 1 a dense MLP,
     the top 2 not renormalised): logits over 40 positions prefilled in chunks of 16 (TOLERANCE), greedy tokens of 3
     prompts on 2 seats and their logprobs as transformers'; its weights read back (next_state) are transformers'."""
-    from tests.conftest import hf_model
-
     with LLM(next_artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, next_checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=TOLERANCE)
     model = read_manifest(next_artifact).model
     assert (model.family, model.linear_attention_layers, model.moe_layers, model.norm_topk_prob,
             model.intermediate_size, model.shared_expert_gate) == ("qwen3_next", [0, 1, 3], [0, 2, 3], False, 128, True)
-    want = hf_model(next_checkpoint).state_dict()
-    got = next_state(next_artifact)
-    assert set(got) == set(want)
-    for name, tensor in want.items():
-        torch.testing.assert_close(got[name].float(), tensor.float(), atol=1e-6, rtol=1e-6, msg=name)
+    assert_reads_back(next_state(next_artifact), next_checkpoint)
 
 
 @torch.inference_mode()
