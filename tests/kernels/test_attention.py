@@ -593,14 +593,14 @@ def test_prefill_index_soft_caps_the_scores(dot_case, rel_err) -> None:
     assert rel_err(out.cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-def _indexed_prefill(dot_case, **kwargs):
+def _indexed_prefill(dot_case, window: int | None = 20, **kwargs):
     """A padded mixed step (a chunk after cached tokens, a decode row, a whole prompt, a one-token prompt; a window of
-    20) through the indexed prefill kernel (a FULL CUDA graph's, kernels.attention.PrefillIndex) with `kwargs`:
+    `window`) through the indexed prefill kernel (a FULL CUDA graph's, kernels.attention.PrefillIndex) with `kwargs`:
     (its n rows' output, (q, k_cache, v_cache, block_tables, context_lens, query_lens, window))."""
     from llmc.kernels.attention_triton import paged_attention
 
     device, dtype = dot_case
-    context_lens, query_lens, window = [40, 17, 33, 1], [13, 1, 33, 1], 20
+    context_lens, query_lens = [40, 17, 33, 1], [13, 1, 33, 1]
     num_heads, num_kv_heads, head_dim, block_size, size = 8, 2, 16, 8, 64
     q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
                                                    block_size, dtype, device)

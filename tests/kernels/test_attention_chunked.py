@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmc.kernels import attention
-from tests.kernels.test_attention import _rotating_decode_step, lens, make_batch, split_qkv
+from tests.kernels.test_attention import _indexed_prefill, _rotating_decode_step, lens, make_batch, split_qkv
 
 CASES = {
     # name: (context_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, chunk, partitions)
@@ -93,27 +93,10 @@ def test_the_decode_kernel_rotating_its_keys_attends_within_the_chunk(dot_case, 
 def test_the_indexed_prefill_attends_within_the_chunk(dot_case, rel_err) -> None:
     """The prefill kernel given a mixed step by a PrefillIndex alone (FULL CUDA graphs of mixed steps: a chunk after
     cached tokens, a decode row, a whole prompt, padding) with chunks of 16: against the rule in float64."""
-    from llmc.kernels.attention_triton import paged_attention
-
-    device, dtype = dot_case
-    context_lens, query_lens, chunk = [40, 17, 33, 1], [13, 1, 33, 1], 16
-    num_heads, num_kv_heads, head_dim, block_size, size = 8, 2, 16, 8, 64
-    q, k_cache, v_cache, block_tables = make_batch(context_lens, query_lens, num_heads, num_kv_heads, head_dim,
-                                                   block_size, dtype, device)
-    n, per_block = q.shape[0], attention.prefill_queries_per_block(num_heads // num_kv_heads)
-    blocks = attention.prefill_blocks(query_lens, per_block)
-    num_blocks, pad = attention.max_prefill_blocks(size, 5, per_block), 4
-    index = attention.PrefillIndex(
-        query_lens=lens(query_lens + [0], device), first_rows=lens([0, 13, 14, 47, 0], device),
-        block_seqs=lens([seq for seq, _ in blocks] + [pad] * (num_blocks - len(blocks)), device),
-        block_starts=lens([start for _, start in blocks] + [0] * (num_blocks - len(blocks)), device),
-        queries_per_block=per_block, out=torch.zeros((size, num_heads, head_dim), dtype=dtype, device=device))
-    q_padded = torch.cat([q, torch.zeros((size - n, num_heads, head_dim), dtype=dtype, device=device)])
-    out = paged_attention(q_padded, k_cache, v_cache, torch.cat([block_tables, block_tables[:1]]),
-                          lens(context_lens + [0], device), [size], head_dim**-0.5, None, prefill_index=index,
-                          attention_chunk_size=chunk)
-    expected = chunked_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, head_dim**-0.5, chunk)
-    assert rel_err(out[:n].cpu(), expected) < (1e-6 if dtype == torch.float32 else 1e-2)
+    out, (q, k_cache, v_cache, block_tables, context_lens, query_lens, _) = _indexed_prefill(
+        dot_case, window=None, attention_chunk_size=16)
+    expected = chunked_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, q.shape[-1]**-0.5, 16)
+    assert rel_err(out.cpu(), expected) < (1e-6 if dot_case[1] == torch.float32 else 1e-2)
 
 
 def test_a_window_and_a_chunk_together_are_refused() -> None:
