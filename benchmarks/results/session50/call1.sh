@@ -11,7 +11,7 @@ timeout 300 python -P -m pytest -p no:cacheprovider -p printfail -m gpu tests/ru
 grep -E "FAILED|ERROR|passed|failed|^E " $OUT/pytest.log | head -40
 tail -16 $OUT/pytest.log
 echo "[+${SECONDS}s] hybrid tests done"
-timeout $((560 - SECONDS)) python -P -m pytest -p no:cacheprovider -p printfail -m gpu tests/kernels -q -x \
+timeout $((560 - SECONDS)) python -P -m pytest -p no:cacheprovider -p printfail -m gpu tests/kernels -q \
   --durations=10 > $OUT/kernels.log 2>&1
 grep -E "FAILED|ERROR|passed|failed|^E " $OUT/kernels.log | head -30
 tail -14 $OUT/kernels.log
