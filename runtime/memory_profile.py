@@ -47,7 +47,7 @@ def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: t
     # a step after a long cached context expands a whole chunk of it (mla_attention.expand_chunk_keys): held back
     # beside the profile (counting the profiled prompt's own expansion twice, at most one chunk's)
     expanded = memory.mla_expanded_bytes(model.config, num_tokens, options.max_model_len,
-                                         next(iter(model.layers.values())).attn.num_heads)
+                                         model.kv_attentions()[0].num_heads)
     if expanded:
         logger.info("held back %.1f MiB for the expanded latent attention's chunk of a long context",
                     expanded / memory.MIB)
@@ -84,11 +84,12 @@ def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, 
     """Peak bytes allocated by the profiling step above what was allocated before it."""
     input_ids, batch, num_blocks = profile_batch(options.max_num_batched_tokens, options.max_model_len,
                                                  options.max_num_seqs, options.block_size, device)
-    attn = next(iter(model.layers.values())).attn
+    attentions = model.kv_attentions()  # (a hybrid model's state layers hold no KV)
+    attn = attentions[0]
     dtype = getattr(torch, model.config.dtype)  # the compute dtype (build_model set it)
     kv_cache = tuple(torch.zeros(shape, dtype=dtype, device=device)
                      for shape in kv_cache_shapes(model.config, attn.num_kv_heads, num_blocks, options.block_size))
-    model.bind_kv_caches([kv_cache] * len(model.layers))
+    model.bind_kv_caches([kv_cache] * len(attentions))
     try:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -100,7 +101,7 @@ def profile_activation_bytes(model: DecoderModel, options: art.RuntimeDefaults, 
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     finally:
-        model.bind_kv_caches([None] * len(model.layers))
+        model.bind_kv_caches([None] * len(attentions))
 
 
 def run_profile_step(model: DecoderModel, input_ids: Tensor, batch: ForwardBatch) -> Tensor:

@@ -87,7 +87,7 @@ class MixedGraphs:
             torch.cuda.synchronize(device)
             torch.cuda.empty_cache()
             self._free_before = torch.cuda.mem_get_info(device)[0]
-        attn = next(iter(model.layers.values())).attn
+        attn = model.kv_attentions()[0]
         dtype = getattr(torch, model.config.dtype)
         self.queries_per_block = prefill_queries_per_block(attn.num_heads // attn.num_kv_heads)
         self.num_blocks = {size: max_prefill_blocks(size, self.max_seqs, self.queries_per_block) for size in self.sizes}

@@ -474,15 +474,18 @@ class DecoderModel(nn.Module):
         dtype = getattr(torch, self.config.dtype)
         return sum(attn.state_bytes_per_slot(dtype) for attn in self.state_layers())
 
+    def kv_attentions(self) -> list[nn.Module]:
+        """This rank's attention modules that hold a KV cache, in layer order: every layer's but the state layers'."""
+        return [layer.attn for layer in self.layers.values() if not layer.is_state_layer]
+
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:
         """One (K, V) per layer of this rank, in layer order (MLA: (latent,)), with its (k_scale, v_scale) for an
         FP8 cache (None: 1.0; MLA reads k_scale)."""
         scales = scales or [(1.0, 1.0)] * len(kv_caches)
-        layers = [layer for layer in self.layers.values() if not layer.is_state_layer]  # (those hold none)
-        for layer, kv_cache, (k_scale, v_scale) in zip(layers, kv_caches, scales, strict=True):
-            layer.attn.kv_cache = kv_cache
-            layer.attn.k_scale, layer.attn.v_scale = k_scale, v_scale
+        for attn, kv_cache, (k_scale, v_scale) in zip(self.kv_attentions(), kv_caches, scales, strict=True):
+            attn.kv_cache = kv_cache
+            attn.k_scale, attn.v_scale = k_scale, v_scale
 
 
 def l2_norm(x: Tensor, eps: float) -> Tensor:

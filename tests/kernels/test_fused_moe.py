@@ -389,7 +389,7 @@ def test_runtime_moe_captures_in_a_cuda_graph_and_replays_new_routes(kind):
     moe.experts = torch.nn.Module()
     moe.experts.gate_up, moe.experts.down = gate_up, down
     moe.tp_group, moe.observers, moe.has_shared, moe.is_deepseek_router = None, [], False, False
-    moe.has_bias, moe.swiglu = False, None
+    moe.has_bias, moe.swiglu, moe.scoring = False, None, "softmax"
     x = torch.randn(6, 128, generator=gen).to("cuda", torch.bfloat16)
     moe(x)  # compile the kernels outside the capture
     torch.cuda.synchronize()

@@ -343,7 +343,7 @@ def test_both_plans_hold_back_the_expanded_workspace(monkeypatch):
     monkeypatch.setattr(memory_profile, "gpu_kv_plan", lambda options, device, weights, activations, *rest:
                         held.append(activations))
     for config, heads in ((V3, 16), (replace(V3, kv_lora_rank=None), 16)):
-        layer = SimpleNamespace(attn=SimpleNamespace(num_heads=heads))
-        model = SimpleNamespace(config=config, layers={"0": layer})
+        attn = SimpleNamespace(num_heads=heads)
+        model = SimpleNamespace(config=config, kv_attentions=lambda attn=attn: [attn])
         memory_profile.measure_kv_plan(model, runtime, "cuda", 0, 1, 0)
     assert held == [1000 + memory.mla_expanded_bytes(V3, 2048, 163840, 16), 1000]

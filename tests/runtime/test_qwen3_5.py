@@ -455,6 +455,37 @@ def check_hybrid_refusals(checkpoint, artifact, tmp_path, architecture: str):
     return refused
 
 
+@torch.inference_mode()
+def check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits):
+    """The GPU's memory profile (memory_profile.profile_activation_bytes) run on the CPU, its CUDA counters stubbed:
+    it binds a KV cache to the attention layers alone (a hybrid's state layers hold none), its two fresh prompts of
+    zeros (16 and 8 tokens) give transformers' probabilities at the logits rows (the second prompt's last 4), and it
+    leaves every layer unbound."""
+    from llmc.runtime import artifact as art
+    from llmc.runtime import memory_profile
+    from llmc.runtime.loader import build_model
+
+    manifest = read_manifest(artifact)
+    model = build_model(artifact, manifest, torch.device("cpu"), max_positions=16)
+    probs = []
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 0)
+    options = art.RuntimeDefaults(max_num_batched_tokens=24, max_num_seqs=4, max_model_len=16, block_size=16)
+    memory_profile.profile_activation_bytes(model, options, torch.device("cpu"),
+                                            lambda ids, batch: probs.append(memory_profile.run_profile_step(
+                                                model, ids, batch)))
+    want = torch.softmax(hf_logits(checkpoint, [0] * 8)[4:], dim=-1)
+    torch.testing.assert_close(probs[0], want, atol=2e-5, rtol=0)
+    assert all(attn.kv_cache is None for attn in model.kv_attentions())
+    assert len(model.kv_attentions()) < len(model.layers)
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()

@@ -30,7 +30,7 @@ from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_bu
     write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import assert_reads_back, hf_state
+from tests.runtime.test_qwen3_5 import assert_reads_back, check_memory_profile_forward, hf_state
 
 # Logits' tolerance: this model's logits (std 8) in float32 are 1.7e-4 from exact (transformers' float32 model against
 # its float64 copy over the 40 positions _check scores; llmc's 1.5e-4), so 1e-4 would test rounding
@@ -302,6 +302,12 @@ def test_qwen3_next_default_config_reads_as_transformers():
         [0, 1, 2], [0, 2, 3], 512, 64)
     with torch.device("meta"):
         assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
+def test_the_gpu_memory_profile_runs_both(checkpoint, artifact, next_checkpoint, next_artifact, monkeypatch,
+                                          hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)
+    check_memory_profile_forward(next_checkpoint, next_artifact, monkeypatch, hf_logits)
 
 
 @pytest.mark.gpu
