@@ -269,6 +269,15 @@ class ToolParser:
         self.num_calls += sum(1 for e in events if e[0] == "call")
         return events
 
+    def _whole_calls(self, calls: list[tuple[str, str]]) -> list[Event]:
+        """The events of calls read whole, (name, JSON arguments or "" for none), numbered on from the calls sent."""
+        out: list[Event] = []
+        for index, (name, args) in enumerate(calls, start=self.num_calls):
+            out.append(("call", index, name))
+            if args:
+                out.append(("args", index, args))
+        return self._count(out)
+
 
 def _held_prefix(text: str, tag: str) -> int:
     """How many characters at the end of `text` might begin `tag` (held back until the next piece)."""
@@ -711,6 +720,21 @@ def _python_calls(elements: list[str], json_names: bool = False) -> list[tuple[s
     return calls
 
 
+_CUT_CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
+
+
+def _calls_cut_at_end(elements: list[str], json_names: bool = False) -> list[tuple[str, str]] | None:
+    """The calls of a list of calls the output ended inside (each element the text of one): every element but the
+    last must be a whole call; the last is a whole one, a call cut after `name(` (standing with no arguments: none
+    invented), or blank. None if not."""
+    calls = _python_calls(elements[:-1], json_names)
+    if calls is None or not elements or not elements[-1].strip():
+        return calls
+    whole = _python_calls(elements[-1:], json_names)
+    cut = _CUT_CALL.match(elements[-1])
+    return calls + whole if whole is not None else calls + [(cut.group(1), "")] if cut else None
+
+
 class PythonicToolParser(ToolParser):
     """Output that is a Python list of calls with keyword arguments of literal values,
     `[f(a=1, b="x"), g()]` (Llama 3.2, Llama 4; optionally in `<|python_start|>` ... `<|python_end|>`),
@@ -721,7 +745,6 @@ class PythonicToolParser(ToolParser):
     after `name(` stands with the arguments generated of it, none (nothing invented)."""
 
     START, END = "<|python_start|>", "<|python_end|>"
-    _CUT_CALL = re.compile(r"\s*([A-Za-z_]\w*)\s*\(")
 
     def __init__(self):
         super().__init__()
@@ -763,7 +786,7 @@ class PythonicToolParser(ToolParser):
             if calls is None:
                 return self._all_content()
             self._buffer, self._state = self._buffer[end + 1:], "after"
-            return self._calls(calls) + self._step(final)
+            return self._whole_calls(calls) + self._step(final)
         if self._state == "after":
             rest = self._buffer.lstrip()
             if rest.startswith(self.END):
@@ -820,30 +843,11 @@ class PythonicToolParser(ToolParser):
     def _cut_list(self) -> list[Event]:
         """The output ended inside the list: its whole elements must be calls, the last may be a cut one."""
         bounds = [self._start] + self._commas + [len(self._buffer)]
-        elements = [self._buffer[a + 1:b] for a, b in zip(bounds, bounds[1:])]
-        calls = _python_calls(elements[:-1])
-        last = elements[-1]
-        if calls is not None and last.strip():
-            whole = _python_calls([last])
-            cut = self._CUT_CALL.match(last)
-            if whole is not None:
-                calls += whole
-            elif cut is not None:
-                calls.append((cut.group(1), ""))
-            else:
-                calls = None
+        calls = _calls_cut_at_end([self._buffer[a + 1:b] for a, b in zip(bounds, bounds[1:])])
         if not calls:
             return self._all_content()
         self._buffer, self._state = "", "content"
-        return self._calls(calls)
-
-    def _calls(self, calls: list[tuple[str, str]]) -> list[Event]:
-        out: list[Event] = []
-        for index, (name, args) in enumerate(calls, start=self.num_calls):
-            out.append(("call", index, name))
-            if args:
-                out.append(("args", index, args))
-        return self._count(out)
+        return self._whole_calls(calls)
 
     def _all_content(self) -> list[Event]:
         text, self._buffer, self._state = self._buffer, "", "content"
@@ -887,27 +891,17 @@ class Olmo3ToolParser(ToolParser):
             if at < 0 and not final:
                 return []
             lines = [line for line in self._buffer[self._start:at if at >= 0 else None].splitlines() if line.strip()]
-            calls = _python_calls(lines, json_names=True) if at >= 0 else self._cut(lines)
+            calls = (_python_calls if at >= 0 else _calls_cut_at_end)(lines, json_names=True)
             if not calls:
                 self._state = "content"
             else:
                 self._buffer, self._state = "", "drop"
-                return self._count([e for index, (name, args) in enumerate(calls)
-                                    for e in [("call", index, name)] + ([("args", index, args)] if args else [])])
+                return self._whole_calls(calls)
         if self._state == "content":
             text, self._buffer = self._buffer, ""
             return self._content(text)
         self._buffer = ""
         return []
-
-    @staticmethod
-    def _cut(lines: list[str]) -> list[tuple[str, str]] | None:
-        calls = _python_calls(lines[:-1], json_names=True)
-        if calls is None or not lines:
-            return None
-        whole = _python_calls(lines[-1:], json_names=True)
-        cut = PythonicToolParser._CUT_CALL.match(lines[-1])
-        return calls + whole if whole is not None else calls + [(cut.group(1), "")] if cut else None
 
 
 class NamedToolParser(ToolParser):
