@@ -455,13 +455,14 @@ def _check_granite(config: dict) -> None:
 
 
 def _granite4_config(config: dict) -> dict:
-    """A Granite 4.0 config as GraniteMoeHybridConfig and its model read it: `intermediate_size`, the MLP's width, is
-    shared_intermediate_size (the MLP is its shared_mlp); `_nope_layers`, every layer unless position_embedding_type is
-    "rope" (transformers rotates only then); `_mamba`, the Mamba-2 layers (layer_types mamba / linear_attention; every
-    layer where layer_types is absent) and their sizes (mamba_d_head "auto": mamba_expand * hidden_size /
-    mamba_n_heads). Refused by name: experts (num_local_experts above 0), a position_embedding_type other than rope,
-    nope or null, no attention layer at all, mamba_proj_bias, a time_step_limit other than (0, inf), a hidden_act
-    other than silu with Mamba-2 layers."""
+    """A Granite 4.0 config as GraniteMoeHybridConfig and its model read it: without experts (num_local_experts 0)
+    `intermediate_size`, the MLP's width, is shared_intermediate_size (the MLP is its shared_mlp); with them
+    (granite-4.0-h-tiny, h-small) intermediate_size stays the experts' width and shared_mlp is the shared expert of
+    every layer's MoE (_moe_fields); `_nope_layers`, every layer unless position_embedding_type is "rope"
+    (transformers rotates only then); `_mamba`, the Mamba-2 layers (layer_types mamba / linear_attention; every layer
+    where layer_types is absent) and their sizes (mamba_d_head "auto": mamba_expand * hidden_size / mamba_n_heads).
+    Refused by name: a position_embedding_type other than rope, nope or null, no attention layer at all,
+    mamba_proj_bias, a time_step_limit other than (0, inf), a hidden_act other than silu with Mamba-2 layers."""
     config = {**_HF_CONFIG_DEFAULTS["granitemoehybrid"], **config}  # (whatever its model_type says)
     layers = config["num_hidden_layers"]
     kinds = config["layer_types"] or config.get("layers_block_type") or ["mamba"] * layers
@@ -473,15 +474,13 @@ def _granite4_config(config: dict) -> dict:
     if len(mamba) == layers:
         raise CheckpointError(f"layer_types {config['layer_types']!r}: every layer Mamba-2 (no attention layer; also "
                               "where layer_types is absent) is not supported; Granite 4.0's hybrids mix attention in")
-    if config["num_local_experts"]:
-        raise CheckpointError(f"num_local_experts {config['num_local_experts']}: Granite 4.0's experts "
-                              "(block_sparse_moe) are not supported; its dense checkpoints (num_local_experts 0) are")
     config["_mamba"] = _granite4_mamba_fields(config, mamba) if mamba else {}
     position = config["position_embedding_type"]
     if position not in ("rope", "nope", None):
         raise CheckpointError(f"position_embedding_type {position!r} is not supported for Granite 4.0; supported: "
                               "rope, nope or null (no rotary)")
-    config["intermediate_size"] = config["shared_intermediate_size"]
+    if not config["num_local_experts"]:  # (with experts: intermediate_size is theirs, _moe_fields)
+        config["intermediate_size"] = config["shared_intermediate_size"]
     if position != "rope":
         config["_nope_layers"] = list(range(config["num_hidden_layers"]))
     return config
@@ -662,8 +661,8 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
         return None
     config_ = with_hf_defaults(hf_config)
     residual, logits = float(config_["residual_multiplier"]), float(config_["logits_scaling"])
-    # the sub-layers' last linears: o_proj, and the MLP's down_proj (Granite 4.0: its shared_mlp.output_linear) or
-    # (Granite MoE) the experts' output_linear and the shared MLP's
+    # the sub-layers' last linears: o_proj, and the MLP's down_proj or (Granite MoE, Granite 4.0) the experts'
+    # output_linear and the shared MLP's (Granite 4.0 without experts: shared_mlp.output_linear its MLP's down)
     # (Granite 4.0's Mamba-2 layers: mamba.out_proj in place of o_proj)
     outputs = ("self_attn.o_proj", spec.layer_linear("mlp.down").hf_members[0]) if spec.moe is None else (
         "self_attn.o_proj", spec.moe.fused[1], "shared_mlp.output_linear")
@@ -912,9 +911,12 @@ def _moe_fields(config: dict, family: str) -> dict:
     layer, always: _qwen3_5_config). Qwen2-MoE's and Qwen3.5-MoE's shared expert (gated) and Granite MoE shared's
     (shared_intermediate_size; 0: none) are read with them."""
     num_layers = config["num_hidden_layers"]
-    if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss"):
+    if family == "granitemoehybrid" and not config["num_local_experts"]:  # (Granite 4.0's dense checkpoints)
+        return {}
+    if family in ("mixtral", "olmoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss"):
         num_experts = config.get("num_local_experts") or config.get("num_experts")
-        shared = config.get("shared_intermediate_size") or None if family == "granitemoeshared" else None
+        shared = config.get("shared_intermediate_size") or None if family in (
+            "granitemoeshared", "granitemoehybrid") else None
         return {"num_experts": num_experts, "num_experts_per_tok": config["num_experts_per_tok"],
                 "moe_intermediate_size": config["intermediate_size"],
                 "norm_topk_prob": bool(config["norm_topk_prob"]) if family == "olmoe" else True,

@@ -7,10 +7,14 @@ o_proj and the MLP's output_linear, 1 / logits_scaling into the final norm) with
 `input_linear` [2 * shared_intermediate_size, hidden] holds gate rows then up rows (the runtime's gate_up order, as
 Phi-3's gate_up_proj) and `output_linear` is down. `position_embedding_type` "rope" rotates q and k; null or "nope"
 (the hybrids') rotates neither (ModelConfig.nope_layers: every layer). residual_multiplier is folded into a Mamba-2
-layer's out_proj as into o_proj. Experts (num_local_experts > 0) are refused by name
-(compiler/hf_checkpoint._granite4_config)."""
+layer's out_proj as into o_proj. With experts (num_local_experts > 0: granite-4.0-h-tiny, h-small) every layer,
+Mamba-2 or attention, carries Granite MoE shared's block (runtime/models/granitemoe.py): the router and the fused
+experts of `block_sparse_moe`, read as granitemoe's, and `shared_mlp` as its shared expert (moe.shared.*, in place
+of mlp.*); residual_multiplier is folded into the experts' output_linear and the shared one's."""
 
-from llmc.runtime.models.spec import LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, FusedLinear, ModelSpec
+from llmc.runtime.models.granitemoe import MOE
+from llmc.runtime.models.spec import (LLAMA_GLOBALS, LLAMA_LINEARS, LLAMA_NORMS, FusedLinear, ModelSpec,
+                                      shared_expert_linears)
 
 MAMBA = (  # a Mamba-2 layer's linears, in its layers only (runtime/models/mamba2.py)
     FusedLinear("attn.mamba_in", ("mamba.in_proj",), "column", "input_norm"),
@@ -24,9 +28,10 @@ SPEC = ModelSpec(
     layer_linears=LLAMA_LINEARS[:2] + MAMBA + (
         FusedLinear("mlp.gate_up", ("shared_mlp.input_linear",), "column", "post_attn_norm"),
         FusedLinear("mlp.down", ("shared_mlp.output_linear",), "row", "mlp.gate_up"),
-    ),
+    ) + shared_expert_linears(("shared_mlp.input_linear",), "shared_mlp.output_linear"),  # (with experts)
     layer_norms=LLAMA_NORMS,
     qk_norms={},
     global_tensors=LLAMA_GLOBALS,
+    moe=MOE,  # (in no layer without experts: ModelConfig.moe_layers empty)
     scales_input_embeds=True,  # transformers multiplies inputs_embeds by embedding_multiplier in the forward
 )

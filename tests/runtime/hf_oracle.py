@@ -51,7 +51,8 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
-    the final norm times logits_scaling."""
+    the final norm times logits_scaling. Granite 4.0's experts stacked as transformers holds them (their down and
+    the shared expert's unfolded too)."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -71,8 +72,10 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     if model["family"] == "granitemoehybrid":  # Granite 4.0's MLP: shared_mlp, its gate and up rows in one tensor
         members |= {"mlp.gate_up": (["shared_mlp.input_linear"], None),
                     "mlp.down": (["shared_mlp.output_linear"], None),
-                    "attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
-    unfold = {"attn.o": residual, "mlp.down": residual, "attn.mamba_out": residual}
+                    "attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None),
+                    "moe.shared.gate_up": (["shared_mlp.input_linear"], None),  # (with experts: the shared expert)
+                    "moe.shared.down": (["shared_mlp.output_linear"], None)}
+    unfold = {"attn.o": residual, "mlp.down": residual, "attn.mamba_out": residual, "moe.shared.down": residual}
     state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
              "model.norm.weight": (tensors["norm.weight"].float() - offset) * logits}
     if "lm_head.weight" in tensors:
@@ -92,6 +95,16 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
             weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
             for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
                 state[f"model.layers.{i}.{name}.weight"] = part / unfold.get(runtime, 1.0)
+        if i in model.get("moe_layers", []):  # Granite 4.0's experts (transformers' in-memory names), down unfolded
+            prefix, moe = f"model.layers.{i}.block_sparse_moe.", f"layers.{i}.moe."
+            state[prefix + "router.weight"] = tensors[moe + "gate.weight"].float()
+            for projection, theirs, scale in (("gate_up", "gate_up_proj", 1.0), ("down", "down_proj", residual)):
+                params = {k.removeprefix(f"{moe}experts.{projection}."): v for k, v in tensors.items()
+                          if k.startswith(f"{moe}experts.{projection}.")}
+                form = make_format(manifest["quant"]["modules"][f"{moe}experts.{projection}"], torch.float32)
+                state[f"{prefix}experts.{theirs}"] = torch.stack([
+                    dequantize(form, {k: v[e] for k, v in params.items()}).float()
+                    for e in range(model["num_experts"])]) / scale
     return state
 
 
