@@ -200,13 +200,17 @@ _HF_CONFIG_DEFAULTS["granitemoeshared"]["shared_intermediate_size"] = 0
 # GraniteMoeHybridConfig's (layer_types null: every layer Mamba-2; position_embedding_type null: no rotary)
 _HF_CONFIG_DEFAULTS["granitemoehybrid"] = {**_HF_CONFIG_DEFAULTS["granitemoe"], "shared_intermediate_size": 1024,
                                            "position_embedding_type": None, "layer_types": None}
+# BambaConfig's (attn_layer_indices null: every layer Mamba-2; its rotary over half of each head: _bamba_config)
+_HF_CONFIG_DEFAULTS["bamba"] = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
+                                "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+                                "attn_layer_indices": None}
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
                   "Gemma3ForCausalLM": "gemma3_text", "GraniteForCausalLM": "granite", "Olmo2ForCausalLM": "olmo2",
                   "Olmo3ForCausalLM": "olmo3", "OlmoeForCausalLM": "olmoe", "GraniteMoeForCausalLM": "granitemoe",
                   "GraniteMoeSharedForCausalLM": "granitemoeshared", "Qwen2MoeForCausalLM": "qwen2_moe",
-                  "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+                  "GraniteMoeHybridForCausalLM": "granitemoehybrid", "BambaForCausalLM": "bamba",
                   "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                   "Glm4ForCausalLM": "glm4", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2",
                   "GptOssForCausalLM": "gpt_oss", "Glm4MoeForCausalLM": "glm4_moe",
@@ -252,6 +256,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         _check_granite(config)
     if spec.family == "granitemoehybrid":
         config = _granite4_config(config)
+    if spec.family == "bamba":
+        config = _bamba_config(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
     if spec.family in olmo and config.get("attention_bias"):
         raise CheckpointError(f"attention_bias: true is not supported for {olmo[spec.family]} (its q/k/v/o biases: the "
@@ -317,7 +323,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
-        **(config["_mamba"] if spec.family == "granitemoehybrid" else {}),
+        **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba") else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -474,7 +480,7 @@ def _granite4_config(config: dict) -> dict:
     if len(mamba) == layers:
         raise CheckpointError(f"layer_types {config['layer_types']!r}: every layer Mamba-2 (no attention layer; also "
                               "where layer_types is absent) is not supported; Granite 4.0's hybrids mix attention in")
-    config["_mamba"] = _granite4_mamba_fields(config, mamba) if mamba else {}
+    config["_mamba"] = _mamba_fields(config, mamba, "Granite 4.0") if mamba else {}
     position = config["position_embedding_type"]
     if position not in ("rope", "nope", None):
         raise CheckpointError(f"position_embedding_type {position!r} is not supported for Granite 4.0; supported: "
@@ -484,6 +490,29 @@ def _granite4_config(config: dict) -> dict:
     if position != "rope":
         config["_nope_layers"] = list(range(config["num_hidden_layers"]))
     return config
+
+
+def _bamba_config(config: dict) -> dict:
+    """A Bamba config as BambaConfig and its model read it: `_mamba`, every layer not in attn_layer_indices a Mamba-2
+    layer (Granite 4.0's mixer and fields: _mamba_fields); its attention layers rotate the leading
+    partial_rotary_factor of each head (the rope parameters' own, else 0.5: BambaConfig sets 0.5 whatever the top
+    level says; _glm4_rope's reading). Refused by name: no attention layer (attn_layer_indices null or empty), an
+    index past the layers, attention_bias / mlp_bias, and _mamba_fields' refusals."""
+    layers = config["num_hidden_layers"]
+    attention = sorted(set(config["attn_layer_indices"] or []))
+    if not attention:
+        raise CheckpointError(f"attn_layer_indices {config['attn_layer_indices']!r}: every layer Mamba-2 (no attention "
+                              "layer) is not supported; Bamba's checkpoints mix attention in")
+    if not all(isinstance(i, int) and 0 <= i < layers for i in attention):
+        raise CheckpointError(f"attn_layer_indices {config['attn_layer_indices']!r}: indices must be layers 0 to "
+                              f"{layers - 1}")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for Bamba (its q/k/v/o or MLP biases; its "
+                                  "checkpoints set it false)")
+    mamba = [i for i in range(layers) if i not in attention]
+    config = _glm4_rope({k: v for k, v in config.items() if k != "partial_rotary_factor"})
+    return {**config, "_mamba": _mamba_fields(config, mamba, "Bamba")}
 
 
 def _granite_fields(config: dict) -> dict:
@@ -616,19 +645,19 @@ def norm_fold(spec: ModelSpec, config: ModelConfig) -> Callable[[str, torch.Tens
     return lambda name, tensor: tensor.float() + offset if name in names else tensor
 
 
-def _granite4_mamba_fields(config: dict, mamba: list[int]) -> dict:
-    """The manifest's mamba_* fields of a Granite 4.0 hybrid whose Mamba-2 layers are `mamba`."""
+def _mamba_fields(config: dict, mamba: list[int], name: str) -> dict:
+    """The manifest's mamba_* fields of a hybrid (Granite 4.0, Bamba: `name`) whose Mamba-2 layers are `mamba`."""
     if config.get("mamba_proj_bias"):
-        raise CheckpointError("mamba_proj_bias: true is not supported for Granite 4.0 (in_proj / out_proj biases; its "
+        raise CheckpointError(f"mamba_proj_bias: true is not supported for {name} (in_proj / out_proj biases; its "
                               "checkpoints set it false)")
     # (transformers writes inf as {"__float__": "Infinity"})
     limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)
              for v in config.get("time_step_limit") or (0.0, float("inf"))]
     if limit != [0.0, float("inf")]:
-        raise CheckpointError(f"time_step_limit {limit!r} is not supported for Granite 4.0's Mamba-2 layers; only "
+        raise CheckpointError(f"time_step_limit {limit!r} is not supported for {name}'s Mamba-2 layers; only "
                               "(0.0, inf), transformers' default (dt unclamped)")
     if config.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise CheckpointError(f"hidden_act {config.get('hidden_act')!r} is not supported for Granite 4.0's hybrids: "
+        raise CheckpointError(f"hidden_act {config.get('hidden_act')!r} is not supported for {name}'s hybrids: "
                               "the runtime's MLP and the Mamba-2 conv compute SiLU (hidden_act silu)")
     heads = config.get("mamba_n_heads", 128)
     width = config.get("mamba_expand", 2) * config["hidden_size"]
@@ -1346,11 +1375,11 @@ def partial_rotary_permutation(head_dim: int, rotary_dims: int) -> torch.Tensor:
 def rotary_row_permutation(config: ModelConfig) -> torch.Tensor | None:
     """[head_dim] int64: the permutation rotary_fold gives each head's q/k rows (ModelConfig.rotary_rows_permuted):
     interleaved pairs (GLM-4, Cohere, ERNIE 4.5: interleaved_rotary_permutation) or GLM-4.5's rotate-half over the
-    leading rotary_dim (partial_rotary_permutation; MiniMax-M2's alike); None where the checkpoint's rows are the
+    leading rotary_dim (partial_rotary_permutation; MiniMax-M2's, Qwen3.5's and Bamba's alike); None where the checkpoint's rows are the
     runtime's. An FP8 import moves the rows' scales with it (compiler/import_quantized.py)."""
     if config.rotary_interleaved:
         return interleaved_rotary_permutation(config.head_dim, config.rotary_dims)
-    if config.family in ("glm4_moe", "minimax_m2", *QWEN3_5_FAMILIES) and config.rotary_rows_permuted:
+    if config.family in ("glm4_moe", "minimax_m2", "bamba", *QWEN3_5_FAMILIES) and config.rotary_rows_permuted:
         return partial_rotary_permutation(config.head_dim, config.rotary_dims)
     return None
 

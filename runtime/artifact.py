@@ -122,11 +122,13 @@ from llmc.schema import opt, parse
 #      and SSM state in place of attention: their attn.mamba_in / attn.mamba_out linears, attn.conv, attn.conv_bias,
 #      attn.A_log, attn.dt_bias, attn.D, attn.norm tensors; no KV cache) and mamba_num_heads ... mamba_chunk_size;
 #      older manifests load without them (no Mamba-2 layer).
-FORMAT_VERSION = "1.38"
+# 1.39: Bamba (family bamba: Granite 4.0's Mamba-2 fields, Llama's attention with a partial rotary, a dense MLP),
+#      read with fields older formats have (an older llmc refuses the family by name).
+FORMAT_VERSION = "1.39"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37", "1.38")
+                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -137,7 +139,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next", "granitemoehybrid"]
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -456,9 +458,9 @@ class ModelConfig:
     def rotary_rows_permuted(self) -> bool:
         """Whether the build permuted each q/k head's rows so that rotated pair i sits at (i, i + head_dim / 2), the
         rotate-half layout over the whole head: GLM-4's and Cohere's interleaved pairs (rotary_interleaved), GLM-4.5's
-        rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2, qwen3_5: hf_checkpoint.rotary_fold)."""
+        rotate-half over the leading rotary_dim (families glm4_moe, minimax_m2, qwen3_5, bamba: hf_checkpoint.rotary_fold)."""
         return self.rotary_interleaved or (self.family in ("glm4_moe", "minimax_m2", "qwen3_5", "qwen3_5_moe",
-                                                                 "qwen3_next")
+                                                                 "qwen3_next", "bamba")
                                            and self.rotary_dim is not None)
 
     @property

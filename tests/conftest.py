@@ -338,6 +338,12 @@ _FAMILY_SPECS["qwen3_next"] = ("Qwen3NextConfig", {
 _FAMILY_SPECS["granitemoehybrid"] = ("GraniteMoeHybridConfig", {
     **_FAMILY_SPECS["granite"][1], "num_hidden_layers": 3, "layer_types": ["attention"] * 3, "num_local_experts": 0,
     "shared_intermediate_size": 96, "position_embedding_type": "rope"})
+# Bamba (tests/runtime/test_bamba.py): test_granite4_hybrid's [mamba, attention, mamba] layers and Mamba-2 sizes (8
+# heads of 16 in 2 groups, d_state 16, a conv of 4, chunks of 8) with the attention layer rotating the leading half of
+# each head (BambaConfig's partial_rotary_factor 0.5) and a dense SwiGLU MLP 128 wide in every layer
+_FAMILY_SPECS["bamba"] = ("BambaConfig", {
+    "num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -359,7 +365,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
-                                                                       "qwen3_next", "granitemoehybrid"))
+                                                                       "qwen3_next", "granitemoehybrid", "bamba"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}

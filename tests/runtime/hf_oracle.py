@@ -47,7 +47,8 @@ def write_config(source, dest, **changes):
 
 def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
-    GraniteForCausalLM, GraniteMoeHybridForCausalLM with its Mamba-2 layers' dense tensors): each linear dequantized
+    GraniteForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM with their Mamba-2 layers' dense tensors; the
+    q/k rows as the artifact holds them, a permuted rotary not undone): each linear dequantized
     by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
@@ -72,12 +73,16 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     if model["family"] == "granitemoehybrid":  # Granite 4.0's MLP: shared_mlp, its gate and up rows in one tensor
         members |= {"mlp.gate_up": (["shared_mlp.input_linear"], None),
                     "mlp.down": (["shared_mlp.output_linear"], None),
-                    "attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None),
                     "moe.shared.gate_up": (["shared_mlp.input_linear"], None),  # (with experts: the shared expert)
                     "moe.shared.down": (["shared_mlp.output_linear"], None)}
+    if model["family"] == "bamba":  # Bamba's MLP: feed_forward
+        members |= {"mlp.gate_up": (["feed_forward.gate_proj", "feed_forward.up_proj"],
+                                    [model["intermediate_size"]] * 2), "mlp.down": (["feed_forward.down_proj"], None)}
+    if model.get("mamba_layers"):
+        members |= {"attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
     unfold = {"attn.o": residual, "mlp.down": residual, "attn.mamba_out": residual, "moe.shared.down": residual}
     state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
-             "model.norm.weight": (tensors["norm.weight"].float() - offset) * logits}
+             spec.global_tensors["norm.weight"]: (tensors["norm.weight"].float() - offset) * logits}
     if "lm_head.weight" in tensors:
         state["lm_head.weight"] = tensors["lm_head.weight"].float()
     for i in range(model["num_layers"]):

@@ -78,8 +78,8 @@ def test_the_weights_are_the_checkpoints_and_the_shared_expert_matters(checkpoin
                                    hf[theirs + "block_sparse_moe.output_linear.weight"] * 0.3)
         torch.testing.assert_close(ours[mine + "moe.gate.weight"], hf[theirs + "block_sparse_moe.router.layer.weight"],
                                    **exact)
-        torch.testing.assert_close(ours[mine + "moe.shared.gate_up.weight"], hf[theirs + "shared_mlp.input_linear.weight"],
-                                   **exact)
+        torch.testing.assert_close(ours[mine + "moe.shared.gate_up.weight"],
+                                   hf[theirs + "shared_mlp.input_linear.weight"], **exact)
         torch.testing.assert_close(ours[mine + "moe.shared.down.weight"],
                                    hf[theirs + "shared_mlp.output_linear.weight"] * 0.3)
         assert not any(name.startswith(mine + "mlp.") for name in ours)
