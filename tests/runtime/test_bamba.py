@@ -25,8 +25,9 @@ from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, floa
                                      hf_state_of)
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
+from tests.runtime.test_granite4_hybrid import check_on_the_gpu
 from tests.runtime.test_granite4_hybrid import test_preemption_and_short_chunks_keep_transformers_tokens as preemption
-from tests.runtime.test_qwen3_5 import check_hybrid_refusals
+from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
@@ -150,12 +151,10 @@ def test_what_bamba_refuses(checkpoint, artifact, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (the attention layer on Triton with its whole-head rotary table, the Mamba-2 mixer
-    in torch ops; decode steps replay CUDA graphs that read the state slots), and with enforce_eager: transformers'
-    logits (2e-3), greedy tokens and logprobs."""
-    for eager in (False, True):
-        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
-                 enforce_eager=eager) as llm:
-            runner = llm.engine.runner
-            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
-            assert eager or runner.graphs.num_replays > 0
+    from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
+
+    check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, BambaRMSNormGated)
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)

@@ -154,33 +154,40 @@ def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
         export_artifact(artifact, tmp_path / "export")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@torch.inference_mode()
-def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the attention layer, the Mamba-2 mixer in torch ops; decode
+def check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, gated_norm, check_runner=None):
+    """The float32 artifact on CUDA (Triton attention in the attention layers, the Mamba-2 mixer in torch ops; decode
     steps replay CUDA graphs that read the state slots), and with enforce_eager: the CPU path's logits (2e-3; the CPU
-    path holds transformers' to 1e-4 above) and greedy tokens of prompts finishing at different steps; and
-    transformers' where its gated RMSNorm is per group (transformers 5.17, on the session-50 device, normalises the
-    whole width: 3.5 off with this checkpoint's 2 groups)."""
-    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
-
+    path holds transformers' to 1e-4) and greedy tokens of prompts finishing at different steps; and transformers'
+    where its gated RMSNorm (`gated_norm`, the model's class) is per group (transformers 5.17, on the session-50
+    device, normalises Granite 4.0's and Bamba's whole width: 3.5 off with the test checkpoints' 2 groups).
+    `check_runner(runner)`: what else to assert of the CUDA runner."""
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
     prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 8)]
     with LLM(artifact, device="cpu", max_num_seqs=3, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         cpu_logits = llm.engine.score(token_ids)
         cpu_tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
-    per_group = "group_size" in inspect.signature(GraniteMoeHybridRMSNormGated).parameters
+    per_group = "group_size" in inspect.signature(gated_norm).parameters
     for eager in (False, True):
         with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
                  enforce_eager=eager) as llm:
             runner = llm.engine.runner
+            if check_runner is not None:
+                check_runner(runner)
             torch.testing.assert_close(llm.engine.score(token_ids).cpu(), cpu_logits, atol=2e-3, rtol=2e-3)
             assert [out.outputs[0].token_ids for out in llm.generate(prompts, params)] == cpu_tokens
             if per_group:
                 _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
             assert eager or runner.graphs.num_replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
+
+    check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, GraniteMoeHybridRMSNormGated)
 
 
 def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
