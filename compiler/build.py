@@ -153,13 +153,16 @@ def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
     """GLM-4.5's or DeepSeek-V3's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor
     into an ONNX build, nor where an imported checkpoint holds it in integers (packed or int8): logged. An import's FP8
     layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and written dense.
-    Qwen3-Next's and Qwen3.5's (mtp.*) are not built: logged."""
-    if ctx.spec.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next") and ctx.gguf is None:
+    Qwen3-Next's, Qwen3.5's and Nemotron-H's (mtp.*, or Nemotron-H's num_nextn_predict_layers) are not built: logged."""
+    if ctx.spec.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") and ctx.gguf is None:
         with hf.TensorReader(ctx.model_dir) as reader:
             mtp = [name for name in reader.names() if name.startswith("mtp.")]
         if mtp:  # (Qwen3-Next's and Qwen3.5's published checkpoints hold one; transformers skips it too)
             logger.info("%s: the checkpoint's multi-token prediction layer (%d mtp.* tensors) is not built; no MTP "
                         "speculative decoding", ctx.spec.family, len(mtp))
+        elif ctx.hf_config.get("num_nextn_predict_layers"):  # (Nemotron-H's config names them; transformers runs none)
+            logger.info("%s: num_nextn_predict_layers %d: the multi-token prediction layers are not built; no MTP "
+                        "speculative decoding", ctx.spec.family, ctx.hf_config["num_nextn_predict_layers"])
     if ctx.spec.family not in MTP_FAMILIES or not num_mtp_layers(ctx.hf_config):
         return None
     family = MTP_FAMILIES[ctx.spec.family]
@@ -211,8 +214,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
-    # Granite's, Seed-OSS's and Bamba's biases: refused by name in model_config_from_hf
-    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba"):
+    # Granite's, Seed-OSS's, Bamba's and Nemotron-H's biases: refused by name in model_config_from_hf
+    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba", "nemotron_h"):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
     if spec.family in hf.GRANITE_FAMILIES and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "

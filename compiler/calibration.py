@@ -132,7 +132,8 @@ class LayerRunner:
         with torch.device("meta"):
             module = DecoderLayer(self.config, formats, layer.index, torch.float32)
         set_layer_weights(module, layer, self.device)
-        module.attn.kv_cache = self.kv_cache
+        if module.holds_kv:  # (a state layer keeps no cache; an MLP alone, Nemotron-H's, has no attention)
+            module.attn.kv_cache = self.kv_cache
         if module.is_mla:  # the expanded form on every window: kv_b sees its inputs (GPTQ, AWQ capture them)
             module.attn.absorb_kv_b()
             module.attn.form = "expanded"

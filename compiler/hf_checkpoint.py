@@ -204,6 +204,13 @@ _HF_CONFIG_DEFAULTS["granitemoehybrid"] = {**_HF_CONFIG_DEFAULTS["granitemoe"], 
 _HF_CONFIG_DEFAULTS["bamba"] = {"max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
                                 "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
                                 "attn_layer_indices": None}
+# NemotronHConfig's (the older key names, mamba_n_groups ..., as its __post_init__ renames them: _nemotron_h_config)
+_HF_CONFIG_DEFAULTS["nemotron_h"] = {"max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5, "head_dim": 128,
+                                     "num_attention_heads": 32, "num_key_value_heads": 8, "bos_token_id": 1,
+                                     "eos_token_id": 2, "tie_word_embeddings": False, "intermediate_size": 21504,
+                                     "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "mamba_num_heads": 128,
+                                     "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+                                     "chunk_size": 128, "use_conv_bias": True, "num_nextn_predict_layers": 0}
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
@@ -219,6 +226,7 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
                    "Ministral3ForCausalLM": "ministral3",
                    "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text",
+                   "NemotronHForCausalLM": "nemotron_h",
                    "Qwen3_5ForConditionalGeneration": "qwen3_5"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
@@ -258,6 +266,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _granite4_config(config)
     if spec.family == "bamba":
         config = _bamba_config(config)
+    if spec.family == "nemotron_h":
+        config = _nemotron_h_config(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
     if spec.family in olmo and config.get("attention_bias"):
         raise CheckpointError(f"attention_bias: true is not supported for {olmo[spec.family]} (its q/k/v/o biases: the "
@@ -323,7 +333,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
-        **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba") else {}),
+        **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h") else {}),
+        **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -513,6 +524,75 @@ def _bamba_config(config: dict) -> dict:
     mamba = [i for i in range(layers) if i not in attention]
     config = _glm4_rope({k: v for k, v in config.items() if k != "partial_rotary_factor"})
     return {**config, "_mamba": _mamba_fields(config, mamba, "Bamba")}
+
+
+# Nemotron-H's block kinds: layers_block_type's names, hybrid_override_pattern's characters
+_NEMOTRON_H_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def _nemotron_h_config(config: dict) -> dict:
+    """A Nemotron-H config as NemotronHConfig and its model read it: the blocks from `layers_block_type` (else
+    `hybrid_override_pattern`: M, *, -, E), their number the layers (num_hidden_layers is not read, as transformers);
+    `_nemotron_h`, the layers without an MLP (M, *) and without a mixer (-) and hidden_act relu2; `_mamba`, the M
+    blocks' Mamba-2 sizes (the older mamba_* key names too); `_nope_layers`, every layer (no rotary); rms_norm_eps
+    layer_norm_epsilon. Refused by name: E (moe) blocks, no attention block, q/k/v/o, MLP or Mamba-2 projection biases,
+    an intermediate_size that differs per MLP block, a sliding_window, an activation other than relu2 (MLP) / silu
+    (Mamba-2), a time_step_limit other than (0, inf). transformers' chunked scan clamps dt below at time_step_min,
+    its one-token step does not; vLLM clamps in neither, nor does the runtime (Granite 4.0's mixer)."""
+    renamed = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_chunk_size": "chunk_size",
+               "mamba_conv_bias": "use_conv_bias", "mamba_dt_limit": "time_step_limit"}
+    config = {**config, **{new: config[old] for old, new in renamed.items() if old in config}}
+    kinds = config.get("layers_block_type") or config.get("layer_types")
+    if kinds is None:
+        pattern = config.get("hybrid_override_pattern") or ""
+        if not pattern or set(pattern) - set(_NEMOTRON_H_BLOCKS):
+            raise CheckpointError(f"hybrid_override_pattern {pattern!r}: Nemotron-H's blocks are M, *, - or E (or "
+                                  "give layers_block_type)")
+        kinds = [_NEMOTRON_H_BLOCKS[c] for c in pattern]
+    if set(kinds) - set(_NEMOTRON_H_BLOCKS.values()):
+        raise CheckpointError(f"layers_block_type {kinds!r}: Nemotron-H's blocks are linear_attention, "
+                              "full_attention, mlp or moe")
+    if "moe" in kinds:
+        raise CheckpointError("layers_block_type: Nemotron-H's moe (E) blocks (Nemotron 3 Nano's experts) are not "
+                              "supported; its dense checkpoints (M, * and - blocks) are")
+    if "full_attention" not in kinds:
+        raise CheckpointError("layers_block_type: no full_attention (*) block (every mixer Mamba-2) is not supported; "
+                              "Nemotron-H's checkpoints mix attention in")
+    for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for Nemotron-H (q/k/v/o, MLP or Mamba-2 in_proj / "
+                                  "out_proj biases; its checkpoints set it false)")
+    width = config["intermediate_size"]
+    if isinstance(width, list):  # (vLLM's per-MLP-block widths)
+        if len(set(width)) != 1:
+            raise CheckpointError(f"intermediate_size {width}: MLP blocks of different widths are not supported; "
+                                  "one width for every block is")
+        width = width[0]
+    if config.get("sliding_window") is not None:
+        raise CheckpointError(f"sliding_window {config['sliding_window']}: Nemotron-H's attention runs over the "
+                              "whole context (transformers builds no window); set it null")
+    if config["mlp_hidden_act"] != "relu2" or config["mamba_hidden_act"] not in ("silu", "swish"):
+        raise CheckpointError(f"mlp_hidden_act {config['mlp_hidden_act']!r}, mamba_hidden_act "
+                              f"{config['mamba_hidden_act']!r}: Nemotron-H runs relu2 MLPs and silu Mamba-2 convs only")
+    limit = [float(v["__float__"]) if isinstance(v, dict) else float(v)  # (transformers writes inf as an object)
+             for v in config.get("time_step_limit") or (0.0, float("inf"))]
+    if limit != [0.0, float("inf")]:
+        raise CheckpointError(f"time_step_limit {limit!r} is not supported for Nemotron-H's Mamba-2 blocks; only "
+                              "(0.0, inf) (dt unclamped, as vLLM runs them)")
+    layers = len(kinds)
+    mamba = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    heads, head_dim, groups = config["mamba_num_heads"], config["mamba_head_dim"], config["n_groups"]
+    if heads % groups:
+        raise CheckpointError(f"mamba_num_heads {heads} must be a multiple of n_groups {groups}")
+    return {**config, "num_hidden_layers": layers, "intermediate_size": width,
+            "rms_norm_eps": config["layer_norm_epsilon"], "_nope_layers": list(range(layers)),
+            "_nemotron_h": {"hidden_act": "relu2",
+                            "no_mlp_layers": [i for i, kind in enumerate(kinds) if kind != "mlp"],
+                            "no_mixer_layers": [i for i, kind in enumerate(kinds) if kind == "mlp"]},
+            "_mamba": {"mamba_layers": mamba, "mamba_num_heads": heads, "mamba_head_dim": head_dim,
+                       "mamba_n_groups": groups, "mamba_d_state": config["ssm_state_size"],
+                       "mamba_conv_kernel": config["conv_kernel"], "mamba_chunk_size": config["chunk_size"],
+                       "mamba_conv_bias": bool(config["use_conv_bias"])} if mamba else {}}
 
 
 def _granite_fields(config: dict) -> dict:

@@ -161,7 +161,8 @@ def _int_format(quant: QuantizationConfig, names: list[str], module: str, in_fea
 def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     q_size = config.num_heads * config.head_dim
     sizes = {"attn.qkv": config.hidden_size, "attn.o": q_size, "mlp.gate_up": config.hidden_size,
-             "mlp.down": config.intermediate_size, "moe.experts.gate_up": config.hidden_size,
+             "mlp.up": config.hidden_size, "mlp.down": config.intermediate_size,
+             "moe.experts.gate_up": config.hidden_size,
              "moe.experts.down": config.moe_intermediate_size, "moe.shared.gate_up": config.hidden_size,
              "moe.shared.down": config.shared_expert_intermediate_size}
     if config.is_mla:  # DeepSeek's attention (runtime/models/mla.py)

@@ -124,11 +124,14 @@ from llmc.schema import opt, parse
 #      older manifests load without them (no Mamba-2 layer).
 # 1.39: Bamba (family bamba: Granite 4.0's Mamba-2 fields, Llama's attention with a partial rotary, a dense MLP),
 #      read with fields older formats have (an older llmc refuses the family by name).
-FORMAT_VERSION = "1.39"
+# 1.40: NVIDIA Nemotron-H (family nemotron_h): model.no_mlp_layers (layers that are their attention or Mamba-2 mixer
+#      alone) and no_mixer_layers (an MLP alone: no attention, no KV cache), hidden_act relu2 (mlp.up in place of
+#      mlp.gate_up, no gate); older manifests load without them (every layer both, a gated MLP).
+FORMAT_VERSION = "1.40"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39")
+                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -139,13 +142,14 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba"]
-HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh"]  # the MLP's gate activation, by transformers' names
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h"]
+HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # a Gated DeltaNet layer's in place of attn.qkv / attn.o (Qwen3.5: in_proj_qkv and in_proj_z fused, out_proj)
 LINEAR_ATTENTION_LINEARS = ("attn.in_qkvz", "attn.out")
 MAMBA_LINEARS = ("attn.mamba_in", "attn.mamba_out")  # a Mamba-2 layer's (Granite 4.0)
+UP_MLP_LINEARS = ("mlp.up", "mlp.down")  # an MLP without gate's (hidden_act relu2: Nemotron-H)
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
@@ -229,7 +233,8 @@ class ModelConfig:
     v_head_dim: int | None = opt(None, min=1)
     mla_rope_interleave: bool = opt(False)
     # Gemma 2 and 3 (the defaults are every other family's):
-    hidden_act: str = opt("silu", choices=HIDDEN_ACTS)  # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form
+    # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form; relu2 (Nemotron-H): relu(up)², no gate (mlp.up, not gate_up)
+    hidden_act: str = opt("silu", choices=HIDDEN_ACTS)
     query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
     embed_scale: float | None = opt(None, min_exclusive=0.0)  # embeddings times this (sqrt(hidden) in the model dtype)
     sandwich_norms: bool = opt(False)  # attn_out_norm / mlp_out_norm on the sub-layers' outputs before the residual add
@@ -325,6 +330,11 @@ class ModelConfig:
     mamba_conv_kernel: int | None = opt(None, min=2)
     mamba_chunk_size: int | None = opt(None, min=1)
     mamba_conv_bias: bool = opt(True)
+    # Nemotron-H's single-mixer blocks: no_mlp_layers are their attention or Mamba-2 mixer alone (input_norm → mixer,
+    # no post_attn_norm, no MLP), no_mixer_layers an MLP alone (input_norm → MLP; no attention, no KV cache); empty:
+    # every layer both
+    no_mlp_layers: list[int] = opt([])
+    no_mixer_layers: list[int] = opt([])
     # Qwen3-Next / Qwen3.5: q_proj gives each head's q then as many gate rows; the attention's output times
     # sigmoid(gate) before o (attn.qkv is 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim rows)
     attn_output_gate: bool = opt(False)
@@ -397,6 +407,13 @@ class ModelConfig:
             raise ArtifactError(f"model: mamba_layers {self.mamba_layers} need layers of the {self.num_layers} (none a "
                                 "linear-attention layer), the mamba_* sizes (heads a multiple of groups) and the q/k/v "
                                 "attention (not MLA)")
+        alone = self.no_mlp_layers + self.no_mixer_layers
+        stateful = set(self.linear_attention_layers) | set(self.mamba_layers)
+        if any(not 0 <= i < self.num_layers for i in alone) or len(set(alone)) != len(alone) or (
+                set(self.no_mixer_layers) & stateful) or set(alone) & set(self.moe_layers):
+            raise ArtifactError(f"model: no_mlp_layers {self.no_mlp_layers} and no_mixer_layers "
+                                f"{self.no_mixer_layers} must be distinct layers of the {self.num_layers} (a layer "
+                                "without a mixer has no linear-attention or Mamba-2 mixer; neither is an MoE layer)")
 
     @property
     def is_hybrid(self) -> bool:
@@ -414,6 +431,18 @@ class ModelConfig:
         """Layer `index` keeps a per-request state in place of attention (and no KV cache)."""
         return index in self.linear_attention_layers or index in self.mamba_layers
 
+    def has_mixer(self, index: int) -> bool:
+        """Layer `index` has its attention (or linear-attention, Mamba-2) sub-layer: all but no_mixer_layers."""
+        return index not in self.no_mixer_layers
+
+    def has_mlp(self, index: int) -> bool:
+        """Layer `index` has its MLP (or MoE) sub-layer: all but no_mlp_layers."""
+        return index not in self.no_mlp_layers
+
+    def holds_kv(self, index: int) -> bool:
+        """Layer `index` holds a KV cache: an attention layer (not a state layer, not an MLP alone)."""
+        return not self.is_state_layer(index) and self.has_mixer(index)
+
     @property
     def mamba_conv_dim(self) -> int:
         """A Mamba-2 layer's conv channels: x, B and C."""
@@ -421,8 +450,8 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> list[int]:
-        """The layers that hold a KV cache: all but the linear-attention and Mamba-2 ones."""
-        return [i for i in range(self.num_layers) if not self.is_state_layer(i)]
+        """The layers that hold a KV cache: all but the linear-attention and Mamba-2 ones and the MLPs alone."""
+        return [i for i in range(self.num_layers) if self.holds_kv(i)]
 
     @property
     def is_classifier(self) -> bool:
@@ -521,8 +550,12 @@ class ModelConfig:
             attention = MAMBA_LINEARS
         elif self.is_mla:
             attention = MLA_LORA_Q_LINEARS if self.q_lora_rank else MLA_LINEARS
+        if not self.has_mixer(index):
+            attention = ()
+        if not self.has_mlp(index):
+            return attention
         if not self.is_moe_layer(index):
-            return attention + DECODER_LINEARS[2:]
+            return attention + (UP_MLP_LINEARS if self.hidden_act == "relu2" else DECODER_LINEARS[2:])
         return attention + MOE_LINEARS[2:] + (SHARED_EXPERT_LINEARS if self.shared_expert_intermediate_size else ())
 
     @property
@@ -542,7 +575,7 @@ class ModelConfig:
         attn += self.hidden_size * self.o_bias + self.num_heads * self.attention_sinks
         if self.is_mla:
             attn = self.mla_parameters
-        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp = (2 if self.hidden_act == "relu2" else 3) * self.hidden_size * self.intermediate_size
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
         pre_norms = (1 if self.parallel_block else 2) * self.pre_norms  # (Cohere: one norm before both sub-layers)
         norms = (pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
@@ -562,6 +595,9 @@ class ModelConfig:
             layers += len(self.linear_attention_layers) * (self.linear_attention_parameters - attn - qk_norms)
         if self.mamba_layers:  # Granite 4.0's Mamba-2 layers: a Mamba-2 mixer in place of attn
             layers += len(self.mamba_layers) * (self.mamba_parameters - attn - qk_norms)
+        # Nemotron-H's single-mixer layers: one norm each, the other sub-layer absent
+        layers -= len(self.no_mlp_layers) * (mlp + self.hidden_size) + len(self.no_mixer_layers) * (
+            attn + qk_norms + self.hidden_size)
         return embed + layers + self.hidden_size + lm_head
 
     @property

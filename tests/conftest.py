@@ -345,6 +345,14 @@ _FAMILY_SPECS["bamba"] = ("BambaConfig", {
     "num_hidden_layers": 3, "attn_layer_indices": [1], "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
     "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8})
 
+# Nemotron-H (tests/runtime/test_nemotron_h.py): the blocks M - * M - - (Mamba-2, MLP, attention, Mamba-2 after it,
+# two MLPs in a row), attention GQA 4/2 of head_dim 16 without rotary, relu2 MLPs 96 wide, Mamba-2 of 8 heads of 16 in
+# 2 groups, d_state 16, a conv of 4, chunks of 8 (as Granite 4.0's hybrid test)
+_FAMILY_SPECS["nemotron_h"] = ("NemotronHConfig", {
+    "hybrid_override_pattern": "M-*M--", "num_hidden_layers": 6, "head_dim": 16, "intermediate_size": 96,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
+    "chunk_size": 8})
+
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
 # residual stream has rms ~4 after layer 0, attention entropy is ~1.5 nats against ~3 for uniform
@@ -365,7 +373,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     if family not in _FAMILY_SPECS:
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
-                                                                       "qwen3_next", "granitemoehybrid", "bamba"))
+                                                                       "qwen3_next", "granitemoehybrid", "bamba",
+                                                                       "nemotron_h"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -377,6 +386,9 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         kwargs.pop("hidden_act")  # Gemma reads hidden_activation
     if cls_name == "Qwen3_5MoeTextConfig":
         kwargs.pop("intermediate_size")
+    if cls_name == "NemotronHConfig":  # (its own names: layer_norm_epsilon, mlp_hidden_act; no rotary)
+        for key in ("rms_norm_eps", "rope_theta", "hidden_act"):
+            kwargs.pop(key)
     config = getattr(transformers, cls_name)(**kwargs)
     config.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config
@@ -396,7 +408,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(BIAS_STD * randn_like(p))
         elif name.endswith(".A_log"):  # a Gated DeltaNet's decay rates A in [0.05, 0.5]: the state lasts several tokens
             p.copy_((0.05 + 0.45 * torch.rand(p.shape, generator=gen)).log())
-        elif name.endswith("mamba.D"):  # a Mamba-2 layer's skip weight per head [heads]
+        elif name.endswith(("mamba.D", "mixer.D")):  # a Mamba-2 layer's skip weight per head [heads]
             p.copy_(randn_like(p))
         elif name.endswith("conv1d.weight"):  # its depthwise conv [channels, 1, kernel]
             p.copy_(0.5 * randn_like(p))
@@ -404,7 +416,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(randn_like(p))
         elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm (Gemma: scaled by 1 + w)
             p.copy_(1.0 + NORM_JITTER * randn_like(p))
-        elif "embed_tokens" in name:
+        elif "embed_tokens" in name or name == "model.embeddings.weight":  # (Nemotron-H's: embeddings)
             tied = model.get_output_embeddings().weight is p
             # Gemma multiplies its embeddings by sqrt(hidden_size), Granite by embedding_multiplier: the rows it
             # feeds the first layer get the std

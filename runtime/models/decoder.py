@@ -6,7 +6,8 @@ Families differ only in data (ModelSpec) and config flags (attention_bias, qk_no
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
 parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias; SmolLM3's nope_layers;
-Ministral 3's query temperature), so one module serves them all. Buffers are named exactly as the artifact's tensors
+Ministral 3's query temperature; Nemotron-H's no_mlp_layers / no_mixer_layers and relu2 MLP), so one module serves
+them all. Buffers are named exactly as the artifact's tensors
 (`layers.3.attn.qkv.weight`), so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
@@ -178,12 +179,16 @@ class MLP(nn.Module):
                  layout: RankLayout | None = None, tp_group=None):
         super().__init__()
         size = (layout or whole_model_layout(config)).intermediate_size
-        self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
+        self.act = config.hidden_act
+        if self.act == "relu2":  # Nemotron-H: down(relu(up(x))²), no gate
+            self.up = Linear(config.hidden_size, size, formats[prefix + "up"], False, dtype)
+        else:
+            self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
         self.tp_group = tp_group
         self.is_gate_up_interleaved = False
-        self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
-        self.act = config.hidden_act
+        # (relu2: a w8a8-fp8 down quantizes its input itself)
+        self.fp8_down_input = self.act != "relu2" and takes_fp8_activations(formats[prefix + "down"])
 
     def interleave_gate_up(self) -> None:
         """After the weights load: where gate_up's format can (W4A16 in the gpu layout), its rows are
@@ -192,7 +197,9 @@ class MLP(nn.Module):
         self.is_gate_up_interleaved = self.act == "silu" and self.gate_up.interleave_gate_up()
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.is_gate_up_interleaved:
+        if self.act == "relu2":
+            h = torch.relu(self.up(x)).square()
+        elif self.is_gate_up_interleaved:
             h = self.gate_up.silu_mul(x)
         else:  # quantized in the same kernel where down is w8a8-fp8
             h = (act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), self.act)
@@ -213,13 +220,19 @@ class DecoderLayer(nn.Module):
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
-                                      and not config.is_state_layer(index)
+                                      and config.holds_kv(index)
                                       and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]),
                                       centered=config.layer_norm)
+        # Nemotron-H's single-mixer layers: the attention or Mamba-2 mixer alone (no MLP), or the MLP alone (no attn,
+        # no KV cache); either reads input_norm's output, and its output joins the residual stream at the next norm
+        self.has_mixer, self.has_mlp = config.has_mixer(index), config.has_mlp(index)
+        self.holds_kv = config.holds_kv(index)
         # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache); Granite 4.0's
         # Mamba-2 layers: a Mamba-2 mixer there (the same: a per-request state in slots, gated_deltanet NOTE)
         self.is_state_layer = config.is_state_layer(index)
-        if config.is_linear_attention_layer(index):
+        if not self.has_mixer:
+            self.attn = None
+        elif config.is_linear_attention_layer(index):
             self.attn = GatedDeltaNet(config, formats, index, dtype)
         elif config.is_mamba_layer(index):
             self.attn = Mamba2(config, formats, index, dtype)
@@ -227,12 +240,12 @@ class DecoderLayer(nn.Module):
             self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
         self.is_parallel = config.parallel_block
-        if config.pre_norms and not config.parallel_block:
+        if config.pre_norms and not config.parallel_block and self.has_mixer and self.has_mlp:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
                                           and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
-        if self.is_moe:  # mixture of experts (runtime/models/moe.py)
+        if self.has_mlp and self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
-        else:
+        elif self.has_mlp:
             self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
         self.has_sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed before the residual add
@@ -241,6 +254,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None, batch: ForwardBatch, cos_sin: Tensor):
         x, residual = self.norm_in(x, residual)
+        if not self.has_mlp:  # (Nemotron-H: the mixer alone; the next norm adds its output)
+            return self.attn(x, batch, cos_sin), residual
+        if not self.has_mixer:  # (the MLP alone, on input_norm's output)
+            return self.mlp(x), residual
         return self.feed_forward(self.attn(x, batch, cos_sin), residual)
 
     def norm_in(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -437,11 +454,11 @@ class DecoderModel(nn.Module):
             if layer.has_pre_norms and not layer.is_parallel:
                 # (MLA's q and kv_a, a Gated DeltaNet's in_qkvz and in_ba both read the input norm's output: they gather
                 # it themselves)
-                if not layer.is_mla and not layer.is_state_layer:
+                if not layer.is_mla and layer.holds_kv:
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
-                if not layer.is_moe:
+                if not layer.is_moe and layer.has_mixer and layer.has_mlp:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
-            if not layer.is_moe and not keep_gate_up_order:
+            if not layer.is_moe and layer.has_mlp and layer.mlp.act != "relu2" and not keep_gate_up_order:
                 layer.mlp.interleave_gate_up()
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)
@@ -475,8 +492,9 @@ class DecoderModel(nn.Module):
         return sum(attn.state_bytes_per_slot(dtype) for attn in self.state_layers())
 
     def kv_attentions(self) -> list[nn.Module]:
-        """This rank's attention modules that hold a KV cache, in layer order: every layer's but the state layers'."""
-        return [layer.attn for layer in self.layers.values() if not layer.is_state_layer]
+        """This rank's attention modules that hold a KV cache, in layer order: every layer's but the state layers' and
+        the MLPs alone (Nemotron-H's)."""
+        return [layer.attn for layer in self.layers.values() if layer.holds_kv]
 
     def bind_kv_caches(self, kv_caches: list[tuple[Tensor, Tensor]],
                        scales: list[tuple[float, float]] | None = None) -> None:
@@ -530,7 +548,9 @@ def nope_table(config: ModelConfig, max_positions: int) -> Tensor | None:
 
 def layer_table(layer: DecoderLayer, table: Tensor, local: Tensor | None, nope: Tensor | None) -> Tensor:
     """The rotary table `layer` reads of the model's: `nope` for a NoPE layer (SmolLM3), `local` for a sliding layer
-    of a model with its own local rope (Gemma 3, OLMo 3, Cohere 2), else `table`."""
+    of a model with its own local rope (Gemma 3, OLMo 3, Cohere 2), else `table` (also for an MLP alone: unread)."""
+    if layer.attn is None:
+        return table
     if not layer.attn.has_rope:
         return nope
     return local if layer.attn.is_local_rope else table

@@ -117,7 +117,10 @@ MLA_NORMS = {"attn.q_a_norm": "self_attn.q_a_layernorm", "attn.kv_a_norm": "self
 def in_layer(linear: FusedLinear, config, index: int) -> bool:
     """Whether layer `index` has `linear` (`config`: the ModelConfig): the dense MLP's (mlp.*) in the dense layers, the
     shared expert's (moe.shared.*) in the MoE layers of a model that has one, the attention's in every layer (MLA's
-    attn.q without a q_lora_rank, attn.q_a and attn.q_b with one)."""
+    attn.q without a q_lora_rank, attn.q_a and attn.q_b with one); none of the attention's in a layer without a mixer,
+    none of the MLP's in a layer without an MLP (Nemotron-H's single-mixer layers)."""
+    if not (config.has_mixer(index) if linear.name.startswith("attn.") else config.has_mlp(index)):
+        return False
     if linear.name in ("attn.in_qkvz", "attn.out"):  # a Gated DeltaNet's (Qwen3.5), in its layers only
         return config.is_linear_attention_layer(index)
     if linear.name in ("attn.mamba_in", "attn.mamba_out"):  # a Mamba-2 mixer's (Granite 4.0), in its layers only
@@ -167,6 +170,7 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
     q_rows = 2 * q if config.attn_output_gate else q  # (Qwen3.5: each head's q, then its gate)
     parts = {"attn.qkv": [q_rows, kv, kv], "attn.o": [config.hidden_size],
              "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
+             "mlp.up": [config.intermediate_size],
              "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
              "moe.shared.down": [config.hidden_size]}
     if config.linear_attention_layers:

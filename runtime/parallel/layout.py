@@ -159,5 +159,6 @@ def kv_bytes_per_token(config: ModelConfig, layout: RankLayout, num_bytes: int) 
 
 
 def kv_layers(config: ModelConfig, layout: RankLayout) -> list[int]:
-    """This rank's layers that hold a KV cache: all of them but a hybrid model's linear-attention and Mamba-2 layers."""
-    return [i for i in layout.layers if not config.is_state_layer(i)]
+    """This rank's layers that hold a KV cache: all of them but a hybrid model's linear-attention and Mamba-2 layers and
+    its MLPs alone (Nemotron-H)."""
+    return [i for i in layout.layers if config.holds_kv(i)]

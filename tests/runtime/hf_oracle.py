@@ -53,7 +53,8 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
     the final norm times logits_scaling. Granite 4.0's experts stacked as transformers holds them (their down and
-    the shared expert's unfolded too)."""
+    the shared expert's unfolded too). NemotronHForCausalLM: its linears under `mixer` by the spec's names, its
+    embeddings and norm_f."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -80,9 +81,17 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
                                     [model["intermediate_size"]] * 2), "mlp.down": (["feed_forward.down_proj"], None)}
     if model.get("mamba_layers"):
         members |= {"attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
+    embed, final, mamba = "model.embed_tokens.weight", spec.global_tensors["norm.weight"], "mamba."
+    if model["family"] == "nemotron_h":  # every block's module is its `mixer`: the spec's members
+        from llmc.runtime.artifact import read_manifest
+        from llmc.runtime.models.spec import hf_member_rows
+
+        config = read_manifest(artifact).model
+        members = {linear.name: (list(linear.hf_members), hf_member_rows(linear, config))
+                   for linear in spec.layer_linears}
+        embed, final, mamba = "model.embeddings.weight", "model.norm_f.weight", "mixer."
     unfold = {"attn.o": residual, "mlp.down": residual, "attn.mamba_out": residual, "moe.shared.down": residual}
-    state = {"model.embed_tokens.weight": tensors["embed.weight"].float(),
-             spec.global_tensors["norm.weight"]: (tensors["norm.weight"].float() - offset) * logits}
+    state = {embed: tensors["embed.weight"].float(), final: (tensors["norm.weight"].float() - offset) * logits}
     if "lm_head.weight" in tensors:
         state["lm_head.weight"] = tensors["lm_head.weight"].float()
     for i in range(model["num_layers"]):
@@ -91,7 +100,8 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
         for runtime, hf in MAMBA_DENSE.items():  # (a Mamba-2 layer's: Granite 4.0)
             if f"layers.{i}.{runtime}.weight" in tensors:
                 weight = tensors[f"layers.{i}.{runtime}.weight"].float()
-                state[f"model.layers.{i}.{hf}"] = weight[:, None] if runtime == "attn.conv" else weight
+                state[f"model.layers.{i}.{hf.replace('mamba.', mamba)}"] = (
+                    weight[:, None] if runtime == "attn.conv" else weight)
         for runtime, (names, sizes) in members.items():
             if f"layers.{i}.{runtime}" not in manifest["quant"]["modules"]:  # (not in this layer)
                 continue

@@ -1,0 +1,194 @@
+"""NVIDIA Nemotron-H (NemotronHForCausalLM) against transformers' own model (float32) on a tiny random checkpoint whose
+blocks are M - * M - - (a Mamba-2 mixer, an MLP, attention, a Mamba-2 mixer after it, two MLPs in a row; tests/conftest:
+Mamba-2 of 8 heads of 16 in 2 groups, d_state 16, a conv of 4, chunks of 8; attention without rotary; relu2 MLPs):
+each block one runtime layer (a mixer without MLP, an MLP without mixer). Logits at every position of a prefill in
+chunks of 16, greedy tokens and logprobs of prompts batched on fewer seats than prompts, also with the attention on its
+Triton kernels (interpreted) and with decode steps through a decode graph's static buffers; greedy tokens under
+preemption by recompute (a tiny KV cache) and in chunks of 5; n = 2 and an abort mid-stream; RTN and GPTQ W4 builds
+against transformers holding their dequantized weights; the older config spelling (hybrid_override_pattern, mamba_*
+names) read as the newer, its MTP layers logged as not built; NemotronHConfig's default sizes and their parameter
+count; the refusals; -m gpu: CUDA (written, not run here)."""
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
+
+import json
+
+import pytest
+import torch
+
+from llmc.compiler.export import export_artifact
+from llmc.errors import ArtifactError, CheckpointError
+from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
+from llmc.runtime.llm import LLM
+from tests.conftest import make_hf_checkpoint
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts, write_config
+from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
+from tests.runtime.test_granite4_hybrid import \
+    test_preemption_and_short_chunks_keep_transformers_tokens as granite_preemption
+from tests.runtime.test_qwen3_5 import check_hybrid_refusals
+from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
+from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
+from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_hf_checkpoint(tmp_path_factory.mktemp("nemotron_h") / "ckpt", "nemotron_h")
+
+
+@pytest.fixture(scope="module")
+def artifact(checkpoint, tmp_path_factory):
+    return float32_artifacts({"h": checkpoint}, tmp_path_factory.mktemp("nemotron_h_artifacts"))("h")
+
+
+@torch.inference_mode()
+def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Logits over 40 positions prefilled in chunks of 16 (1e-4), greedy tokens of 3 prompts on 2 seats and their
+    logprobs as transformers'; the manifest's single-mixer layers, Mamba-2 layers and relu2 MLP; one KV cache (the
+    attention block's), no MLP in a mixer's layer, no attention in an MLP's."""
+    manifest = read_manifest(artifact)
+    m = manifest.model
+    assert manifest.format_version == FORMAT_VERSION == "1.39"
+    assert (m.no_mlp_layers, m.no_mixer_layers, m.mamba_layers, m.kv_layers, m.nope_layers, m.hidden_act) == (
+        [0, 2, 3], [1, 4, 5], [0, 3], [2], list(range(6)), "relu2")
+    assert (m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state, m.mamba_conv_kernel,
+            m.mamba_chunk_size, m.mamba_conv_bias, m.intermediate_size, m.head_dim) == (
+        8, 16, 2, 16, 4, 8, True, 96, 16)
+    assert set(manifest.quant.modules) == {"lm_head", *(f"layers.{i}.{name}" for i, names in enumerate(
+        [("attn.mamba_in", "attn.mamba_out"), ("mlp.up", "mlp.down"), ("attn.qkv", "attn.o")]
+        + [("attn.mamba_in", "attn.mamba_out")] + [("mlp.up", "mlp.down")] * 2) for name in names)}
+    with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode)
+        runner = llm.engine.runner
+        layers = runner.model.layers
+        assert len(runner.kv_caches) == 1 and layers["2"].attn.kv_cache is runner.kv_caches[0]
+        assert layers["1"].attn is None and not hasattr(layers["0"], "mlp") and not hasattr(layers["2"], "mlp")
+        assert not any(hasattr(layer, "post_attn_norm") for layer in layers.values())
+        assert layers["3"].attn.ssm_state.shape == (3, 8, 16, 16)  # max_num_seqs + 1 slots
+        assert not llm.engine.options.enable_prefix_caching
+
+
+def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
+                                              hf_encode):
+    """Qwen3.5's test on this model: the attention block's KV write and paged attention on their Triton kernels (the
+    interpreter on CPU tensors), the Mamba-2 mixers and MLPs in torch: transformers' logits, greedy tokens, logprobs."""
+    qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
+
+
+def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """Qwen3.5's test on this model: what a decode graph replays (runtime/cuda_graphs.py), on the CPU: decode steps
+    padded to 4 rows whose padding rows write the scratch state slot, also with the first request finishing first:
+    transformers' greedy tokens and logprobs."""
+    qwen_static_decodes(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
+
+
+@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
+                         ids=["preemption", "chunks-of-5"])
+def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
+    """Granite 4.0's test on this model: 3 prompts on 3 seats with 5 KV blocks (preempted, prefilled again from zero
+    state), or in chunks of 5 tokens: transformers' greedy tokens, no block or row left held."""
+    granite_preemption(options, checkpoint, artifact, hf_encode)
+
+
+def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
+    """Qwen3.5's test on this model: n = 2 samples of top_k 1 both transformers' greedy tokens; a request aborted
+    after 3 tokens gives its slot back at once and the request that takes it next starts from zero state."""
+    qwen_abort(checkpoint, artifact, hf_encode)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
+    """RTN and GPTQ (calibrated through the blocks in turn, the Mamba-2 ones from zero state) W4 of every linear (the
+    Mamba-2 in_proj and out_proj, q/k/v and o, the MLPs' up and down) against transformers holding its dequantized
+    weights (the conv, dt_bias, A_log, D and the gated norm dense)."""
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
+                          PROMPTS)
+    modules = read_manifest(tmp_path / "q").quant.modules
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
+            [(0, "attn.mamba_in"), (3, "attn.mamba_out"), (2, "attn.qkv"), (1, "mlp.up"), (5, "mlp.down")]} == {
+        "w4a16"}
+
+
+def test_the_older_config_spelling_reads_the_same(checkpoint, artifact, tmp_path, caplog):
+    """A config.json as NVIDIA's checkpoints write it (hybrid_override_pattern, num_hidden_layers, the mamba_* key
+    names transformers renames, one MTP layer named by num_nextn_predict_layers): the same model and weights, and the
+    build says the MTP layer is not built."""
+    import logging
+
+    from safetensors.torch import load_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("layers_block_type", "n_groups", "conv_kernel",
+                                                            "chunk_size", "use_conv_bias")}
+    config |= {"hybrid_override_pattern": "M-*M--", "num_hidden_layers": 6, "mamba_n_groups": 2, "mamba_d_conv": 4,
+               "mamba_chunk_size": 8, "mamba_conv_bias": True, "num_nextn_predict_layers": 1}
+    source = write_config(checkpoint, tmp_path / "older")
+    (source / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="llmc"):
+        out = build_float32(source, tmp_path / "out")
+    assert "num_nextn_predict_layers 1: the multi-token prediction layers are not built" in caplog.text
+    assert read_manifest(out).model == read_manifest(artifact).model
+    got, want = (load_file(a / "rank-00" / "weights.safetensors") for a in (out, artifact))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_default_config_reads_as_transformers():
+    """NemotronHConfig's defaults (head_dim 128, 8 KV heads, Mamba-2 of 128 heads of 64 in 8 groups, d_state 128, MLP
+    21504 wide) on blocks with a mixer after a mixer and MLPs in a row: the manifest's layers and sizes, and its
+    parameter count transformers' (a model on the meta device)."""
+    from transformers import AutoModelForCausalLM, NemotronHConfig
+
+    from llmc.compiler.hf_checkpoint import model_config_from_hf
+    from llmc.runtime.models import nemotron_h
+
+    hf_config = NemotronHConfig(hybrid_override_pattern="M-MM*--M-*-")
+    model = model_config_from_hf({**hf_config.to_dict(), "architectures": ["NemotronHForCausalLM"]}, nemotron_h.SPEC,
+                                 "bfloat16")
+    assert (model.num_layers, model.mamba_layers, model.kv_layers, model.no_mixer_layers, model.head_dim,
+            model.num_kv_heads, model.mamba_num_heads, model.mamba_head_dim, model.mamba_n_groups, model.mamba_d_state,
+            model.intermediate_size, model.rms_norm_eps) == (
+        11, [0, 2, 3, 7], [4, 9], [1, 5, 6, 8, 10], 128, 8, 128, 64, 8, 128, 21504, 1e-5)
+    with torch.device("meta"):
+        assert model.num_parameters == AutoModelForCausalLM.from_config(hf_config).num_parameters()
+
+
+def test_what_nemotron_h_refuses(checkpoint, artifact, tmp_path):
+    """Refused by name as every hybrid model: prefix caching asked for, speculative decoding, LoRA, multi-step; at
+    build an ONNX target, tensor parallel, FP8; Nemotron-H's moe blocks, no attention block, biases, MLP widths per
+    block, a sliding window, another activation, a time_step_limit; `llmc export`."""
+    refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "NemotronHForCausalLM")
+    blocks = ["linear_attention", "mlp", "full_attention", "linear_attention", "mlp", "mlp"]
+    refused(CheckpointError, "Nemotron-H's moe .E. blocks .* are not supported",
+            layers_block_type=blocks[:-1] + ["moe"])
+    refused(CheckpointError, "no full_attention .* block .* is not supported",
+            layers_block_type=["linear_attention", "mlp"] * 3)
+    for key in ("attention_bias", "mlp_bias", "use_bias", "mamba_proj_bias"):
+        refused(CheckpointError, f"{key}: true is not supported for Nemotron-H", **{key: True})
+    refused(CheckpointError, "intermediate_size .96, 128.: MLP blocks of different widths", intermediate_size=[96, 128])
+    refused(CheckpointError, "sliding_window 8: .* set it null", sliding_window=8)
+    refused(CheckpointError, "mlp_hidden_act 'silu', .* relu2 MLPs and silu Mamba-2 convs only", mlp_hidden_act="silu")
+    refused(CheckpointError, "time_step_limit .* is not supported", time_step_limit=[0.001, 10.0])
+    refused(CheckpointError, "hybrid_override_pattern 'M-X': Nemotron-H's blocks", layers_block_type=None,
+            hybrid_override_pattern="M-X")
+    with pytest.raises(ArtifactError, match="cannot export architecture NemotronHForCausalLM: a hybrid model"):
+        export_artifact(artifact, tmp_path / "export")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
+    """The float32 artifact on CUDA (Triton attention in the attention block, the Mamba-2 mixers and relu2 MLPs in
+    torch ops; decode steps replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits
+    (2e-3), greedy tokens and logprobs."""
+    for eager in (False, True):
+        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
+                 enforce_eager=eager) as llm:
+            runner = llm.engine.runner
+            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
+            assert eager or runner.graphs.num_replays > 0
