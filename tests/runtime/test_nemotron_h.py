@@ -72,6 +72,27 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
         assert not llm.engine.options.enable_prefix_caching
 
 
+@torch.inference_mode()
+def test_transformers_dt_clamp_does_not_bind_here(checkpoint, hf_encode):
+    """transformers' chunked scan clamps dt = softplus(dt_raw + dt_bias) below at time_step_min, which the runtime (as
+    vLLM) does not: on the prompts the tests compare, every Mamba-2 block's dt stays above it, so the comparisons
+    above hold the same model."""
+    from tests.conftest import hf_model
+
+    model, least = hf_model(checkpoint), []
+    for i in (0, 3):
+        mixer = model.model.layers[i].mixer
+        mixer.in_proj.register_forward_hook(lambda _m, _a, out, mixer=mixer: least.append(
+            torch.nn.functional.softplus(out[..., -mixer.num_heads:] + mixer.dt_bias).min()))
+    try:
+        for prompt in PROMPTS:
+            model(torch.tensor([hf_encode(checkpoint, prompt) + list(range(100, 140))]))
+    finally:
+        for i in (0, 3):
+            model.model.layers[i].mixer.in_proj._forward_hooks.clear()
+    assert len(least) == 6 and min(least) > 2 * model.config.time_step_min
+
+
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention block's KV write and paged attention on their Triton kernels (the
