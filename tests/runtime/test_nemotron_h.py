@@ -27,9 +27,10 @@ from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts, write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
+from tests.runtime.test_granite4_hybrid import check_on_the_gpu
 from tests.runtime.test_granite4_hybrid import \
     test_preemption_and_short_chunks_keep_transformers_tokens as granite_preemption
-from tests.runtime.test_qwen3_5 import check_hybrid_refusals
+from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
@@ -52,7 +53,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     attention block's), no MLP in a mixer's layer, no attention in an MLP's."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.39"
+    assert manifest.format_version == FORMAT_VERSION == "1.40"
     assert (m.no_mlp_layers, m.no_mixer_layers, m.mamba_layers, m.kv_layers, m.nope_layers, m.hidden_act) == (
         [0, 2, 3], [1, 4, 5], [0, 3], [2], list(range(6)), "relu2")
     assert (m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state, m.mamba_conv_kernel,
@@ -204,12 +205,13 @@ def test_what_nemotron_h_refuses(checkpoint, artifact, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the attention block, the Mamba-2 mixers and relu2 MLPs in
-    torch ops; decode steps replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits
-    (2e-3), greedy tokens and logprobs."""
-    for eager in (False, True):
-        with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
-                 enforce_eager=eager) as llm:
-            runner = llm.engine.runner
-            _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
-            assert eager or runner.graphs.num_replays > 0
+    """As Granite 4.0's hybrid (test_granite4_hybrid.check_on_the_gpu: CUDA graphs of decode steps and eager against
+    the CPU path and transformers), the relu2 MLPs in torch ops."""
+    from transformers.models.nemotron_h import modeling_nemotron_h as hf_nemotron_h
+
+    gated_norm = getattr(hf_nemotron_h, "NemotronHRMSNormGated", None) or hf_nemotron_h.Zamba2RMSNormGated
+    check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, gated_norm)
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)
