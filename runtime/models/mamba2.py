@@ -21,14 +21,25 @@ from llmc.runtime.layers.linear import Linear
 from llmc.runtime.models.gated_deltanet import _weight
 
 
-def causal_conv(xbc: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor) -> tuple[Tensor, Tensor]:
-    """SiLU of the depthwise causal conv of xbc [T, conv_dim] (weight [conv_dim, kernel]) continuing from state
-    [conv_dim, kernel - 1]; returns (out [T, conv_dim], the new state)."""
+def causal_conv(xbc: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor,
+                silu: bool = True) -> tuple[Tensor, Tensor]:
+    """SiLU (unless not `silu`: LFM2's short conv) of the depthwise causal conv of xbc [T, conv_dim] (weight
+    [conv_dim, kernel]) continuing from state [conv_dim, kernel - 1]; returns (out [T, conv_dim], the new state)."""
     kernel = weight.shape[1]
     padded = torch.cat([state.t(), xbc], dim=0)  # [kernel - 1 + T, conv_dim]
     windows = padded.unfold(0, kernel, 1)  # [T, conv_dim, kernel]
     out = (windows * weight).sum(-1) + (0 if bias is None else bias)
-    return F.silu(out), padded[-(kernel - 1):].t().contiguous()
+    return F.silu(out) if silu else out, padded[-(kernel - 1):].t().contiguous()
+
+
+def conv_step(conv_state: Tensor, slots: Tensor, fresh: Tensor, xbc: Tensor, weight: Tensor) -> Tensor:
+    """One token per sequence through the depthwise causal conv (weight [conv_dim, kernel]), before any bias or
+    activation: each sequence's window is its slot's conv state (zeros where `fresh`) then xbc [N, conv_dim]; the
+    slots of conv_state [slots, conv_dim, kernel - 1] take the window's last kernel - 1 inputs. Device ops only (a
+    decode graph replays it); returns [N, conv_dim] in float32."""
+    window = torch.cat([conv_state[slots] * ~fresh[:, None, None], xbc[:, :, None]], dim=-1)
+    conv_state[slots] = window[:, :, 1:]
+    return (window.float() * weight.float()).sum(-1)
 
 
 def _time_steps(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float]) -> Tensor:
@@ -153,9 +164,7 @@ class Mamba2(nn.Module):
     def _decode(self, xbc: Tensor, dt: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
         """One token per sequence: device ops only (no host value of the step)."""
         fresh = context_lens == 1  # a one-token prompt: zero state
-        window = torch.cat([self.conv_state[slots] * ~fresh[:, None, None], xbc[:, :, None]], dim=-1)
-        self.conv_state[slots] = window[:, :, 1:]
-        conv = (window.float() * self.conv.weight.float()).sum(-1)
+        conv = conv_step(self.conv_state, slots, fresh, xbc, self.conv.weight)
         conv = F.silu(conv if self.conv_bias is None else conv + self._conv_bias())
         x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
         per_group = self.heads // self.groups
