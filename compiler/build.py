@@ -387,12 +387,13 @@ HYBRID_QUANT_METHODS = ("none", "rtn", "gptq")
 
 def _check_hybrid(ctx: _Context) -> None:
     """A hybrid model (Qwen3.5's Gated DeltaNet layers, runtime/models/gated_deltanet.py; Granite 4.0's Mamba-2 layers,
-    runtime/models/mamba2.py) runs on one rank of the torch runtime, dense or with int weights from RTN or GPTQ: the
-    rest is refused by name before any work."""
+    runtime/models/mamba2.py; LFM2's short-conv layers, runtime/models/short_conv.py) runs on one rank of the torch
+    runtime, dense or with int weights from RTN or GPTQ: the rest is refused by name before any work."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_hybrid:
         return
-    name = f"{model.architecture} (a hybrid model with {'Mamba-2' if model.mamba_layers else 'Gated DeltaNet'} layers)"
+    kind = "Mamba-2" if model.mamba_layers else "short-conv" if model.short_conv_layers else "Gated DeltaNet"
+    name = f"{model.architecture} (a hybrid model with {kind} layers)"
     if recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {recipe.target.device}: {name} is not exported to ONNX; use target.device "
                           "cpu or cuda")

@@ -82,6 +82,8 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
         norms |= read_linear_attention(reader, prefix)
     if config.is_mamba_layer(index):
         norms |= read_mamba(reader, spec, prefix, config.mamba_conv_bias)
+    if config.is_short_conv_layer(index):  # LFM2: the short conv's depthwise weight [hidden, 1, L] as [hidden, L]
+        norms["attn.conv"] = reader.get(f"{prefix}conv.conv.weight").float().flatten(1)
     if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
         norms["attn.sinks"] = reader.get(f"{prefix}self_attn.sinks").float()
     if is_moe:

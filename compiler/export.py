@@ -200,8 +200,8 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
                             "(vLLM splits the exported checkpoint itself)")
     model = manifest.model
     if model.is_hybrid:
-        raise ArtifactError(f"{where} architecture {model.architecture}: a hybrid model's Gated DeltaNet or Mamba-2 "
-                            "layers are not exported; serve it with `llmc run`")
+        raise ArtifactError(f"{where} architecture {model.architecture}: a hybrid model's Gated DeltaNet, Mamba-2 "
+                            "or short-conv layers are not exported; serve it with `llmc run`")
     if model.family in ("granitemoe", "granitemoeshared"):
         raise ArtifactError(f"{where} architecture {model.architecture}: Granite MoE's checkpoints store every "
                             "expert of a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), "

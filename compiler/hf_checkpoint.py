@@ -45,6 +45,10 @@ _REFUSED_ARCHITECTURES = {
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
+    "Lfm2MoeForCausalLM": "LFM2-MoE (its sparse feed-forward layers) is not supported; the dense LFM2 "
+                          "(Lfm2ForCausalLM: LFM2-350M / 700M / 1.2B / 2.6B) is",
+    "Lfm2VlForConditionalGeneration": "LFM2-VL (image input) is not supported; the text model LFM2 "
+                                      "(Lfm2ForCausalLM) is",
 }
 
 
@@ -293,6 +297,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _minimax_m2_config(config)
     if spec.family in QWEN3_5_FAMILIES:
         config = _qwen3_5_config(config)
+    if spec.family == "lfm2":
+        config = _lfm2_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -335,6 +341,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
         **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h") else {}),
         **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
+        **(config["_short_conv"] if spec.family == "lfm2" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -1259,6 +1266,44 @@ def _qwen3_5_config(config: dict) -> dict:
     parsed = {**parsed, "architectures": config["architectures"], "rope_parameters": params,
               "eos_token_id": text.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
     return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
+
+
+def _lfm2_config(config: dict) -> dict:
+    """An LFM2 config as transformers' Lfm2Config and its model read it, flat: layer_types (else full_attn_idxs, else
+    every layer attention), tie_embedding and block_ff_dim (the older keys) read by Lfm2Config; rms_norm_eps is
+    norm_eps; `intermediate_size`, the feed-forward's width as Lfm2MLP derives it (block_auto_adjust_ff_dim: int(2 I /
+    3), then, with a block_ffn_dim_multiplier, int(multiplier * that) rounded up to block_multiple_of); no biases in
+    the attention (Lfm2Attention has none); `_short_conv`, the conv layers and conv_L_cache. Refused by name: conv_bias
+    (the short convs' in_proj / conv / out_proj biases), layer kinds other than conv and full_attention, every layer
+    conv (no attention layer)."""
+    from transformers import Lfm2Config
+
+    arch = config["architectures"][0]
+    try:
+        parsed = Lfm2Config(**{k: v for k, v in config.items()
+                               if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{arch}: the config is not one transformers' Lfm2Config reads ({e})") from None
+    if parsed["conv_bias"]:
+        raise CheckpointError(f"{arch}: conv_bias: true is not supported (biases on the conv layers' in_proj, conv and "
+                              "out_proj); published LFM2 checkpoints set it false")
+    layers, kinds = parsed["num_hidden_layers"], parsed["layer_types"]
+    if len(kinds) != layers or not set(kinds) <= {"conv", "full_attention"}:
+        raise CheckpointError(f"{arch}: layer_types {kinds}: one of conv or full_attention per layer ({layers})")
+    if "full_attention" not in kinds:
+        raise CheckpointError(f"{arch}: layer_types {kinds}: every layer conv (no full_attention layer) is not "
+                              "supported; LFM2's checkpoints mix attention layers in")
+    width = parsed["intermediate_size"]
+    if parsed["block_auto_adjust_ff_dim"]:
+        width = int(2 * width / 3)
+        multiplier, multiple = parsed["block_ffn_dim_multiplier"], parsed["block_multiple_of"]
+        if multiplier is not None:
+            width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
+    fields = {"short_conv_layers": [i for i, kind in enumerate(kinds) if kind == "conv"],
+              "short_conv_kernel": parsed["conv_L_cache"]}
+    flat = {k: v for k, v in parsed.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
+    return {**flat, "architectures": [arch], "rms_norm_eps": parsed["norm_eps"], "intermediate_size": width,
+            "attention_bias": False, "hidden_act": "silu", "_short_conv": fields}
 
 
 def _check_qwen3_5_moe(text: dict, arch: str) -> None:

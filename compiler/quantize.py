@@ -175,6 +175,8 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
     if config.mamba_layers:  # a Mamba-2 mixer's (Granite 4.0)
         sizes |= {"attn.mamba_in": config.hidden_size,
                   "attn.mamba_out": config.mamba_num_heads * config.mamba_head_dim}
+    if config.short_conv_layers:  # a short conv's (LFM2)
+        sizes |= {"attn.conv_in": config.hidden_size, "attn.conv_out": config.hidden_size}
     result = {f"layers.{i}.{name}": sizes[name] for i in range(config.num_layers) for name in config.layer_linears(i)}
     return result | {"lm_head": config.hidden_size}
 

@@ -127,11 +127,14 @@ from llmc.schema import opt, parse
 # 1.40: NVIDIA Nemotron-H (family nemotron_h): model.no_mlp_layers (layers that are their attention or Mamba-2 mixer
 #      alone) and no_mixer_layers (an MLP alone: no attention, no KV cache), hidden_act relu2 (mlp.up in place of
 #      mlp.gate_up, no gate); older manifests load without them (every layer both, a gated MLP).
-FORMAT_VERSION = "1.40"
+# 1.41: LFM2 (family lfm2): model.short_conv_layers (gated short-convolution layers with a per-request conv state in
+#      place of attention: their attn.conv_in / attn.conv_out linears and attn.conv tensor; no KV cache) and
+#      short_conv_kernel; older manifests load without them (no short-conv layer).
+FORMAT_VERSION = "1.41"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40")
+                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -142,7 +145,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h"]
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -150,6 +153,7 @@ DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every den
 LINEAR_ATTENTION_LINEARS = ("attn.in_qkvz", "attn.out")
 MAMBA_LINEARS = ("attn.mamba_in", "attn.mamba_out")  # a Mamba-2 layer's (Granite 4.0)
 UP_MLP_LINEARS = ("mlp.up", "mlp.down")  # an MLP without gate's (hidden_act relu2: Nemotron-H)
+SHORT_CONV_LINEARS = ("attn.conv_in", "attn.conv_out")  # a gated short-conv layer's (LFM2: in_proj, out_proj)
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
@@ -335,6 +339,11 @@ class ModelConfig:
     # every layer both
     no_mlp_layers: list[int] = opt([])
     no_mixer_layers: list[int] = opt([])
+    # LFM2 (runtime/models/short_conv.py): these layers run a gated short convolution (in_proj to B, C, x; C times the
+    # causal depthwise conv of short_conv_kernel over B x; out_proj) in place of attention, their conv state [hidden,
+    # short_conv_kernel - 1] per request, and hold no KV cache; empty: no short-conv layer
+    short_conv_layers: list[int] = opt([])
+    short_conv_kernel: int | None = opt(None, min=2)
     # Qwen3-Next / Qwen3.5: q_proj gives each head's q then as many gate rows; the attention's output times
     # sigmoid(gate) before o (attn.qkv is 2 * num_heads * head_dim + 2 * num_kv_heads * head_dim rows)
     attn_output_gate: bool = opt(False)
@@ -415,11 +424,20 @@ class ModelConfig:
                                 f"{self.no_mixer_layers} must be distinct layers of the {self.num_layers} (a layer "
                                 "without a mixer has no linear-attention or Mamba-2 mixer; neither is an MoE layer)")
 
+        if self.short_conv_layers and (self.is_mla or self.short_conv_kernel is None
+                                       or any(not 0 <= i < self.num_layers for i in self.short_conv_layers)
+                                       or set(self.short_conv_layers) & set(self.linear_attention_layers
+                                                                            + self.mamba_layers)):
+            raise ArtifactError(f"model: short_conv_layers {self.short_conv_layers} need layers of the "
+                                f"{self.num_layers} (none a linear-attention or Mamba-2 layer), short_conv_kernel and "
+                                "the q/k/v attention (not MLA)")
+
     @property
     def is_hybrid(self) -> bool:
         """Some layers keep a per-request state in place of attention: a Gated DeltaNet (runtime/models/
-        gated_deltanet.py) or a Mamba-2 mixer (runtime/models/mamba2.py)."""
-        return bool(self.linear_attention_layers or self.mamba_layers)
+        gated_deltanet.py), a Mamba-2 mixer (runtime/models/mamba2.py) or a short conv (LFM2: runtime/models/
+        short_conv.py)."""
+        return bool(self.linear_attention_layers or self.mamba_layers or self.short_conv_layers)
 
     def is_linear_attention_layer(self, index: int) -> bool:
         return index in self.linear_attention_layers
@@ -427,9 +445,12 @@ class ModelConfig:
     def is_mamba_layer(self, index: int) -> bool:
         return index in self.mamba_layers
 
+    def is_short_conv_layer(self, index: int) -> bool:
+        return index in self.short_conv_layers
+
     def is_state_layer(self, index: int) -> bool:
         """Layer `index` keeps a per-request state in place of attention (and no KV cache)."""
-        return index in self.linear_attention_layers or index in self.mamba_layers
+        return index in self.linear_attention_layers or index in self.mamba_layers or index in self.short_conv_layers
 
     def has_mixer(self, index: int) -> bool:
         """Layer `index` has its attention (or linear-attention, Mamba-2) sub-layer: all but no_mixer_layers."""
@@ -450,7 +471,8 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> list[int]:
-        """The layers that hold a KV cache: all but the linear-attention and Mamba-2 ones and the MLPs alone."""
+        """The layers that hold a KV cache: all but the linear-attention, Mamba-2 and short-conv ones and the MLPs
+        alone."""
         return [i for i in range(self.num_layers) if self.holds_kv(i)]
 
     @property
@@ -548,6 +570,8 @@ class ModelConfig:
             attention = LINEAR_ATTENTION_LINEARS
         elif self.is_mamba_layer(index):
             attention = MAMBA_LINEARS
+        elif self.is_short_conv_layer(index):
+            attention = SHORT_CONV_LINEARS
         elif self.is_mla:
             attention = MLA_LORA_Q_LINEARS if self.q_lora_rank else MLA_LINEARS
         if not self.has_mixer(index):
@@ -598,6 +622,9 @@ class ModelConfig:
         # Nemotron-H's single-mixer layers: one norm each, the other sub-layer absent
         layers -= len(self.no_mlp_layers) * (mlp + self.hidden_size) + len(self.no_mixer_layers) * (
             attn + qk_norms + self.hidden_size)
+        if self.short_conv_layers:  # LFM2's conv layers: in_proj [3 hidden, hidden], the conv, out_proj
+            conv = self.hidden_size * (4 * self.hidden_size + self.short_conv_kernel)
+            layers += len(self.short_conv_layers) * (conv - attn - qk_norms)
         return embed + layers + self.hidden_size + lm_head
 
     @property

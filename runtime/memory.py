@@ -370,19 +370,22 @@ def linear_state_bytes_per_slot(model: ModelConfig) -> int:
     """A hybrid model's states of one request slot (runtime/models/gated_deltanet.py): each linear-attention layer's
     conv state [conv_dim, kernel - 1] in the model dtype and recurrent state [value heads, key dim, value dim] in
     float32; each Mamba-2 layer's (runtime/models/mamba2.py) conv state [conv_dim, kernel - 1] and SSM state [heads,
-    head_dim, d_state] in float32; the runner holds max_num_seqs + 1 slots. 0 for other models."""
+    head_dim, d_state] in float32; each short-conv layer's (LFM2, runtime/models/short_conv.py) conv state [hidden,
+    kernel - 1] in the model dtype; the runner holds max_num_seqs + 1 slots. 0 for other models."""
     if not model.is_hybrid:
         return 0
-    mamba = len(model.mamba_layers) and len(model.mamba_layers) * (  # Granite 4.0's Mamba-2 layers: conv and SSM
+    others = len(model.mamba_layers) and len(model.mamba_layers) * (  # Granite 4.0's Mamba-2 layers: conv and SSM
         model.mamba_conv_dim * (model.mamba_conv_kernel - 1) * dtype_num_bytes(model.dtype)
         + model.mamba_num_heads * model.mamba_head_dim * model.mamba_d_state * 4)
+    others += len(model.short_conv_layers) and len(model.short_conv_layers) * (  # LFM2's short convs: conv only
+        model.hidden_size * (model.short_conv_kernel - 1) * dtype_num_bytes(model.dtype))
     if not model.linear_attention_layers:
-        return mamba
+        return others
     conv_dim = 2 * model.linear_num_key_heads * model.linear_key_head_dim + (
         model.linear_num_value_heads * model.linear_value_head_dim)
     per_layer = (conv_dim * (model.linear_conv_kernel_dim - 1) * dtype_num_bytes(model.dtype)
                  + model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * 4)
-    return len(model.linear_attention_layers) * per_layer + mamba
+    return len(model.linear_attention_layers) * per_layer + others
 
 
 def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,

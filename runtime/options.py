@@ -93,7 +93,7 @@ def hybrid_options(model: art.ModelConfig, options: art.RuntimeDefaults, overrid
     gated_deltanet.py): what does not keep that state right is refused by name; prefix caching is off by default, as
     vLLM turns it off for hybrid models without its mamba prefix caching (a cached prefix has KV, not the state after
     it), refused where asked for."""
-    kind = "Mamba-2" if model.mamba_layers else "linear-attention"
+    kind = "Mamba-2" if model.mamba_layers else "short-conv" if model.short_conv_layers else "linear-attention"
     name = f"{model.architecture} (a hybrid model: its {kind} layers keep a recurrent state per request)"
     if overrides.get("enable_prefix_caching"):
         raise ConfigError(f"enable_prefix_caching: {name} has no prefix caching (a cached prefix holds KV, not the "

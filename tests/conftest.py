@@ -353,6 +353,13 @@ _FAMILY_SPECS["nemotron_h"] = ("NemotronHConfig", {
     "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
     "chunk_size": 8})
 
+# LFM2 (tests/runtime/test_lfm2.py): layers conv / full_attention / conv, the short conv of 3 taps (conv_L_cache), the
+# attention GQA 4/2 with per-head q/k norms; the feed-forward int(2 * 128 / 3) = 85 wide, times 1.5 = 127, rounded up to
+# 128 (block_multiple_of 32); LFM2's norm_eps (it reads no rms_norm_eps)
+_FAMILY_SPECS["lfm2"] = ("Lfm2Config", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
+                                        "conv_L_cache": 3, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.5,
+                                        "norm_eps": 1e-5})
+
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
 # residual stream has rms ~4 after layer 0, attention entropy is ~1.5 nats against ~3 for uniform
@@ -374,7 +381,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
                                                                        "qwen3_next", "granitemoehybrid", "bamba",
-                                                                       "nemotron_h"))
+                                                                       "nemotron_h", "lfm2"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -410,7 +417,7 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_((0.05 + 0.45 * torch.rand(p.shape, generator=gen)).log())
         elif name.endswith(("mamba.D", "mixer.D")):  # a Mamba-2 layer's skip weight per head [heads]
             p.copy_(randn_like(p))
-        elif name.endswith("conv1d.weight"):  # its depthwise conv [channels, 1, kernel]
+        elif name.endswith(("conv1d.weight", "conv.conv.weight")):  # a depthwise conv [channels, 1, kernel] (LFM2's)
             p.copy_(0.5 * randn_like(p))
         elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits of the scores' size
             p.copy_(randn_like(p))

@@ -36,6 +36,7 @@ from llmc.runtime.models.gated_deltanet import GatedDeltaNet
 from llmc.runtime.models.mamba2 import Mamba2
 from llmc.runtime.models.mla import MLAttention
 from llmc.runtime.models.moe import ExpertLinears, MoE
+from llmc.runtime.models.short_conv import ShortConv
 from llmc.runtime.parallel.layout import RankLayout, holds_row_bias, whole_model_layout
 
 logger = logging.getLogger("llmc")
@@ -228,7 +229,8 @@ class DecoderLayer(nn.Module):
         self.has_mixer, self.has_mlp = config.has_mixer(index), config.has_mlp(index)
         self.holds_kv = config.holds_kv(index)
         # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache); Granite 4.0's
-        # Mamba-2 layers: a Mamba-2 mixer there (the same: a per-request state in slots, gated_deltanet NOTE)
+        # Mamba-2 layers: a Mamba-2 mixer there; LFM2's conv layers: a gated short conv there (the same: a per-request
+        # state in slots, gated_deltanet NOTE)
         self.is_state_layer = config.is_state_layer(index)
         if not self.has_mixer:
             self.attn = None
@@ -236,6 +238,8 @@ class DecoderLayer(nn.Module):
             self.attn = GatedDeltaNet(config, formats, index, dtype)
         elif config.is_mamba_layer(index):
             self.attn = Mamba2(config, formats, index, dtype)
+        elif config.is_short_conv_layer(index):
+            self.attn = ShortConv(config, formats, index, dtype)
         else:
             self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
@@ -475,9 +479,9 @@ class DecoderModel(nn.Module):
         logger.info("int and FP8 weights dequantized once for the CPU: %.1f MiB in %s (an onnx-cpu build keeps them "
                     "packed)", dense_bytes / 2**20, self.config.dtype)
 
-    def state_layers(self) -> list[GatedDeltaNet | Mamba2]:
-        """This rank's layers with a per-request state (Qwen3.5's Gated DeltaNets, Granite 4.0's Mamba-2 mixers), in
-        layer order; [] for any other model."""
+    def state_layers(self) -> list[GatedDeltaNet | Mamba2 | ShortConv]:
+        """This rank's layers with a per-request state (Qwen3.5's Gated DeltaNets, Granite 4.0's Mamba-2 mixers, LFM2's
+        short convs), in layer order; [] for any other model."""
         return [layer.attn for layer in self.layers.values() if layer.is_state_layer]
 
     def bind_states(self, num_slots: int, device: torch.device) -> int:

@@ -125,6 +125,8 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
         return config.is_linear_attention_layer(index)
     if linear.name in ("attn.mamba_in", "attn.mamba_out"):  # a Mamba-2 mixer's (Granite 4.0), in its layers only
         return config.is_mamba_layer(index)
+    if linear.name in ("attn.conv_in", "attn.conv_out"):  # a short conv's (LFM2), in its layers only
+        return config.is_short_conv_layer(index)
     if linear.name in ("attn.qkv", "attn.o") and config.is_state_layer(index):
         return False
     if linear.name in ("attn.q", "attn.q_a", "attn.q_b"):
@@ -143,7 +145,8 @@ def float32_norms(config) -> tuple[str, ...]:
     is computed in float32); a Mamba-2 mixer's A_log, dt_bias and D (Granite 4.0, the same)."""
     return (("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()) + (
         ("attn.sinks",) if config.attention_sinks else ()) + (
-        ("attn.A_log", "attn.dt_bias") if config.is_hybrid else ()) + (("attn.D",) if config.mamba_layers else ())
+        ("attn.A_log", "attn.dt_bias") if config.linear_attention_layers or config.mamba_layers else ()) + (
+        ("attn.D",) if config.mamba_layers else ())
 
 
 def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
@@ -181,6 +184,8 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
         width = config.mamba_num_heads * config.mamba_head_dim
         parts |= {"attn.mamba_in": [width + config.mamba_conv_dim + config.mamba_num_heads],
                   "attn.mamba_out": [config.hidden_size]}
+    if config.short_conv_layers:  # B, C, x
+        parts |= {"attn.conv_in": [3 * config.hidden_size], "attn.conv_out": [config.hidden_size]}
     if config.is_mla:
         parts |= {"attn.q": [q], "attn.q_a": [config.q_lora_rank], "attn.q_b": [q],
                   "attn.kv_a": [config.kv_lora_rank + config.qk_rope_head_dim],

@@ -47,8 +47,9 @@ def write_config(source, dest, **changes):
 
 def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
-    GraniteForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM with their Mamba-2 layers' dense tensors; the
-    q/k rows as the artifact holds them, a permuted rotary not undone): each linear dequantized
+    GraniteForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM with their Mamba-2 layers' dense tensors,
+    Lfm2ForCausalLM with its conv layers'; the q/k rows as the artifact holds them, a permuted rotary not undone): each
+    linear dequantized
     by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
@@ -81,6 +82,12 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
                                     [model["intermediate_size"]] * 2), "mlp.down": (["feed_forward.down_proj"], None)}
     if model.get("mamba_layers"):
         members |= {"attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
+    dense = MAMBA_DENSE
+    if model["family"] == "lfm2":  # LFM2's names: out_proj, feed_forward.w1 / w3 / w2, its conv layers' conv.*
+        members |= {"attn.o": (["self_attn.out_proj"], None), "mlp.down": (["feed_forward.w2"], None),
+                    "mlp.gate_up": (["feed_forward.w1", "feed_forward.w3"], [model["intermediate_size"]] * 2),
+                    "attn.conv_in": (["conv.in_proj"], None), "attn.conv_out": (["conv.out_proj"], None)}
+        dense = {"attn.conv": "conv.conv.weight"}
     embed, final, mamba = "model.embed_tokens.weight", spec.global_tensors["norm.weight"], "mamba."
     if model["family"] == "nemotron_h":  # every block's module is its `mixer`: the spec's members
         from llmc.runtime.artifact import read_manifest
@@ -96,8 +103,9 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
         state["lm_head.weight"] = tensors["lm_head.weight"].float()
     for i in range(model["num_layers"]):
         for runtime, hf in norms.items():
-            state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
-        for runtime, hf in MAMBA_DENSE.items():  # (a Mamba-2 layer's: Granite 4.0)
+            if f"layers.{i}.{runtime}.weight" in tensors:  # (LFM2's conv layers have no q/k norms)
+                state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
+        for runtime, hf in dense.items():  # (a Mamba-2 layer's: Granite 4.0; a short conv's: LFM2)
             if f"layers.{i}.{runtime}.weight" in tensors:
                 weight = tensors[f"layers.{i}.{runtime}.weight"].float()
                 state[f"model.layers.{i}.{hf.replace('mamba.', mamba)}"] = (
