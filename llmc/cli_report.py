@@ -319,6 +319,9 @@ def _attention_text(m: dict) -> str:
     if m.get("linear_attention_layers"):  # Qwen3.5 (runtime/models/gated_deltanet.py)
         parts.append(f"Gated DeltaNet on {len(m['linear_attention_layers'])} of {m['num_layers']} layers (a state per "
                      f"request, no KV), gated attention on the others")
+    if m.get("short_conv_layers"):  # LFM2 (runtime/models/short_conv.py)
+        parts.append(f"gated short conv of {m['short_conv_kernel']} taps on {len(m['short_conv_layers'])} of "
+                     f"{m['num_layers']} layers (a conv state per request, no KV)")
     if m.get("rotary_dim") and m["rotary_dim"] != m["head_dim"]:
         parts.append(f"rotary on {m['rotary_dim']} of {m['head_dim']} dims")
     if m.get("rotary_interleaved"):

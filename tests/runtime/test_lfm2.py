@@ -8,6 +8,7 @@ that takes the slot next starts from zero state) (Qwen3.5's tests on this model)
 out_proj quantized, the conv dense) against transformers holding their dequantized weights; the feed-forward's width
 and the parameter count of published-style configs; the refusals; -m gpu: CUDA (written, not run here)."""
 
+import dataclasses
 import os
 
 if not __import__("torch").cuda.is_available():
@@ -16,6 +17,7 @@ if not __import__("torch").cuda.is_available():
 import pytest
 import torch
 
+from llmc.cli_report import _attention_text
 from llmc.compiler.export import export_artifact
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
@@ -44,13 +46,14 @@ def artifact(checkpoint, tmp_path_factory):
 @torch.inference_mode()
 def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
     """Logits over 40 positions prefilled in chunks of 16 (1e-4), greedy tokens of 3 prompts on 2 seats and their
-    logprobs as transformers'; the manifest's conv layers, kernel, feed-forward width, norm eps; one KV cache (the
-    attention layer's); a conv state [hidden, 2] per slot."""
+    logprobs as transformers'; the manifest's conv layers, kernel, feed-forward width, norm eps (and what `llmc
+    inspect` says of them); one KV cache (the attention layer's); a conv state [hidden, 2] per slot."""
     manifest = read_manifest(artifact)
     m = manifest.model
     assert manifest.format_version == FORMAT_VERSION == "1.39"
     assert (m.family, m.short_conv_layers, m.short_conv_kernel, m.kv_layers, m.intermediate_size, m.qk_norm,
             m.rms_norm_eps) == ("lfm2", [0, 2], 3, [1], 128, True, 1e-5)
+    assert "gated short conv of 3 taps on 2 of 3 layers" in _attention_text(dataclasses.asdict(m))  # (llmc inspect)
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode)
         runner = llm.engine.runner
