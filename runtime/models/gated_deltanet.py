@@ -2,8 +2,8 @@
 
 NOTE (state slots): a request's state is its conv state [conv_dim, kernel - 1] (the last inputs of the causal
 depthwise conv) and its recurrent state [value heads, key dim, value dim] (float32) in every DeltaNet layer (and in
-Granite 4.0's Mamba-2 layers, runtime/models/mamba2.py, their conv and SSM states: each layer kind binds its own
-tensors), kept in tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
+Granite 4.0's Mamba-2 layers, runtime/models/mamba2.py, their conv and SSM states; in LFM2's short convs,
+runtime/models/short_conv.py, a conv state alone: each layer kind binds its own tensors), kept in tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
 persistent-batch row (`Request.batch_row`, `ForwardBatch.state_slots`): taken when it is first scheduled, given
 back when it finishes, is aborted or is preempted, as vLLM's mamba cache hands out one slot per running request. A
 sequence whose chunk starts at position 0 (a new prompt, or a re-prefill after preemption by recompute) starts from
