@@ -45,8 +45,6 @@ _REFUSED_ARCHITECTURES = {
     "ExaoneForCausalLM": "EXAONE 3 / 3.5 (remote code) is not supported; EXAONE 4.0 (Exaone4ForCausalLM) is",
     "Ernie4_5_ForCausalLM": "ERNIE 4.5's remote-code checkpoints (Ernie4_5_ForCausalLM) are not supported; the "
                             "transformers-native ones (Ernie4_5ForCausalLM, baidu/ERNIE-4.5-*-PT) are",
-    "Lfm2MoeForCausalLM": "LFM2-MoE (its sparse feed-forward layers) is not supported; the dense LFM2 "
-                          "(Lfm2ForCausalLM: LFM2-350M / 700M / 1.2B / 2.6B) is",
     "Lfm2VlForConditionalGeneration": "LFM2-VL (image input) is not supported; the text model LFM2 "
                                       "(Lfm2ForCausalLM) is",
 }
@@ -297,7 +295,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _minimax_m2_config(config)
     if spec.family in QWEN3_5_FAMILIES:
         config = _qwen3_5_config(config)
-    if spec.family == "lfm2":
+    if spec.family in LFM2_FAMILIES:
         config = _lfm2_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
@@ -341,7 +339,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
         **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h") else {}),
         **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
-        **(config["_short_conv"] if spec.family == "lfm2" else {}),
+        **(config["_lfm2"] if spec.family in LFM2_FAMILIES else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -827,7 +825,7 @@ def _columns(tensor: torch.Tensor, start: int, stop: int | None) -> torch.Tensor
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # routed by moe.deepseek_route (their own MoE fields)
-DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "lfm2_moe")
 
 
 def _deepseek_config(config: dict, family: str) -> dict:
@@ -1268,22 +1266,31 @@ def _qwen3_5_config(config: dict) -> dict:
     return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
 
 
+LFM2_FAMILIES = ("lfm2", "lfm2_moe")
+
+
 def _lfm2_config(config: dict) -> dict:
-    """An LFM2 config as transformers' Lfm2Config and its model read it, flat: layer_types (else full_attn_idxs, else
-    every layer attention), tie_embedding and block_ff_dim (the older keys) read by Lfm2Config; rms_norm_eps is
-    norm_eps; `intermediate_size`, the feed-forward's width as Lfm2MLP derives it (block_auto_adjust_ff_dim: int(2 I /
-    3), then, with a block_ffn_dim_multiplier, int(multiplier * that) rounded up to block_multiple_of); no biases in
-    the attention (Lfm2Attention has none); `_short_conv`, the conv layers and conv_L_cache. Refused by name: conv_bias
-    (the short convs' in_proj / conv / out_proj biases), layer kinds other than conv and full_attention, every layer
-    conv (no attention layer)."""
-    from transformers import Lfm2Config
+    """An LFM2 config as transformers' Lfm2Config (LFM2-MoE: Lfm2MoeConfig) and its model read it, flat: layer_types
+    (else full_attn_idxs, else every layer attention; LFM2-MoE: layer_types needed), tie_embedding and block_ff_dim
+    (the older keys) read by Lfm2Config; rms_norm_eps is norm_eps; `intermediate_size`, the feed-forward's width as
+    Lfm2MLP derives it (block_auto_adjust_ff_dim: int(2 I / 3), then, with a block_ffn_dim_multiplier, int(multiplier *
+    that) rounded up to block_multiple_of; LFM2-MoE's dense layers read intermediate_size as it is); no biases in the
+    attention (Lfm2Attention has none); `_lfm2`, the conv layers and conv_L_cache (LFM2-MoE: and its MoE fields,
+    _lfm2_moe_fields). Refused by name: conv_bias (the short convs' in_proj / conv / out_proj biases), layer kinds
+    other than conv and full_attention, every layer conv (no attention layer)."""
+    from transformers import Lfm2Config, Lfm2MoeConfig
 
     arch = config["architectures"][0]
+    moe = arch == "Lfm2MoeForCausalLM"
+    reader = Lfm2MoeConfig if moe else Lfm2Config
+    if moe and config.get("layer_types") is None:
+        raise CheckpointError(f"{arch}: layer_types is needed (one of conv or full_attention per layer; "
+                              "transformers' LFM2-MoE reads no full_attn_idxs)")
     try:
-        parsed = Lfm2Config(**{k: v for k, v in config.items()
-                               if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
+        parsed = reader(**{k: v for k, v in config.items()
+                           if k not in ("architectures", "model_type", "transformers_version")}).to_dict()
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{arch}: the config is not one transformers' Lfm2Config reads ({e})") from None
+        raise CheckpointError(f"{arch}: the config is not one transformers' {reader.__name__} reads ({e})") from None
     if parsed["conv_bias"]:
         raise CheckpointError(f"{arch}: conv_bias: true is not supported (biases on the conv layers' in_proj, conv and "
                               "out_proj); published LFM2 checkpoints set it false")
@@ -1294,16 +1301,33 @@ def _lfm2_config(config: dict) -> dict:
         raise CheckpointError(f"{arch}: layer_types {kinds}: every layer conv (no full_attention layer) is not "
                               "supported; LFM2's checkpoints mix attention layers in")
     width = parsed["intermediate_size"]
-    if parsed["block_auto_adjust_ff_dim"]:
+    if not moe and parsed["block_auto_adjust_ff_dim"]:
         width = int(2 * width / 3)
         multiplier, multiple = parsed["block_ffn_dim_multiplier"], parsed["block_multiple_of"]
         if multiplier is not None:
             width = multiple * ((int(multiplier * width) + multiple - 1) // multiple)
     fields = {"short_conv_layers": [i for i, kind in enumerate(kinds) if kind == "conv"],
-              "short_conv_kernel": parsed["conv_L_cache"]}
+              "short_conv_kernel": parsed["conv_L_cache"], **(_lfm2_moe_fields(parsed, arch) if moe else {})}
     flat = {k: v for k, v in parsed.items() if k not in ("layer_types", "rope_scaling", "rope_theta")}
     return {**flat, "architectures": [arch], "rms_norm_eps": parsed["norm_eps"], "intermediate_size": width,
-            "attention_bias": False, "hidden_act": "silu", "_short_conv": fields}
+            "attention_bias": False, "hidden_act": "silu", "_lfm2": fields}
+
+
+def _lfm2_moe_fields(parsed: dict, arch: str) -> dict:
+    """LFM2-MoE's MoE fields (Lfm2MoeConfig's, parsed): layers from num_dense_layers on sparse, each num_experts of
+    moe_intermediate_size, DeepSeek-V3's sigmoid router with its score bias (expert_bias) and no groups, renormalised
+    where norm_topk_prob, times routed_scaling_factor. Refused by name: use_expert_bias false, no sparse layer."""
+    if not parsed["use_expert_bias"]:
+        raise CheckpointError(f"{arch}: use_expert_bias false is not supported (the runtime's sigmoid router always "
+                              "chooses with a score bias); published LFM2-MoE checkpoints set it true")
+    layers, dense = parsed["num_hidden_layers"], parsed["num_dense_layers"]
+    if not 0 <= dense < layers:
+        raise CheckpointError(f"{arch}: num_dense_layers {dense}: needs 0 up to num_hidden_layers - 1 ({layers - 1}); "
+                              "with no sparse layer it is the dense LFM2 (Lfm2ForCausalLM)")
+    return {"num_experts": parsed["num_experts"], "num_experts_per_tok": parsed["num_experts_per_tok"],
+            "moe_intermediate_size": parsed["moe_intermediate_size"], "norm_topk_prob": bool(parsed["norm_topk_prob"]),
+            "moe_layers": list(range(dense, layers)), "router_scoring": "sigmoid",
+            "routed_scaling_factor": float(parsed["routed_scaling_factor"])}
 
 
 def _check_qwen3_5_moe(text: dict, arch: str) -> None:

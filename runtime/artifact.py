@@ -127,7 +127,7 @@ from llmc.schema import opt, parse
 # 1.40: NVIDIA Nemotron-H (family nemotron_h): model.no_mlp_layers (layers that are their attention or Mamba-2 mixer
 #      alone) and no_mixer_layers (an MLP alone: no attention, no KV cache), hidden_act relu2 (mlp.up in place of
 #      mlp.gate_up, no gate); older manifests load without them (every layer both, a gated MLP).
-# 1.41: LFM2 (family lfm2): model.short_conv_layers (gated short-convolution layers with a per-request conv state in
+# 1.41: LFM2 (family lfm2; LFM2-MoE, family lfm2_moe, with DeepSeek-V3's router fields): model.short_conv_layers (gated short-convolution layers with a per-request conv state in
 #      place of attention: their attn.conv_in / attn.conv_out linears and attn.conv tensor; no KV cache) and
 #      short_conv_kernel; older manifests load without them (no short-conv layer).
 FORMAT_VERSION = "1.41"
@@ -145,7 +145,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2"]
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -486,10 +486,11 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's, GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's and MiniMax-M2's router weight (and their score bias
-        where they have one) is held and run in float32, as transformers keeps it (MiniMax-M2's: as vLLM does), and
-        routes by `deepseek_route`."""
-        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2")
+        """DeepSeek's, GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's, MiniMax-M2's and LFM2-MoE's router weight (and their
+        score bias where they have one) is held and run in float32, as transformers keeps it (MiniMax-M2's: as vLLM
+        does; LFM2-MoE's: as MiniMax-M2's), and routes by `deepseek_route`."""
+        return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2",
+                               "lfm2_moe")
 
     @property
     def router_score_bias(self) -> bool:

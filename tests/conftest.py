@@ -359,6 +359,13 @@ _FAMILY_SPECS["nemotron_h"] = ("NemotronHConfig", {
 _FAMILY_SPECS["lfm2"] = ("Lfm2Config", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"],
                                         "conv_L_cache": 3, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.5,
                                         "norm_eps": 1e-5})
+# LFM2-MoE (tests/runtime/test_lfm2.py): LFM2's layers and sizes, layer 0's feed-forward dense (num_dense_layers 1;
+# intermediate_size 128 as it is), layers 1 and 2 8 experts of width 32, top 2 of a sigmoid router chosen with
+# expert_bias (a buffer: the test writes random values), renormalised, times 1.5
+_FAMILY_SPECS["lfm2_moe"] = ("Lfm2MoeConfig", {
+    "num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"], "conv_L_cache": 3, "norm_eps": 1e-5,
+    "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "routed_scaling_factor": 1.5, "norm_topk_prob": True, "use_expert_bias": True})
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
@@ -381,7 +388,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
                                                                        "qwen3_next", "granitemoehybrid", "bamba",
-                                                                       "nemotron_h", "lfm2"))
+                                                                       "nemotron_h", "lfm2",
+                                                                       "lfm2_moe"))
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}

@@ -12,7 +12,8 @@ SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, m
                                 cohere.SPEC, cohere.SPEC2, gpt_oss.SPEC, glm4_moe.SPEC, smollm3.SPEC, exaone4.SPEC,
                                 seed_oss.SPEC, ernie4_5.SPEC, dots1.SPEC, ernie4_5_moe.SPEC,
                                 ministral3.SPEC, llama4.SPEC, minimax_m2.SPEC, qwen3_5.SPEC, qwen3_5_moe.SPEC,
-                                qwen3_next.SPEC, granitemoehybrid.SPEC, bamba.SPEC, nemotron_h.SPEC, lfm2.SPEC)
+                                qwen3_next.SPEC, granitemoehybrid.SPEC, bamba.SPEC, nemotron_h.SPEC, lfm2.SPEC,
+                                lfm2.MOE_SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:

@@ -5,9 +5,15 @@ out_proj, or ("conv" layers, ModelConfig.short_conv_layers) a gated short convol
 (runtime/models/short_conv.py: conv.in_proj / conv.out_proj as attn.conv_in / attn.conv_out, quantizable; conv.conv
 dense), its conv state in slots as Qwen3.5's DeltaNet's. The final norm is model.embedding_norm (transformers applies
 it after the last layer, whatever its name). The feed-forward's width is derived from intermediate_size
-(compiler/hf_checkpoint._lfm2_config)."""
+(compiler/hf_checkpoint._lfm2_config).
 
-from llmc.runtime.models.spec import LLAMA_GLOBALS, FusedLinear, ModelSpec
+LFM2-MoE (Lfm2MoeForCausalLM, model_type lfm2_moe: LFM2-8B-A1B) is the same decoder with its first num_dense_layers
+feed-forwards dense (intermediate_size wide, not derived) and the rest a mixture of experts stored as Mixtral's
+(feed_forward.gate, feed_forward.experts.{e}.w1 / w3 / w2) whose router is DeepSeek-V3's without groups
+(moe.deepseek_route): sigmoid scores, the top-k chosen with feed_forward.expert_bias, weighted by the scores without
+it, renormalised where norm_topk_prob, times routed_scaling_factor; no shared expert."""
+
+from llmc.runtime.models.spec import LLAMA_GLOBALS, FusedLinear, ModelSpec, MoeSpec
 
 SHORT_CONV = (  # a conv layer's linears, in its layers only (runtime/models/short_conv.py)
     FusedLinear("attn.conv_in", ("conv.in_proj",), "column", "input_norm"),
@@ -28,4 +34,16 @@ SPEC = ModelSpec(
     layer_norms={"input_norm": "operator_norm", "post_attn_norm": "ffn_norm"},
     qk_norms={"attn.q_norm": "self_attn.q_layernorm", "attn.k_norm": "self_attn.k_layernorm"},
     global_tensors={**LLAMA_GLOBALS, "norm.weight": "model.embedding_norm.weight"},
+)
+
+MOE_SPEC = ModelSpec(
+    family="lfm2_moe",
+    architectures=("Lfm2MoeForCausalLM",),
+    model_types=("lfm2_moe",),
+    layer_linears=SPEC.layer_linears,
+    layer_norms=SPEC.layer_norms,
+    qk_norms=SPEC.qk_norms,
+    global_tensors=SPEC.global_tensors,
+    moe=MoeSpec(router="feed_forward.gate", expert_prefix="feed_forward.experts.{}.", gate="w1", up="w3", down="w2",
+                score_bias="feed_forward.expert_bias"),
 )

@@ -48,8 +48,8 @@ def write_config(source, dest, **changes):
 def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
     GraniteForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM with their Mamba-2 layers' dense tensors,
-    Lfm2ForCausalLM with its conv layers'; the q/k rows as the artifact holds them, a permuted rotary not undone): each
-    linear dequantized
+    Lfm2ForCausalLM with its conv layers', Lfm2MoeForCausalLM with its router and stacked experts; the q/k rows as the
+    artifact holds them, a permuted rotary not undone): each linear dequantized
     by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
@@ -83,11 +83,12 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     if model.get("mamba_layers"):
         members |= {"attn.mamba_in": (["mamba.in_proj"], None), "attn.mamba_out": (["mamba.out_proj"], None)}
     dense = MAMBA_DENSE
-    if model["family"] == "lfm2":  # LFM2's names: out_proj, feed_forward.w1 / w3 / w2, its conv layers' conv.*
+    if model["family"] in ("lfm2", "lfm2_moe"):  # LFM2's names: out_proj, feed_forward.w1 / w3 / w2, conv.*
         members |= {"attn.o": (["self_attn.out_proj"], None), "mlp.down": (["feed_forward.w2"], None),
                     "mlp.gate_up": (["feed_forward.w1", "feed_forward.w3"], [model["intermediate_size"]] * 2),
                     "attn.conv_in": (["conv.in_proj"], None), "attn.conv_out": (["conv.out_proj"], None)}
-        dense = {"attn.conv": "conv.conv.weight"}
+        dense = {"attn.conv": "conv.conv.weight", "moe.gate": "feed_forward.gate.weight",
+                 "moe.gate_bias": "feed_forward.expert_bias"}  # (and LFM2-MoE's router)
     embed, final, mamba = "model.embed_tokens.weight", spec.global_tensors["norm.weight"], "mamba."
     if model["family"] == "nemotron_h":  # every block's module is its `mixer`: the spec's members
         from llmc.runtime.artifact import read_manifest
@@ -118,9 +119,12 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
             weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
             for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
                 state[f"model.layers.{i}.{name}.weight"] = part / unfold.get(runtime, 1.0)
-        if i in model.get("moe_layers", []):  # Granite 4.0's experts (transformers' in-memory names), down unfolded
-            prefix, moe = f"model.layers.{i}.block_sparse_moe.", f"layers.{i}.moe."
-            state[prefix + "router.weight"] = tensors[moe + "gate.weight"].float()
+        if model["family"] in ("granitemoehybrid", "lfm2_moe") and i in model.get("moe_layers", []):
+            # the experts stacked as transformers holds them (in-memory names), down unfolded (Granite 4.0's)
+            lfm2 = model["family"] == "lfm2_moe"
+            prefix, moe = f"model.layers.{i}.{'feed_forward' if lfm2 else 'block_sparse_moe'}.", f"layers.{i}.moe."
+            if not lfm2:  # (LFM2-MoE's router and its bias: `dense`)
+                state[prefix + "router.weight"] = tensors[moe + "gate.weight"].float()
             for projection, theirs, scale in (("gate_up", "gate_up_proj", 1.0), ("down", "down_proj", residual)):
                 params = {k.removeprefix(f"{moe}experts.{projection}."): v for k, v in tensors.items()
                           if k.startswith(f"{moe}experts.{projection}.")}

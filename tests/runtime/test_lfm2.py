@@ -6,7 +6,8 @@ greedy tokens and logprobs of prompts batched on fewer seats than prompts, also 
 tokens under preemption by recompute (a tiny KV cache) and in chunks of 5; n = 2 and an abort mid-stream (the request
 that takes the slot next starts from zero state) (Qwen3.5's tests on this model); RTN and GPTQ W4 builds (in_proj and
 out_proj quantized, the conv dense) against transformers holding their dequantized weights; the feed-forward's width
-and the parameter count of published-style configs; the refusals; -m gpu: CUDA (written, not run here)."""
+and the parameter count of published-style configs; the refusals; -m gpu: CUDA (written, not run here) (LFM2-MoE:
+tests/runtime/test_lfm2_moe.py)."""
 
 import dataclasses
 import os
@@ -137,14 +138,13 @@ def test_configs_read_as_transformers_reads_them(keys):
 
 def test_what_lfm2_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
-    an ONNX target, tensor parallel, FP8; LFM2's conv biases, every layer conv, another layer kind; LFM2-MoE and
-    LFM2-VL checkpoints; `llmc export`."""
+    an ONNX target, tensor parallel, FP8; LFM2's conv biases, every layer conv, another layer kind; LFM2-VL
+    checkpoints; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "Lfm2ForCausalLM")
     refused(CheckpointError, "conv_bias: true is not supported", conv_bias=True)
     refused(CheckpointError, "every layer conv .* is not supported", layer_types=["conv"] * 3)
     refused(CheckpointError, "one of conv or full_attention per layer",
             layer_types=["conv", "sliding_attention", "conv"])
-    refused(CheckpointError, "Lfm2MoeForCausalLM: LFM2-MoE .* is not supported", architectures=["Lfm2MoeForCausalLM"])
     refused(CheckpointError, "Lfm2VlForConditionalGeneration: LFM2-VL .* is not supported",
             architectures=["Lfm2VlForConditionalGeneration"])
     with pytest.raises(ArtifactError, match="cannot export architecture Lfm2ForCausalLM: a hybrid model"):
@@ -158,6 +158,11 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
     """The float32 artifact on CUDA (Triton attention in the attention layer, the short convs in torch ops; decode steps
     replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits (2e-3), greedy tokens
     and logprobs."""
+    check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
+
+
+def check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
+    """test_on_the_gpu's checks of `artifact` (LFM2-MoE's test runs them too)."""
     for eager in (False, True):
         with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
                  enforce_eager=eager) as llm:
