@@ -27,7 +27,7 @@ from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import check_hybrid_refusals
+from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_preemption_and_short_chunks_keep_transformers_tokens as qwen_preemption
@@ -169,3 +169,7 @@ def check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode):
             runner = llm.engine.runner
             _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, tolerance=2e-3)
             assert eager or runner.graphs.num_replays > 0
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)

@@ -21,6 +21,7 @@ from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts, write_config
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_lfm2 import check_on_the_gpu
+from tests.runtime.test_qwen3_5 import check_memory_profile_forward
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +116,7 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
     """LFM2's GPU case on this model (the experts on the fused MoE kernel where the GPU runs it): transformers' logits
     (2e-3), greedy tokens and logprobs, with decode graphs and eager."""
     check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)
