@@ -264,6 +264,11 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     if spec.moe and spec.moe.fused and recipe.quantization.method == "import":  # (Granite MoE: refused above too)
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} (its "
                               "fused experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
+    if spec.family in ("glm4_moe_lite", "mistral4") and recipe.quantization.method == "import" and gguf is None \
+            and _fused_experts(reader, spec, model):
+        raise CheckpointError(f"{model_dir}: quantization.method import is not supported for {model.architecture} with "
+                              "fused experts (mlp.experts.gate_up_proj); quantize the float checkpoint with rtn, gptq, "
+                              "awq or fp8")
     if vision is not None and spec.family == "qwen3_moe" and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Qwen3-VL-MoE (its fused "
                               "experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
@@ -271,15 +276,16 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                | hf.qwen3_next_tensors(spec, model)
                | gpt_oss_checkpoint.expert_tensors(spec, model)
                | (qwen3_vl_moe_expert_tensors(reader, spec, model) if vision is not None and spec.family == "qwen3_moe"
-                  or spec.family in ("qwen3_5_moe", "qwen3_next") and gguf is None
+                  or spec.family in ("qwen3_5_moe", "qwen3_next", "glm4_moe_lite", "mistral4") and gguf is None
                   and _fused_experts(reader, spec, model)
                   else {}))  # (Qwen3-VL-MoE: its language model is the only Qwen3-MoE with a vision side)
     return _Context(recipe, model_dir, hf_config, spec, model, {}, derived=derived, vision=vision, gguf=gguf)
 
 
 def _fused_experts(reader, spec: ModelSpec, model: art.ModelConfig) -> bool:
-    """Whether a Qwen3.5-MoE / Qwen3-Next checkpoint holds each layer's experts fused (mlp.experts.gate_up_proj /
-    down_proj, as transformers 5 holds them) rather than under per-expert names (what its save_pretrained writes)."""
+    """Whether a Qwen3.5-MoE / Qwen3-Next / GLM-4.7-Flash / Mistral 4 checkpoint holds each layer's experts fused
+    (mlp.experts.gate_up_proj / down_proj, as transformers 5 holds them; Mistral 4's save_pretrained writes them so)
+    rather than under per-expert names (what save_pretrained writes for the others)."""
     layers = model.moe_layers
     return bool(layers) and reader.has(f"{spec.hf_layer_prefix}{layers[0]}.mlp.experts.gate_up_proj")
 

@@ -172,6 +172,25 @@ _HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_repla
                                       "norm_topk_prob": True, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
                                       "moe_intermediate_size": 2048, "max_position_embeddings": 4096,
                                       "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
+# Glm4MoeLiteConfig's defaults (GLM-4.7-Flash; mlp_layer_types null: the first layer dense, the rest sparse)
+_HF_CONFIG_DEFAULTS["glm4_moe_lite"] = {
+    "vocab_size": 154880, "hidden_size": 2048, "num_hidden_layers": 47, "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_attention_heads": 20, "num_key_value_heads": 20,
+    "n_shared_experts": 1, "n_routed_experts": 64, "routed_scaling_factor": 1.8, "kv_lora_rank": 512,
+    "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 4, "norm_topk_prob": True, "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "rope_interleave": True,
+    "mlp_layer_types": None, "attention_bias": False, "topk_method": None}
+# Mistral4Config's defaults (its default rope_parameters, YaRN x128 with llama_4_scaling_beta 0.1: _mistral4_rope)
+_HF_CONFIG_DEFAULTS["mistral4"] = {
+    "vocab_size": 131072, "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_attention_heads": 32, "num_key_value_heads": None,
+    "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "kv_lora_rank": 256,
+    "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1,
+    "topk_group": 1, "num_experts_per_tok": 4, "first_k_dense_replace": 0, "norm_topk_prob": True,
+    "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False, "topk_method": None}
+_MISTRAL4_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 128.0, "original_max_position_embeddings": 8192,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                  "llama_4_scaling_beta": 0.1}
 # Glm4MoeConfig's defaults (its partial_rotary_factor, 0.5: _glm4_rope)
 _HF_CONFIG_DEFAULTS["glm4_moe"] = {"max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_key_value_heads": 8,
                                    "attention_bias": False, "use_qk_norm": False, "moe_intermediate_size": 1408,
@@ -229,7 +248,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "Ministral3ForCausalLM": "ministral3",
                    "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                    "NemotronHForCausalLM": "nemotron_h",
-                   "Qwen3_5ForConditionalGeneration": "qwen3_5"}
+                   "Qwen3_5ForConditionalGeneration": "qwen3_5", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+                   "Mistral4ForCausalLM": "mistral4"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -355,7 +375,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **({"sandwich_norms": True, "rotary_interleaved": True} if spec.family == "glm4" else {}),
         **(_cohere_fields(config, spec.family) if spec.family in COHERE_FAMILIES else {}),
         **(_gpt_oss_fields(config) if spec.family == "gpt_oss" else {}),
-        **(config["_query_temperature"] if spec.family == "ministral3" else {}),
+        **(config["_query_temperature"] if spec.family in ("ministral3", "mistral4") else {}),
         **(config["_llama4"] if spec.family == "llama4" else {}),
         # SmolLM3's, EXAONE 4's, Llama 4's (_smollm3_config, _exaone4_config, _llama4_config)
         nope_layers=config.get("_nope_layers", []),
@@ -823,7 +843,10 @@ def _columns(tensor: torch.Tensor, start: int, stop: int | None) -> torch.Tensor
     return tensor[:, start:stop].t().contiguous()
 
 
-DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# DeepSeek-V3's layers: GLM-4.7-Flash and Mistral 4 too (their config differences read by _deepseek_config)
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
+_DEEPSEEK_NAMES = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "glm4_moe_lite": "GLM-4.7-Flash",
+                   "mistral4": "Mistral 4"}
 # routed by moe.deepseek_route (their own MoE fields)
 DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "lfm2_moe")
 
@@ -831,8 +854,14 @@ DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_m
 def _deepseek_config(config: dict, family: str) -> dict:
     """A DeepSeek config checked, refusing by name what transformers' DeepseekV2/V3ForCausalLM would not run as its
     config says (or llmc does not build), with the attention's head as the KV cache holds it: head_dim
-    qk_nope_head_dim + qk_rope_head_dim (transformers' head_dim is the rope part's), one KV head per query head."""
-    name = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3"}[family]
+    qk_nope_head_dim + qk_rope_head_dim (transformers' head_dim is the rope part's), one KV head per query head.
+    GLM-4.7-Flash's sparse layers from mlp_layer_types, Mistral 4's rope and query temperature (_glm4_moe_lite_layers,
+    _mistral4_rope)."""
+    name = _DEEPSEEK_NAMES[family]
+    if family == "glm4_moe_lite":
+        config = _glm4_moe_lite_layers(config)
+    if family == "mistral4":
+        config = _mistral4_rope(config)
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise CheckpointError(f"{key}: true is not supported for {name} (its attention's or MLPs' biases)")
@@ -852,9 +881,9 @@ def _deepseek_config(config: dict, family: str) -> dict:
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
         raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")
-    if family == "deepseek_v2" and (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
-        logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built (DeepSeek-V2 "
-                    "ships none; llmc builds DeepSeek-V3's and GLM-4.5's: compiler/mtp.py)", name)
+    if family != "deepseek_v3" and (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
+        logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built, as transformers "
+                    "skips them (llmc builds DeepSeek-V3's and GLM-4.5's: compiler/mtp.py)", name)
     return {**config, "head_dim": config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
             "num_key_value_heads": heads}
 
@@ -863,11 +892,24 @@ def _deepseek_fields(config: dict, family: str) -> dict:
     """DeepSeek's MLA and MoE fields (runtime/models/mla.py, moe.deepseek_route). The attention's scale is
     qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under a rope scaling (transformers' yarn_apply_mscale).
     V2's router: softmax, top-k greedy or group_limited_greedy, never renormalised (transformers' DeepseekV2TopkRouter
-    reads no norm_topk_prob: one set true is refused); V3's: sigmoid with e_score_correction_bias, n_group /
-    topk_group (transformers runs noaux_tc whatever topk_method says), norm_topk_prob."""
+    reads no norm_topk_prob: one set true is refused); V3's and GLM-4.7-Flash's: sigmoid with e_score_correction_bias,
+    n_group / topk_group (transformers runs noaux_tc whatever topk_method says), norm_topk_prob; Mistral 4's: softmax
+    top-k (no bias) renormalised where norm_topk_prob, its groups only where every group is kept."""
     experts, num_layers = config["n_routed_experts"], config["num_hidden_layers"]
     scoring, method = config.get("scoring_func"), config.get("topk_method")
-    if family == "deepseek_v2":
+    name = _DEEPSEEK_NAMES[family]
+    if family == "mistral4":
+        if scoring not in (None, "softmax") or method not in (None, "greedy"):
+            raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' Mistral 4 routes "
+                                  "by softmax top-k (Mistral4TopkRouter, no score bias)")
+        groups = (config["n_group"], config["topk_group"])
+        _check_router_groups(experts, *groups, pairs=True)
+        if groups[1] < groups[0]:
+            raise CheckpointError(f"n_group {groups[0]}, topk_group {groups[1]}: Mistral 4's group-limited routing "
+                                  "(groups scored by their two best softmax scores) is not supported; set topk_group "
+                                  "to n_group (every group kept, as published checkpoints' 1 and 1)")
+        groups = (None, None)  # (every group kept: the plain top-k)
+    elif family == "deepseek_v2":
         if scoring not in (None, "softmax") or method not in ("greedy", "group_limited_greedy"):
             raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' DeepSeek-V2 routes "
                                   "by softmax, greedy or group_limited_greedy")
@@ -877,11 +919,11 @@ def _deepseek_fields(config: dict, family: str) -> dict:
         groups = (config["n_group"], config["topk_group"]) if method == "group_limited_greedy" else (None, None)
     else:
         if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
-            raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' DeepSeek-V3 routes "
+            raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' {name} routes "
                                   "by sigmoid with noaux_tc")
         groups = (config["n_group"], config["topk_group"])
     if groups[0] is not None:
-        _check_router_groups(experts, *groups, pairs=family == "deepseek_v3")
+        _check_router_groups(experts, *groups, pairs=family != "deepseek_v2")
     qk_head_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
     _, rope_scaling = _rope(config)
     scale = qk_head_dim ** -0.5
@@ -892,16 +934,64 @@ def _deepseek_fields(config: dict, family: str) -> dict:
     shared = config["moe_intermediate_size"] * (config.get("n_shared_experts") or 0)
     return {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
             "moe_intermediate_size": config["moe_intermediate_size"],
-            "norm_topk_prob": family == "deepseek_v3" and bool(config.get("norm_topk_prob")),
-            "moe_layers": list(range(config["first_k_dense_replace"] or 0, num_layers)),
+            "norm_topk_prob": family != "deepseek_v2" and bool(config.get("norm_topk_prob")),
+            "moe_layers": config["_moe_layers"] if "_moe_layers" in config else list(
+                range(config["first_k_dense_replace"] or 0, num_layers)),
             "shared_expert_intermediate_size": shared or None,
-            "router_scoring": "softmax" if family == "deepseek_v2" else "sigmoid",
+            "router_scoring": "softmax" if family in ("deepseek_v2", "mistral4") else "sigmoid",
             "router_groups": groups[0], "router_topk_groups": groups[1],
             "routed_scaling_factor": float(config.get("routed_scaling_factor") or 1.0),
             "kv_lora_rank": config["kv_lora_rank"], "q_lora_rank": config.get("q_lora_rank") or None,
             "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
             "v_head_dim": config["v_head_dim"], "softmax_scale": scale,
             "mla_rope_interleave": family == "deepseek_v2" or bool(config.get("rope_interleave", True))}
+
+
+def _glm4_moe_lite_layers(config: dict) -> dict:
+    """GLM-4.7-Flash's sparse layers (`_moe_layers`) as Glm4MoeLiteDecoderLayer reads them: mlp_layer_types, one dense
+    or sparse per layer (by default the first dense, the rest sparse), refused by name where a first_k_dense_replace
+    in the config says otherwise (transformers reads only mlp_layer_types; DeepSeek's key says the same of published
+    checkpoints); its rotary checked as _mla_rope_dims (over qk_rope_head_dim, transformers' head_dim)."""
+    num_layers, kinds = config["num_hidden_layers"], config.get("mlp_layer_types")
+    kinds = ["dense"] + ["sparse"] * (num_layers - 1) if kinds is None else kinds
+    if not isinstance(kinds, list) or len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+        raise CheckpointError(f"mlp_layer_types {kinds!r}: GLM-4.7-Flash needs one of 'dense' or 'sparse' for each of "
+                              f"its {num_layers} layers")
+    sparse = [i for i, kind in enumerate(kinds) if kind == "sparse"]
+    first = config.get("first_k_dense_replace")
+    if first is not None and sparse != list(range(first, num_layers)):
+        raise CheckpointError(f"first_k_dense_replace {first} disagrees with mlp_layer_types (sparse layers {sparse}): "
+                              "transformers' GLM-4.7-Flash reads mlp_layer_types only; make them agree, or drop "
+                              "first_k_dense_replace")
+    return {**_mla_rope_dims(config, config["qk_rope_head_dim"], 1.0), "_moe_layers": sparse}
+
+
+def _mistral4_rope(config: dict) -> dict:
+    """Mistral 4's rope as Mistral4Config reads it: its default rope_parameters (YaRN x128 over 8192 positions) where
+    the config gives neither rope_parameters nor rope_scaling; the rotary over int(head_dim * partial_rotary_factor)
+    dims (default qk_rope_head_dim / head_dim: _mla_rope_dims); `_query_temperature` from llama_4_scaling_beta and
+    original_max_position_embeddings (_llama_4_scaling), which its attention requires."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or _MISTRAL4_ROPE)
+    temperature = _llama_4_scaling(params, "Mistral4ForCausalLM")
+    head_dim = config["qk_nope_head_dim"] + config["qk_rope_head_dim"]
+    config = {**{k: v for k, v in config.items() if k != "rope_scaling"}, "rope_parameters": params}
+    return {**_mla_rope_dims(config, head_dim, config["qk_rope_head_dim"] / head_dim),
+            "_query_temperature": temperature}
+
+
+def _mla_rope_dims(config: dict, head_dim: int, default: float) -> dict:
+    """The config with partial_rotary_factor (the rope parameters', else the top level's, else `default`) taken out,
+    refused by name unless int(head_dim * factor), the dims transformers' rotary embedding covers (its head_dim:
+    GLM-4.7-Flash's qk_rope_head_dim, Mistral 4's qk_nope_head_dim + qk_rope_head_dim), is qk_rope_head_dim, the dims
+    its MLA rotates."""
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    params = dict(config.get(key) or {})
+    factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", default))
+    if not _is_number(factor) or int(head_dim * factor) != config["qk_rope_head_dim"]:
+        raise CheckpointError(f"partial_rotary_factor {factor!r}: the rotary would cover int({head_dim} * factor) dims, "
+                              f"not the qk_rope_head_dim {config['qk_rope_head_dim']} the latent attention rotates")
+    config = {k: v for k, v in config.items() if k != "partial_rotary_factor"}
+    return {**config, key: None if config.get(key) is None else params}
 
 
 def _check_router_groups(experts: int, groups, topk_groups, pairs: bool) -> None:
@@ -1195,15 +1285,22 @@ def _ministral3_config(config: dict) -> dict:
     parameters, which transformers requires) in every layer; no biases and one window for every layer whatever
     attention_bias or layer_types say (its modules read neither)."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or _MINISTRAL3_ROPE)
+    temperature = _llama_4_scaling(params, "Ministral3ForCausalLM")
+    config = {k: v for k, v in config.items() if k not in ("rope_scaling", "layer_types")}
+    return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
+
+
+def _llama_4_scaling(params: dict, arch: str) -> dict:
+    """The query temperature of Ministral 3's and Mistral 4's rope parameters (popped from `params`, with their copy
+    of max_position_embeddings, which is no rope parameter) as ModelConfig fields: q times 1 + llama_4_scaling_beta *
+    log(1 + floor(position / original_max_position_embeddings)), both of which transformers' attention requires."""
     beta, original = params.pop("llama_4_scaling_beta", None), params.get("original_max_position_embeddings")
     if not _is_number(beta) or not _is_number(original) or original <= 0:
-        raise CheckpointError(f"Ministral3ForCausalLM: rope_parameters llama_4_scaling_beta {beta!r} and "
+        raise CheckpointError(f"{arch}: rope_parameters llama_4_scaling_beta {beta!r} and "
                               f"original_max_position_embeddings {original!r}: its query scale needs both (numbers, "
                               "the second positive); fix the checkpoint's config")
-    params.pop("max_position_embeddings", None)  # (Ministral3Config's copy of the top-level key; not a rope parameter)
-    config = {k: v for k, v in config.items() if k not in ("rope_scaling", "layer_types")}
-    temperature = {"query_temperature_beta": float(beta), "query_temperature_floor": float(original)}
-    return {**config, "rope_parameters": params, "attention_bias": False, "_query_temperature": temperature}
+    params.pop("max_position_embeddings", None)
+    return {"query_temperature_beta": float(beta), "query_temperature_floor": float(original)}
 
 
 QWEN3_5_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")

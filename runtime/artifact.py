@@ -130,11 +130,13 @@ from llmc.schema import opt, parse
 # 1.41: LFM2 (family lfm2; LFM2-MoE, family lfm2_moe, with DeepSeek-V3's router fields): model.short_conv_layers (gated short-convolution layers with a per-request conv state in
 #      place of attention: their attn.conv_in / attn.conv_out linears and attn.conv tensor; no KV cache) and
 #      short_conv_kernel; older manifests load without them (no short-conv layer).
-FORMAT_VERSION = "1.41"
+# 1.42: GLM-4.7-Flash (family glm4_moe_lite) and Mistral 4 (family mistral4), DeepSeek-V3's fields; the query
+#      temperature (Mistral 4's llama_4_scaling_beta) with MLA too (an older llmc refuses the families by name).
+FORMAT_VERSION = "1.42"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41")
+                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -145,7 +147,8 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "olmoe", "granitemoe", "granitemoeshared", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4", "cohere",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
-            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe"]
+            "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe",
+            "glm4_moe_lite", "mistral4"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -373,11 +376,10 @@ class ModelConfig:
                 self.nope_layers):
             raise ArtifactError(f"model: nope_layers {self.nope_layers} must be distinct layers of the "
                                 f"{self.num_layers}")
-        if self.query_temperature_beta is not None and (self.query_temperature_floor is None or self.is_mla or any(
+        if self.query_temperature_beta is not None and (self.query_temperature_floor is None or any(
                 not 0 <= i < self.num_layers for i in self.query_temperature_layers or [])):
-            raise ArtifactError(f"model: query_temperature_beta needs query_temperature_floor, layers of the "
-                                f"{self.num_layers} (query_temperature_layers {self.query_temperature_layers}) and the "
-                                "q/k/v attention (not MLA)")
+            raise ArtifactError(f"model: query_temperature_beta needs query_temperature_floor and layers of the "
+                                f"{self.num_layers} (query_temperature_layers {self.query_temperature_layers})")
         if any(not 0 <= i < self.num_layers for i in self.qk_l2_norm_layers) or (self.qk_l2_norm_layers and (
                 self.qk_norm or self.is_mla)):
             raise ArtifactError(f"model: qk_l2_norm_layers {self.qk_l2_norm_layers} must be layers of the "
@@ -486,11 +488,11 @@ class ModelConfig:
 
     @property
     def router_in_float32(self) -> bool:
-        """DeepSeek's, GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's, MiniMax-M2's and LFM2-MoE's router weight (and their
-        score bias where they have one) is held and run in float32, as transformers keeps it (MiniMax-M2's: as vLLM
-        does; LFM2-MoE's: as MiniMax-M2's), and routes by `deepseek_route`."""
+        """DeepSeek's (and GLM-4.7-Flash's, Mistral 4's), GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's, MiniMax-M2's and
+        LFM2-MoE's router weight (and their score bias where they have one) is held and run in float32, as transformers
+        keeps it (MiniMax-M2's: as vLLM does; LFM2-MoE's: as MiniMax-M2's), and routes by `deepseek_route`."""
         return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2",
-                               "lfm2_moe")
+                               "lfm2_moe", "glm4_moe_lite", "mistral4")
 
     @property
     def router_score_bias(self) -> bool:

@@ -367,6 +367,31 @@ _FAMILY_SPECS["lfm2_moe"] = ("Lfm2MoeConfig", {
     "num_dense_layers": 1, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
     "routed_scaling_factor": 1.5, "norm_topk_prob": True, "use_expert_bias": True})
 
+# GLM-4.7-Flash (tests/runtime/test_glm4_moe_lite_mistral4.py): DeepSeek's tiny MLA with v_head_dim as wide as the key
+# (16, GLM-4.7-Flash's 256 = 192 + 64), mlp_layer_types sparse / dense / sparse (no first_k_dense_replace: transformers
+# reads mlp_layer_types), V3's router in 4 groups of which 2 are chosen, renormalised, scaled by 1.8. Mistral 4: the
+# same MLA (v 8 wide) with one dense layer, a softmax router (renormalised, scaled by 1.5, one group), YaRN x32 over
+# original_max_position_embeddings 8 (mscale_all_dim 1: the softmax scale's term) whose llama_4_scaling_beta 0.3 scales
+# q by 1 + 0.3 log(1 + floor(position / 8)); transformers 5 saves its experts fused
+_MLA_NO_DENSE = {k: v for k, v in _MLA.items() if k != "first_k_dense_replace"}
+_FAMILY_SPECS["glm4_moe_lite"] = ("Glm4MoeLiteConfig", {
+    **_MLA_NO_DENSE, "q_lora_rank": 32, "v_head_dim": 16, "mlp_layer_types": ["sparse", "dense", "sparse"],
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.8, "norm_topk_prob": True})
+MISTRAL4_ROPE = {**MINISTRAL3_ROPE, "partial_rotary_factor": 0.25}
+_FAMILY_SPECS["mistral4"] = ("Mistral4Config", {**_MLA, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
+                                                "routed_scaling_factor": 1.5, "norm_topk_prob": True,
+                                                "rope_parameters": MISTRAL4_ROPE})
+MLA_MOE_FAMILIES = ("glm4_moe_lite", "mistral4")
+
+
+def register_mistral4() -> None:
+    """transformers 5 maps Mistral4Config to no AutoModelForCausalLM class (its checkpoints load through Mistral 3's
+    wrapper): Mistral4ForCausalLM registered for it, so that the tests' checkpoints write and load as the others'."""
+    from transformers import AutoModelForCausalLM, Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4ForCausalLM
+
+    AutoModelForCausalLM.register(Mistral4Config, Mistral4ForCausalLM, exist_ok=True)
+
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
 # residual stream has rms ~4 after layer 0, attention entropy is ~1.5 nats against ~3 for uniform
@@ -388,8 +413,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
                                                                        "qwen3_next", "granitemoehybrid", "bamba",
-                                                                       "nemotron_h", "lfm2",
-                                                                       "lfm2_moe"))
+                                                                       "nemotron_h", "lfm2", "lfm2_moe")
+                 + MLA_MOE_FAMILIES)
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -404,6 +429,8 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
     if cls_name == "NemotronHConfig":  # (its own names: layer_norm_epsilon, mlp_hidden_act; no rotary)
         for key in ("rms_norm_eps", "rope_theta", "hidden_act"):
             kwargs.pop(key)
+    if cls_name == "Mistral4Config":
+        register_mistral4()
     config = getattr(transformers, cls_name)(**kwargs)
     config.architectures = [cls_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM")]
     return config

@@ -138,3 +138,11 @@ def check_rotary_device(config, device: torch.device) -> None:
     """Refuse by name, at engine start, a partial-rotary model on CUDA (partial_rotary_problem)."""
     if problem := partial_rotary_problem(config, device.type):
         raise ConfigError(problem)
+
+
+def query_temperature(positions: Tensor, beta: float, floor: float, offset: float) -> Tensor:
+    """[num_tokens] float32: 1 + beta * log(1 + floor((position + offset) / floor)), the factor q is multiplied by at
+    each position (Ministral 3, Mistral 4: offset 0, floor original_max_position_embeddings; Llama 4: offset 1,
+    floor_scale).
+    Device ops on the step's positions: a CUDA graph computes it from its positions buffer at every replay."""
+    return 1 + beta * torch.log(1 + torch.floor((positions.float() + offset) / floor))

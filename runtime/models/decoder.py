@@ -30,7 +30,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
-from llmc.runtime.layers.rotary import cos_sin_cache
+from llmc.runtime.layers.rotary import cos_sin_cache, query_temperature
 from llmc.runtime.models import spec_for_family
 from llmc.runtime.models.gated_deltanet import GatedDeltaNet
 from llmc.runtime.models.mamba2 import Mamba2
@@ -515,13 +515,6 @@ def l2_norm(x: Tensor, eps: float) -> Tensor:
     (Llama 4's weightless q/k norm, transformers' Llama4TextL2Norm: ModelConfig.qk_l2_norm_layers)."""
     x_f32 = x.float()
     return (x_f32 * torch.rsqrt(x_f32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def query_temperature(positions: Tensor, beta: float, floor: float, offset: float) -> Tensor:
-    """[num_tokens] float32: 1 + beta * log(1 + floor((position + offset) / floor)), the factor q is multiplied by at
-    each position (Ministral 3: offset 0, floor original_max_position_embeddings; Llama 4: offset 1, floor_scale).
-    Device ops on the step's positions: a CUDA graph computes it from its positions buffer at every replay."""
-    return 1 + beta * torch.log(1 + torch.floor((positions.float() + offset) / floor))
 
 
 def rope_tables(config: ModelConfig, max_positions: int) -> tuple[Tensor, Tensor | None]:

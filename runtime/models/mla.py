@@ -11,7 +11,8 @@ values (576 for V2 / V3), one FP8 scale where it is FP8. attn.kv_b (kv_b_proj) h
 of many queries in a step (on CUDA and on a CPU, each device by its rule), expanded (kv_b over the context's latents
 chunk by chunk, each chunk attended and the chunks merged by their log-sum-exps); W_UK and W_UV are kv_b's weights
 dequantized once at load (`absorb_kv_b`), exactly the weights kv_b multiplies by. The scale is qk_head_dim^-0.5 (times YaRN's
-mscale_all_dim term squared: ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Under tensor
+mscale_all_dim term squared: ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Mistral 4's query
+temperature (ModelConfig.query_temperature_*) multiplies the whole q, after the rotary, as decoder.Attention's. Under tensor
 parallelism a rank holds its heads (q / q_b and kv_b rows: its W_UK / W_UV, o's columns) and the whole low-rank q_a,
 kv_a and their norms, so every rank caches the whole latent; o's partial sums are all-reduced, as
 decoder.Attention's.
@@ -31,6 +32,7 @@ from llmc.runtime.artifact import ModelConfig
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 from llmc.runtime.layers.norm import RMSNorm
+from llmc.runtime.layers.rotary import query_temperature
 from llmc.runtime.parallel.layout import RankLayout, whole_model_layout
 
 # transformers' q_a_layernorm and kv_a_layernorm: DeepseekV2/V3RMSNorm's default eps, not the config's rms_norm_eps
@@ -49,6 +51,7 @@ class MLAttention(torch.nn.Module):
         self.head_dim, self.scale = config.head_dim, config.attention_scale
         self.nope_dim, self.rope_dim, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank, self.is_rope_interleaved = config.kv_lora_rank, config.mla_rope_interleave
+        self.temperature = config.query_temperature_of(index)  # (Mistral 4's; beta, floor, offset) None: q not scaled
         self.sliding_window, self.is_local_rope, self.softcap, self.has_rope = None, False, None, True
         h, q_size = config.hidden_size, self.num_heads * self.head_dim
         self.has_q_lora = bool(config.q_lora_rank)
@@ -99,6 +102,8 @@ class MLAttention(torch.nn.Module):
         write_latent_cache(self.kv_a_norm(latent.contiguous()), k_pe.squeeze(1), self.kv_cache[0], slot_mapping,
                            self.k_scale)
         q = torch.cat((q_nope, q_pe), dim=-1)
+        if self.temperature is not None:  # the whole q (both parts) at each token's position, as transformers'
+            q = q * query_temperature(positions, *self.temperature).to(q.dtype)[:, None, None]
         return q if q_out is None else q_out.copy_(q)
 
     def deinterleave(self, x: Tensor) -> Tensor:

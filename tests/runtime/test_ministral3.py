@@ -191,7 +191,7 @@ def _read(config: dict):
 
 
 def test_the_manifest_fields(checkpoint):
-    """The temperature's fields checked on read (a floor, layers of the model, not MLA) and each layer's share:
+    """The temperature's fields checked on read (a floor, layers of the model) and each layer's share:
     every layer where query_temperature_layers is None, only those listed otherwise (Llama 4's NoPE layers)."""
     model = _read(read_hf_config(checkpoint))
     assert [model.query_temperature_of(i) for i in range(3)] == [(0.3, 8.0, 0.0)] * 3
