@@ -38,8 +38,8 @@ from llmc.compiler.lora import LoraMerge, load_adapters
 from llmc.compiler.mtp import MTP_FAMILIES, checkpoint_mtp, fp8_scale_name, num_mtp_layers, write_mtp_weights
 from llmc.compiler.recipe import Recipe, check_adapters, check_output
 from llmc.compiler.shard import order_down_groups, plan_parallel, shard_global, shard_layer
-from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, vision_config,
-                                  write_vision_weights)
+from llmc.compiler.vision import (check_vision_recipe, is_vision_model, qwen3_vl_moe_expert_tensors, text_only_config,
+                                  vision_config, write_vision_weights)
 from llmc.errors import CheckpointError, RecipeError
 from llmc.quant.formats import INT_FORMAT_NAMES
 from llmc.quant.import_config import parse_quantization_config
@@ -150,10 +150,11 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
 
 
 def _plan_mtp(ctx: _Context) -> art.MtpSpec | None:
-    """GLM-4.5's or DeepSeek-V3's MTP layer where its checkpoint has one (compiler/mtp.py); not from a GGUF file, nor
-    into an ONNX build, nor where an imported checkpoint holds it in integers (packed or int8): logged. An import's FP8
-    layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and written dense.
-    Qwen3-Next's, Qwen3.5's and Nemotron-H's (mtp.*, or Nemotron-H's num_nextn_predict_layers) are not built: logged."""
+    """GLM-4.5's, DeepSeek-V3's or GLM-4.7-Flash's MTP layer where its checkpoint has one (compiler/mtp.py); not from
+    a GGUF file, nor into an ONNX build, nor where an imported checkpoint holds it in integers (packed or int8): logged.
+    An import's FP8 layer (DeepSeek-V3 / R1 publish theirs in 128 x 128 blocks) is dequantized with its scales and
+    written dense. Qwen3-Next's, Qwen3.5's and Nemotron-H's (mtp.*, or Nemotron-H's num_nextn_predict_layers) are not
+    built: logged."""
     if ctx.spec.family in ("qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h") and ctx.gguf is None:
         with hf.TensorReader(ctx.model_dir) as reader:
             mtp = [name for name in reader.names() if name.startswith("mtp.")]
@@ -209,7 +210,10 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
     model_dir = staging if gguf is not None else resolve_model_dir(recipe)
     hf_config = {**(gguf.config if gguf is not None else hf.read_hf_config(model_dir)), **recipe.hf_overrides}
     vision = None
-    if is_vision_model(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
+    text_only = text_only_config(hf_config)  # (Mistral 3's wrapper of a Mistral 4: its language model, as text)
+    if text_only is not None:
+        hf_config = text_only
+    elif is_vision_model(hf_config):  # the language model is built as its causal LM (compiler/vision.py)
         check_vision_recipe(recipe)
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)

@@ -174,7 +174,8 @@ _HF_CONFIG_DEFAULTS["deepseek_v3"] = {**_DEEPSEEK_DEFAULTS, "first_k_dense_repla
                                       "bos_token_id": 0, "eos_token_id": 1, "rope_interleave": True}
 # Glm4MoeLiteConfig's defaults (GLM-4.7-Flash; mlp_layer_types null: the first layer dense, the rest sparse)
 _HF_CONFIG_DEFAULTS["glm4_moe_lite"] = {
-    "vocab_size": 154880, "hidden_size": 2048, "num_hidden_layers": 47, "intermediate_size": 10240, "moe_intermediate_size": 1536, "num_attention_heads": 20, "num_key_value_heads": 20,
+    "vocab_size": 154880, "hidden_size": 2048, "num_hidden_layers": 47, "intermediate_size": 10240,
+    "moe_intermediate_size": 1536, "num_attention_heads": 20, "num_key_value_heads": 20,
     "n_shared_experts": 1, "n_routed_experts": 64, "routed_scaling_factor": 1.8, "kv_lora_rank": 512,
     "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192, "n_group": 1,
     "topk_group": 1, "num_experts_per_tok": 4, "norm_topk_prob": True, "max_position_embeddings": 202752,
@@ -182,7 +183,8 @@ _HF_CONFIG_DEFAULTS["glm4_moe_lite"] = {
     "mlp_layer_types": None, "attention_bias": False, "topk_method": None}
 # Mistral4Config's defaults (its default rope_parameters, YaRN x128 with llama_4_scaling_beta 0.1: _mistral4_rope)
 _HF_CONFIG_DEFAULTS["mistral4"] = {
-    "vocab_size": 131072, "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288, "moe_intermediate_size": 2048, "num_attention_heads": 32, "num_key_value_heads": None,
+    "vocab_size": 131072, "hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288,
+    "moe_intermediate_size": 2048, "num_attention_heads": 32, "num_key_value_heads": None,
     "n_shared_experts": 1, "n_routed_experts": 128, "routed_scaling_factor": 1.0, "kv_lora_rank": 256,
     "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 64, "n_group": 1,
     "topk_group": 1, "num_experts_per_tok": 4, "first_k_dense_replace": 0, "norm_topk_prob": True,
@@ -881,9 +883,10 @@ def _deepseek_config(config: dict, family: str) -> dict:
     if not config.get("num_experts_per_tok") or not config.get("n_routed_experts"):
         raise CheckpointError(f"{name}: n_routed_experts and num_experts_per_tok must be set (the MoE layers' experts "
                               "and top-k)")
-    if family != "deepseek_v3" and (config.get("num_nextn_predict_layers") or config.get("num_mtp_layers")):
+    if family in ("deepseek_v2", "mistral4") and (config.get("num_nextn_predict_layers")
+                                                 or config.get("num_mtp_layers")):
         logger.info("%s: the multi-token prediction layers (num_nextn_predict_layers) are not built, as transformers "
-                    "skips them (llmc builds DeepSeek-V3's and GLM-4.5's: compiler/mtp.py)", name)
+                    "skips them (llmc builds DeepSeek-V3's, GLM-4.5's and GLM-4.7-Flash's: compiler/mtp.py)", name)
     return {**config, "head_dim": config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
             "num_key_value_heads": heads}
 
@@ -988,8 +991,9 @@ def _mla_rope_dims(config: dict, head_dim: int, default: float) -> dict:
     params = dict(config.get(key) or {})
     factor = params.pop("partial_rotary_factor", config.get("partial_rotary_factor", default))
     if not _is_number(factor) or int(head_dim * factor) != config["qk_rope_head_dim"]:
-        raise CheckpointError(f"partial_rotary_factor {factor!r}: the rotary would cover int({head_dim} * factor) dims, "
-                              f"not the qk_rope_head_dim {config['qk_rope_head_dim']} the latent attention rotates")
+        raise CheckpointError(f"partial_rotary_factor {factor!r}: the rotary would cover int({head_dim} * factor) "
+                              f"dims, not the qk_rope_head_dim {config['qk_rope_head_dim']} the latent attention "
+                              "rotates")
     config = {k: v for k, v in config.items() if k != "partial_rotary_factor"}
     return {**config, key: None if config.get(key) is None else params}
 

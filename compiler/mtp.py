@@ -1,5 +1,6 @@
-"""GLM-4.5's and DeepSeek-V3's multi-token-prediction (MTP) layer kept in the artifact, for MTP speculative decoding
-(runtime/mtp_head.py).
+"""GLM-4.5's, DeepSeek-V3's and GLM-4.7-Flash's multi-token-prediction (MTP) layer kept in the artifact, for MTP
+speculative decoding (runtime/mtp_head.py). GLM-4.7-Flash's is DeepSeek-V3's kind (an MLA + MoE decoder layer under
+the same names), its MLP the MoE where the checkpoint's layer has a router.
 
 NOTE (format): GLM-4.5 / 4.6 and DeepSeek-V3 / R1 ship `num_nextn_predict_layers` = 1 MTP layer as checkpoint layer
 num_hidden_layers = N (the DeepSeek-V3 paper's MTP module; the published indexes' names): model.layers.N.{enorm,
@@ -42,7 +43,7 @@ OWN_TENSORS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "
                "shared_head.norm.weight": "shared_head.norm.weight"}
 OPTIONAL_TENSORS = {"shared_head.head.weight": "shared_head.head.weight", "embed.weight": "embed_tokens.weight"}
 # the families whose MTP layer is built, by the name the build log gives them (DeepSeek-V2 ships none)
-MTP_FAMILIES = {"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3"}
+MTP_FAMILIES = {"glm4_moe": "GLM-4.5", "deepseek_v3": "DeepSeek-V3", "glm4_moe_lite": "GLM-4.7-Flash"}
 
 
 def num_mtp_layers(hf_config: dict) -> int:

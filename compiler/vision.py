@@ -53,6 +53,7 @@ Qwen3VLMoeTextTopKRouter reads no norm_topk_prob), its experts read from each la
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -60,6 +61,8 @@ from safetensors.torch import save_file
 
 from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime import artifact as art
+
+logger = logging.getLogger("llmc")
 
 LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
@@ -74,6 +77,9 @@ VISION_ARCHITECTURES = (LLAVA, LLAVA_NEXT, GEMMA3, MISTRAL3, QWEN2_VL, QWEN2_5_V
 # text_config.model_type → the causal LM the language model is built as
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "ministral3": "Ministral3ForCausalLM"}
+# a Mistral 3 wrapper's text_config.model_type → the causal LM its language model is built as, served as text only
+# (no vision section: the tower is not built, an image is refused by name): Mistral-Small-4's Mistral 4
+TEXT_ONLY_ARCHITECTURES = {"mistral4": "Mistral4ForCausalLM"}
 VISION_MODEL_TYPES = ("clip_vision_model", "pixtral")
 STRATEGIES = ("default", "full")
 
@@ -91,6 +97,26 @@ _QWEN_VISUAL_PREFIXES = ("model.visual.", "visual.")
 
 def is_vision_model(config: dict) -> bool:
     return any(arch in VISION_ARCHITECTURES for arch in config.get("architectures") or [])
+
+
+def text_only_config(config: dict) -> dict | None:
+    """A Mistral3ForConditionalGeneration whose language model is a Mistral 4 (TEXT_ONLY_ARCHITECTURES): its
+    text_config (transformers' defaults filled in) as Mistral4ForCausalLM's config.json, its weights read under the
+    causal LM's names (TensorReader's llava_names), the Pixtral tower and projector not built: served as text, an image
+    refused by name. None for any other checkpoint."""
+    from transformers import Mistral3Config
+
+    text_type = (config.get("text_config") or {}).get("model_type")
+    if MISTRAL3 not in (config.get("architectures") or []) or text_type not in TEXT_ONLY_ARCHITECTURES:
+        return None
+    try:
+        parsed = Mistral3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json is not a Mistral 3 config transformers reads ({e})") from None
+    text = _text_config(parsed, config, TEXT_ONLY_ARCHITECTURES[text_type])
+    logger.info("%s with a %s language model: the language model is built as %s, served as text; the vision tower "
+                "is not built (an image is refused)", MISTRAL3, text_type, text["architectures"][0])
+    return text
 
 
 def vision_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
@@ -150,7 +176,7 @@ def mistral3_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec
     merge = mistral.spatial_merge_size
     if not isinstance(merge, int) or merge < 1:
         raise CheckpointError(f"{model_dir}: spatial_merge_size {merge!r} is not a positive integer")
-    text = _text_config(mistral, config, text_type)
+    text = _text_config(mistral, config, TEXT_ARCHITECTURES[text_type])
     spec = art.VisionSpec(
         architecture=MISTRAL3, vision_config=_tower_config(mistral.vision_config),
         image_token_index=int(mistral.image_token_index), vision_feature_layer=layer,
@@ -179,10 +205,10 @@ def _check_activation(act: str, model_dir: Path) -> None:
         raise CheckpointError(f"{model_dir}: projector_hidden_act {act!r} is not an activation transformers knows")
 
 
-def _text_config(parsed, config: dict, text_type: str) -> dict:
+def _text_config(parsed, config: dict, architecture: str) -> dict:
     """The language model's config (transformers' defaults filled in) as its causal LM's config.json."""
     text = parsed.text_config.to_dict()
-    text["architectures"] = [TEXT_ARCHITECTURES[text_type]]
+    text["architectures"] = [architecture]
     text["tie_word_embeddings"] = bool(parsed.tie_word_embeddings or text.get("tie_word_embeddings"))
     dtype = config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     text["dtype"] = str(dtype).removeprefix("torch.") if dtype is not None else None
@@ -259,7 +285,7 @@ def llava_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSpec]:
         raise CheckpointError(f"{model_dir}: vision_feature_select_strategy {strategy!r} with a Pixtral tower (it "
                               "has no CLS row to drop) is not supported; set it to \"full\"")
     _check_activation(llava.projector_hidden_act, model_dir)
-    text = _text_config(llava, config, text_type)
+    text = _text_config(llava, config, TEXT_ARCHITECTURES[text_type])
     vision_config = _tower_config(llava.vision_config)
     spec = art.VisionSpec(
         architecture=LLAVA, vision_config=vision_config, image_token_index=int(llava.image_token_index),
@@ -297,7 +323,7 @@ def llava_next_config(config: dict, model_dir: Path) -> tuple[dict, art.VisionSp
                                                                 for x in p) for p in pinpoints)):
         raise CheckpointError(f"{model_dir}: image_grid_pinpoints {pinpoints!r}: expected a list of [height, width] "
                               f"resolutions, each a multiple of the vision tower's image_size {tile}")
-    text = _text_config(nxt, config, text_type)
+    text = _text_config(nxt, config, TEXT_ARCHITECTURES[text_type])
     spec = art.VisionSpec(
         architecture=LLAVA_NEXT, vision_config=_tower_config(nxt.vision_config),
         image_token_index=int(nxt.image_token_index), vision_feature_layer=layer,

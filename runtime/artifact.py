@@ -299,10 +299,10 @@ class ModelConfig:
     moe_bias: bool = opt(False)
     swiglu_limit: float | None = opt(None, min_exclusive=0.0)
     swiglu_alpha: float | None = opt(None, min_exclusive=0.0)
-    # A per-position query temperature (Ministral 3's llama_4_scaling_beta; Llama 4's attn_temperature_tuning): in the
-    # layers query_temperature_layers lists (None: every layer), q times 1 + beta * log(1 + floor((position + offset) /
-    # floor)) (runtime/models/decoder.query_temperature, from the step's positions on the device); exactly 1 below
-    # position floor - offset. None: no temperature
+    # A per-position query temperature (Ministral 3's and Mistral 4's llama_4_scaling_beta, the latter's in MLA; Llama
+    # 4's attn_temperature_tuning): in the layers query_temperature_layers lists (None: every layer), q times 1 + beta *
+    # log(1 + floor((position + offset) / floor)) (runtime/layers/rotary.query_temperature, from the step's positions
+    # on the device); exactly 1 below position floor - offset. None: no temperature
     query_temperature_beta: float | None = opt(None)
     query_temperature_floor: float | None = opt(None, min_exclusive=0.0)
     query_temperature_offset: float = opt(0.0)

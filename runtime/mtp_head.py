@@ -1,6 +1,6 @@
-"""The MTP head: GLM-4.5's or DeepSeek-V3's multi-token-prediction layer (art.MtpSpec, compiler/mtp.py) run as a draft
-head (vLLM's speculative method mtp), by the EAGLE machinery (runtime/spec_eagle.py: absorb, fill, the one-layer KV
-cache indexed by the model's block tables).
+"""The MTP head: GLM-4.5's, DeepSeek-V3's or GLM-4.7-Flash's multi-token-prediction layer (art.MtpSpec,
+compiler/mtp.py) run as a draft head (vLLM's speculative method mtp), by the EAGLE machinery (runtime/spec_eagle.py:
+absorb, fill, the one-layer KV cache indexed by the model's block tables).
 
 NOTE (definition): the DeepSeek-V3 paper's MTP module, which GLM-4.5 follows (transformers'
 Glm4MoeMultiTokenPredictorLayer, vLLM's deepseek_mtp and glm4_moe_mtp). One step at position p reads a hidden state h_p
@@ -83,8 +83,9 @@ def read_mtp_head(manifest: art.Manifest, name: str = "speculative method mtp") 
     """The MTP head's config; a one-line ConfigError where the artifact holds no MTP layer."""
     if manifest.mtp is None:
         family = manifest.model.family
-        what = ("llmc builds GLM-4.5's (Glm4MoeForCausalLM) and DeepSeek-V3's (DeepseekV3ForCausalLM) only"
-                if family not in ("glm4_moe", "deepseek_v3") else
+        what = ("llmc builds GLM-4.5's (Glm4MoeForCausalLM), DeepSeek-V3's (DeepseekV3ForCausalLM) and "
+                "GLM-4.7-Flash's (Glm4MoeLiteForCausalLM) only"
+                if family not in ("glm4_moe", "deepseek_v3", "glm4_moe_lite") else
                 "it was built by quantization.method import: its checkpoint has none, or one in integers (GPTQ, "
                 "AWQ, int8), which is not built; build from a dense or FP8 checkpoint"
                 if manifest.quant.method == "import" else

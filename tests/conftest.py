@@ -369,14 +369,15 @@ _FAMILY_SPECS["lfm2_moe"] = ("Lfm2MoeConfig", {
 
 # GLM-4.7-Flash (tests/runtime/test_glm4_moe_lite_mistral4.py): DeepSeek's tiny MLA with v_head_dim as wide as the key
 # (16, GLM-4.7-Flash's 256 = 192 + 64), mlp_layer_types sparse / dense / sparse (no first_k_dense_replace: transformers
-# reads mlp_layer_types), V3's router in 4 groups of which 2 are chosen, renormalised, scaled by 1.8. Mistral 4: the
+# reads mlp_layer_types), V3's router in 4 groups of which 2 are chosen, renormalised, scaled by 1.8, one MTP layer
+# named in the config (tests/runtime/test_spec_mtp_glm4_moe_lite.py writes its tensors). Mistral 4: the
 # same MLA (v 8 wide) with one dense layer, a softmax router (renormalised, scaled by 1.5, one group), YaRN x32 over
 # original_max_position_embeddings 8 (mscale_all_dim 1: the softmax scale's term) whose llama_4_scaling_beta 0.3 scales
 # q by 1 + 0.3 log(1 + floor(position / 8)); transformers 5 saves its experts fused
 _MLA_NO_DENSE = {k: v for k, v in _MLA.items() if k != "first_k_dense_replace"}
 _FAMILY_SPECS["glm4_moe_lite"] = ("Glm4MoeLiteConfig", {
     **_MLA_NO_DENSE, "q_lora_rank": 32, "v_head_dim": 16, "mlp_layer_types": ["sparse", "dense", "sparse"],
-    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.8, "norm_topk_prob": True})
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 1.8, "norm_topk_prob": True, "num_nextn_predict_layers": 1})
 MISTRAL4_ROPE = {**MINISTRAL3_ROPE, "partial_rotary_factor": 0.25}
 _FAMILY_SPECS["mistral4"] = ("Mistral4Config", {**_MLA, "q_lora_rank": 32, "n_group": 1, "topk_group": 1,
                                                 "routed_scaling_factor": 1.5, "norm_topk_prob": True,

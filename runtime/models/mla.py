@@ -12,9 +12,9 @@ of many queries in a step (on CUDA and on a CPU, each device by its rule), expan
 chunk by chunk, each chunk attended and the chunks merged by their log-sum-exps); W_UK and W_UV are kv_b's weights
 dequantized once at load (`absorb_kv_b`), exactly the weights kv_b multiplies by. The scale is qk_head_dim^-0.5 (times YaRN's
 mscale_all_dim term squared: ModelConfig.softmax_scale, compiler/hf_checkpoint._deepseek_fields). Mistral 4's query
-temperature (ModelConfig.query_temperature_*) multiplies the whole q, after the rotary, as decoder.Attention's. Under tensor
-parallelism a rank holds its heads (q / q_b and kv_b rows: its W_UK / W_UV, o's columns) and the whole low-rank q_a,
-kv_a and their norms, so every rank caches the whole latent; o's partial sums are all-reduced, as
+temperature (ModelConfig.query_temperature_*) multiplies the whole q, after the rotary, as decoder.Attention's. Under
+tensor parallelism a rank holds its heads (q / q_b and kv_b rows: its W_UK / W_UV, o's columns) and the whole
+low-rank q_a, kv_a and their norms, so every rank caches the whole latent; o's partial sums are all-reduced, as
 decoder.Attention's.
 
 kv_b's activations: a w8a8 kv_b (FP8) rounds its input in the expanded form; the absorbed form multiplies the cached

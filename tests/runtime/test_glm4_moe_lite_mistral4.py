@@ -1,13 +1,16 @@
 """GLM-4.7-Flash (Glm4MoeLiteForCausalLM) and Mistral 4 (Mistral4ForCausalLM), DeepSeek-V3's layers under their own
 configs, against transformers' own models (float32): logits at every position of a chunked prefill, greedy tokens and
-their logprobs of prompts batched through the paged engine, on the CPU path and on the Triton path (the latent-attention
-and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors); their routers against transformers' routers; RTN and
-GPTQ W4 builds against transformers holding their dequantized weights; how configs are read (GLM-4.7-Flash's
-mlp_layer_types, Mistral 4's rope, query temperature and fused experts); the refusals; -m gpu: CUDA. The GLM
-checkpoint carries a random e_score_correction_bias (transformers writes zeros), so the biased choice is checked."""
+their logprobs of prompts batched through the paged engine, on the CPU path and on the Triton path (the
+latent-attention and fused-MoE kernels under TRITON_INTERPRET=1 on CPU tensors); their routers against transformers'
+routers; RTN and GPTQ W4 builds against transformers holding their dequantized weights; how configs are read
+(GLM-4.7-Flash's mlp_layer_types, Mistral 4's rope, query temperature and fused experts); Mistral-Small-4's
+Mistral3ForConditionalGeneration form served as its language model; the refusals; -m gpu: CUDA (written, not run).
+The GLM checkpoint carries a random e_score_correction_bias (transformers writes zeros), so the biased choice is
+checked. Its MTP layer: tests/runtime/test_spec_mtp_glm4_moe_lite.py."""
 
 import math
 import os
+import shutil
 
 if not __import__("torch").cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported (triton reads it then)
@@ -20,7 +23,7 @@ from llmc.compiler.build import build
 from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import model_config_from_hf, read_hf_config
 from llmc.compiler.recipe import recipe_from_dict
-from llmc.errors import ArtifactError, CheckpointError, RecipeError
+from llmc.errors import ArtifactError, CheckpointError, RecipeError, RequestError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import spec_for_architecture
@@ -150,9 +153,7 @@ def test_configs_read_as_transformers_reads_them(checkpoints, caplog):
     for family, config in read.items():
         assert config.num_parameters == AutoModelForCausalLM.from_pretrained(
             str(checkpoints[family])).num_parameters()
-    with caplog.at_level("INFO", logger="llmc"):
-        flash = model_config_from_hf(GLM_47_FLASH, spec_for_architecture("Glm4MoeLiteForCausalLM"), "bfloat16")
-    assert "GLM-4.7-Flash: the multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
+    flash = model_config_from_hf(GLM_47_FLASH, spec_for_architecture("Glm4MoeLiteForCausalLM"), "bfloat16")
     assert (flash.head_dim, flash.v_head_dim, flash.kv_lora_rank, flash.q_lora_rank, flash.num_experts,
             flash.num_experts_per_tok, flash.moe_layers[:2], len(flash.moe_layers), flash.rope_theta) == (
         256, 256, 512, 768, 64, 4, [1, 2], 46, 1e6)
@@ -169,26 +170,60 @@ def test_configs_read_as_transformers_reads_them(checkpoints, caplog):
             assert (ours.rope_scaling["factor"], ours.rope_scaling["original_max_position_embeddings"],
                     ours.query_temperature_beta, ours.query_temperature_floor, ours.moe_layers) == (
                 128.0, 8192, 0.1, 8192.0, [0, 1])
+    with caplog.at_level("INFO", logger="llmc"):  # (transformers' Mistral 4 has no MTP layer)
+        model_config_from_hf({**defaults["mistral4"][1], "num_nextn_predict_layers": 1}, spec_for_architecture(
+            "Mistral4ForCausalLM"), "bfloat16")
+    assert "Mistral 4: the multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
 
 
-def test_mistral4s_fused_experts_are_read_and_the_glm_mtp_layer_left_out(checkpoints, artifacts, tmp_path, caplog,
-                                                                         hf_encode):
+def test_mistral4s_experts_are_read_fused(checkpoints):
     """transformers 5 saves Mistral 4's experts fused (mlp.experts.gate_up_proj [E, 2 * width, hidden]), which the
-    build reads as each expert's rows (the logits tests run on them); GLM-4.7-Flash's checkpoint with its
-    multi-token-prediction layer (layer 3, which transformers skips) builds without it, says so, and gives the same
-    logits."""
+    build reads as each expert's rows: the logits tests above run on them."""
     with safe_open(str(checkpoints["mistral4"] / "model.safetensors"), "pt") as f:
         assert "model.layers.1.mlp.experts.gate_up_proj" in f.keys()
-    checkpoint = write_config(checkpoints["glm4_moe_lite"], tmp_path / "mtp", num_nextn_predict_layers=1)
-    _random_score_bias(checkpoint, mtp=True)
+        assert "model.layers.1.mlp.experts.0.gate_proj.weight" not in f.keys()
+
+
+def _mistral3_wrapper(path) -> tuple:
+    """A tiny random float32 Mistral3ForConditionalGeneration (Mistral-Small-4's form) whose language model is the
+    tests' Mistral 4 (a one-layer Pixtral tower beside it), saved with the reference tokenizer; (path, the model)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Mistral4Config, PixtralVisionConfig
+
+    from tests.conftest import _BASE_CONFIG, _FAMILY_SPECS, REF_MODEL_DIR, TOKENIZER_FILES
+    from tests.runtime.test_llava import _randomise_
+
+    text = Mistral4Config(**{**_BASE_CONFIG, **_FAMILY_SPECS["mistral4"][1]})
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                 head_dim=16, patch_size=8, image_size=64)
+    model = Mistral3ForConditionalGeneration(Mistral3Config(vision_config=vision, text_config=text,
+                                                            image_token_index=10, spatial_merge_size=2)).eval()
+    _randomise_(model, 3)
+    model.save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(REF_MODEL_DIR / name, path / name)
+    return path, model
+
+
+@torch.inference_mode()
+def test_mistral3s_wrapper_of_mistral4_serves_its_language_model(tmp_path, caplog):
+    """Mistral3ForConditionalGeneration with a mistral4 text_config (weights under language_model.model.*, experts
+    fused): its language model is built as Mistral4ForCausalLM (the tower not built, and the build says so), scored as
+    transformers' Mistral3ForConditionalGeneration scores text (1e-4); an image in a request is refused by name."""
+    from PIL import Image
+
+    source, model = _mistral3_wrapper(tmp_path / "cg")
     with caplog.at_level("INFO", logger="llmc"):
-        artifact = build_float32(checkpoint, tmp_path / "art")
-    assert "GLM-4.7-Flash: the multi-token prediction layers (num_nextn_predict_layers) are not built" in caplog.text
-    assert read_manifest(artifact).model.num_layers == 3 and read_manifest(artifact).mtp is None
-    token_ids = list(range(100, 120))
-    with LLM(artifact, device="cpu", num_kv_blocks=64) as llm, LLM(artifacts("glm4_moe_lite"), device="cpu",
-                                                                    num_kv_blocks=64) as plain:
-        torch.testing.assert_close(llm.engine.score(token_ids), plain.engine.score(token_ids), atol=0, rtol=0)
+        built = build_float32(source, tmp_path / "a")
+    assert "the language model is built as Mistral4ForCausalLM, served as text" in caplog.text
+    manifest = read_manifest(built)
+    assert (manifest.model.architecture, manifest.model.family, manifest.vision) == (
+        "Mistral4ForCausalLM", "mistral4", None)
+    token_ids = list(range(100, 140))
+    with LLM(built, device="cpu", num_kv_blocks=64) as llm:
+        torch.testing.assert_close(llm.engine.score(token_ids), model(input_ids=torch.tensor([token_ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+        with pytest.raises(RequestError, match=r"this model \(Mistral4ForCausalLM\) takes no images"):
+            llm.generate([{"prompt": "[IMG]", "multi_modal_data": {"image": Image.new("RGB", (16, 16))}}], GREEDY)
 
 
 def test_what_they_refuse(checkpoints, artifacts, tmp_path):
@@ -201,9 +236,10 @@ def test_what_they_refuse(checkpoints, artifacts, tmp_path):
 
     for family in MLA_MOE_FAMILIES:
         refused(RecipeError, "not exported to ONNX", family, recipe={"target": {"device": "onnx-cpu"}})
+        refused(RecipeError, "quantization.method int8", family, recipe={"quantization": {"method": "int8"}})
         refused(CheckpointError, "attention_bias: true", family, attention_bias=True)
-        refused(CheckpointError, "partial_rotary_factor 0.5", family, partial_rotary_factor=0.5,
-                rope_parameters={**read_hf_config(checkpoints[family])["rope_parameters"], "partial_rotary_factor": 0.5})
+        rope = {**read_hf_config(checkpoints[family])["rope_parameters"], "partial_rotary_factor": 0.5}
+        refused(CheckpointError, "partial_rotary_factor 0.5", family, rope_parameters=rope)
         architecture = read_manifest(artifacts(family)).model.architecture
         with pytest.raises(ArtifactError, match=f"architecture {architecture}; export writes"):
             export_artifact(artifacts(family), tmp_path / f"export_{family}")

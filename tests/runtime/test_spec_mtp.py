@@ -173,8 +173,10 @@ class Reference:
         four = tmp_path / "four-layers"
         shutil.copytree(checkpoint, four)
         config = json.loads((four / "config.json").read_text())
-        (four / "config.json").write_text(json.dumps({**config, "num_hidden_layers": N + 1,
-                                                      "num_nextn_predict_layers": 0}))
+        grown = {**config, "num_hidden_layers": N + 1, "num_nextn_predict_layers": 0}
+        if config.get("mlp_layer_types"):  # (GLM-4.7-Flash's: layer N sparse, as its MTP layer is)
+            grown["mlp_layer_types"] = [*config["mlp_layer_types"], "sparse"]
+        (four / "config.json").write_text(json.dumps(grown))
         self.grown = AutoModelForCausalLM.from_pretrained(str(four), **eager).eval()
         self.grown.config._attn_implementation = "eager"
         tensors = {k: v.double() for k, v in load_file(checkpoint / "model.safetensors").items()}
