@@ -248,6 +248,8 @@ def test_what_they_refuse(checkpoints, artifacts, tmp_path):
     refused(CheckpointError, "mlp_layer_types", "glm4_moe_lite", mlp_layer_types=["sparse", "dense"])
     refused(CheckpointError, "scoring_func 'softmax'", "glm4_moe_lite", scoring_func="softmax")
     refused(CheckpointError, "scoring_func 'sigmoid'", "mistral4", scoring_func="sigmoid")
+    refused(CheckpointError, "import is not supported for Mistral4ForCausalLM with fused experts", "mistral4",
+            recipe={"quantization": {"method": "import"}})
     refused(CheckpointError, "n_group 4, topk_group 2: Mistral 4's group-limited routing", "mistral4", n_group=4,
             topk_group=2)
     rope = {k: v for k, v in read_hf_config(checkpoints["mistral4"])["rope_parameters"].items()

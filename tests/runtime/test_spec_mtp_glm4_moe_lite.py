@@ -7,7 +7,7 @@ tests/conftest.py (mlp_layer_types sparse / dense / sparse) with an MTP layer wr
 References as test_spec_mtp_deepseek.py's: the engine's drafts equal the float64 reference of the published MTP
 definition over transformers' float64 hidden states, its decoder layer transformers' own Glm4MoeLiteDecoderLayer
 (layer 3 of a 4-layer copy, mlp_layer_types grown by a sparse layer); greedy and seeded outputs identical to decoding
-without speculation; the model's own logits unchanged by the layer beside it."""
+without speculation; the model's own logits unchanged by the layer beside it; -m gpu: CUDA (written, not run)."""
 
 import os
 
@@ -24,7 +24,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32
 from tests.runtime.test_spec_mtp import (MAX_TOKENS, PROMPTS, Reference, _generate, _spec, build_mtp_artifacts,
-                                         make_mtp_checkpoints)
+                                         check_on_the_gpu, make_mtp_checkpoints)
 from tests.runtime.test_spec_mtp_deepseek import check_drafts
 
 N = 3  # the MTP layer's index
@@ -83,3 +83,10 @@ def test_greedy_and_seeded_samples_equal_decoding_without_speculation(artifacts)
                            num_kv_blocks=6)
     assert got == plain
     assert stats["num_preemptions"] > 0 and stats["num_spec_accepted"] > 0.2 * stats["num_spec_proposed"], stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu(artifacts, free_gpu):
+    """On CUDA (the model's CUDA graphs, the head eager over its latent cache): greedy tokens as without speculation."""
+    check_on_the_gpu(artifacts["bigram"])
