@@ -124,6 +124,17 @@ def test_a_w4_build_runs_transformers_on_its_weights(family, method, checkpoints
                               moved_layer=layer)
 
 
+@torch.inference_mode()
+def test_mistral4_split_over_two_tensor_ranks_is_one_rank(checkpoints, artifacts, tmp_path, hf_encode):
+    """Tensor parallel 2 (each rank its heads of q_b, kv_b and o, each tempering its own q; the experts split by
+    columns, the softmax router whole): the one-rank artifact's greedy tokens and logits (5e-5, as DeepSeek's)."""
+    from tests.runtime.hf_oracle import check_tensor_parallel
+
+    split = check_tensor_parallel(checkpoints["mistral4"], artifacts("mistral4"), tmp_path, hf_encode, PROMPTS[:2],
+                                  GREEDY, atol=5e-5)
+    assert read_manifest(split).parallel.world_size == 2
+
+
 # GLM-4.7-Flash's config.json keys at Glm4MoeLiteConfig's defaults (the published file was not read: no network here)
 GLM_47_FLASH = {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite", "hidden_size": 2048,
                 "num_hidden_layers": 47, "first_k_dense_replace": 1, "rope_theta": 1000000, "vocab_size": 154880,
