@@ -124,6 +124,18 @@ def test_a_w4_build_runs_transformers_on_its_weights(family, method, checkpoints
                               moved_layer=layer)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", MLA_MOE_FAMILIES)
+def test_awq_folds_keep_the_function(family, checkpoints, tmp_path, data_dir, hf_encode, monkeypatch):
+    """AWQ forced to fold random power-of-two scales into W8 layers (DeepSeek's MLA folds and the MoE's): the RTN W8
+    build's logits, which holds only if every fold is undone where it is made."""
+    from tests.runtime.hf_oracle import awq_and_rtn_logits
+
+    token_ids = hf_encode(checkpoints[family], PROMPTS[1]) + list(range(100, 120))
+    awq, rtn = awq_and_rtn_logits(checkpoints[family], tmp_path, token_ids, monkeypatch, data_dir, min_expert_tokens=1)
+    torch.testing.assert_close(awq, rtn, atol=1e-4, rtol=1e-4)
+
+
 @torch.inference_mode()
 def test_mistral4_split_over_two_tensor_ranks_is_one_rank(checkpoints, artifacts, tmp_path, hf_encode):
     """Tensor parallel 2 (each rank its heads of q_b, kv_b and o, each tempering its own q; the experts split by
