@@ -104,11 +104,11 @@ def text_only_config(config: dict) -> dict | None:
     text_config (transformers' defaults filled in) as Mistral4ForCausalLM's config.json, its weights read under the
     causal LM's names (TensorReader's llava_names), the Pixtral tower and projector not built: served as text, an image
     refused by name. None for any other checkpoint."""
-    from transformers import Mistral3Config
-
     text_type = (config.get("text_config") or {}).get("model_type")
     if MISTRAL3 not in (config.get("architectures") or []) or text_type not in TEXT_ONLY_ARCHITECTURES:
         return None
+    from transformers import Mistral3Config
+
     try:
         parsed = Mistral3Config(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
     except (TypeError, ValueError) as e:
