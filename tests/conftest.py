@@ -387,11 +387,15 @@ MLA_MOE_FAMILIES = ("glm4_moe_lite", "mistral4")
 
 def register_mistral4() -> None:
     """transformers 5 maps Mistral4Config to no AutoModelForCausalLM class (its checkpoints load through Mistral 3's
-    wrapper): Mistral4ForCausalLM registered for it, so that the tests' checkpoints write and load as the others'."""
+    wrapper): Mistral4ForCausalLM registered for it, so that the tests' checkpoints write and load as the others'.
+    transformers 5.17 (the GPU machine's) skips registering a config class of its own: there the mapping's extra
+    entries take it directly (what `register` writes in 5.24)."""
     from transformers import AutoModelForCausalLM, Mistral4Config
     from transformers.models.mistral4.modeling_mistral4 import Mistral4ForCausalLM
 
     AutoModelForCausalLM.register(Mistral4Config, Mistral4ForCausalLM, exist_ok=True)
+    if Mistral4Config not in AutoModelForCausalLM._model_mapping:
+        AutoModelForCausalLM._model_mapping._extra_content[Mistral4Config] = Mistral4ForCausalLM
 
 # Weight scales (measured over 3 seeds x 5 prompts x 48 greedy tokens per family): RMSNorm makes
 # every sub-layer input O(1); with std 0.2 a projection of a width-64 input has std ~1.6, the
