@@ -13,6 +13,8 @@ feed-forwards dense (intermediate_size wide, not derived) and the rest a mixture
 (moe.deepseek_route): sigmoid scores, the top-k chosen with feed_forward.expert_bias, weighted by the scores without
 it, renormalised where norm_topk_prob, times routed_scaling_factor; no shared expert."""
 
+from dataclasses import replace
+
 from llmc.runtime.models.spec import LLAMA_GLOBALS, FusedLinear, ModelSpec, MoeSpec
 
 SHORT_CONV = (  # a conv layer's linears, in its layers only (runtime/models/short_conv.py)
@@ -36,14 +38,11 @@ SPEC = ModelSpec(
     global_tensors={**LLAMA_GLOBALS, "norm.weight": "model.embedding_norm.weight"},
 )
 
-MOE_SPEC = ModelSpec(
+MOE_SPEC = replace(
+    SPEC,
     family="lfm2_moe",
     architectures=("Lfm2MoeForCausalLM",),
     model_types=("lfm2_moe",),
-    layer_linears=SPEC.layer_linears,
-    layer_norms=SPEC.layer_norms,
-    qk_norms=SPEC.qk_norms,
-    global_tensors=SPEC.global_tensors,
     moe=MoeSpec(router="feed_forward.gate", expert_prefix="feed_forward.experts.{}.", gate="w1", up="w3", down="w2",
                 score_bias="feed_forward.expert_bias"),
 )

@@ -6,17 +6,13 @@ nothing else changes); the MLP of a layer is the sparse block (Qwen2-MoE's: top-
 shared expert times sigmoid(x · shared_expert_gate)) where `decoder_sparse_step` and `mlp_only_layers` say, else a
 dense SiLU-gated MLP of intermediate_size."""
 
-from llmc.runtime.models.qwen3_5_moe import SPEC as QWEN3_5_MOE
-from llmc.runtime.models.spec import ModelSpec
+from dataclasses import replace
 
-SPEC = ModelSpec(
+from llmc.runtime.models.qwen3_5_moe import SPEC as QWEN3_5_MOE
+
+SPEC = replace(
+    QWEN3_5_MOE,
     family="qwen3_next",
     architectures=("Qwen3NextForCausalLM",),
     model_types=("qwen3_next",),
-    layer_linears=QWEN3_5_MOE.layer_linears,
-    layer_norms=QWEN3_5_MOE.layer_norms,
-    qk_norms=QWEN3_5_MOE.qk_norms,
-    global_tensors=QWEN3_5_MOE.global_tensors,
-    norm_weight_offset=1.0,
-    moe=QWEN3_5_MOE.moe,
 )
