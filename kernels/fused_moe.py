@@ -20,7 +20,8 @@ are one `ExpertWeights` (gate_up: N = 2I, K = H; down: N = H, K = I), in one of 
             the float32 accumulator by its row's and its channel's group scales
 Each projection may carry a bias [E, N] in x's dtype (gpt-oss), added to its output before the routing weight.
 The activation between the GEMMs is SiLU(gate) · up, or gpt-oss's clamped SwiGLU (`swiglu` (alpha, limit):
-`gated_activation`). Output [M, H] in x's dtype.
+`gated_activation`), or (`relu2`: Nemotron-H's experts, without gate: gate_up holds up's I rows alone, N = I)
+relu(up)². Output [M, H] in x's dtype.
 
 `align_by_expert` is plain torch and never synchronises with the host (no .item(), no boolean
 indexing), so the whole op can be captured in a CUDA graph: its buffers have static sizes, bounded
@@ -155,21 +156,24 @@ def align_by_expert(topk_ids: Tensor, num_experts: int, block_m: int = 16) -> tu
 
 def fused_moe_experts(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights,
                       down: ExpertWeights, config: MoeConfig | None = None,
-                      swiglu: tuple[float, float] | None = None) -> Tensor:
+                      swiglu: tuple[float, float] | None = None, relu2: bool = False) -> Tensor:
     """The MoE MLP of x [M, H] (module docstring): Triton on CUDA, else the torch reference.
     config: the tiles (default: the table's for M); ignored by the reference. swiglu: (alpha, limit) of gpt-oss's
-    clamped SwiGLU (`gated_activation`); None: SiLU(gate) · up."""
+    clamped SwiGLU (`gated_activation`); relu2: gateless experts, relu(up)²; neither: SiLU(gate) · up."""
     if not can_use_triton(x):
-        return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down, swiglu=swiglu)
+        return fused_moe_reference(x, topk_weights, topk_ids, gate_up, down, swiglu=swiglu, relu2=relu2)
     from . import fused_moe_triton  # triton loads on the first CUDA call only
 
-    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, gate_up, down, config, swiglu)
+    return fused_moe_triton.fused_moe(x, topk_weights, topk_ids, gate_up, down, config, swiglu, relu2)
 
 
-def gated_activation(gate_up: Tensor, swiglu: tuple[float, float] | None = None) -> Tensor:
+def gated_activation(gate_up: Tensor, swiglu: tuple[float, float] | None = None, relu2: bool = False) -> Tensor:
     """An expert's gate_up output [n, 2I] (gate columns, then up) → down's input [n, I]: SiLU(gate) · up, or with
     `swiglu` (alpha, limit) gpt-oss's clamped SwiGLU, (clamp(up, -limit, limit) + 1) · g · sigmoid(alpha · g) with
-    g = clamp(gate, max=limit), in gate_up's dtype as transformers' GptOssExperts computes it."""
+    g = clamp(gate, max=limit), in gate_up's dtype as transformers' GptOssExperts computes it. With `relu2`
+    (Nemotron-H's experts, no gate) gate_up is up's output alone [n, I]: relu(up)²."""
+    if relu2:
+        return torch.relu(gate_up).square()
     if swiglu is None:
         return silu_and_mul(gate_up)
     alpha, limit = swiglu
@@ -191,7 +195,8 @@ def _plain(weight: Tensor, scale: Tensor | None) -> ExpertWeights:
 
 def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights | Tensor,
                         down: ExpertWeights | Tensor, gate_up_scale: Tensor | None = None,
-                        down_scale: Tensor | None = None, swiglu: tuple[float, float] | None = None) -> Tensor:
+                        down_scale: Tensor | None = None, swiglu: tuple[float, float] | None = None,
+                        relu2: bool = False) -> Tensor:
     """Expert by expert in plain torch, in x's dtype (float32 accumulation for FP8 weights). Plain
     tensors (and scales) are dense or weight-only FP8 experts, as for `fused_moe`."""
     gate_up = gate_up if isinstance(gate_up, ExpertWeights) else _plain(gate_up, gate_up_scale)
@@ -201,7 +206,7 @@ def fused_moe_reference(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_
         token, slot = torch.where(topk_ids == expert)
         if token.numel() == 0:
             continue
-        y = expert_linear(gated_activation(expert_linear(x[token], gate_up, expert), swiglu), down, expert)
+        y = expert_linear(gated_activation(expert_linear(x[token], gate_up, expert), swiglu, relu2), down, expert)
         out.index_add_(0, token, y * topk_weights[token, slot, None].to(y.dtype))
     return out
 

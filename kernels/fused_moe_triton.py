@@ -19,7 +19,7 @@ by the routing weight in the down GEMM. Blocks of padding or of no expert exit a
                 into (level − zero) · scale in the input dtype (the same rounding as the w4a16
                 dequantize + matmul path) and fed to tl.dot.
 A bias (HAS_BIAS: gpt-oss's experts) is added to the float32 accumulator after the scales, before the routing
-weight; the activation between the GEMMs is fused_moe.gated_activation (SiLU · up, or the clamped SwiGLU).
+weight; the activation between the GEMMs is fused_moe.gated_activation (SiLU · up, the clamped SwiGLU, or relu²).
 """
 
 from __future__ import annotations
@@ -193,8 +193,9 @@ def _gemm_input(a: Tensor, w: ExpertWeights, local_ids: Tensor, rows_per_pair: i
 
 
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: ExpertWeights, down: ExpertWeights,
-              config: MoeConfig | None = None, swiglu: tuple[float, float] | None = None) -> Tensor:
-    """See kernels/fused_moe.py. x [M, H] → [M, H]; swiglu: fused_moe.gated_activation's."""
+              config: MoeConfig | None = None, swiglu: tuple[float, float] | None = None,
+              relu2: bool = False) -> Tensor:
+    """See kernels/fused_moe.py. x [M, H] → [M, H]; swiglu, relu2: fused_moe.gated_activation's."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     config = config or select_moe_config(num_tokens, top_k, gate_up.num_experts, gate_up.kind)
@@ -205,7 +206,7 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, gate_up: Expert
     gate_up_out = torch.empty(num_pairs, gate_up.out_features, device=x.device, dtype=x.dtype)  # [P, 2I]
     a, a_scale, rows_per_pair = _gemm_input(x, gate_up, topk_ids, top_k)
     _grouped_gemm(a, a_scale, gate_up, gate_up_out, sorted_pairs, block_expert, weights, rows_per_pair, False, config)
-    act = gated_activation(gate_up_out, swiglu)  # [P, I]
+    act = gated_activation(gate_up_out, swiglu, relu2)  # [P, I]
     a, a_scale, _ = _gemm_input(act, down, topk_ids, 1)
     down_out = torch.zeros(num_pairs, down.out_features, device=x.device, dtype=x.dtype)  # [P, H], other ranks' pairs 0
     _grouped_gemm(a, a_scale, down, down_out, sorted_pairs, block_expert, weights, 1, True, config)

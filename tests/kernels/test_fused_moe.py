@@ -464,6 +464,53 @@ def test_fused_moe_with_biases_and_clamped_swiglu_is_transformers_gpt_oss_expert
     assert rel_err(got.cpu(), want) < tolerance
 
 
+# ---- Nemotron-H: experts without gate, relu(up)² --------------------------------------------------------------------
+
+def nemotron_h_experts64(x, weights, ids, up, down):
+    """transformers' own NemotronHExperts (relu2, no gate) in float64 holding these experts (up [E, I, H], down
+    [E, H, I]) on the same routes."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    num_experts, inter, hidden = up.shape
+    config = NemotronHConfig(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=num_experts)
+    config._experts_implementation = "eager"
+    experts = NemotronHExperts(config).double()
+    with torch.no_grad():
+        experts.up_proj.copy_(up.double())
+        experts.down_proj.copy_(down.double())
+        return experts(x.double(), ids, weights.double())
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fused_moe_relu2_experts_are_transformers_nemotron_h_experts(num_tokens, dot_case, rel_err):
+    """Dense and W4A16 (gpu layout) experts without gate (gate_up: up's rows alone) and relu(up)² between the grouped
+    GEMMs (relu2) through the Triton kernels, and dense through the torch reference: transformers' NemotronHExperts in
+    float64 on the same (dequantized) weights; SiLU-gated on the same weights is far off."""
+    from llmc.kernels import fused_moe_triton
+
+    device, dtype = dot_case
+    gen = torch.Generator().manual_seed(20 + num_tokens)
+    x, _, _, up, down = _case(num_tokens, inter=40)
+    up = up[:, :40]  # [E, I, H]
+    weights, ids = _gpt_oss_route(num_tokens, 4, gen)
+    want = nemotron_h_experts64(x, weights, ids, up, down)
+    tolerance = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]  # (bf16: on a GPU only)
+    on = lambda t: t.to(device, dtype)  # noqa: E731
+    got = fused_moe_triton.fused_moe(on(x), weights.to(device), ids.to(device), ExpertWeights(on(up)),
+                                     ExpertWeights(on(down)), relu2=True)
+    assert rel_err(got.cpu(), want) < tolerance
+    assert rel_err(fused_moe_reference(x, weights, ids, up, down, relu2=True), want) < 1e-5
+    assert rel_err(fused_moe_reference(x, weights, ids, torch.cat([up, up], 1), down), want) > 0.1
+    q_up, up = _w4a16_experts(4, 64, 64, 32, False, dtype, gen)
+    q_down, down = _w4a16_experts(4, 64, 64, 32, True, dtype, gen)
+    x = torch.randn(num_tokens, 64, generator=gen)
+    want = nemotron_h_experts64(x, weights, ids, up, down)
+    got = fused_moe_triton.fused_moe(on(x), weights.to(device), ids.to(device), _on(q_up, device), _on(q_down, device),
+                                     relu2=True)
+    assert rel_err(got.cpu(), want) < tolerance
+
+
 _COMPILE_SM90_BIAS = r"""
 import json, triton
 from triton.backends.compiler import GPUTarget
