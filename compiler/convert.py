@@ -127,13 +127,13 @@ def read_mamba(reader: TensorReader, spec: ModelSpec, prefix: str, conv_bias: bo
 
 def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
                  skip_linears: set[str] = frozenset(), kind: str = "weight") -> dict[str, Tensor]:
-    """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows), then every
-    down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read. kind "bias": their
+    """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows; up's alone where the
+    MoeSpec has no gate), then every down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read. kind "bias": their
     biases (gpt-oss) in the same order, [2 * width] and [hidden]."""
     moe = spec.moe
     prefixes = [f"{spec.hf_layer_prefix}{index}.{moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
-    gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(f"{p}{moe.gate}.{kind}").float(),
-                                                              reader.get(f"{p}{moe.up}.{kind}").float()])
+    members = (moe.up,) if moe.gate is None else (moe.gate, moe.up)  # (Nemotron-H's experts: up alone)
+    gate_ups = {expert_linear_name(e, "gate_up"): torch.cat([reader.get(f"{p}{m}.{kind}").float() for m in members])
                 for e, p in enumerate(prefixes) if expert_linear_name(e, "gate_up") not in skip_linears}
     downs = {expert_linear_name(e, "down"): reader.get(f"{p}{moe.down}.{kind}").float()
              for e, p in enumerate(prefixes) if expert_linear_name(e, "down") not in skip_linears}

@@ -233,7 +233,11 @@ _HF_CONFIG_DEFAULTS["nemotron_h"] = {"max_position_embeddings": 4096, "layer_nor
                                      "eos_token_id": 2, "tie_word_embeddings": False, "intermediate_size": 21504,
                                      "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "mamba_num_heads": 128,
                                      "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
-                                     "chunk_size": 128, "use_conv_bias": True, "num_nextn_predict_layers": 0}
+                                     "chunk_size": 128, "use_conv_bias": True, "num_nextn_predict_layers": 0,
+                                     "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+                                     "moe_shared_expert_intermediate_size": 7688, "n_shared_experts": 1,
+                                     "moe_latent_size": None, "routed_scaling_factor": 1.0, "n_group": 1,
+                                     "topk_group": 1, "norm_topk_prob": True}
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
@@ -560,9 +564,10 @@ _NEMOTRON_H_BLOCKS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"
 def _nemotron_h_config(config: dict) -> dict:
     """A Nemotron-H config as NemotronHConfig and its model read it: the blocks from `layers_block_type` (else
     `hybrid_override_pattern`: M, *, -, E), their number the layers (num_hidden_layers is not read, as transformers);
-    `_nemotron_h`, the layers without an MLP (M, *) and without a mixer (-) and hidden_act relu2; `_mamba`, the M
+    `_nemotron_h`, the layers without an MLP (M, *) and without a mixer (-, E), hidden_act relu2 and the E blocks' MoE
+    fields (_nemotron_h_moe_fields); `_mamba`, the M
     blocks' Mamba-2 sizes (the older mamba_* key names too); `_nope_layers`, every layer (no rotary); rms_norm_eps
-    layer_norm_epsilon. Refused by name: E (moe) blocks, no attention block, q/k/v/o, MLP or Mamba-2 projection biases,
+    layer_norm_epsilon. Refused by name: no attention block, q/k/v/o, MLP or Mamba-2 projection biases,
     an intermediate_size that differs per MLP block, a sliding_window, an activation other than relu2 (MLP) / silu
     (Mamba-2), a time_step_limit other than (0, inf). transformers' chunked scan clamps dt below at time_step_min,
     its one-token step does not; vLLM clamps in neither, nor does the runtime (Granite 4.0's mixer)."""
@@ -579,9 +584,6 @@ def _nemotron_h_config(config: dict) -> dict:
     if set(kinds) - set(_NEMOTRON_H_BLOCKS.values()):
         raise CheckpointError(f"layers_block_type {kinds!r}: Nemotron-H's blocks are linear_attention, "
                               "full_attention, mlp or moe")
-    if "moe" in kinds:
-        raise CheckpointError("layers_block_type: Nemotron-H's moe (E) blocks (Nemotron 3 Nano's experts) are not "
-                              "supported; its dense checkpoints (M, * and - blocks) are")
     if "full_attention" not in kinds:
         raise CheckpointError("layers_block_type: no full_attention (*) block (every mixer Mamba-2) is not supported; "
                               "Nemotron-H's checkpoints mix attention in")
@@ -611,15 +613,43 @@ def _nemotron_h_config(config: dict) -> dict:
     heads, head_dim, groups = config["mamba_num_heads"], config["mamba_head_dim"], config["n_groups"]
     if heads % groups:
         raise CheckpointError(f"mamba_num_heads {heads} must be a multiple of n_groups {groups}")
+    moe = [i for i, kind in enumerate(kinds) if kind == "moe"]
     return {**config, "num_hidden_layers": layers, "intermediate_size": width,
             "rms_norm_eps": config["layer_norm_epsilon"], "_nope_layers": list(range(layers)),
             "_nemotron_h": {"hidden_act": "relu2",
-                            "no_mlp_layers": [i for i, kind in enumerate(kinds) if kind != "mlp"],
-                            "no_mixer_layers": [i for i, kind in enumerate(kinds) if kind == "mlp"]},
+                            "no_mlp_layers": [i for i, kind in enumerate(kinds) if kind not in ("mlp", "moe")],
+                            "no_mixer_layers": [i for i, kind in enumerate(kinds) if kind in ("mlp", "moe")],
+                            **(_nemotron_h_moe_fields(config, moe) if moe else {})},
             "_mamba": {"mamba_layers": mamba, "mamba_num_heads": heads, "mamba_head_dim": head_dim,
                        "mamba_n_groups": groups, "mamba_d_state": config["ssm_state_size"],
                        "mamba_conv_kernel": config["conv_kernel"], "mamba_chunk_size": config["chunk_size"],
                        "mamba_conv_bias": bool(config["use_conv_bias"])} if mamba else {}}
+
+
+def _nemotron_h_moe_fields(config: dict, layers: list[int]) -> dict:
+    """Nemotron-H's moe (E) blocks as NemotronHMoE reads the config: n_routed_experts of moe_intermediate_size (relu2,
+    no gate), top num_experts_per_tok by DeepSeek-V3's router (NemotronHTopkRouter: sigmoid, e_score_correction_bias,
+    n_group / topk_group, norm_topk_prob, routed_scaling_factor), one shared expert of
+    moe_shared_expert_intermediate_size. Refused by name: a moe_latent_size (the experts' latent projections),
+    n_shared_experts other than 1, scoring_func / topk_method other than sigmoid / noaux_tc."""
+    if config["moe_latent_size"] is not None:
+        raise CheckpointError(f"moe_latent_size {config['moe_latent_size']}: Nemotron-H's latent MoE projections "
+                              "(fc1_latent_proj / fc2_latent_proj) are not supported; set it null (Nemotron 3 Nano's)")
+    if config["n_shared_experts"] != 1 or not config["moe_shared_expert_intermediate_size"]:
+        raise CheckpointError(f"n_shared_experts {config['n_shared_experts']!r}: Nemotron-H's moe blocks are read with "
+                              "one shared expert of moe_shared_expert_intermediate_size (transformers' NemotronHMoE); "
+                              "set it to 1")
+    scoring, method = config.get("scoring_func"), config.get("topk_method")
+    if scoring not in (None, "sigmoid") or method not in (None, "noaux_tc"):
+        raise CheckpointError(f"scoring_func {scoring!r}, topk_method {method!r}: transformers' Nemotron-H routes by "
+                              "sigmoid with noaux_tc (e_score_correction_bias)")
+    experts, groups = config["n_routed_experts"], (config["n_group"], config["topk_group"])
+    _check_router_groups(experts, *groups, pairs=True)
+    return {"num_experts": experts, "num_experts_per_tok": config["num_experts_per_tok"],
+            "moe_intermediate_size": config["moe_intermediate_size"], "norm_topk_prob": bool(config["norm_topk_prob"]),
+            "moe_layers": layers, "shared_expert_intermediate_size": config["moe_shared_expert_intermediate_size"],
+            "router_scoring": "sigmoid", "router_groups": groups[0], "router_topk_groups": groups[1],
+            "routed_scaling_factor": float(config["routed_scaling_factor"])}
 
 
 def _granite_fields(config: dict) -> dict:
@@ -850,7 +880,8 @@ DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4")
 _DEEPSEEK_NAMES = {"deepseek_v2": "DeepSeek-V2", "deepseek_v3": "DeepSeek-V3", "glm4_moe_lite": "GLM-4.7-Flash",
                    "mistral4": "Mistral 4"}
 # routed by moe.deepseek_route (their own MoE fields)
-DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "lfm2_moe")
+DEEPSEEK_ROUTER_FAMILIES = (*DEEPSEEK_FAMILIES, "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2", "lfm2_moe",
+                            "nemotron_h")
 
 
 def _deepseek_config(config: dict, family: str) -> dict:

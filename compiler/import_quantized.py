@@ -128,7 +128,7 @@ class ImportPacker:
         c, spec, prefix = self.config, self.spec, f"{self.spec.hf_layer_prefix}{index}."
         h = c.hidden_size
         inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size,
-                  "moe.shared.gate_up": h, "moe.shared.down": c.shared_expert_intermediate_size}
+                  "moe.shared.gate_up": h, "moe.shared.up": h, "moe.shared.down": c.shared_expert_intermediate_size}
         if c.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
             inputs |= {"attn.q": h, "attn.q_a": h, "attn.q_b": c.q_lora_rank, "attn.kv_a": h,
                        "attn.kv_b": c.kv_lora_rank, "attn.o": c.num_heads * c.v_head_dim}
@@ -142,7 +142,8 @@ class ImportPacker:
         if c.is_moe_layer(index):
             moe, size = spec.moe, c.moe_intermediate_size
             experts = [prefix + moe.expert_prefix.format(e) for e in range(c.num_experts)]
-            linears |= {expert_linear_name(e, "gate_up"): [(p + moe.gate, h, size), (p + moe.up, h, size)]
+            gate_up = (moe.up,) if moe.gate is None else (moe.gate, moe.up)  # (Nemotron-H's experts: no gate)
+            linears |= {expert_linear_name(e, "gate_up"): [(p + m, h, size) for m in gate_up]
                         for e, p in enumerate(experts)}
             linears |= {expert_linear_name(e, "down"): [(p + moe.down, size, h)] for e, p in enumerate(experts)}
         return linears

@@ -60,7 +60,8 @@ def module_names(spec: ModelSpec, config: ModelConfig) -> dict[str, list[str]]:
         if config.is_moe_layer(i):  # one format per projection, for all the layer's experts
             moe, experts = spec.moe, [f"{spec.hf_layer_prefix}{i}.{spec.moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
             names[f"layers.{i}.moe.experts.gate_up"] = [f"layers.{i}.moe.experts.gate_up",
-                                                         *(p + m for p in experts for m in (moe.gate, moe.up))]
+                                                         *(p + m for p in experts for m in (moe.gate, moe.up)
+                                                           if m is not None)]  # (Nemotron-H's: no gate)
             names[f"layers.{i}.moe.experts.down"] = [f"layers.{i}.moe.experts.down", *(p + moe.down for p in experts)]
     if not config.tie_word_embeddings and not config.is_classifier:  # (a classifier's `score` stays dense)
         names["lm_head"] = ["lm_head"]
@@ -164,6 +165,7 @@ def linear_in_features(spec: ModelSpec, config: ModelConfig) -> dict[str, int]:
              "mlp.up": config.hidden_size, "mlp.down": config.intermediate_size,
              "moe.experts.gate_up": config.hidden_size,
              "moe.experts.down": config.moe_intermediate_size, "moe.shared.gate_up": config.hidden_size,
+             "moe.shared.up": config.hidden_size,
              "moe.shared.down": config.shared_expert_intermediate_size}
     if config.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
         sizes |= {"attn.q": config.hidden_size, "attn.q_a": config.hidden_size, "attn.q_b": config.q_lora_rank,

@@ -132,11 +132,15 @@ from llmc.schema import opt, parse
 #      short_conv_kernel; older manifests load without them (no short-conv layer).
 # 1.42: GLM-4.7-Flash (family glm4_moe_lite) and Mistral 4 (family mistral4), DeepSeek-V3's fields; the query
 #      temperature (Mistral 4's llama_4_scaling_beta) with MLA too (an older llmc refuses the families by name).
-FORMAT_VERSION = "1.42"
+# 1.43: Nemotron-H's moe (E) blocks (Nemotron 3 Nano): no_mixer_layers may be MoE layers (an MoE alone), whose experts
+#      under hidden_act relu2 have no gate (moe.experts.gate_up holds up's rows alone, [E, width, hidden]) and whose
+#      shared expert is moe.shared.up / moe.shared.down; DeepSeek-V3's router fields (an older llmc refuses both).
+FORMAT_VERSION = "1.43"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
-                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42")
+                         "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42",
+                         "1.43")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -160,6 +164,7 @@ SHORT_CONV_LINEARS = ("attn.conv_in", "attn.conv_out")  # a gated short-conv lay
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
 SHARED_EXPERT_LINEARS = ("moe.shared.gate_up", "moe.shared.down")  # an MoE layer's shared expert, where it has one
+UP_SHARED_EXPERT_LINEARS = ("moe.shared.up", "moe.shared.down")  # a shared expert without gate's (relu2: Nemotron-H)
 # DeepSeek's multi-head latent attention (runtime/models/mla.py) in place of attn.qkv: q (attn.q, or attn.q_a then
 # attn.q_b under a q_lora_rank), the compressed kv and the shared rope key (attn.kv_a), the per-head k_nope and v
 # (attn.kv_b)
@@ -421,10 +426,11 @@ class ModelConfig:
         alone = self.no_mlp_layers + self.no_mixer_layers
         stateful = set(self.linear_attention_layers) | set(self.mamba_layers)
         if any(not 0 <= i < self.num_layers for i in alone) or len(set(alone)) != len(alone) or (
-                set(self.no_mixer_layers) & stateful) or set(alone) & set(self.moe_layers):
+                set(self.no_mixer_layers) & stateful) or set(self.no_mlp_layers) & set(self.moe_layers):
             raise ArtifactError(f"model: no_mlp_layers {self.no_mlp_layers} and no_mixer_layers "
                                 f"{self.no_mixer_layers} must be distinct layers of the {self.num_layers} (a layer "
-                                "without a mixer has no linear-attention or Mamba-2 mixer; neither is an MoE layer)")
+                                "without a mixer has no linear-attention or Mamba-2 mixer; one without an MLP is no "
+                                "MoE layer)")
 
         if self.short_conv_layers and (self.is_mla or self.short_conv_kernel is None
                                        or any(not 0 <= i < self.num_layers for i in self.short_conv_layers)
@@ -490,9 +496,10 @@ class ModelConfig:
     def router_in_float32(self) -> bool:
         """DeepSeek's (and GLM-4.7-Flash's, Mistral 4's), GLM-4.5's, dots.llm1's, ERNIE 4.5 MoE's, MiniMax-M2's and
         LFM2-MoE's router weight (and their score bias where they have one) is held and run in float32, as transformers
-        keeps it (MiniMax-M2's: as vLLM does; LFM2-MoE's: as MiniMax-M2's), and routes by `deepseek_route`."""
+        keeps it (MiniMax-M2's: as vLLM does; LFM2-MoE's: as MiniMax-M2's), and routes by `deepseek_route`; Nemotron-H's
+        (its moe blocks: transformers' NemotronHTopkRouter) too."""
         return self.family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe", "minimax_m2",
-                               "lfm2_moe", "glm4_moe_lite", "mistral4")
+                               "lfm2_moe", "glm4_moe_lite", "mistral4", "nemotron_h")
 
     @property
     def router_score_bias(self) -> bool:
@@ -583,7 +590,8 @@ class ModelConfig:
             return attention
         if not self.is_moe_layer(index):
             return attention + (UP_MLP_LINEARS if self.hidden_act == "relu2" else DECODER_LINEARS[2:])
-        return attention + MOE_LINEARS[2:] + (SHARED_EXPERT_LINEARS if self.shared_expert_intermediate_size else ())
+        shared = UP_SHARED_EXPERT_LINEARS if self.hidden_act == "relu2" else SHARED_EXPERT_LINEARS
+        return attention + MOE_LINEARS[2:] + (shared if self.shared_expert_intermediate_size else ())
 
     @property
     def mla_parameters(self) -> int:
@@ -611,11 +619,14 @@ class ModelConfig:
         if self.is_classifier:  # (HF's classifier has no LM head, tied or not: its head is `score`)
             lm_head = self.num_labels * self.hidden_size
         num_moe = len(self.moe_layers)
-        moe = (self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)) if num_moe else 0
+        projections = 2 if self.hidden_act == "relu2" else 3  # (relu2: experts without gate, Nemotron-H's)
+        moe = (self.num_experts * (projections * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+               ) if num_moe else 0
         if num_moe and self.moe_bias:  # the router's bias, each expert's gate_up and down biases
             moe += self.num_experts * (1 + 2 * self.moe_intermediate_size + self.hidden_size)
         if num_moe and self.shared_expert_intermediate_size:
-            moe += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size * self.shared_expert_gate
+            moe += (projections * self.hidden_size * self.shared_expert_intermediate_size
+                    + self.hidden_size * self.shared_expert_gate)
         attn += self.hidden_size * q * self.attn_output_gate  # (Qwen3.5's gate rows in q_proj)
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
         if self.linear_attention_layers:  # its linear-attention layers: a Gated DeltaNet in place of attn and q/k norms

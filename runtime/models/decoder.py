@@ -260,8 +260,8 @@ class DecoderLayer(nn.Module):
         x, residual = self.norm_in(x, residual)
         if not self.has_mlp:  # (Nemotron-H: the mixer alone; the next norm adds its output)
             return self.attn(x, batch, cos_sin), residual
-        if not self.has_mixer:  # (the MLP alone, on input_norm's output)
-            return self.mlp(x), residual
+        if not self.has_mixer:  # (the MLP or MoE alone, on input_norm's output)
+            return (self.moe if self.is_moe else self.mlp)(x), residual
         return self.feed_forward(self.attn(x, batch, cos_sin), residual)
 
     def norm_in(self, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:

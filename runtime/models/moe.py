@@ -25,6 +25,11 @@ norm_topk_prob; both times routed_scaling_factor. They hand the fused kernel (id
 ERNIE 4.5 MoE's router is V2's softmax chosen by score + its moe_statics bias (moe.gate_bias) as V3's, no groups,
 renormalised by max(sum, moe_norm_min) (ModelConfig.router_norm_min), as transformers' Ernie4_5_MoeTopKRouter.
 
+Nemotron-H's experts (Nemotron 3 Nano; ModelConfig.hidden_act relu2, the family's MLP activation) have no gate:
+experts.gate_up keeps its name and holds up's rows alone [E, width, hidden], the activation is relu(up)² on every path
+(`gated_activation`'s relu2: the fused kernel's, between its two grouped GEMMs, and the plain-torch one); their shared
+expert is relu2's too (moe.shared.up, moe.shared.down). Their router is DeepSeek-V3's (`deepseek_route`).
+
 Llama 4's router (router_scoring sigmoid_input, top-k 1) takes the top logit and its sigmoid, which multiplies the
 expert's input rather than its output: the hidden state is scaled by its score (in the model dtype, as transformers)
 before the routed experts, whose outputs are then weighted by 1, on every path (the fused kernel's, the plain-torch
@@ -111,16 +116,24 @@ class ExpertLinears(nn.Module):
 
 class SharedExpert(nn.Module):
     """An MoE layer's shared expert: SiLU(gate) · up, then down (this rank's columns of it under TP; the MoE
-    all-reduces its output with the experts')."""
+    all-reduces its output with the experts'); under hidden_act relu2 (Nemotron-H) relu(up)², then down, its up
+    `moe.shared.up` as the dense MLP's `mlp.up`."""
 
     def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype, layout: RankLayout):
         super().__init__()
         size = layout.shared_intermediate_size
-        self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
+        self.relu2 = config.hidden_act == "relu2"
+        if self.relu2:
+            self.up = Linear(config.hidden_size, size, formats[prefix + "up"], False, dtype)
+        else:
+            self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
-        self.fp8_down_input = takes_fp8_activations(formats[prefix + "down"])
+        # (relu2: a w8a8-fp8 down quantizes its input itself)
+        self.fp8_down_input = not self.relu2 and takes_fp8_activations(formats[prefix + "down"])
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.relu2:
+            return self.down(torch.relu(self.up(x)).square())
         return self.down((act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), "silu"))
 
 
@@ -141,6 +154,8 @@ class MoE(nn.Module):
             self.gate.register_buffer("bias", torch.empty(config.num_experts, dtype=router_dtype, device="meta"))
         # gpt-oss's clamped SwiGLU (None: SiLU(gate) * up): `expert_activation`
         self.swiglu = None if config.swiglu_limit is None else (config.swiglu_alpha, config.swiglu_limit)
+        # Nemotron-H's experts (hidden_act relu2): no gate, experts.gate_up holds up's rows alone, relu(up)²
+        self.relu2 = config.hidden_act == "relu2"
         self.is_deepseek_router = config.router_in_float32
         self.scoring, self.routed_scaling_factor = config.router_scoring, config.routed_scaling_factor
         self.groups, self.topk_groups = config.router_groups, config.router_topk_groups
@@ -155,7 +170,7 @@ class MoE(nn.Module):
         bias_dtype = dtype if config.moe_bias else None
         # down's bias: on tensor rank 0 alone where the experts are split on their width (added once by the all-reduce)
         down_bias_dtype = bias_dtype if holds_expert_down_bias(config, layout) else None
-        self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, 2 * size,
+        self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, (1 if self.relu2 else 2) * size,
                                              formats[prefix + "experts.gate_up"], bias_dtype)
         self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size,
                                           formats[prefix + "experts.down"], down_bias_dtype)
@@ -195,7 +210,8 @@ class MoE(nn.Module):
             routed, weights = x * weights.to(x.dtype), torch.ones_like(weights)  # dtype; its output weighted by 1
         fused = None if self.observers else fused_expert_weights(x, self.experts.gate_up, self.experts.down)
         if fused is not None:
-            out = fused_moe_experts(routed, weights, ids - self.expert_start, *fused, swiglu=self.swiglu)
+            out = fused_moe_experts(routed, weights, ids - self.expert_start, *fused, swiglu=self.swiglu,
+                                    relu2=self.relu2)
         else:
             out = self.forward_experts(routed, weights, ids)
         if self.has_shared:
@@ -216,8 +232,8 @@ class MoE(nn.Module):
 
     def expert_activation(self, gate_up: Tensor) -> Tensor:
         """An expert's gate_up output [n, 2 * width] → down's input [n, width] (fused_moe.gated_activation: SiLU(gate)
-        * up, or gpt-oss's clamped SwiGLU)."""
-        return gated_activation(gate_up, self.swiglu)
+        * up, or gpt-oss's clamped SwiGLU; Nemotron-H's: up's output [n, width] → relu(up)²)."""
+        return gated_activation(gate_up, self.swiglu, self.relu2)
 
     def forward_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The plain-torch path: each local expert that received tokens runs on them (a token that

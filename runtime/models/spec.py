@@ -27,7 +27,9 @@ class MoeSpec:
 
     router: str  # the gate [num_experts, hidden], e.g. "block_sparse_moe.gate"
     expert_prefix: str  # expert e's linears are under expert_prefix.format(e), e.g. "block_sparse_moe.experts.{}."
-    gate: str  # names of the expert's projections under its prefix: gate ("w1"), up ("w3"), down ("w2")
+    # names of the expert's projections under its prefix: gate ("w1"), up ("w3"), down ("w2"); gate None: experts
+    # without gate (Nemotron-H's, hidden_act relu2: moe.experts.gate_up is up's rows alone)
+    gate: str | None
     up: str
     down: str
     # Granite MoE stores every expert of a layer in two tensors, (gate_up [E, 2 * width, hidden] (gate rows, then up),
@@ -175,6 +177,7 @@ def hf_member_rows(linear: FusedLinear, config) -> list[int]:
              "mlp.gate_up": [config.intermediate_size] * 2, "mlp.down": [config.hidden_size],
              "mlp.up": [config.intermediate_size],
              "moe.shared.gate_up": [config.shared_expert_intermediate_size] * 2,
+             "moe.shared.up": [config.shared_expert_intermediate_size],
              "moe.shared.down": [config.hidden_size]}
     if config.linear_attention_layers:
         key, value = (config.linear_num_key_heads * config.linear_key_head_dim,

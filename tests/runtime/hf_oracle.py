@@ -55,7 +55,7 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
     the final norm times logits_scaling. Granite 4.0's experts stacked as transformers holds them (their down and
     the shared expert's unfolded too). NemotronHForCausalLM: its linears under `mixer` by the spec's names, its
-    embeddings and norm_f."""
+    embeddings and norm_f, its moe blocks' router, score bias and stacked experts (up_proj, down_proj)."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -119,13 +119,18 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
             weight = dequantize(make_format(manifest["quant"]["modules"][f"layers.{i}.{runtime}"], torch.float32), params)
             for name, part in zip(names, weight.float().split(sizes) if sizes else [weight.float()], strict=True):
                 state[f"model.layers.{i}.{name}.weight"] = part / unfold.get(runtime, 1.0)
-        if model["family"] in ("granitemoehybrid", "lfm2_moe") and i in model.get("moe_layers", []):
+        if model["family"] in ("granitemoehybrid", "lfm2_moe", "nemotron_h") and i in model.get("moe_layers", []):
             # the experts stacked as transformers holds them (in-memory names), down unfolded (Granite 4.0's)
-            lfm2 = model["family"] == "lfm2_moe"
-            prefix, moe = f"model.layers.{i}.{'feed_forward' if lfm2 else 'block_sparse_moe'}.", f"layers.{i}.moe."
-            if not lfm2:  # (LFM2-MoE's router and its bias: `dense`)
+            lfm2, nemotron = model["family"] == "lfm2_moe", model["family"] == "nemotron_h"
+            module = "feed_forward" if lfm2 else "mixer" if nemotron else "block_sparse_moe"
+            prefix, moe = f"model.layers.{i}.{module}.", f"layers.{i}.moe."
+            if nemotron:  # (its router and score bias; its experts' up without gate)
+                state[prefix + "gate.weight"] = tensors[moe + "gate.weight"].float()
+                state[prefix + "gate.e_score_correction_bias"] = tensors[moe + "gate_bias.weight"].float()
+            elif not lfm2:  # (LFM2-MoE's router and its bias: `dense`)
                 state[prefix + "router.weight"] = tensors[moe + "gate.weight"].float()
-            for projection, theirs, scale in (("gate_up", "gate_up_proj", 1.0), ("down", "down_proj", residual)):
+            first = "up_proj" if nemotron else "gate_up_proj"
+            for projection, theirs, scale in (("gate_up", first, 1.0), ("down", "down_proj", residual)):
                 params = {k.removeprefix(f"{moe}experts.{projection}."): v for k, v in tensors.items()
                           if k.startswith(f"{moe}experts.{projection}.")}
                 form = make_format(manifest["quant"]["modules"][f"{moe}experts.{projection}"], torch.float32)
