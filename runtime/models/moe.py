@@ -170,7 +170,8 @@ class MoE(nn.Module):
         bias_dtype = dtype if config.moe_bias else None
         # down's bias: on tensor rank 0 alone where the experts are split on their width (added once by the all-reduce)
         down_bias_dtype = bias_dtype if holds_expert_down_bias(config, layout) else None
-        self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, (1 if self.relu2 else 2) * size,
+        rows = size if self.relu2 else 2 * size  # (relu2: up's rows alone)
+        self.experts.gate_up = ExpertLinears(self.num_local_experts, config.hidden_size, rows,
                                              formats[prefix + "experts.gate_up"], bias_dtype)
         self.experts.down = ExpertLinears(self.num_local_experts, size, config.hidden_size,
                                           formats[prefix + "experts.down"], down_bias_dtype)

@@ -3,9 +3,10 @@
 test sizes, tests/conftest): each E block 8 experts of width 32 without gate (relu2), top 2 of a sigmoid router chosen
 with a random e_score_correction_bias within the best 2 of 4 groups, renormalised, times 1.5, and a relu2 shared expert
 64 wide. Logits over a chunked prefill, greedy tokens and logprobs batched on fewer seats than prompts, also with the
-attention on its Triton kernels (interpreted); the runtime's router against transformers' NemotronHTopkRouter; RTN and
-GPTQ W4 (every linear and expert) against transformers holding the dequantized weights; NemotronHConfig's default sizes
-with E blocks and their parameter count; the refusals; -m gpu: CUDA (written, not run here)."""
+attention and the experts on their Triton kernels (interpreted); the runtime's router against transformers'
+NemotronHTopkRouter; RTN and GPTQ (-m slow) W4 (every linear and expert) against transformers holding the dequantized
+weights; NemotronHConfig's default sizes with E blocks and their parameter count; the GPU's memory profile forward on
+the CPU; the refusals; -m gpu: CUDA (written, not run here)."""
 
 import os
 
@@ -24,7 +25,7 @@ from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build, f
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
-from tests.runtime.test_qwen3_5 import check_hybrid_refusals
+from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 MOE = {"hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "n_routed_experts": 8, "num_experts_per_tok": 2,
@@ -105,18 +106,19 @@ def test_the_router_is_transformers_router(checkpoint, artifact):
 
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
-    """Qwen3.5's test on this model: the attention block's KV write and paged attention on their Triton kernels (the
-    interpreter on CPU tensors), the Mamba-2 mixer and the MoEs in torch: transformers' logits, greedy tokens,
-    logprobs."""
+    """Qwen3.5's test on this model, the interpreter on CPU tensors: the attention block's KV write and paged attention
+    and the E blocks' gateless experts on their Triton kernels (the fused MoE's grouped GEMMs with relu² between),
+    the Mamba-2 mixer in torch: transformers' logits, greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
+    assert triton_dispatch["fused_moe"] > 0
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
-    """RTN and GPTQ (calibrated through the blocks in turn, each expert on the tokens routed to it) W4 of every linear
-    and expert (the experts' up and down, the shared expert's) against transformers holding its dequantized weights
-    (the router and its score bias dense, float32)."""
+    """RTN and GPTQ (-m slow; calibrated through the blocks in turn, each expert on the tokens routed to it) W4 of
+    every linear and expert (the experts' up and down, the shared expert's) against transformers holding its
+    dequantized weights (the router and its score bias dense, float32)."""
     check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
                           PROMPTS)
     modules = read_manifest(tmp_path / "q").quant.modules
@@ -172,3 +174,9 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
         assert all(runner.model.layers[i].moe.runs_fused() for i in ("1", "3"))
 
     check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, gated_norm, check_runner=runs_fused)
+
+
+def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
+    """The GPU's memory profile forward, run on the CPU (test_qwen3_5.check_memory_profile_forward): a KV cache bound
+    to the attention block alone, transformers' probabilities at the logits rows, every layer left unbound."""
+    check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits)
