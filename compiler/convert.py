@@ -128,8 +128,8 @@ def read_mamba(reader: TensorReader, spec: ModelSpec, prefix: str, conv_bias: bo
 def read_experts(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index: int,
                  skip_linears: set[str] = frozenset(), kind: str = "weight") -> dict[str, Tensor]:
     """An MoE layer's experts in runtime names: every expert's gate_up (gate rows, then up rows; up's alone where the
-    MoeSpec has no gate), then every down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are not read. kind "bias": their
-    biases (gpt-oss) in the same order, [2 * width] and [hidden]."""
+    MoeSpec has no gate), then every down; those in `skip_linears` ("moe.experts.3.down", imported quantized ones) are
+    not read. kind "bias": their biases (gpt-oss) in the same order, [2 * width] and [hidden]."""
     moe = spec.moe
     prefixes = [f"{spec.hf_layer_prefix}{index}.{moe.expert_prefix.format(e)}" for e in range(config.num_experts)]
     members = (moe.up,) if moe.gate is None else (moe.gate, moe.up)  # (Nemotron-H's experts: up alone)
