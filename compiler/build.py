@@ -278,6 +278,7 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
                               "experts); quantize the float checkpoint with rtn, gptq, awq or fp8")
     derived = (_derived_tensors(hf_config, spec, model, model_dir) | hf.fused_expert_tensors(spec, model)
                | hf.qwen3_next_tensors(spec, model)
+               | hf.olmo_hybrid_tensors(spec, model, set(reader.names()) if gguf is None else set())
                | gpt_oss_checkpoint.expert_tensors(spec, model)
                | (qwen3_vl_moe_expert_tensors(reader, spec, model) if vision is not None and spec.family == "qwen3_moe"
                   or spec.family in ("qwen3_5_moe", "qwen3_next", "glm4_moe_lite", "mistral4") and gguf is None

@@ -325,7 +325,7 @@ def _other_tensors(tensors: dict[str, Tensor], model: art.ModelConfig, spec: Mod
         if runtime.removesuffix(".weight") not in linears and runtime in tensors:
             out[hf] = tensors[runtime]
     for i in range(model.num_layers):
-        for runtime, hf in layer_norm_names(spec, model).items():
+        for runtime, hf in layer_norm_names(spec, model, i).items():
             out[f"{spec.hf_layer_prefix}{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"]
     for i in model.moe_layers:
         out[f"{spec.hf_layer_prefix}{i}.{spec.moe.router}.weight"] = tensors[f"layers.{i}.moe.gate.weight"]

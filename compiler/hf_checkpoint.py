@@ -255,7 +255,7 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                    "NemotronHForCausalLM": "nemotron_h",
                    "Qwen3_5ForConditionalGeneration": "qwen3_5", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-                   "Mistral4ForCausalLM": "mistral4"}
+                   "Mistral4ForCausalLM": "mistral4", "OlmoHybridForCausalLM": "olmo_hybrid"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -323,6 +323,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _qwen3_5_config(config)
     if spec.family in LFM2_FAMILIES:
         config = _lfm2_config(config)
+    if spec.family == "olmo_hybrid":
+        config = _olmo_hybrid_config(config)
     num_heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     rope_theta, rope_scaling = _rope(config)
@@ -366,6 +368,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h") else {}),
         **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
         **(config["_lfm2"] if spec.family in LFM2_FAMILIES else {}),
+        **(config["_olmo_hybrid"] if spec.family == "olmo_hybrid" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
         **({"sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True}
            if spec.family in ("olmo2", "olmo3") else {}),
@@ -1396,6 +1399,72 @@ def _qwen3_5_config(config: dict) -> dict:
     parsed = {**parsed, "architectures": config["architectures"], "rope_parameters": params,
               "eos_token_id": text.get("eos_token_id", parsed.get("eos_token_id")), "_qwen3_5": fields}
     return {**parsed, "_rotary_dim": _partial_rotary_dim(parsed, factor)}
+
+
+def _olmo_hybrid_config(config: dict) -> dict:
+    """An OLMo Hybrid config as transformers' OlmoHybridConfig fills it in (layer_types: every fourth layer full
+    attention; the DeltaNet's heads and dims from num_attention_heads and hidden_size), flat, its layer kinds and
+    DeltaNet fields as ModelConfig fields (`_olmo_hybrid`: the DeltaNet layers also pre_norm_layers, Llama's norms;
+    the gated norm's eps 1e-5, as OlmoHybridGatedDeltaNet builds it whatever rms_norm_eps). A null rope_theta is its
+    NoPE form (OlmoHybridModel builds no rotary then, as for the published checkpoints): rope_on_full_layers false, every
+    attention layer rotated by nothing. Refused by name: attention_bias, layer kinds other than linear_attention and
+    full_attention (a hidden_act other than SiLU, the MLP's and the conv's, is refused as for every family)."""
+    from transformers import OlmoHybridConfig
+
+    arch = config["architectures"][0]
+    try:
+        parsed = OlmoHybridConfig(**{k: v for k, v in config.items() if k not in (
+            "architectures", "model_type", "transformers_version")}).to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{arch}: the config is not one transformers' OlmoHybridConfig reads ({e})") from None
+    if parsed.get("attention_bias"):
+        raise CheckpointError(f"{arch}: attention_bias: true is not supported (OLMo Hybrid's q/k/v/o biases: the "
+                              "runtime's o has none)")
+    kinds = parsed["layer_types"]
+    if len(kinds) != parsed["num_hidden_layers"] or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise CheckpointError(f"{arch}: layer_types {kinds}: one of linear_attention or full_attention per layer")
+    params = dict(parsed.get("rope_parameters") or {})
+    nope = params.get("rope_theta") is None
+    linear = [i for i, kind in enumerate(kinds) if kind == "linear_attention"]
+    fields = {"linear_attention_layers": linear, "pre_norm_layers": linear, "linear_norm_eps": 1e-5,
+              "linear_allow_neg_eigval": bool(parsed["linear_allow_neg_eigval"]),
+              "sandwich_norms": True, "pre_norms": False, "qk_norm_full_width": True,
+              **({"rope_on_full_layers": False} if nope else {}),
+              **{key: parsed[key] for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                              "linear_value_head_dim", "linear_conv_kernel_dim")}}
+    return {**parsed, "architectures": config["architectures"], "_olmo_hybrid": fields,
+            "rope_parameters": {"rope_theta": 10000.0} if nope else params}  # (NoPE: a theta no layer reads)
+
+
+def olmo_hybrid_tensors(spec: ModelSpec, config: ModelConfig, stored: set[str]) -> dict[str, Callable]:
+    """For OLMo Hybrid, a `TensorReader` derived tensor for each Gated DeltaNet's Qwen3.5 names, which the rest of the
+    build reads: in_proj_qkv (q_proj, k_proj, v_proj's rows), in_proj_z (g_proj), in_proj_b (b_proj), in_proj_a
+    (a_proj), out_proj (o_proj), norm (o_norm). Where the checkpoint (its `stored` names) holds the layers as
+    save_pretrained writes them and the published checkpoints do (OLMo-core's names, which transformers' conversion
+    mapping renames at load), also transformers' names of them: input_layernorm (attention_layer_norm),
+    post_attention_layernorm (feedforward_layer_norm, in every layer) and conv1d (q_conv1d, k_conv1d and v_conv1d's
+    channels). {} for another family."""
+    if config.family != "olmo_hybrid":
+        return {}
+    derived = {}
+    for i in range(config.num_layers):
+        layer = f"{spec.hf_layer_prefix}{i}."
+        renamed = {"input_layernorm": "attention_layer_norm", "post_attention_layernorm": "feedforward_layer_norm"}
+        for theirs, olmo_core in renamed.items():
+            if f"{layer}{theirs}.weight" not in stored and f"{layer}{olmo_core}.weight" in stored:
+                derived[f"{layer}{theirs}.weight"] = lambda r, name=f"{layer}{olmo_core}.weight": r.get(name)
+        if i not in config.linear_attention_layers:
+            continue
+        hf = f"{layer}linear_attn."
+        if f"{hf}conv1d.weight" not in stored:
+            derived[f"{hf}conv1d.weight"] = lambda r, hf=hf: torch.cat(
+                [r.get(f"{hf}{name}_conv1d.weight") for name in ("q", "k", "v")])
+        derived[f"{hf}in_proj_qkv.weight"] = lambda r, hf=hf: torch.cat(
+            [r.get(f"{hf}{name}.weight") for name in ("q_proj", "k_proj", "v_proj")])
+        for ours, theirs in (("in_proj_z", "g_proj"), ("in_proj_b", "b_proj"), ("in_proj_a", "a_proj"),
+                             ("out_proj", "o_proj"), ("norm", "o_norm")):
+            derived[f"{hf}{ours}.weight"] = lambda r, name=f"{hf}{theirs}.weight": r.get(name)
+    return derived
 
 
 LFM2_FAMILIES = ("lfm2", "lfm2_moe")

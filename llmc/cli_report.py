@@ -316,9 +316,11 @@ def _attention_text(m: dict) -> str:
         parts.append(f"latent attention (kv rank {m['kv_lora_rank']}, {q}; per head {m['qk_nope_head_dim']} + "
                      f"{m['qk_rope_head_dim']} rope q/k dims, {m['v_head_dim']} v dims; latent KV cache of "
                      f"{m['kv_lora_rank']} + {m['qk_rope_head_dim']} values per token and layer, kv_b absorbed)")
-    if m.get("linear_attention_layers"):  # Qwen3.5 (runtime/models/gated_deltanet.py)
+    if m.get("linear_attention_layers"):  # Qwen3.5, OLMo Hybrid (runtime/models/gated_deltanet.py)
+        beta = ", beta up to 2" if m.get("linear_allow_neg_eigval") else ""
+        gated = "gated attention" if m.get("attn_output_gate") else "attention"
         parts.append(f"Gated DeltaNet on {len(m['linear_attention_layers'])} of {m['num_layers']} layers (a state per "
-                     f"request, no KV), gated attention on the others")
+                     f"request, no KV{beta}), {gated} on the others")
     if m.get("short_conv_layers"):  # LFM2 (runtime/models/short_conv.py)
         parts.append(f"gated short conv of {m['short_conv_kernel']} taps on {len(m['short_conv_layers'])} of "
                      f"{m['num_layers']} layers (a conv state per request, no KV)")

@@ -135,7 +135,11 @@ from llmc.schema import opt, parse
 # 1.43: Nemotron-H's moe (E) blocks (Nemotron 3 Nano): no_mixer_layers may be MoE layers (an MoE alone), whose experts
 #      under hidden_act relu2 have no gate (moe.experts.gate_up holds up's rows alone, [E, width, hidden]) and whose
 #      shared expert is moe.shared.up / moe.shared.down; DeepSeek-V3's router fields (an older llmc refuses both).
-FORMAT_VERSION = "1.43"
+# 1.44: OLMo Hybrid (family olmo_hybrid): model.pre_norm_layers (with pre_norms false, the layers that have Llama's
+#      input_norm / post_attn_norm and no sandwich norms: its Gated DeltaNet layers), linear_allow_neg_eigval (the
+#      DeltaNet's beta times 2) and linear_norm_eps (its gated RMSNorm's eps); older manifests load without them (none,
+#      false, rms_norm_eps).
+FORMAT_VERSION = "1.44"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
@@ -152,7 +156,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
             "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe",
-            "glm4_moe_lite", "mistral4"]
+            "glm4_moe_lite", "mistral4", "olmo_hybrid"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -330,6 +334,13 @@ class ModelConfig:
     linear_key_head_dim: int | None = opt(None, min=1)
     linear_value_head_dim: int | None = opt(None, min=1)
     linear_conv_kernel_dim: int | None = opt(None, min=1)
+    # OLMo Hybrid's DeltaNet: beta = 2 sigmoid(b) (its allow_neg_eigval: the state's eigenvalues in [-1, 1]), and its
+    # gated RMSNorm's own eps (None: rms_norm_eps, Qwen3.5's)
+    linear_allow_neg_eigval: bool = opt(False)
+    linear_norm_eps: float | None = opt(None, min_exclusive=0.0)
+    # OLMo Hybrid (pre_norms false): these layers (its Gated DeltaNet ones) are Llama's nonetheless: input_norm before
+    # the mixer, post_attn_norm before the MLP, no sandwich norms; empty: every layer as pre_norms says
+    pre_norm_layers: list[int] = opt([])
     # Granite 4.0's hybrids (runtime/models/mamba2.py): these layers run a Mamba-2 mixer (in_proj to z, x, B, C, dt; a
     # causal depthwise conv of mamba_conv_kernel over x, B, C; the SSD recurrence over a state [mamba_num_heads,
     # mamba_head_dim, mamba_d_state] per request, B and C shared by mamba_n_groups groups of heads; a gated RMSNorm per
@@ -365,6 +376,9 @@ class ModelConfig:
         if self.parallel_block and (not self.pre_norms or self.sandwich_norms):
             raise ArtifactError("model: parallel_block needs pre_norms and no sandwich_norms (one norm before both "
                                 "sub-layers)")
+        if self.pre_norm_layers and (self.pre_norms or any(not 0 <= i < self.num_layers for i in self.pre_norm_layers)):
+            raise ArtifactError(f"model: pre_norm_layers {self.pre_norm_layers} need pre_norms false and layers of the "
+                                f"{self.num_layers}")
         if self.qk_norm_full_width and not self.qk_norm:
             raise ArtifactError("model: qk_norm_full_width needs qk_norm")
         if self.softmax_scale is not None and self.query_pre_attn_scalar is not None:
@@ -446,6 +460,15 @@ class ModelConfig:
         gated_deltanet.py), a Mamba-2 mixer (runtime/models/mamba2.py) or a short conv (LFM2: runtime/models/
         short_conv.py)."""
         return bool(self.linear_attention_layers or self.mamba_layers or self.short_conv_layers)
+
+    def has_pre_norms(self, index: int) -> bool:
+        """Layer `index` has input_norm and post_attn_norm: pre_norms, or one of pre_norm_layers (OLMo Hybrid)."""
+        return self.pre_norms or index in self.pre_norm_layers
+
+    def has_sandwich_norms(self, index: int) -> bool:
+        """Layer `index` norms its sub-layers' outputs (attn_out_norm, mlp_out_norm): sandwich_norms, but not in
+        pre_norm_layers."""
+        return self.sandwich_norms and index not in self.pre_norm_layers
 
     def is_linear_attention_layer(self, index: int) -> bool:
         return index in self.linear_attention_layers
@@ -613,6 +636,7 @@ class ModelConfig:
         mlp = (2 if self.hidden_act == "relu2" else 3) * self.hidden_size * self.intermediate_size
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
         pre_norms = (1 if self.parallel_block else 2) * self.pre_norms  # (Cohere: one norm before both sub-layers)
+        # (pre_norm_layers: two pre-norms in place of two sandwich norms, as many)
         norms = (pre_norms + 2 * self.sandwich_norms) * self.hidden_size + qk_norms
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed

@@ -383,6 +383,14 @@ _FAMILY_SPECS["mistral4"] = ("Mistral4Config", {**_MLA, "q_lora_rank": 32, "n_gr
                                                 "routed_scaling_factor": 1.5, "norm_topk_prob": True,
                                                 "rope_parameters": MISTRAL4_ROPE})
 MLA_MOE_FAMILIES = ("glm4_moe_lite", "mistral4")
+# OLMo Hybrid (tests/runtime/test_olmo_hybrid.py): Qwen3.5's layer_types [linear, linear, full, linear] and DeltaNet
+# sizes (2 key heads of 16 serving 4 value heads of 16, conv kernel 4; beta times 2: linear_allow_neg_eigval's default),
+# the full layer OLMo 3's (GQA 4/2, q/k norms over the whole projections, its sub-layers' outputs normed) with no rotary
+# (rope_theta null: the published checkpoints' NoPE; the test builds a rotary copy)
+_FAMILY_SPECS["olmo_hybrid"] = ("OlmoHybridConfig", {
+    "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_theta": None,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]})
 
 
 def register_mistral4() -> None:
@@ -418,7 +426,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
         known = (FAMILIES + MOE_FAMILIES + OTHER_FAMILIES + MORE_FAMILIES + GLM_COHERE_FAMILIES
                  + EXAONE_SEED_ERNIE_FAMILIES + ("ministral3", "llama4", "qwen3_5", "qwen3_5_moe",
                                                                        "qwen3_next", "granitemoehybrid", "bamba",
-                                                                       "nemotron_h", "lfm2", "lfm2_moe")
+                                                                       "nemotron_h", "lfm2", "lfm2_moe", "olmo_hybrid")
                  + MLA_MOE_FAMILIES)
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]

@@ -214,10 +214,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_moe = config.is_moe_layer(index)
         # OLMo 2 (pre_norms false): no input_norm / post_attn_norm; the attention and the MLP read the residual stream
-        # (a w8a8-fp8 qkv / gate_up then quantizes its input itself)
-        self.has_pre_norms = config.pre_norms
+        # (a w8a8-fp8 qkv / gate_up then quantizes its input itself); OLMo Hybrid's DeltaNet layers have them
+        # nonetheless (pre_norm_layers)
+        self.has_pre_norms = config.has_pre_norms(index)
         self.is_mla = config.is_mla  # DeepSeek (runtime/models/mla.py): its q and kv_a linears quantize their input
-        if config.pre_norms:
+        if self.has_pre_norms:
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
@@ -244,15 +245,15 @@ class DecoderLayer(nn.Module):
             self.attn = (MLAttention if self.is_mla else Attention)(config, formats, index, dtype, layout, tp_group)
         # Cohere: the MLP reads input_norm's output too (parallel_norm_in); no post_attn_norm
         self.is_parallel = config.parallel_block
-        if config.pre_norms and not config.parallel_block and self.has_mixer and self.has_mlp:
+        if self.has_pre_norms and not config.parallel_block and self.has_mixer and self.has_mlp:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
                                           and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
         if self.has_mlp and self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         elif self.has_mlp:
             self.mlp = MLP(config, formats, f"layers.{index}.mlp.", dtype, layout, tp_group)
-        self.has_sandwich_norms = config.sandwich_norms
-        if config.sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed before the residual add
+        self.has_sandwich_norms = config.has_sandwich_norms(index)
+        if self.has_sandwich_norms:  # Gemma: the attention's and the MLP's outputs normed before the residual add
             self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 

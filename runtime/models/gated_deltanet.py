@@ -91,7 +91,9 @@ class GatedDeltaNet(nn.Module):
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel = config.linear_conv_kernel_dim
-        self.eps = config.rms_norm_eps
+        # the gated RMSNorm's eps (OLMo Hybrid's its own: linear_norm_eps); beta times 2 (OLMo Hybrid's allow_neg_eigval)
+        self.eps = config.rms_norm_eps if config.linear_norm_eps is None else config.linear_norm_eps
+        self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         self.has_rope, self.is_local_rope = True, False  # (the model's table is passed, unread)
         hidden = config.hidden_size
         self.in_qkvz = Linear(hidden, self.conv_dim + self.value_size, formats[prefix + "in_qkvz"], False, dtype)
@@ -117,7 +119,7 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_qkvz(x)
         mixed, z = projected.split([self.conv_dim, self.value_size], dim=-1)
         b, a = F.linear(x, self.in_ba.weight).split(self.num_v_heads, dim=-1)
-        beta = b.sigmoid().float()
+        beta = b.sigmoid().float() * self.beta_scale
         g = -self.A_log.weight.exp() * F.softplus(a.float() + self.dt_bias.weight)
         slots = batch.state_slots
         if batch.is_decode and slots is not None:

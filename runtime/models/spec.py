@@ -74,6 +74,9 @@ class ModelSpec:
     # the embedding's multiplier (ModelConfig.embed_scale) applies to embeddings given as input too (transformers'
     # inputs_embeds: Granite multiplies them in its forward); False where it is the embedding module's own (Gemma)
     scales_input_embeds: bool = False
+    # the norms of the layers in ModelConfig.pre_norm_layers, runtime → HF, where they are not layer_norms (OLMo Hybrid's
+    # DeltaNet layers: Llama's); None: layer_norms in every layer
+    pre_norm_layer_norms: dict[str, str] | None = None
 
     def layer_linear(self, name: str) -> FusedLinear:
         return next(linear for linear in self.layer_linears if linear.name == name)
@@ -151,10 +154,13 @@ def float32_norms(config) -> tuple[str, ...]:
         ("attn.D",) if config.mamba_layers else ())
 
 
-def layer_norm_names(spec: ModelSpec, config) -> dict[str, str]:
-    """A layer's norms, runtime name → HF name (`config`: the ModelConfig): the family's, its q/k norms where the
-    config has them, MLA's q_a norm only under a q_lora_rank."""
-    norms = {**spec.layer_norms, **(spec.qk_norms if config.qk_norm else {})}
+def layer_norm_names(spec: ModelSpec, config, index: int | None = None) -> dict[str, str]:
+    """A layer's norms, runtime name → HF name (`config`: the ModelConfig): the family's (layer `index`'s: its
+    pre_norm_layer_norms in config.pre_norm_layers), its q/k norms where the config has them, MLA's q_a norm only under
+    a q_lora_rank."""
+    layer = spec.pre_norm_layer_norms if index in config.pre_norm_layers and spec.pre_norm_layer_norms else \
+        spec.layer_norms
+    norms = {**layer, **(spec.qk_norms if config.qk_norm else {})}
     return {name: hf for name, hf in norms.items() if name != "attn.q_a_norm" or config.q_lora_rank}
 
 

@@ -48,7 +48,8 @@ def write_config(source, dest, **changes):
 def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tensor]:
     """The artifact's weights as its transformers model's state dict (Gemma2ForCausalLM, Gemma3ForCausalLM,
     GraniteForCausalLM, GraniteMoeHybridForCausalLM and BambaForCausalLM with their Mamba-2 layers' dense tensors,
-    Lfm2ForCausalLM with its conv layers', Lfm2MoeForCausalLM with its router and stacked experts; the q/k rows as the
+    Lfm2ForCausalLM with its conv layers', Lfm2MoeForCausalLM with its router and stacked experts, OlmoHybridForCausalLM
+    with its DeltaNet layers' (Llama's norms in them: pre_norm_layers); the q/k rows as the
     artifact holds them, a permuted rotary not undone): each linear dequantized
     by the formats' oracle (quant/reference.py) and split into its HF members, each (1 + w) norm unfolded to w (the
     family's layer norms, and q/k norms where it has them), and Granite's folds (hf_checkpoint.multiplier_fold)
@@ -67,7 +68,6 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     members = {"attn.qkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q, kv, kv]),
                "attn.o": (["self_attn.o_proj"], None), "mlp.down": (["mlp.down_proj"], None),
                "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [model["intermediate_size"]] * 2)}
-    norms = {**spec.layer_norms, **(spec.qk_norms if model["qk_norm"] else {})}
     offset = spec.norm_weight_offset
     residual, logits = 1.0, 1.0
     if model["family"] in ("granite", "granitemoehybrid"):
@@ -89,6 +89,13 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
                     "attn.conv_in": (["conv.in_proj"], None), "attn.conv_out": (["conv.out_proj"], None)}
         dense = {"attn.conv": "conv.conv.weight", "moe.gate": "feed_forward.gate.weight",
                  "moe.gate_bias": "feed_forward.expert_bias"}  # (and LFM2-MoE's router)
+    if model["family"] == "olmo_hybrid":  # its DeltaNet's q, k, v, g, o projections, conv, b / a rows, o_norm
+        key = model["linear_num_key_heads"] * model["linear_key_head_dim"]
+        value = model["linear_num_value_heads"] * model["linear_value_head_dim"]
+        members |= {"attn.in_qkvz": ([f"linear_attn.{n}_proj" for n in "qkvg"], [key, key, value, value]),
+                    "attn.out": (["linear_attn.o_proj"], None)}
+        dense = {"attn.conv": "linear_attn.conv1d.weight", "attn.A_log": "linear_attn.A_log",
+                 "attn.dt_bias": "linear_attn.dt_bias", "attn.norm": "linear_attn.o_norm.weight"}
     embed, final, mamba = "model.embed_tokens.weight", spec.global_tensors["norm.weight"], "mamba."
     if model["family"] == "nemotron_h":  # every block's module is its `mixer`: the spec's members
         from llmc.runtime.artifact import read_manifest
@@ -103,6 +110,13 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     if "lm_head.weight" in tensors:
         state["lm_head.weight"] = tensors["lm_head.weight"].float()
     for i in range(model["num_layers"]):
+        # (OLMo Hybrid's DeltaNet layers: Llama's norms, pre_norm_layers)
+        layer_norms = spec.pre_norm_layer_norms if i in model.get("pre_norm_layers", []) else spec.layer_norms
+        norms = {**layer_norms, **(spec.qk_norms if model["qk_norm"] else {})}
+        if f"layers.{i}.attn.in_ba.weight" in tensors and model["family"] == "olmo_hybrid":
+            prefix = f"model.layers.{i}.linear_attn."
+            b, a = tensors[f"layers.{i}.attn.in_ba.weight"].float().chunk(2)
+            state |= {prefix + "b_proj.weight": b, prefix + "a_proj.weight": a}
         for runtime, hf in norms.items():
             if f"layers.{i}.{runtime}.weight" in tensors:  # (LFM2's conv layers have no q/k norms)
                 state[f"model.layers.{i}.{hf}.weight"] = tensors[f"layers.{i}.{runtime}.weight"].float() - offset
