@@ -76,7 +76,8 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
             linears[linear.name] = torch.cat([reader.get(m + ".weight").float() for m in members])
         if (config.attention_bias and linear.name == "attn.qkv") or (config.o_bias and linear.name == "attn.o"):
             biases[linear.name] = torch.cat([reader.get(m + ".bias").float() for m in members])
-    norms = {name: reader.get(f"{prefix}{hf}.weight").float() for name, hf in layer_norm_names(spec, config, index).items()
+    norms = {name: reader.get(f"{prefix}{hf}.weight").float()
+             for name, hf in layer_norm_names(spec, config, index).items()
              if not (config.is_state_layer(index) and name in ("attn.q_norm", "attn.k_norm"))}
     if config.is_linear_attention_layer(index):
         norms |= read_linear_attention(reader, prefix)

@@ -1406,9 +1406,9 @@ def _olmo_hybrid_config(config: dict) -> dict:
     attention; the DeltaNet's heads and dims from num_attention_heads and hidden_size), flat, its layer kinds and
     DeltaNet fields as ModelConfig fields (`_olmo_hybrid`: the DeltaNet layers also pre_norm_layers, Llama's norms;
     the gated norm's eps 1e-5, as OlmoHybridGatedDeltaNet builds it whatever rms_norm_eps). A null rope_theta is its
-    NoPE form (OlmoHybridModel builds no rotary then, as for the published checkpoints): rope_on_full_layers false, every
-    attention layer rotated by nothing. Refused by name: attention_bias, layer kinds other than linear_attention and
-    full_attention (a hidden_act other than SiLU, the MLP's and the conv's, is refused as for every family)."""
+    NoPE form (OlmoHybridModel builds no rotary then, as for the published checkpoints): rope_on_full_layers false,
+    every attention layer rotated by nothing. Refused by name: attention_bias, layer kinds other than linear_attention
+    and full_attention (a hidden_act other than SiLU, the MLP's and the conv's, is refused as for every family)."""
     from transformers import OlmoHybridConfig
 
     arch = config["architectures"][0]

@@ -91,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         self.key_size, self.value_size = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.conv_dim = 2 * self.key_size + self.value_size
         self.kernel = config.linear_conv_kernel_dim
-        # the gated RMSNorm's eps (OLMo Hybrid's its own: linear_norm_eps); beta times 2 (OLMo Hybrid's allow_neg_eigval)
+        # the gated RMSNorm's eps (OLMo Hybrid's own: linear_norm_eps); beta times 2 (OLMo Hybrid's allow_neg_eigval)
         self.eps = config.rms_norm_eps if config.linear_norm_eps is None else config.linear_norm_eps
         self.beta_scale = 2.0 if config.linear_allow_neg_eigval else 1.0
         self.has_rope, self.is_local_rope = True, False  # (the model's table is passed, unread)

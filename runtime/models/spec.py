@@ -74,8 +74,8 @@ class ModelSpec:
     # the embedding's multiplier (ModelConfig.embed_scale) applies to embeddings given as input too (transformers'
     # inputs_embeds: Granite multiplies them in its forward); False where it is the embedding module's own (Gemma)
     scales_input_embeds: bool = False
-    # the norms of the layers in ModelConfig.pre_norm_layers, runtime → HF, where they are not layer_norms (OLMo Hybrid's
-    # DeltaNet layers: Llama's); None: layer_norms in every layer
+    # the norms of the layers in ModelConfig.pre_norm_layers, runtime → HF, where they are not layer_norms (OLMo
+    # Hybrid's DeltaNet layers: Llama's); None: layer_norms in every layer
     pre_norm_layer_norms: dict[str, str] | None = None
 
     def layer_linear(self, name: str) -> FusedLinear:

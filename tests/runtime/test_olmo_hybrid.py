@@ -6,8 +6,9 @@ of prompts batched on fewer seats than prompts, also with the attention on its T
 decode steps through a decode graph's static buffers; greedy tokens under preemption by recompute (a tiny KV cache) and
 in chunks of 5; n = 2 and an abort mid-stream (Qwen3.5's tests on this model); a rotary copy; the same checkpoint in
 transformers' names; each DeltaNet layer's switches (beta times 2 or not, the gated norm's own eps) against
-transformers' decoder layer; RTN and GPTQ (-m slow) W4 builds against transformers holding their dequantized weights; the default
-config's parameter count; the refusals; the GPU memory profile's forward; -m gpu: CUDA (written, not run here)."""
+transformers' decoder layer; RTN and GPTQ (-m slow) W4 builds against transformers holding their dequantized
+weights; the default config's parameter count; the refusals; the GPU memory profile's forward; -m gpu: CUDA (written,
+not run here)."""
 
 import dataclasses
 import os
@@ -138,7 +139,7 @@ def test_a_deltanet_layer_is_transformers(changes, checkpoint, tmp_path):
     """A DeltaNet layer (input_norm, the DeltaNet, post_attn_norm, the MLP) run as GPTQ's calibration runs it (two
     windows of 32 tokens from zero state) against transformers' OlmoHybridLinearAttentionDecoderLayer: with beta times
     2 (the default) and without, with the gated norm's eps 1e-5 beside an rms_norm_eps of 0.1 (1e-4); the same layer
-    with the switch the checkpoint does not ask for (beta's factor flipped, or the gated norm on rms_norm_eps) is not."""
+    with a switch the checkpoint does not ask for (beta's factor flipped, or the gated norm on rms_norm_eps) is not."""
     from llmc.compiler.calibration import LayerRunner
     from llmc.compiler.convert import read_layer
     from llmc.compiler.hf_checkpoint import TensorReader, model_config_from_hf, olmo_hybrid_tensors, read_hf_config
@@ -201,9 +202,11 @@ def test_the_default_config_reads_as_transformers():
 
 def test_what_olmo_hybrid_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step, beam
-    search; at build an ONNX target, tensor parallel, FP8; attention_bias, another layer kind; `llmc export`."""
+    search; at build an ONNX target, tensor parallel, FP8; attention_bias, a hidden_act other than SiLU, another layer
+    kind; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "OlmoHybridForCausalLM")
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
+    refused(CheckpointError, "hidden_act 'gelu' is not supported", hidden_act="gelu")  # (the MLP's and the conv's)
     refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
             layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
     with LLM(artifact, device="cpu", num_kv_blocks=64) as llm:
