@@ -218,8 +218,8 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
-    # Granite's, Seed-OSS's, Bamba's and Nemotron-H's biases: refused by name in model_config_from_hf
-    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba", "nemotron_h"):
+    # Granite's, Seed-OSS's, Bamba's, Nemotron-H's and Falcon-H1's biases: refused by name in model_config_from_hf
+    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba", "nemotron_h", "falcon_h1"):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
     if spec.family in hf.GRANITE_FAMILIES and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "

@@ -82,7 +82,7 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
     if config.is_linear_attention_layer(index):
         norms |= read_linear_attention(reader, prefix)
     if config.is_mamba_layer(index):
-        norms |= read_mamba(reader, spec, prefix, config.mamba_conv_bias)
+        norms |= read_mamba(reader, spec, prefix, config)
     if config.is_short_conv_layer(index):  # LFM2: the short conv's depthwise weight [hidden, 1, L] as [hidden, L]
         norms["attn.conv"] = reader.get(f"{prefix}conv.conv.weight").float().flatten(1)
     if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
@@ -112,16 +112,18 @@ def read_linear_attention(reader: TensorReader, prefix: str) -> dict[str, Tensor
             "attn.norm": reader.get(f"{hf}norm.weight").float()}
 
 
-def read_mamba(reader: TensorReader, spec: ModelSpec, prefix: str, conv_bias: bool) -> dict[str, Tensor]:
+def read_mamba(reader: TensorReader, spec: ModelSpec, prefix: str, config: ModelConfig) -> dict[str, Tensor]:
     """A Mamba-2 mixer's dense tensors in runtime names (kept as norms are: never quantized), under the module that
     holds its in_proj (Granite 4.0's `mamba.`, Nemotron-H's `mixer.`): the depthwise conv's weight [conv_dim, kernel]
     (attn.conv) and bias (attn.conv_bias, where mamba_conv_bias), dt_bias, A_log, D and the gated RMSNorm's weight
-    (attn.norm: w itself)."""
+    (attn.norm: w itself; none where not mamba_rms_norm: Falcon-H1's)."""
     hf = prefix + spec.layer_linear("attn.mamba_in").hf_members[0].rpartition(".")[0] + "."
     tensors = {"attn.conv": reader.get(f"{hf}conv1d.weight").float().flatten(1),
                "attn.A_log": reader.get(f"{hf}A_log").float(), "attn.dt_bias": reader.get(f"{hf}dt_bias").float(),
-               "attn.D": reader.get(f"{hf}D").float(), "attn.norm": reader.get(f"{hf}norm.weight").float()}
-    if conv_bias:
+               "attn.D": reader.get(f"{hf}D").float()}
+    if config.mamba_rms_norm:
+        tensors["attn.norm"] = reader.get(f"{hf}norm.weight").float()
+    if config.mamba_conv_bias:
         tensors["attn.conv_bias"] = reader.get(f"{hf}conv1d.bias").float()
     return tensors
 

@@ -238,6 +238,16 @@ _HF_CONFIG_DEFAULTS["nemotron_h"] = {"max_position_embeddings": 4096, "layer_nor
                                      "moe_shared_expert_intermediate_size": 7688, "n_shared_experts": 1,
                                      "moe_latent_size": None, "routed_scaling_factor": 1.0, "n_group": 1,
                                      "topk_group": 1, "norm_topk_prob": True}
+# FalconH1Config's (mamba_d_ssm 1024 whatever mamba_expand says; mamba_d_head "auto": mamba_d_ssm / mamba_n_heads)
+_HF_CONFIG_DEFAULTS["falcon_h1"] = {
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "tie_word_embeddings": False,
+    "bos_token_id": 1, "eos_token_id": 2, "intermediate_size": 14336, "mamba_d_ssm": 1024, "mamba_n_heads": 128,
+    "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2,
+    "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_proj_bias": False, "mamba_norm_before_gate": True,
+    "mamba_rms_norm": False, "projectors_bias": False, "attention_bias": False, "mlp_bias": False,
+    "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "key_multiplier": 1.0, "attention_in_multiplier": 1.0,
+    "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0, "ssm_out_multiplier": 1.0,
+    "mlp_multipliers": [1.0, 1.0], "ssm_multipliers": [1.0] * 5}
 _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "MixtralForCausalLM": "mixtral",
                   "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
                   "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
@@ -255,7 +265,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "MiniMaxM2ForCausalLM": "minimax_m2", "Qwen3_5ForCausalLM": "qwen3_5_text",
                    "NemotronHForCausalLM": "nemotron_h",
                    "Qwen3_5ForConditionalGeneration": "qwen3_5", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
-                   "Mistral4ForCausalLM": "mistral4", "OlmoHybridForCausalLM": "olmo_hybrid"}
+                   "Mistral4ForCausalLM": "mistral4", "OlmoHybridForCausalLM": "olmo_hybrid",
+                   "FalconH1ForCausalLM": "falcon_h1"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -296,6 +307,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _bamba_config(config)
     if spec.family == "nemotron_h":
         config = _nemotron_h_config(config)
+    if spec.family == "falcon_h1":
+        config = _falcon_h1_config(config)
     olmo = {"olmo2": "OLMo 2", "olmo3": "OLMo 3", "olmoe": "OLMoE"}
     if spec.family in olmo and config.get("attention_bias"):
         raise CheckpointError(f"attention_bias: true is not supported for {olmo[spec.family]} (its q/k/v/o biases: the "
@@ -365,8 +378,9 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(_gemma_fields(config, dtype) if spec.family in ("gemma2", "gemma3") else {}),
         **(_gemma3_rope_fields(config) if spec.family in ("gemma3", "olmo3") else {}),
         **(_granite_fields(config) if spec.family in GRANITE_FAMILIES else {}),
-        **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h") else {}),
+        **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1") else {}),
         **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
+        **(config["_falcon_h1"] if spec.family == "falcon_h1" else {}),
         **(config["_lfm2"] if spec.family in LFM2_FAMILIES else {}),
         **(config["_olmo_hybrid"] if spec.family == "olmo_hybrid" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
@@ -655,6 +669,61 @@ def _nemotron_h_moe_fields(config: dict, layers: list[int]) -> dict:
             "routed_scaling_factor": float(config["routed_scaling_factor"])}
 
 
+FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 1, "lm_head_multiplier": 1, "key_multiplier": 1,
+                         "attention_in_multiplier": 1, "attention_out_multiplier": 1, "ssm_in_multiplier": 1,
+                         "ssm_out_multiplier": 1, "mlp_multipliers": 2, "ssm_multipliers": 5}
+
+
+def _falcon_h1_config(config: dict) -> dict:
+    """A Falcon-H1 config as FalconH1Config and its model read it: `_mamba`, every layer a Mamba-2 mixer (_mamba_fields,
+    its width mamba_d_ssm) beside the attention (mamba_with_attention), mamba_rms_norm as given; `_falcon_h1`, the
+    embeddings times embedding_multiplier (a Python float in transformers' model: unrounded, as Granite's). The other
+    multipliers are folded into the weights (multiplier_fold). Refused by name: a multiplier that is not a finite
+    number (mlp_multipliers two, ssm_multipliers five), attention_bias / mlp_bias / projectors_bias, mamba_rms_norm
+    with mamba_norm_before_gate true (transformers' eval path norms before the gate, its fused kernel and vLLM gate
+    first), and _mamba_fields' refusals (mamba_proj_bias, a time_step_limit, hidden_act)."""
+    for key, count in FALCON_H1_MULTIPLIERS.items():
+        value = config[key]
+        values = value if count > 1 else [value]
+        if not isinstance(values, list) or len(values) != count or not all(
+                _is_number(v) and math.isfinite(v) for v in values):
+            raise CheckpointError(f"{key} {value!r}: Falcon-H1's multipliers are finite numbers"
+                                  + (f" ({count} of them)" if count > 1 else ""))
+    for key in ("attention_bias", "mlp_bias", "projectors_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for Falcon-H1 (q/k/v/o, MLP or Mamba-2 out_proj "
+                                  "biases; its checkpoints set it false)")
+    if config["mamba_rms_norm"] and config["mamba_norm_before_gate"]:
+        raise CheckpointError("mamba_rms_norm with mamba_norm_before_gate: true is not supported for Falcon-H1 "
+                              "(transformers norms before the gate there, vLLM after it); set mamba_norm_before_gate "
+                              "false (the gated norm of Granite 4.0's mixer) or mamba_rms_norm false")
+    mamba = _mamba_fields(config, list(range(config["num_hidden_layers"])), "Falcon-H1")
+    embed = float(config["embedding_multiplier"])
+    return {**config, "_falcon_h1": {"embed_scale": None if embed == 1.0 else embed},
+            "_mamba": {**mamba, "mamba_with_attention": True, "mamba_rms_norm": bool(config["mamba_rms_norm"])}}
+
+
+def _falcon_h1_factors(spec: ModelSpec, config: ModelConfig, hf_config: dict) -> dict[str, float | torch.Tensor]:
+    """Falcon-H1's folds (multiplier_fold): each layer's q_proj and v_proj times attention_in_multiplier, k_proj times
+    it and key_multiplier (before the rotary, which is linear), o_proj times attention_out_multiplier; mamba.in_proj's
+    rows times ssm_in_multiplier and their part's ssm_multipliers entry (transformers' mup_vector: z, x, B, C, dt),
+    out_proj times ssm_out_multiplier; gate_proj and down_proj times mlp_multipliers' two; the final norm times
+    lm_head_multiplier (as Granite's 1 / logits_scaling). Only factors other than 1."""
+    hf = with_hf_defaults(hf_config)
+    attn_in, key = float(hf["attention_in_multiplier"]), float(hf["key_multiplier"])
+    width, states = config.mamba_num_heads * config.mamba_head_dim, config.mamba_n_groups * config.mamba_d_state
+    rows = torch.tensor([float(m) for m in hf["ssm_multipliers"]]).repeat_interleave(
+        torch.tensor([width, width, states, states, config.mamba_num_heads])) * float(hf["ssm_in_multiplier"])
+    per_layer = {"self_attn.q_proj": attn_in, "self_attn.k_proj": attn_in * key, "self_attn.v_proj": attn_in,
+                 "self_attn.o_proj": float(hf["attention_out_multiplier"]), "mamba.in_proj": rows,
+                 "mamba.out_proj": float(hf["ssm_out_multiplier"]),
+                 "feed_forward.gate_proj": float(hf["mlp_multipliers"][0]),
+                 "feed_forward.down_proj": float(hf["mlp_multipliers"][1])}
+    factors = {f"{spec.hf_layer_prefix}{i}.{name}.weight": f for i in range(config.num_layers)
+               for name, f in per_layer.items()} | {spec.global_tensors["norm.weight"]: float(hf["lm_head_multiplier"])}
+    return {name: f for name, f in factors.items() if not (f == 1.0 if isinstance(f, float) else bool((f == 1).all()))}
+
+
 def _granite_fields(config: dict) -> dict:
     """Granite's runtime fields: the embeddings times embedding_multiplier (a Python float in transformers'
     GraniteModel, so unrounded here too) and attention_multiplier as the attention's scale itself. Its
@@ -800,12 +869,13 @@ def _mamba_fields(config: dict, mamba: list[int], name: str) -> dict:
         raise CheckpointError(f"hidden_act {config.get('hidden_act')!r} is not supported for {name}'s hybrids: "
                               "the runtime's MLP and the Mamba-2 conv compute SiLU (hidden_act silu)")
     heads = config.get("mamba_n_heads", 128)
-    width = config.get("mamba_expand", 2) * config["hidden_size"]
+    # (Falcon-H1's mamba_d_ssm, where given, in place of mamba_expand * hidden_size)
+    width = config.get("mamba_d_ssm") or config.get("mamba_expand", 2) * config["hidden_size"]
     head_dim = config.get("mamba_d_head", "auto")
     head_dim = width // heads if head_dim in ("auto", None) else head_dim
     if head_dim * heads != width:
-        raise CheckpointError(f"mamba_d_head {head_dim} * mamba_n_heads {heads} must be mamba_expand * hidden_size "
-                              f"{width}")
+        raise CheckpointError(f"mamba_d_head {head_dim} * mamba_n_heads {heads} must be the Mamba-2 width (mamba_d_ssm, "
+                              f"else mamba_expand * hidden_size) {width}")
     return {"mamba_layers": mamba, "mamba_num_heads": heads, "mamba_head_dim": head_dim,
             "mamba_n_groups": config.get("mamba_n_groups", 1), "mamba_d_state": config.get("mamba_d_state", 256),
             "mamba_conv_kernel": config.get("mamba_d_conv", 4), "mamba_chunk_size": config.get("mamba_chunk_size", 256),
@@ -820,12 +890,17 @@ def multiplier_fold(spec: ModelSpec, config: ModelConfig,
     the residual add are those linears' outputs, and neither has a bias), and 1 / logits_scaling into the final
     norm's weight (logits = norm(x) W^T is linear in that weight, so the fold holds with tied embeddings too).
     Every kernel, graph and parallel path then runs Granite as a Llama, and quantization, calibration and AWQ see
-    the folded weights. For Cohere, logit_scale into the final norm's weight as Granite's 1 / logits_scaling.
-    None for the other families, and for a Granite whose two multipliers are 1 (a Cohere whose logit_scale is)."""
+    the folded weights. For Cohere, logit_scale into the final norm's weight as Granite's 1 / logits_scaling. For
+    Falcon-H1, its muP multipliers (_falcon_h1_factors: a factor per row of mamba.in_proj). None for the other
+    families, and for a Granite whose two multipliers are 1 (a Cohere whose logit_scale is, a Falcon-H1 whose are)."""
     if spec.family in COHERE_FAMILIES:  # Cohere: the logits times logit_scale, into the final norm's weight
         scale = float(with_hf_defaults(hf_config)["logit_scale"])
         norm = spec.global_tensors["norm.weight"]
         return None if scale == 1.0 else (lambda name, tensor: tensor.float() * scale if name == norm else tensor)
+    if spec.family == "falcon_h1":
+        factors = _falcon_h1_factors(spec, config, hf_config)
+        return None if not factors else lambda name, tensor: tensor.float() * (
+            factors[name] if isinstance(factors[name], float) else factors[name][:, None]) if name in factors else tensor
     if spec.family not in GRANITE_FAMILIES:
         return None
     config_ = with_hf_defaults(hf_config)

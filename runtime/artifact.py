@@ -139,12 +139,17 @@ from llmc.schema import opt, parse
 #      input_norm / post_attn_norm and no sandwich norms: its Gated DeltaNet layers), linear_allow_neg_eigval (the
 #      DeltaNet's beta times 2) and linear_norm_eps (its gated RMSNorm's eps); older manifests load without them (none,
 #      false, rms_norm_eps).
-FORMAT_VERSION = "1.44"
+
+# 1.45: TII Falcon-H1 (family falcon_h1): model.mamba_with_attention (the Mamba-2 layers also run the attention on the
+#      same normed input, the two outputs summed: attn.qkv / attn.o beside the Mamba-2 tensors, a KV cache too) and
+#      model.mamba_rms_norm (false: the SSD output times silu(z), no gated norm and no attn.norm tensor); older
+#      manifests load without them (a Mamba-2 layer alone, normed).
+FORMAT_VERSION = "1.45"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
                          "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42",
-                         "1.43", "1.44")
+                         "1.43", "1.44", "1.45")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -156,7 +161,7 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
             "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe",
-            "glm4_moe_lite", "mistral4", "olmo_hybrid"]
+            "glm4_moe_lite", "mistral4", "olmo_hybrid", "falcon_h1"]
 HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
@@ -353,6 +358,11 @@ class ModelConfig:
     mamba_conv_kernel: int | None = opt(None, min=2)
     mamba_chunk_size: int | None = opt(None, min=1)
     mamba_conv_bias: bool = opt(True)
+    # Falcon-H1: each Mamba-2 layer also runs the q/k/v attention on the same normed input (its own KV cache), the two
+    # outputs summed before the residual add; false: the Mamba-2 mixer in the attention's place
+    mamba_with_attention: bool = opt(False)
+    # false (Falcon-H1's mamba_rms_norm false): the SSD output times silu(z), no gated RMSNorm (no attn.norm tensor)
+    mamba_rms_norm: bool = opt(True)
     # Nemotron-H's single-mixer blocks: no_mlp_layers are their attention or Mamba-2 mixer alone (input_norm → mixer,
     # no post_attn_norm, no MLP), no_mixer_layers an MLP alone (input_norm → MLP; no attention, no KV cache); empty:
     # every layer both
@@ -437,6 +447,8 @@ class ModelConfig:
             raise ArtifactError(f"model: mamba_layers {self.mamba_layers} need layers of the {self.num_layers} (none a "
                                 "linear-attention layer), the mamba_* sizes (heads a multiple of groups) and the q/k/v "
                                 "attention (not MLA)")
+        if self.mamba_with_attention and not self.mamba_layers:
+            raise ArtifactError("model: mamba_with_attention needs mamba_layers (the layers that run both)")
         alone = self.no_mlp_layers + self.no_mixer_layers
         stateful = set(self.linear_attention_layers) | set(self.mamba_layers)
         if any(not 0 <= i < self.num_layers for i in alone) or len(set(alone)) != len(alone) or (
@@ -480,7 +492,8 @@ class ModelConfig:
         return index in self.short_conv_layers
 
     def is_state_layer(self, index: int) -> bool:
-        """Layer `index` keeps a per-request state in place of attention (and no KV cache)."""
+        """Layer `index` keeps a per-request state in place of attention (and no KV cache; Falcon-H1's beside it:
+        holds_kv)."""
         return index in self.linear_attention_layers or index in self.mamba_layers or index in self.short_conv_layers
 
     def has_mixer(self, index: int) -> bool:
@@ -492,8 +505,10 @@ class ModelConfig:
         return index not in self.no_mlp_layers
 
     def holds_kv(self, index: int) -> bool:
-        """Layer `index` holds a KV cache: an attention layer (not a state layer, not an MLP alone)."""
-        return not self.is_state_layer(index) and self.has_mixer(index)
+        """Layer `index` holds a KV cache: an attention layer (not a state layer, not an MLP alone); a Mamba-2 layer
+        that also runs the attention (mamba_with_attention: Falcon-H1) too."""
+        attends = not self.is_state_layer(index) or (self.mamba_with_attention and self.is_mamba_layer(index))
+        return attends and self.has_mixer(index)
 
     @property
     def mamba_conv_dim(self) -> int:
@@ -602,7 +617,7 @@ class ModelConfig:
         if self.is_linear_attention_layer(index):
             attention = LINEAR_ATTENTION_LINEARS
         elif self.is_mamba_layer(index):
-            attention = MAMBA_LINEARS
+            attention = DECODER_LINEARS[:2] * self.mamba_with_attention + MAMBA_LINEARS
         elif self.is_short_conv_layer(index):
             attention = SHORT_CONV_LINEARS
         elif self.is_mla:
@@ -655,8 +670,9 @@ class ModelConfig:
         layers = self.num_layers * (attn + norms) + (self.num_layers - num_moe) * mlp + num_moe * moe
         if self.linear_attention_layers:  # its linear-attention layers: a Gated DeltaNet in place of attn and q/k norms
             layers += len(self.linear_attention_layers) * (self.linear_attention_parameters - attn - qk_norms)
-        if self.mamba_layers:  # Granite 4.0's Mamba-2 layers: a Mamba-2 mixer in place of attn
-            layers += len(self.mamba_layers) * (self.mamba_parameters - attn - qk_norms)
+        if self.mamba_layers:  # Granite 4.0's Mamba-2 layers: a Mamba-2 mixer in place of attn (Falcon-H1's: beside it)
+            layers += len(self.mamba_layers) * (self.mamba_parameters - (0 if self.mamba_with_attention else
+                                                                         attn + qk_norms))
         # Nemotron-H's single-mixer layers: one norm each, the other sub-layer absent
         layers -= len(self.no_mlp_layers) * (mlp + self.hidden_size) + len(self.no_mixer_layers) * (
             attn + qk_norms + self.hidden_size)
@@ -678,11 +694,11 @@ class ModelConfig:
     @property
     def mamba_parameters(self) -> int:
         """One Mamba-2 mixer's parameters (Granite 4.0): in_proj, the conv (and its bias), dt_bias, A_log, D, the
-        gated norm, out_proj."""
+        gated norm (where mamba_rms_norm), out_proj."""
         width, heads = self.mamba_num_heads * self.mamba_head_dim, self.mamba_num_heads
         conv = self.mamba_conv_dim
         return (self.hidden_size * (width + conv + heads) + conv * (self.mamba_conv_kernel + self.mamba_conv_bias)
-                + 3 * heads + width + width * self.hidden_size)
+                + 3 * heads + width * self.mamba_rms_norm + width * self.hidden_size)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ Families differ only in data (ModelSpec) and config flags (attention_bias, qk_no
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
 parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias; SmolLM3's nope_layers;
-Ministral 3's query temperature; Nemotron-H's no_mlp_layers / no_mixer_layers and relu2 MLP), so one module serves
+Ministral 3's query temperature; Nemotron-H's no_mlp_layers / no_mixer_layers and relu2 MLP; Falcon-H1's
+mamba_with_attention), so one module serves
 them all. Buffers are named exactly as the artifact's tensors
 (`layers.3.attn.qkv.weight`), so loading is a strict comparison of names, shapes and dtypes.
 
@@ -175,6 +176,35 @@ class Attention(nn.Module):
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
+class AttentionAndMamba2(Attention):
+    """Falcon-H1's mixer: the attention and a Mamba-2 mixer (runtime/models/mamba2.py) on the same normed input, their
+    outputs summed (each one's multipliers folded into its linears at build: hf_checkpoint.multiplier_fold). An
+    Attention (its KV cache, rotary and kernels as any layer's) holding the Mamba2, whose tensors it registers as its
+    own (layers.{i}.attn.mamba_in, attn.conv, ...: the names of a Mamba-2 layer's); the state slots are the Mamba2's."""
+
+    STATE_KIND = Mamba2.STATE_KIND
+
+    def __init__(self, config: ModelConfig, formats: dict, index: int, dtype: torch.dtype):
+        super().__init__(config, formats, index, dtype)
+        mamba = Mamba2(config, formats, index, dtype)
+        object.__setattr__(self, "mamba", mamba)  # (not a submodule: its tensors are this module's, below)
+        for name, child in mamba.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor) -> Tensor:
+        return super().forward(x, batch, cos_sin) + self.mamba(x, batch)
+
+    @property
+    def conv_state(self) -> Tensor | None:
+        return self.mamba.conv_state
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        return self.mamba.state_bytes_per_slot(dtype)
+
+    def bind_states(self, num_slots: int, device: torch.device) -> None:
+        self.mamba.bind_states(num_slots, device)
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, formats: dict, prefix: str, dtype: torch.dtype,
                  layout: RankLayout | None = None, tp_group=None):
@@ -222,7 +252,7 @@ class DecoderLayer(nn.Module):
             # a w8a8-fp8 qkv / gate_up takes its input quantized by the norm's kernel (the MoE's router needs it
             # unquantized; Cohere's LayerNorm leaves it to the linears)
             self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_mla
-                                      and config.holds_kv(index)
+                                      and config.holds_kv(index) and not config.is_state_layer(index)
                                       and takes_fp8_activations(formats[f"layers.{index}.attn.qkv"]),
                                       centered=config.layer_norm)
         # Nemotron-H's single-mixer layers: the attention or Mamba-2 mixer alone (no MLP), or the MLP alone (no attn,
@@ -231,10 +261,12 @@ class DecoderLayer(nn.Module):
         self.holds_kv = config.holds_kv(index)
         # Qwen3.5's linear-attention layers: a Gated DeltaNet in the attention's place (no KV cache); Granite 4.0's
         # Mamba-2 layers: a Mamba-2 mixer there; LFM2's conv layers: a gated short conv there (the same: a per-request
-        # state in slots, gated_deltanet NOTE)
+        # state in slots, gated_deltanet NOTE); Falcon-H1's: the attention and a Mamba-2 mixer, summed
         self.is_state_layer = config.is_state_layer(index)
         if not self.has_mixer:
             self.attn = None
+        elif self.is_state_layer and self.holds_kv:
+            self.attn = AttentionAndMamba2(config, formats, index, dtype)
         elif config.is_linear_attention_layer(index):
             self.attn = GatedDeltaNet(config, formats, index, dtype)
         elif config.is_mamba_layer(index):
@@ -459,7 +491,7 @@ class DecoderModel(nn.Module):
             if layer.has_pre_norms and not layer.is_parallel:
                 # (MLA's q and kv_a, a Gated DeltaNet's in_qkvz and in_ba both read the input norm's output: they gather
                 # it themselves)
-                if not layer.is_mla and layer.holds_kv:
+                if not layer.is_mla and layer.holds_kv and not layer.is_state_layer:  # (Falcon-H1's: mamba_in too)
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe and layer.has_mixer and layer.has_mlp:
                     layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)

@@ -134,7 +134,9 @@ class Mamba2(nn.Module):
         self.A_log = _weight((self.heads,), torch.float32)
         self.dt_bias = _weight((self.heads,), torch.float32)
         self.D = _weight((self.heads,), torch.float32)
-        self.norm = _weight((self.width,), dtype)  # the gated RMSNorm's weight, per group of width / groups columns
+        # the gated RMSNorm's weight, per group of width / groups columns (None: Falcon-H1's mamba_rms_norm false, the
+        # output y silu(z) unnormed)
+        self.norm = _weight((self.width,), dtype) if config.mamba_rms_norm else None
         self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] in the model dtype (bind_states)
         self.ssm_state: Tensor | None = None  # [slots, heads, head_dim, d_state] float32
 
@@ -155,7 +157,10 @@ class Mamba2(nn.Module):
             y = self._decode(xbc, dt, slots, batch.context_lens)
         else:
             y = self._prefill(xbc, dt, batch, slots)
-        y = gated_group_norm(y, z.float(), self.norm.weight.float(), self.groups, self.eps)
+        if self.norm is None:
+            y = y * F.silu(z.float())
+        else:
+            y = gated_group_norm(y, z.float(), self.norm.weight.float(), self.groups, self.eps)
         return self.mamba_out(y.to(x.dtype))
 
     def _conv_bias(self) -> Tensor | None:

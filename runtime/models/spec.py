@@ -132,7 +132,7 @@ def in_layer(linear: FusedLinear, config, index: int) -> bool:
         return config.is_mamba_layer(index)
     if linear.name in ("attn.conv_in", "attn.conv_out"):  # a short conv's (LFM2), in its layers only
         return config.is_short_conv_layer(index)
-    if linear.name in ("attn.qkv", "attn.o") and config.is_state_layer(index):
+    if linear.name in ("attn.qkv", "attn.o") and not config.holds_kv(index):  # (Falcon-H1's Mamba-2 layers attend too)
         return False
     if linear.name in ("attn.q", "attn.q_a", "attn.q_b"):
         return (linear.name != "attn.q") == bool(config.q_lora_rank)

@@ -77,7 +77,7 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
                     "mlp.down": (["shared_mlp.output_linear"], None),
                     "moe.shared.gate_up": (["shared_mlp.input_linear"], None),  # (with experts: the shared expert)
                     "moe.shared.down": (["shared_mlp.output_linear"], None)}
-    if model["family"] == "bamba":  # Bamba's MLP: feed_forward
+    if model["family"] in ("bamba", "falcon_h1"):  # Bamba's and Falcon-H1's MLP: feed_forward
         members |= {"mlp.gate_up": (["feed_forward.gate_proj", "feed_forward.up_proj"],
                                     [model["intermediate_size"]] * 2), "mlp.down": (["feed_forward.down_proj"], None)}
     if model.get("mamba_layers"):

@@ -456,11 +456,11 @@ def check_hybrid_refusals(checkpoint, artifact, tmp_path, architecture: str):
 
 
 @torch.inference_mode()
-def check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits):
+def check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits, every_layer_attends: bool = False):
     """The GPU's memory profile (memory_profile.profile_activation_bytes) run on the CPU, its CUDA counters stubbed:
-    it binds a KV cache to the attention layers alone (a hybrid's state layers hold none), its two fresh prompts of
-    zeros (16 and 8 tokens) give transformers' probabilities at the logits rows (the second prompt's last 4), and it
-    leaves every layer unbound."""
+    it binds a KV cache to the attention layers alone (a hybrid's state layers hold none; every_layer_attends:
+    Falcon-H1's, each its Mamba-2 mixer beside the attention), its two fresh prompts of zeros (16 and 8 tokens) give
+    transformers' probabilities at the logits rows (the second prompt's last 4), and it leaves every layer unbound."""
     from llmc.runtime import artifact as art
     from llmc.runtime import memory_profile
     from llmc.runtime.loader import build_model
@@ -479,7 +479,8 @@ def check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits):
     want = torch.softmax(hf_logits(checkpoint, [0] * 8)[4:], dim=-1)
     torch.testing.assert_close(probs[0], want, atol=2e-5, rtol=0)
     assert all(attn.kv_cache is None for attn in model.kv_attentions())
-    assert len(model.kv_attentions()) < len(model.layers)
+    assert len(model.kv_attentions()) == len(manifest.model.kv_layers)
+    assert (len(model.kv_attentions()) == len(model.layers)) == every_layer_attends
 
 
 def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):
