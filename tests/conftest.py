@@ -353,7 +353,7 @@ _FAMILY_SPECS["nemotron_h"] = ("NemotronHConfig", {
     "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "conv_kernel": 4,
     "chunk_size": 8})
 
-# Falcon-H1 (tests/runtime/test_falcon_h1.py): 3 layers, each GQA 4/2 of head_dim 16 beside a Mamba-2 mixer of width
+# Falcon-H1 (tests/runtime/test_falcon_h1.py): 2 layers, each GQA 4/2 of head_dim 16 beside a Mamba-2 mixer of width
 # mamba_d_ssm 128 (8 heads of 16 in 2 groups, d_state 16, a conv of 4, chunks of 8), mamba_rms_norm false (the mixer's
 # output y silu(z)); every muP multiplier away from 1 (each part of ssm_multipliers its own)
 FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.75, "key_multiplier": 0.5,
@@ -361,7 +361,7 @@ FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.75
                          "ssm_out_multiplier": 0.7, "mlp_multipliers": [1.2, 0.9],
                          "ssm_multipliers": [0.9, 1.1, 0.8, 1.25, 0.6]}
 _FAMILY_SPECS["falcon_h1"] = ("FalconH1Config", {
-    "num_hidden_layers": 3, "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
     "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": False, **FALCON_H1_MULTIPLIERS})
 
 # LFM2 (tests/runtime/test_lfm2.py): layers conv / full_attention / conv, the short conv of 3 taps (conv_L_cache), the
