@@ -323,16 +323,6 @@ _FAMILY_SPECS["qwen3_5"] = ("Qwen3_5TextConfig", {
     "head_dim": 32, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
     "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]})
-# Falcon-H1 (tests/runtime/test_falcon_h1.py): 2 layers, each GQA 4/2 of head_dim 16 beside a Mamba-2 mixer of width
-# mamba_d_ssm 128 (8 heads of 16 in 2 groups, d_state 16, a conv of 4, chunks of 8), mamba_rms_norm false (the mixer's
-# output y silu(z)); every muP multiplier away from 1 (each part of ssm_multipliers its own)
-FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.75, "key_multiplier": 0.5,
-                         "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,
-                         "ssm_out_multiplier": 0.7, "mlp_multipliers": [1.2, 0.9],
-                         "ssm_multipliers": [0.9, 1.1, 0.8, 1.25, 0.6]}
-_FAMILY_SPECS["falcon_h1"] = ("FalconH1Config", {
-    "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
-    "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": False, **FALCON_H1_MULTIPLIERS})
 # Qwen3.5-MoE (tests/runtime/test_qwen3_5_moe.py): Qwen3.5's layers and sizes, every MLP 4 experts of width 32 (top 2,
 # always renormalised) beside a gated shared expert of width 64 (no intermediate_size: Qwen3_5MoeTextConfig has none)
 _FAMILY_SPECS["qwen3_5_moe"] = ("Qwen3_5MoeTextConfig", {
@@ -401,6 +391,16 @@ _FAMILY_SPECS["olmo_hybrid"] = ("OlmoHybridConfig", {
     "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
     "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "rope_theta": None,
     "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]})
+# Falcon-H1 (tests/runtime/test_falcon_h1.py): 2 layers, each GQA 4/2 of head_dim 16 beside a Mamba-2 mixer of width
+# mamba_d_ssm 128 (8 heads of 16 in 2 groups, d_state 16, a conv of 4, chunks of 8), mamba_rms_norm false (the mixer's
+# output y silu(z)); every muP multiplier away from 1 (each part of ssm_multipliers its own)
+FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.75, "key_multiplier": 0.5,
+                         "attention_in_multiplier": 1.3, "attention_out_multiplier": 0.8, "ssm_in_multiplier": 1.2,
+                         "ssm_out_multiplier": 0.7, "mlp_multipliers": [1.2, 0.9],
+                         "ssm_multipliers": [0.9, 1.1, 0.8, 1.25, 0.6]}
+_FAMILY_SPECS["falcon_h1"] = ("FalconH1Config", {
+    "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": False, **FALCON_H1_MULTIPLIERS})
 
 
 def register_mistral4() -> None:
