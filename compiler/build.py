@@ -128,6 +128,7 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_int8(ctx)
     _check_partial_rotary(ctx)
     _check_hybrid(ctx)
+    _check_gateless_mlp(ctx)
     _check_pooling(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
     ctx.mtp = _plan_mtp(ctx)
@@ -218,8 +219,10 @@ def _read_checkpoint(recipe: Recipe, staging: Path | None) -> _Context:
         hf_config, vision = vision_config(hf_config, model_dir)
     spec = hf.model_spec_for(hf_config, model_dir)
     biased = hf_config.get("mlp_bias") or (spec.family == "llama" and hf_config.get("attention_bias"))
-    # Granite's, Seed-OSS's, Bamba's, Nemotron-H's and Falcon-H1's biases: refused by name in model_config_from_hf
-    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba", "nemotron_h", "falcon_h1"):
+    # Granite's, Seed-OSS's, Bamba's, Nemotron-H's, Falcon-H1's, Arcee's and Apertus's biases: refused by name in
+    # model_config_from_hf
+    if biased and spec.family not in (*hf.GRANITE_FAMILIES, "seed_oss", "bamba", "nemotron_h", "falcon_h1",
+                                      *hf.UP_MLP_FAMILIES):
         raise CheckpointError(f"{model_dir}: Llama checkpoints with attention_bias or mlp_bias are not supported")
     if spec.family in hf.GRANITE_FAMILIES and recipe.quantization.method == "import":
         raise CheckpointError(f"{model_dir}: quantization.method import is not supported for Granite: the build folds "
@@ -410,6 +413,23 @@ def _check_hybrid(ctx: _Context) -> None:
                           "cpu or cuda")
     if recipe.parallel.tensor > 1 or recipe.parallel.pipeline > 1:
         raise RecipeError(f"parallel: {name} runs on one rank; set parallel.tensor and parallel.pipeline to 1")
+    if recipe.quantization.method not in HYBRID_QUANT_METHODS:
+        raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
+                          f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
+
+
+def _check_gateless_mlp(ctx: _Context) -> None:
+    """An MLP without gate (Arcee's relu2, Apertus's xielu: mlp.up, not mlp.gate_up) runs on the torch runtime, dense
+    or with int weights from RTN or GPTQ: the ONNX graph, AWQ's and SmoothQuant's folds, FP8 and imports all take a
+    gate_up (and AWQ's fold of down into up assumes a gate's linear product), and are refused by name before any
+    work."""
+    model, recipe = ctx.model, ctx.recipe
+    if model.gated_mlp or model.is_hybrid:  # (a hybrid's: _check_hybrid)
+        return
+    name = f"{model.architecture} (an MLP without gate, hidden_act {model.hidden_act})"
+    if recipe.target.device in om.ONNX_DEVICES:
+        raise RecipeError(f"target.device {recipe.target.device}: {name} is not exported to ONNX; use target.device "
+                          "cpu or cuda")
     if recipe.quantization.method not in HYBRID_QUANT_METHODS:
         raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
                           f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")

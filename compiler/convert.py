@@ -87,6 +87,9 @@ def read_layer(reader: TensorReader, spec: ModelSpec, config: ModelConfig, index
         norms["attn.conv"] = reader.get(f"{prefix}conv.conv.weight").float().flatten(1)
     if config.attention_sinks:  # gpt-oss: [num_heads], kept as a norm is (never quantized; float32: float32_norms)
         norms["attn.sinks"] = reader.get(f"{prefix}self_attn.sinks").float()
+    if config.hidden_act == "xielu" and config.has_mlp(index) and not is_moe:  # Apertus: [alpha_p, alpha_n, beta, eps]
+        norms["mlp.xielu"] = torch.stack([reader.get(f"{prefix}mlp.act_fn.{name}").float().reshape(())
+                                          for name in ("alpha_p", "alpha_n", "beta", "eps")])
     if is_moe:
         linears |= read_experts(reader, spec, config, index, skip_linears)
         norms["moe.gate"] = reader.get(f"{prefix}{spec.moe.router}.weight").float()

@@ -202,6 +202,9 @@ def _refuse_unexpressible(artifact_dir: Path, manifest: art.Manifest) -> None:
     if model.is_hybrid:
         raise ArtifactError(f"{where} architecture {model.architecture}: a hybrid model's Gated DeltaNet, Mamba-2 "
                             "or short-conv layers are not exported; serve it with `llmc run`")
+    if not model.gated_mlp:
+        raise ArtifactError(f"{where} architecture {model.architecture}: its MLP without gate (hidden_act "
+                            f"{model.hidden_act}: mlp.up, not mlp.gate_up) is not exported; serve it with `llmc run`")
     if model.family in ("granitemoe", "granitemoeshared"):
         raise ArtifactError(f"{where} architecture {model.architecture}: Granite MoE's checkpoints store every "
                             "expert of a layer fused (block_sparse_moe.input_linear / output_linear [E, ...]), "

@@ -140,6 +140,11 @@ _HF_CONFIG_DEFAULTS["smollm3"] = {"max_position_embeddings": 32768, "rms_norm_ep
 _HF_CONFIG_DEFAULTS["exaone4"] = {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "num_key_value_heads": 32,
                                   "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": False,
                                   "sliding_window": 4096, "sliding_window_pattern": 4}
+# ArceeConfig's and ApertusConfig's (Apertus's default rope, Llama 3's over 8192 positions: _up_mlp_config)
+_HF_CONFIG_DEFAULTS["arcee"] = {"max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "hidden_act": "relu2",
+                                "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False}
+_HF_CONFIG_DEFAULTS["apertus"] = {"max_position_embeddings": 65536, "rms_norm_eps": 1e-5, "hidden_act": "xielu",
+                                  "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 _HF_CONFIG_DEFAULTS["seed_oss"] = {"max_position_embeddings": 524288, "rms_norm_eps": 1e-6, "num_key_value_heads": 8,
                                    "head_dim": 128, "bos_token_id": 0, "eos_token_id": 2, "tie_word_embeddings": False,
                                    "attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
@@ -266,7 +271,8 @@ _MODEL_TYPE_OF = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", 
                    "NemotronHForCausalLM": "nemotron_h",
                    "Qwen3_5ForConditionalGeneration": "qwen3_5", "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
                    "Mistral4ForCausalLM": "mistral4", "OlmoHybridForCausalLM": "olmo_hybrid",
-                   "FalconH1ForCausalLM": "falcon_h1"}
+                   "FalconH1ForCausalLM": "falcon_h1",
+                   "ArceeForCausalLM": "arcee", "ApertusForCausalLM": "apertus"}
 COHERE_FAMILIES = ("cohere", "cohere2")
 
 
@@ -286,6 +292,8 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         config = _gemma3_config(config)
     elif spec.family == "gemma2":
         config = _gemma2_config(config)
+    elif spec.family in UP_MLP_FAMILIES:
+        config = _up_mlp_config(config, spec.family)
     else:
         activation = config.get("hidden_act", "silu")
         if activation not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
@@ -381,6 +389,7 @@ def model_config_from_hf(config: dict, spec: ModelSpec, dtype: str) -> ModelConf
         **(config["_mamba"] if spec.family in ("granitemoehybrid", "bamba", "nemotron_h", "falcon_h1") else {}),
         **(config["_nemotron_h"] if spec.family == "nemotron_h" else {}),
         **(config["_falcon_h1"] if spec.family == "falcon_h1" else {}),
+        **({"hidden_act": UP_MLP_FAMILIES[spec.family]} if spec.family in UP_MLP_FAMILIES else {}),
         **(config["_lfm2"] if spec.family in LFM2_FAMILIES else {}),
         **(config["_olmo_hybrid"] if spec.family == "olmo_hybrid" else {}),
         # OLMo 2 and 3: only the sub-layers' outputs normed, q/k norms over the whole projections (runtime/models/olmo2.py)
@@ -1705,6 +1714,33 @@ def _llama4_config(config: dict) -> dict:
     tied = bool(parsed.get("tie_word_embeddings") or (arch == LLAMA4_CG and config.get("tie_word_embeddings")))
     return {**flat, "architectures": [arch], "intermediate_size": parsed["intermediate_size_mlp"],
             "tie_word_embeddings": tied, "_nope_layers": nope, "_llama4": fields}
+
+
+# Llama's decoder with an MLP without gate, down(act(up(x))), and the one activation each runs
+UP_MLP_FAMILIES = {"arcee": "relu2", "apertus": "xielu"}
+APERTUS_ROPE = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0}  # ApertusConfig's default (theta 12e6)
+
+
+def _up_mlp_config(config: dict, family: str) -> dict:
+    """Arcee's and Apertus's config as ArceeConfig / ApertusConfig read it: Apertus's default rope (Llama 3's scaling,
+    theta 1.2e7) where the config gives neither rope_parameters nor rope_scaling, its theta 1.2e7 where rope_theta is
+    absent. Refused by name: another hidden_act (their MLP takes any of transformers' activations; the runtime runs
+    Arcee's relu2 and Apertus's xielu), attention_bias and mlp_bias (the runtime's o and MLP have no bias)."""
+    name = {"arcee": "Arcee", "apertus": "Apertus"}[family]
+    want = UP_MLP_FAMILIES[family]
+    if config.get("hidden_act") != want:
+        raise CheckpointError(f"hidden_act {config.get('hidden_act')!r} is not supported for {name}: the runtime runs "
+                              f"its MLP without gate with {want} only (the published checkpoints')")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise CheckpointError(f"{key}: true is not supported for {name} (the runtime's o_proj and MLP have no "
+                                  "bias); published checkpoints set it false")
+    if family == "apertus" and config.get("rope_parameters") is None:
+        config = {**config, "rope_theta": config.get("rope_theta", 12000000.0)}
+        if config.get("rope_scaling") is None:
+            config["rope_scaling"] = dict(APERTUS_ROPE)
+    return config
 
 
 def _seed_oss_ernie_config(config: dict, family: str) -> dict:

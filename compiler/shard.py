@@ -239,6 +239,8 @@ def column_rows(config: ModelConfig, layout: RankLayout, name: str) -> list[tupl
     if name == "mlp.gate_up":
         start, end = layout.intermediate_start, layout.intermediate_start + layout.intermediate_size
         return [(start, end), (config.intermediate_size + start, config.intermediate_size + end)]
+    if name == "mlp.up":  # an MLP without gate (Arcee, Apertus): its activation is elementwise, its scalars whole
+        return [(layout.intermediate_start, layout.intermediate_start + layout.intermediate_size)]
     if name == "moe.experts.gate_up":  # each expert split like the MLP
         start, end = layout.moe_intermediate_start, layout.moe_intermediate_start + layout.moe_intermediate_size
         return [(start, end), (config.moe_intermediate_size + start, config.moe_intermediate_size + end)]

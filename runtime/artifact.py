@@ -139,17 +139,19 @@ from llmc.schema import opt, parse
 #      input_norm / post_attn_norm and no sandwich norms: its Gated DeltaNet layers), linear_allow_neg_eigval (the
 #      DeltaNet's beta times 2) and linear_norm_eps (its gated RMSNorm's eps); older manifests load without them (none,
 #      false, rms_norm_eps).
-
 # 1.45: TII Falcon-H1 (family falcon_h1): model.mamba_with_attention (the Mamba-2 layers also run the attention on the
 #      same normed input, the two outputs summed: attn.qkv / attn.o beside the Mamba-2 tensors, a KV cache too) and
 #      model.mamba_rms_norm (false: the SSD output times silu(z), no gated norm and no attn.norm tensor); older
 #      manifests load without them (a Mamba-2 layer alone, normed).
-FORMAT_VERSION = "1.45"
+# 1.46: Arcee AFM (family arcee: hidden_act relu2 in every layer) and Swiss AI Apertus (family apertus): hidden_act
+#      xielu (mlp.up / mlp.down without gate as relu2, and each layer's float32 `mlp.xielu` [4]: the checkpoint's
+#      alpha_p, alpha_n, beta, eps), read with fields older formats have (an older llmc refuses them by name).
+FORMAT_VERSION = "1.46"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
                          "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42",
-                         "1.43", "1.44", "1.45")
+                         "1.43", "1.44", "1.45", "1.46")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -161,14 +163,15 @@ FAMILIES = ["llama", "qwen2", "qwen3", "phi3", "mixtral", "qwen3_moe", "gemma2",
             "cohere2", "gpt_oss", "glm4_moe", "smollm3", "exaone4", "seed_oss", "ernie4_5", "dots1",
             "ernie4_5_moe", "ministral3", "llama4", "minimax_m2", "qwen3_5",
             "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "bamba", "nemotron_h", "lfm2", "lfm2_moe",
-            "glm4_moe_lite", "mistral4", "olmo_hybrid", "falcon_h1"]
-HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2"]  # the MLP's activation, by transformers' names
+            "glm4_moe_lite", "mistral4", "olmo_hybrid", "falcon_h1", "arcee", "apertus"]
+HIDDEN_ACTS = ["silu", "gelu_pytorch_tanh", "relu2", "xielu"]  # the MLP's activation, by transformers' names
+GATELESS_ACTS = ("relu2", "xielu")  # an MLP of these is down(act(up(x))): mlp.up, no gate (UP_MLP_LINEARS)
 QUANT_METHODS = ["none", "rtn", "gptq", "awq", "fp8", "int8", "import"]
 DECODER_LINEARS = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # every dense decoder layer's, by runtime name
 # a Gated DeltaNet layer's in place of attn.qkv / attn.o (Qwen3.5: in_proj_qkv and in_proj_z fused, out_proj)
 LINEAR_ATTENTION_LINEARS = ("attn.in_qkvz", "attn.out")
 MAMBA_LINEARS = ("attn.mamba_in", "attn.mamba_out")  # a Mamba-2 layer's (Granite 4.0)
-UP_MLP_LINEARS = ("mlp.up", "mlp.down")  # an MLP without gate's (hidden_act relu2: Nemotron-H)
+UP_MLP_LINEARS = ("mlp.up", "mlp.down")  # an MLP without gate's (GATELESS_ACTS: Nemotron-H, Arcee, Apertus)
 SHORT_CONV_LINEARS = ("attn.conv_in", "attn.conv_out")  # a gated short-conv layer's (LFM2: in_proj, out_proj)
 # an MoE layer's: one format per projection, shared by its experts (each expert has its own scales)
 MOE_LINEARS = ("attn.qkv", "attn.o", "moe.experts.gate_up", "moe.experts.down")
@@ -254,7 +257,8 @@ class ModelConfig:
     v_head_dim: int | None = opt(None, min=1)
     mla_rope_interleave: bool = opt(False)
     # Gemma 2 and 3 (the defaults are every other family's):
-    # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form; relu2 (Nemotron-H): relu(up)², no gate (mlp.up, not gate_up)
+    # act(gate) · up; gelu_pytorch_tanh: GELU, tanh form; relu2 (Nemotron-H, Arcee): relu(up)², no gate (mlp.up, not
+    # gate_up); xielu (Apertus): xIELU(up) with each layer's learned mlp.xielu scalars, no gate
     hidden_act: str = opt("silu", choices=HIDDEN_ACTS)
     query_pre_attn_scalar: float | None = opt(None, min_exclusive=0.0)  # attention scale its^-0.5 (None: head_dim's)
     embed_scale: float | None = opt(None, min_exclusive=0.0)  # embeddings times this (sqrt(hidden) in the model dtype)
@@ -496,6 +500,11 @@ class ModelConfig:
         holds_kv)."""
         return index in self.linear_attention_layers or index in self.mamba_layers or index in self.short_conv_layers
 
+    @property
+    def gated_mlp(self) -> bool:
+        """The dense MLP is act(gate) · up (mlp.gate_up); False: down(act(up(x))) (mlp.up: GATELESS_ACTS)."""
+        return self.hidden_act not in GATELESS_ACTS
+
     def has_mixer(self, index: int) -> bool:
         """Layer `index` has its attention (or linear-attention, Mamba-2) sub-layer: all but no_mixer_layers."""
         return index not in self.no_mixer_layers
@@ -627,8 +636,8 @@ class ModelConfig:
         if not self.has_mlp(index):
             return attention
         if not self.is_moe_layer(index):
-            return attention + (UP_MLP_LINEARS if self.hidden_act == "relu2" else DECODER_LINEARS[2:])
-        shared = UP_SHARED_EXPERT_LINEARS if self.hidden_act == "relu2" else SHARED_EXPERT_LINEARS
+            return attention + (DECODER_LINEARS[2:] if self.gated_mlp else UP_MLP_LINEARS)
+        shared = SHARED_EXPERT_LINEARS if self.gated_mlp else UP_SHARED_EXPERT_LINEARS
         return attention + MOE_LINEARS[2:] + (shared if self.shared_expert_intermediate_size else ())
 
     @property
@@ -648,7 +657,8 @@ class ModelConfig:
         attn += self.hidden_size * self.o_bias + self.num_heads * self.attention_sinks
         if self.is_mla:
             attn = self.mla_parameters
-        mlp = (2 if self.hidden_act == "relu2" else 3) * self.hidden_size * self.intermediate_size
+        mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+        mlp += 2 * (self.hidden_act == "xielu")  # (xIELU's alpha_p and alpha_n; its beta and eps are buffers)
         qk_norms = (q + kv if self.qk_norm_full_width else 2 * self.head_dim) if self.qk_norm else 0
         pre_norms = (1 if self.parallel_block else 2) * self.pre_norms  # (Cohere: one norm before both sub-layers)
         # (pre_norm_layers: two pre-norms in place of two sandwich norms, as many)

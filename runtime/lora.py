@@ -80,6 +80,9 @@ def check_lora_artifact(manifest: art.Manifest) -> None:
         problem = "DeepSeek's latent attention (its q / kv_a / kv_b linears have no run-time LoRA)"
     elif model.family in ("granite", "granitemoehybrid"):
         problem = "Granite (its residual_multiplier is folded into o_proj and down_proj at build time)"
+    elif not model.gated_mlp:
+        problem = (f"{model.architecture} (its MLP without gate, hidden_act {model.hidden_act}: mlp.up in place of "
+                   "the mlp.gate_up the adapters' deltas are added to)")
     elif model.rotary_rows_permuted:
         problem = (f"{model.architecture} (its q_proj and k_proj rows are permuted into the runtime's rotary layout "
                    "at build time)")

@@ -401,6 +401,14 @@ FALCON_H1_MULTIPLIERS = {"embedding_multiplier": 2.0, "lm_head_multiplier": 0.75
 _FAMILY_SPECS["falcon_h1"] = ("FalconH1Config", {
     "mamba_d_ssm": 128, "mamba_n_heads": 8, "mamba_n_groups": 2, "mamba_d_state": 16,
     "mamba_d_conv": 4, "mamba_chunk_size": 8, "mamba_rms_norm": False, **FALCON_H1_MULTIPLIERS})
+# Arcee AFM and Apertus (tests/runtime/test_arcee_apertus.py): Llama's GQA 4/2 with MLPs without gate 96 wide. Arcee:
+# relu2, YaRN x4 over 64 positions (AFM-4.5B's rope is YaRN); Apertus: xIELU (each layer's alpha_p / alpha_n random,
+# beta 0.5 and eps -1e-6 ApertusConfig's), per-head q/k norms, Llama 3's rope scaling over 64 positions (llama3_rope's)
+_FAMILY_SPECS["arcee"] = ("ArceeConfig", {"hidden_act": "relu2", "intermediate_size": 96, "rope_parameters": {
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}})
+_FAMILY_SPECS["apertus"] = ("ApertusConfig", {"hidden_act": "xielu", "intermediate_size": 96, "rope_parameters": {
+    "rope_theta": 10000.0, **_FAMILY_SPECS["llama3_rope"][1]["rope_scaling"]}})
+UP_MLP_FAMILIES = ("arcee", "apertus")
 
 
 def register_mistral4() -> None:
@@ -438,7 +446,7 @@ def _config_for(family: str, config_overrides: dict[str, Any]):
                                                                        "qwen3_next", "granitemoehybrid", "bamba",
                                                                        "nemotron_h", "lfm2", "lfm2_moe", "olmo_hybrid",
                                                                        "falcon_h1")
-                 + MLA_MOE_FAMILIES)
+                 + MLA_MOE_FAMILIES + UP_MLP_FAMILIES)
         raise ValueError(f"unknown family {family!r}; expected one of {known}")
     cls_name, family_kwargs = _FAMILY_SPECS[family]
     kwargs = {**_BASE_CONFIG, **family_kwargs, **config_overrides}
@@ -478,6 +486,8 @@ def _randomise_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(randn_like(p))
         elif name.endswith(("conv1d.weight", "conv.conv.weight")):  # a depthwise conv [channels, 1, kernel] (LFM2's)
             p.copy_(0.5 * randn_like(p))
+        elif name.endswith((".act_fn.alpha_p", ".act_fn.alpha_n")):  # Apertus's xIELU: softplus'd, ~N(0, 1) before
+            p.copy_(randn_like(p))
         elif name.endswith(".sinks"):  # gpt-oss's attention sinks: logits of the scores' size
             p.copy_(randn_like(p))
         elif "norm" in name:  # input/post_attention_layernorm, model.norm, q_norm, k_norm (Gemma: scaled by 1 + w)

@@ -1,10 +1,10 @@
 """Model families. `spec_for_architecture` finds the ModelSpec for an HF `architectures` entry."""
 
-from llmc.runtime.models import (bamba, cohere, deepseek, dots1, ernie4_5, ernie4_5_moe, exaone4, falcon_h1, gemma2,
-                                 gemma3, glm4, glm4_moe, glm4_moe_lite, gpt_oss, granite, granitemoe, granitemoehybrid,
-                                 lfm2, llama, llama4, minimax_m2, ministral3, mistral4, mixtral, nemotron_h, olmo2, olmo3,
-                                 olmo_hybrid, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe,
-                                 qwen3_next, seed_oss, smollm3)
+from llmc.runtime.models import (apertus, arcee, bamba, cohere, deepseek, dots1, ernie4_5, ernie4_5_moe, exaone4,
+                                 falcon_h1, gemma2, gemma3, glm4, glm4_moe, glm4_moe_lite, gpt_oss, granite, granitemoe,
+                                 granitemoehybrid, lfm2, llama, llama4, minimax_m2, ministral3, mistral4, mixtral,
+                                 nemotron_h, olmo2, olmo3, olmo_hybrid, olmoe, phi3, qwen2, qwen2_moe, qwen3, qwen3_5,
+                                 qwen3_5_moe, qwen3_moe, qwen3_next, seed_oss, smollm3)
 from llmc.runtime.models.spec import ModelSpec
 
 SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, mixtral.SPEC, qwen3_moe.SPEC, gemma2.SPEC,
@@ -15,7 +15,8 @@ SPECS: tuple[ModelSpec, ...] = (llama.SPEC, qwen2.SPEC, qwen3.SPEC, phi3.SPEC, m
                                 ministral3.SPEC, llama4.SPEC, minimax_m2.SPEC, qwen3_5.SPEC, qwen3_5_moe.SPEC,
                                 qwen3_next.SPEC, granitemoehybrid.SPEC, bamba.SPEC, nemotron_h.SPEC, lfm2.SPEC,
                                 lfm2.MOE_SPEC, glm4_moe_lite.SPEC, mistral4.SPEC,
-                                olmo_hybrid.SPEC, falcon_h1.SPEC)
+                                olmo_hybrid.SPEC, falcon_h1.SPEC,
+                                arcee.SPEC, apertus.SPEC)
 
 
 def spec_for_family(family: str) -> ModelSpec:

@@ -6,9 +6,8 @@ Families differ only in data (ModelSpec) and config flags (attention_bias, qk_no
 query_pre_attn_scalar, embed_scale, sandwich_norms, Gemma 3's local rope table and Gemma 2's logit
 soft-capping; OLMo 2's pre_norms false and qk_norm_full_width; GLM-4's rotary_interleaved; Cohere's layer_norm and
 parallel_block, Cohere 2's rope_on_full_layers false; gpt-oss's attention_sinks and o_bias; SmolLM3's nope_layers;
-Ministral 3's query temperature; Nemotron-H's no_mlp_layers / no_mixer_layers and relu2 MLP; Falcon-H1's
-mamba_with_attention), so one module serves
-them all. Buffers are named exactly as the artifact's tensors
+Ministral 3's query temperature; Nemotron-H's no_mlp_layers / no_mixer_layers and relu2 MLP, Apertus's xielu;
+Falcon-H1's mamba_with_attention), so one module serves them all. Buffers are named exactly as the artifact's tensors
 (`layers.3.attn.qkv.weight`), so loading is a strict comparison of names, shapes and dtypes.
 
 Under tensor/pipeline parallelism the same module is built with a `RankLayout`: only the rank's
@@ -210,16 +209,19 @@ class MLP(nn.Module):
                  layout: RankLayout | None = None, tp_group=None):
         super().__init__()
         size = (layout or whole_model_layout(config)).intermediate_size
-        self.act = config.hidden_act
-        if self.act == "relu2":  # Nemotron-H: down(relu(up(x))²), no gate
+        self.act, self.is_gated = config.hidden_act, config.gated_mlp
+        if not self.is_gated:  # Nemotron-H, Arcee (relu2), Apertus (xielu): down(act(up(x))), no gate
             self.up = Linear(config.hidden_size, size, formats[prefix + "up"], False, dtype)
         else:
             self.gate_up = Linear(config.hidden_size, 2 * size, formats[prefix + "gate_up"], False, dtype)
+        if self.act == "xielu":  # Apertus: the layer's alpha_p, alpha_n, beta, eps as its checkpoint holds them
+            self.xielu = nn.Module()
+            self.xielu.register_buffer("weight", torch.empty(4, dtype=torch.float32, device="meta"))
         self.down = Linear(size, config.hidden_size, formats[prefix + "down"], False, dtype)
         self.tp_group = tp_group
         self.is_gate_up_interleaved = False
-        # (relu2: a w8a8-fp8 down quantizes its input itself)
-        self.fp8_down_input = self.act != "relu2" and takes_fp8_activations(formats[prefix + "down"])
+        # (without gate: a w8a8-fp8 down quantizes its input itself)
+        self.fp8_down_input = self.is_gated and takes_fp8_activations(formats[prefix + "down"])
 
     def interleave_gate_up(self) -> None:
         """After the weights load: where gate_up's format can (W4A16 in the gpu layout), its rows are
@@ -230,12 +232,23 @@ class MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "relu2":
             h = torch.relu(self.up(x)).square()
+        elif self.act == "xielu":
+            h = xielu(self.up(x), self.xielu.weight)
         elif self.is_gate_up_interleaved:
             h = self.gate_up.silu_mul(x)
         else:  # quantized in the same kernel where down is w8a8-fp8
             h = (act_and_mul_fp8 if self.fp8_down_input else act_and_mul)(self.gate_up(x), self.act)
         out = self.down(h)  # [num_tokens, hidden_size], partial under TP
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+
+def xielu(x: Tensor, params: Tensor) -> Tensor:
+    """transformers' XIELUActivation (its Python form) on `x`, with `params` the checkpoint's [alpha_p, alpha_n, beta,
+    eps] (alpha_p, alpha_n before their softplus) cast to x's dtype, as the model's own parameters are:
+    x > 0: softplus(alpha_p) x² + beta x; else (expm1(min(x, eps)) - x)(beta + softplus(alpha_n)) + beta x."""
+    alpha_p, alpha_n, beta, eps = params.to(x.dtype).unbind()
+    alpha_p, alpha_n = nn.functional.softplus(alpha_p), beta + nn.functional.softplus(alpha_n)
+    return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * alpha_n + beta * x)
 
 
 class DecoderLayer(nn.Module):
@@ -279,7 +292,9 @@ class DecoderLayer(nn.Module):
         self.is_parallel = config.parallel_block
         if self.has_pre_norms and not config.parallel_block and self.has_mixer and self.has_mlp:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
-                                          and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]))
+                                          and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]
+                                                                    if config.gated_mlp else
+                                                                    formats[f"layers.{index}.mlp.up"]))
         if self.has_mlp and self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         elif self.has_mlp:
@@ -494,8 +509,8 @@ class DecoderModel(nn.Module):
                 if not layer.is_mla and layer.holds_kv and not layer.is_state_layer:  # (Falcon-H1's: mamba_in too)
                     layer.input_norm.take_linear_perm(layer.attn.qkv)  # the norms' outputs feed qkv and gate_up only
                 if not layer.is_moe and layer.has_mixer and layer.has_mlp:
-                    layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up)
-            if not layer.is_moe and layer.has_mlp and layer.mlp.act != "relu2" and not keep_gate_up_order:
+                    layer.post_attn_norm.take_linear_perm(layer.mlp.gate_up if layer.mlp.is_gated else layer.mlp.up)
+            if not layer.is_moe and layer.has_mlp and layer.mlp.is_gated and not keep_gate_up_order:
                 layer.mlp.interleave_gate_up()
         int_modules = [m for m in self.modules() if isinstance(m, (Linear, ExpertLinears)) and m.dense_bytes()]
         dense_bytes = sum(m.dense_bytes() for m in int_modules)

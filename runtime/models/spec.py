@@ -88,6 +88,12 @@ LLAMA_LINEARS = (
     FusedLinear("mlp.gate_up", ("mlp.gate_proj", "mlp.up_proj"), "column", "post_attn_norm"),
     FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.gate_up"),
 )
+# An MLP without gate, down(act(up(x))) (ModelConfig.gated_mlp false: Arcee's relu2, Apertus's xielu)
+UP_MLP_LINEARS = (
+    *LLAMA_LINEARS[:2],
+    FusedLinear("mlp.up", ("mlp.up_proj",), "column", "post_attn_norm"),
+    FusedLinear("mlp.down", ("mlp.down_proj",), "row", "mlp.up"),
+)
 # Phi-3 stores q/k/v and gate/up fused, in the runtime's row order (q, k, v; gate, up: its MLP's chunk(2))
 PHI3_LINEARS = (
     FusedLinear("attn.qkv", ("self_attn.qkv_proj",), "column", "input_norm"),
@@ -147,11 +153,12 @@ def float32_norms(config) -> tuple[str, ...]:
     """The never-quantized layer tensors kept in float32 whatever the model dtype (`config`: the ModelConfig):
     DeepSeek's router weight and score bias, as transformers keeps them (_keep_in_fp32_modules_strict); gpt-oss's
     attention sinks (the kernels read them as float32 logits); a Gated DeltaNet's A_log and dt_bias (Qwen3.5: its decay
-    is computed in float32); a Mamba-2 mixer's A_log, dt_bias and D (Granite 4.0, the same)."""
+    is computed in float32); a Mamba-2 mixer's A_log, dt_bias and D (Granite 4.0, the same); Apertus's xIELU scalars
+    (mlp.xielu: cast to the activations' dtype where they are used, as transformers' parameters are in the model's)."""
     return (("moe.gate", "moe.gate_bias") if config.router_in_float32 else ()) + (
         ("attn.sinks",) if config.attention_sinks else ()) + (
         ("attn.A_log", "attn.dt_bias") if config.linear_attention_layers or config.mamba_layers else ()) + (
-        ("attn.D",) if config.mamba_layers else ())
+        ("attn.D",) if config.mamba_layers else ()) + (("mlp.xielu",) if config.hidden_act == "xielu" else ())
 
 
 def layer_norm_names(spec: ModelSpec, config, index: int | None = None) -> dict[str, str]:

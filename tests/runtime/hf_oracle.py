@@ -56,7 +56,8 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     unfolded with `hf_config`'s multipliers: o_proj, down_proj (and mamba.out_proj) divided by residual_multiplier,
     the final norm times logits_scaling. Granite 4.0's experts stacked as transformers holds them (their down and
     the shared expert's unfolded too). NemotronHForCausalLM: its linears under `mixer` by the spec's names, its
-    embeddings and norm_f, its moe blocks' router, score bias and stacked experts (up_proj, down_proj)."""
+    embeddings and norm_f, its moe blocks' router, score bias and stacked experts (up_proj, down_proj). An MLP without gate: its up_proj (Arcee, Apertus) and Apertus's xIELU
+    scalars."""
     from llmc.quant.formats import make_format
     from llmc.quant.reference import dequantize
 
@@ -67,6 +68,7 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
     q, kv = model["num_heads"] * model["head_dim"], model["num_kv_heads"] * model["head_dim"]
     members = {"attn.qkv": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], [q, kv, kv]),
                "attn.o": (["self_attn.o_proj"], None), "mlp.down": (["mlp.down_proj"], None),
+               "mlp.up": (["mlp.up_proj"], None),  # (an MLP without gate: Arcee's, Apertus's)
                "mlp.gate_up": (["mlp.gate_proj", "mlp.up_proj"], [model["intermediate_size"]] * 2)}
     offset = spec.norm_weight_offset
     residual, logits = 1.0, 1.0
@@ -125,6 +127,10 @@ def hf_state_of(artifact, hf_config: dict | None = None) -> dict[str, torch.Tens
                 weight = tensors[f"layers.{i}.{runtime}.weight"].float()
                 state[f"model.layers.{i}.{hf.replace('mamba.', mamba)}"] = (
                     weight[:, None] if runtime == "attn.conv" else weight)
+        if f"layers.{i}.mlp.xielu.weight" in tensors:  # Apertus's xIELU: alpha_p, alpha_n [1], beta, eps []
+            alpha_p, alpha_n, beta, eps = tensors[f"layers.{i}.mlp.xielu.weight"].float()
+            state |= {f"model.layers.{i}.mlp.act_fn.{name}": value for name, value in
+                      (("alpha_p", alpha_p[None]), ("alpha_n", alpha_n[None]), ("beta", beta), ("eps", eps))}
         for runtime, (names, sizes) in members.items():
             if f"layers.{i}.{runtime}" not in manifest["quant"]["modules"]:  # (not in this layer)
                 continue
