@@ -420,9 +420,9 @@ def _check_hybrid(ctx: _Context) -> None:
 
 def _check_gateless_mlp(ctx: _Context) -> None:
     """An MLP without gate (Arcee's relu2, Apertus's xielu: mlp.up, not mlp.gate_up) runs on the torch runtime, dense
-    or with int weights from RTN or GPTQ: the ONNX graph, AWQ's and SmoothQuant's folds, FP8 and imports all take a
-    gate_up (and AWQ's fold of down into up assumes a gate's linear product), and are refused by name before any
-    work."""
+    or with int weights from RTN or GPTQ: the ONNX graph, AWQ's and SmoothQuant's folds and imports name a gate_up
+    (and AWQ's fold of down into up would need an activation linear in up), FP8 and int8 are not tested without one:
+    refused by name before any work."""
     model, recipe = ctx.model, ctx.recipe
     if model.gated_mlp or model.is_hybrid:  # (a hybrid's: _check_hybrid)
         return
