@@ -6,20 +6,11 @@ the final norm `model.final_layernorm`. Its muP multipliers are folded into the 
 (compiler/hf_checkpoint.multiplier_fold: attention_in / key / attention_out, ssm_in / ssm_multipliers / ssm_out,
 mlp_multipliers, lm_head_multiplier) but embedding_multiplier, the embeddings' scale (ModelConfig.embed_scale: a
 prompt given as embeddings is not scaled, as transformers'). mamba_rms_norm false (ModelConfig.mamba_rms_norm): the
-mixer's output y silu(z), no gated norm (compiler/hf_checkpoint._falcon_h1_config)."""
+mixer's output y silu(z), no gated norm (compiler/hf_checkpoint._falcon_h1_config). Its tensors are named as Bamba's: its
+spec is Bamba's under its own names.
 
-from llmc.runtime.models.granitemoehybrid import MAMBA
-from llmc.runtime.models.spec import LLAMA_GLOBALS, LLAMA_LINEARS, FusedLinear, ModelSpec
+from dataclasses import replace
 
-SPEC = ModelSpec(
-    family="falcon_h1",
-    architectures=("FalconH1ForCausalLM",),
-    model_types=("falcon_h1",),
-    layer_linears=LLAMA_LINEARS[:2] + MAMBA + (
-        FusedLinear("mlp.gate_up", ("feed_forward.gate_proj", "feed_forward.up_proj"), "column", "post_attn_norm"),
-        FusedLinear("mlp.down", ("feed_forward.down_proj",), "row", "mlp.gate_up"),
-    ),
-    layer_norms={"input_norm": "input_layernorm", "post_attn_norm": "pre_ff_layernorm"},
-    qk_norms={},
-    global_tensors={**LLAMA_GLOBALS, "norm.weight": "model.final_layernorm.weight"},
-)
+from llmc.runtime.models.bamba import SPEC as BAMBA
+
+SPEC = replace(BAMBA, family="falcon_h1", architectures=("FalconH1ForCausalLM",), model_types=("falcon_h1",))
