@@ -7,7 +7,7 @@ the final norm `model.final_layernorm`. Its muP multipliers are folded into the 
 mlp_multipliers, lm_head_multiplier) but embedding_multiplier, the embeddings' scale (ModelConfig.embed_scale: a
 prompt given as embeddings is not scaled, as transformers'). mamba_rms_norm false (ModelConfig.mamba_rms_norm): the
 mixer's output y silu(z), no gated norm (compiler/hf_checkpoint._falcon_h1_config). Its tensors are named as Bamba's: its
-spec is Bamba's under its own names.
+spec is Bamba's under its own names."""
 
 from dataclasses import replace
 
