@@ -5,6 +5,7 @@ build of a tiny checkpoint, a changed copy of one, and transformers' own model r
 import json
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -30,6 +31,27 @@ def float32_artifacts(checkpoints: dict, root):
             built[family] = build_float32(checkpoints[family], root / family)
         return built[family]
     return artifact
+
+
+def artifact_fixture(name: str):
+    """A module fixture `artifact`: the float32 artifact of the module's `checkpoint` fixture, built in a folder named
+    after `name`."""
+    @pytest.fixture(scope="module")
+    def artifact(checkpoint, tmp_path_factory):
+        return build_float32(checkpoint, tmp_path_factory.mktemp(f"{name}_artifacts") / name)
+    return artifact
+
+
+def family_fixtures(name: str, family: str, **config_changes):
+    """Module fixtures (`checkpoint`, `artifact`): `family`'s tiny random checkpoint (tests.conftest.make_hf_checkpoint,
+    its config changed by `config_changes`) in a folder named `name`, and its float32 artifact; a test module binds
+    them by name: `checkpoint, artifact = family_fixtures("lfm2", "lfm2")`."""
+    from tests.conftest import make_hf_checkpoint
+
+    @pytest.fixture(scope="module")
+    def checkpoint(tmp_path_factory):
+        return make_hf_checkpoint(tmp_path_factory.mktemp(name) / "ckpt", family, **config_changes)
+    return checkpoint, artifact_fixture(name)
 
 
 def build_import(checkpoint, out, **recipe):

@@ -20,9 +20,9 @@ from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import bamba
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, float32_artifacts, hf_model_on_weights_of,
+from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, hf_model_on_weights_of,
                                      hf_state_of)
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
@@ -32,14 +32,7 @@ from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_bu
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("bamba") / "ckpt", "bamba")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"b": checkpoint}, tmp_path_factory.mktemp("bamba_artifacts"))("b")
+checkpoint, artifact = family_fixtures("bamba", "bamba")
 
 
 @torch.inference_mode()

@@ -24,6 +24,7 @@ from llmc.runtime.models import falcon_h1
 from tests.conftest import FALCON_H1_MULTIPLIERS, make_hf_checkpoint
 from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, float32_artifacts, hf_model_on_weights_of,
                                      hf_state_of, write_config)
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
@@ -33,14 +34,7 @@ from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_bu
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("falcon_h1") / "ckpt", "falcon_h1")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"f": checkpoint}, tmp_path_factory.mktemp("falcon_h1_artifacts"))("f")
+checkpoint, artifact = family_fixtures("falcon_h1", "falcon_h1")
 
 
 @torch.inference_mode()

@@ -24,8 +24,8 @@ from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts
+from tests.runtime.hf_oracle import check_quantized_build
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_qwen3_5 import _hf_tokens, check_hybrid_refusals, check_memory_profile_forward
@@ -37,14 +37,7 @@ MAMBA = {"layer_types": ["mamba", "attention", "mamba"], "position_embedding_typ
          "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("granite4_hybrid") / "ckpt", "granitemoehybrid", **MAMBA)
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"h": checkpoint}, tmp_path_factory.mktemp("granite4_hybrid_artifacts"))("h")
+checkpoint, artifact = family_fixtures("granite4_hybrid", "granitemoehybrid", **MAMBA)
 
 
 @torch.inference_mode()

@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts
+from tests.runtime.hf_oracle import build_float32, check_quantized_build
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import MAMBA, check_on_the_gpu
@@ -34,14 +34,7 @@ from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers
 EXPERTS = {**MAMBA, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("granite4_moe_hybrid") / "ckpt", "granitemoehybrid", **EXPERTS)
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"h": checkpoint}, tmp_path_factory.mktemp("granite4_moe_hybrid_artifacts"))("h")
+checkpoint, artifact = family_fixtures("granite4_moe_hybrid", "granitemoehybrid", **EXPERTS)
 
 
 @torch.inference_mode()

@@ -23,8 +23,8 @@ from llmc.compiler.export import export_artifact
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import check_quantized_build, float32_artifacts
+from tests.runtime.hf_oracle import check_quantized_build
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
@@ -34,14 +34,7 @@ from tests.runtime.test_qwen3_5 import test_preemption_and_short_chunks_keep_tra
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("lfm2") / "ckpt", "lfm2")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"l": checkpoint}, tmp_path_factory.mktemp("lfm2_artifacts"))("l")
+checkpoint, artifact = family_fixtures("lfm2", "lfm2")
 
 
 @torch.inference_mode()

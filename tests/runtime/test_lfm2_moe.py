@@ -18,7 +18,8 @@ from llmc.errors import CheckpointError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts, write_config
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, write_config
+from tests.runtime.hf_oracle import artifact_fixture
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_lfm2 import check_on_the_gpu
 from tests.runtime.test_qwen3_5 import check_memory_profile_forward
@@ -37,9 +38,7 @@ def checkpoint(tmp_path_factory):
     return checkpoint
 
 
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"m": checkpoint}, tmp_path_factory.mktemp("lfm2_moe_artifacts"))("m")
+artifact = artifact_fixture("lfm2_moe")
 
 
 @torch.inference_mode()

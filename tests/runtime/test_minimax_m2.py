@@ -28,8 +28,9 @@ from llmc.runtime.models.moe import deepseek_route
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import (MOE_QUANTIZATIONS, MOE_QUANTIZATION_IDS, assert_same_routes, build_quantized,
-                                     check_moe_build_as_oracle, check_tensor_parallel, float32_artifacts, moe_hf_state,
+                                     check_moe_build_as_oracle, check_tensor_parallel, moe_hf_state,
                                      write_config)
+from tests.runtime.hf_oracle import artifact_fixture
 from tests.runtime.test_glm4_moe import GREEDY, PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
@@ -57,9 +58,7 @@ def checkpoint(tmp_path_factory):
     return made
 
 
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"m2": checkpoint}, tmp_path_factory.mktemp("minimax_m2_artifacts"))("m2")
+artifact = artifact_fixture("minimax_m2")
 
 
 @torch.inference_mode()

@@ -23,8 +23,8 @@ from llmc.compiler.export import export_artifact
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, check_quantized_build, float32_artifacts, write_config
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, write_config
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
@@ -36,14 +36,7 @@ from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("nemotron_h") / "ckpt", "nemotron_h")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"h": checkpoint}, tmp_path_factory.mktemp("nemotron_h_artifacts"))("h")
+checkpoint, artifact = family_fixtures("nemotron_h", "nemotron_h")
 
 
 @torch.inference_mode()

@@ -21,7 +21,8 @@ from llmc.errors import CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build, float32_artifacts
+from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build
+from tests.runtime.hf_oracle import artifact_fixture
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
@@ -46,9 +47,7 @@ def checkpoint(tmp_path_factory):
     return checkpoint
 
 
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"e": checkpoint}, tmp_path_factory.mktemp("nemotron_h_moe_artifacts"))("e")
+artifact = artifact_fixture("nemotron_h_moe")
 
 
 @torch.inference_mode()

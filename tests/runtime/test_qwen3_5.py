@@ -28,20 +28,13 @@ from llmc.runtime.engine import Engine
 from llmc.runtime.llm import LLM
 from llmc.runtime.models.gated_deltanet import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from llmc.runtime.sampling_params import SamplingParams
-from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_quantized, float32_artifacts, write_config
+from tests.runtime.hf_oracle import build_quantized, write_config
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_5") / "ckpt", "qwen3_5")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"q": checkpoint}, tmp_path_factory.mktemp("qwen3_5_artifacts"))("q")
+checkpoint, artifact = family_fixtures("qwen3_5", "qwen3_5")
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_build_as_oracle, float32_artifacts, \
     write_config
+from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_qwen3_5 import assert_reads_back, check_memory_profile_forward, hf_state
@@ -37,14 +38,7 @@ from tests.runtime.test_qwen3_5 import assert_reads_back, check_memory_profile_f
 TOLERANCE = 2e-4
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_hf_checkpoint(tmp_path_factory.mktemp("qwen3_5_moe") / "ckpt", "qwen3_5_moe")
-
-
-@pytest.fixture(scope="module")
-def artifact(checkpoint, tmp_path_factory):
-    return float32_artifacts({"q": checkpoint}, tmp_path_factory.mktemp("qwen3_5_moe_artifacts"))("q")
+checkpoint, artifact = family_fixtures("qwen3_5_moe", "qwen3_5_moe")
 
 
 @torch.inference_mode()
