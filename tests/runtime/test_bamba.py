@@ -85,7 +85,7 @@ def _hf_state(artifact) -> dict:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the Mamba-2 layers from zero state) W4 of every linear (in_proj, out_proj, the
     attention's, feed_forward's) against transformers holding the dequantized weights (the conv, dt_bias, A_log, D and

@@ -91,7 +91,7 @@ def test_the_gated_norm_matches_transformers(tmp_path, hf_logits, hf_greedy, hf_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the Mamba-2 mixers from zero state) W4 of every linear (q/k/v/o, in_proj,
     out_proj, feed_forward's) against transformers holding the dequantized weights, its config's multipliers at 1 (the

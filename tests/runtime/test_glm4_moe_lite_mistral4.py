@@ -110,7 +110,7 @@ def test_the_routers_are_transformers_routers():
 
 @torch.inference_mode()
 @pytest.mark.parametrize("family", MLA_MOE_FAMILIES)
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(family, method, checkpoints, tmp_path, hf_encode, data_dir):
     """A W4 build (every MLA linear, dense MLP, shared expert and expert; GPTQ calibrated through the layers) against
     transformers' model holding its dequantized weights: logits over 34 positions (1e-4) and 12 greedy tokens; with a

@@ -108,7 +108,7 @@ def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoin
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (the experts' Hessians from the tokens routed to each) W4 of every linear: the experts, the shared
     expert, the Mamba-2 layers' in_proj and out_proj, the attention's; the router dense: against transformers holding

@@ -63,7 +63,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ W4 of every linear and expert against transformers holding its dequantized weights (the
     router and its expert_bias dense, float32)."""

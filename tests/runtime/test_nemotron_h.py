@@ -116,7 +116,7 @@ def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the blocks in turn, the Mamba-2 ones from zero state) W4 of every linear (the
     Mamba-2 in_proj and out_proj, q/k/v and o, the MLPs' up and down) against transformers holding its dequantized

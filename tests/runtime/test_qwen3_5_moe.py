@@ -266,7 +266,7 @@ def test_qwen3_next_on_the_triton_path(next_checkpoint, next_artifact, triton_di
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
 def test_a_qwen3_next_w4_build_runs_transformers_on_its_weights(method, next_checkpoint, tmp_path, hf_encode,
                                                                  data_dir):
     """Qwen3-Next RTN / GPTQ W4 g32 (the regrouped in_qkvz quantized as one linear, the experts, the dense MLP) against
