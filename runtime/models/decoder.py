@@ -292,9 +292,8 @@ class DecoderLayer(nn.Module):
         self.is_parallel = config.parallel_block
         if self.has_pre_norms and not config.parallel_block and self.has_mixer and self.has_mlp:
             self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, fp8_output=not self.is_moe
-                                          and takes_fp8_activations(formats[f"layers.{index}.mlp.gate_up"]
-                                                                    if config.gated_mlp else
-                                                                    formats[f"layers.{index}.mlp.up"]))
+                                          and takes_fp8_activations(
+                                              formats[f"layers.{index}.mlp.{'gate_up' if config.gated_mlp else 'up'}"]))
         if self.has_mlp and self.is_moe:  # mixture of experts (runtime/models/moe.py)
             self.moe = MoE(config, formats, f"layers.{index}.moe.", dtype, layout, tp_group)
         elif self.has_mlp:
