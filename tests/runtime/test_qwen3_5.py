@@ -359,15 +359,15 @@ def test_the_calibration_runs_a_deltanet_layer_as_transformers(checkpoint):
     torch.testing.assert_close(runner.forward(module, hidden), want, atol=1e-4, rtol=1e-4)
 
 
-@torch.inference_mode()
-def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, hf_logits, hf_encode):
-    """Qwen3_5ForConditionalGeneration's config form (text_config) and weights (model.language_model.*, a one-layer
-    vision tower beside them): its artifact is the text model's, scored as transformers'
-    Qwen3_5ForConditionalGeneration loaded from it scores text ids (1e-4); an image is refused by name."""
+def check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, model_class, config_class, tolerance):
+    """The checkpoint's text model saved as `model_class` (Qwen3.5's or Qwen3.5-MoE's ConditionalGeneration: its
+    config's text_config, its weights under model.language_model.*, a one-layer vision tower beside them) builds an
+    artifact scored as transformers' `model_class` loaded from it scores text ids (to `tolerance`; that model equal to
+    the text model's, 1e-5), and an image is refused by name. Returns the artifact's model config."""
     import shutil
 
     from PIL import Image
-    from transformers import AutoModelForCausalLM, Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import AutoModelForCausalLM
 
     from tests.conftest import TOKENIZER_FILES
     from tests.runtime.hf_oracle import build_float32
@@ -375,7 +375,7 @@ def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, 
     text = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
               "patch_size": 14, "num_position_embeddings": 16}
-    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision))
+    model = model_class(config_class(text_config=text.config.to_dict(), vision_config=vision))
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
     source = tmp_path / "cg"
@@ -383,20 +383,30 @@ def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, 
     for name in TOKENIZER_FILES:
         shutil.copyfile(checkpoint / name, source / name)
     built = build_float32(source, tmp_path / "a")
-    m = read_manifest(built).model
-    assert (m.architecture, m.family, m.linear_attention_layers, m.vocab_size) == (
-        "Qwen3_5ForConditionalGeneration", "qwen3_5", [0, 1, 3], 4096)
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-    reference = Qwen3_5ForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32,
-                                                                attn_implementation="eager").eval()
+    reference = model_class.from_pretrained(str(source), dtype=torch.float32, attn_implementation="eager").eval()
     want = reference(input_ids=torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(want, hf_logits(checkpoint, token_ids), atol=1e-5, rtol=1e-5)
     with LLM(built, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        torch.testing.assert_close(llm.engine.score(token_ids), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(llm.engine.score(token_ids), want, atol=tolerance, rtol=tolerance)
         with pytest.raises(RequestError, match="vision tower is not built"):
             image = Image.new("RGB", (28, 28))
             llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": image}}],
                          SamplingParams(max_tokens=2))
+    return read_manifest(built).model
+
+
+@torch.inference_mode()
+def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, hf_logits, hf_encode):
+    """Qwen3_5ForConditionalGeneration's config form (text_config) and weights (model.language_model.*, a one-layer
+    vision tower beside them): its artifact is the text model's, scored as transformers'
+    Qwen3_5ForConditionalGeneration loaded from it scores text ids (1e-4); an image is refused by name."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    m = check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, Qwen3_5ForConditionalGeneration,
+                                     Qwen3_5Config, 1e-4)
+    assert (m.architecture, m.family, m.linear_attention_layers, m.vocab_size) == (
+        "Qwen3_5ForConditionalGeneration", "qwen3_5", [0, 1, 3], 4096)
 
 
 def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):

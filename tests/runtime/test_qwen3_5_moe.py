@@ -31,7 +31,8 @@ from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_bu
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import assert_reads_back, check_memory_profile_forward, hf_state
+from tests.runtime.test_qwen3_5 import (assert_reads_back, check_conditional_generation,
+                                         check_memory_profile_forward, hf_state)
 
 # Logits' tolerance: this model's logits (std 8) in float32 are 1.7e-4 from exact (transformers' float32 model against
 # its float64 copy over the 40 positions _check scores; llmc's 1.5e-4), so 1e-4 would test rounding
@@ -125,39 +126,12 @@ def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, 
     fused as transformers 5 saves them, a one-layer vision tower beside them): its artifact is the text model's,
     scored as transformers' Qwen3_5MoeForConditionalGeneration loaded from it scores text ids (TOLERANCE); an image is
     refused by name."""
-    import shutil
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    from PIL import Image
-    from transformers import AutoModelForCausalLM, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
-
-    from tests.conftest import TOKENIZER_FILES
-
-    text = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
-    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
-              "patch_size": 14, "num_position_embeddings": 16}
-    model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text.config.to_dict(),
-                                                                vision_config=vision))
-    model.model.language_model.load_state_dict(text.model.state_dict())
-    model.lm_head.load_state_dict(text.lm_head.state_dict())
-    source = tmp_path / "cg"
-    model.save_pretrained(source)
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(checkpoint / name, source / name)
-    built = build_float32(source, tmp_path / "a")
-    m = read_manifest(built).model
+    m = check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, Qwen3_5MoeForConditionalGeneration,
+                                     Qwen3_5MoeConfig, TOLERANCE)
     assert (m.architecture, m.family, m.linear_attention_layers, m.moe_layers) == (
         "Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", [0, 1, 3], [0, 1, 2, 3])
-    token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
-    reference = Qwen3_5MoeForConditionalGeneration.from_pretrained(str(source), dtype=torch.float32,
-                                                                   attn_implementation="eager").eval()
-    want = reference(input_ids=torch.tensor([token_ids])).logits[0]
-    torch.testing.assert_close(want, hf_logits(checkpoint, token_ids), atol=1e-5, rtol=1e-5)
-    with LLM(built, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        torch.testing.assert_close(llm.engine.score(token_ids), want, atol=TOLERANCE, rtol=TOLERANCE)
-        with pytest.raises(RequestError, match="vision tower is not built"):
-            image = Image.new("RGB", (28, 28))
-            llm.generate([{"prompt": "Describe <|image_pad|>", "multi_modal_data": {"image": image}}],
-                         SamplingParams(max_tokens=2))
 
 
 def test_the_default_config_reads_as_transformers():
