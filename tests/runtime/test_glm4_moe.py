@@ -35,14 +35,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
 KINDS = ("qk_norm", "plain")  # use_qk_norm true (GLM-4.5's) and false (GLM-4.5-Air's)
 
 
-def _random_score_bias(checkpoint, mtp: bool) -> None:
-    """e_score_correction_bias set to random values of the sigmoid scores' size, so it changes which experts (and
-    groups) are chosen; with `mtp`, a multi-token-prediction layer as GLM-4.5 ships it (model.layers.3: a decoder
-    layer, eh_proj, enorm, hnorm, shared_head.norm), which transformers' forward does not run."""
+def _random_score_bias(checkpoint, mtp: bool, bias: str = "e_score_correction_bias") -> None:
+    """The router's score bias (the tensors named ...`bias`: e_score_correction_bias, LFM2-MoE's expert_bias; a buffer
+    of zeros as transformers initialises it) set to seeded random values of the sigmoid scores' size, so it changes
+    which experts (and groups) are chosen; with `mtp`, a multi-token-prediction layer as GLM-4.5 ships it
+    (model.layers.3: a decoder layer, eh_proj, enorm, hnorm, shared_head.norm), which transformers' forward does not
+    run."""
     path = checkpoint / "model.safetensors"
     tensors = load_file(path)
     gen = torch.Generator().manual_seed(7)
-    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+    for name in [n for n in tensors if n.endswith(bias)]:
         tensors[name] = 0.3 * torch.randn(tensors[name].shape, generator=gen)
     if mtp:
         tensors |= {name.replace("layers.2.", "layers.3."): t.clone() for name, t in tensors.items()

@@ -12,7 +12,6 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from llmc.errors import CheckpointError
 from llmc.runtime.artifact import read_manifest
@@ -20,21 +19,16 @@ from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import build_float32, check_quantized_build, write_config
 from tests.runtime.hf_oracle import artifact_fixture
-from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_lfm2 import check_on_the_gpu
 from tests.runtime.test_qwen3_5 import check_memory_profile_forward
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The LFM2-MoE checkpoint with each sparse layer's expert_bias (a buffer, zeros as transformers initialises it)
-    set to seeded random values of the sigmoid scores' size, so that it changes which experts are chosen."""
+    """The LFM2-MoE checkpoint with each sparse layer's expert_bias set at random (test_glm4_moe._random_score_bias)."""
     checkpoint = make_hf_checkpoint(tmp_path_factory.mktemp("lfm2_moe") / "ckpt", "lfm2_moe")
-    path = checkpoint / "model.safetensors"
-    tensors, gen = load_file(path), torch.Generator().manual_seed(7)
-    for name in [n for n in tensors if n.endswith("feed_forward.expert_bias")]:
-        tensors[name] = 0.3 * torch.randn(tensors[name].shape, generator=gen)
-    save_file(tensors, path, metadata={"format": "pt"})
+    _random_score_bias(checkpoint, mtp=False, bias="feed_forward.expert_bias")
     return checkpoint
 
 

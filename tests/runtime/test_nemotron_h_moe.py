@@ -15,7 +15,6 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from llmc.errors import CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
@@ -23,7 +22,7 @@ from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
 from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build
 from tests.runtime.hf_oracle import artifact_fixture
-from tests.runtime.test_glm4_moe import PROMPTS, _check
+from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
 from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
@@ -36,14 +35,9 @@ MOE = {"hybrid_override_pattern": "ME*E", "num_hidden_layers": 4, "n_routed_expe
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The checkpoint with each moe block's e_score_correction_bias (a buffer, zeros as transformers initialises it)
-    set to seeded random values of the sigmoid scores' size, so that it changes which experts are chosen."""
+    """The checkpoint with each moe block's e_score_correction_bias set at random (test_glm4_moe._random_score_bias)."""
     checkpoint = make_hf_checkpoint(tmp_path_factory.mktemp("nemotron_h_moe") / "ckpt", "nemotron_h", **MOE)
-    path = checkpoint / "model.safetensors"
-    tensors, gen = load_file(path), torch.Generator().manual_seed(7)
-    for name in [n for n in tensors if n.endswith("mixer.gate.e_score_correction_bias")]:
-        tensors[name] = 0.3 * torch.randn(tensors[name].shape, generator=gen)
-    save_file(tensors, path, metadata={"format": "pt"})
+    _random_score_bias(checkpoint, mtp=False, bias="mixer.gate.e_score_correction_bias")
     return checkpoint
 
 
