@@ -1,0 +1,91 @@
+"""The hybrid models' state layers on CUDA: the depthwise causal conv, Gated DeltaNet's delta rule and Mamba-2's SSD
+recurrence over a step's sequences of any lengths in one launch each (recurrent_triton.py), every sequence continuing
+from its state slot (or zero) and leaving its state there.
+
+The torch form of each (the CPU's path, and the reference the kernels are tested against) lives beside its layer in
+runtime/models (gated_deltanet.py, mamba2.py, short_conv.py): the layers call these only where `can_use_triton`.
+
+`StateSteps` describes the step's sequences for the kernels: cu_seqlens [num_seqs + 1] int32 (their rows), slots
+[num_seqs] (their state slots) and fresh [num_seqs] bool (a piece starting its sequence reads zeros), all on the
+device: a decode step builds them with device ops only (a CUDA graph replays it); and max_len, the longest piece (host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import can_use_triton  # noqa: F401 (the layers' dispatch; tests patch it here)
+
+# (tile, warps) of the delta rule's and the SSD recurrence's kernels for decode steps and for prefills, from
+# `benchmarks/bench_hybrid.py --sweep` on an H200 (benchmarks/RESULTS.md, session 51): decodes are bound by the state's
+# traffic (wide tiles), prefills by each token's serial latency (narrow tiles, one warp, more programs)
+DELTA_RULE_TILES = {"decode": (64, 4), "prefill": (16, 1)}
+SSD_TILES = {"decode": (32, 4), "prefill": (4, 1)}
+
+
+@dataclass
+class StateSteps:
+    cu_seqlens: Tensor
+    slots: Tensor
+    fresh: Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, query_lens: list[int], context_lens: Tensor, slots: Tensor | None, is_decode: bool,
+           cache: dict) -> StateSteps:
+        """The step's sequences (query_lens on the host, context_lens on the device: a piece whose context is its own
+        length starts its sequence). Without slots (the memory profile, calibration: nothing kept) every sequence
+        starts fresh on a scratch slot of its own (the layer binds them: `scratch_slots`). Computed once per step
+        (`cache`: the ForwardBatch's kernel_cache), every state layer reading the same."""
+        found = cache.get("state_steps")
+        if found is None:
+            device, num_seqs = context_lens.device, len(query_lens)
+            if is_decode:  # one token each: device ops only
+                cu_seqlens = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+                fresh = context_lens == 1
+            else:
+                lengths = torch.tensor(query_lens, dtype=torch.int32, device=device)
+                cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+                fresh = context_lens == lengths
+            if slots is None:
+                slots, fresh = torch.arange(num_seqs, device=device), torch.ones_like(fresh)
+            found = cache["state_steps"] = cls(cu_seqlens, slots, fresh, 1 if is_decode else max(query_lens))
+        return found
+
+
+def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor, steps: StateSteps, silu: bool,
+                out_dtype: torch.dtype) -> Tensor:
+    """(SiLU of) the depthwise causal conv of x [T, C] (weight [C, K], + bias) per sequence after its slot's conv state
+    state [slots, C, K - 1], which becomes the sequence's last K - 1 inputs; returns [T, C] in out_dtype."""
+    from . import recurrent_triton
+
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    return recurrent_triton.causal_conv(x, weight, bias, state, steps.slots, steps.fresh, steps.cu_seqlens, silu, out,
+                                        steps.max_len)
+
+
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, steps: StateSteps,
+               scale: float, eps: float) -> Tensor:
+    """The gated delta rule per sequence from its slot of state [slots, value heads, key_dim, value_dim] (float32,
+    updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times scale), v [T, value heads *
+    value_dim], g, beta [T, value heads] float32; returns o [T, value heads * value_dim] float32."""
+    from . import recurrent_triton
+
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    tile, warps = DELTA_RULE_TILES["decode" if steps.max_len == 1 else "prefill"]
+    return recurrent_triton.delta_rule(q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale, eps,
+                                       out, tile, warps)
+
+
+def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, state: Tensor, steps: StateSteps) -> Tensor:
+    """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32, updated in
+    place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads], b, c [T, groups * d_state] (all
+    float32 but x, b, c); returns y [T, heads * head_dim] float32."""
+    from . import recurrent_triton
+
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    tile, warps = SSD_TILES["decode" if steps.max_len == 1 else "prefill"]
+    return recurrent_triton.ssd(x, dt, a, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out, tile, warps)
