@@ -13,7 +13,8 @@ chunk is written back to its slot. So chunked prefill carries the state across c
 The delta rule (per value head, state S [key dim, value dim], q and k L2-normed, q scaled by key_dim^-0.5):
 S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t. `recurrent_delta_rule` runs it one
 token at a time (decodes); `chunked_delta_rule` in chunks of C tokens, solving each chunk's u in one triangular
-system (prefill chunks). Both in float32 on torch ops."""
+system (prefill chunks). Both in float32 on torch ops: the CPU's path. On CUDA the conv and the rule run as Triton kernels
+over the step's sequences at once (kernels/recurrent.py), each sequence's state read and written once per step."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmc.kernels import recurrent
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
 
@@ -31,6 +33,21 @@ def _weight(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Module:
     holder = nn.Module()
     holder.register_buffer("weight", torch.empty(shape, dtype=dtype, device="meta"))
     return holder
+
+
+def state_steps(batch: ForwardBatch) -> recurrent.StateSteps:
+    """The step's sequences for the state layers' kernels (kernels/recurrent.StateSteps), once per step."""
+    return recurrent.StateSteps.of(batch.query_lens, batch.context_lens, batch.state_slots, batch.is_decode,
+                                   batch.kernel_cache)
+
+
+def bound_or_scratch(state: Tensor | None, batch: ForwardBatch, shape: tuple[int, ...], dtype: torch.dtype,
+                     device: torch.device) -> Tensor:
+    """A layer's bound state tensor, or (a forward without state slots) zeros of `shape` per sequence of the step,
+    thrown away after it."""
+    if batch.state_slots is not None:
+        return state
+    return torch.zeros(batch.num_seqs, *shape, dtype=dtype, device=device)
 
 
 def l2_normalize(x: Tensor) -> Tensor:
@@ -122,11 +139,25 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float() * self.beta_scale
         g = -self.A_log.weight.exp() * F.softplus(a.float() + self.dt_bias.weight)
         slots = batch.state_slots
-        if batch.is_decode and slots is not None:
+        if recurrent.can_use_triton(x):
+            out = self._kernels(mixed, g, beta, batch)
+        elif batch.is_decode and slots is not None:
             out = self._decode(mixed, g, beta, slots, batch.context_lens)
         else:
             out = self._prefill(mixed, g, beta, batch, slots)
         return self.out(self._gated_norm(out, z).flatten(1))
+
+    def _kernels(self, mixed: Tensor, g: Tensor, beta: Tensor, batch: ForwardBatch) -> Tensor:
+        """Every sequence of the step at once: the conv (its SiLU output rounded to the model dtype, as `_prefill`)
+        then the delta rule, each one Triton kernel."""
+        steps, device = state_steps(batch), mixed.device
+        conv_state = bound_or_scratch(self.conv_state, batch, (self.conv_dim, self.kernel - 1), mixed.dtype, device)
+        state = bound_or_scratch(self.recurrent_state, batch, (self.num_v_heads, self.k_dim, self.v_dim), torch.float32,
+                                 device)
+        conv = recurrent.causal_conv(mixed, self.conv.weight, None, conv_state, steps, True, mixed.dtype)
+        q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        out = recurrent.delta_rule(q, k, v, g, beta, state, steps, self.k_dim ** -0.5, L2_NORM_EPS)
+        return out.unflatten(-1, (self.num_v_heads, self.v_dim))
 
     def _split_heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The conv's output [..., conv_dim] (float32) → q, k [..., num_v_heads, k_dim] (normed, grouped, q scaled),

@@ -8,7 +8,8 @@ S <- exp(dt_t A_h) S + dt_t x_t B_t^T; y_t = S C_t + D_h x_t. `ssd_step` runs it
 `ssd_chunked` in chunks of C tokens in closed form (prefill chunks): within a chunk, with a_t the cumulative
 dt A, y_t = exp(a_t) S0 C_t + sum_{s <= t} exp(a_t - a_s) dt_s (C_t . B_s) x_s + D x_t and the state at its end
 exp(a_C) S0 + sum_s exp(a_C - a_s) dt_s x_s B_s^T. The output is gated and normed per group (y silu(z), RMSNorm over
-each group's columns) before out_proj."""
+each group's columns) before out_proj. On CUDA the conv and the recurrence run as Triton kernels over the step's sequences at once
+(kernels/recurrent.py; the same recurrence token by token, each state read and written once per step)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from llmc.kernels import recurrent
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
-from llmc.runtime.models.gated_deltanet import _weight
+from llmc.runtime.models.gated_deltanet import _weight, bound_or_scratch, state_steps
 
 
 def causal_conv(xbc: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor,
@@ -153,7 +155,9 @@ class Mamba2(nn.Module):
         z, xbc, dt = self.mamba_in(x).split([self.width, self.conv_dim, self.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.weight)  # (time_step_limit (0, inf): unclamped)
         slots = batch.state_slots
-        if batch.is_decode and slots is not None:
+        if recurrent.can_use_triton(x):
+            y = self._kernels(xbc, dt, batch)
+        elif batch.is_decode and slots is not None:
             y = self._decode(xbc, dt, slots, batch.context_lens)
         else:
             y = self._prefill(xbc, dt, batch, slots)
@@ -165,6 +169,16 @@ class Mamba2(nn.Module):
 
     def _conv_bias(self) -> Tensor | None:
         return None if self.conv_bias is None else self.conv_bias.weight.float()
+
+    def _kernels(self, xbc: Tensor, dt: Tensor, batch: ForwardBatch) -> Tensor:
+        """Every sequence of the step at once: the conv (float32 out) then the SSD recurrence, each one Triton kernel."""
+        steps, device = state_steps(batch), xbc.device
+        conv_state = bound_or_scratch(self.conv_state, batch, (self.conv_dim, self.kernel - 1), xbc.dtype, device)
+        state = bound_or_scratch(self.ssm_state, batch, (self.heads, self.head_dim, self.d_state), torch.float32, device)
+        bias = None if self.conv_bias is None else self.conv_bias.weight
+        conv = recurrent.causal_conv(xbc, self.conv.weight, bias, conv_state, steps, True, torch.float32)
+        x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
+        return recurrent.ssd(x, dt, -torch.exp(self.A_log.weight), b, c, self.D.weight, state, steps)
 
     def _decode(self, xbc: Tensor, dt: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
         """One token per sequence: device ops only (no host value of the step)."""

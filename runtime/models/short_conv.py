@@ -3,16 +3,17 @@ each, in that order); out = out_proj(C * conv(B * x)), conv the depthwise causal
 (conv_L_cache) with no bias and no activation. A request's conv state [hidden, kernel - 1] (the last kernel - 1 rows
 of B * x, in the model dtype) is kept in slots as the Gated DeltaNet's states are (runtime/models/gated_deltanet.py
 NOTE (state slots)); the conv is Mamba-2's (runtime/models/mamba2.py: causal_conv over a prefill piece, conv_step for a
-step's decodes)."""
+step's decodes; on CUDA kernels/recurrent.causal_conv over the whole step)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
+from llmc.kernels import recurrent
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
-from llmc.runtime.models.gated_deltanet import _weight
+from llmc.runtime.models.gated_deltanet import _weight, bound_or_scratch, state_steps
 from llmc.runtime.models.mamba2 import causal_conv, conv_step
 
 
@@ -45,7 +46,10 @@ class ShortConv(nn.Module):
         b, c, h = self.conv_in(x).split(self.hidden, dim=-1)
         bx = b * h
         slots = batch.state_slots
-        if batch.is_decode and slots is not None:  # (a one-token prompt starts from zero state)
+        if recurrent.can_use_triton(x):  # every sequence of the step in one Triton kernel
+            state = bound_or_scratch(self.conv_state, batch, (self.hidden, self.kernel - 1), bx.dtype, bx.device)
+            conv = recurrent.causal_conv(bx, self.conv.weight, None, state, state_steps(batch), False, torch.float32)
+        elif batch.is_decode and slots is not None:  # (a one-token prompt starts from zero state)
             conv = conv_step(self.conv_state, slots, batch.context_lens == 1, bx, self.conv.weight)
         else:
             conv = self._prefill(bx, batch, slots)

@@ -126,15 +126,18 @@ def test_the_permuted_whole_head_rotation_is_glm45s_partial_rotary(head_dim, rot
 
 @pytest.fixture
 def triton_dispatch(monkeypatch):
-    """The model's attention (rotary + KV write, paged attention) and MoE dispatched to their Triton kernels on CPU
-    tensors (the interpreter), as on CUDA; {kernel: calls} counts them."""
+    """The model's attention (rotary + KV write, paged attention), MoE and state layers (the causal conv, the delta rule,
+    the SSD recurrence) dispatched to their Triton kernels on CPU tensors (the interpreter), as on CUDA; {kernel:
+    calls} counts them."""
     import llmc.kernels.attention as attention
     import llmc.kernels.attention_triton as attention_triton
     import llmc.kernels.fused_moe as fused_moe
     import llmc.kernels.fused_moe_triton as fused_moe_triton
+    import llmc.kernels.recurrent as recurrent
+    import llmc.kernels.recurrent_triton as recurrent_triton
     import llmc.runtime.models.moe as moe
 
-    calls = {"rotate_and_write_kv": 0, "fused_moe": 0}
+    calls = {"rotate_and_write_kv": 0, "fused_moe": 0, "causal_conv": 0, "delta_rule": 0, "ssd": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -144,6 +147,9 @@ def triton_dispatch(monkeypatch):
 
     monkeypatch.setattr(attention, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(fused_moe, "can_use_triton", lambda *tensors: True)
+    monkeypatch.setattr(recurrent, "can_use_triton", lambda *tensors: True)
+    for name in ("causal_conv", "delta_rule", "ssd"):
+        monkeypatch.setattr(recurrent_triton, name, counted(name, getattr(recurrent_triton, name)))
     monkeypatch.setattr(moe, "fused_expert_weights",
                         lambda x, gate_up, down: (moe.expert_weights(gate_up), moe.expert_weights(down)))
     monkeypatch.setattr(attention_triton, "rotate_and_write_kv",

@@ -56,10 +56,11 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """The full layer's rotary + KV write and paged attention on their Triton kernels (the rows permuted to a whole-head
-    table, the output gate after them), the DeltaNets in torch: transformers' logits, greedy tokens and logprobs."""
+    table, the output gate after them), and the state layers' (the conv, the delta rule or Mamba-2's recurrence) over
+    chunked prefills and decodes: transformers' logits, greedy tokens and logprobs. (Other hybrid families call this.)"""
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
-    assert triton_dispatch["rotate_and_write_kv"]
+    assert triton_dispatch["rotate_and_write_kv"] and triton_dispatch["causal_conv"]
 
 
 class StaticDecodeSteps:
