@@ -32,7 +32,9 @@ the model can sample decodes to text, and any prompt encodes (unknown words map 
                  DeepseekV2Config, Glm4MoeConfig, Ernie4_5_MoeConfig, Llama4TextConfig, MiniMaxM2Config); the
                  experts' tensors are named per expert, as the published checkpoints name them
                  (mlp.experts.E.gate_proj / block_sparse_moe.experts.E.w1), Llama 4's fused
-                 (feed_forward.experts.gate_up_proj [E, hidden, 2 x width], down_proj).
+                 (feed_forward.experts.gate_up_proj [E, hidden, 2 x width], down_proj). Or qwen3_5 (Qwen3.5-9B's
+                 hybrid: transformers' Qwen3_5TextConfig defaults, 24 Gated DeltaNet and 8 gated-attention layers; its
+                 tensors named and shaped by transformers' own model built on the meta device).
 """
 
 from __future__ import annotations
@@ -143,7 +145,11 @@ MOE_ARCHS = {  # arch → (config class, published config, layers by default, ti
     "minimax-m2": ("MiniMaxM2Config", MINIMAX_M2, 4, {"intermediate_size": 128, "num_local_experts": 8,
                                                       "num_experts_per_tok": 2, "rotary_dim": 32}),
 }
-ARCHS = ("llama", *MOE_ARCHS)
+# hybrid archs → (config class, layers by default): transformers' defaults for the widths (Qwen3_5TextConfig's are
+# Qwen3.5-9B's: hidden 4096, 32 layers, every fourth full attention, the rest Gated DeltaNets of 16 key / 32 value heads
+# of 128), the tensors named and shaped as transformers' own model holds them (built on the meta device)
+META_ARCHS = {"qwen3_5": ("Qwen3_5TextConfig", 32)}
+ARCHS = ("llama", *MOE_ARCHS, *META_ARCHS)
 SHARD_BYTES = 5 * 10**9
 NUM_SPECIAL = 256  # Llama-3: <|begin_of_text|> = 128000, <|end_of_text|> = 128001, reserved specials to 128255
 
@@ -151,6 +157,8 @@ NUM_SPECIAL = 256  # Llama-3: <|begin_of_text|> = 128000, <|end_of_text|> = 1280
 def make_config(layers: int | None, tiny: bool, arch: str = "llama") -> dict:
     if arch == "llama":
         config = {**LLAMA3_8B, **(TINY if tiny else {})}
+    elif arch in META_ARCHS:
+        config = meta_arch_config(arch, tiny, layers)
     else:
         config = moe_config(arch, tiny, layers)
     if layers is not None:
@@ -175,8 +183,36 @@ def moe_config(arch: str, tiny: bool, layers: int | None = None) -> dict:
     return config
 
 
+def meta_arch_config(arch: str, tiny: bool, layers: int | None) -> dict:
+    import transformers
+
+    class_name, default_layers = META_ARCHS[arch]
+    values = {"num_hidden_layers": layers or default_layers, "tie_word_embeddings": False}
+    if tiny:
+        values |= {"hidden_size": 256, "intermediate_size": 512, "vocab_size": 1024, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    config = getattr(transformers, class_name)(**values, dtype="bfloat16")
+    config.layer_types = config.layer_types[:config.num_hidden_layers]
+    config = config.to_dict()
+    config["architectures"] = [class_name.replace("TextConfig", "ForCausalLM")]
+    return config
+
+
+def meta_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The tensors of transformers' own model of this config (built on the meta device), in its order."""
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """HF name → shape, in the order the shards hold them (embedding, layers, norm, lm_head)."""
+    if config["model_type"] == "qwen3_5_text":  # (META_ARCHS)
+        return meta_shapes(config)
     hidden = config["hidden_size"]
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -285,6 +321,8 @@ def ernie_mlp_shapes(config: dict, p: str, layer: int) -> dict[str, tuple[int, .
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
+    if name.endswith("A_log"):  # a Gated DeltaNet's decay: A in [1, 16], as Qwen3-Next's init draws it
+        return torch.empty(shape, dtype=torch.bfloat16, device=device).uniform_(0.0, 2.77, generator=generator).cpu()
     if name.endswith("e_score_correction_bias"):  # float32, as GLM-4.5 stores it (transformers keeps it so)
         return torch.zeros(shape, dtype=torch.float32)
     tensor = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=generator)
@@ -376,12 +414,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="checkpoint directory (created)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: llama 32, qwen3-moe 12, mixtral 8, "
-                        "deepseek-v2-lite 4, glm4-moe 4, ernie4_5-moe 4, llama4 4, minimax-m2 4; 2 with --tiny)")
+                        "deepseek-v2-lite 4, glm4-moe 4, ernie4_5-moe 4, llama4 4, minimax-m2 4, qwen3_5 32; 2 with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="a small config for CPU tests")
     parser.add_argument("--device", default=None, help="where the random numbers are drawn (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arch", choices=ARCHS, default="llama", help="llama, qwen3-moe, mixtral, deepseek-v2-lite, "
-                        "glm4-moe, ernie4_5-moe, llama4 or minimax-m2")
+                        "glm4-moe, ernie4_5-moe, llama4, minimax-m2 or qwen3_5")
     parser.add_argument("--classifier", type=int, default=None, metavar="N",
                         help="llama only: a LlamaForSequenceClassification of N labels")
     args = parser.parse_args(argv)

@@ -48,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--sync", action="store_true", help="async_scheduling false")
+    parser.add_argument("--torch-state-layers", action="store_true",
+                        help="a hybrid model's conv, delta rule and SSD on their torch ops (the CPU's path) instead of "
+                             "their Triton kernels (kernels/recurrent.py), for a same-run baseline")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -177,6 +180,10 @@ def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng,
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.torch_state_layers:
+        from llmc.kernels import recurrent
+
+        recurrent.can_use_triton = lambda *tensors: False
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     options = {"max_num_seqs": max(batch_sizes), "max_model_len": args.max_model_len, "disable_log_stats": True,
                "async_scheduling": not args.sync, "max_num_batched_tokens": max(8192, args.prompt_len)}

@@ -1,0 +1,264 @@
+"""The hybrid models' state layers on one GPU: each layer's forward on its torch ops (the CPU's path) against its Triton
+kernels (kernels/recurrent.py), same run, same weights and inputs.
+
+    source benchmarks/gpu_env.sh && python benchmarks/bench_hybrid.py [--json OUT.json] [--layers deltanet mamba2 short_conv]
+    TRITON_INTERPRET=1 python benchmarks/bench_hybrid.py --tiny   # a check of this script on a CPU (no timing worth reading)
+
+Layers at published shapes, bf16, random weights:
+  deltanet    Qwen3.5-9B's Gated DeltaNet (transformers' Qwen3_5TextConfig defaults: hidden 4096, 16 key heads and 32
+              value heads of 128, conv 4): 2 MiB of float32 state per sequence
+  mamba2      Nemotron-H-8B's Mamba-2 mixer (hidden 4096, 128 heads of 64, 8 groups, d_state 128, conv 4): 4 MiB
+  short_conv  LFM2-1.2B's gated short conv (hidden 2048, 3 taps)
+
+Decode steps of B sequences (1, 64, 256; each continuing from its own slot's state) are captured in a CUDA graph and
+timed by replays (median of 50 replays after 5); prefill steps (one sequence of 2048 tokens; 16 sequences of 256,
+each from zero state) eagerly (median of 10 after 2). Both paths start each timing from the same states; the printed
+`max_diff` is the largest difference of the two paths' outputs on the first step (they differ by float32 rounding
+order). The in- and out-projections are part of each layer's time, as in a model's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from llmc.kernels import recurrent
+from llmc.quant.formats import DenseFormat
+from llmc.runtime.forward_batch import ForwardBatch
+from llmc.runtime.models.gated_deltanet import GatedDeltaNet
+from llmc.runtime.models.mamba2 import Mamba2
+from llmc.runtime.models.short_conv import ShortConv
+
+CONFIGS = {
+    "deltanet": (GatedDeltaNet, dict(hidden_size=4096, linear_num_key_heads=16, linear_num_value_heads=32,
+                                     linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                                     rms_norm_eps=1e-6, linear_norm_eps=None, linear_allow_neg_eigval=False)),
+    "mamba2": (Mamba2, dict(hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64, mamba_n_groups=8,
+                            mamba_d_state=128, mamba_conv_dim=128 * 64 + 2 * 8 * 128, mamba_conv_kernel=4,
+                            mamba_chunk_size=128, rms_norm_eps=1e-5, mamba_conv_bias=True, mamba_rms_norm=True)),
+    "short_conv": (ShortConv, dict(hidden_size=2048, short_conv_kernel=3)),
+}
+DECODE_BATCHES = (1, 64, 256)
+PREFILLS = {"1x2048": [2048], "16x256": [256] * 16}
+TINY = {"deltanet": dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16),
+        "mamba2": dict(hidden_size=64, mamba_num_heads=4, mamba_head_dim=8, mamba_n_groups=2, mamba_d_state=16,
+                       mamba_conv_dim=4 * 8 + 2 * 2 * 16, mamba_chunk_size=8),
+        "short_conv": dict(hidden_size=64)}
+DEVICE = "cuda"
+
+
+def shrink() -> None:
+    """--tiny: small widths, batches and prefills, on the CPU (the kernels interpreted), decode steps eager."""
+    global DECODE_BATCHES, PREFILLS, DEVICE
+    for kind, values in TINY.items():
+        CONFIGS[kind][1].update(values)
+    DECODE_BATCHES, PREFILLS, DEVICE = (1, 3), {"1x20": [20], "3x7": [7] * 3}, "cpu"
+
+
+def make_layer(kind: str, dtype: torch.dtype, slots: int):
+    cls, values = CONFIGS[kind]
+    formats = defaultdict(lambda: DenseFormat(dtype))
+    layer = cls(SimpleNamespace(**values), formats, 0, dtype).to_empty(device=DEVICE)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    for name, buffer in layer.named_buffers():
+        if name.endswith("A_log"):
+            buffer.uniform_(0.0, 2.7, generator=generator)  # A in [-15, -1]: Mamba's init range
+        elif name.endswith(("norm.weight", "D.weight")):
+            buffer.fill_(1.0)
+        else:
+            buffer.normal_(0.0, 0.02, generator=generator)
+    layer.bind_states(slots, torch.device(DEVICE))
+    for name in ("conv_state", "recurrent_state", "ssm_state"):
+        state = getattr(layer, name, None)
+        if state is not None:
+            state.normal_(0.0, 0.1, generator=generator)
+    return layer
+
+
+def batch_of(query_lens: list[int], context_lens: list[int], slots: list[int]) -> ForwardBatch:
+    device = torch.device(DEVICE)
+    tokens = sum(query_lens)
+    return ForwardBatch(
+        positions=torch.zeros(tokens, dtype=torch.int64, device=device),
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(len(query_lens), 1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device), query_lens=list(query_lens),
+        max_context_len=max(context_lens), logits_indices=torch.zeros(1, dtype=torch.int64, device=device),
+        host_context_lens=list(context_lens), state_slots=torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def states_of(layer) -> list[torch.Tensor]:
+    return [t for t in (getattr(layer, n, None) for n in ("conv_state", "recurrent_state", "ssm_state"))
+            if t is not None]
+
+
+def use_kernels(on: bool) -> None:
+    recurrent.can_use_triton = lambda *tensors: on
+
+
+def time_decode(layer, batch_size: int, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """µs per replay of a CUDA graph of one decode step of batch_size sequences (slots 0..B-1, 100 tokens in)."""
+    batch = batch_of([1] * batch_size, [100] * batch_size, list(range(batch_size)))
+    saved = [t.clone() for t in states_of(layer)]
+    first = layer(x, batch).clone()
+    if DEVICE == "cpu":
+        for t, s in zip(states_of(layer), saved):
+            t.copy_(s)
+        return 0.0, first
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            layer(x, batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(x, batch)
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(50):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    for t, s in zip(states_of(layer), saved):
+        t.copy_(s)
+    return statistics.median(times), first
+
+
+def time_prefill(layer, lengths: list[int], x: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """µs per eager forward of one step of fresh sequences of these lengths."""
+    batch = batch_of(lengths, lengths, list(range(len(lengths))))
+    first = layer(x, batch).clone()
+    if DEVICE == "cpu":
+        return 0.0, first
+    times = []
+    for i in range(12):
+        batch.kernel_cache.clear()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        layer(x, batch)
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times), first
+
+
+@torch.inference_mode()
+def bench_layer(kind: str, dtype: torch.dtype) -> list[dict]:
+    layer = make_layer(kind, dtype, max(DECODE_BATCHES) + 1)
+    hidden = CONFIGS[kind][1]["hidden_size"]
+    generator = torch.Generator(DEVICE).manual_seed(1)
+    rows = []
+    cases = [("decode", f"B={b}", b, None) for b in DECODE_BATCHES]
+    cases += [("prefill", name, sum(lengths), lengths) for name, lengths in PREFILLS.items()]
+    for phase, name, tokens, lengths in cases:
+        x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype, generator=generator)
+        result = {"layer": kind, "phase": phase, "case": name}
+        outputs = {}
+        for path, on in (("torch", False), ("triton", True)):
+            use_kernels(on)
+            us, outputs[path] = time_decode(layer, tokens, x) if phase == "decode" else time_prefill(layer, lengths, x)
+            result[f"{path}_us"] = round(us, 1)
+        result["speedup"] = round(result["torch_us"] / max(result["triton_us"], 1e-9), 2)
+        result["max_diff"] = float((outputs["torch"].float() - outputs["triton"].float()).abs().max())
+        result["out_abs_max"] = float(outputs["torch"].float().abs().max())
+        print(json.dumps(result), flush=True)
+        rows.append(result)
+    return rows
+
+
+DELTA_CONFIGS = [(16, 1), (32, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)]  # (block_v, num_warps)
+SSD_CONFIGS = [(4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8), (64, 8)]  # (block_p, num_warps)
+
+
+def time_calls(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def sweep() -> list[dict]:
+    """The delta rule's and the SSD recurrence's kernels alone (eager launches, µs, median of 20) per tile and warp
+    count, at Qwen3.5-9B's and Nemotron-H-8B's shapes: decode steps of 1 and 256 sequences, prefills 1x2048, 16x256."""
+    from llmc.kernels import recurrent_triton
+
+    rows, device = [], torch.device(DEVICE)
+    cases = {"B=1": [1], "B=256": [1] * 256, "1x2048": [2048], "16x256": [256] * 16}
+    for name, lengths in cases.items():
+        tokens, n = sum(lengths), len(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+        q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
+        v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
+        g, beta = -torch.rand(tokens, 32, device=device), torch.rand(tokens, 32, device=device)
+        state = torch.zeros(n, 32, 128, 128, device=device)
+        out = torch.empty(tokens, 32 * 128, device=device)
+        for block_v, warps in DELTA_CONFIGS:
+            us = time_calls(lambda: recurrent_triton.delta_rule(q[:, :2048], q[:, 2048:], v, g, beta, state, slots, fresh,
+                                                                cu, 128 ** -0.5, 1e-6, out, block_v, warps))
+            rows.append({"kernel": "delta_rule", "case": name, "block": block_v, "warps": warps, "us": round(us, 1),
+                         "state_GBps": round(2 * state.numel() * 4 / us / 1e3, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+        del state, out
+        x = torch.randn(tokens, 128 * 64, device=device, dtype=torch.float32)
+        bc = torch.randn(tokens, 2 * 8 * 128, device=device, dtype=torch.float32)
+        dt, a, d = torch.rand(tokens, 128, device=device), -torch.rand(128, device=device), torch.ones(128, device=device)
+        state = torch.zeros(n, 128, 64, 128, device=device)
+        out = torch.empty(tokens, 128 * 64, device=device)
+        for block_p, warps in SSD_CONFIGS:
+            us = time_calls(lambda: recurrent_triton.ssd(x, dt, a, bc[:, :1024], bc[:, 1024:], d, state, slots, fresh, cu,
+                                                         out, block_p, warps))
+            rows.append({"kernel": "ssd", "case": name, "block": block_p, "warps": warps, "us": round(us, 1),
+                         "state_GBps": round(2 * state.numel() * 4 / us / 1e3, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+        del state, out
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--tiny", action="store_true", help="check this script on a CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--sweep", action="store_true", help="only the kernels' tiles and warps (`sweep`)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        shrink()
+    if args.sweep:
+        result = sweep()
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": result}, indent=2))
+        return
+    rows = [row for kind in args.layers for row in bench_layer(kind, torch.bfloat16)]
+    print(f"{'layer':11} {'phase':8} {'case':8} {'torch µs':>10} {'triton µs':>10} {'speed-up':>9} {'max diff':>9}")
+    for r in rows:
+        print(f"{r['layer']:11} {r['phase']:8} {r['case']:8} {r['torch_us']:>10} {r['triton_us']:>10} "
+              f"{r['speedup']:>9} {r['max_diff']:>9.2e}")
+    if args.json:
+        device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
