@@ -54,8 +54,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention layer's rotary (the whole-head table, its pass-through pairs cos 1,
-    sin 0) + KV write and paged attention on their Triton kernels (interpreted), the Mamba-2 layers in torch:
-    transformers' logits, greedy tokens, logprobs."""
+    sin 0) + KV write and paged attention on their Triton kernels (interpreted), the Mamba-2 layers' conv and SSD on
+    theirs: transformers' logits, greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 

@@ -63,7 +63,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention layer's rotary + KV write and paged attention on their Triton kernels
-    (the interpreter on CPU tensors), the Mamba-2 layers in torch: transformers' logits, greedy tokens, logprobs."""
+    (the interpreter on CPU tensors), the Mamba-2 layers' conv and SSD recurrence on theirs: transformers' logits,
+    greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 
@@ -148,12 +149,12 @@ def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
 
 
 def check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, gated_norm, check_runner=None):
-    """The float32 artifact on CUDA (Triton attention in the attention layers, the Mamba-2 mixer in torch ops; decode
-    steps replay CUDA graphs that read the state slots), and with enforce_eager: the CPU path's logits (2e-3; the CPU
-    path holds transformers' to 1e-4) and greedy tokens of prompts finishing at different steps; and transformers'
-    where its gated RMSNorm (`gated_norm`, the model's class) is per group (transformers 5.17, on the session-50
-    device, normalises Granite 4.0's and Bamba's whole width: 3.5 off with the test checkpoints' 2 groups).
-    `check_runner(runner)`: what else to assert of the CUDA runner."""
+    """The float32 artifact on CUDA (Triton attention in the attention layers, the Mamba-2 mixer's conv and SSD
+    recurrence on their Triton kernels; decode steps replay CUDA graphs that read the state slots), and with
+    enforce_eager: the CPU path's logits (2e-3; the CPU path holds transformers' to 1e-4) and greedy tokens of prompts
+    finishing at different steps; and transformers' where its gated RMSNorm (`gated_norm`, the model's class) is per
+    group (transformers 5.17, on the session-50 device, normalises Granite 4.0's and Bamba's whole width: 3.5 off with
+    the test checkpoints' 2 groups). `check_runner(runner)`: what else to assert of the CUDA runner."""
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
     prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 8)]

@@ -88,8 +88,8 @@ def test_the_weights_are_the_checkpoints_and_the_shared_expert_matters(checkpoin
 
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
-    """Qwen3.5's test on this model: the attention layer on its Triton kernels (interpreted), the Mamba-2 layers and
-    the experts in torch: transformers' logits, greedy tokens, logprobs."""
+    """Qwen3.5's test on this model: the attention layer on its Triton kernels (interpreted), the Mamba-2 layers' conv
+    and SSD recurrence on theirs, the experts in torch: transformers' logits, greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 

@@ -59,7 +59,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention layer's rotary + KV write and paged attention on their Triton kernels
-    (the interpreter on CPU tensors), the conv layers in torch: transformers' logits, greedy tokens, logprobs."""
+    (the interpreter on CPU tensors), the conv layers' short conv on its kernel: transformers' logits, greedy tokens,
+    logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 
@@ -148,9 +149,9 @@ def test_what_lfm2_refuses(checkpoint, artifact, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the attention layer, the short convs in torch ops; decode steps
-    replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits (2e-3), greedy tokens
-    and logprobs."""
+    """The float32 artifact on CUDA (Triton attention in the attention layer, the short convs on their Triton kernel;
+    decode steps replay CUDA graphs that read the state slots), and with enforce_eager: transformers' logits (2e-3),
+    greedy tokens and logprobs."""
     check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
 
 

@@ -90,7 +90,8 @@ def test_transformers_dt_clamp_does_not_bind_here(checkpoint, hf_encode):
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention block's KV write and paged attention on their Triton kernels (the
-    interpreter on CPU tensors), the Mamba-2 mixers and MLPs in torch: transformers' logits, greedy tokens, logprobs."""
+    interpreter on CPU tensors), the Mamba-2 mixers' conv and SSD on theirs, the MLPs in torch: transformers' logits,
+    greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 

@@ -101,7 +101,7 @@ def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispa
                                               hf_encode):
     """Qwen3.5's test on this model, the interpreter on CPU tensors: the attention block's KV write and paged attention
     and the E blocks' gateless experts on their Triton kernels (the fused MoE's grouped GEMMs with relu² between),
-    the Mamba-2 mixer in torch: transformers' logits, greedy tokens, logprobs."""
+    the Mamba-2 mixer's conv and SSD on theirs: transformers' logits, greedy tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
     assert triton_dispatch["fused_moe"] > 0
 

@@ -70,7 +70,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the full layer's rotary (by nothing) + KV write and paged attention on their Triton
-    kernels (the interpreter on CPU tensors), the DeltaNets in torch: transformers' logits, greedy tokens, logprobs."""
+    kernels (the interpreter on CPU tensors), the DeltaNets' conv and delta rule on theirs: transformers' logits, greedy
+    tokens, logprobs."""
     qwen_triton(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy, hf_encode)
 
 
@@ -219,10 +220,10 @@ def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the full layer, the DeltaNets in torch ops; decode steps replay
-    CUDA graphs that read the state slots), and with enforce_eager: the CPU path's logits (2e-3) and greedy tokens of
-    prompts finishing at different steps (test_granite4_hybrid.check_on_the_gpu: the CPU path holds transformers'
-    to 1e-4 above)."""
+    """The float32 artifact on CUDA (Triton attention in the full layer, the DeltaNets' conv and delta rule on their
+    Triton kernels; decode steps replay CUDA graphs that read the state slots), and with enforce_eager: the CPU path's
+    logits (2e-3) and greedy tokens of prompts finishing at different steps (test_granite4_hybrid.check_on_the_gpu: the
+    CPU path holds transformers' to 1e-4 above)."""
     from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridRMSNormGated
 
     from tests.runtime.test_granite4_hybrid import check_on_the_gpu

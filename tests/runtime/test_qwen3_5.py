@@ -57,7 +57,8 @@ def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispa
                                               hf_encode):
     """The full layer's rotary + KV write and paged attention on their Triton kernels (the rows permuted to a whole-head
     table, the output gate after them), and the state layers' (the conv, the delta rule or Mamba-2's recurrence) over
-    chunked prefills and decodes: transformers' logits, greedy tokens and logprobs. (Other hybrid families call this.)"""
+    chunked prefills and decodes: transformers' logits, greedy tokens and logprobs. (Other hybrid families call
+    this.)"""
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
     assert triton_dispatch["rotate_and_write_kv"] and triton_dispatch["causal_conv"]
@@ -495,9 +496,10 @@ def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
-    """The float32 artifact on CUDA (Triton attention in the full layer, the delta rule in torch ops; decode steps
-    replay CUDA graphs that read the state slots, prefill and mixed steps eager): transformers' logits (2e-3), greedy
-    tokens and logprobs, also with the first request finishing first; the same with enforce_eager."""
+    """The float32 artifact on CUDA (Triton attention in the full layer, the conv and delta rule on their Triton
+    kernels; decode steps replay CUDA graphs that read the state slots, prefill and mixed steps eager): transformers'
+    logits (2e-3), greedy tokens and logprobs, also with the first request finishing first; the same with
+    enforce_eager."""
     encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
     lengths = [3, 12, 8]
     for eager in (False, True):

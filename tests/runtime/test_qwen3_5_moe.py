@@ -283,8 +283,8 @@ def test_the_gpu_memory_profile_runs_both(checkpoint, artifact, next_checkpoint,
 @torch.inference_mode()
 def test_on_the_gpu(checkpoint, artifact, next_checkpoint, next_artifact, hf_logits, hf_greedy, hf_encode, free_gpu):
     """The float32 Qwen3.5-MoE and Qwen3-Next artifacts on CUDA (Triton attention in the full layer, the fused MoE
-    kernel, the delta rule in torch ops; decode steps replay CUDA graphs, prefill and mixed steps eager), then with
-    enforce_eager: transformers' logits (2e-3), greedy tokens and logprobs."""
+    kernel, the conv and delta rule on their Triton kernels; decode steps replay CUDA graphs, prefill and mixed steps
+    eager), then with enforce_eager: transformers' logits (2e-3), greedy tokens and logprobs."""
     for ckpt, built in ((checkpoint, artifact), (next_checkpoint, next_artifact)):
         for eager in (False, True):
             with LLM(built, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=16,
