@@ -38,7 +38,8 @@ class StateSteps:
            cache: dict) -> StateSteps:
         """The step's sequences (query_lens on the host, context_lens on the device: a piece whose context is its own
         length starts its sequence). Without slots (the memory profile, calibration: nothing kept) every sequence
-        starts fresh on a scratch slot of its own (the layer binds them: `scratch_slots`). Computed once per step
+        starts fresh on a slot of its own in zeros the layer allocates for the step
+        (runtime/models/gated_deltanet.bound_or_scratch). Computed once per step
         (`cache`: the ForwardBatch's kernel_cache), every state layer reading the same."""
         found = cache.get("state_steps")
         if found is None:

@@ -16,6 +16,14 @@ import triton.language as tl
 
 
 @triton.jit
+def _sequence(cu_ptr, slot_ptr, fresh_ptr, seq):
+    """Sequence seq's rows [start, end), its state slot, and whether it reads that slot (else zeros: fresh)."""
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    return start, end, tl.load(slot_ptr + seq).to(tl.int64), tl.load(fresh_ptr + seq) == 0
+
+
+@triton.jit
 def _causal_conv_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr, fresh_ptr, channels,
                         stride_x, stride_out, stride_slot, stride_channel,
                         K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -25,12 +33,10 @@ def _causal_conv_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_ptr, slot
     seq = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     col_mask = cols < channels
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
+    start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     rows = start + tl.program_id(2) * BT + tl.arange(0, BT)
     if start + tl.program_id(2) * BT < end:
-        keep = tl.load(fresh_ptr + seq) == 0  # read the slot's state (else zeros)
-        state = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * stride_slot + cols.to(tl.int64) * stride_channel
+        state = state_ptr + slot * stride_slot + cols.to(tl.int64) * stride_channel
         row_mask = (rows < end)[:, None] & col_mask[None, :]
         acc = tl.zeros([BT, BC], dtype=tl.float32)
         for j in tl.static_range(K):
@@ -69,10 +75,9 @@ def _conv_state_kernel(x_ptr, state_ptr, cu_ptr, slot_ptr, fresh_ptr, channels, 
     """Program (sequence, channel block): the sequence's new conv state, after every output's read of the old."""
     seq = tl.program_id(0)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    state = state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * stride_slot + cols.to(tl.int64) * stride_channel
-    _write_conv_state(x_ptr, state, start, end, tl.load(fresh_ptr + seq) == 0, cols, cols < channels, stride_x, K, KP)
+    start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
+    state = state_ptr + slot * stride_slot + cols.to(tl.int64) * stride_channel
+    _write_conv_state(x_ptr, state, start, end, keep, cols, cols < channels, stride_x, K, KP)
 
 
 def causal_conv(x, weight, bias, state, slots, fresh, cu_seqlens, silu: bool, out, max_len: int):
@@ -106,10 +111,8 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     k_mask, v_mask = ks < key_dim, vs < value_dim
     tile_mask = k_mask[:, None] & v_mask[None, :]
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    keep = tl.load(fresh_ptr + seq) == 0
-    tile = (state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * stride_slot + head * key_dim * value_dim
+    start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
+    tile = (state_ptr + slot * stride_slot + head * key_dim * value_dim
             + ks[:, None] * value_dim + vs[None, :])
     s = tl.load(tile, mask=tile_mask & keep, other=0.0)
     qk_cols = (head // group) * key_dim + ks
@@ -134,6 +137,7 @@ def delta_rule(q, k, v, g, beta, state, slots, fresh, cu_seqlens, scale: float, 
     q and k [T, key heads * key_dim] (raw: L2-normed here, q times scale), v [T, value heads * value_dim], g and beta
     [T, value heads] float32, state [slots, value heads, key_dim, value_dim] float32; out [T, value heads * value_dim]
     float32 (o_t = S_t^T q_t)."""
+    assert g.stride() == beta.stride()  # (one row stride for both)
     _, heads, key_dim, value_dim = state.shape
     group = heads // (q.shape[1] // key_dim)
     block_v = min(block_v, triton.next_power_of_2(value_dim))
@@ -155,10 +159,8 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, c
     ns = tl.arange(0, BN)
     p_mask, n_mask = ps < head_dim, ns < d_state
     tile_mask = p_mask[:, None] & n_mask[None, :]
-    start = tl.load(cu_ptr + seq).to(tl.int64)
-    end = tl.load(cu_ptr + seq + 1).to(tl.int64)
-    keep = tl.load(fresh_ptr + seq) == 0
-    tile = (state_ptr + tl.load(slot_ptr + seq).to(tl.int64) * stride_slot + head * head_dim * d_state
+    start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
+    tile = (state_ptr + slot * stride_slot + head * head_dim * d_state
             + ps[:, None] * d_state + ns[None, :])
     s = tl.load(tile, mask=tile_mask & keep, other=0.0)
     a = tl.load(a_ptr + head)
@@ -180,6 +182,7 @@ def ssd(x, dt, a, b, c, d, state, slots, fresh, cu_seqlens, out, block_p: int = 
     S <- exp(dt_t a_h) S + dt_t x_t b_t^T; y_t = S c_t + d_h x_t. x [T, heads * head_dim], dt [T, heads] float32 (after
     softplus), a and d [heads] float32, b and c [T, groups * d_state], state [slots, heads, head_dim, d_state] float32;
     out [T, heads * head_dim] float32."""
+    assert b.stride() == c.stride()  # (one row stride for both)
     _, heads, head_dim, d_state = state.shape
     per_group = heads // (b.shape[1] // d_state)
     block_p = min(block_p, triton.next_power_of_2(head_dim))
