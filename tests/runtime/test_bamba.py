@@ -30,6 +30,7 @@ from tests.runtime.test_granite4_hybrid import test_preemption_and_short_chunks_
 from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
+from tests.runtime.test_qwen3_5 import PREEMPTION_CASES
 
 
 checkpoint, artifact = family_fixtures("bamba", "bamba")
@@ -65,8 +66,7 @@ def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logi
     qwen_static_decodes(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
 
 
-@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
-                         ids=["preemption", "chunks-of-5"])
+@PREEMPTION_CASES
 def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
     """test_granite4_hybrid's test on this model: preempted requests prefilled again from zero state, or chunks of 5:
     transformers' greedy tokens, no block or state slot left held."""

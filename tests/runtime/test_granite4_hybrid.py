@@ -32,6 +32,7 @@ from tests.runtime.test_qwen3_5 import _hf_tokens, check_hybrid_refusals, check_
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
+from tests.runtime.test_qwen3_5 import PREEMPTION_CASES
 
 MAMBA = {"layer_types": ["mamba", "attention", "mamba"], "position_embedding_type": "nope", "mamba_n_heads": 8,
          "mamba_n_groups": 2, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 8}
@@ -96,8 +97,7 @@ def test_the_default_config_reads_as_transformers():
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
-                         ids=["preemption", "chunks-of-5"])
+@PREEMPTION_CASES
 def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
     """3 prompts on 3 seats with 5 KV blocks: requests are preempted and prefilled again from zero state; or chunks of
     5 tokens (each chunk's conv reads the chunk before's last 3 inputs from the conv state): transformers' greedy

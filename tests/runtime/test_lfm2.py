@@ -32,6 +32,7 @@ from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_bu
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_preemption_and_short_chunks_keep_transformers_tokens as qwen_preemption
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
+from tests.runtime.test_qwen3_5 import PREEMPTION_CASES
 
 
 checkpoint, artifact = family_fixtures("lfm2", "lfm2")
@@ -71,8 +72,7 @@ def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logi
     qwen_static_decodes(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
 
 
-@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
-                         ids=["preemption", "chunks-of-5"])
+@PREEMPTION_CASES
 def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
     """Qwen3.5's test on this model: with 5 KV blocks requests are preempted and prefilled again from zero state; in
     chunks of 5 each chunk's conv reads the chunk before's last 2 rows of B x from the conv state: transformers'

@@ -34,6 +34,7 @@ from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profi
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_n_above_1_and_an_abort_mid_stream as qwen_abort
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
+from tests.runtime.test_qwen3_5 import PREEMPTION_CASES
 
 
 checkpoint, artifact = family_fixtures("nemotron_h", "nemotron_h")
@@ -102,8 +103,7 @@ def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logi
     qwen_static_decodes(checkpoint, artifact, hf_logits, hf_greedy, hf_encode)
 
 
-@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
-                         ids=["preemption", "chunks-of-5"])
+@PREEMPTION_CASES
 def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
     """Granite 4.0's test on this model: 3 prompts on 3 seats with 5 KV blocks (preempted, prefilled again from zero
     state), or in chunks of 5 tokens: transformers' greedy tokens, no block or row left held."""

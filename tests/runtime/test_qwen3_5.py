@@ -35,6 +35,10 @@ from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture
 
 
 checkpoint, artifact = family_fixtures("qwen3_5", "qwen3_5")
+# the hybrid families' preemption test cases: a KV cache of 5 blocks (requests preempted and prefilled again from zero
+# state), or prefill chunks of 5 tokens (each chunk continuing from the state its slot holds)
+PREEMPTION_CASES = pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64},
+                                                      {"max_num_batched_tokens": 5}], ids=["preemption", "chunks-of-5"])
 
 
 @torch.inference_mode()
@@ -101,8 +105,7 @@ def test_decodes_through_the_graphs_static_buffers(checkpoint, artifact, hf_logi
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("options", [{"num_kv_blocks": 5, "max_model_len": 64}, {"max_num_batched_tokens": 5}],
-                         ids=["preemption", "chunks-of-5"])
+@PREEMPTION_CASES
 def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoint, artifact, hf_encode):
     """3 prompts on 3 seats with 5 KV blocks (of 16 tokens) for 3 sequences of up to 2 blocks: requests are preempted
     and prefilled again from zero state; or chunks of 5 tokens (each chunk's conv reads the chunk before's last 3
