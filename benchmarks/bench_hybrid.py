@@ -6,7 +6,7 @@ kernels (kernels/recurrent.py), same run, same weights and inputs.
 
 Layers at published shapes, bf16, random weights:
   deltanet    Qwen3.5-9B's Gated DeltaNet (transformers' Qwen3_5TextConfig defaults: hidden 4096, 16 key heads and 32
-              value heads of 128, conv 4): 2 MiB of float32 state per sequence
+              value heads of 128, conv 4): 2 MiB of float32 state per sequence (1 MiB with --state-dtype bfloat16)
   mamba2      Nemotron-H-8B's Mamba-2 mixer (hidden 4096, 128 heads of 64, 8 groups, d_state 128, conv 4): 4 MiB
   short_conv  LFM2-1.2B's gated short conv (hidden 2048, 3 taps)
 
@@ -52,6 +52,7 @@ TINY = {"deltanet": dict(hidden_size=64, linear_num_key_heads=2, linear_num_valu
                        mamba_conv_dim=4 * 8 + 2 * 2 * 16, mamba_chunk_size=8),
         "short_conv": dict(hidden_size=64)}
 DEVICE = "cuda"
+STATE_DTYPE = torch.float32  # the recurrent states' (--state-dtype: runtime.mamba_ssm_cache_dtype's)
 
 
 def shrink() -> None:
@@ -74,11 +75,9 @@ def make_layer(kind: str, dtype: torch.dtype, slots: int):
             buffer.fill_(1.0)
         else:
             buffer.normal_(0.0, 0.02, generator=generator)
-    layer.bind_states(slots, torch.device(DEVICE))
-    for name in ("conv_state", "recurrent_state", "ssm_state"):
-        state = getattr(layer, name, None)
-        if state is not None:
-            state.normal_(0.0, 0.1, generator=generator)
+    layer.bind_states(slots, torch.device(DEVICE), (dtype, STATE_DTYPE))
+    for state in layer.states():
+        state.normal_(0.0, 0.1, generator=generator)
     return layer
 
 
@@ -95,8 +94,7 @@ def batch_of(query_lens: list[int], context_lens: list[int], slots: list[int]) -
 
 
 def states_of(layer) -> list[torch.Tensor]:
-    return [t for t in (getattr(layer, n, None) for n in ("conv_state", "recurrent_state", "ssm_state"))
-            if t is not None]
+    return list(layer.states())
 
 
 def use_kernels(on: bool) -> None:
@@ -212,25 +210,27 @@ def sweep() -> list[dict]:
         q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
         g, beta = -torch.rand(tokens, 32, device=device), torch.rand(tokens, 32, device=device)
-        state = torch.zeros(n, 32, 128, 128, device=device)
+        state = torch.zeros(n, 32, 128, 128, device=device, dtype=STATE_DTYPE)
         out = torch.empty(tokens, 32 * 128, device=device)
         for block_v, warps in DELTA_CONFIGS:
             us = time_calls(lambda: recurrent_triton.delta_rule(q[:, :2048], q[:, 2048:], v, g, beta, state, slots, fresh,
                                                                 cu, 128 ** -0.5, 1e-6, out, block_v, warps))
             rows.append({"kernel": "delta_rule", "case": name, "block": block_v, "warps": warps, "us": round(us, 1),
-                         "state_GBps": round(2 * state.numel() * 4 / us / 1e3, 1)})
+                         "state_dtype": str(STATE_DTYPE)[6:],
+                         "state_GBps": round(2 * state.nbytes / us / 1e3, 1)})
             print(json.dumps(rows[-1]), flush=True)
         del state, out
         x = torch.randn(tokens, 128 * 64, device=device, dtype=torch.float32)
         bc = torch.randn(tokens, 2 * 8 * 128, device=device, dtype=torch.float32)
         dt, a, d = torch.rand(tokens, 128, device=device), -torch.rand(128, device=device), torch.ones(128, device=device)
-        state = torch.zeros(n, 128, 64, 128, device=device)
+        state = torch.zeros(n, 128, 64, 128, device=device, dtype=STATE_DTYPE)
         out = torch.empty(tokens, 128 * 64, device=device)
         for block_p, warps in SSD_CONFIGS:
             us = time_calls(lambda: recurrent_triton.ssd(x, dt, a, bc[:, :1024], bc[:, 1024:], d, state, slots, fresh, cu,
                                                          out, block_p, warps))
             rows.append({"kernel": "ssd", "case": name, "block": block_p, "warps": warps, "us": round(us, 1),
-                         "state_GBps": round(2 * state.numel() * 4 / us / 1e3, 1)})
+                         "state_dtype": str(STATE_DTYPE)[6:],
+                         "state_GBps": round(2 * state.nbytes / us / 1e3, 1)})
             print(json.dumps(rows[-1]), flush=True)
         del state, out
     return rows
@@ -242,13 +242,18 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="check this script on a CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", action="store_true", help="only the kernels' tiles and warps (`sweep`)")
+    parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the recurrent states' dtype (runtime.mamba_ssm_cache_dtype); conv states: the layer's")
     args = parser.parse_args(argv)
+    global STATE_DTYPE
+    STATE_DTYPE = getattr(torch, args.state_dtype)
     if args.tiny:
         shrink()
     if args.sweep:
         result = sweep()
         if args.json:
-            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "sweep": result}, indent=2))
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype,
+                                             "sweep": result}, indent=2))
         return
     rows = [row for kind in args.layers for row in bench_layer(kind, torch.bfloat16)]
     print(f"{'layer':11} {'phase':8} {'case':8} {'torch µs':>10} {'triton µs':>10} {'speed-up':>9} {'max diff':>9}")
@@ -257,7 +262,7 @@ def main(argv=None) -> None:
               f"{r['speedup']:>9} {r['max_diff']:>9.2e}")
     if args.json:
         device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-        args.json.write_text(json.dumps({"device": device, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"device": device, "state_dtype": args.state_dtype, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from llmc.runtime import onnx_model as om
 from llmc.runtime.layers.rotary import partial_rotary_problem
 from llmc.runtime.models import model_context_of
 from llmc.runtime.models.spec import ModelSpec, float32_norms
-from llmc.runtime.options import max_model_len_problem
+from llmc.runtime.options import max_model_len_problem, state_dtype_problem
 from llmc.runtime.pooling import sentence_transformers_files
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, padded_vocab_size
 
@@ -778,6 +778,8 @@ def _resolve_runtime(recipe: Recipe, model: art.ModelConfig) -> art.RuntimeDefau
     max_model_len = runtime.max_model_len or model_context_of(model)[0]
     if (problem := max_model_len_problem(max_model_len, model)) is not None:
         raise RecipeError(f"runtime.max_model_len: {problem}")
+    if (problem := state_dtype_problem(model, runtime)) is not None:
+        raise RecipeError(f"runtime.{problem}")
     if runtime.num_kv_blocks is not None and runtime.num_kv_blocks * runtime.block_size < max_model_len:
         need = -(-max_model_len // runtime.block_size)
         raise RecipeError(

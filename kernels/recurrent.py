@@ -70,8 +70,8 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor, s
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, steps: StateSteps,
                scale: float, eps: float) -> Tensor:
-    """The gated delta rule per sequence from its slot of state [slots, value heads, key_dim, value_dim] (float32,
-    updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times scale), v [T, value heads *
+    """The gated delta rule per sequence from its slot of state [slots, value heads, key_dim, value_dim] (float32 or
+    16-bit: computed in float32, updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times scale), v [T, value heads *
     value_dim], g, beta [T, value heads] float32; returns o [T, value heads * value_dim] float32."""
     from . import recurrent_triton
 
@@ -82,8 +82,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: 
 
 
 def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, state: Tensor, steps: StateSteps) -> Tensor:
-    """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32, updated in
-    place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads], b, c [T, groups * d_state] (all
+    """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32 or 16-bit:
+    computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads], b, c [T, groups * d_state] (all
     float32 but x, b, c); returns y [T, heads * head_dim] float32."""
     from . import recurrent_triton
 

@@ -63,8 +63,9 @@ def _write_conv_state(x_ptr, state, start, end, keep, cols, col_mask, stride_x, 
     src = end - (K - 1) + taps
     in_piece = (src >= start)[None, :]
     tap_mask = col_mask[:, None] & (taps < K - 1)[None, :]
-    new = tl.load(x_ptr + src[None, :] * stride_x + cols[:, None], mask=tap_mask & in_piece, other=0.0)
-    new += tl.load(state[:, None] + (K - 1 + src - start)[None, :], mask=tap_mask & ~in_piece & keep, other=0.0)
+    new = tl.load(x_ptr + src[None, :] * stride_x + cols[:, None], mask=tap_mask & in_piece, other=0.0).to(tl.float32)
+    new += tl.load(state[:, None] + (K - 1 + src - start)[None, :], mask=tap_mask & ~in_piece & keep,
+                   other=0.0).to(tl.float32)
     tl.debug_barrier()  # every thread's reads of the old state come before any write of the new
     tl.store(state[:, None] + taps[None, :], new.to(state.dtype.element_ty), mask=tap_mask)
 
@@ -114,7 +115,7 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     tile = (state_ptr + slot * stride_slot + head * key_dim * value_dim
             + ks[:, None] * value_dim + vs[None, :])
-    s = tl.load(tile, mask=tile_mask & keep, other=0.0)
+    s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
     qk_cols = (head // group) * key_dim + ks
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
@@ -128,14 +129,15 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
         update = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s += k[:, None] * update[None, :]
         tl.store(out_ptr + t * stride_out + head * value_dim + vs, tl.sum(s * q[:, None], axis=0), mask=v_mask)
-    tl.store(tile, s, mask=tile_mask)
+    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def delta_rule(q, k, v, g, beta, state, slots, fresh, cu_seqlens, scale: float, eps: float, out,
                block_v: int = 32, num_warps: int = 4):
     """The gated delta rule over each sequence's rows (module docstring), per value head h (key head h // group):
     q and k [T, key heads * key_dim] (raw: L2-normed here, q times scale), v [T, value heads * value_dim], g and beta
-    [T, value heads] float32, state [slots, value heads, key_dim, value_dim] float32; out [T, value heads * value_dim]
+    [T, value heads] float32, state [slots, value heads, key_dim, value_dim] (float32, bfloat16 or float16: read into
+    float32, rounded back once at the sequence's end); out [T, value heads * value_dim]
     float32 (o_t = S_t^T q_t)."""
     assert g.stride() == beta.stride()  # (one row stride for both)
     _, heads, key_dim, value_dim = state.shape
@@ -162,7 +164,7 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, c
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     tile = (state_ptr + slot * stride_slot + head * head_dim * d_state
             + ps[:, None] * d_state + ns[None, :])
-    s = tl.load(tile, mask=tile_mask & keep, other=0.0)
+    s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + head)
     d = tl.load(d_ptr + head)
     bc_cols = (head // per_group) * d_state + ns
@@ -174,14 +176,14 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, c
         s = s * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
         tl.store(out_ptr + t * stride_out + head * head_dim + ps, tl.sum(s * c[None, :], axis=1) + d * x,
                  mask=p_mask)
-    tl.store(tile, s, mask=tile_mask)
+    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
 def ssd(x, dt, a, b, c, d, state, slots, fresh, cu_seqlens, out, block_p: int = 16, num_warps: int = 4):
     """Mamba-2's recurrence over each sequence's rows (module docstring), per head h (group h // (heads / groups)):
     S <- exp(dt_t a_h) S + dt_t x_t b_t^T; y_t = S c_t + d_h x_t. x [T, heads * head_dim], dt [T, heads] float32 (after
-    softplus), a and d [heads] float32, b and c [T, groups * d_state], state [slots, heads, head_dim, d_state] float32;
-    out [T, heads * head_dim] float32."""
+    softplus), a and d [heads] float32, b and c [T, groups * d_state], state [slots, heads, head_dim, d_state] (any
+    float dtype, as delta_rule's); out [T, heads * head_dim] float32."""
     assert b.stride() == c.stride()  # (one row stride for both)
     _, heads, head_dim, d_state = state.shape
     per_group = heads // (b.shape[1] // d_state)

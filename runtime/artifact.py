@@ -146,12 +146,15 @@ from llmc.schema import opt, parse
 # 1.46: Arcee AFM (family arcee: hidden_act relu2 in every layer) and Swiss AI Apertus (family apertus): hidden_act
 #      xielu (mlp.up / mlp.down without gate as relu2, and each layer's float32 `mlp.xielu` [4]: the checkpoint's
 #      alpha_p, alpha_n, beta, eps), read with fields older formats have (an older llmc refuses them by name).
-FORMAT_VERSION = "1.46"
+# 1.47: runtime.mamba_cache_dtype / mamba_ssm_cache_dtype (vLLM's names: a hybrid model's conv and recurrent state
+#      dtypes, state_dtypes); older manifests load without them (auto: conv states in the model dtype, recurrent
+#      float32, as before).
+FORMAT_VERSION = "1.47"
 KNOWN_FORMAT_VERSIONS = ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9", "1.10", "1.11", "1.12",
                          "1.13", "1.14", "1.15", "1.16", "1.17", "1.18", "1.19", "1.20", "1.21",
                          "1.22", "1.23", "1.24", "1.25", "1.26", "1.27", "1.28", "1.29", "1.30", "1.31", "1.32", "1.33",
                          "1.34", "1.35", "1.36", "1.37", "1.38", "1.39", "1.40", "1.41", "1.42",
-                         "1.43", "1.44", "1.45", "1.46")
+                         "1.43", "1.44", "1.45", "1.46", "1.47")
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 VISION_WEIGHTS = "vision/weights.safetensors"
@@ -186,6 +189,8 @@ ROUTER_SCORINGS = ["softmax", "sigmoid", "sigmoid_input"]  # how an MoE router t
 # runtime.kv_cache_dtype (vLLM's names; fp8 = fp8_e4m3) → the KV cache's storage dtype; auto: the compute dtype
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 KV_SCALE_SOURCES = ["none", "calibration", "checkpoint"]
+# runtime.mamba_cache_dtype / mamba_ssm_cache_dtype (vLLM's MambaDType): a hybrid model's state dtypes (state_dtypes)
+MAMBA_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # a classifier's logits → what it reports: softmax (classes), sigmoid (one score, or multi-label), identity (regression)
 CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 
@@ -876,6 +881,14 @@ class RuntimeDefaults:
     enforce_eager: bool = opt(False, help="never capture CUDA graphs")
     kv_cache_dtype: str = opt("auto", choices=list(KV_CACHE_DTYPES),
                               help="KV-cache storage: auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2, with per-layer scales")
+    mamba_cache_dtype: str = opt("auto", choices=list(MAMBA_CACHE_DTYPES),
+                                 help="a hybrid model's conv and recurrent states (Gated DeltaNet, Mamba-2, short conv): "
+                                      "auto (conv states in the model dtype, recurrent states float32), float32, "
+                                      "bfloat16 or float16")
+    mamba_ssm_cache_dtype: str = opt("auto", choices=list(MAMBA_CACHE_DTYPES),
+                                     help="a hybrid model's recurrent states alone (Gated DeltaNet's, Mamba-2's SSM "
+                                          "state): auto (as mamba_cache_dtype), float32, bfloat16 (half the bytes "
+                                          "a decode step moves) or float16")
     cpu_offload_gb: float = opt(0.0, min=0.0, max=65536.0,
                                 help="GiB of weights per GPU kept in pinned host memory, streamed in ahead of their layer")
     async_scheduling: bool = opt(True, help="schedule step N+1 while step N runs (false: one step at a time, for debugging)")
@@ -1159,6 +1172,16 @@ def latent_kv_shape(model: ModelConfig) -> tuple[int, int, int]:
 def kv_storage_dtype(kv_cache_dtype: str, compute_dtype: str) -> str:
     """The KV cache's dtype name for runtime.kv_cache_dtype: an FP8 dtype, or compute_dtype for auto."""
     return KV_CACHE_DTYPES[kv_cache_dtype] or compute_dtype
+
+
+def state_dtypes(runtime: RuntimeDefaults, compute_dtype: str) -> tuple[str, str]:
+    """A hybrid model's (conv state, recurrent state) dtype names, vLLM's rules with llmc's auto: mamba_cache_dtype
+    sets both (auto: conv states in compute_dtype, recurrent states float32, as transformers keeps them; vLLM's auto
+    takes what the model's config names, else the model dtype), mamba_ssm_cache_dtype the recurrent state alone (auto: as
+    mamba_cache_dtype)."""
+    both = runtime.mamba_cache_dtype
+    recurrent = runtime.mamba_ssm_cache_dtype if runtime.mamba_ssm_cache_dtype != "auto" else both
+    return (compute_dtype if both == "auto" else both), ("float32" if recurrent == "auto" else recurrent)
 
 
 def dtype_num_bytes(dtype: str) -> int:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from llmc.kernels.attention import decode_split, max_prefill_blocks, prefill_queries_per_block
 from llmc.kernels.mla_attention import CUDA_EXPAND_MIN_QUERIES, absorbed_split_bytes, expanded_bytes
 from llmc.runtime.artifact import (ModelConfig, ParallelPlan, RuntimeDefaults, dtype_num_bytes,
-                                   rank_weights_path, read_safetensors_header)
+                                   rank_weights_path, read_safetensors_header, state_dtypes)
 from llmc.runtime.parallel.layout import RankLayout, all_rank_layouts, kv_bytes_per_token
 
 if TYPE_CHECKING:
@@ -351,41 +351,47 @@ def estimate(
     use_graphs: bool,
     piece_graph_bytes: int = 0,
     num_heads: int | None = None,
+    state_dtypes: tuple[str, str] | None = None,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula (with DeepSeek's expanded workspace over num_heads
     heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES and a hybrid model's states for other, and the graph
     allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
-    prefill_graph_allowance_bytes, given)."""
+    prefill_graph_allowance_bytes, given). state_dtypes: a hybrid's (conv, recurrent) state dtypes (artifact.state_dtypes;
+    None: its defaults)."""
     activations = (activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
                    + mla_expanded_bytes(model, max_num_batched_tokens, max_model_len, num_heads))
     graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
               if use_graphs else 0)
     graphs += piece_graph_bytes
-    other = CUDA_CONTEXT_BYTES + (max_num_seqs + 1) * linear_state_bytes_per_slot(model)  # (a hybrid's states)
+    state_bytes = linear_state_bytes_per_slot(model, *(state_dtypes or (model.dtype, "float32")))
+    other = CUDA_CONTEXT_BYTES + (max_num_seqs + 1) * state_bytes  # (a hybrid's states)
     return plan_kv(total_bytes, utilization, weight_bytes, other, activations, graphs,
                    kv_bytes_per_token, block_size, max_model_len)
 
 
-def linear_state_bytes_per_slot(model: ModelConfig) -> int:
-    """A hybrid model's states of one request slot (runtime/models/gated_deltanet.py): each linear-attention layer's
-    conv state [conv_dim, kernel - 1] in the model dtype and recurrent state [value heads, key dim, value dim] in
-    float32; each Mamba-2 layer's (runtime/models/mamba2.py) conv state [conv_dim, kernel - 1] and SSM state [heads,
-    head_dim, d_state] in float32; each short-conv layer's (LFM2, runtime/models/short_conv.py) conv state [hidden,
-    kernel - 1] in the model dtype; the runner holds max_num_seqs + 1 slots. 0 for other models."""
+def linear_state_bytes_per_slot(model: ModelConfig, conv_dtype: str, recurrent_dtype: str) -> int:
+    """A hybrid model's states of one request slot, conv states in conv_dtype and recurrent states in recurrent_dtype
+    (artifact.state_dtypes): each linear-attention layer's (runtime/models/gated_deltanet.py) conv state [conv_dim,
+    kernel - 1] and recurrent state [value heads, key dim, value dim]; each Mamba-2 layer's (runtime/models/mamba2.py)
+    conv state [conv_dim, kernel - 1] and SSM state [heads, head_dim, d_state]; each short-conv layer's (LFM2,
+    runtime/models/short_conv.py) conv state [hidden, kernel - 1]; the runner holds max_num_seqs + 1 slots. 0 for
+    other models."""
     if not model.is_hybrid:
         return 0
-    others = len(model.mamba_layers) and len(model.mamba_layers) * (  # Granite 4.0's Mamba-2 layers: conv and SSM
-        model.mamba_conv_dim * (model.mamba_conv_kernel - 1) * dtype_num_bytes(model.dtype)
-        + model.mamba_num_heads * model.mamba_head_dim * model.mamba_d_state * 4)
-    others += len(model.short_conv_layers) and len(model.short_conv_layers) * (  # LFM2's short convs: conv only
-        model.hidden_size * (model.short_conv_kernel - 1) * dtype_num_bytes(model.dtype))
-    if not model.linear_attention_layers:
-        return others
-    conv_dim = 2 * model.linear_num_key_heads * model.linear_key_head_dim + (
-        model.linear_num_value_heads * model.linear_value_head_dim)
-    per_layer = (conv_dim * (model.linear_conv_kernel_dim - 1) * dtype_num_bytes(model.dtype)
-                 + model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * 4)
-    return len(model.linear_attention_layers) * per_layer + others
+    conv, recurrent = dtype_num_bytes(conv_dtype), dtype_num_bytes(recurrent_dtype)
+    total = 0
+    if model.linear_attention_layers:
+        conv_dim = 2 * model.linear_num_key_heads * model.linear_key_head_dim + (
+            model.linear_num_value_heads * model.linear_value_head_dim)
+        total += len(model.linear_attention_layers) * (
+            conv_dim * (model.linear_conv_kernel_dim - 1) * conv
+            + model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * recurrent)
+    if model.mamba_layers:
+        total += len(model.mamba_layers) * (model.mamba_conv_dim * (model.mamba_conv_kernel - 1) * conv
+                                            + model.mamba_num_heads * model.mamba_head_dim * model.mamba_d_state * recurrent)
+    if model.short_conv_layers:
+        total += len(model.short_conv_layers) * model.hidden_size * (model.short_conv_kernel - 1) * conv
+    return total
 
 
 def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_per_rank: list[int], kv_dtype: str,
@@ -403,6 +409,7 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
             runtime.max_num_seqs, runtime.max_model_len, use_graphs=decode_graphs,
             piece_graph_bytes=prefill_graph_allowance_bytes(model, runtime, piece_sizes), num_heads=layout.num_heads,
+            state_dtypes=state_dtypes(runtime, model.dtype),
         )
         for layout in all_rank_layouts(model, parallel)
     ]

@@ -73,11 +73,13 @@ class ModelRunner:
         self.is_hybrid = manifest.model.is_hybrid
         self.state_bytes = 0
         if self.is_hybrid:
-            self.state_bytes = self.model.bind_states(options.max_num_seqs + 1, device)
+            dtypes = art.state_dtypes(options, self.model.config.dtype)  # (auto: the compute dtype)
+            self.state_bytes = self.model.bind_states(options.max_num_seqs + 1, device, dtypes)
             kinds = " and ".join(dict.fromkeys(attn.STATE_KIND for attn in self.model.state_layers()))
-            logger.info("%s states: %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, before the "
-                        "KV cache; CUDA graphs of decode steps only (prefill and mixed steps run eagerly)", kinds,
-                        options.max_num_seqs + 1, self.model.state_bytes_per_slot() / 2**20, self.state_bytes / 2**20)
+            logger.info("%s states (conv %s, recurrent %s): %d slots (max_num_seqs + 1) of %.2f MiB, %.1f MiB in all, "
+                        "before the KV cache; CUDA graphs of decode steps only (prefill and mixed steps run eagerly)",
+                        kinds, *dtypes, options.max_num_seqs + 1, self.model.state_bytes_per_slot() / 2**20,
+                        self.state_bytes / 2**20)
         self.lora: LoraManager | None = None  # run-time LoRA (runtime/lora.py): before the profile and the graphs
         if options.enable_lora:  # (the engine has refused the artifacts it cannot run on: check_lora_artifact)
             slots = LoraSlots(self.model, options.max_loras, options.max_lora_rank, options.max_num_batched_tokens,

@@ -76,6 +76,8 @@ def resolve_options(manifest: art.Manifest, overrides: dict) -> art.RuntimeDefau
         raise ConfigError(f"{given_as[name]}{str(e)[len(name):]}") from None
     if (problem := max_model_len_problem(options.max_model_len, manifest.model)) is not None:
         raise ConfigError(f"max_model_len {problem}")
+    if (problem := state_dtype_problem(manifest.model, options)) is not None:
+        raise ConfigError(problem)
     if manifest.model.is_hybrid:
         options = hybrid_options(manifest.model, options, overrides)
     if options.num_scheduler_steps > 1:
@@ -107,6 +109,17 @@ def hybrid_options(model: art.ModelConfig, options: art.RuntimeDefaults, overrid
         logger.info("enable_prefix_caching off: %s has no prefix caching (vLLM's default for hybrid models)", name)
         options = dataclasses.replace(options, enable_prefix_caching=False)
     return options
+
+
+def state_dtype_problem(model: art.ModelConfig, options: art.RuntimeDefaults) -> str | None:
+    """mamba_cache_dtype / mamba_ssm_cache_dtype set for a model without state layers, which would ignore them (the
+    build says it of a recipe's too); None where they apply or are auto."""
+    for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+        value = getattr(options, name)
+        if value != "auto" and not model.is_hybrid:
+            return (f"{name} {value}: {model.architecture} has no Mamba, linear-attention or short-conv layers (no "
+                    "state to store); drop it or set it auto")
+    return None
 
 
 def max_model_len_problem(max_model_len: int, model: art.ModelConfig) -> str | None:

@@ -197,11 +197,14 @@ class AttentionAndMamba2(Attention):
     def conv_state(self) -> Tensor | None:
         return self.mamba.conv_state
 
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return self.mamba.state_bytes_per_slot(dtype)
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return self.mamba.state_shapes()
 
-    def bind_states(self, num_slots: int, device: torch.device) -> None:
-        self.mamba.bind_states(num_slots, device)
+    def states(self) -> tuple[Tensor, Tensor]:
+        return self.mamba.states()
+
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        self.mamba.bind_states(num_slots, device, dtypes)
 
 
 class MLP(nn.Module):
@@ -531,16 +534,18 @@ class DecoderModel(nn.Module):
         short convs), in layer order; [] for any other model."""
         return [layer.attn for layer in self.layers.values() if layer.is_state_layer]
 
-    def bind_states(self, num_slots: int, device: torch.device) -> int:
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[str, str]) -> int:
         """Allocate every stateful layer's own state tensors (each kind its own: bind_states) for `num_slots` request
-        slots (gated_deltanet NOTE (state slots)); returns their bytes."""
+        slots (gated_deltanet NOTE (state slots)), conv states in dtypes[0] and recurrent states in dtypes[1]
+        (artifact.state_dtypes); returns their bytes."""
+        torch_dtypes = tuple(getattr(torch, name) for name in dtypes)
         for attn in self.state_layers():
-            attn.bind_states(num_slots, device)
+            attn.bind_states(num_slots, device, torch_dtypes)
         return num_slots * self.state_bytes_per_slot()
 
     def state_bytes_per_slot(self) -> int:
-        dtype = getattr(torch, self.config.dtype)
-        return sum(attn.state_bytes_per_slot(dtype) for attn in self.state_layers())
+        """One request slot's bytes of the bound states."""
+        return sum(state[0].nbytes for attn in self.state_layers() for state in attn.states())
 
     def kv_attentions(self) -> list[nn.Module]:
         """This rank's attention modules that hold a KV cache, in layer order: every layer's but the state layers' and

@@ -1,7 +1,7 @@
 """The Gated DeltaNet layer (Qwen3.5's "linear_attention" layers) and its per-request state.
 
 NOTE (state slots): a request's state is its conv state [conv_dim, kernel - 1] (the last inputs of the causal
-depthwise conv) and its recurrent state [value heads, key dim, value dim] (float32) in every DeltaNet layer (and in
+depthwise conv) and its recurrent state [value heads, key dim, value dim] in every DeltaNet layer (and in
 Granite 4.0's Mamba-2 layers, runtime/models/mamba2.py, their conv and SSM states; in LFM2's short convs,
 runtime/models/short_conv.py, a conv state alone: each layer kind binds its own tensors), kept in tensors preallocated for max_num_seqs slots plus one scratch slot (`bind_states`). A request's slot is its
 persistent-batch row (`Request.batch_row`, `ForwardBatch.state_slots`): taken when it is first scheduled, given
@@ -9,6 +9,9 @@ back when it finishes, is aborted or is preempted, as vLLM's mamba cache hands o
 sequence whose chunk starts at position 0 (a new prompt, or a re-prefill after preemption by recompute) starts from
 zero state, read from nothing; a later chunk or a decode starts from its slot; each sequence's state after its
 chunk is written back to its slot. So chunked prefill carries the state across chunks and no slot needs clearing.
+The states' dtypes are the engine's runtime.mamba_cache_dtype / mamba_ssm_cache_dtype (artifact.state_dtypes: by
+default conv states in the model dtype, recurrent states float32); every path computes in float32 and rounds a state
+to its dtype only where it is stored, once per step.
 
 The delta rule (per value head, state S [key dim, value dim], q and k L2-normed, q scaled by key_dim^-0.5):
 S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t. `recurrent_delta_rule` runs it one
@@ -120,17 +123,20 @@ class GatedDeltaNet(nn.Module):
         self.A_log = _weight((self.num_v_heads,), torch.float32)
         self.dt_bias = _weight((self.num_v_heads,), torch.float32)
         self.norm = _weight((self.v_dim,), dtype)  # the gated RMSNorm's weight (plain w, not 1 + w)
-        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] in the model dtype (bind_states)
-        self.recurrent_state: Tensor | None = None  # [slots, num_v_heads, k_dim, v_dim] float32
+        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] (bind_states)
+        self.recurrent_state: Tensor | None = None  # [slots, num_v_heads, k_dim, v_dim]
 
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.num_v_heads * self.k_dim * self.v_dim * 4
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's (conv state, recurrent state) shapes."""
+        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.k_dim, self.v_dim)
 
-    def bind_states(self, num_slots: int, device: torch.device) -> None:
-        dtype = self.conv.weight.dtype
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
-        self.recurrent_state = torch.zeros(num_slots, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32,
-                                           device=device)
+    def states(self) -> tuple[Tensor, Tensor]:
+        """The bound (conv state, recurrent state) tensors [slots, ...]."""
+        return self.conv_state, self.recurrent_state
+
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        self.conv_state, self.recurrent_state = (torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+                                                 for shape, dtype in zip(self.state_shapes(), dtypes))
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         projected = self.in_qkvz(x)
@@ -151,9 +157,9 @@ class GatedDeltaNet(nn.Module):
         """Every sequence of the step at once: the conv (its SiLU output rounded to the model dtype, as `_prefill`)
         then the delta rule, each one Triton kernel."""
         steps, device = state_steps(batch), mixed.device
-        conv_state = bound_or_scratch(self.conv_state, batch, (self.conv_dim, self.kernel - 1), mixed.dtype, device)
-        state = bound_or_scratch(self.recurrent_state, batch, (self.num_v_heads, self.k_dim, self.v_dim), torch.float32,
-                                 device)
+        conv_shape, state_shape = self.state_shapes()
+        conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, mixed.dtype, device)
+        state = bound_or_scratch(self.recurrent_state, batch, state_shape, torch.float32, device)
         conv = recurrent.causal_conv(mixed, self.conv.weight, None, conv_state, steps, True, mixed.dtype)
         q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         out = recurrent.delta_rule(q, k, v, g, beta, state, steps, self.k_dim ** -0.5, L2_NORM_EPS)
@@ -171,13 +177,13 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed: Tensor, g: Tensor, beta: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
         """One token per sequence: device ops only (no host value of the step)."""
         fresh = (context_lens == 1)  # a one-token prompt: zero state
-        window = torch.cat([self.conv_state[slots] * ~fresh[:, None, None], mixed[:, :, None]], dim=-1)
-        self.conv_state[slots] = window[:, :, 1:]
-        conv = F.silu((window.float() * self.conv.weight.float()).sum(-1)).to(mixed.dtype).float()
+        window = torch.cat([self.conv_state[slots].float() * ~fresh[:, None, None], mixed[:, :, None].float()], dim=-1)
+        self.conv_state[slots] = window[:, :, 1:].to(self.conv_state.dtype)
+        conv = F.silu((window * self.conv.weight.float()).sum(-1)).to(mixed.dtype).float()
         q, k, v = self._split_heads(conv)
-        state = self.recurrent_state[slots] * ~fresh[:, None, None, None]
+        state = self.recurrent_state[slots].float() * ~fresh[:, None, None, None]
         out, state = recurrent_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state)
-        self.recurrent_state[slots] = state
+        self.recurrent_state[slots] = state.to(self.recurrent_state.dtype)
         return out[:, 0]
 
     def _prefill(self, mixed: Tensor, g: Tensor, beta: Tensor, batch: ForwardBatch, slots: Tensor | None) -> Tensor:
@@ -201,17 +207,17 @@ class GatedDeltaNet(nn.Module):
             offset += length
             starts_fresh = slots is None or int(context_lens[i]) == length
             if starts_fresh:
-                conv_state = mixed.new_zeros(self.conv_dim, width)
+                conv_state = mixed.new_zeros(self.conv_dim, width, dtype=torch.float32)
                 state = mixed.new_zeros(self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
             else:
-                conv_state, state = self.conv_state[slots[i]], self.recurrent_state[slots[i]]
-            window = torch.cat([conv_state, mixed[rows].t()], dim=-1)  # [conv_dim, width + length]
-            conv = F.conv1d(window.float()[None], self.conv.weight.float()[:, None], groups=self.conv_dim)[0]
+                conv_state, state = self.conv_state[slots[i]].float(), self.recurrent_state[slots[i]].float()
+            window = torch.cat([conv_state, mixed[rows].t().float()], dim=-1)  # [conv_dim, width + length]
+            conv = F.conv1d(window[None], self.conv.weight.float()[:, None], groups=self.conv_dim)[0]
             q, k, v = self._split_heads(F.silu(conv).to(mixed.dtype).float().t())
             out, state = chunked_delta_rule(q, k, v, g[rows], beta[rows], state)
             if slots is not None:
-                self.conv_state[slots[i]] = window[:, -width:]
-                self.recurrent_state[slots[i]] = state
+                self.conv_state[slots[i]] = window[:, -width:].to(self.conv_state.dtype)
+                self.recurrent_state[slots[i]] = state.to(self.recurrent_state.dtype)
             outputs.append(out)
         return torch.cat(outputs)
 

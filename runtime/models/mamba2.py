@@ -39,9 +39,9 @@ def conv_step(conv_state: Tensor, slots: Tensor, fresh: Tensor, xbc: Tensor, wei
     activation: each sequence's window is its slot's conv state (zeros where `fresh`) then xbc [N, conv_dim]; the
     slots of conv_state [slots, conv_dim, kernel - 1] take the window's last kernel - 1 inputs. Device ops only (a
     decode graph replays it); returns [N, conv_dim] in float32."""
-    window = torch.cat([conv_state[slots] * ~fresh[:, None, None], xbc[:, :, None]], dim=-1)
-    conv_state[slots] = window[:, :, 1:]
-    return (window.float() * weight.float()).sum(-1)
+    window = torch.cat([conv_state[slots].float() * ~fresh[:, None, None], xbc[:, :, None].float()], dim=-1)
+    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    return (window * weight.float()).sum(-1)
 
 
 def _time_steps(dt: Tensor, dt_bias: Tensor, limit: tuple[float, float]) -> Tensor:
@@ -112,9 +112,9 @@ def mamba2_mixer(hidden: Tensor, w: dict[str, Tensor], cfg: dict, conv_state: Te
 class Mamba2(nn.Module):
     """A Granite 4.0 Mamba-2 layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the rotary
     table unread); in_proj and out_proj are attn.mamba_in / attn.mamba_out (quantizable), the rest dense. Its conv
-    state [slots, conv_dim, kernel - 1] (model dtype) and SSM state [slots, heads, head_dim, d_state] (float32) are
-    bound by the model runner (`bind_states`); a forward without batch.state_slots (the memory profile, calibration)
-    runs every sequence from zero state and keeps nothing."""
+    state [slots, conv_dim, kernel - 1] and SSM state [slots, heads, head_dim, d_state] (by default in the model dtype
+    and float32: gated_deltanet NOTE (state slots)) are bound by the model runner (`bind_states`); a forward without
+    batch.state_slots (the memory profile, calibration) runs every sequence from zero state and keeps nothing."""
 
     STATE_KIND = "Mamba-2"
 
@@ -139,17 +139,20 @@ class Mamba2(nn.Module):
         # the gated RMSNorm's weight, per group of width / groups columns (None: Falcon-H1's mamba_rms_norm false, the
         # output y silu(z) unnormed)
         self.norm = _weight((self.width,), dtype) if config.mamba_rms_norm else None
-        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] in the model dtype (bind_states)
-        self.ssm_state: Tensor | None = None  # [slots, heads, head_dim, d_state] float32
+        self.conv_state: Tensor | None = None  # [slots, conv_dim, kernel - 1] (bind_states)
+        self.ssm_state: Tensor | None = None  # [slots, heads, head_dim, d_state]
 
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return self.conv_dim * (self.kernel - 1) * dtype.itemsize + self.heads * self.head_dim * self.d_state * 4
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's (conv state, SSM state) shapes."""
+        return (self.conv_dim, self.kernel - 1), (self.heads, self.head_dim, self.d_state)
 
-    def bind_states(self, num_slots: int, device: torch.device) -> None:
-        dtype = self.conv.weight.dtype
-        self.conv_state = torch.zeros(num_slots, self.conv_dim, self.kernel - 1, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(num_slots, self.heads, self.head_dim, self.d_state, dtype=torch.float32,
-                                     device=device)
+    def states(self) -> tuple[Tensor, Tensor]:
+        """The bound (conv state, recurrent state) tensors [slots, ...]."""
+        return self.conv_state, self.ssm_state
+
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        self.conv_state, self.ssm_state = (torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+                                           for shape, dtype in zip(self.state_shapes(), dtypes))
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         z, xbc, dt = self.mamba_in(x).split([self.width, self.conv_dim, self.heads], dim=-1)
@@ -173,8 +176,9 @@ class Mamba2(nn.Module):
     def _kernels(self, xbc: Tensor, dt: Tensor, batch: ForwardBatch) -> Tensor:
         """Every sequence of the step at once: the conv (float32 out) then the SSD recurrence, each one Triton kernel."""
         steps, device = state_steps(batch), xbc.device
-        conv_state = bound_or_scratch(self.conv_state, batch, (self.conv_dim, self.kernel - 1), xbc.dtype, device)
-        state = bound_or_scratch(self.ssm_state, batch, (self.heads, self.head_dim, self.d_state), torch.float32, device)
+        conv_shape, state_shape = self.state_shapes()
+        conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, xbc.dtype, device)
+        state = bound_or_scratch(self.ssm_state, batch, state_shape, torch.float32, device)
         bias = None if self.conv_bias is None else self.conv_bias.weight
         conv = recurrent.causal_conv(xbc, self.conv.weight, bias, conv_state, steps, True, torch.float32)
         x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
@@ -190,9 +194,9 @@ class Mamba2(nn.Module):
         x = x.unflatten(-1, (self.heads, self.head_dim))
         b, c = (t.unflatten(-1, (self.groups, self.d_state)).repeat_interleave(per_group, 1) for t in (b, c))
         a = -torch.exp(self.A_log.weight)
-        state = self.ssm_state[slots] * ~fresh[:, None, None, None]
+        state = self.ssm_state[slots].float() * ~fresh[:, None, None, None]
         state = state * torch.exp(dt * a)[:, :, None, None] + (dt[:, :, None] * x)[..., None] * b[:, :, None, :]
-        self.ssm_state[slots] = state
+        self.ssm_state[slots] = state.to(self.ssm_state.dtype)
         y = torch.einsum("nhpd,nhd->nhp", state, c) + self.D.weight[None, :, None] * x
         return y.flatten(1)
 
@@ -220,7 +224,7 @@ class Mamba2(nn.Module):
                 conv_state = xbc.new_zeros(self.conv_dim, self.kernel - 1, dtype=torch.float32)
                 state = xbc.new_zeros(self.heads, self.head_dim, self.d_state, dtype=torch.float32)
             else:
-                conv_state, state = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]].clone()
+                conv_state, state = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]].float()
             conv, conv_state = causal_conv(xbc[rows].float(), self.conv.weight.float(), self._conv_bias(), conv_state)
             x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
             x = x.unflatten(-1, (self.heads, self.head_dim))
@@ -228,6 +232,6 @@ class Mamba2(nn.Module):
             y = ssd_chunked(x, dt[rows], a, b, c, self.D.weight, state, self.chunk)
             if slots is not None:
                 self.conv_state[slots[i]] = conv_state.to(self.conv_state.dtype)
-                self.ssm_state[slots[i]] = state
+                self.ssm_state[slots[i]] = state.to(self.ssm_state.dtype)
             outputs.append(y.flatten(1))
         return torch.cat(outputs)

@@ -1,7 +1,7 @@
 """LFM2's gated short convolution (its "conv" layers) in the attention's place: in_proj gives B, C and x (hidden wide
 each, in that order); out = out_proj(C * conv(B * x)), conv the depthwise causal conv of short_conv_kernel taps
 (conv_L_cache) with no bias and no activation. A request's conv state [hidden, kernel - 1] (the last kernel - 1 rows
-of B * x, in the model dtype) is kept in slots as the Gated DeltaNet's states are (runtime/models/gated_deltanet.py
+of B * x; in the model dtype unless runtime.mamba_cache_dtype says otherwise) is kept in slots as the Gated DeltaNet's states are (runtime/models/gated_deltanet.py
 NOTE (state slots)); the conv is Mamba-2's (runtime/models/mamba2.py: causal_conv over a prefill piece, conv_step for a
 step's decodes; on CUDA kernels/recurrent.causal_conv over the whole step)."""
 
@@ -33,21 +33,25 @@ class ShortConv(nn.Module):
         self.conv_in = Linear(self.hidden, 3 * self.hidden, formats[prefix + "conv_in"], False, dtype)
         self.conv_out = Linear(self.hidden, self.hidden, formats[prefix + "conv_out"], False, dtype)
         self.conv = _weight((self.hidden, self.kernel), dtype)
-        self.conv_state: Tensor | None = None  # [slots, hidden, kernel - 1] in the model dtype (bind_states)
+        self.conv_state: Tensor | None = None  # [slots, hidden, kernel - 1] (bind_states)
 
-    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
-        return self.hidden * (self.kernel - 1) * dtype.itemsize
+    def state_shapes(self) -> tuple[tuple[int, ...]]:
+        """One slot's (conv state,) shape: a short conv keeps no recurrent state."""
+        return ((self.hidden, self.kernel - 1),)
 
-    def bind_states(self, num_slots: int, device: torch.device) -> None:
-        self.conv_state = torch.zeros(num_slots, self.hidden, self.kernel - 1, dtype=self.conv.weight.dtype,
-                                      device=device)
+    def states(self) -> tuple[Tensor]:
+        """The bound (conv state,) tensor [slots, hidden, kernel - 1]."""
+        return (self.conv_state,)
+
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        self.conv_state = torch.zeros(num_slots, *self.state_shapes()[0], dtype=dtypes[0], device=device)
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         b, c, h = self.conv_in(x).split(self.hidden, dim=-1)
         bx = b * h
         slots = batch.state_slots
         if recurrent.can_use_triton(x):  # every sequence of the step in one Triton kernel
-            state = bound_or_scratch(self.conv_state, batch, (self.hidden, self.kernel - 1), bx.dtype, bx.device)
+            state = bound_or_scratch(self.conv_state, batch, self.state_shapes()[0], bx.dtype, bx.device)
             conv = recurrent.causal_conv(bx, self.conv.weight, None, state, state_steps(batch), False, torch.float32)
         elif batch.is_decode and slots is not None:  # (a one-token prompt starts from zero state)
             conv = conv_step(self.conv_state, slots, batch.context_lens == 1, bx, self.conv.weight)

@@ -1,7 +1,9 @@
 """The state layers' Triton kernels (kernels/recurrent_triton.py) against the layers' torch forms in float64, over a
 step of sequences of different lengths (one-token decodes among them), some starting fresh, some continuing from their
 slots' states, the slots out of order and one slot left untouched: the outputs, and every slot's state after the
-step."""
+step. States are float32 or 16-bit (runtime.mamba_ssm_cache_dtype / mamba_cache_dtype): a 16-bit state is read once
+into float32 and rounded once, at its piece's end, so the outputs are the float64 ones from the stored start state and
+the state after the piece the float64 one rounded (STATE_RTOL)."""
 
 import pytest
 import torch
@@ -10,6 +12,13 @@ from llmc.kernels import recurrent
 from llmc.runtime.models.gated_deltanet import l2_normalize, recurrent_delta_rule
 from llmc.runtime.models.mamba2 import causal_conv, ssd_step
 
+# what rounding the float64 state to a state dtype may move it by, relative: half a unit in the last place (a GPU rounds
+# to nearest), a whole unit for bfloat16 in Triton's interpreter (which truncates float32 to bfloat16)
+STATE_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _state_rtol(device: str, state_dtype: torch.dtype) -> float:
+    return STATE_RTOL[state_dtype] * (2 if device == "cpu" and state_dtype == torch.bfloat16 else 1)
 LENGTHS = [1, 7, 1, 19, 33]  # a step's pieces, in row order (the conv also a decode step's and a short one's)
 FRESH = [False, True, True, False, False]
 SLOTS = [4, 0, 2, 5, 1]  # slot 3 belongs to no sequence of the step
@@ -28,19 +37,21 @@ def _pieces(lengths=LENGTHS):
         start += length
 
 
-@pytest.mark.parametrize("kernel, silu, bias, lengths", [(4, True, False, LENGTHS), (4, False, True, LENGTHS),
-                                                         (3, False, False, LENGTHS), (4, True, True, [1] * 5),
-                                                         (4, False, False, [2, 1, 9, 1, 16])])
-def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias, lengths):
+@pytest.mark.parametrize("kernel, silu, bias, lengths, state_dtype", [
+    (4, True, False, LENGTHS, None), (4, False, True, LENGTHS, None), (3, False, False, LENGTHS, None),
+    (4, True, True, [1] * 5, None), (4, False, False, [2, 1, 9, 1, 16], None), (4, True, False, LENGTHS, torch.float32),
+    (4, True, False, [1] * 5, torch.float32)])
+def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias, lengths, state_dtype):
     """Pieces longer than a token block (a second launch writes the states), a decode step's and short pieces (one
-    launch)."""
+    launch); the state in the inputs' dtype, or in float32 (mamba_cache_dtype float32)."""
     device, dtype = elementwise_case
+    state_dtype = state_dtype or dtype
     torch.manual_seed(0)
     channels, total = 40, sum(lengths)
     x = torch.randn(total, channels, device=device).to(dtype)
     weight = torch.randn(channels, kernel, device=device).to(dtype)
     b = torch.randn(channels, device=device).to(dtype) if bias else None
-    state = torch.randn(6, channels, kernel - 1, device=device).to(dtype)
+    state = torch.randn(6, channels, kernel - 1, device=device).to(dtype).to(state_dtype)
     before = state.clone()
     out = recurrent.causal_conv(x, weight, b, state, _steps(device, lengths), silu, torch.float32)
     for i, rows in _pieces(lengths):
@@ -48,14 +59,16 @@ def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias,
         expected, new = causal_conv(x[rows].double(), weight.double(), None if b is None else b.double(),
                                     start.double(), silu)
         torch.testing.assert_close(out[rows].double(), expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(state[SLOTS[i]].double(), new.to(dtype).double(), atol=0, rtol=0)
+        torch.testing.assert_close(state[SLOTS[i]].double(), new.to(state_dtype).double(), atol=0, rtol=0)
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("group, key_dim, value_dim, lengths", [(2, 16, 16, LENGTHS), (1, 32, 48, LENGTHS),
-                                                               (1, 32, 80, [1] * 5)])
-def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths):
-    """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.DELTA_RULE_TILES)."""
+@pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype", [
+    (2, 16, 16, LENGTHS, torch.float32), (1, 32, 48, LENGTHS, torch.float32), (1, 32, 80, [1] * 5, torch.float32),
+    (2, 16, 16, LENGTHS, torch.bfloat16), (1, 32, 80, [1] * 5, torch.float16)])
+def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths, state_dtype):
+    """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.DELTA_RULE_TILES); float32 and
+    16-bit states."""
     device, dtype = elementwise_case
     torch.manual_seed(1)
     key_heads, total = 2, sum(lengths)
@@ -64,7 +77,7 @@ def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key
     v = torch.randn(total, heads * value_dim, device=device).to(dtype)
     g = -torch.rand(total, heads, device=device) * 0.5
     beta = torch.rand(total, heads, device=device)
-    state = torch.randn(6, heads, key_dim, value_dim, device=device) * 0.3
+    state = (torch.randn(6, heads, key_dim, value_dim, device=device) * 0.3).to(state_dtype)
     before = state.clone()
     scale = key_dim ** -0.5
     out = recurrent.delta_rule(q, k, v, g, beta, state, _steps(device, lengths), scale, 1e-6)
@@ -75,14 +88,16 @@ def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key
         expected, new = recurrent_delta_rule((qs * scale)[None], ks[None], v[rows].double().unflatten(-1, (heads, -1))[None],
                                              g[rows].double()[None], beta[rows].double()[None], start.double()[None])
         torch.testing.assert_close(out[rows].double(), expected[0].flatten(1), atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(state[SLOTS[i]].double(), new[0], atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state[SLOTS[i]].double(), new[0], atol=2e-5, rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("groups, head_dim, d_state, lengths", [(2, 8, 16, LENGTHS), (1, 12, 32, LENGTHS),
-                                                               (2, 40, 16, [1] * 5)])
-def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim, d_state, lengths):
-    """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.SSD_TILES)."""
+@pytest.mark.parametrize("groups, head_dim, d_state, lengths, state_dtype", [
+    (2, 8, 16, LENGTHS, torch.float32), (1, 12, 32, LENGTHS, torch.float32), (2, 40, 16, [1] * 5, torch.float32),
+    (2, 8, 16, LENGTHS, torch.bfloat16), (2, 40, 16, [1] * 5, torch.float16)])
+def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim, d_state, lengths, state_dtype):
+    """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.SSD_TILES); float32 and 16-bit
+    states."""
     device, dtype = elementwise_case
     torch.manual_seed(2)
     heads, total = 4, sum(lengths)
@@ -90,7 +105,7 @@ def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim
     b, c = (torch.randn(total, groups * d_state, device=device).to(dtype) for _ in range(2))
     dt = torch.rand(total, heads, device=device) * 0.5
     a, d = -torch.rand(heads, device=device) * 2, torch.randn(heads, device=device)
-    state = torch.randn(6, heads, head_dim, d_state, device=device) * 0.3
+    state = (torch.randn(6, heads, head_dim, d_state, device=device) * 0.3).to(state_dtype)
     before = state.clone()
     out = recurrent.ssd(x, dt, a, b, c, d, state, _steps(device, lengths))
     for i, rows in _pieces(lengths):
@@ -100,5 +115,5 @@ def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim
                          b[t].double().unflatten(-1, (groups, d_state)), c[t].double().unflatten(-1, (groups, d_state)),
                          d.double(), s)
             torch.testing.assert_close(out[t].double(), y.flatten(), atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(state[SLOTS[i]].double(), s, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(state[SLOTS[i]].double(), s, atol=2e-5, rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)

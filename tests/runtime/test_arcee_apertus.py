@@ -55,7 +55,7 @@ def test_logits_greedy_and_logprobs_match_transformers(family, checkpoints, arti
     Apertus's xIELU scalars stored float32 as its checkpoint holds them."""
     manifest = read_manifest(artifacts(family))
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.hidden_act, m.qk_norm, m.rope_scaling["rope_type"], m.gated_mlp) == (
         family, *MANIFEST[family], False)
     assert set(manifest.quant.modules) == {"lm_head", *(f"layers.{i}.{name}" for i in range(2) for name in (

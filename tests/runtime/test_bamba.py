@@ -43,7 +43,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     whole-head table), one KV cache (the attention layer's)."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.mamba_layers, m.kv_layers, m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups,
             m.mamba_d_state, m.rotary_dim, m.rotary_rows_permuted, m.intermediate_size, m.moe_layers) == (
         "bamba", [0, 2], [1], 8, 16, 2, 16, 8, True, 128, [])

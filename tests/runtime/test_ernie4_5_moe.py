@@ -55,7 +55,7 @@ def test_logits_and_greedy_match_transformers(checkpoint, artifact, hf_greedy, h
     time: transformers' float32 model's. The manifest: the family, its MoE layers, the router's fields."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.moe_layers, m.num_experts, m.num_experts_per_tok, m.shared_expert_intermediate_size,
             m.shared_expert_gate, m.router_scoring, m.router_norm_min, m.router_score_bias, m.router_in_float32,
             m.norm_topk_prob, m.rotary_interleaved, m.tie_word_embeddings) == (

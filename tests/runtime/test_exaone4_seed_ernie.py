@@ -68,7 +68,7 @@ def test_logits_and_greedy_match_transformers(variant, checkpoints, artifacts, h
     greedy tokens of three prompts batched two at a time: transformers' float32 model's."""
     manifest = read_manifest(artifacts(variant))
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.nope_layers, m.sliding_window, m.sliding_window_layers, m.pre_norms, m.qk_norm,
             m.attention_bias, m.o_bias, m.rotary_interleaved, m.tie_word_embeddings) == MANIFEST[variant]
     with LLM(artifacts(variant), **ENGINE) as llm:

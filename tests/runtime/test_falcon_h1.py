@@ -45,7 +45,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     gated norm, the embedding multiplier as the embeddings' scale."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.mamba_layers, m.kv_layers, m.mamba_with_attention, m.mamba_rms_norm, m.mamba_num_heads,
             m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state, m.embed_scale, m.head_dim) == (
         "falcon_h1", [0, 1], [0, 1], True, False, 8, 16, 2, 16, 2.0, 16)

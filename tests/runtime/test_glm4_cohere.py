@@ -99,7 +99,7 @@ def test_the_artifact_holds_the_model_as_glm4_reads_it(tiny_glm4, artifact):
         (ROTARY_DIM, True, HEAD_DIM, False)
     hf_model = AutoModelForCausalLM.from_pretrained(str(tiny_glm4), dtype=torch.float32)
     assert model.num_parameters == sum(p.numel() for p in hf_model.parameters())
-    assert manifest.format_version == "1.46"
+    assert manifest.format_version == "1.47"
 
 
 def test_published_config_keys_read_as_transformers_reads_them(tiny_glm4):

@@ -380,7 +380,7 @@ def test_the_manifest_says_what_gpt_oss_is(checkpoint, artifact):
         (1.0, 1.702, 8, [0, 2])
     assert model.rope_scaling["rope_type"] == "yarn" and model.rope_scaling["truncate"] is False
     assert model.num_parameters == sum(p.numel() for p in hf_model(checkpoint).parameters())
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
 
 
 def test_inspect_names_what_gpt_oss_adds(artifact):

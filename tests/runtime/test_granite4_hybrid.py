@@ -47,7 +47,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     logprobs as transformers'; the manifest's Mamba-2 layers and sizes; one KV cache (the attention layer's)."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.mamba_layers, m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state,
             m.mamba_conv_kernel, m.mamba_chunk_size, m.mamba_conv_bias, m.kv_layers) == (
         [0, 2], 8, 16, 2, 16, 4, 8, True, [1])

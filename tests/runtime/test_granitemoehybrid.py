@@ -53,7 +53,7 @@ def test_logits_and_greedy_match_transformers(variant, nope_layers, checkpoints,
     transformers' float32 model's, to 1e-4."""
     manifest = read_manifest(artifacts(variant))
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.nope_layers, m.intermediate_size, m.embed_scale, m.softmax_scale, m.num_experts) == (
         "granitemoehybrid", nope_layers, 96, 12.0, 0.05, None)
     with LLM(artifacts(variant), **ENGINE) as llm:

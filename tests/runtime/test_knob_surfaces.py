@@ -66,3 +66,22 @@ def test_settings_objects_are_taken_as_their_mappings(artifact):
         options = llm.engine.options
         assert options.compilation_config.cudagraph_mode == "NONE"
         assert (options.speculative.method, options.speculative.num_speculative_tokens) == ("ngram", 2)
+
+
+def test_state_dtypes_are_refused_for_a_model_without_state_layers(artifact, ref_model_dir, tmp_path):
+    """mamba_cache_dtype / mamba_ssm_cache_dtype (a hybrid model's state dtypes) set for a Llama: refused by name at
+    start, by the run flag, and at build (a recipe's runtime section); auto and a bad value as any setting's."""
+    with pytest.raises(ConfigError, match="^mamba_ssm_cache_dtype bfloat16: LlamaForCausalLM has no Mamba, "
+                                          "linear-attention or short-conv layers .*; drop it or set it auto$"):
+        LLM(artifact, device="cpu", mamba_ssm_cache_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="^mamba_cache_dtype: .*'fp8'.*"):
+        LLM(artifact, device="cpu", mamba_cache_dtype="fp8")
+    with LLM(artifact, device="cpu", mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto"):
+        pass
+    flag = CliRunner().invoke(cli, ["run", str(artifact), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
+                                    "--mamba-cache-dtype", "float32"])
+    assert str(flag.exception).startswith("mamba_cache_dtype float32: LlamaForCausalLM has no Mamba")
+    recipe = recipe_from_dict({"model": str(ref_model_dir), "output": str(tmp_path / "a"),
+                               "runtime": {"mamba_ssm_cache_dtype": "float16"}})
+    with pytest.raises(RecipeError, match="^runtime.mamba_ssm_cache_dtype float16: LlamaForCausalLM has no Mamba"):
+        build(recipe, show_progress=False)

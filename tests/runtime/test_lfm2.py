@@ -45,7 +45,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     inspect` says of them); one KV cache (the attention layer's); a conv state [hidden, 2] per slot."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.short_conv_layers, m.short_conv_kernel, m.kv_layers, m.intermediate_size, m.qk_norm,
             m.rms_norm_eps) == ("lfm2", [0, 2], 3, [1], 128, True, 1e-5)
     assert "gated short conv of 3 taps on 2 of 3 layers" in _attention_text(dataclasses.asdict(m))  # (llmc inspect)

@@ -61,7 +61,7 @@ def test_logits_and_greedy_match_transformers(checkpoint, artifact, hf_greedy, h
     float32 model's."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.nope_layers, m.query_temperature_beta, m.query_temperature_floor, m.query_temperature_offset,
             m.query_temperature_layers, m.qk_l2_norm_layers, m.qk_norm, m.rotary_interleaved) == (
         "llama4", [2], 0.3, 8.0, 1.0, [2], [0, 1, 3], False, True)

@@ -106,7 +106,7 @@ def test_build_records_the_vision_side(artifact, checkpoint):
 
     manifest = art.read_manifest(artifact)
     config = json.loads((checkpoint / "config.json").read_text())
-    assert manifest.format_version == art.FORMAT_VERSION == "1.46"
+    assert manifest.format_version == art.FORMAT_VERSION == "1.47"
     assert manifest.model.architecture == "LlamaForCausalLM"
     vision = manifest.vision
     assert vision.architecture == "LlavaNextForConditionalGeneration" and not vision.bidirectional_image_attention

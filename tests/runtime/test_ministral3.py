@@ -59,7 +59,7 @@ def test_logits_and_greedy_match_transformers(checkpoint, artifact, hf_greedy, h
     time: transformers' float32 model's."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.query_temperature_beta, m.query_temperature_floor, m.query_temperature_offset,
             m.query_temperature_layers, m.rope_scaling["rope_type"], m.attention_bias) == (
         "ministral3", 0.3, 8.0, 0.0, None, "yarn", False)

@@ -166,7 +166,7 @@ def _grid(tokenizer, ids: list[int]) -> list[list[str]]:
 def test_build_records_the_vision_side(artifact, mistral3):
     manifest = art.read_manifest(artifact)
     config = json.loads((mistral3 / "config.json").read_text())
-    assert manifest.format_version == art.FORMAT_VERSION == "1.46"
+    assert manifest.format_version == art.FORMAT_VERSION == "1.47"
     assert manifest.model.architecture == "MistralForCausalLM"
     vision = manifest.vision
     assert vision.architecture == "Mistral3ForConditionalGeneration" and not vision.bidirectional_image_attention

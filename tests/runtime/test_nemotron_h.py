@@ -47,7 +47,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
     attention block's), no MLP in a mixer's layer, no attention in an MLP's."""
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.no_mlp_layers, m.no_mixer_layers, m.mamba_layers, m.kv_layers, m.nope_layers, m.hidden_act) == (
         [0, 2, 3], [1, 4, 5], [0, 3], [2], list(range(6)), "relu2")
     assert (m.mamba_num_heads, m.mamba_head_dim, m.mamba_n_groups, m.mamba_d_state, m.mamba_conv_kernel,

@@ -53,7 +53,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.no_mlp_layers, m.no_mixer_layers, m.moe_layers, m.mamba_layers, m.kv_layers, m.hidden_act) == (
         [0, 2], [1, 3], [1, 3], [0], [2], "relu2")
     assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.shared_expert_intermediate_size,

@@ -53,7 +53,7 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
             f.keys())
     manifest = read_manifest(artifact)
     m = manifest.model
-    assert manifest.format_version == FORMAT_VERSION == "1.46"
+    assert manifest.format_version == FORMAT_VERSION == "1.47"
     assert (m.family, m.linear_attention_layers, m.pre_norm_layers, m.pre_norms, m.sandwich_norms,
             m.qk_norm_full_width, m.linear_allow_neg_eigval, m.linear_norm_eps, m.rope_on_full_layers,
             m.attn_output_gate, m.kv_layers) == (

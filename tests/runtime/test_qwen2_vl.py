@@ -172,7 +172,7 @@ def hf_generate(hf, prompt, images, max_tokens: int = GREEDY.max_tokens):
 def test_build_records_the_vision_side(artifact, checkpoint, family):
     manifest = art.read_manifest(artifact)
     config = json.loads((checkpoint / "config.json").read_text())
-    assert manifest.format_version == art.FORMAT_VERSION == "1.46"
+    assert manifest.format_version == art.FORMAT_VERSION == "1.47"
     assert manifest.model.architecture == "Qwen2ForCausalLM" and manifest.model.attention_bias
     vision = manifest.vision
     assert vision.architecture == config["architectures"][0]

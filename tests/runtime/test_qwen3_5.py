@@ -22,6 +22,8 @@ from llmc.compiler.export import export_artifact
 from llmc.compiler.hf_checkpoint import partial_rotary_permutation
 from llmc.compiler.recipe import recipe_from_dict
 from llmc.errors import ArtifactError, CheckpointError, ConfigError, RecipeError, RequestError
+from llmc.runtime import artifact as art
+from llmc.runtime import memory
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.cuda_graphs import StaticInputs
 from llmc.runtime.engine import Engine
@@ -414,6 +416,57 @@ def test_conditional_generation_serves_its_language_model(checkpoint, tmp_path, 
         "Qwen3_5ForConditionalGeneration", "qwen3_5", [0, 1, 3], 4096)
 
 
+def _rounding_state_to(dtype: torch.dtype, delta_rule):
+    """transformers' delta rule (one call per forward of a layer: a prompt, or a decode step) leaving its state rounded
+    to `dtype`, as the engine stores it after each step."""
+    def rule(*args, **kwargs):
+        out, state = delta_rule(*args, **kwargs)
+        return out, None if state is None else state.to(dtype).to(state.dtype)
+    return rule
+
+
+@torch.inference_mode()
+def test_a_bfloat16_recurrent_state_is_transformers_state_rounded_each_step(checkpoint, artifact, hf_model, hf_encode,
+                                                                            monkeypatch):
+    """mamba_ssm_cache_dtype bfloat16 (vLLM's knob): the recurrent states are stored in bfloat16, the conv states stay
+    in the compute dtype (half the recurrent bytes); greedy tokens and logprobs of prompts prefilled in one step each,
+    then decoded, are transformers' generate whose delta rule rounds the state it leaves to bfloat16 after each forward
+    (the engine's rounding points) to 2e-4, where the float32 states' logprobs are further from them. mamba_cache_dtype
+    float16 stores both states in float16."""
+    import transformers.models.qwen3_5.modeling_qwen3_5 as hf
+
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    got = {}
+    for state_dtype in ("bfloat16", "auto"):
+        with LLM(artifact, device="cpu", max_num_seqs=3, num_kv_blocks=64, mamba_ssm_cache_dtype=state_dtype) as llm:
+            outputs = llm.generate([{"prompt_token_ids": ids} for ids in encoded], params)
+            layer = llm.engine.runner.model.layers["0"].attn
+            assert (layer.conv_state.dtype, layer.recurrent_state.dtype) == (
+                torch.float32, torch.bfloat16 if state_dtype == "bfloat16" else torch.float32)
+            slot_bytes = layer.conv_dim * 3 * 4 + 4 * 16 * 16 * layer.recurrent_state.itemsize  # (3 such layers)
+            assert llm.engine.runner.state_bytes == 4 * 3 * slot_bytes  # max_num_seqs + 1 slots
+            # what the build's memory plan counts for them (memory.estimate)
+            assert memory.linear_state_bytes_per_slot(read_manifest(artifact).model, *art.state_dtypes(
+                llm.engine.options, "float32")) == 3 * slot_bytes
+        got[state_dtype] = [(o.outputs[0].token_ids, [step[t] for step, t in zip(o.outputs[0].logprobs,
+                                                                                   o.outputs[0].token_ids)])
+                            for o in outputs]
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        monkeypatch.setattr(hf, name, _rounding_state_to(torch.bfloat16, getattr(hf, name)))
+    for ids, (tokens, logprobs), (_, float32_logprobs) in zip(encoded, got["bfloat16"], got["auto"], strict=True):
+        generated = hf_model(checkpoint).generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=12,
+            do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert generated.sequences[0, len(ids):].tolist() == tokens
+        want = torch.stack([step[0].log_softmax(-1)[t] for step, t in zip(generated.logits, tokens, strict=True)])
+        torch.testing.assert_close(torch.tensor([float(p) for p in logprobs]), want, atol=2e-4, rtol=0)
+        assert (torch.tensor([float(p) for p in float32_logprobs]) - want).abs().max() > 2e-4
+    with LLM(artifact, device="cpu", max_num_seqs=3, num_kv_blocks=64, mamba_cache_dtype="float16") as llm:
+        layer = llm.engine.runner.model.layers["0"].attn
+        assert layer.conv_state.dtype == layer.recurrent_state.dtype == torch.float16
+
+
 def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
     multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, FP8 and int8 (AWQ and
@@ -423,7 +476,7 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
         with pytest.raises(RequestError, match="use_beam_search: not supported for Qwen3_5ForCausalLM"):
             llm.engine.add_request(None, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
                                    prompt_token_ids=[5, 6, 7])
-    assert "Gated DeltaNet states: " in caplog.text
+    assert "Gated DeltaNet states (conv float32, recurrent float32): " in caplog.text
     assert read_manifest(artifact).runtime.enable_prefix_caching is False  # (the build's default for it, logged)
     refused(RecipeError, "quantization.method int8: .* builds with none, rtn, gptq",
             recipe={"quantization": {"method": "int8"}})
@@ -469,7 +522,6 @@ def check_memory_profile_forward(checkpoint, artifact, monkeypatch, hf_logits, e
     it binds a KV cache to the attention layers alone (a hybrid's state layers hold none; every_layer_attends:
     Falcon-H1's, each its Mamba-2 mixer beside the attention), its two fresh prompts of zeros (16 and 8 tokens) give
     transformers' probabilities at the logits rows (the second prompt's last 4), and it leaves every layer unbound."""
-    from llmc.runtime import artifact as art
     from llmc.runtime import memory_profile
     from llmc.runtime.loader import build_model
 

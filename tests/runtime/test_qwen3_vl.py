@@ -82,7 +82,7 @@ def hf(checkpoint):
 def test_build_records_the_vision_side(artifact, checkpoint):
     manifest = art.read_manifest(artifact)
     config = json.loads((checkpoint / "config.json").read_text())
-    assert manifest.format_version == art.FORMAT_VERSION == "1.46"
+    assert manifest.format_version == art.FORMAT_VERSION == "1.47"
     assert manifest.model.architecture == "Qwen3ForCausalLM" and manifest.model.qk_norm
     assert not manifest.model.attention_bias
     vision = manifest.vision

@@ -228,7 +228,7 @@ def test_the_build_keeps_the_mtp_layer(checkpoints, artifacts, kind, tmp_path, c
     layers': layer 3's q/k are layer 2's plus noise, so not compared here; the drafts test checks them), the MTP
     tensors as the checkpoint has them, and the manifest says which."""
     manifest = read_manifest(artifacts[kind])
-    assert manifest.format_version == "1.46" and manifest.model.num_layers == N
+    assert manifest.format_version == "1.47" and manifest.model.num_layers == N
     assert (manifest.mtp.layer_index, manifest.mtp.is_moe, manifest.mtp.has_head, manifest.mtp.has_embed) == (
         N, True, kind == "own", kind == "own")
     assert MTP_WEIGHTS in manifest.files

@@ -63,7 +63,7 @@ def test_the_build_keeps_the_mla_mtp_layer(checkpoints, artifacts, tmp_path, cap
     """mtp/weights.safetensors holds the MLA decoder layer in the runtime's names, as the checkpoint has its tensors
     (kv_b whole: the runtime splits it at load), the MTP tensors, and the manifest says which."""
     manifest = read_manifest(artifacts["bigram"])
-    assert manifest.format_version == "1.46" and manifest.model.num_layers == N and manifest.model.is_mla
+    assert manifest.format_version == "1.47" and manifest.model.num_layers == N and manifest.model.is_mla
     assert (manifest.mtp.layer_index, manifest.mtp.is_moe, manifest.mtp.has_head, manifest.mtp.has_embed) == (
         N, True, True, True)
     weights = load_file(artifacts["bigram"] / MTP_WEIGHTS)
