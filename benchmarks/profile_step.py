@@ -51,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--torch-state-layers", action="store_true",
                         help="a hybrid model's conv, delta rule and SSD on their torch ops (the CPU's path) instead of "
                              "their Triton kernels (kernels/recurrent.py), for a same-run baseline")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="a hybrid model's recurrent state dtype (the engine option of that name)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
@@ -161,7 +163,8 @@ def kernel_time_per_step(engine: Engine, steps: int, top: int) -> tuple[float, f
 def profile_batch(engine: Engine, timer: PhaseTimer, batch_size: int, args, rng, traces: dict) -> dict:
     fill(engine, batch_size, args, rng)
     result = {"batch_size": batch_size, "running": engine.scheduler.num_running,
-              "async_scheduling": engine.options.async_scheduling, **measure(engine, timer, args.steps)}
+              "async_scheduling": engine.options.async_scheduling,
+              "mamba_ssm_cache_dtype": engine.options.mamba_ssm_cache_dtype, **measure(engine, timer, args.steps)}
     if engine.device.type == "cuda":
         kernel_ms, kernel_sum_ms, top, traces[batch_size] = kernel_time_per_step(engine, args.steps, args.top_kernels)
         result.update(kernel_ms=round(kernel_ms, 3), kernel_sum_ms=round(kernel_sum_ms, 3),
@@ -187,6 +190,8 @@ def main(argv=None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     options = {"max_num_seqs": max(batch_sizes), "max_model_len": args.max_model_len, "disable_log_stats": True,
                "async_scheduling": not args.sync, "max_num_batched_tokens": max(8192, args.prompt_len)}
+    if args.mamba_ssm_cache_dtype != "auto":
+        options["mamba_ssm_cache_dtype"] = args.mamba_ssm_cache_dtype
     if args.num_kv_blocks is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
     engine = Engine(args.artifact, device=args.device, **options)

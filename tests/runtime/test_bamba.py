@@ -27,6 +27,7 @@ from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
 from tests.runtime.test_granite4_hybrid import check_on_the_gpu
 from tests.runtime.test_granite4_hybrid import test_preemption_and_short_chunks_keep_transformers_tokens as preemption
+from tests.runtime.test_qwen3_5 import check_16_bit_states_on_the_gpu
 from tests.runtime.test_qwen3_5 import check_hybrid_refusals, check_memory_profile_forward
 from tests.runtime.test_qwen3_5 import test_decodes_through_the_graphs_static_buffers as qwen_static_decodes
 from tests.runtime.test_qwen3_5 import test_the_triton_path_matches_transformers as qwen_triton
@@ -147,6 +148,15 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
     from transformers.models.bamba.modeling_bamba import BambaRMSNormGated
 
     check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, BambaRMSNormGated)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_16_bit_states_on_the_gpu(checkpoint, artifact, hf_encode, free_gpu):
+    """Both Mamba-2 states in float16 (mamba_cache_dtype), then the SSM state alone in bfloat16."""
+    check_16_bit_states_on_the_gpu(checkpoint, artifact, hf_encode, mamba_cache_dtype="float16")
+    check_16_bit_states_on_the_gpu(checkpoint, artifact, hf_encode, mamba_ssm_cache_dtype="bfloat16")
 
 
 def test_the_gpu_memory_profile_runs_the_hybrid(checkpoint, artifact, monkeypatch, hf_logits):

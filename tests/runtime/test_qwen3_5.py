@@ -591,3 +591,28 @@ def test_a_checkpoints_mtp_layer_is_left_out_and_said(checkpoint, tmp_path, capl
     plain = build_float32(checkpoint, tmp_path / "b")
     assert load_file(built / "rank-00" / "weights.safetensors").keys() == \
         load_file(plain / "rank-00" / "weights.safetensors").keys()
+
+
+def check_16_bit_states_on_the_gpu(checkpoint, artifact, hf_encode, **state_dtypes):
+    """The state kernels on CUDA with 16-bit states (decode graphs, eager prefill): the CPU engine's greedy tokens and
+    logprobs with the same state dtypes (the CPU path is checked against transformers above) to 2e-3."""
+    encoded = [hf_encode(checkpoint, p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
+    got = []
+    for device in ("cpu", "cuda"):
+        with LLM(artifact, device=device, max_num_seqs=3, num_kv_blocks=64, **state_dtypes) as llm:
+            got.append([o.outputs[0] for o in llm.generate([{"prompt_token_ids": ids} for ids in encoded], params)])
+            states = llm.engine.runner.model.state_layers()[0].states()
+            assert states[-1].dtype == getattr(torch, state_dtypes.get("mamba_ssm_cache_dtype", "float16"))
+            assert device == "cpu" or llm.engine.runner.graphs.num_replays > 0
+    for cpu, cuda in zip(*got, strict=True):
+        assert cuda.token_ids == cpu.token_ids
+        logprob = lambda out: torch.tensor([float(s[t]) for s, t in zip(out.logprobs, out.token_ids)])  # noqa: E731
+        torch.testing.assert_close(logprob(cuda), logprob(cpu), atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_a_bfloat16_recurrent_state_on_the_gpu(checkpoint, artifact, hf_encode, free_gpu):
+    check_16_bit_states_on_the_gpu(checkpoint, artifact, hf_encode, mamba_ssm_cache_dtype="bfloat16")
