@@ -209,12 +209,14 @@ def sweep() -> list[dict]:
         slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
         q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
-        g, beta = -torch.rand(tokens, 32, device=device), torch.rand(tokens, 32, device=device)
+        ab = torch.randn(tokens, 64, device=device, dtype=torch.bfloat16)  # the raw gates a, b
+        a_log, dt_bias = torch.rand(32, device=device), torch.randn(32, device=device)
         state = torch.zeros(n, 32, 128, 128, device=device, dtype=STATE_DTYPE)
         out = torch.empty(tokens, 32 * 128, device=device)
         for block_v, warps in DELTA_CONFIGS:
-            us = time_calls(lambda: recurrent_triton.delta_rule(q[:, :2048], q[:, 2048:], v, g, beta, state, slots, fresh,
-                                                                cu, 128 ** -0.5, 1e-6, out, block_v, warps))
+            us = time_calls(lambda: recurrent_triton.delta_rule(
+                q[:, :2048], q[:, 2048:], v, ab[:, :32], ab[:, 32:], a_log, dt_bias, 1.0, state, slots, fresh, cu,
+                128 ** -0.5, 1e-6, out, block_v, warps))
             rows.append({"kernel": "delta_rule", "case": name, "block": block_v, "warps": warps, "us": round(us, 1),
                          "state_dtype": str(STATE_DTYPE)[6:],
                          "state_GBps": round(2 * state.nbytes / us / 1e3, 1)})

@@ -68,23 +68,35 @@ def causal_conv(x: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor, s
                                         steps.max_len)
 
 
-def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, steps: StateSteps,
-               scale: float, eps: float) -> Tensor:
+def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, beta_scale: float,
+               state: Tensor, steps: StateSteps, scale: float, eps: float) -> Tensor:
     """The gated delta rule per sequence from its slot of state [slots, value heads, key_dim, value_dim] (float32 or
-    16-bit: computed in float32, updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times scale), v [T, value heads *
-    value_dim], g, beta [T, value heads] float32; returns o [T, value heads * value_dim] float32."""
+    16-bit: computed in float32, updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times
+    scale), v [T, value heads * value_dim]; the gates from the raw projections a, b [T, value heads] (g = -exp(a_log)
+    softplus(a + dt_bias), beta = sigmoid(b) beta_scale, in the kernel); returns o [T, value heads * value_dim]
+    float32."""
     from . import recurrent_triton
 
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     tile, warps = DELTA_RULE_TILES["decode" if steps.max_len == 1 else "prefill"]
-    return recurrent_triton.delta_rule(q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale, eps,
-                                       out, tile, warps)
+    return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
+                                       steps.cu_seqlens, scale, eps, out, tile, warps)
+
+
+def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3.5's gated RMSNorm per head of o [T, heads * head_dim] float32 (the delta rule's output) with the gate z
+    [T, heads * head_dim]: w * rms_norm(o) * silu(z) in z's dtype, one launch (the torch form: runtime/models/
+    gated_deltanet.GatedDeltaNet._gated_norm)."""
+    from . import recurrent_triton
+
+    out = torch.empty(o.shape, dtype=z.dtype, device=o.device)
+    return recurrent_triton.gated_rms_norm(o, z, weight, eps, out)
 
 
 def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, state: Tensor, steps: StateSteps) -> Tensor:
     """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32 or 16-bit:
-    computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads], b, c [T, groups * d_state] (all
-    float32 but x, b, c); returns y [T, heads * head_dim] float32."""
+    computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads],
+    b, c [T, groups * d_state] (all float32 but x, b, c); returns y [T, heads * head_dim] float32."""
     from . import recurrent_triton
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -103,9 +103,9 @@ def causal_conv(x, weight, bias, state, slots, fresh, cu_seqlens, silu: bool, ou
 
 
 @triton.jit
-def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr, fresh_ptr,
-                       stride_qk, stride_v, stride_gb, stride_out, stride_slot, group, key_dim, value_dim, scale, eps,
-                       BK: tl.constexpr, BV: tl.constexpr):
+def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr,
+                       fresh_ptr, stride_qk, stride_v, stride_ab, stride_out, stride_slot, group, key_dim, value_dim,
+                       scale, eps, beta_scale, BK: tl.constexpr, BV: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ks = tl.arange(0, BK)
@@ -117,12 +117,18 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
             + ks[:, None] * value_dim + vs[None, :])
     s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
     qk_cols = (head // group) * key_dim + ks
+    neg_a = -tl.exp(tl.load(a_log_ptr + head))
+    dt_bias = tl.load(dt_bias_ptr + head)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_v + head * value_dim + vs, mask=v_mask, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gb + head))
-        beta = tl.load(beta_ptr + t * stride_gb + head)
+        # the gates from the raw projections: g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: x above 20
+        # as is), beta = sigmoid(b) rounded to b's dtype (as the model computes it), times beta_scale
+        raw_b = tl.load(b_ptr + t * stride_ab + head)
+        beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32) * beta_scale
+        x = tl.load(a_ptr + t * stride_ab + head).to(tl.float32) + dt_bias
+        decay = tl.exp(neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + eps))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         s = s * decay
@@ -132,22 +138,54 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr,
     tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
-def delta_rule(q, k, v, g, beta, state, slots, fresh, cu_seqlens, scale: float, eps: float, out,
-               block_v: int = 32, num_warps: int = 4):
+def delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale: float, state, slots, fresh, cu_seqlens, scale: float,
+               eps: float, out, block_v: int = 32, num_warps: int = 4):
     """The gated delta rule over each sequence's rows (module docstring), per value head h (key head h // group):
-    q and k [T, key heads * key_dim] (raw: L2-normed here, q times scale), v [T, value heads * value_dim], g and beta
-    [T, value heads] float32, state [slots, value heads, key_dim, value_dim] (float32, bfloat16 or float16: read into
-    float32, rounded back once at the sequence's end); out [T, value heads * value_dim]
-    float32 (o_t = S_t^T q_t)."""
-    assert g.stride() == beta.stride()  # (one row stride for both)
+    q and k [T, key heads * key_dim] (raw: L2-normed here, q times scale), v [T, value heads * value_dim], a and b
+    [T, value heads] (the raw gate projections, one row stride; g = -exp(a_log) softplus(a + dt_bias), beta =
+    sigmoid(b) beta_scale computed here, a_log and dt_bias [value heads] float32), state [slots, value heads,
+    key_dim, value_dim] (float32, bfloat16 or float16: read into float32, rounded back once at the sequence's end);
+    out [T, value heads * value_dim] float32 (o_t = S_t^T q_t)."""
+    assert a.stride() == b.stride()  # (one row stride for both)
     _, heads, key_dim, value_dim = state.shape
     group = heads // (q.shape[1] // key_dim)
     block_v = min(block_v, triton.next_power_of_2(value_dim))
     grid = (slots.numel(), heads, triton.cdiv(value_dim, block_v))
     _delta_rule_kernel[grid](
-        q, k, v, g, beta, state, out, cu_seqlens, slots, fresh, q.stride(0), v.stride(0), g.stride(0), out.stride(0),
-        state.stride(0), group, key_dim, value_dim, scale, eps, BK=triton.next_power_of_2(key_dim), BV=block_v,
-        num_warps=num_warps)
+        q, k, v, a, b, a_log, dt_bias, state, out, cu_seqlens, slots, fresh, q.stride(0), v.stride(0), a.stride(0),
+        out.stride(0), state.stride(0), group, key_dim, value_dim, scale, eps, beta_scale,
+        BK=triton.next_power_of_2(key_dim), BV=block_v, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _gated_rms_norm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, heads, head_dim, stride_o, stride_z, stride_out, eps,
+                           BH: tl.constexpr, BD: tl.constexpr):
+    """Program (row, head block): BH heads' w * rms_norm(o) * silu(z), each rounding where the torch form does."""
+    row = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ds = tl.arange(0, BD)
+    mask = (hs < heads)[:, None] & (ds < head_dim)[None, :]
+    cols = hs[:, None] * head_dim + ds[None, :]
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0)
+    o = tl.load(o_ptr + row * stride_o + cols, mask=mask, other=0.0).to(z.dtype).to(tl.float32)
+    normed = (o * tl.rsqrt(tl.sum(o * o, axis=1) / head_dim + eps)[:, None]).to(z.dtype)
+    w = tl.load(w_ptr + ds, mask=ds < head_dim, other=0.0)
+    weighted = (w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(z.dtype).to(tl.float32)
+    zf = z.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (weighted * (zf * tl.sigmoid(zf))).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gated_rms_norm(o, z, weight, eps: float, out, block_heads: int = 4):
+    """Qwen3.5's gated RMSNorm per head: out = (w * rms_norm(o rounded to z's dtype), rounded) * silu(z), in z's dtype;
+    o [T, heads * head_dim] float32, z [T, heads * head_dim] (any row stride), weight [head_dim]."""
+    head_dim = weight.numel()
+    heads = o.shape[1] // head_dim
+    block_heads = min(block_heads, triton.next_power_of_2(heads))
+    grid = (o.shape[0], triton.cdiv(heads, block_heads))
+    _gated_rms_norm_kernel[grid](o, z, weight, out, heads, head_dim, o.stride(0), z.stride(0), out.stride(0), eps,
+                                 BH=block_heads, BD=triton.next_power_of_2(head_dim))
     return out
 
 

@@ -16,8 +16,9 @@ to its dtype only where it is stored, once per step.
 The delta rule (per value head, state S [key dim, value dim], q and k L2-normed, q scaled by key_dim^-0.5):
 S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t. `recurrent_delta_rule` runs it one
 token at a time (decodes); `chunked_delta_rule` in chunks of C tokens, solving each chunk's u in one triangular
-system (prefill chunks). Both in float32 on torch ops: the CPU's path. On CUDA the conv and the rule run as Triton kernels
-over the step's sequences at once (kernels/recurrent.py), each sequence's state read and written once per step."""
+system (prefill chunks). Both in float32 on torch ops: the CPU's path. On CUDA the conv, the rule (its gates g and beta
+computed in it from the raw projections) and the gated norm run as three Triton kernels over the step's sequences at
+once (kernels/recurrent.py), each sequence's state read and written once per step."""
 
 from __future__ import annotations
 
@@ -142,28 +143,30 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_qkvz(x)
         mixed, z = projected.split([self.conv_dim, self.value_size], dim=-1)
         b, a = F.linear(x, self.in_ba.weight).split(self.num_v_heads, dim=-1)
+        if recurrent.can_use_triton(x):
+            return self.out(self._kernels(mixed, a, b, z, batch))
         beta = b.sigmoid().float() * self.beta_scale
         g = -self.A_log.weight.exp() * F.softplus(a.float() + self.dt_bias.weight)
         slots = batch.state_slots
-        if recurrent.can_use_triton(x):
-            out = self._kernels(mixed, g, beta, batch)
-        elif batch.is_decode and slots is not None:
+        if batch.is_decode and slots is not None:
             out = self._decode(mixed, g, beta, slots, batch.context_lens)
         else:
             out = self._prefill(mixed, g, beta, batch, slots)
         return self.out(self._gated_norm(out, z).flatten(1))
 
-    def _kernels(self, mixed: Tensor, g: Tensor, beta: Tensor, batch: ForwardBatch) -> Tensor:
-        """Every sequence of the step at once: the conv (its SiLU output rounded to the model dtype, as `_prefill`)
-        then the delta rule, each one Triton kernel."""
+    def _kernels(self, mixed: Tensor, a: Tensor, b: Tensor, z: Tensor, batch: ForwardBatch) -> Tensor:
+        """Every sequence of the step at once, three Triton kernels: the conv (its SiLU output rounded to the model
+        dtype, as `_prefill`), the delta rule (the gates g and beta computed in it from the raw a, b), the gated
+        norm; returns the norm's output [T, value_size] in the model dtype."""
         steps, device = state_steps(batch), mixed.device
         conv_shape, state_shape = self.state_shapes()
         conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, mixed.dtype, device)
         state = bound_or_scratch(self.recurrent_state, batch, state_shape, torch.float32, device)
         conv = recurrent.causal_conv(mixed, self.conv.weight, None, conv_state, steps, True, mixed.dtype)
         q, k, v = conv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        out = recurrent.delta_rule(q, k, v, g, beta, state, steps, self.k_dim ** -0.5, L2_NORM_EPS)
-        return out.unflatten(-1, (self.num_v_heads, self.v_dim))
+        out = recurrent.delta_rule(q, k, v, a, b, self.A_log.weight, self.dt_bias.weight, self.beta_scale, state,
+                                   steps, self.k_dim ** -0.5, L2_NORM_EPS)
+        return recurrent.gated_rms_norm(out, z, self.norm.weight, self.eps)
 
     def _split_heads(self, mixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The conv's output [..., conv_dim] (float32) → q, k [..., num_v_heads, k_dim] (normed, grouped, q scaled),

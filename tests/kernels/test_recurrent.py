@@ -17,6 +17,14 @@ from llmc.runtime.models.mamba2 import causal_conv, ssd_step
 STATE_RTOL = {torch.float32: 2e-5, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
+def _rounded(x: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """float32 x rounded to dtype as the kernel rounds it: to nearest on a GPU; Triton's interpreter truncates to
+    bfloat16 (the low 16 bits of the float32 dropped)."""
+    if device == "cpu" and dtype == torch.bfloat16:
+        return (x.float().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return x.to(dtype)
+
+
 def _state_rtol(device: str, state_dtype: torch.dtype) -> float:
     return STATE_RTOL[state_dtype] * (2 if device == "cpu" and state_dtype == torch.bfloat16 else 1)
 LENGTHS = [1, 7, 1, 19, 33]  # a step's pieces, in row order (the conv also a decode step's and a short one's)
@@ -63,33 +71,62 @@ def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias,
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype", [
-    (2, 16, 16, LENGTHS, torch.float32), (1, 32, 48, LENGTHS, torch.float32), (1, 32, 80, [1] * 5, torch.float32),
-    (2, 16, 16, LENGTHS, torch.bfloat16), (1, 32, 80, [1] * 5, torch.float16)])
-def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths, state_dtype):
+@pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype, beta_scale", [
+    (2, 16, 16, LENGTHS, torch.float32, 1.0), (1, 32, 48, LENGTHS, torch.float32, 2.0),
+    (1, 32, 80, [1] * 5, torch.float32, 1.0), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0),
+    (1, 32, 80, [1] * 5, torch.float16, 1.0)])
+def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths, state_dtype,
+                                                    beta_scale):
     """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.DELTA_RULE_TILES); float32 and
-    16-bit states."""
+    16-bit states; the gates from the raw projections (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in
+    the inputs' dtype times beta_scale: 2 is OLMo Hybrid's allow_neg_eigval)."""
     device, dtype = elementwise_case
     torch.manual_seed(1)
     key_heads, total = 2, sum(lengths)
     heads = key_heads * group
     q, k = (torch.randn(total, key_heads * key_dim, device=device).to(dtype) for _ in range(2))
     v = torch.randn(total, heads * value_dim, device=device).to(dtype)
-    g = -torch.rand(total, heads, device=device) * 0.5
-    beta = torch.rand(total, heads, device=device)
+    ab = (torch.randn(total, 2 * heads, device=device) * 3).to(dtype)  # a's columns, then b's: one row stride
+    a, b = ab[:, :heads], ab[:, heads:]
+    a_log, dt_bias = torch.rand(heads, device=device) - 0.5, torch.randn(heads, device=device)
+    g = -a_log.double().exp() * torch.nn.functional.softplus(a.double() + dt_bias.double())
+    beta = _rounded(b.float().sigmoid(), dtype, device).double() * beta_scale  # (in the inputs' dtype, as the model)
     state = (torch.randn(6, heads, key_dim, value_dim, device=device) * 0.3).to(state_dtype)
     before = state.clone()
     scale = key_dim ** -0.5
-    out = recurrent.delta_rule(q, k, v, g, beta, state, _steps(device, lengths), scale, 1e-6)
+    out = recurrent.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, _steps(device, lengths), scale, 1e-6)
     for i, rows in _pieces(lengths):
         qs, ks = (l2_normalize(t[rows].double().unflatten(-1, (key_heads, key_dim))).repeat_interleave(group, 1)
                   for t in (q, k))
         start = torch.zeros_like(before[0]) if FRESH[i] else before[SLOTS[i]]
         expected, new = recurrent_delta_rule((qs * scale)[None], ks[None], v[rows].double().unflatten(-1, (heads, -1))[None],
-                                             g[rows].double()[None], beta[rows].double()[None], start.double()[None])
+                                             g[rows][None], beta[rows][None], start.double()[None])
         torch.testing.assert_close(out[rows].double(), expected[0].flatten(1), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(state[SLOTS[i]].double(), new[0], atol=2e-5, rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
+
+
+def test_the_gated_rms_norm_is_the_float64_form(elementwise_case):
+    """Qwen3.5's gated RMSNorm (one launch in place of the torch form's ~14) against float64 with the model's rounding
+    points (the rule's output, the normed row and w times it, each in the inputs' dtype), over 5 heads of 24 (head
+    blocks and columns masked) and a gate z read with a row stride (a column slice, as the layer's split gives)."""
+    device, dtype = elementwise_case
+    torch.manual_seed(3)
+    heads, head_dim, rows = 5, 24, 7
+    o = torch.randn(rows, heads * head_dim, device=device) * 2
+    z = torch.randn(rows, 3 * heads * head_dim, device=device).to(dtype)[:, heads * head_dim:2 * heads * head_dim]
+    weight = (torch.rand(head_dim, device=device) + 0.5).to(dtype)
+    got = recurrent.gated_rms_norm(o, z, weight, 1e-6)
+    od = _rounded(o, dtype, device).double().unflatten(-1, (heads, head_dim))
+    normed = _rounded((od * torch.rsqrt(od.pow(2).mean(-1, keepdim=True) + 1e-6)).float(), dtype, device)
+    weighted = _rounded((weight.double() * normed.double()).float(), dtype, device).double()
+    zd = z.double().unflatten(-1, (heads, head_dim))
+    want = (weighted * zd * torch.sigmoid(zd)).flatten(1)
+    assert got.dtype == dtype
+    # a unit in the last place (the output's rounding; a rounding point's float32 and float64 values may also fall
+    # on either side of a tie)
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)
 
 
 @pytest.mark.parametrize("groups, head_dim, d_state, lengths, state_dtype", [

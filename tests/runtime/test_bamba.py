@@ -53,6 +53,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
         assert len(llm.engine.runner.kv_caches) == 1
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention layer's rotary (the whole-head table, its pass-through pairs cos 1,

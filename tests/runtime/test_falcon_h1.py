@@ -58,6 +58,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
         assert runner.model.layers["1"].attn.mamba.ssm_state.shape == (3, 8, 16, 16)  # max_num_seqs + 1 slots
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: every layer's rotary + KV write and paged attention on their Triton kernels

@@ -222,7 +222,8 @@ RTN_W4 = {"method": "rtn", "bits": 4, "group_size": 32, "report": False}
 
 @pytest.mark.parametrize("parallel, quantization, tolerance", [  # (tp2 and ep2 hold the biases' rule by default)
     pytest.param({"pipeline": 2}, None, 1e-5, id="pp2", marks=pytest.mark.slow),
-    pytest.param({"tensor": 2}, None, 1e-4, id="tp2"), pytest.param({"tensor": 2, "expert": 2}, None, 1e-4, id="ep2"),
+    pytest.param({"tensor": 2}, None, 1e-4, id="tp2"),
+    pytest.param({"tensor": 2, "expert": 2}, None, 1e-4, id="ep2", marks=pytest.mark.slow),
     pytest.param({"tensor": 2}, RTN_W4, 1e-4, id="tp2-w4a16", marks=pytest.mark.slow)])
 def test_parallel_matches_one_rank(checkpoint, artifact, split_artifact, hf_encode, parallel, quantization, tolerance):
     """Pipeline parallel 2 (whole layers per rank: the biases and sinks move with them), tensor parallel 2 (heads,

@@ -87,6 +87,8 @@ def test_the_weights_are_the_checkpoints_and_the_shared_expert_matters(checkpoin
     assert (moved - expected).abs().mean() > 0.05 * expected.abs().mean()
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention layer on its Triton kernels (interpreted), the Mamba-2 layers' conv

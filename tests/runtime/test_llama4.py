@@ -94,7 +94,8 @@ def _engine(request, path: str) -> dict:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", [pytest.param("triton", marks=pytest.mark.slow) if path == "triton" else path
+                                  for path in PATHS])  # (the Triton path's own test below stays in the default run)
 def test_greedy_decoding_past_several_chunks(path, request, checkpoint, artifact, hf_greedy, hf_encode):
     """40 greedy tokens of two prompts batched (to positions past 40 and 50: three and four chunk boundaries crossed
     while decoding), on the torch path, the Triton kernels and on CUDA (-m gpu): transformers' tokens."""

@@ -88,6 +88,8 @@ def test_transformers_dt_clamp_does_not_bind_here(checkpoint, hf_encode):
     assert len(least) == 6 and min(least) > 2 * model.config.time_step_min
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model: the attention block's KV write and paged attention on their Triton kernels (the

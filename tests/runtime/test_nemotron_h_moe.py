@@ -97,6 +97,8 @@ def test_the_router_is_transformers_router(checkpoint, artifact):
             assert not torch.equal(ungrouped.sort(dim=-1).values, want_ids.sort(dim=-1).values)
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
     """Qwen3.5's test on this model, the interpreter on CPU tensors: the attention block's KV write and paged attention

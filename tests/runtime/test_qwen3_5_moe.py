@@ -55,6 +55,8 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
             model.shared_expert_gate) == ("qwen3_5_moe", [0, 1, 3], [2], True, [0, 1, 2, 3], 4, True, 64, True)
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 @torch.inference_mode()
 def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispatch, hf_logits, hf_greedy,  # noqa: F811
                                               hf_encode):
@@ -230,6 +232,8 @@ def test_qwen3_next_matches_transformers(next_checkpoint, next_artifact, hf_logi
     assert_reads_back(next_state(next_artifact), next_checkpoint)
 
 
+# -m slow: the state kernels' interpreted run is Qwen3.5's, Granite 4.0's, OLMo Hybrid's and LFM2's in the default run
+@pytest.mark.slow
 @torch.inference_mode()
 def test_qwen3_next_on_the_triton_path(next_checkpoint, next_artifact, triton_dispatch, hf_logits,  # noqa: F811
                                        hf_greedy, hf_encode):

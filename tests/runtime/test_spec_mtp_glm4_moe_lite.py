@@ -73,6 +73,7 @@ def test_drafts_equal_the_float64_reference(checkpoints, artifacts, tmp_path):
     check_drafts(artifacts["bigram"], Reference(checkpoints["bigram"], tmp_path))
 
 
+@pytest.mark.slow  # (the default run checks this layer's drafts against float64 above, and MTP's engine in test_spec_mtp)
 def test_greedy_and_seeded_samples_equal_decoding_without_speculation(artifacts):
     """Greedy and seeded requests batched, k = 2 under chunked prefill and preemption: the same tokens as without
     speculation, every block freed; the bigram layer's drafts are accepted often."""

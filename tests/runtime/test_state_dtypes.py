@@ -27,8 +27,8 @@ LAYERS = {
                                      linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                      rms_norm_eps=1e-6, linear_norm_eps=None, linear_allow_neg_eigval=False)),
     "mamba2": (Mamba2, dict(hidden_size=32, mamba_num_heads=4, mamba_head_dim=8, mamba_n_groups=2, mamba_d_state=8,
-                            mamba_conv_dim=4 * 8 + 2 * 2 * 8, mamba_conv_kernel=4, mamba_chunk_size=4, rms_norm_eps=1e-5,
-                            mamba_conv_bias=True, mamba_rms_norm=True)),
+                            mamba_conv_dim=4 * 8 + 2 * 2 * 8, mamba_conv_kernel=4, mamba_chunk_size=4,
+                            rms_norm_eps=1e-5, mamba_conv_bias=True, mamba_rms_norm=True)),
     "short_conv": (ShortConv, dict(hidden_size=32, short_conv_kernel=3)),
 }
 QUERY_LENS, CONTEXT_LENS, SLOTS = [1, 5, 3], [9, 12, 3], [2, 0, 1]  # a decode, a continuing piece, a fresh piece
@@ -54,8 +54,8 @@ def _batch() -> ForwardBatch:
     return ForwardBatch(
         positions=torch.zeros(tokens, dtype=torch.int64), slot_mapping=torch.zeros(tokens, dtype=torch.int64),
         block_tables=torch.zeros(3, 1, dtype=torch.int32), context_lens=torch.tensor(CONTEXT_LENS, dtype=torch.int32),
-        query_lens=list(QUERY_LENS), max_context_len=max(CONTEXT_LENS), logits_indices=torch.zeros(1, dtype=torch.int64),
-        host_context_lens=list(CONTEXT_LENS), state_slots=torch.tensor(SLOTS))
+        query_lens=list(QUERY_LENS), max_context_len=max(CONTEXT_LENS),
+        logits_indices=torch.zeros(1, dtype=torch.int64), host_context_lens=list(CONTEXT_LENS), state_slots=torch.tensor(SLOTS))
 
 
 @pytest.mark.parametrize("kind", list(LAYERS))
