@@ -209,14 +209,15 @@ def sweep() -> list[dict]:
         slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
         q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
-        ab = torch.randn(tokens, 64, device=device, dtype=torch.bfloat16)  # the raw gates a, b
+        raw = max(lengths) == 1  # (kernels/recurrent.GATES_IN_KERNEL: a decode's gates raw, a prefill's computed)
+        ab = torch.randn(tokens, 64, device=device, dtype=torch.bfloat16 if raw else torch.float32)
         a_log, dt_bias = torch.rand(32, device=device), torch.randn(32, device=device)
         state = torch.zeros(n, 32, 128, 128, device=device, dtype=STATE_DTYPE)
         out = torch.empty(tokens, 32 * 128, device=device)
         for block_v, warps in DELTA_CONFIGS:
             us = time_calls(lambda: recurrent_triton.delta_rule(
                 q[:, :2048], q[:, 2048:], v, ab[:, :32], ab[:, 32:], a_log, dt_bias, 1.0, state, slots, fresh, cu,
-                128 ** -0.5, 1e-6, out, block_v, warps))
+                128 ** -0.5, 1e-6, out, block_v, warps, raw))
             rows.append({"kernel": "delta_rule", "case": name, "block": block_v, "warps": warps, "us": round(us, 1),
                          "state_dtype": str(STATE_DTYPE)[6:],
                          "state_GBps": round(2 * state.nbytes / us / 1e3, 1)})
@@ -224,12 +225,14 @@ def sweep() -> list[dict]:
         del state, out
         x = torch.randn(tokens, 128 * 64, device=device, dtype=torch.float32)
         bc = torch.randn(tokens, 2 * 8 * 128, device=device, dtype=torch.float32)
-        dt, a, d = torch.rand(tokens, 128, device=device), -torch.rand(128, device=device), torch.ones(128, device=device)
+        dt = torch.randn(tokens, 128, device=device, dtype=torch.bfloat16 if raw else torch.float32)
+        d = torch.ones(128, device=device)
+        dt_bias, a_log = torch.randn(128, device=device), torch.rand(128, device=device)
         state = torch.zeros(n, 128, 64, 128, device=device, dtype=STATE_DTYPE)
         out = torch.empty(tokens, 128 * 64, device=device)
         for block_p, warps in SSD_CONFIGS:
-            us = time_calls(lambda: recurrent_triton.ssd(x, dt, a, bc[:, :1024], bc[:, 1024:], d, state, slots, fresh, cu,
-                                                         out, block_p, warps))
+            us = time_calls(lambda: recurrent_triton.ssd(x, dt, dt_bias, a_log, bc[:, :1024], bc[:, 1024:], d, state,
+                                                         slots, fresh, cu, out, block_p, warps, raw))
             rows.append({"kernel": "ssd", "case": name, "block": block_p, "warps": warps, "us": round(us, 1),
                          "state_dtype": str(STATE_DTYPE)[6:],
                          "state_GBps": round(2 * state.nbytes / us / 1e3, 1)})

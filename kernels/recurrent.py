@@ -24,6 +24,10 @@ from . import can_use_triton  # noqa: F401 (the layers' dispatch; tests patch it
 # traffic (wide tiles), prefills by each token's serial latency (narrow tiles, one warp, more programs)
 DELTA_RULE_TILES = {"decode": (64, 4), "prefill": (16, 1)}
 SSD_TILES = {"decode": (32, 4), "prefill": (4, 1)}
+# GATES_IN_KERNEL: a decode step's kernels compute the gates (the delta rule's g and beta, the SSD's time step) from the
+# raw projections, saving the small torch launches a step of one token is bound by; a prefill's are computed by torch
+# first (a few launches over the whole step), keeping the per-token loop, which bounds a prefill by its serial
+# latency, as short as it was (session 52: the time step in the SSD's loop made a 2048-token prefill 0.80-0.89x)
 
 
 @dataclass
@@ -78,9 +82,13 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
     from . import recurrent_triton
 
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    tile, warps = DELTA_RULE_TILES["decode" if steps.max_len == 1 else "prefill"]
+    decode = steps.max_len == 1
+    tile, warps = DELTA_RULE_TILES["decode" if decode else "prefill"]
+    if not decode:  # (GATES_IN_KERNEL)
+        a = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+        b = b.sigmoid().float() * beta_scale
     return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
-                                       steps.cu_seqlens, scale, eps, out, tile, warps)
+                                       steps.cu_seqlens, scale, eps, out, tile, warps, raw=decode)
 
 
 def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -93,12 +101,29 @@ def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     return recurrent_triton.gated_rms_norm(o, z, weight, eps, out)
 
 
-def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor, state: Tensor, steps: StateSteps) -> Tensor:
+def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Tensor, d: Tensor, state: Tensor,
+        steps: StateSteps) -> Tensor:
     """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32 or 16-bit:
-    computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (after softplus), a, d [heads],
-    b, c [T, groups * d_state] (all float32 but x, b, c); returns y [T, heads * head_dim] float32."""
+    computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (the raw projection: softplus(dt +
+    dt_bias) in the kernel), dt_bias, a_log (a = -exp(a_log) in the kernel), d [heads] float32, b, c [T, groups *
+    d_state]; returns y [T, heads * head_dim] float32."""
     from . import recurrent_triton
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    tile, warps = SSD_TILES["decode" if steps.max_len == 1 else "prefill"]
-    return recurrent_triton.ssd(x, dt, a, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out, tile, warps)
+    decode = steps.max_len == 1
+    tile, warps = SSD_TILES["decode" if decode else "prefill"]
+    if not decode:  # (GATES_IN_KERNEL)
+        dt = torch.nn.functional.softplus(dt.float() + dt_bias)
+    return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
+                                tile, warps, raw=decode)
+
+
+def gated_group_norm(y: Tensor, z: Tensor, weight: Tensor | None, groups: int, eps: float,
+                     out_dtype: torch.dtype) -> Tensor:
+    """Mamba-2's gated norm of the SSD's output y [T, width] float32 with the gate z [T, width]: the RMSNorm of
+    y silu(z) over each of `groups` column groups times weight (None: y silu(z) alone), in out_dtype, one launch (the
+    torch form: runtime/models/mamba2.gated_group_norm)."""
+    from . import recurrent_triton
+
+    out = torch.empty(y.shape, dtype=out_dtype, device=y.device)
+    return recurrent_triton.gated_group_norm(y, z, weight, groups, eps, out)

@@ -105,7 +105,7 @@ def causal_conv(x, weight, bias, state, slots, fresh, cu_seqlens, silu: bool, ou
 @triton.jit
 def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr,
                        fresh_ptr, stride_qk, stride_v, stride_ab, stride_out, stride_slot, group, key_dim, value_dim,
-                       scale, eps, beta_scale, BK: tl.constexpr, BV: tl.constexpr):
+                       scale, eps, beta_scale, RAW: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ks = tl.arange(0, BK)
@@ -117,18 +117,22 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr
             + ks[:, None] * value_dim + vs[None, :])
     s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
     qk_cols = (head // group) * key_dim + ks
-    neg_a = -tl.exp(tl.load(a_log_ptr + head))
-    dt_bias = tl.load(dt_bias_ptr + head)
+    if RAW:
+        neg_a = -tl.exp(tl.load(a_log_ptr + head))
+        dt_bias = tl.load(dt_bias_ptr + head)
     for t in range(start, end):
         q = tl.load(q_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_v + head * value_dim + vs, mask=v_mask, other=0.0).to(tl.float32)
-        # the gates from the raw projections: g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: x above 20
-        # as is), beta = sigmoid(b) rounded to b's dtype (as the model computes it), times beta_scale
-        raw_b = tl.load(b_ptr + t * stride_ab + head)
-        beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32) * beta_scale
-        x = tl.load(a_ptr + t * stride_ab + head).to(tl.float32) + dt_bias
-        decay = tl.exp(neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+        if RAW:  # the gates from the raw projections: g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: x
+            # above 20 as is), beta = sigmoid(b) rounded to b's dtype (as the model computes it), times beta_scale
+            raw_b = tl.load(b_ptr + t * stride_ab + head)
+            beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32) * beta_scale
+            x = tl.load(a_ptr + t * stride_ab + head).to(tl.float32) + dt_bias
+            decay = tl.exp(neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+        else:  # a holds g, b holds beta (float32)
+            decay = tl.exp(tl.load(a_ptr + t * stride_ab + head))
+            beta = tl.load(b_ptr + t * stride_ab + head)
         q = q * (scale / tl.sqrt(tl.sum(q * q, axis=0) + eps))
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + eps)
         s = s * decay
@@ -139,11 +143,12 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr
 
 
 def delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale: float, state, slots, fresh, cu_seqlens, scale: float,
-               eps: float, out, block_v: int = 32, num_warps: int = 4):
+               eps: float, out, block_v: int = 32, num_warps: int = 4, raw: bool = True):
     """The gated delta rule over each sequence's rows (module docstring), per value head h (key head h // group):
     q and k [T, key heads * key_dim] (raw: L2-normed here, q times scale), v [T, value heads * value_dim], a and b
     [T, value heads] (the raw gate projections, one row stride; g = -exp(a_log) softplus(a + dt_bias), beta =
-    sigmoid(b) beta_scale computed here, a_log and dt_bias [value heads] float32), state [slots, value heads,
+    sigmoid(b) beta_scale computed here, a_log and dt_bias [value heads] float32; raw false: a and b are g and beta
+    already, float32, a_log, dt_bias and beta_scale unread), state [slots, value heads,
     key_dim, value_dim] (float32, bfloat16 or float16: read into float32, rounded back once at the sequence's end);
     out [T, value heads * value_dim] float32 (o_t = S_t^T q_t)."""
     assert a.stride() == b.stride()  # (one row stride for both)
@@ -153,7 +158,7 @@ def delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale: float, state, slots, f
     grid = (slots.numel(), heads, triton.cdiv(value_dim, block_v))
     _delta_rule_kernel[grid](
         q, k, v, a, b, a_log, dt_bias, state, out, cu_seqlens, slots, fresh, q.stride(0), v.stride(0), a.stride(0),
-        out.stride(0), state.stride(0), group, key_dim, value_dim, scale, eps, beta_scale,
+        out.stride(0), state.stride(0), group, key_dim, value_dim, scale, eps, beta_scale, RAW=raw,
         BK=triton.next_power_of_2(key_dim), BV=block_v, num_warps=num_warps)
     return out
 
@@ -190,9 +195,9 @@ def gated_rms_norm(o, z, weight, eps: float, out, block_heads: int = 4):
 
 
 @triton.jit
-def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr, fresh_ptr,
-                stride_x, stride_dt, stride_bc, stride_out, stride_slot, per_group, head_dim, d_state,
-                BP: tl.constexpr, BN: tl.constexpr):
+def _ssd_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr,
+                fresh_ptr, stride_x, stride_dt, stride_bc, stride_out, stride_slot, per_group, head_dim, d_state,
+                RAW: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     ps = tl.program_id(2) * BP + tl.arange(0, BP)
@@ -203,12 +208,18 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, c
     tile = (state_ptr + slot * stride_slot + head * head_dim * d_state
             + ps[:, None] * d_state + ns[None, :])
     s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + head)
+    a = -tl.exp(tl.load(a_log_ptr + head))
     d = tl.load(d_ptr + head)
+    if RAW:
+        dt_bias = tl.load(dt_bias_ptr + head)
     bc_cols = (head // per_group) * d_state + ns
     for t in range(start, end):
         x = tl.load(x_ptr + t * stride_x + head * head_dim + ps, mask=p_mask, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + t * stride_dt + head)
+        if RAW:  # the time step from the raw projection: softplus(dt + dt_bias) (torch's: above 20 as is)
+            raw = tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + dt_bias
+            dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        else:  # dt holds the time step already, float32
+            dt = tl.load(dt_ptr + t * stride_dt + head)
         b = tl.load(b_ptr + t * stride_bc + bc_cols, mask=n_mask, other=0.0).to(tl.float32)
         c = tl.load(c_ptr + t * stride_bc + bc_cols, mask=n_mask, other=0.0).to(tl.float32)
         s = s * tl.exp(dt * a) + (dt * x)[:, None] * b[None, :]
@@ -217,18 +228,48 @@ def _ssd_kernel(x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, c
     tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
-def ssd(x, dt, a, b, c, d, state, slots, fresh, cu_seqlens, out, block_p: int = 16, num_warps: int = 4):
+def ssd(x, dt, dt_bias, a_log, b, c, d, state, slots, fresh, cu_seqlens, out, block_p: int = 16, num_warps: int = 4,
+        raw: bool = True):
     """Mamba-2's recurrence over each sequence's rows (module docstring), per head h (group h // (heads / groups)):
-    S <- exp(dt_t a_h) S + dt_t x_t b_t^T; y_t = S c_t + d_h x_t. x [T, heads * head_dim], dt [T, heads] float32 (after
-    softplus), a and d [heads] float32, b and c [T, groups * d_state], state [slots, heads, head_dim, d_state] (any
-    float dtype, as delta_rule's); out [T, heads * head_dim] float32."""
+    S <- exp(dt_t a_h) S + dt_t x_t b_t^T; y_t = S c_t + d_h x_t, with dt_t = softplus(raw dt_t + dt_bias_h) and a_h =
+    -exp(a_log_h) computed here. x [T, heads * head_dim], dt [T, heads] (the raw projection, any row stride),
+    dt_bias, a_log and d [heads] float32 (raw false: dt is the time step already, float32, dt_bias unread), b and c
+    [T, groups * d_state], state [slots, heads, head_dim, d_state] (any float dtype, as delta_rule's); out [T, heads *
+    head_dim] float32."""
     assert b.stride() == c.stride()  # (one row stride for both)
     _, heads, head_dim, d_state = state.shape
     per_group = heads // (b.shape[1] // d_state)
     block_p = min(block_p, triton.next_power_of_2(head_dim))
     grid = (slots.numel(), heads, triton.cdiv(head_dim, block_p))
     _ssd_kernel[grid](
-        x, dt, a, b, c, d, state, out, cu_seqlens, slots, fresh, x.stride(0), dt.stride(0), b.stride(0), out.stride(0),
-        state.stride(0), per_group, head_dim, d_state, BP=block_p, BN=triton.next_power_of_2(d_state),
-        num_warps=num_warps)
+        x, dt, dt_bias, a_log, b, c, d, state, out, cu_seqlens, slots, fresh, x.stride(0), dt.stride(0), b.stride(0),
+        out.stride(0), state.stride(0), per_group, head_dim, d_state, RAW=raw, BP=block_p,
+        BN=triton.next_power_of_2(d_state), num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _gated_group_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group_size, stride_y, stride_z, stride_out, eps,
+                             NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, group): h = y silu(z) over the group's columns, with NORM its RMSNorm times the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < group_size
+    y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    h = y * (z * tl.sigmoid(z))
+    if NORM:
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / group_size + eps)
+        h = h * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_group_norm(y, z, weight, groups: int, eps: float, out):
+    """Mamba-2's gated norm: out = RMSNorm of y silu(z) over each of `groups` column groups times weight (weight None:
+    y silu(z) alone, Falcon-H1's mamba_rms_norm false), in out's dtype; y [T, width] float32, z [T, width] (any row
+    stride)."""
+    group_size = y.shape[1] // groups
+    _gated_group_norm_kernel[(y.shape[0], groups)](
+        y, z, weight if weight is not None else y, out, group_size, y.stride(0), z.stride(0), out.stride(0), eps,
+        NORM=weight is not None, BLOCK=triton.next_power_of_2(group_size))
     return out

@@ -156,11 +156,13 @@ class Mamba2(nn.Module):
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         z, xbc, dt = self.mamba_in(x).split([self.width, self.conv_dim, self.heads], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.weight)  # (time_step_limit (0, inf): unclamped)
-        slots = batch.state_slots
         if recurrent.can_use_triton(x):
             y = self._kernels(xbc, dt, batch)
-        elif batch.is_decode and slots is not None:
+            norm = None if self.norm is None else self.norm.weight
+            return self.mamba_out(recurrent.gated_group_norm(y, z, norm, self.groups, self.eps, x.dtype))
+        dt = F.softplus(dt.float() + self.dt_bias.weight)  # (time_step_limit (0, inf): unclamped)
+        slots = batch.state_slots
+        if batch.is_decode and slots is not None:
             y = self._decode(xbc, dt, slots, batch.context_lens)
         else:
             y = self._prefill(xbc, dt, batch, slots)
@@ -174,7 +176,8 @@ class Mamba2(nn.Module):
         return None if self.conv_bias is None else self.conv_bias.weight.float()
 
     def _kernels(self, xbc: Tensor, dt: Tensor, batch: ForwardBatch) -> Tensor:
-        """Every sequence of the step at once: the conv (float32 out) then the SSD recurrence, each one Triton kernel."""
+        """Every sequence of the step at once: the conv (float32 out) then the SSD recurrence (the time step from the
+        raw dt in it), each one Triton kernel; the gated norm after them is a third (forward)."""
         steps, device = state_steps(batch), xbc.device
         conv_shape, state_shape = self.state_shapes()
         conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, xbc.dtype, device)
@@ -182,7 +185,7 @@ class Mamba2(nn.Module):
         bias = None if self.conv_bias is None else self.conv_bias.weight
         conv = recurrent.causal_conv(xbc, self.conv.weight, bias, conv_state, steps, True, torch.float32)
         x, b, c = conv.split([self.width, self.groups * self.d_state, self.groups * self.d_state], dim=-1)
-        return recurrent.ssd(x, dt, -torch.exp(self.A_log.weight), b, c, self.D.weight, state, steps)
+        return recurrent.ssd(x, dt, self.dt_bias.weight, self.A_log.weight, b, c, self.D.weight, state, steps)
 
     def _decode(self, xbc: Tensor, dt: Tensor, slots: Tensor, context_lens: Tensor) -> Tensor:
         """One token per sequence: device ops only (no host value of the step)."""

@@ -10,7 +10,7 @@ import torch
 
 from llmc.kernels import recurrent
 from llmc.runtime.models.gated_deltanet import l2_normalize, recurrent_delta_rule
-from llmc.runtime.models.mamba2 import causal_conv, ssd_step
+from llmc.runtime.models.mamba2 import causal_conv, gated_group_norm, ssd_step
 
 # what rounding the float64 state to a state dtype may move it by, relative: half a unit in the last place (a GPU rounds
 # to nearest), a whole unit for bfloat16 in Triton's interpreter (which truncates float32 to bfloat16)
@@ -73,7 +73,7 @@ def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias,
 
 @pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype, beta_scale", [
     (2, 16, 16, LENGTHS, torch.float32, 1.0), (1, 32, 48, LENGTHS, torch.float32, 2.0),
-    (1, 32, 80, [1] * 5, torch.float32, 1.0), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0),
+    (1, 32, 80, [1] * 5, torch.float32, 2.0), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0),
     (1, 32, 80, [1] * 5, torch.float16, 1.0)])
 def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths, state_dtype,
                                                     beta_scale):
@@ -90,7 +90,9 @@ def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key
     a, b = ab[:, :heads], ab[:, heads:]
     a_log, dt_bias = torch.rand(heads, device=device) - 0.5, torch.randn(heads, device=device)
     g = -a_log.double().exp() * torch.nn.functional.softplus(a.double() + dt_bias.double())
-    beta = _rounded(b.float().sigmoid(), dtype, device).double() * beta_scale  # (in the inputs' dtype, as the model)
+    # beta in the inputs' dtype, as the model computes it: in the kernel for a decode step, by torch before a prefill's
+    # (kernels/recurrent.GATES_IN_KERNEL)
+    beta = (_rounded(b.float().sigmoid(), dtype, device) if max(lengths) == 1 else b.sigmoid()).double() * beta_scale
     state = (torch.randn(6, heads, key_dim, value_dim, device=device) * 0.3).to(state_dtype)
     before = state.clone()
     scale = key_dim ** -0.5
@@ -134,23 +136,47 @@ def test_the_gated_rms_norm_is_the_float64_form(elementwise_case):
     (2, 8, 16, LENGTHS, torch.bfloat16), (2, 40, 16, [1] * 5, torch.float16)])
 def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim, d_state, lengths, state_dtype):
     """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.SSD_TILES); float32 and 16-bit
-    states."""
+    states; the time step softplus(dt + dt_bias) from the raw projection (a column slice: its own row stride) and
+    a = -exp(A_log), in the kernel."""
     device, dtype = elementwise_case
     torch.manual_seed(2)
     heads, total = 4, sum(lengths)
     x = torch.randn(total, heads * head_dim, device=device).to(dtype)
     b, c = (torch.randn(total, groups * d_state, device=device).to(dtype) for _ in range(2))
-    dt = torch.rand(total, heads, device=device) * 0.5
-    a, d = -torch.rand(heads, device=device) * 2, torch.randn(heads, device=device)
+    raw_dt = (torch.randn(total, 3 * heads, device=device) * 2).to(dtype)[:, heads:2 * heads]
+    dt_bias, a_log = torch.randn(heads, device=device), torch.rand(heads, device=device) * 1.5 - 0.5
+    dt = torch.nn.functional.softplus(raw_dt.double() + dt_bias.double())
+    a, d = -a_log.double().exp(), torch.randn(heads, device=device)
     state = (torch.randn(6, heads, head_dim, d_state, device=device) * 0.3).to(state_dtype)
     before = state.clone()
-    out = recurrent.ssd(x, dt, a, b, c, d, state, _steps(device, lengths))
+    out = recurrent.ssd(x, raw_dt, dt_bias, a_log, b, c, d, state, _steps(device, lengths))
     for i, rows in _pieces(lengths):
         s = torch.zeros_like(before[0]).double() if FRESH[i] else before[SLOTS[i]].double()
         for t in range(rows.start, rows.stop):
-            y = ssd_step(x[t].double().unflatten(-1, (heads, head_dim)), dt[t].double(), a.double(),
+            y = ssd_step(x[t].double().unflatten(-1, (heads, head_dim)), dt[t], a,
                          b[t].double().unflatten(-1, (groups, d_state)), c[t].double().unflatten(-1, (groups, d_state)),
                          d.double(), s)
             torch.testing.assert_close(out[t].double(), y.flatten(), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(state[SLOTS[i]].double(), s, atol=2e-5, rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_gated_group_norm_is_the_torch_form(elementwise_case, norm):
+    """Mamba-2's gated norm (one launch in place of the torch form's ~10) against mamba2.gated_group_norm in float64:
+    3 groups of 40 columns (masked in a block of 64), a gate read with a row stride; without a weight (Falcon-H1's
+    mamba_rms_norm false) y silu(z) alone."""
+    device, dtype = elementwise_case
+    torch.manual_seed(4)
+    groups, width, rows = 3, 120, 5
+    y = torch.randn(rows, width, device=device) * 2
+    z = torch.randn(rows, 2 * width, device=device).to(dtype)[:, width:]
+    weight = (torch.rand(width, device=device) + 0.5).to(dtype) if norm else None
+    got = recurrent.gated_group_norm(y, z, weight, groups, 1e-5, dtype)
+    if norm:
+        want = gated_group_norm(y.double(), z.double(), weight.double(), groups, 1e-5)
+    else:
+        want = y.double() * torch.nn.functional.silu(z.double())
+    assert got.dtype == dtype
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]  # (the output's rounding)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)

@@ -149,12 +149,13 @@ def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
 
 
 def check_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, gated_norm, check_runner=None):
-    """The float32 artifact on CUDA (Triton attention in the attention layers, the Mamba-2 mixer's conv and SSD
-    recurrence on their Triton kernels; decode steps replay CUDA graphs that read the state slots), and with
-    enforce_eager: the CPU path's logits (2e-3; the CPU path holds transformers' to 1e-4) and greedy tokens of prompts
-    finishing at different steps; and transformers' where its gated RMSNorm (`gated_norm`, the model's class) is per
-    group (transformers 5.17, on the session-50 device, normalises Granite 4.0's and Bamba's whole width: 3.5 off with
-    the test checkpoints' 2 groups). `check_runner(runner)`: what else to assert of the CUDA runner."""
+    """The float32 artifact on CUDA (Triton attention in the attention layers, the Mamba-2 mixer's conv, SSD
+    recurrence and gated norm on their Triton kernels; decode steps replay CUDA graphs that read the state slots),
+    and with enforce_eager: the CPU path's logits (2e-3; the CPU path holds transformers' to 1e-4) and greedy tokens
+    of prompts finishing at different steps; and transformers' where its gated RMSNorm (`gated_norm`, the model's
+    class) is per group (transformers 5.17, on the session-50 device, normalises Granite 4.0's and Bamba's whole
+    width: 3.5 off with the test checkpoints' 2 groups). `check_runner(runner)`: what else to assert of the CUDA
+    runner."""
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 126))
     prompts = [{"prompt_token_ids": hf_encode(checkpoint, p)} for p in PROMPTS]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 8)]

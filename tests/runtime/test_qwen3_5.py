@@ -68,8 +68,11 @@ def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispa
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
     assert triton_dispatch["rotate_and_write_kv"] and triton_dispatch["causal_conv"]
-    if read_manifest(artifact).model.linear_attention_layers:  # (a Gated DeltaNet's three kernels)
+    model = read_manifest(artifact).model
+    if model.linear_attention_layers:  # (a Gated DeltaNet's three kernels)
         assert triton_dispatch["delta_rule"] and triton_dispatch["gated_rms_norm"]
+    if model.mamba_layers:  # (a Mamba-2 mixer's)
+        assert triton_dispatch["ssd"] and triton_dispatch["gated_group_norm"]
 
 
 class StaticDecodeSteps:
