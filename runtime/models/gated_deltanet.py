@@ -54,6 +54,22 @@ def bound_or_scratch(state: Tensor | None, batch: ForwardBatch, shape: tuple[int
     return torch.zeros(batch.num_seqs, *shape, dtype=dtype, device=device)
 
 
+class StateSlots:
+    """A state layer's slots (NOTE (state slots)): STATE_NAMES are its state tensors' attributes (a conv state first,
+    then a recurrent state where it has one), `state_shapes()` one slot's shapes in that order."""
+
+    STATE_NAMES: tuple[str, ...] = ()
+
+    def states(self) -> tuple[Tensor, ...]:
+        """The bound state tensors [slots, ...], in STATE_NAMES' order."""
+        return tuple(getattr(self, name) for name in self.STATE_NAMES)
+
+    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        """Zeros for num_slots slots: conv states in dtypes[0], recurrent states in dtypes[1]."""
+        for name, shape, dtype in zip(self.STATE_NAMES, self.state_shapes(), dtypes):
+            setattr(self, name, torch.zeros(num_slots, *shape, dtype=dtype, device=device))
+
+
 def l2_normalize(x: Tensor) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_NORM_EPS)
 
@@ -97,12 +113,13 @@ def chunked_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return torch.cat(outputs), state
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(StateSlots, nn.Module):
     """A Qwen3.5 linear-attention layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the
     rotary table unread). Its states are bound by the model runner (`bind_states`); a forward without
     batch.state_slots (the memory profile, calibration) runs every sequence from zero state and keeps nothing."""
 
     STATE_KIND = "Gated DeltaNet"
+    STATE_NAMES = ("conv_state", "recurrent_state")
 
     def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
         super().__init__()
@@ -130,14 +147,6 @@ class GatedDeltaNet(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's (conv state, recurrent state) shapes."""
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.k_dim, self.v_dim)
-
-    def states(self) -> tuple[Tensor, Tensor]:
-        """The bound (conv state, recurrent state) tensors [slots, ...]."""
-        return self.conv_state, self.recurrent_state
-
-    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
-        self.conv_state, self.recurrent_state = (torch.zeros(num_slots, *shape, dtype=dtype, device=device)
-                                                 for shape, dtype in zip(self.state_shapes(), dtypes))
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         projected = self.in_qkvz(x)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from llmc.kernels import recurrent
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
-from llmc.runtime.models.gated_deltanet import _weight, bound_or_scratch, state_steps
+from llmc.runtime.models.gated_deltanet import StateSlots, _weight, bound_or_scratch, state_steps
 
 
 def causal_conv(xbc: Tensor, weight: Tensor, bias: Tensor | None, state: Tensor,
@@ -109,7 +109,7 @@ def mamba2_mixer(hidden: Tensor, w: dict[str, Tensor], cfg: dict, conv_state: Te
     return y @ w["out_proj"].float().t(), conv_state
 
 
-class Mamba2(nn.Module):
+class Mamba2(StateSlots, nn.Module):
     """A Granite 4.0 Mamba-2 layer in the attention's place: forward(x, batch, cos_sin) as Attention's (the rotary
     table unread); in_proj and out_proj are attn.mamba_in / attn.mamba_out (quantizable), the rest dense. Its conv
     state [slots, conv_dim, kernel - 1] and SSM state [slots, heads, head_dim, d_state] (by default in the model dtype
@@ -117,6 +117,7 @@ class Mamba2(nn.Module):
     batch.state_slots (the memory profile, calibration) runs every sequence from zero state and keeps nothing."""
 
     STATE_KIND = "Mamba-2"
+    STATE_NAMES = ("conv_state", "ssm_state")
 
     def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
         super().__init__()
@@ -145,14 +146,6 @@ class Mamba2(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's (conv state, SSM state) shapes."""
         return (self.conv_dim, self.kernel - 1), (self.heads, self.head_dim, self.d_state)
-
-    def states(self) -> tuple[Tensor, Tensor]:
-        """The bound (conv state, recurrent state) tensors [slots, ...]."""
-        return self.conv_state, self.ssm_state
-
-    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
-        self.conv_state, self.ssm_state = (torch.zeros(num_slots, *shape, dtype=dtype, device=device)
-                                           for shape, dtype in zip(self.state_shapes(), dtypes))
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         z, xbc, dt = self.mamba_in(x).split([self.width, self.conv_dim, self.heads], dim=-1)

@@ -13,17 +13,18 @@ from torch import Tensor, nn
 from llmc.kernels import recurrent
 from llmc.runtime.forward_batch import ForwardBatch
 from llmc.runtime.layers.linear import Linear
-from llmc.runtime.models.gated_deltanet import _weight, bound_or_scratch, state_steps
+from llmc.runtime.models.gated_deltanet import StateSlots, _weight, bound_or_scratch, state_steps
 from llmc.runtime.models.mamba2 import causal_conv, conv_step
 
 
-class ShortConv(nn.Module):
+class ShortConv(StateSlots, nn.Module):
     """An LFM2 conv layer: forward(x, batch, cos_sin) as Attention's (the rotary table unread); in_proj and out_proj
     are attn.conv_in / attn.conv_out (quantizable), the conv's weight [hidden, kernel] dense. Its conv state [slots,
     hidden, kernel - 1] is bound by the model runner (`bind_states`); a forward without batch.state_slots (the memory
     profile, calibration) runs every sequence from zero state and keeps nothing."""
 
     STATE_KIND = "short-conv"
+    STATE_NAMES = ("conv_state",)
 
     def __init__(self, config, formats: dict, index: int, dtype: torch.dtype):
         super().__init__()
@@ -38,13 +39,6 @@ class ShortConv(nn.Module):
     def state_shapes(self) -> tuple[tuple[int, ...]]:
         """One slot's (conv state,) shape: a short conv keeps no recurrent state."""
         return ((self.hidden, self.kernel - 1),)
-
-    def states(self) -> tuple[Tensor]:
-        """The bound (conv state,) tensor [slots, hidden, kernel - 1]."""
-        return (self.conv_state,)
-
-    def bind_states(self, num_slots: int, device: torch.device, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
-        self.conv_state = torch.zeros(num_slots, *self.state_shapes()[0], dtype=dtypes[0], device=device)
 
     def forward(self, x: Tensor, batch: ForwardBatch, cos_sin: Tensor | None = None) -> Tensor:
         b, c, h = self.conv_in(x).split(self.hidden, dim=-1)
