@@ -139,6 +139,10 @@ LORA_REFUSED = {
 }
 
 
+# vLLM's prefix caching of hybrid models' states (its mamba cache modes), which llmc does not have (hybrid_options)
+MAMBA_PREFIX_CACHING_REFUSED = ("mamba_block_size", "mamba_cache_mode")
+
+
 def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     """vLLM's engine arguments that llmc decides at build time (tensor_parallel_size,
     pipeline_parallel_size, dtype, quantization), always does (enable_chunked_prefill) or does in
@@ -149,6 +153,10 @@ def _check_vllm_build_settings(manifest: art.Manifest, overrides: dict) -> dict:
     for name, message in LORA_REFUSED.items():
         if name in rest:
             raise ConfigError(f"{name}: {message}")
+    for name in MAMBA_PREFIX_CACHING_REFUSED:
+        if name in rest:
+            raise ConfigError(f"{name}: sets vLLM's prefix caching of a hybrid model's states, which llmc does not "
+                              "have (a hybrid runs without prefix caching); drop it")
     plan = manifest.parallel
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
         value = rest.get(name)

@@ -70,7 +70,8 @@ def test_settings_objects_are_taken_as_their_mappings(artifact):
 
 def test_state_dtypes_are_refused_for_a_model_without_state_layers(artifact, ref_model_dir, tmp_path):
     """mamba_cache_dtype / mamba_ssm_cache_dtype (a hybrid model's state dtypes) set for a Llama: refused by name at
-    start, by the run flag, and at build (a recipe's runtime section); auto and a bad value as any setting's."""
+    start, by the run flag, and at build (a recipe's runtime section); auto and a bad value as any setting's; vLLM's
+    mamba_block_size / mamba_cache_mode (its hybrid prefix caching, which llmc has not) refused by name."""
     with pytest.raises(ConfigError, match="^mamba_ssm_cache_dtype bfloat16: LlamaForCausalLM has no Mamba, "
                                           "linear-attention or short-conv layers .*; drop it or set it auto$"):
         LLM(artifact, device="cpu", mamba_ssm_cache_dtype="bfloat16")
@@ -81,6 +82,9 @@ def test_state_dtypes_are_refused_for_a_model_without_state_layers(artifact, ref
     flag = CliRunner().invoke(cli, ["run", str(artifact), "--device", "cpu", "--prompt", "hi", "--max-tokens", "2",
                                     "--mamba-cache-dtype", "float32"])
     assert str(flag.exception).startswith("mamba_cache_dtype float32: LlamaForCausalLM has no Mamba")
+    for name, value in (("mamba_block_size", 16), ("mamba_cache_mode", "align")):  # vLLM's hybrid prefix caching
+        with pytest.raises(ConfigError, match=f"^{name}: sets vLLM's prefix caching of a hybrid model's states"):
+            LLM(artifact, device="cpu", **{name: value})
     recipe = recipe_from_dict({"model": str(ref_model_dir), "output": str(tmp_path / "a"),
                                "runtime": {"mamba_ssm_cache_dtype": "float16"}})
     with pytest.raises(RecipeError, match="^runtime.mamba_ssm_cache_dtype float16: LlamaForCausalLM has no Mamba"):
