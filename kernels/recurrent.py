@@ -77,8 +77,8 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
     """The gated delta rule per sequence from its slot of state [slots, value heads, key_dim, value_dim] (float32 or
     16-bit: computed in float32, updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times
     scale), v [T, value heads * value_dim]; the gates from the raw projections a, b [T, value heads] (g = -exp(a_log)
-    softplus(a + dt_bias), beta = sigmoid(b) beta_scale, in the kernel); returns o [T, value heads * value_dim]
-    float32."""
+    softplus(a + dt_bias), beta = sigmoid(b) beta_scale: in the kernel for a decode step, GATES_IN_KERNEL); returns
+    o [T, value heads * value_dim] float32."""
     from . import recurrent_triton
 
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -105,8 +105,8 @@ def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Ten
         steps: StateSteps) -> Tensor:
     """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32 or 16-bit:
     computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (the raw projection: softplus(dt +
-    dt_bias) in the kernel), dt_bias, a_log (a = -exp(a_log) in the kernel), d [heads] float32, b, c [T, groups *
-    d_state]; returns y [T, heads * head_dim] float32."""
+    dt_bias), in the kernel for a decode step, GATES_IN_KERNEL), dt_bias, a_log (a = -exp(a_log) in the kernel), d
+    [heads] float32, b, c [T, groups * d_state]; returns y [T, heads * head_dim] float32."""
     from . import recurrent_triton
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)

@@ -16,9 +16,9 @@ to its dtype only where it is stored, once per step.
 The delta rule (per value head, state S [key dim, value dim], q and k L2-normed, q scaled by key_dim^-0.5):
 S <- exp(g_t) S; u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t. `recurrent_delta_rule` runs it one
 token at a time (decodes); `chunked_delta_rule` in chunks of C tokens, solving each chunk's u in one triangular
-system (prefill chunks). Both in float32 on torch ops: the CPU's path. On CUDA the conv, the rule (its gates g and beta
-computed in it from the raw projections) and the gated norm run as three Triton kernels over the step's sequences at
-once (kernels/recurrent.py), each sequence's state read and written once per step."""
+system (prefill chunks). Both in float32 on torch ops: the CPU's path. On CUDA the conv, the rule (in a decode step
+its gates g and beta computed in it from the raw projections) and the gated norm run as three Triton kernels over the
+step's sequences at once (kernels/recurrent.py), each sequence's state read and written once per step."""
 
 from __future__ import annotations
 
@@ -165,8 +165,8 @@ class GatedDeltaNet(StateSlots, nn.Module):
 
     def _kernels(self, mixed: Tensor, a: Tensor, b: Tensor, z: Tensor, batch: ForwardBatch) -> Tensor:
         """Every sequence of the step at once, three Triton kernels: the conv (its SiLU output rounded to the model
-        dtype, as `_prefill`), the delta rule (the gates g and beta computed in it from the raw a, b), the gated
-        norm; returns the norm's output [T, value_size] in the model dtype."""
+        dtype, as `_prefill`), the delta rule (its gates g and beta from the raw a, b: kernels/recurrent.delta_rule),
+        the gated norm; returns the norm's output [T, value_size] in the model dtype."""
         steps, device = state_steps(batch), mixed.device
         conv_shape, state_shape = self.state_shapes()
         conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, mixed.dtype, device)

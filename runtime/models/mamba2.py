@@ -170,7 +170,7 @@ class Mamba2(StateSlots, nn.Module):
 
     def _kernels(self, xbc: Tensor, dt: Tensor, batch: ForwardBatch) -> Tensor:
         """Every sequence of the step at once: the conv (float32 out) then the SSD recurrence (the time step from the
-        raw dt in it), each one Triton kernel; the gated norm after them is a third (forward)."""
+        raw dt: kernels/recurrent.ssd), each one Triton kernel; the gated norm after them is a third (forward)."""
         steps, device = state_steps(batch), xbc.device
         conv_shape, state_shape = self.state_shapes()
         conv_state = bound_or_scratch(self.conv_state, batch, conv_shape, xbc.dtype, device)
