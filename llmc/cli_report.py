@@ -413,7 +413,8 @@ def _saved_row(report: dict) -> tuple[str, str]:
 def _estimate_line(est: dict, rt: dict) -> str:
     line = (f"at gpu_memory_utilization {rt['gpu_memory_utilization']}: weights {_fmt_bytes(est['weight_bytes'])}, "
             f"activations {_fmt_bytes(est['activation_bytes'])}, CUDA graphs {_fmt_bytes(est['graph_bytes'])}, "
-            f"CUDA context {_fmt_bytes(est['other_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
+            + (f"hybrid states {_fmt_bytes(est['state_bytes'])}, " if est.get("state_bytes") else "")
+            + f"CUDA context {_fmt_bytes(est['other_bytes'])}, KV {_fmt_bytes(est['kv_bytes'])} = "
             f"{est['num_kv_tokens']:,} tokens ({int(est['max_concurrent_seqs'])} sequences of {rt['max_model_len']})")
     line += _fixed_kv_note(est)
     if est["max_concurrent_seqs"] < 1:
@@ -463,6 +464,17 @@ def _print_rows(rows: list[tuple[str, str]]) -> None:
         click.echo(f"{key:<{width}}  {value}")
 
 
+def _state_rows(manifest: art.Manifest) -> list[tuple[str, str]]:
+    """A hybrid model's per-request states: one slot's bytes at their dtypes, and the slots' in the memory plan."""
+    if not manifest.model.is_hybrid:
+        return []
+    dtypes = art.state_dtypes(manifest.runtime, manifest.model.dtype)
+    per_slot = memory.linear_state_bytes_per_slot(manifest.model, *dtypes)
+    slots = manifest.runtime.max_num_seqs + 1
+    return [("hybrid states", f"{_fmt_bytes(per_slot)} per request (conv {dtypes[0]}, recurrent {dtypes[1]}), "
+                              f"{_fmt_bytes(per_slot * slots)} for max_num_seqs + 1 = {slots} slots")]
+
+
 def print_build_summary(result) -> None:
     manifest = result.manifest
     weight_bytes = sum(manifest.plan.weight_bytes_per_rank)
@@ -474,6 +486,7 @@ def print_build_summary(result) -> None:
         ("quantization", manifest.quant.method),
         ("weights", f"{_fmt_bytes(weight_bytes)} in {manifest.parallel.tensor * manifest.parallel.pipeline} rank file(s)"),
         ("KV per token", f"{manifest.kv.bytes_per_token} bytes"),
+        *_state_rows(manifest),
         *([] if is_onnx(manifest) else [  # an ONNX artifact runs on the CPU: its KV budget is cpu_kv_cache_gib
             (f"on {est.get('target_gpu_memory_gib', 0):g} GiB", f"{est.get('num_kv_tokens', 0):,} KV tokens, "
                                                                 f"{int(est.get('max_concurrent_seqs', 0))} sequences of "

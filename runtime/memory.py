@@ -67,6 +67,8 @@ class MemoryEstimate:
     # runtime.num_kv_blocks fixes the cache whatever the room: the KV fields above are then its size, and
     # this is the tokens the memory would have left for it (None: the cache is the room)
     room_kv_tokens: int | None = None
+    # a hybrid model's per-request states (max_num_seqs + 1 slots at artifact.state_dtypes: linear_state_bytes_per_slot)
+    state_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,8 +85,9 @@ class MemoryEstimate:
     def describe(self) -> str:
         """One line: the subtraction, in GiB."""
         gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+        states = f", hybrid states {gib(self.state_bytes)}" if self.state_bytes else ""
         return (f"{gib(self.total_bytes)} × {self.usable_bytes / self.total_bytes:.2f} = {gib(self.usable_bytes)}, "
-                f"minus weights {gib(self.weight_bytes)}, other {gib(self.other_bytes)} (CUDA context, other "
+                f"minus weights {gib(self.weight_bytes)}{states}, other {gib(self.other_bytes)} (CUDA context, other "
                 f"processes), activations {gib(self.activation_bytes)}, CUDA graphs {gib(self.graph_bytes)} "
                 f"leaves {gib(self.kv_bytes)} of KV cache")
 
@@ -317,10 +320,12 @@ def warn_over_allowance(what: str, used_bytes: int, allowance_bytes: int, remedy
 
 
 def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes: int, activation_bytes: int,
-            graph_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int) -> MemoryEstimate:
-    """The KV cache that fits in total × utilization beside the rest, in whole blocks."""
+            graph_bytes: int, kv_bytes_per_token: int, block_size: int, max_model_len: int,
+            state_bytes: int = 0) -> MemoryEstimate:
+    """The KV cache that fits in total × utilization beside the rest (a hybrid's states, state_bytes, among it), in
+    whole blocks."""
     usable = int(total_bytes * utilization)
-    kv = max(0, usable - weight_bytes - other_bytes - activation_bytes - graph_bytes)
+    kv = max(0, usable - weight_bytes - state_bytes - other_bytes - activation_bytes - graph_bytes)
     num_blocks = kv // (kv_bytes_per_token * block_size)
     num_tokens = num_blocks * block_size
     return MemoryEstimate(
@@ -335,6 +340,7 @@ def plan_kv(total_bytes: int, utilization: float, weight_bytes: int, other_bytes
         num_kv_blocks=num_blocks,
         num_kv_tokens=num_tokens,
         max_concurrent_seqs=num_tokens / max_model_len,
+        state_bytes=state_bytes,
     )
 
 
@@ -356,17 +362,16 @@ def estimate(
     """The plan before the GPU is seen: the activation formula (with DeepSeek's expanded workspace over num_heads
     heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES and a hybrid model's states for other, and the graph
     allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
-    prefill_graph_allowance_bytes, given). state_dtypes: a hybrid's (conv, recurrent) state dtypes (artifact.state_dtypes;
-    None: its defaults)."""
+    prefill_graph_allowance_bytes, given); a hybrid's states of max_num_seqs + 1 slots at state_dtypes (conv,
+    recurrent: artifact.state_dtypes; None: its defaults) as state_bytes."""
     activations = (activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
                    + mla_expanded_bytes(model, max_num_batched_tokens, max_model_len, num_heads))
     graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
               if use_graphs else 0)
     graphs += piece_graph_bytes
-    state_bytes = linear_state_bytes_per_slot(model, *(state_dtypes or (model.dtype, "float32")))
-    other = CUDA_CONTEXT_BYTES + (max_num_seqs + 1) * state_bytes  # (a hybrid's states)
-    return plan_kv(total_bytes, utilization, weight_bytes, other, activations, graphs,
-                   kv_bytes_per_token, block_size, max_model_len)
+    states = (max_num_seqs + 1) * linear_state_bytes_per_slot(model, *(state_dtypes or (model.dtype, "float32")))
+    return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
+                   kv_bytes_per_token, block_size, max_model_len, state_bytes=states)
 
 
 def linear_state_bytes_per_slot(model: ModelConfig, conv_dtype: str, recurrent_dtype: str) -> int:

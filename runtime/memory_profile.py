@@ -35,11 +35,12 @@ ProfileStep = Callable[[Tensor, ForwardBatch], Tensor]  # (input_ids, batch) -> 
 
 
 def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: torch.device, weight_bytes: int,
-                    kv_bytes_per_token: int, graph_bytes: int, step: ProfileStep | None = None) -> memory.MemoryEstimate:
+                    kv_bytes_per_token: int, graph_bytes: int, step: ProfileStep | None = None,
+                    state_bytes: int = 0) -> memory.MemoryEstimate:
     """The KV cache this GPU has room for, after a profiling forward (one rank, before its KV cache
     is allocated; the model's layers are left bound to nothing). `step`: the profiled work (default
     run_profile_step; a parallel rank passes its stage's part, which all-reduces with its tensor
-    ranks: every rank profiles at once, in lockstep)."""
+    ranks: every rank profiles at once, in lockstep). state_bytes: a hybrid's bound states, apart from weight_bytes."""
     num_tokens = options.max_num_batched_tokens
     activation_bytes = profile_activation_bytes(model, options, device, step)
     logger.info("profiled one forward of %d tokens: activation peak %.1f MiB", num_tokens, activation_bytes / memory.MIB)
@@ -51,11 +52,12 @@ def measure_kv_plan(model: DecoderModel, options: art.RuntimeDefaults, device: t
     if expanded:
         logger.info("held back %.1f MiB for the expanded latent attention's chunk of a long context",
                     expanded / memory.MIB)
-    return gpu_kv_plan(options, device, weight_bytes, activation_bytes + expanded, kv_bytes_per_token, graph_bytes)
+    return gpu_kv_plan(options, device, weight_bytes, activation_bytes + expanded, kv_bytes_per_token, graph_bytes,
+                       state_bytes)
 
 
 def gpu_kv_plan(options: art.RuntimeDefaults, device: torch.device, weight_bytes: int, activation_bytes: int,
-                kv_bytes_per_token: int, graph_bytes: int) -> memory.MemoryEstimate:
+                kv_bytes_per_token: int, graph_bytes: int, state_bytes: int = 0) -> memory.MemoryEstimate:
     """memory.plan_kv with this GPU's total and what it has in use outside torch's allocator. A plan whose KV cache
     and graphs do not fit in what is free now is refused in one line (vLLM's start-up check): memory held by tensors
     of this process that are not this engine's (another engine, open or dropped and not yet collected) or by other
@@ -65,7 +67,7 @@ def gpu_kv_plan(options: art.RuntimeDefaults, device: torch.device, weight_bytes
     free, total = torch.cuda.mem_get_info(device)
     other_bytes = max(0, total - free - torch.cuda.memory_reserved(device))
     plan = memory.plan_kv(total, options.gpu_memory_utilization, weight_bytes, other_bytes, activation_bytes,
-                          graph_bytes, kv_bytes_per_token, options.block_size, options.max_model_len)
+                          graph_bytes, kv_bytes_per_token, options.block_size, options.max_model_len, state_bytes)
     short = plan.kv_bytes + graph_bytes - free
     if short > 0:
         fits = math.floor((options.gpu_memory_utilization - short / total) * 100) / 100

@@ -157,9 +157,10 @@ class ModelRunner:
                         reserve: tuple[int, int]) -> memory.MemoryEstimate | None:
         if self.device.type != "cuda" or options.num_kv_blocks is not None:
             return None
-        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before
+        weight_bytes = torch.cuda.memory_allocated(self.device) - allocated_before - self.state_bytes
         return measure_kv_plan(self.model, options, self.device, weight_bytes + reserve[0],
-                               _kv_bytes_per_token(manifest, layout, self.device, options) + reserve[1], graph_allowance)
+                               _kv_bytes_per_token(manifest, layout, self.device, options) + reserve[1], graph_allowance,
+                               state_bytes=self.state_bytes)
 
     def close(self) -> None:
         """Nothing to release on a single rank (a parallel runner stops its workers here)."""

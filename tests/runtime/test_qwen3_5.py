@@ -472,6 +472,39 @@ def test_a_bfloat16_recurrent_state_is_transformers_state_rounded_each_step(chec
         assert layer.conv_state.dtype == layer.recurrent_state.dtype == torch.float16
 
 
+def test_the_memory_plan_counts_the_states_at_their_dtypes(checkpoint, artifact):
+    """The build's estimate holds the states of max_num_seqs + 1 slots apart from the CUDA context (hybrid states), at
+    their dtypes: bf16 recurrent states take their share's half and leave the KV cache that much more; `llmc inspect`
+    and the build summary say them."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+    from llmc.cli_report import _state_rows
+
+    manifest = read_manifest(artifact)
+    m, runtime = manifest.model, manifest.runtime
+    conv = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim) * (
+        m.linear_conv_kernel_dim - 1)
+    recurrent = m.linear_num_value_heads * m.linear_key_head_dim * m.linear_value_head_dim
+    slots = runtime.max_num_seqs + 1
+    assert manifest.plan.memory["state_bytes"] == slots * 3 * (conv + recurrent) * 4  # (a float32 build: 3 DeltaNets)
+    assert manifest.plan.memory["other_bytes"] == memory.CUDA_CONTEXT_BYTES
+
+    def plan(**options):
+        return memory.least_room(memory.estimate_per_rank(m, manifest.parallel, manifest.plan.weight_bytes_per_rank,
+                                                          manifest.kv.dtype, dataclasses.replace(runtime, **options),
+                                                          80 * memory.GIB))
+    full, half = plan(), plan(mamba_ssm_cache_dtype="bfloat16")
+    assert full.state_bytes - half.state_bytes == slots * 3 * recurrent * 2
+    assert half.num_kv_tokens >= full.num_kv_tokens + (full.state_bytes - half.state_bytes) // full.kv_bytes_per_token - 16
+    shown = CliRunner().invoke(cli, ["inspect", str(artifact)])
+    assert shown.exit_code == 0 and "hybrid states " in shown.output
+    assert _state_rows(manifest)[0][1].startswith(f"{(3 * (conv + recurrent) * 4) / 1024:.1f} KiB per request (conv "
+                                                  f"float32, recurrent float32), ")
+
+
 def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
     multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, FP8 and int8 (AWQ and
