@@ -30,6 +30,18 @@ SSD_TILES = {"decode": (32, 4), "prefill": (4, 1)}
 # latency, as short as it was (session 52: the time step in the SSD's loop made a 2048-token prefill 0.80-0.89x)
 
 
+def delta_rule_gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor, beta_scale: float) -> tuple[Tensor, Tensor]:
+    """The Gated DeltaNet's gates from its raw projections a, b [T, value heads], float32: g = -exp(a_log)
+    softplus(a + dt_bias) and beta = sigmoid(b) (in b's dtype, as the model computes it) times beta_scale."""
+    return -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias), b.sigmoid().float() * beta_scale
+
+
+def ssd_time_step(dt: Tensor, dt_bias: Tensor) -> Tensor:
+    """Mamba-2's time step from its raw projection dt [T, heads], float32: softplus(dt + dt_bias) (time_step_limit
+    (0, inf): unclamped)."""
+    return torch.nn.functional.softplus(dt.float() + dt_bias)
+
+
 @dataclass
 class StateSteps:
     cu_seqlens: Tensor
@@ -85,8 +97,7 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
     decode = steps.max_len == 1
     tile, warps = DELTA_RULE_TILES["decode" if decode else "prefill"]
     if not decode:  # (GATES_IN_KERNEL)
-        a = -a_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-        b = b.sigmoid().float() * beta_scale
+        a, b = delta_rule_gates(a, b, a_log, dt_bias, beta_scale)
     return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
                                        steps.cu_seqlens, scale, eps, out, tile, warps, raw=decode)
 
@@ -113,7 +124,7 @@ def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Ten
     decode = steps.max_len == 1
     tile, warps = SSD_TILES["decode" if decode else "prefill"]
     if not decode:  # (GATES_IN_KERNEL)
-        dt = torch.nn.functional.softplus(dt.float() + dt_bias)
+        dt = ssd_time_step(dt, dt_bias)
     return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
                                 tile, warps, raw=decode)
 

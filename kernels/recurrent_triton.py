@@ -24,6 +24,12 @@ def _sequence(cu_ptr, slot_ptr, fresh_ptr, seq):
 
 
 @triton.jit
+def _softplus(x):
+    """torch's softplus (threshold 20: above it, x as is)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
 def _causal_conv_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, cu_ptr, slot_ptr, fresh_ptr, channels,
                         stride_x, stride_out, stride_slot, stride_channel,
                         K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
@@ -124,12 +130,11 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr
         q = tl.load(q_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_qk + qk_cols, mask=k_mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_v + head * value_dim + vs, mask=v_mask, other=0.0).to(tl.float32)
-        if RAW:  # the gates from the raw projections: g = -exp(A_log) softplus(a + dt_bias) (torch's softplus: x
-            # above 20 as is), beta = sigmoid(b) rounded to b's dtype (as the model computes it), times beta_scale
+        if RAW:  # the gates from the raw projections: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+            # rounded to b's dtype (as the model computes it), times beta_scale
             raw_b = tl.load(b_ptr + t * stride_ab + head)
             beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32) * beta_scale
-            x = tl.load(a_ptr + t * stride_ab + head).to(tl.float32) + dt_bias
-            decay = tl.exp(neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+            decay = tl.exp(neg_a * _softplus(tl.load(a_ptr + t * stride_ab + head).to(tl.float32) + dt_bias))
         else:  # a holds g, b holds beta (float32)
             decay = tl.exp(tl.load(a_ptr + t * stride_ab + head))
             beta = tl.load(b_ptr + t * stride_ab + head)
@@ -215,9 +220,8 @@ def _ssd_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, stat
     bc_cols = (head // per_group) * d_state + ns
     for t in range(start, end):
         x = tl.load(x_ptr + t * stride_x + head * head_dim + ps, mask=p_mask, other=0.0).to(tl.float32)
-        if RAW:  # the time step from the raw projection: softplus(dt + dt_bias) (torch's: above 20 as is)
-            raw = tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + dt_bias
-            dt = tl.where(raw > 20.0, raw, tl.log(1.0 + tl.exp(tl.minimum(raw, 20.0))))
+        if RAW:  # the time step from the raw projection: softplus(dt + dt_bias)
+            dt = _softplus(tl.load(dt_ptr + t * stride_dt + head).to(tl.float32) + dt_bias)
         else:  # dt holds the time step already, float32
             dt = tl.load(dt_ptr + t * stride_dt + head)
         b = tl.load(b_ptr + t * stride_bc + bc_cols, mask=n_mask, other=0.0).to(tl.float32)

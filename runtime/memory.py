@@ -357,21 +357,20 @@ def estimate(
     use_graphs: bool,
     piece_graph_bytes: int = 0,
     num_heads: int | None = None,
-    state_dtypes: tuple[str, str] | None = None,
+    state_bytes: int = 0,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula (with DeepSeek's expanded workspace over num_heads
     heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES and a hybrid model's states for other, and the graph
     allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
-    prefill_graph_allowance_bytes, given); a hybrid's states of max_num_seqs + 1 slots at state_dtypes (conv,
-    recurrent: artifact.state_dtypes; None: its defaults) as state_bytes."""
+    prefill_graph_allowance_bytes, given); state_bytes: a hybrid's states (estimate_per_rank: max_num_seqs + 1 slots
+    at artifact.state_dtypes)."""
     activations = (activation_peak_bytes(model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
                    + mla_expanded_bytes(model, max_num_batched_tokens, max_model_len, num_heads))
     graphs = (graph_allowance_bytes(model, cuda_graph_batch_sizes(max_num_seqs), max_model_len, block_size=block_size)
               if use_graphs else 0)
     graphs += piece_graph_bytes
-    states = (max_num_seqs + 1) * linear_state_bytes_per_slot(model, *(state_dtypes or (model.dtype, "float32")))
     return plan_kv(total_bytes, utilization, weight_bytes, CUDA_CONTEXT_BYTES, activations, graphs,
-                   kv_bytes_per_token, block_size, max_model_len, state_bytes=states)
+                   kv_bytes_per_token, block_size, max_model_len, state_bytes)
 
 
 def linear_state_bytes_per_slot(model: ModelConfig, conv_dtype: str, recurrent_dtype: str) -> int:
@@ -392,8 +391,9 @@ def linear_state_bytes_per_slot(model: ModelConfig, conv_dtype: str, recurrent_d
             conv_dim * (model.linear_conv_kernel_dim - 1) * conv
             + model.linear_num_value_heads * model.linear_key_head_dim * model.linear_value_head_dim * recurrent)
     if model.mamba_layers:
-        total += len(model.mamba_layers) * (model.mamba_conv_dim * (model.mamba_conv_kernel - 1) * conv
-                                            + model.mamba_num_heads * model.mamba_head_dim * model.mamba_d_state * recurrent)
+        total += len(model.mamba_layers) * (
+            model.mamba_conv_dim * (model.mamba_conv_kernel - 1) * conv
+            + model.mamba_num_heads * model.mamba_head_dim * model.mamba_d_state * recurrent)
     if model.short_conv_layers:
         total += len(model.short_conv_layers) * model.hidden_size * (model.short_conv_kernel - 1) * conv
     return total
@@ -408,13 +408,14 @@ def estimate_per_rank(model: ModelConfig, parallel: ParallelPlan, weight_bytes_p
     decode_graphs = one_rank and not runtime.enforce_eager and runtime.graph_modes.has_full_decode
     # (a hybrid model captures decode graphs only: runtime/model_runner.py)
     piece_sizes = planned_piece_sizes(runtime) if one_rank and not model.is_hybrid else []
+    states = (runtime.max_num_seqs + 1) * linear_state_bytes_per_slot(model, *state_dtypes(runtime, model.dtype))
     estimates = [
         estimate(
             model, weight_bytes_per_rank[layout.rank], kv_bytes_per_token(model, layout, dtype_num_bytes(kv_dtype)),
             runtime.block_size, total_bytes, runtime.gpu_memory_utilization, runtime.max_num_batched_tokens,
             runtime.max_num_seqs, runtime.max_model_len, use_graphs=decode_graphs,
             piece_graph_bytes=prefill_graph_allowance_bytes(model, runtime, piece_sizes), num_heads=layout.num_heads,
-            state_dtypes=state_dtypes(runtime, model.dtype),
+            state_bytes=states,
         )
         for layout in all_rank_layouts(model, parallel)
     ]

@@ -197,9 +197,6 @@ class AttentionAndMamba2(Attention):
     def conv_state(self) -> Tensor | None:
         return self.mamba.conv_state
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        return self.mamba.state_shapes()
-
     def states(self) -> tuple[Tensor, Tensor]:
         return self.mamba.states()
 

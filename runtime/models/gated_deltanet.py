@@ -154,8 +154,7 @@ class GatedDeltaNet(StateSlots, nn.Module):
         b, a = F.linear(x, self.in_ba.weight).split(self.num_v_heads, dim=-1)
         if recurrent.can_use_triton(x):
             return self.out(self._kernels(mixed, a, b, z, batch))
-        beta = b.sigmoid().float() * self.beta_scale
-        g = -self.A_log.weight.exp() * F.softplus(a.float() + self.dt_bias.weight)
+        g, beta = recurrent.delta_rule_gates(a, b, self.A_log.weight, self.dt_bias.weight, self.beta_scale)
         slots = batch.state_slots
         if batch.is_decode and slots is not None:
             out = self._decode(mixed, g, beta, slots, batch.context_lens)

@@ -153,7 +153,7 @@ class Mamba2(StateSlots, nn.Module):
             y = self._kernels(xbc, dt, batch)
             norm = None if self.norm is None else self.norm.weight
             return self.mamba_out(recurrent.gated_group_norm(y, z, norm, self.groups, self.eps, x.dtype))
-        dt = F.softplus(dt.float() + self.dt_bias.weight)  # (time_step_limit (0, inf): unclamped)
+        dt = recurrent.ssd_time_step(dt, self.dt_bias.weight)
         slots = batch.state_slots
         if batch.is_decode and slots is not None:
             y = self._decode(xbc, dt, slots, batch.context_lens)
