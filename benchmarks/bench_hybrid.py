@@ -60,7 +60,7 @@ def shrink() -> None:
     global DECODE_BATCHES, PREFILLS, DEVICE
     for kind, values in TINY.items():
         CONFIGS[kind][1].update(values)
-    DECODE_BATCHES, PREFILLS, DEVICE = (1, 3), {"1x20": [20], "3x7": [7] * 3}, "cpu"
+    DECODE_BATCHES, PREFILLS, DEVICE = (1, 3), {"1x70": [70], "3x7": [7] * 3}, "cpu"
 
 
 def make_layer(kind: str, dtype: torch.dtype, slots: int):
@@ -165,11 +165,19 @@ def bench_layer(kind: str, dtype: torch.dtype) -> list[dict]:
         x = torch.randn(tokens, hidden, device=DEVICE, dtype=dtype, generator=generator)
         result = {"layer": kind, "phase": phase, "case": name}
         outputs = {}
-        for path, on in (("torch", False), ("triton", True)):
+        paths = [("torch", False, recurrent.CHUNKED_FROM), ("triton", True, recurrent.CHUNKED_FROM)]
+        if phase == "prefill":  # the kernels' token loop where the chunked kernels would run (the form before them)
+            paths.append(("triton_loop", True, 1 << 30))
+        for path, on, chunked_from in paths:
             use_kernels(on)
+            default, recurrent.CHUNKED_FROM = recurrent.CHUNKED_FROM, chunked_from
             us, outputs[path] = time_decode(layer, tokens, x) if phase == "decode" else time_prefill(layer, lengths, x)
+            recurrent.CHUNKED_FROM = default
             result[f"{path}_us"] = round(us, 1)
         result["speedup"] = round(result["torch_us"] / max(result["triton_us"], 1e-9), 2)
+        if phase == "prefill":
+            result["chunked_speedup"] = round(result["triton_loop_us"] / max(result["triton_us"], 1e-9), 2)
+            result["loop_max_diff"] = float((outputs["triton_loop"].float() - outputs["triton"].float()).abs().max())
         result["max_diff"] = float((outputs["torch"].float() - outputs["triton"].float()).abs().max())
         result["out_abs_max"] = float(outputs["torch"].float().abs().max())
         print(json.dumps(result), flush=True)
@@ -241,12 +249,80 @@ def sweep() -> list[dict]:
     return rows
 
 
+# (block_v or block_p, num_warps, num_stages)
+CHUNKED_DELTA_CONFIGS = [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 4, 2)]
+CHUNKED_SSD_CONFIGS = [(16, 4, 1), (32, 4, 1), (64, 4, 1), (32, 4, 2), (64, 4, 2)]
+CROSSOVER = {"1x2048": [2048], "16x256": [256] * 16, "64x64": [64] * 64, "64x32": [32] * 64, "64x16": [16] * 64,
+             "256+1x512": [1] * 256 + [512]}
+
+
+def _timed_cases(kernel: str, name: str, cases) -> list[dict]:
+    """One row per (form, block, warps, fn) case: its µs, or the compiler's refusal (a config beyond the GPU's shared
+    memory)."""
+    rows = []
+    for form, block, warps, fn in cases:
+        try:
+            us = round(time_calls(fn), 1)
+        except Exception as error:  # noqa: BLE001 (triton's OutOfResources and the like: the config cannot run here)
+            us = f"{type(error).__name__}: {str(error)[:80]}"
+        rows.append({"kernel": kernel, "form": form, "case": name, "block": block, "warps": warps, "us": us})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+@torch.inference_mode()
+def sweep_chunked() -> list[dict]:
+    """The chunked kernels (kernels/recurrent_triton.delta_rule_chunked, ssd_chunked) per tile and warp count, and the
+    token loop at its prefill tile beside them, at Qwen3.5-9B's and Nemotron-H-8B's shapes over prefills of several
+    piece lengths (CROSSOVER: where kernels/recurrent.CHUNKED_FROM should sit); eager launches, µs, median of 20."""
+    from llmc.kernels import recurrent_triton
+
+    rows, device = [], torch.device(DEVICE)
+    for name, lengths in CROSSOVER.items():
+        tokens, n = sum(lengths), len(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+        q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
+        v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
+        g = -torch.rand(tokens, 32, device=device) * 0.5
+        beta = torch.rand(tokens, 32, device=device)
+        a_log, dt_bias = torch.rand(32, device=device), torch.randn(32, device=device)
+        state = torch.zeros(n, 32, 128, 128, device=device, dtype=STATE_DTYPE)
+        out = torch.empty(tokens, 32 * 128, device=device)
+        block, warps = recurrent.DELTA_RULE_TILES["prefill"]
+        cases = [("loop", block, warps, lambda: recurrent_triton.delta_rule(
+            q[:, :2048], q[:, 2048:], v, g, beta, a_log, dt_bias, 1.0, state, slots, fresh, cu, 128 ** -0.5, 1e-6,
+            out, block, warps, False))]
+        cases += [(f"chunked/{st}", bv, w, lambda bv=bv, w=w, st=st: recurrent_triton.delta_rule_chunked(
+            q[:, :2048], q[:, 2048:], v, g, beta, state, slots, fresh, cu, 128 ** -0.5, 1e-6, out, max(lengths), 1,
+            bv, w, st)) for bv, w, st in CHUNKED_DELTA_CONFIGS]
+        rows += _timed_cases("delta_rule", name, cases)
+        del state, out, q, v
+        x = torch.randn(tokens, 128 * 64, device=device, dtype=torch.bfloat16)
+        bc = torch.randn(tokens, 2 * 8 * 128, device=device, dtype=torch.bfloat16)
+        dt = torch.rand(tokens, 128, device=device) * 0.1
+        d = torch.ones(128, device=device)
+        state = torch.zeros(n, 128, 64, 128, device=device, dtype=STATE_DTYPE)
+        out = torch.empty(tokens, 128 * 64, device=device)
+        block, warps = recurrent.SSD_TILES["prefill"]
+        cases = [("loop", block, warps, lambda: recurrent_triton.ssd(
+            x, dt, dt_bias, a_log, bc[:, :1024], bc[:, 1024:], d, state, slots, fresh, cu, out, block, warps, False))]
+        cases += [(f"chunked/{st}", bp, w, lambda bp=bp, w=w, st=st: recurrent_triton.ssd_chunked(
+            x, dt, a_log, bc[:, :1024], bc[:, 1024:], d, state, slots, fresh, cu, out, 1, bp, w, st))
+            for bp, w, st in CHUNKED_SSD_CONFIGS]
+        rows += _timed_cases("ssd", name, cases)
+        del state, out, x
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="check this script on a CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", action="store_true", help="only the kernels' tiles and warps (`sweep`)")
+    parser.add_argument("--sweep-chunked", action="store_true",
+                        help="only the chunked kernels' tiles and warps against the token loop (`sweep_chunked`)")
     parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the recurrent states' dtype (runtime.mamba_ssm_cache_dtype); conv states: the layer's")
     args = parser.parse_args(argv)
@@ -254,17 +330,19 @@ def main(argv=None) -> None:
     STATE_DTYPE = getattr(torch, args.state_dtype)
     if args.tiny:
         shrink()
-    if args.sweep:
-        result = sweep()
+    if args.sweep or args.sweep_chunked:
+        result = sweep() if args.sweep else sweep_chunked()
         if args.json:
             args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "state_dtype": args.state_dtype,
                                              "sweep": result}, indent=2))
         return
     rows = [row for kind in args.layers for row in bench_layer(kind, torch.bfloat16)]
-    print(f"{'layer':11} {'phase':8} {'case':8} {'torch µs':>10} {'triton µs':>10} {'speed-up':>9} {'max diff':>9}")
+    print(f"{'layer':11} {'phase':8} {'case':8} {'torch µs':>10} {'triton µs':>10} {'speed-up':>9} {'max diff':>9} "
+          f"{'loop µs':>10} {'chunked ×':>9}")
     for r in rows:
         print(f"{r['layer']:11} {r['phase']:8} {r['case']:8} {r['torch_us']:>10} {r['triton_us']:>10} "
-              f"{r['speedup']:>9} {r['max_diff']:>9.2e}")
+              f"{r['speedup']:>9} {r['max_diff']:>9.2e} {r.get('triton_loop_us', ''):>10} "
+              f"{r.get('chunked_speedup', ''):>9}")
     if args.json:
         device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
         args.json.write_text(json.dumps({"device": device, "state_dtype": args.state_dtype, "rows": rows}, indent=2))

@@ -1,6 +1,8 @@
 """The hybrid models' state layers on CUDA: the depthwise causal conv, Gated DeltaNet's delta rule and Mamba-2's SSD
 recurrence over a step's sequences of any lengths in one launch each (recurrent_triton.py), every sequence continuing
-from its state slot (or zero) and leaving its state there.
+from its state slot (or zero) and leaving its state there. A prefill's pieces of CHUNKED_FROM tokens or more run the
+rule and the recurrence in chunks (tensor-core products per 64-token chunk, tf32 operands), its shorter pieces on the
+token loop beside them.
 
 The torch form of each (the CPU's path, and the reference the kernels are tested against) lives beside its layer in
 runtime/models (gated_deltanet.py, mamba2.py, short_conv.py): the layers call these only where `can_use_triton`.
@@ -24,6 +26,13 @@ from . import can_use_triton  # noqa: F401 (the layers' dispatch; tests patch it
 # traffic (wide tiles), prefills by each token's serial latency (narrow tiles, one warp, more programs)
 DELTA_RULE_TILES = {"decode": (64, 4), "prefill": (16, 1)}
 SSD_TILES = {"decode": (32, 4), "prefill": (4, 1)}
+# (tile, warps, stages) of the chunked kernels, from `bench_hybrid.py --sweep-chunked` (RESULTS.md, session 53)
+CHUNKED_TILES = {"delta_rule": (64, 4, 1), "ssd": (64, 4, 1)}
+# a prefill's pieces of CHUNKED_FROM tokens or more run on the chunked kernels (recurrent_triton.delta_rule_chunked,
+# ssd_chunked: a sequence's serial path one step per 64-token chunk, its work tensor-core products), the step's shorter
+# pieces (its decodes among them) on the token loop, a launch of each
+CHUNKED_FROM = 64
+CHUNK = 64  # the chunked kernels' chunk (a multiple of 16: recurrent_triton._unit_lower_inverse)
 # GATES_IN_KERNEL: a decode step's kernels compute the gates (the delta rule's g and beta, the SSD's time step) from the
 # raw projections, saving the small torch launches a step of one token is bound by; a prefill's are computed by torch
 # first (a few launches over the whole step), keeping the per-token loop, which bounds a prefill by its serial
@@ -90,16 +99,23 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
     16-bit: computed in float32, updated in place): q, k [T, key heads * key_dim] (L2-normed in the kernel, q times
     scale), v [T, value heads * value_dim]; the gates from the raw projections a, b [T, value heads] (g = -exp(a_log)
     softplus(a + dt_bias), beta = sigmoid(b) beta_scale: in the kernel for a decode step, GATES_IN_KERNEL); returns
-    o [T, value heads * value_dim] float32."""
+    o [T, value heads * value_dim] float32. A prefill's pieces of CHUNKED_FROM tokens or more: the chunked kernels."""
     from . import recurrent_triton
 
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     decode = steps.max_len == 1
     tile, warps = DELTA_RULE_TILES["decode" if decode else "prefill"]
-    if not decode:  # (GATES_IN_KERNEL)
-        a, b = delta_rule_gates(a, b, a_log, dt_bias, beta_scale)
-    return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
-                                       steps.cu_seqlens, scale, eps, out, tile, warps, raw=decode)
+    if decode:  # (GATES_IN_KERNEL)
+        return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
+                                           steps.cu_seqlens, scale, eps, out, tile, warps)
+    g, beta = delta_rule_gates(a, b, a_log, dt_bias, beta_scale)
+    long_from = CHUNKED_FROM if steps.max_len >= CHUNKED_FROM else 1 << 30
+    recurrent_triton.delta_rule(q, k, v, g, beta, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
+                                steps.cu_seqlens, scale, eps, out, tile, warps, raw=False, long_from=long_from)
+    if steps.max_len >= CHUNKED_FROM:
+        recurrent_triton.delta_rule_chunked(q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale,
+                                            eps, out, steps.max_len, long_from, *CHUNKED_TILES["delta_rule"])
+    return out
 
 
 def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -117,16 +133,24 @@ def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Ten
     """Mamba-2's recurrence per sequence from its slot of state [slots, heads, head_dim, d_state] (float32 or 16-bit:
     computed in float32, updated in place): x [T, heads * head_dim], dt [T, heads] (the raw projection: softplus(dt +
     dt_bias), in the kernel for a decode step, GATES_IN_KERNEL), dt_bias, a_log (a = -exp(a_log) in the kernel), d
-    [heads] float32, b, c [T, groups * d_state]; returns y [T, heads * head_dim] float32."""
+    [heads] float32, b, c [T, groups * d_state]; returns y [T, heads * head_dim] float32. A prefill's pieces of
+    CHUNKED_FROM tokens or more: the chunked kernel."""
     from . import recurrent_triton
 
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     decode = steps.max_len == 1
     tile, warps = SSD_TILES["decode" if decode else "prefill"]
-    if not decode:  # (GATES_IN_KERNEL)
-        dt = ssd_time_step(dt, dt_bias)
-    return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
-                                tile, warps, raw=decode)
+    if decode:  # (GATES_IN_KERNEL)
+        return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens,
+                                    out, tile, warps)
+    dt = ssd_time_step(dt, dt_bias)
+    long_from = CHUNKED_FROM if steps.max_len >= CHUNKED_FROM else 1 << 30
+    recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out, tile,
+                         warps, raw=False, long_from=long_from)
+    if steps.max_len >= CHUNKED_FROM:
+        recurrent_triton.ssd_chunked(x, dt, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
+                                     long_from, *CHUNKED_TILES["ssd"])
+    return out
 
 
 def gated_group_norm(y: Tensor, z: Tensor, weight: Tensor | None, groups: int, eps: float,

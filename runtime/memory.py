@@ -98,10 +98,25 @@ def activation_peak_bytes(model: ModelConfig, num_tokens: int, num_logit_rows: i
     q_kv = (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
     # Residual + hidden + the widest of (qkv, gate_up + its SiLU·mul output) live at once.
     widest = max(q_kv + model.num_heads * model.head_dim, 3 * model.intermediate_size, moe_workspace_per_token(model),
-                 mla_attention_per_token(model))
+                 mla_attention_per_token(model), linear_attention_per_token(model))
     per_token = (2 * model.hidden_size + widest) * elt
     logits = num_logit_rows * model.vocab_size * 4 * 2  # logits and the sampler's probabilities
     return num_tokens * per_token + logits
+
+
+def linear_attention_per_token(model: ModelConfig) -> int:
+    """Elements (of the model dtype) a Gated DeltaNet layer keeps live per token: its in_qkvz output (conv_dim + value
+    width), the conv's output (conv_dim), the rule's float32 output and, for a prefill's pieces of CHUNKED_FROM tokens
+    or more on CUDA, the chunked kernels' float32 scratch (value heads × (key dim + value dim + CHUNK):
+    kernels/recurrent_triton.delta_rule_chunked); Qwen3.5-9B's 49K, more than its MLP's 37K. 0 without such layers."""
+    if not model.linear_attention_layers:
+        return 0
+    from llmc.kernels.recurrent import CHUNK
+
+    heads, key_dim, value_dim = model.linear_num_value_heads, model.linear_key_head_dim, model.linear_value_head_dim
+    conv_dim = 2 * model.linear_num_key_heads * key_dim + heads * value_dim
+    float32 = 4 // dtype_num_bytes(model.dtype)  # (elements of the model dtype per float32)
+    return 2 * conv_dim + heads * value_dim + float32 * heads * (value_dim + (key_dim + value_dim + CHUNK))
 
 
 def mla_attention_per_token(model: ModelConfig) -> int:

@@ -27,7 +27,18 @@ def _rounded(x: torch.Tensor, dtype: torch.dtype, device: str) -> torch.Tensor:
 
 def _state_rtol(device: str, state_dtype: torch.dtype) -> float:
     return STATE_RTOL[state_dtype] * (2 if device == "cpu" and state_dtype == torch.bfloat16 else 1)
+def _atol(want: torch.Tensor, device: str, chunked: bool) -> float:
+    """The absolute tolerance of a piece's outputs or state: a float32 path's rounding (2e-5); on the chunked kernels
+    a chunk's values are sums of up to 64 products as large as themselves (here outputs up to ~40, dt to ~6), so
+    their rounding is relative to the piece's largest value: float32's in the interpreter, tf32's (a 10-bit
+    mantissa: kernels/recurrent_triton.DOT_PRECISION) on a GPU."""
+    if not chunked:
+        return 2e-5
+    return max(2e-5, (1e-5 if device == "cpu" else 4e-3) * float(want.abs().max()))
+
+
 LENGTHS = [1, 7, 1, 19, 33]  # a step's pieces, in row order (the conv also a decode step's and a short one's)
+LONG = [1, 70, 1, 129, 64]  # pieces of several chunks (kernels/recurrent_triton.CHUNK: 64), one ending on a chunk's end
 FRESH = [False, True, True, False, False]
 SLOTS = [4, 0, 2, 5, 1]  # slot 3 belongs to no sequence of the step
 
@@ -71,15 +82,19 @@ def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias,
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype, beta_scale", [
-    (2, 16, 16, LENGTHS, torch.float32, 1.0), (1, 32, 48, LENGTHS, torch.float32, 2.0),
-    (1, 32, 80, [1] * 5, torch.float32, 2.0), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0),
-    (1, 32, 80, [1] * 5, torch.float16, 1.0)])
-def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key_dim, value_dim, lengths, state_dtype,
-                                                    beta_scale):
+@pytest.mark.parametrize("group, key_dim, value_dim, lengths, state_dtype, beta_scale, chunked_from", [
+    (2, 16, 16, LENGTHS, torch.float32, 1.0, 64), (1, 32, 48, LENGTHS, torch.float32, 2.0, 64),
+    (1, 32, 80, [1] * 5, torch.float32, 2.0, 64), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0, 64),
+    (1, 32, 80, [1] * 5, torch.float16, 1.0, 64), (2, 16, 16, LENGTHS, torch.float32, 1.0, 2),
+    (1, 32, 48, LONG, torch.float32, 2.0, 64), (2, 16, 16, LONG, torch.bfloat16, 1.0, 64)])
+def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, monkeypatch, group, key_dim, value_dim, lengths,
+                                                    state_dtype, beta_scale, chunked_from):
     """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.DELTA_RULE_TILES); float32 and
     16-bit states; the gates from the raw projections (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in
-    the inputs' dtype times beta_scale: 2 is OLMo Hybrid's allow_neg_eigval)."""
+    the inputs' dtype times beta_scale: 2 is OLMo Hybrid's allow_neg_eigval). A step whose longest piece has
+    CHUNKED_FROM tokens runs the chunked kernels: pieces of several chunks, one ending on a chunk's end, decodes
+    among them (chunks of one token), and short pieces forced onto them."""
+    monkeypatch.setattr(recurrent, "CHUNKED_FROM", chunked_from)
     device, dtype = elementwise_case
     torch.manual_seed(1)
     key_heads, total = 2, sum(lengths)
@@ -103,8 +118,11 @@ def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, group, key
         start = torch.zeros_like(before[0]) if FRESH[i] else before[SLOTS[i]]
         expected, new = recurrent_delta_rule((qs * scale)[None], ks[None], v[rows].double().unflatten(-1, (heads, -1))[None],
                                              g[rows][None], beta[rows][None], start.double()[None])
-        torch.testing.assert_close(out[rows].double(), expected[0].flatten(1), atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(state[SLOTS[i]].double(), new[0], atol=2e-5, rtol=_state_rtol(device, state_dtype))
+        chunked = max(lengths) >= chunked_from and lengths[i] >= chunked_from
+        torch.testing.assert_close(out[rows].double(), expected[0].flatten(1),
+                                   atol=_atol(expected[0], device, chunked), rtol=2e-5)
+        torch.testing.assert_close(state[SLOTS[i]].double(), new[0], atol=_atol(new[0], device, chunked),
+                                   rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 
@@ -131,13 +149,18 @@ def test_the_gated_rms_norm_is_the_float64_form(elementwise_case):
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)
 
 
-@pytest.mark.parametrize("groups, head_dim, d_state, lengths, state_dtype", [
-    (2, 8, 16, LENGTHS, torch.float32), (1, 12, 32, LENGTHS, torch.float32), (2, 40, 16, [1] * 5, torch.float32),
-    (2, 8, 16, LENGTHS, torch.bfloat16), (2, 40, 16, [1] * 5, torch.float16)])
-def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim, d_state, lengths, state_dtype):
+@pytest.mark.parametrize("groups, head_dim, d_state, lengths, state_dtype, chunked_from", [
+    (2, 8, 16, LENGTHS, torch.float32, 64), (1, 12, 32, LENGTHS, torch.float32, 64),
+    (2, 40, 16, [1] * 5, torch.float32, 64), (2, 8, 16, LENGTHS, torch.bfloat16, 64),
+    (2, 40, 16, [1] * 5, torch.float16, 64), (1, 12, 32, LENGTHS, torch.float32, 2),
+    (2, 40, 16, LONG, torch.float32, 64), (2, 8, 16, LONG, torch.bfloat16, 64)])
+def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, monkeypatch, groups, head_dim, d_state, lengths,
+                                              state_dtype, chunked_from):
     """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.SSD_TILES); float32 and 16-bit
     states; the time step softplus(dt + dt_bias) from the raw projection (a column slice: its own row stride) and
-    a = -exp(A_log), in the kernel."""
+    a = -exp(A_log), in the kernel. Steps of long pieces (and short ones forced) on the chunked kernel, as the delta
+    rule's."""
+    monkeypatch.setattr(recurrent, "CHUNKED_FROM", chunked_from)
     device, dtype = elementwise_case
     torch.manual_seed(2)
     heads, total = 4, sum(lengths)
@@ -152,12 +175,14 @@ def test_the_ssd_recurrence_is_the_torch_step(elementwise_case, groups, head_dim
     out = recurrent.ssd(x, raw_dt, dt_bias, a_log, b, c, d, state, _steps(device, lengths))
     for i, rows in _pieces(lengths):
         s = torch.zeros_like(before[0]).double() if FRESH[i] else before[SLOTS[i]].double()
-        for t in range(rows.start, rows.stop):
-            y = ssd_step(x[t].double().unflatten(-1, (heads, head_dim)), dt[t], a,
-                         b[t].double().unflatten(-1, (groups, d_state)), c[t].double().unflatten(-1, (groups, d_state)),
-                         d.double(), s)
-            torch.testing.assert_close(out[t].double(), y.flatten(), atol=2e-5, rtol=2e-5)
-        torch.testing.assert_close(state[SLOTS[i]].double(), s, atol=2e-5, rtol=_state_rtol(device, state_dtype))
+        want = torch.stack([ssd_step(x[t].double().unflatten(-1, (heads, head_dim)), dt[t], a,
+                                     b[t].double().unflatten(-1, (groups, d_state)),
+                                     c[t].double().unflatten(-1, (groups, d_state)), d.double(), s).flatten()
+                            for t in range(rows.start, rows.stop)])
+        chunked = max(lengths) >= chunked_from and lengths[i] >= chunked_from
+        torch.testing.assert_close(out[rows].double(), want, atol=_atol(want, device, chunked), rtol=2e-5)
+        torch.testing.assert_close(state[SLOTS[i]].double(), s, atol=_atol(s, device, chunked),
+                                   rtol=_state_rtol(device, state_dtype))
     torch.testing.assert_close(state[3], before[3], atol=0, rtol=0)
 
 

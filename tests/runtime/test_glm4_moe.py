@@ -128,7 +128,8 @@ def test_the_permuted_whole_head_rotation_is_glm45s_partial_rotary(head_dim, rot
 def triton_dispatch(monkeypatch):
     """The model's attention (rotary + KV write, paged attention), MoE and state layers (the causal conv, the delta rule
     and its gated norm, the SSD recurrence and its gated norm) dispatched to their Triton kernels on CPU tensors (the
-    interpreter), as on CUDA; {kernel: calls} counts them."""
+    interpreter), as on CUDA, a prefill's pieces of 8 tokens or more on the chunked delta rule and SSD (kernels/
+    recurrent.CHUNKED_FROM, 64 by default: the tests' prefill chunks are shorter); {kernel: calls} counts them."""
     import llmc.kernels.attention as attention
     import llmc.kernels.attention_triton as attention_triton
     import llmc.kernels.fused_moe as fused_moe
@@ -138,7 +139,7 @@ def triton_dispatch(monkeypatch):
     import llmc.runtime.models.moe as moe
 
     calls = {"rotate_and_write_kv": 0, "fused_moe": 0, "causal_conv": 0, "delta_rule": 0, "ssd": 0, "gated_rms_norm": 0,
-             "gated_group_norm": 0}
+             "gated_group_norm": 0, "delta_rule_chunked": 0, "ssd_chunked": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -149,7 +150,9 @@ def triton_dispatch(monkeypatch):
     monkeypatch.setattr(attention, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(fused_moe, "can_use_triton", lambda *tensors: True)
     monkeypatch.setattr(recurrent, "can_use_triton", lambda *tensors: True)
-    for name in ("causal_conv", "delta_rule", "ssd", "gated_rms_norm", "gated_group_norm"):
+    monkeypatch.setattr(recurrent, "CHUNKED_FROM", 8)
+    for name in ("causal_conv", "delta_rule", "ssd", "gated_rms_norm", "gated_group_norm", "delta_rule_chunked",
+                 "ssd_chunked"):
         monkeypatch.setattr(recurrent_triton, name, counted(name, getattr(recurrent_triton, name)))
     monkeypatch.setattr(moe, "fused_expert_weights",
                         lambda x, gate_up, down: (moe.expert_weights(gate_up), moe.expert_weights(down)))

@@ -63,16 +63,17 @@ def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispa
                                               hf_encode):
     """The full layer's rotary + KV write and paged attention on their Triton kernels (the rows permuted to a whole-head
     table, the output gate after them), and the state layers' (the conv, the delta rule or Mamba-2's recurrence) over
-    chunked prefills and decodes: transformers' logits, greedy tokens and logprobs. (Other hybrid families call
-    this.)"""
+    chunked prefills and decodes (a prefill's pieces of 8 tokens or more on the chunked kernels, the triton_dispatch
+    fixture's CHUNKED_FROM): transformers' logits, greedy tokens and logprobs. (Other hybrid families call this.)"""
     with LLM(artifact, device="cpu", max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         _check(llm, checkpoint, hf_logits, hf_greedy, hf_encode, PROMPTS[:2])
     assert triton_dispatch["rotate_and_write_kv"] and triton_dispatch["causal_conv"]
     model = read_manifest(artifact).model
     if model.linear_attention_layers:  # (a Gated DeltaNet's three kernels)
         assert triton_dispatch["delta_rule"] and triton_dispatch["gated_rms_norm"]
+        assert triton_dispatch["delta_rule_chunked"]
     if model.mamba_layers:  # (a Mamba-2 mixer's)
-        assert triton_dispatch["ssd"] and triton_dispatch["gated_group_norm"]
+        assert triton_dispatch["ssd"] and triton_dispatch["gated_group_norm"] and triton_dispatch["ssd_chunked"]
 
 
 class StaticDecodeSteps:
@@ -606,6 +607,38 @@ def test_on_the_gpu(checkpoint, artifact, hf_logits, hf_greedy, hf_encode, free_
             assert eager or runner.graphs.num_replays > 0
         assert [o.outputs[0].token_ids for o in outputs] == [
             _hf_tokens(checkpoint, ids, n) for ids, n in zip(encoded, lengths, strict=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_long_prompts_prefill_on_the_chunked_kernels_on_the_gpu(checkpoint, artifact, hf_model, monkeypatch, free_gpu):
+    """Prompts of 150 and 200 tokens (3-4 chunks of 64) prefilled in one step each on CUDA, so the delta rule runs on
+    the chunked kernels (tf32 products: kernels/recurrent_triton.DOT_PRECISION), beside a 1-token prompt on the token
+    loop: transformers' greedy tokens and their logprobs (float32 artifact, transformers on the CPU) to 5e-3, where the
+    float32 path holds 2e-3 (test_on_the_gpu): tf32 keeps 10 of float32's 23 mantissa bits (call 3 of session 53:
+    2.8e-3 off on the fifth token)."""
+    import llmc.kernels.recurrent_triton as recurrent_triton
+
+    calls = []
+    chunked = recurrent_triton.delta_rule_chunked
+    monkeypatch.setattr(recurrent_triton, "delta_rule_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=generator).tolist() for n in (150, 1, 200)]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)
+    with LLM(artifact, device="cuda", gpu_memory_utilization=0.3, max_num_seqs=3, max_num_batched_tokens=512,
+             max_model_len=256, enforce_eager=True) as llm:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    assert calls
+    for ids, output in zip(prompts, outputs, strict=True):
+        tokens = output.outputs[0].token_ids
+        generated = hf_model(checkpoint).generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=6,
+            do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert generated.sequences[0, len(ids):].tolist() == tokens
+        want = torch.stack([step[0].log_softmax(-1)[t] for step, t in zip(generated.logits, tokens, strict=True)])
+        got = torch.tensor([float(step[t]) for step, t in zip(output.outputs[0].logprobs, tokens, strict=True)])
+        torch.testing.assert_close(got, want.float(), atol=5e-3, rtol=0)
 
 
 def test_a_checkpoints_mtp_layer_is_left_out_and_said(checkpoint, tmp_path, caplog):
