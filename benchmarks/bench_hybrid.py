@@ -11,10 +11,14 @@ Layers at published shapes, bf16, random weights:
   short_conv  LFM2-1.2B's gated short conv (hidden 2048, 3 taps)
 
 Decode steps of B sequences (1, 64, 256; each continuing from its own slot's state) are captured in a CUDA graph and
-timed by replays (median of 50 replays after 5); prefill steps (one sequence of 2048 tokens; 16 sequences of 256,
-each from zero state) eagerly (median of 10 after 2). Both paths start each timing from the same states; the printed
-`max_diff` is the largest difference of the two paths' outputs on the first step (they differ by float32 rounding
-order). The in- and out-projections are part of each layer's time, as in a model's step.
+timed by replays (median of 50 replays after 5); prefill steps (one sequence of 2048 tokens; 16 sequences of 256;
+256 one-token sequences beside one of 512, a mixed step; each from zero state) eagerly (median of 10 after 2), on
+the kernels also with every piece on the token loop (`triton_loop`: kernels/recurrent.CHUNKED_FROM out of reach, the
+form before the chunked kernels). Both paths start each timing from the same states; the printed `max_diff` is the
+largest difference of the two paths' outputs on the first step (they differ by rounding order, and by tf32's
+rounding on the chunked kernels). The in- and out-projections are part of each layer's time, as in a model's step.
+`--sweep-chunked` times the chunked kernels alone per tile against the token loop; `--profile` lists the prefills'
+CUDA kernels.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ CONFIGS = {
     "short_conv": (ShortConv, dict(hidden_size=2048, short_conv_kernel=3)),
 }
 DECODE_BATCHES = (1, 64, 256)
-PREFILLS = {"1x2048": [2048], "16x256": [256] * 16}
+PREFILLS = {"1x2048": [2048], "16x256": [256] * 16, "256x1+512": [1] * 256 + [512]}  # (the last: a mixed step)
 TINY = {"deltanet": dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                          linear_value_head_dim=16),
         "mamba2": dict(hidden_size=64, mamba_num_heads=4, mamba_head_dim=8, mamba_n_groups=2, mamba_d_state=16,
@@ -60,7 +64,7 @@ def shrink() -> None:
     global DECODE_BATCHES, PREFILLS, DEVICE
     for kind, values in TINY.items():
         CONFIGS[kind][1].update(values)
-    DECODE_BATCHES, PREFILLS, DEVICE = (1, 3), {"1x70": [70], "3x7": [7] * 3}, "cpu"
+    DECODE_BATCHES, PREFILLS, DEVICE = (1, 3), {"1x70": [70], "3x7": [7] * 3, "3x1+70": [1, 1, 1, 70]}, "cpu"
 
 
 def make_layer(kind: str, dtype: torch.dtype, slots: int):
@@ -315,12 +319,44 @@ def sweep_chunked() -> list[dict]:
     return rows
 
 
+@torch.inference_mode()
+def profile_prefills(kinds: list[str]) -> list[dict]:
+    """Each layer's prefill steps on the kernels under torch.profiler (after a warm-up): its CUDA kernels by total
+    time per step (µs), the longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for kind in kinds:
+        layer = make_layer(kind, torch.bfloat16, max(len(lengths) for lengths in PREFILLS.values()) + 1)
+        use_kernels(True)
+        for name, lengths in PREFILLS.items():
+            x = torch.randn(sum(lengths), CONFIGS[kind][1]["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
+            batch = batch_of(lengths, lengths, list(range(len(lengths))))
+            for _ in range(2):
+                batch.kernel_cache.clear()
+                layer(x, batch)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    batch.kernel_cache.clear()
+                    layer(x, batch)
+                torch.cuda.synchronize()
+            kernels = sorted(((e.key, e.device_time_total / 5, e.count / 5) for e in prof.key_averages()
+                              if e.device_time_total > 0), key=lambda row: -row[1])
+            row = {"layer": kind, "case": name, "kernel_us": round(sum(k[1] for k in kernels), 1),
+                   "kernels": [{"name": k[0][:60], "us": round(k[1], 1), "calls": k[2]} for k in kernels[:12]]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="check this script on a CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", action="store_true", help="only the kernels' tiles and warps (`sweep`)")
+    parser.add_argument("--profile", action="store_true", help="only the prefills' CUDA kernels (`profile_prefills`)")
     parser.add_argument("--sweep-chunked", action="store_true",
                         help="only the chunked kernels' tiles and warps against the token loop (`sweep_chunked`)")
     parser.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -330,6 +366,11 @@ def main(argv=None) -> None:
     STATE_DTYPE = getattr(torch, args.state_dtype)
     if args.tiny:
         shrink()
+    if args.profile:
+        result = profile_prefills(args.layers)
+        if args.json:
+            args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "profile": result}, indent=2))
+        return
     if args.sweep or args.sweep_chunked:
         result = sweep() if args.sweep else sweep_chunked()
         if args.json:
