@@ -207,6 +207,13 @@ def time_calls(fn, repeats: int = 20) -> float:
     return statistics.median(times)
 
 
+def step_pieces(lengths: list[int]):
+    """A step's sequences for the kernels from their lengths: (tokens, cu_seqlens, slots 0..n-1, fresh all false)."""
+    device, n = torch.device(DEVICE), len(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return sum(lengths), cu, torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+
+
 @torch.inference_mode()
 def sweep() -> list[dict]:
     """The delta rule's and the SSD recurrence's kernels alone (eager launches, µs, median of 20) per tile and warp
@@ -216,9 +223,8 @@ def sweep() -> list[dict]:
     rows, device = [], torch.device(DEVICE)
     cases = {"B=1": [1], "B=256": [1] * 256, "1x2048": [2048], "16x256": [256] * 16}
     for name, lengths in cases.items():
-        tokens, n = sum(lengths), len(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+        tokens, cu, slots, fresh = step_pieces(lengths)
+        n = len(lengths)
         q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
         raw = max(lengths) == 1  # (kernels/recurrent.GATES_IN_KERNEL: a decode's gates raw, a prefill's computed)
@@ -283,9 +289,8 @@ def sweep_chunked() -> list[dict]:
 
     rows, device = [], torch.device(DEVICE)
     for name, lengths in CROSSOVER.items():
-        tokens, n = sum(lengths), len(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-        slots, fresh = torch.arange(n, device=device), torch.zeros(n, dtype=torch.bool, device=device)
+        tokens, cu, slots, fresh = step_pieces(lengths)
+        n = len(lengths)
         q = torch.randn(tokens, 2 * 16 * 128, device=device, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=device, dtype=torch.bfloat16)
         g = -torch.rand(tokens, 32, device=device) * 0.5

@@ -8,26 +8,16 @@ precision, with the compiled kernels' registers, spills and shared memory.
 from __future__ import annotations
 
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from llmc.kernels import recurrent_triton as rt
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_hybrid import step_pieces, time_calls  # noqa: E402
 
-
-def time_us(fn, repeats: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return round(statistics.median(times), 1)
+from llmc.kernels import recurrent_triton as rt  # noqa: E402
 
 
 def compiled(kernel) -> list[dict]:
@@ -43,9 +33,8 @@ def compiled(kernel) -> list[dict]:
 def main() -> None:
     dev = torch.device("cuda")
     for name, lengths in {"1x2048": [2048], "64x16": [16] * 64}.items():
-        tokens, n = sum(lengths), len(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        slots, fresh = torch.arange(n, device=dev), torch.zeros(n, dtype=torch.bool, device=dev)
+        tokens, cu, slots, fresh = step_pieces(lengths)
+        n = len(lengths)
         q = torch.randn(tokens, 2 * 16 * 128, device=dev, dtype=torch.bfloat16)
         v = torch.randn(tokens, 32 * 128, device=dev, dtype=torch.bfloat16)
         g, beta = -torch.rand(tokens, 32, device=dev) * 0.5, torch.rand(tokens, 32, device=dev)
@@ -77,7 +66,7 @@ def main() -> None:
                 row = {"case": name, "precision": precision, "warps": warps}
                 for label, fn in (("prep", prep), ("scan", scan), ("ssd", ssd)):
                     try:
-                        row[label] = time_us(fn)
+                        row[label] = round(time_calls(fn, 10), 1)
                     except Exception as error:  # noqa: BLE001
                         row[label] = str(error)[:60]
                 print(json.dumps(row), flush=True)

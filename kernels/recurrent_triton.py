@@ -27,6 +27,15 @@ def _sequence(cu_ptr, slot_ptr, fresh_ptr, seq):
 
 
 @triton.jit
+def _read_state(state_ptr, slot, head, rows, cols, n_rows, n_cols, stride_slot, keep):
+    """A program's tile (rows, cols) of head `head` in its sequence's slot of state [slots, heads, n_rows, n_cols]:
+    the tile's pointers, its mask, and its values in float32 (zeros where the piece starts fresh)."""
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    tile = state_ptr + slot * stride_slot + head * n_rows * n_cols + rows[:, None] * n_cols + cols[None, :]
+    return tile, mask, tl.load(tile, mask=mask & keep, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _softplus(x):
     """torch's softplus (threshold 20: above it, x as is)."""
     return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -120,12 +129,9 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr
     ks = tl.arange(0, BK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     k_mask, v_mask = ks < key_dim, vs < value_dim
-    tile_mask = k_mask[:, None] & v_mask[None, :]
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     if end - start < long_from:  # (longer pieces: the chunked kernels)
-        tile = (state_ptr + slot * stride_slot + head * key_dim * value_dim
-                + ks[:, None] * value_dim + vs[None, :])
-        s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
+        tile, tile_mask, s = _read_state(state_ptr, slot, head, ks, vs, key_dim, value_dim, stride_slot, keep)
         qk_cols = (head // group) * key_dim + ks
         if RAW:
             neg_a = -tl.exp(tl.load(a_log_ptr + head))
@@ -213,12 +219,9 @@ def _ssd_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, stat
     ps = tl.program_id(2) * BP + tl.arange(0, BP)
     ns = tl.arange(0, BN)
     p_mask, n_mask = ps < head_dim, ns < d_state
-    tile_mask = p_mask[:, None] & n_mask[None, :]
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     if end - start < long_from:  # (longer pieces: the chunked kernels)
-        tile = (state_ptr + slot * stride_slot + head * head_dim * d_state
-                + ps[:, None] * d_state + ns[None, :])
-        s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
+        tile, tile_mask, s = _read_state(state_ptr, slot, head, ps, ns, head_dim, d_state, stride_slot, keep)
         a = -tl.exp(tl.load(a_log_ptr + head))
         d = tl.load(d_ptr + head)
         if RAW:
@@ -399,11 +402,9 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, p_ptr, state_ptr,
     ks = tl.arange(0, BK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     k_mask, v_mask = ks < key_dim, vs < value_dim
-    tile_mask = k_mask[:, None] & v_mask[None, :]
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     if end - start >= long_from:  # (shorter pieces: the token loop)
-        tile = state_ptr + slot * stride_slot + head * key_dim * value_dim + ks[:, None] * value_dim + vs[None, :]
-        s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
+        tile, tile_mask, s = _read_state(state_ptr, slot, head, ks, vs, key_dim, value_dim, stride_slot, keep)
         qk_cols = (head // group) * key_dim + ks
         for first in range(start, end, C):
             ts, rows, valid = _chunk_rows(start, end, first, C)
@@ -463,11 +464,9 @@ def _ssd_chunked_kernel(x_ptr, dt_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, state_ptr
     ps = tl.program_id(2) * BP + tl.arange(0, BP)
     ns = tl.arange(0, BN)
     p_mask, n_mask = ps < head_dim, ns < d_state
-    tile_mask = p_mask[:, None] & n_mask[None, :]
     start, end, slot, keep = _sequence(cu_ptr, slot_ptr, fresh_ptr, seq)
     if end - start >= long_from:  # (shorter pieces: the token loop)
-        tile = state_ptr + slot * stride_slot + head * head_dim * d_state + ps[:, None] * d_state + ns[None, :]
-        s = tl.load(tile, mask=tile_mask & keep, other=0.0).to(tl.float32)
+        tile, tile_mask, s = _read_state(state_ptr, slot, head, ps, ns, head_dim, d_state, stride_slot, keep)
         a = -tl.exp(tl.load(a_log_ptr + head))
         d = tl.load(d_ptr + head)
         bc_cols = (head // per_group) * d_state + ns
