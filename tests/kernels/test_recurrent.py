@@ -205,3 +205,52 @@ def test_the_gated_group_norm_is_the_torch_form(elementwise_case, norm):
     assert got.dtype == dtype
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]  # (the output's rounding)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=rtol)
+
+
+_COMPILE_SM90 = r"""
+import json, re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.kernels import recurrent as r, recurrent_triton as rt
+
+TILE_NAMES = ("C", "BK", "BV", "BP", "BN", "PRECISION")
+
+
+def compile_90(fn, pointers, floats, constants, tiles):
+    signature = {n: pointers.get(n, "*fp32") if n.endswith("_ptr") else "fp32" if n in floats else "i32"
+                 for n in fn.arg_names if n not in TILE_NAMES}
+    names = list(fn.arg_names)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items() if t.startswith("*")}
+    source = ASTSource(fn, {**signature, **{k: "constexpr" for k in constants}}, constants, attrs)
+    try:
+        k = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": tiles[1], "num_stages": tiles[2]})
+    except FileNotFoundError as exc:  # a triton without its bundled ptxas
+        print("SKIP", exc)
+        raise SystemExit(0)
+    return {"shared": k.metadata.shared, "wgmma_tf32": len(re.findall(r"wgmma\.mma_async[^\n]*tf32", k.asm["ptx"]))}
+
+
+seqs = {"cu_ptr": "*i32", "slot_ptr": "*i64", "fresh_ptr": "*i1"}
+qk = {"q_ptr": "*bf16", "k_ptr": "*bf16"}
+delta, ssd = r.CHUNKED_TILES["delta_rule"], r.CHUNKED_TILES["ssd"]
+shapes = {"C": r.CHUNK, "PRECISION": rt.DOT_PRECISION}
+print(json.dumps({
+    "prep": compile_90(rt._delta_rule_prep_kernel, {**qk, **seqs, "v_ptr": "*bf16"}, ("scale", "eps"),
+                       {**shapes, "BK": 128, "BV": 128}, delta),
+    "scan": compile_90(rt._delta_rule_scan_kernel, {**qk, **seqs}, ("scale", "eps"),
+                       {**shapes, "BK": 128, "BV": delta[0]}, delta),
+    "ssd": compile_90(rt._ssd_chunked_kernel, seqs, (), {**shapes, "BP": ssd[0], "BN": 128}, ssd)}))
+"""
+
+
+def test_the_chunked_kernels_fit_a_hopper_at_the_published_shapes():
+    """The chunked kernels compiled for sm_90 by the installed triton (in a process of its own, not interpreted) at
+    their tiles (kernels/recurrent.CHUNKED_TILES) and Qwen3.5-9B's / Nemotron-H-8B's head sizes (key and value dims
+    128; head_dim 64, d_state 128): each fits the H100's / H200's 227 KiB of shared memory (the first form's pipelined
+    loads asked 287 KiB there, session 53) and runs its products on tf32 wgmma."""
+    from tests.kernels.conftest import sm90_compile_facts
+
+    facts = sm90_compile_facts(_COMPILE_SM90)
+    for name, kernel in facts.items():
+        assert kernel["shared"] <= 227 * 1024 and kernel["wgmma_tf32"] > 0, (name, kernel)
