@@ -248,7 +248,7 @@ def test_the_chunked_kernels_fit_a_hopper_at_the_published_shapes():
     """The chunked kernels compiled for sm_90 by the installed triton (in a process of its own, not interpreted) at
     their tiles (kernels/recurrent.CHUNKED_TILES) and Qwen3.5-9B's / Nemotron-H-8B's head sizes (key and value dims
     128; head_dim 64, d_state 128): each fits the H100's / H200's 227 KiB of shared memory (the first form's pipelined
-    loads asked 287 KiB there, session 53) and runs its products on tf32 wgmma."""
+    loads asked 287,232 bytes there, session 53) and runs its products on tf32 wgmma."""
     from tests.kernels.conftest import sm90_compile_facts
 
     facts = sm90_compile_facts(_COMPILE_SM90)
