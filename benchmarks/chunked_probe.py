@@ -49,27 +49,26 @@ def main() -> None:
         d, a_log = torch.ones(128, device=dev), torch.rand(128, device=dev)
         sstate = torch.zeros(n, 128, 64, 128, device=dev)
         sout = torch.empty(tokens, 128 * 64, device=dev)
-        for precision in ("tf32", "tf32x3", "bf16"):
-            for warps in (4,):
-                prep = lambda: rt._delta_rule_prep_kernel[(n, triton.cdiv(max(lengths), 64), 32)](
-                    q[:, :2048], q[:, 2048:], v, g, beta, w, u, p, cu, q.stride(0), v.stride(0), g.stride(0),
-                    w.stride(0), u.stride(0), p.stride(0), 2, 128, 128, 128 ** -0.5, 1e-6, 1, C=64, BK=128, BV=128,
-                    PRECISION=precision, num_warps=warps, num_stages=1)
-                scan = lambda: rt._delta_rule_scan_kernel[(n, 32, 4)](
-                    q[:, :2048], q[:, 2048:], g, w, u, p, state, out, cu, slots, fresh, q.stride(0), g.stride(0),
-                    w.stride(0), u.stride(0), p.stride(0), out.stride(0), state.stride(0), 2, 128, 128, 128 ** -0.5,
-                    1e-6, 1, C=64, BK=128, BV=32, PRECISION=precision, num_warps=warps, num_stages=1)
-                ssd = lambda: rt._ssd_chunked_kernel[(n, 128, 2)](
-                    x, dt, a_log, bc[:, :1024], bc[:, 1024:], d, sstate, sout, cu, slots, fresh, x.stride(0),
-                    dt.stride(0), bc.stride(0), sout.stride(0), sstate.stride(0), 16, 64, 128, 1, C=64, BP=32,
-                    BN=128, PRECISION=precision, num_warps=warps, num_stages=1)
-                row = {"case": name, "precision": precision, "warps": warps}
-                for label, fn in (("prep", prep), ("scan", scan), ("ssd", ssd)):
-                    try:
-                        row[label] = round(time_calls(fn, 10), 1)
-                    except Exception as error:  # noqa: BLE001
-                        row[label] = str(error)[:60]
-                print(json.dumps(row), flush=True)
+        for precision in ("tf32", "tf32x3", "bf16"):  # (4 warps: the dispatch's)
+            prep = lambda: rt._delta_rule_prep_kernel[(n, triton.cdiv(max(lengths), 64), 32)](
+                q[:, :2048], q[:, 2048:], v, g, beta, w, u, p, cu, q.stride(0), v.stride(0), g.stride(0),
+                w.stride(0), u.stride(0), p.stride(0), 2, 128, 128, 128 ** -0.5, 1e-6, 1, C=64, BK=128, BV=128,
+                PRECISION=precision, num_warps=4, num_stages=1)
+            scan = lambda: rt._delta_rule_scan_kernel[(n, 32, 4)](
+                q[:, :2048], q[:, 2048:], g, w, u, p, state, out, cu, slots, fresh, q.stride(0), g.stride(0),
+                w.stride(0), u.stride(0), p.stride(0), out.stride(0), state.stride(0), 2, 128, 128, 128 ** -0.5,
+                1e-6, 1, C=64, BK=128, BV=32, PRECISION=precision, num_warps=4, num_stages=1)
+            ssd = lambda: rt._ssd_chunked_kernel[(n, 128, 2)](
+                x, dt, a_log, bc[:, :1024], bc[:, 1024:], d, sstate, sout, cu, slots, fresh, x.stride(0),
+                dt.stride(0), bc.stride(0), sout.stride(0), sstate.stride(0), 16, 64, 128, 1, C=64, BP=32,
+                BN=128, PRECISION=precision, num_warps=4, num_stages=1)
+            row = {"case": name, "precision": precision, "warps": 4}
+            for label, fn in (("prep", prep), ("scan", scan), ("ssd", ssd)):
+                try:
+                    row[label] = round(time_calls(fn, 10), 1)
+                except Exception as error:  # noqa: BLE001
+                    row[label] = str(error)[:60]
+            print(json.dumps(row), flush=True)
     for kernel in (rt._delta_rule_prep_kernel, rt._delta_rule_scan_kernel, rt._ssd_chunked_kernel):
         print(kernel.fn.__name__, json.dumps(compiled(kernel)))
 

@@ -109,10 +109,11 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
         return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
                                            steps.cu_seqlens, scale, eps, out, tile, warps)
     g, beta = delta_rule_gates(a, b, a_log, dt_bias, beta_scale)
-    long_from = CHUNKED_FROM if steps.max_len >= CHUNKED_FROM else 1 << 30
+    chunked = steps.max_len >= CHUNKED_FROM
+    long_from = CHUNKED_FROM if chunked else 1 << 30
     recurrent_triton.delta_rule(q, k, v, g, beta, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
                                 steps.cu_seqlens, scale, eps, out, tile, warps, raw=False, long_from=long_from)
-    if steps.max_len >= CHUNKED_FROM:
+    if chunked:
         recurrent_triton.delta_rule_chunked(q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale,
                                             eps, out, steps.max_len, long_from, *CHUNKED_TILES["delta_rule"])
     return out
@@ -144,10 +145,11 @@ def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Ten
         return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens,
                                     out, tile, warps)
     dt = ssd_time_step(dt, dt_bias)
-    long_from = CHUNKED_FROM if steps.max_len >= CHUNKED_FROM else 1 << 30
+    chunked = steps.max_len >= CHUNKED_FROM
+    long_from = CHUNKED_FROM if chunked else 1 << 30
     recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out, tile,
                          warps, raw=False, long_from=long_from)
-    if steps.max_len >= CHUNKED_FROM:
+    if chunked:
         recurrent_triton.ssd_chunked(x, dt, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
                                      long_from, *CHUNKED_TILES["ssd"])
     return out

@@ -307,7 +307,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _chunk_rows(start, end, first, C: tl.constexpr):
+def _chunk_rows(end, first, C: tl.constexpr):
     """The chunk's in-sequence positions 0..C-1, its rows from `first`, which of them lie in the sequence."""
     ts = tl.arange(0, C)
     rows = first + ts
@@ -368,7 +368,7 @@ def _delta_rule_prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, 
     end = tl.load(cu_ptr + seq + 1).to(tl.int64)
     first = start + tl.program_id(1) * C
     if first < end and end - start >= long_from:
-        ts, rows, valid = _chunk_rows(start, end, first, C)
+        ts, rows, valid = _chunk_rows(end, first, C)
         ks, vs = tl.arange(0, BK), tl.arange(0, BV)
         k_mask, v_mask = ks < key_dim, vs < value_dim
         k = _load_normed(k_ptr, rows, valid, (head // group) * key_dim + ks, k_mask, stride_qk, eps)
@@ -407,7 +407,7 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, p_ptr, state_ptr,
         tile, tile_mask, s = _read_state(state_ptr, slot, head, ks, vs, key_dim, value_dim, stride_slot, keep)
         qk_cols = (head // group) * key_dim + ks
         for first in range(start, end, C):
-            ts, rows, valid = _chunk_rows(start, end, first, C)
+            ts, rows, valid = _chunk_rows(end, first, C)
             row_v = valid[:, None] & v_mask[None, :]
             q = _load_normed(q_ptr, rows, valid, qk_cols, k_mask, stride_qk, eps) * scale
             k = _load_normed(k_ptr, rows, valid, qk_cols, k_mask, stride_qk, eps)
@@ -471,7 +471,7 @@ def _ssd_chunked_kernel(x_ptr, dt_ptr, a_log_ptr, b_ptr, c_ptr, d_ptr, state_ptr
         d = tl.load(d_ptr + head)
         bc_cols = (head // per_group) * d_state + ns
         for first in range(start, end, C):
-            ts, rows, valid = _chunk_rows(start, end, first, C)
+            ts, rows, valid = _chunk_rows(end, first, C)
             row_p = valid[:, None] & p_mask[None, :]
             row_n = valid[:, None] & n_mask[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride_x + (head * head_dim + ps)[None, :], mask=row_p,

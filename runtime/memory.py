@@ -375,7 +375,7 @@ def estimate(
     state_bytes: int = 0,
 ) -> MemoryEstimate:
     """The plan before the GPU is seen: the activation formula (with DeepSeek's expanded workspace over num_heads
-    heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES and a hybrid model's states for other, and the graph
+    heads, a rank's; None: the model's), CUDA_CONTEXT_BYTES for other, and the graph
     allowance for the buckets the compiler plans (decode graphs with use_graphs; the graphs of prefill and mixed steps,
     prefill_graph_allowance_bytes, given); state_bytes: a hybrid's states (estimate_per_rank: max_num_seqs + 1 slots
     at artifact.state_dtypes)."""
