@@ -9,7 +9,8 @@ runtime/models (gated_deltanet.py, mamba2.py, short_conv.py): the layers call th
 
 `StateSteps` describes the step's sequences for the kernels: cu_seqlens [num_seqs + 1] int32 (their rows), slots
 [num_seqs] (their state slots) and fresh [num_seqs] bool (a piece starting its sequence reads zeros), all on the
-device: a decode step builds them with device ops only (a CUDA graph replays it); and max_len, the longest piece (host).
+device: a decode step builds them with device ops only (a CUDA graph replays it); and on the host max_len, the longest
+piece, and long_pieces, how many have CHUNKED_FROM tokens or more.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import can_use_triton  # noqa: F401 (the layers' dispatch; tests patch it here)
+from . import can_use_triton, device_num_sms  # noqa: F401 (can_use_triton: the layers' dispatch; tests patch it here)
 
 # (tile, warps) of the delta rule's and the SSD recurrence's kernels for decode steps and for prefills, from
 # `benchmarks/bench_hybrid.py --sweep` on an H200 (benchmarks/RESULTS.md, session 51): decodes are bound by the state's
@@ -28,6 +29,9 @@ DELTA_RULE_TILES = {"decode": (64, 4), "prefill": (16, 1)}
 SSD_TILES = {"decode": (32, 4), "prefill": (4, 1)}
 # (tile, warps, stages) of the chunked kernels, from `bench_hybrid.py --sweep-chunked` (RESULTS.md, session 53)
 CHUNKED_TILES = {"delta_rule": (64, 4, 1), "ssd": (64, 4, 1)}
+# the tile of a step whose long pieces at CHUNKED_TILES' leave SMs idle (pieces x heads x tiles fewer programs than the
+# GPU has SMs: one long prompt, a few): twice the programs (session 54, one 2048-token piece: 1.2-1.3x faster at 32)
+CHUNKED_NARROW = 32
 # a prefill's pieces of CHUNKED_FROM tokens or more run on the chunked kernels (recurrent_triton.delta_rule_chunked,
 # ssd_chunked: a sequence's serial path one step per 64-token chunk, its work tensor-core products), the step's shorter
 # pieces (its decodes among them) on the token loop, a launch of each
@@ -57,6 +61,7 @@ class StateSteps:
     slots: Tensor
     fresh: Tensor
     max_len: int
+    long_pieces: int
 
     @classmethod
     def of(cls, query_lens: list[int], context_lens: Tensor, slots: Tensor | None, is_decode: bool,
@@ -78,7 +83,9 @@ class StateSteps:
                 fresh = context_lens == lengths
             if slots is None:
                 slots, fresh = torch.arange(num_seqs, device=device), torch.ones_like(fresh)
-            found = cache["state_steps"] = cls(cu_seqlens, slots, fresh, 1 if is_decode else max(query_lens))
+            long_pieces = 0 if is_decode else sum(length >= CHUNKED_FROM for length in query_lens)
+            found = cache["state_steps"] = cls(cu_seqlens, slots, fresh, 1 if is_decode else max(query_lens),
+                                               long_pieces)
         return found
 
 
@@ -109,14 +116,23 @@ def delta_rule(q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, a_log: Ten
         return recurrent_triton.delta_rule(q, k, v, a, b, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
                                            steps.cu_seqlens, scale, eps, out, tile, warps)
     g, beta = delta_rule_gates(a, b, a_log, dt_bias, beta_scale)
-    chunked = steps.max_len >= CHUNKED_FROM
-    long_from = CHUNKED_FROM if chunked else 1 << 30
+    long_from = CHUNKED_FROM if steps.long_pieces else 1 << 30
     recurrent_triton.delta_rule(q, k, v, g, beta, a_log, dt_bias, beta_scale, state, steps.slots, steps.fresh,
                                 steps.cu_seqlens, scale, eps, out, tile, warps, raw=False, long_from=long_from)
-    if chunked:
-        recurrent_triton.delta_rule_chunked(q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale,
-                                            eps, out, steps.max_len, long_from, *CHUNKED_TILES["delta_rule"])
+    if steps.long_pieces:
+        recurrent_triton.delta_rule_chunked(
+            q, k, v, g, beta, state, steps.slots, steps.fresh, steps.cu_seqlens, scale, eps, out, steps.max_len,
+            long_from, *chunked_tiles("delta_rule", steps.long_pieces * state.shape[1], state.shape[3], v.device))
     return out
+
+
+def chunked_tiles(kind: str, pieces_by_heads: int, width: int, device: torch.device) -> tuple[int, int, int]:
+    """CHUNKED_TILES[kind] (tile, warps, stages) for a step's long pieces times heads over a width (the delta rule's
+    value_dim, the SSD's head_dim) tiled into programs: CHUNKED_NARROW where the table's tile leaves SMs idle."""
+    tile, warps, stages = CHUNKED_TILES[kind]
+    if device.type == "cuda" and pieces_by_heads * -(-width // tile) < device_num_sms(device):
+        tile = min(tile, CHUNKED_NARROW)
+    return tile, warps, stages
 
 
 def gated_rms_norm(o: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -145,13 +161,13 @@ def ssd(x: Tensor, dt: Tensor, dt_bias: Tensor, a_log: Tensor, b: Tensor, c: Ten
         return recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens,
                                     out, tile, warps)
     dt = ssd_time_step(dt, dt_bias)
-    chunked = steps.max_len >= CHUNKED_FROM
-    long_from = CHUNKED_FROM if chunked else 1 << 30
+    long_from = CHUNKED_FROM if steps.long_pieces else 1 << 30
     recurrent_triton.ssd(x, dt, dt_bias, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out, tile,
                          warps, raw=False, long_from=long_from)
-    if chunked:
+    if steps.long_pieces:
         recurrent_triton.ssd_chunked(x, dt, a_log, b, c, d, state, steps.slots, steps.fresh, steps.cu_seqlens, out,
-                                     long_from, *CHUNKED_TILES["ssd"])
+                                     long_from, *chunked_tiles("ssd", steps.long_pieces * state.shape[1],
+                                                               state.shape[2], x.device))
     return out
 
 

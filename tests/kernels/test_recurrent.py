@@ -46,7 +46,7 @@ SLOTS = [4, 0, 2, 5, 1]  # slot 3 belongs to no sequence of the step
 def _steps(device, lengths=LENGTHS):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return recurrent.StateSteps(cu, torch.tensor(SLOTS, device=device), torch.tensor(FRESH, device=device),
-                                max(lengths))
+                                max(lengths), sum(length >= recurrent.CHUNKED_FROM for length in lengths))
 
 
 def _pieces(lengths=LENGTHS):
@@ -86,14 +86,16 @@ def test_the_causal_conv_is_the_torch_conv(elementwise_case, kernel, silu, bias,
     (2, 16, 16, LENGTHS, torch.float32, 1.0, 64), (1, 32, 48, LENGTHS, torch.float32, 2.0, 64),
     (1, 32, 80, [1] * 5, torch.float32, 2.0, 64), (2, 16, 16, LENGTHS, torch.bfloat16, 1.0, 64),
     (1, 32, 80, [1] * 5, torch.float16, 1.0, 64), (2, 16, 16, LENGTHS, torch.float32, 1.0, 2),
-    (1, 32, 48, LONG, torch.float32, 2.0, 64), (2, 16, 16, LONG, torch.bfloat16, 1.0, 64)])
+    (1, 32, 48, LONG, torch.float32, 2.0, 64), (2, 16, 16, LONG, torch.bfloat16, 1.0, 64),
+    (1, 32, 80, LONG, torch.float32, 1.0, 64)])
 def test_the_delta_rule_is_the_recurrent_torch_form(elementwise_case, monkeypatch, group, key_dim, value_dim, lengths,
                                                     state_dtype, beta_scale, chunked_from):
     """Prefill pieces and a decode step (each with its own tiles: kernels/recurrent.DELTA_RULE_TILES); float32 and
     16-bit states; the gates from the raw projections (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in
     the inputs' dtype times beta_scale: 2 is OLMo Hybrid's allow_neg_eigval). A step whose longest piece has
     CHUNKED_FROM tokens runs the chunked kernels: pieces of several chunks, one ending on a chunk's end, decodes
-    among them (chunks of one token), and short pieces forced onto them."""
+    among them (chunks of one token), short pieces forced onto them, and value tiles masked at the value heads' end (80
+of 128; a GPU takes the narrow tile here, recurrent.CHUNKED_NARROW: few programs)."""
     monkeypatch.setattr(recurrent, "CHUNKED_FROM", chunked_from)
     device, dtype = elementwise_case
     torch.manual_seed(1)
