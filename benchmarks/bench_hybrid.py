@@ -259,9 +259,9 @@ def sweep() -> list[dict]:
     return rows
 
 
-# (block_v, scan warps, num_stages, the per-chunk kernel's warps) / (block_p, num_warps, num_stages)
-CHUNKED_DELTA_CONFIGS = [(32, 4, 1, 4), (64, 4, 1, 4), (32, 8, 1, 4), (64, 8, 1, 4), (64, 8, 1, 8), (128, 8, 1, 4)]
-CHUNKED_SSD_CONFIGS = [(32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1), (64, 8, 2)]
+# (block_v or block_p, num_warps, num_stages); 8 warps (fewer spills) were slower in every case (session 54)
+CHUNKED_DELTA_CONFIGS = [(32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1)]
+CHUNKED_SSD_CONFIGS = [(32, 4, 1), (64, 4, 1), (32, 8, 1), (64, 8, 1)]
 CROSSOVER = {"1x2048": [2048], "16x256": [256] * 16, "64x64": [64] * 64, "64x32": [32] * 64, "64x16": [16] * 64,
              "256+1x512": [1] * 256 + [512]}
 
@@ -302,9 +302,9 @@ def sweep_chunked() -> list[dict]:
         cases = [("loop", block, warps, lambda: recurrent_triton.delta_rule(
             q[:, :2048], q[:, 2048:], v, g, beta, a_log, dt_bias, 1.0, state, slots, fresh, cu, 128 ** -0.5, 1e-6,
             out, block, warps, False))]
-        cases += [(f"chunked/{st}/prep{pw}", bv, w, lambda bv=bv, w=w, st=st, pw=pw: recurrent_triton.delta_rule_chunked(
+        cases += [(f"chunked/{st}", bv, w, lambda bv=bv, w=w, st=st: recurrent_triton.delta_rule_chunked(
             q[:, :2048], q[:, 2048:], v, g, beta, state, slots, fresh, cu, 128 ** -0.5, 1e-6, out, max(lengths), 1,
-            bv, w, st, pw)) for bv, w, st, pw in CHUNKED_DELTA_CONFIGS]
+            bv, w, st)) for bv, w, st in CHUNKED_DELTA_CONFIGS]
         rows += _timed_cases("delta_rule", name, cases)
         del state, out, q, v
         x = torch.randn(tokens, 128 * 64, device=device, dtype=torch.bfloat16)

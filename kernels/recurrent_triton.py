@@ -428,12 +428,11 @@ def _delta_rule_scan_kernel(q_ptr, k_ptr, g_ptr, w_ptr, u_ptr, p_ptr, state_ptr,
 
 
 def delta_rule_chunked(q, k, v, g, beta, state, slots, fresh, cu_seqlens, scale: float, eps: float, out, max_len: int,
-                       long_from: int = 1, block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
-                       prep_warps: int | None = None):
+                       long_from: int = 1, block_v: int = 32, num_warps: int = 4, num_stages: int = 1):
     """delta_rule's result (raw false: g and beta float32 [T, value heads], one row stride) for the pieces of long_from
     tokens or more (the others left alone), in chunks of CHUNK tokens: two launches, the chunks' W, U~ and P (float32
-    scratch [T, value heads * (key_dim + value_dim + CHUNK)]) in parallel over every chunk (prep_warps, None: num_warps),
-    then each sequence's chunks in order (num_warps). max_len: at least the longest piece."""
+    scratch [T, value heads * (key_dim + value_dim + CHUNK)]) in parallel over every chunk, then each sequence's chunks
+    in order. max_len: at least the longest piece."""
     assert g.stride() == beta.stride()
     _, heads, key_dim, value_dim = state.shape
     group = heads // (q.shape[1] // key_dim)
@@ -444,7 +443,7 @@ def delta_rule_chunked(q, k, v, g, beta, state, slots, fresh, cu_seqlens, scale:
     _delta_rule_prep_kernel[(num_seqs, triton.cdiv(max_len, CHUNK), heads)](
         q, k, v, g, beta, w, u, p, cu_seqlens, q.stride(0), v.stride(0), g.stride(0), w.stride(0), u.stride(0),
         p.stride(0), group, key_dim, value_dim, scale, eps, long_from, C=CHUNK, BK=bk, BV=bv_all,
-        PRECISION=DOT_PRECISION, num_warps=prep_warps or num_warps, num_stages=num_stages)
+        PRECISION=DOT_PRECISION, num_warps=num_warps, num_stages=num_stages)
     block_v = max(16, min(block_v, triton.next_power_of_2(value_dim)))
     _delta_rule_scan_kernel[(num_seqs, heads, triton.cdiv(value_dim, block_v))](
         q, k, g, w, u, p, state, out, cu_seqlens, slots, fresh, q.stride(0), g.stride(0), w.stride(0), u.stride(0),
