@@ -120,6 +120,7 @@ def build(recipe: Recipe, show_progress: bool = True) -> BuildResult:
 def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_progress: bool) -> BuildResult:
     _resolve_runtime(recipe, ctx.model)  # a max_model_len the model cannot take fails before any quantization
     _check_calibration_seq_len(recipe, ctx.model)
+    _check_hybrid(ctx)  # (first: a hybrid MoE's refusal names what a hybrid builds with, not what an MoE does)
     _check_moe(ctx)
     _check_mla(ctx)
     _check_onnx_norms(ctx)
@@ -127,7 +128,6 @@ def _build(ctx: _Context, recipe: Recipe, timings: dict, start: float, show_prog
     _check_onnx_qk_l2_norm(ctx)
     _check_int8(ctx)
     _check_partial_rotary(ctx)
-    _check_hybrid(ctx)
     _check_gateless_mlp(ctx)
     _check_pooling(ctx)
     ctx.lora = _timed(timings, "read adapters", lambda: _read_adapters(ctx)) if recipe.adapter else None
@@ -396,13 +396,14 @@ def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
                           "exported to ONNX; use target.device cpu or cuda")
 
 
-HYBRID_QUANT_METHODS = ("none", "rtn", "gptq")
+HYBRID_QUANT_METHODS = ("none", "rtn", "gptq", "fp8")
 
 
 def _check_hybrid(ctx: _Context) -> None:
     """A hybrid model (Qwen3.5's Gated DeltaNet layers, runtime/models/gated_deltanet.py; Granite 4.0's Mamba-2 layers,
     runtime/models/mamba2.py; LFM2's short-conv layers, runtime/models/short_conv.py) runs on one rank of the torch
-    runtime, dense or with int weights from RTN or GPTQ: the rest is refused by name before any work."""
+    runtime, dense, with int weights from RTN or GPTQ, or FP8 W8A8 (its linears; the state layers' conv, gates and
+    norms stay dense): the rest is refused by name before any work."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_hybrid:
         return

@@ -20,8 +20,8 @@ from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.models import bamba
-from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, hf_model_on_weights_of,
-                                     hf_state_of)
+from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, hf_model_on_weights_of, hf_state_of,
+                                     hybrid_quantization)
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -88,18 +88,22 @@ def _hf_state(artifact) -> dict:
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the Mamba-2 layers from zero state) W4 of every linear (in_proj, out_proj, the
     attention's, feed_forward's) against transformers holding the dequantized weights (the conv, dt_bias, A_log, D and
-    the gated norm dense)."""
-    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    the gated norm dense). FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each FP8 input rounded in
+    transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     oracle = hf_model_on_weights_of(checkpoint, out, method, _hf_state(out))
-    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, PROMPTS)
+    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, PROMPTS,
+                         **check)
     modules = read_manifest(out).quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
             [(0, "attn.mamba_in"), (2, "attn.mamba_out"), (1, "attn.qkv"), (1, "attn.o"), (0, "mlp.gate_up"),
-             (2, "mlp.down")]} == {"w4a16"}
+             (2, "mlp.down")]} == {fmt}
 
 
 def test_the_config_reads_as_transformers(checkpoint):
@@ -127,7 +131,7 @@ def test_the_config_reads_as_transformers(checkpoint):
 
 
 def test_what_bamba_refuses(checkpoint, artifact, tmp_path):
-    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, FP8); no
+    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, int8); no
     attention layer (attn_layer_indices null or empty), an index past the layers, attention_bias / mlp_bias,
     mamba_proj_bias, a time_step_limit; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "BambaForCausalLM")

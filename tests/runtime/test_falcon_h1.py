@@ -23,7 +23,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.models import falcon_h1
 from tests.conftest import FALCON_H1_MULTIPLIERS, make_hf_checkpoint
 from tests.runtime.hf_oracle import (build_quantized, check_against_oracle, float32_artifacts, hf_model_on_weights_of,
-                                     hf_state_of, write_config)
+                                     hf_state_of, hybrid_quantization, write_config)
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -94,21 +94,25 @@ def test_the_gated_norm_matches_transformers(tmp_path, hf_logits, hf_greedy, hf_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the Mamba-2 mixers from zero state) W4 of every linear (q/k/v/o, in_proj,
     out_proj, feed_forward's) against transformers holding the dequantized weights, its config's multipliers at 1 (the
-    build folded them into those weights) but embedding_multiplier (the runtime's embed_scale); the conv, dt_bias,
-    A_log and D dense."""
-    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    build folded them into those weights) but embedding_multiplier (the runtime's embed_scale); the conv, dt_bias, A_log
+    and D dense. FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each FP8 input rounded in transformers as
+    the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     unfolded = write_config(checkpoint, tmp_path / "unfolded", **{
         key: [1.0] * len(value) if isinstance(value, list) else 1.0 for key, value in FALCON_H1_MULTIPLIERS.items()
         if key != "embedding_multiplier"})
     oracle = hf_model_on_weights_of(unfolded, out, method, hf_state_of(out))
-    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, PROMPTS)
+    check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, PROMPTS,
+                         **check)
     modules = read_manifest(out).quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i in range(2) for name in (
-        "attn.mamba_in", "attn.mamba_out", "attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")} == {"w4a16"}
+        "attn.mamba_in", "attn.mamba_out", "attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")} == {fmt}
 
 
 def test_the_config_reads_as_transformers():
@@ -129,7 +133,7 @@ def test_the_config_reads_as_transformers():
 
 
 def test_what_falcon_h1_refuses(checkpoint, artifact, tmp_path):
-    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, FP8); biases
+    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, int8); biases
     (attention, MLP, out_proj's projectors_bias, in_proj's mamba_proj_bias), mamba_rms_norm with the norm before the
     gate, a time_step_limit, a multiplier that is not a number (or ssm_multipliers not five); `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "FalconH1ForCausalLM")

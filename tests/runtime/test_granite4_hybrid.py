@@ -24,7 +24,7 @@ from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from tests.runtime.hf_oracle import check_quantized_build
+from tests.runtime.hf_oracle import check_quantized_build, hybrid_quantization
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -122,22 +122,23 @@ def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "fp8"])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the Mamba-2 layers from zero state) W4 of every linear (the Mamba-2 layers'
-    in_proj and out_proj, the attention's qkv and o, the MLPs) against transformers holding its dequantized weights
-    (the conv, dt_bias, A_log, D and the gated norm dense)."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    in_proj and out_proj, the attention's qkv and o, the MLPs) against transformers holding its dequantized weights (the
+    conv, dt_bias, A_log, D and the gated norm dense). FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each
+    FP8 input rounded in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "attn.mamba_in"), (2, "attn.mamba_out"), (1, "attn.qkv"), (0, "mlp.gate_up")]} == {"w4a16"}
+            [(0, "attn.mamba_in"), (2, "attn.mamba_out"), (1, "attn.qkv"), (0, "mlp.gate_up")]} == {fmt}
     assert "layers.0.attn.qkv" not in modules
 
 
 def test_what_a_granite4_hybrid_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
-    an ONNX target, tensor parallel, FP8; Granite 4.0's no attention layer, mamba_proj_bias, a time_step_limit,
+    an ONNX target, tensor parallel, int8; Granite 4.0's no attention layer, mamba_proj_bias, a time_step_limit,
     another hidden_act; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "GraniteMoeHybridForCausalLM")
     refused(CheckpointError, "layer_types None: every layer Mamba-2 .* is not supported", layer_types=None)

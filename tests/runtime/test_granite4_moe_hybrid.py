@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from llmc.errors import CheckpointError, RecipeError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.runtime.hf_oracle import build_float32, check_quantized_build
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, hybrid_quantization
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -110,17 +110,20 @@ def test_preemption_and_short_chunks_keep_transformers_tokens(options, checkpoin
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (the experts' Hessians from the tokens routed to each) W4 of every linear: the experts, the shared
     expert, the Mamba-2 layers' in_proj and out_proj, the attention's; the router dense: against transformers holding
-    the dequantized weights (its experts stacked as it holds them)."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    the dequantized weights (its experts stacked as it holds them). FP8 W8A8 of the linears too
+    (hf_oracle.hybrid_quantization), each FP8 input rounded in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method, experts=True)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "moe.experts.gate_up"), (1, "moe.experts.down"), (2, "moe.shared.gate_up"), (0, "moe.shared.down"),
-             (0, "attn.mamba_in"), (1, "attn.qkv")]} == {"w4a16"}
+            [(2, "moe.shared.gate_up"), (0, "moe.shared.down"), (0, "attn.mamba_in"), (1, "attn.qkv")]} == {fmt}
+    assert {modules[f"layers.{i}.moe.experts.{name}"]["format"] for i, name in [(0, "gate_up"), (1, "down")]} == {
+        "dense" if method == "fp8" else fmt}
     assert "layers.0.moe.gate" not in modules and "layers.0.mlp.gate_up" not in modules
 
 
@@ -145,7 +148,7 @@ def test_the_default_config_reads_as_transformers():
 
 
 def test_what_a_granite4_moe_hybrid_refuses(checkpoint, artifact, tmp_path):
-    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, FP8), expert
+    """Qwen3.5's hybrid refusals (prefix caching, speculation, LoRA, multi-step; ONNX, tensor parallel, int8), expert
     parallel too (tensor 2, expert 2: one rank), and Granite's import (its folds)."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "GraniteMoeHybridForCausalLM")
     refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2, "expert": 2}})

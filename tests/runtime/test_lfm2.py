@@ -23,7 +23,7 @@ from llmc.compiler.export import export_artifact
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.runtime.hf_oracle import check_quantized_build
+from tests.runtime.hf_oracle import check_quantized_build, hybrid_quantization
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -87,17 +87,17 @@ def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the conv layers from zero state) W4 of every linear (the conv layers' in_proj
     and out_proj, the attention's qkv and out_proj, the feed-forwards) against transformers holding its dequantized
-    weights (the conv's weight and the norms dense)."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    weights (the conv's weight and the norms dense). FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each
+    FP8 input rounded in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "attn.conv_in"), (2, "attn.conv_out"), (1, "attn.qkv"), (1, "attn.o"), (0, "mlp.gate_up")]} == {
-        "w4a16"}
+            [(0, "attn.conv_in"), (2, "attn.conv_out"), (1, "attn.qkv"), (1, "attn.o"), (0, "mlp.gate_up")]} == {fmt}
     assert "layers.0.attn.qkv" not in modules and "layers.1.attn.conv_in" not in modules
 
 
@@ -132,7 +132,7 @@ def test_configs_read_as_transformers_reads_them(keys):
 
 def test_what_lfm2_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
-    an ONNX target, tensor parallel, FP8; LFM2's conv biases, every layer conv, another layer kind; LFM2-VL
+    an ONNX target, tensor parallel, int8; LFM2's conv biases, every layer conv, another layer kind; LFM2-VL
     checkpoints; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "Lfm2ForCausalLM")
     refused(CheckpointError, "conv_bias: true is not supported", conv_bias=True)

@@ -17,7 +17,7 @@ from llmc.errors import CheckpointError
 from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, check_quantized_build, write_config
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, hybrid_quantization, write_config
 from tests.runtime.hf_oracle import artifact_fixture
 from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_lfm2 import check_on_the_gpu
@@ -57,16 +57,19 @@ def test_logits_greedy_and_logprobs_match_transformers(checkpoint, artifact, hf_
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
-    """RTN and GPTQ W4 of every linear and expert against transformers holding its dequantized weights (the
-    router and its expert_bias dense, float32)."""
+    """RTN and GPTQ W4 of every linear and expert against transformers holding its dequantized weights (the router and
+    its expert_bias dense, float32). FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each FP8 input rounded
+    in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method, experts=True)
     check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode,
-                          {"method": method, "bits": 4, "group_size": 32}, PROMPTS)
+                          quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
-    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(1, "moe.experts.gate_up"), (2, "moe.experts.down"), (0, "mlp.gate_up"), (0, "attn.conv_in")]} == {
-        "w4a16"}
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in [(0, "mlp.gate_up"), (0, "attn.conv_in")]} == {fmt}
+    assert {modules[f"layers.{i}.moe.experts.{name}"]["format"] for i, name in [(1, "gate_up"), (2, "down")]} == {
+        "dense" if method == "fp8" else fmt}
     assert "layers.1.mlp.gate_up" not in modules
 
 

@@ -23,7 +23,7 @@ from llmc.compiler.export import export_artifact
 from llmc.errors import ArtifactError, CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
-from tests.runtime.hf_oracle import build_float32, check_quantized_build, write_config
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, hybrid_quantization, write_config
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -119,17 +119,18 @@ def test_n_above_1_and_an_abort_mid_stream(checkpoint, artifact, hf_encode):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (calibrated through the blocks in turn, the Mamba-2 ones from zero state) W4 of every linear (the
     Mamba-2 in_proj and out_proj, q/k/v and o, the MLPs' up and down) against transformers holding its dequantized
-    weights (the conv, dt_bias, A_log, D and the gated norm dense)."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    weights (the conv, dt_bias, A_log, D and the gated norm dense). FP8 W8A8 of the linears too
+    (hf_oracle.hybrid_quantization), each FP8 input rounded in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "attn.mamba_in"), (3, "attn.mamba_out"), (2, "attn.qkv"), (1, "mlp.up"), (5, "mlp.down")]} == {
-        "w4a16"}
+            [(0, "attn.mamba_in"), (3, "attn.mamba_out"), (2, "attn.qkv"), (1, "mlp.up"), (5, "mlp.down")]} == {fmt}
 
 
 def test_the_older_config_spelling_reads_the_same(checkpoint, artifact, tmp_path, caplog):
@@ -177,7 +178,7 @@ def test_the_default_config_reads_as_transformers():
 
 def test_what_nemotron_h_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as every hybrid model: prefix caching asked for, speculative decoding, LoRA, multi-step; at
-    build an ONNX target, tensor parallel, FP8; Nemotron-H's: no attention block, biases, MLP widths per
+    build an ONNX target, tensor parallel, int8; Nemotron-H's: no attention block, biases, MLP widths per
     block, a sliding window, another activation, a time_step_limit; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "NemotronHForCausalLM")
     refused(CheckpointError, "no full_attention .* block .* is not supported",

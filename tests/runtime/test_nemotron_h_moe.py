@@ -20,7 +20,7 @@ from llmc.errors import CheckpointError
 from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build
+from tests.runtime.hf_oracle import assert_same_routes, check_quantized_build, hybrid_quantization
 from tests.runtime.hf_oracle import artifact_fixture
 from tests.runtime.test_glm4_moe import PROMPTS, _check, _random_score_bias
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -109,17 +109,20 @@ def test_the_triton_path_matches_transformers(checkpoint, artifact, triton_dispa
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
-    """RTN and GPTQ (-m slow; calibrated through the blocks in turn, each expert on the tokens routed to it) W4 of
-    every linear and expert (the experts' up and down, the shared expert's) against transformers holding its
-    dequantized weights (the router and its score bias dense, float32)."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    """RTN and GPTQ (-m slow; calibrated through the blocks in turn, each expert on the tokens routed to it) W4 of every
+    linear and expert (the experts' up and down, the shared expert's) against transformers holding its dequantized
+    weights (the router and its score bias dense, float32). FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization),
+    each FP8 input rounded in transformers as the scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method, experts=True)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(1, "moe.experts.gate_up"), (3, "moe.experts.down"), (1, "moe.shared.up"), (3, "moe.shared.down"),
-             (2, "attn.qkv"), (0, "attn.mamba_in")]} == {"w4a16"}
+            [(1, "moe.shared.up"), (3, "moe.shared.down"), (2, "attn.qkv"), (0, "attn.mamba_in")]} == {fmt}
+    assert {modules[f"layers.{i}.moe.experts.{name}"]["format"] for i, name in [(1, "gate_up"), (3, "down")]} == {
+        "dense" if method == "fp8" else fmt}
 
 
 def test_the_default_config_reads_as_transformers():
@@ -144,7 +147,7 @@ def test_the_default_config_reads_as_transformers():
 
 def test_what_nemotron_h_moe_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as every hybrid model (prefix caching, speculative decoding, LoRA, multi-step; at build an ONNX
-    target, tensor parallel, FP8); of the moe blocks: a moe_latent_size, n_shared_experts other than 1, another
+    target, tensor parallel, int8); of the moe blocks: a moe_latent_size, n_shared_experts other than 1, another
     scoring_func or topk_method, groups that do not split the experts."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "NemotronHForCausalLM")
     refused(CheckpointError, "moe_latent_size 32: Nemotron-H's latent MoE projections .* are not supported",

@@ -26,7 +26,7 @@ from llmc.runtime.artifact import FORMAT_VERSION, read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, check_quantized_build
+from tests.runtime.hf_oracle import build_float32, check_quantized_build, hybrid_quantization
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
@@ -162,17 +162,19 @@ def test_a_deltanet_layer_is_transformers(changes, checkpoint, tmp_path):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", pytest.param("gptq", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["rtn",
+                                    *(pytest.param(m, marks=pytest.mark.slow) for m in ("gptq", "fp8"))])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, data_dir, hf_encode):
     """RTN and GPTQ (-m slow; calibrated through the DeltaNet layers: test_a_deltanet_layer_is_transformers) W4 of every
-    linear (the full layer's qkv and o, the DeltaNets' in_qkvz (q, k, v, g) and out, the MLPs, lm_head; in_ba, the
-    conv, A_log, dt_bias, the norms dense) against transformers holding its dequantized weights: logits (1e-4) and 16
-    greedy tokens."""
-    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, {"method": method, "bits": 4, "group_size": 32},
-                          PROMPTS)
+    linear (the full layer's qkv and o, the DeltaNets' in_qkvz (q, k, v, g) and out, the MLPs, lm_head; in_ba, the conv,
+    A_log, dt_bias, the norms dense) against transformers holding its dequantized weights: logits (1e-4) and 16 greedy
+    tokens. FP8 W8A8 of the linears too (hf_oracle.hybrid_quantization), each FP8 input rounded in transformers as the
+    scheme rounds it."""
+    quantization, fmt, check = hybrid_quantization(method)
+    check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization, PROMPTS, **check)
     modules = read_manifest(tmp_path / "q").quant.modules
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (3, "mlp.gate_up")]} == {"w4a16"}
+            [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (3, "mlp.gate_up")]} == {fmt}
     assert "layers.0.attn.qkv" not in modules and "layers.2.attn.in_qkvz" not in modules
 
 
@@ -197,7 +199,7 @@ def test_the_default_config_reads_as_transformers():
 
 def test_what_olmo_hybrid_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step, beam
-    search; at build an ONNX target, tensor parallel, FP8; attention_bias, a hidden_act other than SiLU, another layer
+    search; at build an ONNX target, tensor parallel, int8; attention_bias, a hidden_act other than SiLU, another layer
     kind; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "OlmoHybridForCausalLM")
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)

@@ -26,12 +26,12 @@ from llmc.runtime.artifact import read_manifest
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from tests.conftest import make_hf_checkpoint
-from tests.runtime.hf_oracle import build_float32, build_quantized, check_moe_build_as_oracle, float32_artifacts, \
-    write_config
+from tests.runtime.hf_oracle import (FP8_CHECK, MOE_QUANTIZATIONS, build_float32, build_quantized,
+                                     check_moe_build_as_oracle, float32_artifacts, write_config)
 from tests.runtime.hf_oracle import family_fixtures
 from tests.runtime.test_glm4_moe import PROMPTS, _check
 from tests.runtime.test_glm4_moe import triton_dispatch  # noqa: F401 (a fixture)
-from tests.runtime.test_qwen3_5 import (assert_reads_back, check_conditional_generation,
+from tests.runtime.test_qwen3_5 import (assert_reads_back, check_conditional_generation, hf_linears,
                                          check_memory_profile_forward, hf_state)
 
 # Logits' tolerance: this model's logits (std 8) in float32 are 1.7e-4 from exact (transformers' float32 model against
@@ -108,18 +108,26 @@ def test_float32_weights_read_back_as_transformers(checkpoint, artifact):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("method", ["rtn", "gptq"])
+@pytest.mark.parametrize("method", ["rtn", "gptq", "fp8"])
 def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_path, hf_encode, data_dir):
     """RTN and GPTQ (calibrated through the DeltaNet layers and the experts) W4 g32 of every linear and expert (the
     DeltaNets' in_qkvz and out, the full layer's qkv and o, the experts, the shared experts, lm_head; the routers and
-    shared gates dense) against transformers' model holding its dequantized weights: logits over 34 positions
-    (TOLERANCE) and 12 greedy tokens; the experts of layer 1 reversed in transformers' copy move its logits."""
-    out = build_quantized(checkpoint, tmp_path, data_dir, {"method": method, "bits": 4, "group_size": 32})
+    shared gates dense), and FP8 W8A8 (per channel, per token) of the same linears but the experts (dense: hf_oracle.
+    MOE_QUANTIZATIONS) and lm_head, against transformers' model holding its dequantized weights, FP8 linears' inputs
+    rounded per token: logits over 34 positions (TOLERANCE; FP8: hf_oracle.FP8_CHECK) and 12 greedy tokens; the
+    experts of layer 1 reversed in transformers' copy move its logits."""
+    fp8 = method == "fp8"
+    quantization = MOE_QUANTIZATIONS[-1] if fp8 else {"method": method, "bits": 4, "group_size": 32}
+    out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
-    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
-            [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (1, "moe.experts.gate_up"),
-             (3, "moe.experts.down"), (3, "moe.shared.gate_up"), (0, "moe.shared.down")]} == {"w4a16"}
-    check_moe_build_as_oracle(out, checkpoint, hf_state(out), hf_encode, PROMPTS, fp8=False, tolerance=TOLERANCE)
+    linears = [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (3, "moe.shared.gate_up"),
+               (0, "moe.shared.down")]
+    experts = [(1, "moe.experts.gate_up"), (3, "moe.experts.down")]
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in linears} == {"w8a8-fp8" if fp8 else "w4a16"}
+    assert {modules[f"layers.{i}.{name}"]["format"] for i, name in experts} == {"dense" if fp8 else "w4a16"}
+    state = hf_state(out)
+    check_moe_build_as_oracle(out, checkpoint, state, hf_encode, PROMPTS, fp8=fp8, linears=hf_linears(state),
+                              **(FP8_CHECK if fp8 else {"tolerance": TOLERANCE}))
 
 
 @torch.inference_mode()
@@ -158,7 +166,7 @@ def test_the_default_config_reads_as_transformers():
 
 def test_the_refusals(checkpoint, artifact, tmp_path):
     """The hybrid refusals hold for the MoE (prefix caching, speculative decoding, beam search; at build ONNX, tensor
-    parallel, FP8); refused by name at build: mlp_only_layers / decoder_sparse_step (transformers reads neither: every
+    parallel, int8); refused by name at build: mlp_only_layers / decoder_sparse_step (transformers reads neither: every
     layer sparse), norm_topk_prob false (its router renormalises always), a zero shared expert."""
     for match, options in (("enable_prefix_caching: Qwen3_5MoeForCausalLM .* has no prefix caching",
                             {"enable_prefix_caching": True}),
@@ -178,11 +186,11 @@ def test_the_refusals(checkpoint, artifact, tmp_path):
             build(recipe_from_dict({"model": str(source), "output": str(tmp_path / "out"), "dtype": "float32",
                                     **(recipe or {})}), show_progress=False)
 
-    refused(RecipeError, "target.device onnx-cpu: .* are not exported to ONNX",
+    refused(RecipeError, "target.device onnx-cpu: .* is not exported to ONNX",
             recipe={"target": {"device": "onnx-cpu"}})
     refused(RecipeError, "parallel: .* runs on one rank", recipe={"parallel": {"tensor": 2}})
-    refused(RecipeError, "quantization.method fp8: .* builds with none, rtn, gptq",
-            recipe={"quantization": {"method": "fp8"}})
+    refused(RecipeError, "quantization.method int8: .* builds with none, rtn, gptq, fp8",
+            recipe={"quantization": {"method": "int8"}})
     refused(CheckpointError, "mlp_only_layers \\[1\\] .* every Qwen3.5-MoE layer is sparse", mlp_only_layers=[1])
     refused(CheckpointError, "decoder_sparse_step 2: every Qwen3.5-MoE layer is sparse", decoder_sparse_step=2)
     refused(CheckpointError, "norm_topk_prob false: .* renormalises the top-k weights always", norm_topk_prob=False)
