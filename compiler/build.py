@@ -396,14 +396,19 @@ def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
                           "exported to ONNX; use target.device cpu or cuda")
 
 
-HYBRID_QUANT_METHODS = ("none", "rtn", "gptq", "fp8")
+HYBRID_QUANT_METHODS = ("none", "rtn", "gptq", "fp8", "import")
+# the hybrid families that import quantized checkpoints (FP8 ones: _check_hybrid), as tested; not yet: Qwen3-Next (the
+# build regroups its fused in_proj_qkvz rows as it reads them), Falcon-H1 and Granite 4.0 (their multipliers fold into
+# the weights as they are read), the MoE hybrids' experts, the Mamba-2 and short-conv families
+HYBRID_IMPORTS = ("qwen3_5",)
 
 
 def _check_hybrid(ctx: _Context) -> None:
     """A hybrid model (Qwen3.5's Gated DeltaNet layers, runtime/models/gated_deltanet.py; Granite 4.0's Mamba-2 layers,
     runtime/models/mamba2.py; LFM2's short-conv layers, runtime/models/short_conv.py) runs on one rank of the torch
     runtime, dense, with int weights from RTN or GPTQ, or FP8 W8A8 (its linears; the state layers' conv, gates and
-    norms stay dense): the rest is refused by name before any work."""
+    norms stay dense), built or (HYBRID_IMPORTS) imported from an FP8 checkpoint: the rest is refused by name before
+    any work."""
     model, recipe = ctx.model, ctx.recipe
     if not model.is_hybrid:
         return
@@ -417,6 +422,16 @@ def _check_hybrid(ctx: _Context) -> None:
     if recipe.quantization.method not in HYBRID_QUANT_METHODS:
         raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
                           f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
+    if recipe.quantization.method == "import":
+        qc = ctx.hf_config.get("quantization_config")
+        what = f"{(ispec := parse_quantization_config(qc)).method} {ispec.layout} weights" if qc else None
+        if model.family not in HYBRID_IMPORTS:
+            what = "a quantized checkpoint (tested: Qwen3.5's FP8 ones)"
+        elif qc and ispec.is_fp8:
+            what = None
+        if what is not None:
+            raise CheckpointError(f"{ctx.model_dir}: quantization.method import is not supported for {name} from "
+                                  f"{what}; quantize the float checkpoint with rtn, gptq or fp8")
 
 
 def _check_gateless_mlp(ctx: _Context) -> None:
@@ -434,6 +449,16 @@ def _check_gateless_mlp(ctx: _Context) -> None:
     if recipe.quantization.method not in HYBRID_QUANT_METHODS:
         raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
                           f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
+    if recipe.quantization.method == "import":
+        qc = ctx.hf_config.get("quantization_config")
+        what = f"{(ispec := parse_quantization_config(qc)).method} {ispec.layout} weights" if qc else None
+        if model.family not in HYBRID_IMPORTS:
+            what = "a quantized checkpoint (tested: Qwen3.5's FP8 ones)"
+        elif qc and ispec.is_fp8:
+            what = None
+        if what is not None:
+            raise CheckpointError(f"{ctx.model_dir}: quantization.method import is not supported for {name} from "
+                                  f"{what}; quantize the float checkpoint with rtn, gptq or fp8")
 
 
 def _check_pooling(ctx: _Context) -> None:

@@ -132,8 +132,8 @@ def test_configs_read_as_transformers_reads_them(keys):
 
 def test_what_lfm2_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as Qwen3.5's hybrids: prefix caching asked for, speculative decoding, LoRA, multi-step; at build
-    an ONNX target, tensor parallel, int8; LFM2's conv biases, every layer conv, another layer kind; LFM2-VL
-    checkpoints; `llmc export`."""
+    an ONNX target, tensor parallel, int8, an import (FP8 imports: Qwen3.5's alone); LFM2's conv biases, every layer
+    conv, another layer kind; LFM2-VL checkpoints; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "Lfm2ForCausalLM")
     refused(CheckpointError, "conv_bias: true is not supported", conv_bias=True)
     refused(CheckpointError, "every layer conv .* is not supported", layer_types=["conv"] * 3)
@@ -141,6 +141,9 @@ def test_what_lfm2_refuses(checkpoint, artifact, tmp_path):
             layer_types=["conv", "sliding_attention", "conv"])
     refused(CheckpointError, "Lfm2VlForConditionalGeneration: LFM2-VL .* is not supported",
             architectures=["Lfm2VlForConditionalGeneration"])
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    refused(CheckpointError, "import is not supported for Lfm2ForCausalLM .* from a quantized checkpoint \\(tested: "
+            "Qwen3.5's", recipe={"quantization": {"method": "import"}}, quantization_config=fp8)
     with pytest.raises(ArtifactError, match="cannot export architecture Lfm2ForCausalLM: a hybrid model"):
         export_artifact(artifact, tmp_path / "export")
 

@@ -382,6 +382,33 @@ def test_quantized_builds_run_transformers_on_their_weights(quantization, checkp
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("layout", ["fp8", "compressed-tensors"])
+def test_an_fp8_checkpoint_imports(layout, checkpoint, tmp_path, hf_encode):
+    """A block-FP8 checkpoint (every decoder linear: the DeltaNets' in_proj_qkv, in_proj_z and out_proj, the full
+    layer's q/k/v/o, the MLPs; in transformers' `quant_method: fp8` layout or compressed-tensors' FP8_BLOCK, written
+    here by the published definition: tests/quant/test_fp8_block_import.py) imports with `quantization.method:
+    import`: every linear's weights are the checkpoint's dequantized blocks exactly (the full layer's q rows moved
+    with their scales), and the artifact is transformers on those weights with each linear's input rounded per token
+    and 128 inputs (hf_oracle.FP8_CHECK)."""
+    import tests.quant.test_fp8_block_import as fp8_block
+    from tests.runtime.hf_oracle import FP8_CHECK, build_import, check_against_oracle, hf_model_on_weights_of
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8_block, "LINEARS", (*fp8_block.LINEARS, "in_proj_qkv", "in_proj_z", "out_proj"))
+        quantized = fp8_block.write_fp8_checkpoint(checkpoint, tmp_path / "fp8", layout, skip=())
+    out = build_import(tmp_path / "fp8", tmp_path / "artifact")
+    state = hf_state(out)
+    assert {name for name in quantized if "linear_attn" in name} == {
+        f"model.layers.{i}.linear_attn.{n}" for i in (0, 1, 3) for n in ("in_proj_qkv", "in_proj_z", "out_proj")}
+    for module, (levels, scales) in quantized.items():
+        torch.testing.assert_close(state[f"{module}.weight"], fp8_block.dequantized(levels, scales), atol=0, rtol=0,
+                                   msg=module)
+    oracle = hf_model_on_weights_of(checkpoint, out, "fp8-block", state, hf_linears(state))
+    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12, **FP8_CHECK)
+
+
+@torch.inference_mode()
 def test_static_fp8_input_scales_are_the_calibration_inputs_absmax(checkpoint, tmp_path, data_dir):
     """FP8 with static activations: the first DeltaNet layer's in_qkvz and out input scales are the largest magnitude
     of what transformers' float model feeds in_proj_qkv and out_proj over the calibration windows, over 448 (E4M3's
@@ -562,8 +589,8 @@ def test_the_memory_plan_counts_the_states_at_their_dtypes(checkpoint, artifact)
 
 def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
     """Refused by name: prefix caching asked for (off by default), speculative decoding, LoRA,
-    multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, int8 (AWQ and imports
-    alike), attention_bias, an unknown layer type; `llmc export`."""
+    multi-step scheduling, beam search; at build an ONNX target, tensor / pipeline parallel, int8 (AWQ alike), an
+    import of an integer checkpoint, attention_bias, an unknown layer type; `llmc export`."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "Qwen3_5ForCausalLM")
     with caplog.at_level("INFO", logger="llmc"), LLM(artifact, device="cpu", num_kv_blocks=64) as llm:
         with pytest.raises(RequestError, match="use_beam_search: not supported for Qwen3_5ForCausalLM"):
@@ -571,6 +598,9 @@ def test_what_a_hybrid_model_refuses(checkpoint, artifact, tmp_path, caplog):
                                    prompt_token_ids=[5, 6, 7])
     assert "Gated DeltaNet states (conv float32, recurrent float32): " in caplog.text
     assert read_manifest(artifact).runtime.enable_prefix_caching is False  # (the build's default for it, logged)
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
+    refused(CheckpointError, "import is not supported for Qwen3_5ForCausalLM .* from awq .*; quantize the float",
+            recipe={"quantization": {"method": "import"}}, quantization_config=awq)
     refused(CheckpointError, "attention_bias: true is not supported", attention_bias=True)
     refused(CheckpointError, "layer_types .*: one of linear_attention or full_attention",
             layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"])
