@@ -129,12 +129,8 @@ class ImportPacker:
         h = c.hidden_size
         inputs = {"attn.qkv": h, "attn.o": c.num_heads * c.head_dim, "mlp.gate_up": h, "mlp.down": c.intermediate_size,
                   "moe.shared.gate_up": h, "moe.shared.up": h, "moe.shared.down": c.shared_expert_intermediate_size}
-        if c.linear_attention_layers:  # a Gated DeltaNet's (Qwen3.5, OLMo Hybrid)
+        if c.linear_attention_layers:  # a Gated DeltaNet's (Qwen3.5: build.HYBRID_IMPORTS)
             inputs |= {"attn.in_qkvz": h, "attn.out": c.linear_num_value_heads * c.linear_value_head_dim}
-        if c.mamba_layers:  # a Mamba-2 mixer's (Granite 4.0, Nemotron-H, Bamba, Falcon-H1)
-            inputs |= {"attn.mamba_in": h, "attn.mamba_out": c.mamba_num_heads * c.mamba_head_dim}
-        if c.short_conv_layers:  # LFM2's gated short conv
-            inputs |= {"attn.conv_in": h, "attn.conv_out": h}
         if c.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
             inputs |= {"attn.q": h, "attn.q_a": h, "attn.q_b": c.q_lora_rank, "attn.kv_a": h,
                        "attn.kv_b": c.kv_lora_rank, "attn.o": c.num_heads * c.v_head_dim}
