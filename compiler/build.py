@@ -397,6 +397,7 @@ def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
 
 
 HYBRID_QUANT_METHODS = ("none", "rtn", "gptq", "fp8", "import")
+GATELESS_QUANT_METHODS = ("none", "rtn", "gptq")  # an MLP without gate (_check_gateless_mlp)
 # the hybrid families that import quantized checkpoints (FP8 ones: _check_hybrid), as tested; not yet: Qwen3-Next (the
 # build regroups its fused in_proj_qkvz rows as it reads them), Falcon-H1 and Granite 4.0 (their multipliers fold into
 # the weights as they are read), the MoE hybrids' experts, the Mamba-2 and short-conv families
@@ -446,19 +447,9 @@ def _check_gateless_mlp(ctx: _Context) -> None:
     if recipe.target.device in om.ONNX_DEVICES:
         raise RecipeError(f"target.device {recipe.target.device}: {name} is not exported to ONNX; use target.device "
                           "cpu or cuda")
-    if recipe.quantization.method not in HYBRID_QUANT_METHODS:
+    if recipe.quantization.method not in GATELESS_QUANT_METHODS:
         raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
-                          f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
-    if recipe.quantization.method == "import":
-        qc = ctx.hf_config.get("quantization_config")
-        what = f"{(ispec := parse_quantization_config(qc)).method} {ispec.layout} weights" if qc else None
-        if model.family not in HYBRID_IMPORTS:
-            what = "a quantized checkpoint (tested: Qwen3.5's FP8 ones)"
-        elif qc and ispec.is_fp8:
-            what = None
-        if what is not None:
-            raise CheckpointError(f"{ctx.model_dir}: quantization.method import is not supported for {name} from "
-                                  f"{what}; quantize the float checkpoint with rtn, gptq or fp8")
+                          f"{', '.join(GATELESS_QUANT_METHODS)}; use one of them")
 
 
 def _check_pooling(ctx: _Context) -> None:
