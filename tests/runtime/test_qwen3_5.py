@@ -382,22 +382,29 @@ def test_quantized_builds_run_transformers_on_their_weights(quantization, checkp
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("layout", ["fp8", "compressed-tensors"])
-def test_an_fp8_checkpoint_imports(layout, checkpoint, tmp_path, hf_encode):
+@pytest.mark.parametrize("layout, form", [("fp8", "text"), ("compressed-tensors", "text"),
+                                          ("fp8", "conditional generation")])
+def test_an_fp8_checkpoint_imports(layout, form, checkpoint, tmp_path, hf_encode):
     """A block-FP8 checkpoint (every decoder linear: the DeltaNets' in_proj_qkv, in_proj_z and out_proj, the full
     layer's q/k/v/o, the MLPs; in transformers' `quant_method: fp8` layout or compressed-tensors' FP8_BLOCK, written
-    here by the published definition: tests/quant/test_fp8_block_import.py) imports with `quantization.method:
-    import`: every linear's weights are the checkpoint's dequantized blocks exactly (the full layer's q rows moved
-    with their scales), and the artifact is transformers on those weights with each linear's input rounded per token
-    and 128 inputs (hf_oracle.FP8_CHECK)."""
+    here by the published definition: tests/quant/test_fp8_block_import.py; as the text model, or as
+    Qwen3_5ForConditionalGeneration, the form Qwen3.5's dense releases take, its vision tower dense) imports with
+    `quantization.method: import`: every linear's weights are the checkpoint's dequantized blocks exactly (the full
+    layer's q rows moved with their scales), and the artifact is transformers on those weights with each linear's
+    input rounded per token and 128 inputs (hf_oracle.FP8_CHECK)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
     import tests.quant.test_fp8_block_import as fp8_block
     from tests.runtime.hf_oracle import FP8_CHECK, build_import, check_against_oracle, hf_model_on_weights_of
 
+    source = checkpoint if form == "text" else write_conditional_generation(
+        checkpoint, tmp_path / "cg", Qwen3_5ForConditionalGeneration, Qwen3_5Config)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fp8_block, "LINEARS", (*fp8_block.LINEARS, "in_proj_qkv", "in_proj_z", "out_proj"))
-        quantized = fp8_block.write_fp8_checkpoint(checkpoint, tmp_path / "fp8", layout, skip=())
+        quantized = fp8_block.write_fp8_checkpoint(source, tmp_path / "fp8", layout, skip=())
     out = build_import(tmp_path / "fp8", tmp_path / "artifact")
     state = hf_state(out)
+    quantized = {name.replace(".language_model.", "."): q for name, q in quantized.items()}
     assert {name for name in quantized if "linear_attn" in name} == {
         f"model.layers.{i}.linear_attn.{n}" for i in (0, 1, 3) for n in ("in_proj_qkv", "in_proj_z", "out_proj")}
     for module, (levels, scales) in quantized.items():
@@ -453,18 +460,14 @@ def test_the_calibration_runs_a_deltanet_layer_as_transformers(checkpoint):
     torch.testing.assert_close(runner.forward(module, hidden), want, atol=1e-4, rtol=1e-4)
 
 
-def check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, model_class, config_class, tolerance):
-    """The checkpoint's text model saved as `model_class` (Qwen3.5's or Qwen3.5-MoE's ConditionalGeneration: its
-    config's text_config, its weights under model.language_model.*, a one-layer vision tower beside them) builds an
-    artifact scored as transformers' `model_class` loaded from it scores text ids (to `tolerance`; that model equal to
-    the text model's, 1e-5), and an image is refused by name. Returns the artifact's model config."""
+def write_conditional_generation(checkpoint, dest, model_class, config_class):
+    """The checkpoint's text model saved in `dest` as `model_class` (Qwen3.5's or Qwen3.5-MoE's ConditionalGeneration:
+    its config's text_config, its weights under model.language_model.*, a one-layer vision tower beside them)."""
     import shutil
 
-    from PIL import Image
     from transformers import AutoModelForCausalLM
 
     from tests.conftest import TOKENIZER_FILES
-    from tests.runtime.hf_oracle import build_float32
 
     text = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
@@ -472,10 +475,22 @@ def check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, mod
     model = model_class(config_class(text_config=text.config.to_dict(), vision_config=vision))
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
-    source = tmp_path / "cg"
-    model.save_pretrained(source)
+    model.save_pretrained(dest)
     for name in TOKENIZER_FILES:
-        shutil.copyfile(checkpoint / name, source / name)
+        shutil.copyfile(checkpoint / name, dest / name)
+    return dest
+
+
+def check_conditional_generation(checkpoint, tmp_path, hf_logits, hf_encode, model_class, config_class, tolerance):
+    """The checkpoint's text model saved as `model_class` (Qwen3.5's or Qwen3.5-MoE's ConditionalGeneration: its
+    config's text_config, its weights under model.language_model.*, a one-layer vision tower beside them) builds an
+    artifact scored as transformers' `model_class` loaded from it scores text ids (to `tolerance`; that model equal to
+    the text model's, 1e-5), and an image is refused by name. Returns the artifact's model config."""
+    from PIL import Image
+
+    from tests.runtime.hf_oracle import build_float32
+
+    source = write_conditional_generation(checkpoint, tmp_path / "cg", model_class, config_class)
     built = build_float32(source, tmp_path / "a")
     token_ids = hf_encode(checkpoint, PROMPTS[1]) + list(range(100, 120))
     reference = model_class.from_pretrained(str(source), dtype=torch.float32, attn_implementation="eager").eval()
