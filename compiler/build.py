@@ -398,10 +398,10 @@ def _check_onnx_qk_l2_norm(ctx: _Context) -> None:
 
 HYBRID_QUANT_METHODS = ("none", "rtn", "gptq", "fp8", "import")
 GATELESS_QUANT_METHODS = ("none", "rtn", "gptq")  # an MLP without gate (_check_gateless_mlp)
-# the hybrid families that import quantized checkpoints (FP8 ones: _check_hybrid), as tested; not yet: Qwen3-Next (the
-# build regroups its fused in_proj_qkvz rows as it reads them), Falcon-H1 and Granite 4.0 (their multipliers fold into
-# the weights as they are read), the MoE hybrids' experts, the Mamba-2 and short-conv families
-HYBRID_IMPORTS = ("qwen3_5",)
+# the hybrid families that import quantized checkpoints (FP8 ones, without experts: _check_hybrid), as tested; not yet:
+# Qwen3-Next (the build regroups its fused in_proj_qkvz rows as it reads them), Falcon-H1 and Granite 4.0 (their
+# multipliers fold into the weights as they are read), the MoE hybrids' experts, Bamba, LFM2, OLMo Hybrid
+HYBRID_IMPORTS = ("qwen3_5", "nemotron_h")
 
 
 def _check_hybrid(ctx: _Context) -> None:
@@ -426,8 +426,8 @@ def _check_hybrid(ctx: _Context) -> None:
     if recipe.quantization.method == "import":
         qc = ctx.hf_config.get("quantization_config")
         what = f"{(ispec := parse_quantization_config(qc)).method} {ispec.layout} weights" if qc else None
-        if model.family not in HYBRID_IMPORTS:
-            what = "a quantized checkpoint (tested: Qwen3.5's FP8 ones)"
+        if model.family not in HYBRID_IMPORTS or model.moe_layers:
+            what = "a quantized checkpoint (tested: Qwen3.5's and Nemotron-H's FP8 ones, without experts)"
         elif qc and ispec.is_fp8:
             what = None
         if what is not None:

@@ -131,6 +131,8 @@ class ImportPacker:
                   "moe.shared.gate_up": h, "moe.shared.up": h, "moe.shared.down": c.shared_expert_intermediate_size}
         if c.linear_attention_layers:  # a Gated DeltaNet's (Qwen3.5: build.HYBRID_IMPORTS)
             inputs |= {"attn.in_qkvz": h, "attn.out": c.linear_num_value_heads * c.linear_value_head_dim}
+        if c.mamba_layers:  # a Mamba-2 mixer's, and an MLP without gate (Nemotron-H: build.HYBRID_IMPORTS)
+            inputs |= {"attn.mamba_in": h, "attn.mamba_out": c.mamba_num_heads * c.mamba_head_dim, "mlp.up": h}
         if c.is_mla:  # DeepSeek's attention (runtime/models/mla.py)
             inputs |= {"attn.q": h, "attn.q_a": h, "attn.q_b": c.q_lora_rank, "attn.kv_a": h,
                        "attn.kv_b": c.kv_lora_rank, "attn.o": c.num_heads * c.v_head_dim}

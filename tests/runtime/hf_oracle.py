@@ -408,6 +408,33 @@ def assert_same_routes(weights, ids, want_weights, want_ids) -> None:
                                atol=1e-6, rtol=1e-6)
 
 
+def check_fp8_import(source, checkpoint, tmp_path, hf_encode, prompts, linears: tuple[str, ...], layout: str,
+                     state_of, rename) -> dict:
+    """A block-FP8 checkpoint of `source` (every decoder linear named as transformers' fp8 block test quantizes them,
+    and `linears` too, in `layout`: tests/quant/test_fp8_block_import.write_fp8_checkpoint) imported with
+    `quantization.method: import` (build_import): each quantized linear's weight in the artifact (`state_of(artifact)`:
+    (transformers' state dict, {HF module: artifact linear}); `rename`: a checkpoint's module name as that state dict
+    names it) is the checkpoint's dequantized blocks exactly, and the artifact is transformers' model of `checkpoint`
+    on those weights with each linear's input rounded per token and 128 inputs (FP8_CHECK). Returns {renamed module:
+    (levels, scales)}."""
+    import tests.quant.test_fp8_block_import as fp8_block
+    from llmc.runtime.llm import LLM
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8_block, "LINEARS", (*fp8_block.LINEARS, *linears))
+        quantized = fp8_block.write_fp8_checkpoint(source, tmp_path / "fp8", layout, skip=())
+    out = build_import(tmp_path / "fp8", tmp_path / "artifact")
+    state, hf_linears = state_of(out)
+    quantized = {rename(name): q for name, q in quantized.items()}
+    for module, (levels, scales) in quantized.items():
+        torch.testing.assert_close(state[f"{module}.weight"], fp8_block.dequantized(levels, scales), atol=0, rtol=0,
+                                   msg=module)
+    oracle = hf_model_on_weights_of(checkpoint, out, "fp8-block", state, hf_linears)
+    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
+        check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens=12, **FP8_CHECK)
+    return quantized
+
+
 def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantization: dict, prompts,
                           tolerance: float = 1e-4, flips: int = 0):
     """A build with `quantization` (build_quantized) against transformers run on its own weights

@@ -133,6 +133,25 @@ def test_a_w4_build_runs_transformers_on_its_weights(method, checkpoint, tmp_pat
             [(0, "attn.mamba_in"), (3, "attn.mamba_out"), (2, "attn.qkv"), (1, "mlp.up"), (5, "mlp.down")]} == {fmt}
 
 
+@torch.inference_mode()
+def test_an_fp8_checkpoint_imports(checkpoint, tmp_path, hf_encode):
+    """A block-FP8 checkpoint in transformers' `quant_method: fp8` layout (every linear: the Mamba-2 mixers' in_proj
+    and out_proj, q/k/v/o, the MLPs' up and down, under backbone.layers.N.mixer) imports with `quantization.method:
+    import` (hf_oracle.check_fp8_import): the checkpoint's dequantized blocks exactly, and transformers' logits and
+    greedy tokens on them. NVIDIA's Nemotron-H FP8 releases are such checkpoints (ModelOpt's layout of the same
+    levels)."""
+    from tests.runtime.hf_oracle import check_fp8_import, hf_state_of
+
+    def state_of(out):
+        linears = {}
+        return hf_state_of(out, None, linears), linears
+
+    quantized = check_fp8_import(checkpoint, checkpoint, tmp_path, hf_encode, PROMPTS, ("in_proj", "out_proj"), "fp8",
+                                 state_of, lambda name: name.replace("backbone.", "model."))
+    assert {name.rsplit(".", 1)[-1] for name in quantized} == {"in_proj", "out_proj", "q_proj", "k_proj", "v_proj",
+                                                               "o_proj", "up_proj", "down_proj"}
+
+
 def test_the_older_config_spelling_reads_the_same(checkpoint, artifact, tmp_path, caplog):
     """A config.json as NVIDIA's checkpoints write it (hybrid_override_pattern, num_hidden_layers, the mamba_* key
     names transformers renames, one MTP layer named by num_nextn_predict_layers): the same model and weights, and the

@@ -147,8 +147,8 @@ def test_the_default_config_reads_as_transformers():
 
 def test_what_nemotron_h_moe_refuses(checkpoint, artifact, tmp_path):
     """Refused by name as every hybrid model (prefix caching, speculative decoding, LoRA, multi-step; at build an ONNX
-    target, tensor parallel, int8); of the moe blocks: a moe_latent_size, n_shared_experts other than 1, another
-    scoring_func or topk_method, groups that do not split the experts."""
+    target, tensor parallel, int8; an FP8 import, which dense Nemotron-H takes); of the moe blocks: a moe_latent_size,
+    n_shared_experts other than 1, another scoring_func or topk_method, groups that do not split the experts."""
     refused = check_hybrid_refusals(checkpoint, artifact, tmp_path, "NemotronHForCausalLM")
     refused(CheckpointError, "moe_latent_size 32: Nemotron-H's latent MoE projections .* are not supported",
             moe_latent_size=32)
@@ -156,6 +156,9 @@ def test_what_nemotron_h_moe_refuses(checkpoint, artifact, tmp_path):
     refused(CheckpointError, "scoring_func 'softmax', topk_method None: transformers' Nemotron-H routes by sigmoid",
             scoring_func="softmax")
     refused(CheckpointError, "n_group 3, topk_group 2: the 8 experts must split evenly", n_group=3)
+    fp8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    refused(CheckpointError, "import is not supported for NemotronHForCausalLM .* from a quantized checkpoint .*without "
+            "experts", recipe={"quantization": {"method": "import"}}, quantization_config=fp8)
 
 
 @pytest.mark.gpu

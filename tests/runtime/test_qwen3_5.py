@@ -394,25 +394,16 @@ def test_an_fp8_checkpoint_imports(layout, form, checkpoint, tmp_path, hf_encode
     input rounded per token and 128 inputs (hf_oracle.FP8_CHECK)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    import tests.quant.test_fp8_block_import as fp8_block
-    from tests.runtime.hf_oracle import FP8_CHECK, build_import, check_against_oracle, hf_model_on_weights_of
+    from tests.runtime.hf_oracle import check_fp8_import
 
     source = checkpoint if form == "text" else write_conditional_generation(
         checkpoint, tmp_path / "cg", Qwen3_5ForConditionalGeneration, Qwen3_5Config)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fp8_block, "LINEARS", (*fp8_block.LINEARS, "in_proj_qkv", "in_proj_z", "out_proj"))
-        quantized = fp8_block.write_fp8_checkpoint(source, tmp_path / "fp8", layout, skip=())
-    out = build_import(tmp_path / "fp8", tmp_path / "artifact")
-    state = hf_state(out)
-    quantized = {name.replace(".language_model.", "."): q for name, q in quantized.items()}
+    quantized = check_fp8_import(source, checkpoint, tmp_path, hf_encode, PROMPTS,
+                                 ("in_proj_qkv", "in_proj_z", "out_proj"), layout,
+                                 lambda out: ((state := hf_state(out)), hf_linears(state)),
+                                 lambda name: name.replace(".language_model.", "."))
     assert {name for name in quantized if "linear_attn" in name} == {
         f"model.layers.{i}.linear_attn.{n}" for i in (0, 1, 3) for n in ("in_proj_qkv", "in_proj_z", "out_proj")}
-    for module, (levels, scales) in quantized.items():
-        torch.testing.assert_close(state[f"{module}.weight"], fp8_block.dequantized(levels, scales), atol=0, rtol=0,
-                                   msg=module)
-    oracle = hf_model_on_weights_of(checkpoint, out, "fp8-block", state, hf_linears(state))
-    with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
-        check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12, **FP8_CHECK)
 
 
 @torch.inference_mode()
