@@ -138,8 +138,7 @@ def test_an_fp8_checkpoint_imports(checkpoint, tmp_path, hf_encode):
     """A block-FP8 checkpoint in transformers' `quant_method: fp8` layout (every linear: the Mamba-2 mixers' in_proj
     and out_proj, q/k/v/o, the MLPs' up and down, under backbone.layers.N.mixer) imports with `quantization.method:
     import` (hf_oracle.check_fp8_import): the checkpoint's dequantized blocks exactly, and transformers' logits and
-    greedy tokens on them. NVIDIA's Nemotron-H FP8 releases are such checkpoints (ModelOpt's layout of the same
-    levels)."""
+    greedy tokens on them. (NVIDIA's Nemotron-H FP8 releases are ModelOpt's per-tensor FP8: not tested here.)"""
     from tests.runtime.hf_oracle import check_fp8_import, hf_state_of
 
     def state_of(out):
