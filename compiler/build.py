@@ -424,12 +424,11 @@ def _check_hybrid(ctx: _Context) -> None:
         raise RecipeError(f"quantization.method {recipe.quantization.method}: {name} builds with "
                           f"{', '.join(HYBRID_QUANT_METHODS)}; use one of them")
     if recipe.quantization.method == "import":
-        qc = ctx.hf_config.get("quantization_config")
-        what = f"{(ispec := parse_quantization_config(qc)).method} {ispec.layout} weights" if qc else None
+        qc, what = ctx.hf_config.get("quantization_config"), None
         if model.family not in HYBRID_IMPORTS or model.moe_layers:
             what = "a quantized checkpoint (tested: Qwen3.5's and Nemotron-H's FP8 ones, without experts)"
-        elif qc and ispec.is_fp8:
-            what = None
+        elif qc and not (ispec := parse_quantization_config(qc)).is_fp8:
+            what = f"{ispec.method} {ispec.layout} weights"
         if what is not None:
             raise CheckpointError(f"{ctx.model_dir}: quantization.method import is not supported for {name} from "
                                   f"{what}; quantize the float checkpoint with rtn, gptq or fp8")

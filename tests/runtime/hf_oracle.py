@@ -214,11 +214,25 @@ def hf_model_on_weights_of(checkpoint, artifact, method: str, state: dict | None
             return lambda x: (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
         return {"fp8": fp8_per_token, "fp8-block": fp8_per_token_group, "int8": int8_per_token}.get(method)
 
-    for name, module in oracle.named_modules():
+    round_linear_inputs(oracle, rounding, linears)
+    return oracle
+
+
+def round_linear_inputs(model, rounding, linears: dict | None) -> None:
+    """Each quantized decoder linear of transformers' `model` (`linears`' modules; None: every nn.Linear under
+    model.layers) takes its input through `rounding(module name)` (None: as it is), as the artifact's quantized
+    activations are."""
+    for name, module in model.named_modules():
         quantized = name in linears if linears is not None else name.startswith("model.layers.")
         if quantized and isinstance(module, torch.nn.Linear) and (round_input := rounding(name)) is not None:
             module.register_forward_pre_hook(lambda _, args, round_input=round_input: (round_input(args[0]),))
-    return oracle
+
+
+def oracle_method(quantization: dict) -> str:
+    """hf_model_on_weights_of's method for a build's `quantization`: fp8 with block weights "fp8-block", with static
+    activations "fp8-static"; else the method's name."""
+    return quantization["method"] + ("-block" if quantization.get("weights") == "block" else
+                                     "-static" if quantization.get("activations") == "static" else "")
 
 
 def moe_hf_state(artifact, score_bias: str = "mlp.gate.e_score_correction_bias",
@@ -346,6 +360,8 @@ def _moe_quantizations(ignore: list[str]) -> list:
 
 
 MOE_QUANTIZATIONS = _moe_quantizations(["lm_head"])
+MOE_QUANTIZATIONS_TIED = _moe_quantizations([])  # (a tied lm_head is the embedding's matrix: never quantized)
+MOE_QUANTIZATION_IDS = ["rtn-w4", "gptq-w4", "awq-w4", "fp8"]
 
 
 def hybrid_quantization(method: str, experts: bool = False) -> tuple[dict, str, dict]:
@@ -356,8 +372,6 @@ def hybrid_quantization(method: str, experts: bool = False) -> tuple[dict, str, 
     if method == "fp8":
         return (MOE_QUANTIZATIONS[-1] if experts else {"method": "fp8"}), "w8a8-fp8", FP8_CHECK
     return {"method": method, "bits": 4, "group_size": 32}, "w4a16", {"tolerance": 1e-4}
-MOE_QUANTIZATIONS_TIED = _moe_quantizations([])  # (a tied lm_head is the embedding's matrix: never quantized)
-MOE_QUANTIZATION_IDS = ["rtn-w4", "gptq-w4", "awq-w4", "fp8"]
 
 
 def check_moe_build_as_oracle(out, checkpoint, state: dict, hf_encode, prompts, fp8: bool, max_tokens: int = 12,
@@ -366,9 +380,8 @@ def check_moe_build_as_oracle(out, checkpoint, state: dict, hf_encode, prompts, 
     """An MoE artifact `out` on the CPU against transformers' model of `checkpoint` holding `state` (its weights,
     moe_hf_state; a tied lm_head may be missing from it): check_against_oracle's logits and greedy tokens, with FP8
     each decoder linear's input (`linears`' modules, where given) rounded to E4M3 per token in transformers too. With
-    `moved_layer`, every expert of
-    that layer moved (their order reversed) in transformers' copy moves the logits: the experts are where the
-    artifact's router sends their tokens."""
+    `moved_layer`, every expert of that layer moved (their order reversed) in transformers' copy moves the logits: the
+    experts are where the artifact's router sends their tokens."""
     from transformers import AutoModelForCausalLM
 
     from llmc.runtime.llm import LLM
@@ -380,10 +393,7 @@ def check_moe_build_as_oracle(out, checkpoint, state: dict, hf_encode, prompts, 
         oracle.tie_weights()
     oracle.eval()
     if fp8:
-        for name, module in oracle.named_modules():
-            quantized = name in linears if linears is not None else name.startswith("model.layers.")
-            if quantized and isinstance(module, torch.nn.Linear):
-                module.register_forward_pre_hook(lambda _, args: (fp8_per_token(args[0]),))
+        round_linear_inputs(oracle, lambda _: fp8_per_token, linears)
     token_ids = hf_encode(checkpoint, prompts[1]) + list(range(100, 120))
     with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         check_against_oracle(llm, oracle, checkpoint, hf_encode, prompts, max_tokens=max_tokens, tolerance=tolerance,
@@ -442,9 +452,7 @@ def check_quantized_build(checkpoint, tmp_path, data_dir, hf_encode, quantizatio
     from llmc.runtime.llm import LLM
 
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
-    oracle = hf_model_on_weights_of(checkpoint, out, quantization["method"] + (
-        "-block" if quantization.get("weights") == "block" else
-        "-static" if quantization.get("activations") == "static" else ""))
+    oracle = hf_model_on_weights_of(checkpoint, out, oracle_method(quantization))
     check_against_oracle(LLM(out, device="cpu", max_num_batched_tokens=16), oracle, checkpoint, hf_encode, prompts,
                          tolerance=tolerance, flips=flips)
 

@@ -365,7 +365,7 @@ def test_quantized_builds_run_transformers_on_their_weights(quantization, checkp
     A_log, dt_bias dense) against transformers' model holding its dequantized weights, each FP8 linear's input
     rounded to E4M3 as the scheme rounds it (hf_oracle.hf_model_on_weights_of): logits over 34 positions (1e-4; FP8:
     hf_oracle.FP8_CHECK) and 12 greedy tokens."""
-    from tests.runtime.hf_oracle import FP8_CHECK, check_against_oracle, hf_model_on_weights_of
+    from tests.runtime.hf_oracle import FP8_CHECK, check_against_oracle, hf_model_on_weights_of, oracle_method
 
     out = build_quantized(checkpoint, tmp_path, data_dir, quantization)
     modules = read_manifest(out).quant.modules
@@ -374,8 +374,7 @@ def test_quantized_builds_run_transformers_on_their_weights(quantization, checkp
     assert {modules[f"layers.{i}.{name}"]["format"] for i, name in
             [(0, "attn.in_qkvz"), (0, "attn.out"), (2, "attn.qkv"), (2, "attn.o"), (3, "mlp.gate_up")]} == {want}
     state = hf_state(out)
-    method = quantization["method"] + {"block": "-block", "per_tensor": "-static"}.get(quantization.get("weights"), "")
-    oracle = hf_model_on_weights_of(checkpoint, out, method, state, hf_linears(state))
+    oracle = hf_model_on_weights_of(checkpoint, out, oracle_method(quantization), state, hf_linears(state))
     with LLM(out, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64) as llm:
         check_against_oracle(llm, oracle, checkpoint, hf_encode, PROMPTS, max_tokens=12,
                              **(FP8_CHECK if quantization["method"] == "fp8" else {}))
